@@ -1,0 +1,1 @@
+"""The ``rlhf-pipeline`` command. Command modules import torch only inside ``run``."""

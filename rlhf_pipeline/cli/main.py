@@ -1,0 +1,47 @@
+"""Entry point of ``rlhf-pipeline``: parses arguments first, imports heavy modules last.
+
+Each command lives in its own module under ``rlhf_pipeline.cli`` with two functions,
+``add_arguments(parser)`` and ``run(args) -> int``. Modules keep torch, transformers
+and zarr imports inside ``run`` so ``--help`` and argument errors return at once.
+To add a command, add a row to ``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("rlhf_pipeline.cli.run_cmd", "run a pipeline: collector and learner together"),
+    "collect": ("rlhf_pipeline.cli.run_cmd", "run only the collector of a pipeline"),
+    "learn": ("rlhf_pipeline.cli.run_cmd", "run only the learner of a pipeline"),
+    "inspect": ("rlhf_pipeline.cli.inspect_cmd", "summarize a replay buffer (memmap or Zarr)"),
+    "convert": ("rlhf_pipeline.cli.convert_cmd", "copy a buffer between memmap and Zarr, losslessly"),
+    "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlhf-pipeline",
+        description="Durable replay buffers and GRPO post-training for language models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(command_parser, name)
+        command_parser.set_defaults(_module=module_name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

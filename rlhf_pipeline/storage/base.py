@@ -1,0 +1,303 @@
+"""The contract every trajectory store keeps, and its glue to torchrl's replay buffer.
+
+A ``TrajectoryStore`` is a durable, append-only, ragged, columnar table of rows
+(see :mod:`rlhf_pipeline.schema`) living at one location (a directory, a Zarr store).
+It is a torchrl :class:`~torchrl.data.replay_buffers.Storage`, so it plugs into
+``ReplayBuffer(storage=store, writer=AppendWriter(), sampler=..., collate_fn=...)``.
+
+Indices. Rows get a *global row id* (0, 1, 2, ... in write order, never reused).
+Eviction drops the oldest rows in whole segments, so the rows held are the window
+``[first_row, next_row)``. torchrl samplers draw *positions* in ``[0, len(store))``;
+position ``p`` is global row ``first_row + p``. ``append`` returns positions too.
+
+Visibility. A write becomes visible only by an atomic publish step after its data
+is written; a reader (another process that opened the location with ``mode="r"``)
+sees published rows only, and picks up new ones on :meth:`refresh` (``__len__``
+refreshes a reader automatically, so a sampler sees rows written since).
+
+One writer. ``mode="a"`` takes an exclusive lock on the location; a second writer
+gets :class:`StoreLockedError`. Readers take no lock.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers.storages import Storage
+
+from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, validate_batch
+
+UNBOUNDED_ROWS = 2**62
+
+
+class StoreError(RuntimeError):
+    """Base class of the storage errors a user can act on."""
+
+
+class StoreLockedError(StoreError):
+    """Another process holds the store's writer lock."""
+
+
+class NotAStoreError(StoreError):
+    """The location holds no trajectory store (or not one this backend can read)."""
+
+
+class StoreCorruptedError(StoreError):
+    """Published data is missing or damaged; the message names what and where."""
+
+
+class ReadOnlyStoreError(StoreError):
+    """A write was attempted on a store opened for reading."""
+
+
+@dataclass
+class StoreStats:
+    """What ``rlhf-pipeline inspect`` prints; every backend fills it from its own metadata."""
+
+    backend: str
+    location: str
+    rows: int  # rows held now (after eviction)
+    first_row: int
+    next_row: int  # rows ever written
+    groups: int
+    prompt_tokens: int
+    response_tokens: int
+    bytes_on_disk: int
+    raw_bytes: int  # payload size with no padding and no compression
+    segments: int
+    reward_mean: float | None = None
+    reward_std: float | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    policy_versions: dict[int, int] = field(default_factory=dict)  # version -> rows
+    optional_fields: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (codec, chunking...)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.bytes_on_disk if self.bytes_on_disk else float("nan")
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["compression_ratio"] = self.compression_ratio
+        out["policy_versions"] = {str(k): v for k, v in self.policy_versions.items()}
+        return out
+
+
+class TrajectoryStore(Storage, abc.ABC):
+    """Durable ragged trajectory store: our contract plus torchrl's ``Storage`` methods.
+
+    Subclasses implement the abstract methods below; everything torchrl calls is
+    implemented here in terms of them, so every backend behaves the same way inside
+    a ``ReplayBuffer``. The shared contract suite in ``tests/storage/contract.py``
+    checks it for each backend.
+    """
+
+    backend_name: str = "abstract"
+
+    def __init__(self, *, max_size: int | None = None) -> None:
+        super().__init__(max_size=max_size or UNBOUNDED_ROWS)
+
+    # ================================================================ contract
+    @property
+    @abc.abstractmethod
+    def schema(self) -> StoreSchema:
+        """The fields this store holds, fixed at creation."""
+
+    @property
+    @abc.abstractmethod
+    def location(self) -> str:
+        """Where the store lives (a path or URL); ``open(location)`` reopens it."""
+
+    @property
+    @abc.abstractmethod
+    def writable(self) -> bool:
+        """True when opened with the writer lock (``mode="a"``)."""
+
+    @property
+    @abc.abstractmethod
+    def first_row(self) -> int:
+        """Global id of the oldest row held (rows before it were evicted)."""
+
+    @property
+    @abc.abstractmethod
+    def next_row(self) -> int:
+        """Global id the next appended row will get; equals the number of rows ever published."""
+
+    @property
+    def supports_eviction(self) -> bool:
+        """True when a row capacity bounds the store (oldest segments are dropped)."""
+        return False
+
+    @abc.abstractmethod
+    def _append_validated(self, batch: TrajectoryBatch) -> None:
+        """Writes an already validated batch and publishes it atomically (all rows or none)."""
+
+    @abc.abstractmethod
+    def _read_global(self, global_ids: torch.Tensor) -> TrajectoryBatch:
+        """Rows with the given global ids (all within ``[first_row, next_row)``), in that order."""
+
+    @abc.abstractmethod
+    def refresh(self) -> int:
+        """Re-reads the published state (readers see new rows and evictions); returns ``len``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases files and the writer lock. Idempotent."""
+
+    @abc.abstractmethod
+    def stats(self) -> StoreStats:
+        """Summary for ``inspect``: rows, groups, tokens, rewards, bytes, versions."""
+
+    @abc.abstractmethod
+    def snapshot_to(self, path: str) -> None:
+        """Copies the published rows to a new store of the same backend at ``path``."""
+
+    # ================================================================ shared behaviour
+    def append(self, batch: TrajectoryBatch) -> torch.Tensor:
+        """Validates ``batch`` and stores it atomically; returns the new rows' positions.
+
+        On any validation error nothing is stored and the store is unchanged.
+        """
+        if not self.writable:
+            raise ReadOnlyStoreError(
+                f"{self.location} was opened read-only; open it with mode='a' to append"
+            )
+        batch = validate_batch(batch, self.schema)
+        first_new = self.next_row
+        self._append_validated(batch)
+        return torch.arange(first_new, first_new + len(batch), dtype=torch.int64) - self.first_row
+
+    def read(self, positions: torch.Tensor | list[int] | int) -> TrajectoryBatch:
+        """Rows at ``positions`` in ``[0, len)`` (any order, repeats allowed)."""
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        n = self._published_len()
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
+            raise IndexError(
+                f"positions must lie in [0, {n}) for this store; got min {int(positions.min())}, "
+                f"max {int(positions.max())}"
+            )
+        return self._read_global(positions + self.first_row)
+
+    def read_global(self, global_ids: torch.Tensor | list[int]) -> TrajectoryBatch:
+        """Rows by global id; a clear error for evicted or not-yet-published ids."""
+        global_ids = torch.as_tensor(global_ids, dtype=torch.int64).reshape(-1)
+        lo, hi = self.first_row, self.next_row
+        if global_ids.numel() and (int(global_ids.min()) < lo or int(global_ids.max()) >= hi):
+            raise IndexError(
+                f"global row ids must lie in [{lo}, {hi}) (older rows were evicted, newer are "
+                f"not published); got [{int(global_ids.min())}, {int(global_ids.max())}]"
+            )
+        return self._read_global(global_ids)
+
+    def _published_len(self) -> int:
+        return self.next_row - self.first_row
+
+    def __len__(self) -> int:
+        if not self.writable:
+            return self.refresh()
+        return self._published_len()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "a" if self.writable else "r"
+        return (
+            f"{type(self).__name__}({self.location!r}, mode={mode!r}, rows={self._published_len()}, "
+            f"first_row={self.first_row})"
+        )
+
+    # ================================================================ torchrl Storage
+    def set(self, cursor, data: Any, *, set_cursor: bool = True):
+        """torchrl's write entry point. The store is append-only: rows always land at the end.
+
+        ``cursor`` (what a torchrl writer computed) is only checked for its length;
+        use :class:`~rlhf_pipeline.storage.torchrl_glue.AppendWriter` to get back the
+        positions rows really landed at.
+        """
+        batch = _as_batch(data)
+        count = 1 if isinstance(cursor, int) else len(torch.as_tensor(cursor).reshape(-1))
+        if count != len(batch):
+            raise ValueError(f"set() got {count} cursor positions for {len(batch)} rows")
+        return self.append(batch)
+
+    def get(self, index) -> TrajectoryBatch:
+        if isinstance(index, tuple):
+            index = index[0]
+        return self.read(index)
+
+    def contains(self, item) -> bool:
+        if isinstance(item, int):
+            return 0 <= item < self._published_len()
+        item = torch.as_tensor(item)
+        return (item >= 0) & (item < self._published_len())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rows live at ``location``; the state records which ones this object saw."""
+        return {
+            "backend": self.backend_name,
+            "location": self.location,
+            "first_row": self.first_row,
+            "next_row": self.next_row,
+            "schema": self.schema.to_json(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Checks that this store holds at least the rows a saved state saw (resume safety)."""
+        self.refresh()
+        saved_next = int(state_dict["next_row"])
+        if self.next_row < saved_next:
+            raise StoreCorruptedError(
+                f"{self.location} has {self.next_row} published rows but the saved state saw "
+                f"{saved_next}: the store was truncated or replaced since that checkpoint"
+            )
+        if StoreSchema.from_json(state_dict["schema"]) != self.schema:
+            raise StoreCorruptedError(
+                f"{self.location} stores fields {self.schema.field_names}, the saved state expected "
+                f"{StoreSchema.from_json(state_dict['schema']).field_names}"
+            )
+
+    def dumps(self, path) -> None:
+        """torchrl's checkpoint hook: writes a full copy of the published rows to ``path``."""
+        self.snapshot_to(str(path))
+
+    def loads(self, path) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} is reopened, not loaded in place: use "
+            f"{type(self).__name__}.open({str(path)!r}) on a snapshot written by dumps()"
+        )
+
+    def _empty(self) -> None:
+        raise NotImplementedError(
+            "a trajectory store is durable and is never emptied in place; create a new one "
+            "(or rely on its row capacity to evict old segments)"
+        )
+
+    def _max_size_along_dim0(self, *, single_data=None, batched_data=None) -> int:
+        return self.max_size
+
+    def __getstate__(self):
+        raise TypeError(
+            f"{type(self).__name__} holds open files and a lock and is not pickled; pass its "
+            f"location to the other process and open it there with mode='r'"
+        )
+
+
+def _as_batch(data: Any) -> TrajectoryBatch:
+    if isinstance(data, TrajectoryBatch):
+        return data
+    from tensordict import is_tensor_collection
+
+    if is_tensor_collection(data):
+        return TrajectoryBatch.from_tensordict(data)
+    raise TypeError(
+        f"a trajectory store takes a TrajectoryBatch or a TensorDict with torchrl LLM keys, "
+        f"got {type(data).__name__}"
+    )
