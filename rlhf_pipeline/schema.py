@@ -18,6 +18,7 @@ transforms and losses read.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -69,7 +70,7 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("reward", "row", torch.float32, True, ("next", "reward"),
               "scalar reward of this step (finite)"),
     FieldSpec("done", "row", torch.bool, True, ("next", "done"),
-              "the trajectory ends at this row; always terminated or truncated"),
+              "the trajectory ends at this row; equals terminated or truncated"),
     FieldSpec("terminated", "row", torch.bool, True, ("next", "terminated"),
               "ended naturally (EOS, final answer)"),
     FieldSpec("truncated", "row", torch.bool, True, ("next", "truncated"),
@@ -448,24 +449,26 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
                 f"expected {int(expected_len[i])} values (one per {spec.aligned_with} token), got {int(got[i])}",
                 row=i, field=spec.name,
             )
+    # Whole-column reductions first (one pass, no temporaries); the row of the first bad
+    # value is located only when a check fails, so valid writes stay cheap.
     for name in ("prompt_tokens", "response_tokens"):
-        values, offsets = out[name].values, out[name].offsets
-        bad_values = (values < 0) | (values > TOKEN_ID_MAX)
-        if bool(bad_values.any()):
-            pos = int(torch.nonzero(bad_values)[0])
-            row = int(torch.searchsorted(offsets, pos, right=True)) - 1
-            raise TrajectoryValidationError(
-                f"token id {int(values[pos])} is outside [0, {TOKEN_ID_MAX}]", row=row, field=name
-            )
-    log_probs = out["response_log_probs"]
-    bad_lp = ~torch.isfinite(log_probs.values) | (log_probs.values > 1e-4)
-    if bool(bad_lp.any()):
-        pos = int(torch.nonzero(bad_lp)[0])
-        row = int(torch.searchsorted(log_probs.offsets, pos, right=True)) - 1
-        raise TrajectoryValidationError(
-            f"log-prob {float(log_probs.values[pos])} is not a finite value <= 0",
-            row=row, field="response_log_probs",
-        )
+        values = out[name].values
+        if values.numel() and int(values.min()) < 0:  # int32 storage bounds the top already
+            _first_bad_token(out[name], values < 0, name, f"token id {{}} is outside [0, {TOKEN_ID_MAX}]")
+    for spec in schema.fields:
+        if spec.kind != "token" or spec.dtype != torch.float32:
+            continue
+        ragged = out[spec.name]
+        if not ragged.values.numel():
+            continue
+        is_log_prob = spec.name in ("response_log_probs", "ref_log_probs")
+        upper = 1e-4 if is_log_prob else math.inf
+        low, high = torch.aminmax(ragged.values)
+        # NaN fails both comparisons below, so it is caught too
+        if not (float(low) > -math.inf and float(high) <= upper):
+            bad = ~torch.isfinite(ragged.values) | (ragged.values > upper)
+            what = "log-prob {} is not a finite value <= 0" if is_log_prob else "value {} is not finite"
+            _first_bad_token(ragged, bad, spec.name, what)
     for name in ("reward", "advantage"):
         if name in out:
             _first_bad(~torch.isfinite(out[name]), name, "must be finite (got NaN or inf)", out[name])
@@ -475,6 +478,12 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
     _first_bad(out["policy_version"] < 0, "policy_version", "must be >= 0", out["policy_version"])
     _first_bad(out["step"] < 0, "step", "must be >= 0", out["step"])
     return TrajectoryBatch(out)
+
+
+def _first_bad_token(ragged: RaggedTensor, mask: torch.Tensor, field: str, message: str) -> None:
+    pos = int(torch.nonzero(mask)[0])
+    row = int(torch.searchsorted(ragged.offsets, pos, right=True)) - 1
+    raise TrajectoryValidationError(message.format(ragged.values[pos].item()), row=row, field=field)
 
 
 def _first_bad(mask: torch.Tensor, field: str, message: str, values: torch.Tensor | None = None) -> None:

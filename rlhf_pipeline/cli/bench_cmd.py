@@ -1,9 +1,48 @@
-"""Placeholder: replaced by the module that implements this command."""
+"""``rlhf-pipeline bench <name>``: a small registry of benchmarks.
+
+Each benchmark is a module with ``add_arguments(parser)`` (its own options) and
+``main(args) -> int`` (runs it, prints a table, or one JSON document with ``--json``
+so stdout stays machine-readable; progress goes to stderr). To add one, add a row
+to ``BENCHMARKS``; modules are imported only when their benchmark is chosen (and to
+build ``--help``), so they keep torch imports inside ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# benchmark name -> (module, one-line help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "storage": (
+        "rlhf_pipeline.bench.storage_bench",
+        "write speed, padded sampling speed, disk and RSS of each storage backend",
+    ),
+    "write-path": (
+        "rlhf_pipeline.bench.write_path_bench",
+        "cost of the write-path transform stack per completion",
+    ),
+}
 
 
-def add_arguments(parser, name):
-    pass
+def add_arguments(parser: argparse.ArgumentParser, name: str | None = None) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for bench_name, (module_name, help_text) in BENCHMARKS.items():
+        bench_parser = sub.add_parser(bench_name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name != module_name:
+                raise
+            # registered but not written yet: still listed, fails clearly when run
+            bench_parser.set_defaults(_bench_module=None)
+            continue
+        module.add_arguments(bench_parser)
+        bench_parser.set_defaults(_bench_module=module_name)
 
 
-def run(args):
-    raise SystemExit(f"rlhf-pipeline {args.command}: not built yet")
+def run(args: argparse.Namespace) -> int:
+    module_name = getattr(args, "_bench_module", None)
+    if module_name is None:
+        raise SystemExit(f"rlhf-pipeline bench {args.benchmark}: this benchmark is not built yet")
+    return int(importlib.import_module(module_name).main(args) or 0)

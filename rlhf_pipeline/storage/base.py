@@ -22,6 +22,7 @@ gets :class:`StoreLockedError`. Readers take no lock.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -171,8 +172,13 @@ class TrajectoryStore(Storage, abc.ABC):
         self._append_validated(batch)
         return torch.arange(first_new, first_new + len(batch), dtype=torch.int64) - self.first_row
 
-    def read(self, positions: torch.Tensor | list[int] | int) -> TrajectoryBatch:
-        """Rows at ``positions`` in ``[0, len)`` (any order, repeats allowed)."""
+    def read(
+        self, positions: torch.Tensor | list[int] | int, *, fields: Sequence[str] | None = None
+    ) -> TrajectoryBatch:
+        """Rows at ``positions`` in ``[0, len)`` (any order, repeats allowed).
+
+        ``fields`` reads only those fields (skipping text makes sampling much cheaper).
+        """
         positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
         n = self._published_len()
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
@@ -180,9 +186,11 @@ class TrajectoryStore(Storage, abc.ABC):
                 f"positions must lie in [0, {n}) for this store; got min {int(positions.min())}, "
                 f"max {int(positions.max())}"
             )
-        return self._read_global(positions + self.first_row)
+        return self._read_fields(positions + self.first_row, fields)
 
-    def read_global(self, global_ids: torch.Tensor | list[int]) -> TrajectoryBatch:
+    def read_global(
+        self, global_ids: torch.Tensor | list[int], *, fields: Sequence[str] | None = None
+    ) -> TrajectoryBatch:
         """Rows by global id; a clear error for evicted or not-yet-published ids."""
         global_ids = torch.as_tensor(global_ids, dtype=torch.int64).reshape(-1)
         lo, hi = self.first_row, self.next_row
@@ -191,7 +199,23 @@ class TrajectoryStore(Storage, abc.ABC):
                 f"global row ids must lie in [{lo}, {hi}) (older rows were evicted, newer are "
                 f"not published); got [{int(global_ids.min())}, {int(global_ids.max())}]"
             )
-        return self._read_global(global_ids)
+        return self._read_fields(global_ids, fields)
+
+    #: True when ``_read_global`` takes ``fields=`` and reads only those; otherwise the
+    #: base class reads every field and drops the others.
+    supports_field_subset: bool = False
+
+    def _read_fields(self, global_ids: torch.Tensor, fields: Sequence[str] | None) -> TrajectoryBatch:
+        if fields is None:
+            return self._read_global(global_ids)
+        fields = tuple(fields)
+        unknown = [f for f in fields if f not in self.schema.field_names]
+        if unknown:
+            raise KeyError(f"field(s) {unknown} are not stored here; this store holds {list(self.schema.field_names)}")
+        if self.supports_field_subset:
+            return self._read_global(global_ids, fields=fields)
+        full = self._read_global(global_ids)
+        return TrajectoryBatch({name: full[name] for name in fields})
 
     def _published_len(self) -> int:
         return self.next_row - self.first_row

@@ -1,0 +1,153 @@
+"""Default pipeline: GRPO on a toy addition task with a tiny model, on CPU, in minutes.
+
+    rlhf-pipeline run pipelines/default.py                  # ~5 minutes on 2 CPU cores
+    rlhf-pipeline run pipelines/default.py --steps 20 --set group_size=4
+
+What it wires, top to bottom:
+
+1. model   a tiny Qwen2 (or Llama) causal LM built from a config, with the offline
+           character tokenizer; a short supervised warm start teaches it the answer
+           format (digits then <|end|>), so sampled groups have reward variance;
+2. task    ``a+b=`` prompts (a, b < max_operand) and a verifiable reward with partial
+           credit for right digits (``rlhf_pipeline.collect.toy_task``);
+3. buffer  a memmap replay buffer in ``<run>/buffer``; the write path computes the
+           GRPO group advantage (normalized by the group's std) before rows land;
+4. learner GRPO with the settings in ``learner`` (see ``--list-settings``).
+
+Copy this file to start a new pipeline; pipelines do not inherit from each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rlhf_pipeline.learn.learner import LearnerSettings
+from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
+
+
+@dataclass
+class Settings:
+    steps: int = 300
+    """Learner steps (optimizer updates); --steps sets it."""
+    device: str = "cpu"
+    """Where models run: cpu or cuda; --device sets it."""
+    seed: int = 0
+    """Seed of the model init, warm start, prompt order, sampling and learner."""
+
+    # ---- model
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture of the tiny model built from a config."""
+    hidden_size: int = 64
+    """Width of the tiny model."""
+    num_layers: int = 2
+    """Transformer layers of the tiny model."""
+    num_heads: int = 4
+    """Attention heads of the tiny model."""
+    warm_start_steps: int = 200
+    """Supervised steps on correct examples before RL (0 skips the warm start)."""
+    warm_start_lr: float = 3e-3
+    """Learning rate of the warm start."""
+
+    # ---- task and collection
+    num_prompts: int = 4096
+    """Distinct training prompts (a+b=); the collector cycles over them, reshuffled per epoch."""
+    max_operand: int = 20
+    """Operands are drawn from [0, max_operand)."""
+    prompts_per_round: int = 8
+    """Prompts per collection round; a round writes prompts_per_round * group_size rows."""
+    group_size: int = 8
+    """Completions per prompt (GRPO's G)."""
+    max_new_tokens: int = 6
+    """Longest sampled answer, in characters (the tokenizer is character-level)."""
+    temperature: float = 1.0
+    """Sampling temperature; the learner recomputes log-probs at the same temperature."""
+    rounds_per_version: int = 2
+    """The collector writes at most this many rounds per policy version, then waits for new weights."""
+
+    # ---- buffer and learner
+    segment_rows: int = 1024
+    """Rows per memmap segment of the replay buffer."""
+    learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
+        batch_size=64, sample_window=128, new_rows_per_step=64, micro_batch_tokens=4096, lr=3e-4,
+        warmup_steps=5, max_staleness=2, publish_every=1, checkpoint_every=50, log_every=20,
+    ))
+    """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
+
+
+def build(settings: Settings, run: RunPaths) -> Pipeline:
+    # imports here: loading the file for --list-settings or a bad --set stays fast
+    import torch
+
+    from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+    from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward, warm_start
+    from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage import create_store, make_replay_buffer
+    from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+
+    # ---------------------------------------------------------------- checks first
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise PipelineError("setting 'device' is 'cuda' but torch sees no GPU; use --device cpu")
+    if settings.group_size < 2:
+        raise PipelineError("setting 'group_size' must be >= 2: GRPO compares completions within a group")
+    if settings.max_operand < 1:
+        raise PipelineError("setting 'max_operand' must be >= 1")
+    # the learner recomputes log-probs at the sampling temperature
+    learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
+    try:
+        learner.check()
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+
+    tokenizer = char_tokenizer()
+    prompts = toy_prompts(settings.num_prompts, settings.seed, max_operand=settings.max_operand)
+    rewards = {"toy": toy_reward}
+
+    # ---------------------------------------------------------------- model
+    def make_model():
+        return tiny_causal_lm(
+            len(tokenizer), arch=settings.arch, hidden_size=settings.hidden_size,
+            num_layers=settings.num_layers, num_heads=settings.num_heads,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, seed=settings.seed,
+        )
+
+    def make_policy():
+        model = make_model()
+        if settings.warm_start_steps:
+            result = warm_start(model, tokenizer, settings.warm_start_steps, lr=settings.warm_start_lr,
+                                seed=settings.seed, max_operand=settings.max_operand)
+            print(f"[run] warm start: {settings.warm_start_steps} steps, loss {result['loss']:.3f}, "
+                  f"{result['seconds']:.1f}s", flush=True)
+        return model
+
+    # ---------------------------------------------------------------- buffer + write path
+    def create_buffer(path: Path):
+        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage",)),
+                            segment_rows=settings.segment_rows)
+
+    def make_collector(model, store):
+        buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size)
+        buffer.append_transform(GroupAdvantage(settings.group_size, store=store), invert=True)
+        config = CollectorConfig(
+            prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
+            sampling=SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature),
+            seed=settings.seed,
+        )
+        source = PromptSource(prompts, seed=settings.seed, required_fields=("answer",))
+        return Collector(model.to(settings.device), tokenizer, source, rewards, sink=buffer.extend,
+                         config=config)
+
+    return Pipeline(
+        settings=settings,
+        learner=learner,
+        make_policy=make_policy,
+        make_model=make_model,
+        create_buffer=create_buffer,
+        make_collector=make_collector,
+        pad_token_id=tokenizer.pad_token_id,
+        preflight=lambda: preflight_rewards(rewards, prompts[:1], settings.group_size),
+        collect_rounds_per_version=settings.rounds_per_version,
+    )

@@ -1,0 +1,369 @@
+"""Storage benchmark: every backend on the same synthetic GRPO data, side by side.
+
+What is measured, per backend (``rlhf-pipeline bench storage``):
+
+* ``write_us_per_completion``: wall time of ``write(batch)`` over all batches of 512
+  (plus ``finish_writes()``), divided by the completions. Data generation is not timed.
+* ``batches_per_s``: padded batches of 64 rows at uniformly random positions (the same
+  positions for every backend), each turned into the learner's padded TensorDict
+  (:mod:`rlhf_pipeline.collate` contract), so every backend produces identical output.
+  The sampled batches are timed in ``SAMPLE_ROUNDS`` consecutive slices and the fastest
+  slice gives the rate (timeit-style, robust to a shared machine);
+  ``batches_per_s_all_rounds`` is the rate over every batch.
+* ``useful_tokens_per_s``: real (prompt + response) tokens per second in that slice.
+* ``disk_bytes_per_raw_byte``: allocated bytes under the backend's directory (as ``du``
+  counts them) over the raw payload (token values, row values, UTF-8 text; no offsets).
+* ``peak_rss_mb``: ``ru_maxrss`` of the process that ran the backend. Each backend runs
+  in its own fresh subprocess (unless ``--in-process``), so this is per backend;
+  ``import_rss_mb`` is the same figure taken before the backend was set up (interpreter,
+  torch and torchrl), for subtracting.
+
+Reads come from a warm page cache (the data was just written); writes are not fsynced
+by the baselines, while our stores publish each batch as they would in production.
+
+Adding a backend. ``BACKENDS`` maps a name to ``"module:factory"``; the factory takes
+no arguments and returns an object with the :class:`StorageBackend` methods::
+
+    setup(directory, spec)         create an empty backend inside ``directory``
+    write(batch)                   store one TrajectoryBatch (timed)
+    finish_writes()                flush / publish anything pending (timed with writes)
+    sample_padded(positions)       rows at ``positions`` as the collator's padded TensorDict
+    disk_bytes()                   bytes the backend holds on disk now
+    close()                        release files (the directory is removed afterwards)
+
+A store that implements our ``TrajectoryStore`` contract only needs a factory:
+``TrajectoryStoreBackend(name, create)`` (see ``MemmapBackend`` below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
+
+    from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+    from rlhf_pipeline.storage.base import TrajectoryStore
+
+# backend name -> "module:factory" (imported only when the backend runs)
+BACKENDS: dict[str, str] = {
+    "raw-numpy": "rlhf_pipeline.bench.baselines:RawNumpyBackend",
+    "memmap": "rlhf_pipeline.bench.storage_bench:MemmapBackend",
+    "memmap-nofsync": "rlhf_pipeline.bench.storage_bench:MemmapNoFsyncBackend",
+    "torchrl-lazystack": "rlhf_pipeline.bench.baselines:TorchRLLazyStackBackend",
+    "torchrl-lazymemmap": "rlhf_pipeline.bench.baselines:TorchRLLazyMemmapBackend",
+    "zarr": "rlhf_pipeline.bench.zarr_backend:ZarrBackend",
+}
+# what runs without --backends (a variant that only repeats a point can stay out of it)
+DEFAULT_BACKENDS: tuple[str, ...] = ("raw-numpy", "memmap", "memmap-nofsync", "torchrl-lazystack",
+                                     "torchrl-lazymemmap", "zarr")
+BASELINE = "raw-numpy"
+# sampling rates come from the fastest of these consecutive slices of the sampled batches
+# (as timeit takes the minimum): the machine is shared, and the slowest slices measure the
+# neighbours more than the backend; the rate over all slices is reported too
+SAMPLE_ROUNDS = 4
+RECORD_FIELDS = ("backend", "completions", "write_us_per_completion", "batches_per_s",
+                 "useful_tokens_per_s", "disk_bytes_per_raw_byte", "peak_rss_mb")
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What every backend is run on; equal specs give byte-identical data and positions."""
+
+    completions: int = 16_384
+    group_size: int = 8
+    min_prompt_len: int = 32
+    max_prompt_len: int = 256
+    min_response_len: int = 16
+    max_response_len: int = 1024
+    write_batch_size: int = 512
+    sample_batch_size: int = 64
+    sample_batches: int = 200
+    seed: int = 0
+    optional_fields: tuple[str, ...] = ("advantage",)
+
+    @property
+    def schema(self) -> StoreSchema:
+        from rlhf_pipeline.schema import StoreSchema
+
+        return StoreSchema(self.optional_fields)
+
+    def batches(self):
+        from rlhf_pipeline.synthetic import synthetic_batches
+
+        return synthetic_batches(
+            self.completions, group_size=self.group_size,
+            prompt_len=(self.min_prompt_len, self.max_prompt_len),
+            response_len=(self.min_response_len, self.max_response_len),
+            batch_size=self.write_batch_size, seed=self.seed, optional_fields=self.optional_fields,
+        )
+
+    def sample_positions(self) -> list[torch.Tensor]:
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        return [
+            torch.randint(0, self.completions, (self.sample_batch_size,), generator=generator)
+            for _ in range(self.sample_batches)
+        ]
+
+
+class StorageBackend(Protocol):
+    name: str
+
+    def setup(self, directory: Path, spec: BenchSpec) -> None: ...
+    def write(self, batch: TrajectoryBatch) -> None: ...
+    def finish_writes(self) -> None: ...
+    def sample_padded(self, positions: torch.Tensor) -> TensorDict: ...
+    def disk_bytes(self) -> int: ...
+    def close(self) -> None: ...
+
+
+# =========================================================================== our stores
+class TrajectoryStoreBackend:
+    """Any ``TrajectoryStore``: ``append`` per batch, ``read`` (no text) + ``pad_batch`` per sample."""
+
+    def __init__(self, name: str, create: Callable[[Path, StoreSchema], TrajectoryStore]):
+        self.name = name
+        self._create = create
+
+    def setup(self, directory: Path, spec: BenchSpec) -> None:
+        from rlhf_pipeline.collate import padded_fields
+
+        self._dir = directory
+        self._store = self._create(directory / "buffer", spec.schema)
+        self._fields = padded_fields(spec.schema)  # as a learner reads: no text
+
+    def write(self, batch: TrajectoryBatch) -> None:
+        self._store.append(batch)
+
+    def finish_writes(self) -> None:
+        pass  # append publishes each batch
+
+    def sample_padded(self, positions: torch.Tensor) -> TensorDict:
+        from rlhf_pipeline.collate import pad_batch
+
+        return pad_batch(self._store.read(positions, fields=self._fields))
+
+    def disk_bytes(self) -> int:
+        return directory_bytes(self._dir)
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def MemmapBackend(*, durable: bool = True) -> TrajectoryStoreBackend:
+    """Our memmap store as a learner uses it: ``durable=True`` fsyncs every append."""
+
+    def create(path: Path, schema: StoreSchema) -> TrajectoryStore:
+        from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
+
+        return MemmapTrajectoryStore.create(str(path), schema, durable=durable)
+
+    return TrajectoryStoreBackend("memmap" if durable else "memmap-nofsync", create)
+
+
+def MemmapNoFsyncBackend() -> TrajectoryStoreBackend:
+    """The memmap store without fsyncs: what the baselines do, so the write cost compares like for like."""
+    return MemmapBackend(durable=False)
+
+
+def directory_bytes(path: Path) -> int:
+    """Allocated bytes under ``path``, as ``du`` counts them (sparse files count what is written)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            total += os.stat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+# =========================================================================== one backend
+def run_backend(name: str, spec: BenchSpec, *, progress: bool = True) -> dict[str, Any]:
+    """Runs one backend in this process and returns its record."""
+    import torch
+    from tqdm import tqdm
+
+    from rlhf_pipeline.synthetic import raw_payload_bytes
+
+    torch.set_num_threads(1)  # the machine is shared; one thread keeps timings comparable
+    backend = load_backend(name)
+    import_rss_mb = _peak_rss_mb()
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        backend.setup(Path(tmp), spec)
+        try:
+            write_seconds, raw_bytes = 0.0, 0
+            num_batches = -(-spec.completions // spec.write_batch_size)
+            for batch in tqdm(spec.batches(), total=num_batches, desc=f"{name}: write",
+                              disable=not progress, file=sys.stderr, leave=False, mininterval=1.0):
+                raw_bytes += raw_payload_bytes(batch)
+                start = time.perf_counter()
+                backend.write(batch)
+                write_seconds += time.perf_counter() - start
+            start = time.perf_counter()
+            backend.finish_writes()
+            write_seconds += time.perf_counter() - start
+            disk_bytes = backend.disk_bytes()
+
+            positions = spec.sample_positions()
+            backend.sample_padded(positions[0])  # warm-up: lazy imports, first-touch allocations
+            rounds = [[0, 0.0, 0] for _ in range(SAMPLE_ROUNDS)]  # (batches, seconds, tokens) per round
+            for i, index in enumerate(tqdm(positions, desc=f"{name}: sample", disable=not progress,
+                                           file=sys.stderr, leave=False, mininterval=1.0)):
+                start = time.perf_counter()
+                padded = backend.sample_padded(index)
+                elapsed = time.perf_counter() - start
+                tokens = int(padded["prompt_lengths"].sum() + padded["response_lengths"].sum())
+                current = rounds[i * SAMPLE_ROUNDS // len(positions)]
+                current[0] += 1
+                current[1] += elapsed
+                current[2] += tokens
+        finally:
+            backend.close()
+    rounds = [r for r in rounds if r[0]]
+    best = max(rounds, key=lambda r: r[0] / r[1])
+    total_batches, total_seconds = sum(r[0] for r in rounds), sum(r[1] for r in rounds)
+    return {
+        "backend": name,
+        "completions": spec.completions,
+        "write_us_per_completion": write_seconds / spec.completions * 1e6,
+        "batches_per_s": best[0] / best[1],
+        "useful_tokens_per_s": best[2] / best[1],
+        "batches_per_s_all_rounds": total_batches / total_seconds,
+        "disk_bytes_per_raw_byte": disk_bytes / raw_bytes,
+        "peak_rss_mb": _peak_rss_mb(),
+        "import_rss_mb": import_rss_mb,
+        "disk_bytes": disk_bytes,
+        "raw_bytes": raw_bytes,
+        "sample_batch_size": spec.sample_batch_size,
+        "write_batch_size": spec.write_batch_size,
+    }
+
+
+def load_backend(name: str) -> StorageBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
+    module_name, _, attr = BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module_name), attr)()
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# =========================================================================== all backends
+def run_benchmark(spec: BenchSpec, backends: list[str], *, isolate: bool = True,
+                  progress: bool = True) -> list[dict[str, Any]]:
+    """One record per backend; ``isolate`` runs each in a fresh subprocess (per-backend RSS)."""
+    records = []
+    for name in backends:
+        _log(f"[bench storage] {name}: {spec.completions} completions", progress)
+        record = _run_isolated(name, spec, progress) if isolate else run_backend(name, spec, progress=progress)
+        records.append(record)
+        _log(f"[bench storage] {name}: write {record['write_us_per_completion']:.1f} us/completion, "
+             f"{record['batches_per_s']:.0f} batches/s", progress)
+    return records
+
+
+def _run_isolated(name: str, spec: BenchSpec, progress: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-record-") as tmp:
+        record_path = Path(tmp) / "record.json"
+        command = [sys.executable, "-m", "rlhf_pipeline.bench.storage_bench", "--worker", name,
+                   "--spec", json.dumps(asdict(spec)), "--record", str(record_path)]
+        if not progress:
+            command.append("--quiet")
+        # the worker's stdout goes to our stderr (fd 2): library chatter never reaches a --json stdout
+        result = subprocess.run(command, stdout=2)
+        if result.returncode != 0 or not record_path.exists():
+            raise RuntimeError(f"backend {name!r} failed (exit code {result.returncode}); see the log above")
+        return json.loads(record_path.read_text())
+
+
+def _log(message: str, enabled: bool) -> None:
+    if enabled:
+        print(message, file=sys.stderr, flush=True)
+
+
+# =========================================================================== report
+def format_table(records: list[dict[str, Any]]) -> str:
+    """A Markdown table; ratios are against the raw-numpy baseline when it ran."""
+    base = next((r for r in records if r["backend"] == BASELINE), None)
+    header = ("| backend | write µs/compl | write vs raw | batches/s (64) | sampling vs raw "
+              "| useful Mtok/s | disk / raw | peak RSS MB |")
+    lines = [header, "|" + "---|" * 8]
+    for r in records:
+        write_ratio = f"{r['write_us_per_completion'] / base['write_us_per_completion']:.2f}x" if base else "n/a"
+        sample_ratio = f"{r['batches_per_s'] / base['batches_per_s']:.2f}x" if base else "n/a"
+        lines.append(
+            f"| {r['backend']} | {r['write_us_per_completion']:.1f} | {write_ratio} "
+            f"| {r['batches_per_s']:.0f} | {sample_ratio} | {r['useful_tokens_per_s'] / 1e6:.1f} "
+            f"| {r['disk_bytes_per_raw_byte']:.3f} | {r['peak_rss_mb']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+# =========================================================================== CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = BenchSpec()
+    parser.add_argument("--completions", type=int, default=defaults.completions,
+                        help="synthetic completions written to each backend (default %(default)s)")
+    parser.add_argument("--backends", nargs="+", default=None, metavar="NAME",
+                        help=f"backends to run, in order, from {list(BACKENDS)} "
+                             f"(default: {' '.join(DEFAULT_BACKENDS)})")
+    parser.add_argument("--sample-batches", type=int, default=defaults.sample_batches,
+                        help="padded batches of 64 sampled per backend (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="data and position seed")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON array of records (one per backend) instead of a table")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every backend in this process (faster; peak RSS is then cumulative)")
+
+
+def main(args: argparse.Namespace) -> int:
+    backends = args.backends or list(DEFAULT_BACKENDS)
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
+    if args.completions < 1 or args.sample_batches < 1:
+        raise SystemExit("--completions and --sample-batches must be >= 1")
+    spec = BenchSpec(completions=args.completions, sample_batches=args.sample_batches, seed=args.seed)
+    records = run_benchmark(spec, backends, isolate=not args.in_process)
+    if args.json:
+        print(json.dumps(records))
+    else:
+        print(f"storage benchmark: {spec.completions} completions, groups of {spec.group_size}, prompt "
+              f"{spec.min_prompt_len}-{spec.max_prompt_len}, response {spec.min_response_len}-"
+              f"{spec.max_response_len} tokens; writes in batches of {spec.write_batch_size}; "
+              f"{spec.sample_batches} padded batches of {spec.sample_batch_size}")
+        print(format_table(records))
+    return 0
+
+
+def _worker_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="run one storage-benchmark backend (internal)")
+    parser.add_argument("--worker", required=True)
+    parser.add_argument("--spec", required=True, help="BenchSpec as JSON")
+    parser.add_argument("--record", required=True, help="where to write the JSON record")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    spec_fields = json.loads(args.spec)
+    spec_fields["optional_fields"] = tuple(spec_fields["optional_fields"])
+    record = run_backend(args.worker, BenchSpec(**spec_fields), progress=not args.quiet)
+    Path(args.record).write_text(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))

@@ -1,0 +1,238 @@
+"""Padded learner batches: a ``TrajectoryBatch`` (ragged rows) -> one ``TensorDict`` of (B, ...) tensors.
+
+This is the learner's input contract. ``pad_batch`` (and ``PaddedCollator``, the same
+thing as a torchrl ``ReplayBuffer`` ``collate_fn``) turns B stored rows into the
+tensors a GRPO step reads, under torchrl 0.14's LLM key conventions, so torchrl's
+``GRPOLoss`` (``masking_strategy="sft"``) reads the result as is.
+
+Layout. With ``P`` = longest prompt in the batch and ``R`` = longest response, the
+full sequence of row ``b`` is its prompt LEFT-padded to ``P`` followed by its
+response RIGHT-padded to ``R``; ``T = P + R``::
+
+    columns:   0 ........................ P-1 | P ....................... P+R-1
+    row b:     pad pad <prompt tokens of b>   | <response tokens of b> pad pad
+
+so every prompt ends at column ``P-1`` and every response starts at column ``P``
+(what ``GRPOLoss``'s prompt mask assumes: it masks ``[..., :P]`` using the width
+of ``("tokens", "prompt")``). Per-token values aligned with the response are placed
+at the column of the token they score: ``("log_probs", "full")[b, t]`` is the
+sampling log-prob of ``("tokens", "full")[b, t]`` given the tokens before it, and
+0 on prompt and padding columns.
+
+Output keys (``batch_size == [B]``); dtypes are exact:
+
+=====================================  ============  =======  ==========================================
+key                                    shape         dtype    meaning
+=====================================  ============  =======  ==========================================
+("tokens", "full")                     (B, T)        int64    prompt (left-padded) + response (right-padded)
+("tokens", "prompt")                   (B, P)        int64    prompt, left-padded with ``pad_token_id``
+("tokens", "response")                 (B, R)        int64    response, right-padded with ``pad_token_id``
+("masks", "all_attention_mask")        (B, T)        bool     True on real (non-pad) tokens
+("masks", "all_assistant_mask")        (B, T)        bool     True on response tokens (the loss mask)
+("masks", "prompt")                    (B, P)        bool     True on real prompt tokens
+("masks", "response")                  (B, R)        bool     True on real response tokens
+"position_ids"                         (B, T)        int64    ``cumsum(attention_mask) - 1`` clamped at 0
+("log_probs", "full")                  (B, T)        float32  sampling log-probs at response columns, else 0
+("log_probs", "response")              (B, R)        float32  sampling log-probs, right-padded with 0
+("next", "ref_log_probs", "full") *    (B, T)        float32  reference log-probs at response columns
+("ref_log_probs", "response") *        (B, R)        float32  reference log-probs, right-padded with 0
+("kl", "full") *                       (B, T)        float32  per-token KL at response columns
+("kl", "response") *                   (B, R)        float32  per-token KL, right-padded with 0
+("next", "token_reward", "full") *     (B, T)        float32  per-token reward at response columns
+("next", "token_reward", "response") * (B, R)        float32  per-token reward, right-padded with 0
+"advantage" *                          (B, T, 1)     float32  row advantage on response columns, else 0
+"sequence_advantage" *                 (B,)          float32  the row's advantage (one value per row)
+("next", "reward")                     (B, 1)        float32  scalar reward of the row
+("next", "done")                       (B, 1)        bool     ends the trajectory
+("next", "terminated")                 (B, 1)        bool     ended naturally
+("next", "truncated")                  (B, 1)        bool     ended by a limit
+"group_id"                             (B,)          int64    GRPO group key
+"trajectory_id"                        (B,)          int64    trajectory key
+"step"                                 (B,)          int32    turn index within the trajectory
+"policy_version"                       (B,)          int64    version of the weights that sampled the row
+"prompt_lengths"                       (B,)          int64    real prompt tokens per row
+"response_lengths"                     (B,)          int64    real response tokens per row
+=====================================  ============  =======  ==========================================
+
+``*`` present only when the batch holds the optional field (``ref_log_probs``, ``kl``,
+``token_rewards``, ``advantage``). Text fields are not part of the padded batch, so
+read with ``store.read(positions, fields=padded_fields(store.schema))`` to skip them
+(decoding text is a large share of a read).
+
+Why ``"advantage"`` is (B, T, 1): torchrl 0.14's ``GRPOLoss`` multiplies it with a
+per-token log-weight of shape (B, T, 1) and rejects any other number of dimensions;
+a learner that wants one value per row reads ``"sequence_advantage"``.
+
+Pinning and devices. ``pin_memory=True`` pins the host tensors only when CUDA is
+available: ``Tensor.pin_memory()`` raises on CPU-only torch builds, so there the
+flag is ignored (documented no-op) and tensors stay pageable. ``device=...`` moves
+the result with ``non_blocking=True`` (overlapping the copy only when pinned).
+
+Views. The ``(B, P)`` prompt and ``(B, R)`` response entries are views into the
+matching ``(B, T)`` tensor (``full[:, :P]`` / ``full[:, P:]``), so they share memory
+and are not contiguous: use ``.reshape``/``.contiguous()``, not ``.view``, on them.
+This halves the bytes a batch writes; ``.to(device)`` copies each entry on its own.
+
+Everything is vectorized: the flat destination of every prompt and response value
+is computed once (one ``repeat_interleave`` each) and each ragged field is then
+placed by one ``scatter_``, the same layout :meth:`RaggedTensor.to_padded` gives
+(tests check it against ``to_padded`` and a per-row reference); no Python loop
+over rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDict, is_tensor_collection
+
+from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch
+
+# optional response-aligned float fields -> (key of the (B, T) version, key of the (B, R) version)
+_RESPONSE_FLOAT_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "response_log_probs": (("log_probs", "full"), ("log_probs", "response")),
+    "ref_log_probs": (("next", "ref_log_probs", "full"), ("ref_log_probs", "response")),
+    "kl": (("kl", "full"), ("kl", "response")),
+    "token_rewards": (("next", "token_reward", "full"), ("next", "token_reward", "response")),
+}
+_NEXT_FLAGS = ("reward", "done", "terminated", "truncated")
+_ROW_IDS = ("group_id", "trajectory_id", "step", "policy_version")
+
+
+def padded_fields(schema: StoreSchema) -> tuple[str, ...]:
+    """The fields of ``schema`` that :func:`pad_batch` reads: all but the text fields."""
+    return tuple(f.name for f in schema.fields if f.kind != "text")
+
+
+def pad_batch(
+    batch: TrajectoryBatch,
+    *,
+    pad_token_id: int = 0,
+    pin_memory: bool = False,
+    device: torch.device | str | None = None,
+) -> TensorDict:
+    """Pads ``batch`` into the learner tensors described in the module docstring."""
+    if not isinstance(batch, TrajectoryBatch):
+        raise TypeError(
+            f"pad_batch expects a TrajectoryBatch, got {type(batch).__name__}; read rows with "
+            "store.read(positions) or build one with TrajectoryBatch.from_rows(rows)"
+        )
+    num_rows = len(batch)
+    if num_rows == 0:
+        raise ValueError("pad_batch got an empty batch; sample at least one row")
+    for name in ("prompt_tokens", "response_tokens", "response_log_probs", *_NEXT_FLAGS, *_ROW_IDS):
+        if name not in batch:
+            raise KeyError(
+                f"pad_batch needs field {name!r}, which the batch lacks (it has "
+                f"{list(batch.field_names)}); read the rows from a store, which holds every required field"
+            )
+
+    prompt: RaggedTensor = batch["prompt_tokens"]
+    response: RaggedTensor = batch["response_tokens"]
+    prompt_lengths, response_lengths = prompt.lengths(), response.lengths()  # (B,)
+    prompt_width = int(prompt_lengths.max())  # P
+    width = prompt_width + int(response_lengths.max())  # T = P + R
+    # flat (B*T) positions of every prompt / response value; computed once, reused by every field
+    prompt_pos = _flat_positions(prompt, first_column=prompt_width - prompt_lengths, width=width)
+    response_pos = _flat_positions(response, first_column=torch.full_like(response_lengths, prompt_width), width=width)
+
+    prompt_mask = torch.arange(prompt_width) >= (prompt_width - prompt_lengths)[:, None]  # (B, P)
+    response_mask = torch.arange(width - prompt_width) < response_lengths[:, None]  # (B, R)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, T)
+    assistant_mask = torch.cat([torch.zeros_like(prompt_mask), response_mask], dim=1)  # (B, T)
+    # left padding shifts prompts right; positions must still count real tokens from 0
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min_(0)  # (B, T)
+
+    full_tokens = torch.full((num_rows * width,), pad_token_id, dtype=torch.int64)
+    full_tokens.scatter_(0, prompt_pos, prompt.values.to(torch.int64))
+    full_tokens.scatter_(0, response_pos, response.values.to(torch.int64))
+    full_tokens = full_tokens.view(num_rows, width)  # (B, T)
+
+    out: dict[Any, torch.Tensor] = {
+        ("tokens", "full"): full_tokens,
+        ("tokens", "prompt"): full_tokens[:, :prompt_width],
+        ("tokens", "response"): full_tokens[:, prompt_width:],
+        ("masks", "all_attention_mask"): attention_mask,
+        ("masks", "all_assistant_mask"): assistant_mask,
+        ("masks", "prompt"): attention_mask[:, :prompt_width],
+        ("masks", "response"): assistant_mask[:, prompt_width:],
+        "position_ids": position_ids,
+        "prompt_lengths": prompt_lengths,
+        "response_lengths": response_lengths,
+    }
+
+    for name, (full_key, response_key) in _RESPONSE_FLOAT_KEYS.items():
+        if name not in batch:
+            continue
+        column: RaggedTensor = batch[name]
+        if not torch.equal(column.offsets, response.offsets):
+            raise ValueError(
+                f"field {name!r} must hold one value per response token (same lengths as "
+                f"'response_tokens'); got lengths {column.lengths().tolist()} for "
+                f"{response_lengths.tolist()}; validate the batch with schema.validate_batch"
+            )
+        values = torch.zeros(num_rows * width, dtype=torch.float32)
+        values.scatter_(0, response_pos, column.values.to(torch.float32))
+        values = values.view(num_rows, width)  # (B, T)
+        out[full_key] = values
+        out[response_key] = values[:, prompt_width:]
+
+    if "advantage" in batch:
+        sequence_advantage = batch["advantage"].to(torch.float32)  # (B,)
+        out["sequence_advantage"] = sequence_advantage
+        per_token = sequence_advantage.repeat_interleave(response_lengths, output_size=response_pos.numel())
+        advantage = torch.zeros(num_rows * width, dtype=torch.float32).scatter_(0, response_pos, per_token)
+        out["advantage"] = advantage.view(num_rows, width, 1)  # (B, T, 1)
+
+    for name in _NEXT_FLAGS:  # .to: the documented dtype even for a batch that skipped validation
+        out[("next", name)] = batch[name].to(FIELDS_BY_NAME[name].dtype).reshape(num_rows, 1)
+    for name in _ROW_IDS:
+        out[name] = batch[name].to(FIELDS_BY_NAME[name].dtype)
+
+    td = TensorDict(out, batch_size=[num_rows])
+    if pin_memory and torch.cuda.is_available():
+        td = td.pin_memory()
+    if device is not None:
+        td = td.to(device, non_blocking=True)
+    return td
+
+
+def _flat_positions(ragged: RaggedTensor, *, first_column: torch.Tensor, width: int) -> torch.Tensor:
+    """Position in a flattened (B, width) tensor of every value of ``ragged``.
+
+    Row ``i``'s values land at columns ``first_column[i] ...`` of row ``i``: value ``j``
+    (a flat index into ``ragged.values``) goes to ``j + i * width + first_column[i] - offsets[i]``.
+    """
+    lengths = ragged.lengths()
+    total = ragged.values.numel()
+    row_shift = torch.arange(len(ragged)) * width + first_column - ragged.offsets[:-1]
+    return torch.arange(total) + row_shift.repeat_interleave(lengths, output_size=total)
+
+
+@dataclass
+class PaddedCollator:
+    """``pad_batch`` with fixed settings, usable as a torchrl ``ReplayBuffer(collate_fn=...)``.
+
+    Takes what the buffer's storage returns: a ``TrajectoryBatch`` (our stores) or a
+    TensorDict under torchrl LLM keys (e.g. from ``LazyStackStorage``; converted row by
+    row, so slower).
+    """
+
+    pad_token_id: int = 0
+    pin_memory: bool = False
+    device: torch.device | str | None = None
+
+    def __call__(self, data: TrajectoryBatch | Any) -> TensorDict:
+        if not isinstance(data, TrajectoryBatch):
+            if not is_tensor_collection(data):
+                raise TypeError(
+                    f"PaddedCollator takes a TrajectoryBatch or a TensorDict with torchrl LLM keys, "
+                    f"got {type(data).__name__}"
+                )
+            data = TrajectoryBatch.from_tensordict(data)
+        return pad_batch(
+            data, pad_token_id=self.pad_token_id, pin_memory=self.pin_memory, device=self.device
+        )

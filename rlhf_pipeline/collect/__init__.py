@@ -1,0 +1,21 @@
+"""Collection: prompts, batched sampling with log-probs, rewards, the collector, a toy task."""
+
+from rlhf_pipeline.collect.collector import Collector, CollectorConfig
+from rlhf_pipeline.collect.generate import Generation, SamplingConfig, generate, process_logits, teacher_forced_log_probs
+from rlhf_pipeline.collect.prompts import PromptError, PromptRecord, PromptSource, load_jsonl, make_prompt, validate_prompts
+from rlhf_pipeline.collect.rewards import (
+    REWARDS,
+    RewardError,
+    RewardModelReward,
+    WeightedReward,
+    extract_number,
+    get_reward,
+    score,
+)
+
+__all__ = [
+    "REWARDS", "Collector", "CollectorConfig", "Generation", "PromptError", "PromptRecord", "PromptSource",
+    "RewardError", "RewardModelReward", "SamplingConfig", "WeightedReward", "extract_number", "generate",
+    "get_reward", "load_jsonl", "make_prompt", "process_logits", "score", "teacher_forced_log_probs",
+    "validate_prompts",
+]

@@ -1,0 +1,232 @@
+"""The collector: prompts in, scored ``TrajectoryBatch`` rows out to a sink.
+
+One ``collect()`` call takes ``prompts_per_batch`` prompts from the source, samples
+``num_generations`` completions of each (:func:`~rlhf_pipeline.collect.generate.generate`),
+scores them, and hands one ``TrajectoryBatch`` holding whole groups to ``sink``
+(typically ``ReplayBuffer.extend`` with the write-path transforms attached).
+
+Ids. ``group_id`` and ``trajectory_id`` are ``(collector_index << 40) | counter`` with
+counters that live in :meth:`Collector.state_dict`, so ids stay unique across
+collector processes (different indices) and restarts (counters resume). Every row
+is a single-turn trajectory: ``step`` 0, ``done`` True, ``terminated`` when the
+completion ended on EOS, ``truncated`` when it hit ``max_new_tokens``.
+
+Resume. ``state_dict()`` holds the prompt position, the id counters, the policy
+version and the sampling RNG. Save it after ``collect()`` returns (the batch is then
+in the sink): a collector restored from it continues with the next prompt and the
+same random stream, so nothing is skipped or repeated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.collect.generate import SamplingConfig, generate
+from rlhf_pipeline.collect.prompts import PromptSource
+from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, score
+from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema import TrajectoryBatch
+
+ID_COUNTER_BITS = 40  # 1.1e12 trajectories per collector before ids would collide
+MAX_COLLECTORS = 2 ** (63 - ID_COUNTER_BITS)
+
+
+@dataclass
+class CollectorConfig:
+    """Settings of one collector process."""
+
+    prompts_per_batch: int = 8
+    """Prompts per ``collect()`` call; the batch has ``prompts_per_batch * num_generations`` rows."""
+    num_generations: int = 8
+    """Completions per prompt (the GRPO group size G)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Temperature / top-k / top-p / max_new_tokens; the stored log-probs follow them."""
+    collector_index: int = 0
+    """This collector's index among collectors writing one run; goes in the ids' high bits."""
+    seed: int = 0
+    """Seed of the sampling RNG (mixed with ``collector_index`` so collectors differ)."""
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_batch < 1 or self.num_generations < 1:
+            raise ValueError("CollectorConfig: prompts_per_batch and num_generations must be >= 1")
+        if not 0 <= self.collector_index < MAX_COLLECTORS:
+            raise ValueError(f"CollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), got {self.collector_index}")
+
+
+MetricsHook = Callable[[dict[str, float]], None]
+
+
+class Collector:
+    """Generates, scores and emits groups of completions; resumable; takes new weights."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        prompts: PromptSource,
+        rewards: RewardFn | Mapping[str, RewardFn | tuple[RewardFn, float]] | Sequence[WeightedReward],
+        sink: Callable[[TrajectoryBatch], Any] | None,
+        config: CollectorConfig | None = None,
+        *,
+        policy_version: int = 0,
+        hooks: Sequence[MetricsHook] = (),
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.rewards = as_rewards(rewards)
+        self.sink = sink
+        self.config = config or CollectorConfig()
+        self.hooks = list(hooks)
+        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+            raise ValueError("Collector: the tokenizer needs pad_token_id and eos_token_id set")
+        self.policy_version = policy_version
+        self.groups_emitted = 0
+        self.trajectories_emitted = 0
+        self.batches_emitted = 0
+        device = next(model.parameters()).device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
+        self.last_metrics: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- one batch
+    def collect(self) -> TrajectoryBatch:
+        """One batch of whole groups: generate, score, emit to the sink, report metrics."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        records = self.prompts.next_batch(cfg.prompts_per_batch)
+        prompt_ids = [r.render(self.tokenizer) for r in records]
+        gen = generate(
+            self.model, prompt_ids, cfg.sampling, pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id, num_samples=cfg.num_generations,
+            generator=self.generator,
+        )
+        t_gen = time.perf_counter()
+        idx = gen.prompt_index.tolist()
+        # render each prompt's text once, not once per completion
+        record_texts = [r.display_text(self.tokenizer) for r in records]
+        prompt_texts = [record_texts[i] for i in idx]
+        completions = self.tokenizer.batch_decode(gen.response_tokens.to_list(), skip_special_tokens=True)
+        field_names = sorted({k for r in records for k in r.fields})
+        fields = {k: [records[i].fields.get(k) for i in idx] for k in field_names}
+        reward, parts = score(self.rewards, prompt_texts, completions, fields)
+        t_reward = time.perf_counter()
+
+        n = len(idx)
+        base = cfg.collector_index << ID_COUNTER_BITS
+        group_id = base + self.groups_emitted + gen.prompt_index
+        trajectory_id = base + self.trajectories_emitted + torch.arange(n)
+        batch = TrajectoryBatch({
+            "prompt_tokens": gen.prompt_tokens.to(torch.int32),
+            "response_tokens": gen.response_tokens.to(torch.int32),
+            "response_log_probs": gen.response_log_probs,
+            "group_id": group_id.to(torch.int64),
+            "trajectory_id": trajectory_id.to(torch.int64),
+            "step": torch.zeros(n, dtype=torch.int32),
+            "reward": reward,
+            "done": torch.ones(n, dtype=torch.bool),
+            "terminated": gen.terminated.clone(),
+            "truncated": gen.truncated.clone(),
+            "policy_version": torch.full((n,), self.policy_version, dtype=torch.int64),
+            "prompt_text": prompt_texts,
+            "response_text": completions,
+        })
+        if self.sink is not None:
+            self.sink(batch)
+        # counters advance only once the sink has the rows, so a failed write is retried with the same ids
+        self.groups_emitted += len(records)
+        self.trajectories_emitted += n
+        self.batches_emitted += 1
+        self._report(batch, parts, t0, t_gen, t_reward)
+        return batch
+
+    def run(self, *, max_batches: int | None = None, max_rows: int | None = None,
+            should_stop: Callable[[], bool] | None = None) -> int:
+        """Calls :meth:`collect` until a limit is reached or ``should_stop()``; returns rows emitted."""
+        rows = batches = 0
+        while True:
+            if max_batches is not None and batches >= max_batches:
+                break
+            if max_rows is not None and rows >= max_rows:
+                break
+            if should_stop is not None and should_stop():
+                break
+            rows += len(self.collect())
+            batches += 1
+        return rows
+
+    def _report(self, batch: TrajectoryBatch, parts: dict[str, torch.Tensor], t0: float, t_gen: float, t_reward: float) -> None:
+        elapsed = time.perf_counter() - t0
+        reward = batch["reward"]
+        g = self.config.num_generations
+        group_std = reward.reshape(-1, g).std(dim=1, unbiased=False) if g > 1 else torch.zeros(1)
+        metrics = {
+            "rows": float(len(batch)),
+            "rows_per_s": len(batch) / max(elapsed, 1e-9),
+            "generate_s": t_gen - t0,
+            "reward_s": t_reward - t_gen,
+            "reward_mean": float(reward.mean()),
+            "reward_std": float(reward.std(unbiased=False)),
+            "groups_with_signal": float((group_std > 0).float().mean()),
+            "response_len_mean": float(batch["response_tokens"].lengths().float().mean()),
+            "terminated_frac": float(batch["terminated"].float().mean()),
+            "policy_version": float(self.policy_version),
+            "batches": float(self.batches_emitted),
+            "trajectories": float(self.trajectories_emitted),
+        }
+        for name, values in parts.items():
+            metrics[f"reward/{name}"] = float(values.mean())
+        self.last_metrics = metrics
+        for hook in self.hooks:
+            hook(metrics)
+
+    # ---------------------------------------------------------------- weights
+    def set_policy_state(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Loads new policy weights (all keys must match) and tags later rows with ``version``."""
+        if version < self.policy_version:
+            raise ValueError(
+                f"set_policy_state: version {version} is older than the current {self.policy_version}; "
+                f"weights only move forward"
+            )
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        # tied embeddings may be saved once; anything else missing means the wrong checkpoint
+        missing = [k for k in missing if k != "lm_head.weight" or not self.model.config.tie_word_embeddings]
+        if missing or unexpected:
+            raise ValueError(
+                f"set_policy_state: weights do not match the collector's model "
+                f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
+        self.model.eval()
+        self.policy_version = int(version)
+
+    # ---------------------------------------------------------------- resume
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "prompts": self.prompts.state_dict(),
+            "groups_emitted": self.groups_emitted,
+            "trajectories_emitted": self.trajectories_emitted,
+            "batches_emitted": self.batches_emitted,
+            "policy_version": self.policy_version,
+            "rng": self.generator.get_state(),
+            "config": {"collector_index": self.config.collector_index, "seed": self.config.seed,
+                       "num_generations": self.config.num_generations,
+                       "sampling": asdict(self.config.sampling)},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["config"]["collector_index"] != self.config.collector_index:
+            raise ValueError(
+                f"collector state belongs to collector_index {state['config']['collector_index']}, "
+                f"this is collector {self.config.collector_index}; restore each collector from its own state"
+            )
+        self.prompts.load_state_dict(state["prompts"])
+        self.groups_emitted = int(state["groups_emitted"])
+        self.trajectories_emitted = int(state["trajectories_emitted"])
+        self.batches_emitted = int(state["batches_emitted"])
+        self.policy_version = max(self.policy_version, int(state["policy_version"]))
+        self.generator.set_state(state["rng"])

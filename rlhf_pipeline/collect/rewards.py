@@ -1,0 +1,220 @@
+"""Rewards: a registry of verifiable ones, user callables, weighted sums, a reward model.
+
+A reward is any callable ``fn(prompts, completions, **fields) -> list[float]``:
+``prompts`` and ``completions`` are lists of N strings, and every extra prompt field
+(e.g. ``answer``) arrives as a keyword holding a list of N values, one per
+completion. Functions should accept ``**kwargs`` so fields they do not read pass by.
+
+:func:`score` calls a set of named rewards, checks each returns N finite numbers (the
+error names the reward), and sums them with weights. The verifiable rewards here:
+
+* ``exact_match``: 1.0 when the stripped completion equals the stripped ``answer``.
+* ``numeric_match``: 1.0 when the number extracted from the completion equals
+  ``answer`` numerically (``\\boxed{..}`` first, then ``#### x``, then the last number).
+* ``format``: ``regex_reward(pattern)``, 1.0 when the completion matches.
+* ``length_penalty``: ``length_penalty(max_chars)``, ``-max(0, len - max_chars) / max_chars``.
+
+To add one to the registry: write the function and add it to ``REWARDS`` (a factory
+taking keyword settings, returning the reward callable).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+class RewardError(ValueError):
+    """A reward returned the wrong number of values, a non-number, or a non-finite value."""
+
+
+# ======================================================================== number extraction
+_NUMBER = r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
+_BOXED = re.compile(r"\\boxed\{\s*(" + _NUMBER + r")\s*\}")
+_HASHES = re.compile(r"####\s*(" + _NUMBER + r")")
+_ANY_NUMBER = re.compile(_NUMBER)
+
+
+def extract_number(text: str) -> float | None:
+    """The answer number in ``text``: ``\\boxed{x}``, else ``#### x``, else the last number.
+
+    Thousands separators are removed (``1,234`` -> 1234.0). ``None`` when there is none.
+    """
+    for pattern in (_BOXED, _HASHES):
+        found = pattern.findall(text)
+        if found:
+            return float(found[-1].replace(",", ""))
+    found = _ANY_NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+# ======================================================================== verifiable rewards
+def _answers(fields: Mapping[str, Any], name: str, n: int) -> Sequence[Any]:
+    if "answer" not in fields:
+        raise RewardError(
+            f"reward {name!r} needs an 'answer' field on every prompt (e.g. {{\"messages\": [...], "
+            f"\"answer\": \"42\"}}); the prompts carry {sorted(fields)}"
+        )
+    return fields["answer"]
+
+
+def exact_match(prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float]:
+    """1.0 when ``completion.strip() == str(answer).strip()``, else 0.0."""
+    answers = _answers(fields, "exact_match", len(completions))
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
+
+
+def numeric_match(prompts: Sequence[str], completions: Sequence[str], *, tolerance: float = 1e-6, **fields) -> list[float]:
+    """1.0 when :func:`extract_number` of the completion is within ``tolerance`` of ``answer``."""
+    answers = _answers(fields, "numeric_match", len(completions))
+    out = []
+    for c, a in zip(completions, answers):
+        got = extract_number(c)
+        want = extract_number(str(a)) if not isinstance(a, (int, float)) else float(a)
+        out.append(float(got is not None and want is not None and abs(got - want) <= tolerance))
+    return out
+
+
+def regex_reward(pattern: str, *, full_match: bool = True) -> RewardFn:
+    """1.0 for completions matching ``pattern`` (``re.fullmatch`` on the stripped text, or ``re.search``)."""
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def format_reward(prompts, completions, **_):
+        match = compiled.fullmatch if full_match else compiled.search
+        return [float(match(c.strip() if full_match else c) is not None) for c in completions]
+
+    format_reward.__name__ = f"format[{pattern}]"
+    return format_reward
+
+
+def length_penalty(max_chars: int) -> RewardFn:
+    """``-max(0, len(completion) - max_chars) / max_chars``: 0 up to the limit, -1 at twice it."""
+    if max_chars < 1:
+        raise ValueError(f"length_penalty(max_chars=...) must be >= 1, got {max_chars}")
+
+    def penalty(prompts, completions, **_):
+        return [-max(0, len(c) - max_chars) / max_chars for c in completions]
+
+    return penalty
+
+
+REWARDS: dict[str, Callable[..., RewardFn]] = {
+    "exact_match": lambda: exact_match,
+    "numeric_match": lambda tolerance=1e-6: (
+        lambda prompts, completions, **f: numeric_match(prompts, completions, tolerance=tolerance, **f)
+    ),
+    "format": regex_reward,
+    "length_penalty": length_penalty,
+}
+
+
+def get_reward(name: str, **settings) -> RewardFn:
+    """A registered reward by name, built with ``settings`` (e.g. ``get_reward("format", pattern=r"\\d+")``)."""
+    try:
+        factory = REWARDS[name]
+    except KeyError:
+        raise RewardError(f"unknown reward {name!r}; registered rewards are {sorted(REWARDS)}") from None
+    return factory(**settings)
+
+
+# ======================================================================== reward model
+class RewardModelReward:
+    """Scores ``prompt + completion`` with a sequence-classification model (one label).
+
+    The text is the rendered prompt followed by the completion; it is tokenized with
+    ``tokenizer`` (right-padded internally) and scored in batches of ``batch_size``. The
+    reward is the model's single logit. Any ``AutoModelForSequenceClassification`` with
+    ``num_labels == 1`` and a ``pad_token_id`` works.
+    """
+
+    def __init__(self, model, tokenizer, *, batch_size: int = 32, max_length: int | None = None) -> None:
+        if getattr(model.config, "num_labels", None) != 1:
+            raise RewardError(
+                f"reward model must have num_labels=1 (a scalar score), got {model.config.num_labels}"
+            )
+        if model.config.pad_token_id is None:
+            raise RewardError("reward model config has no pad_token_id; set model.config.pad_token_id")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.__name__ = f"reward_model[{type(model).__name__}]"
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **_) -> list[float]:
+        device = next(self.model.parameters()).device
+        scores: list[float] = []
+        texts = [p + c for p, c in zip(prompts, completions)]
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(
+                texts[start : start + self.batch_size], padding=True, padding_side="right",
+                truncation=self.max_length is not None, max_length=self.max_length,
+                add_special_tokens=False, return_tensors="pt",
+            )
+            logits = self.model(input_ids=enc["input_ids"].to(device),
+                                attention_mask=enc["attention_mask"].to(device)).logits  # (b, 1)
+            scores.extend(logits[:, 0].float().cpu().tolist())
+        return scores
+
+
+# ======================================================================== combining and checking
+@dataclass(frozen=True)
+class WeightedReward:
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+
+
+def as_rewards(rewards: RewardFn | Mapping[str, RewardFn | tuple[RewardFn, float]] | Sequence[WeightedReward]) -> list[WeightedReward]:
+    """Normalises a single callable, ``{name: fn}``, ``{name: (fn, weight)}`` or a list of ``WeightedReward``."""
+    if callable(rewards):
+        return [WeightedReward(getattr(rewards, "__name__", "reward"), rewards, 1.0)]
+    if isinstance(rewards, Mapping):
+        out = []
+        for name, spec in rewards.items():
+            fn, weight = spec if isinstance(spec, tuple) else (spec, 1.0)
+            if not callable(fn):
+                raise RewardError(f"reward {name!r} is not callable (got {type(fn).__name__})")
+            out.append(WeightedReward(name, fn, float(weight)))
+        return out
+    out = list(rewards)
+    if not out or not all(isinstance(r, WeightedReward) for r in out):
+        raise RewardError("rewards must be a callable, a {name: fn or (fn, weight)} dict, or WeightedReward list")
+    return out
+
+
+def score(
+    rewards: Sequence[WeightedReward],
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    fields: Mapping[str, Sequence[Any]] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``(total (N,) float32, {name: (N,) float32})``: each reward checked, then the weighted sum."""
+    n = len(completions)
+    fields = dict(fields or {})
+    total = torch.zeros(n, dtype=torch.float32)
+    parts: dict[str, torch.Tensor] = {}
+    for r in rewards:
+        values = r.fn(list(prompts), list(completions), **fields)
+        try:
+            values = [float(v) for v in values]
+        except (TypeError, ValueError) as exc:
+            raise RewardError(f"reward {r.name!r} must return a list of numbers; {exc}") from None
+        if len(values) != n:
+            raise RewardError(f"reward {r.name!r} returned {len(values)} values for {n} completions; return one per completion")
+        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            raise RewardError(
+                f"reward {r.name!r} returned a non-finite value ({values[bad[0]]}) for completion {bad[0]}: "
+                f"{completions[bad[0]]!r}; return a finite number (e.g. 0.0) for unscorable completions"
+            )
+        parts[r.name] = torch.tensor(values, dtype=torch.float32)
+        total += r.weight * parts[r.name]
+    return total, parts

@@ -1,0 +1,129 @@
+"""A verifiable toy task for the CPU pipeline: add two small numbers.
+
+Prompt (chat, user turn): ``"23+14="``; answer ``"37"``. A tiny char-level model
+cannot do this from random weights, so :func:`warm_start` runs a short supervised
+fine-tune on correct examples: it learns the format (digits then ``<|end|>``) and
+part of the arithmetic, leaving room for GRPO to raise accuracy.
+
+Reward (:func:`toy_reward`), with partial credit so groups carry signal early:
+
+* 1.0 for the exact answer;
+* otherwise, for a completion of digits only: ``0.5 * matching / max(len(pred), len(answer))``
+  where ``matching`` counts equal digits aligned from the right (units with units);
+* 0.0 for anything that is not a plain number.
+
+Measured on this 2-core CPU machine (default tiny Qwen2, hidden 64, 2 layers, ~140k
+parameters; ``max_operand=20``): 150 warm-start steps (batch 64, lr 3e-3, 8-16 s)
+leave sampled accuracy at 22% and mean reward 0.35 on held-out prompts (greedy
+decoding is better, so sampling has room to sharpen); a synchronous GRPO loop on top
+(8 prompts x 8 completions, temperature 1, AdamW lr 2e-4, token-mean loss) reached
+reward ~0.55 and accuracy ~45% after 300 steps (~1 minute). With ``max_operand=50``
+the same warm start leaves 5% accuracy and GRPO stays flat over 150 steps, and at lr
+1e-3 GRPO collapsed the entropy and the reward fell: keep 20 and 2e-4 as defaults.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from rlhf_pipeline.collect.generate import SamplingConfig, generate
+from rlhf_pipeline.collect.prompts import PromptRecord
+
+
+def toy_prompts(n: int, seed: int = 0, *, max_operand: int = 20) -> list[PromptRecord]:
+    """``n`` addition prompts ``a+b=`` with ``0 <= a, b < max_operand``, each with its ``answer``."""
+    g = torch.Generator().manual_seed(seed)
+    ab = torch.randint(0, max_operand, (n, 2), generator=g).tolist()
+    return [
+        PromptRecord(messages=({"role": "user", "content": f"{a}+{b}="},), fields={"answer": str(a + b)},
+                     prompt_id=f"add-{a}-{b}")
+        for a, b in ab
+    ]
+
+
+def _credit(completion: str, answer: str) -> float:
+    c = completion.strip()
+    if c == answer:
+        return 1.0
+    if not c.isdigit() or len(c) > 2 * len(answer) + 2:
+        return 0.0
+    matching = sum(x == y for x, y in zip(reversed(c), reversed(answer)))
+    return 0.5 * matching / max(len(c), len(answer))
+
+
+def toy_reward(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[str], **_) -> list[float]:
+    """Exact answer 1.0; digit strings get ``0.5 * right-aligned matching digits / longer length``; else 0."""
+    return [_credit(c, str(a)) for c, a in zip(completions, answer)]
+
+
+def _sft_batch(tokenizer, records: Sequence[PromptRecord]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, loss mask) (B, L), right-padded; the loss covers the assistant turn."""
+    convs = [[*r.messages, {"role": "assistant", "content": r.fields["answer"]}] for r in records]
+    enc = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                        padding=True, padding_side="right", return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"], enc["assistant_masks"].bool()
+
+
+def warm_start(
+    model,
+    tokenizer,
+    steps: int = 150,
+    *,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    max_operand: int = 20,
+    log_every: int = 0,
+) -> dict[str, float]:
+    """Supervised fine-tuning on correct ``a+b=`` examples (next-token loss on the answer + EOS).
+
+    Uses AdamW with a linear warm-up over the first 10% of steps. Returns
+    ``{"loss": final loss, "seconds": wall time, "steps": steps}``; the model is left in eval mode.
+    The examples come from seeds disjoint from :func:`toy_prompts`' defaults (``seed + 10_000 + step``).
+    """
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    model.train()
+    t0 = time.perf_counter()
+    loss_value = float("nan")
+    for step in range(steps):
+        ids, attn, target = _sft_batch(tokenizer, toy_prompts(batch_size, seed + 10_000 + step, max_operand=max_operand))
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (B, L-1, V)
+        labels = ids[:, 1:].masked_fill(~target[:, 1:], -100)  # predict only assistant tokens
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        loss_value = loss.item()
+        if log_every and step % log_every == 0:
+            print(f"warm_start step {step} loss {loss_value:.4f}")
+    model.eval()
+    return {"loss": loss_value, "seconds": time.perf_counter() - t0, "steps": float(steps)}
+
+
+@torch.no_grad()
+def evaluate_toy(
+    model, tokenizer, n: int = 256, *, seed: int = 12345, sampling: SamplingConfig | None = None,
+    max_operand: int = 20,
+) -> dict[str, float]:
+    """Mean :func:`toy_reward` and exact-match accuracy on ``n`` held-out prompts (one sample each).
+
+    The default ``sampling`` is temperature 1.0, no truncation, 8 new tokens: the
+    distribution GRPO samples from, so the number says how much room RL has.
+    """
+    sampling = sampling or SamplingConfig(max_new_tokens=8)
+    records = toy_prompts(n, seed, max_operand=max_operand)
+    gen = generate(model, [r.render(tokenizer) for r in records], sampling,
+                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                   generator=torch.Generator().manual_seed(seed))
+    completions = tokenizer.batch_decode(gen.response_tokens.to_list(), skip_special_tokens=True)
+    answers = [r.fields["answer"] for r in records]
+    rewards = toy_reward([], completions, answer=answers)
+    exact = [float(c.strip() == a) for c, a in zip(completions, answers)]
+    return {"reward_mean": sum(rewards) / n, "accuracy": sum(exact) / n,
+            "terminated_frac": float(gen.terminated.float().mean())}

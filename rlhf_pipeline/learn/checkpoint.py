@@ -1,0 +1,131 @@
+"""Learner checkpoints: a ``Progress`` record plus every state a resumed run needs.
+
+A checkpoint is one file ``checkpoints/step_XXXXXXXX.pt`` holding the progress record, the
+model, optimizer and LR-scheduler states, the RNG states (Python, NumPy, torch CPU and CUDA)
+and the replay buffer's position (the store's ``state_dict``: which rows existed). Sampling
+draws its randomness from ``(seed, draw number)`` (see ``learn/prefetch.py``), so the draw count
+and buffer position in the progress record are the whole sampler state. Files are written to
+``*.partial`` and renamed into place, so a crash mid-write never leaves a checkpoint that looks
+complete; the manager keeps the last N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+
+
+@dataclass
+class Progress:
+    """Where training stands; the record a resumed run continues from."""
+
+    seed: int
+    step: int = 0  # optimizer steps taken
+    draws: int = 0  # batches drawn from the buffer (a batch can be dropped whole as stale)
+    policy_version: int = 0  # last weights version this learner published
+    rows_used: int = 0  # rows that went into a loss
+    rows_dropped_stale: int = 0  # sampled rows rejected by the staleness bound
+    tokens_seen: int = 0  # response tokens that went into a loss
+    buffer_next_row: int = 0  # rows published in the buffer at the last draw
+    min_next_row: int = 0  # the next draw waits until the buffer reaches this row
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Progress:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# ====================================================================== RNG
+def capture_rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ====================================================================== manager
+class CheckpointManager:
+    """Saves, finds and loads checkpoints in one directory; keeps the newest ``keep_last``."""
+
+    def __init__(self, directory: str | Path, keep_last: int = 2) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+
+    def paths(self) -> list[Path]:
+        """Complete checkpoints, oldest first (``*.partial`` leftovers are ignored)."""
+        if not self.directory.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _NAME.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        paths = self.paths()
+        return paths[-1] if paths else None
+
+    def save(self, progress: Progress, state: dict[str, Any]) -> Path:
+        """Writes ``state`` plus ``progress`` atomically as the checkpoint of ``progress.step``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"step_{progress.step:08d}.pt"
+        partial = final.with_name(final.name + ".partial")
+        payload = dict(state, progress=progress.to_dict(), format=1)
+        with open(partial, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        partial.replace(final)
+        _fsync_dir(self.directory)
+        for old in self.paths()[: -self.keep_last]:
+            old.unlink(missing_ok=True)
+        return final
+
+    def load(self, path: str | Path | None = None) -> tuple[Progress, dict[str, Any]]:
+        """Loads ``path`` (default: the latest); raises ``FileNotFoundError`` when there is none."""
+        path = Path(path) if path is not None else self.latest()
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        # our own files: the RNG states are numpy/python objects, so full unpickling is needed
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        progress = Progress.from_dict(payload.pop("progress"))
+        payload.pop("format", None)
+        return progress, payload
+
+
+def _fsync_dir(directory: Path) -> None:
+    # makes the rename itself durable; not supported everywhere, where it is a no-op
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,386 @@
+"""The learner recipe: setup -> train -> save_checkpoint -> cleanup (torchtune-style).
+
+One optimizer step:
+
+1. take the next padded batch from the prefetch thread (sampled from the newest
+   ``sample_window`` rows of the buffer once ``new_rows_per_step`` new rows arrived, see
+   ``learn/prefetch.py``); drop rows sampled by a policy more than ``max_staleness``
+   versions older than ours (counted as ``charts/rows_dropped_stale``);
+2. cut it into micro-batches of at most ``micro_batch_tokens`` padded tokens
+   (``learn/microbatch.py``) and accumulate gradients over them, each micro-batch's loss
+   weighted by its share of the batch (its response tokens for token-mean aggregation,
+   its rows otherwise), so the sum equals the loss of the whole batch;
+3. clip the gradient norm, AdamW step, LR schedule step (linear warm-up, then constant or
+   cosine decay);
+4. every ``publish_every`` steps publish the weights as a new version (``weights.py``);
+   write metrics; every ``checkpoint_every`` steps (and on stop) save a checkpoint.
+
+On CUDA the forward runs under bf16 autocast, batches are pinned by the prefetch thread
+and copied with ``non_blocking=True``. A resumed run loads model, optimizer, scheduler,
+RNG and progress and continues exactly as an uninterrupted one would over the same data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from rlhf_pipeline.learn.loss import GRPOLossConfig, aggregates_by_token, grpo_step_loss
+from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress, capture_rng_state, restore_rng_state
+from rlhf_pipeline.learn.metrics import (
+    MetricsWriter,
+    ProgressDisplay,
+    group_reward_stats,
+    truncate_metrics,
+)
+from rlhf_pipeline.learn.microbatch import split_microbatches, take_rows
+from rlhf_pipeline.learn.prefetch import FreshRowSampler, Prefetcher
+from rlhf_pipeline.pipeline import RunPaths
+
+
+@dataclass
+class LearnerSettings:
+    """How the learner samples, optimizes, publishes and checkpoints."""
+
+    batch_size: int = 64
+    """Rows (completions) per optimizer step."""
+    sample_window: int = 128
+    """Each step samples from the newest this-many rows of the buffer (>= batch_size)."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate."""
+    lr: float = 1e-4
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear LR warm-up from 0 over this many steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep the peak LR, or decay it with a cosine to min_lr_ratio * lr at the last step."""
+    min_lr_ratio: float = 0.1
+    """Final LR of the cosine schedule as a fraction of lr."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip (0 disables clipping; the norm is still reported)."""
+    new_rows_per_step: int = 0
+    """Each step waits until the collector has written this many new rows since the previous
+    step (an update-to-data ratio: rows are reused ~batch_size / this times). 0 never waits."""
+    max_staleness: int | None = 2
+    """Rows sampled by a policy more than this many versions older than the learner's are not
+    used. None disables the bound (offline replay of a recorded buffer)."""
+    publish_every: int = 1
+    """Publish the weights as a new version every this many steps."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many steps (and always at the end or on stop)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (newest first)."""
+    prefetch_depth: int = 2
+    """Batches prepared ahead by the background thread."""
+    data_timeout_s: float = 600.0
+    """Give up when no usable batch could be sampled for this long (no collector running?)."""
+    log_every: int = 10
+    """Print a progress line every this many steps when stderr is not a terminal."""
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    """GRPO loss options: clip range, aggregation, KL/entropy coefficients, TIS (learn/loss.py)."""
+    temperature: float = 1.0
+    """Sampling temperature of the collector: log-probs are recomputed at the same temperature."""
+
+    def check(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"learner setting {name!r} {why}")
+
+        if self.batch_size < 1:
+            raise bad("batch_size", f"must be >= 1 (got {self.batch_size})")
+        if self.sample_window < self.batch_size:
+            raise bad("sample_window", f"({self.sample_window}) must be >= batch_size ({self.batch_size})")
+        if self.micro_batch_tokens < 1:
+            raise bad("micro_batch_tokens", f"must be >= 1 (got {self.micro_batch_tokens})")
+        if not self.lr > 0:
+            raise bad("lr", f"must be > 0 (got {self.lr})")
+        if self.new_rows_per_step < 0:
+            raise bad("new_rows_per_step", f"must be >= 0 (got {self.new_rows_per_step})")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise bad("max_staleness", f"must be >= 0 or None (got {self.max_staleness})")
+        for name in ("publish_every", "checkpoint_every", "keep_checkpoints", "prefetch_depth", "log_every"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be >= 1 (got {getattr(self, name)})")
+        if self.temperature <= 0:
+            raise bad("temperature", f"must be > 0 (got {self.temperature})")
+
+
+def lr_lambda(settings: LearnerSettings, total_steps: int) -> Callable[[int], float]:
+    """LR multiplier of step ``s``: linear warm-up, then constant or cosine to ``min_lr_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < settings.warmup_steps:
+            return (step + 1) / settings.warmup_steps
+        if settings.lr_schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - settings.warmup_steps)
+        progress = min(1.0, (step - settings.warmup_steps) / span)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * cosine
+
+    return factor
+
+
+class Learner:
+    """Trains the policy on batches sampled from a run's buffer; publishes weights."""
+
+    def __init__(self, settings: LearnerSettings, paths: RunPaths, *, make_model: Callable[[], torch.nn.Module],
+                 steps: int, seed: int = 0, device: str = "cpu", pad_token_id: int = 0,
+                 stop_event: threading.Event | None = None, show_progress: bool = True) -> None:
+        settings.check()
+        self.settings = settings
+        self.paths = paths
+        self.make_model = make_model
+        self.total_steps = steps
+        self.seed = seed
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch sees no GPU; use --device cpu")
+        self.pad_token_id = pad_token_id
+        self.stop_event = stop_event or threading.Event()
+        self.show_progress = show_progress
+        self.checkpoints = CheckpointManager(paths.checkpoints, keep_last=settings.keep_checkpoints)
+        self._prefetcher: Prefetcher | None = None
+        self._store = None
+        self._metrics: MetricsWriter | None = None
+        self._display: ProgressDisplay | None = None
+
+    @classmethod
+    def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None) -> Learner:
+        s = pipeline.settings
+        return cls(pipeline.learner, paths, make_model=pipeline.make_model, steps=s.steps,
+                   seed=getattr(s, "seed", 0), device=s.device, pad_token_id=pipeline.pad_token_id,
+                   stop_event=stop_event)
+
+    # ================================================================== setup
+    def setup(self) -> None:
+        torch.manual_seed(self.seed)
+        checkpoint = self._load_checkpoint()
+        self._setup_model(checkpoint)
+        self._setup_optimizer(checkpoint)
+        self._setup_data(checkpoint)
+        if checkpoint is not None:
+            restore_rng_state(checkpoint["rng"])
+        truncate_metrics(self.paths.metrics, self.progress.step)
+        self._metrics = MetricsWriter(self.paths.metrics, self.paths.tensorboard)
+        if self.show_progress:
+            self._display = ProgressDisplay(self.total_steps, self.progress.step, self.settings.log_every)
+
+    def _load_checkpoint(self) -> dict[str, Any] | None:
+        if self.checkpoints.latest() is None:
+            self.progress = Progress(seed=self.seed)
+            return None
+        self.progress, state = self.checkpoints.load()
+        if self.progress.seed != self.seed:
+            raise ValueError(f"checkpoint was made with seed {self.progress.seed}, this run has seed {self.seed}")
+        print(f"[learner] resuming from {self.checkpoints.latest()} (step {self.progress.step})",
+              file=sys.stderr, flush=True)
+        return state
+
+    def _setup_model(self, checkpoint: dict[str, Any] | None) -> None:
+        from rlhf_pipeline.weights import load_weights
+
+        self.model = self.make_model()
+        if checkpoint is not None:
+            self.model.load_state_dict(checkpoint["model"])
+        else:
+            state, version = load_weights(self.paths.root)  # the initial policy, version 0
+            self.model.load_state_dict(state)
+            self.progress.policy_version = version
+        self.model.to(self.device).train()
+
+    def _setup_optimizer(self, checkpoint: dict[str, Any] | None) -> None:
+        s = self.settings
+        fused = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, betas=s.adam_betas,
+                                           weight_decay=s.weight_decay, fused=fused or None)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(s, self.total_steps))
+        if checkpoint is not None:
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.scheduler.load_state_dict(checkpoint["scheduler"])
+
+    def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
+        from rlhf_pipeline.collate import pad_batch
+        from rlhf_pipeline.storage import open_store
+
+        self._store = open_store(str(self.paths.buffer), mode="r")
+        if checkpoint is not None:
+            self._store.load_state_dict(checkpoint["buffer"])  # the rows it saw must still be there
+        self.sampler = FreshRowSampler(
+            self._store, batch_size=self.settings.batch_size, window=self.settings.sample_window,
+            seed=self.seed, max_staleness=self.settings.max_staleness,
+            new_rows_per_draw=self.settings.new_rows_per_step, min_next_row=self.progress.min_next_row,
+            timeout_s=self.settings.data_timeout_s, stop=self.stop_event,
+        )
+        self.sampler.current_version = self.progress.policy_version
+        pin = self.device.type == "cuda"
+
+        def produce(draw: int):
+            sampled = self.sampler.draw(draw)
+            return sampled, pad_batch(sampled.rows, pad_token_id=self.pad_token_id, pin_memory=pin)
+
+        self._prefetcher = Prefetcher(produce, self.progress.draws, depth=self.settings.prefetch_depth,
+                                      stop=self.stop_event)
+
+    # ================================================================== train
+    def train(self, max_steps: int | None = None) -> bool:
+        """Runs until ``steps``, a stop request, or ``max_steps`` more steps (then checkpoints).
+
+        Returns True when all ``steps`` were taken.
+        """
+        assert self._prefetcher is not None, "call setup() first"
+        waited = 0.0
+        until = self.total_steps if max_steps is None else min(self.total_steps, self.progress.step + max_steps)
+        while self.progress.step < until and not self.stop_event.is_set():
+            try:
+                draw, (sampled, batch), wait = self._prefetcher.next()
+            except InterruptedError:
+                break
+            assert draw == self.progress.draws, (draw, self.progress.draws)
+            waited += wait
+            self.progress.draws += 1
+            self.progress.buffer_next_row = sampled.buffer_next_row
+            self.progress.min_next_row = sampled.min_next_row
+            batch, stale_now = self._drop_stale(batch)
+            dropped = sampled.dropped_stale + stale_now
+            self.progress.rows_dropped_stale += dropped
+            if batch is None:  # every row went stale while it waited in the prefetch queue
+                continue
+            t0 = time.perf_counter()
+            metrics = self._train_step(batch)
+            self.progress.step += 1
+            if self.progress.step % self.settings.publish_every == 0:
+                self._publish()
+            elapsed = time.perf_counter() - t0
+            metrics.update({
+                "charts/tokens_per_s": metrics.pop("_tokens") / max(elapsed + waited, 1e-9),
+                "charts/data_wait_s": waited,
+                "charts/rows_dropped_stale": float(dropped),
+                "charts/rows_dropped_stale_total": float(self.progress.rows_dropped_stale),
+                "charts/policy_version": float(self.progress.policy_version),
+                "charts/buffer_rows": float(sampled.buffer_rows),
+                "charts/step_time_s": elapsed,
+            })
+            waited = 0.0
+            assert self._metrics is not None
+            self._metrics.log(self.progress.step, metrics)
+            if self._display is not None:
+                self._display.update(self.progress.step, metrics)
+            if self.progress.step % self.settings.checkpoint_every == 0 or self.progress.step == self.total_steps:
+                self.save_checkpoint()
+        finished = self.progress.step >= self.total_steps
+        if not finished:
+            self.save_checkpoint()
+            print(f"[learner] stopped at step {self.progress.step}; checkpoint saved, run the same "
+                  f"command again to resume", file=sys.stderr, flush=True)
+        return finished
+
+    def _drop_stale(self, batch):
+        """Re-checks staleness at use time: the version may have moved since the batch was sampled."""
+        bound = self.settings.max_staleness
+        if bound is None:
+            return batch, 0
+        fresh = batch["policy_version"] >= self.progress.policy_version - bound
+        if bool(fresh.all()):
+            return batch, 0
+        if not bool(fresh.any()):
+            return None, int(fresh.numel())
+        return take_rows(batch, torch.nonzero(fresh).reshape(-1)), int((~fresh).sum())
+
+    def _train_step(self, batch) -> dict[str, float]:
+        s = self.settings
+        batch = batch.to(self.device, non_blocking=True)
+        response_mask = batch["masks", "response"]
+        total_tokens = int(response_mask.sum())
+        total_rows = batch.batch_size[0]
+        token_mean = aggregates_by_token(s.loss)
+        loss_options = dataclasses.asdict(s.loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for micro in split_microbatches(batch, s.micro_batch_tokens):
+            micro_tokens = int(micro["masks", "response"].sum())
+            weight = micro_tokens / max(total_tokens, 1) if token_mean else micro.batch_size[0] / total_rows
+            with self._autocast():
+                loss, stats = grpo_step_loss(self.model, micro, temperature=s.temperature, **loss_options)
+            (loss * weight).backward()
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * weight
+        clip = s.max_grad_norm if s.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        lr_used = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.progress.rows_used += total_rows
+        self.progress.tokens_seen += total_tokens
+
+        cpu = batch.to("cpu")
+        staleness = (self.progress.policy_version - cpu["policy_version"]).float()
+        metrics = {f"losses/{k}": v for k, v in sums.items()}
+        metrics["losses/grad_norm"] = float(grad_norm)
+        metrics.update(group_reward_stats(cpu["next", "reward"].reshape(-1), cpu["group_id"]))
+        if "sequence_advantage" in cpu.keys():
+            adv = cpu["sequence_advantage"]
+            metrics["charts/advantage_mean"] = float(adv.mean())
+            metrics["charts/advantage_std"] = float(adv.std()) if adv.numel() > 1 else 0.0
+        lengths = cpu["response_lengths"].float()
+        metrics.update({
+            "charts/response_length_mean": float(lengths.mean()),
+            "charts/response_length_max": float(lengths.max()),
+            "charts/staleness_mean": float(staleness.mean()),
+            "charts/staleness_max": float(staleness.max()),
+            "charts/learning_rate": lr_used,
+            "charts/rows": float(total_rows),
+            "_tokens": float(int(cpu["masks", "all_attention_mask"].sum())),
+        })
+        return metrics
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _publish(self) -> None:
+        from rlhf_pipeline.weights import latest_version, publish_weights
+
+        # a crash after a publish but before its checkpoint leaves a newer file: never reuse its number
+        published = latest_version(self.paths.root)
+        version = max(self.progress.policy_version, published if published is not None else -1) + 1
+        publish_weights(self.paths.root, self.model.state_dict(), version)
+        self.progress.policy_version = version
+        self.sampler.current_version = version
+
+    # ================================================================== checkpoint
+    def save_checkpoint(self) -> None:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": capture_rng_state(),
+            "buffer": self._store.state_dict() if self._store is not None else None,
+        }
+        self.checkpoints.save(self.progress, state)
+
+    # ================================================================== cleanup
+    def cleanup(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        if self._display is not None:
+            self._display.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._store is not None:
+            self._store.close()
+            self._store = None

@@ -1,0 +1,309 @@
+"""The GRPO loss, as pure functions of padded (B, T) tensors, and the log-prob forward.
+
+Which variant. :func:`grpo_loss` computes, per response token t of row i,
+
+    r_it   = exp(logp_it - old_logp_it)                       ratio to the old policy
+    L_it   = -min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i) * w_it
+    loss   = agg(L) + kl_coef * agg(k3_it) - entropy_coef * agg(H_it)
+
+with the options (:class:`GRPOLossConfig`):
+
+* ``clip_eps_low`` / ``clip_eps_high``: symmetric (0.2, 0.2) as in PPO/GRPO, or
+  asymmetric "clip-higher" (0.2, 0.28) as in DAPO (arXiv:2503.14476, eq. 10).
+* ``aggregation``: ``"token_mean"`` sum over every response token of the batch divided
+  by their count (DAPO); ``"sequence_mean"`` mean over tokens within each row, then
+  over rows (the original GRPO paper); ``"constant"`` sum over tokens divided by
+  ``B * max_tokens`` (Dr. GRPO, arXiv:2503.20783: no length normalisation bias).
+* ``ratio_level="sequence"``: GSPO (arXiv:2507.18071): one ratio per row,
+  ``s_i = exp(mean_t(logp_it - old_logp_it))``, clipped as a whole; written per token
+  as ``sg(s_i) * exp(logp_it - sg(logp_it))`` so its gradient is GSPO's. GSPO uses
+  tiny epsilons (3e-4 / 4e-4) and ``sequence_mean``.
+* ``kl_coef``: KL to the reference IN THE LOSS, the k3 estimator
+  ``exp(ref - logp) - (ref - logp) - 1`` (Schulman's; unbiased, >= 0) aggregated
+  like the policy term. It can be used with, or instead of, a KL penalty in the reward
+  (the ``kl`` write-path transform); set one of them to zero to avoid counting twice.
+* ``entropy_coef``: entropy bonus on the token entropy of the full softmax.
+* ``tis_cap``: truncated importance sampling (Yao et al. 2025, "Your efficient RL
+  framework secretly brings you off-policy RL training"): when the old-policy
+  log-probs are the learner's own (``old_policy="current"`` in :func:`grpo_step_loss`)
+  the sampler's log-probs differ (stale weights, different kernels, top-k/top-p); each
+  token is weighted by ``w = min(exp(old_logp - sampler_logp), tis_cap)`` (no gradient).
+
+Which log-prob is the "old" one in :func:`grpo_step_loss`: by default the sampler's
+stored log-probs (``old_policy="sampler"``): one optimizer step per sampled batch, and
+the clip bounds the step relative to the policy that generated the data, including
+its staleness. ``old_policy="current"`` uses the learner's detached log-probs (ratio
+exactly 1 at the step, so no clipping) and corrects for the sampler with ``tis_cap``.
+
+Metrics (0-dim detached tensors): ``loss``, ``policy_loss``, ``kl`` (k3 to the
+reference, masked token mean; 0 without reference), ``entropy`` (masked token mean),
+``clip_frac_low`` / ``clip_frac_high`` (fraction of response tokens whose gradient
+the lower / upper clip removed: ratio < 1-eps with A < 0 / ratio > 1+eps with A > 0),
+``ratio_mean/min/max``, ``approx_kl_old`` (k3 between old and current policy),
+``ess`` (effective sample size ``(sum w)^2 / (n * sum w^2)`` of the importance weights
+over response tokens, in (0, 1]; the TIS weights when TIS is on, else the ratios),
+``tis_clip_frac``.
+
+Parity with torchrl 0.14.1 ``GRPOLoss`` (``tests/learn/test_loss.py``, to 1e-6, loss and
+gradients, run end to end around ``TransformersWrapper`` on a ``pad_batch`` batch):
+``token_mean`` is its ``token_mean``, ``sequence_mean`` its ``prompt_mean``, the clip
+and entropy bonus match, and ``ess`` equals its ``ESS``. Its logged ``kl_to_ref``,
+``entropy`` and ``clip_fraction`` average over all B*T positions (padding counted as
+zero, clipping counted whatever the advantage sign); ours average over response
+tokens only, and its KL-to-ref loss term is that all-position mean rather than an
+aggregation like the policy term.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+
+Aggregation = Literal["token_mean", "sequence_mean", "constant"]
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """The loss menu; every option is an explicit field (see the module docstring)."""
+
+    clip_eps_low: float = 0.2
+    """Lower clip: the ratio is clipped at ``1 - clip_eps_low``."""
+    clip_eps_high: float = 0.2
+    """Upper clip: ``1 + clip_eps_high``; 0.28 with 0.2 low is DAPO's clip-higher."""
+    aggregation: Aggregation = "token_mean"
+    """``token_mean`` | ``sequence_mean`` | ``constant`` (Dr. GRPO, needs ``max_tokens``)."""
+    max_tokens: int | None = None
+    """The constant of ``aggregation="constant"``: usually the sampler's max_new_tokens."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """``token`` (GRPO) or ``sequence`` (GSPO's length-normalised sequence ratio)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL-to-reference term in the loss (needs reference log-probs)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap C in ``min(exp(old - sampler), C)``; None disables."""
+    old_policy: Literal["sampler", "current"] = "sampler"
+    """:func:`grpo_step_loss` only: the old log-probs are the sampler's or the learner's (detached)."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.clip_eps_low < 1) or self.clip_eps_high < 0:
+            raise ValueError(
+                f"clip_eps_low must be in [0, 1) and clip_eps_high >= 0, got ({self.clip_eps_low}, {self.clip_eps_high})"
+            )
+        if self.aggregation not in ("token_mean", "sequence_mean", "constant"):
+            raise ValueError(f"aggregation must be token_mean, sequence_mean or constant, got {self.aggregation!r}")
+        if self.aggregation == "constant" and not (self.max_tokens and self.max_tokens > 0):
+            raise ValueError("aggregation='constant' (Dr. GRPO) needs max_tokens > 0, e.g. the sampler's max_new_tokens")
+        if self.ratio_level not in ("token", "sequence"):
+            raise ValueError(f"ratio_level must be 'token' or 'sequence' (GSPO), got {self.ratio_level!r}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 (or None to disable), got {self.tis_cap}")
+        if self.old_policy not in ("sampler", "current"):
+            raise ValueError(f"old_policy must be 'sampler' or 'current', got {self.old_policy!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> GRPOLossConfig:
+        """From a dict of keyword options; unknown names raise with the list of valid ones."""
+        options = dict(options or {})
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - valid)
+        if unknown:
+            raise ValueError(f"unknown GRPO loss option(s) {unknown}; valid options are {sorted(valid)}")
+        return cls(**options)
+
+
+def aggregates_by_token(options: Mapping[str, Any] | GRPOLossConfig | None) -> bool:
+    """True when the loss is a token mean, so micro-batches are weighted by token count, else by rows."""
+    config = options if isinstance(options, GRPOLossConfig) else GRPOLossConfig.from_options(options)
+    return config.aggregation == "token_mean"
+
+
+# ======================================================================== aggregation
+def aggregate(values: torch.Tensor, mask: torch.Tensor, config: GRPOLossConfig,
+              token_count: torch.Tensor | float | None = None) -> torch.Tensor:
+    """(B, T) per-token values -> scalar, by ``config.aggregation``; masked-out tokens never count.
+
+    ``token_count`` overrides the token-mean denominator (a global count when the batch
+    is split into micro-batches); by default it is this batch's response-token count.
+    """
+    m = mask.to(values.dtype)  # (B, T)
+    masked_sum = (values * m).sum()
+    if config.aggregation == "token_mean":
+        denominator = m.sum().clamp_min(1.0) if token_count is None else token_count
+        return masked_sum / denominator
+    if config.aggregation == "sequence_mean":
+        per_row = (values * m).sum(-1) / m.sum(-1).clamp_min(1.0)  # (B,)
+        return per_row.mean()
+    return masked_sum / (values.shape[0] * config.max_tokens)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp_min(1.0)
+
+
+def effective_sample_size(log_weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(sum w)^2 / (n * sum w^2)`` over masked entries, from log-weights (stable form); in (0, 1]."""
+    lw = log_weights[mask.bool()].detach()
+    lw = lw.to(torch.promote_types(lw.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
+    if lw.numel() == 0:
+        return torch.tensor(1.0)
+    return (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp() / lw.numel()
+
+
+# ======================================================================== the loss
+def grpo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: GRPOLossConfig | None = None,
+    *,
+    ref_log_probs: torch.Tensor | None = None,
+    sampler_log_probs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    token_count: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO objective of the module docstring; returns ``(loss, metrics)``.
+
+    Shapes: ``log_probs`` (B, T) with grad, current policy; ``old_log_probs`` (B, T);
+    ``advantages`` (B,) one per row, or (B, T) / (B, T, 1) per token; ``mask`` (B, T)
+    bool, True on the tokens that carry loss; ``ref_log_probs`` (B, T) needed when
+    ``kl_coef > 0``; ``sampler_log_probs`` (B, T) needed when ``tis_cap`` is set;
+    ``entropy`` (B, T) needed when ``entropy_coef > 0``.
+    """
+    config = config or GRPOLossConfig()
+    mask = mask.bool()
+    if log_probs.shape != mask.shape or old_log_probs.shape != mask.shape:
+        raise ValueError(
+            f"log_probs {tuple(log_probs.shape)}, old_log_probs {tuple(old_log_probs.shape)} and mask "
+            f"{tuple(mask.shape)} must all be (B, T)"
+        )
+    if advantages.dim() == 3:
+        advantages = advantages.squeeze(-1)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+    adv = adv.to(log_probs.dtype).detach()
+    old = old_log_probs.detach().to(log_probs.dtype)
+
+    # masked positions get log-ratio 0 so padding never produces inf/nan ratios
+    log_ratio = torch.where(mask, log_probs - old, torch.zeros_like(log_probs))  # (B, T)
+    if config.ratio_level == "sequence":
+        counts = mask.sum(-1, keepdim=True).clamp_min(1)
+        seq_log_ratio = log_ratio.sum(-1, keepdim=True) / counts  # (B, 1)
+        # value = s_i on every token, gradient = s_i * d logp_it (GSPO's token-level form)
+        ratio_log = seq_log_ratio.detach() + log_probs - log_probs.detach()
+        log_ratio_for_stats = seq_log_ratio.expand_as(log_ratio)
+        ratio = torch.where(mask, ratio_log.exp(), torch.ones_like(log_probs))
+    else:
+        ratio = log_ratio.exp()  # (B, T)
+        log_ratio_for_stats = log_ratio
+    clipped = ratio.clamp(1 - config.clip_eps_low, 1 + config.clip_eps_high)
+    per_token = -torch.minimum(ratio * adv, clipped * adv)  # (B, T)
+
+    metrics: dict[str, torch.Tensor] = {}
+    if config.tis_cap is not None:
+        if sampler_log_probs is None:
+            raise ValueError("tis_cap is set but no sampler_log_probs were given; pass the stored sampling log-probs")
+        tis_log = torch.where(mask, old - sampler_log_probs.detach().to(old.dtype), torch.zeros_like(old))
+        tis_weight = tis_log.exp().clamp(max=config.tis_cap)  # (B, T)
+        per_token = per_token * tis_weight
+        metrics["tis_clip_frac"] = _masked_mean((tis_log.exp() > config.tis_cap).float(), mask)
+        metrics["ess"] = effective_sample_size(tis_weight.log(), mask)
+    else:
+        metrics["ess"] = effective_sample_size(log_ratio_for_stats, mask)
+
+    policy_loss = aggregate(per_token, mask, config, token_count)
+    loss = policy_loss
+    if ref_log_probs is not None:
+        diff = torch.where(mask, ref_log_probs.to(log_probs.dtype) - log_probs, torch.zeros_like(log_probs))
+        k3 = diff.exp() - diff - 1  # (B, T), >= 0
+        metrics["kl"] = _masked_mean(k3.detach(), mask)
+        if config.kl_coef:
+            loss = loss + config.kl_coef * aggregate(k3, mask, config, token_count)
+    elif config.kl_coef:
+        raise ValueError(
+            "kl_coef > 0 needs ref_log_probs; attach the reference log-prob transform to the buffer's "
+            "write path (field 'ref_log_probs') or set kl_coef=0"
+        )
+    else:
+        metrics["kl"] = torch.zeros(())
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy.detach(), mask)
+        if config.entropy_coef:
+            loss = loss - config.entropy_coef * aggregate(entropy, mask, config, token_count)
+    elif config.entropy_coef:
+        raise ValueError("entropy_coef > 0 needs the per-token entropy; pass entropy=... (response_logprobs returns it)")
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low = (r < 1 - config.clip_eps_low) & (adv < 0)
+        high = (r > 1 + config.clip_eps_high) & (adv > 0)
+        metrics["clip_frac_low"] = _masked_mean(low.float(), mask)
+        metrics["clip_frac_high"] = _masked_mean(high.float(), mask)
+        valid = r[mask] if mask.any() else torch.ones(1)
+        metrics["ratio_mean"] = valid.mean()
+        metrics["ratio_min"] = valid.min()
+        metrics["ratio_max"] = valid.max()
+        metrics["approx_kl_old"] = _masked_mean(log_ratio.exp() - 1 - log_ratio, mask)
+        metrics["policy_loss"] = policy_loss.detach()
+        metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+# ======================================================================== forward
+def response_logprobs(model, padded_batch, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``(log_probs (B, T), entropy (B, T))`` of a causal-LM forward over the padded batch.
+
+    Reads ``("tokens", "full")``, ``("masks", "all_attention_mask")`` and ``"position_ids"``
+    (recomputed as ``cumsum(mask) - 1`` when absent), the layout of
+    ``rlhf_pipeline.collate.pad_batch``. Entry ``t`` scores token ``t`` given the tokens
+    before it, under ``log_softmax(logits / temperature)`` (no top-k/top-p truncation;
+    see ``collect/generate.py`` on when that matches the sampler exactly); ``entropy[t]``
+    is the entropy of that same distribution. Column 0 and padding are 0.
+    """
+    tokens = padded_batch["tokens", "full"]  # (B, T)
+    attention = padded_batch["masks", "all_attention_mask"]  # (B, T)
+    if "position_ids" in padded_batch.keys():
+        positions = padded_batch["position_ids"]
+    else:
+        positions = (attention.long().cumsum(-1) - 1).clamp_min(0)
+    logits = model(input_ids=tokens, attention_mask=attention.long(), position_ids=positions).logits  # (B, T, V)
+    logits = logits[:, :-1].float() / temperature  # (B, T-1, V) predicts tokens 1..T-1
+    logp_all = torch.log_softmax(logits, dim=-1)
+    token_logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T-1)
+    zeros = token_logp.new_zeros(tokens.shape[0], 1)
+    valid = attention[:, 1:].bool()
+    log_probs = torch.cat([zeros, torch.where(valid, token_logp, 0.0)], dim=1)  # (B, T)
+    entropy = torch.cat([zeros, torch.where(valid, entropy, 0.0)], dim=1)  # (B, T)
+    return log_probs, entropy
+
+
+def grpo_step_loss(model, padded_batch, *, temperature: float = 1.0, token_count=None,
+                   **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward + :func:`grpo_loss` on a ``pad_batch`` micro-batch; ``options`` are :class:`GRPOLossConfig` fields.
+
+    Reads the loss mask ``("masks", "all_assistant_mask")``, the advantage
+    ``"sequence_advantage"`` (B,), the sampling log-probs ``("log_probs", "full")`` and,
+    when present, ``("next", "ref_log_probs", "full")``.
+    """
+    config = GRPOLossConfig.from_options(options)
+    keys = padded_batch.keys(include_nested=True)
+    if "sequence_advantage" not in keys:
+        raise KeyError(
+            "the padded batch has no advantage ('sequence_advantage'); attach the group-advantage "
+            "transform to the buffer's write path so stored rows carry 'advantage'"
+        )
+    mask = padded_batch["masks", "all_assistant_mask"].bool()
+    log_probs, entropy = response_logprobs(model, padded_batch, temperature)
+    sampler = padded_batch["log_probs", "full"]
+    old = log_probs.detach() if config.old_policy == "current" else sampler
+    ref_key = ("next", "ref_log_probs", "full")
+    ref = padded_batch[ref_key] if ref_key in keys else None
+    return grpo_loss(
+        log_probs, old, padded_batch["sequence_advantage"], mask, config,
+        ref_log_probs=ref, sampler_log_probs=sampler, entropy=entropy, token_count=token_count,
+    )

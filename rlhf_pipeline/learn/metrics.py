@@ -1,0 +1,145 @@
+"""Learner metrics: one JSON line per step, TensorBoard scalars, and a progress display.
+
+Names follow what GRPO trainers (TRL, verl, cleanrl) show, grouped by prefix:
+
+* ``losses/``: ``loss``, ``policy_loss``, ``kl``, ``entropy``, ``clip_frac_low``,
+  ``clip_frac_high``, ``ess`` (effective sample size of the importance weights, as a
+  fraction of tokens), ``grad_norm``;
+* ``charts/``: ``reward_mean``, ``reward_std``, ``frac_reward_zero_std`` (groups whose
+  rewards are all equal, so they carry no GRPO signal), ``advantage_mean``/``_std``,
+  ``response_length_mean``, ``learning_rate``, ``tokens_per_s``, ``data_wait_s``,
+  ``staleness_mean``/``_max`` (learner version minus the sampling policy's version),
+  ``rows_dropped_stale``, ``policy_version``, ``buffer_rows``.
+
+``metrics.jsonl`` is the source of truth; TensorBoard is a view of the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+
+# ====================================================================== stats
+def group_reward_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
+    """Mean/std of rewards and the fraction of groups whose rewards have zero spread."""
+    rewards = rewards.float()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    if n_groups:
+        hi = torch.full((n_groups,), -torch.inf).scatter_reduce(0, inverse, rewards, "amax")
+        lo = torch.full((n_groups,), torch.inf).scatter_reduce(0, inverse, rewards, "amin")
+        counts = torch.bincount(inverse, minlength=n_groups)
+        # a group seen through a single sampled row tells nothing about its spread
+        multi = counts > 1
+        zero = ((hi - lo).abs() < 1e-8) & multi
+        frac_zero = float(zero.sum()) / max(int(multi.sum()), 1)
+    else:
+        frac_zero = 0.0
+    return {
+        "charts/reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+        "charts/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "charts/frac_reward_zero_std": frac_zero,
+    }
+
+
+# ====================================================================== writer
+class MetricsWriter:
+    """Appends step metrics to ``metrics.jsonl`` and to TensorBoard event files."""
+
+    def __init__(self, jsonl_path: str | Path, tensorboard_dir: str | Path | None = None) -> None:
+        self.jsonl_path = Path(jsonl_path)
+        self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.jsonl_path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        record = {"step": step, "time": round(time.time(), 3)}
+        record.update({k: _plain(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def truncate_metrics(jsonl_path: str | Path, after_step: int) -> None:
+    """Drops lines of steps after ``after_step``: a resumed run redoes them (and writes them again)."""
+    path = Path(jsonl_path)
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and _step_of(line) <= after_step]
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    partial.replace(path)
+
+
+def read_metrics(jsonl_path: str | Path) -> list[dict]:
+    path = Path(jsonl_path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # an unreadable (torn) line is dropped
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+# ====================================================================== progress display
+class ProgressDisplay:
+    """A tqdm bar on a terminal; a plain line every ``log_every`` steps otherwise (logs, CI)."""
+
+    KEYS = (("reward", "charts/reward_mean"), ("loss", "losses/loss"), ("kl", "losses/kl"),
+            ("stale", "charts/staleness_mean"), ("tok/s", "charts/tokens_per_s"),
+            ("wait", "charts/data_wait_s"))
+
+    def __init__(self, total: int, initial: int = 0, log_every: int = 10, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.log_every = max(1, log_every)
+        self.total = total
+        self._bar = None
+        if getattr(self.stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, file=self.stream, desc="learner",
+                             dynamic_ncols=True)
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        shown = {short: metrics[key] for short, key in self.KEYS if key in metrics}
+        if self._bar is not None:
+            self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+            self._bar.update(step - self._bar.n)
+        elif step % self.log_every == 0 or step == self.total:
+            parts = " ".join(f"{k}={v:.3g}" for k, v in shown.items())
+            print(f"[learner] step {step}/{self.total} {parts}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

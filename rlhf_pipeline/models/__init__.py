@@ -1,0 +1,22 @@
+"""Models and tokenizers: tiny offline ones built from configs, real ones from local paths."""
+
+from rlhf_pipeline.models.loading import ModelLoadError, load_model, load_reward_model, load_tokenizer
+from rlhf_pipeline.models.tiny import (
+    CHAT_TEMPLATE,
+    char_tokenizer,
+    tiny_causal_lm,
+    tiny_model_and_tokenizer,
+    tiny_reward_model,
+)
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "ModelLoadError",
+    "char_tokenizer",
+    "load_model",
+    "load_reward_model",
+    "load_tokenizer",
+    "tiny_causal_lm",
+    "tiny_model_and_tokenizer",
+    "tiny_reward_model",
+]

@@ -1,0 +1,113 @@
+"""Loading real Hugging Face models and tokenizers from a LOCAL directory (never the Hub).
+
+Every loader passes ``local_files_only=True``: a typo in a path must fail at once
+with a message naming the path, not turn into a download attempt. Errors are
+:class:`ModelLoadError` and say what was expected in the directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer path does not hold what the loader needs."""
+
+
+def _check_dir(path: str | Path, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(
+            f"{what} path {str(p)!r} does not exist; pass a local directory written by "
+            f"save_pretrained() (models are never downloaded here)"
+        )
+    if not p.is_dir():
+        raise ModelLoadError(f"{what} path {str(p)!r} is a file; pass the directory that holds it")
+    return p
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
+    """``"auto"`` (the checkpoint's dtype), a torch dtype, or one of float32/bf16/fp16 names."""
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of 'auto', {sorted(_DTYPES)}") from None
+
+
+def load_model(
+    path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """A causal LM from ``path`` (``config.json`` + weights), on ``device``, in eval mode."""
+    torch_dtype = resolve_dtype(dtype)
+    p = _check_dir(path, "model")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(
+            f"{str(p)!r} has no config.json, so it is not a Hugging Face model directory "
+            f"(found: {sorted(x.name for x in p.iterdir())[:10]})"
+        )
+    if not any((p / name).is_file() for name in _WEIGHT_FILES):
+        raise ModelLoadError(f"{str(p)!r} has a config.json but no weights (expected one of {_WEIGHT_FILES})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"could not load a causal LM from {str(p)!r}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def load_reward_model(
+    path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """A sequence-classification model (the reward model) from ``path``, in eval mode."""
+    torch_dtype = resolve_dtype(dtype)
+    p = _check_dir(path, "reward model")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"{str(p)!r} has no config.json, so it is not a Hugging Face model directory")
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            p, dtype=torch_dtype, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"could not load a sequence-classification model from {str(p)!r}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """A tokenizer from ``path``; pads on the left and has a pad token (EOS if it had none)."""
+    p = _check_dir(path, "tokenizer")
+    if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise ModelLoadError(
+            f"{str(p)!r} holds no tokenizer files (tokenizer.json or tokenizer_config.json); "
+            f"save one there with tokenizer.save_pretrained()"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"could not load a tokenizer from {str(p)!r}: {exc}") from exc
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(f"tokenizer at {str(p)!r} has neither a pad nor an EOS token; set one")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer

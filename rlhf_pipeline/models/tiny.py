@@ -1,0 +1,178 @@
+"""Tiny offline models and a character-level tokenizer, built in-process (no Hub access).
+
+The tokenizer maps every printable ASCII character to one token and registers the
+chat markers as special tokens, so ``<|user|>`` is one id instead of eight
+characters. Its chat template wraps the assistant turn in
+``{% generation %}...{% endgeneration %}`` so ``apply_chat_template(...,
+return_assistant_tokens_mask=True)`` marks exactly the assistant's tokens (content
+plus the closing ``<|end|>``, which is also EOS).
+
+Rendered conversation::
+
+    <|system|>...<|user|>12+7=<|assistant|>19<|end|>
+
+The models are ``Qwen2ForCausalLM`` (default) or ``LlamaForCausalLM`` built from a
+config with random weights. Both use RoPE, so left padding with
+``position_ids = cumsum(mask) - 1`` gives the same logits as unpadded input; GPT-2
+is not offered because torchrl's ``TransformersWrapper`` passes the attention mask
+positionally, which GPT-2 takes as ``past_key_values``.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForSequenceClassification,
+)
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "<|end|>"
+UNK_TOKEN = "<unk>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+# 95 printable ASCII characters: digits, letters, punctuation, space (no \t\n\r\x0b\x0c)
+DEFAULT_CHARACTERS = string.printable[:95] + "\n"
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "<|assistant|>{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}"
+    "{% elif m['role'] in ['system', 'user'] %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% else %}{{ raise_exception('unknown chat role: ' + m['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def char_tokenizer(characters: str = DEFAULT_CHARACTERS) -> PreTrainedTokenizerFast:
+    """A character-level ``PreTrainedTokenizerFast`` with pad/eos/unk and chat markers.
+
+    Ids: 0 ``<pad>``, 1 ``<|end|>`` (EOS), 2 ``<unk>``, 3-5 role markers, then one id
+    per character of ``characters`` in order. A BPE model with no merges splits text
+    into characters; the ``Fuse`` decoder joins them back without spaces.
+    """
+    if len(set(characters)) != len(characters):
+        raise ValueError("char_tokenizer(characters=...): characters must be distinct")
+    specials = [PAD_TOKEN, EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS]
+    vocab = {tok: i for i, tok in enumerate(specials + list(characters))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left")
+    # registering as special tokens keeps each marker one id and lets decode skip them
+    tokenizer.add_special_tokens(
+        {
+            "pad_token": PAD_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "unk_token": UNK_TOKEN,
+            "additional_special_tokens": list(ROLE_TOKENS),
+        }
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _config_kwargs(
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    intermediate_size: int | None,
+    max_position_embeddings: int,
+    pad_token_id: int,
+    eos_token_id: int,
+) -> dict:
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        # eager attention: exact, and fastest for these sizes on CPU
+        attn_implementation="eager",
+    )
+
+
+def tiny_causal_lm(
+    vocab_size: int,
+    *,
+    arch: Literal["qwen2", "llama"] = "qwen2",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 256,
+    pad_token_id: int = 0,
+    eos_token_id: int = 1,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A randomly initialised ``Qwen2ForCausalLM`` (or ``LlamaForCausalLM``) in eval mode, float32.
+
+    Defaults give ~140k parameters with the char tokenizer's vocabulary: small
+    enough to sample 64 completions of 16 tokens in well under a second on one CPU core.
+    ``seed`` makes the initial weights reproducible without touching the global RNG.
+    """
+    kwargs = _config_kwargs(
+        vocab_size, hidden_size, num_layers, num_heads, intermediate_size,
+        max_position_embeddings, pad_token_id, eos_token_id,
+    )
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config_cls(**kwargs))
+    model.generation_config.pad_token_id = pad_token_id
+    model.generation_config.eos_token_id = eos_token_id
+    return model.eval()
+
+
+def tiny_reward_model(
+    vocab_size: int,
+    *,
+    hidden_size: int = 32,
+    num_layers: int = 1,
+    num_heads: int = 2,
+    pad_token_id: int = 0,
+    eos_token_id: int = 1,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A randomly initialised ``Qwen2ForSequenceClassification`` with one label (a scalar score).
+
+    ``pad_token_id`` must be set: the head reads the last non-pad token of each row.
+    """
+    kwargs = _config_kwargs(
+        vocab_size, hidden_size, num_layers, num_heads, None, 256, pad_token_id, eos_token_id
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification(Qwen2Config(num_labels=1, **kwargs))
+    return model.eval()
+
+
+def tiny_model_and_tokenizer(
+    *, arch: Literal["qwen2", "llama"] = "qwen2", seed: int = 0, **model_kwargs
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The char tokenizer and a tiny causal LM sized to its vocabulary, ids wired together."""
+    tokenizer = char_tokenizer()
+    model = tiny_causal_lm(
+        len(tokenizer), arch=arch, seed=seed, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, **model_kwargs,
+    )
+    return model, tokenizer

@@ -1,0 +1,325 @@
+"""What a pipeline file is, how it is loaded by path, and how ``--set`` edits its settings.
+
+A pipeline is a Python file (``pipelines/default.py`` is the model to copy) that defines:
+
+* ``Settings`` -- a ``@dataclass`` with a default for every field. Each field is documented
+  by a docstring right below it (or ``metadata={"help": ...}``); ``--list-settings`` prints
+  them. It must have the fields ``steps: int`` (learner steps) and ``device: str``, which the
+  ``--steps`` / ``--device`` flags set. Nested dataclasses are allowed and addressed with
+  dots (``--set learner.lr=1e-4``).
+* ``build(settings, run: RunPaths) -> Pipeline`` -- checks the settings (paths exist,
+  prompts have their fields, the reward returns one value per completion...) and returns a
+  :class:`Pipeline`. ``build`` must raise :class:`PipelineError` on bad settings and must not
+  start any long work: models are built only when a ``Pipeline`` callable is called.
+
+Settings come from the dataclass defaults and the command line only; they are never read
+from environment variables (``RLHF_PIPELINE_HOME`` only says where run directories live).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import inspect
+import sys
+import textwrap
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+REQUIRED_SETTINGS = ("steps", "device")
+
+
+class PipelineError(ValueError):
+    """Bad pipeline file or settings; the message names the field and the fix."""
+
+
+# ====================================================================== run directory
+@dataclass(frozen=True)
+class RunPaths:
+    """Where one run keeps its state; collector and learner processes meet here."""
+
+    root: Path
+
+    @property
+    def buffer(self) -> Path:
+        return self.root / "buffer"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def settings_file(self) -> Path:
+        return self.root / "settings.json"
+
+    @property
+    def stop_file(self) -> Path:
+        """Written by ``run`` when the learner is done: a standalone collector stops too."""
+        return self.root / "STOP"
+
+
+# ====================================================================== the contract
+class CollectorLike(Protocol):
+    """What ``rlhf-pipeline collect`` drives (``rlhf_pipeline.collect.Collector`` is one)."""
+
+    def collect(self) -> Any: ...  # one round: generate, score, write whole groups; returns the rows
+
+    def set_policy_state(self, state_dict: dict, version: int) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Pipeline:
+    """What ``build`` returns: the parts ``run`` / ``collect`` / ``learn`` wire together.
+
+    Every callable is cheap to hold and does its work only when called, so a ``Pipeline``
+    can be built in the parent process just to check settings.
+    """
+
+    settings: Any
+    learner: Any  # rlhf_pipeline.learn.learner.LearnerSettings
+    make_policy: Callable[[], Any]
+    """Builds the initial policy (warm start included); run once per run, published as v0."""
+    make_model: Callable[[], Any]
+    """Builds the model architecture only (random init); weights are loaded into it."""
+    create_buffer: Callable[[Path], Any]
+    """Creates the (empty) replay buffer at the path; returns the open, writable store."""
+    make_collector: Callable[[Any, Any], CollectorLike]
+    """``make_collector(model, writable_store)`` -> a collector whose rows reach the store through
+    the pipeline's write-path transforms (e.g. ``ReplayBuffer.extend`` with them attached)."""
+    pad_token_id: int
+    preflight: Callable[[], None] = lambda: None
+    """Cheap checks that need code to run (the reward on one sample); called before any work."""
+    collect_rounds_per_version: int | None = 2
+    """A collector writes at most this many rounds per policy version, then waits for new
+    weights: rows much older than the learner would only be dropped as stale. None: no limit."""
+
+
+def preflight_rewards(rewards: Any, records: Sequence[Any], group_size: int) -> None:
+    """Scores ``group_size`` placeholder completions of the first prompt with every reward.
+
+    Catches, before any model is built, a reward that returns the wrong number of values,
+    non-numbers, or needs a prompt field the records lack.
+    """
+    from rlhf_pipeline.collect.rewards import as_rewards, score
+
+    record = records[0]
+    prompt = record.text if record.text is not None else str(record.messages)
+    fields = {k: [v] * group_size for k, v in record.fields.items()}
+    score(as_rewards(rewards), [prompt] * group_size, ["0"] * group_size, fields)
+
+
+# ====================================================================== loading
+def load_pipeline_module(path: str | Path) -> types.ModuleType:
+    """Imports a pipeline file by path and checks that it defines ``Settings`` and ``build``."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(
+            f"pipeline file {str(path)!r} does not exist; pass a path such as pipelines/default.py"
+        )
+    # a name derived from the path keeps two pipelines in one process apart
+    module_name = f"rlhf_pipeline_user_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise PipelineError(f"{path} is not a Python file that can be imported")
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses resolve string annotations through sys.modules
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        sys.modules.pop(module_name, None)
+        raise
+    settings_cls = getattr(module, "Settings", None)
+    if settings_cls is None or not dataclasses.is_dataclass(settings_cls):
+        raise PipelineError(f"{path} must define `Settings`, a @dataclass of its settings")
+    if not callable(getattr(module, "build", None)):
+        raise PipelineError(f"{path} must define `build(settings, run) -> Pipeline`")
+    names = {f.name for f in dataclasses.fields(settings_cls)}
+    missing = [n for n in REQUIRED_SETTINGS if n not in names]
+    if missing:
+        raise PipelineError(
+            f"{path}: Settings lacks the field(s) {missing}, which --steps/--device set; add them"
+        )
+    return module
+
+
+def make_settings(module: types.ModuleType, overrides: Sequence[str] = ()) -> Any:
+    """Default settings of a loaded pipeline with ``key=value`` overrides applied."""
+    try:
+        settings = module.Settings()
+    except TypeError as exc:
+        raise PipelineError(f"every field of Settings needs a default ({exc})") from None
+    return apply_overrides(settings, overrides)
+
+
+# ====================================================================== --set
+def apply_overrides(settings: Any, overrides: Sequence[str]) -> Any:
+    """Returns a copy of ``settings`` with each ``key=value`` (dotted keys for nesting) applied."""
+    for item in overrides:
+        if "=" not in item:
+            raise PipelineError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        settings = _set_path(settings, key.strip().split("."), raw.strip(), key.strip(), "")
+    return settings
+
+
+def _set_path(obj: Any, parts: list[str], raw: str, full_key: str, prefix: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    name = parts[0]
+    if name not in fields:
+        known = sorted(_all_keys(type(obj), prefix))
+        close = difflib.get_close_matches(full_key, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise PipelineError(
+            f"unknown setting {full_key!r}.{hint} Known settings: {', '.join(known)}"
+        )
+    hints = typing.get_type_hints(type(obj))
+    if len(parts) > 1:
+        child = getattr(obj, name)
+        if not dataclasses.is_dataclass(child):
+            raise PipelineError(f"setting {full_key!r}: {name!r} has no sub-settings")
+        return dataclasses.replace(obj, **{name: _set_path(child, parts[1:], raw, full_key, prefix + name + ".")})
+    value = parse_value(hints[name], raw, full_key)
+    try:
+        return dataclasses.replace(obj, **{name: value})
+    except (ValueError, TypeError) as exc:  # the dataclass's own checks (__post_init__)
+        raise PipelineError(f"setting {full_key!r}={raw!r} was rejected: {exc}") from None
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            keys += _all_keys(t, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_value(annotation: Any, raw: str, key: str) -> Any:
+    """Parses ``raw`` as ``annotation`` (bool, int, float, str, Path, Literal, Optional, tuple)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and raw.lower() in ("none", "null", ""):
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return parse_value(arg, raw, key)
+            except PipelineError as exc:
+                errors.append(str(exc))
+        raise PipelineError(errors[0] if len(errors) == 1 else f"setting {key!r}: cannot parse {raw!r} as {annotation}")
+    if origin is Literal:
+        for choice in args:
+            if str(choice) == raw:
+                return choice
+        raise PipelineError(f"setting {key!r} must be one of {list(args)}, got {raw!r}")
+    if origin in (tuple, list):
+        item_type = args[0] if args else str
+        items = [s.strip() for s in raw.split(",") if s.strip()]
+        values = [parse_value(item_type, s, key) for s in items]
+        return tuple(values) if origin is tuple else values
+    if annotation is bool:
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise PipelineError(f"setting {key!r} expects true/false, got {raw!r}")
+    if annotation in (int, float):
+        try:
+            return annotation(raw)
+        except ValueError:
+            raise PipelineError(
+                f"setting {key!r} expects {annotation.__name__}, got {raw!r}"
+            ) from None
+    if annotation is Path:
+        return Path(raw).expanduser()
+    if annotation is str or annotation is Any:
+        return raw
+    raise PipelineError(f"setting {key!r} has type {annotation}, which --set cannot parse")
+
+
+# ====================================================================== docs
+def settings_docs(cls: type) -> dict[str, str]:
+    """Field name -> help text, from ``metadata["help"]`` or the docstring under the field."""
+    docs: dict[str, str] = {}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    except (OSError, TypeError, SyntaxError, IndexError):
+        pass
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata:
+            docs[f.name] = f.metadata["help"]
+    return docs
+
+
+def describe_settings(settings: Any, prefix: str = "") -> str:
+    """One line per setting: key, type, current value and help (what ``--list-settings`` prints)."""
+    lines = []
+    docs = settings_docs(type(settings))
+    hints = typing.get_type_hints(type(settings))
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if dataclasses.is_dataclass(value):
+            lines.append(describe_settings(value, prefix + f.name + "."))
+            continue
+        hint = hints[f.name]
+        if typing.get_origin(hint) is Literal:
+            type_name = "|".join(str(a) for a in typing.get_args(hint))
+        else:
+            type_name = getattr(hint, "__name__", str(hint).replace("typing.", ""))
+        lines.append(f"  {prefix + f.name} ({type_name}) = {value!r}")
+        if f.name in docs:
+            lines.append(textwrap.fill(docs[f.name], width=96, initial_indent="      ",
+                                       subsequent_indent="      "))
+    return "\n".join(lines)
+
+
+def settings_to_json(settings: Any) -> dict:
+    """Plain-JSON form of the settings (Paths as strings), stored in the run directory."""
+
+    def convert(value):
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [convert(v) for v in value]
+        return value
+
+    return convert(dataclasses.asdict(settings))

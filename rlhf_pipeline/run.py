@@ -1,0 +1,345 @@
+"""Process orchestration for ``run`` / ``collect`` / ``learn``.
+
+Order of work, so bad settings fail before anything starts:
+
+1. load the pipeline file, apply ``--set`` / ``--steps`` / ``--device``, ``build`` it
+   (settings checks) and run its ``preflight`` (e.g. the reward on one sample);
+2. prepare the run directory under a file lock (idempotent, so ``collect`` and ``learn``
+   started side by side agree): check ``settings.json`` against a previous start, create
+   the buffer, build the initial policy (warm start) and publish it as weights version 0;
+3. ``run`` starts ``collect`` and ``learn`` as child processes with the same arguments and
+   waits for the learner; then it writes ``STOP``, which ends the collector after its
+   current round. A child that fails stops the other one.
+
+Both sides stop cleanly on Ctrl-C / SIGTERM: the collector finishes its round (rows are
+durable once written), the learner saves a checkpoint. Running the same command again
+resumes from there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.paths import run_dir as make_run_dir
+from rlhf_pipeline.pipeline import (
+    Pipeline,
+    PipelineError,
+    RunPaths,
+    describe_settings,
+    load_pipeline_module,
+    make_settings,
+    settings_to_json,
+)
+
+# settings that may change between starts of one run; learner.* may too (with a note);
+# the rest define the data in the buffer and must match
+_RESUMABLE_SETTINGS = {"steps", "device"}
+
+
+class RunError(RuntimeError):
+    """The run directory disagrees with the command (another run's settings, a child failed)."""
+
+
+# ====================================================================== entry point
+def run_command(command: str, *, pipeline_path: str, steps: int | None = None, home: str | None = None,
+                run_name: str | None = None, device: str | None = None,
+                overrides: Sequence[str] = (), list_settings: bool = False) -> int:
+    module = load_pipeline_module(pipeline_path)
+    cli_overrides = list(overrides)
+    if steps is not None and command != "collect":
+        cli_overrides.append(f"steps={steps}")
+    if device is not None:
+        cli_overrides.append(f"device={device}")
+    settings = make_settings(module, cli_overrides)
+    if list_settings:
+        print(f"settings of {pipeline_path} (change with --set KEY=VALUE):")
+        print(describe_settings(settings))
+        return 0
+    paths = RunPaths(make_run_dir(run_name or Path(pipeline_path).stem, home).resolve())
+    pipeline = build_pipeline(module, settings, paths)
+
+    if command == "run":
+        prepare_run(pipeline, paths)
+        return _run_both(pipeline_path, steps, paths, device, overrides)
+    prepare_run(pipeline, paths)
+    if command == "collect":
+        return collect_main(pipeline, paths, rounds=steps)
+    if command == "learn":
+        return learn_main(pipeline, paths)
+    raise PipelineError(f"unknown command {command!r}")
+
+
+def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
+    """``module.build`` plus ``preflight``; any ValueError there is a settings error."""
+    try:
+        pipeline = module.build(settings, paths)
+        if not isinstance(pipeline, Pipeline):
+            raise PipelineError(
+                f"build() must return rlhf_pipeline.pipeline.Pipeline, got {type(pipeline).__name__}"
+            )
+        pipeline.preflight()
+    except PipelineError:
+        raise
+    except (ValueError, FileNotFoundError) as exc:  # PromptError, RewardError, ModelLoadError...
+        raise PipelineError(f"{type(exc).__name__}: {exc}") from exc
+    return pipeline
+
+
+# ====================================================================== run directory
+@contextmanager
+def _run_lock(paths: RunPaths):
+    paths.root.mkdir(parents=True, exist_ok=True)
+    with open(paths.root / ".prepare.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # blocking: the other side is only preparing
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare_run(pipeline: Pipeline, paths: RunPaths) -> None:
+    """Creates what a run needs once; checks a resumed run uses the same settings."""
+    from rlhf_pipeline.weights import latest_version, publish_weights
+
+    with _run_lock(paths):
+        current = settings_to_json(pipeline.settings)
+        if paths.settings_file.exists():
+            saved = json.loads(paths.settings_file.read_text())
+            changed = _diff(saved, current)
+            tuned = [c for c in changed if c.startswith("learner.")]
+            changed = [c for c in changed if not c.startswith("learner.")]
+            if tuned:
+                # learner knobs may change on resume (e.g. replay offline); the data stays valid
+                print(f"[run] note: learner settings changed since the run started: {'; '.join(tuned)}",
+                      file=sys.stderr, flush=True)
+            if changed:
+                raise RunError(
+                    f"run directory {paths.root} was started with other settings ({'; '.join(changed)}). "
+                    f"Resume with the same settings, or start a new run with --run-name NAME"
+                )
+        else:
+            partial = paths.settings_file.with_suffix(".json.partial")
+            partial.write_text(json.dumps(current, indent=2, sort_keys=True))
+            partial.replace(paths.settings_file)
+        if not (paths.buffer.exists() and any(paths.buffer.iterdir())):
+            store = pipeline.create_buffer(paths.buffer)
+            store.close()
+        if latest_version(paths.root) is None:
+            print(f"[run] building the initial policy in {paths.root}", file=sys.stderr, flush=True)
+            model = pipeline.make_policy()
+            publish_weights(paths.root, model.state_dict(), 0)
+
+
+def _diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        if not prefix and key in _RESUMABLE_SETTINGS:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, prefix + key + ".")
+        elif a != b:
+            out.append(f"{prefix + key}: was {a!r}, now {b!r}")
+    return out
+
+
+# ====================================================================== signals
+class _StopFlag:
+    """Set by SIGINT/SIGTERM (first one: finish cleanly) or by the ``STOP`` file."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set():  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        print(f"[{_role()}] stopping cleanly (signal {signum}); press Ctrl-C again to abort",
+              file=sys.stderr, flush=True)
+        self.event.set()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _role() -> str:
+    return "learner" if "learn" in sys.argv else "collector" if "collect" in sys.argv else "run"
+
+
+# ====================================================================== collector side
+def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None) -> int:
+    """Collects rounds until ``rounds``, a stop request, or the learner's ``STOP`` file."""
+    import torch
+
+    from rlhf_pipeline.storage import open_store
+    from rlhf_pipeline.weights import WeightsPoller
+
+    stop = _StopFlag()
+    state_file = paths.root / "collector" / "state.pt"
+    store = open_store(str(paths.buffer), mode="a")  # the writer lock: one collector per buffer
+    done = 0
+    try:
+        model = pipeline.make_model()
+        poller = WeightsPoller(paths.root)
+        state, version = _wait_for_weights(poller, stop)
+        model.load_state_dict(state)
+        collector = pipeline.make_collector(model, store)
+        if state_file.exists():
+            # prompt position, id counters and sampling RNG: no prompt skipped or repeated
+            collector.load_state_dict(torch.load(state_file, weights_only=False))
+        collector.set_policy_state(state, version)
+        rounds_at_version = 0
+        print(f"[collector] writing to {paths.buffer} with policy version {version}", file=sys.stderr, flush=True)
+        while not _should_stop(stop, paths) and (rounds is None or done < rounds):
+            update = poller.poll()
+            if update is not None:
+                collector.set_policy_state(*update)
+                rounds_at_version = 0
+            limit = pipeline.collect_rounds_per_version
+            if limit is not None and rounds_at_version >= limit:
+                # far enough ahead of the learner: more rows now would only go stale
+                time.sleep(0.05)
+                continue
+            batch = collector.collect()
+            _save_atomic(collector.state_dict(), state_file)
+            done += 1
+            rounds_at_version += 1
+            if done % 50 == 0:
+                print(f"[collector] round {done}: {len(batch)} rows, buffer {len(store)} rows, "
+                      f"policy version {poller.current_version}", file=sys.stderr, flush=True)
+    finally:
+        store.close()
+        stop.restore()
+    print(f"[collector] stopped after {done} rounds", file=sys.stderr, flush=True)
+    return 0
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(obj, partial)
+    partial.replace(path)
+
+
+def _wait_for_weights(poller, stop: _StopFlag):
+    while True:
+        update = poller.poll()
+        if update is not None:
+            return update
+        if stop.event.is_set():
+            raise RunError("stopped before any policy weights were published")
+        time.sleep(0.2)
+
+
+def _should_stop(stop: _StopFlag, paths: RunPaths) -> bool:
+    return stop.event.is_set() or paths.stop_file.exists()
+
+
+# ====================================================================== learner side
+def learn_main(pipeline: Pipeline, paths: RunPaths) -> int:
+    from rlhf_pipeline.learn.learner import Learner
+
+    stop = _StopFlag()
+    paths.stop_file.unlink(missing_ok=True)  # a resumed learner wants collectors running
+    learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event)
+    try:
+        learner.setup()
+        finished = learner.train()
+    finally:
+        learner.cleanup()
+        stop.restore()
+    if finished:
+        paths.stop_file.touch()  # tells collectors of this run that the learner is done
+    return 0
+
+
+# ====================================================================== both
+def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
+              overrides: Sequence[str]) -> int:
+    paths.stop_file.unlink(missing_ok=True)
+    common = [pipeline_path, "--home", str(paths.root.parent), "--run-name", paths.root.name]
+    if device is not None:
+        common += ["--device", device]
+    for item in overrides:
+        common += ["--set", item]
+    # the collector runs until the learner is done (STOP), so it gets no --steps
+    learner_steps = ["--steps", str(steps)] if steps is not None else []
+    launcher = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    print(f"[run] run directory {paths.root}", file=sys.stderr, flush=True)
+    children = {
+        "collector": subprocess.Popen(launcher + ["collect", *common]),
+        "learner": subprocess.Popen(launcher + ["learn", *common, *learner_steps]),
+    }
+    interrupted = False
+    try:
+        while True:
+            codes = {name: p.poll() for name, p in children.items()}
+            if codes["learner"] is not None:
+                break
+            if codes["collector"] is not None and not (codes["collector"] == 0 and paths.stop_file.exists()):
+                # (a clean exit after STOP means the learner finished and is exiting too)
+                # without a collector the learner would only wait for data: stop it (it checkpoints)
+                children["learner"].send_signal(signal.SIGTERM)
+                _wait_quietly(children["learner"])
+                raise RunError(f"the collector exited early (exit code {codes['collector']}); see its "
+                               f"error above. The learner saved a checkpoint; rerun to resume")
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        # the terminal sent SIGINT to the children too; they finish their step/round
+        interrupted = True
+        for p in children.values():
+            _wait_quietly(p)
+    paths.stop_file.touch()
+    collector_code = _wait_quietly(children["collector"], timeout=120.0)
+    learner_code = children["learner"].returncode
+    if learner_code not in (0, None):
+        raise RunError(f"the learner failed (exit code {learner_code}); see its error above")
+    if interrupted:
+        print(f"[run] interrupted; run the same command again to resume {paths.root}", file=sys.stderr)
+        return 130
+    if collector_code not in (0, None):
+        raise RunError(f"the collector failed (exit code {collector_code}); see its error above")
+    _print_summary(paths)
+    return 0
+
+
+def _wait_quietly(process: subprocess.Popen, timeout: float | None = None) -> int | None:
+    while True:
+        try:
+            return process.wait(timeout=timeout)
+        except KeyboardInterrupt:
+            continue
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            timeout = None
+
+
+def _print_summary(paths: RunPaths) -> None:
+    from rlhf_pipeline.learn.metrics import read_metrics
+
+    records = read_metrics(paths.metrics)
+    if not records:
+        return
+    rewards = [r.get("charts/reward_mean") for r in records if "charts/reward_mean" in r]
+    k = max(1, len(rewards) // 10)
+    first = sum(rewards[:k]) / k if rewards else float("nan")
+    last = sum(rewards[-k:]) / k if rewards else float("nan")
+    print(f"[run] done: {records[-1]['step']} learner steps; mean reward {first:.3f} "
+          f"(first {k} steps) -> {last:.3f} (last {k} steps)", file=sys.stderr)
+    print(f"[run] metrics: {paths.metrics}  tensorboard: {paths.tensorboard}", file=sys.stderr)
+

@@ -1,0 +1,79 @@
+"""Copies a replay buffer between backends (memmap <-> Zarr), losslessly and in bounded memory.
+
+Rows are streamed one source segment at a time: read ``segment_rows`` rows, append
+them to the new store (which publishes them), move on. Memory stays at about one
+segment whatever the buffer's size, and an interrupted conversion leaves a valid
+destination holding a prefix of the rows (delete it and convert again).
+
+What is kept: every field of every held row, in order, bit for bit (token values,
+floats, UTF-8 text), the schema, and the segment size and row capacity. What is not:
+global row ids restart at 0 in the destination (a source whose oldest rows were
+evicted starts at ``first_row > 0``); backend options such as the Zarr codec are
+the destination's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.storage import backend_class, open_store
+from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
+
+DEFAULT_SEGMENT_ROWS = 4096
+
+
+def segment_rows_of(store: TrajectoryStore) -> int:
+    for name in ("segment_rows", "_segment_rows"):
+        value = getattr(store, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_SEGMENT_ROWS
+
+
+def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,
+            progress: Callable[[int, int], None] | None = None, **dst_options: Any) -> StoreStats:
+    """Copies the buffer at ``src`` into a new ``to`` store (``"zarr"`` or ``"memmap"``) at ``dst``.
+
+    ``progress(rows_done, rows_total)`` is called after each segment. ``dst_options`` go
+    to the destination's ``create`` (e.g. ``codec="zstd"`` for Zarr). Returns the
+    destination's stats; raises before writing anything if ``dst`` already holds a store.
+    """
+    target_cls = backend_class(to)
+    with open_store(src, mode="r") as source:
+        rows_per_step = segment_rows or segment_rows_of(source)
+        capacity = getattr(source, "capacity_rows", None)
+        dst_options.setdefault("segment_rows", rows_per_step)
+        if capacity is not None:
+            dst_options.setdefault("capacity_rows", max(int(capacity), dst_options["segment_rows"]))
+        first, stop = source.first_row, source.next_row
+        with target_cls.create(dst, source.schema, **dst_options) as target:
+            done = 0
+            # aligned on the source's segment boundaries, so each step decodes one segment
+            start = first
+            while start < stop:
+                end = min(stop, (start // rows_per_step + 1) * rows_per_step)
+                target.append(source.read_global(torch.arange(start, end)))
+                done += end - start
+                start = end
+                if progress is not None:
+                    progress(done, stop - first)
+            flush = getattr(target, "flush", None)
+            if flush is not None:
+                flush()
+            return target.stats()
+
+
+def verify(src: str, dst: str, *, rows_per_step: int = DEFAULT_SEGMENT_ROWS) -> int:
+    """Compares every held row of two buffers (any backends); returns the row count or raises."""
+    with open_store(src, mode="r") as a, open_store(dst, mode="r") as b:
+        if len(a) != len(b) or a.schema != b.schema:
+            raise ValueError(f"{src} holds {len(a)} rows of {a.schema.field_names}, {dst} holds "
+                             f"{len(b)} rows of {b.schema.field_names}")
+        for start in range(0, len(a), rows_per_step):
+            positions = torch.arange(start, min(len(a), start + rows_per_step))
+            if not a.read(positions).equal(b.read(positions)):
+                raise ValueError(f"rows {start}..{int(positions[-1])} differ between {src} and {dst}")
+        return len(a)

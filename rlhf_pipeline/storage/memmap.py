@@ -1,0 +1,572 @@
+"""The memory-mapped trajectory store: ragged columnar segments in a local directory.
+
+On disk::
+
+    <path>/
+      manifest.json        what the store is (backend, format, schema, segment size, capacity)
+                           and its state when created or snapshotted
+      state.0, state.1     the published state, rewritten in turn by every append
+      writer.lock          flock'ed by the one writer; records its pid
+      seg-00000000/        rows [0, S) -- sealed, immutable
+        prompt_tokens.values  prompt_tokens.ends  ...  reward.col  ...  prompt_text.values ...
+      seg-00000001/        rows [S, 2S) -- the open tail segment, appended to
+
+Segment ``k`` holds global rows ``[k*S, (k+1)*S)`` (``S = segment_rows``). File
+formats are in :mod:`rlhf_pipeline.storage.memmap_segments`. The published state
+records ``first_row``, ``next_row`` and, per held segment, its row count and value
+counts; it is a CRC-checked record in one of two slots
+(:class:`~rlhf_pipeline.storage.manifest.StateSlots`), so publishing needs no rename.
+
+An append writes bytes past the published lengths, fsyncs them (``durable=True``),
+then publishes the new state. Readers see only what a publish covers, so they never
+see a partial row, and a writer killed at any moment leaves the previous publish
+intact (a torn slot fails its CRC and the other slot is used); reopening for append
+truncates the unpublished bytes and carries on at ``next_row``.
+
+``durable=False`` skips the fsyncs: a killed *process* still loses nothing that was
+published (the page cache holds it), but a power loss may roll back recent appends.
+FACTS.md measured fsync-per-batch at ~8.5x the cost of a plain memmap append; here
+the fsyncs of a batch's files are issued in parallel, which cuts most of that.
+
+With ``capacity_rows`` set, after each append the oldest *sealed* segments are
+dropped while more than ``capacity_rows`` rows are held, so the store holds between
+``capacity_rows - S + 1`` and ``capacity_rows`` rows once full. The files of a dropped
+segment are deleted ``evict_grace_s`` seconds later, so readers that opened the store
+before the eviction can still map them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch
+from rlhf_pipeline.storage.base import (
+    UNBOUNDED_ROWS,
+    NotAStoreError,
+    StoreCorruptedError,
+    StoreStats,
+    TrajectoryStore,
+)
+from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
+from rlhf_pipeline.storage.manifest import (
+    StateSlots,
+    check_header,
+    publish_json,
+    read_json,
+    schema_from_manifest,
+)
+from rlhf_pipeline.storage.memmap_segments import (
+    ENDS_DTYPE,
+    NUMPY_DTYPES,
+    SegmentState,
+    SegmentView,
+    SegmentWriter,
+    copy_segment,
+    segment_dir_name,
+    segment_files,
+)
+
+BACKEND = "memmap"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STATE_STEM = "state"  # state.0 / state.1: every append's publish (see StateSlots)
+DEFAULT_SEGMENT_ROWS = 4096
+DEFAULT_EVICT_GRACE_S = 60.0
+
+
+class MemmapTrajectoryStore(TrajectoryStore):
+    """A :class:`TrajectoryStore` in a local directory of memory-mapped segment files.
+
+    Build with :meth:`create` or :meth:`open`, not the constructor.
+    """
+
+    backend_name = BACKEND
+    supports_field_subset = True
+
+    # ================================================================ construction
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        schema: StoreSchema | None = None,
+        *,
+        capacity_rows: int | None = None,
+        segment_rows: int = DEFAULT_SEGMENT_ROWS,
+        evict_grace_s: float = DEFAULT_EVICT_GRACE_S,
+        durable: bool = True,
+        exist_ok: bool = False,
+    ) -> MemmapTrajectoryStore:
+        """Creates an empty store at ``path`` and opens it for appending.
+
+        ``exist_ok=True`` reopens an existing memmap store instead, provided it has
+        the same schema, segment size and capacity.
+        """
+        schema = schema or StoreSchema()
+        path = Path(path)
+        if segment_rows < 1:
+            raise ValueError(f"segment_rows must be >= 1, got {segment_rows}")
+        if capacity_rows is not None and capacity_rows < segment_rows:
+            raise ValueError(
+                f"capacity_rows ({capacity_rows}) must be >= segment_rows ({segment_rows}): eviction "
+                f"drops whole sealed segments; lower segment_rows or raise capacity_rows"
+            )
+        if (path / MANIFEST_NAME).exists():
+            if not exist_ok:
+                raise FileExistsError(
+                    f"{path} already holds a store; open it with MemmapTrajectoryStore.open({str(path)!r}, "
+                    f"mode='a'), or pass exist_ok=True"
+                )
+            store = cls.open(path, mode="a", durable=durable)
+            wanted = (schema, segment_rows, capacity_rows)
+            found = (store.schema, store._segment_rows, store._capacity_rows)
+            if wanted != found:
+                store.close()
+                raise ValueError(
+                    f"{path} exists with (schema fields, segment_rows, capacity_rows) = "
+                    f"({found[0].field_names}, {found[1]}, {found[2]}), not the requested "
+                    f"({wanted[0].field_names}, {wanted[1]}, {wanted[2]})"
+                )
+            return store
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise FileExistsError(f"{path} exists and is not an empty directory; choose a new path")
+        path.mkdir(parents=True, exist_ok=True)
+        lock = WriterLock(path / LOCK_FILE_NAME).acquire()
+        manifest = {
+            "backend": BACKEND,
+            "format_version": FORMAT_VERSION,
+            "schema": schema.to_json(),
+            "segment_rows": segment_rows,
+            "capacity_rows": capacity_rows,
+            "evict_grace_s": evict_grace_s,
+            "first_row": 0,
+            "next_row": 0,
+            "segments": [],
+            "evicted": [],
+        }
+        publish_json(path / MANIFEST_NAME, manifest, durable=True)
+        return cls(path, manifest, lock=lock, durable=durable)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, mode: str = "r", *, durable: bool = True) -> MemmapTrajectoryStore:
+        """Opens an existing store: ``mode="r"`` to read (no lock), ``"a"`` to append (writer lock)."""
+        if mode not in ("r", "a"):
+            raise ValueError(f"mode must be 'r' (read) or 'a' (append), got {mode!r}")
+        path = Path(path)
+        if not path.is_dir():
+            raise NotAStoreError(f"{path} is not a replay buffer: no such directory")
+        if mode == "r":
+            return cls(path, None, lock=None, durable=durable)
+        lock = WriterLock(path / LOCK_FILE_NAME).acquire()
+        try:
+            return cls(path, None, lock=lock, durable=durable)
+        except BaseException:
+            lock.release()
+            raise
+
+    @classmethod
+    def detect(cls, location: str) -> bool:
+        try:
+            return read_json(Path(location) / MANIFEST_NAME).get("backend") == BACKEND
+        except (OSError, NotAStoreError, StoreCorruptedError):
+            return False
+
+    def __init__(self, path: Path, manifest: dict | None, *, lock: WriterLock | None, durable: bool):
+        self._path = path
+        self._lock = lock
+        self._durable = durable
+        self._slots = StateSlots(path, stem=STATE_STEM)
+        self._seq = 0  # number of the publish this object last saw (0: manifest.json itself)
+        self._views: dict[int, SegmentView] = {}
+        self._tail_writer: SegmentWriter | None = None
+        self._closed = False
+        self._owner_pid = os.getpid()
+        if manifest is None:
+            manifest = read_json(path / MANIFEST_NAME, what="memmap replay buffer")
+        self._apply_manifest(manifest)
+        self._apply_latest_publish()
+        super().__init__(max_size=self._capacity_rows or UNBOUNDED_ROWS)
+        if lock is not None:
+            self._recover_tail()
+
+    def _apply_manifest(self, manifest: dict) -> None:
+        path = self._path / MANIFEST_NAME
+        check_header(manifest, path, backend=BACKEND, format_version=FORMAT_VERSION)
+        self._schema = schema_from_manifest(manifest, path)
+        try:
+            self._segment_rows = int(manifest["segment_rows"])
+            self._capacity_rows = manifest["capacity_rows"]
+            self._evict_grace_s = float(manifest["evict_grace_s"])
+            self._first_row = int(manifest["first_row"])
+            self._next_row = int(manifest["next_row"])
+            segments = [SegmentState.from_json(s) for s in manifest["segments"]]
+            self._evicted: list[list] = [list(e) for e in manifest["evicted"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreCorruptedError(f"{path} is missing or has a malformed entry: {exc!r}") from None
+        self._segments = {s.id: s for s in segments}
+        for seg_id in [i for i in self._views if i not in self._segments]:
+            self._views.pop(seg_id).close()
+
+    def _manifest(self) -> dict[str, Any]:
+        return {
+            "backend": BACKEND,
+            "format_version": FORMAT_VERSION,
+            "schema": self._schema.to_json(),
+            "segment_rows": self._segment_rows,
+            "capacity_rows": self._capacity_rows,
+            "evict_grace_s": self._evict_grace_s,
+            "first_row": self._first_row,
+            "next_row": self._next_row,
+            "segments": [s.to_json() for s in self._segments.values()],
+            "evicted": self._evicted,
+        }
+
+    def _recover_tail(self) -> None:
+        """After opening for append: drop what an interrupted writer left unpublished."""
+        held = set(self._segments)
+        last_id = max(held) if held else self._next_row // self._segment_rows - 1
+        pending = {int(seg_id) for seg_id, _ in self._evicted}
+        for entry in self._path.glob("seg-*"):
+            try:
+                seg_id = int(entry.name[4:])
+            except ValueError:
+                continue
+            # beyond the last published segment: created by an append that never published
+            if seg_id > last_id or (seg_id < min(held, default=last_id + 1) and seg_id not in pending):
+                shutil.rmtree(entry, ignore_errors=True)
+        (self._path / (MANIFEST_NAME + ".partial")).unlink(missing_ok=True)
+        if held:
+            tail = self._segments[last_id]
+            writer = SegmentWriter(self._segment_dir(last_id), self._schema, tail, durable=self._durable)
+            if tail.rows < self._segment_rows:
+                self._tail_writer = writer
+            else:
+                writer.close()
+        self._delete_expired_segments()
+
+    # ================================================================ contract properties
+    @property
+    def schema(self) -> StoreSchema:
+        return self._schema
+
+    @property
+    def location(self) -> str:
+        return str(self._path)
+
+    @property
+    def writable(self) -> bool:
+        return self._lock is not None and not self._closed
+
+    @property
+    def first_row(self) -> int:
+        return self._first_row
+
+    @property
+    def next_row(self) -> int:
+        return self._next_row
+
+    @property
+    def supports_eviction(self) -> bool:
+        return self._capacity_rows is not None
+
+    @property
+    def segment_rows(self) -> int:
+        return self._segment_rows
+
+    @property
+    def capacity_rows(self) -> int | None:
+        return self._capacity_rows
+
+    def _segment_dir(self, seg_id: int) -> Path:
+        return self._path / segment_dir_name(seg_id)
+
+    # ================================================================ writing
+    def _append_validated(self, batch: TrajectoryBatch) -> None:
+        self._check_open()
+        published = (self._first_row, self._next_row, dict(self._segments), list(self._evicted))
+        try:
+            self._write_rows(batch)
+            self._evict_over_capacity()
+            self._slots.publish(self._seq + 1, self._manifest(), durable=self._durable)
+            self._seq += 1
+        except BaseException:
+            # back to the last published state; the files drop the unpublished bytes
+            self._first_row, self._next_row, self._segments, self._evicted = published
+            if self._tail_writer is not None:
+                self._tail_writer.close()
+                self._tail_writer = None
+            self._recover_tail()
+            raise
+        self._delete_expired_segments()
+
+    def _write_rows(self, batch: TrajectoryBatch) -> None:
+        rows_per_segment = self._segment_rows
+        start, n = 0, len(batch)
+        while start < n:
+            if self._tail_writer is None:
+                seg_id = self._next_row // rows_per_segment
+                state = SegmentState.empty(seg_id, self._schema)
+                self._tail_writer = SegmentWriter(
+                    self._segment_dir(seg_id), self._schema, state, durable=self._durable
+                )
+                self._segments[seg_id] = state
+            tail = self._segments[max(self._segments)]
+            stop = min(n, start + rows_per_segment - tail.rows)
+            tail = self._tail_writer.append(batch, start, stop, tail)
+            self._segments[tail.id] = tail
+            self._next_row += stop - start
+            start = stop
+            if tail.rows == rows_per_segment:
+                self._tail_writer.seal(tail)
+                self._tail_writer = None
+        if self._durable and self._tail_writer is not None:
+            self._tail_writer.sync()
+
+    def _evict_over_capacity(self) -> None:
+        if self._capacity_rows is None:
+            return
+        now = time.time()
+        while self._next_row - self._first_row > self._capacity_rows:
+            oldest = self._segments[min(self._segments)]
+            if oldest.rows < self._segment_rows:  # the open tail is never evicted
+                break
+            del self._segments[oldest.id]
+            self._first_row += oldest.rows
+            self._evicted.append([oldest.id, now])
+            view = self._views.pop(oldest.id, None)
+            if view is not None:
+                view.close()
+
+    def _delete_expired_segments(self) -> None:
+        now = time.time()
+        keep = []
+        for seg_id, evicted_at in self._evicted:
+            if now - evicted_at >= self._evict_grace_s:
+                shutil.rmtree(self._segment_dir(int(seg_id)), ignore_errors=True)
+            else:
+                keep.append([seg_id, evicted_at])
+        # the shortened list is published with the next append; a deleted directory
+        # that is still listed is simply skipped
+        self._evicted = keep
+
+    # ================================================================ reading
+    def refresh(self) -> int:
+        self._check_open()
+        if self._lock is None:
+            self._apply_latest_publish()
+        return self._published_len()
+
+    def _apply_latest_publish(self) -> None:
+        latest = self._slots.latest(after=self._seq)
+        if latest is not None:
+            self._apply_manifest(latest[1])
+            self._seq = latest[0]
+
+    def _view(self, seg_id: int) -> SegmentView:
+        view = self._views.get(seg_id)
+        if view is None:
+            view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id))
+        return view
+
+    def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None) -> TrajectoryBatch:
+        self._check_open()
+        try:
+            return self._gather(global_ids, fields)
+        except FileNotFoundError:
+            # a segment was evicted and deleted before this reader mapped it
+            self.refresh()
+            if global_ids.numel() and int(global_ids.min()) < self._first_row:
+                raise IndexError(
+                    f"rows from global id {int(global_ids.min())} were evicted while being read "
+                    f"(the store now starts at {self._first_row}); sample again"
+                ) from None
+            raise
+
+    def _gather(self, global_ids: torch.Tensor, fields: Sequence[str] | None) -> TrajectoryBatch:
+        ids = global_ids.numpy().astype(np.int64, copy=False)
+        n = len(ids)
+        segment_of = ids // self._segment_rows
+        order = np.argsort(segment_of, kind="stable")
+        sorted_segments = segment_of[order]
+        cuts = np.flatnonzero(np.diff(sorted_segments)) + 1
+        groups = []  # (view, segment state, output rows, rows within the segment)
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), n]):
+            if lo == hi:
+                continue
+            seg_id = int(sorted_segments[lo])
+            rows = order[lo:hi]
+            local = ids[rows] - seg_id * self._segment_rows
+            groups.append((self._view(seg_id), self._segments[seg_id], rows, local))
+
+        names = self._schema.field_names if fields is None else tuple(fields)
+        columns: dict[str, Any] = {}
+        for name in names:
+            spec = FIELDS_BY_NAME[name]
+            dtype = NUMPY_DTYPES[spec.dtype]
+            if spec.kind == "row":
+                out = np.empty(n, dtype=dtype)
+                for view, state, rows, local in groups:
+                    out[rows] = view.array(f"{name}.col", dtype, state.rows)[local]
+                columns[name] = torch.from_numpy(out)
+                continue
+            values, offsets = _gather_ragged(name, dtype, n, groups)
+            if spec.kind == "token":
+                columns[name] = RaggedTensor(torch.from_numpy(values), torch.from_numpy(offsets))
+            else:
+                raw = values.tobytes()
+                bounds = offsets.tolist()
+                columns[name] = [raw[bounds[i] : bounds[i + 1]].decode("utf-8") for i in range(n)]
+        return TrajectoryBatch(columns)
+
+    # ================================================================ lifecycle
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._tail_writer is not None:
+            if os.getpid() == self._owner_pid:
+                # a forked child's view may be stale: only the opening process trims
+                self._tail_writer.trim(self._segments[max(self._segments)])
+            self._tail_writer.close()
+            self._tail_writer = None
+        for view in self._views.values():
+            view.close()
+        self._views.clear()
+        self._slots.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.location} was closed; open it again to use it")
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ================================================================ stats and snapshots
+    def stats(self) -> StoreStats:
+        self.refresh()
+        held = [self._segments[i] for i in sorted(self._segments)]
+        raw_bytes = 0
+        for state in held:
+            for name, (dtype, count) in segment_files(self._schema, state).items():
+                raw_bytes += count * dtype.itemsize
+        on_disk = apparent = 0
+        for path in [self._path / MANIFEST_NAME, *(p for p in self._slots.paths if p.exists())] + [
+            f for s in held for f in self._segment_dir(s.id).iterdir() if f.is_file()
+        ]:
+            st = path.stat()
+            on_disk += st.st_blocks * 512
+            apparent += st.st_size
+        rows = self._published_len()
+        rewards = self._column_of_held("reward", held)
+        versions, counts = np.unique(self._column_of_held("policy_version", held), return_counts=True)
+        stats = StoreStats(
+            backend=BACKEND,
+            location=self.location,
+            rows=rows,
+            first_row=self._first_row,
+            next_row=self._next_row,
+            groups=int(len(np.unique(self._column_of_held("group_id", held)))),
+            prompt_tokens=sum(s.elements["prompt_tokens"] for s in held),
+            response_tokens=sum(s.elements["response_tokens"] for s in held),
+            bytes_on_disk=on_disk,
+            raw_bytes=raw_bytes,
+            segments=len(held),
+            policy_versions={int(v): int(c) for v, c in zip(versions, counts)},
+            optional_fields=list(self._schema.optional),
+            extra={
+                "bytes_on_disk_is": "allocated blocks (st_blocks * 512) of the held segments' files "
+                "and the manifest; the open tail segment is grown ahead sparsely, which costs no blocks",
+                "apparent_bytes": apparent,
+                "segment_rows": self._segment_rows,
+                "capacity_rows": self._capacity_rows,
+                "evicted_segments_pending_delete": len(self._evicted),
+            },
+        )
+        if rows:
+            stats.reward_mean = float(rewards.mean())
+            stats.reward_std = float(rewards.std())
+            stats.reward_min = float(rewards.min())
+            stats.reward_max = float(rewards.max())
+        return stats
+
+    def _column_of_held(self, name: str, held: list[SegmentState]) -> np.ndarray:
+        dtype = NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype]
+        parts = [self._view(s.id).array(f"{name}.col", dtype, s.rows)[: s.rows] for s in held]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+
+    def snapshot_to(self, path: str) -> None:
+        """Copies the published rows (same global ids) into a new store at ``path``."""
+        self.refresh()
+        target = Path(path)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise FileExistsError(f"snapshot target {target} exists and is not an empty directory")
+        target.mkdir(parents=True, exist_ok=True)
+        for seg_id in sorted(self._segments):
+            copy_segment(self._view(seg_id), self._schema, self._segments[seg_id], target / segment_dir_name(seg_id))
+        manifest = self._manifest()
+        manifest["evicted"] = []
+        publish_json(target / MANIFEST_NAME, manifest, durable=True)
+
+
+# Mean row length from which copying each row's range as one slice beats a fancy-index
+# gather. Measured on GRPO-shaped rows (mean 520 tokens, 64 rows): 0.10 ms with slices
+# against 0.62 ms for numpy fancy indexing and 0.66 ms for torch.index_select, because
+# a slice copy is a memcpy while a gather first builds and then follows an index per
+# element. The loop runs over the rows of a sample (64), never over the store.
+_SLICE_COPY_MIN_MEAN_LENGTH = 32
+
+
+def _gather_ragged(name: str, dtype: np.dtype, n: int, groups: list) -> tuple[np.ndarray, np.ndarray]:
+    """Values and (n+1) offsets of ragged field ``name`` for the requested rows, in request order."""
+    starts = np.empty(n, dtype=np.int64)
+    lengths = np.empty(n, dtype=np.int64)
+    source_of_row = np.empty(n, dtype=np.int64)
+    sources = []
+    for number, (view, state, rows, local) in enumerate(groups):
+        ends = view.array(f"{name}.ends", ENDS_DTYPE, state.rows)
+        row_ends = ends[local]
+        row_starts = np.where(local > 0, ends[np.maximum(local - 1, 0)], 0)
+        starts[rows] = row_starts
+        lengths[rows] = row_ends - row_starts
+        source_of_row[rows] = number
+        sources.append(view.array(f"{name}.values", dtype, state.elements[name]))
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), dtype=dtype)
+    if n == 0 or len(values) == 0:
+        return values, offsets
+    if len(values) >= _SLICE_COPY_MIN_MEAN_LENGTH * n:
+        parts = [
+            sources[g][s : s + k]
+            for g, s, k in zip(source_of_row.tolist(), starts.tolist(), lengths.tolist())
+        ]
+        np.concatenate(parts, out=values)
+    elif len(groups) == 1:
+        values[:] = sources[0][_ranges(starts, lengths)]
+    else:
+        for number, (_, _, rows, _) in enumerate(groups):
+            values[_ranges(offsets[rows], lengths[rows])] = sources[number][_ranges(starts[rows], lengths[rows])]
+    return values, offsets
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Positions of the ranges ``[starts[i], starts[i] + lengths[i])``, concatenated (numpy twin of
+    :func:`rlhf_pipeline.ragged.gather_ranges`)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    out_starts = np.cumsum(lengths) - lengths
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - out_starts, lengths)

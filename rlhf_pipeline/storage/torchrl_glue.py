@@ -1,0 +1,116 @@
+"""torchrl glue: a writer that appends, and a factory for a ``ReplayBuffer`` over a store.
+
+torchrl's writers compute where rows go (round robin, by priority...). A trajectory
+store is append-only and decides positions itself, so :class:`AppendWriter` hands
+the data to ``store.append`` and returns the positions the rows really got. It keeps
+no state: the cursor is the store's ``next_row``, which the store persists.
+
+Typical use::
+
+    store = create_store("storage/run/buffer")
+    rb = make_replay_buffer(store, batch_size=64, collate_fn=PaddedCollator(...))
+    rb.extend(batch)          # a TrajectoryBatch or a TensorDict with torchrl LLM keys
+    padded = rb.sample()
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrl.data import ReplayBuffer
+from torchrl.data.replay_buffers.samplers import RandomSampler, Sampler, SamplerWithoutReplacement
+from torchrl.data.replay_buffers.writers import Writer
+
+from rlhf_pipeline.schema import Trajectory, TrajectoryBatch
+from rlhf_pipeline.storage.base import TrajectoryStore, _as_batch
+
+SAMPLERS: dict[str, Callable[[], Sampler]] = {
+    "random": RandomSampler,
+    "without_replacement": SamplerWithoutReplacement,
+}
+
+
+class AppendWriter(Writer):
+    """Appends every write to the end of a :class:`TrajectoryStore`; returns real positions."""
+
+    def add(self, data: Any) -> int:
+        if isinstance(data, Trajectory):
+            batch = TrajectoryBatch.from_rows([data])
+        elif isinstance(data, TrajectoryBatch):
+            batch = data
+        else:
+            batch = _as_batch(data.unsqueeze(0) if getattr(data, "batch_dims", 1) == 0 else data)
+        if len(batch) != 1:
+            raise ValueError(f"add() takes one row, got {len(batch)}; use extend() for several")
+        return int(self._store().append(batch)[0])
+
+    def extend(self, data: Any) -> torch.Tensor:
+        return self._store().append(_as_batch(data))
+
+    def _store(self) -> TrajectoryStore:
+        if not isinstance(self._storage, TrajectoryStore):
+            raise TypeError(
+                f"AppendWriter writes to a TrajectoryStore, got {type(self._storage).__name__}; build "
+                f"the buffer with make_replay_buffer(store)"
+            )
+        return self._storage
+
+    # The store holds the write position, so there is nothing of our own to save.
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return None
+
+    def dumps(self, path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "writer.json").write_text(json.dumps({"writer": "AppendWriter", "state": "held by the store"}))
+
+    def loads(self, path) -> None:
+        return None
+
+    def _empty(self, empty_write_count: bool = True) -> None:
+        raise NotImplementedError("a trajectory store is append-only and is never emptied in place")
+
+
+def _identity(batch: TrajectoryBatch) -> TrajectoryBatch:
+    return batch
+
+
+def make_replay_buffer(
+    store: TrajectoryStore,
+    *,
+    batch_size: int | None = None,
+    sampler: str | Sampler = "random",
+    collate_fn: Callable[[TrajectoryBatch], Any] | None = None,
+    transforms: Iterable[Any] = (),
+) -> ReplayBuffer:
+    """A torchrl ``ReplayBuffer`` reading and writing ``store``.
+
+    ``sampler`` is ``"random"`` (with replacement), ``"without_replacement"`` or any
+    torchrl ``Sampler``. ``collate_fn`` turns the sampled ``TrajectoryBatch`` into what
+    the learner wants (e.g. ``rlhf_pipeline.collate.PaddedCollator``); by default the
+    batch is returned as is. ``transforms`` run on the write path in the order given
+    (e.g. group advantage, then reference log-probs, then KL reward). torchrl applies
+    inverse transforms last-appended-first, so they are appended in reverse.
+    """
+    if isinstance(sampler, str):
+        try:
+            sampler = SAMPLERS[sampler]()
+        except KeyError:
+            raise ValueError(f"unknown sampler {sampler!r}; choose from {sorted(SAMPLERS)} or pass a Sampler") from None
+    rb = ReplayBuffer(
+        storage=store,
+        writer=AppendWriter(),
+        sampler=sampler,
+        collate_fn=collate_fn or _identity,
+        batch_size=batch_size,
+    )
+    for transform in reversed(list(transforms)):
+        rb.append_transform(transform, invert=True)
+    return rb

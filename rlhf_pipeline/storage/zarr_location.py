@@ -1,0 +1,306 @@
+"""Where a Zarr trajectory store lives, and raw key/value access to it.
+
+Three kinds of location: a local directory (files, ``flock``, atomic rename), a zip
+file (read-only, through ``zarr.storage.ZipStore``) and any fsspec URL (through
+``zarr.storage.FsspecStore``; ``file://`` URLs also get the local lock and rename).
+The store reads and writes whole chunks as key/value pairs here, batched, instead
+of through Zarr arrays (one Zarr array call costs ~1 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.storage.base import NotAStoreError, ReadOnlyStoreError, StoreCorruptedError
+from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
+from rlhf_pipeline.storage.manifest import IncompatibleStoreError, publish_json
+from rlhf_pipeline.storage.zarr_layout import ATTRS_KEY, FORMAT_VERSION
+
+ROOT_META = "zarr.json"
+
+
+# ======================================================================== key/value I/O
+class LocalKV:
+    """Keys as files under a directory; every put is atomic (temp file + rename)."""
+
+    def __init__(self, root: str | os.PathLike, *, read_only: bool):
+        self.root = Path(root)
+        self.read_only = read_only
+        self._pool = None
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def put_many(self, items: Iterable[tuple[str, bytes]], *, durable: bool = False) -> None:
+        """Writes new keys of a unit nobody reads yet: plain writes, no temp file and rename.
+
+        Units are immutable and only become visible through the commit record, so a
+        crash mid-way leaves an orphan (deleted by the next writer), never a torn read.
+        ``items`` may be a generator that encodes lazily: files are written on a worker
+        thread meanwhile, so the file system's latency overlaps the compression.
+        ``durable`` makes the bytes and the new names survive power loss before return.
+        """
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarr-store-io")
+        made: set[Path] = set()
+        written: list[Path] = []
+
+        def write(path: Path, value: bytes) -> None:
+            if path.parent not in made:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                made.add(path.parent)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(value)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+
+        futures = []
+        for key, value in items.items() if isinstance(items, Mapping) else items:
+            path = self.root / key
+            written.append(path)
+            futures.append(self._pool.submit(write, path, value))
+        for future in futures:
+            future.result()
+        if durable and written:
+            _sync_paths(self.root, written, made)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def list_dir(self, prefix: str) -> list[str]:
+        try:
+            return sorted(p.name for p in (self.root / prefix).iterdir())
+        except FileNotFoundError:
+            return []
+
+    def delete_prefix(self, prefix: str) -> None:
+        import shutil
+
+        shutil.rmtree(self.root / prefix, ignore_errors=True)
+
+    def size_of(self, prefix: str) -> int:
+        total = 0
+        for dirpath, _, files in os.walk(self.root / prefix):
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:
+                    pass
+        return total
+
+
+def _syncfs():
+    """``syncfs(2)`` when the C library has it (Linux): one call flushes a whole unit's files."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    return fn
+
+
+_SYNCFS = _syncfs()
+
+
+def _sync_paths(root: Path, files: list[Path], directories: set[Path]) -> None:
+    from rlhf_pipeline.storage.manifest import fsync_dir
+
+    if _SYNCFS is not None:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _SYNCFS(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    for path in files:  # portable fallback: every file, then every directory that got a new name
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for directory in sorted(directories, key=lambda d: len(d.parts), reverse=True):
+        fsync_dir(directory)
+        fsync_dir(directory.parent)
+
+
+class ZarrStoreKV:
+    """Keys through a ``zarr.abc.store.Store`` (zip, fsspec URLs), batched on Zarr's event loop."""
+
+    def __init__(self, store, *, read_only: bool):
+        self.store = store
+        self.read_only = read_only
+
+    def _sync(self, coro):
+        from zarr.core.sync import sync
+
+        return sync(coro)
+
+    def get(self, key: str) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        import asyncio
+
+        from zarr.core.buffer import default_buffer_prototype
+
+        proto = default_buffer_prototype()
+
+        async def fetch():
+            bufs = await asyncio.gather(*(self.store.get(k, prototype=proto) for k in keys))
+            return [None if b is None else b.to_bytes() for b in bufs]
+
+        return self._sync(fetch())
+
+    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes], *, durable: bool = False) -> None:
+        import asyncio
+
+        from zarr.core.buffer import default_buffer_prototype
+
+        proto = default_buffer_prototype()
+
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+
+        async def put():
+            await asyncio.gather(*(self.store.set(k, proto.buffer.from_bytes(v)) for k, v in pairs))
+
+        self._sync(put())
+
+    def close(self) -> None:
+        if hasattr(self.store, "close"):
+            self.store.close()
+
+    def list_dir(self, prefix: str) -> list[str]:
+        async def ls():
+            return sorted([k async for k in self.store.list_dir(prefix)])
+
+        return self._sync(ls())
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._sync(self.store.delete_dir(prefix))
+
+    def size_of(self, prefix: str) -> int:
+        async def total():
+            n = 0
+            async for key in self.store.list_prefix(prefix):
+                n += await self.store.getsize(key)
+            return n
+
+        return self._sync(total())
+
+
+# ======================================================================== locations
+@dataclass
+class Location:
+    kv: LocalKV | ZarrStoreKV
+    local_root: Path | None  # set for local paths and file:// URLs: lock + atomic rename publish
+    writable_kind: bool  # False for zip files
+
+
+def resolve(location: str, *, read_only: bool, storage_options: dict | None) -> Location:
+    if "://" in location:
+        from zarr.storage import FsspecStore
+
+        options = dict(storage_options or {})
+        if location.startswith("file://"):
+            options.setdefault("auto_mkdir", True)  # local fsspec does not create parents by itself
+        try:
+            store = FsspecStore.from_url(location, storage_options=options or None, read_only=read_only)
+        except Exception as exc:
+            raise NotAStoreError(f"cannot open {location} through fsspec ({type(exc).__name__}: {exc})") from None
+        local = Path(location.removeprefix("file://")) if location.startswith("file://") else None
+        return Location(ZarrStoreKV(store, read_only=read_only), local, True)
+    if location.endswith(".zip"):
+        if not read_only:
+            raise ReadOnlyStoreError(
+                f"{location} is a zip file, which this library only reads; convert it to a directory "
+                f"store (rlhf-pipeline convert) or unzip it to append"
+            )
+        if not os.path.isfile(location):
+            raise NotAStoreError(f"{location} is not a replay buffer: the zip file does not exist")
+        from zarr.core.sync import sync
+        from zarr.storage import ZipStore
+
+        try:
+            store = sync(ZipStore.open(location, mode="r"))
+        except Exception as exc:
+            raise NotAStoreError(f"{location} is not a replay buffer: not a readable zip file ({exc})") from None
+        return Location(ZarrStoreKV(store, read_only=True), None, False)
+    return Location(LocalKV(location, read_only=read_only), Path(location), True)
+
+
+def parse_root(raw: bytes | dict | None, location: str) -> dict[str, Any]:
+    if raw is None:
+        raise NotAStoreError(
+            f"{location} is not a replay buffer: it has no zarr.json. Check the path, or create one "
+            f"with ZarrTrajectoryStore.create()."
+        )
+    try:
+        doc = raw if isinstance(raw, dict) else json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StoreCorruptedError(f"{location}/zarr.json is not valid JSON ({exc}); restore it from a snapshot") from None
+    record = doc.get("attributes", {}).get(ATTRS_KEY) if isinstance(doc, dict) else None
+    if not isinstance(record, dict):
+        raise NotAStoreError(
+            f"{location} is a Zarr node but not an rlhf_pipeline replay buffer (no '{ATTRS_KEY}' "
+            f"attribute in zarr.json); check the path"
+        )
+    if record.get("backend") != "zarr":
+        raise IncompatibleStoreError(f"{location} belongs to a {record.get('backend')!r} store, not 'zarr'")
+    if record.get("format_version") != FORMAT_VERSION:
+        raise IncompatibleStoreError(
+            f"{location} has zarr format version {record.get('format_version')}; this rlhf_pipeline "
+            f"reads version {FORMAT_VERSION}. Use a matching release, or convert the store."
+        )
+    return record
+
+
+def _root_document(record: dict[str, Any]) -> dict[str, Any]:
+    return {"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: record}}
+
+
+def publish(loc: Location, record: dict[str, Any], *, durable: bool) -> None:
+    document = _root_document(record)
+    if loc.local_root is not None:
+        publish_json(loc.local_root / ROOT_META, document, durable=durable)
+    else:
+        loc.kv.put_many({ROOT_META: json.dumps(document, separators=(",", ":")).encode()})
+
+
+def lock_for(loc: Location, location: str) -> WriterLock | None:
+    if loc.local_root is None:
+        return None  # remote URL: no cross-host lock (documented limitation)
+    loc.local_root.mkdir(parents=True, exist_ok=True)
+    return WriterLock(loc.local_root / LOCK_FILE_NAME, store=location).acquire()
+
+
+def check_writable_dir(root: Path, location: str) -> None:
+    probe = root if root.exists() else root.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ReadOnlyStoreError(
+            f"{location} is not writable by this process (no write permission on {probe}); "
+            f"open it with mode='r', or copy it somewhere writable"
+        )
+    if root.exists() and root.is_dir() and (root / ROOT_META).exists() and not os.access(root / ROOT_META, os.W_OK):
+        raise ReadOnlyStoreError(f"{location}/zarr.json is not writable; open the store with mode='r'")

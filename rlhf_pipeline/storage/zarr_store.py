@@ -1,0 +1,597 @@
+"""Zarr v3 trajectory store: the memmap contract on local directories, zip files and fsspec URLs.
+
+Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr_layout` (and
+``docs/zarr-layout.md``). How it stays consistent without a synchronizer:
+
+* **Write, then publish.** An append writes a new *unit* (new keys only), then
+  replaces the root ``zarr.json`` whose attributes are the commit record (row
+  count and the list of units). A local store replaces it with an atomic rename
+  (``manifest.publish_json``); a remote store with a single PUT. A reader sees
+  the old or the new record, and every unit either record names is complete.
+* **Append fragments, compact into segments.** While the open segment holds fewer
+  than ``segment_rows`` rows, each append is its own small *fragment*; the append
+  that fills the segment rewrites the open rows as one sealed segment, publishes,
+  and only then deletes the fragments. A crash in between leaves orphans that the
+  next writer deletes when it opens the store.
+* **One writer.** ``mode="a"`` takes the ``flock`` in ``writer.lock`` for a local
+  path or ``file://`` URL. Other URLs cannot be locked: one writer per store is then
+  the caller's duty (documented in ``docs/zarr-layout.md``).
+* **Read from decoded units.** One Zarr read costs ~1 ms, so rows are served from
+  whole decoded units held in a byte-bounded LRU (:mod:`.segment_cache`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.storage.base import (
+    NotAStoreError,
+    ReadOnlyStoreError,
+    StoreCorruptedError,
+    StoreError,
+    StoreStats,
+    TrajectoryStore,
+)
+from rlhf_pipeline.storage.locking import WriterLock
+from rlhf_pipeline.storage.manifest import IncompatibleStoreError, ManifestWatcher
+from rlhf_pipeline.storage.segment_cache import (
+    DecodedUnit,
+    SegmentCache,
+    concat_arrays,
+    encode_columns,
+    gather_rows,
+    slice_arrays,
+)
+from rlhf_pipeline.storage.zarr_layout import (
+    _NP_DTYPE,
+    ATTRS_KEY,
+    CHUNK_KEY,
+    DEFAULT_CODEC,
+    FORMAT_VERSION,
+    FRAGMENT_CODEC,
+    GROUP_METADATA,
+    UNITS_PREFIX,
+    Codec,
+    array_metadata,
+    field_layout,
+    resolve_codec,
+    unit_arrays,
+)
+from rlhf_pipeline.storage.zarr_location import (
+    ROOT_META,
+    Location,
+    check_writable_dir,
+    lock_for,
+    parse_root,
+    publish,
+    resolve,
+)
+
+DEFAULT_SEGMENT_ROWS = 4096
+DEFAULT_CACHE_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class UnitRef:
+    """One published unit: rows ``[first_row, first_row + rows)``; sealed segment or tail fragment."""
+
+    first_row: int
+    rows: int
+    sealed: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.first_row:015d}-{self.rows:010d}"
+
+    @property
+    def prefix(self) -> str:
+        return f"{UNITS_PREFIX}/{self.name}"
+
+
+class _Collector:
+    """Deletes replaced units on a background thread: unlinking ~40 files is off the append path.
+
+    Safe to lose: units no commit record names are deleted again by the next writer.
+    """
+
+    def __init__(self, kv):
+        self._kv = kv
+        self._pool = None
+
+    def delete(self, prefix: str) -> None:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarr-store-gc")
+        self._pool.submit(self._kv.delete_prefix, prefix)
+
+    def wait(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class _UnitGone(Exception):
+    """Every key of a unit is missing: compacted or evicted since this reader's last refresh."""
+
+
+# ======================================================================== the store
+class ZarrTrajectoryStore(TrajectoryStore):
+    """Ragged trajectory rows in a Zarr v3 hierarchy; see the module docstring for guarantees."""
+
+    backend_name = "zarr"
+    supports_field_subset = True
+
+    def __init__(self, location: str, loc: Location, record: dict[str, Any], *, writable: bool,
+                 cache_bytes: int, durable: bool, lock: WriterLock | None, watcher: ManifestWatcher | None):
+        try:
+            schema = StoreSchema.from_json(record["schema"])
+        except ValueError as exc:
+            raise IncompatibleStoreError(f"{location}: {exc}") from None
+        capacity = record.get("capacity_rows")
+        super().__init__(max_size=capacity)
+        self._location = location
+        self._loc = loc
+        self._schema = schema
+        self._arrays = unit_arrays(schema)
+        self._codec = Codec(record["codec"])
+        self._fragment_codec = Codec(record.get("fragment_codec", record["codec"]))
+        self._segment_rows = int(record["segment_rows"])
+        self._capacity = None if capacity is None else int(capacity)
+        self._writable = writable
+        self._durable = durable
+        self._lock = lock
+        self._watcher = watcher
+        self._cache = SegmentCache(cache_bytes)
+        self._collector = _Collector(loc.kv)
+        self._closed = False
+        self._apply(record)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def create(cls, location: str, schema: StoreSchema | None = None, *, capacity_rows: int | None = None,
+               segment_rows: int = DEFAULT_SEGMENT_ROWS, codec: str | dict = DEFAULT_CODEC,
+               cache_bytes: int = DEFAULT_CACHE_BYTES, storage_options: dict | None = None,
+               durable: bool = True, exist_ok: bool = False) -> ZarrTrajectoryStore:
+        """Creates an empty store at ``location`` and opens it for appending.
+
+        ``segment_rows`` rows make a sealed segment (the unit of caching and eviction);
+        ``capacity_rows`` bounds the rows held (oldest sealed segments are dropped);
+        ``codec`` is a preset name (``blosc-zstd``, ``blosc-lz4``, ``zstd``, ``none``) or a
+        dict such as ``{"name": "blosc", "cname": "zstd", "clevel": 5, "shuffle": "bitshuffle"}``;
+        ``cache_bytes`` bounds the decoded segments held in memory; ``durable`` fsyncs data
+        and the commit record so a publish survives power loss (a killed process loses
+        nothing published either way). ``exist_ok=True`` reopens an existing Zarr store
+        with the same schema, segment size and capacity instead of failing.
+        """
+        location = str(location)
+        schema = schema or StoreSchema()
+        if segment_rows < 1:
+            raise ValueError(f"segment_rows must be >= 1, got {segment_rows}")
+        if capacity_rows is not None and capacity_rows < segment_rows:
+            raise ValueError(
+                f"capacity_rows ({capacity_rows}) must be >= segment_rows ({segment_rows}): eviction "
+                f"drops whole sealed segments; lower segment_rows or raise capacity_rows"
+            )
+        codec_config = resolve_codec(codec)
+        loc = resolve(location, read_only=False, storage_options=storage_options)
+        if loc.local_root is not None:
+            check_writable_dir(loc.local_root, location)
+        if loc.kv.get(ROOT_META) is not None:
+            if not exist_ok:
+                raise FileExistsError(
+                    f"{location} already holds a Zarr node; open it with ZarrTrajectoryStore.open("
+                    f"{location!r}, mode='a'), or pass exist_ok=True"
+                )
+            store = cls.open(location, "a", cache_bytes=cache_bytes, storage_options=storage_options,
+                             durable=durable)
+            found = (store.schema, store._segment_rows, store._capacity)
+            if found != (schema, segment_rows, capacity_rows):
+                store.close()
+                raise ValueError(
+                    f"{location} exists with (schema fields, segment_rows, capacity_rows) = "
+                    f"({found[0].field_names}, {found[1]}, {found[2]}), not the requested "
+                    f"({schema.field_names}, {segment_rows}, {capacity_rows})"
+                )
+            return store
+        root = loc.local_root
+        if root is not None and root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise FileExistsError(f"{location} exists and is not an empty directory; choose a new path")
+        lock = lock_for(loc, location)
+        try:
+            record = {
+                "backend": "zarr", "format_version": FORMAT_VERSION, "schema": schema.to_json(),
+                "codec": codec_config, "segment_rows": int(segment_rows), "capacity_rows": capacity_rows,
+                "fragment_codec": codec_config if codec_config["name"] == "none" else FRAGMENT_CODEC,
+                "first_row": 0, "next_row": 0, "units": [], "fields": field_layout(schema),
+            }
+            loc.kv.put_many({f"{UNITS_PREFIX}/{ROOT_META}": GROUP_METADATA}, durable=durable)
+            publish(loc, record, durable=durable)
+            return cls(location, loc, record, writable=True, cache_bytes=cache_bytes, durable=durable,
+                       lock=lock, watcher=None)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+
+    @classmethod
+    def open(cls, location: str, mode: str = "r", *, cache_bytes: int = DEFAULT_CACHE_BYTES,
+             storage_options: dict | None = None, durable: bool = False) -> ZarrTrajectoryStore:
+        """Opens an existing store: ``mode="r"`` reads (no lock), ``mode="a"`` appends."""
+        location = str(location)
+        if mode not in ("r", "a"):
+            raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
+        writable = mode == "a"
+        if writable and location.endswith(".zip") and "://" not in location:
+            raise ReadOnlyStoreError(
+                f"{location} is a zip file, which this library only reads; open it with mode='r', or "
+                f"convert it to a directory store to append"
+            )
+        loc = resolve(location, read_only=not writable, storage_options=storage_options)
+        if loc.local_root is not None and not loc.local_root.is_dir():
+            raise NotAStoreError(f"{location} is not a replay buffer: no such directory")
+        watcher = None
+        if loc.local_root is not None and not writable:
+            watcher = ManifestWatcher(loc.local_root / ROOT_META, what="Zarr replay buffer")
+            try:
+                record = parse_root(_read_watched(watcher), location)
+            except BaseException:
+                watcher.close()
+                raise
+        else:
+            record = parse_root(loc.kv.get(ROOT_META), location)
+        lock = None
+        if writable:
+            if loc.local_root is not None:
+                check_writable_dir(loc.local_root, location)
+            lock = lock_for(loc, location)
+            record = parse_root(loc.kv.get(ROOT_META), location)  # the lock holder's last publish
+        try:
+            store = cls(location, loc, record, writable=writable, cache_bytes=cache_bytes, durable=durable,
+                        lock=lock, watcher=watcher)
+            if writable:
+                store._delete_orphans()
+            return store
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            if watcher is not None:
+                watcher.close()
+            raise
+
+    @classmethod
+    def detect(cls, location: str) -> bool:
+        """True when ``location`` holds a Zarr replay buffer; never raises."""
+        try:
+            if "://" not in str(location) and str(location).endswith(".zip"):
+                loc = resolve(str(location), read_only=True, storage_options=None)
+            elif "://" not in str(location):
+                raw = (Path(location) / ROOT_META).read_bytes()
+                return ATTRS_KEY in json.loads(raw).get("attributes", {})
+            else:
+                loc = resolve(str(location), read_only=True, storage_options=None)
+            parse_root(loc.kv.get(ROOT_META), str(location))
+            return True
+        except Exception:
+            return False
+
+    # ---------------------------------------------------------------- published state
+    def _apply(self, record: dict[str, Any]) -> None:
+        self._record = record
+        self._units = [UnitRef(int(a), int(b), bool(c)) for a, b, c in record["units"]]
+        self._starts = np.array([u.first_row for u in self._units], dtype=np.int64)
+        self._first_row = int(record["first_row"])
+        self._next_row = int(record["next_row"])
+
+    @property
+    def schema(self) -> StoreSchema:
+        return self._schema
+
+    @property
+    def location(self) -> str:
+        return self._location
+
+    @property
+    def writable(self) -> bool:
+        return self._writable
+
+    @property
+    def first_row(self) -> int:
+        return self._first_row
+
+    @property
+    def next_row(self) -> int:
+        return self._next_row
+
+    @property
+    def supports_eviction(self) -> bool:
+        return self._capacity is not None
+
+    @property
+    def segment_rows(self) -> int:
+        return self._segment_rows
+
+    @property
+    def capacity_rows(self) -> int | None:
+        return self._capacity
+
+    @property
+    def cache(self) -> SegmentCache:
+        return self._cache
+
+    def refresh(self) -> int:
+        self._check_open()
+        if not self._writable:
+            if self._watcher is not None:
+                if self._watcher.changed():
+                    self._apply(parse_root(_read_watched(self._watcher), self._location))
+            else:
+                self._apply(parse_root(self._loc.kv.get(ROOT_META), self._location))
+            self._cache.retain({u.name for u in self._units})
+        return self._published_len()
+
+    def flush(self) -> None:
+        """Waits for replaced units to be deleted (appends are published already)."""
+        self._collector.wait()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._collector.wait()
+        self._cache.clear()
+        if self._watcher is not None:
+            self._watcher.close()
+        if self._lock is not None:
+            self._lock.release()
+        self._loc.kv.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self._location} was closed; open it again")
+
+    # ---------------------------------------------------------------- writing
+    def _append_validated(self, batch: TrajectoryBatch) -> None:
+        self._check_open()
+        tail = [u for u in self._units if not u.sealed]
+        tail_rows = sum(u.rows for u in tail)
+        size, n = self._segment_rows, len(batch)
+        arrays = encode_columns(batch, self._schema)
+        if tail_rows + n < size:
+            pieces = [(UnitRef(self._next_row, n, False), arrays)]
+            kept, dropped = list(self._units), []
+        else:
+            # the open rows plus this batch fill whole segments of exactly segment_rows rows;
+            # what is left over becomes a new fragment. Replaced fragments go after the publish.
+            rows = concat_arrays([self._unit(u).arrays for u in tail] + [arrays], self._arrays)
+            base, total = (tail[0].first_row if tail else self._next_row), tail_rows + n
+            pieces = []
+            for start in range(0, total, size):
+                stop = min(start + size, total)
+                part = rows if (start, stop) == (0, total) else slice_arrays(rows, self._arrays, start, stop)
+                pieces.append((UnitRef(base + start, stop - start, stop - start == size), part))
+            kept, dropped = [u for u in self._units if u.sealed], tail
+        for unit, part in pieces:
+            self._write_unit(unit, part)
+        units = kept + [unit for unit, _ in pieces]
+        next_row = self._next_row + n
+        if self._capacity is not None:
+            # as memmap: drop the oldest sealed segments while more than capacity rows are held
+            while units[0].sealed and next_row - units[0].first_row > self._capacity:
+                dropped.append(units.pop(0))
+        record = dict(self._record, first_row=units[0].first_row, next_row=next_row,
+                      units=[[u.first_row, u.rows, int(u.sealed)] for u in units])
+        publish(self._loc, record, durable=self._durable)
+        self._apply(record)
+        for unit, part in pieces:
+            self._cache.put(unit.name, DecodedUnit(unit.first_row, unit.rows, part))
+        self._cache.retain({u.name for u in self._units})
+        for unit in dropped:
+            self._collector.delete(unit.prefix)
+
+    def _codec_of(self, unit: UnitRef) -> Codec:
+        return self._codec if unit.sealed else self._fragment_codec
+
+    def _write_unit(self, unit: UnitRef, arrays: dict[str, np.ndarray]) -> None:
+        codec = self._codec_of(unit)
+
+        def items():  # lazily: each chunk is compressed while the previous one is written
+            yield f"{unit.prefix}/{ROOT_META}", GROUP_METADATA
+            for spec in self._arrays:
+                values = arrays[spec.name]
+                yield f"{unit.prefix}/{spec.name}/{ROOT_META}", array_metadata(spec.dtype, values.size, codec)
+                if values.size:
+                    yield f"{unit.prefix}/{spec.name}/{CHUNK_KEY}", codec.encode(values)
+
+        self._loc.kv.put_many(items(), durable=self._durable)
+
+    def _delete_orphans(self) -> None:
+        """Deletes units no commit record names: left by a writer that died before publishing."""
+        published = {u.name for u in self._units}
+        for name in self._loc.kv.list_dir(UNITS_PREFIX):
+            if name != ROOT_META and name not in published and not name.endswith(".partial"):
+                self._loc.kv.delete_prefix(f"{UNITS_PREFIX}/{name}")
+
+    # ---------------------------------------------------------------- reading
+    def _read_global(self, global_ids: torch.Tensor, fields: tuple[str, ...] | None = None) -> TrajectoryBatch:
+        self._check_open()
+        names = self._schema.field_names if fields is None else fields
+        try:
+            return self._gather(global_ids.numpy(), names)
+        except _UnitGone as gone:
+            if self._writable:
+                raise StoreCorruptedError(
+                    f"{self._location}: chunk {gone} of a published unit is missing; the store was "
+                    f"damaged outside this library. Restore it from a snapshot."
+                ) from None
+            # compacted or evicted after our last refresh: the rows live on in another unit
+            self.refresh()
+            ids = global_ids.numpy()
+            if ids.size and int(ids.min()) < self._first_row:
+                raise IndexError(
+                    f"rows from {int(ids.min())} were evicted while being read; the store now holds "
+                    f"[{self._first_row}, {self._next_row})"
+                ) from None
+            try:
+                return self._gather(ids, names)
+            except _UnitGone as again:
+                raise StoreCorruptedError(
+                    f"{self._location}: chunk {again} of a published unit is missing; the store was "
+                    f"damaged outside this library. Restore it from a snapshot."
+                ) from None
+
+    def _gather(self, ids: np.ndarray, names: tuple[str, ...]) -> TrajectoryBatch:
+        if ids.size == 0:
+            return _empty(self._schema, names)
+        which = np.searchsorted(self._starts, ids, side="right") - 1
+
+        def parts():
+            for k in np.unique(which).tolist():
+                positions = np.flatnonzero(which == k)
+                unit = self._units[k]
+                yield positions, ids[positions] - unit.first_row, lambda unit=unit: self._unit(unit)
+
+        return gather_rows(self._schema, names, ids.size, parts())
+
+    def _unit(self, unit: UnitRef) -> DecodedUnit:
+        return self._cache.get(unit.name, lambda: self._load_unit(unit))
+
+    def _load_unit(self, unit: UnitRef) -> DecodedUnit:
+        keys = [f"{unit.prefix}/{spec.name}/{CHUNK_KEY}" for spec in self._arrays]
+        blobs = dict(zip(keys, self._loc.kv.get_many(keys)))
+        arrays: dict[str, np.ndarray] = {}
+        for spec, key in zip(self._arrays, keys):
+            if spec.length_of == "rows":
+                count = unit.rows
+            elif spec.length_of == "rows+1":
+                count = unit.rows + 1
+            else:
+                count = int(arrays[spec.length_of][-1])
+            raw = blobs[key]
+            if raw is None:
+                if count:
+                    raise _UnitGone(key)  # being deleted after a compaction, or damaged
+                arrays[spec.name] = np.zeros(0, dtype=np.dtype(_np_dtype(spec.dtype)))
+                continue
+            values = self._codec_of(unit).decode(raw, spec.dtype, count, key)
+            if spec.length_of == "rows+1" and (values[0] != 0 or bool((np.diff(values) < 0).any())):
+                raise StoreCorruptedError(f"{self._location}: offsets in chunk {key} are damaged")
+            arrays[spec.name] = values
+        return DecodedUnit(unit.first_row, unit.rows, arrays)
+
+    # ---------------------------------------------------------------- summary and copies
+    def stats(self) -> StoreStats:
+        self._collector.wait()
+        self.refresh()
+        row_names = [s.name for s in self._schema.fields if s.kind == "row"]
+        offsets = [s.name for s in self._arrays if s.length_of == "rows+1"]
+        group_ids, rewards, versions = [], [], []
+        prompt_tokens = response_tokens = raw = 0
+        itemsize = {s.name: np.dtype(_np_dtype(s.dtype)).itemsize for s in self._arrays}
+        for unit in self._units:
+            decoded = self._light_unit(unit, row_names + offsets)
+            group_ids.append(decoded["group_id"])
+            rewards.append(decoded["reward"])
+            versions.append(decoded["policy_version"])
+            p = int(decoded["prompt_offsets"][-1])
+            r = int(decoded["response_offsets"][-1])
+            prompt_tokens += p
+            response_tokens += r
+            for spec in self._arrays:
+                if spec.length_of == "rows":
+                    raw += unit.rows * itemsize[spec.name]
+                elif spec.length_of != "rows+1":
+                    raw += int(decoded[spec.length_of][-1]) * itemsize[spec.name]
+        reward = np.concatenate(rewards) if rewards else np.zeros(0, np.float32)
+        version_values, version_counts = np.unique(np.concatenate(versions), return_counts=True) if versions \
+            else (np.zeros(0), np.zeros(0))
+        on_disk = self._loc.kv.size_of(UNITS_PREFIX) + len(self._loc.kv.get(ROOT_META) or b"")
+        return StoreStats(
+            backend="zarr", location=self._location, rows=self._published_len(), first_row=self._first_row,
+            next_row=self._next_row, groups=int(np.unique(np.concatenate(group_ids)).size) if group_ids else 0,
+            prompt_tokens=prompt_tokens, response_tokens=response_tokens, bytes_on_disk=on_disk, raw_bytes=raw,
+            segments=sum(u.sealed for u in self._units) + int(any(not u.sealed for u in self._units)),
+            reward_mean=float(reward.mean()) if reward.size else None,
+            reward_std=float(reward.std()) if reward.size else None,
+            reward_min=float(reward.min()) if reward.size else None,
+            reward_max=float(reward.max()) if reward.size else None,
+            policy_versions={int(v): int(c) for v, c in zip(version_values, version_counts)},
+            optional_fields=list(self._schema.optional),
+            extra={"codec": self._codec.config, "segment_rows": self._segment_rows,
+                   "tail_fragments": sum(not u.sealed for u in self._units),
+                   "capacity_rows": self._capacity, "zarr_format": 3,
+                   "cache_bytes": self._cache.capacity_bytes, "cached_bytes": self._cache.nbytes},
+        )
+
+    def _light_unit(self, unit: UnitRef, names: list[str]) -> dict[str, np.ndarray]:
+        """A few small arrays of a unit (row fields, offsets) without decoding its token values."""
+        specs = [s for s in self._arrays if s.name in names]
+        keys = [f"{unit.prefix}/{s.name}/{CHUNK_KEY}" for s in specs]
+        out = {}
+        for spec, key, raw in zip(specs, keys, self._loc.kv.get_many(keys)):
+            if raw is None:
+                raise StoreCorruptedError(f"{self._location}: chunk {key} of a published unit is missing")
+            count = unit.rows + (1 if spec.length_of == "rows+1" else 0)
+            out[spec.name] = self._codec_of(unit).decode(raw, spec.dtype, count, key)
+        return out
+
+    def unit_keys(self, unit: UnitRef) -> list[str]:
+        """Every key of a published unit (group and array metadata, chunks)."""
+        keys = [f"{unit.prefix}/{ROOT_META}"]
+        for spec in self._arrays:
+            keys += [f"{unit.prefix}/{spec.name}/{ROOT_META}", f"{unit.prefix}/{spec.name}/{CHUNK_KEY}"]
+        return keys
+
+    @property
+    def units(self) -> list[UnitRef]:
+        return list(self._units)
+
+    def snapshot_to(self, path: str) -> None:
+        """Copies the published units byte for byte into a new Zarr store at ``path``."""
+        self.refresh()
+        record = dict(self._record)
+        target = ZarrTrajectoryStore.create(path, self._schema, capacity_rows=self._capacity,
+                                            segment_rows=self._segment_rows, codec=self._codec.config,
+                                            cache_bytes=0, durable=self._durable)
+        try:
+            for unit in self._units:
+                keys = self.unit_keys(unit)
+                blobs = self._loc.kv.get_many(keys)
+                target._loc.kv.put_many({k: b for k, b in zip(keys, blobs) if b is not None},
+                                        durable=self._durable)
+            publish(target._loc, record, durable=self._durable)
+        finally:
+            target.close()
+
+
+# ======================================================================== helpers
+def _np_dtype(dtype: str) -> str:
+    return _NP_DTYPE[dtype]
+
+
+def _empty(schema: StoreSchema, names: tuple[str, ...]) -> TrajectoryBatch:
+    from rlhf_pipeline.ragged import RaggedTensor
+
+    columns: dict[str, Any] = {}
+    for spec in (f for f in schema.fields if f.name in names):
+        if spec.kind == "token":
+            columns[spec.name] = RaggedTensor(torch.zeros(0, dtype=spec.dtype), torch.zeros(1, dtype=torch.int64))
+        elif spec.kind == "row":
+            columns[spec.name] = torch.zeros(0, dtype=spec.dtype)
+        else:
+            columns[spec.name] = []
+    return TrajectoryBatch(columns)
+
+
+def _read_watched(watcher: ManifestWatcher) -> dict | None:
+    try:
+        return watcher.read()
+    except NotAStoreError:
+        return None

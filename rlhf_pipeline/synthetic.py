@@ -1,0 +1,160 @@
+"""Synthetic GRPO data: valid ``TrajectoryBatch`` objects of any size, for benchmarks and tests.
+
+Shape of the data: groups of ``group_size`` completions share one prompt (same tokens,
+same ``group_id``); prompt and response lengths are drawn uniformly from inclusive
+ranges; token ids are uniform in ``[0, vocab_size)``; sampling log-probs are
+``-Exponential(1)`` (finite, <= 0); rewards are 0/1. A response that reached the
+maximum length is ``truncated``, every other one ``terminated``.
+
+Optional fields, when asked for: ``advantage`` is the group-normalized reward
+``(r - mean) / (std + 1e-6)`` over each group present in the batch (batches hold whole
+groups when ``batch_size`` is a multiple of ``group_size``); ``ref_log_probs`` is the
+sampling log-prob plus noise (kept <= 0); ``kl`` is the k1 estimate
+``log_probs - ref_log_probs``; ``token_rewards`` is ``-0.05 * kl`` with the scalar reward
+added on the last token.
+
+Everything is drawn from one ``torch.Generator`` seeded with ``seed``, so equal
+arguments give equal batches. Construction is vectorized except the short text fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from rlhf_pipeline.ragged import RaggedTensor, lengths_to_offsets
+from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
+
+DEFAULT_VOCAB_SIZE = 32_000
+KL_COEF = 0.05
+
+
+def synthetic_batches(
+    n_completions: int,
+    *,
+    group_size: int = 8,
+    prompt_len: tuple[int, int] = (32, 256),
+    response_len: tuple[int, int] = (16, 1024),
+    batch_size: int = 512,
+    seed: int = 0,
+    optional_fields: Sequence[str] = (),
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+) -> Iterator[TrajectoryBatch]:
+    """Yields batches of ``batch_size`` rows (the last may be shorter) totalling ``n_completions``."""
+    _check_args(n_completions, group_size, prompt_len, response_len, batch_size, optional_fields)
+    generator = torch.Generator().manual_seed(seed)
+    for first_row in range(0, n_completions, batch_size):
+        num_rows = min(batch_size, n_completions - first_row)
+        yield _make_batch(
+            first_row, num_rows, generator,
+            group_size=group_size, prompt_len=prompt_len, response_len=response_len,
+            optional_fields=tuple(optional_fields), vocab_size=vocab_size,
+        )
+
+
+def synthetic_batch(n_completions: int, **kwargs) -> TrajectoryBatch:
+    """All ``n_completions`` rows as one batch (convenience for tests)."""
+    kwargs.setdefault("batch_size", n_completions)
+    return TrajectoryBatch.cat(list(synthetic_batches(n_completions, **kwargs)))
+
+
+def raw_payload_bytes(batch: TrajectoryBatch) -> int:
+    """Bytes of the data itself: token values, row values and UTF-8 text; no offsets, no padding."""
+    total = 0
+    for name in batch.field_names:
+        column = batch[name]
+        if isinstance(column, RaggedTensor):
+            total += column.values.numel() * column.values.element_size()
+        elif isinstance(column, torch.Tensor):
+            total += column.numel() * column.element_size()
+        else:
+            total += sum(len(text.encode("utf-8")) for text in column)
+    return total
+
+
+# ---------------------------------------------------------------------------- internals
+def _check_args(n_completions, group_size, prompt_len, response_len, batch_size, optional_fields) -> None:
+    if n_completions < 1:
+        raise ValueError(f"n_completions must be >= 1, got {n_completions}")
+    if group_size < 1 or batch_size < 1:
+        raise ValueError(f"group_size and batch_size must be >= 1, got {group_size} and {batch_size}")
+    for name, (low, high) in (("prompt_len", prompt_len), ("response_len", response_len)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got {(low, high)}")
+    unknown = [f for f in optional_fields if f not in OPTIONAL_FIELDS]
+    if unknown:
+        raise ValueError(f"unknown optional field(s) {unknown}; choose from {list(OPTIONAL_FIELDS)}")
+
+
+def _make_batch(
+    first_row: int,
+    num_rows: int,
+    generator: torch.Generator,
+    *,
+    group_size: int,
+    prompt_len: tuple[int, int],
+    response_len: tuple[int, int],
+    optional_fields: tuple[str, ...],
+    vocab_size: int,
+) -> TrajectoryBatch:
+    row_ids = torch.arange(first_row, first_row + num_rows, dtype=torch.int64)
+    group_ids = row_ids // group_size
+    first_group = int(group_ids[0])
+    group_of_row = group_ids - first_group  # (N,) index into this batch's groups
+    num_groups = int(group_of_row[-1]) + 1
+
+    # one prompt per group, repeated for each of its completions
+    group_prompt_lengths = torch.randint(prompt_len[0], prompt_len[1] + 1, (num_groups,), generator=generator)
+    group_prompts = RaggedTensor.from_lengths(
+        torch.randint(0, vocab_size, (int(group_prompt_lengths.sum()),), generator=generator, dtype=torch.int32),
+        group_prompt_lengths,
+    )
+    prompt_tokens = group_prompts.index(group_of_row)
+
+    response_lengths = torch.randint(response_len[0], response_len[1] + 1, (num_rows,), generator=generator)
+    total_response = int(response_lengths.sum())
+    response_offsets = lengths_to_offsets(response_lengths)
+    response_tokens = RaggedTensor(
+        torch.randint(0, vocab_size, (total_response,), generator=generator, dtype=torch.int32), response_offsets
+    )
+    log_probs = -torch.empty(total_response).exponential_(1.0, generator=generator)
+    reward = (torch.rand(num_rows, generator=generator) < 0.5).to(torch.float32)
+    truncated = response_lengths == response_len[1]
+
+    columns = {
+        "prompt_tokens": prompt_tokens,
+        "response_tokens": response_tokens,
+        "response_log_probs": RaggedTensor(log_probs, response_offsets),
+        "group_id": group_ids,
+        "trajectory_id": row_ids,
+        "step": torch.zeros(num_rows, dtype=torch.int32),
+        "reward": reward,
+        "done": torch.ones(num_rows, dtype=torch.bool),
+        "terminated": ~truncated,
+        "truncated": truncated,
+        "policy_version": group_ids // 64,  # a new policy every 64 groups, like a real run
+        "prompt_text": [f"prompt {g}" for g in group_ids.tolist()],
+        "response_text": [f"response {r}" for r in row_ids.tolist()],
+    }
+    if "advantage" in optional_fields:
+        columns["advantage"] = _group_advantage(reward, group_of_row, num_groups)
+    ref_log_probs = (log_probs + 0.1 * torch.randn(total_response, generator=generator)).clamp_max(0.0)
+    kl = log_probs - ref_log_probs
+    if "ref_log_probs" in optional_fields:
+        columns["ref_log_probs"] = RaggedTensor(ref_log_probs, response_offsets)
+    if "kl" in optional_fields:
+        columns["kl"] = RaggedTensor(kl, response_offsets)
+    if "token_rewards" in optional_fields:
+        token_rewards = -KL_COEF * kl
+        token_rewards[response_offsets[1:] - 1] += reward  # scalar reward lands on the last token
+        columns["token_rewards"] = RaggedTensor(token_rewards, response_offsets)
+    return TrajectoryBatch(columns)
+
+
+def _group_advantage(reward: torch.Tensor, group_of_row: torch.Tensor, num_groups: int) -> torch.Tensor:
+    counts = torch.zeros(num_groups).index_add_(0, group_of_row, torch.ones_like(reward))
+    mean = torch.zeros(num_groups).index_add_(0, group_of_row, reward) / counts
+    centered = reward - mean[group_of_row]
+    var = torch.zeros(num_groups).index_add_(0, group_of_row, centered**2) / (counts - 1).clamp_min(1)
+    return centered / (var.sqrt()[group_of_row] + 1e-6)

@@ -1,0 +1,101 @@
+"""The storage benchmark at a tiny size: record format, same padded output everywhere, clean --json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_pipeline.bench.storage_bench import (
+    BACKENDS,
+    RECORD_FIELDS,
+    BenchSpec,
+    format_table,
+    load_backend,
+    run_benchmark,
+)
+from rlhf_pipeline.collate import pad_batch
+from rlhf_pipeline.schema import TrajectoryBatch
+
+TINY = BenchSpec(completions=48, group_size=4, min_prompt_len=2, max_prompt_len=12, min_response_len=1,
+                 max_response_len=20, write_batch_size=16, sample_batch_size=8, sample_batches=3)
+
+
+@pytest.fixture(scope="module")
+def records():
+    torch.set_num_threads(1)
+    return run_benchmark(TINY, list(BACKENDS), isolate=False, progress=False)
+
+
+def test_one_record_per_backend_with_the_documented_fields(records):
+    assert [r["backend"] for r in records] == list(BACKENDS)
+    for record in records:
+        missing = [f for f in RECORD_FIELDS if f not in record]
+        assert not missing, f"{record['backend']} lacks {missing}"
+        assert record["completions"] == TINY.completions
+        for name in ("write_us_per_completion", "batches_per_s", "useful_tokens_per_s", "peak_rss_mb"):
+            assert isinstance(record[name], float) and record[name] > 0, (record["backend"], name)
+        assert record["raw_bytes"] > 0
+    by_name = {r["backend"]: r for r in records}
+    # (tiny files round up to whole disk blocks, so only bounds hold at this size)
+    for name in ("raw-numpy", "memmap", "torchrl-lazymemmap"):
+        assert by_name[name]["disk_bytes_per_raw_byte"] >= 1.0, name
+    assert by_name["torchrl-lazystack"]["disk_bytes"] == 0  # RAM only
+
+
+def test_table_has_a_row_per_backend_and_ratios_to_raw(records):
+    table = format_table(records)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(records)
+    raw_line = next(line for line in lines if line.startswith("| raw-numpy "))
+    assert raw_line.count("1.00x") == 2
+    without_baseline = format_table([r for r in records if r["backend"] != "raw-numpy"])
+    assert "n/a" in without_baseline and "nan" not in without_baseline
+
+
+@pytest.mark.parametrize("name", [b for b in BACKENDS if b != "raw-numpy"])
+def test_every_backend_samples_the_same_padded_batch(name, tmp_path):
+    batches = list(TINY.batches())
+    everything = TrajectoryBatch.cat(batches)
+    positions = torch.tensor([5, 0, 47, 5, 20, 33])
+    expected = pad_batch(everything.select(positions))
+    outputs = {}
+    for backend_name in ("raw-numpy", name):
+        backend = load_backend(backend_name)
+        directory = tmp_path / backend_name
+        directory.mkdir()
+        backend.setup(directory, TINY)
+        try:
+            for batch in batches:
+                backend.write(batch)
+            backend.finish_writes()
+            outputs[backend_name] = backend.sample_padded(positions)
+        finally:
+            backend.close()
+    for backend_name, got in outputs.items():
+        assert set(got.keys(True, True)) == set(expected.keys(True, True)), backend_name
+        for key in expected.keys(True, True):
+            assert got[key].dtype == expected[key].dtype, (backend_name, key)
+            assert torch.equal(got[key], expected[key]), (backend_name, key)
+
+
+def test_unknown_backend_is_named_in_the_error():
+    with pytest.raises(ValueError, match="unknown backend 'nope'"):
+        load_backend("nope")
+
+
+def test_cli_json_is_one_clean_array_from_isolated_workers():
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "bench", "storage", "--json",
+               "--completions", "32", "--sample-batches", "2", "--backends", "raw-numpy"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = json.loads(result.stdout)  # nothing but the JSON array on stdout
+    assert isinstance(records, list) and len(records) == 1
+    assert records[0]["backend"] == "raw-numpy" and records[0]["completions"] == 32
+    assert set(RECORD_FIELDS) <= set(records[0])
+    assert "[bench storage]" in result.stderr  # progress went to stderr

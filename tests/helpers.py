@@ -1,0 +1,93 @@
+"""Synthetic trajectory data for tests: valid, ragged, with non-ASCII text.
+
+Import from any test as ``from helpers import make_batch`` (``tests/conftest.py``
+puts this directory on ``sys.path``). Everything is seeded, so two calls with the
+same arguments build equal batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rlhf_pipeline.ragged import RaggedTensor, lengths_to_offsets
+from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
+
+# Mixed scripts and an emoji, so text round-trips exercise multi-byte UTF-8.
+_WORDS = ("the", "answer", "is", "42", "grüße", "naïve", "日本語", "정답", "λόγος", "🙂", "x=y+1", "")
+
+
+def _text(gen: torch.Generator, n_words: int) -> str:
+    picks = torch.randint(0, len(_WORDS), (n_words,), generator=gen).tolist()
+    return " ".join(_WORDS[i] for i in picks)
+
+
+def _ragged(lengths: torch.Tensor, values: torch.Tensor) -> RaggedTensor:
+    return RaggedTensor(values, lengths_to_offsets(lengths))
+
+
+def make_batch(
+    n_groups: int,
+    group_size: int,
+    *,
+    seed: int = 0,
+    optional: Sequence[str] = (),
+    prompt_len: tuple[int, int] = (2, 12),
+    response_len: tuple[int, int] = (1, 20),
+    first_group_id: int = 0,
+    first_trajectory_id: int = 0,
+    policy_version: int = 0,
+    vocab_size: int = 50_000,
+) -> TrajectoryBatch:
+    """A valid ``TrajectoryBatch`` of ``n_groups * group_size`` single-turn rows.
+
+    Rows of a group share ``group_id``, prompt tokens and prompt text, as a GRPO
+    collector writes them. Lengths are drawn uniformly from the inclusive ranges
+    ``prompt_len`` and ``response_len``. ``optional`` names optional fields to
+    include, each filled with valid values (finite, aligned with the response).
+    """
+    unknown = [n for n in optional if n not in OPTIONAL_FIELDS]
+    if unknown:
+        raise ValueError(f"unknown optional field(s) {unknown}; choose from {OPTIONAL_FIELDS}")
+    gen = torch.Generator().manual_seed(seed)
+    n = n_groups * group_size
+
+    group_prompt_len = torch.randint(prompt_len[0], prompt_len[1] + 1, (n_groups,), generator=gen)
+    group_prompts = [torch.randint(0, vocab_size, (int(k),), generator=gen, dtype=torch.int32)
+                     for k in group_prompt_len]
+    p_len = group_prompt_len.repeat_interleave(group_size)
+    prompt_values = torch.cat([p for p in group_prompts for _ in range(group_size)])
+    r_len = torch.randint(response_len[0], response_len[1] + 1, (n,), generator=gen)
+    total_r = int(r_len.sum())
+    response_values = torch.randint(0, vocab_size, (total_r,), generator=gen, dtype=torch.int32)
+    # log-probs strictly below 0, as a sampler's would be
+    log_probs = -torch.rand(total_r, generator=gen) * 8.0 - 1e-3
+
+    terminated = torch.rand(n, generator=gen) < 0.7
+    group_text = [f"Q{first_group_id + g}: " + _text(gen, 1 + g % 6) for g in range(n_groups)]
+    columns = {
+        "prompt_tokens": _ragged(p_len, prompt_values),
+        "response_tokens": _ragged(r_len, response_values),
+        "response_log_probs": _ragged(r_len, log_probs),
+        "group_id": torch.arange(first_group_id, first_group_id + n_groups, dtype=torch.int64)
+        .repeat_interleave(group_size),
+        "trajectory_id": torch.arange(first_trajectory_id, first_trajectory_id + n, dtype=torch.int64),
+        "step": torch.zeros(n, dtype=torch.int32),
+        "reward": torch.randn(n, generator=gen),
+        "done": torch.ones(n, dtype=torch.bool),
+        "terminated": terminated,
+        "truncated": ~terminated,
+        "policy_version": torch.full((n,), policy_version, dtype=torch.int64),
+        "prompt_text": [t for t in group_text for _ in range(group_size)],
+        "response_text": [_text(gen, int(k) % 7) for k in r_len],
+    }
+    if "ref_log_probs" in optional:
+        columns["ref_log_probs"] = _ragged(r_len, -torch.rand(total_r, generator=gen) * 8.0)
+    if "kl" in optional:
+        columns["kl"] = _ragged(r_len, torch.rand(total_r, generator=gen) * 0.1)
+    if "token_rewards" in optional:
+        columns["token_rewards"] = _ragged(r_len, -torch.rand(total_r, generator=gen) * 0.01)
+    if "advantage" in optional:
+        columns["advantage"] = torch.randn(n, generator=gen)
+    return TrajectoryBatch(columns)

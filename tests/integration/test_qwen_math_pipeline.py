@@ -1,0 +1,70 @@
+"""``pipelines/qwen_math.py`` on a tiny Qwen2 saved to disk and a GSM8K-style JSONL written here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
+from rlhf_pipeline.pipeline import PipelineError
+from rlhf_pipeline.run import run_command
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN_MATH = str(REPO / "pipelines" / "qwen_math.py")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    tokenizer = char_tokenizer()
+    model = tiny_causal_lm(len(tokenizer), arch="qwen2", hidden_size=32, num_layers=1, num_heads=2,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+SMALL = ["--device", "cpu", "--set", "max_new_tokens=8", "--set", "prompts_per_round=2", "--set", "group_size=4",
+         "--set", "learner.batch_size=8", "--set", "learner.sample_window=16",
+         "--set", "learner.new_rows_per_step=8", "--set", "learner.micro_batch_tokens=128"]
+
+
+def test_runs_on_a_tiny_model_and_jsonl(tmp_path, model_dir):
+    data = write_jsonl(tmp_path / "gsm.jsonl", [
+        {"question": f"Tom has {a} apples and buys {b} more. How many apples?", "answer": f"... #### {a + b}"}
+        for a, b in [(2, 3), (10, 7), (4, 4), (21, 9)]
+    ])
+    result = cli("run", QWEN_MATH, "--steps", "2", "--home", str(tmp_path), *SMALL,
+                 "--set", f"model_path={model_dir}", "--set", f"data_path={data}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "qwen_math" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["charts/rows"] == 8 for r in records)
+
+
+def test_missing_model_path_and_bad_prompts_fail_before_any_work(tmp_path, model_dir):
+    data = write_jsonl(tmp_path / "ok.jsonl", [{"question": "1+1?", "answer": "2"}])
+    with pytest.raises(PipelineError, match="nowhere' does not exist"):
+        run_command("run", pipeline_path=QWEN_MATH, home=str(tmp_path), device="cpu",
+                    overrides=[f"model_path={tmp_path / 'nowhere'}", f"data_path={data}"])
+
+    no_answer = write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1?", "answer": "2"}, {"question": "2+2?"}])
+    with pytest.raises(PipelineError, match="bad.jsonl:2: missing field 'answer'"):
+        run_command("run", pipeline_path=QWEN_MATH, home=str(tmp_path), device="cpu",
+                    overrides=[f"model_path={model_dir}", f"data_path={no_answer}"])
+    assert not (tmp_path / "qwen_math").exists()  # nothing was created

@@ -1,0 +1,217 @@
+"""The learner recipe on a real memmap buffer and a real tiny model (CPU, one thread)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from rlhf_pipeline.collate import pad_batch
+from rlhf_pipeline.learn.learner import Learner, LearnerSettings, lr_lambda
+from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_step_loss
+from rlhf_pipeline.learn.metrics import group_reward_stats, read_metrics
+from rlhf_pipeline.learn.microbatch import plan_microbatches, split_microbatches
+from rlhf_pipeline.learn.prefetch import DataTimeoutError, FreshRowSampler, Prefetcher
+from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
+from rlhf_pipeline.pipeline import RunPaths
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.synthetic import synthetic_batch
+from rlhf_pipeline.weights import latest_version, publish_weights
+
+TOKENIZER = char_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_model():
+    return tiny_causal_lm(len(TOKENIZER), hidden_size=32, num_layers=1, num_heads=2, seed=0)
+
+
+def rows(n: int, seed: int = 0, version: int = 0):
+    batch = synthetic_batch(n, group_size=4, prompt_len=(3, 8), response_len=(1, 6), seed=seed,
+                            optional_fields=("advantage",), vocab_size=len(TOKENIZER))
+    return batch.with_columns(policy_version=torch.full((n,), version, dtype=torch.int64))
+
+
+def make_run(tmp_path, n_rows: int = 64) -> RunPaths:
+    paths = RunPaths(tmp_path / "run")
+    store = create_store(paths.buffer, "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=32)
+    store.append(rows(n_rows))
+    store.close()
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    return paths
+
+
+SETTINGS = LearnerSettings(batch_size=16, sample_window=64, micro_batch_tokens=64, lr=1e-3, warmup_steps=2,
+                           lr_schedule="cosine", max_staleness=None, checkpoint_every=2, log_every=1)
+
+
+def learner(paths, steps, **changes) -> Learner:
+    settings = dataclasses.replace(SETTINGS, **changes)
+    return Learner(settings, paths, make_model=make_model, steps=steps, seed=1, show_progress=False)
+
+
+# ====================================================================== micro-batches
+def test_microbatch_plan_covers_every_row_once_within_budget():
+    prompt = torch.tensor([3, 8, 5, 2, 7, 1])
+    response = torch.tensor([6, 1, 4, 2, 9, 3])
+    plans = plan_microbatches(prompt, response, max_tokens=20)
+    assert sorted(torch.cat(plans).tolist()) == list(range(6))
+    for rows_ in plans:
+        width = int(prompt[rows_].max() + response[rows_].max())
+        assert len(rows_) == 1 or len(rows_) * width <= 20
+
+
+def test_gradient_accumulation_over_microbatches_equals_the_whole_batch():
+    batch = pad_batch(rows(12, seed=3), pad_token_id=TOKENIZER.pad_token_id)
+    grads = []
+    for budget in (10_000, 24):
+        model = make_model().train()
+        micro = split_microbatches(batch, budget)
+        assert (len(micro) == 1) == (budget == 10_000)
+        total_tokens = int(batch["masks", "response"].sum())
+        for mb in micro:
+            loss, _ = grpo_step_loss(model, mb)
+            (loss * int(mb["masks", "response"].sum()) / total_tokens).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+# ====================================================================== sampling
+def test_sampler_skips_stale_rows_and_counts_them(tmp_path):
+    store = create_store(tmp_path / "b", "memmap", schema=StoreSchema(optional=("advantage",)))
+    store.append(rows(32, version=0))
+    store.append(rows(32, seed=1, version=5))
+    reader = open_store(tmp_path / "b", mode="r")
+    sampler = FreshRowSampler(reader, batch_size=16, window=64, seed=0, max_staleness=1)
+    sampler.current_version = 6
+    drawn = sampler.draw(0)
+    assert drawn.rows["policy_version"].eq(5).all()
+    assert drawn.dropped_stale > 0
+    sampler.current_version = 7  # now every row is too old: it waits, then says why
+    sampler.timeout_s, sampler.poll_s = 0.3, 0.05
+    with pytest.raises(DataTimeoutError, match="no more than 1 versions old"):
+        sampler.draw(1)
+    # the same draw index gives the same rows: nothing to checkpoint but the index
+    sampler.current_version = 6
+    assert sampler.draw(3).rows["trajectory_id"].tolist() == sampler.draw(3).rows["trajectory_id"].tolist()
+    reader.close()
+    store.close()
+
+
+def test_sampler_waits_for_new_rows_when_asked(tmp_path):
+    store = create_store(tmp_path / "b", "memmap", schema=StoreSchema(optional=("advantage",)))
+    store.append(rows(32))
+    reader = open_store(tmp_path / "b", mode="r")
+    sampler = FreshRowSampler(reader, batch_size=8, window=32, seed=0, max_staleness=None,
+                              new_rows_per_draw=16, timeout_s=0.3, poll_s=0.05)
+    assert sampler.draw(0).min_next_row == 48
+    with pytest.raises(DataTimeoutError, match="waiting for row 48"):
+        sampler.draw(1)
+    store.append(rows(16, seed=2))
+    assert sampler.draw(1).buffer_next_row == 48
+    reader.close()
+    store.close()
+
+
+def test_prefetcher_runs_ahead_in_order_and_reraises_errors():
+    def produce(i):
+        if i == 3:
+            raise ValueError("bad row 3")
+        return i * 10
+
+    prefetcher = Prefetcher(produce, 1, depth=2)
+    assert [prefetcher.next()[:2] for _ in range(2)] == [(1, 10), (2, 20)]
+    with pytest.raises(ValueError, match="bad row 3"):
+        prefetcher.next()
+    prefetcher.close()
+
+
+# ====================================================================== schedule + stats
+def test_lr_schedule_warms_up_then_decays_by_cosine():
+    f = lr_lambda(dataclasses.replace(SETTINGS, warmup_steps=2, min_lr_ratio=0.1), total_steps=10)
+    assert [round(f(s), 3) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert f(10) == pytest.approx(0.1) and f(6) < f(3)
+    constant = lr_lambda(dataclasses.replace(SETTINGS, lr_schedule="constant", warmup_steps=0), 10)
+    assert constant(9) == 1.0
+
+
+def test_group_reward_stats_counts_groups_without_signal():
+    stats = group_reward_stats(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5]), torch.tensor([7, 7, 8, 8, 9]))
+    assert stats["charts/frac_reward_zero_std"] == 0.5  # group 7 has no spread; 9 has a single row
+    assert stats["charts/reward_mean"] == pytest.approx(0.7)
+
+
+def test_bad_learner_settings_name_the_field():
+    with pytest.raises(ValueError, match="'sample_window' \\(8\\) must be >= batch_size \\(16\\)"):
+        dataclasses.replace(SETTINGS, sample_window=8).check()
+    with pytest.raises(ValueError, match="unknown GRPO loss option"):
+        GRPOLossConfig.from_options({"clip": 0.2})
+
+
+# ====================================================================== the recipe
+def test_learner_steps_publishes_and_writes_metrics(tmp_path):
+    paths = make_run(tmp_path)
+    run = learner(paths, steps=3, publish_every=1)
+    run.setup()
+    assert run.train() is True
+    run.cleanup()
+    assert latest_version(paths.root) == 3
+    records = read_metrics(paths.metrics)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("losses/loss", "losses/kl", "losses/entropy", "losses/clip_frac_low", "losses/clip_frac_high",
+                "losses/ess", "losses/grad_norm", "charts/reward_mean", "charts/frac_reward_zero_std",
+                "charts/advantage_mean", "charts/response_length_mean", "charts/tokens_per_s",
+                "charts/data_wait_s", "charts/staleness_mean", "charts/learning_rate"):
+        assert key in records[0], key
+    assert records[0]["charts/learning_rate"] < records[1]["charts/learning_rate"]  # warm-up
+    assert any(paths.tensorboard.iterdir())
+    assert [p.name for p in run.checkpoints.paths()] == ["step_00000002.pt", "step_00000003.pt"]
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    straight = make_run(tmp_path / "a")
+    run = learner(straight, steps=6)
+    run.setup()
+    run.train()
+    run.cleanup()
+
+    resumed = make_run(tmp_path / "b")
+    first = learner(resumed, steps=6)
+    first.setup()
+    assert first.train(max_steps=3) is False  # "interrupted" after 3 steps; checkpoint saved
+    first.cleanup()
+    assert first.checkpoints.latest().name == "step_00000003.pt"
+    second = learner(resumed, steps=6)
+    second.setup()
+    assert second.progress.step == 3
+    assert second.train() is True
+    second.cleanup()
+
+    a, b = read_metrics(straight.metrics), read_metrics(resumed.metrics)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for key in ("losses/loss", "losses/grad_norm", "charts/learning_rate", "charts/reward_mean"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    wa, wb = (torch.load(p.weights / "policy_00000006.pt")["state_dict"] for p in (straight, resumed))
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_stop_request_saves_a_checkpoint(tmp_path):
+    paths = make_run(tmp_path)
+    stop = threading.Event()
+    run = Learner(SETTINGS, paths, make_model=make_model, steps=50, seed=1, stop_event=stop, show_progress=False)
+    run.setup()
+    stop.set()
+    assert run.train() is False
+    run.cleanup()
+    assert run.checkpoints.latest() is not None

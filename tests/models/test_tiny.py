@@ -1,0 +1,119 @@
+"""The offline char tokenizer, the tiny models built from configs, and local loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_pipeline.models import (
+    ModelLoadError,
+    char_tokenizer,
+    load_model,
+    load_reward_model,
+    load_tokenizer,
+    tiny_causal_lm,
+    tiny_model_and_tokenizer,
+    tiny_reward_model,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+def test_text_round_trips_one_token_per_character(tokenizer):
+    text = "Q: 12+7=? {A} ~x"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_special_tokens_are_single_ids(tokenizer):
+    assert tokenizer.pad_token_id == 0 and tokenizer.eos_token_id == 1
+    for marker in ("<|user|>", "<|assistant|>", "<|system|>", "<|end|>"):
+        ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1, marker
+    ids = tokenizer("ab<|end|>", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "ab"
+
+
+def test_chat_template_marks_exactly_the_assistant_turn(tokenizer):
+    conv = [{"role": "system", "content": "add"}, {"role": "user", "content": "1+2="},
+            {"role": "assistant", "content": "3"}]
+    out = tokenizer.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    marked = [i for i, m in zip(ids, mask) if m]
+    assert tokenizer.convert_ids_to_tokens(marked) == ["3", "<|end|>"]
+    prompt = tokenizer.apply_chat_template(conv[:2], add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|system|>add<|user|>1+2=<|assistant|>"
+
+
+def test_unknown_role_is_rejected(tokenizer):
+    with pytest.raises(Exception, match="unknown chat role"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_left_padding_with_position_ids_matches_unpadded(arch):
+    model, tok = tiny_model_and_tokenizer(arch=arch)
+    ids = torch.tensor([tok("12+34=", add_special_tokens=False)["input_ids"]])
+    plain = model(input_ids=ids).logits
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=padded, attention_mask=mask, position_ids=pos).logits[:, 3:]
+    torch.testing.assert_close(out, plain, atol=1e-5, rtol=0)
+
+
+def test_seed_fixes_weights_without_touching_global_rng():
+    torch.manual_seed(7)
+    before = torch.rand(1)
+    torch.manual_seed(7)
+    a = tiny_causal_lm(50, seed=3)
+    after = torch.rand(1)
+    b = tiny_causal_lm(50, seed=3)
+    c = tiny_causal_lm(50, seed=4)
+    assert torch.equal(before, after)
+    assert torch.equal(a.model.embed_tokens.weight, b.model.embed_tokens.weight)
+    assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+
+
+def test_bad_head_count_is_a_clear_error():
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        tiny_causal_lm(50, hidden_size=30, num_heads=4)
+
+
+# ------------------------------------------------------------------ loading
+def test_save_and_load_round_trip(tmp_path):
+    model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=1)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, loaded_tok = load_model(tmp_path), load_tokenizer(tmp_path)
+    ids = torch.tensor([tok("7+8=", add_special_tokens=False)["input_ids"]])
+    torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert loaded_tok.padding_side == "left" and loaded_tok.pad_token_id == tok.pad_token_id
+    assert loaded_tok.apply_chat_template([{"role": "user", "content": "1"}], tokenize=False) == "<|user|>1"
+    assert load_model(tmp_path, dtype="bf16").dtype == torch.bfloat16
+
+
+def test_reward_model_round_trip(tmp_path):
+    rm = tiny_reward_model(101)
+    rm.save_pretrained(tmp_path)
+    assert load_reward_model(tmp_path).config.num_labels == 1
+
+
+def test_loading_errors_name_the_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="no weights"):
+        load_model(tmp_path)
+    with pytest.raises(ModelLoadError, match="is a file"):
+        load_model(tmp_path / "config.json")
+    with pytest.raises(ModelLoadError, match="no tokenizer files"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ModelLoadError, match="dtype"):
+        load_model(tmp_path, dtype="float8")

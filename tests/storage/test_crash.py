@@ -1,0 +1,67 @@
+"""A writer killed with SIGKILL at arbitrary moments never loses or damages a published row.
+
+Writers are real processes started from a ``forkserver`` that imported the storage
+modules once, so each of the several kills costs a fork, not an interpreter start.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+
+import pytest
+import torch
+import store_worker
+from backends import BACKENDS
+from store_worker import check_rows, checksummed_batch
+
+from rlhf_pipeline.schema import StoreSchema
+
+KILLS = 5
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "store_worker", "backends", "rlhf_pipeline.storage.memmap"])
+    return context
+
+
+@pytest.mark.parametrize("backend_name", sorted(BACKENDS))
+def test_sigkilled_writer_leaves_every_published_row_intact(backend_name, forkserver, tmp_path):
+    torch.set_num_threads(1)
+    backend = BACKENDS[backend_name]
+    path = str(tmp_path / "buffer")
+    backend.create(path, StoreSchema(), segment_rows=32).close()
+    rng = random.Random(1234)
+    for kill in range(KILLS):
+        receive, send = forkserver.Pipe(duplex=False)
+        writer = forkserver.Process(
+            target=store_worker.append_forever, args=(backend_name, path, rng.randint(1, 40), send), daemon=True
+        )
+        writer.start()
+        send.close()
+        # let it publish a random number of appends, then kill it wherever it is
+        published = 0
+        for _ in range(rng.randint(1, 30)):
+            if not receive.poll(120):
+                writer.kill()
+                pytest.fail(f"kill {kill}: the writer published nothing (exit code {writer.exitcode})")
+            published = receive.recv()
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join()
+        receive.close()
+        assert writer.exitcode == -signal.SIGKILL
+
+        with backend.open(path, "a") as store:  # the lock died with the writer
+            assert store.next_row >= published, f"kill {kill}: published {published}, reopened {store.next_row}"
+            everything = store.read(torch.arange(len(store)))
+            check_rows(everything)
+            assert everything["trajectory_id"].tolist() == list(range(store.next_row))
+            resumed = store.next_row
+            assert store.append(checksummed_batch(resumed, 3)).tolist() == [resumed, resumed + 1, resumed + 2]
+        with backend.open(path, "r") as reader:
+            check_rows(reader.read(torch.arange(len(reader))))
+            assert reader.next_row == resumed + 3

@@ -1,0 +1,113 @@
+"""Loading pipeline files by path and --set overrides: clear errors before any work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rlhf_pipeline.pipeline import (
+    PipelineError,
+    apply_overrides,
+    describe_settings,
+    load_pipeline_module,
+    make_settings,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT = REPO / "pipelines" / "default.py"
+
+
+def _write(tmp_path, body: str) -> Path:
+    path = tmp_path / "p.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_default_pipeline_loads_and_documents_its_settings():
+    module = load_pipeline_module(DEFAULT)
+    settings = make_settings(module, ["steps=7", "learner.lr=0.001", "arch=llama", "learner.max_staleness=none"])
+    assert settings.steps == 7 and settings.learner.lr == 0.001 and settings.arch == "llama"
+    assert settings.learner.max_staleness is None
+    text = describe_settings(settings)
+    assert "learner.lr (float) = 0.001" in text
+    assert "Completions per prompt" in text  # the docstring under group_size
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("group_sise=4", "unknown setting 'group_sise'. Did you mean 'group_size'?"),
+        ("learner.lrr=1", "unknown setting 'learner.lrr'"),
+        ("steps=ten", "setting 'steps' expects int, got 'ten'"),
+        ("arch=gpt2", "setting 'arch' must be one of ['qwen2', 'llama'], got 'gpt2'"),
+        ("steps", "--set expects key=value"),
+        ("seed.x=1", "'seed' has no sub-settings"),
+    ],
+)
+def test_bad_overrides_name_the_field(override, message):
+    module = load_pipeline_module(DEFAULT)
+    with pytest.raises(PipelineError) as info:
+        make_settings(module, [override])
+    assert message in str(info.value)
+
+
+def test_overrides_parse_bools_tuples_and_paths(tmp_path):
+    path = _write(tmp_path, """
+        from dataclasses import dataclass
+        from pathlib import Path
+
+        @dataclass
+        class Settings:
+            steps: int = 1
+            device: str = "cpu"
+            flag: bool = False
+            betas: tuple[float, float] = (0.9, 0.99)
+            data: Path = Path("x")
+            limit: int | None = 3
+
+        def build(settings, run):
+            raise NotImplementedError
+    """)
+    module = load_pipeline_module(path)
+    s = apply_overrides(module.Settings(), ["flag=yes", "betas=0.5,0.6", "data=/tmp/d.jsonl", "limit=none"])
+    assert s.flag is True and s.betas == (0.5, 0.6) and s.data == Path("/tmp/d.jsonl") and s.limit is None
+    with pytest.raises(PipelineError, match="expects true/false"):
+        apply_overrides(s, ["flag=maybe"])
+
+
+def test_pipeline_file_contract_is_checked(tmp_path):
+    with pytest.raises(PipelineError, match="does not exist"):
+        load_pipeline_module(tmp_path / "missing.py")
+    with pytest.raises(PipelineError, match="must define `Settings`"):
+        load_pipeline_module(_write(tmp_path, "def build(s, r): pass\n"))
+    with pytest.raises(PipelineError, match="lacks the field"):
+        load_pipeline_module(_write(tmp_path, """
+            from dataclasses import dataclass
+            @dataclass
+            class Settings:
+                steps: int = 1
+            def build(s, r): pass
+        """))
+
+
+def test_cli_reports_unknown_setting_before_any_work(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(DEFAULT), "--home", str(tmp_path),
+         "--set", "learner.batchsize=4"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "unknown setting 'learner.batchsize'. Did you mean 'learner.batch_size'?" in result.stderr
+    assert not any(tmp_path.iterdir())  # no run directory was created
+
+
+def test_cli_help_lists_the_run_flags():
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for flag in ("--steps", "--home", "--device", "--run-name", "--set", "--list-settings"):
+        assert flag in result.stdout
