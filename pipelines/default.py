@@ -10,8 +10,9 @@ What it wires, top to bottom:
            format (digits then <|end|>), so sampled groups have reward variance;
 2. task    ``a+b=`` prompts (a, b < max_operand) and a verifiable reward with partial
            credit for right digits (``rlhf_pipeline.collect.toy_task``);
-3. buffer  a memmap replay buffer in ``<run>/buffer``; the write path computes the
-           GRPO group advantage (normalized by the group's std) before rows land;
+3. buffer  a memmap replay buffer per collector in ``<run>/buffer/shard-kkkk``; the write
+           path computes the GRPO group advantage (normalized by the group's std) before
+           rows land; the learner samples the union of the shards;
 4. learner GRPO with the settings in ``learner`` (see ``--list-settings``).
 
 Copy this file to start a new pipeline; pipelines do not inherit from each other.
@@ -128,15 +129,16 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         return create_store(path, "memmap", schema=StoreSchema(optional=("advantage",)),
                             segment_rows=settings.segment_rows)
 
-    def make_collector(model, store):
+    def make_collector(model, store, collector_index: int = 0):
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size)
         buffer.append_transform(GroupAdvantage(settings.group_size, store=store), invert=True)
         config = CollectorConfig(
             prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
             sampling=SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature),
-            seed=settings.seed,
+            seed=settings.seed, collector_index=collector_index,
         )
-        source = PromptSource(prompts, seed=settings.seed, required_fields=("answer",))
+        # each collector (one buffer shard each) walks the prompts in its own order
+        source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
         return Collector(model.to(settings.device), tokenizer, source, rewards, sink=buffer.extend,
                          config=config)
 

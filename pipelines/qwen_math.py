@@ -16,8 +16,11 @@ What it wires, top to bottom:
 2. task    each question becomes a chat turn asking for the final answer in ``\\boxed{}``;
            reward = ``numeric_match`` (1 for the right number) + ``format_weight`` x a
            ``\\boxed{}`` format reward;
-3. buffer  a memmap replay buffer in ``<run>/buffer``; group advantage on the write path;
-4. learner GRPO, DAPO-style token-mean loss with clip-higher, bf16 autocast on CUDA.
+3. buffer  a memmap replay buffer in ``<run>/buffer``; group advantage on the write path,
+           and, when ``learner.loss.kl_coef > 0``, reference log-probs under the frozen
+           model from ``model_path`` (scored at the sampling temperature);
+4. learner GRPO, DAPO-style token-mean loss with clip-higher, bf16 autocast on CUDA; with
+           ``learner.loss.kl_coef > 0`` a k3 KL-to-reference penalty in the loss.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     from rlhf_pipeline.models import load_model, load_tokenizer
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage import create_store, make_replay_buffer
-    from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+    from rlhf_pipeline.transforms import GroupAdvantage, ReferenceLogProbs
 
     # ---------------------------------------------------------------- checks first
     if settings.device == "cuda" and not torch.cuda.is_available():
@@ -116,19 +119,28 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         return make_model()
 
     # ---------------------------------------------------------------- buffer + write path
+    # the KL penalty in the loss reads reference log-probs stored with each row
+    with_reference = learner.loss.kl_coef > 0
+
     def create_buffer(path: Path):
-        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage",)),
+        optional = ("advantage", "ref_log_probs") if with_reference else ("advantage",)
+        return create_store(path, "memmap", schema=StoreSchema(optional=optional),
                             segment_rows=settings.segment_rows)
 
-    def make_collector(model, store):
-        buffer = make_replay_buffer(store, batch_size=learner.batch_size)
-        buffer.append_transform(GroupAdvantage(settings.group_size, store=store), invert=True)
+    def make_collector(model, store, collector_index: int = 0):
+        write_path = [GroupAdvantage(settings.group_size, store=store)]
+        if with_reference:
+            reference = load_model(settings.model_path, dtype=dtype, device=settings.device)
+            write_path.append(ReferenceLogProbs(reference, temperature=settings.temperature,
+                                                device=settings.device, pad_token_id=tokenizer.pad_token_id))
+        buffer = make_replay_buffer(store, batch_size=learner.batch_size, transforms=write_path)
         config = CollectorConfig(
             prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
             sampling=SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature),
-            seed=settings.seed,
+            seed=settings.seed, collector_index=collector_index,
         )
-        source = PromptSource(prompts, seed=settings.seed, required_fields=("answer",))
+        # each collector (one buffer shard each) walks the prompts in its own order
+        source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
         sampler_model = model.to(device=settings.device, dtype=getattr(torch, dtype))
         return Collector(sampler_model, tokenizer, source, rewards, sink=buffer.extend, config=config)
 

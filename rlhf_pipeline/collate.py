@@ -78,6 +78,15 @@ is computed once (one ``repeat_interleave`` each) and each ragged field is then
 placed by one ``scatter_``, the same layout :meth:`RaggedTensor.to_padded` gives
 (tests check it against ``to_padded`` and a per-row reference); no Python loop
 over rows.
+
+Fused path. :func:`assemble_padded` builds the output from tensors whose ragged values are
+already placed; ``pad_batch`` uses it, and so does a store's fused read-and-pad
+(``MemmapTrajectoryStore.read_padded``, which copies each sampled row straight from its
+files). :meth:`PaddedCollator.read` takes that path when the store has it, and otherwise
+pads ``store.read(positions, fields=padded_fields(schema))``; both give the same TensorDict.
+A torchrl ``ReplayBuffer.sample`` still goes through ``storage.get`` (a ``TrajectoryBatch``)
+and ``collate_fn``, so it gets ``pad_batch``; a learner that draws positions itself can call
+``collator.read(store, positions)``.
 """
 
 from __future__ import annotations
@@ -92,7 +101,7 @@ from rlhf_pipeline.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch
 
 # optional response-aligned float fields -> (key of the (B, T) version, key of the (B, R) version)
-_RESPONSE_FLOAT_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+RESPONSE_FLOAT_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "response_log_probs": (("log_probs", "full"), ("log_probs", "response")),
     "ref_log_probs": (("next", "ref_log_probs", "full"), ("ref_log_probs", "response")),
     "kl": (("kl", "full"), ("kl", "response")),
@@ -139,18 +148,75 @@ def pad_batch(
     prompt_pos = _flat_positions(prompt, first_column=prompt_width - prompt_lengths, width=width)
     response_pos = _flat_positions(response, first_column=torch.full_like(response_lengths, prompt_width), width=width)
 
-    prompt_mask = torch.arange(prompt_width) >= (prompt_width - prompt_lengths)[:, None]  # (B, P)
-    response_mask = torch.arange(width - prompt_width) < response_lengths[:, None]  # (B, R)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, T)
-    assistant_mask = torch.cat([torch.zeros_like(prompt_mask), response_mask], dim=1)  # (B, T)
-    # left padding shifts prompts right; positions must still count real tokens from 0
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_min_(0)  # (B, T)
-
     full_tokens = torch.full((num_rows * width,), pad_token_id, dtype=torch.int64)
     full_tokens.scatter_(0, prompt_pos, prompt.values.to(torch.int64))
     full_tokens.scatter_(0, response_pos, response.values.to(torch.int64))
-    full_tokens = full_tokens.view(num_rows, width)  # (B, T)
 
+    floats_full: dict[str, torch.Tensor] = {}
+    for name in RESPONSE_FLOAT_KEYS:
+        if name not in batch:
+            continue
+        column: RaggedTensor = batch[name]
+        if not torch.equal(column.offsets, response.offsets):
+            raise ValueError(
+                f"field {name!r} must hold one value per response token (same lengths as "
+                f"'response_tokens'); got lengths {column.lengths().tolist()} for "
+                f"{response_lengths.tolist()}; validate the batch with schema.validate_batch"
+            )
+        values = torch.zeros(num_rows * width, dtype=torch.float32)
+        values.scatter_(0, response_pos, column.values.to(torch.float32))
+        floats_full[name] = values.view(num_rows, width)  # (B, T)
+
+    rows = {name: batch[name] for name in (*_NEXT_FLAGS, *_ROW_IDS, "advantage") if name in batch}
+    td = assemble_padded(full_tokens.view(num_rows, width), prompt_width, prompt_lengths, response_lengths,
+                         floats_full, rows)
+    return place_padded(td, pin_memory=pin_memory, device=device)
+
+
+def place_padded(td: TensorDict, *, pin_memory: bool, device: torch.device | str | None) -> TensorDict:
+    """Pins and moves a padded batch as the module docstring says."""
+    if pin_memory and torch.cuda.is_available():
+        td = td.pin_memory()
+    if device is not None:
+        td = td.to(device, non_blocking=True)
+    return td
+
+
+def assemble_padded(
+    full_tokens: torch.Tensor,  # (B, T) int64, prompts ending at column P-1, responses from column P
+    prompt_width: int,  # P
+    prompt_lengths: torch.Tensor,  # (B,) int64
+    response_lengths: torch.Tensor,  # (B,) int64
+    floats_full: dict[str, torch.Tensor],  # response-aligned field -> (B, T) float32, 0 off the response
+    rows: dict[str, torch.Tensor],  # row field -> (B,)
+    *,
+    attention_mask: torch.Tensor | None = None,  # (B, T) bool, when the caller already filled it
+    advantage: torch.Tensor | None = None,  # (B, T) float32, when the caller already filled it
+) -> TensorDict:
+    """The padded batch (module docstring) from its placed ragged values and the row lengths.
+
+    Shared by :func:`pad_batch` and the stores' fused read-and-pad paths, so every path
+    produces the same keys, dtypes, views and values. Masks, ``position_ids`` and
+    ``advantage`` depend only on the lengths and are built here, except that a caller
+    that places rows one by one may pass ``attention_mask`` and ``advantage`` filled in
+    the same loop (a slice fill per row is cheaper than the vectorized ops there).
+    """
+    num_rows, width = full_tokens.shape
+    columns = torch.arange(width)
+    first = (prompt_width - prompt_lengths)[:, None]  # first real prompt column
+    # each op writes its part of the (B, T) outputs in place (out=, slices): about 0.6x the
+    # time of whole-width comparisons combined with & (measured at 64 x ~1200)
+    if attention_mask is None:
+        attention_mask = torch.empty((num_rows, width), dtype=torch.bool)
+        torch.ge(columns[:prompt_width], first, out=attention_mask[:, :prompt_width])
+        torch.lt(columns[: width - prompt_width], response_lengths[:, None], out=attention_mask[:, prompt_width:])
+    assistant_mask = torch.zeros((num_rows, width), dtype=torch.bool)
+    assistant_mask[:, prompt_width:] = attention_mask[:, prompt_width:]
+    # cumsum(attention_mask) - 1 clamped at 0: 0 before the prompt, then counting real
+    # tokens, then the last count repeated over the right padding
+    position_ids = columns - first  # (B, T)
+    torch.minimum(position_ids, (prompt_lengths + response_lengths - 1)[:, None], out=position_ids)
+    position_ids.clamp_min_(0)
     out: dict[Any, torch.Tensor] = {
         ("tokens", "full"): full_tokens,
         ("tokens", "prompt"): full_tokens[:, :prompt_width],
@@ -163,41 +229,48 @@ def pad_batch(
         "prompt_lengths": prompt_lengths,
         "response_lengths": response_lengths,
     }
-
-    for name, (full_key, response_key) in _RESPONSE_FLOAT_KEYS.items():
-        if name not in batch:
-            continue
-        column: RaggedTensor = batch[name]
-        if not torch.equal(column.offsets, response.offsets):
-            raise ValueError(
-                f"field {name!r} must hold one value per response token (same lengths as "
-                f"'response_tokens'); got lengths {column.lengths().tolist()} for "
-                f"{response_lengths.tolist()}; validate the batch with schema.validate_batch"
-            )
-        values = torch.zeros(num_rows * width, dtype=torch.float32)
-        values.scatter_(0, response_pos, column.values.to(torch.float32))
-        values = values.view(num_rows, width)  # (B, T)
+    for name, values in floats_full.items():
+        full_key, response_key = RESPONSE_FLOAT_KEYS[name]
         out[full_key] = values
         out[response_key] = values[:, prompt_width:]
-
-    if "advantage" in batch:
-        sequence_advantage = batch["advantage"].to(torch.float32)  # (B,)
+    if "advantage" in rows:
+        sequence_advantage = rows["advantage"].to(torch.float32)  # (B,)
         out["sequence_advantage"] = sequence_advantage
-        per_token = sequence_advantage.repeat_interleave(response_lengths, output_size=response_pos.numel())
-        advantage = torch.zeros(num_rows * width, dtype=torch.float32).scatter_(0, response_pos, per_token)
-        out["advantage"] = advantage.view(num_rows, width, 1)  # (B, T, 1)
-
+        if advantage is None:
+            # where, not a product: exactly 0.0 off the response whatever the advantage (-0.0, nan)
+            advantage = torch.where(assistant_mask, sequence_advantage[:, None], 0.0)
+        out["advantage"] = advantage.unsqueeze(-1)  # (B, T, 1)
     for name in _NEXT_FLAGS:  # .to: the documented dtype even for a batch that skipped validation
-        out[("next", name)] = batch[name].to(FIELDS_BY_NAME[name].dtype).reshape(num_rows, 1)
+        out[("next", name)] = rows[name].to(FIELDS_BY_NAME[name].dtype).reshape(num_rows, 1)
     for name in _ROW_IDS:
-        out[name] = batch[name].to(FIELDS_BY_NAME[name].dtype)
+        out[name] = rows[name].to(FIELDS_BY_NAME[name].dtype)
+    return _tensordict(out, num_rows)
 
-    td = TensorDict(out, batch_size=[num_rows])
-    if pin_memory and torch.cuda.is_available():
-        td = td.pin_memory()
-    if device is not None:
-        td = td.to(device, non_blocking=True)
-    return td
+
+def _tensordict(out: dict[Any, torch.Tensor], num_rows: int) -> TensorDict:
+    """``TensorDict(out, batch_size=[num_rows])``, built without its per-entry checks.
+
+    Every entry here is a fresh tensor whose first dimension is ``num_rows``, which is
+    all the checks would verify; skipping them (``_new_unsafe`` on pre-nested dicts)
+    measured ~70 us against ~145 us per batch of 64.
+    """
+    tree: dict[str, Any] = {}
+    for key, value in out.items():
+        if isinstance(key, tuple):
+            node = tree
+            for part in key[:-1]:
+                node = node.setdefault(part, {})
+            node[key[-1]] = value
+        else:
+            tree[key] = value
+    return _build_tensordict(tree, torch.Size([num_rows]))
+
+
+def _build_tensordict(tree: dict[str, Any], batch_size: torch.Size) -> TensorDict:
+    return TensorDict._new_unsafe(
+        {k: _build_tensordict(v, batch_size) if isinstance(v, dict) else v for k, v in tree.items()},
+        batch_size=batch_size,
+    )
 
 
 def _flat_positions(ragged: RaggedTensor, *, first_column: torch.Tensor, width: int) -> torch.Tensor:
@@ -236,3 +309,13 @@ class PaddedCollator:
         return pad_batch(
             data, pad_token_id=self.pad_token_id, pin_memory=self.pin_memory, device=self.device
         )
+
+    def read(self, store: Any, positions: torch.Tensor | list[int]) -> TensorDict:
+        """The padded batch of ``store``'s rows at ``positions``: ``self(store.read(positions))``
+        without the text fields, through the store's fused ``read_padded`` when it has one."""
+        read_padded = getattr(store, "read_padded", None)
+        if read_padded is not None:
+            return read_padded(positions, pad_token_id=self.pad_token_id, pin_memory=self.pin_memory,
+                               device=self.device)
+        return self(store.read(positions, fields=padded_fields(store.schema)))
+

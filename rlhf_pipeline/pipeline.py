@@ -48,7 +48,30 @@ class RunPaths:
 
     @property
     def buffer(self) -> Path:
+        """The buffer directory: ``shard-NNNN/`` stores, one per collector (or, in runs made
+        before shards, one store right here; see :attr:`single_store_buffer`)."""
         return self.root / "buffer"
+
+    def shard(self, collector_index: int) -> Path:
+        """The store collector ``collector_index`` writes: ``buffer/shard-NNNN``."""
+        if collector_index < 0:
+            raise ValueError(f"collector index must be >= 0, got {collector_index}")
+        return self.buffer / f"shard-{collector_index:04d}"
+
+    @property
+    def single_store_buffer(self) -> bool:
+        """True when ``buffer/`` is itself one store (a run made before shards): one collector."""
+        buffer = self.buffer
+        if not buffer.is_dir():
+            return False
+        names = [p.name for p in buffer.iterdir()]
+        return bool(names) and not any(n.startswith("shard-") for n in names)
+
+    def collector_state(self, collector_index: int) -> Path:
+        """Collector ``collector_index``'s position (prompt order, id counters, sampling RNG)."""
+        if self.single_store_buffer:
+            return self.root / "collector" / "state.pt"
+        return self.root / "collector" / f"shard-{collector_index:04d}.pt"
 
     @property
     def weights(self) -> Path:
@@ -105,9 +128,12 @@ class Pipeline:
     """Builds the model architecture only (random init); weights are loaded into it."""
     create_buffer: Callable[[Path], Any]
     """Creates the (empty) replay buffer at the path; returns the open, writable store."""
-    make_collector: Callable[[Any, Any], CollectorLike]
-    """``make_collector(model, writable_store)`` -> a collector whose rows reach the store through
-    the pipeline's write-path transforms (e.g. ``ReplayBuffer.extend`` with them attached)."""
+    make_collector: Callable[..., CollectorLike]
+    """``make_collector(model, writable_store, collector_index=0)`` -> a collector whose rows reach
+    the store through the pipeline's write-path transforms (e.g. ``ReplayBuffer.extend`` with
+    them attached). With several collectors each gets its own shard store and index, which it
+    must pass on (``CollectorConfig(collector_index=...)``) so ids stay unique across shards; a
+    ``make_collector(model, store)`` without the parameter runs as collector 0 only."""
     pad_token_id: int
     preflight: Callable[[], None] = lambda: None
     """Cheap checks that need code to run (the reward on one sample); called before any work."""

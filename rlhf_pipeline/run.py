@@ -7,9 +7,10 @@ Order of work, so bad settings fail before anything starts:
 2. prepare the run directory under a file lock (idempotent, so ``collect`` and ``learn``
    started side by side agree): check ``settings.json`` against a previous start, create
    the buffer, build the initial policy (warm start) and publish it as weights version 0;
-3. ``run`` starts ``collect`` and ``learn`` as child processes with the same arguments and
-   waits for the learner; then it writes ``STOP``, which ends the collector after its
-   current round. A child that fails stops the other one.
+3. ``run`` starts ``--collectors N`` ``collect`` processes (collector ``k`` writes its own
+   shard ``buffer/shard-kkkk``, see ``storage/sharded.py``) and one ``learn`` process with the
+   same arguments, and waits for the learner; then it writes ``STOP``, which ends every
+   collector after its current round. A child that fails stops the others.
 
 Both sides stop cleanly on Ctrl-C / SIGTERM: the collector finishes its round (rows are
 durable once written), the learner saves a checkpoint. Running the same command again
@@ -53,7 +54,12 @@ class RunError(RuntimeError):
 # ====================================================================== entry point
 def run_command(command: str, *, pipeline_path: str, steps: int | None = None, home: str | None = None,
                 run_name: str | None = None, device: str | None = None,
-                overrides: Sequence[str] = (), list_settings: bool = False) -> int:
+                overrides: Sequence[str] = (), list_settings: bool = False,
+                collectors: int = 1, collector_index: int = 0) -> int:
+    if collectors < 1:
+        raise PipelineError(f"--collectors must be >= 1, got {collectors}")
+    if collector_index < 0:
+        raise PipelineError(f"--collector-index must be >= 0, got {collector_index}")
     module = load_pipeline_module(pipeline_path)
     cli_overrides = list(overrides)
     if steps is not None and command != "collect":
@@ -69,12 +75,13 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     pipeline = build_pipeline(module, settings, paths)
 
     if command == "run":
-        prepare_run(pipeline, paths)
-        return _run_both(pipeline_path, steps, paths, device, overrides)
-    prepare_run(pipeline, paths)
+        prepare_run(pipeline, paths, shards=range(collectors))
+        return _run_both(pipeline_path, steps, paths, device, overrides, collectors)
     if command == "collect":
-        return collect_main(pipeline, paths, rounds=steps)
+        prepare_run(pipeline, paths, shards=(collector_index,))
+        return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
     if command == "learn":
+        prepare_run(pipeline, paths)
         return learn_main(pipeline, paths)
     raise PipelineError(f"unknown command {command!r}")
 
@@ -107,8 +114,12 @@ def _run_lock(paths: RunPaths):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def prepare_run(pipeline: Pipeline, paths: RunPaths) -> None:
-    """Creates what a run needs once; checks a resumed run uses the same settings."""
+def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> None:
+    """Creates what a run needs once; checks a resumed run uses the same settings.
+
+    ``shards``: the collectors whose buffer shards (``buffer/shard-kkkk``) must exist. A run
+    made before shards keeps its single-store ``buffer/``, which takes collector 0 only.
+    """
     from rlhf_pipeline.weights import latest_version, publish_weights
 
     with _run_lock(paths):
@@ -131,9 +142,20 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths) -> None:
             partial = paths.settings_file.with_suffix(".json.partial")
             partial.write_text(json.dumps(current, indent=2, sort_keys=True))
             partial.replace(paths.settings_file)
-        if not (paths.buffer.exists() and any(paths.buffer.iterdir())):
-            store = pipeline.create_buffer(paths.buffer)
-            store.close()
+        if paths.single_store_buffer:
+            extra = sorted(k for k in shards if k != 0)
+            if extra:
+                raise RunError(
+                    f"run directory {paths.root} has a single-store buffer (made before buffer shards), "
+                    f"which takes one collector; collector(s) {extra} need a new run (--run-name NAME)"
+                )
+        else:
+            for index in shards:
+                shard = paths.shard(index)
+                if not (shard.exists() and any(shard.iterdir())):
+                    shard.parent.mkdir(parents=True, exist_ok=True)
+                    store = pipeline.create_buffer(shard)
+                    store.close()
         if latest_version(paths.root) is None:
             print(f"[run] building the initial policy in {paths.root}", file=sys.stderr, flush=True)
             model = pipeline.make_policy()
@@ -180,29 +202,36 @@ def _role() -> str:
 
 
 # ====================================================================== collector side
-def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None) -> int:
-    """Collects rounds until ``rounds``, a stop request, or the learner's ``STOP`` file."""
+def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
+                 collector_index: int = 0) -> int:
+    """Collects rounds until ``rounds``, a stop request, or the learner's ``STOP`` file.
+
+    Collector ``collector_index`` writes its own shard ``buffer/shard-kkkk`` (with its own
+    pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
+    """
     import torch
 
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.weights import WeightsPoller
 
     stop = _StopFlag()
-    state_file = paths.root / "collector" / "state.pt"
-    store = open_store(str(paths.buffer), mode="a")  # the writer lock: one collector per buffer
+    tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
+    state_file = paths.collector_state(collector_index)
+    store_path = paths.buffer if paths.single_store_buffer else paths.shard(collector_index)
+    store = open_store(str(store_path), mode="a")  # the writer lock: one collector per shard
     done = 0
     try:
         model = pipeline.make_model()
         poller = WeightsPoller(paths.root)
         state, version = _wait_for_weights(poller, stop)
         model.load_state_dict(state)
-        collector = pipeline.make_collector(model, store)
+        collector = _make_collector(pipeline, model, store, collector_index)
         if state_file.exists():
             # prompt position, id counters and sampling RNG: no prompt skipped or repeated
             collector.load_state_dict(torch.load(state_file, weights_only=False))
         collector.set_policy_state(state, version)
         rounds_at_version = 0
-        print(f"[collector] writing to {paths.buffer} with policy version {version}", file=sys.stderr, flush=True)
+        print(f"{tag} writing to {store_path} with policy version {version}", file=sys.stderr, flush=True)
         while not _should_stop(stop, paths) and (rounds is None or done < rounds):
             update = poller.poll()
             if update is not None:
@@ -218,13 +247,42 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None)
             done += 1
             rounds_at_version += 1
             if done % 50 == 0:
-                print(f"[collector] round {done}: {len(batch)} rows, buffer {len(store)} rows, "
+                print(f"{tag} round {done}: {len(batch)} rows, shard {len(store)} rows, "
                       f"policy version {poller.current_version}", file=sys.stderr, flush=True)
     finally:
         store.close()
         stop.restore()
-    print(f"[collector] stopped after {done} rounds", file=sys.stderr, flush=True)
+    print(f"{tag} stopped after {done} rounds", file=sys.stderr, flush=True)
     return 0
+
+
+def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index: int) -> Any:
+    """``pipeline.make_collector`` for collector ``collector_index``; checks the ids it will use."""
+    import inspect
+
+    make = pipeline.make_collector
+    try:
+        params = inspect.signature(make).parameters.values()
+    except (TypeError, ValueError):
+        params = []
+    takes_index = any(p.name == "collector_index" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    if takes_index:
+        collector = make(model, store, collector_index=collector_index)
+    elif collector_index == 0:
+        collector = make(model, store)
+    else:
+        raise PipelineError(
+            f"the pipeline's make_collector(model, store) takes no collector_index, so it can run "
+            f"collector 0 only; add a `collector_index=0` parameter and pass it to "
+            f"CollectorConfig(collector_index=...) to run several collectors"
+        )
+    got = getattr(getattr(collector, "config", None), "collector_index", None)
+    if got is not None and got != collector_index:
+        raise PipelineError(
+            f"make_collector(..., collector_index={collector_index}) returned a collector with "
+            f"collector_index {got}; pass it to CollectorConfig so ids stay unique across collectors"
+        )
+    return collector
 
 
 def _save_atomic(obj: Any, path: Path) -> None:
@@ -270,7 +328,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths) -> int:
 
 # ====================================================================== both
 def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
-              overrides: Sequence[str]) -> int:
+              overrides: Sequence[str], collectors: int = 1) -> int:
     paths.stop_file.unlink(missing_ok=True)
     common = [pipeline_path, "--home", str(paths.root.parent), "--run-name", paths.root.name]
     if device is not None:
@@ -280,40 +338,53 @@ def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: st
     # the collector runs until the learner is done (STOP), so it gets no --steps
     learner_steps = ["--steps", str(steps)] if steps is not None else []
     launcher = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
-    print(f"[run] run directory {paths.root}", file=sys.stderr, flush=True)
-    children = {
-        "collector": subprocess.Popen(launcher + ["collect", *common]),
-        "learner": subprocess.Popen(launcher + ["learn", *common, *learner_steps]),
+    print(f"[run] run directory {paths.root}" + (f" with {collectors} collectors" if collectors > 1 else ""),
+          file=sys.stderr, flush=True)
+    # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
+    collector_procs = {
+        k: subprocess.Popen(launcher + ["collect", *common] + (["--collector-index", str(k)] if k else []))
+        for k in range(collectors)
     }
+    learner = subprocess.Popen(launcher + ["learn", *common, *learner_steps])
     interrupted = False
     try:
         while True:
-            codes = {name: p.poll() for name, p in children.items()}
-            if codes["learner"] is not None:
+            if learner.poll() is not None:
                 break
-            if codes["collector"] is not None and not (codes["collector"] == 0 and paths.stop_file.exists()):
-                # (a clean exit after STOP means the learner finished and is exiting too)
-                # without a collector the learner would only wait for data: stop it (it checkpoints)
-                children["learner"].send_signal(signal.SIGTERM)
-                _wait_quietly(children["learner"])
-                raise RunError(f"the collector exited early (exit code {codes['collector']}); see its "
-                               f"error above. The learner saved a checkpoint; rerun to resume")
+            for k, p in collector_procs.items():
+                code = p.poll()
+                if code is None or (code == 0 and paths.stop_file.exists()):
+                    # (a clean exit after STOP means the learner finished and is exiting too)
+                    continue
+                # a collector died: stop the learner (it checkpoints) and the other collectors
+                learner.send_signal(signal.SIGTERM)
+                for other in collector_procs.values():
+                    if other.poll() is None:
+                        other.send_signal(signal.SIGTERM)
+                _wait_quietly(learner)
+                for other in collector_procs.values():
+                    _wait_quietly(other, timeout=120.0)
+                name = "the collector" if collectors == 1 else f"collector {k}"
+                raise RunError(f"{name} exited early (exit code {code}); see its error above. The "
+                               f"learner saved a checkpoint; rerun to resume")
             time.sleep(0.2)
     except KeyboardInterrupt:
         # the terminal sent SIGINT to the children too; they finish their step/round
         interrupted = True
-        for p in children.values():
+        for p in [*collector_procs.values(), learner]:
             _wait_quietly(p)
-    paths.stop_file.touch()
-    collector_code = _wait_quietly(children["collector"], timeout=120.0)
-    learner_code = children["learner"].returncode
+    paths.stop_file.touch()  # every collector ends after its current round
+    collector_codes = {k: _wait_quietly(p, timeout=120.0) for k, p in collector_procs.items()}
+    learner_code = learner.returncode
     if learner_code not in (0, None):
         raise RunError(f"the learner failed (exit code {learner_code}); see its error above")
     if interrupted:
         print(f"[run] interrupted; run the same command again to resume {paths.root}", file=sys.stderr)
         return 130
-    if collector_code not in (0, None):
-        raise RunError(f"the collector failed (exit code {collector_code}); see its error above")
+    failed = {k: c for k, c in collector_codes.items() if c not in (0, None)}
+    if failed:
+        names = ", ".join(f"collector {k} (exit code {c})" for k, c in failed.items())
+        raise RunError(f"{names} failed; see the error above")
     _print_summary(paths)
     return 0
 

@@ -287,3 +287,32 @@ def test_padded_fields_are_every_field_but_text():
     full_td, slim_td = pad_batch(batch), pad_batch(slim)
     for key in full_td.keys(True, True):
         assert torch.equal(full_td[key], slim_td[key])
+
+
+def test_collator_read_uses_the_stores_fused_path_and_falls_back_to_pad_batch(tmp_path):
+    from rlhf_pipeline.collate import padded_fields
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
+
+    batch = synthetic_batch(40, group_size=4, prompt_len=(1, 9), response_len=(1, 12),
+                            optional_fields=ALL_OPTIONAL, seed=5)
+    positions = torch.tensor([39, 0, 17, 17, 8, 31])
+    expected = pad_batch(batch.select(positions), pad_token_id=5)  # pad_batch ignores the text fields
+
+    class PlainStore:  # a store without read_padded: read (no text) + pad_batch
+        schema = StoreSchema(ALL_OPTIONAL)
+
+        def read(self, positions, *, fields=None):
+            assert fields == padded_fields(self.schema)
+            return batch.select(torch.as_tensor(positions))
+
+    collator = PaddedCollator(pad_token_id=5)
+    with MemmapTrajectoryStore.create(tmp_path / "b", StoreSchema(ALL_OPTIONAL), segment_rows=16,
+                                      durable=False) as store:
+        store.append(batch)
+        for got in (collator.read(store, positions), collator.read(PlainStore(), positions)):
+            assert set(got.keys(True, True)) == set(expected.keys(True, True))
+            for key in expected.keys(True, True):
+                assert got[key].dtype == expected[key].dtype, key
+                assert torch.equal(got[key], expected[key]), key
+        assert_matches_reference(collator.read(store, positions), batch.select(positions), 5)

@@ -134,18 +134,19 @@ class StorageBackend(Protocol):
 
 # =========================================================================== our stores
 class TrajectoryStoreBackend:
-    """Any ``TrajectoryStore``: ``append`` per batch, ``read`` (no text) + ``pad_batch`` per sample."""
+    """Any ``TrajectoryStore``: ``append`` per batch; per sample ``PaddedCollator.read``, i.e. the
+    store's fused ``read_padded`` where it has one (memmap), else ``read`` (no text) + ``pad_batch``."""
 
     def __init__(self, name: str, create: Callable[[Path, StoreSchema], TrajectoryStore]):
         self.name = name
         self._create = create
 
     def setup(self, directory: Path, spec: BenchSpec) -> None:
-        from rlhf_pipeline.collate import padded_fields
+        from rlhf_pipeline.collate import PaddedCollator
 
         self._dir = directory
         self._store = self._create(directory / "buffer", spec.schema)
-        self._fields = padded_fields(spec.schema)  # as a learner reads: no text
+        self._collator = PaddedCollator()
 
     def write(self, batch: TrajectoryBatch) -> None:
         self._store.append(batch)
@@ -154,9 +155,8 @@ class TrajectoryStoreBackend:
         pass  # append publishes each batch
 
     def sample_padded(self, positions: torch.Tensor) -> TensorDict:
-        from rlhf_pipeline.collate import pad_batch
-
-        return pad_batch(self._store.read(positions, fields=self._fields))
+        # the store's fused read-and-pad when it has one (memmap), else read (no text) + pad_batch
+        return self._collator.read(self._store, positions)
 
     def disk_bytes(self) -> int:
         return directory_bytes(self._dir)

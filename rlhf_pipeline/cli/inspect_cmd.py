@@ -1,7 +1,8 @@
 """``rlhf-pipeline inspect PATH [--json]``: what a replay buffer holds, from its own metadata.
 
 Opens the buffer read-only (no lock, so it is safe beside a running writer) with
-whichever backend recognizes it, and prints rows, groups, tokens, rewards, bytes
+whichever backend recognizes it (a run's buffer of ``shard-NNNN`` stores, one per
+collector, is summed over its shards), and prints rows, groups, tokens, rewards, bytes
 and policy versions: a table by default, one JSON object with ``--json``.
 """
 
@@ -11,7 +12,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("path", help="the buffer: a memmap directory or a Zarr store")
+    parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN stores")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -19,10 +20,10 @@ def run(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from rlhf_pipeline.storage import StoreError, open_store
+    from rlhf_pipeline.storage import StoreError, open_buffer
 
     try:
-        with open_store(args.path, mode="r") as store:
+        with open_buffer(args.path, mode="r") as store:
             stats = store.stats()
     except StoreError as exc:
         print(f"rlhf-pipeline inspect: {exc}", file=sys.stderr)

@@ -1,10 +1,12 @@
 """``rlhf-pipeline run | collect | learn PIPELINE.py``: one command module, three entry points.
 
-* ``run`` checks the pipeline, prepares the run directory, then starts one collector and
-  one learner process that share the buffer through it; it stops the collector when the
-  learner has taken ``--steps`` steps.
+* ``run`` checks the pipeline, prepares the run directory, then starts ``--collectors N``
+  collector processes (default 1; collector k writes its own buffer shard) and one learner
+  process that reads all shards; it stops the collectors when the learner has taken
+  ``--steps`` steps.
 * ``collect`` / ``learn`` run one side alone against the same run directory (e.g. a
-  learner resumed over a recorded buffer, or collectors on another machine).
+  learner resumed over a recorded buffer, or collectors on another machine:
+  ``collect --collector-index K`` writes shard K).
 
 Running the same command again resumes the run: the learner continues from its newest
 checkpoint and the collector appends to the same buffer. Arguments are parsed before
@@ -24,6 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     else:
         steps_help = "learner steps to reach (sets the pipeline's `steps`); a resumed run continues to it"
     parser.add_argument("--steps", type=int, default=None, help=steps_help)
+    if name == "run":
+        parser.add_argument("--collectors", type=int, default=1, metavar="N",
+                            help="collector processes to start; collector k writes buffer/shard-k and "
+                                 "the learner reads all shards (default: 1)")
+    if name == "collect":
+        parser.add_argument("--collector-index", type=int, default=0, metavar="K",
+                            help="which collector this is: it writes buffer/shard-K, keeps its own state, "
+                                 "and its ids carry K (default: 0)")
     parser.add_argument("--home", default=None,
                         help="directory holding run directories (default: storage/ in the repo, "
                              "or $RLHF_PIPELINE_HOME)")
@@ -51,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             overrides=args.overrides,
             list_settings=args.list_settings,
+            collectors=getattr(args, "collectors", 1),
+            collector_index=getattr(args, "collector_index", 0),
         )
     except (PipelineError, RunError) as exc:
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)

@@ -213,9 +213,10 @@ class Learner:
 
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
         from rlhf_pipeline.collate import pad_batch
-        from rlhf_pipeline.storage import open_store
+        from rlhf_pipeline.storage import open_buffer
 
-        self._store = open_store(str(self.paths.buffer), mode="r")
+        # one store, or the union of the collectors' shards (new shards are picked up as they appear)
+        self._store = open_buffer(str(self.paths.buffer), mode="r")
         if checkpoint is not None:
             self._store.load_state_dict(checkpoint["buffer"])  # the rows it saw must still be there
         self.sampler = FreshRowSampler(
@@ -334,6 +335,10 @@ class Learner:
             adv = cpu["sequence_advantage"]
             metrics["charts/advantage_mean"] = float(adv.mean())
             metrics["charts/advantage_std"] = float(adv.std()) if adv.numel() > 1 else 0.0
+        # ids carry their collector's index in the high bits: how many collectors fed this batch
+        from rlhf_pipeline.collect.collector import ID_COUNTER_BITS
+
+        metrics["charts/collectors_in_batch"] = float(torch.unique(cpu["group_id"] >> ID_COUNTER_BITS).numel())
         lengths = cpu["response_lengths"].float()
         metrics.update({
             "charts/response_length_mean": float(lengths.mean()),

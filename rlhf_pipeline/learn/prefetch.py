@@ -1,7 +1,10 @@
 """Learner-side data: which rows a step samples, and a thread that prepares them ahead of time.
 
 ``FreshRowSampler`` makes draw ``d`` from the newest ``window`` rows of a store that another
-process may be appending to (opened read-only; every draw refreshes it). Its randomness
+process may be appending to (opened read-only; every draw refreshes it). Over a sharded
+buffer (one store per collector) the window takes an even share of each shard's newest rows
+(``ShardedStoreReader.newest_positions``), and row counts (``new_rows_per_draw``) are summed
+over all shards. Its randomness
 comes from a generator seeded with ``(seed, d)``, so draw ``d`` picks the same rows whether or
 not the run was interrupted before it: the draw count and the buffer position the next draw
 waits for (``min_next_row``) are its whole state, kept in the learner's ``Progress``.
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rlhf_pipeline.collate import padded_fields
 from rlhf_pipeline.schema import TrajectoryBatch
 
 
@@ -70,6 +74,8 @@ class FreshRowSampler:
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
         self.current_version = 0  # set by the learner after each publish
+        # the learner never reads text; decoding it is a large share of a read
+        self._fields = padded_fields(store.schema)
 
     def draw(self, draw_index: int) -> SampledRows:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw_index)
@@ -79,9 +85,10 @@ class FreshRowSampler:
             version = self.current_version
             n = len(self.store)  # refreshes a read-only store
             next_row = self.store.next_row
-            lo = max(0, n - self.window)
-            if n - lo >= self.batch_size and next_row >= self.min_next_row:
-                order = lo + torch.randperm(n - lo, generator=generator)
+            # the newest rows: a store's last positions; across shards, some of each shard's newest
+            newest = self.store.newest_positions(self.window)
+            if newest.numel() >= self.batch_size and next_row >= self.min_next_row:
+                order = newest[torch.randperm(newest.numel(), generator=generator)]
                 kept, stale = self._fresh_rows(order, version)
                 dropped += stale
                 if kept is not None:
@@ -103,11 +110,11 @@ class FreshRowSampler:
     def _fresh_rows(self, order: torch.Tensor, version: int) -> tuple[TrajectoryBatch | None, int]:
         """Reads candidates in random order until ``batch_size`` fresh ones are found."""
         if self.max_staleness is None:
-            return self.store.read(order[: self.batch_size]), 0
+            return self.store.read(order[: self.batch_size], fields=self._fields), 0
         picked: list[TrajectoryBatch] = []
         have = stale = 0
         for start in range(0, order.numel(), self.batch_size):
-            chunk = self.store.read(order[start: start + self.batch_size])
+            chunk = self.store.read(order[start: start + self.batch_size], fields=self._fields)
             fresh = chunk["policy_version"] >= version - self.max_staleness
             stale += int((~fresh).sum())
             if bool(fresh.any()):

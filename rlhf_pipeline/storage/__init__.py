@@ -2,7 +2,8 @@
 
 ``create_store(location, backend=...)`` makes a new store, ``open_store(location)``
 reopens one of any backend (it asks each registered backend whether the location
-is one of its stores). Backends are imported lazily, so opening a memmap store
+is one of its stores). ``open_buffer(location)`` opens a run's buffer directory: a single
+store, or the read-only union of its ``shard-NNNN`` stores (one per collector). Backends are imported lazily, so opening a memmap store
 never imports zarr.
 
 To add a backend: implement :class:`~rlhf_pipeline.storage.base.TrajectoryStore`
@@ -64,6 +65,27 @@ def open_store(location, mode: str = "r", *, backend: str | None = None, **optio
     return backend_class(name).open(str(location), mode=mode, **options)
 
 
+def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
+    """Opens a run's buffer directory, whatever its layout.
+
+    A single store (one collector; runs made before shards) opens as with :func:`open_store`;
+    a directory of ``shard-NNNN`` stores (one per collector) opens as a read-only
+    :class:`~rlhf_pipeline.storage.sharded.ShardedStoreReader` over all of them, which also
+    picks up shards created later. Appending goes to one shard: ``open_store(shard, mode="a")``.
+    """
+    from rlhf_pipeline.storage.sharded import ShardedStoreReader, is_sharded_buffer
+
+    location = str(location)
+    if is_sharded_buffer(location):
+        if mode != "r":
+            raise ReadOnlyStoreError(
+                f"{location} holds one store per collector (shard-NNNN); the union is read-only. "
+                f"Open one shard with open_store(<shard dir>, mode={mode!r}) to append"
+            )
+        return ShardedStoreReader(location, **options)
+    return open_store(location, mode=mode, **options)
+
+
 def create_store(location, backend: str = "memmap", schema: StoreSchema | None = None, **options) -> TrajectoryStore:
     """Creates a new, empty store opened for appending (``options`` are the backend's)."""
     return backend_class(backend).create(str(location), schema or StoreSchema(), **options)
@@ -75,6 +97,7 @@ def __getattr__(name: str):
         "MemmapTrajectoryStore": "rlhf_pipeline.storage.memmap",
         "AppendWriter": "rlhf_pipeline.storage.torchrl_glue",
         "make_replay_buffer": "rlhf_pipeline.storage.torchrl_glue",
+        "ShardedStoreReader": "rlhf_pipeline.storage.sharded",
     }
     if name in lazy:
         return getattr(importlib.import_module(lazy[name]), name)
@@ -87,6 +110,7 @@ __all__ = [
     "MemmapTrajectoryStore",
     "NotAStoreError",
     "ReadOnlyStoreError",
+    "ShardedStoreReader",
     "StoreCorruptedError",
     "StoreError",
     "StoreLockedError",
@@ -96,5 +120,6 @@ __all__ = [
     "create_store",
     "detect_backend",
     "make_replay_buffer",
+    "open_buffer",
     "open_store",
 ]

@@ -217,6 +217,15 @@ class TrajectoryStore(Storage, abc.ABC):
         full = self._read_global(global_ids)
         return TrajectoryBatch({name: full[name] for name in fields})
 
+    def newest_positions(self, count: int) -> torch.Tensor:
+        """Positions of the newest ``count`` rows (as of the last refresh), ascending.
+
+        A single store's newest rows are its last positions; a union of shards
+        (:class:`~rlhf_pipeline.storage.sharded.ShardedStoreReader`) takes some from each.
+        """
+        n = self._published_len()
+        return torch.arange(max(0, n - max(count, 0)), n, dtype=torch.int64)
+
     def _published_len(self) -> int:
         return self.next_row - self.first_row
 

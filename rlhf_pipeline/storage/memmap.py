@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 
 from rlhf_pipeline.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch
@@ -74,6 +75,7 @@ from rlhf_pipeline.storage.memmap_segments import (
     segment_dir_name,
     segment_files,
 )
+from rlhf_pipeline.storage.memmap_padded import gather_padded, read_padded
 
 BACKEND = "memmap"
 FORMAT_VERSION = 1
@@ -186,6 +188,7 @@ class MemmapTrajectoryStore(TrajectoryStore):
         self._slots = StateSlots(path, stem=STATE_STEM)
         self._seq = 0  # number of the publish this object last saw (0: manifest.json itself)
         self._views: dict[int, SegmentView] = {}
+        self._padded_segments: dict = {}  # read_padded's mapped arrays per segment (memmap_padded)
         self._tail_writer: SegmentWriter | None = None
         self._closed = False
         self._owner_pid = os.getpid()
@@ -376,9 +379,18 @@ class MemmapTrajectoryStore(TrajectoryStore):
             view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id))
         return view
 
-    def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None) -> TrajectoryBatch:
+    def read_padded(self, positions: torch.Tensor | list[int], *, pad_token_id: int = 0,
+                    pin_memory: bool = False, device: torch.device | str | None = None) -> TensorDict:
+        """``pad_batch(self.read(positions, fields=padded_fields(self.schema)), ...)``, fused: each
+        row is copied from the segment files straight into the padded tensors (``memmap_padded``)."""
+        return read_padded(self, positions, pad_token_id=pad_token_id, pin_memory=pin_memory, device=device)
+
+    def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None, *,
+                     padded_pad_token_id: int | None = None) -> Any:
         self._check_open()
         try:
+            if padded_pad_token_id is not None:
+                return gather_padded(self, global_ids, padded_pad_token_id)
             return self._gather(global_ids, fields)
         except FileNotFoundError:
             # a segment was evicted and deleted before this reader mapped it
@@ -440,6 +452,7 @@ class MemmapTrajectoryStore(TrajectoryStore):
         for view in self._views.values():
             view.close()
         self._views.clear()
+        self._padded_segments.clear()
         self._slots.close()
         if self._lock is not None:
             self._lock.release()

@@ -226,6 +226,7 @@ class SegmentView:
                 array = np.empty(0, dtype=dtype)
             else:
                 mapping = mmap.mmap(fd, usable, prot=mmap.PROT_READ)
+                _prefault(mapping, count * dtype.itemsize)
                 array = np.frombuffer(mapping, dtype=dtype)
         finally:
             os.close(fd)
@@ -235,6 +236,29 @@ class SegmentView:
     def close(self) -> None:
         # the mappings close when the last array viewing them is garbage-collected
         self._arrays.clear()
+
+
+# MADV_POPULATE_READ (Linux >= 5.14; Python's mmap module names it from 3.13 only)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if hasattr(mmap, "MADV_WILLNEED") else None)
+
+
+def _prefault(mapping: mmap.mmap, published_bytes: int) -> None:
+    """Maps the published pages of a new mapping in one call instead of one fault at a time.
+
+    Sampling touches random rows, so without this nearly every sampled row's slices take
+    page faults the first time a process reads them (measured ~0.6-0.9 ms per batch of 64
+    GRPO rows on a shared VM, as much as the copy itself). One bulk prefault costs ~9 ms for
+    a 77 MB store already in the page cache, and reads from disk what is not (bounded by the
+    segment: ~20 MB at 4096 GRPO rows). The resident set then counts the mapped segments
+    (file-backed pages the kernel can reclaim). Only the published bytes are prefaulted,
+    never a tail's grown-ahead sparse space. Where the kernel lacks it, nothing happens.
+    """
+    if _MADV_POPULATE_READ is None or published_bytes <= 0:
+        return
+    try:
+        mapping.madvise(_MADV_POPULATE_READ, 0, min(published_bytes, len(mapping)))
+    except OSError:  # EINVAL on kernels before 5.14
+        pass
 
 
 def copy_segment(view: SegmentView, schema: StoreSchema, state: SegmentState, target: Path) -> None:

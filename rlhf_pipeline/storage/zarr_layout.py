@@ -4,18 +4,24 @@ A store is a Zarr v3 hierarchy (see ``docs/zarr-layout.md``)::
 
     zarr.json                          root group; attributes["rlhf_pipeline"] is the commit record
     writer.lock                        flock file (local stores only; not a Zarr node)
-    units/<first_row:015d>/            one group per *unit*: a sealed segment or a tail fragment
+    units/<first_row:015d>-<rows:010d>/    one group per *unit*: a sealed segment or a tail fragment
         prompt_tokens                  1-D values of a token field, one chunk
         prompt_offsets                 (rows+1,) int64 offsets shared by prompt-aligned fields
         response_offsets               (rows+1,) int64 offsets shared by response-aligned fields
         reward, done, ...              (rows,) row fields
         prompt_text, prompt_text_offsets   UTF-8 bytes + (rows+1,) int64 offsets
+    units/<first_row:015d>-<rows:010d>p   a packed fragment: one uint8 array holding every
+                                       array above back to back (see :func:`pack_buffers`)
 
 Every array is a single chunk (key ``c.0``), so reading a unit costs one GET per array
 and no metadata reads: the commit record says how many rows each unit holds, and
 that fixes every shape. We encode and decode chunks ourselves with numcodecs (the
 same codecs Zarr's ``blosc``/``zstd`` codecs call) because one Zarr array call costs
 ~1 ms; a unit of ~20 arrays is one batch of raw key/value operations instead.
+
+Packed fragments (one raw chunk: two files) are what appends write while a segment
+fills, because creating ~40 files costs more than the whole rest of an append; the
+byte range and dtype of each array are in the array's attributes.
 
 Units are immutable once written: appends write new units, compaction writes a new
 segment and only then deletes the fragments it replaced. Nothing a published commit
@@ -63,8 +69,8 @@ CODEC_PRESETS: dict[str, dict[str, Any]] = {
     "none": {"name": "none"},
 }
 DEFAULT_CODEC = "blosc-zstd"
-# Tail fragments live until their segment is sealed, then are rewritten with the store's
-# codec: they are compressed for speed (blosc-lz4 encodes 2-4x faster than blosc-zstd here).
+# Per-field tail fragments (written by ``close`` for the open segment) live until their segment
+# is sealed: they are compressed for speed (blosc-lz4 encodes 2-4x faster than blosc-zstd here).
 FRAGMENT_CODEC = {"name": "blosc", "cname": "lz4", "clevel": 1, "shuffle": "shuffle"}
 _SHUFFLES = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
              "bitshuffle": numcodecs.Blosc.BITSHUFFLE}
@@ -135,10 +141,11 @@ class Codec:
             out[0] = {"name": "bytes"}  # endian is meaningless (and rejected) for 1-byte types
         return out
 
-    def encode(self, array: np.ndarray) -> bytes:
+    def encode(self, array: np.ndarray):
+        """The chunk's bytes: a bytes-like object (for codec ``none`` the array itself, no copy)."""
         codec = self._numcodec(array.dtype.itemsize)
         raw = np.ascontiguousarray(array)
-        return bytes(raw.data) if codec is None else bytes(codec.encode(raw))
+        return raw if codec is None else codec.encode(raw)
 
     def decode(self, data: bytes, dtype: str, count: int, key: str) -> np.ndarray:
         """Decodes a chunk into a new writable array; a size mismatch or decoder error means damage."""
@@ -226,3 +233,84 @@ def field_layout(schema: StoreSchema) -> dict[str, dict[str, Any]]:
         out[f.name] = {"kind": f.kind, "dtype": "uint8" if f.kind == "text" else zarr_dtype(f.dtype),
                        "offsets": offsets}
     return out
+
+
+# ======================================================================== packed fragments
+PACKED_ATTRS_KEY = "rlhf_pipeline_fields"
+_ALIGN = 8
+
+
+def packed_ranges(layout, arrays_or_counts) -> dict[str, tuple[str, int, int]]:
+    """Per layout array: ``(dtype, byte start, byte stop)`` inside a packed fragment's one chunk.
+
+    Arrays follow each other in layout order (offsets first), each starting at a multiple
+    of 8 bytes. ``arrays_or_counts`` maps names to arrays (or to value counts).
+    """
+    out, pos = {}, 0
+    for spec in layout:
+        item = arrays_or_counts[spec.name]
+        count = item if isinstance(item, int) else int(item.size)
+        stop = pos + count * np.dtype(_NP_DTYPE[spec.dtype]).itemsize
+        out[spec.name] = (spec.dtype, pos, stop)
+        pos = -(-stop // _ALIGN) * _ALIGN
+    return out
+
+
+def packed_metadata(ranges: dict[str, tuple[str, int, int]], nbytes: int) -> bytes:
+    """zarr.json of a packed fragment: one uint8 array (one raw chunk) + the byte range of each array."""
+    meta = {
+        "zarr_format": 3, "node_type": "array", "shape": [nbytes], "data_type": "uint8",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(nbytes, 1)]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "fill_value": 0, "codecs": [{"name": "bytes"}],
+        "attributes": {PACKED_ATTRS_KEY: {name: {"dtype": d, "start": a, "stop": b}
+                                          for name, (d, a, b) in ranges.items()}},
+        "dimension_names": None,
+    }
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
+def pack_buffers(layout, arrays: dict[str, np.ndarray]) -> tuple[list, bytes, int]:
+    """The chunk of a packed fragment as a list of buffers (written with one ``writev``, no copy)."""
+    ranges = packed_ranges(layout, arrays)
+    buffers, pos = [], 0
+    for spec in layout:
+        _, start, stop = ranges[spec.name]
+        if start > pos:
+            buffers.append(bytes(start - pos))
+        if stop > start:
+            buffers.append(memoryview(np.ascontiguousarray(arrays[spec.name])).cast("B"))
+        pos = stop
+    return buffers, packed_metadata(ranges, pos), pos
+
+
+def unpack(layout, raw: bytes, rows: int, key: str) -> dict[str, np.ndarray]:
+    """A packed fragment's chunk -> the unit's arrays (views of one writable copy)."""
+    buf = np.frombuffer(raw, dtype=np.uint8).copy()
+    counts: dict[str, int] = {}
+    arrays: dict[str, np.ndarray] = {}
+    pos = stop = 0
+    for spec in layout:
+        if spec.length_of == "rows":
+            count = rows
+        elif spec.length_of == "rows+1":
+            count = rows + 1
+        else:
+            count = int(arrays[spec.length_of][-1])
+        counts[spec.name] = count
+        dtype = np.dtype(_NP_DTYPE[spec.dtype])
+        stop = pos + count * dtype.itemsize
+        if stop > buf.size or count < 0:
+            raise StoreCorruptedError(
+                f"chunk {key} holds {buf.size} bytes, fewer than the commit record implies; it was damaged "
+                f"or truncated outside this library. Restore the store from a snapshot.")
+        values = buf[pos:stop].view(dtype)
+        if spec.length_of == "rows+1" and (values[0] != 0 or bool((np.diff(values) < 0).any())):
+            raise StoreCorruptedError(f"offsets {spec.name} in chunk {key} are damaged")
+        arrays[spec.name] = values
+        pos = -(-stop // _ALIGN) * _ALIGN
+    if layout and stop != buf.size:
+        raise StoreCorruptedError(
+            f"chunk {key} holds {buf.size} bytes but the commit record implies {stop}; it was damaged "
+            f"or truncated outside this library. Restore the store from a snapshot.")
+    return arrays

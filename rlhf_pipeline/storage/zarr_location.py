@@ -42,29 +42,35 @@ class LocalKV:
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
         return [self.get(k) for k in keys]
 
-    def put_many(self, items: Iterable[tuple[str, bytes]], *, durable: bool = False) -> None:
+    def put_many(self, items: Iterable[tuple[str, bytes]], *, durable: bool = False, threaded: bool = True,
+                 defer_sync: bool = False) -> Pending | None:
         """Writes new keys of a unit nobody reads yet: plain writes, no temp file and rename.
 
         Units are immutable and only become visible through the commit record, so a
         crash mid-way leaves an orphan (deleted by the next writer), never a torn read.
-        ``items`` may be a generator that encodes lazily: files are written on a worker
-        thread meanwhile, so the file system's latency overlaps the compression.
-        ``durable`` makes the bytes and the new names survive power loss before return.
+        ``items`` may be a generator that encodes lazily: with ``threaded`` files are
+        written on a worker thread meanwhile, so the file system's latency overlaps the
+        compression. ``durable`` makes the bytes and the new names survive power loss
+        before return; with ``defer_sync`` it returns what still needs syncing instead,
+        for :func:`publish` to flush together with the commit record (one ``syncfs``).
         """
-        if self._pool is None:
+        if threaded and self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarr-store-io")
         made: set[Path] = set()
         written: list[Path] = []
 
-        def write(path: Path, value: bytes) -> None:
+        def write(path: Path, value) -> None:
             if path.parent not in made:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 made.add(path.parent)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                view = memoryview(value)
+                if isinstance(value, (list, tuple)):  # buffers of one file: a single writev
+                    done = os.writev(fd, value)
+                    value = b"".join(value)[done:] if done < sum(len(v) for v in value) else b""
+                view = memoryview(value).cast("B")
                 while view:
                     view = view[os.write(fd, view):]
             finally:
@@ -74,11 +80,18 @@ class LocalKV:
         for key, value in items.items() if isinstance(items, Mapping) else items:
             path = self.root / key
             written.append(path)
-            futures.append(self._pool.submit(write, path, value))
+            if threaded:
+                futures.append(self._pool.submit(write, path, value))
+            else:
+                write(path, value)
         for future in futures:
             future.result()
-        if durable and written:
-            _sync_paths(self.root, written, made)
+        if not (durable and written):
+            return None
+        if defer_sync:
+            return Pending(written, made)
+        _sync_paths(self.root, [Pending(written, made)])
+        return None
 
     def close(self) -> None:
         if self._pool is not None:
@@ -122,25 +135,40 @@ def _syncfs():
 _SYNCFS = _syncfs()
 
 
-def _sync_paths(root: Path, files: list[Path], directories: set[Path]) -> None:
+@dataclass
+class Pending:
+    """Files written (and directories created) whose durability is still owed."""
+
+    files: list[Path]
+    directories: set[Path]
+
+
+def _syncfs_root(root: Path) -> bool:
+    if _SYNCFS is None:
+        return False
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return _SYNCFS(fd) == 0
+    finally:
+        os.close(fd)
+
+
+def _sync_paths(root: Path, pending: Iterable[Pending]) -> None:
     from rlhf_pipeline.storage.manifest import fsync_dir
 
-    if _SYNCFS is not None:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            if _SYNCFS(fd) == 0:
-                return
-        finally:
-            os.close(fd)
-    for path in files:  # portable fallback: every file, then every directory that got a new name
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    for directory in sorted(directories, key=lambda d: len(d.parts), reverse=True):
-        fsync_dir(directory)
-        fsync_dir(directory.parent)
+    pending = list(pending)
+    if not pending or _syncfs_root(root):
+        return
+    for item in pending:  # portable fallback: every file, then every directory that got a new name
+        for path in item.files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for directory in sorted(item.directories, key=lambda d: len(d.parts), reverse=True):
+            fsync_dir(directory)
+            fsync_dir(directory.parent)
 
 
 class ZarrStoreKV:
@@ -171,14 +199,17 @@ class ZarrStoreKV:
 
         return self._sync(fetch())
 
-    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes], *, durable: bool = False) -> None:
+    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes], *, durable: bool = False,
+                 threaded: bool = True, defer_sync: bool = False) -> None:
         import asyncio
 
         from zarr.core.buffer import default_buffer_prototype
 
         proto = default_buffer_prototype()
 
-        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        pairs = [(k, v if isinstance(v, bytes) else b"".join(v) if isinstance(v, (list, tuple))
+                  else bytes(memoryview(v).cast("B")))
+                 for k, v in (items.items() if isinstance(items, Mapping) else items)]
 
         async def put():
             await asyncio.gather(*(self.store.set(k, proto.buffer.from_bytes(v)) for k, v in pairs))
@@ -278,12 +309,88 @@ def _root_document(record: dict[str, Any]) -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": {ATTRS_KEY: record}}
 
 
-def publish(loc: Location, record: dict[str, Any], *, durable: bool) -> None:
+def publish(loc: Location, record: dict[str, Any], *, durable: bool, pending: Iterable[Pending | None] = ()) -> None:
+    """Replaces the commit record; ``pending`` units' files are made durable first.
+
+    Locally with ``syncfs``, one call flushes the units and ``zarr.json.partial``
+    together before the rename (then the directory is fsynced), instead of a sync
+    for the data and another for the record.
+    """
     document = _root_document(record)
-    if loc.local_root is not None:
-        publish_json(loc.local_root / ROOT_META, document, durable=durable)
-    else:
+    if loc.local_root is None:
         loc.kv.put_many({ROOT_META: json.dumps(document, separators=(",", ":")).encode()})
+        return
+    pending = [p for p in pending if p is not None]
+    if durable and sum(len(p.files) for p in pending) <= _TARGETED_FILES:
+        _publish_targeted(loc.local_root, document, pending)
+        return
+    if durable and _SYNCFS is not None:
+        from rlhf_pipeline.storage.manifest import PARTIAL_SUFFIX, fsync_dir
+
+        path = loc.local_root / ROOT_META
+        partial = path.with_name(path.name + PARTIAL_SUFFIX)
+        payload = json.dumps(document, separators=(",", ":"), sort_keys=True).encode()
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, payload)
+            if not _syncfs_root(loc.local_root):
+                os.fsync(fd)
+                _sync_paths(loc.local_root, pending)
+        finally:
+            os.close(fd)
+        os.replace(partial, path)
+        fsync_dir(loc.local_root)
+        return
+    if durable:
+        _sync_paths(loc.local_root, pending)
+    publish_json(loc.local_root / ROOT_META, document, durable=durable)
+
+
+# A unit of this few files (a packed fragment: 2) is flushed file by file, all fsyncs at once,
+# rather than with syncfs, which also waits for every other dirty file on the file system
+# (a segment being sealed in the background, other processes' writes).
+_TARGETED_FILES = 4
+_fsync_pool_of: tuple[int, Any] | None = None
+
+
+def _fsync_pool():
+    global _fsync_pool_of
+    if _fsync_pool_of is None or _fsync_pool_of[0] != os.getpid():  # threads do not survive a fork
+        from concurrent.futures import ThreadPoolExecutor
+
+        _fsync_pool_of = (os.getpid(), ThreadPoolExecutor(max_workers=8, thread_name_prefix="zarr-fsync"))
+    return _fsync_pool_of[1]
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish_targeted(root: Path, document: dict[str, Any], pending: list[Pending]) -> None:
+    """Durable publish of a few new files: their fsyncs (files, new directories and their parents,
+    ``zarr.json.partial``) issued together, then the rename and an fsync of the root directory."""
+    from rlhf_pipeline.storage.manifest import PARTIAL_SUFFIX
+
+    path = root / ROOT_META
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    payload = json.dumps(document, separators=(",", ":"), sort_keys=True).encode()
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, payload)
+    finally:
+        os.close(fd)
+    targets = {partial}
+    for item in pending:
+        targets.update(item.files)
+        for directory in item.directories:
+            targets.update((directory, directory.parent))
+    list(_fsync_pool().map(_fsync_path, sorted(targets)))
+    os.replace(partial, path)
+    _fsync_path(root)
 
 
 def lock_for(loc: Location, location: str) -> WriterLock | None:

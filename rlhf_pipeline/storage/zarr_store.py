@@ -8,11 +8,17 @@ Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr_layout` (and
   count and the list of units). A local store replaces it with an atomic rename
   (``manifest.publish_json``); a remote store with a single PUT. A reader sees
   the old or the new record, and every unit either record names is complete.
-* **Append fragments, compact into segments.** While the open segment holds fewer
-  than ``segment_rows`` rows, each append is its own small *fragment*; the append
-  that fills the segment rewrites the open rows as one sealed segment, publishes,
-  and only then deletes the fragments. A crash in between leaves orphans that the
-  next writer deletes when it opens the store.
+* **Append fragments, compact into segments.** An append cuts its batch at segment
+  boundaries: a whole segment is written sealed; any other piece becomes a *packed
+  fragment* (all its arrays in one raw chunk: two files, one ``writev``). The append
+  that completes a segment hands it to a background thread (:mod:`.zarr_writer`),
+  which writes the segment, publishes, and only then deletes the fragments; publishes
+  are serialized by a lock. A crash in between leaves orphans that the next writer
+  deletes when it opens the store, and complete fragments it seals again. ``close``
+  rewrites the open segment's packed fragments as one per-field fragment.
+* **One sync per durable publish.** The unit's files and ``zarr.json.partial`` are
+  flushed together (their fsyncs at once for a small unit, ``syncfs`` for a big one),
+  then the rename and an fsync of the directory.
 * **One writer.** ``mode="a"`` takes the ``flock`` in ``writer.lock`` for a local
   path or ``file://`` URL. Other URLs cannot be locked: one writer per store is then
   the caller's duty (documented in ``docs/zarr-layout.md``).
@@ -23,7 +29,7 @@ Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr_layout` (and
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +67,10 @@ from rlhf_pipeline.storage.zarr_layout import (
     Codec,
     array_metadata,
     field_layout,
+    pack_buffers,
     resolve_codec,
     unit_arrays,
+    unpack,
 )
 from rlhf_pipeline.storage.zarr_location import (
     ROOT_META,
@@ -73,49 +81,10 @@ from rlhf_pipeline.storage.zarr_location import (
     publish,
     resolve,
 )
+from rlhf_pipeline.storage.zarr_writer import Collector, Sealer, UnitRef, complete_segments, plan_pieces
 
 DEFAULT_SEGMENT_ROWS = 4096
 DEFAULT_CACHE_BYTES = 512 * 2**20
-
-
-@dataclass(frozen=True)
-class UnitRef:
-    """One published unit: rows ``[first_row, first_row + rows)``; sealed segment or tail fragment."""
-
-    first_row: int
-    rows: int
-    sealed: bool
-
-    @property
-    def name(self) -> str:
-        return f"{self.first_row:015d}-{self.rows:010d}"
-
-    @property
-    def prefix(self) -> str:
-        return f"{UNITS_PREFIX}/{self.name}"
-
-
-class _Collector:
-    """Deletes replaced units on a background thread: unlinking ~40 files is off the append path.
-
-    Safe to lose: units no commit record names are deleted again by the next writer.
-    """
-
-    def __init__(self, kv):
-        self._kv = kv
-        self._pool = None
-
-    def delete(self, prefix: str) -> None:
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarr-store-gc")
-        self._pool.submit(self._kv.delete_prefix, prefix)
-
-    def wait(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 class _UnitGone(Exception):
@@ -150,7 +119,9 @@ class ZarrTrajectoryStore(TrajectoryStore):
         self._lock = lock
         self._watcher = watcher
         self._cache = SegmentCache(cache_bytes)
-        self._collector = _Collector(loc.kv)
+        self._collector = Collector(loc.kv)
+        self._sealer = Sealer(self._seal)
+        self._publish_lock = threading.Lock()  # the append path and the background sealer publish
         self._closed = False
         self._apply(record)
 
@@ -258,6 +229,8 @@ class ZarrTrajectoryStore(TrajectoryStore):
                         lock=lock, watcher=watcher)
             if writable:
                 store._delete_orphans()
+                for first_row in complete_segments(store._units, store._segment_rows):
+                    store._sealer.submit(first_row)  # fragments a killed writer did not seal yet
             return store
         except BaseException:
             if lock is not None:
@@ -285,8 +258,9 @@ class ZarrTrajectoryStore(TrajectoryStore):
     # ---------------------------------------------------------------- published state
     def _apply(self, record: dict[str, Any]) -> None:
         self._record = record
-        self._units = [UnitRef(int(a), int(b), bool(c)) for a, b, c in record["units"]]
-        self._starts = np.array([u.first_row for u in self._units], dtype=np.int64)
+        units = [UnitRef(int(a), int(b), int(c) == 1, int(c) == 2) for a, b, c in record["units"]]
+        self._view = (units, np.array([u.first_row for u in units], dtype=np.int64))  # read as one
+        self._units = units
         self._first_row = int(record["first_row"])
         self._next_row = int(record["next_row"])
 
@@ -338,13 +312,22 @@ class ZarrTrajectoryStore(TrajectoryStore):
         return self._published_len()
 
     def flush(self) -> None:
-        """Waits for replaced units to be deleted (appends are published already)."""
+        """Waits for background seals and deletions (appends are published already)."""
+        self._sealer.wait()
         self._collector.wait()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._sealer.shutdown()
+            if self._writable:
+                self._unpack_tail()
+        except Exception as exc:  # noqa: BLE001 - the fragments stay published; the next writer seals them
+            import logging
+
+            logging.getLogger(__name__).warning("%s", exc)
         self._collector.wait()
         self._cache.clear()
         if self._watcher is not None:
@@ -360,47 +343,81 @@ class ZarrTrajectoryStore(TrajectoryStore):
     # ---------------------------------------------------------------- writing
     def _append_validated(self, batch: TrajectoryBatch) -> None:
         self._check_open()
-        tail = [u for u in self._units if not u.sealed]
-        tail_rows = sum(u.rows for u in tail)
-        size, n = self._segment_rows, len(batch)
+        self._sealer.check()
+        n, start = len(batch), self._next_row  # only this thread moves next_row
         arrays = encode_columns(batch, self._schema)
-        if tail_rows + n < size:
-            pieces = [(UnitRef(self._next_row, n, False), arrays)]
-            kept, dropped = list(self._units), []
-        else:
-            # the open rows plus this batch fill whole segments of exactly segment_rows rows;
-            # what is left over becomes a new fragment. Replaced fragments go after the publish.
-            rows = concat_arrays([self._unit(u).arrays for u in tail] + [arrays], self._arrays)
-            base, total = (tail[0].first_row if tail else self._next_row), tail_rows + n
-            pieces = []
-            for start in range(0, total, size):
-                stop = min(start + size, total)
-                part = rows if (start, stop) == (0, total) else slice_arrays(rows, self._arrays, start, stop)
-                pieces.append((UnitRef(base + start, stop - start, stop - start == size), part))
-            kept, dropped = [u for u in self._units if u.sealed], tail
+        pieces, complete = [], []
+        for pos, rows, whole, completes in plan_pieces(start, n, self._segment_rows):
+            part = arrays if rows == n else slice_arrays(arrays, self._arrays, pos, pos + rows)
+            pieces.append((UnitRef(start + pos, rows, whole, not whole), part))
+            if completes:
+                complete.append(start + pos + rows - self._segment_rows)
+        pending = [self._write_unit(unit, part) for unit, part in pieces]
+        with self._publish_lock:
+            self._publish(self._units + [unit for unit, _ in pieces], start + n, pending)
         for unit, part in pieces:
-            self._write_unit(unit, part)
-        units = kept + [unit for unit, _ in pieces]
-        next_row = self._next_row + n
+            self._cache.put(unit.name, DecodedUnit(unit.first_row, unit.rows, part))
+        for first_row in complete:
+            self._sealer.submit(first_row)
+        if complete and self._capacity is not None:
+            self._sealer.wait()  # eviction drops sealed segments only: keep the bound exact
+
+    def _publish(self, units: list[UnitRef], next_row: int, pending) -> None:
+        """Publishes ``units`` (caller holds the publish lock), then drops what fell out."""
+        names = {u.name for u in units}
+        dropped = [u for u in self._units if u.name not in names]
         if self._capacity is not None:
             # as memmap: drop the oldest sealed segments while more than capacity rows are held
             while units[0].sealed and next_row - units[0].first_row > self._capacity:
                 dropped.append(units.pop(0))
         record = dict(self._record, first_row=units[0].first_row, next_row=next_row,
-                      units=[[u.first_row, u.rows, int(u.sealed)] for u in units])
-        publish(self._loc, record, durable=self._durable)
+                      units=[[u.first_row, u.rows, u.kind] for u in units])
+        publish(self._loc, record, durable=self._durable, pending=pending)
         self._apply(record)
-        for unit, part in pieces:
-            self._cache.put(unit.name, DecodedUnit(unit.first_row, unit.rows, part))
-        self._cache.retain({u.name for u in self._units})
+        self._cache.retain({u.name for u in units})
         for unit in dropped:
             self._collector.delete(unit.prefix)
+
+    def _seal(self, first_row: int) -> None:
+        """Background: rewrites the fragments of segment ``first_row`` as one sealed segment."""
+        size = self._segment_rows
+        with self._publish_lock:
+            fragments = [u for u in self._units if not u.sealed and first_row <= u.first_row < first_row + size]
+        if sum(u.rows for u in fragments) != size:
+            return  # sealed already
+        rows = concat_arrays([self._unit(u).arrays for u in fragments], self._arrays)
+        segment = UnitRef(first_row, size, True)
+        pending = self._write_unit(segment, rows, threaded=False)
+        with self._publish_lock:
+            replaced = {u.name for u in fragments}
+            units = [u for u in self._units if u.name not in replaced]
+            at = next((i for i, u in enumerate(units) if u.first_row > first_row), len(units))
+            self._publish(units[:at] + [segment] + units[at:], self._next_row, [pending])
+        self._cache.put(segment.name, DecodedUnit(first_row, size, rows))
+
+    def _unpack_tail(self) -> None:
+        """On close: the open segment's packed fragments become one fragment of per-field arrays,
+        so a closed store holds only the documented per-field units."""
+        open_start = self._next_row - self._next_row % self._segment_rows
+        tail = [u for u in self._units if not u.sealed and u.first_row >= open_start]
+        if not any(u.packed for u in tail):
+            return
+        rows = concat_arrays([self._unit(u).arrays for u in tail], self._arrays)
+        unit = UnitRef(tail[0].first_row, sum(u.rows for u in tail), False)
+        pending = self._write_unit(unit, rows)
+        with self._publish_lock:
+            replaced = {u.name for u in tail}
+            self._publish([u for u in self._units if u.name not in replaced] + [unit], self._next_row, [pending])
 
     def _codec_of(self, unit: UnitRef) -> Codec:
         return self._codec if unit.sealed else self._fragment_codec
 
-    def _write_unit(self, unit: UnitRef, arrays: dict[str, np.ndarray]) -> None:
+    def _write_unit(self, unit: UnitRef, arrays: dict[str, np.ndarray], *, threaded: bool = True):
         codec = self._codec_of(unit)
+        if unit.packed:  # two files: written here, without the I/O thread
+            buffers, meta, _ = pack_buffers(self._arrays, arrays)
+            return self._loc.kv.put_many([(f"{unit.prefix}/{ROOT_META}", meta), (f"{unit.prefix}/{CHUNK_KEY}", buffers)],
+                                         durable=self._durable, threaded=False, defer_sync=True)
 
         def items():  # lazily: each chunk is compressed while the previous one is written
             yield f"{unit.prefix}/{ROOT_META}", GROUP_METADATA
@@ -410,7 +427,7 @@ class ZarrTrajectoryStore(TrajectoryStore):
                 if values.size:
                     yield f"{unit.prefix}/{spec.name}/{CHUNK_KEY}", codec.encode(values)
 
-        self._loc.kv.put_many(items(), durable=self._durable)
+        return self._loc.kv.put_many(items(), durable=self._durable, threaded=threaded, defer_sync=True)
 
     def _delete_orphans(self) -> None:
         """Deletes units no commit record names: left by a writer that died before publishing."""
@@ -423,39 +440,39 @@ class ZarrTrajectoryStore(TrajectoryStore):
     def _read_global(self, global_ids: torch.Tensor, fields: tuple[str, ...] | None = None) -> TrajectoryBatch:
         self._check_open()
         names = self._schema.field_names if fields is None else fields
-        try:
-            return self._gather(global_ids.numpy(), names)
-        except _UnitGone as gone:
-            if self._writable:
-                raise StoreCorruptedError(
-                    f"{self._location}: chunk {gone} of a published unit is missing; the store was "
-                    f"damaged outside this library. Restore it from a snapshot."
-                ) from None
-            # compacted or evicted after our last refresh: the rows live on in another unit
-            self.refresh()
-            ids = global_ids.numpy()
-            if ids.size and int(ids.min()) < self._first_row:
-                raise IndexError(
-                    f"rows from {int(ids.min())} were evicted while being read; the store now holds "
-                    f"[{self._first_row}, {self._next_row})"
-                ) from None
+        ids, view = global_ids.numpy(), self._view
+        for _ in range(16):
             try:
-                return self._gather(ids, names)
-            except _UnitGone as again:
-                raise StoreCorruptedError(
-                    f"{self._location}: chunk {again} of a published unit is missing; the store was "
-                    f"damaged outside this library. Restore it from a snapshot."
-                ) from None
+                return self._gather(ids, names, view)
+            except _UnitGone as gone:
+                missing = gone
+            # compacted or evicted after the record we read (a reader's last refresh, or a seal on
+            # this writer's background thread): the rows live on in a unit the newer record names
+            if not self._writable:
+                self.refresh()
+                if ids.size and int(ids.min()) < self._first_row:
+                    raise IndexError(
+                        f"rows from {int(ids.min())} were evicted while being read; the store now holds "
+                        f"[{self._first_row}, {self._next_row})"
+                    ) from None
+            if self._view is view:
+                break
+            view = self._view
+        raise StoreCorruptedError(
+            f"{self._location}: chunk {missing} of a published unit is missing; the store was "
+            f"damaged outside this library. Restore it from a snapshot."
+        ) from None
 
-    def _gather(self, ids: np.ndarray, names: tuple[str, ...]) -> TrajectoryBatch:
+    def _gather(self, ids: np.ndarray, names: tuple[str, ...], view) -> TrajectoryBatch:
         if ids.size == 0:
             return _empty(self._schema, names)
-        which = np.searchsorted(self._starts, ids, side="right") - 1
+        units, starts = view
+        which = np.searchsorted(starts, ids, side="right") - 1
 
         def parts():
             for k in np.unique(which).tolist():
                 positions = np.flatnonzero(which == k)
-                unit = self._units[k]
+                unit = units[k]
                 yield positions, ids[positions] - unit.first_row, lambda unit=unit: self._unit(unit)
 
         return gather_rows(self._schema, names, ids.size, parts())
@@ -464,6 +481,12 @@ class ZarrTrajectoryStore(TrajectoryStore):
         return self._cache.get(unit.name, lambda: self._load_unit(unit))
 
     def _load_unit(self, unit: UnitRef) -> DecodedUnit:
+        if unit.packed:
+            key = f"{unit.prefix}/{CHUNK_KEY}"
+            raw = self._loc.kv.get(key)
+            if raw is None:
+                raise _UnitGone(key)  # being deleted after a compaction, or damaged
+            return DecodedUnit(unit.first_row, unit.rows, unpack(self._arrays, raw, unit.rows, key))
         keys = [f"{unit.prefix}/{spec.name}/{CHUNK_KEY}" for spec in self._arrays]
         blobs = dict(zip(keys, self._loc.kv.get_many(keys)))
         arrays: dict[str, np.ndarray] = {}
@@ -488,50 +511,19 @@ class ZarrTrajectoryStore(TrajectoryStore):
 
     # ---------------------------------------------------------------- summary and copies
     def stats(self) -> StoreStats:
-        self._collector.wait()
+        from rlhf_pipeline.storage.zarr_stats import store_stats
+
+        self.flush()
         self.refresh()
-        row_names = [s.name for s in self._schema.fields if s.kind == "row"]
-        offsets = [s.name for s in self._arrays if s.length_of == "rows+1"]
-        group_ids, rewards, versions = [], [], []
-        prompt_tokens = response_tokens = raw = 0
-        itemsize = {s.name: np.dtype(_np_dtype(s.dtype)).itemsize for s in self._arrays}
-        for unit in self._units:
-            decoded = self._light_unit(unit, row_names + offsets)
-            group_ids.append(decoded["group_id"])
-            rewards.append(decoded["reward"])
-            versions.append(decoded["policy_version"])
-            p = int(decoded["prompt_offsets"][-1])
-            r = int(decoded["response_offsets"][-1])
-            prompt_tokens += p
-            response_tokens += r
-            for spec in self._arrays:
-                if spec.length_of == "rows":
-                    raw += unit.rows * itemsize[spec.name]
-                elif spec.length_of != "rows+1":
-                    raw += int(decoded[spec.length_of][-1]) * itemsize[spec.name]
-        reward = np.concatenate(rewards) if rewards else np.zeros(0, np.float32)
-        version_values, version_counts = np.unique(np.concatenate(versions), return_counts=True) if versions \
-            else (np.zeros(0), np.zeros(0))
-        on_disk = self._loc.kv.size_of(UNITS_PREFIX) + len(self._loc.kv.get(ROOT_META) or b"")
-        return StoreStats(
-            backend="zarr", location=self._location, rows=self._published_len(), first_row=self._first_row,
-            next_row=self._next_row, groups=int(np.unique(np.concatenate(group_ids)).size) if group_ids else 0,
-            prompt_tokens=prompt_tokens, response_tokens=response_tokens, bytes_on_disk=on_disk, raw_bytes=raw,
-            segments=sum(u.sealed for u in self._units) + int(any(not u.sealed for u in self._units)),
-            reward_mean=float(reward.mean()) if reward.size else None,
-            reward_std=float(reward.std()) if reward.size else None,
-            reward_min=float(reward.min()) if reward.size else None,
-            reward_max=float(reward.max()) if reward.size else None,
-            policy_versions={int(v): int(c) for v, c in zip(version_values, version_counts)},
-            optional_fields=list(self._schema.optional),
-            extra={"codec": self._codec.config, "segment_rows": self._segment_rows,
-                   "tail_fragments": sum(not u.sealed for u in self._units),
-                   "capacity_rows": self._capacity, "zarr_format": 3,
-                   "cache_bytes": self._cache.capacity_bytes, "cached_bytes": self._cache.nbytes},
-        )
+        return store_stats(self)
 
     def _light_unit(self, unit: UnitRef, names: list[str]) -> dict[str, np.ndarray]:
         """A few small arrays of a unit (row fields, offsets) without decoding its token values."""
+        if unit.packed:
+            try:
+                return self._load_unit(unit).arrays
+            except _UnitGone as gone:
+                raise StoreCorruptedError(f"{self._location}: chunk {gone} of a published unit is missing") from None
         specs = [s for s in self._arrays if s.name in names]
         keys = [f"{unit.prefix}/{s.name}/{CHUNK_KEY}" for s in specs]
         out = {}
@@ -545,16 +537,21 @@ class ZarrTrajectoryStore(TrajectoryStore):
     def unit_keys(self, unit: UnitRef) -> list[str]:
         """Every key of a published unit (group and array metadata, chunks)."""
         keys = [f"{unit.prefix}/{ROOT_META}"]
+        if unit.packed:
+            return keys + [f"{unit.prefix}/{CHUNK_KEY}"]
         for spec in self._arrays:
             keys += [f"{unit.prefix}/{spec.name}/{ROOT_META}", f"{unit.prefix}/{spec.name}/{CHUNK_KEY}"]
         return keys
 
     @property
     def units(self) -> list[UnitRef]:
+        """The published units, once background seals are done."""
+        self._sealer.wait()
         return list(self._units)
 
     def snapshot_to(self, path: str) -> None:
         """Copies the published units byte for byte into a new Zarr store at ``path``."""
+        self.flush()
         self.refresh()
         record = dict(self._record)
         target = ZarrTrajectoryStore.create(path, self._schema, capacity_rows=self._capacity,

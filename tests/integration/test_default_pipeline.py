@@ -12,7 +12,7 @@ import torch
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import PipelineError
 from rlhf_pipeline.run import run_command
-from rlhf_pipeline.storage import open_store
+from rlhf_pipeline.storage import open_buffer
 from rlhf_pipeline.weights import latest_version
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def test_run_writes_rows_trains_and_logs(tmp_path):
     run = tmp_path / "smoke"
 
     # rows were written, whole groups, advantages normalized within each group
-    with open_store(run / "buffer", mode="r") as store:
+    with open_buffer(run / "buffer", mode="r") as store:
         assert len(store) >= 16 and len(store) % 4 == 0
         rows = store.read(torch.arange(len(store)))
     for group in rows["group_id"].unique():

@@ -1,4 +1,5 @@
-"""``collect`` and ``learn`` as separate processes sharing one run directory; stop and resume."""
+"""``collect`` and ``learn`` as separate processes sharing one run directory; stop and resume;
+several collectors (one buffer shard each) feeding one learner."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlhf_pipeline.learn.metrics import read_metrics
-from rlhf_pipeline.storage import open_store
+from rlhf_pipeline.storage import ShardedStoreReader, open_buffer, open_store
+from rlhf_pipeline.storage.sharded import list_shards
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
@@ -40,7 +43,7 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path):
     collector_out = finish(collector)  # ends by itself: the learner wrote STOP when done
     assert "[collector] stopped after" in collector_out
 
-    with open_store(run / "buffer", mode="r") as store:
+    with open_buffer(run / "buffer", mode="r") as store:
         versions = store.read(torch.arange(len(store)))["policy_version"]
     assert int(versions.max()) >= 1  # the collector picked up weights the learner published
 
@@ -56,3 +59,62 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path):
     out, _ = other.communicate(timeout=300)
     assert other.returncode == 2
     assert "group_size: was 4, now 8" in out and "--run-name" in out
+
+
+def test_two_collectors_feed_one_learner_through_buffer_shards(tmp_path):
+    """``run --collectors 2``: collector k writes buffer/shard-k, the learner samples both."""
+    result = subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2", "--steps", "4",
+         "--home", str(tmp_path), "--run-name", "two", *SMALL],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "two"
+    # clean shutdown: the learner finished, wrote STOP, and both collectors ended on it
+    assert "[run] done: 4 learner steps" in result.stderr
+    assert "[collector] stopped after" in result.stderr and "[collector 1] stopped after" in result.stderr
+    assert (run / "STOP").exists()
+
+    # each collector wrote its own shard, with ids that carry its index, and kept its own state
+    assert [k for k, _ in list_shards(run / "buffer")] == [0, 1]
+    for k, path in list_shards(run / "buffer"):
+        with open_store(path, mode="r") as shard:
+            assert len(shard) > 0 and len(shard) % 4 == 0
+            ids = shard.read(torch.arange(len(shard)), fields=("group_id", "trajectory_id"))
+            assert bool((ids["group_id"] >> 40 == k).all()) and bool((ids["trajectory_id"] >> 40 == k).all())
+        assert (run / "collector" / f"shard-{k:04d}.pt").exists()
+
+    # the learner's union: ids unique across shards, whole groups of 4
+    with open_buffer(run / "buffer", mode="r") as union:
+        rows = union.read(torch.arange(len(union)), fields=("group_id", "trajectory_id", "policy_version"))
+    assert rows["trajectory_id"].unique().numel() == len(rows)
+    assert rows["group_id"].unique().numel() * 4 == len(rows)
+    assert int(rows["policy_version"].max()) >= 1  # collectors picked up published weights
+
+    # and it trained on rows of both collectors
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert max(r["charts/collectors_in_batch"] for r in records) == 2
+
+
+def test_single_store_buffers_of_older_runs_keep_one_collector(tmp_path):
+    """A run made before shards keeps ``buffer/`` as one store and ``collector/state.pt``."""
+    from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.run import RunError, build_pipeline, prepare_run
+
+    module = load_pipeline_module(DEFAULT)
+    paths = RunPaths(tmp_path / "old")
+    pipeline = build_pipeline(module, make_settings(module, ["warm_start_steps=0"]), paths)
+    pipeline.create_buffer(paths.buffer).close()  # the old layout
+    prepare_run(pipeline, paths, shards=(0,))
+    assert paths.single_store_buffer and not list_shards(paths.buffer)
+    assert paths.collector_state(0) == paths.root / "collector" / "state.pt"
+    with open_buffer(paths.buffer) as store:
+        assert not isinstance(store, ShardedStoreReader)
+    with pytest.raises(RunError, match=r"single-store buffer .* collector\(s\) \[1\] need a new run"):
+        prepare_run(pipeline, paths, shards=(0, 1))
+
+    new = RunPaths(tmp_path / "new")
+    prepare_run(build_pipeline(module, make_settings(module, ["warm_start_steps=0"]), new), new, shards=(0, 1))
+    assert [k for k, _ in list_shards(new.buffer)] == [0, 1] and not new.single_store_buffer
+    assert new.collector_state(1) == new.root / "collector" / "shard-0001.pt"

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import PipelineError
 from rlhf_pipeline.run import run_command
+from rlhf_pipeline.storage import open_buffer
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_MATH = str(REPO / "pipelines" / "qwen_math.py")
@@ -44,17 +47,25 @@ SMALL = ["--device", "cpu", "--set", "max_new_tokens=8", "--set", "prompts_per_r
          "--set", "learner.new_rows_per_step=8", "--set", "learner.micro_batch_tokens=128"]
 
 
-def test_runs_on_a_tiny_model_and_jsonl(tmp_path, model_dir):
+def test_runs_on_a_tiny_model_and_jsonl_with_a_kl_penalty(tmp_path, model_dir):
     data = write_jsonl(tmp_path / "gsm.jsonl", [
         {"question": f"Tom has {a} apples and buys {b} more. How many apples?", "answer": f"... #### {a + b}"}
         for a, b in [(2, 3), (10, 7), (4, 4), (21, 9)]
     ])
     result = cli("run", QWEN_MATH, "--steps", "2", "--home", str(tmp_path), *SMALL,
-                 "--set", f"model_path={model_dir}", "--set", f"data_path={data}")
+                 "--set", f"model_path={model_dir}", "--set", f"data_path={data}",
+                 "--set", "learner.loss.kl_coef=0.05")
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path / "qwen_math" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["charts/rows"] == 8 for r in records)
+    assert all(math.isfinite(r["losses/kl"]) and r["losses/kl"] >= 0 for r in records)
+
+    # the write path scored every row under the reference model (the model at model_path)
+    store = open_buffer(tmp_path / "qwen_math" / "buffer")
+    rows = store.read(range(len(store)), fields=["response_tokens", "ref_log_probs"])
+    assert torch.equal(rows["ref_log_probs"].lengths(), rows["response_tokens"].lengths())
+    assert bool((rows["ref_log_probs"].values < 0).all())
 
 
 def test_missing_model_path_and_bad_prompts_fail_before_any_work(tmp_path, model_dir):

@@ -186,3 +186,72 @@ def test_a_forked_child_closing_its_copy_keeps_the_parents_lock_and_tail(tmp_pat
             MemmapTrajectoryStore.open(path, "a")
         expected = TrajectoryBatch.cat([make_batch(2, 4), make_batch(1, 4, seed=1)])
         assert store.read(torch.arange(12)).equal(expected)
+
+
+# ------------------------------------------------------------------------ fused read_padded
+def _assert_same_padded(got, expected):
+    assert set(got.keys(True, True)) == set(expected.keys(True, True))
+    assert got.batch_size == expected.batch_size
+    for key in expected.keys(True, True):
+        assert got[key].dtype == expected[key].dtype, key
+        assert got[key].shape == expected[key].shape, key
+        assert torch.equal(got[key], expected[key]), key
+
+
+def _padded_reference(store, positions, pad_token_id=0):
+    from rlhf_pipeline.collate import pad_batch, padded_fields
+
+    return pad_batch(store.read(positions, fields=padded_fields(store.schema)), pad_token_id=pad_token_id)
+
+
+@pytest.mark.parametrize("optional", [(), ("advantage",), ("ref_log_probs", "kl", "token_rewards", "advantage")])
+def test_read_padded_equals_pad_batch_of_read(tmp_path, optional):
+    schema = StoreSchema(optional)
+    with MemmapTrajectoryStore.create(tmp_path / "b", schema, segment_rows=8, durable=False) as store:
+        for i in range(5):  # 30 rows over 4 segments, the last one open
+            store.append(make_batch(2, 3, seed=i, optional=optional))
+        generator = torch.Generator().manual_seed(0)
+        cases = [torch.tensor([0]), torch.tensor([29, 0, 7, 8, 7, 15, 16, 29]), torch.arange(30),
+                 *(torch.randint(0, 30, (12,), generator=generator) for _ in range(5))]
+        for positions in cases:
+            for pad_token_id in (0, 77):
+                got = store.read_padded(positions, pad_token_id=pad_token_id)
+                _assert_same_padded(got, _padded_reference(store, positions, pad_token_id))
+        # prompt / response entries stay views into the (B, T) tensors, as pad_batch documents
+        got = store.read_padded(torch.tensor([3, 1]))
+        assert got["tokens", "prompt"].data_ptr() == got["tokens", "full"].data_ptr()
+
+
+def test_read_padded_follows_appends_evictions_and_checks_positions(tmp_path):
+    path = tmp_path / "b"
+    with MemmapTrajectoryStore.create(path, segment_rows=4, capacity_rows=8, evict_grace_s=0,
+                                      durable=False) as store, MemmapTrajectoryStore.open(path) as reader:
+        store.append(make_batch(1, 3, seed=0))
+        assert len(reader) == 3
+        _assert_same_padded(reader.read_padded([2, 0]), _padded_reference(reader, [2, 0]))
+        for i in range(1, 5):  # the open tail grows, then segments are sealed and evicted
+            store.append(make_batch(1, 3, seed=i))
+            n = len(reader)
+            positions = torch.arange(n).flip(0)
+            _assert_same_padded(reader.read_padded(positions), _padded_reference(reader, positions))
+            _assert_same_padded(store.read_padded(positions), _padded_reference(store, positions))
+        assert store.first_row > 0  # evictions happened
+        cached, held = set(store._padded_segments), set(store._segments)  # (no repr of mapped arrays)
+        assert cached <= held
+        with pytest.raises(IndexError, match="positions must lie in"):
+            store.read_padded([len(store)])
+        with pytest.raises(ValueError, match="empty batch"):
+            store.read_padded(torch.tensor([], dtype=torch.int64))
+    with pytest.raises(ValueError, match="closed"):
+        store.read_padded([0])
+
+
+def test_reads_work_where_the_kernel_cannot_prefault(tmp_path, monkeypatch):
+    import rlhf_pipeline.storage.memmap_segments as segments
+
+    monkeypatch.setattr(segments, "_MADV_POPULATE_READ", 10_000)  # unknown advice: EINVAL, ignored
+    batch = make_batch(2, 3, seed=4)
+    with MemmapTrajectoryStore.create(tmp_path / "b", segment_rows=4, durable=False) as store:
+        store.append(batch)
+        assert store.read(torch.arange(6)).equal(batch)
+        _assert_same_padded(store.read_padded([5, 0, 4]), _padded_reference(store, [5, 0, 4]))

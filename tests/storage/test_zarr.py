@@ -87,6 +87,56 @@ def test_plain_zarr_reads_every_field_without_our_package(tmp_path):
                 assert torch.equal(row, torch.tensor(values, dtype=column.dtype)), name
 
 
+PACKED_READER = r"""
+import json, sys
+import numpy as np
+import zarr
+
+root = zarr.open_group(sys.argv[1], mode="r")
+record = root.attrs["rlhf_pipeline"]
+out = {"kinds": [kind for _, _, kind in record["units"]]}
+for first_row, rows, kind in record["units"]:
+    if kind == 2:
+        packed = root[f"units/{first_row:015d}-{rows:010d}p"]
+        raw = packed[:]
+        arrays = {name: raw[r["start"]:r["stop"]].view(np.dtype(r["dtype"]).newbyteorder("<"))
+                  for name, r in packed.attrs["rlhf_pipeline_fields"].items()}
+    else:
+        unit = root[f"units/{first_row:015d}-{rows:010d}"]
+        arrays = {name: unit[name][:] for name in unit.array_keys()}
+    off = arrays["response_offsets"]
+    out.setdefault("reward", []).extend(arrays["reward"].tolist())
+    out.setdefault("response_tokens", []).extend(
+        arrays["response_tokens"][off[i]:off[i + 1]].tolist() for i in range(rows))
+    toff = arrays["prompt_text_offsets"]
+    out.setdefault("prompt_text", []).extend(
+        bytes(arrays["prompt_text"][toff[i]:toff[i + 1]]).decode("utf-8") for i in range(rows))
+assert "rlhf_pipeline" not in sys.modules
+print(json.dumps(out))
+"""
+
+
+def test_plain_zarr_reads_packed_fragments_of_a_live_writer(tmp_path):
+    batches = [make_batch(2, 4, seed=i, first_group_id=2 * i, first_trajectory_id=8 * i) for i in range(5)]
+    script = tmp_path / "packed.py"
+    script.write_text(PACKED_READER)
+    with ZarrTrajectoryStore.create(str(tmp_path / "b"), segment_rows=16) as store:
+        for b in batches:
+            store.append(b)
+        store.flush()  # the two complete segments are sealed; the open one is a packed fragment
+        result = subprocess.run([sys.executable, str(script), str(tmp_path / "b")], capture_output=True,
+                                text=True, check=True, cwd=tmp_path)
+    got = json.loads(result.stdout)
+    assert got["kinds"] == [1, 1, 2]
+    expected = TrajectoryBatch.cat(batches)
+    assert got["reward"] == expected["reward"].tolist()
+    assert got["prompt_text"] == expected["prompt_text"]
+    assert got["response_tokens"] == [row.tolist() for row in expected["response_tokens"].to_list()]
+    with ZarrTrajectoryStore.open(str(tmp_path / "b")) as reader:  # closed: per-field fragment
+        assert [u.kind for u in reader.units] == [1, 1, 0]
+        assert reader.read(torch.arange(40)).equal(expected)
+
+
 # ============================================================================ locations
 def test_zip_store_reads_every_row(tmp_path):
     expected = _fill(tmp_path / "b")
@@ -289,3 +339,20 @@ def test_inspect_command_reports_the_codec(tmp_path, capsys):
         pytest.skip(str(exc))
     out = capsys.readouterr().out
     assert "zarr" in out and "16" in out
+
+
+def test_writer_seals_a_segment_its_killed_predecessor_left_in_fragments(tmp_path, monkeypatch):
+    from rlhf_pipeline.storage import zarr_writer
+
+    path = str(tmp_path / "b")
+    batches = [make_batch(1, 4, seed=i, first_group_id=i, first_trajectory_id=4 * i) for i in range(5)]
+    with monkeypatch.context() as patch:
+        patch.setattr(zarr_writer.Sealer, "submit", lambda self, first_row: None)  # as if killed before sealing
+        with ZarrTrajectoryStore.create(path, segment_rows=8) as store:
+            for b in batches:
+                store.append(b)
+            assert [u.kind for u in store.units] == [2, 2, 2, 2, 2]
+    with ZarrTrajectoryStore.open(path, "a") as store:
+        store.flush()
+        assert [u.kind for u in store.units] == [1, 1, 0]
+        assert store.read(torch.arange(20)).equal(TrajectoryBatch.cat(batches))

@@ -1,0 +1,334 @@
+"""A read-only union of several stores: how several collectors feed one learner.
+
+Each store takes exactly one writer, so a run scales out by *shards*: collector ``k``
+owns ``<buffer>/shard-<kkkk>/``, a store of its own (with its own pending-groups state
+of the group-advantage transform), and the learner reads the union of all shards::
+
+    buffer/
+      shard-0000/     a memmap or Zarr store written by collector 0
+      shard-0001/     ... by collector 1
+
+:class:`ShardedStoreReader` is that union. It is a :class:`TrajectoryStore` opened
+read-only, so it plugs into ``make_replay_buffer(reader, sampler="random")`` like any
+store:
+
+* positions ``[0, sum(len(shard)))`` are the shards' positions one after the other, in
+  shard-index order: position ``p`` is local position ``p - start[s]`` of the shard ``s``
+  whose range ``[start[s], start[s] + len(shard s))`` holds ``p`` (cumulative lengths);
+* ``refresh()`` (and ``len()``) refreshes every shard and opens shard directories that
+  appeared since (a collector started later); positions are recomputed from the new
+  lengths, so like eviction in a single store, they are valid until the next refresh;
+* ``read(positions, fields=)`` reads each shard's rows in one call and returns the rows
+  in the requested order;
+* ``next_row`` / ``first_row`` are sums over the shards: ``next_row`` counts the rows ever
+  published to any shard, so "N new rows since" means across all collectors;
+* :meth:`newest_positions` picks the newest rows of the union by splitting the count
+  evenly across the shards (each shard's newest rows; a shard with fewer rows gives its
+  share to the others): collectors running side by side write at about the same rate,
+  and no order between rows of different shards is recorded;
+* ``append`` raises :class:`ReadOnlyStoreError`: a collector appends to its own shard.
+
+:func:`open_buffer` (in ``rlhf_pipeline.storage``) opens a buffer directory of either
+layout: a single store (runs made before shards) or a directory of shards.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.storage.base import (
+    NotAStoreError,
+    ReadOnlyStoreError,
+    StoreCorruptedError,
+    StoreStats,
+    TrajectoryStore,
+)
+
+SHARD_PREFIX = "shard-"
+_SHARD_RE = re.compile(r"^shard-(\d+)$")
+
+
+def shard_name(index: int) -> str:
+    """Directory name of shard ``index``: ``shard-0000``."""
+    if index < 0:
+        raise ValueError(f"shard index must be >= 0, got {index}")
+    return f"{SHARD_PREFIX}{index:04d}"
+
+
+def shard_path(buffer_dir: str | Path, index: int) -> Path:
+    return Path(buffer_dir) / shard_name(index)
+
+
+def list_shards(buffer_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(index, path)`` of the shard directories under ``buffer_dir``, by index."""
+    root = Path(buffer_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _SHARD_RE.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def is_sharded_buffer(location: str | Path) -> bool:
+    """True when ``location`` is a local directory holding ``shard-NNNN`` subdirectories."""
+    try:
+        return bool(list_shards(location))
+    except OSError:
+        return False
+
+
+class ShardedStoreReader(TrajectoryStore):
+    """Read-only union of the stores ``<location>/shard-*`` (see the module docstring)."""
+
+    backend_name = "sharded"
+    supports_field_subset = True
+
+    def __init__(self, location: str | Path, **open_options: Any) -> None:
+        super().__init__()
+        self._path = Path(location)
+        self._open_options = open_options
+        self._shards: dict[int, TrajectoryStore] = {}
+        self._skipped: dict[str, str] = {}  # shard name -> why it is not open (yet)
+        self._order: list[int] = []
+        self._lengths = torch.zeros(0, dtype=torch.int64)
+        self._starts = torch.zeros(0, dtype=torch.int64)
+        self._closed = False
+        self.refresh()
+        if not self._shards:
+            why = "; ".join(f"{k}: {v}" for k, v in self._skipped.items())
+            raise NotAStoreError(
+                f"{self._path} holds no readable shard store (shard-NNNN directories)"
+                + (f": {why}" if why else "")
+            )
+
+    # ================================================================ shards
+    @property
+    def shards(self) -> dict[int, TrajectoryStore]:
+        """The open shard stores by shard index (a copy)."""
+        return dict(self._shards)
+
+    def _discover(self) -> None:
+        from rlhf_pipeline.storage import open_store
+
+        for index, path in list_shards(self._path):
+            if index in self._shards:
+                continue
+            try:
+                store = open_store(path, mode="r", **self._open_options)
+            except (NotAStoreError, StoreCorruptedError) as exc:
+                # most often a shard being created by a collector right now: try again later
+                self._skipped[path.name] = str(exc)
+                continue
+            if self._shards:
+                expected = next(iter(self._shards.values())).schema
+                if store.schema != expected:
+                    store.close()
+                    raise StoreCorruptedError(
+                        f"shard {path} stores fields {store.schema.field_names}, the other shards of "
+                        f"{self._path} store {expected.field_names}: every shard of a buffer needs one schema"
+                    )
+            self._skipped.pop(path.name, None)
+            self._shards[index] = store
+        self._order = sorted(self._shards)
+
+    def refresh(self) -> int:
+        if self._closed:
+            raise ValueError(f"{self._path}: the sharded reader is closed")
+        self._discover()
+        lengths = [self._shards[i].refresh() for i in self._order]
+        self._lengths = torch.tensor(lengths, dtype=torch.int64)
+        self._starts = torch.cumsum(self._lengths, 0) - self._lengths
+        return int(self._lengths.sum())
+
+    def locate(self, positions: torch.Tensor | Sequence[int] | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(shard index, local position)`` of each union position (as of the last refresh)."""
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        slot = self._slots_of(positions)
+        order = torch.tensor(self._order, dtype=torch.int64)
+        return order[slot], positions - self._starts[slot]
+
+    def _slots_of(self, positions: torch.Tensor) -> torch.Tensor:
+        ends = self._starts + self._lengths
+        return torch.searchsorted(ends, positions, right=True)
+
+    # ================================================================ contract
+    @property
+    def schema(self) -> StoreSchema:
+        return self._shards[self._order[0]].schema
+
+    @property
+    def location(self) -> str:
+        return str(self._path)
+
+    @property
+    def writable(self) -> bool:
+        return False
+
+    @property
+    def first_row(self) -> int:
+        return sum(s.first_row for s in self._shards.values())
+
+    @property
+    def next_row(self) -> int:
+        return sum(s.next_row for s in self._shards.values())
+
+    @property
+    def supports_eviction(self) -> bool:
+        return any(s.supports_eviction for s in self._shards.values())
+
+    def _published_len(self) -> int:
+        return int(self._lengths.sum())
+
+    def append(self, batch: TrajectoryBatch) -> torch.Tensor:
+        raise ReadOnlyStoreError(
+            f"{self._path} is a read-only union of shards; each collector appends to its own shard "
+            f"(open_store('{self._path}/{SHARD_PREFIX}NNNN', mode='a'))"
+        )
+
+    def _append_validated(self, batch: TrajectoryBatch) -> None:  # pragma: no cover - append raises first
+        raise ReadOnlyStoreError(f"{self._path} is a read-only union of shards")
+
+    def read(self, positions: torch.Tensor | list[int] | int, *,
+             fields: Sequence[str] | None = None) -> TrajectoryBatch:
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        n = self._published_len()
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
+            raise IndexError(
+                f"positions must lie in [0, {n}) for this store; got min {int(positions.min())}, "
+                f"max {int(positions.max())}"
+            )
+        if fields is not None:
+            fields = tuple(fields)
+            unknown = [f for f in fields if f not in self.schema.field_names]
+            if unknown:
+                raise KeyError(f"field(s) {unknown} are not stored here; this store holds "
+                               f"{list(self.schema.field_names)}")
+        slots = self._slots_of(positions)
+        used = torch.unique(slots).tolist() if positions.numel() else [0]
+        parts, where = [], []
+        for slot in used:
+            mask = slots == slot
+            local = positions[mask] - self._starts[slot]
+            parts.append(self._shards[self._order[slot]].read(local, fields=fields))
+            where.append(torch.nonzero(mask).reshape(-1))
+        if len(parts) == 1:
+            return parts[0]  # one shard: already in the requested order
+        # rows come grouped by shard; put them back in the requested order
+        inverse = torch.empty(positions.numel(), dtype=torch.int64)
+        inverse[torch.cat(where)] = torch.arange(positions.numel())
+        return TrajectoryBatch.cat(parts).select(inverse)
+
+    def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None) -> TrajectoryBatch:
+        # union "global ids" are positions offset by first_row (valid until the next refresh)
+        return self.read(global_ids - self.first_row, fields=fields)
+
+    def newest_positions(self, count: int) -> torch.Tensor:
+        """Positions of the ``count`` newest rows: an even split across shards (ascending)."""
+        lengths = self._lengths.tolist()
+        take = [0] * len(lengths)
+        remaining = min(max(count, 0), sum(lengths))
+        while remaining > 0:
+            active = [i for i, n in enumerate(lengths) if take[i] < n]
+            share = max(1, remaining // len(active))
+            for i in active:
+                t = min(share, lengths[i] - take[i], remaining)
+                take[i] += t
+                remaining -= t
+                if remaining == 0:
+                    break
+        parts = [torch.arange(int(self._starts[i]) + lengths[i] - take[i], int(self._starts[i]) + lengths[i])
+                 for i in range(len(lengths)) if take[i]]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def close(self) -> None:
+        for store in self._shards.values():
+            store.close()
+        self._closed = True
+
+    def stats(self) -> StoreStats:
+        self.refresh()
+        per = [(self._shards[i], self._shards[i].stats()) for i in self._order]
+        all_stats = [s for _, s in per]
+        versions: dict[int, int] = {}
+        for s in all_stats:
+            for v, c in s.policy_versions.items():
+                versions[v] = versions.get(v, 0) + c
+        out = StoreStats(
+            backend=self.backend_name,
+            location=self.location,
+            rows=sum(s.rows for s in all_stats),
+            first_row=sum(s.first_row for s in all_stats),
+            next_row=sum(s.next_row for s in all_stats),
+            groups=sum(s.groups for s in all_stats),  # group ids carry the collector index
+            prompt_tokens=sum(s.prompt_tokens for s in all_stats),
+            response_tokens=sum(s.response_tokens for s in all_stats),
+            bytes_on_disk=sum(s.bytes_on_disk for s in all_stats),
+            raw_bytes=sum(s.raw_bytes for s in all_stats),
+            segments=sum(s.segments for s in all_stats),
+            policy_versions=dict(sorted(versions.items())),
+            optional_fields=list(self.schema.optional),
+            extra={
+                "shards": len(per),
+                "shard_backends": ",".join(sorted({s.backend for s in all_stats})),
+                "shard_rows": ", ".join(f"{Path(st.location).name}: {s.rows}" for st, s in per),
+            },
+        )
+        if self._skipped:
+            out.extra["shards_not_open"] = "; ".join(f"{k}: {v}" for k, v in sorted(self._skipped.items()))
+        with_rows = [s for s in all_stats if s.rows and s.reward_mean is not None]
+        if with_rows:
+            total = sum(s.rows for s in with_rows)
+            mean = sum(s.rows * s.reward_mean for s in with_rows) / total
+            # the backends report the population std (numpy's default): combine the same way
+            ss = sum(s.rows * ((s.reward_std or 0.0) ** 2 + (s.reward_mean - mean) ** 2) for s in with_rows)
+            out.reward_mean = mean
+            out.reward_std = math.sqrt(ss / total)
+            out.reward_min = min(s.reward_min for s in with_rows)
+            out.reward_max = max(s.reward_max for s in with_rows)
+        return out
+
+    def snapshot_to(self, path: str) -> None:
+        """Copies every shard to ``<path>/shard-NNNN`` (a sharded buffer again)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        for index in self._order:
+            self._shards[index].snapshot_to(str(shard_path(path, index)))
+
+    # ================================================================ resume checks
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend_name,
+            "location": self.location,
+            "first_row": self.first_row,
+            "next_row": self.next_row,
+            "schema": self.schema.to_json(),
+            "shards": {shard_name(i): self._shards[i].state_dict() for i in self._order},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Checks that every shard a saved state saw still holds at least the rows it saw."""
+        self.refresh()
+        if "shards" not in state_dict:
+            super().load_state_dict(state_dict)
+            return
+        for name, saved in state_dict["shards"].items():
+            match = _SHARD_RE.match(name)
+            index = int(match.group(1)) if match else -1
+            if index not in self._shards:
+                raise StoreCorruptedError(
+                    f"{self._path}: the saved state saw shard {name}, which is no longer there"
+                )
+            self._shards[index].load_state_dict(saved)
+
+    def __repr__(self) -> str:
+        return (f"ShardedStoreReader({self.location!r}, shards={len(self._shards)}, "
+                f"rows={self._published_len()})")

@@ -1,0 +1,190 @@
+"""The read-only union of a run's buffer shards (one store per collector): ``storage/sharded.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_batch
+from rlhf_pipeline.collate import PaddedCollator
+from rlhf_pipeline.learn.prefetch import FreshRowSampler
+from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.storage import (
+    NotAStoreError,
+    ReadOnlyStoreError,
+    ShardedStoreReader,
+    StoreCorruptedError,
+    create_store,
+    make_replay_buffer,
+    open_buffer,
+    open_store,
+)
+from rlhf_pipeline.storage.sharded import list_shards, shard_path
+
+torch.set_num_threads(1)
+SCHEMA = StoreSchema(optional=("advantage",))
+
+
+def shard_rows(shard: int, n_groups: int, *, start: int = 0, version: int = 0) -> TrajectoryBatch:
+    """Whole groups with ids that carry the shard index, as collector ``shard`` writes them."""
+    base = shard << 40
+    return make_batch(n_groups, 4, seed=100 * shard + start, optional=("advantage",),
+                      first_group_id=base + start, first_trajectory_id=base + 4 * start,
+                      policy_version=version)
+
+
+@pytest.fixture
+def two_shards(tmp_path):
+    buffer = tmp_path / "buffer"
+    writers = [create_store(shard_path(buffer, k), "memmap", schema=SCHEMA, segment_rows=8) for k in (0, 1)]
+    writers[0].append(shard_rows(0, 3))   # 12 rows
+    writers[1].append(shard_rows(1, 5))   # 20 rows
+    yield buffer, writers
+    for w in writers:
+        w.close()
+
+
+def all_rows(store) -> TrajectoryBatch:
+    return store.read(torch.arange(len(store)))
+
+
+def assert_batches_equal(a: TrajectoryBatch, b: TrajectoryBatch) -> None:
+    assert a.field_names == b.field_names
+    for name in a.field_names:
+        x, y = a[name], b[name]
+        if isinstance(x, list):
+            assert x == y, name
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), name
+        else:  # ragged
+            assert torch.equal(x.values, y.values) and torch.equal(x.offsets, y.offsets), name
+
+
+def test_union_reads_equal_the_concatenation_of_shards(two_shards):
+    buffer, _ = two_shards
+    union = open_buffer(buffer)
+    assert isinstance(union, ShardedStoreReader) and len(union) == 32
+    assert union.next_row == 32 and union.first_row == 0 and union.schema == SCHEMA
+    expected = TrajectoryBatch.cat([all_rows(open_store(p)) for _, p in list_shards(buffer)])
+    assert_batches_equal(all_rows(union), expected)
+
+    # any order, repeats, across shards: rows come back in the requested order
+    positions = torch.tensor([31, 0, 12, 11, 5, 12, 30])
+    assert_batches_equal(union.read(positions), expected.select(positions))
+    sub = union.read(positions, fields=("group_id", "response_tokens"))
+    assert sub.field_names == ("response_tokens", "group_id")
+    assert torch.equal(sub["group_id"], expected["group_id"][positions])
+    assert len(union.read([])) == 0
+    with pytest.raises(IndexError, match=r"\[0, 32\)"):
+        union.read([32])
+
+    # positions map to (shard, local position) through the cumulative lengths
+    shard, local = union.locate([0, 11, 12, 31])
+    assert shard.tolist() == [0, 0, 1, 1] and local.tolist() == [0, 11, 0, 19]
+
+    stats = union.stats()
+    assert (stats.rows, stats.next_row, stats.groups, stats.extra["shards"]) == (32, 32, 8, 2)
+    rewards = expected["reward"]
+    assert stats.reward_mean == pytest.approx(float(rewards.mean()), abs=1e-5)
+    assert stats.reward_std == pytest.approx(float(rewards.std(unbiased=False)), abs=1e-5)
+    assert stats.response_tokens == int(expected["response_tokens"].lengths().sum())
+    union.close()
+
+
+def test_refresh_picks_up_new_rows_and_new_shards(two_shards):
+    buffer, writers = two_shards
+    union = open_buffer(buffer)
+    assert len(union) == 32
+    writers[0].append(shard_rows(0, 2, start=3))  # shard 0 grows: shard 1's positions move up
+    assert len(union) == 40 and union.next_row == 40
+    assert union.locate([19, 20])[0].tolist() == [0, 1]
+    assert_batches_equal(union.read(torch.arange(12, 20)), all_rows(open_store(shard_path(buffer, 0))).select(
+        torch.arange(12, 20)))
+
+    (buffer / "shard-0002").mkdir()  # a collector starting up: not a store yet, skipped for now
+    assert len(union) == 40
+    with create_store(shard_path(buffer, 2), "memmap", schema=SCHEMA, exist_ok=True) as third:
+        third.append(shard_rows(2, 1))
+    assert len(union) == 44 and sorted(union.shards) == [0, 1, 2]
+    assert int(union.read([43])["group_id"]) >> 40 == 2
+
+    # resume safety: a saved state names every shard and the rows each had
+    state = union.state_dict()
+    assert sorted(state["shards"]) == ["shard-0000", "shard-0001", "shard-0002"]
+    reopened = open_buffer(buffer)
+    reopened.load_state_dict(state)
+    state["shards"]["shard-0007"] = state["shards"]["shard-0000"]
+    with pytest.raises(StoreCorruptedError, match="shard-0007"):
+        reopened.load_state_dict(state)
+    reopened.close()
+    union.close()
+
+
+def test_union_is_read_only_and_layouts_are_told_apart(two_shards, tmp_path):
+    buffer, _ = two_shards
+    union = open_buffer(buffer)
+    with pytest.raises(ReadOnlyStoreError, match="each collector appends to its own shard"):
+        union.append(shard_rows(0, 1))
+    rb = make_replay_buffer(union, batch_size=4)
+    with pytest.raises(ReadOnlyStoreError):
+        rb.extend(shard_rows(0, 1))
+    with pytest.raises(ReadOnlyStoreError, match="union is read-only"):
+        open_buffer(buffer, mode="a")
+    union.close()
+
+    # a single store (runs made before shards) still opens as itself
+    with create_store(tmp_path / "single", "memmap", schema=SCHEMA) as single:
+        single.append(shard_rows(0, 1))
+    with open_buffer(tmp_path / "single") as store:
+        assert type(store).__name__ == "MemmapTrajectoryStore" and len(store) == 4
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NotAStoreError):
+        open_buffer(tmp_path / "empty")
+    (tmp_path / "empty" / "shard-0000").mkdir()
+    with pytest.raises(NotAStoreError, match="no readable shard"):
+        open_buffer(tmp_path / "empty")
+
+    # shards of one buffer must share a schema
+    with create_store(shard_path(buffer, 3), "memmap", schema=StoreSchema()) as other:
+        other.append(make_batch(1, 4, seed=9))
+    with pytest.raises(StoreCorruptedError, match="one schema"):
+        open_buffer(buffer)
+
+
+def test_torchrl_replay_buffer_and_learner_sampler_see_every_shard(two_shards):
+    buffer, writers = two_shards
+    union = open_buffer(buffer)
+    rb = make_replay_buffer(union, batch_size=16, sampler="random", collate_fn=PaddedCollator())
+    torch.manual_seed(0)
+    seen = set()
+    for _ in range(4):
+        padded = rb.sample()
+        assert padded["group_id"].shape == (16,)
+        seen |= set((padded["group_id"] >> 40).tolist())
+    assert seen == {0, 1}
+
+    # the learner's "newest rows" window takes an even share of each shard's newest rows
+    assert union.newest_positions(8).tolist() == [8, 9, 10, 11, 28, 29, 30, 31]
+    assert union.newest_positions(30).tolist() == list(range(0, 12)) + list(range(14, 32))
+    assert union.newest_positions(100).numel() == 32
+    sampler = FreshRowSampler(union, batch_size=8, window=16, seed=0, max_staleness=None,
+                              new_rows_per_draw=8, timeout_s=0.3, poll_s=0.05)
+    drawn = sampler.draw(0)
+    assert set((drawn.rows["group_id"] >> 40).tolist()) == {0, 1}
+    assert drawn.buffer_next_row == 32 and drawn.min_next_row == 40
+    writers[1].append(shard_rows(1, 2, start=5))  # new rows count wherever they land
+    assert sampler.draw(1).buffer_next_row == 40
+    union.close()
+
+
+def test_inspect_sums_the_shards(two_shards, capsys):
+    import json
+
+    from rlhf_pipeline.cli.main import main
+
+    buffer, _ = two_shards
+    assert main(["inspect", str(buffer), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["backend"], stats["rows"], stats["groups"], stats["extra"]["shards"]) == ("sharded", 32, 8, 2)
+    assert main(["inspect", str(buffer)]) == 0
+    assert "shard-0000: 12, shard-0001: 20" in capsys.readouterr().out
