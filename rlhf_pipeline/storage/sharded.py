@@ -305,14 +305,8 @@ class ShardedStoreReader(TrajectoryStore):
 
     # ================================================================ resume checks
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend_name,
-            "location": self.location,
-            "first_row": self.first_row,
-            "next_row": self.next_row,
-            "schema": self.schema.to_json(),
-            "shards": {shard_name(i): self._shards[i].state_dict() for i in self._order},
-        }
+        shards = {shard_name(i): self._shards[i].state_dict() for i in self._order}
+        return {**super().state_dict(), "shards": shards}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Checks that every shard a saved state saw still holds at least the rows it saw."""
