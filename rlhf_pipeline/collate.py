@@ -81,9 +81,11 @@ over rows.
 
 Fused path. :func:`assemble_padded` builds the output from tensors whose ragged values are
 already placed; ``pad_batch`` uses it, and so does a store's fused read-and-pad
-(``MemmapTrajectoryStore.read_padded``, which copies each sampled row straight from its
-files). :meth:`PaddedCollator.read` takes that path when the store has it, and otherwise
-pads ``store.read(positions, fields=padded_fields(schema))``; both give the same TensorDict.
+(``MemmapTrajectoryStore.read_padded`` and ``ZarrTrajectoryStore.read_padded``, which copy
+each sampled row straight from the segment files or decoded units; shared core in
+:mod:`rlhf_pipeline.storage.padded_rows`). :meth:`PaddedCollator.read` takes that path when
+the store has it, and otherwise pads ``store.read(positions, fields=padded_fields(schema))``;
+both give the same TensorDict.
 A torchrl ``ReplayBuffer.sample`` still goes through ``storage.get`` (a ``TrajectoryBatch``)
 and ``collate_fn``, so it gets ``pad_batch``; a learner that draws positions itself can call
 ``collator.read(store, positions)``.

@@ -135,7 +135,7 @@ class StorageBackend(Protocol):
 # =========================================================================== our stores
 class TrajectoryStoreBackend:
     """Any ``TrajectoryStore``: ``append`` per batch; per sample ``PaddedCollator.read``, i.e. the
-    store's fused ``read_padded`` where it has one (memmap), else ``read`` (no text) + ``pad_batch``."""
+    store's fused ``read_padded`` where it has one (memmap, zarr), else ``read`` (no text) + ``pad_batch``."""
 
     def __init__(self, name: str, create: Callable[[Path, StoreSchema], TrajectoryStore]):
         self.name = name
@@ -155,7 +155,7 @@ class TrajectoryStoreBackend:
         pass  # append publishes each batch
 
     def sample_padded(self, positions: torch.Tensor) -> TensorDict:
-        # the store's fused read-and-pad when it has one (memmap), else read (no text) + pad_batch
+        # the store's fused read-and-pad when it has one (memmap, zarr), else read (no text) + pad_batch
         return self._collator.read(self._store, positions)
 
     def disk_bytes(self) -> int:

@@ -186,6 +186,9 @@ class SegmentCache:
     def __len__(self) -> int:
         return len(self._units)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._units
+
     def get(self, name: str, load: Callable[[], DecodedUnit]) -> DecodedUnit:
         with self._lock:
             unit = self._units.get(name)

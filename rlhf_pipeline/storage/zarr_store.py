@@ -81,6 +81,7 @@ from rlhf_pipeline.storage.zarr_location import (
     publish,
     resolve,
 )
+from rlhf_pipeline.storage.zarr_padded import gather_padded, store_read_padded
 from rlhf_pipeline.storage.zarr_writer import Collector, Sealer, UnitRef, complete_segments, plan_pieces
 
 DEFAULT_SEGMENT_ROWS = 4096
@@ -437,13 +438,17 @@ class ZarrTrajectoryStore(TrajectoryStore):
                 self._loc.kv.delete_prefix(f"{UNITS_PREFIX}/{name}")
 
     # ---------------------------------------------------------------- reading
-    def _read_global(self, global_ids: torch.Tensor, fields: tuple[str, ...] | None = None) -> TrajectoryBatch:
+    read_padded = store_read_padded  # pad_batch(read(positions, no text)), fused: see zarr_padded
+
+    def _read_global(self, global_ids: torch.Tensor, fields: tuple[str, ...] | None = None, *,
+                     padded_pad_token_id: int | None = None) -> Any:
         self._check_open()
         names = self._schema.field_names if fields is None else fields
+        pad = padded_pad_token_id  # not None: the fused padded read (zarr_padded)
         ids, view = global_ids.numpy(), self._view
         for _ in range(16):
             try:
-                return self._gather(ids, names, view)
+                return self._gather(ids, names, view) if pad is None else gather_padded(self, ids, view, pad)
             except _UnitGone as gone:
                 missing = gone
             # compacted or evicted after the record we read (a reader's last refresh, or a seal on

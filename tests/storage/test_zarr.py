@@ -21,7 +21,7 @@ from helpers import make_batch
 
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage import NotAStoreError, open_store
-from rlhf_pipeline.storage.base import ReadOnlyStoreError, StoreCorruptedError
+from rlhf_pipeline.storage.base import ReadOnlyStoreError, StoreCorruptedError, StoreError
 from rlhf_pipeline.storage.manifest import IncompatibleStoreError
 from rlhf_pipeline.storage.zarr_store import ZarrTrajectoryStore
 
@@ -356,3 +356,83 @@ def test_writer_seals_a_segment_its_killed_predecessor_left_in_fragments(tmp_pat
         store.flush()
         assert [u.kind for u in store.units] == [1, 1, 0]
         assert store.read(torch.arange(20)).equal(TrajectoryBatch.cat(batches))
+
+
+# ============================================================================ fused read_padded
+def _assert_same_padded(got, expected):
+    assert set(got.keys(True, True)) == set(expected.keys(True, True))
+    assert got.batch_size == expected.batch_size
+    for key in expected.keys(True, True):
+        assert got[key].dtype == expected[key].dtype, key
+        assert got[key].shape == expected[key].shape, key
+        assert torch.equal(got[key], expected[key]), key
+    # prompt / response entries stay views into the (B, T) tensors, as pad_batch documents
+    assert got["tokens", "prompt"].data_ptr() == got["tokens", "full"].data_ptr()
+    assert got["tokens", "response"].data_ptr() == got["tokens", "full"][:, got["tokens", "prompt"].shape[1]:].data_ptr()
+
+
+def _check_read_padded(store, n):
+    from rlhf_pipeline.collate import pad_batch, padded_fields
+
+    generator = torch.Generator().manual_seed(n)
+    cases = [torch.tensor([0]), torch.tensor([n - 1, 0, 7, 8, 7, 15, 16, n - 1]) % n, torch.arange(n).flip(0),
+             *(torch.randint(0, n, (12,), generator=generator) for _ in range(4))]
+    for positions in cases:
+        for pad_token_id in (0, 77):
+            expected = pad_batch(store.read(positions, fields=padded_fields(store.schema)), pad_token_id=pad_token_id)
+            _assert_same_padded(store.read_padded(positions, pad_token_id=pad_token_id), expected)
+
+
+@pytest.mark.parametrize("optional", [(), ("advantage",), ("ref_log_probs", "kl", "token_rewards", "advantage")])
+def test_read_padded_equals_pad_batch_of_read_across_units(tmp_path, optional):
+    from rlhf_pipeline.collate import PaddedCollator
+
+    path = str(tmp_path / "b")
+    with ZarrTrajectoryStore.create(path, StoreSchema(optional), segment_rows=8, durable=False) as store:
+        for i in range(5):  # 30 rows: 3 sealed segments (once sealed), packed fragments in the tail
+            store.append(make_batch(2, 3, seed=i, optional=optional))
+            _check_read_padded(store, len(store))  # the writer's cache, while segments are sealed
+        store.flush()
+        assert {u.kind for u in store.units} == {1, 2}
+        _check_read_padded(store, 30)
+    with ZarrTrajectoryStore.open(path) as reader:  # cold cache: sealed segments + a per-field fragment
+        assert {u.kind for u in reader.units} == {1, 0}
+        _check_read_padded(reader, 30)
+        assert PaddedCollator(pad_token_id=5).read(reader, [3, 29, 3]).batch_size == torch.Size([3])
+        with pytest.raises(IndexError, match="positions must lie in"):
+            reader.read_padded([30])
+        with pytest.raises(ValueError, match="empty batch"):
+            reader.read_padded(torch.tensor([], dtype=torch.int64))
+    with ZarrTrajectoryStore.open(path, cache_bytes=0) as reader:  # no unit kept: rows' slices only
+        _check_read_padded(reader, 30)
+        assert len(reader.cache) == 0
+    with pytest.raises(StoreError, match="closed"):
+        reader.read_padded([0])
+
+
+def test_read_padded_follows_compaction_and_eviction(tmp_path):
+    path = str(tmp_path / "b")
+    with ZarrTrajectoryStore.create(path, segment_rows=4, capacity_rows=8, durable=False) as store, \
+            ZarrTrajectoryStore.open(path) as reader:
+        for i in range(6):
+            reader.refresh()
+            reader.read_padded(torch.arange(len(reader))) if len(reader) else None  # caches units
+            store.append(make_batch(1, 3, seed=i))
+            store.flush()
+            reader.refresh()
+            _check_read_padded(reader, len(reader))
+            _check_read_padded(store, len(store))
+        assert store.first_row > 0  # evictions happened
+    # a reader whose record names fragments since compacted (no refresh, nothing cached): retried
+    path = str(tmp_path / "c")
+    with ZarrTrajectoryStore.create(path, segment_rows=8, durable=False) as store:
+        store.append(make_batch(1, 3, seed=0))
+        with ZarrTrajectoryStore.open(path, cache_bytes=0) as reader:
+            store.append(make_batch(1, 3, seed=1))
+            store.append(make_batch(1, 3, seed=2))  # completes segment 0: its fragments are sealed
+            store.flush()
+            positions = torch.tensor([2, 0, 1])
+            assert reader._published_len() == 3 and reader._units[0].kind == 2  # (len() would refresh)
+            got = reader.read_padded(positions)
+            assert reader._units[0].kind == 1  # it refreshed on the missing fragment, then read
+            _assert_same_padded(got, store.read_padded(positions))

@@ -1,0 +1,117 @@
+"""Backend-neutral core of the stores' fused read-and-pad (``store.read_padded``).
+
+A store's ``read_padded(positions)`` returns exactly
+``pad_batch(store.read(positions, fields=padded_fields(store.schema)), pad_token_id=...)``
+without the intermediate ``TrajectoryBatch``. Each backend locates the sampled rows in
+its own units (memmap segments in :mod:`.memmap_padded`, decoded Zarr units in
+:mod:`.zarr_padded`) and hands :func:`fill_padded` one tuple of flat value arrays per
+unit (prompt tokens, response tokens, response-aligned floats) plus, per sampled row,
+its unit and the start and length of its prompt and response in those arrays, and its
+row-field values. :func:`fill_padded` copies each row's slices into the preallocated
+padded tensors (prompt ending at column ``P-1``, response from column ``P``; layout in
+:mod:`rlhf_pipeline.collate`) and builds the TensorDict with
+:func:`~rlhf_pipeline.collate.assemble_padded`, the builder ``pad_batch`` uses too.
+Why a per-row copy loop is the fast path is explained in :mod:`.memmap_padded`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from rlhf_pipeline.collate import RESPONSE_FLOAT_KEYS, assemble_padded, place_padded
+from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema
+
+ROW_FIELDS = ("reward", "done", "terminated", "truncated", "group_id", "trajectory_id", "step",
+              "policy_version", "advantage")
+_NUMPY_DTYPES = {torch.int32: np.dtype("<i4"), torch.int64: np.dtype("<i8"), torch.float32: np.dtype("<f4"),
+                 torch.bool: np.dtype("?"), torch.uint8: np.dtype("u1")}
+
+
+def read_padded(store: Any, positions: torch.Tensor | list[int], *, pad_token_id: int,
+                pin_memory: bool, device: torch.device | str | None) -> TensorDict:
+    """``store.read_padded``: positions checked as ``store.read`` checks them, then the store's
+    ``_read_global(global_ids, padded_pad_token_id=...)`` (which holds its retry on eviction)."""
+    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    n = store._published_len()
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
+        raise IndexError(
+            f"positions must lie in [0, {n}) for this store; got min {int(positions.min())}, "
+            f"max {int(positions.max())}"
+        )
+    padded = store._read_global(positions + store.first_row, padded_pad_token_id=pad_token_id)
+    return place_padded(padded, pin_memory=pin_memory, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def field_plan(schema: StoreSchema) -> tuple[tuple[str, ...], tuple[tuple[str, np.dtype], ...]]:
+    """(response-aligned float fields, (row field, numpy dtype) pairs) that ``schema`` holds."""
+    floats = tuple(name for name in RESPONSE_FLOAT_KEYS if name in schema.field_names)
+    rows = tuple((name, _NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype]) for name in ROW_FIELDS
+                 if name in schema.field_names)
+    return floats, rows
+
+
+class RowSpans:
+    """Per sampled row: its unit (index into the sources), prompt / response spans, row fields."""
+
+    def __init__(self, num_rows: int, row_fields: Sequence[tuple[str, np.dtype]]):
+        if num_rows == 0:
+            raise ValueError("pad_batch got an empty batch; sample at least one row")
+        self.source = np.empty(num_rows, dtype=np.int64)
+        self.prompt_start = np.empty(num_rows, dtype=np.int64)
+        self.prompt_len = np.empty(num_rows, dtype=np.int64)
+        self.response_start = np.empty(num_rows, dtype=np.int64)
+        self.response_len = np.empty(num_rows, dtype=np.int64)
+        self.row_fields = tuple(row_fields)
+        self.row_values = [np.empty(num_rows, dtype=dtype) for _, dtype in row_fields]
+
+
+def fill_padded(spans: RowSpans, sources: Sequence[tuple[np.ndarray, ...]], float_names: tuple[str, ...],
+                pad_token_id: int) -> TensorDict:
+    """The padded batch of the rows ``spans`` describes; ``sources[k]`` is unit ``k``'s
+    ``(prompt values, response values, *values of float_names)`` (flat numpy arrays).
+
+    Every response-aligned field was validated to the response's lengths, so its values sit
+    at the response tokens' offsets: one span per row serves them all.
+    """
+    num_rows = len(spans.source)
+    prompt_len, response_len = spans.prompt_len, spans.response_len
+    prompt_width = int(prompt_len.max())
+    width = prompt_width + int(response_len.max())
+    full_tokens = torch.full((num_rows, width), pad_token_id, dtype=torch.int64)
+    floats_full = {name: torch.zeros((num_rows, width), dtype=torch.float32) for name in float_names}
+    attention_mask = torch.zeros((num_rows, width), dtype=torch.bool)
+    row_names = [name for name, _ in spans.row_fields]
+    has_advantage = "advantage" in row_names
+    advantage = torch.zeros((num_rows, width), dtype=torch.float32) if has_advantage else None
+    row_advantage = spans.row_values[row_names.index("advantage")].tolist() if has_advantage else [0.0] * num_rows
+    # flat views and flat destinations: 1-d slices are the cheapest numpy assignment
+    tokens_flat = full_tokens.view(-1).numpy()
+    floats_flat = [floats_full[name].view(-1).numpy() for name in float_names]
+    attention_flat = attention_mask.view(-1).numpy()
+    advantage_flat = advantage.view(-1).numpy() if has_advantage else None
+    response_at = np.arange(num_rows, dtype=np.int64) * width + prompt_width  # column P of each row
+    for source, p_start, p_len, r_start, r_len, dest, row_adv in zip(
+        spans.source.tolist(), spans.prompt_start.tolist(), prompt_len.tolist(),
+        spans.response_start.tolist(), response_len.tolist(), response_at.tolist(), row_advantage,
+    ):
+        prompt_values, response_values, *float_values = sources[source]
+        attention_flat[dest - p_len : dest + r_len] = True
+        if has_advantage:
+            advantage_flat[dest : dest + r_len] = row_adv
+        tokens_flat[dest - p_len : dest] = prompt_values[p_start : p_start + p_len]
+        tokens_flat[dest : dest + r_len] = response_values[r_start : r_start + r_len]
+        for out, values in zip(floats_flat, float_values):
+            out[dest : dest + r_len] = values[r_start : r_start + r_len]
+
+    rows = {name: torch.from_numpy(values) for name, values in zip(row_names, spans.row_values)}
+    return assemble_padded(
+        full_tokens, prompt_width, torch.from_numpy(prompt_len), torch.from_numpy(response_len),
+        floats_full, rows, attention_mask=attention_mask, advantage=advantage,
+    )
