@@ -91,3 +91,16 @@ def make_batch(
     if "advantage" in optional:
         columns["advantage"] = torch.randn(n, generator=gen)
     return TrajectoryBatch(columns)
+
+
+def assert_same_padded(got, expected) -> None:
+    """Fused read-and-pad output equals pad_batch's: same keys, dtypes, shapes, values, views."""
+    assert set(got.keys(True, True)) == set(expected.keys(True, True))
+    assert got.batch_size == expected.batch_size
+    for key in expected.keys(True, True):
+        assert got[key].dtype == expected[key].dtype, key
+        assert got[key].shape == expected[key].shape, key
+        assert torch.equal(got[key], expected[key]), key
+    # prompt / response entries stay views into the (B, T) tensors, as pad_batch documents
+    assert got["tokens", "prompt"].data_ptr() == got["tokens", "full"].data_ptr()
+    assert got["tokens", "response"].data_ptr() == got["tokens", "full"][:, got["tokens", "prompt"].shape[1]:].data_ptr()

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from contract import StoreContractTests
-from helpers import make_batch
+from helpers import assert_same_padded, make_batch
 
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import StoreCorruptedError, StoreLockedError
@@ -189,15 +189,6 @@ def test_a_forked_child_closing_its_copy_keeps_the_parents_lock_and_tail(tmp_pat
 
 
 # ------------------------------------------------------------------------ fused read_padded
-def _assert_same_padded(got, expected):
-    assert set(got.keys(True, True)) == set(expected.keys(True, True))
-    assert got.batch_size == expected.batch_size
-    for key in expected.keys(True, True):
-        assert got[key].dtype == expected[key].dtype, key
-        assert got[key].shape == expected[key].shape, key
-        assert torch.equal(got[key], expected[key]), key
-
-
 def _padded_reference(store, positions, pad_token_id=0):
     from rlhf_pipeline.collate import pad_batch, padded_fields
 
@@ -216,7 +207,7 @@ def test_read_padded_equals_pad_batch_of_read(tmp_path, optional):
         for positions in cases:
             for pad_token_id in (0, 77):
                 got = store.read_padded(positions, pad_token_id=pad_token_id)
-                _assert_same_padded(got, _padded_reference(store, positions, pad_token_id))
+                assert_same_padded(got, _padded_reference(store, positions, pad_token_id))
         # prompt / response entries stay views into the (B, T) tensors, as pad_batch documents
         got = store.read_padded(torch.tensor([3, 1]))
         assert got["tokens", "prompt"].data_ptr() == got["tokens", "full"].data_ptr()
@@ -228,13 +219,13 @@ def test_read_padded_follows_appends_evictions_and_checks_positions(tmp_path):
                                       durable=False) as store, MemmapTrajectoryStore.open(path) as reader:
         store.append(make_batch(1, 3, seed=0))
         assert len(reader) == 3
-        _assert_same_padded(reader.read_padded([2, 0]), _padded_reference(reader, [2, 0]))
+        assert_same_padded(reader.read_padded([2, 0]), _padded_reference(reader, [2, 0]))
         for i in range(1, 5):  # the open tail grows, then segments are sealed and evicted
             store.append(make_batch(1, 3, seed=i))
             n = len(reader)
             positions = torch.arange(n).flip(0)
-            _assert_same_padded(reader.read_padded(positions), _padded_reference(reader, positions))
-            _assert_same_padded(store.read_padded(positions), _padded_reference(store, positions))
+            assert_same_padded(reader.read_padded(positions), _padded_reference(reader, positions))
+            assert_same_padded(store.read_padded(positions), _padded_reference(store, positions))
         assert store.first_row > 0  # evictions happened
         cached, held = set(store._padded_segments), set(store._segments)  # (no repr of mapped arrays)
         assert cached <= held
@@ -254,4 +245,4 @@ def test_reads_work_where_the_kernel_cannot_prefault(tmp_path, monkeypatch):
     with MemmapTrajectoryStore.create(tmp_path / "b", segment_rows=4, durable=False) as store:
         store.append(batch)
         assert store.read(torch.arange(6)).equal(batch)
-        _assert_same_padded(store.read_padded([5, 0, 4]), _padded_reference(store, [5, 0, 4]))
+        assert_same_padded(store.read_padded([5, 0, 4]), _padded_reference(store, [5, 0, 4]))

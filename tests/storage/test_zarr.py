@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from contract import StoreContractTests
-from helpers import make_batch
+from helpers import assert_same_padded, make_batch
 
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage import NotAStoreError, open_store
@@ -359,18 +359,6 @@ def test_writer_seals_a_segment_its_killed_predecessor_left_in_fragments(tmp_pat
 
 
 # ============================================================================ fused read_padded
-def _assert_same_padded(got, expected):
-    assert set(got.keys(True, True)) == set(expected.keys(True, True))
-    assert got.batch_size == expected.batch_size
-    for key in expected.keys(True, True):
-        assert got[key].dtype == expected[key].dtype, key
-        assert got[key].shape == expected[key].shape, key
-        assert torch.equal(got[key], expected[key]), key
-    # prompt / response entries stay views into the (B, T) tensors, as pad_batch documents
-    assert got["tokens", "prompt"].data_ptr() == got["tokens", "full"].data_ptr()
-    assert got["tokens", "response"].data_ptr() == got["tokens", "full"][:, got["tokens", "prompt"].shape[1]:].data_ptr()
-
-
 def _check_read_padded(store, n):
     from rlhf_pipeline.collate import pad_batch, padded_fields
 
@@ -380,7 +368,7 @@ def _check_read_padded(store, n):
     for positions in cases:
         for pad_token_id in (0, 77):
             expected = pad_batch(store.read(positions, fields=padded_fields(store.schema)), pad_token_id=pad_token_id)
-            _assert_same_padded(store.read_padded(positions, pad_token_id=pad_token_id), expected)
+            assert_same_padded(store.read_padded(positions, pad_token_id=pad_token_id), expected)
 
 
 @pytest.mark.parametrize("optional", [(), ("advantage",), ("ref_log_probs", "kl", "token_rewards", "advantage")])
@@ -435,4 +423,4 @@ def test_read_padded_follows_compaction_and_eviction(tmp_path):
             assert reader._published_len() == 3 and reader._units[0].kind == 2  # (len() would refresh)
             got = reader.read_padded(positions)
             assert reader._units[0].kind == 1  # it refreshed on the missing fragment, then read
-            _assert_same_padded(got, store.read_padded(positions))
+            assert_same_padded(got, store.read_padded(positions))
