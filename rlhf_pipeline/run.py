@@ -209,8 +209,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     Collector ``collector_index`` writes its own shard ``buffer/shard-kkkk`` (with its own
     pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
     """
-    import torch
-
+    from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.weights import WeightsPoller
 
@@ -226,9 +225,15 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         state, version = _wait_for_weights(poller, stop)
         model.load_state_dict(state)
         collector = _make_collector(pipeline, model, store, collector_index)
-        if state_file.exists():
-            # prompt position, id counters and sampling RNG: no prompt skipped or repeated
-            collector.load_state_dict(torch.load(state_file, weights_only=False))
+        # prompt position, id counters and sampling RNG: no prompt skipped or repeated, even
+        # after a crash between a round's append and the save of the state after it
+        position = CollectorPosition(state_file, store)
+        saved = position.load()
+        if saved is not None:
+            collector.load_state_dict(saved)
+        if position.resumed_inflight_round:
+            print(f"{tag} the round in flight at the last stop was written; resuming after it",
+                  file=sys.stderr, flush=True)
         collector.set_policy_state(state, version)
         rounds_at_version = 0
         print(f"{tag} writing to {store_path} with policy version {version}", file=sys.stderr, flush=True)
@@ -242,8 +247,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 # far enough ahead of the learner: more rows now would only go stale
                 time.sleep(0.05)
                 continue
-            batch = collector.collect()
-            _save_atomic(collector.state_dict(), state_file)
+            batch = collector.collect(before_write=position.before_write)
+            position.after_write(collector.state_dict())
             done += 1
             rounds_at_version += 1
             if done % 50 == 0:
@@ -283,15 +288,6 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
             f"collector_index {got}; pass it to CollectorConfig so ids stay unique across collectors"
         )
     return collector
-
-
-def _save_atomic(obj: Any, path: Path) -> None:
-    import torch
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    torch.save(obj, partial)
-    partial.replace(path)
 
 
 def _wait_for_weights(poller, stop: _StopFlag):

@@ -14,7 +14,9 @@ completion ended on EOS, ``truncated`` when it hit ``max_new_tokens``.
 Resume. ``state_dict()`` holds the prompt position, the id counters, the policy
 version and the sampling RNG. Save it after ``collect()`` returns (the batch is then
 in the sink): a collector restored from it continues with the next prompt and the
-same random stream, so nothing is skipped or repeated.
+same random stream, so nothing is skipped or repeated. A crash between the sink's
+write and that save is covered by ``collect(before_write=...)`` and
+:class:`~rlhf_pipeline.collect.position.CollectorPosition`.
 """
 
 from __future__ import annotations
@@ -95,8 +97,12 @@ class Collector:
         self.last_metrics: dict[str, float] = {}
 
     # ---------------------------------------------------------------- one batch
-    def collect(self) -> TrajectoryBatch:
-        """One batch of whole groups: generate, score, emit to the sink, report metrics."""
+    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch:
+        """One batch of whole groups: generate, score, emit to the sink, report metrics.
+
+        ``before_write(state)`` is called with the state the collector will have once the
+        sink took the batch, right before the sink is called (see ``collect/position.py``).
+        """
         cfg = self.config
         t0 = time.perf_counter()
         records = self.prompts.next_batch(cfg.prompts_per_batch)
@@ -136,6 +142,8 @@ class Collector:
             "prompt_text": prompt_texts,
             "response_text": completions,
         })
+        if before_write is not None:
+            before_write(self.state_dict(rounds_ahead=(1, len(records), n)))
         if self.sink is not None:
             self.sink(batch)
         # counters advance only once the sink has the rows, so a failed write is retried with the same ids
@@ -205,12 +213,14 @@ class Collector:
         self.policy_version = int(version)
 
     # ---------------------------------------------------------------- resume
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
+        """``rounds_ahead``: (batches, groups, trajectories) not yet counted but to be included."""
+        batches, groups, trajectories = rounds_ahead
         return {
             "prompts": self.prompts.state_dict(),
-            "groups_emitted": self.groups_emitted,
-            "trajectories_emitted": self.trajectories_emitted,
-            "batches_emitted": self.batches_emitted,
+            "groups_emitted": self.groups_emitted + groups,
+            "trajectories_emitted": self.trajectories_emitted + trajectories,
+            "batches_emitted": self.batches_emitted + batches,
             "policy_version": self.policy_version,
             "rng": self.generator.get_state(),
             "config": {"collector_index": self.config.collector_index, "seed": self.config.seed,

@@ -3,8 +3,10 @@
 ``FreshRowSampler`` makes draw ``d`` from the newest ``window`` rows of a store that another
 process may be appending to (opened read-only; every draw refreshes it). Over a sharded
 buffer (one store per collector) the window takes an even share of each shard's newest rows
-(``ShardedStoreReader.newest_positions``), and row counts (``new_rows_per_draw``) are summed
-over all shards. Its randomness
+(``ShardedStoreReader.newest_positions``), row counts (``new_rows_per_draw``) are summed
+over all shards, and no draw is made while a shard is still empty: a collector that starts
+a little later than the others would otherwise miss the first steps, which would train on
+the other collectors' prompts alone. Its randomness
 comes from a generator seeded with ``(seed, d)``, so draw ``d`` picks the same rows whether or
 not the run was interrupted before it: the draw count and the buffer position the next draw
 waits for (``min_next_row``) are its whole state, kept in the learner's ``Progress``.
@@ -87,7 +89,8 @@ class FreshRowSampler:
             next_row = self.store.next_row
             # the newest rows: a store's last positions; across shards, some of each shard's newest
             newest = self.store.newest_positions(self.window)
-            if newest.numel() >= self.batch_size and next_row >= self.min_next_row:
+            empty = self._empty_shards()
+            if newest.numel() >= self.batch_size and next_row >= self.min_next_row and not empty:
                 order = newest[torch.randperm(newest.numel(), generator=generator)]
                 kept, stale = self._fresh_rows(order, version)
                 dropped += stale
@@ -98,6 +101,13 @@ class FreshRowSampler:
             if self.stop.is_set():
                 raise InterruptedError("sampling stopped")
             if time.monotonic() > deadline:
+                if empty:
+                    raise DataTimeoutError(
+                        f"waited {self.timeout_s:.0f}s for rows in {', '.join(empty)} of "
+                        f"{self.store.location}, which the learner samples along with the other "
+                        f"shards: start its collector (`rlhf-pipeline collect PIPELINE --collector-index "
+                        f"K`), or remove the empty shard directory if that collector will not run"
+                    )
                 raise DataTimeoutError(
                     f"waited {self.timeout_s:.0f}s for {self.batch_size} rows no more than "
                     f"{self.max_staleness} versions old (learner version {version}) in the newest "
@@ -106,6 +116,10 @@ class FreshRowSampler:
                     f"for this run? (raise learner.data_timeout_s, or max_staleness for offline replay)"
                 )
             time.sleep(self.poll_s)
+
+    def _empty_shards(self) -> list[str]:
+        empty_shards = getattr(self.store, "empty_shards", None)
+        return empty_shards() if empty_shards is not None else []
 
     def _fresh_rows(self, order: torch.Tensor, version: int) -> tuple[TrajectoryBatch | None, int]:
         """Reads candidates in random order until ``batch_size`` fresh ones are found."""

@@ -215,28 +215,42 @@ class SegmentView:
         path = self.directory / name
         fd = os.open(path, os.O_RDONLY)  # FileNotFoundError: evicted; the store refreshes
         try:
-            size = os.fstat(fd).st_size
-            if size < count * dtype.itemsize:
-                raise StoreCorruptedError(
-                    f"{path} holds {size} bytes but the manifest publishes {count * dtype.itemsize}; "
-                    f"the file was truncated outside this library"
-                )
-            usable = size - size % dtype.itemsize
-            if usable == 0:
-                array = np.empty(0, dtype=dtype)
-            else:
-                mapping = mmap.mmap(fd, usable, prot=mmap.PROT_READ)
-                _prefault(mapping, count * dtype.itemsize)
-                array = np.frombuffer(mapping, dtype=dtype)
+            array = self._map(fd, path, dtype, count)
         finally:
             os.close(fd)
         self._arrays[name] = array
         return array
 
+    @staticmethod
+    def _map(fd: int, path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+        published = count * dtype.itemsize
+        for _ in range(_MAP_ATTEMPTS):
+            size = os.fstat(fd).st_size
+            if size < published:
+                raise StoreCorruptedError(
+                    f"{path} holds {size} bytes but the manifest publishes {published}; "
+                    f"the file was truncated outside this library"
+                )
+            usable = size - size % dtype.itemsize
+            if usable == 0:
+                return np.empty(0, dtype=dtype)
+            try:
+                mapping = mmap.mmap(fd, usable, prot=mmap.PROT_READ)
+            except ValueError:
+                # the writer sealed the segment between fstat and mmap: it trimmed the
+                # grown-ahead space (never below the published size); map the new size
+                continue
+            _prefault(mapping, published)
+            return np.frombuffer(mapping, dtype=dtype)
+        # a file that keeps shrinking under us is not one this library writes
+        raise StoreCorruptedError(f"{path} changed size {_MAP_ATTEMPTS} times while being mapped")
+
     def close(self) -> None:
         # the mappings close when the last array viewing them is garbage-collected
         self._arrays.clear()
 
+
+_MAP_ATTEMPTS = 8
 
 # MADV_POPULATE_READ (Linux >= 5.14; Python's mmap module names it from 3.13 only)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if hasattr(mmap, "MADV_WILLNEED") else None)

@@ -232,6 +232,10 @@ class ShardedStoreReader(TrajectoryStore):
         # union "global ids" are positions offset by first_row (valid until the next refresh)
         return self.read(global_ids - self.first_row, fields=fields)
 
+    def empty_shards(self) -> list[str]:
+        """Names of the shards that hold no rows (as of the last refresh): collectors not yet heard from."""
+        return [shard_name(i) for i, n in zip(self._order, self._lengths.tolist()) if n == 0]
+
     def newest_positions(self, count: int) -> torch.Tensor:
         """Positions of the ``count`` newest rows: an even split across shards (ascending)."""
         lengths = self._lengths.tolist()

@@ -7,7 +7,7 @@ import torch
 
 from helpers import make_batch
 from rlhf_pipeline.collate import PaddedCollator
-from rlhf_pipeline.learn.prefetch import FreshRowSampler
+from rlhf_pipeline.learn.prefetch import DataTimeoutError, FreshRowSampler
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage import (
     NotAStoreError,
@@ -175,6 +175,28 @@ def test_torchrl_replay_buffer_and_learner_sampler_see_every_shard(two_shards):
     writers[1].append(shard_rows(1, 2, start=5))  # new rows count wherever they land
     assert sampler.draw(1).buffer_next_row == 40
     union.close()
+
+
+def test_learner_sampler_waits_until_every_shard_has_rows(two_shards):
+    """A collector that starts late still feeds the first steps: no draw while its shard is empty."""
+    buffer, writers = two_shards
+    late = create_store(shard_path(buffer, 2), "memmap", schema=SCHEMA, segment_rows=8)
+    try:
+        union = open_buffer(buffer)
+        assert union.empty_shards() == ["shard-0002"]
+        sampler = FreshRowSampler(union, batch_size=8, window=32, seed=0, max_staleness=None,
+                                  timeout_s=0.3, poll_s=0.05)
+        with pytest.raises(DataTimeoutError, match="shard-0002.*--collector-index"):
+            sampler.draw(0)  # 32 rows of shards 0 and 1 would do, were shard 2 not empty
+
+        late.append(shard_rows(2, 1))
+        drawn = sampler.draw(0)
+        assert union.empty_shards() == []
+        assert set((drawn.rows["group_id"] >> 40).tolist()) <= {0, 1, 2}
+        assert union.newest_positions(12).tolist()[-4:] == [32, 33, 34, 35]  # shard 2's rows are in the window
+        union.close()
+    finally:
+        late.close()
 
 
 def test_inspect_sums_the_shards(two_shards, capsys):
