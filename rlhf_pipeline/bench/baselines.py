@@ -4,6 +4,8 @@
   ``ndarray.tofile``, read back through ``np.memmap``); sampling copies each row's
   slices into the padded output arrays in a Python loop (tokens, masks, positions,
   log-probs, advantage). The floor for writes, the reference loop for reads.
+* ``raw-numpy-fsync``: the same, fsyncing every file after each batch (one by one, as a
+  straightforward durable append would): the write baseline of durable stores.
 * ``torchrl-lazystack``: torchrl ``LazyStackStorage`` in a ``ReplayBuffer`` holding one
   ragged TensorDict per row (in RAM; it cannot persist); padding via tensordict's
   ``as_padded_tensor``. Its disk bytes are 0 because it writes nothing.
@@ -18,6 +20,7 @@ backends build it from their own padded pieces with :func:`assemble_from_padded`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +91,7 @@ class RawNumpyBackend:
     """Flat values + offsets in numpy files; Python-loop gather and pad."""
 
     name = "raw-numpy"
+    durable = False
 
     def setup(self, directory: Path, spec: BenchSpec) -> None:
         self._dir = directory
@@ -110,6 +114,11 @@ class RawNumpyBackend:
                 self._lengths[name].append(column.lengths().numpy())
         for name in self._rows:
             batch[name].numpy().tofile(self._files[name])
+        if self.durable:
+            # the straightforward durable append: every file flushed and fsynced, one by one
+            for handle in self._files.values():
+                handle.flush()
+                os.fsync(handle.fileno())
 
     def finish_writes(self) -> None:
         for name, handle in self._files.items():
@@ -190,6 +199,14 @@ class RawNumpyBackend:
     def close(self) -> None:
         self._values = {}
         self._offsets = {}
+
+
+class RawNumpyFsyncBackend(RawNumpyBackend):
+    """``raw-numpy`` that fsyncs its files after every batch: the like-for-like baseline
+    for stores that make each append durable."""
+
+    name = "raw-numpy-fsync"
+    durable = True
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:

@@ -14,6 +14,7 @@ from rlhf_pipeline.bench.storage_bench import (
     BACKENDS,
     RECORD_FIELDS,
     BenchSpec,
+    add_ratios,
     format_table,
     load_backend,
     run_benchmark,
@@ -55,6 +56,33 @@ def test_table_has_a_row_per_backend_and_ratios_to_raw(records):
     assert raw_line.count("1.00x") == 2
     without_baseline = format_table([r for r in records if r["backend"] != "raw-numpy"])
     assert "n/a" in without_baseline and "nan" not in without_baseline
+
+
+def test_writes_compare_with_the_raw_baseline_of_the_same_durability(records):
+    by_name = {r["backend"]: r for r in add_ratios([dict(r) for r in records])}
+    assert by_name["memmap"]["durable"] and by_name["zarr"]["durable"]
+    assert not by_name["memmap-nofsync"]["durable"] and not by_name["torchrl-lazymemmap"]["durable"]
+    for name, baseline in (("memmap", "raw-numpy-fsync"), ("zarr", "raw-numpy-fsync"),
+                           ("memmap-nofsync", "raw-numpy"), ("torchrl-lazystack", "raw-numpy")):
+        record = by_name[name]
+        assert record["write_baseline"] == baseline
+        assert record["write_vs_raw"] == pytest.approx(
+            record["write_us_per_completion"] / by_name[baseline]["write_us_per_completion"])
+        assert record["batches_per_s_vs_raw"] == pytest.approx(
+            record["batches_per_s"] / by_name["raw-numpy"]["batches_per_s"])
+
+
+def test_repeat_runs_round_robin_and_keeps_each_backends_best(capsys):
+    torch.set_num_threads(1)
+    merged = run_benchmark(TINY, ["raw-numpy", "memmap-nofsync"], isolate=False, progress=True, repeat=2)
+    order = [line.split(": ")[0] for line in capsys.readouterr().err.splitlines() if "completions" in line]
+    assert order == ["[bench storage] raw-numpy (run 1/2)", "[bench storage] memmap-nofsync (run 1/2)",
+                     "[bench storage] raw-numpy (run 2/2)", "[bench storage] memmap-nofsync (run 2/2)"]
+    for record in merged:
+        assert record["runs"] == 2 and len(record["batches_per_s_runs"]) == 2
+        assert record["write_us_per_completion"] == min(record["write_us_per_completion_runs"])
+        assert record["batches_per_s"] == max(record["batches_per_s_runs"])
+    assert merged[0]["write_vs_raw"] == 1.0 and merged[1]["write_baseline"] == "raw-numpy"
 
 
 @pytest.mark.parametrize("name", [b for b in BACKENDS if b != "raw-numpy"])
