@@ -10,7 +10,7 @@ What it wires, top to bottom:
            format (digits then <|end|>), so sampled groups have reward variance;
 2. task    ``a+b=`` prompts (a, b < max_operand) and a verifiable reward with partial
            credit for right digits (``rlhf_pipeline.collect.toy_task``);
-3. buffer  a memmap replay buffer per collector in ``<run>/buffer/shard-kkkk``; the write
+3. buffer  a memmap (or Zarr) replay buffer per collector in ``<run>/buffer/shard-kkkk``; the write
            path computes the GRPO group advantage (normalized by the group's std) before
            rows land; the learner samples the union of the shards;
 4. learner GRPO with the settings in ``learner`` (see ``--list-settings``).
@@ -69,8 +69,10 @@ class Settings:
     """The collector writes at most this many rounds per policy version, then waits for new weights."""
 
     # ---- buffer and learner
+    buffer_backend: Literal["memmap", "zarr"] = "memmap"
+    """Store of each buffer shard: memmap files, or a Zarr store (compressed)."""
     segment_rows: int = 1024
-    """Rows per memmap segment of the replay buffer."""
+    """Rows per segment of the replay buffer (the unit of sealing and eviction)."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=64, sample_window=128, new_rows_per_step=64, micro_batch_tokens=4096, lr=3e-4,
         warmup_steps=5, max_staleness=2, publish_every=1, checkpoint_every=50, log_every=20,
@@ -126,7 +128,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     # ---------------------------------------------------------------- buffer + write path
     def create_buffer(path: Path):
-        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage",)),
+        return create_store(path, settings.buffer_backend, schema=StoreSchema(optional=("advantage",)),
                             segment_rows=settings.segment_rows)
 
     def make_collector(model, store, collector_index: int = 0):

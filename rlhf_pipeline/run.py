@@ -126,7 +126,7 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
         current = settings_to_json(pipeline.settings)
         if paths.settings_file.exists():
             saved = json.loads(paths.settings_file.read_text())
-            changed = _diff(saved, current)
+            changed = _diff(saved, current, _default_settings(pipeline.settings))
             tuned = [c for c in changed if c.startswith("learner.")]
             changed = [c for c in changed if not c.startswith("learner.")]
             if tuned:
@@ -162,14 +162,25 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
             publish_weights(paths.root, model.state_dict(), 0)
 
 
-def _diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
+def _default_settings(settings: Any) -> dict:
+    """The pipeline's default settings as JSON ({} when its settings class needs arguments)."""
+    try:
+        return settings_to_json(type(settings)())
+    except TypeError:
+        return {}
+
+
+def _diff(saved: dict, current: dict, defaults: dict, prefix: str = "") -> list[str]:
     out = []
     for key in sorted(set(saved) | set(current)):
         if not prefix and key in _RESUMABLE_SETTINGS:
             continue
         a, b = saved.get(key), current.get(key)
+        if key not in saved and key in defaults and b == defaults[key]:
+            continue  # a setting added to the pipeline since the run started, left at its default
         if isinstance(a, dict) and isinstance(b, dict):
-            out += _diff(a, b, prefix + key + ".")
+            out += _diff(a, b, defaults.get(key) if isinstance(defaults.get(key), dict) else {},
+                         prefix + key + ".")
         elif a != b:
             out.append(f"{prefix + key}: was {a!r}, now {b!r}")
     return out

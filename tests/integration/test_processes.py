@@ -3,6 +3,7 @@ several collectors (one buffer shard each) feeding one learner."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,88 @@ def test_single_store_buffers_of_older_runs_keep_one_collector(tmp_path):
     prepare_run(build_pipeline(module, make_settings(module, ["warm_start_steps=0"]), new), new, shards=(0, 1))
     assert [k for k, _ in list_shards(new.buffer)] == [0, 1] and not new.single_store_buffer
     assert new.collector_state(1) == new.root / "collector" / "shard-0001.pt"
+
+
+def test_settings_added_to_a_pipeline_since_a_run_started_keep_their_default(tmp_path):
+    """A resumed run whose settings.json predates a new setting: the default is no change."""
+    import json
+
+    from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.run import RunError, build_pipeline, prepare_run
+
+    module = load_pipeline_module(DEFAULT)
+    paths = RunPaths(tmp_path / "run")
+    prepare_run(build_pipeline(module, make_settings(module, ["warm_start_steps=0"]), paths), paths)
+    saved = json.loads(paths.settings_file.read_text())
+    del saved["buffer_backend"]  # as written before the setting existed
+    paths.settings_file.write_text(json.dumps(saved))
+
+    prepare_run(build_pipeline(module, make_settings(module, ["warm_start_steps=0"]), paths), paths)
+    changed = build_pipeline(module, make_settings(module, ["warm_start_steps=0", "buffer_backend=zarr"]), paths)
+    with pytest.raises(RunError, match="buffer_backend: was None, now 'zarr'"):
+        prepare_run(changed, paths)
+
+
+def _pids_of(*needles: str) -> list[int]:
+    """Processes whose command line holds every needle (the children of one ``run``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [a.decode(errors="replace") for a in argv]
+        if all(any(n in w for w in words) for n in needles):
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_collector_killed_mid_run_of_a_sharded_zarr_buffer_resumes_exactly(tmp_path):
+    """kill -9 of collector 1 stops the run; the same command resumes; no round is lost or doubled."""
+    import signal
+    import time
+
+    from rlhf_pipeline.storage import ShardedStoreReader
+
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2",
+               "--home", str(tmp_path), "--run-name", "crash", *SMALL, "--set", "buffer_backend=zarr",
+               "--set", "rounds_per_version=1"]
+    run = tmp_path / "crash"
+    first = subprocess.Popen([*command, "--steps", "50"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and first.poll() is None:
+            records = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+            if len(records) >= 3:
+                break
+            time.sleep(0.2)
+        victims = _pids_of("collect", str(run.parent), "--collector-index", "crash")
+        assert len(victims) == 1, (victims, first.poll())
+        os.kill(victims[0], signal.SIGKILL)
+        out, _ = first.communicate(timeout=240)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode != 0 and "collector 1 exited early" in out, out[-3000:]
+    stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"]
+
+    resumed = subprocess.run([*command, "--steps", str(stopped_at + 3)], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, stopped_at + 4))
+
+    with open_buffer(run / "buffer", mode="r") as union:
+        assert isinstance(union, ShardedStoreReader)
+        assert {type(s).__name__ for s in union.shards.values()} == {"ZarrTrajectoryStore"}
+    for k, path in list_shards(run / "buffer"):
+        with open_store(path, mode="r") as shard:
+            ids = shard.read(torch.arange(len(shard)), fields=("trajectory_id", "group_id"))
+        local = (ids["trajectory_id"] - (k << 40)).tolist()
+        # every round exactly once: the ids the collector handed out, in order, without a gap
+        assert local == list(range(len(local))), (k, local)
+        groups = (ids["group_id"] - (k << 40)).tolist()
+        assert groups == [i // 4 for i in range(len(groups))], k
