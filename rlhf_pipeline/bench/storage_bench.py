@@ -380,6 +380,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(steadier ratios on a shared machine; default %(default)s)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON array of records (one per backend) instead of a table")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="instead: sample every backend in one process, round-robin, and compare "
+                             "median ms per batch at the same moments (bench/interleaved.py)")
     parser.add_argument("--in-process", action="store_true",
                         help="run every backend in this process (faster; peak RSS is then cumulative)")
 
@@ -392,6 +395,18 @@ def main(args: argparse.Namespace) -> int:
     if args.completions < 1 or args.sample_batches < 1 or args.repeat < 1:
         raise SystemExit("--completions, --sample-batches and --repeat must be >= 1")
     spec = BenchSpec(completions=args.completions, sample_batches=args.sample_batches, seed=args.seed)
+    if args.interleaved:
+        from rlhf_pipeline.bench.interleaved import format_interleaved, sample_interleaved
+
+        records = sample_interleaved(spec, backends)
+        if args.json:
+            print(json.dumps(records))
+        else:
+            print(f"padded sampling at the same moments: {spec.completions} completions, batches of "
+                  f"{spec.sample_batch_size}, {records[0]['rounds']} interleaved rounds of "
+                  f"{records[0]['batches_per_round']} batches per backend")
+            print(format_interleaved(records))
+        return 0
     records = run_benchmark(spec, backends, isolate=not args.in_process, repeat=args.repeat)
     if args.json:
         print(json.dumps(records))

@@ -169,9 +169,19 @@ class Prefetcher:
             step += 1
 
     def next(self) -> tuple[int, Any, float]:
-        """``(i, item, seconds the caller waited for it)``; re-raises the producer's error."""
+        """``(i, item, seconds the caller waited for it)``; re-raises the producer's error.
+
+        Raises InterruptedError once the stop event is set while nothing is queued: the
+        producer drops what it was making when stopped, so waiting on could never end.
+        """
         start = time.perf_counter()
-        step, item, exc = self._queue.get()
+        while True:
+            try:
+                step, item, exc = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._stop.is_set() or not self._thread.is_alive():
+                    raise InterruptedError("prefetching stopped") from None
         waited = time.perf_counter() - start
         if exc is not None:
             raise exc

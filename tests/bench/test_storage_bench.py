@@ -127,3 +127,19 @@ def test_cli_json_is_one_clean_array_from_isolated_workers():
     assert records[0]["backend"] == "raw-numpy" and records[0]["completions"] == 32
     assert set(RECORD_FIELDS) <= set(records[0])
     assert "[bench storage]" in result.stderr  # progress went to stderr
+
+
+def test_interleaved_sampling_compares_medians_taken_side_by_side(capsys):
+    from rlhf_pipeline.bench.interleaved import format_interleaved, sample_interleaved
+
+    records = sample_interleaved(TINY, ["raw-numpy", "memmap", "zarr"], rounds=3, batches_per_round=2)
+    rounds = [line for line in capsys.readouterr().err.splitlines() if "interleaved round" in line]
+    assert len(rounds) == 3 and all("raw-numpy" in r and "memmap" in r and "zarr" in r for r in rounds)
+    by_name = {r["backend"]: r for r in records}
+    raw_median = by_name["raw-numpy"]["ms_per_batch_median"]
+    for record in records:
+        assert len(record["ms_per_batch_rounds"]) == 3
+        assert 0 < record["ms_per_batch_min"] <= record["ms_per_batch_median"]
+        assert record["sampling_vs_raw_median"] == pytest.approx(raw_median / record["ms_per_batch_median"])
+    assert by_name["raw-numpy"]["sampling_vs_raw_median"] == 1.0
+    assert len(format_interleaved(records).splitlines()) == 2 + 3

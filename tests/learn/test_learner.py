@@ -215,3 +215,39 @@ def test_stop_request_saves_a_checkpoint(tmp_path):
     assert run.train() is False
     run.cleanup()
     assert run.checkpoints.latest() is not None
+
+
+def test_a_stop_while_waiting_for_rows_ends_training_with_a_checkpoint(tmp_path):
+    """SIGTERM while the buffer has no new rows (its collector died): no hang, a checkpoint."""
+    paths = make_run(tmp_path)
+    stop = threading.Event()
+    # 16 new rows per step that never come: the second draw waits on the buffer
+    run = Learner(dataclasses.replace(SETTINGS, new_rows_per_step=16, prefetch_depth=1), paths,
+                  make_model=make_model, steps=50, seed=1, stop_event=stop, show_progress=False)
+    run.setup()
+    timer = threading.Timer(1.0, stop.set)
+    timer.start()
+    finished = []
+    trainer = threading.Thread(target=lambda: finished.append(run.train()))
+    trainer.start()
+    trainer.join(timeout=60)
+    timer.cancel()
+    assert not trainer.is_alive(), "train() kept waiting after the stop request"
+    assert finished == [False] and run.progress.step == 1
+    run.cleanup()
+    assert run.checkpoints.latest() is not None
+
+
+def test_prefetcher_next_gives_up_when_stopped_with_nothing_queued():
+    stop = threading.Event()
+    release = threading.Event()
+
+    def produce(i):
+        release.wait()  # a draw that ends only once stopped, and then is dropped
+        raise InterruptedError("sampling stopped")
+
+    prefetcher = Prefetcher(produce, 0, depth=1, stop=stop)
+    threading.Timer(0.3, lambda: (stop.set(), release.set())).start()
+    with pytest.raises(InterruptedError):
+        prefetcher.next()
+    prefetcher.close()
