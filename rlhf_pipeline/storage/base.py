@@ -179,6 +179,10 @@ class TrajectoryStore(Storage, abc.ABC):
 
         ``fields`` reads only those fields (skipping text makes sampling much cheaper).
         """
+        return self._read_fields(self._checked_positions(positions) + self.first_row, fields)
+
+    def _checked_positions(self, positions: torch.Tensor | Sequence[int] | int) -> torch.Tensor:
+        """``positions`` as a flat int64 tensor; IndexError unless every one lies in ``[0, len)``."""
         positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
         n = self._published_len()
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
@@ -186,7 +190,17 @@ class TrajectoryStore(Storage, abc.ABC):
                 f"positions must lie in [0, {n}) for this store; got min {int(positions.min())}, "
                 f"max {int(positions.max())}"
             )
-        return self._read_fields(positions + self.first_row, fields)
+        return positions
+
+    def _checked_fields(self, fields: Sequence[str] | None) -> tuple[str, ...] | None:
+        """``fields`` as a tuple (None stays None); KeyError naming any field not stored here."""
+        if fields is None:
+            return None
+        fields = tuple(fields)
+        unknown = [f for f in fields if f not in self.schema.field_names]
+        if unknown:
+            raise KeyError(f"field(s) {unknown} are not stored here; this store holds {list(self.schema.field_names)}")
+        return fields
 
     def read_global(
         self, global_ids: torch.Tensor | list[int], *, fields: Sequence[str] | None = None
@@ -206,12 +220,9 @@ class TrajectoryStore(Storage, abc.ABC):
     supports_field_subset: bool = False
 
     def _read_fields(self, global_ids: torch.Tensor, fields: Sequence[str] | None) -> TrajectoryBatch:
+        fields = self._checked_fields(fields)
         if fields is None:
             return self._read_global(global_ids)
-        fields = tuple(fields)
-        unknown = [f for f in fields if f not in self.schema.field_names]
-        if unknown:
-            raise KeyError(f"field(s) {unknown} are not stored here; this store holds {list(self.schema.field_names)}")
         if self.supports_field_subset:
             return self._read_global(global_ids, fields=fields)
         full = self._read_global(global_ids)

@@ -38,14 +38,8 @@ def read_padded(store: Any, positions: torch.Tensor | list[int], *, pad_token_id
                 pin_memory: bool, device: torch.device | str | None) -> TensorDict:
     """``store.read_padded``: positions checked as ``store.read`` checks them, then the store's
     ``_read_global(global_ids, padded_pad_token_id=...)`` (which holds its retry on eviction)."""
-    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
-    n = store._published_len()
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
-        raise IndexError(
-            f"positions must lie in [0, {n}) for this store; got min {int(positions.min())}, "
-            f"max {int(positions.max())}"
-        )
-    padded = store._read_global(positions + store.first_row, padded_pad_token_id=pad_token_id)
+    global_ids = store._checked_positions(positions) + store.first_row
+    padded = store._read_global(global_ids, padded_pad_token_id=pad_token_id)
     return place_padded(padded, pin_memory=pin_memory, device=device)
 
 

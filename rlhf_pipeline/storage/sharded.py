@@ -200,19 +200,8 @@ class ShardedStoreReader(TrajectoryStore):
 
     def read(self, positions: torch.Tensor | list[int] | int, *,
              fields: Sequence[str] | None = None) -> TrajectoryBatch:
-        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
-        n = self._published_len()
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= n):
-            raise IndexError(
-                f"positions must lie in [0, {n}) for this store; got min {int(positions.min())}, "
-                f"max {int(positions.max())}"
-            )
-        if fields is not None:
-            fields = tuple(fields)
-            unknown = [f for f in fields if f not in self.schema.field_names]
-            if unknown:
-                raise KeyError(f"field(s) {unknown} are not stored here; this store holds "
-                               f"{list(self.schema.field_names)}")
+        positions = self._checked_positions(positions)
+        fields = self._checked_fields(fields)
         slots = self._slots_of(positions)
         used = torch.unique(slots).tolist() if positions.numel() else [0]
         parts, where = [], []
