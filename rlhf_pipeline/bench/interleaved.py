@@ -13,13 +13,12 @@ against ``raw-numpy``, taken over rounds that ran side by side.
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.bench.storage_bench import BASELINE, BenchSpec, load_backend
+from rlhf_pipeline.bench.storage_bench import BASELINE, BenchSpec, _log, load_backend
 
 
 def sample_interleaved(spec: BenchSpec, backends: list[str], *, rounds: int = 15,
@@ -78,8 +77,3 @@ def format_interleaved(records: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['backend']} | {r['ms_per_batch_min']:.2f} | {r['ms_per_batch_median']:.2f} "
                      f"| {f'{ratio:.2f}x' if ratio is not None else 'n/a'} |")
     return "\n".join(lines)
-
-
-def _log(message: str, enabled: bool) -> None:
-    if enabled:
-        print(message, file=sys.stderr, flush=True)

@@ -21,7 +21,8 @@ variance and dynamic sampling dropped it) leaves ``next_row`` unchanged and is c
 again on restart; nothing was stored, so nothing is trained twice.
 
 File format: ``{"format": 1, "committed": state | None, "inflight": {...} | None}``
-written with :func:`save_atomic`; a bare state dict (older runs) reads as committed.
+written with :func:`~rlhf_pipeline.storage.manifest.save_torch_atomic`; a bare state dict
+(older runs) reads as committed.
 """
 
 from __future__ import annotations
@@ -32,23 +33,9 @@ from typing import Any
 
 import torch
 
+from rlhf_pipeline.storage.manifest import save_torch_atomic
+
 FORMAT_VERSION = 1
-
-
-def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to a sibling file, fsync, rename over ``path``, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    partial.replace(path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 class CollectorPosition:
@@ -77,7 +64,7 @@ class CollectorPosition:
 
     def before_write(self, state_after_round: dict[str, Any]) -> None:
         """Records the round about to be appended; call right before the append."""
-        save_atomic({
+        save_torch_atomic({
             "format": FORMAT_VERSION,
             "committed": self._committed,
             "inflight": {"state": state_after_round, "store_next_row": int(self.store.next_row)},
@@ -86,4 +73,4 @@ class CollectorPosition:
     def after_write(self, state: dict[str, Any]) -> None:
         """The round is in the store: ``state`` is where the collector now stands."""
         self._committed = state
-        save_atomic({"format": FORMAT_VERSION, "committed": state, "inflight": None}, self.path)
+        save_torch_atomic({"format": FORMAT_VERSION, "committed": state, "inflight": None}, self.path)

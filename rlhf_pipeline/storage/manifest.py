@@ -12,7 +12,8 @@ be reused, so the check has no false negatives, unlike comparing mtimes.
 
 Used by the memmap backend and by any backend with a local directory (Zarr on
 local disk). API: :func:`publish_json`, :func:`read_json`, :func:`check_header`,
-:func:`fsync_dir`, :class:`ManifestWatcher`, :class:`StateSlots` (frequent publishes without
+:func:`fsync_dir`, :func:`save_torch_atomic` (the same publish for small ``torch.save``
+state files: pending groups, collector positions), :class:`ManifestWatcher`, :class:`StateSlots` (frequent publishes without
 a rename), :class:`IncompatibleStoreError`.
 """
 
@@ -62,6 +63,24 @@ def publish_json(path: str | os.PathLike, data: dict[str, Any], *, durable: bool
             os.fsync(fd)
     finally:
         os.close(fd)
+    os.replace(partial, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def save_torch_atomic(obj: Any, path: str | os.PathLike, *, durable: bool = True) -> None:
+    """Atomically replaces ``path`` with ``torch.save(obj)``, with :func:`publish_json`'s
+    steps and its meaning of ``durable``."""
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    with open(partial, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        if durable:
+            os.fsync(f.fileno())
     os.replace(partial, path)
     if durable:
         fsync_dir(path.parent)

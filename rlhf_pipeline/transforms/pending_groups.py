@@ -38,6 +38,7 @@ import torch
 from rlhf_pipeline.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, TrajectoryBatch
 from rlhf_pipeline.storage.base import StoreCorruptedError, TrajectoryStore
+from rlhf_pipeline.storage.manifest import save_torch_atomic
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
@@ -134,16 +135,7 @@ class PendingGroups:
     def persist_if_dirty(self) -> None:
         if not self._dirty or self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(self.path.name + ".partial")
-        with open(partial, "wb") as f:
-            torch.save(self.to_payload(), f)
-            f.flush()
-            if self.durable:
-                os.fsync(f.fileno())
-        os.replace(partial, self.path)
-        if self.durable:
-            _fsync_dir(self.path.parent)
+        save_torch_atomic(self.to_payload(), self.path, durable=self.durable)
         self._dirty = False
 
     def to_payload(self) -> dict[str, Any]:
@@ -258,10 +250,3 @@ def decode_batch(data: Mapping[str, torch.Tensor]) -> TrajectoryBatch:
             columns[name] = [blob[a:b].decode("utf-8") for a, b in zip(offsets[:-1], offsets[1:])]
     return TrajectoryBatch(columns)
 
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

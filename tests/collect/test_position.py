@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
-from rlhf_pipeline.collect.position import CollectorPosition, save_atomic
+from rlhf_pipeline.collect.position import CollectorPosition
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.storage.manifest import save_torch_atomic
 
 
 class Crash(Exception):
@@ -88,7 +89,7 @@ def test_a_bare_state_file_from_an_older_run_still_loads(tiny, tmp_path):
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
     first = make_collector(tiny, store.append)
     first.collect()
-    save_atomic(first.state_dict(), tmp_path / "collector.pt")  # what runs saved before positions
+    save_torch_atomic(first.state_dict(), tmp_path / "collector.pt")  # what runs saved before positions
     position = CollectorPosition(tmp_path / "collector.pt", store)
     again = make_collector(tiny, store.append)
     again.load_state_dict(position.load())
