@@ -316,3 +316,62 @@ def test_collator_read_uses_the_stores_fused_path_and_falls_back_to_pad_batch(tm
                 assert got[key].dtype == expected[key].dtype, key
                 assert torch.equal(got[key], expected[key]), key
         assert_matches_reference(collator.read(store, positions), batch.select(positions), 5)
+
+
+def test_padded_layout_holds_when_batches_grow_and_shrink():
+    """The length templates grow with the widest batch seen; later narrower batches still match."""
+    for seed, (prompt_len, response_len) in enumerate([((1, 3), (1, 4)), ((40, 300), (100, 1500)),
+                                                      ((1, 2), (1, 2)), ((2, 9), (3, 2100))]):
+        batch = synthetic_batch(6, group_size=3, prompt_len=prompt_len, response_len=response_len,
+                                optional_fields=("advantage",), seed=seed)
+        assert_matches_reference(pad_batch(batch, pad_token_id=4), batch, 4)
+
+
+def test_non_finite_advantage_stays_on_the_response_columns():
+    """pad_batch takes unvalidated batches too: a nan/inf advantage must not leak onto padding."""
+    batch = synthetic_batch(4, group_size=2, prompt_len=(2, 5), response_len=(1, 6),
+                            optional_fields=("advantage",), seed=7)
+    batch = batch.with_columns(advantage=torch.tensor([float("nan"), -2.0, float("inf"), 0.5]))
+    td = pad_batch(batch)
+    advantage, mask = td["advantage"].squeeze(-1), td["masks", "all_assistant_mask"]
+    assert torch.equal(advantage[~mask], torch.zeros(int((~mask).sum())))
+    assert torch.isnan(advantage[0][mask[0]]).all() and torch.isinf(advantage[2][mask[2]]).all()
+    assert torch.equal(advantage[1][mask[1]], torch.full((int(mask[1].sum()),), -2.0))
+    # with finite advantages the padding is +0.0, never -0.0 (a negative advantage times 0)
+    finite = pad_batch(batch.with_columns(advantage=torch.tensor([-1.0, -2.0, -3.0, 0.5])))
+    off = finite["advantage"].squeeze(-1)[~finite["masks", "all_assistant_mask"]]
+    assert not torch.signbit(off).any()
+
+
+def test_replay_buffer_sample_reads_through_the_fused_path(tmp_path, monkeypatch):
+    """make_replay_buffer's sample() with a PaddedCollator reads store.read_padded and returns
+    what torchrl's get + collate would; other collate functions keep torchrl's path."""
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage import create_store, make_replay_buffer
+    from rlhf_pipeline.storage.base import TrajectoryStore
+
+    calls = []
+    real_read_padded = TrajectoryStore.read_padded
+
+    def counting_read_padded(self, positions, **kwargs):  # the real method, counted
+        calls.append(len(positions))
+        return real_read_padded(self, positions, **kwargs)
+
+    monkeypatch.setattr(TrajectoryStore, "read_padded", counting_read_padded)
+    batch = synthetic_batch(48, group_size=4, prompt_len=(1, 9), response_len=(1, 12),
+                            optional_fields=("advantage", "ref_log_probs"), seed=8)
+    with create_store(tmp_path / "b", "memmap", schema=StoreSchema(("advantage", "ref_log_probs")),
+                      segment_rows=16) as store:
+        store.append(batch)
+        fused = make_replay_buffer(store, batch_size=8, collate_fn=PaddedCollator(pad_token_id=2))
+        plain = make_replay_buffer(store, batch_size=8, collate_fn=lambda rows: pad_batch(rows, pad_token_id=2))
+        for seed in range(3):
+            torch.manual_seed(seed)
+            got, info = fused.sample(return_info=True)
+            torch.manual_seed(seed)
+            expected = plain.sample()
+            assert set(got.keys(True, True)) == set(expected.keys(True, True))
+            for key in expected.keys(True, True):
+                assert torch.equal(got[key], expected[key]), key
+            assert torch.equal(got["trajectory_id"], batch["trajectory_id"][info["index"]])
+    assert calls == [8, 8, 8]  # only the PaddedCollator buffer took the fused path

@@ -68,6 +68,7 @@ BACKENDS: dict[str, str] = {
     "raw-numpy-fsync": "rlhf_pipeline.bench.baselines:RawNumpyFsyncBackend",
     "memmap": "rlhf_pipeline.bench.storage_bench:MemmapBackend",
     "memmap-nofsync": "rlhf_pipeline.bench.storage_bench:MemmapNoFsyncBackend",
+    "memmap-seg256": "rlhf_pipeline.bench.storage_bench:MemmapSmallSegmentsBackend",
     "torchrl-lazystack": "rlhf_pipeline.bench.baselines:TorchRLLazyStackBackend",
     "torchrl-lazymemmap": "rlhf_pipeline.bench.baselines:TorchRLLazyMemmapBackend",
     "zarr": "rlhf_pipeline.bench.zarr_backend:ZarrBackend",
@@ -175,20 +176,30 @@ class TrajectoryStoreBackend:
         self._store.close()
 
 
-def MemmapBackend(*, durable: bool = True) -> TrajectoryStoreBackend:
+def MemmapBackend(*, durable: bool = True, segment_rows: int | None = None,
+                  name: str | None = None) -> TrajectoryStoreBackend:
     """Our memmap store as a learner uses it: ``durable=True`` fsyncs every append."""
 
     def create(path: Path, schema: StoreSchema) -> TrajectoryStore:
-        from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
+        from rlhf_pipeline.storage.memmap import DEFAULT_SEGMENT_ROWS, MemmapTrajectoryStore
 
-        return MemmapTrajectoryStore.create(str(path), schema, durable=durable)
+        return MemmapTrajectoryStore.create(str(path), schema, durable=durable,
+                                            segment_rows=segment_rows or DEFAULT_SEGMENT_ROWS)
 
-    return TrajectoryStoreBackend("memmap" if durable else "memmap-nofsync", create, durable=durable)
+    return TrajectoryStoreBackend(name or ("memmap" if durable else "memmap-nofsync"), create, durable=durable)
 
 
 def MemmapNoFsyncBackend() -> TrajectoryStoreBackend:
     """The memmap store without fsyncs: what the baselines do, so the write cost compares like for like."""
     return MemmapBackend(durable=False)
+
+
+def MemmapSmallSegmentsBackend() -> TrajectoryStoreBackend:
+    """The memmap store in segments of 256 rows: 64 segments at the default size, so a batch of
+    64 touches ~40 of them, as on a buffer of a million rows in the default 4,096-row segments.
+    Sampling should cost what ``memmap`` costs: the row index makes lookups independent of
+    the number of segments."""
+    return MemmapBackend(segment_rows=256, name="memmap-seg256")
 
 
 def directory_bytes(path: Path) -> int:

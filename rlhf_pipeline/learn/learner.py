@@ -212,7 +212,7 @@ class Learner:
             self.scheduler.load_state_dict(checkpoint["scheduler"])
 
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
-        from rlhf_pipeline.collate import pad_batch
+        from rlhf_pipeline.collate import PaddedCollator
         from rlhf_pipeline.storage import open_buffer
 
         # one store, or the union of the collectors' shards (new shards are picked up as they appear)
@@ -226,11 +226,11 @@ class Learner:
             timeout_s=self.settings.data_timeout_s, stop=self.stop_event,
         )
         self.sampler.current_version = self.progress.policy_version
-        pin = self.device.type == "cuda"
+        collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=self.device.type == "cuda")
 
         def produce(draw: int):
-            sampled = self.sampler.draw(draw)
-            return sampled, pad_batch(sampled.rows, pad_token_id=self.pad_token_id, pin_memory=pin)
+            sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
+            return sampled, collator.read(self._store, sampled.positions)
 
         self._prefetcher = Prefetcher(produce, self.progress.draws, depth=self.settings.prefetch_depth,
                                       stop=self.stop_event)

@@ -21,6 +21,10 @@ the window holds too few fresh rows the sampler waits for the collector to write
 (the wait is reported as data-wait time), and gives up with a clear error after
 ``timeout_s``.
 
+A draw names rows by their store positions; the learner then reads them straight into its
+padded batch (``PaddedCollator.read`` -> ``store.read_padded``, the fused path), so only the
+``policy_version`` column is read to check staleness.
+
 ``Prefetcher`` runs ``produce(step)`` (sample + pad) in a background thread ``depth``
 steps ahead, so the model does not wait on disk reads and padding. On CUDA the learner's
 ``produce`` pins the padded batch in this thread, and the learner copies it to the device
@@ -38,9 +42,6 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.collate import padded_fields
-from rlhf_pipeline.schema import TrajectoryBatch
-
 
 class DataTimeoutError(RuntimeError):
     """The buffer held too few usable rows for longer than the learner's data timeout."""
@@ -48,7 +49,7 @@ class DataTimeoutError(RuntimeError):
 
 @dataclass
 class SampledRows:
-    rows: TrajectoryBatch
+    positions: torch.Tensor  # (batch_size,) store positions, valid until the store's next refresh
     dropped_stale: int  # rows drawn but rejected as too stale
     buffer_rows: int  # rows in the buffer when drawn
     buffer_next_row: int
@@ -76,8 +77,6 @@ class FreshRowSampler:
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
         self.current_version = 0  # set by the learner after each publish
-        # the learner never reads text; decoding it is a large share of a read
-        self._fields = padded_fields(store.schema)
 
     def draw(self, draw_index: int) -> SampledRows:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw_index)
@@ -92,7 +91,7 @@ class FreshRowSampler:
             empty = self._empty_shards()
             if newest.numel() >= self.batch_size and next_row >= self.min_next_row and not empty:
                 order = newest[torch.randperm(newest.numel(), generator=generator)]
-                kept, stale = self._fresh_rows(order, version)
+                kept, stale = self._fresh_positions(order, version)
                 dropped += stale
                 if kept is not None:
                     if self.new_rows_per_draw:
@@ -121,22 +120,22 @@ class FreshRowSampler:
         empty_shards = getattr(self.store, "empty_shards", None)
         return empty_shards() if empty_shards is not None else []
 
-    def _fresh_rows(self, order: torch.Tensor, version: int) -> tuple[TrajectoryBatch | None, int]:
-        """Reads candidates in random order until ``batch_size`` fresh ones are found."""
+    def _fresh_positions(self, order: torch.Tensor, version: int) -> tuple[torch.Tensor | None, int]:
+        """The first ``batch_size`` candidates of ``order`` fresh enough to use, and how many
+        stale ones were passed over (only ``policy_version`` is read to tell)."""
         if self.max_staleness is None:
-            return self.store.read(order[: self.batch_size], fields=self._fields), 0
-        picked: list[TrajectoryBatch] = []
+            return order[: self.batch_size], 0
+        picked: list[torch.Tensor] = []
         have = stale = 0
         for start in range(0, order.numel(), self.batch_size):
-            chunk = self.store.read(order[start: start + self.batch_size], fields=self._fields)
-            fresh = chunk["policy_version"] >= version - self.max_staleness
+            chunk = order[start: start + self.batch_size]
+            versions = self.store.read(chunk, fields=("policy_version",))["policy_version"]
+            fresh = versions >= version - self.max_staleness
             stale += int((~fresh).sum())
-            if bool(fresh.any()):
-                take = torch.nonzero(fresh).reshape(-1)[: self.batch_size - have]
-                picked.append(chunk.select(take))
-                have += take.numel()
+            picked.append(chunk[fresh][: self.batch_size - have])
+            have += picked[-1].numel()
             if have == self.batch_size:
-                return TrajectoryBatch.cat(picked), stale
+                return torch.cat(picked), stale
         return None, stale
 
 

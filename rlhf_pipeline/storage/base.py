@@ -27,9 +27,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from torchrl.data.replay_buffers.storages import Storage
 
+from rlhf_pipeline.collate import pad_batch, padded_fields, place_padded
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, validate_batch
+from rlhf_pipeline.storage.padded_rows import LocatedRows, fill_padded
 
 UNBOUNDED_ROWS = 2**62
 
@@ -218,6 +221,33 @@ class TrajectoryStore(Storage, abc.ABC):
     #: True when ``_read_global`` takes ``fields=`` and reads only those; otherwise the
     #: base class reads every field and drops the others.
     supports_field_subset: bool = False
+
+    #: True when the backend implements ``_locate_rows``, so :meth:`read_padded` copies each
+    #: sampled row from storage straight into the padded tensors.
+    supports_fused_padding: bool = False
+
+    def read_padded(self, positions: torch.Tensor | Sequence[int], *, pad_token_id: int = 0,
+                    pin_memory: bool = False, device: torch.device | str | None = None) -> TensorDict:
+        """The learner's padded batch of the rows at ``positions``: exactly
+        ``pad_batch(self.read(positions, fields=padded_fields(self.schema)), ...)``.
+
+        Backends with ``supports_fused_padding`` skip the intermediate ``TrajectoryBatch``:
+        they locate the rows, and each row's slices are copied straight from storage into
+        the padded tensors (:mod:`rlhf_pipeline.storage.padded_rows`).
+        """
+        if not self.supports_fused_padding:
+            return pad_batch(self.read(positions, fields=padded_fields(self.schema)), pad_token_id=pad_token_id,
+                             pin_memory=pin_memory, device=device)
+        global_ids = self._checked_positions(positions) + self.first_row
+        if global_ids.numel() == 0:
+            raise ValueError("pad_batch got an empty batch; sample at least one row")
+        padded = fill_padded(self._locate_rows(global_ids), pad_token_id)
+        return place_padded(padded, pin_memory=pin_memory, device=device)
+
+    def _locate_rows(self, global_ids: torch.Tensor) -> LocatedRows:
+        """Where the rows with these global ids are (all within ``[first_row, next_row)``),
+        for :meth:`read_padded`; backends with ``supports_fused_padding`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not locate rows; read_padded uses read + pad_batch")
 
     def _read_fields(self, global_ids: torch.Tensor, fields: Sequence[str] | None) -> TrajectoryBatch:
         fields = self._checked_fields(fields)

@@ -40,13 +40,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from rlhf_pipeline.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch
@@ -75,7 +74,8 @@ from rlhf_pipeline.storage.memmap_segments import (
     segment_dir_name,
     segment_files,
 )
-from rlhf_pipeline.storage.memmap_padded import gather_padded, read_padded
+from rlhf_pipeline.storage.memmap_padded import PaddedReadCache, locate_rows
+from rlhf_pipeline.storage.padded_rows import LocatedRows
 
 BACKEND = "memmap"
 FORMAT_VERSION = 1
@@ -93,6 +93,7 @@ class MemmapTrajectoryStore(TrajectoryStore):
 
     backend_name = BACKEND
     supports_field_subset = True
+    supports_fused_padding = True
 
     # ================================================================ construction
     @classmethod
@@ -188,7 +189,7 @@ class MemmapTrajectoryStore(TrajectoryStore):
         self._slots = StateSlots(path, stem=STATE_STEM)
         self._seq = 0  # number of the publish this object last saw (0: manifest.json itself)
         self._views: dict[int, SegmentView] = {}
-        self._padded_segments: dict = {}  # read_padded's mapped arrays per segment (memmap_padded)
+        self._padded_cache: PaddedReadCache | None = None  # read_padded's row index (memmap_padded)
         self._tail_writer: SegmentWriter | None = None
         self._closed = False
         self._owner_pid = os.getpid()
@@ -379,19 +380,20 @@ class MemmapTrajectoryStore(TrajectoryStore):
             view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id))
         return view
 
-    def read_padded(self, positions: torch.Tensor | list[int], *, pad_token_id: int = 0,
-                    pin_memory: bool = False, device: torch.device | str | None = None) -> TensorDict:
-        """``pad_batch(self.read(positions, fields=padded_fields(self.schema)), ...)``, fused: each
-        row is copied from the segment files straight into the padded tensors (``memmap_padded``)."""
-        return read_padded(self, positions, pad_token_id=pad_token_id, pin_memory=pin_memory, device=device)
+    def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None) -> TrajectoryBatch:
+        return self._unless_evicted(global_ids, lambda: self._gather(global_ids, fields))
 
-    def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None, *,
-                     padded_pad_token_id: int | None = None) -> Any:
+    def _locate_rows(self, global_ids: torch.Tensor) -> LocatedRows:
+        if self._padded_cache is None:
+            self._padded_cache = PaddedReadCache(self._schema)
+        cache = self._padded_cache
+        return self._unless_evicted(global_ids, lambda: locate_rows(self, cache, global_ids.numpy()))
+
+    def _unless_evicted(self, global_ids: torch.Tensor, read: Callable[[], Any]) -> Any:
+        """``read()``; an IndexError naming the rows when a segment was deleted under this reader."""
         self._check_open()
         try:
-            if padded_pad_token_id is not None:
-                return gather_padded(self, global_ids, padded_pad_token_id)
-            return self._gather(global_ids, fields)
+            return read()
         except FileNotFoundError:
             # a segment was evicted and deleted before this reader mapped it
             self.refresh()
@@ -452,7 +454,7 @@ class MemmapTrajectoryStore(TrajectoryStore):
         for view in self._views.values():
             view.close()
         self._views.clear()
-        self._padded_segments.clear()
+        self._padded_cache = None
         self._slots.close()
         if self._lock is not None:
             self._lock.release()

@@ -1,110 +1,161 @@
-"""Fused read-and-pad for the memmap store: sampled rows copied straight into the learner tensors.
+"""Locating sampled rows of a memmap store for the fused padded read (``store.read_padded``).
 
-``read_padded(store, positions)`` returns exactly
-``pad_batch(store.read(positions, fields=padded_fields(store.schema)), pad_token_id=...)``
-(same keys, dtypes, values and views; tests compare them with ``torch.equal``), without the
-intermediate ``TrajectoryBatch``: each sampled row's prompt, response and response-aligned
-float slices are copied from the segment memmaps into the preallocated padded tensors, the
-prompt ending at column ``P-1`` and the response starting at column ``P`` (layout in
-:mod:`rlhf_pipeline.collate`). The same loop fills each row's attention-mask span; the
-assistant mask, advantage and ``position_ids`` depend only on the lengths and are built
-vectorized by :func:`~rlhf_pipeline.collate.assemble_padded`, the builder ``pad_batch`` uses too.
+What :func:`locate_rows` answers (a :class:`~.padded_rows.LocatedRows`): per sampled row,
+its segment's mapped value arrays, the start and length of its prompt and response in
+them, and its row-field values. :func:`~.padded_rows.fill_padded` then copies the rows
+into the padded tensors.
 
-Why a per-row loop (over the ~64 sampled rows, never over the store): a sampled row is a few
-long contiguous slices (GRPO rows average ~520 tokens), so one ``memoryview`` slice
-assignment per row and field is a memcpy (~0.35 us, against ~0.75 us for numpy's slice
-assignment). At 64 rows of the benchmark's data the copies take ~0.1 ms, while
-``store.read`` (flat gather, ~0.55 ms) + ``pad_batch`` (index build + one scatter per field)
-spend several times that on the same bytes, and a vectorized gather (flat index vectors, one
-fancy-index copy per field) measured about twice the loop's total.
-Per-segment lookups (row ends, row fields) stay vectorized: ~0.1 ms for 64 rows over 4
-segments, against ~0.45 ms for the same lookups as Python scalar reads per row.
-
-The row-copy loop and the output assembly are backend-neutral and live in
-:mod:`.padded_rows` (the Zarr store's :mod:`.zarr_padded` uses them too); this module maps
-the segments and locates the sampled rows in them.
+The per-row facts come from a :class:`RowIndex`: flat in-memory arrays over every held
+row (prompt/response start and end within the segment, and each row field), indexed by
+global id. A lookup is then one ``take`` per column whatever the number of segments the
+batch touches; looking rows up segment by segment costs ~25 us per segment, which on a
+buffer of a million rows (~250 segments of 4,096) is ~60 segments per random batch of 64,
+over 1 ms. The index follows the store: each lookup first appends the rows published
+since (read from the segments' ``.ends`` and ``.col`` files) and drops evicted ones.
+It costs 48 + (row fields' bytes, 39 with ``advantage``) bytes per held row of this
+process's memory, ~90 MB per million rows.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from tensordict import TensorDict
 
-from rlhf_pipeline.schema import FIELDS_BY_NAME
+from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema
 from rlhf_pipeline.storage.memmap_segments import ENDS_DTYPE, NUMPY_DTYPES, SegmentState
-from rlhf_pipeline.storage.padded_rows import RowSpans, field_plan, fill_padded, read_padded
+from rlhf_pipeline.storage.padded_rows import LocatedRows, UnitSource, field_plan, unit_source
 
 if TYPE_CHECKING:
     from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
 
-__all__ = ["gather_padded", "read_padded"]
+__all__ = ["PaddedReadCache", "RowIndex", "locate_rows"]
+
+# ragged field -> (index column of its rows' first value, of their end)
+_SPANS = {"prompt_tokens": ("prompt_start", "prompt_stop"), "response_tokens": ("response_start", "response_stop")}
+_MIN_CAPACITY = 1024
 
 
-class _Segment(NamedTuple):
-    """The arrays of one segment that a padded read touches, mapped once per published state."""
+class RowIndex:
+    """Per held row of one store: value spans within its segment and row-field values.
 
-    state: SegmentState
-    prompt_ends: np.ndarray
-    response_ends: np.ndarray
-    values: tuple[np.ndarray, ...]  # prompt tokens, response tokens, response-aligned floats
-    row_columns: tuple[np.ndarray, ...]  # in the order of field_plan's row fields
+    Slots ``[lo, hi)`` of every column hold global rows ``[first, first + hi - lo)``.
+    """
 
-    def __repr__(self) -> str:
-        # never print the arrays: past the published rows they may map beyond a trimmed
-        # file's end, and touching those pages raises SIGBUS
-        return f"_Segment(id={self.state.id}, rows={self.state.rows})"
+    def __init__(self, schema: StoreSchema) -> None:
+        _, row_fields = field_plan(schema)
+        dtypes = {name: ENDS_DTYPE for pair in _SPANS.values() for name in pair}
+        dtypes.update(row_fields)
+        self.columns: dict[str, np.ndarray] = {name: np.empty(0, dtype=dtype) for name, dtype in dtypes.items()}
+        self.row_fields = tuple(name for name, _ in row_fields)
+        self.first = 0
+        self.lo = self.hi = 0
+
+    @property
+    def next_row(self) -> int:
+        return self.first + self.hi - self.lo
+
+    def slots(self, global_ids: np.ndarray) -> np.ndarray:
+        """Slots of rows held by the index (call :meth:`sync` first)."""
+        return global_ids - (self.first - self.lo)
+
+    def sync(self, store: MemmapTrajectoryStore) -> None:
+        """Covers exactly the store's published rows ``[first_row, next_row)``."""
+        first, next_row = store.first_row, store.next_row
+        if first < self.first or next_row < self.next_row or first > self.next_row:
+            # not a later state of what the index saw (a fresh index, or every row evicted)
+            self.first, self.lo, self.hi = first, 0, 0
+        self.lo += first - self.first
+        self.first = first
+        if next_row > self.next_row:
+            self._append(store, self.next_row, next_row)
+
+    def _append(self, store: MemmapTrajectoryStore, start: int, stop: int) -> None:
+        self._reserve(stop - start)
+        per_segment = store.segment_rows
+        for seg_id in range(start // per_segment, (stop - 1) // per_segment + 1):
+            state: SegmentState = store._segments[seg_id]
+            base = seg_id * per_segment
+            lo, hi = max(start, base) - base, min(stop, base + state.rows) - base
+            view = store._view(seg_id)
+            slots = slice(self.hi, self.hi + hi - lo)
+            for field, (start_name, stop_name) in _SPANS.items():
+                ends = view.array(f"{field}.ends", ENDS_DTYPE, state.rows)  # row i is [ends[i-1], ends[i])
+                self.columns[stop_name][slots] = ends[lo:hi]
+                starts = self.columns[start_name][slots]
+                starts[0] = ends[lo - 1] if lo else 0
+                starts[1:] = ends[lo : hi - 1]
+            for name in self.row_fields:
+                dtype = NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype]
+                self.columns[name][slots] = view.array(f"{name}.col", dtype, state.rows)[lo:hi]
+            self.hi += hi - lo  # only whole segments count: a failed read leaves the index as it was
+
+    def _reserve(self, extra: int) -> None:
+        capacity = len(self.columns["prompt_start"])
+        if self.hi + extra <= capacity:
+            return
+        live = self.hi - self.lo
+        capacity = max(2 * (live + extra), _MIN_CAPACITY)  # amortised growth; drops evicted slots
+        for name, column in self.columns.items():
+            grown = np.empty(capacity, dtype=column.dtype)
+            grown[:live] = column[self.lo : self.hi]
+            self.columns[name] = grown
+        self.lo, self.hi = 0, live
 
 
-def _segment(store: MemmapTrajectoryStore, cache: dict[int, _Segment], seg_id: int,
-             float_names: tuple[str, ...], row_fields: tuple[tuple[str, np.dtype], ...]) -> _Segment:
-    state = store._segments[seg_id]
-    cached = cache.get(seg_id)
-    if cached is not None and cached.state is state:  # an append publishes a new state object
-        return cached
-    view = store._view(seg_id)
-    values = tuple(
-        view.array(f"{name}.values", NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype], state.elements[name])
-        for name in ("prompt_tokens", "response_tokens", *float_names)
+class PaddedReadCache:
+    """What a store keeps between fused padded reads: the row index and mapped segment values."""
+
+    def __init__(self, schema: StoreSchema) -> None:
+        self.float_names, _ = field_plan(schema)
+        self.index = RowIndex(schema)
+        self._sources: dict[int, tuple[SegmentState, UnitSource]] = {}
+        self._first_row = -1
+
+    def source(self, store: MemmapTrajectoryStore, seg_id: int) -> UnitSource:
+        """Segment ``seg_id``'s value arrays, mapped at least to its published length."""
+        state = store._segments[seg_id]
+        cached = self._sources.get(seg_id)
+        if cached is not None and cached[0] is state:  # every publish makes new state objects
+            return cached[1]
+        view = store._view(seg_id)
+        arrays = [view.array(f"{name}.values", NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype], state.elements[name])
+                  for name in ("prompt_tokens", "response_tokens", *self.float_names)]
+        source = unit_source(arrays[0], arrays[1], arrays[2:])
+        self._sources[seg_id] = (state, source)
+        return source
+
+    def sync(self, store: MemmapTrajectoryStore) -> None:
+        self.index.sync(store)
+        if store.first_row != self._first_row:
+            # evicted segments' mappings hold their (deleted) files' disk space: let them go
+            for seg_id in [i for i in self._sources if i not in store._segments]:
+                del self._sources[seg_id]
+            self._first_row = store.first_row
+
+
+def locate_rows(store: MemmapTrajectoryStore, cache: PaddedReadCache, global_ids: np.ndarray) -> LocatedRows:
+    """Where the rows ``global_ids`` (published and held) are, in that order."""
+    cache.sync(store)
+    index = cache.index
+    slots = index.slots(global_ids)
+    columns = index.columns
+    prompt_start, response_start = columns["prompt_start"].take(slots), columns["response_start"].take(slots)
+    # a row's source is its segment id less the batch's lowest: sources has a slot for every
+    # segment in between, None where no row was sampled (cheaper than np.unique's inverse)
+    segment_of = global_ids // store.segment_rows
+    lowest = int(segment_of.min())
+    source = segment_of - lowest
+    sources: list = [None] * (int(source.max()) + 1)
+    for offset in np.flatnonzero(np.bincount(source)).tolist():
+        sources[offset] = cache.source(store, lowest + offset)
+    return LocatedRows(
+        cache.float_names,
+        source,
+        prompt_start,
+        columns["prompt_stop"].take(slots) - prompt_start,
+        response_start,
+        columns["response_stop"].take(slots) - response_start,
+        {name: columns[name].take(slots) for name in index.row_fields},
+        sources,
     )
-    cache[seg_id] = segment = _Segment(
-        state,
-        view.array("prompt_tokens.ends", ENDS_DTYPE, state.rows),
-        view.array("response_tokens.ends", ENDS_DTYPE, state.rows),
-        values,
-        tuple(view.array(f"{name}.col", dtype, state.rows) for name, dtype in row_fields),
-    )
-    return segment
-
-
-def gather_padded(store: MemmapTrajectoryStore, global_ids: torch.Tensor, pad_token_id: int) -> TensorDict:
-    """The padded batch of rows ``global_ids`` (all published and held), in that order."""
-    ids = global_ids.numpy().astype(np.int64, copy=False)
-    float_names, row_fields = field_plan(store.schema)
-    spans = RowSpans(len(ids), row_fields)  # raises on an empty batch, as pad_batch does
-    cache = store._padded_segments
-    if not cache.keys() <= store._segments.keys():  # drop evicted segments: their mappings hold disk space
-        for seg_id in [i for i in list(cache) if i not in store._segments]:
-            cache.pop(seg_id, None)
-    segment_rows = store.segment_rows
-    segment_of = ids // segment_rows
-    local = ids - segment_of * segment_rows
-
-    sources = []  # per segment: (prompt values, response values, response-aligned float values...)
-    for number, seg_id in enumerate(np.unique(segment_of).tolist()):
-        segment = _segment(store, cache, seg_id, float_names, row_fields)
-        rows = np.flatnonzero(segment_of == seg_id)
-        at = local[rows]
-        before = np.maximum(at - 1, 0)
-        for ends, starts, lengths in ((segment.prompt_ends, spans.prompt_start, spans.prompt_len),
-                                      (segment.response_ends, spans.response_start, spans.response_len)):
-            row_start = np.where(at > 0, ends[before], 0)
-            starts[rows] = row_start
-            lengths[rows] = ends[at] - row_start
-        spans.source[rows] = number
-        for out, column in zip(spans.row_values, segment.row_columns):
-            out[rows] = column[at]
-        sources.append(segment.values)
-    return fill_padded(spans, sources, float_names, pad_token_id)

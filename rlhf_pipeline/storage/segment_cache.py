@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.ragged import RaggedTensor
-from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.schema import FieldSpec, StoreSchema, TrajectoryBatch
 
 
 @dataclass
@@ -46,6 +46,8 @@ def gather_rows(schema: StoreSchema, names: tuple[str, ...], n: int,
     a microsecond each, far below one torch op) joined once at the end.
     """
     specs = [f for f in schema.fields if f.name in names]
+    if n == 0:
+        return _empty_batch(specs)
     rows_out: dict[str, np.ndarray] = {}
     pieces: dict[str, list] = {f.name: [None] * n for f in specs if f.kind != "row"}
     lengths: dict[str, np.ndarray] = {}
@@ -86,6 +88,18 @@ def gather_rows(schema: StoreSchema, names: tuple[str, ...], n: int,
                                               torch.from_numpy(offsets))
         else:
             columns[spec.name] = pieces[spec.name]
+    return TrajectoryBatch(columns)
+
+
+def _empty_batch(specs: Iterable[FieldSpec]) -> TrajectoryBatch:
+    columns: dict = {}
+    for spec in specs:
+        if spec.kind == "token":
+            columns[spec.name] = RaggedTensor(torch.zeros(0, dtype=spec.dtype), torch.zeros(1, dtype=torch.int64))
+        elif spec.kind == "row":
+            columns[spec.name] = torch.zeros(0, dtype=spec.dtype)
+        else:
+            columns[spec.name] = []
     return TrajectoryBatch(columns)
 
 

@@ -50,6 +50,7 @@ from rlhf_pipeline.storage.base import (
     StoreStats,
     TrajectoryStore,
 )
+from rlhf_pipeline.storage.padded_rows import LocatedRows
 
 SHARD_PREFIX = "shard-"
 _SHARD_RE = re.compile(r"^shard-(\d+)$")
@@ -202,20 +203,36 @@ class ShardedStoreReader(TrajectoryStore):
              fields: Sequence[str] | None = None) -> TrajectoryBatch:
         positions = self._checked_positions(positions)
         fields = self._checked_fields(fields)
-        slots = self._slots_of(positions)
-        used = torch.unique(slots).tolist() if positions.numel() else [0]
-        parts, where = [], []
-        for slot in used:
-            mask = slots == slot
-            local = positions[mask] - self._starts[slot]
-            parts.append(self._shards[self._order[slot]].read(local, fields=fields))
-            where.append(torch.nonzero(mask).reshape(-1))
+        parts = [(shard.read(local, fields=fields), where) for shard, local, where in self._split(positions)]
         if len(parts) == 1:
-            return parts[0]  # one shard: already in the requested order
+            return parts[0][0]  # one shard: already in the requested order
         # rows come grouped by shard; put them back in the requested order
         inverse = torch.empty(positions.numel(), dtype=torch.int64)
-        inverse[torch.cat(where)] = torch.arange(positions.numel())
-        return TrajectoryBatch.cat(parts).select(inverse)
+        inverse[torch.cat([where for _, where in parts])] = torch.arange(positions.numel())
+        return TrajectoryBatch.cat([rows for rows, _ in parts]).select(inverse)
+
+    @property
+    def supports_fused_padding(self) -> bool:
+        return all(s.supports_fused_padding for s in self._shards.values())
+
+    def _locate_rows(self, global_ids: torch.Tensor) -> LocatedRows:
+        positions = global_ids - self.first_row
+        parts = [(where.numpy(), shard._locate_rows(local + shard.first_row))
+                 for shard, local, where in self._split(positions)]
+        if len(parts) == 1:
+            return parts[0][1]
+        return LocatedRows.merge(parts, positions.numel(), self.schema)
+
+    def _split(self, positions: torch.Tensor) -> list[tuple[TrajectoryStore, torch.Tensor, torch.Tensor]]:
+        """Per shard holding some of ``positions`` (checked): (shard, its local positions, where they were)."""
+        slots = self._slots_of(positions)
+        used = torch.unique(slots).tolist() if positions.numel() else [0]
+        parts = []
+        for slot in used:
+            mask = slots == slot
+            parts.append((self._shards[self._order[slot]], positions[mask] - self._starts[slot],
+                          torch.nonzero(mask).reshape(-1)))
+        return parts
 
     def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None) -> TrajectoryBatch:
         # union "global ids" are positions offset by first_row (valid until the next refresh)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,8 @@ from rlhf_pipeline.storage.zarr_location import (
     publish,
     resolve,
 )
-from rlhf_pipeline.storage.zarr_padded import gather_padded, store_read_padded
+from rlhf_pipeline.storage.padded_rows import LocatedRows
+from rlhf_pipeline.storage.zarr_padded import locate_rows
 from rlhf_pipeline.storage.zarr_writer import Collector, Sealer, UnitRef, complete_segments, plan_pieces
 
 DEFAULT_SEGMENT_ROWS = 4096
@@ -98,6 +100,7 @@ class ZarrTrajectoryStore(TrajectoryStore):
 
     backend_name = "zarr"
     supports_field_subset = True
+    supports_fused_padding = True
 
     def __init__(self, location: str, loc: Location, record: dict[str, Any], *, writable: bool,
                  cache_bytes: int, durable: bool, lock: WriterLock | None, watcher: ManifestWatcher | None):
@@ -438,17 +441,20 @@ class ZarrTrajectoryStore(TrajectoryStore):
                 self._loc.kv.delete_prefix(f"{UNITS_PREFIX}/{name}")
 
     # ---------------------------------------------------------------- reading
-    read_padded = store_read_padded  # pad_batch(read(positions, no text)), fused: see zarr_padded
-
-    def _read_global(self, global_ids: torch.Tensor, fields: tuple[str, ...] | None = None, *,
-                     padded_pad_token_id: int | None = None) -> Any:
-        self._check_open()
+    def _read_global(self, global_ids: torch.Tensor, fields: tuple[str, ...] | None = None) -> TrajectoryBatch:
         names = self._schema.field_names if fields is None else fields
-        pad = padded_pad_token_id  # not None: the fused padded read (zarr_padded)
-        ids, view = global_ids.numpy(), self._view
+        return self._with_current_units(global_ids.numpy(), lambda ids, view: self._gather(ids, names, view))
+
+    def _locate_rows(self, global_ids: torch.Tensor) -> LocatedRows:
+        return self._with_current_units(global_ids.numpy(), lambda ids, view: locate_rows(self, ids, view))
+
+    def _with_current_units(self, ids: np.ndarray, read: Callable[[np.ndarray, Any], Any]) -> Any:
+        """``read(ids, units view)``, retried on a newer view when a unit was deleted under it."""
+        self._check_open()
+        view = self._view
         for _ in range(16):
             try:
-                return self._gather(ids, names, view) if pad is None else gather_padded(self, ids, view, pad)
+                return read(ids, view)
             except _UnitGone as gone:
                 missing = gone
             # compacted or evicted after the record we read (a reader's last refresh, or a seal on
@@ -469,8 +475,6 @@ class ZarrTrajectoryStore(TrajectoryStore):
         ) from None
 
     def _gather(self, ids: np.ndarray, names: tuple[str, ...], view) -> TrajectoryBatch:
-        if ids.size == 0:
-            return _empty(self._schema, names)
         units, starts = view
         which = np.searchsorted(starts, ids, side="right") - 1
 
@@ -576,20 +580,6 @@ class ZarrTrajectoryStore(TrajectoryStore):
 # ======================================================================== helpers
 def _np_dtype(dtype: str) -> str:
     return _NP_DTYPE[dtype]
-
-
-def _empty(schema: StoreSchema, names: tuple[str, ...]) -> TrajectoryBatch:
-    from rlhf_pipeline.ragged import RaggedTensor
-
-    columns: dict[str, Any] = {}
-    for spec in (f for f in schema.fields if f.name in names):
-        if spec.kind == "token":
-            columns[spec.name] = RaggedTensor(torch.zeros(0, dtype=spec.dtype), torch.zeros(1, dtype=torch.int64))
-        elif spec.kind == "row":
-            columns[spec.name] = torch.zeros(0, dtype=spec.dtype)
-        else:
-            columns[spec.name] = []
-    return TrajectoryBatch(columns)
 
 
 def _read_watched(watcher: ManifestWatcher) -> dict | None:

@@ -95,7 +95,7 @@ def test_sampler_skips_stale_rows_and_counts_them(tmp_path):
     sampler = FreshRowSampler(reader, batch_size=16, window=64, seed=0, max_staleness=1)
     sampler.current_version = 6
     drawn = sampler.draw(0)
-    assert drawn.rows["policy_version"].eq(5).all()
+    assert reader.read(drawn.positions)["policy_version"].eq(5).all()
     assert drawn.dropped_stale > 0
     sampler.current_version = 7  # now every row is too old: it waits, then says why
     sampler.timeout_s, sampler.poll_s = 0.3, 0.05
@@ -103,7 +103,7 @@ def test_sampler_skips_stale_rows_and_counts_them(tmp_path):
         sampler.draw(1)
     # the same draw index gives the same rows: nothing to checkpoint but the index
     sampler.current_version = 6
-    assert sampler.draw(3).rows["trajectory_id"].tolist() == sampler.draw(3).rows["trajectory_id"].tolist()
+    assert sampler.draw(3).positions.tolist() == sampler.draw(3).positions.tolist()
     reader.close()
     store.close()
 

@@ -227,7 +227,7 @@ def test_read_padded_follows_appends_evictions_and_checks_positions(tmp_path):
             assert_same_padded(reader.read_padded(positions), _padded_reference(reader, positions))
             assert_same_padded(store.read_padded(positions), _padded_reference(store, positions))
         assert store.first_row > 0  # evictions happened
-        cached, held = set(store._padded_segments), set(store._segments)  # (no repr of mapped arrays)
+        cached, held = set(store._padded_cache._sources), set(store._segments)  # (no repr of mapped arrays)
         assert cached <= held
         with pytest.raises(IndexError, match="positions must lie in"):
             store.read_padded([len(store)])
@@ -246,3 +246,25 @@ def test_reads_work_where_the_kernel_cannot_prefault(tmp_path, monkeypatch):
         store.append(batch)
         assert store.read(torch.arange(6)).equal(batch)
         assert_same_padded(store.read_padded([5, 0, 4]), _padded_reference(store, [5, 0, 4]))
+
+
+def test_read_padded_row_index_follows_a_long_run_at_bounded_memory(tmp_path):
+    """A reader that keeps sampling while thousands of rows are appended and evicted: its row
+    index grows, drops evicted rows and compacts, and every padded read stays exact."""
+    from rlhf_pipeline.storage.memmap_padded import RowIndex
+
+    path = tmp_path / "b"
+    generator = torch.Generator().manual_seed(3)
+    with MemmapTrajectoryStore.create(path, segment_rows=64, capacity_rows=512, evict_grace_s=0,
+                                      durable=False) as store, MemmapTrajectoryStore.open(path) as reader:
+        for i in range(60):  # 60 x 48 rows: the capacity is passed several times over
+            store.append(make_batch(12, 4, seed=i, prompt_len=(1, 5), response_len=(1, 6)))
+            held = len(reader)
+            positions = torch.randint(0, held, (16,), generator=generator)
+            assert_same_padded(reader.read_padded(positions), _padded_reference(reader, positions))
+            index: RowIndex = reader._padded_cache.index
+            assert (index.first, index.next_row) == (reader.first_row, reader.next_row)
+            # slots hold at most twice what is held plus one append (amortised growth)
+            assert len(index.columns["prompt_start"]) <= max(2 * (held + 48), 1024)
+        assert reader.first_row > 2000  # most rows were evicted along the way
+        assert set(reader._padded_cache._sources) <= set(reader._segments)

@@ -170,7 +170,7 @@ def test_torchrl_replay_buffer_and_learner_sampler_see_every_shard(two_shards):
     sampler = FreshRowSampler(union, batch_size=8, window=16, seed=0, max_staleness=None,
                               new_rows_per_draw=8, timeout_s=0.3, poll_s=0.05)
     drawn = sampler.draw(0)
-    assert set((drawn.rows["group_id"] >> 40).tolist()) == {0, 1}
+    assert set((union.read(drawn.positions)["group_id"] >> 40).tolist()) == {0, 1}
     assert drawn.buffer_next_row == 32 and drawn.min_next_row == 40
     writers[1].append(shard_rows(1, 2, start=5))  # new rows count wherever they land
     assert sampler.draw(1).buffer_next_row == 40
@@ -192,7 +192,7 @@ def test_learner_sampler_waits_until_every_shard_has_rows(two_shards):
         late.append(shard_rows(2, 1))
         drawn = sampler.draw(0)
         assert union.empty_shards() == []
-        assert set((drawn.rows["group_id"] >> 40).tolist()) <= {0, 1, 2}
+        assert set((union.read(drawn.positions)["group_id"] >> 40).tolist()) <= {0, 1, 2}
         assert union.newest_positions(12).tolist()[-4:] == [32, 33, 34, 35]  # shard 2's rows are in the window
         union.close()
     finally:
@@ -210,3 +210,26 @@ def test_inspect_sums_the_shards(two_shards, capsys):
     assert (stats["backend"], stats["rows"], stats["groups"], stats["extra"]["shards"]) == ("sharded", 32, 8, 2)
     assert main(["inspect", str(buffer)]) == 0
     assert "shard-0000: 12, shard-0001: 20" in capsys.readouterr().out
+
+
+def test_read_padded_over_shards_equals_pad_batch_of_read(two_shards):
+    """The union's fused read locates rows in each shard and pads them in one pass."""
+    from helpers import assert_same_padded
+
+    from rlhf_pipeline.collate import pad_batch, padded_fields
+
+    buffer, writers = two_shards
+    union = open_buffer(buffer)
+    assert union.supports_fused_padding
+    cases = [torch.tensor([31, 0, 12, 11, 12]), torch.arange(32).flip(0), torch.tensor([5]), torch.tensor([20, 25])]
+    for positions in cases:
+        for pad_token_id in (0, 9):
+            expected = pad_batch(union.read(positions, fields=padded_fields(SCHEMA)), pad_token_id=pad_token_id)
+            assert_same_padded(union.read_padded(positions, pad_token_id=pad_token_id), expected)
+    writers[0].append(shard_rows(0, 2, start=3))  # positions shift after a refresh: still exact
+    assert len(union) == 40
+    positions = torch.tensor([39, 12, 13, 0, 19])
+    assert_same_padded(union.read_padded(positions), pad_batch(union.read(positions)))
+    with pytest.raises(IndexError, match="positions must lie in"):
+        union.read_padded([40])
+    union.close()

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 from backends import BACKENDS
-from helpers import make_batch
+from helpers import assert_same_padded, make_batch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from rlhf_pipeline.collate import pad_batch
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 
 SEGMENT_ROWS = 4
@@ -79,6 +80,18 @@ def make_machine(backend_name: str) -> type[RuleBasedStateMachine]:
             positions = data.draw(st.lists(st.integers(0, held - 1), min_size=1, max_size=8))
             expected = self.model_rows().select(torch.tensor(positions) + self.first_row)
             assert self.store.read(positions).equal(expected)
+
+        @precondition(lambda self: self.store is not None and self.next_row > 0)
+        @rule(data=st.data(), pad_token_id=st.sampled_from([0, 7]))
+        def padded_reads_match_the_model(self, data, pad_token_id):
+            """The fused read_padded of the writer and of a long-lived reader (row index kept
+            across appends, seals, evictions and reopens) equals pad_batch of the model's rows."""
+            held = self.reader.refresh()
+            positions = data.draw(st.lists(st.integers(0, held - 1), min_size=1, max_size=8))
+            rows = self.model_rows().select(torch.tensor(positions) + self.first_row)
+            expected = pad_batch(rows, pad_token_id=pad_token_id)
+            for handle in (self.store, self.reader):
+                assert_same_padded(handle.read_padded(positions, pad_token_id=pad_token_id), expected)
 
         @precondition(lambda self: self.store is not None)
         @rule()
