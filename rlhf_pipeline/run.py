@@ -288,9 +288,9 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
         collector = make(model, store)
     else:
         raise PipelineError(
-            f"the pipeline's make_collector(model, store) takes no collector_index, so it can run "
-            f"collector 0 only; add a `collector_index=0` parameter and pass it to "
-            f"CollectorConfig(collector_index=...) to run several collectors"
+            "the pipeline's make_collector(model, store) takes no collector_index, so it can run "
+            "collector 0 only; add a `collector_index=0` parameter and pass it to "
+            "CollectorConfig(collector_index=...) to run several collectors"
         )
     got = getattr(getattr(collector, "config", None), "collector_index", None)
     if got is not None and got != collector_index:

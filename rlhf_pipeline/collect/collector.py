@@ -31,7 +31,6 @@ import torch
 from rlhf_pipeline.collect.generate import SamplingConfig, generate
 from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, score
-from rlhf_pipeline.ragged import RaggedTensor
 from rlhf_pipeline.schema import TrajectoryBatch
 
 ID_COUNTER_BITS = 40  # 1.1e12 trajectories per collector before ids would collide

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from tensordict import is_tensor_collection
+from tensordict.nn.utils import _set_dispatch_td_nn_modules
 from torchrl.data import ReplayBuffer
 from torchrl.data.replay_buffers.samplers import RandomSampler, Sampler, SamplerWithoutReplacement
 from torchrl.data.replay_buffers.writers import Writer
@@ -102,7 +103,7 @@ class TrajectoryReplayBuffer(ReplayBuffer):
             data = self._storage.get(index) if isinstance(index, int) else read(self._storage, index)
         if self._transform is not None and len(self._transform):
             is_td = is_tensor_collection(data)
-            with data.unlock_() if is_td else contextlib.nullcontext():
+            with data.unlock_() if is_td else contextlib.nullcontext(), _set_dispatch_td_nn_modules(is_td):
                 data = self._transform(data)
         if self._pin_memory:  # what torchrl's pin_memory_output does to a sample
             data = data.pin_memory()

@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-from torchrl.envs.transforms import Transform
 
 from rlhf_pipeline.ragged import RaggedTensor
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
