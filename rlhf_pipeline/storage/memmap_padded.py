@@ -12,8 +12,8 @@ batch touches; looking rows up segment by segment costs ~25 us per segment, whic
 buffer of a million rows (~250 segments of 4,096) is ~60 segments per random batch of 64,
 over 1 ms. The index follows the store: each lookup first appends the rows published
 since (read from the segments' ``.ends`` and ``.col`` files) and drops evicted ones.
-It costs 48 + (row fields' bytes, 39 with ``advantage``) bytes per held row of this
-process's memory, ~90 MB per million rows.
+It costs this process 32 bytes of spans plus the row fields (39 bytes with ``advantage``)
+per held row, ~71 MB per million rows, and up to twice that while its arrays grow.
 """
 
 from __future__ import annotations

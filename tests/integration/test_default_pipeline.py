@@ -72,9 +72,16 @@ def test_bad_settings_fail_before_any_work(tmp_path):
 
 @pytest.mark.slow
 def test_mean_reward_rises(tmp_path):
-    """GRPO raises the toy task's mean reward within 60 learner steps (about 1.5 minutes on 2 cores)."""
-    result = cli("run", DEFAULT, "--steps", "60", "--home", str(tmp_path), "--run-name", "learn", timeout=600)
+    """GRPO raises the toy task's mean reward over the default run's 300 learner steps (~1 min).
+
+    Collector and learner are separate processes, so which policy version writes which rows
+    depends on timing and no two runs are alike. Over 60 steps the rise (first vs last 15)
+    was +0.005 to +0.07, too close to its noise to assert; over 300 steps the first 30 vs
+    the last 30 rose by +0.071, +0.096 and +0.089 in three runs.
+    """
+    result = cli("run", DEFAULT, "--home", str(tmp_path), "--run-name", "learn", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     rewards = [r["charts/reward_mean"] for r in read_metrics(tmp_path / "learn" / "metrics.jsonl")]
-    first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
-    assert last > first + 0.05, (first, last)
+    assert len(rewards) == 300
+    first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
+    assert last > first + 0.03, (first, last)

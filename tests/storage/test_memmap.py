@@ -117,6 +117,26 @@ def test_reader_of_a_deleted_unmapped_segment_gets_an_index_error(tmp_path):
                 reader.read_global(torch.arange(4))
 
 
+def test_padded_reads_across_a_segment_deleted_under_the_reader(tmp_path):
+    """read_padded behaves as read does when eviction deletes a segment under a reader: rows it
+    already mapped keep being served; rows it never mapped raise IndexError, and it recovers."""
+    path = tmp_path / "b"
+    with MemmapTrajectoryStore.create(path, segment_rows=4, capacity_rows=8, evict_grace_s=0) as store:
+        store.append(make_batch(2, 4))
+        with MemmapTrajectoryStore.open(path) as mapped, MemmapTrajectoryStore.open(path) as unmapped:
+            before = mapped.read_padded(torch.arange(8))  # indexes and maps segments 0 and 1
+            assert len(unmapped) == 8
+            store.append(make_batch(1, 4, seed=1))  # evicts and deletes segment 0
+            assert not (path / segment_dir_name(0)).exists()
+            assert_same_padded(mapped.read_padded(torch.arange(8)), before)  # no refresh yet
+            with pytest.raises(IndexError, match="evicted while being read"):
+                unmapped.read_padded(torch.arange(4))
+            for reader in (mapped, unmapped):
+                assert len(reader) == 8 and reader.first_row == 4
+                positions = torch.tensor([7, 0, 3])
+                assert_same_padded(reader.read_padded(positions), _padded_reference(reader, positions))
+
+
 def test_create_refuses_existing_store_and_checks_options_with_exist_ok(tmp_path):
     path = tmp_path / "b"
     MemmapTrajectoryStore.create(path, segment_rows=8).close()
