@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +30,8 @@ class DecodedUnit:
     first_row: int
     rows: int
     arrays: dict[str, np.ndarray]
+    # what the fused padded read copies from, made on its first use (zarr_padded.unit_source_of)
+    padded_source: Any = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -17,6 +17,7 @@ segment an orphan): the next writer deletes the orphan and seals them again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,8 +44,8 @@ class UnitRef:
         """The third value of the unit's entry in the commit record: 0 fragment, 1 sealed, 2 packed."""
         return 1 if self.sealed else 2 if self.packed else 0
 
-    @property
-    def name(self) -> str:
+    @functools.cached_property
+    def name(self) -> str:  # cached: every sampled batch looks its units up by name
         return f"{self.first_row:015d}-{self.rows:010d}" + ("p" if self.packed else "")
 
     @property
