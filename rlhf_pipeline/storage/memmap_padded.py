@@ -86,8 +86,8 @@ class RowIndex:
                 starts[0] = ends[lo - 1] if lo else 0
                 starts[1:] = ends[lo : hi - 1]
             for name in self.row_fields:
-                dtype = NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype]
-                self.columns[name][slots] = view.array(f"{name}.col", dtype, state.rows)[lo:hi]
+                column = self.columns[name]
+                column[slots] = view.array(f"{name}.col", column.dtype, state.rows)[lo:hi]
             self.hi += hi - lo  # only whole segments count: a failed read leaves the index as it was
 
     def _reserve(self, extra: int) -> None:

@@ -71,7 +71,8 @@ def unit_source(prompt_values: np.ndarray, response_values: np.ndarray,
 class LocatedRows:
     """Where each of B sampled rows is: what :func:`fill_padded` copies from.
 
-    Row ``b`` lives in unit ``sources[source[b]]``; its prompt is
+    Row ``b`` lives in unit ``sources[source[b]]`` (an entry no row points at may be None);
+    its prompt is
     ``prompt values[prompt_start[b] : prompt_start[b] + prompt_len[b]]`` there, its response
     (and every response-aligned float field, validated to the same lengths)
     ``[response_start[b] : response_start[b] + response_len[b]]``.
@@ -84,7 +85,7 @@ class LocatedRows:
     response_start: np.ndarray  # (B,) int64
     response_len: np.ndarray  # (B,) int64
     rows: dict[str, np.ndarray]  # row field -> (B,) values in the schema's dtype
-    sources: list[UnitSource] = field(default_factory=list)
+    sources: list[UnitSource | None] = field(default_factory=list)
 
     @classmethod
     def empty(cls, num_rows: int, schema: StoreSchema) -> LocatedRows:
