@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.atomic import write_atomic
 from rlhf_pipeline.paths import run_dir as make_run_dir
 from rlhf_pipeline.pipeline import (
     Pipeline,
@@ -139,9 +140,8 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
                     f"Resume with the same settings, or start a new run with --run-name NAME"
                 )
         else:
-            partial = paths.settings_file.with_suffix(".json.partial")
-            partial.write_text(json.dumps(current, indent=2, sort_keys=True))
-            partial.replace(paths.settings_file)
+            text = json.dumps(current, indent=2, sort_keys=True).encode()
+            write_atomic(paths.settings_file, lambda f: f.write(text))
         if paths.single_store_buffer:
             extra = sorted(k for k in shards if k != 0)
             if extra:

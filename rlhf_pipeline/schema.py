@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from tensordict import TensorClass, TensorDict, lazy_stack
 
@@ -86,6 +87,14 @@ FIELDS: tuple[FieldSpec, ...] = (
 FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
 REQUIRED_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.required)
 OPTIONAL_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if not f.required)
+# the one torch -> numpy table for stored values: little-endian, as every backend writes them
+NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    torch.int32: np.dtype("<i4"),
+    torch.int64: np.dtype("<i8"),
+    torch.float32: np.dtype("<f4"),
+    torch.bool: np.dtype("?"),
+    torch.uint8: np.dtype("u1"),
+}
 
 
 class TrajectoryValidationError(ValueError):

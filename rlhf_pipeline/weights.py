@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from rlhf_pipeline.atomic import save_torch_atomic
+
 _NAME = re.compile(r"^policy_(\d{8,})\.pt$")
 
 
@@ -48,16 +50,10 @@ def publish_weights(run_dir: str | Path, state_dict: dict[str, torch.Tensor], ve
             f"weights version {version} is not newer than the published version {current}; "
             "versions only increase"
         )
-    directory = weights_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     final = weights_path(run_dir, version)
-    partial = final.with_name(final.name + f".{os.getpid()}.partial")
     cpu_state = {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
-    with open(partial, "wb") as f:
-        torch.save({"version": version, "state_dict": cpu_state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    partial.replace(final)
+    save_torch_atomic({"version": version, "state_dict": cpu_state}, final,
+                      partial_name=f"{final.name}.{os.getpid()}.partial")
     for old in _versions(run_dir)[:-keep_last]:
         weights_path(run_dir, old).unlink(missing_ok=True)
     return final

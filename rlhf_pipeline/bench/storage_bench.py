@@ -181,7 +181,7 @@ def MemmapBackend(*, durable: bool = True, segment_rows: int | None = None,
     """Our memmap store as a learner uses it: ``durable=True`` fsyncs every append."""
 
     def create(path: Path, schema: StoreSchema) -> TrajectoryStore:
-        from rlhf_pipeline.storage.memmap import DEFAULT_SEGMENT_ROWS, MemmapTrajectoryStore
+        from rlhf_pipeline.storage.memmap.store import DEFAULT_SEGMENT_ROWS, MemmapTrajectoryStore
 
         return MemmapTrajectoryStore.create(str(path), schema, durable=durable,
                                             segment_rows=segment_rows or DEFAULT_SEGMENT_ROWS)

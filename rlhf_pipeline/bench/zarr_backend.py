@@ -25,7 +25,7 @@ class _ZarrStoreBackend(TrajectoryStoreBackend):
 
 def ZarrBackend() -> TrajectoryStoreBackend:
     def create(path: Path, schema: StoreSchema) -> TrajectoryStore:
-        from rlhf_pipeline.storage.zarr_store import ZarrTrajectoryStore
+        from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
 
         return ZarrTrajectoryStore.create(str(path), schema)
 

@@ -31,10 +31,8 @@ import torch
 from rlhf_pipeline.collect.generate import SamplingConfig, generate
 from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, score
+from rlhf_pipeline.ids import MAX_COLLECTORS, id_base
 from rlhf_pipeline.schema import TrajectoryBatch
-
-ID_COUNTER_BITS = 40  # 1.1e12 trajectories per collector before ids would collide
-MAX_COLLECTORS = 2 ** (63 - ID_COUNTER_BITS)
 
 
 @dataclass
@@ -123,7 +121,7 @@ class Collector:
         t_reward = time.perf_counter()
 
         n = len(idx)
-        base = cfg.collector_index << ID_COUNTER_BITS
+        base = id_base(cfg.collector_index)
         group_id = base + self.groups_emitted + gen.prompt_index
         trajectory_id = base + self.trajectories_emitted + torch.arange(n)
         batch = TrajectoryBatch({

@@ -21,7 +21,7 @@ variance and dynamic sampling dropped it) leaves ``next_row`` unchanged and is c
 again on restart; nothing was stored, so nothing is trained twice.
 
 File format: ``{"format": 1, "committed": state | None, "inflight": {...} | None}``
-written with :func:`~rlhf_pipeline.storage.manifest.save_torch_atomic`; a bare state dict
+written with :func:`~rlhf_pipeline.atomic.save_torch_atomic`; a bare state dict
 (older runs) reads as committed.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.storage.manifest import save_torch_atomic
+from rlhf_pipeline.atomic import save_torch_atomic
 
 FORMAT_VERSION = 1
 

@@ -1,9 +1,9 @@
 """Learning: sampling padded batches from a run's buffer, the GRPO step, checkpoints, metrics.
 
 Modules: ``learner`` (the recipe: setup -> train -> save_checkpoint -> cleanup),
-``prefetch`` (which rows a step samples; a background thread that prepares batches),
-``microbatch`` (token-budget micro-batches for gradient accumulation), ``checkpoint``
-(``Progress`` + ``CheckpointManager``), ``metrics`` (JSONL + TensorBoard + progress
-display) and ``loss`` (the GRPO loss). Import from the submodules; this package keeps
-its import light.
+``sampling`` (the sampler contract and registry; ``window_sampler`` is the default),
+``prefetch`` (a background thread that prepares batches), ``microbatch`` (token-budget
+micro-batches for gradient accumulation), ``checkpoint`` (``Progress`` +
+``CheckpointManager``), ``metrics`` (JSONL + TensorBoard + progress display) and ``loss``
+(the GRPO loss). Import from the submodules; this package keeps its import light.
 """

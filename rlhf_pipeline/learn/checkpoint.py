@@ -1,18 +1,18 @@
 """Learner checkpoints: a ``Progress`` record plus every state a resumed run needs.
 
 A checkpoint is one file ``checkpoints/step_XXXXXXXX.pt`` holding the progress record, the
-model, optimizer and LR-scheduler states, the RNG states (Python, NumPy, torch CPU and CUDA)
-and the replay buffer's position (the store's ``state_dict``: which rows existed). Sampling
-draws its randomness from ``(seed, draw number)`` (see ``learn/prefetch.py``), so the draw count
-and buffer position in the progress record are the whole sampler state. Files are written to
-``*.partial`` and renamed into place, so a crash mid-write never leaves a checkpoint that looks
+model, optimizer and LR-scheduler states, the RNG states (Python, NumPy, torch CPU and CUDA),
+the replay buffer's position (the store's ``state_dict``: which rows existed) and the
+sampler's state after the last draw a step used (``learn/sampling.py``); with the draw count
+in the progress record, a resumed run redraws exactly the batches an uninterrupted one
+would. Files are written to ``*.partial`` and renamed into place
+(:mod:`rlhf_pipeline.atomic`), so a crash mid-write never leaves a checkpoint that looks
 complete; the manager keeps the last N.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import re
 from dataclasses import dataclass
@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from rlhf_pipeline.atomic import save_torch_atomic
 
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
@@ -37,7 +39,7 @@ class Progress:
     rows_dropped_stale: int = 0  # sampled rows rejected by the staleness bound
     tokens_seen: int = 0  # response tokens that went into a loss
     buffer_next_row: int = 0  # rows published in the buffer at the last draw
-    min_next_row: int = 0  # the next draw waits until the buffer reaches this row
+    min_next_row: int = 0  # legacy: read only from checkpoints made before learner samplers
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -91,16 +93,8 @@ class CheckpointManager:
 
     def save(self, progress: Progress, state: dict[str, Any]) -> Path:
         """Writes ``state`` plus ``progress`` atomically as the checkpoint of ``progress.step``."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"step_{progress.step:08d}.pt"
-        partial = final.with_name(final.name + ".partial")
-        payload = dict(state, progress=progress.to_dict(), format=1)
-        with open(partial, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        partial.replace(final)
-        _fsync_dir(self.directory)
+        save_torch_atomic(dict(state, progress=progress.to_dict(), format=1), final)
         for old in self.paths()[: -self.keep_last]:
             old.unlink(missing_ok=True)
         return final
@@ -116,16 +110,3 @@ class CheckpointManager:
         payload.pop("format", None)
         return progress, payload
 
-
-def _fsync_dir(directory: Path) -> None:
-    # makes the rename itself durable; not supported everywhere, where it is a no-op
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

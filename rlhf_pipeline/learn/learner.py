@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 
+from rlhf_pipeline.ids import collector_index_of
 from rlhf_pipeline.learn.loss import GRPOLossConfig, aggregates_by_token, grpo_step_loss
 from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress, capture_rng_state, restore_rng_state
 from rlhf_pipeline.learn.metrics import (
@@ -43,7 +44,8 @@ from rlhf_pipeline.learn.metrics import (
     truncate_metrics,
 )
 from rlhf_pipeline.learn.microbatch import split_microbatches, take_rows
-from rlhf_pipeline.learn.prefetch import FreshRowSampler, Prefetcher
+from rlhf_pipeline.learn.prefetch import Prefetcher
+from rlhf_pipeline.learn.sampling import SAMPLERS, make_sampler
 from rlhf_pipeline.pipeline import RunPaths
 
 
@@ -53,6 +55,9 @@ class LearnerSettings:
 
     batch_size: int = 64
     """Rows (completions) per optimizer step."""
+    sampler: str = "window"
+    """How each step picks its rows (learn/sampling.py lists them): window = uniformly from the
+    newest sample_window rows, once new_rows_per_step new rows arrived."""
     sample_window: int = 128
     """Each step samples from the newest this-many rows of the buffer (>= batch_size)."""
     micro_batch_tokens: int = 8192
@@ -100,6 +105,8 @@ class LearnerSettings:
 
         if self.batch_size < 1:
             raise bad("batch_size", f"must be >= 1 (got {self.batch_size})")
+        if self.sampler not in SAMPLERS:
+            raise bad("sampler", f"must be one of {sorted(SAMPLERS)} (got {self.sampler!r})")
         if self.sample_window < self.batch_size:
             raise bad("sample_window", f"({self.sample_window}) must be >= batch_size ({self.batch_size})")
         if self.micro_batch_tokens < 1:
@@ -219,12 +226,13 @@ class Learner:
         self._store = open_buffer(str(self.paths.buffer), mode="r")
         if checkpoint is not None:
             self._store.load_state_dict(checkpoint["buffer"])  # the rows it saw must still be there
-        self.sampler = FreshRowSampler(
-            self._store, batch_size=self.settings.batch_size, window=self.settings.sample_window,
-            seed=self.seed, max_staleness=self.settings.max_staleness,
-            new_rows_per_draw=self.settings.new_rows_per_step, min_next_row=self.progress.min_next_row,
-            timeout_s=self.settings.data_timeout_s, stop=self.stop_event,
-        )
+        self.sampler = make_sampler(self.settings, self._store, seed=self.seed, stop=self.stop_event)
+        # the state after the last draw a step used (draws run ahead on the prefetch thread)
+        self._sampler_state = self.sampler.state_dict()
+        if checkpoint is not None:
+            # checkpoints from before learner samplers kept the window sampler's state in Progress
+            self._sampler_state = checkpoint.get("sampler") or {"min_next_row": self.progress.min_next_row}
+            self.sampler.load_state_dict(self._sampler_state)
         self.sampler.current_version = self.progress.policy_version
         collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=self.device.type == "cuda")
 
@@ -253,7 +261,7 @@ class Learner:
             waited += wait
             self.progress.draws += 1
             self.progress.buffer_next_row = sampled.buffer_next_row
-            self.progress.min_next_row = sampled.min_next_row
+            self._sampler_state = sampled.sampler_state
             batch, stale_now = self._drop_stale(batch)
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
@@ -336,9 +344,7 @@ class Learner:
             metrics["charts/advantage_mean"] = float(adv.mean())
             metrics["charts/advantage_std"] = float(adv.std()) if adv.numel() > 1 else 0.0
         # ids carry their collector's index in the high bits: how many collectors fed this batch
-        from rlhf_pipeline.collect.collector import ID_COUNTER_BITS
-
-        metrics["charts/collectors_in_batch"] = float(torch.unique(cpu["group_id"] >> ID_COUNTER_BITS).numel())
+        metrics["charts/collectors_in_batch"] = float(torch.unique(collector_index_of(cpu["group_id"])).numel())
         lengths = cpu["response_lengths"].float()
         metrics.update({
             "charts/response_length_mean": float(lengths.mean()),
@@ -374,6 +380,7 @@ class Learner:
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rng_state(),
             "buffer": self._store.state_dict() if self._store is not None else None,
+            "sampler": self._sampler_state,
         }
         self.checkpoints.save(self.progress, state)
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # backend name -> "module:Class"; tried in this order by open_store
 BACKENDS: dict[str, str] = {
     "memmap": "rlhf_pipeline.storage.memmap:MemmapTrajectoryStore",
-    "zarr": "rlhf_pipeline.storage.zarr_store:ZarrTrajectoryStore",
+    "zarr": "rlhf_pipeline.storage.zarr:ZarrTrajectoryStore",
 }
 
 

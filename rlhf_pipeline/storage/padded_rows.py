@@ -6,7 +6,7 @@ without the intermediate ``TrajectoryBatch``. It runs in two steps:
 
 1. The backend *locates* the sampled rows (``store._locate_rows(global_ids)``): a
    :class:`LocatedRows` names, per row, the unit holding it (a memmap segment in
-   :mod:`.memmap_padded`, a decoded Zarr unit in :mod:`.zarr_padded`; a union of shards
+   :mod:`.memmap.row_index`, a decoded Zarr unit in :mod:`.zarr.padded`; a union of shards
    merges its shards' answers with :meth:`LocatedRows.merge`), the start and length of its
    prompt and response in that unit's flat value arrays, and its row-field values.
 2. :func:`fill_padded` copies each row's slices into the preallocated padded tensors
@@ -33,12 +33,10 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_pipeline.collate import RESPONSE_FLOAT_KEYS, assemble_padded
-from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema
+from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, StoreSchema
 
 ROW_FIELDS = ("reward", "done", "terminated", "truncated", "group_id", "trajectory_id", "step",
               "policy_version", "advantage")
-_NUMPY_DTYPES = {torch.int32: np.dtype("<i4"), torch.int64: np.dtype("<i8"), torch.float32: np.dtype("<f4"),
-                 torch.bool: np.dtype("?"), torch.uint8: np.dtype("u1")}
 _INT32, _FLOAT32 = np.dtype("<i4"), np.dtype("<f4")
 
 # One unit's values, as fill_padded reads them: (prompt tokens, response tokens,
@@ -50,7 +48,7 @@ UnitSource = tuple[memoryview, memoryview, tuple[memoryview, ...]]
 def field_plan(schema: StoreSchema) -> tuple[tuple[str, ...], tuple[tuple[str, np.dtype], ...]]:
     """(response-aligned float fields, (row field, numpy dtype) pairs) that ``schema`` holds."""
     floats = tuple(name for name in RESPONSE_FLOAT_KEYS if name in schema.field_names)
-    rows = tuple((name, _NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype]) for name in ROW_FIELDS
+    rows = tuple((name, NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype]) for name in ROW_FIELDS
                  if name in schema.field_names)
     return floats, rows
 

@@ -13,7 +13,9 @@ from rlhf_pipeline.learn.learner import Learner, LearnerSettings, lr_lambda
 from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_step_loss
 from rlhf_pipeline.learn.metrics import group_reward_stats, read_metrics
 from rlhf_pipeline.learn.microbatch import plan_microbatches, split_microbatches
-from rlhf_pipeline.learn.prefetch import DataTimeoutError, FreshRowSampler, Prefetcher
+from rlhf_pipeline.learn.prefetch import Prefetcher
+from rlhf_pipeline.learn.sampling import DataTimeoutError
+from rlhf_pipeline.learn.window_sampler import FreshRowSampler
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
@@ -114,7 +116,7 @@ def test_sampler_waits_for_new_rows_when_asked(tmp_path):
     reader = open_store(tmp_path / "b", mode="r")
     sampler = FreshRowSampler(reader, batch_size=8, window=32, seed=0, max_staleness=None,
                               new_rows_per_draw=16, timeout_s=0.3, poll_s=0.05)
-    assert sampler.draw(0).min_next_row == 48
+    assert sampler.draw(0).sampler_state == {"min_next_row": 48}
     with pytest.raises(DataTimeoutError, match="waiting for row 48"):
         sampler.draw(1)
     store.append(rows(16, seed=2))

@@ -46,14 +46,14 @@ class ZarrBackend:
     def create(
         self, path, schema: StoreSchema | None = None, *, segment_rows: int = 16, capacity_rows: int | None = None
     ) -> TrajectoryStore:
-        from rlhf_pipeline.storage.zarr_store import ZarrTrajectoryStore
+        from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
 
         return ZarrTrajectoryStore.create(
             path, schema, segment_rows=segment_rows, capacity_rows=capacity_rows, durable=self.durable,
         )
 
     def open(self, path, mode: str = "r") -> TrajectoryStore:
-        from rlhf_pipeline.storage.zarr_store import ZarrTrajectoryStore
+        from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
 
         return ZarrTrajectoryStore.open(path, mode, durable=self.durable)
 

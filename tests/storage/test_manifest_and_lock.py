@@ -12,14 +12,9 @@ import pytest
 
 from rlhf_pipeline.storage.base import NotAStoreError, StoreCorruptedError, StoreLockedError
 from rlhf_pipeline.storage.locking import WriterLock
-from rlhf_pipeline.storage.manifest import (
-    IncompatibleStoreError,
-    ManifestWatcher,
-    StateSlots,
-    check_header,
-    publish_json,
-    read_json,
-)
+from rlhf_pipeline.atomic import publish_json
+from rlhf_pipeline.storage.manifest import IncompatibleStoreError, ManifestWatcher, check_header, read_json
+from rlhf_pipeline.storage.memmap.state_slots import StateSlots
 
 
 def test_publish_json_replaces_atomically_and_leaves_no_partial(tmp_path):

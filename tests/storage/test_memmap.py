@@ -11,9 +11,11 @@ from helpers import assert_same_padded, make_batch
 
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import StoreCorruptedError, StoreLockedError
-from rlhf_pipeline.storage.manifest import IncompatibleStoreError, StateSlots, publish_json, read_json
-from rlhf_pipeline.storage.memmap import MANIFEST_NAME, MemmapTrajectoryStore
-from rlhf_pipeline.storage.memmap_segments import segment_dir_name
+from rlhf_pipeline.atomic import publish_json
+from rlhf_pipeline.storage.manifest import IncompatibleStoreError, read_json
+from rlhf_pipeline.storage.memmap.state_slots import StateSlots
+from rlhf_pipeline.storage.memmap.store import MANIFEST_NAME, MemmapTrajectoryStore
+from rlhf_pipeline.storage.memmap.segments import segment_dir_name
 
 
 class TestMemmapContract(StoreContractTests):
@@ -258,7 +260,7 @@ def test_read_padded_follows_appends_evictions_and_checks_positions(tmp_path):
 
 
 def test_reads_work_where_the_kernel_cannot_prefault(tmp_path, monkeypatch):
-    import rlhf_pipeline.storage.memmap_segments as segments
+    import rlhf_pipeline.storage.memmap.segments as segments
 
     monkeypatch.setattr(segments, "_MADV_POPULATE_READ", 10_000)  # unknown advice: EINVAL, ignored
     batch = make_batch(2, 3, seed=4)
@@ -271,7 +273,7 @@ def test_reads_work_where_the_kernel_cannot_prefault(tmp_path, monkeypatch):
 def test_read_padded_row_index_follows_a_long_run_at_bounded_memory(tmp_path):
     """A reader that keeps sampling while thousands of rows are appended and evicted: its row
     index grows, drops evicted rows and compacts, and every padded read stays exact."""
-    from rlhf_pipeline.storage.memmap_padded import RowIndex
+    from rlhf_pipeline.storage.memmap.row_index import RowIndex
 
     path = tmp_path / "b"
     generator = torch.Generator().manual_seed(3)

@@ -7,7 +7,8 @@ import torch
 
 from helpers import make_batch
 from rlhf_pipeline.collate import PaddedCollator
-from rlhf_pipeline.learn.prefetch import DataTimeoutError, FreshRowSampler
+from rlhf_pipeline.learn.sampling import DataTimeoutError
+from rlhf_pipeline.learn.window_sampler import FreshRowSampler
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage import (
     NotAStoreError,
@@ -171,7 +172,7 @@ def test_torchrl_replay_buffer_and_learner_sampler_see_every_shard(two_shards):
                               new_rows_per_draw=8, timeout_s=0.3, poll_s=0.05)
     drawn = sampler.draw(0)
     assert set((union.read(drawn.positions)["group_id"] >> 40).tolist()) == {0, 1}
-    assert drawn.buffer_next_row == 32 and drawn.min_next_row == 40
+    assert drawn.buffer_next_row == 32 and drawn.sampler_state == {"min_next_row": 40}
     writers[1].append(shard_rows(1, 2, start=5))  # new rows count wherever they land
     assert sampler.draw(1).buffer_next_row == 40
     union.close()

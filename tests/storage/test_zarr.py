@@ -23,7 +23,7 @@ from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage import NotAStoreError, open_store
 from rlhf_pipeline.storage.base import ReadOnlyStoreError, StoreCorruptedError, StoreError
 from rlhf_pipeline.storage.manifest import IncompatibleStoreError
-from rlhf_pipeline.storage.zarr_store import ZarrTrajectoryStore
+from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
 
 
 class TestZarrContract(StoreContractTests):
@@ -342,7 +342,7 @@ def test_inspect_command_reports_the_codec(tmp_path, capsys):
 
 
 def test_writer_seals_a_segment_its_killed_predecessor_left_in_fragments(tmp_path, monkeypatch):
-    from rlhf_pipeline.storage import zarr_writer
+    from rlhf_pipeline.storage.zarr import writer as zarr_writer
 
     path = str(tmp_path / "b")
     batches = [make_batch(1, 4, seed=i, first_group_id=i, first_trajectory_id=4 * i) for i in range(5)]

@@ -7,15 +7,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlhf_pipeline.storage.base import StoreStats
-from rlhf_pipeline.storage.zarr_layout import _NP_DTYPE, UNITS_PREFIX
-from rlhf_pipeline.storage.zarr_location import ROOT_META
+from rlhf_pipeline.storage.zarr.layout import NP_DTYPE_BY_NAME, UNITS_PREFIX
+from rlhf_pipeline.storage.zarr.location import ROOT_META
 
 if TYPE_CHECKING:
-    from rlhf_pipeline.storage.zarr_store import ZarrTrajectoryStore
-
-
-def _np_dtype(dtype: str) -> str:
-    return _NP_DTYPE[dtype]
+    from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
 
 
 def store_stats(store: ZarrTrajectoryStore) -> StoreStats:
@@ -24,7 +20,7 @@ def store_stats(store: ZarrTrajectoryStore) -> StoreStats:
     offsets = [s.name for s in store._arrays if s.length_of == "rows+1"]
     group_ids, rewards, versions = [], [], []
     prompt_tokens = response_tokens = raw = 0
-    itemsize = {s.name: np.dtype(_np_dtype(s.dtype)).itemsize for s in store._arrays}
+    itemsize = {s.name: NP_DTYPE_BY_NAME[s.dtype].itemsize for s in store._arrays}
     for unit in store._units:
         decoded = store._light_unit(unit, row_names + offsets)
         group_ids.append(decoded["group_id"])
@@ -56,6 +52,6 @@ def store_stats(store: ZarrTrajectoryStore) -> StoreStats:
         optional_fields=list(store._schema.optional),
         extra={"codec": store._codec.config, "segment_rows": store._segment_rows,
                "tail_fragments": sum(not u.sealed for u in store._units),
-               "capacity_rows": store._capacity, "zarr_format": 3,
+               "capacity_rows": store._capacity_rows, "zarr_format": 3,
                "cache_bytes": store._cache.capacity_bytes, "cached_bytes": store._cache.nbytes},
     )

@@ -1,6 +1,6 @@
 """Zarr v3 trajectory store: the memmap contract on local directories, zip files and fsspec URLs.
 
-Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr_layout` (and
+Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr.layout` (and
 ``docs/zarr-layout.md``). How it stays consistent without a synchronizer:
 
 * **Write, then publish.** An append writes a new *unit* (new keys only), then
@@ -11,7 +11,7 @@ Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr_layout` (and
 * **Append fragments, compact into segments.** An append cuts its batch at segment
   boundaries: a whole segment is written sealed; any other piece becomes a *packed
   fragment* (all its arrays in one raw chunk: two files, one ``writev``). The append
-  that completes a segment hands it to a background thread (:mod:`.zarr_writer`),
+  that completes a segment hands it to a background thread (:mod:`.writer`),
   which writes the segment, publishes, and only then deletes the fragments; publishes
   are serialized by a lock. A crash in between leaves orphans that the next writer
   deletes when it opens the store, and complete fragments it seals again. ``close``
@@ -23,7 +23,7 @@ Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr_layout` (and
   path or ``file://`` URL. Other URLs cannot be locked: one writer per store is then
   the caller's duty (documented in ``docs/zarr-layout.md``).
 * **Read from decoded units.** One Zarr read costs ~1 ms, so rows are served from
-  whole decoded units held in a byte-bounded LRU (:mod:`.segment_cache`).
+  whole decoded units held in a byte-bounded LRU (:mod:`.unit_cache`).
 """
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ from rlhf_pipeline.storage.base import (
     StoreCorruptedError,
     StoreError,
     StoreStats,
-    TrajectoryStore,
 )
 from rlhf_pipeline.storage.locking import WriterLock
 from rlhf_pipeline.storage.manifest import IncompatibleStoreError, ManifestWatcher
-from rlhf_pipeline.storage.segment_cache import (
+from rlhf_pipeline.storage.zarr.unit_cache import (
     DecodedUnit,
     SegmentCache,
     concat_arrays,
@@ -56,8 +55,8 @@ from rlhf_pipeline.storage.segment_cache import (
     gather_rows,
     slice_arrays,
 )
-from rlhf_pipeline.storage.zarr_layout import (
-    _NP_DTYPE,
+from rlhf_pipeline.storage.zarr.layout import (
+    NP_DTYPE_BY_NAME,
     ATTRS_KEY,
     CHUNK_KEY,
     DEFAULT_CODEC,
@@ -73,7 +72,7 @@ from rlhf_pipeline.storage.zarr_layout import (
     unit_arrays,
     unpack,
 )
-from rlhf_pipeline.storage.zarr_location import (
+from rlhf_pipeline.storage.zarr.location import (
     ROOT_META,
     Location,
     check_writable_dir,
@@ -83,8 +82,14 @@ from rlhf_pipeline.storage.zarr_location import (
     resolve,
 )
 from rlhf_pipeline.storage.padded_rows import LocatedRows
-from rlhf_pipeline.storage.zarr_padded import locate_rows
-from rlhf_pipeline.storage.zarr_writer import Collector, Sealer, UnitRef, complete_segments, plan_pieces
+from rlhf_pipeline.storage.segmented import (
+    SegmentedTrajectoryStore,
+    check_reopened_layout,
+    check_segment_layout,
+    require_new_directory,
+)
+from rlhf_pipeline.storage.zarr.padded import locate_rows
+from rlhf_pipeline.storage.zarr.writer import Collector, Sealer, UnitRef, complete_segments, plan_pieces
 
 DEFAULT_SEGMENT_ROWS = 4096
 DEFAULT_CACHE_BYTES = 512 * 2**20
@@ -95,7 +100,7 @@ class _UnitGone(Exception):
 
 
 # ======================================================================== the store
-class ZarrTrajectoryStore(TrajectoryStore):
+class ZarrTrajectoryStore(SegmentedTrajectoryStore):
     """Ragged trajectory rows in a Zarr v3 hierarchy; see the module docstring for guarantees."""
 
     backend_name = "zarr"
@@ -117,7 +122,7 @@ class ZarrTrajectoryStore(TrajectoryStore):
         self._codec = Codec(record["codec"])
         self._fragment_codec = Codec(record.get("fragment_codec", record["codec"]))
         self._segment_rows = int(record["segment_rows"])
-        self._capacity = None if capacity is None else int(capacity)
+        self._capacity_rows = None if capacity is None else int(capacity)
         self._writable = writable
         self._durable = durable
         self._lock = lock
@@ -148,13 +153,7 @@ class ZarrTrajectoryStore(TrajectoryStore):
         """
         location = str(location)
         schema = schema or StoreSchema()
-        if segment_rows < 1:
-            raise ValueError(f"segment_rows must be >= 1, got {segment_rows}")
-        if capacity_rows is not None and capacity_rows < segment_rows:
-            raise ValueError(
-                f"capacity_rows ({capacity_rows}) must be >= segment_rows ({segment_rows}): eviction "
-                f"drops whole sealed segments; lower segment_rows or raise capacity_rows"
-            )
+        check_segment_layout(segment_rows, capacity_rows)
         codec_config = resolve_codec(codec)
         loc = resolve(location, read_only=False, storage_options=storage_options)
         if loc.local_root is not None:
@@ -167,18 +166,9 @@ class ZarrTrajectoryStore(TrajectoryStore):
                 )
             store = cls.open(location, "a", cache_bytes=cache_bytes, storage_options=storage_options,
                              durable=durable)
-            found = (store.schema, store._segment_rows, store._capacity)
-            if found != (schema, segment_rows, capacity_rows):
-                store.close()
-                raise ValueError(
-                    f"{location} exists with (schema fields, segment_rows, capacity_rows) = "
-                    f"({found[0].field_names}, {found[1]}, {found[2]}), not the requested "
-                    f"({schema.field_names}, {segment_rows}, {capacity_rows})"
-                )
-            return store
-        root = loc.local_root
-        if root is not None and root.exists() and (not root.is_dir() or any(root.iterdir())):
-            raise FileExistsError(f"{location} exists and is not an empty directory; choose a new path")
+            return check_reopened_layout(store, schema, segment_rows, capacity_rows)
+        if loc.local_root is not None:
+            require_new_directory(loc.local_root, location)
         lock = lock_for(loc, location)
         try:
             record = {
@@ -269,36 +259,8 @@ class ZarrTrajectoryStore(TrajectoryStore):
         self._next_row = int(record["next_row"])
 
     @property
-    def schema(self) -> StoreSchema:
-        return self._schema
-
-    @property
-    def location(self) -> str:
-        return self._location
-
-    @property
     def writable(self) -> bool:
         return self._writable
-
-    @property
-    def first_row(self) -> int:
-        return self._first_row
-
-    @property
-    def next_row(self) -> int:
-        return self._next_row
-
-    @property
-    def supports_eviction(self) -> bool:
-        return self._capacity is not None
-
-    @property
-    def segment_rows(self) -> int:
-        return self._segment_rows
-
-    @property
-    def capacity_rows(self) -> int | None:
-        return self._capacity
 
     @property
     def cache(self) -> SegmentCache:
@@ -363,16 +325,16 @@ class ZarrTrajectoryStore(TrajectoryStore):
             self._cache.put(unit.name, DecodedUnit(unit.first_row, unit.rows, part))
         for first_row in complete:
             self._sealer.submit(first_row)
-        if complete and self._capacity is not None:
+        if complete and self._capacity_rows is not None:
             self._sealer.wait()  # eviction drops sealed segments only: keep the bound exact
 
     def _publish(self, units: list[UnitRef], next_row: int, pending) -> None:
         """Publishes ``units`` (caller holds the publish lock), then drops what fell out."""
         names = {u.name for u in units}
         dropped = [u for u in self._units if u.name not in names]
-        if self._capacity is not None:
+        if self._capacity_rows is not None:
             # as memmap: drop the oldest sealed segments while more than capacity rows are held
-            while units[0].sealed and next_row - units[0].first_row > self._capacity:
+            while units[0].sealed and next_row - units[0].first_row > self._capacity_rows:
                 dropped.append(units.pop(0))
         record = dict(self._record, first_row=units[0].first_row, next_row=next_row,
                       units=[[u.first_row, u.rows, u.kind] for u in units])
@@ -510,7 +472,7 @@ class ZarrTrajectoryStore(TrajectoryStore):
             if raw is None:
                 if count:
                     raise _UnitGone(key)  # being deleted after a compaction, or damaged
-                arrays[spec.name] = np.zeros(0, dtype=np.dtype(_np_dtype(spec.dtype)))
+                arrays[spec.name] = np.zeros(0, dtype=NP_DTYPE_BY_NAME[spec.dtype])
                 continue
             values = self._codec_of(unit).decode(raw, spec.dtype, count, key)
             if spec.length_of == "rows+1" and (values[0] != 0 or bool((np.diff(values) < 0).any())):
@@ -520,7 +482,7 @@ class ZarrTrajectoryStore(TrajectoryStore):
 
     # ---------------------------------------------------------------- summary and copies
     def stats(self) -> StoreStats:
-        from rlhf_pipeline.storage.zarr_stats import store_stats
+        from rlhf_pipeline.storage.zarr.stats import store_stats
 
         self.flush()
         self.refresh()
@@ -563,7 +525,7 @@ class ZarrTrajectoryStore(TrajectoryStore):
         self.flush()
         self.refresh()
         record = dict(self._record)
-        target = ZarrTrajectoryStore.create(path, self._schema, capacity_rows=self._capacity,
+        target = ZarrTrajectoryStore.create(path, self._schema, capacity_rows=self._capacity_rows,
                                             segment_rows=self._segment_rows, codec=self._codec.config,
                                             cache_bytes=0, durable=self._durable)
         try:
@@ -578,10 +540,6 @@ class ZarrTrajectoryStore(TrajectoryStore):
 
 
 # ======================================================================== helpers
-def _np_dtype(dtype: str) -> str:
-    return _NP_DTYPE[dtype]
-
-
 def _read_watched(watcher: ManifestWatcher) -> dict | None:
     try:
         return watcher.read()

@@ -12,10 +12,10 @@ On disk::
       seg-00000001/        rows [S, 2S) -- the open tail segment, appended to
 
 Segment ``k`` holds global rows ``[k*S, (k+1)*S)`` (``S = segment_rows``). File
-formats are in :mod:`rlhf_pipeline.storage.memmap_segments`. The published state
+formats are in :mod:`rlhf_pipeline.storage.memmap.segments`. The published state
 records ``first_row``, ``next_row`` and, per held segment, its row count and value
 counts; it is a CRC-checked record in one of two slots
-(:class:`~rlhf_pipeline.storage.manifest.StateSlots`), so publishing needs no rename.
+(:class:`~rlhf_pipeline.storage.memmap.state_slots.StateSlots`), so publishing needs no rename.
 
 An append writes bytes past the published lengths, fsyncs them (``durable=True``),
 then publishes the new state. Readers see only what a publish covers, so they never
@@ -48,25 +48,19 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.ragged import RaggedTensor
-from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch
+from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import (
     UNBOUNDED_ROWS,
     NotAStoreError,
     StoreCorruptedError,
     StoreStats,
-    TrajectoryStore,
 )
 from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
-from rlhf_pipeline.storage.manifest import (
-    StateSlots,
-    check_header,
-    publish_json,
-    read_json,
-    schema_from_manifest,
-)
-from rlhf_pipeline.storage.memmap_segments import (
+from rlhf_pipeline.atomic import publish_json
+from rlhf_pipeline.storage.manifest import check_header, read_json, schema_from_manifest
+from rlhf_pipeline.storage.memmap.state_slots import StateSlots
+from rlhf_pipeline.storage.memmap.segments import (
     ENDS_DTYPE,
-    NUMPY_DTYPES,
     SegmentState,
     SegmentView,
     SegmentWriter,
@@ -74,8 +68,14 @@ from rlhf_pipeline.storage.memmap_segments import (
     segment_dir_name,
     segment_files,
 )
-from rlhf_pipeline.storage.memmap_padded import PaddedReadCache, locate_rows
+from rlhf_pipeline.storage.memmap.row_index import PaddedReadCache, locate_rows
 from rlhf_pipeline.storage.padded_rows import LocatedRows
+from rlhf_pipeline.storage.segmented import (
+    SegmentedTrajectoryStore,
+    check_reopened_layout,
+    check_segment_layout,
+    require_new_directory,
+)
 
 BACKEND = "memmap"
 FORMAT_VERSION = 1
@@ -85,7 +85,7 @@ DEFAULT_SEGMENT_ROWS = 4096
 DEFAULT_EVICT_GRACE_S = 60.0
 
 
-class MemmapTrajectoryStore(TrajectoryStore):
+class MemmapTrajectoryStore(SegmentedTrajectoryStore):
     """A :class:`TrajectoryStore` in a local directory of memory-mapped segment files.
 
     Build with :meth:`create` or :meth:`open`, not the constructor.
@@ -115,32 +115,16 @@ class MemmapTrajectoryStore(TrajectoryStore):
         """
         schema = schema or StoreSchema()
         path = Path(path)
-        if segment_rows < 1:
-            raise ValueError(f"segment_rows must be >= 1, got {segment_rows}")
-        if capacity_rows is not None and capacity_rows < segment_rows:
-            raise ValueError(
-                f"capacity_rows ({capacity_rows}) must be >= segment_rows ({segment_rows}): eviction "
-                f"drops whole sealed segments; lower segment_rows or raise capacity_rows"
-            )
+        check_segment_layout(segment_rows, capacity_rows)
         if (path / MANIFEST_NAME).exists():
             if not exist_ok:
                 raise FileExistsError(
                     f"{path} already holds a store; open it with MemmapTrajectoryStore.open({str(path)!r}, "
                     f"mode='a'), or pass exist_ok=True"
                 )
-            store = cls.open(path, mode="a", durable=durable)
-            wanted = (schema, segment_rows, capacity_rows)
-            found = (store.schema, store._segment_rows, store._capacity_rows)
-            if wanted != found:
-                store.close()
-                raise ValueError(
-                    f"{path} exists with (schema fields, segment_rows, capacity_rows) = "
-                    f"({found[0].field_names}, {found[1]}, {found[2]}), not the requested "
-                    f"({wanted[0].field_names}, {wanted[1]}, {wanted[2]})"
-                )
-            return store
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise FileExistsError(f"{path} exists and is not an empty directory; choose a new path")
+            return check_reopened_layout(cls.open(path, mode="a", durable=durable), schema, segment_rows,
+                                         capacity_rows)
+        require_new_directory(path, str(path))
         path.mkdir(parents=True, exist_ok=True)
         lock = WriterLock(path / LOCK_FILE_NAME).acquire()
         manifest = {
@@ -184,12 +168,13 @@ class MemmapTrajectoryStore(TrajectoryStore):
 
     def __init__(self, path: Path, manifest: dict | None, *, lock: WriterLock | None, durable: bool):
         self._path = path
+        self._location = str(path)
         self._lock = lock
         self._durable = durable
         self._slots = StateSlots(path, stem=STATE_STEM)
         self._seq = 0  # number of the publish this object last saw (0: manifest.json itself)
         self._views: dict[int, SegmentView] = {}
-        self._padded_cache: PaddedReadCache | None = None  # read_padded's row index (memmap_padded)
+        self._padded_cache: PaddedReadCache | None = None  # read_padded's row index (memmap.row_index)
         self._tail_writer: SegmentWriter | None = None
         self._closed = False
         self._owner_pid = os.getpid()
@@ -258,36 +243,8 @@ class MemmapTrajectoryStore(TrajectoryStore):
 
     # ================================================================ contract properties
     @property
-    def schema(self) -> StoreSchema:
-        return self._schema
-
-    @property
-    def location(self) -> str:
-        return str(self._path)
-
-    @property
     def writable(self) -> bool:
         return self._lock is not None and not self._closed
-
-    @property
-    def first_row(self) -> int:
-        return self._first_row
-
-    @property
-    def next_row(self) -> int:
-        return self._next_row
-
-    @property
-    def supports_eviction(self) -> bool:
-        return self._capacity_rows is not None
-
-    @property
-    def segment_rows(self) -> int:
-        return self._segment_rows
-
-    @property
-    def capacity_rows(self) -> int | None:
-        return self._capacity_rows
 
     def _segment_dir(self, seg_id: int) -> Path:
         return self._path / segment_dir_name(seg_id)

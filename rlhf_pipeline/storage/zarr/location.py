@@ -18,8 +18,9 @@ from typing import Any
 
 from rlhf_pipeline.storage.base import NotAStoreError, ReadOnlyStoreError, StoreCorruptedError
 from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
-from rlhf_pipeline.storage.manifest import IncompatibleStoreError, publish_json
-from rlhf_pipeline.storage.zarr_layout import ATTRS_KEY, FORMAT_VERSION
+from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json
+from rlhf_pipeline.storage.manifest import IncompatibleStoreError
+from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, FORMAT_VERSION
 
 ROOT_META = "zarr.json"
 
@@ -154,7 +155,6 @@ def _syncfs_root(root: Path) -> bool:
 
 
 def _sync_paths(root: Path, pending: Iterable[Pending]) -> None:
-    from rlhf_pipeline.storage.manifest import fsync_dir
 
     pending = list(pending)
     if not pending or _syncfs_root(root):
@@ -325,7 +325,6 @@ def publish(loc: Location, record: dict[str, Any], *, durable: bool, pending: It
         _publish_targeted(loc.local_root, document, pending)
         return
     if durable and _SYNCFS is not None:
-        from rlhf_pipeline.storage.manifest import PARTIAL_SUFFIX, fsync_dir
 
         path = loc.local_root / ROOT_META
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
@@ -373,7 +372,6 @@ def _fsync_path(path: Path) -> None:
 def _publish_targeted(root: Path, document: dict[str, Any], pending: list[Pending]) -> None:
     """Durable publish of a few new files: their fsyncs (files, new directories and their parents,
     ``zarr.json.partial``) issued together, then the rename and an fsync of the root directory."""
-    from rlhf_pipeline.storage.manifest import PARTIAL_SUFFIX
 
     path = root / ROOT_META
     partial = path.with_name(path.name + PARTIAL_SUFFIX)

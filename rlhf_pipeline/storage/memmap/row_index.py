@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema
-from rlhf_pipeline.storage.memmap_segments import ENDS_DTYPE, NUMPY_DTYPES, SegmentState
+from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, StoreSchema
+from rlhf_pipeline.storage.memmap.segments import ENDS_DTYPE, SegmentState
 from rlhf_pipeline.storage.padded_rows import LocatedRows, UnitSource, field_plan, unit_source
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ class DecodedUnit:
     first_row: int
     rows: int
     arrays: dict[str, np.ndarray]
-    # what the fused padded read copies from, made on its first use (zarr_padded._cached_source)
+    # what the fused padded read copies from, made on its first use (zarr.padded._cached_source)
     padded_source: Any = field(default=None, repr=False, compare=False)
 
     @property

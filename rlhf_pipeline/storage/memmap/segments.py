@@ -26,18 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from rlhf_pipeline.schema import FieldSpec, StoreSchema, TrajectoryBatch
+from rlhf_pipeline.schema import NUMPY_DTYPES, FieldSpec, StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import StoreCorruptedError
 
-NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.int32: np.dtype("<i4"),
-    torch.int64: np.dtype("<i8"),
-    torch.float32: np.dtype("<f4"),
-    torch.bool: np.dtype("?"),
-    torch.uint8: np.dtype("u1"),
-}
 ENDS_DTYPE = np.dtype("<i8")
 _GROW_MIN = 64 * 1024
 _GROW_MAX_STEP = 256 * 1024 * 1024
@@ -132,7 +124,7 @@ class SegmentWriter:
             self.close()
             raise
         if created and durable:
-            from rlhf_pipeline.storage.manifest import fsync_dir
+            from rlhf_pipeline.atomic import fsync_dir
 
             fsync_dir(directory)
             fsync_dir(directory.parent)

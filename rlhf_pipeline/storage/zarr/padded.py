@@ -1,7 +1,7 @@
 """Locating sampled rows of a Zarr store for the fused padded read (``store.read_padded``).
 
 Each unit (sealed segment or fragment) the batch touches is taken from the store's
-decoded-unit cache (:mod:`.segment_cache`; decoded on a miss), its rows' spans and
+decoded-unit cache (:mod:`.unit_cache`; decoded on a miss), its rows' spans and
 row fields are looked up vectorized in its arrays, and the unit's value arrays become
 one source of the :class:`~.padded_rows.LocatedRows` that
 :func:`~.padded_rows.fill_padded` (shared with the memmap store) copies from.
@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlhf_pipeline.storage.padded_rows import LocatedRows, UnitSource, unit_source
-from rlhf_pipeline.storage.segment_cache import DecodedUnit
+from rlhf_pipeline.storage.zarr.unit_cache import DecodedUnit
 
 if TYPE_CHECKING:
-    from rlhf_pipeline.storage.zarr_store import ZarrTrajectoryStore
+    from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
 
 
 def locate_rows(store: ZarrTrajectoryStore, ids: np.ndarray, view) -> LocatedRows:

@@ -38,7 +38,7 @@ from typing import Any
 import numcodecs
 import numpy as np
 
-from rlhf_pipeline.schema import FieldSpec, StoreSchema
+from rlhf_pipeline.schema import NUMPY_DTYPES, FieldSpec, StoreSchema
 from rlhf_pipeline.storage.base import StoreCorruptedError
 
 FORMAT_VERSION = 1
@@ -46,11 +46,14 @@ ATTRS_KEY = "rlhf_pipeline"
 UNITS_PREFIX = "units"
 CHUNK_KEY = "c.0"  # default chunk key encoding with "." separator: no c/ directory
 
-_NP_DTYPE = {"int32": "<i4", "int64": "<i8", "float32": "<f4", "bool": "|b1", "uint8": "|u1"}
 
 
 def zarr_dtype(spec_dtype) -> str:
     return str(spec_dtype).removeprefix("torch.")
+
+
+# Zarr data type name ("int32", "bool", ...) -> numpy dtype, from the schema's one table
+NP_DTYPE_BY_NAME: dict[str, np.dtype] = {zarr_dtype(t): d for t, d in NUMPY_DTYPES.items()}
 
 
 def unit_name(first_row: int) -> str:
@@ -149,7 +152,7 @@ class Codec:
 
     def decode(self, data: bytes, dtype: str, count: int, key: str) -> np.ndarray:
         """Decodes a chunk into a new writable array; a size mismatch or decoder error means damage."""
-        np_dtype = np.dtype(_NP_DTYPE[dtype])
+        np_dtype = np.dtype(NP_DTYPE_BY_NAME[dtype])
         codec = self._numcodec(np_dtype.itemsize)
         try:
             if codec is None:
@@ -179,7 +182,7 @@ class Codec:
 
 def array_metadata(dtype: str, length: int, codec: Codec) -> bytes:
     """zarr.json of a 1-D single-chunk array (chunk shape >= 1, as Zarr requires)."""
-    typesize = np.dtype(_NP_DTYPE[dtype]).itemsize
+    typesize = np.dtype(NP_DTYPE_BY_NAME[dtype]).itemsize
     fill: Any = False if dtype == "bool" else (0.0 if dtype.startswith("float") else 0)
     meta = {
         "zarr_format": 3, "node_type": "array", "shape": [length], "data_type": dtype,
@@ -250,7 +253,7 @@ def packed_ranges(layout, arrays_or_counts) -> dict[str, tuple[str, int, int]]:
     for spec in layout:
         item = arrays_or_counts[spec.name]
         count = item if isinstance(item, int) else int(item.size)
-        stop = pos + count * np.dtype(_NP_DTYPE[spec.dtype]).itemsize
+        stop = pos + count * np.dtype(NP_DTYPE_BY_NAME[spec.dtype]).itemsize
         out[spec.name] = (spec.dtype, pos, stop)
         pos = -(-stop // _ALIGN) * _ALIGN
     return out
@@ -298,7 +301,7 @@ def unpack(layout, raw: bytes, rows: int, key: str) -> dict[str, np.ndarray]:
         else:
             count = int(arrays[spec.length_of][-1])
         counts[spec.name] = count
-        dtype = np.dtype(_NP_DTYPE[spec.dtype])
+        dtype = np.dtype(NP_DTYPE_BY_NAME[spec.dtype])
         stop = pos + count * dtype.itemsize
         if stop > buf.size or count < 0:
             raise StoreCorruptedError(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rlhf_pipeline.storage.base import StoreError
-from rlhf_pipeline.storage.zarr_layout import UNITS_PREFIX
+from rlhf_pipeline.storage.zarr.layout import UNITS_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,73 @@
+"""Atomic file writes: a file is replaced whole or not at all, whatever the layer writing it.
+
+Every small state file of a run (a store's manifest, pending groups, a collector's position,
+learner checkpoints, published weights, ``settings.json``) is written the same way: the new
+content goes to ``<name>.partial``, is flushed, and ``os.replace``-d over the old file, so a
+reader, or a process restarting after ``kill -9``, sees either the old or the new file,
+never a torn one. ``durable=True`` also fsyncs the file before the rename and its directory
+after it, so the new content survives a power loss once the call returns; ``durable=False``
+keeps the atomicity (a process crash never exposes a partial file), but a machine crash may
+roll back to the old content.
+
+API: :func:`write_atomic` (the core: a callback writes into an open file),
+:func:`publish_json`, :func:`save_torch_atomic`, :func:`fsync_dir`, :data:`PARTIAL_SUFFIX`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Makes renames and file creations inside ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, durable: bool = True,
+                 partial_name: str | None = None) -> Path:
+    """Replaces ``path`` with what ``write(file)`` writes, atomically (see the module docstring).
+
+    ``partial_name`` names the temporary file (default ``<name>.partial``); writers that may
+    race each other for the same final name give each process its own. The parent directory
+    is created when missing.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(partial_name or path.name + PARTIAL_SUFFIX)
+    try:
+        with open(partial, "wb") as f:
+            write(f)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+    return path
+
+
+def publish_json(path: str | os.PathLike, data: dict[str, Any], *, durable: bool = True) -> None:
+    """Atomically replaces ``path`` with ``data`` as compact, key-sorted JSON."""
+    payload = json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+    write_atomic(path, lambda f: f.write(payload), durable=durable)
+
+
+def save_torch_atomic(obj: Any, path: str | os.PathLike, *, durable: bool = True,
+                      partial_name: str | None = None) -> Path:
+    """Atomically replaces ``path`` with ``torch.save(obj)``."""
+    import torch
+
+    return write_atomic(path, lambda f: torch.save(obj, f), durable=durable, partial_name=partial_name)

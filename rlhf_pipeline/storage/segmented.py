@@ -1,0 +1,89 @@
+"""What the segment-based backends (memmap, Zarr) share: rows in fixed-size segments, an
+optional row capacity that evicts the oldest sealed segments, and the same create checks.
+
+:class:`SegmentedTrajectoryStore` implements the contract's read-only properties from a
+few attributes its subclasses set (``_schema``, ``_location``, ``_first_row``, ``_next_row``,
+``_segment_rows``, ``_capacity_rows``); :func:`check_segment_layout` and
+:func:`check_reopened_layout` are the checks both ``create`` methods make.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage.base import TrajectoryStore
+
+
+class SegmentedTrajectoryStore(TrajectoryStore):
+    """A store of segments of ``segment_rows`` rows, holding at most ``capacity_rows`` rows."""
+
+    _schema: StoreSchema
+    _location: str
+    _first_row: int
+    _next_row: int
+    _segment_rows: int
+    _capacity_rows: int | None
+
+    @property
+    def schema(self) -> StoreSchema:
+        return self._schema
+
+    @property
+    def location(self) -> str:
+        return self._location
+
+    @property
+    def first_row(self) -> int:
+        return self._first_row
+
+    @property
+    def next_row(self) -> int:
+        return self._next_row
+
+    @property
+    def supports_eviction(self) -> bool:
+        return self._capacity_rows is not None
+
+    @property
+    def segment_rows(self) -> int:
+        """Rows per sealed segment: the unit of sealing, caching and eviction."""
+        return self._segment_rows
+
+    @property
+    def capacity_rows(self) -> int | None:
+        """The most rows held (oldest sealed segments are evicted beyond it); None: unbounded."""
+        return self._capacity_rows
+
+
+def check_segment_layout(segment_rows: int, capacity_rows: int | None) -> None:
+    """The options every segmented store's ``create`` takes, checked the same way."""
+    if segment_rows < 1:
+        raise ValueError(f"segment_rows must be >= 1, got {segment_rows}")
+    if capacity_rows is not None and capacity_rows < segment_rows:
+        raise ValueError(
+            f"capacity_rows ({capacity_rows}) must be >= segment_rows ({segment_rows}): eviction "
+            f"drops whole sealed segments; lower segment_rows or raise capacity_rows"
+        )
+
+
+def check_reopened_layout(store: SegmentedTrajectoryStore, schema: StoreSchema, segment_rows: int,
+                          capacity_rows: int | None) -> SegmentedTrajectoryStore:
+    """``create(..., exist_ok=True)`` on an existing store: returns it when it was created with
+    the same schema, segment size and capacity; otherwise closes it and raises ValueError."""
+    wanted = (schema, segment_rows, capacity_rows)
+    found = (store.schema, store.segment_rows, store.capacity_rows)
+    if wanted != found:
+        store.close()
+        raise ValueError(
+            f"{store.location} exists with (schema fields, segment_rows, capacity_rows) = "
+            f"({found[0].field_names}, {found[1]}, {found[2]}), not the requested "
+            f"({wanted[0].field_names}, {wanted[1]}, {wanted[2]})"
+        )
+    return store
+
+
+def require_new_directory(path: Path, location: str) -> None:
+    """A new store goes into a missing or empty directory, never over other files."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{location} exists and is not an empty directory; choose a new path")
