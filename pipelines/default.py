@@ -152,6 +152,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         create_buffer=create_buffer,
         make_collector=make_collector,
         pad_token_id=tokenizer.pad_token_id,
+        tokenizer=tokenizer,
         preflight=lambda: preflight_rewards(rewards, prompts[:1], settings.group_size),
         collect_rounds_per_version=settings.rounds_per_version,
     )

@@ -135,6 +135,10 @@ class Pipeline:
     must pass on (``CollectorConfig(collector_index=...)``) so ids stay unique across shards; a
     ``make_collector(model, store)`` without the parameter runs as collector 0 only."""
     pad_token_id: int
+    tokenizer: Any = None
+    """The policy's tokenizer (a ``transformers`` tokenizer, with its chat template): what
+    ``import`` tokenizes text with and ``export-model`` saves beside the weights. Without it
+    those commands stop with an error saying so."""
     preflight: Callable[[], None] = lambda: None
     """Cheap checks that need code to run (the reward on one sample); called before any work."""
     collect_rounds_per_version: int | None = 2
