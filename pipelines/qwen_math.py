@@ -30,8 +30,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_pipeline.learn.learner import LearnerSettings
-from rlhf_pipeline.learn.loss import GRPOLossConfig
+from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.learn.settings import GRPOLossConfig
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
 
 

@@ -121,7 +121,7 @@ class Pipeline:
     """
 
     settings: Any
-    learner: Any  # rlhf_pipeline.learn.learner.LearnerSettings
+    learner: Any  # rlhf_pipeline.learn.settings.LearnerSettings
     make_policy: Callable[[], Any]
     """Builds the initial policy (warm start included); run once per run, published as v0."""
     make_model: Callable[[], Any]

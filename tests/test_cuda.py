@@ -8,7 +8,8 @@ import torch
 
 from rlhf_pipeline.collate import PaddedCollator, pad_batch, padded_fields
 from rlhf_pipeline.collect.generate import SamplingConfig, generate
-from rlhf_pipeline.learn.learner import Learner, LearnerSettings
+from rlhf_pipeline.learn.learner import Learner
+from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths

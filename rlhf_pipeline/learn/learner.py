@@ -29,14 +29,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from rlhf_pipeline.ids import collector_index_of
-from rlhf_pipeline.learn.loss import GRPOLossConfig, aggregates_by_token, grpo_step_loss
-from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress, capture_rng_state, restore_rng_state
+from rlhf_pipeline.learn.checkpoint import (
+    CheckpointManager,
+    Progress,
+    capture_rng_state,
+    restore_rng_state,
+)
+from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss
 from rlhf_pipeline.learn.metrics import (
     MetricsWriter,
     ProgressDisplay,
@@ -45,83 +49,9 @@ from rlhf_pipeline.learn.metrics import (
 )
 from rlhf_pipeline.learn.microbatch import split_microbatches, take_rows
 from rlhf_pipeline.learn.prefetch import Prefetcher
-from rlhf_pipeline.learn.sampling import SAMPLERS, make_sampler
+from rlhf_pipeline.learn.sampling import make_sampler
+from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import RunPaths
-
-
-@dataclass
-class LearnerSettings:
-    """How the learner samples, optimizes, publishes and checkpoints."""
-
-    batch_size: int = 64
-    """Rows (completions) per optimizer step."""
-    sampler: str = "window"
-    """How each step picks its rows (learn/sampling.py lists them): window = uniformly from the
-    newest sample_window rows, once new_rows_per_step new rows arrived."""
-    sample_window: int = 128
-    """Each step samples from the newest this-many rows of the buffer (>= batch_size)."""
-    micro_batch_tokens: int = 8192
-    """Padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate."""
-    lr: float = 1e-4
-    """Peak AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas."""
-    warmup_steps: int = 0
-    """Linear LR warm-up from 0 over this many steps."""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """After warm-up: keep the peak LR, or decay it with a cosine to min_lr_ratio * lr at the last step."""
-    min_lr_ratio: float = 0.1
-    """Final LR of the cosine schedule as a fraction of lr."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clip (0 disables clipping; the norm is still reported)."""
-    new_rows_per_step: int = 0
-    """Each step waits until the collector has written this many new rows since the previous
-    step (an update-to-data ratio: rows are reused ~batch_size / this times). 0 never waits."""
-    max_staleness: int | None = 2
-    """Rows sampled by a policy more than this many versions older than the learner's are not
-    used. None disables the bound (offline replay of a recorded buffer)."""
-    publish_every: int = 1
-    """Publish the weights as a new version every this many steps."""
-    checkpoint_every: int = 50
-    """Save a checkpoint every this many steps (and always at the end or on stop)."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept on disk (newest first)."""
-    prefetch_depth: int = 2
-    """Batches prepared ahead by the background thread."""
-    data_timeout_s: float = 600.0
-    """Give up when no usable batch could be sampled for this long (no collector running?)."""
-    log_every: int = 10
-    """Print a progress line every this many steps when stderr is not a terminal."""
-    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    """GRPO loss options: clip range, aggregation, KL/entropy coefficients, TIS (learn/loss.py)."""
-    temperature: float = 1.0
-    """Sampling temperature of the collector: log-probs are recomputed at the same temperature."""
-
-    def check(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"learner setting {name!r} {why}")
-
-        if self.batch_size < 1:
-            raise bad("batch_size", f"must be >= 1 (got {self.batch_size})")
-        if self.sampler not in SAMPLERS:
-            raise bad("sampler", f"must be one of {sorted(SAMPLERS)} (got {self.sampler!r})")
-        if self.sample_window < self.batch_size:
-            raise bad("sample_window", f"({self.sample_window}) must be >= batch_size ({self.batch_size})")
-        if self.micro_batch_tokens < 1:
-            raise bad("micro_batch_tokens", f"must be >= 1 (got {self.micro_batch_tokens})")
-        if not self.lr > 0:
-            raise bad("lr", f"must be > 0 (got {self.lr})")
-        if self.new_rows_per_step < 0:
-            raise bad("new_rows_per_step", f"must be >= 0 (got {self.new_rows_per_step})")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise bad("max_staleness", f"must be >= 0 or None (got {self.max_staleness})")
-        for name in ("publish_every", "checkpoint_every", "keep_checkpoints", "prefetch_depth", "log_every"):
-            if getattr(self, name) < 1:
-                raise bad(name, f"must be >= 1 (got {getattr(self, name)})")
-        if self.temperature <= 0:
-            raise bad("temperature", f"must be > 0 (got {self.temperature})")
 
 
 def lr_lambda(settings: LearnerSettings, total_steps: int) -> Callable[[int], float]:

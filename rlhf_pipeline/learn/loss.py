@@ -57,62 +57,11 @@ aggregation like the policy term.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-Aggregation = Literal["token_mean", "sequence_mean", "constant"]
-
-
-@dataclass(frozen=True)
-class GRPOLossConfig:
-    """The loss menu; every option is an explicit field (see the module docstring)."""
-
-    clip_eps_low: float = 0.2
-    """Lower clip: the ratio is clipped at ``1 - clip_eps_low``."""
-    clip_eps_high: float = 0.2
-    """Upper clip: ``1 + clip_eps_high``; 0.28 with 0.2 low is DAPO's clip-higher."""
-    aggregation: Aggregation = "token_mean"
-    """``token_mean`` | ``sequence_mean`` | ``constant`` (Dr. GRPO, needs ``max_tokens``)."""
-    max_tokens: int | None = None
-    """The constant of ``aggregation="constant"``: usually the sampler's max_new_tokens."""
-    ratio_level: Literal["token", "sequence"] = "token"
-    """``token`` (GRPO) or ``sequence`` (GSPO's length-normalised sequence ratio)."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL-to-reference term in the loss (needs reference log-probs)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (subtracted from the loss)."""
-    tis_cap: float | None = None
-    """Truncated importance sampling cap C in ``min(exp(old - sampler), C)``; None disables."""
-    old_policy: Literal["sampler", "current"] = "sampler"
-    """:func:`grpo_step_loss` only: the old log-probs are the sampler's or the learner's (detached)."""
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.clip_eps_low < 1) or self.clip_eps_high < 0:
-            raise ValueError(
-                f"clip_eps_low must be in [0, 1) and clip_eps_high >= 0, got ({self.clip_eps_low}, {self.clip_eps_high})"
-            )
-        if self.aggregation not in ("token_mean", "sequence_mean", "constant"):
-            raise ValueError(f"aggregation must be token_mean, sequence_mean or constant, got {self.aggregation!r}")
-        if self.aggregation == "constant" and not (self.max_tokens and self.max_tokens > 0):
-            raise ValueError("aggregation='constant' (Dr. GRPO) needs max_tokens > 0, e.g. the sampler's max_new_tokens")
-        if self.ratio_level not in ("token", "sequence"):
-            raise ValueError(f"ratio_level must be 'token' or 'sequence' (GSPO), got {self.ratio_level!r}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap must be > 0 (or None to disable), got {self.tis_cap}")
-        if self.old_policy not in ("sampler", "current"):
-            raise ValueError(f"old_policy must be 'sampler' or 'current', got {self.old_policy!r}")
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> GRPOLossConfig:
-        """From a dict of keyword options; unknown names raise with the list of valid ones."""
-        options = dict(options or {})
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - valid)
-        if unknown:
-            raise ValueError(f"unknown GRPO loss option(s) {unknown}; valid options are {sorted(valid)}")
-        return cls(**options)
+from rlhf_pipeline.learn.settings import Aggregation, GRPOLossConfig  # noqa: F401 (re-exported)
 
 
 def aggregates_by_token(options: Mapping[str, Any] | GRPOLossConfig | None) -> bool:

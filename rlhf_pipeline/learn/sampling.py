@@ -25,10 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
 if TYPE_CHECKING:
-    from rlhf_pipeline.learn.learner import LearnerSettings
+    import torch
+
+    from rlhf_pipeline.learn.settings import LearnerSettings
 
 
 class DataTimeoutError(RuntimeError):

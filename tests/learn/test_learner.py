@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rlhf_pipeline.collate import pad_batch
-from rlhf_pipeline.learn.learner import Learner, LearnerSettings, lr_lambda
+from rlhf_pipeline.learn.learner import Learner, lr_lambda
+from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_step_loss
 from rlhf_pipeline.learn.metrics import group_reward_stats, read_metrics
 from rlhf_pipeline.learn.microbatch import plan_microbatches, split_microbatches

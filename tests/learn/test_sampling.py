@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from rlhf_pipeline.learn.learner import LearnerSettings
+from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.sampling import SAMPLERS, make_sampler
 from rlhf_pipeline.learn.window_sampler import FreshRowSampler
 from rlhf_pipeline.storage import create_store, open_store

@@ -1,0 +1,142 @@
+"""The learner's and the loss's settings: plain dataclasses, importable without torch.
+
+Pipelines nest :class:`LearnerSettings` in their ``Settings`` (``--set learner.lr=1e-4``,
+``--set learner.loss.clip_eps_high=0.28``), so loading a pipeline file for
+``--list-settings`` or a bad ``--set`` must not pay for importing torch. The code that uses
+them lives in ``learn/learner.py`` and ``learn/loss.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+Aggregation = Literal["token_mean", "sequence_mean", "constant"]
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """The loss menu; every option is an explicit field (see the module docstring)."""
+
+    clip_eps_low: float = 0.2
+    """Lower clip: the ratio is clipped at ``1 - clip_eps_low``."""
+    clip_eps_high: float = 0.2
+    """Upper clip: ``1 + clip_eps_high``; 0.28 with 0.2 low is DAPO's clip-higher."""
+    aggregation: Aggregation = "token_mean"
+    """``token_mean`` | ``sequence_mean`` | ``constant`` (Dr. GRPO, needs ``max_tokens``)."""
+    max_tokens: int | None = None
+    """The constant of ``aggregation="constant"``: usually the sampler's max_new_tokens."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """``token`` (GRPO) or ``sequence`` (GSPO's length-normalised sequence ratio)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL-to-reference term in the loss (needs reference log-probs)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap C in ``min(exp(old - sampler), C)``; None disables."""
+    old_policy: Literal["sampler", "current"] = "sampler"
+    """:func:`grpo_step_loss` only: the old log-probs are the sampler's or the learner's (detached)."""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.clip_eps_low < 1) or self.clip_eps_high < 0:
+            raise ValueError(
+                f"clip_eps_low must be in [0, 1) and clip_eps_high >= 0, got ({self.clip_eps_low}, {self.clip_eps_high})"
+            )
+        if self.aggregation not in ("token_mean", "sequence_mean", "constant"):
+            raise ValueError(f"aggregation must be token_mean, sequence_mean or constant, got {self.aggregation!r}")
+        if self.aggregation == "constant" and not (self.max_tokens and self.max_tokens > 0):
+            raise ValueError("aggregation='constant' (Dr. GRPO) needs max_tokens > 0, e.g. the sampler's max_new_tokens")
+        if self.ratio_level not in ("token", "sequence"):
+            raise ValueError(f"ratio_level must be 'token' or 'sequence' (GSPO), got {self.ratio_level!r}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 (or None to disable), got {self.tis_cap}")
+        if self.old_policy not in ("sampler", "current"):
+            raise ValueError(f"old_policy must be 'sampler' or 'current', got {self.old_policy!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> GRPOLossConfig:
+        """From a dict of keyword options; unknown names raise with the list of valid ones."""
+        options = dict(options or {})
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - valid)
+        if unknown:
+            raise ValueError(f"unknown GRPO loss option(s) {unknown}; valid options are {sorted(valid)}")
+        return cls(**options)
+
+
+@dataclass
+class LearnerSettings:
+    """How the learner samples, optimizes, publishes and checkpoints."""
+
+    batch_size: int = 64
+    """Rows (completions) per optimizer step."""
+    sampler: str = "window"
+    """How each step picks its rows (learn/sampling.py lists them): window = uniformly from the
+    newest sample_window rows, once new_rows_per_step new rows arrived."""
+    sample_window: int = 128
+    """Each step samples from the newest this-many rows of the buffer (>= batch_size)."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate."""
+    lr: float = 1e-4
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear LR warm-up from 0 over this many steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: keep the peak LR, or decay it with a cosine to min_lr_ratio * lr at the last step."""
+    min_lr_ratio: float = 0.1
+    """Final LR of the cosine schedule as a fraction of lr."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip (0 disables clipping; the norm is still reported)."""
+    new_rows_per_step: int = 0
+    """Each step waits until the collector has written this many new rows since the previous
+    step (an update-to-data ratio: rows are reused ~batch_size / this times). 0 never waits."""
+    max_staleness: int | None = 2
+    """Rows sampled by a policy more than this many versions older than the learner's are not
+    used. None disables the bound (offline replay of a recorded buffer)."""
+    publish_every: int = 1
+    """Publish the weights as a new version every this many steps."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many steps (and always at the end or on stop)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (newest first)."""
+    prefetch_depth: int = 2
+    """Batches prepared ahead by the background thread."""
+    data_timeout_s: float = 600.0
+    """Give up when no usable batch could be sampled for this long (no collector running?)."""
+    log_every: int = 10
+    """Print a progress line every this many steps when stderr is not a terminal."""
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    """GRPO loss options: clip range, aggregation, KL/entropy coefficients, TIS (learn/loss.py)."""
+    temperature: float = 1.0
+    """Sampling temperature of the collector: log-probs are recomputed at the same temperature."""
+
+    def check(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"learner setting {name!r} {why}")
+
+        if self.batch_size < 1:
+            raise bad("batch_size", f"must be >= 1 (got {self.batch_size})")
+        from rlhf_pipeline.learn.sampling import SAMPLERS
+
+        if self.sampler not in SAMPLERS:
+            raise bad("sampler", f"must be one of {sorted(SAMPLERS)} (got {self.sampler!r})")
+        if self.sample_window < self.batch_size:
+            raise bad("sample_window", f"({self.sample_window}) must be >= batch_size ({self.batch_size})")
+        if self.micro_batch_tokens < 1:
+            raise bad("micro_batch_tokens", f"must be >= 1 (got {self.micro_batch_tokens})")
+        if not self.lr > 0:
+            raise bad("lr", f"must be > 0 (got {self.lr})")
+        if self.new_rows_per_step < 0:
+            raise bad("new_rows_per_step", f"must be >= 0 (got {self.new_rows_per_step})")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise bad("max_staleness", f"must be >= 0 or None (got {self.max_staleness})")
+        for name in ("publish_every", "checkpoint_every", "keep_checkpoints", "prefetch_depth", "log_every"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be >= 1 (got {getattr(self, name)})")
+        if self.temperature <= 0:
+            raise bad("temperature", f"must be > 0 (got {self.temperature})")
