@@ -108,29 +108,44 @@ def make_priority(priority: str | RowPriority | None) -> RowPriority | None:
 
 # ====================================================================== per-part state
 class _PartPriorities:
-    """Priorities of one part's rows, leaf ``k`` = global row ``base + k``."""
+    """Priorities of one part's rows, leaf ``k`` = global row ``base + k`` (NumPy: small-array
+    operations cost less than torch's, and a step is made of small operations)."""
 
     def __init__(self, base: int) -> None:
         self.base = base
         self.known = 0
-        self.raw = torch.zeros(0, dtype=torch.float64)  # (known,) priorities as set (or log2 of them)
-        self.versions = torch.zeros(0, dtype=torch.int64)  # (known,) policy_version, for min_version
+        self._raw = np.zeros(1024)  # priorities as set (or log2 of them); grows by doubling
+        self._versions = np.zeros(1024, dtype=np.int64)  # policy_version, for min_version
         self.tree = SumMinTree()
+
+    @property
+    def raw(self) -> np.ndarray:
+        return self._raw[: self.known]
+
+    @property
+    def versions(self) -> np.ndarray:
+        return self._versions[: self.known]
 
     def drop_before(self, first_row: int) -> bool:
         """Forgets rows evicted from the part; True when anything was dropped."""
-        drop = min(max(first_row - self.base, 0), self.known)
         if first_row <= self.base:
             return False
-        self.raw, self.versions = self.raw[drop:], self.versions[drop:]
+        drop = min(first_row - self.base, self.known)
+        self._raw = self._raw[drop:].copy()
+        self._versions = self._versions[drop:].copy()
         self.known -= drop
         self.base = first_row
         return True
 
-    def append(self, raw: torch.Tensor, versions: torch.Tensor) -> None:
-        self.raw = torch.cat([self.raw, raw])
-        self.versions = torch.cat([self.versions, versions])
-        self.known = self.raw.numel()
+    def append(self, raw: np.ndarray, versions: np.ndarray) -> None:
+        need = self.known + raw.size
+        if need > self._raw.size:
+            size = max(need, 2 * self._raw.size)
+            self._raw = np.concatenate([self._raw[: self.known], np.zeros(size - self.known)])
+            self._versions = np.concatenate([self._versions[: self.known], np.zeros(size - self.known, dtype=np.int64)])
+        self._raw[self.known: need] = raw
+        self._versions[self.known: need] = versions
+        self.known = need
 
 
 # ====================================================================== the sampler
@@ -149,8 +164,8 @@ class PrioritizedSampler(Sampler):
     def _empty(self) -> None:
         self._parts: dict[int, _PartPriorities] = {}
         self._max_priority = 1.0
-        self._log2_offset = 0.0  # log2_scale priorities are stored minus this offset
-        self._written: list[torch.Tensor] = []  # positions extend()/add() marked (torchrl's own storages)
+        self._log2_offset = 0.0  # log2_scale priorities are used as 2^(stored - offset)
+        self._written: list[np.ndarray] = []  # positions extend()/add() marked (torchrl's own storages)
         self._last_layout: list[Part] | None = None
 
     def __repr__(self) -> str:
@@ -167,13 +182,14 @@ class PrioritizedSampler(Sampler):
             return parts_of(storage)
         return [Part(0, storage, 0, len(storage), 0)]
 
-    def _leaf_values(self, part: _PartPriorities, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        raw = part.raw[start:stop]
+    def _leaf_values(self, part: _PartPriorities, rows: slice | np.ndarray = slice(None)) -> np.ndarray:
+        """Tree leaves ``(p + eps)^alpha`` (0 below ``min_version``) of the part's ``rows``."""
+        raw = part.raw[rows]
         if self.priority is not None and self.priority.log2_scale:
-            raw = torch.exp2(raw - self._log2_offset)
+            raw = np.exp2(raw - self._log2_offset)
         values = (raw + self.eps) ** self.alpha
         if self.min_version is not None:
-            values = torch.where(part.versions[start:stop] >= self.min_version, values, 0.0)
+            values = np.where(part.versions[rows] >= self.min_version, values, 0.0)
         return values
 
     def _sync(self, layout: list[Part], storage) -> None:
@@ -188,10 +204,10 @@ class PrioritizedSampler(Sampler):
                 self._add_rows(state, part, storage)
         if self._written and not isinstance(storage, TrajectoryStore):
             state = self._parts[0]
-            written = torch.unique(torch.cat(self._written))
+            written = np.unique(np.concatenate(self._written))
             written = written[written < state.known]
             state.raw[written] = self._max_priority
-            state.tree.set(written, self._leaf_values(state)[written])
+            state.tree.set(written, self._leaf_values(state, written))
         self._written = []
 
     def _add_rows(self, state: _PartPriorities, part: Part, storage) -> None:
@@ -199,18 +215,17 @@ class PrioritizedSampler(Sampler):
         while first < part.next_row:
             stop = min(part.next_row, first + _READ_ROWS)
             raw, versions = self._priorities_of(part, storage, first, stop)
-            stop = first + raw.numel()
+            stop = first + raw.size
             state.append(raw, versions)
-            state.tree.set(torch.arange(first - state.base, stop - state.base),
-                           self._leaf_values(state, first - state.base, stop - state.base))
+            rows = slice(first - state.base, stop - state.base)
+            state.tree.set(np.arange(rows.start, rows.stop), self._leaf_values(state, rows))
             first = stop
 
-    def _priorities_of(self, part: Part, storage, first: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _priorities_of(self, part: Part, storage, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Raw priorities and policy versions of global rows ``[first, stop)`` of ``part`` (the
         range may come back shorter, ending before a group that continues after ``stop``)."""
         if not isinstance(storage, TrajectoryStore):  # a torchrl storage: default priority, no versions
-            return torch.full((stop - first,), self._max_priority, dtype=torch.float64), \
-                torch.zeros(stop - first, dtype=torch.int64)
+            return np.full(stop - first, self._max_priority), np.zeros(stop - first, dtype=np.int64)
         fields = set(self.priority.fields if self.priority else ()) | {"policy_version"}
         rows = part.store.read_global(torch.arange(first, stop), fields=tuple(sorted(fields)))
         columns = {name: rows[name].numpy() for name in fields}
@@ -220,17 +235,17 @@ class PrioritizedSampler(Sampler):
             if tail.size:  # hold back the last group: its other rows come with the next read
                 keep = int(tail[-1]) + 1
                 columns = {name: values[:keep] for name, values in columns.items()}
-        versions = torch.from_numpy(columns["policy_version"].astype(np.int64))
+        versions = columns["policy_version"].astype(np.int64)
         if self.priority is None:
-            return torch.full((versions.numel(),), self._max_priority, dtype=torch.float64), versions
+            return np.full(versions.size, self._max_priority), versions
         raw = np.asarray(self.priority.compute(columns), dtype=np.float64)
         if raw.shape != versions.shape or not np.isfinite(raw).all() or (not self.priority.log2_scale and
                                                                          (raw < 0).any()):
             raise ValueError(f"priority {self.priority.name!r} must give one finite value >= 0 per row, got "
-                             f"{raw[:8]} for {versions.numel()} rows")
+                             f"{raw[:8]} for {versions.size} rows")
         if self.priority.log2_scale:
             self._keep_log2_in_range(raw)
-        return torch.from_numpy(raw), versions
+        return raw, versions
 
     def _keep_log2_in_range(self, log2: np.ndarray) -> None:
         """Log2 priorities are used as ``2^(log2 - offset)``; the offset moves up (by whole powers
@@ -249,7 +264,7 @@ class PrioritizedSampler(Sampler):
         layout = self._layout(storage)
         self._sync(layout, storage)
         states = [self._parts[p.index] for p in layout]
-        totals = torch.tensor([s.tree.total() for s in states], dtype=torch.float64)
+        totals = np.array([s.tree.total() for s in states])
         grand_total = float(totals.sum())
         if not grand_total > 0:
             raise NothingToSampleError(
@@ -257,49 +272,52 @@ class PrioritizedSampler(Sampler):
                 f"no row has a positive priority (min_version={self.min_version} leaves none, or every "
                 f"priority is 0 with eps=0)")
         generator = generator if generator is not None else self._rng
-        mass = torch.rand(batch_size, dtype=torch.float64, generator=generator) * grand_total
-        ends = torch.cumsum(totals, 0)
-        slot = torch.searchsorted(ends, mass, right=True).clamp_max(len(states) - 1)
-        while bool((totals[slot] <= 0).any()):  # rounding at the very top: step back to a part with mass
-            slot = torch.where(totals[slot] <= 0, slot - 1, slot)
-        mass = mass - (ends - totals)[slot]
-        positions = torch.empty(batch_size, dtype=torch.int64)
-        values = torch.empty(batch_size, dtype=torch.float64)
-        for k in torch.unique(slot).tolist():
-            mine = slot == k
+        mass = torch.rand(batch_size, dtype=torch.float64, generator=generator).numpy() * grand_total
+        positions = np.empty(batch_size, dtype=np.int64)
+        values = np.empty(batch_size)
+        if len(states) == 1:
+            slot = np.zeros(batch_size, dtype=np.int64)
+        else:
+            ends = np.cumsum(totals)
+            slot = np.minimum(np.searchsorted(ends, mass, side="right"), len(states) - 1)
+            while (totals[slot] <= 0).any():  # rounding at the very top: step back to a part with mass
+                slot = np.where(totals[slot] <= 0, slot - 1, slot)
+            mass = mass - (ends - totals)[slot]
+        for k in np.unique(slot).tolist():
+            mine = slot == k if len(states) > 1 else slice(None)
             leaf = states[k].tree.find(mass[mine])
-            values[mine] = states[k].tree.sums[leaf + states[k].tree.capacity]
+            values[mine] = states[k].tree.leaf_values(leaf)
             positions[mine] = layout[k].start + states[k].base + leaf - layout[k].first_row
         smallest = min(s.tree.minimum() for s in states)
-        weight = torch.pow(values / smallest, -self.beta).to(torch.float32)
+        weight = torch.from_numpy((values / smallest) ** -self.beta).to(torch.float32)
         self._last_layout = layout
-        return positions, {"priority_weight": weight}
+        return torch.from_numpy(positions), {"priority_weight": weight}
 
     def update_priority(self, index, priority, *, storage=None) -> None:
         """Sets the priority of the rows at ``index`` (positions from the last ``sample``)."""
-        index = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
-        priority = torch.as_tensor(priority, dtype=torch.float64).reshape(-1).expand(index.numel())
-        if index.numel() == 0:
+        index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).numpy()
+        priority = np.broadcast_to(torch.as_tensor(priority, dtype=torch.float64).reshape(-1).numpy(), index.shape)
+        if index.size == 0:
             return
-        if bool((priority < 0).any()) or not bool(torch.isfinite(priority).all()):
+        if (priority < 0).any() or not np.isfinite(priority).all():
             raise ValueError("priorities must be finite and >= 0")
         if self.priority is not None and self.priority.log2_scale:
             raise ValueError(f"priority {self.priority.name!r} is derived from stored versions; it takes no updates")
         layout = self._last_layout or (self._layout(storage) if storage is not None else None)
         if layout is None:
             raise RuntimeError("update_priority before any sample(): pass storage= so positions can be mapped")
-        ends = torch.tensor([p.start + p.length for p in layout], dtype=torch.int64)
-        slot = torch.searchsorted(ends, index, right=True)
-        if bool((slot >= len(layout)).any()) or bool((index < 0).any()):
+        ends = np.array([p.start + p.length for p in layout], dtype=np.int64)
+        slot = np.searchsorted(ends, index, side="right")
+        if (slot >= len(layout)).any() or (index < 0).any():
             raise IndexError(f"positions must lie in [0, {int(ends[-1])}) as of the last sample")
-        for k in torch.unique(slot).tolist():
+        for k in np.unique(slot).tolist():
             mine = slot == k
             part, state = layout[k], self._parts[layout[k].index]
             leaf = index[mine] - part.start + part.first_row - state.base
             live = (leaf >= 0) & (leaf < state.known)  # rows evicted since are ignored
             leaf = leaf[live]
             state.raw[leaf] = priority[mine][live]
-            state.tree.set(leaf, self._leaf_values(state)[leaf])
+            state.tree.set(leaf, self._leaf_values(state, leaf))
         self._max_priority = max(self._max_priority, float(priority.max()))
 
     def set_min_version(self, min_version: int | None) -> None:
@@ -307,17 +325,17 @@ class PrioritizedSampler(Sampler):
         if min_version == self.min_version:
             return
         old, self.min_version = self.min_version, min_version
+        low = -(2**62) if old is None else old
+        high = -(2**62) if min_version is None else min_version
         for state in self._parts.values():
-            low = -(2**62) if old is None else old
-            high = -(2**62) if min_version is None else min_version
-            changed = torch.nonzero((state.versions >= low) != (state.versions >= high)).reshape(-1)
-            state.tree.set(changed, self._leaf_values(state)[changed])
+            changed = np.flatnonzero((state.versions >= low) != (state.versions >= high))
+            state.tree.set(changed, self._leaf_values(state, changed))
 
     def add(self, index: int) -> None:
-        self._written.append(torch.as_tensor(index, dtype=torch.int64).reshape(-1))
+        self._written.append(np.asarray(index, dtype=np.int64).reshape(-1))
 
     def extend(self, index: torch.Tensor) -> None:
-        self._written.append(torch.as_tensor(index, dtype=torch.int64).reshape(-1))
+        self._written.append(torch.as_tensor(index, dtype=torch.int64).reshape(-1).numpy())
 
     def mark_update(self, index, *, storage=None) -> None:
         self.extend(index)
@@ -329,7 +347,8 @@ class PrioritizedSampler(Sampler):
         state = {"alpha": self.alpha, "beta": self.beta, "eps": self.eps, "min_version": self.min_version,
                  "max_priority": self._max_priority, "log2_offset": self._log2_offset}
         if include_priorities:
-            state["parts"] = {index: {"base": s.base, "raw": s.raw.clone(), "versions": s.versions.clone()}
+            state["parts"] = {index: {"base": s.base, "raw": torch.from_numpy(s.raw.copy()),
+                                      "versions": torch.from_numpy(s.versions.copy())}
                               for index, s in self._parts.items()}
         return state
 
@@ -341,7 +360,8 @@ class PrioritizedSampler(Sampler):
         self._log2_offset = float(state_dict["log2_offset"])
         for index, saved in state_dict.get("parts", {}).items():
             part = self._parts[int(index)] = _PartPriorities(int(saved["base"]))
-            part.append(saved["raw"].clone().to(torch.float64), saved["versions"].clone().to(torch.int64))
+            part.append(torch.as_tensor(saved["raw"]).numpy().astype(np.float64),
+                        torch.as_tensor(saved["versions"]).numpy().astype(np.int64))
             part.tree.rebuild(self._leaf_values(part))
 
     def dumps(self, path) -> None:

@@ -65,14 +65,21 @@ def test_group_table_from_chunks_equals_direct_statistics(rows, cuts):
             assert (stats["group_reward_std"][at] == 0.0).all()
 
 
-def test_chunks_follow_segments_and_cover_every_row(tmp_path):
+def unit_starts(store) -> set[int]:
+    """Where the store's storage units start, by its own account (segments of 16 rows here)."""
+    if hasattr(store, "unit_bounds"):
+        return {start for start, _ in store.unit_bounds()}
+    return set(range(0, len(store), 16))
+
+
+def test_chunks_follow_storage_units_and_cover_every_row(tmp_path):
     fill(tmp_path / "b", batches=5)  # 80 rows, segments of 16
     with open_store(tmp_path / "b") as store:
         bounds = chunk_bounds(store, len(store), chunk_rows=20)
         assert bounds[0][0] == 0 and bounds[-1][1] == 80
         assert all(a == b for (_, a), (b, _) in zip(bounds[:-1], bounds[1:]))
-        assert all(start % 16 == 0 for start, _ in bounds)  # a chunk never splits a segment
-        assert [b - a for a, b in bounds] == [32, 32, 16]
+        assert {start for start, _ in bounds} <= unit_starts(store)  # a chunk never splits a unit
+        assert all(b - a >= 20 for a, b in bounds[:-1])  # small units are merged up to chunk_rows
 
 
 # ====================================================================== the new buffer
