@@ -130,7 +130,8 @@ def format_tables(records: list[dict[str, Any]]) -> str:
     for r in (r for r in records if r["measure"] == "prioritized"):
         lines.append(f"| {r['method']} | {r['rows']:,} | {r['us_per_step_median']:.0f} | {r['us_per_step_min']:.0f} "
                      f"| {r['speedup_vs_plain']:.2f}x |")
-    lines += ["", "| filter | rows | kept | s median | s min | rows/s | time vs convert |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| filter | rows | kept | s median | s min | rows/s | time vs convert |",
+              "|---|---|---|---|---|---|---|"]
     for r in (r for r in records if r["measure"] == "filter"):
         lines.append(f"| {r['method']} | {r['rows']:,} | {r['rows_kept']:,} | {r['seconds_median']:.2f} "
                      f"| {r['seconds_min']:.2f} | {r['rows_per_s_median']:,.0f} | {r['time_vs_convert']:.2f}x |")
@@ -142,7 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows the prioritized sampler holds (default: %(default)s)")
     parser.add_argument("--completions", type=int, default=16_384,
                         help="synthetic completions in the filtered buffer (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per measurement (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating rounds per measurement (default %(default)s)")
     parser.add_argument("--steps", type=int, default=200, help="prioritized steps per round (default %(default)s)")
     parser.add_argument("--only", choices=("prioritized", "filter"), help="run one of the two measurements")
     parser.add_argument("--json", action="store_true", help="print one JSON array of records")

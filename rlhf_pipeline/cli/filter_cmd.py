@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     if args.src is None or args.where is None:
         return fail("give SRC, DST (or --dry-run) and --where; --list-names shows the names a condition can use")
     if args.dry_run == (args.dst is not None):
-        return fail("give DST, or --dry-run to only count" if args.dst is None else "--dry-run writes nothing: drop DST")
+        return fail("give DST, or --dry-run to only count" if args.dst is None
+                    else "--dry-run writes nothing: drop DST")
     options = {}
     if args.codec is not None:
         if (args.to or "") != "zarr":

@@ -21,8 +21,10 @@ How it runs, in bounded memory:
    time, and appended to the new store, which is built under ``DST.partial`` and renamed to
    ``DST`` when complete: an interrupted filter never leaves a ``DST`` that looks finished.
 
-Rows are those published when the filter starts; a writer appending meanwhile is not seen
-(the source is never refreshed during the passes, so positions stay valid).
+Rows are those published when the filter starts; a writer appending meanwhile is not seen.
+Every read names rows by (part, global row id) (:mod:`.row_keys`), so a live writer evicting,
+or a shard growing, never changes which rows are read: a kept row evicted before it was copied
+fails the filter with an IndexError instead of copying another row.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 
 from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
+from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of, read_by_position
 from rlhf_pipeline.storage.where import GROUP_NAMES, WhereExpression, parse_where
 
 DEFAULT_CHUNK_ROWS = 4096
@@ -127,11 +130,11 @@ def chunk_bounds(store: TrajectoryStore, num_rows: int, chunk_rows: int = DEFAUL
     return bounds
 
 
-def _read_columns(store: TrajectoryStore, start: int, stop: int, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _read_columns(parts: list[Part], start: int, stop: int, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The named fields of rows ``[start, stop)`` as NumPy arrays (token fields as their offsets)."""
     columns: dict[str, np.ndarray] = {"position": np.arange(start, stop, dtype=np.int64)}
     if fields:
-        batch = store.read(torch.arange(start, stop), fields=fields)
+        batch = read_by_position(parts, columns["position"], fields)
         for name in fields:
             column = batch[name]
             columns[name] = column.numpy() if isinstance(column, torch.Tensor) else column.offsets.numpy()
@@ -150,21 +153,24 @@ class Selected:
 
 
 def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, whole_groups: bool = False,
-                     chunk_rows: int = DEFAULT_CHUNK_ROWS, progress: Progress | None = None) -> Selected:
+                     chunk_rows: int = DEFAULT_CHUNK_ROWS, progress: Progress | None = None,
+                     parts: list[Part] | None = None) -> Selected:
     """Positions of ``store``'s rows that ``where`` keeps (see the module docstring for the passes).
 
-    Reads the rows held at the store's last refresh and does not refresh it, so the positions
-    stay valid for the caller's reads.
+    Reads the rows held at the store's last refresh, by global id (``parts``, a snapshot of
+    :func:`~rlhf_pipeline.storage.row_keys.parts_of` taken before, names them), so a writer
+    evicting or a shard growing meanwhile never changes which rows the positions mean.
     """
     expression = where if isinstance(where, WhereExpression) else \
         parse_where(where, stored_fields=store.schema.field_names)
-    num_rows = store.next_row - store.first_row
+    parts = parts_of(store) if parts is None else parts
+    num_rows = sum(p.length for p in parts)
     bounds = chunk_bounds(store, num_rows, chunk_rows)
     table = None
     if expression.uses_groups:
         partials, done = [], 0
         for start, stop in bounds:
-            columns = _read_columns(store, start, stop, ("group_id", "reward"))
+            columns = _read_columns(parts, start, stop, ("group_id", "reward"))
             partials.append(GroupTable.of_chunk(columns["group_id"], columns["reward"]))
             done += stop - start
             if progress is not None:
@@ -174,7 +180,7 @@ def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, wh
     fields = tuple(sorted(set(expression.fields) | {"group_id"}))
     kept, kept_groups, failing, seen_groups, done = [], [], [], [], 0
     for start, stop in bounds:
-        columns = _read_columns(store, start, stop, fields)
+        columns = _read_columns(parts, start, stop, fields)
         if table is not None:
             columns.update(table.columns_for(columns["group_id"]))
         mask = expression.evaluate(columns, stop - start)
@@ -238,8 +244,9 @@ def filter_buffer(src: str | os.PathLike, dst: str | os.PathLike | None, where: 
         raise ValueError("a selection copies no rows: --to and store options apply to a new buffer only")
     with open_buffer(str(src), mode="r") as source:
         expression = parse_where(where, stored_fields=source.schema.field_names)
+        parts = parts_of(source)  # every read below names rows by global id within these parts
         chosen = select_positions(source, expression, whole_groups=whole_groups, chunk_rows=chunk_rows,
-                                  progress=progress)
+                                  progress=progress, parts=parts)
         result = FilterResult(str(src), None if dst is None else str(dst),
                               "count" if dst is None else ("selection" if selection else "buffer"),
                               where, whole_groups, chosen.rows_in, int(chosen.positions.size),
@@ -247,9 +254,10 @@ def filter_buffer(src: str | os.PathLike, dst: str | os.PathLike | None, where: 
         if dst is None:
             return result
         if selection:
-            _save_selection(source, chosen.positions, str(dst), where, whole_groups)
+            _save_selection(source, parts, chosen.positions, str(dst), where, whole_groups)
         else:
-            result.stats = _copy_rows(source, chosen.positions, str(dst), to, chunk_rows, progress, dst_options)
+            result.stats = _copy_rows(source, parts, chosen.positions, str(dst), to, chunk_rows, progress,
+                                      dst_options)
     return result
 
 
@@ -257,10 +265,9 @@ def _exists(location: str) -> bool:
     return "://" not in location and Path(location).exists()
 
 
-def _save_selection(source: TrajectoryStore, positions: np.ndarray, dst: str, where: str,
+def _save_selection(source: TrajectoryStore, parts: list[Part], positions: np.ndarray, dst: str, where: str,
                     whole_groups: bool) -> None:
     from rlhf_pipeline.storage import open_buffer
-    from rlhf_pipeline.storage.row_keys import keys_of
     from rlhf_pipeline.storage.selection import SelectionStore, write_selection
 
     if isinstance(source, SelectionStore):
@@ -270,20 +277,19 @@ def _save_selection(source: TrajectoryStore, positions: np.ndarray, dst: str, wh
             write_selection(dst, root, parts, ids, where=f"({source.where}) and ({where})" if source.where else where,
                             whole_groups=whole_groups)
         return
-    parts, ids = keys_of(source, positions)
-    write_selection(dst, source, parts, ids, where=where, whole_groups=whole_groups)
+    part_index, ids = keys_of(source, positions, parts)
+    write_selection(dst, source, part_index, ids, where=where, whole_groups=whole_groups)
 
 
 def _backend_and_segment(source: TrajectoryStore) -> tuple[str, int]:
     from rlhf_pipeline.storage.convert import segment_rows_of
-    from rlhf_pipeline.storage.row_keys import parts_of
 
     stores = list(getattr(source, "_sources", {}).values()) or [p.store for p in parts_of(source)]
     return stores[0].backend_name, segment_rows_of(stores[0])
 
 
-def _copy_rows(source: TrajectoryStore, positions: np.ndarray, dst: str, to: str | None, chunk_rows: int,
-               progress: Progress | None, dst_options: dict[str, Any]) -> StoreStats:
+def _copy_rows(source: TrajectoryStore, parts: list[Part], positions: np.ndarray, dst: str, to: str | None,
+               chunk_rows: int, progress: Progress | None, dst_options: dict[str, Any]) -> StoreStats:
     from rlhf_pipeline.storage import backend_class
 
     backend, segment_rows = _backend_and_segment(source)
@@ -297,8 +303,7 @@ def _copy_rows(source: TrajectoryStore, positions: np.ndarray, dst: str, to: str
         with target_cls.create(build_at, source.schema, **dst_options) as target:
             step = max(chunk_rows, dst_options["segment_rows"])
             for start in range(0, positions.size, step):
-                chunk = torch.from_numpy(positions[start: start + step])
-                target.append(source.read(chunk))
+                target.append(read_by_position(parts, positions[start: start + step]))
                 if progress is not None:
                     progress("copy", min(positions.size, start + step), int(positions.size))
             flush = getattr(target, "flush", None)

@@ -72,3 +72,28 @@ def positions_of(store: TrajectoryStore, part_index: np.ndarray, global_ids: np.
         mine = (part_index == part.index) & (global_ids >= part.first_row) & (global_ids < part.next_row)
         out[mine] = global_ids[mine] - part.first_row + part.start
     return out
+
+
+def read_by_position(parts: list[Part], positions: np.ndarray, fields=None):
+    """The rows at ``positions`` of the layout ``parts`` (a snapshot from :func:`parts_of`), read
+    by global id in each part: exactly the rows those positions named when the snapshot was
+    taken, whatever refreshes happened since, or an IndexError if some were evicted meanwhile."""
+    import torch
+
+    from rlhf_pipeline.schema import TrajectoryBatch
+
+    positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+    ends = np.array([p.start + p.length for p in parts], dtype=np.int64)
+    slot = np.searchsorted(ends, positions, side="right")
+    if positions.size and (positions.min() < 0 or slot.max() >= len(parts)):
+        raise IndexError(f"positions must lie in [0, {int(ends[-1]) if len(ends) else 0})")
+    pieces = []
+    for k in np.unique(slot).tolist() if positions.size else [0]:
+        where = np.flatnonzero(slot == k)
+        ids = positions[where] - parts[k].start + parts[k].first_row
+        pieces.append((parts[k].store.read_global(torch.from_numpy(ids), fields=fields), where))
+    if len(pieces) == 1:
+        return pieces[0][0]
+    inverse = np.empty(positions.size, dtype=np.int64)
+    inverse[np.concatenate([where for _, where in pieces])] = np.arange(positions.size)
+    return TrajectoryBatch.cat([rows for rows, _ in pieces]).select(torch.from_numpy(inverse))

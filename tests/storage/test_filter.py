@@ -182,3 +182,25 @@ def test_filter_command_counts_writes_and_explains_errors(tmp_path, capsys):
     assert "--dry-run" in capsys.readouterr().err
     assert main(["filter", "--list-names"]) == 0
     assert "group_reward_std" in capsys.readouterr().out
+
+
+def test_rows_are_read_by_id_so_a_growing_shard_or_eviction_changes_nothing(tmp_path):
+    from rlhf_pipeline.storage.row_keys import keys_of, parts_of, positions_of, read_by_position
+
+    buffer = tmp_path / "buffer"
+    writers = [create_store(shard_path(buffer, k), "memmap", SCHEMA, segment_rows=8) for k in (0, 1)]
+    for k, w in enumerate(writers):
+        w.append(curriculum_batch(0, shard=k))
+    union = open_buffer(buffer)
+    snapshot = parts_of(union)
+    positions = np.array([20, 3, 17])  # two rows of shard 1, one of shard 0
+    before = union.read(torch.from_numpy(positions))
+    parts, ids = keys_of(union, positions, snapshot)
+    writers[0].append(curriculum_batch(1))  # shard 0 grows: shard 1's positions move by 16
+    union.refresh()
+    assert not union.read(torch.from_numpy(positions)).equal(before)
+    assert read_by_position(snapshot, positions).equal(before)
+    assert positions_of(union, parts, ids).tolist() == [36, 3, 33]
+    for w in writers:
+        w.close()
+    union.close()
