@@ -23,7 +23,7 @@ replaces a group by one of its own. A zero-variance group with no eligible repla
 
 Metrics (``metrics`` of each draw, logged by the learner under ``charts/``):
 ``groups_in_batch``, ``groups_zero_variance`` (among the fresh groups drawn), ``groups_replaced``,
-``replay_pool_groups``.
+``replay_pool_groups``; the draw's ``dropped_stale`` counts the window's rows of stale groups.
 
 State (exact resume): ``min_next_row`` and the pool; draw ``d`` depends only on them, the
 seed and the rows published.
