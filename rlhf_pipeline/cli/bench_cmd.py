@@ -22,6 +22,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rlhf_pipeline.bench.write_path_bench",
         "cost of the write-path transform stack per completion",
     ),
+    "curation": (
+        "rlhf_pipeline.bench.curation_bench",
+        "prioritized sampling and filter against plain baselines",
+    ),
 }
 
 

@@ -192,6 +192,8 @@ class Learner:
             self.progress.draws += 1
             self.progress.buffer_next_row = sampled.buffer_next_row
             self._sampler_state = sampled.sampler_state
+            if sampled.weights is not None:  # prioritized sampling: the loss weighs each row
+                batch["sample_weight"] = sampled.weights.to(torch.float32)
             batch, stale_now = self._drop_stale(batch)
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
@@ -211,6 +213,7 @@ class Learner:
                 "charts/policy_version": float(self.progress.policy_version),
                 "charts/buffer_rows": float(sampled.buffer_rows),
                 "charts/step_time_s": elapsed,
+                **sampled.metrics,
             })
             waited = 0.0
             assert self._metrics is not None
@@ -275,6 +278,9 @@ class Learner:
             metrics["charts/advantage_std"] = float(adv.std()) if adv.numel() > 1 else 0.0
         # ids carry their collector's index in the high bits: how many collectors fed this batch
         metrics["charts/collectors_in_batch"] = float(torch.unique(collector_index_of(cpu["group_id"])).numel())
+        if "sample_weight" in cpu.keys():
+            metrics["charts/importance_weight_mean"] = float(cpu["sample_weight"].mean())
+            metrics["charts/importance_weight_min"] = float(cpu["sample_weight"].min())
         lengths = cpu["response_lengths"].float()
         metrics.update({
             "charts/response_length_mean": float(lengths.mean()),

@@ -115,8 +115,12 @@ def grpo_loss(
     sampler_log_probs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     token_count: torch.Tensor | float | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective of the module docstring; returns ``(loss, metrics)``.
+
+    ``row_weights`` (B,): importance weights of prioritized sampling; every loss term of row i
+    (policy, KL, entropy) is multiplied by ``row_weights[i]`` before aggregation.
 
     Shapes: ``log_probs`` (B, T) with grad, current policy; ``old_log_probs`` (B, T);
     ``advantages`` (B,) one per row, or (B, T) / (B, T, 1) per token; ``mask`` (B, T)
@@ -164,6 +168,9 @@ def grpo_loss(
     else:
         metrics["ess"] = effective_sample_size(log_ratio_for_stats, mask)
 
+    weight = None if row_weights is None else row_weights.detach().to(log_probs.dtype)[:, None]  # (B, 1)
+    if weight is not None:
+        per_token = per_token * weight
     policy_loss = aggregate(per_token, mask, config, token_count)
     loss = policy_loss
     if ref_log_probs is not None:
@@ -171,7 +178,8 @@ def grpo_loss(
         k3 = diff.exp() - diff - 1  # (B, T), >= 0
         metrics["kl"] = _masked_mean(k3.detach(), mask)
         if config.kl_coef:
-            loss = loss + config.kl_coef * aggregate(k3, mask, config, token_count)
+            weighted = k3 if weight is None else k3 * weight
+            loss = loss + config.kl_coef * aggregate(weighted, mask, config, token_count)
     elif config.kl_coef:
         raise ValueError(
             "kl_coef > 0 needs ref_log_probs; attach the reference log-prob transform to the buffer's "
@@ -182,7 +190,8 @@ def grpo_loss(
     if entropy is not None:
         metrics["entropy"] = _masked_mean(entropy.detach(), mask)
         if config.entropy_coef:
-            loss = loss - config.entropy_coef * aggregate(entropy, mask, config, token_count)
+            weighted = entropy if weight is None else entropy * weight
+            loss = loss - config.entropy_coef * aggregate(weighted, mask, config, token_count)
     elif config.entropy_coef:
         raise ValueError("entropy_coef > 0 needs the per-token entropy; pass entropy=... (response_logprobs returns it)")
 
@@ -237,7 +246,8 @@ def grpo_step_loss(model, padded_batch, *, temperature: float = 1.0, token_count
 
     Reads the loss mask ``("masks", "all_assistant_mask")``, the advantage
     ``"sequence_advantage"`` (B,), the sampling log-probs ``("log_probs", "full")`` and,
-    when present, ``("next", "ref_log_probs", "full")``.
+    when present, ``("next", "ref_log_probs", "full")`` and the prioritized sampler's importance
+    weights ``"sample_weight"`` (B,).
     """
     config = GRPOLossConfig.from_options(options)
     keys = padded_batch.keys(include_nested=True)
@@ -252,7 +262,9 @@ def grpo_step_loss(model, padded_batch, *, temperature: float = 1.0, token_count
     old = log_probs.detach() if config.old_policy == "current" else sampler
     ref_key = ("next", "ref_log_probs", "full")
     ref = padded_batch[ref_key] if ref_key in keys else None
+    row_weights = padded_batch["sample_weight"] if "sample_weight" in keys else None
     return grpo_loss(
         log_probs, old, padded_batch["sequence_advantage"], mask, config,
         ref_log_probs=ref, sampler_log_probs=sampler, entropy=entropy, token_count=token_count,
+        row_weights=row_weights,
     )

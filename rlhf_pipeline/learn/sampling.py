@@ -45,6 +45,8 @@ class SampledRows:
     buffer_next_row: int
     version: int  # learner version the staleness check used
     sampler_state: dict[str, Any] = field(default_factory=dict)  # state_dict() right after this draw
+    weights: torch.Tensor | None = None  # (batch_size,) importance weights the loss applies per row, if any
+    metrics: dict[str, float] = field(default_factory=dict)  # logged by the learner with the step's metrics
 
 
 class BatchSampler(Protocol):
@@ -68,10 +70,35 @@ def _window(settings: LearnerSettings, store, *, seed: int, stop: threading.Even
                            timeout_s=timeout_s, stop=stop)
 
 
+def _groups(settings: LearnerSettings, store, *, seed: int, stop: threading.Event,
+            timeout_s: float) -> BatchSampler:
+    from rlhf_pipeline.learn.group_sampler import GroupWindowSampler
+
+    return GroupWindowSampler(store, batch_size=settings.batch_size, window=settings.sample_window, seed=seed,
+                              max_staleness=settings.max_staleness, new_rows_per_draw=settings.new_rows_per_step,
+                              replace_zero_variance=settings.replace_zero_variance,
+                              pool_groups=settings.replay_pool_groups, timeout_s=timeout_s, stop=stop)
+
+
+def _prioritized(settings: LearnerSettings, store, *, seed: int, stop: threading.Event,
+                 timeout_s: float) -> BatchSampler:
+    from rlhf_pipeline.learn.prioritized_sampler import PrioritizedRowSampler
+
+    return PrioritizedRowSampler(store, batch_size=settings.batch_size, seed=seed, priority=settings.priority,
+                                 alpha=settings.priority_alpha, beta=settings.priority_beta,
+                                 max_staleness=settings.max_staleness, new_rows_per_draw=settings.new_rows_per_step,
+                                 timeout_s=timeout_s, stop=stop)
+
+
 #: ``learner.sampler`` name -> factory. ``window``: uniform over the newest ``sample_window`` rows,
-#: once ``new_rows_per_step`` new rows arrived (learn/window_sampler.py).
+#: once ``new_rows_per_step`` new rows arrived (learn/window_sampler.py). ``groups``: whole groups
+#: from the same window, zero-variance groups optionally replaced (learn/group_sampler.py).
+#: ``prioritized``: rows of the whole buffer by priority, with importance weights
+#: (learn/prioritized_sampler.py).
 SAMPLERS: dict[str, Callable[..., BatchSampler]] = {
     "window": _window,
+    "groups": _groups,
+    "prioritized": _prioritized,
 }
 
 

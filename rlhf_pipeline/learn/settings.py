@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
+#: priorities of the ``prioritized`` sampler (rlhf_pipeline.storage.prioritized.PRIORITIES)
+PRIORITY_NAMES = ("abs_advantage", "group_reward_std", "recency")
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,9 @@ class LearnerSettings:
     """Rows (completions) per optimizer step."""
     sampler: str = "window"
     """How each step picks its rows (learn/sampling.py lists them): window = uniformly from the
-    newest sample_window rows, once new_rows_per_step new rows arrived."""
+    newest sample_window rows, once new_rows_per_step new rows arrived; groups = whole groups from
+    that window (see replace_zero_variance); prioritized = rows of the whole buffer by priority,
+    the loss weighted by importance weights (see priority)."""
     sample_window: int = 128
     """Each step samples from the newest this-many rows of the buffer (>= batch_size)."""
     micro_batch_tokens: int = 8192
@@ -114,6 +118,17 @@ class LearnerSettings:
     """GRPO loss options: clip range, aggregation, KL/entropy coefficients, TIS (learn/loss.py)."""
     temperature: float = 1.0
     """Sampling temperature of the collector: log-probs are recomputed at the same temperature."""
+    replace_zero_variance: bool = False
+    """sampler=groups: replace each group whose rewards are all equal (no GRPO signal) by an
+    informative group kept from earlier steps (charts/groups_replaced counts them)."""
+    replay_pool_groups: int = 64
+    """sampler=groups: informative groups kept for replacement (those of highest reward std)."""
+    priority: str = "abs_advantage"
+    """sampler=prioritized: abs_advantage | group_reward_std | recency (halves every 10 versions)."""
+    priority_alpha: float = 0.6
+    """sampler=prioritized: rows are drawn with probability proportional to priority^alpha (0: uniform)."""
+    priority_beta: float = 0.4
+    """sampler=prioritized: importance-weight exponent; 1 fully corrects the sampling bias."""
 
     def check(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -140,3 +155,12 @@ class LearnerSettings:
                 raise bad(name, f"must be >= 1 (got {getattr(self, name)})")
         if self.temperature <= 0:
             raise bad("temperature", f"must be > 0 (got {self.temperature})")
+        if self.replace_zero_variance and self.sampler != "groups":
+            raise bad("replace_zero_variance", f"needs sampler='groups', which draws whole groups (got "
+                                               f"sampler={self.sampler!r})")
+        if self.replay_pool_groups < 1:
+            raise bad("replay_pool_groups", f"must be >= 1 (got {self.replay_pool_groups})")
+        if self.priority not in PRIORITY_NAMES:
+            raise bad("priority", f"must be one of {list(PRIORITY_NAMES)} (got {self.priority!r})")
+        if self.priority_alpha < 0 or self.priority_beta < 0:
+            raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")

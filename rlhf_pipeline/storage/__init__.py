@@ -72,10 +72,15 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
     a directory of ``shard-NNNN`` stores (one per collector) opens as a read-only
     :class:`~rlhf_pipeline.storage.sharded.ShardedStoreReader` over all of them, which also
     picks up shards created later. Appending goes to one shard: ``open_store(shard, mode="a")``.
+    A saved selection (``rlhf-pipeline filter ... --selection``) opens as a read-only
+    :class:`~rlhf_pipeline.storage.selection.SelectionStore` over the rows it names.
     """
+    from rlhf_pipeline.storage.selection import SelectionStore, is_selection
     from rlhf_pipeline.storage.sharded import ShardedStoreReader, is_sharded_buffer
 
     location = str(location)
+    if is_selection(location):
+        return SelectionStore.open(location, mode=mode, **options)
     if is_sharded_buffer(location):
         if mode != "r":
             raise ReadOnlyStoreError(
@@ -98,6 +103,7 @@ def __getattr__(name: str):
         "AppendWriter": "rlhf_pipeline.storage.torchrl_glue",
         "make_replay_buffer": "rlhf_pipeline.storage.torchrl_glue",
         "ShardedStoreReader": "rlhf_pipeline.storage.sharded",
+        "SelectionStore": "rlhf_pipeline.storage.selection",
     }
     if name in lazy:
         return getattr(importlib.import_module(lazy[name]), name)
@@ -110,6 +116,7 @@ __all__ = [
     "MemmapTrajectoryStore",
     "NotAStoreError",
     "ReadOnlyStoreError",
+    "SelectionStore",
     "ShardedStoreReader",
     "StoreCorruptedError",
     "StoreError",

@@ -289,6 +289,14 @@ class TrajectoryStore(Storage, abc.ABC):
         )
 
     # ================================================================ torchrl Storage
+    def attach(self, buffer: Any) -> None:
+        """torchrl's hook when a ``ReplayBuffer`` takes this storage: a plain
+        ``ReplayBuffer(storage=store, ...)`` gets our defaults (padded batches, appends)."""
+        super().attach(buffer)
+        from rlhf_pipeline.storage.torchrl_glue import adopt_replay_buffer_defaults
+
+        adopt_replay_buffer_defaults(buffer)
+
     def set(self, cursor, data: Any, *, set_cursor: bool = True):
         """torchrl's write entry point. The store is append-only: rows always land at the end.
 

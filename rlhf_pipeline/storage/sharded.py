@@ -158,6 +158,11 @@ class ShardedStoreReader(TrajectoryStore):
         order = torch.tensor(self._order, dtype=torch.int64)
         return order[slot], positions - self._starts[slot]
 
+    def shard_ranges(self) -> list[tuple[int, TrajectoryStore, int, int]]:
+        """``(shard index, shard store, first union position, rows)`` per shard, as of the last refresh."""
+        return [(index, self._shards[index], int(start), int(length))
+                for index, start, length in zip(self._order, self._starts.tolist(), self._lengths.tolist())]
+
     def _slots_of(self, positions: torch.Tensor) -> torch.Tensor:
         ends = self._starts + self._lengths
         return torch.searchsorted(ends, positions, right=True)

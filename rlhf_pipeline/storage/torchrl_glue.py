@@ -31,10 +31,40 @@ from torchrl.data.replay_buffers.writers import Writer
 from rlhf_pipeline.schema import Trajectory, TrajectoryBatch
 from rlhf_pipeline.storage.base import TrajectoryStore, _as_batch
 
+def _prioritized() -> Sampler:
+    from rlhf_pipeline.storage.prioritized import PrioritizedSampler
+
+    return PrioritizedSampler()
+
+
 SAMPLERS: dict[str, Callable[[], Sampler]] = {
     "random": RandomSampler,
     "without_replacement": SamplerWithoutReplacement,
+    "prioritized": _prioritized,  # storage/prioritized.py: torchrl's own needs a compiled extension
 }
+
+
+def adopt_replay_buffer_defaults(buffer: Any) -> None:
+    """Our defaults for a torchrl ``ReplayBuffer`` being built over a trajectory store.
+
+    torchrl picks a default ``collate_fn`` by storage class (``_get_default_collate``) and
+    knows none for ours, so ``ReplayBuffer(storage=store, sampler=..., batch_size=...)`` used to
+    fail with ``Could not find a default collate_fn``. Its constructor calls ``storage.attach``
+    before it resolves the collate and the writer, so :meth:`TrajectoryStore.attach` fills what
+    the caller left out: ``collate_fn`` = :class:`~rlhf_pipeline.collate.PaddedCollator` (the
+    learner's padded batch, pad id 0) and ``writer`` = :class:`AppendWriter` (positions the rows
+    really got). What the caller passed is kept. ``tests/storage/test_torchrl_dropin.py`` checks
+    this against torchrl itself, so a torchrl release that builds buffers differently fails there.
+    """
+    from rlhf_pipeline.collate import PaddedCollator
+
+    building = isinstance(buffer, ReplayBuffer) and not hasattr(buffer, "_collate_fn")
+    if not building:
+        return
+    if getattr(buffer, "_init_collate_fn", False) is None:
+        buffer._init_collate_fn = PaddedCollator()
+    if getattr(buffer, "_init_writer", False) is None:
+        buffer._init_writer = AppendWriter()
 
 
 class AppendWriter(Writer):
@@ -124,7 +154,8 @@ def make_replay_buffer(
 ) -> ReplayBuffer:
     """A torchrl ``ReplayBuffer`` (:class:`TrajectoryReplayBuffer`) reading and writing ``store``.
 
-    ``sampler`` is ``"random"`` (with replacement), ``"without_replacement"`` or any
+    ``sampler`` is ``"random"`` (with replacement), ``"without_replacement"``, ``"prioritized"``
+    (:class:`~rlhf_pipeline.storage.prioritized.PrioritizedSampler` with its defaults) or any
     torchrl ``Sampler``. ``collate_fn`` turns the sampled ``TrajectoryBatch`` into what
     the learner wants (e.g. ``rlhf_pipeline.collate.PaddedCollator``); by default the
     batch is returned as is. ``transforms`` run on the write path in the order given

@@ -1,0 +1,115 @@
+"""``rlhf-pipeline filter SRC DST --where EXPR``: keep rows or whole groups of a buffer.
+
+The result is a new buffer holding the kept rows (byte-identical, same backend or ``--to``),
+or with ``--selection`` a saved selection that any command reading a buffer opens in place
+(``inspect``, the learner, ``replay --buffer``). ``--dry-run`` only counts. The expression
+language is described by ``--list-names`` and in ``rlhf_pipeline/storage/where.py``; the
+source is opened read-only and never modified.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+EXAMPLES = """examples:
+  rlhf-pipeline filter storage/run/buffer storage/informative --where 'group_reward_std > 0'
+  rlhf-pipeline filter storage/run/buffer storage/late.sel --selection \\
+      --where 'policy_version >= 10 and response_length < 512'
+  rlhf-pipeline filter storage/run/buffer storage/short --groups --where 'response_length <= 256'
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.epilog = EXAMPLES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("src", nargs="?", help="the buffer to read: a store, a run's buffer/ of shards, "
+                                               "or a saved selection")
+    parser.add_argument("dst", nargs="?", help="where to write the result (must not exist)")
+    parser.add_argument("--where", help="condition a row (or group, with --groups) must meet to be kept; "
+                                        "see --list-names")
+    parser.add_argument("--groups", action="store_true",
+                        help="keep a group whole when every one of its rows meets the condition, "
+                             "drop it whole otherwise")
+    parser.add_argument("--selection", action="store_true",
+                        help="save a selection of the source's rows instead of copying them")
+    parser.add_argument("--to", choices=("zarr", "memmap"), help="backend of the new buffer (default: the source's)")
+    parser.add_argument("--codec", help="Zarr codec preset of the new buffer: blosc-zstd, blosc-lz4, zstd, none")
+    parser.add_argument("--segment-rows", type=int, help="rows per segment of the new buffer (default: the source's)")
+    parser.add_argument("--dry-run", action="store_true", help="count what would be kept; write nothing")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.add_argument("--list-names", action="store_true", help="print the names --where can use, and exit")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    import time
+
+    def fail(message: str) -> int:
+        print(f"rlhf-pipeline filter: {message}", file=sys.stderr)
+        return 2
+
+    if args.list_names:
+        from rlhf_pipeline.storage.where import describe_names
+
+        print(describe_names())
+        return 0
+    if args.src is None or args.where is None:
+        return fail("give SRC, DST (or --dry-run) and --where; --list-names shows the names a condition can use")
+    if args.dry_run == (args.dst is not None):
+        return fail("give DST, or --dry-run to only count" if args.dst is None
+                    else "--dry-run writes nothing: drop DST")
+    options = {}
+    if args.codec is not None:
+        if (args.to or "") != "zarr":
+            return fail("--codec applies to --to zarr only")
+        options["codec"] = args.codec
+    if args.segment_rows is not None:
+        options["segment_rows"] = args.segment_rows
+
+    from tqdm import tqdm
+
+    from rlhf_pipeline.storage import StoreError
+    from rlhf_pipeline.storage.filtering import filter_buffer
+    from rlhf_pipeline.storage.where import WhereError
+
+    bars: dict[str, tqdm] = {}
+    interactive = sys.stderr.isatty()
+    last_line = {"at": 0.0}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if args.quiet:
+            return
+        if not interactive:  # a log: a line every 10 s and at the end of each pass
+            now = time.monotonic()
+            if done == total or now - last_line["at"] >= 10.0:
+                last_line["at"] = now
+                print(f"[filter] {stage}: {done}/{total} rows", file=sys.stderr, flush=True)
+            return
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(total=total, unit="rows", desc=stage, file=sys.stderr)
+        bar.update(done - bar.n)
+
+    try:
+        result = filter_buffer(args.src, args.dst, args.where, whole_groups=args.groups, selection=args.selection,
+                               to=args.to, progress=progress, **options)
+    except (WhereError, StoreError, FileExistsError, ValueError) as exc:
+        return fail(str(exc))
+    finally:
+        for bar in bars.values():
+            bar.close()
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+        return 0
+    share = result.rows_kept / result.rows_in if result.rows_in else 0.0
+    print(f"kept {result.rows_kept} of {result.rows_in} rows ({share:.1%}), {result.groups_kept} of "
+          f"{result.groups_in} groups")
+    if result.output == "selection":
+        print(f"{result.destination}: a selection of {result.source} (no rows copied); open it like any buffer")
+    elif result.output == "buffer":
+        stats = result.stats
+        print(f"{result.destination}: {stats.backend} buffer, {stats.rows} rows in {stats.segments} segments, "
+              f"{stats.bytes_on_disk} bytes on disk")
+    return 0

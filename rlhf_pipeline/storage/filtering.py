@@ -1,0 +1,326 @@
+"""Curation: keep the rows, or whole groups, of a buffer that satisfy a ``--where`` condition.
+
+``rlhf-pipeline filter SRC DST --where EXPR`` and :func:`filter_buffer` read ``SRC`` (anything
+:func:`~rlhf_pipeline.storage.open_buffer` opens: a store, a run's sharded ``buffer/``, a saved
+selection) read-only and write either a new buffer holding the kept rows (every field
+byte-identical, in source order) or a saved selection naming them (:mod:`.selection`).
+The expression language is in :mod:`.where`.
+
+How it runs, in bounded memory:
+
+1. *Group pass* (only when the expression uses a group statistic): ``group_id`` and
+   ``reward`` are read one storage unit at a time; each unit is reduced to per-group
+   partials (count, mean, sum of squared deviations, min, max), and the partials, about one
+   per group, are combined at the end (Chan et al.'s pairwise update), so memory grows with
+   the number of groups, not rows. A group whose rewards are all equal gets a std of exactly 0.
+2. *Row pass*: the fields the expression names are read unit by unit (token fields only for
+   their lengths) and evaluated; the kept positions are collected (8 bytes per kept row).
+   With ``whole_groups`` a group is kept whole when every one of its rows matches, and
+   dropped whole otherwise.
+3. *Copy* (new buffer only): the kept rows are read in source order, about a segment at a
+   time, and appended to the new store, which is built under ``DST.partial`` and renamed to
+   ``DST`` when complete: an interrupted filter never leaves a ``DST`` that looks finished.
+
+Rows are those published when the filter starts; a writer appending meanwhile is not seen.
+Every read names rows by (part, global row id) (:mod:`.row_keys`), so a live writer evicting,
+or a shard growing, never changes which rows are read: a kept row evicted before it was copied
+fails the filter with an IndexError instead of copying another row.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir
+from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
+from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of, read_by_position
+from rlhf_pipeline.storage.where import GROUP_NAMES, WhereExpression, parse_where
+
+DEFAULT_CHUNK_ROWS = 4096
+Progress = Callable[[str, int, int], None]  # (stage, rows done, rows total)
+
+
+# ====================================================================== group statistics
+@dataclass
+class GroupTable:
+    """Statistics of each group's rewards, by group id (sorted)."""
+
+    ids: np.ndarray  # (G,) int64, sorted
+    size: np.ndarray  # (G,) int64
+    mean: np.ndarray  # (G,) float64
+    m2: np.ndarray  # (G,) float64: sum of squared deviations from the mean
+    low: np.ndarray  # (G,) float64
+    high: np.ndarray  # (G,) float64
+
+    @classmethod
+    def of_chunk(cls, group_ids: np.ndarray, rewards: np.ndarray) -> GroupTable:
+        """The partial table of one chunk of rows (two passes over the chunk: exact mean, then m2)."""
+        ids, inverse = np.unique(group_ids, return_inverse=True)
+        rewards = rewards.astype(np.float64)
+        size = np.bincount(inverse, minlength=ids.size)
+        mean = np.bincount(inverse, weights=rewards, minlength=ids.size) / np.maximum(size, 1)
+        m2 = np.bincount(inverse, weights=(rewards - mean[inverse]) ** 2, minlength=ids.size)
+        low = np.full(ids.size, np.inf)
+        high = np.full(ids.size, -np.inf)
+        np.minimum.at(low, inverse, rewards)
+        np.maximum.at(high, inverse, rewards)
+        return cls(ids, size, mean, m2, low, high)
+
+    @classmethod
+    def combine(cls, partials: list[GroupTable]) -> GroupTable:
+        """One table from partials that may hold the same group (a group split across chunks)."""
+        if not partials:
+            empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0)
+            return cls(empty_i, empty_i, empty_f, empty_f, empty_f, empty_f)
+        cat = {name: np.concatenate([getattr(p, name) for p in partials])
+               for name in ("ids", "size", "mean", "m2", "low", "high")}
+        ids, inverse = np.unique(cat["ids"], return_inverse=True)
+        size = np.bincount(inverse, weights=cat["size"], minlength=ids.size)
+        mean = np.bincount(inverse, weights=cat["size"] * cat["mean"], minlength=ids.size) / np.maximum(size, 1)
+        # pooled: sum of the parts' m2 plus each part's size times its mean's squared distance to the total mean
+        spread = cat["m2"] + cat["size"] * (cat["mean"] - mean[inverse]) ** 2
+        m2 = np.bincount(inverse, weights=spread, minlength=ids.size)
+        low = np.full(ids.size, np.inf)
+        high = np.full(ids.size, -np.inf)
+        np.minimum.at(low, inverse, cat["low"])
+        np.maximum.at(high, inverse, cat["high"])
+        return cls(ids, size.astype(np.int64), mean, m2, low, high)
+
+    def columns_for(self, group_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The group statistics (``GROUP_NAMES``) of each row's group."""
+        at = np.searchsorted(self.ids, group_ids)
+        std = np.sqrt(np.maximum(self.m2, 0.0) / np.maximum(self.size, 1))
+        std[self.low == self.high] = 0.0  # all equal: exactly 0, whatever the rounding of m2
+        return {
+            "group_size": self.size[at],
+            "group_reward_mean": self.mean[at],
+            "group_reward_std": std[at],
+            "group_reward_min": self.low[at],
+            "group_reward_max": self.high[at],
+        }
+
+
+# ====================================================================== chunks
+def chunk_bounds(store: TrajectoryStore, num_rows: int, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> list[tuple[int, int]]:
+    """Position ranges covering ``[0, num_rows)``, cut at the store's storage units (so a chunk
+    decodes whole units once) and merged up to about ``chunk_rows`` rows."""
+    unit_bounds = getattr(store, "unit_bounds", None)
+    if unit_bounds is not None:
+        cuts = sorted({end for _, end in unit_bounds() if 0 < end < num_rows})
+    elif getattr(store, "segment_rows", None):
+        segment = int(store.segment_rows)
+        first = store.first_row
+        cuts = list(range(segment - first % segment, num_rows, segment))
+    else:
+        cuts = list(range(chunk_rows, num_rows, chunk_rows))
+    bounds, start = [], 0
+    for cut in [*cuts, num_rows]:
+        if cut - start >= chunk_rows or cut == num_rows:
+            if cut > start:
+                bounds.append((start, cut))
+            start = cut
+    return bounds
+
+
+def _read_columns(parts: list[Part], start: int, stop: int, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The named fields of rows ``[start, stop)`` as NumPy arrays (token fields as their offsets)."""
+    columns: dict[str, np.ndarray] = {"position": np.arange(start, stop, dtype=np.int64)}
+    if fields:
+        batch = read_by_position(parts, columns["position"], fields)
+        for name in fields:
+            column = batch[name]
+            columns[name] = column.numpy() if isinstance(column, torch.Tensor) else column.offsets.numpy()
+    return columns
+
+
+# ====================================================================== selecting
+@dataclass
+class Selected:
+    """What a filter keeps: positions in the source (ascending) and the counts it reports."""
+
+    positions: np.ndarray
+    rows_in: int
+    groups_in: int
+    groups_kept: int
+
+
+def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, whole_groups: bool = False,
+                     chunk_rows: int = DEFAULT_CHUNK_ROWS, progress: Progress | None = None,
+                     parts: list[Part] | None = None) -> Selected:
+    """Positions of ``store``'s rows that ``where`` keeps (see the module docstring for the passes).
+
+    Reads the rows held at the store's last refresh, by global id (``parts``, a snapshot of
+    :func:`~rlhf_pipeline.storage.row_keys.parts_of` taken before, names them), so a writer
+    evicting or a shard growing meanwhile never changes which rows the positions mean.
+    """
+    expression = where if isinstance(where, WhereExpression) else \
+        parse_where(where, stored_fields=store.schema.field_names)
+    parts = parts_of(store) if parts is None else parts
+    num_rows = sum(p.length for p in parts)
+    bounds = chunk_bounds(store, num_rows, chunk_rows)
+    table = None
+    if expression.uses_groups:
+        partials, done = [], 0
+        for start, stop in bounds:
+            columns = _read_columns(parts, start, stop, ("group_id", "reward"))
+            partials.append(GroupTable.of_chunk(columns["group_id"], columns["reward"]))
+            done += stop - start
+            if progress is not None:
+                progress("group statistics", done, num_rows)
+        table = GroupTable.combine(partials)
+
+    fields = tuple(sorted(set(expression.fields) | {"group_id"}))
+    kept, kept_groups, failing, seen_groups, done = [], [], [], [], 0
+    for start, stop in bounds:
+        columns = _read_columns(parts, start, stop, fields)
+        if table is not None:
+            columns.update(table.columns_for(columns["group_id"]))
+        mask = expression.evaluate(columns, stop - start)
+        group_ids = columns["group_id"]
+        seen_groups.append(np.unique(group_ids))
+        kept.append(columns["position"][mask])
+        kept_groups.append(group_ids[mask])
+        if whole_groups:
+            failing.append(np.unique(group_ids[~mask]))
+        done += stop - start
+        if progress is not None:
+            progress("rows", done, num_rows)
+    positions = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+    groups = np.concatenate(kept_groups) if kept_groups else np.zeros(0, dtype=np.int64)
+    if whole_groups and failing:
+        keep = ~np.isin(groups, np.concatenate(failing))
+        positions, groups = positions[keep], groups[keep]
+    groups_in = int(np.unique(np.concatenate(seen_groups)).size) if seen_groups else 0
+    return Selected(positions.astype(np.int64), num_rows, groups_in, int(np.unique(groups).size))
+
+
+# ====================================================================== writing
+@dataclass
+class FilterResult:
+    """What ``filter`` did: counts, and the new buffer's stats (None for a selection or a count)."""
+
+    source: str
+    destination: str | None
+    output: str  # "buffer", "selection" or "count"
+    where: str
+    whole_groups: bool
+    rows_in: int
+    rows_kept: int
+    groups_in: int
+    groups_kept: int
+    stats: StoreStats | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "stats"}
+        out["stats"] = self.stats.to_json() if self.stats is not None else None
+        return out
+
+
+def filter_buffer(src: str | os.PathLike, dst: str | os.PathLike | None, where: str, *,
+                  whole_groups: bool = False, selection: bool = False, to: str | None = None,
+                  chunk_rows: int = DEFAULT_CHUNK_ROWS, progress: Progress | None = None,
+                  **dst_options: Any) -> FilterResult:
+    """Keeps the rows of the buffer at ``src`` that ``where`` selects.
+
+    ``dst=None`` only counts. Otherwise ``selection=True`` saves a selection at ``dst`` (no
+    rows copied); else a new store is written at ``dst``: the source's backend, or ``to``
+    (``"memmap"``/``"zarr"``), with the source's segment size unless ``dst_options`` say
+    otherwise (e.g. ``segment_rows=``, Zarr ``codec=``). The source is never modified.
+    """
+    from rlhf_pipeline.storage import open_buffer
+
+    if dst is not None and _exists(str(dst)):
+        raise FileExistsError(f"{dst} exists; choose a new path for the filtered buffer")
+    if selection and (to is not None or dst_options):
+        raise ValueError("a selection copies no rows: --to and store options apply to a new buffer only")
+    with open_buffer(str(src), mode="r") as source:
+        expression = parse_where(where, stored_fields=source.schema.field_names)
+        parts = parts_of(source)  # every read below names rows by global id within these parts
+        chosen = select_positions(source, expression, whole_groups=whole_groups, chunk_rows=chunk_rows,
+                                  progress=progress, parts=parts)
+        result = FilterResult(str(src), None if dst is None else str(dst),
+                              "count" if dst is None else ("selection" if selection else "buffer"),
+                              where, whole_groups, chosen.rows_in, int(chosen.positions.size),
+                              chosen.groups_in, chosen.groups_kept)
+        if dst is None:
+            return result
+        if selection:
+            _save_selection(source, parts, chosen.positions, str(dst), where, whole_groups)
+        else:
+            result.stats = _copy_rows(source, parts, chosen.positions, str(dst), to, chunk_rows, progress,
+                                      dst_options)
+    return result
+
+
+def _exists(location: str) -> bool:
+    return "://" not in location and Path(location).exists()
+
+
+def _save_selection(source: TrajectoryStore, parts: list[Part], positions: np.ndarray, dst: str, where: str,
+                    whole_groups: bool) -> None:
+    from rlhf_pipeline.storage import open_buffer
+    from rlhf_pipeline.storage.selection import SelectionStore, write_selection
+
+    if isinstance(source, SelectionStore):
+        # a selection of a selection names the rows of the original buffer: no chains of views
+        parts, ids = source.keys(positions)
+        with open_buffer(source.source_location, mode="r") as root:
+            write_selection(dst, root, parts, ids, where=f"({source.where}) and ({where})" if source.where else where,
+                            whole_groups=whole_groups)
+        return
+    part_index, ids = keys_of(source, positions, parts)
+    write_selection(dst, source, part_index, ids, where=where, whole_groups=whole_groups)
+
+
+def _backend_and_segment(source: TrajectoryStore) -> tuple[str, int]:
+    from rlhf_pipeline.storage.convert import segment_rows_of
+
+    stores = list(getattr(source, "_sources", {}).values()) or [p.store for p in parts_of(source)]
+    return stores[0].backend_name, segment_rows_of(stores[0])
+
+
+def _copy_rows(source: TrajectoryStore, parts: list[Part], positions: np.ndarray, dst: str, to: str | None,
+               chunk_rows: int, progress: Progress | None, dst_options: dict[str, Any]) -> StoreStats:
+    from rlhf_pipeline.storage import backend_class
+
+    backend, segment_rows = _backend_and_segment(source)
+    target_cls = backend_class(to or backend)
+    dst_options.setdefault("segment_rows", segment_rows)
+    local = "://" not in dst
+    build_at = dst + PARTIAL_SUFFIX if local else dst
+    if local and Path(build_at).exists():
+        shutil.rmtree(build_at)  # left by an interrupted filter to this same destination
+    try:
+        with target_cls.create(build_at, source.schema, **dst_options) as target:
+            step = max(chunk_rows, dst_options["segment_rows"])
+            for start in range(0, positions.size, step):
+                target.append(read_by_position(parts, positions[start: start + step]))
+                if progress is not None:
+                    progress("copy", min(positions.size, start + step), int(positions.size))
+            flush = getattr(target, "flush", None)
+            if flush is not None:
+                flush()
+        if local:
+            os.replace(build_at, dst)
+            fsync_dir(Path(dst).resolve().parent)
+    except BaseException:
+        if local:
+            shutil.rmtree(build_at, ignore_errors=True)
+        raise
+    from rlhf_pipeline.storage import open_store
+
+    with open_store(dst, mode="r") as written:
+        return written.stats()
+
+
+__all__ = ["GROUP_NAMES", "FilterResult", "GroupTable", "Selected", "chunk_bounds", "filter_buffer",
+           "select_positions"]

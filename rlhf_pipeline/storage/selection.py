@@ -1,0 +1,493 @@
+"""Saved selections: a filtered view of a buffer that is read in place, never copied.
+
+``rlhf-pipeline filter SRC DST --where ... --selection`` (or :func:`write_selection`) saves
+which rows of ``SRC`` were kept; :func:`~rlhf_pipeline.storage.open_buffer` opens ``DST`` as
+a read-only :class:`SelectionStore`, a :class:`TrajectoryStore` whose positions
+``[0, rows)`` are the kept rows in source order, read from the source through its own
+(fused) paths. ``replay --buffer DST``, the learner and ``inspect`` take it like any buffer.
+
+On disk (a directory, written to ``DST.partial`` and renamed into place when complete)::
+
+    DST/
+      selection.json   format, the source (its location, and per part: location, backend,
+                       first_row/next_row when selected, fingerprints of a few kept rows),
+                       the schema, the row count, a CRC32 of rows.npy, the --where expression
+      rows.npy         int64 (rows,): global row id of each kept row in its part, ascending
+                       within a part
+      parts.npy        int64 (rows,): the part (shard index) of each row; only for a
+                       sharded source, whose rows are named (shard, global id): see row_keys.py
+
+A selection names rows by global id, which never changes, so rows appended to the source
+later do not disturb it. Opening checks that the source still holds exactly those rows and
+fails with :class:`SelectionInvalidError` otherwise: a part missing or of another backend or
+schema, fewer rows published than when selected (truncated or replaced), kept rows evicted,
+or a fingerprint mismatch (a different store now at that path). Rows evicted while the
+selection is open fail the read that needs them with the same error, never other rows.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json, write_atomic
+from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.storage.base import (
+    NotAStoreError,
+    ReadOnlyStoreError,
+    StoreError,
+    StoreStats,
+    TrajectoryStore,
+)
+from rlhf_pipeline.storage.manifest import read_json
+from rlhf_pipeline.storage.padded_rows import LocatedRows
+from rlhf_pipeline.storage.row_keys import parts_of
+
+FORMAT = "rlhf_pipeline.selection"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "selection.json"
+ROWS_NAME = "rows.npy"
+PARTS_NAME = "parts.npy"
+PROBES_PER_PART = 4
+_PROBE_FIELDS = ("trajectory_id", "reward", "response_tokens", "response_log_probs")
+
+
+class SelectionInvalidError(StoreError):
+    """A saved selection's source no longer holds the rows it names."""
+
+
+def is_selection(location: str | os.PathLike) -> bool:
+    """True when ``location`` is a directory holding a saved selection; never raises."""
+    try:
+        return (Path(location) / MANIFEST_NAME).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+# ====================================================================== writing
+def write_selection(path: str | os.PathLike, source: TrajectoryStore, part_index: np.ndarray,
+                    global_ids: np.ndarray, *, where: str = "", whole_groups: bool = False,
+                    source_location: str | None = None) -> Path:
+    """Saves the rows ``(part_index, global_ids)`` of ``source`` (row keys, see row_keys.py) as a
+    selection at ``path``; the directory appears whole or not at all."""
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists; choose a new path for the selection")
+    part_index = np.asarray(part_index, dtype=np.int64).reshape(-1)
+    global_ids = np.asarray(global_ids, dtype=np.int64).reshape(-1)
+    parts = parts_of(source)
+    order = {p.index: i for i, p in enumerate(parts)}
+    unknown = sorted(set(np.unique(part_index).tolist()) - set(order))
+    if unknown:
+        raise ValueError(f"part(s) {unknown} are not parts of {source.location}")
+    # rows sorted by (part in position order, global id): each part's rows are one range
+    rank = np.zeros(max(order) + 1, dtype=np.int64)
+    for index, position in order.items():
+        rank[index] = position
+    sort = np.lexsort((global_ids, rank[part_index]))
+    part_index, global_ids = part_index[sort], global_ids[sort]
+    sharded = hasattr(source, "shard_ranges")
+
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    if partial.exists():
+        shutil.rmtree(partial)  # left by an interrupted write of this same selection
+    partial.mkdir(parents=True)
+    try:
+        rows_bytes = _npy_bytes(global_ids)
+        write_atomic(partial / ROWS_NAME, lambda f: f.write(rows_bytes))
+        if sharded:
+            write_atomic(partial / PARTS_NAME, lambda f: f.write(_npy_bytes(part_index)))
+        described = []
+        for part in parts:
+            mine = global_ids[part_index == part.index]
+            described.append({
+                "index": part.index,
+                "location": _absolute(part.store.location),
+                "relative": _relative(part.store.location, path),
+                "backend": part.store.backend_name,
+                "first_row": part.first_row,
+                "next_row": part.next_row,
+                "rows": int(mine.size),
+                "probes": _probes(part.store, mine),
+            })
+        location = source_location or source.location
+        publish_json(partial / MANIFEST_NAME, {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "source": {"location": _absolute(location), "relative": _relative(location, path),
+                       "layout": "sharded" if sharded else "store"},
+            "parts": described,
+            "schema": source.schema.to_json(),
+            "rows": int(global_ids.size),
+            "rows_crc32": zlib.crc32(rows_bytes),
+            "where": where,
+            "whole_groups": bool(whole_groups),
+            "created": round(time.time(), 3),
+        })
+        os.replace(partial, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return path
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _absolute(location: str) -> str:
+    return location if "://" in location else str(Path(location).resolve())
+
+
+def _relative(location: str, selection: Path) -> str | None:
+    if "://" in location:
+        return None
+    try:
+        return os.path.relpath(Path(location).resolve(), selection.resolve())
+    except ValueError:  # another drive (Windows)
+        return None
+
+
+def _probes(store: TrajectoryStore, global_ids: np.ndarray) -> list[list[int]]:
+    """``[global id, fingerprint]`` of a few kept rows: first, last and between."""
+    if global_ids.size == 0:
+        return []
+    picks = np.unique(global_ids[np.linspace(0, global_ids.size - 1, PROBES_PER_PART).round().astype(np.int64)])
+    return [[int(g), f] for g, f in zip(picks.tolist(), _fingerprints(store, picks))]
+
+
+def _fingerprints(store: TrajectoryStore, global_ids: np.ndarray) -> list[int]:
+    """CRC32 of each row's ids, reward, response tokens and sampling log-probs: a different store
+    (another run at the same path) differs in them even where row counts match."""
+    rows = store.read_global(torch.from_numpy(np.asarray(global_ids, dtype=np.int64)), fields=_PROBE_FIELDS)
+    out = []
+    for i in range(len(rows)):
+        crc = zlib.crc32(rows["trajectory_id"][i].numpy().tobytes())
+        crc = zlib.crc32(rows["reward"][i].numpy().tobytes(), crc)
+        crc = zlib.crc32(rows["response_tokens"].row(i).numpy().tobytes(), crc)
+        out.append(zlib.crc32(rows["response_log_probs"].row(i).numpy().tobytes(), crc))
+    return out
+
+
+# ====================================================================== the view
+class SelectionStore(TrajectoryStore):
+    """A read-only view of the kept rows of a buffer (see the module docstring)."""
+
+    backend_name = "selection"
+    supports_field_subset = True
+
+    @classmethod
+    def open(cls, location: str | os.PathLike, mode: str = "r", **open_options: Any) -> SelectionStore:
+        """Opens the selection at ``location``; ``open_options`` go to the source stores' ``open``."""
+        if mode != "r":
+            raise ReadOnlyStoreError(f"{location} is a saved selection, which is read-only; filter again "
+                                     f"to change it, or open its source to append")
+        return cls(Path(location), open_options)
+
+    def __init__(self, path: Path, open_options: dict[str, Any]) -> None:
+        super().__init__()
+        self._path = path
+        self._closed = False
+        self._sources: dict[int, TrajectoryStore] = {}
+        manifest = read_json(path / MANIFEST_NAME, what="saved selection")
+        self._manifest = manifest
+        try:
+            self._load(manifest, open_options)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, manifest: dict[str, Any], open_options: dict[str, Any]) -> None:
+        from rlhf_pipeline.storage import open_store
+
+        where = self._path / MANIFEST_NAME
+        if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+            raise NotAStoreError(f"{where} is not a saved selection of format {FORMAT} v{FORMAT_VERSION}")
+        try:
+            self._schema = StoreSchema.from_json(manifest["schema"])
+            rows_path = self._path / ROWS_NAME
+            raw = rows_path.read_bytes()
+            if zlib.crc32(raw) != int(manifest["rows_crc32"]):
+                raise SelectionInvalidError(f"{rows_path} does not match its CRC in {where}: the file was "
+                                            f"damaged; filter again to rebuild the selection")
+            self._rows = np.load(rows_path, allow_pickle=False)
+            parts_path = self._path / PARTS_NAME
+            self._part_of = np.load(parts_path, allow_pickle=False) if parts_path.exists() else None
+            described = manifest["parts"]
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            if isinstance(exc, StoreError):
+                raise
+            raise SelectionInvalidError(f"{self._path} is a damaged selection ({exc!r}); filter again") from None
+        if self._rows.shape != (int(manifest["rows"]),):
+            raise SelectionInvalidError(f"{self._path}: rows.npy holds {self._rows.shape} ids, the manifest "
+                                        f"says {manifest['rows']}")
+        self._ranges: list[tuple[int, int, int]] = []  # (part index, first position, end position)
+        start = 0
+        for part in described:
+            location = self._find(part)
+            store = open_store(location, mode="r", **open_options)
+            self._sources[int(part["index"])] = store
+            self._check_part(store, part)
+            self._ranges.append((int(part["index"]), start, start + int(part["rows"])))
+            start += int(part["rows"])
+        if start != self._rows.size:
+            raise SelectionInvalidError(f"{self._path}: the parts name {start} rows, rows.npy holds {self._rows.size}")
+
+    def _find(self, part: dict[str, Any]) -> str:
+        location = part["location"]
+        if "://" in location or Path(location).exists() or part.get("relative") is None:
+            return location
+        moved = (self._path / part["relative"]).resolve()  # the selection moved along with its source
+        return str(moved) if moved.exists() else location
+
+    def _check_part(self, store: TrajectoryStore, part: dict[str, Any]) -> None:
+        name = f"selection {self._path}: source {store.location}"
+        if store.backend_name != part["backend"]:
+            raise SelectionInvalidError(f"{name} is a {store.backend_name} store, it was a {part['backend']} "
+                                        f"store when the selection was made: a different buffer is at that path")
+        if store.schema != self._schema:
+            raise SelectionInvalidError(f"{name} stores fields {store.schema.field_names}, the selection was "
+                                        f"made from one storing {self._schema.field_names}")
+        if store.next_row < int(part["next_row"]):
+            raise SelectionInvalidError(f"{name} has published {store.next_row} rows, it had {part['next_row']} "
+                                        f"when the selection was made: it was truncated or replaced")
+        mine = self._part_rows(int(part["index"]), part)
+        if mine.size and int(mine[0]) < store.first_row:
+            raise SelectionInvalidError(
+                f"{name} now starts at global row {store.first_row}: kept rows from {int(mine[0])} were "
+                f"evicted since the selection was made, so it can no longer be read. Filter again from a "
+                f"buffer that holds them (or raise the source's capacity_rows)")
+        probes = part.get("probes") or []
+        if probes:
+            ids = np.array([p[0] for p in probes], dtype=np.int64)
+            if _fingerprints(store, ids) != [int(p[1]) for p in probes]:
+                raise SelectionInvalidError(f"{name} holds other rows than when the selection was made (row "
+                                            f"fingerprints differ): a different buffer is at that path")
+
+    def _part_rows(self, index: int, part: dict[str, Any]) -> np.ndarray:
+        if self._part_of is None:
+            return self._rows
+        return self._rows[self._part_of == index]
+
+    # ================================================================ contract
+    @property
+    def schema(self) -> StoreSchema:
+        return self._schema
+
+    @property
+    def location(self) -> str:
+        return str(self._path)
+
+    @property
+    def writable(self) -> bool:
+        return False
+
+    @property
+    def first_row(self) -> int:
+        return 0
+
+    @property
+    def next_row(self) -> int:
+        return int(self._rows.size)
+
+    @property
+    def source_location(self) -> str:
+        """Where the selected rows live (the buffer the selection was made from)."""
+        return self._manifest["source"]["location"]
+
+    @property
+    def where(self) -> str:
+        return self._manifest.get("where", "")
+
+    def refresh(self) -> int:
+        if self._closed:
+            raise StoreError(f"{self._path} was closed; open it again")
+        return int(self._rows.size)
+
+    def append(self, batch: TrajectoryBatch) -> torch.Tensor:
+        raise ReadOnlyStoreError(f"{self._path} is a saved selection, which is read-only; append to its "
+                                 f"source {self.source_location}")
+
+    def _append_validated(self, batch: TrajectoryBatch) -> None:  # pragma: no cover - append raises first
+        raise ReadOnlyStoreError(f"{self._path} is a saved selection, which is read-only")
+
+    def keys(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(part index, global row id in that part)`` of selection positions: the source's row keys."""
+        positions = np.asarray(positions, dtype=np.int64)
+        parts = self._part_of[positions] if self._part_of is not None \
+            else np.zeros(positions.shape, dtype=np.int64)
+        return parts, self._rows[positions]
+
+    def _split(self, positions: np.ndarray) -> list[tuple[TrajectoryStore, torch.Tensor, np.ndarray]]:
+        """Per part holding some of ``positions``: (source store, global ids, where they were)."""
+        ends = np.array([end for _, _, end in self._ranges], dtype=np.int64)
+        slot = np.searchsorted(ends, positions, side="right")
+        out = []
+        for k in np.unique(slot).tolist():
+            where = np.flatnonzero(slot == k)
+            index = self._ranges[k][0]
+            store = self._sources[index]
+            ids = self._rows[positions[where]]
+            if ids.size and int(ids.min()) < store.first_row:
+                raise SelectionInvalidError(
+                    f"selection {self._path}: rows from global row {int(ids.min())} of {store.location} were "
+                    f"evicted (it now starts at {store.first_row}); the selection can no longer be read")
+            out.append((store, torch.from_numpy(np.ascontiguousarray(ids)), where))
+        return out
+
+    def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None) -> TrajectoryBatch:
+        positions = global_ids.numpy().astype(np.int64, copy=False)
+        if positions.size == 0:
+            return next(iter(self._sources.values())).read([], fields=fields)
+        parts = [(self._read_part(store, ids, fields), where) for store, ids, where in self._split(positions)]
+        if len(parts) == 1:
+            return parts[0][0]
+        inverse = np.empty(positions.size, dtype=np.int64)
+        inverse[np.concatenate([where for _, where in parts])] = np.arange(positions.size)
+        return TrajectoryBatch.cat([rows for rows, _ in parts]).select(torch.from_numpy(inverse))
+
+    def _read_part(self, store: TrajectoryStore, ids: torch.Tensor, fields) -> TrajectoryBatch:
+        try:
+            return store.read_global(ids, fields=fields)
+        except IndexError as exc:  # evicted under this reader
+            raise SelectionInvalidError(f"selection {self._path}: {exc}; the selection can no longer be read") from None
+
+    @property
+    def supports_fused_padding(self) -> bool:
+        return all(s.supports_fused_padding for s in self._sources.values())
+
+    def _locate_rows(self, global_ids: torch.Tensor) -> LocatedRows:
+        positions = global_ids.numpy().astype(np.int64, copy=False)
+        parts = []
+        for store, ids, where in self._split(positions):
+            try:
+                parts.append((where, store._locate_rows(ids)))
+            except IndexError as exc:
+                raise SelectionInvalidError(f"selection {self._path}: {exc}") from None
+        if len(parts) == 1:
+            return parts[0][1]
+        return LocatedRows.merge(parts, positions.size, self._schema)
+
+    def unit_bounds(self) -> list[tuple[int, int]]:
+        """Position ranges of the selection whose rows lie in one storage unit of the source
+        (a memmap segment, a Zarr unit): reading one range decodes one source unit."""
+        bounds: list[tuple[int, int]] = []
+        for index, start, end in self._ranges:
+            if start == end:
+                continue
+            starts = _unit_starts(self._sources[index])
+            unit = np.searchsorted(starts, self._rows[start:end], side="right")
+            cuts = (np.flatnonzero(np.diff(unit)) + 1 + start).tolist()
+            edges = [start, *cuts, end]
+            bounds += list(zip(edges[:-1], edges[1:]))
+        return bounds
+
+    def close(self) -> None:
+        for store in self._sources.values():
+            store.close()
+        self._sources = {}
+        self._closed = True
+
+    # ================================================================ summary and copies
+    def stats(self) -> StoreStats:
+        """Rows, groups, tokens, rewards and versions of the kept rows (one pass over them)."""
+        n = int(self._rows.size)
+        groups, versions = [], {}
+        prompt_tokens = response_tokens = raw = 0
+        rewards = []
+        for start in range(0, n, 4096):
+            batch = self.read(torch.arange(start, min(n, start + 4096)))
+            groups.append(np.unique(batch["group_id"].numpy()))
+            rewards.append(batch["reward"].numpy().astype(np.float64))
+            prompt_tokens += int(batch["prompt_tokens"].values.numel())
+            response_tokens += int(batch["response_tokens"].values.numel())
+            raw += _payload_bytes(batch)
+            for v, c in zip(*np.unique(batch["policy_version"].numpy(), return_counts=True)):
+                versions[int(v)] = versions.get(int(v), 0) + int(c)
+        files = [self._path / name for name in (MANIFEST_NAME, ROWS_NAME, PARTS_NAME)]
+        out = StoreStats(
+            backend=self.backend_name, location=self.location, rows=n, first_row=0, next_row=n,
+            groups=int(np.unique(np.concatenate(groups)).size) if groups else 0,
+            prompt_tokens=prompt_tokens, response_tokens=response_tokens,
+            bytes_on_disk=sum(f.stat().st_size for f in files if f.exists()), raw_bytes=raw,
+            segments=len(self.unit_bounds()), policy_versions=dict(sorted(versions.items())),
+            optional_fields=list(self._schema.optional),
+            extra={"source": self.source_location, "where": self.where,
+                   "whole_groups": bool(self._manifest.get("whole_groups")),
+                   "source_rows_when_selected": sum(int(p["next_row"]) - int(p["first_row"])
+                                                    for p in self._manifest["parts"]),
+                   "bytes_on_disk_is": "the selection's own files; the rows stay in the source"},
+        )
+        if rewards:
+            values = np.concatenate(rewards)
+            if values.size:
+                out.reward_mean, out.reward_std = float(values.mean()), float(values.std())
+                out.reward_min, out.reward_max = float(values.min()), float(values.max())
+        return out
+
+    def snapshot_to(self, path: str) -> None:
+        """Copies the selection (its files, not the rows it names) to ``path``."""
+        target = Path(path)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise FileExistsError(f"snapshot target {target} exists and is not an empty directory")
+        target.mkdir(parents=True, exist_ok=True)
+        for name in (ROWS_NAME, PARTS_NAME):
+            if (self._path / name).exists():
+                data = (self._path / name).read_bytes()
+                write_atomic(target / name, lambda f, data=data: f.write(data))
+        manifest = dict(self._manifest)
+        manifest["source"] = dict(manifest["source"], relative=_relative(manifest["source"]["location"], target))
+        manifest["parts"] = [dict(p, relative=_relative(p["location"], target)) for p in manifest["parts"]]
+        publish_json(target / MANIFEST_NAME, manifest)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rows_crc32": int(self._manifest["rows_crc32"])}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Checks that this is the selection a saved state read (same rows, same order)."""
+        if int(state_dict.get("next_row", -1)) != self.next_row or \
+                int(state_dict.get("rows_crc32", -1)) != int(self._manifest["rows_crc32"]):
+            raise SelectionInvalidError(
+                f"{self._path} holds {self.next_row} rows, not the {state_dict.get('next_row')} rows of the "
+                f"selection the saved state read: the selection was replaced since that checkpoint")
+
+    def __repr__(self) -> str:
+        return f"SelectionStore({self.location!r}, rows={self.next_row}, source={self.source_location!r})"
+
+
+def _unit_starts(store: TrajectoryStore) -> np.ndarray:
+    """Global ids where the storage units of ``store`` start (ascending)."""
+    unit_bounds = getattr(store, "unit_bounds", None)
+    if unit_bounds is not None:
+        return np.array([start for start, _ in unit_bounds()], dtype=np.int64) + store.first_row
+    segment_rows = getattr(store, "segment_rows", None)
+    if segment_rows:
+        first = store.first_row - store.first_row % segment_rows
+        return np.arange(first, max(store.next_row, first + 1), segment_rows, dtype=np.int64)
+    return np.array([store.first_row], dtype=np.int64)
+
+
+def _payload_bytes(batch: TrajectoryBatch) -> int:
+    total = 0
+    for name in batch.field_names:
+        column = batch[name]
+        if isinstance(column, list):
+            total += sum(len(text.encode("utf-8")) for text in column)
+        elif isinstance(column, torch.Tensor):
+            total += column.numel() * column.element_size()
+        else:
+            total += column.values.numel() * column.values.element_size()
+    return total
