@@ -22,6 +22,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rlhf_pipeline.bench.write_path_bench",
         "cost of the write-path transform stack per completion",
     ),
+    "replay": (
+        "rlhf_pipeline.bench.replay_bench",
+        "epoch-order replay of a buffer bigger than the Zarr cache: memmap vs Zarr, uniform sampling beside",
+    ),
 }
 
 
