@@ -106,6 +106,8 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     saved = _saved_replay(paths)
     with _open_source(source) as store:
         rows = saved["rows"] if saved else len(store)
+        if saved:
+            _check_source_unchanged(store, saved)
         batch_size = build_pipeline(module, settings, paths).learner.batch_size
         batches_per_epoch = -(-rows // batch_size)
         steps = options.steps or (options.epochs or 1) * batches_per_epoch
@@ -118,6 +120,11 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     print(f"[replay] {source}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
           f"{steps} steps ({steps / batches_per_epoch:.3g} epochs, order {options.order}) into {paths.root}",
           file=sys.stderr, flush=True)
+    window = learner_settings.shuffle_window_rows
+    if options.order == "shuffle" and 0 < window < rows:
+        print(f"[replay] shuffling within windows of >= {window} rows of whole storage units (--shuffle-window); "
+              f"a Zarr source decodes each unit once per epoch while a window fits its cache_bytes",
+              file=sys.stderr, flush=True)
     return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps)
 
 
@@ -172,10 +179,27 @@ def _check_source_fits(store, options: ReplayOptions, learner) -> None:
         )
 
 
+def _check_source_unchanged(store, saved: dict[str, Any]) -> None:
+    """A resumed replay walks the positions it started with; they must still name the same rows."""
+    grown = int(store.next_row) - int(saved.get("next_row", store.next_row))
+    if not grown:
+        return
+    if store.backend_name == "sharded":
+        # positions run shard after shard: rows added to one shard move every later shard's rows
+        raise ReplayError(
+            f"{store.location} gained {grown} rows since this replay started; in a buffer of shards that "
+            f"moves the positions the replay walks. Replay a finished buffer (or a copy: `rlhf-pipeline "
+            f"convert`), or start a new replay with --run-name NAME"
+        )
+    print(f"[replay] note: {store.location} gained {grown} rows since this replay started; it walks the "
+          f"{saved['rows']} rows it started with", file=sys.stderr, flush=True)
+
+
 def _replay_record(options: ReplayOptions, source: str, store, rows: int, steps: int, learner) -> dict[str, Any]:
     record = dataclasses.asdict(options)
     record.update(
-        buffer=source, backend=store.backend_name, rows=rows, first_row=int(store.first_row), steps=steps,
+        buffer=source, backend=store.backend_name, rows=rows, first_row=int(store.first_row),
+        next_row=int(store.next_row), steps=steps,
         seed=options.seed,
         staleness_bound="none: the rows' policy versions belong to the run that recorded them",
         learner=settings_to_json(learner),

@@ -9,7 +9,8 @@ Names follow what GRPO trainers (TRL, verl, cleanrl) show, grouped by prefix:
   rewards are all equal, so they carry no GRPO signal), ``advantage_mean``/``_std``,
   ``response_length_mean``, ``learning_rate``, ``tokens_per_s``, ``data_wait_s``,
   ``staleness_mean``/``_max`` (learner version minus the sampling policy's version),
-  ``rows_dropped_stale``, ``policy_version``, ``buffer_rows``.
+  ``rows_dropped_stale``, ``policy_version``, ``buffer_rows``, ``row_version_min``/``_max``/
+  ``_spread`` (the policy versions that sampled the step's rows).
 
 ``metrics.jsonl`` is the source of truth; TensorBoard is a view of the same numbers.
 """

@@ -24,7 +24,7 @@ from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.replay import ReplayError, ReplayOptions, replay_command
 from rlhf_pipeline.schema import StoreSchema
-from rlhf_pipeline.storage import create_store
+from rlhf_pipeline.storage import create_store, open_store
 from rlhf_pipeline.storage.convert import convert
 from rlhf_pipeline.storage.sharded import shard_path
 from rlhf_pipeline.synthetic import synthetic_batch
@@ -211,6 +211,11 @@ def test_zarr_zip_url_and_sharded_sources(home, source, tmp_path):
     ids = [i for batch in batches(sharded) for i in batch]
     assert len(ids) == 64 and {i >> 40 for i in ids} == {0, 1} and len(set(ids)) == 64
     assert digest(tmp_path / "run") == before
+    # a collector adds rows to the first shard: the second shard's positions move, so no resume
+    with open_store(shard_path(tmp_path / "run" / "buffer", 0), mode="a") as shard:
+        shard.append(recorded_rows(4, seed=9, high_bits=5 << 40))
+    with pytest.raises(ReplayError, match="gained 4 rows since this replay started; in a buffer of shards"):
+        replay(home, "src-shards", tmp_path / "run" / "buffer", epochs=2)
 
 
 def test_rescoring_a_buffer_recorded_without_advantages_or_reference(home, reference_run, tmp_path):
