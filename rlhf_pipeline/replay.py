@@ -114,11 +114,14 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         settings = make_settings(module, cli_overrides + [f"steps={steps}"])
         pipeline = build_pipeline(module, settings, paths)
         learner_settings = _replay_learner_settings(pipeline.learner, options, rows)
+        if options.order == "shuffle":
+            learner_settings = fit_shuffle_window(store, rows, learner_settings, given=options.shuffle_window_rows)
         _check_source_fits(store, options, learner_settings)
         record = _replay_record(options, source, store, rows, steps, learner_settings)
     prepare_replay_run(pipeline, paths, record, options)
-    print(f"[replay] {source}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
-          f"{steps} steps ({steps / batches_per_epoch:.3g} epochs, order {options.order}) into {paths.root}",
+    epochs = steps / batches_per_epoch
+    print(f"[replay] {options.buffer}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
+          f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) into {paths.root}",
           file=sys.stderr, flush=True)
     window = learner_settings.shuffle_window_rows
     if options.order == "shuffle" and 0 < window < rows:
@@ -162,6 +165,39 @@ def _replay_learner_settings(learner, options: ReplayOptions, rows: int):
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
     return settings
+
+
+def fit_shuffle_window(store, rows: int, learner, *, given: int | None, cache_bytes: int | None = None):
+    """Learner settings whose shuffle window fits a Zarr reader's decoded-unit cache.
+
+    A Zarr reader decodes whole units into an LRU cache (512 MiB by default); a shuffled epoch
+    walks windows of units, and a window whose decoded rows exceed the cache misses on nearly
+    every batch (``benchmarks/README.md``, replay). The window is kept to half the cache
+    (``cache_bytes``, default the reader's), at the source's mean decoded bytes per row: set so
+    when ``--shuffle-window`` was not given, else only a warning.
+    """
+    backends = {store.backend_name} | {s.backend_name for s in getattr(store, "shards", {}).values()}
+    window = learner.shuffle_window_rows
+    if "zarr" not in backends:
+        return learner
+    from rlhf_pipeline.storage.zarr.store import DEFAULT_CACHE_BYTES
+
+    cache_bytes = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
+    stats = store.stats()
+    row_bytes = max(1.0, stats.raw_bytes / max(stats.rows, 1))
+    fitting = max(1, int(cache_bytes // 2 // row_bytes))
+    span = rows if window == 0 else min(window, rows)
+    if span <= fitting:
+        return learner
+    why = (f"{store.location}'s rows are ~{row_bytes / 1024:.1f} KB decoded, and its reader caches "
+           f"{cache_bytes / 2**20:.3g} MiB of decoded units")
+    if given is not None:
+        print(f"[replay] warning: a shuffle window of {span} rows is more than the cache holds ({why}); "
+              f"expect every batch to decode units again, or use --shuffle-window {fitting}",
+              file=sys.stderr, flush=True)
+        return learner
+    print(f"[replay] shuffle window set to {fitting} rows: {why}", file=sys.stderr, flush=True)
+    return dataclasses.replace(learner, shuffle_window_rows=fitting)
 
 
 def _check_source_fits(store, options: ReplayOptions, learner) -> None:

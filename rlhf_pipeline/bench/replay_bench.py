@@ -185,9 +185,9 @@ def format_table(records: list[dict[str, Any]]) -> str:
     lines = ["| backend | order | batches/s (64) | runs | vs memmap (same order) | vs uniform (same backend) "
              "| peak RSS MB | RSS over imports MB |", "|" + "---|" * 8]
     for r in records:
-        runs = " / ".join(f"{x:.0f}" for x in r.get("batches_per_s_runs", [r["batches_per_s"]]))
+        runs = " / ".join(f"{x:.3g}" for x in r.get("batches_per_s_runs", [r["batches_per_s"]]))
         ratio = (lambda x: f"{x:.2f}x" if x is not None else "n/a")
-        lines.append(f"| {r['backend']} | {r['order']} | {r['batches_per_s']:.0f} | {runs} | {ratio(r['vs_memmap'])} "
+        lines.append(f"| {r['backend']} | {r['order']} | {r['batches_per_s']:.3g} | {runs} | {ratio(r['vs_memmap'])} "
                      f"| {ratio(r['vs_uniform'])} | {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] - r['import_rss_mb']:.0f} |")
     return "\n".join(lines)
 

@@ -122,7 +122,9 @@ class Learner:
         truncate_metrics(self.paths.metrics, self.progress.step)
         self._metrics = MetricsWriter(self.paths.metrics, self.paths.tensorboard)
         if self.show_progress:
-            self._display = ProgressDisplay(self.total_steps, self.progress.step, self.settings.log_every)
+            # epoch replays train on another run's rows: their staleness means nothing, the ratio does
+            keys = ProgressDisplay.OFF_POLICY_KEYS if self.settings.sampler == "epoch" else ProgressDisplay.KEYS
+            self._display = ProgressDisplay(self.total_steps, self.progress.step, self.settings.log_every, keys=keys)
 
     def _load_checkpoint(self) -> dict[str, Any] | None:
         if self.checkpoints.latest() is None:

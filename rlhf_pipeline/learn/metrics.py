@@ -120,9 +120,14 @@ class ProgressDisplay:
     KEYS = (("reward", "charts/reward_mean"), ("loss", "losses/loss"), ("kl", "losses/kl"),
             ("stale", "charts/staleness_mean"), ("tok/s", "charts/tokens_per_s"),
             ("wait", "charts/data_wait_s"))
+    #: for a replay, whose rows were sampled by another run's policies: how far they are from ours
+    OFF_POLICY_KEYS = (("reward", "charts/reward_mean"), ("loss", "losses/loss"), ("kl", "losses/kl"),
+                       ("ratio", "losses/ratio_mean"), ("kl_old", "losses/approx_kl_old"),
+                       ("tok/s", "charts/tokens_per_s"))
 
-    def __init__(self, total: int, initial: int = 0, log_every: int = 10, stream=None) -> None:
+    def __init__(self, total: int, initial: int = 0, log_every: int = 10, stream=None, keys=KEYS) -> None:
         self.stream = stream or sys.stderr
+        self.keys = keys
         self.log_every = max(1, log_every)
         self.total = total
         self._bar = None
@@ -133,7 +138,7 @@ class ProgressDisplay:
                              dynamic_ncols=True)
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
-        shown = {short: metrics[key] for short, key in self.KEYS if key in metrics}
+        shown = {short: metrics[key] for short, key in self.keys if key in metrics}
         if self._bar is not None:
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
             self._bar.update(step - self._bar.n)

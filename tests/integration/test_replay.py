@@ -248,3 +248,22 @@ def test_a_resumed_replay_must_match_how_it_started(home, source, reference_run)
     longer = replay(home, "extended", source, epochs=2, seed=7)
     assert batches(longer)[:6] == batches(reference_run)[:6] and len(losses(longer)) == 12
     assert sorted(i for batch in batches(longer)[6:] for i in batch) == list(range(ROWS))
+
+
+def test_the_shuffle_window_is_fitted_to_a_zarr_readers_cache(source, tmp_path, capsys):
+    from rlhf_pipeline.learn.settings import LearnerSettings
+    from rlhf_pipeline.replay import fit_shuffle_window
+    from rlhf_pipeline.storage import open_buffer
+
+    convert(str(source), str(tmp_path / "zarr"), "zarr")
+    settings = LearnerSettings(sampler="epoch", shuffle_window_rows=64)
+    with open_buffer(tmp_path / "zarr") as store:
+        row_bytes = store.stats().raw_bytes / ROWS
+        cache = int(row_bytes * 41)  # half of it holds 20.5 rows
+        fitted = fit_shuffle_window(store, ROWS, settings, given=None, cache_bytes=cache)
+        assert fitted.shuffle_window_rows == 20 and "shuffle window set to 20 rows" in capsys.readouterr().err
+        given = fit_shuffle_window(store, ROWS, settings, given=64, cache_bytes=cache)
+        assert given.shuffle_window_rows == 64 and "use --shuffle-window 20" in capsys.readouterr().err
+        assert fit_shuffle_window(store, ROWS, settings, given=None, cache_bytes=cache * 10) is settings
+    with open_buffer(source) as memmap:  # a memmap reader has no such cache: nothing to fit
+        assert fit_shuffle_window(memmap, ROWS, settings, given=None, cache_bytes=cache) is settings
