@@ -209,7 +209,7 @@ class _StopFlag:
 
 
 def _role() -> str:
-    return "learner" if "learn" in sys.argv else "collector" if "collect" in sys.argv else "run"
+    return "learner" if {"learn", "replay"} & set(sys.argv) else "collector" if "collect" in sys.argv else "run"
 
 
 # ====================================================================== collector side

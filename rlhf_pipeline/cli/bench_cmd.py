@@ -26,6 +26,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rlhf_pipeline.bench.curation_bench",
         "prioritized sampling and filter against plain baselines",
     ),
+    "replay": (
+        "rlhf_pipeline.bench.replay_bench",
+        "epoch-order replay of a buffer bigger than the Zarr cache: memmap vs Zarr, uniform sampling beside",
+    ),
 }
 
 

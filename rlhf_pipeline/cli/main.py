@@ -20,7 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("rlhf_pipeline.cli.inspect_cmd", "summarize a replay buffer (memmap or Zarr)"),
     "convert": ("rlhf_pipeline.cli.convert_cmd", "copy a buffer between memmap and Zarr, losslessly"),
     "filter": ("rlhf_pipeline.cli.filter_cmd", "keep rows or whole groups of a buffer: a new buffer or a selection"),
-    "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path"),
+    "replay": ("rlhf_pipeline.cli.replay_cmd", "train a new run from a recorded buffer (epochs, no generation)"),
+    "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path, curation, replay"),
 }
 
 

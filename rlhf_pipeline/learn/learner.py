@@ -75,7 +75,13 @@ class Learner:
 
     def __init__(self, settings: LearnerSettings, paths: RunPaths, *, make_model: Callable[[], torch.nn.Module],
                  steps: int, seed: int = 0, device: str = "cpu", pad_token_id: int = 0,
-                 stop_event: threading.Event | None = None, show_progress: bool = True) -> None:
+                 stop_event: threading.Event | None = None, show_progress: bool = True,
+                 buffer: str | None = None, batch_transform: Callable[[torch.Tensor, Any], Any] | None = None,
+                 on_step: Callable[[int, Any, Any, dict[str, float]], None] | None = None) -> None:
+        """``buffer``: the store to read (a path or URL ``open_buffer`` opens) instead of the run's
+        own ``buffer/`` (replay); ``batch_transform(positions, padded_batch) -> padded_batch`` runs on
+        the prefetch thread after each read (replay's re-scoring); ``on_step(step, sampled, batch,
+        metrics)`` runs after each step, before its metrics are written, and may add metrics."""
         settings.check()
         self.settings = settings
         self.paths = paths
@@ -88,6 +94,9 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.stop_event = stop_event or threading.Event()
         self.show_progress = show_progress
+        self.buffer = str(buffer) if buffer is not None else str(paths.buffer)
+        self.batch_transform = batch_transform
+        self.on_step = on_step
         self.checkpoints = CheckpointManager(paths.checkpoints, keep_last=settings.keep_checkpoints)
         self._prefetcher: Prefetcher | None = None
         self._store = None
@@ -113,7 +122,9 @@ class Learner:
         truncate_metrics(self.paths.metrics, self.progress.step)
         self._metrics = MetricsWriter(self.paths.metrics, self.paths.tensorboard)
         if self.show_progress:
-            self._display = ProgressDisplay(self.total_steps, self.progress.step, self.settings.log_every)
+            # epoch replays train on another run's rows: their staleness means nothing, the ratio does
+            keys = ProgressDisplay.OFF_POLICY_KEYS if self.settings.sampler == "epoch" else ProgressDisplay.KEYS
+            self._display = ProgressDisplay(self.total_steps, self.progress.step, self.settings.log_every, keys=keys)
 
     def _load_checkpoint(self) -> dict[str, Any] | None:
         if self.checkpoints.latest() is None:
@@ -153,7 +164,7 @@ class Learner:
         from rlhf_pipeline.storage import open_buffer
 
         # one store, or the union of the collectors' shards (new shards are picked up as they appear)
-        self._store = open_buffer(str(self.paths.buffer), mode="r")
+        self._store = open_buffer(self.buffer, mode="r")
         if checkpoint is not None:
             self._store.load_state_dict(checkpoint["buffer"])  # the rows it saw must still be there
         self.sampler = make_sampler(self.settings, self._store, seed=self.seed, stop=self.stop_event)
@@ -164,11 +175,17 @@ class Learner:
             self._sampler_state = checkpoint.get("sampler") or {"min_next_row": self.progress.min_next_row}
             self.sampler.load_state_dict(self._sampler_state)
         self.sampler.current_version = self.progress.policy_version
-        collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=self.device.type == "cuda")
+        pin = self.device.type == "cuda"
+        collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None)
 
         def produce(draw: int):
             sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
-            return sampled, collator.read(self._store, sampled.positions)
+            batch = collator.read(self._store, sampled.positions)
+            if self.batch_transform is not None:
+                batch = self.batch_transform(sampled.positions, batch)
+                if pin and torch.cuda.is_available():
+                    batch = batch.pin_memory()
+            return sampled, batch
 
         self._prefetcher = Prefetcher(produce, self.progress.draws, depth=self.settings.prefetch_depth,
                                       stop=self.stop_event)
@@ -216,6 +233,8 @@ class Learner:
                 **sampled.metrics,
             })
             waited = 0.0
+            if self.on_step is not None:
+                self.on_step(self.progress.step, sampled, batch, metrics)
             assert self._metrics is not None
             self._metrics.log(self.progress.step, metrics)
             if self._display is not None:
@@ -269,6 +288,7 @@ class Learner:
 
         cpu = batch.to("cpu")
         staleness = (self.progress.policy_version - cpu["policy_version"]).float()
+        row_versions = cpu["policy_version"]  # the versions that sampled the rows: how off-policy the batch is
         metrics = {f"losses/{k}": v for k, v in sums.items()}
         metrics["losses/grad_norm"] = float(grad_norm)
         metrics.update(group_reward_stats(cpu["next", "reward"].reshape(-1), cpu["group_id"]))
@@ -287,6 +307,9 @@ class Learner:
             "charts/response_length_max": float(lengths.max()),
             "charts/staleness_mean": float(staleness.mean()),
             "charts/staleness_max": float(staleness.max()),
+            "charts/row_version_min": float(row_versions.min()),
+            "charts/row_version_max": float(row_versions.max()),
+            "charts/row_version_spread": float(row_versions.max() - row_versions.min()),
             "charts/learning_rate": lr_used,
             "charts/rows": float(total_rows),
             "_tokens": float(int(cpu["masks", "all_attention_mask"].sum())),

@@ -9,7 +9,8 @@ Names follow what GRPO trainers (TRL, verl, cleanrl) show, grouped by prefix:
   rewards are all equal, so they carry no GRPO signal), ``advantage_mean``/``_std``,
   ``response_length_mean``, ``learning_rate``, ``tokens_per_s``, ``data_wait_s``,
   ``staleness_mean``/``_max`` (learner version minus the sampling policy's version),
-  ``rows_dropped_stale``, ``policy_version``, ``buffer_rows``.
+  ``rows_dropped_stale``, ``policy_version``, ``buffer_rows``, ``row_version_min``/``_max``/
+  ``_spread`` (the policy versions that sampled the step's rows).
 
 ``metrics.jsonl`` is the source of truth; TensorBoard is a view of the same numbers.
 """
@@ -119,9 +120,14 @@ class ProgressDisplay:
     KEYS = (("reward", "charts/reward_mean"), ("loss", "losses/loss"), ("kl", "losses/kl"),
             ("stale", "charts/staleness_mean"), ("tok/s", "charts/tokens_per_s"),
             ("wait", "charts/data_wait_s"))
+    #: for a replay, whose rows were sampled by another run's policies: how far they are from ours
+    OFF_POLICY_KEYS = (("reward", "charts/reward_mean"), ("loss", "losses/loss"), ("kl", "losses/kl"),
+                       ("ratio", "losses/ratio_mean"), ("kl_old", "losses/approx_kl_old"),
+                       ("tok/s", "charts/tokens_per_s"))
 
-    def __init__(self, total: int, initial: int = 0, log_every: int = 10, stream=None) -> None:
+    def __init__(self, total: int, initial: int = 0, log_every: int = 10, stream=None, keys=KEYS) -> None:
         self.stream = stream or sys.stderr
+        self.keys = keys
         self.log_every = max(1, log_every)
         self.total = total
         self._bar = None
@@ -132,7 +138,7 @@ class ProgressDisplay:
                              dynamic_ncols=True)
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
-        shown = {short: metrics[key] for short, key in self.KEYS if key in metrics}
+        shown = {short: metrics[key] for short, key in self.keys if key in metrics}
         if self._bar is not None:
             self._bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
             self._bar.update(step - self._bar.n)

@@ -90,15 +90,25 @@ def _prioritized(settings: LearnerSettings, store, *, seed: int, stop: threading
                                  timeout_s=timeout_s, stop=stop)
 
 
+def _epoch(settings: LearnerSettings, store, *, seed: int, stop: threading.Event,
+           timeout_s: float) -> BatchSampler:
+    from rlhf_pipeline.learn.epoch_sampler import EpochSampler
+
+    return EpochSampler(store, batch_size=settings.batch_size, order=settings.epoch_order, seed=seed,
+                        rows=settings.epoch_rows, shuffle_window_rows=settings.shuffle_window_rows, stop=stop)
+
+
 #: ``learner.sampler`` name -> factory. ``window``: uniform over the newest ``sample_window`` rows,
 #: once ``new_rows_per_step`` new rows arrived (learn/window_sampler.py). ``groups``: whole groups
 #: from the same window, zero-variance groups optionally replaced (learn/group_sampler.py).
 #: ``prioritized``: rows of the whole buffer by priority, with importance weights
-#: (learn/prioritized_sampler.py).
+#: (learn/prioritized_sampler.py). ``epoch``: every row of a recorded buffer once per epoch, in
+#: ``epoch_order`` (learn/epoch_sampler.py; ``replay``).
 SAMPLERS: dict[str, Callable[..., BatchSampler]] = {
     "window": _window,
     "groups": _groups,
     "prioritized": _prioritized,
+    "epoch": _epoch,
 }
 
 

@@ -77,9 +77,20 @@ class LearnerSettings:
     """How each step picks its rows (learn/sampling.py lists them): window = uniformly from the
     newest sample_window rows, once new_rows_per_step new rows arrived; groups = whole groups from
     that window (see replace_zero_variance); prioritized = rows of the whole buffer by priority,
-    the loss weighted by importance weights (see priority)."""
+    the loss weighted by importance weights (see priority); epoch = every row of a recorded buffer
+    once per epoch (what `rlhf-pipeline replay` uses)."""
     sample_window: int = 128
     """Each step samples from the newest this-many rows of the buffer (>= batch_size)."""
+    epoch_order: Literal["shuffle", "sequential", "with-replacement"] = "shuffle"
+    """sampler=epoch (replay): shuffle = reshuffled every epoch, unit window by unit window;
+    sequential = store order; with-replacement = uniform draws."""
+    epoch_rows: int | None = None
+    """sampler=epoch: replay positions [0, epoch_rows) of the buffer (None: every row it holds when
+    the learner starts). `replay` sets it to the rows it counted, so a resume walks the same rows."""
+    shuffle_window_rows: int = 65_536
+    """sampler=epoch, epoch_order=shuffle: rows are shuffled within windows of whole storage units
+    holding at least this many rows (0: the whole buffer). Keep a window's decoded units within a
+    Zarr store's cache_bytes."""
     micro_batch_tokens: int = 8192
     """Padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate."""
     lr: float = 1e-4
@@ -140,6 +151,12 @@ class LearnerSettings:
 
         if self.sampler not in SAMPLERS:
             raise bad("sampler", f"must be one of {sorted(SAMPLERS)} (got {self.sampler!r})")
+        if self.epoch_order not in ("shuffle", "sequential", "with-replacement"):
+            raise bad("epoch_order", f"must be shuffle, sequential or with-replacement (got {self.epoch_order!r})")
+        if self.epoch_rows is not None and self.epoch_rows < 1:
+            raise bad("epoch_rows", f"must be >= 1 or None (got {self.epoch_rows})")
+        if self.shuffle_window_rows < 0:
+            raise bad("shuffle_window_rows", f"must be >= 0 (got {self.shuffle_window_rows})")
         if self.sample_window < self.batch_size:
             raise bad("sample_window", f"({self.sample_window}) must be >= batch_size ({self.batch_size})")
         if self.micro_batch_tokens < 1:

@@ -267,6 +267,17 @@ class TrajectoryStore(Storage, abc.ABC):
         n = self._published_len()
         return torch.arange(max(0, n - max(count, 0)), n, dtype=torch.int64)
 
+    def unit_bounds(self) -> list[tuple[int, int]]:
+        """Position ranges ``[start, stop)`` of the store's storage units (as of the last
+        refresh), in position order, covering ``[0, len)`` without overlap.
+
+        A unit is what the backend reads as a whole (a memmap segment, a Zarr unit), so a
+        reader that walks rows unit by unit touches each once (epoch replay does,
+        ``learn/epoch_sampler.py``). Backends without such units are one unit.
+        """
+        n = self._published_len()
+        return [(0, n)] if n else []
+
     def _published_len(self) -> int:
         return self.next_row - self.first_row
 

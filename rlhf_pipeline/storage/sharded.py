@@ -243,6 +243,15 @@ class ShardedStoreReader(TrajectoryStore):
         # union "global ids" are positions offset by first_row (valid until the next refresh)
         return self.read(global_ids - self.first_row, fields=fields)
 
+    def unit_bounds(self) -> list[tuple[int, int]]:
+        """Each shard's units, shifted to the shard's place in the union (shards in index order)."""
+        bounds = []
+        for slot, index in enumerate(self._order):
+            offset, length = int(self._starts[slot]), int(self._lengths[slot])
+            bounds += [(offset + a, offset + min(b, length)) for a, b in self._shards[index].unit_bounds()
+                       if a < length]
+        return bounds
+
     def empty_shards(self) -> list[str]:
         """Names of the shards that hold no rows (as of the last refresh): collectors not yet heard from."""
         return [shard_name(i) for i, n in zip(self._order, self._lengths.tolist()) if n == 0]

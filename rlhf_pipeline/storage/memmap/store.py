@@ -337,6 +337,16 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id))
         return view
 
+    def unit_bounds(self) -> list[tuple[int, int]]:
+        """One range per held segment (segment ``k`` holds global rows ``[k*S, k*S + rows)``)."""
+        bounds = []
+        for seg_id in sorted(self._segments):
+            start = max(seg_id * self._segment_rows, self._first_row)
+            stop = min(seg_id * self._segment_rows + self._segments[seg_id].rows, self._next_row)
+            if stop > start:
+                bounds.append((start - self._first_row, stop - self._first_row))
+        return bounds
+
     def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None) -> TrajectoryBatch:
         return self._unless_evicted(global_ids, lambda: self._gather(global_ids, fields))
 

@@ -403,6 +403,13 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
                 self._loc.kv.delete_prefix(f"{UNITS_PREFIX}/{name}")
 
     # ---------------------------------------------------------------- reading
+    def unit_bounds(self) -> list[tuple[int, int]]:
+        """One range per published unit (sealed segment or tail fragment): a read decodes whole units."""
+        units, _ = self._view
+        first, stop = self._first_row, self._next_row
+        return [(max(u.first_row, first) - first, min(u.first_row + u.rows, stop) - first)
+                for u in units if min(u.first_row + u.rows, stop) > max(u.first_row, first)]
+
     def _read_global(self, global_ids: torch.Tensor, fields: tuple[str, ...] | None = None) -> TrajectoryBatch:
         names = self._schema.field_names if fields is None else fields
         return self._with_current_units(global_ids.numpy(), lambda ids, view: self._gather(ids, names, view))

@@ -1,0 +1,429 @@
+"""``rlhf-pipeline replay``: train a new run from a recorded buffer, offline.
+
+Order of work, so that bad input fails before anything is written:
+
+1. load the pipeline file with ``--set``/``--device`` (as ``run`` does); open the source
+   buffer read-only (``open_buffer(path, mode="r")``: a memmap store, a Zarr directory,
+   ``.zip`` or URL, a run's sharded ``buffer/``, or whatever else ``open_buffer`` opens)
+   and count its rows; check that it holds what the loss needs (advantages, reference
+   log-probs) or that re-scoring will provide it;
+2. derive the learner settings: ``sampler="epoch"`` over those rows in ``--order`` (see
+   ``learn/epoch_sampler.py``), and **no staleness bound**: the rows carry the policy
+   versions of the run that recorded them, which say nothing about this learner's
+   versions (the metrics still show them: ``charts/row_version_*``, ``charts/staleness_*``);
+3. prepare the new run directory under a lock: ``settings.json`` holds the pipeline's
+   settings plus a ``replay`` section (source, rows, options, the learner settings used); a
+   second start must match it (only ``--epochs``/``--steps``, ``--device`` and, with a
+   note, ``learner.*`` may change). The initial policy (``--init-from``, else the
+   pipeline's ``make_policy()``) is published as weights version 0;
+4. run the :class:`~rlhf_pipeline.learn.learner.Learner` over the source, with the optional
+   re-scoring (``learn/rescore.py``) as its batch transform, and record each step's rows in
+   ``batches.jsonl`` (positions and trajectory ids), so two replays can be compared row
+   for row. Running the same command again resumes from the newest checkpoint.
+
+Nothing is ever written to the source: it is opened read-only, and re-scored values live
+only in the padded batches in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.atomic import write_atomic
+from rlhf_pipeline.paths import run_dir as make_run_dir
+from rlhf_pipeline.pipeline import (
+    PipelineError,
+    RunPaths,
+    describe_settings,
+    load_pipeline_module,
+    make_settings,
+    settings_to_json,
+)
+
+# replay options a resumed replay may change: how long it runs
+_RESUMABLE_OPTIONS = {"epochs", "steps"}
+BATCH_LOG = "batches.jsonl"
+
+
+class ReplayError(RuntimeError):
+    """The source, the initial weights or the run directory do not fit this replay."""
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """What ``rlhf-pipeline replay`` takes besides the pipeline's own settings."""
+
+    buffer: str
+    init_from: str | None = None
+    epochs: int | None = None
+    steps: int | None = None
+    order: str = "shuffle"
+    seed: int | None = None
+    shuffle_window_rows: int | None = None
+    ref_model: str | None = None
+    kl_estimator: str = "k1"
+    kl_coef: float = 0.05
+    advantage_std: bool | None = None
+    advantage_baseline: str | None = None
+
+    @property
+    def recompute_advantages(self) -> bool:
+        return self.advantage_std is not None or self.advantage_baseline is not None
+
+    def check(self) -> None:
+        if self.epochs is not None and self.steps is not None:
+            raise PipelineError("give --epochs or --steps, not both")
+        if self.epochs is not None and self.epochs < 1:
+            raise PipelineError(f"--epochs must be >= 1, got {self.epochs}")
+        if self.steps is not None and self.steps < 1:
+            raise PipelineError(f"--steps must be >= 1, got {self.steps}")
+        if self.advantage_baseline not in (None, "mean", "leave-one-out"):
+            raise PipelineError(f"--advantage-baseline must be mean or leave-one-out, got {self.advantage_baseline!r}")
+
+
+# ====================================================================== entry point
+def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | None = None,
+                   run_name: str | None = None, device: str | None = None, overrides: Sequence[str] = (),
+                   list_settings: bool = False) -> int:
+    from rlhf_pipeline.run import build_pipeline
+
+    options.check()
+    module = load_pipeline_module(pipeline_path)
+    cli_overrides = list(overrides) + ([f"device={device}"] if device is not None else [])
+    settings = make_settings(module, cli_overrides)
+    if list_settings:
+        print(f"settings of {pipeline_path} (change with --set KEY=VALUE):")
+        print(describe_settings(settings))
+        return 0
+    paths = RunPaths(make_run_dir(run_name or f"{Path(pipeline_path).stem}-replay", home).resolve())
+    source = source_location(options.buffer)
+    saved = _saved_replay(paths)
+    with _open_source(source) as store:
+        rows = saved["rows"] if saved else len(store)
+        if saved:
+            _check_source_unchanged(store, saved)
+        batch_size = build_pipeline(module, settings, paths).learner.batch_size
+        batches_per_epoch = -(-rows // batch_size)
+        steps = options.steps or (options.epochs or 1) * batches_per_epoch
+        settings = make_settings(module, cli_overrides + [f"steps={steps}"])
+        pipeline = build_pipeline(module, settings, paths)
+        learner_settings = _replay_learner_settings(pipeline.learner, options, rows)
+        if options.order == "shuffle":
+            learner_settings = fit_shuffle_window(store, rows, learner_settings, given=options.shuffle_window_rows)
+        _check_source_fits(store, options, learner_settings)
+        record = _replay_record(options, source, store, rows, steps, learner_settings)
+    prepare_replay_run(pipeline, paths, record, options)
+    epochs = steps / batches_per_epoch
+    print(f"[replay] {options.buffer}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
+          f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) into {paths.root}",
+          file=sys.stderr, flush=True)
+    window = learner_settings.shuffle_window_rows
+    if options.order == "shuffle" and 0 < window < rows:
+        print(f"[replay] shuffling within windows of >= {window} rows of whole storage units (--shuffle-window); "
+              f"a Zarr source decodes each unit once per epoch while a window fits its cache_bytes",
+              file=sys.stderr, flush=True)
+    return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps)
+
+
+def source_location(buffer: str) -> str:
+    """An absolute path for a local source (so a resume finds it from any directory); URLs as given."""
+    if "://" in buffer:
+        return buffer
+    path = Path(buffer).expanduser()
+    if not path.exists():
+        raise ReplayError(f"--buffer {buffer!r} does not exist; pass a replay buffer directory, a Zarr "
+                          f".zip or URL, or a run's buffer/ directory")
+    return str(path.resolve())
+
+
+def _open_source(location: str):
+    from rlhf_pipeline.storage import StoreError, open_buffer
+
+    try:
+        return open_buffer(location, mode="r")
+    except StoreError as exc:
+        raise ReplayError(f"--buffer {location}: {exc}") from exc
+
+
+def _replay_learner_settings(learner, options: ReplayOptions, rows: int):
+    changes: dict[str, Any] = {"sampler": "epoch", "epoch_order": options.order, "epoch_rows": rows,
+                               "max_staleness": None, "new_rows_per_step": 0}
+    if options.shuffle_window_rows is not None:
+        changes["shuffle_window_rows"] = options.shuffle_window_rows
+    if learner.max_staleness is not None:
+        print(f"[replay] note: learner.max_staleness={learner.max_staleness} does not apply to a replay: the "
+              f"rows carry the policy versions of the run that recorded them", file=sys.stderr, flush=True)
+    settings = dataclasses.replace(learner, **changes)
+    try:
+        settings.check()
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    return settings
+
+
+def fit_shuffle_window(store, rows: int, learner, *, given: int | None, cache_bytes: int | None = None):
+    """Learner settings whose shuffle window fits a Zarr reader's decoded-unit cache.
+
+    A Zarr reader decodes whole units into an LRU cache (512 MiB by default); a shuffled epoch
+    walks windows of units, and a window whose decoded rows exceed the cache misses on nearly
+    every batch (``benchmarks/README.md``, replay). The window is kept to half the cache
+    (``cache_bytes``, default the reader's), at the source's mean decoded bytes per row: set so
+    when ``--shuffle-window`` was not given, else only a warning.
+    """
+    backends = {store.backend_name} | {s.backend_name for s in getattr(store, "shards", {}).values()}
+    window = learner.shuffle_window_rows
+    if "zarr" not in backends:
+        return learner
+    from rlhf_pipeline.storage.zarr.store import DEFAULT_CACHE_BYTES
+
+    cache_bytes = DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes
+    stats = store.stats()
+    row_bytes = max(1.0, stats.raw_bytes / max(stats.rows, 1))
+    fitting = max(1, int(cache_bytes // 2 // row_bytes))
+    span = rows if window == 0 else min(window, rows)
+    if span <= fitting:
+        return learner
+    why = (f"{store.location}'s rows are ~{row_bytes / 1024:.1f} KB decoded, and its reader caches "
+           f"{cache_bytes / 2**20:.3g} MiB of decoded units")
+    if given is not None:
+        print(f"[replay] warning: a shuffle window of {span} rows is more than the cache holds ({why}); "
+              f"expect every batch to decode units again, or use --shuffle-window {fitting}",
+              file=sys.stderr, flush=True)
+        return learner
+    print(f"[replay] shuffle window set to {fitting} rows: {why}", file=sys.stderr, flush=True)
+    return dataclasses.replace(learner, shuffle_window_rows=fitting)
+
+
+def _check_source_fits(store, options: ReplayOptions, learner) -> None:
+    """The loss's inputs must be stored or re-scored; say which option provides what is missing."""
+    fields = store.schema.field_names
+    if "advantage" not in fields and not options.recompute_advantages:
+        raise ReplayError(
+            f"{store.location} stores no 'advantage' field; recompute advantages from its rewards with "
+            f"--advantage-baseline mean (GRPO) or --advantage-std off (Dr. GRPO)"
+        )
+    if learner.loss.kl_coef and "ref_log_probs" not in fields and options.ref_model is None:
+        raise ReplayError(
+            f"learner.loss.kl_coef={learner.loss.kl_coef} needs reference log-probs, which {store.location} "
+            f"does not store; score them with --ref-model MODEL_DIR|RUN_DIR, or set learner.loss.kl_coef=0"
+        )
+
+
+def _check_source_unchanged(store, saved: dict[str, Any]) -> None:
+    """A resumed replay walks the positions it started with; they must still name the same rows."""
+    grown = int(store.next_row) - int(saved.get("next_row", store.next_row))
+    if not grown:
+        return
+    if store.backend_name == "sharded":
+        # positions run shard after shard: rows added to one shard move every later shard's rows
+        raise ReplayError(
+            f"{store.location} gained {grown} rows since this replay started; in a buffer of shards that "
+            f"moves the positions the replay walks. Replay a finished buffer (or a copy: `rlhf-pipeline "
+            f"convert`), or start a new replay with --run-name NAME"
+        )
+    print(f"[replay] note: {store.location} gained {grown} rows since this replay started; it walks the "
+          f"{saved['rows']} rows it started with", file=sys.stderr, flush=True)
+
+
+def _replay_record(options: ReplayOptions, source: str, store, rows: int, steps: int, learner) -> dict[str, Any]:
+    record = dataclasses.asdict(options)
+    record.update(
+        buffer=source, backend=store.backend_name, rows=rows, first_row=int(store.first_row),
+        next_row=int(store.next_row), steps=steps,
+        seed=options.seed,
+        staleness_bound="none: the rows' policy versions belong to the run that recorded them",
+        learner=settings_to_json(learner),
+    )
+    for name in ("init_from", "ref_model"):
+        if record[name] is not None and "://" not in record[name]:
+            record[name] = str(Path(record[name]).expanduser().resolve())
+    return record
+
+
+# ====================================================================== run directory
+def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
+    if not paths.settings_file.exists():
+        return None
+    saved = json.loads(paths.settings_file.read_text())
+    if "replay" not in saved:
+        raise ReplayError(f"{paths.root} holds a run made by `rlhf-pipeline run`, not a replay; choose another "
+                          f"--run-name")
+    return saved["replay"]
+
+
+def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> None:
+    """Writes ``settings.json`` (or checks a resumed replay against it) and publishes version 0."""
+    from rlhf_pipeline.run import _default_settings, _diff, _run_lock
+    from rlhf_pipeline.weights import latest_version, publish_weights
+
+    with _run_lock(paths):
+        current = settings_to_json(pipeline.settings)
+        if paths.settings_file.exists():
+            saved = json.loads(paths.settings_file.read_text())
+            saved_replay = saved.pop("replay")
+            if record["seed"] is None:
+                record["seed"] = saved_replay["seed"]
+            changed = _diff(saved, current, _default_settings(pipeline.settings))
+            changed += [f"--{k.replace('_', '-')}: was {saved_replay.get(k)!r}, now {record[k]!r}"
+                        for k in sorted(dataclasses.asdict(options))
+                        if k not in _RESUMABLE_OPTIONS and k in record and saved_replay.get(k) != record[k]]
+            tuned = [c for c in changed if c.startswith("learner.")]
+            changed = [c for c in changed if not c.startswith("learner.")]
+            if tuned:
+                print(f"[replay] note: learner settings changed since the replay started: {'; '.join(tuned)}",
+                      file=sys.stderr, flush=True)
+            if changed:
+                raise ReplayError(
+                    f"run directory {paths.root} holds a replay started with other settings ({'; '.join(changed)}). "
+                    f"Resume with the same command, or start a new replay with --run-name NAME"
+                )
+        # the initial policy before settings.json: a --init-from that does not fit leaves nothing behind
+        model = initial_policy(pipeline, options.init_from) if latest_version(paths.root) is None else None
+        if not paths.settings_file.exists():
+            if record["seed"] is None:
+                record["seed"] = int(getattr(pipeline.settings, "seed", 0))
+            text = json.dumps({**current, "replay": record}, indent=2, sort_keys=True).encode()
+            write_atomic(paths.settings_file, lambda f: f.write(text))
+        if model is not None:
+            publish_weights(paths.root, model.state_dict(), 0)
+
+
+def initial_policy(pipeline, init_from: str | None):
+    """The replay's starting weights in the pipeline's architecture (see :func:`load_policy`)."""
+    if init_from is None:
+        print("[replay] initial policy: the pipeline's make_policy()", file=sys.stderr, flush=True)
+        return pipeline.make_policy()
+    print(f"[replay] initial policy: {init_from}", file=sys.stderr, flush=True)
+    return load_policy(init_from, pipeline.make_model, what="--init-from")
+
+
+def load_policy(location: str, make_model, *, what: str):
+    """Weights from a run directory (its newest published version) or a ``save_pretrained``
+    directory (``AutoModelForCausalLM.from_pretrained``), copied into ``make_model()``."""
+    from rlhf_pipeline.models import ModelLoadError, load_model
+    from rlhf_pipeline.weights import latest_version, load_weights
+
+    path = Path(location).expanduser()
+    model = make_model()
+    if latest_version(path) is not None:
+        state, _ = load_weights(path)
+        source = f"run {path} (weights version {latest_version(path)})"
+    elif (path / "config.json").is_file():
+        try:
+            state = load_model(path).state_dict()
+        except ModelLoadError as exc:
+            raise ReplayError(f"{what} {location}: {exc}") from exc
+        source = f"model directory {path}"
+    else:
+        raise ReplayError(f"{what} {location} is neither a run directory (weights/policy_*.pt) nor a model "
+                          f"directory written by save_pretrained() (config.json + weights)")
+    _check_same_architecture(model.state_dict(), state, source, what)
+    model.load_state_dict(state)
+    return model
+
+
+def _check_same_architecture(expected: dict, found: dict, source: str, what: str) -> None:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = [f"{k}: {tuple(found[k].shape)} vs {tuple(expected[k].shape)}" for k in sorted(set(found) & set(expected))
+              if found[k].shape != expected[k].shape]
+    if missing or unexpected or shapes:
+        problems = [f"{len(missing)} missing weights (e.g. {missing[:3]})" if missing else "",
+                    f"{len(unexpected)} unexpected weights (e.g. {unexpected[:3]})" if unexpected else "",
+                    f"shape mismatches (found vs pipeline): {'; '.join(shapes[:3])}" if shapes else ""]
+        raise ReplayError(
+            f"{what}: the weights of {source} do not fit the pipeline's model ({', '.join(p for p in problems if p)}); "
+            f"set the pipeline's model settings to match (e.g. --set hidden_size=..., see --list-settings)"
+        )
+
+
+# ====================================================================== training
+def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, source: str, seed: int,
+           steps: int) -> int:
+    from rlhf_pipeline.learn.learner import Learner
+    from rlhf_pipeline.learn.metrics import MetricsWriter, truncate_metrics
+    from rlhf_pipeline.run import _StopFlag
+
+    stop = _StopFlag()
+    rescorer = _make_rescorer(pipeline, options, learner_settings, source)
+    batch_log: MetricsWriter | None = None
+
+    def record_step(step: int, sampled, batch, metrics: dict[str, float]) -> None:
+        # the rows of every step, so two replays can be compared row for row
+        batch_log.log(step, {"positions": sampled.positions.tolist(),
+                             "trajectory_ids": batch["trajectory_id"].tolist()})
+        if options.ref_model is not None:
+            mask = batch["masks", "response"]
+            metrics["charts/sampler_ref_kl_mean"] = float(batch["kl", "response"][mask].mean())
+
+    learner = Learner(learner_settings, paths, make_model=pipeline.make_model, steps=steps, seed=seed,
+                      device=pipeline.settings.device, pad_token_id=pipeline.pad_token_id, stop_event=stop.event,
+                      buffer=source, batch_transform=rescorer, on_step=record_step)
+    try:
+        learner.setup()
+        truncate_metrics(paths.root / BATCH_LOG, learner.progress.step)  # a resumed replay redoes later steps
+        batch_log = MetricsWriter(paths.root / BATCH_LOG)
+        finished = learner.train()
+    finally:
+        learner.cleanup()
+        if batch_log is not None:
+            batch_log.close()
+        stop.restore()
+    if finished:
+        print(f"[replay] done: {steps} steps; metrics: {paths.metrics}  batches: {paths.root / BATCH_LOG}  "
+              f"weights: {paths.weights}", file=sys.stderr, flush=True)
+        return 0
+    print(f"[replay] interrupted; run the same command again to resume {paths.root}", file=sys.stderr)
+    return 130
+
+
+def _make_rescorer(pipeline, options: ReplayOptions, learner_settings, source: str):
+    if not options.recompute_advantages and options.ref_model is None:
+        return None
+    from rlhf_pipeline.learn.rescore import AdvantageOptions, BatchRescorer, ReferenceRescorer, buffer_advantages
+
+    advantages = None
+    if options.recompute_advantages:
+        advantage_options = AdvantageOptions(normalize=options.advantage_std is not False,
+                                             leave_one_out=options.advantage_baseline == "leave-one-out")
+        with _open_source(source) as store:
+            try:
+                advantages = buffer_advantages(store, learner_settings.epoch_rows, advantage_options)
+            except ValueError as exc:
+                raise ReplayError(str(exc)) from None
+        print(f"[replay] advantages recomputed from the stored rewards ({advantage_options})", file=sys.stderr,
+              flush=True)
+    reference = None
+    if options.ref_model is not None:
+        model = load_reference(options.ref_model, pipeline)
+        reference = ReferenceRescorer(model.to(pipeline.settings.device), temperature=learner_settings.temperature,
+                                      kl_estimator=options.kl_estimator, kl_coef=options.kl_coef,
+                                      pad_token_id=pipeline.pad_token_id)
+    return BatchRescorer(advantages, reference)
+
+
+def load_reference(location: str, pipeline):
+    """A frozen reference: a run's newest weights in the pipeline's architecture, or any causal LM
+    from a ``save_pretrained`` directory whose vocabulary covers the pipeline's tokenizer."""
+    from rlhf_pipeline.models import ModelLoadError, load_model
+    from rlhf_pipeline.weights import latest_version
+
+    path = Path(location).expanduser()
+    if latest_version(path) is not None or not (path / "config.json").is_file():
+        return load_policy(location, pipeline.make_model, what="--ref-model")
+    try:
+        model = load_model(path)
+    except ModelLoadError as exc:
+        raise ReplayError(f"--ref-model {location}: {exc}") from exc
+    vocabulary = model.get_input_embeddings().num_embeddings
+    if pipeline.tokenizer is not None and vocabulary < len(pipeline.tokenizer):
+        raise ReplayError(f"--ref-model {location} has a vocabulary of {vocabulary} tokens, fewer than the "
+                          f"pipeline's tokenizer ({len(pipeline.tokenizer)}): it cannot score these token ids")
+    print(f"[replay] reference model: {path}", file=sys.stderr, flush=True)
+    return model

@@ -1,0 +1,269 @@
+"""``rlhf-pipeline replay`` end to end: a recorded buffer trains new runs, deterministically,
+resumably after ``kill -9``, row for row comparable, with re-scoring, and never modified.
+
+The recorded buffer is synthetic (tokens of the default pipeline's character vocabulary),
+written once per module; every replay trains the default pipeline's tiny model on CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
+from rlhf_pipeline.replay import ReplayError, ReplayOptions, replay_command
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.storage.convert import convert
+from rlhf_pipeline.storage.sharded import shard_path
+from rlhf_pipeline.synthetic import synthetic_batch
+from rlhf_pipeline.weights import latest_version, load_weights
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = str(REPO / "pipelines" / "default.py")
+VOCAB = len(char_tokenizer())
+ROWS = 96  # 6 batches of 16 per epoch
+SMALL = ["warm_start_steps=0", "hidden_size=32", "num_layers=1", "num_heads=2", "learner.batch_size=16",
+         "learner.checkpoint_every=2", "learner.log_every=100", "learner.publish_every=1"]
+SMALL_CLI = [arg for item in SMALL for arg in ("--set", item)]
+
+
+def recorded_rows(n: int, *, seed: int = 0, optional=("advantage",), high_bits: int = 0):
+    rows = synthetic_batch(n, group_size=4, prompt_len=(3, 8), response_len=(1, 6), seed=seed,
+                           optional_fields=optional, vocab_size=VOCAB)
+    ids = torch.arange(n, dtype=torch.int64) + high_bits
+    return rows.with_columns(policy_version=torch.arange(n) // 24, trajectory_id=ids,
+                             group_id=(torch.arange(n) // 4) + high_bits)
+
+
+def record(path: Path, rows, backend: str = "memmap") -> Path:
+    store = create_store(path, backend, schema=StoreSchema.for_batch(rows), segment_rows=32)
+    store.append(rows)
+    store.close()
+    return path
+
+
+def digest(path: Path) -> dict[str, str]:
+    """Every file under ``path`` by its bytes (and every directory, by name)."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(path.rglob("*"))}
+
+
+def losses(run: Path) -> list[float]:
+    return [r["losses/loss"] for r in read_metrics(run / "metrics.jsonl")]
+
+
+def batches(run: Path) -> list[list[int]]:
+    return [r["trajectory_ids"] for r in read_metrics(run / "batches.jsonl")]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    wa, _ = load_weights(a)
+    wb, _ = load_weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def replay(home: Path, name: str, buffer, *extra: str, **options) -> Path:
+    replay_command(DEFAULT, ReplayOptions(buffer=str(buffer), **options), home=str(home), run_name=name,
+                   overrides=SMALL + list(extra))
+    return home / name
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return record(tmp_path_factory.mktemp("recorded") / "buffer", recorded_rows(ROWS))
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def reference_run(home, source) -> Path:
+    """Three epochs of the recorded buffer; the source's bytes are checked before and after."""
+    before = digest(source)
+    run = replay(home, "reference", source, epochs=3, seed=7)
+    assert digest(source) == before
+    return run
+
+
+def test_a_replay_walks_every_row_per_epoch_and_records_what_it_did(reference_run, source):
+    assert [r["step"] for r in read_metrics(reference_run / "metrics.jsonl")] == list(range(1, 19))
+    steps = batches(reference_run)
+    for epoch in range(3):
+        ids = [i for batch in steps[6 * epoch: 6 * epoch + 6] for i in batch]
+        assert sorted(ids) == list(range(ROWS))  # every row once per epoch
+    assert steps[0] != steps[6]  # reshuffled each epoch
+    metrics = read_metrics(reference_run / "metrics.jsonl")
+    # off-policy by construction: the ratio to the stored sampling log-probs, and the versions of the rows
+    assert {"losses/ratio_mean", "losses/ratio_min", "losses/ratio_max", "losses/clip_frac_low",
+            "losses/approx_kl_old", "charts/row_version_min", "charts/row_version_spread"} <= set(metrics[0])
+    assert max(m["charts/row_version_spread"] for m in metrics) > 0
+    settings = json.loads((reference_run / "settings.json").read_text())
+    replayed = settings["replay"]
+    assert replayed["buffer"] == str(source) and replayed["rows"] == ROWS and replayed["backend"] == "memmap"
+    assert replayed["order"] == "shuffle" and replayed["seed"] == 7 and replayed["epochs"] == 3
+    assert replayed["learner"]["sampler"] == "epoch" and replayed["learner"]["max_staleness"] is None
+    assert replayed["staleness_bound"].startswith("none")
+    assert settings["hidden_size"] == 32  # the pipeline's own settings sit beside it
+
+
+def test_the_same_seed_gives_the_same_losses_and_weights(home, source, reference_run):
+    again = replay(home, "again", source, epochs=3, seed=7)
+    assert losses(again) == losses(reference_run)
+    assert same_weights(again, reference_run)
+    other_seed = replay(home, "other-seed", source, steps=2, seed=8)
+    assert batches(other_seed) != batches(reference_run)[:2]
+
+
+def test_algorithms_compared_on_identical_data(home, source, reference_run):
+    """Loss settings change the losses, not the rows of any step."""
+    variant = replay(home, "dapo-seqmean", source, "learner.loss.clip_eps_high=0.28",
+                     "learner.loss.aggregation=sequence_mean", epochs=3, seed=7)
+    assert batches(variant) == batches(reference_run)
+    assert losses(variant) != losses(reference_run)
+
+
+def test_a_replay_killed_with_sigkill_resumes_to_the_same_losses_and_weights(home, source, reference_run):
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", str(source),
+               "--epochs", "3", "--seed", "7", "--home", str(home), "--run-name", "killed", *SMALL_CLI]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the in-process reference ran on one thread
+    run = home / "killed"
+    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and first.poll() is None:
+            # whole lines only: the replay may be writing the next one
+            if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3:
+                break
+            time.sleep(0.01)
+        first.send_signal(signal.SIGKILL)
+        _, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == -signal.SIGKILL, err[-3000:]
+    stopped_at = len(read_metrics(run / "metrics.jsonl"))
+    assert 3 <= stopped_at < 18, "the kill came after the replay had finished; nothing was resumed"
+
+    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 19))
+    assert losses(run) == losses(reference_run)
+    assert batches(run) == batches(reference_run)
+    assert same_weights(run, reference_run)
+
+
+def test_init_from_a_run_or_a_save_pretrained_directory(home, source, reference_run, tmp_path):
+    from_run = replay(home, "from-run", source, steps=1, init_from=str(reference_run))
+    newest, _ = load_weights(reference_run)
+    start, version = load_weights(from_run, 0)
+    assert version == 0 and all(torch.equal(start[k], newest[k]) for k in newest)
+
+    tokenizer = char_tokenizer()
+    model = tiny_causal_lm(VOCAB, hidden_size=32, num_layers=1, num_heads=2, seed=11,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(tmp_path / "hf")
+    from_dir = replay(home, "from-dir", source, steps=1, init_from=str(tmp_path / "hf"))
+    start, _ = load_weights(from_dir, 0)
+    assert all(torch.equal(start[k], v) for k, v in model.state_dict().items())
+
+    wider = tiny_causal_lm(VOCAB, hidden_size=64, num_layers=1, num_heads=2, seed=11)
+    wider.save_pretrained(tmp_path / "wider")
+    with pytest.raises(ReplayError, match=r"do not fit the pipeline's model .*shape mismatches.*--set hidden_size"):
+        replay(home, "from-wider", source, steps=1, init_from=str(tmp_path / "wider"))
+    # a replay that could not start leaves nothing behind: the fixed command just runs
+    assert latest_version(home / "from-wider") is None and not (home / "from-wider" / "settings.json").exists()
+    with pytest.raises(ReplayError, match="neither a run directory .* nor a model directory"):
+        replay(home, "from-nothing", source, steps=1, init_from=str(tmp_path))
+
+
+def test_zarr_zip_url_and_sharded_sources(home, source, tmp_path):
+    convert(str(source), str(tmp_path / "zarr"), "zarr")
+    archive = tmp_path / "buffer.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for file in sorted((tmp_path / "zarr").rglob("*")):
+            if file.is_file() and file.name != "writer.lock":
+                zf.write(file, file.relative_to(tmp_path / "zarr").as_posix())
+    memmap_order = replay(home, "src-memmap", source, steps=3, order="sequential")
+    for name, location in (("src-zip", archive), ("src-url", (tmp_path / "zarr").as_uri())):
+        run = replay(home, name, location, steps=3, order="sequential")
+        assert batches(run) == batches(memmap_order) and losses(run) == losses(memmap_order)
+
+    for k in range(2):  # a run's buffer/ of two collectors' shards
+        record(shard_path(tmp_path / "run" / "buffer", k), recorded_rows(32, seed=k, high_bits=k << 40))
+    before = digest(tmp_path / "run")
+    sharded = replay(home, "src-shards", tmp_path / "run" / "buffer", epochs=1)
+    ids = [i for batch in batches(sharded) for i in batch]
+    assert len(ids) == 64 and {i >> 40 for i in ids} == {0, 1} and len(set(ids)) == 64
+    assert digest(tmp_path / "run") == before
+    # a collector adds rows to the first shard: the second shard's positions move, so no resume
+    with open_store(shard_path(tmp_path / "run" / "buffer", 0), mode="a") as shard:
+        shard.append(recorded_rows(4, seed=9, high_bits=5 << 40))
+    with pytest.raises(ReplayError, match="gained 4 rows since this replay started; in a buffer of shards"):
+        replay(home, "src-shards", tmp_path / "run" / "buffer", epochs=2)
+
+
+def test_rescoring_a_buffer_recorded_without_advantages_or_reference(home, reference_run, tmp_path):
+    bare = record(tmp_path / "bare", recorded_rows(ROWS, optional=()))
+    with pytest.raises(ReplayError, match="stores no 'advantage' field.*--advantage-baseline mean"):
+        replay(home, "bare", bare, steps=2)
+    with pytest.raises(ReplayError, match="kl_coef=0.1 needs reference log-probs.*--ref-model"):
+        replay(home, "bare", bare, "learner.loss.kl_coef=0.1", steps=2, advantage_std=False)
+    before = digest(bare)
+    run = replay(home, "bare", bare, "learner.loss.kl_coef=0.1", steps=2, advantage_std=False,
+                 advantage_baseline="leave-one-out", ref_model=str(reference_run))
+    assert digest(bare) == before
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert len(metrics) == 2
+    assert all(m["losses/kl"] > 0 and m["charts/sampler_ref_kl_mean"] != 0 for m in metrics)
+    assert json.loads((run / "settings.json").read_text())["replay"]["advantage_baseline"] == "leave-one-out"
+
+
+def test_a_resumed_replay_must_match_how_it_started(home, source, reference_run):
+    with pytest.raises(ReplayError, match=r"other settings \(--order: was 'shuffle', now 'sequential'\)"):
+        replay(home, "reference", source, epochs=3, seed=7, order="sequential")
+    with pytest.raises(ReplayError, match="not a replay; choose another --run-name"):
+        (home / "online").mkdir()
+        (home / "online" / "settings.json").write_text(json.dumps({"steps": 3}))
+        replay(home, "online", source, steps=1)
+    with pytest.raises(ReplayError, match="does not exist"):
+        replay(home, "missing", home / "no-such-buffer", steps=1)
+    # more epochs on a finished replay: it goes on from its last checkpoint
+    replay(home, "extended", source, epochs=1, seed=7)
+    longer = replay(home, "extended", source, epochs=2, seed=7)
+    assert batches(longer)[:6] == batches(reference_run)[:6] and len(losses(longer)) == 12
+    assert sorted(i for batch in batches(longer)[6:] for i in batch) == list(range(ROWS))
+
+
+def test_the_shuffle_window_is_fitted_to_a_zarr_readers_cache(source, tmp_path, capsys):
+    from rlhf_pipeline.learn.settings import LearnerSettings
+    from rlhf_pipeline.replay import fit_shuffle_window
+    from rlhf_pipeline.storage import open_buffer
+
+    convert(str(source), str(tmp_path / "zarr"), "zarr")
+    settings = LearnerSettings(sampler="epoch", shuffle_window_rows=64)
+    with open_buffer(tmp_path / "zarr") as store:
+        row_bytes = store.stats().raw_bytes / ROWS
+        cache = int(row_bytes * 41)  # half of it holds 20.5 rows
+        fitted = fit_shuffle_window(store, ROWS, settings, given=None, cache_bytes=cache)
+        assert fitted.shuffle_window_rows == 20 and "shuffle window set to 20 rows" in capsys.readouterr().err
+        given = fit_shuffle_window(store, ROWS, settings, given=64, cache_bytes=cache)
+        assert given.shuffle_window_rows == 64 and "use --shuffle-window 20" in capsys.readouterr().err
+        assert fit_shuffle_window(store, ROWS, settings, given=None, cache_bytes=cache * 10) is settings
+    with open_buffer(source) as memmap:  # a memmap reader has no such cache: nothing to fit
+        assert fit_shuffle_window(memmap, ROWS, settings, given=None, cache_bytes=cache) is settings
