@@ -121,7 +121,10 @@ def run_order(location: str, backend: str, order: str, *, batch_size: int, windo
             collator.read(store, positions)
         seconds = time.perf_counter() - start
     return {"backend": backend, "order": order, "batches": batches, "seconds": seconds,
-            "batches_per_s": batches / seconds, "peak_rss_mb": peak_rss_mb(), "import_rss_mb": import_rss_mb,
+            "batches_per_s": batches / seconds,
+            # the kernel reports VmHWM as max(its recorded peak, an approximate current RSS), so a
+            # later reading can come out a little below an earlier one: the peak is at least both
+            "peak_rss_mb": max(peak_rss_mb(), import_rss_mb), "import_rss_mb": import_rss_mb,
             "cache_bytes": cache_bytes, "window_rows": window_rows if order == "shuffle" else None}
 
 

@@ -108,7 +108,9 @@ class SumMinTree:
             children = self.sums[level].reshape(-1, FANOUT)[node]  # (B, FANOUT)
             cumulative = np.cumsum(children, axis=1)
             choice = (cumulative <= mass[:, None]).sum(axis=1)
-            past = choice == FANOUT  # the mass reached the node's total (rounding): its last non-empty child
+            # the mass reached the node's stored total (rounding; the running sum of the children
+            # can round a leaf's end to just past it): the node's last non-empty child
+            past = (choice == FANOUT) | (mass >= self.sums[level + 1][node])
             if past.any():
                 choice[past] = FANOUT - 1 - np.argmax(children[past, ::-1] > 0, axis=1)
             mass -= np.where(choice > 0, cumulative[rows, choice - 1], 0.0)  # choice 0 reads column -1, unused
