@@ -22,7 +22,13 @@ from helpers import make_batch
 
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema, TrajectoryBatch, TrajectoryValidationError
 from rlhf_pipeline.storage import NotAStoreError, open_store
-from rlhf_pipeline.storage.base import ReadOnlyStoreError, StoreCorruptedError, StoreLockedError
+from rlhf_pipeline.storage.base import (
+    ReadOnlyStoreError,
+    StoreClosedError,
+    StoreCorruptedError,
+    StoreLockedError,
+    StoreNotFoundError,
+)
 from rlhf_pipeline.storage.torchrl_glue import make_replay_buffer
 from rlhf_pipeline.synthetic import raw_payload_bytes
 
@@ -253,3 +259,39 @@ class StoreContractTests:
         with pytest.raises(NotAStoreError):
             open_store(tmp_path / "missing")
 
+    def test_missing_path_says_it_does_not_exist(self, factory, tmp_path):
+        missing = tmp_path / "no" / "such" / "buffer"
+        for mode in ("r", "a"):
+            with pytest.raises(StoreNotFoundError, match="does not exist"):
+                factory.open(str(missing), mode)
+            with pytest.raises(StoreNotFoundError, match="does not exist"):
+                open_store(missing, mode)
+        assert not missing.parent.exists()  # nothing was created on the way
+
+    def test_failed_open_for_append_leaves_the_directory_as_it_found_it(self, factory, tmp_path):
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        with pytest.raises(NotAStoreError):
+            factory.open(str(empty), "a")
+        assert list(empty.iterdir()) == []
+        self.new_store(factory, str(empty)).close()  # nothing left in the way of a new store
+
+    def test_closed_store_says_it_is_closed(self, factory, location):
+        store = self.new_store(factory, location)
+        store.append(self.batch(0))
+        store.close()
+        with pytest.raises(StoreClosedError, match="was closed"):
+            store.append(self.batch(1))
+        with pytest.raises(StoreClosedError, match="was closed"):
+            store.read([0])
+        with factory.open(location, "r") as reader:
+            assert len(reader) == 6  # closing published nothing more and lost nothing
+
+    def test_durable_is_the_default_everywhere(self, factory):
+        import inspect
+
+        from rlhf_pipeline.storage import backend_class
+
+        cls = backend_class(self.backend)
+        for method in (cls.create, cls.open):
+            assert inspect.signature(method).parameters["durable"].default is True, method

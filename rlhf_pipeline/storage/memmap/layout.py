@@ -211,7 +211,7 @@ class RollBack:
         lost_to = self.intact_next_row + self.rows_on_disk
         return (f"{path}: the newest state slot is damaged: {slots}{claimed}. The intact older publish ends "
                 f"at row {self.intact_next_row}, but the segment files hold complete rows up to {lost_to}: "
-                f"reading it rolls back rows {lost_to} -> {self.intact_next_row}. Nothing was deleted; "
+                f"opened there, rows {lost_to} -> {self.intact_next_row} (rolled back). Nothing was deleted; "
                 f"`rlhf-pipeline repair {path}` shows what the segment files hold and `--apply` republishes it")
 
 
