@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -226,7 +226,7 @@ class Published:
 
 
 def read_published(path: Path, slots: StateSlots, manifest: dict[str, Any], fields: list[FieldFiles], *,
-                   after: int = 0) -> Published | None:
+                   after: int = 0, seen: set | None = None) -> Published | None:
     """The newest publish above ``after`` (None when there is none).
 
     Raises :class:`StoreCorruptedError` naming both files when every state slot in use is
@@ -235,6 +235,11 @@ def read_published(path: Path, slots: StateSlots, manifest: dict[str, Any], fiel
     which ``rollback`` describes (readers warn and read; a writer refuses, see the store).
     """
     reading = slots.read(after)
+    if seen is not None and reading.damaged:
+        # damage this reader was told about already: not looked into again on every refresh
+        fresh = tuple(d for d in reading.damaged if (d.path, d.claimed_seq) not in seen)
+        seen.update((d.path, d.claimed_seq) for d in reading.damaged)
+        reading = replace(reading, damaged=fresh)
     if reading.damaged and reading.seq is None and after == 0:
         names = " and ".join(str(p) for p in slots.paths)
         found = "; ".join(d.describe() for d in reading.damaged)

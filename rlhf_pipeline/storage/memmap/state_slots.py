@@ -149,7 +149,10 @@ class StateSlots:
                 continue
             parsed.append((slot, seq, crc, length))
         best: tuple[int, dict[str, Any], Path] | None = None
-        for slot, seq, crc, length in sorted((p for p in parsed if p is not None), key=lambda p: -p[1]):
+        # only publishes the caller has not seen are read: a reader's refresh with no news costs
+        # two header reads, as before
+        newer = [p for p in parsed if p is not None and p[1] > after]
+        for slot, seq, crc, length in sorted(newer, key=lambda p: -p[1]):
             fd = self._fds[slot]
             payload = os.pread(fd, length, self._HEADER.size)
             if [self._header(s) for s in (0, 1)] != headers:
@@ -168,9 +171,11 @@ class StateSlots:
                 best = (seq, state, self.paths[slot])
                 break
             damaged.append(SlotDamage(self.paths[slot], seq, problem, _try_json(payload)))
-        newest = best[0] if best is not None else -1
+        newest = best[0] if best is not None else (after if after else -1)
+        if after:  # a damaged header cannot be placed; the caller was told when it first opened
+            damaged = [d for d in damaged if d.claimed_seq is not None]
         newer_damage = tuple(d for d in damaged if d.claimed_seq is None or d.claimed_seq > newest)
-        if best is None or best[0] <= after:
+        if best is None:
             return SlotReading(None, None, newer_damage, in_use)
         return SlotReading(best[0], best[1], newer_damage, in_use, best[2])
 

@@ -211,12 +211,13 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         self._closed = False
         self._owner_pid = os.getpid()
         self._warned: set[str] = set()
+        self._seen_damage: set = set()  # (slot path, claimed seq) of damaged slots looked into
         try:
             manifest = read_manifest(path)
             check_header(manifest, path / MANIFEST_NAME, backend=BACKEND, format_version=FORMAT_VERSION)
             self._fields: list[FieldFiles] = layout.fields_of(manifest, path)
             self._apply_manifest(manifest, path / MANIFEST_NAME)
-            published = read_published(path, self._slots, manifest, self._fields)
+            published = read_published(path, self._slots, manifest, self._fields, seen=self._seen_damage)
             if published is not None and published.rollback is not None and lock is not None:
                 raise StoreCorruptedError(
                     f"{published.rollback.describe(path)}. A writer refuses to open this store: appending "
@@ -387,7 +388,8 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
 
     def _apply_latest_publish(self) -> None:
         manifest = {"segment_rows": self._segment_rows}
-        self._apply_published(read_published(self._path, self._slots, manifest, self._fields, after=self._seq))
+        self._apply_published(read_published(self._path, self._slots, manifest, self._fields, after=self._seq,
+                                             seen=self._seen_damage))
 
     def _view(self, seg_id: int) -> SegmentView:
         view = self._views.get(seg_id)
