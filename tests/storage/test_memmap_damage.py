@@ -25,7 +25,7 @@ from rlhf_pipeline.storage import (
     create_store,
     open_store,
 )
-from rlhf_pipeline.storage.buffers import repair_buffer, verify_buffer
+from rlhf_pipeline.storage.buffers import repair_buffer
 from rlhf_pipeline.storage.memmap.store import MemmapTrajectoryStore
 
 SCHEMA = StoreSchema(optional=("advantage",))

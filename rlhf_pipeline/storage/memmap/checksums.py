@@ -27,7 +27,6 @@ from rlhf_pipeline.storage.errors import StoreCorruptedError
 from rlhf_pipeline.storage.memmap.layout import CHECKSUMS_NAME
 
 ALGORITHM = "crc32c"
-_READ_BLOCK = 8 * 2**20
 
 
 def byte_view(data) -> np.ndarray:
@@ -44,22 +43,6 @@ def byte_view(data) -> np.ndarray:
 def crc32c(data) -> int:
     """CRC32C of a bytes-like object or numpy array."""
     return google_crc32c.value(byte_view(data))
-
-
-def file_crc32c(path: str | os.PathLike, size: int | None = None) -> int:
-    """CRC32C of the first ``size`` bytes of a file (all of it when None), read in blocks."""
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        remaining = size if size is not None else os.fstat(f.fileno()).st_size
-        buffer = bytearray(min(_READ_BLOCK, max(remaining, 1)))
-        view = memoryview(buffer)
-        while remaining > 0:
-            got = f.readinto(view[: min(len(buffer), remaining)])
-            if not got:
-                break
-            crc = google_crc32c.extend(crc, np.frombuffer(buffer, dtype=np.uint8, count=got))
-            remaining -= got
-    return crc
 
 
 def write_checksums(directory: Path, files: dict[str, tuple[int, int]]) -> Path:

@@ -42,7 +42,6 @@ from rlhf_pipeline.storage.memmap.layout import (
     fields_of,
     read_manifest,
     segment_dir_name,
-    segment_files,
     segment_ids_on_disk,
 )
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots

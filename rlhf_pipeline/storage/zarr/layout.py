@@ -73,10 +73,6 @@ class _DtypeByName(dict):
 NP_DTYPE_BY_NAME: dict[str, np.dtype] = _DtypeByName()
 
 
-def unit_name(first_row: int) -> str:
-    return f"{first_row:015d}"
-
-
 # ======================================================================== codecs
 CODEC_PRESETS: dict[str, dict[str, Any]] = {
     # FACTS: blosc-zstd + byte shuffle compressed token ids 2.15x, log-probs 1.19x. Measured
@@ -241,20 +237,6 @@ def strip_checksum(data, key: str):
             f"Restore the store from a snapshot; the store's other units still read."
         )
     return body
-
-
-def array_metadata(dtype: str, length: int, codec: Codec) -> bytes:
-    """zarr.json of a 1-D single-chunk array (chunk shape >= 1, as Zarr requires)."""
-    typesize = np.dtype(NP_DTYPE_BY_NAME[dtype]).itemsize
-    fill: Any = False if dtype == "bool" else (0.0 if dtype.startswith("float") else 0)
-    meta = {
-        "zarr_format": 3, "node_type": "array", "shape": [length], "data_type": dtype,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(length, 1)]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-        "fill_value": fill, "codecs": codec.zarr_codecs(typesize), "attributes": {},
-        "dimension_names": None,
-    }
-    return json.dumps(meta, separators=(",", ":")).encode()
 
 
 GROUP_METADATA = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
