@@ -105,7 +105,10 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
             break
         rows, elements = complete_rows(directory, fields, limit=segment_rows)
         if rows == segment_rows or (seg_id in known and known[seg_id].rows == segment_rows):
-            state = _sealed_state(directory, fields, seg_id, segment_rows, known.get(seg_id))
+            # a full segment: counts from an intact publish (even when its end offsets are damaged),
+            # else from its end offsets (right even if a killed writer never trimmed its files)
+            full = seg_id in known and known[seg_id].rows == segment_rows
+            state = known[seg_id] if full else SegmentState(seg_id, rows, elements)
             sums = checksums.read_checksums(directory) if (directory / "checksums.json").exists() else None
             damage = check_segment(directory, fields, state, sums)
             for problem in damage:
@@ -182,19 +185,6 @@ def _same_rows(current: dict[str, Any], rebuilt: dict[str, Any]) -> bool:
     keys = ("first_row", "next_row")
     return all(int(current[k]) == int(rebuilt[k]) for k in keys) and \
         [list(s[:2]) for s in current["segments"]] == [list(s[:2]) for s in rebuilt["segments"]]
-
-
-def _sealed_state(directory: Path, fields: list[FieldFiles], seg_id: int, segment_rows: int,
-                  known: SegmentState | None) -> SegmentState:
-    """A full segment's state: value counts from its end offsets, or (when those are damaged)
-    from its file sizes, which sealing trimmed to the exact published size."""
-    if known is not None and known.rows == segment_rows:
-        return known
-    elements = {}
-    for f in fields:
-        if f.ragged:
-            elements[f.name] = (directory / f"{f.name}.values").stat().st_size // f.dtype.itemsize
-    return SegmentState(seg_id, segment_rows, elements)
 
 
 def _fields(manifest: dict[str, Any] | None, config: dict[str, Any], path: Path) -> list[FieldFiles]:
