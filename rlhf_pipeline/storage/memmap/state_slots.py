@@ -115,11 +115,25 @@ class StateSlots:
     def read(self, after: int = 0) -> SlotReading:
         """The newest intact publish with ``seq > after``, and the damaged slots that may be newer."""
         for _ in range(self._ATTEMPTS):
-            headers = [self._header(slot) for slot in (0, 1)]
+            headers = [self._header(0), self._header(1)]
+            if after and self._nothing_newer(headers, after):
+                return _NOTHING_NEWER  # a reader's refresh with no news: two header reads, as before
             reading = self._read_once(headers, after)
             if reading is not None:
                 return reading
         raise OSError(f"{self.paths[0].parent}: the state slots kept changing while being read")
+
+    def _nothing_newer(self, headers: list[bytes | None], after: int) -> bool:
+        """True when every slot holds a well-formed header of a publish ``<= after`` (or none)."""
+        for raw in headers:
+            if raw is None:
+                continue
+            if len(raw) != self._HEADER.size:
+                return False
+            magic, _, seq, _ = self._HEADER.unpack(raw)
+            if seq > after or (magic != self._MAGIC and raw != self._UNUSED):
+                return False
+        return True
 
     def _header(self, slot: int) -> bytes | None:
         """The slot's raw header bytes (shorter when the file is), or None when the file is missing."""
@@ -189,6 +203,9 @@ class StateSlots:
             if fd is not None:
                 os.close(fd)
                 self._fds[slot] = None
+
+
+_NOTHING_NEWER = SlotReading(None, None)
 
 
 def _try_json(payload: bytes) -> dict[str, Any] | None:
