@@ -98,6 +98,8 @@ def test_flipped_byte_in_a_live_writers_fragment_names_the_chunk(tmp_path, capsy
             assert reader.read(torch.arange(32)).equal(expected.select(torch.arange(32)))
         assert main(["inspect", str(path), "--verify"]) == 1
         assert f"{fragment.name}/c.0 fails its crc32c" in capsys.readouterr().out
+        report, = repair_buffer(str(path))  # the record is intact: damage it cannot fix, named
+        assert not report.actions and any(f"{fragment.name}/c.0" in u for u in report.unrecoverable)
     finally:
         writer.close()
 
