@@ -88,3 +88,16 @@ def test_plain_zarr_reads_format1_units(old_stores, tmp_path):
         got = json.loads(out.stdout)
         assert got["kinds"] == kinds
         assert_same_rows(got, written_rows())
+
+
+def test_repair_rebuilds_the_record_of_a_format1_store(old_stores):
+    from rlhf_pipeline.storage.buffers import repair_buffer
+
+    path = old_stores / "zarr-closed"
+    (path / "zarr.json").unlink()
+    report, = repair_buffer(str(path), apply=True)
+    assert report.rows_after == 18 and not report.unrecoverable, report
+    with open_store(path) as reader:  # its units as they were: per-field sealed segments and fragment
+        assert [u.kind for u in reader.units] == [1, 1, 0]
+        assert reader.read(torch.arange(18)).equal(written_rows())
+

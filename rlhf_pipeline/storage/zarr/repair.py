@@ -160,7 +160,7 @@ def _config_from_units(loc, units: list[UnitRef], report: RepairReport) -> dict[
     names: set[str] = set()
     codec: dict[str, Any] | None = None
     sealed = [u for u in units if u.kind in (SEALED_PACKED, SEALED)]
-    for unit in sorted(units, key=lambda u: u.kind != SEALED_PACKED):
+    for unit in sorted(units, key=lambda u: u.kind not in (SEALED_PACKED, SEALED)):
         meta_keys = ([f"{unit.prefix}/rows/{ROOT_META}", f"{unit.prefix}/values/{ROOT_META}"]
                      if unit.kind == SEALED_PACKED else [f"{unit.prefix}/{ROOT_META}"])
         for raw in loc.kv.get_many(meta_keys):
@@ -171,8 +171,15 @@ def _config_from_units(loc, units: list[UnitRef], report: RepairReport) -> dict[
             names |= set(meta.get("attributes", {}).get(PACKED_ATTRS_KEY, {}))
             if unit.kind == SEALED_PACKED and codec is None:
                 codec = _codec_config(meta.get("codecs", []))
-        if unit.kind in (SEALED, FRAGMENT):
-            names |= set(loc.kv.list_dir(unit.prefix)) - {ROOT_META}
+        if unit.kind in (SEALED, FRAGMENT):  # format 1: one array per field, each with its codecs
+            arrays = set(loc.kv.list_dir(unit.prefix)) - {ROOT_META}
+            names |= arrays
+            if unit.kind == SEALED and codec is None and "response_tokens" in arrays:
+                raw = loc.kv.get(f"{unit.prefix}/response_tokens/{ROOT_META}")
+                try:
+                    codec = _codec_config(json.loads(raw).get("codecs", []))
+                except (TypeError, ValueError):
+                    pass
         if names and (codec is not None or not sealed):
             break
     fields = {n for n in names if not n.endswith("_offsets")}
