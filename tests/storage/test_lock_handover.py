@@ -33,8 +33,8 @@ from rlhf_pipeline.storage import locking  # noqa: E402
 from rlhf_pipeline.storage.errors import StoreLockedError  # noqa: E402
 from rlhf_pipeline.storage.locking import WriterLock  # noqa: E402
 
-STRESS_SECONDS = 4.0
-STRESS_MIN_CYCLES = 8  # on a loaded machine the cycles take longer than the seconds
+STRESS_SECONDS = 2.0
+STRESS_MIN_CYCLES = 6  # on a loaded machine the cycles take longer than the seconds
 
 # Takes the lock, forks a child that inherits the open lock file (as a process forked to run a
 # subprocess does until its exec), and reports both pids; the child lives for argv[2] seconds.
