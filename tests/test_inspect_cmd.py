@@ -1,8 +1,10 @@
-"""``rlhf-pipeline inspect`` on real buffers: the table, the JSON and the not-a-buffer error."""
+"""``rlhf-pipeline inspect`` on real buffers: the table, the JSON, the errors, and no torch import."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from helpers import make_batch
 
@@ -22,12 +24,43 @@ def test_inspect_prints_json_and_a_table(tmp_path, capsys):
     assert data["rows"] == 12 and data["groups"] == 3 and data["segments"] == 2
     assert data["policy_versions"] == {"3": 8, "4": 4}
     assert data["response_tokens"] == expected.response_tokens
-    assert data["compression_ratio"] == expected.compression_ratio
+    assert data["disk_bytes_per_raw_byte"] == expected.bytes_on_disk / expected.raw_bytes
     assert main(["inspect", str(path)]) == 0
     table = capsys.readouterr().out
-    assert "rows held" in table and "v3: 8, v4: 4" in table and "memmap" in table
+    assert "rows held" in table and "v3: 8, v4: 4" in table and "memmap" in table and "disk/raw" in table
 
 
-def test_inspect_of_a_non_buffer_says_so(tmp_path, capsys):
+def test_many_policy_versions_are_summarized_and_ordered_as_numbers(tmp_path, capsys):
+    path = tmp_path / "buffer"
+    versions = [0, 1, 2, 3, 9, 10, 11, 30, 100, 101]
+    with MemmapTrajectoryStore.create(path, segment_rows=8) as store:
+        for i, version in enumerate(versions):
+            store.append(make_batch(1, 2, seed=i, first_group_id=i, first_trajectory_id=2 * i, policy_version=version))
+    assert main(["inspect", str(path), "--json"]) == 0
+    raw = capsys.readouterr().out
+    assert list(json.loads(raw)["policy_versions"]) == [str(v) for v in versions]  # 100 after 30, not after 10
+    assert main(["inspect", str(path)]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("policy versions"))
+    assert "10 versions (v0-v3, v9-v11, v30, v100-v101)" in line and "v9: 2" not in line
+
+
+def test_inspect_of_a_non_buffer_or_a_missing_path_says_so_in_one_line(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "is not a replay buffer" in capsys.readouterr().err
+    missing = tmp_path / "no" / "such" / "buffer"
+    for command in (["inspect", str(missing)], ["inspect", str(missing), "--verify"], ["repair", str(missing)],
+                    ["convert", str(missing), str(tmp_path / "out"), "--to", "zarr"]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert err.strip().count("\n") == 0 and f"{missing} does not exist" in err, (command, err)
+
+
+def test_inspect_imports_no_torch(tmp_path):
+    path = tmp_path / "buffer"
+    with MemmapTrajectoryStore.create(path, segment_rows=8) as store:
+        store.append(make_batch(2, 4))
+    script = ("import sys\nfrom rlhf_pipeline.cli.main import main\n"
+              f"assert main(['inspect', {str(path)!r}]) == 0\nassert main(['inspect', {str(path)!r}, '--verify']) == 0\n"
+              "heavy = [m for m in ('torch', 'tensordict', 'torchrl', 'transformers') if m in sys.modules]\n"
+              "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)

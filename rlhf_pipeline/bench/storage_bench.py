@@ -11,8 +11,10 @@ What is measured, per backend (``rlhf-pipeline bench storage``):
   slice gives the rate (timeit-style, robust to a shared machine);
   ``batches_per_s_all_rounds`` is the rate over every batch.
 * ``useful_tokens_per_s``: real (prompt + response) tokens per second in that slice.
-* ``disk_bytes_per_raw_byte``: allocated bytes under the backend's directory (as ``du``
-  counts them) over the raw payload (token values, row values, UTF-8 text; no offsets).
+* ``disk_bytes_per_raw_byte``: allocated bytes under the backend's directory, files and
+  directories, as ``du`` counts them (for our stores: ``inspect``'s "bytes on disk") over
+  the raw payload (token values, row values, UTF-8 text; no offsets), the same definitions
+  as :mod:`rlhf_pipeline.storage.summary`.
 * ``peak_rss_mb``: ``ru_maxrss`` of the process that ran the backend. Each backend runs
   in its own fresh subprocess (unless ``--in-process``), so this is per backend;
   ``import_rss_mb`` is the same figure taken before the backend was set up (interpreter,
@@ -203,12 +205,12 @@ def MemmapSmallSegmentsBackend() -> TrajectoryStoreBackend:
 
 
 def directory_bytes(path: Path) -> int:
-    """Allocated bytes under ``path``, as ``du`` counts them (sparse files count what is written)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            total += os.stat(os.path.join(root, name)).st_blocks * 512
-    return total
+    """Allocated bytes of what lies under ``path``, as ``du`` counts them (files and directories,
+    sparse files only what is written; ``path``'s own directory block not included): for our
+    stores exactly the ``bytes on disk`` that ``rlhf-pipeline inspect`` reports."""
+    from rlhf_pipeline.storage.summary import disk_usage
+
+    return sum(disk_usage(entry.path) for entry in os.scandir(path))
 
 
 # =========================================================================== one backend

@@ -1,9 +1,11 @@
 """``rlhf-pipeline convert SRC DST --to zarr|memmap``: copy a buffer to the other backend.
 
-Streams one segment at a time (memory stays at about one segment), shows progress,
-and with ``--verify`` re-reads both buffers and compares every row. The source is
-opened read-only, so converting beside a running writer copies the rows published
-when the conversion started.
+Takes what ``inspect`` takes: a single store, or a run's buffer of ``shard-NNNN`` stores,
+which is converted shard by shard into ``DST/shard-NNNN`` (a sharded buffer again, which
+a learner reads the same way). Streams one segment at a time (memory stays at about one
+segment), shows progress, and with ``--verify`` re-reads both buffers and compares every
+row. The source is opened read-only, so converting beside a running writer copies the rows
+published when the conversion started.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("src", help="existing buffer (memmap directory, Zarr store, .zip or URL)")
+    parser.add_argument("src", help="existing buffer: memmap directory, Zarr store (.zip or URL), or a directory "
+                                    "of shard-NNNN stores")
     parser.add_argument("dst", help="where to create the new buffer (must not exist)")
     parser.add_argument("--to", required=True, choices=("zarr", "memmap"), help="backend of the new buffer")
     parser.add_argument("--codec", default=None,
@@ -20,16 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--segment-rows", type=int, default=None,
                         help="rows per segment in the new buffer (default: the source's)")
     parser.add_argument("--verify", action="store_true", help="compare every row afterwards")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress")
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     import sys
 
-    from tqdm import tqdm
-
-    from rlhf_pipeline.storage import StoreError
-    from rlhf_pipeline.storage.convert import convert, verify
+    from rlhf_pipeline.cli.progress import progress_reporter
+    from rlhf_pipeline.storage.buffers import is_sharded_buffer, list_shards, shard_path
+    from rlhf_pipeline.storage.errors import StoreError, StoreNotFoundError
 
     options = {}
     if args.codec is not None:
@@ -37,23 +40,37 @@ def run(args: argparse.Namespace) -> int:
             print("rlhf-pipeline convert: --codec applies to --to zarr only", file=sys.stderr)
             return 2
         options["codec"] = args.codec
-    bar = tqdm(unit="rows", desc=f"convert -> {args.to}", disable=args.quiet, file=sys.stderr)
+    if "://" not in args.src and not os.path.exists(args.src):
+        print(f"rlhf-pipeline convert: {StoreNotFoundError(f'{args.src} does not exist')}", file=sys.stderr)
+        return 2
+    if is_sharded_buffer(args.src):
+        if os.path.exists(args.dst) and (not os.path.isdir(args.dst) or os.listdir(args.dst)):
+            print(f"rlhf-pipeline convert: {args.dst} already holds files; choose a new path", file=sys.stderr)
+            return 2
+        pairs = [(str(path), str(shard_path(args.dst, index))) for index, path in list_shards(args.src)]
+    else:
+        pairs = [(args.src, args.dst)]
 
-    def progress(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
+    from rlhf_pipeline.storage.convert import convert, verify  # imports torch: after the arguments
 
+    lines = []
     try:
-        stats = convert(args.src, args.dst, args.to, segment_rows=args.segment_rows, progress=progress,
-                        **options)
-        bar.close()
-        if args.verify:
-            verify(args.src, args.dst)
+        for src, dst in pairs:
+            progress = progress_reporter(f"convert {os.path.basename(src.rstrip('/'))} -> {args.to}", "rows",
+                                         quiet=args.quiet)
+            stats = convert(src, dst, args.to, segment_rows=args.segment_rows, progress=progress, **options)
+            if args.verify:
+                verify(src, dst)
+            lines.append(_describe(dst, stats, args.verify))
     except (StoreError, FileExistsError, ValueError) as exc:
-        bar.close()
         print(f"rlhf-pipeline convert: {exc}", file=sys.stderr)
         return 2
-    checked = ", every row verified" if args.verify else ""
-    print(f"{args.dst}: {stats.rows} rows in {stats.segments} segments, {stats.bytes_on_disk} bytes on disk "
-          f"({stats.compression_ratio:.2f}x of the raw payload){checked}")
+    print("\n".join(lines))
     return 0
+
+
+def _describe(dst: str, stats, verified: bool) -> str:
+    checked = ", every row verified" if verified else ""
+    return (f"{dst}: {stats.rows} rows in {stats.segments} segments, {stats.bytes_on_disk} bytes on disk (as du "
+            f"counts them), disk/raw {stats.disk_bytes_per_raw_byte:.3f} (raw payload {stats.raw_bytes} bytes; "
+            f"below 1: smaller than the raw payload){checked}")

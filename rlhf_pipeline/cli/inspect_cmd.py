@@ -1,9 +1,14 @@
-"""``rlhf-pipeline inspect PATH [--json]``: what a replay buffer holds, from its own metadata.
+"""``rlhf-pipeline inspect PATH [--json] [--verify]``: what a replay buffer holds, from its own metadata.
 
-Opens the buffer read-only (no lock, so it is safe beside a running writer) with
-whichever backend recognizes it (a run's buffer of ``shard-NNNN`` stores, one per
-collector, is summed over its shards), and prints rows, groups, tokens, rewards, bytes
-and policy versions: a table by default, one JSON object with ``--json``.
+Reads the buffer's files with numpy, json and zarr only (no torch, no lock, so it is quick
+and safe beside a running writer): a memmap directory, a Zarr store, or a run's buffer of
+``shard-NNNN`` stores (summed over the shards). Prints rows, groups, tokens, rewards,
+sizes and policy versions: a table by default, one JSON object with ``--json``.
+
+``--verify`` checks every byte instead: sealed memmap segments against the checksums
+recorded when they were sealed, every Zarr chunk against its CRC32C, and the structure of
+everything (offsets, sizes, UTF-8). It prints what it checked and every problem, naming
+the file or chunk; the exit code is 1 when it finds damage (see ``rlhf-pipeline repair``).
 """
 
 from __future__ import annotations
@@ -13,25 +18,40 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN stores")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (a list with --verify)")
+    parser.add_argument("--verify", action="store_true",
+                        help="check every segment file or chunk against its checksum; exit code 1 on damage")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar with --verify")
 
 
 def run(args: argparse.Namespace) -> int:
     import json
     import sys
+    import warnings
 
-    from rlhf_pipeline.storage import StoreError, open_buffer
+    from rlhf_pipeline.cli.progress import progress_reporter
+    from rlhf_pipeline.storage.buffers import buffer_stats, verify_buffer
+    from rlhf_pipeline.storage.errors import StoreError
 
-    try:
-        with open_buffer(args.path, mode="r") as store:
-            stats = store.stats()
-    except StoreError as exc:
-        print(f"rlhf-pipeline inspect: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(stats.to_json(), sort_keys=True))
-    else:
-        print(format_stats(stats))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if args.verify:
+                reports = verify_buffer(args.path, progress=progress_reporter("verify", "parts", quiet=args.quiet))
+            else:
+                stats = buffer_stats(args.path)
+        except StoreError as exc:
+            print(f"rlhf-pipeline inspect: {exc}", file=sys.stderr)
+            return 2
+    for warning in caught:
+        print(f"rlhf-pipeline inspect: warning: {warning.message}", file=sys.stderr)
+    if args.verify:
+        if args.json:
+            print(json.dumps([r.to_json() for r in reports]))
+        else:
+            print("\n".join(r.format() for r in reports))
+        return 0 if all(r.ok for r in reports) else 1
+    print(json.dumps(stats.to_json()) if args.json else format_stats(stats))
     return 0
 
 
@@ -49,7 +69,9 @@ def _bytes(n: int) -> str:
 
 def format_stats(stats) -> str:
     """A two-column table of a ``StoreStats`` (what ``inspect`` prints without ``--json``)."""
-    versions = ", ".join(f"v{v}: {n}" for v, n in sorted(stats.policy_versions.items())) or "-"
+    from rlhf_pipeline.storage.summary import describe_versions
+
+    ratio = stats.disk_bytes_per_raw_byte
     rows = [
         ("location", stats.location),
         ("backend", stats.backend),
@@ -61,11 +83,11 @@ def format_stats(stats) -> str:
         ("response tokens", str(stats.response_tokens)),
         ("reward mean / std", f"{_number(stats.reward_mean)} / {_number(stats.reward_std)}"),
         ("reward min / max", f"{_number(stats.reward_min)} / {_number(stats.reward_max)}"),
-        ("policy versions", versions),
+        ("policy versions", describe_versions(stats.policy_versions)),
         ("segments", str(stats.segments)),
-        ("bytes on disk", _bytes(stats.bytes_on_disk)),
-        ("raw payload", _bytes(stats.raw_bytes)),
-        ("compression ratio", f"{stats.compression_ratio:.3f}"),
+        ("bytes on disk", f"{_bytes(stats.bytes_on_disk)}  (as du counts the store's files and directories)"),
+        ("raw payload", f"{_bytes(stats.raw_bytes)}  (token values, row fields, UTF-8 text)"),
+        ("disk/raw", "-" if ratio != ratio else f"{ratio:.3f}  (below 1: smaller than the raw payload)"),
         ("optional fields", ", ".join(stats.optional_fields) or "-"),
     ]
     rows += [(key.replace("_", " "), str(value)) for key, value in sorted(stats.extra.items())]

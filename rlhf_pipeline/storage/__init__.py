@@ -3,38 +3,53 @@
 ``create_store(location, backend=...)`` makes a new store, ``open_store(location)``
 reopens one of any backend (it asks each registered backend whether the location
 is one of its stores). ``open_buffer(location)`` opens a run's buffer directory: a single
-store, or the read-only union of its ``shard-NNNN`` stores (one per collector). Backends are imported lazily, so opening a memmap store
-never imports zarr.
+store, or the read-only union of its ``shard-NNNN`` stores (one per collector).
+
+Importing this package imports no torch: the store classes (and torch with them) load on
+first use, so ``rlhf-pipeline inspect`` and ``repair``, which read a store's files with
+numpy, json and zarr only (:mod:`.buffers`), start in a fraction of a second.
 
 To add a backend: implement :class:`~rlhf_pipeline.storage.base.TrajectoryStore`
-with the classmethods ``create(location, schema, **options)``,
-``open(location, mode)`` and ``detect(location) -> bool`` (a cheap check that
-raises nothing), then add one line to ``BACKENDS``.
+with the classmethods ``create(location, schema, **options)`` and ``open(location, mode)``,
+add one line to ``BACKENDS``, and a torch-free module with ``detect(location) -> bool`` (a
+cheap check that raises nothing and also recognizes a damaged store), ``stats(location)``,
+``verify(location, progress)`` and ``repair(location, apply, progress)`` to ``INSPECTION``.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
 
-from rlhf_pipeline.schema import StoreSchema
-from rlhf_pipeline.storage.base import (
+from rlhf_pipeline.storage.errors import (
+    IncompatibleStoreError,
     NotAStoreError,
     ReadOnlyStoreError,
+    StoreClosedError,
     StoreCorruptedError,
+    StoreDamageWarning,
     StoreError,
     StoreLockedError,
-    StoreStats,
-    TrajectoryStore,
+    StoreNotFoundError,
 )
+from rlhf_pipeline.storage.summary import StoreStats
 
 if TYPE_CHECKING:
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage.base import TrajectoryStore
     from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
 
 # backend name -> "module:Class"; tried in this order by open_store
 BACKENDS: dict[str, str] = {
     "memmap": "rlhf_pipeline.storage.memmap:MemmapTrajectoryStore",
     "zarr": "rlhf_pipeline.storage.zarr:ZarrTrajectoryStore",
+}
+
+# backend name -> module of torch-free functions on a location: detect, stats, verify, repair
+INSPECTION: dict[str, str] = {
+    "memmap": "rlhf_pipeline.storage.memmap.inspection",
+    "zarr": "rlhf_pipeline.storage.zarr.inspection",
 }
 
 
@@ -48,10 +63,22 @@ def backend_class(name: str) -> type[TrajectoryStore]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def inspection(name: str):
+    """The torch-free module of backend ``name`` (``detect``, ``stats``, ``verify``, ``repair``)."""
+    return importlib.import_module(INSPECTION[name])
+
+
 def detect_backend(location: str) -> str:
-    """Name of the backend whose store lives at ``location``; ``NotAStoreError`` if none."""
+    """Name of the backend whose store (possibly damaged) lives at ``location``.
+
+    ``StoreNotFoundError`` when the path does not exist, ``NotAStoreError`` when no backend
+    recognizes what is there. Imports no torch.
+    """
+    location = str(location)
+    if "://" not in location and not os.path.exists(location):
+        raise StoreNotFoundError(f"{location} does not exist")
     for name in BACKENDS:
-        if backend_class(name).detect(str(location)):
+        if inspection(name).detect(location):
             return name
     raise NotAStoreError(
         f"{location} is not a replay buffer: no backend ({', '.join(BACKENDS)}) recognizes it. "
@@ -75,8 +102,8 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
     A saved selection (``rlhf-pipeline filter ... --selection``) opens as a read-only
     :class:`~rlhf_pipeline.storage.selection.SelectionStore` over the rows it names.
     """
+    from rlhf_pipeline.storage.buffers import is_sharded_buffer
     from rlhf_pipeline.storage.selection import SelectionStore, is_selection
-    from rlhf_pipeline.storage.sharded import ShardedStoreReader, is_sharded_buffer
 
     location = str(location)
     if is_selection(location):
@@ -87,23 +114,28 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
                 f"{location} holds one store per collector (shard-NNNN); the union is read-only. "
                 f"Open one shard with open_store(<shard dir>, mode={mode!r}) to append"
             )
+        from rlhf_pipeline.storage.sharded import ShardedStoreReader
+
         return ShardedStoreReader(location, **options)
     return open_store(location, mode=mode, **options)
 
 
 def create_store(location, backend: str = "memmap", schema: StoreSchema | None = None, **options) -> TrajectoryStore:
     """Creates a new, empty store opened for appending (``options`` are the backend's)."""
+    from rlhf_pipeline.schema import StoreSchema
+
     return backend_class(backend).create(str(location), schema or StoreSchema(), **options)
 
 
 def __getattr__(name: str):
-    # lazy re-exports of the backend classes and torchrl glue
+    # lazy re-exports of the backend classes and torchrl glue (they import torch)
     lazy = {
         "MemmapTrajectoryStore": "rlhf_pipeline.storage.memmap",
         "AppendWriter": "rlhf_pipeline.storage.torchrl_glue",
         "make_replay_buffer": "rlhf_pipeline.storage.torchrl_glue",
         "ShardedStoreReader": "rlhf_pipeline.storage.sharded",
         "SelectionStore": "rlhf_pipeline.storage.selection",
+        "TrajectoryStore": "rlhf_pipeline.storage.base",
     }
     if name in lazy:
         return getattr(importlib.import_module(lazy[name]), name)
@@ -112,20 +144,26 @@ def __getattr__(name: str):
 
 __all__ = [
     "BACKENDS",
+    "INSPECTION",
     "AppendWriter",
+    "IncompatibleStoreError",
     "MemmapTrajectoryStore",
     "NotAStoreError",
     "ReadOnlyStoreError",
     "SelectionStore",
     "ShardedStoreReader",
+    "StoreClosedError",
     "StoreCorruptedError",
+    "StoreDamageWarning",
     "StoreError",
     "StoreLockedError",
+    "StoreNotFoundError",
     "StoreStats",
     "TrajectoryStore",
     "backend_class",
     "create_store",
     "detect_backend",
+    "inspection",
     "make_replay_buffer",
     "open_buffer",
     "open_store",

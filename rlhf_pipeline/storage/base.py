@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -32,63 +31,20 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from rlhf_pipeline.collate import pad_batch, padded_fields, place_padded
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, validate_batch
+from rlhf_pipeline.storage.errors import (  # noqa: F401 - re-exported: the contract's errors
+    IncompatibleStoreError,
+    NotAStoreError,
+    ReadOnlyStoreError,
+    StoreClosedError,
+    StoreCorruptedError,
+    StoreError,
+    StoreLockedError,
+    StoreNotFoundError,
+)
 from rlhf_pipeline.storage.padded_rows import LocatedRows, fill_padded
+from rlhf_pipeline.storage.summary import StoreStats  # noqa: F401 - re-exported
 
 UNBOUNDED_ROWS = 2**62
-
-
-class StoreError(RuntimeError):
-    """Base class of the storage errors a user can act on."""
-
-
-class StoreLockedError(StoreError):
-    """Another process holds the store's writer lock."""
-
-
-class NotAStoreError(StoreError):
-    """The location holds no trajectory store (or not one this backend can read)."""
-
-
-class StoreCorruptedError(StoreError):
-    """Published data is missing or damaged; the message names what and where."""
-
-
-class ReadOnlyStoreError(StoreError):
-    """A write was attempted on a store opened for reading."""
-
-
-@dataclass
-class StoreStats:
-    """What ``rlhf-pipeline inspect`` prints; every backend fills it from its own metadata."""
-
-    backend: str
-    location: str
-    rows: int  # rows held now (after eviction)
-    first_row: int
-    next_row: int  # rows ever written
-    groups: int
-    prompt_tokens: int
-    response_tokens: int
-    bytes_on_disk: int
-    raw_bytes: int  # payload size with no padding and no compression
-    segments: int
-    reward_mean: float | None = None
-    reward_std: float | None = None
-    reward_min: float | None = None
-    reward_max: float | None = None
-    policy_versions: dict[int, int] = field(default_factory=dict)  # version -> rows
-    optional_fields: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (codec, chunking...)
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.raw_bytes / self.bytes_on_disk if self.bytes_on_disk else float("nan")
-
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out["compression_ratio"] = self.compression_ratio
-        out["policy_versions"] = {str(k): v for k, v in self.policy_versions.items()}
-        return out
 
 
 class TrajectoryStore(Storage, abc.ABC):
@@ -136,6 +92,11 @@ class TrajectoryStore(Storage, abc.ABC):
         """True when a row capacity bounds the store (oldest segments are dropped)."""
         return False
 
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`; reading or appending then raises :class:`StoreClosedError`."""
+        return bool(getattr(self, "_closed", False))
+
     @abc.abstractmethod
     def _append_validated(self, batch: TrajectoryBatch) -> None:
         """Writes an already validated batch and publishes it atomically (all rows or none)."""
@@ -166,6 +127,8 @@ class TrajectoryStore(Storage, abc.ABC):
 
         On any validation error nothing is stored and the store is unchanged.
         """
+        if self.closed:
+            raise StoreClosedError(f"{self.location} was closed; open it again with mode='a' to append")
         if not self.writable:
             raise ReadOnlyStoreError(
                 f"{self.location} was opened read-only; open it with mode='a' to append"

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.storage import backend_class, open_store
+from rlhf_pipeline.storage import backend_class, inspection, open_store
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
 
 DEFAULT_SEGMENT_ROWS = 4096
@@ -60,10 +60,9 @@ def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,
                 start = end
                 if progress is not None:
                     progress(done, stop - first)
-            flush = getattr(target, "flush", None)
-            if flush is not None:
-                flush()
-            return target.stats()
+            if progress is not None and stop == first:
+                progress(0, 0)
+    return inspection(to).stats(dst)  # once closed: what stays on disk
 
 
 def verify(src: str, dst: str, *, rows_per_step: int = DEFAULT_SEGMENT_ROWS) -> int:

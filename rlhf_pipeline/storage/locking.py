@@ -1,10 +1,21 @@
 """One writer per store: an exclusive ``fcntl.flock`` on a lock file inside the store.
 
-The lock belongs to the open file, so the kernel drops it when the holder exits,
-even on ``kill -9``: a crashed writer never leaves a stale lock behind. The file
-records the holder's pid and host so the second writer's error can name them.
-Readers take no lock. ``flock`` is local to one machine (and unreliable on some
+The lock belongs to the open file description, so the kernel drops it when the last
+descriptor of it closes, even on ``kill -9``: a crashed writer never leaves a stale lock
+behind. The file records the holder's pid and host so the second writer's error can name
+them. Readers take no lock. ``flock`` is local to one machine (and unreliable on some
 network filesystems); a store shared between hosts needs one writer by design.
+
+The handover after a crash has one window, closed here. The lock lives as long as *any*
+descriptor of the writer's open file, and a process forked from the writer holds one
+until it exits or execs (``subprocess`` forks, and the child holds every descriptor until
+its ``exec``). A writer killed while such a child exists leaves the lock held for a moment
+after its own death, with its own pid still in the file: a new writer then saw
+``StoreLockedError ... by process N`` naming a process that had already been reaped.
+Now a refused writer looks at the recorded holder: when that process is no longer running
+on this host (or no pid is recorded yet: a new holder between its ``flock`` and its write),
+the lock is being handed over, and it retries for up to :data:`HANDOVER_WAIT_S`. A lock
+still held after that is reported with the processes that really hold the file open.
 
 API: ``lock = WriterLock(path); lock.acquire(); ...; lock.release()`` or
 ``with WriterLock(path): ...``; a held lock raises :class:`StoreLockedError`.
@@ -15,11 +26,14 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import time
 from pathlib import Path
 
-from rlhf_pipeline.storage.base import StoreLockedError
+from rlhf_pipeline.storage.errors import StoreLockedError
 
 LOCK_FILE_NAME = "writer.lock"
+HANDOVER_WAIT_S = 2.0  # how long a lock whose recorded holder is gone may take to be released
+_POLL_S = 0.005
 
 
 class WriterLock:
@@ -30,6 +44,7 @@ class WriterLock:
         self._store = store or str(self.path.parent)
         self._fd: int | None = None
         self._owner_pid = os.getpid()
+        self._created = False
 
     @property
     def held(self) -> bool:
@@ -38,27 +53,66 @@ class WriterLock:
     def acquire(self) -> WriterLock:
         if self._fd is not None:
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise StoreLockedError(
-                f"{self._store} is already open for writing by {holder}; a store takes one writer "
-                f"at a time. Close that writer, open this one with mode='r', or write to another "
-                f"shard."
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
+        deadline = None
+        while True:
+            fd, created = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if _being_handed_over(holder):
+                    deadline = deadline or time.monotonic() + HANDOVER_WAIT_S
+                    if time.monotonic() < deadline:
+                        time.sleep(_POLL_S)
+                        continue
+                raise StoreLockedError(self._locked_message(holder)) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if not _is_current(fd, self.path):
+                # the file was unlinked (a failed open cleaning up) between our open and flock:
+                # its lock guards nothing any more, lock the file now at the path instead
+                os.close(fd)
+                continue
+            break
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
+        self._created = created
         self._owner_pid = os.getpid()
         return self
 
-    def release(self) -> None:
+    def _open(self) -> tuple[int, bool]:
+        """The lock file opened read-write, and whether this call created it."""
+        while True:
+            try:
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                pass
+            try:
+                return os.open(self.path, os.O_RDWR), False
+            except FileNotFoundError:
+                continue  # deleted between the two opens: create it
+
+    def _locked_message(self, holder: tuple[int, str] | None) -> str:
+        advice = ("a store takes one writer at a time. Close that writer, open this one with mode='r', or "
+                  "write to another shard.")
+        if holder is None:
+            return f"{self._store} is already open for writing by another process (pid not recorded yet); {advice}"
+        pid, host = holder
+        if _being_handed_over(holder):
+            others = [p for p in _processes_with_open(self.path) if p != os.getpid()]
+            held_by = (f"process(es) {', '.join(map(str, others))}, which inherited the open lock file"
+                       if others else "a process that inherited the open lock file")
+            return (f"{self._store} is locked by {held_by}: the lock file names process {pid}, which is no "
+                    f"longer running, and the lock was not released within {HANDOVER_WAIT_S:.0f} s. A process "
+                    f"forked from that writer still holds its lock; stop it, then open the store again.")
+        return f"{self._store} is already open for writing by process {pid} on {host}; {advice}"
+
+    def release(self, *, remove_if_created: bool = False) -> None:
+        """Unlocks. ``remove_if_created`` also deletes the lock file when ``acquire`` created it
+        (a failed open leaves the directory as it found it)."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
@@ -68,7 +122,10 @@ class WriterLock:
             os.close(fd)
             return
         try:
-            os.ftruncate(fd, 0)  # a leftover pid would only mislead a later error message
+            if remove_if_created and self._created:
+                _unlink_if_same(self.path, fd)  # while still locked: no one can have locked it since
+            else:
+                os.ftruncate(fd, 0)  # a leftover pid would only mislead a later error message
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
@@ -80,13 +137,77 @@ class WriterLock:
         self.release()
 
 
-def _read_holder(fd: int) -> str:
+def _read_holder(fd: int) -> tuple[int, str] | None:
+    """``(pid, host)`` recorded in the lock file, or None when nothing (valid) is recorded."""
     try:
         text = os.pread(fd, 256, 0).decode(errors="replace").split()
+        return int(text[0]), (text[1] if len(text) > 1 else "")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _being_handed_over(holder: tuple[int, str] | None) -> bool:
+    """True when the lock is refused but its recorded holder is not running it: no pid recorded
+    yet, or a pid on this host that no longer runs (dead, or a zombie awaiting its parent)."""
+    if holder is None:
+        return True
+    pid, host = holder
+    return host in ("", socket.gethostname()) and not _pid_running(pid)
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+            state = f.read().rpartition(b")")[2].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_current(fd: int, path: Path) -> bool:
+    """True when ``fd`` is the file at ``path`` (not one unlinked or replaced since it was opened)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _unlink_if_same(path: Path, fd: int) -> None:
+    """Unlinks ``path`` if it is still the file ``fd``. The caller holds the lock on ``fd``, and a
+    process that opened the file meanwhile sees after its ``flock`` that it was unlinked."""
+    try:
+        if _is_current(fd, path):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _processes_with_open(path: Path) -> list[int]:
+    """Pids of this host's processes that have ``path`` open (scans ``/proc``; best effort)."""
+    target = os.path.realpath(path)
+    found = []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
-        text = []
-    if not text:
-        return "another process (pid not recorded yet)"
-    pid = text[0]
-    host = f" on {text[1]}" if len(text) > 1 else ""
-    return f"process {pid}{host}"
+        return found
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    found.append(pid)
+                    break
+        except OSError:
+            continue
+    return found

@@ -19,14 +19,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlhf_pipeline.schema import StoreSchema
-from rlhf_pipeline.storage.base import NotAStoreError, StoreCorruptedError, StoreError
+from rlhf_pipeline.storage.errors import (  # noqa: F401 - IncompatibleStoreError re-exported
+    IncompatibleStoreError,
+    NotAStoreError,
+    StoreCorruptedError,
+)
 
-
-class IncompatibleStoreError(StoreError):
-    """The store was written by a different backend or an incompatible format version."""
+if TYPE_CHECKING:
+    from rlhf_pipeline.schema import StoreSchema
 
 
 def _parse(raw: bytes, path: Path) -> dict[str, Any]:
@@ -72,6 +74,8 @@ def check_header(data: dict[str, Any], path: str | os.PathLike, *, backend: str,
 
 def schema_from_manifest(data: dict[str, Any], path: str | os.PathLike) -> StoreSchema:
     """The ``StoreSchema`` recorded under ``data["schema"]``, with errors naming ``path``."""
+    from rlhf_pipeline.schema import StoreSchema  # imports torch: the stores need it, inspect does not
+
     try:
         return StoreSchema.from_json(data["schema"])
     except KeyError:

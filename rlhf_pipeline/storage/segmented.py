@@ -85,5 +85,7 @@ def check_reopened_layout(store: SegmentedTrajectoryStore, schema: StoreSchema, 
 
 def require_new_directory(path: Path, location: str) -> None:
     """A new store goes into a missing or empty directory, never over other files."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{location} is a file, not a directory: a store is a directory; choose a new path")
+    if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{location} exists and is not an empty directory; choose a new path")

@@ -34,8 +34,6 @@ layout: a single store (runs made before shards) or a directory of shards.
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,47 +44,21 @@ from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import (
     NotAStoreError,
     ReadOnlyStoreError,
+    StoreClosedError,
     StoreCorruptedError,
     StoreStats,
     TrajectoryStore,
 )
+from rlhf_pipeline.storage.buffers import (  # noqa: F401 - the shard helpers, re-exported
+    SHARD_PREFIX,
+    combine_stats,
+    is_sharded_buffer,
+    list_shards,
+    shard_index,
+    shard_name,
+    shard_path,
+)
 from rlhf_pipeline.storage.padded_rows import LocatedRows
-
-SHARD_PREFIX = "shard-"
-_SHARD_RE = re.compile(r"^shard-(\d+)$")
-
-
-def shard_name(index: int) -> str:
-    """Directory name of shard ``index``: ``shard-0000``."""
-    if index < 0:
-        raise ValueError(f"shard index must be >= 0, got {index}")
-    return f"{SHARD_PREFIX}{index:04d}"
-
-
-def shard_path(buffer_dir: str | Path, index: int) -> Path:
-    return Path(buffer_dir) / shard_name(index)
-
-
-def list_shards(buffer_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(index, path)`` of the shard directories under ``buffer_dir``, by index."""
-    root = Path(buffer_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _SHARD_RE.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def is_sharded_buffer(location: str | Path) -> bool:
-    """True when ``location`` is a local directory holding ``shard-NNNN`` subdirectories."""
-    try:
-        return bool(list_shards(location))
-    except OSError:
-        return False
-
 
 class ShardedStoreReader(TrajectoryStore):
     """Read-only union of the stores ``<location>/shard-*`` (see the module docstring)."""
@@ -126,8 +98,9 @@ class ShardedStoreReader(TrajectoryStore):
                 continue
             try:
                 store = open_store(path, mode="r", **self._open_options)
-            except (NotAStoreError, StoreCorruptedError) as exc:
-                # most often a shard being created by a collector right now: try again later
+            except NotAStoreError as exc:
+                # a shard being created by a collector right now (no metadata yet): try again later.
+                # A damaged shard raises StoreCorruptedError: the union never reads silently shorter
                 self._skipped[path.name] = str(exc)
                 continue
             if self._shards:
@@ -144,7 +117,7 @@ class ShardedStoreReader(TrajectoryStore):
 
     def refresh(self) -> int:
         if self._closed:
-            raise ValueError(f"{self._path}: the sharded reader is closed")
+            raise StoreClosedError(f"{self._path}: the sharded reader is closed; open the buffer again")
         self._discover()
         lengths = [self._shards[i].refresh() for i in self._order]
         self._lengths = torch.tensor(lengths, dtype=torch.int64)
@@ -281,44 +254,9 @@ class ShardedStoreReader(TrajectoryStore):
 
     def stats(self) -> StoreStats:
         self.refresh()
-        per = [(self._shards[i], self._shards[i].stats()) for i in self._order]
-        all_stats = [s for _, s in per]
-        versions: dict[int, int] = {}
-        for s in all_stats:
-            for v, c in s.policy_versions.items():
-                versions[v] = versions.get(v, 0) + c
-        out = StoreStats(
-            backend=self.backend_name,
-            location=self.location,
-            rows=sum(s.rows for s in all_stats),
-            first_row=sum(s.first_row for s in all_stats),
-            next_row=sum(s.next_row for s in all_stats),
-            groups=sum(s.groups for s in all_stats),  # group ids carry the collector index
-            prompt_tokens=sum(s.prompt_tokens for s in all_stats),
-            response_tokens=sum(s.response_tokens for s in all_stats),
-            bytes_on_disk=sum(s.bytes_on_disk for s in all_stats),
-            raw_bytes=sum(s.raw_bytes for s in all_stats),
-            segments=sum(s.segments for s in all_stats),
-            policy_versions=dict(sorted(versions.items())),
-            optional_fields=list(self.schema.optional),
-            extra={
-                "shards": len(per),
-                "shard_backends": ",".join(sorted({s.backend for s in all_stats})),
-                "shard_rows": ", ".join(f"{Path(st.location).name}: {s.rows}" for st, s in per),
-            },
-        )
+        out = combine_stats(self.location, [self._shards[i].stats() for i in self._order], list(self.schema.optional))
         if self._skipped:
             out.extra["shards_not_open"] = "; ".join(f"{k}: {v}" for k, v in sorted(self._skipped.items()))
-        with_rows = [s for s in all_stats if s.rows and s.reward_mean is not None]
-        if with_rows:
-            total = sum(s.rows for s in with_rows)
-            mean = sum(s.rows * s.reward_mean for s in with_rows) / total
-            # the backends report the population std (numpy's default): combine the same way
-            ss = sum(s.rows * ((s.reward_std or 0.0) ** 2 + (s.reward_mean - mean) ** 2) for s in with_rows)
-            out.reward_mean = mean
-            out.reward_std = math.sqrt(ss / total)
-            out.reward_min = min(s.reward_min for s in with_rows)
-            out.reward_max = max(s.reward_max for s in with_rows)
         return out
 
     def snapshot_to(self, path: str) -> None:
@@ -339,8 +277,8 @@ class ShardedStoreReader(TrajectoryStore):
             super().load_state_dict(state_dict)
             return
         for name, saved in state_dict["shards"].items():
-            match = _SHARD_RE.match(name)
-            index = int(match.group(1)) if match else -1
+            index = shard_index(name)
+            index = -1 if index is None else index
             if index not in self._shards:
                 raise StoreCorruptedError(
                     f"{self._path}: the saved state saw shard {name}, which is no longer there"

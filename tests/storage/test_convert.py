@@ -69,3 +69,26 @@ def test_cli_convert_with_verify(tmp_path, capsys):
     assert main(["convert", src, dst, "--to", "zarr", "--quiet"]) == 2
     assert "already holds" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "x"), "--to", "memmap", "--quiet"]) == 2
+
+
+def test_cli_converts_a_sharded_buffer_shard_by_shard_and_names_the_ratio_one_way(tmp_path, capsys):
+    import json
+
+    from rlhf_pipeline.storage.sharded import list_shards, shard_path
+
+    buffer, dst = tmp_path / "buffer", tmp_path / "zarr-buffer"
+    expected = {k: _fill(str(shard_path(buffer, k)), "memmap", batches=2 + k) for k in (0, 1)}
+    assert main(["convert", str(buffer), str(dst), "--to", "zarr", "--verify", "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [index for index, _ in list_shards(dst)] == [0, 1] and len(lines) == 2
+    for k, line in zip((0, 1), lines):
+        with open_store(shard_path(dst, k)) as store:
+            assert store.backend_name == "zarr"
+            assert store.read(torch.arange(len(store))).equal(expected[k])
+        assert main(["inspect", str(shard_path(dst, k)), "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        # the message and inspect give the same figures: bytes as du counts them, disk/raw
+        assert f"{stats['bytes_on_disk']} bytes on disk" in line
+        assert f"disk/raw {stats['bytes_on_disk'] / stats['raw_bytes']:.3f}" in line
+    assert main(["convert", str(buffer), str(dst), "--to", "zarr", "--quiet"]) == 2  # never over a buffer
+    assert "already holds" in capsys.readouterr().err

@@ -25,7 +25,8 @@ KILLS = 5
 @pytest.fixture(scope="module")
 def forkserver():
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "store_worker", "backends", "rlhf_pipeline.storage.memmap"])
+    context.set_forkserver_preload(["torch", "store_worker", "backends", "rlhf_pipeline.storage.memmap.store",
+                                     "rlhf_pipeline.storage.zarr.store"])
     return context
 
 

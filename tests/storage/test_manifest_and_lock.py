@@ -46,19 +46,34 @@ def test_state_slots_fall_back_on_a_torn_slot_and_never_go_back(tmp_path):
     reader = StateSlots(tmp_path)
     assert reader.latest() == (2, {"rows": 20})
     assert reader.latest(after=2) is None
-    # a writer killed in the middle of publish 3 leaves slot 1 torn
-    record = bytearray(slots.paths[1].read_bytes())
+    # a slot damaged after publish 3 (a flipped byte: its CRC fails, its header claims 3)
     slots.publish(3, {"rows": 30})
     torn = bytearray(slots.paths[1].read_bytes())
-    torn[-3:] = record[-3:]
+    torn[-3] ^= 0x20
     slots.paths[1].write_bytes(bytes(torn))
-    assert StateSlots(tmp_path).latest() == (2, {"rows": 20})
+    reading = StateSlots(tmp_path).read()
+    assert (reading.seq, reading.state) == (2, {"rows": 20})
+    assert [(d.path, d.claimed_seq) for d in reading.damaged] == [(slots.paths[1], 3)]  # reported, not hidden
     assert reader.latest(after=2) is None  # a reader that saw 2 keeps it
     slots.publish(3, {"rows": 30})  # the writer, reopened, redoes publish 3
     assert reader.latest(after=2) == (3, {"rows": 30})
     json.dumps(reader.latest())  # plain JSON types only
     for s in (slots, reader):
         s.close()
+
+
+def test_a_writer_killed_mid_publish_leaves_the_old_header_so_no_damage_is_reported(tmp_path):
+    slots = StateSlots(tmp_path)
+    slots.publish(1, {"rows": 10})
+    slots.publish(2, {"rows": 20})
+    # publish 3 goes to slot 1 payload first: killed before its header, the slot still claims 1
+    record = bytearray(slots.paths[1].read_bytes())
+    payload = json.dumps({"rows": 30, "pad": "x" * 40}).encode()
+    record[24:24 + len(payload)] = payload
+    slots.paths[1].write_bytes(bytes(record))
+    reading = StateSlots(tmp_path).read()
+    assert (reading.seq, reading.state, reading.damaged) == (2, {"rows": 20}, ())
+    slots.close()
 
 
 HOLD_LOCK = """

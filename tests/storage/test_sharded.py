@@ -234,3 +234,22 @@ def test_read_padded_over_shards_equals_pad_batch_of_read(two_shards):
     with pytest.raises(IndexError, match="positions must lie in"):
         union.read_padded([40])
     union.close()
+
+
+def test_a_damaged_shard_is_never_left_out_silently(two_shards, capsys):
+    from rlhf_pipeline.cli.main import main
+
+    buffer, writers = two_shards
+    writers[1].close()
+    (shard_path(buffer, 1) / "manifest.json").write_bytes(b"{")  # a damaged shard, not one being created
+    with pytest.raises(StoreCorruptedError, match="shard-0001.*manifest.json"):
+        open_buffer(buffer)  # the learner's union refuses instead of reading 12 rows of 32
+    assert main(["inspect", str(buffer)]) == 2
+    assert "shard-0001" in capsys.readouterr().err
+    assert main(["inspect", str(buffer), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "shard-0000 (memmap): checked" in out and "no damage found" in out and "shard-0001" in out
+    assert main(["repair", str(buffer), "--apply"]) == 0  # every shard in turn
+    assert "shard-0001 (memmap): repaired" in capsys.readouterr().out
+    with open_buffer(buffer) as union:
+        assert len(union) == 32

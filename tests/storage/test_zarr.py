@@ -41,41 +41,52 @@ def _fill(path, n_batches=5, *, optional=OPTIONAL_FIELDS, segment_rows=16, **opt
 
 
 # ============================================================================ plain zarr
+# The reader of docs/zarr-layout.md: every kind of unit, with zarr and numpy only.
 PLAIN_READER = r'''
 import json, sys
 import numpy as np
 import zarr
 
+SUFFIX = {0: "", 1: "", 2: "p", 3: "s", 4: "f"}
 root = zarr.open_group(sys.argv[1], mode="r")
 record = root.attrs["rlhf_pipeline"]
-out = {}
-for first_row, rows, sealed in record["units"]:
-    unit = root[f"units/{first_row:015d}-{rows:010d}"]
+out = {"kinds": []}
+for first_row, rows, kind in record["units"]:
+    node = root[f"units/{first_row:015d}-{rows:010d}{SUFFIX[kind]}"]
+    if kind in (0, 1):                      # one array per field
+        arrays = {name: node[name][:] for name in node.array_keys()}
+    else:                                   # packed: kind 3 is a group of two, kinds 2 and 4 one array
+        arrays = {}
+        for packed in ([node["rows"], node["values"]] if kind == 3 else [node]):
+            raw = packed[:]
+            for name, r in packed.attrs["rlhf_pipeline_fields"].items():
+                arrays[name] = raw[r["start"]:r["stop"]].view(np.dtype(r["dtype"]).newbyteorder("<"))
+    out["kinds"].append(kind)
     for name, field in record["fields"].items():
-        values = unit[name][:]
+        values = arrays.get(name, np.zeros(0))
         if field["kind"] == "row":
             vals = values.tolist()
         else:
-            off = unit[field["offsets"]][:]
-            rows_of = [values[off[i]:off[i + 1]] for i in range(rows)]
-            if field["kind"] == "token":
-                vals = [r.tolist() for r in rows_of]
-            else:
-                vals = [bytes(r).decode("utf-8") for r in rows_of]
+            off = arrays[field["offsets"]]
+            pieces = [values[off[i]:off[i + 1]] for i in range(rows)]
+            vals = [p.tolist() for p in pieces] if field["kind"] == "token" else \
+                [bytes(p).decode("utf-8") for p in pieces]
         out.setdefault(name, []).extend(vals)
 assert "rlhf_pipeline" not in sys.modules
 print(json.dumps(out))
 '''
 
 
-def test_plain_zarr_reads_every_field_without_our_package(tmp_path):
-    expected = _fill(tmp_path / "b", n_batches=5)  # 40 rows: 2 sealed segments + a fragment
+def read_with_plain_zarr(path, tmp_path) -> dict:
     script = tmp_path / "plain.py"
     script.write_text(PLAIN_READER)
-    result = subprocess.run([sys.executable, str(script), str(tmp_path / "b")], capture_output=True,
-                            text=True, check=True, cwd=tmp_path)
-    got = json.loads(result.stdout)
-    assert set(got) == set(expected.field_names)
+    result = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, check=True,
+                            cwd=tmp_path)
+    return json.loads(result.stdout)
+
+
+def assert_same_rows(got: dict, expected: TrajectoryBatch) -> None:
+    assert set(got) - {"kinds"} == set(expected.field_names)
     for name in expected.field_names:
         column = expected[name]
         if isinstance(column, list):
@@ -87,54 +98,24 @@ def test_plain_zarr_reads_every_field_without_our_package(tmp_path):
                 assert torch.equal(row, torch.tensor(values, dtype=column.dtype)), name
 
 
-PACKED_READER = r"""
-import json, sys
-import numpy as np
-import zarr
-
-root = zarr.open_group(sys.argv[1], mode="r")
-record = root.attrs["rlhf_pipeline"]
-out = {"kinds": [kind for _, _, kind in record["units"]]}
-for first_row, rows, kind in record["units"]:
-    if kind == 2:
-        packed = root[f"units/{first_row:015d}-{rows:010d}p"]
-        raw = packed[:]
-        arrays = {name: raw[r["start"]:r["stop"]].view(np.dtype(r["dtype"]).newbyteorder("<"))
-                  for name, r in packed.attrs["rlhf_pipeline_fields"].items()}
-    else:
-        unit = root[f"units/{first_row:015d}-{rows:010d}"]
-        arrays = {name: unit[name][:] for name in unit.array_keys()}
-    off = arrays["response_offsets"]
-    out.setdefault("reward", []).extend(arrays["reward"].tolist())
-    out.setdefault("response_tokens", []).extend(
-        arrays["response_tokens"][off[i]:off[i + 1]].tolist() for i in range(rows))
-    toff = arrays["prompt_text_offsets"]
-    out.setdefault("prompt_text", []).extend(
-        bytes(arrays["prompt_text"][toff[i]:toff[i + 1]]).decode("utf-8") for i in range(rows))
-assert "rlhf_pipeline" not in sys.modules
-print(json.dumps(out))
-"""
-
-
-def test_plain_zarr_reads_packed_fragments_of_a_live_writer(tmp_path):
-    batches = [make_batch(2, 4, seed=i, first_group_id=2 * i, first_trajectory_id=8 * i) for i in range(5)]
-    script = tmp_path / "packed.py"
-    script.write_text(PACKED_READER)
-    with ZarrTrajectoryStore.create(str(tmp_path / "b"), segment_rows=16) as store:
-        for b in batches:
-            store.append(b)
-        store.flush()  # the two complete segments are sealed; the open one is a packed fragment
-        result = subprocess.run([sys.executable, str(script), str(tmp_path / "b")], capture_output=True,
-                                text=True, check=True, cwd=tmp_path)
-    got = json.loads(result.stdout)
-    assert got["kinds"] == [1, 1, 2]
+def test_plain_zarr_reads_every_field_of_a_live_and_a_closed_store(tmp_path):
+    batches = [make_batch(2, 4, seed=i, optional=OPTIONAL_FIELDS, first_group_id=2 * i, first_trajectory_id=8 * i)
+               for i in range(5)]
     expected = TrajectoryBatch.cat(batches)
-    assert got["reward"] == expected["reward"].tolist()
-    assert got["prompt_text"] == expected["prompt_text"]
-    assert got["response_tokens"] == [row.tolist() for row in expected["response_tokens"].to_list()]
-    with ZarrTrajectoryStore.open(str(tmp_path / "b")) as reader:  # closed: per-field fragment
-        assert [u.kind for u in reader.units] == [1, 1, 0]
-        assert reader.read(torch.arange(40)).equal(expected)
+    with ZarrTrajectoryStore.create(str(tmp_path / "b"), StoreSchema(OPTIONAL_FIELDS), segment_rows=16) as store:
+        for b in batches[:4]:
+            store.append(b)
+        for part in (slice(0, 4), slice(4, 6), slice(6, 8)):
+            store.append(batches[4].select(part))
+        store.flush()  # two sealed segments; the open one is three fragments
+        live = read_with_plain_zarr(tmp_path / "b", tmp_path)
+    assert live["kinds"] == [3, 3, 4, 4, 4]
+    assert_same_rows(live, expected)
+    closed = read_with_plain_zarr(tmp_path / "b", tmp_path)
+    assert closed["kinds"] == [3, 3, 4]  # close merged the open segment's fragments into one
+    assert_same_rows(closed, expected)
+    files = [p for p in (tmp_path / "b" / "units").rglob("*") if p.is_file()]
+    assert len(files) == 1 + 2 * 5 + 2  # units/zarr.json, two sealed segments of 5 files, one fragment of 2
 
 
 # ============================================================================ locations
@@ -181,14 +162,14 @@ def test_codec_is_configurable_and_recorded(tmp_path, codec):
         name = store.stats().extra["codec"]["name"]
     assert name == (codec if isinstance(codec, str) else "blosc")
     units = zarr.open_group(str(tmp_path / "b"), mode="r")["units"]
-    first = units[sorted(units.group_keys())[0]]["response_tokens"]
+    first = units[sorted(units.group_keys())[0]]["values"]  # a sealed segment's token values and text
     kinds = [type(c).__name__ for c in first.compressors]
-    assert kinds == {"zstd": ["ZstdCodec"], "none": []}.get(name, ["BloscCodec"])
+    assert kinds == {"zstd": ["ZstdCodec"], "none": []}.get(name, ["BloscCodec"]) + ["Crc32cCodec"]
 
 
 def test_default_codec_compresses_token_ids(tmp_path):
-    with ZarrTrajectoryStore.create(str(tmp_path / "b"), segment_rows=64) as store:
-        for i in range(4):
+    with ZarrTrajectoryStore.create(str(tmp_path / "b"), segment_rows=256) as store:
+        for i in range(4):  # one sealed segment of 256 rows: 5 files, so blocks and metadata stay small
             store.append(make_batch(8, 8, seed=i, prompt_len=(32, 256), response_len=(16, 256)))
         stats = store.stats()
     assert stats.extra["codec"]["name"] == "blosc" and stats.extra["codec"]["cname"] == "zstd"
@@ -202,25 +183,28 @@ def test_unknown_codec_is_rejected_with_the_choices(tmp_path):
 
 # ============================================================================ errors
 def _first_chunk(path: Path, array: str) -> Path:
-    unit = sorted((path / "units").iterdir())[0]
+    unit = sorted((path / "units").iterdir())[0]  # the first sealed segment
     return unit / array / "c.0"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
-def test_damaged_chunk_gives_a_clear_error_and_other_rows_survive(tmp_path, damage):
+@pytest.mark.parametrize("array", ["values", "rows"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_chunk_gives_a_clear_error_and_other_rows_survive(tmp_path, damage, array):
     path = tmp_path / "b"
     expected = _fill(path, optional=())
-    chunk = _first_chunk(path, "response_tokens")
+    chunk = _first_chunk(path, array)
     raw = chunk.read_bytes()
-    if damage == "truncate":
+    if damage == "truncate":  # half of a sealed blosc chunk: caught by its checksum and size
         chunk.write_bytes(raw[: len(raw) // 2])
-    elif damage == "garbage":
-        chunk.write_bytes(os.urandom(len(raw)))
+    elif damage == "flip":  # silent bit rot: one byte in the middle
+        chunk.write_bytes(raw[: len(raw) // 2] + bytes([raw[len(raw) // 2] ^ 0x10]) + raw[len(raw) // 2 + 1:])
     else:
         chunk.unlink()
     with ZarrTrajectoryStore.open(str(path)) as store:
-        with pytest.raises(StoreCorruptedError, match="response_tokens"):
+        with pytest.raises(StoreCorruptedError, match=f"000000000000000-0000000016s/{array}/c.0"):
             store.read([0])
+        with pytest.raises(StoreCorruptedError, match="000000000000000-0000000016s"):
+            store.read_padded([3])
         # rows of the undamaged units are still served
         assert store.read(torch.arange(16, 40)).equal(expected.select(torch.arange(16, 40)))
 
@@ -333,12 +317,9 @@ def test_inspect_command_reports_the_codec(tmp_path, capsys):
     from rlhf_pipeline.cli.main import main
 
     _fill(tmp_path / "b", n_batches=2)
-    try:
-        main(["inspect", str(tmp_path / "b")])
-    except SystemExit as exc:  # placeholder inspect command until its owner lands it
-        pytest.skip(str(exc))
+    assert main(["inspect", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
-    assert "zarr" in out and "16" in out
+    assert "zarr" in out and "blosc" in out and "16" in out
 
 
 def test_writer_seals_a_segment_its_killed_predecessor_left_in_fragments(tmp_path, monkeypatch):
@@ -351,10 +332,10 @@ def test_writer_seals_a_segment_its_killed_predecessor_left_in_fragments(tmp_pat
         with ZarrTrajectoryStore.create(path, segment_rows=8) as store:
             for b in batches:
                 store.append(b)
-            assert [u.kind for u in store.units] == [2, 2, 2, 2, 2]
+            assert [u.kind for u in store.units] == [4, 4, 4, 4, 4]
     with ZarrTrajectoryStore.open(path, "a") as store:
         store.flush()
-        assert [u.kind for u in store.units] == [1, 1, 0]
+        assert [u.kind for u in store.units] == [3, 3, 4]
         assert store.read(torch.arange(20)).equal(TrajectoryBatch.cat(batches))
 
 
@@ -381,10 +362,10 @@ def test_read_padded_equals_pad_batch_of_read_across_units(tmp_path, optional):
             store.append(make_batch(2, 3, seed=i, optional=optional))
             _check_read_padded(store, len(store))  # the writer's cache, while segments are sealed
         store.flush()
-        assert {u.kind for u in store.units} == {1, 2}
+        assert {u.kind for u in store.units} == {3, 4}
         _check_read_padded(store, 30)
-    with ZarrTrajectoryStore.open(path) as reader:  # cold cache: sealed segments + a per-field fragment
-        assert {u.kind for u in reader.units} == {1, 0}
+    with ZarrTrajectoryStore.open(path) as reader:  # cold cache: sealed segments + the merged fragment
+        assert [u.kind for u in reader.units] == [3, 3, 3, 4]
         _check_read_padded(reader, 30)
         assert PaddedCollator(pad_token_id=5).read(reader, [3, 29, 3]).batch_size == torch.Size([3])
         with pytest.raises(IndexError, match="positions must lie in"):
@@ -420,7 +401,7 @@ def test_read_padded_follows_compaction_and_eviction(tmp_path):
             store.append(make_batch(1, 3, seed=2))  # completes segment 0: its fragments are sealed
             store.flush()
             positions = torch.tensor([2, 0, 1])
-            assert reader._published_len() == 3 and reader._units[0].kind == 2  # (len() would refresh)
+            assert reader._published_len() == 3 and reader._units[0].kind == 4  # (len() would refresh)
             got = reader.read_padded(positions)
-            assert reader._units[0].kind == 1  # it refreshed on the missing fragment, then read
+            assert reader._units[0].kind == 3  # it refreshed on the missing fragment, then read
             assert_same_padded(got, store.read_padded(positions))

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, StoreSchema
-from rlhf_pipeline.storage.memmap.segments import ENDS_DTYPE, SegmentState
+from rlhf_pipeline.storage.errors import StoreCorruptedError
+from rlhf_pipeline.storage.memmap.segments import ENDS_DTYPE, SegmentState, check_spans
 from rlhf_pipeline.storage.padded_rows import LocatedRows, UnitSource, field_plan, unit_source
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ class RowIndex:
         self.row_fields = tuple(name for name, _ in row_fields)
         self.first = 0
         self.lo = self.hi = 0
+        # segments whose files could not be indexed (missing, damaged): their rows hold zeros here,
+        # and a batch that samples one of them raises the error instead of reading wrong rows
+        self.unreadable: dict[int, Exception] = {}
 
     @property
     def next_row(self) -> int:
@@ -65,8 +69,11 @@ class RowIndex:
         if first < self.first or next_row < self.next_row or first > self.next_row:
             # not a later state of what the index saw (a fresh index, or every row evicted)
             self.first, self.lo, self.hi = first, 0, 0
+            self.unreadable.clear()
         self.lo += first - self.first
         self.first = first
+        for seg_id in [i for i in self.unreadable if (i + 1) * store.segment_rows <= first]:
+            del self.unreadable[seg_id]  # evicted
         if next_row > self.next_row:
             self._append(store, self.next_row, next_row)
 
@@ -77,18 +84,30 @@ class RowIndex:
             state: SegmentState = store._segments[seg_id]
             base = seg_id * per_segment
             lo, hi = max(start, base) - base, min(stop, base + state.rows) - base
-            view = store._view(seg_id)
             slots = slice(self.hi, self.hi + hi - lo)
-            for field, (start_name, stop_name) in _SPANS.items():
-                ends = view.array(f"{field}.ends", ENDS_DTYPE, state.rows)  # row i is [ends[i-1], ends[i])
-                self.columns[stop_name][slots] = ends[lo:hi]
-                starts = self.columns[start_name][slots]
-                starts[0] = ends[lo - 1] if lo else 0
-                starts[1:] = ends[lo : hi - 1]
-            for name in self.row_fields:
-                column = self.columns[name]
-                column[slots] = view.array(f"{name}.col", column.dtype, state.rows)[lo:hi]
-            self.hi += hi - lo  # only whole segments count: a failed read leaves the index as it was
+            try:
+                self._fill(store, seg_id, state, lo, hi, slots)
+            except (FileNotFoundError, StoreCorruptedError) as exc:
+                for column in self.columns.values():
+                    column[slots] = 0
+                self.unreadable[seg_id] = exc
+            self.hi += hi - lo
+
+    def _fill(self, store: MemmapTrajectoryStore, seg_id: int, state: SegmentState, lo: int, hi: int,
+              slots: slice) -> None:
+        """Index rows ``[lo, hi)`` of segment ``seg_id`` into ``slots``; checks their end offsets."""
+        view = store._view(seg_id)
+        for field, (start_name, stop_name) in _SPANS.items():
+            ends = view.array(f"{field}.ends", ENDS_DTYPE, state.rows)  # row i is [ends[i-1], ends[i])
+            stops = ends[lo:hi]
+            starts = self.columns[start_name][slots]
+            starts[0] = ends[lo - 1] if lo else 0
+            starts[1:] = stops[:-1]
+            check_spans(view.directory, field, starts, stops, state.elements[field], np.arange(lo, hi))
+            self.columns[stop_name][slots] = stops
+        for name in self.row_fields:
+            column = self.columns[name]
+            column[slots] = view.array(f"{name}.col", column.dtype, state.rows)[lo:hi]
 
     def _reserve(self, extra: int) -> None:
         capacity = len(self.columns["prompt_start"])
@@ -144,6 +163,10 @@ def locate_rows(store: MemmapTrajectoryStore, cache: PaddedReadCache, global_ids
     # a row's source is its segment id less the batch's lowest: sources has a slot for every
     # segment in between, None where no row was sampled (cheaper than np.unique's inverse)
     segment_of = global_ids // store.segment_rows
+    if index.unreadable:
+        hit = [i for i in np.unique(segment_of).tolist() if i in index.unreadable]
+        if hit:
+            raise index.unreadable[hit[0]]
     lowest = int(segment_of.min())
     source = segment_of - lowest
     sources: list = [None] * (int(source.max()) + 1)

@@ -9,6 +9,7 @@ On disk::
       writer.lock          flock'ed by the one writer; records its pid
       seg-00000000/        rows [0, S) -- sealed, immutable
         prompt_tokens.values  prompt_tokens.ends  ...  reward.col  ...  prompt_text.values ...
+        checksums.json     size and CRC32C of every file, written when the segment was sealed
       seg-00000001/        rows [S, 2S) -- the open tail segment, appended to
 
 Segment ``k`` holds global rows ``[k*S, (k+1)*S)`` (``S = segment_rows``). File
@@ -20,8 +21,18 @@ counts; it is a CRC-checked record in one of two slots
 An append writes bytes past the published lengths, fsyncs them (``durable=True``),
 then publishes the new state. Readers see only what a publish covers, so they never
 see a partial row, and a writer killed at any moment leaves the previous publish
-intact (a torn slot fails its CRC and the other slot is used); reopening for append
+intact (the slot it was rewriting keeps its old header); reopening for append
 truncates the unpublished bytes and carries on at ``next_row``.
+
+Damage (:mod:`.layout`, :mod:`.checksums`): a newest slot that fails its check was
+damaged at rest, never torn by a crash. If the segment files hold rows beyond the intact
+older slot, readers open there with a ``StoreDamageWarning`` naming the rows rolled back,
+and a writer refuses (truncating the tail would destroy them); with no intact slot at all
+every open raises ``StoreCorruptedError`` naming both files. ``rlhf-pipeline repair``
+rebuilds the state from the segment files (:mod:`.repair`). Missing or damaged segment
+files raise ``StoreCorruptedError`` naming the segment and field when read; the other
+segments keep reading. Sealed segments are checked against their checksums when a process
+first maps them.
 
 ``durable=False`` skips the fsyncs: a killed *process* still loses nothing that was
 published (the page cache holds it), but a power loss may roll back recent appends.
@@ -40,6 +51,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,28 +59,43 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlhf_pipeline.atomic import publish_json
 from rlhf_pipeline.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import (
     UNBOUNDED_ROWS,
-    NotAStoreError,
+    StoreClosedError,
     StoreCorruptedError,
     StoreStats,
 )
+from rlhf_pipeline.storage.errors import StoreDamageWarning
 from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
-from rlhf_pipeline.atomic import publish_json
-from rlhf_pipeline.storage.manifest import check_header, read_json, schema_from_manifest
-from rlhf_pipeline.storage.memmap.state_slots import StateSlots
+from rlhf_pipeline.storage.manifest import check_header, schema_from_manifest
+from rlhf_pipeline.storage.memmap import layout
+from rlhf_pipeline.storage.memmap.layout import (
+    CHECKSUMS_NAME,
+    MANIFEST_NAME,
+    STATE_STEM,
+    FieldFiles,
+    Published,
+    field_files,
+    fields_json,
+    read_manifest,
+    read_published,
+)
+from rlhf_pipeline.storage.memmap.row_index import PaddedReadCache, locate_rows
 from rlhf_pipeline.storage.memmap.segments import (
     ENDS_DTYPE,
     SegmentState,
     SegmentView,
     SegmentWriter,
+    check_spans,
     copy_segment,
+    empty_segment,
+    missing_segment_file,
     segment_dir_name,
-    segment_files,
 )
-from rlhf_pipeline.storage.memmap.row_index import PaddedReadCache, locate_rows
+from rlhf_pipeline.storage.memmap.state_slots import StateSlots
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.segmented import (
     SegmentedTrajectoryStore,
@@ -77,10 +104,8 @@ from rlhf_pipeline.storage.segmented import (
     require_new_directory,
 )
 
-BACKEND = "memmap"
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-STATE_STEM = "state"  # state.0 / state.1: every append's publish (see StateSlots)
+BACKEND = layout.BACKEND
+FORMAT_VERSION = layout.FORMAT_VERSION
 DEFAULT_SEGMENT_ROWS = 4096
 DEFAULT_EVICT_GRACE_S = 60.0
 
@@ -131,6 +156,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             "backend": BACKEND,
             "format_version": FORMAT_VERSION,
             "schema": schema.to_json(),
+            "fields": fields_json(field_files(schema)),
             "segment_rows": segment_rows,
             "capacity_rows": capacity_rows,
             "evict_grace_s": evict_grace_s,
@@ -139,34 +165,40 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             "segments": [],
             "evicted": [],
         }
-        publish_json(path / MANIFEST_NAME, manifest, durable=True)
-        return cls(path, manifest, lock=lock, durable=durable)
-
-    @classmethod
-    def open(cls, path: str | os.PathLike, mode: str = "r", *, durable: bool = True) -> MemmapTrajectoryStore:
-        """Opens an existing store: ``mode="r"`` to read (no lock), ``"a"`` to append (writer lock)."""
-        if mode not in ("r", "a"):
-            raise ValueError(f"mode must be 'r' (read) or 'a' (append), got {mode!r}")
-        path = Path(path)
-        if not path.is_dir():
-            raise NotAStoreError(f"{path} is not a replay buffer: no such directory")
-        if mode == "r":
-            return cls(path, None, lock=None, durable=durable)
-        lock = WriterLock(path / LOCK_FILE_NAME).acquire()
         try:
-            return cls(path, None, lock=lock, durable=durable)
+            publish_json(path / MANIFEST_NAME, manifest, durable=True)
+            return cls(path, lock=lock, durable=durable)
         except BaseException:
             lock.release()
             raise
 
     @classmethod
-    def detect(cls, location: str) -> bool:
-        try:
-            return read_json(Path(location) / MANIFEST_NAME).get("backend") == BACKEND
-        except (OSError, NotAStoreError, StoreCorruptedError):
-            return False
+    def open(cls, path: str | os.PathLike, mode: str = "r", *, durable: bool = True) -> MemmapTrajectoryStore:
+        """Opens an existing store: ``mode="r"`` to read (no lock), ``"a"`` to append (writer lock).
 
-    def __init__(self, path: Path, manifest: dict | None, *, lock: WriterLock | None, durable: bool):
+        A store whose newest state slot is damaged opens for reading at the older slot, with a
+        :class:`~rlhf_pipeline.storage.errors.StoreDamageWarning` naming the rows rolled back;
+        a writer refuses it (``StoreCorruptedError``), since appending would overwrite those
+        rows: ``rlhf-pipeline repair`` republishes what the segment files hold.
+        """
+        if mode not in ("r", "a"):
+            raise ValueError(f"mode must be 'r' (read) or 'a' (append), got {mode!r}")
+        path = Path(path)
+        read_manifest(path)  # NotAStoreError before anything is created (a writer's lock file)
+        if mode == "r":
+            return cls(path, lock=None, durable=durable)
+        lock = WriterLock(path / LOCK_FILE_NAME).acquire()
+        try:
+            return cls(path, lock=lock, durable=durable)
+        except BaseException:
+            lock.release(remove_if_created=True)  # a failed open leaves the directory as it was
+            raise
+
+    @classmethod
+    def detect(cls, location: str) -> bool:
+        return layout.detect(location)
+
+    def __init__(self, path: Path, *, lock: WriterLock | None, durable: bool):
         self._path = path
         self._location = str(path)
         self._lock = lock
@@ -178,16 +210,42 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         self._tail_writer: SegmentWriter | None = None
         self._closed = False
         self._owner_pid = os.getpid()
-        if manifest is None:
-            manifest = read_json(path / MANIFEST_NAME, what="memmap replay buffer")
-        self._apply_manifest(manifest)
-        self._apply_latest_publish()
+        self._warned: set[str] = set()
+        self._seen_damage: set = set()  # (slot path, claimed seq) of damaged slots looked into
+        try:
+            manifest = read_manifest(path)
+            check_header(manifest, path / MANIFEST_NAME, backend=BACKEND, format_version=FORMAT_VERSION)
+            self._fields: list[FieldFiles] = layout.fields_of(manifest, path)
+            self._apply_manifest(manifest, path / MANIFEST_NAME)
+            published = read_published(path, self._slots, manifest, self._fields, seen=self._seen_damage)
+            if published is not None and published.rollback is not None and lock is not None:
+                raise StoreCorruptedError(
+                    f"{published.rollback.describe(path)}. A writer refuses to open this store: appending "
+                    f"would overwrite the rolled-back rows"
+                )
+            self._apply_published(published)
+        except BaseException:
+            self._slots.close()
+            raise
         super().__init__(max_size=self._capacity_rows or UNBOUNDED_ROWS)
         if lock is not None:
+            if "fields" not in manifest:  # made before manifests recorded them: record them now
+                publish_json(path / MANIFEST_NAME, {**manifest, "fields": fields_json(self._fields)}, durable=True)
             self._recover_tail()
 
-    def _apply_manifest(self, manifest: dict) -> None:
-        path = self._path / MANIFEST_NAME
+    def _apply_published(self, published: Published | None) -> None:
+        if published is None:
+            return
+        if published.rollback is not None:
+            message = published.rollback.describe(self._path)
+            if message not in self._warned:
+                self._warned.add(message)
+                warnings.warn(message, StoreDamageWarning, stacklevel=4)
+        if published.seq:
+            self._apply_manifest(published.state, published.source)
+        self._seq = published.seq
+
+    def _apply_manifest(self, manifest: dict, path: Path) -> None:
         check_header(manifest, path, backend=BACKEND, format_version=FORMAT_VERSION)
         self._schema = schema_from_manifest(manifest, path)
         try:
@@ -236,6 +294,9 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             tail = self._segments[last_id]
             writer = SegmentWriter(self._segment_dir(last_id), self._schema, tail, durable=self._durable)
             if tail.rows < self._segment_rows:
+                # a seal whose publish never happened may have left checksums of rows now dropped
+                for name in (CHECKSUMS_NAME, CHECKSUMS_NAME + ".partial"):
+                    (self._segment_dir(last_id) / name).unlink(missing_ok=True)
                 self._tail_writer = writer
             else:
                 writer.close()
@@ -274,7 +335,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         while start < n:
             if self._tail_writer is None:
                 seg_id = self._next_row // rows_per_segment
-                state = SegmentState.empty(seg_id, self._schema)
+                state = empty_segment(seg_id, self._schema)
                 self._tail_writer = SegmentWriter(
                     self._segment_dir(seg_id), self._schema, state, durable=self._durable
                 )
@@ -326,15 +387,15 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         return self._published_len()
 
     def _apply_latest_publish(self) -> None:
-        latest = self._slots.latest(after=self._seq)
-        if latest is not None:
-            self._apply_manifest(latest[1])
-            self._seq = latest[0]
+        manifest = {"segment_rows": self._segment_rows}
+        self._apply_published(read_published(self._path, self._slots, manifest, self._fields, after=self._seq,
+                                             seen=self._seen_damage))
 
     def _view(self, seg_id: int) -> SegmentView:
         view = self._views.get(seg_id)
         if view is None:
-            view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id))
+            sealed = self._segments[seg_id].rows == self._segment_rows
+            view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id), sealed=sealed)
         return view
 
     def unit_bounds(self) -> list[tuple[int, int]]:
@@ -357,19 +418,25 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         return self._unless_evicted(global_ids, lambda: locate_rows(self, cache, global_ids.numpy()))
 
     def _unless_evicted(self, global_ids: torch.Tensor, read: Callable[[], Any]) -> Any:
-        """``read()``; an IndexError naming the rows when a segment was deleted under this reader."""
+        """``read()``; an IndexError naming the rows when a segment was evicted and deleted under
+        this reader, a StoreCorruptedError naming the file when a held segment's file is missing."""
         self._check_open()
-        try:
-            return read()
-        except FileNotFoundError:
-            # a segment was evicted and deleted before this reader mapped it
-            self.refresh()
-            if global_ids.numel() and int(global_ids.min()) < self._first_row:
-                raise IndexError(
-                    f"rows from global id {int(global_ids.min())} were evicted while being read "
-                    f"(the store now starts at {self._first_row}); sample again"
-                ) from None
-            raise
+        for attempt in range(2):
+            try:
+                return read()
+            except FileNotFoundError as exc:
+                # a segment was evicted and deleted before this reader mapped it, or deleted by hand
+                self.refresh()
+                if global_ids.numel() and int(global_ids.min()) < self._first_row:
+                    raise IndexError(
+                        f"rows from global id {int(global_ids.min())} were evicted while being read "
+                        f"(the store now starts at {self._first_row}); sample again"
+                    ) from None
+                missing = _segment_of_path(exc.filename)
+                if attempt == 0 and missing is not None and missing not in self._segments:
+                    continue  # an evicted segment none of these rows needs: read again
+                raise missing_segment_file(self._path, exc.filename) from None
+        raise AssertionError("unreachable")
 
     def _gather(self, global_ids: torch.Tensor, fields: Sequence[str] | None) -> TrajectoryBatch:
         ids = global_ids.numpy().astype(np.int64, copy=False)
@@ -404,7 +471,15 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             else:
                 raw = values.tobytes()
                 bounds = offsets.tolist()
-                columns[name] = [raw[bounds[i] : bounds[i + 1]].decode("utf-8") for i in range(n)]
+                try:
+                    columns[name] = [raw[bounds[i] : bounds[i + 1]].decode("utf-8") for i in range(n)]
+                except UnicodeDecodeError:
+                    i = next(i for i in range(n) if not _is_utf8(raw[bounds[i] : bounds[i + 1]]))
+                    view = next(g[0] for g in groups if i in g[2])
+                    raise StoreCorruptedError(
+                        f"{view.directory / (name + '.values')}: row {int(ids[i])} is not valid UTF-8: the "
+                        f"file was damaged outside this library (`rlhf-pipeline inspect --verify` checks the store)"
+                    ) from None
         return TrajectoryBatch(columns)
 
     # ================================================================ lifecycle
@@ -428,7 +503,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"{self.location} was closed; open it again to use it")
+            raise StoreClosedError(f"{self.location} was closed; open it again to use it")
 
     def __del__(self) -> None:
         try:
@@ -438,56 +513,11 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
 
     # ================================================================ stats and snapshots
     def stats(self) -> StoreStats:
-        self.refresh()
-        held = [self._segments[i] for i in sorted(self._segments)]
-        raw_bytes = 0
-        for state in held:
-            for name, (dtype, count) in segment_files(self._schema, state).items():
-                raw_bytes += count * dtype.itemsize
-        on_disk = apparent = 0
-        for path in [self._path / MANIFEST_NAME, *(p for p in self._slots.paths if p.exists())] + [
-            f for s in held for f in self._segment_dir(s.id).iterdir() if f.is_file()
-        ]:
-            st = path.stat()
-            on_disk += st.st_blocks * 512
-            apparent += st.st_size
-        rows = self._published_len()
-        rewards = self._column_of_held("reward", held)
-        versions, counts = np.unique(self._column_of_held("policy_version", held), return_counts=True)
-        stats = StoreStats(
-            backend=BACKEND,
-            location=self.location,
-            rows=rows,
-            first_row=self._first_row,
-            next_row=self._next_row,
-            groups=int(len(np.unique(self._column_of_held("group_id", held)))),
-            prompt_tokens=sum(s.elements["prompt_tokens"] for s in held),
-            response_tokens=sum(s.elements["response_tokens"] for s in held),
-            bytes_on_disk=on_disk,
-            raw_bytes=raw_bytes,
-            segments=len(held),
-            policy_versions={int(v): int(c) for v, c in zip(versions, counts)},
-            optional_fields=list(self._schema.optional),
-            extra={
-                "bytes_on_disk_is": "allocated blocks (st_blocks * 512) of the held segments' files "
-                "and the manifest; the open tail segment is grown ahead sparsely, which costs no blocks",
-                "apparent_bytes": apparent,
-                "segment_rows": self._segment_rows,
-                "capacity_rows": self._capacity_rows,
-                "evicted_segments_pending_delete": len(self._evicted),
-            },
-        )
-        if rows:
-            stats.reward_mean = float(rewards.mean())
-            stats.reward_std = float(rewards.std())
-            stats.reward_min = float(rewards.min())
-            stats.reward_max = float(rewards.max())
-        return stats
+        """Summary from the files (``rlhf-pipeline inspect`` computes the same without torch)."""
+        from rlhf_pipeline.storage.memmap.inspection import stats
 
-    def _column_of_held(self, name: str, held: list[SegmentState]) -> np.ndarray:
-        dtype = NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype]
-        parts = [self._view(s.id).array(f"{name}.col", dtype, s.rows)[: s.rows] for s in held]
-        return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+        self.refresh()
+        return stats(self._location)
 
     def snapshot_to(self, path: str) -> None:
         """Copies the published rows (same global ids) into a new store at ``path``."""
@@ -497,9 +527,12 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             raise FileExistsError(f"snapshot target {target} exists and is not an empty directory")
         target.mkdir(parents=True, exist_ok=True)
         for seg_id in sorted(self._segments):
-            copy_segment(self._view(seg_id), self._schema, self._segments[seg_id], target / segment_dir_name(seg_id))
+            state = self._segments[seg_id]
+            copy_segment(self._view(seg_id), self._schema, state, target / segment_dir_name(seg_id),
+                         sealed=state.rows == self._segment_rows)
         manifest = self._manifest()
         manifest["evicted"] = []
+        manifest["fields"] = fields_json(self._fields)
         publish_json(target / MANIFEST_NAME, manifest, durable=True)
 
 
@@ -521,6 +554,7 @@ def _gather_ragged(name: str, dtype: np.dtype, n: int, groups: list) -> tuple[np
         ends = view.array(f"{name}.ends", ENDS_DTYPE, state.rows)
         row_ends = ends[local]
         row_starts = np.where(local > 0, ends[np.maximum(local - 1, 0)], 0)
+        check_spans(view.directory, name, row_starts, row_ends, state.elements[name], local)
         starts[rows] = row_starts
         lengths[rows] = row_ends - row_starts
         source_of_row[rows] = number
@@ -542,6 +576,25 @@ def _gather_ragged(name: str, dtype: np.dtype, n: int, groups: list) -> tuple[np
         for number, (_, _, rows, _) in enumerate(groups):
             values[_ranges(offsets[rows], lengths[rows])] = sources[number][_ranges(starts[rows], lengths[rows])]
     return values, offsets
+
+
+def _segment_of_path(filename: str | None) -> int | None:
+    if not filename:
+        return None
+    path = Path(filename)
+    for part in (path.parent.name, path.name):
+        seg_id = layout.segment_id_of(part)
+        if seg_id is not None:
+            return seg_id
+    return None
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

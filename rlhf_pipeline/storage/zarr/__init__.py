@@ -1,11 +1,27 @@
 """The Zarr v3 backend: the memmap contract on local directories, zip files and fsspec URLs.
 
-Modules: :mod:`.store` (the store), :mod:`.layout` (keys, array metadata, codecs),
-:mod:`.location` (where a store lives and raw key/value I/O), :mod:`.writer` (cutting
-appends into units, background sealing), :mod:`.unit_cache` (decoded units and their
-LRU), :mod:`.padded` (locating rows for fused padded reads), :mod:`.stats`.
+Modules: :mod:`.store` (the store), :mod:`.layout` (keys, array metadata, codecs, packing),
+:mod:`.units` (the kinds of unit, writing and checked reading), :mod:`.location` (where a
+store lives and raw key/value I/O), :mod:`.writer` (cutting appends into units, background
+sealing), :mod:`.unit_cache` (decoded units and their LRU), :mod:`.padded` (locating rows for
+fused padded reads), :mod:`.inspection` (stats and checks without torch), :mod:`.repair`.
+The store class is imported on first use: ``inspect`` and ``repair`` need no torch.
 """
 
-from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
+
+
+def __getattr__(name: str):
+    if name == "ZarrTrajectoryStore":
+        from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
+
+        return ZarrTrajectoryStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ZarrTrajectoryStore"]

@@ -16,13 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.storage.base import NotAStoreError, ReadOnlyStoreError, StoreCorruptedError
-from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
 from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json
-from rlhf_pipeline.storage.manifest import IncompatibleStoreError
-from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, FORMAT_VERSION
-
-ROOT_META = "zarr.json"
+from rlhf_pipeline.storage.errors import (
+    IncompatibleStoreError,
+    NotAStoreError,
+    ReadOnlyStoreError,
+    StoreCorruptedError,
+    StoreNotFoundError,
+)
+from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
+from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, READABLE_FORMATS, UNITS_PREFIX
+from rlhf_pipeline.storage.zarr.units import ROOT_META
 
 
 # ======================================================================== key/value I/O
@@ -267,7 +271,7 @@ def resolve(location: str, *, read_only: bool, storage_options: dict | None) -> 
                 f"store (rlhf-pipeline convert) or unzip it to append"
             )
         if not os.path.isfile(location):
-            raise NotAStoreError(f"{location} is not a replay buffer: the zip file does not exist")
+            raise StoreNotFoundError(f"{location} does not exist")
         from zarr.core.sync import sync
         from zarr.storage import ZipStore
 
@@ -279,8 +283,15 @@ def resolve(location: str, *, read_only: bool, storage_options: dict | None) -> 
     return Location(LocalKV(location, read_only=read_only), Path(location), True)
 
 
-def parse_root(raw: bytes | dict | None, location: str) -> dict[str, Any]:
+def parse_root(raw: bytes | dict | None, location: str, *, units_exist: bool = False) -> dict[str, Any]:
+    """The commit record in a root ``zarr.json``. ``units_exist`` tells that the location holds
+    units, so a missing root document is damage (``StoreCorruptedError``), not "no store here"."""
     if raw is None:
+        if units_exist:
+            raise StoreCorruptedError(
+                f"{location}/zarr.json is missing, but {location} holds units of a replay buffer: the store was "
+                f"damaged outside this library. `rlhf-pipeline repair {location}` rebuilds it from the units."
+            )
         raise NotAStoreError(
             f"{location} is not a replay buffer: it has no zarr.json. Check the path, or create one "
             f"with ZarrTrajectoryStore.create()."
@@ -288,21 +299,38 @@ def parse_root(raw: bytes | dict | None, location: str) -> dict[str, Any]:
     try:
         doc = raw if isinstance(raw, dict) else json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StoreCorruptedError(f"{location}/zarr.json is not valid JSON ({exc}); restore it from a snapshot") from None
+        what = "is empty" if not raw else f"is not valid JSON ({exc})"
+        raise StoreCorruptedError(
+            f"{location}/zarr.json {what}: the store's commit record was damaged outside this library. "
+            f"`rlhf-pipeline repair {location}` rebuilds it from the units."
+        ) from None
     record = doc.get("attributes", {}).get(ATTRS_KEY) if isinstance(doc, dict) else None
     if not isinstance(record, dict):
+        if units_exist:
+            raise StoreCorruptedError(
+                f"{location}/zarr.json holds no '{ATTRS_KEY}' commit record, but {location} holds units of a "
+                f"replay buffer: the record was damaged. `rlhf-pipeline repair {location}` rebuilds it."
+            )
         raise NotAStoreError(
             f"{location} is a Zarr node but not an rlhf_pipeline replay buffer (no '{ATTRS_KEY}' "
             f"attribute in zarr.json); check the path"
         )
     if record.get("backend") != "zarr":
         raise IncompatibleStoreError(f"{location} belongs to a {record.get('backend')!r} store, not 'zarr'")
-    if record.get("format_version") != FORMAT_VERSION:
+    if record.get("format_version") not in READABLE_FORMATS:
         raise IncompatibleStoreError(
             f"{location} has zarr format version {record.get('format_version')}; this rlhf_pipeline "
-            f"reads version {FORMAT_VERSION}. Use a matching release, or convert the store."
+            f"reads versions {', '.join(map(str, READABLE_FORMATS))}. Use a matching release, or convert the store."
         )
     return record
+
+
+def has_units(loc: Location) -> bool:
+    """True when the location holds unit directories (a store, even one whose zarr.json is lost)."""
+    try:
+        return any(name != ROOT_META for name in loc.kv.list_dir(UNITS_PREFIX))
+    except Exception:  # noqa: BLE001 - a listing that fails proves nothing either way
+        return False
 
 
 def _root_document(record: dict[str, Any]) -> dict[str, Any]:
@@ -399,9 +427,14 @@ def lock_for(loc: Location, location: str) -> WriterLock | None:
 
 
 def check_writable_dir(root: Path, location: str) -> None:
+    if root.exists() and not root.is_dir():
+        raise FileExistsError(f"{location} is a file, not a directory: a Zarr store is a directory; choose "
+                              f"another path (or a path ending in .zip to read a zipped store)")
     probe = root if root.exists() else root.parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    if not probe.is_dir():
+        raise FileExistsError(f"{location} cannot be created: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ReadOnlyStoreError(
             f"{location} is not writable by this process (no write permission on {probe}); "

@@ -15,7 +15,11 @@ Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr.layout` (and
   which writes the segment, publishes, and only then deletes the fragments; publishes
   are serialized by a lock. A crash in between leaves orphans that the next writer
   deletes when it opens the store, and complete fragments it seals again. ``close``
-  rewrites the open segment's packed fragments as one per-field fragment.
+  merges the open segment's fragments into one.
+* **Checked reads.** Every chunk of a format 2 unit ends with a CRC32C checked when it is
+  decoded (cheap next to decompression), and every chunk must decode to exactly the size
+  the record implies: damage raises ``StoreCorruptedError`` naming the chunk, never wrong
+  rows, and only the damaged unit's rows are unreadable.
 * **One sync per durable publish.** The unit's files and ``zarr.json.partial`` are
   flushed together (their fsyncs at once for a small unit, ``syncfs`` for a big one),
   then the rename and an fsync of the directory.
@@ -28,10 +32,8 @@ Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr.layout` (and
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,14 +41,48 @@ import torch
 
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import (
+    IncompatibleStoreError,
     NotAStoreError,
     ReadOnlyStoreError,
+    StoreClosedError,
     StoreCorruptedError,
-    StoreError,
+    StoreNotFoundError,
     StoreStats,
 )
 from rlhf_pipeline.storage.locking import WriterLock
-from rlhf_pipeline.storage.manifest import IncompatibleStoreError, ManifestWatcher
+from rlhf_pipeline.storage.manifest import ManifestWatcher
+from rlhf_pipeline.storage.padded_rows import LocatedRows
+from rlhf_pipeline.storage.segmented import (
+    SegmentedTrajectoryStore,
+    check_reopened_layout,
+    check_segment_layout,
+    require_new_directory,
+)
+from rlhf_pipeline.storage.zarr import units as unit_io
+from rlhf_pipeline.storage.zarr.layout import (
+    CHECKSUM,
+    DEFAULT_CODEC,
+    FORMAT_VERSION,
+    FRAGMENT_CODEC,
+    GROUP_METADATA,
+    UNITS_PREFIX,
+    arrays_json,
+    arrays_of,
+    field_layout,
+    resolve_codec,
+    unit_arrays,
+)
+from rlhf_pipeline.storage.zarr.location import (
+    ROOT_META,
+    Location,
+    check_writable_dir,
+    has_units,
+    lock_for,
+    parse_root,
+    publish,
+    resolve,
+)
+from rlhf_pipeline.storage.zarr.padded import locate_rows
 from rlhf_pipeline.storage.zarr.unit_cache import (
     DecodedUnit,
     SegmentCache,
@@ -55,48 +91,17 @@ from rlhf_pipeline.storage.zarr.unit_cache import (
     gather_rows,
     slice_arrays,
 )
-from rlhf_pipeline.storage.zarr.layout import (
-    NP_DTYPE_BY_NAME,
-    ATTRS_KEY,
-    CHUNK_KEY,
-    DEFAULT_CODEC,
-    FORMAT_VERSION,
-    FRAGMENT_CODEC,
-    GROUP_METADATA,
-    UNITS_PREFIX,
-    Codec,
-    array_metadata,
-    field_layout,
-    pack_buffers,
-    resolve_codec,
-    unit_arrays,
-    unpack,
+from rlhf_pipeline.storage.zarr.units import (
+    PACKED_FRAGMENT,
+    SEALED_PACKED,
+    UnitCodecs,
+    UnitGone,
+    UnitRef,
 )
-from rlhf_pipeline.storage.zarr.location import (
-    ROOT_META,
-    Location,
-    check_writable_dir,
-    lock_for,
-    parse_root,
-    publish,
-    resolve,
-)
-from rlhf_pipeline.storage.padded_rows import LocatedRows
-from rlhf_pipeline.storage.segmented import (
-    SegmentedTrajectoryStore,
-    check_reopened_layout,
-    check_segment_layout,
-    require_new_directory,
-)
-from rlhf_pipeline.storage.zarr.padded import locate_rows
-from rlhf_pipeline.storage.zarr.writer import Collector, Sealer, UnitRef, complete_segments, plan_pieces
+from rlhf_pipeline.storage.zarr.writer import Collector, Sealer, complete_segments, plan_pieces
 
 DEFAULT_SEGMENT_ROWS = 4096
 DEFAULT_CACHE_BYTES = 512 * 2**20
-
-
-class _UnitGone(Exception):
-    """Every key of a unit is missing: compacted or evicted since this reader's last refresh."""
 
 
 # ======================================================================== the store
@@ -118,9 +123,14 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         self._location = location
         self._loc = loc
         self._schema = schema
-        self._arrays = unit_arrays(schema)
-        self._codec = Codec(record["codec"])
-        self._fragment_codec = Codec(record.get("fragment_codec", record["codec"]))
+        self._arrays = arrays_of(record, location)
+        if self._arrays != unit_arrays(schema):
+            raise StoreCorruptedError(f"{location}/zarr.json: its 'arrays' do not match its schema")
+        if writable and record.get("format_version") != FORMAT_VERSION:
+            # a format 1 store: its units stay as they are (still read), new units are format 2
+            record = dict(record, format_version=FORMAT_VERSION, arrays=arrays_json(self._arrays),
+                          chunk_checksum=CHECKSUM)
+        self._codecs = UnitCodecs(record["codec"], record.get("fragment_codec", record["codec"]))
         self._segment_rows = int(record["segment_rows"])
         self._capacity_rows = None if capacity is None else int(capacity)
         self._writable = writable
@@ -176,6 +186,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
                 "codec": codec_config, "segment_rows": int(segment_rows), "capacity_rows": capacity_rows,
                 "fragment_codec": codec_config if codec_config["name"] == "none" else FRAGMENT_CODEC,
                 "first_row": 0, "next_row": 0, "units": [], "fields": field_layout(schema),
+                "arrays": arrays_json(unit_arrays(schema)), "chunk_checksum": CHECKSUM,
             }
             loc.kv.put_many({f"{UNITS_PREFIX}/{ROOT_META}": GROUP_METADATA}, durable=durable)
             publish(loc, record, durable=durable)
@@ -188,8 +199,11 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
 
     @classmethod
     def open(cls, location: str, mode: str = "r", *, cache_bytes: int = DEFAULT_CACHE_BYTES,
-             storage_options: dict | None = None, durable: bool = False) -> ZarrTrajectoryStore:
-        """Opens an existing store: ``mode="r"`` reads (no lock), ``mode="a"`` appends."""
+             storage_options: dict | None = None, durable: bool = True) -> ZarrTrajectoryStore:
+        """Opens an existing store: ``mode="r"`` reads (no lock), ``mode="a"`` appends.
+
+        ``durable`` (a writer's: fsync before each publish) defaults to True, as everywhere.
+        """
         location = str(location)
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
@@ -201,24 +215,28 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             )
         loc = resolve(location, read_only=not writable, storage_options=storage_options)
         if loc.local_root is not None and not loc.local_root.is_dir():
-            raise NotAStoreError(f"{location} is not a replay buffer: no such directory")
+            loc.kv.close()
+            if not loc.local_root.exists():
+                raise StoreNotFoundError(f"{location} does not exist")
+            raise NotAStoreError(f"{location} is not a replay buffer: it is a file, not a directory")
         watcher = None
         if loc.local_root is not None and not writable:
             watcher = ManifestWatcher(loc.local_root / ROOT_META, what="Zarr replay buffer")
             try:
-                record = parse_root(_read_watched(watcher), location)
+                record = _parse(_read_watched(watcher), location, loc)
             except BaseException:
                 watcher.close()
                 raise
         else:
-            record = parse_root(loc.kv.get(ROOT_META), location)
+            record = _parse(loc.kv.get(ROOT_META), location, loc)
         lock = None
         if writable:
             if loc.local_root is not None:
                 check_writable_dir(loc.local_root, location)
             lock = lock_for(loc, location)
-            record = parse_root(loc.kv.get(ROOT_META), location)  # the lock holder's last publish
         try:
+            if writable:
+                record = _parse(loc.kv.get(ROOT_META), location, loc)  # the lock holder's last publish
             store = cls(location, loc, record, writable=writable, cache_bytes=cache_bytes, durable=durable,
                         lock=lock, watcher=watcher)
             if writable:
@@ -228,35 +246,32 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             return store
         except BaseException:
             if lock is not None:
-                lock.release()
+                lock.release(remove_if_created=True)
             if watcher is not None:
                 watcher.close()
             raise
 
     @classmethod
     def detect(cls, location: str) -> bool:
-        """True when ``location`` holds a Zarr replay buffer; never raises."""
-        try:
-            if "://" not in str(location) and str(location).endswith(".zip"):
-                loc = resolve(str(location), read_only=True, storage_options=None)
-            elif "://" not in str(location):
-                raw = (Path(location) / ROOT_META).read_bytes()
-                return ATTRS_KEY in json.loads(raw).get("attributes", {})
-            else:
-                loc = resolve(str(location), read_only=True, storage_options=None)
-            parse_root(loc.kv.get(ROOT_META), str(location))
-            return True
-        except Exception:
-            return False
+        """True when ``location`` holds a Zarr replay buffer, or a damaged one; never raises."""
+        from rlhf_pipeline.storage.zarr.inspection import detect
+
+        return detect(location)
 
     # ---------------------------------------------------------------- published state
     def _apply(self, record: dict[str, Any]) -> None:
+        try:
+            units = [UnitRef(int(a), int(b), int(c)) for a, b, c in record["units"]]
+            first_row, next_row = int(record["first_row"]), int(record["next_row"])
+            if any(u.kind not in (0, 1, 2, 3, 4) for u in units):
+                raise ValueError("unknown unit kind")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreCorruptedError(f"{self._location}/zarr.json has a malformed commit record: {exc!r}") from None
         self._record = record
-        units = [UnitRef(int(a), int(b), int(c) == 1, int(c) == 2) for a, b, c in record["units"]]
         self._view = (units, np.array([u.first_row for u in units], dtype=np.int64))  # read as one
         self._units = units
-        self._first_row = int(record["first_row"])
-        self._next_row = int(record["next_row"])
+        self._first_row = first_row
+        self._next_row = next_row
 
     @property
     def writable(self) -> bool:
@@ -271,9 +286,9 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         if not self._writable:
             if self._watcher is not None:
                 if self._watcher.changed():
-                    self._apply(parse_root(_read_watched(self._watcher), self._location))
+                    self._apply(_parse(_read_watched(self._watcher), self._location, self._loc))
             else:
-                self._apply(parse_root(self._loc.kv.get(ROOT_META), self._location))
+                self._apply(_parse(self._loc.kv.get(ROOT_META), self._location, self._loc))
             self._cache.retain({u.name for u in self._units})
         return self._published_len()
 
@@ -289,7 +304,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         try:
             self._sealer.shutdown()
             if self._writable:
-                self._unpack_tail()
+                self._merge_tail()
         except Exception as exc:  # noqa: BLE001 - the fragments stay published; the next writer seals them
             import logging
 
@@ -304,7 +319,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise StoreError(f"{self._location} was closed; open it again")
+            raise StoreClosedError(f"{self._location} was closed; open it again to use it")
 
     # ---------------------------------------------------------------- writing
     def _append_validated(self, batch: TrajectoryBatch) -> None:
@@ -315,7 +330,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         pieces, complete = [], []
         for pos, rows, whole, completes in plan_pieces(start, n, self._segment_rows):
             part = arrays if rows == n else slice_arrays(arrays, self._arrays, pos, pos + rows)
-            pieces.append((UnitRef(start + pos, rows, whole, not whole), part))
+            pieces.append((UnitRef(start + pos, rows, SEALED_PACKED if whole else PACKED_FRAGMENT), part))
             if completes:
                 complete.append(start + pos + rows - self._segment_rows)
         pending = [self._write_unit(unit, part) for unit, part in pieces]
@@ -352,7 +367,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         if sum(u.rows for u in fragments) != size:
             return  # sealed already
         rows = concat_arrays([self._unit(u).arrays for u in fragments], self._arrays)
-        segment = UnitRef(first_row, size, True)
+        segment = UnitRef(first_row, size, SEALED_PACKED)
         pending = self._write_unit(segment, rows, threaded=False)
         with self._publish_lock:
             replaced = {u.name for u in fragments}
@@ -361,39 +376,27 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             self._publish(units[:at] + [segment] + units[at:], self._next_row, [pending])
         self._cache.put(segment.name, DecodedUnit(first_row, size, rows))
 
-    def _unpack_tail(self) -> None:
-        """On close: the open segment's packed fragments become one fragment of per-field arrays,
-        so a closed store holds only the documented per-field units."""
+    def _merge_tail(self) -> None:
+        """On close: the open segment's fragments become one, so a closed store holds at most
+        one fragment (two files) besides its sealed segments."""
         open_start = self._next_row - self._next_row % self._segment_rows
         tail = [u for u in self._units if not u.sealed and u.first_row >= open_start]
-        if not any(u.packed for u in tail):
+        if len(tail) < 2 and all(u.kind == PACKED_FRAGMENT for u in tail):
             return
         rows = concat_arrays([self._unit(u).arrays for u in tail], self._arrays)
-        unit = UnitRef(tail[0].first_row, sum(u.rows for u in tail), False)
+        unit = UnitRef(tail[0].first_row, sum(u.rows for u in tail), PACKED_FRAGMENT)
         pending = self._write_unit(unit, rows)
         with self._publish_lock:
             replaced = {u.name for u in tail}
             self._publish([u for u in self._units if u.name not in replaced] + [unit], self._next_row, [pending])
 
-    def _codec_of(self, unit: UnitRef) -> Codec:
-        return self._codec if unit.sealed else self._fragment_codec
-
     def _write_unit(self, unit: UnitRef, arrays: dict[str, np.ndarray], *, threaded: bool = True):
-        codec = self._codec_of(unit)
-        if unit.packed:  # two files: written here, without the I/O thread
-            buffers, meta, _ = pack_buffers(self._arrays, arrays)
-            return self._loc.kv.put_many([(f"{unit.prefix}/{ROOT_META}", meta), (f"{unit.prefix}/{CHUNK_KEY}", buffers)],
-                                         durable=self._durable, threaded=False, defer_sync=True)
-
-        def items():  # lazily: each chunk is compressed while the previous one is written
-            yield f"{unit.prefix}/{ROOT_META}", GROUP_METADATA
-            for spec in self._arrays:
-                values = arrays[spec.name]
-                yield f"{unit.prefix}/{spec.name}/{ROOT_META}", array_metadata(spec.dtype, values.size, codec)
-                if values.size:
-                    yield f"{unit.prefix}/{spec.name}/{CHUNK_KEY}", codec.encode(values)
-
-        return self._loc.kv.put_many(items(), durable=self._durable, threaded=threaded, defer_sync=True)
+        """Writes a new unit (kind 3 or 4); returns what its publish still has to sync."""
+        if unit.kind == PACKED_FRAGMENT:  # two files: written here, without the I/O thread
+            items = unit_io.fragment_items(unit, arrays, self._arrays)
+            return self._loc.kv.put_many(items, durable=self._durable, threaded=False, defer_sync=True)
+        items = unit_io.sealed_items(unit, arrays, self._arrays, self._codecs.sealed)
+        return self._loc.kv.put_many(items, durable=self._durable, threaded=threaded, defer_sync=True)
 
     def _delete_orphans(self) -> None:
         """Deletes units no commit record names: left by a writer that died before publishing."""
@@ -424,7 +427,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         for _ in range(16):
             try:
                 return read(ids, view)
-            except _UnitGone as gone:
+            except UnitGone as gone:
                 missing = gone
             # compacted or evicted after the record we read (a reader's last refresh, or a seal on
             # this writer's background thread): the rows live on in a unit the newer record names
@@ -440,7 +443,8 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             view = self._view
         raise StoreCorruptedError(
             f"{self._location}: chunk {missing} of a published unit is missing; the store was "
-            f"damaged outside this library. Restore it from a snapshot."
+            f"damaged outside this library. The store's other units still read; "
+            f"`rlhf-pipeline repair {self._location}` reports what is lost."
         ) from None
 
     def _gather(self, ids: np.ndarray, names: tuple[str, ...], view) -> TrajectoryBatch:
@@ -459,67 +463,23 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         return self._cache.get(unit.name, lambda: self._load_unit(unit))
 
     def _load_unit(self, unit: UnitRef) -> DecodedUnit:
-        if unit.packed:
-            key = f"{unit.prefix}/{CHUNK_KEY}"
-            raw = self._loc.kv.get(key)
-            if raw is None:
-                raise _UnitGone(key)  # being deleted after a compaction, or damaged
-            return DecodedUnit(unit.first_row, unit.rows, unpack(self._arrays, raw, unit.rows, key))
-        keys = [f"{unit.prefix}/{spec.name}/{CHUNK_KEY}" for spec in self._arrays]
-        blobs = dict(zip(keys, self._loc.kv.get_many(keys)))
-        arrays: dict[str, np.ndarray] = {}
-        for spec, key in zip(self._arrays, keys):
-            if spec.length_of == "rows":
-                count = unit.rows
-            elif spec.length_of == "rows+1":
-                count = unit.rows + 1
-            else:
-                count = int(arrays[spec.length_of][-1])
-            raw = blobs[key]
-            if raw is None:
-                if count:
-                    raise _UnitGone(key)  # being deleted after a compaction, or damaged
-                arrays[spec.name] = np.zeros(0, dtype=NP_DTYPE_BY_NAME[spec.dtype])
-                continue
-            values = self._codec_of(unit).decode(raw, spec.dtype, count, key)
-            if spec.length_of == "rows+1" and (values[0] != 0 or bool((np.diff(values) < 0).any())):
-                raise StoreCorruptedError(f"{self._location}: offsets in chunk {key} are damaged")
-            arrays[spec.name] = values
+        arrays = unit_io.read_unit(self._loc.kv, unit, self._arrays, self._codecs)
         return DecodedUnit(unit.first_row, unit.rows, arrays)
 
     # ---------------------------------------------------------------- summary and copies
     def stats(self) -> StoreStats:
-        from rlhf_pipeline.storage.zarr.stats import store_stats
+        """Summary from the units' small arrays (``rlhf-pipeline inspect`` computes the same without torch)."""
+        from rlhf_pipeline.storage.zarr.inspection import summarize
 
         self.flush()
         self.refresh()
-        return store_stats(self)
-
-    def _light_unit(self, unit: UnitRef, names: list[str]) -> dict[str, np.ndarray]:
-        """A few small arrays of a unit (row fields, offsets) without decoding its token values."""
-        if unit.packed:
-            try:
-                return self._load_unit(unit).arrays
-            except _UnitGone as gone:
-                raise StoreCorruptedError(f"{self._location}: chunk {gone} of a published unit is missing") from None
-        specs = [s for s in self._arrays if s.name in names]
-        keys = [f"{unit.prefix}/{s.name}/{CHUNK_KEY}" for s in specs]
-        out = {}
-        for spec, key, raw in zip(specs, keys, self._loc.kv.get_many(keys)):
-            if raw is None:
-                raise StoreCorruptedError(f"{self._location}: chunk {key} of a published unit is missing")
-            count = unit.rows + (1 if spec.length_of == "rows+1" else 0)
-            out[spec.name] = self._codec_of(unit).decode(raw, spec.dtype, count, key)
-        return out
+        stats = summarize(self._loc, self._record, self._location)
+        stats.extra.update(cache_bytes=self._cache.capacity_bytes, cached_bytes=self._cache.nbytes)
+        return stats
 
     def unit_keys(self, unit: UnitRef) -> list[str]:
         """Every key of a published unit (group and array metadata, chunks)."""
-        keys = [f"{unit.prefix}/{ROOT_META}"]
-        if unit.packed:
-            return keys + [f"{unit.prefix}/{CHUNK_KEY}"]
-        for spec in self._arrays:
-            keys += [f"{unit.prefix}/{spec.name}/{ROOT_META}", f"{unit.prefix}/{spec.name}/{CHUNK_KEY}"]
-        return keys
+        return unit_io.unit_keys(unit, self._arrays)
 
     @property
     def units(self) -> list[UnitRef]:
@@ -533,7 +493,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         self.refresh()
         record = dict(self._record)
         target = ZarrTrajectoryStore.create(path, self._schema, capacity_rows=self._capacity_rows,
-                                            segment_rows=self._segment_rows, codec=self._codec.config,
+                                            segment_rows=self._segment_rows, codec=self._codecs.config,
                                             cache_bytes=0, durable=self._durable)
         try:
             for unit in self._units:
@@ -547,6 +507,16 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
 
 
 # ======================================================================== helpers
+def _parse(raw, location: str, loc: Location) -> dict[str, Any]:
+    """The commit record; a missing or foreign root document is damage when units exist."""
+    try:
+        return parse_root(raw, location)
+    except NotAStoreError:
+        if has_units(loc):
+            return parse_root(raw, location, units_exist=True)  # raises StoreCorruptedError
+        raise
+
+
 def _read_watched(watcher: ManifestWatcher) -> dict | None:
     try:
         return watcher.read()

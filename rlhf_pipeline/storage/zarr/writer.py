@@ -17,40 +17,15 @@ segment an orphan): the next writer deletes the orphan and seals them again.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
-from rlhf_pipeline.storage.base import StoreError
-from rlhf_pipeline.storage.zarr.layout import UNITS_PREFIX
+from rlhf_pipeline.storage.errors import StoreError
+from rlhf_pipeline.storage.zarr.units import UnitRef
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class UnitRef:
-    """One published unit: rows ``[first_row, first_row + rows)``; sealed segment or tail fragment."""
-
-    first_row: int
-    rows: int
-    sealed: bool
-    packed: bool = False  # a fragment packed into one array (see docs/zarr-layout.md)
-
-    @property
-    def kind(self) -> int:
-        """The third value of the unit's entry in the commit record: 0 fragment, 1 sealed, 2 packed."""
-        return 1 if self.sealed else 2 if self.packed else 0
-
-    @functools.cached_property
-    def name(self) -> str:  # cached: every sampled batch looks its units up by name
-        return f"{self.first_row:015d}-{self.rows:010d}" + ("p" if self.packed else "")
-
-    @property
-    def prefix(self) -> str:
-        return f"{UNITS_PREFIX}/{self.name}"
 
 
 def plan_pieces(next_row: int, n: int, segment_rows: int) -> list[tuple[int, int, bool, bool]]:

@@ -1,0 +1,50 @@
+"""``rlhf-pipeline repair PATH [--apply] [--json]``: rebuild a damaged buffer's published state.
+
+A dry run by default: it says what it found and what it would write. ``--apply`` writes
+it, under the store's writer lock (stop the writer first). A memmap store's manifest and
+state slots are rebuilt from its segment files; a Zarr store's commit record from its
+units. Nothing is deleted: the files it replaces are copied, and data it cannot publish
+again is moved, to ``repair-<time>/`` inside the store. It reports what it could not
+recover (missing segments, chunks that fail their checksum), naming files and rows.
+Works on a single store or every shard of a run's buffer.
+
+Exit code: 0 when nothing needs repair (or ``--apply`` repaired everything), 1 when
+something needs repair (dry run) or cannot be recovered, 2 on errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN stores")
+    parser.add_argument("--apply", action="store_true", help="write the repair (default: a dry run)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per store")
+    parser.add_argument("--quiet", action="store_true", help="no progress")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    import warnings
+
+    from rlhf_pipeline.cli.progress import progress_reporter
+    from rlhf_pipeline.storage.buffers import repair_buffer
+    from rlhf_pipeline.storage.errors import StoreError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # repair reports the damage itself
+        try:
+            reports = repair_buffer(args.path, apply=args.apply,
+                                    progress=progress_reporter("repair", "parts", quiet=args.quiet))
+        except StoreError as exc:
+            print(f"rlhf-pipeline repair: {exc}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps([r.to_json() for r in reports]))
+    else:
+        print("\n".join(r.format() for r in reports))
+    if any(r.unrecoverable for r in reports):
+        return 1
+    return 1 if (not args.apply and any(r.needed for r in reports)) else 0

@@ -1,0 +1,153 @@
+"""A run's buffer as the commands see it: one store, or a directory of ``shard-NNNN`` stores; no torch.
+
+Every command that takes a buffer (``inspect``, ``inspect --verify``, ``repair``,
+``convert``) accepts the same things: a memmap directory, a Zarr store (directory, ``.zip``
+or URL), or a run's ``buffer/`` directory of shards, one store per collector.
+:func:`stores_in` expands a buffer into its stores; :func:`buffer_stats`,
+:func:`verify_buffer` and :func:`repair_buffer` run the backends' torch-free functions
+(:data:`rlhf_pipeline.storage.INSPECTION`) on each.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from rlhf_pipeline.storage.errors import StoreNotFoundError
+from rlhf_pipeline.storage.reports import CheckReport, Progress, RepairReport
+from rlhf_pipeline.storage.summary import StoreStats
+
+SHARD_PREFIX = "shard-"
+_SHARD_RE = re.compile(r"^shard-(\d+)$")
+
+
+def shard_name(index: int) -> str:
+    """Directory name of shard ``index``: ``shard-0000``."""
+    if index < 0:
+        raise ValueError(f"shard index must be >= 0, got {index}")
+    return f"{SHARD_PREFIX}{index:04d}"
+
+
+def shard_path(buffer_dir: str | Path, index: int) -> Path:
+    return Path(buffer_dir) / shard_name(index)
+
+
+def shard_index(name: str) -> int | None:
+    """The index in a ``shard-NNNN`` name; None for anything else."""
+    match = _SHARD_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def list_shards(buffer_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(index, path)`` of the shard directories under ``buffer_dir``, by index."""
+    root = Path(buffer_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        index = shard_index(child.name)
+        if index is not None and child.is_dir():
+            found.append((index, child))
+    return sorted(found)
+
+
+def is_sharded_buffer(location: str | Path) -> bool:
+    """True when ``location`` is a local directory holding ``shard-NNNN`` subdirectories."""
+    try:
+        return bool(list_shards(location))
+    except OSError:
+        return False
+
+
+def stores_in(location: str) -> list[tuple[str, str]]:
+    """``(backend, location)`` of every store of a buffer: the store itself, or each shard.
+
+    Raises ``StoreNotFoundError`` for a path that does not exist, ``NotAStoreError`` when
+    nothing there is a store, ``StoreCorruptedError`` when the store is too damaged to tell
+    its backend (a shard being created, with no metadata yet, is skipped).
+    """
+    from rlhf_pipeline.storage import detect_backend
+    from rlhf_pipeline.storage.errors import NotAStoreError
+
+    location = str(location)
+    if "://" not in location and not os.path.exists(location):
+        raise StoreNotFoundError(f"{location} does not exist")
+    if not is_sharded_buffer(location):
+        return [(detect_backend(location), location)]
+    found, skipped = [], []
+    for _, path in list_shards(location):
+        try:
+            found.append((detect_backend(str(path)), str(path)))
+        except NotAStoreError as exc:
+            skipped.append(f"{path.name}: {exc}")
+    if not found:
+        raise NotAStoreError(f"{location} holds no readable shard store (shard-NNNN directories): "
+                             + "; ".join(skipped))
+    return found
+
+
+def buffer_stats(location: str) -> StoreStats:
+    """``inspect``'s summary of a buffer, summed over its shards; no torch."""
+    from rlhf_pipeline.storage import inspection
+
+    stores = stores_in(location)
+    if not is_sharded_buffer(location):
+        backend, path = stores[0]
+        return inspection(backend).stats(path)
+    return combine_stats(location, [inspection(b).stats(p) for b, p in stores])
+
+
+def combine_stats(location: str, per_shard: list[StoreStats], schema_optional: list[str] | None = None) -> StoreStats:
+    """The stats of a sharded buffer from its shards' stats (shards in index order)."""
+    versions: dict[int, int] = {}
+    for s in per_shard:
+        for v, c in s.policy_versions.items():
+            versions[v] = versions.get(v, 0) + c
+    out = StoreStats(
+        backend="sharded",
+        location=str(location),
+        rows=sum(s.rows for s in per_shard),
+        first_row=sum(s.first_row for s in per_shard),
+        next_row=sum(s.next_row for s in per_shard),
+        groups=sum(s.groups for s in per_shard),  # group ids carry the collector index
+        prompt_tokens=sum(s.prompt_tokens for s in per_shard),
+        response_tokens=sum(s.response_tokens for s in per_shard),
+        bytes_on_disk=sum(s.bytes_on_disk for s in per_shard),
+        raw_bytes=sum(s.raw_bytes for s in per_shard),
+        segments=sum(s.segments for s in per_shard),
+        policy_versions=dict(sorted(versions.items())),
+        optional_fields=list(schema_optional if schema_optional is not None
+                             else (per_shard[0].optional_fields if per_shard else [])),
+        extra={
+            "shards": len(per_shard),
+            "shard_backends": ",".join(sorted({s.backend for s in per_shard})),
+            "shard_rows": ", ".join(f"{Path(s.location).name}: {s.rows}" for s in per_shard),
+        },
+    )
+    with_rows = [s for s in per_shard if s.rows and s.reward_mean is not None]
+    if with_rows:
+        total = sum(s.rows for s in with_rows)
+        mean = sum(s.rows * s.reward_mean for s in with_rows) / total
+        # the backends report the population std (numpy's default): combine the same way
+        ss = sum(s.rows * ((s.reward_std or 0.0) ** 2 + (s.reward_mean - mean) ** 2) for s in with_rows)
+        out.reward_mean = mean
+        out.reward_std = math.sqrt(ss / total)
+        out.reward_min = min(s.reward_min for s in with_rows)
+        out.reward_max = max(s.reward_max for s in with_rows)
+    return out
+
+
+def verify_buffer(location: str, progress: Progress | None = None) -> list[CheckReport]:
+    """``inspect --verify``: one report per store of the buffer."""
+    from rlhf_pipeline.storage import inspection
+
+    return [inspection(backend).verify(path, progress) for backend, path in stores_in(location)]
+
+
+def repair_buffer(location: str, *, apply: bool = False, progress: Progress | None = None) -> list[RepairReport]:
+    """``repair``: one report per store of the buffer (a dry run unless ``apply``)."""
+    from rlhf_pipeline.storage import inspection
+
+    return [inspection(backend).repair(path, apply=apply, progress=progress) for backend, path in stores_in(location)]

@@ -1,0 +1,48 @@
+"""The storage errors a user can act on, importable without torch.
+
+Every one names what went wrong and where (the store, the file, the chunk). The CLI's
+``inspect``, ``repair`` and ``convert`` catch :class:`StoreError` and print its message
+as a one-line error, so the messages are written to be read on their own.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(RuntimeError):
+    """Base class of the storage errors a user can act on."""
+
+
+class StoreLockedError(StoreError):
+    """Another process holds the store's writer lock."""
+
+
+class NotAStoreError(StoreError):
+    """The location holds no trajectory store (or not one this backend can read)."""
+
+
+class StoreNotFoundError(NotAStoreError):
+    """The location does not exist at all."""
+
+
+class StoreCorruptedError(StoreError):
+    """Published data is missing or damaged; the message names what and where."""
+
+
+class ReadOnlyStoreError(StoreError):
+    """A write was attempted on a store opened for reading."""
+
+
+class StoreClosedError(StoreError, ValueError):
+    """The store object was closed; open the location again to use it.
+
+    Also a ``ValueError``, as operations on a closed file are in Python.
+    """
+
+
+class IncompatibleStoreError(StoreError):
+    """The store was written by a different backend or an incompatible format version."""
+
+
+class StoreDamageWarning(UserWarning):
+    """A store was opened at an older state than its newest, damaged one (rows rolled back),
+    or holds damage that reads do not reach yet; the message names the files and the rows."""

@@ -1,0 +1,101 @@
+"""CRC32C checksums of a sealed memmap segment's files (``seg-NNNNNNNN/checksums.json``); no torch.
+
+A segment is sealed once it holds ``segment_rows`` rows: its files are trimmed to their
+exact size and never change again. Sealing then records, per file, its size and the
+CRC32C of its bytes (``google-crc32c``, which zarr depends on; hardware CRC32C runs at
+~12 GB/s here, so checking a 20 MB segment costs under 2 ms)::
+
+    {"algorithm": "crc32c", "files": {"prompt_tokens.values": [size, crc], ...}}
+
+Readers check a sealed segment's file the first time they map it (see
+:class:`~.segments.SegmentView`), ``rlhf-pipeline inspect --verify`` and ``repair`` check
+every sealed segment. The open tail segment has no checksum until it is sealed; segments
+sealed by versions before checksums have none, and are checked for structure only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import google_crc32c
+import numpy as np
+
+from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir
+from rlhf_pipeline.storage.errors import StoreCorruptedError
+from rlhf_pipeline.storage.memmap.layout import CHECKSUMS_NAME
+
+ALGORITHM = "crc32c"
+
+
+def byte_view(data) -> np.ndarray:
+    """``data`` (bytes-like or a numpy array) as a flat uint8 array, without a copy where possible.
+
+    google-crc32c takes only objects whose buffer needs no release (bytes, numpy arrays),
+    not memoryviews or mmaps, so everything goes through a numpy view.
+    """
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def crc32c(data) -> int:
+    """CRC32C of a bytes-like object or numpy array."""
+    return google_crc32c.value(byte_view(data))
+
+
+def write_checksums(directory: Path, files: dict[str, tuple[int, int]]) -> Path:
+    """Writes ``checksums.json`` (file -> (size, crc)) as a ``.partial`` file and returns its path:
+    the caller syncs it with the segment's files, then calls :func:`publish_checksums`."""
+    payload = json.dumps({"algorithm": ALGORITHM, "files": {k: list(v) for k, v in sorted(files.items())}},
+                         separators=(",", ":")).encode()
+    partial = directory / (CHECKSUMS_NAME + PARTIAL_SUFFIX)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    return partial
+
+
+def publish_checksums(directory: Path, *, durable: bool) -> None:
+    """Renames the synced ``checksums.json.partial`` into place (and makes the rename durable)."""
+    os.replace(directory / (CHECKSUMS_NAME + PARTIAL_SUFFIX), directory / CHECKSUMS_NAME)
+    if durable:
+        fsync_dir(directory)
+
+
+def read_checksums(directory: Path) -> dict[str, tuple[int, int]] | None:
+    """file -> (size, crc) of a sealed segment; None when none was recorded."""
+    path = directory / CHECKSUMS_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(raw)
+        if data.get("algorithm") != ALGORITHM:
+            raise ValueError(f"algorithm {data.get('algorithm')!r}, expected {ALGORITHM!r}")
+        return {name: (int(size), int(crc)) for name, (size, crc) in data["files"].items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise StoreCorruptedError(f"{path} is damaged ({exc}); `rlhf-pipeline repair` records it again") from None
+
+
+def check_bytes(path: Path, data, expected: tuple[int, int]) -> None:
+    """Raises :class:`StoreCorruptedError` naming ``path`` unless ``data`` has the recorded size and CRC."""
+    size, crc = expected
+    data = byte_view(data)
+    length = data.size
+    if length != size:
+        raise StoreCorruptedError(
+            f"{path} holds {length} bytes but its segment was sealed with {size}: the file was truncated or "
+            f"extended outside this library. Restore it from a snapshot, or see `rlhf-pipeline repair`."
+        )
+    if crc32c(data) != crc:
+        raise StoreCorruptedError(
+            f"{path} fails its crc32c checksum (recorded when its segment was sealed): its bytes were damaged "
+            f"on disk. Restore it from a snapshot; the store's other segments still read."
+        )

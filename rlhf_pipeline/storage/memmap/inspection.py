@@ -1,0 +1,215 @@
+"""``inspect`` and ``inspect --verify`` of a memmap store, from its files alone (json + numpy, no torch).
+
+:func:`stats` summarizes the published rows (the store's ``stats()`` is this function);
+:func:`verify` checks every held segment: sealed ones byte for byte against the checksums
+recorded when they were sealed, all of them for structure (end offsets that only grow and
+stay inside the values, non-empty prompts and responses, valid UTF-8 text), plus the
+manifest and the state slots.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from rlhf_pipeline.storage.errors import StoreCorruptedError
+from rlhf_pipeline.storage.memmap import checksums
+from rlhf_pipeline.storage.memmap.layout import (
+    BACKEND,
+    ENDS_DTYPE,
+    MANIFEST_NAME,
+    STATE_STEM,
+    FieldFiles,
+    SegmentState,
+    detect,
+    fields_of,
+    raw_payload_bytes,
+    read_manifest,
+    read_published,
+    segment_dir_name,
+    segment_files,
+)
+from rlhf_pipeline.storage.memmap.state_slots import StateSlots
+from rlhf_pipeline.storage.reports import CheckReport, Progress
+from rlhf_pipeline.storage.summary import StoreStats, disk_usage
+
+__all__ = ["PublishedView", "check_segment", "detect", "repair", "stats", "verify"]
+
+
+def repair(location: str, *, apply: bool = False, progress: Progress | None = None):
+    """``rlhf-pipeline repair`` (see :mod:`.repair`)."""
+    from rlhf_pipeline.storage.memmap.repair import repair as run
+
+    return run(location, apply=apply, progress=progress)
+
+
+class PublishedView:
+    """The published state of a store as plain values: what both functions below read."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        manifest = read_manifest(path)
+        self.fields: list[FieldFiles] = fields_of(manifest, path)
+        slots = StateSlots(path, stem=STATE_STEM)
+        try:
+            published = read_published(path, slots, manifest, self.fields)
+        finally:
+            slots.close()
+        state = published.state if published is not None else manifest
+        self.rollback = published.rollback if published is not None else None
+        try:
+            self.segment_rows = int(state["segment_rows"])
+            self.capacity_rows = state.get("capacity_rows")
+            self.first_row = int(state["first_row"])
+            self.next_row = int(state["next_row"])
+            self.segments = [SegmentState.from_json(s) for s in state["segments"]]
+            self.evicted = list(state.get("evicted", []))
+            self.optional = list(state["schema"].get("optional", []))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            source = published.source if published is not None else path / MANIFEST_NAME
+            raise StoreCorruptedError(f"{source} is missing or has a malformed entry: {exc!r}") from None
+
+    def column(self, name: str) -> np.ndarray:
+        """A row field over every held row (read straight from the ``.col`` files)."""
+        spec = next(f for f in self.fields if f.name == name)
+        parts = []
+        for state in self.segments:
+            file = self.path / segment_dir_name(state.id) / f"{name}.col"
+            try:
+                part = np.fromfile(file, dtype=spec.dtype, count=state.rows)
+            except FileNotFoundError:
+                raise StoreCorruptedError(
+                    f"{self.path}: segment {segment_dir_name(state.id)} holds published rows but {file.name} "
+                    f"is missing (its directory was deleted or damaged); `rlhf-pipeline repair {self.path}` "
+                    f"reports what is lost"
+                ) from None
+            if part.size != state.rows:
+                raise StoreCorruptedError(f"{file} holds {part.size} rows, the published state says {state.rows}")
+            parts.append(part)
+        return np.concatenate(parts) if parts else np.empty(0, dtype=spec.dtype)
+
+
+def stats(location: str) -> StoreStats:
+    """Summary of the published rows: counts, rewards, policy versions, sizes (see :mod:`..summary`)."""
+    view = PublishedView(Path(location))
+    held = view.segments
+    rows = view.next_row - view.first_row
+    rewards = view.column("reward")
+    versions, counts = np.unique(view.column("policy_version"), return_counts=True)
+    out = StoreStats(
+        backend=BACKEND, location=str(location), rows=rows, first_row=view.first_row, next_row=view.next_row,
+        groups=int(np.unique(view.column("group_id")).size),
+        prompt_tokens=sum(s.elements["prompt_tokens"] for s in held),
+        response_tokens=sum(s.elements["response_tokens"] for s in held),
+        bytes_on_disk=disk_usage(location),
+        raw_bytes=sum(raw_payload_bytes(view.fields, s) for s in held),
+        segments=len(held),
+        policy_versions={int(v): int(c) for v, c in zip(versions, counts)},
+        optional_fields=view.optional,
+        extra={"segment_rows": view.segment_rows, "capacity_rows": view.capacity_rows,
+               "evicted_segments_pending_delete": len(view.evicted)},
+    )
+    if rows:
+        out.reward_mean = float(rewards.mean())
+        out.reward_std = float(rewards.std())
+        out.reward_min = float(rewards.min())
+        out.reward_max = float(rewards.max())
+    return out
+
+
+# ============================================================================ verify
+def verify(location: str, progress: Progress | None = None) -> CheckReport:
+    """Checks the whole store; every problem names the file. Raises nothing for damage."""
+    path = Path(location)
+    report = CheckReport(str(location), BACKEND)
+    try:
+        view = PublishedView(path)
+    except StoreCorruptedError as exc:
+        report.problems.append(str(exc))
+        report.notes.append("without a readable published state the segments cannot be checked; "
+                            f"`rlhf-pipeline repair {location}` rebuilds it from the segment files")
+        return report
+    if view.rollback is not None:
+        report.problems.append(view.rollback.describe(path))
+    total = sum(_segment_bytes(view, s) for s in view.segments)
+    sealed = unsummed = 0
+    for number, state in enumerate(view.segments, 1):
+        is_sealed = state.rows == view.segment_rows
+        sealed += is_sealed
+        directory = path / segment_dir_name(state.id)
+        if not directory.is_dir():
+            report.problems.append(f"{directory} is missing: rows {_rows_of(view, state)} are lost")
+            continue
+        sums = None
+        if is_sealed:
+            try:
+                sums = checksums.read_checksums(directory)
+            except StoreCorruptedError as exc:
+                report.problems.append(str(exc))
+            if sums is None:
+                unsummed += 1
+        report.problems += check_segment(directory, view.fields, state, sums)
+        if progress is not None:
+            progress(number, len(view.segments))
+    report.checked = {"segments": len(view.segments), "sealed segments with checksums": sealed - unsummed,
+                      "rows": view.next_row - view.first_row, "bytes": total}
+    if unsummed:
+        report.notes.append(f"{unsummed} sealed segment(s) have no checksums (sealed by a version before "
+                            f"checksums): checked for structure only")
+    if view.segments and view.segments[-1].rows < view.segment_rows:
+        report.notes.append(f"the open segment {segment_dir_name(view.segments[-1].id)} gets checksums when it "
+                            f"is sealed: checked for structure only")
+    return report
+
+
+def check_segment(directory: Path, fields: list[FieldFiles], state: SegmentState,
+                  sums: dict[str, tuple[int, int]] | None) -> list[str]:
+    """Problems of one held segment's files (each names the file); empty when it is intact."""
+    problems = []
+    for name, (dtype, count) in segment_files(fields, state).items():
+        file = directory / name
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{file} is missing (segment {directory.name}, field {name.split('.')[0]!r})")
+            continue
+        if size < count * dtype.itemsize:
+            problems.append(f"{file} holds {size} bytes, the published state needs {count * dtype.itemsize}")
+            continue
+        if sums is not None and name in sums:
+            try:
+                checksums.check_bytes(file, np.fromfile(file, dtype=np.uint8), sums[name])
+            except StoreCorruptedError as exc:
+                problems.append(str(exc))
+                continue
+    if problems:
+        return problems
+    for f in fields:
+        if not f.ragged:
+            continue
+        ends = np.fromfile(directory / f"{f.name}.ends", dtype=ENDS_DTYPE, count=state.rows)
+        previous = np.concatenate([[0], ends[:-1]])
+        grows = ends > previous if f.kind == "token" else ends >= previous
+        if state.rows and (not grows.all() or ends[-1] != state.elements[f.name]):
+            row = int(np.flatnonzero(~grows)[0]) if not grows.all() else state.rows - 1
+            problems.append(f"{directory / (f.name + '.ends')} is damaged: end offset of row {row} is "
+                            f"{int(ends[row])} (the previous is {int(previous[row])}; {state.elements[f.name]} "
+                            f"values are published)")
+            continue
+        if f.kind == "text":
+            raw = np.fromfile(directory / f"{f.name}.values", dtype=np.uint8, count=state.elements[f.name])
+            try:
+                raw.tobytes().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                problems.append(f"{directory / (f.name + '.values')} is damaged: byte {exc.start} is not valid UTF-8")
+    return problems
+
+
+def _segment_bytes(view: PublishedView, state: SegmentState) -> int:
+    return sum(c * d.itemsize for d, c in segment_files(view.fields, state).values())
+
+
+def _rows_of(view: PublishedView, state: SegmentState) -> str:
+    first = state.id * view.segment_rows
+    return f"{first}..{first + state.rows - 1}"

@@ -1,0 +1,215 @@
+"""``rlhf-pipeline repair`` of a memmap store: rebuild the published state from the segment files.
+
+What a store needs to be read is ``manifest.json`` (what it is) and a state slot (which
+rows are published). Both can be rebuilt from the segment files, which hold everything
+else: a sealed segment's files are trimmed to their exact size (and carry checksums), and
+the open segment's end offsets tell how many complete rows it holds (see
+:func:`~.layout.complete_rows`). Repair:
+
+1. takes the store's configuration from the newest intact slot, else the manifest, else
+   a damaged slot that still parses, else the files (fields from the file names, segment
+   size from a sealed segment);
+2. walks the segments from the first held one: each sealed segment contributes its rows,
+   the first segment that is not full is the tail and ends the walk;
+3. compares that with what is published now and, with ``apply=True``, writes the manifest
+   (when damaged) and publishes the rebuilt state into both slots, under the writer lock.
+
+Nothing is deleted: damaged files it replaces are copied, and segments it cannot reach
+(after a missing one) are moved, to ``repair-<time>/`` in the store. It cannot fix the
+contents of a damaged file (a checksum mismatch): it reports the rows affected.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.atomic import publish_json
+from rlhf_pipeline.storage.errors import StoreCorruptedError
+from rlhf_pipeline.storage.memmap import checksums
+from rlhf_pipeline.storage.memmap.inspection import check_segment
+from rlhf_pipeline.storage.memmap.layout import (
+    BACKEND,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    STATE_STEM,
+    FieldFiles,
+    SegmentState,
+    complete_rows,
+    fields_json,
+    fields_of,
+    read_manifest,
+    segment_dir_name,
+    segment_ids_on_disk,
+)
+from rlhf_pipeline.storage.memmap.state_slots import StateSlots
+from rlhf_pipeline.storage.reports import Progress, RepairReport
+
+_CONFIG_KEYS = ("schema", "segment_rows", "capacity_rows", "evict_grace_s")
+
+
+def repair(location: str, *, apply: bool = False, progress: Progress | None = None) -> RepairReport:
+    """Rebuilds the published state of the memmap store at ``location`` (a dry run unless ``apply``)."""
+    path = Path(location)
+    report = RepairReport(str(location), BACKEND, applied=apply, rows_before=None, rows_after=None)
+
+    # ---- what is published now, and what is damaged
+    manifest, manifest_ok = None, False
+    try:
+        manifest = read_manifest(path)
+        manifest_ok = all(k in manifest for k in _CONFIG_KEYS) and manifest.get("backend") == BACKEND
+    except StoreCorruptedError as exc:
+        report.notes.append(str(exc))
+    slots = StateSlots(path, stem=STATE_STEM)
+    try:
+        reading = slots.read(0)
+    finally:
+        slots.close()
+    intact = reading.state
+    current = intact if intact is not None else (manifest if manifest_ok and not reading.damaged else None)
+    if current is not None:
+        report.rows_before = int(current["next_row"]) - int(current["first_row"])
+    claimed = [d.claimed_state for d in reading.damaged if d.claimed_state is not None]
+    config_source = next((c for c in (intact, manifest if manifest_ok else None, *claimed)
+                          if c is not None and all(k in c for k in _CONFIG_KEYS)), None)
+    if config_source is None:
+        config_source = _infer_config(path, report)
+        if config_source is None:
+            return report
+    fields = _fields(manifest if manifest_ok else None, config_source, path)
+    segment_rows = int(config_source["segment_rows"])
+
+    # ---- walk the segment files
+    # segment states to trust: only an intact publish's (a damaged slot's payload may be wrong)
+    known = {s[0]: SegmentState.from_json(s) for s in (current or {}).get("segments", [])}
+    first_row = int((current or config_source).get("first_row", 0))
+    on_disk = segment_ids_on_disk(path)
+    first_seg = first_row // segment_rows
+    if current is None and on_disk:
+        first_seg = max(first_seg, on_disk[0])
+    segments: list[SegmentState] = []
+    seg_id = first_seg
+    total = sum(1 for i in on_disk if i >= first_seg) or 1
+    while True:
+        directory = path / segment_dir_name(seg_id)
+        if not directory.is_dir():
+            if seg_id in known and any(i > seg_id for i in on_disk):
+                segments.append(known[seg_id])  # keep it published: later segments stay readable
+                report.unrecoverable.append(
+                    f"{directory} is missing: rows {seg_id * segment_rows}..{seg_id * segment_rows + known[seg_id].rows - 1}"
+                    f" are lost (reads of them raise StoreCorruptedError; the other segments read)")
+                seg_id += 1
+                continue
+            break
+        rows, elements = complete_rows(directory, fields, limit=segment_rows)
+        if rows == segment_rows or (seg_id in known and known[seg_id].rows == segment_rows):
+            # a full segment: counts from an intact publish (even when its end offsets are damaged),
+            # else from its end offsets (right even if a killed writer never trimmed its files)
+            full = seg_id in known and known[seg_id].rows == segment_rows
+            state = known[seg_id] if full else SegmentState(seg_id, rows, elements)
+            sums = checksums.read_checksums(directory) if (directory / "checksums.json").exists() else None
+            damage = check_segment(directory, fields, state, sums)
+            for problem in damage:
+                report.unrecoverable.append(f"{problem} (rows {seg_id * segment_rows}..{(seg_id + 1) * segment_rows - 1}"
+                                            f" of this segment raise StoreCorruptedError when read)")
+            if sums is None and not damage:
+                report.notes.append(f"{directory.name} is sealed but has no checksums (sealed before checksums "
+                                    f"existed, or by a writer killed while sealing)")
+            segments.append(state)
+        else:
+            if rows or seg_id == first_seg:
+                segments.append(SegmentState(seg_id, rows, elements))
+            break
+        seg_id += 1
+        if progress is not None:
+            progress(len(segments), total)
+    unreachable = [i for i in on_disk if i > (segments[-1].id if segments else first_seg - 1)
+                   and i not in {s.id for s in segments}]
+    next_row = (segments[-1].id * segment_rows + segments[-1].rows) if segments else first_seg * segment_rows
+    first_row = (segments[0].id * segment_rows) if segments else next_row
+    report.rows_after = next_row - first_row
+    for seg in unreachable:
+        report.unrecoverable.append(
+            f"{path / segment_dir_name(seg)} lies beyond a gap in the segments: its rows cannot be published "
+            f"again (it is moved to repair-*/, not deleted)")
+    evicted = [e for e in (current or {}).get("evicted", []) if int(e[0]) < first_seg]
+    rebuilt = {"backend": BACKEND, "format_version": FORMAT_VERSION, "schema": config_source["schema"],
+               "segment_rows": segment_rows, "capacity_rows": config_source["capacity_rows"],
+               "evict_grace_s": float(config_source["evict_grace_s"]), "first_row": first_row, "next_row": next_row,
+               "segments": [s.to_json() for s in segments], "evicted": evicted}
+
+    # ---- what to do
+    if not manifest_ok or "fields" not in (manifest or {}):
+        report.actions.append(f"write {path / MANIFEST_NAME} ({'rebuilt: it is damaged or missing' if not manifest_ok else 'adds the field layout'})")
+    same = current is not None and _same_rows(current, rebuilt)
+    if not same or reading.damaged:
+        before = "no readable state" if current is None else f"rows up to {current['next_row']}"
+        report.actions.append(f"publish the state rebuilt from the segment files into {STATE_STEM}.0 and "
+                              f"{STATE_STEM}.1 ({before} -> rows {first_row}..{next_row - 1})")
+    if unreachable:
+        report.actions.append(f"move {len(unreachable)} unreachable segment(s) to repair-*/")
+    if reading.damaged:
+        for damage in reading.damaged:
+            report.notes.append(f"damaged state slot: {damage.describe()}")
+    if not apply or not report.actions:
+        return report
+
+    # ---- apply, under the writer lock
+    from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
+
+    with WriterLock(path / LOCK_FILE_NAME):
+        backup = path / time.strftime("repair-%Y%m%d-%H%M%S")
+        backup.mkdir(exist_ok=True)
+        for name in (MANIFEST_NAME, f"{STATE_STEM}.0", f"{STATE_STEM}.1"):
+            if (path / name).exists():
+                shutil.copy2(path / name, backup / name)
+        for seg in unreachable:
+            (path / segment_dir_name(seg)).rename(backup / segment_dir_name(seg))
+        if not manifest_ok or "fields" not in (manifest or {}):
+            base = dict(rebuilt, first_row=0, next_row=0, segments=[], evicted=[]) if not manifest_ok else dict(manifest)
+            publish_json(path / MANIFEST_NAME, {**base, "fields": fields_json(fields)}, durable=True)
+        seq = max([reading.seq or 0, *(d.claimed_seq or 0 for d in reading.damaged)]) + 1
+        slots = StateSlots(path, stem=STATE_STEM)
+        try:
+            slots.publish(seq, rebuilt, durable=True)
+            slots.publish(seq + 1, rebuilt, durable=True)  # both slots intact: no damaged one is left
+        finally:
+            slots.close()
+        report.notes.append(f"copies of the replaced files are in {backup}")
+    return report
+
+
+def _same_rows(current: dict[str, Any], rebuilt: dict[str, Any]) -> bool:
+    keys = ("first_row", "next_row")
+    return all(int(current[k]) == int(rebuilt[k]) for k in keys) and \
+        [list(s[:2]) for s in current["segments"]] == [list(s[:2]) for s in rebuilt["segments"]]
+
+
+def _fields(manifest: dict[str, Any] | None, config: dict[str, Any], path: Path) -> list[FieldFiles]:
+    if manifest is not None and "fields" in manifest:
+        return fields_of(manifest, path)
+    return fields_of({"schema": config["schema"]}, path)  # from the schema table (imports torch)
+
+
+def _infer_config(path: Path, report: RepairReport) -> dict[str, Any] | None:
+    """The configuration from the segment files alone: optional fields from the file names, the
+    segment size from a sealed segment (one before the last). None when it cannot be told."""
+    from rlhf_pipeline.schema import FIELDS, StoreSchema
+
+    ids = segment_ids_on_disk(path)
+    if len(ids) < 2:
+        report.unrecoverable.append(
+            f"{path}: no intact state slot, no usable manifest and fewer than two segments: the segment size "
+            f"cannot be told from the files. Nothing was changed.")
+        return None
+    directory = path / segment_dir_name(ids[0])
+    names = {p.name.split(".")[0] for p in directory.iterdir() if p.suffix in (".values", ".col")}
+    optional = tuple(f.name for f in FIELDS if not f.required and f.name in names)
+    schema = StoreSchema(optional=optional)
+    segment_rows = (directory / "trajectory_id.col").stat().st_size // 8
+    report.notes.append(f"configuration inferred from the files: segment_rows={segment_rows}, optional fields "
+                        f"{list(optional)}; capacity_rows is unknown and set to none (unbounded)")
+    return {"schema": schema.to_json(), "segment_rows": segment_rows, "capacity_rows": None,
+            "evict_grace_s": 60.0, "first_row": ids[0] * segment_rows, "segments": []}

@@ -1,0 +1,116 @@
+"""What ``inspect`` reports about a store, with one definition of each size figure; no torch.
+
+* **raw payload** (``raw_bytes``): the bytes of the data itself, the same for every backend
+  holding the same rows: token values (count x itemsize), row-field values (rows x itemsize)
+  and UTF-8 text bytes. Offsets, padding, metadata and compression are not included.
+* **bytes on disk** (``bytes_on_disk``): what ``du`` counts for the store's directory, i.e.
+  allocated blocks (``st_blocks * 512``) of every file and directory under it, each inode
+  once; a sparse file counts only what is written. For a remote store: the object sizes.
+* **disk/raw** (``disk_bytes_per_raw_byte``): bytes on disk over raw payload; below 1 means
+  the store is smaller than its raw payload (compression).
+
+API: :class:`StoreStats`, :func:`disk_usage`, :func:`describe_versions`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class StoreStats:
+    """What ``rlhf-pipeline inspect`` prints; every backend fills it from its own metadata."""
+
+    backend: str
+    location: str
+    rows: int  # rows held now (after eviction)
+    first_row: int
+    next_row: int  # rows ever written
+    groups: int
+    prompt_tokens: int
+    response_tokens: int
+    bytes_on_disk: int  # as du counts the store's directory (see the module docstring)
+    raw_bytes: int  # raw payload: token values, row values, UTF-8 text; no offsets, padding or compression
+    segments: int
+    reward_mean: float | None = None
+    reward_std: float | None = None
+    reward_min: float | None = None
+    reward_max: float | None = None
+    policy_versions: dict[int, int] = field(default_factory=dict)  # version -> rows, ascending
+    optional_fields: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (codec, chunking...)
+
+    @property
+    def disk_bytes_per_raw_byte(self) -> float:
+        """Bytes on disk over raw payload ("disk/raw"); below 1 means compression."""
+        return self.bytes_on_disk / self.raw_bytes if self.raw_bytes else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict: keys sorted, policy versions in numeric order (JSON keys are strings)."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["disk_bytes_per_raw_byte"] = self.disk_bytes_per_raw_byte
+        out["policy_versions"] = {str(v): n for v, n in sorted(self.policy_versions.items())}
+        out["extra"] = dict(sorted(self.extra.items()))
+        return dict(sorted(out.items()))
+
+
+def disk_usage(path: str | os.PathLike) -> int:
+    """Bytes ``du -s --block-size=1 path`` reports: allocated blocks of every file and directory
+    under ``path`` (the directory itself included), each inode once. 0 when ``path`` is missing."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def count(st: os.stat_result) -> None:
+        nonlocal total
+        key = (st.st_dev, st.st_ino)
+        if key not in seen:
+            seen.add(key)
+            total += st.st_blocks * 512
+
+    try:
+        count(os.stat(path))
+    except FileNotFoundError:
+        return 0
+    if not os.path.isdir(path):
+        return total
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                count(os.lstat(os.path.join(root, name)))
+            except FileNotFoundError:  # deleted while walking (a writer compacting or evicting)
+                pass
+    return total
+
+
+def describe_versions(versions: dict[int, int], *, spell_out: int = 8) -> str:
+    """One line about the rows per policy version: each version when there are few, else the
+    runs of consecutive versions and a five-bin histogram of rows by version."""
+    if not versions:
+        return "-"
+    items = sorted(versions.items())
+    if len(items) <= spell_out:
+        return ", ".join(f"v{v}: {n}" for v, n in items)
+    runs, start, prev = [], items[0][0], items[0][0]
+    for v, _ in items[1:]:
+        if v != prev + 1:
+            runs.append((start, prev))
+            start = v
+        prev = v
+    runs.append((start, prev))
+    spans = ", ".join(f"v{a}" if a == b else f"v{a}-v{b}" for a, b in runs[:4])
+    if len(runs) > 4:
+        spans += f", ... ({len(runs)} runs)"
+    lo, hi = items[0][0], items[-1][0]
+    bins = 5
+    width = -(-(hi - lo + 1) // bins)
+    histogram = []
+    for b in range(bins):
+        a, z = lo + b * width, min(hi, lo + (b + 1) * width - 1)
+        if a > hi:
+            break
+        histogram.append(f"v{a}-v{z}: {sum(n for v, n in items if a <= v <= z)}")
+    counts = sorted(n for _, n in items)
+    return (f"{len(items)} versions ({spans}); rows per version min {counts[0]}, "
+            f"median {counts[len(counts) // 2]}, max {counts[-1]}; rows by version: {', '.join(histogram)}")

@@ -1,0 +1,215 @@
+"""``inspect`` and ``inspect --verify`` of a Zarr store, from its keys alone (json, numpy, numcodecs; no torch).
+
+:func:`stats` summarizes the published rows from each unit's small per-row arrays (the
+store's ``stats()`` is :func:`summarize`); :func:`verify` decodes every chunk of every
+published unit, checking its CRC32C (format 2), its exact size and its offsets, and lists
+the units no record names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlhf_pipeline.storage.errors import NotAStoreError, StoreCorruptedError
+from rlhf_pipeline.storage.reports import CheckReport, Progress
+from rlhf_pipeline.storage.summary import StoreStats, disk_usage
+from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, NP_DTYPE_BY_NAME, UNITS_PREFIX, arrays_of
+from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root, resolve
+from rlhf_pipeline.storage.zarr.units import ROOT_META, UnitCodecs, UnitGone, UnitRef, read_unit
+
+BACKEND = "zarr"
+__all__ = ["detect", "repair", "stats", "summarize", "verify"]
+_ROW_SUMMARY = ("group_id", "reward", "policy_version")
+
+
+def detect(location: str) -> bool:
+    """True when ``location`` holds a Zarr replay buffer, or a damaged one (a root ``zarr.json``
+    that does not parse, or units without a root document); never raises."""
+    location = str(location)
+    try:
+        if "://" in location or location.endswith(".zip"):
+            loc = resolve(location, read_only=True, storage_options=None)
+            try:
+                parse_root(loc.kv.get(ROOT_META), location)
+            finally:
+                loc.kv.close()
+            return True
+        path = Path(location)
+        if not path.is_dir():
+            return False
+        try:
+            raw = (path / ROOT_META).read_bytes()
+        except FileNotFoundError:
+            return _has_unit_dirs(path)
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return True  # a root document that does not parse: ours if units sit next to it, or empty
+        if isinstance(doc, dict) and ATTRS_KEY in doc.get("attributes", {}):
+            return True
+        return _has_unit_dirs(path)
+    except Exception:  # noqa: BLE001 - detection never raises
+        return False
+
+
+def _has_unit_dirs(path: Path) -> bool:
+    try:
+        return any(entry.name != ROOT_META for entry in os.scandir(path / UNITS_PREFIX))
+    except OSError:
+        return False
+
+
+def open_record(location: str, storage_options: dict | None = None) -> tuple[Location, dict[str, Any]]:
+    """The location and its commit record (``StoreCorruptedError`` when it is damaged)."""
+    loc = resolve(location, read_only=True, storage_options=storage_options)
+    try:
+        raw = loc.kv.get(ROOT_META)
+        try:
+            return loc, parse_root(raw, location)
+        except NotAStoreError:
+            if has_units(loc):
+                parse_root(raw, location, units_exist=True)  # raises StoreCorruptedError
+            raise
+    except BaseException:
+        loc.kv.close()
+        raise
+
+
+def units_of(record: dict[str, Any], location: str) -> list[UnitRef]:
+    try:
+        return [UnitRef(int(a), int(b), int(c)) for a, b, c in record["units"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreCorruptedError(f"{location}/zarr.json has a malformed commit record: {exc!r}") from None
+
+
+def codecs_of(record: dict[str, Any]) -> UnitCodecs:
+    return UnitCodecs(record["codec"], record.get("fragment_codec", record["codec"]))
+
+
+# ======================================================================== stats
+def stats(location: str, storage_options: dict | None = None) -> StoreStats:
+    """Summary of the published rows of the store at ``location``."""
+    loc, record = open_record(str(location), storage_options)
+    try:
+        return summarize(loc, record, str(location))
+    finally:
+        loc.kv.close()
+
+
+def summarize(loc: Location, record: dict[str, Any], location: str) -> StoreStats:
+    """Counts, rewards, versions and sizes of the published units (one record, read already)."""
+    layout = arrays_of(record, location)
+    codecs = codecs_of(record)
+    units = units_of(record, location)
+    offsets = [s.name for s in layout if s.length_of == "rows+1"]
+    itemsize = {s.name: NP_DTYPE_BY_NAME[s.dtype].itemsize for s in layout}
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in _ROW_SUMMARY}
+    prompt_tokens = response_tokens = raw = 0
+    for unit in units:
+        try:
+            decoded = read_unit(loc.kv, unit, layout, codecs, names=set(_ROW_SUMMARY) | set(offsets))
+        except UnitGone as gone:
+            raise StoreCorruptedError(f"{location}: chunk {gone} of a published unit is missing") from None
+        for name in _ROW_SUMMARY:
+            columns[name].append(decoded[name])
+        prompt_tokens += int(decoded["prompt_offsets"][-1])
+        response_tokens += int(decoded["response_offsets"][-1])
+        for spec in layout:  # the raw payload: values and row fields, no offsets
+            if spec.length_of == "rows":
+                raw += unit.rows * itemsize[spec.name]
+            elif spec.length_of != "rows+1":
+                raw += int(decoded[spec.length_of][-1]) * itemsize[spec.name]
+    joined = {name: np.concatenate(parts) if parts else np.zeros(0) for name, parts in columns.items()}
+    reward = joined["reward"]
+    versions, counts = np.unique(joined["policy_version"], return_counts=True)
+    sealed = sum(u.sealed for u in units)
+    return StoreStats(
+        backend=BACKEND, location=location, rows=int(record["next_row"]) - int(record["first_row"]),
+        first_row=int(record["first_row"]), next_row=int(record["next_row"]),
+        groups=int(np.unique(joined["group_id"]).size),
+        prompt_tokens=prompt_tokens, response_tokens=response_tokens, bytes_on_disk=_bytes_on_disk(loc),
+        raw_bytes=raw, segments=sealed + int(sealed < len(units)),
+        reward_mean=float(reward.mean()) if reward.size else None,
+        reward_std=float(reward.std()) if reward.size else None,
+        reward_min=float(reward.min()) if reward.size else None,
+        reward_max=float(reward.max()) if reward.size else None,
+        policy_versions={int(v): int(c) for v, c in zip(versions, counts)},
+        optional_fields=list(record["schema"].get("optional", [])),
+        extra={"codec": record["codec"], "segment_rows": int(record["segment_rows"]),
+               "tail_fragments": len(units) - sealed, "capacity_rows": record.get("capacity_rows"),
+               "zarr_format": 3, "format_version": record["format_version"],
+               "chunk_checksum": record.get("chunk_checksum", "none")},
+    )
+
+
+def _bytes_on_disk(loc: Location) -> int:
+    """What ``du`` counts for a local store; the object sizes for a remote one; the file for a zip."""
+    if loc.local_root is not None:
+        return disk_usage(loc.local_root)
+    path = getattr(loc.kv.store, "path", None)
+    if isinstance(path, (str, os.PathLike)) and str(path).endswith(".zip") and os.path.isfile(path):
+        return disk_usage(path)
+    return loc.kv.size_of(UNITS_PREFIX) + len(loc.kv.get(ROOT_META) or b"")
+
+
+# ======================================================================== verify
+def verify(location: str, progress: Progress | None = None, storage_options: dict | None = None) -> CheckReport:
+    """Decodes and checks every chunk of every published unit; every problem names the chunk."""
+    report = CheckReport(str(location), BACKEND)
+    try:
+        loc, record = open_record(str(location), storage_options)
+    except StoreCorruptedError as exc:
+        report.problems.append(str(exc))
+        report.notes.append(f"without a readable commit record the units cannot be checked; "
+                            f"`rlhf-pipeline repair {location}` rebuilds it from the units")
+        return report
+    try:
+        layout = arrays_of(record, str(location))
+        codecs = codecs_of(record)
+        units = units_of(record, str(location))
+        total = int(record["next_row"]) - int(record["first_row"])
+        unchecked = 0
+        expected = int(record["first_row"])
+        for number, unit in enumerate(units, 1):
+            if unit.first_row != expected:
+                report.problems.append(f"{location}/zarr.json: unit {unit.name} starts at row {unit.first_row}, "
+                                       f"the previous unit ends at {expected}")
+            expected = unit.first_row + unit.rows
+            try:
+                read_unit(loc.kv, unit, layout, codecs)
+            except UnitGone as gone:
+                report.problems.append(f"chunk {gone} of published unit {unit.name} is missing: rows "
+                                       f"{unit.first_row}..{unit.first_row + unit.rows - 1} are lost")
+            except StoreCorruptedError as exc:
+                report.problems.append(f"unit {unit.name} (rows {unit.first_row}..{unit.first_row + unit.rows - 1}): "
+                                       f"{exc}")
+            unchecked += not unit.checksummed
+            if progress is not None:
+                progress(number, len(units))
+        if expected != int(record["next_row"]):
+            report.problems.append(f"{location}/zarr.json: its units end at row {expected}, its next_row is "
+                                   f"{record['next_row']}")
+        report.checked = {"units": len(units), "units with checksums": len(units) - unchecked, "rows": total}
+        if unchecked:
+            report.notes.append(f"{unchecked} unit(s) were written in format 1, without checksums: checked for "
+                                f"decodability, size and offsets only")
+        published = {u.name for u in units}
+        orphans = [n for n in loc.kv.list_dir(UNITS_PREFIX) if n != ROOT_META and n not in published]
+        if orphans:
+            report.notes.append(f"{len(orphans)} unit(s) under units/ are not published (a writer's leftovers, "
+                                f"deleted by the next writer): {', '.join(orphans[:5])}")
+        return report
+    finally:
+        loc.kv.close()
+
+
+def repair(location: str, *, apply: bool = False, progress: Progress | None = None):
+    """``rlhf-pipeline repair`` (see :mod:`.repair`)."""
+    from rlhf_pipeline.storage.zarr.repair import repair as run
+
+    return run(location, apply=apply, progress=progress)

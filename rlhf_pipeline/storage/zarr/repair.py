@@ -1,0 +1,212 @@
+"""``rlhf-pipeline repair`` of a Zarr store: rebuild the commit record from the units (local stores).
+
+The commit record (the root ``zarr.json``) is the only thing that says which rows exist;
+the units hold everything else, and their names say which rows they hold
+(``<first_row>-<rows>`` plus a kind suffix). When the record is damaged or missing, repair
+rebuilds it: the configuration comes from the units' own metadata (codec, fields, segment
+size), and the rows from a chain of units that decode cleanly, from the lowest row up,
+preferring a sealed segment to fragments of the same rows. When the record is intact it
+checks every published unit and reports what cannot be read (it cannot fix a damaged
+chunk). With ``apply=True`` it writes the record under the writer lock; the damaged record
+is copied and units beyond a gap are moved to ``repair-<time>/`` (the next writer would
+delete them as unpublished), never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.storage.errors import StoreCorruptedError
+from rlhf_pipeline.storage.reports import Progress, RepairReport
+from rlhf_pipeline.storage.zarr.layout import (
+    CHECKSUM,
+    FORMAT_VERSION,
+    FRAGMENT_CODEC,
+    PACKED_ATTRS_KEY,
+    UNITS_PREFIX,
+    arrays_json,
+    arrays_of,
+)
+from rlhf_pipeline.storage.zarr.location import publish, resolve
+from rlhf_pipeline.storage.zarr.units import (
+    FRAGMENT,
+    ROOT_META,
+    SEALED,
+    SEALED_PACKED,
+    UnitCodecs,
+    UnitGone,
+    UnitRef,
+    parse_unit_name,
+    read_unit,
+)
+
+BACKEND = "zarr"
+
+
+def repair(location: str, *, apply: bool = False, progress: Progress | None = None) -> RepairReport:
+    """Rebuilds the commit record of the Zarr store at ``location`` (a dry run unless ``apply``)."""
+    from rlhf_pipeline.storage.zarr.inspection import open_record, verify
+
+    report = RepairReport(str(location), BACKEND, applied=apply, rows_before=None, rows_after=None)
+    try:
+        loc, record = open_record(str(location))
+    except StoreCorruptedError as exc:
+        report.notes.append(str(exc))
+    else:
+        loc.kv.close()
+        report.rows_before = report.rows_after = int(record["next_row"]) - int(record["first_row"])
+        check = verify(str(location), progress)
+        report.unrecoverable += check.problems
+        report.notes += check.notes
+        if check.problems:
+            report.notes.append("the commit record is intact: repair cannot restore damaged chunks; restore the "
+                                "store (or the units named) from a snapshot")
+        return report
+
+    root = Path(location)
+    if "://" in str(location) or not root.is_dir():
+        report.unrecoverable.append(f"{location}: repair rebuilds the records of local directory stores only")
+        return report
+    loc = resolve(str(location), read_only=True, storage_options=None)
+    try:
+        candidates = [u for u in (parse_unit_name(n) for n in loc.kv.list_dir(UNITS_PREFIX) if n != ROOT_META)
+                      if u is not None]
+        config = _config_from_units(loc, candidates, report)
+        if config is None:
+            return report
+        layout = arrays_of(config, str(location))
+        codecs = UnitCodecs(config["codec"], config["fragment_codec"])
+        segment_rows = config["segment_rows"]
+        candidates = [_with_kind(u, segment_rows) for u in candidates]
+        chain, row = [], min((u.first_row for u in candidates), default=0)
+        by_start: dict[int, list[UnitRef]] = {}
+        for unit in candidates:
+            by_start.setdefault(unit.first_row, []).append(unit)
+        while row in by_start:
+            options = sorted(by_start[row], key=lambda u: (not u.sealed, -u.rows))
+            chosen = None
+            for unit in options:
+                try:
+                    read_unit(loc.kv, unit, layout, codecs)
+                    chosen = unit
+                    break
+                except (UnitGone, StoreCorruptedError) as exc:
+                    report.unrecoverable.append(f"unit {unit.name} cannot be read ({exc}): rows "
+                                                f"{unit.first_row}..{unit.first_row + unit.rows - 1} are lost")
+            if chosen is None:
+                break
+            chain.append(chosen)
+            row += chosen.rows
+            if progress is not None:
+                progress(len(chain), len(candidates))
+        used = {u.name for u in chain}
+        beyond = [u for u in candidates if u.first_row >= row and u.name not in used]
+        for unit in beyond:
+            report.unrecoverable.append(f"unit {unit.name} lies beyond rows that cannot be read: it is moved to "
+                                        f"repair-*/, not deleted")
+        first = chain[0].first_row if chain else 0
+        record = dict(config, first_row=first, next_row=row, units=[[u.first_row, u.rows, u.kind] for u in chain])
+        report.rows_after = row - first
+        report.actions.append(f"write {location}/zarr.json: a commit record rebuilt from {len(chain)} unit(s), "
+                              f"rows {first}..{row - 1}")
+        if beyond:
+            report.actions.append(f"move {len(beyond)} unit(s) beyond the gap to repair-*/")
+        if not apply:
+            return report
+    finally:
+        loc.kv.close()
+
+    from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
+
+    with WriterLock(root / LOCK_FILE_NAME, store=str(location)):
+        backup = root / time.strftime("repair-%Y%m%d-%H%M%S")
+        backup.mkdir(exist_ok=True)
+        if (root / ROOT_META).exists():
+            shutil.copy2(root / ROOT_META, backup / ROOT_META)
+        for unit in beyond:
+            (root / UNITS_PREFIX / unit.name).rename(backup / unit.name)
+        loc = resolve(str(location), read_only=False, storage_options=None)
+        try:
+            if loc.kv.get(f"{UNITS_PREFIX}/{ROOT_META}") is None:
+                from rlhf_pipeline.storage.zarr.layout import GROUP_METADATA
+
+                loc.kv.put_many({f"{UNITS_PREFIX}/{ROOT_META}": GROUP_METADATA}, durable=True)
+            publish(loc, record, durable=True)
+        finally:
+            loc.kv.close()
+        report.notes.append(f"a copy of the replaced zarr.json (if any) is in {backup}")
+    return report
+
+
+def _with_kind(unit: UnitRef, segment_rows: int) -> UnitRef:
+    """Unsuffixed (format 1) units are sealed segments when they hold a whole aligned segment."""
+    if unit.kind == SEALED and not (unit.rows == segment_rows and unit.first_row % segment_rows == 0):
+        return UnitRef(unit.first_row, unit.rows, FRAGMENT)
+    return unit
+
+
+def _config_from_units(loc, units: list[UnitRef], report: RepairReport) -> dict[str, Any] | None:
+    """The record's configuration from the units' metadata: codec, arrays, fields, segment size."""
+    from rlhf_pipeline.schema import FIELDS, StoreSchema
+    from rlhf_pipeline.storage.zarr.layout import field_layout, unit_arrays
+
+    if not units:
+        report.unrecoverable.append("no units under units/: there are no rows to rebuild a record from")
+        return None
+    names: set[str] = set()
+    codec: dict[str, Any] | None = None
+    sealed = [u for u in units if u.kind in (SEALED_PACKED, SEALED)]
+    for unit in sorted(units, key=lambda u: u.kind not in (SEALED_PACKED, SEALED)):
+        meta_keys = ([f"{unit.prefix}/rows/{ROOT_META}", f"{unit.prefix}/values/{ROOT_META}"]
+                     if unit.kind == SEALED_PACKED else [f"{unit.prefix}/{ROOT_META}"])
+        for raw in loc.kv.get_many(meta_keys):
+            try:
+                meta = json.loads(raw)
+            except (TypeError, ValueError):
+                continue
+            names |= set(meta.get("attributes", {}).get(PACKED_ATTRS_KEY, {}))
+            if unit.kind == SEALED_PACKED and codec is None:
+                codec = _codec_config(meta.get("codecs", []))
+        if unit.kind in (SEALED, FRAGMENT):  # format 1: one array per field, each with its codecs
+            arrays = set(loc.kv.list_dir(unit.prefix)) - {ROOT_META}
+            names |= arrays
+            if unit.kind == SEALED and codec is None and "response_tokens" in arrays:
+                raw = loc.kv.get(f"{unit.prefix}/response_tokens/{ROOT_META}")
+                try:
+                    codec = _codec_config(json.loads(raw).get("codecs", []))
+                except (TypeError, ValueError):
+                    pass
+        if names and (codec is not None or not sealed):
+            break
+    fields = {n for n in names if not n.endswith("_offsets")}
+    optional = tuple(f.name for f in FIELDS if not f.required and f.name in fields)
+    schema = StoreSchema(optional=optional)
+    segment_rows = max((u.rows for u in sealed), default=None)
+    if segment_rows is None:
+        segment_rows = 4096
+        report.notes.append("no sealed segment: segment_rows set to the default, 4096")
+    codec = codec or {"name": "blosc", "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 2**20}
+    report.notes.append(f"configuration rebuilt from the units: segment_rows={segment_rows}, codec {codec['name']}, "
+                        f"optional fields {list(optional)}; capacity_rows is unknown and set to none (unbounded)")
+    return {"backend": BACKEND, "format_version": FORMAT_VERSION, "schema": schema.to_json(), "codec": codec,
+            "segment_rows": segment_rows, "capacity_rows": None,
+            "fragment_codec": codec if codec["name"] == "none" else FRAGMENT_CODEC,
+            "fields": field_layout(schema), "arrays": arrays_json(unit_arrays(schema)), "chunk_checksum": CHECKSUM}
+
+
+def _codec_config(codecs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    for codec in codecs:
+        config = codec.get("configuration", {})
+        if codec.get("name") == "blosc":
+            return {"name": "blosc", "cname": config["cname"], "clevel": config["clevel"],
+                    "shuffle": config["shuffle"], "blocksize": config.get("blocksize", 0)}
+        if codec.get("name") == "zstd":
+            return {"name": "zstd", "level": config["level"]}
+    return {"name": "none"}
+
+
+__all__ = ["repair"]

@@ -1,0 +1,207 @@
+"""A damaged memmap store never reads as shorter or empty without a word, and repair rebuilds it.
+
+Every test damages a real store on disk the way the files get damaged in practice (a flipped
+byte, a truncated or deleted file, a deleted segment directory), then checks what readers,
+writers, ``inspect --verify`` and ``repair`` do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from helpers import make_batch
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.storage import (
+    NotAStoreError,
+    StoreCorruptedError,
+    StoreDamageWarning,
+    create_store,
+    open_store,
+)
+from rlhf_pipeline.storage.buffers import repair_buffer
+from rlhf_pipeline.storage.memmap.store import MemmapTrajectoryStore
+
+SCHEMA = StoreSchema(optional=("advantage",))
+SEGMENT_ROWS = 8
+
+
+def flip(path, offset: int, mask: int = 0x40) -> None:
+    """Flips bits of one byte (``offset`` from the end when negative): silent bit rot."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def digest(directory) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("seg-*/*"))}
+
+
+def fill(path, appends: int = 5, rows: int = 6) -> TrajectoryBatch:
+    """``appends`` publishes of ``rows`` rows (30 rows: three sealed segments of 8 and a tail of 6)."""
+    batches = [make_batch(1, rows, seed=i, optional=("advantage",), first_group_id=i, first_trajectory_id=rows * i,
+                          policy_version=i) for i in range(appends)]
+    with MemmapTrajectoryStore.create(path, SCHEMA, segment_rows=SEGMENT_ROWS) as store:
+        for b in batches:
+            store.append(b)
+    return TrajectoryBatch.cat(batches)
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return tmp_path / "buffer"
+
+
+def test_damaged_newest_slot_rolls_back_with_a_warning_and_a_writer_refuses(store_path, capsys):
+    expected = fill(store_path)
+    newest = max((store_path / f"state.{i}" for i in (0, 1)), key=lambda p: json.loads(p.read_bytes()[24:])["next_row"])
+    flip(newest, -20)  # inside the payload: the CRC fails, the header (publish 5) is intact
+    files = digest(store_path)
+    with pytest.warns(StoreDamageWarning, match=r"rows 30 -> 24 \(rolled back\)") as caught:
+        reader = open_store(store_path)
+    assert str(newest) in str(caught[0].message)
+    with reader:
+        assert len(reader) == 24  # the older publish, said out loud
+        assert reader.read(torch.arange(24)).equal(expected.select(torch.arange(24)))
+    with pytest.raises(StoreCorruptedError, match="A writer refuses"):
+        open_store(store_path, mode="a")
+    assert digest(store_path) == files  # nothing the damaged slot published was truncated or deleted
+    assert not (store_path / "writer.lock").exists() or (store_path / "writer.lock").read_text() == ""
+
+    assert main(["inspect", str(store_path), "--verify"]) == 1
+    assert "rows 30 -> 24 (rolled back)" in capsys.readouterr().out
+    assert main(["repair", str(store_path)]) == 1  # dry run: something to do, nothing written
+    out = capsys.readouterr().out
+    assert "24 rows published before, 30 rows after" in out and "would:" in out
+    assert digest(store_path) == files
+    assert main(["repair", str(store_path), "--apply"]) == 0
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no damage left to warn about
+        with open_store(store_path, mode="a") as writer:
+            assert writer.read(torch.arange(30)).equal(expected)
+            writer.append(make_batch(1, 2, seed=9, optional=("advantage",)))
+    assert main(["repair", str(store_path)]) == 0  # nothing left to repair
+    assert "nothing to repair" in capsys.readouterr().out
+    assert any(p.name.startswith("repair-") for p in store_path.iterdir())  # the damaged slot, kept
+
+
+def test_both_slots_damaged_raise_naming_both_files_and_nothing_is_deleted(store_path):
+    expected = fill(store_path)
+    for i in (0, 1):
+        flip(store_path / f"state.{i}", -5)
+    files = digest(store_path)
+    for mode in ("r", "a"):
+        with pytest.raises(StoreCorruptedError, match=r"state\.0 and .*state\.1") as raised:
+            open_store(store_path, mode=mode)
+        assert "repair" in str(raised.value)
+    assert digest(store_path) == files  # a refused writer deleted no segment
+    report, = repair_buffer(str(store_path), apply=True)
+    assert report.rows_before is None and report.rows_after == 30 and not report.unrecoverable
+    with open_store(store_path) as reader:
+        assert reader.read(torch.arange(30)).equal(expected)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "garbage", "delete"])
+def test_damaged_manifest_is_store_corrupted_naming_it_and_repair_rebuilds_it(store_path, damage):
+    expected = fill(store_path)
+    manifest = store_path / "manifest.json"
+    raw = manifest.read_bytes()
+    if damage == "truncate":
+        manifest.write_bytes(raw[: len(raw) // 2])
+    elif damage == "empty":
+        manifest.write_bytes(b"")
+    elif damage == "garbage":
+        manifest.write_bytes(b"\x00\xff" * 40)
+    else:
+        manifest.unlink()
+    with pytest.raises(StoreCorruptedError, match="manifest.json"):
+        open_store(store_path)
+    with pytest.raises(StoreCorruptedError, match="manifest.json"):
+        open_store(store_path, mode="a")
+    report, = repair_buffer(str(store_path), apply=True)
+    assert report.rows_after == 30 and not report.unrecoverable, report
+    with open_store(store_path) as reader:
+        assert reader.read(torch.arange(30)).equal(expected)
+        assert reader.schema == SCHEMA
+
+
+def test_flipped_end_offset_names_segment_and_field_and_other_segments_read(store_path, capsys):
+    expected = fill(store_path)
+    ends = store_path / "seg-00000001" / "response_tokens.ends"
+    flip(ends, 8 * 3 + 6)  # a high byte of row 3's end offset: far beyond the values
+    with open_store(store_path) as reader:
+        with pytest.raises(StoreCorruptedError, match=r"seg-00000001.*response_tokens"):
+            reader.read([8 + 3])
+        with pytest.raises(StoreCorruptedError, match=r"seg-00000001.*response_tokens"):
+            reader.read_padded([8 + 1, 0])
+        others = torch.tensor([0, 7, 16, 29, 23])
+        assert reader.read(others).equal(expected.select(others))
+        reader.read_padded(others)
+    assert main(["inspect", str(store_path), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "response_tokens.ends" in out and "crc32c" in out
+    report, = repair_buffer(str(store_path))
+    assert any("response_tokens.ends" in u for u in report.unrecoverable)
+
+
+def test_flipped_end_offset_in_the_open_segment_is_caught_without_a_checksum(store_path):
+    fill(store_path)
+    flip(store_path / "seg-00000003" / "prompt_tokens.ends", 8 * 2 + 7, 0x80)  # negative end offset
+    with open_store(store_path) as reader:
+        with pytest.raises(StoreCorruptedError, match=r"seg-00000003.*prompt_tokens"):
+            reader.read([24 + 2])
+        with pytest.raises(StoreCorruptedError, match=r"seg-00000003.*prompt_tokens"):
+            reader.read_padded([24 + 3])
+        assert len(reader.read(torch.arange(24))) == 24
+
+
+def test_silent_bit_rot_in_values_is_caught_by_the_checksum(store_path, capsys):
+    expected = fill(store_path)
+    flip(store_path / "seg-00000000" / "response_log_probs.values", 11)
+    flip(store_path / "seg-00000002" / "reward.col", 2)
+    with open_store(store_path) as reader:
+        with pytest.raises(StoreCorruptedError, match=r"seg-00000000/response_log_probs.values fails its crc32c"):
+            reader.read([1])
+        with pytest.raises(StoreCorruptedError, match=r"seg-00000002/reward.col"):
+            reader.read_padded([17])
+        middle = torch.arange(8, 16)
+        assert reader.read(middle).equal(expected.select(middle))
+    assert main(["inspect", str(store_path), "--verify", "--json"]) == 1
+    report, = json.loads(capsys.readouterr().out)
+    assert len(report["problems"]) == 2 and not report["ok"]
+
+
+def test_deleted_segment_directory_names_segment_and_field(store_path, capsys):
+    expected = fill(store_path)
+    shutil.rmtree(store_path / "seg-00000001")
+    with open_store(store_path) as reader:
+        with pytest.raises(StoreCorruptedError, match=r"segment seg-00000001 .*directory is missing"):
+            reader.read([9])
+        with pytest.raises(StoreCorruptedError, match="seg-00000001"):
+            reader.read_padded([10])
+        others = torch.tensor([0, 5, 16, 29])
+        assert reader.read(others).equal(expected.select(others))
+        assert reader.read_padded(others).batch_size == torch.Size([4])
+    assert main(["inspect", str(store_path), "--verify"]) == 1
+    assert "seg-00000001 is missing: rows 8..15 are lost" in capsys.readouterr().out
+    report, = repair_buffer(str(store_path), apply=True)
+    assert any("rows 8..15 are lost" in u for u in report.unrecoverable)
+    with open_store(store_path) as reader:  # still published: later segments stay readable
+        assert len(reader) == 30
+
+
+def test_a_failed_open_for_append_leaves_the_directory_as_it_was(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NotAStoreError):
+        open_store(empty, mode="a", backend="memmap")
+    assert list(empty.iterdir()) == []
+    create_store(empty, "memmap").close()  # no leftover writer.lock in the way

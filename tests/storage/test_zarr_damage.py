@@ -1,0 +1,123 @@
+"""A damaged Zarr store raises errors naming the file or chunk, and repair rebuilds its commit record.
+
+Real stores on disk, damaged as files get damaged: a truncated or deleted root ``zarr.json``,
+a flipped byte in a packed fragment, a missing unit. Chunk damage of sealed segments is in
+``test_zarr.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import make_batch
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.storage import NotAStoreError, StoreCorruptedError, create_store, open_store
+from rlhf_pipeline.storage.buffers import repair_buffer, verify_buffer
+from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
+
+SCHEMA = StoreSchema(optional=("advantage",))
+
+
+def fill(path, *, close: bool = True) -> tuple[TrajectoryBatch, ZarrTrajectoryStore | None]:
+    """34 rows in segments of 8: four sealed segments, and a tail of two fragments while open."""
+    batches = [make_batch(1, 6, seed=i, optional=("advantage",), first_group_id=i, first_trajectory_id=6 * i,
+                          policy_version=i) for i in range(5)] + [make_batch(1, 4, seed=5, optional=("advantage",))]
+    store = ZarrTrajectoryStore.create(str(path), SCHEMA, segment_rows=8)
+    for b in batches:
+        store.append(b)
+    store.flush()
+    if close:
+        store.close()
+        store = None
+    return TrajectoryBatch.cat(batches), store
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "delete", "foreign"])
+def test_damaged_root_document_is_store_corrupted_and_repair_rebuilds_the_record(tmp_path, damage, capsys):
+    path = tmp_path / "b"
+    expected, _ = fill(path)
+    root = path / "zarr.json"
+    raw = root.read_bytes()
+    if damage == "truncate":
+        root.write_bytes(raw[: len(raw) // 2])
+    elif damage == "empty":
+        root.write_bytes(b"")
+    elif damage == "delete":
+        root.unlink()
+    else:  # a valid Zarr group document without our record
+        root.write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    for mode in ("r", "a"):
+        with pytest.raises(StoreCorruptedError, match="zarr.json"):
+            open_store(path, mode=mode)
+    assert main(["inspect", str(path)]) == 2
+    assert "zarr.json" in capsys.readouterr().err
+    assert main(["repair", str(path)]) == 1  # dry run
+    assert "would:" in capsys.readouterr().out
+    report, = repair_buffer(str(path), apply=True)
+    assert report.rows_after == 34 and not report.unrecoverable, report
+    with open_store(path) as reader:
+        assert reader.read(torch.arange(34)).equal(expected)
+        assert reader.schema == SCHEMA and reader.segment_rows == 8
+    with open_store(path, mode="a") as writer:  # the rebuilt store takes appends again
+        writer.append(make_batch(1, 2, seed=7, optional=("advantage",)))
+    report, = verify_buffer(str(path))
+    assert report.ok, report.problems
+
+
+def test_a_repaired_record_skips_a_damaged_unit_and_keeps_what_follows_aside(tmp_path):
+    path = tmp_path / "b"
+    expected, _ = fill(path)
+    (path / "zarr.json").unlink()
+    chunk = path / "units" / "000000000000016-0000000008s" / "values" / "c.0"
+    chunk.write_bytes(chunk.read_bytes()[:-7])
+    report, = repair_buffer(str(path), apply=True)
+    assert report.rows_after == 16  # the first two segments; rows from 16 on cannot be chained
+    assert any("000000000000016-0000000008s" in u for u in report.unrecoverable)
+    with open_store(path) as reader:
+        assert reader.read(torch.arange(16)).equal(expected.select(torch.arange(16)))
+    kept = [p.name for p in path.glob("repair-*/*")]
+    assert "000000000000024-0000000008s" in kept  # moved aside, not deleted
+
+
+def test_flipped_byte_in_a_live_writers_fragment_names_the_chunk(tmp_path, capsys):
+    path = tmp_path / "b"
+    expected, writer = fill(path, close=False)
+    try:
+        fragment = next(p for p in (path / "units").iterdir() if p.name.endswith("f"))
+        chunk = fragment / "c.0"
+        data = bytearray(chunk.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        chunk.write_bytes(bytes(data))
+        with ZarrTrajectoryStore.open(str(path)) as reader:
+            with pytest.raises(StoreCorruptedError, match=f"{fragment.name}/c.0 fails its crc32c"):
+                reader.read([33])
+            assert reader.read(torch.arange(32)).equal(expected.select(torch.arange(32)))
+        assert main(["inspect", str(path), "--verify"]) == 1
+        assert f"{fragment.name}/c.0 fails its crc32c" in capsys.readouterr().out
+        report, = repair_buffer(str(path))  # the record is intact: damage it cannot fix, named
+        assert not report.actions and any(f"{fragment.name}/c.0" in u for u in report.unrecoverable)
+    finally:
+        writer.close()
+
+
+def test_verify_of_a_healthy_store_checks_every_unit(tmp_path, capsys):
+    path = tmp_path / "b"
+    fill(path)
+    assert main(["inspect", str(path), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "checked 5 units, 5 units with checksums, 34 rows" in out and "no damage found" in out
+
+
+def test_create_on_a_file_says_it_is_a_file(tmp_path):
+    file = tmp_path / "buffer"
+    file.write_text("not a directory")
+    for backend in ("zarr", "memmap"):
+        with pytest.raises(FileExistsError, match="is a file"):
+            create_store(file, backend)
+    with pytest.raises(NotAStoreError, match="is a file"):
+        ZarrTrajectoryStore.open(str(file))
+    assert file.read_text() == "not a directory"
