@@ -76,7 +76,7 @@ BAD_WRITES = [
      r"field 'prompt_tokens'.*expected integer values"),
     ("token id over int32", _replace("response_tokens", lambda c: RaggedTensor(
         torch.where(torch.arange(c.values.numel()) == 0, 2**40, c.values.to(torch.int64)), c.offsets)),
-     r"field 'response_tokens'.*does not fit in int32"),
+     r"row 0, field 'response_tokens': token id 1099511627776 is outside \[0, 2147483647\]"),
     ("negative token id", _set("response_tokens", 0, -5), r"row 0, field 'response_tokens'.*outside \[0,"),
     ("int reward", _replace("reward", lambda c: c.to(torch.int64)), r"field 'reward'.*floating-point"),
     ("int done", _replace("done", lambda c: c.to(torch.int64)), r"field 'done'.*bool tensor"),
