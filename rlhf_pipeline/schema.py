@@ -470,8 +470,8 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
         is_log_prob = spec.name in ("response_log_probs", "ref_log_probs")
         upper = LOG_PROB_TOLERANCE if is_log_prob else math.inf
         low, high = torch.aminmax(ragged.values)
-        # NaN fails both comparisons below, so it is caught too
-        if not (float(low) > -math.inf and float(high) <= upper):
+        # NaN fails every comparison below, so it is caught too (+inf by the second: upper may be inf)
+        if not (float(low) > -math.inf and float(high) < math.inf and float(high) <= upper):
             bad = ~torch.isfinite(ragged.values) | (ragged.values > upper)
             what = ("log-prob {} is not a finite value <= 0 (rounding up to +1e-4 is accepted); "
                     "store log-probs of the sampled distribution" if is_log_prob else "value {} is not finite")

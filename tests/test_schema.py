@@ -91,6 +91,7 @@ BAD_WRITES = [
     ("positive log-prob", _row_values_of("response_log_probs", 5, 0.5),
      r"row 5, field 'response_log_probs': log-prob 0.5 is not a finite value <= 0"),
     ("nan log-prob", _row_values_of("response_log_probs", 1, float("nan")), r"row 1, field 'response_log_probs'"),
+    ("inf kl", _row_values_of("kl", 2, float("inf")), r"row 2, field 'kl': value inf is not finite"),
     ("nan reward", _set("reward", 4, float("nan")), r"row 4, field 'reward': must be finite"),
     ("inf advantage", _set("advantage", 2, float("inf")), r"row 2, field 'advantage': must be finite"),
     ("done without a reason", lambda b: b.with_columns(
