@@ -25,9 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from rlhf_pipeline.atomic import save_torch_atomic
 from rlhf_pipeline.state_files import load_state
 
@@ -61,6 +58,9 @@ class Progress:
 # ====================================================================== RNG
 def capture_rng_state() -> dict[str, Any]:
     """Python, NumPy and torch RNG states as tensors and plain values (safe to load)."""
+    import numpy as np
+    import torch
+
     numpy_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),  # (version, tuple of ints, float or None)
@@ -79,6 +79,9 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     random.setstate(state["python"])
     numpy_state = state["numpy"]
     if isinstance(numpy_state, dict):
@@ -115,6 +118,11 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         paths = self.paths()
         return paths[-1] if paths else None
+
+    def latest_step(self) -> int | None:
+        """The step of the newest checkpoint, from its name (cheap: no file is read, no torch import)."""
+        latest = self.latest()
+        return int(_NAME.match(latest.name).group(1)) if latest is not None else None
 
     def save(self, progress: Progress, state: dict[str, Any]) -> Path:
         """Writes ``state`` plus ``progress`` atomically as the checkpoint of ``progress.step``."""
