@@ -80,7 +80,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         print(describe_settings(settings))
         return 0
     paths = RunPaths(make_run_dir(run_name or Path(pipeline_path).stem, home).resolve())
-    if command in ("run", "learn") and _already_finished(paths, settings.steps):
+    if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
     _check_writable(paths.root)  # now, not after seconds of imports and model building
     if command == "run":  # an inherited SIG_IGN (a background job) would swallow `kill -INT`
@@ -137,14 +137,14 @@ def _check_writable(root: Path) -> None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
 
 
-def _already_finished(paths: RunPaths, steps: int) -> bool:
+def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
     """Says so when the newest checkpoint already reached ``steps`` (before any slow work)."""
     from rlhf_pipeline.learn.checkpoint import CheckpointManager
 
     reached = CheckpointManager(paths.checkpoints).latest_step()
     if reached is None or reached < steps:
         return False
-    print(f"[run] {paths.root} has already reached step {reached} (--steps {steps}); nothing to do. "
+    print(f"[{command}] {paths.root} has already reached step {reached} (--steps {steps}); nothing to do. "
           f"To train further, raise --steps, e.g. --steps {reached + max(steps, 1)}", file=sys.stderr)
     return True
 
@@ -259,8 +259,7 @@ class _StopFlag:
         if self.signal is not None:  # second Ctrl-C: stop now
             raise KeyboardInterrupt
         self.signal = signum
-        print(f"[{_role()}] stopping cleanly ({signal.Signals(signum).name}); press Ctrl-C again to abort",
-              file=sys.stderr, flush=True)
+        _say_in_handler(f"[{_role()}] stopping cleanly ({signal.Signals(signum).name}); press Ctrl-C again to abort")
         self.event.set()
 
     def _watch_launcher(self, fd: int) -> None:
@@ -269,10 +268,13 @@ class _StopFlag:
         except OSError:
             asked = b""
         self.launcher_stopped = True
-        if not self.event.is_set():
-            why = "the launcher asked to stop" if asked else "the launcher is gone"
-            print(f"[{_role()}] {why}; stopping cleanly", file=sys.stderr, flush=True)
+        told = self.event.is_set()
+        # set first: with the launcher gone, its stderr pipe may be gone too and the print fail
         self.event.set()
+        if not told:
+            why = "the launcher asked to stop" if asked else "the launcher is gone"
+            if not _say_in_handler(f"[{_role()}] {why}; stopping cleanly") and not asked:
+                _silence_output()  # nobody reads the dead launcher's log: a print must not end us mid-stop
 
     def exit_code(self) -> int:
         """0 unless stopped early: 128 + the signal's number, or 143 when the launcher stopped us."""
@@ -283,6 +285,25 @@ class _StopFlag:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _say_in_handler(message: str) -> bool:
+    """Prints from a signal handler or the launcher watcher: a raw write, since the main thread
+    may be inside a print (sys.stderr's buffer would raise "reentrant call"), and no exception:
+    stderr may be a pipe whose reader is gone. Returns whether it was written."""
+    try:
+        os.write(sys.stderr.fileno(), (message + "\n").encode())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _silence_output() -> None:
+    """Points stdout and stderr at /dev/null, so later prints cannot fail with a broken pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def _role() -> str:
@@ -491,8 +512,8 @@ class _LauncherSignals:
     def _handle(self, signum, frame) -> None:
         self.received.append(signum)
         if len(self.received) == 1:
-            print(f"[run] {signal.Signals(signum).name}: stopping the learner (it saves a checkpoint) and the "
-                  f"collectors (they finish their round); again to stop them at once", file=sys.stderr, flush=True)
+            _say_in_handler(f"[run] {signal.Signals(signum).name}: stopping the learner (it saves a checkpoint) "
+                            f"and the collectors (they finish their round); again to stop them at once")
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -112,13 +112,19 @@ def test_a_signal_stops_every_child_cleanly(tmp_path, how):
 
 
 def test_children_of_a_killed_launcher_stop_cleanly(tmp_path):
+    """kill -9 of run, and nobody reads its output any more (what subprocess.run(timeout=...) does
+    to it): the children stop on their own, the learner with a checkpoint at its last step."""
     launcher, children = start_and_train(tmp_path)
     os.kill(launcher.pid, signal.SIGKILL)
-    # the children hold the launcher's stdout: it closes when the last of them has exited
-    out, _ = launcher.communicate(timeout=240)
-    assert "[learner] the launcher is gone; stopping cleanly" in out, out[-3000:]
-    assert "[collector] the launcher is gone; stopping cleanly" in out, out[-3000:]
-    assert_stopped_cleanly(tmp_path / "r", out, children)
+    launcher.wait()
+    launcher.stdout.close()  # the children's prints now fail with a broken pipe
+    deadline = time.monotonic() + 240
+    while any(running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(running(pid) for pid in children), "children of a killed launcher kept running"
+    run = tmp_path / "r"
+    last_step = read_metrics(run / "metrics.jsonl")[-1]["step"]
+    assert CheckpointManager(run / "checkpoints").latest_step() == last_step
 
 
 def test_os_errors_on_the_run_directory_are_one_line(tmp_path):
