@@ -220,8 +220,8 @@ def _set_path(obj: Any, parts: list[str], raw: str, full_key: str, prefix: str) 
     name = parts[0]
     if name not in fields:
         known = sorted(_all_keys(type(obj), prefix))
-        close = difflib.get_close_matches(full_key, known, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        close = suggest_setting(full_key, known)
+        hint = f" Did you mean {close!r}?" if close else ""
         raise PipelineError(
             f"unknown setting {full_key!r}.{hint} Known settings: {', '.join(known)}"
         )
@@ -236,6 +236,46 @@ def _set_path(obj: Any, parts: list[str], raw: str, full_key: str, prefix: str) 
         return dataclasses.replace(obj, **{name: value})
     except (ValueError, TypeError) as exc:  # the dataclass's own checks (__post_init__)
         raise PipelineError(f"setting {full_key!r}={raw!r} was rejected: {exc}") from None
+
+
+# names people bring from other trainers (TRL, verl, torchtune...) -> the name used here
+_SYNONYMS = {
+    "learning_rate": "lr", "lr_rate": "lr", "max_steps": "steps", "num_steps": "steps", "total_steps": "steps",
+    "train_steps": "steps", "n_steps": "steps", "num_generations": "group_size", "num_samples": "group_size",
+    "grad_clip": "max_grad_norm", "clip_grad_norm": "max_grad_norm", "max_norm": "max_grad_norm",
+    "kl_coeff": "kl_coef", "kl_beta": "kl_coef", "beta": "kl_coef", "warmup": "warmup_steps",
+    "num_warmup_steps": "warmup_steps", "bs": "batch_size", "train_batch_size": "batch_size", "temp": "temperature",
+    "max_length": "max_new_tokens", "max_completion_length": "max_new_tokens", "save_steps": "checkpoint_every",
+    "save_every": "checkpoint_every", "logging_steps": "log_every", "log_interval": "log_every",
+}
+
+
+def suggest_setting(key: str, known: Sequence[str]) -> str | None:
+    """The known setting a mistyped ``key`` most likely meant, or None.
+
+    Matches on the last dotted part first (``learner.learning_rate`` -> ``learner.lr``, a
+    top-level ``lr`` -> ``learner.lr``): the same name after synonyms, without underscores or as
+    initials; then a close spelling under the same parent; then a very close one anywhere.
+    """
+    parent, _, last = key.rpartition(".")
+    wanted = last.lower().replace("-", "_")
+    wanted = _SYNONYMS.get(wanted, wanted)
+    initials = "".join(word[0] for word in wanted.split("_") if word) if "_" in wanted else None
+
+    def same_name(name: str) -> bool:
+        name = name.lower()
+        return name == wanted or name.replace("_", "") == wanted.replace("_", "") or name == initials
+
+    hits = [k for k in known if same_name(k.rpartition(".")[2])]
+    if hits:  # prefer the same parent, then the shortest key
+        return min(hits, key=lambda k: (k.rpartition(".")[0] != parent, len(k)))
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    close = difflib.get_close_matches(wanted, list(siblings), n=1, cutoff=0.6)
+    if close:
+        return siblings[close[0]]
+    anywhere = {k.rpartition(".")[2]: k for k in sorted(known, key=len, reverse=True)}  # shortest key wins
+    close = difflib.get_close_matches(wanted, list(anywhere), n=1, cutoff=0.8)
+    return anywhere[close[0]] if close else None
 
 
 def _all_keys(cls: type, prefix: str = "") -> list[str]:

@@ -14,13 +14,20 @@ Order of work, so bad settings fail before anything starts:
 
 Both sides stop cleanly on Ctrl-C / SIGTERM: the collector finishes its round (rows are
 durable once written), the learner saves a checkpoint. Running the same command again
-resumes from there.
+resumes from there. ``run`` itself takes SIGINT and SIGTERM (a terminal's Ctrl-C, ``kill``,
+a job scheduler, ``docker stop``): it asks every child to stop through a pipe they all
+watch (``--stop-fd``), waits for them and exits with 130 / 143. A child also stops cleanly
+when that pipe closes without a word: the launcher is gone, even by ``kill -9``. A second
+signal to ``run`` kills the children at once (what a ``kill -9`` costs: the learner's steps
+since its last checkpoint; nothing written to the buffer).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -56,7 +63,7 @@ class RunError(RuntimeError):
 def run_command(command: str, *, pipeline_path: str, steps: int | None = None, home: str | None = None,
                 run_name: str | None = None, device: str | None = None,
                 overrides: Sequence[str] = (), list_settings: bool = False,
-                collectors: int = 1, collector_index: int = 0) -> int:
+                collectors: int = 1, collector_index: int = 0, stop_fd: int | None = None) -> int:
     if collectors < 1:
         raise PipelineError(f"--collectors must be >= 1, got {collectors}")
     if collector_index < 0:
@@ -73,6 +80,13 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         print(describe_settings(settings))
         return 0
     paths = RunPaths(make_run_dir(run_name or Path(pipeline_path).stem, home).resolve())
+    if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
+        return 0
+    _check_writable(paths.root)  # now, not after seconds of imports and model building
+    if command == "run":  # an inherited SIG_IGN (a background job) would swallow `kill -INT`
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _terminated_while_preparing)
+    _StopFlag.launcher_fd = stop_fd
     pipeline = build_pipeline(module, settings, paths)
 
     if command == "run":
@@ -101,6 +115,38 @@ def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
     except (ValueError, FileNotFoundError) as exc:  # PromptError, RewardError, ModelLoadError...
         raise PipelineError(f"{type(exc).__name__}: {exc}") from exc
     return pipeline
+
+
+def _terminated_while_preparing(signum, frame) -> None:
+    print("[run] interrupted (SIGTERM) while preparing the run directory, before the learner and "
+          "collectors started; run the same command again", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
+def _check_writable(root: Path) -> None:
+    """Raises the OSError that writing the run directory would raise (read-only, not a directory,
+    no permission), without creating anything: a bad setting found later leaves no directory."""
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(existing))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
+
+
+def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
+    """Says so when the newest checkpoint already reached ``steps`` (before any slow work)."""
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+
+    reached = CheckpointManager(paths.checkpoints).latest_step()
+    if reached is None or reached < steps:
+        return False
+    print(f"[{command}] {paths.root} has already reached step {reached} (--steps {steps}); nothing to do. "
+          f"To train further, raise --steps, e.g. --steps {reached + max(steps, 1)}", file=sys.stderr)
+    return True
 
 
 # ====================================================================== run directory
@@ -188,24 +234,76 @@ def _diff(saved: dict, current: dict, defaults: dict, prefix: str = "") -> list[
 
 # ====================================================================== signals
 class _StopFlag:
-    """Set by SIGINT/SIGTERM (first one: finish cleanly) or by the ``STOP`` file."""
+    """Set by SIGINT/SIGTERM (first one: finish cleanly), by the launcher, or by the ``STOP`` file.
+
+    A child of ``run`` watches the launcher's pipe (``launcher_fd``, from ``--stop-fd``): a byte
+    on it is a stop request, end-of-file means the launcher died (even by ``kill -9``); both
+    stop cleanly. Neither counts as a signal, so one Ctrl-C (which reaches the launcher and the
+    children alike) never looks like two.
+    """
+
+    launcher_fd: int | None = None
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.signal: int | None = None  # the first signal received
+        self.launcher_stopped = False
         self._previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self.launcher_fd is not None:
+            threading.Thread(target=self._watch_launcher, args=(self.launcher_fd,), daemon=True,
+                             name="launcher-watch").start()
 
     def _handle(self, signum, frame) -> None:
-        if self.event.is_set():  # second Ctrl-C: stop now
+        if self.signal is not None:  # second Ctrl-C: stop now
             raise KeyboardInterrupt
-        print(f"[{_role()}] stopping cleanly (signal {signum}); press Ctrl-C again to abort",
-              file=sys.stderr, flush=True)
+        self.signal = signum
+        _say_in_handler(f"[{_role()}] stopping cleanly ({signal.Signals(signum).name}); press Ctrl-C again to abort")
         self.event.set()
+
+    def _watch_launcher(self, fd: int) -> None:
+        try:
+            asked = os.read(fd, 1)  # blocks until the launcher writes, or its end closes
+        except OSError:
+            asked = b""
+        self.launcher_stopped = True
+        told = self.event.is_set()
+        # set first: with the launcher gone, its stderr pipe may be gone too and the print fail
+        self.event.set()
+        if not told:
+            why = "the launcher asked to stop" if asked else "the launcher is gone"
+            if not _say_in_handler(f"[{_role()}] {why}; stopping cleanly") and not asked:
+                _silence_output()  # nobody reads the dead launcher's log: a print must not end us mid-stop
+
+    def exit_code(self) -> int:
+        """0 unless stopped early: 128 + the signal's number, or 143 when the launcher stopped us."""
+        if self.signal is not None:
+            return 128 + self.signal
+        return 128 + signal.SIGTERM if self.launcher_stopped else 0
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _say_in_handler(message: str) -> bool:
+    """Prints from a signal handler or the launcher watcher: a raw write, since the main thread
+    may be inside a print (sys.stderr's buffer would raise "reentrant call"), and no exception:
+    stderr may be a pipe whose reader is gone. Returns whether it was written."""
+    try:
+        os.write(sys.stderr.fileno(), (message + "\n").encode())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _silence_output() -> None:
+    """Points stdout and stderr at /dev/null, so later prints cannot fail with a broken pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def _role() -> str:
@@ -269,7 +367,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         store.close()
         stop.restore()
     print(f"{tag} stopped after {done} rounds", file=sys.stderr, flush=True)
-    return 0
+    return stop.exit_code()
 
 
 def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index: int) -> Any:
@@ -330,14 +428,19 @@ def learn_main(pipeline: Pipeline, paths: RunPaths) -> int:
         stop.restore()
     if finished:
         paths.stop_file.touch()  # tells collectors of this run that the learner is done
-    return 0
+        return 0
+    return stop.exit_code() or 1  # not finished: the launcher must not report "done"
 
 
 # ====================================================================== both
 def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
               overrides: Sequence[str], collectors: int = 1) -> int:
     paths.stop_file.unlink(missing_ok=True)
-    common = [pipeline_path, "--home", str(paths.root.parent), "--run-name", paths.root.name]
+    # the children's stop channel: they stop cleanly when we write to it or when it closes,
+    # which the kernel does for us if this process dies, even by kill -9
+    stop_read, stop_write = os.pipe()
+    common = [pipeline_path, "--home", str(paths.root.parent), "--run-name", paths.root.name,
+              "--stop-fd", str(stop_read)]
     if device is not None:
         common += ["--device", device]
     for item in overrides:
@@ -347,53 +450,101 @@ def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: st
     launcher = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
     print(f"[run] run directory {paths.root}" + (f" with {collectors} collectors" if collectors > 1 else ""),
           file=sys.stderr, flush=True)
-    # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
-    collector_procs = {
-        k: subprocess.Popen(launcher + ["collect", *common] + (["--collector-index", str(k)] if k else []))
-        for k in range(collectors)
-    }
-    learner = subprocess.Popen(launcher + ["learn", *common, *learner_steps])
-    interrupted = False
+    signals = _LauncherSignals()  # before any child exists, so no signal is missed
     try:
-        while True:
-            if learner.poll() is not None:
-                break
+        # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
+        collector_procs = {
+            k: subprocess.Popen(launcher + ["collect", *common] + (["--collector-index", str(k)] if k else []),
+                                pass_fds=(stop_read,))
+            for k in range(collectors)
+        }
+        learner = subprocess.Popen(launcher + ["learn", *common, *learner_steps], pass_fds=(stop_read,))
+        os.close(stop_read)
+        children = [*collector_procs.values(), learner]
+        while not signals.received and learner.poll() is None:
             for k, p in collector_procs.items():
                 code = p.poll()
                 if code is None or (code == 0 and paths.stop_file.exists()):
                     # (a clean exit after STOP means the learner finished and is exiting too)
                     continue
                 # a collector died: stop the learner (it checkpoints) and the other collectors
-                learner.send_signal(signal.SIGTERM)
-                for other in collector_procs.values():
-                    if other.poll() is None:
-                        other.send_signal(signal.SIGTERM)
-                _wait_quietly(learner)
-                for other in collector_procs.values():
-                    _wait_quietly(other, timeout=120.0)
+                _ask_to_stop(stop_write, len(children))
+                _wait_all(children, signals)
                 name = "the collector" if collectors == 1 else f"collector {k}"
                 raise RunError(f"{name} exited early (exit code {code}); see its error above. The "
                                f"learner saved a checkpoint; rerun to resume")
             time.sleep(0.2)
-    except KeyboardInterrupt:
-        # the terminal sent SIGINT to the children too; they finish their step/round
-        interrupted = True
-        for p in [*collector_procs.values(), learner]:
-            _wait_quietly(p)
-    paths.stop_file.touch()  # every collector ends after its current round
-    collector_codes = {k: _wait_quietly(p, timeout=120.0) for k, p in collector_procs.items()}
+        if signals.received:
+            _ask_to_stop(stop_write, len(children))
+            _wait_all(children, signals)
+        else:
+            paths.stop_file.touch()  # every collector ends after its current round
+            for p in collector_procs.values():
+                _wait_quietly(p, timeout=120.0)
+    finally:
+        signals.restore()
+        os.close(stop_write)
     learner_code = learner.returncode
-    if learner_code not in (0, None):
+    failed = {k: p.returncode for k, p in collector_procs.items() if p.returncode not in (0, 130, 143)}
+    if learner_code == 0 and not failed:  # the learner took every step, even if a signal came late
+        _print_summary(paths)
+        return 0
+    if signals.received or learner_code in (130, 143):
+        signum = signals.received[0] if signals.received else learner_code - 128
+        reached = _checkpoint_step(paths)
+        saved = f"the learner's newest checkpoint is at step {reached}; " if reached is not None else ""
+        print(f"[run] interrupted ({signal.Signals(signum).name}); {saved}run the same command again to "
+              f"resume {paths.root}", file=sys.stderr, flush=True)
+        return 128 + signum
+    if learner_code != 0:
         raise RunError(f"the learner failed (exit code {learner_code}); see its error above")
-    if interrupted:
-        print(f"[run] interrupted; run the same command again to resume {paths.root}", file=sys.stderr)
-        return 130
-    failed = {k: c for k, c in collector_codes.items() if c not in (0, None)}
-    if failed:
-        names = ", ".join(f"collector {k} (exit code {c})" for k, c in failed.items())
-        raise RunError(f"{names} failed; see the error above")
-    _print_summary(paths)
-    return 0
+    names = ", ".join(f"collector {k} (exit code {c})" for k, c in failed.items())
+    raise RunError(f"{names} failed; see the error above")
+
+
+class _LauncherSignals:
+    """SIGINT/SIGTERM to ``run``: the first asks the children to stop, a second kills them."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame) -> None:
+        self.received.append(signum)
+        if len(self.received) == 1:
+            _say_in_handler(f"[run] {signal.Signals(signum).name}: stopping the learner (it saves a checkpoint) "
+                            f"and the collectors (they finish their round); again to stop them at once")
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _ask_to_stop(stop_write: int, children: int) -> None:
+    try:
+        os.write(stop_write, b"s" * children)  # each child's watcher reads one byte (or EOF)
+    except OSError:  # every child is gone already
+        pass
+
+
+def _wait_all(children: Sequence[subprocess.Popen], signals: _LauncherSignals) -> None:
+    """Waits for every child; a second signal meanwhile kills the ones still running."""
+    while any(p.poll() is None for p in children):
+        if len(signals.received) >= 2:
+            print("[run] stopping now: killing the learner and collectors", file=sys.stderr, flush=True)
+            for p in children:
+                if p.poll() is None:
+                    p.kill()
+            for p in children:
+                p.wait()
+            return
+        time.sleep(0.1)
+
+
+def _checkpoint_step(paths: RunPaths) -> int | None:
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+
+    return CheckpointManager(paths.checkpoints).latest_step()
 
 
 def _wait_quietly(process: subprocess.Popen, timeout: float | None = None) -> int | None:

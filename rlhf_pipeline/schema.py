@@ -31,6 +31,13 @@ from rlhf_pipeline.ragged import RaggedTensor
 
 SCHEMA_VERSION = 1
 TOKEN_ID_MAX = 2**31 - 1  # token ids are stored as int32
+# A log-prob is <= 0, up to this rounding slack. Engines compute the sampled token's log-prob
+# as ``logit / T - logsumexp(logits / T)`` in float32, often with the scaling or the reduction
+# done by another kernel than the logit's; for a near-certain token the two round apart by a
+# few ulps (measured: up to +3.8e-6 with logits near 57). 1e-4 (a probability of 1.0001) is
+# far above such rounding and far below any real error (a bf16 logsumexp is off by ~0.1), and
+# the value is stored as given: clamping it would change what the sampler reported.
+LOG_PROB_TOLERANCE = 1e-4
 
 FieldKind = Literal["token", "row", "text"]
 
@@ -198,7 +205,7 @@ class TrajectoryBatch:
         unknown = [k for k in columns if k not in FIELDS_BY_NAME]
         if unknown:
             raise TrajectoryValidationError(
-                f"unknown field(s) {unknown}; known fields are {[f.name for f in FIELDS]}"
+                f"unknown field(s) {unknown}; known fields are {[f.name for f in FIELDS]}", field=str(unknown[0])
             )
         self._columns: dict[str, Column] = dict(columns)
         self._num_rows = _count_rows(self._columns)
@@ -314,26 +321,15 @@ class TrajectoryBatch:
     # ---------------------------------------------------------------- rows
     @classmethod
     def from_rows(cls, rows: Iterable[Trajectory | Mapping]) -> TrajectoryBatch:
-        """Builds a batch from ``Trajectory`` objects or plain dicts (not a hot path)."""
-        rows = [r if isinstance(r, Mapping) else _trajectory_to_dict(r) for r in rows]
-        if not rows:
-            raise TrajectoryValidationError("a batch needs at least one row")
-        names = [f.name for f in FIELDS if rows[0].get(f.name) is not None]
-        columns: dict[str, Column] = {}
-        for name in names:
-            spec = FIELDS_BY_NAME[name]
-            values = []
-            for i, r in enumerate(rows):
-                if r.get(name) is None:
-                    raise TrajectoryValidationError("missing (row 0 has it, so every row must)", row=i, field=name)
-                values.append(r[name])
-            if spec.kind == "token":
-                columns[name] = RaggedTensor.from_sequences(values, dtype=spec.dtype)
-            elif spec.kind == "row":
-                columns[name] = torch.tensor([_scalar(v) for v in values], dtype=spec.dtype)
-            else:
-                columns[name] = [str(v) for v in values]
-        return cls(columns)
+        """Builds a batch from ``Trajectory`` objects or plain dicts (not a hot path).
+
+        Converts nothing that would change a value: ``str`` text, integer token ids, real
+        numbers, ``bool`` flags, known keys only (see ``rlhf_pipeline/rows.py``); anything else
+        raises :class:`TrajectoryValidationError` naming the row and the field.
+        """
+        from rlhf_pipeline.rows import columns_from_rows
+
+        return cls(columns_from_rows(rows))
 
     def row(self, i: int) -> Trajectory:
         values = {}
@@ -385,23 +381,24 @@ class TrajectoryBatch:
 
 
 def _count_rows(columns: Mapping[str, Column]) -> int:
-    counts = {name: len(col) for name, col in columns.items()}
+    counts = {}
+    for name, col in columns.items():
+        try:
+            counts[name] = len(col)
+        except TypeError:
+            raise TrajectoryValidationError(
+                f"expected a column (RaggedTensor, 1-D tensor or list of str), got {type(col).__name__}",
+                field=name,
+            ) from None
     distinct = set(counts.values())
     if len(distinct) > 1:
+        usual = max(distinct, key=list(counts.values()).count)  # the count most fields agree on
+        odd = next(name for name, count in counts.items() if count != usual)
         raise TrajectoryValidationError(
-            f"columns disagree on the number of rows: {counts}; every field needs one entry per row"
+            f"columns disagree on the number of rows: {counts}; every field needs one entry per row",
+            field=odd,
         )
     return distinct.pop() if distinct else 0
-
-
-def _scalar(value):
-    if isinstance(value, torch.Tensor):
-        return value.reshape(-1)[0].item()
-    return value
-
-
-def _trajectory_to_dict(traj: Trajectory) -> dict:
-    return {f.name: getattr(traj, f.name) for f in FIELDS}
 
 
 # ======================================================================== validation
@@ -471,16 +468,17 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
         if not ragged.values.numel():
             continue
         is_log_prob = spec.name in ("response_log_probs", "ref_log_probs")
-        upper = 1e-4 if is_log_prob else math.inf
+        upper = LOG_PROB_TOLERANCE if is_log_prob else math.inf
         low, high = torch.aminmax(ragged.values)
-        # NaN fails both comparisons below, so it is caught too
-        if not (float(low) > -math.inf and float(high) <= upper):
+        # NaN fails every comparison below, so it is caught too (+inf by the second: upper may be inf)
+        if not (float(low) > -math.inf and float(high) < math.inf and float(high) <= upper):
             bad = ~torch.isfinite(ragged.values) | (ragged.values > upper)
-            what = "log-prob {} is not a finite value <= 0" if is_log_prob else "value {} is not finite"
+            what = ("log-prob {} is not a finite value <= 0 (rounding up to +1e-4 is accepted); "
+                    "store log-probs of the sampled distribution" if is_log_prob else "value {} is not finite")
             _first_bad_token(ragged, bad, spec.name, what)
     for name in ("reward", "advantage"):
         if name in out:
-            _first_bad(~torch.isfinite(out[name]), name, "must be finite (got NaN or inf)", out[name])
+            _first_bad(~torch.isfinite(out[name]), name, "must be finite", out[name])
     done, term, trunc = out["done"], out["terminated"], out["truncated"]
     _first_bad(done != (term | trunc), "done",
                "done must equal (terminated or truncated)", done)
@@ -511,44 +509,79 @@ def _check_column(spec: FieldSpec, col: Column, n: int) -> Column:
             )
         for i, s in enumerate(col):
             if not isinstance(s, str):
-                raise TrajectoryValidationError(f"expected str, got {type(s).__name__}", row=i, field=spec.name)
+                raise TrajectoryValidationError(
+                    f"expected str, got {type(s).__name__}; decode bytes and format numbers yourself, "
+                    f"nothing is turned into text here", row=i, field=spec.name,
+                )
+        _check_utf8(col, spec.name)
         return list(col)
     if spec.kind == "token":
         if not isinstance(col, RaggedTensor):
             raise TrajectoryValidationError(
                 f"expected a RaggedTensor (flat values + offsets), got {type(col).__name__}", field=spec.name
             )
-        values = _cast(spec, col.values)
         offsets = col.offsets
-        if int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool((offsets[1:] < offsets[:-1]).any()):
+        if int(offsets[0]) != 0 or int(offsets[-1]) != col.values.numel() or bool((offsets[1:] < offsets[:-1]).any()):
             raise TrajectoryValidationError(
                 "offsets must start at 0, never decrease and end at len(values)", field=spec.name
             )
-        return RaggedTensor(values, offsets)
+        return RaggedTensor(_cast(spec, col.values, offsets), offsets)
     if not isinstance(col, torch.Tensor) or col.dim() != 1:
         shape = tuple(col.shape) if isinstance(col, torch.Tensor) else type(col).__name__
         raise TrajectoryValidationError(f"expected a 1-D tensor of {n} values, got {shape}", field=spec.name)
     return _cast(spec, col)
 
 
-def _cast(spec: FieldSpec, tensor: torch.Tensor) -> torch.Tensor:
+def _check_utf8(texts: Sequence[str], field: str) -> None:
+    """Every text must encode to UTF-8 (no lone surrogates, e.g. from ``errors="surrogateescape"``)."""
+    try:
+        "".join(texts).encode("utf-8")  # one pass over all rows; a surrogate never pairs across rows
+        return
+    except UnicodeEncodeError:
+        pass
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TrajectoryValidationError(
+                f"character {exc.start} is {text[exc.start]!r}, a lone surrogate, which UTF-8 cannot store; "
+                f"decode the text with errors='replace' (or fix its source)", row=i, field=field,
+            ) from None
+
+
+def _row_of(pos: int, offsets: torch.Tensor | None) -> int:
+    """The row of flat position ``pos``: itself for a row field, located by ``offsets`` for a token field."""
+    return pos if offsets is None else int(torch.searchsorted(offsets, pos, right=True)) - 1
+
+
+def _cast(spec: FieldSpec, tensor: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor`` in ``spec.dtype``, refused when that would change a value (beyond float rounding)."""
     if spec.dtype in (torch.int32, torch.int64):
         if tensor.dtype not in _INTEGER_DTYPES:
             raise TrajectoryValidationError(
-                f"expected integer values, got dtype {tensor.dtype}", field=spec.name
+                f"expected integer values (int8/16/32/64 or uint8), got dtype {tensor.dtype}"
+                + ("; floats are never truncated" if tensor.dtype.is_floating_point else ""), field=spec.name
             )
         if spec.dtype == torch.int32 and tensor.dtype == torch.int64 and tensor.numel():
-            # checked later with the row number; clamp here only to keep the cast defined
-            if bool(((tensor < -(2**31)) | (tensor > TOKEN_ID_MAX)).any()):
-                bad = torch.nonzero((tensor < -(2**31)) | (tensor > TOKEN_ID_MAX))[0]
-                raise TrajectoryValidationError(
-                    f"value {int(tensor[bad])} does not fit in int32", field=spec.name
-                )
+            low, high = torch.aminmax(tensor)  # one pass; the row is located only on failure
+            if int(low) < -(2**31) or int(high) > TOKEN_ID_MAX:
+                pos = int(torch.nonzero((tensor < -(2**31)) | (tensor > TOKEN_ID_MAX))[0])
+                what = (f"token id {int(tensor[pos])} is outside [0, {TOKEN_ID_MAX}] (ids are stored as int32)"
+                        if spec.kind == "token" else f"value {int(tensor[pos])} does not fit in int32")
+                raise TrajectoryValidationError(what, row=_row_of(pos, offsets), field=spec.name)
     elif spec.dtype == torch.float32:
         if tensor.dtype not in _FLOAT_DTYPES:
             raise TrajectoryValidationError(f"expected floating-point values, got dtype {tensor.dtype}", field=spec.name)
+        if tensor.dtype == torch.float64 and tensor.numel():
+            narrowed = tensor.detach().to("cpu", torch.float32).contiguous()
+            overflow = torch.isinf(narrowed) & torch.isfinite(tensor.detach().cpu())
+            if bool(overflow.any()):
+                pos = int(torch.nonzero(overflow)[0])
+                raise TrajectoryValidationError(
+                    f"value {float(tensor[pos])!r} does not fit in float32", row=_row_of(pos, offsets), field=spec.name
+                )
+            return narrowed
     elif spec.dtype == torch.bool:
         if tensor.dtype != torch.bool:
             raise TrajectoryValidationError(f"expected a bool tensor, got dtype {tensor.dtype}", field=spec.name)
     return tensor.detach().to("cpu", spec.dtype).contiguous()
-

@@ -55,6 +55,36 @@ def test_bad_overrides_name_the_field(override, message):
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("learner.learning_rate", "learner.lr"),  # a synonym; was 'learner.min_lr_ratio'
+        ("learning_rate", "learner.lr"),  # the right name under another parent
+        ("lr", "learner.lr"),
+        ("max_steps", "steps"),
+        ("num_generations", "group_size"),
+        ("learner.batchsize", "learner.batch_size"),  # underscores dropped
+        ("learner.grad_clip", "learner.max_grad_norm"),
+        ("learner.kl_coef", "learner.loss.kl_coef"),
+        ("learner.warmup", "learner.warmup_steps"),
+        ("learner.lrr", "learner.lr"),  # a typo under the same parent
+        ("clip_eps_hi", "learner.loss.clip_eps_high"),
+        ("group_sise", "group_size"),
+        ("learner.foo", None),  # nothing close: no guess at all
+    ],
+)
+def test_unknown_settings_suggest_what_was_meant(typed, meant):
+    module = load_pipeline_module(DEFAULT)
+    with pytest.raises(PipelineError) as info:
+        make_settings(module, [f"{typed}=1"])
+    message = str(info.value)
+    assert message.startswith(f"unknown setting {typed!r}.")
+    if meant is None:
+        assert "Did you mean" not in message
+    else:
+        assert f"Did you mean {meant!r}?" in message
+
+
 def test_overrides_parse_bools_tuples_and_paths(tmp_path):
     path = _write(tmp_path, """
         from dataclasses import dataclass

@@ -76,7 +76,7 @@ BAD_WRITES = [
      r"field 'prompt_tokens'.*expected integer values"),
     ("token id over int32", _replace("response_tokens", lambda c: RaggedTensor(
         torch.where(torch.arange(c.values.numel()) == 0, 2**40, c.values.to(torch.int64)), c.offsets)),
-     r"field 'response_tokens'.*does not fit in int32"),
+     r"row 0, field 'response_tokens': token id 1099511627776 is outside \[0, 2147483647\]"),
     ("negative token id", _set("response_tokens", 0, -5), r"row 0, field 'response_tokens'.*outside \[0,"),
     ("int reward", _replace("reward", lambda c: c.to(torch.int64)), r"field 'reward'.*floating-point"),
     ("int done", _replace("done", lambda c: c.to(torch.int64)), r"field 'done'.*bool tensor"),
@@ -91,6 +91,7 @@ BAD_WRITES = [
     ("positive log-prob", _row_values_of("response_log_probs", 5, 0.5),
      r"row 5, field 'response_log_probs': log-prob 0.5 is not a finite value <= 0"),
     ("nan log-prob", _row_values_of("response_log_probs", 1, float("nan")), r"row 1, field 'response_log_probs'"),
+    ("inf kl", _row_values_of("kl", 2, float("inf")), r"row 2, field 'kl': value inf is not finite"),
     ("nan reward", _set("reward", 4, float("nan")), r"row 4, field 'reward': must be finite"),
     ("inf advantage", _set("advantage", 2, float("inf")), r"row 2, field 'advantage': must be finite"),
     ("done without a reason", lambda b: b.with_columns(

@@ -42,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module = importlib.import_module(args._module)
-    return int(module.run(args) or 0)
+    try:
+        module = importlib.import_module(args._module)
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
+        print(f"rlhf-pipeline {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ torch is imported, so ``--help`` and argument errors are instant.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 
@@ -45,11 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="override a pipeline setting, e.g. --set learner.lr=1e-4 (repeatable)")
     parser.add_argument("--list-settings", action="store_true",
                         help="print the pipeline's settings with their documentation and exit")
+    if name in ("collect", "learn"):
+        # set by `run` for its children: the launcher's stop pipe (see rlhf_pipeline/run.py)
+        parser.add_argument("--stop-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
+# OS errors a user can cause and fix (a read-only or full disk, a path that is a file...):
+# one line naming the path instead of a traceback
+_USER_OS_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                   errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP}
 
 
 def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.run import RunError, run_command
+    from rlhf_pipeline.state_files import StateFileError
 
     try:
         return run_command(
@@ -63,7 +74,26 @@ def run(args: argparse.Namespace) -> int:
             list_settings=args.list_settings,
             collectors=getattr(args, "collectors", 1),
             collector_index=getattr(args, "collector_index", 0),
+            stop_fd=getattr(args, "stop_fd", None),
         )
-    except (PipelineError, RunError) as exc:
+    except (PipelineError, RunError, StateFileError) as exc:
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno not in _USER_OS_ERRORS or exc.filename is None:
+            raise
+        print(f"rlhf-pipeline {args.command}: error: {_describe_os_error(exc)}", file=sys.stderr)
+        return 2
+
+
+def _describe_os_error(exc: OSError) -> str:
+    path = exc.filename
+    hint = {
+        errno.EROFS: "the file system is read-only; choose a writable --home (or $RLHF_PIPELINE_HOME)",
+        errno.EACCES: "no permission; choose a --home you can write to, or fix its permissions",
+        errno.EPERM: "no permission; choose a --home you can write to, or fix its permissions",
+        errno.ENOSPC: "the disk is full; free space (nothing written so far is lost) and rerun to resume",
+        errno.EDQUOT: "the disk quota is exceeded; free space and rerun to resume",
+        errno.ENOTDIR: "a part of this path is a file, not a directory; choose another --home or --run-name",
+    }.get(exc.errno, "check the path, --home and --run-name")
+    return f"{path}: {exc.strerror}; {hint}"

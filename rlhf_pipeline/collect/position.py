@@ -22,7 +22,9 @@ again on restart; nothing was stored, so nothing is trained twice.
 
 File format: ``{"format": 1, "committed": state | None, "inflight": {...} | None}``
 written with :func:`~rlhf_pipeline.atomic.save_torch_atomic`; a bare state dict
-(older runs) reads as committed.
+(older runs) reads as committed. It holds tensors and plain values only and loads with
+``weights_only=True`` (``rlhf_pipeline/state_files.py``), so a file planted in a shared run
+directory cannot run code in the collector.
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from rlhf_pipeline.atomic import save_torch_atomic
+from rlhf_pipeline.state_files import load_state
 
 FORMAT_VERSION = 1
 
@@ -51,7 +52,7 @@ class CollectorPosition:
         """The collector state to resume from, or None for a fresh collector."""
         if not self.path.exists():
             return None
-        payload = torch.load(self.path, weights_only=False)
+        payload = load_state(self.path, what="collector position")
         if "format" not in payload:  # a bare state dict
             self._committed = payload
             return payload

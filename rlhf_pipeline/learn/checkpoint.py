@@ -8,6 +8,12 @@ in the progress record, a resumed run redraws exactly the batches an uninterrupt
 would. Files are written to ``*.partial`` and renamed into place
 (:mod:`rlhf_pipeline.atomic`), so a crash mid-write never leaves a checkpoint that looks
 complete; the manager keeps the last N.
+
+Every value in a checkpoint is a tensor or a plain value (dicts, lists, tuples, numbers,
+strings), so it loads with ``torch.load(weights_only=True)`` (``rlhf_pipeline/state_files.py``)
+and a file planted in a shared run directory cannot run code in the learner. Format 2 keeps
+NumPy's RNG state as a tensor; format 1 (older runs) kept it as a NumPy array, which is still
+read (NumPy arrays only, nothing else), so runs started before the change resume.
 """
 
 from __future__ import annotations
@@ -19,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from rlhf_pipeline.atomic import save_torch_atomic
+from rlhf_pipeline.state_files import load_state
 
+FORMAT_VERSION = 2
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 
 
@@ -52,9 +57,20 @@ class Progress:
 
 # ====================================================================== RNG
 def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states as tensors and plain values (safe to load)."""
+    import numpy as np
+    import torch
+
+    numpy_state = np.random.get_state(legacy=False)
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # (version, tuple of ints, float or None)
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),  # uint32 words
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -63,8 +79,20 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        np.random.set_state({
+            "bit_generator": numpy_state["bit_generator"],
+            "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        })
+    else:  # format 1: np.random.get_state()'s tuple
+        np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -91,10 +119,15 @@ class CheckpointManager:
         paths = self.paths()
         return paths[-1] if paths else None
 
+    def latest_step(self) -> int | None:
+        """The step of the newest checkpoint, from its name (cheap: no file is read, no torch import)."""
+        latest = self.latest()
+        return int(_NAME.match(latest.name).group(1)) if latest is not None else None
+
     def save(self, progress: Progress, state: dict[str, Any]) -> Path:
         """Writes ``state`` plus ``progress`` atomically as the checkpoint of ``progress.step``."""
         final = self.directory / f"step_{progress.step:08d}.pt"
-        save_torch_atomic(dict(state, progress=progress.to_dict(), format=1), final)
+        save_torch_atomic(dict(state, progress=progress.to_dict(), format=FORMAT_VERSION), final)
         for old in self.paths()[: -self.keep_last]:
             old.unlink(missing_ok=True)
         return final
@@ -104,8 +137,8 @@ class CheckpointManager:
         path = Path(path) if path is not None else self.latest()
         if path is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        # our own files: the RNG states are numpy/python objects, so full unpickling is needed
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        # tensors and plain values only (format 1's NumPy RNG array too); raises StateFileError
+        payload = load_state(path, what="learner checkpoint", legacy_numpy_arrays=True)
         progress = Progress.from_dict(payload.pop("progress"))
         payload.pop("format", None)
         return progress, payload

@@ -3,10 +3,18 @@
 Every loader passes ``local_files_only=True``: a typo in a path must fail at once
 with a message naming the path, not turn into a download attempt. Errors are
 :class:`ModelLoadError` and say what was expected in the directory.
+
+Progress: on a terminal, transformers' own "Loading weights" bar shows; when stderr is a log
+file (``run``'s children, a job scheduler) the bar would add a screen of carriage returns per
+load, so it is switched off for the load and one line before and after says what is loaded.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -46,6 +54,26 @@ def _check_dir(path: str | Path, what: str) -> Path:
     return p
 
 
+@contextmanager
+def _load_progress(what: str, path: Path) -> Iterator[None]:
+    """transformers' weight-loading bar on a terminal; a line before and after in a log."""
+    from transformers.utils import logging as hf_logging
+
+    if sys.stderr.isatty():
+        yield
+        return
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    print(f"[models] loading {what} from {path}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+    print(f"[models] loaded {what} in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
     """``"auto"`` (the checkpoint's dtype), a torch dtype, or one of float32/bf16/fp16 names."""
     if isinstance(dtype, torch.dtype) or dtype == "auto":
@@ -70,7 +98,8 @@ def load_model(
     if not any((p / name).is_file() for name in _WEIGHT_FILES):
         raise ModelLoadError(f"{str(p)!r} has a config.json but no weights (expected one of {_WEIGHT_FILES})")
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
+        with _load_progress("a causal LM", p):
+            model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"could not load a causal LM from {str(p)!r}: {exc}") from exc
     return model.to(device).eval()
@@ -85,9 +114,10 @@ def load_reward_model(
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"{str(p)!r} has no config.json, so it is not a Hugging Face model directory")
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            p, dtype=torch_dtype, local_files_only=True
-        )
+        with _load_progress("a reward model", p):
+            model = AutoModelForSequenceClassification.from_pretrained(
+                p, dtype=torch_dtype, local_files_only=True
+            )
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"could not load a sequence-classification model from {str(p)!r}: {exc}") from exc
     return model.to(device).eval()

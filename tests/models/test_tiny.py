@@ -97,6 +97,21 @@ def test_save_and_load_round_trip(tmp_path):
     assert load_model(tmp_path, dtype="bf16").dtype == torch.bfloat16
 
 
+def test_loading_in_a_log_prints_lines_not_progress_bars(tmp_path, capsys):
+    """stderr that is not a terminal (run's log): no "Loading weights" bar, one line each side."""
+    from transformers.utils import logging as hf_logging
+
+    model, tokenizer = tiny_model_and_tokenizer(hidden_size=16, num_layers=1, num_heads=2)
+    model.save_pretrained(tmp_path)
+    capsys.readouterr()  # (saving has a bar of its own)
+    enabled_before = hf_logging.is_progress_bar_enabled()
+    load_model(tmp_path)
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "\r" not in err
+    assert f"[models] loading a causal LM from {tmp_path}" in err and "[models] loaded a causal LM in " in err
+    assert hf_logging.is_progress_bar_enabled() == enabled_before  # the switch is put back
+
+
 def test_reward_model_round_trip(tmp_path):
     rm = tiny_reward_model(101)
     rm.save_pretrained(tmp_path)

@@ -1,0 +1,82 @@
+"""Loading the ``.pt`` state files of a run directory without ever running code from them.
+
+A run directory may be shared between machines and users, so anyone who can write a file
+there could otherwise run code in every learner and collector that resumes from it:
+``torch.load(weights_only=False)`` unpickles arbitrary objects. Every state file we write
+(learner checkpoints, collector positions, pending groups, published weights) holds only
+tensors and plain values (dicts, lists, tuples, numbers, strings), and every one is read
+with ``weights_only=True``, which refuses any other object.
+
+A refused file raises :class:`StateFileError` naming the file, what it holds that we never
+write, and what to do. One exception keeps older runs resumable: learner checkpoints written
+before format 2 hold NumPy's RNG state as a NumPy array. ``legacy_numpy_arrays=True`` lets
+exactly the NumPy array and dtype types through (their unpickling builds plain arrays and
+runs nothing else), and only when nothing else in the file needs unpickling.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+
+class StateFileError(ValueError):
+    """A state file that cannot be loaded safely or at all; the message names it and the fix."""
+
+
+def load_state(path: str | os.PathLike, *, what: str, legacy_numpy_arrays: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, with errors that say what to do.
+
+    ``what`` names the file in messages ("learner checkpoint", "collector position").
+    """
+    import torch
+
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        unsafe = _unsafe_globals(path)
+        if legacy_numpy_arrays and unsafe and set(unsafe) <= set(_numpy_array_types()):
+            with torch.serialization.safe_globals(list(_numpy_array_types().values())):
+                return torch.load(path, map_location="cpu", weights_only=True)
+        found = ", ".join(unsafe) if unsafe else "objects other than tensors and plain values"
+        raise StateFileError(
+            f"refusing to load the {what} {path}: it holds {found}, which could run code when loaded "
+            f"and which rlhf_pipeline never writes. Find out who wrote it (anyone who can write to "
+            f"{path.parent}), then delete it; a learner resumes from its previous checkpoint"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        if isinstance(exc, OSError) and not path.exists():
+            raise
+        raise StateFileError(
+            f"cannot read the {what} {path}: {str(exc).splitlines()[0]}. The file is damaged or "
+            f"not a torch file; delete it (a learner resumes from its previous checkpoint)"
+        ) from None
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    import torch
+
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # noqa: BLE001 - only used to word the message and to spot legacy files
+        return []
+
+
+def _numpy_array_types() -> dict[str, Any]:
+    """What unpickling a plain NumPy array needs, by the name pickle records (NumPy 1 or 2)."""
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray
+        module = "numpy._core.multiarray"
+    except ImportError:  # NumPy 1
+        from numpy.core import multiarray
+        module = "numpy.core.multiarray"
+    types = {f"{module}._reconstruct": multiarray._reconstruct, "numpy.ndarray": np.ndarray,
+             "numpy.dtype": np.dtype}
+    for dtype_class in (type(np.dtype(t)) for t in ("uint32", "int64", "float64", "uint8")):
+        types[f"numpy.dtypes.{dtype_class.__name__}"] = dtype_class
+    return types

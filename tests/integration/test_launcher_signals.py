@@ -1,0 +1,152 @@
+"""``rlhf-pipeline run`` under real use: SIGTERM / SIGINT to the launcher, Ctrl-C to the whole
+process group and ``kill -9`` of the launcher all end with every child stopped cleanly (the
+learner's checkpoint at its last step, collectors after their round); a finished run says so
+up front; OS errors on the run directory and unsafe state files are one-line errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_pipeline.learn.checkpoint import CheckpointManager
+from rlhf_pipeline.learn.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = str(REPO / "pipelines" / "default.py")
+# tiny and quick: no warm start, small groups, a checkpoint only when stopping
+FAST = ["--set", "warm_start_steps=0", "--set", "prompts_per_round=4", "--set", "group_size=4",
+        "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",
+        "--set", "learner.new_rows_per_step=16", "--set", "learner.checkpoint_every=1000"]
+
+
+def cli(command: str, home: Path, *extra: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlhf_pipeline.cli.main", command, DEFAULT, "--home", str(home),
+         "--run-name", "r", *FAST, *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
+    )
+
+
+def start_and_train(home: Path, steps: int = 1) -> tuple[subprocess.Popen, list[int]]:
+    """``run`` in its own process group, once the learner took ``steps`` steps; its children's pids."""
+    launcher = cli("run", home, "--steps", "100000", start_new_session=True)
+    metrics = home / "r" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while len(read_metrics(metrics)) < steps:
+        if launcher.poll() is not None or time.monotonic() > deadline:
+            launcher.kill()
+            pytest.fail(f"the run ended or stalled before {steps} steps:\n{launcher.communicate()[0][-3000:]}")
+        time.sleep(0.2)
+    children = children_of(launcher.pid)
+    assert len(children) == 2, children  # one collector, one learner
+    return launcher, children
+
+
+def children_of(pid: int) -> list[int]:
+    """The ``collect`` / ``learn`` processes started by ``pid`` (not, e.g., multiprocessing helpers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"rlhf_pipeline.cli.main" in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent has not collected it yet
+
+
+def assert_stopped_cleanly(run: Path, out: str, children: list[int]) -> None:
+    assert not any(running(pid) for pid in children), out[-3000:]
+    assert "[learner] stopped at step" in out and "checkpoint saved" in out, out[-3000:]
+    assert "[collector] stopped after" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    last_step = read_metrics(run / "metrics.jsonl")[-1]["step"]
+    assert CheckpointManager(run / "checkpoints").latest_step() == last_step  # saved at the stop
+    for state_file in run.rglob("*.pt"):  # every state file of a real run loads the safe way
+        torch.load(state_file, weights_only=True)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to run", "SIGINT to run", "Ctrl-C to the group"])
+def test_a_signal_stops_every_child_cleanly(tmp_path, how):
+    launcher, children = start_and_train(tmp_path)
+    if how == "SIGTERM to run":
+        os.kill(launcher.pid, signal.SIGTERM)
+    elif how == "SIGINT to run":
+        os.kill(launcher.pid, signal.SIGINT)
+    else:
+        os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    out, _ = launcher.communicate(timeout=240)
+    name = "SIGTERM" if how == "SIGTERM to run" else "SIGINT"
+    assert launcher.returncode == (143 if name == "SIGTERM" else 130), out[-3000:]
+    assert f"[run] interrupted ({name})" in out and "[run] done" not in out, out[-3000:]
+    if how == "Ctrl-C to the group":
+        assert "[learner] stopping cleanly (SIGINT)" in out  # one Ctrl-C, never taken for two
+    else:
+        assert "[learner] the launcher asked to stop" in out
+    assert_stopped_cleanly(tmp_path / "r", out, children)
+
+    if how == "SIGTERM to run":  # the run is at its last step: asking for no more does nothing, fast
+        reached = CheckpointManager(tmp_path / "r" / "checkpoints").latest_step()
+        again = subprocess.run(
+            [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", str(tmp_path),
+             "--run-name", "r", *FAST, "--steps", str(reached)], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0, again.stderr
+        assert f"has already reached step {reached} (--steps {reached}); nothing to do" in again.stderr
+        assert "raise --steps" in again.stderr and "[run] run directory" not in again.stderr
+
+
+def test_children_of_a_killed_launcher_stop_cleanly(tmp_path):
+    """kill -9 of run, and nobody reads its output any more (what subprocess.run(timeout=...) does
+    to it): the children stop on their own, the learner with a checkpoint at its last step."""
+    launcher, children = start_and_train(tmp_path)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    launcher.stdout.close()  # the children's prints now fail with a broken pipe
+    deadline = time.monotonic() + 240
+    while any(running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(running(pid) for pid in children), "children of a killed launcher kept running"
+    run = tmp_path / "r"
+    last_step = read_metrics(run / "metrics.jsonl")[-1]["step"]
+    assert CheckpointManager(run / "checkpoints").latest_step() == last_step
+
+
+def test_os_errors_on_the_run_directory_are_one_line(tmp_path):
+    home_file = tmp_path / "home-is-a-file"
+    home_file.write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", str(home_file), *FAST],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"rlhf-pipeline run: error: {home_file}") and "Not a directory" in lines[0]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through file permissions")
+def test_a_read_only_home_is_one_line(tmp_path):
+    home = tmp_path / "ro"
+    home.mkdir(mode=0o555)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", str(home), *FAST],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"rlhf-pipeline run: error: {home}: Permission denied; choose a --home you can write to, "
+        f"or fix its permissions"]
