@@ -45,6 +45,12 @@ class SampledRows:
     buffer_next_row: int
     version: int  # learner version the staleness check used
     sampler_state: dict[str, Any] = field(default_factory=dict)  # state_dict() right after this draw
+    # rows the learner has taken in with this draw, per shard key (learn/shard_rows.py): what
+    # collectors pace themselves by (rlhf_pipeline/pacing.py). None: every row published when
+    # the draw was made (the learner fills that in)
+    consumed: dict[str, int] | None = None
+    # new rows the next draw waits for (None: learner.new_rows_per_step, or batch_size when 0)
+    next_draw_rows: int | None = None
 
 
 class BatchSampler(Protocol):
@@ -68,10 +74,20 @@ def _window(settings: LearnerSettings, store, *, seed: int, stop: threading.Even
                            timeout_s=timeout_s, stop=stop)
 
 
+def _exact(settings: LearnerSettings, store, *, seed: int, stop: threading.Event,
+           timeout_s: float) -> BatchSampler:
+    from rlhf_pipeline.learn.exact_sampler import ExactUseSampler
+
+    return ExactUseSampler(store, batch_size=settings.batch_size, uses=settings.uses_per_row,
+                           max_staleness=settings.max_staleness, timeout_s=timeout_s, stop=stop)
+
+
 #: ``learner.sampler`` name -> factory. ``window``: uniform over the newest ``sample_window`` rows,
-#: once ``new_rows_per_step`` new rows arrived (learn/window_sampler.py).
+#: once ``new_rows_per_step`` new rows arrived (learn/window_sampler.py). ``exact``: every fresh
+#: row in exactly ``uses_per_row`` steps, in write order (learn/exact_sampler.py).
 SAMPLERS: dict[str, Callable[..., BatchSampler]] = {
     "window": _window,
+    "exact": _exact,
 }
 
 

@@ -73,9 +73,13 @@ class LearnerSettings:
     """Rows (completions) per optimizer step."""
     sampler: str = "window"
     """How each step picks its rows (learn/sampling.py lists them): window = uniformly from the
-    newest sample_window rows, once new_rows_per_step new rows arrived."""
+    newest sample_window rows, once new_rows_per_step new rows arrived; exact = every fresh row
+    in exactly uses_per_row steps, in the order written (no row left out or drawn twice)."""
     sample_window: int = 128
     """Each step samples from the newest this-many rows of the buffer (>= batch_size)."""
+    uses_per_row: int = 1
+    """sampler=exact: every fresh row is trained on by exactly this many consecutive steps (1:
+    on-policy GRPO with one step of overlap); new rows per step are then batch_size / this."""
     micro_batch_tokens: int = 8192
     """Padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate."""
     lr: float = 1e-4
@@ -125,6 +129,8 @@ class LearnerSettings:
 
         if self.sampler not in SAMPLERS:
             raise bad("sampler", f"must be one of {sorted(SAMPLERS)} (got {self.sampler!r})")
+        if self.uses_per_row < 1:
+            raise bad("uses_per_row", f"must be >= 1 (got {self.uses_per_row})")
         if self.sample_window < self.batch_size:
             raise bad("sample_window", f"({self.sample_window}) must be >= batch_size ({self.batch_size})")
         if self.micro_batch_tokens < 1:
