@@ -74,6 +74,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         return 0
     paths = RunPaths(make_run_dir(run_name or Path(pipeline_path).stem, home).resolve())
     pipeline = build_pipeline(module, settings, paths)
+    _set_threads(pipeline)  # before the warm start
 
     if command == "run":
         prepare_run(pipeline, paths, shards=range(collectors))
@@ -221,6 +222,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
     """
     from rlhf_pipeline.collect.position import CollectorPosition
+    from rlhf_pipeline.learn.metrics import MetricsWriter
+    from rlhf_pipeline.pacing import CollectorPacer, shard_key
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.weights import WeightsPoller
 
@@ -247,6 +250,11 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                   file=sys.stderr, flush=True)
         collector.set_policy_state(state, version)
         rounds_at_version = 0
+        # generate no more than the learner will take in, plus collect_rounds_ahead rounds
+        pacer = CollectorPacer(paths.pacing, shard_key(store_path, paths.buffer), pipeline.collect_rounds_ahead,
+                               round_rows=_round_rows(collector))
+        metrics = MetricsWriter(paths.collector_metrics(collector_index))
+        waited = paced_total = 0.0
         print(f"{tag} writing to {store_path} with policy version {version}", file=sys.stderr, flush=True)
         while not _should_stop(stop, paths) and (rounds is None or done < rounds):
             update = poller.poll()
@@ -254,22 +262,51 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 collector.set_policy_state(*update)
                 rounds_at_version = 0
             limit = pipeline.collect_rounds_per_version
-            if limit is not None and rounds_at_version >= limit:
-                # far enough ahead of the learner: more rows now would only go stale
-                time.sleep(0.05)
+            if (limit is not None and rounds_at_version >= limit) or not pacer.may_collect(store.next_row):
+                # far enough ahead of the learner: more rows now would go stale or untrained
+                started = time.perf_counter()
+                time.sleep(0.02)
+                waited += time.perf_counter() - started
                 continue
+            rows_before = store.next_row
             batch = collector.collect(before_write=position.before_write)
             position.after_write(collector.state_dict())
+            pacer.round_written(store.next_row - rows_before)
             done += 1
             rounds_at_version += 1
+            paced_total += waited
+            metrics.log(getattr(collector, "batches_emitted", done), {
+                **getattr(collector, "last_metrics", {}), "rows_written": float(store.next_row - rows_before),
+                "shard_rows": float(store.next_row), "paced_wait_s": waited})
+            waited = 0.0
             if done % 50 == 0:
                 print(f"{tag} round {done}: {len(batch)} rows, shard {len(store)} rows, "
-                      f"policy version {poller.current_version}", file=sys.stderr, flush=True)
+                      f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner",
+                      file=sys.stderr, flush=True)
+        metrics.close()
     finally:
         store.close()
         stop.restore()
-    print(f"{tag} stopped after {done} rounds", file=sys.stderr, flush=True)
+    print(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)",
+          file=sys.stderr, flush=True)
     return 0
+
+
+def _round_rows(collector: Any) -> int | None:
+    """Rows one round writes, when the collector says (``CollectorConfig``); pacing counts in rounds."""
+    config = getattr(collector, "config", None)
+    try:
+        return int(config.prompts_per_batch) * int(config.num_generations)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _set_threads(pipeline: Pipeline) -> None:
+    """``pipeline.torch_threads`` intra-op threads in this process (collector and learner run side by side)."""
+    if pipeline.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(pipeline.torch_threads)
 
 
 def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index: int) -> Any:

@@ -49,8 +49,8 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path):
     assert int(versions.max()) >= 1  # the collector picked up weights the learner published
 
     # resume without a collector: offline replay over the recorded buffer, from step 3 to 5
-    learner_out = finish(start("learn", tmp_path, "--steps", "5", "--set", "learner.new_rows_per_step=0",
-                               "--set", "learner.max_staleness=none"))
+    learner_out = finish(start("learn", tmp_path, "--steps", "5", "--set", "learner.sampler=window",
+                               "--set", "learner.new_rows_per_step=0", "--set", "learner.max_staleness=none"))
     assert "resuming from" in learner_out and "(step 3)" in learner_out
     assert "learner settings changed" in learner_out
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
