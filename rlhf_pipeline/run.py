@@ -56,7 +56,12 @@ class RunError(RuntimeError):
 def run_command(command: str, *, pipeline_path: str, steps: int | None = None, home: str | None = None,
                 run_name: str | None = None, device: str | None = None,
                 overrides: Sequence[str] = (), list_settings: bool = False,
-                collectors: int = 1, collector_index: int = 0) -> int:
+                collectors: int = 1, collector_index: int = 0, wait_for_launcher: bool = False) -> int:
+    if wait_for_launcher:  # a child of `run`, started before the run directory was ready
+        from rlhf_pipeline.launch import wait_for_launcher as wait
+
+        if not wait(command):
+            return 0  # run's checks failed or it was interrupted; it says why
     if collectors < 1:
         raise PipelineError(f"--collectors must be >= 1, got {collectors}")
     if collector_index < 0:
@@ -73,12 +78,20 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         print(describe_settings(settings))
         return 0
     paths = RunPaths(make_run_dir(run_name or Path(pipeline_path).stem, home).resolve())
-    pipeline = build_pipeline(module, settings, paths)
-    _set_threads(pipeline)  # before the warm start
-
     if command == "run":
-        prepare_run(pipeline, paths, shards=range(collectors))
-        return _run_both(pipeline_path, steps, paths, device, overrides, collectors)
+        # the children import torch & co. while this process checks and prepares (launch.py)
+        children = _start_children(pipeline_path, steps, paths, device, overrides, collectors)
+        try:
+            pipeline = build_pipeline(module, settings, paths)
+            _set_threads(pipeline)  # before the warm start
+            prepare_run(pipeline, paths, shards=range(collectors))
+        except BaseException:
+            children.abandon()
+            raise
+        children.go()
+        return _run_both(pipeline_path, steps, paths, device, overrides, collectors, children=children)
+    pipeline = build_pipeline(module, settings, paths)
+    _set_threads(pipeline)
     if command == "collect":
         prepare_run(pipeline, paths, shards=(collector_index,))
         return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
@@ -371,8 +384,10 @@ def learn_main(pipeline: Pipeline, paths: RunPaths) -> int:
 
 
 # ====================================================================== both
-def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
-              overrides: Sequence[str], collectors: int = 1) -> int:
+def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
+                    overrides: Sequence[str], collectors: int):
+    from rlhf_pipeline.launch import Children
+
     paths.stop_file.unlink(missing_ok=True)
     common = [pipeline_path, "--home", str(paths.root.parent), "--run-name", paths.root.name]
     if device is not None:
@@ -382,14 +397,18 @@ def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: st
     # the collector runs until the learner is done (STOP), so it gets no --steps
     learner_steps = ["--steps", str(steps)] if steps is not None else []
     launcher = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
+    return Children.start(launcher, common, learner_steps, collectors)
+
+
+def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
+              overrides: Sequence[str], collectors: int = 1, children=None) -> int:
+    if children is None:
+        children = _start_children(pipeline_path, steps, paths, device, overrides, collectors)
+        children.go()
+    collector_procs, learner = children.collectors, children.learner
     print(f"[run] run directory {paths.root}" + (f" with {collectors} collectors" if collectors > 1 else ""),
           file=sys.stderr, flush=True)
-    # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
-    collector_procs = {
-        k: subprocess.Popen(launcher + ["collect", *common] + (["--collector-index", str(k)] if k else []))
-        for k in range(collectors)
-    }
-    learner = subprocess.Popen(launcher + ["learn", *common, *learner_steps])
     interrupted = False
     try:
         while True:

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="override a pipeline setting, e.g. --set learner.lr=1e-4 (repeatable)")
     parser.add_argument("--list-settings", action="store_true",
                         help="print the pipeline's settings with their documentation and exit")
+    if name in ("collect", "learn"):  # set by `run` for its children (rlhf_pipeline/launch.py)
+        parser.add_argument("--wait-for-launcher", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             list_settings=args.list_settings,
             collectors=getattr(args, "collectors", 1),
             collector_index=getattr(args, "collector_index", 0),
+            wait_for_launcher=getattr(args, "wait_for_launcher", False),
         )
     except (PipelineError, RunError) as exc:
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
