@@ -22,6 +22,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rlhf_pipeline.bench.write_path_bench",
         "cost of the write-path transform stack per completion",
     ),
+    "e2e": (
+        "rlhf_pipeline.bench.e2e_bench",
+        "the default pipeline against a synchronous generate-then-train loop, to the same steps",
+    ),
 }
 
 

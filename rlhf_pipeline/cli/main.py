@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "learn": ("rlhf_pipeline.cli.run_cmd", "run only the learner of a pipeline"),
     "inspect": ("rlhf_pipeline.cli.inspect_cmd", "summarize a replay buffer (memmap or Zarr)"),
     "convert": ("rlhf_pipeline.cli.convert_cmd", "copy a buffer between memmap and Zarr, losslessly"),
-    "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path"),
+    "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path, e2e"),
 }
 
 
