@@ -186,7 +186,9 @@ class Learner:
                       f"{self.settings.sampler!r} starts from the buffer as it is now", file=sys.stderr, flush=True)
                 self._sampler_state = self.sampler.state_dict()
         self.sampler.current_version = self.progress.policy_version
-        collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=self.device.type == "cuda")
+        # int32 token and position ids: half their bytes, nothing widened (collate.py, "Index dtype")
+        collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=self.device.type == "cuda",
+                                  index_dtype=torch.int32)
 
         def produce(draw: int):
             sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
