@@ -166,3 +166,18 @@ def test_a_batch_of_two_rounds_with_nothing_ahead_does_not_deadlock(tmp_path):
     paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=3, batch_size=32)
     assert read_metrics(paths.metrics)[-1]["charts/rows_trained"] == 3 * 32
     assert writer.store.next_row <= 4 * 32
+
+
+def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
+    """Collectors that ran ahead of a learner's last checkpoint wait while it catches up."""
+    paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=3)
+    PacingPublisher(paths.pacing).publish(LearnerIntake(9, 9, {"shard-0000": 999}, 16, waiting_since=1.0))
+    resumed = Learner(LearnerSettings(batch_size=16, sampler="exact", max_staleness=None), paths,
+                      make_model=make_model, steps=5, seed=0, show_progress=False)
+    resumed.setup()
+    try:
+        intake = read_intake(paths.pacing)
+        # the third batch (48 rows) was taken when 2 steps were done; the old wait is over
+        assert (intake.step, intake.draws, intake.consumed, intake.waiting_since) == (2, 3, {"shard-0000": 48}, None)
+    finally:
+        resumed.cleanup()

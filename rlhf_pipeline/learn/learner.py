@@ -124,9 +124,11 @@ class Learner:
             if checkpoint.get("trained_rows") is not None:
                 self._trained.load_state_dict(checkpoint["trained_rows"])
         # collectors wait on this: a resumed learner restarts from its checkpoint's intake
-        intake = (checkpoint or {}).get("intake")
-        self._pacing.publish(LearnerIntake.from_json(intake) if intake else
-                             LearnerIntake(self.progress.step, self.progress.draws, {}, self.settings.batch_size))
+        saved = (checkpoint or {}).get("intake")
+        intake = LearnerIntake.from_json(saved) if saved else LearnerIntake(self.progress.step, self.progress.draws,
+                                                                            {}, self.settings.batch_size)
+        intake.waiting_since = None  # a wait from before the stop is over
+        self._pacing.publish(intake)
         truncate_metrics(self.paths.metrics, self.progress.step)
         self._metrics = MetricsWriter(self.paths.metrics, self.paths.tensorboard)
         if self.show_progress:
