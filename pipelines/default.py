@@ -72,8 +72,8 @@ class Settings:
     rounds, then waits for the learner to take them in (0: generation overlaps one learner step;
     none: unpaced)."""
     threads: int | None = 1
-    """Torch threads per process: collector and learner run side by side on the CPU, and one each
-    beats two on 2 cores (none: torch's default)."""
+    """Torch threads per process (collector, learner, warm start): the two sides run at once, so
+    torch's default of one thread per core would oversubscribe the CPU (none: torch's default)."""
 
     # ---- buffer and learner
     buffer_backend: Literal["memmap", "zarr"] = "memmap"
