@@ -63,10 +63,14 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path):
 
 
 def test_two_collectors_feed_one_learner_through_buffer_shards(tmp_path):
-    """``run --collectors 2``: collector k writes buffer/shard-k, the learner samples both."""
+    """``run --collectors 2``: collector k writes buffer/shard-k, the learner samples both.
+
+    The window sampler makes no draw while a shard is empty, so even its first steps use both
+    collectors' rows; the exact sampler takes what the shards hold (tests/learn/test_exact_sampler.py).
+    """
     result = subprocess.run(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2", "--steps", "4",
-         "--home", str(tmp_path), "--run-name", "two", *SMALL],
+         "--home", str(tmp_path), "--run-name", "two", *SMALL, "--set", "learner.sampler=window"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
