@@ -67,6 +67,13 @@ class Settings:
     """Sampling temperature; the learner recomputes log-probs at the same temperature."""
     rounds_per_version: int = 2
     """The collector writes at most this many rounds per policy version, then waits for new weights."""
+    rounds_ahead: int | None = 0
+    """Pacing: the collector generates what the learner's next batch needs plus at most this many
+    rounds, then waits for the learner to take them in (0: generation overlaps one learner step;
+    none: unpaced)."""
+    threads: int | None = 1
+    """Torch threads per process (collector, learner, warm start): the two sides run at once, so
+    torch's default of one thread per core would oversubscribe the CPU (none: torch's default)."""
 
     # ---- buffer and learner
     buffer_backend: Literal["memmap", "zarr"] = "memmap"
@@ -74,8 +81,9 @@ class Settings:
     segment_rows: int = 1024
     """Rows per segment of the replay buffer (the unit of sealing and eviction)."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
-        batch_size=64, sample_window=128, new_rows_per_step=64, micro_batch_tokens=4096, lr=3e-4,
-        warmup_steps=5, max_staleness=2, publish_every=1, checkpoint_every=50, log_every=20,
+        batch_size=64, sampler="exact", uses_per_row=1, sample_window=128, new_rows_per_step=64,
+        micro_batch_tokens=4096, lr=3e-4, warmup_steps=5, max_staleness=2, publish_every=1,
+        checkpoint_every=50, log_every=20,
     ))
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
 
@@ -155,4 +163,6 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         tokenizer=tokenizer,
         preflight=lambda: preflight_rewards(rewards, prompts[:1], settings.group_size),
         collect_rounds_per_version=settings.rounds_per_version,
+        collect_rounds_ahead=settings.rounds_ahead,
+        torch_threads=settings.threads,
     )

@@ -3,7 +3,8 @@
 This is the learner's input contract. ``pad_batch`` (and ``PaddedCollator``, the same
 thing as a torchrl ``ReplayBuffer`` ``collate_fn``) turns B stored rows into the
 tensors a GRPO step reads, under torchrl 0.14's LLM key conventions, so torchrl's
-``GRPOLoss`` (``masking_strategy="sft"``) reads the result as is.
+``GRPOLoss`` (``masking_strategy="sft"``) reads the result as is (with the default int64 index
+dtype, below).
 
 Layout. With ``P`` = longest prompt in the batch and ``R`` = longest response, the
 full sequence of row ``b`` is its prompt LEFT-padded to ``P`` followed by its
@@ -19,19 +20,20 @@ at the column of the token they score: ``("log_probs", "full")[b, t]`` is the
 sampling log-prob of ``("tokens", "full")[b, t]`` given the tokens before it, and
 0 on prompt and padding columns.
 
-Output keys (``batch_size == [B]``); dtypes are exact:
+Output keys (``batch_size == [B]``); dtypes are exact (``index`` is ``index_dtype``, int64 by
+default, see below):
 
 =====================================  ============  =======  ==========================================
 key                                    shape         dtype    meaning
 =====================================  ============  =======  ==========================================
-("tokens", "full")                     (B, T)        int64    prompt (left-padded) + response (right-padded)
-("tokens", "prompt")                   (B, P)        int64    prompt, left-padded with ``pad_token_id``
-("tokens", "response")                 (B, R)        int64    response, right-padded with ``pad_token_id``
+("tokens", "full")                     (B, T)        index    prompt (left-padded) + response (right-padded)
+("tokens", "prompt")                   (B, P)        index    prompt, left-padded with ``pad_token_id``
+("tokens", "response")                 (B, R)        index    response, right-padded with ``pad_token_id``
 ("masks", "all_attention_mask")        (B, T)        bool     True on real (non-pad) tokens
 ("masks", "all_assistant_mask")        (B, T)        bool     True on response tokens (the loss mask)
 ("masks", "prompt")                    (B, P)        bool     True on real prompt tokens
 ("masks", "response")                  (B, R)        bool     True on real response tokens
-"position_ids"                         (B, T)        int64    ``cumsum(attention_mask) - 1`` clamped at 0
+"position_ids"                         (B, T)        index    ``cumsum(attention_mask) - 1`` clamped at 0
 ("log_probs", "full")                  (B, T)        float32  sampling log-probs at response columns, else 0
 ("log_probs", "response")              (B, R)        float32  sampling log-probs, right-padded with 0
 ("next", "ref_log_probs", "full") *    (B, T)        float32  reference log-probs at response columns
@@ -58,6 +60,15 @@ key                                    shape         dtype    meaning
 ``token_rewards``, ``advantage``). Text fields are not part of the padded batch, so
 read with ``store.read(positions, fields=padded_fields(store.schema))`` to skip them
 (decoding text is a large share of a read).
+
+Index dtype. ``index_dtype=torch.int64`` (the default) is what torchrl's ``GRPOLoss`` needs
+(its log-prob gather rejects int32 token ids). ``index_dtype=torch.int32`` stores the token
+ids and ``position_ids`` as int32: the ids are int32 in the store, so nothing is widened, and
+the two largest entries take half the bytes (a batch of 64 GRPO rows of ~1,300 columns: ~1.3
+of ~3.5 MB), which a GPU learner also copies to the device. Hugging Face causal LMs take int32
+``input_ids`` and ``position_ids`` (the embedding and the rotary positions accept them);
+:func:`rlhf_pipeline.learn.loss.response_logprobs` widens the gather index itself. The learner
+reads its batches this way.
 
 Why ``"advantage"`` is (B, T, 1): torchrl 0.14's ``GRPOLoss`` multiplies it with a
 per-token log-weight of shape (B, T, 1) and rejects any other number of dimensions;
@@ -124,8 +135,10 @@ def pad_batch(
     pad_token_id: int = 0,
     pin_memory: bool = False,
     device: torch.device | str | None = None,
+    index_dtype: torch.dtype = torch.int64,
 ) -> TensorDict:
     """Pads ``batch`` into the learner tensors described in the module docstring."""
+    check_index_dtype(index_dtype)
     if not isinstance(batch, TrajectoryBatch):
         raise TypeError(
             f"pad_batch expects a TrajectoryBatch, got {type(batch).__name__}; read rows with "
@@ -150,9 +163,9 @@ def pad_batch(
     prompt_pos = _flat_positions(prompt, first_column=prompt_width - prompt_lengths, width=width)
     response_pos = _flat_positions(response, first_column=torch.full_like(response_lengths, prompt_width), width=width)
 
-    full_tokens = torch.full((num_rows * width,), pad_token_id, dtype=torch.int64)
-    full_tokens.scatter_(0, prompt_pos, prompt.values.to(torch.int64))
-    full_tokens.scatter_(0, response_pos, response.values.to(torch.int64))
+    full_tokens = torch.full((num_rows * width,), pad_token_id, dtype=index_dtype)
+    full_tokens.scatter_(0, prompt_pos, prompt.values.to(index_dtype))
+    full_tokens.scatter_(0, response_pos, response.values.to(index_dtype))
 
     floats_full: dict[str, torch.Tensor] = {}
     for name in RESPONSE_FLOAT_KEYS:
@@ -175,6 +188,12 @@ def pad_batch(
     return place_padded(td, pin_memory=pin_memory, device=device)
 
 
+def check_index_dtype(index_dtype: torch.dtype) -> None:
+    if index_dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"index_dtype must be torch.int64 (the default, what torchrl's GRPOLoss needs) or "
+                         f"torch.int32 (half the bytes), got {index_dtype}")
+
+
 def place_padded(td: TensorDict, *, pin_memory: bool, device: torch.device | str | None) -> TensorDict:
     """Pins and moves a padded batch as the module docstring says."""
     if pin_memory and torch.cuda.is_available():
@@ -185,7 +204,7 @@ def place_padded(td: TensorDict, *, pin_memory: bool, device: torch.device | str
 
 
 def assemble_padded(
-    full_tokens: torch.Tensor,  # (B, T) int64, prompts ending at column P-1, responses from column P
+    full_tokens: torch.Tensor,  # (B, T) int64 or int32, prompts ending at column P-1, responses from column P
     prompt_width: int,  # P
     prompt_lengths: torch.Tensor,  # (B,) int64
     response_lengths: torch.Tensor,  # (B,) int64
@@ -198,6 +217,7 @@ def assemble_padded(
     produces the same keys, dtypes, views and values. Masks, ``position_ids`` and
     ``advantage`` depend only on the lengths: each row of them is a window of a fixed
     template (:class:`_LengthTemplates`), copied in with one ``index_select`` per part.
+    ``position_ids`` take the dtype of ``full_tokens`` (the index dtype).
     """
     num_rows, width = full_tokens.shape
     response_width = width - prompt_width  # R
@@ -214,10 +234,10 @@ def assemble_padded(
     assistant_mask[:, prompt_width:] = attention_mask[:, prompt_width:]
     # cumsum(attention_mask) - 1 clamped at 0: 0 before the prompt, then counting real
     # tokens, then the last count repeated over the right padding
-    position_ids = torch.index_select(templates.positions.unfold(0, width, 1), 0,
+    position_ids = torch.index_select(templates.positions_as(full_tokens.dtype).unfold(0, width, 1), 0,
                                       prompt_lengths + (templates.positions_cap - prompt_width))
     last_position = prompt_lengths + response_lengths - 1  # (B,)
-    torch.minimum(position_ids, last_position[:, None], out=position_ids)
+    torch.minimum(position_ids, last_position[:, None].to(position_ids.dtype), out=position_ids)
     if num_rows and int(last_position.min()) < 0:  # a row with no tokens at all: position 0
         position_ids.clamp_min_(0)
     out: dict[Any, torch.Tensor] = {
@@ -302,6 +322,11 @@ class _LengthTemplates:
         self.response_ones = self.response_mask.to(torch.float32)
         self.positions = torch.cat([torch.zeros(self.positions_cap, dtype=torch.int64),
                                     torch.arange(self.positions_cap, dtype=torch.int64)])
+        self._positions32 = self.positions.to(torch.int32)
+
+    def positions_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The positions template in ``dtype`` (int64 or int32)."""
+        return self._positions32 if dtype == torch.int32 else self.positions
 
     @classmethod
     def at_least(cls, prompt_width: int, response_width: int) -> _LengthTemplates:
@@ -360,6 +385,10 @@ class PaddedCollator:
     pad_token_id: int = 0
     pin_memory: bool = False
     device: torch.device | str | None = None
+    index_dtype: torch.dtype = torch.int64  # token ids and position_ids; int32 halves their bytes
+
+    def __post_init__(self) -> None:
+        check_index_dtype(self.index_dtype)
 
     def __call__(self, data: TrajectoryBatch | Any) -> TensorDict:
         if not isinstance(data, TrajectoryBatch):
@@ -370,7 +399,8 @@ class PaddedCollator:
                 )
             data = TrajectoryBatch.from_tensordict(data)
         return pad_batch(
-            data, pad_token_id=self.pad_token_id, pin_memory=self.pin_memory, device=self.device
+            data, pad_token_id=self.pad_token_id, pin_memory=self.pin_memory, device=self.device,
+            index_dtype=self.index_dtype,
         )
 
     def read(self, store: Any, positions: torch.Tensor | list[int]) -> TensorDict:
@@ -380,6 +410,6 @@ class PaddedCollator:
         read_padded = getattr(store, "read_padded", None)
         if read_padded is not None:
             return read_padded(positions, pad_token_id=self.pad_token_id, pin_memory=self.pin_memory,
-                               device=self.device)
+                               device=self.device, index_dtype=self.index_dtype)
         return self(store.read(positions, fields=padded_fields(store.schema)))
 

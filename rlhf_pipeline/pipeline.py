@@ -94,6 +94,16 @@ class RunPaths:
         return self.root / "settings.json"
 
     @property
+    def pacing(self) -> Path:
+        """What the learner has taken in, rewritten after every batch; collectors pace by it
+        (``rlhf_pipeline/pacing.py``)."""
+        return self.root / "pacing.json"
+
+    def collector_metrics(self, collector_index: int) -> Path:
+        """Collector ``collector_index``'s metrics: one JSON line per round."""
+        return self.root / "collector" / f"metrics-{collector_index:04d}.jsonl"
+
+    @property
     def stop_file(self) -> Path:
         """Written by ``run`` when the learner is done: a standalone collector stops too."""
         return self.root / "STOP"
@@ -144,6 +154,15 @@ class Pipeline:
     collect_rounds_per_version: int | None = 2
     """A collector writes at most this many rounds per policy version, then waits for new
     weights: rows much older than the learner would only be dropped as stale. None: no limit."""
+    collect_rounds_ahead: int | None = 0
+    """Pacing: a collector generates what the learner's next batch needs (its share, with
+    several collectors) plus at most this many rounds, then waits for the learner to take them
+    in (``rlhf_pipeline/pacing.py``): no generation the learner would not train on. 0 overlaps
+    generation with exactly one learner step; None: no pacing."""
+    torch_threads: int | None = None
+    """Intra-op torch threads of each process (collector, learner, the warm start). Collector and
+    learner run side by side, so one each is often fastest on a small CPU machine; None: torch's
+    default."""
 
 
 def preflight_rewards(rewards: Any, records: Sequence[Any], group_size: int) -> None:

@@ -63,7 +63,13 @@ class RunError(RuntimeError):
 def run_command(command: str, *, pipeline_path: str, steps: int | None = None, home: str | None = None,
                 run_name: str | None = None, device: str | None = None,
                 overrides: Sequence[str] = (), list_settings: bool = False,
-                collectors: int = 1, collector_index: int = 0, stop_fd: int | None = None) -> int:
+                collectors: int = 1, collector_index: int = 0, stop_fd: int | None = None,
+                wait_for_launcher: bool = False) -> int:
+    if wait_for_launcher:  # a child of `run`, started before the run directory was ready
+        from rlhf_pipeline.launch import wait_for_launcher as wait
+
+        if not wait(command):
+            return 0  # run's checks failed or it was interrupted; it says why
     if collectors < 1:
         raise PipelineError(f"--collectors must be >= 1, got {collectors}")
     if collector_index < 0:
@@ -87,11 +93,19 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _terminated_while_preparing)
     _StopFlag.launcher_fd = stop_fd
-    pipeline = build_pipeline(module, settings, paths)
-
     if command == "run":
-        prepare_run(pipeline, paths, shards=range(collectors))
-        return _run_both(pipeline_path, steps, paths, device, overrides, collectors)
+        # the children import torch & co. while this process checks and prepares (launch.py)
+        children = _start_children(pipeline_path, steps, paths, device, overrides, collectors)
+        try:
+            pipeline = build_pipeline(module, settings, paths)
+            _set_threads(pipeline)  # before the warm start
+            prepare_run(pipeline, paths, shards=range(collectors))
+        except BaseException:
+            children.abandon()
+            raise
+        return _run_both(paths, collectors, children)
+    pipeline = build_pipeline(module, settings, paths)
+    _set_threads(pipeline)
     if command == "collect":
         prepare_run(pipeline, paths, shards=(collector_index,))
         return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
@@ -319,6 +333,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
     """
     from rlhf_pipeline.collect.position import CollectorPosition
+    from rlhf_pipeline.learn.metrics import MetricsWriter
+    from rlhf_pipeline.pacing import CollectorPacer, shard_key
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.weights import WeightsPoller
 
@@ -345,6 +361,11 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                   file=sys.stderr, flush=True)
         collector.set_policy_state(state, version)
         rounds_at_version = 0
+        # generate no more than the learner will take in, plus collect_rounds_ahead rounds
+        pacer = CollectorPacer(paths.pacing, shard_key(store_path, paths.buffer), pipeline.collect_rounds_ahead,
+                               round_rows=_round_rows(collector))
+        metrics = MetricsWriter(paths.collector_metrics(collector_index))
+        waited = paced_total = 0.0
         print(f"{tag} writing to {store_path} with policy version {version}", file=sys.stderr, flush=True)
         while not _should_stop(stop, paths) and (rounds is None or done < rounds):
             update = poller.poll()
@@ -352,22 +373,51 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 collector.set_policy_state(*update)
                 rounds_at_version = 0
             limit = pipeline.collect_rounds_per_version
-            if limit is not None and rounds_at_version >= limit:
-                # far enough ahead of the learner: more rows now would only go stale
-                time.sleep(0.05)
+            if (limit is not None and rounds_at_version >= limit) or not pacer.may_collect(store.next_row):
+                # far enough ahead of the learner: more rows now would go stale or untrained
+                started = time.perf_counter()
+                time.sleep(0.02)
+                waited += time.perf_counter() - started
                 continue
+            rows_before = store.next_row
             batch = collector.collect(before_write=position.before_write)
             position.after_write(collector.state_dict())
+            pacer.round_written(store.next_row - rows_before)
             done += 1
             rounds_at_version += 1
+            paced_total += waited
+            metrics.log(getattr(collector, "batches_emitted", done), {
+                **getattr(collector, "last_metrics", {}), "rows_written": float(store.next_row - rows_before),
+                "shard_rows": float(store.next_row), "paced_wait_s": waited})
+            waited = 0.0
             if done % 50 == 0:
                 print(f"{tag} round {done}: {len(batch)} rows, shard {len(store)} rows, "
-                      f"policy version {poller.current_version}", file=sys.stderr, flush=True)
+                      f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner",
+                      file=sys.stderr, flush=True)
+        metrics.close()
     finally:
         store.close()
         stop.restore()
-    print(f"{tag} stopped after {done} rounds", file=sys.stderr, flush=True)
+    print(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)",
+          file=sys.stderr, flush=True)
     return stop.exit_code()
+
+
+def _round_rows(collector: Any) -> int | None:
+    """Rows one round writes, when the collector says (``CollectorConfig``); pacing counts in rounds."""
+    config = getattr(collector, "config", None)
+    try:
+        return int(config.prompts_per_batch) * int(config.num_generations)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _set_threads(pipeline: Pipeline) -> None:
+    """``pipeline.torch_threads`` intra-op threads in this process (collector and learner run side by side)."""
+    if pipeline.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(pipeline.torch_threads)
 
 
 def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index: int) -> Any:
@@ -433,14 +483,13 @@ def learn_main(pipeline: Pipeline, paths: RunPaths) -> int:
 
 
 # ====================================================================== both
-def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
-              overrides: Sequence[str], collectors: int = 1) -> int:
+def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
+                    overrides: Sequence[str], collectors: int):
+    """Starts the collectors and the learner, which import their modules and wait for ``go``."""
+    from rlhf_pipeline.launch import Children
+
     paths.stop_file.unlink(missing_ok=True)
-    # the children's stop channel: they stop cleanly when we write to it or when it closes,
-    # which the kernel does for us if this process dies, even by kill -9
-    stop_read, stop_write = os.pipe()
-    common = [pipeline_path, "--home", str(paths.root.parent), "--run-name", paths.root.name,
-              "--stop-fd", str(stop_read)]
+    common = [pipeline_path, "--home", str(paths.root.parent), "--run-name", paths.root.name]
     if device is not None:
         common += ["--device", device]
     for item in overrides:
@@ -448,19 +497,20 @@ def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: st
     # the collector runs until the learner is done (STOP), so it gets no --steps
     learner_steps = ["--steps", str(steps)] if steps is not None else []
     launcher = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
+    return Children.start(launcher, common, learner_steps, collectors)
+
+
+def _run_both(paths: RunPaths, collectors: int, children) -> int:
+    """Lets the waiting children go, then watches them until the learner is done or a signal."""
+    collector_procs, learner = children.collectors, children.learner
+    stop_write = children.stop_write
     print(f"[run] run directory {paths.root}" + (f" with {collectors} collectors" if collectors > 1 else ""),
           file=sys.stderr, flush=True)
-    signals = _LauncherSignals()  # before any child exists, so no signal is missed
+    signals = _LauncherSignals()  # before the children go, so no signal is missed
     try:
-        # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
-        collector_procs = {
-            k: subprocess.Popen(launcher + ["collect", *common] + (["--collector-index", str(k)] if k else []),
-                                pass_fds=(stop_read,))
-            for k in range(collectors)
-        }
-        learner = subprocess.Popen(launcher + ["learn", *common, *learner_steps], pass_fds=(stop_read,))
-        os.close(stop_read)
-        children = [*collector_procs.values(), learner]
+        children.go()
+        processes = [*collector_procs.values(), learner]
         while not signals.received and learner.poll() is None:
             for k, p in collector_procs.items():
                 code = p.poll()
@@ -468,15 +518,15 @@ def _run_both(pipeline_path: str, steps: int | None, paths: RunPaths, device: st
                     # (a clean exit after STOP means the learner finished and is exiting too)
                     continue
                 # a collector died: stop the learner (it checkpoints) and the other collectors
-                _ask_to_stop(stop_write, len(children))
-                _wait_all(children, signals)
+                _ask_to_stop(stop_write, len(processes))
+                _wait_all(processes, signals)
                 name = "the collector" if collectors == 1 else f"collector {k}"
                 raise RunError(f"{name} exited early (exit code {code}); see its error above. The "
                                f"learner saved a checkpoint; rerun to resume")
             time.sleep(0.2)
         if signals.received:
-            _ask_to_stop(stop_write, len(children))
-            _wait_all(children, signals)
+            _ask_to_stop(stop_write, len(processes))
+            _wait_all(processes, signals)
         else:
             paths.stop_file.touch()  # every collector ends after its current round
             for p in collector_procs.values():

@@ -375,3 +375,27 @@ def test_replay_buffer_sample_reads_through_the_fused_path(tmp_path, monkeypatch
                 assert torch.equal(got[key], expected[key]), key
             assert torch.equal(got["trajectory_id"], batch["trajectory_id"][info["index"]])
     assert calls == [8, 8, 8]  # only the PaddedCollator buffer took the fused path
+
+
+@pytest.mark.parametrize("backend", ["memmap", "zarr"])
+def test_int32_index_dtype_halves_ids_and_positions_and_nothing_else_changes(tmp_path, backend):
+    """The learner's batches: token ids and position_ids as int32, every value as in the default."""
+    from helpers import assert_same_padded
+
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage import create_store
+
+    batch = synthetic_batch(40, group_size=4, prompt_len=(1, 9), response_len=(1, 12),
+                            optional_fields=ALL_OPTIONAL, seed=6)
+    wide, narrow = pad_batch(batch, pad_token_id=3), pad_batch(batch, pad_token_id=3, index_dtype=torch.int32)
+    narrowed = {("tokens", "full"), ("tokens", "prompt"), ("tokens", "response"), "position_ids"}
+    for key in wide.keys(True, True):
+        assert narrow[key].dtype == (torch.int32 if key in narrowed else wide[key].dtype), key
+        assert torch.equal(narrow[key].to(wide[key].dtype), wide[key]), key
+    positions = torch.tensor([39, 0, 17, 17, 8, 31])
+    with create_store(tmp_path / "b", backend, schema=StoreSchema(ALL_OPTIONAL), segment_rows=16) as store:
+        store.append(batch)
+        got = PaddedCollator(pad_token_id=3, index_dtype=torch.int32).read(store, positions)
+        assert_same_padded(got, pad_batch(batch.select(positions), pad_token_id=3, index_dtype=torch.int32))
+    with pytest.raises(ValueError, match="index_dtype must be torch.int64 .* or torch.int32"):
+        PaddedCollator(index_dtype=torch.int16)

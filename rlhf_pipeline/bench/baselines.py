@@ -48,6 +48,7 @@ def assemble_from_padded(
     response_lengths: torch.Tensor,  # (B,)
     response_floats: dict[str, torch.Tensor],  # schema field -> (B, R) right-padded with 0
     rows: dict[str, torch.Tensor],  # schema row field -> (B,)
+    index_dtype: torch.dtype = torch.int64,  # of the token ids and position_ids
 ) -> TensorDict:
     """The collator's output contract, built from already padded pieces."""
     num_rows, prompt_width = prompt_left.shape
@@ -57,7 +58,7 @@ def assemble_from_padded(
     response_end = (prompt_width + response_lengths)[:, None]
     attention_mask = (columns >= prompt_start) & (columns < response_end)
     assistant_mask = (columns >= prompt_width) & (columns < response_end)
-    full_tokens = torch.cat([prompt_left.to(torch.int64), response_right.to(torch.int64)], dim=1)
+    full_tokens = torch.cat([prompt_left.to(index_dtype), response_right.to(index_dtype)], dim=1)
     out = {
         ("tokens", "full"): full_tokens,
         ("tokens", "prompt"): full_tokens[:, :prompt_width],
@@ -66,7 +67,7 @@ def assemble_from_padded(
         ("masks", "all_assistant_mask"): assistant_mask,
         ("masks", "prompt"): attention_mask[:, :prompt_width],
         ("masks", "response"): assistant_mask[:, prompt_width:],
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp_min(0),
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp_min(0).to(index_dtype),
         "prompt_lengths": prompt_lengths,
         "response_lengths": response_lengths,
     }
@@ -142,10 +143,11 @@ class RawNumpyBackend:
         prompt_width = int(prompt_lengths.max())
         width = prompt_width + int(response_lengths.max())
         num_rows = len(index)
-        tokens = np.full((num_rows, width), PAD_TOKEN_ID, dtype=np.int64)
+        index_dtype = np.int32 if self._spec.index_dtype == "int32" else np.int64
+        tokens = np.full((num_rows, width), PAD_TOKEN_ID, dtype=index_dtype)
         attention = np.zeros((num_rows, width), dtype=np.bool_)
         assistant = np.zeros((num_rows, width), dtype=np.bool_)
-        position_ids = np.zeros((num_rows, width), dtype=np.int64)
+        position_ids = np.zeros((num_rows, width), dtype=index_dtype)
         float_names = [n for n in _RESPONSE_FLOATS if n in self._values]
         floats = {n: np.zeros((num_rows, width), dtype=np.float32) for n in float_names}
         has_advantage = "advantage" in self._values
@@ -251,7 +253,7 @@ class TorchRLLazyStackBackend:
         return assemble_from_padded(
             prompt_left, response_right,
             torch.tensor([t.numel() for t in prompt_lengths]), torch.tensor([t.numel() for t in response_list]),
-            floats, rows,
+            floats, rows, self._spec.torch_index_dtype,
         )
 
     def disk_bytes(self) -> int:
@@ -307,7 +309,8 @@ class TorchRLLazyMemmapBackend:
         floats = {n: td[n][:, :response_width] for n in _RESPONSE_FLOATS if n in td.keys()}
         rows = {n: td[n] for n in _ROW_FIELDS if n in td.keys()}
         return assemble_from_padded(
-            prompt_left, td["response_tokens"][:, :response_width], prompt_lengths, response_lengths, floats, rows
+            prompt_left, td["response_tokens"][:, :response_width], prompt_lengths, response_lengths, floats, rows,
+            self._spec.torch_index_dtype,
         )
 
     def disk_bytes(self) -> int:

@@ -5,13 +5,17 @@ machine two rows of its table can be measured in a fast and a slow minute and th
 ratio says as much about the neighbours as about the backends. Here every backend is
 set up in this one process with the same data, then sampled round-robin: each round,
 every backend in turn serves ``batches_per_round`` padded batches of 64 at fresh random
-positions (first touches of pages count as they do in a learner). Each backend's
+positions (first touches of pages count as they do in a learner). The order of the backends
+is shuffled every round (seeded): a backend that always ran right after ``raw-numpy`` started
+every round with the caches that its large allocations left cold (in an A/B of single batches
+here, a memmap batch right after a raw-numpy one took ~15% longer than in a shuffled order). Each backend's
 per-round milliseconds per batch give a minimum and a median; ratios are of medians
 against ``raw-numpy``, taken over rounds that ran side by side.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import tempfile
 import time
@@ -47,7 +51,9 @@ def sample_interleaved(spec: BenchSpec, backends: list[str], *, rounds: int = 15
             for number in range(rounds):
                 positions = [torch.randint(0, spec.completions, (spec.sample_batch_size,), generator=generator)
                              for _ in range(batches_per_round)]
-                for name, backend in opened:
+                order = list(opened)
+                random.Random(spec.seed * 1_000_003 + number).shuffle(order)
+                for name, backend in order:
                     start = time.perf_counter()
                     for index in positions:
                         backend.sample_padded(index)

@@ -105,6 +105,13 @@ class BenchSpec:
     sample_batches: int = 200
     seed: int = 0
     optional_fields: tuple[str, ...] = ("advantage",)
+    index_dtype: str = "int32"  # of token ids and position_ids: the learner's (int64: pad_batch's default)
+
+    @property
+    def torch_index_dtype(self) -> torch.dtype:
+        import torch
+
+        return {"int32": torch.int32, "int64": torch.int64}[self.index_dtype]
 
     @property
     def schema(self) -> StoreSchema:
@@ -159,7 +166,7 @@ class TrajectoryStoreBackend:
 
         self._dir = directory
         self._store = self._create(directory / "buffer", spec.schema)
-        self._collator = PaddedCollator()
+        self._collator = PaddedCollator(index_dtype=spec.torch_index_dtype)
 
     def write(self, batch: TrajectoryBatch) -> None:
         self._store.append(batch)
@@ -388,6 +395,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-batches", type=int, default=defaults.sample_batches,
                         help="padded batches of 64 sampled per backend (default %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="data and position seed")
+    parser.add_argument("--index-dtype", choices=("int32", "int64"), default=defaults.index_dtype,
+                        help="dtype of the token ids and position_ids every backend returns: int32 is what "
+                             "the learner reads, int64 pad_batch's default (default %(default)s)"),
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the backends round-robin N times and keep each one's best figures "
                              "(steadier ratios on a shared machine; default %(default)s)")
@@ -407,7 +417,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
     if args.completions < 1 or args.sample_batches < 1 or args.repeat < 1:
         raise SystemExit("--completions, --sample-batches and --repeat must be >= 1")
-    spec = BenchSpec(completions=args.completions, sample_batches=args.sample_batches, seed=args.seed)
+    spec = BenchSpec(completions=args.completions, sample_batches=args.sample_batches, seed=args.seed,
+                     index_dtype=args.index_dtype)
     if args.interleaved:
         from rlhf_pipeline.bench.interleaved import format_interleaved, sample_interleaved
 
@@ -416,7 +427,7 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps(records))
         else:
             print(f"padded sampling at the same moments: {spec.completions} completions, batches of "
-                  f"{spec.sample_batch_size}, {records[0]['rounds']} interleaved rounds of "
+                  f"{spec.sample_batch_size}, {spec.index_dtype} ids, {records[0]['rounds']} interleaved rounds of "
                   f"{records[0]['batches_per_round']} batches per backend")
             print(format_interleaved(records))
         return 0
@@ -427,7 +438,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"storage benchmark: {spec.completions} completions, groups of {spec.group_size}, prompt "
               f"{spec.min_prompt_len}-{spec.max_prompt_len}, response {spec.min_response_len}-"
               f"{spec.max_response_len} tokens; writes in batches of {spec.write_batch_size}; "
-              f"{spec.sample_batches} padded batches of {spec.sample_batch_size}"
+              f"{spec.sample_batches} padded batches of {spec.sample_batch_size} ({spec.index_dtype} ids)"
               + (f"; best of {args.repeat} round-robin runs per backend" if args.repeat > 1 else ""))
         print(format_table(records))
     return 0

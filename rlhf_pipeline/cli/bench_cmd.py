@@ -30,6 +30,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rlhf_pipeline.bench.replay_bench",
         "epoch-order replay of a buffer bigger than the Zarr cache: memmap vs Zarr, uniform sampling beside",
     ),
+    "e2e": (
+        "rlhf_pipeline.bench.e2e_bench",
+        "the default pipeline against a synchronous generate-then-train loop, to the same steps",
+    ),
 }
 
 

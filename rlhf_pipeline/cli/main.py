@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "filter": ("rlhf_pipeline.cli.filter_cmd", "keep rows or whole groups of a buffer: a new buffer or a selection"),
     "replay": ("rlhf_pipeline.cli.replay_cmd", "train a new run from a recorded buffer (epochs, no generation)"),
     "repair": ("rlhf_pipeline.cli.repair_cmd", "rebuild a damaged buffer's published state (dry run by default)"),
-    "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path, curation, replay"),
+    "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path, curation, replay, e2e"),
 }
 
 

@@ -15,6 +15,11 @@ One optimizer step:
 4. every ``publish_every`` steps publish the weights as a new version (``weights.py``);
    write metrics; every ``checkpoint_every`` steps (and on stop) save a checkpoint.
 
+After taking each batch the learner publishes what it has taken in from each shard
+(``<run>/pacing.json``), so collectors generate no more than it will train on
+(:mod:`rlhf_pipeline.pacing`); it counts the distinct rows it trained on against the rows
+generated, and logs how stale they were (``learn/usage.py``).
+
 On CUDA the forward runs under bf16 autocast, batches are pinned by the prefetch thread
 and copied with ``non_blocking=True``. A resumed run loads model, optimizer, scheduler,
 RNG and progress and continues exactly as an uninterrupted one would over the same data.
@@ -31,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlhf_pipeline.ids import collector_index_of
@@ -51,6 +57,9 @@ from rlhf_pipeline.learn.microbatch import split_microbatches, take_rows
 from rlhf_pipeline.learn.prefetch import Prefetcher
 from rlhf_pipeline.learn.sampling import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.learn.shard_rows import next_rows, row_names
+from rlhf_pipeline.learn.usage import TrainedRows, staleness_metrics
+from rlhf_pipeline.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.pipeline import RunPaths
 
 
@@ -102,6 +111,8 @@ class Learner:
         self._store = None
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
+        self._pacing = PacingPublisher(paths.pacing)
+        self._trained = TrainedRows()
 
     @classmethod
     def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None) -> Learner:
@@ -119,6 +130,14 @@ class Learner:
         self._setup_data(checkpoint)
         if checkpoint is not None:
             restore_rng_state(checkpoint["rng"])
+            if checkpoint.get("trained_rows") is not None:
+                self._trained.load_state_dict(checkpoint["trained_rows"])
+        # collectors wait on this: a resumed learner restarts from its checkpoint's intake
+        saved = (checkpoint or {}).get("intake")
+        intake = LearnerIntake.from_json(saved) if saved else LearnerIntake(self.progress.step, self.progress.draws,
+                                                                            {}, self.settings.batch_size)
+        intake.waiting_since = None  # a wait from before the stop is over
+        self._pacing.publish(intake)
         truncate_metrics(self.paths.metrics, self.progress.step)
         self._metrics = MetricsWriter(self.paths.metrics, self.paths.tensorboard)
         if self.show_progress:
@@ -173,10 +192,17 @@ class Learner:
         if checkpoint is not None:
             # checkpoints from before learner samplers kept the window sampler's state in Progress
             self._sampler_state = checkpoint.get("sampler") or {"min_next_row": self.progress.min_next_row}
-            self.sampler.load_state_dict(self._sampler_state)
+            try:
+                self.sampler.load_state_dict(self._sampler_state)
+            except KeyError:  # learner.* may change on resume, the sampler too: it starts afresh
+                print(f"[learner] the checkpoint's sampler state is another sampler's; "
+                      f"{self.settings.sampler!r} starts from the buffer as it is now", file=sys.stderr, flush=True)
+                self._sampler_state = self.sampler.state_dict()
         self.sampler.current_version = self.progress.policy_version
         pin = self.device.type == "cuda"
-        collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None)
+        # int32 token and position ids: half their bytes, nothing widened (collate.py, "Index dtype")
+        collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None,
+                                  index_dtype=torch.int32)
 
         def produce(draw: int):
             sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
@@ -187,12 +213,27 @@ class Learner:
                     batch = batch.pin_memory()
             return sampled, batch
 
-        self._prefetcher = Prefetcher(produce, self.progress.draws, depth=self.settings.prefetch_depth,
-                                      stop=self.stop_event)
+        self._prefetcher = Prefetcher(self._naming_rows(produce), self.progress.draws,
+                                      depth=self.settings.prefetch_depth, stop=self.stop_event)
+
+    def _naming_rows(self, produce: Callable[[int], tuple[Any, Any]]) -> Callable[[int], tuple[Any, ...]]:
+        """``produce`` plus what outlives the store's next refresh, taken on the prefetch thread
+        right after the draw: each row's shard and global id, and the rows taken in per shard."""
+        default_need = self.settings.new_rows_per_step or self.settings.batch_size
+
+        def produce_named(draw: int):
+            sampled, batch = produce(draw)
+            consumed = sampled.consumed if sampled.consumed is not None else next_rows(self._store)
+            need = default_need if sampled.next_draw_rows is None else sampled.next_draw_rows
+            return sampled, batch, row_names(self._store, sampled.positions), LearnerIntake(consumed=consumed,
+                                                                                            next_draw_rows=need)
+
+        return produce_named
 
     # ================================================================== train
-    def train(self, max_steps: int | None = None) -> bool:
-        """Runs until ``steps``, a stop request, or ``max_steps`` more steps (then checkpoints).
+    def train(self, max_steps: int | None = None, *, checkpoint_when_paused: bool = True) -> bool:
+        """Runs until ``steps``, a stop request, or ``max_steps`` more steps (then checkpoints,
+        unless ``checkpoint_when_paused`` is False: a caller that trains a step at a time).
 
         Returns True when all ``steps`` were taken.
         """
@@ -201,7 +242,7 @@ class Learner:
         until = self.total_steps if max_steps is None else min(self.total_steps, self.progress.step + max_steps)
         while self.progress.step < until and not self.stop_event.is_set():
             try:
-                draw, (sampled, batch), wait = self._prefetcher.next()
+                draw, (sampled, batch, names, intake), wait = self._prefetcher.next(on_wait=self._pacing.waiting)
             except InterruptedError:
                 break
             assert draw == self.progress.draws, (draw, self.progress.draws)
@@ -211,13 +252,17 @@ class Learner:
             self._sampler_state = sampled.sampler_state
             if sampled.weights is not None:  # prioritized sampling: the loss weighs each row
                 batch["sample_weight"] = sampled.weights.to(torch.float32)
-            batch, stale_now = self._drop_stale(batch)
+            intake.step, intake.draws = self.progress.step, self.progress.draws
+            self._pacing.publish(intake)  # collectors may now generate the rows the next draw needs
+            kept = self._fresh_mask(batch)
+            batch, stale_now = self._drop_stale(batch, kept)
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
             if batch is None:  # every row went stale while it waited in the prefetch queue
                 continue
             t0 = time.perf_counter()
             metrics = self._train_step(batch)
+            self._trained.mark(names.select(kept).by_shard())
             self.progress.step += 1
             if self.progress.step % self.settings.publish_every == 0:
                 self._publish()
@@ -229,6 +274,10 @@ class Learner:
                 "charts/rows_dropped_stale_total": float(self.progress.rows_dropped_stale),
                 "charts/policy_version": float(self.progress.policy_version),
                 "charts/buffer_rows": float(sampled.buffer_rows),
+                # waste: rows ever written to the buffer over the distinct rows trained on so far
+                "charts/rows_generated": float(sampled.buffer_next_row),
+                "charts/rows_trained": float(self._trained.count),
+                "charts/rows_generated_per_row_trained": sampled.buffer_next_row / max(self._trained.count, 1),
                 "charts/step_time_s": elapsed,
                 **sampled.metrics,
             })
@@ -242,23 +291,28 @@ class Learner:
             if self.progress.step % self.settings.checkpoint_every == 0 or self.progress.step == self.total_steps:
                 self.save_checkpoint()
         finished = self.progress.step >= self.total_steps
-        if not finished:
+        if not finished and (checkpoint_when_paused or self.stop_event.is_set()):
             self.save_checkpoint()
             print(f"[learner] stopped at step {self.progress.step}; checkpoint saved, run the same "
                   f"command again to resume", file=sys.stderr, flush=True)
         return finished
 
-    def _drop_stale(self, batch):
-        """Re-checks staleness at use time: the version may have moved since the batch was sampled."""
+    def _fresh_mask(self, batch) -> np.ndarray:
+        """Which rows of ``batch`` are within ``max_staleness`` versions of the learner now: the
+        version may have moved since the batch was sampled."""
         bound = self.settings.max_staleness
         if bound is None:
+            return np.ones(batch.batch_size[0], dtype=bool)
+        return (batch["policy_version"] >= self.progress.policy_version - bound).numpy()
+
+    @staticmethod
+    def _drop_stale(batch, fresh: np.ndarray):
+        """``batch`` without the rows ``fresh`` rejects (None when none is left), and their count."""
+        if fresh.all():
             return batch, 0
-        fresh = batch["policy_version"] >= self.progress.policy_version - bound
-        if bool(fresh.all()):
-            return batch, 0
-        if not bool(fresh.any()):
-            return None, int(fresh.numel())
-        return take_rows(batch, torch.nonzero(fresh).reshape(-1)), int((~fresh).sum())
+        if not fresh.any():
+            return None, int(fresh.size)
+        return take_rows(batch, torch.from_numpy(np.flatnonzero(fresh))), int((~fresh).sum())
 
     def _train_step(self, batch) -> dict[str, float]:
         s = self.settings
@@ -310,6 +364,7 @@ class Learner:
             "charts/row_version_min": float(row_versions.min()),
             "charts/row_version_max": float(row_versions.max()),
             "charts/row_version_spread": float(row_versions.max() - row_versions.min()),
+            **staleness_metrics(staleness),  # mean and max again, median, p90, fraction 0 / 1 / 2 / 3+ stale
             "charts/learning_rate": lr_used,
             "charts/rows": float(total_rows),
             "_tokens": float(int(cpu["masks", "all_attention_mask"].sum())),
@@ -340,6 +395,8 @@ class Learner:
             "rng": capture_rng_state(),
             "buffer": self._store.state_dict() if self._store is not None else None,
             "sampler": self._sampler_state,
+            "trained_rows": self._trained.state_dict(),
+            "intake": self._pacing.intake.to_json(),
         }
         self.checkpoints.save(self.progress, state)
 

@@ -231,7 +231,8 @@ def response_logprobs(model, padded_batch, temperature: float = 1.0) -> tuple[to
     logits = model(input_ids=tokens, attention_mask=attention.long(), position_ids=positions).logits  # (B, T, V)
     logits = logits[:, :-1].float() / temperature  # (B, T-1, V) predicts tokens 1..T-1
     logp_all = torch.log_softmax(logits, dim=-1)
-    token_logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    # gather wants int64 indices; learner batches carry int32 ids (collate.py, "Index dtype")
+    token_logp = logp_all.gather(-1, tokens[:, 1:, None].long()).squeeze(-1)  # (B, T-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T-1)
     zeros = token_logp.new_zeros(tokens.shape[0], 1)
     valid = attention[:, 1:].bool()

@@ -45,11 +45,13 @@ class Prefetcher:
                 return
             step += 1
 
-    def next(self) -> tuple[int, Any, float]:
+    def next(self, on_wait: Callable[[], None] | None = None) -> tuple[int, Any, float]:
         """``(i, item, seconds the caller waited for it)``; re-raises the producer's error.
 
-        Raises InterruptedError once the stop event is set while nothing is queued: the
-        producer drops what it was making when stopped, so waiting on could never end.
+        ``on_wait()`` is called once when nothing has come for 0.1 s (the learner then tells
+        collectors it is waiting, ``rlhf_pipeline/pacing.py``). Raises InterruptedError once
+        the stop event is set while nothing is queued: the producer drops what it was making
+        when stopped, so waiting on could never end.
         """
         start = time.perf_counter()
         while True:
@@ -59,6 +61,9 @@ class Prefetcher:
             except queue.Empty:
                 if self._stop.is_set() or not self._thread.is_alive():
                     raise InterruptedError("prefetching stopped") from None
+                if on_wait is not None:
+                    on_wait()
+                    on_wait = None
         waited = time.perf_counter() - start
         if exc is not None:
             raise exc

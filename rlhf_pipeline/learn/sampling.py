@@ -47,6 +47,12 @@ class SampledRows:
     sampler_state: dict[str, Any] = field(default_factory=dict)  # state_dict() right after this draw
     weights: torch.Tensor | None = None  # (batch_size,) importance weights the loss applies per row, if any
     metrics: dict[str, float] = field(default_factory=dict)  # logged by the learner with the step's metrics
+    # rows the learner has taken in with this draw, per shard key (learn/shard_rows.py): what
+    # collectors pace themselves by (rlhf_pipeline/pacing.py). None: every row published when
+    # the draw was made (the learner fills that in)
+    consumed: dict[str, int] | None = None
+    # new rows the next draw waits for (None: learner.new_rows_per_step, or batch_size when 0)
+    next_draw_rows: int | None = None
 
 
 class BatchSampler(Protocol):
@@ -68,6 +74,14 @@ def _window(settings: LearnerSettings, store, *, seed: int, stop: threading.Even
     return FreshRowSampler(store, batch_size=settings.batch_size, window=settings.sample_window, seed=seed,
                            max_staleness=settings.max_staleness, new_rows_per_draw=settings.new_rows_per_step,
                            timeout_s=timeout_s, stop=stop)
+
+
+def _exact(settings: LearnerSettings, store, *, seed: int, stop: threading.Event,
+           timeout_s: float) -> BatchSampler:
+    from rlhf_pipeline.learn.exact_sampler import ExactUseSampler
+
+    return ExactUseSampler(store, batch_size=settings.batch_size, uses=settings.uses_per_row,
+                           max_staleness=settings.max_staleness, timeout_s=timeout_s, stop=stop)
 
 
 def _groups(settings: LearnerSettings, store, *, seed: int, stop: threading.Event,
@@ -99,13 +113,15 @@ def _epoch(settings: LearnerSettings, store, *, seed: int, stop: threading.Event
 
 
 #: ``learner.sampler`` name -> factory. ``window``: uniform over the newest ``sample_window`` rows,
-#: once ``new_rows_per_step`` new rows arrived (learn/window_sampler.py). ``groups``: whole groups
+#: once ``new_rows_per_step`` new rows arrived (learn/window_sampler.py). ``exact``: every fresh
+#: row in exactly ``uses_per_row`` steps, in write order (learn/exact_sampler.py). ``groups``: whole groups
 #: from the same window, zero-variance groups optionally replaced (learn/group_sampler.py).
 #: ``prioritized``: rows of the whole buffer by priority, with importance weights
 #: (learn/prioritized_sampler.py). ``epoch``: every row of a recorded buffer once per epoch, in
 #: ``epoch_order`` (learn/epoch_sampler.py; ``replay``).
 SAMPLERS: dict[str, Callable[..., BatchSampler]] = {
     "window": _window,
+    "exact": _exact,
     "groups": _groups,
     "prioritized": _prioritized,
     "epoch": _epoch,

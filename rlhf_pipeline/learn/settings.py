@@ -75,8 +75,9 @@ class LearnerSettings:
     """Rows (completions) per optimizer step."""
     sampler: str = "window"
     """How each step picks its rows (learn/sampling.py lists them): window = uniformly from the
-    newest sample_window rows, once new_rows_per_step new rows arrived; groups = whole groups from
-    that window (see replace_zero_variance); prioritized = rows of the whole buffer by priority,
+    newest sample_window rows, once new_rows_per_step new rows arrived; exact = every fresh row
+    in exactly uses_per_row steps, in the order written (no row left out or drawn twice);
+    groups = whole groups from that window (see replace_zero_variance); prioritized = rows of the whole buffer by priority,
     the loss weighted by importance weights (see priority); epoch = every row of a recorded buffer
     once per epoch (what `rlhf-pipeline replay` uses)."""
     sample_window: int = 128
@@ -91,6 +92,9 @@ class LearnerSettings:
     """sampler=epoch, epoch_order=shuffle: rows are shuffled within windows of whole storage units
     holding at least this many rows (0: the whole buffer). Keep a window's decoded units within a
     Zarr store's cache_bytes."""
+    uses_per_row: int = 1
+    """sampler=exact: every fresh row is trained on by exactly this many consecutive steps (1:
+    on-policy GRPO with one step of overlap); new rows per step are then batch_size / this."""
     micro_batch_tokens: int = 8192
     """Padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate."""
     lr: float = 1e-4
@@ -157,6 +161,8 @@ class LearnerSettings:
             raise bad("epoch_rows", f"must be >= 1 or None (got {self.epoch_rows})")
         if self.shuffle_window_rows < 0:
             raise bad("shuffle_window_rows", f"must be >= 0 (got {self.shuffle_window_rows})")
+        if self.uses_per_row < 1:
+            raise bad("uses_per_row", f"must be >= 1 (got {self.uses_per_row})")
         if self.sample_window < self.batch_size:
             raise bad("sample_window", f"({self.sample_window}) must be >= batch_size ({self.batch_size})")
         if self.micro_batch_tokens < 1:

@@ -29,7 +29,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.data.replay_buffers.storages import Storage
 
-from rlhf_pipeline.collate import pad_batch, padded_fields, place_padded
+from rlhf_pipeline.collate import check_index_dtype, pad_batch, padded_fields, place_padded
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, validate_batch
 from rlhf_pipeline.storage.errors import (  # noqa: F401 - re-exported: the contract's errors
     IncompatibleStoreError,
@@ -190,7 +190,8 @@ class TrajectoryStore(Storage, abc.ABC):
     supports_fused_padding: bool = False
 
     def read_padded(self, positions: torch.Tensor | Sequence[int], *, pad_token_id: int = 0,
-                    pin_memory: bool = False, device: torch.device | str | None = None) -> TensorDict:
+                    pin_memory: bool = False, device: torch.device | str | None = None,
+                    index_dtype: torch.dtype = torch.int64) -> TensorDict:
         """The learner's padded batch of the rows at ``positions``: exactly
         ``pad_batch(self.read(positions, fields=padded_fields(self.schema)), ...)``.
 
@@ -198,13 +199,14 @@ class TrajectoryStore(Storage, abc.ABC):
         they locate the rows, and each row's slices are copied straight from storage into
         the padded tensors (:mod:`rlhf_pipeline.storage.padded_rows`).
         """
+        check_index_dtype(index_dtype)
         if not self.supports_fused_padding:
             return pad_batch(self.read(positions, fields=padded_fields(self.schema)), pad_token_id=pad_token_id,
-                             pin_memory=pin_memory, device=device)
+                             pin_memory=pin_memory, device=device, index_dtype=index_dtype)
         global_ids = self._checked_positions(positions) + self.first_row
         if global_ids.numel() == 0:
             raise ValueError("pad_batch got an empty batch; sample at least one row")
-        padded = fill_padded(self._locate_rows(global_ids), pad_token_id)
+        padded = fill_padded(self._locate_rows(global_ids), pad_token_id, index_dtype)
         return place_padded(padded, pin_memory=pin_memory, device=device)
 
     def _locate_rows(self, global_ids: torch.Tensor) -> LocatedRows:

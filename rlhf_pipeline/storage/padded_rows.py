@@ -110,8 +110,10 @@ class LocatedRows:
         return out
 
 
-def fill_padded(located: LocatedRows, pad_token_id: int) -> TensorDict:
-    """The padded batch of the rows ``located`` describes (module docstring)."""
+def fill_padded(located: LocatedRows, pad_token_id: int, index_dtype: torch.dtype = torch.int64) -> TensorDict:
+    """The padded batch of the rows ``located`` describes (module docstring); token ids and
+    ``position_ids`` in ``index_dtype`` (the ids are copied as int32, as stored, and widened
+    only for int64)."""
     num_rows = len(located)
     if num_rows == 0:
         raise ValueError("pad_batch got an empty batch; sample at least one row")
@@ -140,6 +142,6 @@ def fill_padded(located: LocatedRows, pad_token_id: int) -> TensorDict:
 
     rows = {name: torch.from_numpy(values) for name, values in located.rows.items()}
     return assemble_padded(
-        tokens32.to(torch.int64), prompt_width, torch.from_numpy(prompt_len), torch.from_numpy(response_len),
+        tokens32 if index_dtype == torch.int32 else tokens32.to(index_dtype), prompt_width, torch.from_numpy(prompt_len), torch.from_numpy(response_len),
         floats_full, rows,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -85,18 +86,20 @@ def test_repeat_runs_round_robin_and_keeps_each_backends_best(capsys):
     assert merged[0]["write_vs_raw"] == 1.0 and merged[1]["write_baseline"] == "raw-numpy"
 
 
+@pytest.mark.parametrize("index_dtype", ["int32", "int64"])
 @pytest.mark.parametrize("name", [b for b in BACKENDS if b != "raw-numpy"])
-def test_every_backend_samples_the_same_padded_batch(name, tmp_path):
-    batches = list(TINY.batches())
+def test_every_backend_samples_the_same_padded_batch(name, index_dtype, tmp_path):
+    spec = dataclasses.replace(TINY, index_dtype=index_dtype)
+    batches = list(spec.batches())
     everything = TrajectoryBatch.cat(batches)
     positions = torch.tensor([5, 0, 47, 5, 20, 33])
-    expected = pad_batch(everything.select(positions))
+    expected = pad_batch(everything.select(positions), index_dtype=spec.torch_index_dtype)
     outputs = {}
     for backend_name in ("raw-numpy", name):
         backend = load_backend(backend_name)
         directory = tmp_path / backend_name
         directory.mkdir()
-        backend.setup(directory, TINY)
+        backend.setup(directory, spec)
         try:
             for batch in batches:
                 backend.write(batch)

@@ -49,8 +49,8 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path):
     assert int(versions.max()) >= 1  # the collector picked up weights the learner published
 
     # resume without a collector: offline replay over the recorded buffer, from step 3 to 5
-    learner_out = finish(start("learn", tmp_path, "--steps", "5", "--set", "learner.new_rows_per_step=0",
-                               "--set", "learner.max_staleness=none"))
+    learner_out = finish(start("learn", tmp_path, "--steps", "5", "--set", "learner.sampler=window",
+                               "--set", "learner.new_rows_per_step=0", "--set", "learner.max_staleness=none"))
     assert "resuming from" in learner_out and "(step 3)" in learner_out
     assert "learner settings changed" in learner_out
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
@@ -63,10 +63,14 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path):
 
 
 def test_two_collectors_feed_one_learner_through_buffer_shards(tmp_path):
-    """``run --collectors 2``: collector k writes buffer/shard-k, the learner samples both."""
+    """``run --collectors 2``: collector k writes buffer/shard-k, the learner samples both.
+
+    The window sampler makes no draw while a shard is empty, so even its first steps use both
+    collectors' rows; the exact sampler takes what the shards hold (tests/learn/test_exact_sampler.py).
+    """
     result = subprocess.run(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2", "--steps", "4",
-         "--home", str(tmp_path), "--run-name", "two", *SMALL],
+         "--home", str(tmp_path), "--run-name", "two", *SMALL, "--set", "learner.sampler=window"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

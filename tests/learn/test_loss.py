@@ -244,3 +244,18 @@ def test_matches_torchrl_grpo_loss_end_to_end_on_a_padded_batch(collected, aggre
     assert m["clip_frac_low"] + m["clip_frac_high"] > 0
     for a, b in zip(our_grads, their_grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_int32_token_ids_give_the_same_loss_and_gradients(collected):
+    """The learner reads int32 ids and positions (collate.py, "Index dtype"): nothing changes."""
+    model, tok, batch = collected
+    results = []
+    for index_dtype in (torch.int64, torch.int32):
+        model.zero_grad()
+        loss, _ = grpo_step_loss(model, pad_batch(batch, pad_token_id=tok.pad_token_id, index_dtype=index_dtype))
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad()
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)

@@ -10,7 +10,7 @@ from tests.helpers import make_batch
 
 
 def test_unknown_sampler_is_named_with_the_choices():
-    with pytest.raises(ValueError, match=r"'sampler' must be one of \[.*'window'"):
+    with pytest.raises(ValueError, match=r"'sampler' must be one of \[.*'window'.*\] \(got 'nope'\)"):
         LearnerSettings(sampler="nope").check()
 
 

@@ -1,0 +1,115 @@
+"""Starting ``run``'s collector and learner processes early, so their start-up overlaps the launcher's.
+
+Most of a process's start-up is importing torch, tensordict (which imports torch's compiler
+stack), torchrl and transformers: 4-5 s each on 2 idle cores, three times that on a busy
+machine. ``run`` used to import them, check the settings and build the initial policy (the
+warm start) and only then start its children, which imported everything again.
+
+Now ``run`` starts the children first, with ``--wait-for-launcher``: each imports the modules
+its side needs (:func:`preload`) and then waits for one line on its stdin. Meanwhile ``run``
+checks the settings and prepares the run directory; then it writes ``go`` to every child
+(:meth:`Children.go`), or, when a check failed, closes their stdin so that they exit quietly
+and nothing but ``run``'s own error is printed (:meth:`Children.abandon`). A child told to go
+builds the pipeline itself as before (its checks pass: they just passed in ``run``), finds the
+run directory prepared, and starts.
+
+Every child also holds the read end of one stop pipe (``--stop-fd``; ``run._StopFlag`` watches
+it): a byte on it asks the child to stop cleanly, and its end of file, which the kernel delivers
+when ``run`` dies even by ``kill -9``, does the same. A child still waiting for ``go`` sees its
+stdin close instead and exits. Nothing keeps running without its launcher.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+GO = "go"
+
+# what each side imports anyway; the pipeline's own modules come after "go", with its build
+_PRELOAD = {
+    "collect": ("torch", "tensordict", "transformers", "rlhf_pipeline.models", "rlhf_pipeline.collect",
+                "rlhf_pipeline.storage.memmap", "rlhf_pipeline.storage.torchrl_glue", "rlhf_pipeline.transforms"),
+    "learn": ("torch", "tensordict", "transformers", "rlhf_pipeline.models", "rlhf_pipeline.storage.memmap",
+              "rlhf_pipeline.learn.learner", "torch.utils.tensorboard"),
+}
+
+
+def preload(command: str) -> None:
+    """Imports the heavy modules the ``collect`` or ``learn`` side will need."""
+    for name in _PRELOAD.get(command, ()):
+        importlib.import_module(name)
+
+
+def wait_for_launcher(command: str) -> bool:
+    """Child side: preload, then wait for the launcher. False: the launcher gave up (exit quietly)."""
+    try:
+        preload(command)
+        return sys.stdin.readline().strip() == GO
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the launcher reports it
+        return False
+
+
+@dataclass
+class Children:
+    """``run``'s child processes, started before the run directory is ready."""
+
+    collectors: dict[int, subprocess.Popen] = field(default_factory=dict)
+    learner: subprocess.Popen | None = None
+    stop_write: int = -1  # the launcher's end of the stop pipe; the caller closes it when done
+
+    @classmethod
+    def start(cls, launcher: Sequence[str], common: Sequence[str], learner_args: Sequence[str],
+              collectors: int) -> Children:
+        """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP)."""
+        children = cls()
+        stop_read, children.stop_write = os.pipe()
+        wait = ["--wait-for-launcher", "--stop-fd", str(stop_read)]
+        try:
+            children.collectors = {
+                k: subprocess.Popen([*launcher, "collect", *common, *(["--collector-index", str(k)] if k else []),
+                                     *wait], stdin=subprocess.PIPE, text=True, pass_fds=(stop_read,))
+                for k in range(collectors)
+            }
+            children.learner = subprocess.Popen([*launcher, "learn", *common, *learner_args, *wait],
+                                                stdin=subprocess.PIPE, text=True, pass_fds=(stop_read,))
+        except BaseException:
+            children.abandon()
+            raise
+        finally:
+            os.close(stop_read)  # only the children read it: its end of file must mean we are gone
+        return children
+
+    def _all(self) -> list[subprocess.Popen]:
+        return [*self.collectors.values(), *([self.learner] if self.learner is not None else [])]
+
+    def go(self) -> None:
+        """The run directory is ready: every child carries on."""
+        for process in self._all():
+            self._tell(process, GO + "\n")
+
+    def abandon(self) -> None:
+        """A check failed: every child ends at once. They have created nothing yet (they are
+        still importing, or waiting for "go"), and Python ends on SIGTERM without a word."""
+        for process in self._all():
+            if process.poll() is None:
+                process.terminate()
+        for process in self._all():
+            self._tell(process, "")
+            process.wait()
+        if self.stop_write >= 0:
+            os.close(self.stop_write)
+            self.stop_write = -1
+
+    @staticmethod
+    def _tell(process: subprocess.Popen, line: str) -> None:
+        try:
+            if line:
+                process.stdin.write(line)
+            process.stdin.close()
+        except (BrokenPipeError, OSError):  # the child already ended; run reports its exit code
+            pass

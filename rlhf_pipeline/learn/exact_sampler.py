@@ -1,0 +1,172 @@
+"""The ``exact`` learner sampler: every fresh row is trained on exactly ``uses`` times.
+
+Rows are taken in the order they were written, in *blocks* of ``batch_size`` rows, and each
+block is the whole batch of ``uses`` consecutive draws (the GRPO paper's mu iterations per
+generation batch, TRL's ``num_iterations``). With ``uses=1`` every row is trained on once, in
+the step after the one that was training while it was generated: on-policy GRPO with one step
+of overlap between generation and training. Nothing is sampled at random, so no row is left
+out and none is drawn twice by chance, which the ``window`` sampler cannot promise (about a
+quarter of its rows are never drawn at its defaults).
+
+Shards. Each shard (one per collector) has a cursor: the global id of its oldest row not yet
+taken into a block. A new block waits until the shards together hold ``batch_size`` rows past
+their cursors, then takes them evenly from the shards that have some (oldest first in each),
+so a collector that starts late or runs slower is neither left out nor waited for. Which rows
+form a block therefore depends on what each shard held at that moment; every row is still
+used exactly ``uses`` times.
+
+Staleness. With ``max_staleness`` set, a row sampled by a policy more than that many versions
+older than the learner when its block forms is skipped for good (``dropped_stale``), and the
+learner's own check at use time applies to every pass: leave room for ``uses - 1`` reuses plus
+the overlap (``max_staleness >= uses``), or some rows are trained on fewer times. A row evicted
+from its store before its block is done is left out the same way.
+
+Resume. The state (:meth:`ExactUseSampler.state_dict`) is the cursors, the current block
+(global ids per shard) and how many draws have used it; the learner checkpoints the state of
+the last draw a step used, so a resumed run continues the block it was on and takes the next
+rows after it: no row is lost or trained on an extra time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
+from rlhf_pipeline.learn.shard_rows import next_rows, shard_stores, union_positions
+
+
+class ExactUseSampler:
+    """Blocks of ``batch_size`` fresh rows in write order, each the batch of ``uses`` draws."""
+
+    def __init__(self, store, *, batch_size: int, uses: int = 1, max_staleness: int | None = None,
+                 timeout_s: float = 600.0, poll_s: float = 0.02, stop: threading.Event | None = None) -> None:
+        if batch_size < 1 or uses < 1:
+            raise ValueError(f"batch_size and uses must be >= 1 (got {batch_size}, {uses})")
+        self.store = store
+        self.batch_size = batch_size
+        self.uses = uses
+        self.max_staleness = max_staleness
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.stop = stop or threading.Event()
+        self.current_version = 0  # set by the learner after each publish
+        self.cursors: dict[str, int] = {}  # shard key -> oldest global id not yet taken into a block
+        self.block: dict[str, list[int]] = {}  # shard key -> global ids of the current block
+        self.block_draws = uses  # draws that used the current block; == uses: the next draw takes a new one
+
+    def draw(self, draw_index: int) -> SampledRows:
+        """The next draw's rows. ``draw_index`` is not needed: the state says where the run is."""
+        dropped = 0
+        while True:
+            if self.block_draws >= self.uses:
+                dropped += self._take_block()
+            rows = len(self.store)  # refresh once: the positions hold until the next refresh
+            positions, gone = union_positions(self.store, self.block)
+            dropped += gone
+            if gone:  # evicted before every pass used them: later passes name the rows still held
+                self._forget_evicted()
+            if positions.numel():
+                break
+            self.block_draws = self.uses  # the whole block was evicted: take the next one
+        self.block_draws += 1
+        return SampledRows(positions, dropped, rows, self.store.next_row, self.current_version, self.state_dict(),
+                           consumed=dict(self.cursors),
+                           next_draw_rows=self.batch_size if self.block_draws >= self.uses else 0)
+
+    # ------------------------------------------------------------------ blocks
+    def _take_block(self) -> int:
+        """Waits for ``batch_size`` usable rows past the cursors and makes them the new block;
+        returns how many stale rows were passed over on the way."""
+        deadline = time.monotonic() + self.timeout_s
+        block: dict[str, list[int]] = {}
+        have = skipped = 0
+        while True:
+            len(self.store)  # refresh
+            available = self._available()
+            need = self.batch_size - have
+            if sum(len(ids) for ids in available.values()) >= need:
+                taken = _even_split(available, need)
+                fresh, stale = self._fresh(taken)
+                skipped += stale
+                for key, ids in taken.items():  # stale rows are passed over for good
+                    self.cursors[key] = int(ids[-1]) + 1
+                for key, ids in fresh.items():
+                    block.setdefault(key, []).extend(int(i) for i in ids)
+                    have += len(ids)
+                if have == self.batch_size:
+                    self.block = block
+                    self.block_draws = 0
+                    return skipped
+                continue
+            if self.stop.is_set():
+                raise InterruptedError("sampling stopped")
+            if time.monotonic() > deadline:
+                held = sum(len(ids) for ids in available.values())
+                raise DataTimeoutError(
+                    f"waited {self.timeout_s:.0f}s for {need} rows not yet trained on in "
+                    f"{self.store.location} (it holds {held} past the rows already used): is a collector "
+                    f"running for this run? (raise learner.data_timeout_s)"
+                )
+            time.sleep(self.poll_s)
+
+    def _available(self) -> dict[str, np.ndarray]:
+        """Per shard, the global ids past its cursor that it still holds (as of the last refresh)."""
+        out = {}
+        for key, shard in shard_stores(self.store):
+            start = max(self.cursors.get(key, 0), int(shard.first_row))
+            if int(shard.next_row) > start:
+                out[key] = np.arange(start, int(shard.next_row), dtype=np.int64)
+        return out
+
+    def _fresh(self, taken: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        """The rows of ``taken`` within ``max_staleness`` versions of the learner, and how many were not."""
+        if self.max_staleness is None:
+            return taken, 0
+        positions, _ = union_positions(self.store, taken)
+        versions = self.store.read(positions, fields=("policy_version",))["policy_version"].numpy()
+        keep = versions >= self.current_version - self.max_staleness
+        out, at = {}, 0
+        for key, ids in taken.items():
+            out[key] = ids[keep[at: at + len(ids)]]
+            at += len(ids)
+        return out, int((~keep).sum())
+
+    def _forget_evicted(self) -> None:
+        firsts = {key: int(shard.first_row) for key, shard in shard_stores(self.store)}
+        self.block = {key: [i for i in ids if i >= firsts[key]] for key, ids in self.block.items() if key in firsts}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursors": dict(self.cursors), "block": {k: list(v) for k, v in self.block.items()},
+                "block_draws": int(self.block_draws)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "cursors" not in state:
+            # a run that sampled with another sampler until now: train on the rows written from here on
+            len(self.store)
+            self.cursors, self.block, self.block_draws = next_rows(self.store), {}, self.uses
+            return
+        self.cursors = {str(k): int(v) for k, v in state["cursors"].items()}
+        self.block = {str(k): [int(i) for i in v] for k, v in state["block"].items()}
+        self.block_draws = int(state["block_draws"])
+
+
+def _even_split(available: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """``count`` ids: an even share from every shard that has some (a short shard's share goes
+    to the others), the oldest of each."""
+    take = dict.fromkeys(available, 0)
+    remaining = count
+    while remaining > 0:
+        active = [key for key, ids in available.items() if take[key] < len(ids)]
+        share = max(1, remaining // len(active))
+        for key in active:
+            step = min(share, len(available[key]) - take[key], remaining)
+            take[key] += step
+            remaining -= step
+            if remaining == 0:
+                break
+    return {key: available[key][:n] for key, n in take.items() if n}

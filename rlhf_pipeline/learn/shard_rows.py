@@ -1,0 +1,90 @@
+"""Naming stored rows the same way across refreshes: ``(shard, global row id)``.
+
+A learner samples *positions*, which are valid only until the store's next refresh (a union
+of shards renumbers its positions whenever a shard grows, and eviction shifts a single
+store's). What outlives a refresh is a row's shard and its global id in that shard (ids never
+repeat). The learner needs that lasting name for three things: the exact-use sampler's cursors
+and blocks (``learn/exact_sampler.py``), the rows it has trained on (``learn/usage.py``), and
+the rows it has taken in from each shard, which it publishes so that collectors can pace
+themselves (:mod:`rlhf_pipeline.pacing`).
+
+A shard's *key* is its directory name under ``buffer/`` (``shard-0000``), or ``"."`` for a
+single store (runs made before shards, or a store opened on its own); a collector names its
+own store the same way, see :func:`rlhf_pipeline.pacing.shard_key`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SINGLE_STORE_KEY = "."
+
+
+def shard_stores(store) -> list[tuple[str, object]]:
+    """``(key, store)`` of every shard of ``store``, in the order of its positions."""
+    shards = getattr(store, "shards", None)
+    if shards is None:
+        return [(SINGLE_STORE_KEY, store)]
+    from rlhf_pipeline.storage.sharded import shard_name
+
+    return [(shard_name(index), shards[index]) for index in sorted(shards)]
+
+
+def next_rows(store) -> dict[str, int]:
+    """Per shard key, the rows ever published to it (its ``next_row``) as of the last refresh."""
+    return {key: int(shard.next_row) for key, shard in shard_stores(store)}
+
+
+@dataclass
+class RowNames:
+    """The lasting names of a batch's rows, in batch order: shard key and global id of each."""
+
+    keys: list[str]  # the shard keys the rows come from
+    shard: np.ndarray  # (B,) index into keys
+    ids: np.ndarray  # (B,) global row id within its shard
+
+    def select(self, mask: np.ndarray) -> RowNames:
+        return RowNames(self.keys, self.shard[mask], self.ids[mask])
+
+    def by_shard(self) -> dict[str, np.ndarray]:
+        return {key: self.ids[self.shard == i] for i, key in enumerate(self.keys) if bool((self.shard == i).any())}
+
+
+def row_names(store, positions: torch.Tensor) -> RowNames:
+    """Shard key and global id of the rows at ``positions`` (as of the last refresh)."""
+    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    locate = getattr(store, "locate", None)
+    if locate is None:
+        return RowNames([SINGLE_STORE_KEY], np.zeros(positions.numel(), dtype=np.int64),
+                        positions.numpy() + int(store.first_row))
+    shard_index, local = locate(positions)
+    stores = shard_stores(store)
+    index_of = {int(key.rsplit("-", 1)[1]): i for i, (key, _) in enumerate(stores)}
+    firsts = torch.tensor([int(shard.first_row) for _, shard in stores], dtype=torch.int64)
+    slot = torch.tensor([index_of[int(i)] for i in shard_index.tolist()], dtype=torch.int64)
+    return RowNames([key for key, _ in stores], slot.numpy(), (local + firsts[slot]).numpy())
+
+
+def union_positions(store, rows: dict[str, np.ndarray]) -> tuple[torch.Tensor, int]:
+    """Positions (as of the last refresh) of the rows named by ``rows`` (key -> global ids),
+    in the order given (shard by shard); rows no longer held (evicted) are left out, and
+    their number is returned with the positions."""
+    start = 0
+    parts: list[np.ndarray] = []
+    gone = 0
+    for key, shard in shard_stores(store):
+        first, stop = int(shard.first_row), int(shard.next_row)
+        ids = rows.get(key)
+        if ids is not None and len(ids):
+            ids = np.asarray(ids, dtype=np.int64)
+            held = ids >= first
+            gone += int((~held).sum())
+            parts.append(ids[held] - first + start)
+        start += stop - first
+    unknown = set(rows) - {key for key, _ in shard_stores(store)}
+    gone += sum(len(rows[key]) for key in unknown)
+    merged = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(merged), gone

@@ -1,0 +1,157 @@
+"""Collector pacing: generate no more than the learner will train on, plus a set number of rounds.
+
+When the learner is the slower side, a collector left alone generates rows the learner never
+trains on (they go stale or fall out of its sampling window): generation paid for and thrown
+away. So the learner tells the collectors what it has taken in, and each collector stays at
+most ``rounds_ahead`` rounds ahead of that.
+
+The learner side (:class:`PacingPublisher`) writes ``<run>/pacing.json`` atomically after
+every batch it uses (a few hundred bytes, no fsync: it is advice, rewritten every step)::
+
+    {"format": 1, "step": 12, "draws": 12,
+     "consumed": {"shard-0000": 832, "shard-0001": 768},   rows taken in, per shard
+     "next_draw_rows": 64,                                  new rows its next batch waits for
+     "waiting_since": null}                                 or when it began waiting for a batch
+
+The collector side (:class:`CollectorPacer`) allows a new round while its own shard holds
+fewer than ``consumed[shard] + ceil(next_draw_rows / shards) + rounds_ahead * round_rows``
+rows: what the learner's next batch needs (its share of it, with several collectors) plus
+``rounds_ahead`` rounds. With ``rounds_ahead=0`` a collector generates the learner's next batch
+while the learner trains on the current one (one step of overlap), then waits.
+
+It cannot deadlock:
+
+* the learner's next batch is always allowed (``next_draw_rows``), whatever is ahead;
+* a collector started late, or whose shard the learner has not seen yet, counts as having
+  nothing taken in, so it writes its first rows at once;
+* a resumed learner publishes the position of its checkpoint at start, so collectors that
+  ran ahead of it just wait while it catches up on rows that already exist;
+* as a last resort, a learner that has waited for its next batch for ``stall_s`` seconds
+  since a collector's last round (a sampler that needs more than it said, a dead collector
+  whose share the others must cover) lets that collector write one more round.
+
+Before the learner's first publish (no file yet) a collector writes ``rounds_ahead + 1`` rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.atomic import publish_json
+
+FORMAT_VERSION = 1
+PACING_FILE = "pacing.json"
+
+
+def shard_key(store_path: str | Path, buffer_path: str | Path) -> str:
+    """The key of a collector's store in ``consumed``: its directory under the buffer
+    (``shard-0000``), or ``"."`` when the buffer is itself the store (runs made before shards);
+    the learner names shards the same way (``learn/shard_rows.py``)."""
+    store_path, buffer_path = Path(store_path), Path(buffer_path)
+    return "." if store_path.resolve() == buffer_path.resolve() else store_path.name
+
+
+@dataclass
+class LearnerIntake:
+    """What the learner has taken in, as published in ``pacing.json``."""
+
+    step: int = 0
+    draws: int = 0
+    consumed: dict[str, int] = field(default_factory=dict)
+    next_draw_rows: int = 0
+    waiting_since: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_VERSION, "step": self.step, "draws": self.draws,
+                "consumed": dict(self.consumed), "next_draw_rows": self.next_draw_rows,
+                "waiting_since": self.waiting_since}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LearnerIntake:
+        return cls(step=int(data["step"]), draws=int(data["draws"]),
+                   consumed={str(k): int(v) for k, v in data["consumed"].items()},
+                   next_draw_rows=int(data["next_draw_rows"]), waiting_since=data.get("waiting_since"))
+
+
+def read_intake(path: str | Path) -> LearnerIntake | None:
+    """The learner's last published intake, or None before its first publish."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # replaced atomically, so only a file written by something else: ignore it
+    if data.get("format") != FORMAT_VERSION:
+        return None
+    return LearnerIntake.from_json(data)
+
+
+class PacingPublisher:
+    """Learner side: publishes its intake after each batch it uses, and when it starts waiting."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.intake = LearnerIntake()
+
+    def publish(self, intake: LearnerIntake) -> None:
+        self.intake = intake
+        publish_json(self.path, intake.to_json(), durable=False)
+
+    def waiting(self) -> None:
+        """The learner is waiting for its next batch (once per wait; the time it began)."""
+        if self.intake.waiting_since is None:
+            self.publish(LearnerIntake(self.intake.step, self.intake.draws, self.intake.consumed,
+                                       self.intake.next_draw_rows, waiting_since=time.time()))
+
+
+class CollectorPacer:
+    """Collector side: ``may_collect(rows_in_my_shard)`` says whether to generate a round now.
+
+    ``rounds_ahead=None`` turns pacing off (every call says yes).
+    """
+
+    def __init__(self, path: str | Path, key: str, rounds_ahead: int | None, *, round_rows: int | None = None,
+                 stall_s: float = 1.0) -> None:
+        if rounds_ahead is not None and rounds_ahead < 0:
+            raise ValueError(f"rounds_ahead must be >= 0 or None (got {rounds_ahead})")
+        self.path = Path(path)
+        self.key = key
+        self.rounds_ahead = rounds_ahead
+        self.stall_s = stall_s
+        # rows of one round: as configured, else the most one round has written so far
+        self._configured_round_rows = round_rows
+        self.round_rows = round_rows or 0
+        self._last_round_at = time.time()
+
+    def round_written(self, rows: int) -> None:
+        """A round appended ``rows`` rows (fewer than configured when groups were dropped)."""
+        if not self._configured_round_rows:
+            self.round_rows = max(self.round_rows, rows)
+        self._last_round_at = time.time()
+
+    def target_rows(self, intake: LearnerIntake | None) -> float:
+        """The rows this collector's shard may hold before it waits (inf: no limit)."""
+        if self.rounds_ahead is None or not self.round_rows:
+            return math.inf  # unpaced, or no round written yet: its size is unknown
+        if intake is None:
+            return (self.rounds_ahead + 1) * self.round_rows
+        shards = len(set(intake.consumed) | {self.key})
+        share = math.ceil(intake.next_draw_rows / shards)
+        return intake.consumed.get(self.key, 0) + share + self.rounds_ahead * self.round_rows
+
+    def may_collect(self, shard_rows: int) -> bool:
+        if self.rounds_ahead is None:
+            return True
+        intake = read_intake(self.path)
+        if shard_rows < self.target_rows(intake):
+            return True
+        if intake is None or intake.waiting_since is None:
+            return False
+        # the learner has waited for its next batch since before this collector's last round and
+        # is still waiting well after it: it needs more than it said; one more round
+        return time.time() - max(intake.waiting_since, self._last_round_at) > self.stall_s

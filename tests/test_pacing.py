@@ -1,0 +1,183 @@
+"""Collector pacing (``rlhf_pipeline/pacing.py``): a real learner and paced writers on real stores."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers import make_batch
+from rlhf_pipeline.learn.learner import Learner
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
+from rlhf_pipeline.pacing import CollectorPacer, LearnerIntake, PacingPublisher, read_intake, shard_key
+from rlhf_pipeline.pipeline import RunPaths
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store
+from rlhf_pipeline.weights import publish_weights
+
+TOKENIZER = char_tokenizer()
+ROUND = 8  # rows per collector round: 2 groups of 4
+
+
+def make_model():
+    return tiny_causal_lm(len(TOKENIZER), hidden_size=16, num_layers=1, num_heads=2, seed=0)
+
+
+# ====================================================================== the rule
+def test_a_collector_writes_the_learners_next_batch_plus_rounds_ahead(tmp_path):
+    path = tmp_path / "pacing.json"
+    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=1, round_rows=ROUND)
+    # before the learner's first publish: rounds_ahead + 1 rounds
+    assert pacer.may_collect(8) and not pacer.may_collect(16)
+    learner = PacingPublisher(path)
+    learner.publish(LearnerIntake(step=3, draws=3, consumed={"shard-0000": 24}, next_draw_rows=8))
+    assert read_intake(path) == learner.intake
+    assert pacer.target_rows(read_intake(path)) == 24 + 8 + ROUND
+    assert pacer.may_collect(39) and not pacer.may_collect(40)
+    # with two shards the next batch is shared; a shard the learner has not seen counts from 0
+    learner.publish(LearnerIntake(3, 3, {"shard-0000": 24, "shard-0001": 16}, next_draw_rows=16))
+    assert pacer.target_rows(read_intake(path)) == 24 + 8 + ROUND
+    late = CollectorPacer(path, "shard-0002", rounds_ahead=0, round_rows=ROUND)
+    assert late.target_rows(read_intake(path)) == 0 + 6  # ceil(16 / 3 shards)
+    assert CollectorPacer(path, "shard-0000", rounds_ahead=None).may_collect(10**9)  # unpaced
+
+
+def test_a_learner_still_waiting_after_a_round_gets_one_more(tmp_path):
+    """The last resort against a deadlock: the learner needs more than it said it would."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=0))
+    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, stall_s=0.2)
+    pacer.round_written(ROUND)
+    assert not pacer.may_collect(16)
+    learner.waiting()
+    since = read_intake(path).waiting_since
+    learner.waiting()  # once per wait: the time it began
+    assert read_intake(path).waiting_since == since
+    assert not pacer.may_collect(16)
+    time.sleep(0.3)
+    assert pacer.may_collect(16)
+    learner.publish(LearnerIntake(2, 2, {"shard-0000": 16}, next_draw_rows=0))  # it took the round
+    assert not pacer.may_collect(16)
+
+
+def test_shard_keys_match_the_learners(tmp_path):
+    assert shard_key(tmp_path / "buffer" / "shard-0003", tmp_path / "buffer") == "shard-0003"
+    assert shard_key(tmp_path / "buffer", tmp_path / "buffer") == "."
+    with pytest.raises(ValueError, match="rounds_ahead must be >= 0"):
+        CollectorPacer(tmp_path / "p.json", ".", rounds_ahead=-1)
+
+
+# ====================================================================== learner + writers
+class PacedWriter(threading.Thread):
+    """A collector's loop around a real store: a round of whole groups whenever the pacer allows."""
+
+    def __init__(self, paths: RunPaths, index: int, rounds_ahead: int, start_at_step: int = 0) -> None:
+        super().__init__(daemon=True)
+        store_path = paths.shard(index)
+        self.store = create_store(store_path, "memmap", schema=StoreSchema(optional=("advantage",)),
+                                  segment_rows=64)
+        self.pacer = CollectorPacer(paths.pacing, shard_key(store_path, paths.buffer), rounds_ahead,
+                                    round_rows=ROUND)
+        self.index, self.start_at_step = index, start_at_step
+        self.stop = threading.Event()
+        self.most_ahead = 0  # rows past the learner's intake of this shard, at the worst moment
+
+    def run(self) -> None:
+        while self.start_at_step and not self.stop.is_set():  # a collector started late
+            intake = read_intake(self.pacer.path)
+            if intake is not None and intake.step >= self.start_at_step:
+                break
+            time.sleep(0.005)
+        groups = 0
+        while not self.stop.is_set():
+            if not self.pacer.may_collect(self.store.next_row):
+                time.sleep(0.005)
+                continue
+            base = self.index << 40
+            self.store.append(make_batch(2, 4, seed=groups + 97 * self.index, optional=("advantage",),
+                                         first_group_id=base + groups, first_trajectory_id=base + 4 * groups,
+                                         vocab_size=len(TOKENIZER)))
+            groups += 2
+            self.pacer.round_written(ROUND)
+            intake = read_intake(self.pacer.path)
+            taken = intake.consumed.get(f"shard-{self.index:04d}", 0) if intake else 0
+            self.most_ahead = max(self.most_ahead, self.store.next_row - taken)
+
+
+def paced_run(tmp_path, *, writers: int, rounds_ahead: int, steps: int, late: int = 0, **learner):
+    paths = RunPaths(tmp_path / "run")
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    threads = [PacedWriter(paths, k, rounds_ahead, start_at_step=late if k == writers - 1 else 0)
+               for k in range(writers)]
+    settings = dataclasses.replace(LearnerSettings(batch_size=16, sampler="exact", micro_batch_tokens=4096,
+                                                   max_staleness=None, checkpoint_every=1000, data_timeout_s=60),
+                                   **learner)
+    run = Learner(settings, paths, make_model=make_model, steps=steps, seed=0, show_progress=False)
+    for thread in threads:
+        thread.start()
+    try:
+        run.setup()
+        assert run.train() is True  # no deadlock: it got every batch it waited for
+    finally:
+        run.cleanup()
+        for thread in threads:
+            thread.stop.set()
+            thread.join(timeout=30)
+            thread.store.close()
+    return paths, threads
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_a_paced_collector_writes_what_the_learner_trains_on_and_no_more(tmp_path):
+    paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=6)
+    last = read_metrics(paths.metrics)[-1]
+    # 16 rows a step, each trained on once; the collector never ran past the next batch
+    assert last["charts/rows_trained"] == 6 * 16
+    assert writer.most_ahead <= 16 + 16  # the batch being trained on + the next one
+    assert writer.store.next_row <= 6 * 16 + 16
+    assert last["charts/staleness_p90"] >= last["charts/staleness_p50"] >= 0
+
+
+def test_several_collectors_and_a_late_one_feed_the_learner_without_deadlock(tmp_path):
+    paths, writers = paced_run(tmp_path, writers=3, rounds_ahead=1, steps=12, late=2)
+    records = read_metrics(paths.metrics)
+    assert records[-1]["charts/rows_trained"] == 12 * 16
+    # the late collector got its rows in, and they were trained on along with the others'
+    assert writers[2].store.next_row > 0 and max(r["charts/collectors_in_batch"] for r in records) == 3
+    # each at most its share of the next batch (16 / 3, rounded up to whole rounds) and one round ahead
+    assert all(w.most_ahead <= 2 * ROUND + ROUND for w in writers)
+
+
+def test_a_batch_of_two_rounds_with_nothing_ahead_does_not_deadlock(tmp_path):
+    """The learner says it needs 32 rows; a paced collector writes both rounds, then waits."""
+    paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=3, batch_size=32)
+    assert read_metrics(paths.metrics)[-1]["charts/rows_trained"] == 3 * 32
+    assert writer.store.next_row <= 4 * 32
+
+
+def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
+    """Collectors that ran ahead of a learner's last checkpoint wait while it catches up."""
+    paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=3)
+    PacingPublisher(paths.pacing).publish(LearnerIntake(9, 9, {"shard-0000": 999}, 16, waiting_since=1.0))
+    resumed = Learner(LearnerSettings(batch_size=16, sampler="exact", max_staleness=None), paths,
+                      make_model=make_model, steps=5, seed=0, show_progress=False)
+    resumed.setup()
+    try:
+        intake = read_intake(paths.pacing)
+        # the third batch (48 rows) was taken when 2 steps were done; the old wait is over
+        assert (intake.step, intake.draws, intake.consumed, intake.waiting_since) == (2, 3, {"shard-0000": 48}, None)
+    finally:
+        resumed.cleanup()
