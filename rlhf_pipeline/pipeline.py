@@ -94,6 +94,12 @@ class RunPaths:
         return self.root / "settings.json"
 
     @property
+    def pipeline_file(self) -> Path:
+        """A copy of the pipeline file the run was started with (with ``settings.json``, what
+        ``export-model`` and ``import`` rebuild the run's model and tokenizer from)."""
+        return self.root / "pipeline.py"
+
+    @property
     def stop_file(self) -> Path:
         """Written by ``run`` when the learner is done: a standalone collector stops too."""
         return self.root / "STOP"

@@ -142,6 +142,7 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
         else:
             text = json.dumps(current, indent=2, sort_keys=True).encode()
             write_atomic(paths.settings_file, lambda f: f.write(text))
+        _keep_pipeline_copy(pipeline, paths)
         if paths.single_store_buffer:
             extra = sorted(k for k in shards if k != 0)
             if extra:
@@ -160,6 +161,16 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
             print(f"[run] building the initial policy in {paths.root}", file=sys.stderr, flush=True)
             model = pipeline.make_policy()
             publish_weights(paths.root, model.state_dict(), 0)
+
+
+def _keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
+    """Copies the pipeline file into the run once, so the run can be rebuilt after the file moves."""
+    module = sys.modules.get(type(pipeline.settings).__module__)
+    source = getattr(module, "__file__", None)
+    if paths.pipeline_file.exists() or source is None:
+        return
+    text = Path(source).read_bytes()
+    write_atomic(paths.pipeline_file, lambda f: f.write(text))
 
 
 def _default_settings(settings: Any) -> dict:
