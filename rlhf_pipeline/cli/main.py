@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("rlhf_pipeline.cli.inspect_cmd", "summarize a replay buffer (memmap or Zarr)"),
     "convert": ("rlhf_pipeline.cli.convert_cmd", "copy a buffer between memmap and Zarr, losslessly"),
     "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path"),
+    "import": ("rlhf_pipeline.cli.import_cmd", "rows from JSONL, Parquet or a HF dataset into a buffer"),
+    "export": ("rlhf_pipeline.cli.export_cmd", "a buffer's rows to JSONL, Parquet or a HF dataset"),
 }
 
 
