@@ -31,11 +31,7 @@ importance ratio of a fresh learner starts at 1 on these rows.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import re
-import sys
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +39,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.atomic import save_torch_atomic
 from rlhf_pipeline.dataio.columns import ColumnMap, ImportRows, ResolvedColumns, normalize, resolve_columns
+from rlhf_pipeline.dataio.import_state import (
+    ImportRecord,
+    Target,
+    new_shard_index,
+    resolve_target,
+    shard_of,
+)
 from rlhf_pipeline.dataio.progress import Progress
 from rlhf_pipeline.dataio.sources import Source, SourceError, open_source
 from rlhf_pipeline.ids import id_base
@@ -52,11 +54,6 @@ from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
 from rlhf_pipeline.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
 
-RECORD_FORMAT = 1
-# a run's collectors take shards 0, 1, ...; imports take shards from here, so a collector
-# started later never writes (and numbers ids) in an import's shard
-IMPORT_SHARD_FIRST = 9000
-_SHARD_RE = re.compile(r"^shard-(\d+)$")
 # fields every import fills itself when the source does not carry them
 _MADE_BY_IMPORT = ("prompt_tokens", "response_tokens", "response_log_probs", "group_id", "trajectory_id", "step",
                    "reward", "done", "terminated", "truncated", "policy_version", "prompt_text", "response_text")
@@ -85,94 +82,6 @@ class ImportResult:
     already_done: bool
     log_probs_from: str | None  # which weights scored missing sampling log-probs
     write_path: list[str]
-
-
-# ====================================================================== where rows go
-@dataclass
-class Target:
-    """The store an import writes, and the run it belongs to (if any)."""
-
-    store_path: Path
-    run: RunPaths | None
-    shard_index: int | None  # the shard's index when the store is a run's buffer shard
-    new_shard: bool  # a shard this import creates in the run's buffer
-
-    @property
-    def record_dir(self) -> Path:
-        return (self.run.root if self.run is not None else self.store_path) / "imports"
-
-
-def resolve_target(buffer: str | Path, run_root: Path | None) -> Target:
-    """What ``BUFFER`` names: a store (new or existing), or a run (a new shard of its buffer)."""
-    path = Path(buffer).resolve()
-    if run_root is None:
-        return Target(path, None, None, False)
-    run = RunPaths(run_root)
-    if path in (run.root, run.buffer) and not run.single_store_buffer:
-        return Target(run.buffer, run, None, True)  # the shard index is chosen with the record
-    if path in (run.root, run.buffer):
-        path, index = run.buffer, 0
-    else:
-        match = _SHARD_RE.match(path.name)
-        if path.parent != run.buffer or match is None:
-            raise SourceError(f"{buffer} lies inside run {run.root} but is not its buffer or one of its shards")
-        index = int(match.group(1))
-    if run.collector_state(index).exists():
-        raise SourceError(
-            f"{path} is written by collector {index} of run {run.root}; imported rows there would share its "
-            f"ids. Import into {run.buffer} instead: the rows get a shard of their own"
-        )
-    return Target(path, run, index, False)
-
-
-# ====================================================================== the import record
-class ImportRecord:
-    """Where an import stands: source rows written, id bases, and the append in flight."""
-
-    def __init__(self, path: Path, data: dict[str, Any]) -> None:
-        self.path, self.data = path, data
-
-    @classmethod
-    def find(cls, target: Target, source: Source) -> ImportRecord | None:
-        path = target.record_dir / f"import-{_key(target, source)}.pt"
-        if not path.exists():
-            return None
-        return cls(path, torch.load(path, weights_only=True))
-
-    @classmethod
-    def start(cls, target: Target, source: Source, data: dict[str, Any]) -> ImportRecord:
-        record = cls(target.record_dir / f"import-{_key(target, source)}.pt",
-                     {"format": RECORD_FORMAT, "committed_rows": 0, "inflight": None, "done": False,
-                      "rows_written": 0, **data})
-        record.save()
-        return record
-
-    def save(self) -> None:
-        save_torch_atomic(self.data, self.path)
-
-    def resume_row(self, store) -> int:
-        """Source rows already in the store: the committed count, or the append in flight if it landed."""
-        inflight = self.data["inflight"]
-        if inflight is not None and store.next_row > inflight["store_next_row"]:
-            self.data["committed_rows"] = inflight["rows"]
-            self.data["rows_written"] = inflight["rows_written"]
-        self.data["inflight"] = None
-        return int(self.data["committed_rows"])
-
-    def before_append(self, rows_after: int, store_next_row: int, rows_written_after: int) -> None:
-        self.data["inflight"] = {"rows": rows_after, "store_next_row": store_next_row,
-                                 "rows_written": rows_written_after}
-        self.save()
-
-    def after_append(self, rows: int, rows_written: int) -> None:
-        self.data.update(committed_rows=rows, rows_written=rows_written, inflight=None)
-        self.save()
-
-
-def _key(target: Target, source: Source) -> str:
-    files = [str(p.resolve()) for p in source.files]
-    text = json.dumps({"store": str(target.store_path), "source": files, "split": source.split})
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ====================================================================== scan (pass 1)
@@ -286,7 +195,7 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     # ---------------------------------------------------------------- the store and its write path
     store_path, started_record = target.store_path, False
     if target.new_shard:
-        shard = record.data["shard"] if record is not None else _new_shard_index(target.run)
+        shard = record.data["shard"] if record is not None else new_shard_index(target.run)
         store_path = target.run.shard(shard)
         if record is None:  # first, so a rerun after a crash reuses this shard (an empty one would stall learners)
             record = ImportRecord.start(target, source, {"shard": shard, **_record_basics(source, options)})
@@ -299,9 +208,7 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
             bases = _id_bases(store, target, store_path, resolved, checked, source, tokenizer, options)
     except BaseException:
         store.close()
-        if created:
-            import shutil
-
+        if created:  # nothing of a failed import stays behind, not even an empty store
             shutil.rmtree(store_path, ignore_errors=True)
         if started_record:
             record.path.unlink(missing_ok=True)
@@ -337,17 +244,11 @@ def _check_record(record: ImportRecord, source: Source, options: ImportOptions) 
                           f"{record.path} (and the rows it wrote) to start over")
 
 
-def _new_shard_index(run: RunPaths) -> int:
-    existing = [int(m.group(1)) for p in run.buffer.iterdir() if (m := _SHARD_RE.match(p.name))] \
-        if run.buffer.is_dir() else []
-    return max([IMPORT_SHARD_FIRST - 1, *existing]) + 1
-
-
 def _open_or_create(pipeline: Pipeline, path: Path):
     """``(store opened for appending, created)``; a new store is the pipeline's ``create_buffer``."""
     from rlhf_pipeline.storage import open_store
 
-    if path.exists() and (not path.is_dir() or any(p.name != "pending" for p in path.iterdir())):
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
         return open_store(str(path), mode="a"), False
     path.parent.mkdir(parents=True, exist_ok=True)
     return pipeline.create_buffer(path), True
@@ -420,7 +321,7 @@ def _id_bases(store, target: Target, store_path: Path, resolved: ResolvedColumns
 
     Given group ids already in the store would merge imported rows into stored groups: an error.
     """
-    space = target.shard_index if target.shard_index is not None else _shard_of(store_path)
+    space = target.shard_index if target.shard_index is not None else shard_of(store_path)
     group_max = traj_max = -1
     stored_groups = []
     n = len(store)
@@ -442,11 +343,6 @@ def _id_bases(store, target: Target, store_path: Path, resolved: ResolvedColumns
                 f"column out (--ignore-column {resolved.slots['group']}) to group by prompt with fresh ids")
     base = id_base(space)
     return {"group_base": max(base, group_max + 1), "trajectory_base": max(base, traj_max + 1)}
-
-
-def _shard_of(path: Path) -> int:
-    match = _SHARD_RE.match(path.name)
-    return int(match.group(1)) if match else 0
 
 
 # ====================================================================== pass 2: write

@@ -134,15 +134,6 @@ class Source:
             return chunk.table.slice(0, 1).to_pylist()[0]
         raise SourceError(f"{self.path} holds no rows")
 
-    def arrow_schema(self):
-        """The Arrow schema of the first file (None for JSONL)."""
-        if self.format == "jsonl" or (self.format == "hf" and not self.is_saved_dataset
-                                      and self.files[0].suffix.lower() in JSONL_SUFFIXES):
-            return None
-        for chunk in self.chunks(1):
-            return chunk.table.schema
-        return None
-
     def count_rows(self) -> int | None:
         """Rows in the source when its metadata says so (Parquet, hf); None for JSONL."""
         if self.is_saved_dataset:

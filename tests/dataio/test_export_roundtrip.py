@@ -14,7 +14,7 @@ from rlhf_pipeline.dataio.importer import ImportOptions, import_source
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
 from rlhf_pipeline.run import build_pipeline
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema
-from rlhf_pipeline.storage import create_store, open_buffer, open_store
+from rlhf_pipeline.storage import create_store, open_buffer
 
 SUFFIX = {"jsonl": "export.jsonl", "parquet": "export.parquet", "hf": "export_hf"}
 

@@ -18,7 +18,8 @@ from conftest import DEFAULT_PIPELINE, GROUP_SIZE, REPO, SMALL
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.columns import ColumnMap
 from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
-from rlhf_pipeline.dataio.importer import IMPORT_SHARD_FIRST, ImportOptions, import_source
+from rlhf_pipeline.dataio.import_state import IMPORT_SHARD_FIRST
+from rlhf_pipeline.dataio.importer import ImportOptions, import_source
 from rlhf_pipeline.dataio.sources import SourceError
 from rlhf_pipeline.ids import collector_index_of
 from rlhf_pipeline.models import char_tokenizer
@@ -263,3 +264,19 @@ def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp
     resumed, expected = rows_of(buffer), rows_of(clean)
     assert len(resumed) == 200 and resumed["trajectory_id"].unique().numel() == 200
     assert resumed.equal(expected)
+
+
+def test_a_directory_of_parquet_data_files_with_a_split(pipeline, tmp_path):
+    """A dataset repository's layout: data/<split>-NNNNN-of-NNNNN.parquet, chats as lists of structs."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    data = tmp_path / "repo" / "data"
+    data.mkdir(parents=True)
+    for split, groups in (("train", 3), ("test", 1)):
+        records = toy_records(groups, per_prompt=True)
+        pq.write_table(pa.Table.from_pylist(records), data / f"{split}-00000-of-00001.parquet")
+    result = import_source(tmp_path / "repo", tmp_path / "buf", pipeline,
+                           options=ImportOptions(split="train", show_progress=False), log=quiet)
+    assert (result.source_rows, result.completions) == (3, 12)
+    rows = rows_of(tmp_path / "buf")
+    assert rows["prompt_text"][4] == "<|user|>1+3=<|assistant|>" and rows["response_text"][4] == "4"
