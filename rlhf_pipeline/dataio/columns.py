@@ -294,7 +294,7 @@ def _prompts(chunk, resolved, tokenizer, errors, source_row) -> tuple[RaggedTens
     texts: list[str | None] = [None] * n_rows
     ids: RaggedTensor | None = None
     if "prompt_ids" in slots:
-        ids = _ragged(chunk, slots["prompt_ids"], lambda c: chunk.values(c), errors, torch.int32, flat_ok=True)
+        ids = _ragged(chunk, slots["prompt_ids"], chunk.values, errors, torch.int32, flat_ok=True, expanded=False)
         _check_ids(ids, slots["prompt_ids"], errors, tokenizer, "prompt")
     if "messages" in slots:
         column = slots["messages"]
@@ -452,8 +452,11 @@ def _bools(values: Sequence[Any], column: str, errors: _Errors) -> torch.Tensor:
 
 
 def _ragged(chunk: SourceChunk, column: str, per_completion, errors: _Errors, dtype: torch.dtype, *,
-            allow_dicts: bool = False, flat_ok: bool = False) -> RaggedTensor:
-    """A list-of-numbers column as a RaggedTensor; Arrow lists go through without Python objects."""
+            allow_dicts: bool = False, flat_ok: bool = False, expanded: bool = True) -> RaggedTensor:
+    """A list-of-numbers column as a RaggedTensor; Arrow lists go through without Python objects.
+
+    ``expanded``: one entry per completion (else one per source row, as prompts are).
+    """
     if flat_ok:
         fast = chunk.list_column(column)
         if fast is not None:
@@ -472,7 +475,7 @@ def _ragged(chunk: SourceChunk, column: str, per_completion, errors: _Errors, dt
     for i, v in enumerate(values):
         if not isinstance(v, list):
             errors.fail(i, column, "missing" if v is MISSING or v is None else
-                        f"expected a list of numbers, got {type(v).__name__}", expanded=True)
+                        f"expected a list of numbers, got {type(v).__name__}", expanded=expanded)
         if allow_dicts and v and isinstance(v[0], dict):  # [{"token": ..., "logprob": -0.1}, ...]
             v = [d.get("logprob", MISSING) if isinstance(d, dict) else d for d in v]
         lengths[i] = len(v)
@@ -485,9 +488,9 @@ def _ragged(chunk: SourceChunk, column: str, per_completion, errors: _Errors, dt
         for i in range(len(values)):
             for x in flat[offsets[i]:offsets[i + 1]]:
                 if dtype == torch.int32 and (isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= TOKEN_ID_MAX):
-                    errors.fail(i, column, f"expected token ids in [0, {TOKEN_ID_MAX}], found {x!r}", expanded=True)
+                    errors.fail(i, column, f"expected token ids in [0, {TOKEN_ID_MAX}], found {x!r}", expanded=expanded)
                 if dtype != torch.int32 and (isinstance(x, bool) or not isinstance(x, (int, float))):
-                    errors.fail(i, column, f"expected numbers, found {x!r}", expanded=True)
+                    errors.fail(i, column, f"expected numbers, found {x!r}", expanded=expanded)
     tensor = torch.from_numpy(array.astype(_NUMPY[dtype]))
     return RaggedTensor.from_lengths(tensor, torch.from_numpy(lengths))
 

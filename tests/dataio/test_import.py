@@ -231,7 +231,7 @@ def test_import_into_a_run_adds_a_shard_scored_by_the_newest_policy(tiny_run, tm
 # ====================================================================== kill -9
 def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp_path):
     records = []
-    for record in toy_records(50):  # 200 rows in 50 appends of one group; given log-probs, so no model
+    for record in toy_records(100):  # 400 rows in 100 appends of one group; given log-probs, so no model
         n = len(record["completion"]) + 1
         records.append({**record, "log_probs": [-0.5] * n})
     source = write_jsonl(tmp_path / "big.jsonl", records)
@@ -254,7 +254,7 @@ def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp
         time.sleep(0.01)
     process.wait()
     assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
-    assert 20 <= len(rows_of(buffer)) < 200
+    assert 20 <= len(rows_of(buffer)) < 400
 
     result = import_source(source, buffer, pipeline, options=ImportOptions(rows_per_chunk=4, show_progress=False),
                            log=quiet)
@@ -262,7 +262,7 @@ def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp
     clean = tmp_path / "clean"  # the same import uninterrupted (larger appends: same rows, same ids)
     import_source(source, clean, pipeline, options=ImportOptions(rows_per_chunk=64, show_progress=False), log=quiet)
     resumed, expected = rows_of(buffer), rows_of(clean)
-    assert len(resumed) == 200 and resumed["trajectory_id"].unique().numel() == 200
+    assert len(resumed) == 400 and resumed["trajectory_id"].unique().numel() == 400
     assert resumed.equal(expected)
 
 
