@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                        help="do not check that given token ids decode to the given text")
     parser.add_argument("--policy-version", type=int, default=None,
                         help="version of rows without a version column (default: the version of the weights "
-                             "that score their log-probs; 0 outside a run)")
+                             "that score missing log-probs; with log-probs given, the run's newest version, or 0 "
+                             "outside a run)")
     parser.add_argument("--rows-per-chunk", type=int, default=512, help="source rows read and written at a time")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
