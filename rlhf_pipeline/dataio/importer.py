@@ -6,7 +6,10 @@ Two streaming passes over the source, each holding one chunk at a time:
    (columns present, texts non-empty, rewards finite, log-probs aligned with the tokens,
    token ids decoding to the given text, stored-row validation), and each completion's group
    key is kept (8 bytes a row). Any bad value stops the import here, before the buffer is
-   created or touched: nothing of a failed import lands. Checking in a cheap first pass
+   created or touched. The checks that need the store come next, before any row is written:
+   fields the source carries but the store lacks (or the reverse), group sizes against the
+   write path's, given group ids already stored; a store created for the import is removed
+   when they fail. So nothing of a failed import lands. Checking in a cheap first pass
    rather than staging rows in a temporary store keeps memory and disk at one chunk; the
    price is tokenizing twice.
 2. **write**: rows are read again, sampling log-probs the source lacks are computed with
