@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.dataio.sources import MISSING, SourceChunk, SourceError
+from rlhf_pipeline.dataio.sources import MISSING, SourceChunk, SourceError, lookup
 from rlhf_pipeline.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema import FIELDS_BY_NAME, TOKEN_ID_MAX
 
@@ -127,9 +127,9 @@ class ResolvedColumns:
 
 def resolve_columns(record: Mapping[str, Any], options: ColumnMap, where: str) -> ResolvedColumns:
     """Chooses the columns from the first record; errors name the missing role and its option."""
-    from rlhf_pipeline.dataio.sources import _lookup
+    def present(column: str) -> bool:
+        return column not in options.ignore and lookup(record, column) is not MISSING
 
-    present = lambda col: col not in options.ignore and _lookup(record, col) is not MISSING  # noqa: E731
     slots: dict[str, str] = {}
     for slot, candidates in CANDIDATES.items():
         chosen = getattr(options, slot)
@@ -150,15 +150,15 @@ def resolve_columns(record: Mapping[str, Any], options: ColumnMap, where: str) -
                           f"--completion-ids (token ids). The record has {sorted(record)}")
     if "reward" not in slots:
         raise SourceError(f"{where}: no reward column; name it with --reward. The record has {sorted(record)}")
-    if "messages" in slots and "prompt" in slots and getattr(options, "prompt") is None:
+    if "messages" in slots and "prompt" in slots and options.prompt is None:
         del slots["prompt"]  # a chat prompt: the text is the rendered template
     passthrough = {f: f for f in PASSTHROUGH_FIELDS if present(f)}
-    completion = _lookup(record, slots.get("completion_ids", slots.get("completion")))
+    completion = lookup(record, slots.get("completion_ids", slots.get("completion")))
     if "completion_ids" in slots:
         per_prompt = isinstance(completion, list) and bool(completion) and isinstance(completion[0], list)
     else:
         per_prompt = isinstance(completion, list)
-    group_ids_given = "group" in slots and isinstance(_lookup(record, slots["group"]), int)
+    group_ids_given = "group" in slots and isinstance(lookup(record, slots["group"]), int)
     return ResolvedColumns(slots, passthrough, per_prompt, group_ids_given, options)
 
 

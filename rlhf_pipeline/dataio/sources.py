@@ -63,13 +63,13 @@ class SourceChunk:
     def values(self, column: str) -> list[Any]:
         """Column ``column`` (or a dotted path into nested values), one Python value per row."""
         if self.records is not None:
-            return [_lookup(r, column) for r in self.records]
+            return [lookup(r, column) for r in self.records]
         names = self.table.schema.names
         if column in names:
             return self.table.column(column).to_pylist()
         top, _, rest = column.partition(".")
         if rest and top in names:
-            return [_lookup(v, rest) if v is not None else MISSING for v in self.table.column(top).to_pylist()]
+            return [lookup(v, rest) if v is not None else MISSING for v in self.table.column(top).to_pylist()]
         return [MISSING] * len(self)
 
     def list_column(self, column: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -96,7 +96,7 @@ class SourceChunk:
         return offsets - offsets[0], values
 
 
-def _lookup(record: Any, path: str) -> Any:
+def lookup(record: Any, path: str) -> Any:
     """``record[path]``, or a walk down a dotted path (``a.0.b``) through dicts and lists."""
     if isinstance(record, dict) and path in record:
         return record[path]
