@@ -139,9 +139,12 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         return create_store(path, settings.buffer_backend, schema=StoreSchema(optional=("advantage",)),
                             segment_rows=settings.segment_rows)
 
+    def make_write_path(store):
+        return [GroupAdvantage(settings.group_size, store=store)]
+
     def make_collector(model, store, collector_index: int = 0):
-        buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size)
-        buffer.append_transform(GroupAdvantage(settings.group_size, store=store), invert=True)
+        buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size,
+                                    transforms=make_write_path(store))
         config = CollectorConfig(
             prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
             sampling=SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature),
@@ -161,6 +164,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         make_collector=make_collector,
         pad_token_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
+        make_write_path=make_write_path,
         preflight=lambda: preflight_rewards(rewards, prompts[:1], settings.group_size),
         collect_rounds_per_version=settings.rounds_per_version,
         collect_rounds_ahead=settings.rounds_ahead,

@@ -127,13 +127,16 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         return create_store(path, "memmap", schema=StoreSchema(optional=optional),
                             segment_rows=settings.segment_rows)
 
-    def make_collector(model, store, collector_index: int = 0):
+    def make_write_path(store):
         write_path = [GroupAdvantage(settings.group_size, store=store)]
         if with_reference:
             reference = load_model(settings.model_path, dtype=dtype, device=settings.device)
             write_path.append(ReferenceLogProbs(reference, temperature=settings.temperature,
                                                 device=settings.device, pad_token_id=tokenizer.pad_token_id))
-        buffer = make_replay_buffer(store, batch_size=learner.batch_size, transforms=write_path)
+        return write_path
+
+    def make_collector(model, store, collector_index: int = 0):
+        buffer = make_replay_buffer(store, batch_size=learner.batch_size, transforms=make_write_path(store))
         config = CollectorConfig(
             prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
             sampling=SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature),
@@ -153,6 +156,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         make_collector=make_collector,
         pad_token_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
+        make_write_path=make_write_path,
         preflight=lambda: preflight_rewards(rewards, prompts[:1], settings.group_size),
         collect_rounds_per_version=settings.rounds_per_version,
     )

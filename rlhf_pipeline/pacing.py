@@ -30,7 +30,9 @@ It cannot deadlock:
   since a collector's last round (a sampler that needs more than it said, a dead collector
   whose share the others must cover) lets that collector write one more round.
 
-Before the learner's first publish (no file yet) a collector writes ``rounds_ahead + 1`` rounds.
+Before the learner's first publish (no file yet) a collector started by ``run`` writes
+``rounds_ahead + 1`` rounds: its learner is starting. A collector started alone (``collect``)
+is unpaced until a learner publishes: it may be recording a buffer with no learner at all.
 """
 
 from __future__ import annotations
@@ -112,17 +114,19 @@ class PacingPublisher:
 class CollectorPacer:
     """Collector side: ``may_collect(rows_in_my_shard)`` says whether to generate a round now.
 
-    ``rounds_ahead=None`` turns pacing off (every call says yes).
+    ``rounds_ahead=None`` turns pacing off (every call says yes). ``learner_expected=False``
+    leaves it off until a learner's first publish.
     """
 
     def __init__(self, path: str | Path, key: str, rounds_ahead: int | None, *, round_rows: int | None = None,
-                 stall_s: float = 1.0) -> None:
+                 stall_s: float = 1.0, learner_expected: bool = True) -> None:
         if rounds_ahead is not None and rounds_ahead < 0:
             raise ValueError(f"rounds_ahead must be >= 0 or None (got {rounds_ahead})")
         self.path = Path(path)
         self.key = key
         self.rounds_ahead = rounds_ahead
         self.stall_s = stall_s
+        self.learner_expected = learner_expected
         # rows of one round: as configured, else the most one round has written so far
         self._configured_round_rows = round_rows
         self.round_rows = round_rows or 0
@@ -139,7 +143,7 @@ class CollectorPacer:
         if self.rounds_ahead is None or not self.round_rows:
             return math.inf  # unpaced, or no round written yet: its size is unknown
         if intake is None:
-            return (self.rounds_ahead + 1) * self.round_rows
+            return (self.rounds_ahead + 1) * self.round_rows if self.learner_expected else math.inf
         shards = len(set(intake.consumed) | {self.key})
         share = math.ceil(intake.next_draw_rows / shards)
         return intake.consumed.get(self.key, 0) + share + self.rounds_ahead * self.round_rows

@@ -104,6 +104,12 @@ class RunPaths:
         return self.root / "collector" / f"metrics-{collector_index:04d}.jsonl"
 
     @property
+    def pipeline_file(self) -> Path:
+        """A copy of the pipeline file the run was started with (with ``settings.json``, what
+        ``export-model`` and ``import`` rebuild the run's model and tokenizer from)."""
+        return self.root / "pipeline.py"
+
+    @property
     def stop_file(self) -> Path:
         """Written by ``run`` when the learner is done: a standalone collector stops too."""
         return self.root / "STOP"
@@ -149,6 +155,11 @@ class Pipeline:
     """The policy's tokenizer (a ``transformers`` tokenizer, with its chat template): what
     ``import`` tokenizes text with and ``export-model`` saves beside the weights. Without it
     those commands stop with an error saying so."""
+    make_write_path: Callable[[Any], Sequence[Any]] | None = None
+    """``make_write_path(writable_store)`` -> the write-path transforms bound to that store, in
+    write order (group advantage, reference log-probs, KL reward...). ``make_collector`` builds
+    its buffer from it and ``import`` writes through it, so collected and imported rows share
+    one definition. None: rows are stored as they come."""
     preflight: Callable[[], None] = lambda: None
     """Cheap checks that need code to run (the reward on one sample); called before any work."""
     collect_rounds_per_version: int | None = 2

@@ -202,6 +202,7 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
         else:
             text = json.dumps(current, indent=2, sort_keys=True).encode()
             write_atomic(paths.settings_file, lambda f: f.write(text))
+        _keep_pipeline_copy(pipeline, paths)
         if paths.single_store_buffer:
             extra = sorted(k for k in shards if k != 0)
             if extra:
@@ -220,6 +221,16 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
             print(f"[run] building the initial policy in {paths.root}", file=sys.stderr, flush=True)
             model = pipeline.make_policy()
             publish_weights(paths.root, model.state_dict(), 0)
+
+
+def _keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
+    """Copies the pipeline file into the run once, so the run can be rebuilt after the file moves."""
+    module = sys.modules.get(type(pipeline.settings).__module__)
+    source = getattr(module, "__file__", None)
+    if paths.pipeline_file.exists() or source is None:
+        return
+    text = Path(source).read_bytes()
+    write_atomic(paths.pipeline_file, lambda f: f.write(text))
 
 
 def _default_settings(settings: Any) -> dict:
@@ -362,8 +373,9 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         collector.set_policy_state(state, version)
         rounds_at_version = 0
         # generate no more than the learner will take in, plus collect_rounds_ahead rounds
+        # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
         pacer = CollectorPacer(paths.pacing, shard_key(store_path, paths.buffer), pipeline.collect_rounds_ahead,
-                               round_rows=_round_rows(collector))
+                               round_rows=_round_rows(collector), learner_expected=stop.launcher_fd is not None)
         metrics = MetricsWriter(paths.collector_metrics(collector_index))
         waited = paced_total = 0.0
         print(f"{tag} writing to {store_path} with policy version {version}", file=sys.stderr, flush=True)

@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("rlhf_pipeline.cli.replay_cmd", "train a new run from a recorded buffer (epochs, no generation)"),
     "repair": ("rlhf_pipeline.cli.repair_cmd", "rebuild a damaged buffer's published state (dry run by default)"),
     "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path, curation, replay, e2e"),
+    "import": ("rlhf_pipeline.cli.import_cmd", "rows from JSONL, Parquet or a HF dataset into a buffer"),
+    "export": ("rlhf_pipeline.cli.export_cmd", "a buffer's rows to JSONL, Parquet or a HF dataset"),
+    "export-model": ("rlhf_pipeline.cli.export_model_cmd", "a run's policy as a save_pretrained directory"),
+    "plot": ("rlhf_pipeline.cli.plot_cmd", "PNG charts of runs' metrics, overlaid"),
 }
 
 

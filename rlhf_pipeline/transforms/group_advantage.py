@@ -128,6 +128,8 @@ class GroupAdvantage(WritePathTransform):
         durable: fsync the pending state on each change (off only for benchmarks/tests).
     """
 
+    fills_fields = ("advantage",)
+
     def __init__(
         self,
         group_size: int,

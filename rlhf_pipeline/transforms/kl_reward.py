@@ -121,6 +121,8 @@ class KLReward(WritePathTransform):
         horizon: adaptive controller horizon, in rows.
     """
 
+    fills_fields = ("kl", "token_rewards")
+
     def __init__(self, coef: float = 0.05, *, estimator: Estimator = "k1", target_kl: float | None = None,
                  horizon: int = 10_000) -> None:
         super().__init__()

@@ -113,6 +113,8 @@ class ReferenceLogProbs(WritePathTransform):
         pad_token_id: id used for padding (masked out).
     """
 
+    fills_fields = ("ref_log_probs",)
+
     def __init__(self, model: torch.nn.Module, *, temperature: float = 1.0, device: str | torch.device | None = None,
                  tokens_per_microbatch: int = 16_384, pad_token_id: int = 0) -> None:
         super().__init__()

@@ -33,6 +33,10 @@ from rlhf_pipeline.schema import TrajectoryBatch
 class WritePathTransform(Transform):
     """Base of the write-path transforms: subclasses implement :meth:`write`."""
 
+    fills_fields: tuple[str, ...] = ()
+    """The stored fields this transform computes; ``import`` skips a transform when the source
+    already carries all of them (rows keep the values they were exported with)."""
+
     def write(self, batch: TrajectoryBatch | None) -> TrajectoryBatch | None:
         raise NotImplementedError
 

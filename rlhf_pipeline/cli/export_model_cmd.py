@@ -1,0 +1,39 @@
+"""``rlhf-pipeline export-model RUN_DIR OUT [--version N]``: a run's policy for ``transformers``.
+
+Writes a ``save_pretrained`` directory (config, safetensors weights, tokenizer with its chat
+template, generation config) that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads with
+the same logits as the run's policy of that version. See :mod:`rlhf_pipeline.dataio.model_export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("run_dir", help="the run directory (holds settings.json, weights/, checkpoints/)")
+    parser.add_argument("out", help="directory to write (must not exist)")
+    parser.add_argument("--version", type=int, default=None,
+                        help="policy version to export (default: the newest on disk)")
+    parser.add_argument("--pipeline", metavar="PIPELINE.py", default=None,
+                        help="pipeline file to rebuild the model with (default: the run's copy, pipeline.py)")
+    parser.add_argument("--list-versions", action="store_true", help="list the versions on disk and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from rlhf_pipeline.dataio.model_export import VersionNotFoundError, available_versions, export_model
+    from rlhf_pipeline.pipeline import PipelineError
+
+    try:
+        if args.list_versions:
+            versions = available_versions(args.run_dir)
+            print("\n".join(v.describe() for v in versions.values()) or "no versions on disk")
+            return 0
+        result = export_model(args.run_dir, args.out, version=args.version, pipeline_path=args.pipeline)
+    except (VersionNotFoundError, PipelineError, FileExistsError) as exc:
+        print(f"rlhf-pipeline export-model: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{result.out}: {result.model_class}, policy version {result.version} (from {result.source})")
+    return 0

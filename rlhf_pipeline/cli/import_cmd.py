@@ -1,0 +1,104 @@
+"""``rlhf-pipeline import SOURCE BUFFER --pipeline PIPELINE.py``: rows from JSONL, Parquet or a
+Hugging Face dataset into a replay buffer, through the pipeline's tokenizer and write path.
+
+BUFFER is a store (created with the pipeline's ``create_buffer`` when new) or a run (its
+directory or ``buffer/``: the rows get a shard of their own, the pipeline and settings come
+from the run). See :mod:`rlhf_pipeline.dataio.importer` for what happens, in which order.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+_COLUMN_OPTIONS = (
+    ("--prompt", "prompt", "prompt text column (default: prompt_text or prompt)"),
+    ("--messages", "messages", "chat messages column, rendered with the chat template (default: messages)"),
+    ("--prompt-ids", "prompt_ids", "prompt token ids column (default: prompt_tokens, prompt_token_ids or prompt_ids)"),
+    ("--completion", "completion", "completion text column, or a list of completions per prompt "
+                                   "(default: response_text, completion, response, completions or responses)"),
+    ("--completion-ids", "completion_ids", "completion token ids column (default: response_tokens, "
+                                           "completion_token_ids, completion_ids or token_ids)"),
+    ("--reward", "reward", "reward column (default: reward or rewards)"),
+    ("--group", "group", "group key column (default: group_id; without one, completions of one prompt form a group)"),
+    ("--log-probs", "log_probs", "per-token sampling log-probs column (default: response_log_probs, log_probs or "
+                                 "logprobs; without one they are computed with the pipeline's model)"),
+    ("--version", "version", "policy version column (default: policy_version)"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("source", help="a JSONL or Parquet file, a save_to_disk directory, or a directory of data files")
+    parser.add_argument("buffer", help="the buffer to write: a store path (new or existing), or a run directory / "
+                                       "its buffer/ (a new shard)")
+    parser.add_argument("--pipeline", metavar="PIPELINE.py", default=None,
+                        help="pipeline whose tokenizer, model and write path the import uses (optional for a "
+                             "run, which keeps a copy of its own)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a pipeline setting (not for a run: its settings.json decides)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="where log-probs are computed")
+    parser.add_argument("--format", choices=("jsonl", "parquet", "hf"), default=None,
+                        help="source format (default: from the file name or directory contents)")
+    parser.add_argument("--split", default=None, help="split of a Hugging Face dataset (default: train)")
+    group = parser.add_argument_group("columns (dotted paths reach into nested records: outputs.0.token_ids)")
+    for flag, dest, help_text in _COLUMN_OPTIONS:
+        group.add_argument(flag, dest=f"col_{dest}", metavar="COL", default=None, help=help_text)
+    group.add_argument("--ignore-column", action="append", default=[], metavar="COL",
+                       help="a column not to read, even if its name says what it holds (repeatable)")
+    group.add_argument("--no-eos", action="store_true",
+                       help="do not end text completions with the tokenizer's EOS (they are stored as truncated)")
+    group.add_argument("--no-text-check", action="store_true",
+                       help="do not check that given token ids decode to the given text")
+    parser.add_argument("--policy-version", type=int, default=None,
+                        help="version of rows without a version column (default: the version of the weights "
+                             "that score missing log-probs; with log-probs given, the run's newest version, or 0 "
+                             "outside a run)")
+    parser.add_argument("--rows-per-chunk", type=int, default=512, help="source rows read and written at a time")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from rlhf_pipeline.dataio.columns import ColumnMap
+    from rlhf_pipeline.dataio.extras import MissingExtraError
+    from rlhf_pipeline.dataio.importer import ImportOptions, import_source
+    from rlhf_pipeline.dataio.run_pipeline import find_run_root, load_run_pipeline
+    from rlhf_pipeline.dataio.sources import SourceError
+    from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.run import build_pipeline
+    from rlhf_pipeline.storage import StoreError
+
+    def fail(message: str) -> int:
+        print(f"rlhf-pipeline import: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.rows_per_chunk < 1:
+        return fail("--rows-per-chunk must be >= 1")
+    columns = ColumnMap(**{dest: getattr(args, f"col_{dest}") for _, dest, _ in _COLUMN_OPTIONS},
+                        ignore=tuple(args.ignore_column), append_eos=not args.no_eos,
+                        check_text=not args.no_text_check)
+    options = ImportOptions(columns=columns, format=args.format, split=args.split,
+                            policy_version=args.policy_version, rows_per_chunk=args.rows_per_chunk,
+                            show_progress=not args.quiet)
+    try:
+        run_root = find_run_root(args.buffer)
+        if run_root is not None:
+            if args.overrides:
+                return fail(f"{args.buffer} belongs to run {run_root}, whose settings.json sets the pipeline's "
+                            f"settings; drop --set")
+            pipeline = load_run_pipeline(run_root, args.pipeline, device=args.device)
+        else:
+            if args.pipeline is None:
+                return fail("pass --pipeline PIPELINE.py: its tokenizer, model and write path shape the rows")
+            module = load_pipeline_module(args.pipeline)
+            overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
+            settings = make_settings(module, overrides)
+            pipeline = build_pipeline(module, settings, RunPaths(Path(args.buffer).resolve().parent))
+        log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        result = import_source(args.source, args.buffer, pipeline, options=options, run_root=run_root, log=log)
+    except (SourceError, PipelineError, StoreError, MissingExtraError) as exc:
+        return fail(str(exc))
+    if not result.already_done:
+        print(f"{result.buffer}: {result.rows_written} rows imported from {args.source}")
+    return 0

@@ -1,0 +1,34 @@
+"""``rlhf-pipeline plot RUN_DIR [RUN_DIR ...] --out DIR``: PNG charts of runs, overlaid.
+
+Reward, KL, response length, clip fractions, staleness and throughput over learner steps,
+from each run's ``metrics.jsonl``; one PNG per chart plus ``overview.png``. Needs the
+``plot`` extra (matplotlib). See :mod:`rlhf_pipeline.dataio.plots`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or metrics.jsonl files)")
+    parser.add_argument("--out", required=True, help="directory for the PNG files")
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from rlhf_pipeline.dataio.extras import MissingExtraError
+    from rlhf_pipeline.dataio.plots import plot_runs
+
+    try:
+        written = plot_runs(args.runs, args.out)
+    except (MissingExtraError, FileNotFoundError) as exc:
+        print(f"rlhf-pipeline plot: error: {exc}", file=sys.stderr)
+        return 2
+    if not written:
+        print("rlhf-pipeline plot: the runs logged none of the charted metrics yet", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0

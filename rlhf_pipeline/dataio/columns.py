@@ -1,0 +1,537 @@
+"""Which source column holds what, and turning a chunk of source rows into stored-row columns.
+
+Two row layouts, told apart by the completion column:
+
+* one row per completion: ``{"prompt": "...", "completion": "...", "reward": 1.0}``;
+* one row per prompt with a list of completions (the prompt's group):
+  ``{"prompt": "...", "completions": ["...", "..."], "rewards": [1.0, 0.0]}``; every
+  per-completion column (ids, rewards, log-probs) then holds one entry per completion.
+
+The prompt is text, chat ``messages`` (rendered with the tokenizer's chat template and a
+generation prompt, as the collector renders them) or token ids; the completion is text or
+token ids. Token ids are taken as given (logged inference traffic): where the text is given
+too, the ids must decode to it. Columns named like stored fields (``advantage``,
+``ref_log_probs``, ``kl``, ``token_rewards``, ``trajectory_id``, ``step``, ``done``,
+``terminated``, ``truncated``) are taken as given, so an ``export`` imports back exactly.
+
+:func:`resolve_columns` picks the columns (options first, then the usual names) from the
+first record; :func:`normalize` turns one :class:`~rlhf_pipeline.dataio.sources.SourceChunk`
+into :class:`ImportRows`, raising :class:`~rlhf_pipeline.dataio.sources.SourceError` naming
+the file, row and column of the first bad value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlhf_pipeline.dataio.sources import MISSING, SourceChunk, SourceError, lookup
+from rlhf_pipeline.ragged import RaggedTensor, lengths_to_offsets
+from rlhf_pipeline.schema import FIELDS_BY_NAME, TOKEN_ID_MAX
+
+# slot -> column names looked for when no option names one (stored field names first, so an
+# export imports back with no options)
+CANDIDATES: dict[str, tuple[str, ...]] = {
+    "prompt": ("prompt_text", "prompt"),
+    "messages": ("messages",),
+    "prompt_ids": ("prompt_tokens", "prompt_token_ids", "prompt_ids"),
+    "completion": ("response_text", "completion", "response", "completions", "responses"),
+    "completion_ids": ("response_tokens", "completion_token_ids", "completion_ids", "token_ids"),
+    "reward": ("reward", "rewards"),
+    "group": ("group_id",),
+    "log_probs": ("response_log_probs", "log_probs", "logprobs"),
+    "version": ("policy_version",),
+}
+OPTION_OF_SLOT = {"prompt": "--prompt", "messages": "--messages", "prompt_ids": "--prompt-ids",
+                  "completion": "--completion", "completion_ids": "--completion-ids", "reward": "--reward",
+                  "group": "--group", "log_probs": "--log-probs", "version": "--version"}
+# stored fields a source may carry as is, under their own names
+PASSTHROUGH_FIELDS = ("trajectory_id", "step", "done", "terminated", "truncated",
+                      "advantage", "ref_log_probs", "kl", "token_rewards")
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Source columns by role; None looks for the names in ``CANDIDATES``. Dotted paths reach into
+    nested records (``outputs.0.token_ids``)."""
+
+    prompt: str | None = None
+    messages: str | None = None
+    prompt_ids: str | None = None
+    completion: str | None = None
+    completion_ids: str | None = None
+    reward: str | None = None
+    group: str | None = None
+    log_probs: str | None = None
+    version: str | None = None
+    ignore: tuple[str, ...] = ()
+    """Columns not to read even when their names say what they hold."""
+    append_eos: bool = True
+    """Text completions end with the tokenizer's EOS (they were complete answers); False stores
+    them without it, as truncated."""
+    check_text: bool = True
+    """Where token ids and text are both given, the ids must decode to the text."""
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in OPTION_OF_SLOT}
+        return {**out, "ignore": list(self.ignore), "append_eos": self.append_eos, "check_text": self.check_text}
+
+
+@dataclass(frozen=True)
+class ResolvedColumns:
+    """The columns an import reads, found in the source's first record."""
+
+    slots: Mapping[str, str]  # slot -> column
+    passthrough: Mapping[str, str]  # stored field -> column
+    per_prompt: bool  # one row per prompt with a list of completions
+    group_ids_given: bool  # the group column holds integer ids (kept as group_id)
+    options: ColumnMap
+
+    @property
+    def given_fields(self) -> tuple[str, ...]:
+        """Stored fields taken from the source as they are (not computed by the import)."""
+        given = set(self.passthrough)
+        if "log_probs" in self.slots:
+            given.add("response_log_probs")
+        if "version" in self.slots:
+            given.add("policy_version")
+        if self.group_ids_given:
+            given.add("group_id")
+        return tuple(f for f in FIELDS_BY_NAME if f in given)
+
+    def column_of_field(self, name: str) -> str:
+        """The source column a stored field comes from (for error messages)."""
+        slot = {"prompt_tokens": "prompt_ids", "response_tokens": "completion_ids", "response_log_probs": "log_probs",
+                "reward": "reward", "group_id": "group", "policy_version": "version", "prompt_text": "prompt",
+                "response_text": "completion"}.get(name)
+        if name in self.passthrough:
+            return self.passthrough[name]
+        if slot == "prompt_ids" and slot not in self.slots:
+            slot = "messages" if "messages" in self.slots else "prompt"
+        if slot == "completion_ids" and slot not in self.slots:
+            slot = "completion"
+        return self.slots.get(slot, name) if slot else name
+
+    def describe(self) -> str:
+        parts = [f"{slot}={col!r}" for slot, col in self.slots.items()]
+        parts += [f"{f}={col!r}" for f, col in self.passthrough.items()]
+        layout = "one row per prompt (a list of completions)" if self.per_prompt else "one row per completion"
+        return f"{layout}; columns: {', '.join(parts)}"
+
+
+def resolve_columns(record: Mapping[str, Any], options: ColumnMap, where: str) -> ResolvedColumns:
+    """Chooses the columns from the first record; errors name the missing role and its option."""
+    def present(column: str) -> bool:
+        return column not in options.ignore and lookup(record, column) is not MISSING
+
+    slots: dict[str, str] = {}
+    for slot, candidates in CANDIDATES.items():
+        chosen = getattr(options, slot)
+        if chosen is not None:
+            if not present(chosen):
+                raise SourceError(f"{where}: column {chosen!r} (given with {OPTION_OF_SLOT[slot]}) is missing; "
+                                  f"the record has {sorted(record)}")
+            slots[slot] = chosen
+            continue
+        found = next((c for c in candidates if present(c)), None)
+        if found is not None:
+            slots[slot] = found
+    if not {"prompt", "messages", "prompt_ids"} & set(slots):
+        raise SourceError(f"{where}: no prompt column; name one with --prompt (text), --messages (chat) or "
+                          f"--prompt-ids (token ids). The record has {sorted(record)}")
+    if not {"completion", "completion_ids"} & set(slots):
+        raise SourceError(f"{where}: no completion column; name one with --completion (text) or "
+                          f"--completion-ids (token ids). The record has {sorted(record)}")
+    if "reward" not in slots:
+        raise SourceError(f"{where}: no reward column; name it with --reward. The record has {sorted(record)}")
+    if "messages" in slots and "prompt" in slots and options.prompt is None:
+        del slots["prompt"]  # a chat prompt: the text is the rendered template
+    passthrough = {f: f for f in PASSTHROUGH_FIELDS if present(f)}
+    completion = lookup(record, slots.get("completion_ids", slots.get("completion")))
+    if "completion_ids" in slots:
+        per_prompt = isinstance(completion, list) and bool(completion) and isinstance(completion[0], list)
+    else:
+        per_prompt = isinstance(completion, list)
+    group_ids_given = "group" in slots and isinstance(lookup(record, slots["group"]), int)
+    return ResolvedColumns(slots, passthrough, per_prompt, group_ids_given, options)
+
+
+# ====================================================================== normalized rows
+@dataclass
+class ImportRows:
+    """One chunk as stored-row columns (N completions) plus where each came from."""
+
+    columns: dict[str, Any]  # field -> RaggedTensor / (N,) tensor / list[str]
+    group_key: np.ndarray  # (N,) uint64: completions with equal keys form one group
+    source_row: np.ndarray  # (N,) int64: row of the chunk each completion came from
+    completion_index: np.ndarray | None  # (N,) int64 in the one-row-per-prompt layout
+    chunk: SourceChunk
+    resolved: ResolvedColumns = field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.source_row)
+
+    def where(self, i: int) -> str:
+        """Location of completion ``i``: file and line/row, and the completion's index in its row."""
+        out = self.chunk.where(int(self.source_row[i]))
+        if self.completion_index is not None:
+            out += f", completion {int(self.completion_index[i])}"
+        return out
+
+
+class _Errors:
+    """Builds SourceErrors for one chunk: ``fail(i, column, message)``."""
+
+    def __init__(self, chunk: SourceChunk, completion_index: np.ndarray | None = None,
+                 source_row: np.ndarray | None = None) -> None:
+        self.chunk, self.completion_index, self.source_row = chunk, completion_index, source_row
+
+    def fail(self, i: int, column: str, message: str, *, expanded: bool = False):
+        row, where_extra = i, ""
+        if expanded and self.source_row is not None:
+            row = int(self.source_row[i])
+            if self.completion_index is not None:
+                where_extra = f", completion {int(self.completion_index[i])}"
+        raise SourceError(f"{self.chunk.where(row)}{where_extra}, column {column!r}: {message}")
+
+
+def normalize(chunk: SourceChunk, resolved: ResolvedColumns, tokenizer: Any) -> ImportRows:
+    """Stored-row columns of ``chunk`` (token ids, texts, rewards, given fields); checks every value."""
+    slots = resolved.slots
+    errors = _Errors(chunk)
+    n_rows = len(chunk)
+
+    # ---- how many completions each row holds
+    completion_col = slots.get("completion_ids", slots.get("completion"))
+    if resolved.per_prompt:
+        lists = chunk.values(completion_col)
+        counts = np.empty(n_rows, dtype=np.int64)
+        for i, v in enumerate(lists):
+            if not isinstance(v, list) or not v:
+                errors.fail(i, completion_col, "expected a non-empty list of completions (one row per prompt)")
+            counts[i] = len(v)
+    else:
+        counts = np.ones(n_rows, dtype=np.int64)
+    source_row = np.repeat(np.arange(n_rows, dtype=np.int64), counts)
+    completion_index = (np.arange(len(source_row)) - np.repeat(np.cumsum(counts) - counts, counts)
+                        if resolved.per_prompt else None)
+    errors = _Errors(chunk, completion_index, source_row)
+
+    def per_completion(column: str, *, scalar_ok: bool = False) -> list[Any]:
+        """One value per completion: rows of the per-prompt layout hold a list of ``counts[i]``."""
+        values = chunk.values(column)
+        if not resolved.per_prompt:
+            return values
+        out: list[Any] = []
+        for i, v in enumerate(values):
+            if isinstance(v, list) and len(v) == counts[i]:
+                out.extend(v)
+            elif scalar_ok and not isinstance(v, list):
+                out.extend([v] * int(counts[i]))
+            else:
+                got = f"a list of {len(v)}" if isinstance(v, list) else type(v).__name__ if v is not MISSING else "nothing"
+                errors.fail(i, column, f"expected a list of {counts[i]} values (one per completion), got {got}")
+        return out
+
+    def per_prompt_value(column: str) -> list[Any]:
+        """A prompt-level column, repeated for each completion of its row."""
+        values = chunk.values(column)
+        return [values[i] for i in source_row]
+
+    columns: dict[str, Any] = {}
+    # ---- prompt
+    prompt_ids, prompt_text = _prompts(chunk, resolved, tokenizer, errors, source_row)
+    columns["prompt_tokens"], columns["prompt_text"] = prompt_ids, prompt_text
+    # ---- completion
+    response, response_text, ends_on_eos = _completions(chunk, resolved, tokenizer, errors, per_completion)
+    columns["response_tokens"], columns["response_text"] = response, response_text
+    n = len(source_row)
+    # ---- reward, log-probs, version
+    columns["reward"] = _floats(per_completion(slots["reward"]), slots["reward"], errors)
+    if "log_probs" in slots:
+        log_probs = _ragged(chunk, slots["log_probs"], per_completion, errors, torch.float32,
+                            allow_dicts=True, flat_ok=not resolved.per_prompt)
+        _check_aligned(log_probs, response, slots["log_probs"], errors, resolved.options.append_eos
+                       and "completion_ids" not in slots)
+        columns["response_log_probs"] = log_probs
+    if "version" in slots:
+        columns["policy_version"] = _ints(per_completion(slots["version"], scalar_ok=True), slots["version"], errors,
+                                          minimum=0)
+    # ---- ends and steps: given, or single-turn rows that ended on EOS or a limit
+    for name, column in resolved.passthrough.items():
+        spec = FIELDS_BY_NAME[name]
+        if spec.kind == "token":
+            columns[name] = _ragged(chunk, column, per_completion, errors, spec.dtype, flat_ok=not resolved.per_prompt)
+        elif spec.dtype == torch.bool:
+            columns[name] = _bools(per_completion(column, scalar_ok=True), column, errors)
+        elif spec.dtype == torch.float32:
+            columns[name] = _floats(per_completion(column, scalar_ok=True), column, errors)
+        else:
+            columns[name] = _ints(per_completion(column, scalar_ok=True), column, errors, minimum=0).to(spec.dtype)
+    terminated = columns.setdefault("terminated", torch.as_tensor(ends_on_eos, dtype=torch.bool))
+    columns.setdefault("truncated", ~terminated)
+    columns.setdefault("done", columns["terminated"] | columns["truncated"])
+    columns.setdefault("step", torch.zeros(n, dtype=torch.int32))
+
+    # ---- groups
+    group_key = _group_keys(chunk, resolved, errors, per_prompt_value, columns, source_row)
+    if resolved.group_ids_given:
+        columns["group_id"] = torch.from_numpy(group_key.view(np.int64).copy())
+    return ImportRows(columns, group_key, source_row, completion_index, chunk, resolved)
+
+
+# ====================================================================== prompts
+def _prompts(chunk, resolved, tokenizer, errors, source_row) -> tuple[RaggedTensor, list[str]]:
+    from rlhf_pipeline.collect.prompts import PromptError, PromptRecord
+
+    slots, n_rows = resolved.slots, len(chunk)
+    texts: list[str | None] = [None] * n_rows
+    ids: RaggedTensor | None = None
+    if "prompt_ids" in slots:
+        ids = _ragged(chunk, slots["prompt_ids"], chunk.values, errors, torch.int32, flat_ok=True, expanded=False)
+        _check_ids(ids, slots["prompt_ids"], errors, tokenizer, "prompt")
+    if "messages" in slots:
+        column = slots["messages"]
+        records = []
+        for i, messages in enumerate(chunk.values(column)):
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                errors.fail(i, column, "expected a non-empty list of {role, content} messages")
+            records.append(PromptRecord(messages=tuple({"role": m["role"], "content": m["content"]} for m in messages)))
+        _need_tokenizer(tokenizer, "render chat messages")
+        try:
+            texts = [r.display_text(tokenizer) for r in records]
+            if ids is None:
+                ids = RaggedTensor.from_sequences([r.render(tokenizer) for r in records], dtype=torch.int32)
+        except (PromptError, ValueError, TypeError) as exc:  # e.g. a role the chat template rejects
+            errors.fail(0, column, f"the tokenizer's chat template failed: {exc}")
+    elif "prompt" in slots:
+        column = slots["prompt"]
+        texts = _strings(chunk.values(column), column, errors, "prompt")
+        if ids is None:
+            _need_tokenizer(tokenizer, "tokenize prompt text")
+            ids = RaggedTensor.from_sequences(tokenizer(texts, add_special_tokens=False)["input_ids"], dtype=torch.int32)
+    if ids is None:  # token ids only: the text is what they decode to
+        raise AssertionError("resolve_columns guarantees a prompt column")
+    lengths = ids.lengths()
+    if bool((lengths == 0).any()):
+        i = int(torch.nonzero(lengths == 0)[0])
+        errors.fail(i, slots.get("prompt_ids", slots.get("messages", slots.get("prompt"))),
+                    "empty prompt: it tokenizes to no tokens")
+    if "prompt_ids" in slots:
+        if tokenizer is not None:
+            decoded = tokenizer.batch_decode(ids.to_list(), skip_special_tokens=False)
+            if all(t is None for t in texts):
+                texts = decoded
+            elif resolved.options.check_text:
+                _check_decoded(decoded, texts, slots["prompt_ids"], errors)
+        elif any(t is None for t in texts):
+            _need_tokenizer(tokenizer, "decode prompt token ids to text")
+    index = torch.from_numpy(source_row)
+    return ids.index(index), [texts[i] for i in source_row.tolist()]
+
+
+# ====================================================================== completions
+def _completions(chunk, resolved, tokenizer, errors, per_completion) -> tuple[RaggedTensor, list[str], np.ndarray]:
+    slots = resolved.slots
+    texts: list[str] | None = None
+    if "completion" in slots:
+        texts = _strings(per_completion(slots["completion"]), slots["completion"], errors, "completion", expanded=True)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if "completion_ids" in slots:
+        column = slots["completion_ids"]
+        ids = _ragged(chunk, column, per_completion, errors, torch.int32, flat_ok=not resolved.per_prompt)
+        _check_ids(ids, column, errors, tokenizer, "completion", expanded=True)
+        lengths = ids.lengths()
+        if bool((lengths == 0).any()):
+            errors.fail(int(torch.nonzero(lengths == 0)[0]), column, "empty completion (no token ids)", expanded=True)
+        if tokenizer is not None:
+            decoded = tokenizer.batch_decode(ids.to_list(), skip_special_tokens=True)
+            if texts is None:
+                texts = decoded
+            elif resolved.options.check_text:
+                _check_decoded(decoded, texts, column, errors, expanded=True)
+        elif texts is None:
+            _need_tokenizer(tokenizer, "decode completion token ids to text")
+        last = ids.values[ids.offsets[1:] - 1]
+        ends_on_eos = (last == eos).numpy() if eos is not None else np.zeros(len(ids), dtype=bool)
+        return ids, texts, ends_on_eos
+    _need_tokenizer(tokenizer, "tokenize completion text")
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    append = resolved.options.append_eos
+    if append and eos is None:
+        raise SourceError("the tokenizer has no EOS token to end completions with; pass --no-eos")
+    sequences = [list(t) + [eos] if append else list(t) for t in encoded]
+    ids = RaggedTensor.from_sequences(sequences, dtype=torch.int32)
+    return ids, texts, np.full(len(sequences), append, dtype=bool)
+
+
+# ====================================================================== groups
+def _group_keys(chunk, resolved, errors, per_prompt_value, columns, source_row) -> np.ndarray:
+    """(N,) uint64 group key per completion: the given id, a hash of the given key, the source
+    row (one row per prompt), or a hash of the prompt's token ids (completions of one prompt)."""
+    n = len(source_row)
+    if "group" in resolved.slots:
+        column = resolved.slots["group"]
+        keys = np.empty(n, dtype=np.uint64)
+        values = per_prompt_value(column) if resolved.per_prompt else chunk.values(column)
+        for i, v in enumerate(values):
+            if resolved.group_ids_given:
+                if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**63:
+                    errors.fail(i, column, f"expected an integer group id in [0, 2**63) like the first row's, got {v!r}",
+                                expanded=True)
+                keys[i] = v
+            elif isinstance(v, (str, int)) and not isinstance(v, bool):
+                keys[i] = _hash(f"{type(v).__name__}:{v}".encode())
+            else:
+                errors.fail(i, column, f"expected a group key (string or integer), got {v!r}", expanded=True)
+        return keys
+    if resolved.per_prompt:
+        return (chunk.ordinal + source_row).astype(np.uint64)
+    prompts = columns["prompt_tokens"]
+    values = prompts.values.numpy()
+    offsets = prompts.offsets.numpy()
+    return np.fromiter((_hash(values[offsets[i]:offsets[i + 1]].tobytes()) for i in range(n)), dtype=np.uint64, count=n)
+
+
+def _hash(data: bytes) -> int:
+    # 64-bit keys: two different prompts share one with probability ~n^2 / 2^65
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+# ====================================================================== values
+def _need_tokenizer(tokenizer: Any, what: str) -> None:
+    if tokenizer is None:
+        raise SourceError(f"the import needs the pipeline's tokenizer to {what}, but the pipeline sets no "
+                          f"`tokenizer`; set it in build(), or give token ids in the source")
+
+
+def _strings(values: Sequence[Any], column: str, errors: _Errors, what: str, *, expanded: bool = False) -> list[str]:
+    for i, v in enumerate(values):
+        if v is MISSING or v is None:
+            errors.fail(i, column, "missing", expanded=expanded)
+        if not isinstance(v, str):
+            errors.fail(i, column, f"expected the {what} as a string, got {type(v).__name__}", expanded=expanded)
+        if not v:
+            errors.fail(i, column, f"empty {what}", expanded=expanded)
+    return list(values)
+
+
+def _floats(values: Sequence[Any], column: str, errors: _Errors) -> torch.Tensor:
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            errors.fail(i, column, "missing" if v is MISSING or v is None else f"expected a number, got {v!r}",
+                        expanded=True)
+        if not math.isfinite(v):
+            errors.fail(i, column, f"{v} is not finite; store a finite value (e.g. 0 for a failed completion)",
+                        expanded=True)
+    return torch.tensor(values, dtype=torch.float64).to(torch.float32)
+
+
+def _ints(values: Sequence[Any], column: str, errors: _Errors, *, minimum: int) -> torch.Tensor:
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v >= 2**63:
+            errors.fail(i, column, "missing" if v is MISSING or v is None else
+                        f"expected an integer >= {minimum}, got {v!r}", expanded=True)
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _bools(values: Sequence[Any], column: str, errors: _Errors) -> torch.Tensor:
+    for i, v in enumerate(values):
+        if not isinstance(v, bool):
+            errors.fail(i, column, "missing" if v is MISSING or v is None else f"expected true/false, got {v!r}",
+                        expanded=True)
+    return torch.tensor(values, dtype=torch.bool)
+
+
+def _ragged(chunk: SourceChunk, column: str, per_completion, errors: _Errors, dtype: torch.dtype, *,
+            allow_dicts: bool = False, flat_ok: bool = False, expanded: bool = True) -> RaggedTensor:
+    """A list-of-numbers column as a RaggedTensor; Arrow lists go through without Python objects.
+
+    ``expanded``: one entry per completion (else one per source row, as prompts are).
+    """
+    if flat_ok:
+        fast = chunk.list_column(column)
+        if fast is not None:
+            offsets, values = fast
+            if dtype == torch.int32 and values.dtype.kind not in "iu":
+                errors.fail(0, column, f"expected integer token ids, got {values.dtype} values")
+            if dtype == torch.int32 and values.size and (values.min() < 0 or values.max() > TOKEN_ID_MAX):
+                bad = int(np.searchsorted(offsets, int(np.argmax((values < 0) | (values > TOKEN_ID_MAX))), "right")) - 1
+                errors.fail(bad, column, f"token id outside [0, {TOKEN_ID_MAX}]")
+            # a copy: Arrow buffers are read-only, and a chunk's tensors may be edited downstream
+            tensor = torch.from_numpy(np.array(values, dtype=_NUMPY[dtype]))
+            return RaggedTensor(tensor, torch.from_numpy(offsets))
+    values = per_completion(column)
+    lengths = np.empty(len(values), dtype=np.int64)
+    flat: list[Any] = []
+    for i, v in enumerate(values):
+        if not isinstance(v, list):
+            errors.fail(i, column, "missing" if v is MISSING or v is None else
+                        f"expected a list of numbers, got {type(v).__name__}", expanded=expanded)
+        if allow_dicts and v and isinstance(v[0], dict):  # [{"token": ..., "logprob": -0.1}, ...]
+            v = [d.get("logprob", MISSING) if isinstance(d, dict) else d for d in v]
+        lengths[i] = len(v)
+        flat.extend(v)
+    array = np.asarray(flat) if flat else np.zeros(0, dtype=_NUMPY[dtype])
+    wanted = "iu" if dtype == torch.int32 else "iuf"
+    if array.dtype.kind not in wanted or (dtype == torch.int32 and array.size and
+                                          (array.min() < 0 or array.max() > TOKEN_ID_MAX)):
+        offsets = lengths_to_offsets(torch.from_numpy(lengths)).numpy()
+        for i in range(len(values)):
+            for x in flat[offsets[i]:offsets[i + 1]]:
+                if dtype == torch.int32 and (isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= TOKEN_ID_MAX):
+                    errors.fail(i, column, f"expected token ids in [0, {TOKEN_ID_MAX}], found {x!r}", expanded=expanded)
+                if dtype != torch.int32 and (isinstance(x, bool) or not isinstance(x, (int, float))):
+                    errors.fail(i, column, f"expected numbers, found {x!r}", expanded=expanded)
+    tensor = torch.from_numpy(array.astype(_NUMPY[dtype]))
+    return RaggedTensor.from_lengths(tensor, torch.from_numpy(lengths))
+
+
+_NUMPY = {torch.int32: np.int32, torch.float32: np.float32, torch.int64: np.int64}
+
+
+def _check_ids(ids: RaggedTensor, column: str, errors: _Errors, tokenizer: Any, what: str, *,
+               expanded: bool = False) -> None:
+    """Token ids the model cannot embed would fail deep inside it; catch them with their row."""
+    if tokenizer is None or not ids.values.numel():
+        return
+    vocab = len(tokenizer)
+    too_big = ids.values >= vocab
+    if bool(too_big.any()):
+        pos = int(torch.nonzero(too_big)[0])
+        row = int(torch.searchsorted(ids.offsets, pos, right=True)) - 1
+        errors.fail(row, column, f"{what} token id {int(ids.values[pos])} is outside the tokenizer's vocabulary "
+                                 f"({vocab} tokens): were these ids made by another tokenizer?", expanded=expanded)
+
+
+def _check_decoded(decoded: Sequence[str], texts: Sequence[str | None], column: str, errors: _Errors, *,
+                   expanded: bool = False) -> None:
+    for i, (got, want) in enumerate(zip(decoded, texts)):
+        if want is not None and got != want:
+            errors.fail(i, column, f"the token ids decode to {_short(got)} but the text column holds {_short(want)}; "
+                                   f"were they made by another tokenizer? (--no-text-check skips this check)",
+                        expanded=expanded)
+
+
+def _check_aligned(log_probs: RaggedTensor, response: RaggedTensor, column: str, errors: _Errors,
+                   eos_appended: bool) -> None:
+    got, want = log_probs.lengths(), response.lengths()
+    bad = torch.nonzero(got != want)
+    if bad.numel():
+        i = int(bad[0])
+        hint = (" (the completion text was tokenized and EOS appended; pass --no-eos if the log-probs do not "
+                "cover an EOS token)") if eos_appended else ""
+        errors.fail(i, column, f"{int(got[i])} log-probs for a completion of {int(want[i])} tokens; expected one "
+                               f"per completion token{hint}", expanded=True)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")

@@ -1,0 +1,139 @@
+"""Where an import writes, and the record that lets a killed import resume without duplicates.
+
+Target. BUFFER names a store (new or existing) or a run: its directory or ``buffer/`` gets a
+new shard of its own, numbered from :data:`IMPORT_SHARD_FIRST` so that a run's collectors
+(shards 0, 1, ...) never write into it and its ids (``id_base(shard) + counter``) never meet
+theirs. A collector's own shard is refused for the same reason.
+
+Record. ``<store>/imports/import-<key>.pt`` (``<run>/imports/`` for a run), keyed by the
+store and the source files, holds the source's fingerprint (paths, sizes, mtimes), the
+options, the first fresh group / trajectory ids and the source rows written. Around each
+append it also holds the append in flight with the store's ``next_row`` before it (the
+scheme of ``collect/position.py``): the import is the store's only writer and an append is
+atomic, so after ``kill -9`` a larger ``next_row`` means that append landed. Every write
+of the record is atomic (:func:`~rlhf_pipeline.atomic.save_torch_atomic`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.atomic import save_torch_atomic
+from rlhf_pipeline.dataio.sources import Source, SourceError
+from rlhf_pipeline.pipeline import RunPaths
+
+RECORD_FORMAT = 1
+# a run's collectors take shards 0, 1, ...; imports take shards from here, so a collector
+# started later never writes (and numbers ids) in an import's shard
+IMPORT_SHARD_FIRST = 9000
+_SHARD_RE = re.compile(r"^shard-(\d+)$")
+
+
+# ====================================================================== where rows go
+@dataclass
+class Target:
+    """The store an import writes, and the run it belongs to (if any)."""
+
+    store_path: Path
+    run: RunPaths | None
+    shard_index: int | None  # the shard's index when the store is a run's buffer shard
+    new_shard: bool  # a shard this import creates in the run's buffer
+
+    @property
+    def record_dir(self) -> Path:
+        return (self.run.root if self.run is not None else self.store_path) / "imports"
+
+
+def resolve_target(buffer: str | Path, run_root: Path | None) -> Target:
+    """What ``BUFFER`` names: a store (new or existing), or a run (a new shard of its buffer)."""
+    path = Path(buffer).resolve()
+    if run_root is None:
+        return Target(path, None, None, False)
+    run = RunPaths(run_root)
+    if path in (run.root, run.buffer) and not run.single_store_buffer:
+        return Target(run.buffer, run, None, True)  # the shard index is chosen with the record
+    if path in (run.root, run.buffer):
+        path, index = run.buffer, 0
+    else:
+        match = _SHARD_RE.match(path.name)
+        if path.parent != run.buffer or match is None:
+            raise SourceError(f"{buffer} lies inside run {run.root} but is not its buffer or one of its shards")
+        index = int(match.group(1))
+    if run.collector_state(index).exists():
+        raise SourceError(
+            f"{path} is written by collector {index} of run {run.root}; imported rows there would share its "
+            f"ids. Import into {run.buffer} instead: the rows get a shard of their own"
+        )
+    return Target(path, run, index, False)
+
+
+# ====================================================================== the import record
+class ImportRecord:
+    """Where an import stands: source rows written, id bases, and the append in flight."""
+
+    def __init__(self, path: Path, data: dict[str, Any]) -> None:
+        self.path, self.data = path, data
+
+    @classmethod
+    def find(cls, target: Target, source: Source) -> ImportRecord | None:
+        path = target.record_dir / f"import-{_key(target, source)}.pt"
+        if not path.exists():
+            return None
+        return cls(path, torch.load(path, weights_only=True))
+
+    @classmethod
+    def start(cls, target: Target, source: Source, data: dict[str, Any]) -> ImportRecord:
+        record = cls(target.record_dir / f"import-{_key(target, source)}.pt",
+                     {"format": RECORD_FORMAT, "committed_rows": 0, "inflight": None, "done": False,
+                      "rows_written": 0, **data})
+        record.save()
+        return record
+
+    def save(self) -> None:
+        save_torch_atomic(self.data, self.path)
+
+    def resume_row(self, store) -> int:
+        """Source rows already in the store: the committed count, or the append in flight if it landed."""
+        inflight = self.data["inflight"]
+        if inflight is not None and store.next_row > inflight["store_next_row"]:
+            # appends are atomic and this import is the store's only writer: the rows landed
+            self.data["committed_rows"] = inflight["rows"]
+            self.data["rows_written"] = inflight["rows_written"] + store.next_row - inflight["store_next_row"]
+        self.data["inflight"] = None
+        return int(self.data["committed_rows"])
+
+    def before_append(self, rows_after: int, store_next_row: int, rows_written_before: int) -> None:
+        """Records the append about to happen: source rows covered after it, the store's next_row now."""
+        self.data["inflight"] = {"rows": rows_after, "store_next_row": store_next_row,
+                                 "rows_written": rows_written_before}
+        self.save()
+
+    def after_append(self, rows: int, rows_written: int) -> None:
+        self.data.update(committed_rows=rows, rows_written=rows_written, inflight=None)
+        self.save()
+
+
+def _key(target: Target, source: Source) -> str:
+    files = [str(p.resolve()) for p in source.files]
+    text = json.dumps({"store": str(target.store_path), "source": files, "split": source.split})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+
+
+def new_shard_index(run: RunPaths) -> int:
+    existing = [int(m.group(1)) for p in run.buffer.iterdir() if (m := _SHARD_RE.match(p.name))] \
+        if run.buffer.is_dir() else []
+    return max([IMPORT_SHARD_FIRST - 1, *existing]) + 1
+
+
+def shard_of(path: Path) -> int:
+    match = _SHARD_RE.match(path.name)
+    return int(match.group(1)) if match else 0

@@ -1,0 +1,489 @@
+"""``import``: rows from JSONL, Parquet or a Hugging Face dataset into a replay buffer.
+
+Two streaming passes over the source, each holding one chunk at a time:
+
+1. **check**: every row is read, tokenized and validated exactly as it will be stored
+   (columns present, texts non-empty, rewards finite, log-probs aligned with the tokens,
+   token ids decoding to the given text, stored-row validation), and each completion's group
+   key is kept (8 bytes a row). Any bad value stops the import here, before the buffer is
+   created or touched. The checks that need the store come next, before any row is written:
+   fields the source carries but the store lacks (or the reverse), group sizes against the
+   write path's, given group ids already stored; a store created for the import is removed
+   when they fail. So nothing of a failed import lands. Checking in a cheap first pass
+   rather than staging rows in a temporary store keeps memory and disk at one chunk; the
+   price is tokenizing twice.
+2. **write**: rows are read again, sampling log-probs the source lacks are computed with
+   the pipeline's model, ids are assigned, and whole groups go through the pipeline's
+   write-path transforms (:attr:`Pipeline.make_write_path`) into ``store.append``: the
+   door every collector writes through. Transforms whose fields the source already carries
+   (an ``export`` holds ``advantage``...) are skipped, so those values are stored as given.
+
+Rows are written in source order, in prefixes closed under groups (every group of the
+prefix complete), so a group's rows may be scattered in the source at the cost of holding
+them until the group is complete. An import killed at any moment resumes where it stopped
+when the same command runs again: the import record (``<buffer>/imports/`` or
+``<run>/imports/``) holds the source rows written and, around each append, the store's
+``next_row`` (the scheme of ``collect/position.py``); an append is atomic, so a rerun
+neither repeats nor skips a row. A finished import run again writes nothing.
+
+Which weights score the missing log-probs: the run's newest published policy when the buffer
+belongs to a run (rows get that version), otherwise the pipeline's ``make_policy()``
+(version 0). The pipeline's sampling temperature (``learner.temperature``) applies, so the
+importance ratio of a fresh learner starts at 1 on these rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlhf_pipeline.dataio.columns import ColumnMap, ImportRows, ResolvedColumns, normalize, resolve_columns
+from rlhf_pipeline.dataio.import_state import (
+    ImportRecord,
+    Target,
+    new_shard_index,
+    resolve_target,
+    shard_of,
+)
+from rlhf_pipeline.dataio.progress import Progress
+from rlhf_pipeline.dataio.sources import Source, SourceError, open_source
+from rlhf_pipeline.ids import id_base
+from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
+from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
+
+# fields every import fills itself when the source does not carry them
+_MADE_BY_IMPORT = ("prompt_tokens", "response_tokens", "response_log_probs", "group_id", "trajectory_id", "step",
+                   "reward", "done", "terminated", "truncated", "policy_version", "prompt_text", "response_text")
+
+
+@dataclass(frozen=True)
+class ImportOptions:
+    columns: ColumnMap = ColumnMap()
+    format: str | None = None
+    split: str | None = None
+    policy_version: int | None = None
+    """Version for rows without a version column (default: that of the weights scoring their
+    log-probs; with log-probs given, the run's newest version, or 0 outside a run)."""
+    rows_per_chunk: int = 512
+    show_progress: bool = True
+
+
+@dataclass
+class ImportResult:
+    buffer: str
+    source_rows: int
+    completions: int
+    groups: int
+    rows_written: int  # rows this call appended (the write path may drop some, e.g. zero variance)
+    resumed_from_row: int  # source rows already written by an earlier, interrupted call
+    already_done: bool
+    log_probs_from: str | None  # which weights scored missing sampling log-probs
+    write_path: list[str]
+
+
+# ====================================================================== scan (pass 1)
+@dataclass
+class Scan:
+    """What the check pass learned: group structure and chunk offsets (for ids and resume)."""
+
+    source_rows: int
+    completions: int
+    keys: np.ndarray  # sorted unique group keys
+    group_of_key: np.ndarray  # group number (order of first appearance) of each key
+    rows_per_group: np.ndarray  # completions per group
+    trajectories_per_group: np.ndarray
+    first_completion_of_group: np.ndarray
+    completions_before_chunk: list[int]
+
+    @property
+    def groups(self) -> int:
+        return len(self.rows_per_group)
+
+    def group_numbers(self, keys: np.ndarray) -> np.ndarray:
+        return self.group_of_key[np.searchsorted(self.keys, keys)]
+
+
+def scan(source: Source, resolved: ResolvedColumns, tokenizer: Any, options: ImportOptions) -> Scan:
+    """Pass 1: reads and checks every row; raises SourceError at the first bad one."""
+    keys, dones, before = [], [], []
+    completions = source_rows = 0
+    progress = Progress("import: check", source.count_rows(), enabled=options.show_progress)
+    for chunk in source.chunks(options.rows_per_chunk):
+        rows = normalize(chunk, resolved, tokenizer)
+        _validate(rows)
+        before.append(completions)
+        keys.append(rows.group_key)
+        dones.append(rows.columns["done"].numpy())
+        completions += len(rows)
+        source_rows += len(chunk)
+        progress.update(len(chunk))
+    progress.close()
+    if not completions:
+        raise SourceError(f"{source.path} holds no rows to import")
+    key, done = np.concatenate(keys), np.concatenate(dones)
+    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    number_of_uniq = np.empty(len(uniq), dtype=np.int64)
+    order = np.argsort(first, kind="stable")
+    number_of_uniq[order] = np.arange(len(uniq))
+    group = number_of_uniq[inverse]
+    return Scan(source_rows, completions, uniq, number_of_uniq, np.bincount(group),
+                np.bincount(group, weights=done).astype(np.int64), first[order], before)
+
+
+def _validate(rows: ImportRows) -> None:
+    """Stored-row checks on a chunk, with placeholders for what pass 2 fills (ids, log-probs)."""
+    n = len(rows)
+    columns = dict(rows.columns)
+    columns.setdefault("group_id", torch.zeros(n, dtype=torch.int64))
+    columns.setdefault("trajectory_id", torch.arange(n, dtype=torch.int64))
+    columns.setdefault("policy_version", torch.zeros(n, dtype=torch.int64))
+    response = columns["response_tokens"]
+    columns.setdefault("response_log_probs", RaggedTensor(torch.zeros(response.values.numel()), response.offsets))
+    batch = TrajectoryBatch(columns)
+    try:
+        validate_batch(batch, StoreSchema.for_batch(batch))
+    except TrajectoryValidationError as exc:
+        if exc.row is None:
+            raise SourceError(f"{rows.chunk.file}: {exc}") from None
+        column = rows.resolved.column_of_field(exc.field) if exc.field else "?"
+        message = str(exc).split(": ", 1)[-1]
+        raise SourceError(f"{rows.where(exc.row)}, column {column!r}: {message}") from None
+
+
+def locate_completion(source: Source, resolved: ResolvedColumns, tokenizer: Any, scan_: Scan, index: int,
+                      rows_per_chunk: int) -> str:
+    """File and row of completion ``index`` (re-reads up to its chunk; used for error messages)."""
+    chunk_index = int(np.searchsorted(scan_.completions_before_chunk, index, side="right")) - 1
+    for i, chunk in enumerate(source.chunks(rows_per_chunk)):
+        if i == chunk_index:
+            rows = normalize(chunk, resolved, tokenizer)
+            return rows.where(index - scan_.completions_before_chunk[i])
+    return f"{source.path} completion {index}"
+
+
+# ====================================================================== the import
+def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipeline, *,
+                  options: ImportOptions = ImportOptions(), run_root: Path | None = None,
+                  log=print) -> ImportResult:
+    """Imports ``source_path`` into ``buffer`` with ``pipeline``'s tokenizer, model and write path.
+
+    ``run_root``: the run ``buffer`` belongs to (:func:`~rlhf_pipeline.dataio.run_pipeline.find_run_root`);
+    its newest weights score missing log-probs. Raises :class:`SourceError` for bad input and
+    ``PipelineError`` when the pipeline cannot provide what the buffer needs; either way
+    nothing is written.
+    """
+    source = open_source(source_path, options.format, options.split)
+    target = resolve_target(buffer, run_root)
+    resolved = resolve_columns(source.sample_record(), options.columns, f"{source.files[0]} (first row)")
+    tokenizer = pipeline.tokenizer
+    log(f"[import] {source.path} ({source.format}): {resolved.describe()}")
+    record = ImportRecord.find(target, source)
+    if record is not None:
+        _check_record(record, source, options)
+        if record.data["done"]:
+            log(f"[import] {source.path} was already imported into {target.store_path} "
+                f"({record.data['rows_written']} rows); delete {record.path} to import it again")
+            return ImportResult(str(target.store_path), 0, 0, 0, 0, int(record.data["committed_rows"]), True,
+                                None, [])
+
+    # ---------------------------------------------------------------- pass 1: nothing is touched
+    checked = scan(source, resolved, tokenizer, options)
+
+    # ---------------------------------------------------------------- the store and its write path
+    store_path, started_record = target.store_path, False
+    if target.new_shard:
+        shard = record.data["shard"] if record is not None else new_shard_index(target.run)
+        store_path = target.run.shard(shard)
+        if record is None:  # first, so a rerun after a crash reuses this shard (an empty one would stall learners)
+            record = ImportRecord.start(target, source, {"shard": shard, **_record_basics(source, options)})
+            started_record = True
+    store, created = _open_or_create(pipeline, store_path)
+    try:
+        plan = plan_write_path(pipeline, store, resolved)
+        _check_groups(plan, checked, source, resolved, tokenizer, options)
+        if record is None or "group_base" not in record.data:
+            bases = _id_bases(store, target, store_path, resolved, checked, source, tokenizer, options)
+    except BaseException:
+        store.close()
+        if created:  # nothing of a failed import stays behind, not even an empty store
+            shutil.rmtree(store_path, ignore_errors=True)
+        if started_record:
+            record.path.unlink(missing_ok=True)
+        raise
+    try:
+        if record is None:
+            record = ImportRecord.start(target, source, {"shard": None, **_record_basics(source, options), **bases})
+        elif "group_base" not in record.data:
+            record.data.update(bases)
+            record.save()
+        return _write(source, store, pipeline, resolved, checked, record, options, target, plan, log)
+    finally:
+        store.close()
+
+
+def _record_basics(source: Source, options: ImportOptions) -> dict[str, Any]:
+    return {"source": source.fingerprint(), "options": _options_json(options)}
+
+
+def _options_json(options: ImportOptions) -> dict[str, Any]:
+    return {"columns": options.columns.to_json(), "format": options.format, "split": options.split,
+            "policy_version": options.policy_version}
+
+
+def _check_record(record: ImportRecord, source: Source, options: ImportOptions) -> None:
+    if record.data["source"] != source.fingerprint():
+        state = "was imported" if record.data["done"] else "was being imported"
+        raise SourceError(f"{source.path} changed since it {state} into this buffer ({record.data['rows_written']} "
+                          f"rows written); restore it, or delete {record.path} to import it as new data")
+    if not record.data["done"] and record.data["options"] != _options_json(options):
+        raise SourceError(f"an interrupted import of {source.path} into this buffer used other options "
+                          f"({record.data['options']}); rerun it with the same ones to finish it, or delete "
+                          f"{record.path} (and the rows it wrote) to start over")
+
+
+def _open_or_create(pipeline: Pipeline, path: Path):
+    """``(store opened for appending, created)``; a new store is the pipeline's ``create_buffer``."""
+    from rlhf_pipeline.storage import open_store
+
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        return open_store(str(path), mode="a"), False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return pipeline.create_buffer(path), True
+
+
+# ====================================================================== write path
+@dataclass
+class WritePathPlan:
+    transforms: list[Any]  # the transforms that run, in write order
+    names: list[str]
+    skipped: list[str]  # transforms whose fields the source carries
+    group_size: int | None  # the group advantage's G, when it runs
+
+
+def plan_write_path(pipeline: Pipeline, store, resolved: ResolvedColumns) -> WritePathPlan:
+    """The pipeline's write path for ``store`` minus the transforms whose fields are given; checks that
+    every field the store holds comes from the source, the import or a transform."""
+    from rlhf_pipeline.transforms import GroupAdvantage
+
+    schema = store.schema
+    given = set(resolved.given_fields)
+    extra = [f for f in FIELDS_BY_NAME if f in given and f not in schema.field_names]
+    if extra:
+        raise SourceError(
+            f"the source carries {extra} (columns {[resolved.column_of_field(f) for f in extra]}), which "
+            f"{store.location} does not store (it stores {list(schema.field_names)}); import into a buffer "
+            f"that stores them, or leave the columns out with --ignore-column")
+    factory = pipeline.make_write_path
+    plan = WritePathPlan([], [], [], None)
+    filled = given | set(_MADE_BY_IMPORT)
+    for transform in (list(factory(store)) if factory is not None else []):
+        fills, name = tuple(getattr(transform, "fills_fields", ())), type(transform).__name__
+        if fills and all(f in given for f in fills):
+            plan.skipped.append(name)
+            continue
+        partly = [f for f in fills if f in given]
+        if partly:
+            raise SourceError(f"the source gives {partly} but not {[f for f in fills if f not in given]}, which "
+                              f"{name} computes with them; give all of them or none")
+        plan.transforms.append(transform)
+        plan.names.append(name)
+        filled |= set(fills)
+        if isinstance(transform, GroupAdvantage):
+            plan.group_size = transform.group_size
+    missing = [f for f in schema.field_names if f not in filled]
+    if missing:
+        raise PipelineError(f"{store.location} stores {missing}, which neither the source nor the pipeline's write "
+                            f"path ({', '.join(plan.names) or 'none'}) provides")
+    return plan
+
+
+def _check_groups(plan: WritePathPlan, checked: Scan, source: Source, resolved: ResolvedColumns, tokenizer: Any,
+                  options: ImportOptions) -> None:
+    if plan.group_size is None:
+        return
+    bad = np.nonzero(checked.trajectories_per_group != plan.group_size)[0]
+    if bad.size:
+        g = int(bad[0])
+        at = locate_completion(source, resolved, tokenizer, checked, int(checked.first_completion_of_group[g]),
+                               options.rows_per_chunk)
+        raise SourceError(
+            f"{at}: the group of this row has {int(checked.trajectories_per_group[g])} completions, but the "
+            f"pipeline's group advantage takes groups of {plan.group_size}; import groups of that size (with "
+            f"--set group_size=N for another pipeline setting), or give the rows' advantages in the source")
+
+
+def _id_bases(store, target: Target, store_path: Path, resolved: ResolvedColumns, checked: Scan, source: Source,
+              tokenizer: Any, options: ImportOptions) -> dict[str, int]:
+    """First fresh group / trajectory id: past every id the store holds, in the shard's id range.
+
+    Given group ids already in the store would merge imported rows into stored groups: an error.
+    """
+    space = target.shard_index if target.shard_index is not None else shard_of(store_path)
+    group_max = traj_max = -1
+    stored_groups = []
+    n = len(store)
+    for start in range(0, n, 65_536):
+        ids = store.read(torch.arange(start, min(n, start + 65_536)), fields=("group_id", "trajectory_id"))
+        group_max = max(group_max, int(ids["group_id"].max()))
+        traj_max = max(traj_max, int(ids["trajectory_id"].max()))
+        if resolved.group_ids_given:
+            stored_groups.append(np.unique(ids["group_id"].numpy()))
+    if stored_groups:
+        clash = np.isin(checked.keys.view(np.int64), np.unique(np.concatenate(stored_groups)))
+        if clash.any():
+            g = int(checked.group_of_key[int(np.nonzero(clash)[0][0])])
+            at = locate_completion(source, resolved, tokenizer, checked, int(checked.first_completion_of_group[g]),
+                                   options.rows_per_chunk)
+            raise SourceError(
+                f"{at}, column {resolved.slots['group']!r}: group id {int(checked.keys.view(np.int64)[clash][0])} is "
+                f"already in {store.location}; importing would merge groups. Import into a new buffer, or leave the "
+                f"column out (--ignore-column {resolved.slots['group']}) to group by prompt with fresh ids")
+    base = id_base(space)
+    return {"group_base": max(base, group_max + 1), "trajectory_base": max(base, traj_max + 1)}
+
+
+# ====================================================================== pass 2: write
+class _ClosedPrefixQueue:
+    """Rows in source order; the longest prefix in which every group is complete can be written."""
+
+    def __init__(self, rows_per_group: np.ndarray) -> None:
+        self.rows_per_group = rows_per_group
+        self.parts: list[TrajectoryBatch] = []
+        self.open: dict[int, int] = {}  # group -> rows queued, for groups not complete yet
+        self.queued = 0
+        self.closed = 0  # rows of the closed prefix
+        self.closed_source_end = 0  # source rows covered by the closed prefix
+
+    def add(self, batch: TrajectoryBatch, groups: np.ndarray, source_rows: np.ndarray) -> None:
+        for j, g in enumerate(groups.tolist()):
+            seen = self.open.pop(g, 0) + 1
+            if seen < self.rows_per_group[g]:
+                self.open[g] = seen
+            elif not self.open:
+                self.closed, self.closed_source_end = self.queued + j + 1, int(source_rows[j]) + 1
+        self.parts.append(batch)
+        self.queued += len(batch)
+
+    def take_closed(self) -> tuple[TrajectoryBatch, int]:
+        rows = self.parts[0] if len(self.parts) == 1 else TrajectoryBatch.cat(self.parts)
+        out = rows.select(slice(0, self.closed)) if self.closed < len(rows) else rows
+        self.parts = [rows.select(slice(self.closed, len(rows)))] if self.closed < len(rows) else []
+        self.queued -= self.closed
+        self.closed = 0
+        return out, self.closed_source_end
+
+
+class _ScoringPolicy:
+    """The model that scores missing sampling log-probs, built on first use."""
+
+    def __init__(self, pipeline: Pipeline, run: RunPaths | None) -> None:
+        self.pipeline, self.run = pipeline, run
+        self.model = None
+        self.version = 0
+        self.description = ""
+
+    def load(self, log) -> None:
+        if self.model is not None:
+            return
+        from rlhf_pipeline.weights import latest_version, load_weights
+
+        if self.run is not None and latest_version(self.run.root) is not None:
+            state, self.version = load_weights(self.run.root)
+            self.model = self.pipeline.make_model()
+            self.model.load_state_dict(state)
+            self.description = f"the run's newest policy, version {self.version} ({self.run.weights})"
+        else:
+            self.model = self.pipeline.make_policy()
+            self.description = "the pipeline's make_policy() (version 0)"
+        self.model.to(getattr(self.pipeline.settings, "device", "cpu")).eval()
+        log(f"[import] sampling log-probs from {self.description} at temperature "
+            f"{self.pipeline.learner.temperature}")
+
+    def log_probs(self, batch: TrajectoryBatch) -> RaggedTensor:
+        from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
+
+        return reference_log_probs(self.model, batch["prompt_tokens"], batch["response_tokens"],
+                                   temperature=self.pipeline.learner.temperature,
+                                   pad_token_id=self.pipeline.pad_token_id)
+
+
+def _write(source: Source, store, pipeline: Pipeline, resolved: ResolvedColumns, checked: Scan,
+           record: ImportRecord, options: ImportOptions, target: Target, plan: WritePathPlan, log) -> ImportResult:
+    from rlhf_pipeline.storage import make_replay_buffer
+    from rlhf_pipeline.weights import latest_version
+
+    sink = make_replay_buffer(store, transforms=plan.transforms).extend
+    start_row = record.resume_row(store)
+    if start_row:
+        log(f"[import] resuming after source row {start_row} (written by an earlier, interrupted import)")
+    compute = "response_log_probs" not in resolved.given_fields
+    policy = _ScoringPolicy(pipeline, target.run)
+    if compute:
+        policy.load(log)
+    if options.policy_version is not None:
+        version = options.policy_version
+    elif compute:
+        version = policy.version
+    else:
+        version = (latest_version(target.run.root) or 0) if target.run is not None else 0
+    group_base, traj_base = int(record.data["group_base"]), int(record.data["trajectory_base"])
+    queue = _ClosedPrefixQueue(checked.rows_per_group)
+    written = int(record.data["rows_written"])
+    progress = Progress("import: write", checked.source_rows, enabled=options.show_progress)
+    progress.update(start_row)
+
+    def append(batch: TrajectoryBatch, source_end: int) -> None:
+        nonlocal written
+        if compute:
+            batch = batch.with_columns(response_log_probs=policy.log_probs(batch))
+        before = store.next_row
+        record.before_append(source_end, before, written)
+        sink(batch)
+        written += store.next_row - before
+        record.after_append(source_end, written)
+
+    for index, chunk in enumerate(source.chunks(options.rows_per_chunk)):
+        if chunk.ordinal + len(chunk) <= start_row:
+            continue
+        rows = normalize(chunk, resolved, pipeline.tokenizer)
+        batch, groups = _with_ids(rows, checked, group_base, traj_base, checked.completions_before_chunk[index],
+                                  version)
+        source_rows = chunk.ordinal + rows.source_row
+        if chunk.ordinal < start_row:  # the chunk the interrupted import stopped in
+            keep = torch.from_numpy(np.nonzero(source_rows >= start_row)[0])
+            batch, groups, source_rows = batch.select(keep), groups[keep.numpy()], source_rows[keep.numpy()]
+        queue.add(batch, groups, source_rows)
+        if queue.closed >= options.rows_per_chunk:
+            append(*queue.take_closed())
+        progress.update(chunk.ordinal + len(chunk) - max(chunk.ordinal, start_row))
+    if queue.closed:
+        append(*queue.take_closed())
+    progress.close()
+    if queue.queued:  # the check pass counted every group's rows, so this is a bug, not bad input
+        raise RuntimeError(f"import: {queue.queued} rows of incomplete groups were left over")
+    record.data["done"] = True
+    record.save()
+    log(f"[import] {checked.source_rows} source rows -> {checked.completions} completions in {checked.groups} "
+        f"groups; {written} rows in {store.location}"
+        + (f" (write path: {', '.join(plan.names)})" if plan.names else "")
+        + (f"; given, not recomputed: {', '.join(plan.skipped)}" if plan.skipped else ""))
+    return ImportResult(str(store.location), checked.source_rows, checked.completions, checked.groups, written,
+                        start_row, False, policy.description or None, plan.names)
+
+
+def _with_ids(rows: ImportRows, checked: Scan, group_base: int, traj_base: int, first_completion: int,
+              version: int) -> tuple[TrajectoryBatch, np.ndarray]:
+    """The chunk's rows with group / trajectory ids and versions (given ones kept) and their group numbers."""
+    n = len(rows)
+    columns = dict(rows.columns)
+    groups = checked.group_numbers(rows.group_key)
+    columns.setdefault("group_id", torch.from_numpy(group_base + groups))
+    columns.setdefault("trajectory_id", traj_base + first_completion + torch.arange(n, dtype=torch.int64))
+    columns.setdefault("policy_version", torch.full((n,), version, dtype=torch.int64))
+    return TrajectoryBatch(columns), groups

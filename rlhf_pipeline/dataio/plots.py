@@ -1,0 +1,146 @@
+"""``plot``: PNG charts of runs' learner metrics (``metrics.jsonl``), runs overlaid.
+
+One PNG per chart plus ``overview.png`` (all charts in a grid). Each run is one colour
+(legend: the run directory's name); a metric with two series (clip fractions low / high,
+staleness mean / max, KL to the reference / to the sampler) uses a solid and a dashed line.
+Raw values are drawn faint and an exponential moving average over them solid, as
+TensorBoard does, so noisy per-step values still show a trend. Metrics a run did not log
+are left out of its lines; a chart no run has data for is not written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_pipeline.dataio.extras import require
+
+
+@dataclass(frozen=True)
+class Chart:
+    name: str  # file name without .png
+    title: str
+    ylabel: str
+    series: tuple[tuple[str, str], ...]  # (metric key, label); the first solid, the second dashed
+
+
+CHARTS: tuple[Chart, ...] = (
+    Chart("reward", "Reward", "mean reward", (("charts/reward_mean", "mean"),)),
+    Chart("kl", "KL", "KL estimate", (("losses/kl", "to reference"), ("losses/approx_kl_old", "to sampler"))),
+    Chart("response_length", "Response length", "tokens", (("charts/response_length_mean", "mean"),)),
+    Chart("clip_fraction", "Clip fractions", "fraction of tokens",
+          (("losses/clip_frac_low", "low"), ("losses/clip_frac_high", "high"))),
+    Chart("staleness", "Staleness", "policy versions behind",
+          (("charts/staleness_mean", "mean"), ("charts/staleness_max", "max"))),
+    Chart("throughput", "Throughput", "tokens / s", (("charts/tokens_per_s", "learner"),)),
+)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``; an unreadable line (a run killed mid-write) is skipped."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+    return records
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """Legend names: the directory names, with the parent's added where two would be equal."""
+    names = [p.resolve().name for p in run_dirs]
+    return [f"{p.resolve().parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(run_dirs, names)]
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's debiased exponential moving average."""
+    out, last, norm = [], 0.0, 0.0
+    for v in values:
+        last = weight * last + (1 - weight) * v
+        norm = weight * norm + (1 - weight)
+        out.append(last / norm)
+    return out
+
+
+def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """Writes the charts of ``run_dirs`` into ``out_dir``; returns the PNG paths written."""
+    matplotlib = require("matplotlib", "plot")
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    runs = [Path(r) for r in run_dirs]
+    data = {}
+    for run, label in zip(runs, run_labels(runs)):
+        metrics = run / "metrics.jsonl" if run.is_dir() else run
+        if not metrics.is_file():
+            raise FileNotFoundError(f"{run} has no metrics.jsonl (is it a run directory? the learner writes it)")
+        data[label] = read_metrics(metrics)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = [c for c in CHARTS if any(_series(r, key) for r in data.values() for key, _ in c.series)]
+    written = []
+    for chart in drawn:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+        _draw(ax, chart, data, colors)
+        fig.tight_layout()
+        path = out / f"{chart.name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    if drawn:
+        cols = 3 if len(drawn) > 4 else 2
+        rows = math.ceil(len(drawn) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.9 * rows), dpi=100, squeeze=False)
+        for ax, chart in zip(axes.flat, drawn):
+            _draw(ax, chart, data, colors, compact=True)
+        for ax in list(axes.flat)[len(drawn):]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = out / "overview.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]] | None:
+    points = [(r["step"], float(r[key])) for r in records
+              if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
+    if not points:
+        return None
+    steps, values = zip(*points)
+    return list(steps), list(values)
+
+
+def _draw(ax, chart: Chart, data: dict[str, list[dict]], colors: list[str], compact: bool = False) -> None:
+    several_series = len(chart.series) > 1
+    for i, (label, records) in enumerate(data.items()):
+        color = colors[i % len(colors)]
+        for j, (key, series_label) in enumerate(chart.series):
+            series = _series(records, key)
+            if series is None:
+                continue
+            steps, values = series
+            style = "-" if j == 0 else "--"
+            name = f"{label} ({series_label})" if several_series else label
+            if len(values) >= 10:
+                ax.plot(steps, values, style, color=color, alpha=0.2, linewidth=0.8)
+                ax.plot(steps, smooth(values, 0.8), style, color=color, linewidth=1.5, label=name)
+            else:
+                ax.plot(steps, values, style, color=color, marker="o", markersize=3, linewidth=1.5, label=name)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    ax.set_title(chart.title, fontsize=10 if compact else 11)
+    ax.set_xlabel("learner step", fontsize=8 if compact else 9)
+    ax.set_ylabel(chart.ylabel, fontsize=8 if compact else 9)
+    ax.tick_params(labelsize=7 if compact else 8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=6 if compact else 7, loc="best")

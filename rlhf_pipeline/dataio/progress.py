@@ -1,0 +1,55 @@
+"""Progress of the data commands: a tqdm bar on a terminal, a plain line now and then in logs."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+class Progress:
+    """``update(n)`` after each chunk; ``close()`` at the end (prints the final count in logs).
+
+    On a terminal this is a tqdm bar; otherwise (CI, ``nohup``, a pipe) one line every
+    ``every_s`` seconds, so logs stay readable and still show that work goes on.
+    """
+
+    def __init__(self, desc: str, total: int | None = None, unit: str = "rows", *, enabled: bool = True,
+                 stream=None, every_s: float = 10.0) -> None:
+        self.desc, self.total, self.unit = desc, total, unit
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.every_s = every_s
+        self.done = 0
+        self._bar = None
+        self._started = self._last_line = time.monotonic()
+        if enabled and getattr(self.stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream, dynamic_ncols=True)
+
+    def set_total(self, total: int | None) -> None:
+        self.total = total
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.refresh()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self.enabled and time.monotonic() - self._last_line >= self.every_s:
+            self._last_line = time.monotonic()
+            self._line()
+
+    def _line(self) -> None:
+        of = f"/{self.total}" if self.total is not None else ""
+        rate = self.done / max(time.monotonic() - self._started, 1e-9)
+        print(f"[{self.desc}] {self.done}{of} {self.unit} ({rate:.0f} {self.unit}/s)", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.enabled:
+            self._line()
+        self.enabled = False

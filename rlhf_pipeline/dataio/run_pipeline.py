@@ -1,0 +1,108 @@
+"""Rebuilding a run's pipeline: its model architecture and tokenizer, as the run was configured.
+
+A run directory keeps ``settings.json`` (the settings of its first start) and ``pipeline.py``
+(a copy of the pipeline file, made by ``run``/``collect``/``learn``). :func:`load_run_pipeline`
+loads that file (or another one given), applies the saved settings and calls its ``build``,
+so ``export-model`` and ``import`` get the same ``make_model`` and ``tokenizer`` the run used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, load_pipeline_module
+
+
+def find_run_root(path: str | Path) -> Path | None:
+    """The run directory ``path`` is or belongs to (``<run>``, ``<run>/buffer``,
+    ``<run>/buffer/shard-NNNN``), recognised by its ``settings.json``; None for anything else."""
+    path = Path(path).resolve()
+    for candidate in (path, path.parent, path.parent.parent):
+        if (candidate / "settings.json").is_file() and (candidate / "weights").is_dir():
+            if candidate == path or path.is_relative_to(candidate / "buffer"):
+                return candidate
+    return None
+
+
+def load_run_pipeline(run_root: str | Path, pipeline_path: str | Path | None = None, *,
+                      device: str | None = None) -> Pipeline:
+    """The run's pipeline built with the run's settings (``device`` may differ: it only says where
+    models run). ``pipeline_path`` replaces the run's copy of its pipeline file."""
+    from rlhf_pipeline.run import build_pipeline
+
+    paths = RunPaths(Path(run_root).resolve())
+    if not paths.settings_file.is_file():
+        raise PipelineError(f"{paths.root} is not a run directory: it has no settings.json")
+    if pipeline_path is None:
+        if not paths.pipeline_file.is_file():
+            raise PipelineError(
+                f"{paths.root} keeps no copy of its pipeline file (runs started before this was recorded); "
+                f"pass --pipeline PIPELINE.py, the file the run was started with"
+            )
+        pipeline_path = paths.pipeline_file
+    module = load_pipeline_module(pipeline_path)
+    saved = json.loads(paths.settings_file.read_text())
+    settings = settings_from_json(module, saved)
+    if device is not None:
+        settings = dataclasses.replace(settings, device=device)
+    return build_pipeline(module, settings, paths)
+
+
+def settings_from_json(module: types.ModuleType, data: dict) -> Any:
+    """The pipeline's ``Settings`` with the values of ``settings.json`` (the inverse of
+    ``settings_to_json``); settings added to the pipeline since keep their defaults."""
+    try:
+        defaults = module.Settings()
+    except TypeError as exc:
+        raise PipelineError(f"every field of Settings needs a default ({exc})") from None
+    unknown: list[str] = []
+    settings = _apply(defaults, data, "", unknown)
+    if unknown:
+        print(f"[pipeline] note: settings.json has settings this pipeline file lacks (ignored): {', '.join(unknown)}",
+              file=sys.stderr, flush=True)
+    return settings
+
+
+def _apply(obj: Any, data: dict, prefix: str, unknown: list[str]) -> Any:
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    unknown += [prefix + k for k in data if k not in names]
+    changes = {}
+    for f in dataclasses.fields(obj):
+        if f.name not in data:
+            continue
+        current, value = getattr(obj, f.name), data[f.name]
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            changes[f.name] = _apply(current, value, prefix + f.name + ".", unknown)
+        else:
+            changes[f.name] = _coerce(hints[f.name], value)
+    try:
+        return dataclasses.replace(obj, **changes)
+    except (TypeError, ValueError) as exc:
+        raise PipelineError(f"settings.json does not fit this pipeline's Settings: {exc}") from None
+
+
+def _coerce(annotation: Any, value: Any) -> Any:
+    """A JSON value back in the annotated type (JSON keeps Paths as strings, tuples as lists)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if value is None:
+        return None
+    if origin in (typing.Union, types.UnionType):
+        if Path in args and isinstance(value, str):
+            return Path(value)
+        tuple_arg = next((a for a in args if typing.get_origin(a) is tuple or a is tuple), None)
+        if tuple_arg is not None and isinstance(value, list):
+            return _coerce(tuple_arg, value)
+        return value
+    if annotation is Path:
+        return Path(value)
+    if (origin is tuple or annotation is tuple) and isinstance(value, list):
+        item = args[0] if args and args[-1] is Ellipsis else None
+        return tuple(_coerce(item, v) if item is not None else v for v in value)
+    return value

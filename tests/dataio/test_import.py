@@ -1,0 +1,282 @@
+"""``import`` from text datasets, logged inference traffic and bad input; into runs; after ``kill -9``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import DEFAULT_PIPELINE, GROUP_SIZE, REPO, SMALL
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.dataio.columns import ColumnMap
+from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
+from rlhf_pipeline.dataio.import_state import IMPORT_SHARD_FIRST
+from rlhf_pipeline.dataio.importer import ImportOptions, import_source
+from rlhf_pipeline.dataio.sources import SourceError
+from rlhf_pipeline.ids import collector_index_of
+from rlhf_pipeline.models import char_tokenizer
+from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
+from rlhf_pipeline.run import build_pipeline
+from rlhf_pipeline.storage import create_store, open_buffer, open_store
+from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
+from rlhf_pipeline.weights import load_weights
+
+QUIET = ImportOptions(show_progress=False)
+
+
+def quiet(*_args, **_kwargs):
+    pass
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    module = load_pipeline_module(DEFAULT_PIPELINE)
+    return build_pipeline(module, make_settings(module, list(SMALL)), RunPaths(tmp_path_factory.mktemp("p")))
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def toy_records(groups: int, per_prompt: bool = False):
+    """Addition prompts with GROUP_SIZE completions each, right ones rewarded."""
+    records = []
+    for g in range(groups):
+        a, b = g % 17, (3 * g) % 13
+        completions = [str(a + b + d) for d in (0, 1, 0, -1)][:GROUP_SIZE]
+        rewards = [float(c == str(a + b)) for c in completions]
+        messages = [{"role": "user", "content": f"{a}+{b}="}]
+        if per_prompt:
+            records.append({"messages": messages, "completions": completions, "rewards": rewards})
+        else:
+            records += [{"messages": messages, "completion": c, "reward": r, "source": "toy"}
+                        for c, r in zip(completions, rewards)]
+    return records
+
+
+def rows_of(location):
+    with open_buffer(str(location), mode="r") as store:
+        return store.read(torch.arange(len(store)))
+
+
+# ====================================================================== text datasets
+@pytest.mark.parametrize("per_prompt", [False, True])
+def test_text_rows_are_tokenized_grouped_scored_and_written_through_the_write_path(pipeline, tmp_path, per_prompt):
+    source = write_jsonl(tmp_path / "toy.jsonl", toy_records(6, per_prompt))
+    result = import_source(source, tmp_path / "buf", pipeline, options=QUIET, log=quiet)
+    assert (result.completions, result.groups, result.rows_written) == (24, 6, 24)
+    assert result.write_path == ["GroupAdvantage"]
+    rows = rows_of(tmp_path / "buf")
+    tokenizer = char_tokenizer()
+    # the chat template rendered as the collector renders it; completions end with EOS
+    assert rows["prompt_text"][0] == "<|user|>0+0=<|assistant|>"
+    assert rows["prompt_tokens"].row(0).tolist() == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "0+0="}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert rows["response_tokens"].row(1).tolist() == [*tokenizer.encode("1", add_special_tokens=False),
+                                                       tokenizer.eos_token_id]
+    assert rows["response_text"][:4] == ["0", "1", "0", "-1"] and rows["terminated"].all()
+    # groups by prompt, fresh ids, advantages normalized within each group by the write path
+    assert rows["group_id"].tolist() == [g for g in range(6) for _ in range(GROUP_SIZE)]
+    assert rows["trajectory_id"].tolist() == list(range(24))
+    for g in range(6):
+        adv = rows["advantage"][g * GROUP_SIZE:(g + 1) * GROUP_SIZE]
+        assert abs(float(adv.mean())) < 1e-5 and float(adv.std()) == pytest.approx(1.0, abs=1e-4)
+    # sampling log-probs from make_policy() at the pipeline's temperature
+    expected = reference_log_probs(pipeline.make_policy(), rows["prompt_tokens"], rows["response_tokens"],
+                                   temperature=pipeline.learner.temperature)
+    assert torch.allclose(rows["response_log_probs"].values, expected.values, atol=1e-5)
+
+
+def test_logged_inference_traffic_imports_ids_and_log_probs_as_given(pipeline, tmp_path):
+    """Records shaped like a serving engine's: nested outputs with ids and per-token log-prob dicts."""
+    tokenizer = char_tokenizer()
+    records = []
+    for g in range(2):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"{g}+1="}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        for k in range(GROUP_SIZE):
+            ids = tokenizer.encode(str(g + k), add_special_tokens=False) + [tokenizer.eos_token_id]
+            records.append({"request_id": f"req-{g}", "prompt_token_ids": prompt, "score": k / 3,
+                            "outputs": [{"text": str(g + k), "token_ids": ids,
+                                         "logprobs": [{"logprob": -0.25 * (i + 1)} for i in range(len(ids))]}]})
+    source = write_jsonl(tmp_path / "traffic.jsonl", records)
+    columns = ColumnMap(prompt_ids="prompt_token_ids", completion="outputs.0.text",
+                        completion_ids="outputs.0.token_ids", log_probs="outputs.0.logprobs", reward="score",
+                        group="request_id")
+    result = import_source(source, tmp_path / "buf", pipeline, options=ImportOptions(columns=columns,
+                                                                                       show_progress=False),
+                           log=quiet)
+    assert result.log_probs_from is None  # given, nothing scored
+    rows = rows_of(tmp_path / "buf")
+    assert rows["response_tokens"].row(5).tolist() == records[5]["outputs"][0]["token_ids"]
+    assert rows["response_log_probs"].row(5).tolist() == [d["logprob"] for d in records[5]["outputs"][0]["logprobs"]]
+    assert rows["prompt_text"][0] == "<|user|>0+1=<|assistant|>"  # decoded from the ids
+    assert rows["group_id"].tolist() == [0] * 4 + [1] * 4  # string keys -> fresh ids in order
+
+    # ids that decode to something else than the logged text are refused, naming the row
+    records[6]["outputs"][0]["text"] = "99"
+    bad = write_jsonl(tmp_path / "bad_traffic.jsonl", records)
+    with pytest.raises(SourceError, match=r"bad_traffic.jsonl line 7, column 'outputs.0.token_ids': the token ids "
+                                          r"decode to '3' but the text column holds '99'"):
+        import_source(bad, tmp_path / "buf2", pipeline, options=ImportOptions(columns=columns), log=quiet)
+    assert not (tmp_path / "buf2").exists()
+
+
+# ====================================================================== bad input
+def _lines(**changes):
+    """toy_records(2) with edits {index: {field: value or None to delete}}."""
+    records = toy_records(2)
+    for index, edit in changes.items():
+        for key, value in edit.items():
+            if value is None:
+                records[int(index[1:])].pop(key)
+            else:
+                records[int(index[1:])][key] = value
+    return records
+
+
+def _with_log_probs(records, bad_row: int, bad_value: float):
+    """One log-prob per token (completion + EOS) on every row; ``bad_value`` last on ``bad_row``."""
+    for i, record in enumerate(records):
+        record["log_probs"] = [-1.0] * len(record["completion"]) + [bad_value if i == bad_row else -1.0]
+    return records
+
+
+@pytest.mark.parametrize("records, message", [
+    (_lines(r2={"reward": None}), r"bad.jsonl line 3, column 'reward': missing"),
+    (_lines(r1={"completion": ""}), r"bad.jsonl line 2, column 'completion': empty completion"),
+    (_lines(r4={"reward": math.nan}), r"bad.jsonl line 5, column 'reward': nan is not finite"),
+    (_lines(r5={"reward": "high"}), r"bad.jsonl line 6, column 'reward': expected a number, got 'high'"),
+    # the first row decides the columns: every row needs them
+    (_lines(r0={"log_probs": [-0.5, -0.5]}), r"bad.jsonl line 2, column 'log_probs': missing"),
+    (_lines(r0={"log_probs": [-0.5, -0.5, -0.5]}, **{f"r{i}": {"log_probs": [-1.0, -1.0]} for i in range(1, 8)}),
+     r"bad.jsonl line 1, column 'log_probs': 3 log-probs for a completion of 2 tokens"),
+    (_with_log_probs(toy_records(2), bad_row=6, bad_value=0.5),
+     r"bad.jsonl line 7, column 'log_probs': log-prob 0.5 is not a finite value <= 0"),
+    (toy_records(2)[:7], r"bad.jsonl line 5: the group of this row has 3 completions, but the pipeline's group "
+                         r"advantage takes groups of 4"),
+])
+def test_bad_input_names_file_row_and_column_and_writes_nothing(pipeline, tmp_path, records, message):
+    existing = tmp_path / "existing"
+    create_store(existing, "memmap", schema=pipeline.create_buffer(tmp_path / "probe").schema).close()
+    before = sorted(p.relative_to(existing) for p in existing.rglob("*"))
+    source = write_jsonl(tmp_path / "bad.jsonl", records)
+    for target in (existing, tmp_path / "new"):
+        with pytest.raises(SourceError, match=message):
+            import_source(source, target, pipeline, options=QUIET, log=quiet)
+    assert sorted(p.relative_to(existing) for p in existing.rglob("*")) == before  # untouched, no record
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_file_that_is_not_the_named_format(pipeline, tmp_path, capsys):
+    binary = tmp_path / "rows.jsonl"
+    binary.write_bytes(b"PAR1\x00\x15\x04\xff\xfe garbage")
+    with pytest.raises(SourceError, match=r"rows.jsonl is not UTF-8 text .* so not JSONL"):
+        import_source(binary, tmp_path / "buf", pipeline, options=QUIET, log=quiet)
+    write_jsonl(tmp_path / "data.jsonl", toy_records(1))
+    pytest.importorskip("pyarrow")
+    code = main(["import", str(tmp_path / "data.jsonl"), str(tmp_path / "buf"), "--pipeline", str(DEFAULT_PIPELINE),
+                 "--format", "parquet", *[a for s in SMALL for a in ("--set", s)]])
+    assert code == 2
+    assert "data.jsonl is not a Parquet file" in capsys.readouterr().err
+    assert not (tmp_path / "buf").exists()
+
+
+def test_missing_role_column_says_which_option_names_it(pipeline, tmp_path):
+    source = write_jsonl(tmp_path / "x.jsonl", [{"question": "1+1=", "answer": "2", "score": 1.0}])
+    with pytest.raises(SourceError, match=r"x.jsonl \(first row\): no prompt column; name one with --prompt"):
+        import_source(source, tmp_path / "buf", pipeline, options=QUIET, log=quiet)
+    options = ImportOptions(columns=ColumnMap(prompt="question", completion="answer", reward="reward"))
+    with pytest.raises(SourceError, match=r"column 'reward' \(given with --reward\) is missing"):
+        import_source(source, tmp_path / "buf", pipeline, options=options, log=quiet)
+
+
+# ====================================================================== runs
+def test_import_into_a_run_adds_a_shard_scored_by_the_newest_policy(tiny_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    source = write_jsonl(tmp_path / "toy.jsonl", toy_records(3))
+    # no --pipeline: the run's own copy and settings
+    assert main(["import", str(source), str(run), "--quiet"]) == 0
+    shard = run / "buffer" / f"shard-{IMPORT_SHARD_FIRST:04d}"
+    rows = rows_of(shard)
+    assert len(rows) == 12 and rows["policy_version"].eq(3).all()
+    assert collector_index_of(rows["group_id"]).eq(IMPORT_SHARD_FIRST).all()
+    assert collector_index_of(rows["trajectory_id"]).eq(IMPORT_SHARD_FIRST).all()
+    model = load_run_pipeline(run).make_model()
+    model.load_state_dict(load_weights(run, 3)[0])
+    expected = reference_log_probs(model, rows["prompt_tokens"], rows["response_tokens"])
+    assert torch.allclose(rows["response_log_probs"].values, expected.values, atol=1e-5)
+    with open_buffer(run / "buffer") as union:  # the learner's view: collected + imported rows
+        assert len(union) == 64 + 12
+
+    # the same command again: already imported, nothing written
+    assert main(["import", str(source), str(run)]) == 0
+    assert "was already imported" in capsys.readouterr().err
+    assert len(rows_of(shard)) == 12
+    # a collector's shard is refused: its ids would collide with the collector's
+    assert main(["import", str(source), str(run / "buffer" / "shard-0000"), "--quiet"]) == 2
+    assert "is written by collector 0" in capsys.readouterr().err
+
+
+# ====================================================================== kill -9
+def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp_path):
+    records = []
+    for record in toy_records(100):  # 400 rows in 100 appends of one group; given log-probs, so no model
+        n = len(record["completion"]) + 1
+        records.append({**record, "log_probs": [-0.5] * n})
+    source = write_jsonl(tmp_path / "big.jsonl", records)
+    buffer = tmp_path / "buf"
+    args = [sys.executable, "-m", "rlhf_pipeline.cli.main", "import", str(source), str(buffer), "--pipeline",
+            str(DEFAULT_PIPELINE), "--rows-per-chunk", "4", "--quiet", *[a for s in SMALL for a in ("--set", s)]]
+    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    rows_at_kill = 0
+    while time.monotonic() < deadline and process.poll() is None:
+        if (buffer / "manifest.json").exists():
+            try:
+                with open_store(str(buffer), mode="r") as store:
+                    rows_at_kill = len(store)
+            except Exception:  # noqa: BLE001 - created a moment ago; look again
+                rows_at_kill = 0
+            if rows_at_kill >= 20:
+                os.kill(process.pid, signal.SIGKILL)
+                break
+        time.sleep(0.01)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
+    assert 20 <= len(rows_of(buffer)) < 400
+
+    result = import_source(source, buffer, pipeline, options=ImportOptions(rows_per_chunk=4, show_progress=False),
+                           log=quiet)
+    assert result.resumed_from_row >= 20
+    clean = tmp_path / "clean"  # the same import uninterrupted (larger appends: same rows, same ids)
+    import_source(source, clean, pipeline, options=ImportOptions(rows_per_chunk=64, show_progress=False), log=quiet)
+    resumed, expected = rows_of(buffer), rows_of(clean)
+    assert len(resumed) == 400 and resumed["trajectory_id"].unique().numel() == 400
+    assert resumed.equal(expected)
+
+
+def test_a_directory_of_parquet_data_files_with_a_split(pipeline, tmp_path):
+    """A dataset repository's layout: data/<split>-NNNNN-of-NNNNN.parquet, chats as lists of structs."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    data = tmp_path / "repo" / "data"
+    data.mkdir(parents=True)
+    for split, groups in (("train", 3), ("test", 1)):
+        records = toy_records(groups, per_prompt=True)
+        pq.write_table(pa.Table.from_pylist(records), data / f"{split}-00000-of-00001.parquet")
+    result = import_source(tmp_path / "repo", tmp_path / "buf", pipeline,
+                           options=ImportOptions(split="train", show_progress=False), log=quiet)
+    assert (result.source_rows, result.completions) == (3, 12)
+    rows = rows_of(tmp_path / "buf")
+    assert rows["prompt_text"][4] == "<|user|>1+3=<|assistant|>" and rows["response_text"][4] == "4"

@@ -1,0 +1,84 @@
+"""``export-model``: a run's policy as a save_pretrained directory with the run's logits, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.dataio.model_export import VersionNotFoundError, available_versions, export_model
+from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
+from rlhf_pipeline.weights import load_weights
+
+CHAT = [{"role": "user", "content": "12+7="}]
+
+
+def run_policy(run, version):
+    model = load_run_pipeline(run).make_model()
+    model.load_state_dict(load_weights(run, version)[0])
+    return model.eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+
+
+def test_exported_model_has_the_runs_logits_tokenizer_and_sampling(tiny_run, tmp_path):
+    out = tmp_path / "model"
+    assert main(["export-model", str(tiny_run), str(out), "--version", "2"]) == 0
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "rlhf_pipeline_export.json"} <= {p.name for p in out.iterdir()}
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(6, 100, (3, 17), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(exported, ids), logits(run_policy(tiny_run, 2), ids))
+    assert not torch.equal(logits(exported, ids), logits(run_policy(tiny_run, 3), ids))  # versions differ
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    original = load_run_pipeline(tiny_run).tokenizer
+    assert tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False) == \
+        original.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.encode("12+7=19", add_special_tokens=False) == original.encode("12+7=19", add_special_tokens=False)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["do_sample"] is True and generation["temperature"] == 1.0
+    assert generation["eos_token_id"] == original.eos_token_id
+    assert json.loads((out / "rlhf_pipeline_export.json").read_text())["version"] == 2
+
+
+def test_versions_on_disk_come_from_weights_and_checkpoints(tiny_run, tmp_path):
+    # weights/ keeps the last 3 of v0..v3; checkpoints at steps 2 and 3 hold v2 and v3
+    found = available_versions(tiny_run)
+    assert sorted(found) == [1, 2, 3] and all(v.kind == "weights" for v in found.values())
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    for version in (1, 2, 3):
+        (run / "weights" / f"policy_{version:08d}.pt").unlink()
+    found = available_versions(run)
+    assert {v: s.kind for v, s in found.items()} == {2: "checkpoint", 3: "checkpoint"}
+    result = export_model(run, tmp_path / "from_checkpoint", version=2)
+    assert result.source.endswith("step_00000002.pt")
+    ids = torch.randint(6, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "from_checkpoint")
+    assert torch.equal(logits(exported, ids), logits(run_policy(tiny_run, 2), ids))
+
+    with pytest.raises(VersionNotFoundError, match=r"version 1 .* is no longer on disk .*available: "
+                                                    r"v2 \(checkpoint step_00000002.pt\), v3 \(checkpoint"):
+        export_model(run, tmp_path / "gone", version=1)
+    assert not (tmp_path / "gone").exists()
+
+
+def test_export_model_default_version_and_refusals(tiny_run, tmp_path, capsys):
+    assert main(["export-model", str(tiny_run), str(tmp_path / "newest")]) == 0
+    assert "policy version 3" in capsys.readouterr().out
+    assert main(["export-model", str(tiny_run), str(tmp_path / "newest")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("buffer", "tensorboard"))
+    (run / "pipeline.py").unlink()  # a run started before runs kept their pipeline file
+    assert main(["export-model", str(run), str(tmp_path / "m")]) == 2
+    assert "pass --pipeline PIPELINE.py" in capsys.readouterr().err
+    assert main(["export-model", str(run), str(tmp_path / "m"), "--pipeline", str(tiny_run / "pipeline.py")]) == 0

@@ -1,0 +1,54 @@
+"""``plot``: PNG charts of runs' metrics, several runs overlaid."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.dataio.extras import MissingExtraError, require
+from rlhf_pipeline.dataio.plots import read_metrics, run_labels, smooth
+
+CHARTS = {"reward", "kl", "response_length", "clip_fraction", "staleness", "throughput", "overview"}
+
+
+def test_plot_writes_one_png_per_chart_for_overlaid_runs(tiny_run, tmp_path, capsys):
+    image = pytest.importorskip("matplotlib.image")
+    second = tmp_path / "other" / "tiny"  # same name as the first run: the legend tells them apart
+    second.mkdir(parents=True)
+    records = read_metrics(tiny_run / "metrics.jsonl")
+    with open(second / "metrics.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps({**record, "charts/reward_mean": record["charts/reward_mean"] + 0.5}) + "\n")
+        f.write('{"step": 4, "charts/rew')  # a line torn by a kill: skipped
+    out = tmp_path / "charts"
+    assert main(["plot", str(tiny_run), str(second), "--out", str(out)]) == 0
+    assert {p.stem for p in out.glob("*.png")} == CHARTS
+    for png in out.glob("*.png"):
+        pixels = image.imread(png)
+        assert pixels.shape[0] > 200 and pixels.shape[1] > 300
+        assert pixels[..., :3].std() > 0.01  # something was drawn
+    assert run_labels([tiny_run, second]) == [f"{tiny_run.parent.name}/tiny", "other/tiny"]
+
+
+def test_plot_errors_name_what_is_missing(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "charts")]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the extra were not installed
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "charts")]) == 2
+    assert "pip install -e '.[plot]'" in capsys.readouterr().err
+
+
+def test_missing_extra_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(MissingExtraError, match=r"reading Parquet needs the optional package 'pyarrow'; install it "
+                                                r"with `pip install -e '.\[data\]'`"):
+        require("pyarrow", "reading Parquet")
+
+
+def test_smoothing_is_debiased_and_follows_a_constant():
+    assert smooth([2.0, 2.0, 2.0], 0.8) == pytest.approx([2.0, 2.0, 2.0])
+    assert smooth([0.0, 1.0], 0.5)[1] == pytest.approx(2 / 3)
