@@ -13,7 +13,7 @@ and nothing but ``run``'s own error is printed (:meth:`Children.abandon`). A chi
 builds the pipeline itself as before (its checks pass: they just passed in ``run``), finds the
 run directory prepared, and starts.
 
-Every child also holds the read end of one stop pipe (``--stop-fd``; ``run._StopFlag`` watches
+Every child also holds the read end of one stop pipe (``--stop-fd``; ``stopping.StopFlag`` watches
 it): a byte on it asks the child to stop cleanly, and its end of file, which the kernel delivers
 when ``run`` dies even by ``kill -9``, does the same. A child still waiting for ``go`` sees its
 stdin close instead and exits. Nothing keeps running without its launcher.

@@ -348,9 +348,9 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
            steps: int) -> int:
     from rlhf_pipeline.learn.learner import Learner
     from rlhf_pipeline.learn.metrics import MetricsWriter, truncate_metrics
-    from rlhf_pipeline.run import _StopFlag
+    from rlhf_pipeline.stopping import StopFlag
 
-    stop = _StopFlag()
+    stop = StopFlag()
     rescorer = _make_rescorer(pipeline, options, learner_settings, source)
     batch_log: MetricsWriter | None = None
 

@@ -29,9 +29,7 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -48,6 +46,13 @@ from rlhf_pipeline.pipeline import (
     load_pipeline_module,
     make_settings,
     settings_to_json,
+)
+from rlhf_pipeline.stopping import (
+    LauncherSignals,
+    StopFlag,
+    ask_children_to_stop,
+    wait_for_children,
+    wait_quietly,
 )
 
 # settings that may change between starts of one run; learner.* may too (with a note);
@@ -92,7 +97,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if command == "run":  # an inherited SIG_IGN (a background job) would swallow `kill -INT`
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _terminated_while_preparing)
-    _StopFlag.launcher_fd = stop_fd
+    StopFlag.launcher_fd = stop_fd
     if command == "run":
         # the children import torch & co. while this process checks and prepares (launch.py)
         children = _start_children(pipeline_path, steps, paths, device, overrides, collectors)
@@ -257,84 +262,6 @@ def _diff(saved: dict, current: dict, defaults: dict, prefix: str = "") -> list[
     return out
 
 
-# ====================================================================== signals
-class _StopFlag:
-    """Set by SIGINT/SIGTERM (first one: finish cleanly), by the launcher, or by the ``STOP`` file.
-
-    A child of ``run`` watches the launcher's pipe (``launcher_fd``, from ``--stop-fd``): a byte
-    on it is a stop request, end-of-file means the launcher died (even by ``kill -9``); both
-    stop cleanly. Neither counts as a signal, so one Ctrl-C (which reaches the launcher and the
-    children alike) never looks like two.
-    """
-
-    launcher_fd: int | None = None
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.signal: int | None = None  # the first signal received
-        self.launcher_stopped = False
-        self._previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        if self.launcher_fd is not None:
-            threading.Thread(target=self._watch_launcher, args=(self.launcher_fd,), daemon=True,
-                             name="launcher-watch").start()
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None:  # second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self.signal = signum
-        _say_in_handler(f"[{_role()}] stopping cleanly ({signal.Signals(signum).name}); press Ctrl-C again to abort")
-        self.event.set()
-
-    def _watch_launcher(self, fd: int) -> None:
-        try:
-            asked = os.read(fd, 1)  # blocks until the launcher writes, or its end closes
-        except OSError:
-            asked = b""
-        self.launcher_stopped = True
-        told = self.event.is_set()
-        # set first: with the launcher gone, its stderr pipe may be gone too and the print fail
-        self.event.set()
-        if not told:
-            why = "the launcher asked to stop" if asked else "the launcher is gone"
-            if not _say_in_handler(f"[{_role()}] {why}; stopping cleanly") and not asked:
-                _silence_output()  # nobody reads the dead launcher's log: a print must not end us mid-stop
-
-    def exit_code(self) -> int:
-        """0 unless stopped early: 128 + the signal's number, or 143 when the launcher stopped us."""
-        if self.signal is not None:
-            return 128 + self.signal
-        return 128 + signal.SIGTERM if self.launcher_stopped else 0
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _say_in_handler(message: str) -> bool:
-    """Prints from a signal handler or the launcher watcher: a raw write, since the main thread
-    may be inside a print (sys.stderr's buffer would raise "reentrant call"), and no exception:
-    stderr may be a pipe whose reader is gone. Returns whether it was written."""
-    try:
-        os.write(sys.stderr.fileno(), (message + "\n").encode())
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-def _silence_output() -> None:
-    """Points stdout and stderr at /dev/null, so later prints cannot fail with a broken pipe."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-
-
-def _role() -> str:
-    return "learner" if {"learn", "replay"} & set(sys.argv) else "collector" if "collect" in sys.argv else "run"
-
-
 # ====================================================================== collector side
 def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                  collector_index: int = 0) -> int:
@@ -349,7 +276,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.weights import WeightsPoller
 
-    stop = _StopFlag()
+    stop = StopFlag()
     tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
     state_file = paths.collector_state(collector_index)
     store_path = paths.buffer if paths.single_store_buffer else paths.shard(collector_index)
@@ -461,7 +388,7 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
     return collector
 
 
-def _wait_for_weights(poller, stop: _StopFlag):
+def _wait_for_weights(poller, stop: StopFlag):
     while True:
         update = poller.poll()
         if update is not None:
@@ -471,7 +398,7 @@ def _wait_for_weights(poller, stop: _StopFlag):
         time.sleep(0.2)
 
 
-def _should_stop(stop: _StopFlag, paths: RunPaths) -> bool:
+def _should_stop(stop: StopFlag, paths: RunPaths) -> bool:
     return stop.event.is_set() or paths.stop_file.exists()
 
 
@@ -479,7 +406,7 @@ def _should_stop(stop: _StopFlag, paths: RunPaths) -> bool:
 def learn_main(pipeline: Pipeline, paths: RunPaths) -> int:
     from rlhf_pipeline.learn.learner import Learner
 
-    stop = _StopFlag()
+    stop = StopFlag()
     paths.stop_file.unlink(missing_ok=True)  # a resumed learner wants collectors running
     learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event)
     try:
@@ -519,7 +446,7 @@ def _run_both(paths: RunPaths, collectors: int, children) -> int:
     stop_write = children.stop_write
     print(f"[run] run directory {paths.root}" + (f" with {collectors} collectors" if collectors > 1 else ""),
           file=sys.stderr, flush=True)
-    signals = _LauncherSignals()  # before the children go, so no signal is missed
+    signals = LauncherSignals()  # before the children go, so no signal is missed
     try:
         children.go()
         processes = [*collector_procs.values(), learner]
@@ -530,19 +457,19 @@ def _run_both(paths: RunPaths, collectors: int, children) -> int:
                     # (a clean exit after STOP means the learner finished and is exiting too)
                     continue
                 # a collector died: stop the learner (it checkpoints) and the other collectors
-                _ask_to_stop(stop_write, len(processes))
-                _wait_all(processes, signals)
+                ask_children_to_stop(stop_write, len(processes))
+                wait_for_children(processes, signals)
                 name = "the collector" if collectors == 1 else f"collector {k}"
                 raise RunError(f"{name} exited early (exit code {code}); see its error above. The "
                                f"learner saved a checkpoint; rerun to resume")
             time.sleep(0.2)
         if signals.received:
-            _ask_to_stop(stop_write, len(processes))
-            _wait_all(processes, signals)
+            ask_children_to_stop(stop_write, len(processes))
+            wait_for_children(processes, signals)
         else:
             paths.stop_file.touch()  # every collector ends after its current round
             for p in collector_procs.values():
-                _wait_quietly(p, timeout=120.0)
+                wait_quietly(p, timeout=120.0)
     finally:
         signals.restore()
         os.close(stop_write)
@@ -564,60 +491,10 @@ def _run_both(paths: RunPaths, collectors: int, children) -> int:
     raise RunError(f"{names} failed; see the error above")
 
 
-class _LauncherSignals:
-    """SIGINT/SIGTERM to ``run``: the first asks the children to stop, a second kills them."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def _handle(self, signum, frame) -> None:
-        self.received.append(signum)
-        if len(self.received) == 1:
-            _say_in_handler(f"[run] {signal.Signals(signum).name}: stopping the learner (it saves a checkpoint) "
-                            f"and the collectors (they finish their round); again to stop them at once")
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _ask_to_stop(stop_write: int, children: int) -> None:
-    try:
-        os.write(stop_write, b"s" * children)  # each child's watcher reads one byte (or EOF)
-    except OSError:  # every child is gone already
-        pass
-
-
-def _wait_all(children: Sequence[subprocess.Popen], signals: _LauncherSignals) -> None:
-    """Waits for every child; a second signal meanwhile kills the ones still running."""
-    while any(p.poll() is None for p in children):
-        if len(signals.received) >= 2:
-            print("[run] stopping now: killing the learner and collectors", file=sys.stderr, flush=True)
-            for p in children:
-                if p.poll() is None:
-                    p.kill()
-            for p in children:
-                p.wait()
-            return
-        time.sleep(0.1)
-
-
 def _checkpoint_step(paths: RunPaths) -> int | None:
     from rlhf_pipeline.learn.checkpoint import CheckpointManager
 
     return CheckpointManager(paths.checkpoints).latest_step()
-
-
-def _wait_quietly(process: subprocess.Popen, timeout: float | None = None) -> int | None:
-    while True:
-        try:
-            return process.wait(timeout=timeout)
-        except KeyboardInterrupt:
-            continue
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            timeout = None
 
 
 def _print_summary(paths: RunPaths) -> None:

@@ -1,0 +1,144 @@
+"""Stopping a run cleanly: signals, the launcher's stop pipe, and waiting for children.
+
+A child of ``run`` (collector or learner) stops cleanly on its first SIGINT/SIGTERM, on a byte
+from the launcher's stop pipe, or when that pipe closes because the launcher died (even by
+``kill -9``): :class:`StopFlag`. The launcher itself turns its first signal into a request to
+every child and its second into a kill (:class:`LauncherSignals`, :func:`wait_for_children`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM (first one: finish cleanly), by the launcher, or by the ``STOP`` file.
+
+    A child of ``run`` watches the launcher's pipe (``launcher_fd``, from ``--stop-fd``): a byte
+    on it is a stop request, end-of-file means the launcher died (even by ``kill -9``); both
+    stop cleanly. Neither counts as a signal, so one Ctrl-C (which reaches the launcher and the
+    children alike) never looks like two.
+    """
+
+    launcher_fd: int | None = None
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: int | None = None  # the first signal received
+        self.launcher_stopped = False
+        self._previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        if self.launcher_fd is not None:
+            threading.Thread(target=self._watch_launcher, args=(self.launcher_fd,), daemon=True,
+                             name="launcher-watch").start()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+        say_in_handler(f"[{_role()}] stopping cleanly ({signal.Signals(signum).name}); press Ctrl-C again to abort")
+        self.event.set()
+
+    def _watch_launcher(self, fd: int) -> None:
+        try:
+            asked = os.read(fd, 1)  # blocks until the launcher writes, or its end closes
+        except OSError:
+            asked = b""
+        self.launcher_stopped = True
+        told = self.event.is_set()
+        # set first: with the launcher gone, its stderr pipe may be gone too and the print fail
+        self.event.set()
+        if not told:
+            why = "the launcher asked to stop" if asked else "the launcher is gone"
+            if not say_in_handler(f"[{_role()}] {why}; stopping cleanly") and not asked:
+                _silence_output()  # nobody reads the dead launcher's log: a print must not end us mid-stop
+
+    def exit_code(self) -> int:
+        """0 unless stopped early: 128 + the signal's number, or 143 when the launcher stopped us."""
+        if self.signal is not None:
+            return 128 + self.signal
+        return 128 + signal.SIGTERM if self.launcher_stopped else 0
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def say_in_handler(message: str) -> bool:
+    """Prints from a signal handler or the launcher watcher: a raw write, since the main thread
+    may be inside a print (sys.stderr's buffer would raise "reentrant call"), and no exception:
+    stderr may be a pipe whose reader is gone. Returns whether it was written."""
+    try:
+        os.write(sys.stderr.fileno(), (message + "\n").encode())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _silence_output() -> None:
+    """Points stdout and stderr at /dev/null, so later prints cannot fail with a broken pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+def _role() -> str:
+    return "learner" if {"learn", "replay"} & set(sys.argv) else "collector" if "collect" in sys.argv else "run"
+
+
+class LauncherSignals:
+    """SIGINT/SIGTERM to ``run``: the first asks the children to stop, a second kills them."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame) -> None:
+        self.received.append(signum)
+        if len(self.received) == 1:
+            say_in_handler(f"[run] {signal.Signals(signum).name}: stopping the learner (it saves a checkpoint) "
+                            f"and the collectors (they finish their round); again to stop them at once")
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def ask_children_to_stop(stop_write: int, children: int) -> None:
+    try:
+        os.write(stop_write, b"s" * children)  # each child's watcher reads one byte (or EOF)
+    except OSError:  # every child is gone already
+        pass
+
+
+def wait_for_children(children: Sequence[subprocess.Popen], signals: LauncherSignals) -> None:
+    """Waits for every child; a second signal meanwhile kills the ones still running."""
+    while any(p.poll() is None for p in children):
+        if len(signals.received) >= 2:
+            print("[run] stopping now: killing the learner and collectors", file=sys.stderr, flush=True)
+            for p in children:
+                if p.poll() is None:
+                    p.kill()
+            for p in children:
+                p.wait()
+            return
+        time.sleep(0.1)
+
+
+def wait_quietly(process: subprocess.Popen, timeout: float | None = None) -> int | None:
+    while True:
+        try:
+            return process.wait(timeout=timeout)
+        except KeyboardInterrupt:
+            continue
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            timeout = None
