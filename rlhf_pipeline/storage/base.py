@@ -59,7 +59,10 @@ class TrajectoryStore(Storage, abc.ABC):
     backend_name: str = "abstract"
 
     def __init__(self, *, max_size: int | None = None) -> None:
-        super().__init__(max_size=max_size or UNBOUNDED_ROWS)
+        # compilable: torchrl's bookkeeping counters as plain tensors, not multiprocessing.Values.
+        # Processes share a store through its files, never by inheriting the object; each Value
+        # is a named semaphore that Python reports as leaked when a process ends with os._exit
+        super().__init__(max_size=max_size or UNBOUNDED_ROWS, compilable=True)
 
     # ================================================================ contract
     @property
