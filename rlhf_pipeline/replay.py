@@ -259,7 +259,7 @@ def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
 
 def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> None:
     """Writes ``settings.json`` (or checks a resumed replay against it) and publishes version 0."""
-    from rlhf_pipeline.run import _default_settings, _diff, _run_lock
+    from rlhf_pipeline.run import _run_lock, settings_changes
     from rlhf_pipeline.weights import latest_version, publish_weights
 
     with _run_lock(paths):
@@ -269,15 +269,10 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
             saved_replay = saved.pop("replay")
             if record["seed"] is None:
                 record["seed"] = saved_replay["seed"]
-            changed = _diff(saved, current, _default_settings(pipeline.settings))
+            changed = settings_changes(saved, pipeline.settings, tag="[replay]", since="the replay started")
             changed += [f"--{k.replace('_', '-')}: was {saved_replay.get(k)!r}, now {record[k]!r}"
                         for k in sorted(dataclasses.asdict(options))
                         if k not in _RESUMABLE_OPTIONS and k in record and saved_replay.get(k) != record[k]]
-            tuned = [c for c in changed if c.startswith("learner.")]
-            changed = [c for c in changed if not c.startswith("learner.")]
-            if tuned:
-                print(f"[replay] note: learner settings changed since the replay started: {'; '.join(tuned)}",
-                      file=sys.stderr, flush=True)
             if changed:
                 raise ReplayError(
                     f"run directory {paths.root} holds a replay started with other settings ({'; '.join(changed)}). "

@@ -192,13 +192,7 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
         current = settings_to_json(pipeline.settings)
         if paths.settings_file.exists():
             saved = json.loads(paths.settings_file.read_text())
-            changed = _diff(saved, current, _default_settings(pipeline.settings))
-            tuned = [c for c in changed if c.startswith("learner.")]
-            changed = [c for c in changed if not c.startswith("learner.")]
-            if tuned:
-                # learner knobs may change on resume (e.g. replay offline); the data stays valid
-                print(f"[run] note: learner settings changed since the run started: {'; '.join(tuned)}",
-                      file=sys.stderr, flush=True)
+            changed = settings_changes(saved, pipeline.settings, tag="[run]", since="the run started")
             if changed:
                 raise RunError(
                     f"run directory {paths.root} was started with other settings ({'; '.join(changed)}). "
@@ -236,6 +230,16 @@ def _keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
         return
     text = Path(source).read_bytes()
     write_atomic(paths.pipeline_file, lambda f: f.write(text))
+
+
+def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:
+    """What differs between ``saved`` settings JSON and ``settings``, except learner knobs: those
+    may change on resume (the data stays valid), so they are only printed as a note."""
+    changed = _diff(saved, settings_to_json(settings), _default_settings(settings))
+    tuned = [c for c in changed if c.startswith("learner.")]
+    if tuned:
+        print(f"{tag} note: learner settings changed since {since}: {'; '.join(tuned)}", file=sys.stderr, flush=True)
+    return [c for c in changed if not c.startswith("learner.")]
 
 
 def _default_settings(settings: Any) -> dict:
