@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -13,3 +14,16 @@ if str(TESTS_DIR) not in sys.path:
 
 # Two cores shared by many processes: one intra-op thread keeps tests predictable.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (a free port) for the session; skips without the s3 extras."""
+    from s3_server import S3Server, missing_packages
+
+    missing = missing_packages()
+    if missing:
+        pytest.skip(f"s3:// tests need {', '.join(missing)}: pip install -e '.[s3,test-s3]'")
+    server = S3Server()
+    yield server
+    server.stop()

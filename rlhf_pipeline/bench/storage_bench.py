@@ -74,10 +74,15 @@ BACKENDS: dict[str, str] = {
     "torchrl-lazystack": "rlhf_pipeline.bench.baselines:TorchRLLazyStackBackend",
     "torchrl-lazymemmap": "rlhf_pipeline.bench.baselines:TorchRLLazyMemmapBackend",
     "zarr": "rlhf_pipeline.bench.zarr_backend:ZarrBackend",
+    "zarr-s3": "rlhf_pipeline.bench.zarr_backend:RemoteZarrBackend",  # at --location
 }
 # what runs without --backends (a variant that only repeats a point can stay out of it)
 DEFAULT_BACKENDS: tuple[str, ...] = ("raw-numpy", "raw-numpy-fsync", "memmap", "memmap-nofsync",
                                      "torchrl-lazystack", "torchrl-lazymemmap", "zarr")
+# backends that need --location (an object store); the rest run anywhere
+REMOTE_BACKENDS: tuple[str, ...] = ("zarr-s3",)
+# with --location: the remote store beside the local ones it is compared with
+LOCATION_BACKENDS: tuple[str, ...] = ("raw-numpy", "raw-numpy-fsync", "memmap", "zarr", "zarr-s3")
 BASELINE = "raw-numpy"
 # writes compare with the raw baseline that does the same durability work: a store that
 # fsyncs every append against raw files fsynced after every batch
@@ -106,6 +111,8 @@ class BenchSpec:
     seed: int = 0
     optional_fields: tuple[str, ...] = ("advantage",)
     index_dtype: str = "int32"  # of token ids and position_ids: the learner's (int64: pad_batch's default)
+    location: str | None = None  # the object-store URL the zarr-s3 backend writes under
+    storage_options: tuple[tuple[str, Any], ...] = ()  # its fsspec options (endpoint_url, key, ...)
 
     @property
     def torch_index_dtype(self) -> torch.dtype:
@@ -408,17 +415,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "median ms per batch at the same moments (bench/interleaved.py)")
     parser.add_argument("--in-process", action="store_true",
                         help="run every backend in this process (faster; peak RSS is then cumulative)")
+    parser.add_argument("--location", default=None, metavar="URL",
+                        help="an object-store URL (s3://BUCKET/prefix) for the zarr-s3 backend, which runs "
+                             f"beside the local ones (default with it: {' '.join(LOCATION_BACKENDS)}); the "
+                             "benchmark writes under a fresh prefix there and deletes it afterwards")
+    parser.add_argument("--storage-option", dest="storage_options", action="append", default=[],
+                        metavar="KEY=VALUE", help="an fsspec option for --location, e.g. "
+                        "endpoint_url=http://127.0.0.1:9000, key=..., secret=... (repeatable; otherwise the AWS_* "
+                        "environment variables); VALUE is read as JSON when it parses (true, 3), else as a string")
 
 
 def main(args: argparse.Namespace) -> int:
-    backends = args.backends or list(DEFAULT_BACKENDS)
+    backends = args.backends or list(LOCATION_BACKENDS if args.location else DEFAULT_BACKENDS)
+    if set(backends) & set(REMOTE_BACKENDS) and not args.location:
+        raise SystemExit("the zarr-s3 backend writes to an object store: pass --location s3://BUCKET/prefix")
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
     if args.completions < 1 or args.sample_batches < 1 or args.repeat < 1:
         raise SystemExit("--completions, --sample-batches and --repeat must be >= 1")
     spec = BenchSpec(completions=args.completions, sample_batches=args.sample_batches, seed=args.seed,
-                     index_dtype=args.index_dtype)
+                     index_dtype=args.index_dtype, location=args.location,
+                     storage_options=parse_storage_options(args.storage_options))
     if args.interleaved:
         from rlhf_pipeline.bench.interleaved import format_interleaved, sample_interleaved
 
@@ -439,9 +457,25 @@ def main(args: argparse.Namespace) -> int:
               f"{spec.min_prompt_len}-{spec.max_prompt_len}, response {spec.min_response_len}-"
               f"{spec.max_response_len} tokens; writes in batches of {spec.write_batch_size}; "
               f"{spec.sample_batches} padded batches of {spec.sample_batch_size} ({spec.index_dtype} ids)"
-              + (f"; best of {args.repeat} round-robin runs per backend" if args.repeat > 1 else ""))
+              + (f"; best of {args.repeat} round-robin runs per backend" if args.repeat > 1 else "")
+              + (f"; zarr-s3 at {args.location}" if args.location else ""))
         print(format_table(records))
     return 0
+
+
+def parse_storage_options(items: list[str]) -> tuple[tuple[str, Any], ...]:
+    """``["endpoint_url=http://...", "anon=true"]`` -> ``(("endpoint_url", "http://..."), ("anon", True))``."""
+    options = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--storage-option {item!r}: expected KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:9000")
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        options.append((key, parsed))
+    return tuple(options)
 
 
 def _worker_main(argv: list[str]) -> int:
@@ -453,6 +487,7 @@ def _worker_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     spec_fields = json.loads(args.spec)
     spec_fields["optional_fields"] = tuple(spec_fields["optional_fields"])
+    spec_fields["storage_options"] = tuple(tuple(pair) for pair in spec_fields["storage_options"])
     record = run_backend(args.worker, BenchSpec(**spec_fields), progress=not args.quiet)
     Path(args.record).write_text(json.dumps(record))
     return 0

@@ -30,3 +30,54 @@ def ZarrBackend() -> TrajectoryStoreBackend:
         return ZarrTrajectoryStore.create(str(path), schema)
 
     return _ZarrStoreBackend("zarr", create)
+
+
+class RemoteZarrBackend(_ZarrStoreBackend):
+    """The Zarr store at an object-store URL (``bench storage --location s3://...``), under a fresh
+    prefix per run that is deleted afterwards. Appends go through the writer; batches are sampled
+    by a second, read-only store that refreshes its commit record before every batch, as a
+    learner in another process does (one GET per batch), from its decoded-unit cache."""
+
+    def __init__(self):
+        super().__init__("zarr-s3", self._create_remote)
+
+    def setup(self, directory: Path, spec) -> None:
+        import uuid
+
+        if not spec.location:
+            raise ValueError("the zarr-s3 backend writes to --location (an s3:// URL); pass one")
+        self._url = f"{spec.location.rstrip('/')}/bench-{uuid.uuid4().hex[:12]}"
+        self._options = dict(spec.storage_options)
+        self._reader = None
+        super().setup(directory, spec)
+
+    def _create_remote(self, path: Path, schema: StoreSchema) -> TrajectoryStore:
+        from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
+
+        return ZarrTrajectoryStore.create(self._url, schema, storage_options=self._options)
+
+    def sample_padded(self, positions):
+        if self._reader is None:
+            from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
+
+            self._reader = ZarrTrajectoryStore.open(self._url, storage_options=self._options)
+        len(self._reader)  # a read-only store refreshes here
+        return self._collator.read(self._reader, positions)
+
+    def disk_bytes(self) -> int:
+        from rlhf_pipeline.storage.zarr.inspection import stats
+
+        return stats(self._url, storage_options=self._options).bytes_on_disk  # the objects' sizes
+
+    def close(self) -> None:
+        import fsspec
+
+        from rlhf_pipeline.storage.zarr.object_store import object_store_options
+
+        try:
+            if self._reader is not None:
+                self._reader.close()
+            super().close()
+        finally:
+            fs, path = fsspec.core.url_to_fs(self._url, **object_store_options(self._options))
+            fs.rm(path, recursive=True)

@@ -46,3 +46,7 @@ class IncompatibleStoreError(StoreError):
 class StoreDamageWarning(UserWarning):
     """A store was opened at an older state than its newest, damaged one (rows rolled back),
     or holds damage that reads do not reach yet; the message names the files and the rows."""
+
+
+class StorageExtraMissingError(StoreError, ImportError):
+    """A location needs an optional package (``s3://`` needs s3fs); the message names the extra."""

@@ -14,6 +14,7 @@ import torch
 from rlhf_pipeline.bench.storage_bench import (
     BACKENDS,
     RECORD_FIELDS,
+    REMOTE_BACKENDS,
     BenchSpec,
     add_ratios,
     format_table,
@@ -23,6 +24,7 @@ from rlhf_pipeline.bench.storage_bench import (
 from rlhf_pipeline.collate import pad_batch
 from rlhf_pipeline.schema import TrajectoryBatch
 
+LOCAL_BACKENDS = [b for b in BACKENDS if b not in REMOTE_BACKENDS]  # zarr-s3 has its own test, with a server
 TINY = BenchSpec(completions=48, group_size=4, min_prompt_len=2, max_prompt_len=12, min_response_len=1,
                  max_response_len=20, write_batch_size=16, sample_batch_size=8, sample_batches=3)
 
@@ -30,11 +32,11 @@ TINY = BenchSpec(completions=48, group_size=4, min_prompt_len=2, max_prompt_len=
 @pytest.fixture(scope="module")
 def records():
     torch.set_num_threads(1)
-    return run_benchmark(TINY, list(BACKENDS), isolate=False, progress=False)
+    return run_benchmark(TINY, LOCAL_BACKENDS, isolate=False, progress=False)
 
 
 def test_one_record_per_backend_with_the_documented_fields(records):
-    assert [r["backend"] for r in records] == list(BACKENDS)
+    assert [r["backend"] for r in records] == LOCAL_BACKENDS
     for record in records:
         missing = [f for f in RECORD_FIELDS if f not in record]
         assert not missing, f"{record['backend']} lacks {missing}"
@@ -87,7 +89,7 @@ def test_repeat_runs_round_robin_and_keeps_each_backends_best(capsys):
 
 
 @pytest.mark.parametrize("index_dtype", ["int32", "int64"])
-@pytest.mark.parametrize("name", [b for b in BACKENDS if b != "raw-numpy"])
+@pytest.mark.parametrize("name", [b for b in LOCAL_BACKENDS if b != "raw-numpy"])
 def test_every_backend_samples_the_same_padded_batch(name, index_dtype, tmp_path):
     spec = dataclasses.replace(TINY, index_dtype=index_dtype)
     batches = list(spec.batches())
@@ -146,3 +148,17 @@ def test_interleaved_sampling_compares_medians_taken_side_by_side(capsys):
         assert record["sampling_vs_raw_median"] == pytest.approx(raw_median / record["ms_per_batch_median"])
     assert by_name["raw-numpy"]["sampling_vs_raw_median"] == 1.0
     assert len(format_interleaved(records).splitlines()) == 2 + 3
+
+
+def test_the_zarr_store_at_an_s3_location_runs_beside_the_local_ones(s3_server):
+    location = s3_server.url("bench")
+    spec = dataclasses.replace(TINY, location=location, storage_options=tuple(s3_server.options.items()))
+    records = run_benchmark(spec, ["raw-numpy-fsync", "zarr", "zarr-s3"], isolate=False, progress=False)
+    by_name = {r["backend"]: r for r in records}
+    remote, local = by_name["zarr-s3"], by_name["zarr"]
+    for name in ("write_us_per_completion", "batches_per_s", "useful_tokens_per_s"):
+        assert remote[name] > 0, name
+    assert remote["write_baseline"] == "raw-numpy-fsync" and remote["write_vs_raw"] > 0
+    assert remote["raw_bytes"] == local["raw_bytes"]  # the same rows, one through the server
+    assert remote["disk_bytes"] > 0
+    assert s3_server.keys(location) == []  # the benchmark's prefix is deleted afterwards

@@ -2,7 +2,8 @@
 
 Three kinds of location: a local directory (files, ``flock``, atomic rename), a zip
 file (read-only, through ``zarr.storage.ZipStore``) and any fsspec URL (through
-``zarr.storage.FsspecStore``; ``file://`` URLs also get the local lock and rename).
+``zarr.storage.FsspecStore``; ``file://`` URLs also get the local lock and rename,
+``s3://`` URLs conditional writes and a leased lock: :mod:`.object_store`).
 The store reads and writes whole chunks as key/value pairs here, batched, instead
 of through Zarr arrays (one Zarr array call costs ~1 ms).
 """
@@ -220,6 +221,10 @@ class ZarrStoreKV:
 
         self._sync(put())
 
+    def publish_record(self, document: dict[str, Any]) -> None:
+        """Replaces the root ``zarr.json`` with one PUT (an object store overrides this)."""
+        self.put_many({ROOT_META: json.dumps(document, separators=(",", ":")).encode()})
+
     def close(self) -> None:
         if hasattr(self.store, "close"):
             self.store.close()
@@ -255,6 +260,16 @@ def resolve(location: str, *, read_only: bool, storage_options: dict | None) -> 
     if "://" in location:
         from zarr.storage import FsspecStore
 
+        from rlhf_pipeline.storage.zarr import object_store
+
+        if object_store.is_object_store_url(location):  # conditional writes and a leased lock
+            object_store.require_s3fs(location)
+            options = object_store.object_store_options(storage_options)
+            try:
+                store = FsspecStore.from_url(location, storage_options=options, read_only=read_only)
+            except Exception as exc:
+                raise NotAStoreError(f"cannot open {location} through s3fs ({type(exc).__name__}: {exc})") from None
+            return Location(object_store.ObjectStoreKV(store, location, read_only=read_only), None, True)
         options = dict(storage_options or {})
         if location.startswith("file://"):
             options.setdefault("auto_mkdir", True)  # local fsspec does not create parents by itself
@@ -346,7 +361,7 @@ def publish(loc: Location, record: dict[str, Any], *, durable: bool, pending: It
     """
     document = _root_document(record)
     if loc.local_root is None:
-        loc.kv.put_many({ROOT_META: json.dumps(document, separators=(",", ":")).encode()})
+        loc.kv.publish_record(document)
         return
     pending = [p for p in pending if p is not None]
     if durable and sum(len(p.files) for p in pending) <= _TARGETED_FILES:
@@ -419,9 +434,14 @@ def _publish_targeted(root: Path, document: dict[str, Any], pending: list[Pendin
     _fsync_path(root)
 
 
-def lock_for(loc: Location, location: str) -> WriterLock | None:
+def lock_for(loc: Location, location: str, *, lease_s: float | None = None) -> WriterLock | None:
+    """The writer lock: an ``flock`` locally, a leased lock object on S3 (``lease_s``), none elsewhere."""
     if loc.local_root is None:
-        return None  # remote URL: no cross-host lock (documented limitation)
+        if hasattr(loc.kv, "writer_lock"):
+            from rlhf_pipeline.storage.zarr.object_store import DEFAULT_LEASE_S
+
+            return loc.kv.writer_lock(lease_s or DEFAULT_LEASE_S).acquire()
+        return None  # other fsspec URLs: no cross-host lock (documented limitation)
     loc.local_root.mkdir(parents=True, exist_ok=True)
     return WriterLock(loc.local_root / LOCK_FILE_NAME, store=location).acquire()
 

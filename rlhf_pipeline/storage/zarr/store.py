@@ -24,8 +24,9 @@ Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr.layout` (and
   flushed together (their fsyncs at once for a small unit, ``syncfs`` for a big one),
   then the rename and an fsync of the directory.
 * **One writer.** ``mode="a"`` takes the ``flock`` in ``writer.lock`` for a local
-  path or ``file://`` URL. Other URLs cannot be locked: one writer per store is then
-  the caller's duty (documented in ``docs/zarr-layout.md``).
+  path or ``file://`` URL, and a leased lock object for ``s3://`` (whose units are
+  created only and whose record is compare-and-swapped: :mod:`.object_store`). Other
+  URLs cannot be locked: one writer per store is then the caller's duty.
 * **Read from decoded units.** One Zarr read costs ~1 ms, so rows are served from
   whole decoded units held in a byte-bounded LRU (:mod:`.unit_cache`).
 """
@@ -149,7 +150,8 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
     def create(cls, location: str, schema: StoreSchema | None = None, *, capacity_rows: int | None = None,
                segment_rows: int = DEFAULT_SEGMENT_ROWS, codec: str | dict = DEFAULT_CODEC,
                cache_bytes: int = DEFAULT_CACHE_BYTES, storage_options: dict | None = None,
-               durable: bool = True, exist_ok: bool = False) -> ZarrTrajectoryStore:
+               durable: bool = True, exist_ok: bool = False,
+               lock_lease_s: float | None = None) -> ZarrTrajectoryStore:
         """Creates an empty store at ``location`` and opens it for appending.
 
         ``segment_rows`` rows make a sealed segment (the unit of caching and eviction);
@@ -159,7 +161,9 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         ``cache_bytes`` bounds the decoded segments held in memory; ``durable`` fsyncs data
         and the commit record so a publish survives power loss (a killed process loses
         nothing published either way). ``exist_ok=True`` reopens an existing Zarr store
-        with the same schema, segment size and capacity instead of failing.
+        with the same schema, segment size and capacity instead of failing. ``storage_options``
+        go to fsspec (for ``s3://``: s3fs's ``key``, ``secret``, ``endpoint_url``, ...);
+        ``lock_lease_s`` is the lease of an ``s3://`` store's writer lock (30 s by default).
         """
         location = str(location)
         schema = schema or StoreSchema()
@@ -175,11 +179,11 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
                     f"{location!r}, mode='a'), or pass exist_ok=True"
                 )
             store = cls.open(location, "a", cache_bytes=cache_bytes, storage_options=storage_options,
-                             durable=durable)
+                             durable=durable, lock_lease_s=lock_lease_s)
             return check_reopened_layout(store, schema, segment_rows, capacity_rows)
         if loc.local_root is not None:
             require_new_directory(loc.local_root, location)
-        lock = lock_for(loc, location)
+        lock = lock_for(loc, location, lease_s=lock_lease_s)
         try:
             record = {
                 "backend": "zarr", "format_version": FORMAT_VERSION, "schema": schema.to_json(),
@@ -199,10 +203,12 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
 
     @classmethod
     def open(cls, location: str, mode: str = "r", *, cache_bytes: int = DEFAULT_CACHE_BYTES,
-             storage_options: dict | None = None, durable: bool = True) -> ZarrTrajectoryStore:
+             storage_options: dict | None = None, durable: bool = True,
+             lock_lease_s: float | None = None) -> ZarrTrajectoryStore:
         """Opens an existing store: ``mode="r"`` reads (no lock), ``mode="a"`` appends.
 
-        ``durable`` (a writer's: fsync before each publish) defaults to True, as everywhere.
+        ``durable`` (a writer's: fsync before each publish) defaults to True, as everywhere;
+        ``storage_options`` and ``lock_lease_s`` as for :meth:`create`.
         """
         location = str(location)
         if mode not in ("r", "a"):
@@ -233,7 +239,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         if writable:
             if loc.local_root is not None:
                 check_writable_dir(loc.local_root, location)
-            lock = lock_for(loc, location)
+            lock = lock_for(loc, location, lease_s=lock_lease_s)
         try:
             if writable:
                 record = _parse(loc.kv.get(ROOT_META), location, loc)  # the lock holder's last publish
