@@ -94,21 +94,18 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
     _check_writable(paths.root)  # now, not after seconds of imports and model building
-    if command == "run":  # an inherited SIG_IGN (a background job) would swallow `kill -INT`
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, _terminated_while_preparing)
     StopFlag.launcher_fd = stop_fd
     if command == "run":
-        # the children import torch & co. while this process checks and prepares (launch.py)
-        children = _start_children(pipeline_path, steps, paths, device, overrides, collectors)
+        # an inherited SIG_IGN (a background job) would swallow `kill -INT`; the handlers are put
+        # back on return, for a caller (a test, a notebook) that runs on in this process
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _terminated_while_preparing)
         try:
-            pipeline = build_pipeline(module, settings, paths)
-            _set_threads(pipeline)  # before the warm start
-            prepare_run(pipeline, paths, shards=range(collectors))
-        except BaseException:
-            children.abandon()
-            raise
-        return _run_both(paths, collectors, children)
+            return _launch(module, settings, paths, pipeline_path, steps, device, overrides, collectors)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     pipeline = build_pipeline(module, settings, paths)
     _set_threads(pipeline)
     if command == "collect":
@@ -118,6 +115,21 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         prepare_run(pipeline, paths)
         return learn_main(pipeline, paths)
     raise PipelineError(f"unknown command {command!r}")
+
+
+def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, steps: int | None,
+            device: str | None, overrides: Sequence[str], collectors: int) -> int:
+    """``run``: starts the children, prepares the run directory meanwhile, then lets them go."""
+    # the children import torch & co. while this process checks and prepares (launch.py)
+    children = _start_children(pipeline_path, steps, paths, device, overrides, collectors)
+    try:
+        pipeline = build_pipeline(module, settings, paths)
+        _set_threads(pipeline)  # before the warm start
+        prepare_run(pipeline, paths, shards=range(collectors))
+    except BaseException:
+        children.abandon()
+        raise
+    return _run_both(paths, collectors, children)
 
 
 def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
