@@ -192,6 +192,15 @@ class PrioritizedSampler(Sampler):
     def default_priority(self) -> float:
         return self._max_priority
 
+    @property
+    def layout(self) -> list[Part] | None:
+        """The storage's parts as of the last ``sample``: what its positions refer to."""
+        return self._last_layout
+
+    def updated_rows(self) -> int:
+        """Rows held whose priority was set by an update (or, without a priority function, by history)."""
+        return sum(int(np.count_nonzero(s.updated)) for s in self._parts.values())
+
     # ---------------------------------------------------------------- keeping up with the storage
     def _layout(self, storage) -> list[Part]:
         if isinstance(storage, TrajectoryStore):
@@ -239,7 +248,9 @@ class PrioritizedSampler(Sampler):
         self._set_raw(state, rows[~later] - state.base, raw[~later])
 
     def _set_raw(self, state: _PartPriorities, leaf: np.ndarray, raw: np.ndarray) -> None:
-        state.raw[leaf] = raw  # a repeated leaf keeps its last value, as plain assignment does
+        leaf, last = np.unique(leaf[::-1], return_index=True)  # a leaf given twice keeps its last value
+        raw = raw[::-1][last]
+        state.raw[leaf] = raw
         state.updated[leaf] = True
         state.tree.set(leaf, self._leaf_values(state, leaf))
 
@@ -345,7 +356,8 @@ class PrioritizedSampler(Sampler):
 
     def update_priority_by_key(self, parts, rows, priority) -> None:
         """Sets the priority of the rows named by row keys (see :meth:`keys_of`); rows evicted since
-        are ignored. A row named twice keeps its last value."""
+        are ignored, rows not synced yet (after ``load_state_dict``) are set when they are. A row
+        named twice keeps its last value."""
         parts = np.asarray(parts, dtype=np.int64).reshape(-1)
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         priority = np.broadcast_to(torch.as_tensor(priority, dtype=torch.float64).reshape(-1).numpy(), rows.shape)
@@ -357,12 +369,11 @@ class PrioritizedSampler(Sampler):
             raise ValueError(f"priority {self.priority.name!r} is derived from stored versions; it takes no updates")
         for k in np.unique(parts).tolist():
             mine = parts == k
-            state = self._parts.get(k)
-            if state is None:
-                raise IndexError(f"part {k} has never been sampled")
-            leaf = rows[mine] - state.base
-            live = (leaf >= 0) & (leaf < state.known)
-            self._set_raw(state, leaf[live], priority[mine][live])
+            pending = self._overrides.get(k, (np.zeros(0, dtype=np.int64), np.zeros(0)))
+            # after a load the rows are synced at the next sample(): the update waits with them
+            self._overrides[k] = (np.concatenate([pending[0], rows[mine]]), np.concatenate([pending[1], priority[mine]]))
+            if k in self._parts:
+                self._apply_overrides(k, self._parts[k])
         self._max_priority = max(self._max_priority, float(priority.max()))
 
     def set_min_version(self, min_version: int | None) -> None:
