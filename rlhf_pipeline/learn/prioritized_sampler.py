@@ -85,6 +85,7 @@ class PrioritizedRowSampler:
         deadline = time.monotonic() + self.timeout_s
         while True:
             version = self.current_version
+            len(self.store)  # refreshes a read-only store: without it a wait for new rows never ends
             next_row = self.store.next_row
             empty = self._empty_shards()
             if next_row >= self.min_next_row and not empty:

@@ -5,6 +5,7 @@ resume (learn/prioritized_sampler.py, learn/loss.py per_row_feedback, learn/lear
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -176,3 +177,20 @@ def test_feedback_survives_a_restart_exactly(runs, tmp_path):
     assert [r["step"] for r in resumed_records] == list(range(1, 9))
     for key in ("losses/loss", "losses/grad_norm", "charts/priority_feedback_mean", "charts/priority_rows_updated"):
         assert [r[key] for r in straight_records] == [r[key] for r in resumed_records], key
+
+
+def test_a_draw_waiting_for_new_rows_sees_rows_written_meanwhile(tmp_path):
+    """Online use (new_rows_per_step): the wait refreshes the store (it once waited forever)."""
+    with create_store(tmp_path / "b", "memmap", SCHEMA, segment_rows=16) as store:
+        store.append(make_batch(2, 4, seed=0, optional=("advantage",)))
+        reader = open_buffer(tmp_path / "b")
+        sampler = PrioritizedRowSampler(reader, batch_size=4, seed=0, max_staleness=None, new_rows_per_draw=8,
+                                        timeout_s=30, poll_s=0.01, feedback=True)
+        sampler.draw(0)
+        timer = threading.Timer(0.3, lambda: store.append(make_batch(2, 4, seed=1, optional=("advantage",),
+                                                                     first_group_id=2, first_trajectory_id=8)))
+        timer.start()
+        second = sampler.draw(1)
+        timer.join()
+        assert second.buffer_next_row == 16
+        reader.close()
