@@ -250,6 +250,9 @@ class PrioritizedSampler(Sampler):
     def _set_raw(self, state: _PartPriorities, leaf: np.ndarray, raw: np.ndarray) -> None:
         leaf, last = np.unique(leaf[::-1], return_index=True)  # a leaf given twice keeps its last value
         raw = raw[::-1][last]
+        if leaf.size and leaf[0] < 0:  # evicted since they were named
+            keep = leaf >= 0
+            leaf, raw = leaf[keep], raw[keep]
         state.raw[leaf] = raw
         state.updated[leaf] = True
         state.tree.set(leaf, self._leaf_values(state, leaf))
@@ -367,13 +370,17 @@ class PrioritizedSampler(Sampler):
             raise ValueError("priorities must be finite and >= 0")
         if self.priority is not None and self.priority.log2_scale:
             raise ValueError(f"priority {self.priority.name!r} is derived from stored versions; it takes no updates")
-        for k in np.unique(parts).tolist():
+        for k in (np.unique(parts).tolist() if parts.size > 1 and (parts != parts[0]).any() else [int(parts[0])]):
             mine = parts == k
+            state = self._parts.get(k)
+            if state is not None and k not in self._overrides and int(rows[mine].max()) < state.base + state.known:
+                self._set_raw(state, rows[mine] - state.base, priority[mine])  # rows evicted since: dropped below
+                continue
             pending = self._overrides.get(k, (np.zeros(0, dtype=np.int64), np.zeros(0)))
             # after a load the rows are synced at the next sample(): the update waits with them
             self._overrides[k] = (np.concatenate([pending[0], rows[mine]]), np.concatenate([pending[1], priority[mine]]))
-            if k in self._parts:
-                self._apply_overrides(k, self._parts[k])
+            if state is not None:
+                self._apply_overrides(k, state)
         self._max_priority = max(self._max_priority, float(priority.max()))
 
     def set_min_version(self, min_version: int | None) -> None:
