@@ -15,6 +15,10 @@ One optimizer step:
 4. every ``publish_every`` steps publish the weights as a new version (``weights.py``);
    write metrics; every ``checkpoint_every`` steps (and on stop) save a checkpoint.
 
+With ``priority_feedback`` (prioritized sampling) the loss also gives one value per row, and
+after the step the learner hands them to the sampler for the rows it trained on
+(``PrioritizedRowSampler.feed_back``, ``charts/priority_feedback_*``).
+
 After taking each batch the learner publishes what it has taken in from each shard
 (``<run>/pacing.json``), so collectors generate no more than it will train on
 (:mod:`rlhf_pipeline.pacing`); it counts the distinct rows it trained on against the rows
@@ -53,7 +57,7 @@ from rlhf_pipeline.learn.metrics import (
     group_reward_stats,
     truncate_metrics,
 )
-from rlhf_pipeline.learn.microbatch import split_microbatches, take_rows
+from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows, take_rows
 from rlhf_pipeline.learn.prefetch import Prefetcher
 from rlhf_pipeline.learn.sampling import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
@@ -259,9 +263,15 @@ class Learner:
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
             if batch is None:  # every row went stale while it waited in the prefetch queue
+                if self._feedback:
+                    self.sampler.feed_back(draw, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
                 continue
             t0 = time.perf_counter()
-            metrics = self._train_step(batch)
+            metrics, row_feedback = self._train_step(batch)
+            if row_feedback is not None:  # the new priorities of the rows this step trained on
+                self.sampler.feed_back(draw, sampled.positions[torch.from_numpy(kept)], row_feedback)
+                metrics["charts/priority_feedback_mean"] = float(row_feedback.mean())
+                metrics["charts/priority_feedback_max"] = float(row_feedback.max())
             self._trained.mark(names.select(kept).by_shard())
             self.progress.step += 1
             if self.progress.step % self.settings.publish_every == 0:
@@ -314,7 +324,12 @@ class Learner:
             return None, int(fresh.size)
         return take_rows(batch, torch.from_numpy(np.flatnonzero(fresh))), int((~fresh).sum())
 
-    def _train_step(self, batch) -> dict[str, float]:
+    @property
+    def _feedback(self) -> bool:
+        return self.settings.priority_feedback != "none"
+
+    def _train_step(self, batch) -> tuple[dict[str, float], torch.Tensor | None]:
+        """One optimizer step on ``batch``: its metrics, and each row's priority feedback (None when off)."""
         s = self.settings
         batch = batch.to(self.device, non_blocking=True)
         response_mask = batch["masks", "response"]
@@ -324,11 +339,16 @@ class Learner:
         loss_options = dataclasses.asdict(s.loss)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for micro in split_microbatches(batch, s.micro_batch_tokens):
+        feedback_kind = s.priority_feedback if self._feedback else None
+        row_feedback = torch.zeros(total_rows) if feedback_kind else None  # (B,) in batch order
+        for rows, micro in split_microbatches_with_rows(batch, s.micro_batch_tokens):
             micro_tokens = int(micro["masks", "response"].sum())
             weight = micro_tokens / max(total_tokens, 1) if token_mean else micro.batch_size[0] / total_rows
             with self._autocast():
-                loss, stats = grpo_step_loss(self.model, micro, temperature=s.temperature, **loss_options)
+                loss, stats = grpo_step_loss(self.model, micro, temperature=s.temperature,
+                                             row_feedback=feedback_kind, **loss_options)
+            if row_feedback is not None:
+                row_feedback[rows] = stats.pop("row_feedback").float().cpu()
             (loss * weight).backward()
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * weight
@@ -369,7 +389,7 @@ class Learner:
             "charts/rows": float(total_rows),
             "_tokens": float(int(cpu["masks", "all_attention_mask"].sum())),
         })
-        return metrics
+        return metrics, row_feedback
 
     def _autocast(self):
         if self.device.type == "cuda":
@@ -394,7 +414,8 @@ class Learner:
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rng_state(),
             "buffer": self._store.state_dict() if self._store is not None else None,
-            "sampler": self._sampler_state,
+            # with priority feedback: plus the feedback given since that draw (not in its state yet)
+            "sampler": self.sampler.with_feedback(self._sampler_state) if self._feedback else self._sampler_state,
             "trained_rows": self._trained.state_dict(),
             "intake": self._pacing.intake.to_json(),
         }

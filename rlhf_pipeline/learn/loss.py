@@ -44,6 +44,13 @@ the lower / upper clip removed: ratio < 1-eps with A < 0 / ratio > 1+eps with A 
 over response tokens, in (0, 1]; the TIS weights when TIS is on, else the ratios),
 ``tis_clip_frac``.
 
+Per-row feedback for prioritized replay (``row_feedback=``, :func:`per_row_feedback`): with
+``"loss"`` the metrics also hold ``row_feedback`` (B,), each row's mean over its response tokens
+of ``|L_it|`` (the policy term, TIS weight included, importance weight not: a priority should
+not shrink because the row was drawn often); with ``"ratio_deviation"`` the mean of
+``|r_it - 1|`` (how far the policy has moved on that row since it was sampled; GSPO: ``|s_i - 1|``).
+Both come from the tensors of this forward, and are the only non-scalar entry of the metrics.
+
 Parity with torchrl 0.14.1 ``GRPOLoss`` (``tests/learn/test_loss.py``, to 1e-6, loss and
 gradients, run end to end around ``TransformersWrapper`` on a ``pad_batch`` batch):
 ``token_mean`` is its ``token_mean``, ``sequence_mean`` its ``prompt_mean``, the clip
@@ -103,6 +110,19 @@ def effective_sample_size(log_weights: torch.Tensor, mask: torch.Tensor) -> torc
     return (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp() / lw.numel()
 
 
+def per_row_feedback(kind: str, per_token: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) detached per-row value fed back as a priority: ``"loss"`` = masked mean of ``|per_token|``,
+    ``"ratio_deviation"`` = masked mean of ``|ratio - 1|`` (see the module docstring)."""
+    if kind == "loss":
+        values = per_token.detach().abs()
+    elif kind == "ratio_deviation":
+        values = (ratio.detach() - 1).abs()
+    else:
+        raise ValueError(f"row_feedback must be 'loss' or 'ratio_deviation', got {kind!r}")
+    m = mask.to(values.dtype)
+    return ((values * m).sum(-1) / m.sum(-1).clamp_min(1.0)).float()  # (B,)
+
+
 # ======================================================================== the loss
 def grpo_loss(
     log_probs: torch.Tensor,
@@ -116,8 +136,12 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     token_count: torch.Tensor | float | None = None,
     row_weights: torch.Tensor | None = None,
+    row_feedback: str | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective of the module docstring; returns ``(loss, metrics)``.
+
+    ``row_feedback`` (``"loss"`` | ``"ratio_deviation"``): add ``metrics["row_feedback"]`` (B,),
+    see :func:`per_row_feedback`.
 
     ``row_weights`` (B,): importance weights of prioritized sampling; every loss term of row i
     (policy, KL, entropy) is multiplied by ``row_weights[i]`` before aggregation.
@@ -168,6 +192,8 @@ def grpo_loss(
     else:
         metrics["ess"] = effective_sample_size(log_ratio_for_stats, mask)
 
+    if row_feedback is not None:
+        metrics["row_feedback"] = per_row_feedback(row_feedback, per_token, ratio, mask)
     weight = None if row_weights is None else row_weights.detach().to(log_probs.dtype)[:, None]  # (B, 1)
     if weight is not None:
         per_token = per_token * weight
@@ -242,7 +268,7 @@ def response_logprobs(model, padded_batch, temperature: float = 1.0) -> tuple[to
 
 
 def grpo_step_loss(model, padded_batch, *, temperature: float = 1.0, token_count=None,
-                   **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   row_feedback: str | None = None, **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One forward + :func:`grpo_loss` on a ``pad_batch`` micro-batch; ``options`` are :class:`GRPOLossConfig` fields.
 
     Reads the loss mask ``("masks", "all_assistant_mask")``, the advantage
@@ -267,5 +293,5 @@ def grpo_step_loss(model, padded_batch, *, temperature: float = 1.0, token_count
     return grpo_loss(
         log_probs, old, padded_batch["sequence_advantage"], mask, config,
         ref_log_probs=ref, sampler_log_probs=sampler, entropy=entropy, token_count=token_count,
-        row_weights=row_weights,
+        row_weights=row_weights, row_feedback=row_feedback,
     )

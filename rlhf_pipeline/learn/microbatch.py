@@ -76,5 +76,10 @@ def take_rows(batch: TensorDict, rows: torch.Tensor) -> TensorDict:
 
 def split_microbatches(batch: TensorDict, max_tokens: int) -> list[TensorDict]:
     """``batch`` cut into trimmed micro-batches of at most ``max_tokens`` padded tokens each."""
+    return [micro for _, micro in split_microbatches_with_rows(batch, max_tokens)]
+
+
+def split_microbatches_with_rows(batch: TensorDict, max_tokens: int) -> list[tuple[torch.Tensor, TensorDict]]:
+    """:func:`split_microbatches`, each micro-batch with the (CPU) indices of its rows in ``batch``."""
     plans = plan_microbatches(batch["prompt_lengths"].cpu(), batch["response_lengths"].cpu(), max_tokens)
-    return [take_rows(batch, rows.to(batch["prompt_lengths"].device)) for rows in plans]
+    return [(rows, take_rows(batch, rows.to(batch["prompt_lengths"].device))) for rows in plans]

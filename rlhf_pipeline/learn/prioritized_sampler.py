@@ -11,9 +11,22 @@ the bias of prioritized sampling, smaller betas partly.
 Priorities come from stored fields (``learner.priority``): ``abs_advantage`` (|advantage|:
 rows that move the policy most), ``group_reward_std`` (rows of groups whose rewards disagree:
 a group with equal rewards gives no GRPO signal and only ``eps``), ``recency`` (halves every
-10 policy versions). The learner does not feed priorities back, so a row's priority is a
-function of its stored fields and the sampler's state is the window sampler's plus a scale
-offset: a resumed run recomputes the same priorities and redraws exactly the same rows.
+10 policy versions).
+
+Feedback (``learner.priority_feedback``, prioritized experience replay): after the step of draw
+``d`` the learner hands back one value per row it trained on (:meth:`PrioritizedRowSampler.feed_back`,
+by the positions of draw ``d``, which stay valid as row keys whatever the store did since), and
+those rows take it as their priority. Draws run ahead of steps on the prefetch thread, so for
+the draws to be deterministic draw ``d`` applies the feedback of exactly the draws up to
+``d - 1 - FEEDBACK_LAG`` (waiting for it when the learner is behind) and no later one: a lag of
+1 keeps one draw prepared while the learner computes. Feedback of a draw whose rows all went
+stale is empty; rows dropped as stale keep their priority.
+
+Resume: without feedback a row's priority is a function of its stored fields, and the
+sampler's state is the window sampler's plus a scale offset. With feedback the state also holds
+the updated rows (by row key, only those) and the feedback given but not yet applied
+(:meth:`~PrioritizedRowSampler.with_feedback`, which the learner checkpoints), so a resumed run
+redraws exactly the rows an uninterrupted one would.
 
 Off-policy control: with ``max_staleness`` set, rows more than that many versions older than
 the learner get probability 0 (``PrioritizedSampler.set_min_version``); the sampler waits
@@ -27,10 +40,15 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
 from rlhf_pipeline.storage.prioritized import NothingToSampleError, PrioritizedSampler
+from rlhf_pipeline.storage.row_keys import keys_of
+
+#: draw d applies the feedback of the draws up to d - 1 - FEEDBACK_LAG (see the module docstring)
+FEEDBACK_LAG = 1
 
 
 class PrioritizedRowSampler:
@@ -39,7 +57,8 @@ class PrioritizedRowSampler:
     def __init__(self, store, *, batch_size: int, seed: int, priority: str = "abs_advantage",
                  alpha: float = 0.6, beta: float = 0.4, max_staleness: int | None = None,
                  new_rows_per_draw: int = 0, min_next_row: int = 0, timeout_s: float = 600.0,
-                 poll_s: float = 0.05, stop: threading.Event | None = None) -> None:
+                 poll_s: float = 0.05, stop: threading.Event | None = None, feedback: bool = False) -> None:
+        """``feedback``: the learner calls :meth:`feed_back` after the step of every draw (draws wait for it)."""
         self.store = store
         self.batch_size = batch_size
         self.seed = seed
@@ -51,12 +70,22 @@ class PrioritizedRowSampler:
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
         self.current_version = 0  # set by the learner after each publish
+        self.feedback = feedback
+        # feedback by draw: (part index, global row, value) arrays; applied in draw order
+        self._reports: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._applied_through: int | None = None  # last draw whose feedback is in the priorities
+        self._layouts: dict[int, list] = {}  # draw -> the layout its positions refer to, until fed back
+        self._first_draw: int | None = None  # this process's first draw: feedback before it comes from a state
+        self._reported = threading.Condition()
 
     def draw(self, draw_index: int) -> SampledRows:
+        if self.feedback:
+            self._apply_feedback(draw_index)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw_index)
         deadline = time.monotonic() + self.timeout_s
         while True:
             version = self.current_version
+            len(self.store)  # refreshes a read-only store: without it a wait for new rows never ends
             next_row = self.store.next_row
             empty = self._empty_shards()
             if next_row >= self.min_next_row and not empty:
@@ -70,8 +99,13 @@ class PrioritizedRowSampler:
                     if self.new_rows_per_draw:
                         self.min_next_row = next_row + self.new_rows_per_draw
                     weights = info["priority_weight"]
+                    metrics = {}
+                    if self.feedback:
+                        with self._reported:
+                            self._layouts[draw_index] = self.sampler.layout
+                        metrics["charts/priority_rows_updated"] = float(self.sampler.updated_rows())
                     return SampledRows(positions, 0, len(self.store), next_row, version, self.state_dict(),
-                                       weights=weights)
+                                       weights=weights, metrics=metrics)
             if self.stop.is_set():
                 raise InterruptedError("sampling stopped")
             if time.monotonic() > deadline:
@@ -88,12 +122,76 @@ class PrioritizedRowSampler:
         empty_shards = getattr(self.store, "empty_shards", None)
         return empty_shards() if empty_shards is not None else []
 
+    # ---------------------------------------------------------------- feedback
+    def feed_back(self, draw_index: int, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """The new priorities of rows the learner trained on: ``positions`` (a subset of draw
+        ``draw_index``'s positions, empty when its rows all went stale) and one value each."""
+        values = torch.as_tensor(values, dtype=torch.float64).reshape(-1).cpu().numpy()
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).cpu().numpy()
+        if values.shape != positions.shape or not np.isfinite(values).all() or (values < 0).any():
+            raise ValueError(f"feedback for draw {draw_index}: need one finite value >= 0 per position, got "
+                             f"{values.size} values for {positions.size} positions")
+        with self._reported:
+            layout = self._layouts.pop(draw_index)
+            parts, rows = keys_of(None, positions, parts=layout)
+            self._reports[draw_index] = (parts, rows, values)
+            # a checkpoint from now on holds the state of a draw >= draw_index, which has applied
+            # the feedback of the draws before draw_index - FEEDBACK_LAG: older reports are not needed
+            for old in [d for d in self._reports if d < draw_index - FEEDBACK_LAG]:
+                del self._reports[old]
+            for old in [d for d in self._layouts if d < draw_index]:
+                del self._layouts[old]
+            self._reported.notify_all()
+
+    def _apply_feedback(self, draw_index: int) -> None:
+        """Applies the feedback of the draws up to ``draw_index - 1 - FEEDBACK_LAG``, waiting for it."""
+        through = draw_index - 1 - FEEDBACK_LAG
+        with self._reported:
+            if self._first_draw is None:
+                self._first_draw = draw_index
+            if self._applied_through is None:  # nothing is owed for draws before this sampler's first
+                self._applied_through = draw_index - 1
+            owed = range(self._applied_through + 1, through + 1)
+            lost = [d for d in owed if d < self._first_draw and d not in self._reports]
+            if lost:  # made before this process, so only a checkpoint could hold it: waiting would never end
+                raise RuntimeError(f"the sampler state lacks the priority feedback of draws {lost}: it was saved "
+                                   f"without with_feedback(); resume from a checkpoint the learner wrote")
+            while not all(d in self._reports for d in owed):
+                if self.stop.is_set():
+                    raise InterruptedError("sampling stopped")
+                self._reported.wait(self.poll_s)
+            reports = [self._reports[d] for d in owed]
+        for parts, rows, values in reports:
+            self.sampler.update_priority_by_key(parts, rows, values)
+        self._applied_through = max(self._applied_through, through)
+
+    def with_feedback(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (of a draw the learner used) plus the feedback given since that draw was made:
+        what the learner checkpoints, so a resumed run applies exactly the same updates."""
+        if not self.feedback:
+            return state
+        applied = state.get("feedback_applied_through")
+        with self._reported:
+            later = {d: self._reports[d] for d in sorted(self._reports) if applied is None or d > applied}
+        return {**state, "feedback": {d: tuple(torch.from_numpy(a) for a in report) for d, report in later.items()}}
+
+    # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        # priorities are re-derived from the stored rows on resume; only the scale is history
-        return {"min_next_row": int(self.min_next_row),
-                "prioritized": self.sampler.state_dict(include_priorities=False)}
+        # derived priorities are recomputed from the stored rows on resume: only the scale, the
+        # updated rows and the feedback not applied yet are history
+        state = {"min_next_row": int(self.min_next_row),
+                 "prioritized": self.sampler.state_dict(include_priorities=False)}
+        if self.feedback:
+            state = self.with_feedback({**state, "feedback_applied_through": self._applied_through})
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.min_next_row = int(state["min_next_row"])
         if "prioritized" in state:
             self.sampler.load_state_dict(state["prioritized"])
+        with self._reported:
+            self._applied_through = state.get("feedback_applied_through")
+            self._reports = {int(d): tuple(torch.as_tensor(a).numpy() for a in report)
+                             for d, report in state.get("feedback", {}).items()}
+            self._layouts = {}
+            self._first_draw = None

@@ -101,7 +101,7 @@ def _prioritized(settings: LearnerSettings, store, *, seed: int, stop: threading
     return PrioritizedRowSampler(store, batch_size=settings.batch_size, seed=seed, priority=settings.priority,
                                  alpha=settings.priority_alpha, beta=settings.priority_beta,
                                  max_staleness=settings.max_staleness, new_rows_per_draw=settings.new_rows_per_step,
-                                 timeout_s=timeout_s, stop=stop)
+                                 timeout_s=timeout_s, stop=stop, feedback=settings.priority_feedback != "none")
 
 
 def _epoch(settings: LearnerSettings, store, *, seed: int, stop: threading.Event,

@@ -15,6 +15,8 @@ from typing import Any, Literal
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 #: priorities of the ``prioritized`` sampler (rlhf_pipeline.storage.prioritized.PRIORITIES)
 PRIORITY_NAMES = ("abs_advantage", "group_reward_std", "recency")
+#: what the learner feeds back as each trained row's new priority (learn/loss.py, per_row_feedback)
+PRIORITY_FEEDBACK_NAMES = ("none", "loss", "ratio_deviation")
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,11 @@ class LearnerSettings:
     """sampler=prioritized: rows are drawn with probability proportional to priority^alpha (0: uniform)."""
     priority_beta: float = 0.4
     """sampler=prioritized: importance-weight exponent; 1 fully corrects the sampling bias."""
+    priority_feedback: str = "none"
+    """sampler=prioritized: after each step the learner sets the priority of the rows it trained on
+    (prioritized experience replay): none = priorities stay those of `priority`; loss = the row's
+    mean |per-token policy loss|; ratio_deviation = the row's mean |ratio - 1| (how far the policy
+    moved on it). Draw d then sees the feedback of every step up to draw d - 2."""
 
     def check(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -185,5 +192,18 @@ class LearnerSettings:
             raise bad("replay_pool_groups", f"must be >= 1 (got {self.replay_pool_groups})")
         if self.priority not in PRIORITY_NAMES:
             raise bad("priority", f"must be one of {list(PRIORITY_NAMES)} (got {self.priority!r})")
+        if self.priority_feedback not in PRIORITY_FEEDBACK_NAMES:
+            raise bad("priority_feedback", f"must be one of {list(PRIORITY_FEEDBACK_NAMES)} "
+                                           f"(got {self.priority_feedback!r})")
+        if self.priority_feedback != "none":
+            if self.sampler != "prioritized":
+                raise bad("priority_feedback", f"needs sampler='prioritized', which keeps priorities "
+                                               f"(got sampler={self.sampler!r})")
+            if self.priority == "recency":
+                raise bad("priority_feedback", "needs priority='abs_advantage' or 'group_reward_std': "
+                                               "'recency' is derived from stored versions and takes no updates")
+            if self.priority_feedback == "ratio_deviation" and self.loss.old_policy == "current":
+                raise bad("priority_feedback", "'ratio_deviation' is always 0 with loss.old_policy='current' "
+                                               "(the ratio is 1 by construction); use 'loss'")
         if self.priority_alpha < 0 or self.priority_beta < 0:
             raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")

@@ -13,6 +13,7 @@ trees do not load against torch 2.13 (``SumSegmentTreeFp32 is not available``).
   ``"group_reward_std"``, ``"recency"``, or any :class:`RowPriority`), or, without one, the
   highest priority seen so far (torchrl's default: new rows are drawn soon);
   :meth:`~PrioritizedSampler.update_priority` replaces it (e.g. from the learner's loss);
+  an updated row keeps its new priority until updated again (or evicted);
 * sampling and updates cost O(B log N), vectorized; a new row costs one read of its fields.
 
 Our stores are sampled by *row keys* (:mod:`.row_keys`): priorities follow a row through
@@ -23,6 +24,11 @@ written positions for the default priority, as torchrl's sampler does).
 
 ``min_version`` (set by the learner from its staleness bound) gives rows sampled by an older
 policy a zero probability, without forgetting their priority.
+
+State: ``state_dict()`` holds every priority; ``state_dict(include_priorities=False)`` only
+what cannot be re-derived from the stored rows (the settings, and the rows whose priority
+was updated, by row key), so a buffer of millions of rows with a few thousand updates
+checkpoints in kilobytes; the rest is recomputed from the store at the next ``sample``.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from rlhf_pipeline.storage.base import TrajectoryStore
-from rlhf_pipeline.storage.row_keys import Part, parts_of
+from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of
 from rlhf_pipeline.storage.sum_tree import SumMinTree
 
 _READ_ROWS = 4096  # rows read at once when new rows get their priorities
@@ -116,6 +122,7 @@ class _PartPriorities:
         self.known = 0
         self._raw = np.zeros(1024)  # priorities as set (or log2 of them); grows by doubling
         self._versions = np.zeros(1024, dtype=np.int64)  # policy_version, for min_version
+        self._updated = np.zeros(1024, dtype=bool)  # raw is history (update_priority), not a function of the row
         self.tree = SumMinTree()
 
     @property
@@ -126,6 +133,10 @@ class _PartPriorities:
     def versions(self) -> np.ndarray:
         return self._versions[: self.known]
 
+    @property
+    def updated(self) -> np.ndarray:
+        return self._updated[: self.known]
+
     def drop_before(self, first_row: int) -> bool:
         """Forgets rows evicted from the part; True when anything was dropped."""
         if first_row <= self.base:
@@ -133,18 +144,21 @@ class _PartPriorities:
         drop = min(first_row - self.base, self.known)
         self._raw = self._raw[drop:].copy()
         self._versions = self._versions[drop:].copy()
+        self._updated = self._updated[drop:].copy()
         self.known -= drop
         self.base = first_row
         return True
 
-    def append(self, raw: np.ndarray, versions: np.ndarray) -> None:
+    def append(self, raw: np.ndarray, versions: np.ndarray, updated: bool | np.ndarray = False) -> None:
         need = self.known + raw.size
         if need > self._raw.size:
             size = max(need, 2 * self._raw.size)
             self._raw = np.concatenate([self._raw[: self.known], np.zeros(size - self.known)])
             self._versions = np.concatenate([self._versions[: self.known], np.zeros(size - self.known, dtype=np.int64)])
+            self._updated = np.concatenate([self._updated[: self.known], np.zeros(size - self.known, dtype=bool)])
         self._raw[self.known: need] = raw
         self._versions[self.known: need] = versions
+        self._updated[self.known: need] = updated
         self.known = need
 
 
@@ -167,6 +181,8 @@ class PrioritizedSampler(Sampler):
         self._log2_offset = 0.0  # log2_scale priorities are used as 2^(stored - offset)
         self._written: list[np.ndarray] = []  # positions extend()/add() marked (torchrl's own storages)
         self._last_layout: list[Part] | None = None
+        # updated priorities of rows not synced yet (loaded from a compact state): part -> (rows, raw)
+        self._overrides: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def __repr__(self) -> str:
         name = self.priority.name if self.priority else "default"
@@ -175,6 +191,15 @@ class PrioritizedSampler(Sampler):
     @property
     def default_priority(self) -> float:
         return self._max_priority
+
+    @property
+    def layout(self) -> list[Part] | None:
+        """The storage's parts as of the last ``sample``: what its positions refer to."""
+        return self._last_layout
+
+    def updated_rows(self) -> int:
+        """Rows held whose priority was set by an update (or, without a priority function, by history)."""
+        return sum(int(np.count_nonzero(s.updated)) for s in self._parts.values())
 
     # ---------------------------------------------------------------- keeping up with the storage
     def _layout(self, storage) -> list[Part]:
@@ -202,13 +227,35 @@ class PrioritizedSampler(Sampler):
                 state.tree.rebuild(self._leaf_values(state))
             if part.next_row > state.base + state.known:
                 self._add_rows(state, part, storage)
+            if part.index in self._overrides:
+                self._apply_overrides(part.index, state)
         if self._written and not isinstance(storage, TrajectoryStore):
             state = self._parts[0]
             written = np.unique(np.concatenate(self._written))
             written = written[written < state.known]
             state.raw[written] = self._max_priority
+            state.updated[written] = True
             state.tree.set(written, self._leaf_values(state, written))
         self._written = []
+
+    def _apply_overrides(self, index: int, state: _PartPriorities) -> None:
+        rows, raw = self._overrides.pop(index)
+        held = rows >= state.base  # rows evicted since the state was saved are gone
+        rows, raw = rows[held], raw[held]
+        later = rows >= state.base + state.known  # not synced yet: a group held back by the read
+        if later.any():
+            self._overrides[index] = (rows[later], raw[later])
+        self._set_raw(state, rows[~later] - state.base, raw[~later])
+
+    def _set_raw(self, state: _PartPriorities, leaf: np.ndarray, raw: np.ndarray) -> None:
+        leaf, last = np.unique(leaf[::-1], return_index=True)  # a leaf given twice keeps its last value
+        raw = raw[::-1][last]
+        if leaf.size and leaf[0] < 0:  # evicted since they were named
+            keep = leaf >= 0
+            leaf, raw = leaf[keep], raw[keep]
+        state.raw[leaf] = raw
+        state.updated[leaf] = True
+        state.tree.set(leaf, self._leaf_values(state, leaf))
 
     def _add_rows(self, state: _PartPriorities, part: Part, storage) -> None:
         first = state.base + state.known
@@ -216,7 +263,8 @@ class PrioritizedSampler(Sampler):
             stop = min(part.next_row, first + _READ_ROWS)
             raw, versions = self._priorities_of(part, storage, first, stop)
             stop = first + raw.size
-            state.append(raw, versions)
+            # without a priority function a row starts at the highest priority seen so far: history
+            state.append(raw, versions, updated=self.priority is None)
             rows = slice(first - state.base, stop - state.base)
             state.tree.set(np.arange(rows.start, rows.stop), self._leaf_values(state, rows))
             first = stop
@@ -294,30 +342,45 @@ class PrioritizedSampler(Sampler):
         return torch.from_numpy(positions), {"priority_weight": weight}
 
     def update_priority(self, index, priority, *, storage=None) -> None:
-        """Sets the priority of the rows at ``index`` (positions from the last ``sample``)."""
+        """Sets the priority of the rows at ``index`` (positions as of the last ``sample``)."""
         index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).numpy()
-        priority = np.broadcast_to(torch.as_tensor(priority, dtype=torch.float64).reshape(-1).numpy(), index.shape)
-        if index.size == 0:
+        layout = self._last_layout or (self._layout(storage) if storage is not None else None)
+        if layout is None and index.size:
+            raise RuntimeError("update_priority before any sample(): pass storage= so positions can be mapped")
+        parts, rows = keys_of(None, index, parts=layout) if index.size else (index, index)
+        self.update_priority_by_key(parts, rows, priority)
+
+    def keys_of(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """``(part index, global row)`` of positions as of the last ``sample``: names that stay valid
+        after the storage refreshes (for an update made later, :meth:`update_priority_by_key`)."""
+        if self._last_layout is None:
+            raise RuntimeError("keys_of before any sample()")
+        return keys_of(None, torch.as_tensor(positions, dtype=torch.int64).numpy(), parts=self._last_layout)
+
+    def update_priority_by_key(self, parts, rows, priority) -> None:
+        """Sets the priority of the rows named by row keys (see :meth:`keys_of`); rows evicted since
+        are ignored, rows not synced yet (after ``load_state_dict``) are set when they are. A row
+        named twice keeps its last value."""
+        parts = np.asarray(parts, dtype=np.int64).reshape(-1)
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        priority = np.broadcast_to(torch.as_tensor(priority, dtype=torch.float64).reshape(-1).numpy(), rows.shape)
+        if rows.size == 0:
             return
         if (priority < 0).any() or not np.isfinite(priority).all():
             raise ValueError("priorities must be finite and >= 0")
         if self.priority is not None and self.priority.log2_scale:
             raise ValueError(f"priority {self.priority.name!r} is derived from stored versions; it takes no updates")
-        layout = self._last_layout or (self._layout(storage) if storage is not None else None)
-        if layout is None:
-            raise RuntimeError("update_priority before any sample(): pass storage= so positions can be mapped")
-        ends = np.array([p.start + p.length for p in layout], dtype=np.int64)
-        slot = np.searchsorted(ends, index, side="right")
-        if (slot >= len(layout)).any() or (index < 0).any():
-            raise IndexError(f"positions must lie in [0, {int(ends[-1])}) as of the last sample")
-        for k in np.unique(slot).tolist():
-            mine = slot == k
-            part, state = layout[k], self._parts[layout[k].index]
-            leaf = index[mine] - part.start + part.first_row - state.base
-            live = (leaf >= 0) & (leaf < state.known)  # rows evicted since are ignored
-            leaf = leaf[live]
-            state.raw[leaf] = priority[mine][live]
-            state.tree.set(leaf, self._leaf_values(state, leaf))
+        for k in (np.unique(parts).tolist() if parts.size > 1 and (parts != parts[0]).any() else [int(parts[0])]):
+            mine = parts == k
+            state = self._parts.get(k)
+            if state is not None and k not in self._overrides and int(rows[mine].max()) < state.base + state.known:
+                self._set_raw(state, rows[mine] - state.base, priority[mine])  # rows evicted since: dropped below
+                continue
+            pending = self._overrides.get(k, (np.zeros(0, dtype=np.int64), np.zeros(0)))
+            # after a load the rows are synced at the next sample(): the update waits with them
+            self._overrides[k] = (np.concatenate([pending[0], rows[mine]]), np.concatenate([pending[1], priority[mine]]))
+            if state is not None:
+                self._apply_overrides(k, state)
         self._max_priority = max(self._max_priority, float(priority.max()))
 
     def set_min_version(self, min_version: int | None) -> None:
@@ -343,13 +406,27 @@ class PrioritizedSampler(Sampler):
     # ---------------------------------------------------------------- state
     def state_dict(self, *, include_priorities: bool = True) -> dict[str, Any]:
         """Settings, and every part's priorities (``include_priorities=False``: only what cannot be
-        re-derived from the stored rows, for a caller that never updates priorities)."""
+        re-derived from the stored rows: the updated rows, by row key)."""
         state = {"alpha": self.alpha, "beta": self.beta, "eps": self.eps, "min_version": self.min_version,
                  "max_priority": self._max_priority, "log2_offset": self._log2_offset}
         if include_priorities:
             state["parts"] = {index: {"base": s.base, "raw": torch.from_numpy(s.raw.copy()),
-                                      "versions": torch.from_numpy(s.versions.copy())}
+                                      "versions": torch.from_numpy(s.versions.copy()),
+                                      "updated": torch.from_numpy(s.updated.copy())}
                               for index, s in self._parts.items()}
+            state["updated"] = {index: {"rows": torch.from_numpy(rows), "raw": torch.from_numpy(raw)}
+                                for index, (rows, raw) in self._overrides.items()}
+            return state
+        updated = {}
+        for index in sorted(set(self._parts) | set(self._overrides)):
+            rows, raw = self._overrides.get(index, (np.zeros(0, dtype=np.int64), np.zeros(0)))
+            if index in self._parts:
+                s = self._parts[index]
+                leaf = np.flatnonzero(s.updated)
+                rows, raw = np.concatenate([leaf + s.base, rows]), np.concatenate([s.raw[leaf], raw])
+            if rows.size:
+                updated[index] = {"rows": torch.from_numpy(rows), "raw": torch.from_numpy(raw.copy())}
+        state["updated"] = updated
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -360,9 +437,13 @@ class PrioritizedSampler(Sampler):
         self._log2_offset = float(state_dict["log2_offset"])
         for index, saved in state_dict.get("parts", {}).items():
             part = self._parts[int(index)] = _PartPriorities(int(saved["base"]))
-            part.append(torch.as_tensor(saved["raw"]).numpy().astype(np.float64),
-                        torch.as_tensor(saved["versions"]).numpy().astype(np.int64))
+            raw = torch.as_tensor(saved["raw"]).numpy().astype(np.float64)
+            updated = torch.as_tensor(saved["updated"]).numpy() if "updated" in saved else np.ones(raw.size, bool)
+            part.append(raw, torch.as_tensor(saved["versions"]).numpy().astype(np.int64), updated=updated)
             part.tree.rebuild(self._leaf_values(part))
+        for index, saved in state_dict.get("updated", {}).items():
+            self._overrides[int(index)] = (torch.as_tensor(saved["rows"]).numpy().astype(np.int64),
+                                           torch.as_tensor(saved["raw"]).numpy().astype(np.float64))
 
     def dumps(self, path) -> None:
         from rlhf_pipeline.atomic import save_torch_atomic

@@ -208,12 +208,17 @@ def test_state_dict_resumes_the_same_draws(tmp_path):
     a = first.sample(store, 256, generator=torch.Generator().manual_seed(1))
     b = second.sample(store, 256, generator=torch.Generator().manual_seed(1))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1]["priority_weight"], b[1]["priority_weight"])
-    fresh = PrioritizedSampler(alpha=0.8, beta=0.6, priority="abs_advantage")  # derived priorities only
-    fresh.load_state_dict(first.state_dict(include_priorities=False))
-    untouched = PrioritizedSampler(alpha=0.8, beta=0.6, priority="abs_advantage")
+    compact = first.state_dict(include_priorities=False)  # derived priorities are recomputed from the store
+    assert compact["updated"][0]["rows"].tolist() == [3, 7, 11] and "parts" not in compact
+    fresh = PrioritizedSampler(priority="abs_advantage")  # the priority function is the caller's, not state
+    fresh.load_state_dict(compact)
     c = fresh.sample(store, 256, generator=torch.Generator().manual_seed(2))
-    d = untouched.sample(store, 256, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(c[0], d[0])
+    d = first.sample(store, 256, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(c[0], d[0]) and torch.equal(c[1]["priority_weight"], d[1]["priority_weight"])
+    untouched = PrioritizedSampler(alpha=0.8, beta=0.6, priority="abs_advantage")
+    e = untouched.sample(store, 256, generator=torch.Generator().manual_seed(2))
+    assert not torch.equal(c[0], e[0])  # the updates are what changed the draws
+    assert untouched.state_dict(include_priorities=False)["updated"] == {}
     store.close()
 
 
