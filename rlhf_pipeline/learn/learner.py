@@ -255,7 +255,12 @@ class Learner:
             self.progress.buffer_next_row = sampled.buffer_next_row
             self._sampler_state = sampled.sampler_state
             if sampled.weights is not None:  # prioritized sampling: the loss weighs each row
-                batch["sample_weight"] = sampled.weights.to(torch.float32)
+                # torchrl's weights divide by the largest over the whole buffer, which a single
+                # near-zero priority (a zero-advantage row) makes tiny: ~0.04 on average in a
+                # default-pipeline run, a 25x smaller step. Their mean over the batch is 1 here,
+                # so only the relative correction acts and the learning rate keeps its meaning
+                weights = sampled.weights.to(torch.float32)
+                batch["sample_weight"] = weights / weights.mean().clamp_min(torch.finfo(torch.float32).tiny)
             intake.step, intake.draws = self.progress.step, self.progress.draws
             self._pacing.publish(intake)  # collectors may now generate the rows the next draw needs
             kept = self._fresh_mask(batch)
