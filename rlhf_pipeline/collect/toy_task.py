@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from rlhf_pipeline.collect.generate import SamplingConfig, generate
@@ -59,12 +60,42 @@ def toy_reward(prompts: Sequence[str], completions: Sequence[str], *, answer: Se
     return [_credit(c, str(a)) for c, a in zip(completions, answer)]
 
 
-def _sft_batch(tokenizer, records: Sequence[PromptRecord]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, attention mask, loss mask) (B, L), right-padded; the loss covers the assistant turn."""
-    convs = [[*r.messages, {"role": "assistant", "content": r.fields["answer"]}] for r in records]
-    enc = tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                                        padding=True, padding_side="right", return_tensors="pt")
-    return enc["input_ids"], enc["attention_mask"], enc["assistant_masks"].bool()
+class _SftEncoder:
+    """Warm-start batches: ``encode(records) -> (ids, attention mask, loss mask)``, each (B, L).
+
+    The same tensors as ``tokenizer.apply_chat_template(conversations, return_dict=True,
+    return_assistant_tokens_mask=True, padding=True, return_tensors="pt")`` (tested): padded on
+    the tokenizer's side (left for ``char_tokenizer``), the loss mask on the assistant turn. Each
+    distinct conversation is rendered once: the warm start draws 64 problems a step from only
+    ``max_operand ** 2`` distinct ones, and rendering the Jinja chat template per conversation was
+    ~25% of its time (~1.7 of ~7.5 s for 200 steps on this machine).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._encoded: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # conversation -> (ids, assistant mask)
+
+    def __call__(self, records: Sequence[PromptRecord]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        keys = [(tuple(tuple(sorted(m.items())) for m in r.messages), r.fields["answer"]) for r in records]
+        missing = {key: record for key, record in zip(keys, records) if key not in self._encoded}
+        if missing:
+            convs = [[*r.messages, {"role": "assistant", "content": r.fields["answer"]}] for r in missing.values()]
+            enc = self.tokenizer.apply_chat_template(convs, tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True)
+            for key, ids, mask in zip(missing, enc["input_ids"], enc["assistant_masks"]):
+                self._encoded[key] = (np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool))
+        width = max(len(self._encoded[key][0]) for key in keys)
+        ids = np.full((len(keys), width), self.tokenizer.pad_token_id, dtype=np.int64)  # (B, L)
+        attention = np.zeros((len(keys), width), dtype=np.int64)
+        assistant = np.zeros((len(keys), width), dtype=bool)
+        left = self.tokenizer.padding_side == "left"
+        for row, key in enumerate(keys):
+            row_ids, row_mask = self._encoded[key]
+            columns = slice(width - len(row_ids), width) if left else slice(0, len(row_ids))
+            ids[row, columns] = row_ids
+            attention[row, columns] = 1
+            assistant[row, columns] = row_mask
+        return torch.from_numpy(ids), torch.from_numpy(attention), torch.from_numpy(assistant)
 
 
 def warm_start(
@@ -90,8 +121,9 @@ def warm_start(
     model.train()
     t0 = time.perf_counter()
     loss_value = float("nan")
+    encode = _SftEncoder(tokenizer)
     for step in range(steps):
-        ids, attn, target = _sft_batch(tokenizer, toy_prompts(batch_size, seed + 10_000 + step, max_operand=max_operand))
+        ids, attn, target = encode(toy_prompts(batch_size, seed + 10_000 + step, max_operand=max_operand))
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (B, L-1, V)
         labels = ids[:, 1:].masked_fill(~target[:, 1:], -100)  # predict only assistant tokens
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

@@ -30,3 +30,27 @@ def test_short_warm_start_teaches_the_format():
     # the random model rarely stops and never answers; after 40 steps it writes digits and stops
     assert after["terminated_frac"] > 0.9 > before["terminated_frac"]
     assert after["reward_mean"] > before["reward_mean"] + 0.05
+
+
+def test_warm_start_batches_equal_the_chat_template_rendered_per_batch():
+    # the encoder renders each distinct conversation once; its batches must be what rendering
+    # every batch would give, on the tokenizer's padding side and on the other
+    from rlhf_pipeline.collect.toy_task import _SftEncoder
+    from rlhf_pipeline.models import char_tokenizer
+
+    for side in ("left", "right"):
+        tokenizer = char_tokenizer()
+        tokenizer.padding_side = side
+        encode = _SftEncoder(tokenizer)
+        for seed in range(6):  # later batches reuse conversations rendered for earlier ones
+            records = toy_prompts(16, seed, max_operand=5)
+            conversations = [[*r.messages, {"role": "assistant", "content": r.fields["answer"]}] for r in records]
+            expected = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True, padding=True,
+                                                     return_tensors="pt")
+            ids, attention, loss_mask = encode(records)
+            assert torch.equal(ids, expected["input_ids"])
+            assert torch.equal(attention, expected["attention_mask"])
+            assert torch.equal(loss_mask, expected["assistant_masks"].bool())
+            assert loss_mask.any(dim=1).all()
+        assert len(encode._encoded) <= 25  # max_operand ** 2 distinct problems
