@@ -312,8 +312,9 @@ class Learner:
         finished = self.progress.step >= self.total_steps
         if not finished and (checkpoint_when_paused or self.stop_event.is_set()):
             self.save_checkpoint()
-            print(f"[learner] stopped at step {self.progress.step}; checkpoint saved, run the same "
-                  f"command again to resume", file=sys.stderr, flush=True)
+            if self.data_parallel.is_main:
+                print(f"[learner] stopped at step {self.progress.step}; checkpoint saved, run the same "
+                      f"command again to resume", file=sys.stderr, flush=True)
         return finished
 
     def _fresh_mask(self, batch) -> np.ndarray:
