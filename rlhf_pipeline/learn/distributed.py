@@ -125,8 +125,9 @@ class DataParallel:
 
     # ------------------------------------------------------------------ data
     def local_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """This rank's contiguous slice of a draw's global positions, and whether it is a filler
-        (an empty slice replaced by the draw's first row, to be trained with weight 0)."""
+        """This rank's contiguous slice of a draw's global positions (or of any per-row values of the
+        draw, e.g. importance weights), and whether it is a filler (an empty slice replaced by the
+        draw's first row, to be trained with weight 0)."""
         if not self.enabled:
             return positions, False
         mine = torch.tensor_split(positions, self.world_size)[self.rank]

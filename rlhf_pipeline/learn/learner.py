@@ -267,7 +267,8 @@ class Learner:
             self.progress.buffer_next_row = sampled.buffer_next_row
             self._sampler_state = sampled.sampler_state
             if sampled.weights is not None:  # prioritized sampling: the loss weighs each row
-                batch["sample_weight"] = sampled.weights.to(torch.float32)
+                weights, _ = self.data_parallel.local_positions(sampled.weights)  # this rank's rows' weights
+                batch["sample_weight"] = weights.to(torch.float32)
             intake.step, intake.draws = self.progress.step, self.progress.draws
             if self.data_parallel.is_main:
                 self._pacing.publish(intake)  # collectors may now generate the rows the next draw needs
