@@ -15,7 +15,7 @@ import torch
 
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.learner import Learner
-from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
@@ -26,10 +26,12 @@ from rlhf_pipeline.weights import publish_weights
 TOKENIZER = char_tokenizer()
 ROWS = 33  # batches of 16, 16, 1 per epoch: the third leaves rank 1 of 2 without a row (a filler)
 SEED = 1
-# small micro-batches: ranks accumulate different numbers of them before DDP's all-reduce
+# small micro-batches: ranks accumulate different numbers of them before DDP's all-reduce.
+# old_policy="current": ratios of 1, so no row's gradient is clipped away (the synthetic rows'
+# log-probs are random) and every row, the filler step's included, moves the weights
 SETTINGS = LearnerSettings(batch_size=16, sampler="epoch", epoch_order="shuffle", shuffle_window_rows=0,
                            micro_batch_tokens=48, lr=1e-3, warmup_steps=1, max_staleness=None,
-                           checkpoint_every=2, log_every=1)
+                           checkpoint_every=2, log_every=1, loss=GRPOLossConfig(old_policy="current"))
 
 
 def make_model() -> torch.nn.Module:
