@@ -420,19 +420,28 @@ def _should_stop(stop: StopFlag, paths: RunPaths) -> bool:
 
 # ====================================================================== learner side
 def learn_main(pipeline: Pipeline, paths: RunPaths) -> int:
+    import torch
+
+    from rlhf_pipeline.learn.distributed import DataParallel
     from rlhf_pipeline.learn.learner import Learner
 
+    # under torchrun: one of N data-parallel ranks (learn/distributed.py); rank 0 writes the files
+    data_parallel = DataParallel.from_torchrun_env()
     stop = StopFlag()
-    paths.stop_file.unlink(missing_ok=True)  # a resumed learner wants collectors running
-    learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event)
+    if data_parallel.is_main:
+        paths.stop_file.unlink(missing_ok=True)  # a resumed learner wants collectors running
+    data_parallel.start(torch.device(pipeline.settings.device))
+    learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event, data_parallel=data_parallel)
     try:
         learner.setup()
         finished = learner.train()
     finally:
         learner.cleanup()
         stop.restore()
+        data_parallel.stop()
     if finished:
-        paths.stop_file.touch()  # tells collectors of this run that the learner is done
+        if data_parallel.is_main:
+            paths.stop_file.touch()  # tells collectors of this run that the learner is done
         return 0
     return stop.exit_code() or 1  # not finished: the launcher must not report "done"
 

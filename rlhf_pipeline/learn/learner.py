@@ -50,6 +50,7 @@ from rlhf_pipeline.learn.checkpoint import (
     capture_rng_state,
     restore_rng_state,
 )
+from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss
 from rlhf_pipeline.learn.metrics import (
     MetricsWriter,
@@ -90,18 +91,27 @@ class Learner:
                  steps: int, seed: int = 0, device: str = "cpu", pad_token_id: int = 0,
                  stop_event: threading.Event | None = None, show_progress: bool = True,
                  buffer: str | None = None, batch_transform: Callable[[torch.Tensor, Any], Any] | None = None,
-                 on_step: Callable[[int, Any, Any, dict[str, float]], None] | None = None) -> None:
+                 on_step: Callable[[int, Any, Any, dict[str, float]], None] | None = None,
+                 data_parallel: DataParallel | None = None) -> None:
         """``buffer``: the store to read (a path or URL ``open_buffer`` opens) instead of the run's
         own ``buffer/`` (replay); ``batch_transform(positions, padded_batch) -> padded_batch`` runs on
         the prefetch thread after each read (replay's re-scoring); ``on_step(step, sampled, batch,
-        metrics)`` runs after each step, before its metrics are written, and may add metrics."""
+        metrics)`` runs after each step, before its metrics are written, and may add metrics.
+        ``data_parallel``: this process's rank among data-parallel learners (``learn/distributed.py``;
+        its process group already started); ``batch`` in ``batch_transform``/``on_step`` is then the
+        rank's own slice."""
         settings.check()
         self.settings = settings
         self.paths = paths
         self.make_model = make_model
         self.total_steps = steps
         self.seed = seed
-        self.device = torch.device(device)
+        self.data_parallel = data_parallel or DataParallel()
+        if self.data_parallel.enabled and settings.priority_feedback != "none":
+            # each rank holds only its own rows' feedback; the shared draw would need all of it
+            raise ValueError("learner setting 'priority_feedback' is not supported with several data-parallel "
+                             "ranks yet; use priority_feedback=none or run one learner rank")
+        self.device = self.data_parallel.device_for(torch.device(device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch sees no GPU; use --device cpu")
         self.pad_token_id = pad_token_id
@@ -119,11 +129,12 @@ class Learner:
         self._trained = TrainedRows()
 
     @classmethod
-    def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None) -> Learner:
+    def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None,
+                      data_parallel: DataParallel | None = None) -> Learner:
         s = pipeline.settings
         return cls(pipeline.learner, paths, make_model=pipeline.make_model, steps=s.steps,
                    seed=getattr(s, "seed", 0), device=s.device, pad_token_id=pipeline.pad_token_id,
-                   stop_event=stop_event)
+                   stop_event=stop_event, data_parallel=data_parallel)
 
     # ================================================================== setup
     def setup(self) -> None:
@@ -141,6 +152,9 @@ class Learner:
         intake = LearnerIntake.from_json(saved) if saved else LearnerIntake(self.progress.step, self.progress.draws,
                                                                             {}, self.settings.batch_size)
         intake.waiting_since = None  # a wait from before the stop is over
+        self._pacing.intake = intake
+        if not self.data_parallel.is_main:  # only rank 0 writes files
+            return
         self._pacing.publish(intake)
         truncate_metrics(self.paths.metrics, self.progress.step)
         self._metrics = MetricsWriter(self.paths.metrics, self.paths.tensorboard)
@@ -171,6 +185,7 @@ class Learner:
             self.model.load_state_dict(state)
             self.progress.policy_version = version
         self.model.to(self.device).train()
+        self.train_model = self.data_parallel.wrap(self.model, self.device)  # what forward/backward run through
 
     def _setup_optimizer(self, checkpoint: dict[str, Any] | None) -> None:
         s = self.settings
@@ -210,11 +225,14 @@ class Learner:
 
         def produce(draw: int):
             sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
-            batch = collator.read(self._store, sampled.positions)
+            positions, filler = self.data_parallel.local_positions(sampled.positions)  # this rank's slice
+            batch = collator.read(self._store, positions)
             if self.batch_transform is not None:
-                batch = self.batch_transform(sampled.positions, batch)
+                batch = self.batch_transform(positions, batch)
                 if pin and torch.cuda.is_available():
                     batch = batch.pin_memory()
+            if self.data_parallel.enabled:
+                batch = self.data_parallel.mark_filler(batch, filler)
             return sampled, batch
 
         self._prefetcher = Prefetcher(self._naming_rows(produce), self.progress.draws,
@@ -244,12 +262,14 @@ class Learner:
         assert self._prefetcher is not None, "call setup() first"
         waited = 0.0
         until = self.total_steps if max_steps is None else min(self.total_steps, self.progress.step + max_steps)
-        while self.progress.step < until and not self.stop_event.is_set():
+        on_wait = self._pacing.waiting if self.data_parallel.is_main else None
+        while self.progress.step < until and not self.data_parallel.any_rank(self.stop_event.is_set()):
             try:
-                draw, (sampled, batch, names, intake), wait = self._prefetcher.next(on_wait=self._pacing.waiting)
+                draw, (sampled, batch, names, intake), wait = self._prefetcher.next(on_wait=on_wait)
             except InterruptedError:
                 break
             assert draw == self.progress.draws, (draw, self.progress.draws)
+            self.data_parallel.check_same_draw(draw, sampled.positions)
             waited += wait
             self.progress.draws += 1
             self.progress.buffer_next_row = sampled.buffer_next_row
@@ -257,14 +277,18 @@ class Learner:
             if sampled.weights is not None:  # prioritized sampling: the loss weighs each row
                 # torchrl's weights divide by the largest over the whole buffer, which a single
                 # near-zero priority (a zero-advantage row) makes tiny: ~0.04 on average in a
-                # default-pipeline run, a 25x smaller step. Their mean over the batch is 1 here,
-                # so only the relative correction acts and the learning rate keeps its meaning
+                # default-pipeline run, a 25x smaller step. Their mean over the (global) batch is
+                # 1 here, so only the relative correction acts and the learning rate keeps its meaning
                 weights = sampled.weights.to(torch.float32)
-                batch["sample_weight"] = weights / weights.mean().clamp_min(torch.finfo(torch.float32).tiny)
+                weights = weights / weights.mean().clamp_min(torch.finfo(torch.float32).tiny)
+                batch["sample_weight"], _ = self.data_parallel.local_positions(weights)  # this rank's rows'
             intake.step, intake.draws = self.progress.step, self.progress.draws
-            self._pacing.publish(intake)  # collectors may now generate the rows the next draw needs
+            if self.data_parallel.is_main:
+                self._pacing.publish(intake)  # collectors may now generate the rows the next draw needs
+            else:
+                self._pacing.intake = intake  # (what rank 0 checkpoints; kept alike on every rank)
             kept = self._fresh_mask(batch)
-            batch, stale_now = self._drop_stale(batch, kept)
+            batch, stale_now, kept = self._drop_stale_on_every_rank(batch, kept)
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
             if batch is None:  # every row went stale while it waited in the prefetch queue
@@ -299,8 +323,8 @@ class Learner:
             waited = 0.0
             if self.on_step is not None:
                 self.on_step(self.progress.step, sampled, batch, metrics)
-            assert self._metrics is not None
-            self._metrics.log(self.progress.step, metrics)
+            if self._metrics is not None:  # rank 0
+                self._metrics.log(self.progress.step, metrics)
             if self._display is not None:
                 self._display.update(self.progress.step, metrics)
             if self.progress.step % self.settings.checkpoint_every == 0 or self.progress.step == self.total_steps:
@@ -308,8 +332,9 @@ class Learner:
         finished = self.progress.step >= self.total_steps
         if not finished and (checkpoint_when_paused or self.stop_event.is_set()):
             self.save_checkpoint()
-            print(f"[learner] stopped at step {self.progress.step}; checkpoint saved, run the same "
-                  f"command again to resume", file=sys.stderr, flush=True)
+            if self.data_parallel.is_main:
+                print(f"[learner] stopped at step {self.progress.step}; checkpoint saved, run the same "
+                      f"command again to resume", file=sys.stderr, flush=True)
         return finished
 
     def _fresh_mask(self, batch) -> np.ndarray:
@@ -333,30 +358,56 @@ class Learner:
     def _feedback(self) -> bool:
         return self.settings.priority_feedback != "none"
 
+    def _drop_stale_on_every_rank(self, batch, fresh: np.ndarray):
+        """:meth:`_drop_stale` over all data-parallel ranks: stale rows counted globally, the step
+        skipped only when no rank has a row left, a rank with none left trains on a filler. Also
+        returns the freshness of every row of the global draw, in draw order."""
+        dp = self.data_parallel
+        if not dp.enabled:
+            return (*self._drop_stale(batch, fresh), fresh)
+        filler = dp.is_filler(batch)
+        if filler:
+            fresh = np.ones_like(fresh)  # a filler's row is never counted, stale or not
+        kept, stale = self._drop_stale(batch, fresh)
+        stale, left = dp.sum_counts(stale, 0 if kept is None or filler else kept.batch_size[0])
+        fresh_everywhere = dp.gather_flags(fresh[:0] if filler else fresh)
+        if left == 0:
+            return None, int(stale), fresh_everywhere
+        if kept is None:
+            kept = dp.mark_filler(take_rows(batch, torch.arange(1)), True)
+        return kept, int(stale), fresh_everywhere
+
     def _train_step(self, batch) -> tuple[dict[str, float], torch.Tensor | None]:
         """One optimizer step on ``batch``: its metrics, and each row's priority feedback (None when off)."""
         s = self.settings
+        dp = self.data_parallel
         batch = batch.to(self.device, non_blocking=True)
+        filler = dp.is_filler(batch)  # a rank with no rows of its own this step: weight 0
         response_mask = batch["masks", "response"]
-        total_tokens = int(response_mask.sum())
-        total_rows = batch.batch_size[0]
+        # the whole step's counts, over every data-parallel rank: weights are shares of the global batch
+        total_tokens, total_rows, attention_tokens = (int(n) for n in dp.sum_counts(
+            0 if filler else int(response_mask.sum()), 0 if filler else batch.batch_size[0],
+            0 if filler else int(batch["masks", "all_attention_mask"].sum())))
         token_mean = aggregates_by_token(s.loss)
         loss_options = dataclasses.asdict(s.loss)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         feedback_kind = s.priority_feedback if self._feedback else None
-        row_feedback = torch.zeros(total_rows) if feedback_kind else None  # (B,) in batch order
-        for rows, micro in split_microbatches_with_rows(batch, s.micro_batch_tokens):
+        row_feedback = torch.zeros(batch.batch_size[0]) if feedback_kind else None  # (B,) in batch order
+        micro_batches = split_microbatches_with_rows(batch, s.micro_batch_tokens)
+        for i, (rows, micro) in enumerate(micro_batches):
             micro_tokens = int(micro["masks", "response"].sum())
             weight = micro_tokens / max(total_tokens, 1) if token_mean else micro.batch_size[0] / total_rows
-            with self._autocast():
-                loss, stats = grpo_step_loss(self.model, micro, temperature=s.temperature,
+            weight = 0.0 if filler else weight
+            with dp.sync_unless(self.train_model, accumulating=i < len(micro_batches) - 1), self._autocast():
+                loss, stats = grpo_step_loss(self.train_model, micro, temperature=s.temperature,
                                              row_feedback=feedback_kind, **loss_options)
+                (loss * (weight * dp.loss_scale)).backward()
             if row_feedback is not None:
                 row_feedback[rows] = stats.pop("row_feedback").float().cpu()
-            (loss * weight).backward()
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * weight
+        sums = dp.sum_metrics(sums)
         clip = s.max_grad_norm if s.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         lr_used = self.optimizer.param_groups[0]["lr"]
@@ -365,7 +416,7 @@ class Learner:
         self.progress.rows_used += total_rows
         self.progress.tokens_seen += total_tokens
 
-        cpu = batch.to("cpu")
+        cpu = dp.gather_rows(batch.to("cpu"))  # every rank's rows, for the batch charts
         staleness = (self.progress.policy_version - cpu["policy_version"]).float()
         row_versions = cpu["policy_version"]  # the versions that sampled the rows: how off-policy the batch is
         metrics = {f"losses/{k}": v for k, v in sums.items()}
@@ -392,7 +443,7 @@ class Learner:
             **staleness_metrics(staleness),  # mean and max again, median, p90, fraction 0 / 1 / 2 / 3+ stale
             "charts/learning_rate": lr_used,
             "charts/rows": float(total_rows),
-            "_tokens": float(int(cpu["masks", "all_attention_mask"].sum())),
+            "_tokens": float(attention_tokens),
         })
         return metrics, row_feedback
 
@@ -405,14 +456,18 @@ class Learner:
         from rlhf_pipeline.weights import latest_version, publish_weights
 
         # a crash after a publish but before its checkpoint leaves a newer file: never reuse its number
-        published = latest_version(self.paths.root)
-        version = max(self.progress.policy_version, published if published is not None else -1) + 1
-        publish_weights(self.paths.root, self.model.state_dict(), version)
+        dp = self.data_parallel
+        published = latest_version(self.paths.root) if dp.is_main else None
+        version = dp.from_main(max(self.progress.policy_version, published if published is not None else -1) + 1)
+        if dp.is_main:  # the ranks' weights are identical: rank 0 writes them
+            publish_weights(self.paths.root, self.model.state_dict(), version)
         self.progress.policy_version = version
         self.sampler.current_version = version
 
     # ================================================================== checkpoint
     def save_checkpoint(self) -> None:
+        if not self.data_parallel.is_main:  # one checkpoint per run, written by rank 0
+            return
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),

@@ -1,0 +1,75 @@
+"""One data-parallel learner rank, run by ``torchrun`` from ``test_distributed.py``.
+
+``python -m torch.distributed.run --nproc-per-node N tests/learn/data_parallel_worker.py RUN_DIR STEPS``
+trains the run in RUN_DIR (a buffer and version-0 weights made by :func:`make_run`) to STEPS
+steps, the way ``rlhf-pipeline learn`` does under torchrun: ranks from the torchrun
+environment, the process group started before the learner and stopped after it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.learner import Learner
+from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings
+from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
+from rlhf_pipeline.pipeline import RunPaths
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store
+from rlhf_pipeline.synthetic import synthetic_batch
+from rlhf_pipeline.weights import publish_weights
+
+TOKENIZER = char_tokenizer()
+ROWS = 33  # batches of 16, 16, 1 per epoch: the third leaves rank 1 of 2 without a row (a filler)
+SEED = 1
+# small micro-batches: ranks accumulate different numbers of them before DDP's all-reduce.
+# old_policy="current": ratios of 1, so no row's gradient is clipped away (the synthetic rows'
+# log-probs are random) and every row, the filler step's included, moves the weights
+SETTINGS = LearnerSettings(batch_size=16, sampler="epoch", epoch_order="shuffle", shuffle_window_rows=0,
+                           micro_batch_tokens=48, lr=1e-3, warmup_steps=1, max_staleness=None,
+                           checkpoint_every=2, log_every=1, loss=GRPOLossConfig(old_policy="current"))
+
+
+def make_model() -> torch.nn.Module:
+    return tiny_causal_lm(len(TOKENIZER), hidden_size=32, num_layers=1, num_heads=2, seed=0)
+
+
+def make_run(root: Path) -> RunPaths:
+    """A run directory holding a recorded buffer and the initial weights: nothing to collect."""
+    paths = RunPaths(root)
+    store = create_store(paths.buffer, "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=8)
+    store.append(synthetic_batch(ROWS, group_size=3, prompt_len=(3, 8), response_len=(1, 7), seed=5,
+                                 optional_fields=("advantage",), vocab_size=len(TOKENIZER)))
+    store.close()
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    return paths
+
+
+def train(root: Path, steps: int, data_parallel: DataParallel | None = None) -> Learner:
+    data_parallel = data_parallel or DataParallel()
+    learner = Learner(SETTINGS, RunPaths(root), make_model=make_model, steps=steps, seed=SEED,
+                      show_progress=False, data_parallel=data_parallel)
+    try:
+        learner.setup()
+        learner.train()
+    finally:
+        learner.cleanup()
+    return learner
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    data_parallel = DataParallel.from_torchrun_env()
+    data_parallel.start(torch.device("cpu"))
+    try:
+        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel)
+    finally:
+        data_parallel.stop()
+
+
+if __name__ == "__main__":
+    main()

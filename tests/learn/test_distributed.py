@@ -1,0 +1,105 @@
+"""The data-parallel learner: N ranks under a real ``torchrun`` (gloo, CPU) train like one rank."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_parallel_worker import ROWS, SETTINGS, make_model, make_run, train
+from rlhf_pipeline.learn.checkpoint import CheckpointManager
+from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.pipeline import RunPaths
+from rlhf_pipeline.weights import latest_version
+
+WORKER = Path(__file__).with_name("data_parallel_worker.py")
+STEPS = 4  # epoch 1 is batches of 16, 16 and 1 rows; step 4 opens epoch 2
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun(ranks: int, root: Path, steps: int) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(root), str(steps)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def losses(root: Path) -> list[float]:
+    """Each step's loss and gradient norm (Adam's update hides a gradient off by a constant factor; the norm does not)."""
+    return [(m["losses/loss"], m["losses/grad_norm"]) for m in read_metrics(RunPaths(root).metrics)]
+
+
+def final_weights(root: Path) -> dict[str, torch.Tensor]:
+    _, state = CheckpointManager(root / "checkpoints").load()
+    return state["model"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> Path:
+    """The reference: the plain learner, in this process, over the whole global batch."""
+    root = tmp_path_factory.mktemp("dp") / "one-rank"
+    make_run(root)
+    train(root, STEPS)
+    return root
+
+
+def test_torchrun_environment_names_the_ranks():
+    assert DataParallel.from_torchrun_env({}) == DataParallel()
+    dp = DataParallel.from_torchrun_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert (dp.rank, dp.world_size, dp.local_rank, dp.is_main) == (1, 2, 1, False)
+    with pytest.raises(ValueError, match="RANK='x'.*torchrun"):
+        DataParallel.from_torchrun_env({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match="rank 2 of world size 2"):
+        DataParallel(rank=2, world_size=2)
+
+
+def test_ranks_take_disjoint_slices_covering_the_draw():
+    positions = torch.arange(10, 15)
+    slices = [DataParallel(rank=r, world_size=2).local_positions(positions) for r in range(2)]
+    assert [s.tolist() for s, _ in slices] == [[10, 11, 12], [13, 14]]
+    assert not any(filler for _, filler in slices)
+    # fewer rows than ranks: the rank without one gets a filler (a row it trains with weight 0)
+    mine, filler = DataParallel(rank=1, world_size=2).local_positions(torch.tensor([7]))
+    assert mine.tolist() == [7] and filler
+
+
+def test_two_ranks_train_like_one(one_rank, tmp_path):
+    root = tmp_path / "two-ranks"
+    make_run(root)
+    torchrun(2, root, STEPS)
+    expected = losses(one_rank)
+    assert len(expected) == STEPS and len(losses(root)) == STEPS  # rank 0 alone wrote the metrics
+    torch.testing.assert_close(losses(root), expected, rtol=1e-4, atol=1e-6)
+    reference, trained = final_weights(one_rank), final_weights(root)
+    for key in reference:
+        torch.testing.assert_close(trained[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+    # the weights moved: equal weights are not the untrained ones
+    initial = make_model().state_dict()
+    assert any(not torch.allclose(trained[k], initial[k]) for k in trained)
+    assert latest_version(root) == latest_version(one_rank) == STEPS
+    # the batch charts cover every rank's rows: the global batch sizes of the epoch
+    assert [m["charts/rows"] for m in read_metrics(RunPaths(root).metrics)] == [16, 16, ROWS - 32, 16]
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_rank(one_rank, tmp_path):
+    root = tmp_path / "resumed"
+    make_run(root)
+    torchrun(2, root, 2)  # checkpoint_every=2: the checkpoint at step 2
+    assert CheckpointManager(root / "checkpoints").latest_step() == SETTINGS.checkpoint_every
+    train(root, STEPS)  # the same run directory, now one rank
+    torch.testing.assert_close(losses(root), losses(one_rank), rtol=1e-4, atol=1e-6)
+    reference, resumed = final_weights(one_rank), final_weights(root)
+    for key in reference:
+        torch.testing.assert_close(resumed[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
