@@ -162,6 +162,11 @@ class LearnerSettings:
 
         if self.sampler not in SAMPLERS:
             raise bad("sampler", f"must be one of {sorted(SAMPLERS)} (got {self.sampler!r})")
+        if self.sampler == "epoch" and self.max_staleness is not None:
+            # an epoch walks recorded rows of old policies: every batch would be dropped as stale,
+            # and the sampler would serve the same rows again, forever
+            raise bad("max_staleness", f"must be None with sampler=epoch, which replays recorded rows (got "
+                                       f"{self.max_staleness}); add --set learner.max_staleness=none")
         if self.epoch_order not in ("shuffle", "sequential", "with-replacement"):
             raise bad("epoch_order", f"must be shuffle, sequential or with-replacement (got {self.epoch_order!r})")
         if self.epoch_rows is not None and self.epoch_rows < 1:
