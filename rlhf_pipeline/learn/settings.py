@@ -151,6 +151,8 @@ class LearnerSettings:
     (prioritized experience replay): none = priorities stay those of `priority`; loss = the row's
     mean |per-token policy loss|; ratio_deviation = the row's mean |ratio - 1| (how far the policy
     moved on it). Draw d then sees the feedback of every step up to draw d - 2."""
+    world_size: int = 1
+    """Data-parallel learner ranks (learn/distributed.py): N learner actors under `--ray`."""
 
     def check(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -210,5 +212,7 @@ class LearnerSettings:
             if self.priority_feedback == "ratio_deviation" and self.loss.old_policy == "current":
                 raise bad("priority_feedback", "'ratio_deviation' is always 0 with loss.old_policy='current' "
                                                "(the ratio is 1 by construction); use 'loss'")
+        if self.world_size < 1:
+            raise bad("world_size", f"must be >= 1 (got {self.world_size})")
         if self.priority_alpha < 0 or self.priority_beta < 0:
             raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")
