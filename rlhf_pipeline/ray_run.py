@@ -200,7 +200,7 @@ class _RayRun:
         while not signals.received:
             watched = [*self.learner_tasks, *self.collector_tasks.values()]
             ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0.2)
-            if not ready:
+            if not ready or signals.received:  # (a Ctrl-C that reached the actors too ends them now)
                 continue
             failure = self._first_failure(ready)
             if failure is not None:
