@@ -160,17 +160,17 @@ OFFLINE = ["learner.sampler=epoch", "learner.epoch_order=sequential", "learner.m
            "ray.learner_num_cpus=0.5"]
 
 
-def learn_on_ray(recorded: Path, tmp_path: Path, name: str, world_size: int) -> Path:
+def learn(recorded: Path, tmp_path: Path, name: str, world_size: int, ray_address: str | None) -> Path:
     shutil.copytree(recorded, tmp_path / name)
     code = run_command("learn", pipeline_path=DEFAULT, steps=3, home=str(tmp_path), run_name=name,
-                       overrides=[*RECORD, *OFFLINE, f"learner.world_size={world_size}"], ray_address="")
+                       overrides=[*RECORD, *OFFLINE, f"learner.world_size={world_size}"], ray_address=ray_address)
     assert code == 0
     return tmp_path / name
 
 
-def test_two_learner_actors_train_like_one_on_a_recorded_buffer(cluster, recorded, tmp_path):
-    one = learn_on_ray(recorded, tmp_path, "one", 1)
-    two = learn_on_ray(recorded, tmp_path, "two", 2)
+def test_two_learner_actors_train_like_one_learner_on_a_recorded_buffer(cluster, recorded, tmp_path):
+    one = learn(recorded, tmp_path, "one", 1, ray_address=None)  # the plain learner, in this process
+    two = learn(recorded, tmp_path, "two", 2, ray_address="")
     losses = [[(m["losses/loss"], m["losses/grad_norm"]) for m in read_metrics(root / "metrics.jsonl")]
               for root in (one, two)]
     assert len(losses[0]) == 3
