@@ -101,12 +101,19 @@ def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(cluster
                               stderr=subprocess.STDOUT, text=True)
     try:
         control = wait_for(lambda: control_of(run), driver, "the control actor started")
-        wait_for(lambda: steps_logged(run) >= 2, driver, "2 learner steps")
+        wait_for(lambda: CheckpointManager(run / "checkpoints").latest_step(), driver, "a checkpoint")
+        # both at once: their restarts (a new process each, importing torch) overlap
         kill_actor_process(control, "collector 1")
-        wait_for(lambda: (CheckpointManager(run / "checkpoints").latest_step() or 0) >= 4, driver, "a checkpoint")
-        killed_at = steps_logged(run)
         kill_actor_process(control, "learner")
-        wait_for(lambda: steps_logged(run) > killed_at + 1, driver, "the restarted learner's steps")
+
+        def restarted() -> bool:
+            started = ray.get(control.processes.remote())
+            return len(started["collector 1"]) == 2 and len(started["learner"]) == 2
+
+        wait_for(restarted, driver, "Ray restarted both actors")
+        after_kill = steps_logged(run)  # the killed learner is long gone: its successor registered
+        wait_for(lambda: (CheckpointManager(run / "checkpoints").latest_step() or 0) > after_kill, driver,
+                 "a checkpoint of the restarted learner")
         processes = ray.get(control.processes.remote())
         served = ray.get(control.served.remote())
         driver.send_signal(signal.SIGINT)
@@ -126,21 +133,21 @@ def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(cluster
     stopped_at = CheckpointManager(run / "checkpoints").latest_step()
     assert stopped_at == read_metrics(run / "metrics.jsonl")[-1]["step"]
 
-    resumed = subprocess.run([*command, "--steps", str(stopped_at + 2)], cwd=REPO, capture_output=True,
+    resumed = subprocess.run([*command, "--steps", str(stopped_at + 1)], cwd=REPO, capture_output=True,
                              text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {stopped_at})" in resumed.stderr and "[run] done" in resumed.stderr
     # like a normal run's: every step once, in order (the restarted learner truncated the metrics to its
     # checkpoint), the last checkpoint at the last step
     records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, stopped_at + 3))
+    assert [r["step"] for r in records] == list(range(1, stopped_at + 2))
     assert {"losses/loss", "charts/reward_mean", "charts/policy_version"} <= set(records[-1])
-    assert CheckpointManager(run / "checkpoints").latest_step() == stopped_at + 2
+    assert CheckpointManager(run / "checkpoints").latest_step() == stopped_at + 1
     # no round lost or written twice by the killed collector; collectors loaded published versions
     assert_every_id_once_without_gaps(run)
     with open_buffer(run / "buffer", mode="r") as union:
         versions = union.read(torch.arange(len(union)), fields=("policy_version",))["policy_version"]
-    assert int(versions.max()) >= 4
+    assert int(versions.max()) >= 2
 
 
 @pytest.fixture(scope="module")
