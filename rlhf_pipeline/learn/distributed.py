@@ -7,12 +7,15 @@ every method here is the identity, so the single-process learner pays nothing.
 
 What makes N ranks train exactly like one:
 
-* **The same draws.** Every rank builds the same sampler from the shared seed, so draw ``d``
-  names the same global positions on every rank (``learner.batch_size`` stays the global
-  batch). Each rank reads only its own contiguous slice of them (:meth:`local_positions`).
-  Before each step the ranks compare a fingerprint of the draw (:meth:`check_same_draw`) and
-  stop with an error if they disagree (a sampler that saw a different buffer), rather than
-  train on overlapping rows.
+* **The same draws.** Only rank 0 draws: its sampler alone watches the buffer grow and decides
+  staleness drops, epochs and pacing (``learner.batch_size`` stays the global batch). It shares
+  each draw, with the lasting names (shard, row id) of its rows, with one
+  ``broadcast_object_list`` on the main thread (:meth:`share_draw`), and every rank reads only
+  its own contiguous slice (:meth:`local_positions`, :meth:`local_names`) from its own view of
+  the same buffer, refreshed until it holds those rows (:meth:`positions_in_view`). So the
+  ranks train on rank 0's rows while collectors write, and the checkpointed sampler state is
+  rank 0's. When rank 0 has no draw to give (stopped, or its draw failed) it shares a
+  :class:`MainStopped`, so no rank waits forever.
 * **The same loss.** The loss is normalized by the *global* batch: every rank weighs its
   micro-batches by their share of the global response tokens (``token_mean``) or rows (the
   other aggregations), counted with one all-reduce (:meth:`sum_counts`). The sum over ranks
@@ -34,18 +37,36 @@ model, so a checkpoint resumes with any number of ranks. Backend: gloo on CPU, N
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlhf_pipeline.learn.sampling import DataTimeoutError
+from rlhf_pipeline.learn.shard_rows import RowNames, positions_of
+
 #: the per-row flag of a filler batch (see the module docstring): its rows carry no loss
 FILLER_KEY = "data_parallel_filler"
+
+
+@dataclass
+class MainStopped:
+    """What rank 0 shares instead of a draw when it has none to give (stopped, or its draw failed)."""
+
+    interrupted: bool  # a stop request: every rank stops cleanly
+    message: str = ""
+
+    def raise_here(self) -> None:
+        if self.interrupted:
+            raise InterruptedError("rank 0 stopped drawing")
+        raise RuntimeError(f"data-parallel rank 0 failed to draw the next batch: {self.message}")
 
 
 @dataclass
@@ -144,19 +165,37 @@ class DataParallel:
     def is_filler(batch: TensorDict) -> bool:
         return FILLER_KEY in batch.keys() and bool(batch[FILLER_KEY].all())
 
-    def check_same_draw(self, draw: int, positions: torch.Tensor) -> None:
-        """Raises on every rank when the ranks drew different global positions for ``draw``."""
+    def share_draw(self, item: Any) -> Any:
+        """Rank 0's ``item`` on every rank (one ``broadcast_object_list``): a draw, i.e. what rank
+        0's sampler decided and the lasting names of its rows, or a :class:`MainStopped`."""
         if not self.enabled:
-            return
-        digest = hashlib.blake2b(positions.to(torch.int64).numpy().tobytes(), digest_size=7).digest()
-        mine = torch.tensor([draw, int.from_bytes(digest, "little")], dtype=torch.int64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine)
-        if any(not torch.equal(other, mine) for other in everyone):
-            raise RuntimeError(
-                f"data-parallel ranks drew different rows for draw {draw}: their samplers saw different "
-                f"buffers (a sampler that waits for new rows while collectors write). Train over a recorded "
-                f"buffer (learner.sampler=epoch, or window/groups with learner.new_rows_per_step=0), or one rank")
+            return item
+        box = [item if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def local_names(self, names: RowNames) -> tuple[RowNames, bool]:
+        """This rank's contiguous slice of a draw's row names, as :meth:`local_positions` slices positions."""
+        index, filler = self.local_positions(torch.arange(names.ids.shape[0]))
+        return names.select(index.numpy()), filler
+
+    @staticmethod
+    def positions_in_view(store, names: RowNames, *, stop: threading.Event, timeout_s: float) -> torch.Tensor:
+        """Positions of ``names`` in this rank's view of the buffer, refreshed until it holds every
+        one of them: rank 0 may have drawn rows published after this rank's last refresh."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            store.refresh()
+            positions = positions_of(store, names)
+            if positions is not None:
+                return positions
+            if stop.is_set():
+                raise InterruptedError("data-parallel rank stopped while waiting for rank 0's rows")
+            if time.monotonic() > deadline:
+                raise DataTimeoutError(f"this data-parallel rank's view of {store.location} lacked rows rank 0 "
+                                       f"drew for {timeout_s:.0f}s (learner.data_timeout_s): is the buffer on a "
+                                       f"file system every rank sees the same way?")
+            time.sleep(0.01)
 
     # ------------------------------------------------------------------ reductions
     def any_rank(self, flag: bool) -> bool:

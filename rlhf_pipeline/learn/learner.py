@@ -50,7 +50,7 @@ from rlhf_pipeline.learn.checkpoint import (
     capture_rng_state,
     restore_rng_state,
 )
-from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.distributed import DataParallel, MainStopped
 from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss
 from rlhf_pipeline.learn.metrics import (
     MetricsWriter,
@@ -122,6 +122,7 @@ class Learner:
         self.on_step = on_step
         self.checkpoints = CheckpointManager(paths.checkpoints, keep_last=settings.keep_checkpoints)
         self._prefetcher: Prefetcher | None = None
+        self._ready = False
         self._store = None
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
@@ -223,9 +224,7 @@ class Learner:
         collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None,
                                   index_dtype=torch.int32)
 
-        def produce(draw: int):
-            sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
-            positions, filler = self.data_parallel.local_positions(sampled.positions)  # this rank's slice
+        def read(positions: torch.Tensor, filler: bool):
             batch = collator.read(self._store, positions)
             if self.batch_transform is not None:
                 batch = self.batch_transform(positions, batch)
@@ -233,10 +232,17 @@ class Learner:
                     batch = batch.pin_memory()
             if self.data_parallel.enabled:
                 batch = self.data_parallel.mark_filler(batch, filler)
-            return sampled, batch
+            return batch
 
-        self._prefetcher = Prefetcher(self._naming_rows(produce), self.progress.draws,
-                                      depth=self.settings.prefetch_depth, stop=self.stop_event)
+        def produce(draw: int):
+            sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
+            return sampled, read(*self.data_parallel.local_positions(sampled.positions))  # this rank's slice
+
+        self._read_rows = read
+        if self.data_parallel.is_main:  # the other ranks take rank 0's draws (_next_draw)
+            self._prefetcher = Prefetcher(self._naming_rows(produce), self.progress.draws,
+                                          depth=self.settings.prefetch_depth, stop=self.stop_event)
+        self._ready = True
 
     def _naming_rows(self, produce: Callable[[int], tuple[Any, Any]]) -> Callable[[int], tuple[Any, ...]]:
         """``produce`` plus what outlives the store's next refresh, taken on the prefetch thread
@@ -259,17 +265,16 @@ class Learner:
 
         Returns True when all ``steps`` were taken.
         """
-        assert self._prefetcher is not None, "call setup() first"
+        assert self._ready, "call setup() first"
         waited = 0.0
         until = self.total_steps if max_steps is None else min(self.total_steps, self.progress.step + max_steps)
         on_wait = self._pacing.waiting if self.data_parallel.is_main else None
         while self.progress.step < until and not self.data_parallel.any_rank(self.stop_event.is_set()):
             try:
-                draw, (sampled, batch, names, intake), wait = self._prefetcher.next(on_wait=on_wait)
+                draw, (sampled, batch, names, intake), wait = self._next_draw(on_wait)
             except InterruptedError:
                 break
             assert draw == self.progress.draws, (draw, self.progress.draws)
-            self.data_parallel.check_same_draw(draw, sampled.positions)
             waited += wait
             self.progress.draws += 1
             self.progress.buffer_next_row = sampled.buffer_next_row
@@ -336,6 +341,36 @@ class Learner:
                 print(f"[learner] stopped at step {self.progress.step}; checkpoint saved, run the same "
                       f"command again to resume", file=sys.stderr, flush=True)
         return finished
+
+    def _next_draw(self, on_wait: Callable[[], None] | None):
+        """``(draw, (sampled, batch, names, intake), seconds waited)`` from the prefetch thread. With
+        several ranks only rank 0 draws (its sampler alone sees the buffer grow, decides staleness
+        drops, epochs and pacing) and shares the draw; every other rank reads its own slice of the
+        named rows from its view of the same buffer, refreshed until it holds them."""
+        dp = self.data_parallel
+        if not dp.enabled:
+            return self._prefetcher.next(on_wait=on_wait)
+        start = time.perf_counter()
+        if dp.is_main:
+            try:
+                draw, (sampled, batch, names, intake), _ = self._prefetcher.next(on_wait=on_wait)
+            except InterruptedError:
+                dp.share_draw(MainStopped(interrupted=True))
+                raise
+            except Exception as exc:
+                dp.share_draw(MainStopped(interrupted=False, message=f"{type(exc).__name__}: {exc}"))
+                raise
+            # the sampler state stays here: only rank 0 checkpoints it
+            dp.share_draw((draw, dataclasses.replace(sampled, sampler_state={}), names, intake))
+            return draw, (sampled, batch, names, intake), time.perf_counter() - start
+        shared = dp.share_draw(None)
+        if isinstance(shared, MainStopped):
+            shared.raise_here()
+        draw, sampled, names, intake = shared
+        mine, filler = dp.local_names(names)
+        positions = dp.positions_in_view(self._store, mine, stop=self.stop_event,
+                                         timeout_s=self.settings.data_timeout_s)
+        return draw, (sampled, self._read_rows(positions, filler), names, intake), time.perf_counter() - start
 
     def _fresh_mask(self, batch) -> np.ndarray:
         """Which rows of ``batch`` are within ``max_staleness`` versions of the learner now: the
