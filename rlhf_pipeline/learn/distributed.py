@@ -76,6 +76,7 @@ class DataParallel:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    parallelism: str = "ddp"  # or "fsdp" (learn/fsdp.py): the learner sets it from learner.parallelism
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size or self.local_rank < 0:
@@ -109,8 +110,13 @@ class DataParallel:
         return self.rank == 0
 
     @property
+    def sharded(self) -> bool:
+        """FSDP over several ranks: the model, its gradients and optimizer state are sharded."""
+        return self.enabled and self.parallelism == "fsdp"
+
+    @property
     def loss_scale(self) -> float:
-        """DDP averages gradients over ranks; the losses here are already global shares, so undo it."""
+        """DDP and FSDP average gradients over ranks; the losses here are already global shares, so undo it."""
         return float(self.world_size)
 
     # ------------------------------------------------------------------ process group
@@ -136,9 +142,14 @@ class DataParallel:
             self._started_here = False
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """The module forward/backward run through: DDP over the ranks, or ``model`` itself."""
+        """The module forward/backward run through: DDP over the ranks, ``model`` sharded in place
+        (FSDP2), or ``model`` itself."""
         if not self.enabled:
             return model
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import shard_model
+
+            return shard_model(model)
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device_for(device).index] if device.type == "cuda" else None
@@ -246,10 +257,52 @@ class DataParallel:
         return TensorDict(merged, batch_size=[int(next(iter(merged.values())).shape[0])])
 
     def sync_unless(self, model: torch.nn.Module, accumulating: bool) -> contextlib.AbstractContextManager:
-        """DDP's ``no_sync`` while ``accumulating`` micro-batches; the last one all-reduces gradients."""
+        """No gradient sync while ``accumulating`` micro-batches (DDP's ``no_sync``, FSDP's
+        ``set_requires_gradient_sync``); the last one reduces gradients over the ranks."""
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import set_gradient_sync
+
+            set_gradient_sync(model, not accumulating)
+            return contextlib.nullcontext()
         if self.enabled and accumulating:
             return model.no_sync()
         return contextlib.nullcontext()
+
+    def micro_batch_count(self, count: int) -> int:
+        """How many micro-batches every rank runs this step: FSDP gathers parameters in every
+        forward and backward, so all ranks run the most any has (the others repeat one with weight 0)."""
+        if not self.sharded:
+            return count
+        box = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return int(box.item())
+
+    # ------------------------------------------------------------------ whole states (files)
+    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state dict for weights and checkpoints; gathered to rank 0 under FSDP
+        (every rank must call it then; the others get an empty dict)."""
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import full_model_state
+
+            return full_model_state(model)
+        return model.state_dict()
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole optimizer state in ``optimizer.state_dict()``'s layout (see :meth:`model_state`)."""
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import full_optimizer_state
+
+            return full_optimizer_state(model, optimizer)
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import load_optimizer_state
+
+            load_optimizer_state(model, optimizer, state)
+        else:
+            optimizer.load_state_dict(state)
 
     def from_main(self, value: int) -> int:
         """Rank 0's ``value`` on every rank (a published weight version: only rank 0 reads the disk)."""

@@ -107,6 +107,7 @@ class Learner:
         self.total_steps = steps
         self.seed = seed
         self.data_parallel = data_parallel or DataParallel()
+        self.data_parallel.parallelism = settings.parallelism  # ddp or fsdp, with several ranks
         if self.data_parallel.enabled and settings.priority_feedback != "none":
             # each rank holds only its own rows' feedback; the shared draw would need all of it
             raise ValueError("learner setting 'priority_feedback' is not supported with several data-parallel "
@@ -195,7 +196,7 @@ class Learner:
                                            weight_decay=s.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(s, self.total_steps))
         if checkpoint is not None:
-            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.data_parallel.load_optimizer_state(self.model, self.optimizer, checkpoint["optimizer"])
             self.scheduler.load_state_dict(checkpoint["scheduler"])
 
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
@@ -430,21 +431,26 @@ class Learner:
         feedback_kind = s.priority_feedback if self._feedback else None
         row_feedback = torch.zeros(batch.batch_size[0]) if feedback_kind else None  # (B,) in batch order
         micro_batches = split_microbatches_with_rows(batch, s.micro_batch_tokens)
-        for i, (rows, micro) in enumerate(micro_batches):
+        count = dp.micro_batch_count(len(micro_batches))  # FSDP: as many on every rank
+        for i in range(count):
+            repeat = i >= len(micro_batches)  # only to take part in FSDP's gathers: weight 0
+            rows, micro = micro_batches[min(i, len(micro_batches) - 1)]
             micro_tokens = int(micro["masks", "response"].sum())
             weight = micro_tokens / max(total_tokens, 1) if token_mean else micro.batch_size[0] / total_rows
-            weight = 0.0 if filler else weight
-            with dp.sync_unless(self.train_model, accumulating=i < len(micro_batches) - 1), self._autocast():
+            weight = 0.0 if filler or repeat else weight
+            with dp.sync_unless(self.train_model, accumulating=i < count - 1), self._autocast():
                 loss, stats = grpo_step_loss(self.train_model, micro, temperature=s.temperature,
                                              row_feedback=feedback_kind, **loss_options)
                 (loss * (weight * dp.loss_scale)).backward()
-            if row_feedback is not None:
+            if row_feedback is not None and not repeat:
                 row_feedback[rows] = stats.pop("row_feedback").float().cpu()
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * weight
         sums = dp.sum_metrics(sums)
         clip = s.max_grad_norm if s.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the same on every rank
+            grad_norm = grad_norm.full_tensor()
         lr_used = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -494,18 +500,23 @@ class Learner:
         dp = self.data_parallel
         published = latest_version(self.paths.root) if dp.is_main else None
         version = dp.from_main(max(self.progress.policy_version, published if published is not None else -1) + 1)
-        if dp.is_main:  # the ranks' weights are identical: rank 0 writes them
-            publish_weights(self.paths.root, self.model.state_dict(), version)
+        state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
+        if dp.is_main:  # rank 0 writes the weights
+            publish_weights(self.paths.root, state, version)
         self.progress.policy_version = version
         self.sampler.current_version = version
 
     # ================================================================== checkpoint
     def save_checkpoint(self) -> None:
+        # whole model and optimizer states, so a checkpoint resumes with any ranks and parallelism
+        # (under FSDP every rank takes part in gathering them to rank 0)
+        model_state = self.data_parallel.model_state(self.model)
+        optimizer_state = self.data_parallel.optimizer_state(self.model, self.optimizer)
         if not self.data_parallel.is_main:  # one checkpoint per run, written by rank 0
             return
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rng_state(),
             "buffer": self._store.state_dict() if self._store is not None else None,

@@ -1,15 +1,17 @@
 """One data-parallel learner rank, run by ``torchrun`` from ``test_distributed.py``.
 
-``python -m torch.distributed.run --nproc-per-node N tests/learn/data_parallel_worker.py RUN_DIR STEPS [live]``
+``python -m torch.distributed.run --nproc-per-node N tests/learn/data_parallel_worker.py RUN_DIR STEPS [live|fsdp]``
 trains the run in RUN_DIR (a buffer and version-0 weights made by :func:`make_run`) to STEPS
 steps, the way ``rlhf-pipeline learn`` does under torchrun: ranks from the torchrun
 environment, the process group started before the learner and stopped after it. ``live``:
 :data:`LIVE_SETTINGS`, for a buffer that another process keeps appending to; every rank then
 writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the step's draw).
+``fsdp``: :data:`SETTINGS` with ``parallelism="fsdp"`` (FSDP2 instead of DDP).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -78,13 +80,19 @@ def record_rows(root: Path, rank: int):
     return on_step
 
 
-def train(root: Path, steps: int, data_parallel: DataParallel | None = None, live: bool = False) -> Learner:
+def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mode: str = "") -> Learner:
     data_parallel = data_parallel or DataParallel()
-    learner = Learner(LIVE_SETTINGS if live else SETTINGS, RunPaths(root), make_model=make_model, steps=steps,
+    live = mode == "live"
+    settings = {"live": LIVE_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp")}.get(mode, SETTINGS)
+    learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps,
                       seed=SEED, show_progress=False, data_parallel=data_parallel,
                       on_step=record_rows(root, data_parallel.rank) if live else None)
     try:
         learner.setup()
+        if data_parallel.sharded:  # FSDP2 really shards the model (its parameters are DTensors)
+            from torch.distributed.fsdp import FSDPModule
+
+            assert isinstance(learner.model, FSDPModule) and isinstance(learner.model.model.layers[0], FSDPModule)
         learner.train()
     finally:
         learner.cleanup()
@@ -96,7 +104,7 @@ def main() -> None:
     data_parallel = DataParallel.from_torchrun_env()
     data_parallel.start(torch.device("cpu"))
     try:
-        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel, live=sys.argv[3:] == ["live"])
+        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel, mode=(sys.argv[3:] or [""])[0])
     finally:
         data_parallel.stop()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.storage import open_store
-from rlhf_pipeline.weights import latest_version
+from rlhf_pipeline.weights import latest_version, load_weights
 
 WORKER = Path(__file__).with_name("data_parallel_worker.py")
 STEPS = 4  # epoch 1 is batches of 16, 16 and 1 rows; step 4 opens epoch 2
@@ -145,3 +146,29 @@ def test_two_ranks_train_on_rank_zeros_draws_while_the_buffer_grows(tmp_path):
     # the draws followed the growing buffer: the last ones hold rows appended after the start
     assert max(rank0[-1]["draw"]) >= ROWS
     assert len(losses(root)) == STEPS
+
+
+def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(one_rank, tmp_path):
+    """FSDP2 (every block and the root sharded over 2 gloo ranks) through micro-batching, a filler
+    step and an epoch boundary: the 1-rank losses and weights. Its checkpoints hold the whole
+    model and optimizer state: the one at step 2 resumes in a plain process to the same end."""
+    root = tmp_path / "fsdp"
+    make_run(root)
+    torchrun(2, root, STEPS, "fsdp")
+    torch.testing.assert_close(losses(root), losses(one_rank), rtol=1e-4, atol=1e-6)
+    reference, trained = final_weights(one_rank), final_weights(root)
+    assert trained.keys() == reference.keys()  # whole tensors under the plain model's names
+    for key in reference:
+        torch.testing.assert_close(trained[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+    published, _ = load_weights(root)  # what collectors load: the whole model too
+    assert all(torch.equal(published[key], trained[key]) for key in reference)
+
+    resumed = tmp_path / "resumed-from-fsdp"
+    shutil.copytree(root, resumed)
+    checkpoints = CheckpointManager(resumed / "checkpoints")
+    checkpoints.latest().unlink()  # back to the checkpoint of step 2
+    assert checkpoints.latest_step() == 2
+    train(resumed, STEPS)
+    torch.testing.assert_close(losses(resumed), losses(one_rank), rtol=1e-4, atol=1e-6)
+    for key, value in final_weights(resumed).items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-4, atol=1e-5, msg=key)
