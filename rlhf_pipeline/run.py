@@ -112,6 +112,11 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         prepare_run(pipeline, paths, shards=(collector_index,))
         return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
     if command == "learn":
+        ranks = pipeline.learner.world_size
+        if ranks > 1 and "WORLD_SIZE" not in os.environ:  # before the run directory is prepared
+            raise PipelineError(f"learner.world_size={ranks} needs {ranks} learner processes: `rlhf-pipeline run` "
+                                f"starts them, or start `learn` with torchrun --nproc-per-node {ranks} -m "
+                                f"rlhf_pipeline.cli.main learn ...")
         prepare_run(pipeline, paths)
         return learn_main(pipeline, paths)
     raise PipelineError(f"unknown command {command!r}")
