@@ -1,8 +1,9 @@
 """Data-parallel learner ranks: N processes train one policy over one run directory and buffer.
 
-Started by ``torchrun --nproc-per-node N -m rlhf_pipeline.cli.main learn PIPELINE.py``, which
-sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and the rendezvous address) in each
-process; :meth:`DataParallel.from_torchrun_env` reads them. Without them there is one rank and
+Started by ``torchrun --nproc-per-node N -m rlhf_pipeline.cli.main learn PIPELINE.py``, or by
+``run`` and ``replay`` with ``learner.world_size=N`` (``launch.rank_environments``), which set
+``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and the rendezvous address) in each process;
+:meth:`DataParallel.from_torchrun_env` reads them. Without them there is one rank and
 every method here is the identity, so the single-process learner pays nothing.
 
 What makes N ranks train exactly like one:
@@ -19,19 +20,22 @@ What makes N ranks train exactly like one:
 * **The same loss.** The loss is normalized by the *global* batch: every rank weighs its
   micro-batches by their share of the global response tokens (``token_mean``) or rows (the
   other aggregations), counted with one all-reduce (:meth:`sum_counts`). The sum over ranks
-  of the weighted micro-batch losses is then the 1-rank loss of the whole batch. DDP
-  averages gradients over ranks, so each rank scales its loss by ``world_size``
-  (:attr:`loss_scale`); gradients are all-reduced once per step, on the last micro-batch
-  (:meth:`sync_unless`, DDP's ``no_sync`` before it).
+  of the weighted micro-batch losses is then the 1-rank loss of the whole batch. DDP (and
+  FSDP) average gradients over ranks, so each rank scales its loss by ``world_size``
+  (:attr:`loss_scale`); gradients are reduced once per step, on the last micro-batch
+  (:meth:`sync_unless`).
 * **Every rank takes part in every step.** A rank whose slice is empty (a global batch
   smaller than the number of ranks, an epoch's short last batch) or whose rows all went
   stale trains on a *filler*: one row of its batch with loss weight 0, so DDP's all-reduce
   still runs on every rank and adds nothing.
 
+``parallelism="fsdp"`` shards the model with FSDP2 instead of DDP (``learn/fsdp.py``).
+
 Only rank 0 writes: weights, checkpoints, metrics, TensorBoard, ``pacing.json``. Every rank
-loads the same newest checkpoint, which holds the global draw count and the unwrapped
-model, so a checkpoint resumes with any number of ranks. Backend: gloo on CPU, NCCL on CUDA
-(rank ``r`` uses ``cuda:LOCAL_RANK``).
+loads the same newest checkpoint, which holds the global draw count and the whole model and
+optimizer state (:meth:`model_state`, :meth:`optimizer_state`), so a checkpoint resumes with
+any number of ranks and either parallelism. Backend: gloo on CPU, NCCL on CUDA (rank ``r``
+uses ``cuda:LOCAL_RANK``).
 """
 
 from __future__ import annotations
