@@ -54,18 +54,62 @@ def wait_for_launcher(command: str) -> bool:
         return False
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now: the learner ranks' rendezvous."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rank_environments(world_size: int) -> list[dict[str, str]]:
+    """The environment of each data-parallel learner rank, as ``torchrun`` would set it (one
+    machine): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and the rendezvous on a free local port.
+    One rank: the environment as it is (no process group)."""
+    if world_size == 1:
+        return [dict(os.environ)]
+    port = str(free_port())
+    return [{**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
+             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            for r in range(world_size)]
+
+
+def stop_ranks(ranks: Sequence[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """After one rank failed: the others wait in a collective that never completes, so they
+    get SIGTERM, and SIGKILL after ``grace_s``."""
+    import time
+
+    for process in ranks:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in ranks:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @dataclass
 class Children:
     """``run``'s child processes, started before the run directory is ready."""
 
     collectors: dict[int, subprocess.Popen] = field(default_factory=dict)
-    learner: subprocess.Popen | None = None
+    learners: list[subprocess.Popen] = field(default_factory=list)  # one per data-parallel rank
     stop_write: int = -1  # the launcher's end of the stop pipe; the caller closes it when done
+
+    @property
+    def learner(self) -> subprocess.Popen | None:
+        """Rank 0: the learner that writes the run's files."""
+        return self.learners[0] if self.learners else None
 
     @classmethod
     def start(cls, launcher: Sequence[str], common: Sequence[str], learner_args: Sequence[str],
-              collectors: int) -> Children:
-        """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP)."""
+              collectors: int, learner_ranks: int = 1) -> Children:
+        """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP);
+        ``learner_ranks`` learner processes train as data-parallel ranks (``rank_environments``)."""
         children = cls()
         stop_read, children.stop_write = os.pipe()
         wait = ["--wait-for-launcher", "--stop-fd", str(stop_read)]
@@ -75,8 +119,10 @@ class Children:
                                      *wait], stdin=subprocess.PIPE, text=True, pass_fds=(stop_read,))
                 for k in range(collectors)
             }
-            children.learner = subprocess.Popen([*launcher, "learn", *common, *learner_args, *wait],
-                                                stdin=subprocess.PIPE, text=True, pass_fds=(stop_read,))
+            for env in rank_environments(learner_ranks):
+                children.learners.append(subprocess.Popen([*launcher, "learn", *common, *learner_args, *wait],
+                                                          stdin=subprocess.PIPE, text=True, pass_fds=(stop_read,),
+                                                          env=env))
         except BaseException:
             children.abandon()
             raise
@@ -85,7 +131,7 @@ class Children:
         return children
 
     def _all(self) -> list[subprocess.Popen]:
-        return [*self.collectors.values(), *([self.learner] if self.learner is not None else [])]
+        return [*self.collectors.values(), *self.learners]
 
     def go(self) -> None:
         """The run directory is ready: every child carries on."""

@@ -112,6 +112,11 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         prepare_run(pipeline, paths, shards=(collector_index,))
         return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
     if command == "learn":
+        ranks = pipeline.learner.world_size
+        if ranks > 1 and "WORLD_SIZE" not in os.environ:  # before the run directory is prepared
+            raise PipelineError(f"learner.world_size={ranks} needs {ranks} learner processes: `rlhf-pipeline run` "
+                                f"starts them, or start `learn` with torchrun --nproc-per-node {ranks} -m "
+                                f"rlhf_pipeline.cli.main learn ...")
         prepare_run(pipeline, paths)
         return learn_main(pipeline, paths)
     raise PipelineError(f"unknown command {command!r}")
@@ -121,7 +126,8 @@ def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, ste
             device: str | None, overrides: Sequence[str], collectors: int) -> int:
     """``run``: starts the children, prepares the run directory meanwhile, then lets them go."""
     # the children import torch & co. while this process checks and prepares (launch.py)
-    children = _start_children(pipeline_path, steps, paths, device, overrides, collectors)
+    children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
+                               learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1))
     try:
         pipeline = build_pipeline(module, settings, paths)
         _set_threads(pipeline)  # before the warm start
@@ -448,7 +454,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths) -> int:
 
 # ====================================================================== both
 def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
-                    overrides: Sequence[str], collectors: int):
+                    overrides: Sequence[str], collectors: int, learner_ranks: int = 1):
     """Starts the collectors and the learner, which import their modules and wait for ``go``."""
     from rlhf_pipeline.launch import Children
 
@@ -462,20 +468,26 @@ def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, devi
     learner_steps = ["--steps", str(steps)] if steps is not None else []
     launcher = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
     # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
-    return Children.start(launcher, common, learner_steps, collectors)
+    return Children.start(launcher, common, learner_steps, collectors, learner_ranks)
 
 
 def _run_both(paths: RunPaths, collectors: int, children) -> int:
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
-    collector_procs, learner = children.collectors, children.learner
+    from rlhf_pipeline.launch import stop_ranks
+
+    collector_procs, learner, ranks = children.collectors, children.learner, children.learners
     stop_write = children.stop_write
     print(f"[run] run directory {paths.root}" + (f" with {collectors} collectors" if collectors > 1 else ""),
           file=sys.stderr, flush=True)
     signals = LauncherSignals()  # before the children go, so no signal is missed
     try:
         children.go()
-        processes = [*collector_procs.values(), learner]
+        processes = [*collector_procs.values(), *ranks]
         while not signals.received and learner.poll() is None:
+            if any(p.poll() not in (None, 0) for p in ranks):
+                # a failed data-parallel rank leaves the others in a collective that never ends
+                stop_ranks(ranks)
+                break
             for k, p in collector_procs.items():
                 code = p.poll()
                 if code is None or (code == 0 and paths.stop_file.exists()):
@@ -498,7 +510,9 @@ def _run_both(paths: RunPaths, collectors: int, children) -> int:
     finally:
         signals.restore()
         os.close(stop_write)
-    learner_code = learner.returncode
+    for p in ranks[1:]:  # rank 0 is done: the others end with it
+        wait_quietly(p, timeout=60.0)
+    learner_code = next((p.returncode for p in ranks if p.returncode not in (0, None)), learner.returncode)
     failed = {k: p.returncode for k, p in collector_procs.items() if p.returncode not in (0, 130, 143)}
     if learner_code == 0 and not failed:  # the learner took every step, even if a signal came late
         _print_summary(paths)
