@@ -24,7 +24,7 @@ def test_run_with_the_buffer_at_a_url_then_inspect_and_replay_it(s3_server, tmp_
     assert "[run] done: 2 learner steps" in out.stderr, out.stderr[-3000:]
     assert f"writing to {url}/shard-0000" in out.stderr
     run = tmp_path / "on-s3"
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
     assert not (run / "buffer").exists()  # the rows went to the object store only
     keys = s3_server.keys(url)
     assert "shard-0000/zarr.json" in keys and "shard-0000/writer.lock" not in keys  # the collector let go
