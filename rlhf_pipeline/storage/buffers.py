@@ -56,7 +56,7 @@ def shard_index(name: str) -> int | None:
 def list_shards(buffer: str | Path, storage_options: dict | None = None) -> list[tuple[int, str]]:
     """``(index, location)`` of the shard stores under ``buffer``, by index.
 
-    A local directory is read with ``os.scandir``; a URL prefix is listed through fsspec, once
+    A local directory is read with one directory listing; a URL prefix is listed through fsspec, once
     (one LIST request on S3; a prefix holding no object lists as empty).
     """
     if is_url(buffer):

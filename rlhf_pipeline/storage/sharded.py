@@ -69,9 +69,12 @@ from rlhf_pipeline.storage.buffers import (  # noqa: F401 - the shard helpers, r
 )
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 
-def _refresh(store: TrajectoryStore, force: bool) -> int:
-    # only a throttled store (a Zarr reader with refresh_interval_s > 0) takes force=
-    if force and getattr(store, "refresh_interval_s", 0):
+
+def _refresh_now(store: TrajectoryStore) -> int:
+    # the union decides when to refresh: a shard's own throttle, started a moment after the
+    # union's, would otherwise skip every other refresh. Only a throttled store (a Zarr reader
+    # with refresh_interval_s > 0) takes force=
+    if getattr(store, "refresh_interval_s", 0):
         return store.refresh(force=True)
     return store.refresh()
 
@@ -153,7 +156,7 @@ class ShardedStoreReader(TrajectoryStore):
             return int(self._lengths.sum())
         self._refreshed_at = now
         self._discover()
-        lengths = [_refresh(self._shards[i], force) for i in self._order]
+        lengths = [_refresh_now(self._shards[i]) for i in self._order]
         self._lengths = torch.tensor(lengths, dtype=torch.int64)
         self._starts = torch.cumsum(self._lengths, 0) - self._lengths
         return int(self._lengths.sum())
@@ -205,7 +208,7 @@ class ShardedStoreReader(TrajectoryStore):
     def append(self, batch: TrajectoryBatch) -> torch.Tensor:
         raise ReadOnlyStoreError(
             f"{self._path} is a read-only union of shards; each collector appends to its own shard "
-            f"(open_store('{shard_location(self._path, 0)[:-4]}NNNN', mode='a'))"
+            f"(open_store('{shard_location(self._path, 0).removesuffix('0000')}NNNN', mode='a'))"
         )
 
     def _append_validated(self, batch: TrajectoryBatch) -> None:  # pragma: no cover - append raises first

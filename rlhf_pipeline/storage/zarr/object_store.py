@@ -318,7 +318,8 @@ class ObjectStoreLock:
             except _PreconditionFailed:
                 seen = kv._sync(kv._read(LOCK_FILE_NAME))
             if seen is None:
-                continue  # released in between
+                changed_hands = self._changed_hands(changed_hands)  # released in between
+                continue
             holder = _holder(seen)
             if not self._abandoned(holder, seen):
                 remaining = deadline - time.monotonic()
@@ -341,11 +342,7 @@ class ObjectStoreLock:
                             holder.get("pid"), holder.get("host"), self._why_abandoned(holder, seen))
                 break
             except _PreconditionFailed:
-                changed_hands += 1  # renewed, or another contender won: look again
-                if changed_hands >= 8:
-                    raise StoreLockedError(
-                        f"{kv.location}: the writer lock changed hands 8 times while this writer tried to take "
-                        f"it; several writers are starting at once. Run one writer per store.") from None
+                changed_hands = self._changed_hands(changed_hands)  # renewed, or another contender won
         self._check_conditional_writes()
         try:
             kv.take_record(self._token)
@@ -355,6 +352,13 @@ class ObjectStoreLock:
         self._thread = threading.Thread(target=self._renew_until_released, name="zarr-lock-lease", daemon=True)
         self._thread.start()
         return self
+
+    def _changed_hands(self, times: int) -> int:
+        if times + 1 >= 8:
+            raise StoreLockedError(
+                f"{self._kv.location}: the writer lock changed hands 8 times while this writer tried to take it; "
+                f"several writers are starting at once. Run one writer per store.")
+        return times + 1
 
     def _lease_of(self, holder: dict) -> float:
         try:
