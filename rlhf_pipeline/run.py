@@ -24,6 +24,7 @@ since its last checkpoint; nothing written to the buffer).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -107,6 +108,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     pipeline = build_pipeline(module, settings, paths)
+    paths = with_buffer_url(paths, pipeline)
     _set_threads(pipeline)
     if command == "collect":
         prepare_run(pipeline, paths, shards=(collector_index,))
@@ -130,6 +132,7 @@ def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, ste
                                learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1))
     try:
         pipeline = build_pipeline(module, settings, paths)
+        paths = with_buffer_url(paths, pipeline)
         _set_threads(pipeline)  # before the warm start
         prepare_run(pipeline, paths, shards=range(collectors))
     except BaseException:
@@ -152,6 +155,17 @@ def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
     except (ValueError, FileNotFoundError) as exc:  # PromptError, RewardError, ModelLoadError...
         raise PipelineError(f"{type(exc).__name__}: {exc}") from exc
     return pipeline
+
+
+def with_buffer_url(paths: RunPaths, pipeline: Pipeline) -> RunPaths:
+    """``paths`` with the pipeline's ``buffer_url`` (the buffer on object storage), checked."""
+    url = pipeline.buffer_url
+    if not url:
+        return paths
+    if "://" not in url:
+        raise PipelineError(f"setting 'buffer_url' must be a URL such as s3://bucket/run/buffer, got {url!r}; "
+                            f"leave it unset to keep the buffer in the run directory")
+    return dataclasses.replace(paths, buffer_url=url)
 
 
 def _terminated_while_preparing(signum, frame) -> None:
@@ -227,6 +241,8 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
                     f"run directory {paths.root} has a single-store buffer (made before buffer shards), "
                     f"which takes one collector; collector(s) {extra} need a new run (--run-name NAME)"
                 )
+        elif paths.buffer_url:
+            _create_url_shards(pipeline, paths, shards)
         else:
             for index in shards:
                 shard = paths.shard(index)
@@ -238,6 +254,34 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
             print(f"[run] building the initial policy in {paths.root}", file=sys.stderr, flush=True)
             model = pipeline.make_policy()
             publish_weights(paths.root, model.state_dict(), 0)
+
+
+def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:
+    """Creates the shards under ``buffer_url`` that hold no store yet (one listing of the prefix)."""
+    from rlhf_pipeline.storage.buffers import list_shards
+
+    existing = {index for index, location in list_shards(paths.buffer_location) if _is_store(location)}
+    for index in shards:
+        if index in existing:
+            continue
+        store = pipeline.create_buffer(paths.shard_location(index))
+        backend = getattr(store, "backend_name", None)
+        store.close()
+        if backend != "zarr":
+            raise PipelineError(f"setting 'buffer_url' ({paths.buffer_url}) needs Zarr buffer shards, but the "
+                                f"pipeline's create_buffer made a {backend!r} store; use a Zarr buffer "
+                                f"(--set buffer_backend=zarr in pipelines/default.py) or drop buffer_url")
+
+
+def _is_store(location: str) -> bool:
+    from rlhf_pipeline.storage import detect_backend
+    from rlhf_pipeline.storage.errors import NotAStoreError
+
+    try:
+        detect_backend(location)
+        return True
+    except NotAStoreError:
+        return False  # a prefix a killed create left without its commit record: created again
 
 
 def _keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
@@ -301,8 +345,11 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     stop = StopFlag()
     tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
     state_file = paths.collector_state(collector_index)
-    store_path = paths.buffer if paths.single_store_buffer else paths.shard(collector_index)
-    store = open_store(str(store_path), mode="a")  # the writer lock: one collector per shard
+    store_path = str(paths.buffer) if paths.single_store_buffer else paths.shard_location(collector_index)
+    # the writer lock: one collector per shard; on an object store, a predecessor that died on
+    # another machine holds it until its lease runs out, which is waited for
+    lock_wait = {"lock_wait_s": pipeline.buffer_lock_wait_s} if paths.buffer_url else {}
+    store = open_store(store_path, mode="a", **lock_wait)
     done = 0
     try:
         model = pipeline.make_model()
@@ -323,7 +370,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         rounds_at_version = 0
         # generate no more than the learner will take in, plus collect_rounds_ahead rounds
         # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
-        pacer = CollectorPacer(paths.pacing, shard_key(store_path, paths.buffer), pipeline.collect_rounds_ahead,
+        key = shard_key(store_path, paths.buffer) if not paths.buffer_url else f"shard-{collector_index:04d}"
+        pacer = CollectorPacer(paths.pacing, key, pipeline.collect_rounds_ahead,
                                round_rows=_round_rows(collector), learner_expected=stop.launcher_fd is not None)
         metrics = MetricsWriter(paths.collector_metrics(collector_index))
         waited = paced_total = 0.0

@@ -118,7 +118,7 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.stop_event = stop_event or threading.Event()
         self.show_progress = show_progress
-        self.buffer = str(buffer) if buffer is not None else str(paths.buffer)
+        self.buffer = str(buffer) if buffer is not None else paths.buffer_location
         self.batch_transform = batch_transform
         self.on_step = on_step
         self.checkpoints = CheckpointManager(paths.checkpoints, keep_last=settings.keep_checkpoints)
