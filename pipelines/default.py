@@ -88,6 +88,21 @@ class Settings:
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
 
 
+def check(settings: Settings) -> LearnerSettings:
+    """Settings checks that need no torch: ``run`` calls this before it starts any process."""
+    if settings.group_size < 2:
+        raise PipelineError("setting 'group_size' must be >= 2: GRPO compares completions within a group")
+    if settings.max_operand < 1:
+        raise PipelineError("setting 'max_operand' must be >= 1")
+    # the learner recomputes log-probs at the sampling temperature
+    learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
+    try:
+        learner.check()
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    return learner
+
+
 def build(settings: Settings, run: RunPaths) -> Pipeline:
     # imports here: loading the file for --list-settings or a bad --set stays fast
     import torch
@@ -100,18 +115,9 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
     # ---------------------------------------------------------------- checks first
+    learner = check(settings)
     if settings.device == "cuda" and not torch.cuda.is_available():
         raise PipelineError("setting 'device' is 'cuda' but torch sees no GPU; use --device cpu")
-    if settings.group_size < 2:
-        raise PipelineError("setting 'group_size' must be >= 2: GRPO compares completions within a group")
-    if settings.max_operand < 1:
-        raise PipelineError("setting 'max_operand' must be >= 1")
-    # the learner recomputes log-probs at the sampling temperature
-    learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
-    try:
-        learner.check()
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
 
     tokenizer = char_tokenizer()
     prompts = toy_prompts(settings.num_prompts, settings.seed, max_operand=settings.max_operand)
