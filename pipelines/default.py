@@ -96,20 +96,8 @@ class Settings:
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
 
 
-def build(settings: Settings, run: RunPaths) -> Pipeline:
-    # imports here: loading the file for --list-settings or a bad --set stays fast
-    import torch
-
-    from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
-    from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward, warm_start
-    from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
-    from rlhf_pipeline.schema import StoreSchema
-    from rlhf_pipeline.storage import create_store, make_replay_buffer
-    from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
-
-    # ---------------------------------------------------------------- checks first
-    if settings.device == "cuda" and not torch.cuda.is_available():
-        raise PipelineError("setting 'device' is 'cuda' but torch sees no GPU; use --device cpu")
+def check(settings: Settings) -> LearnerSettings:
+    """Settings checks that need no torch: ``run`` calls this before it starts any process."""
     if settings.group_size < 2:
         raise PipelineError("setting 'group_size' must be >= 2: GRPO compares completions within a group")
     if settings.max_operand < 1:
@@ -124,6 +112,24 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         learner.check()
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
+    return learner
+
+
+def build(settings: Settings, run: RunPaths) -> Pipeline:
+    # imports here: loading the file for --list-settings or a bad --set stays fast
+    import torch
+
+    from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+    from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward, warm_start
+    from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage import create_store, make_replay_buffer
+    from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+
+    # ---------------------------------------------------------------- checks first
+    learner = check(settings)
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise PipelineError("setting 'device' is 'cuda' but torch sees no GPU; use --device cpu")
 
     tokenizer = char_tokenizer()
     prompts = toy_prompts(settings.num_prompts, settings.seed, max_operand=settings.max_operand)

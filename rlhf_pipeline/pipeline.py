@@ -11,6 +11,10 @@ A pipeline is a Python file (``pipelines/default.py`` is the model to copy) that
   prompts have their fields, the reward returns one value per completion...) and returns a
   :class:`Pipeline`. ``build`` must raise :class:`PipelineError` on bad settings and must not
   start any long work: models are built only when a ``Pipeline`` callable is called.
+* ``check(settings)`` (optional) -- the settings checks that need no torch (ranges, learner
+  settings), raising :class:`PipelineError`. ``run`` imports no torch: it calls ``check`` before
+  it starts any process, and its learner process calls ``build``, whose errors ``run`` reports
+  the same way, only seconds later. ``build`` calls ``check`` too (``collect`` / ``learn``).
 
 Settings come from the dataclass defaults and the command line only; they are never read
 from environment variables (``RLHF_PIPELINE_HOME`` only says where run directories live).
