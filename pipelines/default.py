@@ -81,6 +81,14 @@ class Settings:
     """Store of each buffer shard: memmap files, or a Zarr store (compressed)."""
     segment_rows: int = 1024
     """Rows per segment of the replay buffer (the unit of sealing and eviction)."""
+    buffer_url: str | None = None
+    """The buffer on object storage: a URL prefix such as s3://bucket/run/buffer under which
+    collector k writes shard-kkkk (needs buffer_backend=zarr and the s3 extra; endpoint and
+    credentials from the AWS_* variables). None: <run>/buffer. Weights, checkpoints and metrics
+    stay in the run directory."""
+    buffer_lock_wait_s: float = 60.0
+    """With buffer_url: how long a collector waits for its shard's writer lock while another writer
+    holds it (one that died on another machine holds it until its 30 s lease runs out)."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=64, sampler="exact", uses_per_row=1, sample_window=128, new_rows_per_step=64,
         micro_batch_tokens=4096, lr=3e-4, warmup_steps=5, max_staleness=2, publish_every=1,
@@ -89,6 +97,25 @@ class Settings:
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
     ray: RaySettings = field(default_factory=RaySettings)
     """Resources of each actor under `run --ray` (--set ray.collector_num_gpus=1); ignored without --ray."""
+
+
+def check(settings: Settings) -> LearnerSettings:
+    """Settings checks that need no torch: ``run`` calls this before it starts any process."""
+    if settings.group_size < 2:
+        raise PipelineError("setting 'group_size' must be >= 2: GRPO compares completions within a group")
+    if settings.max_operand < 1:
+        raise PipelineError("setting 'max_operand' must be >= 1")
+    if settings.buffer_url is not None and settings.buffer_backend != "zarr":
+        raise PipelineError(f"setting 'buffer_url' ({settings.buffer_url}) needs buffer_backend=zarr: only a Zarr "
+                            f"store lives at a URL; add --set buffer_backend=zarr, or drop buffer_url to keep the "
+                            f"memmap buffer in the run directory")
+    # the learner recomputes log-probs at the sampling temperature
+    learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
+    try:
+        learner.check()
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    return learner
 
 
 def build(settings: Settings, run: RunPaths) -> Pipeline:
@@ -103,18 +130,9 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
     # ---------------------------------------------------------------- checks first
+    learner = check(settings)
     if settings.device == "cuda" and not torch.cuda.is_available():
         raise PipelineError("setting 'device' is 'cuda' but torch sees no GPU; use --device cpu")
-    if settings.group_size < 2:
-        raise PipelineError("setting 'group_size' must be >= 2: GRPO compares completions within a group")
-    if settings.max_operand < 1:
-        raise PipelineError("setting 'max_operand' must be >= 1")
-    # the learner recomputes log-probs at the sampling temperature
-    learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
-    try:
-        learner.check()
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
 
     tokenizer = char_tokenizer()
     prompts = toy_prompts(settings.num_prompts, settings.seed, max_operand=settings.max_operand)
@@ -138,12 +156,15 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         return model
 
     # ---------------------------------------------------------------- buffer + write path
-    def create_buffer(path: Path):
+    def create_buffer(path: Path | str):  # a str: a shard under buffer_url
         return create_store(path, settings.buffer_backend, schema=StoreSchema(optional=("advantage",)),
                             segment_rows=settings.segment_rows)
 
     def make_write_path(store):
-        return [GroupAdvantage(settings.group_size, store=store)]
+        pending_dir = None
+        if "://" in store.location:  # a shard under buffer_url: its incomplete groups wait in the run directory
+            pending_dir = run.root / "collector" / f"pending-{store.location.rstrip('/').rsplit('/', 1)[-1]}"
+        return [GroupAdvantage(settings.group_size, store=store, pending_dir=pending_dir)]
 
     def make_collector(model, store, collector_index: int = 0):
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size,
@@ -172,4 +193,6 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         collect_rounds_per_version=settings.rounds_per_version,
         collect_rounds_ahead=settings.rounds_ahead,
         torch_threads=settings.threads,
+        buffer_url=settings.buffer_url,
+        buffer_lock_wait_s=settings.buffer_lock_wait_s,
     )

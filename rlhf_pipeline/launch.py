@@ -17,11 +17,21 @@ Every child also holds the read end of one stop pipe (``--stop-fd``; ``stopping.
 it): a byte on it asks the child to stop cleanly, and its end of file, which the kernel delivers
 when ``run`` dies even by ``kill -9``, does the same. A child still waiting for ``go`` sees its
 stdin close instead and exits. Nothing keeps running without its launcher.
+
+The launcher itself imports no torch: the learner child prepares the run. It starts at once
+(no ``go`` to wait for), builds the pipeline (settings checks and preflight), prepares the run
+directory and reports ``prepared`` on a pipe of its own (``--status-fd``; :class:`LauncherReports`);
+``run`` then lets the collectors go, and they build their side while the learner warm-starts
+the initial policy and publishes it as weights version 0 (``ready``). A check that fails in the
+learner is reported on the same pipe (``error``, with the exception's class and message) and
+``run`` raises it as its own: the same one-line error and exit code as a check in ``run``, and
+nothing created, since the learner checks before it creates anything.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -29,6 +39,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 GO = "go"
+# what the learner child of `run` reports while it prepares the run (LauncherReports)
+PREPARED = "prepared"  # settings checked, run directory, settings.json and buffer shards made
+READY = "ready"  # weights version 0 published: the collectors can start generating
+ERROR = "error"  # a check failed; the report carries the exception's class and message
 
 # what each side imports anyway; the pipeline's own modules come after "go", with its build
 _PRELOAD = {
@@ -45,13 +59,83 @@ def preload(command: str) -> None:
         importlib.import_module(name)
 
 
-def wait_for_launcher(command: str) -> bool:
-    """Child side: preload, then wait for the launcher. False: the launcher gave up (exit quietly)."""
+def wait_for_launcher(command: str, *, prepares: bool = False) -> bool:
+    """Child side: preload, then wait for the launcher. False: the launcher gave up (exit quietly).
+
+    ``prepares``: the learner that prepares the run for the launcher waits for nothing."""
     try:
         preload(command)
-        return sys.stdin.readline().strip() == GO
+        return prepares or sys.stdin.readline().strip() == GO
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the launcher reports it
         return False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now: the learner ranks' rendezvous."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rank_environments(world_size: int) -> list[dict[str, str]]:
+    """The environment of each data-parallel learner rank, as ``torchrun`` would set it (one
+    machine): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and the rendezvous on a free local port.
+    One rank: the environment as it is (no process group)."""
+    if world_size == 1:
+        return [dict(os.environ)]
+    port = str(free_port())
+    return [{**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
+             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            for r in range(world_size)]
+
+
+def stop_ranks(ranks: Sequence[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """After one rank failed: the others wait in a collective that never completes, so they
+    get SIGTERM, and SIGKILL after ``grace_s``."""
+    import time
+
+    for process in ranks:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in ranks:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class LauncherReports:
+    """Learner side of the status pipe: one JSON line per event (``PREPARED``, ``READY``, ``ERROR``)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def send(self, event: str, **fields: object) -> bool:
+        """False when the launcher is gone (the stop pipe then stops this process)."""
+        if self._fd is None:
+            return False
+        line = json.dumps({"event": event, **fields}) + "\n"
+        try:
+            os.write(self._fd, line.encode())
+            return True
+        except OSError:
+            return False
+
+    def error(self, exc: BaseException) -> bool:
+        """Reports a failed check; True when the launcher got it (and will print it)."""
+        fields: dict[str, object] = {"kind": type(exc).__name__, "message": str(exc)}
+        if isinstance(exc, OSError):
+            fields.update(errno=exc.errno, strerror=exc.strerror, filename=exc.filename and str(exc.filename))
+        return self.send(ERROR, **fields)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 @dataclass
@@ -59,15 +143,24 @@ class Children:
     """``run``'s child processes, started before the run directory is ready."""
 
     collectors: dict[int, subprocess.Popen] = field(default_factory=dict)
-    learner: subprocess.Popen | None = None
+    learners: list[subprocess.Popen] = field(default_factory=list)  # one per data-parallel rank
     stop_write: int = -1  # the launcher's end of the stop pipe; the caller closes it when done
+    reports: object | None = None  # the launcher's end of the learner's status pipe (a text file)
+
+    @property
+    def learner(self) -> subprocess.Popen | None:
+        """Rank 0: the learner that writes the run's files."""
+        return self.learners[0] if self.learners else None
 
     @classmethod
     def start(cls, launcher: Sequence[str], common: Sequence[str], learner_args: Sequence[str],
-              collectors: int) -> Children:
-        """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP)."""
+              collectors: int, learner_ranks: int = 1) -> Children:
+        """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP);
+        ``learner_ranks`` learner processes train as data-parallel ranks (``rank_environments``)."""
         children = cls()
         stop_read, children.stop_write = os.pipe()
+        status_read, status_write = os.pipe()
+        children.reports = os.fdopen(status_read, "r")
         wait = ["--wait-for-launcher", "--stop-fd", str(stop_read)]
         try:
             children.collectors = {
@@ -75,32 +168,58 @@ class Children:
                                      *wait], stdin=subprocess.PIPE, text=True, pass_fds=(stop_read,))
                 for k in range(collectors)
             }
-            children.learner = subprocess.Popen([*launcher, "learn", *common, *learner_args, *wait],
-                                                stdin=subprocess.PIPE, text=True, pass_fds=(stop_read,))
+            # rank 0 prepares the run for all collectors' shards and says how it went; the other
+            # ranks wait for "go", given once weights version 0 is published
+            prepare = ["--status-fd", str(status_write), "--collectors", str(collectors)]
+            for rank, env in enumerate(rank_environments(learner_ranks)):
+                extra, fds = (prepare, (stop_read, status_write)) if rank == 0 else ([], (stop_read,))
+                children.learners.append(subprocess.Popen([*launcher, "learn", *common, *learner_args, *wait, *extra],
+                                                          stdin=subprocess.PIPE, text=True, pass_fds=fds, env=env))
         except BaseException:
             children.abandon()
             raise
         finally:
             os.close(stop_read)  # only the children read it: its end of file must mean we are gone
+            os.close(status_write)  # only the learner writes: end of file means it exited
         return children
 
-    def _all(self) -> list[subprocess.Popen]:
-        return [*self.collectors.values(), *([self.learner] if self.learner is not None else [])]
+    def wait_for_learner(self, event: str) -> dict | None:
+        """Blocks until the learner reports ``event`` or an ``ERROR`` and returns that report; None
+        when the learner exited without either (its traceback, if any, is above)."""
+        while True:
+            line = self.reports.readline()
+            if not line:
+                return None
+            report = json.loads(line)
+            if report["event"] in (event, ERROR):
+                return report
 
-    def go(self) -> None:
-        """The run directory is ready: every child carries on."""
-        for process in self._all():
-            self._tell(process, GO + "\n")
+    def _all(self) -> list[subprocess.Popen]:
+        return [*self.collectors.values(), *self.learners]
+
+    def go(self, processes: Sequence[subprocess.Popen] | None = None) -> None:
+        """The run directory is ready: ``processes`` (default: every child) carry on; a child told
+        before is skipped."""
+        for process in self._all() if processes is None else processes:
+            if not process.stdin.closed:
+                self._tell(process, GO + "\n")
 
     def abandon(self) -> None:
-        """A check failed: every child ends at once. They have created nothing yet (they are
-        still importing, or waiting for "go"), and Python ends on SIGTERM without a word."""
+        """A check failed or a signal came while the learner prepared the run: every child ends at
+        once. Collectors have created nothing yet (importing, waiting for "go" or for weights
+        version 0: they stop cleanly, with a line each); the learner has created nothing or
+        only what a rerun resumes from (settings, empty shards; weights are published atomically),
+        and SIGTERM ends it without a word."""
         for process in self._all():
             if process.poll() is None:
                 process.terminate()
         for process in self._all():
-            self._tell(process, "")
+            if not process.stdin.closed:
+                self._tell(process, "")
             process.wait()
+        if self.reports is not None:
+            self.reports.close()
+            self.reports = None
         if self.stop_write >= 0:
             os.close(self.stop_write)
             self.stop_write = -1

@@ -11,6 +11,10 @@ A pipeline is a Python file (``pipelines/default.py`` is the model to copy) that
   prompts have their fields, the reward returns one value per completion...) and returns a
   :class:`Pipeline`. ``build`` must raise :class:`PipelineError` on bad settings and must not
   start any long work: models are built only when a ``Pipeline`` callable is called.
+* ``check(settings)`` (optional) -- the settings checks that need no torch (ranges, learner
+  settings), raising :class:`PipelineError`. ``run`` imports no torch: it calls ``check`` before
+  it starts any process, and its learner process calls ``build``, whose errors ``run`` reports
+  the same way, only seconds later. ``build`` calls ``check`` too (``collect`` / ``learn``).
 
 Settings come from the dataclass defaults and the command line only; they are never read
 from environment variables (``RLHF_PIPELINE_HOME`` only says where run directories live).
@@ -45,12 +49,28 @@ class RunPaths:
     """Where one run keeps its state; collector and learner processes meet here."""
 
     root: Path
+    buffer_url: str | None = None
+    """The buffer's URL prefix when it is not in the run directory (``Pipeline.buffer_url``):
+    collector k writes ``<buffer_url>/shard-kkkk``; weights, checkpoints and metrics stay here."""
 
     @property
     def buffer(self) -> Path:
         """The buffer directory: ``shard-NNNN/`` stores, one per collector (or, in runs made
         before shards, one store right here; see :attr:`single_store_buffer`)."""
         return self.root / "buffer"
+
+    @property
+    def buffer_location(self) -> str:
+        """Where the learner reads the buffer: ``buffer_url`` when set, else :attr:`buffer`."""
+        return self.buffer_url.rstrip("/") if self.buffer_url else str(self.buffer)
+
+    def shard_location(self, collector_index: int) -> str:
+        """The store collector ``collector_index`` writes: ``shard-NNNN`` under :attr:`buffer_location`."""
+        if self.buffer_url:
+            if collector_index < 0:
+                raise ValueError(f"collector index must be >= 0, got {collector_index}")
+            return f"{self.buffer_location}/shard-{collector_index:04d}"
+        return str(self.shard(collector_index))
 
     def shard(self, collector_index: int) -> Path:
         """The store collector ``collector_index`` writes: ``buffer/shard-NNNN``."""
@@ -61,6 +81,8 @@ class RunPaths:
     @property
     def single_store_buffer(self) -> bool:
         """True when ``buffer/`` is itself one store (a run made before shards): one collector."""
+        if self.buffer_url:
+            return False
         buffer = self.buffer
         if not buffer.is_dir():
             return False
@@ -174,6 +196,15 @@ class Pipeline:
     """Intra-op torch threads of each process (collector, learner, the warm start). Collector and
     learner run side by side, so one each is often fastest on a small CPU machine; None: torch's
     default."""
+    buffer_url: str | None = None
+    """The buffer on object storage: a URL prefix (``s3://bucket/run/buffer``) under which
+    collector k writes ``shard-kkkk`` with ``create_buffer`` (which must make a Zarr store) and
+    the learner reads the union; endpoint and credentials from the ``AWS_*`` environment
+    variables. None: ``<run>/buffer``. The run directory (weights, checkpoints, metrics) stays local."""
+    buffer_lock_wait_s: float = 60.0
+    """With ``buffer_url``: how long a collector waits for its shard's writer lock while another
+    writer holds it (a collector that died on another machine holds it until its 30 s lease runs
+    out); it says whose lease it is and until when."""
 
 
 def preflight_rewards(rewards: Any, records: Sequence[Any], group_size: int) -> None:

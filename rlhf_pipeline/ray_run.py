@@ -48,6 +48,7 @@ from rlhf_pipeline.run import (
     _set_threads,
     build_pipeline,
     prepare_run,
+    with_buffer_url,
 )
 from rlhf_pipeline.stopping import LauncherSignals
 
@@ -86,6 +87,7 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
     pipeline = build_pipeline(module, settings, paths)
+    paths = with_buffer_url(paths, pipeline)
     _set_threads(pipeline)
     prepare_run(pipeline, paths, shards=range(collectors) if command == "run" else (0,))
     if command == "run":

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,7 +129,69 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         print(f"[replay] shuffling within windows of >= {window} rows of whole storage units (--shuffle-window); "
               f"a Zarr source decodes each unit once per epoch while a window fits its cache_bytes",
               file=sys.stderr, flush=True)
+    if learner_settings.world_size > 1 and "WORLD_SIZE" not in os.environ:
+        # this process prepared the run; the ranks repeat the checks (they pass) and train
+        call = {"pipeline_path": pipeline_path, "options": dataclasses.asdict(options),
+                "home": str(paths.root.parent), "run_name": paths.root.name, "device": device,
+                "overrides": list(overrides)}
+        return _train_on_ranks(call, learner_settings.world_size)
     return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps)
+
+
+def _train_on_ranks(call: dict[str, Any], world_size: int) -> int:
+    """Starts ``world_size`` data-parallel learner ranks (``learner.world_size``), each running
+    :func:`rank_main` with ``call``, and watches them: a failed rank stops the others; a signal
+    here is passed on, and each rank checkpoints and stops at the same step."""
+    import signal
+    import subprocess
+    import time
+
+    from rlhf_pipeline.launch import rank_environments, stop_ranks
+    from rlhf_pipeline.stopping import wait_quietly
+
+    command = [sys.executable, "-c", "import sys; from rlhf_pipeline.replay import rank_main; "
+                                     "sys.exit(rank_main(sys.argv[1]))", json.dumps(call)]
+    ranks = [subprocess.Popen(command, env=env) for env in rank_environments(world_size)]
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        for process in ranks:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while any(p.poll() is None for p in ranks):
+            if any(p.poll() not in (None, 0) for p in ranks) and not received:
+                stop_ranks(ranks)  # the others wait in a collective that never completes
+                break
+            time.sleep(0.2)
+        for process in ranks:
+            wait_quietly(process)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    failed = [(rank, p.returncode) for rank, p in enumerate(ranks) if p.returncode != 0]
+    if received:
+        return 128 + received[0]
+    if failed:
+        rank, code = failed[0]
+        raise ReplayError(f"data-parallel rank {rank} of the replay failed (exit code {code}); see its error above")
+    return 0
+
+
+def rank_main(call_json: str) -> int:
+    """One data-parallel rank of a replay (started by :func:`_train_on_ranks`); ranks other than
+    0 keep quiet: rank 0 says what the replay does."""
+    import contextlib
+    import io
+
+    call = json.loads(call_json)
+    options = ReplayOptions(**call.pop("options"))
+    quiet = os.environ.get("RANK", "0") != "0"
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        return replay_command(call.pop("pipeline_path"), options, **call)
 
 
 def source_location(buffer: str) -> str:
@@ -341,35 +404,46 @@ def _check_same_architecture(expected: dict, found: dict, source: str, what: str
 # ====================================================================== training
 def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, source: str, seed: int,
            steps: int) -> int:
+    import torch
+
+    from rlhf_pipeline.learn.distributed import DataParallel
     from rlhf_pipeline.learn.learner import Learner
     from rlhf_pipeline.learn.metrics import MetricsWriter, truncate_metrics
     from rlhf_pipeline.stopping import StopFlag
 
+    # one of learner.world_size ranks (_train_on_ranks) or of torchrun's; one rank otherwise
+    data_parallel = DataParallel.from_torchrun_env()
     stop = StopFlag()
     rescorer = _make_rescorer(pipeline, options, learner_settings, source)
     batch_log: MetricsWriter | None = None
 
     def record_step(step: int, sampled, batch, metrics: dict[str, float]) -> None:
-        # the rows of every step, so two replays can be compared row for row
-        batch_log.log(step, {"positions": sampled.positions.tolist(),
-                             "trajectory_ids": batch["trajectory_id"].tolist()})
+        # the rows of every step, so two replays can be compared row for row (every rank's rows)
+        ids = data_parallel.gather_rows(batch)["trajectory_id"].tolist()
+        if batch_log is not None:
+            batch_log.log(step, {"positions": sampled.positions.tolist(), "trajectory_ids": ids})
         if options.ref_model is not None:
             mask = batch["masks", "response"]
             metrics["charts/sampler_ref_kl_mean"] = float(batch["kl", "response"][mask].mean())
 
     learner = Learner(learner_settings, paths, make_model=pipeline.make_model, steps=steps, seed=seed,
                       device=pipeline.settings.device, pad_token_id=pipeline.pad_token_id, stop_event=stop.event,
-                      buffer=source, batch_transform=rescorer, on_step=record_step)
+                      buffer=source, batch_transform=rescorer, on_step=record_step, data_parallel=data_parallel)
+    data_parallel.start(torch.device(pipeline.settings.device))
     try:
         learner.setup()
-        truncate_metrics(paths.root / BATCH_LOG, learner.progress.step)  # a resumed replay redoes later steps
-        batch_log = MetricsWriter(paths.root / BATCH_LOG)
+        if data_parallel.is_main:  # only rank 0 writes files
+            truncate_metrics(paths.root / BATCH_LOG, learner.progress.step)  # a resumed replay redoes later steps
+            batch_log = MetricsWriter(paths.root / BATCH_LOG)
         finished = learner.train()
     finally:
         learner.cleanup()
         if batch_log is not None:
             batch_log.close()
         stop.restore()
+        data_parallel.stop()
+    if not data_parallel.is_main:
+        return 0 if finished else 130
     if finished:
         print(f"[replay] done: {steps} steps; metrics: {paths.metrics}  batches: {paths.root / BATCH_LOG}  "
               f"weights: {paths.weights}", file=sys.stderr, flush=True)

@@ -2,15 +2,24 @@
 
 Order of work, so bad settings fail before anything starts:
 
-1. load the pipeline file, apply ``--set`` / ``--steps`` / ``--device``, ``build`` it
-   (settings checks) and run its ``preflight`` (e.g. the reward on one sample);
+1. load the pipeline file, apply ``--set`` / ``--steps`` / ``--device``, run its torch-free
+   ``check`` (if it has one), ``build`` it (settings checks) and run its ``preflight`` (e.g. the
+   reward on one sample);
 2. prepare the run directory under a file lock (idempotent, so ``collect`` and ``learn``
    started side by side agree): check ``settings.json`` against a previous start, create
-   the buffer, build the initial policy (warm start) and publish it as weights version 0;
+   the buffer (:func:`prepare_run_directory`), then build the initial policy (warm start) and
+   publish it as weights version 0 (:func:`publish_initial_policy`);
 3. ``run`` starts ``--collectors N`` ``collect`` processes (collector ``k`` writes its own
    shard ``buffer/shard-kkkk``, see ``storage/sharded.py``) and one ``learn`` process with the
    same arguments, and waits for the learner; then it writes ``STOP``, which ends every
    collector after its current round. A child that fails stops the others.
+
+``run`` itself imports no torch (three processes importing torch, tensordict and transformers
+at once on a small machine cost seconds before the first step): it does step 1's ``check``
+only, and its learner child does the rest of steps 1 and 2 while the collectors import, then
+build their side during the warm start (:func:`prepare_for_launcher`, ``launch.py``). An error
+of ``build``, ``preflight`` or the run directory reaches ``run`` through a pipe, and ``run``
+raises it as its own (same message, exit code 2); nothing is created before they pass.
 
 Both sides stop cleanly on Ctrl-C / SIGTERM: the collector finishes its round (rows are
 durable once written), the learner saves a checkpoint. Running the same command again
@@ -24,6 +33,7 @@ since its last checkpoint; nothing written to the buffer).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -69,12 +79,13 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
                 run_name: str | None = None, device: str | None = None,
                 overrides: Sequence[str] = (), list_settings: bool = False,
                 collectors: int = 1, collector_index: int = 0, stop_fd: int | None = None,
-                wait_for_launcher: bool = False, ray_address: str | None = None) -> int:
+                wait_for_launcher: bool = False, status_fd: int | None = None,
+                ray_address: str | None = None) -> int:
     """``ray_address``: run on Ray (``--ray [ADDRESS]``, ray_run.py); "" starts a local cluster."""
     if wait_for_launcher:  # a child of `run`, started before the run directory was ready
         from rlhf_pipeline.launch import wait_for_launcher as wait
 
-        if not wait(command):
+        if not wait(command, prepares=status_fd is not None):
             return 0  # run's checks failed or it was interrupted; it says why
     if collectors < 1:
         raise PipelineError(f"--collectors must be >= 1, got {collectors}")
@@ -116,12 +127,21 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+    if command == "learn" and status_fd is not None:
+        return prepare_for_launcher(module, settings, paths, collectors, status_fd)
     pipeline = build_pipeline(module, settings, paths)
+    paths = with_buffer_url(paths, pipeline)
     _set_threads(pipeline)
     if command == "collect":
-        prepare_run(pipeline, paths, shards=(collector_index,))
+        if not wait_for_launcher:  # under `run`, the learner prepared the run directory before "go"
+            prepare_run(pipeline, paths, shards=(collector_index,))
         return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
     if command == "learn":
+        ranks = pipeline.learner.world_size
+        if ranks > 1 and "WORLD_SIZE" not in os.environ:  # before the run directory is prepared
+            raise PipelineError(f"learner.world_size={ranks} needs {ranks} learner processes: `rlhf-pipeline run` "
+                                f"starts them, or start `learn` with torchrun --nproc-per-node {ranks} -m "
+                                f"rlhf_pipeline.cli.main learn ...")
         prepare_run(pipeline, paths)
         return learn_main(pipeline, paths)
     raise PipelineError(f"unknown command {command!r}")
@@ -129,17 +149,88 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
 
 def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, steps: int | None,
             device: str | None, overrides: Sequence[str], collectors: int) -> int:
-    """``run``: starts the children, prepares the run directory meanwhile, then lets them go."""
-    # the children import torch & co. while this process checks and prepares (launch.py)
-    children = _start_children(pipeline_path, steps, paths, device, overrides, collectors)
+    """``run``: checks what it can without torch, starts the children, waits while the learner
+    prepares the run directory (collectors go once it exists), then watches them."""
+    check_settings(module, settings)
+    children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
+                               learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1))
     try:
-        pipeline = build_pipeline(module, settings, paths)
-        _set_threads(pipeline)  # before the warm start
-        prepare_run(pipeline, paths, shards=range(collectors))
+        wait_for_preparation(children)
     except BaseException:
         children.abandon()
         raise
     return _run_both(paths, collectors, children)
+
+
+def check_settings(module: Any, settings: Any) -> None:
+    """The pipeline file's optional ``check(settings)``: settings checks that need no torch, so
+    ``run`` reports them at once, before any process starts. ValueError counts as PipelineError."""
+    check = getattr(module, "check", None)
+    if check is None:
+        return
+    try:
+        check(settings)
+    except PipelineError:
+        raise
+    except ValueError as exc:
+        raise PipelineError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def wait_for_preparation(children: Any) -> None:
+    """Launcher side of :func:`prepare_for_launcher`: lets the collectors go once the run directory
+    exists, returns once weights version 0 is published; raises the learner's error as ``run``'s."""
+    from rlhf_pipeline.launch import ERROR, PREPARED, READY
+
+    for event in (PREPARED, READY):
+        report = children.wait_for_learner(event)
+        if report is None:
+            code = children.learner.wait()
+            raise RunError(f"the learner exited while preparing the run (exit code {code}); see its error above")
+        if report["event"] == ERROR:
+            raise _learner_error(report)
+        if event == PREPARED:
+            # the collectors build their side and wait for weights version 0
+            children.go(list(children.collectors.values()))
+    children.go()  # the other learner ranks start from version 0 (rank 0 needs no "go")
+
+
+def _learner_error(report: dict) -> Exception:
+    """The exception the learner reported, as ``run`` would have raised it itself."""
+    from rlhf_pipeline.state_files import StateFileError
+
+    kind, message = report.get("kind"), report.get("message", "")
+    if report.get("errno") is not None:
+        return OSError(report["errno"], report.get("strerror"), report.get("filename"))
+    classes = {"PipelineError": PipelineError, "RunError": RunError, "StateFileError": StateFileError}
+    return classes.get(kind, RunError)(message)
+
+
+def prepare_for_launcher(module: Any, settings: Any, paths: RunPaths, collectors: int, status_fd: int) -> int:
+    """The learner child of ``run``: builds the pipeline (checks, preflight), prepares the run
+    directory for ``collectors`` shards, warm-starts and publishes weights version 0, reporting
+    each stage to ``run`` on ``status_fd``; then learns. A failed check is reported, not printed
+    (``run`` prints it), and exits 2."""
+    from rlhf_pipeline.launch import PREPARED, READY, LauncherReports
+    from rlhf_pipeline.state_files import StateFileError
+
+    reports = LauncherReports(status_fd)
+    try:
+        try:
+            pipeline = build_pipeline(module, settings, paths)
+            paths = with_buffer_url(paths, pipeline)
+            _set_threads(pipeline)  # before the warm start
+            prepare_run_directory(pipeline, paths, shards=range(collectors))
+        except (PipelineError, RunError, StateFileError, OSError) as exc:
+            if reports.error(exc):
+                return 2
+            raise  # the launcher is gone: say it here
+        reports.send(PREPARED)
+        publish_initial_policy(pipeline, paths)
+        reports.send(READY)
+        reports.close()
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the launcher reports it
+        return 130
+    return learn_main(pipeline, paths)
 
 
 def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
@@ -158,9 +249,20 @@ def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
     return pipeline
 
 
+def with_buffer_url(paths: RunPaths, pipeline: Pipeline) -> RunPaths:
+    """``paths`` with the pipeline's ``buffer_url`` (the buffer on object storage), checked."""
+    url = pipeline.buffer_url
+    if not url:
+        return paths
+    if "://" not in url:
+        raise PipelineError(f"setting 'buffer_url' must be a URL such as s3://bucket/run/buffer, got {url!r}; "
+                            f"leave it unset to keep the buffer in the run directory")
+    return dataclasses.replace(paths, buffer_url=url)
+
+
 def _terminated_while_preparing(signum, frame) -> None:
-    print("[run] interrupted (SIGTERM) while preparing the run directory, before the learner and "
-          "collectors started; run the same command again", file=sys.stderr, flush=True)
+    print("[run] interrupted (SIGTERM) while preparing the run, before the first learner step; "
+          "run the same command again", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 
@@ -208,8 +310,13 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
     ``shards``: the collectors whose buffer shards (``buffer/shard-kkkk``) must exist. A run
     made before shards keeps its single-store ``buffer/``, which takes collector 0 only.
     """
-    from rlhf_pipeline.weights import latest_version, publish_weights
+    prepare_run_directory(pipeline, paths, shards)
+    publish_initial_policy(pipeline, paths)
 
+
+def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> None:
+    """``settings.json`` (checked against a previous start), the pipeline file's copy and the
+    buffer shards of ``shards``; no model."""
     with _run_lock(paths):
         current = settings_to_json(pipeline.settings)
         if paths.settings_file.exists():
@@ -231,6 +338,8 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
                     f"run directory {paths.root} has a single-store buffer (made before buffer shards), "
                     f"which takes one collector; collector(s) {extra} need a new run (--run-name NAME)"
                 )
+        elif paths.buffer_url:
+            _create_url_shards(pipeline, paths, shards)
         else:
             for index in shards:
                 shard = paths.shard(index)
@@ -238,10 +347,46 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
                     shard.parent.mkdir(parents=True, exist_ok=True)
                     store = pipeline.create_buffer(shard)
                     store.close()
+
+
+def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> None:
+    """Builds the initial policy (``make_policy``: the warm start) and publishes it as weights
+    version 0, unless a version exists. Under the run lock, so two processes never both build it."""
+    from rlhf_pipeline.weights import latest_version, publish_weights
+
+    with _run_lock(paths):
         if latest_version(paths.root) is None:
             print(f"[run] building the initial policy in {paths.root}", file=sys.stderr, flush=True)
             model = pipeline.make_policy()
             publish_weights(paths.root, model.state_dict(), 0)
+
+
+def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:
+    """Creates the shards under ``buffer_url`` that hold no store yet (one listing of the prefix)."""
+    from rlhf_pipeline.storage.buffers import list_shards
+
+    existing = {index for index, location in list_shards(paths.buffer_location) if _is_store(location)}
+    for index in shards:
+        if index in existing:
+            continue
+        store = pipeline.create_buffer(paths.shard_location(index))
+        backend = getattr(store, "backend_name", None)
+        store.close()
+        if backend != "zarr":
+            raise PipelineError(f"setting 'buffer_url' ({paths.buffer_url}) needs Zarr buffer shards, but the "
+                                f"pipeline's create_buffer made a {backend!r} store; use a Zarr buffer "
+                                f"(--set buffer_backend=zarr in pipelines/default.py) or drop buffer_url")
+
+
+def _is_store(location: str) -> bool:
+    from rlhf_pipeline.storage import detect_backend
+    from rlhf_pipeline.storage.errors import NotAStoreError
+
+    try:
+        detect_backend(location)
+        return True
+    except NotAStoreError:
+        return False  # a prefix a killed create left without its commit record: created again
 
 
 def _keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
@@ -308,13 +453,20 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     stop = StopFlag()
     tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
     state_file = paths.collector_state(collector_index)
-    store_path = paths.buffer if paths.single_store_buffer else paths.shard(collector_index)
-    store = open_store(str(store_path), mode="a")  # the writer lock: one collector per shard
+    store_path = str(paths.buffer) if paths.single_store_buffer else paths.shard_location(collector_index)
+    # the writer lock: one collector per shard; on an object store, a predecessor that died on
+    # another machine holds it until its lease runs out, which is waited for
+    lock_wait = {"lock_wait_s": pipeline.buffer_lock_wait_s} if paths.buffer_url else {}
+    store = open_store(store_path, mode="a", **lock_wait)
     done = 0
     try:
         model = pipeline.make_model()
         poller = poller if poller is not None else WeightsPoller(paths.root)
-        state, version = _wait_for_weights(poller, stop)
+        update = _wait_for_weights(poller, stop)
+        if update is None:  # stopped while the learner warm-started: nothing written yet
+            print(f"{tag} stopped before any policy weights were published", file=sys.stderr, flush=True)
+            return stop.exit_code()
+        state, version = update
         model.load_state_dict(state)
         collector = _make_collector(pipeline, model, store, collector_index)
         # prompt position, id counters and sampling RNG: no prompt skipped or repeated, even
@@ -330,7 +482,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         rounds_at_version = 0
         # generate no more than the learner will take in, plus collect_rounds_ahead rounds
         # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
-        pacer = CollectorPacer(paths.pacing, shard_key(store_path, paths.buffer), pipeline.collect_rounds_ahead,
+        key = shard_key(store_path, paths.buffer) if not paths.buffer_url else f"shard-{collector_index:04d}"
+        pacer = CollectorPacer(paths.pacing, key, pipeline.collect_rounds_ahead,
                                round_rows=_round_rows(collector), learner_expected=stop.launcher_fd is not None)
         metrics = MetricsWriter(paths.collector_metrics(collector_index))
         waited = paced_total = 0.0
@@ -418,13 +571,14 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
 
 
 def _wait_for_weights(poller, stop: StopFlag):
+    """The first published weights, or None when asked to stop before there were any."""
     while True:
         update = poller.poll()
         if update is not None:
             return update
         if stop.event.is_set():
-            raise RunError("stopped before any policy weights were published")
-        time.sleep(0.2)
+            return None
+        time.sleep(0.05)  # the first round waits on this: poll often (a directory listing)
 
 
 def _should_stop(stop: StopFlag, paths: RunPaths) -> bool:
@@ -466,7 +620,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
 
 # ====================================================================== both
 def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
-                    overrides: Sequence[str], collectors: int):
+                    overrides: Sequence[str], collectors: int, learner_ranks: int = 1):
     """Starts the collectors and the learner, which import their modules and wait for ``go``."""
     from rlhf_pipeline.launch import Children
 
@@ -480,20 +634,26 @@ def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, devi
     learner_steps = ["--steps", str(steps)] if steps is not None else []
     launcher = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
     # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
-    return Children.start(launcher, common, learner_steps, collectors)
+    return Children.start(launcher, common, learner_steps, collectors, learner_ranks)
 
 
 def _run_both(paths: RunPaths, collectors: int, children) -> int:
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
-    collector_procs, learner = children.collectors, children.learner
+    from rlhf_pipeline.launch import stop_ranks
+
+    collector_procs, learner, ranks = children.collectors, children.learner, children.learners
     stop_write = children.stop_write
     print(f"[run] run directory {paths.root}" + (f" with {collectors} collectors" if collectors > 1 else ""),
           file=sys.stderr, flush=True)
     signals = LauncherSignals()  # before the children go, so no signal is missed
     try:
         children.go()
-        processes = [*collector_procs.values(), learner]
+        processes = [*collector_procs.values(), *ranks]
         while not signals.received and learner.poll() is None:
+            if any(p.poll() not in (None, 0) for p in ranks):
+                # a failed data-parallel rank leaves the others in a collective that never ends
+                stop_ranks(ranks)
+                break
             for k, p in collector_procs.items():
                 code = p.poll()
                 if code is None or (code == 0 and paths.stop_file.exists()):
@@ -516,7 +676,9 @@ def _run_both(paths: RunPaths, collectors: int, children) -> int:
     finally:
         signals.restore()
         os.close(stop_write)
-    learner_code = learner.returncode
+    for p in ranks[1:]:  # rank 0 is done: the others end with it
+        wait_quietly(p, timeout=60.0)
+    learner_code = next((p.returncode for p in ranks if p.returncode not in (0, None)), learner.returncode)
     failed = {k: p.returncode for k, p in collector_procs.items() if p.returncode not in (0, 130, 143)}
     if learner_code == 0 and not failed:  # the learner took every step, even if a signal came late
         _print_summary(paths)
@@ -541,9 +703,10 @@ def _checkpoint_step(paths: RunPaths) -> int | None:
 
 
 def _print_summary(paths: RunPaths) -> None:
-    from rlhf_pipeline.learn.metrics import read_metrics
-
-    records = read_metrics(paths.metrics)
+    # metrics.jsonl read here, not with learn.metrics.read_metrics: that module imports torch,
+    # which would cost the launcher seconds after the learner is done
+    lines = paths.metrics.read_text(encoding="utf-8").splitlines() if paths.metrics.exists() else []
+    records = [json.loads(line) for line in lines if line.strip()]
     if not records:
         return
     rewards = [r.get("charts/reward_mean") for r in records if "charts/reward_mean" in r]

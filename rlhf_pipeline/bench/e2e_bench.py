@@ -26,7 +26,9 @@ times and each figure is the median, with every run's value under ``runs``):
 
 The table adds the pipeline's figures over the synchronous loop's. What to expect on 2 CPU
 cores: the pipeline can at best hide the shorter of generation and training behind the
-longer, and it pays for a second process's start-up; see ``benchmarks/README.md``.
+longer; its two processes import torch & co. at once, one per core, so it reaches its first
+step about when the synchronous loop does (``run`` itself imports no torch); see
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations

@@ -75,14 +75,16 @@ BACKENDS: dict[str, str] = {
     "torchrl-lazymemmap": "rlhf_pipeline.bench.baselines:TorchRLLazyMemmapBackend",
     "zarr": "rlhf_pipeline.bench.zarr_backend:ZarrBackend",
     "zarr-s3": "rlhf_pipeline.bench.zarr_backend:RemoteZarrBackend",  # at --location
+    "zarr-s3-throttled": "rlhf_pipeline.bench.zarr_backend:ThrottledRemoteZarrBackend",  # reader refresh <= 1/s
 }
 # what runs without --backends (a variant that only repeats a point can stay out of it)
 DEFAULT_BACKENDS: tuple[str, ...] = ("raw-numpy", "raw-numpy-fsync", "memmap", "memmap-nofsync",
                                      "torchrl-lazystack", "torchrl-lazymemmap", "zarr")
 # backends that need --location (an object store); the rest run anywhere
-REMOTE_BACKENDS: tuple[str, ...] = ("zarr-s3",)
+REMOTE_BACKENDS: tuple[str, ...] = ("zarr-s3", "zarr-s3-throttled")
 # with --location: the remote store beside the local ones it is compared with
-LOCATION_BACKENDS: tuple[str, ...] = ("raw-numpy", "raw-numpy-fsync", "memmap", "zarr", "zarr-s3")
+LOCATION_BACKENDS: tuple[str, ...] = ("raw-numpy", "raw-numpy-fsync", "memmap", "zarr", "zarr-s3",
+                                      "zarr-s3-throttled")
 BASELINE = "raw-numpy"
 # writes compare with the raw baseline that does the same durability work: a store that
 # fsyncs every append against raw files fsynced after every batch

@@ -35,11 +35,14 @@ def ZarrBackend() -> TrajectoryStoreBackend:
 class RemoteZarrBackend(_ZarrStoreBackend):
     """The Zarr store at an object-store URL (``bench storage --location s3://...``), under a fresh
     prefix per run that is deleted afterwards. Appends go through the writer; batches are sampled
-    by a second, read-only store that refreshes its commit record before every batch, as a
-    learner in another process does (one GET per batch), from its decoded-unit cache."""
+    by a second, read-only store asked to refresh before every batch, as a learner in another
+    process does, from its decoded-unit cache. ``refresh_interval_s=0`` (``zarr-s3``) re-reads
+    the commit record every time (one GET per batch); ``zarr-s3-throttled`` keeps the reader's
+    default for object stores (at most one GET per second)."""
 
-    def __init__(self):
-        super().__init__("zarr-s3", self._create_remote)
+    def __init__(self, name: str = "zarr-s3", refresh_interval_s: float | None = 0.0):
+        super().__init__(name, self._create_remote)
+        self._refresh_interval_s = refresh_interval_s
 
     def setup(self, directory: Path, spec) -> None:
         import uuid
@@ -60,8 +63,9 @@ class RemoteZarrBackend(_ZarrStoreBackend):
         if self._reader is None:
             from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
 
-            self._reader = ZarrTrajectoryStore.open(self._url, storage_options=self._options)
-        len(self._reader)  # a read-only store refreshes here
+            self._reader = ZarrTrajectoryStore.open(self._url, storage_options=self._options,
+                                                    refresh_interval_s=self._refresh_interval_s)
+        len(self._reader)  # a read-only store refreshes here (or not, within its interval)
         return self._collator.read(self._reader, positions)
 
     def disk_bytes(self) -> int:
@@ -81,3 +85,8 @@ class RemoteZarrBackend(_ZarrStoreBackend):
         finally:
             fs, path = fsspec.core.url_to_fs(self._url, **object_store_options(self._options))
             fs.rm(path, recursive=True)
+
+
+def ThrottledRemoteZarrBackend() -> RemoteZarrBackend:
+    """``zarr-s3`` with the reader's default refresh interval on an object store (1 s)."""
+    return RemoteZarrBackend("zarr-s3-throttled", refresh_interval_s=None)

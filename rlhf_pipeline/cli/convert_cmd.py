@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from rlhf_pipeline.cli.progress import progress_reporter
-    from rlhf_pipeline.storage.buffers import is_sharded_buffer, list_shards, shard_path
+    from rlhf_pipeline.storage.buffers import is_sharded_buffer, list_shards, shard_location
     from rlhf_pipeline.storage.errors import StoreError, StoreNotFoundError
 
     options = {}
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if os.path.exists(args.dst) and (not os.path.isdir(args.dst) or os.listdir(args.dst)):
             print(f"rlhf-pipeline convert: {args.dst} already holds files; choose a new path", file=sys.stderr)
             return 2
-        pairs = [(str(path), str(shard_path(args.dst, index))) for index, path in list_shards(args.src)]
+        pairs = [(path, shard_location(args.dst, index)) for index, path in list_shards(args.src)]
     else:
         pairs = [(args.src, args.dst)]
 

@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         # "import, then wait for the launcher's go"
         parser.add_argument("--stop-fd", type=int, default=None, help=argparse.SUPPRESS)
         parser.add_argument("--wait-for-launcher", action="store_true", help=argparse.SUPPRESS)
+    if name == "learn":
+        # set by `run` for its learner, which prepares the run for `run`'s collectors and
+        # reports on this pipe (rlhf_pipeline/launch.py)
+        parser.add_argument("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
+        parser.add_argument("--collectors", type=int, default=1, help=argparse.SUPPRESS)
 
 
 # OS errors a user can cause and fix (a read-only or full disk, a path that is a file...):
@@ -84,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             stop_fd=getattr(args, "stop_fd", None),
             wait_for_launcher=getattr(args, "wait_for_launcher", False),
             ray_address=getattr(args, "ray", None),
+            status_fd=getattr(args, "status_fd", None),
         )
     except (PipelineError, RunError, StateFileError) as exc:
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)

@@ -1,51 +1,76 @@
 """Data-parallel learner ranks: N processes train one policy over one run directory and buffer.
 
-Started by ``torchrun --nproc-per-node N -m rlhf_pipeline.cli.main learn PIPELINE.py``, which
-sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and the rendezvous address) in each
-process; :meth:`DataParallel.from_torchrun_env` reads them. Without them there is one rank and
+Started by ``torchrun --nproc-per-node N -m rlhf_pipeline.cli.main learn PIPELINE.py``, or by
+``run`` and ``replay`` with ``learner.world_size=N`` (``launch.rank_environments``), which set
+``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and the rendezvous address) in each process;
+:meth:`DataParallel.from_torchrun_env` reads them. Without them there is one rank and
 every method here is the identity, so the single-process learner pays nothing.
 
 What makes N ranks train exactly like one:
 
-* **The same draws.** Every rank builds the same sampler from the shared seed, so draw ``d``
-  names the same global positions on every rank (``learner.batch_size`` stays the global
-  batch). Each rank reads only its own contiguous slice of them (:meth:`local_positions`).
-  Before each step the ranks compare a fingerprint of the draw (:meth:`check_same_draw`) and
-  stop with an error if they disagree (a sampler that saw a different buffer), rather than
-  train on overlapping rows.
+* **The same draws.** Only rank 0 draws: its sampler alone watches the buffer grow and decides
+  staleness drops, epochs and pacing (``learner.batch_size`` stays the global batch). It shares
+  each draw, with the lasting names (shard, row id) of its rows, with one
+  ``broadcast_object_list`` on the main thread (:meth:`share_draw`), and every rank reads only
+  its own contiguous slice (:meth:`local_positions`, :meth:`local_names`) from its own view of
+  the same buffer, refreshed until it holds those rows (:meth:`positions_in_view`). So the
+  ranks train on rank 0's rows while collectors write, and the checkpointed sampler state is
+  rank 0's. When rank 0 has no draw to give (stopped, or its draw failed) it shares a
+  :class:`MainStopped`, so no rank waits forever.
 * **The same loss.** The loss is normalized by the *global* batch: every rank weighs its
   micro-batches by their share of the global response tokens (``token_mean``) or rows (the
   other aggregations), counted with one all-reduce (:meth:`sum_counts`). The sum over ranks
-  of the weighted micro-batch losses is then the 1-rank loss of the whole batch. DDP
-  averages gradients over ranks, so each rank scales its loss by ``world_size``
-  (:attr:`loss_scale`); gradients are all-reduced once per step, on the last micro-batch
-  (:meth:`sync_unless`, DDP's ``no_sync`` before it).
+  of the weighted micro-batch losses is then the 1-rank loss of the whole batch. DDP (and
+  FSDP) average gradients over ranks, so each rank scales its loss by ``world_size``
+  (:attr:`loss_scale`); gradients are reduced once per step, on the last micro-batch
+  (:meth:`sync_unless`).
 * **Every rank takes part in every step.** A rank whose slice is empty (a global batch
   smaller than the number of ranks, an epoch's short last batch) or whose rows all went
   stale trains on a *filler*: one row of its batch with loss weight 0, so DDP's all-reduce
   still runs on every rank and adds nothing.
 
+``parallelism="fsdp"`` shards the model with FSDP2 instead of DDP (``learn/fsdp.py``).
+
 Only rank 0 writes: weights, checkpoints, metrics, TensorBoard, ``pacing.json``. Every rank
-loads the same newest checkpoint, which holds the global draw count and the unwrapped
-model, so a checkpoint resumes with any number of ranks. Backend: gloo on CPU, NCCL on CUDA
-(rank ``r`` uses ``cuda:LOCAL_RANK``).
+loads the same newest checkpoint, which holds the global draw count and the whole model and
+optimizer state (:meth:`model_state`, :meth:`optimizer_state`), so a checkpoint resumes with
+any number of ranks and either parallelism. Backend: gloo on CPU, NCCL on CUDA (rank ``r``
+uses ``cuda:LOCAL_RANK``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
+import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlhf_pipeline.learn.sampling import DataTimeoutError
+from rlhf_pipeline.learn.shard_rows import RowNames, positions_of
+
 #: the per-row flag of a filler batch (see the module docstring): its rows carry no loss
 FILLER_KEY = "data_parallel_filler"
+
+
+@dataclass
+class MainStopped:
+    """What rank 0 shares instead of a draw when it has none to give (stopped, or its draw failed)."""
+
+    interrupted: bool  # a stop request: every rank stops cleanly
+    message: str = ""
+
+    def raise_here(self) -> None:
+        if self.interrupted:
+            raise InterruptedError("rank 0 stopped drawing")
+        raise RuntimeError(f"data-parallel rank 0 failed to draw the next batch: {self.message}")
 
 
 @dataclass
@@ -55,6 +80,7 @@ class DataParallel:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    parallelism: str = "ddp"  # or "fsdp" (learn/fsdp.py): the learner sets it from learner.parallelism
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size or self.local_rank < 0:
@@ -88,8 +114,13 @@ class DataParallel:
         return self.rank == 0
 
     @property
+    def sharded(self) -> bool:
+        """FSDP over several ranks: the model, its gradients and optimizer state are sharded."""
+        return self.enabled and self.parallelism == "fsdp"
+
+    @property
     def loss_scale(self) -> float:
-        """DDP averages gradients over ranks; the losses here are already global shares, so undo it."""
+        """DDP and FSDP average gradients over ranks; the losses here are already global shares, so undo it."""
         return float(self.world_size)
 
     # ------------------------------------------------------------------ process group
@@ -115,9 +146,14 @@ class DataParallel:
             self._started_here = False
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-        """The module forward/backward run through: DDP over the ranks, or ``model`` itself."""
+        """The module forward/backward run through: DDP over the ranks, ``model`` sharded in place
+        (FSDP2), or ``model`` itself."""
         if not self.enabled:
             return model
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import shard_model
+
+            return shard_model(model)
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device_for(device).index] if device.type == "cuda" else None
@@ -144,19 +180,37 @@ class DataParallel:
     def is_filler(batch: TensorDict) -> bool:
         return FILLER_KEY in batch.keys() and bool(batch[FILLER_KEY].all())
 
-    def check_same_draw(self, draw: int, positions: torch.Tensor) -> None:
-        """Raises on every rank when the ranks drew different global positions for ``draw``."""
+    def share_draw(self, item: Any) -> Any:
+        """Rank 0's ``item`` on every rank (one ``broadcast_object_list``): a draw, i.e. what rank
+        0's sampler decided and the lasting names of its rows, or a :class:`MainStopped`."""
         if not self.enabled:
-            return
-        digest = hashlib.blake2b(positions.to(torch.int64).numpy().tobytes(), digest_size=7).digest()
-        mine = torch.tensor([draw, int.from_bytes(digest, "little")], dtype=torch.int64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine)
-        if any(not torch.equal(other, mine) for other in everyone):
-            raise RuntimeError(
-                f"data-parallel ranks drew different rows for draw {draw}: their samplers saw different "
-                f"buffers (a sampler that waits for new rows while collectors write). Train over a recorded "
-                f"buffer (learner.sampler=epoch, or window/groups with learner.new_rows_per_step=0), or one rank")
+            return item
+        box = [item if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def local_names(self, names: RowNames) -> tuple[RowNames, bool]:
+        """This rank's contiguous slice of a draw's row names, as :meth:`local_positions` slices positions."""
+        index, filler = self.local_positions(torch.arange(names.ids.shape[0]))
+        return names.select(index.numpy()), filler
+
+    @staticmethod
+    def positions_in_view(store, names: RowNames, *, stop: threading.Event, timeout_s: float) -> torch.Tensor:
+        """Positions of ``names`` in this rank's view of the buffer, refreshed until it holds every
+        one of them: rank 0 may have drawn rows published after this rank's last refresh."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            store.refresh()
+            positions = positions_of(store, names)
+            if positions is not None:
+                return positions
+            if stop.is_set():
+                raise InterruptedError("data-parallel rank stopped while waiting for rank 0's rows")
+            if time.monotonic() > deadline:
+                raise DataTimeoutError(f"this data-parallel rank's view of {store.location} lacked rows rank 0 "
+                                       f"drew for {timeout_s:.0f}s (learner.data_timeout_s): is the buffer on a "
+                                       f"file system every rank sees the same way?")
+            time.sleep(0.01)
 
     # ------------------------------------------------------------------ reductions
     def any_rank(self, flag: bool) -> bool:
@@ -207,10 +261,52 @@ class DataParallel:
         return TensorDict(merged, batch_size=[int(next(iter(merged.values())).shape[0])])
 
     def sync_unless(self, model: torch.nn.Module, accumulating: bool) -> contextlib.AbstractContextManager:
-        """DDP's ``no_sync`` while ``accumulating`` micro-batches; the last one all-reduces gradients."""
+        """No gradient sync while ``accumulating`` micro-batches (DDP's ``no_sync``, FSDP's
+        ``set_requires_gradient_sync``); the last one reduces gradients over the ranks."""
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import set_gradient_sync
+
+            set_gradient_sync(model, not accumulating)
+            return contextlib.nullcontext()
         if self.enabled and accumulating:
             return model.no_sync()
         return contextlib.nullcontext()
+
+    def micro_batch_count(self, count: int) -> int:
+        """How many micro-batches every rank runs this step: FSDP gathers parameters in every
+        forward and backward, so all ranks run the most any has (the others repeat one with weight 0)."""
+        if not self.sharded:
+            return count
+        box = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return int(box.item())
+
+    # ------------------------------------------------------------------ whole states (files)
+    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state dict for weights and checkpoints; gathered to rank 0 under FSDP
+        (every rank must call it then; the others get an empty dict)."""
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import full_model_state
+
+            return full_model_state(model)
+        return model.state_dict()
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole optimizer state in ``optimizer.state_dict()``'s layout (see :meth:`model_state`)."""
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import full_optimizer_state
+
+            return full_optimizer_state(model, optimizer)
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        if self.sharded:
+            from rlhf_pipeline.learn.fsdp import load_optimizer_state
+
+            load_optimizer_state(model, optimizer, state)
+        else:
+            optimizer.load_state_dict(state)
 
     def from_main(self, value: int) -> int:
         """Rank 0's ``value`` on every rank (a published weight version: only rank 0 reads the disk)."""

@@ -50,7 +50,7 @@ from rlhf_pipeline.learn.checkpoint import (
     capture_rng_state,
     restore_rng_state,
 )
-from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.distributed import DataParallel, MainStopped
 from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss
 from rlhf_pipeline.learn.metrics import (
     MetricsWriter,
@@ -107,6 +107,7 @@ class Learner:
         self.total_steps = steps
         self.seed = seed
         self.data_parallel = data_parallel or DataParallel()
+        self.data_parallel.parallelism = settings.parallelism  # ddp or fsdp, with several ranks
         if self.data_parallel.enabled and settings.priority_feedback != "none":
             # each rank holds only its own rows' feedback; the shared draw would need all of it
             raise ValueError("learner setting 'priority_feedback' is not supported with several data-parallel "
@@ -117,11 +118,12 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.stop_event = stop_event or threading.Event()
         self.show_progress = show_progress
-        self.buffer = str(buffer) if buffer is not None else str(paths.buffer)
+        self.buffer = str(buffer) if buffer is not None else paths.buffer_location
         self.batch_transform = batch_transform
         self.on_step = on_step
         self.checkpoints = CheckpointManager(paths.checkpoints, keep_last=settings.keep_checkpoints)
         self._prefetcher: Prefetcher | None = None
+        self._ready = False
         self._store = None
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
@@ -194,7 +196,7 @@ class Learner:
                                            weight_decay=s.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(s, self.total_steps))
         if checkpoint is not None:
-            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.data_parallel.load_optimizer_state(self.model, self.optimizer, checkpoint["optimizer"])
             self.scheduler.load_state_dict(checkpoint["scheduler"])
 
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
@@ -223,9 +225,7 @@ class Learner:
         collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None,
                                   index_dtype=torch.int32)
 
-        def produce(draw: int):
-            sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
-            positions, filler = self.data_parallel.local_positions(sampled.positions)  # this rank's slice
+        def read(positions: torch.Tensor, filler: bool):
             batch = collator.read(self._store, positions)
             if self.batch_transform is not None:
                 batch = self.batch_transform(positions, batch)
@@ -233,10 +233,17 @@ class Learner:
                     batch = batch.pin_memory()
             if self.data_parallel.enabled:
                 batch = self.data_parallel.mark_filler(batch, filler)
-            return sampled, batch
+            return batch
 
-        self._prefetcher = Prefetcher(self._naming_rows(produce), self.progress.draws,
-                                      depth=self.settings.prefetch_depth, stop=self.stop_event)
+        def produce(draw: int):
+            sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
+            return sampled, read(*self.data_parallel.local_positions(sampled.positions))  # this rank's slice
+
+        self._read_rows = read
+        if self.data_parallel.is_main:  # the other ranks take rank 0's draws (_next_draw)
+            self._prefetcher = Prefetcher(self._naming_rows(produce), self.progress.draws,
+                                          depth=self.settings.prefetch_depth, stop=self.stop_event)
+        self._ready = True
 
     def _naming_rows(self, produce: Callable[[int], tuple[Any, Any]]) -> Callable[[int], tuple[Any, ...]]:
         """``produce`` plus what outlives the store's next refresh, taken on the prefetch thread
@@ -259,17 +266,16 @@ class Learner:
 
         Returns True when all ``steps`` were taken.
         """
-        assert self._prefetcher is not None, "call setup() first"
+        assert self._ready, "call setup() first"
         waited = 0.0
         until = self.total_steps if max_steps is None else min(self.total_steps, self.progress.step + max_steps)
         on_wait = self._pacing.waiting if self.data_parallel.is_main else None
         while self.progress.step < until and not self.data_parallel.any_rank(self.stop_event.is_set()):
             try:
-                draw, (sampled, batch, names, intake), wait = self._prefetcher.next(on_wait=on_wait)
+                draw, (sampled, batch, names, intake), wait = self._next_draw(on_wait)
             except InterruptedError:
                 break
             assert draw == self.progress.draws, (draw, self.progress.draws)
-            self.data_parallel.check_same_draw(draw, sampled.positions)
             waited += wait
             self.progress.draws += 1
             self.progress.buffer_next_row = sampled.buffer_next_row
@@ -337,6 +343,36 @@ class Learner:
                       f"command again to resume", file=sys.stderr, flush=True)
         return finished
 
+    def _next_draw(self, on_wait: Callable[[], None] | None):
+        """``(draw, (sampled, batch, names, intake), seconds waited)`` from the prefetch thread. With
+        several ranks only rank 0 draws (its sampler alone sees the buffer grow, decides staleness
+        drops, epochs and pacing) and shares the draw; every other rank reads its own slice of the
+        named rows from its view of the same buffer, refreshed until it holds them."""
+        dp = self.data_parallel
+        if not dp.enabled:
+            return self._prefetcher.next(on_wait=on_wait)
+        start = time.perf_counter()
+        if dp.is_main:
+            try:
+                draw, (sampled, batch, names, intake), _ = self._prefetcher.next(on_wait=on_wait)
+            except InterruptedError:
+                dp.share_draw(MainStopped(interrupted=True))
+                raise
+            except Exception as exc:
+                dp.share_draw(MainStopped(interrupted=False, message=f"{type(exc).__name__}: {exc}"))
+                raise
+            # the sampler state stays here: only rank 0 checkpoints it
+            dp.share_draw((draw, dataclasses.replace(sampled, sampler_state={}), names, intake))
+            return draw, (sampled, batch, names, intake), time.perf_counter() - start
+        shared = dp.share_draw(None)
+        if isinstance(shared, MainStopped):
+            shared.raise_here()
+        draw, sampled, names, intake = shared
+        mine, filler = dp.local_names(names)
+        positions = dp.positions_in_view(self._store, mine, stop=self.stop_event,
+                                         timeout_s=self.settings.data_timeout_s)
+        return draw, (sampled, self._read_rows(positions, filler), names, intake), time.perf_counter() - start
+
     def _fresh_mask(self, batch) -> np.ndarray:
         """Which rows of ``batch`` are within ``max_staleness`` versions of the learner now: the
         version may have moved since the batch was sampled."""
@@ -395,21 +431,26 @@ class Learner:
         feedback_kind = s.priority_feedback if self._feedback else None
         row_feedback = torch.zeros(batch.batch_size[0]) if feedback_kind else None  # (B,) in batch order
         micro_batches = split_microbatches_with_rows(batch, s.micro_batch_tokens)
-        for i, (rows, micro) in enumerate(micro_batches):
+        count = dp.micro_batch_count(len(micro_batches))  # FSDP: as many on every rank
+        for i in range(count):
+            repeat = i >= len(micro_batches)  # only to take part in FSDP's gathers: weight 0
+            rows, micro = micro_batches[min(i, len(micro_batches) - 1)]
             micro_tokens = int(micro["masks", "response"].sum())
             weight = micro_tokens / max(total_tokens, 1) if token_mean else micro.batch_size[0] / total_rows
-            weight = 0.0 if filler else weight
-            with dp.sync_unless(self.train_model, accumulating=i < len(micro_batches) - 1), self._autocast():
+            weight = 0.0 if filler or repeat else weight
+            with dp.sync_unless(self.train_model, accumulating=i < count - 1), self._autocast():
                 loss, stats = grpo_step_loss(self.train_model, micro, temperature=s.temperature,
                                              row_feedback=feedback_kind, **loss_options)
                 (loss * (weight * dp.loss_scale)).backward()
-            if row_feedback is not None:
+            if row_feedback is not None and not repeat:
                 row_feedback[rows] = stats.pop("row_feedback").float().cpu()
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * weight
         sums = dp.sum_metrics(sums)
         clip = s.max_grad_norm if s.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the same on every rank
+            grad_norm = grad_norm.full_tensor()
         lr_used = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -459,18 +500,23 @@ class Learner:
         dp = self.data_parallel
         published = latest_version(self.paths.root) if dp.is_main else None
         version = dp.from_main(max(self.progress.policy_version, published if published is not None else -1) + 1)
-        if dp.is_main:  # the ranks' weights are identical: rank 0 writes them
-            publish_weights(self.paths.root, self.model.state_dict(), version)
+        state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
+        if dp.is_main:  # rank 0 writes the weights
+            publish_weights(self.paths.root, state, version)
         self.progress.policy_version = version
         self.sampler.current_version = version
 
     # ================================================================== checkpoint
     def save_checkpoint(self) -> None:
+        # whole model and optimizer states, so a checkpoint resumes with any ranks and parallelism
+        # (under FSDP every rank takes part in gathering them to rank 0)
+        model_state = self.data_parallel.model_state(self.model)
+        optimizer_state = self.data_parallel.optimizer_state(self.model, self.optimizer)
         if not self.data_parallel.is_main:  # one checkpoint per run, written by rank 0
             return
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rng_state(),
             "buffer": self._store.state_dict() if self._store is not None else None,

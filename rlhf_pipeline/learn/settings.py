@@ -152,7 +152,12 @@ class LearnerSettings:
     mean |per-token policy loss|; ratio_deviation = the row's mean |ratio - 1| (how far the policy
     moved on it). Draw d then sees the feedback of every step up to draw d - 2."""
     world_size: int = 1
-    """Data-parallel learner ranks (learn/distributed.py): N learner actors under `--ray`."""
+    """Data-parallel learner ranks (learn/distributed.py) that `run` and `replay` start, or learner
+    actors under `--ray`."""
+    parallelism: str = "ddp"
+    """With several ranks: ddp = every rank holds the whole model (DistributedDataParallel);
+    fsdp = parameters, gradients and optimizer state sharded over the ranks (FSDP2 fully_shard
+    on each transformer block and the root), for models that do not fit one device."""
 
     def check(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -214,5 +219,7 @@ class LearnerSettings:
                                                "(the ratio is 1 by construction); use 'loss'")
         if self.world_size < 1:
             raise bad("world_size", f"must be >= 1 (got {self.world_size})")
+        if self.parallelism not in ("ddp", "fsdp"):
+            raise bad("parallelism", f"must be ddp or fsdp (got {self.parallelism!r})")
         if self.priority_alpha < 0 or self.priority_beta < 0:
             raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")

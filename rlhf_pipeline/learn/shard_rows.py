@@ -88,3 +88,33 @@ def union_positions(store, rows: dict[str, np.ndarray]) -> tuple[torch.Tensor, i
     gone += sum(len(rows[key]) for key in unknown)
     merged = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return torch.from_numpy(merged), gone
+
+
+def positions_of(store, names: RowNames) -> torch.Tensor | None:
+    """Positions (as of the last refresh) of the rows ``names`` names, in their order: the
+    inverse of :func:`row_names` in another process's view of the same buffer. None while the
+    view lacks one of them (a shard not seen yet, or a row published after the last refresh).
+    Raises when a row is no longer held (evicted since it was named)."""
+    start = 0
+    spans: dict[str, tuple[int, int, int]] = {}  # key -> (first union position, first id, next id)
+    for key, shard in shard_stores(store):
+        first, stop = int(shard.first_row), int(shard.next_row)
+        spans[key] = (start, first, stop)
+        start += stop - first
+    positions = np.empty(names.ids.shape[0], dtype=np.int64)
+    for index, key in enumerate(names.keys):
+        mine = names.shard == index
+        if not mine.any():
+            continue
+        if key not in spans:
+            return None
+        offset, first, stop = spans[key]
+        ids = names.ids[mine]
+        if int(ids.max()) >= stop:
+            return None
+        if int(ids.min()) < first:
+            raise RuntimeError(f"row {int(ids.min())} of shard {key!r} was evicted before this data-parallel rank "
+                               f"read it (the buffer holds rows from {first} on); give the buffer a larger "
+                               f"capacity_rows than the learner's draws run behind the collectors")
+        positions[mine] = ids - first + offset
+    return torch.from_numpy(positions)

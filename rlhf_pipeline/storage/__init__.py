@@ -98,7 +98,7 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
     """Opens a run's buffer directory, whatever its layout.
 
     A single store (one collector; runs made before shards) opens as with :func:`open_store`;
-    a directory of ``shard-NNNN`` stores (one per collector) opens as a read-only
+    a directory or URL prefix of ``shard-NNNN`` stores (one per collector) opens as a read-only
     :class:`~rlhf_pipeline.storage.sharded.ShardedStoreReader` over all of them, which also
     picks up shards created later. Appending goes to one shard: ``open_store(shard, mode="a")``.
     A saved selection (``rlhf-pipeline filter ... --selection``) opens as a read-only
@@ -110,7 +110,7 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
     location = str(location)
     if is_selection(location):
         return SelectionStore.open(location, mode=mode, **options)
-    if is_sharded_buffer(location):
+    if is_sharded_buffer(location, options.get("storage_options")):
         if mode != "r":
             raise ReadOnlyStoreError(
                 f"{location} holds one store per collector (shard-NNNN); the union is read-only. "

@@ -2,7 +2,8 @@
 
 Every command that takes a buffer (``inspect``, ``inspect --verify``, ``repair``,
 ``convert``) accepts the same things: a memmap directory, a Zarr store (directory, ``.zip``
-or URL), or a run's ``buffer/`` directory of shards, one store per collector.
+or URL), or a run's ``buffer/`` of shards, one store per collector: a directory, or a URL
+prefix holding ``shard-NNNN/`` stores (``s3://bucket/run/buffer/``, listed through fsspec).
 :func:`stores_in` expands a buffer into its stores; :func:`buffer_stats`,
 :func:`verify_buffer` and :func:`repair_buffer` run the backends' torch-free functions
 (:data:`rlhf_pipeline.storage.INSPECTION`) on each.
@@ -30,8 +31,20 @@ def shard_name(index: int) -> str:
     return f"{SHARD_PREFIX}{index:04d}"
 
 
+def is_url(location: str | Path) -> bool:
+    """True for an fsspec URL (``s3://bucket/prefix``, ``file:///abs``): joined as text, listed through fsspec."""
+    return "://" in str(location)
+
+
 def shard_path(buffer_dir: str | Path, index: int) -> Path:
     return Path(buffer_dir) / shard_name(index)
+
+
+def shard_location(buffer: str | Path, index: int) -> str:
+    """Where shard ``index`` of ``buffer`` lives: ``buffer/shard-NNNN``, joined as text for a URL."""
+    if is_url(buffer):
+        return f"{str(buffer).rstrip('/')}/{shard_name(index)}"
+    return str(shard_path(buffer, index))
 
 
 def shard_index(name: str) -> int | None:
@@ -40,23 +53,52 @@ def shard_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def list_shards(buffer_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(index, path)`` of the shard directories under ``buffer_dir``, by index."""
-    root = Path(buffer_dir)
+def list_shards(buffer: str | Path, storage_options: dict | None = None) -> list[tuple[int, str]]:
+    """``(index, location)`` of the shard stores under ``buffer``, by index.
+
+    A local directory is read with one directory listing; a URL prefix is listed through fsspec, once
+    (one LIST request on S3; a prefix holding no object lists as empty).
+    """
+    if is_url(buffer):
+        return [(index, shard_location(buffer, index)) for index in _url_shard_indices(str(buffer), storage_options)]
+    root = Path(buffer)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         index = shard_index(child.name)
         if index is not None and child.is_dir():
-            found.append((index, child))
+            found.append((index, str(child)))
     return sorted(found)
 
 
-def is_sharded_buffer(location: str | Path) -> bool:
-    """True when ``location`` is a local directory holding ``shard-NNNN`` subdirectories."""
+def _url_shard_indices(url: str, storage_options: dict | None) -> list[int]:
+    import fsspec
+
+    from rlhf_pipeline.storage.zarr import object_store
+
+    if object_store.is_object_store_url(url):
+        object_store.require_s3fs(url)
+        options = object_store.object_store_options(storage_options)  # no listing cache: new shards show
+    else:
+        options = dict(storage_options or {})
+    fs, root = fsspec.core.url_to_fs(url, **options)
     try:
-        return bool(list_shards(location))
+        entries = fs.ls(root, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    indices = []
+    for entry in entries:
+        index = shard_index(str(entry["name"]).rstrip("/").rsplit("/", 1)[-1])
+        if index is not None and entry.get("type") == "directory":
+            indices.append(index)
+    return sorted(indices)
+
+
+def is_sharded_buffer(location: str | Path, storage_options: dict | None = None) -> bool:
+    """True when ``location`` (a directory or a URL prefix) holds ``shard-NNNN`` stores."""
+    try:
+        return bool(list_shards(location, storage_options))
     except OSError:
         return False
 
@@ -77,11 +119,11 @@ def stores_in(location: str) -> list[tuple[str, str]]:
     if not is_sharded_buffer(location):
         return [(detect_backend(location), location)]
     found, skipped = [], []
-    for _, path in list_shards(location):
+    for index, path in list_shards(location):
         try:
-            found.append((detect_backend(str(path)), str(path)))
+            found.append((detect_backend(path), path))
         except NotAStoreError as exc:
-            skipped.append(f"{path.name}: {exc}")
+            skipped.append(f"{shard_name(index)}: {exc}")
     if not found:
         raise NotAStoreError(f"{location} holds no readable shard store (shard-NNNN directories): "
                              + "; ".join(skipped))
@@ -123,7 +165,7 @@ def combine_stats(location: str, per_shard: list[StoreStats], schema_optional: l
         extra={
             "shards": len(per_shard),
             "shard_backends": ",".join(sorted({s.backend for s in per_shard})),
-            "shard_rows": ", ".join(f"{Path(s.location).name}: {s.rows}" for s in per_shard),
+            "shard_rows": ", ".join(f"{str(s.location).rstrip('/').rsplit('/', 1)[-1]}: {s.rows}" for s in per_shard),
         },
     )
     with_rows = [s for s in per_shard if s.rows and s.reward_mean is not None]

@@ -18,6 +18,12 @@ store:
 * ``refresh()`` (and ``len()``) refreshes every shard and opens shard directories that
   appeared since (a collector started later); positions are recomputed from the new
   lengths, so like eviction in a single store, they are valid until the next refresh;
+* the buffer may be a URL prefix (``s3://bucket/run/buffer/`` holding ``shard-0000/``...),
+  listed through fsspec; every shard there is a Zarr store. A refresh lists the prefix
+  (one LIST) and GETs each shard's commit record, at most once per ``refresh_interval_s``
+  (1 s by default on an object store, 0 locally, where a refresh costs a directory scan
+  and an ``fstat`` per shard): a learner asking before every batch would otherwise pay
+  ``1 + shards`` requests per batch;
 * ``read(positions, fields=)`` reads each shard's rows in one call and returns the rows
   in the requested order;
 * ``next_row`` / ``first_row`` are sums over the shards: ``next_row`` counts the rows ever
@@ -34,6 +40,7 @@ layout: a single store (runs made before shards) or a directory of shards.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,12 +60,24 @@ from rlhf_pipeline.storage.buffers import (  # noqa: F401 - the shard helpers, r
     SHARD_PREFIX,
     combine_stats,
     is_sharded_buffer,
+    is_url,
     list_shards,
     shard_index,
+    shard_location,
     shard_name,
     shard_path,
 )
 from rlhf_pipeline.storage.padded_rows import LocatedRows
+
+
+def _refresh_now(store: TrajectoryStore) -> int:
+    # the union decides when to refresh: a shard's own throttle, started a moment after the
+    # union's, would otherwise skip every other refresh. Only a throttled store (a Zarr reader
+    # with refresh_interval_s > 0) takes force=
+    if getattr(store, "refresh_interval_s", 0):
+        return store.refresh(force=True)
+    return store.refresh()
+
 
 class ShardedStoreReader(TrajectoryStore):
     """Read-only union of the stores ``<location>/shard-*`` (see the module docstring)."""
@@ -66,10 +85,21 @@ class ShardedStoreReader(TrajectoryStore):
     backend_name = "sharded"
     supports_field_subset = True
 
-    def __init__(self, location: str | Path, **open_options: Any) -> None:
+    def __init__(self, location: str | Path, *, refresh_interval_s: float | None = None,
+                 **open_options: Any) -> None:
         super().__init__()
-        self._path = Path(location)
+        self._path = str(location).rstrip("/") if is_url(location) else Path(location)
         self._open_options = open_options
+        if refresh_interval_s is None:
+            from rlhf_pipeline.storage.zarr.store import default_refresh_interval_s
+
+            refresh_interval_s = default_refresh_interval_s(str(location))
+        if not refresh_interval_s >= 0:
+            raise ValueError(f"refresh_interval_s must be >= 0 seconds, got {refresh_interval_s!r}")
+        self.refresh_interval_s = float(refresh_interval_s)
+        if is_url(location):  # every shard at a URL is a Zarr store: it throttles its own record GETs
+            self._open_options = {**open_options, "refresh_interval_s": self.refresh_interval_s}
+        self._refreshed_at: float | None = None
         self._shards: dict[int, TrajectoryStore] = {}
         self._skipped: dict[str, str] = {}  # shard name -> why it is not open (yet)
         self._order: list[int] = []
@@ -93,7 +123,7 @@ class ShardedStoreReader(TrajectoryStore):
     def _discover(self) -> None:
         from rlhf_pipeline.storage import open_store
 
-        for index, path in list_shards(self._path):
+        for index, path in list_shards(self._path, self._open_options.get("storage_options")):
             if index in self._shards:
                 continue
             try:
@@ -101,7 +131,7 @@ class ShardedStoreReader(TrajectoryStore):
             except NotAStoreError as exc:
                 # a shard being created by a collector right now (no metadata yet): try again later.
                 # A damaged shard raises StoreCorruptedError: the union never reads silently shorter
-                self._skipped[path.name] = str(exc)
+                self._skipped[shard_name(index)] = str(exc)
                 continue
             if self._shards:
                 expected = next(iter(self._shards.values())).schema
@@ -111,15 +141,22 @@ class ShardedStoreReader(TrajectoryStore):
                         f"shard {path} stores fields {store.schema.field_names}, the other shards of "
                         f"{self._path} store {expected.field_names}: every shard of a buffer needs one schema"
                     )
-            self._skipped.pop(path.name, None)
+            self._skipped.pop(shard_name(index), None)
             self._shards[index] = store
         self._order = sorted(self._shards)
 
-    def refresh(self) -> int:
+    def refresh(self, *, force: bool = False) -> int:
+        """Lists new shards and refreshes every shard, unless the last refresh was less than
+        ``refresh_interval_s`` ago (``force`` refreshes anyway); returns the rows held."""
         if self._closed:
             raise StoreClosedError(f"{self._path}: the sharded reader is closed; open the buffer again")
+        now = time.monotonic()
+        if (not force and self._refreshed_at is not None and self._shards
+                and now - self._refreshed_at < self.refresh_interval_s):
+            return int(self._lengths.sum())
+        self._refreshed_at = now
         self._discover()
-        lengths = [self._shards[i].refresh() for i in self._order]
+        lengths = [_refresh_now(self._shards[i]) for i in self._order]
         self._lengths = torch.tensor(lengths, dtype=torch.int64)
         self._starts = torch.cumsum(self._lengths, 0) - self._lengths
         return int(self._lengths.sum())
@@ -171,7 +208,7 @@ class ShardedStoreReader(TrajectoryStore):
     def append(self, batch: TrajectoryBatch) -> torch.Tensor:
         raise ReadOnlyStoreError(
             f"{self._path} is a read-only union of shards; each collector appends to its own shard "
-            f"(open_store('{self._path}/{SHARD_PREFIX}NNNN', mode='a'))"
+            f"(open_store('{shard_location(self._path, 0).removesuffix('0000')}NNNN', mode='a'))"
         )
 
     def _append_validated(self, batch: TrajectoryBatch) -> None:  # pragma: no cover - append raises first
@@ -253,7 +290,7 @@ class ShardedStoreReader(TrajectoryStore):
         self._closed = True
 
     def stats(self) -> StoreStats:
-        self.refresh()
+        self.refresh(force=True)
         out = combine_stats(self.location, [self._shards[i].stats() for i in self._order], list(self.schema.optional))
         if self._skipped:
             out.extra["shards_not_open"] = "; ".join(f"{k}: {v}" for k, v in sorted(self._skipped.items()))
@@ -272,7 +309,7 @@ class ShardedStoreReader(TrajectoryStore):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Checks that every shard a saved state saw still holds at least the rows it saw."""
-        self.refresh()
+        self.refresh(force=True)
         if "shards" not in state_dict:
             super().load_state_dict(state_dict)
             return

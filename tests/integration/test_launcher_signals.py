@@ -17,6 +17,7 @@ import torch
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.weights import latest_version
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
@@ -150,3 +151,49 @@ def test_a_read_only_home_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"rlhf-pipeline run: error: {home}: Permission denied; choose a --home you can write to, "
         f"or fix its permissions"]
+
+
+# ---------------------------------------------------------------------- while the learner prepares
+def test_run_imports_no_torch_and_reports_the_learners_check_as_its_own(tmp_path):
+    """``run`` leaves build and preflight to its learner (no torch in the launcher); a preflight
+    error found there is ``run``'s one-line error with exit code 2, and nothing is created."""
+    bad_reward = tmp_path / "bad_reward.py"
+    bad_reward.write_text(Path(DEFAULT).read_text().replace(
+        'rewards = {"toy": toy_reward}', 'rewards = {"toy": lambda prompts, completions, **_: [0.0]}'))
+    argv = ["run", str(bad_reward), "--home", str(tmp_path), *FAST]
+    script = ("import sys; from rlhf_pipeline.cli.main import main; code = main(sys.argv[1:]); "
+              "print(code, sorted(m for m in ('torch', 'tensordict', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True,
+                            timeout=180)
+    assert result.stdout.strip() == "2 []", result.stdout + result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "rlhf-pipeline run: error: RewardError: reward 'toy' returned 1 values for 4 completions; "
+        "return one per completion"], result.stderr[-3000:]
+    assert not (tmp_path / "bad_reward").exists()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to run", "Ctrl-C to the group"])
+def test_a_signal_during_the_warm_start_stops_every_child(tmp_path, how):
+    """The learner child warm-starts while the collectors wait for weights version 0: a signal then
+    ends them all, quietly, and leaves no weights (a rerun builds the policy again)."""
+    launcher = cli("run", tmp_path, "--set", "warm_start_steps=100000", "--steps", "3", start_new_session=True)
+    lines = []
+    for line in launcher.stdout:  # the learner says so when it starts the warm start
+        lines.append(line)
+        if line.startswith("[run] building the initial policy"):
+            break
+    children = children_of(launcher.pid)
+    assert len(children) == 2, "".join(lines)
+    if how == "SIGTERM to run":
+        os.kill(launcher.pid, signal.SIGTERM)
+    else:
+        os.killpg(launcher.pid, signal.SIGINT)
+    out = "".join(lines) + launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == (143 if how == "SIGTERM to run" else 130), out[-3000:]
+    assert not any(running(pid) for pid in children), out[-3000:]
+    assert "Traceback" not in out and "error" not in out, out[-3000:]
+    expected = ("[run] interrupted (SIGTERM) while preparing the run" if how == "SIGTERM to run"
+                else "rlhf-pipeline run: interrupted")
+    assert expected in out, out[-3000:]
+    run = tmp_path / "r"
+    assert (run / "settings.json").exists() and latest_version(run) is None  # resumable, nothing half-made

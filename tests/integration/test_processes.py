@@ -208,3 +208,21 @@ def test_a_collector_killed_mid_run_of_a_sharded_zarr_buffer_resumes_exactly(tmp
         assert local == list(range(len(local))), (k, local)
         groups = (ids["group_id"] - (k << 40)).tolist()
         assert groups == [i // 4 for i in range(len(groups))], k
+
+
+def test_run_with_two_learner_ranks_writes_one_set_of_files(tmp_path):
+    """``learner.world_size=2``: run starts two learner ranks beside the collector; rank 0 alone
+    writes metrics, weights and checkpoints, and both ranks train on rank 0's draws of the live buffer."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "3", "--home", str(tmp_path),
+         "--run-name", "ranks", *SMALL, "--set", "learner.world_size=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = tmp_path / "ranks"
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]  # one line a step: rank 0's
+    assert all(r["charts/rows"] == 16 for r in read_metrics(run / "metrics.jsonl"))  # both ranks' rows
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+    from rlhf_pipeline.weights import latest_version
+
+    assert CheckpointManager(run / "checkpoints").latest_step() == 3 and latest_version(run) == 3
+    assert done.stderr.count("[run] done: 3 learner steps") == 1

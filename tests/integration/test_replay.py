@@ -267,3 +267,21 @@ def test_the_shuffle_window_is_fitted_to_a_zarr_readers_cache(source, tmp_path, 
         assert fit_shuffle_window(store, ROWS, settings, given=None, cache_bytes=cache * 10) is settings
     with open_buffer(source) as memmap:  # a memmap reader has no such cache: nothing to fit
         assert fit_shuffle_window(memmap, ROWS, settings, given=None, cache_bytes=cache) is settings
+
+
+def test_two_learner_ranks_replay_like_one(home, source):
+    """``--set learner.world_size=2`` starts two data-parallel ranks: the same rows, losses and
+    weights as one rank (to float tolerance: the gradients are summed over ranks)."""
+    one = replay(home, "one-rank", source, steps=3, seed=7)
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", str(source), "--steps", "3",
+         "--seed", "7", "--home", str(home), "--run-name", "two-ranks", *SMALL_CLI, "--set", "learner.world_size=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    two = home / "two-ranks"
+    assert batches(two) == batches(one) and len(batches(two)) == 3  # every rank's rows, logged by rank 0
+    torch.testing.assert_close(losses(two), losses(one), rtol=1e-4, atol=1e-6)
+    (expected, _), (trained, _) = load_weights(one), load_weights(two)
+    for key in expected:
+        torch.testing.assert_close(trained[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert done.stderr.count("[replay] done") == 1  # rank 0 alone reports

@@ -1,13 +1,18 @@
 """One data-parallel learner rank, run by ``torchrun`` from ``test_distributed.py``.
 
-``python -m torch.distributed.run --nproc-per-node N tests/learn/data_parallel_worker.py RUN_DIR STEPS``
+``python -m torch.distributed.run --nproc-per-node N tests/learn/data_parallel_worker.py RUN_DIR STEPS [live|fsdp]``
 trains the run in RUN_DIR (a buffer and version-0 weights made by :func:`make_run`) to STEPS
 steps, the way ``rlhf-pipeline learn`` does under torchrun: ranks from the torchrun
-environment, the process group started before the learner and stopped after it.
+environment, the process group started before the learner and stopped after it. ``live``:
+:data:`LIVE_SETTINGS`, for a buffer that another process keeps appending to; every rank then
+writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the step's draw).
+``fsdp``: :data:`SETTINGS` with ``parallelism="fsdp"`` (FSDP2 instead of DDP).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -34,27 +39,60 @@ SETTINGS = LearnerSettings(batch_size=16, sampler="epoch", epoch_order="shuffle"
                            checkpoint_every=2, log_every=1, loss=GRPOLossConfig(old_policy="current"))
 
 
+# a sampler that waits for new rows and draws from the newest ones: over a growing buffer, what
+# it draws depends on when it looks
+LIVE_SETTINGS = LearnerSettings(batch_size=16, sampler="window", sample_window=24, new_rows_per_step=8,
+                                micro_batch_tokens=48, lr=1e-3, warmup_steps=1, max_staleness=None,
+                                checkpoint_every=2, log_every=1, data_timeout_s=60,
+                                loss=GRPOLossConfig(old_policy="current"))
+
+
 def make_model() -> torch.nn.Module:
     return tiny_causal_lm(len(TOKENIZER), hidden_size=32, num_layers=1, num_heads=2, seed=0)
+
+
+def rows(count: int):
+    """``count`` synthetic rows whose trajectory ids are 0, 1, ...: in a store they fill from
+    empty (and never evicts), a row's id is its position."""
+    return synthetic_batch(count, group_size=3, prompt_len=(3, 8), response_len=(1, 7), seed=5,
+                           optional_fields=("advantage",), vocab_size=len(TOKENIZER))
 
 
 def make_run(root: Path) -> RunPaths:
     """A run directory holding a recorded buffer and the initial weights: nothing to collect."""
     paths = RunPaths(root)
     store = create_store(paths.buffer, "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=8)
-    store.append(synthetic_batch(ROWS, group_size=3, prompt_len=(3, 8), response_len=(1, 7), seed=5,
-                                 optional_fields=("advantage",), vocab_size=len(TOKENIZER)))
+    store.append(rows(ROWS))
     store.close()
     publish_weights(paths.root, make_model().state_dict(), 0)
     return paths
 
 
-def train(root: Path, steps: int, data_parallel: DataParallel | None = None) -> Learner:
+def record_rows(root: Path, rank: int):
+    """An ``on_step`` that appends the step's rows (trajectory ids of this rank's slice; on rank 0
+    also the draw's positions) to ``root/rows-rank<rank>.jsonl``."""
+    def on_step(step, sampled, batch, metrics) -> None:
+        mine = [] if DataParallel.is_filler(batch) else batch["trajectory_id"].tolist()
+        line = {"step": step, "rows": mine, **({"draw": sampled.positions.tolist()} if rank == 0 else {})}
+        with open(root / f"rows-rank{rank}.jsonl", "a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    return on_step
+
+
+def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mode: str = "") -> Learner:
     data_parallel = data_parallel or DataParallel()
-    learner = Learner(SETTINGS, RunPaths(root), make_model=make_model, steps=steps, seed=SEED,
-                      show_progress=False, data_parallel=data_parallel)
+    live = mode == "live"
+    settings = {"live": LIVE_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp")}.get(mode, SETTINGS)
+    learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps,
+                      seed=SEED, show_progress=False, data_parallel=data_parallel,
+                      on_step=record_rows(root, data_parallel.rank) if live else None)
     try:
         learner.setup()
+        if data_parallel.sharded:  # FSDP2 really shards the model (its parameters are DTensors)
+            from torch.distributed.fsdp import FSDPModule
+
+            assert isinstance(learner.model, FSDPModule) and isinstance(learner.model.model.layers[0], FSDPModule)
         learner.train()
     finally:
         learner.cleanup()
@@ -66,7 +104,7 @@ def main() -> None:
     data_parallel = DataParallel.from_torchrun_env()
     data_parallel.start(torch.device("cpu"))
     try:
-        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel)
+        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel, mode=(sys.argv[3:] or [""])[0])
     finally:
         data_parallel.stop()
 

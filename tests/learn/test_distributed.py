@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import os
+import json
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from data_parallel_worker import ROWS, SETTINGS, make_model, make_run, train
+from data_parallel_worker import ROWS, SETTINGS, make_model, make_run, rows, train
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import RunPaths
-from rlhf_pipeline.weights import latest_version
+from rlhf_pipeline.storage import open_store
+from rlhf_pipeline.weights import latest_version, load_weights
 
 WORKER = Path(__file__).with_name("data_parallel_worker.py")
 STEPS = 4  # epoch 1 is batches of 16, 16 and 1 rows; step 4 opens epoch 2
@@ -28,12 +32,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun(ranks: int, root: Path, steps: int) -> None:
+def torchrun(ranks: int, root: Path, steps: int, *extra: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(root), str(steps)]
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(root), str(steps), *extra]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-8000:]
 
 
 def losses(root: Path) -> list[float]:
@@ -103,3 +107,68 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(one_rank, tmp_path):
     reference, resumed = final_weights(one_rank), final_weights(root)
     for key in reference:
         torch.testing.assert_close(resumed[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_two_ranks_train_on_rank_zeros_draws_while_the_buffer_grows(tmp_path):
+    """A collector stand-in appends to the buffer while 2 ranks train with a sampler that waits
+    for new rows: each rank refreshing and drawing on its own would see other rows."""
+    root = tmp_path / "live"
+    make_run(root)
+    source = rows(ROWS + 8 * 2000)
+    stop = threading.Event()
+
+    def collect() -> None:
+        while not RunPaths(root).pacing.exists() and not stop.wait(0.05):
+            pass  # rank 0 has set up (imports take long on a loaded machine): rows arrive as it trains
+        store = open_store(RunPaths(root).buffer, mode="a", durable=False)
+        try:
+            for start in range(ROWS, len(source), 8):
+                if stop.wait(0.03):
+                    break
+                store.append(source.select(slice(start, start + 8)))
+        finally:
+            store.close()
+
+    writer = threading.Thread(target=collect)
+    writer.start()
+    try:
+        torchrun(2, root, STEPS, "live")
+    finally:
+        stop.set()
+        writer.join()
+    rank0, rank1 = ([json.loads(line) for line in (root / f"rows-rank{r}.jsonl").read_text().splitlines()]
+                    for r in range(2))
+    assert [line["step"] for line in rank0] == [line["step"] for line in rank1] == list(range(1, STEPS + 1))
+    for mine, theirs in zip(rank0, rank1):
+        # rank 0's draw, split in two slices in rank order: ids are positions here (see rows())
+        assert len(mine["draw"]) == 16 and mine["rows"] + theirs["rows"] == mine["draw"]
+        assert len(theirs["rows"]) == 8
+    # the draws followed the growing buffer: the last ones hold rows appended after the start
+    assert max(rank0[-1]["draw"]) >= ROWS
+    assert len(losses(root)) == STEPS
+
+
+def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(one_rank, tmp_path):
+    """FSDP2 (every block and the root sharded over 2 gloo ranks) through micro-batching, a filler
+    step and an epoch boundary: the 1-rank losses and weights. Its checkpoints hold the whole
+    model and optimizer state: the one at step 2 resumes in a plain process to the same end."""
+    root = tmp_path / "fsdp"
+    make_run(root)
+    torchrun(2, root, STEPS, "fsdp")
+    torch.testing.assert_close(losses(root), losses(one_rank), rtol=1e-4, atol=1e-6)
+    reference, trained = final_weights(one_rank), final_weights(root)
+    assert trained.keys() == reference.keys()  # whole tensors under the plain model's names
+    for key in reference:
+        torch.testing.assert_close(trained[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+    published, _ = load_weights(root)  # what collectors load: the whole model too
+    assert all(torch.equal(published[key], trained[key]) for key in reference)
+
+    resumed = tmp_path / "resumed-from-fsdp"
+    shutil.copytree(root, resumed)
+    checkpoints = CheckpointManager(resumed / "checkpoints")
+    checkpoints.latest().unlink()  # back to the checkpoint of step 2
+    assert checkpoints.latest_step() == 2
+    train(resumed, STEPS)
+    torch.testing.assert_close(losses(resumed), losses(one_rank), rtol=1e-4, atol=1e-6)
+    for key, value in final_weights(resumed).items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-4, atol=1e-5, msg=key)

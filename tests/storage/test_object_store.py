@@ -32,7 +32,8 @@ def test_append_publish_and_read_back(s3_server):
     with ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=s3_server.options) as store:
         for start in range(0, 40, 8):  # fragments, two sealed segments, a tail
             assert store.append(checksummed_batch(start, 8)).tolist() == list(range(start, start + 8))
-        reader = ZarrTrajectoryStore.open(url, storage_options=s3_server.options)
+        # refresh_interval_s=0: every len() re-reads the record (the default reads it at most once a second)
+        reader = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=0)
         assert len(reader) == 40
         check_rows(reader.read(torch.arange(40)))
         store.append(checksummed_batch(40, 5))

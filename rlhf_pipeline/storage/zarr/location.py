@@ -434,13 +434,14 @@ def _publish_targeted(root: Path, document: dict[str, Any], pending: list[Pendin
     _fsync_path(root)
 
 
-def lock_for(loc: Location, location: str, *, lease_s: float | None = None) -> WriterLock | None:
-    """The writer lock: an ``flock`` locally, a leased lock object on S3 (``lease_s``), none elsewhere."""
+def lock_for(loc: Location, location: str, *, lease_s: float | None = None, wait_s: float = 0.0) -> WriterLock | None:
+    """The writer lock: an ``flock`` locally, a leased lock object on S3 (``lease_s``; a lock
+    another writer holds is waited for up to ``wait_s``), none elsewhere."""
     if loc.local_root is None:
         if hasattr(loc.kv, "writer_lock"):
             from rlhf_pipeline.storage.zarr.object_store import DEFAULT_LEASE_S
 
-            return loc.kv.writer_lock(lease_s or DEFAULT_LEASE_S).acquire()
+            return loc.kv.writer_lock(lease_s or DEFAULT_LEASE_S).acquire(wait_s)
         return None  # other fsspec URLs: no cross-host lock (documented limitation)
     loc.local_root.mkdir(parents=True, exist_ok=True)
     return WriterLock(loc.local_root / LOCK_FILE_NAME, store=location).acquire()

@@ -42,6 +42,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Iterable, Mapping
@@ -64,6 +65,8 @@ log = logging.getLogger(__name__)
 
 OBJECT_STORE_SCHEMES = ("s3://", "s3a://")
 DEFAULT_LEASE_S = 30.0
+# a reader asked to refresh more often (a learner: before every batch) GETs the record at most this often
+DEFAULT_REFRESH_INTERVAL_S = 1.0
 _CONFLICT_RETRIES = 5  # a 409 "conditional request conflict": another conditional PUT of that key is in flight
 
 
@@ -297,31 +300,49 @@ class ObjectStoreLock:
         return _dump({"owner": self._token, "pid": os.getpid(), "host": socket.gethostname(),
                       "lease_s": self._lease_s, "renewal": self._renewals})  # renewal: a new etag each time
 
-    def acquire(self) -> ObjectStoreLock:
+    def acquire(self, wait_s: float = 0.0) -> ObjectStoreLock:
+        """Takes the lock; while another live writer holds it, waits up to ``wait_s`` seconds for
+        its lease to run out (or for it to let go), saying whose lease it is and until when."""
         if self._etag is not None:
             return self
+        if not wait_s >= 0:
+            raise ValueError(f"lock_wait_s must be >= 0 seconds, got {wait_s!r}")
         kv = self._kv
-        for _ in range(8):
+        deadline = time.monotonic() + wait_s
+        changed_hands = 0
+        announced: str | None = None  # the holder's version last reported as waited on
+        while True:
             try:
                 self._etag = kv._sync(kv._put(LOCK_FILE_NAME, self._body(), IfNoneMatch="*"))
                 break
             except _PreconditionFailed:
                 seen = kv._sync(kv._read(LOCK_FILE_NAME))
             if seen is None:
-                continue  # released in between
+                changed_hands = self._changed_hands(changed_hands)  # released in between
+                continue
             holder = _holder(seen)
             if not self._abandoned(holder, seen):
-                raise StoreLockedError(self._locked_message(holder, seen))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    waited = f" (waited {wait_s:g} s for it: lock_wait_s)" if wait_s else ""
+                    raise StoreLockedError(self._locked_message(holder, seen) + waited)
+                runs_out_in = self._runs_out_in(holder, seen)
+                if announced != seen.etag:
+                    announced = seen.etag
+                    log.warning("%s: waiting for the writer lock of process %s on %s: its lease runs out at %s "
+                                "unless renewed (lease %g s); waiting up to %.0f s more (lock_wait_s)",
+                                kv.location, holder.get("pid"), holder.get("host"),
+                                _clock(time.time() + runs_out_in), self._lease_of(holder), remaining)
+                # poll at least every second: a holder that lets go deletes the object
+                time.sleep(min(remaining, 1.0, max(0.1, runs_out_in + 0.1)))
+                continue
             try:
                 self._etag = kv._sync(kv._put(LOCK_FILE_NAME, self._body(), IfMatch=seen.etag))
                 log.warning("%s: took over the writer lock of process %s on %s (%s)", kv.location,
                             holder.get("pid"), holder.get("host"), self._why_abandoned(holder, seen))
                 break
             except _PreconditionFailed:
-                continue  # renewed, or another contender won: look again
-        else:
-            raise StoreLockedError(f"{kv.location}: the writer lock changed hands 8 times while this writer tried "
-                                   f"to take it; several writers are starting at once. Run one writer per store.")
+                changed_hands = self._changed_hands(changed_hands)  # renewed, or another contender won
         self._check_conditional_writes()
         try:
             kv.take_record(self._token)
@@ -331,6 +352,24 @@ class ObjectStoreLock:
         self._thread = threading.Thread(target=self._renew_until_released, name="zarr-lock-lease", daemon=True)
         self._thread.start()
         return self
+
+    def _changed_hands(self, times: int) -> int:
+        if times + 1 >= 8:
+            raise StoreLockedError(
+                f"{self._kv.location}: the writer lock changed hands 8 times while this writer tried to take it; "
+                f"several writers are starting at once. Run one writer per store.")
+        return times + 1
+
+    def _lease_of(self, holder: dict) -> float:
+        try:
+            return float(holder.get("lease_s", self._lease_s))
+        except (TypeError, ValueError):
+            return self._lease_s
+
+    def _runs_out_in(self, holder: dict, seen: _Seen) -> float:
+        """Seconds until the holder's lease runs out if it is not renewed (server clock)."""
+        age = seen.age_s if seen.age_s is not None else 0.0
+        return max(0.0, self._lease_of(holder) - age)
 
     def _check_conditional_writes(self) -> None:
         kv = self._kv
@@ -350,18 +389,19 @@ class ObjectStoreLock:
         pid, host = holder.get("pid"), holder.get("host")
         if host == socket.gethostname() and isinstance(pid, int) and not _pid_running(pid):
             return "that process is no longer running"
-        lease = float(holder.get("lease_s", self._lease_s))
+        lease = self._lease_of(holder)
         if seen.age_s is not None and seen.age_s > lease:
             return f"not renewed for {seen.age_s:.0f} s, lease {lease:g} s"
         return None
 
     def _locked_message(self, holder: dict, seen: _Seen) -> str:
-        lease = float(holder.get("lease_s", self._lease_s))
+        lease = self._lease_of(holder)
         age = "" if seen.age_s is None else f", renewed {max(seen.age_s, 0):.0f} s ago"
         return (f"{self._kv.location} is already open for writing by process {holder.get('pid')} on "
                 f"{holder.get('host')} (its lease: {lease:g} s{age}); a store takes one writer at a time. Close "
                 f"that writer, open this one with mode='r', or write to another shard. If that writer is gone, "
-                f"its lock can be taken once it has not been renewed for {lease:g} s.")
+                f"its lock can be taken once it has not been renewed for {lease:g} s: open with lock_wait_s= "
+                f"(seconds) to wait for that.")
 
     def _renew_until_released(self) -> None:
         kv = self._kv
@@ -403,6 +443,13 @@ class ObjectStoreLock:
         self.release()
 
 
+def _clock(epoch_s: float) -> str:
+    """A moment as ``HH:MM:SS UTC`` (this host's clock), for the lines of a writer waiting for a lock."""
+    import datetime
+
+    return datetime.datetime.fromtimestamp(epoch_s, datetime.timezone.utc).strftime("%H:%M:%S UTC")
+
+
 def _holder(seen: _Seen) -> dict:
     try:
         holder = json.loads(seen.body)
@@ -413,6 +460,7 @@ def _holder(seen: _Seen) -> dict:
 
 __all__ = [
     "DEFAULT_LEASE_S",
+    "DEFAULT_REFRESH_INTERVAL_S",
     "OBJECT_STORE_SCHEMES",
     "ObjectLockWarning",
     "ObjectStoreKV",

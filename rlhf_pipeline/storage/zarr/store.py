@@ -34,6 +34,7 @@ Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr.layout` (and
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -143,6 +144,8 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         self._sealer = Sealer(self._seal)
         self._publish_lock = threading.Lock()  # the append path and the background sealer publish
         self._closed = False
+        self.refresh_interval_s = 0.0
+        self._refreshed_at = time.monotonic()  # the record was just read
         self._apply(record)
 
     # ---------------------------------------------------------------- construction
@@ -151,7 +154,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
                segment_rows: int = DEFAULT_SEGMENT_ROWS, codec: str | dict = DEFAULT_CODEC,
                cache_bytes: int = DEFAULT_CACHE_BYTES, storage_options: dict | None = None,
                durable: bool = True, exist_ok: bool = False,
-               lock_lease_s: float | None = None) -> ZarrTrajectoryStore:
+               lock_lease_s: float | None = None, lock_wait_s: float = 0.0) -> ZarrTrajectoryStore:
         """Creates an empty store at ``location`` and opens it for appending.
 
         ``segment_rows`` rows make a sealed segment (the unit of caching and eviction);
@@ -163,7 +166,10 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         nothing published either way). ``exist_ok=True`` reopens an existing Zarr store
         with the same schema, segment size and capacity instead of failing. ``storage_options``
         go to fsspec (for ``s3://``: s3fs's ``key``, ``secret``, ``endpoint_url``, ...);
-        ``lock_lease_s`` is the lease of an ``s3://`` store's writer lock (30 s by default).
+        ``lock_lease_s`` is the lease of an ``s3://`` store's writer lock (30 s by default);
+        ``lock_wait_s`` how long to wait for that lock while another writer holds it (0: fail
+        at once with :class:`StoreLockedError`), logging whose lease it is and until when: a
+        writer restarted on another machine waits out its dead predecessor's lease this way.
         """
         location = str(location)
         schema = schema or StoreSchema()
@@ -179,11 +185,11 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
                     f"{location!r}, mode='a'), or pass exist_ok=True"
                 )
             store = cls.open(location, "a", cache_bytes=cache_bytes, storage_options=storage_options,
-                             durable=durable, lock_lease_s=lock_lease_s)
+                             durable=durable, lock_lease_s=lock_lease_s, lock_wait_s=lock_wait_s)
             return check_reopened_layout(store, schema, segment_rows, capacity_rows)
         if loc.local_root is not None:
             require_new_directory(loc.local_root, location)
-        lock = lock_for(loc, location, lease_s=lock_lease_s)
+        lock = lock_for(loc, location, lease_s=lock_lease_s, wait_s=lock_wait_s)
         try:
             record = {
                 "backend": "zarr", "format_version": FORMAT_VERSION, "schema": schema.to_json(),
@@ -204,15 +210,23 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
     @classmethod
     def open(cls, location: str, mode: str = "r", *, cache_bytes: int = DEFAULT_CACHE_BYTES,
              storage_options: dict | None = None, durable: bool = True,
-             lock_lease_s: float | None = None) -> ZarrTrajectoryStore:
+             lock_lease_s: float | None = None, lock_wait_s: float = 0.0,
+             refresh_interval_s: float | None = None) -> ZarrTrajectoryStore:
         """Opens an existing store: ``mode="r"`` reads (no lock), ``mode="a"`` appends.
 
         ``durable`` (a writer's: fsync before each publish) defaults to True, as everywhere;
-        ``storage_options`` and ``lock_lease_s`` as for :meth:`create`.
+        ``storage_options``, ``lock_lease_s`` and ``lock_wait_s`` as for :meth:`create`.
+        ``refresh_interval_s`` (a reader's): re-read the commit record at most this often,
+        however often ``refresh()``/``len()`` are called; by default 1 s on an object store
+        (a GET each) and 0 elsewhere (a local refresh costs one ``fstat``).
         """
         location = str(location)
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
+        if refresh_interval_s is None:
+            refresh_interval_s = default_refresh_interval_s(location)
+        if not refresh_interval_s >= 0:
+            raise ValueError(f"refresh_interval_s must be >= 0 seconds, got {refresh_interval_s!r}")
         writable = mode == "a"
         if writable and location.endswith(".zip") and "://" not in location:
             raise ReadOnlyStoreError(
@@ -239,12 +253,13 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         if writable:
             if loc.local_root is not None:
                 check_writable_dir(loc.local_root, location)
-            lock = lock_for(loc, location, lease_s=lock_lease_s)
+            lock = lock_for(loc, location, lease_s=lock_lease_s, wait_s=lock_wait_s)
         try:
             if writable:
                 record = _parse(loc.kv.get(ROOT_META), location, loc)  # the lock holder's last publish
             store = cls(location, loc, record, writable=writable, cache_bytes=cache_bytes, durable=durable,
                         lock=lock, watcher=watcher)
+            store.refresh_interval_s = float(refresh_interval_s)
             if writable:
                 store._delete_orphans()
                 for first_row in complete_segments(store._units, store._segment_rows):
@@ -287,9 +302,15 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
     def cache(self) -> SegmentCache:
         return self._cache
 
-    def refresh(self) -> int:
+    def refresh(self, *, force: bool = False) -> int:
+        """A reader re-reads the commit record, unless it did less than ``refresh_interval_s``
+        ago (``force`` reads it anyway); returns the rows held."""
         self._check_open()
         if not self._writable:
+            now = time.monotonic()
+            if not force and now - self._refreshed_at < self.refresh_interval_s:
+                return self._published_len()
+            self._refreshed_at = now
             if self._watcher is not None:
                 if self._watcher.changed():
                     self._apply(_parse(_read_watched(self._watcher), self._location, self._loc))
@@ -438,7 +459,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             # compacted or evicted after the record we read (a reader's last refresh, or a seal on
             # this writer's background thread): the rows live on in a unit the newer record names
             if not self._writable:
-                self.refresh()
+                self.refresh(force=True)
                 if ids.size and int(ids.min()) < self._first_row:
                     raise IndexError(
                         f"rows from {int(ids.min())} were evicted while being read; the store now holds "
@@ -478,7 +499,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         from rlhf_pipeline.storage.zarr.inspection import summarize
 
         self.flush()
-        self.refresh()
+        self.refresh(force=True)
         stats = summarize(self._loc, self._record, self._location)
         stats.extra.update(cache_bytes=self._cache.capacity_bytes, cached_bytes=self._cache.nbytes)
         return stats
@@ -513,6 +534,13 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
 
 
 # ======================================================================== helpers
+def default_refresh_interval_s(location: str) -> float:
+    """1 s on an object store (each refresh is a GET), 0 elsewhere (a refresh is an ``fstat``)."""
+    from rlhf_pipeline.storage.zarr.object_store import DEFAULT_REFRESH_INTERVAL_S, is_object_store_url
+
+    return DEFAULT_REFRESH_INTERVAL_S if is_object_store_url(location) else 0.0
+
+
 def _parse(raw, location: str, loc: Location) -> dict[str, Any]:
     """The commit record; a missing or foreign root document is damage when units exist."""
     try:

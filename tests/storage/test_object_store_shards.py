@@ -1,0 +1,110 @@
+"""Object-storage follow-ups against moto's S3 server on loopback: a URL prefix of shards read
+as their union, the reader's refresh throttle, and a writer waiting out another's lease.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+from store_worker import check_rows, checksummed_batch
+
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import StoreLockedError, open_buffer
+from rlhf_pipeline.storage.buffers import list_shards
+from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
+
+
+def _shard(s3_server, prefix: str, index: int, start: int, rows: int) -> None:
+    with ZarrTrajectoryStore.create(f"{prefix}/shard-{index:04d}", StoreSchema(), segment_rows=16,
+                                    storage_options=s3_server.options) as store:
+        store.append(checksummed_batch(start, rows))
+
+
+def test_a_url_prefix_of_shards_reads_as_their_union_and_picks_up_new_shards(s3_server):
+    prefix = s3_server.url("buffer")
+    _shard(s3_server, prefix, 0, 0, 10)
+    _shard(s3_server, prefix, 1, 100, 6)
+    assert [i for i, _ in list_shards(prefix + "/", s3_server.options)] == [0, 1]
+
+    reader = open_buffer(prefix + "/", storage_options=s3_server.options, refresh_interval_s=3600)
+    assert reader.backend_name == "sharded" and sorted(reader.shards) == [0, 1]
+    assert len(reader) == 16
+    rows = reader.read(torch.arange(16))
+    check_rows(rows)
+    assert rows["trajectory_id"].tolist() == list(range(10)) + list(range(100, 106))  # shard order
+    with pytest.raises(Exception, match="read-only union of shards"):
+        reader.append(checksummed_batch(0, 1))
+
+    _shard(s3_server, prefix, 2, 200, 4)  # a collector started later
+    assert len(reader) == 16  # asked again within refresh_interval_s: nothing listed or read
+    assert reader.refresh(force=True) == 20 and sorted(reader.shards) == [0, 1, 2]
+    check_rows(reader.read(torch.arange(20)))
+    assert reader.stats().rows == 20
+    reader.close()
+
+
+def test_a_reader_rereads_the_commit_record_at_most_once_per_refresh_interval(s3_server):
+    url = s3_server.url()
+    with ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=s3_server.options) as writer:
+        writer.append(checksummed_batch(0, 8))
+        default = ZarrTrajectoryStore.open(url, storage_options=s3_server.options)
+        assert default.refresh_interval_s == 1.0  # an object store's default; 0 for local stores
+        hourly = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=3600)
+        short = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=0.2)
+        every_time = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=0)
+        writer.append(checksummed_batch(8, 8))
+        assert len(every_time) == 16
+        assert len(hourly) == 8  # the record was read less than an hour ago: not again
+        assert hourly.refresh(force=True) == 16
+        time.sleep(0.3)
+        assert len(short) == 16  # its interval has passed: read again
+        check_rows(short.read(torch.arange(16)))
+        for reader in (default, hourly, short, every_time):
+            reader.close()
+    with pytest.raises(ValueError, match="refresh_interval_s must be >= 0"):
+        ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=-1)
+
+
+def _fake_holder(s3_server, url: str, lease_s: float) -> None:
+    """A writer lock held by a process on another machine, which will never renew it."""
+    bucket, key = url.split("/", 3)[2], url.split("/", 3)[3] + "/writer.lock"
+    body = {"owner": "f" * 32, "pid": 4242, "host": "collector-node-7", "lease_s": lease_s, "renewal": 0}
+    s3_server.client().put_object(Bucket=bucket, Key=key, Body=json.dumps(body).encode())
+
+
+def test_a_writer_waits_out_the_lease_of_one_that_died_on_another_machine(s3_server, caplog):
+    url = s3_server.url()
+    with ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=s3_server.options) as store:
+        store.append(checksummed_batch(0, 8))
+    _fake_holder(s3_server, url, lease_s=2)
+
+    with pytest.raises(StoreLockedError, match=r"process 4242 on collector-node-7 .*lock_wait_s="):
+        ZarrTrajectoryStore.open(url, "a", storage_options=s3_server.options)  # no wait: refused at once
+
+    caplog.set_level(logging.WARNING, logger="rlhf_pipeline.storage.zarr.object_store")
+    started = time.monotonic()
+    with ZarrTrajectoryStore.open(url, "a", storage_options=s3_server.options, lock_wait_s=30) as store:
+        waited = time.monotonic() - started
+        store.append(checksummed_batch(8, 8))
+        check_rows(store.read(torch.arange(16)))
+    assert 0.5 < waited < 30  # the 2 s lease, on the server's clock (whole seconds)
+    lines = [r.getMessage() for r in caplog.records]
+    waiting = [line for line in lines if "waiting for the writer lock of process 4242 on collector-node-7" in line]
+    assert waiting and "its lease runs out at" in waiting[0] and "UTC" in waiting[0], lines
+    assert any("took over the writer lock of process 4242" in line for line in lines), lines
+
+
+def test_a_live_writer_keeps_its_lock_through_a_waiting_writer(s3_server):
+    url = s3_server.url()
+    with ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=s3_server.options,
+                                    lock_lease_s=1.5) as holder:
+        started = time.monotonic()
+        with pytest.raises(StoreLockedError, match=r"waited 2 s for it: lock_wait_s"):
+            ZarrTrajectoryStore.open(url, "a", storage_options=s3_server.options, lock_wait_s=2)
+        assert time.monotonic() - started >= 2  # renewed every 0.5 s: never abandoned
+        holder.append(checksummed_batch(0, 4))  # still the writer: not fenced
+        assert len(holder) == 4
