@@ -27,6 +27,7 @@ from typing import Literal
 
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
+from rlhf_pipeline.ray_settings import RaySettings
 
 
 @dataclass
@@ -94,6 +95,8 @@ class Settings:
         checkpoint_every=50, log_every=20,
     ))
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
+    ray: RaySettings = field(default_factory=RaySettings)
+    """Resources of each actor under `run --ray` (--set ray.collector_num_gpus=1); ignored without --ray."""
 
 
 def check(settings: Settings) -> LearnerSettings:

@@ -33,6 +33,7 @@ from pathlib import Path
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.settings import GRPOLossConfig
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
+from rlhf_pipeline.ray_settings import RaySettings
 
 
 @dataclass
@@ -78,6 +79,8 @@ class Settings:
         loss=GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token_mean"),
     ))
     """Learner settings (--set learner.lr=2e-6, --list-settings shows them all)."""
+    ray: RaySettings = field(default_factory=RaySettings)
+    """Resources of each actor under `run --ray` (--set ray.collector_num_gpus=1); ignored without --ray."""
 
 
 def build(settings: Settings, run: RunPaths) -> Pipeline:

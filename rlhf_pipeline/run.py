@@ -67,7 +67,7 @@ from rlhf_pipeline.stopping import (
 
 # settings that may change between starts of one run; learner.* may too (with a note);
 # the rest define the data in the buffer and must match
-_RESUMABLE_SETTINGS = {"steps", "device"}
+_RESUMABLE_SETTINGS = {"steps", "device", "ray"}
 
 
 class RunError(RuntimeError):
@@ -79,7 +79,9 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
                 run_name: str | None = None, device: str | None = None,
                 overrides: Sequence[str] = (), list_settings: bool = False,
                 collectors: int = 1, collector_index: int = 0, stop_fd: int | None = None,
-                wait_for_launcher: bool = False, status_fd: int | None = None) -> int:
+                wait_for_launcher: bool = False, status_fd: int | None = None,
+                ray_address: str | None = None) -> int:
+    """``ray_address``: run on Ray (``--ray [ADDRESS]``, ray_run.py); "" starts a local cluster."""
     if wait_for_launcher:  # a child of `run`, started before the run directory was ready
         from rlhf_pipeline.launch import wait_for_launcher as wait
 
@@ -89,6 +91,10 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         raise PipelineError(f"--collectors must be >= 1, got {collectors}")
     if collector_index < 0:
         raise PipelineError(f"--collector-index must be >= 0, got {collector_index}")
+    if ray_address is not None:
+        from rlhf_pipeline.ray_run import require_ray
+
+        require_ray(command)  # before any slow work: one line when Ray is missing
     module = load_pipeline_module(pipeline_path)
     cli_overrides = list(overrides)
     if steps is not None and command != "collect":
@@ -105,6 +111,11 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         return 0
     _check_writable(paths.root)  # now, not after seconds of imports and model building
     StopFlag.launcher_fd = stop_fd
+    if ray_address is not None:
+        from rlhf_pipeline.ray_run import launch_on_ray
+
+        return launch_on_ray(command, module, settings, paths, pipeline_path, cli_overrides, collectors,
+                             address=ray_address)
     if command == "run":
         # an inherited SIG_IGN (a background job) would swallow `kill -INT`; the handlers are put
         # back on return, for a caller (a test, a notebook) that runs on in this process
@@ -424,8 +435,11 @@ def _diff(saved: dict, current: dict, defaults: dict, prefix: str = "") -> list[
 
 # ====================================================================== collector side
 def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
-                 collector_index: int = 0) -> int:
+                 collector_index: int = 0, poller: Any = None) -> int:
     """Collects rounds until ``rounds``, a stop request, or the learner's ``STOP`` file.
+
+    ``poller``: where new weights come from (``poll() -> (state_dict, version) | None`` and
+    ``current_version``); default the run's weight files (``weights.WeightsPoller``).
 
     Collector ``collector_index`` writes its own shard ``buffer/shard-kkkk`` (with its own
     pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
@@ -447,7 +461,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     done = 0
     try:
         model = pipeline.make_model()
-        poller = WeightsPoller(paths.root)
+        poller = poller if poller is not None else WeightsPoller(paths.root)
         update = _wait_for_weights(poller, stop)
         if update is None:  # stopped while the learner warm-started: nothing written yet
             print(f"{tag} stopped before any policy weights were published", file=sys.stderr, flush=True)
@@ -572,19 +586,24 @@ def _should_stop(stop: StopFlag, paths: RunPaths) -> bool:
 
 
 # ====================================================================== learner side
-def learn_main(pipeline: Pipeline, paths: RunPaths) -> int:
+def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
+               on_learner: Any = None) -> int:
+    """``data_parallel``: this rank (default: torchrun's environment, else one rank);
+    ``on_learner(learner)`` runs once the learner is built (Ray attaches its weights publisher)."""
     import torch
 
     from rlhf_pipeline.learn.distributed import DataParallel
     from rlhf_pipeline.learn.learner import Learner
 
     # under torchrun: one of N data-parallel ranks (learn/distributed.py); rank 0 writes the files
-    data_parallel = DataParallel.from_torchrun_env()
+    data_parallel = data_parallel if data_parallel is not None else DataParallel.from_torchrun_env()
     stop = StopFlag()
     if data_parallel.is_main:
         paths.stop_file.unlink(missing_ok=True)  # a resumed learner wants collectors running
     data_parallel.start(torch.device(pipeline.settings.device))
     learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event, data_parallel=data_parallel)
+    if on_learner is not None:
+        on_learner(learner)
     try:
         learner.setup()
         finished = learner.train()

@@ -27,6 +27,7 @@ class StopFlag:
     """
 
     launcher_fd: int | None = None
+    role: str | None = None  # the name in its messages, where sys.argv does not tell (a Ray actor)
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -91,6 +92,8 @@ def _silence_output() -> None:
 
 
 def _role() -> str:
+    if StopFlag.role is not None:
+        return StopFlag.role
     return "learner" if {"learn", "replay"} & set(sys.argv) else "collector" if "collect" in sys.argv else "run"
 
 

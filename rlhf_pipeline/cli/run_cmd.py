@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="override a pipeline setting, e.g. --set learner.lr=1e-4 (repeatable)")
     parser.add_argument("--list-settings", action="store_true",
                         help="print the pipeline's settings with their documentation and exit")
+    if name in ("run", "learn"):
+        parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                            help="run the collectors and the learner as Ray actors: on the cluster at ADDRESS "
+                                 "(e.g. 10.0.0.1:6379, or auto), or a local one started for this run; "
+                                 "needs pip install -e '.[ray]'")
     if name in ("collect", "learn"):
         # set by `run` for its children (rlhf_pipeline/launch.py): the launcher's stop pipe, and
         # "import, then wait for the launcher's go"
@@ -83,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             collector_index=getattr(args, "collector_index", 0),
             stop_fd=getattr(args, "stop_fd", None),
             wait_for_launcher=getattr(args, "wait_for_launcher", False),
+            ray_address=getattr(args, "ray", None),
             status_fd=getattr(args, "status_fd", None),
         )
     except (PipelineError, RunError, StateFileError) as exc:
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"rlhf-pipeline {args.command}: error: {_describe_os_error(exc)}", file=sys.stderr)
         return 2
-    if args.command == "run" or getattr(args, "wait_for_launcher", False):
+    if args.command == "run" or getattr(args, "wait_for_launcher", False) or getattr(args, "ray", None) is not None:
         _exit_without_teardown(code)
     return code
 

@@ -152,7 +152,8 @@ class LearnerSettings:
     mean |per-token policy loss|; ratio_deviation = the row's mean |ratio - 1| (how far the policy
     moved on it). Draw d then sees the feedback of every step up to draw d - 2."""
     world_size: int = 1
-    """Data-parallel learner ranks that `run` and `replay` start (learn/distributed.py)."""
+    """Data-parallel learner ranks (learn/distributed.py) that `run` and `replay` start, or learner
+    actors under `--ray`."""
     parallelism: str = "ddp"
     """With several ranks: ddp = every rank holds the whole model (DistributedDataParallel);
     fsdp = parameters, gradients and optimizer state sharded over the ranks (FSDP2 fully_shard

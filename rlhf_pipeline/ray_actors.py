@@ -1,0 +1,239 @@
+"""The Ray actors of ``run --ray``: a run's control actor, its collectors and its learner ranks.
+
+Each collector and learner actor runs the same code as a process started by ``run``
+(``run.collect_main`` / ``run.learn_main``) in its own Ray worker process; only two things
+travel differently:
+
+* **Weights** go through Ray's object store. After each publish the learner (rank 0) puts
+  the state dict in the object store (``ray.put``) and hands ``(version, ref)`` to the run's
+  :class:`RunControl` actor; collectors ask it for anything newer than what they hold
+  (:class:`ObjectStoreWeightsPoller`, the ``weights.WeightsPoller`` interface) and load it
+  with the same version numbers, so the learner's staleness bound means what it means
+  today. The learner still writes every version to ``weights/`` (a restart and
+  ``export-model`` read them there), and a collector falls back to that file when the
+  object's owner, a learner that died, took it with it.
+* **Stop requests** come from :class:`RunControl` instead of ``run``'s stop pipe. Each actor
+  makes a pipe of its own, hands its read end to ``stopping.StopFlag`` exactly as ``run``
+  does with ``--stop-fd``, and a watcher thread writes to it when the driver asks the run to
+  stop: the collector finishes its round, the learner saves a checkpoint.
+
+Ray restarts an actor whose worker process died (``ray.max_restarts``) and runs its ``run``
+task again, which resumes like any restarted process: a collector from its shard's saved
+position and pending groups, the learner from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
+from rlhf_pipeline.stopping import StopFlag
+
+#: the namespace of every run's named actors, so a second driver finds a run already running
+NAMESPACE = "rlhf_pipeline"
+#: how often an actor asks the control actor whether the run should stop, in seconds
+STOP_POLL_S = 0.25
+
+
+@ray.remote(num_cpus=0)
+class RunControl:
+    """The driver's actor for one run: stop requests, the newest weights, who runs where."""
+
+    def __init__(self) -> None:
+        self._stop = False
+        self._weights: tuple[int, list] | None = None  # (version, [ref]): a list, so Ray passes the ref on
+        self._pids: dict[str, list[int]] = {}
+        self.weights_served = 0
+
+    def request_stop(self) -> None:
+        self._stop = True
+
+    def stop_requested(self) -> bool:
+        return self._stop
+
+    def publish_weights(self, version: int, boxed_ref: list) -> None:
+        if self._weights is None or version > self._weights[0]:
+            self._weights = (version, boxed_ref)
+
+    def newest_weights(self, after: int) -> tuple[int, list] | None:
+        """``(version, [ref])`` when a version newer than ``after`` was published."""
+        if self._weights is None or self._weights[0] <= after:
+            return None
+        self.weights_served += 1
+        return self._weights
+
+    def served(self) -> int:
+        return self.weights_served
+
+    def register(self, name: str, pid: int) -> None:
+        """An actor (``collector 1``, ``learner rank 0``) started, or started again, in process ``pid``."""
+        self._pids.setdefault(name, []).append(pid)
+
+    def processes(self) -> dict[str, list[int]]:
+        """Every process each actor ran in, oldest first (more than one: Ray restarted it)."""
+        return self._pids
+
+
+@dataclass(frozen=True)
+class ActorJob:
+    """What every actor of a run needs to rebuild the pipeline the driver built."""
+
+    pipeline_path: str  # absolute: workers may start in another directory (or machine)
+    overrides: tuple[str, ...]  # --set items, --steps and --device included
+    run_root: str
+    control_name: str  # the run's RunControl actor, by name: plain values restart an actor safely
+
+    @property
+    def control(self) -> Any:
+        return ray.get_actor(self.control_name, namespace=NAMESPACE)
+
+    def build(self):
+        from rlhf_pipeline.run import _set_threads, build_pipeline, with_buffer_url
+
+        paths = RunPaths(Path(self.run_root))
+        module = load_pipeline_module(self.pipeline_path)
+        pipeline = build_pipeline(module, make_settings(module, list(self.overrides)), paths)
+        _set_threads(pipeline)
+        return pipeline, with_buffer_url(paths, pipeline)
+
+
+class ObjectStoreWeightsPoller:
+    """Collector side: ``poll()`` returns the newest weights once, from Ray's object store.
+
+    The interface of ``weights.WeightsPoller``; ``collect_main`` uses either.
+    """
+
+    def __init__(self, run_dir: str | Path, control: Any, current_version: int = -1) -> None:
+        self.run_dir = Path(run_dir)
+        self.control = control
+        self.current_version = current_version
+
+    def poll(self):
+        newest = ray.get(self.control.newest_weights.remote(self.current_version))
+        if newest is None:
+            return None
+        version, (ref,) = newest
+        try:
+            state = ray.get(ref, timeout=120)
+        except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
+            # its owner, a learner process, died; the learner writes every version to a file too
+            from rlhf_pipeline.weights import load_weights
+
+            try:
+                state, version = load_weights(self.run_dir, version)
+            except FileNotFoundError:  # pruned since: a newer version is on disk
+                state, version = load_weights(self.run_dir)
+        self.current_version = version
+        return state, version
+
+
+class ObjectStorePublisher:
+    """Learner side (rank 0): after each step that published a version, puts it in the object store."""
+
+    def __init__(self, learner: Any, control: Any) -> None:
+        self.learner = learner
+        self.control = control
+        self.published = -1
+
+    def __call__(self, step: int, sampled: Any, batch: Any, metrics: dict[str, float]) -> None:
+        version = self.learner.progress.policy_version
+        if version <= self.published or not self.learner.data_parallel.is_main:
+            return
+        state = {k: v.detach().to("cpu", copy=True) for k, v in self.learner.model.state_dict().items()}
+        ray.get(self.control.publish_weights.remote(version, [ray.put(state)]))
+        self.published = version
+
+
+class _StopWatcher:
+    """Turns the control actor's stop request into a byte on a pipe that ``StopFlag`` watches."""
+
+    def __init__(self, control: Any, role: str) -> None:
+        self.control = control
+        read_end, self._write_end = os.pipe()
+        StopFlag.launcher_fd = read_end
+        StopFlag.role = role
+        threading.Thread(target=self._watch, daemon=True, name="ray-stop-watch").start()
+
+    def _watch(self) -> None:
+        event = threading.Event()
+        while not event.wait(STOP_POLL_S):
+            try:
+                stop = ray.get(self.control.stop_requested.remote(), timeout=30)
+            except ray.exceptions.RayError:  # the driver and its control actor are gone
+                stop = True
+            if stop:
+                os.write(self._write_end, b"s")
+                return
+
+
+def _register(control: Any, name: str) -> None:
+    ray.get(control.register.remote(name, os.getpid()))
+
+
+@ray.remote
+class CollectorActor:
+    """Collector ``k``: writes ``buffer/shard-kkkk``, the only writer of that shard."""
+
+    def __init__(self, job: ActorJob, collector_index: int) -> None:
+        self.job = job
+        self.collector_index = collector_index
+        self.name = "collector" if collector_index == 0 else f"collector {collector_index}"
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's forwarded output with it
+        return self.name
+
+    def run(self) -> int:
+        from rlhf_pipeline.run import collect_main
+
+        control = self.job.control
+        _register(control, self.name)
+        _StopWatcher(control, "collector")
+        pipeline, paths = self.job.build()
+        poller = ObjectStoreWeightsPoller(paths.root, control)
+        return collect_main(pipeline, paths, collector_index=self.collector_index, poller=poller)
+
+
+@ray.remote
+class LearnerActor:
+    """Learner rank ``r`` of ``world_size``; rank 0 writes weights, checkpoints and metrics."""
+
+    def __init__(self, job: ActorJob, rank: int, world_size: int) -> None:
+        self.job = job
+        self.rank = rank
+        self.world_size = world_size
+        self.name = "learner" if world_size == 1 else f"learner rank {rank}"
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's address and a free port for the process group (``MASTER_ADDR`` / ``MASTER_PORT``)."""
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def run(self, master_addr: str, master_port: int) -> int:
+        from rlhf_pipeline.learn.distributed import DataParallel
+        from rlhf_pipeline.run import learn_main
+
+        control = self.job.control
+        _register(control, self.name)
+        _StopWatcher(control, "learner")
+        # torch.distributed's env:// rendezvous; this worker process runs this rank only
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+        # Ray shows each actor only the GPUs it reserved, so a rank's GPU is always cuda:0
+        data_parallel = DataParallel(rank=self.rank, world_size=self.world_size, local_rank=0)
+        pipeline, paths = self.job.build()
+
+        def attach(learner: Any) -> None:
+            learner.on_step = ObjectStorePublisher(learner, control)
+
+        return learn_main(pipeline, paths, data_parallel=data_parallel, on_learner=attach)

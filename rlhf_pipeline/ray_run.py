@@ -1,0 +1,274 @@
+"""``run --ray [ADDRESS]`` and ``learn --ray [ADDRESS]``: the same run, its processes as Ray actors.
+
+The driver (this process) checks the settings and prepares the run directory exactly as
+``run`` does (``run.prepare_run``: settings, buffer shards, the initial policy), then joins
+the Ray cluster at ADDRESS, or starts a local one (``ray.init()``), and starts:
+
+* a :class:`~rlhf_pipeline.ray_actors.RunControl` actor (stop requests, the newest weights);
+* ``--collectors N`` collector actors, spread over the cluster's nodes (``SPREAD``), each
+  reserving ``ray.collector_num_cpus`` / ``ray.collector_num_gpus``; collector ``k`` writes
+  ``buffer/shard-kkkk``, its only writer, as under ``run``;
+* ``learner.world_size`` learner actors (``ray.learner_num_cpus`` / ``_num_gpus`` each): one
+  rank is the plain learner; several form a torch.distributed group (gloo on CPU, NCCL on
+  GPU) whose rank 0 chose the address and port, and train as ``learn/distributed.py`` says.
+
+Every actor reads and writes the run directory, so on several machines it must be on a
+file system they share (NFS, a cluster file system); the same holds for the pipeline file.
+What the actors print reaches this terminal through Ray's log forwarding, prefixed with the
+actor (``(collector 1 pid=…)``).
+
+Failure and stopping, the way ``run`` handles its processes:
+
+* an actor whose process dies is restarted by Ray (``ray.max_restarts``) and its ``run``
+  task runs again: it resumes from the shard's saved position or the newest checkpoint.
+  Learner ranks of a group of several are not restarted (the others would wait in a
+  collective for a rank that is gone): the run stops and the same command resumes it;
+* an actor that fails (an exception) stops the run: the others are asked to stop, then this
+  command exits with the error;
+* the first SIGINT/SIGTERM asks every actor to stop (collectors finish their round, the
+  learner saves a checkpoint), a second one kills them. Then the cluster this command
+  started is shut down; a cluster it joined keeps running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rlhf_pipeline.pipeline import PipelineError, RunPaths
+from rlhf_pipeline.ray_settings import RaySettings
+from rlhf_pipeline.run import (
+    RunError,
+    _checkpoint_step,
+    _print_summary,
+    _set_threads,
+    build_pipeline,
+    prepare_run,
+    with_buffer_url,
+)
+from rlhf_pipeline.stopping import LauncherSignals
+
+INSTALL_HINT = "pip install -e '.[ray]'"
+COLLECTOR_GRACE_S = 120.0  # collectors end after their round once the learner is done
+LOG_FLUSH_S = 1.0
+
+
+def require_ray(command: str) -> None:
+    """Fails in one line when ``--ray`` cannot work here."""
+    if command not in ("run", "learn"):
+        raise PipelineError(f"--ray is an option of run and learn, not of {command}")
+    _import_ray()
+
+
+def _import_ray() -> Any:
+    # Ray folds lines that differ only in numbers into "[repeated 2x]": collector 1's progress
+    # line would vanish behind collector 0's. Read when ray is imported; the user's choice wins
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not sys.stderr.isatty():  # no colour codes in a log file (read when Ray prints)
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    try:
+        import ray
+    except ImportError as exc:
+        raise RunError(f"--ray needs Ray, which is not installed here ({exc}): {INSTALL_HINT}") from None
+    return ray
+
+
+def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pipeline_path: str,
+                  overrides: Sequence[str], collectors: int, *, address: str) -> int:
+    """``run`` (collectors and learner) or ``learn`` (the learner ranks only) on a Ray cluster."""
+    resources = getattr(settings, "ray", None) or RaySettings()  # a pipeline without a `ray` section
+    world_size = int(getattr(settings.learner, "world_size", 1))
+    try:
+        resources.check()
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    pipeline = build_pipeline(module, settings, paths)
+    paths = with_buffer_url(paths, pipeline)
+    _set_threads(pipeline)
+    prepare_run(pipeline, paths, shards=range(collectors) if command == "run" else (0,))
+    if command == "run":
+        paths.stop_file.unlink(missing_ok=True)  # left by a finished learner of an earlier start
+    else:
+        collectors = 0
+
+    ray, started = _connect(address)
+    try:
+        from rlhf_pipeline.ray_actors import ActorJob
+
+        control = _start_control(ray, paths)
+        job = ActorJob(pipeline_path=os.path.abspath(pipeline_path), overrides=tuple(overrides),
+                       run_root=str(paths.root), control_name=control_actor_name(paths))
+        _offer_initial_weights(ray, control, paths)
+        run = _RayRun(ray, job, paths, resources, collectors, world_size)
+        try:
+            return run.watch()
+        finally:
+            run.release()
+            ray.kill(control)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _connect(address: str) -> tuple[Any, bool]:
+    """``ray`` connected to ADDRESS or to a new local cluster; True when this call started or joined it."""
+    ray = _import_ray()
+    from rlhf_pipeline.ray_actors import NAMESPACE
+
+    if ray.is_initialized():  # this process is connected already (a notebook, a test)
+        return ray, False
+    print(f"[run] {'joining the Ray cluster at ' + address if address else 'starting a local Ray cluster'}",
+          file=sys.stderr, flush=True)
+    if address:
+        ray.init(address=address, namespace=NAMESPACE)
+    else:
+        ray.init(namespace=NAMESPACE, include_dashboard=False)
+    return ray, True
+
+
+def _start_control(ray: Any, paths: RunPaths) -> Any:
+    from rlhf_pipeline.ray_actors import NAMESPACE, RunControl
+
+    name = control_actor_name(paths)
+    try:
+        return RunControl.options(name=name, namespace=NAMESPACE).remote()
+    except ValueError:  # the name is taken: another driver runs this directory on this cluster
+        raise RunError(f"{paths.root} is already running on this Ray cluster (actor {name!r}); stop that "
+                       f"run first, or start a new one with --run-name NAME") from None
+
+
+def control_actor_name(paths: RunPaths) -> str:
+    """The name of a run's control actor in :data:`NAMESPACE` (tests and tools find it by it)."""
+    return f"run:{paths.root}"
+
+
+def _offer_initial_weights(ray: Any, control: Any, paths: RunPaths) -> None:
+    """The newest published version (the initial policy, or a resumed run's), for collectors that
+    start before the learner publishes; the driver owns it until a newer one replaces it."""
+    from rlhf_pipeline.weights import load_weights
+
+    state, version = load_weights(paths.root)
+    ray.get(control.publish_weights.remote(version, [ray.put(state)]))
+
+
+class _RayRun:
+    """The actors of one start of a run, and the driver's watch over them."""
+
+    def __init__(self, ray: Any, job: Any, paths: RunPaths, resources: RaySettings, collectors: int,
+                 world_size: int) -> None:
+        from rlhf_pipeline.ray_actors import CollectorActor, LearnerActor
+
+        self.ray, self.job, self.paths = ray, job, paths
+        self.control = job.control
+        restarts = resources.max_restarts
+        # max_task_retries: the `run` task in flight runs again in the restarted actor
+        self.collectors = {
+            k: CollectorActor.options(num_cpus=resources.collector_num_cpus, num_gpus=resources.collector_num_gpus,
+                                      scheduling_strategy="SPREAD", max_restarts=restarts,
+                                      max_task_retries=restarts).remote(job, k)
+            for k in range(collectors)
+        }
+        # one rank restarts alone; a rank of several cannot rejoin its group's collectives
+        learner_restarts = restarts if world_size == 1 else 0
+        self.learners = [
+            LearnerActor.options(num_cpus=resources.learner_num_cpus, num_gpus=resources.learner_num_gpus,
+                                 max_restarts=learner_restarts, max_task_retries=learner_restarts)
+            .remote(job, rank, world_size)
+            for rank in range(world_size)
+        ]
+        master = ray.get(self.learners[0].rendezvous.remote())
+        self.collector_tasks = {k: actor.run.remote() for k, actor in self.collectors.items()}
+        self.learner_tasks = [actor.run.remote(*master) for actor in self.learners]
+        self.signals: LauncherSignals | None = None
+
+    # ------------------------------------------------------------------ watching
+    def watch(self) -> int:
+        n = len(self.collectors)
+        print(f"[run] run directory {self.paths.root} on Ray: {len(self.learners)} learner actor(s)"
+              + (f", {n} collector actor(s)" if n else ""), file=sys.stderr, flush=True)
+        self.signals = LauncherSignals()
+        try:
+            return self._watch()
+        finally:
+            self.signals.restore()
+
+    def _watch(self) -> int:
+        ray, signals = self.ray, self.signals
+        learner_codes: list[int] | None = None
+        while not signals.received:
+            watched = [*self.learner_tasks, *self.collector_tasks.values()]
+            ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0.2)
+            if not ready or signals.received:  # (a Ctrl-C that reached the actors too ends them now)
+                continue
+            failure = self._first_failure(ready)
+            if failure is not None:
+                self._stop_all()
+                raise RunError(f"{failure}; the others were asked to stop (the learner saves a checkpoint). "
+                               f"Rerun the same command to resume")
+            if all(t in ready for t in self.learner_tasks):
+                learner_codes = [ray.get(t) for t in self.learner_tasks]
+                break
+        if signals.received:
+            self._stop_all()
+            signum = signals.received[0]
+            reached = _checkpoint_step(self.paths)
+            saved = f"the learner's newest checkpoint is at step {reached}; " if reached is not None else ""
+            print(f"[run] interrupted ({signal.Signals(signum).name}); {saved}run the same command again to "
+                  f"resume {self.paths.root}", file=sys.stderr, flush=True)
+            return 128 + signum
+        if any(code != 0 for code in learner_codes):  # stopped early without a signal here (SIGTERM to a worker)
+            self._stop_all()
+            raise RunError(f"the learner stopped before its last step (exit code {max(learner_codes)}); "
+                           f"rerun the same command to resume")
+        # the learner wrote STOP: every collector ends after its round
+        self._wait(list(self.collector_tasks.values()), COLLECTOR_GRACE_S)
+        time.sleep(LOG_FLUSH_S)  # Ray forwards what actors print from their log files, a little later
+        _print_summary(self.paths)
+        return 0
+
+    def _first_failure(self, ready: list) -> str | None:
+        """What failed among finished tasks: an exception, an actor dead for good, a collector that
+        ended before the learner was done."""
+        ray = self.ray
+        names = {t: ("the learner" if len(self.learners) == 1 else f"learner rank {r}")
+                 for r, t in enumerate(self.learner_tasks)}
+        names.update({t: ("collector " + str(k)) for k, t in self.collector_tasks.items()})
+        for task in ready:
+            try:
+                code = ray.get(task)
+            except ray.exceptions.RayTaskError as exc:
+                print(str(exc), file=sys.stderr, flush=True)
+                return f"{names[task]} failed (its error is above)"
+            except ray.exceptions.RayActorError as exc:
+                return f"{names[task]}'s process died and was not restarted ({type(exc).__name__})"
+            if task in self.collector_tasks.values() and not self.paths.stop_file.exists():
+                return f"{names[task]} ended early (exit code {code})"
+        return None
+
+    def _stop_all(self) -> None:
+        """Asks every actor to stop cleanly and waits; a second signal meanwhile kills them."""
+        self.ray.get(self.control.request_stop.remote())
+        self._wait([*self.learner_tasks, *self.collector_tasks.values()], None)
+        time.sleep(LOG_FLUSH_S)
+
+    def _wait(self, tasks: list, timeout: float | None) -> None:
+        ray, deadline = self.ray, None if timeout is None else time.monotonic() + timeout
+        pending = list(tasks)
+        while pending:
+            if self.signals is not None and len(self.signals.received) >= 2:
+                print("[run] stopping now: killing the learner and collectors", file=sys.stderr, flush=True)
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"[run] {len(pending)} actor(s) did not stop within {timeout:.0f}s; killing them",
+                      file=sys.stderr, flush=True)
+                break
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+
+    def release(self) -> None:
+        """Ends every actor (a finished one holds its reserved CPUs until then)."""
+        for actor in [*self.learners, *self.collectors.values()]:
+            self.ray.kill(actor, no_restart=True)

@@ -1,0 +1,190 @@
+"""``run --ray`` / ``learn --ray``: collectors and learner ranks as Ray actors on a local 2-CPU cluster.
+
+One cluster serves the module. Drivers run in this process (they find it connected) except the
+SIGINT test, whose driver is a subprocess that joins the cluster by its address.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_pipeline.learn.checkpoint import CheckpointManager
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.pipeline import RunPaths
+from rlhf_pipeline.run import run_command
+from rlhf_pipeline.storage import open_buffer, open_store
+from rlhf_pipeline.storage.sharded import list_shards
+
+ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = str(REPO / "pipelines" / "default.py")
+SMALL = ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "learner.batch_size=16",
+         "learner.sample_window=32", "learner.new_rows_per_step=16", "learner.checkpoint_every=2",
+         "learner.log_every=1", "rounds_per_version=1"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> str:
+    """A local Ray cluster of 2 CPUs for the module; its address, for drivers in other processes."""
+    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    yield context.address_info["gcs_address"]
+    ray.shutdown()
+
+
+def wait_for(condition, driver: subprocess.Popen, what: str, timeout: float = 240):
+    """Polls ``condition()`` until it returns something truthy; fails when the driver ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if driver.poll() is not None:
+            pytest.fail(f"the driver ended (exit code {driver.returncode}) before {what}:\n"
+                        f"{driver.communicate()[0][-3000:]}")
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def control_of(run: Path):
+    """The run's control actor, or None before its driver started it."""
+    from rlhf_pipeline.ray_actors import NAMESPACE
+    from rlhf_pipeline.ray_run import control_actor_name
+
+    try:
+        return ray.get_actor(control_actor_name(RunPaths(run)), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def steps_logged(run: Path) -> int:
+    return len(read_metrics(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
+
+
+def kill_actor_process(control, name: str) -> int:
+    """SIGKILL of the process actor ``name`` runs in now (as an OOM killer or a crash would)."""
+    pid = ray.get(control.processes.remote())[name][-1]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def assert_every_id_once_without_gaps(run: Path, group_size: int = 4) -> None:
+    """Each shard holds the ids its collector handed out, in order, each once."""
+    shards = list_shards(run / "buffer")
+    assert shards
+    for k, path in shards:
+        with open_store(path, mode="r") as shard:
+            ids = shard.read(torch.arange(len(shard)), fields=("trajectory_id", "group_id"))
+        local = (ids["trajectory_id"] - (k << 40)).tolist()
+        assert local == list(range(len(local))), (k, local)
+        assert (ids["group_id"] - (k << 40)).tolist() == [i // group_size for i in range(len(local))], k
+
+
+def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(cluster, tmp_path):
+    """A driver (a subprocess joining the cluster) runs 2 collector actors and a learner actor.
+    Collector 1's process and then the learner's are killed: Ray restarts both and they resume
+    (shard position, checkpoint). Then SIGINT to the driver stops every actor cleanly, and the same
+    command resumes to a run whose metrics and shards look like an uninterrupted one's."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", cluster, "--collectors",
+               "2", "--home", str(tmp_path), "--run-name", "run", *[a for s in SMALL for a in ("--set", s)]]
+    driver = subprocess.Popen([*command, "--steps", "60"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        control = wait_for(lambda: control_of(run), driver, "the control actor started")
+        wait_for(lambda: CheckpointManager(run / "checkpoints").latest_step(), driver, "a checkpoint")
+        # both at once: their restarts (a new process each, importing torch) overlap
+        kill_actor_process(control, "collector 1")
+        kill_actor_process(control, "learner")
+
+        def restarted() -> bool:
+            started = ray.get(control.processes.remote())
+            return len(started["collector 1"]) == 2 and len(started["learner"]) == 2
+
+        wait_for(restarted, driver, "Ray restarted both actors")
+        after_kill = steps_logged(run)  # the killed learner is long gone: its successor registered
+        wait_for(lambda: (CheckpointManager(run / "checkpoints").latest_step() or 0) > after_kill, driver,
+                 "a checkpoint of the restarted learner")
+        processes = ray.get(control.processes.remote())
+        served = ray.get(control.served.remote())
+        driver.send_signal(signal.SIGINT)
+        out, _ = driver.communicate(timeout=180)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    # Ray restarted both killed actors in new processes, and the learner resumed from its checkpoint
+    assert len(processes["collector 1"]) == 2 and len(processes["learner"]) == 2, processes
+    assert len(processes["collector"]) == 1
+    assert "resuming from" in out, out[-3000:]
+    assert served >= 2  # collectors took their weights from the object store
+    # SIGINT: every actor stopped cleanly, the learner at a checkpoint
+    assert driver.returncode == 130, out[-3000:]
+    assert "[run] interrupted (SIGINT)" in out and "[learner] stopped at step" in out, out[-3000:]
+    assert "[collector] stopped after" in out and "[collector 1] stopped after" in out, out[-3000:]
+    stopped_at = CheckpointManager(run / "checkpoints").latest_step()
+    assert stopped_at == read_metrics(run / "metrics.jsonl")[-1]["step"]
+
+    resumed = subprocess.run([*command, "--steps", str(stopped_at + 1)], cwd=REPO, capture_output=True,
+                             text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {stopped_at})" in resumed.stderr and "[run] done" in resumed.stderr
+    # like a normal run's: every step once, in order (the restarted learner truncated the metrics to its
+    # checkpoint), the last checkpoint at the last step
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, stopped_at + 2))
+    assert {"losses/loss", "charts/reward_mean", "charts/policy_version"} <= set(records[-1])
+    assert CheckpointManager(run / "checkpoints").latest_step() == stopped_at + 1
+    # no round lost or written twice by the killed collector; collectors loaded published versions
+    assert_every_id_once_without_gaps(run)
+    with open_buffer(run / "buffer", mode="r") as union:
+        versions = union.read(torch.arange(len(union)), fields=("policy_version",))["policy_version"]
+    assert int(versions.max()) >= 2
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    """A run directory whose buffer a collector recorded alone: 3 rounds of 16 rows, policy version 0."""
+    home = tmp_path_factory.mktemp("recorded")
+    assert run_command("collect", pipeline_path=DEFAULT, steps=3, home=str(home), run_name="recorded",
+                       overrides=RECORD) == 0
+    return home / "recorded"
+
+
+RECORD = [*SMALL, "rounds_per_version=3"]  # alone, the collector has version 0 only
+# a replay of the recorded rows in order (the same rows for 1 and 2 ranks); the entropy bonus moves the
+# weights even where a tiny, barely warm-started policy earns no reward (all advantages 0)
+OFFLINE = ["learner.sampler=epoch", "learner.epoch_order=sequential", "learner.max_staleness=none",
+           "learner.loss.old_policy=current", "learner.loss.entropy_coef=0.01", "learner.micro_batch_tokens=64", "learner.lr=1e-3",
+           "ray.learner_num_cpus=0.5"]
+
+
+def learn(recorded: Path, tmp_path: Path, name: str, world_size: int, ray_address: str | None) -> Path:
+    shutil.copytree(recorded, tmp_path / name)
+    code = run_command("learn", pipeline_path=DEFAULT, steps=3, home=str(tmp_path), run_name=name,
+                       overrides=[*RECORD, *OFFLINE, f"learner.world_size={world_size}"], ray_address=ray_address)
+    assert code == 0
+    return tmp_path / name
+
+
+def test_two_learner_actors_train_like_one_learner_on_a_recorded_buffer(cluster, recorded, tmp_path):
+    one = learn(recorded, tmp_path, "one", 1, ray_address=None)  # the plain learner, in this process
+    two = learn(recorded, tmp_path, "two", 2, ray_address="")
+    losses = [[(m["losses/loss"], m["losses/grad_norm"]) for m in read_metrics(root / "metrics.jsonl")]
+              for root in (one, two)]
+    assert len(losses[0]) == 3
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-6)
+    _, reference = CheckpointManager(one / "checkpoints").load()
+    _, trained = CheckpointManager(two / "checkpoints").load()
+    for key, value in reference["model"].items():
+        torch.testing.assert_close(trained["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    initial = torch.load(recorded / "weights" / "policy_00000000.pt", weights_only=True)["state_dict"]
+    assert any(not torch.allclose(trained["model"][k], initial[k]) for k in initial)  # it trained
