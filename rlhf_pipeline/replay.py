@@ -322,10 +322,10 @@ def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
 
 def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> None:
     """Writes ``settings.json`` (or checks a resumed replay against it) and publishes version 0."""
-    from rlhf_pipeline.run import _run_lock, settings_changes
+    from rlhf_pipeline.run_directory import run_lock, settings_changes
     from rlhf_pipeline.weights import latest_version, publish_weights
 
-    with _run_lock(paths):
+    with run_lock(paths):
         current = settings_to_json(pipeline.settings)
         if paths.settings_file.exists():
             saved = json.loads(paths.settings_file.read_text())

@@ -5,8 +5,8 @@ Order of work, so bad settings fail before anything starts:
 1. load the pipeline file, apply ``--set`` / ``--steps`` / ``--device``, run its torch-free
    ``check`` (if it has one), ``build`` it (settings checks) and run its ``preflight`` (e.g. the
    reward on one sample);
-2. prepare the run directory under a file lock (idempotent, so ``collect`` and ``learn``
-   started side by side agree): check ``settings.json`` against a previous start, create
+2. prepare the run directory under a file lock (``run_directory.py``; idempotent, so ``collect``
+   and ``learn`` started side by side agree): check ``settings.json`` against a previous start, create
    the buffer (:func:`prepare_run_directory`), then build the initial policy (warm start) and
    publish it as weights version 0 (:func:`publish_initial_policy`);
 3. ``run`` starts ``--collectors N`` ``collect`` processes (collector ``k`` writes its own
@@ -35,18 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import json
 import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import write_atomic
 from rlhf_pipeline.paths import run_dir as make_run_dir
 from rlhf_pipeline.pipeline import (
     Pipeline,
@@ -57,6 +54,12 @@ from rlhf_pipeline.pipeline import (
     make_settings,
     settings_to_json,
 )
+from rlhf_pipeline.run_directory import (  # RunError and prepare_run stay importable from here
+    RunError,
+    prepare_run,
+    prepare_run_directory,
+    publish_initial_policy,
+)
 from rlhf_pipeline.stopping import (
     LauncherSignals,
     StopFlag,
@@ -64,15 +67,6 @@ from rlhf_pipeline.stopping import (
     wait_for_children,
     wait_quietly,
 )
-
-# settings that may change between starts of one run; learner.* may too (with a note);
-# the rest define the data in the buffer and must match
-_RESUMABLE_SETTINGS = {"steps", "device", "ray"}
-
-
-class RunError(RuntimeError):
-    """The run directory disagrees with the command (another run's settings, a child failed)."""
-
 
 # ====================================================================== entry point
 def run_command(command: str, *, pipeline_path: str, steps: int | None = None, home: str | None = None,
@@ -290,147 +284,6 @@ def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
     print(f"[{command}] {paths.root} has already reached step {reached} (--steps {steps}); nothing to do. "
           f"To train further, raise --steps, e.g. --steps {reached + max(steps, 1)}", file=sys.stderr)
     return True
-
-
-# ====================================================================== run directory
-@contextmanager
-def _run_lock(paths: RunPaths):
-    paths.root.mkdir(parents=True, exist_ok=True)
-    with open(paths.root / ".prepare.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # blocking: the other side is only preparing
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> None:
-    """Creates what a run needs once; checks a resumed run uses the same settings.
-
-    ``shards``: the collectors whose buffer shards (``buffer/shard-kkkk``) must exist. A run
-    made before shards keeps its single-store ``buffer/``, which takes collector 0 only.
-    """
-    prepare_run_directory(pipeline, paths, shards)
-    publish_initial_policy(pipeline, paths)
-
-
-def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> None:
-    """``settings.json`` (checked against a previous start), the pipeline file's copy and the
-    buffer shards of ``shards``; no model."""
-    with _run_lock(paths):
-        current = settings_to_json(pipeline.settings)
-        if paths.settings_file.exists():
-            saved = json.loads(paths.settings_file.read_text())
-            changed = settings_changes(saved, pipeline.settings, tag="[run]", since="the run started")
-            if changed:
-                raise RunError(
-                    f"run directory {paths.root} was started with other settings ({'; '.join(changed)}). "
-                    f"Resume with the same settings, or start a new run with --run-name NAME"
-                )
-        else:
-            text = json.dumps(current, indent=2, sort_keys=True).encode()
-            write_atomic(paths.settings_file, lambda f: f.write(text))
-        _keep_pipeline_copy(pipeline, paths)
-        if paths.single_store_buffer:
-            extra = sorted(k for k in shards if k != 0)
-            if extra:
-                raise RunError(
-                    f"run directory {paths.root} has a single-store buffer (made before buffer shards), "
-                    f"which takes one collector; collector(s) {extra} need a new run (--run-name NAME)"
-                )
-        elif paths.buffer_url:
-            _create_url_shards(pipeline, paths, shards)
-        else:
-            for index in shards:
-                shard = paths.shard(index)
-                if not (shard.exists() and any(shard.iterdir())):
-                    shard.parent.mkdir(parents=True, exist_ok=True)
-                    store = pipeline.create_buffer(shard)
-                    store.close()
-
-
-def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> None:
-    """Builds the initial policy (``make_policy``: the warm start) and publishes it as weights
-    version 0, unless a version exists. Under the run lock, so two processes never both build it."""
-    from rlhf_pipeline.weights import latest_version, publish_weights
-
-    with _run_lock(paths):
-        if latest_version(paths.root) is None:
-            print(f"[run] building the initial policy in {paths.root}", file=sys.stderr, flush=True)
-            model = pipeline.make_policy()
-            publish_weights(paths.root, model.state_dict(), 0)
-
-
-def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:
-    """Creates the shards under ``buffer_url`` that hold no store yet (one listing of the prefix)."""
-    from rlhf_pipeline.storage.buffers import list_shards
-
-    existing = {index for index, location in list_shards(paths.buffer_location) if _is_store(location)}
-    for index in shards:
-        if index in existing:
-            continue
-        store = pipeline.create_buffer(paths.shard_location(index))
-        backend = getattr(store, "backend_name", None)
-        store.close()
-        if backend != "zarr":
-            raise PipelineError(f"setting 'buffer_url' ({paths.buffer_url}) needs Zarr buffer shards, but the "
-                                f"pipeline's create_buffer made a {backend!r} store; use a Zarr buffer "
-                                f"(--set buffer_backend=zarr in pipelines/default.py) or drop buffer_url")
-
-
-def _is_store(location: str) -> bool:
-    from rlhf_pipeline.storage import detect_backend
-    from rlhf_pipeline.storage.errors import NotAStoreError
-
-    try:
-        detect_backend(location)
-        return True
-    except NotAStoreError:
-        return False  # a prefix a killed create left without its commit record: created again
-
-
-def _keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
-    """Copies the pipeline file into the run once, so the run can be rebuilt after the file moves."""
-    module = sys.modules.get(type(pipeline.settings).__module__)
-    source = getattr(module, "__file__", None)
-    if paths.pipeline_file.exists() or source is None:
-        return
-    text = Path(source).read_bytes()
-    write_atomic(paths.pipeline_file, lambda f: f.write(text))
-
-
-def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:
-    """What differs between ``saved`` settings JSON and ``settings``, except learner knobs: those
-    may change on resume (the data stays valid), so they are only printed as a note."""
-    changed = _diff(saved, settings_to_json(settings), _default_settings(settings))
-    tuned = [c for c in changed if c.startswith("learner.")]
-    if tuned:
-        print(f"{tag} note: learner settings changed since {since}: {'; '.join(tuned)}", file=sys.stderr, flush=True)
-    return [c for c in changed if not c.startswith("learner.")]
-
-
-def _default_settings(settings: Any) -> dict:
-    """The pipeline's default settings as JSON ({} when its settings class needs arguments)."""
-    try:
-        return settings_to_json(type(settings)())
-    except TypeError:
-        return {}
-
-
-def _diff(saved: dict, current: dict, defaults: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        if not prefix and key in _RESUMABLE_SETTINGS:
-            continue
-        a, b = saved.get(key), current.get(key)
-        if key not in saved and key in defaults and b == defaults[key]:
-            continue  # a setting added to the pipeline since the run started, left at its default
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _diff(a, b, defaults.get(key) if isinstance(defaults.get(key), dict) else {},
-                         prefix + key + ".")
-        elif a != b:
-            out.append(f"{prefix + key}: was {a!r}, now {b!r}")
-    return out
 
 
 # ====================================================================== collector side
