@@ -85,6 +85,21 @@ def check_rows(batch: TrajectoryBatch) -> None:
             raise AssertionError(f"field {name!r} of rows with trajectory ids {tids.tolist()} is torn or wrong")
 
 
+def check_resumes_after_a_kill(open_for_append, open_for_read, published: int, label: str) -> None:
+    """After a writer was killed: the store reopens for appending with every row published before
+    the kill intact and ids without a gap, takes three more rows, and a reader sees exactly those."""
+    with open_for_append() as store:
+        assert store.next_row >= published, f"{label}: published {published}, reopened {store.next_row}"
+        everything = store.read(torch.arange(len(store)))
+        check_rows(everything)
+        assert everything["trajectory_id"].tolist() == list(range(store.next_row))
+        resumed = store.next_row
+        assert store.append(checksummed_batch(resumed, 3)).tolist() == [resumed, resumed + 1, resumed + 2]
+    with open_for_read() as reader:
+        assert reader.next_row == resumed + 3
+        check_rows(reader.read(torch.arange(len(reader))))
+
+
 def _append(backend, path: str, batch_rows: int, batches: int, report=None) -> None:
     store = backend.open(path, "a")
     done = 0

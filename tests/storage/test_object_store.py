@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_worker import check_rows, checksummed_batch
+from store_worker import check_resumes_after_a_kill, check_rows, checksummed_batch
 
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import StoreLockedError, open_store
@@ -94,16 +94,11 @@ def test_a_writer_killed_mid_append_loses_no_published_row_and_the_next_resumes(
         assert writer.returncode == -signal.SIGKILL
 
         # the dead writer's lock names a pid of this host that no longer runs: taken over at once
-        with ZarrTrajectoryStore.open(url, "a", storage_options=s3_server.options) as store:
-            assert store.next_row >= published, f"kill {kill}: published {published}, reopened {store.next_row}"
-            everything = store.read(torch.arange(len(store)))
-            check_rows(everything)
-            assert everything["trajectory_id"].tolist() == list(range(store.next_row))
-            resumed = store.next_row
-            assert store.append(checksummed_batch(resumed, 3)).tolist() == [resumed, resumed + 1, resumed + 2]
-        with ZarrTrajectoryStore.open(url, storage_options=s3_server.options) as reader:
-            assert reader.next_row == resumed + 3
-            check_rows(reader.read(torch.arange(len(reader))))
+        check_resumes_after_a_kill(
+            lambda: ZarrTrajectoryStore.open(url, "a", storage_options=s3_server.options),
+            lambda: ZarrTrajectoryStore.open(url, storage_options=s3_server.options),
+            published, f"kill {kill}",
+        )
 
 
 def test_the_lock_refuses_a_live_writer_and_a_taken_over_writer_publishes_nothing(s3_server):
