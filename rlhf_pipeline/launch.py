@@ -70,12 +70,13 @@ def wait_for_launcher(command: str, *, prepares: bool = False) -> bool:
         return False
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now: the learner ranks' rendezvous."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` nothing listens on now: the learner ranks' rendezvous ("" for every
+    interface, when ranks on other machines connect)."""
     import socket
 
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         return probe.getsockname()[1]
 
 

@@ -25,7 +25,6 @@ position and pending groups, the learner from its newest checkpoint.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,10 +214,9 @@ class LearnerActor:
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port for the process group (``MASTER_ADDR`` / ``MASTER_PORT``)."""
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        from rlhf_pipeline.launch import free_port
+
+        return ray.util.get_node_ip_address(), free_port("")
 
     def run(self, master_addr: str, master_port: int) -> int:
         from rlhf_pipeline.learn.distributed import DataParallel
