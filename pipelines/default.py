@@ -119,15 +119,15 @@ def check(settings: Settings) -> LearnerSettings:
 
 
 def build(settings: Settings, run: RunPaths) -> Pipeline:
-    # imports here: loading the file for --list-settings or a bad --set stays fast
+    # imports here: loading the file for --list-settings or a bad --set stays fast. The write
+    # path's (torchrl, ~1 s) are in the factories that use them: the learner, which builds this
+    # too and warm-starts right after, never needs them
     import torch
 
-    from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
     from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward, warm_start
     from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
     from rlhf_pipeline.schema import StoreSchema
-    from rlhf_pipeline.storage import create_store, make_replay_buffer
-    from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+    from rlhf_pipeline.storage import create_store
 
     # ---------------------------------------------------------------- checks first
     learner = check(settings)
@@ -161,12 +161,17 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                             segment_rows=settings.segment_rows)
 
     def make_write_path(store):
+        from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+
         pending_dir = None
         if "://" in store.location:  # a shard under buffer_url: its incomplete groups wait in the run directory
             pending_dir = run.root / "collector" / f"pending-{store.location.rstrip('/').rsplit('/', 1)[-1]}"
         return [GroupAdvantage(settings.group_size, store=store, pending_dir=pending_dir)]
 
     def make_collector(model, store, collector_index: int = 0):
+        from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+        from rlhf_pipeline.storage import make_replay_buffer
+
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size,
                                     transforms=make_write_path(store))
         config = CollectorConfig(

@@ -379,7 +379,7 @@ def load_policy(location: str, make_model, *, what: str):
             raise ReplayError(f"{what} {location}: {exc}") from exc
         source = f"model directory {path}"
     else:
-        raise ReplayError(f"{what} {location} is neither a run directory (weights/policy_*.pt) nor a model "
+        raise ReplayError(f"{what} {location} is neither a run directory (weights/policy_*) nor a model "
                           f"directory written by save_pretrained() (config.json + weights)")
     _check_same_architecture(model.state_dict(), state, source, what)
     model.load_state_dict(state)

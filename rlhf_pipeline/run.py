@@ -300,6 +300,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.learn.metrics import MetricsWriter
     from rlhf_pipeline.pacing import CollectorPacer, shard_key
+    from rlhf_pipeline.polling import PollBackoff
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.weights import WeightsPoller
 
@@ -340,6 +341,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                                round_rows=_round_rows(collector), learner_expected=stop.launcher_fd is not None)
         metrics = MetricsWriter(paths.collector_metrics(collector_index))
         waited = paced_total = 0.0
+        paced = PollBackoff(max_s=0.02)  # the learner takes the next batch within a step: poll soon
         print(f"{tag} writing to {store_path} with policy version {version}", file=sys.stderr, flush=True)
         while not _should_stop(stop, paths) and (rounds is None or done < rounds):
             update = poller.poll()
@@ -350,9 +352,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             if (limit is not None and rounds_at_version >= limit) or not pacer.may_collect(store.next_row):
                 # far enough ahead of the learner: more rows now would go stale or untrained
                 started = time.perf_counter()
-                time.sleep(0.02)
+                paced.sleep()
                 waited += time.perf_counter() - started
                 continue
+            paced.reset()
             rows_before = store.next_row
             batch = collector.collect(before_write=position.before_write)
             position.after_write(collector.state_dict())

@@ -95,9 +95,11 @@ def load_version(run_root: str | Path, version: int | None = None) -> tuple[dict
             f"policy version {version} of {run_root} is no longer on disk (weights/ keeps the last few, "
             f"checkpoints/ the last N); available: {listed}")
     source = versions[version]
-    payload = torch.load(source.path, map_location="cpu", weights_only=source.kind == "weights")
-    state = payload["state_dict"] if source.kind == "weights" else payload["model"]
-    return state, source
+    if source.kind == "weights":
+        from rlhf_pipeline.weights import load_weights_file
+
+        return load_weights_file(source.path)[0], source
+    return torch.load(source.path, map_location="cpu", weights_only=False)["model"], source
 
 
 def export_model(run_root: str | Path, out: str | Path, *, version: int | None = None,

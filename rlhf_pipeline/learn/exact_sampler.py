@@ -37,13 +37,14 @@ import numpy as np
 
 from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
 from rlhf_pipeline.learn.shard_rows import next_rows, shard_stores, union_positions
+from rlhf_pipeline.polling import PollBackoff
 
 
 class ExactUseSampler:
     """Blocks of ``batch_size`` fresh rows in write order, each the batch of ``uses`` draws."""
 
     def __init__(self, store, *, batch_size: int, uses: int = 1, max_staleness: int | None = None,
-                 timeout_s: float = 600.0, poll_s: float = 0.02, stop: threading.Event | None = None) -> None:
+                 timeout_s: float = 600.0, poll_s: float = 0.005, stop: threading.Event | None = None) -> None:
         if batch_size < 1 or uses < 1:
             raise ValueError(f"batch_size and uses must be >= 1 (got {batch_size}, {uses})")
         self.store = store
@@ -54,6 +55,7 @@ class ExactUseSampler:
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
         self.current_version = 0  # set by the learner after each publish
+        self.hurry: threading.Event | None = None  # set while the learner waits for a draw (polling.py)
         self.cursors: dict[str, int] = {}  # shard key -> oldest global id not yet taken into a block
         self.block: dict[str, list[int]] = {}  # shard key -> global ids of the current block
         self.block_draws = uses  # draws that used the current block; == uses: the next draw takes a new one
@@ -82,6 +84,7 @@ class ExactUseSampler:
         """Waits for ``batch_size`` usable rows past the cursors and makes them the new block;
         returns how many stale rows were passed over on the way."""
         deadline = time.monotonic() + self.timeout_s
+        backoff = PollBackoff(self.poll_s, hurry=self.hurry)
         block: dict[str, list[int]] = {}
         have = skipped = 0
         while True:
@@ -111,7 +114,7 @@ class ExactUseSampler:
                     f"{self.store.location} (it holds {held} past the rows already used): is a collector "
                     f"running for this run? (raise learner.data_timeout_s)"
                 )
-            time.sleep(self.poll_s)
+            backoff.sleep()
 
     def _available(self) -> dict[str, np.ndarray]:
         """Per shard, the global ids past its cursor that it still holds (as of the last refresh)."""

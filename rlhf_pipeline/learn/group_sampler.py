@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
+from rlhf_pipeline.polling import PollBackoff
 from rlhf_pipeline.storage.row_keys import keys_of, parts_of, positions_of
 
 _EQUAL = 1e-8  # rewards closer than this count as equal (as charts/frac_reward_zero_std counts them)
@@ -59,7 +60,7 @@ class GroupWindowSampler:
 
     def __init__(self, store, *, batch_size: int, window: int, seed: int, max_staleness: int | None,
                  new_rows_per_draw: int = 0, replace_zero_variance: bool = False, pool_groups: int = 64,
-                 min_next_row: int = 0, timeout_s: float = 600.0, poll_s: float = 0.05,
+                 min_next_row: int = 0, timeout_s: float = 600.0, poll_s: float = 0.005,
                  stop: threading.Event | None = None) -> None:
         if window < batch_size:
             raise ValueError(f"sample window ({window}) must be >= batch_size ({batch_size})")
@@ -78,6 +79,7 @@ class GroupWindowSampler:
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
         self.current_version = 0  # set by the learner after each publish
+        self.hurry: threading.Event | None = None  # set while the learner waits for a draw (polling.py)
         # the pool, as row keys: entry k is group_ids[k], its std and oldest version, and rows
         # (parts, rows)[offsets[k]:offsets[k+1]]
         self._pool = _empty_pool()
@@ -86,6 +88,7 @@ class GroupWindowSampler:
     def draw(self, draw_index: int) -> SampledRows:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw_index)
         deadline = time.monotonic() + self.timeout_s
+        backoff = PollBackoff(self.poll_s, hurry=self.hurry)
         while True:
             version = self.current_version
             n = len(self.store)  # refreshes a read-only store
@@ -109,7 +112,7 @@ class GroupWindowSampler:
                     f"is a collector running for this run? A group larger than batch_size ({self.batch_size}) never "
                     f"fits: raise learner.batch_size to a multiple of the group size"
                 )
-            time.sleep(self.poll_s)
+            backoff.sleep()
 
     def _finish(self, chosen: list[_Group], generator: torch.Generator, version: int, n: int,
                 next_row: int, stale_rows: int) -> SampledRows:

@@ -243,6 +243,8 @@ class Learner:
         if self.data_parallel.is_main:  # the other ranks take rank 0's draws (_next_draw)
             self._prefetcher = Prefetcher(self._naming_rows(produce), self.progress.draws,
                                           depth=self.settings.prefetch_depth, stop=self.stop_event)
+            if hasattr(self.sampler, "hurry"):  # it polls for rows fast only while a step waits for them
+                self.sampler.hurry = self._prefetcher.consumer_waiting
         self._ready = True
 
     def _naming_rows(self, produce: Callable[[int], tuple[Any, Any]]) -> Callable[[int], tuple[Any, ...]]:

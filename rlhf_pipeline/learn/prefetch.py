@@ -25,6 +25,9 @@ class Prefetcher:
         self._produce = produce
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = stop or threading.Event()
+        # set while the consumer waits for an item: a producer that polls for its input (a sampler
+        # waiting for rows, rlhf_pipeline/polling.py) polls fast only then
+        self.consumer_waiting = threading.Event()
         self._thread = threading.Thread(target=self._work, args=(start_step,), daemon=True,
                                         name="learner-prefetch")
         self._thread.start()
@@ -54,20 +57,29 @@ class Prefetcher:
         when stopped, so waiting on could never end.
         """
         start = time.perf_counter()
+        try:
+            step, item, exc = self._queue.get_nowait()
+        except queue.Empty:
+            self.consumer_waiting.set()
+            try:
+                step, item, exc = self._wait(on_wait)
+            finally:
+                self.consumer_waiting.clear()
+        waited = time.perf_counter() - start
+        if exc is not None:
+            raise exc
+        return step, item, waited
+
+    def _wait(self, on_wait: Callable[[], None] | None) -> tuple[int, Any, BaseException | None]:
         while True:
             try:
-                step, item, exc = self._queue.get(timeout=0.1)
-                break
+                return self._queue.get(timeout=0.1)
             except queue.Empty:
                 if self._stop.is_set() or not self._thread.is_alive():
                     raise InterruptedError("prefetching stopped") from None
                 if on_wait is not None:
                     on_wait()
                     on_wait = None
-        waited = time.perf_counter() - start
-        if exc is not None:
-            raise exc
-        return step, item, waited
 
     def close(self) -> None:
         self._stop.set()

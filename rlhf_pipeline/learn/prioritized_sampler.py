@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
+from rlhf_pipeline.polling import PollBackoff
 from rlhf_pipeline.storage.prioritized import NothingToSampleError, PrioritizedSampler
 from rlhf_pipeline.storage.row_keys import keys_of
 
@@ -57,7 +58,7 @@ class PrioritizedRowSampler:
     def __init__(self, store, *, batch_size: int, seed: int, priority: str = "abs_advantage",
                  alpha: float = 0.6, beta: float = 0.4, max_staleness: int | None = None,
                  new_rows_per_draw: int = 0, min_next_row: int = 0, timeout_s: float = 600.0,
-                 poll_s: float = 0.05, stop: threading.Event | None = None, feedback: bool = False) -> None:
+                 poll_s: float = 0.005, stop: threading.Event | None = None, feedback: bool = False) -> None:
         """``feedback``: the learner calls :meth:`feed_back` after the step of every draw (draws wait for it)."""
         self.store = store
         self.batch_size = batch_size
@@ -70,6 +71,7 @@ class PrioritizedRowSampler:
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
         self.current_version = 0  # set by the learner after each publish
+        self.hurry: threading.Event | None = None  # set while the learner waits for a draw (polling.py)
         self.feedback = feedback
         # feedback by draw: (part index, global row, value) arrays; applied in draw order
         self._reports: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -83,6 +85,7 @@ class PrioritizedRowSampler:
             self._apply_feedback(draw_index)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw_index)
         deadline = time.monotonic() + self.timeout_s
+        backoff = PollBackoff(self.poll_s, hurry=self.hurry)
         while True:
             version = self.current_version
             len(self.store)  # refreshes a read-only store: without it a wait for new rows never ends
@@ -116,7 +119,7 @@ class PrioritizedRowSampler:
                     f"{', '.join(empty) or 'none'}): is a collector running for this run? (raise "
                     f"learner.data_timeout_s, or set learner.max_staleness=none for offline replay)"
                 )
-            time.sleep(self.poll_s)
+            backoff.sleep()
 
     def _empty_shards(self) -> list[str]:
         empty_shards = getattr(self.store, "empty_shards", None)

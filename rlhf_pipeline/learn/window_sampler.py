@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
+from rlhf_pipeline.polling import PollBackoff
 
 
 class FreshRowSampler:
@@ -38,7 +39,7 @@ class FreshRowSampler:
 
     def __init__(self, store, *, batch_size: int, window: int, seed: int,
                  max_staleness: int | None, new_rows_per_draw: int = 0, min_next_row: int = 0,
-                 timeout_s: float = 600.0, poll_s: float = 0.05,
+                 timeout_s: float = 600.0, poll_s: float = 0.005,
                  stop: threading.Event | None = None) -> None:
         if window < batch_size:
             raise ValueError(f"sample window ({window}) must be >= batch_size ({batch_size})")
@@ -53,10 +54,12 @@ class FreshRowSampler:
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
         self.current_version = 0  # set by the learner after each publish
+        self.hurry: threading.Event | None = None  # set while the learner waits for a draw (polling.py)
 
     def draw(self, draw_index: int) -> SampledRows:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw_index)
         deadline = time.monotonic() + self.timeout_s
+        backoff = PollBackoff(self.poll_s, hurry=self.hurry)
         dropped = 0
         while True:
             version = self.current_version
@@ -90,7 +93,7 @@ class FreshRowSampler:
                     f"{self.min_next_row}): is a collector running "
                     f"for this run? (raise learner.data_timeout_s, or max_staleness for offline replay)"
                 )
-            time.sleep(self.poll_s)
+            backoff.sleep()
 
     def state_dict(self) -> dict[str, Any]:
         return {"min_next_row": int(self.min_next_row)}

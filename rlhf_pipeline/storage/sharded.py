@@ -70,6 +70,9 @@ from rlhf_pipeline.storage.buffers import (  # noqa: F401 - the shard helpers, r
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 
 
+RELIST_S = 1.0  # a local buffer directory whose mtime did not change is listed at most this often
+
+
 def _refresh_now(store: TrajectoryStore) -> int:
     # the union decides when to refresh: a shard's own throttle, started a moment after the
     # union's, would otherwise skip every other refresh. Only a throttled store (a Zarr reader
@@ -100,6 +103,7 @@ class ShardedStoreReader(TrajectoryStore):
         if is_url(location):  # every shard at a URL is a Zarr store: it throttles its own record GETs
             self._open_options = {**open_options, "refresh_interval_s": self.refresh_interval_s}
         self._refreshed_at: float | None = None
+        self._listing: tuple[tuple[int, int], float] | None = None  # (directory's (inode, mtime), when listed)
         self._shards: dict[int, TrajectoryStore] = {}
         self._skipped: dict[str, str] = {}  # shard name -> why it is not open (yet)
         self._order: list[int] = []
@@ -123,6 +127,8 @@ class ShardedStoreReader(TrajectoryStore):
     def _discover(self) -> None:
         from rlhf_pipeline.storage import open_store
 
+        if self._listing_current():
+            return
         for index, path in list_shards(self._path, self._open_options.get("storage_options")):
             if index in self._shards:
                 continue
@@ -144,6 +150,25 @@ class ShardedStoreReader(TrajectoryStore):
             self._skipped.pop(shard_name(index), None)
             self._shards[index] = store
         self._order = sorted(self._shards)
+
+    def _listing_current(self) -> bool:
+        """Whether the last listing of a local buffer directory still holds: a learner polling for
+        rows refreshes every millisecond or two, and listing the directory was half of that cost.
+        A new shard directory changes the directory's mtime; a coarse mtime (whole seconds on
+        some file systems) could hide one made in the same tick as the listing, so the directory
+        is listed again at least every ``RELIST_S`` anyway, and always while a shard is still
+        being created (it exists, but has no metadata yet)."""
+        if is_url(self._path) or self._skipped:
+            return False
+        try:
+            stat = self._path.stat()
+        except OSError:
+            return False
+        now, seen = time.monotonic(), (stat.st_ino, stat.st_mtime_ns)
+        if self._listing is not None and self._listing[0] == seen and now - self._listing[1] < RELIST_S:
+            return True
+        self._listing = (seen, now)  # taken before listing: a shard made meanwhile changes the mtime
+        return False
 
     def refresh(self, *, force: bool = False) -> int:
         """Lists new shards and refreshes every shard, unless the last refresh was less than

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.model_export import VersionNotFoundError, available_versions, export_model
 from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
-from rlhf_pipeline.weights import load_weights
+from rlhf_pipeline.weights import load_weights, weights_path
 
 CHAT = [{"role": "user", "content": "12+7="}]
 
@@ -56,7 +56,7 @@ def test_versions_on_disk_come_from_weights_and_checkpoints(tiny_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     for version in (1, 2, 3):
-        (run / "weights" / f"policy_{version:08d}.pt").unlink()
+        weights_path(run, version).unlink()
     found = available_versions(run)
     assert {v: s.kind for v, s in found.items()} == {2: "checkpoint", 3: "checkpoint"}
     result = export_model(run, tmp_path / "from_checkpoint", version=2)

@@ -23,6 +23,7 @@ from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.run import run_command
 from rlhf_pipeline.storage import open_buffer, open_store
 from rlhf_pipeline.storage.sharded import list_shards
+from rlhf_pipeline.weights import load_weights
 
 ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
 
@@ -186,5 +187,5 @@ def test_two_learner_actors_train_like_one_learner_on_a_recorded_buffer(cluster,
     _, trained = CheckpointManager(two / "checkpoints").load()
     for key, value in reference["model"].items():
         torch.testing.assert_close(trained["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)
-    initial = torch.load(recorded / "weights" / "policy_00000000.pt", weights_only=True)["state_dict"]
+    initial, _ = load_weights(recorded, 0)
     assert any(not torch.allclose(trained["model"][k], initial[k]) for k in initial)  # it trained

@@ -62,7 +62,29 @@ def test_weights_versions_only_increase_and_poller_sees_new_ones(tmp_path):
     for v in (1, 2, 3, 4):
         publish_weights(tmp_path, {"w": torch.full((2,), float(v))}, v, keep_last=2)
     assert latest_version(tmp_path) == 4
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["policy_00000003.pt", "policy_00000004.pt"]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["policy_00000003.safetensors",
+                                                                        "policy_00000004.safetensors"]
     state, version = poller.poll()  # jumps straight to the newest
     assert version == 4 and torch.equal(state["w"], torch.full((2,), 4.0))
     assert load_weights(tmp_path, 3)[1] == 3
+
+
+def test_weights_of_runs_made_before_safetensors_still_load_and_are_pruned(tmp_path):
+    """A run resumed from .pt weight files: they are read, the next versions are safetensors, and
+    pruning removes the old format too. Tied tensors (one storage) are published as copies."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for v in (0, 1):
+        torch.save({"version": v, "state_dict": {"w": torch.full((2,), float(v))}}, weights / f"policy_{v:08d}.pt")
+    assert latest_version(tmp_path) == 1
+    state, version = load_weights(tmp_path)
+    assert version == 1 and torch.equal(state["w"], torch.ones(2))
+    shared = torch.full((2,), 2.0)
+    publish_weights(tmp_path, {"w": shared, "tied": shared}, 2, keep_last=2)
+    assert sorted(p.name for p in weights.iterdir()) == ["policy_00000001.pt", "policy_00000002.safetensors"]
+    state, version = WeightsPoller(tmp_path, current_version=1).poll()
+    assert version == 2 and torch.equal(state["tied"], shared) and torch.equal(state["w"], shared)
+    publish_weights(tmp_path, {"w": shared}, 3, keep_last=2)
+    assert sorted(p.name for p in weights.iterdir()) == ["policy_00000002.safetensors", "policy_00000003.safetensors"]
+    with pytest.raises(FileNotFoundError, match="version 1 is not under"):
+        load_weights(tmp_path, 1)

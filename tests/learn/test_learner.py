@@ -22,7 +22,7 @@ from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
 from rlhf_pipeline.synthetic import synthetic_batch
-from rlhf_pipeline.weights import latest_version, publish_weights
+from rlhf_pipeline.weights import latest_version, load_weights, publish_weights
 
 TOKENIZER = char_tokenizer()
 
@@ -204,7 +204,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     for key in ("losses/loss", "losses/grad_norm", "charts/learning_rate", "charts/reward_mean"):
         assert [r[key] for r in a] == [r[key] for r in b], key
-    wa, wb = (torch.load(p.weights / "policy_00000006.pt")["state_dict"] for p in (straight, resumed))
+    wa, wb = (load_weights(p.root, 6)[0] for p in (straight, resumed))
     for name in wa:
         assert torch.equal(wa[name], wb[name]), name
 

@@ -1,0 +1,33 @@
+"""MetricsWriter: metrics.jsonl is the source of truth, and TensorBoard shows the same numbers."""
+
+import math
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rlhf_pipeline.learn.metrics import MetricsWriter, read_metrics
+
+
+def read_tensorboard_scalars(log_dir) -> dict[str, dict[int, float]]:
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def test_every_numeric_metric_reaches_tensorboard_at_its_step(tmp_path):
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb")
+    for step in (1, 2, 3):
+        writer.log(step, {"losses/loss": 0.5 / step, "charts/rows": step * 64, "charts/flag": True,
+                          "note": "text is kept in the JSONL only"})
+    writer.log(4, {"note": "a step with no number writes no event"})
+    writer.close()
+
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    scalars = read_tensorboard_scalars(tmp_path / "tb")
+    assert set(scalars) == {"losses/loss", "charts/rows", "charts/flag"}
+    for record in records[:3]:
+        step = record["step"]
+        assert math.isclose(scalars["losses/loss"][step], record["losses/loss"], rel_tol=1e-6)
+        assert scalars["charts/rows"][step] == record["charts/rows"]
+        assert scalars["charts/flag"][step] == 1.0
+    assert all(4 not in by_step for by_step in scalars.values())
