@@ -1,9 +1,10 @@
 """``export-model``: a run's policy of one version as a ``save_pretrained`` directory.
 
-Where versions live. The learner publishes ``weights/policy_XXXXXXXX.pt`` and keeps the last
-few; each checkpoint ``checkpoints/step_XXXXXXXX.pt`` holds the model after its step, which is
-the version published at that step when the step published (``step % learner.publish_every
-== 0``, the run's setting). :func:`available_versions` lists both (a weights file wins).
+Where versions live. The learner publishes ``weights/policy_XXXXXXXX.safetensors`` (``.pt`` in
+older runs) and keeps the last few; each checkpoint ``checkpoints/step_XXXXXXXX.pt`` holds the
+model after its step, which is the version published at that step when the step published
+(``step % learner.publish_every == 0``, the run's setting). :func:`available_versions` lists
+both (a weights file wins).
 
 What is written: the pipeline's ``make_model()`` (the run's architecture, from the run's
 ``pipeline.py`` and ``settings.json``) with that version's weights, saved by
