@@ -108,10 +108,15 @@ def test_refresh_picks_up_new_rows_and_new_shards(two_shards):
         third.append(shard_rows(2, 1))
     assert len(union) == 44 and sorted(union.shards) == [0, 1, 2]
     assert int(union.read([43])["group_id"]) >> 40 == 2
+    # a whole shard appearing between two refreshes, none pending: the cached listing of the
+    # buffer directory must not hide it (its mtime changed)
+    with create_store(shard_path(buffer, 3), "memmap", schema=SCHEMA) as fourth:
+        fourth.append(shard_rows(3, 1))
+    assert len(union) == 48 and sorted(union.shards) == [0, 1, 2, 3]
 
     # resume safety: a saved state names every shard and the rows each had
     state = union.state_dict()
-    assert sorted(state["shards"]) == ["shard-0000", "shard-0001", "shard-0002"]
+    assert sorted(state["shards"]) == ["shard-0000", "shard-0001", "shard-0002", "shard-0003"]
     reopened = open_buffer(buffer)
     reopened.load_state_dict(state)
     state["shards"]["shard-0007"] = state["shards"]["shard-0000"]
