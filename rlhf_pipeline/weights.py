@@ -8,9 +8,9 @@ the last few) because a reader always wants the newest; a reader that loses a ra
 pruning simply polls again.
 
 Why safetensors: a collector loads every version the learner publishes, one per learner step
-by default, and ``torch.load(weights_only=True)`` of the default model's 0.6 MB took 5.7 ms
-against 1.6 ms (``benchmarks/README.md``, "Per-step overhead"); like ``weights_only`` it runs
-no code from the file. Runs made before hold ``policy_XXXXXXXX.pt`` files (a torch pickle of
+by default, and ``torch.load(weights_only=True)`` of the default model's 0.6 MB took 4-5.5 ms
+against 1.3-1.7 ms (``benchmarks/bench_step_overhead.py``; writing costs about the same in
+both); like ``weights_only`` it runs no code from the file. Runs made before hold ``policy_XXXXXXXX.pt`` files (a torch pickle of
 ``{"version", "state_dict"}``): they are still read, and a resumed run publishes its next
 versions as safetensors beside them.
 """

@@ -74,8 +74,8 @@ class MetricsWriter:
 
     def _log_tensorboard(self, step: int, record: Mapping[str, Any]) -> None:
         """All of a step's scalars as one event: ``add_scalar`` writes an event per scalar, and
-        for the ~45 metrics of a learner step that took 6 ms of a ~60 ms step on the default
-        pipeline, against 0.4 ms for one event (``benchmarks/README.md``, "Per-step overhead")."""
+        for the ~45 metrics of a learner step that took 6.7 ms of a ~60 ms step on the default
+        pipeline, against 0.4-0.6 ms for one event (``benchmarks/bench_step_overhead.py``)."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in record.items()
