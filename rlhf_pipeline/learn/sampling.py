@@ -11,7 +11,10 @@ its ``Progress``. A sampler keeps this contract (:class:`BatchSampler`):
 * ``current_version`` is set by the learner after each publish (staleness checks use it);
 * ``state_dict()`` / ``load_state_dict()`` hold whatever else a resumed run needs. Draws run
   ahead of the steps, so each ``SampledRows`` carries the state right after its draw
-  (``sampler_state``); the learner checkpoints the state of the last draw it *used*.
+  (``sampler_state``); the learner checkpoints the state of the last draw it *used*;
+* optionally, a ``hurry`` attribute: the learner sets it to an event that is set while a step
+  waits for the draw; a sampler that polls the buffer for new rows polls fast only then
+  (``rlhf_pipeline/polling.py``).
 
 To add a sampler: write its class in a module of its own, and add one line to
 :data:`SAMPLERS` naming a factory ``make(settings, store, *, seed, stop, timeout_s)`` where
