@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import write_atomic
+from rlhf_pipeline.atomic import fsync_dir, write_atomic
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 
 # settings that may change between starts of one run; learner.* may too (with a note);
@@ -78,11 +78,30 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
             _create_url_shards(pipeline, paths, shards)
         else:
             for index in shards:
-                shard = paths.shard(index)
-                if not (shard.exists() and any(shard.iterdir())):
-                    shard.parent.mkdir(parents=True, exist_ok=True)
-                    store = pipeline.create_buffer(shard)
-                    store.close()
+                _create_local_shard(pipeline, paths.shard(index))
+
+
+CREATING_SUFFIX = ".creating"  # a shard being made; list_shards never takes it for one
+
+
+def _create_local_shard(pipeline: Pipeline, shard: Path) -> None:
+    """Creates the shard at ``shard`` unless it exists: made under another name and renamed into
+    place, so a start killed midway leaves no directory that counts as a shard but holds no store
+    (every later start would then fail to open it). What such a start left is removed here; the
+    caller holds the run lock, so no other process is making it."""
+    import shutil
+
+    if shard.exists() and any(shard.iterdir()):
+        return
+    making = shard.with_name(shard.name + CREATING_SUFFIX)
+    if making.exists():
+        shutil.rmtree(making)
+    making.parent.mkdir(parents=True, exist_ok=True)
+    pipeline.create_buffer(making).close()
+    if shard.exists():
+        shard.rmdir()  # empty: os.replace cannot put a directory over a non-empty one anyway
+    making.replace(shard)
+    fsync_dir(shard.parent)
 
 
 def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> None:

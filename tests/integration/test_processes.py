@@ -125,6 +125,36 @@ def test_single_store_buffers_of_older_runs_keep_one_collector(tmp_path):
     assert new.collector_state(1) == new.root / "collector" / "shard-0001.pt"
 
 
+@pytest.mark.parametrize("backend", ["memmap", "zarr"])
+def test_a_start_killed_while_making_a_shard_leaves_nothing_taken_for_a_shard(tmp_path, backend):
+    """A shard is made as ``shard-NNNN.creating`` and renamed into place: what a start killed
+    midway leaves (here: a store made but never renamed, without its commit record) is not a
+    shard to readers, and the next start makes the shard afresh."""
+    from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.run import build_pipeline, prepare_run
+    from rlhf_pipeline.storage import detect_backend
+
+    module = load_pipeline_module(DEFAULT)
+    paths = RunPaths(tmp_path / "run")
+    pipeline = build_pipeline(module, make_settings(module, ["warm_start_steps=0", f"buffer_backend={backend}"]),
+                              paths)
+    leftover = paths.buffer / "shard-0000.creating"
+    pipeline.create_buffer(leftover).close()
+    record = {"memmap": "manifest.json", "zarr": "zarr.json"}[backend]
+    assert (leftover / record).exists()
+    (leftover / record).unlink()  # killed before the store was complete
+    assert list_shards(paths.buffer) == []
+
+    prepare_run(pipeline, paths, shards=(0,))
+    assert not leftover.exists()
+    assert [k for k, _ in list_shards(paths.buffer)] == [0]
+    assert detect_backend(str(paths.shard(0))) == backend
+    with open_store(str(paths.shard(0)), mode="a") as store:
+        assert len(store) == 0
+    with open_buffer(paths.buffer) as union:
+        assert len(union) == 0
+
+
 def test_settings_added_to_a_pipeline_since_a_run_started_keep_their_default(tmp_path):
     """A resumed run whose settings.json predates a new setting: the default is no change."""
     import json
