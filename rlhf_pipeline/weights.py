@@ -10,9 +10,9 @@ pruning simply polls again.
 Why safetensors: a collector loads every version the learner publishes, one per learner step
 by default, and ``torch.load(weights_only=True)`` of the default model's 0.6 MB took 4-5.5 ms
 against 1.3-1.7 ms (``benchmarks/bench_step_overhead.py``; writing costs about the same in
-both); like ``weights_only`` it runs no code from the file. Runs made before hold ``policy_XXXXXXXX.pt`` files (a torch pickle of
-``{"version", "state_dict"}``): they are still read, and a resumed run publishes its next
-versions as safetensors beside them.
+both); like ``weights_only`` it runs no code from the file. Runs made before hold
+``policy_XXXXXXXX.pt`` files (a torch pickle of ``{"version", "state_dict"}``): they are still
+read, and a resumed run publishes its next versions as safetensors beside them.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def publish_weights(run_dir: str | Path, state_dict: dict[str, torch.Tensor], ve
     """Writes ``state_dict`` as ``version``; ``version`` must exceed every published one."""
     from safetensors.torch import save
 
-    current = latest_version(run_dir)
+    files = _files(run_dir)  # one listing: the newest version, then what to prune
+    current = max(files, default=None)
     if current is not None and version <= current:
         raise ValueError(
             f"weights version {version} is not newer than the published version {current}; "
@@ -79,7 +80,7 @@ def publish_weights(run_dir: str | Path, state_dict: dict[str, torch.Tensor], ve
     cpu_state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
     payload = save(cpu_state, metadata={"version": str(version)})
     write_atomic(final, lambda f: f.write(payload), partial_name=f"{final.name}.{os.getpid()}.partial")
-    files = _files(run_dir)
+    files[version] = final
     for old in sorted(files)[:-keep_last]:
         files[old].unlink(missing_ok=True)
         files[old].with_suffix(LEGACY_SUFFIX).unlink(missing_ok=True)
@@ -105,14 +106,14 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
 
 def load_weights(run_dir: str | Path, version: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """``(state_dict, version)`` of ``version`` (default: the newest)."""
+    files = _files(run_dir)
     if version is None:
-        version = latest_version(run_dir)
-        if version is None:
+        if not files:
             raise FileNotFoundError(f"no published weights under {weights_dir(run_dir)}")
-    path = weights_path(run_dir, version)
-    if not path.exists():
+        version = max(files)
+    if version not in files:
         raise FileNotFoundError(f"weights version {version} is not under {weights_dir(run_dir)}")
-    return load_weights_file(path)
+    return load_weights_file(files[version])
 
 
 class WeightsPoller:
@@ -123,11 +124,14 @@ class WeightsPoller:
         self.current_version = current_version
 
     def poll(self) -> tuple[dict[str, torch.Tensor], int] | None:
-        newest = latest_version(self.run_dir)
+        """Called between rounds, and every millisecond or so while a paced collector waits: one
+        directory listing, and a load only when a newer version is there."""
+        files = _files(self.run_dir)
+        newest = max(files, default=None)
         if newest is None or newest <= self.current_version:
             return None
         try:
-            state, version = load_weights(self.run_dir, newest)
+            state, version = load_weights_file(files[newest])
         except FileNotFoundError:  # pruned between listing and loading: a newer one exists
             return self.poll()
         self.current_version = version
