@@ -150,6 +150,19 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         require_new_directory(path, str(path))
         path.mkdir(parents=True, exist_ok=True)
         lock = WriterLock(path / LOCK_FILE_NAME).acquire()
+        if (path / MANIFEST_NAME).exists():
+            # Another creator published between the check above and this lock: "new or existing"
+            # is decided again under the lock, or an empty manifest would replace its rows.
+            if not exist_ok:
+                lock.release()
+                raise FileExistsError(f"{path} was created by another process meanwhile; open it with "
+                                      f"MemmapTrajectoryStore.open({str(path)!r}, mode='a'), or pass exist_ok=True")
+            try:
+                store = cls(path, lock=lock, durable=durable)
+            except BaseException:
+                lock.release()
+                raise
+            return check_reopened_layout(store, schema, segment_rows, capacity_rows)
         manifest = {
             "backend": BACKEND,
             "format_version": FORMAT_VERSION,

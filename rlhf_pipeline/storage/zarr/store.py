@@ -191,6 +191,19 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             require_new_directory(loc.local_root, location)
         lock = lock_for(loc, location, lease_s=lock_lease_s, wait_s=lock_wait_s)
         try:
+            existing = loc.kv.get(ROOT_META)
+            if existing is not None:
+                # Another creator published between the check above and this lock (on S3 the lock
+                # may have been waited for): "new or existing" is decided again under the lock, or
+                # an empty record would replace its acknowledged rows.
+                if not exist_ok:
+                    raise FileExistsError(
+                        f"{location} was created by another process meanwhile; open it with "
+                        f"ZarrTrajectoryStore.open({location!r}, mode='a'), or pass exist_ok=True"
+                    )
+                store = cls._resume_writer(location, loc, _parse(existing, location, loc), lock=lock,
+                                           cache_bytes=cache_bytes, durable=durable)
+                return check_reopened_layout(store, schema, segment_rows, capacity_rows)
             record = {
                 "backend": "zarr", "format_version": FORMAT_VERSION, "schema": schema.to_json(),
                 "codec": codec_config, "segment_rows": int(segment_rows), "capacity_rows": capacity_rows,
@@ -257,13 +270,11 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         try:
             if writable:
                 record = _parse(loc.kv.get(ROOT_META), location, loc)  # the lock holder's last publish
-            store = cls(location, loc, record, writable=writable, cache_bytes=cache_bytes, durable=durable,
-                        lock=lock, watcher=watcher)
+                return cls._resume_writer(location, loc, record, lock=lock, cache_bytes=cache_bytes,
+                                          durable=durable)
+            store = cls(location, loc, record, writable=False, cache_bytes=cache_bytes, durable=durable,
+                        lock=None, watcher=watcher)
             store.refresh_interval_s = float(refresh_interval_s)
-            if writable:
-                store._delete_orphans()
-                for first_row in complete_segments(store._units, store._segment_rows):
-                    store._sealer.submit(first_row)  # fragments a killed writer did not seal yet
             return store
         except BaseException:
             if lock is not None:
@@ -271,6 +282,18 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             if watcher is not None:
                 watcher.close()
             raise
+
+    @classmethod
+    def _resume_writer(cls, location: str, loc: Location, record: dict[str, Any], *, lock: WriterLock | None,
+                       cache_bytes: int, durable: bool) -> ZarrTrajectoryStore:
+        """The lock holder's store over its last publish: what a killed writer left unpublished is
+        deleted, and the fragments it did not seal yet are sealed."""
+        store = cls(location, loc, record, writable=True, cache_bytes=cache_bytes, durable=durable,
+                    lock=lock, watcher=None)
+        store._delete_orphans()
+        for first_row in complete_segments(store._units, store._segment_rows):
+            store._sealer.submit(first_row)
+        return store
 
     @classmethod
     def detect(cls, location: str) -> bool:
