@@ -88,7 +88,10 @@ class Settings:
     stay in the run directory."""
     buffer_lock_wait_s: float = 60.0
     """With buffer_url: how long a collector waits for its shard's writer lock while another writer
-    holds it (one that died on another machine holds it until its 30 s lease runs out)."""
+    holds it (one that died on another machine holds it until its lease runs out)."""
+    buffer_lock_lease_s: float = 30.0
+    """With buffer_url: the lease of a collector's writer lock (>= 3 s, renewed every third of it).
+    Shorter: a dead or paused collector is fenced and replaced sooner, at one more PUT per renewal."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=64, sampler="exact", uses_per_row=1, sample_window=128, new_rows_per_step=64,
         micro_batch_tokens=4096, lr=3e-4, warmup_steps=5, max_staleness=2, publish_every=1,
@@ -200,4 +203,5 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         torch_threads=settings.threads,
         buffer_url=settings.buffer_url,
         buffer_lock_wait_s=settings.buffer_lock_wait_s,
+        buffer_lock_lease_s=settings.buffer_lock_lease_s,
     )

@@ -155,9 +155,10 @@ class Children:
 
     @classmethod
     def start(cls, launcher: Sequence[str], common: Sequence[str], learner_args: Sequence[str],
-              collectors: int, learner_ranks: int = 1) -> Children:
+              collectors: int, learner_ranks: int = 1, keep_fds: Sequence[int] = ()) -> Children:
         """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP);
-        ``learner_ranks`` learner processes train as data-parallel ranks (``rank_environments``)."""
+        ``learner_ranks`` learner processes train as data-parallel ranks (``rank_environments``);
+        every child inherits ``keep_fds`` (open, unused: the run directory's holder lock)."""
         children = cls()
         stop_read, children.stop_write = os.pipe()
         status_read, status_write = os.pipe()
@@ -166,7 +167,7 @@ class Children:
         try:
             children.collectors = {
                 k: subprocess.Popen([*launcher, "collect", *common, *(["--collector-index", str(k)] if k else []),
-                                     *wait], stdin=subprocess.PIPE, text=True, pass_fds=(stop_read,))
+                                     *wait], stdin=subprocess.PIPE, text=True, pass_fds=(stop_read, *keep_fds))
                 for k in range(collectors)
             }
             # rank 0 prepares the run for all collectors' shards and says how it went; the other
@@ -175,7 +176,8 @@ class Children:
             for rank, env in enumerate(rank_environments(learner_ranks)):
                 extra, fds = (prepare, (stop_read, status_write)) if rank == 0 else ([], (stop_read,))
                 children.learners.append(subprocess.Popen([*launcher, "learn", *common, *learner_args, *wait, *extra],
-                                                          stdin=subprocess.PIPE, text=True, pass_fds=fds, env=env))
+                                                          stdin=subprocess.PIPE, text=True, pass_fds=(*fds, *keep_fds),
+                                                          env=env))
         except BaseException:
             children.abandon()
             raise

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 REQUIRED_SETTINGS = ("steps", "device")
+MIN_LOCK_LEASE_S = 3.0  # an object-store writer lock renews every third of its lease: a request a second at most
 
 
 class PipelineError(ValueError):
@@ -203,8 +204,23 @@ class Pipeline:
     variables. None: ``<run>/buffer``. The run directory (weights, checkpoints, metrics) stays local."""
     buffer_lock_wait_s: float = 60.0
     """With ``buffer_url``: how long a collector waits for its shard's writer lock while another
-    writer holds it (a collector that died on another machine holds it until its 30 s lease runs
+    writer holds it (a collector that died on another machine holds it until its lease runs
     out); it says whose lease it is and until when."""
+    buffer_lock_lease_s: float = 30.0
+    """With ``buffer_url``: the lease of a collector's writer lock on its shard, renewed every third
+    of it. A shorter lease lets a restarted collector take over sooner from one that died or hangs
+    (a paused writer is fenced once its lease has run out) and costs more requests (one PUT per
+    renewal); a writer that cannot renew for a whole lease (a long GC pause, a network outage)
+    loses its shard. At least 3 s."""
+
+    def __post_init__(self) -> None:
+        if not self.buffer_lock_lease_s >= MIN_LOCK_LEASE_S:
+            raise PipelineError(
+                f"setting 'buffer_lock_lease_s' must be >= {MIN_LOCK_LEASE_S:g} seconds (the lock is renewed every "
+                f"third of it), got {self.buffer_lock_lease_s!r}; the default is 30"
+            )
+        if not self.buffer_lock_wait_s >= 0:
+            raise PipelineError(f"setting 'buffer_lock_wait_s' must be >= 0 seconds, got {self.buffer_lock_wait_s!r}")
 
 
 def preflight_rewards(rewards: Any, records: Sequence[Any], group_size: int) -> None:

@@ -103,6 +103,19 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         print(describe_settings(settings))
         return 0
     paths = RunPaths(make_run_dir(run_name or f"{Path(pipeline_path).stem}-replay", home).resolve())
+    if "WORLD_SIZE" in os.environ:  # a rank started by _train_on_ranks: its launcher holds the directory
+        return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)
+    from rlhf_pipeline.run_directory import hold_run_directory
+
+    with hold_run_directory(paths, "replay") as holder:
+        return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device,
+                       holder_fd=holder.fd)
+
+
+def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths: RunPaths,
+            cli_overrides: list[str], overrides: Sequence[str], device: str | None, holder_fd: int = -1) -> int:
+    from rlhf_pipeline.run import build_pipeline
+
     source = source_location(options.buffer)
     saved = _saved_replay(paths)
     with _open_source(source) as store:
@@ -134,11 +147,11 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         call = {"pipeline_path": pipeline_path, "options": dataclasses.asdict(options),
                 "home": str(paths.root.parent), "run_name": paths.root.name, "device": device,
                 "overrides": list(overrides)}
-        return _train_on_ranks(call, learner_settings.world_size)
+        return _train_on_ranks(call, learner_settings.world_size, holder_fd)
     return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps)
 
 
-def _train_on_ranks(call: dict[str, Any], world_size: int) -> int:
+def _train_on_ranks(call: dict[str, Any], world_size: int, holder_fd: int = -1) -> int:
     """Starts ``world_size`` data-parallel learner ranks (``learner.world_size``), each running
     :func:`rank_main` with ``call``, and watches them: a failed rank stops the others; a signal
     here is passed on, and each rank checkpoints and stops at the same step."""
@@ -151,7 +164,9 @@ def _train_on_ranks(call: dict[str, Any], world_size: int) -> int:
 
     command = [sys.executable, "-c", "import sys; from rlhf_pipeline.replay import rank_main; "
                                      "sys.exit(rank_main(sys.argv[1]))", json.dumps(call)]
-    ranks = [subprocess.Popen(command, env=env) for env in rank_environments(world_size)]
+    # the ranks inherit the run directory's holder lock: it outlives this process if it is killed first
+    keep = (holder_fd,) if holder_fd >= 0 else ()
+    ranks = [subprocess.Popen(command, env=env, pass_fds=keep) for env in rank_environments(world_size)]
     received: list[int] = []
 
     def forward(signum, frame) -> None:

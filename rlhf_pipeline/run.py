@@ -41,6 +41,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from rlhf_pipeline.pipeline import (
 )
 from rlhf_pipeline.run_directory import (  # RunError and prepare_run stay importable from here
     RunError,
+    hold_run_directory,
     prepare_run,
     prepare_run_directory,
     publish_initial_policy,
@@ -104,50 +106,56 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
     _check_writable(paths.root)  # now, not after seconds of imports and model building
-    StopFlag.launcher_fd = stop_fd
-    if ray_address is not None:
-        from rlhf_pipeline.ray_run import launch_on_ray
+    # one command at a time per run directory; `run`'s children and the ranks of a torchrun'd
+    # `learn` run under the holder that started them
+    holds = command == "run" or (command == "learn" and not wait_for_launcher and os.environ.get("RANK", "0") == "0")
+    with hold_run_directory(paths, command) if holds else nullcontext() as holder:
+        StopFlag.launcher_fd = stop_fd
+        if ray_address is not None:
+            from rlhf_pipeline.ray_run import launch_on_ray
 
-        return launch_on_ray(command, module, settings, paths, pipeline_path, cli_overrides, collectors,
-                             address=ray_address)
-    if command == "run":
-        # an inherited SIG_IGN (a background job) would swallow `kill -INT`; the handlers are put
-        # back on return, for a caller (a test, a notebook) that runs on in this process
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, _terminated_while_preparing)
-        try:
-            return _launch(module, settings, paths, pipeline_path, steps, device, overrides, collectors)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    if command == "learn" and status_fd is not None:
-        return prepare_for_launcher(module, settings, paths, collectors, status_fd)
-    pipeline = build_pipeline(module, settings, paths)
-    paths = with_buffer_url(paths, pipeline)
-    _set_threads(pipeline)
-    if command == "collect":
-        if not wait_for_launcher:  # under `run`, the learner prepared the run directory before "go"
-            prepare_run(pipeline, paths, shards=(collector_index,))
-        return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
-    if command == "learn":
-        ranks = pipeline.learner.world_size
-        if ranks > 1 and "WORLD_SIZE" not in os.environ:  # before the run directory is prepared
-            raise PipelineError(f"learner.world_size={ranks} needs {ranks} learner processes: `rlhf-pipeline run` "
-                                f"starts them, or start `learn` with torchrun --nproc-per-node {ranks} -m "
-                                f"rlhf_pipeline.cli.main learn ...")
-        prepare_run(pipeline, paths)
-        return learn_main(pipeline, paths)
-    raise PipelineError(f"unknown command {command!r}")
+            return launch_on_ray(command, module, settings, paths, pipeline_path, cli_overrides, collectors,
+                                 address=ray_address)
+        if command == "run":
+            # an inherited SIG_IGN (a background job) would swallow `kill -INT`; the handlers are put
+            # back on return, for a caller (a test, a notebook) that runs on in this process
+            previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, _terminated_while_preparing)
+            try:
+                return _launch(module, settings, paths, pipeline_path, steps, device, overrides, collectors,
+                               holder_fd=holder.fd)
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+        if command == "learn" and status_fd is not None:
+            return prepare_for_launcher(module, settings, paths, collectors, status_fd)
+        pipeline = build_pipeline(module, settings, paths)
+        paths = with_buffer_url(paths, pipeline)
+        _set_threads(pipeline)
+        if command == "collect":
+            if not wait_for_launcher:  # under `run`, the learner prepared the run directory before "go"
+                prepare_run(pipeline, paths, shards=(collector_index,))
+            return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
+        if command == "learn":
+            ranks = pipeline.learner.world_size
+            if ranks > 1 and "WORLD_SIZE" not in os.environ:  # before the run directory is prepared
+                raise PipelineError(f"learner.world_size={ranks} needs {ranks} learner processes: `rlhf-pipeline run` "
+                                    f"starts them, or start `learn` with torchrun --nproc-per-node {ranks} -m "
+                                    f"rlhf_pipeline.cli.main learn ...")
+            prepare_run(pipeline, paths)
+            return learn_main(pipeline, paths)
+        raise PipelineError(f"unknown command {command!r}")
 
 
 def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, steps: int | None,
-            device: str | None, overrides: Sequence[str], collectors: int) -> int:
+            device: str | None, overrides: Sequence[str], collectors: int, *, holder_fd: int) -> int:
     """``run``: checks what it can without torch, starts the children, waits while the learner
     prepares the run directory (collectors go once it exists), then watches them."""
     check_settings(module, settings)
     children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
-                               learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1))
+                               learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1),
+                               holder_fd=holder_fd)
     try:
         wait_for_preparation(children)
     except BaseException:
@@ -310,7 +318,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     store_path = str(paths.buffer) if paths.single_store_buffer else paths.shard_location(collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on
     # another machine holds it until its lease runs out, which is waited for
-    lock_wait = {"lock_wait_s": pipeline.buffer_lock_wait_s} if paths.buffer_url else {}
+    lock_wait = ({"lock_wait_s": pipeline.buffer_lock_wait_s, "lock_lease_s": pipeline.buffer_lock_lease_s}
+                 if paths.buffer_url else {})
     store = open_store(store_path, mode="a", **lock_wait)
     done = 0
     try:
@@ -342,7 +351,9 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         metrics = MetricsWriter(paths.collector_metrics(collector_index))
         waited = paced_total = 0.0
         paced = PollBackoff(max_s=0.02)  # the learner takes the next batch within a step: poll soon
-        print(f"{tag} writing to {store_path} with policy version {version}", file=sys.stderr, flush=True)
+        lease_s = getattr(store, "writer_lease_s", None)  # an object store's leased lock
+        lease = f" (writer lock lease {lease_s:g} s)" if lease_s is not None else ""
+        print(f"{tag} writing to {store_path}{lease} with policy version {version}", file=sys.stderr, flush=True)
         while not _should_stop(stop, paths) and (rounds is None or done < rounds):
             update = poller.poll()
             if update is not None:
@@ -476,7 +487,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
 
 # ====================================================================== both
 def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
-                    overrides: Sequence[str], collectors: int, learner_ranks: int = 1):
+                    overrides: Sequence[str], collectors: int, learner_ranks: int = 1, holder_fd: int = -1):
     """Starts the collectors and the learner, which import their modules and wait for ``go``."""
     from rlhf_pipeline.launch import Children
 
@@ -490,7 +501,9 @@ def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, devi
     learner_steps = ["--steps", str(steps)] if steps is not None else []
     launcher = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
     # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
-    return Children.start(launcher, common, learner_steps, collectors, learner_ranks)
+    # the children inherit the run directory's holder lock: it outlives a launcher killed before them
+    return Children.start(launcher, common, learner_steps, collectors, learner_ranks,
+                          keep_fds=(holder_fd,) if holder_fd >= 0 else ())
 
 
 def _run_both(paths: RunPaths, collectors: int, children) -> int:

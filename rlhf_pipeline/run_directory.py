@@ -4,14 +4,19 @@ copy, the buffer shards, and the initial policy published as weights version 0.
 
 Every step is idempotent and runs under one file lock (:func:`run_lock`), so processes
 started side by side (a collector and a learner, several learner ranks) agree on one
-preparation whoever comes first.
+preparation whoever comes first. Apart from that short lock, the command that owns the run
+(``run``, ``learn``, ``replay``, ``import``) holds the directory for its whole life
+(:func:`hold_run_directory`), so that a second one is refused before it changes anything.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import os
+import socket
 import sys
+import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +32,82 @@ _RESUMABLE_SETTINGS = {"steps", "device", "ray"}
 
 class RunError(RuntimeError):
     """The run directory disagrees with the command (another run's settings, a child failed)."""
+
+
+HOLDER_FILE = "run.lock"
+
+
+class RunDirectoryBusyError(RunError):
+    """Another command (``run``, ``learn``, ``replay``, ``import``) holds the run directory."""
+
+
+class RunHolder:
+    """The one command that owns a run directory while it runs: an exclusive ``flock`` on
+    ``run.lock``, taken before the command changes anything and held until it ends.
+
+    The kernel drops the lock when every process holding it has exited, so a holder killed with
+    ``kill -9`` blocks no later start; its details in the file are only read for a refusal's
+    message. Child processes that get :attr:`fd` (``pass_fds``) keep the lock alive after their
+    parent dies, until they too have stopped writing. A run directory at a URL would need a
+    leased lock object instead (as the S3 writer lock); only local directories are held here.
+    """
+
+    def __init__(self, fd: int, root: Path, created_root: bool) -> None:
+        self.fd = fd
+        self._root = root
+        self._created_root = created_root
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        fd, self.fd = self.fd, -1
+        try:
+            if self._created_root and [p.name for p in self._root.iterdir()] == [HOLDER_FILE]:
+                # a command refused for a bad setting leaves no directory behind, as before the lock
+                (self._root / HOLDER_FILE).unlink()
+                self._root.rmdir()
+        finally:
+            os.close(fd)  # closing the last descriptor of the open file unlocks it
+
+    def __enter__(self) -> RunHolder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def hold_run_directory(paths: RunPaths, command: str) -> RunHolder:
+    """Takes ``paths.root`` for ``command``, or raises :class:`RunDirectoryBusyError` naming the
+    holder (pid, host, command, start time) without changing anything in the directory."""
+    created_root = not paths.root.exists()
+    paths.root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(paths.root / HOLDER_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _describe_holder(os.pread(fd, 4096, 0))
+        os.close(fd)
+        raise RunDirectoryBusyError(
+            f"run directory {paths.root} is in use by {holder}; wait for it to end or stop it, or choose "
+            f"another --run-name (or --home)"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    return RunHolder(fd, paths.root, created_root)
+
+
+def _describe_holder(raw: bytes) -> str:
+    try:
+        record = json.loads(raw)
+        return (f"`{record['command']}` (pid {record['pid']} on host {record['host']}, started "
+                f"{record['started']})")
+    except (ValueError, KeyError, TypeError):
+        return "another command (it is writing its details)"  # between its lock and its pwrite
 
 
 @contextmanager

@@ -58,16 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import sys
-    from pathlib import Path
+    from contextlib import nullcontext
 
     from rlhf_pipeline.dataio.columns import ColumnMap
-    from rlhf_pipeline.dataio.extras import MissingExtraError
-    from rlhf_pipeline.dataio.importer import ImportOptions, import_source
-    from rlhf_pipeline.dataio.run_pipeline import find_run_root, load_run_pipeline
-    from rlhf_pipeline.dataio.sources import SourceError
-    from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.run import build_pipeline
-    from rlhf_pipeline.storage import StoreError
+    from rlhf_pipeline.dataio.importer import ImportOptions
+    from rlhf_pipeline.dataio.run_pipeline import find_run_root
+    from rlhf_pipeline.pipeline import RunPaths
+    from rlhf_pipeline.run_directory import RunError, hold_run_directory
 
     def fail(message: str) -> int:
         print(f"rlhf-pipeline import: error: {message}", file=sys.stderr)
@@ -83,6 +80,26 @@ def run(args: argparse.Namespace) -> int:
                             show_progress=not args.quiet)
     try:
         run_root = find_run_root(args.buffer)
+        # importing into a run's buffer takes the run directory, as `run` and `replay` do
+        with hold_run_directory(RunPaths(run_root), "import") if run_root is not None else nullcontext():
+            return _import(args, run_root, options, fail)
+    except RunError as exc:
+        return fail(str(exc))
+
+
+def _import(args, run_root, options, fail) -> int:
+    import sys
+    from pathlib import Path
+
+    from rlhf_pipeline.dataio.extras import MissingExtraError
+    from rlhf_pipeline.dataio.importer import import_source
+    from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
+    from rlhf_pipeline.dataio.sources import SourceError
+    from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.run import build_pipeline
+    from rlhf_pipeline.storage import StoreError
+
+    try:
         if run_root is not None:
             if args.overrides:
                 return fail(f"{args.buffer} belongs to run {run_root}, whose settings.json sets the pipeline's "

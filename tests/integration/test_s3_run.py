@@ -20,9 +20,10 @@ from rlhf_pipeline.run import run_command
 def test_run_with_the_buffer_at_a_url_then_inspect_and_replay_it(s3_server, tmp_path):
     url = s3_server.url("buffer")
     out = cli(s3_server, "run", DEFAULT, "--steps", "2", "--home", str(tmp_path), "--run-name", "on-s3", *SMALL,
-              "--set", "buffer_backend=zarr", "--set", f"buffer_url={url}", timeout=600)
+              "--set", "buffer_backend=zarr", "--set", f"buffer_url={url}", "--set", "buffer_lock_lease_s=12",
+              timeout=600)
     assert "[run] done: 2 learner steps" in out.stderr, out.stderr[-3000:]
-    assert f"writing to {url}/shard-0000" in out.stderr
+    assert f"writing to {url}/shard-0000 (writer lock lease 12 s)" in out.stderr  # the setting reached the lock
     run = tmp_path / "on-s3"
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
     assert not (run / "buffer").exists()  # the rows went to the object store only
@@ -44,4 +45,7 @@ def test_a_memmap_buffer_at_a_url_is_a_settings_error(tmp_path):
     with pytest.raises(PipelineError, match=r"'buffer_url' must be a URL such as s3://"):
         run_command("run", pipeline_path=DEFAULT, home=str(tmp_path),
                     overrides=["buffer_backend=zarr", "buffer_url=/tmp/not-a-url"])
+    with pytest.raises(PipelineError, match=r"'buffer_lock_lease_s' must be >= 3 seconds"):
+        run_command("run", pipeline_path=DEFAULT, home=str(tmp_path),
+                    overrides=["buffer_backend=zarr", "buffer_url=s3://bucket/run/buffer", "buffer_lock_lease_s=0.5"])
     assert not (tmp_path / "default").exists()

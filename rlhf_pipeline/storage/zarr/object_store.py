@@ -296,6 +296,10 @@ class ObjectStoreLock:
     def held(self) -> bool:
         return self._etag is not None and not self.lost
 
+    @property
+    def lease_s(self) -> float:
+        return self._lease_s
+
     def _body(self) -> bytes:
         return _dump({"owner": self._token, "pid": os.getpid(), "host": socket.gethostname(),
                       "lease_s": self._lease_s, "renewal": self._renewals})  # renewal: a new etag each time

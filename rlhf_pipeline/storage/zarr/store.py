@@ -325,6 +325,11 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
     def cache(self) -> SegmentCache:
         return self._cache
 
+    @property
+    def writer_lease_s(self) -> float | None:
+        """The lease of this writer's lock on an object store; None for a reader or a local store."""
+        return getattr(self._lock, "lease_s", None)
+
     def refresh(self, *, force: bool = False) -> int:
         """A reader re-reads the commit record, unless it did less than ``refresh_interval_s``
         ago (``force`` reads it anyway); returns the rows held."""

@@ -1,0 +1,103 @@
+"""One command at a time in a run directory: a second ``run`` (or ``replay``, ``import``) is refused
+with one line naming the holder, before it changes anything; a holder killed with ``kill -9``
+leaves nothing that blocks the next start, which resumes the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlhf_pipeline.learn.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = str(REPO / "pipelines" / "default.py")
+SMALL = ["--set", "warm_start_steps=5", "--set", "prompts_per_round=4", "--set", "group_size=4",
+         "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",
+         "--set", "learner.new_rows_per_step=16", "--set", "learner.checkpoint_every=2"]
+CLI = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+
+
+def _run(home: Path, steps: int) -> list[str]:
+    return [*CLI, "run", DEFAULT, "--home", str(home), "--run-name", "held", "--steps", str(steps), *SMALL]
+
+
+def _start(command: list[str]) -> subprocess.Popen:
+    # a session of its own, so that the test can kill the launcher together with its children
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _refusal(result: subprocess.CompletedProcess | tuple[int, str], holder_pid: int | None = None) -> str:
+    code, stderr = (result.returncode, result.stderr) if hasattr(result, "returncode") else result
+    assert code != 0, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr  # one line, no traceback
+    assert "is in use by" in lines[0] and f"on host {socket.gethostname()}" in lines[0], lines[0]
+    if holder_pid is not None:
+        assert f"pid {holder_pid} " in lines[0], lines[0]
+    return lines[0]
+
+
+def _wait_for_steps(run: Path, process: subprocess.Popen, steps: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        if (run / "metrics.jsonl").exists() and len(read_metrics(run / "metrics.jsonl")) >= steps:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no {steps} steps in {timeout} s")
+
+
+def test_a_held_run_directory_refuses_run_replay_and_import_and_a_killed_holder_blocks_nothing(tmp_path):
+    run = tmp_path / "held"
+    first = _start(_run(tmp_path, 400))
+    try:
+        _wait_for_steps(run, first, 2)
+        held = json.loads((run / "run.lock").read_text())
+        assert held["pid"] == first.pid and held["command"] == "run"
+        files_before = sorted(p.name for p in run.iterdir())
+
+        second = subprocess.run(_run(tmp_path, 400), cwd=REPO, capture_output=True, text=True, timeout=120)
+        _refusal(second, holder_pid=first.pid)
+        replay = subprocess.run([*CLI, "replay", DEFAULT, "--home", str(tmp_path), "--run-name", "held",
+                                 "--buffer", str(run / "buffer")], cwd=REPO, capture_output=True, text=True,
+                                timeout=120)
+        _refusal(replay, holder_pid=first.pid)
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text(json.dumps({"prompt": "1+1=", "completion": "2", "reward": 1.0}) + "\n")
+        imported = subprocess.run([*CLI, "import", str(rows), str(run / "buffer")], cwd=REPO,
+                                  capture_output=True, text=True, timeout=120)
+        _refusal(imported, holder_pid=first.pid)
+        assert sorted(p.name for p in run.iterdir()) == files_before  # the refused commands wrote nothing
+
+        os.killpg(first.pid, signal.SIGKILL)  # the launcher and its children, at once
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    # a dead holder leaves its record in run.lock, but no lock: the same command resumes
+    reached = read_metrics(run / "metrics.jsonl")[-1]["step"]
+    resumed = subprocess.run(_run(tmp_path, reached + 2), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert steps[-1] == reached + 2 and len(steps) == len(set(steps))
+
+
+def test_two_runs_started_at_once_train_one_run(tmp_path):
+    run = tmp_path / "held"
+    both = [_start(_run(tmp_path, 4)), _start(_run(tmp_path, 4))]
+    results = [(p.wait(timeout=300), p.communicate()[1]) for p in both]
+    codes = sorted(code for code, _ in results)
+    assert codes[0] == 0 and codes[1] != 0, results
+    _refusal(next(r for r in results if r[0] != 0))
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    versions = sorted(int(p.stem.split("_")[1]) for p in (run / "weights").glob("policy_*"))
+    assert versions[-1] == 4  # one learner's versions, not two interleaved
