@@ -46,6 +46,17 @@ class TorchRLContractTests:
                 buffer_class(storage=store, writer=writer)
             assert store.next_row == 6 and _ids(store.read(torch.arange(6))) == _ids(self.batch(0))
 
+    def test_a_writer_set_later_fails_at_its_first_write_storing_nothing(self, factory, location):
+        with self.new_store(factory, location) as store:
+            store.append(self.batch(0))
+            rb = ReplayBuffer(storage=store, collate_fn=_keep_rows)
+            rb.set_writer(RoundRobinWriter())
+            with pytest.raises(TypeError, match="AppendWriter"):
+                rb.extend(self.batch(1))
+            with pytest.raises(NotImplementedError, match="append-only"):
+                ReplayBuffer(storage=store).empty()
+            assert store.next_row == 6
+
     @pytest.mark.parametrize("buffer_class", [ReplayBuffer, TensorDictReplayBuffer])
     def test_extend_returns_the_positions_rows_landed_at_on_a_filled_store_and_after_eviction(
             self, factory, location, buffer_class):
