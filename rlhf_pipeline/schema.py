@@ -361,7 +361,11 @@ class TrajectoryBatch:
 
     @classmethod
     def from_tensordict(cls, td) -> TrajectoryBatch:
-        """Reads a (lazy-stacked) TensorDict that uses torchrl's LLM keys, as ``to_tensordict`` writes."""
+        """Reads a (lazy-stacked) TensorDict that uses torchrl's LLM keys, as ``to_tensordict`` writes.
+
+        A 0-dim TensorDict is one row (what torchrl's ``rb.add`` passes)."""
+        if td.batch_dims == 0:
+            td = td.unsqueeze(0)
         rows = []
         for i in range(td.batch_size[0]):
             sub = td[i]

@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from torchrl.data.replay_buffers.storages import Storage
 
 from rlhf_pipeline.collate import check_index_dtype, pad_batch, padded_fields, place_padded
-from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, validate_batch
+from rlhf_pipeline.schema import StoreSchema, Trajectory, TrajectoryBatch, validate_batch
 from rlhf_pipeline.storage.errors import (  # noqa: F401 - re-exported: the contract's errors
     IncompatibleStoreError,
     NotAStoreError,
@@ -277,22 +277,49 @@ class TrajectoryStore(Storage, abc.ABC):
         adopt_replay_buffer_defaults(buffer)
 
     def set(self, cursor, data: Any, *, set_cursor: bool = True):
-        """torchrl's write entry point. The store is append-only: rows always land at the end.
+        """torchrl's write-at-a-position entry point, which an append-only store refuses.
 
-        ``cursor`` (what a torchrl writer computed) is only checked for its length;
-        use :class:`~rlhf_pipeline.storage.torchrl_glue.AppendWriter` to get back the
-        positions rows really landed at.
+        torchrl calls it from ``rb[i] = row`` and from writers that choose positions
+        (round robin, max value). Rows can only be appended here, at positions the store
+        decides; honouring the call would store the rows somewhere other than ``cursor``.
         """
-        batch = _as_batch(data)
-        count = 1 if isinstance(cursor, int) else len(torch.as_tensor(cursor).reshape(-1))
-        if count != len(batch):
-            raise ValueError(f"set() got {count} cursor positions for {len(batch)} rows")
-        return self.append(batch)
+        raise TypeError(
+            f"{type(self).__name__} is append-only and does not write rows at chosen positions "
+            f"(rb[i] = row, or a torchrl writer other than AppendWriter): append with rb.extend(rows) "
+            f"on a buffer whose writer is AppendWriter (the default), or store.append(rows)"
+        )
 
     def get(self, index) -> TrajectoryBatch:
+        """torchrl's read entry point (``rb[index]``, sampling): an int, a slice or positions.
+
+        Slices and negative positions count from the end of the live window, as a Python
+        sequence's do; the store's own :meth:`read` takes positions in ``[0, len)`` only.
+        """
         if isinstance(index, tuple):
             index = index[0]
-        return self.read(index)
+        return self.read(self._sequence_positions(index))
+
+    def _sequence_positions(self, index) -> torch.Tensor | int:
+        """``index`` (an int, a slice, positions) as positions in ``[0, len)``, Python style."""
+        n = self._published_len()
+        if isinstance(index, slice):
+            window = range(n)[index]  # Python's own slice rules, negative steps included
+            return torch.arange(window.start, window.stop, window.step, dtype=torch.int64)
+        if isinstance(index, int) or (hasattr(index, "ndim") and index.ndim == 0):
+            position = int(index)
+            if not -n <= position < n:
+                raise IndexError(f"position {position} is out of range for a buffer of {n} rows")
+            return position % n
+        positions = torch.as_tensor(index)
+        if positions.dtype == torch.bool:
+            if positions.shape != (n,):
+                raise IndexError(f"a boolean mask needs one entry per row ({n}), got shape {tuple(positions.shape)}")
+            return torch.nonzero(positions).reshape(-1)
+        positions = positions.to(torch.int64)
+        if positions.numel() and (int(positions.min()) < -n or int(positions.max()) >= n):
+            raise IndexError(f"positions must lie in [-{n}, {n}) for a buffer of {n} rows; got "
+                             f"min {int(positions.min())}, max {int(positions.max())}")
+        return torch.where(positions < 0, positions + n, positions)
 
     def contains(self, item) -> bool:
         if isinstance(item, int):
@@ -354,6 +381,8 @@ class TrajectoryStore(Storage, abc.ABC):
 def _as_batch(data: Any) -> TrajectoryBatch:
     if isinstance(data, TrajectoryBatch):
         return data
+    if isinstance(data, Trajectory):
+        return TrajectoryBatch.from_rows([data])
     from tensordict import is_tensor_collection
 
     if is_tensor_collection(data):

@@ -162,9 +162,20 @@ class _PartPriorities:
         self.known = need
 
 
+def _same_positions(older: list[Part], newer: list[Part]) -> bool:
+    """True when every position of ``older`` names the same row in ``newer`` (rows were only
+    added at the ends of parts that nothing follows, or as new parts)."""
+    held = {p.index: p for p in newer}
+    return all(p.index in held and held[p.index].start == p.start and held[p.index].first_row == p.first_row
+               and held[p.index].length >= p.length for p in older)
+
+
 # ====================================================================== the sampler
 class PrioritizedSampler(Sampler):
     """Prioritized sampling on torchrl's ``Sampler`` contract (see the module docstring)."""
+
+    #: how torchrl's ``TensorDictReplayBuffer`` reduces a row's priority over extra dims
+    reduction: str = "max"
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  priority: str | RowPriority | None = None) -> None:
@@ -181,6 +192,7 @@ class PrioritizedSampler(Sampler):
         self._log2_offset = 0.0  # log2_scale priorities are used as 2^(stored - offset)
         self._written: list[np.ndarray] = []  # positions extend()/add() marked (torchrl's own storages)
         self._last_layout: list[Part] | None = None
+        self._wrote_since_sample = False  # a buffer wrote through extend()/add() since the last sample
         # updated priorities of rows not synced yet (loaded from a compact state): part -> (rows, raw)
         self._overrides: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -339,16 +351,42 @@ class PrioritizedSampler(Sampler):
         smallest = min(s.tree.minimum() for s in states)
         weight = torch.from_numpy((values / smallest) ** -self.beta).to(torch.float32)
         self._last_layout = layout
+        self._wrote_since_sample = False
         return torch.from_numpy(positions), {"priority_weight": weight}
 
     def update_priority(self, index, priority, *, storage=None) -> None:
-        """Sets the priority of the rows at ``index`` (positions as of the last ``sample``)."""
+        """Sets the priority of the rows at ``index``: positions of the last ``sample``, or of a write
+        since (``rb.extend``/``rb.add`` return them; ``storage=``, which the buffer passes, maps them).
+
+        Both are positions of the store's live window, and mean the same rows until rows are
+        evicted (or, in a union of shards, a shard grows). When that happened between the last
+        ``sample`` and a write through the buffer, ``index`` could be either: ValueError. Name
+        the rows by key instead (:meth:`keys_of` right after sampling, then
+        :meth:`update_priority_by_key`).
+        """
         index = torch.as_tensor(index, dtype=torch.int64).reshape(-1).numpy()
-        layout = self._last_layout or (self._layout(storage) if storage is not None else None)
+        layout = self._layout_for_update(storage)
         if layout is None and index.size:
             raise RuntimeError("update_priority before any sample(): pass storage= so positions can be mapped")
         parts, rows = keys_of(None, index, parts=layout) if index.size else (index, index)
         self.update_priority_by_key(parts, rows, priority)
+
+    def _layout_for_update(self, storage) -> list[Part] | None:
+        """The layout positions given to :meth:`update_priority` refer to (see there)."""
+        sampled = self._last_layout
+        if storage is None:
+            return sampled
+        current = self._layout(storage)  # no refresh: a writer's store is current, a reader's as sampled
+        if sampled is None or _same_positions(sampled, current):
+            return current
+        if not self._wrote_since_sample:
+            return sampled  # rows moved by another process's writes: the positions are the sample's
+        raise ValueError(
+            "update_priority: rows were evicted (or a shard grew) between the last sample and a write "
+            "through this buffer, so these positions could name either the sampled rows or the written "
+            "ones: take sampler.keys_of(positions) right after sampling and call "
+            "sampler.update_priority_by_key(parts, rows, priority)"
+        )
 
     def keys_of(self, positions) -> tuple[np.ndarray, np.ndarray]:
         """``(part index, global row)`` of positions as of the last ``sample``: names that stay valid
@@ -396,9 +434,11 @@ class PrioritizedSampler(Sampler):
 
     def add(self, index: int) -> None:
         self._written.append(np.asarray(index, dtype=np.int64).reshape(-1))
+        self._wrote_since_sample = True
 
     def extend(self, index: torch.Tensor) -> None:
         self._written.append(torch.as_tensor(index, dtype=torch.int64).reshape(-1).numpy())
+        self._wrote_since_sample = True
 
     def mark_update(self, index, *, storage=None) -> None:
         self.extend(index)

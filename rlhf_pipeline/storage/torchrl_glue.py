@@ -16,6 +16,7 @@ Typical use::
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -24,11 +25,11 @@ from typing import Any
 import torch
 from tensordict import is_tensor_collection
 from tensordict.nn.utils import _set_dispatch_td_nn_modules
-from torchrl.data import ReplayBuffer
+from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 from torchrl.data.replay_buffers.samplers import RandomSampler, Sampler, SamplerWithoutReplacement
-from torchrl.data.replay_buffers.writers import Writer
+from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter, TensorDictRoundRobinWriter, Writer
 
-from rlhf_pipeline.schema import Trajectory, TrajectoryBatch
+from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.storage.base import TrajectoryStore, _as_batch
 
 def _prioritized() -> Sampler:
@@ -45,7 +46,7 @@ SAMPLERS: dict[str, Callable[[], Sampler]] = {
 
 
 def adopt_replay_buffer_defaults(buffer: Any) -> None:
-    """Our defaults for a torchrl ``ReplayBuffer`` being built over a trajectory store.
+    """Our defaults and checks for a torchrl ``ReplayBuffer`` being built over a trajectory store.
 
     torchrl picks a default ``collate_fn`` by storage class (``_get_default_collate``) and
     knows none for ours, so ``ReplayBuffer(storage=store, sampler=..., batch_size=...)`` used to
@@ -53,8 +54,10 @@ def adopt_replay_buffer_defaults(buffer: Any) -> None:
     before it resolves the collate and the writer, so :meth:`TrajectoryStore.attach` fills what
     the caller left out: ``collate_fn`` = :class:`~rlhf_pipeline.collate.PaddedCollator` (the
     learner's padded batch, pad id 0) and ``writer`` = :class:`AppendWriter` (positions the rows
-    really got). What the caller passed is kept. ``tests/storage/test_torchrl_dropin.py`` checks
-    this against torchrl itself, so a torchrl release that builds buffers differently fails there.
+    really got; also in place of ``TensorDictReplayBuffer``'s default round-robin writer). A writer
+    that chooses positions itself is refused here, at construction (:func:`writer_for_store`).
+    ``tests/storage/test_torchrl_dropin.py`` checks this against torchrl itself, so a torchrl
+    release that builds buffers differently fails there.
     """
     from rlhf_pipeline.collate import PaddedCollator
 
@@ -63,26 +66,89 @@ def adopt_replay_buffer_defaults(buffer: Any) -> None:
         return
     if getattr(buffer, "_init_collate_fn", False) is None:
         buffer._init_collate_fn = PaddedCollator()
-    if getattr(buffer, "_init_writer", False) is None:
-        buffer._init_writer = AppendWriter()
+    if hasattr(buffer, "_init_writer"):
+        buffer._init_writer = writer_for_store(buffer._init_writer)
+    if isinstance(buffer, TensorDictReplayBuffer):
+        # torchrl's method returns early unless the sampler is an instance of its own
+        # PrioritizedSampler, which cannot load here; this buffer's instance gets one that
+        # also recognizes ours (trainers call it through the attribute, so they get it too)
+        buffer.update_tensordict_priority = functools.partial(_update_tensordict_priority, buffer)
+
+
+def writer_for_store(writer: Any) -> Any:
+    """The writer a buffer over a trajectory store gets in place of ``writer`` (what the caller passed).
+
+    None, and ``TensorDictReplayBuffer``'s default (a round-robin writer it makes itself), become
+    :class:`AppendWriter`. Any other writer (instance, class or factory) must append: torchrl's
+    round-robin and max-value writers compute the positions rows go to and return those, but the
+    store appends at positions it decides, so their indices would name other rows (or none);
+    they are refused with a ``TypeError`` naming :class:`AppendWriter`.
+    """
+    if writer is None or _is_tensordict_buffer_default(writer):
+        return AppendWriter()
+    if isinstance(writer, Writer) or isinstance(writer, type):
+        return _checked_writer(writer)
+    if callable(writer):  # a factory: torchrl calls it once, right after attach
+        return lambda: _checked_writer(writer())
+    return writer  # torchrl's own check rejects what is neither a Writer nor a callable
+
+
+def _is_tensordict_buffer_default(writer: Any) -> bool:
+    return (isinstance(writer, functools.partial) and writer.func is TensorDictRoundRobinWriter
+            and not writer.args and set(writer.keywords) <= {"compilable"})
+
+
+def _checked_writer(writer: Any) -> Any:
+    kind = writer if isinstance(writer, type) else type(writer)
+    if not issubclass(kind, APPENDING_WRITERS):
+        raise TypeError(
+            f"{kind.__name__} chooses the positions rows are written at, but a trajectory store only "
+            f"appends (at positions it decides), so the indices it returns would name other rows: use "
+            f"writer=AppendWriter() from rlhf_pipeline.storage.torchrl_glue (the default when no writer "
+            f"is passed)"
+        )
+    return writer
+
+
+def _update_tensordict_priority(buffer: Any, data: Any) -> None:
+    """``TensorDictReplayBuffer.update_tensordict_priority`` that also serves our sampler:
+    each row of ``data`` (a sample, with its ``"index"``) takes the priority under the buffer's
+    ``priority_key`` (reduced over any extra dims by the sampler's ``reduction``)."""
+    from rlhf_pipeline.storage.prioritized import PrioritizedSampler
+
+    if not isinstance(buffer._sampler, PrioritizedSampler):
+        return type(buffer).update_tensordict_priority(buffer, data)
+    if data.ndim:
+        priority = buffer._get_priority_vector(data)
+    else:
+        priority = torch.as_tensor(buffer._get_priority_item(data))
+    index = data.get("index")
+    while index.shape != priority.shape:
+        index = index[..., 0]
+    buffer.update_priority(index, priority)
 
 
 class AppendWriter(Writer):
-    """Appends every write to the end of a :class:`TrajectoryStore`; returns real positions."""
+    """Appends every write to the end of a :class:`TrajectoryStore`; returns real positions.
+
+    Positions are logical: position ``p`` is the ``p``-th row of the store's live window
+    (global row ``store.first_row + p``), what ``rb[p]`` and ``store.read(p)`` read now.
+    """
 
     def add(self, data: Any) -> int:
-        if isinstance(data, Trajectory):
-            batch = TrajectoryBatch.from_rows([data])
-        elif isinstance(data, TrajectoryBatch):
-            batch = data
-        else:
-            batch = _as_batch(data.unsqueeze(0) if getattr(data, "batch_dims", 1) == 0 else data)
+        batch = _as_batch(data)
         if len(batch) != 1:
             raise ValueError(f"add() takes one row, got {len(batch)}; use extend() for several")
         return int(self._store().append(batch)[0])
 
     def extend(self, data: Any) -> torch.Tensor:
         return self._store().append(_as_batch(data))
+
+    @property
+    def _write_count(self) -> int:
+        """Rows ever published to the store (``rb.write_count``, ``rb.stats()``): durable, and
+        counting rows written by earlier runs too, as the store's positions do."""
+        return self._storage.next_row if isinstance(self._storage, TrajectoryStore) else 0
 
     def _store(self) -> TrajectoryStore:
         if not isinstance(self._storage, TrajectoryStore):
@@ -109,6 +175,10 @@ class AppendWriter(Writer):
 
     def _empty(self, empty_write_count: bool = True) -> None:
         raise NotImplementedError("a trajectory store is append-only and is never emptied in place")
+
+
+#: Writers that never choose positions: ours appends, torchrl's ImmutableDatasetWriter writes nothing.
+APPENDING_WRITERS: tuple[type[Writer], ...] = (AppendWriter, ImmutableDatasetWriter)
 
 
 class TrajectoryReplayBuffer(ReplayBuffer):

@@ -31,9 +31,10 @@ from rlhf_pipeline.storage.base import (
 )
 from rlhf_pipeline.storage.torchrl_glue import make_replay_buffer
 from rlhf_pipeline.synthetic import raw_payload_bytes
+from torchrl_contract import TorchRLContractTests
 
 
-class StoreContractTests:
+class StoreContractTests(TorchRLContractTests):
     backend: str = ""
     segment_rows: int = 8
     optional: tuple[str, ...] = OPTIONAL_FIELDS

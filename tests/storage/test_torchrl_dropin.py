@@ -55,9 +55,12 @@ def test_without_replacement_covers_every_row_once_per_epoch(store):
 
 def test_what_the_caller_passes_is_kept(store):
     store.append(make_batch(2, 4, optional=SCHEMA.optional))
-    rb = ReplayBuffer(storage=store, batch_size=3, collate_fn=lambda rows: rows, writer=RoundRobinWriter())
+    mine = AppendWriter()
+    rb = ReplayBuffer(storage=store, batch_size=3, collate_fn=lambda rows: rows, writer=mine)
     assert isinstance(rb.sample(), TrajectoryBatch)
-    assert isinstance(rb._writer, RoundRobinWriter)
+    assert rb._writer is mine
+    with pytest.raises(TypeError, match="AppendWriter"):  # it would return positions the rows did not get
+        ReplayBuffer(storage=store, writer=RoundRobinWriter())
     ours = ReplayBuffer(storage=store, batch_size=3)
     assert isinstance(ours._writer, AppendWriter)
     # the buffer our factory builds is unchanged: rows as stored, fused padding on request
