@@ -205,3 +205,52 @@ def test_a_failed_open_for_append_leaves_the_directory_as_it_was(tmp_path):
         open_store(empty, mode="a", backend="memmap")
     assert list(empty.iterdir()) == []
     create_store(empty, "memmap").close()  # no leftover writer.lock in the way
+
+
+def unacknowledged_append(path, segment_rows: int, published_rows: int, appended_rows: int,
+                          complete_rows: int | None = None) -> TrajectoryBatch:
+    """A store whose last append was written but never published: a writer killed before its publish.
+
+    The state slots are put back as they were before the append (both intact); with
+    ``complete_rows`` only that many of the appended rows are complete in the files (killed mid-write).
+    """
+    first = make_batch(1, published_rows, seed=1, optional=("advantage",))
+    with MemmapTrajectoryStore.create(path, SCHEMA, segment_rows=segment_rows) as store:
+        store.append(first)
+        slots = {i: (path / f"state.{i}").read_bytes() if (path / f"state.{i}").exists() else None for i in (0, 1)}
+        store.append(make_batch(1, appended_rows, seed=2, optional=("advantage",), first_trajectory_id=100))
+    for i, raw in slots.items():
+        if raw is None:
+            (path / f"state.{i}").unlink()
+        else:
+            (path / f"state.{i}").write_bytes(raw)
+    if complete_rows is not None:  # the tail segment holds the first rows of the append only
+        tail = path / "seg-00000000"
+        keep = published_rows + complete_rows
+        for file in tail.iterdir():
+            if file.suffix == ".ends":
+                file.write_bytes(file.read_bytes()[: keep * 8])
+            elif file.suffix == ".col":
+                file.write_bytes(file.read_bytes()[: keep * (file.stat().st_size // (published_rows + appended_rows))])
+    return first
+
+
+@pytest.mark.parametrize("appended, complete", [(30, 20), (30, None)])
+def test_repair_never_publishes_rows_past_an_intact_publish(tmp_path, capsys, appended, complete):
+    path = tmp_path / "buffer"
+    if complete is not None:  # 20 rows of a 30-row append in the open segment
+        published = unacknowledged_append(path, 64, 10, appended, complete)
+    else:  # a whole append that filled the open segment and two more
+        published = unacknowledged_append(path, SEGMENT_ROWS, 6, appended)
+    assert main(["repair", str(path)]) == 0  # the record is intact: nothing to repair
+    out = capsys.readouterr().out
+    assert "nothing to repair" in out and "never acknowledged" in out, out
+    assert main(["repair", str(path), "--apply"]) == 0
+    capsys.readouterr()
+    with open_store(path) as reader:
+        assert len(reader) == len(published)
+        assert reader.read(torch.arange(len(published))).equal(published)
+    with open_store(path, mode="a") as writer:  # the collector writes the unacknowledged round again
+        writer.append(make_batch(1, appended, seed=2, optional=("advantage",), first_trajectory_id=100))
+        assert len(writer) == len(published) + appended
+    assert main(["inspect", str(path), "--verify"]) == 0

@@ -38,6 +38,7 @@ from rlhf_pipeline.storage.memmap.layout import (
     FieldFiles,
     SegmentState,
     complete_rows,
+    complete_rows_beyond,
     fields_json,
     fields_of,
     read_manifest,
@@ -84,6 +85,9 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
     # ---- walk the segment files
     # segment states to trust: only an intact publish's (a damaged slot's payload may be wrong)
     known = {s[0]: SegmentState.from_json(s) for s in (current or {}).get("segments", [])}
+    # an intact newest slot is the record of what was acknowledged: rows past it were never
+    # acknowledged (a collector writes that round again), so it bounds what is published
+    acknowledged = int(intact["next_row"]) if intact is not None and not reading.damaged else None
     first_row = int((current or config_source).get("first_row", 0))
     on_disk = segment_ids_on_disk(path)
     first_seg = first_row // segment_rows
@@ -103,7 +107,14 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
                 seg_id += 1
                 continue
             break
-        rows, elements = complete_rows(directory, fields, limit=segment_rows)
+        if acknowledged is not None and seg_id not in known:
+            if seg_id == first_seg and not segments:
+                segments.append(SegmentState(seg_id, 0, {f.name: 0 for f in fields if f.ragged}))
+            break  # nothing of it was published
+        if acknowledged is not None:
+            rows, elements = known[seg_id].rows, dict(known[seg_id].elements)
+        else:
+            rows, elements = complete_rows(directory, fields, limit=segment_rows)
         if rows == segment_rows or (seg_id in known and known[seg_id].rows == segment_rows):
             # a full segment: counts from an intact publish (even when its end offsets are damaged),
             # else from its end offsets (right even if a killed writer never trimmed its files)
@@ -125,9 +136,16 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         seg_id += 1
         if progress is not None:
             progress(len(segments), total)
-    unreachable = [i for i in on_disk if i > (segments[-1].id if segments else first_seg - 1)
-                   and i not in {s.id for s in segments}]
     next_row = (segments[-1].id * segment_rows + segments[-1].rows) if segments else first_seg * segment_rows
+    unacknowledged = 0
+    if acknowledged is not None:
+        # left by a writer killed mid-append, or after writing and before publishing: the next
+        # writer truncates them, so they are neither published nor moved
+        unacknowledged = complete_rows_beyond(path, fields, segment_rows, next_row, segments)
+        unreachable = []
+    else:
+        unreachable = [i for i in on_disk if i > (segments[-1].id if segments else first_seg - 1)
+                       and i not in {s.id for s in segments}]
     first_row = (segments[0].id * segment_rows) if segments else next_row
     report.rows_after = next_row - first_row
     for seg in unreachable:
@@ -150,6 +168,15 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
                               f"{STATE_STEM}.1 ({before} -> rows {first_row}..{next_row - 1})")
     if unreachable:
         report.actions.append(f"move {len(unreachable)} unreachable segment(s) to repair-*/")
+    if unacknowledged:
+        report.notes.append(
+            f"{unacknowledged} complete row(s) past the published end (row {next_row}) were never acknowledged "
+            f"(a writer was killed before publishing them; a collector writes that round again): they are not "
+            f"published, and the next writer discards them")
+    elif acknowledged is None and current is None:
+        report.notes.append(
+            "no intact state slot: every complete row in the segment files is published, including rows a writer "
+            "killed before its last publish may have left (they were never acknowledged)")
     if reading.damaged:
         for damage in reading.damaged:
             report.notes.append(f"damaged state slot: {damage.describe()}")
