@@ -254,3 +254,28 @@ def test_repair_never_publishes_rows_past_an_intact_publish(tmp_path, capsys, ap
         writer.append(make_batch(1, appended, seed=2, optional=("advantage",), first_trajectory_id=100))
         assert len(writer) == len(published) + appended
     assert main(["inspect", str(path), "--verify"]) == 0
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_repair_without_a_record_keeps_every_readable_row_and_appends_reuse_no_row_id(store_path, damage):
+    expected = fill(store_path)
+    for i in (0, 1):
+        (store_path / f"state.{i}").unlink()  # no record: the manifest alone says 0 rows
+    if damage == "deleted":
+        shutil.rmtree(store_path / "seg-00000001")
+    else:
+        ends = store_path / "seg-00000001" / "response_tokens.ends"
+        ends.write_bytes(ends.read_bytes()[: 8 * 3])
+    report, = repair_buffer(str(store_path), apply=True)
+    assert report.rows_after == 30, report  # rows 8..15 stay published as lost: the rows after keep their ids
+    assert any("seg-00000001" in u for u in report.unrecoverable)
+    assert not list(store_path.glob("repair-*/seg-*"))  # no readable segment was moved aside
+    readable = torch.tensor([0, 7, 16, 23, 24, 29])
+    with open_store(store_path) as reader:
+        assert len(reader) == 30
+        assert reader.read(readable).equal(expected.select(readable))
+        with pytest.raises(StoreCorruptedError, match="seg-00000001"):
+            reader.read([9])
+    with open_store(store_path, mode="a") as writer:
+        writer.append(make_batch(1, 2, seed=7, optional=("advantage",)))
+        assert len(writer) == 32 and writer.read(readable).equal(expected.select(readable))
