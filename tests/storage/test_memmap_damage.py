@@ -39,6 +39,14 @@ def flip(path, offset: int, mask: int = 0x40) -> None:
     path.write_bytes(bytes(data))
 
 
+def slot_payload(path) -> tuple[int, bytes]:
+    """``(offset past its end, payload)`` of a state slot: a slot file rewritten in place may hold
+    stale bytes of a longer earlier publish after its payload."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[16:24], "little")
+    return 24 + length, raw[24 : 24 + length]
+
+
 def digest(directory) -> dict[str, str]:
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("seg-*/*"))}
@@ -61,8 +69,8 @@ def store_path(tmp_path):
 
 def test_damaged_newest_slot_rolls_back_with_a_warning_and_a_writer_refuses(store_path, capsys):
     expected = fill(store_path)
-    newest = max((store_path / f"state.{i}" for i in (0, 1)), key=lambda p: json.loads(p.read_bytes()[24:])["next_row"])
-    flip(newest, -20)  # inside the payload: the CRC fails, the header (publish 5) is intact
+    newest = max((store_path / f"state.{i}" for i in (0, 1)), key=lambda p: json.loads(slot_payload(p)[1])["next_row"])
+    flip(newest, slot_payload(newest)[0] - 20)  # inside the payload: the CRC fails, the header (publish 5) is intact
     files = digest(store_path)
     with pytest.warns(StoreDamageWarning, match=r"rows 30 -> 24 \(rolled back\)") as caught:
         reader = open_store(store_path)
@@ -96,7 +104,7 @@ def test_damaged_newest_slot_rolls_back_with_a_warning_and_a_writer_refuses(stor
 def test_both_slots_damaged_raise_naming_both_files_and_nothing_is_deleted(store_path):
     expected = fill(store_path)
     for i in (0, 1):
-        flip(store_path / f"state.{i}", -5)
+        flip(store_path / f"state.{i}", slot_payload(store_path / f"state.{i}")[0] - 5)
     files = digest(store_path)
     for mode in ("r", "a"):
         with pytest.raises(StoreCorruptedError, match=r"state\.0 and .*state\.1") as raised:
@@ -279,3 +287,24 @@ def test_repair_without_a_record_keeps_every_readable_row_and_appends_reuse_no_r
     with open_store(store_path, mode="a") as writer:
         writer.append(make_batch(1, 2, seed=7, optional=("advantage",)))
         assert len(writer) == 32 and writer.read(readable).equal(expected.select(readable))
+
+
+def test_flipped_byte_in_the_open_segment_is_caught_by_verify(store_path, capsys):
+    expected = fill(store_path)  # rows 24..29 in the open segment seg-00000003
+    assert main(["inspect", str(store_path), "--verify"]) == 0
+    assert "checked for structure only" not in capsys.readouterr().out
+    values = store_path / "seg-00000003" / "response_log_probs.values"
+    flip(values, 5)  # a float of row 24: a wrong value that no structural check can see
+    with open_store(store_path) as reader:
+        assert not reader.read([24]).equal(expected.select(torch.tensor([24])))  # what a reader risks
+    assert main(["inspect", str(store_path), "--verify"]) == 1
+    assert "seg-00000003/response_log_probs.values fails its crc32c" in capsys.readouterr().out
+
+
+def test_verify_of_a_live_writers_open_segment_is_clean(store_path, capsys):
+    fill(store_path)
+    with open_store(store_path, mode="a") as writer:  # reopened: the checksums are taken from the files
+        for seed in range(3):
+            writer.append(make_batch(1, 1, seed=seed, optional=("advantage",)))
+            assert main(["inspect", str(store_path), "--verify"]) == 0, capsys.readouterr().out
+    assert main(["inspect", str(store_path), "--verify"]) == 0

@@ -31,6 +31,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 STATE_STEM = "state"  # state.0 / state.1: every append's publish (see StateSlots)
 CHECKSUMS_NAME = "checksums.json"  # in a sealed segment's directory (see .checksums)
+# state key: [segment id, [file, size, crc32c, file, ...]] of the open segment's published bytes
+OPEN_SEGMENT_CHECKSUMS = "open_segment_checksums"
 ENDS_DTYPE = np.dtype("<i8")
 SEGMENT_PREFIX = "seg-"
 

@@ -75,6 +75,7 @@ from rlhf_pipeline.storage.memmap.gather import gather_rows
 from rlhf_pipeline.storage.memmap.layout import (
     CHECKSUMS_NAME,
     MANIFEST_NAME,
+    OPEN_SEGMENT_CHECKSUMS,
     STATE_STEM,
     FieldFiles,
     Published,
@@ -261,7 +262,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             self._views.pop(seg_id).close()
 
     def _manifest(self) -> dict[str, Any]:
-        return {
+        state = {
             "backend": BACKEND,
             "format_version": FORMAT_VERSION,
             "schema": self._schema.to_json(),
@@ -273,6 +274,11 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             "segments": [s.to_json() for s in self._segments.values()],
             "evicted": self._evicted,
         }
+        if self._tail_writer is not None:
+            # the open segment has no checksums.json until sealed: its published bytes' CRCs
+            # travel with each publish instead (`inspect --verify` checks them)
+            state[OPEN_SEGMENT_CHECKSUMS] = [max(self._segments), self._tail_writer.written_checksums()]
+        return state
 
     def _recover_tail(self) -> None:
         """After opening for append: drop what an interrupted writer left unpublished."""
