@@ -308,3 +308,14 @@ def test_verify_of_a_live_writers_open_segment_is_clean(store_path, capsys):
             writer.append(make_batch(1, 1, seed=seed, optional=("advantage",)))
             assert main(["inspect", str(store_path), "--verify"]) == 0, capsys.readouterr().out
     assert main(["inspect", str(store_path), "--verify"]) == 0
+
+
+def test_a_byte_damaged_in_the_open_segment_is_not_sealed_as_right(store_path):
+    expected = fill(store_path)  # rows 24..29 in the open segment
+    flip(store_path / "seg-00000003" / "reward.col", 4 * 2 + 1)  # row 26, before its segment is sealed
+    with open_store(store_path, mode="a") as writer:
+        writer.append(make_batch(1, 2, seed=8, optional=("advantage",)))  # fills and seals seg-00000003
+    with open_store(store_path) as reader:
+        with pytest.raises(StoreCorruptedError, match=r"seg-00000003/reward.col fails its crc32c"):
+            reader.read([26])
+        assert reader.read(torch.arange(24)).equal(expected.select(torch.arange(24)))

@@ -19,12 +19,12 @@ from rlhf_pipeline.storage.memmap.layout import (
     BACKEND,
     ENDS_DTYPE,
     MANIFEST_NAME,
-    OPEN_SEGMENT_CHECKSUMS,
     STATE_STEM,
     FieldFiles,
     SegmentState,
     detect,
     fields_of,
+    open_segment_checksums,
     raw_payload_bytes,
     read_manifest,
     read_published,
@@ -66,11 +66,7 @@ class PublishedView:
             self.next_row = int(state["next_row"])
             self.segments = [SegmentState.from_json(s) for s in state["segments"]]
             self.evicted = list(state.get("evicted", []))
-            open_sums = state.get(OPEN_SEGMENT_CHECKSUMS)  # absent: written before they existed
-            self.open_checksums: tuple[int, dict[str, tuple[int, int]]] | None = (
-                (int(open_sums[0]), {str(open_sums[1][i]): (int(open_sums[1][i + 1]), int(open_sums[1][i + 2]))
-                                     for i in range(0, len(open_sums[1]), 3)})
-                if open_sums is not None else None)
+            self.open_checksums = open_segment_checksums(state)
             self.optional = list(state["schema"].get("optional", []))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             source = published.source if published is not None else path / MANIFEST_NAME

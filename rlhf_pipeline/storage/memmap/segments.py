@@ -101,7 +101,8 @@ class SegmentWriter:
     interrupted append left behind; the next append then starts on a clean end.
     """
 
-    def __init__(self, directory: Path, schema: StoreSchema, state: SegmentState, *, durable: bool):
+    def __init__(self, directory: Path, schema: StoreSchema, state: SegmentState, *, durable: bool,
+                 written: dict[str, tuple[int, int]] | None = None):
         self.directory = directory
         self.schema = schema
         self._durable = durable
@@ -129,7 +130,10 @@ class SegmentWriter:
                     # (auto_da_alloc), which made sealing a new segment cost 0.3-7 ms per file
                     os.ftruncate(fd, size)
                 self._allocated[name] = size
-                self._published_crc[name] = (size, _fd_crc32c(fd, size))
+                # the CRCs the segment was published with (``written``), else those of the files
+                recorded = (written or {}).get(name)
+                self._published_crc[name] = recorded if recorded is not None and recorded[0] == size \
+                    else (size, _fd_crc32c(fd, size))
         except BaseException:
             self.close()
             raise
@@ -204,7 +208,12 @@ class SegmentWriter:
         the segment is now immutable. The checksums file is synced with the data, then renamed
         into place, so a sealed segment either has checksums that match or none."""
         self.trim(state)
-        sums = {name: (self._allocated[name], _fd_crc32c(fd, self._allocated[name])) for name, fd in self._fds.items()}
+        sums = {}
+        for name, fd in self._fds.items():
+            size, written = self._allocated[name], self._published_crc.get(name)
+            # the CRC of the bytes written, not of a re-read: a byte damaged on disk while the
+            # segment was open then fails every reader's check instead of being sealed as right
+            sums[name] = (size, written[1] if written is not None and written[0] == size else _fd_crc32c(fd, size))
         partial = checksums.write_checksums(self.directory, sums)
         if self._durable:
             fd = os.open(partial, os.O_RDONLY)

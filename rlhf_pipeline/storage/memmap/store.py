@@ -81,6 +81,7 @@ from rlhf_pipeline.storage.memmap.layout import (
     Published,
     field_files,
     fields_json,
+    open_segment_checksums,
     read_manifest,
     read_published,
 )
@@ -255,6 +256,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             self._next_row = int(manifest["next_row"])
             segments = [SegmentState.from_json(s) for s in manifest["segments"]]
             self._evicted: list[list] = [list(e) for e in manifest["evicted"]]
+            self._published_open_checksums = open_segment_checksums(manifest)
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreCorruptedError(f"{path} is missing or has a malformed entry: {exc!r}") from None
         self._segments = {s.id: s for s in segments}
@@ -296,7 +298,9 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         (self._path / (MANIFEST_NAME + ".partial")).unlink(missing_ok=True)
         if held:
             tail = self._segments[last_id]
-            writer = SegmentWriter(self._segment_dir(last_id), self._schema, tail, durable=self._durable)
+            recorded = self._published_open_checksums  # the CRCs this open segment was published with
+            writer = SegmentWriter(self._segment_dir(last_id), self._schema, tail, durable=self._durable,
+                                   written=recorded[1] if recorded is not None and recorded[0] == last_id else None)
             if tail.rows < self._segment_rows:
                 # a seal whose publish never happened may have left checksums of rows now dropped
                 for name in (CHECKSUMS_NAME, CHECKSUMS_NAME + ".partial"):
