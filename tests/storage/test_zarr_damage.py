@@ -143,3 +143,20 @@ def test_repair_without_a_record_keeps_every_readable_row_and_appends_reuse_no_r
     with open_store(path, mode="a") as writer:
         writer.append(make_batch(1, 2, seed=7, optional=("advantage",)))
         assert len(writer) == 36 and writer.read(readable).equal(expected.select(readable))
+
+
+def test_repair_never_publishes_a_unit_past_an_intact_record(tmp_path, capsys):
+    path = tmp_path / "b"
+    expected, _ = fill(path)
+    record = (path / "zarr.json").read_bytes()
+    writer = ZarrTrajectoryStore.open(str(path), mode="a")
+    try:
+        writer.append(make_batch(1, 3, seed=9, optional=("advantage",)))  # then its publish is undone: as if
+        (path / "zarr.json").write_bytes(record)  # the writer had been killed just before it
+        assert main(["repair", str(path)]) == 0  # a dry run: it takes no lock
+        out = capsys.readouterr().out
+        assert "nothing to repair" in out and "000000000000034-0000000003f" in out, out
+        with open_store(path) as reader:
+            assert len(reader) == 34 and reader.read(torch.arange(34)).equal(expected)
+    finally:
+        writer.close()
