@@ -112,7 +112,7 @@ class SegmentWriter:
         self._allocated: dict[str, int] = {}
         # file -> (bytes, CRC32C of them) written so far: each publish records them for the open
         # segment, so that `inspect --verify` catches bit rot before the segment is sealed
-        self._published_crc: dict[str, tuple[int, int] | None] = {}
+        self._written_crc: dict[str, tuple[int, int] | None] = {}
         try:
             for name, (dtype, count) in segment_files(schema, state).items():
                 fd = os.open(directory / name, os.O_RDWR | os.O_CREAT, 0o644)
@@ -132,7 +132,7 @@ class SegmentWriter:
                 self._allocated[name] = size
                 # the CRCs the segment was published with (``written``), else those of the files
                 recorded = (written or {}).get(name)
-                self._published_crc[name] = recorded if recorded is not None and recorded[0] == size \
+                self._written_crc[name] = recorded if recorded is not None and recorded[0] == size \
                     else (size, _fd_crc32c(fd, size))
         except BaseException:
             self.close()
@@ -179,8 +179,8 @@ class SegmentWriter:
             grown = max(end, min(2 * self._allocated[name], end + _GROW_MAX_STEP), _GROW_MIN)
             os.ftruncate(fd, grown)
             self._allocated[name] = grown
-        covered = self._published_crc.get(name)
-        self._published_crc[name] = ((end, google_crc32c.extend(covered[1], array))  # 0.3 us: no byte_view
+        covered = self._written_crc.get(name)
+        self._written_crc[name] = ((end, google_crc32c.extend(covered[1], array))  # the array as is: cheaper
                                      if covered is not None and covered[0] == offset else None)
         while len(view):
             written = os.pwrite(fd, view, offset)
@@ -190,7 +190,7 @@ class SegmentWriter:
         """``[name, size, crc, name, size, ...]``: the CRC32C of the bytes written to each file so far
         (the published ones once the append that wrote them is published). Flat, as it is published
         with every append: a dict of lists costs several microseconds more to serialize."""
-        return [x for name, sums in self._published_crc.items() if sums is not None for x in (name, *sums)]
+        return [x for name, sums in self._written_crc.items() if sums is not None for x in (name, *sums)]
 
     def sync(self, *extra: int) -> None:
         # One fdatasync per file, issued together: the disk merges them (measured 5-6 ms
@@ -210,7 +210,7 @@ class SegmentWriter:
         self.trim(state)
         sums = {}
         for name, fd in self._fds.items():
-            size, written = self._allocated[name], self._published_crc.get(name)
+            size, written = self._allocated[name], self._written_crc.get(name)
             # the CRC of the bytes written, not of a re-read: a byte damaged on disk while the
             # segment was open then fails every reader's check instead of being sealed as right
             sums[name] = (size, written[1] if written is not None and written[0] == size else _fd_crc32c(fd, size))
