@@ -3,10 +3,16 @@
 A dry run by default: it says what it found and what it would write. ``--apply`` writes
 it, under the store's writer lock (stop the writer first). A memmap store's manifest and
 state slots are rebuilt from its segment files; a Zarr store's commit record from its
-units. Nothing is deleted: the files it replaces are copied, and data it cannot publish
-again is moved, to ``repair-<time>/`` inside the store. It reports what it could not
-recover (missing segments, chunks that fail their checksum), naming files and rows.
-Works on a single store or every shard of a run's buffer.
+units. Nothing is deleted: the files it replaces are copied to ``repair-<time>/`` inside
+the store. It reports what it could not recover (missing segments, chunks that fail their
+checksum), naming files and rows. Works on a single store or every shard of a run's buffer.
+
+Only what a publish record covered is published. With an intact record (a memmap state
+slot, a Zarr commit record), rows a killed writer left past it were never acknowledged (a
+collector writes that round again): repair leaves them to the next writer, which discards
+them, and a note counts them; that alone is nothing to repair. Without a record, every
+readable row is kept at its row id, and rows between readable ones that no file holds stay
+published as lost (reads of them raise), so no append reuses a row id a readable row holds.
 
 Exit code: 0 when nothing needs repair (or ``--apply`` repaired everything), 1 when
 something needs repair (dry run) or cannot be recovered, 2 on errors.

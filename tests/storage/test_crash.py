@@ -18,6 +18,7 @@ from backends import BACKENDS
 from store_worker import check_resumes_after_a_kill
 
 from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage.buffers import repair_buffer, verify_buffer
 
 KILLS = 5
 
@@ -55,6 +56,14 @@ def test_sigkilled_writer_leaves_every_published_row_intact(backend_name, forkse
         writer.join()
         receive.close()
         assert writer.exitcode == -signal.SIGKILL
+
+        # the publish record is intact: whatever the killed writer left past it was never
+        # acknowledged, so repair finds nothing to do and every published byte verifies
+        report, = repair_buffer(path)
+        assert not report.actions and not report.unrecoverable, f"kill {kill}: {report.format()}"
+        assert report.rows_before >= published, f"kill {kill}: {report.format()}"
+        check, = verify_buffer(path)
+        assert check.ok, f"kill {kill}: {check.problems}"
 
         # the lock died with the writer
         check_resumes_after_a_kill(lambda: backend.open(path, "a"), lambda: backend.open(path, "r"),

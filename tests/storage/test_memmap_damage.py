@@ -39,6 +39,14 @@ def flip(path, offset: int, mask: int = 0x40) -> None:
     path.write_bytes(bytes(data))
 
 
+def slot_payload(path) -> tuple[int, bytes]:
+    """``(offset past its end, payload)`` of a state slot: a slot file rewritten in place may hold
+    stale bytes of a longer earlier publish after its payload."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[16:24], "little")
+    return 24 + length, raw[24 : 24 + length]
+
+
 def digest(directory) -> dict[str, str]:
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("seg-*/*"))}
@@ -61,8 +69,8 @@ def store_path(tmp_path):
 
 def test_damaged_newest_slot_rolls_back_with_a_warning_and_a_writer_refuses(store_path, capsys):
     expected = fill(store_path)
-    newest = max((store_path / f"state.{i}" for i in (0, 1)), key=lambda p: json.loads(p.read_bytes()[24:])["next_row"])
-    flip(newest, -20)  # inside the payload: the CRC fails, the header (publish 5) is intact
+    newest = max((store_path / f"state.{i}" for i in (0, 1)), key=lambda p: json.loads(slot_payload(p)[1])["next_row"])
+    flip(newest, slot_payload(newest)[0] - 20)  # inside the payload: the CRC fails, the header (publish 5) is intact
     files = digest(store_path)
     with pytest.warns(StoreDamageWarning, match=r"rows 30 -> 24 \(rolled back\)") as caught:
         reader = open_store(store_path)
@@ -96,7 +104,7 @@ def test_damaged_newest_slot_rolls_back_with_a_warning_and_a_writer_refuses(stor
 def test_both_slots_damaged_raise_naming_both_files_and_nothing_is_deleted(store_path):
     expected = fill(store_path)
     for i in (0, 1):
-        flip(store_path / f"state.{i}", -5)
+        flip(store_path / f"state.{i}", slot_payload(store_path / f"state.{i}")[0] - 5)
     files = digest(store_path)
     for mode in ("r", "a"):
         with pytest.raises(StoreCorruptedError, match=r"state\.0 and .*state\.1") as raised:
@@ -205,3 +213,109 @@ def test_a_failed_open_for_append_leaves_the_directory_as_it_was(tmp_path):
         open_store(empty, mode="a", backend="memmap")
     assert list(empty.iterdir()) == []
     create_store(empty, "memmap").close()  # no leftover writer.lock in the way
+
+
+def unacknowledged_append(path, segment_rows: int, published_rows: int, appended_rows: int,
+                          complete_rows: int | None = None) -> TrajectoryBatch:
+    """A store whose last append was written but never published: a writer killed before its publish.
+
+    The state slots are put back as they were before the append (both intact); with
+    ``complete_rows`` only that many of the appended rows are complete in the files (killed mid-write).
+    """
+    first = make_batch(1, published_rows, seed=1, optional=("advantage",))
+    with MemmapTrajectoryStore.create(path, SCHEMA, segment_rows=segment_rows) as store:
+        store.append(first)
+        slots = {i: (path / f"state.{i}").read_bytes() if (path / f"state.{i}").exists() else None for i in (0, 1)}
+        store.append(make_batch(1, appended_rows, seed=2, optional=("advantage",), first_trajectory_id=100))
+    for i, raw in slots.items():
+        if raw is None:
+            (path / f"state.{i}").unlink()
+        else:
+            (path / f"state.{i}").write_bytes(raw)
+    if complete_rows is not None:  # the tail segment holds the first rows of the append only
+        tail = path / "seg-00000000"
+        keep = published_rows + complete_rows
+        for file in tail.iterdir():
+            if file.suffix == ".ends":
+                file.write_bytes(file.read_bytes()[: keep * 8])
+            elif file.suffix == ".col":
+                file.write_bytes(file.read_bytes()[: keep * (file.stat().st_size // (published_rows + appended_rows))])
+    return first
+
+
+@pytest.mark.parametrize("appended, complete", [(30, 20), (30, None)])
+def test_repair_never_publishes_rows_past_an_intact_publish(tmp_path, capsys, appended, complete):
+    path = tmp_path / "buffer"
+    if complete is not None:  # 20 rows of a 30-row append in the open segment
+        published = unacknowledged_append(path, 64, 10, appended, complete)
+    else:  # a whole append that filled the open segment and two more
+        published = unacknowledged_append(path, SEGMENT_ROWS, 6, appended)
+    assert main(["repair", str(path)]) == 0  # the record is intact: nothing to repair
+    out = capsys.readouterr().out
+    assert "nothing to repair" in out and "never acknowledged" in out, out
+    assert main(["repair", str(path), "--apply"]) == 0
+    capsys.readouterr()
+    with open_store(path) as reader:
+        assert len(reader) == len(published)
+        assert reader.read(torch.arange(len(published))).equal(published)
+    with open_store(path, mode="a") as writer:  # the collector writes the unacknowledged round again
+        writer.append(make_batch(1, appended, seed=2, optional=("advantage",), first_trajectory_id=100))
+        assert len(writer) == len(published) + appended
+    assert main(["inspect", str(path), "--verify"]) == 0
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_repair_without_a_record_keeps_every_readable_row_and_appends_reuse_no_row_id(store_path, damage):
+    expected = fill(store_path)
+    for i in (0, 1):
+        (store_path / f"state.{i}").unlink()  # no record: the manifest alone says 0 rows
+    if damage == "deleted":
+        shutil.rmtree(store_path / "seg-00000001")
+    else:
+        ends = store_path / "seg-00000001" / "response_tokens.ends"
+        ends.write_bytes(ends.read_bytes()[: 8 * 3])
+    report, = repair_buffer(str(store_path), apply=True)
+    assert report.rows_after == 30, report  # rows 8..15 stay published as lost: the rows after keep their ids
+    assert any("seg-00000001" in u for u in report.unrecoverable)
+    assert not list(store_path.glob("repair-*/seg-*"))  # no readable segment was moved aside
+    readable = torch.tensor([0, 7, 16, 23, 24, 29])
+    with open_store(store_path) as reader:
+        assert len(reader) == 30
+        assert reader.read(readable).equal(expected.select(readable))
+        with pytest.raises(StoreCorruptedError, match="seg-00000001"):
+            reader.read([9])
+    with open_store(store_path, mode="a") as writer:
+        writer.append(make_batch(1, 2, seed=7, optional=("advantage",)))
+        assert len(writer) == 32 and writer.read(readable).equal(expected.select(readable))
+
+
+def test_flipped_byte_in_the_open_segment_is_caught_by_verify(store_path, capsys):
+    expected = fill(store_path)  # rows 24..29 in the open segment seg-00000003
+    assert main(["inspect", str(store_path), "--verify"]) == 0
+    assert "checked for structure only" not in capsys.readouterr().out
+    values = store_path / "seg-00000003" / "response_log_probs.values"
+    flip(values, 5)  # a float of row 24: a wrong value that no structural check can see
+    with open_store(store_path) as reader:
+        assert not reader.read([24]).equal(expected.select(torch.tensor([24])))  # what a reader risks
+    assert main(["inspect", str(store_path), "--verify"]) == 1
+    assert "seg-00000003/response_log_probs.values fails its crc32c" in capsys.readouterr().out
+
+
+def test_verify_of_a_live_writers_open_segment_is_clean(store_path, capsys):
+    fill(store_path)
+    with open_store(store_path, mode="a") as writer:  # reopened: the checksums are taken from the files
+        for seed in range(3):
+            writer.append(make_batch(1, 1, seed=seed, optional=("advantage",)))
+            assert main(["inspect", str(store_path), "--verify"]) == 0, capsys.readouterr().out
+    assert main(["inspect", str(store_path), "--verify"]) == 0
+
+
+def test_a_byte_damaged_in_the_open_segment_is_not_sealed_as_right(store_path):
+    expected = fill(store_path)  # rows 24..29 in the open segment
+    flip(store_path / "seg-00000003" / "reward.col", 4 * 2 + 1)  # row 26, before its segment is sealed
+    with open_store(store_path, mode="a") as writer:
+        writer.append(make_batch(1, 2, seed=8, optional=("advantage",)))  # fills and seals seg-00000003
+    with open_store(store_path) as reader:
+        with pytest.raises(StoreCorruptedError, match=r"seg-00000003/reward.col fails its crc32c"):
+            reader.read([26])
+        assert reader.read(torch.arange(24)).equal(expected.select(torch.arange(24)))

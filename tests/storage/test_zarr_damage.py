@@ -8,6 +8,7 @@ a flipped byte in a packed fragment, a missing unit. Chunk damage of sealed segm
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -68,19 +69,20 @@ def test_damaged_root_document_is_store_corrupted_and_repair_rebuilds_the_record
     assert report.ok, report.problems
 
 
-def test_a_repaired_record_skips_a_damaged_unit_and_keeps_what_follows_aside(tmp_path):
+def test_a_repaired_record_keeps_a_damaged_unit_published_as_lost_and_what_follows(tmp_path):
     path = tmp_path / "b"
     expected, _ = fill(path)
     (path / "zarr.json").unlink()
     chunk = path / "units" / "000000000000016-0000000008s" / "values" / "c.0"
     chunk.write_bytes(chunk.read_bytes()[:-7])
     report, = repair_buffer(str(path), apply=True)
-    assert report.rows_after == 16  # the first two segments; rows from 16 on cannot be chained
+    assert report.rows_after == 34  # rows 16..23 stay published (reads raise), the rows after keep their ids
     assert any("000000000000016-0000000008s" in u for u in report.unrecoverable)
+    readable = torch.cat([torch.arange(16), torch.arange(24, 34)])
     with open_store(path) as reader:
-        assert reader.read(torch.arange(16)).equal(expected.select(torch.arange(16)))
-    kept = [p.name for p in path.glob("repair-*/*")]
-    assert "000000000000024-0000000008s" in kept  # moved aside, not deleted
+        assert reader.read(readable).equal(expected.select(readable))
+        with pytest.raises(StoreCorruptedError, match="000000000000016-0000000008s"):
+            reader.read([17])
 
 
 def test_flipped_byte_in_a_live_writers_fragment_names_the_chunk(tmp_path, capsys):
@@ -121,3 +123,40 @@ def test_create_on_a_file_says_it_is_a_file(tmp_path):
     with pytest.raises(NotAStoreError, match="is a file"):
         ZarrTrajectoryStore.open(str(file))
     assert file.read_text() == "not a directory"
+
+
+def test_repair_without_a_record_keeps_every_readable_row_and_appends_reuse_no_row_id(tmp_path):
+    path = tmp_path / "b"
+    expected, _ = fill(path)
+    (path / "zarr.json").unlink()
+    shutil.rmtree(path / "units" / "000000000000008-0000000008s")  # a sealed segment deleted by hand
+    report, = repair_buffer(str(path), apply=True)
+    assert report.rows_after == 34  # rows 8..15 stay published as lost: the rows after keep their ids
+    assert any("000000000000008-0000000008s" in u or "rows 8..15" in u for u in report.unrecoverable)
+    assert not list(path.glob("repair-*/0*"))  # no readable unit was moved aside
+    readable = torch.tensor([0, 7, 16, 23, 24, 33])
+    with open_store(path) as reader:
+        assert len(reader) == 34
+        assert reader.read(readable).equal(expected.select(readable))
+        with pytest.raises(StoreCorruptedError):
+            reader.read([9])
+    with open_store(path, mode="a") as writer:
+        writer.append(make_batch(1, 2, seed=7, optional=("advantage",)))
+        assert len(writer) == 36 and writer.read(readable).equal(expected.select(readable))
+
+
+def test_repair_never_publishes_a_unit_past_an_intact_record(tmp_path, capsys):
+    path = tmp_path / "b"
+    expected, _ = fill(path)
+    record = (path / "zarr.json").read_bytes()
+    writer = ZarrTrajectoryStore.open(str(path), mode="a")
+    try:
+        writer.append(make_batch(1, 3, seed=9, optional=("advantage",)))  # then its publish is undone: as if
+        (path / "zarr.json").write_bytes(record)  # the writer had been killed just before it
+        assert main(["repair", str(path)]) == 0  # a dry run: it takes no lock
+        out = capsys.readouterr().out
+        assert "nothing to repair" in out and "000000000000034-0000000003f" in out, out
+        with open_store(path) as reader:
+            assert len(reader) == 34 and reader.read(torch.arange(34)).equal(expected)
+    finally:
+        writer.close()

@@ -9,8 +9,12 @@ CRC32C of its bytes (``google-crc32c``, which zarr depends on; hardware CRC32C r
 
 Readers check a sealed segment's file the first time they map it (see
 :class:`~.segments.SegmentView`), ``rlhf-pipeline inspect --verify`` and ``repair`` check
-every sealed segment. The open tail segment has no checksum until it is sealed; segments
-sealed by versions before checksums have none, and are checked for structure only.
+every sealed segment. The open tail segment's files grow with every append: each publish
+records, in the state slot, the CRC32C of each file's published bytes (``open_segment_checksums``,
+extended by the bytes each append writes), which ``inspect --verify`` checks; readers do not
+check them. Sealing records those CRCs of the bytes written, not of a re-read, so a byte
+damaged while its segment was open fails every reader's check once sealed. Segments sealed
+by versions before checksums have none, and are checked for structure only.
 """
 
 from __future__ import annotations

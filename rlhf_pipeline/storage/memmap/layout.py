@@ -31,6 +31,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 STATE_STEM = "state"  # state.0 / state.1: every append's publish (see StateSlots)
 CHECKSUMS_NAME = "checksums.json"  # in a sealed segment's directory (see .checksums)
+# state key: [segment id, [file, size, crc32c, file, ...]] of the open segment's published bytes
+OPEN_SEGMENT_CHECKSUMS = "open_segment_checksums"
 ENDS_DTYPE = np.dtype("<i8")
 SEGMENT_PREFIX = "seg-"
 
@@ -72,6 +74,19 @@ class SegmentState:
     def from_json(cls, data: list) -> SegmentState:
         seg_id, rows, elements = data
         return cls(int(seg_id), int(rows), {k: int(v) for k, v in elements.items()})
+
+
+def open_segment_checksums(state: dict[str, Any]) -> tuple[int, dict[str, tuple[int, int]]] | None:
+    """``(segment id, file -> (size, crc32c))`` a publish recorded for its open segment; None when
+    it recorded none (a publish by a version before them, by repair, or with no open segment)."""
+    entry = state.get(OPEN_SEGMENT_CHECKSUMS)
+    if entry is None:
+        return None
+    try:
+        seg_id, flat = entry
+        return int(seg_id), {str(flat[i]): (int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)}
+    except (TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"malformed {OPEN_SEGMENT_CHECKSUMS!r}: {exc}") from None
 
 
 # ============================================================================ fields and files

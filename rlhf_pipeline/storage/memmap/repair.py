@@ -9,14 +9,20 @@ the open segment's end offsets tell how many complete rows it holds (see
 1. takes the store's configuration from the newest intact slot, else the manifest, else
    a damaged slot that still parses, else the files (fields from the file names, segment
    size from a sealed segment);
-2. walks the segments from the first held one: each sealed segment contributes its rows,
-   the first segment that is not full is the tail and ends the walk;
-3. compares that with what is published now and, with ``apply=True``, writes the manifest
+2. with an intact newest slot (the record of what was acknowledged), publishes exactly the
+   rows it covers: complete rows past its end were written by a writer killed before its
+   publish, were never acknowledged (a collector writes that round again), and are left to
+   the next writer, which truncates them; the dry run then finds nothing to repair;
+3. without one (both slots damaged or missing, or a newest slot damaged), walks the segments
+   from the first held one: each sealed segment contributes its rows, the first segment
+   that is not full is the tail and ends the walk. A segment that is missing or short while
+   later segments exist stays published as lost rows (reads raise), so that later segments
+   keep their row ids and no append reuses one; the Zarr repair keeps the same rows;
+4. compares that with what is published now and, with ``apply=True``, writes the manifest
    (when damaged) and publishes the rebuilt state into both slots, under the writer lock.
 
-Nothing is deleted: damaged files it replaces are copied, and segments it cannot reach
-(after a missing one) are moved, to ``repair-<time>/`` in the store. It cannot fix the
-contents of a damaged file (a checksum mismatch): it reports the rows affected.
+Nothing is deleted: damaged files it replaces are copied to ``repair-<time>/`` in the store.
+It cannot fix the contents of a damaged file (a checksum mismatch): it reports the rows affected.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from rlhf_pipeline.storage.memmap.layout import (
     FieldFiles,
     SegmentState,
     complete_rows,
+    complete_rows_beyond,
     fields_json,
     fields_of,
     read_manifest,
@@ -84,6 +91,9 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
     # ---- walk the segment files
     # segment states to trust: only an intact publish's (a damaged slot's payload may be wrong)
     known = {s[0]: SegmentState.from_json(s) for s in (current or {}).get("segments", [])}
+    # an intact newest slot is the record of what was acknowledged: rows past it were never
+    # acknowledged (a collector writes that round again), so it bounds what is published
+    acknowledged = int(intact["next_row"]) if intact is not None and not reading.damaged else None
     first_row = int((current or config_source).get("first_row", 0))
     on_disk = segment_ids_on_disk(path)
     first_seg = first_row // segment_rows
@@ -94,16 +104,26 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
     total = sum(1 for i in on_disk if i >= first_seg) or 1
     while True:
         directory = path / segment_dir_name(seg_id)
+        later = any(i > seg_id for i in on_disk)
         if not directory.is_dir():
-            if seg_id in known and any(i > seg_id for i in on_disk):
-                segments.append(known[seg_id])  # keep it published: later segments stay readable
+            if later and (seg_id in known or acknowledged is None):
+                # keep it published: later segments keep their row ids, and no append reuses one
+                state = known.get(seg_id) or SegmentState(seg_id, segment_rows, {f.name: 0 for f in fields if f.ragged})
+                segments.append(state)
                 report.unrecoverable.append(
-                    f"{directory} is missing: rows {seg_id * segment_rows}..{seg_id * segment_rows + known[seg_id].rows - 1}"
+                    f"{directory} is missing: rows {seg_id * segment_rows}..{seg_id * segment_rows + state.rows - 1}"
                     f" are lost (reads of them raise StoreCorruptedError; the other segments read)")
                 seg_id += 1
                 continue
             break
-        rows, elements = complete_rows(directory, fields, limit=segment_rows)
+        if acknowledged is not None and seg_id not in known:
+            if seg_id == first_seg and not segments:
+                segments.append(SegmentState(seg_id, 0, {f.name: 0 for f in fields if f.ragged}))
+            break  # nothing of it was published
+        if acknowledged is not None:
+            rows, elements = known[seg_id].rows, dict(known[seg_id].elements)
+        else:
+            rows, elements = complete_rows(directory, fields, limit=segment_rows)
         if rows == segment_rows or (seg_id in known and known[seg_id].rows == segment_rows):
             # a full segment: counts from an intact publish (even when its end offsets are damaged),
             # else from its end offsets (right even if a killed writer never trimmed its files)
@@ -118,6 +138,16 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
                 report.notes.append(f"{directory.name} is sealed but has no checksums (sealed before checksums "
                                     f"existed, or by a writer killed while sealing)")
             segments.append(state)
+        elif acknowledged is None and later:
+            # short, yet segments follow: damaged (a segment is full before the next one starts). It
+            # stays published whole so that the later segments keep their row ids
+            elements = {f.name: (directory / f"{f.name}.values").stat().st_size // f.dtype.itemsize
+                        for f in fields if f.ragged and (directory / f"{f.name}.values").exists()}
+            segments.append(SegmentState(seg_id, segment_rows, elements))
+            report.unrecoverable.append(
+                f"{directory} holds {rows} complete rows of {segment_rows} although segments follow it: its files are "
+                f"damaged; rows {seg_id * segment_rows}..{(seg_id + 1) * segment_rows - 1} stay published and reads of "
+                f"them raise StoreCorruptedError")
         else:
             if rows or seg_id == first_seg:
                 segments.append(SegmentState(seg_id, rows, elements))
@@ -125,15 +155,14 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         seg_id += 1
         if progress is not None:
             progress(len(segments), total)
-    unreachable = [i for i in on_disk if i > (segments[-1].id if segments else first_seg - 1)
-                   and i not in {s.id for s in segments}]
     next_row = (segments[-1].id * segment_rows + segments[-1].rows) if segments else first_seg * segment_rows
+    unacknowledged = 0
+    if acknowledged is not None:
+        # left by a writer killed mid-append, or after writing and before publishing: the next
+        # writer truncates them, so they are neither published nor moved
+        unacknowledged = complete_rows_beyond(path, fields, segment_rows, next_row, segments)
     first_row = (segments[0].id * segment_rows) if segments else next_row
     report.rows_after = next_row - first_row
-    for seg in unreachable:
-        report.unrecoverable.append(
-            f"{path / segment_dir_name(seg)} lies beyond a gap in the segments: its rows cannot be published "
-            f"again (it is moved to repair-*/, not deleted)")
     evicted = [e for e in (current or {}).get("evicted", []) if int(e[0]) < first_seg]
     rebuilt = {"backend": BACKEND, "format_version": FORMAT_VERSION, "schema": config_source["schema"],
                "segment_rows": segment_rows, "capacity_rows": config_source["capacity_rows"],
@@ -148,8 +177,15 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         before = "no readable state" if current is None else f"rows up to {current['next_row']}"
         report.actions.append(f"publish the state rebuilt from the segment files into {STATE_STEM}.0 and "
                               f"{STATE_STEM}.1 ({before} -> rows {first_row}..{next_row - 1})")
-    if unreachable:
-        report.actions.append(f"move {len(unreachable)} unreachable segment(s) to repair-*/")
+    if unacknowledged:
+        report.notes.append(
+            f"{unacknowledged} complete row(s) past the published end (row {next_row}) were never acknowledged "
+            f"(a writer was killed before publishing them; a collector writes that round again): they are not "
+            f"published, and the next writer discards them")
+    elif acknowledged is None and not same:
+        report.notes.append(
+            "no intact state slot: every complete row in the segment files is published, including rows a writer "
+            "killed before its last publish may have left (they were never acknowledged)")
     if reading.damaged:
         for damage in reading.damaged:
             report.notes.append(f"damaged state slot: {damage.describe()}")
@@ -165,8 +201,6 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         for name in (MANIFEST_NAME, f"{STATE_STEM}.0", f"{STATE_STEM}.1"):
             if (path / name).exists():
                 shutil.copy2(path / name, backup / name)
-        for seg in unreachable:
-            (path / segment_dir_name(seg)).rename(backup / segment_dir_name(seg))
         if not manifest_ok or "fields" not in (manifest or {}):
             base = dict(rebuilt, first_row=0, next_row=0, segments=[], evicted=[]) if not manifest_ok else dict(manifest)
             publish_json(path / MANIFEST_NAME, {**base, "fields": fields_json(fields)}, durable=True)

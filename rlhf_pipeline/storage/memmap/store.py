@@ -75,11 +75,13 @@ from rlhf_pipeline.storage.memmap.gather import gather_rows
 from rlhf_pipeline.storage.memmap.layout import (
     CHECKSUMS_NAME,
     MANIFEST_NAME,
+    OPEN_SEGMENT_CHECKSUMS,
     STATE_STEM,
     FieldFiles,
     Published,
     field_files,
     fields_json,
+    open_segment_checksums,
     read_manifest,
     read_published,
 )
@@ -267,6 +269,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             self._next_row = int(manifest["next_row"])
             segments = [SegmentState.from_json(s) for s in manifest["segments"]]
             self._evicted: list[list] = [list(e) for e in manifest["evicted"]]
+            self._published_open_checksums = open_segment_checksums(manifest)
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreCorruptedError(f"{path} is missing or has a malformed entry: {exc!r}") from None
         self._segments = {s.id: s for s in segments}
@@ -274,7 +277,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             self._views.pop(seg_id).close()
 
     def _manifest(self) -> dict[str, Any]:
-        return {
+        state = {
             "backend": BACKEND,
             "format_version": FORMAT_VERSION,
             "schema": self._schema.to_json(),
@@ -286,6 +289,11 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             "segments": [s.to_json() for s in self._segments.values()],
             "evicted": self._evicted,
         }
+        if self._tail_writer is not None:
+            # the open segment has no checksums.json until sealed: its published bytes' CRCs
+            # travel with each publish instead (`inspect --verify` checks them)
+            state[OPEN_SEGMENT_CHECKSUMS] = [max(self._segments), self._tail_writer.written_checksums()]
+        return state
 
     def _recover_tail(self) -> None:
         """After opening for append: drop what an interrupted writer left unpublished."""
@@ -303,7 +311,9 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         (self._path / (MANIFEST_NAME + ".partial")).unlink(missing_ok=True)
         if held:
             tail = self._segments[last_id]
-            writer = SegmentWriter(self._segment_dir(last_id), self._schema, tail, durable=self._durable)
+            recorded = self._published_open_checksums  # the CRCs this open segment was published with
+            writer = SegmentWriter(self._segment_dir(last_id), self._schema, tail, durable=self._durable,
+                                   written=recorded[1] if recorded is not None and recorded[0] == last_id else None)
             if tail.rows < self._segment_rows:
                 # a seal whose publish never happened may have left checksums of rows now dropped
                 for name in (CHECKSUMS_NAME, CHECKSUMS_NAME + ".partial"):

@@ -4,12 +4,16 @@ The commit record (the root ``zarr.json``) is the only thing that says which row
 the units hold everything else, and their names say which rows they hold
 (``<first_row>-<rows>`` plus a kind suffix). When the record is damaged or missing, repair
 rebuilds it: the configuration comes from the units' own metadata (codec, fields, segment
-size), and the rows from a chain of units that decode cleanly, from the lowest row up,
-preferring a sealed segment to fragments of the same rows. When the record is intact it
-checks every published unit and reports what cannot be read (it cannot fix a damaged
-chunk). With ``apply=True`` it writes the record under the writer lock; the damaged record
-is copied and units beyond a gap are moved to ``repair-<time>/`` (the next writer would
-delete them as unpublished), never deleted.
+size), and the rows from every unit, from the lowest row to the highest, preferring a sealed
+segment to fragments of the same rows. Rows no readable unit holds (a deleted or damaged
+unit) stay published as lost, so the readable rows after them keep their row ids and an
+append never reuses one; the memmap repair keeps the same rows. Without a record, rows a
+killed writer wrote and never published cannot be told apart, and are published too.
+
+When the record is intact it checks every published unit and reports what cannot be read
+(it cannot fix a damaged chunk); units the record does not name were never acknowledged and
+are left to the next writer, which deletes them. With ``apply=True`` it writes the record
+under the writer lock; the damaged record is copied to ``repair-<time>/``, nothing is deleted.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from rlhf_pipeline.storage.zarr.layout import (
 from rlhf_pipeline.storage.zarr.location import publish, resolve
 from rlhf_pipeline.storage.zarr.units import (
     FRAGMENT,
+    PACKED_FRAGMENT,
     ROOT_META,
     SEALED,
     SEALED_PACKED,
@@ -81,40 +86,17 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         layout = arrays_of(config, str(location))
         codecs = UnitCodecs(config["codec"], config["fragment_codec"])
         segment_rows = config["segment_rows"]
-        candidates = [_with_kind(u, segment_rows) for u in candidates]
-        chain, row = [], min((u.first_row for u in candidates), default=0)
-        by_start: dict[int, list[UnitRef]] = {}
-        for unit in candidates:
-            by_start.setdefault(unit.first_row, []).append(unit)
-        while row in by_start:
-            options = sorted(by_start[row], key=lambda u: (not u.sealed, -u.rows))
-            chosen = None
-            for unit in options:
-                try:
-                    read_unit(loc.kv, unit, layout, codecs)
-                    chosen = unit
-                    break
-                except (UnitGone, StoreCorruptedError) as exc:
-                    report.unrecoverable.append(f"unit {unit.name} cannot be read ({exc}): rows "
-                                                f"{unit.first_row}..{unit.first_row + unit.rows - 1} are lost")
-            if chosen is None:
-                break
-            chain.append(chosen)
-            row += chosen.rows
-            if progress is not None:
-                progress(len(chain), len(candidates))
-        used = {u.name for u in chain}
-        beyond = [u for u in candidates if u.first_row >= row and u.name not in used]
-        for unit in beyond:
-            report.unrecoverable.append(f"unit {unit.name} lies beyond rows that cannot be read: it is moved to "
-                                        f"repair-*/, not deleted")
+        candidates = [_with_kind(u, segment_rows) for u in candidates if u.rows > 0]
+        # a unit the chain does not take (a fragment a seal replaced) is an orphan the next writer deletes
+        chain, lost, row = _chain(loc, candidates, layout, codecs, segment_rows, report, progress)
         first = chain[0].first_row if chain else 0
         record = dict(config, first_row=first, next_row=row, units=[[u.first_row, u.rows, u.kind] for u in chain])
         report.rows_after = row - first
-        report.actions.append(f"write {location}/zarr.json: a commit record rebuilt from {len(chain)} unit(s), "
-                              f"rows {first}..{row - 1}")
-        if beyond:
-            report.actions.append(f"move {len(beyond)} unit(s) beyond the gap to repair-*/")
+        report.actions.append(f"write {location}/zarr.json: a commit record rebuilt from {len(chain) - len(lost)} "
+                              f"unit(s), rows {first}..{row - 1}")
+        report.notes.append(
+            "no commit record: every readable unit is published, including fragments a writer killed before its "
+            "publish may have left (they were never acknowledged)")
         if not apply:
             return report
     finally:
@@ -127,8 +109,6 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         backup.mkdir(exist_ok=True)
         if (root / ROOT_META).exists():
             shutil.copy2(root / ROOT_META, backup / ROOT_META)
-        for unit in beyond:
-            (root / UNITS_PREFIX / unit.name).rename(backup / unit.name)
         loc = resolve(str(location), read_only=False, storage_options=None)
         try:
             if loc.kv.get(f"{UNITS_PREFIX}/{ROOT_META}") is None:
@@ -140,6 +120,55 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
             loc.kv.close()
         report.notes.append(f"a copy of the replaced zarr.json (if any) is in {backup}")
     return report
+
+
+def _chain(loc, candidates: list[UnitRef], layout, codecs: UnitCodecs, segment_rows: int, report: RepairReport,
+           progress: Progress | None) -> tuple[list[UnitRef], list[UnitRef], int]:
+    """``(units, lost, next_row)``: a chain of units from the lowest row to the highest row any unit holds.
+
+    Every readable unit is kept at its rows, so no row id a readable row holds is ever given to
+    an append again. Where no unit at a row decodes, the rows stay published as lost: the best
+    unit there (sealed first) when it exists, else a placeholder unit per segment of the gap
+    whose chunks are missing; reads of them raise :class:`StoreCorruptedError`, as reads of a
+    deleted memmap segment do (repair of both backends keeps the same rows).
+    """
+    by_start: dict[int, list[UnitRef]] = {}
+    for unit in candidates:
+        by_start.setdefault(unit.first_row, []).append(unit)
+    end = max((u.first_row + u.rows for u in candidates), default=0)
+    chain: list[UnitRef] = []
+    lost: list[UnitRef] = []
+    row = min(by_start, default=0)
+    while row < end:
+        options = sorted(by_start.get(row, []), key=lambda u: (not u.sealed, -u.rows))
+        chosen = None
+        for unit in options:
+            try:
+                read_unit(loc.kv, unit, layout, codecs)
+                chosen = unit
+                break
+            except (UnitGone, StoreCorruptedError) as exc:
+                report.unrecoverable.append(f"unit {unit.name} cannot be read ({exc}): rows "
+                                            f"{unit.first_row}..{unit.first_row + unit.rows - 1} are lost (they "
+                                            f"stay published; reads of them raise StoreCorruptedError)")
+        if chosen is None and options:
+            chosen = options[0]
+            lost.append(chosen)
+        elif chosen is None:
+            following = min((start for start in by_start if start > row), default=end)
+            segment_end = row - row % segment_rows + segment_rows
+            stop = min(following, segment_end)
+            whole = row % segment_rows == 0 and stop == segment_end
+            chosen = UnitRef(row, stop - row, SEALED_PACKED if whole else PACKED_FRAGMENT)
+            lost.append(chosen)
+            report.unrecoverable.append(f"rows {row}..{stop - 1} are in no unit (deleted): they are lost; they stay "
+                                        f"published (reads of them raise StoreCorruptedError) so that no append "
+                                        f"reuses their row ids")
+        chain.append(chosen)
+        row += chosen.rows
+        if progress is not None:
+            progress(len(chain), len(candidates))
+    return chain, lost, row
 
 
 def _with_kind(unit: UnitRef, segment_rows: int) -> UnitRef:
