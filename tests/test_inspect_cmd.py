@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,3 +65,19 @@ def test_inspect_imports_no_torch(tmp_path):
               "heavy = [m for m in ('torch', 'tensordict', 'torchrl', 'transformers') if m in sys.modules]\n"
               "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``rlhf-pipeline inspect BUF | head -1``: the reader leaves early; no BrokenPipeError traceback."""
+    path = tmp_path / "buffer"
+    with MemmapTrajectoryStore.create(path, segment_rows=8) as store:
+        store.append(make_batch(2, 4))
+    for command in (["inspect", str(path)], ["filter", "--list-names"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before anything is written
+        try:
+            done = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *command], stdout=write_end,
+                                  stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(write_end)
+        assert done.returncode == 1 and done.stderr == "", (command, done.stderr)

@@ -38,17 +38,27 @@ CHARTS: tuple[Chart, ...] = (
 )
 
 
+class NotMetricsError(ValueError):
+    """A file given as a run's metrics that holds no metrics record."""
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl``; an unreadable line (a run killed mid-write) is skipped."""
-    records = []
-    with open(path, encoding="utf-8") as f:
+    """The records of a ``metrics.jsonl``; an unreadable line (a run killed mid-write) is skipped,
+    but a file with lines and not one record in them is no run's metrics: :class:`NotMetricsError`."""
+    records, lines = [], 0
+    # undecodable bytes (a cut last line, or a file that is not text) fail the JSON parse below
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
+            lines += bool(line.strip())
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
             if isinstance(record, dict) and "step" in record:
                 records.append(record)
+    if lines and not records:
+        raise NotMetricsError(f"{path} is not a run's metrics.jsonl: none of its {lines} lines is a learner "
+                              f"metrics record (a JSON object with a step); give a run directory")
     return records
 
 

@@ -52,3 +52,14 @@ def test_missing_extra_says_how_to_install_it(monkeypatch):
 def test_smoothing_is_debiased_and_follows_a_constant():
     assert smooth([2.0, 2.0, 2.0], 0.8) == pytest.approx([2.0, 2.0, 2.0])
     assert smooth([0.0, 1.0], 0.5)[1] == pytest.approx(2 / 3)
+
+
+def test_a_file_that_is_not_a_runs_metrics_is_one_line_error(tmp_path, capsys):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    text = tmp_path / "notes.txt"
+    text.write_text("not json\n{\"no\": \"step\"}\n")
+    for path in (binary, text):
+        assert main(["plot", str(path), "--out", str(tmp_path / "charts")]) == 2
+        err = capsys.readouterr().err
+        assert f"{path} is not a run's metrics.jsonl" in err and len(err.strip().splitlines()) == 1, err
