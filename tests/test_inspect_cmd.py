@@ -81,3 +81,13 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
         finally:
             os.close(write_end)
         assert done.returncode == 1 and done.stderr == "", (command, done.stderr)
+
+
+def test_disk_to_raw_ratio_is_described_by_its_value():
+    from rlhf_pipeline.cli.inspect_cmd import describe_ratio
+
+    assert describe_ratio(1.624) == "1.624  (the files take 62% more than the raw payload)"
+    assert describe_ratio(0.412) == "0.412  (the files take 59% less than the raw payload: compressed)"
+    assert describe_ratio(12.894) == "12.894  (the files take 12.9 times the raw payload)"
+    assert describe_ratio(1.0) == "1.000  (the files take what the raw payload does)"
+    assert describe_ratio(float("nan")) == "-"
