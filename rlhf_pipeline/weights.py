@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rlhf_pipeline.atomic import write_atomic
+
+if TYPE_CHECKING:  # imported where used, so listing versions (export-model --list-versions) needs no torch
+    import torch
 
 SUFFIX = ".safetensors"
 LEGACY_SUFFIX = ".pt"  # runs made before safetensors
@@ -91,6 +93,8 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
     """``(state_dict, version)`` from one weight file of either format."""
     path = Path(path)
     if path.suffix == LEGACY_SUFFIX:
+        import torch
+
         payload = torch.load(path, map_location="cpu", weights_only=True)
         return payload["state_dict"], int(payload["version"])
     from safetensors import safe_open

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -64,3 +65,29 @@ def test_inspect_imports_no_torch(tmp_path):
               "heavy = [m for m in ('torch', 'tensordict', 'torchrl', 'transformers') if m in sys.modules]\n"
               "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """``rlhf-pipeline inspect BUF | head -1``: the reader leaves early; no BrokenPipeError traceback."""
+    path = tmp_path / "buffer"
+    with MemmapTrajectoryStore.create(path, segment_rows=8) as store:
+        store.append(make_batch(2, 4))
+    for command in (["inspect", str(path)], ["filter", "--list-names"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before anything is written
+        try:
+            done = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *command], stdout=write_end,
+                                  stderr=subprocess.PIPE, text=True, timeout=120)
+        finally:
+            os.close(write_end)
+        assert done.returncode == 1 and done.stderr == "", (command, done.stderr)
+
+
+def test_disk_to_raw_ratio_is_described_by_its_value():
+    from rlhf_pipeline.cli.inspect_cmd import describe_ratio
+
+    assert describe_ratio(1.624) == "1.624  (the files take 62% more than the raw payload)"
+    assert describe_ratio(0.412) == "0.412  (the files take 59% less than the raw payload: compressed)"
+    assert describe_ratio(12.894) == "12.894  (the files take 12.9 times the raw payload)"
+    assert describe_ratio(1.0) == "1.000  (the files take what the raw payload does)"
+    assert describe_ratio(float("nan")) == "-"

@@ -1,7 +1,9 @@
-"""``rlhf-pipeline export BUFFER OUT --format jsonl|parquet|hf``: a buffer's rows as a dataset.
+"""``rlhf-pipeline export BUFFER OUT [--format jsonl|parquet|hf]``: a buffer's rows as a dataset.
 
 Every stored field, exact, one row per stored row; ``import`` reads it back into an equal
-buffer. Streams one segment at a time with progress. See :mod:`rlhf_pipeline.dataio.export`.
+buffer. Streams one segment at a time with progress. The format follows OUT's suffix
+(``rows.parquet``) unless ``--format`` says it; a contradiction is refused. Arguments are
+checked before torch is imported. See :mod:`rlhf_pipeline.dataio.export`.
 """
 
 from __future__ import annotations
@@ -12,20 +14,39 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("buffer", help="a store (memmap directory, Zarr store) or a run's buffer/ of shards")
     parser.add_argument("out", help="file (jsonl, parquet) or directory (hf) to write; must not exist")
-    parser.add_argument("--format", required=True, choices=("jsonl", "parquet", "hf"),
-                        help="jsonl, parquet, or hf (a datasets save_to_disk directory)")
+    parser.add_argument("--format", choices=("jsonl", "parquet", "hf"), default=None,
+                        help="jsonl, parquet, or hf (a datasets save_to_disk directory); "
+                             "default: what OUT's suffix names (.jsonl, .parquet)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     import sys
 
-    from rlhf_pipeline.dataio.export import export_buffer
+    from rlhf_pipeline.cli.checks import buffer_path_problem
+    from rlhf_pipeline.dataio.export import export_format
+
+    def fail(message: str, code: int = 2) -> int:
+        print(f"rlhf-pipeline export: error: {message}", file=sys.stderr)
+        return code
+
+    try:
+        fmt = export_format(args.out, args.format)
+    except ValueError as exc:
+        return fail(str(exc))
+    problem = buffer_path_problem(args.buffer)
+    if problem is None and os.path.exists(args.out):
+        problem = f"{args.out} already exists; choose another path or remove it"
+    if problem is not None:
+        return fail(problem)
+
+    from rlhf_pipeline.dataio.export import ExportSpaceError, export_buffer
     from rlhf_pipeline.dataio.extras import MissingExtraError
     from rlhf_pipeline.dataio.progress import Progress
     from rlhf_pipeline.storage import StoreError
 
-    progress = Progress(f"export -> {args.format}", enabled=not args.quiet)
+    progress = Progress(f"export -> {fmt}", enabled=not args.quiet)
 
     def report(done: int, total: int) -> None:
         if progress.total != total:
@@ -33,11 +54,13 @@ def run(args: argparse.Namespace) -> int:
         progress.update(done - progress.done)
 
     try:
-        result = export_buffer(args.buffer, args.out, args.format, progress=report)
+        result = export_buffer(args.buffer, args.out, fmt, progress=report)
     except (StoreError, FileExistsError, MissingExtraError, IndexError) as exc:
-        progress.close()
-        print(f"rlhf-pipeline export: error: {exc}", file=sys.stderr)
-        return 2
+        progress.close(failed=True)
+        return fail(str(exc))
+    except ExportSpaceError as exc:
+        progress.close(failed=True)
+        return fail(exc.strerror, code=1)
     progress.close()
     print(f"{result.out}: {result.rows} rows, fields {', '.join(result.fields)}")
     return 0

@@ -3,6 +3,7 @@
 Writes a ``save_pretrained`` directory (config, safetensors weights, tokenizer with its chat
 template, generation config) that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads with
 the same logits as the run's policy of that version. See :mod:`rlhf_pipeline.dataio.model_export`.
+``--list-versions`` needs no OUT and imports no torch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("run_dir", help="the run directory (holds settings.json, weights/, checkpoints/)")
-    parser.add_argument("out", help="directory to write (must not exist)")
+    parser.add_argument("out", nargs="?", metavar="OUT",
+                        help="directory to write (must not exist); not needed with --list-versions")
     parser.add_argument("--version", type=int, default=None,
                         help="policy version to export (default: the newest on disk)")
     parser.add_argument("--pipeline", metavar="PIPELINE.py", default=None,
@@ -23,17 +25,28 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from rlhf_pipeline.dataio.model_export import VersionNotFoundError, available_versions, export_model
+    from rlhf_pipeline.dataio.model_export import (
+        RunNotFoundError,
+        VersionNotFoundError,
+        available_versions,
+        export_model,
+    )
     from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.state_files import StateFileError
 
+    def fail(message: str) -> int:
+        print(f"rlhf-pipeline export-model: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.out is None and not args.list_versions:
+        return fail("OUT is required (unless --list-versions): the directory to write the model to")
     try:
         if args.list_versions:
             versions = available_versions(args.run_dir)
             print("\n".join(v.describe() for v in versions.values()) or "no versions on disk")
             return 0
         result = export_model(args.run_dir, args.out, version=args.version, pipeline_path=args.pipeline)
-    except (VersionNotFoundError, PipelineError, FileExistsError) as exc:
-        print(f"rlhf-pipeline export-model: error: {exc}", file=sys.stderr)
-        return 2
+    except (VersionNotFoundError, RunNotFoundError, PipelineError, FileExistsError, StateFileError) as exc:
+        return fail(str(exc))
     print(f"{result.out}: {result.model_class}, policy version {result.version} (from {result.source})")
     return 0

@@ -67,12 +67,22 @@ def run(args: argparse.Namespace) -> int:
         options["codec"] = args.codec
     if args.segment_rows is not None:
         options["segment_rows"] = args.segment_rows
+    # before the heavy imports below: a typo in the path or the condition is answered at once
+    from rlhf_pipeline.cli.checks import buffer_path_problem
+    from rlhf_pipeline.storage.where import WhereError, parse_where
+
+    problem = buffer_path_problem(args.src)
+    if problem is not None:
+        return fail(problem)
+    try:
+        parse_where(args.where)
+    except WhereError as exc:
+        return fail(str(exc))
 
     from tqdm import tqdm
 
     from rlhf_pipeline.storage import StoreError
     from rlhf_pipeline.storage.filtering import filter_buffer
-    from rlhf_pipeline.storage.where import WhereError
 
     bars: dict[str, tqdm] = {}
     interactive = sys.stderr.isatty()

@@ -67,6 +67,19 @@ def _bytes(n: int) -> str:
     return f"{n:.1f} TiB"
 
 
+def describe_ratio(ratio: float) -> str:
+    """Bytes on disk per raw byte, said as what it means for this value."""
+    if ratio != ratio:  # NaN: an empty store has no raw payload
+        return "-"
+    if round(ratio, 3) == 1:
+        return f"{ratio:.3f}  (the files take what the raw payload does)"
+    if ratio >= 2:  # small stores: metadata and allocation blocks outweigh the rows
+        return f"{ratio:.3f}  (the files take {ratio:.1f} times the raw payload)"
+    if ratio > 1:
+        return f"{ratio:.3f}  (the files take {ratio - 1:.0%} more than the raw payload)"
+    return f"{ratio:.3f}  (the files take {1 - ratio:.0%} less than the raw payload: compressed)"
+
+
 def format_stats(stats) -> str:
     """A two-column table of a ``StoreStats`` (what ``inspect`` prints without ``--json``)."""
     from rlhf_pipeline.storage.summary import describe_versions
@@ -87,7 +100,7 @@ def format_stats(stats) -> str:
         ("segments", str(stats.segments)),
         ("bytes on disk", f"{_bytes(stats.bytes_on_disk)}  (as du counts the store's files and directories)"),
         ("raw payload", f"{_bytes(stats.raw_bytes)}  (token values, row fields, UTF-8 text)"),
-        ("disk/raw", "-" if ratio != ratio else f"{ratio:.3f}  (below 1: smaller than the raw payload)"),
+        ("disk/raw", describe_ratio(ratio)),
         ("optional fields", ", ".join(stats.optional_fields) or "-"),
     ]
     rows += [(key.replace("_", " "), str(value)) for key, value in sorted(stats.extra.items())]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # command name -> (module, one-line help)
@@ -48,7 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         module = importlib.import_module(args._module)
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # here, so a closed pipe is caught below and not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # the reader left early (`inspect BUF | head`): as Python's docs recommend (library
+        # signal, "Note on SIGPIPE"), send the rest of the output to devnull and exit 1
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
         print(f"rlhf-pipeline {args.command}: interrupted", file=sys.stderr)
         return 130

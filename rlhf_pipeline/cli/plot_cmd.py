@@ -19,11 +19,11 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from rlhf_pipeline.dataio.extras import MissingExtraError
-    from rlhf_pipeline.dataio.plots import plot_runs
+    from rlhf_pipeline.dataio.plots import NotMetricsError, plot_runs
 
     try:
         written = plot_runs(args.runs, args.out)
-    except (MissingExtraError, FileNotFoundError) as exc:
+    except (MissingExtraError, FileNotFoundError, NotMetricsError) as exc:
         print(f"rlhf-pipeline plot: error: {exc}", file=sys.stderr)
         return 2
     if not written:

@@ -14,26 +14,56 @@ when complete (written to ``OUT.partial``, then renamed). Formats:
 * ``jsonl``: one JSON object per line;
 * ``parquet``: one row group per chunk; the schema's metadata records the buffer's fields;
 * ``hf``: a ``datasets`` ``save_to_disk`` directory (``datasets.load_from_disk(OUT)``).
+
+The format follows OUT's suffix (``.jsonl``/``.ndjson``/``.json``, ``.parquet``) unless given;
+a format given that contradicts the suffix is refused (:func:`export_format`). This module
+imports torch only when rows are read, so the CLI checks its arguments first.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from rlhf_pipeline.dataio.extras import require
-from rlhf_pipeline.ragged import RaggedTensor
-from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 
 EXPORT_FORMATS = ("jsonl", "parquet", "hf")
+SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 DEFAULT_CHUNK_ROWS = 4096
+
+
+class ExportSpaceError(OSError):
+    """The output's file system ran out of space (or the file hit a size limit) mid-export."""
+
+
+def export_format(out: str | Path, given: str | None = None) -> str:
+    """The format to write ``out`` in: ``given``, else what its suffix names; ``ValueError`` for an
+    unknown format, a suffix that names none with no format given, or a contradiction."""
+    if given is not None and given not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {given!r}; choose from {list(EXPORT_FORMATS)}")
+    suffix = Path(out).suffix.lower()
+    named = SUFFIX_FORMATS.get(suffix)
+    if given is None:
+        if named is None:
+            raise ValueError(f"cannot tell the format from the name {out}; pass --format jsonl, parquet or hf "
+                             f"(hf writes a directory), or name the file *.jsonl or *.parquet")
+        return named
+    if named is not None and named != given:
+        raise ValueError(f"--format {given} contradicts the name {out} (a {suffix} file is {named}); "
+                         f"rename OUT or drop --format")
+    return given
 
 
 @dataclass
@@ -50,6 +80,8 @@ def iter_chunks(store, rows_per_chunk: int | None = None) -> Iterator[Trajectory
         for index in sorted(shards):
             yield from iter_chunks(shards[index], rows_per_chunk)
         return
+    import torch
+
     from rlhf_pipeline.storage.convert import segment_rows_of
 
     step = rows_per_chunk or segment_rows_of(store)
@@ -60,18 +92,18 @@ def iter_chunks(store, rows_per_chunk: int | None = None) -> Iterator[Trajectory
         start = end
 
 
-def export_buffer(buffer: str | Path, out: str | Path, format: str, *,
+def export_buffer(buffer: str | Path, out: str | Path, format: str | None = None, *,
                   progress: Callable[[int, int], None] | None = None,
                   rows_per_chunk: int | None = None) -> ExportResult:
-    """Writes every held row of ``buffer`` (anything ``open_buffer`` opens) to ``out`` as ``format``.
+    """Writes every held row of ``buffer`` (anything ``open_buffer`` opens) to ``out`` as ``format``
+    (default: what ``out``'s suffix names, see :func:`export_format`).
 
     Opens the buffer read-only: exporting beside a running writer exports the rows published
     when the export started. ``progress(rows_done, rows_total)`` is called after each chunk.
     """
     from rlhf_pipeline.storage import open_buffer
 
-    if format not in EXPORT_FORMATS:
-        raise ValueError(f"unknown export format {format!r}; choose from {list(EXPORT_FORMATS)}")
+    format = export_format(out, format)
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose another path or remove it")
@@ -84,8 +116,11 @@ def export_buffer(buffer: str | Path, out: str | Path, format: str, *,
         writer = {"jsonl": _write_jsonl, "parquet": _write_parquet, "hf": _write_hf}[format]
         try:
             rows = writer(chunks, schema, partial, meta={"buffer": str(buffer), "rows": total})
-        except BaseException:
+        except BaseException as exc:
             _remove(partial)
+            if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+                raise ExportSpaceError(exc.errno, f"cannot write {out}: {os.strerror(exc.errno)} (the partial "
+                                                  f"output was removed); free space or export elsewhere") from None
             raise
     os.replace(partial, out)
     return ExportResult(str(out), rows, schema.field_names)
@@ -123,6 +158,10 @@ def _write_jsonl(chunks, schema: StoreSchema, path: Path, meta: dict) -> int:
 
 def _python_column(column) -> list:
     """Plain Python values: lists per row for token fields, ints / floats / bools / strings."""
+    import torch
+
+    from rlhf_pipeline.ragged import RaggedTensor
+
     if isinstance(column, RaggedTensor):
         values = column.values.tolist()
         offsets = column.offsets.tolist()
@@ -135,6 +174,8 @@ def _python_column(column) -> list:
 # ====================================================================== Arrow (Parquet, hf)
 def arrow_schema(schema: StoreSchema, meta: dict | None = None):
     """The Arrow schema of an export: one column per stored field, in the field table's order."""
+    import torch
+
     pa = require("pyarrow", "exporting to Parquet or a Hugging Face dataset")
     types = {torch.int32: pa.int32(), torch.int64: pa.int64(), torch.float32: pa.float32(), torch.bool: pa.bool_()}
     fields = []

@@ -14,26 +14,40 @@ used, so ``AutoModelForCausalLM.from_pretrained(OUT)`` computes the same logits 
 the generation config samples at the run's temperature and stops at the tokenizer's EOS.
 ``rlhf_pipeline_export.json`` says which run, version and file the weights came from. The
 directory appears at OUT only when complete.
+
+A run directory may come from someone else, so nothing in it runs code here: a checkpoint's
+weights load as every state file does (``weights_only=True``, :mod:`rlhf_pipeline.state_files`),
+and listing the versions reads only each checkpoint's progress record, with a reader that
+resolves no name the file mentions (see :func:`_checkpoint_progress`); the listing imports
+neither torch nor transformers, so ``--list-versions`` answers at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rlhf_pipeline.pipeline import PipelineError, RunPaths
+
+if TYPE_CHECKING:
+    import torch
 
 _CHECKPOINT = re.compile(r"^step_(\d{8,})\.pt$")
 
 
 class VersionNotFoundError(LookupError):
     """The version asked for is not on disk; the message lists the ones that are."""
+
+
+class RunNotFoundError(FileNotFoundError):
+    """The path given as a run does not exist or is not a run directory."""
 
 
 @dataclass(frozen=True)
@@ -59,20 +73,71 @@ def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
     from rlhf_pipeline.weights import _versions, weights_path
 
     paths = RunPaths(Path(run_root))
+    if not paths.root.is_dir():
+        raise RunNotFoundError(f"{paths.root} does not exist" if not paths.root.exists()
+                               else f"{paths.root} is not a directory; give a run directory")
+    if not (paths.settings_file.is_file() or paths.checkpoints.is_dir() or (paths.root / "weights").is_dir()):
+        raise RunNotFoundError(f"{paths.root} is not a run directory (it has no settings.json, weights/ or "
+                               f"checkpoints/); give the directory a run wrote, e.g. storage/<run-name>")
     found: dict[int, VersionSource] = {}
     publish_every = _publish_every(paths)
     if paths.checkpoints.is_dir():
         for file in sorted(paths.checkpoints.iterdir()):
             if not _CHECKPOINT.match(file.name):
                 continue
-            # mmap: only the small progress record is read, not the model and optimizer tensors
-            progress = torch.load(file, map_location="cpu", weights_only=False, mmap=True)["progress"]
+            progress = _checkpoint_progress(file)
+            if progress is None:
+                continue  # damaged or not a checkpoint: it holds no version to export
             if publish_every and progress["step"] % publish_every == 0:
-                found[int(progress["policy_version"])] = VersionSource(int(progress["policy_version"]), file,
-                                                                       "checkpoint")
+                version = progress["policy_version"]
+                found[version] = VersionSource(version, file, "checkpoint")
     for version in _versions(paths.root):
         found[version] = VersionSource(version, weights_path(paths.root, version), "weights")
     return dict(sorted(found.items()))
+
+
+class _Inert:
+    """Stands for every object named in a checkpoint: built from anything, does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _ProgressReader(pickle.Unpickler):
+    # Every class or function the pickle names (tensor rebuilders, storages, and whatever a
+    # planted file names) becomes _Inert, so no code of the file's choosing runs; the progress
+    # record is a plain dict of ints, which pickle builds without naming anything.
+    def find_class(self, module: str, name: str) -> type:
+        return _Inert
+
+    def persistent_load(self, pid: Any) -> None:
+        return None  # tensor storages: not read
+
+
+def _checkpoint_progress(path: Path) -> dict[str, int] | None:
+    """``{"step", "policy_version"}`` of a checkpoint, without torch and without reading its tensors
+    (a real model's checkpoint is gigabytes); None when the file is not a readable checkpoint."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            record = next(n for n in archive.namelist() if n.count("/") == 1 and n.endswith("/data.pkl"))
+            with archive.open(record) as pickled:
+                progress = _ProgressReader(pickled).load()["progress"]
+        return {"step": int(progress["step"]), "policy_version": int(progress["policy_version"])}
+    except (OSError, zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError, KeyError,
+            TypeError, ValueError, AttributeError, IndexError):
+        return None
 
 
 def _publish_every(paths: RunPaths) -> int | None:
@@ -92,15 +157,24 @@ def load_version(run_root: str | Path, version: int | None = None) -> tuple[dict
         version = max(versions)
     if version not in versions:
         listed = ", ".join(v.describe() for v in versions.values())
-        raise VersionNotFoundError(
-            f"policy version {version} of {run_root} is no longer on disk (weights/ keeps the last few, "
-            f"checkpoints/ the last N); available: {listed}")
+        if version < 0:
+            reason = "does not exist: versions count from 0"
+        elif version > max(versions):
+            # versions only increase and the newest is always kept, so a larger one was never published
+            reason = f"of {run_root} does not exist: the newest is v{max(versions)}"
+        else:
+            reason = (f"of {run_root} is no longer on disk (weights/ keeps the last few, checkpoints/ the "
+                      f"last N)")
+        raise VersionNotFoundError(f"policy version {version} {reason}; available: {listed}")
     source = versions[version]
     if source.kind == "weights":
         from rlhf_pipeline.weights import load_weights_file
 
         return load_weights_file(source.path)[0], source
-    return torch.load(source.path, map_location="cpu", weights_only=False)["model"], source
+    from rlhf_pipeline.state_files import load_state
+
+    # tensors and plain values only (format 1's NumPy RNG array too); raises StateFileError
+    return load_state(source.path, what="learner checkpoint", legacy_numpy_arrays=True)["model"], source
 
 
 def export_model(run_root: str | Path, out: str | Path, *, version: int | None = None,

@@ -6,6 +6,12 @@ staleness mean / max, KL to the reference / to the sampler) uses a solid and a d
 Raw values are drawn faint and an exponential moving average over them solid, as
 TensorBoard does, so noisy per-step values still show a trend. Metrics a run did not log
 are left out of its lines; a chart no run has data for is not written.
+
+A replay run (``rlhf-pipeline replay``: its ``settings.json`` has a ``replay`` section) trains
+on recorded rows whose policy versions belong to the recording run, not to the replay's own
+counter, so its "staleness" (own version minus the row's) is meaningless and, on one axis with
+a live run's, flattens it. Replays are left out of the staleness chart; a chart of the
+recorded versions in each batch (min / max) is drawn for them instead.
 """
 
 from __future__ import annotations
@@ -24,6 +30,16 @@ class Chart:
     title: str
     ylabel: str
     series: tuple[tuple[str, str], ...]  # (metric key, label); the first solid, the second dashed
+    runs: str = "all"  # which runs it draws: "all", "live" (runs that generate) or "replay"
+
+    def draws(self, run: RunMetrics) -> bool:
+        return self.runs in ("all", run.kind)
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    kind: str  # "live" or "replay"
+    records: list[dict]
 
 
 CHARTS: tuple[Chart, ...] = (
@@ -33,23 +49,44 @@ CHARTS: tuple[Chart, ...] = (
     Chart("clip_fraction", "Clip fractions", "fraction of tokens",
           (("losses/clip_frac_low", "low"), ("losses/clip_frac_high", "high"))),
     Chart("staleness", "Staleness", "policy versions behind",
-          (("charts/staleness_mean", "mean"), ("charts/staleness_max", "max"))),
+          (("charts/staleness_mean", "mean"), ("charts/staleness_max", "max")), runs="live"),
+    Chart("row_versions", "Recorded policy versions (replay)", "policy version of the rows",
+          (("charts/row_version_min", "min"), ("charts/row_version_max", "max")), runs="replay"),
     Chart("throughput", "Throughput", "tokens / s", (("charts/tokens_per_s", "learner"),)),
 )
 
 
+class NotMetricsError(ValueError):
+    """A file given as a run's metrics that holds no metrics record."""
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl``; an unreadable line (a run killed mid-write) is skipped."""
-    records = []
-    with open(path, encoding="utf-8") as f:
+    """The records of a ``metrics.jsonl``; an unreadable line (a run killed mid-write) is skipped,
+    but a file with lines and not one record in them is no run's metrics: :class:`NotMetricsError`."""
+    records, lines = [], 0
+    # undecodable bytes (a cut last line, or a file that is not text) fail the JSON parse below
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
+            lines += bool(line.strip())
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
             if isinstance(record, dict) and "step" in record:
                 records.append(record)
+    if lines and not records:
+        raise NotMetricsError(f"{path} is not a run's metrics.jsonl: none of its {lines} lines is a learner "
+                              f"metrics record (a JSON object with a step); give a run directory")
     return records
+
+
+def run_kind(run: Path) -> str:
+    """"replay" for a run made by ``rlhf-pipeline replay``, else "live"."""
+    settings = (run if run.is_dir() else run.parent) / "settings.json"
+    try:
+        return "replay" if "replay" in json.loads(settings.read_text()) else "live"
+    except (OSError, ValueError, TypeError):
+        return "live"  # a bare metrics.jsonl, or settings unreadable: charted as generated
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:
@@ -80,11 +117,12 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         metrics = run / "metrics.jsonl" if run.is_dir() else run
         if not metrics.is_file():
             raise FileNotFoundError(f"{run} has no metrics.jsonl (is it a run directory? the learner writes it)")
-        data[label] = read_metrics(metrics)
+        data[label] = RunMetrics(run_kind(run), read_metrics(metrics))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    drawn = [c for c in CHARTS if any(_series(r, key) for r in data.values() for key, _ in c.series)]
+    drawn = [c for c in CHARTS if any(c.draws(r) and _series(r.records, key) for r in data.values()
+                                      for key, _ in c.series)]
     written = []
     for chart in drawn:
         fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
@@ -119,12 +157,14 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]] | No
     return list(steps), list(values)
 
 
-def _draw(ax, chart: Chart, data: dict[str, list[dict]], colors: list[str], compact: bool = False) -> None:
+def _draw(ax, chart: Chart, data: dict[str, RunMetrics], colors: list[str], compact: bool = False) -> None:
     several_series = len(chart.series) > 1
-    for i, (label, records) in enumerate(data.items()):
-        color = colors[i % len(colors)]
+    for i, (label, run) in enumerate(data.items()):
+        color = colors[i % len(colors)]  # by position among all runs: a run keeps its colour across charts
+        if not chart.draws(run):
+            continue
         for j, (key, series_label) in enumerate(chart.series):
-            series = _series(records, key)
+            series = _series(run.records, key)
             if series is None:
                 continue
             steps, values = series

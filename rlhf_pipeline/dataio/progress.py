@@ -46,10 +46,11 @@ class Progress:
         rate = self.done / max(time.monotonic() - self._started, 1e-9)
         print(f"[{self.desc}] {self.done}{of} {self.unit} ({rate:.0f} {self.unit}/s)", file=self.stream, flush=True)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Ends the progress; ``failed``: the work stopped on an error, so no final count is printed."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self.enabled:
+        elif self.enabled and not failed:
             self._line()
         self.enabled = False

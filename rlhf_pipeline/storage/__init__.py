@@ -80,9 +80,12 @@ def detect_backend(location: str) -> str:
     for name in BACKENDS:
         if inspection(name).detect(location):
             return name
+    run_buffer = os.path.join(location, "buffer")
+    if "://" not in location and os.path.isdir(run_buffer):
+        raise NotAStoreError(f"{location} is not a replay buffer but holds one: did you mean {run_buffer}?")
     raise NotAStoreError(
-        f"{location} is not a replay buffer: no backend ({', '.join(BACKENDS)}) recognizes it. "
-        f"Check the path, or create one with create_store()."
+        f"{location} is not a replay buffer: no backend ({', '.join(BACKENDS)}) recognizes it. Check the "
+        f"path: a buffer is a memmap directory, a Zarr store, or a run's buffer/ of shard-NNNN stores."
     )
 
 

@@ -168,11 +168,18 @@ def parse_where(text: str, *, stored_fields: tuple[str, ...] | None = None) -> W
         raise WhereError("the --where expression is empty; write a condition such as 'group_reward_std > 0'")
     if len(text) > MAX_EXPRESSION_CHARS:
         raise WhereError(f"the --where expression is {len(text)} characters long; the limit is {MAX_EXPRESSION_CHARS}")
+    # columns in messages count in ``text`` as given, though the parser sees it stripped
+    indent = len(text) - len(text.lstrip())
+    stripped = text.strip()
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        tree = ast.parse(stripped, mode="eval")
     except SyntaxError as exc:
-        raise WhereError(f"cannot parse --where {text!r}: {exc.msg} at column {exc.offset}") from None
-    checker = _Checker(text)
+        if not exc.offset or exc.offset > len(stripped):  # Python points at 0 when the input ends early
+            where = f"it ends after column {indent + len(stripped)} where more was expected"
+        else:
+            where = f"{exc.msg} at column {indent + exc.offset}"
+        raise WhereError(f"cannot parse --where {text!r}: {where}") from None
+    checker = _Checker(text, indent)
     kind = checker.visit(tree.body)
     if kind != "bool":
         raise WhereError(
@@ -193,13 +200,14 @@ def parse_where(text: str, *, stored_fields: tuple[str, ...] | None = None) -> W
 class _Checker(ast.NodeVisitor):
     """Walks the tree once: rejects anything off the whitelist, returns each node's kind."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, indent: int = 0) -> None:
         self.text = text
+        self.indent = indent  # characters stripped before parsing, added back to node columns
         self.names: set[str] = set()
 
     def _reject(self, node: ast.AST, what: str) -> WhereError:
         column = getattr(node, "col_offset", None)
-        where = f" at column {column + 1}" if column is not None else ""
+        where = f" at column {self.indent + column + 1}" if column is not None else ""
         return WhereError(
             f"--where {self.text!r}: {what}{where} is not allowed; the language has names, numbers, "
             f"+ - * / %, comparisons, 'in (...)', and/or/not, and abs/min/max"

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -82,3 +86,60 @@ def test_export_model_default_version_and_refusals(tiny_run, tmp_path, capsys):
     assert main(["export-model", str(run), str(tmp_path / "m")]) == 2
     assert "pass --pipeline PIPELINE.py" in capsys.readouterr().err
     assert main(["export-model", str(run), str(tmp_path / "m"), "--pipeline", str(tiny_run / "pipeline.py")]) == 0
+
+
+class RunsCode:
+    """Unpickles as a call to ``os.system``: what someone handing over a run directory could plant."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_planted_checkpoint_runs_no_code_when_listed_or_exported(tiny_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("buffer", "tensorboard"))
+    marker = tmp_path / "ran"
+    model = torch.load(run / "checkpoints" / "step_00000003.pt", weights_only=True)["model"]
+    torch.save({"progress": {"seed": 0, "step": 4, "policy_version": 4}, "model": model, "x": RunsCode(marker)},
+               run / "checkpoints" / "step_00000004.pt")
+
+    assert main(["export-model", str(run), "--list-versions"]) == 0
+    assert "v4 (checkpoint step_00000004.pt)" in capsys.readouterr().out
+    assert not marker.exists()
+    assert main(["export-model", str(run), str(tmp_path / "m"), "--version", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to load the learner checkpoint" in err and "step_00000004.pt" in err and "posix.system" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not marker.exists() and not (tmp_path / "m").exists()
+
+
+def test_missing_run_and_versions_that_never_existed_say_so(tiny_run, tmp_path, capsys):
+    assert main(["export-model", str(tmp_path / "nowhere"), str(tmp_path / "m")]) == 2
+    assert f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["export-model", str(tmp_path / "empty"), str(tmp_path / "m")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    for version, expected in (("9999", "policy version 9999 of .* does not exist: the newest is v3"),
+                              ("-1", "policy version -1 does not exist: versions count from 0")):
+        assert main(["export-model", str(tiny_run), str(tmp_path / "m"), "--version", version]) == 2
+        err = capsys.readouterr().err
+        assert re.search(expected, err) and "no longer on disk" not in err, err
+    assert not (tmp_path / "m").exists()
+
+
+def test_list_versions_needs_no_output_path_and_imports_no_torch(tiny_run):
+    listing = subprocess.run(
+        [sys.executable, "-c", "import sys; from rlhf_pipeline.cli.main import main; code = main(sys.argv[1:]); "
+                               "print('torch' in sys.modules, 'transformers' in sys.modules); sys.exit(code)",
+         "export-model", str(tiny_run), "--list-versions"], capture_output=True, text=True, check=True)
+    assert listing.stdout.splitlines() == ["v1 (weights policy_00000001.safetensors)",
+                                           "v2 (weights policy_00000002.safetensors)",
+                                           "v3 (weights policy_00000003.safetensors)", "False False"]
+
+
+def test_export_model_without_output_path_is_a_usage_error(tiny_run, capsys):
+    assert main(["export-model", str(tiny_run)]) == 2
+    assert "OUT is required (unless --list-versions)" in capsys.readouterr().err

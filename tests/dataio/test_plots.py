@@ -9,7 +9,8 @@ import pytest
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.extras import MissingExtraError, require
-from rlhf_pipeline.dataio.plots import read_metrics, run_labels, smooth
+from rlhf_pipeline.dataio.plots import CHARTS as CHARTS_DRAWN
+from rlhf_pipeline.dataio.plots import RunMetrics, read_metrics, run_labels, smooth
 
 CHARTS = {"reward", "kl", "response_length", "clip_fraction", "staleness", "throughput", "overview"}
 
@@ -52,3 +53,35 @@ def test_missing_extra_says_how_to_install_it(monkeypatch):
 def test_smoothing_is_debiased_and_follows_a_constant():
     assert smooth([2.0, 2.0, 2.0], 0.8) == pytest.approx([2.0, 2.0, 2.0])
     assert smooth([0.0, 1.0], 0.5)[1] == pytest.approx(2 / 3)
+
+
+def test_a_file_that_is_not_a_runs_metrics_is_one_line_error(tmp_path, capsys):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    text = tmp_path / "notes.txt"
+    text.write_text("not json\n{\"no\": \"step\"}\n")
+    for path in (binary, text):
+        assert main(["plot", str(path), "--out", str(tmp_path / "charts")]) == 2
+        err = capsys.readouterr().err
+        assert f"{path} is not a run's metrics.jsonl" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_replay_gets_its_recorded_versions_charted_instead_of_staleness(tiny_run, tmp_path):
+    """A replay's own version counter starts again while its rows keep the recording's versions:
+    its 'staleness' runs from -150 to +300 and means nothing; the rows' versions do."""
+    pytest.importorskip("matplotlib")
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    (replay / "settings.json").write_text(json.dumps({"seed": 0, "replay": {"source": "storage/default/buffer"}}))
+    with open(replay / "metrics.jsonl", "w") as f:
+        for step in range(1, 21):
+            f.write(json.dumps({"step": step, "charts/reward_mean": 0.5, "charts/staleness_mean": step - 150.0,
+                                "charts/staleness_max": step + 300.0, "charts/row_version_min": 10.0 + step,
+                                "charts/row_version_max": 300.0}) + "\n")
+    assert main(["plot", str(replay), "--out", str(tmp_path / "alone")]) == 0
+    assert {p.stem for p in (tmp_path / "alone").glob("*.png")} == {"reward", "row_versions", "overview"}
+    # beside a live run: the staleness chart is the live run's alone
+    assert main(["plot", str(tiny_run), str(replay), "--out", str(tmp_path / "both")]) == 0
+    assert {p.stem for p in (tmp_path / "both").glob("*.png")} == CHARTS | {"row_versions"}
+    staleness = next(c for c in CHARTS_DRAWN if c.name == "staleness")
+    assert staleness.draws(RunMetrics("live", [])) and not staleness.draws(RunMetrics("replay", []))

@@ -150,3 +150,16 @@ def test_vectorized_evaluation_agrees_with_python_row_by_row(text):
     for row in range(N):
         values = {name: float(cols[name][row]) for name in NUMERIC}
         assert bool(got[row]) == bool(eval(text, {"__builtins__": {"abs": abs, "max": max}}, values)), (text, row)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("reward >", r"cannot parse --where 'reward >': it ends after column 8 where more was expected"),
+    ("  reward >  ", r"it ends after column 10 where more was expected"),
+    ("reward = 1", r"invalid syntax at column 8"),
+    ("  reward = 1", r"invalid syntax at column 10"),
+    ("(reward > 0", r"'\(' was never closed at column 1"),
+    ("  reward.real > 0", r"Attribute at column 3 is not allowed"),
+])
+def test_error_columns_count_in_the_expression_as_given(text, message):
+    with pytest.raises(WhereError, match=message):
+        parse_where(text)
