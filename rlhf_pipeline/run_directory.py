@@ -104,10 +104,24 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder:
 def _describe_holder(raw: bytes) -> str:
     try:
         record = json.loads(raw)
-        return (f"`{record['command']}` (pid {record['pid']} on host {record['host']}, started "
-                f"{record['started']})")
+        described = (f"`{record['command']}` (pid {record['pid']} on host {record['host']}, started "
+                     f"{record['started']})")
+        if record["host"] == socket.gethostname() and not _pid_alive(int(record["pid"])):
+            # the lock is still held, so processes it started still hold it
+            described += ", which has ended while its child processes are still stopping"
+        return described
     except (ValueError, KeyError, TypeError):
         return "another command (it is writing its details)"  # between its lock and its pwrite
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextmanager

@@ -101,3 +101,43 @@ def test_two_runs_started_at_once_train_one_run(tmp_path):
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
     versions = sorted(int(p.stem.split("_")[1]) for p in (run / "weights").glob("policy_*"))
     assert versions[-1] == 4  # one learner's versions, not two interleaved
+
+
+HOLD_AND_SPAWN = """
+import subprocess, sys, time
+from pathlib import Path
+from rlhf_pipeline.pipeline import RunPaths
+from rlhf_pipeline.run_directory import hold_run_directory
+holder = hold_run_directory(RunPaths(Path(sys.argv[1])), "run")
+# a child that inherits the lock, as run's collectors and learner do
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=(holder.fd,))
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_children_keep_the_run_directory_after_their_launcher_is_killed(tmp_path):
+    from rlhf_pipeline.pipeline import RunPaths
+    from rlhf_pipeline.run_directory import RunDirectoryBusyError, hold_run_directory
+
+    run = tmp_path / "held"
+    launcher = subprocess.Popen([sys.executable, "-c", HOLD_AND_SPAWN, str(run)], stdout=subprocess.PIPE, text=True)
+    child_pid = int(launcher.stdout.readline())
+    try:
+        launcher.kill()
+        launcher.wait()
+        try:
+            hold_run_directory(RunPaths(run), "run")
+            raise AssertionError("the directory was free while the launcher's child still held it")
+        except RunDirectoryBusyError as exc:
+            assert f"pid {launcher.pid} " in str(exc) and "has ended while its child processes" in str(exc)
+    finally:
+        os.kill(child_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:  # the child is gone once the kernel has released its descriptors
+        try:
+            with hold_run_directory(RunPaths(run), "run"):
+                break
+        except RunDirectoryBusyError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
