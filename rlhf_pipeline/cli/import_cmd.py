@@ -9,6 +9,7 @@ from the run). See :mod:`rlhf_pipeline.dataio.importer` for what happens, in whi
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 _COLUMN_OPTIONS = (
     ("--prompt", "prompt", "prompt text column (default: prompt_text or prompt)"),
@@ -58,7 +59,32 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import sys
-    from pathlib import Path
+
+    from rlhf_pipeline.dataio.sources import SourceError, open_source
+
+    def fail(message: str) -> int:
+        print(f"rlhf-pipeline import: error: {message}", file=sys.stderr)
+        return 2
+
+    # arguments first: the imports below (torch, transformers) take seconds
+    if args.rows_per_chunk < 1:
+        return fail("--rows-per-chunk must be >= 1")
+    if args.pipeline is not None and not Path(args.pipeline).is_file():
+        return fail(f"pipeline file {args.pipeline!r} does not exist")
+    try:
+        open_source(args.source, args.format, args.split)
+    except SourceError as exc:
+        return fail(str(exc))
+    try:
+        return _import(args, fail)
+    except KeyboardInterrupt:
+        print(f"[import] interrupted; the rows written so far are recorded: run the same command again to resume "
+              f"the import into {args.buffer}", file=sys.stderr, flush=True)
+        return 130
+
+
+def _import(args: argparse.Namespace, fail) -> int:
+    import sys
 
     from rlhf_pipeline.dataio.columns import ColumnMap
     from rlhf_pipeline.dataio.extras import MissingExtraError
@@ -69,12 +95,6 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.run import build_pipeline
     from rlhf_pipeline.storage import StoreError
 
-    def fail(message: str) -> int:
-        print(f"rlhf-pipeline import: error: {message}", file=sys.stderr)
-        return 2
-
-    if args.rows_per_chunk < 1:
-        return fail("--rows-per-chunk must be >= 1")
     columns = ColumnMap(**{dest: getattr(args, f"col_{dest}") for _, dest, _ in _COLUMN_OPTIONS},
                         ignore=tuple(args.ignore_column), append_eos=not args.no_eos,
                         check_text=not args.no_text_check)
@@ -95,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
             overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
             settings = make_settings(module, overrides)
             pipeline = build_pipeline(module, settings, RunPaths(Path(args.buffer).resolve().parent))
+        if pipeline.torch_threads is not None:  # as `run` does: the warm start in make_policy() obeys it too
+            import torch
+
+            torch.set_num_threads(pipeline.torch_threads)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         result = import_source(args.source, args.buffer, pipeline, options=options, run_root=run_root, log=log)
     except (SourceError, PipelineError, StoreError, MissingExtraError) as exc:
