@@ -9,6 +9,7 @@ from the run). See :mod:`rlhf_pipeline.dataio.importer` for what happens, in whi
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 _COLUMN_OPTIONS = (
     ("--prompt", "prompt", "prompt text column (default: prompt_text or prompt)"),
@@ -58,6 +59,31 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import sys
+
+    from rlhf_pipeline.dataio.sources import SourceError, open_source
+
+    def fail(message: str) -> int:
+        print(f"rlhf-pipeline import: error: {message}", file=sys.stderr)
+        return 2
+
+    # arguments first: the imports below (torch, transformers) take seconds
+    if args.rows_per_chunk < 1:
+        return fail("--rows-per-chunk must be >= 1")
+    if args.pipeline is not None and not Path(args.pipeline).is_file():
+        return fail(f"pipeline file {args.pipeline!r} does not exist")
+    try:
+        open_source(args.source, args.format, args.split)
+    except SourceError as exc:
+        return fail(str(exc))
+    try:
+        return _import(args, fail)
+    except KeyboardInterrupt:
+        print(f"[import] interrupted; the rows written so far are recorded: run the same command again to resume "
+              f"the import into {args.buffer}", file=sys.stderr, flush=True)
+        return 130
+
+
+def _import(args: argparse.Namespace, fail) -> int:
     from contextlib import nullcontext
 
     from rlhf_pipeline.dataio.columns import ColumnMap
@@ -66,30 +92,23 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import RunPaths
     from rlhf_pipeline.run_directory import RunError, hold_run_directory
 
-    def fail(message: str) -> int:
-        print(f"rlhf-pipeline import: error: {message}", file=sys.stderr)
-        return 2
-
-    if args.rows_per_chunk < 1:
-        return fail("--rows-per-chunk must be >= 1")
     columns = ColumnMap(**{dest: getattr(args, f"col_{dest}") for _, dest, _ in _COLUMN_OPTIONS},
                         ignore=tuple(args.ignore_column), append_eos=not args.no_eos,
                         check_text=not args.no_text_check)
     options = ImportOptions(columns=columns, format=args.format, split=args.split,
                             policy_version=args.policy_version, rows_per_chunk=args.rows_per_chunk,
                             show_progress=not args.quiet)
+    run_root = find_run_root(args.buffer)
     try:
-        run_root = find_run_root(args.buffer)
         # importing into a run's buffer takes the run directory, as `run` and `replay` do
         with hold_run_directory(RunPaths(run_root), "import") if run_root is not None else nullcontext():
-            return _import(args, run_root, options, fail)
+            return _import_into(args, run_root, options, fail)
     except RunError as exc:
         return fail(str(exc))
 
 
-def _import(args, run_root, options, fail) -> int:
+def _import_into(args: argparse.Namespace, run_root, options, fail) -> int:
     import sys
-    from pathlib import Path
 
     from rlhf_pipeline.dataio.extras import MissingExtraError
     from rlhf_pipeline.dataio.importer import import_source
@@ -112,6 +131,10 @@ def _import(args, run_root, options, fail) -> int:
             overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
             settings = make_settings(module, overrides)
             pipeline = build_pipeline(module, settings, RunPaths(Path(args.buffer).resolve().parent))
+        if pipeline.torch_threads is not None:  # as `run` does: the warm start in make_policy() obeys it too
+            import torch
+
+            torch.set_num_threads(pipeline.torch_threads)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         result = import_source(args.source, args.buffer, pipeline, options=options, run_root=run_root, log=log)
     except (SourceError, PipelineError, StoreError, MissingExtraError) as exc:

@@ -34,6 +34,7 @@ importance ratio of a fresh learner starts at 1 on these rows.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,10 +101,18 @@ class Scan:
     trajectories_per_group: np.ndarray
     first_completion_of_group: np.ndarray
     completions_before_chunk: list[int]
+    chunk_digests: list[bytes]  # what each chunk held, so the write pass notices a source that changed
+    trajectory_ids: np.ndarray | None  # sorted unique given trajectory ids (None: the import assigns them)
+    first_completion_of_trajectory: np.ndarray | None
 
     @property
     def groups(self) -> int:
         return len(self.rows_per_group)
+
+    @property
+    def content(self) -> str:
+        """Digest of every row as it will be stored: a rerun resumes on a file restored to these rows."""
+        return hashlib.blake2b(b"".join(self.chunk_digests), digest_size=16).hexdigest()
 
     def group_numbers(self, keys: np.ndarray) -> np.ndarray:
         return self.group_of_key[np.searchsorted(self.keys, keys)]
@@ -111,15 +120,24 @@ class Scan:
 
 def scan(source: Source, resolved: ResolvedColumns, tokenizer: Any, options: ImportOptions) -> Scan:
     """Pass 1: reads and checks every row; raises SourceError at the first bad one."""
-    keys, dones, before = [], [], []
+    keys, dones, before, digests, trajectories, steps = [], [], [], [], [], []
     completions = source_rows = 0
     progress = Progress("import: check", source.count_rows(), enabled=options.show_progress)
     for chunk in source.chunks(options.rows_per_chunk):
         rows = normalize(chunk, resolved, tokenizer)
         _validate(rows)
         before.append(completions)
+        digests.append(chunk_digest(rows))
         keys.append(rows.group_key)
         dones.append(rows.columns["done"].numpy())
+        if "trajectory_id" in resolved.passthrough:
+            trajectories.append(rows.columns["trajectory_id"].numpy())
+            steps.append(rows.columns["step"].numpy().astype(np.int32))
+        elif not dones[-1].all():
+            i = int(np.nonzero(~dones[-1])[0][0])
+            raise SourceError(f"{rows.where(i)}, column {rows.resolved.column_of_field('done')!r}: a row that is not "
+                              f"done is one step of a longer trajectory, which needs a trajectory_id column to "
+                              f"join its steps; without one every row is a whole trajectory (done true)")
         completions += len(rows)
         source_rows += len(chunk)
         progress.update(len(chunk))
@@ -132,8 +150,60 @@ def scan(source: Source, resolved: ResolvedColumns, tokenizer: Any, options: Imp
     order = np.argsort(first, kind="stable")
     number_of_uniq[order] = np.arange(len(uniq))
     group = number_of_uniq[inverse]
-    return Scan(source_rows, completions, uniq, number_of_uniq, np.bincount(group),
-                np.bincount(group, weights=done).astype(np.int64), first[order], before)
+    checked = Scan(source_rows, completions, uniq, number_of_uniq, np.bincount(group),
+                   np.bincount(group, weights=done).astype(np.int64), first[order], before, digests, None, None)
+    if trajectories:
+        trajectory = np.concatenate(trajectories)
+        _check_trajectory_ids(trajectory, np.concatenate(steps), group, source, resolved, tokenizer, checked, options)
+        checked.trajectory_ids, checked.first_completion_of_trajectory = np.unique(trajectory, return_index=True)
+    return checked
+
+
+def _check_trajectory_ids(trajectory: np.ndarray, step: np.ndarray, group: np.ndarray, source: Source,
+                          resolved: ResolvedColumns, tokenizer: Any, checked: Scan, options: ImportOptions) -> None:
+    """Given trajectory ids: each (trajectory_id, step) once, and each trajectory within one group.
+
+    Rows sharing a trajectory_id are the steps of one multi-turn trajectory; two rows with the
+    same id and step, or one id in two groups, are two trajectories under one id.
+    """
+    order = np.lexsort((np.arange(len(trajectory)), step, trajectory))
+    same = trajectory[order][1:] == trajectory[order][:-1]
+    twice = same & (step[order][1:] == step[order][:-1])
+    split = same & (group[order][1:] != group[order][:-1])
+    bad = np.nonzero(twice | split)[0]
+    if not bad.size:
+        return
+    k = int(bad[0])
+    first, second = sorted((int(order[k]), int(order[k + 1])))
+
+    def where(index: int) -> str:
+        return locate_completion(source, resolved, tokenizer, checked, index, options.rows_per_chunk)
+
+    what = f"step {int(step[second])} of trajectory" if twice[k] else "trajectory"
+    kind = "also at" if twice[k] else "also in another group, at"
+    raise SourceError(f"{where(second)}, column {resolved.passthrough['trajectory_id']!r}: {what} "
+                      f"{int(trajectory[second])} is {kind} {where(first)}; ids are unique in a buffer: give each "
+                      f"trajectory its own id, or leave the column out (--ignore-column trajectory_id) for fresh ids")
+
+
+def chunk_digest(rows: ImportRows) -> bytes:
+    """16 bytes that change with any value of the chunk's rows as they will be stored."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.array([rows.chunk.ordinal, len(rows.chunk)], dtype=np.int64).tobytes())
+    digest.update(rows.group_key.tobytes())
+    digest.update(rows.source_row.tobytes())
+    for name in sorted(rows.columns):
+        column = rows.columns[name]
+        digest.update(name.encode())
+        if isinstance(column, RaggedTensor):
+            digest.update(column.values.numpy().tobytes())
+            digest.update(column.offsets.numpy().tobytes())
+        elif isinstance(column, torch.Tensor):
+            digest.update(column.numpy().tobytes())
+        else:
+            for text in column:
+                digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
+    return digest.digest()
 
 
 def _validate(rows: ImportRows) -> None:
@@ -184,8 +254,9 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     tokenizer = pipeline.tokenizer
     log(f"[import] {source.path} ({source.format}): {resolved.describe()}")
     record = ImportRecord.find(target, source)
+    check_content = False
     if record is not None:
-        _check_record(record, source, options)
+        check_content = _check_record(record, source, options)
         if record.data["done"]:
             log(f"[import] {source.path} was already imported into {target.store_path} "
                 f"({record.data['rows_written']} rows); delete {record.path} to import it again")
@@ -193,7 +264,13 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
                                 None, [])
 
     # ---------------------------------------------------------------- pass 1: nothing is touched
+    fingerprint = source.fingerprint()
     checked = scan(source, resolved, tokenizer, options)
+    if check_content:  # the file's size or time changed: resume only on the same rows
+        if record.data["content"][1] != checked.content:
+            _raise_changed_since(record, source)
+        record.data["source"] = fingerprint
+        record.save()
 
     # ---------------------------------------------------------------- the store and its write path
     store_path, started_record = target.store_path, False
@@ -201,14 +278,17 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
         shard = record.data["shard"] if record is not None else new_shard_index(target.run)
         store_path = target.run.shard(shard)
         if record is None:  # first, so a rerun after a crash reuses this shard (an empty one would stall learners)
-            record = ImportRecord.start(target, source, {"shard": shard, **_record_basics(source, options)})
+            record = ImportRecord.start(target, source, {"shard": shard, **_record_basics(fingerprint, options, checked)})
             started_record = True
     store, created = _open_or_create(pipeline, store_path)
     try:
         plan = plan_write_path(pipeline, store, resolved)
-        _check_groups(plan, checked, source, resolved, tokenizer, options)
+        _check_groups(plan, checked, source, resolved, tokenizer, options, in_run=target.run is not None)
         if record is None or "group_base" not in record.data:
             bases = _id_bases(store, target, store_path, resolved, checked, source, tokenizer, options)
+        if source.fingerprint() != fingerprint:
+            raise SourceError(f"{source.path} changed while the import checked it; nothing was written. Import it "
+                              f"once it is complete (a file still being written is read as it is at that moment)")
     except BaseException:
         store.close()
         if created:  # nothing of a failed import stays behind, not even an empty store
@@ -218,7 +298,7 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
         raise
     try:
         if record is None:
-            record = ImportRecord.start(target, source, {"shard": None, **_record_basics(source, options), **bases})
+            record = ImportRecord.start(target, source, {"shard": None, **_record_basics(fingerprint, options, checked), **bases})
         elif "group_base" not in record.data:
             record.data.update(bases)
             record.save()
@@ -227,8 +307,9 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
         store.close()
 
 
-def _record_basics(source: Source, options: ImportOptions) -> dict[str, Any]:
-    return {"source": source.fingerprint(), "options": _options_json(options)}
+def _record_basics(fingerprint: list[list], options: ImportOptions, checked: Scan) -> dict[str, Any]:
+    return {"source": fingerprint, "options": _options_json(options),
+            "content": [options.rows_per_chunk, checked.content]}
 
 
 def _options_json(options: ImportOptions) -> dict[str, Any]:
@@ -236,15 +317,24 @@ def _options_json(options: ImportOptions) -> dict[str, Any]:
             "policy_version": options.policy_version}
 
 
-def _check_record(record: ImportRecord, source: Source, options: ImportOptions) -> None:
-    if record.data["source"] != source.fingerprint():
-        state = "was imported" if record.data["done"] else "was being imported"
-        raise SourceError(f"{source.path} changed since it {state} into this buffer ({record.data['rows_written']} "
-                          f"rows written); restore it, or delete {record.path} to import it as new data")
+def _check_record(record: ImportRecord, source: Source, options: ImportOptions) -> bool:
+    """Raises when the record's import cannot go on; True when the rows must be compared after the scan."""
     if not record.data["done"] and record.data["options"] != _options_json(options):
         raise SourceError(f"an interrupted import of {source.path} into this buffer used other options "
                           f"({record.data['options']}); rerun it with the same ones to finish it, or delete "
                           f"{record.path} (and the rows it wrote) to start over")
+    if record.data["source"] == source.fingerprint():
+        return False
+    content = record.data.get("content")
+    if record.data["done"] or content is None or content[0] != options.rows_per_chunk:
+        _raise_changed_since(record, source)
+    return True
+
+
+def _raise_changed_since(record: ImportRecord, source: Source):
+    state = "was imported" if record.data["done"] else "was being imported"
+    raise SourceError(f"{source.path} changed since it {state} into this buffer ({record.data['rows_written']} "
+                      f"rows written); restore it, or delete {record.path} to import it as new data")
 
 
 def _open_or_create(pipeline: Pipeline, path: Path):
@@ -304,7 +394,7 @@ def plan_write_path(pipeline: Pipeline, store, resolved: ResolvedColumns) -> Wri
 
 
 def _check_groups(plan: WritePathPlan, checked: Scan, source: Source, resolved: ResolvedColumns, tokenizer: Any,
-                  options: ImportOptions) -> None:
+                  options: ImportOptions, *, in_run: bool) -> None:
     if plan.group_size is None:
         return
     bad = np.nonzero(checked.trajectories_per_group != plan.group_size)[0]
@@ -312,10 +402,13 @@ def _check_groups(plan: WritePathPlan, checked: Scan, source: Source, resolved: 
         g = int(bad[0])
         at = locate_completion(source, resolved, tokenizer, checked, int(checked.first_completion_of_group[g]),
                                options.rows_per_chunk)
+        # a run's settings.json fixes its group size (import refuses --set there), a store's import may set it
+        resize = ("the run's settings.json fixes it" if in_run else
+                  f"or import into a store with --set group_size={int(checked.trajectories_per_group[g])}")
         raise SourceError(
             f"{at}: the group of this row has {int(checked.trajectories_per_group[g])} completions, but the "
-            f"pipeline's group advantage takes groups of {plan.group_size}; import groups of that size (with "
-            f"--set group_size=N for another pipeline setting), or give the rows' advantages in the source")
+            f"pipeline's group advantage takes groups of {plan.group_size}; import groups of that size ({resize}), "
+            f"or give the rows' advantages in the source")
 
 
 def _id_bases(store, target: Target, store_path: Path, resolved: ResolvedColumns, checked: Scan, source: Source,
@@ -334,6 +427,9 @@ def _id_bases(store, target: Target, store_path: Path, resolved: ResolvedColumns
         traj_max = max(traj_max, int(ids["trajectory_id"].max()))
         if resolved.group_ids_given:
             stored_groups.append(np.unique(ids["group_id"].numpy()))
+        if checked.trajectory_ids is not None:
+            _refuse_stored_trajectories(ids["trajectory_id"].numpy(), store, resolved, checked, source, tokenizer,
+                                        options)
     if stored_groups:
         clash = np.isin(checked.keys.view(np.int64), np.unique(np.concatenate(stored_groups)))
         if clash.any():
@@ -346,6 +442,19 @@ def _id_bases(store, target: Target, store_path: Path, resolved: ResolvedColumns
                 f"column out (--ignore-column {resolved.slots['group']}) to group by prompt with fresh ids")
     base = id_base(space)
     return {"group_base": max(base, group_max + 1), "trajectory_base": max(base, traj_max + 1)}
+
+
+def _refuse_stored_trajectories(stored: np.ndarray, store, resolved: ResolvedColumns, checked: Scan, source: Source,
+                                tokenizer: Any, options: ImportOptions) -> None:
+    clash = np.isin(checked.trajectory_ids, stored)
+    if clash.any():
+        t = int(np.nonzero(clash)[0][0])
+        at = locate_completion(source, resolved, tokenizer, checked, int(checked.first_completion_of_trajectory[t]),
+                               options.rows_per_chunk)
+        raise SourceError(
+            f"{at}, column {resolved.passthrough['trajectory_id']!r}: trajectory {int(checked.trajectory_ids[t])} is "
+            f"already in {store.location}; ids are unique in a buffer. Import into a new buffer, or leave the column "
+            f"out (--ignore-column trajectory_id) for fresh ids")
 
 
 # ====================================================================== pass 2: write
@@ -444,14 +553,26 @@ def _write(source: Source, store, pipeline: Pipeline, resolved: ResolvedColumns,
             batch = batch.with_columns(response_log_probs=policy.log_probs(batch))
         before = store.next_row
         record.before_append(source_end, before, written)
-        sink(batch)
+        try:
+            sink(batch)
+        except TrajectoryValidationError as exc:  # the check pass validated these rows: a write-path rule it lacks
+            raise SourceError(f"{source.path}: the pipeline's write path refused the rows before source row "
+                              f"{source_end}: {exc}. {written} rows of this import are stored; fix the source and "
+                              f"delete {record.path} with what the import wrote, or report the check it lacks") from None
         written += store.next_row - before
         record.after_append(source_end, written)
 
+    chunks = 0
     for index, chunk in enumerate(source.chunks(options.rows_per_chunk)):
+        chunks = index + 1
         if chunk.ordinal + len(chunk) <= start_row:
             continue
-        rows = normalize(chunk, resolved, pipeline.tokenizer)
+        try:
+            rows = normalize(chunk, resolved, pipeline.tokenizer)
+        except SourceError as exc:  # the check pass read these rows without fault
+            _changed(source, record, written, str(exc))
+        if index >= len(checked.chunk_digests) or chunk_digest(rows) != checked.chunk_digests[index]:
+            _changed(source, record, written, f"{chunk.where(0)} onwards differs from what the check pass read")
         batch, groups = _with_ids(rows, checked, group_base, traj_base, checked.completions_before_chunk[index],
                                   version)
         source_rows = chunk.ordinal + rows.source_row
@@ -462,6 +583,9 @@ def _write(source: Source, store, pipeline: Pipeline, resolved: ResolvedColumns,
         if queue.closed >= options.rows_per_chunk:
             append(*queue.take_closed())
         progress.update(chunk.ordinal + len(chunk) - max(chunk.ordinal, start_row))
+    if chunks < len(checked.chunk_digests):
+        _changed(source, record, written, f"it ends after {chunks} chunks of {options.rows_per_chunk} rows, not "
+                                          f"{len(checked.chunk_digests)}")
     if queue.closed:
         append(*queue.take_closed())
     progress.close()
@@ -475,6 +599,14 @@ def _write(source: Source, store, pipeline: Pipeline, resolved: ResolvedColumns,
         + (f"; given, not recomputed: {', '.join(plan.skipped)}" if plan.skipped else ""))
     return ImportResult(str(store.location), checked.source_rows, checked.completions, checked.groups, written,
                         start_row, False, policy.description or None, plan.names)
+
+
+def _changed(source: Source, record: ImportRecord, written: int, how: str):
+    """Stops the write pass: rows not read by the check pass are never written."""
+    raise SourceError(
+        f"{source.path} changed during the import ({how}); the import stopped before writing anything of the change. "
+        f"{written} rows written before it are kept and recorded in {record.path}: restore the file as it was and "
+        f"run the same command to finish the import, or remove what it wrote and the record to start over")
 
 
 def _with_ids(rows: ImportRows, checked: Scan, group_base: int, traj_base: int, first_completion: int,

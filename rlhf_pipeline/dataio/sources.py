@@ -33,6 +33,9 @@ from rlhf_pipeline.dataio.extras import require
 FORMATS = ("jsonl", "parquet", "hf")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 MISSING = object()  # a column absent from a row (distinct from JSON null)
+# A JSONL line becomes Python objects (~10x its size) and then tokens: one bound keeps an import's
+# memory in proportion to its chunk. 16 MiB holds a 128k-token row with per-token log-prob objects.
+MAX_JSONL_LINE_CHARS = 16 * 2**20
 
 
 class SourceError(ValueError):
@@ -177,7 +180,11 @@ class Source:
         first = 0
         try:
             with open(file, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, start=1):
+                for lineno, line in enumerate(iter(lambda: f.readline(MAX_JSONL_LINE_CHARS + 1), ""), start=1):
+                    if len(line) > MAX_JSONL_LINE_CHARS:
+                        raise SourceError(
+                            f"{file} line {lineno}: longer than {MAX_JSONL_LINE_CHARS // 2**20} Mi characters, the "
+                            f"limit of a JSONL row (its JSON objects take ~10x that in memory); split the row or drop it")
                     if not line.strip():
                         continue
                     try:

@@ -25,6 +25,7 @@ from rlhf_pipeline.ids import collector_index_of
 from rlhf_pipeline.models import char_tokenizer
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
 from rlhf_pipeline.run import build_pipeline
+from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema
 from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
 from rlhf_pipeline.weights import load_weights
@@ -153,7 +154,7 @@ def _with_log_probs(records, bad_row: int, bad_value: float):
 
 @pytest.mark.parametrize("records, message", [
     (_lines(r2={"reward": None}), r"bad.jsonl line 3, column 'reward': missing"),
-    (_lines(r1={"completion": ""}), r"bad.jsonl line 2, column 'completion': empty completion"),
+    (_lines(r1={"completion": 5}), r"bad.jsonl line 2, column 'completion': expected the completion as a string"),
     (_lines(r4={"reward": math.nan}), r"bad.jsonl line 5, column 'reward': nan is not finite"),
     (_lines(r5={"reward": "high"}), r"bad.jsonl line 6, column 'reward': expected a number, got 'high'"),
     # the first row decides the columns: every row needs them
@@ -280,3 +281,80 @@ def test_a_directory_of_parquet_data_files_with_a_split(pipeline, tmp_path):
     assert (result.source_rows, result.completions) == (3, 12)
     rows = rows_of(tmp_path / "buf")
     assert rows["prompt_text"][4] == "<|user|>1+3=<|assistant|>" and rows["response_text"][4] == "4"
+
+
+# ====================================================================== ids, a changing source
+def _with_trajectory_ids(records, ids):
+    return [{**record, "trajectory_id": i} for record, i in zip(records, ids)]
+
+
+@pytest.mark.parametrize("ids, message", [
+    # a second row of one group under an id: two trajectories, or a step given twice
+    ([0, 1, 2, 3, 4, 4, 6, 7], r"bad.jsonl line 6, column 'trajectory_id': step 0 of trajectory 4 is also at "
+                               r"\S*bad.jsonl line 5; ids are unique in a buffer"),
+    ([0, 1, 2, 3, 4, 5, 6, 0], r"bad.jsonl line 8, column 'trajectory_id': step 0 of trajectory 0 is also at "
+                               r"\S*bad.jsonl line 1"),
+])
+def test_a_trajectory_id_given_twice_is_refused_before_anything_is_written(pipeline, tmp_path, ids, message):
+    source = write_jsonl(tmp_path / "bad.jsonl", _with_trajectory_ids(toy_records(2), ids))
+    with pytest.raises(SourceError, match=message):
+        import_source(source, tmp_path / "new", pipeline, options=QUIET, log=quiet)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_trajectory_id_already_in_the_buffer_is_refused(pipeline, tmp_path):
+    buffer = tmp_path / "buf"
+    first = write_jsonl(tmp_path / "first.jsonl", _with_trajectory_ids(toy_records(2), range(8)))
+    import_source(first, buffer, pipeline, options=QUIET, log=quiet)
+    second = write_jsonl(tmp_path / "second.jsonl", _with_trajectory_ids(toy_records(2), range(7, 15)))
+    with pytest.raises(SourceError, match=r"second.jsonl line 1, column 'trajectory_id': trajectory 7 is already in"):
+        import_source(second, buffer, pipeline, options=QUIET, log=quiet)
+    assert rows_of(buffer)["trajectory_id"].tolist() == list(range(8))
+
+
+def test_a_source_that_grows_during_the_write_pass_stops_and_resumes_once_restored(pipeline, tmp_path):
+    source = write_jsonl(tmp_path / "growing.jsonl", toy_records(8))
+    original = source.read_bytes()
+    options = ImportOptions(rows_per_chunk=4, show_progress=False)
+
+    def grow_when_writing_starts(message: str) -> None:  # a writer appending to the file meanwhile
+        if "sampling log-probs" in message:
+            with open(source, "a", encoding="utf-8") as f:
+                f.write(json.dumps(toy_records(9)[-1]) + "\n")
+
+    with pytest.raises(SourceError, match=r"growing.jsonl changed during the import \(\S*growing.jsonl line 33 "
+                                          r"onwards differs from what the check pass read\)"):
+        import_source(source, tmp_path / "buf", pipeline, options=options, log=grow_when_writing_starts)
+    assert len(rows_of(tmp_path / "buf")) == 32  # the scanned rows, none of the appended one
+
+    source.write_bytes(original)  # the file as it was (a new mtime): the same command finishes the import
+    result = import_source(source, tmp_path / "buf", pipeline, options=options, log=quiet)
+    assert (result.resumed_from_row, result.rows_written) == (32, 32)
+    import_source(source, tmp_path / "clean", pipeline, options=options, log=quiet)
+    assert rows_of(tmp_path / "buf").equal(rows_of(tmp_path / "clean"))
+    # other rows than those written are refused
+    write_jsonl(source, toy_records(8)[::-1])
+    with pytest.raises(SourceError, match=r"changed since it was imported"):
+        import_source(source, tmp_path / "buf", pipeline, options=options, log=quiet)
+
+
+def test_a_completion_that_is_only_eos_imports_as_the_buffer_stores_it(pipeline, collected_buffers, tmp_path):
+    """The door stores a completion of one EOS token (response_text ""); import takes it back."""
+    from rlhf_pipeline.dataio.export import export_buffer
+
+    out = tmp_path / "rows.jsonl"
+    export_buffer(collected_buffers["memmap"], out, "jsonl")
+    lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    eos = char_tokenizer().eos_token_id
+    lines[3].update(response_tokens=[eos], response_text="", response_log_probs=[-0.1], ref_log_probs=[-0.2],
+                    kl=[0.1], token_rewards=[0.0])
+    source = write_jsonl(tmp_path / "eos.jsonl", lines)
+    create_store(tmp_path / "buf", "memmap", schema=StoreSchema(optional=OPTIONAL_FIELDS)).close()
+    import_source(source, tmp_path / "buf", pipeline, options=QUIET, log=quiet)
+    rows = rows_of(tmp_path / "buf")
+    assert rows["response_tokens"].row(3).tolist() == [eos] and rows["response_text"][3] == ""
+    # text alone: an empty completion is EOS only, as the collector stores it
+    text = write_jsonl(tmp_path / "text.jsonl", [{**r, "completion": ""} if i == 1 else r
+                                                 for i, r in enumerate(toy_records(1))])
+    import_source(text, tmp_path / "buf2", pipeline, options=QUIET, log=quiet)
+    assert rows_of(tmp_path / "buf2")["response_tokens"].row(1).tolist() == [eos]
