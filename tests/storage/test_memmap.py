@@ -262,9 +262,11 @@ def test_read_padded_follows_appends_evictions_and_checks_positions(tmp_path):
 
 
 def test_reads_work_where_the_kernel_cannot_prefault(tmp_path, monkeypatch):
+    import rlhf_pipeline.storage.memmap.mapping as mapping
     import rlhf_pipeline.storage.memmap.segments as segments
 
     monkeypatch.setattr(segments, "_MADV_POPULATE_READ", 10_000)  # unknown advice: EINVAL, ignored
+    monkeypatch.setattr(mapping, "MADV_POPULATE_READ", 10_000)
     batch = make_batch(2, 3, seed=4)
     with MemmapTrajectoryStore.create(tmp_path / "b", segment_rows=4, durable=False) as store:
         store.append(batch)

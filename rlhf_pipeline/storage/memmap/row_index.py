@@ -144,6 +144,10 @@ class PaddedReadCache:
         self._sources[seg_id] = (state, source)
         return source
 
+    def forget(self, seg_id: int) -> None:
+        """Drops a segment's arrays (the store unmapped it): the mapping goes with the last of them."""
+        self._sources.pop(seg_id, None)
+
     def sync(self, store: MemmapTrajectoryStore) -> None:
         self.index.sync(store)
         if store.first_row != self._first_row:

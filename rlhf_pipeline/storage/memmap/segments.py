@@ -37,6 +37,7 @@ from rlhf_pipeline.storage.memmap.layout import (  # noqa: F401 - SegmentState, 
     segment_dir_name,
 )
 from rlhf_pipeline.storage.memmap.layout import segment_files as _files_of
+from rlhf_pipeline.storage.memmap.mapping import MADV_POPULATE_READ, map_readonly
 
 _GROW_MIN = 64 * 1024
 _GROW_MAX_STEP = 256 * 1024 * 1024
@@ -238,16 +239,19 @@ class SegmentView:
     mapped), so a reader keeps serving rows of a segment evicted after it was mapped.
 
     For a sealed segment (``sealed=True``) each file is checked against the checksums
-    recorded at sealing the first time it is mapped (~1 ms per 12 MB, once per process;
+    recorded at sealing the first time it is mapped (~1 ms per 12 MB, once per store object;
     the mapping is prefaulted anyway), so bit rot shows up as a :class:`StoreCorruptedError`
     naming the file instead of wrong rows. Segments sealed without checksums are not checked.
     """
 
-    def __init__(self, directory: Path, *, sealed: bool = False):
+    def __init__(self, directory: Path, *, sealed: bool = False, verified: set[str] | None = None):
         self.directory = directory
         self._arrays: dict[str, np.ndarray] = {}
         self._sealed = sealed
         self._sums: dict[str, tuple[int, int]] | None = None
+        # names of files already checked, shared by the store so that a segment unmapped by its
+        # cache of views and mapped again is not checked again (sealed files never change)
+        self._verified = verified if verified is not None else set()
 
     def array(self, name: str, dtype: np.dtype, count: int) -> np.ndarray:
         """The file ``name`` as an array with at least ``count`` elements (only those are published)."""
@@ -260,11 +264,12 @@ class SegmentView:
             array = self._map(fd, path, dtype, count)
         finally:
             os.close(fd)
-        if self._sealed:
+        if self._sealed and str(path) not in self._verified:
             if self._sums is None:
                 self._sums = checksums.read_checksums(self.directory) or {}
             if name in self._sums:
                 checksums.check_bytes(path, array, self._sums[name])
+            self._verified.add(str(path))
         self._arrays[name] = array
         return array
 
@@ -282,13 +287,12 @@ class SegmentView:
             if usable == 0:
                 return np.empty(0, dtype=dtype)
             try:
-                mapping = mmap.mmap(fd, usable, prot=mmap.PROT_READ)
+                # no descriptor is kept: the caller closes fd, the mapping lives on (see .mapping)
+                return map_readonly(fd, usable, dtype, published)
             except ValueError:
                 # the writer sealed the segment between fstat and mmap: it trimmed the
                 # grown-ahead space (never below the published size); map the new size
                 continue
-            _prefault(mapping, published)
-            return np.frombuffer(mapping, dtype=dtype)
         # a file that keeps shrinking under us is not one this library writes
         raise StoreCorruptedError(f"{path} changed size {_MAP_ATTEMPTS} times while being mapped")
 
@@ -299,8 +303,7 @@ class SegmentView:
 
 _MAP_ATTEMPTS = 8
 
-# MADV_POPULATE_READ (Linux >= 5.14; Python's mmap module names it from 3.13 only)
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if hasattr(mmap, "MADV_WILLNEED") else None)
+_MADV_POPULATE_READ = MADV_POPULATE_READ
 
 
 def _prefault(mapping: mmap.mmap, published_bytes: int) -> None:

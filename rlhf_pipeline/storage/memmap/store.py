@@ -52,6 +52,7 @@ import os
 import shutil
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,11 @@ BACKEND = layout.BACKEND
 FORMAT_VERSION = layout.FORMAT_VERSION
 DEFAULT_SEGMENT_ROWS = 4096
 DEFAULT_EVICT_GRACE_S = 60.0
+# Segments a store object keeps mapped (least recently read unmapped first): 18 mappings per
+# segment of the default schema, so 256 segments stay far below Linux's default limit of 65530
+# mappings per process (vm.max_map_count) even with several shards, and a sampler over up to
+# 256 segments (1M rows at the default segment size) never maps a segment twice.
+DEFAULT_MAPPED_SEGMENTS = 256
 
 
 class MemmapTrajectoryStore(SegmentedTrajectoryStore):
@@ -132,11 +138,12 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         evict_grace_s: float = DEFAULT_EVICT_GRACE_S,
         durable: bool = True,
         exist_ok: bool = False,
+        mapped_segments: int = DEFAULT_MAPPED_SEGMENTS,
     ) -> MemmapTrajectoryStore:
         """Creates an empty store at ``path`` and opens it for appending.
 
         ``exist_ok=True`` reopens an existing memmap store instead, provided it has
-        the same schema, segment size and capacity.
+        the same schema, segment size and capacity. ``mapped_segments`` is as for :meth:`open`.
         """
         schema = schema or StoreSchema()
         path = Path(path)
@@ -147,8 +154,8 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
                     f"{path} already holds a store; open it with MemmapTrajectoryStore.open({str(path)!r}, "
                     f"mode='a'), or pass exist_ok=True"
                 )
-            return check_reopened_layout(cls.open(path, mode="a", durable=durable), schema, segment_rows,
-                                         capacity_rows)
+            return check_reopened_layout(cls.open(path, mode="a", durable=durable, mapped_segments=mapped_segments),
+                                         schema, segment_rows, capacity_rows)
         require_new_directory(path, str(path))
         path.mkdir(parents=True, exist_ok=True)
         lock = WriterLock(path / LOCK_FILE_NAME).acquire()
@@ -180,14 +187,20 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         }
         try:
             publish_json(path / MANIFEST_NAME, manifest, durable=True)
-            return cls(path, lock=lock, durable=durable)
+            return cls(path, lock=lock, durable=durable, mapped_segments=mapped_segments)
         except BaseException:
             lock.release()
             raise
 
     @classmethod
-    def open(cls, path: str | os.PathLike, mode: str = "r", *, durable: bool = True) -> MemmapTrajectoryStore:
+    def open(cls, path: str | os.PathLike, mode: str = "r", *, durable: bool = True,
+             mapped_segments: int = DEFAULT_MAPPED_SEGMENTS) -> MemmapTrajectoryStore:
         """Opens an existing store: ``mode="r"`` to read (no lock), ``"a"`` to append (writer lock).
+
+        Reads map the segments they touch; at most ``mapped_segments`` stay mapped (the least
+        recently read is unmapped, and mapped again when read again), which bounds the mappings
+        and resident pages of a long-lived reader over a store that keeps growing. Mappings hold
+        no file descriptors: a reader's descriptors do not grow with the segments it reads.
 
         A store whose newest state slot is damaged opens for reading at the older slot, with a
         :class:`~rlhf_pipeline.storage.errors.StoreDamageWarning` naming the rows rolled back;
@@ -199,10 +212,10 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         path = Path(path)
         read_manifest(path)  # NotAStoreError before anything is created (a writer's lock file)
         if mode == "r":
-            return cls(path, lock=None, durable=durable)
+            return cls(path, lock=None, durable=durable, mapped_segments=mapped_segments)
         lock = WriterLock(path / LOCK_FILE_NAME).acquire()
         try:
-            return cls(path, lock=lock, durable=durable)
+            return cls(path, lock=lock, durable=durable, mapped_segments=mapped_segments)
         except BaseException:
             lock.release(remove_if_created=True)  # a failed open leaves the directory as it was
             raise
@@ -211,14 +224,19 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
     def detect(cls, location: str) -> bool:
         return layout.detect(location)
 
-    def __init__(self, path: Path, *, lock: WriterLock | None, durable: bool):
+    def __init__(self, path: Path, *, lock: WriterLock | None, durable: bool,
+                 mapped_segments: int = DEFAULT_MAPPED_SEGMENTS):
+        if mapped_segments < 1:
+            raise ValueError(f"mapped_segments must be >= 1, got {mapped_segments}")
         self._path = path
         self._location = str(path)
         self._lock = lock
         self._durable = durable
         self._slots = StateSlots(path, stem=STATE_STEM)
         self._seq = 0  # number of the publish this object last saw (0: manifest.json itself)
-        self._views: dict[int, SegmentView] = {}
+        self._views: OrderedDict[int, SegmentView] = OrderedDict()  # least recently read first
+        self._mapped_segments = mapped_segments
+        self._verified: set[str] = set()  # sealed files checked against their checksums
         self._padded_cache: PaddedReadCache | None = None  # read_padded's row index (memmap.row_index)
         self._tail_writer: SegmentWriter | None = None
         self._closed = False
@@ -274,7 +292,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             raise StoreCorruptedError(f"{path} is missing or has a malformed entry: {exc!r}") from None
         self._segments = {s.id: s for s in segments}
         for seg_id in [i for i in self._views if i not in self._segments]:
-            self._views.pop(seg_id).close()
+            self._unmap(seg_id)
 
     def _manifest(self) -> dict[str, Any]:
         state = {
@@ -384,9 +402,8 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             del self._segments[oldest.id]
             self._first_row += oldest.rows
             self._evicted.append([oldest.id, now])
-            view = self._views.pop(oldest.id, None)
-            if view is not None:
-                view.close()
+            if oldest.id in self._views:
+                self._unmap(oldest.id)
 
     def _delete_expired_segments(self) -> None:
         now = time.time()
@@ -414,10 +431,20 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
 
     def _view(self, seg_id: int) -> SegmentView:
         view = self._views.get(seg_id)
-        if view is None:
-            sealed = self._segments[seg_id].rows == self._segment_rows
-            view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id), sealed=sealed)
+        if view is not None:
+            self._views.move_to_end(seg_id)
+            return view
+        sealed = self._segments[seg_id].rows == self._segment_rows
+        view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id), sealed=sealed, verified=self._verified)
+        while len(self._views) > self._mapped_segments:
+            self._unmap(next(iter(self._views)))
         return view
+
+    def _unmap(self, seg_id: int) -> None:
+        """Lets a segment's mappings go (they unmap once no array read from them is referenced)."""
+        self._views.pop(seg_id).close()
+        if self._padded_cache is not None:
+            self._padded_cache.forget(seg_id)
 
     def unit_bounds(self) -> list[tuple[int, int]]:
         """One range per held segment (segment ``k`` holds global rows ``[k*S, k*S + rows)``)."""
