@@ -11,7 +11,10 @@ every batch it uses (a few hundred bytes, no fsync: it is advice, rewritten ever
     {"format": 1, "step": 12, "draws": 12,
      "consumed": {"shard-0000": 832, "shard-0001": 768},   rows taken in, per shard
      "next_draw_rows": 64,                                  new rows its next batch waits for
-     "waiting_since": null}                                 or when it began waiting for a batch
+     "waiting_since": null,                                 or when it began waiting for a batch
+     "policy_version": 12,                                  the weights it trains that batch with
+     "recent": [[11, 64, {"shard-0000": 768}], ...]}       (policy_version, next_draw_rows, consumed)
+                                                            of its last draws, oldest first
 
 The collector side (:class:`CollectorPacer`) allows a new round while its own shard holds
 fewer than ``consumed[shard] + ceil(next_draw_rows / shards) + rounds_ahead * round_rows``
@@ -30,6 +33,14 @@ It cannot deadlock:
   since a collector's last round (a sampler that needs more than it said, a dead collector
   whose share the others must cover) lets that collector write one more round.
 
+Which weights a round uses. A paced collector does not take whatever version is newest when a
+round starts: the learner may or may not have published its next version by then, a race that
+made two runs with one seed part ways. A round uses the version the learner held when it took
+in the batch that first allowed the round (:meth:`CollectorPacer.version_for_round`, found in
+``recent``), which depends on the rows and the seed only; it waits for that version if it is
+not loaded yet. Rounds that only the stall rule allowed, and versions already pruned, fall back
+to the newest version (no longer a function of the seed alone).
+
 Before the learner's first publish (no file yet) a collector started by ``run`` writes
 ``rounds_ahead + 1`` rounds: its learner is starting. A collector started alone (``collect``)
 is unpaced until a learner publishes: it may be recording a buffer with no learner at all.
@@ -37,6 +48,7 @@ is unpaced until a learner publishes: it may be recording a buffer with no learn
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -67,17 +79,25 @@ class LearnerIntake:
     consumed: dict[str, int] = field(default_factory=dict)
     next_draw_rows: int = 0
     waiting_since: float | None = None
+    policy_version: int = 0
+    """The learner's weights when it took this batch in (its newest published version)."""
+    recent: list[tuple[int, int, dict[str, int]]] = field(default_factory=list)
+    """``(policy_version, next_draw_rows, consumed)`` of the last draws, this one included, oldest first."""
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_VERSION, "step": self.step, "draws": self.draws,
                 "consumed": dict(self.consumed), "next_draw_rows": self.next_draw_rows,
-                "waiting_since": self.waiting_since}
+                "waiting_since": self.waiting_since, "policy_version": self.policy_version,
+                "recent": [[version, need, dict(consumed)] for version, need, consumed in self.recent]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LearnerIntake:
         return cls(step=int(data["step"]), draws=int(data["draws"]),
                    consumed={str(k): int(v) for k, v in data["consumed"].items()},
-                   next_draw_rows=int(data["next_draw_rows"]), waiting_since=data.get("waiting_since"))
+                   next_draw_rows=int(data["next_draw_rows"]), waiting_since=data.get("waiting_since"),
+                   policy_version=int(data.get("policy_version", 0)),
+                   recent=[(int(v), int(need), {str(k): int(n) for k, n in c.items()})
+                           for v, need, c in data.get("recent", [])])
 
 
 def read_intake(path: str | Path) -> LearnerIntake | None:
@@ -93,6 +113,11 @@ def read_intake(path: str | Path) -> LearnerIntake | None:
     return LearnerIntake.from_json(data)
 
 
+RECENT_DRAWS = 32
+"""Draws kept in ``recent``: a collector that missed this many publishes in a row (it was busy
+generating) can no longer tell which one first allowed its round."""
+
+
 class PacingPublisher:
     """Learner side: publishes its intake after each batch it uses, and when it starts waiting."""
 
@@ -100,15 +125,18 @@ class PacingPublisher:
         self.path = Path(path)
         self.intake = LearnerIntake()
 
-    def publish(self, intake: LearnerIntake) -> None:
+    def publish(self, intake: LearnerIntake, *, new_draw: bool = True) -> None:
+        """Publishes ``intake``; ``new_draw``: it follows a draw, which ``recent`` records."""
+        if new_draw:
+            entry = (intake.policy_version, intake.next_draw_rows, dict(intake.consumed))
+            intake.recent = (list(self.intake.recent) + [entry])[-RECENT_DRAWS:]
         self.intake = intake
         publish_json(self.path, intake.to_json(), durable=False)
 
     def waiting(self) -> None:
         """The learner is waiting for its next batch (once per wait; the time it began)."""
         if self.intake.waiting_since is None:
-            self.publish(LearnerIntake(self.intake.step, self.intake.draws, self.intake.consumed,
-                                       self.intake.next_draw_rows, waiting_since=time.time()))
+            self.publish(dataclasses.replace(self.intake, waiting_since=time.time()), new_draw=False)
 
 
 class CollectorPacer:
@@ -147,6 +175,22 @@ class CollectorPacer:
         shards = len(set(intake.consumed) | {self.key})
         share = math.ceil(intake.next_draw_rows / shards)
         return intake.consumed.get(self.key, 0) + share + self.rounds_ahead * self.round_rows
+
+    def version_for_round(self, shard_rows: int) -> int | None:
+        """The policy version a round starting at ``shard_rows`` rows uses: the learner's when it
+        published the first intake that allowed the round. None: unpaced, no intake yet (only the
+        initial policy exists), or no intake in ``recent`` allowed it (the stall rule did, or the
+        first one is too old): take the newest."""
+        if self.rounds_ahead is None:
+            return None
+        intake = read_intake(self.path)
+        if intake is None:
+            return None
+        for version, need, consumed in intake.recent:
+            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need)
+            if shard_rows < self.target_rows(earlier):
+                return version
+        return None
 
     def may_collect(self, shard_rows: int) -> bool:
         if self.rounds_ahead is None:

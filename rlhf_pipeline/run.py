@@ -87,6 +87,8 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         raise PipelineError(f"--collectors must be >= 1, got {collectors}")
     if collector_index < 0:
         raise PipelineError(f"--collector-index must be >= 0, got {collector_index}")
+    if steps is not None and steps < 1:  # before anything is written, as `replay` refuses it
+        raise PipelineError(f"--steps must be >= 1, got {steps}")
     if ray_address is not None:
         from rlhf_pipeline.ray_run import require_ray
 
@@ -102,6 +104,8 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         print(f"settings of {pipeline_path} (change with --set KEY=VALUE):")
         print(describe_settings(settings))
         return 0
+    if command in ("run", "learn") and settings.steps < 1:  # --set steps=0
+        raise PipelineError(f"setting 'steps' must be >= 1, got {settings.steps}")
     paths = RunPaths(make_run_dir(run_name or Path(pipeline_path).stem, home).resolve())
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
@@ -354,13 +358,24 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         lease_s = getattr(store, "writer_lease_s", None)  # an object store's leased lock
         lease = f" (writer lock lease {lease_s:g} s)" if lease_s is not None else ""
         print(f"{tag} writing to {store_path}{lease} with policy version {version}", file=sys.stderr, flush=True)
+        # a paced round takes the version pacing names for it, not the newest: the same weights
+        # for every round of a seed, whenever the learner publishes (pacing.py)
+        pinned = pacer.rounds_ahead is not None and hasattr(poller, "poll_version")
         while not _should_stop(stop, paths) and (rounds is None or done < rounds):
-            update = poller.poll()
+            limit = pipeline.collect_rounds_per_version
+            allowed = pacer.may_collect(store.next_row)
+            version = pacer.version_for_round(store.next_row) if pinned and allowed else None
+            if version is not None:
+                if limit is not None and rounds_at_version >= limit:
+                    version = max(version, collector.policy_version + 1)
+                update = poller.poll_version(version)
+            else:  # unpaced, or a round only the stall rule allowed: the newest
+                update = poller.poll() if allowed or not pinned else None
             if update is not None:
                 collector.set_policy_state(*update)
                 rounds_at_version = 0
-            limit = pipeline.collect_rounds_per_version
-            if (limit is not None and rounds_at_version >= limit) or not pacer.may_collect(store.next_row):
+            behind = version is not None and collector.policy_version < version
+            if behind or (limit is not None and rounds_at_version >= limit) or not allowed:
                 # far enough ahead of the learner: more rows now would go stale or untrained
                 started = time.perf_counter()
                 paced.sleep()

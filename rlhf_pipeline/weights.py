@@ -140,3 +140,18 @@ class WeightsPoller:
             return self.poll()
         self.current_version = version
         return state, version
+
+    def poll_version(self, version: int) -> tuple[dict[str, torch.Tensor], int] | None:
+        """``version`` once it is published and newer than the current one, else None; the newest
+        when ``version`` was pruned already (a paced collector asks for a set version, pacing.py)."""
+        files = _files(self.run_dir)
+        if version <= self.current_version or not files or version > max(files):
+            return None
+        if version not in files:
+            return self.poll()
+        try:
+            state, loaded = load_weights_file(files[version])
+        except FileNotFoundError:  # pruned between listing and loading
+            return self.poll()
+        self.current_version = loaded
+        return state, loaded

@@ -74,6 +74,25 @@ def test_a_learner_still_waiting_after_a_round_gets_one_more(tmp_path):
     assert not pacer.may_collect(16)
 
 
+def test_a_round_uses_the_version_of_the_intake_that_first_allowed_it(tmp_path):
+    """Not the newest: a collector that reads pacing.json late (it was generating) still names
+    the weights the learner held when the round first became allowed, so timing cannot change it."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=1, round_rows=ROUND)
+    assert pacer.version_for_round(0) is None  # no learner yet: only the initial policy exists
+    learner.publish(LearnerIntake(0, 0, {}, next_draw_rows=8, policy_version=0))
+    for step in range(1, 6):  # draw `step` took rows up to 8 * step, trained with version step - 1
+        learner.publish(LearnerIntake(step - 1, step, {"shard-0000": 8 * step}, next_draw_rows=8,
+                                      policy_version=step - 1))
+    learner.waiting()  # a republish, not a draw
+    # a round starting at 8r rows is allowed once 8r < consumed + 8 + 8, i.e. from draw r - 1
+    assert [pacer.version_for_round(8 * r) for r in range(7)] == [0, 0, 0, 1, 2, 3, 4]
+    assert pacer.version_for_round(8 * 7) is None  # not allowed yet (or only by the stall rule)
+    assert CollectorPacer(path, "shard-0000", rounds_ahead=None).version_for_round(0) is None  # unpaced
+    assert read_intake(path).recent[-1] == (4, 8, {"shard-0000": 40})
+
+
 def test_shard_keys_match_the_learners(tmp_path):
     assert shard_key(tmp_path / "buffer" / "shard-0003", tmp_path / "buffer") == "shard-0003"
     assert shard_key(tmp_path / "buffer", tmp_path / "buffer") == "."

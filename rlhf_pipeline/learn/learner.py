@@ -154,10 +154,11 @@ class Learner:
         intake = LearnerIntake.from_json(saved) if saved else LearnerIntake(self.progress.step, self.progress.draws,
                                                                             {}, self.settings.batch_size)
         intake.waiting_since = None  # a wait from before the stop is over
+        intake.policy_version = self.progress.policy_version
         self._pacing.intake = intake
         if not self.data_parallel.is_main:  # only rank 0 writes files
             return
-        self._pacing.publish(intake)
+        self._pacing.publish(intake, new_draw=not saved)
         truncate_metrics(self.paths.metrics, self.progress.step)
         self._metrics = MetricsWriter(self.paths.metrics, self.paths.tensorboard)
         if self.show_progress:
@@ -294,6 +295,7 @@ class Learner:
                 weights = weights / weights.mean().clamp_min(torch.finfo(torch.float32).tiny)
                 batch["sample_weight"], _ = self.data_parallel.local_positions(weights)  # this rank's rows'
             intake.step, intake.draws = self.progress.step, self.progress.draws
+            intake.policy_version = self.progress.policy_version  # what the rounds it allows use (pacing.py)
             if self.data_parallel.is_main:
                 self._pacing.publish(intake)  # collectors may now generate the rows the next draw needs
             else:

@@ -70,6 +70,14 @@ def test_bad_settings_fail_before_any_work(tmp_path):
     assert not (tmp_path / "bad_reward").exists()
 
 
+@pytest.mark.parametrize("steps", [["--steps", "0"], ["--steps", "-5"], ["--set", "steps=0"]])
+def test_steps_below_one_are_refused_before_anything_is_written(tmp_path, steps):
+    result = cli("run", DEFAULT, "--home", str(tmp_path), "--run-name", "none", *steps, timeout=120)
+    assert result.returncode != 0
+    assert "must be >= 1, got" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "none").exists()
+
+
 @pytest.mark.slow
 def test_mean_reward_rises(tmp_path):
     """GRPO raises the toy task's mean reward over the default run's 300 learner steps (~1 min).

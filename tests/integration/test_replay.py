@@ -285,3 +285,22 @@ def test_two_learner_ranks_replay_like_one(home, source):
     for key in expected:
         torch.testing.assert_close(trained[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
     assert done.stderr.count("[replay] done") == 1  # rank 0 alone reports
+
+
+def test_a_replay_keeps_its_pipeline_file_so_export_model_rebuilds_it(home, reference_run, tmp_path):
+    from rlhf_pipeline.cli.main import main
+
+    assert (reference_run / "pipeline.py").read_bytes() == Path(DEFAULT).read_bytes()
+    assert main(["export-model", str(reference_run), str(tmp_path / "model")]) == 0
+    assert (tmp_path / "model" / "config.json").is_file()
+
+
+def test_a_replays_warm_start_and_steps_use_the_pipelines_threads(home, source):
+    """As under `run`: the pipeline's `threads` setting, not torch's default of one per core."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        replay(home, "threads", source, "threads=2", "warm_start_steps=1", steps=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
