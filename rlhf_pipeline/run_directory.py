@@ -26,8 +26,8 @@ from rlhf_pipeline.atomic import fsync_dir, write_atomic
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 
 # settings that may change between starts of one run; learner.* may too (with a note);
-# the rest define the data in the buffer and must match
-_RESUMABLE_SETTINGS = {"steps", "device", "ray"}
+# the rest define the data in the buffer and must match (the buffer's writer lock does not)
+_RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s"}
 
 
 class RunError(RuntimeError):
@@ -219,7 +219,10 @@ def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int
     for index in shards:
         if index in existing:
             continue
-        store = pipeline.create_buffer(paths.shard_location(index))
+        try:
+            store = pipeline.create_buffer(paths.shard_location(index))
+        except FileExistsError:
+            continue  # created since the listing (by a start on another machine): its rows stay
         backend = getattr(store, "backend_name", None)
         store.close()
         if backend != "zarr":

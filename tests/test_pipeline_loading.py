@@ -141,3 +141,14 @@ def test_cli_help_lists_the_run_flags():
     assert result.returncode == 0
     for flag in ("--steps", "--home", "--device", "--run-name", "--set", "--list-settings"):
         assert flag in result.stdout
+
+
+def test_a_resume_may_change_the_buffer_lock_settings_but_not_the_data_settings():
+    from rlhf_pipeline.pipeline import settings_to_json
+    from rlhf_pipeline.run_directory import settings_changes
+
+    module = load_pipeline_module(DEFAULT)
+    saved = settings_to_json(make_settings(module, []))
+    resumed = make_settings(module, ["buffer_lock_lease_s=10", "buffer_lock_wait_s=5", "group_size=4"])
+    changed = settings_changes(saved, resumed, tag="[run]", since="the run started")
+    assert len(changed) == 1 and "group_size" in changed[0]  # the writer lock is not the data
