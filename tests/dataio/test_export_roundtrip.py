@@ -98,3 +98,15 @@ def test_export_refuses_an_unknown_format_and_keeps_no_partial_output(collected_
     with pytest.raises(ValueError, match="unknown export format 'csv'"):
         export_buffer(collected_buffers["memmap"], tmp_path / "x.csv", "csv")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_real_runs_buffer_exports_and_imports_back_unchanged(tiny_run, tmp_path, capsys):
+    """The round-trip promise on the rows a run stored (the default pipeline's own data: short
+    answers, some only EOS), through the commands a user types."""
+    out = tmp_path / "rows.jsonl"
+    assert main(["export", str(tiny_run / "buffer"), str(out), "--quiet"]) == 0
+    copy = tmp_path / "copy"
+    code = main(["import", str(out), str(copy), "--pipeline", str(DEFAULT_PIPELINE), "--quiet",
+                 *[arg for item in SMALL for arg in ("--set", item)]])
+    assert code == 0, capsys.readouterr().err
+    assert all_rows(copy).equal(all_rows(tiny_run / "buffer"))
