@@ -539,3 +539,16 @@ def _check_aligned(log_probs: RaggedTensor, response: RaggedTensor, column: str,
 
 def _short(text: str, limit: int = 60) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def chat_template_warning(resolved: ResolvedColumns, tokenizer: Any) -> str | None:
+    """A warning when rows give their prompt as plain text to a pipeline whose tokenizer has a chat
+    template: the text is stored as given, while the pipeline's collector renders every prompt
+    through the template, so such rows train (and score) the model on prompts it never sees."""
+    if "prompt" not in resolved.slots or not getattr(tokenizer, "chat_template", None):
+        return None
+    return (f"[import] warning: column {resolved.slots['prompt']!r} is plain prompt text, stored as given, but the "
+            f"pipeline's tokenizer has a chat template, which its collector applies to every prompt: give the "
+            f"prompt as chat messages (--messages COLUMN, e.g. {{\"messages\": [{{\"role\": \"user\", "
+            f"\"content\": \"...\"}}]}}) unless the text is already rendered with that template")
+

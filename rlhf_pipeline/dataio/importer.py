@@ -43,7 +43,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.dataio.columns import ColumnMap, ImportRows, ResolvedColumns, normalize, resolve_columns
+from rlhf_pipeline.dataio.columns import (
+    ColumnMap,
+    ImportRows,
+    ResolvedColumns,
+    chat_template_warning,
+    normalize,
+    resolve_columns,
+)
 from rlhf_pipeline.dataio.import_state import (
     ImportRecord,
     Target,
@@ -253,6 +260,8 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     resolved = resolve_columns(source.sample_record(), options.columns, f"{source.files[0]} (first row)")
     tokenizer = pipeline.tokenizer
     log(f"[import] {source.path} ({source.format}): {resolved.describe()}")
+    if (warning := chat_template_warning(resolved, tokenizer)) is not None:
+        log(warning)
     record = ImportRecord.find(target, source)
     check_content = False
     if record is not None:

@@ -358,3 +358,18 @@ def test_a_completion_that_is_only_eos_imports_as_the_buffer_stores_it(pipeline,
                                                  for i, r in enumerate(toy_records(1))])
     import_source(text, tmp_path / "buf2", pipeline, options=QUIET, log=quiet)
     assert rows_of(tmp_path / "buf2")["response_tokens"].row(1).tolist() == [eos]
+
+
+def test_plain_prompt_text_for_a_chat_template_pipeline_is_warned_about(pipeline, tmp_path):
+    as_messages = toy_records(1)
+    as_text = [{"prompt": r["messages"][0]["content"], **{k: v for k, v in r.items() if k != "messages"}}
+               for r in as_messages]
+    logged: list[str] = []
+    import_source(write_jsonl(tmp_path / "text.jsonl", as_text), tmp_path / "a", pipeline, options=QUIET,
+                  log=logged.append)
+    warnings = [line for line in logged if "warning" in line]
+    assert len(warnings) == 1 and "'prompt' is plain prompt text" in warnings[0] and "--messages" in warnings[0]
+    logged.clear()
+    import_source(write_jsonl(tmp_path / "chat.jsonl", as_messages), tmp_path / "b", pipeline, options=QUIET,
+                  log=logged.append)
+    assert not [line for line in logged if "warning" in line]
