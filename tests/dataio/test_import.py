@@ -230,7 +230,8 @@ def test_import_into_a_run_adds_a_shard_scored_by_the_newest_policy(tiny_run, tm
 
 
 # ====================================================================== kill -9
-def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp_path, sig):
     records = []
     for record in toy_records(100):  # 400 rows in 100 appends of one group; given log-probs, so no model
         n = len(record["completion"]) + 1
@@ -250,16 +251,26 @@ def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp
             except Exception:  # noqa: BLE001 - created a moment ago; look again
                 rows_at_kill = 0
             if rows_at_kill >= 20:
-                os.kill(process.pid, signal.SIGKILL)
+                os.kill(process.pid, sig)
                 break
         time.sleep(0.01)
     process.wait()
-    assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
+    stderr = process.stderr.read().decode()
+    if sig == signal.SIGKILL:
+        assert process.returncode == -signal.SIGKILL, stderr[-2000:]
+    else:  # Ctrl-C: one line that says the same command resumes, exit 130
+        assert process.returncode == 130, stderr[-2000:]
+        assert "interrupted" in stderr and "run the same command again to resume" in stderr, stderr[-2000:]
+        assert "Traceback" not in stderr
     assert 20 <= len(rows_of(buffer)) < 400
 
-    result = import_source(source, buffer, pipeline, options=ImportOptions(rows_per_chunk=4, show_progress=False),
-                           log=quiet)
-    assert result.resumed_from_row >= 20
+    if sig == signal.SIGKILL:
+        result = import_source(source, buffer, pipeline,
+                               options=ImportOptions(rows_per_chunk=4, show_progress=False), log=quiet)
+        assert result.resumed_from_row >= 20
+    else:  # the same command, as the message says
+        rerun = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240)
+        assert rerun.returncode == 0, rerun.stderr[-2000:]
     clean = tmp_path / "clean"  # the same import uninterrupted (larger appends: same rows, same ids)
     import_source(source, clean, pipeline, options=ImportOptions(rows_per_chunk=64, show_progress=False), log=quiet)
     resumed, expected = rows_of(buffer), rows_of(clean)

@@ -359,6 +359,11 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             self._slots.publish(self._seq + 1, self._manifest(), durable=self._durable)
             self._seq += 1
         except BaseException:
+            if self._publish_landed():
+                # interrupted (Ctrl-C) after the new state reached its slot: the rows are
+                # committed, and rolling the files back would cut published bytes
+                self._seq += 1
+                raise
             # back to the last published state; the files drop the unpublished bytes
             self._first_row, self._next_row, self._segments, self._evicted = published
             if self._tail_writer is not None:
@@ -367,6 +372,14 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             self._recover_tail()
             raise
         self._delete_expired_segments()
+
+    def _publish_landed(self) -> bool:
+        """Whether the publish of an append that raised is on disk (the slot after ``_seq``)."""
+        try:
+            newer = self._slots.latest(after=self._seq)
+        except Exception:  # noqa: BLE001 - unreadable: take it as not published, as a reopen would
+            return False
+        return newer is not None and newer[0] == self._seq + 1
 
     def _write_rows(self, batch: TrajectoryBatch) -> None:
         rows_per_segment = self._segment_rows

@@ -389,14 +389,32 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             if completes:
                 complete.append(start + pos + rows - self._segment_rows)
         pending = [self._write_unit(unit, part) for unit, part in pieces]
-        with self._publish_lock:
-            self._publish(self._units + [unit for unit, _ in pieces], start + n, pending)
+        try:
+            with self._publish_lock:
+                self._publish(self._units + [unit for unit, _ in pieces], start + n, pending)
+        except BaseException:
+            self._resync_with_the_record()
+            raise
         for unit, part in pieces:
             self._cache.put(unit.name, DecodedUnit(unit.first_row, unit.rows, part))
         for first_row in complete:
             self._sealer.submit(first_row)
         if complete and self._capacity_rows is not None:
             self._sealer.wait()  # eviction drops sealed segments only: keep the bound exact
+
+    def _resync_with_the_record(self) -> None:
+        """After a publish that raised (Ctrl-C, a failed request): the record may or may not have
+        landed, so the writer takes its state from the record itself; a next append would
+        otherwise reuse the row ids, and unit names, of rows already published."""
+        try:
+            record = _parse(self._loc.kv.get(ROOT_META), self._location, self._loc)
+        except Exception:  # noqa: BLE001 - unreadable now: appending on could overwrite, so stop
+            self._closed = True
+            if self._lock is not None:
+                self._lock.release()
+            return
+        with self._publish_lock:
+            self._apply(record)
 
     def _publish(self, units: list[UnitRef], next_row: int, pending) -> None:
         """Publishes ``units`` (caller holds the publish lock), then drops what fell out."""
