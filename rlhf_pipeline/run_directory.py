@@ -24,6 +24,7 @@ from typing import Any
 
 from rlhf_pipeline.atomic import fsync_dir, write_atomic
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
+from rlhf_pipeline.storage.locking import pid_running
 
 # settings that may change between starts of one run; learner.* may too (with a note);
 # the rest define the data in the buffer and must match (the buffer's writer lock does not)
@@ -106,22 +107,12 @@ def _describe_holder(raw: bytes) -> str:
         record = json.loads(raw)
         described = (f"`{record['command']}` (pid {record['pid']} on host {record['host']}, started "
                      f"{record['started']})")
-        if record["host"] == socket.gethostname() and not _pid_alive(int(record["pid"])):
+        if record["host"] == socket.gethostname() and not pid_running(int(record["pid"])):
             # the lock is still held, so processes it started still hold it
             described += ", which has ended while its child processes are still stopping"
         return described
     except (ValueError, KeyError, TypeError):
         return "another command (it is writing its details)"  # between its lock and its pwrite
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextmanager

@@ -152,10 +152,10 @@ def _being_handed_over(holder: tuple[int, str] | None) -> bool:
     if holder is None:
         return True
     pid, host = holder
-    return host in ("", socket.gethostname()) and not _pid_running(pid)
+    return host in ("", socket.gethostname()) and not pid_running(pid)
 
 
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"

@@ -56,7 +56,7 @@ from rlhf_pipeline.storage.errors import (
     StoreLockedError,
     StoreNotFoundError,
 )
-from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, _pid_running
+from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, pid_running
 from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY
 from rlhf_pipeline.storage.zarr.location import ZarrStoreKV
 from rlhf_pipeline.storage.zarr.units import ROOT_META
@@ -391,7 +391,7 @@ class ObjectStoreLock:
 
     def _why_abandoned(self, holder: dict, seen: _Seen) -> str | None:
         pid, host = holder.get("pid"), holder.get("host")
-        if host == socket.gethostname() and isinstance(pid, int) and not _pid_running(pid):
+        if host == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
             return "that process is no longer running"
         lease = self._lease_of(holder)
         if seen.age_s is not None and seen.age_s > lease:
