@@ -167,7 +167,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
                 raise FileExistsError(f"{path} was created by another process meanwhile; open it with "
                                       f"MemmapTrajectoryStore.open({str(path)!r}, mode='a'), or pass exist_ok=True")
             try:
-                store = cls(path, lock=lock, durable=durable)
+                store = cls(path, lock=lock, durable=durable, mapped_segments=mapped_segments)
             except BaseException:
                 lock.release()
                 raise

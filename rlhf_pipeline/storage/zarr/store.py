@@ -270,10 +270,11 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         try:
             if writable:
                 record = _parse(loc.kv.get(ROOT_META), location, loc)  # the lock holder's last publish
-                return cls._resume_writer(location, loc, record, lock=lock, cache_bytes=cache_bytes,
-                                          durable=durable)
-            store = cls(location, loc, record, writable=False, cache_bytes=cache_bytes, durable=durable,
-                        lock=None, watcher=watcher)
+                store = cls._resume_writer(location, loc, record, lock=lock, cache_bytes=cache_bytes,
+                                           durable=durable)
+            else:
+                store = cls(location, loc, record, writable=False, cache_bytes=cache_bytes, durable=durable,
+                            lock=None, watcher=watcher)
             store.refresh_interval_s = float(refresh_interval_s)
             return store
         except BaseException:
