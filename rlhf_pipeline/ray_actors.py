@@ -94,12 +94,12 @@ class ActorJob:
         return ray.get_actor(self.control_name, namespace=NAMESPACE)
 
     def build(self):
-        from rlhf_pipeline.run import _set_threads, build_pipeline, with_buffer_url
+        from rlhf_pipeline.run import set_threads, build_pipeline, with_buffer_url
 
         paths = RunPaths(Path(self.run_root))
         module = load_pipeline_module(self.pipeline_path)
         pipeline = build_pipeline(module, make_settings(module, list(self.overrides)), paths)
-        _set_threads(pipeline)
+        set_threads(pipeline)
         return pipeline, with_buffer_url(paths, pipeline)
 
 

@@ -45,7 +45,7 @@ from rlhf_pipeline.run import (
     RunError,
     _checkpoint_step,
     _print_summary,
-    _set_threads,
+    set_threads,
     build_pipeline,
     prepare_run,
     with_buffer_url,
@@ -88,7 +88,7 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
         raise PipelineError(str(exc)) from None
     pipeline = build_pipeline(module, settings, paths)
     paths = with_buffer_url(paths, pipeline)
-    _set_threads(pipeline)
+    set_threads(pipeline)
     prepare_run(pipeline, paths, shards=range(collectors) if command == "run" else (0,))
     if command == "run":
         paths.stop_file.unlink(missing_ok=True)  # left by a finished learner of an earlier start

@@ -337,11 +337,11 @@ def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
 
 def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> None:
     """Writes ``settings.json`` (or checks a resumed replay against it) and publishes version 0."""
-    from rlhf_pipeline.run import _set_threads
-    from rlhf_pipeline.run_directory import _keep_pipeline_copy, run_lock, settings_changes
+    from rlhf_pipeline.run import set_threads
+    from rlhf_pipeline.run_directory import keep_pipeline_copy, run_lock, settings_changes
     from rlhf_pipeline.weights import latest_version, publish_weights
 
-    _set_threads(pipeline)  # before the warm start, as `run` does: it and the training steps use them
+    set_threads(pipeline)  # before the warm start, as `run` does: it and the training steps use them
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)
         if paths.settings_file.exists():
@@ -365,7 +365,7 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
                 record["seed"] = int(getattr(pipeline.settings, "seed", 0))
             text = json.dumps({**current, "replay": record}, indent=2, sort_keys=True).encode()
             write_atomic(paths.settings_file, lambda f: f.write(text))
-        _keep_pipeline_copy(pipeline, paths)  # what export-model rebuilds the model from
+        keep_pipeline_copy(pipeline, paths)  # what export-model rebuilds the model from
         if model is not None:
             publish_weights(paths.root, model.state_dict(), 0)
 

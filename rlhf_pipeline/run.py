@@ -136,7 +136,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
             return prepare_for_launcher(module, settings, paths, collectors, status_fd)
         pipeline = build_pipeline(module, settings, paths)
         paths = with_buffer_url(paths, pipeline)
-        _set_threads(pipeline)
+        set_threads(pipeline)
         if command == "collect":
             if not wait_for_launcher:  # under `run`, the learner prepared the run directory before "go"
                 prepare_run(pipeline, paths, shards=(collector_index,))
@@ -224,7 +224,7 @@ def prepare_for_launcher(module: Any, settings: Any, paths: RunPaths, collectors
         try:
             pipeline = build_pipeline(module, settings, paths)
             paths = with_buffer_url(paths, pipeline)
-            _set_threads(pipeline)  # before the warm start
+            set_threads(pipeline)  # before the warm start
             prepare_run_directory(pipeline, paths, shards=range(collectors))
         except (PipelineError, RunError, StateFileError, OSError) as exc:
             if reports.error(exc):
@@ -415,7 +415,7 @@ def _round_rows(collector: Any) -> int | None:
         return None
 
 
-def _set_threads(pipeline: Pipeline) -> None:
+def set_threads(pipeline: Pipeline) -> None:
     """``pipeline.torch_threads`` intra-op threads in this process (collector and learner run side by side)."""
     if pipeline.torch_threads is not None:
         import torch

@@ -152,7 +152,7 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
         else:
             text = json.dumps(current, indent=2, sort_keys=True).encode()
             write_atomic(paths.settings_file, lambda f: f.write(text))
-        _keep_pipeline_copy(pipeline, paths)
+        keep_pipeline_copy(pipeline, paths)
         if paths.single_store_buffer:
             extra = sorted(k for k in shards if k != 0)
             if extra:
@@ -233,7 +233,7 @@ def _is_store(location: str) -> bool:
         return False  # a prefix a killed create left without its commit record: created again
 
 
-def _keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
+def keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
     """Copies the pipeline file into the run once, so the run can be rebuilt after the file moves."""
     module = sys.modules.get(type(pipeline.settings).__module__)
     source = getattr(module, "__file__", None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlhf_pipeline.storage import buffer_inside
+
 
 def buffer_path_problem(location: str) -> str | None:
     """What is wrong with ``location`` as a buffer to read, when a look at the file system tells:
@@ -14,6 +16,6 @@ def buffer_path_problem(location: str) -> str | None:
     path = Path(location)
     if not path.exists():
         return f"{location} does not exist"
-    if (path / "buffer").is_dir() and (path / "settings.json").is_file():
-        return f"{location} is a run directory, not a buffer: did you mean {path / 'buffer'}?"
+    if (path / "settings.json").is_file() and (run_buffer := buffer_inside(location)) is not None:
+        return f"{location} is a run directory, not a buffer: did you mean {run_buffer}?"
     return None

@@ -115,7 +115,7 @@ def _import_into(args: argparse.Namespace, run_root, options, fail) -> int:
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.dataio.sources import SourceError
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.run import build_pipeline
+    from rlhf_pipeline.run import build_pipeline, set_threads
     from rlhf_pipeline.storage import StoreError
 
     try:
@@ -131,10 +131,7 @@ def _import_into(args: argparse.Namespace, run_root, options, fail) -> int:
             overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
             settings = make_settings(module, overrides)
             pipeline = build_pipeline(module, settings, RunPaths(Path(args.buffer).resolve().parent))
-        if pipeline.torch_threads is not None:  # as `run` does: the warm start in make_policy() obeys it too
-            import torch
-
-            torch.set_num_threads(pipeline.torch_threads)
+        set_threads(pipeline)  # as `run` does: the warm start in make_policy() obeys it too
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         result = import_source(args.source, args.buffer, pipeline, options=options, run_root=run_root, log=log)
     except (SourceError, PipelineError, StoreError, MissingExtraError) as exc:

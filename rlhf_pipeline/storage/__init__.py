@@ -68,6 +68,13 @@ def inspection(name: str):
     return importlib.import_module(INSPECTION[name])
 
 
+def buffer_inside(location: str) -> str | None:
+    """``location/buffer`` when ``location`` is a local directory holding one (a run directory
+    given where its buffer was meant), else None. Imports no torch."""
+    run_buffer = os.path.join(location, "buffer")
+    return run_buffer if "://" not in location and os.path.isdir(run_buffer) else None
+
+
 def detect_backend(location: str) -> str:
     """Name of the backend whose store (possibly damaged) lives at ``location``.
 
@@ -80,8 +87,7 @@ def detect_backend(location: str) -> str:
     for name in BACKENDS:
         if inspection(name).detect(location):
             return name
-    run_buffer = os.path.join(location, "buffer")
-    if "://" not in location and os.path.isdir(run_buffer):
+    if (run_buffer := buffer_inside(location)) is not None:
         raise NotAStoreError(f"{location} is not a replay buffer but holds one: did you mean {run_buffer}?")
     raise NotAStoreError(
         f"{location} is not a replay buffer: no backend ({', '.join(BACKENDS)}) recognizes it. Check the "
