@@ -30,11 +30,11 @@ def main(argv: list[str]) -> int:
     import torch
 
     from rlhf_pipeline.bench.storage_bench import parse_storage_options
-    from rlhf_pipeline.collate import PaddedCollator
+    from rlhf_pipeline.schema.padding import PaddedCollator
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
     from rlhf_pipeline.storage.zarr.object_store import object_store_options
-    from rlhf_pipeline.synthetic import synthetic_batches
+    from rlhf_pipeline.schema.synthetic import synthetic_batches
 
     torch.set_num_threads(1)
     options = dict(parse_storage_options(args.storage_option))

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     from rlhf_pipeline.storage import open_buffer
     from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
     from rlhf_pipeline.storage.zarr.object_store import object_store_options
-    from rlhf_pipeline.synthetic import synthetic_batches
+    from rlhf_pipeline.schema.synthetic import synthetic_batches
 
     torch.set_num_threads(1)
     options = dict(parse_storage_options(args.storage_option))

@@ -43,13 +43,13 @@ def main(argv: list[str]) -> int:
     import torch
     from torch.utils.tensorboard import SummaryWriter
 
-    from rlhf_pipeline.atomic import save_torch_atomic
+    from rlhf_pipeline.files.atomic import save_torch_atomic
     from rlhf_pipeline.learn.metrics import MetricsWriter
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage import create_store, open_buffer
     from rlhf_pipeline.storage.sharded import shard_path
-    from rlhf_pipeline.synthetic import synthetic_batch
-    from rlhf_pipeline.weights import load_weights, publish_weights
+    from rlhf_pipeline.schema.synthetic import synthetic_batch
+    from rlhf_pipeline.coordination.weights import load_weights, publish_weights
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
     import default as default_pipeline

@@ -46,7 +46,7 @@ def load_schema_at(rev: str):
 def cases():
     import torch
 
-    from rlhf_pipeline.synthetic import synthetic_batch
+    from rlhf_pipeline.schema.synthetic import synthetic_batch
 
     default = synthetic_batch(32, group_size=8, prompt_len=(8, 12), response_len=(1, 6), vocab_size=100)
     synthetic = synthetic_batch(512, optional_fields=("advantage",))
@@ -77,7 +77,7 @@ def time_from_rows(schema_module, rows, loops: int) -> float:
 
 def as_rows(batch) -> list[dict]:
     """Plain Python rows (lists, numbers, strings), as a user's code would build them."""
-    from rlhf_pipeline.ragged import RaggedTensor
+    from rlhf_pipeline.schema.ragged import RaggedTensor
 
     rows: list[dict] = [{} for _ in range(len(batch))]
     for name in batch.field_names:

@@ -27,7 +27,7 @@ from typing import Literal
 
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
-from rlhf_pipeline.ray_settings import RaySettings
+from rlhf_pipeline.cluster.settings import RaySettings
 
 
 @dataclass

@@ -33,7 +33,7 @@ from pathlib import Path
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.settings import GRPOLossConfig
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
-from rlhf_pipeline.ray_settings import RaySettings
+from rlhf_pipeline.cluster.settings import RaySettings
 
 
 @dataclass

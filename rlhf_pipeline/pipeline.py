@@ -36,106 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from rlhf_pipeline.files.run_paths import RunPaths  # noqa: F401 -- pipeline files import it from here
+
 REQUIRED_SETTINGS = ("steps", "device")
 MIN_LOCK_LEASE_S = 3.0  # an object-store writer lock renews every third of its lease: a request a second at most
 
 
 class PipelineError(ValueError):
     """Bad pipeline file or settings; the message names the field and the fix."""
-
-
-# ====================================================================== run directory
-@dataclass(frozen=True)
-class RunPaths:
-    """Where one run keeps its state; collector and learner processes meet here."""
-
-    root: Path
-    buffer_url: str | None = None
-    """The buffer's URL prefix when it is not in the run directory (``Pipeline.buffer_url``):
-    collector k writes ``<buffer_url>/shard-kkkk``; weights, checkpoints and metrics stay here."""
-
-    @property
-    def buffer(self) -> Path:
-        """The buffer directory: ``shard-NNNN/`` stores, one per collector (or, in runs made
-        before shards, one store right here; see :attr:`single_store_buffer`)."""
-        return self.root / "buffer"
-
-    @property
-    def buffer_location(self) -> str:
-        """Where the learner reads the buffer: ``buffer_url`` when set, else :attr:`buffer`."""
-        return self.buffer_url.rstrip("/") if self.buffer_url else str(self.buffer)
-
-    def shard_location(self, collector_index: int) -> str:
-        """The store collector ``collector_index`` writes: ``shard-NNNN`` under :attr:`buffer_location`."""
-        if self.buffer_url:
-            if collector_index < 0:
-                raise ValueError(f"collector index must be >= 0, got {collector_index}")
-            return f"{self.buffer_location}/shard-{collector_index:04d}"
-        return str(self.shard(collector_index))
-
-    def shard(self, collector_index: int) -> Path:
-        """The store collector ``collector_index`` writes: ``buffer/shard-NNNN``."""
-        if collector_index < 0:
-            raise ValueError(f"collector index must be >= 0, got {collector_index}")
-        return self.buffer / f"shard-{collector_index:04d}"
-
-    @property
-    def single_store_buffer(self) -> bool:
-        """True when ``buffer/`` is itself one store (a run made before shards): one collector."""
-        if self.buffer_url:
-            return False
-        buffer = self.buffer
-        if not buffer.is_dir():
-            return False
-        names = [p.name for p in buffer.iterdir()]
-        return bool(names) and not any(n.startswith("shard-") for n in names)
-
-    def collector_state(self, collector_index: int) -> Path:
-        """Collector ``collector_index``'s position (prompt order, id counters, sampling RNG)."""
-        if self.single_store_buffer:
-            return self.root / "collector" / "state.pt"
-        return self.root / "collector" / f"shard-{collector_index:04d}.pt"
-
-    @property
-    def weights(self) -> Path:
-        return self.root / "weights"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tensorboard"
-
-    @property
-    def settings_file(self) -> Path:
-        return self.root / "settings.json"
-
-    @property
-    def pacing(self) -> Path:
-        """What the learner has taken in, rewritten after every batch; collectors pace by it
-        (``rlhf_pipeline/pacing.py``)."""
-        return self.root / "pacing.json"
-
-    def collector_metrics(self, collector_index: int) -> Path:
-        """Collector ``collector_index``'s metrics: one JSON line per round."""
-        return self.root / "collector" / f"metrics-{collector_index:04d}.jsonl"
-
-    @property
-    def pipeline_file(self) -> Path:
-        """A copy of the pipeline file the run was started with (with ``settings.json``, what
-        ``export-model`` and ``import`` rebuild the run's model and tokenizer from)."""
-        return self.root / "pipeline.py"
-
-    @property
-    def stop_file(self) -> Path:
-        """Written by ``run`` when the learner is done: a standalone collector stops too."""
-        return self.root / "STOP"
 
 
 # ====================================================================== the contract
@@ -191,7 +99,7 @@ class Pipeline:
     collect_rounds_ahead: int | None = 0
     """Pacing: a collector generates what the learner's next batch needs (its share, with
     several collectors) plus at most this many rounds, then waits for the learner to take them
-    in (``rlhf_pipeline/pacing.py``): no generation the learner would not train on. 0 overlaps
+    in (``rlhf_pipeline/coordination/pacing.py``): no generation the learner would not train on. 0 overlaps
     generation with exactly one learner step; None: no pacing."""
     torch_threads: int | None = None
     """Intra-op torch threads of each process (collector, learner, the warm start). Collector and

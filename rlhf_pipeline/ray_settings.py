@@ -1,31 +1,17 @@
-"""What each Ray actor of ``run --ray`` asks the cluster for: a pipeline's ``ray`` settings.
+"""Deprecated name: ``RaySettings`` moved to :mod:`rlhf_pipeline.cluster.settings`.
 
-Kept apart from the Ray code so that a pipeline file can declare them without Ray installed.
-Resource requests change nothing in the data, so they may differ between starts of one run.
+Kept so that pipeline files written before the move (and the copies run directories keep of
+them) still load; they get a warning that names the new import.
 """
 
-from __future__ import annotations
+import warnings
 
-from dataclasses import dataclass
+from rlhf_pipeline.cluster import settings as _moved
+
+warnings.warn("rlhf_pipeline.ray_settings moved to rlhf_pipeline.cluster.settings: write "
+              "`from rlhf_pipeline.cluster.settings import RaySettings` (the old name goes away in 0.3)",
+              FutureWarning, stacklevel=2)
 
 
-@dataclass
-class RaySettings:
-    collector_num_cpus: float = 0.5
-    """CPUs each collector actor reserves (fractions allowed: 1 learner + 2 collectors fit 2 CPUs)."""
-    collector_num_gpus: float = 0.0
-    """GPUs each collector actor reserves (Ray sets CUDA_VISIBLE_DEVICES to them)."""
-    learner_num_cpus: float = 1.0
-    """CPUs each learner actor (each data-parallel rank) reserves."""
-    learner_num_gpus: float = 0.0
-    """GPUs each learner actor reserves; a CUDA learner rank needs 1."""
-    max_restarts: int = 3
-    """How often Ray restarts a collector or a learner actor whose process died; each restart
-    resumes from the shard's saved position or the newest checkpoint (-1: without limit)."""
-
-    def check(self) -> None:
-        for name in ("collector_num_cpus", "collector_num_gpus", "learner_num_cpus", "learner_num_gpus"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"setting 'ray.{name}' must be >= 0 (got {getattr(self, name)})")
-        if self.max_restarts < -1:
-            raise ValueError(f"setting 'ray.max_restarts' must be >= -1 (got {self.max_restarts})")
+def __getattr__(name: str):
+    return getattr(_moved, name)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor, lengths_to_offsets
+from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
 
 # Mixed scripts and an emoji, so text round-trips exercise multi-byte UTF-8.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_pipeline.collate import PaddedCollator, pad_batch, padded_fields
+from rlhf_pipeline.schema.padding import PaddedCollator, pad_batch, padded_fields
 from rlhf_pipeline.collect.generate import SamplingConfig, generate
 from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.settings import LearnerSettings
@@ -15,9 +15,9 @@ from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store
-from rlhf_pipeline.synthetic import synthetic_batch
+from rlhf_pipeline.schema.synthetic import synthetic_batch
 from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
-from rlhf_pipeline.weights import publish_weights
+from rlhf_pipeline.coordination.weights import publish_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CI has none")
 

@@ -145,10 +145,32 @@ def test_cli_help_lists_the_run_flags():
 
 def test_a_resume_may_change_the_buffer_lock_settings_but_not_the_data_settings():
     from rlhf_pipeline.pipeline import settings_to_json
-    from rlhf_pipeline.run_directory import settings_changes
+    from rlhf_pipeline.runs.run_directory import settings_changes
 
     module = load_pipeline_module(DEFAULT)
     saved = settings_to_json(make_settings(module, []))
     resumed = make_settings(module, ["buffer_lock_lease_s=10", "buffer_lock_wait_s=5", "group_size=4"])
     changed = settings_changes(saved, resumed, tag="[run]", since="the run started")
     assert len(changed) == 1 and "group_size" in changed[0]  # the writer lock is not the data
+
+
+def test_moved_public_modules_still_import_with_a_warning_naming_the_new_place():
+    """Pipeline files written before the layout move (and run directories' copies of them)
+    import ``rlhf_pipeline.ray_settings`` and the README's old ``rlhf_pipeline.collate``."""
+    import importlib
+    import sys
+    import warnings
+
+    from rlhf_pipeline.cluster.settings import RaySettings
+    from rlhf_pipeline.schema.padding import PaddedCollator
+
+    for old, new, name, moved in [("rlhf_pipeline.ray_settings", "rlhf_pipeline.cluster.settings", "RaySettings",
+                                   RaySettings),
+                                  ("rlhf_pipeline.collate", "rlhf_pipeline.schema.padding", "PaddedCollator",
+                                   PaddedCollator)]:
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert getattr(module, name) is moved
+        assert any(issubclass(w.category, FutureWarning) and new in str(w.message) for w in caught), old

@@ -13,7 +13,7 @@
   the generator's maximum prompt / response length since it rejects ragged data; text
   kept as fixed-width UTF-8 bytes.
 
-Every backend returns the same padded TensorDict as :func:`rlhf_pipeline.collate.pad_batch`
+Every backend returns the same padded TensorDict as :func:`rlhf_pipeline.schema.padding.pad_batch`
 (the benchmark test checks this), so sampling speeds compare like for like; the torchrl
 backends build it from their own padded pieces with :func:`assemble_from_padded`.
 """
@@ -31,7 +31,7 @@ from rlhf_pipeline.bench.storage_bench import BenchSpec, directory_bytes
 from rlhf_pipeline.schema import TrajectoryBatch
 
 PAD_TOKEN_ID = 0
-_RESPONSE_FLOATS = {  # schema field -> (full key, response key), as in rlhf_pipeline.collate
+_RESPONSE_FLOATS = {  # schema field -> (full key, response key), as in rlhf_pipeline.schema.padding
     "response_log_probs": (("log_probs", "full"), ("log_probs", "response")),
     "ref_log_probs": (("next", "ref_log_probs", "full"), ("ref_log_probs", "response")),
     "kl": (("kl", "full"), ("kl", "response")),

@@ -61,7 +61,7 @@ def write_stores(directory: Path, spec: BenchSpec, *, segment_rows: int = SEGMEN
     from tqdm import tqdm
 
     from rlhf_pipeline.storage import create_store
-    from rlhf_pipeline.synthetic import raw_payload_bytes
+    from rlhf_pipeline.schema.synthetic import raw_payload_bytes
 
     stores = {name: create_store(directory / name, name, schema=spec.schema, segment_rows=segment_rows,
                                  durable=False) for name in BACKENDS}
@@ -99,7 +99,7 @@ def run_order(location: str, backend: str, order: str, *, batch_size: int, windo
     """Opens the store read-only and reads one epoch's batches (or as many uniform ones); in this process."""
     import torch
 
-    from rlhf_pipeline.collate import PaddedCollator
+    from rlhf_pipeline.schema.padding import PaddedCollator
     from rlhf_pipeline.learn.epoch_sampler import EpochSampler
     from rlhf_pipeline.storage import open_store
 

@@ -6,7 +6,7 @@ What is measured, per backend (``rlhf-pipeline bench storage``):
   (plus ``finish_writes()``), divided by the completions. Data generation is not timed.
 * ``batches_per_s``: padded batches of 64 rows at uniformly random positions (the same
   positions for every backend), each turned into the learner's padded TensorDict
-  (:mod:`rlhf_pipeline.collate` contract), so every backend produces identical output.
+  (:mod:`rlhf_pipeline.schema.padding` contract), so every backend produces identical output.
   The sampled batches are timed in ``SAMPLE_ROUNDS`` consecutive slices and the fastest
   slice gives the rate (timeit-style, robust to a shared machine);
   ``batches_per_s_all_rounds`` is the rate over every batch.
@@ -129,7 +129,7 @@ class BenchSpec:
         return StoreSchema(self.optional_fields)
 
     def batches(self):
-        from rlhf_pipeline.synthetic import synthetic_batches
+        from rlhf_pipeline.schema.synthetic import synthetic_batches
 
         return synthetic_batches(
             self.completions, group_size=self.group_size,
@@ -171,7 +171,7 @@ class TrajectoryStoreBackend:
         self._create = create
 
     def setup(self, directory: Path, spec: BenchSpec) -> None:
-        from rlhf_pipeline.collate import PaddedCollator
+        from rlhf_pipeline.schema.padding import PaddedCollator
 
         self._dir = directory
         self._store = self._create(directory / "buffer", spec.schema)
@@ -235,7 +235,7 @@ def run_backend(name: str, spec: BenchSpec, *, progress: bool = True) -> dict[st
     import torch
     from tqdm import tqdm
 
-    from rlhf_pipeline.synthetic import raw_payload_bytes
+    from rlhf_pipeline.schema.synthetic import raw_payload_bytes
 
     torch.set_num_threads(1)  # the machine is shared; one thread keeps timings comparable
     backend = load_backend(name)

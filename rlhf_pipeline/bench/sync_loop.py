@@ -7,7 +7,7 @@ orchestration differs from ``run``: the same pipeline file and settings, the sam
 ``prepare_run`` (warm start, weights v0), the same collector and write path into a store of
 the run directory, and the same :class:`~rlhf_pipeline.learn.learner.Learner` (sampler, loss,
 publishing, metrics.jsonl). Each loop iteration collects the rounds the learner's next batch
-needs (what the learner publishes for paced collectors, ``rlhf_pipeline/pacing.py``, with
+needs (what the learner publishes for paced collectors, ``rlhf_pipeline/coordination/pacing.py``, with
 nothing ahead), takes one learner step, and loads the new weights into the collector's model. Torch threads are the pipeline's ``threads`` setting unless overridden.
 
 Run as ``python -m rlhf_pipeline.bench.sync_loop PIPELINE.py --home DIR --run-name NAME
@@ -28,12 +28,12 @@ def run_synchronous(pipeline_path: str, *, steps: int, home: str, run_name: str,
 
     from rlhf_pipeline.learn.learner import Learner
     from rlhf_pipeline.learn.metrics import MetricsWriter
-    from rlhf_pipeline.pacing import CollectorPacer, shard_key
-    from rlhf_pipeline.paths import run_dir
+    from rlhf_pipeline.coordination.pacing import CollectorPacer, shard_key
+    from rlhf_pipeline.files.run_paths import run_dir
     from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.run import build_pipeline, prepare_run
+    from rlhf_pipeline.runs.run import build_pipeline, prepare_run
     from rlhf_pipeline.storage import open_store
-    from rlhf_pipeline.weights import load_weights
+    from rlhf_pipeline.coordination.weights import load_weights
 
     module = load_pipeline_module(pipeline_path)
     settings = make_settings(module, [*overrides, f"steps={steps}"])

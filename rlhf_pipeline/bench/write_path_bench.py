@@ -1,7 +1,7 @@
 """Write-path benchmark: group advantage + KL reward on the way into the buffer, per completion.
 
 What is timed (``rlhf-pipeline bench write-path``), per backend, on the same synthetic GRPO
-data (:mod:`rlhf_pipeline.synthetic`; generation and format conversion are not timed):
+data (:mod:`rlhf_pipeline.schema.synthetic`; generation and format conversion are not timed):
 
 * ``memmap`` / ``zarr``: ``rb.extend(batch)`` on a ``ReplayBuffer`` over our store with
   ``GroupAdvantage`` (durable pending state) and ``KLReward`` attached
@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
 
 # ============================================================================ data
 def _batches(args, optional_fields: tuple[str, ...]) -> list:
-    from rlhf_pipeline.synthetic import synthetic_batches
+    from rlhf_pipeline.schema.synthetic import synthetic_batches
 
     batches = list(synthetic_batches(args.completions, group_size=args.group_size, batch_size=args.batch_size,
                                      seed=args.seed, optional_fields=optional_fields))
@@ -222,7 +222,7 @@ def reference_model_record(n: int, seed: int) -> dict[str, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhf_pipeline.synthetic import synthetic_batch
+    from rlhf_pipeline.schema.synthetic import synthetic_batch
     from rlhf_pipeline.transforms import reference_log_probs
 
     torch.manual_seed(seed)

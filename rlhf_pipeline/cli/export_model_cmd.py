@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         export_model,
     )
     from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.state_files import StateFileError
+    from rlhf_pipeline.files.state_files import StateFileError
 
     def fail(message: str) -> int:
         print(f"rlhf-pipeline export-model: error: {message}", file=sys.stderr)

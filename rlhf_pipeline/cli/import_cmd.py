@@ -90,7 +90,7 @@ def _import(args: argparse.Namespace, fail) -> int:
     from rlhf_pipeline.dataio.importer import ImportOptions
     from rlhf_pipeline.dataio.run_pipeline import find_run_root
     from rlhf_pipeline.pipeline import RunPaths
-    from rlhf_pipeline.run_directory import RunError, hold_run_directory
+    from rlhf_pipeline.runs.run_directory import RunError, hold_run_directory
 
     columns = ColumnMap(**{dest: getattr(args, f"col_{dest}") for _, dest, _ in _COLUMN_OPTIONS},
                         ignore=tuple(args.ignore_column), append_eos=not args.no_eos,
@@ -115,7 +115,7 @@ def _import_into(args: argparse.Namespace, run_root, options, fail) -> int:
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.dataio.sources import SourceError
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.run import build_pipeline, set_threads
+    from rlhf_pipeline.runs.run import build_pipeline, set_threads
     from rlhf_pipeline.storage import StoreError
 
     try:

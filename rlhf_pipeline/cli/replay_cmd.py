@@ -3,7 +3,7 @@
 No collector and no generation: the learner walks the buffer in epochs (``--order``),
 from ``--init-from`` (a run directory or a ``save_pretrained`` directory) or the
 pipeline's initial policy, optionally re-scoring advantages and reference log-probs on
-the way (``rlhf_pipeline/replay.py`` has the whole story). Running the same command
+the way (``rlhf_pipeline/runs/replay.py`` has the whole story). Running the same command
 again resumes. Arguments are parsed before torch is imported.
 """
 
@@ -64,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.replay import ReplayError, ReplayOptions, replay_command
-    from rlhf_pipeline.run_directory import RunDirectoryBusyError
+    from rlhf_pipeline.runs.replay import ReplayError, ReplayOptions, replay_command
+    from rlhf_pipeline.runs.run_directory import RunDirectoryBusyError
 
     if args.buffer is None and not args.list_settings:
         print("rlhf-pipeline replay: error: --buffer PATH is required (the recorded buffer to train on)",

@@ -52,13 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                                  "(e.g. 10.0.0.1:6379, or auto), or a local one started for this run; "
                                  "needs pip install -e '.[ray]'")
     if name in ("collect", "learn"):
-        # set by `run` for its children (rlhf_pipeline/launch.py): the launcher's stop pipe, and
+        # set by `run` for its children (rlhf_pipeline/runs/launch.py): the launcher's stop pipe, and
         # "import, then wait for the launcher's go"
         parser.add_argument("--stop-fd", type=int, default=None, help=argparse.SUPPRESS)
         parser.add_argument("--wait-for-launcher", action="store_true", help=argparse.SUPPRESS)
     if name == "learn":
         # set by `run` for its learner, which prepares the run for `run`'s collectors and
-        # reports on this pipe (rlhf_pipeline/launch.py)
+        # reports on this pipe (rlhf_pipeline/runs/launch.py)
         parser.add_argument("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
         parser.add_argument("--collectors", type=int, default=1, help=argparse.SUPPRESS)
 
@@ -71,8 +71,8 @@ _USER_OS_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.E
 
 def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.run import RunError, run_command
-    from rlhf_pipeline.state_files import StateFileError
+    from rlhf_pipeline.runs.run import RunError, run_command
+    from rlhf_pipeline.files.state_files import StateFileError
 
     try:
         code = run_command(

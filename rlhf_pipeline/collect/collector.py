@@ -31,7 +31,7 @@ import torch
 from rlhf_pipeline.collect.generate import SamplingConfig, generate
 from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, score
-from rlhf_pipeline.ids import MAX_COLLECTORS, id_base
+from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
 from rlhf_pipeline.schema import TrajectoryBatch
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.ragged import RaggedTensor
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ variance and dynamic sampling dropped it) leaves ``next_row`` unchanged and is c
 again on restart; nothing was stored, so nothing is trained twice.
 
 File format: ``{"format": 1, "committed": state | None, "inflight": {...} | None}``
-written with :func:`~rlhf_pipeline.atomic.save_torch_atomic`; a bare state dict
+written with :func:`~rlhf_pipeline.files.atomic.save_torch_atomic`; a bare state dict
 (older runs) reads as committed. It holds tensors and plain values only and loads with
-``weights_only=True`` (``rlhf_pipeline/state_files.py``), so a file planted in a shared run
+``weights_only=True`` (``rlhf_pipeline/files/state_files.py``), so a file planted in a shared run
 directory cannot run code in the collector.
 """
 
@@ -33,8 +33,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import save_torch_atomic
-from rlhf_pipeline.state_files import load_state
+from rlhf_pipeline.files.atomic import save_torch_atomic
+from rlhf_pipeline.files.state_files import load_state
 
 FORMAT_VERSION = 1
 

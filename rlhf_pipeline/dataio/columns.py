@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.dataio.sources import MISSING, SourceChunk, SourceError, lookup
-from rlhf_pipeline.ragged import RaggedTensor, lengths_to_offsets
+from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema import FIELDS_BY_NAME, TOKEN_ID_MAX
 
 # slot -> column names looked for when no option names one (stored field names first, so an

@@ -160,7 +160,7 @@ def _python_column(column) -> list:
     """Plain Python values: lists per row for token fields, ints / floats / bools / strings."""
     import torch
 
-    from rlhf_pipeline.ragged import RaggedTensor
+    from rlhf_pipeline.schema.ragged import RaggedTensor
 
     if isinstance(column, RaggedTensor):
         values = column.values.tolist()

@@ -11,7 +11,7 @@ options, the first fresh group / trajectory ids and the source rows written. Aro
 append it also holds the append in flight with the store's ``next_row`` before it (the
 scheme of ``collect/position.py``): the import is the store's only writer and an append is
 atomic, so after ``kill -9`` a larger ``next_row`` means that append landed. Every write
-of the record is atomic (:func:`~rlhf_pipeline.atomic.save_torch_atomic`).
+of the record is atomic (:func:`~rlhf_pipeline.files.atomic.save_torch_atomic`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.atomic import save_torch_atomic
+from rlhf_pipeline.files.atomic import save_torch_atomic
 from rlhf_pipeline.dataio.sources import Source, SourceError
 from rlhf_pipeline.pipeline import RunPaths
 

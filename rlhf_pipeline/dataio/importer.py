@@ -60,9 +60,9 @@ from rlhf_pipeline.dataio.import_state import (
 )
 from rlhf_pipeline.dataio.progress import Progress
 from rlhf_pipeline.dataio.sources import Source, SourceError, open_source
-from rlhf_pipeline.ids import id_base
+from rlhf_pipeline.schema.ids import id_base
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
 
 # fields every import fills itself when the source does not carry them
@@ -509,7 +509,7 @@ class _ScoringPolicy:
     def load(self, log) -> None:
         if self.model is not None:
             return
-        from rlhf_pipeline.weights import latest_version, load_weights
+        from rlhf_pipeline.coordination.weights import latest_version, load_weights
 
         if self.run is not None and latest_version(self.run.root) is not None:
             state, self.version = load_weights(self.run.root)
@@ -534,7 +534,7 @@ class _ScoringPolicy:
 def _write(source: Source, store, pipeline: Pipeline, resolved: ResolvedColumns, checked: Scan,
            record: ImportRecord, options: ImportOptions, target: Target, plan: WritePathPlan, log) -> ImportResult:
     from rlhf_pipeline.storage import make_replay_buffer
-    from rlhf_pipeline.weights import latest_version
+    from rlhf_pipeline.coordination.weights import latest_version
 
     sink = make_replay_buffer(store, transforms=plan.transforms).extend
     start_row = record.resume_row(store)

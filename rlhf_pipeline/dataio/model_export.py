@@ -16,7 +16,7 @@ the generation config samples at the run's temperature and stops at the tokenize
 directory appears at OUT only when complete.
 
 A run directory may come from someone else, so nothing in it runs code here: a checkpoint's
-weights load as every state file does (``weights_only=True``, :mod:`rlhf_pipeline.state_files`),
+weights load as every state file does (``weights_only=True``, :mod:`rlhf_pipeline.files.state_files`),
 and listing the versions reads only each checkpoint's progress record, with a reader that
 resolves no name the file mentions (see :func:`_checkpoint_progress`); the listing imports
 neither torch nor transformers, so ``--list-versions`` answers at once.
@@ -70,7 +70,7 @@ class ExportedModel:
 
 def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
     """Policy versions whose weights are on disk: published files, then checkpoints that hold one."""
-    from rlhf_pipeline.weights import _versions, weights_path
+    from rlhf_pipeline.coordination.weights import _versions, weights_path
 
     paths = RunPaths(Path(run_root))
     if not paths.root.is_dir():
@@ -168,10 +168,10 @@ def load_version(run_root: str | Path, version: int | None = None) -> tuple[dict
         raise VersionNotFoundError(f"policy version {version} {reason}; available: {listed}")
     source = versions[version]
     if source.kind == "weights":
-        from rlhf_pipeline.weights import load_weights_file
+        from rlhf_pipeline.coordination.weights import load_weights_file
 
         return load_weights_file(source.path)[0], source
-    from rlhf_pipeline.state_files import load_state
+    from rlhf_pipeline.files.state_files import load_state
 
     # tensors and plain values only (format 1's NumPy RNG array too); raises StateFileError
     return load_state(source.path, what="learner checkpoint", legacy_numpy_arrays=True)["model"], source

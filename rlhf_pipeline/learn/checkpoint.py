@@ -6,11 +6,11 @@ the replay buffer's position (the store's ``state_dict``: which rows existed) an
 sampler's state after the last draw a step used (``learn/sampling.py``); with the draw count
 in the progress record, a resumed run redraws exactly the batches an uninterrupted one
 would. Files are written to ``*.partial`` and renamed into place
-(:mod:`rlhf_pipeline.atomic`), so a crash mid-write never leaves a checkpoint that looks
+(:mod:`rlhf_pipeline.files.atomic`), so a crash mid-write never leaves a checkpoint that looks
 complete; the manager keeps the last N.
 
 Every value in a checkpoint is a tensor or a plain value (dicts, lists, tuples, numbers,
-strings), so it loads with ``torch.load(weights_only=True)`` (``rlhf_pipeline/state_files.py``)
+strings), so it loads with ``torch.load(weights_only=True)`` (``rlhf_pipeline/files/state_files.py``)
 and a file planted in a shared run directory cannot run code in the learner. Format 2 keeps
 NumPy's RNG state as a tensor; format 1 (older runs) kept it as a NumPy array, which is still
 read (NumPy arrays only, nothing else), so runs started before the change resume.
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import save_torch_atomic
-from rlhf_pipeline.state_files import load_state
+from rlhf_pipeline.files.atomic import save_torch_atomic
+from rlhf_pipeline.files.state_files import load_state
 
 FORMAT_VERSION = 2
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")

@@ -37,7 +37,7 @@ import numpy as np
 
 from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
 from rlhf_pipeline.learn.shard_rows import next_rows, shard_stores, union_positions
-from rlhf_pipeline.polling import PollBackoff
+from rlhf_pipeline.coordination.polling import PollBackoff
 
 
 class ExactUseSampler:

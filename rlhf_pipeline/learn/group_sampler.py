@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
-from rlhf_pipeline.polling import PollBackoff
+from rlhf_pipeline.coordination.polling import PollBackoff
 from rlhf_pipeline.storage.row_keys import keys_of, parts_of, positions_of
 
 _EQUAL = 1e-8  # rewards closer than this count as equal (as charts/frac_reward_zero_std counts them)

@@ -21,7 +21,7 @@ after the step the learner hands them to the sampler for the rows it trained on
 
 After taking each batch the learner publishes what it has taken in from each shard
 (``<run>/pacing.json``), so collectors generate no more than it will train on
-(:mod:`rlhf_pipeline.pacing`); it counts the distinct rows it trained on against the rows
+(:mod:`rlhf_pipeline.coordination.pacing`); it counts the distinct rows it trained on against the rows
 generated, and logs how stale they were (``learn/usage.py``).
 
 On CUDA the forward runs under bf16 autocast, batches are pinned by the prefetch thread
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.ids import collector_index_of
+from rlhf_pipeline.schema.ids import collector_index_of
 from rlhf_pipeline.learn.checkpoint import (
     CheckpointManager,
     Progress,
@@ -64,7 +64,7 @@ from rlhf_pipeline.learn.sampling import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.shard_rows import next_rows, row_names
 from rlhf_pipeline.learn.usage import TrainedRows, staleness_metrics
-from rlhf_pipeline.pacing import LearnerIntake, PacingPublisher
+from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.pipeline import RunPaths
 
 
@@ -178,7 +178,7 @@ class Learner:
         return state
 
     def _setup_model(self, checkpoint: dict[str, Any] | None) -> None:
-        from rlhf_pipeline.weights import load_weights
+        from rlhf_pipeline.coordination.weights import load_weights
 
         self.model = self.make_model()
         if checkpoint is not None:
@@ -204,7 +204,7 @@ class Learner:
             self.scheduler.load_state_dict(checkpoint["scheduler"])
 
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
-        from rlhf_pipeline.collate import PaddedCollator
+        from rlhf_pipeline.schema.padding import PaddedCollator
         from rlhf_pipeline.storage import open_buffer
 
         # one store, or the union of the collectors' shards (new shards are picked up as they appear)
@@ -501,7 +501,7 @@ class Learner:
         return contextlib.nullcontext()
 
     def _publish(self) -> None:
-        from rlhf_pipeline.weights import latest_version, publish_weights
+        from rlhf_pipeline.coordination.weights import latest_version, publish_weights
 
         # a crash after a publish but before its checkpoint leaves a newer file: never reuse its number
         dp = self.data_parallel

@@ -6,7 +6,7 @@ micro-batch, stays within ``max_tokens``. Rows are sorted by length first so sim
 lengths share a micro-batch, and each micro-batch is trimmed to its own widths, which
 keeps padding (wasted compute) small.
 
-The layout is the one ``rlhf_pipeline.collate.pad_batch`` writes: prompts left-padded to
+The layout is the one ``rlhf_pipeline.schema.padding.pad_batch`` writes: prompts left-padded to
 P columns, responses right-padded to R columns, full sequences T = P + R. Keys are
 classified by name: ``(..., "full")``, ``position_ids``, ``advantage`` and the ``all_*``
 masks span T; ``(..., "prompt")`` spans P; ``(..., "response")`` spans R; the rest are

@@ -26,7 +26,7 @@ class Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = stop or threading.Event()
         # set while the consumer waits for an item: a producer that polls for its input (a sampler
-        # waiting for rows, rlhf_pipeline/polling.py) polls fast only then
+        # waiting for rows, rlhf_pipeline/coordination/polling.py) polls fast only then
         self.consumer_waiting = threading.Event()
         self._thread = threading.Thread(target=self._work, args=(start_step,), daemon=True,
                                         name="learner-prefetch")
@@ -52,7 +52,7 @@ class Prefetcher:
         """``(i, item, seconds the caller waited for it)``; re-raises the producer's error.
 
         ``on_wait()`` is called once when nothing has come for 0.1 s (the learner then tells
-        collectors it is waiting, ``rlhf_pipeline/pacing.py``). Raises InterruptedError once
+        collectors it is waiting, ``rlhf_pipeline/coordination/pacing.py``). Raises InterruptedError once
         the stop event is set while nothing is queued: the producer drops what it was making
         when stopped, so waiting on could never end.
         """

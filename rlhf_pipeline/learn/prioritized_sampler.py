@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
-from rlhf_pipeline.polling import PollBackoff
+from rlhf_pipeline.coordination.polling import PollBackoff
 from rlhf_pipeline.storage.prioritized import NothingToSampleError, PrioritizedSampler
 from rlhf_pipeline.storage.row_keys import keys_of
 

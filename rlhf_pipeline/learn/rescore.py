@@ -18,7 +18,7 @@ Two independent parts, both applied to each padded batch on the learner's prefet
   loss reads the new reference for its in-loss KL (``loss.kl_coef``, ``losses/kl``).
 
 Both write only into the padded batch in memory: the padded keys are those of
-:mod:`rlhf_pipeline.collate`, so a re-scored batch is exactly what ``pad_batch`` would
+:mod:`rlhf_pipeline.schema.padding`, so a re-scored batch is exactly what ``pad_batch`` would
 give for rows that had been written with those values (tested).
 """
 
@@ -30,8 +30,8 @@ from typing import Literal
 import torch
 from tensordict import TensorDict
 
-from rlhf_pipeline.collate import RESPONSE_FLOAT_KEYS
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.padding import RESPONSE_FLOAT_KEYS
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.transforms.group_advantage import group_advantages, trajectory_returns
 from rlhf_pipeline.transforms.kl_reward import ESTIMATORS, kl_token_rewards
 from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs

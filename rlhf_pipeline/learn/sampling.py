@@ -14,7 +14,7 @@ its ``Progress``. A sampler keeps this contract (:class:`BatchSampler`):
   (``sampler_state``); the learner checkpoints the state of the last draw it *used*;
 * optionally, a ``hurry`` attribute: the learner sets it to an event that is set while a step
   waits for the draw; a sampler that polls the buffer for new rows polls fast only then
-  (``rlhf_pipeline/polling.py``).
+  (``rlhf_pipeline/coordination/polling.py``).
 
 To add a sampler: write its class in a module of its own, and add one line to
 :data:`SAMPLERS` naming a factory ``make(settings, store, *, seed, stop, timeout_s)`` where
@@ -51,7 +51,7 @@ class SampledRows:
     weights: torch.Tensor | None = None  # (batch_size,) importance weights the loss applies per row, if any
     metrics: dict[str, float] = field(default_factory=dict)  # logged by the learner with the step's metrics
     # rows the learner has taken in with this draw, per shard key (learn/shard_rows.py): what
-    # collectors pace themselves by (rlhf_pipeline/pacing.py). None: every row published when
+    # collectors pace themselves by (rlhf_pipeline/coordination/pacing.py). None: every row published when
     # the draw was made (the learner fills that in)
     consumed: dict[str, int] | None = None
     # new rows the next draw waits for (None: learner.new_rows_per_step, or batch_size when 0)

@@ -6,11 +6,11 @@ store's). What outlives a refresh is a row's shard and its global id in that sha
 repeat). The learner needs that lasting name for three things: the exact-use sampler's cursors
 and blocks (``learn/exact_sampler.py``), the rows it has trained on (``learn/usage.py``), and
 the rows it has taken in from each shard, which it publishes so that collectors can pace
-themselves (:mod:`rlhf_pipeline.pacing`).
+themselves (:mod:`rlhf_pipeline.coordination.pacing`).
 
 A shard's *key* is its directory name under ``buffer/`` (``shard-0000``), or ``"."`` for a
 single store (runs made before shards, or a store opened on its own); a collector names its
-own store the same way, see :func:`rlhf_pipeline.pacing.shard_key`.
+own store the same way, see :func:`rlhf_pipeline.coordination.pacing.shard_key`.
 """
 
 from __future__ import annotations

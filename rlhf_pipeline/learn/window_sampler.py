@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
-from rlhf_pipeline.polling import PollBackoff
+from rlhf_pipeline.coordination.polling import PollBackoff
 
 
 class FreshRowSampler:

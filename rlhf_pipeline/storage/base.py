@@ -29,7 +29,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.data.replay_buffers.storages import Storage
 
-from rlhf_pipeline.collate import check_index_dtype, pad_batch, padded_fields, place_padded
+from rlhf_pipeline.schema.padding import check_index_dtype, pad_batch, padded_fields, place_padded
 from rlhf_pipeline.schema import StoreSchema, Trajectory, TrajectoryBatch, validate_batch
 from rlhf_pipeline.storage.errors import (  # noqa: F401 - re-exported: the contract's errors
     IncompatibleStoreError,

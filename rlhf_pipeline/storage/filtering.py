@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
 from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of, read_by_position
 from rlhf_pipeline.storage.where import GROUP_NAMES, WhereExpression, parse_where

@@ -1,7 +1,7 @@
 """Checked reads of a store's small JSON metadata files, and a watcher for new publishes.
 
 A local store becomes visible through one small JSON file (the *manifest*), replaced
-atomically (:func:`rlhf_pipeline.atomic.publish_json`), so a reader (or a writer reopening
+atomically (:func:`rlhf_pipeline.files.atomic.publish_json`), so a reader (or a writer reopening
 after ``kill -9``) sees either the old or the new manifest, whole.
 
 Readers use :class:`ManifestWatcher` to notice a new publish with one ``fstat``:

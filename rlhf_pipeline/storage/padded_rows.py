@@ -11,8 +11,8 @@ without the intermediate ``TrajectoryBatch``. It runs in two steps:
    prompt and response in that unit's flat value arrays, and its row-field values.
 2. :func:`fill_padded` copies each row's slices into the preallocated padded tensors
    (prompt ending at column ``P-1``, response from column ``P``; layout in
-   :mod:`rlhf_pipeline.collate`) and builds the TensorDict with
-   :func:`~rlhf_pipeline.collate.assemble_padded`, the builder ``pad_batch`` uses too.
+   :mod:`rlhf_pipeline.schema.padding`) and builds the TensorDict with
+   :func:`~rlhf_pipeline.schema.padding.assemble_padded`, the builder ``pad_batch`` uses too.
 
 Why a per-row copy loop (over the ~64 sampled rows, never over the store): a sampled row
 is a few long contiguous slices (GRPO rows average ~520 tokens), so one ``memoryview``
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from rlhf_pipeline.collate import RESPONSE_FLOAT_KEYS, assemble_padded
+from rlhf_pipeline.schema.padding import RESPONSE_FLOAT_KEYS, assemble_padded
 from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, StoreSchema
 
 ROW_FIELDS = ("reward", "done", "terminated", "truncated", "group_id", "trajectory_id", "step",

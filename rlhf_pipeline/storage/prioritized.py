@@ -486,7 +486,7 @@ class PrioritizedSampler(Sampler):
                                            torch.as_tensor(saved["raw"]).numpy().astype(np.float64))
 
     def dumps(self, path) -> None:
-        from rlhf_pipeline.atomic import save_torch_atomic
+        from rlhf_pipeline.files.atomic import save_torch_atomic
 
         Path(path).mkdir(parents=True, exist_ok=True)
         save_torch_atomic(self.state_dict(), Path(path) / "prioritized_sampler.pt")

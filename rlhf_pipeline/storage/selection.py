@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json, write_atomic
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json, write_atomic
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import (
     NotAStoreError,

@@ -52,14 +52,14 @@ def adopt_replay_buffer_defaults(buffer: Any) -> None:
     knows none for ours, so ``ReplayBuffer(storage=store, sampler=..., batch_size=...)`` used to
     fail with ``Could not find a default collate_fn``. Its constructor calls ``storage.attach``
     before it resolves the collate and the writer, so :meth:`TrajectoryStore.attach` fills what
-    the caller left out: ``collate_fn`` = :class:`~rlhf_pipeline.collate.PaddedCollator` (the
+    the caller left out: ``collate_fn`` = :class:`~rlhf_pipeline.schema.padding.PaddedCollator` (the
     learner's padded batch, pad id 0) and ``writer`` = :class:`AppendWriter` (positions the rows
     really got; also in place of ``TensorDictReplayBuffer``'s default round-robin writer). A writer
     that chooses positions itself is refused here, at construction (:func:`writer_for_store`).
     ``tests/storage/test_torchrl_dropin.py`` checks this against torchrl itself, so a torchrl
     release that builds buffers differently fails there.
     """
-    from rlhf_pipeline.collate import PaddedCollator
+    from rlhf_pipeline.schema.padding import PaddedCollator
 
     building = isinstance(buffer, ReplayBuffer) and not hasattr(buffer, "_collate_fn")
     if not building:
@@ -186,7 +186,7 @@ class TrajectoryReplayBuffer(ReplayBuffer):
 
     torchrl's ``sample`` reads ``storage.get(index)`` (for our stores a ``TrajectoryBatch``)
     and hands it to ``collate_fn``. When ``collate_fn`` can read positions itself (it has
-    ``read(storage, index)``, as :class:`~rlhf_pipeline.collate.PaddedCollator` does), this
+    ``read(storage, index)``, as :class:`~rlhf_pipeline.schema.padding.PaddedCollator` does), this
     buffer calls that instead: the sampled rows go straight from the store into the padded
     batch (``store.read_padded``), the same TensorDict at about twice the speed
     (``benchmarks/README.md``). Sampling, locks, transforms and ``pin_memory`` behave as in
@@ -227,7 +227,7 @@ def make_replay_buffer(
     ``sampler`` is ``"random"`` (with replacement), ``"without_replacement"``, ``"prioritized"``
     (:class:`~rlhf_pipeline.storage.prioritized.PrioritizedSampler` with its defaults) or any
     torchrl ``Sampler``. ``collate_fn`` turns the sampled ``TrajectoryBatch`` into what
-    the learner wants (e.g. ``rlhf_pipeline.collate.PaddedCollator``); by default the
+    the learner wants (e.g. ``rlhf_pipeline.schema.padding.PaddedCollator``); by default the
     batch is returned as is. ``transforms`` run on the write path in the order given
     (e.g. group advantage, then reference log-probs, then KL reward). torchrl applies
     inverse transforms last-appended-first, so they are appended in reverse.

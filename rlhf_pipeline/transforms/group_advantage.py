@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
 from rlhf_pipeline.storage.base import TrajectoryStore
 from rlhf_pipeline.transforms.pending_groups import PendingGroups

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import TrajectoryBatch, TrajectoryValidationError
 from rlhf_pipeline.transforms.write_path import WritePathTransform
 

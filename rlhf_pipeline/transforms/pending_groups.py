@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, TrajectoryBatch
 from rlhf_pipeline.storage.base import StoreCorruptedError, TrajectoryStore
-from rlhf_pipeline.atomic import save_torch_atomic
+from rlhf_pipeline.files.atomic import save_torch_atomic
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor, gather_ranges
+from rlhf_pipeline.schema.ragged import RaggedTensor, gather_ranges
 from rlhf_pipeline.schema import TrajectoryBatch, TrajectoryValidationError
 from rlhf_pipeline.transforms.write_path import WritePathTransform
 

@@ -21,7 +21,7 @@ from rlhf_pipeline.bench.storage_bench import (
     load_backend,
     run_benchmark,
 )
-from rlhf_pipeline.collate import pad_batch
+from rlhf_pipeline.schema.padding import pad_batch
 from rlhf_pipeline.schema import TrajectoryBatch
 
 LOCAL_BACKENDS = [b for b in BACKENDS if b not in REMOTE_BACKENDS]  # zarr-s3 has its own test, with a server

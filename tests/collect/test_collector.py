@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
-from rlhf_pipeline.ids import ID_COUNTER_BITS
+from rlhf_pipeline.schema.ids import ID_COUNTER_BITS
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema, validate_batch

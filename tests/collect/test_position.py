@@ -10,7 +10,7 @@ from rlhf_pipeline.collect.position import CollectorPosition
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
-from rlhf_pipeline.atomic import save_torch_atomic
+from rlhf_pipeline.files.atomic import save_torch_atomic
 
 
 class Crash(Exception):

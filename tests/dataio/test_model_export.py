@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.model_export import VersionNotFoundError, available_versions, export_model
 from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
-from rlhf_pipeline.weights import load_weights, weights_path
+from rlhf_pipeline.coordination.weights import load_weights, weights_path
 
 CHAT = [{"role": "user", "content": "12+7="}]
 

@@ -11,9 +11,9 @@ import torch
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import PipelineError
-from rlhf_pipeline.run import run_command
+from rlhf_pipeline.runs.run import run_command
 from rlhf_pipeline.storage import open_buffer
-from rlhf_pipeline.weights import latest_version
+from rlhf_pipeline.coordination.weights import latest_version
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")

@@ -17,7 +17,7 @@ import torch
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.metrics import read_metrics
-from rlhf_pipeline.weights import latest_version
+from rlhf_pipeline.coordination.weights import latest_version
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")

@@ -1,6 +1,6 @@
 """Two paced runs of the default pipeline with one seed train on the same rows, one under load.
 
-Which weights a collector round uses is fixed by pacing (``rlhf_pipeline/pacing.py``), not by
+Which weights a collector round uses is fixed by pacing (``rlhf_pipeline/coordination/pacing.py``), not by
 whether the learner published its next version before the round began, so nothing that depends
 on timing reaches the numbers: the same rewards, losses and policy versions, step by step.
 """

@@ -14,7 +14,7 @@ import torch
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import PipelineError
-from rlhf_pipeline.run import run_command
+from rlhf_pipeline.runs.run import run_command
 from rlhf_pipeline.storage import open_buffer
 
 REPO = Path(__file__).resolve().parents[2]

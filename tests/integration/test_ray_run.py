@@ -20,10 +20,10 @@ import torch
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import RunPaths
-from rlhf_pipeline.run import run_command
+from rlhf_pipeline.runs.run import run_command
 from rlhf_pipeline.storage import open_buffer, open_store
 from rlhf_pipeline.storage.sharded import list_shards
-from rlhf_pipeline.weights import load_weights
+from rlhf_pipeline.coordination.weights import load_weights
 
 ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
 
@@ -58,8 +58,8 @@ def wait_for(condition, driver: subprocess.Popen, what: str, timeout: float = 24
 
 def control_of(run: Path):
     """The run's control actor, or None before its driver started it."""
-    from rlhf_pipeline.ray_actors import NAMESPACE
-    from rlhf_pipeline.ray_run import control_actor_name
+    from rlhf_pipeline.cluster.actors import NAMESPACE
+    from rlhf_pipeline.cluster.driver import control_actor_name
 
     try:
         return ray.get_actor(control_actor_name(RunPaths(run)), namespace=NAMESPACE)

@@ -22,13 +22,13 @@ import torch
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
-from rlhf_pipeline.replay import ReplayError, ReplayOptions, replay_command
+from rlhf_pipeline.runs.replay import ReplayError, ReplayOptions, replay_command
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
 from rlhf_pipeline.storage.convert import convert
 from rlhf_pipeline.storage.sharded import shard_path
-from rlhf_pipeline.synthetic import synthetic_batch
-from rlhf_pipeline.weights import latest_version, load_weights
+from rlhf_pipeline.schema.synthetic import synthetic_batch
+from rlhf_pipeline.coordination.weights import latest_version, load_weights
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
@@ -252,7 +252,7 @@ def test_a_resumed_replay_must_match_how_it_started(home, source, reference_run)
 
 def test_the_shuffle_window_is_fitted_to_a_zarr_readers_cache(source, tmp_path, capsys):
     from rlhf_pipeline.learn.settings import LearnerSettings
-    from rlhf_pipeline.replay import fit_shuffle_window
+    from rlhf_pipeline.runs.replay import fit_shuffle_window
     from rlhf_pipeline.storage import open_buffer
 
     convert(str(source), str(tmp_path / "zarr"), "zarr")

@@ -107,7 +107,7 @@ HOLD_AND_SPAWN = """
 import subprocess, sys, time
 from pathlib import Path
 from rlhf_pipeline.pipeline import RunPaths
-from rlhf_pipeline.run_directory import hold_run_directory
+from rlhf_pipeline.runs.run_directory import hold_run_directory
 holder = hold_run_directory(RunPaths(Path(sys.argv[1])), "run")
 # a child that inherits the lock, as run's collectors and learner do
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=(holder.fd,))
@@ -118,7 +118,7 @@ time.sleep(600)
 
 def test_children_keep_the_run_directory_after_their_launcher_is_killed(tmp_path):
     from rlhf_pipeline.pipeline import RunPaths
-    from rlhf_pipeline.run_directory import RunDirectoryBusyError, hold_run_directory
+    from rlhf_pipeline.runs.run_directory import RunDirectoryBusyError, hold_run_directory
 
     run = tmp_path / "held"
     launcher = subprocess.Popen([sys.executable, "-c", HOLD_AND_SPAWN, str(run)], stdout=subprocess.PIPE, text=True)

@@ -14,7 +14,7 @@ from integration.test_s3_buffers import cli
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import PipelineError
-from rlhf_pipeline.run import run_command
+from rlhf_pipeline.runs.run import run_command
 
 
 def test_run_with_the_buffer_at_a_url_then_inspect_and_replay_it(s3_server, tmp_path):

@@ -25,8 +25,8 @@ from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store
-from rlhf_pipeline.synthetic import synthetic_batch
-from rlhf_pipeline.weights import publish_weights
+from rlhf_pipeline.schema.synthetic import synthetic_batch
+from rlhf_pipeline.coordination.weights import publish_weights
 
 TOKENIZER = char_tokenizer()
 ROWS = 33  # batches of 16, 16, 1 per epoch: the third leaves rank 1 of 2 without a row (a filler)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress, capture_rng_state, restore_rng_state
-from rlhf_pipeline.weights import WeightsPoller, latest_version, load_weights, publish_weights
+from rlhf_pipeline.coordination.weights import WeightsPoller, latest_version, load_weights, publish_weights
 
 
 def test_save_load_round_trip_and_keep_last(tmp_path):

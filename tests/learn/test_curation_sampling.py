@@ -23,7 +23,7 @@ from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.storage.filtering import filter_buffer
 from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
 from rlhf_pipeline.storage.prioritized import PRIORITIES
-from rlhf_pipeline.weights import publish_weights
+from rlhf_pipeline.coordination.weights import publish_weights
 
 SCHEMA = StoreSchema(("advantage",))
 TOKENIZER = char_tokenizer()

@@ -20,7 +20,7 @@ from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.storage import open_store
-from rlhf_pipeline.weights import latest_version, load_weights
+from rlhf_pipeline.coordination.weights import latest_version, load_weights
 
 WORKER = Path(__file__).with_name("data_parallel_worker.py")
 STEPS = 4  # epoch 1 is batches of 16, 16 and 1 rows; step 4 opens epoch 2

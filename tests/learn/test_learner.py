@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from rlhf_pipeline.collate import pad_batch
+from rlhf_pipeline.schema.padding import pad_batch
 from rlhf_pipeline.learn.learner import Learner, lr_lambda
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_step_loss
@@ -21,8 +21,8 @@ from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
-from rlhf_pipeline.synthetic import synthetic_batch
-from rlhf_pipeline.weights import latest_version, load_weights, publish_weights
+from rlhf_pipeline.schema.synthetic import synthetic_batch
+from rlhf_pipeline.coordination.weights import latest_version, load_weights, publish_weights
 
 TOKENIZER = char_tokenizer()
 

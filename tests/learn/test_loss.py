@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.objectives.llm.grpo import GRPOLoss
 
-from rlhf_pipeline.collate import pad_batch
+from rlhf_pipeline.schema.padding import pad_batch
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.learn.loss import (

@@ -22,7 +22,7 @@ from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_buffer
 from rlhf_pipeline.storage.sharded import shard_path
-from rlhf_pipeline.weights import publish_weights
+from rlhf_pipeline.coordination.weights import publish_weights
 
 SCHEMA = StoreSchema(("advantage",))
 TOKENIZER = char_tokenizer()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import assert_same_padded, make_batch
 
-from rlhf_pipeline.collate import pad_batch
+from rlhf_pipeline.schema.padding import pad_batch
 from rlhf_pipeline.learn import rescore
 from rlhf_pipeline.learn.rescore import AdvantageOptions, BatchRescorer, ReferenceRescorer, buffer_advantages
 from rlhf_pipeline.models import tiny_causal_lm

@@ -30,7 +30,7 @@ from rlhf_pipeline.storage.base import (
     StoreNotFoundError,
 )
 from rlhf_pipeline.storage.torchrl_glue import make_replay_buffer
-from rlhf_pipeline.synthetic import raw_payload_bytes
+from rlhf_pipeline.schema.synthetic import raw_payload_bytes
 from torchrl_contract import TorchRLContractTests
 
 

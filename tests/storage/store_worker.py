@@ -20,7 +20,7 @@ for entry in (str(_HERE), str(_HERE.parent)):
 
 import torch  # noqa: E402
 
-from rlhf_pipeline.ragged import RaggedTensor, lengths_to_offsets  # noqa: E402
+from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets  # noqa: E402
 from rlhf_pipeline.schema import TrajectoryBatch  # noqa: E402
 
 VOCAB = 50_000

@@ -12,7 +12,7 @@ import pytest
 
 from rlhf_pipeline.storage.base import NotAStoreError, StoreCorruptedError, StoreLockedError
 from rlhf_pipeline.storage.locking import WriterLock
-from rlhf_pipeline.atomic import publish_json
+from rlhf_pipeline.files.atomic import publish_json
 from rlhf_pipeline.storage.manifest import IncompatibleStoreError, ManifestWatcher, check_header, read_json
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots
 

@@ -11,7 +11,7 @@ from helpers import assert_same_padded, make_batch
 
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import StoreCorruptedError, StoreLockedError
-from rlhf_pipeline.atomic import publish_json
+from rlhf_pipeline.files.atomic import publish_json
 from rlhf_pipeline.storage.manifest import IncompatibleStoreError, read_json
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots
 from rlhf_pipeline.storage.memmap.store import MANIFEST_NAME, MemmapTrajectoryStore
@@ -214,7 +214,7 @@ def test_a_forked_child_closing_its_copy_keeps_the_parents_lock_and_tail(tmp_pat
 
 # ------------------------------------------------------------------------ fused read_padded
 def _padded_reference(store, positions, pad_token_id=0):
-    from rlhf_pipeline.collate import pad_batch, padded_fields
+    from rlhf_pipeline.schema.padding import pad_batch, padded_fields
 
     return pad_batch(store.read(positions, fields=padded_fields(store.schema)), pad_token_id=pad_token_id)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import assert_same_padded, make_batch
-from rlhf_pipeline.collate import pad_batch, padded_fields
+from rlhf_pipeline.schema.padding import pad_batch, padded_fields
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage import ReadOnlyStoreError, create_store, make_replay_buffer, open_buffer
 from rlhf_pipeline.storage.filtering import filter_buffer

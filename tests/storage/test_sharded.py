@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import make_batch
-from rlhf_pipeline.collate import PaddedCollator
+from rlhf_pipeline.schema.padding import PaddedCollator
 from rlhf_pipeline.learn.sampling import DataTimeoutError
 from rlhf_pipeline.learn.window_sampler import FreshRowSampler
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
@@ -222,7 +222,7 @@ def test_read_padded_over_shards_equals_pad_batch_of_read(two_shards):
     """The union's fused read locates rows in each shard and pads them in one pass."""
     from helpers import assert_same_padded
 
-    from rlhf_pipeline.collate import pad_batch, padded_fields
+    from rlhf_pipeline.schema.padding import pad_batch, padded_fields
 
     buffer, writers = two_shards
     union = open_buffer(buffer)

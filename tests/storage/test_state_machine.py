@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rlhf_pipeline.collate import pad_batch
+from rlhf_pipeline.schema.padding import pad_batch
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 
 SEGMENT_ROWS = 4

@@ -9,7 +9,7 @@ from torchrl.data.replay_buffers.samplers import RandomSampler, SamplerWithoutRe
 from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from helpers import assert_same_padded, make_batch
-from rlhf_pipeline.collate import pad_batch, padded_fields
+from rlhf_pipeline.schema.padding import pad_batch, padded_fields
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage import create_store
 from rlhf_pipeline.storage.prioritized import PrioritizedSampler

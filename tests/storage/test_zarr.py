@@ -341,7 +341,7 @@ def test_writer_seals_a_segment_its_killed_predecessor_left_in_fragments(tmp_pat
 
 # ============================================================================ fused read_padded
 def _check_read_padded(store, n):
-    from rlhf_pipeline.collate import pad_batch, padded_fields
+    from rlhf_pipeline.schema.padding import pad_batch, padded_fields
 
     generator = torch.Generator().manual_seed(n)
     cases = [torch.tensor([0]), torch.tensor([n - 1, 0, 7, 8, 7, 15, 16, n - 1]) % n, torch.arange(n).flip(0),
@@ -354,7 +354,7 @@ def _check_read_padded(store, n):
 
 @pytest.mark.parametrize("optional", [(), ("advantage",), ("ref_log_probs", "kl", "token_rewards", "advantage")])
 def test_read_padded_equals_pad_batch_of_read_across_units(tmp_path, optional):
-    from rlhf_pipeline.collate import PaddedCollator
+    from rlhf_pipeline.schema.padding import PaddedCollator
 
     path = str(tmp_path / "b")
     with ZarrTrajectoryStore.create(path, StoreSchema(optional), segment_rows=8, durable=False) as store:

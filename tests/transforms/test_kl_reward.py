@@ -12,7 +12,7 @@ from torchrl.data.llm.utils import AdaptiveKLController as TorchrlAdaptiveKL
 from torchrl.envs.llm.transforms.kl import KLComputation
 from torchrl.objectives.llm.grpo import GRPOLoss
 
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import TrajectoryValidationError
 from rlhf_pipeline.transforms import AdaptiveKLController, KLReward, kl_k1, kl_k2, kl_k3, kl_token_rewards
 

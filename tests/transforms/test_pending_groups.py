@@ -83,7 +83,7 @@ def test_failed_extend_keeps_pending_rows_in_process(tmp_path):
     """The store rejects the write after the group completed: resending it completes the group once."""
     import pytest
 
-    from rlhf_pipeline.ragged import RaggedTensor
+    from rlhf_pipeline.schema.ragged import RaggedTensor
     from rlhf_pipeline.schema import TrajectoryValidationError
 
     store = _store(tmp_path / "buf")

@@ -26,7 +26,7 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 
-from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir
 from rlhf_pipeline.storage.errors import StoreCorruptedError
 from rlhf_pipeline.storage.memmap.layout import CHECKSUMS_NAME
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, TrajectoryBatch
 from rlhf_pipeline.storage.base import StoreCorruptedError
 from rlhf_pipeline.storage.memmap.segments import ENDS_DTYPE, SegmentState, SegmentView, check_spans
@@ -118,7 +118,7 @@ def _is_utf8(raw: bytes) -> bool:
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Positions of the ranges ``[starts[i], starts[i] + lengths[i])``, concatenated (numpy twin of
-    :func:`rlhf_pipeline.ragged.gather_ranges`)."""
+    :func:`rlhf_pipeline.schema.ragged.gather_ranges`)."""
     total = int(lengths.sum())
     if total == 0:
         return np.empty(0, dtype=np.int64)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import publish_json
+from rlhf_pipeline.files.atomic import publish_json
 from rlhf_pipeline.storage.errors import StoreCorruptedError
 from rlhf_pipeline.storage.memmap import checksums
 from rlhf_pipeline.storage.memmap.inspection import check_segment

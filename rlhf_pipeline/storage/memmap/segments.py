@@ -139,7 +139,7 @@ class SegmentWriter:
             self.close()
             raise
         if created and durable:
-            from rlhf_pipeline.atomic import fsync_dir
+            from rlhf_pipeline.files.atomic import fsync_dir
 
             fsync_dir(directory)
             fsync_dir(directory.parent)

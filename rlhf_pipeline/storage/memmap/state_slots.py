@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import fsync_dir
+from rlhf_pipeline.files.atomic import fsync_dir
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.atomic import publish_json
+from rlhf_pipeline.files.atomic import publish_json
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import (
     UNBOUNDED_ROWS,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json
 from rlhf_pipeline.storage.errors import (
     IncompatibleStoreError,
     NotAStoreError,

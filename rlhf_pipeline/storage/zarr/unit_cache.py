@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import FieldSpec, StoreSchema, TrajectoryBatch
 
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import publish_json
+from rlhf_pipeline.files.atomic import publish_json
 
 FORMAT_VERSION = 1
 PACING_FILE = "pacing.json"

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from rlhf_pipeline.atomic import PARTIAL_SUFFIX, publish_json, save_torch_atomic, write_atomic
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, publish_json, save_torch_atomic, write_atomic
 
 
 def test_publish_json_creates_parents_and_leaves_no_partial(tmp_path):

@@ -1,4 +1,4 @@
-"""Collector pacing (``rlhf_pipeline/pacing.py``): a real learner and paced writers on real stores."""
+"""Collector pacing (``rlhf_pipeline/coordination/pacing.py``): a real learner and paced writers on real stores."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
-from rlhf_pipeline.pacing import CollectorPacer, LearnerIntake, PacingPublisher, read_intake, shard_key
+from rlhf_pipeline.coordination.pacing import CollectorPacer, LearnerIntake, PacingPublisher, read_intake, shard_key
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store
-from rlhf_pipeline.weights import publish_weights
+from rlhf_pipeline.coordination.weights import publish_weights
 
 TOKENIZER = char_tokenizer()
 ROUND = 8  # rows per collector round: 2 groups of 4

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlhf_pipeline.atomic import write_atomic
+from rlhf_pipeline.files.atomic import write_atomic
 
 if TYPE_CHECKING:  # imported where used, so listing versions (export-model --list-versions) needs no torch
     import torch

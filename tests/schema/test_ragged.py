@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_pipeline.ragged import RaggedTensor, gather_ranges, lengths_to_offsets
+from rlhf_pipeline.schema.ragged import RaggedTensor, gather_ranges, lengths_to_offsets
 
 sequences = st.lists(st.lists(st.integers(-1000, 1000), max_size=6), min_size=1, max_size=8)
 

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_pipeline.collate import PaddedCollator, pad_batch
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.padding import PaddedCollator, pad_batch
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
-from rlhf_pipeline.synthetic import synthetic_batch
+from rlhf_pipeline.schema.synthetic import synthetic_batch
 
 ALL_OPTIONAL = tuple(OPTIONAL_FIELDS)
 RESPONSE_FLOATS = {
@@ -275,7 +275,7 @@ def test_torchrl_grpo_loss_reads_the_padded_batch():
 
 
 def test_padded_fields_are_every_field_but_text():
-    from rlhf_pipeline.collate import padded_fields
+    from rlhf_pipeline.schema.padding import padded_fields
     from rlhf_pipeline.schema import StoreSchema
 
     schema = StoreSchema(("advantage", "kl"))
@@ -290,7 +290,7 @@ def test_padded_fields_are_every_field_but_text():
 
 
 def test_collator_read_uses_the_stores_fused_path_and_falls_back_to_pad_batch(tmp_path):
-    from rlhf_pipeline.collate import padded_fields
+    from rlhf_pipeline.schema.padding import padded_fields
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
 

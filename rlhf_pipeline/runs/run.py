@@ -45,7 +45,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.paths import run_dir as make_run_dir
+from rlhf_pipeline.files.run_paths import run_dir as make_run_dir
 from rlhf_pipeline.pipeline import (
     Pipeline,
     PipelineError,
@@ -55,14 +55,14 @@ from rlhf_pipeline.pipeline import (
     make_settings,
     settings_to_json,
 )
-from rlhf_pipeline.run_directory import (  # RunError and prepare_run stay importable from here
+from rlhf_pipeline.runs.run_directory import (  # RunError and prepare_run stay importable from here
     RunError,
     hold_run_directory,
     prepare_run,
     prepare_run_directory,
     publish_initial_policy,
 )
-from rlhf_pipeline.stopping import (
+from rlhf_pipeline.runs.stopping import (
     LauncherSignals,
     StopFlag,
     ask_children_to_stop,
@@ -79,7 +79,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
                 ray_address: str | None = None) -> int:
     """``ray_address``: run on Ray (``--ray [ADDRESS]``, ray_run.py); "" starts a local cluster."""
     if wait_for_launcher:  # a child of `run`, started before the run directory was ready
-        from rlhf_pipeline.launch import wait_for_launcher as wait
+        from rlhf_pipeline.runs.launch import wait_for_launcher as wait
 
         if not wait(command, prepares=status_fd is not None):
             return 0  # run's checks failed or it was interrupted; it says why
@@ -90,7 +90,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if steps is not None and steps < 1:  # before anything is written, as `replay` refuses it
         raise PipelineError(f"--steps must be >= 1, got {steps}")
     if ray_address is not None:
-        from rlhf_pipeline.ray_run import require_ray
+        from rlhf_pipeline.cluster.driver import require_ray
 
         require_ray(command)  # before any slow work: one line when Ray is missing
     module = load_pipeline_module(pipeline_path)
@@ -116,7 +116,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     with hold_run_directory(paths, command) if holds else nullcontext() as holder:
         StopFlag.launcher_fd = stop_fd
         if ray_address is not None:
-            from rlhf_pipeline.ray_run import launch_on_ray
+            from rlhf_pipeline.cluster.driver import launch_on_ray
 
             return launch_on_ray(command, module, settings, paths, pipeline_path, cli_overrides, collectors,
                                  address=ray_address)
@@ -185,7 +185,7 @@ def check_settings(module: Any, settings: Any) -> None:
 def wait_for_preparation(children: Any) -> None:
     """Launcher side of :func:`prepare_for_launcher`: lets the collectors go once the run directory
     exists, returns once weights version 0 is published; raises the learner's error as ``run``'s."""
-    from rlhf_pipeline.launch import ERROR, PREPARED, READY
+    from rlhf_pipeline.runs.launch import ERROR, PREPARED, READY
 
     for event in (PREPARED, READY):
         report = children.wait_for_learner(event)
@@ -202,7 +202,7 @@ def wait_for_preparation(children: Any) -> None:
 
 def _learner_error(report: dict) -> Exception:
     """The exception the learner reported, as ``run`` would have raised it itself."""
-    from rlhf_pipeline.state_files import StateFileError
+    from rlhf_pipeline.files.state_files import StateFileError
 
     kind, message = report.get("kind"), report.get("message", "")
     if report.get("errno") is not None:
@@ -216,8 +216,8 @@ def prepare_for_launcher(module: Any, settings: Any, paths: RunPaths, collectors
     directory for ``collectors`` shards, warm-starts and publishes weights version 0, reporting
     each stage to ``run`` on ``status_fd``; then learns. A failed check is reported, not printed
     (``run`` prints it), and exits 2."""
-    from rlhf_pipeline.launch import PREPARED, READY, LauncherReports
-    from rlhf_pipeline.state_files import StateFileError
+    from rlhf_pipeline.runs.launch import PREPARED, READY, LauncherReports
+    from rlhf_pipeline.files.state_files import StateFileError
 
     reports = LauncherReports(status_fd)
     try:
@@ -311,10 +311,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     """
     from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.learn.metrics import MetricsWriter
-    from rlhf_pipeline.pacing import CollectorPacer, shard_key
-    from rlhf_pipeline.polling import PollBackoff
+    from rlhf_pipeline.coordination.pacing import CollectorPacer, shard_key
+    from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.storage import open_store
-    from rlhf_pipeline.weights import WeightsPoller
+    from rlhf_pipeline.coordination.weights import WeightsPoller
 
     stop = StopFlag()
     tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
@@ -504,7 +504,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
 def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
                     overrides: Sequence[str], collectors: int, learner_ranks: int = 1, holder_fd: int = -1):
     """Starts the collectors and the learner, which import their modules and wait for ``go``."""
-    from rlhf_pipeline.launch import Children
+    from rlhf_pipeline.runs.launch import Children
 
     paths.stop_file.unlink(missing_ok=True)
     common = [pipeline_path, "--home", str(paths.root.parent), "--run-name", paths.root.name]
@@ -523,7 +523,7 @@ def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, devi
 
 def _run_both(paths: RunPaths, collectors: int, children) -> int:
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
-    from rlhf_pipeline.launch import stop_ranks
+    from rlhf_pipeline.runs.launch import stop_ranks
 
     collector_procs, learner, ranks = children.collectors, children.learner, children.learners
     stop_write = children.stop_write

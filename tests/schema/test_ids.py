@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rlhf_pipeline.ids import ID_COUNTER_BITS, MAX_COLLECTORS, collector_index_of, id_base
+from rlhf_pipeline.schema.ids import ID_COUNTER_BITS, MAX_COLLECTORS, collector_index_of, id_base
 
 
 def test_collector_index_round_trips_through_ids():

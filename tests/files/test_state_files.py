@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_pipeline.atomic import save_torch_atomic
+from rlhf_pipeline.files.atomic import save_torch_atomic
 from rlhf_pipeline.collect.position import CollectorPosition
 from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress, capture_rng_state, restore_rng_state
-from rlhf_pipeline.state_files import StateFileError
+from rlhf_pipeline.files.state_files import StateFileError
 
 
 class RunsCode:

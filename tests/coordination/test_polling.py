@@ -6,7 +6,7 @@ import time
 import pytest
 
 from rlhf_pipeline.learn.prefetch import Prefetcher
-from rlhf_pipeline.polling import PollBackoff
+from rlhf_pipeline.coordination.polling import PollBackoff
 
 
 def intervals(backoff: PollBackoff, sleeps: int) -> list[float]:

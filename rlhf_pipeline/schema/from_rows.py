@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor, lengths_to_offsets
-from rlhf_pipeline.schema import (
+from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
+from rlhf_pipeline.schema.fields import (
     FIELDS,
     FIELDS_BY_NAME,
     TOKEN_ID_MAX,

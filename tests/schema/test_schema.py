@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import make_batch
 
-from rlhf_pipeline.ragged import RaggedTensor
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
 from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
 

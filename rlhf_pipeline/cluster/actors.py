@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-from rlhf_pipeline.stopping import StopFlag
+from rlhf_pipeline.runs.stopping import StopFlag
 
 #: the namespace of every run's named actors, so a second driver finds a run already running
 NAMESPACE = "rlhf_pipeline"
@@ -94,7 +94,7 @@ class ActorJob:
         return ray.get_actor(self.control_name, namespace=NAMESPACE)
 
     def build(self):
-        from rlhf_pipeline.run import set_threads, build_pipeline, with_buffer_url
+        from rlhf_pipeline.runs.run import set_threads, build_pipeline, with_buffer_url
 
         paths = RunPaths(Path(self.run_root))
         module = load_pipeline_module(self.pipeline_path)
@@ -123,7 +123,7 @@ class ObjectStoreWeightsPoller:
             state = ray.get(ref, timeout=120)
         except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
             # its owner, a learner process, died; the learner writes every version to a file too
-            from rlhf_pipeline.weights import load_weights
+            from rlhf_pipeline.coordination.weights import load_weights
 
             try:
                 state, version = load_weights(self.run_dir, version)
@@ -189,7 +189,7 @@ class CollectorActor:
         return self.name
 
     def run(self) -> int:
-        from rlhf_pipeline.run import collect_main
+        from rlhf_pipeline.runs.run import collect_main
 
         control = self.job.control
         _register(control, self.name)
@@ -214,13 +214,13 @@ class LearnerActor:
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port for the process group (``MASTER_ADDR`` / ``MASTER_PORT``)."""
-        from rlhf_pipeline.launch import free_port
+        from rlhf_pipeline.runs.launch import free_port
 
         return ray.util.get_node_ip_address(), free_port("")
 
     def run(self, master_addr: str, master_port: int) -> int:
         from rlhf_pipeline.learn.distributed import DataParallel
-        from rlhf_pipeline.run import learn_main
+        from rlhf_pipeline.runs.run import learn_main
 
         control = self.job.control
         _register(control, self.name)

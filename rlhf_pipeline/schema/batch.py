@@ -1,194 +1,30 @@
-"""What one stored row is, and the checks every write passes before anything is stored.
-
-A row is one completed step of a trajectory. Single-turn GRPO stores one row per
-completion (``done`` is True); a multi-turn trajectory stores several rows with the
-same ``trajectory_id`` and increasing ``step``, the last one done.
-
-Fields come in three kinds:
-
-* token fields: ragged, one value per token, aligned with the prompt or the response;
-* row fields: one scalar per row;
-* text fields: one UTF-8 string per row (stored as bytes + offsets, never pickled).
-
-``FIELDS`` is the single table every other module reads (storage layout, validation,
-padding, README). Each field also names its torchrl 0.14 key, so a batch converts to
-the ``("tokens", "response")`` / ``("next", "reward")`` conventions torchrl's LLM
-transforms and losses read.
-"""
+"""``TrajectoryBatch``: N rows in columnar form, and ``validate_batch``, the checks every write
+passes at the storage's door before anything is stored."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
-import numpy as np
 import torch
-from tensordict import TensorClass, TensorDict, lazy_stack
+from tensordict import TensorDict, lazy_stack
 
-from rlhf_pipeline.ragged import RaggedTensor
-
-SCHEMA_VERSION = 1
-TOKEN_ID_MAX = 2**31 - 1  # token ids are stored as int32
-# A log-prob is <= 0, up to this rounding slack. Engines compute the sampled token's log-prob
-# as ``logit / T - logsumexp(logits / T)`` in float32, often with the scaling or the reduction
-# done by another kernel than the logit's; for a near-certain token the two round apart by a
-# few ulps (measured: up to +3.8e-6 with logits near 57). 1e-4 (a probability of 1.0001) is
-# far above such rounding and far below any real error (a bf16 logsumexp is off by ~0.1), and
-# the value is stored as given: clamping it would change what the sampler reported.
-LOG_PROB_TOLERANCE = 1e-4
-
-FieldKind = Literal["token", "row", "text"]
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    name: str
-    kind: FieldKind
-    dtype: torch.dtype  # dtype on disk and in a TrajectoryBatch
-    required: bool
-    torchrl_key: str | tuple[str, ...]
-    doc: str
-    aligned_with: Literal["prompt", "response"] | None = None  # token fields only
-
-
-FIELDS: tuple[FieldSpec, ...] = (
-    # ---- token fields (ragged) ---------------------------------------------------
-    FieldSpec("prompt_tokens", "token", torch.int32, True, ("tokens", "prompt"),
-              "prompt token ids (chat template applied)", "prompt"),
-    FieldSpec("response_tokens", "token", torch.int32, True, ("tokens", "response"),
-              "sampled response token ids, EOS included when generation stopped on it", "response"),
-    FieldSpec("response_log_probs", "token", torch.float32, True, ("log_probs", "response"),
-              "log-prob of each response token under the sampling policy, computed from the "
-              "same (temperature / top-k / top-p) distribution that was sampled", "response"),
-    FieldSpec("ref_log_probs", "token", torch.float32, False, ("ref_log_probs", "response"),
-              "log-prob of each response token under the frozen reference model", "response"),
-    FieldSpec("kl", "token", torch.float32, False, ("kl", "response"),
-              "per-token KL estimate between sampling policy and reference", "response"),
-    FieldSpec("token_rewards", "token", torch.float32, False, ("next", "token_reward"),
-              "per-token reward: -coef * kl on every token, plus the scalar reward on the last", "response"),
-    # ---- row fields --------------------------------------------------------------
-    FieldSpec("group_id", "row", torch.int64, True, "group_id",
-              "group key: rows of one prompt share it (GRPO groups)"),
-    FieldSpec("trajectory_id", "row", torch.int64, True, "trajectory_id",
-              "unique id of the trajectory this row belongs to"),
-    FieldSpec("step", "row", torch.int32, True, "step",
-              "turn index of this row within its trajectory (0 for single-turn)"),
-    FieldSpec("reward", "row", torch.float32, True, ("next", "reward"),
-              "scalar reward of this step (finite)"),
-    FieldSpec("done", "row", torch.bool, True, ("next", "done"),
-              "the trajectory ends at this row; equals terminated or truncated"),
-    FieldSpec("terminated", "row", torch.bool, True, ("next", "terminated"),
-              "ended naturally (EOS, final answer)"),
-    FieldSpec("truncated", "row", torch.bool, True, ("next", "truncated"),
-              "ended by a limit (max new tokens, max turns)"),
-    FieldSpec("policy_version", "row", torch.int64, True, "policy_version",
-              "version of the policy weights that sampled this row"),
-    FieldSpec("advantage", "row", torch.float32, False, "advantage",
-              "group-relative advantage, written by the group-advantage transform"),
-    # ---- text fields -------------------------------------------------------------
-    FieldSpec("prompt_text", "text", torch.uint8, True, ("text", "prompt"), "prompt as text"),
-    FieldSpec("response_text", "text", torch.uint8, True, ("text", "response"), "response as text"),
+from rlhf_pipeline.schema.fields import (
+    FIELDS,
+    FIELDS_BY_NAME,
+    LOG_PROB_TOLERANCE,
+    TOKEN_ID_MAX,
+    Column,
+    FieldSpec,
+    StoreSchema,
+    Trajectory,
+    TrajectoryValidationError,
 )
-FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
-REQUIRED_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.required)
-OPTIONAL_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if not f.required)
-# the one torch -> numpy table for stored values: little-endian, as every backend writes them
-NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
-    torch.int32: np.dtype("<i4"),
-    torch.int64: np.dtype("<i8"),
-    torch.float32: np.dtype("<f4"),
-    torch.bool: np.dtype("?"),
-    torch.uint8: np.dtype("u1"),
-}
-
-
-class TrajectoryValidationError(ValueError):
-    """A write was rejected; nothing of it was stored. Names the row, the field and the fix."""
-
-    def __init__(self, message: str, *, row: int | None = None, field: str | None = None):
-        where = []
-        if row is not None:
-            where.append(f"row {row}")
-        if field is not None:
-            where.append(f"field {field!r}")
-        prefix = ", ".join(where)
-        super().__init__(f"{prefix}: {message}" if prefix else message)
-        self.row = row
-        self.field = field
-
-
-# ======================================================================== StoreSchema
-@dataclass(frozen=True)
-class StoreSchema:
-    """The set of fields a store holds: every required field plus the chosen optional ones."""
-
-    optional: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        unknown = [n for n in self.optional if n not in OPTIONAL_FIELDS]
-        if unknown:
-            raise ValueError(
-                f"unknown optional field(s) {unknown}; choose from {list(OPTIONAL_FIELDS)}"
-            )
-        # canonical order, so equal schemas compare equal
-        object.__setattr__(self, "optional", tuple(n for n in OPTIONAL_FIELDS if n in self.optional))
-
-    @property
-    def field_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in FIELDS if f.required or f.name in self.optional)
-
-    @property
-    def fields(self) -> tuple[FieldSpec, ...]:
-        return tuple(FIELDS_BY_NAME[n] for n in self.field_names)
-
-    @classmethod
-    def for_batch(cls, batch: TrajectoryBatch) -> StoreSchema:
-        return cls(tuple(n for n in batch.field_names if n in OPTIONAL_FIELDS))
-
-    def to_json(self) -> dict:
-        return {"schema_version": SCHEMA_VERSION, "optional": list(self.optional)}
-
-    @classmethod
-    def from_json(cls, data: Mapping) -> StoreSchema:
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(
-                f"buffer was written with schema version {version}; this rlhf_pipeline reads "
-                f"version {SCHEMA_VERSION}. Convert it with a matching release or start a new buffer."
-            )
-        return cls(tuple(data.get("optional", ())))
-
-
-# ======================================================================== one row
-class Trajectory(TensorClass["nocast"]):
-    """One stored row, for building data by hand and reading single rows back.
-
-    Shapes: P = prompt length, R = response length.
-    """
-
-    prompt_tokens: torch.Tensor  # (P,) int
-    response_tokens: torch.Tensor  # (R,) int
-    response_log_probs: torch.Tensor  # (R,) float
-    group_id: int
-    trajectory_id: int
-    reward: float
-    policy_version: int
-    prompt_text: str
-    response_text: str
-    step: int = 0
-    done: bool = True
-    terminated: bool = True
-    truncated: bool = False
-    advantage: float | None = None
-    ref_log_probs: torch.Tensor | None = None  # (R,)
-    kl: torch.Tensor | None = None  # (R,)
-    token_rewards: torch.Tensor | None = None  # (R,)
+from rlhf_pipeline.schema.from_rows import columns_from_rows
+from rlhf_pipeline.schema.ragged import RaggedTensor
 
 
 # ======================================================================== columnar batch
-Column = RaggedTensor | torch.Tensor | list[str]
 
 
 class TrajectoryBatch:
@@ -324,11 +160,9 @@ class TrajectoryBatch:
         """Builds a batch from ``Trajectory`` objects or plain dicts (not a hot path).
 
         Converts nothing that would change a value: ``str`` text, integer token ids, real
-        numbers, ``bool`` flags, known keys only (see ``rlhf_pipeline/rows.py``); anything else
+        numbers, ``bool`` flags, known keys only (see ``rlhf_pipeline/schema/from_rows.py``); anything else
         raises :class:`TrajectoryValidationError` naming the row and the field.
         """
-        from rlhf_pipeline.rows import columns_from_rows
-
         return cls(columns_from_rows(rows))
 
     def row(self, i: int) -> Trajectory:

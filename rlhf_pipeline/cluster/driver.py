@@ -4,7 +4,7 @@ The driver (this process) checks the settings and prepares the run directory exa
 ``run`` does (``run.prepare_run``: settings, buffer shards, the initial policy), then joins
 the Ray cluster at ADDRESS, or starts a local one (``ray.init()``), and starts:
 
-* a :class:`~rlhf_pipeline.ray_actors.RunControl` actor (stop requests, the newest weights);
+* a :class:`~rlhf_pipeline.cluster.actors.RunControl` actor (stop requests, the newest weights);
 * ``--collectors N`` collector actors, spread over the cluster's nodes (``SPREAD``), each
   reserving ``ray.collector_num_cpus`` / ``ray.collector_num_gpus``; collector ``k`` writes
   ``buffer/shard-kkkk``, its only writer, as under ``run``;
@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlhf_pipeline.pipeline import PipelineError, RunPaths
-from rlhf_pipeline.ray_settings import RaySettings
-from rlhf_pipeline.run import (
+from rlhf_pipeline.cluster.settings import RaySettings
+from rlhf_pipeline.runs.run import (
     RunError,
     _checkpoint_step,
     _print_summary,
@@ -50,7 +50,7 @@ from rlhf_pipeline.run import (
     prepare_run,
     with_buffer_url,
 )
-from rlhf_pipeline.stopping import LauncherSignals
+from rlhf_pipeline.runs.stopping import LauncherSignals
 
 INSTALL_HINT = "pip install -e '.[ray]'"
 COLLECTOR_GRACE_S = 120.0  # collectors end after their round once the learner is done
@@ -97,7 +97,7 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
 
     ray, started = _connect(address)
     try:
-        from rlhf_pipeline.ray_actors import ActorJob
+        from rlhf_pipeline.cluster.actors import ActorJob
 
         control = _start_control(ray, paths)
         job = ActorJob(pipeline_path=os.path.abspath(pipeline_path), overrides=tuple(overrides),
@@ -117,7 +117,7 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
 def _connect(address: str) -> tuple[Any, bool]:
     """``ray`` connected to ADDRESS or to a new local cluster; True when this call started or joined it."""
     ray = _import_ray()
-    from rlhf_pipeline.ray_actors import NAMESPACE
+    from rlhf_pipeline.cluster.actors import NAMESPACE
 
     if ray.is_initialized():  # this process is connected already (a notebook, a test)
         return ray, False
@@ -131,7 +131,7 @@ def _connect(address: str) -> tuple[Any, bool]:
 
 
 def _start_control(ray: Any, paths: RunPaths) -> Any:
-    from rlhf_pipeline.ray_actors import NAMESPACE, RunControl
+    from rlhf_pipeline.cluster.actors import NAMESPACE, RunControl
 
     name = control_actor_name(paths)
     try:
@@ -149,7 +149,7 @@ def control_actor_name(paths: RunPaths) -> str:
 def _offer_initial_weights(ray: Any, control: Any, paths: RunPaths) -> None:
     """The newest published version (the initial policy, or a resumed run's), for collectors that
     start before the learner publishes; the driver owns it until a newer one replaces it."""
-    from rlhf_pipeline.weights import load_weights
+    from rlhf_pipeline.coordination.weights import load_weights
 
     state, version = load_weights(paths.root)
     ray.get(control.publish_weights.remote(version, [ray.put(state)]))
@@ -160,7 +160,7 @@ class _RayRun:
 
     def __init__(self, ray: Any, job: Any, paths: RunPaths, resources: RaySettings, collectors: int,
                  world_size: int) -> None:
-        from rlhf_pipeline.ray_actors import CollectorActor, LearnerActor
+        from rlhf_pipeline.cluster.actors import CollectorActor, LearnerActor
 
         self.ray, self.job, self.paths = ray, job, paths
         self.control = job.control

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import write_atomic
-from rlhf_pipeline.paths import run_dir as make_run_dir
+from rlhf_pipeline.files.atomic import write_atomic
+from rlhf_pipeline.files.run_paths import run_dir as make_run_dir
 from rlhf_pipeline.pipeline import (
     PipelineError,
     RunPaths,
@@ -92,7 +92,7 @@ class ReplayOptions:
 def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | None = None,
                    run_name: str | None = None, device: str | None = None, overrides: Sequence[str] = (),
                    list_settings: bool = False) -> int:
-    from rlhf_pipeline.run import build_pipeline
+    from rlhf_pipeline.runs.run import build_pipeline
 
     options.check()
     module = load_pipeline_module(pipeline_path)
@@ -105,7 +105,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     paths = RunPaths(make_run_dir(run_name or f"{Path(pipeline_path).stem}-replay", home).resolve())
     if "WORLD_SIZE" in os.environ:  # a rank started by _train_on_ranks: its launcher holds the directory
         return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)
-    from rlhf_pipeline.run_directory import hold_run_directory
+    from rlhf_pipeline.runs.run_directory import hold_run_directory
 
     with hold_run_directory(paths, "replay") as holder:
         return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device,
@@ -114,7 +114,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
 
 def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths: RunPaths,
             cli_overrides: list[str], overrides: Sequence[str], device: str | None, holder_fd: int = -1) -> int:
-    from rlhf_pipeline.run import build_pipeline
+    from rlhf_pipeline.runs.run import build_pipeline
 
     source = source_location(options.buffer)
     saved = _saved_replay(paths)
@@ -159,10 +159,10 @@ def _train_on_ranks(call: dict[str, Any], world_size: int, holder_fd: int = -1) 
     import subprocess
     import time
 
-    from rlhf_pipeline.launch import rank_environments, stop_ranks
-    from rlhf_pipeline.stopping import wait_quietly
+    from rlhf_pipeline.runs.launch import rank_environments, stop_ranks
+    from rlhf_pipeline.runs.stopping import wait_quietly
 
-    command = [sys.executable, "-c", "import sys; from rlhf_pipeline.replay import rank_main; "
+    command = [sys.executable, "-c", "import sys; from rlhf_pipeline.runs.replay import rank_main; "
                                      "sys.exit(rank_main(sys.argv[1]))", json.dumps(call)]
     # the ranks inherit the run directory's holder lock: it outlives this process if it is killed first
     keep = (holder_fd,) if holder_fd >= 0 else ()
@@ -337,9 +337,9 @@ def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
 
 def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> None:
     """Writes ``settings.json`` (or checks a resumed replay against it) and publishes version 0."""
-    from rlhf_pipeline.run import set_threads
-    from rlhf_pipeline.run_directory import keep_pipeline_copy, run_lock, settings_changes
-    from rlhf_pipeline.weights import latest_version, publish_weights
+    from rlhf_pipeline.runs.run import set_threads
+    from rlhf_pipeline.runs.run_directory import keep_pipeline_copy, run_lock, settings_changes
+    from rlhf_pipeline.coordination.weights import latest_version, publish_weights
 
     set_threads(pipeline)  # before the warm start, as `run` does: it and the training steps use them
     with run_lock(paths):
@@ -383,7 +383,7 @@ def load_policy(location: str, make_model, *, what: str):
     """Weights from a run directory (its newest published version) or a ``save_pretrained``
     directory (``AutoModelForCausalLM.from_pretrained``), copied into ``make_model()``."""
     from rlhf_pipeline.models import ModelLoadError, load_model
-    from rlhf_pipeline.weights import latest_version, load_weights
+    from rlhf_pipeline.coordination.weights import latest_version, load_weights
 
     path = Path(location).expanduser()
     model = make_model()
@@ -427,7 +427,7 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
     from rlhf_pipeline.learn.distributed import DataParallel
     from rlhf_pipeline.learn.learner import Learner
     from rlhf_pipeline.learn.metrics import MetricsWriter, truncate_metrics
-    from rlhf_pipeline.stopping import StopFlag
+    from rlhf_pipeline.runs.stopping import StopFlag
 
     # one of learner.world_size ranks (_train_on_ranks) or of torchrun's; one rank otherwise
     data_parallel = DataParallel.from_torchrun_env()
@@ -499,7 +499,7 @@ def load_reference(location: str, pipeline):
     """A frozen reference: a run's newest weights in the pipeline's architecture, or any causal LM
     from a ``save_pretrained`` directory whose vocabulary covers the pipeline's tokenizer."""
     from rlhf_pipeline.models import ModelLoadError, load_model
-    from rlhf_pipeline.weights import latest_version
+    from rlhf_pipeline.coordination.weights import latest_version
 
     path = Path(location).expanduser()
     if latest_version(path) is not None or not (path / "config.json").is_file():

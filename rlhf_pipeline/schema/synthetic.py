@@ -23,8 +23,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from rlhf_pipeline.ragged import RaggedTensor, lengths_to_offsets
-from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
+from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
+from rlhf_pipeline.schema.batch import TrajectoryBatch
+from rlhf_pipeline.schema.fields import OPTIONAL_FIELDS
 
 DEFAULT_VOCAB_SIZE = 32_000
 KL_COEF = 0.05

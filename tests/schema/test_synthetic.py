@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema, validate_batch
-from rlhf_pipeline.synthetic import raw_payload_bytes, synthetic_batch, synthetic_batches
+from rlhf_pipeline.schema.synthetic import raw_payload_bytes, synthetic_batch, synthetic_batches
 
 
 def test_batches_are_valid_sized_and_deterministic():

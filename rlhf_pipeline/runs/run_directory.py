@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.atomic import fsync_dir, write_atomic
+from rlhf_pipeline.files.atomic import fsync_dir, write_atomic
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 from rlhf_pipeline.storage.locking import pid_running
 
@@ -193,7 +193,7 @@ def _create_local_shard(pipeline: Pipeline, shard: Path) -> None:
 def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> None:
     """Builds the initial policy (``make_policy``: the warm start) and publishes it as weights
     version 0, unless a version exists. Under the run lock, so two processes never both build it."""
-    from rlhf_pipeline.weights import latest_version, publish_weights
+    from rlhf_pipeline.coordination.weights import latest_version, publish_weights
 
     with run_lock(paths):
         if latest_version(paths.root) is None:

@@ -1,0 +1,4 @@
+"""How separate processes coordinate through files, never by calling each other: published
+policy weights (learner -> collectors), pacing (how far collectors may run ahead) and polling
+(waiting on a file the other side rewrites).
+"""
