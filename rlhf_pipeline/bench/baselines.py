@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from rlhf_pipeline.bench.storage_bench import BenchSpec, directory_bytes
+from rlhf_pipeline.bench.storage_backends import BenchSpec, directory_bytes
 from rlhf_pipeline.schema import TrajectoryBatch
 
 PAD_TOKEN_ID = 0

@@ -23,18 +23,14 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.bench.storage_backends import log
+
 WHERE = "group_reward_std > 0 and response_length < 768"
-
-
-def _log(message: str, quiet: bool) -> None:
-    if not quiet:
-        print(message, file=sys.stderr, flush=True)
 
 
 # =========================================================================== prioritized
@@ -74,8 +70,8 @@ def bench_prioritized(rows: int, *, rounds: int, steps: int, quiet: bool) -> lis
             for _ in range(steps):
                 step()
             per_round[name].append((time.perf_counter() - start) / steps * 1e6)
-        _log(f"[bench curation] prioritized N={rows} round {number + 1}/{rounds}: "
-             + ", ".join(f"{n} {t[-1]:.0f} us" for n, t in per_round.items()), quiet)
+        log(f"[bench curation] prioritized N={rows} round {number + 1}/{rounds}: "
+            + ", ".join(f"{n} {t[-1]:.0f} us" for n, t in per_round.items()), not quiet)
     base = statistics.median(per_round["plain O(N) multinomial"])
     return [{"measure": "prioritized", "method": name, "rows": rows, "batch": batch,
              "us_per_step_median": statistics.median(times), "us_per_step_min": min(times),
@@ -86,7 +82,7 @@ def bench_prioritized(rows: int, *, rounds: int, steps: int, quiet: bool) -> lis
 
 # =========================================================================== filter
 def bench_filter(completions: int, *, rounds: int, quiet: bool) -> list[dict[str, Any]]:
-    from rlhf_pipeline.bench.storage_bench import BenchSpec
+    from rlhf_pipeline.bench.storage_backends import BenchSpec
     from rlhf_pipeline.storage import create_store
     from rlhf_pipeline.storage.convert import convert
     from rlhf_pipeline.storage.filtering import filter_buffer
@@ -97,7 +93,7 @@ def bench_filter(completions: int, *, rounds: int, quiet: bool) -> list[dict[str
         with create_store(source, "memmap", spec.schema, durable=False) as store:
             for batch in spec.batches():
                 store.append(batch)
-        _log(f"[bench curation] filter: {completions} completions written", quiet)
+        log(f"[bench curation] filter: {completions} completions written", not quiet)
         methods = {
             "filter --dry-run (count)": lambda out: filter_buffer(source, None, WHERE),
             "filter --selection": lambda out: filter_buffer(source, out, WHERE, selection=True),
@@ -113,8 +109,8 @@ def bench_filter(completions: int, *, rounds: int, quiet: bool) -> list[dict[str
                 result = run(out)
                 per_round[name].append(time.perf_counter() - start)
                 kept[name] = getattr(result, "rows_kept", getattr(result, "rows", None))
-            _log(f"[bench curation] filter round {number + 1}/{rounds}: "
-                 + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in per_round.items()), quiet)
+            log(f"[bench curation] filter round {number + 1}/{rounds}: "
+                + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in per_round.items()), not quiet)
     base = statistics.median(per_round["convert (baseline: copy all)"])
     return [{"measure": "filter", "method": name, "rows": completions, "rows_kept": kept[name],
              "seconds_median": statistics.median(times), "seconds_min": min(times), "seconds_rounds": times,

@@ -44,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.bench.storage_backends import log
+
 MODES = ("pipeline", "synchronous")
 FIGURES = ("wall_s", "time_to_first_step_s", "learner_step_s", "generation_s", "generation_total_s",
            "rows_generated_per_row_trained", "reward_first", "reward_last")
@@ -76,12 +78,12 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as home:
         for number in range(args.repeat):
             for mode in MODES:
-                _log(f"[bench e2e] {mode}, run {number + 1}/{args.repeat}: {args.steps} steps "
+                log(f"[bench e2e] {mode}, run {number + 1}/{args.repeat}: {args.steps} steps "
                      f"(load average {os.getloadavg()[0]:.1f})")
                 record = run_mode(mode, pipeline, steps=args.steps, home=Path(home), name=f"{mode}-{number}",
                                   overrides=args.overrides, sync_threads=args.sync_threads)
                 runs[mode].append(record)
-                _log(f"[bench e2e] {mode}: wall {record['wall_s']:.1f}s, first step "
+                log(f"[bench e2e] {mode}: wall {record['wall_s']:.1f}s, first step "
                      f"{record['time_to_first_step_s']:.1f}s, waste {record['rows_generated_per_row_trained']:.3f}, "
                      f"reward {record['reward_first']:.3f} -> {record['reward_last']:.3f}")
     records = [summarize(mode, runs[mode], args.steps) for mode in MODES]
@@ -175,5 +177,3 @@ def format_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.bench.storage_bench import BASELINE, BenchSpec, _log, load_backend
+from rlhf_pipeline.bench.storage_backends import BASELINE, BenchSpec, log, load_backend
 
 
 def sample_interleaved(spec: BenchSpec, backends: list[str], *, rounds: int = 15,
@@ -47,7 +47,7 @@ def sample_interleaved(spec: BenchSpec, backends: list[str], *, rounds: int = 15
                 for batch in spec.batches():
                     backend.write(batch)
                 backend.finish_writes()
-                _log(f"[bench storage] {name}: {spec.completions} completions written", progress)
+                log(f"[bench storage] {name}: {spec.completions} completions written", progress)
             for number in range(rounds):
                 positions = [torch.randint(0, spec.completions, (spec.sample_batch_size,), generator=generator)
                              for _ in range(batches_per_round)]
@@ -58,7 +58,7 @@ def sample_interleaved(spec: BenchSpec, backends: list[str], *, rounds: int = 15
                     for index in positions:
                         backend.sample_padded(index)
                     per_round[name].append((time.perf_counter() - start) / batches_per_round * 1e3)
-                _log(f"[bench storage] interleaved round {number + 1}/{rounds}: "
+                log(f"[bench storage] interleaved round {number + 1}/{rounds}: "
                      + ", ".join(f"{n} {per_round[n][-1]:.2f} ms" for n, _ in opened), progress)
         finally:
             for _, backend in opened:

@@ -3,7 +3,7 @@
 The question: does a Zarr buffer several times bigger than its decoded-unit cache replay
 about as fast as the same data in memmap? Uniform sampling over such a store misses the
 cache on most batches and decodes a whole unit each time; an epoch that walks the store
-unit by unit (``learn/epoch_sampler.py``) decodes each unit once.
+unit by unit (``learn/samplers/epoch.py``) decodes each unit once.
 
 Setup: the storage benchmark's synthetic GRPO data (:class:`~.storage_bench.BenchSpec`;
 32,768 completions by default, prompt 32-256 and response 16-1024 tokens) is written once
@@ -39,11 +39,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.bench.storage_bench import BenchSpec, _log, directory_bytes
+from rlhf_pipeline.bench.storage_backends import BenchSpec, log, directory_bytes
 
 BACKENDS = ("memmap", "zarr")
 ORDERS = ("shuffle", "sequential", "uniform")
@@ -100,7 +100,7 @@ def run_order(location: str, backend: str, order: str, *, batch_size: int, windo
     import torch
 
     from rlhf_pipeline.schema.padding import PaddedCollator
-    from rlhf_pipeline.learn.epoch_sampler import EpochSampler
+    from rlhf_pipeline.learn.samplers.epoch import EpochSampler
     from rlhf_pipeline.storage import open_store
 
     torch.set_num_threads(1)  # as the storage benchmark: timings of one core on a shared machine
@@ -149,7 +149,7 @@ def run_benchmark(spec: BenchSpec, *, window_rows: int = SEGMENT_ROWS, segment_r
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
         sizes = write_stores(Path(tmp), spec, segment_rows=segment_rows, progress=progress)
         cache_bytes = sizes["raw_bytes"] // 4
-        _log(f"[bench replay] {spec.completions} completions, {sizes['raw_bytes'] / 1e6:.0f} MB raw; zarr "
+        log(f"[bench replay] {spec.completions} completions, {sizes['raw_bytes'] / 1e6:.0f} MB raw; zarr "
              f"{sizes['disk_bytes']['zarr'] / 1e6:.0f} MB on disk, cache_bytes {cache_bytes / 1e6:.0f} MB", progress)
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {(b, o): [] for b in BACKENDS for o in orders}
         for number in range(repeat):
@@ -160,7 +160,7 @@ def run_benchmark(spec: BenchSpec, *, window_rows: int = SEGMENT_ROWS, segment_r
                 record = (_run_isolated(location, backend, order, **kwargs) if isolate
                           else run_order(location, backend, order, **kwargs))
                 runs[backend, order].append(record)
-                _log(f"[bench replay] run {number + 1}/{repeat} {backend} {order}: "
+                log(f"[bench replay] run {number + 1}/{repeat} {backend} {order}: "
                      f"{record['batches_per_s']:.0f} batches/s, peak RSS {record['peak_rss_mb']:.0f} MB", progress)
     records = []
     for (backend, _), found in runs.items():

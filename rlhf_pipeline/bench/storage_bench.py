@@ -1,5 +1,9 @@
 """Storage benchmark: every backend on the same synthetic GRPO data, side by side.
 
+Why one file: one benchmark end to end: running a backend in its own process, the ratios against the
+baselines and the table are one measurement's parts; the backends and the data spec are apart in
+:mod:`.storage_backends`.
+
 What is measured, per backend (``rlhf-pipeline bench storage``):
 
 * ``write_us_per_completion``: wall time of ``write(batch)`` over all batches of 512
@@ -27,7 +31,7 @@ every batch, and the other backends' against ``raw-numpy``, which never does
 (``write_vs_raw`` / ``write_baseline``; sampling ratios are against ``raw-numpy``).
 ``--repeat N`` runs the backends round-robin N times and keeps each one's best figures.
 
-Adding a backend. ``BACKENDS`` maps a name to ``"module:factory"``; the factory takes
+Adding a backend. ``BACKENDS`` (:mod:`.storage_backends`) maps a name to ``"module:factory"``; the factory takes
 no arguments and returns an object with the :class:`StorageBackend` methods::
 
     setup(directory, spec)         create an empty backend inside ``directory``
@@ -44,18 +48,29 @@ A store that implements our ``TrajectoryStore`` contract only needs a factory:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import os
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from rlhf_pipeline.bench.storage_backends import (
+    BACKENDS,
+    BASELINE,
+    DEFAULT_BACKENDS,
+    DURABLE_BASELINE,
+    LOCATION_BACKENDS,
+    REMOTE_BACKENDS,
+    BenchSpec,
+    directory_bytes,
+    load_backend,
+    log,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -64,99 +79,12 @@ if TYPE_CHECKING:
     from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
     from rlhf_pipeline.storage.base import TrajectoryStore
 
-# backend name -> "module:factory" (imported only when the backend runs)
-BACKENDS: dict[str, str] = {
-    "raw-numpy": "rlhf_pipeline.bench.baselines:RawNumpyBackend",
-    "raw-numpy-fsync": "rlhf_pipeline.bench.baselines:RawNumpyFsyncBackend",
-    "memmap": "rlhf_pipeline.bench.storage_bench:MemmapBackend",
-    "memmap-nofsync": "rlhf_pipeline.bench.storage_bench:MemmapNoFsyncBackend",
-    "memmap-seg256": "rlhf_pipeline.bench.storage_bench:MemmapSmallSegmentsBackend",
-    "torchrl-lazystack": "rlhf_pipeline.bench.baselines:TorchRLLazyStackBackend",
-    "torchrl-lazymemmap": "rlhf_pipeline.bench.baselines:TorchRLLazyMemmapBackend",
-    "zarr": "rlhf_pipeline.bench.zarr_backend:ZarrBackend",
-    "zarr-s3": "rlhf_pipeline.bench.zarr_backend:RemoteZarrBackend",  # at --location
-    "zarr-s3-throttled": "rlhf_pipeline.bench.zarr_backend:ThrottledRemoteZarrBackend",  # reader refresh <= 1/s
-}
-# what runs without --backends (a variant that only repeats a point can stay out of it)
-DEFAULT_BACKENDS: tuple[str, ...] = ("raw-numpy", "raw-numpy-fsync", "memmap", "memmap-nofsync",
-                                     "torchrl-lazystack", "torchrl-lazymemmap", "zarr")
-# backends that need --location (an object store); the rest run anywhere
-REMOTE_BACKENDS: tuple[str, ...] = ("zarr-s3", "zarr-s3-throttled")
-# with --location: the remote store beside the local ones it is compared with
-LOCATION_BACKENDS: tuple[str, ...] = ("raw-numpy", "raw-numpy-fsync", "memmap", "zarr", "zarr-s3",
-                                      "zarr-s3-throttled")
-BASELINE = "raw-numpy"
-# writes compare with the raw baseline that does the same durability work: a store that
-# fsyncs every append against raw files fsynced after every batch
-DURABLE_BASELINE = "raw-numpy-fsync"
 # sampling rates come from the fastest of these consecutive slices of the sampled batches
 # (as timeit takes the minimum): the machine is shared, and the slowest slices measure the
 # neighbours more than the backend; the rate over all slices is reported too
 SAMPLE_ROUNDS = 4
 RECORD_FIELDS = ("backend", "completions", "write_us_per_completion", "batches_per_s",
                  "useful_tokens_per_s", "disk_bytes_per_raw_byte", "peak_rss_mb", "durable")
-
-
-@dataclass(frozen=True)
-class BenchSpec:
-    """What every backend is run on; equal specs give byte-identical data and positions."""
-
-    completions: int = 16_384
-    group_size: int = 8
-    min_prompt_len: int = 32
-    max_prompt_len: int = 256
-    min_response_len: int = 16
-    max_response_len: int = 1024
-    write_batch_size: int = 512
-    sample_batch_size: int = 64
-    sample_batches: int = 200
-    seed: int = 0
-    optional_fields: tuple[str, ...] = ("advantage",)
-    index_dtype: str = "int32"  # of token ids and position_ids: the learner's (int64: pad_batch's default)
-    location: str | None = None  # the object-store URL the zarr-s3 backend writes under
-    storage_options: tuple[tuple[str, Any], ...] = ()  # its fsspec options (endpoint_url, key, ...)
-
-    @property
-    def torch_index_dtype(self) -> torch.dtype:
-        import torch
-
-        return {"int32": torch.int32, "int64": torch.int64}[self.index_dtype]
-
-    @property
-    def schema(self) -> StoreSchema:
-        from rlhf_pipeline.schema import StoreSchema
-
-        return StoreSchema(self.optional_fields)
-
-    def batches(self):
-        from rlhf_pipeline.schema.synthetic import synthetic_batches
-
-        return synthetic_batches(
-            self.completions, group_size=self.group_size,
-            prompt_len=(self.min_prompt_len, self.max_prompt_len),
-            response_len=(self.min_response_len, self.max_response_len),
-            batch_size=self.write_batch_size, seed=self.seed, optional_fields=self.optional_fields,
-        )
-
-    def sample_positions(self) -> list[torch.Tensor]:
-        import torch
-
-        generator = torch.Generator().manual_seed(self.seed + 1)
-        return [
-            torch.randint(0, self.completions, (self.sample_batch_size,), generator=generator)
-            for _ in range(self.sample_batches)
-        ]
-
-
-class StorageBackend(Protocol):
-    name: str
-
-    def setup(self, directory: Path, spec: BenchSpec) -> None: ...
-    def write(self, batch: TrajectoryBatch) -> None: ...
-    def finish_writes(self) -> None: ...
-    def sample_padded(self, positions: torch.Tensor) -> TensorDict: ...
-    def disk_bytes(self) -> int: ...
-    def close(self) -> None: ...
 
 
 # =========================================================================== our stores
@@ -218,15 +146,6 @@ def MemmapSmallSegmentsBackend() -> TrajectoryStoreBackend:
     Sampling should cost what ``memmap`` costs: the row index makes lookups independent of
     the number of segments."""
     return MemmapBackend(segment_rows=256, name="memmap-seg256")
-
-
-def directory_bytes(path: Path) -> int:
-    """Allocated bytes of what lies under ``path``, as ``du`` counts them (files and directories,
-    sparse files only what is written; ``path``'s own directory block not included): for our
-    stores exactly the ``bytes on disk`` that ``rlhf-pipeline inspect`` reports."""
-    from rlhf_pipeline.storage.summary import disk_usage
-
-    return sum(disk_usage(entry.path) for entry in os.scandir(path))
 
 
 # =========================================================================== one backend
@@ -292,13 +211,6 @@ def run_backend(name: str, spec: BenchSpec, *, progress: bool = True) -> dict[st
     }
 
 
-def load_backend(name: str) -> StorageBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}")
-    module_name, _, attr = BACKENDS[name].partition(":")
-    return getattr(importlib.import_module(module_name), attr)()
-
-
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -320,10 +232,10 @@ def run_benchmark(spec: BenchSpec, backends: list[str], *, isolate: bool = True,
     for round_index in range(repeat):
         for name in backends:
             label = f"{name} (run {round_index + 1}/{repeat})" if repeat > 1 else name
-            _log(f"[bench storage] {label}: {spec.completions} completions", progress)
+            log(f"[bench storage] {label}: {spec.completions} completions", progress)
             record = _run_isolated(name, spec, progress) if isolate else run_backend(name, spec, progress=progress)
             runs[name].append(record)
-            _log(f"[bench storage] {label}: write {record['write_us_per_completion']:.1f} us/completion, "
+            log(f"[bench storage] {label}: write {record['write_us_per_completion']:.1f} us/completion, "
                  f"{record['batches_per_s']:.0f} batches/s", progress)
     return add_ratios([_best_of(records) for records in runs.values()])
 
@@ -366,11 +278,6 @@ def _run_isolated(name: str, spec: BenchSpec, progress: bool) -> dict[str, Any]:
         if result.returncode != 0 or not record_path.exists():
             raise RuntimeError(f"backend {name!r} failed (exit code {result.returncode}); see the log above")
         return json.loads(record_path.read_text())
-
-
-def _log(message: str, enabled: bool) -> None:
-    if enabled:
-        print(message, file=sys.stderr, flush=True)
 
 
 # =========================================================================== report

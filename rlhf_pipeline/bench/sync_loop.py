@@ -31,7 +31,8 @@ def run_synchronous(pipeline_path: str, *, steps: int, home: str, run_name: str,
     from rlhf_pipeline.coordination.pacing import CollectorPacer, shard_key
     from rlhf_pipeline.files.run_paths import run_dir
     from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.runs.run import build_pipeline, prepare_run
+    from rlhf_pipeline.runs.processes import build_pipeline
+    from rlhf_pipeline.runs.run_directory import prepare_run
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.coordination.weights import load_weights
 

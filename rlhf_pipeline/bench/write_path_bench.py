@@ -137,7 +137,7 @@ def run_backend(name: str, args) -> dict[str, Any] | None:
 
 def _run_raw(directory: Path, args) -> float:
     from rlhf_pipeline.bench.baselines import RawNumpyBackend
-    from rlhf_pipeline.bench.storage_bench import BenchSpec
+    from rlhf_pipeline.bench.storage_backends import BenchSpec
 
     batches = _batches(args, FULL_FIELDS)
     backend = RawNumpyBackend()

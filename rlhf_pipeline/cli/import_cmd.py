@@ -115,7 +115,7 @@ def _import_into(args: argparse.Namespace, run_root, options, fail) -> int:
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.dataio.sources import SourceError
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.runs.run import build_pipeline, set_threads
+    from rlhf_pipeline.runs.processes import build_pipeline, set_threads
     from rlhf_pipeline.storage import StoreError
 
     try:

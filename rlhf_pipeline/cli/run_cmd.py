@@ -71,10 +71,16 @@ _USER_OS_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.E
 
 def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.runs.run import RunError, run_command
+    from rlhf_pipeline.runs.run import run_command
+    from rlhf_pipeline.runs.run_directory import RunError
     from rlhf_pipeline.files.state_files import StateFileError
 
     try:
+        on_ray = None
+        if getattr(args, "ray", None) is not None:
+            from rlhf_pipeline.cluster.driver import ray_launcher
+
+            on_ray = ray_launcher(args.command, address=args.ray)
         code = run_command(
             args.command,
             pipeline_path=args.pipeline,
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             collector_index=getattr(args, "collector_index", 0),
             stop_fd=getattr(args, "stop_fd", None),
             wait_for_launcher=getattr(args, "wait_for_launcher", False),
-            ray_address=getattr(args, "ray", None),
+            on_ray=on_ray,
             status_fd=getattr(args, "status_fd", None),
         )
     except (PipelineError, RunError, StateFileError) as exc:

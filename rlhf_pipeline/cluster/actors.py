@@ -94,7 +94,7 @@ class ActorJob:
         return ray.get_actor(self.control_name, namespace=NAMESPACE)
 
     def build(self):
-        from rlhf_pipeline.runs.run import set_threads, build_pipeline, with_buffer_url
+        from rlhf_pipeline.runs.processes import build_pipeline, set_threads, with_buffer_url
 
         paths = RunPaths(Path(self.run_root))
         module = load_pipeline_module(self.pipeline_path)
@@ -189,7 +189,7 @@ class CollectorActor:
         return self.name
 
     def run(self) -> int:
-        from rlhf_pipeline.runs.run import collect_main
+        from rlhf_pipeline.runs.processes import collect_main
 
         control = self.job.control
         _register(control, self.name)
@@ -220,7 +220,7 @@ class LearnerActor:
 
     def run(self, master_addr: str, master_port: int) -> int:
         from rlhf_pipeline.learn.distributed import DataParallel
-        from rlhf_pipeline.runs.run import learn_main
+        from rlhf_pipeline.runs.processes import learn_main
 
         control = self.job.control
         _register(control, self.name)

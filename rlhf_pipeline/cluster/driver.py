@@ -32,24 +32,19 @@ Failure and stopping, the way ``run`` handles its processes:
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlhf_pipeline.pipeline import PipelineError, RunPaths
 from rlhf_pipeline.cluster.settings import RaySettings
-from rlhf_pipeline.runs.run import (
-    RunError,
-    _checkpoint_step,
-    _print_summary,
-    set_threads,
-    build_pipeline,
-    prepare_run,
-    with_buffer_url,
-)
+from rlhf_pipeline.runs.processes import build_pipeline, set_threads, with_buffer_url
+from rlhf_pipeline.runs.run_directory import prepare_run, RunError
+from rlhf_pipeline.runs.summary import checkpoint_step, print_summary
 from rlhf_pipeline.runs.stopping import LauncherSignals
 
 INSTALL_HINT = "pip install -e '.[ray]'"
@@ -75,6 +70,13 @@ def _import_ray() -> Any:
     except ImportError as exc:
         raise RunError(f"--ray needs Ray, which is not installed here ({exc}): {INSTALL_HINT}") from None
     return ray
+
+
+def ray_launcher(command: str, address: str) -> Callable[..., int]:
+    """What ``run_command(on_ray=...)`` calls for ``--ray ADDRESS`` ("" starts a local cluster);
+    fails in one line first when ``--ray`` cannot work here, before any slow work."""
+    require_ray(command)
+    return functools.partial(launch_on_ray, address=address)
 
 
 def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pipeline_path: str,
@@ -215,7 +217,7 @@ class _RayRun:
         if signals.received:
             self._stop_all()
             signum = signals.received[0]
-            reached = _checkpoint_step(self.paths)
+            reached = checkpoint_step(self.paths)
             saved = f"the learner's newest checkpoint is at step {reached}; " if reached is not None else ""
             print(f"[run] interrupted ({signal.Signals(signum).name}); {saved}run the same command again to "
                   f"resume {self.paths.root}", file=sys.stderr, flush=True)
@@ -227,7 +229,7 @@ class _RayRun:
         # the learner wrote STOP: every collector ends after its round
         self._wait(list(self.collector_tasks.values()), COLLECTOR_GRACE_S)
         time.sleep(LOG_FLUSH_S)  # Ray forwards what actors print from their log files, a little later
-        _print_summary(self.paths)
+        print_summary(self.paths)
         return 0
 
     def _first_failure(self, ready: list) -> str | None:

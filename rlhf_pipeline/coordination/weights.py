@@ -49,13 +49,14 @@ def _files(run_dir: str | Path) -> dict[int, Path]:
     return found
 
 
-def _versions(run_dir: str | Path) -> list[int]:
+def published_versions(run_dir: str | Path) -> list[int]:
+    """Every version published in ``run_dir``, oldest first."""
     return sorted(_files(run_dir))
 
 
 def latest_version(run_dir: str | Path) -> int | None:
     """The newest published version, or ``None`` when nothing is published yet."""
-    versions = _versions(run_dir)
+    versions = published_versions(run_dir)
     return versions[-1] if versions else None
 
 

@@ -1,5 +1,8 @@
 """Which source column holds what, and turning a chunk of source rows into stored-row columns.
 
+Why one file: the column mapping of ``import`` (which source column holds what) and turning a chunk
+into stored columns are one set of rules per row layout, checked against each other.
+
 Two row layouts, told apart by the completion column:
 
 * one row per completion: ``{"prompt": "...", "completion": "...", "reward": 1.0}``;

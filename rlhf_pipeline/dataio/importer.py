@@ -1,5 +1,8 @@
 """``import``: rows from JSONL, Parquet or a Hugging Face dataset into a replay buffer.
 
+Why one file: the two streaming passes of ``import`` (validate everything, then write) share their
+chunking, progress and resume record, and must stay in step row for row.
+
 Two streaming passes over the source, each holding one chunk at a time:
 
 1. **check**: every row is read, tokenized and validated exactly as it will be stored

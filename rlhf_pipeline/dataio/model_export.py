@@ -70,7 +70,7 @@ class ExportedModel:
 
 def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
     """Policy versions whose weights are on disk: published files, then checkpoints that hold one."""
-    from rlhf_pipeline.coordination.weights import _versions, weights_path
+    from rlhf_pipeline.coordination.weights import published_versions, weights_path
 
     paths = RunPaths(Path(run_root))
     if not paths.root.is_dir():
@@ -91,7 +91,7 @@ def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
             if publish_every and progress["step"] % publish_every == 0:
                 version = progress["policy_version"]
                 found[version] = VersionSource(version, file, "checkpoint")
-    for version in _versions(paths.root):
+    for version in published_versions(paths.root):
         found[version] = VersionSource(version, weights_path(paths.root, version), "weights")
     return dict(sorted(found.items()))
 

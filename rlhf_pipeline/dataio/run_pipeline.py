@@ -34,7 +34,7 @@ def load_run_pipeline(run_root: str | Path, pipeline_path: str | Path | None = N
                       device: str | None = None) -> Pipeline:
     """The run's pipeline built with the run's settings (``device`` may differ: it only says where
     models run). ``pipeline_path`` replaces the run's copy of its pipeline file."""
-    from rlhf_pipeline.runs.run import build_pipeline
+    from rlhf_pipeline.runs.processes import build_pipeline
 
     paths = RunPaths(Path(run_root).resolve())
     if not paths.settings_file.is_file():

@@ -3,7 +3,7 @@
 A checkpoint is one file ``checkpoints/step_XXXXXXXX.pt`` holding the progress record, the
 model, optimizer and LR-scheduler states, the RNG states (Python, NumPy, torch CPU and CUDA),
 the replay buffer's position (the store's ``state_dict``: which rows existed) and the
-sampler's state after the last draw a step used (``learn/sampling.py``); with the draw count
+sampler's state after the last draw a step used (``learn/samplers/``); with the draw count
 in the progress record, a resumed run redraws exactly the batches an uninterrupted one
 would. Files are written to ``*.partial`` and renamed into place
 (:mod:`rlhf_pipeline.files.atomic`), so a crash mid-write never leaves a checkpoint that looks

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from rlhf_pipeline.learn.sampling import DataTimeoutError
+from rlhf_pipeline.learn.samplers import DataTimeoutError
 from rlhf_pipeline.learn.shard_rows import RowNames, positions_of
 
 #: the per-row flag of a filler batch (see the module docstring): its rows carry no loss

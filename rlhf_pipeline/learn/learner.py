@@ -60,12 +60,12 @@ from rlhf_pipeline.learn.metrics import (
 )
 from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows, take_rows
 from rlhf_pipeline.learn.prefetch import Prefetcher
-from rlhf_pipeline.learn.sampling import make_sampler
+from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.shard_rows import next_rows, row_names
 from rlhf_pipeline.learn.usage import TrainedRows, staleness_metrics
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
-from rlhf_pipeline.pipeline import RunPaths
+from rlhf_pipeline.files.run_paths import RunPaths
 
 
 def lr_lambda(settings: LearnerSettings, total_steps: int) -> Callable[[int], float]:

@@ -76,7 +76,7 @@ class LearnerSettings:
     batch_size: int = 64
     """Rows (completions) per optimizer step."""
     sampler: str = "window"
-    """How each step picks its rows (learn/sampling.py lists them): window = uniformly from the
+    """How each step picks its rows (learn/samplers/ lists them): window = uniformly from the
     newest sample_window rows, once new_rows_per_step new rows arrived; exact = every fresh row
     in exactly uses_per_row steps, in the order written (no row left out or drawn twice);
     groups = whole groups from that window (see replace_zero_variance); prioritized = rows of the whole buffer by priority,
@@ -165,7 +165,7 @@ class LearnerSettings:
 
         if self.batch_size < 1:
             raise bad("batch_size", f"must be >= 1 (got {self.batch_size})")
-        from rlhf_pipeline.learn.sampling import SAMPLERS
+        from rlhf_pipeline.learn.samplers.registry import SAMPLERS
 
         if self.sampler not in SAMPLERS:
             raise bad("sampler", f"must be one of {sorted(SAMPLERS)} (got {self.sampler!r})")

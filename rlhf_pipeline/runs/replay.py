@@ -1,5 +1,9 @@
 """``rlhf-pipeline replay``: train a new run from a recorded buffer, offline.
 
+Why one file: ``replay`` is a command whose checks, run-directory preparation, re-scoring set-up and
+launch of its ranks run in a fixed order documented above; the pieces it shares with ``run`` live in
+:mod:`.processes` and :mod:`.run_directory`.
+
 Order of work, so that bad input fails before anything is written:
 
 1. load the pipeline file with ``--set``/``--device`` (as ``run`` does); open the source
@@ -8,7 +12,7 @@ Order of work, so that bad input fails before anything is written:
    and count its rows; check that it holds what the loss needs (advantages, reference
    log-probs) or that re-scoring will provide it;
 2. derive the learner settings: ``sampler="epoch"`` over those rows in ``--order`` (see
-   ``learn/epoch_sampler.py``), and **no staleness bound**: the rows carry the policy
+   ``learn/samplers/epoch.py``), and **no staleness bound**: the rows carry the policy
    versions of the run that recorded them, which say nothing about this learner's
    versions (the metrics still show them: ``charts/row_version_*``, ``charts/staleness_*``);
 3. prepare the new run directory under a lock: ``settings.json`` holds the pipeline's
@@ -92,7 +96,6 @@ class ReplayOptions:
 def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | None = None,
                    run_name: str | None = None, device: str | None = None, overrides: Sequence[str] = (),
                    list_settings: bool = False) -> int:
-    from rlhf_pipeline.runs.run import build_pipeline
 
     options.check()
     module = load_pipeline_module(pipeline_path)
@@ -114,7 +117,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
 
 def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths: RunPaths,
             cli_overrides: list[str], overrides: Sequence[str], device: str | None, holder_fd: int = -1) -> int:
-    from rlhf_pipeline.runs.run import build_pipeline
+    from rlhf_pipeline.runs.processes import build_pipeline
 
     source = source_location(options.buffer)
     saved = _saved_replay(paths)
@@ -337,7 +340,7 @@ def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
 
 def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> None:
     """Writes ``settings.json`` (or checks a resumed replay against it) and publishes version 0."""
-    from rlhf_pipeline.runs.run import set_threads
+    from rlhf_pipeline.runs.processes import set_threads
     from rlhf_pipeline.runs.run_directory import keep_pipeline_copy, run_lock, settings_changes
     from rlhf_pipeline.coordination.weights import latest_version, publish_weights
 

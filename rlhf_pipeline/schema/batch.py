@@ -1,5 +1,10 @@
 """``TrajectoryBatch``: N rows in columnar form, and ``validate_batch``, the checks every write
-passes at the storage's door before anything is stored."""
+passes at the storage's door before anything is stored.
+
+Why one file: ``TrajectoryBatch`` and ``validate_batch`` are the two sides of the door: the columns
+a batch may hold and the checks they pass, field kind by field kind, read side by side when either
+changes.
+"""
 
 from __future__ import annotations
 
@@ -423,3 +428,21 @@ def _cast(spec: FieldSpec, tensor: torch.Tensor, offsets: torch.Tensor | None = 
         if tensor.dtype != torch.bool:
             raise TrajectoryValidationError(f"expected a bool tensor, got dtype {tensor.dtype}", field=spec.name)
     return tensor.detach().to("cpu", spec.dtype).contiguous()
+
+
+def as_trajectory_batch(data: object) -> TrajectoryBatch:
+    """``data`` as a batch: a ``TrajectoryBatch`` as it is, one ``Trajectory`` as a batch of one,
+    a TensorDict with torchrl's LLM keys converted (what a torchrl ``ReplayBuffer.extend`` hands
+    a store). Anything else is a ``TypeError`` naming what a store takes."""
+    if isinstance(data, TrajectoryBatch):
+        return data
+    if isinstance(data, Trajectory):
+        return TrajectoryBatch.from_rows([data])
+    from tensordict import is_tensor_collection
+
+    if is_tensor_collection(data):
+        return TrajectoryBatch.from_tensordict(data)
+    raise TypeError(
+        f"a trajectory store takes a TrajectoryBatch or a TensorDict with torchrl LLM keys, "
+        f"got {type(data).__name__}"
+    )

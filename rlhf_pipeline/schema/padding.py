@@ -1,5 +1,9 @@
 """Padded learner batches: a ``TrajectoryBatch`` (ragged rows) -> one ``TensorDict`` of (B, ...) tensors.
 
+Why one file: the padded layout is one contract (left-padded prompts, right-padded responses, the
+mask and position conventions), and ``pad_batch``, ``PaddedCollator`` and the assembly helpers the
+stores' fused reads share must change together.
+
 This is the learner's input contract. ``pad_batch`` (and ``PaddedCollator``, the same
 thing as a torchrl ``ReplayBuffer`` ``collate_fn``) turns B stored rows into the
 tensors a GRPO step reads, under torchrl 0.14's LLM key conventions, so torchrl's

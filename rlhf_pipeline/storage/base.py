@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from torchrl.data.replay_buffers.storages import Storage
 
 from rlhf_pipeline.schema.padding import check_index_dtype, pad_batch, padded_fields, place_padded
-from rlhf_pipeline.schema import StoreSchema, Trajectory, TrajectoryBatch, validate_batch
+from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, validate_batch
 from rlhf_pipeline.storage.errors import (  # noqa: F401 - re-exported: the contract's errors
     IncompatibleStoreError,
     NotAStoreError,
@@ -241,7 +241,7 @@ class TrajectoryStore(Storage, abc.ABC):
 
         A unit is what the backend reads as a whole (a memmap segment, a Zarr unit), so a
         reader that walks rows unit by unit touches each once (epoch replay does,
-        ``learn/epoch_sampler.py``). Backends without such units are one unit.
+        ``learn/samplers/epoch.py``). Backends without such units are one unit.
         """
         n = self._published_len()
         return [(0, n)] if n else []
@@ -376,18 +376,3 @@ class TrajectoryStore(Storage, abc.ABC):
             f"{type(self).__name__} holds open files and a lock and is not pickled; pass its "
             f"location to the other process and open it there with mode='r'"
         )
-
-
-def _as_batch(data: Any) -> TrajectoryBatch:
-    if isinstance(data, TrajectoryBatch):
-        return data
-    if isinstance(data, Trajectory):
-        return TrajectoryBatch.from_rows([data])
-    from tensordict import is_tensor_collection
-
-    if is_tensor_collection(data):
-        return TrajectoryBatch.from_tensordict(data)
-    raise TypeError(
-        f"a trajectory store takes a TrajectoryBatch or a TensorDict with torchrl LLM keys, "
-        f"got {type(data).__name__}"
-    )

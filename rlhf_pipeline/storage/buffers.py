@@ -110,7 +110,7 @@ def stores_in(location: str) -> list[tuple[str, str]]:
     nothing there is a store, ``StoreCorruptedError`` when the store is too damaged to tell
     its backend (a shard being created, with no metadata yet, is skipped).
     """
-    from rlhf_pipeline.storage import detect_backend
+    from rlhf_pipeline.storage.backends import detect_backend
     from rlhf_pipeline.storage.errors import NotAStoreError
 
     location = str(location)
@@ -132,7 +132,7 @@ def stores_in(location: str) -> list[tuple[str, str]]:
 
 def buffer_stats(location: str) -> StoreStats:
     """``inspect``'s summary of a buffer, summed over its shards; no torch."""
-    from rlhf_pipeline.storage import inspection
+    from rlhf_pipeline.storage.backends import inspection
 
     stores = stores_in(location)
     if not is_sharded_buffer(location):
@@ -183,13 +183,13 @@ def combine_stats(location: str, per_shard: list[StoreStats], schema_optional: l
 
 def verify_buffer(location: str, progress: Progress | None = None) -> list[CheckReport]:
     """``inspect --verify``: one report per store of the buffer."""
-    from rlhf_pipeline.storage import inspection
+    from rlhf_pipeline.storage.backends import inspection
 
     return [inspection(backend).verify(path, progress) for backend, path in stores_in(location)]
 
 
 def repair_buffer(location: str, *, apply: bool = False, progress: Progress | None = None) -> list[RepairReport]:
     """``repair``: one report per store of the buffer (a dry run unless ``apply``)."""
-    from rlhf_pipeline.storage import inspection
+    from rlhf_pipeline.storage.backends import repairer
 
-    return [inspection(backend).repair(path, apply=apply, progress=progress) for backend, path in stores_in(location)]
+    return [repairer(backend).repair(path, apply=apply, progress=progress) for backend, path in stores_in(location)]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.storage import backend_class, inspection, open_store
+from rlhf_pipeline.storage.backends import backend_class, inspection, open_store
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
 
 DEFAULT_SEGMENT_ROWS = 4096

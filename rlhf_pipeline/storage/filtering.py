@@ -290,7 +290,7 @@ def _backend_and_segment(source: TrajectoryStore) -> tuple[str, int]:
 
 def _copy_rows(source: TrajectoryStore, parts: list[Part], positions: np.ndarray, dst: str, to: str | None,
                chunk_rows: int, progress: Progress | None, dst_options: dict[str, Any]) -> StoreStats:
-    from rlhf_pipeline.storage import backend_class
+    from rlhf_pipeline.storage.backends import backend_class
 
     backend, segment_rows = _backend_and_segment(source)
     target_cls = backend_class(to or backend)
@@ -316,7 +316,7 @@ def _copy_rows(source: TrajectoryStore, parts: list[Part], positions: np.ndarray
         if local:
             shutil.rmtree(build_at, ignore_errors=True)
         raise
-    from rlhf_pipeline.storage import open_store
+    from rlhf_pipeline.storage.backends import open_store
 
     with open_store(dst, mode="r") as written:
         return written.stats()

@@ -1,5 +1,8 @@
 """A prioritized sampler on torchrl's ``Sampler`` contract that works here (no compiled extension).
 
+Why one file: a torchrl ``Sampler`` must be one class (its contract: sample, update_priority,
+state_dict over the storage's parts); the sum tree is already apart (:mod:`.sum_tree`).
+
 torchrl 0.14.1's ``PrioritizedSampler`` needs ``torchrl._torchrl``, whose compiled segment
 trees do not load against torch 2.13 (``SumSegmentTreeFp32 is not available``).
 :class:`PrioritizedSampler` keeps torchrl's contract and its prioritized experience replay
@@ -43,7 +46,7 @@ import numpy as np
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
-from rlhf_pipeline.storage.base import TrajectoryStore
+from rlhf_pipeline.storage.capabilities import is_trajectory_store
 from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of
 from rlhf_pipeline.storage.sum_tree import SumMinTree
 
@@ -215,7 +218,7 @@ class PrioritizedSampler(Sampler):
 
     # ---------------------------------------------------------------- keeping up with the storage
     def _layout(self, storage) -> list[Part]:
-        if isinstance(storage, TrajectoryStore):
+        if is_trajectory_store(storage):
             return parts_of(storage)
         return [Part(0, storage, 0, len(storage), 0)]
 
@@ -241,7 +244,7 @@ class PrioritizedSampler(Sampler):
                 self._add_rows(state, part, storage)
             if part.index in self._overrides:
                 self._apply_overrides(part.index, state)
-        if self._written and not isinstance(storage, TrajectoryStore):
+        if self._written and not is_trajectory_store(storage):
             state = self._parts[0]
             written = np.unique(np.concatenate(self._written))
             written = written[written < state.known]
@@ -284,7 +287,7 @@ class PrioritizedSampler(Sampler):
     def _priorities_of(self, part: Part, storage, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Raw priorities and policy versions of global rows ``[first, stop)`` of ``part`` (the
         range may come back shorter, ending before a group that continues after ``stop``)."""
-        if not isinstance(storage, TrajectoryStore):  # a torchrl storage: default priority, no versions
+        if not is_trajectory_store(storage):  # a torchrl storage: default priority, no versions
             return np.full(stop - first, self._max_priority), np.zeros(stop - first, dtype=np.int64)
         fields = set(self.priority.fields if self.priority else ()) | {"policy_version"}
         rows = part.store.read_global(torch.arange(first, stop), fields=tuple(sorted(fields)))

@@ -15,10 +15,13 @@ no longer held). Neither refreshes the store.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rlhf_pipeline.storage.base import TrajectoryStore
+if TYPE_CHECKING:
+    from rlhf_pipeline.storage.base import TrajectoryStore
+
 
 
 @dataclass(frozen=True)

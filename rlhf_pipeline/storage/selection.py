@@ -1,5 +1,8 @@
 """Saved selections: a filtered view of a buffer that is read in place, never copied.
 
+Why one file: a selection's file format, its writer and the read-only store over it are one feature
+whose parts check each other (the source's identity, the rows still present).
+
 ``rlhf-pipeline filter SRC DST --where ... --selection`` (or :func:`write_selection`) saves
 which rows of ``SRC`` were kept; :func:`~rlhf_pipeline.storage.open_buffer` opens ``DST`` as
 a read-only :class:`SelectionStore`, a :class:`TrajectoryStore` whose positions
@@ -211,7 +214,7 @@ class SelectionStore(TrajectoryStore):
             raise
 
     def _load(self, manifest: dict[str, Any], open_options: dict[str, Any]) -> None:
-        from rlhf_pipeline.storage import open_store
+        from rlhf_pipeline.storage.backends import open_store
 
         where = self._path / MANIFEST_NAME
         if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:

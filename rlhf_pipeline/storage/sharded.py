@@ -125,7 +125,7 @@ class ShardedStoreReader(TrajectoryStore):
         return dict(self._shards)
 
     def _discover(self) -> None:
-        from rlhf_pipeline.storage import open_store
+        from rlhf_pipeline.storage.backends import open_store
 
         if self._listing_current():
             return

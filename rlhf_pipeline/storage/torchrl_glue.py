@@ -20,7 +20,7 @@ import functools
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import is_tensor_collection
@@ -30,7 +30,11 @@ from torchrl.data.replay_buffers.samplers import RandomSampler, Sampler, Sampler
 from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter, TensorDictRoundRobinWriter, Writer
 
 from rlhf_pipeline.schema import TrajectoryBatch
-from rlhf_pipeline.storage.base import TrajectoryStore, _as_batch
+from rlhf_pipeline.schema.batch import as_trajectory_batch
+from rlhf_pipeline.storage.capabilities import is_trajectory_store
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.storage.base import TrajectoryStore
 
 def _prioritized() -> Sampler:
     from rlhf_pipeline.storage.prioritized import PrioritizedSampler
@@ -136,22 +140,22 @@ class AppendWriter(Writer):
     """
 
     def add(self, data: Any) -> int:
-        batch = _as_batch(data)
+        batch = as_trajectory_batch(data)
         if len(batch) != 1:
             raise ValueError(f"add() takes one row, got {len(batch)}; use extend() for several")
         return int(self._store().append(batch)[0])
 
     def extend(self, data: Any) -> torch.Tensor:
-        return self._store().append(_as_batch(data))
+        return self._store().append(as_trajectory_batch(data))
 
     @property
     def _write_count(self) -> int:
         """Rows ever published to the store (``rb.write_count``, ``rb.stats()``): durable, and
         counting rows written by earlier runs too, as the store's positions do."""
-        return self._storage.next_row if isinstance(self._storage, TrajectoryStore) else 0
+        return self._storage.next_row if is_trajectory_store(self._storage) else 0
 
     def _store(self) -> TrajectoryStore:
-        if not isinstance(self._storage, TrajectoryStore):
+        if not is_trajectory_store(self._storage):
             raise TypeError(
                 f"AppendWriter writes to a TrajectoryStore, got {type(self._storage).__name__}; build "
                 f"the buffer with make_replay_buffer(store)"

@@ -10,7 +10,7 @@ import torch
 
 from rlhf_pipeline.bench import replay_bench
 from rlhf_pipeline.bench.replay_bench import BACKENDS, ORDERS, RECORD_FIELDS, format_table, run_benchmark
-from rlhf_pipeline.bench.storage_bench import BenchSpec
+from rlhf_pipeline.bench.storage_backends import BenchSpec
 
 TINY = BenchSpec(completions=96, group_size=4, min_prompt_len=2, max_prompt_len=12, min_response_len=1,
                  max_response_len=20, write_batch_size=32, sample_batch_size=8)

@@ -11,16 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_pipeline.bench.storage_bench import (
-    BACKENDS,
-    RECORD_FIELDS,
-    REMOTE_BACKENDS,
-    BenchSpec,
-    add_ratios,
-    format_table,
-    load_backend,
-    run_benchmark,
-)
+from rlhf_pipeline.bench.storage_backends import BACKENDS, REMOTE_BACKENDS, BenchSpec, load_backend
+from rlhf_pipeline.bench.storage_bench import RECORD_FIELDS, add_ratios, format_table, run_benchmark
 from rlhf_pipeline.schema.padding import pad_batch
 from rlhf_pipeline.schema import TrajectoryBatch
 

@@ -59,7 +59,8 @@ def collected_buffers(tmp_path_factory) -> dict[str, Path]:
 def tiny_run(tmp_path_factory) -> Path:
     """A default-pipeline run: 4 collector rounds, 3 learner steps, weights v0..v3, checkpoints at 2 and 3."""
     from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.runs.run import build_pipeline, collect_main, learn_main, prepare_run
+    from rlhf_pipeline.runs.processes import build_pipeline, collect_main, learn_main
+    from rlhf_pipeline.runs.run_directory import prepare_run
 
     module = load_pipeline_module(DEFAULT_PIPELINE)
     # a short warm start gives rewards some spread, so the learner's steps change the weights

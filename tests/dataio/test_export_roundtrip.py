@@ -12,7 +12,7 @@ from rlhf_pipeline.dataio.columns import ColumnMap
 from rlhf_pipeline.dataio.export import export_buffer
 from rlhf_pipeline.dataio.importer import ImportOptions, import_source
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-from rlhf_pipeline.runs.run import build_pipeline
+from rlhf_pipeline.runs.processes import build_pipeline
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema
 from rlhf_pipeline.storage import create_store, open_buffer
 

@@ -24,7 +24,7 @@ from rlhf_pipeline.dataio.sources import SourceError
 from rlhf_pipeline.schema.ids import collector_index_of
 from rlhf_pipeline.models import char_tokenizer
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-from rlhf_pipeline.runs.run import build_pipeline
+from rlhf_pipeline.runs.processes import build_pipeline
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema
 from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs

@@ -105,7 +105,8 @@ def test_two_collectors_feed_one_learner_through_buffer_shards(tmp_path):
 def test_single_store_buffers_of_older_runs_keep_one_collector(tmp_path):
     """A run made before shards keeps ``buffer/`` as one store and ``collector/state.pt``."""
     from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.runs.run import RunError, build_pipeline, prepare_run
+    from rlhf_pipeline.runs.processes import build_pipeline
+    from rlhf_pipeline.runs.run_directory import prepare_run, RunError
 
     module = load_pipeline_module(DEFAULT)
     paths = RunPaths(tmp_path / "old")
@@ -131,7 +132,8 @@ def test_a_start_killed_while_making_a_shard_leaves_nothing_taken_for_a_shard(tm
     midway leaves (here: a store made but never renamed, without its commit record) is not a
     shard to readers, and the next start makes the shard afresh."""
     from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.runs.run import build_pipeline, prepare_run
+    from rlhf_pipeline.runs.processes import build_pipeline
+    from rlhf_pipeline.runs.run_directory import prepare_run
     from rlhf_pipeline.storage import detect_backend
 
     module = load_pipeline_module(DEFAULT)
@@ -160,7 +162,8 @@ def test_settings_added_to_a_pipeline_since_a_run_started_keep_their_default(tmp
     import json
 
     from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-    from rlhf_pipeline.runs.run import RunError, build_pipeline, prepare_run
+    from rlhf_pipeline.runs.processes import build_pipeline
+    from rlhf_pipeline.runs.run_directory import prepare_run, RunError
 
     module = load_pipeline_module(DEFAULT)
     paths = RunPaths(tmp_path / "run")

@@ -20,6 +20,7 @@ import torch
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import RunPaths
+from rlhf_pipeline.cluster.driver import ray_launcher
 from rlhf_pipeline.runs.run import run_command
 from rlhf_pipeline.storage import open_buffer, open_store
 from rlhf_pipeline.storage.sharded import list_shards
@@ -171,7 +172,8 @@ OFFLINE = ["learner.sampler=epoch", "learner.epoch_order=sequential", "learner.m
 def learn(recorded: Path, tmp_path: Path, name: str, world_size: int, ray_address: str | None) -> Path:
     shutil.copytree(recorded, tmp_path / name)
     code = run_command("learn", pipeline_path=DEFAULT, steps=3, home=str(tmp_path), run_name=name,
-                       overrides=[*RECORD, *OFFLINE, f"learner.world_size={world_size}"], ray_address=ray_address)
+                       overrides=[*RECORD, *OFFLINE, f"learner.world_size={world_size}"],
+                       on_ray=None if ray_address is None else ray_launcher("learn", address=ray_address))
     assert code == 0
     return tmp_path / name
 

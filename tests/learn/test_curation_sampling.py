@@ -1,6 +1,6 @@
 """Curation in the learner: whole-group draws with zero-variance replacement, prioritized draws
-with importance weights, and training over a saved selection (learn/group_sampler.py,
-learn/prioritized_sampler.py, the loss's row weights)."""
+with importance weights, and training over a saved selection (learn/samplers/groups.py,
+learn/samplers/prioritized.py, the loss's row weights)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from helpers import make_batch
-from rlhf_pipeline.learn.group_sampler import GroupWindowSampler
+from rlhf_pipeline.learn.samplers.groups import GroupWindowSampler
 from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.loss import grpo_loss
 from rlhf_pipeline.learn.metrics import read_metrics
-from rlhf_pipeline.learn.prioritized_sampler import PrioritizedRowSampler
+from rlhf_pipeline.learn.samplers.prioritized import PrioritizedRowSampler
 from rlhf_pipeline.learn.settings import PRIORITY_NAMES, GRPOLossConfig, LearnerSettings
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths
@@ -147,7 +147,7 @@ def test_prioritized_row_sampler_weights_and_staleness(tmp_path):
         again.current_version = 4
         assert again.draw(0).positions.tolist() == drawn.positions.tolist()
         sampler.current_version = 9
-        from rlhf_pipeline.learn.sampling import DataTimeoutError
+        from rlhf_pipeline.learn.samplers import DataTimeoutError
 
         with pytest.raises(DataTimeoutError, match="no more than 1 versions older than learner version 9"):
             sampler.draw(1)

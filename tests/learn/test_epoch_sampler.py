@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import make_batch
 
-from rlhf_pipeline.learn.epoch_sampler import EpochSampler, shuffled_order
-from rlhf_pipeline.learn.sampling import make_sampler
+from rlhf_pipeline.learn.samplers.epoch import EpochSampler, shuffled_order
+from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.storage.sharded import shard_path

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from helpers import make_batch
-from rlhf_pipeline.learn.exact_sampler import ExactUseSampler
-from rlhf_pipeline.learn.sampling import DataTimeoutError, make_sampler
+from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
+from rlhf_pipeline.learn.samplers import DataTimeoutError, make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_buffer

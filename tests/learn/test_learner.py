@@ -15,8 +15,8 @@ from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_step_loss
 from rlhf_pipeline.learn.metrics import group_reward_stats, read_metrics
 from rlhf_pipeline.learn.microbatch import plan_microbatches, split_microbatches
 from rlhf_pipeline.learn.prefetch import Prefetcher
-from rlhf_pipeline.learn.sampling import DataTimeoutError
-from rlhf_pipeline.learn.window_sampler import FreshRowSampler
+from rlhf_pipeline.learn.samplers import DataTimeoutError
+from rlhf_pipeline.learn.samplers.window import FreshRowSampler
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema

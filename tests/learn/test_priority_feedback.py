@@ -1,6 +1,6 @@
 """The learner feeds priorities back to the prioritized sampler (learner.priority_feedback):
 per-row values from the loss, applied by row key a fixed number of draws later, kept across a
-resume (learn/prioritized_sampler.py, learn/loss.py per_row_feedback, learn/learner.py)."""
+resume (learn/samplers/prioritized.py, learn/loss.py per_row_feedback, learn/learner.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from helpers import make_batch
 from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.loss import grpo_loss
 from rlhf_pipeline.learn.metrics import read_metrics
-from rlhf_pipeline.learn.prioritized_sampler import PrioritizedRowSampler
+from rlhf_pipeline.learn.samplers.prioritized import PrioritizedRowSampler
 from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths

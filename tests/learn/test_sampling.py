@@ -3,8 +3,8 @@ import threading
 import pytest
 
 from rlhf_pipeline.learn.settings import LearnerSettings
-from rlhf_pipeline.learn.sampling import SAMPLERS, make_sampler
-from rlhf_pipeline.learn.window_sampler import FreshRowSampler
+from rlhf_pipeline.learn.samplers import SAMPLERS, make_sampler
+from rlhf_pipeline.learn.samplers.window import FreshRowSampler
 from rlhf_pipeline.storage import create_store, open_store
 from tests.helpers import make_batch
 

@@ -7,8 +7,8 @@ import torch
 
 from helpers import make_batch
 from rlhf_pipeline.schema.padding import PaddedCollator
-from rlhf_pipeline.learn.sampling import DataTimeoutError
-from rlhf_pipeline.learn.window_sampler import FreshRowSampler
+from rlhf_pipeline.learn.samplers import DataTimeoutError
+from rlhf_pipeline.learn.samplers.window import FreshRowSampler
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage import (
     NotAStoreError,

@@ -35,14 +35,8 @@ from rlhf_pipeline.storage.memmap.state_slots import StateSlots
 from rlhf_pipeline.storage.reports import CheckReport, Progress
 from rlhf_pipeline.storage.summary import StoreStats, disk_usage
 
-__all__ = ["PublishedView", "check_segment", "detect", "repair", "stats", "verify"]
+__all__ = ["PublishedView", "check_segment", "detect", "stats", "verify"]
 
-
-def repair(location: str, *, apply: bool = False, progress: Progress | None = None):
-    """``rlhf-pipeline repair`` (see :mod:`.repair`)."""
-    from rlhf_pipeline.storage.memmap.repair import repair as run
-
-    return run(location, apply=apply, progress=progress)
 
 
 class PublishedView:

@@ -1,5 +1,8 @@
 """The memory-mapped trajectory store: ragged columnar segments in a local directory.
 
+Why one file: the store class keeps the ``TrajectoryStore`` contract in one place; its layout,
+segments, row index, checksums, gather and repair are already modules of their own in this folder.
+
 On disk::
 
     <path>/

@@ -23,7 +23,7 @@ from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root,
 from rlhf_pipeline.storage.zarr.units import ROOT_META, UnitCodecs, UnitGone, UnitRef, read_unit
 
 BACKEND = "zarr"
-__all__ = ["detect", "repair", "stats", "summarize", "verify"]
+__all__ = ["detect", "stats", "summarize", "verify"]
 _ROW_SUMMARY = ("group_id", "reward", "policy_version")
 
 
@@ -206,10 +206,3 @@ def verify(location: str, progress: Progress | None = None, storage_options: dic
         return report
     finally:
         loc.kv.close()
-
-
-def repair(location: str, *, apply: bool = False, progress: Progress | None = None):
-    """``rlhf-pipeline repair`` (see :mod:`.repair`)."""
-    from rlhf_pipeline.storage.zarr.repair import repair as run
-
-    return run(location, apply=apply, progress=progress)

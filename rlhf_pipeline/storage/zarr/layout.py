@@ -1,5 +1,8 @@
 """The on-disk layout of a Zarr trajectory store: keys, array metadata, codecs, packing; no torch.
 
+Why one file: the whole on-disk format of a Zarr store (keys, array metadata, codecs, unit packing)
+in one place, as ``docs/zarr-layout.md`` describes it; a split would put one format in two files.
+
 A store is a Zarr v3 hierarchy (see ``docs/zarr-layout.md``)::
 
     zarr.json                          root group; attributes["rlhf_pipeline"] is the commit record

@@ -1,6 +1,10 @@
 """Zarr stores on S3 and S3-compatible servers: create-only unit writes, a compare-and-swap
 commit record and a leased writer lock; no torch.
 
+Why one file: the S3 protocol is one piece: create-only unit writes, the compare-and-swap commit
+record and the leased writer lock share the conditional-request helpers and their error handling,
+and are only correct together.
+
 Object storage has no rename, no ``flock`` and no ``fsync``. What it has: a PUT replaces a
 whole object atomically, a read after a write sees it (AWS S3 since 2020, MinIO, moto), and
 *conditional writes* (``If-None-Match: *`` creates only, ``If-Match: <etag>`` replaces only
@@ -58,7 +62,7 @@ from rlhf_pipeline.storage.errors import (
 )
 from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, pid_running
 from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY
-from rlhf_pipeline.storage.zarr.location import ZarrStoreKV
+from rlhf_pipeline.storage.zarr.store_kv import ZarrStoreKV
 from rlhf_pipeline.storage.zarr.units import ROOT_META
 
 log = logging.getLogger(__name__)

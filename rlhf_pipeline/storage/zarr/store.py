@@ -1,5 +1,9 @@
 """Zarr v3 trajectory store: the memmap contract on local directories, zip files and fsspec URLs.
 
+Why one file: the store class keeps the ``TrajectoryStore`` contract in one place; layout, units,
+unit cache, writer, location, padded reads and repair are already modules of their own in this
+folder.
+
 Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr.layout` (and
 ``docs/zarr-layout.md``). How it stays consistent without a synchronizer:
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
+from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, SampledRows
 from rlhf_pipeline.coordination.polling import PollBackoff
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
+from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, SampledRows
 from rlhf_pipeline.learn.shard_rows import next_rows, shard_stores, union_positions
 from rlhf_pipeline.coordination.polling import PollBackoff
 

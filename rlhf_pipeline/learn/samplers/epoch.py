@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.learn.sampling import SampledRows
+from rlhf_pipeline.learn.samplers.contract import SampledRows
 
 ORDERS = ("shuffle", "sequential", "with-replacement")
 

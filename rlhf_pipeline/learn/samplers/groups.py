@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.learn.sampling import DataTimeoutError, SampledRows
+from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, SampledRows
 from rlhf_pipeline.coordination.polling import PollBackoff
 from rlhf_pipeline.storage.row_keys import keys_of, parts_of, positions_of
 

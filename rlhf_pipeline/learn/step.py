@@ -1,0 +1,128 @@
+"""One optimizer step, top to bottom, as one rank sees it.
+
+    batch (B rows) ─► micro-batches of at most ``micro_batch_tokens`` tokens, each weighted by
+    its share of the step's batch ─► forward + GRPO loss, backward (gradients accumulate)
+    ─► clip the gradient norm ─► AdamW step ─► LR schedule step
+
+:func:`plan_step` cuts a batch into weighted micro-batches; :func:`train_step` runs them. The
+step knows nothing of other ranks: data parallelism is a layer around it
+(``DataParallel.plan_step`` in ``learn/distributed.py``), which hands :func:`train_step` a
+:class:`StepPlan` whose weights are shares of the *global* batch, whose micro-batches sync
+gradients over the ranks on the last one, and whose ``reduce`` sums the metrics over the ranks.
+With one rank the plan is this module's own and every one of those is the identity.
+
+Why the weights: each micro-batch's loss is weighted by its response tokens over the batch's
+(``token_mean`` aggregation) or its rows over the batch's (the others), so the gradient
+accumulated over the micro-batches is the gradient of the whole batch's loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from tensordict import TensorDict
+
+from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss
+from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.learn.settings import LearnerSettings
+
+
+@dataclass
+class MicroBatch:
+    """One forward and backward of a step."""
+
+    rows: torch.Tensor  # (b,) indices of its rows in the rank's batch (CPU)
+    batch: TensorDict  # the rows, padded and trimmed to their longest
+    weight: float  # its share of the step's loss (0 for a rank's filler row or an FSDP repeat)
+    counts: bool = True  # False for a repeat run only to take part in FSDP's gathers
+    gradient_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+@dataclass
+class StepPlan:
+    """What :func:`train_step` runs: the micro-batches, and the step's totals over every rank."""
+
+    micro_batches: list[MicroBatch]
+    rows: int  # rows of the step's (global) batch
+    response_tokens: int  # their response tokens: what token_mean divides by
+    attention_tokens: int  # their prompt + response tokens: what tokens/s counts
+    loss_scale: float = 1.0  # DDP and FSDP average gradients over ranks; the loss undoes that
+    reduce: Callable[[dict[str, float]], dict[str, float]] = field(default=lambda sums: sums)
+
+
+@dataclass
+class StepOutcome:
+    losses: dict[str, float]  # every loss statistic, weighted as the whole batch's
+    grad_norm: float  # before clipping
+    learning_rate: float  # the one the step used
+    row_feedback: torch.Tensor | None  # (B,) each row's new priority, in batch order; None when off
+
+
+def batch_counts(batch: TensorDict) -> tuple[int, int, int]:
+    """``(rows, response tokens, attention tokens)`` of a padded batch."""
+    return (batch.batch_size[0], int(batch["masks", "response"].sum()),
+            int(batch["masks", "all_attention_mask"].sum()))
+
+
+def micro_batch_weight(micro: TensorDict, *, rows: int, response_tokens: int, token_mean: bool) -> float:
+    """A micro-batch's share of a batch of ``rows`` rows and ``response_tokens`` response tokens."""
+    if token_mean:
+        return int(micro["masks", "response"].sum()) / max(response_tokens, 1)
+    return micro.batch_size[0] / rows
+
+
+def plan_step(batch: TensorDict, settings: LearnerSettings) -> StepPlan:
+    """One rank's plan: ``batch`` cut into micro-batches, each weighted by its share of it."""
+    rows, response_tokens, attention_tokens = batch_counts(batch)
+    token_mean = aggregates_by_token(settings.loss)
+    micro_batches = [
+        MicroBatch(indices, micro, micro_batch_weight(micro, rows=rows, response_tokens=response_tokens,
+                                                      token_mean=token_mean))
+        for indices, micro in split_microbatches_with_rows(batch, settings.micro_batch_tokens)
+    ]
+    return StepPlan(micro_batches, rows, response_tokens, attention_tokens)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, plan: StepPlan,
+               settings: LearnerSettings, *, forward_model: torch.nn.Module | None = None,
+               autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> StepOutcome:
+    """Runs ``plan``: accumulates the gradient of the batch's GRPO loss, clips it, steps.
+
+    ``forward_model``: what the forward and backward run through (a DDP or FSDP wrapper of
+    ``model``; default ``model``). ``autocast``: the forward's precision context (bf16 on CUDA).
+    """
+    forward_model = forward_model if forward_model is not None else model
+    loss_options = dataclasses.asdict(settings.loss)
+    feedback_kind = settings.priority_feedback if settings.priority_feedback != "none" else None
+    local_rows = sum(int(part.rows.numel()) for part in plan.micro_batches if part.counts)
+    row_feedback = torch.zeros(local_rows) if feedback_kind else None
+
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {}
+    for part in plan.micro_batches:
+        with part.gradient_sync(), autocast():
+            loss, stats = grpo_step_loss(forward_model, part.batch, temperature=settings.temperature,
+                                         row_feedback=feedback_kind, **loss_options)
+            (loss * (part.weight * plan.loss_scale)).backward()
+        feedback = stats.pop("row_feedback", None)  # (b,): the only non-scalar statistic
+        if row_feedback is not None and part.counts:
+            row_feedback[part.rows] = feedback.float().cpu()
+        for key, value in stats.items():
+            sums[key] = sums.get(key, 0.0) + float(value) * part.weight
+    losses = plan.reduce(sums)
+
+    clip = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the same on every rank
+        grad_norm = grad_norm.full_tensor()
+    learning_rate = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    return StepOutcome(losses, float(grad_norm), learning_rate, row_feedback)

@@ -1,0 +1,31 @@
+"""What a finished or interrupted run says about itself: its newest checkpoint's step and the
+reward it reached. Imports no torch: the launcher prints these after its children are done."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rlhf_pipeline.files.run_paths import RunPaths
+
+
+def checkpoint_step(paths: RunPaths) -> int | None:
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+
+    return CheckpointManager(paths.checkpoints).latest_step()
+
+
+def print_summary(paths: RunPaths) -> None:
+    # metrics.jsonl read here, not with learn.metrics.read_metrics: that module imports torch,
+    # which would cost the launcher seconds after the learner is done
+    lines = paths.metrics.read_text(encoding="utf-8").splitlines() if paths.metrics.exists() else []
+    records = [json.loads(line) for line in lines if line.strip()]
+    if not records:
+        return
+    rewards = [r.get("charts/reward_mean") for r in records if "charts/reward_mean" in r]
+    k = max(1, len(rewards) // 10)
+    first = sum(rewards[:k]) / k if rewards else float("nan")
+    last = sum(rewards[-k:]) / k if rewards else float("nan")
+    print(f"[run] done: {records[-1]['step']} learner steps; mean reward {first:.3f} "
+          f"(first {k} steps) -> {last:.3f} (last {k} steps)", file=sys.stderr)
+    print(f"[run] metrics: {paths.metrics}  tensorboard: {paths.tensorboard}", file=sys.stderr)

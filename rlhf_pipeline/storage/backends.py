@@ -1,0 +1,100 @@
+"""The storage backends by name, and opening or creating one store of any of them.
+
+``BACKENDS`` names each backend's store class (imported on first use, with torch);
+``INSPECTION`` and ``REPAIR`` name its torch-free modules, which ``inspect`` and ``repair``
+read a store's files with. :func:`detect_backend` asks each backend whether a location is one
+of its stores. The package's ``open_buffer`` builds on these for buffers of several shards.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING
+
+from rlhf_pipeline.storage.errors import NotAStoreError, StoreNotFoundError
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage.base import TrajectoryStore
+
+# backend name -> "module:Class"; tried in this order by open_store
+BACKENDS: dict[str, str] = {
+    "memmap": "rlhf_pipeline.storage.memmap:MemmapTrajectoryStore",
+    "zarr": "rlhf_pipeline.storage.zarr:ZarrTrajectoryStore",
+}
+
+# backend name -> module of torch-free functions on a location: detect, stats, verify
+INSPECTION: dict[str, str] = {
+    "memmap": "rlhf_pipeline.storage.memmap.inspection",
+    "zarr": "rlhf_pipeline.storage.zarr.inspection",
+}
+
+# backend name -> module with repair(location, apply, progress), torch-free too
+REPAIR: dict[str, str] = {
+    "memmap": "rlhf_pipeline.storage.memmap.repair",
+    "zarr": "rlhf_pipeline.storage.zarr.repair",
+}
+
+
+def backend_class(name: str) -> type[TrajectoryStore]:
+    """The store class registered under ``name`` (imported on first use)."""
+    try:
+        target = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown storage backend {name!r}; choose from {sorted(BACKENDS)}") from None
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def inspection(name: str):
+    """The torch-free module of backend ``name`` (``detect``, ``stats``, ``verify``)."""
+    return importlib.import_module(INSPECTION[name])
+
+
+def repairer(name: str):
+    """The torch-free module of backend ``name`` with ``repair(location, apply, progress)``."""
+    return importlib.import_module(REPAIR[name])
+
+
+def buffer_inside(location: str) -> str | None:
+    """``location/buffer`` when ``location`` is a local directory holding one (a run directory
+    given where its buffer was meant), else None. Imports no torch."""
+    run_buffer = os.path.join(location, "buffer")
+    return run_buffer if "://" not in location and os.path.isdir(run_buffer) else None
+
+
+def detect_backend(location: str) -> str:
+    """Name of the backend whose store (possibly damaged) lives at ``location``.
+
+    ``StoreNotFoundError`` when the path does not exist, ``NotAStoreError`` when no backend
+    recognizes what is there. Imports no torch.
+    """
+    location = str(location)
+    if "://" not in location and not os.path.exists(location):
+        raise StoreNotFoundError(f"{location} does not exist")
+    for name in BACKENDS:
+        if inspection(name).detect(location):
+            return name
+    if (run_buffer := buffer_inside(location)) is not None:
+        raise NotAStoreError(f"{location} is not a replay buffer but holds one: did you mean {run_buffer}?")
+    raise NotAStoreError(
+        f"{location} is not a replay buffer: no backend ({', '.join(BACKENDS)}) recognizes it. Check the "
+        f"path: a buffer is a memmap directory, a Zarr store, or a run's buffer/ of shard-NNNN stores."
+    )
+
+
+def open_store(location, mode: str = "r", *, backend: str | None = None, **options) -> TrajectoryStore:
+    """Opens an existing store; ``mode="r"`` reads (no lock), ``mode="a"`` appends (writer lock)."""
+    if backend is None and options.get("storage_options") is not None:
+        backend = "zarr"  # fsspec options: only the Zarr backend reads URLs
+    name = backend or detect_backend(str(location))
+    return backend_class(name).open(str(location), mode=mode, **options)
+
+
+def create_store(location, backend: str = "memmap", schema: StoreSchema | None = None, **options) -> TrajectoryStore:
+    """Creates a new, empty store opened for appending (``options`` are the backend's)."""
+    from rlhf_pipeline.schema import StoreSchema
+
+    return backend_class(backend).create(str(location), schema or StoreSchema(), **options)
