@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         export_model,
     )
     from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.state_files import StateFileError
 
     def fail(message: str) -> int:
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(v.describe() for v in versions.values()) or "no versions on disk")
             return 0
         result = export_model(args.run_dir, args.out, version=args.version, pipeline_path=args.pipeline)
-    except (VersionNotFoundError, RunNotFoundError, PipelineError, FileExistsError, StateFileError) as exc:
+    except (VersionNotFoundError, RunNotFoundError, PipelineError, FileExistsError, StateFileError,
+            RunLocationError) as exc:
         return fail(str(exc))
     print(f"{result.out}: {result.model_class}, policy version {result.version} (from {result.source})")
     return 0

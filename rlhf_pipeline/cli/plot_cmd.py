@@ -20,10 +20,11 @@ def run(args: argparse.Namespace) -> int:
 
     from rlhf_pipeline.dataio.extras import MissingExtraError
     from rlhf_pipeline.dataio.plots import NotMetricsError, plot_runs
+    from rlhf_pipeline.files.run_paths import RunLocationError
 
     try:
         written = plot_runs(args.runs, args.out)
-    except (MissingExtraError, FileNotFoundError, NotMetricsError) as exc:
+    except (MissingExtraError, FileNotFoundError, NotMetricsError, RunLocationError) as exc:
         print(f"rlhf-pipeline plot: error: {exc}", file=sys.stderr)
         return 2
     if not written:

@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.runs.replay import ReplayError, ReplayOptions, replay_command
+    from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.runs.run_directory import RunDirectoryBusyError
 
     if args.buffer is None and not args.list_settings:
@@ -81,6 +82,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         return replay_command(args.pipeline, options, home=args.home, run_name=args.run_name, device=args.device,
                               overrides=args.overrides, list_settings=args.list_settings)
-    except (PipelineError, ReplayError, RunDirectoryBusyError) as exc:
+    except (PipelineError, ReplayError, RunDirectoryBusyError, RunLocationError) as exc:
         print(f"rlhf-pipeline replay: error: {exc}", file=sys.stderr)
         return 2

@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.runs.run import run_command
     from rlhf_pipeline.runs.run_directory import RunError
+    from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.state_files import StateFileError
 
     try:
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             on_ray=on_ray,
             status_fd=getattr(args, "status_fd", None),
         )
-    except (PipelineError, RunError, StateFileError) as exc:
+    except (PipelineError, RunError, StateFileError, RunLocationError) as exc:
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

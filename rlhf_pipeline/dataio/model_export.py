@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhf_pipeline.files.run_paths import local_run_path
 from rlhf_pipeline.pipeline import PipelineError, RunPaths
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
     """Policy versions whose weights are on disk: published files, then checkpoints that hold one."""
     from rlhf_pipeline.coordination.weights import published_versions, weights_path
 
-    paths = RunPaths(Path(run_root))
+    paths = RunPaths(local_run_path(run_root, "RUN"))
     if not paths.root.is_dir():
         raise RunNotFoundError(f"{paths.root} does not exist" if not paths.root.exists()
                                else f"{paths.root} is not a directory; give a run directory")

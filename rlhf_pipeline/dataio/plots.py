@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_pipeline.dataio.extras import require
+from rlhf_pipeline.files.run_paths import local_run_path
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ def smooth(values: list[float], weight: float) -> list[float]:
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     """Writes the charts of ``run_dirs`` into ``out_dir``; returns the PNG paths written."""
+    run_dirs = [local_run_path(run, "RUN") for run in run_dirs]
     matplotlib = require("matplotlib", "plot")
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

@@ -10,6 +10,22 @@ from pathlib import Path
 HOME_ENV_VAR = "RLHF_PIPELINE_HOME"
 
 
+class RunLocationError(ValueError):
+    """A run directory (or the home of run directories) given as a URL."""
+
+
+def local_run_path(location: str | Path, what: str) -> Path:
+    """``location`` as a path, refusing a URL: ``Path("s3://bucket/x")`` is ``s3:/bucket/x``, a
+    local directory named ``s3:`` that a run would silently fill. ``what`` names the field."""
+    text = str(location)
+    if "://" in text:
+        raise RunLocationError(
+            f"{what} {text!r} is a URL, but a run directory's state (settings, weights, checkpoints, "
+            f"metrics) lives on a file system for now: give a local or shared-file-system path. Only the "
+            f"buffer may live at a URL: set the pipeline's buffer_url (e.g. --set buffer_url=s3://bucket/run/buffer)")
+    return Path(text)
+
+
 def default_home() -> Path:
     """The data home: ``$RLHF_PIPELINE_HOME`` if set, else ``<repo>/storage``.
 
@@ -17,12 +33,14 @@ def default_home() -> Path:
     """
     override = os.environ.get(HOME_ENV_VAR)
     if override:
-        return Path(override).expanduser().resolve()
+        return local_run_path(override, f"${HOME_ENV_VAR}").expanduser().resolve()
     return (Path(__file__).resolve().parents[2] / "storage").resolve()
 
 
 def run_dir(run_name: str, home: str | Path | None = None) -> Path:
-    return (Path(home) if home is not None else default_home()) / run_name
+    """Run ``run_name``'s directory under ``home`` (default :func:`default_home`); no URL."""
+    return (local_run_path(home, "--home") if home is not None else default_home()) / local_run_path(run_name,
+                                                                                                     "--run-name")
 
 
 # ====================================================================== run directory
