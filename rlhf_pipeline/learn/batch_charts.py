@@ -1,5 +1,6 @@
-"""The ``charts/...`` a step logs about the rows it trained on (rewards, advantages, lengths,
-staleness, which collectors fed it), from the per-row columns of the whole step's batch."""
+"""The ``charts/...`` a learner step logs: about the rows it trained on (rewards, advantages,
+lengths, staleness, which collectors fed it; :func:`batch_charts`) and about the run so far
+(speed, waiting, stale rows, rows generated against rows trained; :func:`run_charts`)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,23 @@ def batch_charts(rows: TensorDict, policy_version: int) -> dict[str, float]:
         **staleness_metrics(staleness),  # mean and max again, median, p90, fraction 0 / 1 / 2 / 3+ stale
     })
     return charts
+
+
+def run_charts(tokens: float, elapsed_s: float, waited_s: float, dropped: int, sampled, progress, *,
+               rows_trained: int) -> dict[str, float]:
+    """``tokens``: the step's prompt + response tokens; ``sampled``: its draw (``SampledRows``);
+    ``progress``: the learner's ``Progress`` after the step; ``rows_trained``: distinct rows so far."""
+    return {
+        "charts/tokens_per_s": tokens / max(elapsed_s + waited_s, 1e-9),
+        "charts/data_wait_s": waited_s,
+        "charts/rows_dropped_stale": float(dropped),
+        "charts/rows_dropped_stale_total": float(progress.rows_dropped_stale),
+        "charts/policy_version": float(progress.policy_version),
+        "charts/buffer_rows": float(sampled.buffer_rows),
+        # waste: rows ever written to the buffer over the distinct rows trained on so far
+        "charts/rows_generated": float(sampled.buffer_next_row),
+        "charts/rows_trained": float(rows_trained),
+        "charts/rows_generated_per_row_trained": sampled.buffer_next_row / max(rows_trained, 1),
+        "charts/step_time_s": elapsed_s,
+        **sampled.metrics,
+    }

@@ -41,20 +41,29 @@ uses ``cuda:LOCAL_RANK``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlhf_pipeline.learn.loss import aggregates_by_token
+from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows, take_rows
 from rlhf_pipeline.learn.samplers import DataTimeoutError
 from rlhf_pipeline.learn.shard_rows import RowNames, positions_of
+from rlhf_pipeline.learn.stale_rows import drop_stale
+from rlhf_pipeline.learn.step import MicroBatch, StepPlan, batch_counts, micro_batch_weight, plan_step
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.learn.settings import LearnerSettings
 
 #: the per-row flag of a filler batch (see the module docstring): its rows carry no loss
 FILLER_KEY = "data_parallel_filler"
@@ -280,6 +289,79 @@ class DataParallel:
         box = torch.tensor([count], dtype=torch.int64)
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         return int(box.item())
+
+    # ------------------------------------------------------------------ the layer around one step
+    def next_draw(self, take: Callable[[], tuple], *, read_rows: Callable[[torch.Tensor, bool], TensorDict],
+                  store, stop: threading.Event, timeout_s: float):
+        """``(draw, (sampled, batch, names, intake), seconds waited)`` on every rank. Only rank 0
+        draws (``take()``: its prefetch thread; its sampler alone sees the buffer grow, decides
+        staleness drops, epochs and pacing) and shares the draw; every other rank reads its own
+        slice of the named rows (``read_rows``) from its view of the same buffer, refreshed until it
+        holds them. With one rank: ``take()``."""
+        if not self.enabled:
+            return take()
+        start = time.perf_counter()
+        if self.is_main:
+            try:
+                draw, (sampled, batch, names, intake), _ = take()
+            except InterruptedError:
+                self.share_draw(MainStopped(interrupted=True))
+                raise
+            except Exception as exc:
+                self.share_draw(MainStopped(interrupted=False, message=f"{type(exc).__name__}: {exc}"))
+                raise
+            # the sampler state stays here: only rank 0 checkpoints it
+            self.share_draw((draw, dataclasses.replace(sampled, sampler_state={}), names, intake))
+            return draw, (sampled, batch, names, intake), time.perf_counter() - start
+        shared = self.share_draw(None)
+        if isinstance(shared, MainStopped):
+            shared.raise_here()
+        draw, sampled, names, intake = shared
+        mine, filler = self.local_names(names)
+        positions = self.positions_in_view(store, mine, stop=stop, timeout_s=timeout_s)
+        return draw, (sampled, read_rows(positions, filler), names, intake), time.perf_counter() - start
+
+    def drop_stale(self, batch: TensorDict, fresh: np.ndarray) -> tuple[TensorDict | None, int, np.ndarray]:
+        """:func:`~rlhf_pipeline.learn.stale_rows.drop_stale` over all ranks: stale rows counted
+        globally, the step skipped (None) only when no rank has a row left, a rank with none left
+        trains on a filler. Also returns the freshness of every row of the global draw, in draw order."""
+        if not self.enabled:
+            return (*drop_stale(batch, fresh), fresh)
+        filler = self.is_filler(batch)
+        if filler:
+            fresh = np.ones_like(fresh)  # a filler's row is never counted, stale or not
+        kept, stale = drop_stale(batch, fresh)
+        stale, left = self.sum_counts(stale, 0 if kept is None or filler else kept.batch_size[0])
+        fresh_everywhere = self.gather_flags(fresh[:0] if filler else fresh)
+        if left == 0:
+            return None, int(stale), fresh_everywhere
+        if kept is None:
+            kept = self.mark_filler(take_rows(batch, torch.arange(1)), True)
+        return kept, int(stale), fresh_everywhere
+
+    def plan_step(self, batch: TensorDict, settings: LearnerSettings, forward_model: torch.nn.Module) -> StepPlan:
+        """:func:`~rlhf_pipeline.learn.step.plan_step` for this rank among all: weights are shares of
+        the global batch (counted with one all-reduce), a filler trains with weight 0, FSDP ranks run
+        as many micro-batches as the busiest one (repeating their last with weight 0), gradients are
+        reduced over the ranks on the last micro-batch, and the metrics summed over the ranks."""
+        if not self.enabled:
+            return plan_step(batch, settings)
+        filler = self.is_filler(batch)
+        rows, response_tokens, attention_tokens = (int(n) for n in self.sum_counts(
+            *((0, 0, 0) if filler else batch_counts(batch))))
+        token_mean = aggregates_by_token(settings.loss)
+        pieces = split_microbatches_with_rows(batch, settings.micro_batch_tokens)
+        count = self.micro_batch_count(len(pieces))
+        parts = []
+        for i in range(count):
+            repeat = i >= len(pieces)  # only to take part in FSDP's gathers
+            indices, micro = pieces[min(i, len(pieces) - 1)]
+            weight = 0.0 if filler or repeat else micro_batch_weight(
+                micro, rows=rows, response_tokens=response_tokens, token_mean=token_mean)
+            sync = functools.partial(self.sync_unless, forward_model, accumulating=i < count - 1)
+            parts.append(MicroBatch(indices, micro, weight, counts=not repeat, gradient_sync=sync))
+        return StepPlan(parts, rows, response_tokens, attention_tokens, loss_scale=self.loss_scale,
+                        reduce=self.sum_metrics)
 
     # ------------------------------------------------------------------ whole states (files)
     def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,19 +1,22 @@
 """The learner recipe: setup -> train -> save_checkpoint -> cleanup (torchtune-style).
 
-One optimizer step:
+One learner step, as :meth:`Learner.train` runs it:
 
-1. take the next padded batch from the prefetch thread (sampled from the newest
-   ``sample_window`` rows of the buffer once ``new_rows_per_step`` new rows arrived, see
-   ``learn/prefetch.py``); drop rows sampled by a policy more than ``max_staleness``
-   versions older than ours (counted as ``charts/rows_dropped_stale``);
-2. cut it into micro-batches of at most ``micro_batch_tokens`` padded tokens
-   (``learn/microbatch.py``) and accumulate gradients over them, each micro-batch's loss
-   weighted by its share of the batch (its response tokens for token-mean aggregation,
-   its rows otherwise), so the sum equals the loss of the whole batch;
-3. clip the gradient norm, AdamW step, LR schedule step (linear warm-up, then constant or
-   cosine decay);
-4. every ``publish_every`` steps publish the weights as a new version (``weights.py``);
-   write metrics; every ``checkpoint_every`` steps (and on stop) save a checkpoint.
+1. take the next draw: the positions the sampler chose (``learn/samplers/``) read into a padded
+   batch on the prefetch thread (``learn/prefetch.py``); drop rows that went stale while they
+   waited, more than ``max_staleness`` versions older than ours (``learn/stale_rows.py``,
+   counted as ``charts/rows_dropped_stale``);
+2. the optimizer step, top to bottom in ``learn/step.py``: micro-batches of at most
+   ``micro_batch_tokens`` tokens, each loss weighted by its share of the batch, gradients
+   accumulated, clipped, AdamW, LR schedule (linear warm-up, then constant or cosine decay);
+3. every ``publish_every`` steps publish the weights as a new version
+   (``coordination/weights.py``); write metrics (``learn/batch_charts.py``); every
+   ``checkpoint_every`` steps (and on stop) save a checkpoint.
+
+Data parallelism is a layer around this (``learn/distributed.py``, ``DataParallel``): it shares
+rank 0's draw (``next_draw``), drops stale rows over all ranks (``drop_stale``) and plans the
+step over the global batch (``plan_step``). With one rank each of those is the single-rank
+function.
 
 With ``priority_feedback`` (prioritized sampling) the loss also gives one value per row, and
 after the step the learner hands them to the sampler for the rows it trained on
@@ -32,56 +35,33 @@ RNG and progress and continues exactly as an uninterrupted one would over the sa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
-from rlhf_pipeline.schema.ids import collector_index_of
 from rlhf_pipeline.learn.checkpoint import (
     CheckpointManager,
     Progress,
     capture_rng_state,
     restore_rng_state,
 )
-from rlhf_pipeline.learn.distributed import DataParallel, MainStopped
-from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss
-from rlhf_pipeline.learn.metrics import (
-    MetricsWriter,
-    ProgressDisplay,
-    group_reward_stats,
-    truncate_metrics,
-)
-from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows, take_rows
+from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.batch_charts import batch_charts, run_charts
+from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, truncate_metrics
 from rlhf_pipeline.learn.prefetch import Prefetcher
 from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.shard_rows import next_rows, row_names
-from rlhf_pipeline.learn.usage import TrainedRows, staleness_metrics
+from rlhf_pipeline.learn.optimizer import make_optimizer
+from rlhf_pipeline.learn.stale_rows import fresh_mask
+from rlhf_pipeline.learn.step import mean_one, train_step
+from rlhf_pipeline.learn.usage import TrainedRows
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.files.run_paths import RunPaths
-
-
-def lr_lambda(settings: LearnerSettings, total_steps: int) -> Callable[[int], float]:
-    """LR multiplier of step ``s``: linear warm-up, then constant or cosine to ``min_lr_ratio``."""
-
-    def factor(step: int) -> float:
-        if step < settings.warmup_steps:
-            return (step + 1) / settings.warmup_steps
-        if settings.lr_schedule == "constant":
-            return 1.0
-        span = max(1, total_steps - settings.warmup_steps)
-        progress = min(1.0, (step - settings.warmup_steps) / span)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * cosine
-
-    return factor
 
 
 class Learner:
@@ -191,14 +171,9 @@ class Learner:
         self.train_model = self.data_parallel.wrap(self.model, self.device)  # what forward/backward run through
 
     def _setup_optimizer(self, checkpoint: dict[str, Any] | None) -> None:
-        s = self.settings
-        # fused AdamW: one kernel over every tensor (CUDA, and CPU since torch 2.4) instead of a
-        # Python loop per parameter: 0.4 ms against 2.5 ms a step for the default pipeline's model
-        # on one CPU thread. FSDP's sharded DTensor parameters keep the default implementation
+        # FSDP's sharded DTensor parameters keep AdamW's default implementation, not the fused one
         fused = self.data_parallel.parallelism != "fsdp" or not self.data_parallel.enabled
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, betas=s.adam_betas,
-                                           weight_decay=s.weight_decay, fused=fused or None)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(s, self.total_steps))
+        self.optimizer, self.scheduler = make_optimizer(self.model, self.settings, self.total_steps, fused=fused)
         if checkpoint is not None:
             self.data_parallel.load_optimizer_state(self.model, self.optimizer, checkpoint["optimizer"])
             self.scheduler.load_state_dict(checkpoint["scheduler"])
@@ -278,7 +253,9 @@ class Learner:
         on_wait = self._pacing.waiting if self.data_parallel.is_main else None
         while self.progress.step < until and not self.data_parallel.any_rank(self.stop_event.is_set()):
             try:
-                draw, (sampled, batch, names, intake), wait = self._next_draw(on_wait)
+                draw, (sampled, batch, names, intake), wait = self.data_parallel.next_draw(
+                    lambda: self._prefetcher.next(on_wait=on_wait), read_rows=self._read_rows, store=self._store,
+                    stop=self.stop_event, timeout_s=self.settings.data_timeout_s)
             except InterruptedError:
                 break
             assert draw == self.progress.draws, (draw, self.progress.draws)
@@ -287,21 +264,17 @@ class Learner:
             self.progress.buffer_next_row = sampled.buffer_next_row
             self._sampler_state = sampled.sampler_state
             if sampled.weights is not None:  # prioritized sampling: the loss weighs each row
-                # torchrl's weights divide by the largest over the whole buffer, which a single
-                # near-zero priority (a zero-advantage row) makes tiny: ~0.04 on average in a
-                # default-pipeline run, a 25x smaller step. Their mean over the (global) batch is
-                # 1 here, so only the relative correction acts and the learning rate keeps its meaning
-                weights = sampled.weights.to(torch.float32)
-                weights = weights / weights.mean().clamp_min(torch.finfo(torch.float32).tiny)
-                batch["sample_weight"], _ = self.data_parallel.local_positions(weights)  # this rank's rows'
+                weights = mean_one(sampled.weights)  # over the global batch; this rank takes its rows'
+                batch["sample_weight"], _ = self.data_parallel.local_positions(weights)
             intake.step, intake.draws = self.progress.step, self.progress.draws
             intake.policy_version = self.progress.policy_version  # what the rounds it allows use (pacing.py)
             if self.data_parallel.is_main:
                 self._pacing.publish(intake)  # collectors may now generate the rows the next draw needs
             else:
                 self._pacing.intake = intake  # (what rank 0 checkpoints; kept alike on every rank)
-            kept = self._fresh_mask(batch)
-            batch, stale_now, kept = self._drop_stale_on_every_rank(batch, kept)
+            # rows that went stale in the prefetch queue: dropped before the step (learn/stale_rows.py)
+            fresh = fresh_mask(batch, self.progress.policy_version, self.settings.max_staleness)
+            batch, stale_now, kept = self.data_parallel.drop_stale(batch, fresh)
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
             if batch is None:  # every row went stale while it waited in the prefetch queue
@@ -319,20 +292,8 @@ class Learner:
             if self.progress.step % self.settings.publish_every == 0:
                 self._publish()
             elapsed = time.perf_counter() - t0
-            metrics.update({
-                "charts/tokens_per_s": metrics.pop("_tokens") / max(elapsed + waited, 1e-9),
-                "charts/data_wait_s": waited,
-                "charts/rows_dropped_stale": float(dropped),
-                "charts/rows_dropped_stale_total": float(self.progress.rows_dropped_stale),
-                "charts/policy_version": float(self.progress.policy_version),
-                "charts/buffer_rows": float(sampled.buffer_rows),
-                # waste: rows ever written to the buffer over the distinct rows trained on so far
-                "charts/rows_generated": float(sampled.buffer_next_row),
-                "charts/rows_trained": float(self._trained.count),
-                "charts/rows_generated_per_row_trained": sampled.buffer_next_row / max(self._trained.count, 1),
-                "charts/step_time_s": elapsed,
-                **sampled.metrics,
-            })
+            metrics.update(run_charts(metrics.pop("_tokens"), elapsed, waited, dropped, sampled, self.progress,
+                                      rows_trained=self._trained.count))
             waited = 0.0
             if self.on_step is not None:
                 self.on_step(self.progress.step, sampled, batch, metrics)
@@ -350,150 +311,30 @@ class Learner:
                       f"command again to resume", file=sys.stderr, flush=True)
         return finished
 
-    def _next_draw(self, on_wait: Callable[[], None] | None):
-        """``(draw, (sampled, batch, names, intake), seconds waited)`` from the prefetch thread. With
-        several ranks only rank 0 draws (its sampler alone sees the buffer grow, decides staleness
-        drops, epochs and pacing) and shares the draw; every other rank reads its own slice of the
-        named rows from its view of the same buffer, refreshed until it holds them."""
-        dp = self.data_parallel
-        if not dp.enabled:
-            return self._prefetcher.next(on_wait=on_wait)
-        start = time.perf_counter()
-        if dp.is_main:
-            try:
-                draw, (sampled, batch, names, intake), _ = self._prefetcher.next(on_wait=on_wait)
-            except InterruptedError:
-                dp.share_draw(MainStopped(interrupted=True))
-                raise
-            except Exception as exc:
-                dp.share_draw(MainStopped(interrupted=False, message=f"{type(exc).__name__}: {exc}"))
-                raise
-            # the sampler state stays here: only rank 0 checkpoints it
-            dp.share_draw((draw, dataclasses.replace(sampled, sampler_state={}), names, intake))
-            return draw, (sampled, batch, names, intake), time.perf_counter() - start
-        shared = dp.share_draw(None)
-        if isinstance(shared, MainStopped):
-            shared.raise_here()
-        draw, sampled, names, intake = shared
-        mine, filler = dp.local_names(names)
-        positions = dp.positions_in_view(self._store, mine, stop=self.stop_event,
-                                         timeout_s=self.settings.data_timeout_s)
-        return draw, (sampled, self._read_rows(positions, filler), names, intake), time.perf_counter() - start
-
-    def _fresh_mask(self, batch) -> np.ndarray:
-        """Which rows of ``batch`` are within ``max_staleness`` versions of the learner now: the
-        version may have moved since the batch was sampled."""
-        bound = self.settings.max_staleness
-        if bound is None:
-            return np.ones(batch.batch_size[0], dtype=bool)
-        return (batch["policy_version"] >= self.progress.policy_version - bound).numpy()
-
-    @staticmethod
-    def _drop_stale(batch, fresh: np.ndarray):
-        """``batch`` without the rows ``fresh`` rejects (None when none is left), and their count."""
-        if fresh.all():
-            return batch, 0
-        if not fresh.any():
-            return None, int(fresh.size)
-        return take_rows(batch, torch.from_numpy(np.flatnonzero(fresh))), int((~fresh).sum())
-
     @property
     def _feedback(self) -> bool:
         return self.settings.priority_feedback != "none"
 
-    def _drop_stale_on_every_rank(self, batch, fresh: np.ndarray):
-        """:meth:`_drop_stale` over all data-parallel ranks: stale rows counted globally, the step
-        skipped only when no rank has a row left, a rank with none left trains on a filler. Also
-        returns the freshness of every row of the global draw, in draw order."""
-        dp = self.data_parallel
-        if not dp.enabled:
-            return (*self._drop_stale(batch, fresh), fresh)
-        filler = dp.is_filler(batch)
-        if filler:
-            fresh = np.ones_like(fresh)  # a filler's row is never counted, stale or not
-        kept, stale = self._drop_stale(batch, fresh)
-        stale, left = dp.sum_counts(stale, 0 if kept is None or filler else kept.batch_size[0])
-        fresh_everywhere = dp.gather_flags(fresh[:0] if filler else fresh)
-        if left == 0:
-            return None, int(stale), fresh_everywhere
-        if kept is None:
-            kept = dp.mark_filler(take_rows(batch, torch.arange(1)), True)
-        return kept, int(stale), fresh_everywhere
-
     def _train_step(self, batch) -> tuple[dict[str, float], torch.Tensor | None]:
-        """One optimizer step on ``batch``: its metrics, and each row's priority feedback (None when off)."""
-        s = self.settings
+        """One optimizer step on ``batch`` (learn/step.py): its metrics, and each row's priority
+        feedback (None when off). Under data parallelism ``batch`` is this rank's slice and the
+        plan, the metrics and the charts are the whole step's."""
         dp = self.data_parallel
         batch = batch.to(self.device, non_blocking=True)
-        filler = dp.is_filler(batch)  # a rank with no rows of its own this step: weight 0
-        response_mask = batch["masks", "response"]
-        # the whole step's counts, over every data-parallel rank: weights are shares of the global batch
-        total_tokens, total_rows, attention_tokens = (int(n) for n in dp.sum_counts(
-            0 if filler else int(response_mask.sum()), 0 if filler else batch.batch_size[0],
-            0 if filler else int(batch["masks", "all_attention_mask"].sum())))
-        token_mean = aggregates_by_token(s.loss)
-        loss_options = dataclasses.asdict(s.loss)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        feedback_kind = s.priority_feedback if self._feedback else None
-        row_feedback = torch.zeros(batch.batch_size[0]) if feedback_kind else None  # (B,) in batch order
-        micro_batches = split_microbatches_with_rows(batch, s.micro_batch_tokens)
-        count = dp.micro_batch_count(len(micro_batches))  # FSDP: as many on every rank
-        for i in range(count):
-            repeat = i >= len(micro_batches)  # only to take part in FSDP's gathers: weight 0
-            rows, micro = micro_batches[min(i, len(micro_batches) - 1)]
-            micro_tokens = int(micro["masks", "response"].sum())
-            weight = micro_tokens / max(total_tokens, 1) if token_mean else micro.batch_size[0] / total_rows
-            weight = 0.0 if filler or repeat else weight
-            with dp.sync_unless(self.train_model, accumulating=i < count - 1), self._autocast():
-                loss, stats = grpo_step_loss(self.train_model, micro, temperature=s.temperature,
-                                             row_feedback=feedback_kind, **loss_options)
-                (loss * (weight * dp.loss_scale)).backward()
-            if row_feedback is not None and not repeat:
-                row_feedback[rows] = stats.pop("row_feedback").float().cpu()
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * weight
-        sums = dp.sum_metrics(sums)
-        clip = s.max_grad_norm if s.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the same on every rank
-            grad_norm = grad_norm.full_tensor()
-        lr_used = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.progress.rows_used += total_rows
-        self.progress.tokens_seen += total_tokens
-
-        cpu = dp.gather_rows(batch.to("cpu"))  # every rank's rows, for the batch charts
-        staleness = (self.progress.policy_version - cpu["policy_version"]).float()
-        row_versions = cpu["policy_version"]  # the versions that sampled the rows: how off-policy the batch is
-        metrics = {f"losses/{k}": v for k, v in sums.items()}
-        metrics["losses/grad_norm"] = float(grad_norm)
-        metrics.update(group_reward_stats(cpu["next", "reward"].reshape(-1), cpu["group_id"]))
-        if "sequence_advantage" in cpu.keys():
-            adv = cpu["sequence_advantage"]
-            metrics["charts/advantage_mean"] = float(adv.mean())
-            metrics["charts/advantage_std"] = float(adv.std()) if adv.numel() > 1 else 0.0
-        # ids carry their collector's index in the high bits: how many collectors fed this batch
-        metrics["charts/collectors_in_batch"] = float(torch.unique(collector_index_of(cpu["group_id"])).numel())
-        if "sample_weight" in cpu.keys():
-            metrics["charts/importance_weight_mean"] = float(cpu["sample_weight"].mean())
-            metrics["charts/importance_weight_min"] = float(cpu["sample_weight"].min())
-        lengths = cpu["response_lengths"].float()
+        plan = dp.plan_step(batch, self.settings, self.train_model)
+        outcome = train_step(self.model, self.optimizer, self.scheduler, plan, self.settings,
+                             forward_model=self.train_model, autocast=self._autocast)
+        self.progress.rows_used += plan.rows
+        self.progress.tokens_seen += plan.response_tokens
+        metrics = {f"losses/{key}": value for key, value in outcome.losses.items()}
+        metrics["losses/grad_norm"] = outcome.grad_norm
+        metrics.update(batch_charts(dp.gather_rows(batch.to("cpu")), self.progress.policy_version))
         metrics.update({
-            "charts/response_length_mean": float(lengths.mean()),
-            "charts/response_length_max": float(lengths.max()),
-            "charts/staleness_mean": float(staleness.mean()),
-            "charts/staleness_max": float(staleness.max()),
-            "charts/row_version_min": float(row_versions.min()),
-            "charts/row_version_max": float(row_versions.max()),
-            "charts/row_version_spread": float(row_versions.max() - row_versions.min()),
-            **staleness_metrics(staleness),  # mean and max again, median, p90, fraction 0 / 1 / 2 / 3+ stale
-            "charts/learning_rate": lr_used,
-            "charts/rows": float(total_rows),
-            "_tokens": float(attention_tokens),
+            "charts/learning_rate": outcome.learning_rate,
+            "charts/rows": float(plan.rows),
+            "_tokens": float(plan.attention_tokens),
         })
-        return metrics, row_feedback
+        return metrics, outcome.row_feedback
 
     def _autocast(self):
         if self.device.type == "cuda":

@@ -65,6 +65,17 @@ class StepOutcome:
     row_feedback: torch.Tensor | None  # (B,) each row's new priority, in batch order; None when off
 
 
+def mean_one(weights: torch.Tensor) -> torch.Tensor:
+    """A draw's importance weights (prioritized sampling) scaled to mean 1 over the batch.
+
+    torchrl's weights divide by the largest over the whole buffer, which a single near-zero
+    priority (a zero-advantage row) makes tiny: ~0.04 on average in a default-pipeline run, a
+    25x smaller step. With mean 1 only the relative correction acts and the learning rate keeps
+    its meaning."""
+    weights = weights.to(torch.float32)
+    return weights / weights.mean().clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def batch_counts(batch: TensorDict) -> tuple[int, int, int]:
     """``(rows, response tokens, attention tokens)`` of a padded batch."""
     return (batch.batch_size[0], int(batch["masks", "response"].sum()),

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rlhf_pipeline.schema.padding import pad_batch
-from rlhf_pipeline.learn.learner import Learner, lr_lambda
+from rlhf_pipeline.learn.learner import Learner
+from rlhf_pipeline.learn.optimizer import lr_lambda
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_step_loss
 from rlhf_pipeline.learn.metrics import group_reward_stats, read_metrics
