@@ -8,8 +8,10 @@ the usual AWS environment variables (:meth:`S3Server.env`, for subprocesses and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import uuid
 
 BUCKET = "rlhf-pipeline-tests"
@@ -17,12 +19,53 @@ _CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": "test-
                 "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+class RequestLog:
+    """WSGI middleware that records ``(method, path?query)`` of each request while recording:
+    what a test counts requests with, on the server's side."""
+
+    def __init__(self, app):
+        self.app = app
+        self.entries: list[tuple[str, str]] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, environ, start_response):
+        if self.entries is not None:
+            query = environ.get("QUERY_STRING")
+            with self._lock:
+                self.entries.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", "") + (f"?{query}" if query else "")))
+        return self.app(environ, start_response)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """``with server.requests.recording() as entries:`` the requests sent inside the block."""
+        entries: list[tuple[str, str]] = []
+        self.entries = entries
+        try:
+            yield entries
+        finally:
+            self.entries = None
+
+
 class S3Server:
     def __init__(self):
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        requests = self.requests = RequestLog(None)
+
+        class LoggedMotoServer(ThreadedMotoServer):
+            def _server_entry(self) -> None:  # moto's own, with the request log around its app
+                from moto.moto_server.threaded_moto_server import MotoRequestHandler
+                from moto.server import DomainDispatcherApplication, create_backend_app
+                from werkzeug.serving import make_server
+
+                requests.app = DomainDispatcherApplication(create_backend_app)
+                self._server = make_server(self._ip_address, self._port, requests, True,
+                                           request_handler=MotoRequestHandler)
+                self._server_ready_event.set()
+                self._server.serve_forever()
+
+        self._server = LoggedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         host, port = self._server.get_host_and_port()
         self.endpoint = f"http://{host}:{port}"

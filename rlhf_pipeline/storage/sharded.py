@@ -23,7 +23,9 @@ store:
   (one LIST) and GETs each shard's commit record, at most once per ``refresh_interval_s``
   (1 s by default on an object store, 0 locally, where a refresh costs a directory scan
   and an ``fstat`` per shard): a learner asking before every batch would otherwise pay
-  ``1 + shards`` requests per batch;
+  ``1 + shards`` requests per batch. On an object store the shards' GETs (and the opening of
+  shards that appeared) go out together, ``refresh_threads`` at a time, not one after another:
+  a refresh then waits about one round trip, not one per shard;
 * ``read(positions, fields=)`` reads each shard's rows in one call and returns the rows
   in the requested order;
 * ``next_row`` / ``first_row`` are sums over the shards: ``next_row`` counts the rows ever
@@ -41,7 +43,8 @@ layout: a single store (runs made before shards) or a directory of shards.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,10 @@ from rlhf_pipeline.storage.padded_rows import LocatedRows
 
 
 RELIST_S = 1.0  # a local buffer directory whose mtime did not change is listed at most this often
+# requests in flight at once when refreshing (or opening) the shards of a buffer at a URL: each
+# thread mostly waits on a GET that runs on zarr's event loop, so more threads than cores is right;
+# local shards refresh from the page cache in microseconds and stay on the calling thread
+REMOTE_REFRESH_THREADS = 32
 
 
 def _refresh_now(store: TrajectoryStore) -> int:
@@ -89,7 +96,9 @@ class ShardedStoreReader(TrajectoryStore):
     supports_field_subset = True
 
     def __init__(self, location: str | Path, *, refresh_interval_s: float | None = None,
-                 **open_options: Any) -> None:
+                 refresh_threads: int | None = None, **open_options: Any) -> None:
+        """``refresh_threads``: shards refreshed (or opened) at once; default
+        ``REMOTE_REFRESH_THREADS`` at a URL, 1 (one after another) on a local file system."""
         super().__init__()
         self._path = str(location).rstrip("/") if is_url(location) else Path(location)
         self._open_options = open_options
@@ -102,6 +111,12 @@ class ShardedStoreReader(TrajectoryStore):
         self.refresh_interval_s = float(refresh_interval_s)
         if is_url(location):  # every shard at a URL is a Zarr store: it throttles its own record GETs
             self._open_options = {**open_options, "refresh_interval_s": self.refresh_interval_s}
+        if refresh_threads is None:
+            refresh_threads = REMOTE_REFRESH_THREADS if is_url(location) else 1
+        if refresh_threads < 1:
+            raise ValueError(f"refresh_threads must be >= 1, got {refresh_threads!r}")
+        self._pool = ThreadPoolExecutor(refresh_threads, thread_name_prefix="shard-refresh") \
+            if refresh_threads > 1 else None
         self._refreshed_at: float | None = None
         self._listing: tuple[tuple[int, int], float] | None = None  # (directory's (inode, mtime), when listed)
         self._shards: dict[int, TrajectoryStore] = {}
@@ -110,8 +125,13 @@ class ShardedStoreReader(TrajectoryStore):
         self._lengths = torch.zeros(0, dtype=torch.int64)
         self._starts = torch.zeros(0, dtype=torch.int64)
         self._closed = False
-        self.refresh()
+        try:
+            self.refresh()
+        except BaseException:
+            self.close()
+            raise
         if not self._shards:
+            self.close()
             why = "; ".join(f"{k}: {v}" for k, v in self._skipped.items())
             raise NotAStoreError(
                 f"{self._path} holds no readable shard store (shard-NNNN directories)"
@@ -129,20 +149,34 @@ class ShardedStoreReader(TrajectoryStore):
 
         if self._listing_current():
             return
-        for index, path in list_shards(self._path, self._open_options.get("storage_options")):
-            if index in self._shards:
-                continue
+        new = [(index, path) for index, path in list_shards(self._path, self._open_options.get("storage_options"))
+               if index not in self._shards]
+
+        def open_shard(path: str) -> TrajectoryStore | Exception:
             try:
-                store = open_store(path, mode="r", **self._open_options)
-            except NotAStoreError as exc:
+                return open_store(path, mode="r", **self._open_options)
+            except Exception as exc:  # raised below, once every shard opened alongside is closed
+                return exc
+
+        opened = self._map(open_shard, [path for _, path in new])
+        failed = next((x for x in opened if isinstance(x, Exception) and not isinstance(x, NotAStoreError)), None)
+        if failed is not None:
+            for store in opened:
+                if not isinstance(store, Exception):
+                    store.close()
+            raise failed
+        for (index, path), store in zip(new, opened):
+            if isinstance(store, NotAStoreError):
                 # a shard being created by a collector right now (no metadata yet): try again later.
                 # A damaged shard raises StoreCorruptedError: the union never reads silently shorter
-                self._skipped[shard_name(index)] = str(exc)
+                self._skipped[shard_name(index)] = str(store)
                 continue
             if self._shards:
                 expected = next(iter(self._shards.values())).schema
                 if store.schema != expected:
-                    store.close()
+                    for other in opened:
+                        if not isinstance(other, Exception) and other not in self._shards.values():
+                            other.close()
                     raise StoreCorruptedError(
                         f"shard {path} stores fields {store.schema.field_names}, the other shards of "
                         f"{self._path} store {expected.field_names}: every shard of a buffer needs one schema"
@@ -181,10 +215,17 @@ class ShardedStoreReader(TrajectoryStore):
             return int(self._lengths.sum())
         self._refreshed_at = now
         self._discover()
-        lengths = [_refresh_now(self._shards[i]) for i in self._order]
+        lengths = self._map(_refresh_now, [self._shards[i] for i in self._order])
         self._lengths = torch.tensor(lengths, dtype=torch.int64)
         self._starts = torch.cumsum(self._lengths, 0) - self._lengths
         return int(self._lengths.sum())
+
+    def _map(self, function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """``[function(item) for item in items]``, on the refresh threads when there are several."""
+        items = list(items)
+        if self._pool is None or len(items) < 2:
+            return [function(item) for item in items]
+        return list(self._pool.map(function, items))
 
     def locate(self, positions: torch.Tensor | Sequence[int] | int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(shard index, local position)`` of each union position (as of the last refresh)."""
@@ -312,6 +353,9 @@ class ShardedStoreReader(TrajectoryStore):
     def close(self) -> None:
         for store in self._shards.values():
             store.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._closed = True
 
     def stats(self) -> StoreStats:

@@ -47,6 +47,69 @@ def test_a_url_prefix_of_shards_reads_as_their_union_and_picks_up_new_shards(s3_
     reader.close()
 
 
+
+def test_the_shards_of_a_url_buffer_refresh_together_not_one_after_another(s3_server, tmp_path):
+    """Each shard's commit-record GET waits on a barrier that only opens when all of them are in
+    flight at once: one after another, the first would wait alone and the barrier break."""
+    import threading
+
+    prefix = s3_server.url("buffer")
+    shards = 6
+    for index in range(shards):
+        _shard(s3_server, prefix, index, 100 * index, 3 + index)
+    together = open_buffer(prefix + "/", storage_options=s3_server.options, refresh_interval_s=3600)
+    one_by_one = open_buffer(prefix + "/", storage_options=s3_server.options, refresh_interval_s=3600,
+                             refresh_threads=1)
+    rows = sum(3 + index for index in range(shards))
+    assert len(together) == len(one_by_one) == rows
+    assert torch.equal(together.read(torch.arange(rows))["trajectory_id"],
+                       one_by_one.read(torch.arange(rows))["trajectory_id"])
+
+    def gated(reader, barrier):
+        for store in reader.shards.values():
+            refresh = store.refresh
+
+            def waiting_refresh(*args, _refresh=refresh, **kwargs):
+                barrier.wait()
+                return _refresh(*args, **kwargs)
+
+            store.refresh = waiting_refresh
+
+    gated(together, threading.Barrier(shards, timeout=10))
+    _shard(s3_server, prefix, 0 + shards, 900, 2)  # a new shard: opened alongside, not gated
+    assert together.refresh(force=True) == rows + 2
+    gated(one_by_one, threading.Barrier(shards, timeout=0.5))
+    with pytest.raises(threading.BrokenBarrierError):
+        one_by_one.refresh(force=True)
+    together.close()
+    one_by_one.close()
+
+    local = tmp_path / "buffer"
+    with ZarrTrajectoryStore.create(str(local / "shard-0000"), StoreSchema(), segment_rows=16) as store:
+        store.append(checksummed_batch(0, 2))
+    reader = open_buffer(str(local))
+    assert reader._pool is None  # local shards refresh from the page cache, on the calling thread
+    reader.close()
+
+
+
+def test_one_refresh_of_a_url_buffer_sends_one_list_and_one_get_per_shard(s3_server):
+    """docs/scaling.md's request model, counted on the server: nothing more. (s3fs sends a HEAD
+    before each whole-object GET unless max_concurrency is 1: twice the requests.)"""
+    prefix = s3_server.url("buffer")
+    for index in range(3):
+        _shard(s3_server, prefix, index, 100 * index, 4)
+    reader = open_buffer(prefix + "/", storage_options=s3_server.options, refresh_interval_s=3600)
+    with s3_server.requests.recording() as sent:
+        assert reader.refresh(force=True) == 12
+    reader.close()
+    methods = sorted(method for method, _ in sent)
+    assert methods == ["GET"] * 4, sent
+    assert sum("list-type=2" in path for _, path in sent) == 1
+    assert sorted(path for _, path in sent if path.endswith("/zarr.json")) == sorted(
+        f"{prefix.removeprefix('s3:/')}/shard-{index:04d}/zarr.json" for index in range(3))
+
+
 def test_a_reader_rereads_the_commit_record_at_most_once_per_refresh_interval(s3_server):
     url = s3_server.url()
     with ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=s3_server.options) as writer:

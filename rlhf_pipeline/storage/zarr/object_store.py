@@ -99,7 +99,23 @@ def object_store_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     merged = dict(options or {})
     # a cached listing could hide a killed writer's leftovers from the next writer
     merged.setdefault("use_listings_cache", False)
+    # s3fs (since 2025) sends a HEAD before every whole-object GET, to split objects larger than its
+    # block size (50 MiB) into concurrent ranged GETs. Ours (commit records, units of a few MB) never
+    # are, so the HEAD only doubled every read's requests (counted on the server: a refresh of N
+    # shards sent N HEADs beside its N GETs). Reads of several objects already go out together
+    if _s3fs_takes("max_concurrency"):  # older s3fs has neither the option nor the HEAD
+        merged.setdefault("max_concurrency", 1)
     return merged
+
+
+def _s3fs_takes(option: str) -> bool:
+    import inspect
+
+    try:
+        from s3fs import S3FileSystem
+    except ImportError:  # require_s3fs says so where it matters
+        return False
+    return option in inspect.signature(S3FileSystem.__init__).parameters
 
 
 def _error_response(exc: BaseException) -> dict:
