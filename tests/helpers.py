@@ -90,6 +90,8 @@ def make_batch(
         columns["token_rewards"] = _ragged(r_len, -torch.rand(total_r, generator=gen) * 0.01)
     if "advantage" in optional:
         columns["advantage"] = torch.randn(n, generator=gen)
+    if "termination_reason" in optional:  # from the flags, so no other field's draws change
+        columns["termination_reason"] = torch.where(terminated, 1, 5).to(torch.int32)  # env done / length
     return TrajectoryBatch(columns)
 
 

@@ -5,6 +5,7 @@
 * :mod:`.from_rows` -- rows given one by one (dicts, ``Trajectory``) into columns;
 * :mod:`.ragged` -- ``RaggedTensor``, flat values plus offsets;
 * :mod:`.padding` -- the learner's padded ``(B, T)`` batch (``pad_batch``, ``PaddedCollator``);
+* :mod:`.termination` -- ``TerminationReason``, the codes of the ``termination_reason`` field;
 * :mod:`.ids` -- which collector wrote a row, from its id's high bits;
 * :mod:`.synthetic` -- valid synthetic batches of any size, for benchmarks and tests.
 
@@ -29,9 +30,10 @@ from rlhf_pipeline.schema.fields import (
     Trajectory,
     TrajectoryValidationError,
 )
+from rlhf_pipeline.schema.termination import TerminationReason
 
 __all__ = [
     "FIELDS", "FIELDS_BY_NAME", "LOG_PROB_TOLERANCE", "NUMPY_DTYPES", "OPTIONAL_FIELDS",
     "REQUIRED_FIELDS", "SCHEMA_VERSION", "TOKEN_ID_MAX", "Column", "FieldKind", "FieldSpec",
-    "StoreSchema", "Trajectory", "TrajectoryBatch", "TrajectoryValidationError", "validate_batch",
+    "StoreSchema", "TerminationReason", "Trajectory", "TrajectoryBatch", "TrajectoryValidationError", "validate_batch",
 ]

@@ -27,6 +27,7 @@ from rlhf_pipeline.schema.fields import (
 )
 from rlhf_pipeline.schema.from_rows import columns_from_rows
 from rlhf_pipeline.schema.ragged import RaggedTensor
+from rlhf_pipeline.schema.termination import TerminationReason
 
 
 # ======================================================================== columnar batch
@@ -327,7 +328,24 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
                "done must equal (terminated or truncated)", done)
     _first_bad(out["policy_version"] < 0, "policy_version", "must be >= 0", out["policy_version"])
     _first_bad(out["step"] < 0, "step", "must be >= 0", out["step"])
+    if "termination_reason" in out:
+        _check_termination_reason(out["termination_reason"], done, term, trunc)
     return TrajectoryBatch(out)
+
+
+def _check_termination_reason(reason: torch.Tensor, done: torch.Tensor, term: torch.Tensor,
+                              trunc: torch.Tensor) -> None:
+    """A known code; 0 (not ended) on rows that are not done; a reason that agrees with the flags."""
+    codes = [int(r) for r in TerminationReason]
+    known = torch.isin(reason, torch.tensor(codes, dtype=reason.dtype))
+    _first_bad(~known, "termination_reason", f"unknown code; the codes are {codes}", reason)
+    ended = reason != int(TerminationReason.NOT_ENDED)
+    _first_bad(ended & ~done, "termination_reason", "a reason on a row that is not done; store 0 there", reason)
+    terminating = torch.isin(reason, torch.tensor([int(r) for r in TerminationReason if r.terminated],
+                                                  dtype=reason.dtype))
+    _first_bad(ended & (terminating != term), "termination_reason",
+               "the reason disagrees with terminated/truncated (TerminationReason.terminated says which)",
+               reason)
 
 
 def _first_bad_token(ragged: RaggedTensor, mask: torch.Tensor, field: str, message: str) -> None:

@@ -89,6 +89,8 @@ FIELDS: tuple[FieldSpec, ...] = (
               "version of the policy weights that sampled this row"),
     FieldSpec("advantage", "row", torch.float32, False, "advantage",
               "group-relative advantage, written by the group-advantage transform"),
+    FieldSpec("termination_reason", "row", torch.int32, False, "termination_reason",
+              "why the trajectory ended, a schema.TerminationReason code; 0 on rows that are not its last"),
     # ---- text fields -------------------------------------------------------------
     FieldSpec("prompt_text", "text", torch.uint8, True, ("text", "prompt"), "prompt as text"),
     FieldSpec("response_text", "text", torch.uint8, True, ("text", "response"), "response as text"),
@@ -184,6 +186,7 @@ class Trajectory(TensorClass["nocast"]):
     terminated: bool = True
     truncated: bool = False
     advantage: float | None = None
+    termination_reason: int | None = None
     ref_log_probs: torch.Tensor | None = None  # (R,)
     kl: torch.Tensor | None = None  # (R,)
     token_rewards: torch.Tensor | None = None  # (R,)

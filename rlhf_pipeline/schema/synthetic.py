@@ -26,6 +26,7 @@ import torch
 from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema.batch import TrajectoryBatch
 from rlhf_pipeline.schema.fields import OPTIONAL_FIELDS
+from rlhf_pipeline.schema.termination import TerminationReason
 
 DEFAULT_VOCAB_SIZE = 32_000
 KL_COEF = 0.05
@@ -138,6 +139,10 @@ def _make_batch(
         "prompt_text": [f"prompt {g}" for g in group_ids.tolist()],
         "response_text": [f"response {r}" for r in row_ids.tolist()],
     }
+    if "termination_reason" in optional_fields:  # single-turn rows: ended by EOS or by length
+        columns["termination_reason"] = torch.where(
+            truncated, int(TerminationReason.GENERATION_LENGTH), int(TerminationReason.ENV_DONE)
+        ).to(torch.int32)
     if "advantage" in optional_fields:
         columns["advantage"] = _group_advantage(reward, group_of_row, num_groups)
     ref_log_probs = (log_probs + 0.1 * torch.randn(total_response, generator=generator)).clamp_max(0.0)

@@ -20,20 +20,23 @@ SMALL = ("warm_start_steps=0", "prompts_per_round=4", "group_size=4", "max_new_t
          "rounds_per_version=100", "learner.batch_size=16", "learner.sample_window=32",
          "learner.new_rows_per_step=0", "learner.max_staleness=none", "learner.checkpoint_every=2", "learner.publish_every=1")
 GROUP_SIZE = 4
+# the optional fields the single-turn collector and write path fill (termination_reason is the
+# multi-turn agents' field: a single-turn collector does not write it)
+WRITE_PATH_FIELDS = ("ref_log_probs", "kl", "token_rewards", "advantage")
 
 
 def collect_rows(path: Path, backend: str, rounds: int = 5, segment_rows: int = 32):
-    """A store at ``path`` holding every optional field, written by a real collector (16 rows a round)."""
+    """A store at ``path`` holding every optional field of the write path, written by a real collector (16 rows a round)."""
     from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
     from rlhf_pipeline.collect.toy_task import toy_prompts
     from rlhf_pipeline.models import tiny_model_and_tokenizer
-    from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema
+    from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage import create_store, make_replay_buffer
     from rlhf_pipeline.transforms import GroupAdvantage, KLReward, ReferenceLogProbs
 
     model, tokenizer = tiny_model_and_tokenizer(seed=0)
     reference, _ = tiny_model_and_tokenizer(seed=1)
-    store = create_store(path, backend, schema=StoreSchema(optional=OPTIONAL_FIELDS), segment_rows=segment_rows)
+    store = create_store(path, backend, schema=StoreSchema(optional=WRITE_PATH_FIELDS), segment_rows=segment_rows)
     buffer = make_replay_buffer(store, transforms=[GroupAdvantage(GROUP_SIZE, store=store),
                                                    ReferenceLogProbs(reference), KLReward(0.05)])
     collector = Collector(model, tokenizer, PromptSource(toy_prompts(64, seed=0), required_fields=("answer",)),

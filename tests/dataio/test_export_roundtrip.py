@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pytest
 import torch
-from conftest import DEFAULT_PIPELINE, SMALL
+from conftest import DEFAULT_PIPELINE, SMALL, WRITE_PATH_FIELDS
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.columns import ColumnMap
@@ -13,7 +13,7 @@ from rlhf_pipeline.dataio.export import export_buffer
 from rlhf_pipeline.dataio.importer import ImportOptions, import_source
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
 from rlhf_pipeline.runs.processes import build_pipeline
-from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema
+from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_buffer
 
 SUFFIX = {"jsonl": "export.jsonl", "parquet": "export.parquet", "hf": "export_hf"}
@@ -50,14 +50,14 @@ def test_import_of_an_export_reproduces_every_field(collected_buffers, tmp_path,
     assert result.rows == len(original) == 80
     assert seen[-1] == (80, 80) and len(seen) == 3  # streamed in chunks of 32, with progress
     # every optional field is present and real (not all zeros), so the comparison means something
-    assert set(OPTIONAL_FIELDS) <= set(original.field_names)
+    assert set(WRITE_PATH_FIELDS) <= set(original.field_names)
     assert all(original[f].values.abs().sum() > 0 for f in ("ref_log_probs", "kl", "token_rewards"))
     assert original["advantage"].abs().sum() > 0 and len(set(original["policy_version"].tolist())) == 5
 
     # into an existing store of the other backend with the same fields: no recomputation
     other = "zarr" if backend == "memmap" else "memmap"
     target = tmp_path / "imported"
-    create_store(target, other, schema=StoreSchema(optional=OPTIONAL_FIELDS)).close()
+    create_store(target, other, schema=StoreSchema(optional=WRITE_PATH_FIELDS)).close()
     pipeline = default_pipeline(tmp_path)
     imported = import_source(out, target, pipeline, options=ImportOptions(show_progress=False), log=quiet)
     assert imported.rows_written == 80 and imported.write_path == []
@@ -83,7 +83,7 @@ def test_recomputed_log_probs_match_the_sampler(collected_buffers, tmp_path):
     out = tmp_path / "rows.jsonl"
     export_buffer(collected_buffers["memmap"], out, "jsonl")
     target = tmp_path / "rescored"
-    create_store(target, "memmap", schema=StoreSchema(optional=OPTIONAL_FIELDS)).close()
+    create_store(target, "memmap", schema=StoreSchema(optional=WRITE_PATH_FIELDS)).close()
     options = ImportOptions(columns=ColumnMap(ignore=("response_log_probs", "policy_version")), show_progress=False)
     result = import_source(out, target, default_pipeline(tmp_path), options=options, log=quiet)
     assert "make_policy" in result.log_probs_from

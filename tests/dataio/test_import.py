@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import DEFAULT_PIPELINE, GROUP_SIZE, REPO, SMALL
+from conftest import DEFAULT_PIPELINE, GROUP_SIZE, REPO, SMALL, WRITE_PATH_FIELDS
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.columns import ColumnMap
@@ -25,7 +25,7 @@ from rlhf_pipeline.schema.ids import collector_index_of
 from rlhf_pipeline.models import char_tokenizer
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
 from rlhf_pipeline.runs.processes import build_pipeline
-from rlhf_pipeline.schema import OPTIONAL_FIELDS, StoreSchema
+from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
 from rlhf_pipeline.coordination.weights import load_weights
@@ -360,7 +360,7 @@ def test_a_completion_that_is_only_eos_imports_as_the_buffer_stores_it(pipeline,
     lines[3].update(response_tokens=[eos], response_text="", response_log_probs=[-0.1], ref_log_probs=[-0.2],
                     kl=[0.1], token_rewards=[0.0])
     source = write_jsonl(tmp_path / "eos.jsonl", lines)
-    create_store(tmp_path / "buf", "memmap", schema=StoreSchema(optional=OPTIONAL_FIELDS)).close()
+    create_store(tmp_path / "buf", "memmap", schema=StoreSchema(optional=WRITE_PATH_FIELDS)).close()
     import_source(source, tmp_path / "buf", pipeline, options=QUIET, log=quiet)
     rows = rows_of(tmp_path / "buf")
     assert rows["response_tokens"].row(3).tolist() == [eos] and rows["response_text"][3] == ""
