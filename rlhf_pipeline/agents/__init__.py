@@ -1,0 +1,15 @@
+"""Multi-turn, tool-using agents (issue 19): environments, tools and token-exact episodes.
+
+* :mod:`.environment` -- the ``Environment`` protocol a pipeline file implements, ``ModelTurn``,
+  ``StepResult`` and ``EnvironmentRunner`` (sync steps in a thread pool, async ones awaited, a
+  per-step timeout);
+* :mod:`.tools` -- tools as typed Python functions, their JSON schemas, tool-call parsers per
+  chat-template family, and ``ToolBox``, which runs calls and turns every failure into an answer;
+* :mod:`.episode` -- ``Episode``: the token list as the source of truth (sampled ids verbatim,
+  environment messages tokenized as the template renders them), the loss mask, the limits, the
+  rows it stores (one per turn) and ``rebuild_trajectory`` from those rows;
+* :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them.
+
+This package knows rows (``schema``) and models; storage, the write path and the learner are the
+caller's business.
+"""
