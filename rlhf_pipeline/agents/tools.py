@@ -1,0 +1,222 @@
+"""Tools: typed Python functions, the calls parsed from the model's text, and running them safely.
+
+A tool is a plain function with type hints and a Google-style docstring (``Args:`` naming each
+argument), the convention ``transformers`` chat templates and TRL use; its JSON schema comes from
+the signature with ``transformers.utils.get_json_schema`` and is what the chat template lists for
+the model (``apply_chat_template(..., tools=toolbox.schemas)``).
+
+Tool calls are found in the model's text by a parser chosen per chat-template family
+(:data:`PARSERS`; :func:`parser_for_template` picks one from a template's own markers):
+
+* ``hermes`` (Hermes, Qwen 2.5/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  any number per message;
+* ``mistral``: ``[TOOL_CALLS]`` followed by a JSON list of ``{"name", "arguments"}`` objects.
+
+:class:`ToolBox` runs the calls of one turn and answers each with a ``tool`` message. Whatever
+the model gets wrong -- a call that is not valid JSON, an unknown tool, arguments that do not fit
+the signature, a tool that raises or runs past its timeout, more calls than a turn allows -- is
+answered with an error message as that tool's output and counted in :attr:`ToolBox.metrics`;
+nothing raises out of a rollout. Outputs longer than ``max_output_chars`` are cut, with a note
+saying how much was cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from transformers.utils import get_json_schema
+
+from rlhf_pipeline.agents.environment import Message, ToolCall
+
+# ======================================================================== parsers
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+
+
+def _call_from_object(obj: Any, raw: str, arguments_key: str = "arguments") -> ToolCall:
+    if not isinstance(obj, dict):
+        return ToolCall("", {}, raw, f"a tool call must be a JSON object, got {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall("", {}, raw, 'a tool call needs a "name" string')
+    arguments = obj.get(arguments_key, {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            return ToolCall(name, {}, raw, f"the arguments are not valid JSON ({exc.msg})")
+    if not isinstance(arguments, dict):
+        return ToolCall(name, {}, raw, f'"{arguments_key}" must be a JSON object')
+    return ToolCall(name, arguments, raw)
+
+
+def parse_hermes(text: str) -> list[ToolCall]:
+    """Calls written as ``<tool_call>{json}</tool_call>``; an unclosed last one (a turn cut at its
+    length) is a malformed call, not text."""
+    calls = []
+    for match in _HERMES_CALL.finditer(text):
+        raw = match.group(0)
+        if not raw.rstrip().endswith("</tool_call>"):
+            calls.append(ToolCall("", {}, raw, "the tool call is not closed with </tool_call>"))
+            continue
+        try:
+            obj = json.loads(match.group(1))
+        except json.JSONDecodeError as exc:
+            calls.append(ToolCall("", {}, raw, f"the tool call is not valid JSON ({exc.msg})"))
+            continue
+        calls.append(_call_from_object(obj, raw))
+    return calls
+
+
+def parse_mistral(text: str) -> list[ToolCall]:
+    """Calls written as ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``."""
+    marker = text.find("[TOOL_CALLS]")
+    if marker < 0:
+        return []
+    raw = text[marker:]
+    try:
+        # the list is the first JSON value after the marker; text after it is ignored
+        obj, _ = json.JSONDecoder().raw_decode(raw[len("[TOOL_CALLS]"):].lstrip())
+    except json.JSONDecodeError as exc:
+        return [ToolCall("", {}, raw, f"the tool calls are not valid JSON ({exc.msg})")]
+    if not isinstance(obj, list):
+        obj = [obj]
+    return [_call_from_object(item, raw) for item in obj]
+
+
+ToolCallParser = Callable[[str], list[ToolCall]]
+PARSERS: dict[str, ToolCallParser] = {"hermes": parse_hermes, "mistral": parse_mistral}
+"""Tool-call parsers by chat-template family. To add one, write ``text -> list[ToolCall]``
+(malformed calls as ``ToolCall(..., error=...)``, never an exception) and a marker below."""
+_TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"))
+
+
+def parser_for_template(chat_template: str) -> ToolCallParser:
+    """The parser of the family whose tool-call marker ``chat_template`` writes."""
+    for marker, family in _TEMPLATE_MARKERS:
+        if marker in chat_template:
+            return PARSERS[family]
+    raise ValueError(
+        f"the chat template writes none of the tool-call markers we parse "
+        f"({', '.join(m for m, _ in _TEMPLATE_MARKERS)}); pass a parser from PARSERS by name"
+    )
+
+
+# ======================================================================== running tools
+class ToolBox:
+    """The tools an environment offers, and the one place their calls run.
+
+    ``timeout_s`` bounds each call (a timed-out call's thread runs on; its answer is dropped),
+    ``max_output_chars`` each answer, ``max_calls_per_turn`` the calls answered in one turn (the
+    rest are answered with an error without running).
+    """
+
+    METRICS = ("calls", "ok", "malformed", "unknown_tool", "bad_arguments", "raised", "timeout",
+               "over_call_limit", "truncated_output")
+
+    def __init__(self, tools: Iterable[Callable[..., Any]], *, timeout_s: float | None = 10.0,
+                 max_output_chars: int = 2000, max_calls_per_turn: int = 8, max_workers: int = 4):
+        self.tools: dict[str, Callable[..., Any]] = {}
+        self.schemas: list[dict[str, Any]] = []
+        for tool in tools:
+            try:
+                schema = get_json_schema(tool)
+            except Exception as exc:  # transformers' own message says which docstring part is missing
+                raise ValueError(f"tool {getattr(tool, '__name__', tool)!r}: {exc}") from exc
+            name = schema["function"]["name"]
+            if name in self.tools:
+                raise ValueError(f"two tools are named {name!r}")
+            self.tools[name] = tool
+            self.schemas.append(schema)
+        if max_output_chars < 1 or max_calls_per_turn < 1:
+            raise ValueError("max_output_chars and max_calls_per_turn must be >= 1")
+        self.timeout_s = timeout_s
+        self.max_output_chars = max_output_chars
+        self.max_calls_per_turn = max_calls_per_turn
+        self.metrics: Counter[str] = Counter({name: 0 for name in self.METRICS})
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tool")
+
+    def run(self, calls: Sequence[ToolCall]) -> list[Message]:
+        """One ``tool`` message per call, in order; never raises for the model's mistakes."""
+        answers = []
+        for number, call in enumerate(calls):
+            self._count("calls")
+            if number >= self.max_calls_per_turn:
+                content = self._error("over_call_limit", f"only {self.max_calls_per_turn} tool calls are "
+                                      f"answered per turn; this one was not run")
+            else:
+                content = self._answer(call)
+            answers.append({"role": "tool", "name": call.name or "unknown", "content": content})
+        return answers
+
+    def errors(self) -> int:
+        """Calls answered with an error so far."""
+        return self.metrics["calls"] - self.metrics["ok"]
+
+    def _answer(self, call: ToolCall) -> str:
+        if call.error is not None:
+            return self._error("malformed", call.error)
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return self._error("unknown_tool", f"there is no tool {call.name!r}; the tools are "
+                               f"{sorted(self.tools)}")
+        try:
+            inspect.signature(tool).bind(**call.arguments)
+        except TypeError as exc:
+            return self._error("bad_arguments", f"{call.name}: {exc}")
+        future = self._pool.submit(_call_tool, tool, call.arguments)
+        try:
+            result = future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            return self._error("timeout", f"{call.name} took longer than {self.timeout_s}s")
+        except Exception as exc:  # the tool's own failure is the model's answer, not our crash
+            return self._error("raised", f"{call.name} raised {type(exc).__name__}: {exc}")
+        self._count("ok")
+        return self._truncate(_as_text(result))
+
+    def _truncate(self, text: str) -> str:
+        if len(text) <= self.max_output_chars:
+            return text
+        self._count("truncated_output")
+        cut = len(text) - self.max_output_chars
+        return text[: self.max_output_chars] + f"... [{cut} more characters cut]"
+
+    def _error(self, metric: str, message: str) -> str:
+        self._count(metric)
+        return self._truncate(f"Error: {message}")
+
+    def _count(self, metric: str) -> None:
+        with self._lock:
+            self.metrics[metric] += 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_tool(tool: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+    result = tool(**arguments)
+    if inspect.isawaitable(result):  # an async tool: its own loop, in this worker thread
+        result = asyncio.run(_await(result))
+    return result
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _as_text(result: Any) -> str:
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(result)

@@ -1,0 +1,150 @@
+"""Tools: schemas from signatures, the parsers, and every way a call fails becoming an answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rlhf_pipeline.agents.environment import ToolCall
+from rlhf_pipeline.agents.tools import PARSERS, ToolBox, parse_hermes, parse_mistral, parser_for_template
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiplies two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def explode(reason: str) -> str:
+    """Always fails.
+
+    Args:
+        reason: what to say
+    """
+    raise RuntimeError(reason)
+
+
+def sleepy(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def shout(text: str) -> str:
+    """Repeats a text many times.
+
+    Args:
+        text: the text
+    """
+    return text * 100
+
+
+async def lookup(key: str) -> dict:
+    """Looks a key up.
+
+    Args:
+        key: the key
+    """
+    await asyncio.sleep(0)
+    return {"key": key, "value": len(key)}
+
+
+@pytest.fixture
+def box():
+    box = ToolBox([multiply, explode, sleepy, shout, lookup], timeout_s=0.1, max_output_chars=120,
+                  max_calls_per_turn=3)
+    yield box
+    box.close()
+
+
+def test_schemas_come_from_signatures_and_docstrings(box):
+    schema = box.schemas[0]["function"]
+    assert schema["name"] == "multiply" and schema["description"] == "Multiplies two integers."
+    assert schema["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first factor"}
+    assert schema["parameters"]["required"] == ["a", "b"]
+
+    def undocumented(x: int) -> int:
+        return x
+
+    with pytest.raises(ValueError, match="undocumented"):
+        ToolBox([undocumented])
+    with pytest.raises(ValueError, match="two tools"):
+        ToolBox([multiply, multiply])
+
+
+def test_hermes_parser():
+    text = ('Let me compute. <tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+            '<tool_call>{"name": "lookup", "arguments": "{\\"key\\": \\"x\\"}"}</tool_call>')
+    first, second = parse_hermes(text)
+    assert (first.name, dict(first.arguments), first.error) == ("multiply", {"a": 6, "b": 7}, None)
+    assert first.raw.startswith("<tool_call>") and first.raw.endswith("</tool_call>")
+    assert (second.name, dict(second.arguments)) == ("lookup", {"key": "x"})  # arguments as a JSON string
+    assert parse_hermes("no calls here") == []
+
+
+@pytest.mark.parametrize("text, error", [
+    ('<tool_call>{"name": "multiply", "arguments": {"a": 6,</tool_call>', "not valid JSON"),
+    ('<tool_call>{"name": "multiply", "arguments": {"a": 6}}', "not closed"),  # cut at its length
+    ('<tool_call>[1, 2]</tool_call>', "JSON object"),
+    ('<tool_call>{"arguments": {}}</tool_call>', '"name"'),
+    ('<tool_call>{"name": "m", "arguments": [1]}</tool_call>', '"arguments" must be'),
+    ('<tool_call>{"name": "m", "arguments": "{bad"}</tool_call>', "arguments are not valid JSON"),
+])
+def test_hermes_parser_marks_malformed_calls(text, error):
+    (call,) = parse_hermes(text)
+    assert call.error is not None and error in call.error
+
+
+def test_mistral_parser_and_the_choice_by_template():
+    calls = parse_mistral('[TOOL_CALLS][{"name": "multiply", "arguments": {"a": 2, "b": 3}}, '
+                          '{"name": "lookup", "arguments": {"key": "k"}}] trailing')
+    assert [(c.name, dict(c.arguments)) for c in calls] == [("multiply", {"a": 2, "b": 3}), ("lookup", {"key": "k"})]
+    (bad,) = parse_mistral("[TOOL_CALLS][{oops")
+    assert "not valid JSON" in bad.error
+    assert parse_mistral("plain answer") == []
+    assert parser_for_template("{{ '<tool_call>' }}") is PARSERS["hermes"]
+    assert parser_for_template("[TOOL_CALLS]") is PARSERS["mistral"]
+    with pytest.raises(ValueError, match="PARSERS"):
+        parser_for_template("{{ messages }}")
+
+
+def test_good_calls_answer_with_the_result(box):
+    answers = box.run([ToolCall("multiply", {"a": 6, "b": 7}, ""), ToolCall("lookup", {"key": "abc"}, "")])
+    assert answers == [{"role": "tool", "name": "multiply", "content": "42"},
+                       {"role": "tool", "name": "lookup", "content": '{"key": "abc", "value": 3}'}]
+    assert box.metrics["calls"] == box.metrics["ok"] == 2 and box.errors() == 0
+
+
+@pytest.mark.parametrize("call, metric, says", [
+    (ToolCall("", {}, "<tool_call>{", "the tool call is not valid JSON"), "malformed", "not valid JSON"),
+    (ToolCall("divide", {"a": 1}, ""), "unknown_tool", "there is no tool 'divide'"),
+    (ToolCall("multiply", {"a": 1}, ""), "bad_arguments", "missing a required argument: 'b'"),
+    (ToolCall("multiply", {"a": 1, "b": 2, "c": 3}, ""), "bad_arguments", "unexpected keyword argument 'c'"),
+    (ToolCall("multiply", {"a": "x", "b": None}, ""), "raised", "multiply raised TypeError"),
+    (ToolCall("explode", {"reason": "boom"}, ""), "raised", "explode raised RuntimeError: boom"),
+    (ToolCall("sleepy", {"seconds": 1.0}, ""), "timeout", "sleepy took longer than 0.1s"),
+])
+def test_every_failure_is_an_error_answer_and_a_count(box, call, metric, says):
+    (answer,) = box.run([call])
+    assert answer["role"] == "tool" and answer["content"].startswith("Error: ") and says in answer["content"]
+    assert box.metrics[metric] == 1 and box.metrics["calls"] == 1 and box.metrics["ok"] == 0
+    assert box.errors() == 1
+
+
+def test_outputs_are_truncated_and_calls_past_the_limit_are_not_run(box):
+    answers = box.run([ToolCall("shout", {"text": "ab"}, "")] * 2 + [ToolCall("multiply", {"a": 1, "b": 1}, "")]
+                      + [ToolCall("multiply", {"a": 2, "b": 2}, "")])
+    assert answers[0]["content"] == "ab" * 60 + "... [80 more characters cut]"
+    assert answers[2]["content"] == "1"
+    assert answers[3]["content"].startswith("Error: only 3 tool calls")
+    assert box.metrics["truncated_output"] >= 2 and box.metrics["over_call_limit"] == 1 and box.metrics["calls"] == 4
