@@ -147,41 +147,47 @@ class ToolBox:
 
     def run(self, calls: Sequence[ToolCall]) -> list[Message]:
         """One ``tool`` message per call, in order; never raises for the model's mistakes."""
-        answers = []
+        return self.run_counted(calls)[0]
+
+    def run_counted(self, calls: Sequence[ToolCall]) -> tuple[list[Message], int]:
+        """:meth:`run`, and how many of these calls were answered with an error."""
+        answers, errors = [], 0
         for number, call in enumerate(calls):
             self._count("calls")
             if number >= self.max_calls_per_turn:
                 content = self._error("over_call_limit", f"only {self.max_calls_per_turn} tool calls are "
                                       f"answered per turn; this one was not run")
+                ok = False
             else:
-                content = self._answer(call)
+                content, ok = self._answer(call)
+            errors += not ok
             answers.append({"role": "tool", "name": call.name or "unknown", "content": content})
-        return answers
+        return answers, errors
 
     def errors(self) -> int:
         """Calls answered with an error so far."""
         return self.metrics["calls"] - self.metrics["ok"]
 
-    def _answer(self, call: ToolCall) -> str:
+    def _answer(self, call: ToolCall) -> tuple[str, bool]:
         if call.error is not None:
-            return self._error("malformed", call.error)
+            return self._failed("malformed", call.error)
         tool = self.tools.get(call.name)
         if tool is None:
-            return self._error("unknown_tool", f"there is no tool {call.name!r}; the tools are "
-                               f"{sorted(self.tools)}")
+            return self._failed("unknown_tool", f"there is no tool {call.name!r}; the tools are "
+                                f"{sorted(self.tools)}")
         try:
             inspect.signature(tool).bind(**call.arguments)
         except TypeError as exc:
-            return self._error("bad_arguments", f"{call.name}: {exc}")
+            return self._failed("bad_arguments", f"{call.name}: {exc}")
         future = self._pool.submit(_call_tool, tool, call.arguments)
         try:
             result = future.result(timeout=self.timeout_s)
         except FutureTimeout:
-            return self._error("timeout", f"{call.name} took longer than {self.timeout_s}s")
+            return self._failed("timeout", f"{call.name} took longer than {self.timeout_s}s")
         except Exception as exc:  # the tool's own failure is the model's answer, not our crash
-            return self._error("raised", f"{call.name} raised {type(exc).__name__}: {exc}")
+            return self._failed("raised", f"{call.name} raised {type(exc).__name__}: {exc}")
         self._count("ok")
-        return self._truncate(_as_text(result))
+        return self._truncate(_as_text(result)), True
 
     def _truncate(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
@@ -189,6 +195,9 @@ class ToolBox:
         self._count("truncated_output")
         cut = len(text) - self.max_output_chars
         return text[: self.max_output_chars] + f"... [{cut} more characters cut]"
+
+    def _failed(self, metric: str, message: str) -> tuple[str, bool]:
+        return self._error(metric, message), False
 
     def _error(self, metric: str, message: str) -> str:
         self._count(metric)

@@ -1,0 +1,124 @@
+"""Rollouts: many episodes, batched generation, concurrent environments, rows in a real store.
+
+One test drives a scripted model that uses the tool; one samples from a real (random) tiny
+``transformers`` model and checks the stored trajectories against a teacher-forced forward pass:
+the stored log-probs are those of the stored ids in their stored context, token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from conftest import ScriptedModel
+
+from rlhf_pipeline.agents.calculator import CalculatorEnv, multiply, product_tasks
+from rlhf_pipeline.agents.environment import StepResult
+from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
+from rlhf_pipeline.agents.rollout import RolloutConfig, cut_to_limits, rollout
+from rlhf_pipeline.agents.tools import ToolBox, parser_for_template
+from rlhf_pipeline.collect.generate import SamplingConfig, generate
+from rlhf_pipeline.models import tiny_causal_lm
+from rlhf_pipeline.schema import StoreSchema, TerminationReason
+from rlhf_pipeline.storage import create_store
+
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
+
+
+def scripted_sampler(tokenizer, script):
+    """Turn k of an episode says script[k]; the turn is read off the prompt's assistant headers."""
+    model = ScriptedModel(tokenizer, script)
+    header = tokenizer.encode("<|im_start|>assistant", add_special_tokens=False)
+
+    def sample(prompts, max_new_tokens):
+        out = []
+        for prompt, limit in zip(prompts, max_new_tokens):
+            turn = sum(prompt[i:i + len(header)] == header for i in range(len(prompt))) - 1
+            out.append(model.sample(turn, limit))
+        return out
+
+    return sample
+
+
+def write_and_read(path, batch):
+    store = create_store(path, "memmap", schema=StoreSchema(optional=("termination_reason",)))
+    store.append(batch)
+    rows = store.read(torch.arange(len(store)))
+    store.close()
+    return rows
+
+
+def test_a_scripted_agent_uses_the_tool_and_its_episodes_reach_a_store(tmp_path, bpe_tokenizer):
+    box = ToolBox([multiply])
+    tasks = [{"question": "What is 12 * 34?", "answer": "408"}, {"question": "What is 12 * 35?", "answer": "420"}]
+    result = rollout(tasks, lambda: CalculatorEnv(box), scripted_sampler(bpe_tokenizer, [CALL, "the answer is 408"]),
+                     bpe_tokenizer, RolloutConfig(group_size=3), parser=parser_for_template(bpe_tokenizer.chat_template))
+    assert [e.reason for e in result.episodes] == [TerminationReason.ENV_DONE] * 6
+    assert [e.rewards for e in result.episodes] == [[0.0, 1.0]] * 3 + [[0.0, 0.0]] * 3
+    m = result.metrics
+    assert m["tool_calls"] == m["tools/ok"] == 6 and m["turns"] == 12 and m["generation_batches"] == 2
+    assert m["generated_rows"] == 12 and m["template_mismatch"] == 0 and m["retokenization_drift"] == 6
+
+    rows = write_and_read(tmp_path / "buffer", result.to_batch(first_group_id=10, first_trajectory_id=100, policy_version=2))
+    assert rows["group_id"].tolist() == [10] * 6 + [11] * 6 and rows["step"].tolist() == [0, 1] * 6
+    for k, episode in enumerate(result.episodes):
+        rebuilt = rebuild_trajectory(rows.select(torch.nonzero(rows["trajectory_id"] == 100 + k).flatten()))
+        assert rebuilt.token_ids.tolist() == episode.token_ids and rebuilt.loss_mask.tolist() == [bool(x) for x in episode.loss_mask]
+    box.close()
+
+
+def test_async_environments_step_concurrently(bpe_tokenizer):
+    class SlowAsync(CalculatorEnv):
+        async def step(self, turn):
+            await asyncio.sleep(0.2)
+            return StepResult([{"role": "user", "content": "more"}]) if turn.index == 0 else StepResult(done=True)
+
+    start = time.perf_counter()
+    result = rollout([{"question": "q", "answer": "1"}] * 4, SlowAsync, scripted_sampler(bpe_tokenizer, ["a", "b"]),
+                     bpe_tokenizer, RolloutConfig(group_size=4))
+    assert len(result.episodes) == 16 and all(len(e.turns) == 2 for e in result.episodes)
+    assert time.perf_counter() - start < 16 * 2 * 0.2 / 4  # 32 steps of 0.2 s overlapped
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(bpe_tokenizer):
+    return tiny_causal_lm(len(bpe_tokenizer), hidden_size=32, num_layers=1, num_heads=2,
+                          max_position_embeddings=1024, pad_token_id=bpe_tokenizer.pad_token_id,
+                          eos_token_id=bpe_tokenizer.eos_token_id, seed=3)
+
+
+def test_a_real_model_rollout_stores_exactly_what_it_sampled(tmp_path, bpe_tokenizer, tiny_lm):
+    torch.set_num_threads(1)
+    eos = bpe_tokenizer.eos_token_id
+    generator = torch.Generator().manual_seed(0)
+
+    def sample_batch(prompts, max_new_tokens):
+        gen = generate(tiny_lm, prompts, SamplingConfig(max_new_tokens=max_new_tokens), pad_token_id=bpe_tokenizer.pad_token_id,
+                       eos_token_id=eos, generator=generator)
+        return [(gen.response_tokens.row(i).tolist(), gen.response_log_probs.row(i).tolist()) for i in range(len(prompts))]
+
+    box = ToolBox([multiply])
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=12, context_length=400, end_on_cut_turn=False)
+    result = rollout(product_tasks(3, seed=1), lambda: CalculatorEnv(box, nudges=1), cut_to_limits(sample_batch, [eos]),
+                     bpe_tokenizer, RolloutConfig(group_size=2, limits=limits), parser=parser_for_template(bpe_tokenizer.chat_template))
+    episodes = result.episodes
+    assert len(episodes) == 6 and all(e.done for e in episodes)
+    assert result.metrics["generated_rows"] == sum(len(e.turns) for e in episodes) > 6  # multi-turn, batched
+    assert result.metrics["generation_batches"] == max(len(e.turns) for e in episodes)
+    # the random model's samples are not what its tokenizer would encode: re-tokenizing drifts
+    assert result.metrics["retokenization_drift"] > 0
+
+    rows = write_and_read(tmp_path / "buffer", result.to_batch(first_group_id=0, first_trajectory_id=0, policy_version=0))
+    for k, episode in enumerate(episodes):
+        rebuilt = rebuild_trajectory(rows.select(torch.nonzero(rows["trajectory_id"] == k).flatten()))
+        assert rebuilt.token_ids.tolist() == episode.token_ids
+        # teacher-forced over the stored sequence, the model gives back the stored log-probs
+        ids = rebuilt.token_ids.long()[None]
+        with torch.no_grad():
+            logp = torch.log_softmax(tiny_lm(input_ids=ids).logits.float()[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        mask = rebuilt.loss_mask[1:]
+        assert mask.sum() == sum(len(t) for t in (s.ids for s in episode.segments if s.sampled))
+        torch.testing.assert_close(logp[mask], rebuilt.log_probs[1:][mask], atol=1e-4, rtol=0)
+    box.close()
