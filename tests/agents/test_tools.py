@@ -148,3 +148,27 @@ def test_outputs_are_truncated_and_calls_past_the_limit_are_not_run(box):
     assert answers[2]["content"] == "1"
     assert answers[3]["content"].startswith("Error: only 3 tool calls")
     assert box.metrics["truncated_output"] >= 2 and box.metrics["over_call_limit"] == 1 and box.metrics["calls"] == 4
+
+
+def test_run_counted_says_how_many_calls_failed(box):
+    answers, errors = box.run_counted([ToolCall("multiply", {"a": 2, "b": 3}, ""), ToolCall("nope", {}, "")])
+    assert [a["content"][:6] for a in answers] == ["6", "Error:"] and errors == 1
+
+
+def test_the_calculator_ends_on_repeated_tool_errors_and_nudges_a_bounded_number_of_times():
+    from rlhf_pipeline.agents.calculator import CalculatorEnv, product_tasks
+    from rlhf_pipeline.agents.environment import ModelTurn
+    from rlhf_pipeline.schema import TerminationReason
+
+    task = product_tasks(1, seed=5)[0]
+    env = CalculatorEnv(max_tool_errors=2, nudges=1)
+    env.reset(task)
+    bad = (ToolCall("divide", {}, ""),)
+    assert not env.step(ModelTurn(0, "", bad)).done
+    result = env.step(ModelTurn(1, "", bad))
+    assert result.done and result.reason is TerminationReason.TOOL_ERROR and result.reward == 0.0
+    env.reset(task)
+    assert env.step(ModelTurn(0, "no idea")).messages[0]["content"].startswith("Use the multiply tool")
+    final = env.step(ModelTurn(1, f"it is {task['answer']}"))
+    assert final.done and final.reward == 1.0 and final.reason is TerminationReason.ENV_DONE
+    env.toolbox.close()
