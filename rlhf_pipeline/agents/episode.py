@@ -16,9 +16,9 @@ Two checks run each turn and are counted in :attr:`Episode.metrics`, never hidde
 * ``template_mismatch``: the template's rendering of the conversation does not begin with the text
   the model saw and sampled (a template that is not append-only: one that strips earlier turns'
   thinking, trims whitespace, or a turn that stopped on a token the template does not write).
-  The new text is then taken after the template's own rendering of the conversation so far and
-  the template's closing of the model's turn, so no earlier turn is repeated; the stored ids
-  still hold what was sampled.
+  The new text is then what the template writes after the model's last message when the new
+  messages follow it (found by rendering a probe message in its place), so no earlier turn is
+  tokenized again; the stored ids still hold what was sampled.
 * ``retokenization_drift``: encoding the rendered conversation does not give the token list.
   This is what a system that re-tokenizes would have trained on instead; here it changes nothing
   and is counted to show how often it would have happened.
@@ -160,8 +160,7 @@ class Episode:
         if len(ids) > self.max_new_tokens():
             raise ValueError(f"{len(ids)} sampled ids, more than this turn's max_new_tokens ({self.max_new_tokens()})")
         finished = ids[-1] in self.stop_token_ids
-        if not finished:
-            self._cut_reason = self._cut_reason_for(len(ids))
+        self._cut_reason = None if finished else self._cut_reason_for(len(ids))
         text = self.decode(ids)
         self._append(Segment(tuple(ids), text, sampled=True, log_probs=tuple(log_probs)))
         content = self.decode(ids[:-1]) if finished else text
@@ -184,12 +183,6 @@ class Episode:
         else:
             self._add_environment_messages(list(result.messages))
 
-    def end(self, reason: TerminationReason) -> None:
-        """Ends the episode from outside (a rollout-level timeout); the last turn keeps its reward so far."""
-        if len(self.rewards) < len(self.turns):
-            self.rewards.append(0.0)
-        self._end(reason)
-
     def _cut_reason_for(self, sampled: int) -> TerminationReason | None:
         """Why a turn that did not end its message stopped (called before it is appended)."""
         used = len(self._ids)
@@ -203,10 +196,9 @@ class Episode:
         full = self.render(self.messages + new, add_generation_prompt=True)
         if full.startswith(self._text):
             delta = full[len(self._text):]
-        else:  # not append-only: take the new text after the template's own rendering so far
+        else:  # not append-only: take what the template writes after the model's last message
             self.metrics["template_mismatch"] += 1
-            so_far = self.render(self.messages, add_generation_prompt=False)
-            delta = self._closing_of_last_turn() + full[len(_common_prefix(full, so_far)):]
+            delta = self._text_after_last_turn(new, full)
         ids = self.encode(delta)
         grown = len(self._ids) + len(ids)
         for limit, reason in ((self.limits.context_length, TerminationReason.CONTEXT_FULL),
@@ -219,21 +211,21 @@ class Episode:
         self.messages.extend(dict(m) for m in new)
         self._append(Segment(tuple(ids), delta, sampled=False))
 
-    def _closing_of_last_turn(self) -> str:
-        """What the template writes after an assistant message's content, less the stop token the
-        model already sampled (found by rendering a probe message in the last turn's place)."""
+    def _text_after_last_turn(self, new: list[Message], full: str) -> str:
+        """What the template writes after the model's last message when ``new`` follows it: its
+        closing of that message (less the stop token the model sampled), the new messages and
+        the generation prompt. Found by rendering a probe in the last message's place, so how
+        the template renders earlier turns (trimmed, thinking stripped) does not matter."""
         probe = "PROBE-CONTENT-0f3a"
-        rendered = self.render(self.messages[:-1] + [{"role": "assistant", "content": probe}],
-                               add_generation_prompt=False)
+        rendered = self.render(self.messages[:-1] + [{"role": "assistant", "content": probe}] + new,
+                               add_generation_prompt=True)
         at = rendered.rfind(probe)
-        if at < 0:
-            return ""
-        closing = rendered[at + len(probe):]
-        last = self.segments[-1]
+        if at < 0:  # the template dropped the probe: the text after the longest common prefix
+            return full[len(_common_prefix(full, self.render(self.messages, add_generation_prompt=False))):]
+        tail = rendered[at + len(probe):]
         if self.turns[-1].finished:
-            stop_text = self.decode(last.ids[-1:])
-            closing = closing.removeprefix(stop_text)
-        return closing
+            tail = tail.removeprefix(self.decode(self.segments[-1].ids[-1:]))
+        return tail
 
     def _append(self, segment: Segment) -> None:
         self.segments.append(segment)

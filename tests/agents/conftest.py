@@ -4,7 +4,9 @@ The tokenizer is byte-level BPE trained at test time on a small corpus (nothing 
 decoding and encoding again changes ids the way real tokenizers do (the character tokenizer of
 ``models.tiny`` cannot show that). ``HERMES_TEMPLATE`` is a Qwen-style template with a tool role
 and tools listed in a system message; ``TRIMMING_TEMPLATE`` trims assistant messages, so it is not
-append-only for a turn that ends in whitespace.
+append-only for a turn that ends in whitespace; ``THINKING_TEMPLATE`` strips ``<think>`` blocks
+from assistant messages that a later user message follows (as Qwen3's does), so the conversation
+renders differently from what the model saw once the user speaks again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ HERMES_TEMPLATE = (
 )
 TRIMMING_TEMPLATE = HERMES_TEMPLATE.replace(
     "message.content + '<|im_end|>", "(message.content | trim if message.role == 'assistant' else message.content) + '<|im_end|>")
+
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}{%- set content = message.content %}"
+    "{%- if message.role == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip() %}{%- endif %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 _CORPUS = [
     "the answer is forty two and the question is what six times seven is",
@@ -56,6 +69,11 @@ def train_tokenizer(chat_template: str = HERMES_TEMPLATE, vocab_size: int = 400)
 @pytest.fixture(scope="session")
 def bpe_tokenizer():
     return train_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def thinking_tokenizer():
+    return train_tokenizer(THINKING_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

@@ -115,6 +115,23 @@ def test_a_template_that_is_not_append_only_is_counted_and_the_samples_stay_exac
     assert episode.segments[2].text == "\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_a_template_that_strips_earlier_thinking_keeps_the_turns_the_model_saw(thinking_tokenizer, box):
+    script = ["<think>let me see</think>the answer is 40", "<think>hmm</think>so the final answer is 408",
+              "<think>sure</think>the answer is 408"]
+    episode, sampled = play(thinking_tokenizer, Calculator(box), script=script)
+    assert episode.reason is TerminationReason.ENV_DONE and len(episode.turns) == 3
+    assert episode.metrics["template_mismatch"] == 2  # at both environment turns
+    assert [list(s.ids) for s in episode.segments if s.sampled] == [ids for ids, _ in sampled]
+    # the thinking the model sampled stays trained, in the turns it was sampled in
+    assert [thinking_tokenizer.decode(list(s.ids)) for s in episode.segments if s.sampled] == [t + "<|im_end|>" for t in script]
+    # each environment turn is its own messages only: no earlier turn is tokenized again
+    go_on = "\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+    assert [s.text for s in episode.segments if not s.sampled][1:] == [go_on, go_on]
+    # re-rendering the conversation (what a re-templating system trains on) loses the thinking
+    rendered = episode.render(episode.messages, add_generation_prompt=False)
+    assert "let me see" not in rendered and "let me see" in "".join(s.text for s in episode.segments)
+
+
 # ---------------------------------------------------------------------------- limits and reasons
 def test_max_turns(bpe_tokenizer, box):
     class Never(Calculator):
