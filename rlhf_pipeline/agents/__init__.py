@@ -8,7 +8,10 @@
 * :mod:`.episode` -- ``Episode``: the token list as the source of truth (sampled ids verbatim,
   environment messages tokenized as the template renders them), the loss mask, the limits, the
   rows it stores (one per turn) and ``rebuild_trajectory`` from those rows;
-* :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them.
+* :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them;
+* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool).
+
+``docs/agents.md`` says what is built, what a turn costs on disk and what is not built yet.
 
 This package knows rows (``schema``) and models; storage, the write path and the learner are the
 caller's business.
