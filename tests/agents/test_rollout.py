@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import ScriptedModel
+from agent_scripts import ScriptedModel
 
 from rlhf_pipeline.agents.calculator import CalculatorEnv, multiply, product_tasks
 from rlhf_pipeline.agents.environment import StepResult

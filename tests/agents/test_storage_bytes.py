@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import ScriptedModel
+from agent_scripts import ScriptedModel
 
 from rlhf_pipeline.agents.environment import StepResult
 from rlhf_pipeline.agents.episode import Episode, EpisodeLimits, episodes_to_batch, rebuild_trajectory
