@@ -1,7 +1,7 @@
 """Storage benchmark script: ``python benchmarks/bench_storage.py [--json] [--completions N] [--backends ...]``.
 
 A thin wrapper around :mod:`rlhf_pipeline.bench.storage_bench`; the same run as
-``rlhf-pipeline bench storage``. See benchmarks/README.md for what it measures.
+``rlhf-pipeline bench storage``. See docs/benchmarks.md for what it measures.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ The table adds the pipeline's figures over the synchronous loop's. What to expec
 cores: the pipeline can at best hide the shorter of generation and training behind the
 longer; its two processes import torch & co. at once, one per core, so it reaches its first
 step about when the synchronous loop does (``run`` itself imports no torch); see
-``benchmarks/README.md``.
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

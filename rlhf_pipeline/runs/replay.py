@@ -253,7 +253,7 @@ def fit_shuffle_window(store, rows: int, learner, *, given: int | None, cache_by
 
     A Zarr reader decodes whole units into an LRU cache (512 MiB by default); a shuffled epoch
     walks windows of units, and a window whose decoded rows exceed the cache misses on nearly
-    every batch (``benchmarks/README.md``, replay). The window is kept to half the cache
+    every batch (``docs/benchmarks.md``, replay). The window is kept to half the cache
     (``cache_bytes``, default the reader's), at the source's mean decoded bytes per row: set so
     when ``--shuffle-window`` was not given, else only a warning.
     """

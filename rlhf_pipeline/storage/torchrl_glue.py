@@ -193,7 +193,7 @@ class TrajectoryReplayBuffer(ReplayBuffer):
     ``read(storage, index)``, as :class:`~rlhf_pipeline.schema.padding.PaddedCollator` does), this
     buffer calls that instead: the sampled rows go straight from the store into the padded
     batch (``store.read_padded``), the same TensorDict at about twice the speed
-    (``benchmarks/README.md``). Sampling, locks, transforms and ``pin_memory`` behave as in
+    (``docs/benchmarks.md``). Sampling, locks, transforms and ``pin_memory`` behave as in
     torchrl; any other ``collate_fn``, a sample unit or generation tracking take torchrl's path.
     """
 
