@@ -1,10 +1,10 @@
-"""The documentation stays true: the pages of ``docs/`` (the site ``mkdocs.yml`` builds) and the README.
+"""The documentation stays true: the pages of ``docs/`` (the site ``mkdocs.yml`` builds) and the READMEs.
 
 What a reader would trip over is checked without MkDocs installed:
 
 * every page is in ``mkdocs.yml``'s nav and every nav entry is a page;
 * every relative link resolves, anchors included (the site's heading ids in the pages, GitHub's
-  in the README, which GitHub renders);
+  in the READMEs, which GitHub renders);
 * every ``rlhf-pipeline`` command in a code block or an inline code span names a real command
   and only flags that command's parser takes, and every ``--set KEY=VALUE`` given to a real
   pipeline file is a setting that file accepts;
@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PAGES = sorted(DOCS.rglob("*.md"))
-DOCUMENTS = [README, *PAGES]  # everything a reader reads
+ON_GITHUB = [README, ROOT / "benchmarks" / "README.md"]  # read where GitHub renders them, not on the site
+DOCUMENTS = [*ON_GITHUB, *PAGES]  # everything a reader reads
 
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 FRAGMENT = "<!-- docs-test: fragment"
@@ -119,15 +120,15 @@ def _links(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", DOCUMENTS, ids=_ids(DOCUMENTS))
 def test_links_resolve(path):
-    # the README is read on GitHub, the pages on the site: each with its heading ids
-    slug = _github_slug if path == README else _site_slug
+    # the READMEs are read on GitHub, the pages on the site: each with its heading ids
+    slug = _github_slug if path in ON_GITHUB else _site_slug
     for link in _links(path):
         if re.match(r"[a-z]+:", link):  # https:, mailto:
             continue
         target, _, anchor = link.partition("#")
         file = (path.parent / target).resolve() if target else path
         assert file.exists(), f"{path.name}: link {link!r}: no file {file}"
-        if path != README:
+        if path not in ON_GITHUB:
             assert DOCS in file.parents, f"{path.name}: link {link!r} leaves docs/ (strict builds refuse it)"
         if anchor:
             assert file.suffix == ".md", f"{path.name}: link {link!r}"
