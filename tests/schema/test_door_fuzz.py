@@ -163,8 +163,11 @@ def one_bad_value(draw, rows):
     else:
         high = 2**31 - 1 if spec.dtype == torch.int32 else INT64[1]
         negative_is_bad = field in ("step", "policy_version")
+        # None is no value for a required field, and "absent" for an optional one (Trajectory's
+        # default): an optional field that no row has is a valid write of nothing
+        absent = st.none() if spec.required else st.nothing()
         row[field] = draw(st.one_of(
-            st.floats(), st.booleans(), st.text(max_size=3), st.none(), st.integers(high + 1, 2**80),
+            st.floats(), st.booleans(), st.text(max_size=3), absent, st.integers(high + 1, 2**80),
             st.integers(-(2**80), -1 if negative_is_bad else INT64[0] - 1),
         ))
     return RELATED.get(field, {field}) | {field}
