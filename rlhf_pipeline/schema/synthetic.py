@@ -61,6 +61,69 @@ def synthetic_batch(n_completions: int, **kwargs) -> TrajectoryBatch:
     return TrajectoryBatch.cat(list(synthetic_batches(n_completions, **kwargs)))
 
 
+def batch_with_lengths(
+    prompt_lengths: Sequence[int] | torch.Tensor,
+    response_lengths: Sequence[int] | torch.Tensor,
+    *,
+    group_size: int = 8,
+    seed: int = 0,
+    optional_fields: Sequence[str] = ("advantage",),
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+) -> TrajectoryBatch:
+    """One batch whose row i has exactly ``prompt_lengths[i]`` and ``response_lengths[i]`` tokens.
+
+    For length distributions that ``synthetic_batches``' uniform ranges cannot express (the
+    learner benchmark's skewed lengths, tests' very uneven rows). Token ids, log-probs, rewards
+    and the optional fields are drawn as the module docstring says; each row has its own prompt
+    tokens (group ids are ``row // group_size``).
+    """
+    prompt_lengths = torch.as_tensor(prompt_lengths, dtype=torch.int64).reshape(-1)
+    response_lengths = torch.as_tensor(response_lengths, dtype=torch.int64).reshape(-1)
+    if prompt_lengths.shape != response_lengths.shape or prompt_lengths.numel() == 0:
+        raise ValueError("prompt_lengths and response_lengths must be two non-empty sequences of one length each")
+    if int(prompt_lengths.min()) < 0 or int(response_lengths.min()) < 1:
+        raise ValueError("prompt lengths must be >= 0 and response lengths >= 1")
+    _check_args(len(prompt_lengths), group_size, (1, 1), (1, 1), 1, optional_fields)
+    generator = torch.Generator().manual_seed(seed)
+    num_rows = prompt_lengths.numel()
+    total_response = int(response_lengths.sum())
+    response_offsets = lengths_to_offsets(response_lengths)
+    prompt_tokens = RaggedTensor.from_lengths(
+        torch.randint(0, vocab_size, (int(prompt_lengths.sum()),), generator=generator, dtype=torch.int32),
+        prompt_lengths)
+    response_tokens = RaggedTensor(
+        torch.randint(0, vocab_size, (total_response,), generator=generator, dtype=torch.int32), response_offsets)
+    log_probs = -torch.empty(total_response).exponential_(1.0, generator=generator)
+    reward = (torch.rand(num_rows, generator=generator) < 0.5).to(torch.float32)
+    row_ids = torch.arange(num_rows, dtype=torch.int64)
+    group_of_row = row_ids // group_size
+    columns = {
+        "prompt_tokens": prompt_tokens,
+        "response_tokens": response_tokens,
+        "response_log_probs": RaggedTensor(log_probs, response_offsets),
+        "group_id": group_of_row,
+        "trajectory_id": row_ids,
+        "step": torch.zeros(num_rows, dtype=torch.int32),
+        "reward": reward,
+        "done": torch.ones(num_rows, dtype=torch.bool),
+        "terminated": torch.ones(num_rows, dtype=torch.bool),
+        "truncated": torch.zeros(num_rows, dtype=torch.bool),
+        "policy_version": torch.zeros(num_rows, dtype=torch.int64),
+        "prompt_text": [f"prompt {i}" for i in range(num_rows)],
+        "response_text": [f"response {i}" for i in range(num_rows)],
+    }
+    if "advantage" in optional_fields:
+        columns["advantage"] = _group_advantage(reward, group_of_row, int(group_of_row[-1]) + 1)
+    ref_log_probs = (log_probs + 0.1 * torch.randn(total_response, generator=generator)).clamp_max(0.0)
+    if "ref_log_probs" in optional_fields:
+        columns["ref_log_probs"] = RaggedTensor(ref_log_probs, response_offsets)
+    if "kl" in optional_fields:
+        columns["kl"] = RaggedTensor(log_probs - ref_log_probs, response_offsets)
+    if "token_rewards" in optional_fields:
+        raise ValueError("batch_with_lengths does not draw token_rewards; use synthetic_batches")
+    return TrajectoryBatch(columns)
+
+
 def raw_payload_bytes(batch: TrajectoryBatch) -> int:
     """Bytes of the data itself: token values, row values and UTF-8 text; no offsets, no padding."""
     total = 0

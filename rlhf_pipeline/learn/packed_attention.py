@@ -1,0 +1,189 @@
+"""Attention for packed sequences: every row attends only to itself, causally, per device.
+
+A packed forward (``learn/packed.py``) runs the model on one sequence ``(1, L)`` holding several
+rows end to end, with ``position_ids`` restarting at 0 at each row and the row boundaries as
+``cu_seq_lens_q`` (int32 ``(n + 1,)`` offsets: row i is ``[cu[i], cu[i+1])``), the keyword
+transformers' flash-attention path also reads. :func:`use_packed_attention` switches a
+transformers model to the attention function of this module, registered as
+``"rlhf_packed"`` in transformers' ``AttentionInterface``. It picks, per call:
+
+* **CUDA, fp16/bf16 (or under autocast)**: ``torch.nn.attention.varlen.varlen_attn``, torch's
+  own FlashAttention-2 varlen kernel, causal within each row and never across rows: the
+  cost follows ``sum(len_i^2)``, no mask is built, no flash-attn package is needed.
+  (Not run here: this machine has no GPU; ``tests/learn/test_packing.py`` skips its check.)
+* **CPU** (and CUDA in float32): ``scaled_dot_product_attention`` per row, causal, when the
+  rows are long (few calls, ``sum(len_i^2)`` work); when many short rows share a sequence,
+  one call over a ``(n, longest)`` rectangle gathered from the packed tokens with a causal
+  and key-padding mask, which pays ``n * longest^2`` work but only one call: on this CPU a
+  call costs about as much as ~2,000 attention entries per head, so a loop over 64 rows
+  of ~16 tokens was slower than the padded model (``benchmarks/README.md``, "Packed learner").
+
+Why not transformers' own packed-sequence support: with ``attention_mask=None`` and
+restarting ``position_ids`` its ``sdpa``/``eager`` mask builders make a block-diagonal causal
+mask of the whole packed sequence, ``L x L``, so every layer does ``L^2`` attention work
+(64x a row's own for 8,192 tokens of 128-token rows) and eager keeps the ``L x L`` weights
+for the backward; ``flex_attention`` would skip the empty blocks but needs
+``torch.compile`` to be fast, which is minutes of compile per shape on this CPU.
+
+Calls without ``cu_seq_lens_q`` (the padded path, generation) go to transformers'
+``sdpa_attention_forward`` with the mask transformers builds for ``sdpa``, so a model switched
+to this attention computes the same as with ``attn_implementation="sdpa"``. A packed call
+without ``cu_seq_lens_q`` (restarting ``position_ids`` and no attention mask) is detected from
+the positions, so it never attends across rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "rlhf_packed"
+# one sdpa call costs about what this many extra (query, key) entries per head cost on a CPU
+# core (measured on this machine, see the module docstring): the rectangle is used when its
+# padding entries are cheaper than the calls it saves
+_CALL_COST_ENTRIES = 2_048
+
+
+def use_packed_attention(model) -> None:
+    """Switch ``model`` (a transformers ``PreTrainedModel``, or a wrapper with ``.module``) to the
+    ``rlhf_packed`` attention, registering it on first use. Idempotent."""
+    _register()
+    inner = getattr(model, "module", model)  # DDP / FSDP wrappers
+    if inner.config._attn_implementation != NAME:
+        inner.set_attn_implementation(NAME)
+
+
+def uses_packed_attention(model) -> bool:
+    inner = getattr(model, "module", model)
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None) == NAME
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, packed_attention_forward)
+    AttentionMaskInterface.register(NAME, _mask)
+    _registered = True
+
+
+def _mask(*args, attention_mask=None, **kwargs):
+    """The ``sdpa`` mask when there is padding; None otherwise (the attention itself is causal per row)."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+# ====================================================================== the attention function
+def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, sliding_window: int | None = None,
+                             cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
+                             position_ids: torch.Tensor | None = None, **kwargs):
+    """transformers' attention-function contract: ``query`` (1, H, L, D), ``key``/``value``
+    (1, Hkv, L, D) -> ``((1, L, H, D), None)``."""
+    if cu_seq_lens_q is None and attention_mask is None and query.shape[2] > 1 and position_ids is not None:
+        cu_seq_lens_q = _boundaries_from_positions(position_ids)
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, position_ids=position_ids, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
+    if sliding_window is not None:
+        raise ValueError("packed attention does not implement sliding-window layers; use learner.packing=false")
+    if dropout:
+        raise ValueError("packed attention runs without attention dropout (the learner trains with none)")
+    if query.is_cuda and _flash_dtype(query) is not None:
+        out = _varlen_flash(query, key, value, cu_seq_lens_q, max_length_q, scaling)
+    else:
+        bounds = cu_seq_lens_q.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        if _rectangle_is_cheaper(lengths):
+            out = _rectangle(query, key, value, bounds, lengths, scaling)
+        else:
+            out = _per_row(query, key, value, bounds, scaling)
+    return out.transpose(1, 2).contiguous(), None  # (1, L, H, D)
+
+
+def _boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Row offsets of a packed sequence from positions restarting at 0; None when it holds one row."""
+    positions = position_ids[0]
+    starts = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+    if starts.numel() == 0:
+        return None
+    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_tensor([positions.numel()])])
+    return bounds.to(torch.int32)
+
+
+def _rectangle_is_cheaper(lengths: list[int]) -> bool:
+    """One masked call over ``n x longest^2`` entries against ``n`` calls over ``sum(len^2)``."""
+    longest = max(lengths)
+    waste = len(lengths) * longest * longest - sum(n * n for n in lengths)
+    return waste < _CALL_COST_ENTRIES * (len(lengths) - 1)
+
+
+def _per_row(query, key, value, bounds: list[int], scaling):
+    """(1, H, L, D): causal sdpa on each row's slice, concatenated."""
+    gqa = query.shape[1] != key.shape[1]
+    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                           scale=scaling, enable_gqa=gqa)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _rectangle(query, key, value, bounds: list[int], lengths: list[int], scaling):
+    """(1, H, L, D): the rows gathered into (n, H, longest, D), one causal + key-padding masked sdpa,
+    and the real positions gathered back. Padding positions read token 0 of the sequence and are
+    masked as keys; their outputs are dropped, so they take no part in values or gradients."""
+    device = query.device
+    n, longest = len(lengths), max(lengths)
+    starts = torch.tensor(bounds[:-1], device=device)
+    lens = torch.tensor(lengths, device=device)
+    column = torch.arange(longest, device=device)
+    valid = column[None, :] < lens[:, None]  # (n, longest)
+    gather = torch.where(valid, starts[:, None] + column[None, :], 0).flatten()  # (n * longest,)
+    causal = column[:, None] >= column[None, :]  # (longest, longest)
+    mask = (causal[None] & valid[:, None, :])[:, None]  # (n, 1, longest, longest); key 0 always allowed
+
+    def rows(x):  # (1, h, L, D) -> (n, h, longest, D)
+        return x[0].index_select(1, gather).unflatten(1, (n, longest)).transpose(0, 1)
+
+    out = F.scaled_dot_product_attention(rows(query), rows(key), rows(value), attn_mask=mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])  # (n, H, longest, D)
+    flat = out.transpose(0, 1).flatten(1, 2)  # (H, n * longest, D)
+    keep = torch.nonzero(valid.flatten()).flatten()  # real tokens, in packed order
+    return flat.index_select(1, keep)[None]
+
+
+def _flash_dtype(query) -> torch.dtype | None:
+    """The half dtype the flash kernel runs in: the query's own, or autocast's."""
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return query.dtype
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
+def _varlen_flash(query, key, value, cu_seq_lens: torch.Tensor, max_length: int | None, scaling):
+    """(1, H, L, D) by torch's varlen FlashAttention (CUDA): (L, H, D) layout, causal per row.
+    Under autocast q/k/v may come out of RoPE in float32 (cos/sin follow the float32 hidden
+    states), so they are cast to autocast's half dtype here and the result back."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    dtype = _flash_dtype(query)
+    cu = cu_seq_lens.to(device=query.device, dtype=torch.int32)
+    if max_length is None:
+        max_length = int((cu[1:] - cu[:-1]).max())
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (L, h, D)
+    out = varlen_attn(q, k, v, cu, cu, max_length, max_length, scale=scaling, window_size=(-1, 0),
+                      enable_gqa=q.shape[1] != k.shape[1])  # (L, H, D)
+    return out.to(query.dtype).transpose(0, 1)[None]
