@@ -34,6 +34,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rlhf_pipeline.bench.e2e_bench",
         "the default pipeline against a synchronous generate-then-train loop, to the same steps",
     ),
+    "learner": (
+        "rlhf_pipeline.bench.learner_bench",
+        "learner steps on length-skewed rows: padded vs packed micro-batches, TRL's GRPOTrainer beside",
+    ),
 }
 
 

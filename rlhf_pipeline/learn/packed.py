@@ -199,7 +199,9 @@ def packed_response_logprobs(model, packed: PackedMicroBatch, temperature: float
     out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
                 cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
                 logits_to_keep=packed.logit_positions)
-    logits = out.logits[0].float() / temperature  # (N, V): only the positions that score a response token
+    logits = out.logits[0].float()  # (N, V): only the positions that score a response token
+    if temperature != 1.0:  # (a division by 1 is exact: skipping it saves a pass over N x V)
+        logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     token_logp = logp_all.gather(-1, packed.targets[:, None]).squeeze(-1)  # (N,)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
