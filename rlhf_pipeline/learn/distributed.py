@@ -56,11 +56,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from rlhf_pipeline.learn.loss import aggregates_by_token
-from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows, take_rows
+from rlhf_pipeline.learn.microbatch import take_rows
 from rlhf_pipeline.learn.samplers import DataTimeoutError
 from rlhf_pipeline.learn.shard_rows import RowNames, positions_of
 from rlhf_pipeline.learn.stale_rows import drop_stale
-from rlhf_pipeline.learn.step import MicroBatch, StepPlan, batch_counts, micro_batch_weight, plan_step
+from rlhf_pipeline.learn.step import MicroBatch, StepPlan, batch_counts, micro_batch_weight, plan_step, split_batch
 
 if TYPE_CHECKING:
     from rlhf_pipeline.learn.settings import LearnerSettings
@@ -350,7 +350,7 @@ class DataParallel:
         rows, response_tokens, attention_tokens = (int(n) for n in self.sum_counts(
             *((0, 0, 0) if filler else batch_counts(batch))))
         token_mean = aggregates_by_token(settings.loss)
-        pieces = split_microbatches_with_rows(batch, settings.micro_batch_tokens)
+        pieces = split_batch(batch, settings)
         count = self.micro_batch_count(len(pieces))
         parts = []
         for i in range(count):

@@ -7,8 +7,10 @@ One learner step, as :meth:`Learner.train` runs it:
    waited, more than ``max_staleness`` versions older than ours (``learn/stale_rows.py``,
    counted as ``charts/rows_dropped_stale``);
 2. the optimizer step, top to bottom in ``learn/step.py``: micro-batches of at most
-   ``micro_batch_tokens`` tokens, each loss weighted by its share of the batch, gradients
-   accumulated, clipped, AdamW, LR schedule (linear warm-up, then constant or cosine decay);
+   ``micro_batch_tokens`` tokens (packed sequences of whole rows with ``packing``, the
+   default: ``learn/packed.py``; else padded), each loss weighted by its share of the batch,
+   gradients accumulated, clipped, AdamW, LR schedule (linear warm-up, then constant or cosine
+   decay);
 3. every ``publish_every`` steps publish the weights as a new version
    (``coordination/weights.py``); write metrics (``learn/batch_charts.py``); every
    ``checkpoint_every`` steps (and on stop) save a checkpoint.
@@ -57,6 +59,7 @@ from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.shard_rows import next_rows, row_names
 from rlhf_pipeline.learn.optimizer import make_optimizer
+from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.stale_rows import fresh_mask
 from rlhf_pipeline.learn.step import mean_one, train_step
 from rlhf_pipeline.learn.usage import TrainedRows
@@ -167,6 +170,8 @@ class Learner:
             state, version = load_weights(self.paths.root)  # the initial policy, version 0
             self.model.load_state_dict(state)
             self.progress.policy_version = version
+        if self.settings.packing:  # attention that keeps each packed row to itself (learn/packed_attention.py)
+            use_packed_attention(self.model)
         self.model.to(self.device).train()
         self.train_model = self.data_parallel.wrap(self.model, self.device)  # what forward/backward run through
 

@@ -98,7 +98,13 @@ class LearnerSettings:
     """sampler=exact: every fresh row is trained on by exactly this many consecutive steps (1:
     on-policy GRPO with one step of overlap); new rows per step are then batch_size / this."""
     micro_batch_tokens: int = 8192
-    """Padded tokens (rows x longest prompt+response) per forward/backward; gradients accumulate."""
+    """Tokens per forward/backward; gradients accumulate. Packed: the real tokens of one packed
+    sequence (a longer row gets one of its own); padded: rows x longest prompt+response."""
+    packing: bool = True
+    """Micro-batches are packed sequences: rows laid end to end, each attending only to itself, the
+    logits computed only where they score a response token (learn/packed.py), so a step costs
+    the tokens it trains. false: each micro-batch is padded to its longest row (learn/microbatch.py).
+    Same loss and gradients either way (to float rounding)."""
     lr: float = 1e-4
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0

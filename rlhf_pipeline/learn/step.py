@@ -4,6 +4,10 @@
     its share of the step's batch ─► forward + GRPO loss, backward (gradients accumulate)
     ─► clip the gradient norm ─► AdamW step ─► LR schedule step
 
+With ``learner.packing`` (the default) a micro-batch is one packed sequence of whole rows
+(``learn/packing.py`` plans them first-fit decreasing, ``learn/packed.py`` runs them); without
+it, rows sorted by length and padded to the longest of their micro-batch (``learn/microbatch.py``).
+
 :func:`plan_step` cuts a batch into weighted micro-batches; :func:`train_step` runs them. The
 step knows nothing of other ranks: data parallelism is a layer around it
 (``DataParallel.plan_step`` in ``learn/distributed.py``), which hands :func:`train_step` a
@@ -29,6 +33,7 @@ from tensordict import TensorDict
 
 from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss
 from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows
+from rlhf_pipeline.learn.packed import PackedMicroBatch, RaggedRows, grpo_packed_loss, plan_rows, pack_rows
 
 if TYPE_CHECKING:
     from rlhf_pipeline.learn.settings import LearnerSettings
@@ -39,7 +44,7 @@ class MicroBatch:
     """One forward and backward of a step."""
 
     rows: torch.Tensor  # (b,) indices of its rows in the rank's batch (CPU)
-    batch: TensorDict  # the rows, padded and trimmed to their longest
+    batch: TensorDict | PackedMicroBatch  # the rows, padded and trimmed to their longest, or packed
     weight: float  # its share of the step's loss (0 for a rank's filler row or an FSDP repeat)
     counts: bool = True  # False for a repeat run only to take part in FSDP's gathers
     gradient_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -82,11 +87,30 @@ def batch_counts(batch: TensorDict) -> tuple[int, int, int]:
             int(batch["masks", "all_attention_mask"].sum()))
 
 
-def micro_batch_weight(micro: TensorDict, *, rows: int, response_tokens: int, token_mean: bool) -> float:
+def micro_batch_weight(micro: TensorDict | PackedMicroBatch, *, rows: int, response_tokens: int,
+                       token_mean: bool) -> float:
     """A micro-batch's share of a batch of ``rows`` rows and ``response_tokens`` response tokens."""
+    packed = isinstance(micro, PackedMicroBatch)
     if token_mean:
-        return int(micro["masks", "response"].sum()) / max(response_tokens, 1)
-    return micro.batch_size[0] / rows
+        micro_tokens = micro.response_tokens if packed else int(micro["masks", "response"].sum())
+        return micro_tokens / max(response_tokens, 1)
+    return (micro.num_rows if packed else micro.batch_size[0]) / rows
+
+
+def split_batch(batch: TensorDict, settings: LearnerSettings) -> list[tuple[torch.Tensor, TensorDict | PackedMicroBatch]]:
+    """``batch`` cut into micro-batches of at most ``micro_batch_tokens`` tokens, each with the (CPU)
+    indices of its rows: packed sequences with ``learner.packing``, else padded micro-batches.
+    Packing runs on the CPU (a plan is a few ms of Python), the packed sequences then go to the
+    batch's device."""
+    if not settings.packing:
+        return split_microbatches_with_rows(batch, settings.micro_batch_tokens)
+    host = batch if batch.device is None or batch.device.type == "cpu" else batch.to("cpu")
+    ragged = RaggedRows.from_padded(host)
+    pieces = []
+    for members in plan_rows(ragged, settings.micro_batch_tokens).sequences:
+        packed = pack_rows(ragged, list(members))
+        pieces.append((packed.rows, packed if host is batch else packed.to(batch.device, non_blocking=True)))
+    return pieces
 
 
 def plan_step(batch: TensorDict, settings: LearnerSettings) -> StepPlan:
@@ -96,7 +120,7 @@ def plan_step(batch: TensorDict, settings: LearnerSettings) -> StepPlan:
     micro_batches = [
         MicroBatch(indices, micro, micro_batch_weight(micro, rows=rows, response_tokens=response_tokens,
                                                       token_mean=token_mean))
-        for indices, micro in split_microbatches_with_rows(batch, settings.micro_batch_tokens)
+        for indices, micro in split_batch(batch, settings)
     ]
     return StepPlan(micro_batches, rows, response_tokens, attention_tokens)
 
@@ -119,8 +143,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     sums: dict[str, float] = {}
     for part in plan.micro_batches:
         with part.gradient_sync(), autocast():
-            loss, stats = grpo_step_loss(forward_model, part.batch, temperature=settings.temperature,
-                                         row_feedback=feedback_kind, **loss_options)
+            step_loss = grpo_packed_loss if isinstance(part.batch, PackedMicroBatch) else grpo_step_loss
+            loss, stats = step_loss(forward_model, part.batch, temperature=settings.temperature,
+                                    row_feedback=feedback_kind, **loss_options)
             (loss * (part.weight * plan.loss_scale)).backward()
         feedback = stats.pop("row_feedback", None)  # (b,): the only non-scalar statistic
         if row_feedback is not None and part.counts:

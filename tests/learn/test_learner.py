@@ -255,3 +255,22 @@ def test_prefetcher_next_gives_up_when_stopped_with_nothing_queued():
     with pytest.raises(InterruptedError):
         prefetcher.next()
     prefetcher.close()
+
+
+def test_packed_and_padded_learners_train_alike(tmp_path):
+    """learner.packing (the default) and packing=false: the same draws, losses and weights."""
+    runs = {}
+    for packing in (True, False):
+        paths = make_run(tmp_path / str(packing))
+        run = learner(paths, steps=3, packing=packing, micro_batch_tokens=40)
+        run.setup()
+        run.train()
+        run.cleanup()
+        runs[packing] = paths
+    packed, padded = (read_metrics(runs[p].metrics) for p in (True, False))
+    assert [r["charts/rows"] for r in packed] == [r["charts/rows"] for r in padded] == [16.0] * 3
+    for key in ("losses/loss", "losses/policy_loss", "losses/entropy", "losses/grad_norm"):
+        assert [r[key] for r in packed] == pytest.approx([r[key] for r in padded], rel=1e-4, abs=1e-6), key
+    weights_packed, weights_padded = (load_weights(runs[p].root, 3)[0] for p in (True, False))
+    for name, want in weights_padded.items():
+        torch.testing.assert_close(weights_packed[name], want, rtol=1e-4, atol=1e-6)
