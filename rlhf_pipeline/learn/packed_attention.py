@@ -14,16 +14,19 @@ transformers model to the attention function of this module, registered as
 * **CPU** (and CUDA in float32): ``scaled_dot_product_attention`` per row, causal, when the
   rows are long (few calls, ``sum(len_i^2)`` work); when many short rows share a sequence,
   one call over a ``(n, longest)`` rectangle gathered from the packed tokens with a causal
-  and key-padding mask, which pays ``n * longest^2`` work but only one call: on this CPU a
-  call costs about as much as ~2,000 attention entries per head, so a loop over 64 rows
-  of ~16 tokens was slower than the padded model (``benchmarks/README.md``, "Packed learner").
+  and key-padding mask, which pays ``n * longest^2`` work but only one call. Measured on this
+  CPU (one thread, forward + backward): a call costs ~20-25 us, and a padding entry (one
+  query-key pair) ~15-30 ns at 4 heads of 16 dims, so a call is worth ~1,000 padding entries
+  there (64K entry-channels); 64 rows of ~16 tokens took 2.6 ms as 64 calls and 1.0 ms as one
+  rectangle, 4 rows of 300 tokens 5.4 ms per row and 6.0 ms as a rectangle.
 
 Why not transformers' own packed-sequence support: with ``attention_mask=None`` and
 restarting ``position_ids`` its ``sdpa``/``eager`` mask builders make a block-diagonal causal
-mask of the whole packed sequence, ``L x L``, so every layer does ``L^2`` attention work
-(64x a row's own for 8,192 tokens of 128-token rows) and eager keeps the ``L x L`` weights
-for the backward; ``flex_attention`` would skip the empty blocks but needs
-``torch.compile`` to be fast, which is minutes of compile per shape on this CPU.
+mask of the whole packed sequence, ``L x L``, so every layer does ``L^2`` attention work. For
+the learner benchmark's rows (10 rows, L = 5,106, 8 heads of 64 dims, 2 threads) one layer's
+forward + backward took 2.9 s that way against 0.65 s per row (medians of 5). And not
+``flex_attention``, which would skip the empty blocks: torch 2.13 has no flex backward on CPU
+("FlexAttention does not support backward on CPU").
 
 Calls without ``cu_seq_lens_q`` (the padded path, generation) go to transformers'
 ``sdpa_attention_forward`` with the mask transformers builds for ``sdpa``, so a model switched
@@ -38,10 +41,10 @@ import torch
 import torch.nn.functional as F
 
 NAME = "rlhf_packed"
-# one sdpa call costs about what this many extra (query, key) entries per head cost on a CPU
-# core (measured on this machine, see the module docstring): the rectangle is used when its
-# padding entries are cheaper than the calls it saves
-_CALL_COST_ENTRIES = 2_048
+# one sdpa call (forward + backward) costs about what this many padding entries x channels
+# (heads x head dim) cost on a CPU core (measured, see the module docstring): the rectangle is
+# used when its padding costs less than the calls it saves
+_CALL_COST_ENTRY_CHANNELS = 65_536
 
 
 def use_packed_attention(model) -> None:
@@ -107,7 +110,7 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     else:
         bounds = cu_seq_lens_q.tolist()
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        if _rectangle_is_cheaper(lengths):
+        if _rectangle_is_cheaper(lengths, query.shape[1] * query.shape[3]):
             out = _rectangle(query, key, value, bounds, lengths, scaling)
         else:
             out = _per_row(query, key, value, lengths, scaling)
@@ -124,11 +127,12 @@ def _boundaries_from_positions(position_ids: torch.Tensor) -> torch.Tensor | Non
     return bounds.to(torch.int32)
 
 
-def _rectangle_is_cheaper(lengths: list[int]) -> bool:
-    """One masked call over ``n x longest^2`` entries against ``n`` calls over ``sum(len^2)``."""
+def _rectangle_is_cheaper(lengths: list[int], channels: int) -> bool:
+    """One masked call over ``n x longest^2`` entries against ``n`` calls over ``sum(len^2)``;
+    ``channels`` = heads x head dim, what one entry costs in proportion to."""
     longest = max(lengths)
     waste = len(lengths) * longest * longest - sum(n * n for n in lengths)
-    return waste < _CALL_COST_ENTRIES * (len(lengths) - 1)
+    return waste * channels < _CALL_COST_ENTRY_CHANNELS * (len(lengths) - 1)
 
 
 def _per_row(query, key, value, lengths: list[int], scaling):

@@ -144,7 +144,7 @@ def test_packed_sequence_layout():
 @pytest.fixture(params=["rectangle", "per-row"])
 def cpu_attention_path(request, monkeypatch):
     """Each of the packed attention's two CPU paths, whatever its cost rule would pick."""
-    monkeypatch.setattr(packed_attention, "_rectangle_is_cheaper", lambda lengths: request.param == "rectangle")
+    monkeypatch.setattr(packed_attention, "_rectangle_is_cheaper", lambda *_: request.param == "rectangle")
     return request.param
 
 
@@ -168,6 +168,14 @@ def test_packed_attention_never_crosses_rows(lengths, cpu_attention_path):
     torch.testing.assert_close(after[:, :lengths[0]], before[:, :lengths[0]], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(alone, before[:, :lengths[0]], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(found, before, rtol=1e-5, atol=1e-6)
+
+
+def test_many_short_rows_take_one_rectangle_and_long_rows_one_call_each():
+    short = [14, 16, 15, 17, 16, 13] * 10  # the default pipeline's rows, 4 heads of 16 dims
+    assert packed_attention._rectangle_is_cheaper(short, channels=64)
+    skewed = [217, 504, 350, 396, 401, 508, 847, 1183]  # the learner benchmark's, 8 heads of 64 dims
+    assert not packed_attention._rectangle_is_cheaper(skewed, channels=512)
+    assert not packed_attention._rectangle_is_cheaper([5, 300], channels=64)
 
 
 def test_a_row_without_prompt_tokens_is_refused():
