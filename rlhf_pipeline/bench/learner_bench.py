@@ -23,8 +23,8 @@ Workloads (``--workload``):
   at the 1,024 cap, as truncated rollouts are); 16 rows a step; a Qwen2 model built from a
   config: hidden 512, 4 layers, 8 query / 2 key-value heads, MLP 1,408, vocabulary 16,384,
   tied embeddings (19.7M parameters); 8,192-token micro-batches; 2 torch threads.
-* ``short``: the default pipeline's rows (``a+b=`` prompts of 5-8 tokens, answers of 1-6
-  tokens), its model (``tiny_causal_lm``, hidden 64, 2 layers, eager attention on the padded
+* ``short``: the default pipeline's rows (``a+b=`` prompts of 6-8 tokens, answers of 1-6
+  tokens, ``max_new_tokens=6``), its model (``tiny_causal_lm``, hidden 64, 2 layers, eager attention on the padded
   side, as ``pipelines/default.py`` builds it), 64 rows a step, 4,096-token micro-batches,
   1 thread: where packing has little to win, and must not lose.
 
@@ -71,7 +71,7 @@ WORKLOADS = {
                        model=dict(vocab_size=16_384, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                                   num_key_value_heads=2, intermediate_size=1408)),
     "short": Workload(rows=64, micro_batch_tokens=4096, threads=1,
-                      prompt=("uniform", 5, 8, 5, 8), response=("uniform", 1, 6, 1, 6),
+                      prompt=("uniform", 6, 8, 6, 8), response=("uniform", 1, 6, 1, 6),
                       model=dict(tiny=True), padded_attention="eager"),
 }
 QUICK = dict(rows=4, micro_batch_tokens=256, response=("lognormal", 40, 0.75, 4, 96),
@@ -307,7 +307,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as medians and ranges. Workload 'skewed': prompt lengths clipped log-normal (median 130, sigma 0.45, "
         "32-256 tokens, mean ~140), response lengths clipped log-normal (median 450, sigma 0.75, 16-1,024 "
         "tokens, mean ~520), 16 rows a step, a Qwen2 model of 19.7M parameters built from a config. "
-        "Workload 'short': the default pipeline's rows (prompts 5-8, answers 1-6 tokens) and model.")
+        "Workload 'short': the default pipeline's rows (prompts 6-8, answers 1-6 tokens) and model.")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="skewed",
                         help="skewed: clipped log-normal prompts (median 130, 32-256) and responses (median 450, "
                              "16-1,024), a 19.7M-parameter Qwen2; short: the default pipeline's rows and model "
