@@ -121,6 +121,8 @@ def batch_with_lengths(
         columns["kl"] = RaggedTensor(log_probs - ref_log_probs, response_offsets)
     if "token_rewards" in optional_fields:
         raise ValueError("batch_with_lengths does not draw token_rewards; use synthetic_batches")
+    if "termination_reason" in optional_fields:  # every row ended by EOS (none is marked truncated)
+        columns["termination_reason"] = torch.full((num_rows,), int(TerminationReason.ENV_DONE), dtype=torch.int32)
     return TrajectoryBatch(columns)
 
 
