@@ -7,11 +7,12 @@ neighbour slows all of them alike. A step is what the learner does with a sample
 micro-batches of at most ``--micro-batch-tokens`` tokens, forward, GRPO loss (token mean, clip
 0.2, old log-probs the sampler's), backward, gradient clip, AdamW.
 
-* ``padded``: ``learn/microbatch.py`` micro-batches (rows sorted by length, each padded to its
-  longest prompt + response) and ``grpo_step_loss``, the model's attention ``sdpa``;
-* ``packed``: ``learn/packing.py`` plans (first-fit decreasing), ``learn/packed.py`` packed
-  sequences and ``grpo_packed_loss`` with the ``rlhf_packed`` attention; planning and packing
-  are inside the timed step;
+* ``padded``: the learner's step (``learn/step.py``) with ``learner.packing=false``:
+  ``learn/microbatch.py`` micro-batches (rows sorted by length, each padded to its longest
+  prompt + response) and ``grpo_step_loss``, the model's attention ``sdpa``;
+* ``packed``: the same step with ``learner.packing=true``: ``learn/packing.py`` plans
+  (first-fit decreasing), ``learn/packed.py`` packed sequences and ``grpo_packed_loss`` with the
+  ``rlhf_packed`` attention; planning and packing are inside the timed step;
 * ``trl``: ``trl.GRPOTrainer.compute_loss`` and backward on TRL's layout of the same rows
   (``bench/trl_side.py`` says exactly what of TRL runs), when TRL is installed
   (``pip install -e .[bench-trl]``).
@@ -158,49 +159,37 @@ class Side:
         return [self.trl.inputs(b) for b in batches]
 
     def run(self, prepared: list) -> dict[str, float]:
-        """Train on every prepared batch from the initial weights: seconds, first loss, positions run."""
+        """Train on every prepared batch from the initial weights: seconds, first loss, positions run.
+
+        The padded and packed sides run the learner's own step (``learn/step.py``: ``plan_step``,
+        ``train_step`` with ``learner.packing`` false or true); TRL's side the same clip and AdamW
+        around its loss and backward."""
         import torch
 
+        from rlhf_pipeline.learn.optimizer import make_optimizer
+        from rlhf_pipeline.learn.settings import LearnerSettings
+        from rlhf_pipeline.learn.step import plan_step, train_step
+
+        settings = LearnerSettings(micro_batch_tokens=self.workload.micro_batch_tokens, lr=1e-5,
+                                   packing=self.name == "packed")
         self.model.load_state_dict(self.initial)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=True)
+        optimizer, scheduler = make_optimizer(self.model, settings, total_steps=len(prepared))
         first_loss, positions = None, 0
         start = time.perf_counter()
         for batch in prepared:
-            optimizer.zero_grad(set_to_none=True)
-            loss, ran = self._loss_and_backward(batch)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            optimizer.step()
+            if self.name == "trl":
+                optimizer.zero_grad(set_to_none=True)
+                loss = self.trl.loss_and_backward(batch)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), settings.max_grad_norm)
+                optimizer.step()
+                positions += sum(chunk["prompt_ids"].numel() + chunk["completion_ids"].numel() for chunk in batch)
+            else:
+                plan = plan_step(batch, settings)
+                loss = train_step(self.model, optimizer, scheduler, plan, settings).losses["loss"]
+                positions += sum(part.batch.num_tokens if settings.packing else part.batch["tokens", "full"].numel()
+                                 for part in plan.micro_batches)
             first_loss = loss if first_loss is None else first_loss
-            positions += ran
         return {"seconds": time.perf_counter() - start, "first_loss": first_loss, "positions": positions}
-
-    def _loss_and_backward(self, batch) -> tuple[float, int]:
-        """The batch's loss (micro-batch losses weighted as the learner weights them) and the token
-        positions the model ran on."""
-        from rlhf_pipeline.learn.loss import grpo_step_loss
-        from rlhf_pipeline.learn.microbatch import split_microbatches
-        from rlhf_pipeline.learn.packed import RaggedRows, grpo_packed_loss, packed_micro_batches
-
-        if self.name == "trl":
-            return self.trl.loss_and_backward(batch), sum(c["prompt_ids"].numel() + c["completion_ids"].numel()
-                                                          for c in batch)
-        total = int(batch["masks", "response"].sum())
-        loss_sum, positions = 0.0, 0
-        if self.name == "padded":
-            for micro in split_microbatches(batch, self.workload.micro_batch_tokens):
-                loss, _ = grpo_step_loss(self.model, micro)
-                weight = int(micro["masks", "response"].sum()) / total
-                (loss * weight).backward()
-                loss_sum += float(loss.detach()) * weight
-                positions += micro["tokens", "full"].numel()
-        else:
-            for micro in packed_micro_batches(RaggedRows.from_padded(batch), self.workload.micro_batch_tokens):
-                loss, _ = grpo_packed_loss(self.model, micro)
-                weight = micro.response_tokens / total
-                (loss * weight).backward()
-                loss_sum += float(loss.detach()) * weight
-                positions += micro.num_tokens
-        return loss_sum, positions
 
 
 def _reset_peak_rss() -> bool:

@@ -125,8 +125,11 @@ class PackedMicroBatch:
         return self.targets.numel()
 
     def to(self, device, non_blocking: bool = False) -> PackedMicroBatch:
-        moved = {f.name: (value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value)
-                 for f in dataclasses.fields(self) for value in [getattr(self, f.name)]}
+        """Every tensor on ``device`` (``rows`` too; callers that index CPU tensors keep their own)."""
+        moved = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
         return PackedMicroBatch(**moved)
 
 
