@@ -86,7 +86,7 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _describe_holder(os.pread(fd, 4096, 0))
+        holder = _describe_holder(_holder_record(fd))
         os.close(fd)
         raise RunDirectoryBusyError(
             f"run directory {paths.root} is in use by {holder}; wait for it to end or stop it, or choose "
@@ -100,6 +100,22 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     return RunHolder(fd, paths.root, created_root)
+
+
+def _holder_record(fd: int, wait_s: float = 1.0) -> bytes:
+    """The holder's record; a holder that has just taken the lock writes it a moment later (two
+    commands started at once meet there), so an empty or partial record is read again for up to
+    ``wait_s`` before the refusal says only that the holder is writing its details."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        raw = os.pread(fd, 4096, 0)
+        try:
+            json.loads(raw)
+            return raw
+        except ValueError:
+            if time.monotonic() > deadline:
+                return raw
+        time.sleep(0.02)
 
 
 def _describe_holder(raw: bytes) -> str:
