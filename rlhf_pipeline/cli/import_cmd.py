@@ -75,15 +75,24 @@ def run(args: argparse.Namespace) -> int:
         open_source(args.source, args.format, args.split)
     except SourceError as exc:
         return fail(str(exc))
+    from rlhf_pipeline.runs.stopping import StopFlag
+
+    # the first Ctrl-C (or SIGTERM) asks the import to stop after the append it is writing; a
+    # second one interrupts at once, which a resume survives as well (appends are atomic)
+    StopFlag.role = "import"
+    stop = StopFlag()
     try:
-        return _import(args, fail)
-    except KeyboardInterrupt:
-        print(f"[import] interrupted; the rows written so far are recorded: run the same command again to resume "
-              f"the import into {args.buffer}", file=sys.stderr, flush=True)
-        return 130
+        return _import(args, fail, stop.event)
+    except KeyboardInterrupt:  # also how _import_into reports ImportStopped
+        pass
+    finally:
+        stop.restore()
+    print(f"[import] interrupted; the rows written so far are recorded: run the same command again to resume "
+          f"the import into {args.buffer}", file=sys.stderr, flush=True)
+    return 128 + (stop.signal or 2)
 
 
-def _import(args: argparse.Namespace, fail) -> int:
+def _import(args: argparse.Namespace, fail, stop) -> int:
     from contextlib import nullcontext
 
     from rlhf_pipeline.dataio.columns import ColumnMap
@@ -97,7 +106,7 @@ def _import(args: argparse.Namespace, fail) -> int:
                         check_text=not args.no_text_check)
     options = ImportOptions(columns=columns, format=args.format, split=args.split,
                             policy_version=args.policy_version, rows_per_chunk=args.rows_per_chunk,
-                            show_progress=not args.quiet)
+                            show_progress=not args.quiet, stop=stop)
     run_root = find_run_root(args.buffer)
     try:
         # importing into a run's buffer takes the run directory, as `run` and `replay` do
@@ -111,7 +120,7 @@ def _import_into(args: argparse.Namespace, run_root, options, fail) -> int:
     import sys
 
     from rlhf_pipeline.dataio.extras import MissingExtraError
-    from rlhf_pipeline.dataio.importer import import_source
+    from rlhf_pipeline.dataio.importer import ImportStopped, import_source
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.dataio.sources import SourceError
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
@@ -136,6 +145,8 @@ def _import_into(args: argparse.Namespace, run_root, options, fail) -> int:
         result = import_source(args.source, args.buffer, pipeline, options=options, run_root=run_root, log=log)
     except (SourceError, PipelineError, StoreError, MissingExtraError) as exc:
         return fail(str(exc))
+    except ImportStopped:
+        raise KeyboardInterrupt from None
     if not result.already_done:
         print(f"{result.buffer}: {result.rows_written} rows imported from {args.source}")
     return 0

@@ -1,7 +1,8 @@
 """``import``: rows from JSONL, Parquet or a Hugging Face dataset into a replay buffer.
 
-Why one file: the two streaming passes of ``import`` (validate everything, then write) share their
-chunking, progress and resume record, and must stay in step row for row.
+Why one file: the checks that need the store and the write pass share the scan's group numbering,
+the id bases and the resume record, and must stay in step row for row (the check pass itself,
+which needs none of them, is :mod:`import_scan`).
 
 Two streaming passes over the source, each holding one chunk at a time:
 
@@ -37,8 +38,9 @@ importance ratio of a fresh learner starts at 1 on these rows.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,12 +63,13 @@ from rlhf_pipeline.dataio.import_state import (
     resolve_target,
     shard_of,
 )
+from rlhf_pipeline.dataio.import_scan import Scan, chunk_digest, locate_completion, scan
 from rlhf_pipeline.dataio.progress import Progress
 from rlhf_pipeline.dataio.sources import Source, SourceError, open_source
 from rlhf_pipeline.schema.ids import id_base
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
 from rlhf_pipeline.schema.ragged import RaggedTensor
-from rlhf_pipeline.schema import FIELDS_BY_NAME, StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
+from rlhf_pipeline.schema import FIELDS_BY_NAME, TrajectoryBatch, TrajectoryValidationError
 
 # fields every import fills itself when the source does not carry them
 _MADE_BY_IMPORT = ("prompt_tokens", "response_tokens", "response_log_probs", "group_id", "trajectory_id", "step",
@@ -83,6 +86,18 @@ class ImportOptions:
     log-probs; with log-probs given, the run's newest version, or 0 outside a run)."""
     rows_per_chunk: int = 512
     show_progress: bool = True
+    stop: threading.Event | None = None
+    """Set it (the CLI's first Ctrl-C does) to stop after the append in progress, which is recorded:
+    :class:`ImportStopped` is raised and the same call resumes. Stopping between appends, not at
+    an arbitrary bytecode, keeps an interrupt out of locks and thread pools half taken."""
+
+
+class ImportStopped(Exception):
+    """The import stopped on request (:attr:`ImportOptions.stop`) with ``rows_written`` rows stored and recorded."""
+
+    def __init__(self, rows_written: int) -> None:
+        super().__init__(f"import stopped on request after {rows_written} rows; the same call resumes it")
+        self.rows_written = rows_written
 
 
 @dataclass
@@ -96,155 +111,6 @@ class ImportResult:
     already_done: bool
     log_probs_from: str | None  # which weights scored missing sampling log-probs
     write_path: list[str]
-
-
-# ====================================================================== scan (pass 1)
-@dataclass
-class Scan:
-    """What the check pass learned: group structure and chunk offsets (for ids and resume)."""
-
-    source_rows: int
-    completions: int
-    keys: np.ndarray  # sorted unique group keys
-    group_of_key: np.ndarray  # group number (order of first appearance) of each key
-    rows_per_group: np.ndarray  # completions per group
-    trajectories_per_group: np.ndarray
-    first_completion_of_group: np.ndarray
-    completions_before_chunk: list[int]
-    chunk_digests: list[bytes]  # what each chunk held, so the write pass notices a source that changed
-    trajectory_ids: np.ndarray | None  # sorted unique given trajectory ids (None: the import assigns them)
-    first_completion_of_trajectory: np.ndarray | None
-
-    @property
-    def groups(self) -> int:
-        return len(self.rows_per_group)
-
-    @property
-    def content(self) -> str:
-        """Digest of every row as it will be stored: a rerun resumes on a file restored to these rows."""
-        return hashlib.blake2b(b"".join(self.chunk_digests), digest_size=16).hexdigest()
-
-    def group_numbers(self, keys: np.ndarray) -> np.ndarray:
-        return self.group_of_key[np.searchsorted(self.keys, keys)]
-
-
-def scan(source: Source, resolved: ResolvedColumns, tokenizer: Any, options: ImportOptions) -> Scan:
-    """Pass 1: reads and checks every row; raises SourceError at the first bad one."""
-    keys, dones, before, digests, trajectories, steps = [], [], [], [], [], []
-    completions = source_rows = 0
-    progress = Progress("import: check", source.count_rows(), enabled=options.show_progress)
-    for chunk in source.chunks(options.rows_per_chunk):
-        rows = normalize(chunk, resolved, tokenizer)
-        _validate(rows)
-        before.append(completions)
-        digests.append(chunk_digest(rows))
-        keys.append(rows.group_key)
-        dones.append(rows.columns["done"].numpy())
-        if "trajectory_id" in resolved.passthrough:
-            trajectories.append(rows.columns["trajectory_id"].numpy())
-            steps.append(rows.columns["step"].numpy().astype(np.int32))
-        elif not dones[-1].all():
-            i = int(np.nonzero(~dones[-1])[0][0])
-            raise SourceError(f"{rows.where(i)}, column {rows.resolved.column_of_field('done')!r}: a row that is not "
-                              f"done is one step of a longer trajectory, which needs a trajectory_id column to "
-                              f"join its steps; without one every row is a whole trajectory (done true)")
-        completions += len(rows)
-        source_rows += len(chunk)
-        progress.update(len(chunk))
-    progress.close()
-    if not completions:
-        raise SourceError(f"{source.path} holds no rows to import")
-    key, done = np.concatenate(keys), np.concatenate(dones)
-    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    number_of_uniq = np.empty(len(uniq), dtype=np.int64)
-    order = np.argsort(first, kind="stable")
-    number_of_uniq[order] = np.arange(len(uniq))
-    group = number_of_uniq[inverse]
-    checked = Scan(source_rows, completions, uniq, number_of_uniq, np.bincount(group),
-                   np.bincount(group, weights=done).astype(np.int64), first[order], before, digests, None, None)
-    if trajectories:
-        trajectory = np.concatenate(trajectories)
-        _check_trajectory_ids(trajectory, np.concatenate(steps), group, source, resolved, tokenizer, checked, options)
-        checked.trajectory_ids, checked.first_completion_of_trajectory = np.unique(trajectory, return_index=True)
-    return checked
-
-
-def _check_trajectory_ids(trajectory: np.ndarray, step: np.ndarray, group: np.ndarray, source: Source,
-                          resolved: ResolvedColumns, tokenizer: Any, checked: Scan, options: ImportOptions) -> None:
-    """Given trajectory ids: each (trajectory_id, step) once, and each trajectory within one group.
-
-    Rows sharing a trajectory_id are the steps of one multi-turn trajectory; two rows with the
-    same id and step, or one id in two groups, are two trajectories under one id.
-    """
-    order = np.lexsort((np.arange(len(trajectory)), step, trajectory))
-    same = trajectory[order][1:] == trajectory[order][:-1]
-    twice = same & (step[order][1:] == step[order][:-1])
-    split = same & (group[order][1:] != group[order][:-1])
-    bad = np.nonzero(twice | split)[0]
-    if not bad.size:
-        return
-    k = int(bad[0])
-    first, second = sorted((int(order[k]), int(order[k + 1])))
-
-    def where(index: int) -> str:
-        return locate_completion(source, resolved, tokenizer, checked, index, options.rows_per_chunk)
-
-    what = f"step {int(step[second])} of trajectory" if twice[k] else "trajectory"
-    kind = "also at" if twice[k] else "also in another group, at"
-    raise SourceError(f"{where(second)}, column {resolved.passthrough['trajectory_id']!r}: {what} "
-                      f"{int(trajectory[second])} is {kind} {where(first)}; ids are unique in a buffer: give each "
-                      f"trajectory its own id, or leave the column out (--ignore-column trajectory_id) for fresh ids")
-
-
-def chunk_digest(rows: ImportRows) -> bytes:
-    """16 bytes that change with any value of the chunk's rows as they will be stored."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(np.array([rows.chunk.ordinal, len(rows.chunk)], dtype=np.int64).tobytes())
-    digest.update(rows.group_key.tobytes())
-    digest.update(rows.source_row.tobytes())
-    for name in sorted(rows.columns):
-        column = rows.columns[name]
-        digest.update(name.encode())
-        if isinstance(column, RaggedTensor):
-            digest.update(column.values.numpy().tobytes())
-            digest.update(column.offsets.numpy().tobytes())
-        elif isinstance(column, torch.Tensor):
-            digest.update(column.numpy().tobytes())
-        else:
-            for text in column:
-                digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
-    return digest.digest()
-
-
-def _validate(rows: ImportRows) -> None:
-    """Stored-row checks on a chunk, with placeholders for what pass 2 fills (ids, log-probs)."""
-    n = len(rows)
-    columns = dict(rows.columns)
-    columns.setdefault("group_id", torch.zeros(n, dtype=torch.int64))
-    columns.setdefault("trajectory_id", torch.arange(n, dtype=torch.int64))
-    columns.setdefault("policy_version", torch.zeros(n, dtype=torch.int64))
-    response = columns["response_tokens"]
-    columns.setdefault("response_log_probs", RaggedTensor(torch.zeros(response.values.numel()), response.offsets))
-    batch = TrajectoryBatch(columns)
-    try:
-        validate_batch(batch, StoreSchema.for_batch(batch))
-    except TrajectoryValidationError as exc:
-        if exc.row is None:
-            raise SourceError(f"{rows.chunk.file}: {exc}") from None
-        column = rows.resolved.column_of_field(exc.field) if exc.field else "?"
-        message = str(exc).split(": ", 1)[-1]
-        raise SourceError(f"{rows.where(exc.row)}, column {column!r}: {message}") from None
-
-
-def locate_completion(source: Source, resolved: ResolvedColumns, tokenizer: Any, scan_: Scan, index: int,
-                      rows_per_chunk: int) -> str:
-    """File and row of completion ``index`` (re-reads up to its chunk; used for error messages)."""
-    chunk_index = int(np.searchsorted(scan_.completions_before_chunk, index, side="right")) - 1
-    for i, chunk in enumerate(source.chunks(rows_per_chunk)):
-        if i == chunk_index:
-            rows = normalize(chunk, resolved, tokenizer)
-            return rows.where(index - scan_.completions_before_chunk[i])
-    return f"{source.path} completion {index}"
 
 
 # ====================================================================== the import
@@ -277,7 +143,9 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
 
     # ---------------------------------------------------------------- pass 1: nothing is touched
     fingerprint = source.fingerprint()
-    checked = scan(source, resolved, tokenizer, options)
+    checked = scan(source, resolved, tokenizer, options.rows_per_chunk, options.show_progress, _stopped(options))
+    if checked is None:
+        raise ImportStopped(0)
     if check_content:  # the file's size or time changed: resume only on the same rows
         if record.data["content"][1] != checked.content:
             _raise_changed_since(record, source)
@@ -317,6 +185,10 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
         return _write(source, store, pipeline, resolved, checked, record, options, target, plan, log)
     finally:
         store.close()
+
+
+def _stopped(options: ImportOptions) -> Callable[[], bool]:
+    return options.stop.is_set if options.stop is not None else lambda: False
 
 
 def _record_basics(fingerprint: list[list], options: ImportOptions, checked: Scan) -> dict[str, Any]:
@@ -576,6 +448,8 @@ def _write(source: Source, store, pipeline: Pipeline, resolved: ResolvedColumns,
 
     chunks = 0
     for index, chunk in enumerate(source.chunks(options.rows_per_chunk)):
+        if _stopped(options)():
+            raise ImportStopped(written)
         chunks = index + 1
         if chunk.ordinal + len(chunk) <= start_row:
             continue

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.columns import ColumnMap
 from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
 from rlhf_pipeline.dataio.import_state import IMPORT_SHARD_FIRST
-from rlhf_pipeline.dataio.importer import ImportOptions, import_source
+from rlhf_pipeline.dataio.importer import ImportOptions, ImportStopped, import_source
 from rlhf_pipeline.dataio.sources import SourceError
 from rlhf_pipeline.schema.ids import collector_index_of
 from rlhf_pipeline.models import char_tokenizer
@@ -240,7 +241,9 @@ def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp
     buffer = tmp_path / "buf"
     args = [sys.executable, "-m", "rlhf_pipeline.cli.main", "import", str(source), str(buffer), "--pipeline",
             str(DEFAULT_PIPELINE), "--rows-per-chunk", "4", "--quiet", *[a for s in SMALL for a in ("--set", s)]]
-    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # PYTHONFAULTHANDLER: if the child ever hangs, SIGABRT below prints where every thread stood
+    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     deadline = time.monotonic() + 240
     rows_at_kill = 0
     while time.monotonic() < deadline and process.poll() is None:
@@ -254,8 +257,11 @@ def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp
                 os.kill(process.pid, sig)
                 break
         time.sleep(0.01)
-    process.wait()
-    stderr = process.stderr.read().decode()
+    try:  # communicate, not wait: a child blocked on a full stderr pipe must not hang the test
+        stderr = process.communicate(timeout=120)[1].decode()
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        pytest.fail(f"the import did not exit within 120 s of signal {sig}:\n{process.communicate()[1].decode()[-6000:]}")
     if sig == signal.SIGKILL:
         assert process.returncode == -signal.SIGKILL, stderr[-2000:]
     else:  # Ctrl-C: one line that says the same command resumes, exit 130
@@ -384,3 +390,17 @@ def test_plain_prompt_text_for_a_chat_template_pipeline_is_warned_about(pipeline
     import_source(write_jsonl(tmp_path / "chat.jsonl", as_messages), tmp_path / "b", pipeline, options=QUIET,
                   log=logged.append)
     assert not [line for line in logged if "warning" in line]
+
+
+def test_a_stop_requested_before_the_write_pass_leaves_nothing_and_the_same_call_imports_all(pipeline, tmp_path):
+    source = write_jsonl(tmp_path / "s.jsonl", toy_records(6))
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(ImportStopped, match="after 0 rows"):
+        import_source(source, tmp_path / "buf", pipeline, options=ImportOptions(show_progress=False, stop=stop),
+                      log=quiet)
+    assert not (tmp_path / "buf").exists()
+    stop.clear()
+    result = import_source(source, tmp_path / "buf", pipeline, options=ImportOptions(show_progress=False, stop=stop),
+                           log=quiet)
+    assert result.rows_written == len(rows_of(tmp_path / "buf")) == 6 * GROUP_SIZE
