@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "collect": ("rlhf_pipeline.cli.run_cmd", "run only the collector of a pipeline"),
     "learn": ("rlhf_pipeline.cli.run_cmd", "run only the learner of a pipeline"),
     "inspect": ("rlhf_pipeline.cli.inspect_cmd", "summarize a replay buffer (memmap or Zarr)"),
+    "show": ("rlhf_pipeline.cli.show_cmd", "one stored trajectory token by token: what is trained, log-probs, HTML"),
     "convert": ("rlhf_pipeline.cli.convert_cmd", "copy a buffer between memmap and Zarr, losslessly"),
     "filter": ("rlhf_pipeline.cli.filter_cmd", "keep rows or whole groups of a buffer: a new buffer or a selection"),
     "replay": ("rlhf_pipeline.cli.replay_cmd", "train a new run from a recorded buffer (epochs, no generation)"),

@@ -1,0 +1,96 @@
+"""``rlhf-pipeline show BUFFER``: one stored trajectory, token by token, trained or not.
+
+Prints the trajectory turn by turn (what was added before each turn, grey; what the model
+sampled and is trained on, green) and with ``--html PAGE`` writes a self-contained page where
+every token shows its id and log-probs. Without ``--trajectory``/``--row`` it shows the
+newest whole trajectory. Tokens are decoded with the pipeline's tokenizer: the run's own when
+the buffer belongs to a run, else ``--pipeline``'s; with neither, tokens are shown by id and
+turns by their stored text. See :mod:`rlhf_pipeline.dataio.trajectory_view`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+EXAMPLES = """examples:
+  rlhf-pipeline show storage/runs/default                      # the newest trajectory of a run
+  rlhf-pipeline show storage/runs/default --trajectory 17 --log-probs
+  rlhf-pipeline show my_buffer --pipeline pipelines/default.py --row 0 --html trajectory.html
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.epilog = EXAMPLES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("buffer", help="a run directory, its buffer, a memmap or Zarr store, or a saved selection")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--trajectory", type=int, metavar="ID", help="the trajectory id to show")
+    which.add_argument("--row", type=int, metavar="N", help="show the trajectory holding row N (0 = oldest held)")
+    parser.add_argument("--pipeline", default=None,
+                        help="pipeline file whose tokenizer decodes the tokens (default: the run's, for a run's buffer)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a --pipeline setting (repeatable)")
+    parser.add_argument("--html", metavar="PAGE", default=None, help="also write a self-contained HTML page here")
+    parser.add_argument("--log-probs", action="store_true", help="print each sampled token's log-prob after it")
+    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                        help="colour trained tokens (default: when printing to a terminal)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from rlhf_pipeline.dataio.run_pipeline import find_run_root
+    from rlhf_pipeline.dataio.trajectory_view import (
+        TrajectoryNotFound,
+        find_trajectory,
+        format_trajectory,
+        trajectory_html,
+    )
+    from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.storage import StoreError, open_buffer
+
+    def fail(message: str) -> int:
+        print(f"rlhf-pipeline show: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.pipeline is not None and not Path(args.pipeline).is_file():
+        return fail(f"pipeline file {args.pipeline!r} does not exist")
+    if args.overrides and args.pipeline is None:
+        return fail("--set overrides a setting of --pipeline's pipeline: pass --pipeline PIPELINE.py too "
+                    "(a run's buffer is decoded with the run's own settings)")
+    run_root = find_run_root(args.buffer)
+    location = args.buffer
+    if run_root is not None and Path(args.buffer).resolve() == run_root:
+        location = str(run_root / "buffer")
+    try:
+        tokenizer = _tokenizer(args, run_root)
+        with open_buffer(location, mode="r") as store:
+            view = find_trajectory(store, args.trajectory, row=args.row)
+    except (StoreError, PipelineError, TrajectoryNotFound) as exc:
+        return fail(str(exc))
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    print(format_trajectory(view, tokenizer, color=color, log_probs=args.log_probs))
+    if tokenizer is None:
+        print("(tokens shown by id: pass --pipeline PIPELINE.py to decode them with its tokenizer)", file=sys.stderr)
+    if args.html:
+        page = Path(args.html)
+        page.write_text(trajectory_html(view, tokenizer, title=str(args.buffer)), encoding="utf-8")
+        print(f"wrote {page}", file=sys.stderr)
+    return 0
+
+
+def _tokenizer(args: argparse.Namespace, run_root):
+    """The tokenizer of ``--pipeline`` (with ``--set``), else of the run, else None."""
+    if args.pipeline is None and run_root is None:
+        return None
+    if args.pipeline is None:
+        from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
+
+        return load_run_pipeline(run_root).tokenizer
+    from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.runs.processes import build_pipeline
+
+    module = load_pipeline_module(args.pipeline)
+    scratch = Path(args.buffer).resolve().parent  # build() may name paths under it; show writes nothing there
+    return build_pipeline(module, make_settings(module, list(args.overrides)), RunPaths(scratch)).tokenizer
