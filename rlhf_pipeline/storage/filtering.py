@@ -13,10 +13,13 @@ How it runs, in bounded memory:
    partials (count, mean, sum of squared deviations, min, max), and the partials, about one
    per group, are combined at the end (Chan et al.'s pairwise update), so memory grows with
    the number of groups, not rows. A group whose rewards are all equal gets a std of exactly 0.
+   Trajectory statistics (``trajectory_turns``...) are gathered the same way from
+   ``trajectory_id``, ``reward`` and ``termination_reason``.
 2. *Row pass*: the fields the expression names are read unit by unit (token fields only for
    their lengths) and evaluated; the kept positions are collected (8 bytes per kept row).
-   With ``whole_groups`` a group is kept whole when every one of its rows matches, and
-   dropped whole otherwise.
+   A multi-turn trajectory is never cut: it is kept whole when every one of its rows matches,
+   and dropped whole otherwise (a learner given part of a trajectory would train a conversation
+   that never happened). With ``whole_groups`` the same holds for groups.
 3. *Copy* (new buffer only): the kept rows are read in source order, about a segment at a
    time, and appended to the new store, which is built under ``DST.partial`` and renamed to
    ``DST`` when complete: an interrupted filter never leaves a ``DST`` that looks finished.
@@ -108,6 +111,42 @@ class GroupTable:
         }
 
 
+@dataclass
+class TrajectoryTable:
+    """Turns, return and ending of each trajectory, by trajectory id (sorted)."""
+
+    ids: np.ndarray  # (T,) int64, sorted
+    turns: np.ndarray  # (T,) int64
+    total_reward: np.ndarray  # (T,) float64
+    end: np.ndarray  # (T,) int64: the termination reason (only a done row carries one)
+
+    @classmethod
+    def of_chunk(cls, trajectory_ids: np.ndarray, rewards: np.ndarray, reasons: np.ndarray | None) -> TrajectoryTable:
+        ids, inverse = np.unique(trajectory_ids, return_inverse=True)
+        end = np.zeros(ids.size, dtype=np.int64)
+        if reasons is not None:
+            np.maximum.at(end, inverse, reasons.astype(np.int64))
+        return cls(ids, np.bincount(inverse, minlength=ids.size),
+                   np.bincount(inverse, weights=rewards.astype(np.float64), minlength=ids.size), end)
+
+    @classmethod
+    def combine(cls, partials: list[TrajectoryTable]) -> TrajectoryTable:
+        if not partials:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(empty, empty, np.zeros(0), empty)
+        ids, inverse = np.unique(np.concatenate([p.ids for p in partials]), return_inverse=True)
+        end = np.zeros(ids.size, dtype=np.int64)
+        np.maximum.at(end, inverse, np.concatenate([p.end for p in partials]))
+        turns = np.bincount(inverse, weights=np.concatenate([p.turns for p in partials]), minlength=ids.size)
+        total = np.bincount(inverse, weights=np.concatenate([p.total_reward for p in partials]), minlength=ids.size)
+        return cls(ids, turns.astype(np.int64), total, end)
+
+    def columns_for(self, trajectory_ids: np.ndarray) -> dict[str, np.ndarray]:
+        at = np.searchsorted(self.ids, trajectory_ids)
+        return {"trajectory_turns": self.turns[at], "trajectory_return": self.total_reward[at],
+                "trajectory_end": self.end[at]}
+
+
 # ====================================================================== chunks
 def chunk_bounds(store: TrajectoryStore, num_rows: int, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> list[tuple[int, int]]:
     """Position ranges covering ``[0, num_rows)``, cut at the store's storage units (so a chunk
@@ -139,6 +178,20 @@ def _read_columns(parts: list[Part], start: int, stop: int, fields: tuple[str, .
             column = batch[name]
             columns[name] = column.numpy() if isinstance(column, torch.Tensor) else column.offsets.numpy()
     return columns
+
+
+def _trajectory_table(parts: list[Part], bounds: list[tuple[int, int]], num_rows: int, has_reasons: bool,
+                      progress: Progress | None) -> TrajectoryTable:
+    fields = ("trajectory_id", "reward") + (("termination_reason",) if has_reasons else ())
+    partials, done = [], 0
+    for start, stop in bounds:
+        columns = _read_columns(parts, start, stop, fields)
+        partials.append(TrajectoryTable.of_chunk(columns["trajectory_id"], columns["reward"],
+                                                 columns.get("termination_reason")))
+        done += stop - start
+        if progress is not None:
+            progress("trajectory statistics", done, num_rows)
+    return TrajectoryTable.combine(partials)
 
 
 # ====================================================================== selecting
@@ -176,13 +229,20 @@ def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, wh
             if progress is not None:
                 progress("group statistics", done, num_rows)
         table = GroupTable.combine(partials)
+    trajectories = None
+    if expression.uses_trajectories:
+        trajectories = _trajectory_table(parts, bounds, num_rows, "termination_reason" in store.schema.field_names,
+                                         progress)
 
-    fields = tuple(sorted(set(expression.fields) | {"group_id"}))
-    kept, kept_groups, failing, seen_groups, done = [], [], [], [], 0
+    # step and done (5 bytes a row) tell which rows belong to trajectories of several turns
+    fields = tuple(sorted(set(expression.fields) | {"group_id", "step", "done"}))
+    kept, kept_groups, kept_trajectories, failing, failing_trajectories, seen_groups, done = [], [], [], [], [], [], 0
     for start, stop in bounds:
         columns = _read_columns(parts, start, stop, fields)
         if table is not None:
             columns.update(table.columns_for(columns["group_id"]))
+        if trajectories is not None:
+            columns.update(trajectories.columns_for(columns["trajectory_id"]))
         mask = expression.evaluate(columns, stop - start)
         group_ids = columns["group_id"]
         seen_groups.append(np.unique(group_ids))
@@ -190,14 +250,27 @@ def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, wh
         kept_groups.append(group_ids[mask])
         if whole_groups:
             failing.append(np.unique(group_ids[~mask]))
+        # a row at step 0 that is done is a whole trajectory; only longer ones can lose some rows
+        in_longer = (columns["step"] > 0) | ~columns["done"].astype(bool)
+        if in_longer.any():
+            trajectory_ids = columns["trajectory_id"] if "trajectory_id" in columns else \
+                _read_columns(parts, start, stop, ("trajectory_id",))["trajectory_id"]
+            kept_trajectories.append(np.where(in_longer, trajectory_ids, -1)[mask])
+            failing_trajectories.append(np.unique(trajectory_ids[~mask & in_longer]))
+        else:
+            kept_trajectories.append(np.full(int(mask.sum()), -1, dtype=np.int64))
         done += stop - start
         if progress is not None:
             progress("rows", done, num_rows)
     positions = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
     groups = np.concatenate(kept_groups) if kept_groups else np.zeros(0, dtype=np.int64)
+    trajectory_of_kept = np.concatenate(kept_trajectories) if kept_trajectories else np.zeros(0, dtype=np.int64)
+    drop = np.zeros(positions.size, dtype=bool)
     if whole_groups and failing:
-        keep = ~np.isin(groups, np.concatenate(failing))
-        positions, groups = positions[keep], groups[keep]
+        drop |= np.isin(groups, np.concatenate(failing))
+    if failing_trajectories and any(f.size for f in failing_trajectories):  # -1: a row that is a whole trajectory
+        drop |= np.isin(trajectory_of_kept, np.concatenate(failing_trajectories))
+    positions, groups = positions[~drop], groups[~drop]
     groups_in = int(np.unique(np.concatenate(seen_groups)).size) if seen_groups else 0
     return Selected(positions.astype(np.int64), num_rows, groups_in, int(np.unique(groups).size))
 

@@ -4,8 +4,12 @@ An expression is Python syntax, parsed with :mod:`ast` and checked against a whi
 before anything is evaluated; it is never ``eval``-ed. What it may contain:
 
 * names of row values (:data:`ROW_NAMES`: ``reward``, ``policy_version``, ``response_length``,
-  ...) and of group statistics (:data:`GROUP_NAMES`: ``group_reward_std``, ``group_size``, ...;
-  the statistic of the row's group, over the group's rows in the buffer being filtered);
+  ...), of group statistics (:data:`GROUP_NAMES`: ``group_reward_std``, ``group_size``, ...;
+  the statistic of the row's group, over the group's rows in the buffer being filtered) and of
+  trajectory statistics (:data:`TRAJECTORY_NAMES`: ``trajectory_turns``, ``trajectory_return``,
+  ``trajectory_end``: the same over the rows of the row's multi-turn trajectory);
+* the termination reasons by name (``MAX_TURNS``, ``TOOL_ERROR``, ...: their codes), to compare
+  with ``termination_reason`` or ``trajectory_end``;
 * numbers, ``True``/``False``; arithmetic ``+ - * / %`` and unary ``-``; calls to ``abs``,
   ``min`` and ``max`` (element-wise);
 * comparisons ``== != < <= > >=`` (chained: ``0 <= policy_version < 5``) and ``in`` / ``not in``
@@ -28,6 +32,7 @@ Examples::
     not (group_reward_min == 1)                # drop groups that are all correct
     policy_version >= 3 and response_length < 512
     abs(advantage) > 0.1 or collector in (0, 2)
+    trajectory_end == MAX_TURNS or trajectory_turns > 8   # multi-turn: how trajectories ended
 """
 
 from __future__ import annotations
@@ -39,7 +44,11 @@ from typing import Callable
 
 import numpy as np
 
+from rlhf_pipeline.schema.termination import TerminationReason
+
 MAX_EXPRESSION_CHARS = 2000
+# the reasons' names stand for their codes in expressions (NOT_ENDED is 0: rows before the last)
+REASON_CODES: dict[str, int] = {reason.name: int(reason) for reason in TerminationReason}
 
 
 class WhereError(ValueError):
@@ -83,6 +92,8 @@ ROW_NAMES: dict[str, RowName] = {
     "trajectory_id": RowName(("trajectory_id",), _column("trajectory_id"), "number", "the row's trajectory id"),
     "collector": RowName(("group_id",), lambda c: c["group_id"] >> 40, "number",
                          "index of the collector that wrote the row (from its group id)"),
+    "termination_reason": RowName(("termination_reason",), _column("termination_reason"), "number",
+                                  "why the trajectory ended, on its done row (NOT_ENDED = 0 on the others)"),
     "position": RowName((), lambda c: c["position"], "number", "position of the row in the source buffer"),
 }
 
@@ -110,8 +121,16 @@ _SYMBOL = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Mod: "%"
            ast.RShift: ">>", ast.MatMult: "@", ast.Is: "is", ast.IsNot: "is not", ast.Invert: "~"}
 
 
+# statistics of the row's trajectory (its rows in the buffer being filtered); read in a first pass
+TRAJECTORY_NAMES: dict[str, str] = {
+    "trajectory_turns": "rows (model turns) of the row's trajectory",
+    "trajectory_return": "sum of the rewards of the trajectory's rows",
+    "trajectory_end": "the trajectory's termination_reason (that of its done row; NOT_ENDED if that row is absent)",
+}
+
+
 def valid_names() -> list[str]:
-    return [*ROW_NAMES, *GROUP_NAMES]
+    return [*ROW_NAMES, *GROUP_NAMES, *TRAJECTORY_NAMES, *REASON_CODES]
 
 
 def describe_names() -> str:
@@ -120,6 +139,10 @@ def describe_names() -> str:
     lines += [f"  {name:<18} {spec.doc}" for name, spec in ROW_NAMES.items()]
     lines.append("group statistics (over the group's rows in the buffer being filtered):")
     lines += [f"  {name:<18} {doc}" for name, doc in GROUP_NAMES.items()]
+    lines.append("trajectory statistics (over the trajectory's rows in the buffer being filtered):")
+    lines += [f"  {name:<18} {doc}" for name, doc in TRAJECTORY_NAMES.items()]
+    lines.append("termination reasons (codes, for termination_reason and trajectory_end):")
+    lines.append("  " + ", ".join(f"{name} = {code}" for name, code in REASON_CODES.items()))
     return "\n".join(lines)
 
 
@@ -137,11 +160,18 @@ class WhereExpression:
         return any(name in GROUP_NAMES for name in self.names)
 
     @property
+    def uses_trajectories(self) -> bool:
+        """True when some name is a trajectory statistic (a first pass over the trajectories)."""
+        return any(name in TRAJECTORY_NAMES for name in self.names)
+
+    @property
     def fields(self) -> tuple[str, ...]:
         """Stored fields the row names read (group statistics need ``group_id`` and ``reward``)."""
         needed = {f for name in self.names if name in ROW_NAMES for f in ROW_NAMES[name].fields}
         if self.uses_groups:
             needed.add("group_id")
+        if self.uses_trajectories:
+            needed.add("trajectory_id")
         return tuple(sorted(needed))
 
     def evaluate(self, columns: dict[str, np.ndarray], num_rows: int) -> np.ndarray:
@@ -149,7 +179,7 @@ class WhereExpression:
         as their ``num_rows + 1`` offsets), ``position``, and the group statistics it uses."""
         values = {}
         for name in self.names:
-            values[name] = columns[name] if name in GROUP_NAMES else ROW_NAMES[name].compute(columns)
+            values[name] = ROW_NAMES[name].compute(columns) if name in ROW_NAMES else columns[name]
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             result = _Evaluator(values).visit(self._tree.body)
         return np.broadcast_to(np.asarray(result, dtype=bool), (num_rows,))
@@ -188,6 +218,8 @@ def parse_where(text: str, *, stored_fields: tuple[str, ...] | None = None) -> W
     if stored_fields is not None:
         for name in sorted(checker.names):
             missing = [f for f in ROW_NAMES[name].fields if f not in stored_fields] if name in ROW_NAMES else []
+            if name == "trajectory_end" and "termination_reason" not in stored_fields:
+                missing = ["termination_reason"]
             if missing:
                 raise WhereError(
                     f"--where uses {name!r}, but this buffer does not store field {missing[0]!r} "
@@ -229,8 +261,10 @@ class _Checker(ast.NodeVisitor):
         if node.id in ROW_NAMES:
             self.names.add(node.id)
             return ROW_NAMES[node.id].kind
-        if node.id in GROUP_NAMES:
+        if node.id in GROUP_NAMES or node.id in TRAJECTORY_NAMES:
             self.names.add(node.id)
+            return "number"
+        if node.id in REASON_CODES:
             return "number"
         close = difflib.get_close_matches(node.id, valid_names(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else "."
@@ -286,6 +320,8 @@ class _Checker(ast.NodeVisitor):
         for element in node.elts:
             value = element.operand if isinstance(element, ast.UnaryOp) and isinstance(element.op, ast.USub) \
                 else element
+            if isinstance(value, ast.Name) and value.id in REASON_CODES:
+                continue
             if not (isinstance(value, ast.Constant) and isinstance(value.value, (int, float))
                     and not isinstance(value.value, bool)):
                 raise self._reject(element, "a member of 'in (...)' that is not a number")
@@ -311,7 +347,7 @@ class _Evaluator(ast.NodeVisitor):
         self.values = values
 
     def visit_Name(self, node: ast.Name):
-        return self.values[node.id]
+        return REASON_CODES[node.id] if node.id in REASON_CODES else self.values[node.id]
 
     def visit_Constant(self, node: ast.Constant):
         return node.value

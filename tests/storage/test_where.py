@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_pipeline.storage.where import GROUP_NAMES, ROW_NAMES, WhereError, parse_where
+from rlhf_pipeline.storage.where import GROUP_NAMES, ROW_NAMES, TRAJECTORY_NAMES, WhereError, parse_where
 
 N = 6
 
@@ -32,6 +32,10 @@ def columns() -> dict[str, np.ndarray]:
         "group_reward_std": np.array([0.5, 0.5, 0.75, 0.75, 0.5, 0.5]),
         "group_reward_min": np.array([0.0, 0.0, -1.0, -1.0, 1.0, 1.0]),
         "group_reward_max": np.array([1.0, 1.0, 0.5, 0.5, 2.0, 2.0]),
+        "termination_reason": np.array([1, 2, 1, 3, 1, 6], dtype=np.int8),
+        "trajectory_turns": np.ones(N, dtype=np.int64),
+        "trajectory_return": np.array([1.0, 0.0, 0.5, -1.0, 1.0, 2.0]),
+        "trajectory_end": np.array([1, 2, 1, 3, 1, 6]),
     }
 
 
@@ -110,7 +114,7 @@ def test_a_name_whose_field_the_buffer_lacks_is_refused_before_reading():
 
 def test_list_of_names_matches_the_evaluator():
     # every documented name evaluates on a store's columns
-    for name in [*ROW_NAMES, *GROUP_NAMES]:
+    for name in [*ROW_NAMES, *GROUP_NAMES, *TRAJECTORY_NAMES]:
         cond = name if name in ("done", "terminated", "truncated") else f"{name} == {name}"
         assert parse_where(cond).evaluate(columns(), N).shape == (N,)
 

@@ -1,0 +1,98 @@
+"""``filter`` on multi-turn buffers: trajectory statistics, reasons by name, never half a trajectory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.schema.termination import TerminationReason as R
+from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.storage.filtering import filter_buffer, select_positions
+from rlhf_pipeline.storage.where import WhereError, parse_where
+
+# (turns, reason, reward per turn) of the trajectories of each group of two
+TRAJECTORIES = [(3, R.ENV_DONE, 1.0), (1, R.TOOL_ERROR, 0.0),
+                (4, R.MAX_TURNS, 0.25), (2, R.ENV_DONE, 0.5),
+                (1, R.ENV_DONE, 1.0), (5, R.TOKEN_BUDGET, 0.0)]
+
+
+def multi_turn_rows(first_trajectory: int = 0) -> TrajectoryBatch:
+    rows, gen = [], torch.Generator().manual_seed(first_trajectory)
+    for t, (turns, reason, reward) in enumerate(TRAJECTORIES):
+        for step in range(turns):
+            last = step == turns - 1
+            response = int(torch.randint(1, 9, (1,), generator=gen))
+            rows.append({
+                "prompt_tokens": torch.arange(3, dtype=torch.int32) + step,
+                "response_tokens": torch.arange(response, dtype=torch.int32),
+                "response_log_probs": torch.full((response,), -0.5),
+                "group_id": (first_trajectory + t) // 2, "trajectory_id": first_trajectory + t, "step": step,
+                "reward": reward, "policy_version": 0, "done": last,
+                "terminated": last and reason.terminated, "truncated": last and reason.truncated,
+                "termination_reason": int(reason if last else R.NOT_ENDED),
+                "prompt_text": f"env {step}", "response_text": "x" * response,
+            })
+    return TrajectoryBatch.from_rows(rows)
+
+
+@pytest.fixture(params=["memmap", "zarr"])
+def buffer(request, tmp_path):
+    path = tmp_path / "buf"
+    # segments of 4 rows: trajectories straddle storage units, so their statistics need the first pass
+    with create_store(path, request.param, StoreSchema(optional=("termination_reason",)), segment_rows=4) as store:
+        store.append(multi_turn_rows())
+    return path
+
+
+def kept_trajectories(path, where: str) -> dict[int, list[int]]:
+    with open_store(str(path), mode="r") as store:
+        positions = select_positions(store, where, chunk_rows=4).positions
+        rows = store.read(torch.as_tensor(positions), fields=("trajectory_id", "step"))
+    out: dict[int, list[int]] = {}
+    for trajectory, step in zip(rows["trajectory_id"].tolist(), rows["step"].tolist(), strict=True):
+        out.setdefault(trajectory, []).append(step)
+    return out
+
+
+def test_trajectory_statistics_and_reason_names_select_whole_trajectories(buffer):
+    assert kept_trajectories(buffer, "trajectory_end == MAX_TURNS") == {2: [0, 1, 2, 3]}
+    assert kept_trajectories(buffer, "trajectory_end in (TOOL_ERROR, TOKEN_BUDGET)") == {1: [0], 5: [0, 1, 2, 3, 4]}
+    assert kept_trajectories(buffer, "trajectory_turns >= 4") == {2: [0, 1, 2, 3], 5: [0, 1, 2, 3, 4]}
+    assert kept_trajectories(buffer, "trajectory_return == 3") == {0: [0, 1, 2]}  # 3 turns of reward 1
+    # the row value: only done rows carry a reason, so only trajectories of one turn pass whole
+    assert kept_trajectories(buffer, "termination_reason == ENV_DONE") == {4: [0]}
+
+
+def test_a_row_condition_keeps_a_trajectory_only_when_every_turn_meets_it(buffer):
+    with open_store(str(buffer), mode="r") as store:
+        rows = store.read(torch.arange(len(store)))
+    lengths = rows["response_tokens"].lengths().numpy()
+    trajectory = rows["trajectory_id"].numpy()
+    expected = {t: list(range(int((trajectory == t).sum()))) for t in np.unique(trajectory)
+                if (lengths[trajectory == t] <= 4).all()}
+    assert 0 < len(expected) < len(TRAJECTORIES)  # the premise: some trajectories have a long turn, some not
+    assert kept_trajectories(buffer, "response_length <= 4") == expected
+    # only the done rows meet this one: no trajectory of several turns survives it
+    assert kept_trajectories(buffer, "done") == {1: [0], 4: [0]}
+
+
+def test_a_filtered_buffer_holds_whole_trajectories_byte_for_byte(buffer, tmp_path):
+    result = filter_buffer(buffer, tmp_path / "out", "trajectory_end != TOKEN_BUDGET and trajectory_turns > 1")
+    with open_store(str(buffer), mode="r") as src, open_store(str(tmp_path / "out"), mode="r") as out:
+        source, kept = src.read(torch.arange(len(src))), out.read(torch.arange(len(out)))
+    keep = np.isin(source["trajectory_id"].numpy(), [0, 2, 3])
+    assert result.rows_kept == int(keep.sum()) == len(kept)
+    assert kept.equal(source.select(torch.from_numpy(np.nonzero(keep)[0])))
+
+
+def test_names_the_buffer_lacks_and_the_list_of_names(tmp_path, capsys):
+    with pytest.raises(WhereError, match="does not store field 'termination_reason'"):
+        parse_where("trajectory_end == MAX_TURNS", stored_fields=("reward", "trajectory_id"))
+    with pytest.raises(WhereError, match="unknown name 'MAX_TURN'; did you mean 'MAX_TURNS'"):
+        parse_where("trajectory_end == MAX_TURN")
+    assert main(["filter", "--list-names"]) == 0
+    listing = capsys.readouterr().out
+    assert "trajectory_turns" in listing and f"MAX_TURNS = {int(R.MAX_TURNS)}" in listing
