@@ -13,6 +13,7 @@ import torch
 
 from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
+from rlhf_pipeline.schema.termination import TerminationReason
 
 # Mixed scripts and an emoji, so text round-trips exercise multi-byte UTF-8.
 _WORDS = ("the", "answer", "is", "42", "grüße", "naïve", "日本語", "정답", "λόγος", "🙂", "x=y+1", "")
@@ -106,3 +107,29 @@ def assert_same_padded(got, expected) -> None:
     # prompt / response entries stay views into the (B, T) tensors, as pad_batch documents
     assert got["tokens", "prompt"].data_ptr() == got["tokens", "full"].data_ptr()
     assert got["tokens", "response"].data_ptr() == got["tokens", "full"][:, got["tokens", "prompt"].shape[1]:].data_ptr()
+
+
+# multi-turn trajectories, two per group: (turns, termination reason, reward of each turn)
+TRAJECTORIES = [(3, TerminationReason.ENV_DONE, 1.0), (1, TerminationReason.TOOL_ERROR, 0.0),
+                (4, TerminationReason.MAX_TURNS, 0.25), (2, TerminationReason.ENV_DONE, 0.5),
+                (1, TerminationReason.ENV_DONE, 1.0), (5, TerminationReason.TOKEN_BUDGET, 0.0)]
+
+
+def multi_turn_rows(first_trajectory: int = 0) -> TrajectoryBatch:
+    """The rows of :data:`TRAJECTORIES`, one per turn, as an agent collector writes them (with termination_reason)."""
+    rows, gen = [], torch.Generator().manual_seed(first_trajectory)
+    for t, (turns, reason, reward) in enumerate(TRAJECTORIES):
+        for step in range(turns):
+            last = step == turns - 1
+            response = int(torch.randint(1, 9, (1,), generator=gen))
+            rows.append({
+                "prompt_tokens": torch.arange(3, dtype=torch.int32) + step,
+                "response_tokens": torch.arange(response, dtype=torch.int32),
+                "response_log_probs": torch.full((response,), -0.5),
+                "group_id": (first_trajectory + t) // 2, "trajectory_id": first_trajectory + t, "step": step,
+                "reward": reward, "policy_version": 0, "done": last,
+                "terminated": last and reason.terminated, "truncated": last and reason.truncated,
+                "termination_reason": int(reason if last else TerminationReason.NOT_ENDED),
+                "prompt_text": f"env {step}", "response_text": "x" * response,
+            })
+    return TrajectoryBatch.from_rows(rows)

@@ -110,3 +110,29 @@ def test_a_real_runs_buffer_exports_and_imports_back_unchanged(tiny_run, tmp_pat
                  *[arg for item in SMALL for arg in ("--set", item)]])
     assert code == 0, capsys.readouterr().err
     assert all_rows(copy).equal(all_rows(tiny_run / "buffer"))
+
+
+def test_multi_turn_trajectories_round_trip_and_get_one_advantage_per_trajectory(tmp_path):
+    """Rows of multi-turn trajectories export and import back field for field (termination reasons
+    included); the write path's group advantage compares trajectories' returns (the sum of their
+    turns' rewards) and gives every turn its trajectory's advantage."""
+    from helpers import TRAJECTORIES, multi_turn_rows
+
+    original = multi_turn_rows()
+    with create_store(tmp_path / "src", "memmap", StoreSchema(optional=("termination_reason",))) as store:
+        store.append(original)
+    export_buffer(tmp_path / "src", tmp_path / "rows.jsonl", "jsonl")
+    create_store(tmp_path / "dst", "zarr", StoreSchema(optional=("termination_reason", "advantage"))).close()
+    pipeline = default_pipeline(tmp_path, "group_size=2")
+    options = ImportOptions(columns=ColumnMap(check_text=False), show_progress=False)  # ids of no real text
+    result = import_source(tmp_path / "rows.jsonl", tmp_path / "dst", pipeline, options=options, log=quiet)
+    assert result.write_path == ["GroupAdvantage"] and result.rows_written == len(original)
+    imported = all_rows(tmp_path / "dst")
+    assert imported.without("advantage").equal(original)
+
+    returns = torch.tensor([turns * reward for turns, _, reward in TRAJECTORIES]).view(-1, 2)
+    centered = returns - returns.mean(dim=1, keepdim=True)
+    std = returns.std(dim=1, keepdim=True)
+    expected = torch.where(std > 0, centered / std.clamp_min(1e-6), torch.zeros_like(centered)).flatten()
+    per_row = expected.repeat_interleave(torch.tensor([turns for turns, _, _ in TRAJECTORIES]))
+    torch.testing.assert_close(imported["advantage"], per_row, rtol=0, atol=1e-5)

@@ -6,37 +6,14 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import TRAJECTORIES, multi_turn_rows
+
 from rlhf_pipeline.cli.main import main
-from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.schema.termination import TerminationReason as R
 from rlhf_pipeline.storage import create_store, open_store
 from rlhf_pipeline.storage.filtering import filter_buffer, select_positions
 from rlhf_pipeline.storage.where import WhereError, parse_where
-
-# (turns, reason, reward per turn) of the trajectories of each group of two
-TRAJECTORIES = [(3, R.ENV_DONE, 1.0), (1, R.TOOL_ERROR, 0.0),
-                (4, R.MAX_TURNS, 0.25), (2, R.ENV_DONE, 0.5),
-                (1, R.ENV_DONE, 1.0), (5, R.TOKEN_BUDGET, 0.0)]
-
-
-def multi_turn_rows(first_trajectory: int = 0) -> TrajectoryBatch:
-    rows, gen = [], torch.Generator().manual_seed(first_trajectory)
-    for t, (turns, reason, reward) in enumerate(TRAJECTORIES):
-        for step in range(turns):
-            last = step == turns - 1
-            response = int(torch.randint(1, 9, (1,), generator=gen))
-            rows.append({
-                "prompt_tokens": torch.arange(3, dtype=torch.int32) + step,
-                "response_tokens": torch.arange(response, dtype=torch.int32),
-                "response_log_probs": torch.full((response,), -0.5),
-                "group_id": (first_trajectory + t) // 2, "trajectory_id": first_trajectory + t, "step": step,
-                "reward": reward, "policy_version": 0, "done": last,
-                "terminated": last and reason.terminated, "truncated": last and reason.truncated,
-                "termination_reason": int(reason if last else R.NOT_ENDED),
-                "prompt_text": f"env {step}", "response_text": "x" * response,
-            })
-    return TrajectoryBatch.from_rows(rows)
-
 
 @pytest.fixture(params=["memmap", "zarr"])
 def buffer(request, tmp_path):
