@@ -91,3 +91,45 @@ def test_disk_to_raw_ratio_is_described_by_its_value():
     assert describe_ratio(12.894) == "12.894  (the files take 12.9 times the raw payload)"
     assert describe_ratio(1.0) == "1.000  (the files take what the raw payload does)"
     assert describe_ratio(float("nan")) == "-"
+
+
+def test_multi_turn_trajectories_are_counted_with_how_they_ended(tmp_path, capsys):
+    """Every backend, a run's shards and a selection report the same trajectories; with no torch."""
+    from helpers import TRAJECTORIES, multi_turn_rows
+
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage import create_store
+    from rlhf_pipeline.storage.filtering import filter_buffer
+    from rlhf_pipeline.storage.sharded import shard_path
+
+    schema = StoreSchema(optional=("termination_reason",))
+    for backend in ("memmap", "zarr"):
+        with create_store(tmp_path / backend, backend, schema, segment_rows=4) as store:
+            store.append(multi_turn_rows())
+    run_buffer = tmp_path / "run_buffer"  # two collectors' shards, trajectory ids apart
+    for shard, backend in enumerate(("memmap", "zarr")):
+        with create_store(shard_path(run_buffer, shard), backend, schema, segment_rows=4) as store:
+            store.append(multi_turn_rows(first_trajectory=shard << 40))
+    filter_buffer(tmp_path / "zarr", tmp_path / "long.sel", "trajectory_turns >= 3", selection=True)
+
+    turns = [t for t, _, _ in TRAJECTORIES]
+    ended = {}
+    for _, reason, _ in TRAJECTORIES:
+        ended[reason.name] = ended.get(reason.name, 0) + 1
+    for location, copies in (("memmap", 1), ("zarr", 1), ("run_buffer", 2)):
+        assert main(["inspect", str(tmp_path / location), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)["trajectories"]
+        assert got == {"count": 6 * copies, "multi_turn": 4 * copies, "turns_max": 5,
+                       "turns_mean": sum(turns) / 6, "ended": {k: n * copies for k, n in sorted(ended.items())}}
+    assert main(["inspect", str(tmp_path / "long.sel"), "--json"]) == 0
+    selected = json.loads(capsys.readouterr().out)["trajectories"]
+    assert selected["count"] == 3 and selected["ended"] == {"ENV_DONE": 1, "MAX_TURNS": 1, "TOKEN_BUDGET": 1}
+    assert main(["inspect", str(tmp_path / "memmap")]) == 0
+    assert "6  (4 of several turns; turns mean 2.67, max 5); ended: ENV_DONE 3" in capsys.readouterr().out
+
+    script = ("import sys\nfrom rlhf_pipeline.cli.main import main\n"
+              f"assert main(['inspect', {str(tmp_path / 'zarr')!r}]) == 0\n"
+              "heavy = [m for m in ('torch', 'tensordict', 'torchrl', 'transformers') if m in sys.modules]\n"
+              "assert not heavy, heavy\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and "TOOL_ERROR 1" in done.stdout, done.stderr[-2000:]

@@ -82,7 +82,7 @@ def describe_ratio(ratio: float) -> str:
 
 def format_stats(stats) -> str:
     """A two-column table of a ``StoreStats`` (what ``inspect`` prints without ``--json``)."""
-    from rlhf_pipeline.storage.summary import describe_versions
+    from rlhf_pipeline.storage.summary import describe_trajectories, describe_versions
 
     ratio = stats.disk_bytes_per_raw_byte
     rows = [
@@ -92,6 +92,7 @@ def format_stats(stats) -> str:
          if stats.rows else "0"),
         ("rows ever written", str(stats.next_row)),
         ("groups", str(stats.groups)),
+        ("trajectories", describe_trajectories(stats.trajectories)),
         ("prompt tokens", str(stats.prompt_tokens)),
         ("response tokens", str(stats.response_tokens)),
         ("reward mean / std", f"{_number(stats.reward_mean)} / {_number(stats.reward_std)}"),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rlhf_pipeline.storage.errors import StoreNotFoundError
 from rlhf_pipeline.storage.reports import CheckReport, Progress, RepairReport
-from rlhf_pipeline.storage.summary import StoreStats
+from rlhf_pipeline.storage.summary import StoreStats, combine_trajectories
 
 SHARD_PREFIX = "shard-"
 _SHARD_RE = re.compile(r"^shard-(\d+)$")
@@ -131,10 +131,24 @@ def stores_in(location: str) -> list[tuple[str, str]]:
 
 
 def buffer_stats(location: str) -> StoreStats:
-    """``inspect``'s summary of a buffer, summed over its shards; no torch."""
+    """``inspect``'s summary of a buffer, summed over its shards; no torch, except for a saved
+    selection, whose kept rows are read through its source (torch)."""
     from rlhf_pipeline.storage.backends import inspection
+    from rlhf_pipeline.storage.errors import NotAStoreError, StoreNotFoundError
 
-    stores = stores_in(location)
+    try:
+        stores = stores_in(location)
+    except StoreNotFoundError:
+        raise
+    except NotAStoreError:
+        from rlhf_pipeline.storage.selection import is_selection  # imports torch: only when no store is there
+
+        if not is_selection(location):
+            raise
+        from rlhf_pipeline.storage import open_buffer
+
+        with open_buffer(location, mode="r") as selection:
+            return selection.stats()
     if not is_sharded_buffer(location):
         backend, path = stores[0]
         return inspection(backend).stats(path)
@@ -162,6 +176,7 @@ def combine_stats(location: str, per_shard: list[StoreStats], schema_optional: l
         policy_versions=dict(sorted(versions.items())),
         optional_fields=list(schema_optional if schema_optional is not None
                              else (per_shard[0].optional_fields if per_shard else [])),
+        trajectories=combine_trajectories([s.trajectories for s in per_shard]),
         extra={
             "shards": len(per_shard),
             "shard_backends": ",".join(sorted({s.backend for s in per_shard})),

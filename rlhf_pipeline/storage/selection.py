@@ -53,6 +53,7 @@ from rlhf_pipeline.storage.base import (
 from rlhf_pipeline.storage.manifest import read_json
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.row_keys import parts_of
+from rlhf_pipeline.storage.summary import summarize_trajectories
 
 FORMAT = "rlhf_pipeline.selection"
 FORMAT_VERSION = 1
@@ -410,10 +411,13 @@ class SelectionStore(TrajectoryStore):
         n = int(self._rows.size)
         groups, versions = [], {}
         prompt_tokens = response_tokens = raw = 0
-        rewards = []
+        rewards, trajectories, reasons = [], [], []
         for start in range(0, n, 4096):
             batch = self.read(torch.arange(start, min(n, start + 4096)))
             groups.append(np.unique(batch["group_id"].numpy()))
+            trajectories.append(batch["trajectory_id"].numpy())
+            if "termination_reason" in batch:
+                reasons.append(batch["termination_reason"].numpy())
             rewards.append(batch["reward"].numpy().astype(np.float64))
             prompt_tokens += int(batch["prompt_tokens"].values.numel())
             response_tokens += int(batch["response_tokens"].values.numel())
@@ -428,6 +432,9 @@ class SelectionStore(TrajectoryStore):
             bytes_on_disk=sum(f.stat().st_size for f in files if f.exists()), raw_bytes=raw,
             segments=len(self.unit_bounds()), policy_versions=dict(sorted(versions.items())),
             optional_fields=list(self._schema.optional),
+            trajectories=summarize_trajectories(
+                np.concatenate(trajectories) if trajectories else np.zeros(0, dtype=np.int64),
+                np.concatenate(reasons) if reasons else None),
             extra={"source": self.source_location, "where": self.where,
                    "whole_groups": bool(self._manifest.get("whole_groups")),
                    "source_rows_when_selected": sum(int(p["next_row"]) - int(p["first_row"])

@@ -9,7 +9,8 @@
 * **disk/raw** (``disk_bytes_per_raw_byte``): bytes on disk over raw payload; below 1 means
   the store is smaller than its raw payload (compression).
 
-API: :class:`StoreStats`, :func:`disk_usage`, :func:`describe_versions`.
+API: :class:`StoreStats`, :func:`disk_usage`, :func:`describe_versions`, and the trajectories
+held (:func:`summarize_trajectories`: counts, turns, termination reasons).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -40,6 +43,9 @@ class StoreStats:
     reward_max: float | None = None
     policy_versions: dict[int, int] = field(default_factory=dict)  # version -> rows, ascending
     optional_fields: list[str] = field(default_factory=list)
+    # trajectories held: "count", "multi_turn" (of more than one row), "turns_max", "turns_mean",
+    # and "ended" (termination reason name -> done rows) when the store keeps termination_reason
+    trajectories: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific (codec, chunking...)
 
     @property
@@ -54,6 +60,53 @@ class StoreStats:
         out["policy_versions"] = {str(v): n for v, n in sorted(self.policy_versions.items())}
         out["extra"] = dict(sorted(self.extra.items()))
         return dict(sorted(out.items()))
+
+
+def summarize_trajectories(trajectory_id: np.ndarray, reasons: np.ndarray | None) -> dict[str, Any]:
+    """``StoreStats.trajectories`` of the rows held (a trajectory's rows are counted where held:
+    one whose first turns were evicted counts the turns left)."""
+    if trajectory_id.size == 0:
+        return {}
+    _, turns = np.unique(trajectory_id, return_counts=True)
+    out: dict[str, Any] = {"count": int(turns.size), "multi_turn": int((turns > 1).sum()),
+                           "turns_max": int(turns.max()), "turns_mean": float(turns.mean())}
+    if reasons is not None:
+        from rlhf_pipeline.schema.termination import TerminationReason
+
+        codes, counts = np.unique(reasons[reasons != 0], return_counts=True)
+        out["ended"] = {TerminationReason(int(c)).name: int(n) for c, n in zip(codes, counts)}
+    return out
+
+
+def combine_trajectories(per_store: list[dict[str, Any]]) -> dict[str, Any]:
+    """The trajectories of several stores (shards hold disjoint trajectory ids: the collector's)."""
+    parts = [t for t in per_store if t]
+    if not parts:
+        return {}
+    count = sum(t["count"] for t in parts)
+    out: dict[str, Any] = {"count": count, "multi_turn": sum(t["multi_turn"] for t in parts),
+                           "turns_max": max(t["turns_max"] for t in parts),
+                           "turns_mean": sum(t["turns_mean"] * t["count"] for t in parts) / count}
+    if any("ended" in t for t in parts):
+        ended: dict[str, int] = {}
+        for t in parts:
+            for name, n in t.get("ended", {}).items():
+                ended[name] = ended.get(name, 0) + n
+        out["ended"] = dict(sorted(ended.items()))
+    return out
+
+
+def describe_trajectories(trajectories: dict[str, Any]) -> str:
+    """One line for ``inspect``: counts, turns, and how multi-turn trajectories ended."""
+    if not trajectories:
+        return "0"
+    text = f"{trajectories['count']}"
+    if trajectories["multi_turn"]:
+        text += (f"  ({trajectories['multi_turn']} of several turns; turns mean {trajectories['turns_mean']:.2f}, "
+                 f"max {trajectories['turns_max']})")
+    if trajectories.get("ended"):
+        text += "; ended: " + ", ".join(f"{name} {n}" for name, n in trajectories["ended"].items())
+    return text
 
 
 def disk_usage(path: str | os.PathLike) -> int:

@@ -33,7 +33,7 @@ from rlhf_pipeline.storage.memmap.layout import (
 )
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots
 from rlhf_pipeline.storage.reports import CheckReport, Progress
-from rlhf_pipeline.storage.summary import StoreStats, disk_usage
+from rlhf_pipeline.storage.summary import StoreStats, disk_usage, summarize_trajectories
 
 __all__ = ["PublishedView", "check_segment", "detect", "stats", "verify"]
 
@@ -103,6 +103,9 @@ def stats(location: str) -> StoreStats:
         segments=len(held),
         policy_versions={int(v): int(c) for v, c in zip(versions, counts)},
         optional_fields=view.optional,
+        trajectories=summarize_trajectories(
+            view.column("trajectory_id"),
+            view.column("termination_reason") if "termination_reason" in view.optional else None),
         extra={"segment_rows": view.segment_rows, "capacity_rows": view.capacity_rows,
                "evicted_segments_pending_delete": len(view.evicted)},
     )

@@ -17,14 +17,14 @@ import numpy as np
 
 from rlhf_pipeline.storage.errors import NotAStoreError, StoreCorruptedError
 from rlhf_pipeline.storage.reports import CheckReport, Progress
-from rlhf_pipeline.storage.summary import StoreStats, disk_usage
+from rlhf_pipeline.storage.summary import StoreStats, disk_usage, summarize_trajectories
 from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, NP_DTYPE_BY_NAME, UNITS_PREFIX, arrays_of
 from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root, resolve
 from rlhf_pipeline.storage.zarr.units import ROOT_META, UnitCodecs, UnitGone, UnitRef, read_unit
 
 BACKEND = "zarr"
 __all__ = ["detect", "stats", "summarize", "verify"]
-_ROW_SUMMARY = ("group_id", "reward", "policy_version")
+_ROW_SUMMARY = ("group_id", "reward", "policy_version", "trajectory_id")
 
 
 def detect(location: str) -> bool:
@@ -108,14 +108,16 @@ def summarize(loc: Location, record: dict[str, Any], location: str) -> StoreStat
     units = units_of(record, location)
     offsets = [s.name for s in layout if s.length_of == "rows+1"]
     itemsize = {s.name: NP_DTYPE_BY_NAME[s.dtype].itemsize for s in layout}
-    columns: dict[str, list[np.ndarray]] = {name: [] for name in _ROW_SUMMARY}
+    optional = list(record["schema"].get("optional", []))
+    wanted = _ROW_SUMMARY + (("termination_reason",) if "termination_reason" in optional else ())
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in wanted}
     prompt_tokens = response_tokens = raw = 0
     for unit in units:
         try:
-            decoded = read_unit(loc.kv, unit, layout, codecs, names=set(_ROW_SUMMARY) | set(offsets))
+            decoded = read_unit(loc.kv, unit, layout, codecs, names=set(wanted) | set(offsets))
         except UnitGone as gone:
             raise StoreCorruptedError(f"{location}: chunk {gone} of a published unit is missing") from None
-        for name in _ROW_SUMMARY:
+        for name in wanted:
             columns[name].append(decoded[name])
         prompt_tokens += int(decoded["prompt_offsets"][-1])
         response_tokens += int(decoded["response_offsets"][-1])
@@ -139,7 +141,8 @@ def summarize(loc: Location, record: dict[str, Any], location: str) -> StoreStat
         reward_min=float(reward.min()) if reward.size else None,
         reward_max=float(reward.max()) if reward.size else None,
         policy_versions={int(v): int(c) for v, c in zip(versions, counts)},
-        optional_fields=list(record["schema"].get("optional", [])),
+        optional_fields=optional,
+        trajectories=summarize_trajectories(joined["trajectory_id"], joined.get("termination_reason")),
         extra={"codec": record["codec"], "segment_rows": int(record["segment_rows"]),
                "tail_fragments": len(units) - sealed, "capacity_rows": record.get("capacity_rows"),
                "zarr_format": 3, "format_version": record["format_version"],
