@@ -41,6 +41,7 @@ the caller keeps protects the store.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -108,6 +109,7 @@ def object_store_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
+@functools.cache  # one signature inspection per process, not one per store opened
 def _s3fs_takes(option: str) -> bool:
     import inspect
 
