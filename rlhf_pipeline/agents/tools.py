@@ -10,7 +10,11 @@ Tool calls are found in the model's text by a parser chosen per chat-template fa
 
 * ``hermes`` (Hermes, Qwen 2.5/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   any number per message;
-* ``mistral``: ``[TOOL_CALLS]`` followed by a JSON list of ``{"name", "arguments"}`` objects.
+* ``mistral``: ``[TOOL_CALLS]`` followed by a JSON list of ``{"name", "arguments"}`` objects;
+* ``llama3_json`` (Llama 3.1-3.3 custom tools): the whole message is ``{"name": ...,
+  "parameters": {...}}``, optionally after ``<|python_tag|>``, several separated by ``;``;
+* ``deepseek`` (DeepSeek V3/R1): ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then the
+  arguments as a fenced JSON block, ``<｜tool▁call▁end｜>``, inside ``<｜tool▁calls▁begin｜>...``.
 
 :class:`ToolBox` runs the calls of one turn and answers each with a ``tool`` message. Whatever
 the model gets wrong -- a call that is not valid JSON, an unknown tool, arguments that do not fit
@@ -92,11 +96,64 @@ def parse_mistral(text: str) -> list[ToolCall]:
     return [_call_from_object(item, raw) for item in obj]
 
 
+def parse_llama3_json(text: str) -> list[ToolCall]:
+    """A message that is JSON call objects (``;``-separated) with their arguments under
+    ``"parameters"``; a message that does not start with ``{`` (after an optional
+    ``<|python_tag|>``) is an answer, not a call."""
+    body = text.strip()
+    tagged = body.startswith("<|python_tag|>")
+    body = body.removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return [ToolCall("", {}, text, "<|python_tag|> is not followed by a JSON tool call")] if tagged else []
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError as exc:
+            return [*calls, ToolCall("", {}, body[at:], f"the tool call is not valid JSON ({exc.msg})")]
+        key = "parameters" if isinstance(obj, dict) and "parameters" in obj else "arguments"
+        calls.append(_call_from_object(obj, body[at:end], key))
+        at = end
+        while at < len(body) and body[at] in "; \n\t":
+            at += 1
+    return calls
+
+
+_DEEPSEEK_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(?P<kind>[^<]*?)<｜tool▁sep｜>(?P<name>[^\n]*)\n```(?:json)?\n(?P<args>.*?)\n```"
+    r"(?P<end><｜tool▁call▁end｜>)?", re.S)
+
+
+def parse_deepseek(text: str) -> list[ToolCall]:
+    """Calls written as DeepSeek V3/R1 templates do: a fenced JSON block per call."""
+    if "<｜tool▁call▁begin｜>" not in text:
+        return []
+    calls = []
+    for match in _DEEPSEEK_CALL.finditer(text):
+        raw, name = match.group(0), match.group("name").strip()
+        if match.group("end") is None:
+            calls.append(ToolCall(name, {}, raw, "the tool call is not closed with <｜tool▁call▁end｜>"))
+            continue
+        try:
+            arguments = json.loads(match.group("args"))
+        except json.JSONDecodeError as exc:
+            calls.append(ToolCall(name, {}, raw, f"the arguments are not valid JSON ({exc.msg})"))
+            continue
+        calls.append(_call_from_object({"name": name, "arguments": arguments}, raw))
+    if not calls:  # a begin marker with nothing we can read: say so rather than answer nothing
+        start = text.index("<｜tool▁call▁begin｜>")
+        calls.append(ToolCall("", {}, text[start:], "the tool call does not follow "
+                              "function<｜tool▁sep｜>NAME and a ```json block"))
+    return calls
+
+
 ToolCallParser = Callable[[str], list[ToolCall]]
-PARSERS: dict[str, ToolCallParser] = {"hermes": parse_hermes, "mistral": parse_mistral}
+PARSERS: dict[str, ToolCallParser] = {"hermes": parse_hermes, "mistral": parse_mistral,
+                                      "llama3_json": parse_llama3_json, "deepseek": parse_deepseek}
 """Tool-call parsers by chat-template family. To add one, write ``text -> list[ToolCall]``
 (malformed calls as ``ToolCall(..., error=...)``, never an exception) and a marker below."""
-_TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"))
+_TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"),
+                     ("<｜tool▁calls▁begin｜>", "deepseek"), ("<|python_tag|>", "llama3_json"))
 
 
 def parser_for_template(chat_template: str) -> ToolCallParser:

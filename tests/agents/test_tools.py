@@ -8,7 +8,15 @@ import time
 import pytest
 
 from rlhf_pipeline.agents.environment import ToolCall
-from rlhf_pipeline.agents.tools import PARSERS, ToolBox, parse_hermes, parse_mistral, parser_for_template
+from rlhf_pipeline.agents.tools import (
+    PARSERS,
+    ToolBox,
+    parse_deepseek,
+    parse_hermes,
+    parse_llama3_json,
+    parse_mistral,
+    parser_for_template,
+)
 
 
 def multiply(a: int, b: int) -> int:
@@ -116,6 +124,39 @@ def test_mistral_parser_and_the_choice_by_template():
     assert parser_for_template("[TOOL_CALLS]") is PARSERS["mistral"]
     with pytest.raises(ValueError, match="PARSERS"):
         parser_for_template("{{ messages }}")
+
+
+def test_llama3_json_parser_reads_calls_and_leaves_answers_alone():
+    calls = parse_llama3_json('<|python_tag|>{"name": "multiply", "parameters": {"a": 2, "b": 3}}; '
+                              '{"name": "lookup", "parameters": {"key": "k"}}')
+    assert [(c.name, dict(c.arguments), c.error) for c in calls] == [
+        ("multiply", {"a": 2, "b": 3}, None), ("lookup", {"key": "k"}, None)]
+    assert parse_llama3_json("The product is 6.") == []  # an answer
+    (cut,) = parse_llama3_json('{"name": "multiply", "parameters": {"a": 2')  # a turn cut at its length
+    assert "not valid JSON" in cut.error
+    (empty,) = parse_llama3_json("<|python_tag|> 6")
+    assert "not followed by a JSON tool call" in empty.error
+    (nameless,) = parse_llama3_json('{"parameters": {"a": 1}}')
+    assert 'needs a "name"' in nameless.error
+    assert parser_for_template("{{- '<|python_tag|>' + tool_call.name }}") is PARSERS["llama3_json"]
+
+
+def test_deepseek_parser_reads_fenced_arguments_and_marks_broken_calls():
+    def call(name: str, args: str, closed: bool = True) -> str:
+        return (f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```"
+                + ("<｜tool▁call▁end｜>" if closed else ""))
+
+    text = "<｜tool▁calls▁begin｜>" + call("multiply", '{"a": 2, "b": 3}') + call("lookup", '{"key"') + \
+        "<｜tool▁calls▁end｜>"
+    good, bad = parse_deepseek(text)
+    assert (good.name, dict(good.arguments), good.error) == ("multiply", {"a": 2, "b": 3}, None)
+    assert bad.name == "lookup" and "not valid JSON" in bad.error
+    (unclosed,) = parse_deepseek("<｜tool▁calls▁begin｜>" + call("multiply", '{"a": 2}', closed=False))
+    assert "not closed" in unclosed.error
+    (garbled,) = parse_deepseek("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>multiply(2, 3)")
+    assert "does not follow" in garbled.error
+    assert parse_deepseek("The product is 6.") == []
+    assert parser_for_template("{{'<｜tool▁calls▁begin｜>'}}") is PARSERS["deepseek"]
 
 
 def test_good_calls_answer_with_the_result(box):
