@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
-from test_storage_bytes import episode_of, store_episodes
+from test_storage_bytes import episode_of, multiply, store_episodes
 
 from rlhf_pipeline.agents.tools import ToolBox
 from rlhf_pipeline.cli.main import main
@@ -23,16 +23,6 @@ from rlhf_pipeline.dataio.trajectory_view import (
 )
 from rlhf_pipeline.storage import open_store
 from rlhf_pipeline.schema.termination import TerminationReason
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiplies two integers.
-
-    Args:
-        a: the first factor
-        b: the second factor
-    """
-    return a * b
 
 
 @pytest.fixture()
