@@ -82,8 +82,9 @@ def mean_one(weights: torch.Tensor) -> torch.Tensor:
 
 
 def batch_counts(batch: TensorDict) -> tuple[int, int, int]:
-    """``(rows, response tokens, attention tokens)`` of a padded batch."""
-    return (batch.batch_size[0], int(batch["masks", "response"].sum()),
+    """``(rows, response tokens that carry loss, attention tokens)`` of a padded batch (the loss
+    mask: every response token of a single-turn row, the sampled ones of a trajectory's)."""
+    return (batch.batch_size[0], int(batch["masks", "all_assistant_mask"].sum()),
             int(batch["masks", "all_attention_mask"].sum()))
 
 
@@ -92,7 +93,7 @@ def micro_batch_weight(micro: TensorDict | PackedMicroBatch, *, rows: int, respo
     """A micro-batch's share of a batch of ``rows`` rows and ``response_tokens`` response tokens."""
     packed = isinstance(micro, PackedMicroBatch)
     if token_mean:
-        micro_tokens = micro.response_tokens if packed else int(micro["masks", "response"].sum())
+        micro_tokens = micro.response_tokens if packed else int(micro["masks", "all_assistant_mask"].sum())
         return micro_tokens / max(response_tokens, 1)
     return (micro.num_rows if packed else micro.batch_size[0]) / rows
 
