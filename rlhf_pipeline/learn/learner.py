@@ -331,7 +331,10 @@ class Learner:
                 self.sampler.feed_back(draw, sampled.positions[torch.from_numpy(kept)], row_feedback)
                 metrics["charts/priority_feedback_mean"] = float(row_feedback.mean())
                 metrics["charts/priority_feedback_max"] = float(row_feedback.max())
-            self._trained.mark(names.select(kept).by_shard())
+            trained = names.select(kept)
+            if bool(batch["step"].any()):  # trajectories, named by their last rows: every turn was trained on
+                trained = trained.with_earlier_turns(batch["step"].cpu().numpy())
+            self._trained.mark(trained.by_shard())
             self.progress.step += 1
             if self.progress.step % self.settings.publish_every == 0:
                 self._publish()

@@ -129,7 +129,9 @@ def trajectory_draw(store, sampled, drawn: TensorDict, *, pad_token_id: int, tur
     whole = whole_trajectories(store, sampled.positions, drawn, pad_token_id=pad_token_id,
                                index_dtype=torch.int32, turn_advantage=turn_advantage)
     chosen = whole.ends[whole.kept]
+    turns = whole.batch["step"].float() + 1 if whole.batch is not None else torch.zeros(1)
     metrics = {**sampled.metrics, "charts/trajectories": float(chosen.numel()),
+               "charts/turns_per_trajectory_mean": float(turns.mean()),
                "charts/rows_deferred_to_trajectory_end": float(whole.deferred),
                "charts/trajectories_incomplete": float(whole.incomplete)}
     sampled = dataclasses.replace(sampled, positions=sampled.positions[chosen], metrics=metrics,

@@ -406,3 +406,23 @@ def test_the_learner_leaves_out_trajectories_that_ended_for_a_masked_reason(tmp_
     assert masked == 8 and records[-1]["charts/trajectories_masked_total"] == 8
     assert trained == 12
     assert all(r["charts/rows_dropped_stale"] == 0 for r in records)
+
+
+def test_masking_leaves_out_single_turn_rows_by_their_stored_reason(tmp_path):
+    paths = RunPaths(tmp_path / "run")
+    reasons = [TerminationReason.GENERATION_LENGTH if i % 3 == 0 else TerminationReason.ENV_DONE for i in range(12)]
+    store = _store(paths.buffer, multi_turn_rows([1] * 12, reasons=reasons), multi_turn_rows([1] * 12, seed=1))
+    store.close()
+    publish_weights(paths.root, _model().state_dict(), 0)
+    records = _learn(paths, 2, mask_termination_reasons=("generation_length",))
+    assert [r["charts/trajectories_masked"] for r in records] == [4.0, 0.0]
+    assert [r["charts/rows"] for r in records] == [8.0, 12.0]
+    assert "charts/trajectories" not in records[0]  # single-turn draws take the path they always took
+
+
+def test_rows_trained_counts_every_turn_of_the_trajectories_trained(tmp_path):
+    records = _learn(_multi_turn_run(tmp_path), 4)
+    # the exact sampler drew all 48 rows: every turn of every trajectory went into a loss
+    assert sum(r["charts/trajectories"] for r in records) == 20
+    assert records[-1]["charts/rows_trained"] == 48
+    assert records[-1]["charts/rows_generated_per_row_trained"] == 1.0
