@@ -81,7 +81,7 @@ def termination_codes(names) -> torch.Tensor:
 
 def masked_by_reason(batch: TensorDict, codes: torch.Tensor) -> torch.Tensor:
     """(B,) bool: rows whose trajectory ended for one of ``codes`` (False without the field)."""
-    if codes.numel() == 0 or "termination_reason" not in batch.keys():
+    if codes.numel() == 0 or "termination_reason" not in batch:
         return torch.zeros(batch.batch_size[0], dtype=torch.bool)
     return torch.isin(batch["termination_reason"].to(torch.int32).cpu(), codes)
 

@@ -268,6 +268,29 @@ def test_single_turn_rows_join_to_the_padded_batch_they_already_are():
     assert not is_single_turn(pad_batch(multi_turn_rows(TURNS)))
 
 
+def test_the_write_paths_group_advantage_is_the_trajectorys_on_every_turn():
+    """What turn_advantage=trajectory relies on: GroupAdvantage (trajectory_return=sum) writes the
+    group-relative return of the whole trajectory on every row of it."""
+    from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+
+    turns = [3, 1, 4, 2, 2, 3]
+    rows = multi_turn_rows(turns).without("advantage")
+    written = GroupAdvantage(group_size=2).write(rows)
+    returns = torch.stack([t["reward"].double().sum() for t in trajectories_of(written)])  # (6,)
+    pairs = returns.view(3, 2)
+    want = ((pairs - pairs.mean(1, keepdim=True)) / pairs.std(1, keepdim=True).clamp_min(1e-6)).reshape(-1)
+    for trajectory, value in zip(trajectories_of(written), want.tolist()):
+        assert torch.allclose(trajectory["advantage"].double(), torch.full((len(trajectory),), value, dtype=torch.float64), atol=1e-6)
+    batch = trajectory_batch(written, "trajectory")
+    torch.testing.assert_close(batch["sequence_advantage"].double(), want, atol=1e-6, rtol=0)
+    # per turn (trajectory_return="step": each turn's reward in its group): each row's on its turn's tokens
+    per_turn = GroupAdvantage(group_size=2, trajectory_return="step").write(rows)
+    batch = trajectory_batch(per_turn, "turn")
+    for i, trajectory in enumerate(trajectories_of(per_turn)):
+        want = trajectory["advantage"].repeat_interleave(trajectory["response_tokens"].lengths())
+        assert torch.equal(batch[TOKEN_ADVANTAGE_KEY][i][batch["masks", "all_assistant_mask"][i]], want)
+
+
 # ====================================================================== termination reasons
 def test_masked_termination_reasons_name_the_trajectories_they_leave_out():
     reasons = [TerminationReason.ENV_DONE, TerminationReason.MAX_TURNS, TerminationReason.TOKEN_BUDGET,
