@@ -172,51 +172,49 @@ def join_turns(rows: TrajectoryBatch, turns: torch.Tensor, *, turn_advantage: st
         raise ValueError(f"turn_advantage must be one of {TURN_ADVANTAGES}, got {turn_advantage!r}")
     offsets = lengths_to_offsets(turns)
     first, last = offsets[:-1], offsets[1:] - 1
-    floats = [name for name in _JOINED_FLOATS if name in rows]
-    responses, masks, joined_floats = [], [], {name: [] for name in floats}
-    advantages = [] if turn_advantage == "turn" else None
-    for start, stop in zip(first.tolist(), (last + 1).tolist(), strict=True):
-        pieces, mask, values, adv = [], [], {name: [] for name in floats}, []
-        for i in range(start, stop):
-            response = rows["response_tokens"].row(i)
-            if i > start:  # the environment's tokens since the previous turn: trained on by no one
-                prompt = rows["prompt_tokens"].row(i)
-                pieces.append(prompt)
-                mask.append(torch.zeros(len(prompt), dtype=torch.bool))
-                for name in floats:
-                    values[name].append(torch.zeros(len(prompt), dtype=torch.float32))
-                adv.append(torch.zeros(len(prompt), dtype=torch.float32))
-            pieces.append(response)
-            mask.append(torch.ones(len(response), dtype=torch.bool))
-            for name in floats:
-                values[name].append(rows[name].row(i).to(torch.float32))
-            if advantages is not None:
-                adv.append(torch.full((len(response),), float(rows["advantage"][i]), dtype=torch.float32))
-        responses.append(torch.cat(pieces))
-        masks.append(torch.cat(mask))
-        for name in floats:
-            joined_floats[name].append(torch.cat(values[name]))
-        if advantages is not None:
-            advantages.append(torch.cat(adv))
+    trajectory_of_row = torch.arange(len(turns)).repeat_interleave(turns)  # (N,)
+    prompt, response = rows["prompt_tokens"], rows["response_tokens"]
+    # Each row gives two pieces, in order: its prompt (the environment's tokens since the previous
+    # turn; none at step 0, whose prompt is the learner row's prompt) and its response. Every
+    # joined column is one gather over [prompt values | response values] at those pieces.
+    prompt_lengths = torch.where(rows["step"] > 0, prompt.lengths(), 0)  # (N,)
+    piece_starts = torch.stack([prompt.offsets[:-1], prompt.values.numel() + response.offsets[:-1]], 1).reshape(-1)
+    piece_lengths = torch.stack([prompt_lengths, response.lengths()], 1).reshape(-1)  # (2N,)
+    at = gather_ranges(piece_starts, piece_lengths)
+    joined_lengths = torch.zeros(len(turns), dtype=torch.int64).index_add_(
+        0, trajectory_of_row, prompt_lengths + response.lengths())
+
+    def joined(prompt_values: torch.Tensor, response_values: torch.Tensor) -> RaggedTensor:
+        return RaggedTensor.from_lengths(torch.cat([prompt_values, response_values])[at], joined_lengths)
+
+    def zeros_on_prompts(dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(prompt.values.numel(), dtype=dtype)
+
+    floats = {name: joined(zeros_on_prompts(torch.float32), rows[name].values.to(torch.float32))
+              for name in _JOINED_FLOATS if name in rows}
+    loss_mask = joined(zeros_on_prompts(torch.bool), torch.ones(response.values.numel(), dtype=torch.bool))
+    token_advantage = None
+    if turn_advantage == "turn":
+        per_token = rows["advantage"].to(torch.float32).repeat_interleave(response.lengths())
+        token_advantage = joined(zeros_on_prompts(torch.float32), per_token)
 
     columns = {
         "prompt_tokens": rows["prompt_tokens"].index(first),
-        "response_tokens": RaggedTensor.from_sequences(responses, dtype=rows["response_tokens"].dtype),
-        **{name: RaggedTensor.from_sequences(joined_floats[name], dtype=torch.float32) for name in floats},
+        "response_tokens": joined(prompt.values.to(response.values.dtype), response.values),
+        **floats,
         # the trajectory's flags and ids are its last row's; its reward is the sum of its turns'
         **{name: rows[name][last] for name in ("done", "terminated", "truncated", "group_id", "trajectory_id",
                                                "step", "advantage") if name in rows},
         "reward": torch.zeros(len(turns), dtype=torch.float32).index_add_(
-            0, torch.arange(len(turns)).repeat_interleave(turns), rows["reward"].to(torch.float32)),
+            0, trajectory_of_row, rows["reward"].to(torch.float32)),
         # rows of one trajectory share a version; the oldest is the one staleness must see
-        "policy_version": torch.full((len(turns),), 0, dtype=rows["policy_version"].dtype).scatter_reduce_(
-            0, torch.arange(len(turns)).repeat_interleave(turns), rows["policy_version"], reduce="amin",
-            include_self=False),
+        "policy_version": torch.zeros(len(turns), dtype=rows["policy_version"].dtype).scatter_reduce_(
+            0, trajectory_of_row, rows["policy_version"], reduce="amin", include_self=False),
     }
     return JoinedTrajectories(
         rows=TrajectoryBatch(columns),
-        loss_mask=RaggedTensor.from_sequences(masks, dtype=torch.bool),
-        token_advantage=RaggedTensor.from_sequences(advantages, dtype=torch.float32) if advantages is not None else None,
+        loss_mask=loss_mask,
+        token_advantage=token_advantage,
         termination_reason=rows["termination_reason"][last].to(torch.int32) if "termination_reason" in rows else None,
     )
 
