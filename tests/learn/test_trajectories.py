@@ -40,7 +40,8 @@ from rlhf_pipeline.models.tiny import tiny_causal_lm
 from rlhf_pipeline.schema import StoreSchema, TerminationReason, TrajectoryBatch
 from rlhf_pipeline.schema.padding import PaddedCollator, pad_batch
 from rlhf_pipeline.schema.synthetic import batch_with_lengths
-from rlhf_pipeline.storage import create_store
+from rlhf_pipeline.storage import create_store, open_buffer
+from rlhf_pipeline.storage.sharded import shard_path
 
 VOCAB = 97
 TURNS = [3, 1, 4, 2, 2]  # one single-turn trajectory among multi-turn ones
@@ -348,6 +349,33 @@ def test_exact_sampling_trains_every_trajectory_once_whole(tmp_path):
     assert sorted(seen) == sorted(10 * s + j for s in range(4) for j in range(len(TURNS)))
     assert deferred == len(store) - len(seen)
     store.close()
+
+
+def test_whole_trajectories_from_a_buffer_of_shards_written_while_it_is_read(tmp_path):
+    """Two collectors' shards, appended between draws: positions of the union run shard after
+    shard, so a trajectory's turns are still the rows just before its last one."""
+    buffer = tmp_path / "buffer"
+    writers = [_store(shard_path(buffer, k)) for k in range(2)]
+    reader = open_buffer(buffer)
+    sampler = ExactUseSampler(reader, batch_size=10, uses=1, timeout_s=5)
+    collator = PaddedCollator(pad_token_id=0)
+    seen, written = [], []
+    for draw in range(8):
+        for k, writer in enumerate(writers):
+            first = (k << 40) + 10 * draw
+            writer.append(multi_turn_rows(TURNS, seed=10 * draw + k, first_id=first))
+            written += [first + j for j in range(len(TURNS))]
+        sampled = sampler.draw(draw)
+        sampled, batch = trajectory_draw(reader, sampled, collator.read(reader, sampled.positions), pad_token_id=0,
+                                         turn_advantage="trajectory")
+        if batch is not None:
+            _assert_whole(reader, batch)
+            seen += batch["trajectory_id"].tolist()
+    assert len(seen) == len(set(seen)) > 20  # each trajectory at most once, and many of them
+    assert set(seen) <= set(written)
+    reader.close()
+    for writer in writers:
+        writer.close()
 
 
 def test_a_trajectory_whose_last_turn_is_not_written_yet_is_never_in_a_batch(tmp_path):
