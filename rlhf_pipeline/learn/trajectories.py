@@ -108,7 +108,11 @@ def whole_trajectories(store, positions: torch.Tensor, drawn: TensorDict, *, pad
     end_positions = positions.cpu()[ends].to(torch.int64)
     turns = drawn["step"].cpu()[ends].to(torch.int64) + 1  # (k,)
     starts = end_positions - turns + 1
-    kept = torch.nonzero(starts >= 0).squeeze(1)  # a trajectory whose first rows were evicted is left out
+    # a trajectory whose first rows were evicted is left out: its first turn would lie before its
+    # store's first position (in a union of shards, its own shard's)
+    locate = getattr(store, "locate", None)
+    local_ends = locate(end_positions)[1] if locate is not None else end_positions
+    kept = torch.nonzero(local_ends - turns + 1 >= 0).squeeze(1)
     incomplete = int(ends.numel() - kept.numel())
     if kept.numel() == 0:
         return WholeTrajectories(ends, None, kept, deferred, incomplete)

@@ -399,6 +399,29 @@ def test_a_trajectory_whose_last_turn_is_not_written_yet_is_never_in_a_batch(tmp
     store.close()
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_trajectory_whose_first_turns_were_evicted_is_left_out_and_counted(tmp_path, sharded):
+    """Sharded: the evicting store is the second shard, so its first position is not the union's."""
+    buffer = tmp_path / "buffer"
+    first_shard = _store(shard_path(buffer, 0), multi_turn_rows(TURNS, seed=2, first_id=100)) if sharded else None
+    writer = create_store(shard_path(buffer, 1) if sharded else buffer, "memmap",
+                          schema=StoreSchema(optional=OPTIONAL), segment_rows=2, capacity_rows=10)
+    writer.append(multi_turn_rows(TURNS))
+    writer.append(multi_turn_rows(TURNS, seed=1, first_id=10))  # 24 rows: the oldest 14 are evicted
+    held = writer.read(torch.arange(len(writer)))
+    assert held["trajectory_id"][0] == 10 and held["step"][0] == 2  # trajectory 10's last turn, alone
+    store = open_buffer(buffer)
+    sampled = FreshRowSampler(store, batch_size=len(store), window=len(store), seed=0, max_staleness=None).draw(0)
+    sampled, batch = trajectory_draw(store, sampled, PaddedCollator().read(store, sampled.positions),
+                                     pad_token_id=0, turn_advantage="trajectory")
+    assert sampled.metrics["charts/trajectories_incomplete"] == 1
+    assert sorted(batch["trajectory_id"].tolist()) == [11, 12, 13, 14] + ([100, 101, 102, 103, 104] if sharded else [])
+    _assert_whole(store, batch)
+    for opened in (store, writer, first_shard):
+        if opened is not None:
+            opened.close()
+
+
 def test_rows_of_a_trajectory_not_stored_together_are_refused(tmp_path):
     rows = multi_turn_rows([2, 2])
     # turn 0 of trajectory 0, then trajectory 1 whole, then trajectory 0's last turn
