@@ -500,3 +500,36 @@ def test_rows_trained_counts_every_turn_of_the_trajectories_trained(tmp_path):
     assert sum(r["charts/trajectories"] for r in records) == 20
     assert records[-1]["charts/rows_trained"] == 48
     assert records[-1]["charts/rows_generated_per_row_trained"] == 1.0
+
+
+def test_a_resumed_multi_turn_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
+    """Deferring rows to their trajectory's last row keeps no state of its own: the sampler's
+    state and the learner's progress are all a resume needs."""
+    def learner(paths):
+        settings = LearnerSettings(sampler="window", batch_size=12, sample_window=48, micro_batch_tokens=64, lr=1e-3,
+                                   max_staleness=None, checkpoint_every=10, log_every=1,
+                                   mask_termination_reasons=("max_turns",))
+        return Learner(settings, paths, make_model=_model, steps=4, seed=1, show_progress=False)
+
+    reasons = [TerminationReason.ENV_DONE, TerminationReason.MAX_TURNS] + [TerminationReason.ENV_DONE] * 3
+    straight, resumed = _multi_turn_run(tmp_path / "a", reasons), _multi_turn_run(tmp_path / "b", reasons)
+    run = learner(straight)
+    run.setup()
+    run.train()
+    run.cleanup()
+    first = learner(resumed)
+    first.setup()
+    assert first.train(max_steps=2) is False
+    first.cleanup()
+    second = learner(resumed)
+    second.setup()
+    assert second.train() is True
+    second.cleanup()
+    a, b = read_metrics(straight.metrics), read_metrics(resumed.metrics)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for key in ("losses/loss", "losses/grad_norm", "charts/trajectories", "charts/rows_trained",
+                "charts/trajectories_masked_total"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    wa, wb = (load_weights(p.root, 4)[0] for p in (straight, resumed))
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
