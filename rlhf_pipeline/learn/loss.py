@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.learn.settings import Aggregation, GRPOLossConfig  # noqa: F401 (re-exported)
+from rlhf_pipeline.learn.trajectories import TOKEN_ADVANTAGE_KEY
 
 
 def aggregates_by_token(options: Mapping[str, Any] | GRPOLossConfig | None) -> bool:
@@ -291,8 +292,9 @@ def grpo_step_loss(model, padded_batch, *, temperature: float = 1.0, token_count
     ref_key = ("next", "ref_log_probs", "full")
     ref = padded_batch[ref_key] if ref_key in keys else None
     row_weights = padded_batch["sample_weight"] if "sample_weight" in keys else None
-    token_advantage = ("token_advantage", "full")  # learn/trajectories.py: each turn's own advantage
-    advantage = padded_batch[token_advantage] if token_advantage in keys else padded_batch["sequence_advantage"]
+    # a multi-turn batch with per-turn advantages carries one per token (learn/trajectories.py)
+    advantage = (padded_batch[TOKEN_ADVANTAGE_KEY] if TOKEN_ADVANTAGE_KEY in keys
+                 else padded_batch["sequence_advantage"])
     return grpo_loss(
         log_probs, old, advantage, mask, config,
         ref_log_probs=ref, sampler_log_probs=sampler, entropy=entropy, token_count=token_count,

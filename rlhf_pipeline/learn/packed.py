@@ -42,6 +42,7 @@ import torch
 
 from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_loss
 from rlhf_pipeline.learn.packing import PackPlan, plan_packs
+from rlhf_pipeline.learn.trajectories import TOKEN_ADVANTAGE_KEY
 from rlhf_pipeline.schema.ragged import RaggedTensor, gather_ranges, lengths_to_offsets
 
 
@@ -79,9 +80,8 @@ class RaggedRows:
         # a multi-turn batch's loss mask is 0 on the environment's tokens inside the response
         loss = batch["masks", "all_assistant_mask"][:, prompt_width:]
         loss_mask = None if torch.equal(loss, response_mask) else RaggedTensor.from_padded(loss, response_mask)
-        token_key = ("token_advantage", "full")
-        token_advantage = (RaggedTensor.from_padded(batch[token_key][:, prompt_width:], response_mask)
-                           if token_key in keys else None)
+        token_advantage = (RaggedTensor.from_padded(batch[TOKEN_ADVANTAGE_KEY][:, prompt_width:], response_mask)
+                           if TOKEN_ADVANTAGE_KEY in keys else None)
         return cls(
             prompt_tokens=RaggedTensor.from_padded(batch["tokens", "prompt"], batch["masks", "prompt"]),
             response_tokens=RaggedTensor.from_padded(batch["tokens", "response"], response_mask),

@@ -74,7 +74,8 @@ class LearnerSettings:
     """How the learner samples, optimizes, publishes and checkpoints."""
 
     batch_size: int = 64
-    """Rows (completions) per optimizer step."""
+    """Rows (completions) per optimizer step. Multi-turn rows are turns: the drawn rows that end a
+    trajectory bring its earlier turns, the others wait for it (learn/trajectories.py)."""
     sampler: str = "window"
     """How each step picks its rows (learn/samplers/ lists them): window = uniformly from the
     newest sample_window rows, once new_rows_per_step new rows arrived; exact = every fresh row
