@@ -15,8 +15,9 @@ step knows nothing of other ranks: data parallelism is a layer around it
 gradients over the ranks on the last one, and whose ``reduce`` sums the metrics over the ranks.
 With one rank the plan is this module's own and every one of those is the identity.
 
-Why the weights: each micro-batch's loss is weighted by its response tokens over the batch's
-(``token_mean`` aggregation) or its rows over the batch's (the others), so the gradient
+Why the weights: each micro-batch's loss is weighted by its response tokens that carry loss
+(the loss mask: all of a single-turn row's, the sampled ones of a multi-turn trajectory's) over
+the batch's (``token_mean`` aggregation) or its rows over the batch's (the others), so the gradient
 accumulated over the micro-batches is the gradient of the whole batch's loss.
 """
 
