@@ -42,6 +42,7 @@ class Progress:
     policy_version: int = 0  # last weights version this learner published
     rows_used: int = 0  # rows that went into a loss
     rows_dropped_stale: int = 0  # sampled rows rejected by the staleness bound
+    trajectories_masked: int = 0  # sampled rows (trajectories) left out for a masked termination reason
     tokens_seen: int = 0  # response tokens that went into a loss
     buffer_next_row: int = 0  # rows published in the buffer at the last draw
     min_next_row: int = 0  # legacy: read only from checkpoints made before learner samplers

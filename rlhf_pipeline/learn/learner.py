@@ -1,5 +1,9 @@
 """The learner recipe: setup -> train -> save_checkpoint -> cleanup (torchtune-style).
 
+Why one file: the recipe is one class read top to bottom, as torchtune's are; setup, the training
+loop and checkpointing share its state (progress, sampler state, intake), and the pieces that
+stand alone (the step, samplers, prefetch, staleness, trajectories, metrics) are modules already.
+
 One learner step, as :meth:`Learner.train` runs it:
 
 1. take the next draw: the positions the sampler chose (``learn/samplers/``) read into a padded
@@ -23,6 +27,13 @@ function.
 With ``priority_feedback`` (prioritized sampling) the loss also gives one value per row, and
 after the step the learner hands them to the sampler for the rows it trained on
 (``PrioritizedRowSampler.feed_back``, ``charts/priority_feedback_*``).
+
+Multi-turn rows train as whole trajectories, one sequence each (``learn/trajectories.py``): a
+draw's rows that end a trajectory are read with their earlier turns on the prefetch thread and
+joined, the loss mask 0 on the environment's tokens; a drawn row that does not end its trajectory
+waits for the draw of its trajectory's last row. Single-turn draws are untouched. Rows (or
+trajectories) that ended for one of ``mask_termination_reasons`` are left out of the step like
+stale ones (``charts/trajectories_masked``).
 
 After taking each batch the learner publishes what it has taken in from each shard
 (``<run>/pacing.json``), so collectors generate no more than it will train on
@@ -62,6 +73,7 @@ from rlhf_pipeline.learn.optimizer import make_optimizer
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.stale_rows import fresh_mask
 from rlhf_pipeline.learn.step import mean_one, train_step
+from rlhf_pipeline.learn.trajectories import is_single_turn, masked_by_reason, termination_codes, trajectory_draw
 from rlhf_pipeline.learn.usage import TrainedRows
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.files.run_paths import RunPaths
@@ -112,6 +124,7 @@ class Learner:
         self._display: ProgressDisplay | None = None
         self._pacing = PacingPublisher(paths.pacing)
         self._trained = TrainedRows()
+        self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
 
     @classmethod
     def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None,
@@ -219,9 +232,23 @@ class Learner:
                 batch = self.data_parallel.mark_filler(batch, filler)
             return batch
 
+        # single-turn rows carry no termination reason in the padded batch: read it only when asked to mask
+        read_reasons = self._masked_codes.numel() > 0 and "termination_reason" in self._store.schema.field_names
+
         def produce(draw: int):
             sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
-            return sampled, read(*self.data_parallel.local_positions(sampled.positions))  # this rank's slice
+            positions, filler = self.data_parallel.local_positions(sampled.positions)  # this rank's slice
+            batch = read(positions, filler)
+            if not is_single_turn(batch):  # multi-turn rows: the whole trajectories they end
+                if self.data_parallel.enabled or self.batch_transform is not None:
+                    raise ValueError("multi-turn rows are not trained with several data-parallel ranks or "
+                                     "replay's re-scoring yet; run one learner rank")
+                return trajectory_draw(self._store, sampled, batch, pad_token_id=self.pad_token_id,
+                                       turn_advantage=self.settings.turn_advantage, pin=pin)
+            if read_reasons:
+                batch["termination_reason"] = self._store.read(positions, fields=("termination_reason",))[
+                    "termination_reason"]
+            return sampled, batch
 
         self._read_rows = read
         if self.data_parallel.is_main:  # the other ranks take rank 0's draws (_next_draw)
@@ -277,9 +304,21 @@ class Learner:
                 self._pacing.publish(intake)  # collectors may now generate the rows the next draw needs
             else:
                 self._pacing.intake = intake  # (what rank 0 checkpoints; kept alike on every rank)
-            # rows that went stale in the prefetch queue: dropped before the step (learn/stale_rows.py)
+            if batch is None:  # multi-turn: no drawn row ended a trajectory (learn/trajectories.py)
+                if self._feedback:
+                    self.sampler.feed_back(draw, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
+                continue
+            # rows that went stale in the prefetch queue: dropped before the step (learn/stale_rows.py);
+            # so are those whose trajectory ended for a masked reason: kept in the batch with a zero loss
+            # mask they would still count in sequence_mean's and constant's number of rows
             fresh = fresh_mask(batch, self.progress.policy_version, self.settings.max_staleness)
-            batch, stale_now, kept = self.data_parallel.drop_stale(batch, fresh)
+            masked = masked_by_reason(batch, self._masked_codes).numpy() & fresh
+            batch, stale_now, kept = self.data_parallel.drop_stale(batch, fresh & ~masked)
+            masked_now = 0
+            if self._masked_codes.numel():
+                masked_now = int(self.data_parallel.sum_counts(int(masked.sum()))[0])
+                stale_now -= masked_now
+                self.progress.trajectories_masked += masked_now
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
             if batch is None:  # every row went stale while it waited in the prefetch queue
@@ -292,7 +331,10 @@ class Learner:
                 self.sampler.feed_back(draw, sampled.positions[torch.from_numpy(kept)], row_feedback)
                 metrics["charts/priority_feedback_mean"] = float(row_feedback.mean())
                 metrics["charts/priority_feedback_max"] = float(row_feedback.max())
-            self._trained.mark(names.select(kept).by_shard())
+            trained = names.select(kept)
+            if bool(batch["step"].any()):  # trajectories, named by their last rows: every turn was trained on
+                trained = trained.with_earlier_turns(batch["step"].cpu().numpy())
+            self._trained.mark(trained.by_shard())
             self.progress.step += 1
             if self.progress.step % self.settings.publish_every == 0:
                 self._publish()
@@ -300,6 +342,9 @@ class Learner:
             metrics.update(run_charts(metrics.pop("_tokens"), elapsed, waited, dropped, sampled, self.progress,
                                       rows_trained=self._trained.count))
             waited = 0.0
+            if self._masked_codes.numel():
+                metrics["charts/trajectories_masked"] = float(masked_now)
+                metrics["charts/trajectories_masked_total"] = float(self.progress.trajectories_masked)
             if self.on_step is not None:
                 self.on_step(self.progress.step, sampled, batch, metrics)
             if self._metrics is not None:  # rank 0

@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.learn.settings import Aggregation, GRPOLossConfig  # noqa: F401 (re-exported)
+from rlhf_pipeline.learn.trajectories import TOKEN_ADVANTAGE_KEY
 
 
 def aggregates_by_token(options: Mapping[str, Any] | GRPOLossConfig | None) -> bool:
@@ -272,7 +273,8 @@ def grpo_step_loss(model, padded_batch, *, temperature: float = 1.0, token_count
     """One forward + :func:`grpo_loss` on a ``pad_batch`` micro-batch; ``options`` are :class:`GRPOLossConfig` fields.
 
     Reads the loss mask ``("masks", "all_assistant_mask")``, the advantage
-    ``"sequence_advantage"`` (B,), the sampling log-probs ``("log_probs", "full")`` and,
+    ``"sequence_advantage"`` (B,) or, when present, the per-token ``("token_advantage", "full")``
+    (B, T) of a multi-turn batch (``learn/trajectories.py``), the sampling log-probs ``("log_probs", "full")`` and,
     when present, ``("next", "ref_log_probs", "full")`` and the prioritized sampler's importance
     weights ``"sample_weight"`` (B,).
     """
@@ -290,8 +292,11 @@ def grpo_step_loss(model, padded_batch, *, temperature: float = 1.0, token_count
     ref_key = ("next", "ref_log_probs", "full")
     ref = padded_batch[ref_key] if ref_key in keys else None
     row_weights = padded_batch["sample_weight"] if "sample_weight" in keys else None
+    # a multi-turn batch with per-turn advantages carries one per token (learn/trajectories.py)
+    advantage = (padded_batch[TOKEN_ADVANTAGE_KEY] if TOKEN_ADVANTAGE_KEY in keys
+                 else padded_batch["sequence_advantage"])
     return grpo_loss(
-        log_probs, old, padded_batch["sequence_advantage"], mask, config,
+        log_probs, old, advantage, mask, config,
         ref_log_probs=ref, sampler_log_probs=sampler, entropy=entropy, token_count=token_count,
         row_weights=row_weights, row_feedback=row_feedback,
     )

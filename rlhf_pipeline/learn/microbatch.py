@@ -10,7 +10,8 @@ The layout is the one ``rlhf_pipeline.schema.padding.pad_batch`` writes: prompts
 P columns, responses right-padded to R columns, full sequences T = P + R. Keys are
 classified by name: ``(..., "full")``, ``position_ids``, ``advantage`` and the ``all_*``
 masks span T; ``(..., "prompt")`` spans P; ``(..., "response")`` spans R; the rest are
-per-row. A row longer than the budget on its own becomes a micro-batch of one row.
+per-row (``("token_advantage", "full")`` of a multi-turn batch spans T by its name). A row
+longer than the budget on its own becomes a micro-batch of one row.
 """
 
 from __future__ import annotations

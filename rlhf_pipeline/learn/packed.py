@@ -22,6 +22,11 @@ rectangle per micro-batch and pays for every pad column. Here a micro-batch is O
   importance weights) gives the padded path's value; ``tests/learn/test_packing.py`` checks
   loss and gradients to 1e-5 in float32.
 
+A multi-turn trajectory is one row whose response holds the environment's tokens between its
+turns (``learn/trajectories.py``): :attr:`RaggedRows.loss_mask` says which response tokens were
+sampled, and only those are scored (``logits_to_keep``) and carry loss; with per-turn
+advantages :attr:`RaggedRows.token_advantage` gives each response token its own.
+
 Rows come in as :class:`RaggedRows` (token and log-prob values without padding), taken from
 a padded batch (:meth:`RaggedRows.from_padded`) or straight from a stored
 ``TrajectoryBatch`` (:meth:`RaggedRows.from_trajectory_batch`). Every row needs at least one
@@ -37,6 +42,7 @@ import torch
 
 from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_loss
 from rlhf_pipeline.learn.packing import PackPlan, plan_packs
+from rlhf_pipeline.learn.trajectories import TOKEN_ADVANTAGE_KEY
 from rlhf_pipeline.schema.ragged import RaggedTensor, gather_ranges, lengths_to_offsets
 
 
@@ -51,6 +57,8 @@ class RaggedRows:
     advantage: torch.Tensor  # (B,) float32
     ref_log_probs: RaggedTensor | None = None  # reference log-probs (kl_coef > 0)
     sample_weight: torch.Tensor | None = None  # (B,) prioritized sampling's importance weights
+    loss_mask: RaggedTensor | None = None  # bool, aligned with response_tokens; None: every response token
+    token_advantage: RaggedTensor | None = None  # float32, aligned with response_tokens; None: ``advantage``
 
     def __len__(self) -> int:
         return len(self.response_tokens)
@@ -68,6 +76,12 @@ class RaggedRows:
                            "transform to the buffer's write path so stored rows carry 'advantage'")
         response_mask = batch["masks", "response"]
         ref = ("ref_log_probs", "response")
+        prompt_width = batch["tokens", "prompt"].shape[1]
+        # a multi-turn batch's loss mask is 0 on the environment's tokens inside the response
+        loss = batch["masks", "all_assistant_mask"][:, prompt_width:]
+        loss_mask = None if torch.equal(loss, response_mask) else RaggedTensor.from_padded(loss, response_mask)
+        token_advantage = (RaggedTensor.from_padded(batch[TOKEN_ADVANTAGE_KEY][:, prompt_width:], response_mask)
+                           if TOKEN_ADVANTAGE_KEY in keys else None)
         return cls(
             prompt_tokens=RaggedTensor.from_padded(batch["tokens", "prompt"], batch["masks", "prompt"]),
             response_tokens=RaggedTensor.from_padded(batch["tokens", "response"], response_mask),
@@ -75,6 +89,8 @@ class RaggedRows:
             advantage=batch["sequence_advantage"].to(torch.float32),
             ref_log_probs=RaggedTensor.from_padded(batch[ref], response_mask) if ref in keys else None,
             sample_weight=batch["sample_weight"] if "sample_weight" in keys else None,
+            loss_mask=loss_mask,
+            token_advantage=token_advantage,
         )
 
     @classmethod
@@ -103,11 +119,11 @@ class PackedMicroBatch:
     position_ids: torch.Tensor  # (1, L) int64, restarting at 0 at each row
     cu_seq_lens: torch.Tensor  # (n + 1,) int32 row offsets in the sequence
     max_length: int  # longest row
-    logit_positions: torch.Tensor  # (N,) int64: position whose logits score each response token
-    targets: torch.Tensor  # (N,) int64: the response tokens, row after row
-    response_mask: torch.Tensor  # (n, R) bool: True on response tokens
+    logit_positions: torch.Tensor  # (N,) int64: position whose logits score each trained response token
+    targets: torch.Tensor  # (N,) int64: the trained response tokens, row after row
+    response_mask: torch.Tensor  # (n, R) bool: True on the response tokens that carry loss (all, single-turn)
     sampler_log_probs: torch.Tensor  # (n, R) float32, 0 off the response
-    advantages: torch.Tensor  # (n,) float32
+    advantages: torch.Tensor  # (n,) float32, or (n, R) per token (per-turn advantages)
     ref_log_probs: torch.Tensor | None  # (n, R) float32
     sample_weight: torch.Tensor | None  # (n,)
 
@@ -155,11 +171,18 @@ def pack_rows(rows: RaggedRows, members: torch.Tensor | list[int]) -> PackedMicr
     position_ids = torch.arange(total) - offsets[:-1].repeat_interleave(lengths, output_size=total)
 
     width = int(response_lengths.max())  # R
-    response_mask = torch.arange(width)[None, :] < response_lengths[:, None]  # (n, R)
+    response_span = torch.arange(width)[None, :] < response_lengths[:, None]  # (n, R)
+    targets = response.values.to(torch.int64)
+    if rows.loss_mask is None:  # every response token carries loss (single-turn rows)
+        response_mask, trained_at = response_span, response_at
+    else:  # only sampled tokens: the environment's tokens in a trajectory's response get no logits
+        trained = rows.loss_mask.index(index).values.bool()
+        response_mask = torch.zeros_like(response_span).masked_scatter_(response_span, trained)
+        trained_at, targets = response_at[trained], targets[trained]
 
     def response_layout(column: RaggedTensor) -> torch.Tensor:  # ragged -> (n, R), 0 off the response
         values = column.index(index).values.to(torch.float32)
-        return torch.zeros(response_mask.shape, dtype=torch.float32).masked_scatter_(response_mask, values)
+        return torch.zeros(response_span.shape, dtype=torch.float32).masked_scatter_(response_span, values)
 
     return PackedMicroBatch(
         rows=index,
@@ -167,11 +190,12 @@ def pack_rows(rows: RaggedRows, members: torch.Tensor | list[int]) -> PackedMicr
         position_ids=position_ids[None],
         cu_seq_lens=offsets.to(torch.int32),
         max_length=int(lengths.max()),
-        logit_positions=response_at - 1,
-        targets=response.values.to(torch.int64),
+        logit_positions=trained_at - 1,
+        targets=targets,
         response_mask=response_mask,
         sampler_log_probs=response_layout(rows.response_log_probs),
-        advantages=rows.advantage[index],
+        advantages=(rows.advantage[index] if rows.token_advantage is None
+                    else response_layout(rows.token_advantage)),
         ref_log_probs=response_layout(rows.ref_log_probs) if rows.ref_log_probs is not None else None,
         sample_weight=rows.sample_weight[index] if rows.sample_weight is not None else None,
     )

@@ -74,7 +74,8 @@ class LearnerSettings:
     """How the learner samples, optimizes, publishes and checkpoints."""
 
     batch_size: int = 64
-    """Rows (completions) per optimizer step."""
+    """Rows (completions) per optimizer step. Multi-turn rows are turns: the drawn rows that end a
+    trajectory bring its earlier turns, the others wait for it (learn/trajectories.py)."""
     sampler: str = "window"
     """How each step picks its rows (learn/samplers/ lists them): window = uniformly from the
     newest sample_window rows, once new_rows_per_step new rows arrived; exact = every fresh row
@@ -105,6 +106,12 @@ class LearnerSettings:
     logits computed only where they score a response token (learn/packed.py), so a step costs
     the tokens it trains. false: each micro-batch is padded to its longest row (learn/microbatch.py).
     Same loss and gradients either way (to float rounding)."""
+    turn_advantage: Literal["trajectory", "turn"] = "trajectory"
+    """Multi-turn rows (learn/trajectories.py): trajectory = the trajectory's advantage (its group-relative
+    return) on every sampled token of it; turn = each turn's own row advantage on that turn's tokens."""
+    mask_termination_reasons: tuple[str, ...] = ()
+    """Trajectories that ended for one of these reasons (schema/termination.py names, e.g.
+    max_turns,token_budget) are left out of the loss, counted as charts/trajectories_masked."""
     lr: float = 1e-4
     """Peak AdamW learning rate."""
     weight_decay: float = 0.0
@@ -223,6 +230,14 @@ class LearnerSettings:
             if self.priority_feedback == "ratio_deviation" and self.loss.old_policy == "current":
                 raise bad("priority_feedback", "'ratio_deviation' is always 0 with loss.old_policy='current' "
                                                "(the ratio is 1 by construction); use 'loss'")
+        if self.turn_advantage not in ("trajectory", "turn"):
+            raise bad("turn_advantage", f"must be trajectory or turn (got {self.turn_advantage!r})")
+        from rlhf_pipeline.schema.termination import TerminationReason
+
+        reasons = {r.name.lower() for r in TerminationReason if r is not TerminationReason.NOT_ENDED}
+        unknown = [name for name in self.mask_termination_reasons if str(name).lower() not in reasons]
+        if unknown:
+            raise bad("mask_termination_reasons", f"names unknown reason(s) {unknown}; valid: {sorted(reasons)}")
         if self.world_size < 1:
             raise bad("world_size", f"must be >= 1 (got {self.world_size})")
         if self.parallelism not in ("ddp", "fsdp"):

@@ -52,6 +52,14 @@ class RowNames:
     def by_shard(self) -> dict[str, np.ndarray]:
         return {key: self.ids[self.shard == i] for i, key in enumerate(self.keys) if bool((self.shard == i).any())}
 
+    def with_earlier_turns(self, steps: np.ndarray) -> RowNames:
+        """Each row, a trajectory's last at ``steps[i]``, with its earlier turns: the ``steps[i]``
+        rows written just before it in its shard (``learn/trajectories.py``)."""
+        turns = np.asarray(steps, dtype=np.int64) + 1
+        first = np.repeat(self.ids - turns + 1, turns)
+        within = np.arange(int(turns.sum())) - np.repeat(np.cumsum(turns) - turns, turns)
+        return RowNames(self.keys, np.repeat(self.shard, turns), first + within)
+
 
 def row_names(store, positions: torch.Tensor) -> RowNames:
     """Shard key and global id of the rows at ``positions`` (as of the last refresh)."""

@@ -15,8 +15,9 @@ step knows nothing of other ranks: data parallelism is a layer around it
 gradients over the ranks on the last one, and whose ``reduce`` sums the metrics over the ranks.
 With one rank the plan is this module's own and every one of those is the identity.
 
-Why the weights: each micro-batch's loss is weighted by its response tokens over the batch's
-(``token_mean`` aggregation) or its rows over the batch's (the others), so the gradient
+Why the weights: each micro-batch's loss is weighted by its response tokens that carry loss
+(the loss mask: all of a single-turn row's, the sampled ones of a multi-turn trajectory's) over
+the batch's (``token_mean`` aggregation) or its rows over the batch's (the others), so the gradient
 accumulated over the micro-batches is the gradient of the whole batch's loss.
 """
 
@@ -82,8 +83,9 @@ def mean_one(weights: torch.Tensor) -> torch.Tensor:
 
 
 def batch_counts(batch: TensorDict) -> tuple[int, int, int]:
-    """``(rows, response tokens, attention tokens)`` of a padded batch."""
-    return (batch.batch_size[0], int(batch["masks", "response"].sum()),
+    """``(rows, response tokens that carry loss, attention tokens)`` of a padded batch (the loss
+    mask: every response token of a single-turn row, the sampled ones of a trajectory's)."""
+    return (batch.batch_size[0], int(batch["masks", "all_assistant_mask"].sum()),
             int(batch["masks", "all_attention_mask"].sum()))
 
 
@@ -92,7 +94,7 @@ def micro_batch_weight(micro: TensorDict | PackedMicroBatch, *, rows: int, respo
     """A micro-batch's share of a batch of ``rows`` rows and ``response_tokens`` response tokens."""
     packed = isinstance(micro, PackedMicroBatch)
     if token_mean:
-        micro_tokens = micro.response_tokens if packed else int(micro["masks", "response"].sum())
+        micro_tokens = micro.response_tokens if packed else int(micro["masks", "all_assistant_mask"].sum())
         return micro_tokens / max(response_tokens, 1)
     return (micro.num_rows if packed else micro.batch_size[0]) / rows
 

@@ -2,12 +2,15 @@
 
 One test drives a scripted model that uses the tool; one samples from a real (random) tiny
 ``transformers`` model and checks the stored trajectories against a teacher-forced forward pass:
-the stored log-probs are those of the stored ids in their stored context, token for token.
+the stored log-probs are those of the stored ids in their stored context, token for token; and
+the learner, reading those rows back as whole trajectories, scores every sampled token in the
+context it was sampled in (ratios 1 before any update).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 
 import pytest
@@ -20,9 +23,18 @@ from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
 from rlhf_pipeline.agents.rollout import RolloutConfig, cut_to_limits, rollout
 from rlhf_pipeline.agents.tools import ToolBox, parser_for_template
 from rlhf_pipeline.collect.generate import SamplingConfig, generate
+from rlhf_pipeline.learn.loss import grpo_step_loss
+from rlhf_pipeline.learn.packed import grpo_packed_loss
+from rlhf_pipeline.learn.packed_attention import use_packed_attention
+from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
+from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.learn.step import plan_step
+from rlhf_pipeline.learn.trajectories import trajectory_draw
 from rlhf_pipeline.models import tiny_causal_lm
 from rlhf_pipeline.schema import StoreSchema, TerminationReason
+from rlhf_pipeline.schema.padding import PaddedCollator
 from rlhf_pipeline.storage import create_store
+from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
 
@@ -89,8 +101,8 @@ def tiny_lm(bpe_tokenizer):
                           eos_token_id=bpe_tokenizer.eos_token_id, seed=3)
 
 
-def test_a_real_model_rollout_stores_exactly_what_it_sampled(tmp_path, bpe_tokenizer, tiny_lm):
-    torch.set_num_threads(1)
+def real_model_rollout(bpe_tokenizer, tiny_lm):
+    """Three tasks, two episodes each, sampled from the tiny model (several turns, one nudge)."""
     eos = bpe_tokenizer.eos_token_id
     generator = torch.Generator().manual_seed(0)
 
@@ -103,6 +115,13 @@ def test_a_real_model_rollout_stores_exactly_what_it_sampled(tmp_path, bpe_token
     limits = EpisodeLimits(max_turns=3, max_new_tokens=12, context_length=400, end_on_cut_turn=False)
     result = rollout(product_tasks(3, seed=1), lambda: CalculatorEnv(box, nudges=1), cut_to_limits(sample_batch, [eos]),
                      bpe_tokenizer, RolloutConfig(group_size=2, limits=limits), parser=parser_for_template(bpe_tokenizer.chat_template))
+    box.close()
+    return result
+
+
+def test_a_real_model_rollout_stores_exactly_what_it_sampled(tmp_path, bpe_tokenizer, tiny_lm):
+    torch.set_num_threads(1)
+    result = real_model_rollout(bpe_tokenizer, tiny_lm)
     episodes = result.episodes
     assert len(episodes) == 6 and all(e.done for e in episodes)
     assert result.metrics["generated_rows"] == sum(len(e.turns) for e in episodes) > 6  # multi-turn, batched
@@ -121,4 +140,37 @@ def test_a_real_model_rollout_stores_exactly_what_it_sampled(tmp_path, bpe_token
         mask = rebuilt.loss_mask[1:]
         assert mask.sum() == sum(len(t) for t in (s.ids for s in episode.segments if s.sampled))
         torch.testing.assert_close(logp[mask], rebuilt.log_probs[1:][mask], atol=1e-4, rtol=0)
-    box.close()
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_learner_trains_a_stored_rollout_on_the_context_it_was_sampled_in(tmp_path, bpe_tokenizer, tiny_lm,
+                                                                             packing):
+    """Rollout -> group advantage -> a real store -> whole trajectories -> the learner's forward:
+    before any update, the learner's log-probs of every sampled token, in the one sequence it
+    trains per trajectory, are the sampler's (ratios 1), and nothing but sampled tokens counts."""
+    torch.set_num_threads(1)
+    result = real_model_rollout(bpe_tokenizer, tiny_lm)
+    rows = GroupAdvantage(group_size=2).write(result.to_batch(first_group_id=0, first_trajectory_id=0,
+                                                              policy_version=0))
+    store = create_store(tmp_path / "buffer", "memmap",
+                         schema=StoreSchema(optional=("advantage", "termination_reason")))
+    store.append(rows)
+    sampler = ExactUseSampler(store, batch_size=len(store))
+    sampled = sampler.draw(0)
+    drawn = PaddedCollator(pad_token_id=bpe_tokenizer.pad_token_id).read(store, sampled.positions)
+    sampled, batch = trajectory_draw(store, sampled, drawn, pad_token_id=bpe_tokenizer.pad_token_id,
+                                     turn_advantage="trajectory")
+    assert sorted(batch["trajectory_id"].tolist()) == list(range(6))
+    sampled_tokens = sum(len(s.ids) for e in result.episodes for s in e.segments if s.sampled)
+    assert int(batch["masks", "all_assistant_mask"].sum()) == sampled_tokens
+    model = copy.deepcopy(tiny_lm)
+    settings = LearnerSettings(packing=packing, micro_batch_tokens=256)
+    if packing:
+        use_packed_attention(model)
+    with torch.no_grad():
+        for part in plan_step(batch, settings).micro_batches:
+            step_loss = grpo_packed_loss if packing else grpo_step_loss
+            _, stats = step_loss(model, part.batch)
+            assert abs(float(stats["ratio_min"]) - 1) < 1e-3 and abs(float(stats["ratio_max"]) - 1) < 1e-3
+            assert float(stats["clip_frac_low"]) == float(stats["clip_frac_high"]) == 0.0
+    store.close()

@@ -1,0 +1,248 @@
+"""Multi-turn trajectories trained as one sequence each (issue 19, the learner side).
+
+The buffer stores a multi-turn trajectory as rows, one per model turn (``agents/episode.py``):
+row ``s`` holds the environment's tokens since turn ``s - 1`` as its prompt (row 0: the whole
+opening prompt) and turn ``s``'s sampled tokens as its response. The learner trains the
+trajectory as ONE sequence, the token list ``rebuild_trajectory`` gives back::
+
+    row 0: p0 | r0        row 1: p1 | r1        row 2: p2 | r2
+    learner row:   prompt = p0   response = r0 p1 r1 p2 r2
+    loss mask:                              1  0  1  0  1      (1 on sampled tokens only)
+
+so the padded and packed paths and :func:`~rlhf_pipeline.learn.loss.grpo_loss` run on it
+unchanged: the padded batch's loss mask ``("masks", "all_assistant_mask")`` is 0 on the
+environment's tokens, the stored sampling/reference log-probs are 0 there (never read: every
+term of the loss, its aggregations, GSPO's sequence ratio, TIS and the metrics only see masked
+tokens), and the packed path computes logits only where they score a sampled token.
+
+Which rows make a batch (:func:`whole_trajectories`). The samplers draw rows; a drawn row that
+ends a trajectory (``done``) stands for the whole trajectory, whose earlier turns are read with
+it: a trajectory's rows are written together, in step order, so the row ending at position
+``p`` with ``step = s`` has its turns at positions ``p - s .. p`` (checked on every read:
+``trajectory_id`` and ``step`` must match, else the read fails loudly). A drawn row that does
+not end its trajectory is left out of the batch (counted in
+``charts/rows_deferred_to_trajectory_end``): its turn is trained with the trajectory when the
+trajectory's last row is drawn. Why this way:
+
+* every sampler keeps its guarantees per trajectory with no change: ``exact`` draws every row
+  once, so every trajectory is trained once (at its last row); ``window`` is uniform over the
+  trajectories that end in its window; ``prioritized`` weighs a trajectory by its last row;
+* a trajectory still being written is never in a batch: its ``done`` row is the last one
+  appended, and rows become visible only by the store's atomic publish;
+* single-turn rows (every row ``done`` at step 0) are recognised from the batch that was read
+  anyway (:func:`is_single_turn`): their sampling cost is exactly what it was, no extra read
+  and no trajectory index to keep;
+* no index of trajectories is stored or rebuilt on resume: a row's ``step`` says where its
+  trajectory starts. A trajectory whose first turns were evicted is dropped and counted
+  (``charts/trajectories_incomplete``).
+
+Advantages (``learner.turn_advantage``): ``trajectory`` (default) puts the trajectory's
+advantage (its last row's: the group-relative return of the whole trajectory, which the write
+path's group advantage writes on every row of it with ``trajectory_return`` sum, mean or max)
+on every sampled token; ``turn`` puts each row's own advantage on its turn's tokens (with
+``trajectory_return="step"`` each turn's reward normalised within the group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
+from rlhf_pipeline.schema.padding import pad_batch, padded_fields
+from rlhf_pipeline.schema.ragged import RaggedTensor, gather_ranges, lengths_to_offsets
+
+TURN_ADVANTAGES = ("trajectory", "turn")
+#: the per-token advantage a trajectory batch carries in ``turn`` mode, (B, T) at response columns
+TOKEN_ADVANTAGE_KEY = ("token_advantage", "full")
+# response-aligned float fields joined turn after turn (0 on the environment's tokens)
+_JOINED_FLOATS = ("response_log_probs", "ref_log_probs", "kl", "token_rewards")
+
+
+def is_single_turn(batch: TensorDict) -> bool:
+    """True when every row of a padded batch is a whole trajectory (done, at step 0)."""
+    return bool(batch["next", "done"].all()) and not bool(batch["step"].any())
+
+
+def termination_codes(names) -> torch.Tensor:
+    """``TerminationReason`` names (``learner.mask_termination_reasons``) -> their int codes."""
+    codes = []
+    for name in names:
+        try:
+            codes.append(int(TerminationReason[str(name).upper()]))
+        except KeyError:
+            valid = [r.name for r in TerminationReason if r is not TerminationReason.NOT_ENDED]
+            raise ValueError(f"unknown termination reason {name!r}; valid names are {valid}") from None
+    return torch.tensor(codes, dtype=torch.int32)
+
+
+def masked_by_reason(batch: TensorDict, codes: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: rows whose trajectory ended for one of ``codes`` (False without the field)."""
+    if codes.numel() == 0 or "termination_reason" not in batch:
+        return torch.zeros(batch.batch_size[0], dtype=torch.bool)
+    return torch.isin(batch["termination_reason"].to(torch.int32).cpu(), codes)
+
+
+# ====================================================================== reading whole trajectories
+@dataclass
+class WholeTrajectories:
+    """A draw's trajectories: one padded learner row each, and which drawn rows ended them."""
+
+    ends: torch.Tensor  # (k,) indices, into the drawn positions, of the rows that ended a trajectory
+    batch: TensorDict | None  # (k', ...) padded, one row per complete trajectory; None when k' = 0
+    kept: torch.Tensor  # (k',) indices into ``ends`` of the trajectories in ``batch``
+    deferred: int  # drawn rows that did not end their trajectory
+    incomplete: int  # trajectories whose first turns are no longer in the store
+
+
+def whole_trajectories(store, positions: torch.Tensor, drawn: TensorDict, *, pad_token_id: int,
+                       index_dtype: torch.dtype = torch.int32, turn_advantage: str = "trajectory") -> WholeTrajectories:
+    """The trajectories ended by the drawn rows at ``positions`` (read into ``drawn``), each read
+    whole from ``store`` and joined into one learner row (module docstring)."""
+    done = drawn["next", "done"].reshape(-1).cpu()
+    ends = torch.nonzero(done).squeeze(1)  # (k,)
+    deferred = int(done.numel() - ends.numel())
+    end_positions = positions.cpu()[ends].to(torch.int64)
+    turns = drawn["step"].cpu()[ends].to(torch.int64) + 1  # (k,)
+    starts = end_positions - turns + 1
+    # a trajectory whose first rows were evicted is left out: its first turn would lie before its
+    # store's first position (in a union of shards, its own shard's)
+    locate = getattr(store, "locate", None)
+    local_ends = locate(end_positions)[1] if locate is not None else end_positions
+    kept = torch.nonzero(local_ends - turns + 1 >= 0).squeeze(1)
+    incomplete = int(ends.numel() - kept.numel())
+    if kept.numel() == 0:
+        return WholeTrajectories(ends, None, kept, deferred, incomplete)
+    turns, starts = turns[kept], starts[kept]
+    rows = store.read(gather_ranges(starts, turns), fields=padded_fields(store.schema))
+    check_whole(rows, turns)
+    joined = join_turns(rows, turns, turn_advantage=turn_advantage)
+    return WholeTrajectories(ends, pad_trajectories(joined, pad_token_id=pad_token_id, index_dtype=index_dtype),
+                             kept, deferred, incomplete)
+
+
+def trajectory_draw(store, sampled, drawn: TensorDict, *, pad_token_id: int, turn_advantage: str,
+                    pin: bool = False) -> tuple:
+    """A learner draw (``SampledRows``) of multi-turn rows, read into ``drawn`` -> the draw narrowed
+    to the rows that end a whole trajectory (positions, importance weights: what is named,
+    checkpointed and fed back is each trajectory's last row) and the padded batch of those
+    trajectories (None when the draw ended none)."""
+    whole = whole_trajectories(store, sampled.positions, drawn, pad_token_id=pad_token_id,
+                               index_dtype=torch.int32, turn_advantage=turn_advantage)
+    chosen = whole.ends[whole.kept]
+    turns = whole.batch["step"].float() + 1 if whole.batch is not None else torch.zeros(1)
+    metrics = {**sampled.metrics, "charts/trajectories": float(chosen.numel()),
+               "charts/turns_per_trajectory_mean": float(turns.mean()),
+               "charts/rows_deferred_to_trajectory_end": float(whole.deferred),
+               "charts/trajectories_incomplete": float(whole.incomplete)}
+    sampled = dataclasses.replace(sampled, positions=sampled.positions[chosen], metrics=metrics,
+                                  weights=None if sampled.weights is None else sampled.weights[chosen])
+    batch = whole.batch
+    if batch is not None and pin and torch.cuda.is_available():
+        batch = batch.pin_memory()
+    return sampled, batch
+
+
+def check_whole(rows: TrajectoryBatch, turns: torch.Tensor) -> None:
+    """Rows read as ``turns`` consecutive runs must each be one trajectory's steps 0..n-1."""
+    first = lengths_to_offsets(turns)[:-1].repeat_interleave(turns)
+    step_expected = torch.arange(int(turns.sum())) - first
+    same_trajectory = rows["trajectory_id"] == rows["trajectory_id"][first]
+    in_order = rows["step"].to(torch.int64) == step_expected
+    if not bool((same_trajectory & in_order).all()):
+        bad = int(torch.nonzero(~(same_trajectory & in_order))[0])
+        raise ValueError(
+            f"a trajectory's rows are not stored together in step order (row {bad} of the read has trajectory "
+            f"{int(rows['trajectory_id'][bad])}, step {int(rows['step'][bad])}): the learner reads a trajectory "
+            "as the rows just before its last one; write each trajectory's rows in one append, in step order")
+
+
+@dataclass
+class JoinedTrajectories:
+    """Trajectories as learner rows (ragged): the stored fields, a loss mask, per-token advantages."""
+
+    rows: TrajectoryBatch  # one row per trajectory: prompt = step 0's prompt, response = the rest
+    loss_mask: RaggedTensor  # bool, aligned with response_tokens: True on sampled tokens
+    token_advantage: RaggedTensor | None  # float32, aligned with response_tokens (``turn`` mode)
+    termination_reason: torch.Tensor | None  # (B,) int32, the last row's
+
+
+def join_turns(rows: TrajectoryBatch, turns: torch.Tensor, *, turn_advantage: str = "trajectory") -> JoinedTrajectories:
+    """``rows``: consecutive runs of ``turns`` rows, each one trajectory in step order -> one row each."""
+    if turn_advantage not in TURN_ADVANTAGES:
+        raise ValueError(f"turn_advantage must be one of {TURN_ADVANTAGES}, got {turn_advantage!r}")
+    offsets = lengths_to_offsets(turns)
+    first, last = offsets[:-1], offsets[1:] - 1
+    trajectory_of_row = torch.arange(len(turns)).repeat_interleave(turns)  # (N,)
+    prompt, response = rows["prompt_tokens"], rows["response_tokens"]
+    # Each row gives two pieces, in order: its prompt (the environment's tokens since the previous
+    # turn; none at step 0, whose prompt is the learner row's prompt) and its response. Every
+    # joined column is one gather over [prompt values | response values] at those pieces.
+    prompt_lengths = torch.where(rows["step"] > 0, prompt.lengths(), 0)  # (N,)
+    piece_starts = torch.stack([prompt.offsets[:-1], prompt.values.numel() + response.offsets[:-1]], 1).reshape(-1)
+    piece_lengths = torch.stack([prompt_lengths, response.lengths()], 1).reshape(-1)  # (2N,)
+    at = gather_ranges(piece_starts, piece_lengths)
+    joined_lengths = torch.zeros(len(turns), dtype=torch.int64).index_add_(
+        0, trajectory_of_row, prompt_lengths + response.lengths())
+
+    def joined(prompt_values: torch.Tensor, response_values: torch.Tensor) -> RaggedTensor:
+        return RaggedTensor.from_lengths(torch.cat([prompt_values, response_values])[at], joined_lengths)
+
+    def zeros_on_prompts(dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(prompt.values.numel(), dtype=dtype)
+
+    floats = {name: joined(zeros_on_prompts(torch.float32), rows[name].values.to(torch.float32))
+              for name in _JOINED_FLOATS if name in rows}
+    loss_mask = joined(zeros_on_prompts(torch.bool), torch.ones(response.values.numel(), dtype=torch.bool))
+    token_advantage = None
+    if turn_advantage == "turn":
+        per_token = rows["advantage"].to(torch.float32).repeat_interleave(response.lengths())
+        token_advantage = joined(zeros_on_prompts(torch.float32), per_token)
+
+    columns = {
+        "prompt_tokens": rows["prompt_tokens"].index(first),
+        "response_tokens": joined(prompt.values.to(response.values.dtype), response.values),
+        **floats,
+        # the trajectory's flags and ids are its last row's; its reward is the sum of its turns'
+        **{name: rows[name][last] for name in ("done", "terminated", "truncated", "group_id", "trajectory_id",
+                                               "step", "advantage") if name in rows},
+        "reward": torch.zeros(len(turns), dtype=torch.float32).index_add_(
+            0, trajectory_of_row, rows["reward"].to(torch.float32)),
+        # rows of one trajectory share a version; the oldest is the one staleness must see
+        "policy_version": torch.zeros(len(turns), dtype=rows["policy_version"].dtype).scatter_reduce_(
+            0, trajectory_of_row, rows["policy_version"], reduce="amin", include_self=False),
+    }
+    return JoinedTrajectories(
+        rows=TrajectoryBatch(columns),
+        loss_mask=loss_mask,
+        token_advantage=token_advantage,
+        termination_reason=rows["termination_reason"][last].to(torch.int32) if "termination_reason" in rows else None,
+    )
+
+
+def pad_trajectories(joined: JoinedTrajectories, *, pad_token_id: int = 0,
+                     index_dtype: torch.dtype = torch.int64) -> TensorDict:
+    """The padded learner batch of joined trajectories: ``pad_batch``'s layout, with the loss mask
+    ``("masks", "all_assistant_mask")`` 0 on the environment's tokens, ``"termination_reason"``
+    (B,) and, in ``turn`` mode, the per-token advantage at :data:`TOKEN_ADVANTAGE_KEY`."""
+    batch = pad_batch(joined.rows, pad_token_id=pad_token_id, index_dtype=index_dtype)
+    prompt_width = batch["tokens", "prompt"].shape[1]  # P
+    response_width = batch["tokens", "response"].shape[1]  # R
+    loss, _ = joined.loss_mask.to_padded(False, length=response_width)  # (B, R)
+    # a new tensor: ("masks", "response"), the response's span, is a view of the old one
+    assistant = batch["masks", "all_assistant_mask"].clone()  # (B, T)
+    assistant[:, prompt_width:] &= loss
+    batch["masks", "all_assistant_mask"] = assistant
+    advantage = batch["sequence_advantage"][:, None].expand(assistant.shape)  # (B, T)
+    if joined.token_advantage is not None:
+        advantage = torch.zeros(assistant.shape, dtype=torch.float32)
+        advantage[:, prompt_width:] = joined.token_advantage.to_padded(0.0, length=response_width)[0]
+        batch[TOKEN_ADVANTAGE_KEY] = advantage
+    # torchrl's (B, T, 1) layout, as pad_batch writes it: the advantage where the loss is, else 0
+    batch["advantage"] = torch.where(assistant, advantage, 0.0).unsqueeze(-1)
+    if joined.termination_reason is not None:
+        batch["termination_reason"] = joined.termination_reason
+    return batch
