@@ -222,12 +222,14 @@ class Learner:
         collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None,
                                   index_dtype=torch.int32)
 
-        def read(positions: torch.Tensor, filler: bool):
+        def transformed(positions: torch.Tensor, batch):
+            batch = self.batch_transform(positions, batch)
+            return batch.pin_memory() if pin and torch.cuda.is_available() else batch
+
+        def read(positions: torch.Tensor, filler: bool, transform: bool = True):
             batch = collator.read(self._store, positions)
-            if self.batch_transform is not None:
-                batch = self.batch_transform(positions, batch)
-                if pin and torch.cuda.is_available():
-                    batch = batch.pin_memory()
+            if transform and self.batch_transform is not None:
+                batch = transformed(positions, batch)
             if self.data_parallel.enabled:
                 batch = self.data_parallel.mark_filler(batch, filler)
             return batch
@@ -238,13 +240,19 @@ class Learner:
         def produce(draw: int):
             sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
             positions, filler = self.data_parallel.local_positions(sampled.positions)  # this rank's slice
-            batch = read(positions, filler)
+            batch = read(positions, filler, transform=False)  # re-scored below, once it is known what trains
             if not is_single_turn(batch):  # multi-turn rows: the whole trajectories they end
-                if self.data_parallel.enabled or self.batch_transform is not None:
-                    raise ValueError("multi-turn rows are not trained with several data-parallel ranks or "
-                                     "replay's re-scoring yet; run one learner rank")
-                return trajectory_draw(self._store, sampled, batch, pad_token_id=self.pad_token_id,
-                                       turn_advantage=self.settings.turn_advantage, pin=pin)
+                if self.data_parallel.enabled:
+                    raise ValueError("multi-turn rows are not trained with several data-parallel ranks yet; "
+                                     "run one learner rank")
+                sampled, joined = trajectory_draw(self._store, sampled, batch, pad_token_id=self.pad_token_id,
+                                                  turn_advantage=self.settings.turn_advantage,
+                                                  pin=pin and self.batch_transform is None)
+                if joined is not None and self.batch_transform is not None:  # named by their last rows
+                    joined = transformed(sampled.positions, joined)
+                return sampled, joined
+            if self.batch_transform is not None:
+                batch = transformed(positions, batch)
             if read_reasons:
                 batch["termination_reason"] = self._store.read(positions, fields=("termination_reason",))[
                     "termination_reason"]

@@ -17,6 +17,13 @@ Two independent parts, both applied to each padded batch on the learner's prefet
   with ``transforms.kl_reward.kl_token_rewards`` from the stored sampling log-probs. The
   loss reads the new reference for its in-loss KL (``loss.kl_coef``, ``losses/kl``).
 
+Multi-turn trajectories (``learn/trajectories.py``) are re-scored as the learner trains them,
+one sequence each, named by their last row: its advantage (the trajectory's, on every sampled
+token), and reference log-probs on the sampled tokens only, scored in the full context of the
+conversation; the environment's tokens between turns get none (0) and no KL. Their
+``token_rewards`` put the trajectory's return on its last token (the loss reads neither
+``kl`` nor ``token_rewards``; both are recomputed for the batch's metrics and consistency).
+
 Both write only into the padded batch in memory: the padded keys are those of
 :mod:`rlhf_pipeline.schema.padding`, so a re-scored batch is exactly what ``pad_batch`` would
 give for rows that had been written with those values (tested).
@@ -30,6 +37,7 @@ from typing import Literal
 import torch
 from tensordict import TensorDict
 
+from rlhf_pipeline.learn.trajectories import TOKEN_ADVANTAGE_KEY
 from rlhf_pipeline.schema.padding import RESPONSE_FLOAT_KEYS
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.transforms.group_advantage import group_advantages, trajectory_returns
@@ -127,8 +135,15 @@ class ReferenceRescorer:
         ref = reference_log_probs(self.model, prompt, response, temperature=self.temperature,
                                   tokens_per_microbatch=self.tokens_per_microbatch, pad_token_id=self.pad_token_id)
         sampler = RaggedTensor.from_padded(batch["log_probs", "response"], response_mask)
+        # a multi-turn trajectory's response holds the environment's tokens between its turns
+        # (learn/trajectories.py): context, not sampled, so no reference log-prob and no KL there
+        trained = batch["masks", "all_assistant_mask"][:, prompt_mask.shape[1]:][response_mask]
+        if not bool(trained.all()):
+            ref = RaggedTensor(torch.where(trained, ref.values, sampler.values.to(ref.values.dtype)), ref.offsets)
         reward = batch["next", "reward"].reshape(-1)
         kl, token_rewards = kl_token_rewards(sampler, ref, reward, coef=self.kl_coef, estimator=self.kl_estimator)
+        if not bool(trained.all()):
+            ref = RaggedTensor(torch.where(trained, ref.values, 0.0), ref.offsets)
         for name, values in (("ref_log_probs", ref), ("kl", kl), ("token_rewards", token_rewards)):
             _place_response_floats(batch, name, values.values, response_mask)
         return batch
@@ -156,6 +171,10 @@ class BatchRescorer:
 
     def __call__(self, positions: torch.Tensor, batch: TensorDict) -> TensorDict:
         if self.advantages is not None:
+            if TOKEN_ADVANTAGE_KEY in batch.keys(include_nested=True):
+                raise ValueError("re-scored advantages give each trajectory one advantage (by its last row), but "
+                                 "learner.turn_advantage=turn trains each turn on its own: replay with "
+                                 "learner.turn_advantage=trajectory, or without re-scoring the advantages")
             sequence_advantage = self.advantages[positions].to(torch.float32)  # (B,)
             assistant = batch["masks", "all_assistant_mask"]  # (B, T)
             batch.set("sequence_advantage", sequence_advantage)
