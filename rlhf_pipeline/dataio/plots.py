@@ -54,6 +54,11 @@ CHARTS: tuple[Chart, ...] = (
     Chart("row_versions", "Recorded policy versions (replay)", "policy version of the rows",
           (("charts/row_version_min", "min"), ("charts/row_version_max", "max")), runs="replay"),
     Chart("throughput", "Throughput", "tokens / s", (("charts/tokens_per_s", "learner"),)),
+    # multi-turn runs only (learn/trajectories.py logs these): how long the trained conversations are,
+    # and how many trajectories a step trained against how many a masked termination reason left out
+    Chart("turns", "Turns per trajectory", "model turns", (("charts/turns_per_trajectory_mean", "mean"),)),
+    Chart("trajectories", "Trajectories per step", "trajectories",
+          (("charts/trajectories", "trained"), ("charts/trajectories_masked", "masked out"))),
 )
 
 

@@ -85,3 +85,20 @@ def test_a_replay_gets_its_recorded_versions_charted_instead_of_staleness(tiny_r
     assert {p.stem for p in (tmp_path / "both").glob("*.png")} == CHARTS | {"row_versions"}
     staleness = next(c for c in CHARTS_DRAWN if c.name == "staleness")
     assert staleness.draws(RunMetrics("live", [])) and not staleness.draws(RunMetrics("replay", []))
+
+
+def test_a_multi_turn_run_gets_its_turns_and_trajectories_charted(tiny_run, tmp_path):
+    """Charts of the multi-turn learner's metrics, drawn for runs that log them and only then."""
+    image = pytest.importorskip("matplotlib.image")
+    agent = tmp_path / "agent"
+    agent.mkdir()
+    with open(agent / "metrics.jsonl", "w") as f:
+        for step in range(1, 16):
+            f.write(json.dumps({"step": step, "charts/reward_mean": 0.1 * step, "charts/trajectories": 12.0,
+                                "charts/trajectories_masked": float(step % 3), "charts/turns_per_trajectory_mean":
+                                2.0 + 0.1 * step}) + "\n")
+    assert main(["plot", str(agent), str(tiny_run), "--out", str(tmp_path / "both")]) == 0
+    assert {p.stem for p in (tmp_path / "both").glob("*.png")} == CHARTS | {"turns", "trajectories"}
+    assert image.imread(tmp_path / "both" / "turns.png")[..., :3].std() > 0.01
+    assert main(["plot", str(tiny_run), "--out", str(tmp_path / "single")]) == 0  # a single-turn run: none
+    assert not (tmp_path / "single" / "turns.png").exists()
