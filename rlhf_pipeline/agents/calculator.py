@@ -3,7 +3,8 @@
 The task a small model cannot do in its head but can with the tool: ``{"question": "What is 37 *
 58?", "answer": "2146"}``. A turn with tool calls is answered by the tools (reward 0); a turn
 without is the final answer: reward 1 when it contains the product, 0 otherwise, and the episode
-ends. ``max_tool_errors`` failed calls end the episode with ``TOOL_ERROR`` (reward 0). With
+ends (with ``partial_credit``, a wrong number earns ``0.5 * right-aligned matching digits / longer
+length``, so near misses rank above wild guesses). ``max_tool_errors`` failed calls end the episode with ``TOOL_ERROR`` (reward 0). With
 ``nudges`` set, the first answers without a tool call are met with a reminder to use the tool
 instead of being taken as final (a bounded number: ``max_turns`` still ends the episode).
 
@@ -15,6 +16,7 @@ so a tiny random model starts RL calling the tool some of the time.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -50,10 +52,12 @@ def product_tasks(n: int, *, low: int = 10, high: int = 99, seed: int = 0) -> li
 class CalculatorEnv:
     """One episode on a product task; ``toolbox`` may be shared between episodes."""
 
-    def __init__(self, toolbox: ToolBox | None = None, *, max_tool_errors: int = 3, nudges: int = 0):
+    def __init__(self, toolbox: ToolBox | None = None, *, max_tool_errors: int = 3, nudges: int = 0,
+                 partial_credit: bool = False):
         self.toolbox = toolbox or ToolBox([multiply])
         self.max_tool_errors = max_tool_errors
         self.nudges = nudges
+        self.partial_credit = partial_credit
 
     def reset(self, task: Mapping[str, Any]) -> list[Message]:
         self.answer = str(task["answer"])
@@ -71,7 +75,22 @@ class CalculatorEnv:
         if self.nudged < self.nudges:
             self.nudged += 1
             return StepResult([{"role": "user", "content": "Use the multiply tool, then answer."}])
+        if self.partial_credit:
+            return StepResult(reward=digit_credit(turn.text, self.answer), done=True)
         return StepResult(reward=float(self.answer in turn.text), done=True)
+
+
+def digit_credit(text: str, answer: str) -> float:
+    """1.0 when ``text`` contains ``answer``; else ``0.5 * right-aligned matching digits / longer length``
+    of the last number in ``text`` (0 without one)."""
+    if answer in text:
+        return 1.0
+    numbers = re.findall(r"\d+", text)
+    if not numbers:
+        return 0.0
+    said = numbers[-1]
+    matching = sum(x == y for x, y in zip(reversed(said), reversed(answer), strict=False))
+    return 0.5 * matching / max(len(said), len(answer))
 
 
 # ======================================================================== warm start
