@@ -196,10 +196,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         return AgentCollector(model.to(settings.device), tokenizer, source, make_env, sink=buffer.extend,
                               config=config, parser=parse_hermes, hooks=hooks)
 
-    def preflight():  # the environment on one task, before any model is built
-        env = CalculatorEnv(max_tool_errors=settings.max_tool_errors, partial_credit=settings.partial_credit)
-        if not env.reset(tasks[0]):
-            raise PipelineError("the calculator environment opened an episode with no messages")
+    def preflight():  # the tasks have what the environment reads, before any model is built
+        from rlhf_pipeline.collect import TaskSource
+
+        TaskSource(tasks, required_fields=("question", "answer"))
 
     return Pipeline(
         settings=settings,

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -102,3 +103,15 @@ def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole
     for a, b in zip(starts, [*starts[1:], len(trajectory)], strict=True):
         assert step[a:b] == list(range(b - a)) and done[a:b] == [False] * (b - a - 1) + [True]
     assert [int(rows["group_id"][i]) for i in starts] == [k // 4 for k in range(len(starts))]
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("group_size=1", "'group_size' must be >= 2"),
+    ("context_length=100", "'context_length' (100) leaves no room"),
+    ("warm_start_tool_fraction=1.5", "'warm_start_tool_fraction' must be in [0, 1]"),
+])
+def test_bad_settings_fail_before_any_process_starts(tmp_path, setting, message):
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
+                             "--set", setting], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert not any(tmp_path.iterdir())  # nothing created
