@@ -110,7 +110,8 @@ def check(settings: Settings) -> LearnerSettings:
     if settings.group_size < 2:
         raise PipelineError("setting 'group_size' must be >= 2: GRPO compares episodes within a group")
     if not 1 <= settings.low <= settings.high:
-        raise PipelineError(f"settings 'low' and 'high' must satisfy 1 <= low <= high, got {settings.low}, {settings.high}")
+        raise PipelineError(f"settings 'low' and 'high' must satisfy 1 <= low <= high, "
+                            f"got {settings.low}, {settings.high}")
     if not 0.0 <= settings.warm_start_tool_fraction <= 1.0:
         raise PipelineError("setting 'warm_start_tool_fraction' must be in [0, 1]")
     if settings.max_new_tokens + 64 > settings.context_length:

@@ -4,13 +4,14 @@ The task a small model cannot do in its head but can with the tool: ``{"question
 58?", "answer": "2146"}``. A turn with tool calls is answered by the tools (reward 0); a turn
 without is the final answer: reward 1 when it contains the product, 0 otherwise, and the episode
 ends (with ``partial_credit``, a wrong number earns ``0.5 * right-aligned matching digits / longer
-length``, so near misses rank above wild guesses). ``max_tool_errors`` failed calls end the episode with ``TOOL_ERROR`` (reward 0). With
-``nudges`` set, the first answers without a tool call are met with a reminder to use the tool
+length``, so near misses rank above wild guesses). ``max_tool_errors`` failed calls end the
+episode with ``TOOL_ERROR`` (reward 0). With ``nudges`` set, the first answers without a tool call are met with a reminder to use the tool
 instead of being taken as final (a bounded number: ``max_turns`` still ends the episode).
 
-:func:`warm_start` is a few supervised steps on demonstrations built as real episodes (the same
-token lists and loss mask a rollout makes), some calling the tool and some guessing in the head,
-so a tiny random model starts RL calling the tool some of the time.
+:func:`warm_start` is supervised steps on demonstrations built as real episodes (the same token
+lists and loss mask a rollout makes), some calling the tool and some guessing in the head, so a
+tiny random model starts RL calling the tool, and with enough steps (~600 for a 64-wide, 2-layer
+model) copying the factors into its call and the tool's answer into its reply.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ def test_rounds_write_whole_groups_of_whole_trajectories_with_one_advantage_each
     traj = list(by_trajectory)
     returns = torch.tensor([float(rows["reward"][by_trajectory[t]].sum()) for t in traj])
     group_of = torch.tensor([int(rows["group_id"][by_trajectory[t][0]]) for t in traj])
-    expected, _ = group_advantages(returns, torch.unique(group_of, return_inverse=True)[1], int(group_of.unique().numel()))
+    groups, group_index = torch.unique(group_of, return_inverse=True)
+    expected, _ = group_advantages(returns, group_index, groups.numel())
     for t, want in zip(traj, expected.tolist(), strict=True):
         assert rows["advantage"][by_trajectory[t]].tolist() == pytest.approx([want] * len(by_trajectory[t]), abs=1e-6)
     assert float(expected.abs().max()) > 0  # the sampled text made returns differ within groups
