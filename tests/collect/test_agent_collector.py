@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensordict import TensorDict
+from torchrl.objectives.llm import MCAdvantage
 from agent_setup import GROUP_SIZE, agent_collector, open_or_create, tiny_policy
 
 from rlhf_pipeline.agents.episode import rebuild_trajectory
 from rlhf_pipeline.schema import TerminationReason
-from rlhf_pipeline.transforms.group_advantage import group_advantages
 
 WORKER = Path(__file__).with_name("agent_collect_worker.py")
 
@@ -59,14 +60,25 @@ def test_rounds_write_whole_groups_of_whole_trajectories_with_one_advantage_each
     # TurnsEnv runs task['turns'] (1 to 3) turns: several rows per trajectory, as many as its task says
     assert {len(i) for i in by_trajectory.values()} == {1, 2, 3}
 
-    # GroupAdvantage: each trajectory's turn rewards summed, normalized within its group, on every turn
-    traj = list(by_trajectory)
-    returns = torch.tensor([float(rows["reward"][by_trajectory[t]].sum()) for t in traj])
-    group_of = torch.tensor([int(rows["group_id"][by_trajectory[t][0]]) for t in traj])
-    groups, group_index = torch.unique(group_of, return_inverse=True)
-    expected, _ = group_advantages(returns, group_index, groups.numel())
-    for t, want in zip(traj, expected.tolist(), strict=True):
-        assert rows["advantage"][by_trajectory[t]].tolist() == pytest.approx([want] * len(by_trajectory[t]), abs=1e-6)
+    # GroupAdvantage: each trajectory's turn rewards summed, normalized within its group, on every turn,
+    # as torchrl's MCAdvantage computes it from the same trajectories in the same order
+    mc = MCAdvantage(grpo_size=GROUP_SIZE, prompt_key="group_id", trajectory_return="sum")
+    want: dict[int, list[float]] = {}
+    for t, idx in by_trajectory.items():
+        n = len(idx)
+        out = mc.inv(TensorDict(group_id=rows["group_id"][idx],
+                                next=TensorDict(reward=rows["reward"][idx].reshape(n, 1).float(),
+                                                done=rows["done"][idx].reshape(n, 1), batch_size=[n]),
+                                batch_size=[n]))
+        if out is not None:  # the group is complete: its trajectories (the last GROUP_SIZE ids), in order
+            flat = out["advantage"].reshape(-1).tolist()
+            for u in range(t + 1 - GROUP_SIZE, t + 1):
+                want[u], flat = flat[:len(by_trajectory[u])], flat[len(by_trajectory[u]):]
+    assert sorted(want) == sorted(by_trajectory)
+    for t, idx in by_trajectory.items():
+        assert rows["advantage"][idx].tolist() == pytest.approx(want[t], abs=1e-6)
+        assert len(set(want[t])) == 1  # one advantage per trajectory, copied to every turn
+    expected = torch.tensor([want[t][0] for t in by_trajectory])
     assert float(expected.abs().max()) > 0  # the sampled text made returns differ within groups
 
 
