@@ -9,10 +9,11 @@
   environment messages tokenized as the template renders them), the loss mask, the limits, the
   rows it stores (one per turn) and ``rebuild_trajectory`` from those rows;
 * :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them;
-* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool).
+* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool) and a warm start on
+  demonstration episodes.
 
 ``docs/agents.md`` says what is built, what a turn costs on disk and what is not built yet.
 
 This package knows rows (``schema``) and models; storage, the write path and the learner are the
-caller's business.
+caller's business: ``collect/agent_collector.py`` runs rollouts with the policy and writes them.
 """

@@ -3,19 +3,30 @@
 The task a small model cannot do in its head but can with the tool: ``{"question": "What is 37 *
 58?", "answer": "2146"}``. A turn with tool calls is answered by the tools (reward 0); a turn
 without is the final answer: reward 1 when it contains the product, 0 otherwise, and the episode
-ends. ``max_tool_errors`` failed calls end the episode with ``TOOL_ERROR`` (reward 0). With
-``nudges`` set, the first answers without a tool call are met with a reminder to use the tool
+ends (with ``partial_credit``, a wrong number earns ``0.5 * right-aligned matching digits / longer
+length``, so near misses rank above wild guesses). ``max_tool_errors`` failed calls end the
+episode with ``TOOL_ERROR`` (reward 0). With ``nudges`` set, the first answers without a tool call are met with a reminder to use the tool
 instead of being taken as final (a bounded number: ``max_turns`` still ends the episode).
+
+:func:`warm_start` is supervised steps on demonstrations built as real episodes (the same token
+lists and loss mask a rollout makes), some calling the tool and some guessing in the head, so a
+tiny random model starts RL calling the tool, and with enough steps (~600 for a 64-wide, 2-layer
+model) copying the factors into its call and the tool's answer into its reply.
 """
 
 from __future__ import annotations
 
 import random
+import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from rlhf_pipeline.agents.environment import Message, ModelTurn, StepResult
-from rlhf_pipeline.agents.tools import ToolBox
+from rlhf_pipeline.agents.episode import Episode
+from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
 from rlhf_pipeline.schema import TerminationReason
 
 
@@ -42,10 +53,12 @@ def product_tasks(n: int, *, low: int = 10, high: int = 99, seed: int = 0) -> li
 class CalculatorEnv:
     """One episode on a product task; ``toolbox`` may be shared between episodes."""
 
-    def __init__(self, toolbox: ToolBox | None = None, *, max_tool_errors: int = 3, nudges: int = 0):
+    def __init__(self, toolbox: ToolBox | None = None, *, max_tool_errors: int = 3, nudges: int = 0,
+                 partial_credit: bool = False):
         self.toolbox = toolbox or ToolBox([multiply])
         self.max_tool_errors = max_tool_errors
         self.nudges = nudges
+        self.partial_credit = partial_credit
 
     def reset(self, task: Mapping[str, Any]) -> list[Message]:
         self.answer = str(task["answer"])
@@ -63,4 +76,72 @@ class CalculatorEnv:
         if self.nudged < self.nudges:
             self.nudged += 1
             return StepResult([{"role": "user", "content": "Use the multiply tool, then answer."}])
+        if self.partial_credit:
+            return StepResult(reward=digit_credit(turn.text, self.answer), done=True)
         return StepResult(reward=float(self.answer in turn.text), done=True)
+
+
+def digit_credit(text: str, answer: str) -> float:
+    """1.0 when ``text`` contains ``answer``; else ``0.5 * right-aligned matching digits / longer length``
+    of the last number in ``text`` (0 without one)."""
+    if answer in text:
+        return 1.0
+    numbers = re.findall(r"\d+", text)
+    if not numbers:
+        return 0.0
+    said = numbers[-1]
+    matching = sum(x == y for x, y in zip(reversed(said), reversed(answer), strict=False))
+    return 0.5 * matching / max(len(said), len(answer))
+
+
+# ======================================================================== warm start
+def demonstration(tokenizer, task: Mapping[str, Any], *, use_tool: bool, guess: int, toolbox: ToolBox) -> Episode:
+    """One ended episode of ``task`` as a rollout would record it: a ``multiply`` call, the tool's
+    answer and the product (``use_tool``), or ``guess`` said at once. Written in Hermes style
+    (``<tool_call>{json}</tool_call>``), the format :func:`~.tools.parse_hermes` reads."""
+    env = CalculatorEnv(toolbox)
+    episode = Episode(tokenizer, env.reset(task), tools=toolbox.schemas, parser=parse_hermes, check_drift=False)
+    a, b = (int(x) for x in str(task["question"]).removeprefix("What is ").removesuffix("?").split(" * "))
+    call = f'<tool_call>{{"name":"multiply","arguments":{{"a":{a},"b":{b}}}}}</tool_call>'
+    for text in ([call, str(task["answer"])] if use_tool else [str(guess)]):
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        episode.add_environment(env.step(episode.add_turn(ids, [0.0] * len(ids))))
+    return episode
+
+
+def warm_start(model, tokenizer, steps: int, *, tool_fraction: float = 0.5, batch_size: int = 32, lr: float = 3e-3,
+               seed: int = 0, low: int = 10, high: int = 99) -> dict[str, float]:
+    """Supervised steps on :func:`demonstration` episodes (next-token loss where the episode's loss
+    mask is 1: the model's own turns), ``tool_fraction`` of them calling the tool. Tasks come from
+    seeds disjoint from :func:`product_tasks`' defaults. Returns ``{"loss", "seconds", "steps"}``;
+    the model is left in eval mode."""
+    rng = random.Random(seed + 20_000)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    device = next(model.parameters()).device
+    toolbox = ToolBox([multiply])
+    model.train()
+    started, loss_value = time.perf_counter(), float("nan")
+    for step in range(steps):
+        tasks = product_tasks(batch_size, low=low, high=high, seed=seed + 10_000 + step)
+        episodes = [demonstration(tokenizer, task, use_tool=rng.random() < tool_fraction,
+                                  guess=rng.randint(low * low, high * high), toolbox=toolbox) for task in tasks]
+        width = max(len(e.token_ids) for e in episodes)
+        ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)  # (B, L) right-padded
+        target = torch.zeros((batch_size, width), dtype=torch.bool)  # (B, L): the model's own tokens
+        for i, episode in enumerate(episodes):
+            ids[i, :len(episode.token_ids)] = torch.tensor(episode.token_ids)
+            target[i, :len(episode.token_ids)] = torch.tensor(episode.loss_mask, dtype=torch.bool)
+        ids, target = ids.to(device), target.to(device)
+        logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits[:, :-1]
+        labels = ids[:, 1:].masked_fill(~target[:, 1:], -100)  # (B, L-1)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        loss_value = loss.item()
+    toolbox.close()
+    model.eval()
+    return {"loss": loss_value, "seconds": time.perf_counter() - started, "steps": float(steps)}

@@ -93,6 +93,9 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
     schemas rendered by the chat template."""
     with EnvironmentRunner(max_workers=config.max_workers, step_timeout_s=config.step_timeout_s) as runner:
         envs = [make_env() for _ in tasks for _ in range(config.group_size)]
+        boxes = {id(box): box for env in envs if (box := getattr(env, "toolbox", None)) is not None}
+        # a ToolBox shared across rollouts counts forever; this rollout reports its own calls
+        tools_before = {key: Counter(box.metrics) for key, box in boxes.items()}
         jobs = [task for task in tasks for _ in range(config.group_size)]
         openings = await asyncio.gather(*(runner.reset(env, task) for env, task in zip(envs, jobs, strict=True)))
         episodes = [Episode(tokenizer, messages, limits=config.limits, tools=_schemas(env), parser=parser,
@@ -114,9 +117,8 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
         metrics[f"reason/{episode.reason.name.lower()}"] += 1
         metrics["turns"] += len(episode.turns)
         metrics["tool_calls"] += sum(len(t.tool_calls) for t in episode.turns)
-    boxes = {id(box): box for env in envs if (box := getattr(env, "toolbox", None)) is not None}
-    for box in boxes.values():  # environments may share one
-        metrics.update({f"tools/{name}": count for name, count in box.metrics.items()})
+    for key, box in boxes.items():  # environments may share one
+        metrics.update({f"tools/{name}": count - tools_before[key][name] for name, count in box.metrics.items()})
     return Rollout(list(tasks), episodes, config.group_size, metrics)
 
 

@@ -1,8 +1,18 @@
-"""Collection: prompts, batched sampling with log-probs, rewards, the collector, a toy task."""
+"""Collection: prompts and tasks, batched sampling with log-probs, rewards, the single-turn and agent
+collectors, a toy task."""
 
+from rlhf_pipeline.collect.agent_collector import AgentCollector, AgentCollectorConfig
 from rlhf_pipeline.collect.collector import Collector, CollectorConfig
 from rlhf_pipeline.collect.generate import Generation, SamplingConfig, generate, process_logits, teacher_forced_log_probs
-from rlhf_pipeline.collect.prompts import PromptError, PromptRecord, PromptSource, load_jsonl, make_prompt, validate_prompts
+from rlhf_pipeline.collect.prompts import (
+    PromptError,
+    PromptRecord,
+    PromptSource,
+    TaskSource,
+    load_jsonl,
+    make_prompt,
+    validate_prompts,
+)
 from rlhf_pipeline.collect.rewards import (
     REWARDS,
     RewardError,
@@ -14,8 +24,8 @@ from rlhf_pipeline.collect.rewards import (
 )
 
 __all__ = [
-    "REWARDS", "Collector", "CollectorConfig", "Generation", "PromptError", "PromptRecord", "PromptSource",
-    "RewardError", "RewardModelReward", "SamplingConfig", "WeightedReward", "extract_number", "generate",
-    "get_reward", "load_jsonl", "make_prompt", "process_logits", "score", "teacher_forced_log_probs",
-    "validate_prompts",
+    "REWARDS", "AgentCollector", "AgentCollectorConfig", "Collector", "CollectorConfig", "Generation",
+    "PromptError", "PromptRecord", "PromptSource", "RewardError", "RewardModelReward", "SamplingConfig",
+    "TaskSource", "WeightedReward", "extract_number", "generate", "get_reward", "load_jsonl", "make_prompt",
+    "process_logits", "score", "teacher_forced_log_probs", "validate_prompts",
 ]

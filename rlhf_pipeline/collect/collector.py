@@ -198,15 +198,7 @@ class Collector:
                 f"set_policy_state: version {version} is older than the current {self.policy_version}; "
                 f"weights only move forward"
             )
-        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
-        # tied embeddings may be saved once; anything else missing means the wrong checkpoint
-        missing = [k for k in missing if k != "lm_head.weight" or not self.model.config.tie_word_embeddings]
-        if missing or unexpected:
-            raise ValueError(
-                f"set_policy_state: weights do not match the collector's model "
-                f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-            )
-        self.model.eval()
+        load_policy_weights(self.model, state_dict)
         self.policy_version = int(version)
 
     # ---------------------------------------------------------------- resume
@@ -237,3 +229,16 @@ class Collector:
         self.batches_emitted = int(state["batches_emitted"])
         self.policy_version = max(self.policy_version, int(state["policy_version"]))
         self.generator.set_state(state["rng"])
+
+
+def load_policy_weights(model, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Loads published weights into a collector's model (every key must match) and sets eval mode."""
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    # tied embeddings may be saved once; anything else missing means the wrong checkpoint
+    missing = [k for k in missing if k != "lm_head.weight" or not model.config.tie_word_embeddings]
+    if missing or unexpected:
+        raise ValueError(
+            f"set_policy_state: weights do not match the collector's model "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    model.eval()

@@ -8,7 +8,9 @@ and a generation prompt) or plain ``text`` (tokenized as is), plus any extra
     {"prompt": "Q: 12+7=\\nA:", "answer": "19"}        # "prompt" or "text" for plain text
 
 ``PromptSource`` hands out prompts in a seeded, per-epoch shuffled order and
-records its position, so a restarted collector neither skips nor repeats prompts.
+records its position, so a restarted collector neither skips nor repeats prompts;
+``TaskSource`` does the same for an agent collector's tasks (any mapping an
+environment's ``reset`` reads).
 """
 
 from __future__ import annotations
@@ -137,6 +139,13 @@ def load_jsonl(path: str | Path, *, required_fields: Sequence[str] = ()) -> list
     return records
 
 
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The order of ``n`` records in ``epoch``: a permutation drawn from ``seed + epoch``, or file order."""
+    if not shuffle:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
 class PromptSource:
     """Cycles over ``records`` forever, reshuffled each epoch with ``seed``; resumable.
 
@@ -161,10 +170,7 @@ class PromptSource:
         self._order = self._epoch_order(0)
 
     def _epoch_order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.records)))
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.records), generator=g).tolist()
+        return epoch_order(len(self.records), self.seed, epoch, self.shuffle)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -193,3 +199,51 @@ class PromptSource:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._order = self._epoch_order(self.epoch)
+
+
+class TaskSource:
+    """Cycles over task records (what an agent environment's ``reset`` takes, e.g. ``{"question",
+    "answer"}``) exactly as :class:`PromptSource` cycles over prompts: reshuffled each epoch with
+    ``seed``, resumable from ``(epoch, position)``. A task is any mapping; the environment reads it."""
+
+    def __init__(self, tasks: Sequence[Mapping[str, Any]], *, seed: int = 0, shuffle: bool = True,
+                 required_fields: Sequence[str] = ()) -> None:
+        self.tasks = [dict(task) for task in tasks]
+        if not self.tasks:
+            raise PromptError("no tasks: a task source needs at least one record")
+        for i, task in enumerate(self.tasks):
+            missing = [f for f in required_fields if f not in task]
+            if missing:
+                raise PromptError(f"task {i}: missing field(s) {missing} that the environment needs")
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = epoch_order(len(self.tasks), seed, 0, shuffle)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def next_batch(self, n: int) -> list[dict[str, Any]]:
+        """The next ``n`` tasks (crossing epoch boundaries as needed); copies, so an environment
+        that edits its task changes nothing here."""
+        out = []
+        for _ in range(n):
+            if self.position >= len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = epoch_order(len(self.tasks), self.seed, self.epoch, self.shuffle)
+            out.append(dict(self.tasks[self._order[self.position]]))
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_records": len(self.tasks)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if int(state["num_records"]) != len(self.tasks) or int(state["seed"]) != self.seed:
+            raise PromptError(
+                f"task source state was saved for {state['num_records']} tasks with seed {state['seed']}; "
+                f"this source has {len(self.tasks)} tasks with seed {self.seed}: resume with the same tasks"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = epoch_order(len(self.tasks), self.seed, self.epoch, self.shuffle)

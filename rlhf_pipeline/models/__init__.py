@@ -3,7 +3,9 @@
 from rlhf_pipeline.models.loading import ModelLoadError, load_model, load_reward_model, load_tokenizer
 from rlhf_pipeline.models.tiny import (
     CHAT_TEMPLATE,
+    TOOL_CHAT_TEMPLATE,
     char_tokenizer,
+    char_tool_tokenizer,
     tiny_causal_lm,
     tiny_model_and_tokenizer,
     tiny_reward_model,
@@ -11,8 +13,10 @@ from rlhf_pipeline.models.tiny import (
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "TOOL_CHAT_TEMPLATE",
     "ModelLoadError",
     "char_tokenizer",
+    "char_tool_tokenizer",
     "load_model",
     "load_reward_model",
     "load_tokenizer",

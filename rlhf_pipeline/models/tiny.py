@@ -82,6 +82,36 @@ def char_tokenizer(characters: str = DEFAULT_CHARACTERS) -> PreTrainedTokenizerF
     return tokenizer
 
 
+TOOL_ROLE_TOKEN = "<|tool|>"
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+# Hermes-style tool calls (``<tool_call>{json}</tool_call>``, answered in a ``tool`` role) in the
+# char tokenizer's markers. Tools are listed in one short system line, ``Tools: multiply(a, b)``,
+# not as JSON schemas: at one token per character a schema would cost hundreds of tokens of context.
+# Append-only (an earlier turn renders as the model sampled it), so episodes see no template_mismatch.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>Tools:{% for t in tools %} {{ t['function']['name'] }}("
+    "{{ t['function']['parameters']['properties'] | list | join(', ') }}){% endfor %}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|end|>"
+    "{% elif m['role'] in ['system', 'user', 'tool'] %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% else %}{{ raise_exception('unknown chat role: ' + m['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def char_tool_tokenizer() -> PreTrainedTokenizerFast:
+    """:func:`char_tokenizer` for tool-using agents: a ``<|tool|>`` role marker, ``<tool_call>`` and
+    ``</tool_call>`` as one token each (as Qwen's tokenizers have them) and :data:`TOOL_CHAT_TEMPLATE`.
+    The ids of :func:`char_tokenizer` are unchanged; the three new tokens come after them."""
+    tokenizer = char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [*ROLE_TOKENS, TOOL_ROLE_TOKEN]})
+    tokenizer.add_tokens(list(TOOL_CALL_TOKENS))  # not special: decode keeps them in the text parsed for calls
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    return tokenizer
+
+
 def _config_kwargs(
     vocab_size: int,
     hidden_size: int,

@@ -64,3 +64,27 @@ def test_source_resumes_without_skipping_or_repeating():
 
     with pytest.raises(PromptError, match="same prompts"):
         PromptSource(records[:5], seed=3).load_state_dict(first.state_dict())
+
+
+def test_task_source_cycles_like_prompt_source_and_resumes_exactly():
+    from rlhf_pipeline.collect.prompts import TaskSource
+
+    tasks = [{"question": f"q{i}", "answer": str(i)} for i in range(5)]
+    source = TaskSource(tasks, seed=3)
+    first = [t["answer"] for t in source.next_batch(7)]  # crosses into the second epoch
+    assert sorted(first[:5]) == ["0", "1", "2", "3", "4"]
+    state = source.state_dict()
+    rest = [t["answer"] for t in source.next_batch(6)]
+    again = TaskSource(tasks, seed=3)
+    again.load_state_dict(state)
+    assert [t["answer"] for t in again.next_batch(6)] == rest
+    # the order an uninterrupted prompt source walks, over the same records
+    prompts = PromptSource([{"prompt": t["question"], "answer": t["answer"]} for t in tasks], seed=3)
+    assert [r.fields["answer"] for r in prompts.next_batch(13)] == first + rest
+    handed = again.next_batch(1)[0]
+    handed["answer"] = "edited"  # an environment editing its task changes nothing in the source
+    assert all(t["answer"] != "edited" for t in again.tasks)
+    with pytest.raises(PromptError, match="missing field"):
+        TaskSource([{"question": "q"}], required_fields=("answer",))
+    with pytest.raises(PromptError, match="same tasks"):
+        TaskSource(tasks[:4], seed=3).load_state_dict(state)

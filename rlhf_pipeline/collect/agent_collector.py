@@ -1,0 +1,243 @@
+"""The agent collector: multi-turn, tool-using episodes into the buffer, whole groups at a time.
+
+One ``collect()`` call is one round: ``tasks_per_round`` tasks from a :class:`TaskSource`,
+``group_size`` episodes of each (a GRPO group), run to their ends by
+:func:`rlhf_pipeline.agents.rollout.run_episodes` with the collector's model as the sampler
+(:func:`~rlhf_pipeline.collect.generate.generate`, batched over every active episode, through
+:func:`~rlhf_pipeline.agents.rollout.cut_to_limits` so each episode keeps its own turn limit).
+The round's rows go to ``sink`` in ONE call, typically ``ReplayBuffer.extend`` with the write
+path attached, so:
+
+* an episode that is still running is never in the buffer: rows exist only once the whole round
+  has ended, and a reader sees a round's groups all at once (the store's append is atomic);
+* a trajectory's rows are contiguous and in step order (one row per model turn, ``step`` = turn
+  index, the last ``done`` with its ``termination_reason``), trajectories of a group together;
+* the write path's :class:`~rlhf_pipeline.transforms.group_advantage.GroupAdvantage` sees whole
+  groups of whole trajectories: it sums each trajectory's turn rewards into one return, computes
+  the group-relative advantage of that return and writes it on every turn of the trajectory.
+
+Rewards are the environment's (``StepResult.reward`` per turn); a trajectory's return is their sum.
+
+Ids and resume are the single-turn :class:`~rlhf_pipeline.collect.collector.Collector`'s:
+``(collector_index << 40) | counter`` with the counters, the task position and the sampling RNG
+in :meth:`AgentCollector.state_dict`, and ``collect(before_write=...)`` for
+:class:`~rlhf_pipeline.collect.position.CollectorPosition`. Episodes in flight are not saved: a
+collector killed mid-round (``kill -9``) wrote nothing of that round, and its restart runs the
+round again from the saved RNG state, so it neither duplicates nor loses a trajectory and never
+stores half of one. Sampling on a CPU is deterministic, so the rerun gives the same rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.agents.environment import Environment, ToolCall
+from rlhf_pipeline.agents.episode import EpisodeLimits
+from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, cut_to_limits, rollout
+from rlhf_pipeline.collect.collector import MetricsHook, load_policy_weights
+from rlhf_pipeline.collect.generate import SamplingConfig, generate
+from rlhf_pipeline.collect.prompts import TaskSource
+from rlhf_pipeline.schema import TrajectoryBatch
+from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
+
+
+@dataclass
+class AgentCollectorConfig:
+    """Settings of one agent collector process."""
+
+    tasks_per_round: int = 4
+    """Tasks per ``collect()`` call; a round writes ``tasks_per_round`` groups."""
+    group_size: int = 4
+    """Episodes per task (GRPO's G); the write path's ``GroupAdvantage`` must use the same."""
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    """Turns, tokens per turn, token budget and context of each episode."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Temperature / top-k / top-p; its ``max_new_tokens`` is replaced by each turn's own limit."""
+    step_timeout_s: float | None = 60.0
+    """Per environment ``reset``/``step``; past it the episode ends with ``TIMEOUT``."""
+    max_workers: int = 16
+    """Threads stepping synchronous environments."""
+    check_drift: bool = True
+    """Count ``retokenization_drift`` each turn (one extra encode of the conversation)."""
+    collector_index: int = 0
+    """This collector's index among collectors writing one run; goes in the ids' high bits."""
+    seed: int = 0
+    """Seed of the sampling RNG (mixed with ``collector_index`` so collectors differ)."""
+
+    def __post_init__(self) -> None:
+        if self.tasks_per_round < 1 or self.group_size < 1:
+            raise ValueError("AgentCollectorConfig: tasks_per_round and group_size must be >= 1")
+        if not 0 <= self.collector_index < MAX_COLLECTORS:
+            raise ValueError(f"AgentCollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), "
+                             f"got {self.collector_index}")
+
+
+class AgentCollector:
+    """Runs groups of episodes with the policy, emits them whole; resumable; takes new weights.
+
+    ``make_env()`` builds one episode's environment (:class:`~rlhf_pipeline.agents.environment.Environment`);
+    ``parser`` finds tool calls in the model's text (``rlhf_pipeline.agents.tools``);
+    ``stop_token_ids`` end a model turn (default: the tokenizer's EOS).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        tasks: TaskSource,
+        make_env: Callable[[], Environment],
+        sink: Callable[[TrajectoryBatch], Any] | None,
+        config: AgentCollectorConfig | None = None,
+        *,
+        parser: Callable[[str], list[ToolCall]] | None = None,
+        stop_token_ids: Collection[int] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        policy_version: int = 0,
+        hooks: Sequence[MetricsHook] = (),
+    ) -> None:
+        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+            raise ValueError("AgentCollector: the tokenizer needs pad_token_id and eos_token_id set")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.tasks = tasks
+        self.make_env = make_env
+        self.sink = sink
+        self.config = config or AgentCollectorConfig()
+        self.parser = parser
+        self.stop_token_ids = sorted(stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
+        self.template_kwargs = dict(template_kwargs or {})
+        self.hooks = list(hooks)
+        self.policy_version = policy_version
+        self.groups_emitted = 0
+        self.trajectories_emitted = 0
+        self.batches_emitted = 0
+        self.generator = torch.Generator(device=next(model.parameters()).device)
+        self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
+        self.last_metrics: dict[str, float] = {}
+        self._generate_s = 0.0
+
+    # ---------------------------------------------------------------- one round
+    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch:
+        """One round of whole groups: run the episodes to their ends, emit every row in one call.
+
+        ``before_write(state)`` gets the state the collector will have once the sink took the
+        round, right before the sink is called (``collect/position.py``).
+        """
+        cfg = self.config
+        started = time.perf_counter()
+        self._generate_s = 0.0
+        tasks = self.tasks.next_batch(cfg.tasks_per_round)
+        result = rollout(tasks, self.make_env, cut_to_limits(self._sample, self.stop_token_ids), self.tokenizer,
+                         RolloutConfig(group_size=cfg.group_size, limits=cfg.limits,
+                                       step_timeout_s=cfg.step_timeout_s, max_workers=cfg.max_workers,
+                                       check_drift=cfg.check_drift),
+                         parser=self.parser, stop_token_ids=self.stop_token_ids,
+                         template_kwargs=self.template_kwargs)
+        base = id_base(cfg.collector_index)
+        batch = result.to_batch(first_group_id=base + self.groups_emitted,
+                                first_trajectory_id=base + self.trajectories_emitted,
+                                policy_version=self.policy_version)
+        n_traj = len(result.episodes)
+        if before_write is not None:
+            before_write(self.state_dict(rounds_ahead=(1, len(tasks), n_traj)))
+        if self.sink is not None:
+            self.sink(batch)
+        # counters advance only once the sink has the rows, so a failed write is retried with the same ids
+        self.groups_emitted += len(tasks)
+        self.trajectories_emitted += n_traj
+        self.batches_emitted += 1
+        self._report(result, batch, time.perf_counter() - started)
+        return batch
+
+    def _sample(self, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """One batch of turns from the model: every active episode's token list, one sample each."""
+        started = time.perf_counter()
+        gen = generate(self.model, prompts, dataclasses.replace(self.config.sampling, max_new_tokens=max_new_tokens),
+                       pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stop_token_ids,
+                       generator=self.generator)
+        self._generate_s += time.perf_counter() - started
+        return [(ids.tolist(), log_probs.tolist())
+                for ids, log_probs in zip(gen.response_tokens.to_list(), gen.response_log_probs.to_list(), strict=True)]
+
+    def _report(self, result: Rollout, batch: TrajectoryBatch, elapsed: float) -> None:
+        episodes, m = result.episodes, result.metrics
+        n = len(episodes)
+        returns = torch.tensor([sum(e.rewards) for e in episodes], dtype=torch.float64)  # (n,)
+        g = self.config.group_size
+        group_std = returns.reshape(-1, g).std(dim=1, unbiased=False) if g > 1 else torch.zeros(1)
+        turns = torch.tensor([len(e.turns) for e in episodes], dtype=torch.float64)
+        calls = [sum(len(t.tool_calls) for t in e.turns) for e in episodes]
+        metrics = {
+            "rows": float(len(batch)),
+            "rows_per_s": len(batch) / max(elapsed, 1e-9),
+            "round_s": elapsed,
+            "generate_s": self._generate_s,
+            "reward_mean": float(returns.mean()),
+            "reward_std": float(returns.std(unbiased=False)),
+            "groups_with_signal": float((group_std > 0).double().mean()),
+            "turns_per_episode": float(turns.mean()),
+            "turns_max": float(turns.max()),
+            "tool_call_rate": sum(c > 0 for c in calls) / n,  # episodes that called a tool at least once
+            "tool_calls_per_episode": sum(calls) / n,
+            "sampled_tokens_per_episode": float(batch["response_tokens"].lengths().sum()) / n,
+            "generation_batches": float(m["generation_batches"]),
+            "retokenization_drift": float(m["retokenization_drift"]),
+            "template_mismatch": float(m["template_mismatch"]),
+            "environment_timeouts": float(m["environment_timeouts"]),
+            "policy_version": float(self.policy_version),
+            "batches": float(self.batches_emitted),
+            "trajectories": float(self.trajectories_emitted),
+        }
+        for name, count in sorted(m.items()):  # reason/env_done..., tools/ok, tools/malformed...
+            if name.startswith(("reason/", "tools/")):
+                metrics[name] = float(count)
+        self.last_metrics = metrics
+        for hook in self.hooks:
+            hook(metrics)
+
+    # ---------------------------------------------------------------- weights
+    def set_policy_state(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Loads new policy weights (all keys must match) and tags later rows with ``version``."""
+        if version < self.policy_version:
+            raise ValueError(f"set_policy_state: version {version} is older than the current "
+                             f"{self.policy_version}; weights only move forward")
+        load_policy_weights(self.model, state_dict)
+        self.policy_version = int(version)
+
+    # ---------------------------------------------------------------- resume
+    def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
+        """``rounds_ahead``: (rounds, groups, trajectories) not yet counted but to be included."""
+        batches, groups, trajectories = rounds_ahead
+        cfg = self.config
+        return {
+            "tasks": self.tasks.state_dict(),
+            "groups_emitted": self.groups_emitted + groups,
+            "trajectories_emitted": self.trajectories_emitted + trajectories,
+            "batches_emitted": self.batches_emitted + batches,
+            "policy_version": self.policy_version,
+            "rng": self.generator.get_state(),
+            "config": {"collector_index": cfg.collector_index, "seed": cfg.seed, "group_size": cfg.group_size,
+                       "sampling": dataclasses.asdict(cfg.sampling), "limits": dataclasses.asdict(cfg.limits)},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state["config"]["collector_index"]
+        if saved != self.config.collector_index:
+            raise ValueError(f"collector state belongs to collector_index {saved}, this is collector "
+                             f"{self.config.collector_index}; restore each collector from its own state")
+        if "tasks" not in state:
+            raise ValueError("this collector state was saved by a single-turn Collector (it has prompts, not "
+                             "tasks); an agent collector cannot resume from it")
+        self.tasks.load_state_dict(state["tasks"])
+        self.groups_emitted = int(state["groups_emitted"])
+        self.trajectories_emitted = int(state["trajectories_emitted"])
+        self.batches_emitted = int(state["batches_emitted"])
+        self.policy_version = max(self.policy_version, int(state["policy_version"]))
+        self.generator.set_state(state["rng"])
+

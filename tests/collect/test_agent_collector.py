@@ -1,0 +1,161 @@
+"""The agent collector: whole groups of whole multi-turn trajectories through the write path, one
+append per round; the group advantage of each trajectory's return on every turn; per-round
+metrics; resume from its state, in process and after kill -9 of a real collector process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.objectives.llm import MCAdvantage
+from agent_setup import GROUP_SIZE, agent_collector, open_or_create, tiny_policy
+
+from rlhf_pipeline.agents.episode import rebuild_trajectory
+from rlhf_pipeline.schema import TerminationReason
+
+WORKER = Path(__file__).with_name("agent_collect_worker.py")
+
+
+def stored(store):
+    return store.read(torch.arange(len(store)))
+
+
+def trajectories(rows):
+    """trajectory id -> the row indices holding it, in stored order."""
+    out: dict[int, list[int]] = {}
+    for i, t in enumerate(rows["trajectory_id"].tolist()):
+        out.setdefault(t, []).append(i)
+    return out
+
+
+def test_rounds_write_whole_groups_of_whole_trajectories_with_one_advantage_each(tmp_path):
+    model, tokenizer = tiny_policy()
+    store = open_or_create(tmp_path / "buffer")
+    appends = []
+    collector = agent_collector(model, tokenizer, store)
+    sink = collector.sink
+    collector.sink = lambda batch: appends.append(len(batch)) or sink(batch)
+    for _ in range(3):
+        collector.collect()
+    rows = stored(store)
+    store.close()
+
+    assert len(appends) == 3 and sum(appends) == len(rows)  # one write-path call per round, nothing held back
+    by_trajectory = trajectories(rows)
+    assert list(by_trajectory) == list(range(3 * 2 * GROUP_SIZE))
+    steps, done = rows["step"].tolist(), rows["done"].tolist()
+    for t, idx in by_trajectory.items():
+        assert idx == list(range(idx[0], idx[0] + len(idx)))  # contiguous ...
+        assert [steps[i] for i in idx] == list(range(len(idx)))  # ... in step order
+        assert [done[i] for i in idx] == [False] * (len(idx) - 1) + [True]
+        assert int(rows["termination_reason"][idx[-1]]) == TerminationReason.ENV_DONE
+        assert len(set(rows["group_id"][idx].tolist())) == 1
+        rebuild_trajectory(rows.select(torch.tensor(idx)))  # the learner can rebuild every stored trajectory
+    # TurnsEnv runs task['turns'] (1 to 3) turns: several rows per trajectory, as many as its task says
+    assert {len(i) for i in by_trajectory.values()} == {1, 2, 3}
+
+    # GroupAdvantage: each trajectory's turn rewards summed, normalized within its group, on every turn,
+    # as torchrl's MCAdvantage computes it from the same trajectories in the same order
+    mc = MCAdvantage(grpo_size=GROUP_SIZE, prompt_key="group_id", trajectory_return="sum")
+    want: dict[int, list[float]] = {}
+    for t, idx in by_trajectory.items():
+        n = len(idx)
+        out = mc.inv(TensorDict(group_id=rows["group_id"][idx],
+                                next=TensorDict(reward=rows["reward"][idx].reshape(n, 1).float(),
+                                                done=rows["done"][idx].reshape(n, 1), batch_size=[n]),
+                                batch_size=[n]))
+        if out is not None:  # the group is complete: its trajectories (the last GROUP_SIZE ids), in order
+            flat = out["advantage"].reshape(-1).tolist()
+            for u in range(t + 1 - GROUP_SIZE, t + 1):
+                want[u], flat = flat[:len(by_trajectory[u])], flat[len(by_trajectory[u]):]
+    assert sorted(want) == sorted(by_trajectory)
+    for t, idx in by_trajectory.items():
+        assert rows["advantage"][idx].tolist() == pytest.approx(want[t], abs=1e-6)
+        assert len(set(want[t])) == 1  # one advantage per trajectory, copied to every turn
+    expected = torch.tensor([want[t][0] for t in by_trajectory])
+    assert float(expected.abs().max()) > 0  # the sampled text made returns differ within groups
+
+
+def test_round_metrics_count_this_round_only(tmp_path):
+    model, tokenizer = tiny_policy()
+    store = open_or_create(tmp_path / "buffer")
+    seen = []
+    collector = agent_collector(model, tokenizer, store)
+    collector.hooks.append(seen.append)
+    batches = [collector.collect() for _ in range(2)]
+    store.close()
+    for batch, m in zip(batches, seen, strict=True):
+        episodes = 2 * GROUP_SIZE
+        assert m["rows"] == len(batch) == m["turns_per_episode"] * episodes
+        # TurnsEnv makes one real multiply call per step: the shared ToolBox's counts, per round
+        assert m["tools/calls"] == m["tools/ok"] == len(batch)
+        assert sum(v for k, v in m.items() if k.startswith("reason/")) == episodes
+        assert m["template_mismatch"] == 0 and "retokenization_drift" in m and m["tool_call_rate"] >= 0
+        ends = batch["done"]
+        assert m["reward_mean"] == pytest.approx(float(batch["reward"].sum()) / episodes)
+        assert int(ends.sum()) == episodes
+
+
+def test_a_restored_collector_continues_exactly(tmp_path):
+    model, tokenizer = tiny_policy()
+    reference = []
+    first = agent_collector(model, tokenizer, None, sink=reference.append)
+    for _ in range(3):
+        first.collect()
+
+    resumed_rows = []
+    again = agent_collector(model, tokenizer, None, sink=resumed_rows.append)
+    again.collect()
+    state = again.state_dict()
+    restored = agent_collector(model, tokenizer, None, sink=resumed_rows.append)
+    restored.load_state_dict(state)
+    restored.collect()
+    restored.collect()
+    for want, got in zip(reference, resumed_rows, strict=True):
+        assert got.equal(want)
+
+
+def _worker(store, state, rounds, *hang):
+    return subprocess.Popen([sys.executable, str(WORKER), str(store), str(state), str(rounds), *map(str, hang)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(process):
+    out, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, out[-3000:]
+
+
+def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_path):
+    _finish(_worker(tmp_path / "reference", tmp_path / "reference.pt", 4))
+
+    ready = tmp_path / "ready"
+    victim = _worker(tmp_path / "buffer", tmp_path / "collector.pt", 4, 2, ready)
+    try:
+        while not ready.exists():  # the third round (index 2) has an episode at its second turn
+            assert victim.poll() is None, victim.communicate()[0][-3000:]
+            time.sleep(0.05)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(timeout=60)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+    store = open_or_create(tmp_path / "buffer")
+    rows = stored(store)
+    store.close()
+    assert rows["done"].tolist()[-1]  # nothing of the round in flight: the store ends on a whole trajectory
+    assert len(set(rows["group_id"].tolist())) == 2 * 2  # two whole rounds of two groups
+
+    _finish(_worker(tmp_path / "buffer", tmp_path / "collector.pt", 4))
+    reference, resumed = open_or_create(tmp_path / "reference"), open_or_create(tmp_path / "buffer")
+    want, got = stored(reference), stored(resumed)
+    reference.close()
+    resumed.close()
+    assert got["trajectory_id"].tolist() == want["trajectory_id"].tolist()
+    assert len(set(got["trajectory_id"].tolist())) == 4 * 2 * GROUP_SIZE  # every trajectory once, none doubled
+    assert got.equal(want)  # the rerun round sampled what the uninterrupted collector sampled

@@ -1,0 +1,117 @@
+"""``rlhf-pipeline run pipelines/tool_use.py`` end to end: a collector of multi-turn calculator episodes
+and a learner as real processes, a real buffer, a tiny model, nothing downloaded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.schema import TerminationReason
+from rlhf_pipeline.storage import open_buffer
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL_USE = str(REPO / "pipelines" / "tool_use.py")
+SMALL = ["--set", "warm_start_steps=20", "--set", "learner.batch_size=16", "--set", "learner.new_rows_per_step=16",
+         "--set", "learner.sample_window=32", "--set", "log_rounds_every=1"]
+
+
+def test_run_trains_on_whole_multi_turn_trajectories(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--steps", "3",
+                             "--home", str(tmp_path), "--run-name", "tools", *SMALL],
+                            cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[run] done: 3 learner steps" in result.stderr
+    assert "tool-call rate" in result.stderr  # the collector's per-round line
+    run = tmp_path / "tools"
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)))
+    by_trajectory: dict[int, list[int]] = {}
+    for i, t in enumerate(rows["trajectory_id"].tolist()):
+        by_trajectory.setdefault(t, []).append(i)
+    for idx in by_trajectory.values():  # whole trajectories only, each contiguous and in step order
+        assert idx == list(range(idx[0], idx[0] + len(idx)))
+        assert rows["step"][idx].tolist() == list(range(len(idx)))
+        assert rows["done"][idx].tolist() == [False] * (len(idx) - 1) + [True]
+        assert TerminationReason(int(rows["termination_reason"][idx[-1]])) is not TerminationReason.NOT_ENDED
+        assert len(set(rows["advantage"][idx].tolist())) == 1  # the trajectory's advantage on every turn
+    assert max(len(idx) for idx in by_trajectory.values()) >= 2  # tool calls made episodes of several turns
+    groups = torch.tensor([int(rows["group_id"][idx[0]]) for idx in by_trajectory.values()])
+    assert set(torch.unique(groups, return_counts=True)[1].tolist()) == {4}  # whole groups of group_size
+
+    rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
+    assert rounds and all(r["rows_written"] == r["rows"] for r in rounds)
+    assert all(0 <= r["tool_call_rate"] <= 1 and r["template_mismatch"] == 0 for r in rounds)
+    assert sum(r["tools/calls"] for r in rounds) > 0
+
+
+def _collector_pids(run_name: str, home: Path) -> list[int]:
+    """The ``collect`` child of the ``run`` of ``home/run_name``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if "collect" in words and str(home) in words and run_name in words:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole(tmp_path):
+    """kill -9 of the collector process stops the run; the same command resumes it: the buffer holds
+    every trajectory the collector handed out exactly once, whole, in the order of its ids."""
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
+               "--run-name", "crash", *SMALL, "--set", "log_rounds_every=0"]
+    run = tmp_path / "crash"
+    rounds_file = run / "collector" / "metrics-0000.jsonl"
+    first = subprocess.Popen([*command, "--steps", "40"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        while first.poll() is None and (not rounds_file.exists() or len(read_metrics(rounds_file)) < 3):
+            time.sleep(0.1)
+        victims = _collector_pids("crash", tmp_path)
+        assert len(victims) == 1, (victims, first.poll())
+        os.kill(victims[0], signal.SIGKILL)
+        out, _ = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode != 0 and "exited early" in out, out[-3000:]
+    stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"] if (run / "metrics.jsonl").exists() else 0
+
+    resumed = subprocess.run([*command, "--steps", str(stopped_at + 3)], cwd=REPO, capture_output=True, text=True,
+                             timeout=500)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "group_id", "step", "done"))
+    trajectory, step, done = rows["trajectory_id"].tolist(), rows["step"].tolist(), rows["done"].tolist()
+    starts = [i for i in range(len(trajectory)) if i == 0 or trajectory[i] != trajectory[i - 1]]
+    # each trajectory one contiguous run of rows, the ids 0, 1, 2, ... without a gap or a repeat
+    assert [trajectory[i] for i in starts] == list(range(len(starts)))
+    for a, b in zip(starts, [*starts[1:], len(trajectory)], strict=True):
+        assert step[a:b] == list(range(b - a)) and done[a:b] == [False] * (b - a - 1) + [True]
+    assert [int(rows["group_id"][i]) for i in starts] == [k // 4 for k in range(len(starts))]
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("group_size=1", "'group_size' must be >= 2"),
+    ("context_length=100", "'context_length' (100) leaves no room"),
+    ("warm_start_tool_fraction=1.5", "'warm_start_tool_fraction' must be in [0, 1]"),
+])
+def test_bad_settings_fail_before_any_process_starts(tmp_path, setting, message):
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
+                             "--set", setting], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert not any(tmp_path.iterdir())  # nothing created
