@@ -2,9 +2,11 @@
 
 The task a small model cannot do in its head but can with the tool: ``{"question": "What is 37 *
 58?", "answer": "2146"}``. A turn with tool calls is answered by the tools (reward 0); a turn
-without is the final answer: reward 1 when it contains the product, 0 otherwise, and the episode
-ends (with ``partial_credit``, a wrong number earns ``0.5 * right-aligned matching digits / longer
-length``, so near misses rank above wild guesses). ``max_tool_errors`` failed calls end the
+without is the final answer: reward 1 when its last number is the product, 0 otherwise, and the
+episode ends (with ``partial_credit``, a wrong number earns ``0.5 * right-aligned matching digits /
+longer length``, so near misses rank above wild guesses). The last number, not "the text contains
+the product": a policy paid for containing it learns to write long strings of digits (seen: a run
+was paid 1 for "77287" on 56 * 13 = 728). ``max_tool_errors`` failed calls end the
 episode with ``TOOL_ERROR`` (reward 0). With ``nudges`` set, the first answers without a tool call are met with a reminder to use the tool
 instead of being taken as final (a bounded number: ``max_turns`` still ends the episode).
 
@@ -78,18 +80,23 @@ class CalculatorEnv:
             return StepResult([{"role": "user", "content": "Use the multiply tool, then answer."}])
         if self.partial_credit:
             return StepResult(reward=digit_credit(turn.text, self.answer), done=True)
-        return StepResult(reward=float(self.answer in turn.text), done=True)
+        return StepResult(reward=float(final_number(turn.text) == self.answer), done=True)
+
+
+def final_number(text: str) -> str | None:
+    """The last number written in ``text`` (its digits), the answer it gives; None without one."""
+    numbers = re.findall(r"\d+", text)
+    return numbers[-1] if numbers else None
 
 
 def digit_credit(text: str, answer: str) -> float:
-    """1.0 when ``text`` contains ``answer``; else ``0.5 * right-aligned matching digits / longer length``
-    of the last number in ``text`` (0 without one)."""
-    if answer in text:
-        return 1.0
-    numbers = re.findall(r"\d+", text)
-    if not numbers:
+    """1.0 when the last number in ``text`` is ``answer``; else ``0.5 * right-aligned matching
+    digits / longer length`` of that number (0 without one)."""
+    said = final_number(text)
+    if said is None:
         return 0.0
-    said = numbers[-1]
+    if said == answer:
+        return 1.0
     matching = sum(x == y for x, y in zip(reversed(said), reversed(answer), strict=False))
     return 0.5 * matching / max(len(said), len(answer))
 

@@ -22,7 +22,9 @@ from rlhf_pipeline.schema import TerminationReason
 def test_digit_credit_ranks_near_misses_and_exact_answers():
     assert digit_credit("it is 2146", "2146") == 1.0
     assert digit_credit("2140", "2146") == 0.5 * 3 / 4
-    assert digit_credit("2146 or 5", "2146") == 1.0  # contains the product, as the default reward reads it
+    assert digit_credit("2146 or 5", "2146") == 0.0  # the answer is the last number written
+    # containing the product is not answering it: digits around it make another number
+    assert digit_credit("772146", "2146") == 0.5 * 4 / 6 and digit_credit("21467", "2146") < 0.5
     assert digit_credit("12 then 9999", "2146") == 0.0 and digit_credit("no number", "2146") == 0.0
     env = CalculatorEnv(partial_credit=True)
     env.reset({"question": "What is 37 * 58?", "answer": "2146"})
@@ -30,6 +32,9 @@ def test_digit_credit_ranks_near_misses_and_exact_answers():
     strict = CalculatorEnv()
     strict.reset({"question": "What is 37 * 58?", "answer": "2146"})
     assert strict.step(ModelTurn(0, "2140", (), True)).reward == 0.0
+    for text, paid in (("772146", 0.0), ("the product is 2146.", 1.0)):
+        strict.reset({"question": "What is 37 * 58?", "answer": "2146"})
+        assert strict.step(ModelTurn(0, text, (), True)).reward == paid, text
 
 
 def test_demonstrations_are_episodes_with_the_model_turns_masked_in():
