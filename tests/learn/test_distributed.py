@@ -236,3 +236,19 @@ def test_two_ranks_train_multi_turn_trajectories_like_one(one_rank_multi_turn, t
     want, got = (read_metrics(RunPaths(r).metrics) for r in (one_rank_multi_turn, root))
     for key in counts:
         assert [r.get(key) for r in got] == pytest.approx([r.get(key) for r in want]), key
+
+
+def test_a_two_rank_multi_turn_checkpoint_resumes_on_one_rank(one_rank_multi_turn, tmp_path):
+    """Narrowing draws to trajectory ends keeps no state of its own: rank 0's checkpoint at step 2
+    (after a filler step; a skipped draw lies just ahead) resumes on one rank to the same end."""
+    root = tmp_path / "resumed"
+    make_multi_turn_run(root)
+    torchrun(2, root, 2, "turns")
+    assert CheckpointManager(root / "checkpoints").latest_step() == 2
+    train(root, MULTI_TURN_STEPS, mode="turns")
+    torch.testing.assert_close(losses(root), losses(one_rank_multi_turn), rtol=1e-4, atol=1e-6)
+    reference, resumed = final_weights(one_rank_multi_turn), final_weights(root)
+    for key in reference:
+        torch.testing.assert_close(resumed[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+    want, got = (read_metrics(RunPaths(r).metrics) for r in (one_rank_multi_turn, root))
+    assert [r["charts/rows_trained"] for r in got] == [r["charts/rows_trained"] for r in want]
