@@ -12,11 +12,11 @@ What makes N ranks train exactly like one:
   staleness drops, epochs and pacing (``learner.batch_size`` stays the global batch). It shares
   each draw, with the lasting names (shard, row id) of its rows, with one
   ``broadcast_object_list`` on the main thread (:meth:`share_draw`), and every rank reads only
-  its own contiguous slice (:meth:`local_positions`, :meth:`local_names`) from its own view of
-  the same buffer, refreshed until it holds those rows (:meth:`positions_in_view`). So the
-  ranks train on rank 0's rows while collectors write, and the checkpointed sampler state is
-  rank 0's. When rank 0 has no draw to give (stopped, or its draw failed) it shares a
-  :class:`MainStopped`, so no rank waits forever.
+  its own contiguous slice (:meth:`local_positions`, :meth:`local_names`; of trajectories, for
+  multi-turn rows) from its own view of the same buffer, refreshed until it holds those rows
+  (:meth:`positions_in_view`). So the ranks train on rank 0's rows while collectors write, and
+  the checkpointed sampler state is rank 0's. When rank 0 has no draw to give (stopped, or its
+  draw failed) it shares a :class:`MainStopped`, so no rank waits forever.
 * **The same loss.** The loss is normalized by the *global* batch: every rank weighs its
   micro-batches by their share of the global response tokens (``token_mean``) or rows (the
   other aggregations), counted with one all-reduce (:meth:`sum_counts`). The sum over ranks
@@ -291,12 +291,13 @@ class DataParallel:
         return int(box.item())
 
     # ------------------------------------------------------------------ the layer around one step
-    def next_draw(self, take: Callable[[], tuple], *, read_rows: Callable[[torch.Tensor, bool], TensorDict],
+    def next_draw(self, take: Callable[[], tuple], *, read_slice: Callable[[Any, torch.Tensor, bool], TensorDict | None],
                   store, stop: threading.Event, timeout_s: float):
         """``(draw, (sampled, batch, names, intake), seconds waited)`` on every rank. Only rank 0
         draws (``take()``: its prefetch thread; its sampler alone sees the buffer grow, decides
         staleness drops, epochs and pacing) and shares the draw; every other rank reads its own
-        slice of the named rows (``read_rows``) from its view of the same buffer, refreshed until it
+        slice of the named rows (``read_slice(sampled, positions, filler)``: of trajectories when
+        ``sampled.trajectory_steps`` is set) from its view of the same buffer, refreshed until it
         holds them. With one rank: ``take()``."""
         if not self.enabled:
             return take()
@@ -319,7 +320,7 @@ class DataParallel:
         draw, sampled, names, intake = shared
         mine, filler = self.local_names(names)
         positions = self.positions_in_view(store, mine, stop=stop, timeout_s=timeout_s)
-        return draw, (sampled, read_rows(positions, filler), names, intake), time.perf_counter() - start
+        return draw, (sampled, read_slice(sampled, positions, filler), names, intake), time.perf_counter() - start
 
     def drop_stale(self, batch: TensorDict, fresh: np.ndarray) -> tuple[TensorDict | None, int, np.ndarray]:
         """:func:`~rlhf_pipeline.learn.stale_rows.drop_stale` over all ranks: stale rows counted

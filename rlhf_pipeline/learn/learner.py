@@ -31,7 +31,9 @@ after the step the learner hands them to the sampler for the rows it trained on
 Multi-turn rows train as whole trajectories, one sequence each (``learn/trajectories.py``): a
 draw's rows that end a trajectory are read with their earlier turns on the prefetch thread and
 joined, the loss mask 0 on the environment's tokens; a drawn row that does not end its trajectory
-waits for the draw of its trajectory's last row. Single-turn draws are untouched. Rows (or
+waits for the draw of its trajectory's last row. Single-turn draws are untouched. With several
+data-parallel ranks rank 0 narrows the whole draw to the rows that end a trajectory, and each rank
+reads its slice of those trajectories whole (``learn/distributed.py``). Rows (or
 trajectories) that ended for one of ``mask_termination_reasons`` are left out of the step like
 stale ones (``charts/trajectories_masked``).
 
@@ -73,7 +75,15 @@ from rlhf_pipeline.learn.optimizer import make_optimizer
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.stale_rows import fresh_mask
 from rlhf_pipeline.learn.step import mean_one, train_step
-from rlhf_pipeline.learn.trajectories import is_single_turn, masked_by_reason, termination_codes, trajectory_draw
+from rlhf_pipeline.learn.trajectories import (
+    is_single_turn,
+    masked_by_reason,
+    narrow_to_trajectory_ends,
+    read_trajectories,
+    termination_codes,
+    trajectory_draw,
+    trajectory_ends,
+)
 from rlhf_pipeline.learn.usage import TrainedRows
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.files.run_paths import RunPaths
@@ -226,39 +236,63 @@ class Learner:
             batch = self.batch_transform(positions, batch)
             return batch.pin_memory() if pin and torch.cuda.is_available() else batch
 
-        def read(positions: torch.Tensor, filler: bool, transform: bool = True):
-            batch = collator.read(self._store, positions)
-            if transform and self.batch_transform is not None:
+        # single-turn rows carry no termination reason in the padded batch: read it only when asked to mask
+        read_reasons = self._masked_codes.numel() > 0 and "termination_reason" in self._store.schema.field_names
+
+        def finish(positions: torch.Tensor, batch, filler: bool = False):
+            """A read batch as it trains: re-scored (named by ``positions``), marked filler or not."""
+            if self.batch_transform is not None:
                 batch = transformed(positions, batch)
             if self.data_parallel.enabled:
                 batch = self.data_parallel.mark_filler(batch, filler)
             return batch
 
-        # single-turn rows carry no termination reason in the padded batch: read it only when asked to mask
-        read_reasons = self._masked_codes.numel() > 0 and "termination_reason" in self._store.schema.field_names
-
-        def produce(draw: int):
-            sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
-            positions, filler = self.data_parallel.local_positions(sampled.positions)  # this rank's slice
-            batch = read(positions, filler, transform=False)  # re-scored below, once it is known what trains
-            if not is_single_turn(batch):  # multi-turn rows: the whole trajectories they end
-                if self.data_parallel.enabled:
-                    raise ValueError("multi-turn rows are not trained with several data-parallel ranks yet; "
-                                     "run one learner rank")
-                sampled, joined = trajectory_draw(self._store, sampled, batch, pad_token_id=self.pad_token_id,
-                                                  turn_advantage=self.settings.turn_advantage,
-                                                  pin=pin and self.batch_transform is None)
-                if joined is not None and self.batch_transform is not None:  # named by their last rows
-                    joined = transformed(sampled.positions, joined)
-                return sampled, joined
-            if self.batch_transform is not None:
-                batch = transformed(positions, batch)
+        def with_reasons(positions: torch.Tensor, batch):
             if read_reasons:
                 batch["termination_reason"] = self._store.read(positions, fields=("termination_reason",))[
                     "termination_reason"]
-            return sampled, batch
+            return batch
 
-        self._read_rows = read
+        def read_slice(sampled, positions: torch.Tensor, filler: bool):
+            """This rank's slice of a draw (``positions``): the rows as drawn, or, when rank 0
+            narrowed the draw to trajectory ends, the slice's trajectories read whole (None when
+            the draw ended none: every rank skips it)."""
+            if sampled.trajectory_steps is None:
+                return finish(positions, with_reasons(positions, collator.read(self._store, positions)), filler)
+            if sampled.positions.numel() == 0:
+                return None
+            steps, _ = self.data_parallel.local_positions(sampled.trajectory_steps)
+            joined = read_trajectories(self._store, positions, steps, pad_token_id=self.pad_token_id,
+                                       turn_advantage=self.settings.turn_advantage)
+            if pin and self.batch_transform is None and torch.cuda.is_available():
+                joined = joined.pin_memory()
+            return finish(positions, joined, filler)
+
+        def narrow_whole_draw(sampled):
+            """Rank 0 alone sees the whole draw: from its rows' ``done`` and ``step`` it decides, as one
+            rank would from the rows it read, whether they are multi-turn and which of them end a whole
+            trajectory; every rank then trains its slice of those trajectories."""
+            flags = self._store.read(sampled.positions, fields=("done", "step"))
+            if bool(flags["done"].all()) and not bool(flags["step"].any()):  # single-turn rows: as drawn
+                return sampled
+            return narrow_to_trajectory_ends(sampled, trajectory_ends(self._store, sampled.positions,
+                                                                      flags["done"], flags["step"]))
+
+        def produce(draw: int):
+            sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
+            if self.data_parallel.enabled:
+                sampled = narrow_whole_draw(sampled)
+                positions, filler = self.data_parallel.local_positions(sampled.positions)  # this rank's slice
+                return sampled, read_slice(sampled, positions, filler)
+            batch = collator.read(self._store, sampled.positions)  # re-scored below, once it is known what trains
+            if not is_single_turn(batch):  # multi-turn rows: the whole trajectories they end
+                sampled, joined = trajectory_draw(self._store, sampled, batch, pad_token_id=self.pad_token_id,
+                                                  turn_advantage=self.settings.turn_advantage,
+                                                  pin=pin and self.batch_transform is None)
+                return sampled, None if joined is None else finish(sampled.positions, joined)  # named by last rows
+            return sampled, finish(sampled.positions, with_reasons(sampled.positions, batch))
+
+        self._read_slice = read_slice
         if self.data_parallel.is_main:  # the other ranks take rank 0's draws (_next_draw)
             self._prefetcher = Prefetcher(self._naming_rows(produce), self.progress.draws,
                                           depth=self.settings.prefetch_depth, stop=self.stop_event)
@@ -294,7 +328,7 @@ class Learner:
         while self.progress.step < until and not self.data_parallel.any_rank(self.stop_event.is_set()):
             try:
                 draw, (sampled, batch, names, intake), wait = self.data_parallel.next_draw(
-                    lambda: self._prefetcher.next(on_wait=on_wait), read_rows=self._read_rows, store=self._store,
+                    lambda: self._prefetcher.next(on_wait=on_wait), read_slice=self._read_slice, store=self._store,
                     stop=self.stop_event, timeout_s=self.settings.data_timeout_s)
             except InterruptedError:
                 break
@@ -340,8 +374,9 @@ class Learner:
                 metrics["charts/priority_feedback_mean"] = float(row_feedback.mean())
                 metrics["charts/priority_feedback_max"] = float(row_feedback.max())
             trained = names.select(kept)
-            if bool(batch["step"].any()):  # trajectories, named by their last rows: every turn was trained on
-                trained = trained.with_earlier_turns(batch["step"].cpu().numpy())
+            if sampled.trajectory_steps is not None:  # trajectories, named by their last rows: every turn trained
+                # (the draw's steps, not the batch's: under data parallelism the batch is this rank's slice)
+                trained = trained.with_earlier_turns(sampled.trajectory_steps.numpy()[kept])
             self._trained.mark(trained.by_shard())
             self.progress.step += 1
             if self.progress.step % self.settings.publish_every == 0:

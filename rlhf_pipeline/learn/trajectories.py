@@ -15,7 +15,7 @@ environment's tokens, the stored sampling/reference log-probs are 0 there (never
 term of the loss, its aggregations, GSPO's sequence ratio, TIS and the metrics only see masked
 tokens), and the packed path computes logits only where they score a sampled token.
 
-Which rows make a batch (:func:`whole_trajectories`). The samplers draw rows; a drawn row that
+Which rows make a batch (:func:`trajectory_ends`, :func:`read_trajectories`). The samplers draw rows; a drawn row that
 ends a trajectory (``done``) stands for the whole trajectory, whose earlier turns are read with
 it: a trajectory's rows are written together, in step order, so the row ending at position
 ``p`` with ``step = s`` has its turns at positions ``p - s .. p`` (checked on every read:
@@ -35,6 +35,11 @@ trajectory's last row is drawn. Why this way:
 * no index of trajectories is stored or rebuilt on resume: a row's ``step`` says where its
   trajectory starts. A trajectory whose first turns were evicted is dropped and counted
   (``charts/trajectories_incomplete``).
+
+The two halves are separate functions because data-parallel ranks split them: rank 0 finds the
+draw's trajectory ends (:func:`trajectory_ends`, :func:`narrow_to_trajectory_ends`) from the
+``done`` and ``step`` of the whole draw, and each rank reads its slice of those trajectories
+(:func:`read_trajectories`); one rank runs both in :func:`trajectory_draw`.
 
 Advantages (``learner.turn_advantage``): ``trajectory`` (default) puts the trajectory's
 advantage (its last row's: the group-relative return of the whole trajectory, which the write
@@ -88,60 +93,77 @@ def masked_by_reason(batch: TensorDict, codes: torch.Tensor) -> torch.Tensor:
 
 # ====================================================================== reading whole trajectories
 @dataclass
-class WholeTrajectories:
-    """A draw's trajectories: one padded learner row each, and which drawn rows ended them."""
+class TrajectoryEnds:
+    """Which rows of a draw end a trajectory that can be read whole."""
 
-    ends: torch.Tensor  # (k,) indices, into the drawn positions, of the rows that ended a trajectory
-    batch: TensorDict | None  # (k', ...) padded, one row per complete trajectory; None when k' = 0
-    kept: torch.Tensor  # (k',) indices into ``ends`` of the trajectories in ``batch``
+    chosen: torch.Tensor  # (k,) indices, into the drawn rows, of the rows that end a whole trajectory
+    steps: torch.Tensor  # (k,) int64, the step of each: the trajectory has steps + 1 turns
     deferred: int  # drawn rows that did not end their trajectory
     incomplete: int  # trajectories whose first turns are no longer in the store
 
 
-def whole_trajectories(store, positions: torch.Tensor, drawn: TensorDict, *, pad_token_id: int,
-                       index_dtype: torch.dtype = torch.int32, turn_advantage: str = "trajectory") -> WholeTrajectories:
-    """The trajectories ended by the drawn rows at ``positions`` (read into ``drawn``), each read
-    whole from ``store`` and joined into one learner row (module docstring)."""
-    done = drawn["next", "done"].reshape(-1).cpu()
-    ends = torch.nonzero(done).squeeze(1)  # (k,)
-    deferred = int(done.numel() - ends.numel())
+def trajectory_ends(store, positions: torch.Tensor, done: torch.Tensor, step: torch.Tensor) -> TrajectoryEnds:
+    """The drawn rows at ``positions`` (their ``done`` and ``step``) that end a trajectory whose
+    first turn ``store`` still holds (module docstring)."""
+    done = done.reshape(-1).cpu().bool()
+    ends = torch.nonzero(done).squeeze(1)  # (e,)
     end_positions = positions.cpu()[ends].to(torch.int64)
-    turns = drawn["step"].cpu()[ends].to(torch.int64) + 1  # (k,)
-    starts = end_positions - turns + 1
+    steps = step.reshape(-1).cpu()[ends].to(torch.int64)
     # a trajectory whose first rows were evicted is left out: its first turn would lie before its
     # store's first position (in a union of shards, its own shard's)
+    kept = torch.nonzero(_local_positions(store, end_positions) - steps >= 0).squeeze(1)
+    return TrajectoryEnds(ends[kept], steps[kept], deferred=int(done.numel() - ends.numel()),
+                          incomplete=int(ends.numel() - kept.numel()))
+
+
+def _local_positions(store, positions: torch.Tensor) -> torch.Tensor:
+    """``positions`` of a union of shards as positions within each row's own shard."""
     locate = getattr(store, "locate", None)
-    local_ends = locate(end_positions)[1] if locate is not None else end_positions
-    kept = torch.nonzero(local_ends - turns + 1 >= 0).squeeze(1)
-    incomplete = int(ends.numel() - kept.numel())
-    if kept.numel() == 0:
-        return WholeTrajectories(ends, None, kept, deferred, incomplete)
-    turns, starts = turns[kept], starts[kept]
-    rows = store.read(gather_ranges(starts, turns), fields=padded_fields(store.schema))
+    return locate(positions)[1] if locate is not None else positions
+
+
+def narrow_to_trajectory_ends(sampled, ends: TrajectoryEnds):
+    """A draw (``SampledRows``) narrowed to the rows that end a whole trajectory: what is named,
+    checkpointed, weighed and fed back is each trajectory's last row; ``trajectory_steps`` says how
+    many turns came before it. Its metrics count the draw's trajectories."""
+    turns = ends.steps.float() + 1 if ends.steps.numel() else torch.zeros(1)
+    metrics = {**sampled.metrics, "charts/trajectories": float(ends.chosen.numel()),
+               "charts/turns_per_trajectory_mean": float(turns.mean()),
+               "charts/rows_deferred_to_trajectory_end": float(ends.deferred),
+               "charts/trajectories_incomplete": float(ends.incomplete)}
+    return dataclasses.replace(sampled, positions=sampled.positions[ends.chosen], metrics=metrics,
+                               weights=None if sampled.weights is None else sampled.weights[ends.chosen],
+                               trajectory_steps=ends.steps)
+
+
+def read_trajectories(store, end_positions: torch.Tensor, steps: torch.Tensor, *, pad_token_id: int,
+                      index_dtype: torch.dtype = torch.int32, turn_advantage: str = "trajectory") -> TensorDict:
+    """The padded learner batch of the trajectories whose last rows are at ``end_positions``, at
+    ``steps``: each read whole from ``store`` and joined into one row. Raises when a trajectory's
+    first turns are no longer held (evicted since its last row was drawn)."""
+    turns = steps.cpu().to(torch.int64) + 1  # (k,)
+    end_positions = end_positions.cpu().to(torch.int64)
+    if bool((_local_positions(store, end_positions) - turns + 1 < 0).any()):
+        raise RuntimeError("the first turns of a drawn trajectory were evicted before they were read; give the "
+                           "buffer a larger capacity_rows than the learner's draws run behind the collectors")
+    rows = store.read(gather_ranges(end_positions - turns + 1, turns), fields=padded_fields(store.schema))
     check_whole(rows, turns)
     joined = join_turns(rows, turns, turn_advantage=turn_advantage)
-    return WholeTrajectories(ends, pad_trajectories(joined, pad_token_id=pad_token_id, index_dtype=index_dtype),
-                             kept, deferred, incomplete)
+    return pad_trajectories(joined, pad_token_id=pad_token_id, index_dtype=index_dtype)
 
 
 def trajectory_draw(store, sampled, drawn: TensorDict, *, pad_token_id: int, turn_advantage: str,
                     pin: bool = False) -> tuple:
     """A learner draw (``SampledRows``) of multi-turn rows, read into ``drawn`` -> the draw narrowed
-    to the rows that end a whole trajectory (positions, importance weights: what is named,
-    checkpointed and fed back is each trajectory's last row) and the padded batch of those
-    trajectories (None when the draw ended none)."""
-    whole = whole_trajectories(store, sampled.positions, drawn, pad_token_id=pad_token_id,
-                               index_dtype=torch.int32, turn_advantage=turn_advantage)
-    chosen = whole.ends[whole.kept]
-    turns = whole.batch["step"].float() + 1 if whole.batch is not None else torch.zeros(1)
-    metrics = {**sampled.metrics, "charts/trajectories": float(chosen.numel()),
-               "charts/turns_per_trajectory_mean": float(turns.mean()),
-               "charts/rows_deferred_to_trajectory_end": float(whole.deferred),
-               "charts/trajectories_incomplete": float(whole.incomplete)}
-    sampled = dataclasses.replace(sampled, positions=sampled.positions[chosen], metrics=metrics,
-                                  weights=None if sampled.weights is None else sampled.weights[chosen])
-    batch = whole.batch
-    if batch is not None and pin and torch.cuda.is_available():
+    to the rows that end a whole trajectory (:func:`narrow_to_trajectory_ends`) and the padded
+    batch of those trajectories (None when the draw ended none)."""
+    ends = trajectory_ends(store, sampled.positions, drawn["next", "done"], drawn["step"])
+    sampled = narrow_to_trajectory_ends(sampled, ends)
+    if ends.chosen.numel() == 0:
+        return sampled, None
+    batch = read_trajectories(store, sampled.positions, ends.steps, pad_token_id=pad_token_id,
+                              turn_advantage=turn_advantage)
+    if pin and torch.cuda.is_available():
         batch = batch.pin_memory()
     return sampled, batch
 

@@ -6,7 +6,8 @@ steps, the way ``rlhf-pipeline learn`` does under torchrun: ranks from the torch
 environment, the process group started before the learner and stopped after it. ``live``:
 :data:`LIVE_SETTINGS`, for a buffer that another process keeps appending to; every rank then
 writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the step's draw).
-``fsdp``: :data:`SETTINGS` with ``parallelism="fsdp"`` (FSDP2 instead of DDP).
+``fsdp``: :data:`SETTINGS` with ``parallelism="fsdp"`` (FSDP2 instead of DDP). ``turns`` and
+``turns-fsdp``: :data:`MULTI_TURN_SETTINGS` (a buffer of multi-turn trajectories), with DDP or FSDP2.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ LIVE_SETTINGS = LearnerSettings(batch_size=16, sampler="window", sample_window=2
                                 checkpoint_every=2, log_every=1, data_timeout_s=60,
                                 loss=GRPOLossConfig(old_policy="current"))
 
+# a buffer of multi-turn trajectories read in the order written (test_distributed.py builds it so that
+# draws end several trajectories, one, or none); trajectories that hit the turn limit are left out
+MULTI_TURN_SETTINGS = LearnerSettings(batch_size=8, sampler="epoch", epoch_order="sequential", micro_batch_tokens=48,
+                                      lr=1e-3, warmup_steps=1, max_staleness=None, checkpoint_every=2, log_every=1,
+                                      mask_termination_reasons=("max_turns",),
+                                      loss=GRPOLossConfig(old_policy="current"))
+
 
 def make_model() -> torch.nn.Module:
     return tiny_causal_lm(len(TOKENIZER), hidden_size=32, num_layers=1, num_heads=2, seed=0)
@@ -83,7 +91,9 @@ def record_rows(root: Path, rank: int):
 def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mode: str = "") -> Learner:
     data_parallel = data_parallel or DataParallel()
     live = mode == "live"
-    settings = {"live": LIVE_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp")}.get(mode, SETTINGS)
+    settings = {"live": LIVE_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
+                "turns": MULTI_TURN_SETTINGS,
+                "turns-fsdp": dataclasses.replace(MULTI_TURN_SETTINGS, parallelism="fsdp")}.get(mode, SETTINGS)
     learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps,
                       seed=SEED, show_progress=False, data_parallel=data_parallel,
                       on_step=record_rows(root, data_parallel.rank) if live else None)

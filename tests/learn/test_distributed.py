@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from data_parallel_worker import ROWS, SETTINGS, make_model, make_run, rows, train
+from test_trajectories import OPTIONAL, multi_turn_rows
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import RunPaths
-from rlhf_pipeline.storage import open_store
-from rlhf_pipeline.coordination.weights import latest_version, load_weights
+from rlhf_pipeline.schema import StoreSchema, TerminationReason
+from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.coordination.weights import latest_version, load_weights, publish_weights
 
 WORKER = Path(__file__).with_name("data_parallel_worker.py")
 STEPS = 4  # epoch 1 is batches of 16, 16 and 1 rows; step 4 opens epoch 2
@@ -172,3 +174,81 @@ def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(
     torch.testing.assert_close(losses(resumed), losses(one_rank), rtol=1e-4, atol=1e-6)
     for key, value in final_weights(resumed).items():
         torch.testing.assert_close(value, reference[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+# ====================================================================== multi-turn trajectories
+DONE, TURN_LIMIT = TerminationReason.ENV_DONE, TerminationReason.MAX_TURNS  # MAX_TURNS is masked (the worker's settings)
+# (turns of each trajectory, how each ended), appended in this order; the worker reads 8 rows a draw in that order
+MULTI_TURN_APPENDS = [
+    ([3, 1, 4], [DONE, TURN_LIMIT, DONE]),  # draw 0, rows 0-7: ends 3 trajectories, one of them masked
+    ([8], [DONE]),  # draw 1: ends 1, so rank 1 trains a filler
+    ([10, 2, 2, 2], [DONE, DONE, TURN_LIMIT, TURN_LIMIT]),  # draw 2 ends none (no step); draw 3 ends 4, rank 1's 2 masked
+    ([1] * 8, [DONE] * 4 + [TURN_LIMIT] * 4),  # draw 4: single-turn rows, every row of rank 1's slice masked
+    ([1], [DONE]),  # draw 5: the epoch's last row, rank 1 a filler; draw 6 is draw 0 again
+]
+MULTI_TURN_STEPS = 6
+
+
+def make_multi_turn_run(root: Path) -> None:
+    paths = RunPaths(root)
+    store = create_store(paths.buffer, "memmap", schema=StoreSchema(optional=OPTIONAL), segment_rows=8)
+    first_id = 0
+    for seed, (turns, reasons) in enumerate(MULTI_TURN_APPENDS):
+        store.append(multi_turn_rows(turns, seed=seed, first_id=first_id, reasons=reasons))
+        first_id += len(turns)
+    store.close()
+    publish_weights(paths.root, make_model().state_dict(), 0)
+
+
+@pytest.fixture(scope="module")
+def one_rank_multi_turn(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dp-turns") / "one-rank"
+    make_multi_turn_run(root)
+    train(root, MULTI_TURN_STEPS, mode="turns")
+    return root
+
+
+def test_one_rank_trains_the_multi_turn_buffer_as_designed(one_rank_multi_turn):
+    """The reference the ranks are held to takes the draws MULTI_TURN_APPENDS describes."""
+    records = read_metrics(RunPaths(one_rank_multi_turn).metrics)
+    assert [r.get("charts/trajectories") for r in records] == [3, 1, 4, None, None, 3]
+    assert [r["charts/trajectories_masked"] for r in records] == [1, 0, 2, 4, 0, 1]
+    assert [r["charts/rows"] for r in records] == [2, 1, 2, 4, 1, 2]
+    # every turn of a trained trajectory counts as trained; the masked ones do not
+    assert [r["charts/rows_trained"] for r in records] == [7, 15, 27, 31, 32, 32]
+
+
+@pytest.mark.parametrize("mode", ["turns", "turns-fsdp"])
+def test_two_ranks_train_multi_turn_trajectories_like_one(one_rank_multi_turn, tmp_path, mode):
+    """Each rank reads its slice of the draw's trajectories whole; fillers where a rank's slice ends
+    none or is masked away, a draw that ends none skipped on every rank: the 1-rank losses, weights
+    and counts, under DDP and FSDP."""
+    root = tmp_path / mode
+    make_multi_turn_run(root)
+    torchrun(2, root, MULTI_TURN_STEPS, mode)
+    torch.testing.assert_close(losses(root), losses(one_rank_multi_turn), rtol=1e-4, atol=1e-6)
+    reference, trained = final_weights(one_rank_multi_turn), final_weights(root)
+    for key in reference:
+        torch.testing.assert_close(trained[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+    counts = ("charts/trajectories", "charts/turns_per_trajectory_mean", "charts/rows_deferred_to_trajectory_end",
+              "charts/trajectories_incomplete", "charts/trajectories_masked", "charts/rows", "charts/rows_trained",
+              "charts/response_length_mean", "charts/reward_mean")
+    want, got = (read_metrics(RunPaths(r).metrics) for r in (one_rank_multi_turn, root))
+    for key in counts:
+        assert [r.get(key) for r in got] == pytest.approx([r.get(key) for r in want]), key
+
+
+def test_a_two_rank_multi_turn_checkpoint_resumes_on_one_rank(one_rank_multi_turn, tmp_path):
+    """Narrowing draws to trajectory ends keeps no state of its own: rank 0's checkpoint at step 2
+    (after a filler step; a skipped draw lies just ahead) resumes on one rank to the same end."""
+    root = tmp_path / "resumed"
+    make_multi_turn_run(root)
+    torchrun(2, root, 2, "turns")
+    assert CheckpointManager(root / "checkpoints").latest_step() == 2
+    train(root, MULTI_TURN_STEPS, mode="turns")
+    torch.testing.assert_close(losses(root), losses(one_rank_multi_turn), rtol=1e-4, atol=1e-6)
+    reference, resumed = final_weights(one_rank_multi_turn), final_weights(root)
+    for key in reference:
+        torch.testing.assert_close(resumed[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+    want, got = (read_metrics(RunPaths(r).metrics) for r in (one_rank_multi_turn, root))
+    assert [r["charts/rows_trained"] for r in got] == [r["charts/rows_trained"] for r in want]

@@ -33,6 +33,7 @@ from rlhf_pipeline.learn.trajectories import (
     join_turns,
     masked_by_reason,
     pad_trajectories,
+    read_trajectories,
     termination_codes,
     trajectory_draw,
 )
@@ -420,6 +421,23 @@ def test_a_trajectory_whose_first_turns_were_evicted_is_left_out_and_counted(tmp
     for opened in (store, writer, first_shard):
         if opened is not None:
             opened.close()
+
+
+def test_reading_a_trajectory_whose_first_turns_were_evicted_since_its_draw_fails_loudly(tmp_path):
+    """What a data-parallel rank other than 0 meets when its view of the buffer evicted a
+    trajectory's first turns after rank 0 drew its last row: no fragment is trained."""
+    store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema(optional=OPTIONAL), segment_rows=2,
+                         capacity_rows=10)
+    store.append(multi_turn_rows(TURNS))
+    store.append(multi_turn_rows(TURNS, seed=1, first_id=10))
+    held = store.read(torch.arange(len(store)))
+    assert held["trajectory_id"][0] == 10 and held["step"][0] == 2  # its turns 0 and 1 are gone
+    with pytest.raises(RuntimeError, match="evicted"):
+        read_trajectories(store, torch.tensor([0]), torch.tensor([2]), pad_token_id=0)
+    whole = read_trajectories(store, torch.tensor([5]), held["step"][5:6], pad_token_id=0)  # trajectory 12, 4 turns
+    assert whole["trajectory_id"].tolist() == [12]
+    _assert_whole(store, whole)
+    store.close()
 
 
 def test_rows_of_a_trajectory_not_stored_together_are_refused(tmp_path):

@@ -48,6 +48,10 @@ class SampledRows:
     consumed: dict[str, int] | None = None
     # new rows the next draw waits for (None: learner.new_rows_per_step, or batch_size when 0)
     next_draw_rows: int | None = None
+    # set by the learner, not the sampler, when it narrows a draw of multi-turn rows to the rows that
+    # end a trajectory (learn/trajectories.py): (n,) the step of each, whose earlier turns train with
+    # it. None: single-turn rows, trained as drawn
+    trajectory_steps: torch.Tensor | None = None
 
 
 class BatchSampler(Protocol):
