@@ -1,6 +1,6 @@
 """Tool-use pipeline: GRPO on multi-turn calculator episodes with a tiny model, on CPU, in minutes.
 
-    rlhf-pipeline run pipelines/tool_use.py                 # ~70 s on 2 CPU cores (warm start ~55 s)
+    rlhf-pipeline run pipelines/tool_use.py                 # 71-81 s on 2 CPU cores (warm start ~55 s)
     rlhf-pipeline run pipelines/tool_use.py --steps 10 --set warm_start_steps=150   # ~20 s warm start
 
 What it wires, top to bottom:
@@ -19,9 +19,9 @@ What it wires, top to bottom:
            through the write path in one append (one row per model turn, ``step`` = turn index);
 4. buffer  a memmap buffer per collector; the write path's group advantage sums each trajectory's
            turn rewards into its return and writes the group-relative advantage on every turn;
-5. learner GRPO with the settings in ``learner``. Today's learner trains each stored row (one
-           turn: the tokens added since the previous turn, then the turn) as its own sequence; the
-           first turn, which decides whether to call the tool, has its whole context.
+5. learner GRPO with the settings in ``learner``: each trajectory trains as one sequence (its
+           turns joined, the loss on the model's sampled tokens only, every turn in the context it
+           was sampled in), ``batch_size`` rows (turns) a step.
 
 Copy this file to start a new pipeline; pipelines do not inherit from each other.
 """
