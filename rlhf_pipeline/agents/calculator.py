@@ -29,6 +29,7 @@ import torch
 from rlhf_pipeline.agents.environment import Message, ModelTurn, StepResult
 from rlhf_pipeline.agents.episode import Episode
 from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
+from rlhf_pipeline.models.supervised import supervised_step
 from rlhf_pipeline.schema import TerminationReason
 
 
@@ -141,14 +142,7 @@ def warm_start(model, tokenizer, steps: int, *, tool_fraction: float = 0.5, batc
             ids[i, :len(episode.token_ids)] = torch.tensor(episode.token_ids)
             target[i, :len(episode.token_ids)] = torch.tensor(episode.loss_mask, dtype=torch.bool)
         ids, target = ids.to(device), target.to(device)
-        logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits[:, :-1]
-        labels = ids[:, 1:].masked_fill(~target[:, 1:], -100)  # (B, L-1)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        loss_value = loss.item()
+        loss_value = supervised_step(model, optimizer, scheduler, ids, (ids != tokenizer.pad_token_id).long(), target)
     toolbox.close()
     model.eval()
     return {"loss": loss_value, "seconds": time.perf_counter() - started, "steps": float(steps)}

@@ -32,6 +32,7 @@ import torch
 
 from rlhf_pipeline.collect.generate import SamplingConfig, generate
 from rlhf_pipeline.collect.prompts import PromptRecord
+from rlhf_pipeline.models.supervised import supervised_step
 
 
 def toy_prompts(n: int, seed: int = 0, *, max_operand: int = 20) -> list[PromptRecord]:
@@ -124,14 +125,7 @@ def warm_start(
     encode = _SftEncoder(tokenizer)
     for step in range(steps):
         ids, attn, target = encode(toy_prompts(batch_size, seed + 10_000 + step, max_operand=max_operand))
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (B, L-1, V)
-        labels = ids[:, 1:].masked_fill(~target[:, 1:], -100)  # predict only assistant tokens
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        loss_value = loss.item()
+        loss_value = supervised_step(model, optimizer, scheduler, ids, attn, target)  # assistant tokens only
         if log_every and step % log_every == 0:
             print(f"warm_start step {step} loss {loss_value:.4f}")
     model.eval()
