@@ -59,6 +59,11 @@ CHARTS: tuple[Chart, ...] = (
     Chart("turns", "Turns per trajectory", "model turns", (("charts/turns_per_trajectory_mean", "mean"),)),
     Chart("trajectories", "Trajectories per step", "trajectories",
           (("charts/trajectories", "trained"), ("charts/trajectories_masked", "masked out"))),
+    # agent collectors' rounds (collector/metrics-KKKK.jsonl), by the policy version that generated them
+    Chart("tool_calls", "Tool calls (collectors, by policy version)", "per episode / per call",
+          (("collector/tool_call_rate", "episodes calling a tool"), ("collector/tool_error_rate", "failed calls"))),
+    Chart("episode_turns", "Turns per episode (collectors, by policy version)", "model turns",
+          (("collector/turns_per_episode", "mean"),)),
 )
 
 
@@ -84,6 +89,33 @@ def read_metrics(path: Path) -> list[dict]:
         raise NotMetricsError(f"{path} is not a run's metrics.jsonl: none of its {lines} lines is a learner "
                               f"metrics record (a JSON object with a step); give a run directory")
     return records
+
+
+def collector_records(run: Path) -> list[dict]:
+    """Agent collectors' round metrics (``collector/metrics-KKKK.jsonl``), averaged per policy
+    version over rounds and collectors, as records whose ``step`` is that version: a learner that
+    publishes every step makes it the step whose weights generated the rounds. Collectors that
+    log no tool metrics (single-turn ones) give none."""
+    sums: dict[int, dict[str, float]] = {}
+    for path in sorted((run / "collector").glob("metrics-*.jsonl")) if run.is_dir() else []:
+        for record in read_metrics(path) if path.stat().st_size else []:
+            if "tool_call_rate" not in record or "policy_version" not in record:
+                continue
+            acc = sums.setdefault(int(record["policy_version"]), {"rounds": 0.0, "calls": 0.0, "failed": 0.0,
+                                                                  "tool_call_rate": 0.0, "turns_per_episode": 0.0})
+            acc["rounds"] += 1
+            acc["tool_call_rate"] += float(record["tool_call_rate"])
+            acc["turns_per_episode"] += float(record.get("turns_per_episode", 0.0))
+            acc["calls"] += float(record.get("tools/calls", 0.0))
+            acc["failed"] += float(record.get("tools/calls", 0.0)) - float(record.get("tools/ok", 0.0))
+    out = []
+    for version, acc in sorted(sums.items()):
+        record = {"step": version, "collector/tool_call_rate": acc["tool_call_rate"] / acc["rounds"],
+                  "collector/turns_per_episode": acc["turns_per_episode"] / acc["rounds"]}
+        if acc["calls"]:
+            record["collector/tool_error_rate"] = acc["failed"] / acc["calls"]
+        out.append(record)
+    return out
 
 
 def run_kind(run: Path) -> str:
@@ -124,7 +156,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         metrics = run / "metrics.jsonl" if run.is_dir() else run
         if not metrics.is_file():
             raise FileNotFoundError(f"{run} has no metrics.jsonl (is it a run directory? the learner writes it)")
-        data[label] = RunMetrics(run_kind(run), read_metrics(metrics))
+        data[label] = RunMetrics(run_kind(run), read_metrics(metrics) + collector_records(run))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

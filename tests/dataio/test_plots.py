@@ -10,7 +10,7 @@ import pytest
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.extras import MissingExtraError, require
 from rlhf_pipeline.dataio.plots import CHARTS as CHARTS_DRAWN
-from rlhf_pipeline.dataio.plots import RunMetrics, read_metrics, run_labels, smooth
+from rlhf_pipeline.dataio.plots import RunMetrics, collector_records, read_metrics, run_labels, smooth
 
 CHARTS = {"reward", "kl", "response_length", "clip_fraction", "staleness", "throughput", "overview"}
 
@@ -97,8 +97,19 @@ def test_a_multi_turn_run_gets_its_turns_and_trajectories_charted(tiny_run, tmp_
             f.write(json.dumps({"step": step, "charts/reward_mean": 0.1 * step, "charts/trajectories": 12.0,
                                 "charts/trajectories_masked": float(step % 3), "charts/turns_per_trajectory_mean":
                                 2.0 + 0.1 * step}) + "\n")
+    (agent / "collector").mkdir()
+    for collector in range(2):  # two collectors' rounds, two rounds per policy version each
+        with open(agent / "collector" / f"metrics-{collector:04d}.jsonl", "w") as f:
+            for step in range(1, 31):
+                f.write(json.dumps({"step": step, "policy_version": (step - 1) // 2, "tool_call_rate": 0.5 + collector / 4,
+                                    "turns_per_episode": 1.5, "tools/calls": 8.0, "tools/ok": 6.0 + collector}) + "\n")
+    records = collector_records(agent)
+    assert [r["step"] for r in records] == list(range(15))
+    assert records[0]["collector/tool_call_rate"] == 0.625 and records[0]["collector/tool_error_rate"] == 3 / 16
+    assert collector_records(tiny_run) == []  # a single-turn collector logs no tool metrics
     assert main(["plot", str(agent), str(tiny_run), "--out", str(tmp_path / "both")]) == 0
-    assert {p.stem for p in (tmp_path / "both").glob("*.png")} == CHARTS | {"turns", "trajectories"}
+    assert {p.stem for p in (tmp_path / "both").glob("*.png")} == CHARTS | {"turns", "trajectories", "tool_calls",
+                                                                          "episode_turns"}
     assert image.imread(tmp_path / "both" / "turns.png")[..., :3].std() > 0.01
     assert main(["plot", str(tiny_run), "--out", str(tmp_path / "single")]) == 0  # a single-turn run: none
     assert not (tmp_path / "single" / "turns.png").exists()
