@@ -27,3 +27,14 @@ def s3_server():
     server = S3Server()
     yield server
     server.stop()
+
+
+@pytest.fixture()
+def one_torch_thread():
+    """torch on one thread for the test (deterministic reductions, no oversubscription on a shared
+    machine), restored after it (a pipeline's ``set_threads`` may have changed the process-wide
+    setting above); a module opts in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

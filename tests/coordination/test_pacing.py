@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from helpers import make_batch
 from rlhf_pipeline.learn.learner import Learner
@@ -160,12 +159,7 @@ def paced_run(tmp_path, *, writers: int, rounds_ahead: int, steps: int, late: in
     return paths, threads
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_a_paced_collector_writes_what_the_learner_trains_on_and_no_more(tmp_path):

@@ -28,12 +28,7 @@ from rlhf_pipeline.coordination.weights import latest_version, load_weights, pub
 TOKENIZER = char_tokenizer()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model():

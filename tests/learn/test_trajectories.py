@@ -49,12 +49,7 @@ TURNS = [3, 1, 4, 2, 2]  # one single-turn trajectory among multi-turn ones
 OPTIONAL = ("advantage", "ref_log_probs", "termination_reason")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _model(seed: int = 0):
