@@ -31,9 +31,10 @@ import inspect
 import json
 import re
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -207,25 +208,33 @@ class ToolBox:
         return self.run_counted(calls)[0]
 
     def run_counted(self, calls: Sequence[ToolCall]) -> tuple[list[Message], int]:
-        """:meth:`run`, and how many of these calls were answered with an error."""
-        answers, errors = [], 0
+        """:meth:`run`, and how many of these calls were answered with an error.
+
+        A turn's calls run at the same time (a model asking for three lookups waits for the
+        slowest, not their sum), each bounded by ``timeout_s`` from its submission; the answers
+        come back in the order of the calls."""
+        started: list[tuple[str, Future | tuple[str, bool], float]] = []
         for number, call in enumerate(calls):
             self._count("calls")
             if number >= self.max_calls_per_turn:
-                content = self._error("over_call_limit", f"only {self.max_calls_per_turn} tool calls are "
-                                      f"answered per turn; this one was not run")
-                ok = False
+                outcome = self._failed("over_call_limit", f"only {self.max_calls_per_turn} tool calls are "
+                                       f"answered per turn; this one was not run")
             else:
-                content, ok = self._answer(call)
+                outcome = self._start(call)
+            started.append((call.name, outcome, time.monotonic()))
+        answers, errors = [], 0
+        for name, outcome, submitted in started:
+            content, ok = self._finish(name, outcome, submitted) if isinstance(outcome, Future) else outcome
             errors += not ok
-            answers.append({"role": "tool", "name": call.name or "unknown", "content": content})
+            answers.append({"role": "tool", "name": name or "unknown", "content": content})
         return answers, errors
 
     def errors(self) -> int:
         """Calls answered with an error so far."""
         return self.metrics["calls"] - self.metrics["ok"]
 
-    def _answer(self, call: ToolCall) -> tuple[str, bool]:
+    def _start(self, call: ToolCall) -> Future | tuple[str, bool]:
+        """The running call, or at once the error answer of a call that cannot run."""
         if call.error is not None:
             return self._failed("malformed", call.error)
         tool = self.tools.get(call.name)
@@ -236,13 +245,16 @@ class ToolBox:
             inspect.signature(tool).bind(**call.arguments)
         except TypeError as exc:
             return self._failed("bad_arguments", f"{call.name}: {exc}")
-        future = self._pool.submit(_call_tool, tool, call.arguments)
+        return self._pool.submit(_call_tool, tool, call.arguments)
+
+    def _finish(self, name: str, future: Future, submitted: float) -> tuple[str, bool]:
+        left = None if self.timeout_s is None else max(0.0, self.timeout_s - (time.monotonic() - submitted))
         try:
-            result = future.result(timeout=self.timeout_s)
+            result = future.result(timeout=left)
         except FutureTimeout:
-            return self._failed("timeout", f"{call.name} took longer than {self.timeout_s}s")
+            return self._failed("timeout", f"{name} took longer than {self.timeout_s}s")
         except Exception as exc:  # the tool's own failure is the model's answer, not our crash
-            return self._failed("raised", f"{call.name} raised {type(exc).__name__}: {exc}")
+            return self._failed("raised", f"{name} raised {type(exc).__name__}: {exc}")
         self._count("ok")
         return self._truncate(_as_text(result)), True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -213,3 +214,43 @@ def test_the_calculator_ends_on_repeated_tool_errors_and_nudges_a_bounded_number
     final = env.step(ModelTurn(1, f"it is {task['answer']}"))
     assert final.done and final.reward == 1.0 and final.reason is TerminationReason.ENV_DONE
     env.toolbox.close()
+
+
+def test_the_calls_of_a_turn_run_at_the_same_time_and_answer_in_order():
+    """Each call waits at a barrier for the others: run one after another, the first would time out
+    waiting (and the turn be answered with errors); run together, all pass it."""
+    barrier = threading.Barrier(3, timeout=5.0)
+
+    def meet(tag: str) -> str:
+        """Waits for the other calls of the turn.
+
+        Args:
+            tag: returned as the answer
+        """
+        barrier.wait()
+        return tag
+
+    box = ToolBox([meet], timeout_s=10.0, max_workers=3)
+    answers, errors = box.run_counted([ToolCall("meet", {"tag": t}, "") for t in ("a", "b", "c")])
+    box.close()
+    assert errors == 0 and [a["content"] for a in answers] == ["a", "b", "c"]
+
+
+def test_a_slow_call_times_out_alone_while_the_turns_other_calls_answer():
+    release = threading.Event()
+
+    def slow() -> str:
+        """Blocks until released."""
+        release.wait(5.0)
+        return "late"
+
+    def quick() -> str:
+        """Answers at once."""
+        return "quick"
+
+    box = ToolBox([slow, quick], timeout_s=0.2, max_workers=2)
+    answers, errors = box.run_counted([ToolCall("slow", {}, ""), ToolCall("quick", {}, "")])
+    release.set()
+    box.close()
+    assert errors == 1 and answers[0]["content"] == "Error: slow took longer than 0.2s"
+    assert answers[1]["content"] == "quick" and box.metrics["timeout"] == 1 and box.metrics["ok"] == 1
