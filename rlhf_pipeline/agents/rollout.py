@@ -23,6 +23,8 @@ turns); a rollout engine with prefix caching would keep it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from typing import Any
 
 from rlhf_pipeline.agents.environment import Environment, EnvironmentRunner, ToolCall
 from rlhf_pipeline.agents.episode import Episode, EpisodeLimits, episodes_to_batch
-from rlhf_pipeline.schema import TrajectoryBatch
+from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
 
 Sample = tuple[list[int], list[float]]
 Sampler = Callable[[list[list[int]], list[int]], list[Sample]]
@@ -59,6 +61,10 @@ class RolloutConfig:
     limits: EpisodeLimits = EpisodeLimits()
     step_timeout_s: float | None = 60.0
     """Per ``reset``/``step`` call; a step past it ends its episode with ``TIMEOUT``."""
+    episode_timeout_s: float | None = None
+    """Wall-clock seconds an episode may run from its reset: one still going after a step past it
+    ends there with ``TIMEOUT`` (the step's reward kept, its messages dropped), so one slow
+    environment cannot hold a round, and its whole group, for ever."""
     max_workers: int = 16
     """Threads for synchronous environments."""
     check_drift: bool = True
@@ -103,13 +109,18 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                             template_kwargs=template_kwargs)
                     for env, messages in zip(envs, openings, strict=True)]
         metrics: Counter[str] = Counter()
+        started = time.monotonic()
         while active := [k for k, episode in enumerate(episodes) if not episode.done]:
             samples = sample([episodes[k].token_ids for k in active], [episodes[k].max_new_tokens() for k in active])
             metrics["generation_batches"] += 1
             metrics["generated_rows"] += len(active)
             turns = [episodes[k].add_turn(ids, log_probs) for k, (ids, log_probs) in zip(active, samples, strict=True)]
             results = await asyncio.gather(*(runner.step(envs[k], turn) for k, turn in zip(active, turns, strict=True)))
+            overdue = config.episode_timeout_s is not None and time.monotonic() - started > config.episode_timeout_s
             for k, result in zip(active, results, strict=True):
+                if overdue and not result.done:
+                    result = dataclasses.replace(result, messages=[], done=True, reason=TerminationReason.TIMEOUT)
+                    metrics["episode_timeouts"] += 1
                 episodes[k].add_environment(result)
         metrics["environment_timeouts"] = runner.timeouts
     for episode in episodes:

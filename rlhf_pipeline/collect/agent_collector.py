@@ -61,6 +61,9 @@ class AgentCollectorConfig:
     """Temperature / top-k / top-p; its ``max_new_tokens`` is replaced by each turn's own limit."""
     step_timeout_s: float | None = 60.0
     """Per environment ``reset``/``step``; past it the episode ends with ``TIMEOUT``."""
+    episode_timeout_s: float | None = None
+    """Wall-clock seconds of a round's episodes from their reset; past it, after the step in
+    progress, they end with ``TIMEOUT`` (``RolloutConfig.episode_timeout_s``)."""
     max_workers: int = 16
     """Threads stepping synchronous environments."""
     check_drift: bool = True
@@ -135,7 +138,8 @@ class AgentCollector:
         tasks = self.tasks.next_batch(cfg.tasks_per_round)
         result = rollout(tasks, self.make_env, cut_to_limits(self._sample, self.stop_token_ids), self.tokenizer,
                          RolloutConfig(group_size=cfg.group_size, limits=cfg.limits,
-                                       step_timeout_s=cfg.step_timeout_s, max_workers=cfg.max_workers,
+                                       step_timeout_s=cfg.step_timeout_s, episode_timeout_s=cfg.episode_timeout_s,
+                                       max_workers=cfg.max_workers,
                                        check_drift=cfg.check_drift),
                          parser=self.parser, stop_token_ids=self.stop_token_ids,
                          template_kwargs=self.template_kwargs)

@@ -82,16 +82,37 @@ def test_a_scripted_agent_uses_the_tool_and_its_episodes_reach_a_store(tmp_path,
 
 
 def test_async_environments_step_concurrently(bpe_tokenizer):
-    class SlowAsync(CalculatorEnv):
+    """Every episode's step waits at a barrier for all 16: stepped one after another, the first
+    would wait past its step timeout (and its episode end with TIMEOUT); stepped together, all pass."""
+    barrier = None
+
+    class MeetingAsync(CalculatorEnv):
         async def step(self, turn):
-            await asyncio.sleep(0.2)
+            nonlocal barrier
+            barrier = barrier or asyncio.Barrier(16)  # made on the rollout's own event loop
+            await barrier.wait()
             return StepResult([{"role": "user", "content": "more"}]) if turn.index == 0 else StepResult(done=True)
 
-    start = time.perf_counter()
-    result = rollout([{"question": "q", "answer": "1"}] * 4, SlowAsync, scripted_sampler(bpe_tokenizer, ["a", "b"]),
-                     bpe_tokenizer, RolloutConfig(group_size=4))
+    result = rollout([{"question": "q", "answer": "1"}] * 4, MeetingAsync, scripted_sampler(bpe_tokenizer, ["a", "b"]),
+                     bpe_tokenizer, RolloutConfig(group_size=4, step_timeout_s=5.0))
     assert len(result.episodes) == 16 and all(len(e.turns) == 2 for e in result.episodes)
-    assert time.perf_counter() - start < 16 * 2 * 0.2 / 4  # 32 steps of 0.2 s overlapped
+    assert all(e.reason is TerminationReason.ENV_DONE for e in result.episodes)
+    assert result.metrics["environment_timeouts"] == 0
+
+
+def test_an_episode_past_its_wall_clock_limit_ends_with_timeout(bpe_tokenizer):
+    class Endless(CalculatorEnv):  # answers every turn and never ends the episode
+        def step(self, turn):
+            time.sleep(0.05)
+            return StepResult([{"role": "user", "content": "go on"}], reward=0.25)
+
+    limits = EpisodeLimits(max_turns=1000, max_new_tokens=8)
+    result = rollout([{"question": "q", "answer": "1"}], Endless, scripted_sampler(bpe_tokenizer, ["a"] * 1000),
+                     bpe_tokenizer, RolloutConfig(group_size=2, limits=limits, episode_timeout_s=0.3))
+    for episode in result.episodes:
+        assert episode.reason is TerminationReason.TIMEOUT and episode.reason.truncated
+        assert 2 <= len(episode.turns) < 1000 and episode.rewards[-1] == 0.25  # the last step's reward is kept
+    assert result.metrics["episode_timeouts"] == 2 and result.metrics["reason/timeout"] == 2
 
 
 @pytest.fixture(scope="module")
