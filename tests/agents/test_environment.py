@@ -75,29 +75,42 @@ def test_sync_environment_runs_in_the_thread_pool():
 
 
 def test_async_environment_is_awaited_and_many_step_at_once():
-    envs = [AsyncEcho() for _ in range(20)]
+    """20 async steps meet at a barrier of 20 on one worker thread: awaited one after another, the
+    first would wait past its step timeout; awaited together, all pass."""
+    class MeetingEcho(AsyncEcho):
+        barrier: asyncio.Barrier
+
+        async def step(self, turn):
+            await self.barrier.wait()
+            return await super().step(turn)
+
+    envs = [MeetingEcho() for _ in range(20)]
 
     async def main():
-        with EnvironmentRunner(max_workers=1) as runner:
-            start = time.perf_counter()
-            results = await asyncio.gather(*(runner.step(e, ModelTurn(0, "")) for e in envs))
-            return results, time.perf_counter() - start
+        MeetingEcho.barrier = asyncio.Barrier(20)  # made on the event loop that runs the steps
+        with EnvironmentRunner(max_workers=1, step_timeout_s=5.0) as runner:
+            return await asyncio.gather(*(runner.step(e, ModelTurn(0, "")) for e in envs)), runner.timeouts
 
-    results, seconds = asyncio.run(main())
+    results, timeouts = asyncio.run(main())
+    assert timeouts == 0
     assert all(r.reason is TerminationReason.TOOL_ERROR and r.reward == 1.0 for r in results)
-    assert seconds < 0.15  # 20 x 10 ms concurrently, not one after another
 
 
 def test_sync_steps_overlap_in_the_pool():
-    envs = [Slow(0.1) for _ in range(4)]
+    """4 synchronous steps meet at a thread barrier: only steps running on 4 threads at once pass it."""
+    barrier = threading.Barrier(4, timeout=5.0)
+
+    class Meeting(Slow):
+        def step(self, turn):
+            barrier.wait()  # BrokenBarrierError (a raised step) if the pool ran them one at a time
+            return super().step(turn)
 
     async def main():
-        with EnvironmentRunner(max_workers=4) as runner:
-            start = time.perf_counter()
-            await asyncio.gather(*(runner.step(e, ModelTurn(0, "")) for e in envs))
-            return time.perf_counter() - start
+        with EnvironmentRunner(max_workers=4, step_timeout_s=10.0) as runner:
+            return await asyncio.gather(*(runner.step(Meeting(0.0), ModelTurn(0, "")) for _ in range(4)))
 
-    assert asyncio.run(main()) < 0.35
+    results = asyncio.run(main())
+    assert len(results) == 4 and not any(r.done for r in results)
 
 
 @pytest.mark.parametrize("env_class", [Slow, AsyncSlow])
