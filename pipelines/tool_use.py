@@ -59,6 +59,9 @@ class Settings:
     """Learning rate of the warm start."""
     warm_start_tool_fraction: float = 0.9
     """Share of demonstrations that call the tool; the rest answer with a guess."""
+    init_weights: str = ""
+    """A state dict saved with torch.save to start from instead of the warm start (empty: warm start).
+    ``bench tool-use`` gives this run and TRL's trainer the same warm-started weights this way."""
 
     # ---- task and collection
     num_tasks: int = 4096
@@ -114,6 +117,8 @@ def check(settings: Settings) -> LearnerSettings:
                             f"got {settings.low}, {settings.high}")
     if not 0.0 <= settings.warm_start_tool_fraction <= 1.0:
         raise PipelineError("setting 'warm_start_tool_fraction' must be in [0, 1]")
+    if settings.init_weights and not Path(settings.init_weights).is_file():
+        raise PipelineError(f"setting 'init_weights': {settings.init_weights!r} is not a file")
     if settings.max_new_tokens + 64 > settings.context_length:
         raise PipelineError(f"setting 'context_length' ({settings.context_length}) leaves no room for the opening "
                             f"prompt and a turn of max_new_tokens ({settings.max_new_tokens})")
@@ -152,7 +157,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     def make_policy():
         model = make_model()
-        if settings.warm_start_steps:
+        if settings.init_weights:
+            model.load_state_dict(torch.load(settings.init_weights, map_location="cpu", weights_only=True))
+            print(f"[run] initial weights from {settings.init_weights} (no warm start)", flush=True)
+        elif settings.warm_start_steps:
             result = warm_start(model, tokenizer, settings.warm_start_steps, lr=settings.warm_start_lr,
                                 tool_fraction=settings.warm_start_tool_fraction, seed=settings.seed,
                                 low=settings.low, high=settings.high)

@@ -38,6 +38,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rlhf_pipeline.bench.learner_bench",
         "learner steps on length-skewed rows: padded vs packed micro-batches, TRL's GRPOTrainer beside",
     ),
+    "tool-use": (
+        "rlhf_pipeline.bench.tool_use_bench",
+        "pipelines/tool_use.py against TRL's GRPOTrainer with tools=, same weights, tasks and steps (needs trl)",
+    ),
 }
 
 

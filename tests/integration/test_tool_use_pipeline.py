@@ -109,6 +109,7 @@ def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole
     ("group_size=1", "'group_size' must be >= 2"),
     ("context_length=100", "'context_length' (100) leaves no room"),
     ("warm_start_tool_fraction=1.5", "'warm_start_tool_fraction' must be in [0, 1]"),
+    ("init_weights=/no/such/weights.pt", "'init_weights': '/no/such/weights.pt' is not a file"),
 ])
 def test_bad_settings_fail_before_any_process_starts(tmp_path, setting, message):
     result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
