@@ -103,7 +103,7 @@ class ShardedStoreReader(TrajectoryStore):
         self._path = str(location).rstrip("/") if is_url(location) else Path(location)
         self._open_options = open_options
         if refresh_interval_s is None:
-            from rlhf_pipeline.storage.zarr.store import default_refresh_interval_s
+            from rlhf_pipeline.storage.zarr.object_store import default_refresh_interval_s
 
             refresh_interval_s = default_refresh_interval_s(str(location))
         if not refresh_interval_s >= 0:

@@ -6,6 +6,9 @@ file (read-only, through ``zarr.storage.ZipStore``) and any fsspec URL (through
 ``s3://`` URLs conditional writes and a leased lock: :mod:`.object_store`).
 The store reads and writes whole chunks as key/value pairs here, batched, instead
 of through Zarr arrays (one Zarr array call costs ~1 ms).
+
+Why one file: the three kinds of location answer the same questions (open, read the commit
+record, take the writer lock, publish) and the store asks them without knowing which kind it has.
 """
 
 from __future__ import annotations
@@ -267,6 +270,16 @@ def parse_root(raw: bytes | dict | None, location: str, *, units_exist: bool = F
             f"reads versions {', '.join(map(str, READABLE_FORMATS))}. Use a matching release, or convert the store."
         )
     return record
+
+
+def parse_record(raw, location: str, loc: Location) -> dict[str, Any]:
+    """The commit record; a missing or foreign root document is damage when units exist."""
+    try:
+        return parse_root(raw, location)
+    except NotAStoreError:
+        if has_units(loc):
+            return parse_root(raw, location, units_exist=True)  # raises StoreCorruptedError
+        raise
 
 
 def has_units(loc: Location) -> bool:

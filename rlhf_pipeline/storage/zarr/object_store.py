@@ -79,6 +79,11 @@ class ObjectLockWarning(UserWarning):
     """The object store ignores conditional writes: the writer lock cannot keep a second writer out."""
 
 
+def default_refresh_interval_s(location: str) -> float:
+    """1 s on an object store (each refresh is a GET), 0 elsewhere (a refresh is an ``fstat``)."""
+    return DEFAULT_REFRESH_INTERVAL_S if is_object_store_url(location) else 0.0
+
+
 def is_object_store_url(location: str) -> bool:
     return location.startswith(OBJECT_STORE_SCHEMES)
 

@@ -82,12 +82,12 @@ from rlhf_pipeline.storage.zarr.location import (
     ROOT_META,
     Location,
     check_writable_dir,
-    has_units,
     lock_for,
-    parse_root,
+    parse_record,
     publish,
     resolve,
 )
+from rlhf_pipeline.storage.zarr.object_store import default_refresh_interval_s
 from rlhf_pipeline.storage.zarr.padded import locate_rows
 from rlhf_pipeline.storage.zarr.unit_cache import (
     DecodedUnit,
@@ -205,7 +205,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
                         f"{location} was created by another process meanwhile; open it with "
                         f"ZarrTrajectoryStore.open({location!r}, mode='a'), or pass exist_ok=True"
                     )
-                store = cls._resume_writer(location, loc, _parse(existing, location, loc), lock=lock,
+                store = cls._resume_writer(location, loc, parse_record(existing, location, loc), lock=lock,
                                            cache_bytes=cache_bytes, durable=durable)
                 return check_reopened_layout(store, schema, segment_rows, capacity_rows)
             record = {
@@ -260,12 +260,12 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         if loc.local_root is not None and not writable:
             watcher = ManifestWatcher(loc.local_root / ROOT_META, what="Zarr replay buffer")
             try:
-                record = _parse(_read_watched(watcher), location, loc)
+                record = parse_record(_read_watched(watcher), location, loc)
             except BaseException:
                 watcher.close()
                 raise
         else:
-            record = _parse(loc.kv.get(ROOT_META), location, loc)
+            record = parse_record(loc.kv.get(ROOT_META), location, loc)
         lock = None
         if writable:
             if loc.local_root is not None:
@@ -273,7 +273,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             lock = lock_for(loc, location, lease_s=lock_lease_s, wait_s=lock_wait_s)
         try:
             if writable:
-                record = _parse(loc.kv.get(ROOT_META), location, loc)  # the lock holder's last publish
+                record = parse_record(loc.kv.get(ROOT_META), location, loc)  # the lock holder's last publish
                 store = cls._resume_writer(location, loc, record, lock=lock, cache_bytes=cache_bytes,
                                            durable=durable)
             else:
@@ -346,9 +346,9 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             self._refreshed_at = now
             if self._watcher is not None:
                 if self._watcher.changed():
-                    self._apply(_parse(_read_watched(self._watcher), self._location, self._loc))
+                    self._apply(parse_record(_read_watched(self._watcher), self._location, self._loc))
             else:
-                self._apply(_parse(self._loc.kv.get(ROOT_META), self._location, self._loc))
+                self._apply(parse_record(self._loc.kv.get(ROOT_META), self._location, self._loc))
             self._cache.retain({u.name for u in self._units})
         return self._published_len()
 
@@ -412,7 +412,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         landed, so the writer takes its state from the record itself; a next append would
         otherwise reuse the row ids, and unit names, of rows already published."""
         try:
-            record = _parse(self._loc.kv.get(ROOT_META), self._location, self._loc)
+            record = parse_record(self._loc.kv.get(ROOT_META), self._location, self._loc)
         except Exception:  # noqa: BLE001 - unreadable now: appending on could overwrite, so stop
             self._closed = True
             if self._lock is not None:
@@ -585,23 +585,6 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
 
 
 # ======================================================================== helpers
-def default_refresh_interval_s(location: str) -> float:
-    """1 s on an object store (each refresh is a GET), 0 elsewhere (a refresh is an ``fstat``)."""
-    from rlhf_pipeline.storage.zarr.object_store import DEFAULT_REFRESH_INTERVAL_S, is_object_store_url
-
-    return DEFAULT_REFRESH_INTERVAL_S if is_object_store_url(location) else 0.0
-
-
-def _parse(raw, location: str, loc: Location) -> dict[str, Any]:
-    """The commit record; a missing or foreign root document is damage when units exist."""
-    try:
-        return parse_root(raw, location)
-    except NotAStoreError:
-        if has_units(loc):
-            return parse_root(raw, location, units_exist=True)  # raises StoreCorruptedError
-        raise
-
-
 def _read_watched(watcher: ManifestWatcher) -> dict | None:
     try:
         return watcher.read()
