@@ -139,20 +139,64 @@ def load_jsonl(path: str | Path, *, required_fields: Sequence[str] = ()) -> list
     return records
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    """The order of ``n`` records in ``epoch``: a permutation drawn from ``seed + epoch``, or file order."""
-    if not shuffle:
-        return list(range(n))
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+class RecordCycle:
+    """Cycles over a list of records forever, reshuffled each epoch with ``seed``; resumable.
 
-
-class PromptSource:
-    """Cycles over ``records`` forever, reshuffled each epoch with ``seed``; resumable.
-
-    The order of epoch ``e`` is a permutation drawn from ``seed + e``, so the state is
-    just ``(epoch, position)`` and the sequence after a restart is exactly the one an
-    uninterrupted source would have produced. ``shuffle=False`` keeps file order.
+    The order of epoch ``e`` is a permutation drawn from ``seed + e``, so the state is just
+    ``(epoch, position)`` and the sequence after a restart is exactly the one an uninterrupted
+    source would have produced. ``shuffle=False`` keeps the given order. The base of
+    :class:`PromptSource` and :class:`TaskSource`, which differ in what a record is.
     """
+
+    _kind, _noun = "record", "records"  # for messages: "prompt source ... 12 records"
+
+    def __init__(self, items: list, *, seed: int, shuffle: bool) -> None:
+        self._items = items
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self._items)))
+        return torch.randperm(len(self._items), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _take(self, n: int) -> list:
+        """The next ``n`` records, crossing epoch boundaries as needed."""
+        out = []
+        for _ in range(n):
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+            out.append(self._items[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_records": len(self._items)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if int(state["num_records"]) != len(self._items) or int(state["seed"]) != self.seed:
+            raise PromptError(
+                f"{self._kind} source state was saved for {state['num_records']} {self._noun} with seed "
+                f"{state['seed']}; this source has {len(self._items)} {self._noun} with seed {self.seed}: resume "
+                f"with the same {self._kind}s"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._epoch_order(self.epoch)
+
+
+class PromptSource(RecordCycle):
+    """Cycles over prompt ``records`` forever (:class:`RecordCycle`), validated first."""
+
+    _kind = "prompt"
 
     def __init__(
         self,
@@ -163,48 +207,19 @@ class PromptSource:
         required_fields: Sequence[str] = (),
     ) -> None:
         self.records = validate_prompts(records, required_fields=required_fields)
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.position = 0
-        self._order = self._epoch_order(0)
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        return epoch_order(len(self.records), self.seed, epoch, self.shuffle)
-
-    def __len__(self) -> int:
-        return len(self.records)
+        super().__init__(self.records, seed=seed, shuffle=shuffle)
 
     def next_batch(self, n: int) -> list[PromptRecord]:
         """The next ``n`` prompts (crossing epoch boundaries as needed)."""
-        out = []
-        for _ in range(n):
-            if self.position >= len(self._order):
-                self.epoch += 1
-                self.position = 0
-                self._order = self._epoch_order(self.epoch)
-            out.append(self.records[self._order[self.position]])
-            self.position += 1
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_records": len(self.records)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if int(state["num_records"]) != len(self.records) or int(state["seed"]) != self.seed:
-            raise PromptError(
-                f"prompt source state was saved for {state['num_records']} records with seed {state['seed']}; "
-                f"this source has {len(self.records)} records with seed {self.seed}: resume with the same prompts"
-            )
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
-        self._order = self._epoch_order(self.epoch)
+        return self._take(n)
 
 
-class TaskSource:
+class TaskSource(RecordCycle):
     """Cycles over task records (what an agent environment's ``reset`` takes, e.g. ``{"question",
-    "answer"}``) exactly as :class:`PromptSource` cycles over prompts: reshuffled each epoch with
-    ``seed``, resumable from ``(epoch, position)``. A task is any mapping; the environment reads it."""
+    "answer"}``) exactly as :class:`PromptSource` cycles over prompts. A task is any mapping; the
+    environment reads it."""
+
+    _kind, _noun = "task", "tasks"
 
     def __init__(self, tasks: Sequence[Mapping[str, Any]], *, seed: int = 0, shuffle: bool = True,
                  required_fields: Sequence[str] = ()) -> None:
@@ -215,35 +230,9 @@ class TaskSource:
             missing = [f for f in required_fields if f not in task]
             if missing:
                 raise PromptError(f"task {i}: missing field(s) {missing} that the environment needs")
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.position = 0
-        self._order = epoch_order(len(self.tasks), seed, 0, shuffle)
-
-    def __len__(self) -> int:
-        return len(self.tasks)
+        super().__init__(self.tasks, seed=seed, shuffle=shuffle)
 
     def next_batch(self, n: int) -> list[dict[str, Any]]:
         """The next ``n`` tasks (crossing epoch boundaries as needed); copies, so an environment
         that edits its task changes nothing here."""
-        out = []
-        for _ in range(n):
-            if self.position >= len(self._order):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = epoch_order(len(self.tasks), self.seed, self.epoch, self.shuffle)
-            out.append(dict(self.tasks[self._order[self.position]]))
-            self.position += 1
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_records": len(self.tasks)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if int(state["num_records"]) != len(self.tasks) or int(state["seed"]) != self.seed:
-            raise PromptError(
-                f"task source state was saved for {state['num_records']} tasks with seed {state['seed']}; "
-                f"this source has {len(self.tasks)} tasks with seed {self.seed}: resume with the same tasks"
-            )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._order = epoch_order(len(self.tasks), self.seed, self.epoch, self.shuffle)
+        return [dict(task) for task in self._take(n)]
