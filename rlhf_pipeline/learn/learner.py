@@ -80,6 +80,7 @@ from rlhf_pipeline.learn.trajectories import (
     masked_by_reason,
     narrow_to_trajectory_ends,
     read_trajectories,
+    rows_are_single_turn,
     termination_codes,
     trajectory_draw,
     trajectory_ends,
@@ -273,7 +274,7 @@ class Learner:
             rank would from the rows it read, whether they are multi-turn and which of them end a whole
             trajectory; every rank then trains its slice of those trajectories."""
             flags = self._store.read(sampled.positions, fields=("done", "step"))
-            if bool(flags["done"].all()) and not bool(flags["step"].any()):  # single-turn rows: as drawn
+            if rows_are_single_turn(flags["done"], flags["step"]):  # as drawn
                 return sampled
             return narrow_to_trajectory_ends(sampled, trajectory_ends(self._store, sampled.positions,
                                                                       flags["done"], flags["step"]))

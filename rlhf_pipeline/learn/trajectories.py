@@ -69,7 +69,12 @@ _JOINED_FLOATS = ("response_log_probs", "ref_log_probs", "kl", "token_rewards")
 
 def is_single_turn(batch: TensorDict) -> bool:
     """True when every row of a padded batch is a whole trajectory (done, at step 0)."""
-    return bool(batch["next", "done"].all()) and not bool(batch["step"].any())
+    return rows_are_single_turn(batch["next", "done"], batch["step"])
+
+
+def rows_are_single_turn(done: torch.Tensor, step: torch.Tensor) -> bool:
+    """True when every row (its ``done`` and ``step``) is a whole trajectory."""
+    return bool(done.all()) and not bool(step.any())
 
 
 def termination_codes(names) -> torch.Tensor:
