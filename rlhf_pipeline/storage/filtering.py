@@ -180,18 +180,16 @@ def _read_columns(parts: list[Part], start: int, stop: int, fields: tuple[str, .
     return columns
 
 
-def _trajectory_table(parts: list[Part], bounds: list[tuple[int, int]], num_rows: int, has_reasons: bool,
-                      progress: Progress | None) -> TrajectoryTable:
-    fields = ("trajectory_id", "reward") + (("termination_reason",) if has_reasons else ())
+def _statistics_pass(parts: list[Part], bounds: list[tuple[int, int]], num_rows: int, fields: tuple[str, ...],
+                     of_chunk: Callable[[dict[str, np.ndarray]], Any], stage: str, progress: Progress | None) -> list:
+    """One pass over ``fields``, a unit at a time: each chunk's partial table (``of_chunk``)."""
     partials, done = [], 0
     for start, stop in bounds:
-        columns = _read_columns(parts, start, stop, fields)
-        partials.append(TrajectoryTable.of_chunk(columns["trajectory_id"], columns["reward"],
-                                                 columns.get("termination_reason")))
+        partials.append(of_chunk(_read_columns(parts, start, stop, fields)))
         done += stop - start
         if progress is not None:
-            progress("trajectory statistics", done, num_rows)
-    return TrajectoryTable.combine(partials)
+            progress(stage, done, num_rows)
+    return partials
 
 
 # ====================================================================== selecting
@@ -221,18 +219,16 @@ def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, wh
     bounds = chunk_bounds(store, num_rows, chunk_rows)
     table = None
     if expression.uses_groups:
-        partials, done = [], 0
-        for start, stop in bounds:
-            columns = _read_columns(parts, start, stop, ("group_id", "reward"))
-            partials.append(GroupTable.of_chunk(columns["group_id"], columns["reward"]))
-            done += stop - start
-            if progress is not None:
-                progress("group statistics", done, num_rows)
-        table = GroupTable.combine(partials)
+        table = GroupTable.combine(_statistics_pass(
+            parts, bounds, num_rows, ("group_id", "reward"),
+            lambda c: GroupTable.of_chunk(c["group_id"], c["reward"]), "group statistics", progress))
     trajectories = None
     if expression.uses_trajectories:
-        trajectories = _trajectory_table(parts, bounds, num_rows, "termination_reason" in store.schema.field_names,
-                                         progress)
+        reasons = ("termination_reason",) if "termination_reason" in store.schema.field_names else ()
+        trajectories = TrajectoryTable.combine(_statistics_pass(
+            parts, bounds, num_rows, ("trajectory_id", "reward", *reasons),
+            lambda c: TrajectoryTable.of_chunk(c["trajectory_id"], c["reward"], c.get("termination_reason")),
+            "trajectory statistics", progress))
 
     # step and done (5 bytes a row) tell which rows belong to trajectories of several turns
     fields = tuple(sorted(set(expression.fields) | {"group_id", "step", "done"}))
