@@ -98,7 +98,7 @@ def collector_records(run: Path) -> list[dict]:
     log no tool metrics (single-turn ones) give none."""
     sums: dict[int, dict[str, float]] = {}
     for path in sorted((run / "collector").glob("metrics-*.jsonl")) if run.is_dir() else []:
-        for record in read_metrics(path) if path.stat().st_size else []:
+        for record in read_metrics(path):  # an empty file (a collector that wrote no round yet) has none
             if "tool_call_rate" not in record or "policy_version" not in record:
                 continue
             acc = sums.setdefault(int(record["policy_version"]), {"rounds": 0.0, "calls": 0.0, "failed": 0.0,
