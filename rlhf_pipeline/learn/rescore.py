@@ -138,11 +138,12 @@ class ReferenceRescorer:
         # a multi-turn trajectory's response holds the environment's tokens between its turns
         # (learn/trajectories.py): context, not sampled, so no reference log-prob and no KL there
         trained = batch["masks", "all_assistant_mask"][:, prompt_mask.shape[1]:][response_mask]
-        if not bool(trained.all()):
+        has_context = not bool(trained.all())
+        if has_context:  # the reference equal to the sampler there: a KL of 0
             ref = RaggedTensor(torch.where(trained, ref.values, sampler.values.to(ref.values.dtype)), ref.offsets)
         reward = batch["next", "reward"].reshape(-1)
         kl, token_rewards = kl_token_rewards(sampler, ref, reward, coef=self.kl_coef, estimator=self.kl_estimator)
-        if not bool(trained.all()):
+        if has_context:
             ref = RaggedTensor(torch.where(trained, ref.values, 0.0), ref.offsets)
         for name, values in (("ref_log_probs", ref), ("kl", kl), ("token_rewards", token_rewards)):
             _place_response_floats(batch, name, values.values, response_mask)
