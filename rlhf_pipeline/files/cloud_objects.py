@@ -91,6 +91,11 @@ class CloudObjects(ABC):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     @abstractmethod
+    def access_error(self, exc: BaseException, key: str | None = None) -> CloudAccessError | None:
+        """The :class:`CloudAccessError` to raise for ``exc`` when it says the credentials were
+        refused (also for what the cloud's fsspec file system raised on a read); else None."""
+
+    @abstractmethod
     async def create(self, key: str, body: bytes) -> str:
         """Writes ``key`` only if it does not exist (else :class:`ConditionFailed`); its etag."""
 
@@ -160,9 +165,10 @@ class S3Objects(CloudObjects):
                         f"the bucket {self.container!r} does not exist on this endpoint; create it first, or "
                         f"check endpoint_url (storage_options or AWS_ENDPOINT_URL)") from None
                 raise
-            except PermissionError as exc:
-                raise CloudAccessError(f"access denied ({exc}); {self.credentials_hint}") from None
             except Exception as exc:  # s3fs maps the codes we need to generic OSErrors
+                denied = self.access_error(exc)
+                if denied is not None:
+                    raise denied from None
                 status = _s3_status(exc)
                 if status == 412:
                     raise ConditionFailed(key) from None
@@ -171,11 +177,21 @@ class S3Objects(CloudObjects):
             await asyncio.sleep(0.05 * 2**attempt)
         raise AssertionError("unreachable")
 
+    def access_error(self, exc: BaseException, key: str | None = None) -> CloudAccessError | None:
+        if isinstance(exc, PermissionError):
+            return CloudAccessError(f"access denied ({exc}); {self.credentials_hint}")
+        return None
+
     async def create(self, key: str, body: bytes) -> str:
         return (await self._call("put_object", key, Body=body, IfNoneMatch="*"))["ETag"]
 
     async def replace(self, key: str, body: bytes, etag: str) -> str:
-        return (await self._call("put_object", key, Body=body, IfMatch=etag))["ETag"]
+        try:
+            return (await self._call("put_object", key, Body=body, IfMatch=etag))["ETag"]
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:  # S3 answers 404, not 412, when the object is gone
+            raise ConditionFailed(key) from None
 
     async def read(self, key: str) -> ObjectVersion | None:
         try:
@@ -239,6 +255,8 @@ class AzureObjects(CloudObjects):
     def __init__(self, fs, path: str):
         super().__init__(fs, path)
         self._container_client = fs.service_client.get_container_client(self.container)
+        if fs.asynchronous:
+            _drop_broken_exit_hooks(fs)
 
     @classmethod
     def fsspec_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -251,7 +269,6 @@ class AzureObjects(CloudObjects):
 
     async def _call(self, key: str, operation, *, gone_is_refusal: bool):
         from azure.core.exceptions import (
-            ClientAuthenticationError,
             HttpResponseError,
             ResourceExistsError,
             ResourceModifiedError,
@@ -272,17 +289,23 @@ class AzureObjects(CloudObjects):
             if gone_is_refusal:
                 raise ConditionFailed(key) from None
             raise FileNotFoundError(f"{self.container}/{self.key(key)}") from None
-        except ClientAuthenticationError as exc:
-            raise CloudAccessError(self._denied(key, exc)) from None
         except HttpResponseError as exc:
-            if exc.status_code in (401, 403):
-                raise CloudAccessError(self._denied(key, exc)) from None
+            denied = self.access_error(exc, key)
+            if denied is not None:
+                raise denied from None
             raise
 
-    def _denied(self, key: str, exc: Exception) -> str:
+    def access_error(self, exc: BaseException, key: str | None = None) -> CloudAccessError | None:
+        from azure.core.exceptions import ClientAuthenticationError, HttpResponseError
+
+        refused = isinstance(exc, ClientAuthenticationError) or (
+            isinstance(exc, HttpResponseError) and exc.status_code in (401, 403))
+        if not refused:
+            return None
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return (f"access to blob {self.key(key)!r} in container {self.container!r} was denied ({reason}); "
-                f"{self.credentials_hint}")
+        what = f"blob {self.key(key)!r}" if key is not None else f"prefix {self.prefix!r}"
+        return CloudAccessError(f"access to {what} in container {self.container!r} was denied ({reason}); "
+                                f"{self.credentials_hint}")
 
     async def create(self, key: str, body: bytes) -> str:
         async def upload(blob):
@@ -324,6 +347,18 @@ class AzureObjects(CloudObjects):
             await blob.delete_blob(etag=etag, match_condition=MatchConditions.IfNotModified)
 
         await self._call(key, delete, gone_is_refusal=True)
+
+
+def _drop_broken_exit_hooks(fs) -> None:
+    """adlfs closes its clients at exit with ``sync(fs.loop, ...)``, but an asynchronous file system
+    (Zarr's) has no loop of its own (``None``), so every process using one printed a RuntimeError
+    traceback at exit. Its clients run on Zarr's loop, which stops at exit anyway."""
+    import weakref
+
+    for hook in list(weakref.finalize._registry):  # the only way to reach a finalizer adlfs did not keep
+        found = hook.peek()
+        if found is not None and found[0] is fs and found[2][:1] == (None,):
+            hook.detach()
 
 
 def _azure_code(exc: Exception) -> str | None:

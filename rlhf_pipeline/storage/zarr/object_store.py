@@ -145,6 +145,15 @@ class ObjectStoreKV(ZarrStoreKV):
     async def _read(self, key: str) -> ObjectVersion | None:
         return await self._answered(self.objects.read(key))
 
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        try:
+            return super().get_many(keys)
+        except Exception as exc:
+            denied = self.objects.access_error(exc)  # else the client's own error type and words
+            if denied is None:
+                raise
+            raise StoreError(f"{self.location}: {denied}") from None
+
     def create_object(self, key: str, body: bytes) -> str:
         return self._sync(self._answered(self.objects.create(key, body)))
 
