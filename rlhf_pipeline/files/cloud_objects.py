@@ -277,8 +277,12 @@ class AzureObjects(CloudObjects):
 
         try:
             return await operation(self._blob(key))
-        except (ResourceExistsError, ResourceModifiedError):
+        except ResourceModifiedError:  # 412: an If-Match (or If-None-Match) condition not met
             raise ConditionFailed(key) from None
+        except ResourceExistsError as exc:  # 409: only "BlobAlreadyExists" is a refused create
+            if _azure_code(exc) == "BlobAlreadyExists":
+                raise ConditionFailed(key) from None
+            raise
         except ResourceNotFoundError as exc:
             if _azure_code(exc) == "ContainerNotFound":
                 raise ContainerNotFoundError(
