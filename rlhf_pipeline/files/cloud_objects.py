@@ -359,7 +359,8 @@ def _drop_broken_exit_hooks(fs) -> None:
     traceback at exit. Its clients run on Zarr's loop, which stops at exit anyway."""
     import weakref
 
-    for hook in list(weakref.finalize._registry):  # the only way to reach a finalizer adlfs did not keep
+    # the only way to reach a finalizer adlfs did not keep; a Python without it prints the traceback again
+    for hook in list(getattr(weakref.finalize, "_registry", {})):
         found = hook.peek()
         if found is not None and found[0] is fs and found[2][:1] == (None,):
             hook.detach()
