@@ -84,7 +84,8 @@ class Settings:
     buffer_url: str | None = None
     """The buffer on object storage: a URL prefix such as s3://bucket/run/buffer under which
     collector k writes shard-kkkk (needs buffer_backend=zarr and the s3 extra; endpoint and
-    credentials from the AWS_* variables). None: <run>/buffer. Weights, checkpoints and metrics
+    credentials from the AWS_* variables), or az://container/run/buffer on Azure Blob Storage (the
+    azure extra; the account from AZURE_STORAGE_CONNECTION_STRING). None: <run>/buffer. Weights, checkpoints and metrics
     stay in the run directory."""
     buffer_lock_wait_s: float = 60.0
     """With buffer_url: how long a collector waits for its shard's writer lock while another writer

@@ -109,7 +109,7 @@ class Pipeline:
     """The buffer on object storage: a URL prefix (``s3://bucket/run/buffer``) under which
     collector k writes ``shard-kkkk`` with ``create_buffer`` (which must make a Zarr store) and
     the learner reads the union; endpoint and credentials from the ``AWS_*`` environment
-    variables. None: ``<run>/buffer``. The run directory (weights, checkpoints, metrics) stays local."""
+    variables (``az://container/run/buffer``: from ``AZURE_STORAGE_CONNECTION_STRING``). None: ``<run>/buffer``. The run directory (weights, checkpoints, metrics) stays local."""
     buffer_lock_wait_s: float = 60.0
     """With ``buffer_url``: how long a collector waits for its shard's writer lock while another
     writer holds it (a collector that died on another machine holds it until its lease runs

@@ -29,6 +29,20 @@ def s3_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory):
+    """Azurite (the Azure Blob Storage emulator) on 127.0.0.1 for the session; skips, saying what to
+    install, without the azure extra or Azurite."""
+    from azurite_server import AzuriteServer, missing_requirements
+
+    missing = missing_requirements()
+    if missing:
+        pytest.skip(f"az:// tests need {'; '.join(missing)}")
+    server = AzuriteServer(tmp_path_factory.mktemp("azurite"))
+    yield server
+    server.stop()
+
+
 @pytest.fixture()
 def one_torch_thread():
     """torch on one thread for the test (deterministic reductions, no oversubscription on a shared

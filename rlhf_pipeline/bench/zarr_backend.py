@@ -83,7 +83,7 @@ class RemoteZarrBackend(_ZarrStoreBackend):
                 self._reader.close()
             super().close()
         finally:
-            fs, path = fsspec.core.url_to_fs(self._url, **object_store_options(self._options))
+            fs, path = fsspec.core.url_to_fs(self._url, **object_store_options(self._options, location=self._url))
             fs.rm(path, recursive=True)
 
 

@@ -78,8 +78,8 @@ def _url_shard_indices(url: str, storage_options: dict | None) -> list[int]:
     from rlhf_pipeline.storage.zarr import object_store
 
     if object_store.is_object_store_url(url):
-        object_store.require_s3fs(url)
-        options = object_store.object_store_options(storage_options)  # no listing cache: new shards show
+        object_store.require_object_store_client(url)
+        options = object_store.object_store_options(storage_options, location=url)  # no listing cache: new shards show
     else:
         options = dict(storage_options or {})
     fs, root = fsspec.core.url_to_fs(url, **options)

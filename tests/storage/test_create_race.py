@@ -1,8 +1,8 @@
 """Two creators of one new store: the one that loses decides "new or existing" under the lock.
 
 The race: the loser finds no store, then another process creates it and publishes rows, then the
-loser gets the writer lock (at once locally after the winner closed; on S3 after waiting out the
-winner's lease). The loser used to publish an empty record over the winner's rows, and its next
+loser gets the writer lock (at once locally after the winner closed; on S3 and Azure after waiting
+out the winner's lease). The loser used to publish an empty record over the winner's rows, and its next
 open deleted their data as orphans. Here the winner's whole life (create, append, close) is run at
 exactly that moment, by running it just before the loser's lock is taken.
 """
@@ -21,12 +21,12 @@ from rlhf_pipeline.storage.zarr import store as zarr_store_module
 WINNER_ROWS = 50
 
 
-def _location(kind: str, tmp_path, s3_server) -> tuple[str, str, dict]:
+def _location(kind: str, tmp_path, server) -> tuple[str, str, dict]:
     if kind == "memmap":
         return str(tmp_path / "buf"), "memmap", {}
     if kind == "zarr":
         return str(tmp_path / "buf.zarr"), "zarr", {}
-    return s3_server.url(), "zarr", {"storage_options": s3_server.options, "lock_wait_s": 30}
+    return server.url(), "zarr", {"storage_options": server.options, "lock_wait_s": 30}  # moto or Azurite
 
 
 def _winner_runs_before_the_losers_lock(monkeypatch, location: str, backend: str, options: dict) -> None:
@@ -67,10 +67,10 @@ def _check_winners_rows_survive(location: str, backend: str, options: dict) -> N
         check_rows(reader.read(torch.arange(WINNER_ROWS)))
 
 
-@pytest.mark.parametrize("kind", ["memmap", "zarr", "s3"])
+@pytest.mark.parametrize("kind", ["memmap", "zarr", "s3", "azure"])
 def test_a_creator_that_lost_the_race_opens_the_winners_store_with_exist_ok(kind, tmp_path, monkeypatch, request):
-    s3_server = request.getfixturevalue("s3_server") if kind == "s3" else None
-    location, backend, options = _location(kind, tmp_path, s3_server)
+    server = request.getfixturevalue(f"{kind}_server") if kind in ("s3", "azure") else None
+    location, backend, options = _location(kind, tmp_path, server)
     _winner_runs_before_the_losers_lock(monkeypatch, location, backend, options)
     with create_store(location, backend, StoreSchema(), segment_rows=16, exist_ok=True, **options) as loser:
         assert len(loser) == WINNER_ROWS  # the winner's store, not a new empty one
@@ -81,10 +81,10 @@ def test_a_creator_that_lost_the_race_opens_the_winners_store_with_exist_ok(kind
         check_rows(r.read(torch.arange(WINNER_ROWS + 5)))
 
 
-@pytest.mark.parametrize("kind", ["memmap", "zarr", "s3"])
+@pytest.mark.parametrize("kind", ["memmap", "zarr", "s3", "azure"])
 def test_a_creator_that_lost_the_race_is_refused_without_exist_ok(kind, tmp_path, monkeypatch, request):
-    s3_server = request.getfixturevalue("s3_server") if kind == "s3" else None
-    location, backend, options = _location(kind, tmp_path, s3_server)
+    server = request.getfixturevalue(f"{kind}_server") if kind in ("s3", "azure") else None
+    location, backend, options = _location(kind, tmp_path, server)
     _winner_runs_before_the_losers_lock(monkeypatch, location, backend, options)
     with pytest.raises(FileExistsError, match="created by another process meanwhile"):
         create_store(location, backend, StoreSchema(), segment_rows=16, **options)

@@ -3,7 +3,7 @@
 Three kinds of location: a local directory (files, ``flock``, atomic rename), a zip
 file (read-only, through ``zarr.storage.ZipStore``) and any fsspec URL (through
 ``zarr.storage.FsspecStore``; ``file://`` URLs also get the local lock and rename,
-``s3://`` URLs conditional writes and a leased lock: :mod:`.object_store`).
+``s3://`` and ``az://`` URLs conditional writes and a leased lock: :mod:`.object_store`).
 The store reads and writes whole chunks as key/value pairs here, batched, instead
 of through Zarr arrays (one Zarr array call costs ~1 ms).
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json
+from rlhf_pipeline.files.cloud_objects import cloud_for
 from rlhf_pipeline.storage.errors import (
     IncompatibleStoreError,
     NotAStoreError,
@@ -195,13 +196,16 @@ def resolve(location: str, *, read_only: bool, storage_options: dict | None) -> 
         from rlhf_pipeline.storage.zarr import object_store
 
         if object_store.is_object_store_url(location):  # conditional writes and a leased lock
-            object_store.require_s3fs(location)
-            options = object_store.object_store_options(storage_options)
+            object_store.require_object_store_client(location)
+            options = object_store.object_store_options(storage_options, location=location)
             try:
                 store = FsspecStore.from_url(location, storage_options=options, read_only=read_only)
+                kv = object_store.ObjectStoreKV(store, location, read_only=read_only)
             except Exception as exc:
-                raise NotAStoreError(f"cannot open {location} through s3fs ({type(exc).__name__}: {exc})") from None
-            return Location(object_store.ObjectStoreKV(store, location, read_only=read_only), None, True)
+                cloud = cloud_for(location)
+                raise NotAStoreError(f"cannot open {location} on {cloud.name} ({type(exc).__name__}: {exc}); "
+                                     f"check its credentials and endpoint: {cloud.credentials_hint}") from None
+            return Location(kv, None, True)
         options = dict(storage_options or {})
         if location.startswith("file://"):
             options.setdefault("auto_mkdir", True)  # local fsspec does not create parents by itself
@@ -377,7 +381,7 @@ def _publish_targeted(root: Path, document: dict[str, Any], pending: list[Pendin
 
 
 def lock_for(loc: Location, location: str, *, lease_s: float | None = None, wait_s: float = 0.0) -> WriterLock | None:
-    """The writer lock: an ``flock`` locally, a leased lock object on S3 (``lease_s``; a lock
+    """The writer lock: an ``flock`` locally, a leased lock object on S3 and Azure (``lease_s``; a lock
     another writer holds is waited for up to ``wait_s``), none elsewhere."""
     if loc.local_root is None:
         if hasattr(loc.kv, "writer_lock"):

@@ -1,15 +1,16 @@
-"""Zarr stores on S3 and S3-compatible servers: create-only unit writes, a compare-and-swap
-commit record and a leased writer lock; no torch.
+"""Zarr stores on object storage (S3 and S3-compatible servers, Azure Blob Storage): create-only
+unit writes, a compare-and-swap commit record and a leased writer lock; no torch.
 
-Why one file: the S3 protocol is one piece: create-only unit writes, the compare-and-swap commit
-record and the leased writer lock share the conditional-request helpers and their error handling,
-and are only correct together.
+Why one file: the protocol is one piece: create-only unit writes, the compare-and-swap commit
+record and the leased writer lock share the conditional writes and their error handling, and
+are only correct together. Which cloud answers them is :mod:`rlhf_pipeline.files.cloud_objects`'
+business; nothing here knows.
 
 Object storage has no rename, no ``flock`` and no ``fsync``. What it has: a PUT replaces a
-whole object atomically, a read after a write sees it (AWS S3 since 2020, MinIO, moto), and
-*conditional writes* (``If-None-Match: *`` creates only, ``If-Match: <etag>`` replaces only
-the version that was read; AWS S3 since 2024, MinIO, Cloudflare R2, moto). A store at an
-``s3://`` URL builds on those:
+whole object atomically, a read after a write sees it (AWS S3 since 2020, MinIO, moto, Azure
+Blob Storage), and *conditional writes* (``If-None-Match: *`` creates only, ``If-Match: <etag>``
+replaces only the version that was read; AWS S3 since 2024, MinIO, Cloudflare R2, moto, Azure,
+Azurite). A store at an ``s3://`` or ``az://`` URL builds on those:
 
 * **Units are created, never overwritten.** Every key of a unit is PUT with
   ``If-None-Match: *``. A key that exists with the same bytes counts as written (a retried
@@ -32,7 +33,7 @@ the version that was read; AWS S3 since 2024, MinIO, Cloudflare R2, moto). A sto
   off). A leftover a stale listing missed is never overwritten: its name is refused, the
   append fails, and reopening deletes it.
 
-A PUT that returned is stored: ``durable`` changes nothing here. A server that ignores
+A write that returned is stored: ``durable`` changes nothing here. A server that ignores
 conditional headers cannot keep a second writer out; the lock checks this once when it is
 taken and warns (:class:`ObjectLockWarning`), and then only the one-writer-per-store rule
 the caller keeps protects the store.
@@ -41,7 +42,6 @@ the caller keeps protects the store.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
@@ -51,10 +51,17 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from email.utils import parsedate_to_datetime
 from typing import Any
 
+from rlhf_pipeline.files.cloud_objects import (
+    CLOUDS,
+    CloudAccessError,
+    CloudObjects,
+    ConditionFailed,
+    ContainerNotFoundError,
+    ObjectVersion,
+    cloud_for,
+)
 from rlhf_pipeline.storage.errors import (
     StorageExtraMissingError,
     StoreError,
@@ -68,11 +75,11 @@ from rlhf_pipeline.storage.zarr.units import ROOT_META
 
 log = logging.getLogger(__name__)
 
-OBJECT_STORE_SCHEMES = ("s3://", "s3a://")
+OBJECT_STORE_SCHEMES = tuple(scheme for cloud in CLOUDS for scheme in cloud.schemes)
 DEFAULT_LEASE_S = 30.0
 # a reader asked to refresh more often (a learner: before every batch) GETs the record at most this often
 DEFAULT_REFRESH_INTERVAL_S = 1.0
-_CONFLICT_RETRIES = 5  # a 409 "conditional request conflict": another conditional PUT of that key is in flight
+_CONFLICT_RETRIES = 5  # the commit record changed under a new writer lock: read it again this often
 
 
 class ObjectLockWarning(UserWarning):
@@ -85,135 +92,79 @@ def default_refresh_interval_s(location: str) -> float:
 
 
 def is_object_store_url(location: str) -> bool:
-    return location.startswith(OBJECT_STORE_SCHEMES)
+    """True for a URL on a cloud this library writes to with conditional writes (``s3://``, ``az://``)."""
+    return cloud_for(location) is not None
 
 
-def require_s3fs(location: str) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("s3fs") is None:
+def require_object_store_client(location: str) -> None:
+    """Raises :class:`StorageExtraMissingError` naming the extra when ``location``'s cloud client is missing."""
+    cloud = cloud_for(location)
+    missing = cloud.missing_packages() if cloud is not None else []
+    if missing:
+        names = " and ".join(repr(name) for name in missing)
         raise StorageExtraMissingError(
-            f"{location} is on S3, which needs the optional package 's3fs'; install it with "
-            f"`pip install -e '.[s3]'` (from a checkout) or `pip install 'rlhf-pipeline[s3]'`"
+            f"{location} is on {cloud.name}, which needs the optional package{'s' * (len(missing) > 1)} {names}; "
+            f"install {'them' if len(missing) > 1 else 'it'} with `pip install -e '.[{cloud.extra}]'` (from a "
+            f"checkout) or `pip install 'rlhf-pipeline[{cloud.extra}]'`"
         )
 
 
-def object_store_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``storage_options`` for s3fs with our defaults: credentials and endpoint come from
-    ``options`` (``key``, ``secret``, ``endpoint_url``, ...) or botocore's usual sources
-    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles)."""
-    merged = dict(options or {})
-    # a cached listing could hide a killed writer's leftovers from the next writer
-    merged.setdefault("use_listings_cache", False)
-    # s3fs (since 2025) sends a HEAD before every whole-object GET, to split objects larger than its
-    # block size (50 MiB) into concurrent ranged GETs. Ours (commit records, units of a few MB) never
-    # are, so the HEAD only doubled every read's requests (counted on the server: a refresh of N
-    # shards sent N HEADs beside its N GETs). Reads of several objects already go out together
-    if _s3fs_takes("max_concurrency"):  # older s3fs has neither the option nor the HEAD
-        merged.setdefault("max_concurrency", 1)
-    return merged
-
-
-@functools.cache  # one signature inspection per process, not one per store opened
-def _s3fs_takes(option: str) -> bool:
-    import inspect
-
-    try:
-        from s3fs import S3FileSystem
-    except ImportError:  # require_s3fs says so where it matters
-        return False
-    return option in inspect.signature(S3FileSystem.__init__).parameters
-
-
-def _error_response(exc: BaseException) -> dict:
-    for candidate in (exc, exc.__cause__, exc.__context__):
-        response = getattr(candidate, "response", None)
-        if isinstance(response, dict):
-            return response
-    return {}
-
-
-def _status(exc: BaseException) -> int | None:
-    response = _error_response(exc)
-    code = response.get("Error", {}).get("Code")
-    if code == "PreconditionFailed":
-        return 412
-    if code == "ConditionalRequestConflict":
-        return 409
-    return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-
-
-class _PreconditionFailed(Exception):
-    """The server refused a conditional write (412): the key exists, or changed since it was read."""
-
-
-@dataclass
-class _Seen:
-    body: bytes
-    etag: str
-    age_s: float | None  # seconds since the last write, on the server's clock
+def object_store_options(options: Mapping[str, Any] | None, *, location: str) -> dict[str, Any]:
+    """``storage_options`` for ``location``'s fsspec file system with our defaults. Credentials and
+    endpoint come from ``options`` or the client's usual sources: on S3 (s3fs) ``key``, ``secret``,
+    ``endpoint_url`` or ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``,
+    profiles; on Azure (adlfs) ``connection_string``, ``account_name`` with ``account_key`` or
+    ``AZURE_STORAGE_CONNECTION_STRING``, ``AZURE_STORAGE_ACCOUNT_NAME``, ..."""
+    cloud = cloud_for(location)
+    if cloud is None:
+        raise ValueError(f"{location} is not an object-store URL ({', '.join(OBJECT_STORE_SCHEMES)})")
+    return cloud.fsspec_options(options)
 
 
 # ======================================================================== key/value I/O
 class ObjectStoreKV(ZarrStoreKV):
-    """An ``s3://`` store's keys: reads through Zarr's ``FsspecStore``, writes as conditional PUTs."""
+    """An object-store URL's keys: reads through Zarr's ``FsspecStore``, writes through
+    :class:`~rlhf_pipeline.files.cloud_objects.CloudObjects` (conditional writes), on Zarr's loop."""
 
     def __init__(self, store, location: str, *, read_only: bool):
         super().__init__(store, read_only=read_only)
         self.location = location
-        self._fs = store.fs
-        self._bucket, _, self._prefix = store.path.strip("/").partition("/")
+        self.objects: CloudObjects = cloud_for(location)(store.fs, store.path)
         self._writer_token: str | None = None
         self._record_etag: str | None = None  # of the record this writer last read or wrote
 
-    def _key(self, key: str) -> str:
-        return f"{self._prefix}/{key}" if self._prefix else key
-
-    async def _call(self, method: str, key: str, **kwargs) -> dict:
-        for attempt in range(_CONFLICT_RETRIES):
-            try:
-                return await self._fs._call_s3(method, Bucket=self._bucket, Key=self._key(key), **kwargs)
-            except FileNotFoundError as exc:
-                if "bucket" in str(exc).lower():
-                    raise StoreNotFoundError(
-                        f"{self.location}: the bucket {self._bucket!r} does not exist on this endpoint; create "
-                        f"it first, or check endpoint_url (storage_options or AWS_ENDPOINT_URL)"
-                    ) from None
-                raise
-            except PermissionError as exc:
-                raise StoreError(
-                    f"{self.location}: access denied ({exc}); pass credentials as storage_options "
-                    f"key=/secret= or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
-                ) from None
-            except Exception as exc:  # noqa: BLE001 - s3fs maps the codes we need to generic OSErrors
-                status = _status(exc)
-                if status == 412:
-                    raise _PreconditionFailed(key) from None
-                if status != 409 or attempt == _CONFLICT_RETRIES - 1:
-                    raise
-            await asyncio.sleep(0.05 * 2**attempt)
-        raise AssertionError("unreachable")
-
-    async def _put(self, key: str, body: bytes, **condition) -> str:
-        return (await self._call("put_object", key, Body=body, **condition))["ETag"]
-
-    async def _read(self, key: str) -> _Seen | None:
+    async def _answered(self, request):
+        """``request``'s answer, with the cloud's errors as the store errors users act on."""
         try:
-            out = await self._call("get_object", key)
-        except FileNotFoundError:
-            return None
-        async with out["Body"] as stream:
-            body = await stream.read()
-        date = out.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-        age = None
-        if date and out.get("LastModified") is not None:
-            age = (parsedate_to_datetime(date) - out["LastModified"]).total_seconds()
-        return _Seen(body, out["ETag"], age)
+            return await request
+        except ContainerNotFoundError as exc:
+            raise StoreNotFoundError(f"{self.location}: {exc}") from None
+        except CloudAccessError as exc:
+            raise StoreError(f"{self.location}: {exc}") from None
 
-    def _sync(self, coro):
-        from zarr.core.sync import sync
+    async def _read(self, key: str) -> ObjectVersion | None:
+        return await self._answered(self.objects.read(key))
 
-        return sync(coro)
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        try:
+            return super().get_many(keys)
+        except Exception as exc:
+            denied = self.objects.access_error(exc)  # else the client's own error type and words
+            if denied is None:
+                raise
+            raise StoreError(f"{self.location}: {denied}") from None
+
+    def create_object(self, key: str, body: bytes) -> str:
+        return self._sync(self._answered(self.objects.create(key, body)))
+
+    def replace_object(self, key: str, body: bytes, etag: str) -> str:
+        return self._sync(self._answered(self.objects.replace(key, body, etag)))
+
+    def read_object(self, key: str) -> ObjectVersion | None:
+        return self._sync(self._read(key))
+
+    def delete_object(self, key: str, etag: str) -> None:
+        self._sync(self._answered(self.objects.delete(key, etag)))
 
     # ---------------------------------------------------------------- units: create only
     def put_many(self, items: Iterable[tuple[str, Any]] | Mapping[str, Any], *, durable: bool = False,
@@ -227,8 +178,8 @@ class ObjectStoreKV(ZarrStoreKV):
 
     async def _create(self, key: str, body: bytes) -> None:
         try:
-            await self._put(key, body, IfNoneMatch="*")
-        except _PreconditionFailed:
+            await self._answered(self.objects.create(key, body))
+        except ConditionFailed:
             existing = await self._read(key)
             if existing is not None and existing.body == body:
                 return  # our own PUT, retried after its answer was lost
@@ -245,7 +196,7 @@ class ObjectStoreKV(ZarrStoreKV):
         replacing only the version read. Called by the lock once it is held."""
         self._writer_token = token
         for _ in range(_CONFLICT_RETRIES):
-            seen = self._sync(self._read(ROOT_META))
+            seen = self.read_object(ROOT_META)
             if seen is None:
                 self._record_etag = None  # a new store: its first publish creates the record
                 return
@@ -256,9 +207,9 @@ class ObjectStoreKV(ZarrStoreKV):
                 self._record_etag = seen.etag  # damaged: opening reports it; never rewritten here
                 return
             try:
-                self._record_etag = self._sync(self._put(ROOT_META, _dump(document), IfMatch=seen.etag))
+                self._record_etag = self.replace_object(ROOT_META, _dump(document), seen.etag)
                 return
-            except _PreconditionFailed:
+            except ConditionFailed:
                 continue  # a fenced writer's publish landed in between: read again
         raise StoreLockedError(f"{self.location}: the commit record keeps changing under a new writer lock; "
                                f"another writer is still publishing. Stop it, then open the store again.")
@@ -270,11 +221,13 @@ class ObjectStoreKV(ZarrStoreKV):
             document = dict(document, attributes=dict(
                 attributes, **{ATTRS_KEY: dict(attributes[ATTRS_KEY], writer=self._writer_token)}))
         body = _dump(document)
-        condition = {"IfNoneMatch": "*"} if self._record_etag is None else {"IfMatch": self._record_etag}
         try:
-            self._record_etag = self._sync(self._put(ROOT_META, body, **condition))
-        except _PreconditionFailed:
-            current = self._sync(self._read(ROOT_META))
+            if self._record_etag is None:
+                self._record_etag = self.create_object(ROOT_META, body)
+            else:
+                self._record_etag = self.replace_object(ROOT_META, body, self._record_etag)
+        except ConditionFailed:
+            current = self.read_object(ROOT_META)
             if current is not None and current.body == body:
                 self._record_etag = current.etag  # our own PUT, retried after its answer was lost
                 return
@@ -344,10 +297,10 @@ class ObjectStoreLock:
         announced: str | None = None  # the holder's version last reported as waited on
         while True:
             try:
-                self._etag = kv._sync(kv._put(LOCK_FILE_NAME, self._body(), IfNoneMatch="*"))
+                self._etag = kv.create_object(LOCK_FILE_NAME, self._body())
                 break
-            except _PreconditionFailed:
-                seen = kv._sync(kv._read(LOCK_FILE_NAME))
+            except ConditionFailed:
+                seen = kv.read_object(LOCK_FILE_NAME)
             if seen is None:
                 changed_hands = self._changed_hands(changed_hands)  # released in between
                 continue
@@ -368,11 +321,11 @@ class ObjectStoreLock:
                 time.sleep(min(remaining, 1.0, max(0.1, runs_out_in + 0.1)))
                 continue
             try:
-                self._etag = kv._sync(kv._put(LOCK_FILE_NAME, self._body(), IfMatch=seen.etag))
+                self._etag = kv.replace_object(LOCK_FILE_NAME, self._body(), seen.etag)
                 log.warning("%s: took over the writer lock of process %s on %s (%s)", kv.location,
                             holder.get("pid"), holder.get("host"), self._why_abandoned(holder, seen))
                 break
-            except _PreconditionFailed:
+            except ConditionFailed:
                 changed_hands = self._changed_hands(changed_hands)  # renewed, or another contender won
         self._check_conditional_writes()
         try:
@@ -397,7 +350,7 @@ class ObjectStoreLock:
         except (TypeError, ValueError):
             return self._lease_s
 
-    def _runs_out_in(self, holder: dict, seen: _Seen) -> float:
+    def _runs_out_in(self, holder: dict, seen: ObjectVersion) -> float:
         """Seconds until the holder's lease runs out if it is not renewed (server clock)."""
         age = seen.age_s if seen.age_s is not None else 0.0
         return max(0.0, self._lease_of(holder) - age)
@@ -405,18 +358,18 @@ class ObjectStoreLock:
     def _check_conditional_writes(self) -> None:
         kv = self._kv
         try:
-            kv._sync(kv._put(LOCK_FILE_NAME, self._body(), IfNoneMatch="*"))  # the same bytes: harmless
-        except _PreconditionFailed:
+            kv.create_object(LOCK_FILE_NAME, self._body())  # the same bytes: harmless
+        except ConditionFailed:
             return
         warnings.warn(
             f"{kv.location}: this object store ignores conditional writes (If-None-Match), so its writer lock "
             f"cannot keep a second writer out; run exactly one writer per store (a shard per collector)",
             ObjectLockWarning, stacklevel=4)
 
-    def _abandoned(self, holder: dict, seen: _Seen) -> bool:
+    def _abandoned(self, holder: dict, seen: ObjectVersion) -> bool:
         return self._why_abandoned(holder, seen) is not None
 
-    def _why_abandoned(self, holder: dict, seen: _Seen) -> str | None:
+    def _why_abandoned(self, holder: dict, seen: ObjectVersion) -> str | None:
         pid, host = holder.get("pid"), holder.get("host")
         if host == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
             return "that process is no longer running"
@@ -425,7 +378,7 @@ class ObjectStoreLock:
             return f"not renewed for {seen.age_s:.0f} s, lease {lease:g} s"
         return None
 
-    def _locked_message(self, holder: dict, seen: _Seen) -> str:
+    def _locked_message(self, holder: dict, seen: ObjectVersion) -> str:
         lease = self._lease_of(holder)
         age = "" if seen.age_s is None else f", renewed {max(seen.age_s, 0):.0f} s ago"
         return (f"{self._kv.location} is already open for writing by process {holder.get('pid')} on "
@@ -439,8 +392,8 @@ class ObjectStoreLock:
         while not self._stop.wait(self._lease_s / 3):
             self._renewals += 1
             try:
-                self._etag = kv._sync(kv._put(LOCK_FILE_NAME, self._body(), IfMatch=self._etag))
-            except _PreconditionFailed:
+                self._etag = kv.replace_object(LOCK_FILE_NAME, self._body(), self._etag)
+            except ConditionFailed:
                 self.lost = True
                 log.warning("%s: the writer lock was taken over by another writer; this writer's next publish "
                             "fails", kv.location)
@@ -460,8 +413,8 @@ class ObjectStoreLock:
             return  # a forked child shares nothing to release
         kv = self._kv
         try:
-            kv._sync(kv._call("delete_object", LOCK_FILE_NAME, IfMatch=etag))
-        except (_PreconditionFailed, FileNotFoundError):
+            kv.delete_object(LOCK_FILE_NAME, etag)
+        except ConditionFailed:
             pass  # taken over (or released by its new holder) meanwhile: not ours to delete
         except Exception as exc:  # noqa: BLE001 - the lease runs out instead
             log.warning("%s: could not delete the writer lock (%r); the next writer takes it over after "
@@ -481,7 +434,7 @@ def _clock(epoch_s: float) -> str:
     return datetime.datetime.fromtimestamp(epoch_s, datetime.timezone.utc).strftime("%H:%M:%S UTC")
 
 
-def _holder(seen: _Seen) -> dict:
+def _holder(seen: ObjectVersion) -> dict:
     try:
         holder = json.loads(seen.body)
         return holder if isinstance(holder, dict) else {}
@@ -498,5 +451,5 @@ __all__ = [
     "ObjectStoreLock",
     "is_object_store_url",
     "object_store_options",
-    "require_s3fs",
+    "require_object_store_client",
 ]
