@@ -170,7 +170,8 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     # ---------------------------------------------------------------- buffer + write path
     def create_buffer(path: Path):
-        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason")),
+        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason",
+                                                                          "tool_calls", "tool_errors")),
                             segment_rows=settings.segment_rows)
 
     def make_write_path(store):
@@ -200,6 +201,8 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                                  context_length=settings.context_length),
             sampling=SamplingConfig(temperature=settings.temperature), seed=settings.seed,
             collector_index=collector_index,
+            # a buffer written before the per-turn tool counts existed goes on without them
+            tool_counts="tool_calls" in store.schema.field_names,
         )
         # each collector (one buffer shard each) walks the tasks in its own order
         source = TaskSource(tasks, seed=settings.seed + 1_000_003 * collector_index,

@@ -93,6 +93,11 @@ def make_batch(
         columns["advantage"] = torch.randn(n, generator=gen)
     if "termination_reason" in optional:  # from the flags, so no other field's draws change
         columns["termination_reason"] = torch.where(terminated, 1, 5).to(torch.int32)  # env done / length
+    calls = (r_len % 3).to(torch.int32)  # from the lengths: no draw, so no other field changes
+    if "tool_calls" in optional:
+        columns["tool_calls"] = calls
+    if "tool_errors" in optional:
+        columns["tool_errors"] = (calls == 2).to(torch.int32)
     return TrajectoryBatch(columns)
 
 
@@ -115,8 +120,12 @@ TRAJECTORIES = [(3, TerminationReason.ENV_DONE, 1.0), (1, TerminationReason.TOOL
                 (1, TerminationReason.ENV_DONE, 1.0), (5, TerminationReason.TOKEN_BUDGET, 0.0)]
 
 
-def multi_turn_rows(first_trajectory: int = 0) -> TrajectoryBatch:
-    """The rows of :data:`TRAJECTORIES`, one per turn, as an agent collector writes them (with termination_reason)."""
+def multi_turn_rows(first_trajectory: int = 0, *, tool_counts: bool = False) -> TrajectoryBatch:
+    """The rows of :data:`TRAJECTORIES`, one per turn, as an agent collector writes them (with termination_reason).
+
+    ``tool_counts`` adds ``tool_calls`` / ``tool_errors``: 2 calls on every turn but the last, 1
+    failed call on the last turn of the TOOL_ERROR trajectory, and 1 of 2 failed on turn 2 of the
+    5-turn one; per trajectory (calls, errors): (4, 0), (1, 1), (6, 0), (2, 0), (0, 0), (8, 1)."""
     rows, gen = [], torch.Generator().manual_seed(first_trajectory)
     for t, (turns, reason, reward) in enumerate(TRAJECTORIES):
         for step in range(turns):
@@ -132,4 +141,8 @@ def multi_turn_rows(first_trajectory: int = 0) -> TrajectoryBatch:
                 "termination_reason": int(reason if last else TerminationReason.NOT_ENDED),
                 "prompt_text": f"env {step}", "response_text": "x" * response,
             })
+            if tool_counts:
+                calls = 1 if reason is TerminationReason.TOOL_ERROR else (0 if last else 2)
+                failed = calls if reason is TerminationReason.TOOL_ERROR else int(turns == 5 and step == 2)
+                rows[-1].update(tool_calls=calls, tool_errors=failed)
     return TrajectoryBatch.from_rows(rows)

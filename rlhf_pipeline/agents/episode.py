@@ -102,6 +102,8 @@ class Episode:
         self.messages: list[Message] = [dict(m) for m in messages]
         self.segments: list[Segment] = []
         self.rewards: list[float] = []  # one per model turn
+        self.tool_calls: list[int] = []  # one per model turn: the calls it wrote
+        self.tool_errors: list[int] = []  # one per model turn: of those, the ones answered with an error
         self.turns: list[ModelTurn] = []
         self.reason: TerminationReason | None = None
         self.metrics: Counter[str] = Counter(template_mismatch=0, retokenization_drift=0)
@@ -169,11 +171,19 @@ class Episode:
         self.messages.append({"role": "assistant", "content": content})
         return turn
 
-    def add_environment(self, result: StepResult) -> None:
-        """The environment's answer to the last turn: its reward, then the end or its messages."""
+    def add_environment(self, result: StepResult, tool_outcomes: Mapping[str, int] | None = None) -> None:
+        """The environment's answer to the last turn: its reward, then the end or its messages.
+
+        ``tool_outcomes`` are the ``ToolBox`` counts of the calls the environment ran for this turn
+        (``EnvironmentRunner.step_counting_tools``): the turn's failed calls are ``calls - ok``.
+        The turn's calls are those the parser found, or the ones run when the environment ran more."""
         if not self.segments[-1].sampled or self.done:
             raise RuntimeError("add_environment answers a model turn; add_turn first")
         self.rewards.append(float(result.reward))
+        outcomes = tool_outcomes or {}
+        ran = int(outcomes.get("calls", 0))
+        self.tool_calls.append(max(len(self.turns[-1].tool_calls), ran))
+        self.tool_errors.append(ran - int(outcomes.get("ok", 0)))
         if self._cut_reason is not None:  # a limit cut the turn: that is why it ended, whatever the env says
             self._end(self._cut_reason)
         elif result.done:
@@ -238,8 +248,10 @@ class Episode:
         self.reason = reason
 
     # ---------------------------------------------------------------- rows
-    def rows(self, *, group_id: int, trajectory_id: int, policy_version: int) -> list[dict[str, Any]]:
-        """The stored rows, one per turn: the tokens added before the turn, then the turn's samples."""
+    def rows(self, *, group_id: int, trajectory_id: int, policy_version: int,
+             tool_counts: bool = False) -> list[dict[str, Any]]:
+        """The stored rows, one per turn: the tokens added before the turn, then the turn's samples
+        (with ``tool_counts``, each turn's ``tool_calls`` and ``tool_errors`` too)."""
         if not self.done:
             raise RuntimeError("an episode is stored when it has ended; it is still running")
         rows = []
@@ -257,6 +269,9 @@ class Episode:
                 "termination_reason": int(reason),
                 "prompt_text": prompt.text, "response_text": response.text,
             })
+            if tool_counts:
+                rows[-1]["tool_calls"] = self.tool_calls[step]
+                rows[-1]["tool_errors"] = self.tool_errors[step]
         return rows
 
 
@@ -307,9 +322,10 @@ def rebuild_trajectory(rows: TrajectoryBatch) -> RebuiltTrajectory:
 
 
 def episodes_to_batch(episodes: Sequence[Episode], *, group_ids: Sequence[int], trajectory_ids: Sequence[int],
-                      policy_version: int) -> TrajectoryBatch:
+                      policy_version: int, tool_counts: bool = False) -> TrajectoryBatch:
     """The rows of ended episodes as one batch (a whole group, written together)."""
     rows = []
     for episode, group, trajectory in zip(episodes, group_ids, trajectory_ids, strict=True):
-        rows += episode.rows(group_id=group, trajectory_id=trajectory, policy_version=policy_version)
+        rows += episode.rows(group_id=group, trajectory_id=trajectory, policy_version=policy_version,
+                             tool_counts=tool_counts)
     return TrajectoryBatch.from_rows(rows)

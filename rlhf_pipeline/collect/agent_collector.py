@@ -17,6 +17,9 @@ path attached, so:
   the group-relative advantage of that return and writes it on every turn of the trajectory.
 
 Rewards are the environment's (``StepResult.reward`` per turn); a trajectory's return is their sum.
+Each row also holds its turn's ``tool_calls`` and ``tool_errors`` (``AgentCollectorConfig.tool_counts``),
+counted per turn by the ``ToolBox`` the environment ran them through, so ``filter`` and ``inspect``
+can pick out trajectories whose tool use failed.
 
 Ids and resume are the single-turn :class:`~rlhf_pipeline.collect.collector.Collector`'s:
 ``(collector_index << 40) | counter`` with the counters, the task position and the sampling RNG
@@ -68,6 +71,9 @@ class AgentCollectorConfig:
     """Threads stepping synchronous environments."""
     check_drift: bool = True
     """Count ``retokenization_drift`` each turn (one extra encode of the conversation)."""
+    tool_counts: bool = True
+    """Store each turn's ``tool_calls`` and ``tool_errors`` (the buffer must hold those optional
+    fields); False for a buffer created without them."""
     collector_index: int = 0
     """This collector's index among collectors writing one run; goes in the ids' high bits."""
     seed: int = 0
@@ -146,7 +152,7 @@ class AgentCollector:
         base = id_base(cfg.collector_index)
         batch = result.to_batch(first_group_id=base + self.groups_emitted,
                                 first_trajectory_id=base + self.trajectories_emitted,
-                                policy_version=self.policy_version)
+                                policy_version=self.policy_version, tool_counts=cfg.tool_counts)
         n_traj = len(result.episodes)
         if before_write is not None:
             before_write(self.state_dict(rounds_ahead=(1, len(tasks), n_traj)))

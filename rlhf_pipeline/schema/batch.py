@@ -330,6 +330,12 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
     _first_bad(out["step"] < 0, "step", "must be >= 0", out["step"])
     if "termination_reason" in out:
         _check_termination_reason(out["termination_reason"], done, term, trunc)
+    for name in ("tool_calls", "tool_errors"):
+        if name in out:
+            _first_bad(out[name] < 0, name, "must be >= 0 (a count of tool calls)", out[name])
+    if "tool_calls" in out and "tool_errors" in out:
+        _first_bad(out["tool_errors"] > out["tool_calls"], "tool_errors",
+                   "more failed tool calls than tool calls (tool_calls) in the turn", out["tool_errors"])
     return TrajectoryBatch(out)
 
 

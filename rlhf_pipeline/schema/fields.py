@@ -91,6 +91,11 @@ FIELDS: tuple[FieldSpec, ...] = (
               "group-relative advantage, written by the group-advantage transform"),
     FieldSpec("termination_reason", "row", torch.int32, False, "termination_reason",
               "why the trajectory ended, a schema.TerminationReason code; 0 on rows that are not its last"),
+    FieldSpec("tool_calls", "row", torch.int32, False, "tool_calls",
+              "tool calls the model wrote in this turn, as the tool-call parser found them (agents)"),
+    FieldSpec("tool_errors", "row", torch.int32, False, "tool_errors",
+              "of this turn's tool calls, those answered with an error: malformed, unknown tool, bad "
+              "arguments, raised, timed out, over the per-turn limit (agents)"),
     # ---- text fields -------------------------------------------------------------
     FieldSpec("prompt_text", "text", torch.uint8, True, ("text", "prompt"), "prompt as text"),
     FieldSpec("response_text", "text", torch.uint8, True, ("text", "response"), "response as text"),
@@ -187,6 +192,8 @@ class Trajectory(TensorClass["nocast"]):
     truncated: bool = False
     advantage: float | None = None
     termination_reason: int | None = None
+    tool_calls: int | None = None
+    tool_errors: int | None = None
     ref_log_probs: torch.Tensor | None = None  # (R,)
     kl: torch.Tensor | None = None  # (R,)
     token_rewards: torch.Tensor | None = None  # (R,)

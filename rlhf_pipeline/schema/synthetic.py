@@ -123,6 +123,7 @@ def batch_with_lengths(
         raise ValueError("batch_with_lengths does not draw token_rewards; use synthetic_batches")
     if "termination_reason" in optional_fields:  # every row ended by EOS (none is marked truncated)
         columns["termination_reason"] = torch.full((num_rows,), int(TerminationReason.ENV_DONE), dtype=torch.int32)
+    columns.update(_tool_counts(optional_fields, num_rows))
     return TrajectoryBatch(columns)
 
 
@@ -220,7 +221,21 @@ def _make_batch(
         token_rewards = -KL_COEF * kl
         token_rewards[response_offsets[1:] - 1] += reward  # scalar reward lands on the last token
         columns["token_rewards"] = RaggedTensor(token_rewards, response_offsets)
+    columns.update(_tool_counts(optional_fields, num_rows))
     return TrajectoryBatch(columns)
+
+
+def _tool_counts(optional_fields, num_rows: int) -> dict[str, torch.Tensor]:
+    """Agents' per-turn tool counts, from the row index (no draw, so no other field changes):
+    0, 1 or 2 calls, one failed on every fourth row that made one."""
+    row = torch.arange(num_rows, dtype=torch.int32)
+    calls = row % 3
+    out = {}
+    if "tool_calls" in optional_fields:
+        out["tool_calls"] = calls
+    if "tool_errors" in optional_fields:
+        out["tool_errors"] = ((row % 4 == 1) & (calls > 0)).to(torch.int32)
+    return out
 
 
 def _group_advantage(reward: torch.Tensor, group_of_row: torch.Tensor, num_groups: int) -> torch.Tensor:

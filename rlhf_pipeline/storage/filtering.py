@@ -14,7 +14,8 @@ How it runs, in bounded memory:
    per group, are combined at the end (Chan et al.'s pairwise update), so memory grows with
    the number of groups, not rows. A group whose rewards are all equal gets a std of exactly 0.
    Trajectory statistics (``trajectory_turns``...) are gathered the same way from
-   ``trajectory_id``, ``reward`` and ``termination_reason``.
+   ``trajectory_id``, ``reward`` and, when the expression names them, ``termination_reason``,
+   ``tool_calls`` and ``tool_errors``.
 2. *Row pass*: the fields the expression names are read unit by unit (token fields only for
    their lengths) and evaluated; the kept positions are collected (8 bytes per kept row).
    A multi-turn trajectory is never cut: it is kept whole when every one of its rows matches,
@@ -45,7 +46,7 @@ import torch
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
 from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of, read_by_position
-from rlhf_pipeline.storage.where import GROUP_NAMES, WhereExpression, parse_where
+from rlhf_pipeline.storage.where import GROUP_NAMES, TRAJECTORY_FIELDS, WhereExpression, parse_where
 
 DEFAULT_CHUNK_ROWS = 4096
 Progress = Callable[[str, int, int], None]  # (stage, rows done, rows total)
@@ -113,38 +114,53 @@ class GroupTable:
 
 @dataclass
 class TrajectoryTable:
-    """Turns, return and ending of each trajectory, by trajectory id (sorted)."""
+    """Turns, return, ending and tool use of each trajectory, by trajectory id (sorted)."""
 
     ids: np.ndarray  # (T,) int64, sorted
     turns: np.ndarray  # (T,) int64
     total_reward: np.ndarray  # (T,) float64
     end: np.ndarray  # (T,) int64: the termination reason (only a done row carries one)
+    tool_calls: np.ndarray  # (T,) int64: summed over the turns (0 when the store has no tool counts)
+    tool_errors: np.ndarray  # (T,) int64
 
     @classmethod
-    def of_chunk(cls, trajectory_ids: np.ndarray, rewards: np.ndarray, reasons: np.ndarray | None) -> TrajectoryTable:
+    def of_chunk(cls, trajectory_ids: np.ndarray, rewards: np.ndarray, reasons: np.ndarray | None,
+                 tool_calls: np.ndarray | None = None, tool_errors: np.ndarray | None = None) -> TrajectoryTable:
         ids, inverse = np.unique(trajectory_ids, return_inverse=True)
         end = np.zeros(ids.size, dtype=np.int64)
         if reasons is not None:
             np.maximum.at(end, inverse, reasons.astype(np.int64))
+
+        def summed(values: np.ndarray | None) -> np.ndarray:
+            if values is None:
+                return np.zeros(ids.size, dtype=np.int64)
+            return np.bincount(inverse, weights=values, minlength=ids.size).astype(np.int64)
+
         return cls(ids, np.bincount(inverse, minlength=ids.size),
-                   np.bincount(inverse, weights=rewards.astype(np.float64), minlength=ids.size), end)
+                   np.bincount(inverse, weights=rewards.astype(np.float64), minlength=ids.size), end,
+                   summed(tool_calls), summed(tool_errors))
 
     @classmethod
     def combine(cls, partials: list[TrajectoryTable]) -> TrajectoryTable:
         if not partials:
             empty = np.zeros(0, dtype=np.int64)
-            return cls(empty, empty, np.zeros(0), empty)
+            return cls(empty, empty, np.zeros(0), empty, empty, empty)
         ids, inverse = np.unique(np.concatenate([p.ids for p in partials]), return_inverse=True)
         end = np.zeros(ids.size, dtype=np.int64)
         np.maximum.at(end, inverse, np.concatenate([p.end for p in partials]))
-        turns = np.bincount(inverse, weights=np.concatenate([p.turns for p in partials]), minlength=ids.size)
-        total = np.bincount(inverse, weights=np.concatenate([p.total_reward for p in partials]), minlength=ids.size)
-        return cls(ids, turns.astype(np.int64), total, end)
+
+        def summed(name: str) -> np.ndarray:
+            return np.bincount(inverse, weights=np.concatenate([getattr(p, name) for p in partials]),
+                               minlength=ids.size)
+
+        return cls(ids, summed("turns").astype(np.int64), summed("total_reward"), end,
+                   summed("tool_calls").astype(np.int64), summed("tool_errors").astype(np.int64))
 
     def columns_for(self, trajectory_ids: np.ndarray) -> dict[str, np.ndarray]:
         at = np.searchsorted(self.ids, trajectory_ids)
         return {"trajectory_turns": self.turns[at], "trajectory_return": self.total_reward[at],
-                "trajectory_end": self.end[at]}
+                "trajectory_end": self.end[at], "trajectory_tool_calls": self.tool_calls[at],
+                "trajectory_tool_errors": self.tool_errors[at]}
 
 
 # ====================================================================== chunks
@@ -224,10 +240,12 @@ def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, wh
             lambda c: GroupTable.of_chunk(c["group_id"], c["reward"]), "group statistics", progress))
     trajectories = None
     if expression.uses_trajectories:
-        reasons = ("termination_reason",) if "termination_reason" in store.schema.field_names else ()
+        # the fields the statistics it names need (parse_where checked the store holds them)
+        extra = tuple(sorted({TRAJECTORY_FIELDS[n] for n in expression.names if n in TRAJECTORY_FIELDS}))
         trajectories = TrajectoryTable.combine(_statistics_pass(
-            parts, bounds, num_rows, ("trajectory_id", "reward", *reasons),
-            lambda c: TrajectoryTable.of_chunk(c["trajectory_id"], c["reward"], c.get("termination_reason")),
+            parts, bounds, num_rows, ("trajectory_id", "reward", *extra),
+            lambda c: TrajectoryTable.of_chunk(c["trajectory_id"], c["reward"], c.get("termination_reason"),
+                                               c.get("tool_calls"), c.get("tool_errors")),
             "trajectory statistics", progress))
 
     # step and done (5 bytes a row) tell which rows belong to trajectories of several turns

@@ -53,7 +53,8 @@ def tiny_policy():
 def open_or_create(path: Path):
     if path.exists():
         return open_store(path, mode="a")
-    return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason")))
+    return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason",
+                                                                   "tool_calls", "tool_errors")))
 
 
 def agent_collector(model, tokenizer, store, *, on_step=None, sink=None):
