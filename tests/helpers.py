@@ -93,6 +93,8 @@ def make_batch(
         columns["advantage"] = torch.randn(n, generator=gen)
     if "termination_reason" in optional:  # from the flags, so no other field's draws change
         columns["termination_reason"] = torch.where(terminated, 1, 5).to(torch.int32)  # env done / length
+    if "step_advantage" in optional:  # from the rewards: no draw, so no other field changes
+        columns["step_advantage"] = columns["reward"] / 2
     calls = (r_len % 3).to(torch.int32)  # from the lengths: no draw, so no other field changes
     if "tool_calls" in optional:
         columns["tool_calls"] = calls

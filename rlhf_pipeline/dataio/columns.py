@@ -56,7 +56,7 @@ OPTION_OF_SLOT = {"prompt": "--prompt", "messages": "--messages", "prompt_ids": 
                   "group": "--group", "log_probs": "--log-probs", "version": "--version"}
 # stored fields a source may carry as is, under their own names
 PASSTHROUGH_FIELDS = ("trajectory_id", "step", "done", "terminated", "truncated",
-                      "advantage", "ref_log_probs", "kl", "token_rewards", "termination_reason",
+                      "advantage", "step_advantage", "ref_log_probs", "kl", "token_rewards", "termination_reason",
                       "tool_calls", "tool_errors")
 
 

@@ -320,7 +320,7 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
             what = ("log-prob {} is not a finite value <= 0 (rounding up to +1e-4 is accepted); "
                     "store log-probs of the sampled distribution" if is_log_prob else "value {} is not finite")
             _first_bad_token(ragged, bad, spec.name, what)
-    for name in ("reward", "advantage"):
+    for name in ("reward", "advantage", "step_advantage"):
         if name in out:
             _first_bad(~torch.isfinite(out[name]), name, "must be finite", out[name])
     done, term, trunc = out["done"], out["terminated"], out["truncated"]

@@ -89,6 +89,9 @@ FIELDS: tuple[FieldSpec, ...] = (
               "version of the policy weights that sampled this row"),
     FieldSpec("advantage", "row", torch.float32, False, "advantage",
               "group-relative advantage, written by the group-advantage transform"),
+    FieldSpec("step_advantage", "row", torch.float32, False, "step_advantage",
+              "this turn's own advantage: its reward normalized within its group's turns, written beside "
+              "the trajectory's advantage by GroupAdvantage(step_advantage=True) (agents)"),
     FieldSpec("termination_reason", "row", torch.int32, False, "termination_reason",
               "why the trajectory ended, a schema.TerminationReason code; 0 on rows that are not its last"),
     FieldSpec("tool_calls", "row", torch.int32, False, "tool_calls",
@@ -191,6 +194,7 @@ class Trajectory(TensorClass["nocast"]):
     terminated: bool = True
     truncated: bool = False
     advantage: float | None = None
+    step_advantage: float | None = None
     termination_reason: int | None = None
     tool_calls: int | None = None
     tool_errors: int | None = None

@@ -114,6 +114,8 @@ def batch_with_lengths(
     }
     if "advantage" in optional_fields:
         columns["advantage"] = _group_advantage(reward, group_of_row, int(group_of_row[-1]) + 1)
+    if "step_advantage" in optional_fields:  # single-turn rows: a turn is the whole trajectory
+        columns["step_advantage"] = _group_advantage(reward, group_of_row, int(group_of_row[-1]) + 1)
     ref_log_probs = (log_probs + 0.1 * torch.randn(total_response, generator=generator)).clamp_max(0.0)
     if "ref_log_probs" in optional_fields:
         columns["ref_log_probs"] = RaggedTensor(ref_log_probs, response_offsets)
@@ -211,6 +213,8 @@ def _make_batch(
         ).to(torch.int32)
     if "advantage" in optional_fields:
         columns["advantage"] = _group_advantage(reward, group_of_row, num_groups)
+    if "step_advantage" in optional_fields:  # single-turn rows: a turn is the whole trajectory
+        columns["step_advantage"] = _group_advantage(reward, group_of_row, num_groups)
     ref_log_probs = (log_probs + 0.1 * torch.randn(total_response, generator=generator)).clamp_max(0.0)
     kl = log_probs - ref_log_probs
     if "ref_log_probs" in optional_fields:

@@ -46,7 +46,12 @@ import torch
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
 from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of, read_by_position
-from rlhf_pipeline.storage.where import GROUP_NAMES, TRAJECTORY_FIELDS, WhereExpression, parse_where
+from rlhf_pipeline.storage.where import (
+    GROUP_NAMES,
+    TRAJECTORY_FIELDS,
+    WhereExpression,
+    parse_where,
+)
 
 DEFAULT_CHUNK_ROWS = 4096
 Progress = Callable[[str, int, int], None]  # (stage, rows done, rows total)

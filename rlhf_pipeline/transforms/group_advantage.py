@@ -126,6 +126,10 @@ class GroupAdvantage(WritePathTransform):
         store: the buffer's store; enables durable pending state and crash reconciliation.
         pending_dir: where the pending state lives; default ``<store.location>/pending``.
         durable: fsync the pending state on each change (off only for benchmarks/tests).
+        step_advantage: also write each row's ``"step"`` advantage (its reward against every row
+            of its group) as the optional field ``step_advantage``, beside the ``advantage`` of
+            ``trajectory_return``: what ``learner.turn_advantage=mixed`` blends (the store must
+            hold the field). Which groups are dropped as zero-variance still follows ``advantage``.
     """
 
     fills_fields = ("advantage",)
@@ -143,6 +147,7 @@ class GroupAdvantage(WritePathTransform):
         store: TrajectoryStore | None = None,
         pending_dir: str | None = None,
         durable: bool = True,
+        step_advantage: bool = False,
     ) -> None:
         super().__init__()
         if group_size < 1:
@@ -158,6 +163,8 @@ class GroupAdvantage(WritePathTransform):
         self.unbiased_std = unbiased_std
         self.trajectory_return = trajectory_return
         self.drop_zero_variance = drop_zero_variance
+        self.step_advantage = step_advantage
+        self.fills_fields = ("advantage", "step_advantage") if step_advantage else ("advantage",)
         # Ids of groups already written, so a late extra trajectory is an error rather
         # than a second, undersized group (~60 bytes per group, in memory only).
         self._completed_groups: set[int] = set()
@@ -241,12 +248,17 @@ class GroupAdvantage(WritePathTransform):
 
         if num_out == 0:
             return None
+        columns = {"advantage": advantage_rows}
+        if self.step_advantage:
+            columns["step_advantage"] = group_advantages(
+                combined["reward"], group_of_row, int(group_of_traj_dense.max()) + 1, normalize=self.normalize,
+                leave_one_out=self.leave_one_out, eps=self.eps, unbiased_std=self.unbiased_std)[0]
         if num_out == len(combined):
             out = combined
         else:
             idx = torch.nonzero(row_written).squeeze(1)
-            out, advantage_rows = _take(combined, idx), advantage_rows[idx]
-        return out.with_columns(advantage=advantage_rows)
+            out, columns = _take(combined, idx), {name: values[idx] for name, values in columns.items()}
+        return out.with_columns(**columns)
 
     def _count(self, **increments: int) -> None:
         for name, value in increments.items():

@@ -12,21 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from agent_setup import GROUP_SIZE, agent_collector, open_or_create, tiny_policy
 from tensordict import TensorDict
 from torchrl.objectives.llm import MCAdvantage
-from agent_setup import GROUP_SIZE, agent_collector, open_or_create, tiny_policy
 
 from rlhf_pipeline.agents.calculator import multiply
 from rlhf_pipeline.agents.environment import StepResult, ToolCall
-from rlhf_pipeline.agents.episode import EpisodeLimits
+from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
 from rlhf_pipeline.agents.tools import ToolBox
 from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, TaskSource
 from rlhf_pipeline.dataio.trajectory_view import find_trajectory, format_trajectory
-from rlhf_pipeline.storage.filtering import select_positions
-
-from rlhf_pipeline.agents.episode import rebuild_trajectory
 from rlhf_pipeline.schema import TerminationReason
 from rlhf_pipeline.storage import make_replay_buffer
+from rlhf_pipeline.storage.filtering import select_positions
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
 WORKER = Path(__file__).with_name("agent_collect_worker.py")
