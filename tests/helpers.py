@@ -14,6 +14,7 @@ import torch
 from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.turn_messages import encode_turn_messages
 
 # Mixed scripts and an emoji, so text round-trips exercise multi-byte UTF-8.
 _WORDS = ("the", "answer", "is", "42", "grüße", "naïve", "日本語", "정답", "λόγος", "🙂", "x=y+1", "")
@@ -100,6 +101,10 @@ def make_batch(
         columns["tool_calls"] = calls
     if "tool_errors" in optional:
         columns["tool_errors"] = (calls == 2).to(torch.int32)
+    if "turn_messages" in optional:  # the row's texts as a turn's messages
+        columns["turn_messages"] = [encode_turn_messages([{"role": "user", "content": p},
+                                                          {"role": "assistant", "content": r}])
+                                    for p, r in zip(columns["prompt_text"], columns["response_text"], strict=True)]
     return TrajectoryBatch(columns)
 
 

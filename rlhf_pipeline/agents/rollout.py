@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,14 +81,14 @@ class Rollout:
     metrics: Counter[str] = field(default_factory=Counter)
 
     def to_batch(self, *, first_group_id: int, first_trajectory_id: int, policy_version: int,
-                 tool_counts: bool = False) -> TrajectoryBatch:
-        """Every episode's rows (one per turn), task ``i``'s group id ``first_group_id + i``;
-        ``tool_counts`` adds each turn's ``tool_calls`` and ``tool_errors`` fields."""
+                 fields: Collection[str] = ()) -> TrajectoryBatch:
+        """Every episode's rows (one per turn), task ``i``'s group id ``first_group_id + i``, with
+        the optional ``fields`` (``episode.AGENT_ROW_FIELDS``) asked for."""
         n = len(self.episodes)
         return episodes_to_batch(self.episodes,
                                  group_ids=[first_group_id + k // self.group_size for k in range(n)],
                                  trajectory_ids=list(range(first_trajectory_id, first_trajectory_id + n)),
-                                 policy_version=policy_version, tool_counts=tool_counts)
+                                 policy_version=policy_version, fields=fields)
 
 
 async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[], Environment], sample: Sampler,

@@ -102,6 +102,9 @@ FIELDS: tuple[FieldSpec, ...] = (
     # ---- text fields -------------------------------------------------------------
     FieldSpec("prompt_text", "text", torch.uint8, True, ("text", "prompt"), "prompt as text"),
     FieldSpec("response_text", "text", torch.uint8, True, ("text", "response"), "response as text"),
+    FieldSpec("turn_messages", "text", torch.uint8, False, ("text", "turn_messages"),
+              "this turn's chat messages as JSON (schema/turn_messages.py): those added before the turn, "
+              "then the model's own (agents)"),
 )
 FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
 REQUIRED_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.required)
@@ -198,6 +201,7 @@ class Trajectory(TensorClass["nocast"]):
     termination_reason: int | None = None
     tool_calls: int | None = None
     tool_errors: int | None = None
+    turn_messages: str | None = None
     ref_log_probs: torch.Tensor | None = None  # (R,)
     kl: torch.Tensor | None = None  # (R,)
     token_rewards: torch.Tensor | None = None  # (R,)

@@ -27,6 +27,7 @@ from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema.batch import TrajectoryBatch
 from rlhf_pipeline.schema.fields import OPTIONAL_FIELDS
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.turn_messages import encode_turn_messages
 
 DEFAULT_VOCAB_SIZE = 32_000
 KL_COEF = 0.05
@@ -239,6 +240,10 @@ def _tool_counts(optional_fields, num_rows: int) -> dict[str, torch.Tensor]:
         out["tool_calls"] = calls
     if "tool_errors" in optional_fields:
         out["tool_errors"] = ((row % 4 == 1) & (calls > 0)).to(torch.int32)
+    if "turn_messages" in optional_fields:
+        out["turn_messages"] = [encode_turn_messages([{"role": "user", "content": f"prompt {i}"},
+                                                      {"role": "assistant", "content": f"response {i}"}])
+                                for i in range(num_rows)]
     return out
 
 

@@ -1,5 +1,8 @@
 """The ``--where`` language of ``rlhf-pipeline filter``: a small, safe condition over stored rows.
 
+Why one file: the names, the checker and the evaluator are one grammar; every construct the
+checker admits is one the evaluator runs, and keeping them side by side is what keeps them equal.
+
 An expression is Python syntax, parsed with :mod:`ast` and checked against a whitelist
 before anything is evaluated; it is never ``eval``-ed. What it may contain:
 

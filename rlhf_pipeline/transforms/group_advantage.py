@@ -126,10 +126,7 @@ class GroupAdvantage(WritePathTransform):
         store: the buffer's store; enables durable pending state and crash reconciliation.
         pending_dir: where the pending state lives; default ``<store.location>/pending``.
         durable: fsync the pending state on each change (off only for benchmarks/tests).
-        step_advantage: also write each row's ``"step"`` advantage (its reward against every row
-            of its group) as the optional field ``step_advantage``, beside the ``advantage`` of
-            ``trajectory_return``: what ``learner.turn_advantage=mixed`` blends (the store must
-            hold the field). Which groups are dropped as zero-variance still follows ``advantage``.
+        step_advantage: also write each row's ``"step"`` advantage as ``step_advantage`` (turn_advantage=mixed).
     """
 
     fills_fields = ("advantage",)
@@ -250,9 +247,8 @@ class GroupAdvantage(WritePathTransform):
             return None
         columns = {"advantage": advantage_rows}
         if self.step_advantage:
-            columns["step_advantage"] = group_advantages(
-                combined["reward"], group_of_row, int(group_of_traj_dense.max()) + 1, normalize=self.normalize,
-                leave_one_out=self.leave_one_out, eps=self.eps, unbiased_std=self.unbiased_std)[0]
+            columns["step_advantage"] = self._advantages(combined, traj_of_row, num_traj, group_of_traj_dense,
+                                                         group_of_row, "step")[0]
         if num_out == len(combined):
             out = combined
         else:
@@ -273,14 +269,14 @@ class GroupAdvantage(WritePathTransform):
             self._completed_groups.update(groups)
         self._unconfirmed = None
 
-    def _advantages(self, combined, traj_of_row, num_traj, group_of_traj, group_of_row):
-        num_groups = int(group_of_traj.max()) + 1
+    def _advantages(self, combined, traj_of_row, num_traj, group_of_traj, group_of_row, how=None):
+        num_groups, how = int(group_of_traj.max()) + 1, how or self.trajectory_return
         reward = combined["reward"]
-        if self.trajectory_return == "step":
+        if how == "step":
             return group_advantages(reward, group_of_row, num_groups, normalize=self.normalize,
                                     leave_one_out=self.leave_one_out, eps=self.eps,
                                     unbiased_std=self.unbiased_std)
-        returns = trajectory_returns(reward, traj_of_row, num_traj, self.trajectory_return)
+        returns = trajectory_returns(reward, traj_of_row, num_traj, how)
         adv_traj, zero_var = group_advantages(returns, group_of_traj, num_groups, normalize=self.normalize,
                                               leave_one_out=self.leave_one_out and self.group_size > 1,
                                               eps=self.eps, unbiased_std=self.unbiased_std)
