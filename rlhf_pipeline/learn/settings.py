@@ -30,7 +30,8 @@ class GRPOLossConfig:
     aggregation: Aggregation = "token_mean"
     """``token_mean`` | ``sequence_mean`` | ``constant`` (Dr. GRPO, needs ``max_tokens``)."""
     max_tokens: int | None = None
-    """The constant of ``aggregation="constant"``: usually the sampler's max_new_tokens."""
+    """The constant of ``aggregation="constant"``: the most tokens a learner row can sample, the
+    sampler's max_new_tokens for single-turn rows, a trajectory's (max_turns x max_new_tokens) for agents."""
     ratio_level: Literal["token", "sequence"] = "token"
     """``token`` (GRPO) or ``sequence`` (GSPO's length-normalised sequence ratio)."""
     kl_coef: float = 0.0
