@@ -4,7 +4,7 @@ A stored trajectory is rows, one per model turn (``docs/agents.md``). People mov
 to or from TRL, verl or SkyRL think of it as a conversation, so this format writes one line per
 trajectory::
 
-    {"format": "rlhf_pipeline.chat_trajectory.v1",
+    {"format": "rlhf-pipeline/chat-trajectory/v1",
      "trajectory_id": 7, "group_id": 2,
      "messages": [{"role": "user", ...}, {"role": "assistant", ...}, {"role": "tool", ...}, ...],
      "turn_rewards": [0.0, 1.0], "final_reward": 1.0, "return": 1.0,
@@ -42,7 +42,7 @@ from rlhf_pipeline.schema.turn_messages import (
     encode_turn_messages,
 )
 
-CHAT_FORMAT = "rlhf_pipeline.chat_trajectory.v1"
+CHAT_FORMAT = "rlhf-pipeline/chat-trajectory/v1"
 # stored field -> its name in a turn (the rest of a turn's stored fields keep their own names)
 TURN_NAMES = {"prompt_tokens": "prompt_ids", "response_tokens": "completion_ids",
               "response_log_probs": "completion_logprobs", "prompt_text": "prompt_text",
