@@ -21,7 +21,11 @@ from rlhf_pipeline.agents.environment import StepResult, ToolCall
 from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
 from rlhf_pipeline.agents.tools import ToolBox
 from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, TaskSource
-from rlhf_pipeline.dataio.trajectory_view import find_trajectory, format_trajectory
+from rlhf_pipeline.dataio.trajectory_view import (
+    find_trajectory,
+    format_trajectory,
+    trajectory_html,
+)
 from rlhf_pipeline.schema import TerminationReason
 from rlhf_pipeline.storage import make_replay_buffer
 from rlhf_pipeline.storage.filtering import select_positions
@@ -235,8 +239,12 @@ def test_each_turn_row_holds_its_own_tool_calls_and_failures(tmp_path):
     kept = {t for t in rows["trajectory_id"][torch.as_tensor(clean)].tolist()}
     assert kept == {t for t in fail_of if sum((fail_of[t] + s) % 3 for s in range(1 + fail_of[t] % 3)) == 0}
     failing = max(fail_of, key=lambda t: (fail_of[t] % 3, t))  # one of three turns: 2, then 0, then 1 failed
-    text = format_trajectory(find_trajectory(store, failing))
+    view = find_trajectory(store, failing)
     store.close()
+    text = format_trajectory(view)
+    page = trajectory_html(view)  # its table: a column of calls and one of failed calls, per turn
+    assert "<th>tool calls</th><th>failed</th>" in page
+    assert [f"<td>{calls}</td><td>{failed}</td>" in page for calls, failed in ((3, 2), (1, 0), (2, 1))] == [True] * 3
     toolbox.close()
     turn_lines = [line for line in text.splitlines() if line.startswith("── turn ")]
     assert [" · 3 tool calls, 2 failed" in turn_lines[0], " · 1 tool call, 0 failed" in turn_lines[1],

@@ -135,3 +135,14 @@ def test_the_learner_trains_mixed_at_the_weights_ends_exactly_as_the_other_modes
         assert losses[mixed] == losses[plain]
         assert all(torch.equal(weights[mixed][k], weights[plain][k]) for k in weights[plain])
     assert losses["mixed"] != losses["trajectory"] and losses["mixed"] != losses["turn"]
+
+
+def test_the_learner_on_a_buffer_without_step_advantage_stops_naming_the_field(tmp_path):
+    paths = RunPaths(tmp_path / "run")
+    store = create_store(paths.buffer, "memmap", schema=StoreSchema(optional=("advantage", "ref_log_probs",
+                                                                              "termination_reason")))
+    store.append(multi_turn_rows(TURNS))
+    store.close()
+    publish_weights(paths.root, _model().state_dict(), 0)
+    with pytest.raises(ValueError, match=r"turn_advantage=mixed .*\(no step_advantage field\)"):
+        _learn(paths, 1, turn_advantage="mixed")
