@@ -212,7 +212,8 @@ def _header(view: TrajectoryView) -> str:
     rewards = [t.reward for t in view.turns]
     tools = ""
     if all(t.tool_calls is not None for t in view.turns):
-        tools = f" · {sum(t.tool_calls for t in view.turns)} tool calls"
+        calls = sum(t.tool_calls for t in view.turns)
+        tools = f" · {calls} tool call{'s' if calls != 1 else ''}"
         if all(t.tool_errors is not None for t in view.turns):
             tools += f", {sum(t.tool_errors for t in view.turns)} failed"
     return (f"trajectory {view.trajectory_id} · group {view.group_id} · policy version {view.policy_version} · "
