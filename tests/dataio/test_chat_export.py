@@ -147,3 +147,26 @@ def test_trajectories_not_held_whole_are_skipped_and_the_cli_says_so(agent_buffe
     assert export_format("x.jsonl", "chat") == "chat"
     with pytest.raises(ValueError, match="contradicts"):
         export_format("x.parquet", "chat")
+
+
+def test_single_turn_rows_are_one_turn_trajectories_without_messages(collected_buffers, tmp_path):
+    """A buffer of the single-turn collector (no turn_messages): one line per row, messages null,
+    and the import gives the rows back field for field."""
+    from conftest import SMALL as DEFAULT_SMALL
+    from conftest import WRITE_PATH_FIELDS
+
+    from rlhf_pipeline.schema import StoreSchema
+
+    source = collected_buffers["memmap"]
+    original = all_rows(source)
+    result = export_buffer(source, tmp_path / "chat.jsonl", "chat")
+    lines = [json.loads(line) for line in (tmp_path / "chat.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert result.trajectories == len(lines) == len(original)
+    assert all(line["messages"] is None and len(line["turns"]) == 1 for line in lines)
+    assert [line["turns"][0]["completion_ids"] for line in lines] == [t.tolist() for t in original["response_tokens"].to_list()]
+    create_store(tmp_path / "back", "memmap", schema=StoreSchema(optional=WRITE_PATH_FIELDS)).close()
+    module = load_pipeline_module(REPO / "pipelines" / "default.py")
+    pipeline = build_pipeline(module, make_settings(module, list(DEFAULT_SMALL)), RunPaths(tmp_path / "run"))
+    import_source(tmp_path / "chat.jsonl", tmp_path / "back", pipeline, options=ImportOptions(show_progress=False),
+                  log=quiet)
+    assert all_rows(tmp_path / "back").equal(original)
