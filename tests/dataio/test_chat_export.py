@@ -74,8 +74,9 @@ def test_a_chat_export_imports_back_into_the_same_rows_token_for_token(agent_buf
 
     for name in ("chat.jsonl", "rows.jsonl"):
         # into a new buffer: the pipeline creates it, with the fields its collector writes
+        # chunks of 5 rows: a trajectory's rows (one line) land in chunks of their own or straddle them
         imported = import_source(tmp_path / name, tmp_path / f"back-{name}", pipeline,
-                                 options=ImportOptions(show_progress=False), log=quiet)
+                                 options=ImportOptions(show_progress=False, rows_per_chunk=5), log=quiet)
         assert imported.rows_written == len(original) and imported.write_path == []  # advantages came with the rows
         assert all_rows(tmp_path / f"back-{name}").equal(original), name
 
