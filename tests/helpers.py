@@ -101,6 +101,8 @@ def make_batch(
         columns["tool_calls"] = calls
     if "tool_errors" in optional:
         columns["tool_errors"] = (calls == 2).to(torch.int32)
+    if "tool_error_kinds" in optional:  # the failed call (of two) was a timeout
+        columns["tool_error_kinds"] = torch.where(calls == 2, 16, 0).to(torch.int32)
     if "turn_messages" in optional:  # the row's texts as a turn's messages
         columns["turn_messages"] = [encode_turn_messages([{"role": "user", "content": p},
                                                           {"role": "assistant", "content": r}])
@@ -130,9 +132,10 @@ TRAJECTORIES = [(3, TerminationReason.ENV_DONE, 1.0), (1, TerminationReason.TOOL
 def multi_turn_rows(first_trajectory: int = 0, *, tool_counts: bool = False) -> TrajectoryBatch:
     """The rows of :data:`TRAJECTORIES`, one per turn, as an agent collector writes them (with termination_reason).
 
-    ``tool_counts`` adds ``tool_calls`` / ``tool_errors``: 2 calls on every turn but the last, 1
-    failed call on the last turn of the TOOL_ERROR trajectory, and 1 of 2 failed on turn 2 of the
-    5-turn one; per trajectory (calls, errors): (4, 0), (1, 1), (6, 0), (2, 0), (0, 0), (8, 1)."""
+    ``tool_counts`` adds ``tool_calls`` / ``tool_errors`` / ``tool_error_kinds``: 2 calls on every
+    turn but the last, 1 failed (malformed) call on the last turn of the TOOL_ERROR trajectory, and
+    1 of 2 failed (timeout) on turn 2 of the 5-turn one; per trajectory (calls, errors): (4, 0),
+    (1, 1), (6, 0), (2, 0), (0, 0), (8, 1)."""
     rows, gen = [], torch.Generator().manual_seed(first_trajectory)
     for t, (turns, reason, reward) in enumerate(TRAJECTORIES):
         for step in range(turns):
@@ -151,5 +154,6 @@ def multi_turn_rows(first_trajectory: int = 0, *, tool_counts: bool = False) -> 
             if tool_counts:
                 calls = 1 if reason is TerminationReason.TOOL_ERROR else (0 if last else 2)
                 failed = calls if reason is TerminationReason.TOOL_ERROR else int(turns == 5 and step == 2)
-                rows[-1].update(tool_calls=calls, tool_errors=failed)
+                kinds = 1 if reason is TerminationReason.TOOL_ERROR else 16 * failed  # malformed / timeout
+                rows[-1].update(tool_calls=calls, tool_errors=failed, tool_error_kinds=kinds)
     return TrajectoryBatch.from_rows(rows)

@@ -144,23 +144,27 @@ def test_agent_buffers_report_their_tool_calls_and_failures(tmp_path, capsys):
     from rlhf_pipeline.storage.filtering import filter_buffer
     from rlhf_pipeline.storage.sharded import shard_path
 
-    schema = StoreSchema(optional=("termination_reason", "tool_calls", "tool_errors"))
+    schema = StoreSchema(optional=("termination_reason", "tool_calls", "tool_errors", "tool_error_kinds"))
     run_buffer = tmp_path / "run_buffer"
     for shard, backend in enumerate(("memmap", "zarr")):
         with create_store(shard_path(run_buffer, shard), backend, schema, segment_rows=4) as store:
             store.append(multi_turn_rows(first_trajectory=shard << 40, tool_counts=True))
     filter_buffer(shard_path(run_buffer, 1), tmp_path / "failed.sel", "trajectory_tool_errors > 0", selection=True)
     # per trajectory (calls, errors): (4, 0), (1, 1), (6, 0), (2, 0), (0, 0), (8, 1) -- see multi_turn_rows
-    one_store = {"tool_calls": 21, "with_tool_calls": 5, "tool_errors": 2, "with_tool_errors": 2}
+    one_store = {"tool_calls": 21, "with_tool_calls": 5, "tool_errors": 2, "with_tool_errors": 2,
+                 "tool_error_turns": {"malformed": 1, "timeout": 1}}
     for location, expected in ((shard_path(run_buffer, 0), one_store), (shard_path(run_buffer, 1), one_store),
-                               (run_buffer, {k: 2 * v for k, v in one_store.items()}),
+                               (run_buffer, {"tool_calls": 42, "with_tool_calls": 10, "tool_errors": 4,
+                                             "with_tool_errors": 4, "tool_error_turns": {"malformed": 2, "timeout": 2}}),
                                (tmp_path / "failed.sel", {"tool_calls": 9, "with_tool_calls": 2, "tool_errors": 2,
-                                                          "with_tool_errors": 2})):
+                                                          "with_tool_errors": 2,
+                                                          "tool_error_turns": {"malformed": 1, "timeout": 1}})):
         assert main(["inspect", str(location), "--json"]) == 0
         got = json.loads(capsys.readouterr().out)["trajectories"]
         assert {k: got[k] for k in expected} == expected, location
     assert main(["inspect", str(run_buffer)]) == 0
-    assert "tool calls 42 in 10 trajectories, failed 4 in 4 trajectories" in capsys.readouterr().out
+    assert ("tool calls 42 in 10 trajectories, failed 4 in 4 trajectories (turns failing by kind: malformed 2, "
+            "timeout 2)") in capsys.readouterr().out
 
     with create_store(tmp_path / "old", "memmap", StoreSchema(optional=("termination_reason",))) as store:
         store.append(multi_turn_rows())

@@ -41,11 +41,12 @@ import torch
 
 from rlhf_pipeline.agents.environment import Message, ModelTurn, StepResult, ToolCall
 from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
+from rlhf_pipeline.schema.tool_errors import ToolErrorKind
 from rlhf_pipeline.schema.turn_messages import encode_turn_messages
 
-AGENT_ROW_FIELDS = ("tool_calls", "tool_errors", "turn_messages")
+AGENT_ROW_FIELDS = ("tool_calls", "tool_errors", "tool_error_kinds", "turn_messages")
 """Optional stored fields an episode can fill on each of its rows: the turn's tool calls, how many
-of them failed, and its chat messages (``schema/turn_messages.py``)."""
+of them failed and how (``schema/tool_errors.py``), and its chat messages (``schema/turn_messages.py``)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Episode:
         self.rewards: list[float] = []  # one per model turn
         self.tool_calls: list[int] = []  # one per model turn: the calls it wrote
         self.tool_errors: list[int] = []  # one per model turn: of those, the ones answered with an error
+        self.tool_error_kinds: list[int] = []  # one per model turn: a ToolErrorKind bit set
         self.turn_messages: list[list[Message]] = []  # one per model turn: the messages before it, then its own
         self._messages_told = 0  # messages already given to a turn's turn_messages
         self.turns: list[ModelTurn] = []
@@ -193,6 +195,7 @@ class Episode:
         ran = int(outcomes.get("calls", 0))
         self.tool_calls.append(max(len(self.turns[-1].tool_calls), ran))
         self.tool_errors.append(ran - int(outcomes.get("ok", 0)))
+        self.tool_error_kinds.append(int(sum(kind for kind in ToolErrorKind if outcomes.get(kind.name.lower(), 0))))
         if self._cut_reason is not None:  # a limit cut the turn: that is why it ended, whatever the env says
             self._end(self._cut_reason)
         elif result.done:
@@ -282,6 +285,7 @@ class Episode:
                 "prompt_text": prompt.text, "response_text": response.text,
             })
             extra = {"tool_calls": self.tool_calls[step], "tool_errors": self.tool_errors[step],
+                     "tool_error_kinds": self.tool_error_kinds[step],
                      "turn_messages": encode_turn_messages(self.turn_messages[step])}
             rows[-1].update({name: extra[name] for name in fields})
         return rows

@@ -57,7 +57,7 @@ OPTION_OF_SLOT = {"prompt": "--prompt", "messages": "--messages", "prompt_ids": 
 # stored fields a source may carry as is, under their own names
 PASSTHROUGH_FIELDS = ("trajectory_id", "step", "done", "terminated", "truncated",
                       "advantage", "step_advantage", "ref_log_probs", "kl", "token_rewards", "termination_reason",
-                      "tool_calls", "tool_errors", "turn_messages")
+                      "tool_calls", "tool_errors", "tool_error_kinds", "turn_messages")
 
 
 @dataclass(frozen=True)

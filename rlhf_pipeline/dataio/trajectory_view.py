@@ -25,6 +25,7 @@ import torch
 
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.tool_errors import kind_names
 
 # rows of trajectory ids read at a time while searching a buffer
 _SEARCH_ROWS = 65_536
@@ -48,13 +49,16 @@ class TurnView:
     advantage: float | None
     tool_calls: int | None = None  # the turn's tool calls and failed ones, in buffers that store them
     tool_errors: int | None = None
+    tool_error_kinds: int | None = None  # a schema.ToolErrorKind bit set
 
     @property
     def tools(self) -> str:
-        """`` · 2 tool calls, 1 failed`` for a turn whose counts are stored, else nothing."""
+        """`` · 2 tool calls, 1 failed (timeout)`` for a turn whose counts are stored, else nothing."""
         if self.tool_calls is None:
             return ""
         failed = f", {self.tool_errors} failed" if self.tool_errors is not None else ""
+        if self.tool_error_kinds:
+            failed += f" ({', '.join(kind_names(self.tool_error_kinds))})"
         return f" · {self.tool_calls} tool call{'s' if self.tool_calls != 1 else ''}{failed}"
 
 
@@ -144,7 +148,8 @@ def _view(rows: TrajectoryBatch, positions: torch.Tensor, trajectory_id: int) ->
             reward=float(rows["reward"][i]),
             advantage=float(rows["advantage"][i]) if "advantage" in rows else None,
             tool_calls=int(rows["tool_calls"][i]) if "tool_calls" in rows else None,
-            tool_errors=int(rows["tool_errors"][i]) if "tool_errors" in rows else None))
+            tool_errors=int(rows["tool_errors"][i]) if "tool_errors" in rows else None,
+            tool_error_kinds=int(rows["tool_error_kinds"][i]) if "tool_error_kinds" in rows else None))
     last = order[-1]
     reason = None
     if "termination_reason" in rows and int(rows["termination_reason"][last]) != 0:

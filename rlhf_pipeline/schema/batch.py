@@ -28,6 +28,7 @@ from rlhf_pipeline.schema.fields import (
 from rlhf_pipeline.schema.from_rows import columns_from_rows
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.tool_errors import ALL_TOOL_ERROR_KINDS
 
 
 # ======================================================================== columnar batch
@@ -336,6 +337,13 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
     if "tool_calls" in out and "tool_errors" in out:
         _first_bad(out["tool_errors"] > out["tool_calls"], "tool_errors",
                    "more failed tool calls than tool calls (tool_calls) in the turn", out["tool_errors"])
+    if "tool_error_kinds" in out:
+        kinds = out["tool_error_kinds"]
+        _first_bad((kinds < 0) | (kinds & ~ALL_TOOL_ERROR_KINDS != 0), "tool_error_kinds",
+                   f"unknown bits; a schema.ToolErrorKind set is within 0..{ALL_TOOL_ERROR_KINDS}", kinds)
+        if "tool_errors" in out:
+            _first_bad((kinds != 0) != (out["tool_errors"] > 0), "tool_error_kinds",
+                       "kinds of failure must be set exactly on turns with failed calls (tool_errors > 0)", kinds)
     return TrajectoryBatch(out)
 
 

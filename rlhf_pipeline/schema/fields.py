@@ -99,6 +99,8 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("tool_errors", "row", torch.int32, False, "tool_errors",
               "of this turn's tool calls, those answered with an error: malformed, unknown tool, bad "
               "arguments, raised, timed out, over the per-turn limit (agents)"),
+    FieldSpec("tool_error_kinds", "row", torch.int32, False, "tool_error_kinds",
+              "how this turn's tool calls failed: a schema.ToolErrorKind bit set, 0 when none failed (agents)"),
     # ---- text fields -------------------------------------------------------------
     FieldSpec("prompt_text", "text", torch.uint8, True, ("text", "prompt"), "prompt as text"),
     FieldSpec("response_text", "text", torch.uint8, True, ("text", "response"), "response as text"),
@@ -201,6 +203,7 @@ class Trajectory(TensorClass["nocast"]):
     termination_reason: int | None = None
     tool_calls: int | None = None
     tool_errors: int | None = None
+    tool_error_kinds: int | None = None
     turn_messages: str | None = None
     ref_log_probs: torch.Tensor | None = None  # (R,)
     kl: torch.Tensor | None = None  # (R,)

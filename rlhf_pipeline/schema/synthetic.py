@@ -27,6 +27,7 @@ from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema.batch import TrajectoryBatch
 from rlhf_pipeline.schema.fields import OPTIONAL_FIELDS
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.tool_errors import ToolErrorKind
 from rlhf_pipeline.schema.turn_messages import encode_turn_messages
 
 DEFAULT_VOCAB_SIZE = 32_000
@@ -238,8 +239,11 @@ def _tool_counts(optional_fields, num_rows: int) -> dict[str, torch.Tensor]:
     out = {}
     if "tool_calls" in optional_fields:
         out["tool_calls"] = calls
+    failed = (row % 4 == 1) & (calls > 0)
     if "tool_errors" in optional_fields:
-        out["tool_errors"] = ((row % 4 == 1) & (calls > 0)).to(torch.int32)
+        out["tool_errors"] = failed.to(torch.int32)
+    if "tool_error_kinds" in optional_fields:
+        out["tool_error_kinds"] = torch.where(failed, int(ToolErrorKind.UNKNOWN_TOOL), 0).to(torch.int32)
     if "turn_messages" in optional_fields:
         out["turn_messages"] = [encode_turn_messages([{"role": "user", "content": f"prompt {i}"},
                                                       {"role": "assistant", "content": f"response {i}"}])

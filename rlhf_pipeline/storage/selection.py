@@ -412,7 +412,8 @@ class SelectionStore(TrajectoryStore):
         groups, versions = [], {}
         prompt_tokens = response_tokens = raw = 0
         rewards, trajectories = [], []
-        per_row = {name: [] for name in ("termination_reason", "tool_calls", "tool_errors")}  # where stored
+        per_row = {name: [] for name in ("termination_reason", "tool_calls", "tool_errors",
+                                         "tool_error_kinds")}  # those the store holds
         for start in range(0, n, 4096):
             batch = self.read(torch.arange(start, min(n, start + 4096)))
             groups.append(np.unique(batch["group_id"].numpy()))

@@ -38,6 +38,7 @@ Examples::
     abs(advantage) > 0.1 or collector in (0, 2)
     trajectory_end == MAX_TURNS or trajectory_turns > 8   # multi-turn: how trajectories ended
     trajectory_tool_errors == 0 and trajectory_tool_calls > 0   # agents whose tool calls all worked
+    not tool_error_timeout                     # drop trajectories in which a tool timed out
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Callable
 import numpy as np
 
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.tool_errors import ToolErrorKind
 
 MAX_EXPRESSION_CHARS = 2000
 # the reasons' names stand for their codes in expressions (NOT_ENDED is 0: rows before the last)
@@ -103,6 +105,9 @@ ROW_NAMES: dict[str, RowName] = {
                           "tool calls the model wrote in this turn (agent buffers)"),
     "tool_errors": RowName(("tool_errors",), _column("tool_errors"), "number",
                            "of this turn's tool calls, those answered with an error (agent buffers)"),
+    **{f"tool_error_{kind.name.lower()}": RowName(
+        ("tool_error_kinds",), lambda c, bit=int(kind): (c["tool_error_kinds"] & bit) != 0, "bool",
+        f"a tool call of this turn failed as {kind.name.lower()} (agent buffers)") for kind in ToolErrorKind},
     "position": RowName((), lambda c: c["position"], "number", "position of the row in the source buffer"),
 }
 
@@ -151,11 +156,11 @@ def valid_names() -> list[str]:
 def describe_names() -> str:
     """The valid names and what they mean, one per line (``filter --list-names``)."""
     lines = ["row values:"]
-    lines += [f"  {name:<22} {spec.doc}" for name, spec in ROW_NAMES.items()]
+    lines += [f"  {name:<26} {spec.doc}" for name, spec in ROW_NAMES.items()]
     lines.append("group statistics (over the group's rows in the buffer being filtered):")
-    lines += [f"  {name:<22} {doc}" for name, doc in GROUP_NAMES.items()]
+    lines += [f"  {name:<26} {doc}" for name, doc in GROUP_NAMES.items()]
     lines.append("trajectory statistics (over the trajectory's rows in the buffer being filtered):")
-    lines += [f"  {name:<22} {doc}" for name, doc in TRAJECTORY_NAMES.items()]
+    lines += [f"  {name:<26} {doc}" for name, doc in TRAJECTORY_NAMES.items()]
     lines.append("termination reasons (codes, for termination_reason and trajectory_end):")
     lines.append("  " + ", ".join(f"{name} = {code}" for name, code in REASON_CODES.items()))
     return "\n".join(lines)

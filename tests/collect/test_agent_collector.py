@@ -27,6 +27,7 @@ from rlhf_pipeline.dataio.trajectory_view import (
     trajectory_html,
 )
 from rlhf_pipeline.schema import TerminationReason
+from rlhf_pipeline.schema.tool_errors import ToolErrorKind
 from rlhf_pipeline.storage import make_replay_buffer
 from rlhf_pipeline.storage.filtering import select_positions
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
@@ -175,7 +176,8 @@ def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_p
 
 class FailingCallsEnv:
     """Turn ``i`` of a task with ``fail = f`` runs one good ``multiply`` call and ``(f + i) % 3``
-    calls to a tool that does not exist, through a ToolBox every episode shares."""
+    failing ones, through a ToolBox every episode shares: a call to a tool that does not exist,
+    then one with arguments ``multiply`` does not take."""
 
     def __init__(self, toolbox):
         self.toolbox = toolbox
@@ -186,7 +188,7 @@ class FailingCallsEnv:
 
     def answer(self, turn):
         calls = [ToolCall("multiply", {"a": turn.index, "b": 7}, "")]
-        calls += [ToolCall("no_such_tool", {}, "")] * ((self.fail + turn.index) % 3)
+        calls += [ToolCall("no_such_tool", {}, ""), ToolCall("multiply", {"c": 1}, "")][:(self.fail + turn.index) % 3]
         answers = self.toolbox.run(calls)
         return StepResult(reward=1.0, done=True) if turn.index + 1 >= self.turns else StepResult(answers)
 
@@ -232,7 +234,10 @@ def test_each_turn_row_holds_its_own_tool_calls_and_failures(tmp_path):
     assert rows["tool_errors"].tolist() == want_errors
     assert rows["tool_calls"].tolist() == [1 + e for e in want_errors]
     assert sum(m["tools/calls"] for m in seen) == int(rows["tool_calls"].sum())
-    assert sum(m["tools/unknown_tool"] for m in seen) == int(rows["tool_errors"].sum()) > 0
+    failures = sum(m["tools/unknown_tool"] + m["tools/bad_arguments"] for m in seen)
+    assert failures == int(rows["tool_errors"].sum()) > 0
+    kinds = {0: 0, 1: int(ToolErrorKind.UNKNOWN_TOOL), 2: int(ToolErrorKind.UNKNOWN_TOOL | ToolErrorKind.BAD_ARGUMENTS)}
+    assert rows["tool_error_kinds"].tolist() == [kinds[e] for e in want_errors]
 
     # filter and show read them back
     clean = select_positions(store, "trajectory_tool_errors == 0").positions
@@ -247,6 +252,7 @@ def test_each_turn_row_holds_its_own_tool_calls_and_failures(tmp_path):
     assert [f"<td>{calls}</td><td>{failed}</td>" in page for calls, failed in ((3, 2), (1, 0), (2, 1))] == [True] * 3
     toolbox.close()
     turn_lines = [line for line in text.splitlines() if line.startswith("── turn ")]
-    assert [" · 3 tool calls, 2 failed" in turn_lines[0], " · 1 tool call, 0 failed" in turn_lines[1],
-            " · 2 tool calls, 1 failed" in turn_lines[2]] == [True] * 3, turn_lines
+    assert [" · 3 tool calls, 2 failed (unknown_tool, bad_arguments)" in turn_lines[0],
+            " · 1 tool call, 0 failed ·" in turn_lines[1],
+            " · 2 tool calls, 1 failed (unknown_tool)" in turn_lines[2]] == [True] * 3, turn_lines
     assert "6 tool calls, 3 failed" in text.splitlines()[1]

@@ -78,7 +78,7 @@ def test_names_the_buffer_lacks_and_the_list_of_names(tmp_path, capsys):
 @pytest.fixture(params=["memmap", "zarr"])
 def agent_buffer(request, tmp_path):
     path = tmp_path / "agent"
-    schema = StoreSchema(optional=("termination_reason", "tool_calls", "tool_errors"))
+    schema = StoreSchema(optional=("termination_reason", "tool_calls", "tool_errors", "tool_error_kinds"))
     with create_store(path, request.param, schema, segment_rows=4) as store:
         store.append(multi_turn_rows(tool_counts=True))
     return path
@@ -94,6 +94,10 @@ def test_tool_statistics_select_whole_trajectories(agent_buffer):
     # the row values: a trajectory is kept only when every turn passes, so the one with a failed
     # call in its middle turn goes whole, not its other four turns
     assert kept_trajectories(agent_buffer, "tool_errors == 0") == {0: [0, 1, 2], 2: [0, 1, 2, 3], 3: [0, 1], 4: [0]}
+    # by kind: the TOOL_ERROR trajectory's call was malformed, the 5-turn one's timed out
+    assert kept_trajectories(agent_buffer, "not tool_error_timeout") == {0: [0, 1, 2], 1: [0], 2: [0, 1, 2, 3],
+                                                                        3: [0, 1], 4: [0]}
+    assert kept_trajectories(agent_buffer, "tool_error_malformed") == {1: [0]}
 
 
 def test_tool_statistics_on_a_buffer_written_without_tool_counts(buffer):

@@ -40,6 +40,7 @@ def columns() -> dict[str, np.ndarray]:
         "tool_errors": np.array([0, 1, 0, 0, 0, 3], dtype=np.int32),
         "trajectory_tool_calls": np.array([0, 1, 2, 0, 1, 3]),
         "trajectory_tool_errors": np.array([0, 1, 0, 0, 0, 3]),
+        "tool_error_kinds": np.array([0, 2, 0, 0, 0, 17], dtype=np.int32),
     }
 
 
