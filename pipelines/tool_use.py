@@ -170,7 +170,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     # ---------------------------------------------------------------- buffer + write path
     def create_buffer(path: Path):
-        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason")),
+        from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
+
+        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason",
+                                                                          *AGENT_ROW_FIELDS)),
                             segment_rows=settings.segment_rows)
 
     def make_write_path(store):
@@ -182,7 +185,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     # ---------------------------------------------------------------- collector
     def make_collector(model, store, collector_index: int = 0):
         from rlhf_pipeline.agents.calculator import multiply
-        from rlhf_pipeline.agents.episode import EpisodeLimits
+        from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
         from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
         from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
         from rlhf_pipeline.storage import make_replay_buffer
@@ -200,6 +203,8 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                                  context_length=settings.context_length),
             sampling=SamplingConfig(temperature=settings.temperature), seed=settings.seed,
             collector_index=collector_index,
+            # a buffer created before some of the agents' row fields existed goes on without them
+            row_fields=tuple(f for f in AGENT_ROW_FIELDS if f in store.schema.field_names),
         )
         # each collector (one buffer shard each) walks the tasks in its own order
         source = TaskSource(tasks, seed=settings.seed + 1_000_003 * collector_index,

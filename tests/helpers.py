@@ -14,6 +14,7 @@ import torch
 from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.turn_messages import encode_turn_messages
 
 # Mixed scripts and an emoji, so text round-trips exercise multi-byte UTF-8.
 _WORDS = ("the", "answer", "is", "42", "grüße", "naïve", "日本語", "정답", "λόγος", "🙂", "x=y+1", "")
@@ -93,6 +94,19 @@ def make_batch(
         columns["advantage"] = torch.randn(n, generator=gen)
     if "termination_reason" in optional:  # from the flags, so no other field's draws change
         columns["termination_reason"] = torch.where(terminated, 1, 5).to(torch.int32)  # env done / length
+    if "step_advantage" in optional:  # from the rewards: no draw, so no other field changes
+        columns["step_advantage"] = columns["reward"] / 2
+    calls = (r_len % 3).to(torch.int32)  # from the lengths: no draw, so no other field changes
+    if "tool_calls" in optional:
+        columns["tool_calls"] = calls
+    if "tool_errors" in optional:
+        columns["tool_errors"] = (calls == 2).to(torch.int32)
+    if "tool_error_kinds" in optional:  # the failed call (of two) was a timeout
+        columns["tool_error_kinds"] = torch.where(calls == 2, 16, 0).to(torch.int32)
+    if "turn_messages" in optional:  # the row's texts as a turn's messages
+        columns["turn_messages"] = [encode_turn_messages([{"role": "user", "content": p},
+                                                          {"role": "assistant", "content": r}])
+                                    for p, r in zip(columns["prompt_text"], columns["response_text"], strict=True)]
     return TrajectoryBatch(columns)
 
 
@@ -115,8 +129,13 @@ TRAJECTORIES = [(3, TerminationReason.ENV_DONE, 1.0), (1, TerminationReason.TOOL
                 (1, TerminationReason.ENV_DONE, 1.0), (5, TerminationReason.TOKEN_BUDGET, 0.0)]
 
 
-def multi_turn_rows(first_trajectory: int = 0) -> TrajectoryBatch:
-    """The rows of :data:`TRAJECTORIES`, one per turn, as an agent collector writes them (with termination_reason)."""
+def multi_turn_rows(first_trajectory: int = 0, *, tool_counts: bool = False) -> TrajectoryBatch:
+    """The rows of :data:`TRAJECTORIES`, one per turn, as an agent collector writes them (with termination_reason).
+
+    ``tool_counts`` adds ``tool_calls`` / ``tool_errors`` / ``tool_error_kinds``: 2 calls on every
+    turn but the last, 1 failed (malformed) call on the last turn of the TOOL_ERROR trajectory, and
+    1 of 2 failed (timeout) on turn 2 of the 5-turn one; per trajectory (calls, errors): (4, 0),
+    (1, 1), (6, 0), (2, 0), (0, 0), (8, 1)."""
     rows, gen = [], torch.Generator().manual_seed(first_trajectory)
     for t, (turns, reason, reward) in enumerate(TRAJECTORIES):
         for step in range(turns):
@@ -132,4 +151,9 @@ def multi_turn_rows(first_trajectory: int = 0) -> TrajectoryBatch:
                 "termination_reason": int(reason if last else TerminationReason.NOT_ENDED),
                 "prompt_text": f"env {step}", "response_text": "x" * response,
             })
+            if tool_counts:
+                calls = 1 if reason is TerminationReason.TOOL_ERROR else (0 if last else 2)
+                failed = calls if reason is TerminationReason.TOOL_ERROR else int(turns == 5 and step == 2)
+                kinds = 1 if reason is TerminationReason.TOOL_ERROR else 16 * failed  # malformed / timeout
+                rows[-1].update(tool_calls=calls, tool_errors=failed, tool_error_kinds=kinds)
     return TrajectoryBatch.from_rows(rows)

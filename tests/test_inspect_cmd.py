@@ -133,3 +133,40 @@ def test_multi_turn_trajectories_are_counted_with_how_they_ended(tmp_path, capsy
               "assert not heavy, heavy\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0 and "TOOL_ERROR 1" in done.stdout, done.stderr[-2000:]
+
+
+def test_agent_buffers_report_their_tool_calls_and_failures(tmp_path, capsys):
+    """Per-turn tool counts summed per store, per run of shards and per selection; absent without them."""
+    from helpers import multi_turn_rows
+
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage import create_store
+    from rlhf_pipeline.storage.filtering import filter_buffer
+    from rlhf_pipeline.storage.sharded import shard_path
+
+    schema = StoreSchema(optional=("termination_reason", "tool_calls", "tool_errors", "tool_error_kinds"))
+    run_buffer = tmp_path / "run_buffer"
+    for shard, backend in enumerate(("memmap", "zarr")):
+        with create_store(shard_path(run_buffer, shard), backend, schema, segment_rows=4) as store:
+            store.append(multi_turn_rows(first_trajectory=shard << 40, tool_counts=True))
+    filter_buffer(shard_path(run_buffer, 1), tmp_path / "failed.sel", "trajectory_tool_errors > 0", selection=True)
+    # per trajectory (calls, errors): (4, 0), (1, 1), (6, 0), (2, 0), (0, 0), (8, 1) -- see multi_turn_rows
+    one_store = {"tool_calls": 21, "with_tool_calls": 5, "tool_errors": 2, "with_tool_errors": 2,
+                 "tool_error_turns": {"malformed": 1, "timeout": 1}}
+    for location, expected in ((shard_path(run_buffer, 0), one_store), (shard_path(run_buffer, 1), one_store),
+                               (run_buffer, {"tool_calls": 42, "with_tool_calls": 10, "tool_errors": 4,
+                                             "with_tool_errors": 4, "tool_error_turns": {"malformed": 2, "timeout": 2}}),
+                               (tmp_path / "failed.sel", {"tool_calls": 9, "with_tool_calls": 2, "tool_errors": 2,
+                                                          "with_tool_errors": 2,
+                                                          "tool_error_turns": {"malformed": 1, "timeout": 1}})):
+        assert main(["inspect", str(location), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)["trajectories"]
+        assert {k: got[k] for k in expected} == expected, location
+    assert main(["inspect", str(run_buffer)]) == 0
+    assert ("tool calls 42 in 10 trajectories, failed 4 in 4 trajectories (turns failing by kind: malformed 2, "
+            "timeout 2)") in capsys.readouterr().out
+
+    with create_store(tmp_path / "old", "memmap", StoreSchema(optional=("termination_reason",))) as store:
+        store.append(multi_turn_rows())
+    assert main(["inspect", str(tmp_path / "old"), "--json"]) == 0
+    assert "tool_calls" not in json.loads(capsys.readouterr().out)["trajectories"]

@@ -29,7 +29,9 @@ mistakes (bad tool calls) are turned into data.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
+from collections import Counter
 from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -103,6 +105,15 @@ class Environment(Protocol):
         ...
 
 
+TURN_TOOL_OUTCOMES: contextvars.ContextVar[Counter[str] | None] = contextvars.ContextVar(
+    "turn_tool_outcomes", default=None)
+"""The tool outcomes of the turn being stepped (``calls``, ``ok``, ``malformed``, ...:
+``ToolBox.METRICS``), or None outside a step. :meth:`EnvironmentRunner.step_counting_tools` sets
+it and every ``ToolBox`` adds to it, so each stored turn knows its own failed calls even when
+many episodes share one ``ToolBox`` and step at once, and the environment reports nothing
+itself."""
+
+
 class StepTimeout(Exception):
     """``reset`` ran past its timeout (a step's timeout ends its episode instead)."""
 
@@ -139,11 +150,26 @@ class EnvironmentRunner:
             raise TypeError(f"{type(env).__name__}.step returned {type(result).__name__}, not a StepResult")
         return result
 
+    async def step_counting_tools(self, env: Environment, turn: ModelTurn) -> tuple[StepResult, Counter[str]]:
+        """:meth:`step`, and the outcomes of the tool calls this step ran (``TURN_TOOL_OUTCOMES``).
+
+        Each call of this coroutine under ``asyncio.gather`` runs in its own task, hence its own
+        copy of the context: concurrent steps never count into each other's turn."""
+        outcomes: Counter[str] = Counter()
+        token = TURN_TOOL_OUTCOMES.set(outcomes)
+        try:
+            return await self.step(env, turn), outcomes
+        finally:
+            TURN_TOOL_OUTCOMES.reset(token)
+
     async def _call(self, method, argument):
         if inspect.iscoroutinefunction(method):
             return await asyncio.wait_for(method(argument), self.step_timeout_s)
         loop = asyncio.get_running_loop()
-        result = await asyncio.wait_for(loop.run_in_executor(self._pool, method, argument), self.step_timeout_s)
+        # run_in_executor does not carry the context to the thread; the step's tool counts need it
+        context = contextvars.copy_context()
+        result = await asyncio.wait_for(loop.run_in_executor(self._pool, context.run, method, argument),
+                                        self.step_timeout_s)
         if inspect.isawaitable(result):  # a sync method that hands back a coroutine
             result = await asyncio.wait_for(result, self.step_timeout_s)
         return result

@@ -41,6 +41,12 @@ import torch
 
 from rlhf_pipeline.agents.environment import Message, ModelTurn, StepResult, ToolCall
 from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
+from rlhf_pipeline.schema.tool_errors import ToolErrorKind
+from rlhf_pipeline.schema.turn_messages import encode_turn_messages
+
+AGENT_ROW_FIELDS = ("tool_calls", "tool_errors", "tool_error_kinds", "turn_messages")
+"""Optional stored fields an episode can fill on each of its rows: the turn's tool calls, how many
+of them failed and how (``schema/tool_errors.py``), and its chat messages (``schema/turn_messages.py``)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,11 @@ class Episode:
         self.messages: list[Message] = [dict(m) for m in messages]
         self.segments: list[Segment] = []
         self.rewards: list[float] = []  # one per model turn
+        self.tool_calls: list[int] = []  # one per model turn: the calls it wrote
+        self.tool_errors: list[int] = []  # one per model turn: of those, the ones answered with an error
+        self.tool_error_kinds: list[int] = []  # one per model turn: a ToolErrorKind bit set
+        self.turn_messages: list[list[Message]] = []  # one per model turn: the messages before it, then its own
+        self._messages_told = 0  # messages already given to a turn's turn_messages
         self.turns: list[ModelTurn] = []
         self.reason: TerminationReason | None = None
         self.metrics: Counter[str] = Counter(template_mismatch=0, retokenization_drift=0)
@@ -167,13 +178,24 @@ class Episode:
         turn = ModelTurn(len(self.turns), content, tuple(self.parser(content)) if self.parser else (), finished)
         self.turns.append(turn)
         self.messages.append({"role": "assistant", "content": content})
+        self.turn_messages.append([dict(m) for m in self.messages[self._messages_told:]])
+        self._messages_told = len(self.messages)
         return turn
 
-    def add_environment(self, result: StepResult) -> None:
-        """The environment's answer to the last turn: its reward, then the end or its messages."""
+    def add_environment(self, result: StepResult, tool_outcomes: Mapping[str, int] | None = None) -> None:
+        """The environment's answer to the last turn: its reward, then the end or its messages.
+
+        ``tool_outcomes`` are the ``ToolBox`` counts of the calls the environment ran for this turn
+        (``EnvironmentRunner.step_counting_tools``): the turn's failed calls are ``calls - ok``.
+        The turn's calls are those the parser found, or the ones run when the environment ran more."""
         if not self.segments[-1].sampled or self.done:
             raise RuntimeError("add_environment answers a model turn; add_turn first")
         self.rewards.append(float(result.reward))
+        outcomes = tool_outcomes or {}
+        ran = int(outcomes.get("calls", 0))
+        self.tool_calls.append(max(len(self.turns[-1].tool_calls), ran))
+        self.tool_errors.append(ran - int(outcomes.get("ok", 0)))
+        self.tool_error_kinds.append(int(sum(kind for kind in ToolErrorKind if outcomes.get(kind.name.lower(), 0))))
         if self._cut_reason is not None:  # a limit cut the turn: that is why it ended, whatever the env says
             self._end(self._cut_reason)
         elif result.done:
@@ -238,10 +260,15 @@ class Episode:
         self.reason = reason
 
     # ---------------------------------------------------------------- rows
-    def rows(self, *, group_id: int, trajectory_id: int, policy_version: int) -> list[dict[str, Any]]:
-        """The stored rows, one per turn: the tokens added before the turn, then the turn's samples."""
+    def rows(self, *, group_id: int, trajectory_id: int, policy_version: int,
+             fields: Collection[str] = ()) -> list[dict[str, Any]]:
+        """The stored rows, one per turn: the tokens added before the turn, then the turn's samples;
+        plus the optional ``fields`` of :data:`AGENT_ROW_FIELDS` asked for."""
         if not self.done:
             raise RuntimeError("an episode is stored when it has ended; it is still running")
+        unknown = sorted(set(fields) - set(AGENT_ROW_FIELDS))
+        if unknown:
+            raise ValueError(f"an episode fills the optional fields {list(AGENT_ROW_FIELDS)}, not {unknown}")
         rows = []
         pairs = list(zip(self.segments[0::2], self.segments[1::2], strict=False))
         for step, ((prompt, response), reward) in enumerate(zip(pairs, self.rewards, strict=True)):
@@ -257,6 +284,10 @@ class Episode:
                 "termination_reason": int(reason),
                 "prompt_text": prompt.text, "response_text": response.text,
             })
+            extra = {"tool_calls": self.tool_calls[step], "tool_errors": self.tool_errors[step],
+                     "tool_error_kinds": self.tool_error_kinds[step],
+                     "turn_messages": encode_turn_messages(self.turn_messages[step])}
+            rows[-1].update({name: extra[name] for name in fields})
         return rows
 
 
@@ -307,9 +338,10 @@ def rebuild_trajectory(rows: TrajectoryBatch) -> RebuiltTrajectory:
 
 
 def episodes_to_batch(episodes: Sequence[Episode], *, group_ids: Sequence[int], trajectory_ids: Sequence[int],
-                      policy_version: int) -> TrajectoryBatch:
-    """The rows of ended episodes as one batch (a whole group, written together)."""
+                      policy_version: int, fields: Collection[str] = ()) -> TrajectoryBatch:
+    """The rows of ended episodes as one batch (a whole group, written together), with the
+    optional ``fields`` of :data:`AGENT_ROW_FIELDS` asked for."""
     rows = []
     for episode, group, trajectory in zip(episodes, group_ids, trajectory_ids, strict=True):
-        rows += episode.rows(group_id=group, trajectory_id=trajectory, policy_version=policy_version)
+        rows += episode.rows(group_id=group, trajectory_id=trajectory, policy_version=policy_version, fields=fields)
     return TrajectoryBatch.from_rows(rows)

@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,13 +80,15 @@ class Rollout:
     group_size: int
     metrics: Counter[str] = field(default_factory=Counter)
 
-    def to_batch(self, *, first_group_id: int, first_trajectory_id: int, policy_version: int) -> TrajectoryBatch:
-        """Every episode's rows (one per turn), task ``i``'s group id ``first_group_id + i``."""
+    def to_batch(self, *, first_group_id: int, first_trajectory_id: int, policy_version: int,
+                 fields: Collection[str] = ()) -> TrajectoryBatch:
+        """Every episode's rows (one per turn), task ``i``'s group id ``first_group_id + i``, with
+        the optional ``fields`` (``episode.AGENT_ROW_FIELDS``) asked for."""
         n = len(self.episodes)
         return episodes_to_batch(self.episodes,
                                  group_ids=[first_group_id + k // self.group_size for k in range(n)],
                                  trajectory_ids=list(range(first_trajectory_id, first_trajectory_id + n)),
-                                 policy_version=policy_version)
+                                 policy_version=policy_version, fields=fields)
 
 
 async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[], Environment], sample: Sampler,
@@ -115,13 +117,14 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
             metrics["generation_batches"] += 1
             metrics["generated_rows"] += len(active)
             turns = [episodes[k].add_turn(ids, log_probs) for k, (ids, log_probs) in zip(active, samples, strict=True)]
-            results = await asyncio.gather(*(runner.step(envs[k], turn) for k, turn in zip(active, turns, strict=True)))
+            results = await asyncio.gather(*(runner.step_counting_tools(envs[k], turn)
+                                             for k, turn in zip(active, turns, strict=True)))
             overdue = config.episode_timeout_s is not None and time.monotonic() - started > config.episode_timeout_s
-            for k, result in zip(active, results, strict=True):
+            for k, (result, tool_outcomes) in zip(active, results, strict=True):
                 if overdue and not result.done:
                     result = dataclasses.replace(result, messages=[], done=True, reason=TerminationReason.TIMEOUT)
                     metrics["episode_timeouts"] += 1
-                episodes[k].add_environment(result)
+                episodes[k].add_environment(result, tool_outcomes)
         metrics["environment_timeouts"] = runner.timeouts
     for episode in episodes:
         metrics.update(episode.metrics)

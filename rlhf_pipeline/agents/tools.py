@@ -40,7 +40,7 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from rlhf_pipeline.agents.environment import Message, ToolCall
+from rlhf_pipeline.agents.environment import TURN_TOOL_OUTCOMES, Message, ToolCall
 
 # ======================================================================== parsers
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
@@ -273,8 +273,11 @@ class ToolBox:
         return self._truncate(f"Error: {message}")
 
     def _count(self, metric: str) -> None:
+        turn = TURN_TOOL_OUTCOMES.get()  # the turn being stepped, when an EnvironmentRunner steps it
         with self._lock:
             self.metrics[metric] += 1
+            if turn is not None:
+                turn[metric] += 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

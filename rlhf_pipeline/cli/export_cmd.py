@@ -1,4 +1,4 @@
-"""``rlhf-pipeline export BUFFER OUT [--format jsonl|parquet|hf]``: a buffer's rows as a dataset.
+"""``rlhf-pipeline export BUFFER OUT [--format jsonl|parquet|hf|chat]``: a buffer's rows as a dataset.
 
 Every stored field, exact, one row per stored row; ``import`` reads it back into an equal
 buffer. Streams one segment at a time with progress. The format follows OUT's suffix
@@ -14,8 +14,9 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("buffer", help="a store (memmap directory, Zarr store) or a run's buffer/ of shards")
     parser.add_argument("out", help="file (jsonl, parquet) or directory (hf) to write; must not exist")
-    parser.add_argument("--format", choices=("jsonl", "parquet", "hf"), default=None,
-                        help="jsonl, parquet, or hf (a datasets save_to_disk directory); "
+    parser.add_argument("--format", choices=("jsonl", "parquet", "hf", "chat"), default=None,
+                        help="jsonl, parquet, hf (a datasets save_to_disk directory), or chat (JSONL, one "
+                             "whole trajectory a line: chat messages, token ids per turn); "
                              "default: what OUT's suffix names (.jsonl, .parquet)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -62,5 +63,11 @@ def run(args: argparse.Namespace) -> int:
         progress.close(failed=True)
         return fail(exc.strerror, code=1)
     progress.close()
-    print(f"{result.out}: {result.rows} rows, fields {', '.join(result.fields)}")
+    if result.trajectories is not None:
+        skipped = (f" ({result.trajectories_skipped} not held whole were skipped)"
+                   if result.trajectories_skipped else "")
+        print(f"{result.out}: {result.trajectories} trajectories from {result.rows} rows{skipped}, "
+              f"fields {', '.join(result.fields)}")
+    else:
+        print(f"{result.out}: {result.rows} rows, fields {', '.join(result.fields)}")
     return 0

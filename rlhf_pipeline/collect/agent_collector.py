@@ -17,6 +17,10 @@ path attached, so:
   the group-relative advantage of that return and writes it on every turn of the trajectory.
 
 Rewards are the environment's (``StepResult.reward`` per turn); a trajectory's return is their sum.
+Each row also holds its turn's ``tool_calls`` and ``tool_errors``, counted per turn by the
+``ToolBox`` the environment ran them through, so ``filter`` and ``inspect`` can pick out
+trajectories whose tool use failed, and its ``turn_messages`` (the chat messages with their
+roles), so ``export --format chat`` writes the conversation (``AgentCollectorConfig.row_fields``).
 
 Ids and resume are the single-turn :class:`~rlhf_pipeline.collect.collector.Collector`'s:
 ``(collector_index << 40) | counter`` with the counters, the task position and the sampling RNG
@@ -38,7 +42,7 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.agents.environment import Environment, ToolCall
-from rlhf_pipeline.agents.episode import EpisodeLimits
+from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, cut_to_limits, rollout
 from rlhf_pipeline.collect.collector import MetricsHook, load_policy_weights
 from rlhf_pipeline.collect.generate import SamplingConfig, generate
@@ -68,6 +72,10 @@ class AgentCollectorConfig:
     """Threads stepping synchronous environments."""
     check_drift: bool = True
     """Count ``retokenization_drift`` each turn (one extra encode of the conversation)."""
+    row_fields: tuple[str, ...] = AGENT_ROW_FIELDS
+    """Optional fields stored on each turn's row: ``tool_calls``, ``tool_errors`` (its tool calls and
+    the failed ones) and ``turn_messages`` (its chat messages, for ``export --format chat``). The
+    buffer must hold each; leave out those a buffer was created without."""
     collector_index: int = 0
     """This collector's index among collectors writing one run; goes in the ids' high bits."""
     seed: int = 0
@@ -76,6 +84,10 @@ class AgentCollectorConfig:
     def __post_init__(self) -> None:
         if self.tasks_per_round < 1 or self.group_size < 1:
             raise ValueError("AgentCollectorConfig: tasks_per_round and group_size must be >= 1")
+        unknown = sorted(set(self.row_fields) - set(AGENT_ROW_FIELDS))
+        if unknown:
+            raise ValueError(f"AgentCollectorConfig.row_fields: {unknown} are not fields an episode fills; "
+                             f"choose from {list(AGENT_ROW_FIELDS)}")
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"AgentCollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), "
                              f"got {self.collector_index}")
@@ -146,7 +158,7 @@ class AgentCollector:
         base = id_base(cfg.collector_index)
         batch = result.to_batch(first_group_id=base + self.groups_emitted,
                                 first_trajectory_id=base + self.trajectories_emitted,
-                                policy_version=self.policy_version)
+                                policy_version=self.policy_version, fields=cfg.row_fields)
         n_traj = len(result.episodes)
         if before_write is not None:
             before_write(self.state_dict(rounds_ahead=(1, len(tasks), n_traj)))

@@ -56,7 +56,8 @@ OPTION_OF_SLOT = {"prompt": "--prompt", "messages": "--messages", "prompt_ids": 
                   "group": "--group", "log_probs": "--log-probs", "version": "--version"}
 # stored fields a source may carry as is, under their own names
 PASSTHROUGH_FIELDS = ("trajectory_id", "step", "done", "terminated", "truncated",
-                      "advantage", "ref_log_probs", "kl", "token_rewards", "termination_reason")
+                      "advantage", "step_advantage", "ref_log_probs", "kl", "token_rewards", "termination_reason",
+                      "tool_calls", "tool_errors", "tool_error_kinds", "turn_messages")
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,8 @@ def normalize(chunk: SourceChunk, resolved: ResolvedColumns, tokenizer: Any) -> 
         spec = FIELDS_BY_NAME[name]
         if spec.kind == "token":
             columns[name] = _ragged(chunk, column, per_completion, errors, spec.dtype, flat_ok=not resolved.per_prompt)
+        elif spec.kind == "text":
+            columns[name] = _strings(per_completion(column, scalar_ok=True), column, errors, name, expanded=True)
         elif spec.dtype == torch.bool:
             columns[name] = _bools(per_completion(column, scalar_ok=True), column, errors)
         elif spec.dtype == torch.float32:
@@ -360,7 +363,11 @@ def _completions(chunk, resolved, tokenizer, errors, per_completion) -> tuple[Ra
             if texts is None:
                 texts = decoded
             elif resolved.options.check_text:
-                _check_decoded(decoded, texts, column, errors, expanded=True)
+                kept = None
+                if any(t is not None and t != d for t, d in zip(texts, decoded)):
+                    # agents' rows store a turn's text with its special tokens (the stop token) kept
+                    kept = tokenizer.batch_decode(ids.to_list(), skip_special_tokens=False)
+                _check_decoded(decoded, texts, column, errors, expanded=True, or_decoded=kept)
         elif texts is None:
             _need_tokenizer(tokenizer, "decode completion token ids to text")
         last = ids.values[ids.offsets[1:] - 1]
@@ -520,9 +527,9 @@ def _check_ids(ids: RaggedTensor, column: str, errors: _Errors, tokenizer: Any, 
 
 
 def _check_decoded(decoded: Sequence[str], texts: Sequence[str | None], column: str, errors: _Errors, *,
-                   expanded: bool = False) -> None:
+                   expanded: bool = False, or_decoded: Sequence[str] | None = None) -> None:
     for i, (got, want) in enumerate(zip(decoded, texts)):
-        if want is not None and got != want:
+        if want is not None and got != want and (or_decoded is None or or_decoded[i] != want):
             errors.fail(i, column, f"the token ids decode to {_short(got)} but the text column holds {_short(want)}; "
                                    f"were they made by another tokenizer? (--no-text-check skips this check)",
                         expanded=expanded)

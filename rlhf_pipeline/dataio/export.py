@@ -13,7 +13,10 @@ when complete (written to ``OUT.partial``, then renamed). Formats:
 
 * ``jsonl``: one JSON object per line;
 * ``parquet``: one row group per chunk; the schema's metadata records the buffer's fields;
-* ``hf``: a ``datasets`` ``save_to_disk`` directory (``datasets.load_from_disk(OUT)``).
+* ``hf``: a ``datasets`` ``save_to_disk`` directory (``datasets.load_from_disk(OUT)``);
+* ``chat``: JSONL with one line per whole trajectory, its chat messages and each turn's token
+  ids and log-probs (:mod:`.chat_trajectories`); chosen only by ``--format chat`` (OUT named
+  ``*.jsonl`` or anything else), and ``import`` reads it back into the same rows.
 
 The format follows OUT's suffix (``.jsonl``/``.ndjson``/``.json``, ``.parquet``) unless given;
 a format given that contradicts the suffix is refused (:func:`export_format`). This module
@@ -38,7 +41,7 @@ from rlhf_pipeline.dataio.extras import require
 if TYPE_CHECKING:
     from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 
-EXPORT_FORMATS = ("jsonl", "parquet", "hf")
+EXPORT_FORMATS = ("jsonl", "parquet", "hf", "chat")
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 DEFAULT_CHUNK_ROWS = 4096
@@ -60,7 +63,7 @@ def export_format(out: str | Path, given: str | None = None) -> str:
             raise ValueError(f"cannot tell the format from the name {out}; pass --format jsonl, parquet or hf "
                              f"(hf writes a directory), or name the file *.jsonl or *.parquet")
         return named
-    if named is not None and named != given:
+    if named is not None and named != given and not (given == "chat" and named == "jsonl"):
         raise ValueError(f"--format {given} contradicts the name {out} (a {suffix} file is {named}); "
                          f"rename OUT or drop --format")
     return given
@@ -71,6 +74,8 @@ class ExportResult:
     out: str
     rows: int
     fields: tuple[str, ...]
+    trajectories: int | None = None  # chat: lines written (whole trajectories)
+    trajectories_skipped: int = 0  # chat: trajectories not held whole (first turns evicted)
 
 
 def iter_chunks(store, rows_per_chunk: int | None = None) -> Iterator[TrajectoryBatch]:
@@ -113,7 +118,7 @@ def export_buffer(buffer: str | Path, out: str | Path, format: str | None = None
         schema = store.schema
         total = len(store)
         chunks = _counted(iter_chunks(store, rows_per_chunk), total, progress)
-        writer = {"jsonl": _write_jsonl, "parquet": _write_parquet, "hf": _write_hf}[format]
+        writer = {"jsonl": _write_jsonl, "parquet": _write_parquet, "hf": _write_hf, "chat": _write_chat}[format]
         try:
             rows = writer(chunks, schema, partial, meta={"buffer": str(buffer), "rows": total})
         except BaseException as exc:
@@ -123,6 +128,9 @@ def export_buffer(buffer: str | Path, out: str | Path, format: str | None = None
                                                   f"output was removed); free space or export elsewhere") from None
             raise
     os.replace(partial, out)
+    if format == "chat":
+        rows, lines = rows
+        return ExportResult(str(out), rows, schema.field_names, lines.written, lines.skipped)
     return ExportResult(str(out), rows, schema.field_names)
 
 
@@ -154,6 +162,23 @@ def _write_jsonl(chunks, schema: StoreSchema, path: Path, meta: dict) -> int:
                 f.write("\n")
             rows += len(batch)
     return rows
+
+
+def _write_chat(chunks, schema: StoreSchema, path: Path, meta: dict):
+    """One line per whole trajectory (:mod:`.chat_trajectories`); returns (rows read, the line counts)."""
+    from rlhf_pipeline.dataio.chat_trajectories import TrajectoryLines
+
+    lines, rows = TrajectoryLines(), 0
+    with open(path, "w", encoding="utf-8") as f:
+        for batch in chunks:
+            columns = {name: _python_column(batch[name]) for name in schema.field_names}
+            records = ({name: col[i] for name, col in columns.items()} for i in range(len(batch)))
+            for line in lines.add(records):
+                f.write(json.dumps(line, ensure_ascii=False))
+                f.write("\n")
+            rows += len(batch)
+        lines.finish()
+    return rows, lines
 
 
 def _python_column(column) -> list:

@@ -2,7 +2,8 @@
 
 A source is one of:
 
-* a JSONL file (one JSON object per line; ``.jsonl``, ``.ndjson`` or ``.json``);
+* a JSONL file (one JSON object per line; ``.jsonl``, ``.ndjson`` or ``.json``); a line written
+  by ``export --format chat`` (one whole trajectory) is read as the rows of its turns;
 * a Parquet file (read one row batch at a time, so memory stays at one chunk);
 * a Hugging Face dataset on disk: a ``save_to_disk`` directory (memory-mapped Arrow, read
   through ``datasets.load_from_disk``; ``split`` picks a split of a ``DatasetDict``), or a
@@ -197,9 +198,10 @@ class Source:
                     if not isinstance(record, dict):
                         raise SourceError(f"{file} line {lineno}: expected a JSON object (one record per line), "
                                           f"got {type(record).__name__}")
-                    records.append(record)
-                    lines.append(lineno)
-                    if len(records) == rows:
+                    expanded = _chat_trajectory_rows(record, file, lineno)
+                    records += expanded
+                    lines += [lineno] * len(expanded)
+                    if len(records) >= rows:
                         yield SourceChunk(file, records, None, first, 0, lines)
                         first += len(records)
                         records, lines = [], []
@@ -238,6 +240,19 @@ class Source:
                 raise SourceError(f"{self.files[0]} holds the splits {splits}; choose one with --split NAME")
             return loaded[split]
         return loaded
+
+
+def _chat_trajectory_rows(record: dict, file: Path, lineno: int) -> list[dict]:
+    """A line of ``export --format chat`` (one whole trajectory) as the rows it came from, named as
+    stored fields, so the rest of ``import`` reads it like exported rows; any other record as is."""
+    from rlhf_pipeline.dataio.chat_trajectories import ChatFormatError, is_chat_line, trajectory_rows
+
+    if not is_chat_line(record):
+        return [record]
+    try:
+        return trajectory_rows(record)
+    except ChatFormatError as exc:
+        raise SourceError(f"{file} line {lineno}: a chat trajectory line: {exc}") from None
 
 
 # ====================================================================== opening

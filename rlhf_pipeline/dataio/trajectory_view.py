@@ -25,6 +25,7 @@ import torch
 
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.tool_errors import kind_names
 
 # rows of trajectory ids read at a time while searching a buffer
 _SEARCH_ROWS = 65_536
@@ -46,6 +47,19 @@ class TurnView:
     response_text: str | None
     reward: float
     advantage: float | None
+    tool_calls: int | None = None  # the turn's tool calls and failed ones, in buffers that store them
+    tool_errors: int | None = None
+    tool_error_kinds: int | None = None  # a schema.ToolErrorKind bit set
+
+    @property
+    def tools(self) -> str:
+        """`` · 2 tool calls, 1 failed (timeout)`` for a turn whose counts are stored, else nothing."""
+        if self.tool_calls is None:
+            return ""
+        failed = f", {self.tool_errors} failed" if self.tool_errors is not None else ""
+        if self.tool_error_kinds:
+            failed += f" ({', '.join(kind_names(self.tool_error_kinds))})"
+        return f" · {self.tool_calls} tool call{'s' if self.tool_calls != 1 else ''}{failed}"
 
 
 @dataclass
@@ -132,7 +146,10 @@ def _view(rows: TrajectoryBatch, positions: torch.Tensor, trajectory_id: int) ->
             prompt_text=rows["prompt_text"][i] if "prompt_text" in rows else None,
             response_text=rows["response_text"][i] if "response_text" in rows else None,
             reward=float(rows["reward"][i]),
-            advantage=float(rows["advantage"][i]) if "advantage" in rows else None))
+            advantage=float(rows["advantage"][i]) if "advantage" in rows else None,
+            tool_calls=int(rows["tool_calls"][i]) if "tool_calls" in rows else None,
+            tool_errors=int(rows["tool_errors"][i]) if "tool_errors" in rows else None,
+            tool_error_kinds=int(rows["tool_error_kinds"][i]) if "tool_error_kinds" in rows else None))
     last = order[-1]
     reason = None
     if "termination_reason" in rows and int(rows["termination_reason"][last]) != 0:
@@ -184,7 +201,7 @@ def format_trajectory(view: TrajectoryView, tokenizer: Any | None = None, *, col
         lines.append("")
         lines.append(f"── turn {turn.step} (row {turn.position}) · reward {_num(turn.reward)}"
                      + (f" · advantage {_num(turn.advantage)}" if turn.advantage is not None else "")
-                     + f" · {len(turn.prompt_ids)} context + {len(turn.response_ids)} trained tokens")
+                     + turn.tools + f" · {len(turn.prompt_ids)} context + {len(turn.response_ids)} trained tokens")
         context = _segment_text(turn.prompt_ids, turn.prompt_text, tokenizer)
         sampled = _segment_text(turn.response_ids, turn.response_text, tokenizer,
                                 turn.response_log_probs if log_probs else None)
@@ -198,10 +215,16 @@ def format_trajectory(view: TrajectoryView, tokenizer: Any | None = None, *, col
 
 def _header(view: TrajectoryView) -> str:
     rewards = [t.reward for t in view.turns]
+    tools = ""
+    if all(t.tool_calls is not None for t in view.turns):
+        calls = sum(t.tool_calls for t in view.turns)
+        tools = f" · {calls} tool call{'s' if calls != 1 else ''}"
+        if all(t.tool_errors is not None for t in view.turns):
+            tools += f", {sum(t.tool_errors for t in view.turns)} failed"
     return (f"trajectory {view.trajectory_id} · group {view.group_id} · policy version {view.policy_version} · "
             f"{len(view.turns)} turn{'s' if len(view.turns) != 1 else ''} · ended: {view.ending}\n"
             f"return {_num(sum(rewards))} (turn rewards {', '.join(_num(r) for r in rewards)}) · "
-            f"{view.trained_tokens} trained tokens, {view.context_tokens} not trained")
+            f"{view.trained_tokens} trained tokens, {view.context_tokens} not trained{tools}")
 
 
 def _segment_text(ids: list[int], stored_text: str | None, tokenizer: Any | None,
@@ -258,7 +281,7 @@ def trajectory_html(view: TrajectoryView, tokenizer: Any | None = None, *, title
     for turn in view.turns:
         out.append(f'<div class="turn" id="turn-{turn.step}"><h2>turn {turn.step} · row {turn.position} · reward '
                    f"{_num(turn.reward)}" + (f" · advantage {_num(turn.advantage)}" if turn.advantage is not None
-                                             else "") + "</h2>")
+                                             else "") + html.escape(turn.tools) + "</h2>")
         out.append('<div class="tokens">')
         for token, piece in zip(turn.prompt_ids, token_pieces(turn.prompt_ids, tokenizer), strict=True):
             out.append(f'<span class="context" title="id {token} · not trained">{html.escape(piece)}</span>')
@@ -280,14 +303,19 @@ def trajectory_html(view: TrajectoryView, tokenizer: Any | None = None, *, title
 
 def _turn_table(view: TrajectoryView) -> str:
     head = "<tr><th>turn</th><th>row</th><th>context tokens</th><th>trained tokens</th><th>reward</th>" \
-           "<th>advantage</th><th>mean sampled log-prob</th></tr>"
+           "<th>advantage</th><th>tool calls</th><th>failed</th><th>mean sampled log-prob</th></tr>"
     body = []
     for turn in view.turns:
         mean_lp = sum(turn.response_log_probs) / len(turn.response_log_probs) if turn.response_log_probs else None
         body.append(f'<tr><td><a href="#turn-{turn.step}">{turn.step}</a></td><td>{turn.position}</td>'
                     f"<td>{len(turn.prompt_ids)}</td><td>{len(turn.response_ids)}</td><td>{_num(turn.reward)}</td>"
-                    f"<td>{_num(turn.advantage)}</td><td>{_num(mean_lp)}</td></tr>")
+                    f"<td>{_num(turn.advantage)}</td><td>{_count(turn.tool_calls)}</td>"
+                    f"<td>{_count(turn.tool_errors)}</td><td>{_num(mean_lp)}</td></tr>")
     return "<table>" + head + "".join(body) + "</table>"
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _shade(log_prob: float) -> str:

@@ -264,7 +264,8 @@ class Learner:
                 return None
             steps, _ = self.data_parallel.local_positions(sampled.trajectory_steps)
             joined = read_trajectories(self._store, positions, steps, pad_token_id=self.pad_token_id,
-                                       turn_advantage=self.settings.turn_advantage)
+                                       turn_advantage=self.settings.turn_advantage,
+                                       turn_advantage_weight=self.settings.turn_advantage_weight)
             if pin and self.batch_transform is None and torch.cuda.is_available():
                 joined = joined.pin_memory()
             return finish(positions, joined, filler)
@@ -289,6 +290,7 @@ class Learner:
             if not is_single_turn(batch):  # multi-turn rows: the whole trajectories they end
                 sampled, joined = trajectory_draw(self._store, sampled, batch, pad_token_id=self.pad_token_id,
                                                   turn_advantage=self.settings.turn_advantage,
+                                                  turn_advantage_weight=self.settings.turn_advantage_weight,
                                                   pin=pin and self.batch_transform is None)
                 return sampled, None if joined is None else finish(sampled.positions, joined)  # named by last rows
             return sampled, finish(sampled.positions, with_reasons(sampled.positions, batch))

@@ -13,7 +13,12 @@ with the options (:class:`GRPOLossConfig`):
 * ``aggregation``: ``"token_mean"`` sum over every response token of the batch divided
   by their count (DAPO); ``"sequence_mean"`` mean over tokens within each row, then
   over rows (the original GRPO paper); ``"constant"`` sum over tokens divided by
-  ``B * max_tokens`` (Dr. GRPO, arXiv:2503.20783: no length normalisation bias).
+  ``B * max_tokens`` (Dr. GRPO, arXiv:2503.20783: no length normalisation bias). A
+  multi-turn trajectory is ONE row (``learn/trajectories.py``), so its constant is per
+  trajectory: the sum over its sampled tokens (the mask skips the environment's) over
+  ``max_tokens``, which must be the most tokens a row can sample -- a trajectory's budget
+  (``max_turns * max_new_tokens``, or less under a token budget), not one turn's. A row with
+  loss on more tokens than ``max_tokens`` is refused: its constant would not be a maximum.
 * ``ratio_level="sequence"``: GSPO (arXiv:2507.18071): one ratio per row,
   ``s_i = exp(mean_t(logp_it - old_logp_it))``, clipped as a whole; written per token
   as ``sg(s_i) * exp(logp_it - sg(logp_it))`` so its gradient is GSPO's. GSPO uses
@@ -97,6 +102,19 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, config: GRPOLossConfig,
     return masked_sum / (values.shape[0] * config.max_tokens)
 
 
+def check_constant_covers_rows(mask: torch.Tensor, max_tokens: int) -> None:
+    """Dr. GRPO's constant is a maximum: no row (a whole trajectory when multi-turn) may carry loss on
+    more tokens than ``max_tokens``, or longer rows would be weighted up instead of the constant
+    being fixed. One device sync, in ``constant`` aggregation only."""
+    most = int(mask.sum(-1).max()) if mask.numel() else 0  # (B,) -> the longest row's loss tokens
+    if most > max_tokens:
+        raise ValueError(
+            f"loss aggregation 'constant' (Dr. GRPO) divides each row's loss by the fixed max_tokens={max_tokens}, "
+            f"but a row carries loss on {most} sampled tokens: max_tokens must be the most a row can sample. A "
+            f"multi-turn trajectory trains as one row: set learner.loss.max_tokens to a trajectory's budget of "
+            f"sampled tokens (max_turns x max_new_tokens, or less under a token budget), not one turn's")
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = mask.to(values.dtype)
     return (values * m).sum() / m.sum().clamp_min(1.0)
@@ -160,6 +178,8 @@ def grpo_loss(
             f"log_probs {tuple(log_probs.shape)}, old_log_probs {tuple(old_log_probs.shape)} and mask "
             f"{tuple(mask.shape)} must all be (B, T)"
         )
+    if config.aggregation == "constant":
+        check_constant_covers_rows(mask, config.max_tokens)
     if advantages.dim() == 3:
         advantages = advantages.squeeze(-1)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)

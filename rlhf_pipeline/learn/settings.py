@@ -30,7 +30,8 @@ class GRPOLossConfig:
     aggregation: Aggregation = "token_mean"
     """``token_mean`` | ``sequence_mean`` | ``constant`` (Dr. GRPO, needs ``max_tokens``)."""
     max_tokens: int | None = None
-    """The constant of ``aggregation="constant"``: usually the sampler's max_new_tokens."""
+    """The constant of ``aggregation="constant"``: the most tokens a learner row can sample, the
+    sampler's max_new_tokens for single-turn rows, a trajectory's (max_turns x max_new_tokens) for agents."""
     ratio_level: Literal["token", "sequence"] = "token"
     """``token`` (GRPO) or ``sequence`` (GSPO's length-normalised sequence ratio)."""
     kl_coef: float = 0.0
@@ -106,9 +107,13 @@ class LearnerSettings:
     logits computed only where they score a response token (learn/packed.py), so a step costs
     the tokens it trains. false: each micro-batch is padded to its longest row (learn/microbatch.py).
     Same loss and gradients either way (to float rounding)."""
-    turn_advantage: Literal["trajectory", "turn"] = "trajectory"
+    turn_advantage: Literal["trajectory", "turn", "mixed"] = "trajectory"
     """Multi-turn rows (learn/trajectories.py): trajectory = the trajectory's advantage (its group-relative
-    return) on every sampled token of it; turn = each turn's own row advantage on that turn's tokens."""
+    return) on every sampled token of it; turn = each turn's own advantage (step_advantage where stored,
+    else the row's advantage) on that turn's tokens; mixed = (1 - turn_advantage_weight) * trajectory
+    + turn_advantage_weight * turn (needs step_advantage stored: GroupAdvantage(step_advantage=True))."""
+    turn_advantage_weight: float = 0.5
+    """turn_advantage=mixed: the turn's share, in [0, 1] (0 trains as trajectory, 1 as turn)."""
     mask_termination_reasons: tuple[str, ...] = ()
     """Trajectories that ended for one of these reasons (schema/termination.py names, e.g.
     max_turns,token_budget) are left out of the loss, counted as charts/trajectories_masked."""
@@ -230,8 +235,12 @@ class LearnerSettings:
             if self.priority_feedback == "ratio_deviation" and self.loss.old_policy == "current":
                 raise bad("priority_feedback", "'ratio_deviation' is always 0 with loss.old_policy='current' "
                                                "(the ratio is 1 by construction); use 'loss'")
-        if self.turn_advantage not in ("trajectory", "turn"):
-            raise bad("turn_advantage", f"must be trajectory or turn (got {self.turn_advantage!r})")
+        if self.turn_advantage not in ("trajectory", "turn", "mixed"):
+            raise bad("turn_advantage", f"must be trajectory, turn or mixed (got {self.turn_advantage!r})")
+        if isinstance(self.turn_advantage_weight, bool) or not isinstance(self.turn_advantage_weight, (int, float)) \
+                or not 0.0 <= self.turn_advantage_weight <= 1.0:
+            raise bad("turn_advantage_weight", f"must be a number in [0, 1], the turn's share of turn_advantage=mixed "
+                                               f"(got {self.turn_advantage_weight!r})")
         from rlhf_pipeline.schema.termination import TerminationReason
 
         reasons = {r.name.lower() for r in TerminationReason if r is not TerminationReason.NOT_ENDED}

@@ -44,8 +44,12 @@ draw's trajectory ends (:func:`trajectory_ends`, :func:`narrow_to_trajectory_end
 Advantages (``learner.turn_advantage``): ``trajectory`` (default) puts the trajectory's
 advantage (its last row's: the group-relative return of the whole trajectory, which the write
 path's group advantage writes on every row of it with ``trajectory_return`` sum, mean or max)
-on every sampled token; ``turn`` puts each row's own advantage on its turn's tokens (with
-``trajectory_return="step"`` each turn's reward normalised within the group).
+on every sampled token; ``turn`` puts each row's own advantage on its turn's tokens: its
+``step_advantage`` where the buffer stores one (``GroupAdvantage(step_advantage=True)``: the
+turn's reward normalised within its group), else its ``advantage`` (meant for
+``trajectory_return="step"``); ``mixed`` puts ``(1 - w) * trajectory + w * turn`` on a turn's
+tokens, ``w`` = ``learner.turn_advantage_weight``, and needs ``step_advantage`` stored (with one
+advantage field a trajectory's return and its turns' own rewards cannot both be read back).
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
 from rlhf_pipeline.schema.padding import pad_batch, padded_fields
 from rlhf_pipeline.schema.ragged import RaggedTensor, gather_ranges, lengths_to_offsets
 
-TURN_ADVANTAGES = ("trajectory", "turn")
-#: the per-token advantage a trajectory batch carries in ``turn`` mode, (B, T) at response columns
+TURN_ADVANTAGES = ("trajectory", "turn", "mixed")
+#: the per-token advantage a trajectory batch carries in ``turn`` and ``mixed`` modes, (B, T) at response columns
 TOKEN_ADVANTAGE_KEY = ("token_advantage", "full")
 # response-aligned float fields joined turn after turn (0 on the environment's tokens)
 _JOINED_FLOATS = ("response_log_probs", "ref_log_probs", "kl", "token_rewards")
@@ -142,7 +146,8 @@ def narrow_to_trajectory_ends(sampled, ends: TrajectoryEnds):
 
 
 def read_trajectories(store, end_positions: torch.Tensor, steps: torch.Tensor, *, pad_token_id: int,
-                      index_dtype: torch.dtype = torch.int32, turn_advantage: str = "trajectory") -> TensorDict:
+                      index_dtype: torch.dtype = torch.int32, turn_advantage: str = "trajectory",
+                      turn_advantage_weight: float = 0.5) -> TensorDict:
     """The padded learner batch of the trajectories whose last rows are at ``end_positions``, at
     ``steps``: each read whole from ``store`` and joined into one row. Raises when a trajectory's
     first turns are no longer held (evicted since its last row was drawn)."""
@@ -153,12 +158,12 @@ def read_trajectories(store, end_positions: torch.Tensor, steps: torch.Tensor, *
                            "buffer a larger capacity_rows than the learner's draws run behind the collectors")
     rows = store.read(gather_ranges(end_positions - turns + 1, turns), fields=padded_fields(store.schema))
     check_whole(rows, turns)
-    joined = join_turns(rows, turns, turn_advantage=turn_advantage)
+    joined = join_turns(rows, turns, turn_advantage=turn_advantage, turn_advantage_weight=turn_advantage_weight)
     return pad_trajectories(joined, pad_token_id=pad_token_id, index_dtype=index_dtype)
 
 
 def trajectory_draw(store, sampled, drawn: TensorDict, *, pad_token_id: int, turn_advantage: str,
-                    pin: bool = False) -> tuple:
+                    turn_advantage_weight: float = 0.5, pin: bool = False) -> tuple:
     """A learner draw (``SampledRows``) of multi-turn rows, read into ``drawn`` -> the draw narrowed
     to the rows that end a whole trajectory (:func:`narrow_to_trajectory_ends`) and the padded
     batch of those trajectories (None when the draw ended none)."""
@@ -167,7 +172,7 @@ def trajectory_draw(store, sampled, drawn: TensorDict, *, pad_token_id: int, tur
     if ends.chosen.numel() == 0:
         return sampled, None
     batch = read_trajectories(store, sampled.positions, ends.steps, pad_token_id=pad_token_id,
-                              turn_advantage=turn_advantage)
+                              turn_advantage=turn_advantage, turn_advantage_weight=turn_advantage_weight)
     if pin and torch.cuda.is_available():
         batch = batch.pin_memory()
     return sampled, batch
@@ -193,14 +198,22 @@ class JoinedTrajectories:
 
     rows: TrajectoryBatch  # one row per trajectory: prompt = step 0's prompt, response = the rest
     loss_mask: RaggedTensor  # bool, aligned with response_tokens: True on sampled tokens
-    token_advantage: RaggedTensor | None  # float32, aligned with response_tokens (``turn`` mode)
+    token_advantage: RaggedTensor | None  # float32, aligned with response_tokens (``turn``, ``mixed``)
     termination_reason: torch.Tensor | None  # (B,) int32, the last row's
 
 
-def join_turns(rows: TrajectoryBatch, turns: torch.Tensor, *, turn_advantage: str = "trajectory") -> JoinedTrajectories:
+def join_turns(rows: TrajectoryBatch, turns: torch.Tensor, *, turn_advantage: str = "trajectory",
+               turn_advantage_weight: float = 0.5) -> JoinedTrajectories:
     """``rows``: consecutive runs of ``turns`` rows, each one trajectory in step order -> one row each."""
     if turn_advantage not in TURN_ADVANTAGES:
         raise ValueError(f"turn_advantage must be one of {TURN_ADVANTAGES}, got {turn_advantage!r}")
+    check_turn_advantage_weight(turn_advantage_weight)
+    if turn_advantage == "mixed" and "step_advantage" not in rows:
+        raise ValueError(
+            "learner.turn_advantage=mixed blends each trajectory's advantage with each turn's own, but these rows "
+            "hold one advantage only (no step_advantage field): write the buffer with "
+            "GroupAdvantage(step_advantage=True) into a store created with the optional field step_advantage, "
+            "or train with learner.turn_advantage=trajectory or turn")
     offsets = lengths_to_offsets(turns)
     first, last = offsets[:-1], offsets[1:] - 1
     trajectory_of_row = torch.arange(len(turns)).repeat_interleave(turns)  # (N,)
@@ -225,9 +238,12 @@ def join_turns(rows: TrajectoryBatch, turns: torch.Tensor, *, turn_advantage: st
               for name in _JOINED_FLOATS if name in rows}
     loss_mask = joined(zeros_on_prompts(torch.bool), torch.ones(response.values.numel(), dtype=torch.bool))
     token_advantage = None
-    if turn_advantage == "turn":
-        per_token = rows["advantage"].to(torch.float32).repeat_interleave(response.lengths())
-        token_advantage = joined(zeros_on_prompts(torch.float32), per_token)
+    if turn_advantage != "trajectory":
+        own = rows["step_advantage" if "step_advantage" in rows else "advantage"].to(torch.float32)  # (N,)
+        if turn_advantage == "mixed":
+            whole = rows["advantage"].to(torch.float32)[last][trajectory_of_row]  # (N,) the trajectory's
+            own = (1.0 - turn_advantage_weight) * whole + turn_advantage_weight * own
+        token_advantage = joined(zeros_on_prompts(torch.float32), own.repeat_interleave(response.lengths()))
 
     columns = {
         "prompt_tokens": rows["prompt_tokens"].index(first),
@@ -248,6 +264,13 @@ def join_turns(rows: TrajectoryBatch, turns: torch.Tensor, *, turn_advantage: st
         token_advantage=token_advantage,
         termination_reason=rows["termination_reason"][last].to(torch.int32) if "termination_reason" in rows else None,
     )
+
+
+def check_turn_advantage_weight(weight: float) -> None:
+    """``learner.turn_advantage_weight`` is the turn's share of a mixed advantage: a number in [0, 1]."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 <= weight <= 1.0:
+        raise ValueError(f"learner.turn_advantage_weight must be a number in [0, 1] (the turn's share of "
+                         f"turn_advantage=mixed: 0 = the trajectory's advantage, 1 = the turn's), got {weight!r}")
 
 
 def pad_trajectories(joined: JoinedTrajectories, *, pad_token_id: int = 0,

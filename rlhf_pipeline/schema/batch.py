@@ -28,6 +28,7 @@ from rlhf_pipeline.schema.fields import (
 from rlhf_pipeline.schema.from_rows import columns_from_rows
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.tool_errors import ALL_TOOL_ERROR_KINDS
 
 
 # ======================================================================== columnar batch
@@ -320,7 +321,7 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
             what = ("log-prob {} is not a finite value <= 0 (rounding up to +1e-4 is accepted); "
                     "store log-probs of the sampled distribution" if is_log_prob else "value {} is not finite")
             _first_bad_token(ragged, bad, spec.name, what)
-    for name in ("reward", "advantage"):
+    for name in ("reward", "advantage", "step_advantage"):
         if name in out:
             _first_bad(~torch.isfinite(out[name]), name, "must be finite", out[name])
     done, term, trunc = out["done"], out["terminated"], out["truncated"]
@@ -330,6 +331,19 @@ def validate_batch(batch: TrajectoryBatch, schema: StoreSchema) -> TrajectoryBat
     _first_bad(out["step"] < 0, "step", "must be >= 0", out["step"])
     if "termination_reason" in out:
         _check_termination_reason(out["termination_reason"], done, term, trunc)
+    for name in ("tool_calls", "tool_errors"):
+        if name in out:
+            _first_bad(out[name] < 0, name, "must be >= 0 (a count of tool calls)", out[name])
+    if "tool_calls" in out and "tool_errors" in out:
+        _first_bad(out["tool_errors"] > out["tool_calls"], "tool_errors",
+                   "more failed tool calls than tool calls (tool_calls) in the turn", out["tool_errors"])
+    if "tool_error_kinds" in out:
+        kinds = out["tool_error_kinds"]
+        _first_bad((kinds < 0) | (kinds & ~ALL_TOOL_ERROR_KINDS != 0), "tool_error_kinds",
+                   f"unknown bits; a schema.ToolErrorKind set is within 0..{ALL_TOOL_ERROR_KINDS}", kinds)
+        if "tool_errors" in out:
+            _first_bad((kinds != 0) != (out["tool_errors"] > 0), "tool_error_kinds",
+                       "kinds of failure must be set exactly on turns with failed calls (tool_errors > 0)", kinds)
     return TrajectoryBatch(out)
 
 

@@ -89,11 +89,24 @@ FIELDS: tuple[FieldSpec, ...] = (
               "version of the policy weights that sampled this row"),
     FieldSpec("advantage", "row", torch.float32, False, "advantage",
               "group-relative advantage, written by the group-advantage transform"),
+    FieldSpec("step_advantage", "row", torch.float32, False, "step_advantage",
+              "this turn's own advantage: its reward normalized within its group's turns, written beside "
+              "the trajectory's advantage by GroupAdvantage(step_advantage=True) (agents)"),
     FieldSpec("termination_reason", "row", torch.int32, False, "termination_reason",
               "why the trajectory ended, a schema.TerminationReason code; 0 on rows that are not its last"),
+    FieldSpec("tool_calls", "row", torch.int32, False, "tool_calls",
+              "tool calls the model wrote in this turn, as the tool-call parser found them (agents)"),
+    FieldSpec("tool_errors", "row", torch.int32, False, "tool_errors",
+              "of this turn's tool calls, those answered with an error: malformed, unknown tool, bad "
+              "arguments, raised, timed out, over the per-turn limit (agents)"),
+    FieldSpec("tool_error_kinds", "row", torch.int32, False, "tool_error_kinds",
+              "how this turn's tool calls failed: a schema.ToolErrorKind bit set, 0 when none failed (agents)"),
     # ---- text fields -------------------------------------------------------------
     FieldSpec("prompt_text", "text", torch.uint8, True, ("text", "prompt"), "prompt as text"),
     FieldSpec("response_text", "text", torch.uint8, True, ("text", "response"), "response as text"),
+    FieldSpec("turn_messages", "text", torch.uint8, False, ("text", "turn_messages"),
+              "this turn's chat messages as JSON (schema/turn_messages.py): those added before the turn, "
+              "then the model's own (agents)"),
 )
 FIELDS_BY_NAME: dict[str, FieldSpec] = {f.name: f for f in FIELDS}
 REQUIRED_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.required)
@@ -186,7 +199,12 @@ class Trajectory(TensorClass["nocast"]):
     terminated: bool = True
     truncated: bool = False
     advantage: float | None = None
+    step_advantage: float | None = None
     termination_reason: int | None = None
+    tool_calls: int | None = None
+    tool_errors: int | None = None
+    tool_error_kinds: int | None = None
+    turn_messages: str | None = None
     ref_log_probs: torch.Tensor | None = None  # (R,)
     kl: torch.Tensor | None = None  # (R,)
     token_rewards: torch.Tensor | None = None  # (R,)

@@ -27,6 +27,8 @@ from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema.batch import TrajectoryBatch
 from rlhf_pipeline.schema.fields import OPTIONAL_FIELDS
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.tool_errors import ToolErrorKind
+from rlhf_pipeline.schema.turn_messages import encode_turn_messages
 
 DEFAULT_VOCAB_SIZE = 32_000
 KL_COEF = 0.05
@@ -114,6 +116,8 @@ def batch_with_lengths(
     }
     if "advantage" in optional_fields:
         columns["advantage"] = _group_advantage(reward, group_of_row, int(group_of_row[-1]) + 1)
+    if "step_advantage" in optional_fields:  # single-turn rows: a turn is the whole trajectory
+        columns["step_advantage"] = _group_advantage(reward, group_of_row, int(group_of_row[-1]) + 1)
     ref_log_probs = (log_probs + 0.1 * torch.randn(total_response, generator=generator)).clamp_max(0.0)
     if "ref_log_probs" in optional_fields:
         columns["ref_log_probs"] = RaggedTensor(ref_log_probs, response_offsets)
@@ -123,6 +127,7 @@ def batch_with_lengths(
         raise ValueError("batch_with_lengths does not draw token_rewards; use synthetic_batches")
     if "termination_reason" in optional_fields:  # every row ended by EOS (none is marked truncated)
         columns["termination_reason"] = torch.full((num_rows,), int(TerminationReason.ENV_DONE), dtype=torch.int32)
+    columns.update(_tool_counts(optional_fields, num_rows))
     return TrajectoryBatch(columns)
 
 
@@ -210,6 +215,8 @@ def _make_batch(
         ).to(torch.int32)
     if "advantage" in optional_fields:
         columns["advantage"] = _group_advantage(reward, group_of_row, num_groups)
+    if "step_advantage" in optional_fields:  # single-turn rows: a turn is the whole trajectory
+        columns["step_advantage"] = _group_advantage(reward, group_of_row, num_groups)
     ref_log_probs = (log_probs + 0.1 * torch.randn(total_response, generator=generator)).clamp_max(0.0)
     kl = log_probs - ref_log_probs
     if "ref_log_probs" in optional_fields:
@@ -220,7 +227,28 @@ def _make_batch(
         token_rewards = -KL_COEF * kl
         token_rewards[response_offsets[1:] - 1] += reward  # scalar reward lands on the last token
         columns["token_rewards"] = RaggedTensor(token_rewards, response_offsets)
+    columns.update(_tool_counts(optional_fields, num_rows))
     return TrajectoryBatch(columns)
+
+
+def _tool_counts(optional_fields, num_rows: int) -> dict[str, torch.Tensor]:
+    """Agents' per-turn tool counts, from the row index (no draw, so no other field changes):
+    0, 1 or 2 calls, one failed on every fourth row that made one."""
+    row = torch.arange(num_rows, dtype=torch.int32)
+    calls = row % 3
+    out = {}
+    if "tool_calls" in optional_fields:
+        out["tool_calls"] = calls
+    failed = (row % 4 == 1) & (calls > 0)
+    if "tool_errors" in optional_fields:
+        out["tool_errors"] = failed.to(torch.int32)
+    if "tool_error_kinds" in optional_fields:
+        out["tool_error_kinds"] = torch.where(failed, int(ToolErrorKind.UNKNOWN_TOOL), 0).to(torch.int32)
+    if "turn_messages" in optional_fields:
+        out["turn_messages"] = [encode_turn_messages([{"role": "user", "content": f"prompt {i}"},
+                                                      {"role": "assistant", "content": f"response {i}"}])
+                                for i in range(num_rows)]
+    return out
 
 
 def _group_advantage(reward: torch.Tensor, group_of_row: torch.Tensor, num_groups: int) -> torch.Tensor:

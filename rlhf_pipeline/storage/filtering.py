@@ -14,7 +14,8 @@ How it runs, in bounded memory:
    per group, are combined at the end (Chan et al.'s pairwise update), so memory grows with
    the number of groups, not rows. A group whose rewards are all equal gets a std of exactly 0.
    Trajectory statistics (``trajectory_turns``...) are gathered the same way from
-   ``trajectory_id``, ``reward`` and ``termination_reason``.
+   ``trajectory_id``, ``reward`` and, when the expression names them, ``termination_reason``,
+   ``tool_calls`` and ``tool_errors``.
 2. *Row pass*: the fields the expression names are read unit by unit (token fields only for
    their lengths) and evaluated; the kept positions are collected (8 bytes per kept row).
    A multi-turn trajectory is never cut: it is kept whole when every one of its rows matches,
@@ -44,107 +45,17 @@ import torch
 
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
+from rlhf_pipeline.storage.filter_tables import GroupTable, TrajectoryTable
 from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of, read_by_position
-from rlhf_pipeline.storage.where import GROUP_NAMES, WhereExpression, parse_where
+from rlhf_pipeline.storage.where import (
+    GROUP_NAMES,
+    TRAJECTORY_FIELDS,
+    WhereExpression,
+    parse_where,
+)
 
 DEFAULT_CHUNK_ROWS = 4096
 Progress = Callable[[str, int, int], None]  # (stage, rows done, rows total)
-
-
-# ====================================================================== group statistics
-@dataclass
-class GroupTable:
-    """Statistics of each group's rewards, by group id (sorted)."""
-
-    ids: np.ndarray  # (G,) int64, sorted
-    size: np.ndarray  # (G,) int64
-    mean: np.ndarray  # (G,) float64
-    m2: np.ndarray  # (G,) float64: sum of squared deviations from the mean
-    low: np.ndarray  # (G,) float64
-    high: np.ndarray  # (G,) float64
-
-    @classmethod
-    def of_chunk(cls, group_ids: np.ndarray, rewards: np.ndarray) -> GroupTable:
-        """The partial table of one chunk of rows (two passes over the chunk: exact mean, then m2)."""
-        ids, inverse = np.unique(group_ids, return_inverse=True)
-        rewards = rewards.astype(np.float64)
-        size = np.bincount(inverse, minlength=ids.size)
-        mean = np.bincount(inverse, weights=rewards, minlength=ids.size) / np.maximum(size, 1)
-        m2 = np.bincount(inverse, weights=(rewards - mean[inverse]) ** 2, minlength=ids.size)
-        low = np.full(ids.size, np.inf)
-        high = np.full(ids.size, -np.inf)
-        np.minimum.at(low, inverse, rewards)
-        np.maximum.at(high, inverse, rewards)
-        return cls(ids, size, mean, m2, low, high)
-
-    @classmethod
-    def combine(cls, partials: list[GroupTable]) -> GroupTable:
-        """One table from partials that may hold the same group (a group split across chunks)."""
-        if not partials:
-            empty_i, empty_f = np.zeros(0, dtype=np.int64), np.zeros(0)
-            return cls(empty_i, empty_i, empty_f, empty_f, empty_f, empty_f)
-        cat = {name: np.concatenate([getattr(p, name) for p in partials])
-               for name in ("ids", "size", "mean", "m2", "low", "high")}
-        ids, inverse = np.unique(cat["ids"], return_inverse=True)
-        size = np.bincount(inverse, weights=cat["size"], minlength=ids.size)
-        mean = np.bincount(inverse, weights=cat["size"] * cat["mean"], minlength=ids.size) / np.maximum(size, 1)
-        # pooled: sum of the parts' m2 plus each part's size times its mean's squared distance to the total mean
-        spread = cat["m2"] + cat["size"] * (cat["mean"] - mean[inverse]) ** 2
-        m2 = np.bincount(inverse, weights=spread, minlength=ids.size)
-        low = np.full(ids.size, np.inf)
-        high = np.full(ids.size, -np.inf)
-        np.minimum.at(low, inverse, cat["low"])
-        np.maximum.at(high, inverse, cat["high"])
-        return cls(ids, size.astype(np.int64), mean, m2, low, high)
-
-    def columns_for(self, group_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """The group statistics (``GROUP_NAMES``) of each row's group."""
-        at = np.searchsorted(self.ids, group_ids)
-        std = np.sqrt(np.maximum(self.m2, 0.0) / np.maximum(self.size, 1))
-        std[self.low == self.high] = 0.0  # all equal: exactly 0, whatever the rounding of m2
-        return {
-            "group_size": self.size[at],
-            "group_reward_mean": self.mean[at],
-            "group_reward_std": std[at],
-            "group_reward_min": self.low[at],
-            "group_reward_max": self.high[at],
-        }
-
-
-@dataclass
-class TrajectoryTable:
-    """Turns, return and ending of each trajectory, by trajectory id (sorted)."""
-
-    ids: np.ndarray  # (T,) int64, sorted
-    turns: np.ndarray  # (T,) int64
-    total_reward: np.ndarray  # (T,) float64
-    end: np.ndarray  # (T,) int64: the termination reason (only a done row carries one)
-
-    @classmethod
-    def of_chunk(cls, trajectory_ids: np.ndarray, rewards: np.ndarray, reasons: np.ndarray | None) -> TrajectoryTable:
-        ids, inverse = np.unique(trajectory_ids, return_inverse=True)
-        end = np.zeros(ids.size, dtype=np.int64)
-        if reasons is not None:
-            np.maximum.at(end, inverse, reasons.astype(np.int64))
-        return cls(ids, np.bincount(inverse, minlength=ids.size),
-                   np.bincount(inverse, weights=rewards.astype(np.float64), minlength=ids.size), end)
-
-    @classmethod
-    def combine(cls, partials: list[TrajectoryTable]) -> TrajectoryTable:
-        if not partials:
-            empty = np.zeros(0, dtype=np.int64)
-            return cls(empty, empty, np.zeros(0), empty)
-        ids, inverse = np.unique(np.concatenate([p.ids for p in partials]), return_inverse=True)
-        end = np.zeros(ids.size, dtype=np.int64)
-        np.maximum.at(end, inverse, np.concatenate([p.end for p in partials]))
-        turns = np.bincount(inverse, weights=np.concatenate([p.turns for p in partials]), minlength=ids.size)
-        total = np.bincount(inverse, weights=np.concatenate([p.total_reward for p in partials]), minlength=ids.size)
-        return cls(ids, turns.astype(np.int64), total, end)
-
-    def columns_for(self, trajectory_ids: np.ndarray) -> dict[str, np.ndarray]:
-        at = np.searchsorted(self.ids, trajectory_ids)
-        return {"trajectory_turns": self.turns[at], "trajectory_return": self.total_reward[at],
-                "trajectory_end": self.end[at]}
 
 
 # ====================================================================== chunks
@@ -224,10 +135,12 @@ def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, wh
             lambda c: GroupTable.of_chunk(c["group_id"], c["reward"]), "group statistics", progress))
     trajectories = None
     if expression.uses_trajectories:
-        reasons = ("termination_reason",) if "termination_reason" in store.schema.field_names else ()
+        # the fields the statistics it names need (parse_where checked the store holds them)
+        extra = tuple(sorted({TRAJECTORY_FIELDS[n] for n in expression.names if n in TRAJECTORY_FIELDS}))
         trajectories = TrajectoryTable.combine(_statistics_pass(
-            parts, bounds, num_rows, ("trajectory_id", "reward", *reasons),
-            lambda c: TrajectoryTable.of_chunk(c["trajectory_id"], c["reward"], c.get("termination_reason")),
+            parts, bounds, num_rows, ("trajectory_id", "reward", *extra),
+            lambda c: TrajectoryTable.of_chunk(c["trajectory_id"], c["reward"], c.get("termination_reason"),
+                                               c.get("tool_calls"), c.get("tool_errors")),
             "trajectory statistics", progress))
 
     # step and done (5 bytes a row) tell which rows belong to trajectories of several turns

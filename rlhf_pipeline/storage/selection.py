@@ -411,13 +411,16 @@ class SelectionStore(TrajectoryStore):
         n = int(self._rows.size)
         groups, versions = [], {}
         prompt_tokens = response_tokens = raw = 0
-        rewards, trajectories, reasons = [], [], []
+        rewards, trajectories = [], []
+        per_row = {name: [] for name in ("termination_reason", "tool_calls", "tool_errors",
+                                         "tool_error_kinds")}  # those the store holds
         for start in range(0, n, 4096):
             batch = self.read(torch.arange(start, min(n, start + 4096)))
             groups.append(np.unique(batch["group_id"].numpy()))
             trajectories.append(batch["trajectory_id"].numpy())
-            if "termination_reason" in batch:
-                reasons.append(batch["termination_reason"].numpy())
+            for name, columns in per_row.items():
+                if name in batch:
+                    columns.append(batch[name].numpy())
             rewards.append(batch["reward"].numpy().astype(np.float64))
             prompt_tokens += int(batch["prompt_tokens"].values.numel())
             response_tokens += int(batch["response_tokens"].values.numel())
@@ -434,7 +437,7 @@ class SelectionStore(TrajectoryStore):
             optional_fields=list(self._schema.optional),
             trajectories=summarize_trajectories(
                 np.concatenate(trajectories) if trajectories else np.zeros(0, dtype=np.int64),
-                np.concatenate(reasons) if reasons else None),
+                *(np.concatenate(columns) if columns else None for columns in per_row.values())),
             extra={"source": self.source_location, "where": self.where,
                    "whole_groups": bool(self._manifest.get("whole_groups")),
                    "source_rows_when_selected": sum(int(p["next_row"]) - int(p["first_row"])

@@ -62,9 +62,14 @@ class StoreStats:
         return dict(sorted(out.items()))
 
 
-def summarize_trajectories(trajectory_id: np.ndarray, reasons: np.ndarray | None) -> dict[str, Any]:
+def summarize_trajectories(trajectory_id: np.ndarray, reasons: np.ndarray | None,
+                           tool_calls: np.ndarray | None = None, tool_errors: np.ndarray | None = None,
+                           tool_error_kinds: np.ndarray | None = None) -> dict[str, Any]:
     """``StoreStats.trajectories`` of the rows held (a trajectory's rows are counted where held:
-    one whose first turns were evicted counts the turns left)."""
+    one whose first turns were evicted counts the turns left). With the agents' per-turn tool
+    counts: ``tool_calls`` and ``tool_errors`` summed over the rows, the trajectories that
+    called a tool (``with_tool_calls``) and that had a failed call (``with_tool_errors``), and
+    the turns with a failure of each kind (``tool_error_turns``: kind name -> turns)."""
     if trajectory_id.size == 0:
         return {}
     _, turns = np.unique(trajectory_id, return_counts=True)
@@ -75,7 +80,21 @@ def summarize_trajectories(trajectory_id: np.ndarray, reasons: np.ndarray | None
 
         codes, counts = np.unique(reasons[reasons != 0], return_counts=True)
         out["ended"] = {TerminationReason(int(c)).name: int(n) for c, n in zip(codes, counts)}
+    if tool_calls is not None:
+        out["tool_calls"] = int(tool_calls.sum())
+        out["with_tool_calls"] = int(np.unique(trajectory_id[tool_calls > 0]).size)
+    if tool_errors is not None:
+        out["tool_errors"] = int(tool_errors.sum())
+        out["with_tool_errors"] = int(np.unique(trajectory_id[tool_errors > 0]).size)
+    if tool_error_kinds is not None:
+        from rlhf_pipeline.schema.tool_errors import ToolErrorKind
+
+        out["tool_error_turns"] = {kind.name.lower(): n for kind in ToolErrorKind
+                                   if (n := int(((tool_error_kinds & int(kind)) != 0).sum()))}
     return out
+
+
+_TOOL_KEYS = ("tool_calls", "with_tool_calls", "tool_errors", "with_tool_errors")
 
 
 def combine_trajectories(per_store: list[dict[str, Any]]) -> dict[str, Any]:
@@ -93,6 +112,15 @@ def combine_trajectories(per_store: list[dict[str, Any]]) -> dict[str, Any]:
             for name, n in t.get("ended", {}).items():
                 ended[name] = ended.get(name, 0) + n
         out["ended"] = dict(sorted(ended.items()))
+    for key in _TOOL_KEYS:
+        if any(key in t for t in parts):
+            out[key] = sum(t.get(key, 0) for t in parts)
+    if any("tool_error_turns" in t for t in parts):
+        turns: dict[str, int] = {}
+        for t in parts:
+            for name, n in t.get("tool_error_turns", {}).items():
+                turns[name] = turns.get(name, 0) + n
+        out["tool_error_turns"] = turns
     return out
 
 
@@ -106,6 +134,13 @@ def describe_trajectories(trajectories: dict[str, Any]) -> str:
                  f"max {trajectories['turns_max']})")
     if trajectories.get("ended"):
         text += "; ended: " + ", ".join(f"{name} {n}" for name, n in trajectories["ended"].items())
+    if "tool_calls" in trajectories:
+        text += (f"; tool calls {trajectories['tool_calls']} in {trajectories['with_tool_calls']} trajectories")
+    if "tool_errors" in trajectories:
+        text += (f", failed {trajectories['tool_errors']} in {trajectories['with_tool_errors']} trajectories")
+    if trajectories.get("tool_error_turns"):
+        text += " (turns failing by kind: " + ", ".join(
+            f"{name} {n}" for name, n in trajectories["tool_error_turns"].items()) + ")"
     return text
 
 

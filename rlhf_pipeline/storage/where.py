@@ -1,5 +1,8 @@
 """The ``--where`` language of ``rlhf-pipeline filter``: a small, safe condition over stored rows.
 
+Why one file: the names, the checker and the evaluator are one grammar; every construct the
+checker admits is one the evaluator runs, and keeping them side by side is what keeps them equal.
+
 An expression is Python syntax, parsed with :mod:`ast` and checked against a whitelist
 before anything is evaluated; it is never ``eval``-ed. What it may contain:
 
@@ -7,7 +10,8 @@ before anything is evaluated; it is never ``eval``-ed. What it may contain:
   ...), of group statistics (:data:`GROUP_NAMES`: ``group_reward_std``, ``group_size``, ...;
   the statistic of the row's group, over the group's rows in the buffer being filtered) and of
   trajectory statistics (:data:`TRAJECTORY_NAMES`: ``trajectory_turns``, ``trajectory_return``,
-  ``trajectory_end``: the same over the rows of the row's multi-turn trajectory);
+  ``trajectory_end``, ``trajectory_tool_calls``, ``trajectory_tool_errors``: the same over the
+  rows of the row's multi-turn trajectory);
 * the termination reasons by name (``MAX_TURNS``, ``TOOL_ERROR``, ...: their codes), to compare
   with ``termination_reason`` or ``trajectory_end``;
 * numbers, ``True``/``False``; arithmetic ``+ - * / %`` and unary ``-``; calls to ``abs``,
@@ -33,6 +37,8 @@ Examples::
     policy_version >= 3 and response_length < 512
     abs(advantage) > 0.1 or collector in (0, 2)
     trajectory_end == MAX_TURNS or trajectory_turns > 8   # multi-turn: how trajectories ended
+    trajectory_tool_errors == 0 and trajectory_tool_calls > 0   # agents whose tool calls all worked
+    not tool_error_timeout                     # drop trajectories in which a tool timed out
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import Callable
 import numpy as np
 
 from rlhf_pipeline.schema.termination import TerminationReason
+from rlhf_pipeline.schema.tool_errors import ToolErrorKind
 
 MAX_EXPRESSION_CHARS = 2000
 # the reasons' names stand for their codes in expressions (NOT_ENDED is 0: rows before the last)
@@ -94,6 +101,13 @@ ROW_NAMES: dict[str, RowName] = {
                          "index of the collector that wrote the row (from its group id)"),
     "termination_reason": RowName(("termination_reason",), _column("termination_reason"), "number",
                                   "why the trajectory ended, on its done row (NOT_ENDED = 0 on the others)"),
+    "tool_calls": RowName(("tool_calls",), _column("tool_calls"), "number",
+                          "tool calls the model wrote in this turn (agent buffers)"),
+    "tool_errors": RowName(("tool_errors",), _column("tool_errors"), "number",
+                           "of this turn's tool calls, those answered with an error (agent buffers)"),
+    **{f"tool_error_{kind.name.lower()}": RowName(
+        ("tool_error_kinds",), lambda c, bit=int(kind): (c["tool_error_kinds"] & bit) != 0, "bool",
+        f"a tool call of this turn failed as {kind.name.lower()} (agent buffers)") for kind in ToolErrorKind},
     "position": RowName((), lambda c: c["position"], "number", "position of the row in the source buffer"),
 }
 
@@ -126,7 +140,13 @@ TRAJECTORY_NAMES: dict[str, str] = {
     "trajectory_turns": "rows (model turns) of the row's trajectory",
     "trajectory_return": "sum of the rewards of the trajectory's rows",
     "trajectory_end": "the trajectory's termination_reason (that of its done row; NOT_ENDED if that row is absent)",
+    "trajectory_tool_calls": "tool calls over the trajectory's turns (the sum of tool_calls)",
+    "trajectory_tool_errors": "failed tool calls over the trajectory's turns (the sum of tool_errors)",
 }
+# the stored field each trajectory statistic needs beyond trajectory_id and reward
+TRAJECTORY_FIELDS: dict[str, str] = {"trajectory_end": "termination_reason",
+                                     "trajectory_tool_calls": "tool_calls",
+                                     "trajectory_tool_errors": "tool_errors"}
 
 
 def valid_names() -> list[str]:
@@ -136,11 +156,11 @@ def valid_names() -> list[str]:
 def describe_names() -> str:
     """The valid names and what they mean, one per line (``filter --list-names``)."""
     lines = ["row values:"]
-    lines += [f"  {name:<18} {spec.doc}" for name, spec in ROW_NAMES.items()]
+    lines += [f"  {name:<26} {spec.doc}" for name, spec in ROW_NAMES.items()]
     lines.append("group statistics (over the group's rows in the buffer being filtered):")
-    lines += [f"  {name:<18} {doc}" for name, doc in GROUP_NAMES.items()]
+    lines += [f"  {name:<26} {doc}" for name, doc in GROUP_NAMES.items()]
     lines.append("trajectory statistics (over the trajectory's rows in the buffer being filtered):")
-    lines += [f"  {name:<18} {doc}" for name, doc in TRAJECTORY_NAMES.items()]
+    lines += [f"  {name:<26} {doc}" for name, doc in TRAJECTORY_NAMES.items()]
     lines.append("termination reasons (codes, for termination_reason and trajectory_end):")
     lines.append("  " + ", ".join(f"{name} = {code}" for name, code in REASON_CODES.items()))
     return "\n".join(lines)
@@ -218,8 +238,8 @@ def parse_where(text: str, *, stored_fields: tuple[str, ...] | None = None) -> W
     if stored_fields is not None:
         for name in sorted(checker.names):
             missing = [f for f in ROW_NAMES[name].fields if f not in stored_fields] if name in ROW_NAMES else []
-            if name == "trajectory_end" and "termination_reason" not in stored_fields:
-                missing = ["termination_reason"]
+            if name in TRAJECTORY_FIELDS and TRAJECTORY_FIELDS[name] not in stored_fields:
+                missing = [TRAJECTORY_FIELDS[name]]
             if missing:
                 raise WhereError(
                     f"--where uses {name!r}, but this buffer does not store field {missing[0]!r} "

@@ -126,6 +126,7 @@ class GroupAdvantage(WritePathTransform):
         store: the buffer's store; enables durable pending state and crash reconciliation.
         pending_dir: where the pending state lives; default ``<store.location>/pending``.
         durable: fsync the pending state on each change (off only for benchmarks/tests).
+        step_advantage: also write each row's ``"step"`` advantage as ``step_advantage`` (turn_advantage=mixed).
     """
 
     fills_fields = ("advantage",)
@@ -143,6 +144,7 @@ class GroupAdvantage(WritePathTransform):
         store: TrajectoryStore | None = None,
         pending_dir: str | None = None,
         durable: bool = True,
+        step_advantage: bool = False,
     ) -> None:
         super().__init__()
         if group_size < 1:
@@ -158,6 +160,8 @@ class GroupAdvantage(WritePathTransform):
         self.unbiased_std = unbiased_std
         self.trajectory_return = trajectory_return
         self.drop_zero_variance = drop_zero_variance
+        self.step_advantage = step_advantage
+        self.fills_fields = ("advantage", "step_advantage") if step_advantage else ("advantage",)
         # Ids of groups already written, so a late extra trajectory is an error rather
         # than a second, undersized group (~60 bytes per group, in memory only).
         self._completed_groups: set[int] = set()
@@ -241,12 +245,16 @@ class GroupAdvantage(WritePathTransform):
 
         if num_out == 0:
             return None
+        columns = {"advantage": advantage_rows}
+        if self.step_advantage:
+            columns["step_advantage"] = self._advantages(combined, traj_of_row, num_traj, group_of_traj_dense,
+                                                         group_of_row, "step")[0]
         if num_out == len(combined):
             out = combined
         else:
             idx = torch.nonzero(row_written).squeeze(1)
-            out, advantage_rows = _take(combined, idx), advantage_rows[idx]
-        return out.with_columns(advantage=advantage_rows)
+            out, columns = _take(combined, idx), {name: values[idx] for name, values in columns.items()}
+        return out.with_columns(**columns)
 
     def _count(self, **increments: int) -> None:
         for name, value in increments.items():
@@ -261,14 +269,14 @@ class GroupAdvantage(WritePathTransform):
             self._completed_groups.update(groups)
         self._unconfirmed = None
 
-    def _advantages(self, combined, traj_of_row, num_traj, group_of_traj, group_of_row):
-        num_groups = int(group_of_traj.max()) + 1
+    def _advantages(self, combined, traj_of_row, num_traj, group_of_traj, group_of_row, how=None):
+        num_groups, how = int(group_of_traj.max()) + 1, how or self.trajectory_return
         reward = combined["reward"]
-        if self.trajectory_return == "step":
+        if how == "step":
             return group_advantages(reward, group_of_row, num_groups, normalize=self.normalize,
                                     leave_one_out=self.leave_one_out, eps=self.eps,
                                     unbiased_std=self.unbiased_std)
-        returns = trajectory_returns(reward, traj_of_row, num_traj, self.trajectory_return)
+        returns = trajectory_returns(reward, traj_of_row, num_traj, how)
         adv_traj, zero_var = group_advantages(returns, group_of_traj, num_groups, normalize=self.normalize,
                                               leave_one_out=self.leave_one_out and self.group_size > 1,
                                               eps=self.eps, unbiased_std=self.unbiased_std)

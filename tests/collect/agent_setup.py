@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from rlhf_pipeline.agents.environment import StepResult, ToolCall
-from rlhf_pipeline.agents.episode import EpisodeLimits
+from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.calculator import multiply
 from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
 from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
@@ -53,7 +53,8 @@ def tiny_policy():
 def open_or_create(path: Path):
     if path.exists():
         return open_store(path, mode="a")
-    return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason")))
+    return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason",
+                                                                   *AGENT_ROW_FIELDS)))
 
 
 def agent_collector(model, tokenizer, store, *, on_step=None, sink=None):

@@ -12,12 +12,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from agent_setup import GROUP_SIZE, agent_collector, open_or_create, tiny_policy
 from tensordict import TensorDict
 from torchrl.objectives.llm import MCAdvantage
-from agent_setup import GROUP_SIZE, agent_collector, open_or_create, tiny_policy
 
-from rlhf_pipeline.agents.episode import rebuild_trajectory
+from rlhf_pipeline.agents.calculator import multiply
+from rlhf_pipeline.agents.environment import StepResult, ToolCall
+from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
+from rlhf_pipeline.agents.tools import ToolBox
+from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, TaskSource
+from rlhf_pipeline.dataio.trajectory_view import (
+    find_trajectory,
+    format_trajectory,
+    trajectory_html,
+)
 from rlhf_pipeline.schema import TerminationReason
+from rlhf_pipeline.schema.tool_errors import ToolErrorKind
+from rlhf_pipeline.storage import make_replay_buffer
+from rlhf_pipeline.storage.filtering import select_positions
+from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
 WORKER = Path(__file__).with_name("agent_collect_worker.py")
 
@@ -159,3 +172,87 @@ def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_p
     assert got["trajectory_id"].tolist() == want["trajectory_id"].tolist()
     assert len(set(got["trajectory_id"].tolist())) == 4 * 2 * GROUP_SIZE  # every trajectory once, none doubled
     assert got.equal(want)  # the rerun round sampled what the uninterrupted collector sampled
+
+
+class FailingCallsEnv:
+    """Turn ``i`` of a task with ``fail = f`` runs one good ``multiply`` call and ``(f + i) % 3``
+    failing ones, through a ToolBox every episode shares: a call to a tool that does not exist,
+    then one with arguments ``multiply`` does not take."""
+
+    def __init__(self, toolbox):
+        self.toolbox = toolbox
+
+    def reset(self, task):
+        self.turns, self.fail = int(task["turns"]), int(task["fail"])
+        return [{"role": "user", "content": task["question"]}]
+
+    def answer(self, turn):
+        calls = [ToolCall("multiply", {"a": turn.index, "b": 7}, "")]
+        calls += [ToolCall("no_such_tool", {}, ""), ToolCall("multiply", {"c": 1}, "")][:(self.fail + turn.index) % 3]
+        answers = self.toolbox.run(calls)
+        return StepResult(reward=1.0, done=True) if turn.index + 1 >= self.turns else StepResult(answers)
+
+    def step(self, turn):
+        return self.answer(turn)
+
+
+class AsyncFailingCallsEnv(FailingCallsEnv):
+    async def step(self, turn):  # awaited on the event loop, not in the thread pool
+        return self.answer(turn)
+
+
+def test_each_turn_row_holds_its_own_tool_calls_and_failures(tmp_path):
+    model, tokenizer = tiny_policy()
+    store = open_or_create(tmp_path / "buffer")
+    toolbox = ToolBox([multiply])
+    made = []
+
+    def make_env():  # sync and async environments in every round, stepping at the same time
+        made.append(1)
+        return (FailingCallsEnv if len(made) % 2 else AsyncFailingCallsEnv)(toolbox)
+
+    tasks = [{"question": f"Q{k}", "turns": 1 + k % 3, "fail": k} for k in range(6)]
+    sink = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE, store=store)]).extend
+    config = AgentCollectorConfig(tasks_per_round=3, group_size=GROUP_SIZE, seed=3,
+                                  limits=EpisodeLimits(max_turns=3, max_new_tokens=4, end_on_cut_turn=False))
+    # no parser: the turn's calls are then exactly the ones its environment ran
+    collector = AgentCollector(model, tokenizer, TaskSource(tasks, seed=1), make_env, sink, config)
+    seen = []
+    collector.hooks.append(seen.append)
+    for _ in range(2):
+        collector.collect()
+    rows = stored(store)
+
+    fail_of = {}  # each trajectory's task, from its number of turns and its group's place in the rounds
+    order = [t["fail"] for t in TaskSource(tasks, seed=1).next_batch(6)]
+    for t, idx in trajectories(rows).items():
+        group = (t // GROUP_SIZE)
+        fail_of[t] = order[group]
+        assert len(idx) == 1 + fail_of[t] % 3  # the premise: rows match the task they were taken for
+    steps = rows["step"].tolist()
+    want_errors = [(fail_of[t] + s) % 3 for t, s in zip(rows["trajectory_id"].tolist(), steps, strict=True)]
+    assert rows["tool_errors"].tolist() == want_errors
+    assert rows["tool_calls"].tolist() == [1 + e for e in want_errors]
+    assert sum(m["tools/calls"] for m in seen) == int(rows["tool_calls"].sum())
+    failures = sum(m["tools/unknown_tool"] + m["tools/bad_arguments"] for m in seen)
+    assert failures == int(rows["tool_errors"].sum()) > 0
+    kinds = {0: 0, 1: int(ToolErrorKind.UNKNOWN_TOOL), 2: int(ToolErrorKind.UNKNOWN_TOOL | ToolErrorKind.BAD_ARGUMENTS)}
+    assert rows["tool_error_kinds"].tolist() == [kinds[e] for e in want_errors]
+
+    # filter and show read them back
+    clean = select_positions(store, "trajectory_tool_errors == 0").positions
+    kept = {t for t in rows["trajectory_id"][torch.as_tensor(clean)].tolist()}
+    assert kept == {t for t in fail_of if sum((fail_of[t] + s) % 3 for s in range(1 + fail_of[t] % 3)) == 0}
+    failing = max(fail_of, key=lambda t: (fail_of[t] % 3, t))  # one of three turns: 2, then 0, then 1 failed
+    view = find_trajectory(store, failing)
+    store.close()
+    text = format_trajectory(view)
+    page = trajectory_html(view)  # its table: a column of calls and one of failed calls, per turn
+    assert "<th>tool calls</th><th>failed</th>" in page
+    assert [f"<td>{calls}</td><td>{failed}</td>" in page for calls, failed in ((3, 2), (1, 0), (2, 1))] == [True] * 3
+    toolbox.close()
+    turn_lines = [line for line in text.splitlines() if line.startswith("── turn ")]
+    assert [" · 3 tool calls, 2 failed (unknown_tool, bad_arguments)" in turn_lines[0],
+            " · 1 tool call, 0 failed ·" in turn_lines[1],
+            " · 2 tool calls, 1 failed (unknown_tool)" in turn_lines[2]] == [True] * 3, turn_lines
+    assert "6 tool calls, 3 failed" in text.splitlines()[1]

@@ -7,8 +7,13 @@ import pytest
 import torch
 from helpers import make_batch
 
+from rlhf_pipeline.schema import (
+    StoreSchema,
+    TrajectoryBatch,
+    TrajectoryValidationError,
+    validate_batch,
+)
 from rlhf_pipeline.schema.ragged import RaggedTensor
-from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
 from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
 
 OPTIONAL = ("kl", "advantage")
@@ -154,3 +159,27 @@ def test_validation_casts_to_storage_dtypes():
     assert checked["reward"].dtype == torch.float32 and checked["step"].dtype == torch.int32
     assert checked["prompt_tokens"].dtype == torch.int32
     assert checked.equal(validate_batch(batch, StoreSchema(OPTIONAL)))
+
+
+AGENT_FIELDS = ("tool_calls", "tool_errors", "tool_error_kinds", "step_advantage")
+AGENT_BAD_WRITES = [
+    ("negative tool calls", _set("tool_calls", 1, -1), r"row 1, field 'tool_calls': must be >= 0"),
+    ("more failed calls than calls", lambda b: b.with_columns(tool_errors=b["tool_calls"] + 1),
+     r"row 0, field 'tool_errors': more failed tool calls than tool calls"),
+    ("unknown kind bits", lambda b: b.with_columns(tool_error_kinds=b["tool_error_kinds"] | 64),
+     r"row 0, field 'tool_error_kinds': unknown bits"),
+    ("a kind on a turn without failures", lambda b: b.with_columns(
+        tool_error_kinds=torch.where(b["tool_errors"] > 0, 16, 2).to(torch.int32)),
+     r"field 'tool_error_kinds': kinds of failure must be set exactly on turns with failed calls"),
+    ("inf step advantage", _set("step_advantage", 2, float("inf")), r"row 2, field 'step_advantage': must be finite"),
+]
+
+
+@pytest.mark.parametrize("case, mutate, message", AGENT_BAD_WRITES, ids=[c[0] for c in AGENT_BAD_WRITES])
+def test_agents_fields_are_checked_at_the_door(case, mutate, message):
+    batch = make_batch(1, 8, seed=3, optional=AGENT_FIELDS)
+    schema = StoreSchema(AGENT_FIELDS)
+    assert int(batch["tool_errors"].sum()) > 0 and int((batch["tool_errors"] == 0).sum()) > 0  # both kinds of turn
+    validate_batch(batch, schema)
+    with pytest.raises(TrajectoryValidationError, match=message):
+        validate_batch(mutate(batch), schema)

@@ -73,3 +73,38 @@ def test_names_the_buffer_lacks_and_the_list_of_names(tmp_path, capsys):
     assert main(["filter", "--list-names"]) == 0
     listing = capsys.readouterr().out
     assert "trajectory_turns" in listing and f"MAX_TURNS = {int(R.MAX_TURNS)}" in listing
+
+
+@pytest.fixture(params=["memmap", "zarr"])
+def agent_buffer(request, tmp_path):
+    path = tmp_path / "agent"
+    schema = StoreSchema(optional=("termination_reason", "tool_calls", "tool_errors", "tool_error_kinds"))
+    with create_store(path, request.param, schema, segment_rows=4) as store:
+        store.append(multi_turn_rows(tool_counts=True))
+    return path
+
+
+def test_tool_statistics_select_whole_trajectories(agent_buffer):
+    # per trajectory (calls, errors): (4, 0), (1, 1), (6, 0), (2, 0), (0, 0), (8, 1) -- see multi_turn_rows
+    assert kept_trajectories(agent_buffer, "trajectory_tool_errors > 0") == {1: [0], 5: [0, 1, 2, 3, 4]}
+    assert kept_trajectories(agent_buffer, "trajectory_tool_calls == 0") == {4: [0]}
+    assert kept_trajectories(agent_buffer, "trajectory_tool_errors == 0 and trajectory_tool_calls >= 4") == {
+        0: [0, 1, 2], 2: [0, 1, 2, 3]}
+    assert kept_trajectories(agent_buffer, "trajectory_tool_errors / max(trajectory_tool_calls, 1) > 0.5") == {1: [0]}
+    # the row values: a trajectory is kept only when every turn passes, so the one with a failed
+    # call in its middle turn goes whole, not its other four turns
+    assert kept_trajectories(agent_buffer, "tool_errors == 0") == {0: [0, 1, 2], 2: [0, 1, 2, 3], 3: [0, 1], 4: [0]}
+    # by kind: the TOOL_ERROR trajectory's call was malformed, the 5-turn one's timed out
+    assert kept_trajectories(agent_buffer, "not tool_error_timeout") == {0: [0, 1, 2], 1: [0], 2: [0, 1, 2, 3],
+                                                                        3: [0, 1], 4: [0]}
+    assert kept_trajectories(agent_buffer, "tool_error_malformed") == {1: [0]}
+
+
+def test_tool_statistics_on_a_buffer_written_without_tool_counts(buffer):
+    # a buffer from before the fields existed still opens and filters by everything else ...
+    assert kept_trajectories(buffer, "trajectory_turns == 2") == {3: [0, 1]}
+    # ... and a tool statistic is refused before any row is read, naming the missing field
+    for name, field in (("trajectory_tool_errors", "tool_errors"), ("trajectory_tool_calls", "tool_calls"),
+                        ("tool_errors", "tool_errors")):
+        with pytest.raises(WhereError, match=f"uses '{name}', but this buffer does not store field '{field}'"):
+            filter_buffer(buffer, None, f"{name} == 0")

@@ -36,6 +36,11 @@ def columns() -> dict[str, np.ndarray]:
         "trajectory_turns": np.ones(N, dtype=np.int64),
         "trajectory_return": np.array([1.0, 0.0, 0.5, -1.0, 1.0, 2.0]),
         "trajectory_end": np.array([1, 2, 1, 3, 1, 6]),
+        "tool_calls": np.array([0, 1, 2, 0, 1, 3], dtype=np.int32),
+        "tool_errors": np.array([0, 1, 0, 0, 0, 3], dtype=np.int32),
+        "trajectory_tool_calls": np.array([0, 1, 2, 0, 1, 3]),
+        "trajectory_tool_errors": np.array([0, 1, 0, 0, 0, 3]),
+        "tool_error_kinds": np.array([0, 2, 0, 0, 0, 17], dtype=np.int32),
     }
 
 

@@ -105,7 +105,8 @@ def stats(location: str) -> StoreStats:
         optional_fields=view.optional,
         trajectories=summarize_trajectories(
             view.column("trajectory_id"),
-            view.column("termination_reason") if "termination_reason" in view.optional else None),
+            *(view.column(name) if name in view.optional else None
+              for name in ("termination_reason", "tool_calls", "tool_errors", "tool_error_kinds"))),
         extra={"segment_rows": view.segment_rows, "capacity_rows": view.capacity_rows,
                "evicted_segments_pending_delete": len(view.evicted)},
     )

@@ -109,7 +109,8 @@ def summarize(loc: Location, record: dict[str, Any], location: str) -> StoreStat
     offsets = [s.name for s in layout if s.length_of == "rows+1"]
     itemsize = {s.name: NP_DTYPE_BY_NAME[s.dtype].itemsize for s in layout}
     optional = list(record["schema"].get("optional", []))
-    wanted = _ROW_SUMMARY + (("termination_reason",) if "termination_reason" in optional else ())
+    wanted = _ROW_SUMMARY + tuple(name for name in ("termination_reason", "tool_calls", "tool_errors",
+                                                    "tool_error_kinds") if name in optional)
     columns: dict[str, list[np.ndarray]] = {name: [] for name in wanted}
     prompt_tokens = response_tokens = raw = 0
     for unit in units:
@@ -142,7 +143,9 @@ def summarize(loc: Location, record: dict[str, Any], location: str) -> StoreStat
         reward_max=float(reward.max()) if reward.size else None,
         policy_versions={int(v): int(c) for v, c in zip(versions, counts)},
         optional_fields=optional,
-        trajectories=summarize_trajectories(joined["trajectory_id"], joined.get("termination_reason")),
+        trajectories=summarize_trajectories(joined["trajectory_id"], joined.get("termination_reason"),
+                                            joined.get("tool_calls"), joined.get("tool_errors"),
+                                            joined.get("tool_error_kinds")),
         extra={"codec": record["codec"], "segment_rows": int(record["segment_rows"]),
                "tail_fragments": len(units) - sealed, "capacity_rows": record.get("capacity_rows"),
                "zarr_format": 3, "format_version": record["format_version"],
