@@ -172,15 +172,19 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def create_buffer(path: Path):
         from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
 
-        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason",
-                                                                          *AGENT_ROW_FIELDS)),
+        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "step_advantage",
+                                                                          "termination_reason", *AGENT_ROW_FIELDS)),
                             segment_rows=settings.segment_rows)
 
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
-        # trajectory_return="sum": a trajectory's turn rewards summed, its advantage on every turn
-        return [GroupAdvantage(settings.group_size, store=store, trajectory_return="sum")]
+        # trajectory_return="sum": a trajectory's turn rewards summed, its advantage on every turn;
+        # each turn's own group-normalized advantage beside it, so that --set
+        # learner.turn_advantage=turn or =mixed works on this buffer (one made before it had
+        # the field goes on without it)
+        return [GroupAdvantage(settings.group_size, store=store, trajectory_return="sum",
+                               step_advantage="step_advantage" in store.schema.field_names)]
 
     # ---------------------------------------------------------------- collector
     def make_collector(model, store, collector_index: int = 0):
