@@ -40,7 +40,12 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from rlhf_pipeline.learn.packed import PackedMicroBatch, RaggedRows, pack_rows, plan_rows
+from rlhf_pipeline.learn.packed import (
+    PackedMicroBatch,
+    RaggedRows,
+    pack_rows,
+    plan_rows,
+)
 from rlhf_pipeline.learn.trajectories import JoinedTrajectories
 from rlhf_pipeline.schema import FIELDS_BY_NAME, TrajectoryBatch
 
@@ -125,7 +130,7 @@ class PackedBatch:
     def micro_batches(self) -> list[tuple[torch.Tensor, PackedMicroBatch]]:
         """``(CPU row indices, micro-batch)`` of each micro-batch, with the rows' importance weights
         (``"sample_weight"``, set by the learner after the draw) when there are any."""
-        if "sample_weight" not in self.columns.keys():
+        if "sample_weight" not in self.columns:
             return list(self.pieces)
         weights = self.columns["sample_weight"]
         return [(rows, dataclasses.replace(micro, sample_weight=weights[rows].to(micro.input_ids.device,
