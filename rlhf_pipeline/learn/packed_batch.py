@@ -29,7 +29,7 @@ replay hold). Only steps that drop a row pay for that re-pack on the training th
 
 A ``batch_transform`` (replay's re-scoring, ``learn/rescore.py``) edits padded batches: with one,
 the prefetch thread reads the padded batch, re-scores it and packs it (:meth:`PackedBatch.from_padded`),
-still before the training thread sees it.
+still before the training thread sees it; that padded batch then serves as the columns.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ from rlhf_pipeline.schema import FIELDS_BY_NAME, TrajectoryBatch
 _ROW_KEYS = {"reward": ("next", "reward"), "done": ("next", "done"), "terminated": ("next", "terminated"),
              "truncated": ("next", "truncated"), "group_id": "group_id", "trajectory_id": "trajectory_id",
              "step": "step", "policy_version": "policy_version", "advantage": "sequence_advantage"}
-_LENGTH_KEYS = ("prompt_lengths", "response_lengths")
 
 
 def row_columns(rows: TrajectoryBatch, termination_reason: torch.Tensor | None = None) -> TensorDict:
@@ -81,7 +80,7 @@ class PackedBatch:
     """A sampled batch as the packed step trains it: its rows, their columns, its micro-batches."""
 
     rows: RaggedRows  # the rows' tokens, log-probs and advantages, ragged (CPU)
-    columns: TensorDict  # (B,) per-row columns under the padded batch's keys (CPU)
+    columns: TensorDict  # (B,) per-row columns under the padded batch's keys (CPU); or the padded batch itself
     budget: int  # micro_batch_tokens the micro-batches were planned for
     pieces: list[tuple[torch.Tensor, PackedMicroBatch]]  # (the rows' CPU indices, micro-batch), plan order
     pin: bool = False  # micro-batches are pinned (and re-packed ones will be)
@@ -112,12 +111,9 @@ class PackedBatch:
 
     @classmethod
     def from_padded(cls, batch: TensorDict, budget: int, *, pin: bool = False) -> PackedBatch:
-        """From a padded batch (what a ``batch_transform`` edits): its per-row entries are the columns."""
-        keys = batch.keys(include_nested=True)
-        columns = {key: batch[key] for key in (*_ROW_KEYS.values(), *_LENGTH_KEYS, "termination_reason")
-                   if key in keys}
-        return cls.pack(RaggedRows.from_padded(batch), TensorDict(columns, batch_size=batch.batch_size), budget,
-                        pin=pin)
+        """From a padded batch (what a ``batch_transform`` edits), which stays its columns: a hook
+        reading the padded batch's other entries (replay's ``on_step`` reads the re-scored KL) still can."""
+        return cls.pack(RaggedRows.from_padded(batch), batch, budget, pin=pin)
 
     # ------------------------------------------------------------------ what the step reads
     def counts(self) -> tuple[int, int, int]:
