@@ -31,8 +31,8 @@ after the step the learner hands them to the sampler for the rows it trained on
 
 Multi-turn rows train as whole trajectories, one sequence each (``learn/trajectories.py``): a
 draw's rows that end a trajectory are read with their earlier turns on the prefetch thread and
-joined (ragged, with packing), the loss mask 0 on the environment's tokens; a drawn row that does not end its trajectory
-waits for the draw of its trajectory's last row. Single-turn draws are untouched. With several
+joined (ragged, with packing), the loss mask 0 on the environment's tokens; a drawn row that
+does not end its trajectory waits for the draw of its trajectory's last row. Single-turn draws are untouched. With several
 data-parallel ranks rank 0 narrows the whole draw to the rows that end a trajectory, and each rank
 reads its slice of those trajectories whole (``learn/distributed.py``). Rows (or
 trajectories) that ended for one of ``mask_termination_reasons`` are left out of the step like
@@ -44,8 +44,9 @@ After taking each batch the learner publishes what it has taken in from each sha
 generated, and logs how stale they were (``learn/usage.py``).
 
 On CUDA the forward runs under bf16 autocast, batches (with packing: the packed micro-batches)
-are pinned by the prefetch thread and copied with ``non_blocking=True``. A resumed run loads model, optimizer, scheduler,
-RNG and progress and continues exactly as an uninterrupted one would over the same data.
+are pinned by the prefetch thread and copied with ``non_blocking=True``. A resumed run loads
+model, optimizer, scheduler, RNG and progress and continues exactly as an uninterrupted one
+would over the same data.
 """
 
 from __future__ import annotations
