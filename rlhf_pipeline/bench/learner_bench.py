@@ -213,8 +213,10 @@ class Side:
                 positions += sum(part.batch.num_tokens if settings.packing else part.batch["tokens", "full"].numel()
                                  for part in plan.micro_batches)
             first_loss = loss if first_loss is None else first_loss
+        unmeasured = float("nan") if self.name == "trl" else None  # TRL's side has no plan_step
         return {"seconds": time.perf_counter() - start, "first_loss": first_loss, "positions": positions,
-                "plan_ms": 1e3 * plan_s / len(prepared), "prefetch_ms": 1e3 * prefetch_s / len(prepared)}
+                "plan_ms": unmeasured or 1e3 * plan_s / len(prepared),
+                "prefetch_ms": unmeasured or 1e3 * prefetch_s / len(prepared)}
 
 
 def _reset_peak_rss() -> bool:
@@ -313,11 +315,17 @@ def format_report(name: str, result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['side']} | {r['response_tokens_per_s_median']:,.0f} [{r['response_tokens_per_s_min']:,.0f}-"
             f"{r['response_tokens_per_s_max']:,.0f}] | {r['tokens_per_s_median']:,.0f} [{r['tokens_per_s_min']:,.0f}-"
-            f"{r['tokens_per_s_max']:,.0f}] | {ratio} | {r['plan_ms_median']:.2f} [{r['plan_ms_min']:.2f}-"
-            f"{r['plan_ms_max']:.2f}] | {r['prefetch_ms_median']:.2f} [{r['prefetch_ms_min']:.2f}-"
-            f"{r['prefetch_ms_max']:.2f}] | {r['padding_fraction']:.2f} | {r['peak_rss_mb_median']:,.0f} "
+            f"{r['tokens_per_s_max']:,.0f}] | {ratio} | {_milliseconds(r, 'plan_ms')} | "
+            f"{_milliseconds(r, 'prefetch_ms')} | {r['padding_fraction']:.2f} | {r['peak_rss_mb_median']:,.0f} "
             f"| {r['first_loss']:.6f} |")
     return "\n".join(lines)
+
+
+def _milliseconds(record: dict[str, Any], key: str) -> str:
+    """``median [min-max]`` of a per-step time, or ``-`` where the side has none (TRL)."""
+    if record[f"{key}_median"] != record[f"{key}_median"]:  # nan
+        return "-"
+    return f"{record[f'{key}_median']:.2f} [{record[f'{key}_min']:.2f}-{record[f'{key}_max']:.2f}]"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
