@@ -113,6 +113,8 @@ class PackedBatch:
     def from_padded(cls, batch: TensorDict, budget: int, *, pin: bool = False) -> PackedBatch:
         """From a padded batch (what a ``batch_transform`` edits), which stays its columns: a hook
         reading the padded batch's other entries (replay's ``on_step`` reads the re-scored KL) still can."""
+        if batch.device is not None and batch.device.type != "cpu":  # packing indexes on the CPU
+            batch = batch.to("cpu")
         return cls.pack(RaggedRows.from_padded(batch), batch, budget, pin=pin)
 
     # ------------------------------------------------------------------ what the step reads
