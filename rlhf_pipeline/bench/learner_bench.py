@@ -12,7 +12,9 @@ micro-batches of at most ``--micro-batch-tokens`` tokens, forward, GRPO loss (to
   prompt + response) and ``grpo_step_loss``, the model's attention ``sdpa``;
 * ``packed``: the same step with ``learner.packing=true``: ``learn/packing.py`` plans
   (first-fit decreasing), ``learn/packed.py`` packed sequences and ``grpo_packed_loss`` with the
-  ``rlhf_packed`` attention; planning and packing are inside the timed step;
+  ``rlhf_packed`` attention. As in the learner, the rows are planned and packed from their
+  ragged form before the step (the learner does it on its prefetch thread,
+  ``learn/packed_batch.py``): that time is reported apart (``prefetch_ms``), not in the timed step;
 * ``trl``: ``trl.GRPOTrainer.compute_loss`` and backward on TRL's layout of the same rows
   (``bench/trl_side.py`` says exactly what of TRL runs), when TRL is installed
   (``pip install -e .[bench-trl]``).
@@ -33,7 +35,10 @@ Workloads (``--workload``):
 tokens) so a test runs it in seconds.
 
 Reported per side: trained tokens per second (response tokens, the ones with a loss, and all
-non-pad tokens), the forward's padding fraction (pad positions over positions run through the
+non-pad tokens), the training thread's milliseconds per step before the first forward
+(``plan_ms``: ``plan_step``, the padded split, or, packed, handing over the prefetched
+micro-batches), the packed side's packing per step off the training thread (``prefetch_ms``),
+the forward's padding fraction (pad positions over positions run through the
 model), peak RSS of the side's steps (the process's high-water mark, reset before each side
 through ``/proc/self/clear_refs``), the first step's loss (equal on every side: the same rows
 and objective), each as the median and range over repeats; ratios are of medians.
@@ -97,11 +102,10 @@ def draw_lengths(spec: tuple[str, float, float, int, int], count: int, generator
     return values.clamp(low, high).long()
 
 
-def make_batches(workload: Workload, steps: int, seed: int, vocab_size: int) -> list:
-    """``steps`` padded batches (``pad_batch``, int32 ids as the learner reads them)."""
+def make_rows(workload: Workload, steps: int, seed: int, vocab_size: int) -> list:
+    """``steps`` batches of stored rows (``TrajectoryBatch``, ragged, as ``store.read_ragged`` gives them)."""
     import torch
 
-    from rlhf_pipeline.schema.padding import pad_batch
     from rlhf_pipeline.schema.synthetic import batch_with_lengths
 
     generator = torch.Generator().manual_seed(seed)
@@ -109,9 +113,18 @@ def make_batches(workload: Workload, steps: int, seed: int, vocab_size: int) -> 
     for step in range(steps):
         prompts = draw_lengths(workload.prompt, workload.rows, generator)
         responses = draw_lengths(workload.response, workload.rows, generator)
-        rows = batch_with_lengths(prompts, responses, group_size=4, seed=seed * 1000 + step, vocab_size=vocab_size)
-        batches.append(pad_batch(rows, pad_token_id=0, index_dtype=torch.int32))
+        batches.append(batch_with_lengths(prompts, responses, group_size=4, seed=seed * 1000 + step,
+                                          vocab_size=vocab_size))
     return batches
+
+
+def make_batches(rows: list) -> list:
+    """The padded batches of ``rows`` (``pad_batch``, int32 ids as the learner reads them)."""
+    import torch
+
+    from rlhf_pipeline.schema.padding import pad_batch
+
+    return [pad_batch(batch, pad_token_id=0, index_dtype=torch.int32) for batch in rows]
 
 
 def make_model(workload: Workload):
@@ -145,8 +158,10 @@ class Side:
 
             use_packed_attention(self.model)
 
-    def prepare(self, batches: list) -> list:
-        """What the prefetch thread would hand over: padded batches, or TRL's chunks of them."""
+    def prepare(self, batches: list, rows: list) -> list:
+        """What the prefetch thread starts from: padded batches, stored rows (packed), or TRL's chunks."""
+        if self.name == "packed":
+            return rows
         if self.name != "trl":
             return batches
         if self.trl is None:
@@ -172,9 +187,16 @@ class Side:
 
         settings = LearnerSettings(micro_batch_tokens=self.workload.micro_batch_tokens, lr=1e-5,
                                    packing=self.name == "packed")
+        prefetch_s = 0.0
+        if self.name == "packed":  # the learner's prefetch thread: planned and packed from ragged rows
+            from rlhf_pipeline.learn.packed_batch import PackedBatch
+
+            start = time.perf_counter()
+            prepared = [PackedBatch.from_stored(rows, settings.micro_batch_tokens) for rows in prepared]
+            prefetch_s = time.perf_counter() - start
         self.model.load_state_dict(self.initial)
         optimizer, scheduler = make_optimizer(self.model, settings, total_steps=len(prepared))
-        first_loss, positions = None, 0
+        first_loss, positions, plan_s = None, 0, 0.0
         start = time.perf_counter()
         for batch in prepared:
             if self.name == "trl":
@@ -184,12 +206,17 @@ class Side:
                 optimizer.step()
                 positions += sum(chunk["prompt_ids"].numel() + chunk["completion_ids"].numel() for chunk in batch)
             else:
+                planned = time.perf_counter()
                 plan = plan_step(batch, settings)
+                plan_s += time.perf_counter() - planned
                 loss = train_step(self.model, optimizer, scheduler, plan, settings).losses["loss"]
                 positions += sum(part.batch.num_tokens if settings.packing else part.batch["tokens", "full"].numel()
                                  for part in plan.micro_batches)
             first_loss = loss if first_loss is None else first_loss
-        return {"seconds": time.perf_counter() - start, "first_loss": first_loss, "positions": positions}
+        unmeasured = float("nan") if self.name == "trl" else None  # TRL's side has no plan_step
+        return {"seconds": time.perf_counter() - start, "first_loss": first_loss, "positions": positions,
+                "plan_ms": unmeasured or 1e3 * plan_s / len(prepared),
+                "prefetch_ms": unmeasured or 1e3 * prefetch_s / len(prepared)}
 
 
 def _reset_peak_rss() -> bool:
@@ -219,11 +246,12 @@ def run_benchmark(workload: Workload, *, steps: int, repeat: int, sides: tuple[s
     torch.set_num_threads(workload.threads)
     initial = make_model(workload)
     vocab = initial.config.vocab_size
-    batches = make_batches(workload, steps, seed, vocab)
+    rows = make_rows(workload, steps, seed, vocab)
+    batches = make_batches(rows)
     response_tokens = sum(int(b["masks", "response"].sum()) for b in batches)
     real_tokens = sum(int(b["masks", "all_attention_mask"].sum()) for b in batches)
     runners = {name: Side(name, initial, workload) for name in sides}
-    prepared = {name: runner.prepare(batches) for name, runner in runners.items()}
+    prepared = {name: runner.prepare(batches, rows) for name, runner in runners.items()}
     per_run: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for number in range(repeat):
         for name in sides:
@@ -253,6 +281,8 @@ def run_benchmark(workload: Workload, *, steps: int, repeat: int, sides: tuple[s
             "tokens_per_s_median": statistics.median(token_rates),
             "tokens_per_s_min": min(token_rates), "tokens_per_s_max": max(token_rates),
             "seconds_runs": seconds,
+            **{f"{key}_{stat}": fn(r[key] for r in runs) for key in ("plan_ms", "prefetch_ms")
+               for stat, fn in (("median", statistics.median), ("min", min), ("max", max))},
             "peak_rss_mb_median": statistics.median(r["peak_rss_mb"] for r in runs),
             "first_loss": runs[0]["first_loss"],
             "load_average_runs": [r["load_average"] for r in runs],
@@ -276,17 +306,26 @@ def format_report(name: str, result: dict[str, Any]) -> str:
              f"{w.threads} thread(s); prompt lengths {w.prompt}, response lengths {w.response}; "
              f"medians [min-max] over {result['repeat']} alternating repeats",
              "| side | trained response tok/s | all non-pad tok/s | vs padded (median, per-repeat range) "
-             "| padding fraction | peak RSS MB | first-step loss |",
-             "|---|---|---|---|---|---|---|"]
+             "| training thread ms/step before the forward | prefetch packing ms/step | padding fraction "
+             "| peak RSS MB | first-step loss |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["records"]:
         ratio = (f"{r['vs_padded_median']:.2f}x ({r['vs_padded_range'][0]:.2f}-{r['vs_padded_range'][1]:.2f})"
                  if "vs_padded_median" in r else "-")
         lines.append(
             f"| {r['side']} | {r['response_tokens_per_s_median']:,.0f} [{r['response_tokens_per_s_min']:,.0f}-"
             f"{r['response_tokens_per_s_max']:,.0f}] | {r['tokens_per_s_median']:,.0f} [{r['tokens_per_s_min']:,.0f}-"
-            f"{r['tokens_per_s_max']:,.0f}] | {ratio} | {r['padding_fraction']:.2f} | {r['peak_rss_mb_median']:,.0f} "
+            f"{r['tokens_per_s_max']:,.0f}] | {ratio} | {_milliseconds(r, 'plan_ms')} | "
+            f"{_milliseconds(r, 'prefetch_ms')} | {r['padding_fraction']:.2f} | {r['peak_rss_mb_median']:,.0f} "
             f"| {r['first_loss']:.6f} |")
     return "\n".join(lines)
+
+
+def _milliseconds(record: dict[str, Any], key: str) -> str:
+    """``median [min-max]`` of a per-step time, or ``-`` where the side has none (TRL)."""
+    if record[f"{key}_median"] != record[f"{key}_median"]:  # nan
+        return "-"
+    return f"{record[f'{key}_median']:.2f} [{record[f'{key}_min']:.2f}-{record[f'{key}_max']:.2f}]"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,13 +6,14 @@ stand alone (the step, samplers, prefetch, staleness, trajectories, metrics) are
 
 One learner step, as :meth:`Learner.train` runs it:
 
-1. take the next draw: the positions the sampler chose (``learn/samplers/``) read into a padded
-   batch on the prefetch thread (``learn/prefetch.py``); drop rows that went stale while they
-   waited, more than ``max_staleness`` versions older than ours (``learn/stale_rows.py``,
-   counted as ``charts/rows_dropped_stale``);
+1. take the next draw: the positions the sampler chose (``learn/samplers/``) read on the prefetch
+   thread (``learn/prefetch.py``): with ``packing`` (the default) read ragged and packed there into
+   the step's micro-batches (``learn/packed_batch.py``: no padded batch at all), else read into a
+   padded batch; drop rows that went stale while they waited, more than ``max_staleness``
+   versions older than ours (``learn/stale_rows.py``, counted as ``charts/rows_dropped_stale``);
 2. the optimizer step, top to bottom in ``learn/step.py``: micro-batches of at most
-   ``micro_batch_tokens`` tokens (packed sequences of whole rows with ``packing``, the
-   default: ``learn/packed.py``; else padded), each loss weighted by its share of the batch,
+   ``micro_batch_tokens`` tokens (packed sequences of whole rows with ``packing``:
+   ``learn/packed.py``; else padded), each loss weighted by its share of the batch,
    gradients accumulated, clipped, AdamW, LR schedule (linear warm-up, then constant or cosine
    decay);
 3. every ``publish_every`` steps publish the weights as a new version
@@ -30,8 +31,8 @@ after the step the learner hands them to the sampler for the rows it trained on
 
 Multi-turn rows train as whole trajectories, one sequence each (``learn/trajectories.py``): a
 draw's rows that end a trajectory are read with their earlier turns on the prefetch thread and
-joined, the loss mask 0 on the environment's tokens; a drawn row that does not end its trajectory
-waits for the draw of its trajectory's last row. Single-turn draws are untouched. With several
+joined (ragged, with packing), the loss mask 0 on the environment's tokens; a drawn row that
+does not end its trajectory waits for the draw of its trajectory's last row. Single-turn draws are untouched. With several
 data-parallel ranks rank 0 narrows the whole draw to the rows that end a trajectory, and each rank
 reads its slice of those trajectories whole (``learn/distributed.py``). Rows (or
 trajectories) that ended for one of ``mask_termination_reasons`` are left out of the step like
@@ -42,9 +43,10 @@ After taking each batch the learner publishes what it has taken in from each sha
 (:mod:`rlhf_pipeline.coordination.pacing`); it counts the distinct rows it trained on against the rows
 generated, and logs how stale they were (``learn/usage.py``).
 
-On CUDA the forward runs under bf16 autocast, batches are pinned by the prefetch thread
-and copied with ``non_blocking=True``. A resumed run loads model, optimizer, scheduler,
-RNG and progress and continues exactly as an uninterrupted one would over the same data.
+On CUDA the forward runs under bf16 autocast, batches (with packing: the packed micro-batches)
+are pinned by the prefetch thread and copied with ``non_blocking=True``. A resumed run loads
+model, optimizer, scheduler, RNG and progress and continues exactly as an uninterrupted one
+would over the same data.
 """
 
 from __future__ import annotations
@@ -72,13 +74,16 @@ from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.shard_rows import next_rows, row_names
 from rlhf_pipeline.learn.optimizer import make_optimizer
+from rlhf_pipeline.learn.packed_batch import PackedBatch
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.stale_rows import fresh_mask
 from rlhf_pipeline.learn.step import mean_one, train_step
 from rlhf_pipeline.learn.trajectories import (
     is_single_turn,
+    joined_trajectory_draw,
     masked_by_reason,
     narrow_to_trajectory_ends,
+    read_joined,
     read_trajectories,
     rows_are_single_turn,
     termination_codes,
@@ -232,9 +237,17 @@ class Learner:
         # int32 token and position ids: half their bytes, nothing widened (collate.py, "Index dtype")
         collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None,
                                   index_dtype=torch.int32)
+        packing = self.settings.packing
+        # with packing the prefetch thread reads rows ragged and packs them (learn/packed_batch.py); a
+        # batch_transform edits padded batches, so then it reads padded, transforms, and packs after
+        ragged = packing and self.batch_transform is None
+        budget = self.settings.micro_batch_tokens
+        pin_packed = pin and torch.cuda.is_available()
 
         def transformed(positions: torch.Tensor, batch):
             batch = self.batch_transform(positions, batch)
+            if packing:  # the packed micro-batches are pinned, not the padded batch
+                return PackedBatch.from_padded(batch, budget, pin=pin_packed)
             return batch.pin_memory() if pin and torch.cuda.is_available() else batch
 
         # single-turn rows carry no termination reason in the padded batch: read it only when asked to mask
@@ -248,21 +261,36 @@ class Learner:
                 batch = self.data_parallel.mark_filler(batch, filler)
             return batch
 
+        def reasons(positions: torch.Tensor) -> torch.Tensor | None:
+            if not read_reasons:
+                return None
+            return self._store.read(positions, fields=("termination_reason",))["termination_reason"]
+
         def with_reasons(positions: torch.Tensor, batch):
             if read_reasons:
-                batch["termination_reason"] = self._store.read(positions, fields=("termination_reason",))[
-                    "termination_reason"]
+                batch["termination_reason"] = reasons(positions)
             return batch
+
+        def packed_rows(positions: torch.Tensor, stored=None) -> PackedBatch:
+            """Single-turn rows at ``positions`` (``stored``: already read ragged), planned and packed."""
+            stored = self._store.read_ragged(positions) if stored is None else stored
+            return PackedBatch.from_stored(stored, budget, termination_reason=reasons(positions), pin=pin_packed)
 
         def read_slice(sampled, positions: torch.Tensor, filler: bool):
             """This rank's slice of a draw (``positions``): the rows as drawn, or, when rank 0
             narrowed the draw to trajectory ends, the slice's trajectories read whole (None when
             the draw ended none: every rank skips it)."""
             if sampled.trajectory_steps is None:
+                if ragged:
+                    return finish(positions, packed_rows(positions), filler)
                 return finish(positions, with_reasons(positions, collator.read(self._store, positions)), filler)
             if sampled.positions.numel() == 0:
                 return None
             steps, _ = self.data_parallel.local_positions(sampled.trajectory_steps)
+            if ragged:
+                joined = read_joined(self._store, positions, steps, turn_advantage=self.settings.turn_advantage,
+                                     turn_advantage_weight=self.settings.turn_advantage_weight)
+                return finish(positions, PackedBatch.from_joined(joined, budget, pin=pin_packed), filler)
             joined = read_trajectories(self._store, positions, steps, pad_token_id=self.pad_token_id,
                                        turn_advantage=self.settings.turn_advantage,
                                        turn_advantage_weight=self.settings.turn_advantage_weight)
@@ -286,6 +314,8 @@ class Learner:
                 sampled = narrow_whole_draw(sampled)
                 positions, filler = self.data_parallel.local_positions(sampled.positions)  # this rank's slice
                 return sampled, read_slice(sampled, positions, filler)
+            if ragged:
+                return produce_packed(sampled)
             batch = collator.read(self._store, sampled.positions)  # re-scored below, once it is known what trains
             if not is_single_turn(batch):  # multi-turn rows: the whole trajectories they end
                 sampled, joined = trajectory_draw(self._store, sampled, batch, pad_token_id=self.pad_token_id,
@@ -294,6 +324,18 @@ class Learner:
                                                   pin=pin and self.batch_transform is None)
                 return sampled, None if joined is None else finish(sampled.positions, joined)  # named by last rows
             return sampled, finish(sampled.positions, with_reasons(sampled.positions, batch))
+
+        def produce_packed(sampled):
+            """One rank's draw with packing: read ragged, trajectories joined ragged, planned, packed."""
+            stored = self._store.read_ragged(sampled.positions)
+            if not rows_are_single_turn(stored["done"], stored["step"]):  # the whole trajectories they end
+                sampled, joined = joined_trajectory_draw(self._store, sampled, stored["done"], stored["step"],
+                                                         turn_advantage=self.settings.turn_advantage,
+                                                         turn_advantage_weight=self.settings.turn_advantage_weight)
+                if joined is None:
+                    return sampled, None
+                return sampled, finish(sampled.positions, PackedBatch.from_joined(joined, budget, pin=pin_packed))
+            return sampled, finish(sampled.positions, packed_rows(sampled.positions, stored))
 
         self._read_slice = read_slice
         if self.data_parallel.is_main:  # the other ranks take rank 0's draws (_next_draw)
@@ -416,6 +458,7 @@ class Learner:
         feedback (None when off). Under data parallelism ``batch`` is this rank's slice and the
         plan, the metrics and the charts are the whole step's."""
         dp = self.data_parallel
+        on_host = batch  # (its per-row columns feed the charts: no copy back from the device)
         batch = batch.to(self.device, non_blocking=True)
         plan = dp.plan_step(batch, self.settings, self.train_model)
         outcome = train_step(self.model, self.optimizer, self.scheduler, plan, self.settings,
@@ -424,7 +467,7 @@ class Learner:
         self.progress.tokens_seen += plan.response_tokens
         metrics = {f"losses/{key}": value for key, value in outcome.losses.items()}
         metrics["losses/grad_norm"] = outcome.grad_norm
-        metrics.update(batch_charts(dp.gather_rows(batch.to("cpu")), self.progress.policy_version))
+        metrics.update(batch_charts(dp.gather_rows(on_host.to("cpu")), self.progress.policy_version))
         metrics.update({
             "charts/learning_rate": outcome.learning_rate,
             "charts/rows": float(plan.rows),

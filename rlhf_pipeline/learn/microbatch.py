@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rlhf_pipeline.learn.packed_batch import PackedBatch
+
 _FULL_NAMES = {"full", "position_ids", "advantage", "all_attention_mask", "all_assistant_mask"}
 
 
@@ -54,8 +56,11 @@ def _span(key) -> str:
     return "row"
 
 
-def take_rows(batch: TensorDict, rows: torch.Tensor) -> TensorDict:
-    """Rows ``rows`` of a padded batch, trimmed to their own longest prompt and response."""
+def take_rows(batch: TensorDict | PackedBatch, rows: torch.Tensor) -> TensorDict | PackedBatch:
+    """Rows ``rows`` of a padded batch, trimmed to their own longest prompt and response (of a
+    packed batch: those rows packed afresh, ``PackedBatch.select_rows``)."""
+    if isinstance(batch, PackedBatch):
+        return batch.select_rows(rows)
     prompt_width = batch["tokens", "prompt"].shape[1]  # P
     sub_prompt = batch["prompt_lengths"][rows]
     sub_response = batch["response_lengths"][rows]

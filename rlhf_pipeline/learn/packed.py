@@ -28,9 +28,12 @@ sampled, and only those are scored (``logits_to_keep``) and carry loss; with per
 advantages :attr:`RaggedRows.token_advantage` gives each response token its own.
 
 Rows come in as :class:`RaggedRows` (token and log-prob values without padding), taken from
-a padded batch (:meth:`RaggedRows.from_padded`) or straight from a stored
-``TrajectoryBatch`` (:meth:`RaggedRows.from_trajectory_batch`). Every row needs at least one
-prompt token (its first response token is scored from the last prompt token's logits).
+a padded batch (:meth:`RaggedRows.from_padded`), straight from stored rows
+(:meth:`RaggedRows.from_trajectory_batch`, what ``store.read_ragged`` gives) or from joined
+trajectories (:meth:`RaggedRows.from_joined`). The learner builds its packed micro-batches on
+the prefetch thread from the last two, no padded batch in between (``learn/packed_batch.py``).
+Every row needs at least one prompt token (its first response token is scored from the last
+prompt token's logits).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch
 
 from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_loss
 from rlhf_pipeline.learn.packing import PackPlan, plan_packs
-from rlhf_pipeline.learn.trajectories import TOKEN_ADVANTAGE_KEY
+from rlhf_pipeline.learn.trajectories import TOKEN_ADVANTAGE_KEY, JoinedTrajectories
 from rlhf_pipeline.schema.ragged import RaggedTensor, gather_ranges, lengths_to_offsets
 
 
@@ -108,6 +111,22 @@ class RaggedRows:
             sample_weight=sample_weight,
         )
 
+    @classmethod
+    def from_joined(cls, joined: JoinedTrajectories) -> RaggedRows:
+        """From multi-turn trajectories joined into one row each (``learn/trajectories.py``): the
+        loss mask on their sampled tokens, per-token advantages in ``turn`` mode."""
+        rows = cls.from_trajectory_batch(joined.rows)
+        return dataclasses.replace(rows, loss_mask=joined.loss_mask, token_advantage=joined.token_advantage)
+
+    def select(self, index: torch.Tensor) -> RaggedRows:
+        """Rows ``index`` (CPU int64), every column alike."""
+        def rows_of(value):
+            if value is None:
+                return None
+            return value.index(index) if isinstance(value, RaggedTensor) else value[index]
+
+        return RaggedRows(**{f.name: rows_of(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
 
 # ====================================================================== one packed micro-batch
 @dataclass(frozen=True)
@@ -147,6 +166,14 @@ class PackedMicroBatch:
             value = getattr(self, f.name)
             moved[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
         return PackedMicroBatch(**moved)
+
+    def pin_memory(self) -> PackedMicroBatch:
+        """Every tensor in page-locked memory, so a ``non_blocking`` copy to a GPU overlaps compute
+        (only where CUDA is available: pinning raises on CPU-only torch builds)."""
+        if not torch.cuda.is_available():
+            return self
+        return PackedMicroBatch(**{f.name: value.pin_memory() if isinstance(value, torch.Tensor) else value
+                                   for f in dataclasses.fields(self) for value in (getattr(self, f.name),)})
 
 
 def pack_rows(rows: RaggedRows, members: torch.Tensor | list[int]) -> PackedMicroBatch:

@@ -1,11 +1,14 @@
 """A thread that prepares the learner's batches ahead of time.
 
-``Prefetcher`` runs ``produce(step)`` (a sampler's draw + the padded read) in a background
-thread ``depth`` steps ahead, so the model does not wait on disk reads and padding. A draw
-names rows by their store positions; the learner reads them straight into its padded batch
-(``PaddedCollator.read`` -> ``store.read_padded``, the fused path). On CUDA the learner's
-``produce`` pins the padded batch in this thread, and the learner copies it to the device
-with ``non_blocking=True``, so the copy overlaps with compute.
+``Prefetcher`` runs ``produce(step)`` (a sampler's draw + the read) in a background thread
+``depth`` steps ahead, so the model does not wait on disk reads, padding or packing. A draw
+names rows by their store positions. With ``learner.packing`` (the default) the learner reads
+them ragged (``store.read_ragged``; multi-turn trajectories joined ragged) and plans and packs
+the step's micro-batches here (``learn/packed_batch.py``), so its training thread only runs the
+model; without it, it reads them straight into a padded batch (``PaddedCollator.read`` ->
+``store.read_padded``, the fused path). On CUDA the learner's ``produce`` pins what it made
+(the packed micro-batches, or the padded batch) in this thread, and the learner copies it to
+the device with ``non_blocking=True``, so the copy overlaps with compute.
 """
 
 from __future__ import annotations

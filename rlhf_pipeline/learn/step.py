@@ -5,8 +5,9 @@
     ─► clip the gradient norm ─► AdamW step ─► LR schedule step
 
 With ``learner.packing`` (the default) a micro-batch is one packed sequence of whole rows
-(``learn/packing.py`` plans them first-fit decreasing, ``learn/packed.py`` runs them); without
-it, rows sorted by length and padded to the longest of their micro-batch (``learn/microbatch.py``).
+(``learn/packing.py`` plans them first-fit decreasing, ``learn/packed.py`` runs them), planned
+and packed on the learner's prefetch thread (a :class:`~rlhf_pipeline.learn.packed_batch.PackedBatch`);
+without it, rows sorted by length and padded to the longest of their micro-batch (``learn/microbatch.py``).
 
 :func:`plan_step` cuts a batch into weighted micro-batches; :func:`train_step` runs them. The
 step knows nothing of other ranks: data parallelism is a layer around it
@@ -35,6 +36,7 @@ from tensordict import TensorDict
 from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss
 from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows
 from rlhf_pipeline.learn.packed import PackedMicroBatch, RaggedRows, grpo_packed_loss, plan_rows, pack_rows
+from rlhf_pipeline.learn.packed_batch import PackedBatch
 
 if TYPE_CHECKING:
     from rlhf_pipeline.learn.settings import LearnerSettings
@@ -82,9 +84,12 @@ def mean_one(weights: torch.Tensor) -> torch.Tensor:
     return weights / weights.mean().clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def batch_counts(batch: TensorDict) -> tuple[int, int, int]:
+def batch_counts(batch: TensorDict | PackedBatch) -> tuple[int, int, int]:
     """``(rows, response tokens that carry loss, attention tokens)`` of a padded batch (the loss
-    mask: every response token of a single-turn row, the sampled ones of a trajectory's)."""
+    mask: every response token of a single-turn row, the sampled ones of a trajectory's), or of a
+    packed one."""
+    if isinstance(batch, PackedBatch):
+        return batch.counts()
     return (batch.batch_size[0], int(batch["masks", "all_assistant_mask"].sum()),
             int(batch["masks", "all_attention_mask"].sum()))
 
@@ -99,11 +104,15 @@ def micro_batch_weight(micro: TensorDict | PackedMicroBatch, *, rows: int, respo
     return (micro.num_rows if packed else micro.batch_size[0]) / rows
 
 
-def split_batch(batch: TensorDict, settings: LearnerSettings) -> list[tuple[torch.Tensor, TensorDict | PackedMicroBatch]]:
+def split_batch(batch: TensorDict | PackedBatch,
+                settings: LearnerSettings) -> list[tuple[torch.Tensor, TensorDict | PackedMicroBatch]]:
     """``batch`` cut into micro-batches of at most ``micro_batch_tokens`` tokens, each with the (CPU)
     indices of its rows: packed sequences with ``learner.packing``, else padded micro-batches.
-    Packing runs on the CPU (a plan is a few ms of Python), the packed sequences then go to the
-    batch's device."""
+    The learner's batches come packed already (:class:`PackedBatch`, made on its prefetch thread);
+    a padded batch is packed here, on the CPU (a plan is a few ms of Python), the packed
+    sequences then go to the batch's device."""
+    if isinstance(batch, PackedBatch):
+        return batch.micro_batches()
     if not settings.packing:
         return split_microbatches_with_rows(batch, settings.micro_batch_tokens)
     host = batch if batch.device is None or batch.device.type == "cpu" else batch.to("cpu")
@@ -115,7 +124,7 @@ def split_batch(batch: TensorDict, settings: LearnerSettings) -> list[tuple[torc
     return pieces
 
 
-def plan_step(batch: TensorDict, settings: LearnerSettings) -> StepPlan:
+def plan_step(batch: TensorDict | PackedBatch, settings: LearnerSettings) -> StepPlan:
     """One rank's plan: ``batch`` cut into micro-batches, each weighted by its share of it."""
     rows, response_tokens, attention_tokens = batch_counts(batch)
     token_mean = aggregates_by_token(settings.loss)

@@ -151,15 +151,35 @@ def read_trajectories(store, end_positions: torch.Tensor, steps: torch.Tensor, *
     """The padded learner batch of the trajectories whose last rows are at ``end_positions``, at
     ``steps``: each read whole from ``store`` and joined into one row. Raises when a trajectory's
     first turns are no longer held (evicted since its last row was drawn)."""
+    joined = read_joined(store, end_positions, steps, turn_advantage=turn_advantage,
+                         turn_advantage_weight=turn_advantage_weight, fields=padded_fields(store.schema))
+    return pad_trajectories(joined, pad_token_id=pad_token_id, index_dtype=index_dtype)
+
+
+def read_joined(store, end_positions: torch.Tensor, steps: torch.Tensor, *, turn_advantage: str = "trajectory",
+                turn_advantage_weight: float = 0.5, fields=None) -> JoinedTrajectories:
+    """The trajectories :func:`read_trajectories` reads, joined but not padded (the packed learner's
+    input). ``fields``: those to read; by default the store's ragged read (``store.read_ragged``:
+    the tokens, response-aligned floats and row fields) plus ``termination_reason`` and
+    ``step_advantage`` when stored."""
     turns = steps.cpu().to(torch.int64) + 1  # (k,)
     end_positions = end_positions.cpu().to(torch.int64)
     if bool((_local_positions(store, end_positions) - turns + 1 < 0).any()):
         raise RuntimeError("the first turns of a drawn trajectory were evicted before they were read; give the "
                            "buffer a larger capacity_rows than the learner's draws run behind the collectors")
-    rows = store.read(gather_ranges(end_positions - turns + 1, turns), fields=padded_fields(store.schema))
+    positions = gather_ranges(end_positions - turns + 1, turns)
+    if fields is not None:
+        rows = store.read(positions, fields=fields)
+    else:
+        rows = store.read_ragged(positions)
+        # what joining needs beyond the ragged read's fields: the ending (masked reasons) and each
+        # turn's own advantage (turn_advantage=turn / mixed), where stored
+        extra = tuple(name for name in ("termination_reason", "step_advantage") if name in store.schema.field_names)
+        if extra:
+            more = store.read(positions, fields=extra)
+            rows = rows.with_columns(**{name: more[name] for name in extra})
     check_whole(rows, turns)
-    joined = join_turns(rows, turns, turn_advantage=turn_advantage, turn_advantage_weight=turn_advantage_weight)
-    return pad_trajectories(joined, pad_token_id=pad_token_id, index_dtype=index_dtype)
+    return join_turns(rows, turns, turn_advantage=turn_advantage, turn_advantage_weight=turn_advantage_weight)
 
 
 def trajectory_draw(store, sampled, drawn: TensorDict, *, pad_token_id: int, turn_advantage: str,
@@ -176,6 +196,19 @@ def trajectory_draw(store, sampled, drawn: TensorDict, *, pad_token_id: int, tur
     if pin and torch.cuda.is_available():
         batch = batch.pin_memory()
     return sampled, batch
+
+
+def joined_trajectory_draw(store, sampled, done: torch.Tensor, step: torch.Tensor, *,
+                           turn_advantage: str, turn_advantage_weight: float = 0.5) -> tuple:
+    """:func:`trajectory_draw` for the packed learner: from the drawn rows' ``done`` and ``step``,
+    the narrowed draw and its trajectories joined but not padded (:func:`read_joined`; None when
+    the draw ended none)."""
+    ends = trajectory_ends(store, sampled.positions, done, step)
+    sampled = narrow_to_trajectory_ends(sampled, ends)
+    if ends.chosen.numel() == 0:
+        return sampled, None
+    return sampled, read_joined(store, sampled.positions, ends.steps, turn_advantage=turn_advantage,
+                                turn_advantage_weight=turn_advantage_weight)
 
 
 def check_whole(rows: TrajectoryBatch, turns: torch.Tensor) -> None:

@@ -41,7 +41,7 @@ from rlhf_pipeline.storage.errors import (  # noqa: F401 - re-exported: the cont
     StoreLockedError,
     StoreNotFoundError,
 )
-from rlhf_pipeline.storage.padded_rows import LocatedRows, fill_padded
+from rlhf_pipeline.storage.padded_rows import LocatedRows, fill_padded, fill_ragged, located_fields
 from rlhf_pipeline.storage.summary import StoreStats  # noqa: F401 - re-exported
 
 UNBOUNDED_ROWS = 2**62
@@ -211,6 +211,19 @@ class TrajectoryStore(Storage, abc.ABC):
             raise ValueError("pad_batch got an empty batch; sample at least one row")
         padded = fill_padded(self._locate_rows(global_ids), pad_token_id, index_dtype)
         return place_padded(padded, pin_memory=pin_memory, device=device)
+
+    def read_ragged(self, positions: torch.Tensor | Sequence[int]) -> TrajectoryBatch:
+        """The learner's rows at ``positions`` without padding (the packed learner's input): exactly
+        ``self.read(positions, fields=located_fields(self.schema))``, the tokens, response-aligned
+        floats and row fields of the padded batch.
+
+        Backends with ``supports_fused_padding`` locate the rows as :meth:`read_padded` does and
+        copy each row's slices end to end (:func:`~rlhf_pipeline.storage.padded_rows.fill_ragged`).
+        """
+        global_ids = self._checked_positions(positions) + self.first_row
+        if not self.supports_fused_padding or global_ids.numel() == 0:
+            return self._read_fields(global_ids, located_fields(self.schema))
+        return fill_ragged(self._locate_rows(global_ids))
 
     def _locate_rows(self, global_ids: torch.Tensor) -> LocatedRows:
         """Where the rows with these global ids are (all within ``[first_row, next_row)``),

@@ -1,4 +1,4 @@
-"""Backend-neutral core of the fused read-and-pad (``TrajectoryStore.read_padded``).
+"""Backend-neutral core of the fused reads (``TrajectoryStore.read_padded`` and ``read_ragged``).
 
 ``store.read_padded(positions)`` returns exactly
 ``pad_batch(store.read(positions, fields=padded_fields(store.schema)), pad_token_id=...)``
@@ -13,6 +13,10 @@ without the intermediate ``TrajectoryBatch``. It runs in two steps:
    (prompt ending at column ``P-1``, response from column ``P``; layout in
    :mod:`rlhf_pipeline.schema.padding`) and builds the TensorDict with
    :func:`~rlhf_pipeline.schema.padding.assemble_padded`, the builder ``pad_batch`` uses too.
+
+The same located rows give the learner's *ragged* read (``store.read_ragged(positions)``, the
+packed learner's input): :func:`fill_ragged` copies each row's slices end to end into flat
+value arrays instead of into padded rows, so no ``(B, T)`` rectangle is built.
 
 Why a per-row copy loop (over the ~64 sampled rows, never over the store): a sampled row
 is a few long contiguous slices (GRPO rows average ~520 tokens), so one ``memoryview``
@@ -33,7 +37,8 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_pipeline.schema.padding import RESPONSE_FLOAT_KEYS, assemble_padded
-from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, StoreSchema
+from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, StoreSchema, TrajectoryBatch
+from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 
 ROW_FIELDS = ("reward", "done", "terminated", "truncated", "group_id", "trajectory_id", "step",
               "policy_version", "advantage")
@@ -51,6 +56,13 @@ def field_plan(schema: StoreSchema) -> tuple[tuple[str, ...], tuple[tuple[str, n
     rows = tuple((name, NUMPY_DTYPES[FIELDS_BY_NAME[name].dtype]) for name in ROW_FIELDS
                  if name in schema.field_names)
     return floats, rows
+
+
+def located_fields(schema: StoreSchema) -> tuple[str, ...]:
+    """The fields a located row carries, so :func:`fill_ragged` gives (and ``read_ragged`` reads):
+    tokens, the response-aligned float fields and the row fields the padded batch holds."""
+    floats, rows = field_plan(schema)
+    return ("prompt_tokens", "response_tokens", *floats, *(name for name, _ in rows))
 
 
 def unit_source(prompt_values: np.ndarray, response_values: np.ndarray,
@@ -145,3 +157,36 @@ def fill_padded(located: LocatedRows, pad_token_id: int, index_dtype: torch.dtyp
         tokens32 if index_dtype == torch.int32 else tokens32.to(index_dtype), prompt_width, torch.from_numpy(prompt_len), torch.from_numpy(response_len),
         floats_full, rows,
     )
+
+
+def fill_ragged(located: LocatedRows) -> TrajectoryBatch:
+    """The rows ``located`` describes as ragged columns (:func:`located_fields`), in their order:
+    each row's prompt, response and response-aligned float slices copied end to end into one flat
+    array per field (tokens int32 and floats float32, as stored), no padding anywhere."""
+    prompt_len, response_len = located.prompt_len, located.response_len
+    prompt_offsets = lengths_to_offsets(torch.from_numpy(prompt_len))
+    response_offsets = lengths_to_offsets(torch.from_numpy(response_len))
+    prompt_values = torch.empty(int(prompt_offsets[-1]), dtype=torch.int32)
+    response_values = torch.empty(int(response_offsets[-1]), dtype=torch.int32)
+    float_values = [torch.empty(response_values.numel(), dtype=torch.float32) for _ in located.float_names]
+    prompt_out, response_out = memoryview(prompt_values.numpy()), memoryview(response_values.numpy())
+    floats_out = tuple(memoryview(values.numpy()) for values in float_values)
+    sources = located.sources
+    for source, p_start, p_stop, r_start, r_stop, p_at, p_end, r_at, r_end in zip(
+        located.source.tolist(), located.prompt_start.tolist(), (located.prompt_start + prompt_len).tolist(),
+        located.response_start.tolist(), (located.response_start + response_len).tolist(),
+        prompt_offsets[:-1].tolist(), prompt_offsets[1:].tolist(), response_offsets[:-1].tolist(),
+        response_offsets[1:].tolist(),
+    ):
+        prompt_source, response_source, float_sources = sources[source]
+        prompt_out[p_at:p_end] = prompt_source[p_start:p_stop]
+        response_out[r_at:r_end] = response_source[r_start:r_stop]
+        for out, values in zip(floats_out, float_sources):
+            out[r_at:r_end] = values[r_start:r_stop]
+    columns = {
+        "prompt_tokens": RaggedTensor(prompt_values, prompt_offsets),
+        "response_tokens": RaggedTensor(response_values, response_offsets),
+        **{name: RaggedTensor(values, response_offsets) for name, values in zip(located.float_names, float_values)},
+        **{name: torch.from_numpy(values) for name, values in located.rows.items()},
+    }
+    return TrajectoryBatch(columns)

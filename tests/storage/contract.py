@@ -89,6 +89,23 @@ class StoreContractTests(TorchRLContractTests):
             with pytest.raises(KeyError, match="not stored"):
                 store.read([0], fields=["no_such_field"])
 
+    def test_read_ragged_equals_read_of_the_located_fields(self, factory, location):
+        """The packed learner's read: rows end to end, no padding, exactly what ``read`` gives."""
+        from rlhf_pipeline.storage.padded_rows import located_fields
+
+        with self.new_store(factory, location) as store:
+            for i in range(3):  # 21 rows over 3 segments of 8
+                store.append(self.batch(i, n_groups=3 if i == 1 else 2))
+            fields = located_fields(store.schema)
+            assert "prompt_tokens" in fields and "policy_version" in fields and "prompt_text" not in fields
+            for positions in (torch.tensor([0]), torch.tensor([20, 0, 7, 8, 8, 15]), torch.arange(21).flip(0)):
+                got = store.read_ragged(positions)
+                assert set(got.field_names) == set(fields)
+                assert got.equal(store.read(positions, fields=fields))
+            assert len(store.read_ragged(torch.zeros(0, dtype=torch.int64))) == 0
+            with pytest.raises(IndexError, match=r"\[0, 21\)"):
+                store.read_ragged([21])
+
     def test_out_of_range_positions_raise(self, factory, location):
         with self.new_store(factory, location) as store:
             store.append(self.batch(0))

@@ -241,6 +241,18 @@ def test_read_padded_over_shards_equals_pad_batch_of_read(two_shards):
     union.close()
 
 
+def test_read_ragged_over_shards_equals_read(two_shards):
+    """The packed learner's ragged read of a union locates rows in each shard, as read_padded does."""
+    from rlhf_pipeline.storage.padded_rows import located_fields
+
+    buffer, _ = two_shards
+    union = open_buffer(buffer)
+    fields = located_fields(SCHEMA)
+    for positions in (torch.tensor([31, 0, 12, 11, 12]), torch.arange(32).flip(0), torch.tensor([20, 25])):
+        assert union.read_ragged(positions).equal(union.read(positions, fields=fields))
+    union.close()
+
+
 def test_a_damaged_shard_is_never_left_out_silently(two_shards, capsys):
     from rlhf_pipeline.cli.main import main
 
