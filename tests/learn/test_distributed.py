@@ -14,7 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_parallel_worker import ROWS, SETTINGS, make_model, make_run, rows, train
+from data_parallel_worker import (
+    ROWS,
+    ROWS_PER_SHARD,
+    SETTINGS,
+    SHARDS,
+    make_model,
+    make_run,
+    make_sharded_run,
+    rows,
+    train,
+)
 from test_trajectories import OPTIONAL, multi_turn_rows
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.distributed import DataParallel
@@ -148,6 +158,30 @@ def test_two_ranks_train_on_rank_zeros_draws_while_the_buffer_grows(tmp_path):
     # the draws followed the growing buffer: the last ones hold rows appended after the start
     assert max(rank0[-1]["draw"]) >= ROWS
     assert len(losses(root)) == STEPS
+
+
+def test_three_ranks_over_four_shards_read_their_own_shards_and_train_like_one(tmp_path):
+    """Shard affinity: rank r trains the rows of the shards k with k mod 3 == r (rank 0 two shards,
+    the others one), every step; the global batch is still the exact sampler's even share of every
+    shard, so the losses and weights are one rank's."""
+    reference = tmp_path / "one-rank"
+    make_sharded_run(reference)
+    train(reference, STEPS, mode="shards")
+    root = tmp_path / "three-ranks"
+    make_sharded_run(root)
+    torchrun(3, root, STEPS, "shards")
+    torch.testing.assert_close(losses(root), losses(reference), rtol=1e-4, atol=1e-6)
+    expected, trained = final_weights(reference), final_weights(root)
+    for key in expected:
+        torch.testing.assert_close(trained[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
+    per_rank = [[json.loads(line) for line in (root / f"rows-rank{r}.jsonl").read_text().splitlines()]
+                for r in range(3)]
+    for step in range(STEPS):
+        shards_of = [{tid // ROWS_PER_SHARD for tid in lines[step]["rows"]} for lines in per_rank]
+        assert shards_of == [{0, 3}, {1}, {2}], (step, shards_of)
+        trained_ids = sorted(tid for lines in per_rank for tid in lines[step]["rows"])
+        share = SETTINGS.batch_size // SHARDS  # oldest first in each shard
+        assert trained_ids == [k * ROWS_PER_SHARD + step * share + i for k in range(SHARDS) for i in range(share)]
 
 
 def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(one_rank, tmp_path):
