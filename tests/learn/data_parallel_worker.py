@@ -9,7 +9,9 @@ writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the 
 ``fsdp``: :data:`SETTINGS` with ``parallelism="fsdp"`` (FSDP2 instead of DDP). ``turns`` and
 ``turns-fsdp``: :data:`MULTI_TURN_SETTINGS` (a buffer of multi-turn trajectories), with DDP or FSDP2.
 ``shards``: :data:`SHARDED_SETTINGS` over a buffer of :data:`SHARDS` shards (:func:`make_sharded_run`),
-each rank writing its rows as ``live`` does.
+each rank writing its rows as ``live`` does. ``s3-shards BUFFER_URL``: the same over a buffer at an
+S3 URL (the server and credentials in the environment); each rank signs its requests with its own
+access key id (``rank<R>``), so the server can tell which rank sent what.
 """
 
 from __future__ import annotations
@@ -111,13 +113,14 @@ def record_rows(root: Path, rank: int):
     return on_step
 
 
-def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mode: str = "") -> Learner:
+def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mode: str = "",
+          buffer: str | None = None) -> Learner:
     data_parallel = data_parallel or DataParallel()
-    live = mode in ("live", "shards")
-    settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
+    live = mode in ("live", "shards", "s3-shards")
+    settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "s3-shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
                 "turns": MULTI_TURN_SETTINGS,
                 "turns-fsdp": dataclasses.replace(MULTI_TURN_SETTINGS, parallelism="fsdp")}.get(mode, SETTINGS)
-    learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps,
+    learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps, buffer=buffer,
                       seed=SEED, show_progress=False, data_parallel=data_parallel,
                       on_step=record_rows(root, data_parallel.rank) if live else None)
     try:
@@ -136,8 +139,17 @@ def main() -> None:
     torch.set_num_threads(1)
     data_parallel = DataParallel.from_torchrun_env()
     data_parallel.start(torch.device("cpu"))
+    mode, buffer = (sys.argv[3:] + ["", ""])[:2]
+    if mode == "s3-shards":
+        import os
+
+        from rlhf_pipeline.storage.zarr import object_store
+
+        os.environ["AWS_ACCESS_KEY_ID"] = f"rank{data_parallel.rank}"
+        # every refresh asked for is sent (not once a second): a rank that refreshed would show on the server
+        object_store.DEFAULT_REFRESH_INTERVAL_S = 0.0
     try:
-        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel, mode=(sys.argv[3:] or [""])[0])
+        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel, mode=mode, buffer=buffer or None)
     finally:
         data_parallel.stop()
 
