@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import json
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -166,6 +167,8 @@ class SimulatedRanks:
         mine, _ = main.local_positions(sampled.positions, sampled.rank_rows)
         reader0.read(mine)
         shared = main.view_changes(names) if self.mode.shared_refresh else dataclasses.replace(names, view=None)
+        # about what broadcast_object_list sends (the sampler state stays on rank 0)
+        self.broadcast_bytes = len(pickle.dumps((dataclasses.replace(sampled, sampler_state={}), shared)))
 
         def other_rank(r: int) -> None:
             rank, reader = self.ranks[r], self.readers[r]
@@ -247,6 +250,7 @@ def measure(shards: int, ranks: int, steps: int, rows: int, samplers: list[str],
                             appended_s = time.perf_counter() - started
                             simulated.step(pool)
                             per_step.append(_summary(server.counts(reset=True), keys, written))
+                            per_step[-1]["broadcast KB"] = simulated.broadcast_bytes / 1e3
                             log(f"[bench fanout] {sampler}, {mode.name}: step {number + 1}/{steps} (appends "
                                 f"{appended_s:.1f} s, step {time.perf_counter() - started - appended_s:.1f} s)")
                         results.append({"sampler": sampler, "mode": mode.name, "steps": per_step})
@@ -292,7 +296,8 @@ COLUMNS = [("rank 0: LIST + record GETs", lambda s: s["rank 0 LIST"] + s["rank 0
            ("units read", lambda s: s["units read"], 0),
            ("ranks per unit read", lambda s: s["ranks per unit"], 2),
            ("ranks 1+ per unit they read", lambda s: s["other ranks per unit"], 2),
-           ("collectors: PUTs", lambda s: s["collectors PUT"], 0)]
+           ("collectors: PUTs", lambda s: s["collectors PUT"], 0),
+           ("draw broadcast, KB", lambda s: s["broadcast KB"], 0)]
 
 
 def table(results: list[dict]) -> str:
