@@ -44,7 +44,7 @@ def test_other_ranks_adopt_rank_zeros_refresh_and_send_no_record_get_or_list(s3_
     try:
         for k, writer in enumerate(writers):
             writer.append(_rows(k, 0))
-        options = dict(storage_options=s3_server.options, refresh_interval_s=0)
+        options = {"storage_options": s3_server.options, "refresh_interval_s": 0}
         main, other = open_buffer(prefix, **options), open_buffer(prefix, **options)
         rank0, rank1 = DataParallel(rank=0, world_size=2), DataParallel(rank=1, world_size=2)
         sampler = ExactUseSampler(main, batch_size=10)
@@ -78,7 +78,7 @@ def test_a_shard_new_to_another_rank_is_opened_from_rank_zeros_listing(s3_server
     prefix = s3_server.url("buffer")
     with ZarrTrajectoryStore.create(f"{prefix}/shard-0000", StoreSchema(), storage_options=s3_server.options) as w:
         w.append(_rows(0, 0))
-    options = dict(storage_options=s3_server.options, refresh_interval_s=0)
+    options = {"storage_options": s3_server.options, "refresh_interval_s": 0}
     main, other = open_buffer(prefix, **options), open_buffer(prefix, **options)
     with ZarrTrajectoryStore.create(f"{prefix}/shard-0001", StoreSchema(), storage_options=s3_server.options) as w:
         w.append(_rows(1, 0))
@@ -133,7 +133,7 @@ def test_each_rank_reads_its_slice_from_its_own_shards_every_step(tmp_path, rank
         names = row_names(reader, sampled.positions)
         for rank, dp in enumerate(dps):  # the names a rank reads are the same slice of the draw
             mine, _ = dp.local_names(names, sampled.rank_rows)
-            assert set(mine.keys[i] for i in np.unique(mine.shard)) == {f"shard-{k:04d}" for k in range(5)
+            assert {mine.keys[i] for i in np.unique(mine.shard)} == {f"shard-{k:04d}" for k in range(5)
                                                                          if k % ranks == rank}
     reader.close()
 
@@ -144,4 +144,23 @@ def test_fewer_shards_than_ranks_keep_equal_slices(tmp_path):
     ordered = DataParallel(rank=0, world_size=3).order_by_rank(sampled, reader)
     assert ordered is sampled and ordered.rank_rows is None
     assert DataParallel(rank=2, world_size=3).local_positions(sampled.positions)[0].numel() == 2
+    reader.close()
+
+
+def test_a_draw_of_trajectories_is_ordered_by_rank_with_its_steps_and_weights(tmp_path):
+    """Rank 0 narrows a multi-turn draw to the rows that end a trajectory, with each one's step: the
+    reorder moves steps (and importance weights) with their rows, so each trajectory is read whole
+    by the rank that owns its shard (its earlier turns are in the same shard)."""
+    import dataclasses
+
+    reader = _sharded_buffer(tmp_path / "buffer", shards=4, appends=1)
+    positions = torch.tensor([15, 0, 9, 4, 13, 6])  # shards 3, 0, 2, 1, 3, 1
+    sampled = dataclasses.replace(ExactUseSampler(reader, batch_size=4).draw(0), positions=positions,
+                                  trajectory_steps=positions % 3, weights=positions.double() / 10)
+    ordered = DataParallel(rank=0, world_size=2).order_by_rank(sampled, reader)
+    # rank 0 owns shards 0 and 2, rank 1 shards 1 and 3; within a rank the draw's order is kept
+    assert ordered.rank_rows == [2, 4]
+    assert ordered.positions.tolist() == [0, 9, 15, 4, 13, 6]
+    assert torch.equal(ordered.trajectory_steps, ordered.positions % 3)
+    assert torch.equal(ordered.weights, ordered.positions.double() / 10)
     reader.close()
