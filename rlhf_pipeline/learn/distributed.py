@@ -159,7 +159,6 @@ class DataParallel:
         if self._started_here and dist.is_initialized():
             dist.destroy_process_group()
             self._started_here = False
-        self._shared_view = SharedView()  # rank 0: each shard's record as the other ranks hold it
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """The module forward/backward run through: DDP over the ranks, ``model`` sharded in place
