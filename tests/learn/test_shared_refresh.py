@@ -164,3 +164,24 @@ def test_a_draw_of_trajectories_is_ordered_by_rank_with_its_steps_and_weights(tm
     assert torch.equal(ordered.trajectory_steps, ordered.positions % 3)
     assert torch.equal(ordered.weights, ordered.positions.double() / 10)
     reader.close()
+
+
+def test_a_single_store_at_a_url_is_shared_the_same_way(s3_server):
+    url = s3_server.url("buffer")
+    with ZarrTrajectoryStore.create(url, StoreSchema(), storage_options=s3_server.options) as writer:
+        writer.append(_rows(0, 0))
+        main = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=0)
+        other = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=0)
+        writer.append(_rows(0, 1))
+        main.refresh()
+        names = row_names(main, torch.arange(8))
+        assert list(names.view) == ["."]
+        with s3_server.requests.recording() as sent:
+            positions = DataParallel(rank=1, world_size=2).positions_in_view(
+                other, DataParallel(rank=0, world_size=2).view_changes(names), stop=threading.Event(), timeout_s=5)
+        assert sent == [] and other.next_row - other.first_row == 8  # rank 0's record, adopted without a request
+        assert other.read(positions)["trajectory_id"].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+        with pytest.raises(Exception, match="only a reader adopts"):
+            writer.adopt_record(main.published_record)
+        main.close()
+        other.close()
