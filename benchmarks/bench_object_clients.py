@@ -107,7 +107,7 @@ class S3fsClient:
 
         from rlhf_pipeline.storage.zarr.object_store import object_store_options
 
-        options = object_store_options({"endpoint_url": endpoint, "key": "k", "secret": "s"})
+        options = object_store_options({"endpoint_url": endpoint, "key": "k", "secret": "s"}, location="s3://")
         self.fs = s3fs.S3FileSystem(**options)
         self.bucket = bucket
 

@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
               f"(range {min(read) * 1e3:.2f}-{max(read) * 1e3:.2f}); {args.batches} batches of 64")
     finally:
         writer.close()
-        fs, path = fsspec.core.url_to_fs(url, **object_store_options(options))
+        fs, path = fsspec.core.url_to_fs(url, **object_store_options(options, location=url))
         fs.rm(path, recursive=True)
     return 0
 

@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
                       f"{statistics.median(times) * 1e3:.1f} ({min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}) |",
                       flush=True)
     finally:
-        fs, path = fsspec.core.url_to_fs(root, **object_store_options(options))
+        fs, path = fsspec.core.url_to_fs(root, **object_store_options(options, location=root))
         fs.rm(path, recursive=True)
     return 0
 

@@ -25,21 +25,27 @@ class RequestLog:
 
     def __init__(self, app):
         self.app = app
-        self.entries: list[tuple[str, str]] | None = None
+        self.entries: list[tuple] | None = None
+        self._by_key = False
         self._lock = threading.Lock()
 
     def __call__(self, environ, start_response):
         if self.entries is not None:
             query = environ.get("QUERY_STRING")
+            entry = (environ["REQUEST_METHOD"], environ.get("PATH_INFO", "") + (f"?{query}" if query else ""))
+            if self._by_key:  # the access key id the request was signed with: which client sent it
+                authorization = environ.get("HTTP_AUTHORIZATION", "")
+                entry = (authorization.partition("Credential=")[2].partition("/")[0], *entry)
             with self._lock:
-                self.entries.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", "") + (f"?{query}" if query else "")))
+                self.entries.append(entry)
         return self.app(environ, start_response)
 
     @contextlib.contextmanager
-    def recording(self):
-        """``with server.requests.recording() as entries:`` the requests sent inside the block."""
-        entries: list[tuple[str, str]] = []
-        self.entries = entries
+    def recording(self, *, by_key: bool = False):
+        """``with server.requests.recording() as entries:`` the requests sent inside the block;
+        ``by_key``: ``(access key id, method, path)``, to tell clients signing with different keys apart."""
+        entries: list[tuple] = []
+        self.entries, self._by_key = entries, by_key
         try:
             yield entries
         finally:

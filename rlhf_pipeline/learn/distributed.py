@@ -13,10 +13,14 @@ What makes N ranks train exactly like one:
   each draw, with the lasting names (shard, row id) of its rows, with one
   ``broadcast_object_list`` on the main thread (:meth:`share_draw`), and every rank reads only
   its own contiguous slice (:meth:`local_positions`, :meth:`local_names`; of trajectories, for
-  multi-turn rows) from its own view of the same buffer, refreshed until it holds those rows
-  (:meth:`positions_in_view`). So the ranks train on rank 0's rows while collectors write, and
-  the checkpointed sampler state is rank 0's. When rank 0 has no draw to give (stopped, or its
-  draw failed) it shares a :class:`MainStopped`, so no rank waits forever.
+  multi-turn rows) from its own view of the same buffer (:meth:`positions_in_view`). So the
+  ranks train on rank 0's rows while collectors write, and the checkpointed sampler state is
+  rank 0's. When rank 0 has no draw to give (stopped, or its draw failed) it shares a
+  :class:`MainStopped`, so no rank waits forever.
+* **One refresh per step, and shard affinity** (``learn/rank_slices.py``): for a buffer at a URL
+  the other ranks adopt the commit records rank 0's refresh read, sent with the draw, instead of
+  refreshing themselves; with at least as many shards as ranks, each rank's slice comes from its
+  own shards (shard ``k`` belongs to rank ``k mod N``).
 * **The same loss.** The loss is normalized by the *global* batch: every rank weighs its
   micro-batches by their share of the global response tokens (``token_mean``) or rows (the
   other aggregations), counted with one all-reduce (:meth:`sum_counts`). The sum over ranks
@@ -57,12 +61,13 @@ from tensordict import TensorDict
 
 from rlhf_pipeline.learn.loss import aggregates_by_token
 from rlhf_pipeline.learn.microbatch import take_rows
-from rlhf_pipeline.learn.samplers import DataTimeoutError
-from rlhf_pipeline.learn.shard_rows import RowNames, positions_of
+from rlhf_pipeline.learn.rank_slices import SharedView, order_by_owner, positions_in_view, rank_slice
+from rlhf_pipeline.learn.shard_rows import RowNames
 from rlhf_pipeline.learn.stale_rows import drop_stale
 from rlhf_pipeline.learn.step import MicroBatch, StepPlan, batch_counts, micro_batch_weight, plan_step, split_batch
 
 if TYPE_CHECKING:
+    from rlhf_pipeline.learn.samplers import SampledRows
     from rlhf_pipeline.learn.settings import LearnerSettings
 
 #: the per-row flag of a filler batch (see the module docstring): its rows carry no loss
@@ -96,6 +101,7 @@ class DataParallel:
             raise ValueError(f"data-parallel rank {self.rank} of world size {self.world_size} (local rank "
                              f"{self.local_rank}) is impossible: need 0 <= rank < world_size and local_rank >= 0")
         self._started_here = False
+        self._shared_view = SharedView()  # rank 0: each shard's record as the other ranks hold it
 
     @classmethod
     def from_torchrun_env(cls, environ: Mapping[str, str] | None = None) -> DataParallel:
@@ -169,16 +175,16 @@ class DataParallel:
         return DistributedDataParallel(model, device_ids=device_ids)
 
     # ------------------------------------------------------------------ data
-    def local_positions(self, positions: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def local_positions(self, positions: torch.Tensor, rank_rows: list[int] | None = None) -> tuple[torch.Tensor, bool]:
         """This rank's contiguous slice of a draw's global positions (or of any per-row values of the
-        draw, e.g. importance weights), and whether it is a filler (an empty slice replaced by the
-        draw's first row, to be trained with weight 0)."""
+        draw, e.g. importance weights), and whether it is a filler: ``rank_slices.rank_slice``."""
         if not self.enabled:
             return positions, False
-        mine = torch.tensor_split(positions, self.world_size)[self.rank]
-        if mine.numel() == 0:
-            return positions[:1], True
-        return mine, False
+        return rank_slice(positions, self.rank, self.world_size, rank_rows)
+
+    def order_by_rank(self, sampled: SampledRows, store) -> SampledRows:
+        """Rank 0's draw ordered by the rank that owns each row's shard: ``rank_slices.order_by_owner``."""
+        return order_by_owner(sampled, store, self.world_size) if self.enabled else sampled
 
     @staticmethod
     def mark_filler(batch: TensorDict, filler: bool) -> TensorDict:
@@ -198,28 +204,16 @@ class DataParallel:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def local_names(self, names: RowNames) -> tuple[RowNames, bool]:
+    def local_names(self, names: RowNames, rank_rows: list[int] | None = None) -> tuple[RowNames, bool]:
         """This rank's contiguous slice of a draw's row names, as :meth:`local_positions` slices positions."""
-        index, filler = self.local_positions(torch.arange(names.ids.shape[0]))
+        index, filler = self.local_positions(torch.arange(names.ids.shape[0]), rank_rows)
         return names.select(index.numpy()), filler
 
-    @staticmethod
-    def positions_in_view(store, names: RowNames, *, stop: threading.Event, timeout_s: float) -> torch.Tensor:
-        """Positions of ``names`` in this rank's view of the buffer, refreshed until it holds every
-        one of them: rank 0 may have drawn rows published after this rank's last refresh."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            store.refresh()
-            positions = positions_of(store, names)
-            if positions is not None:
-                return positions
-            if stop.is_set():
-                raise InterruptedError("data-parallel rank stopped while waiting for rank 0's rows")
-            if time.monotonic() > deadline:
-                raise DataTimeoutError(f"this data-parallel rank's view of {store.location} lacked rows rank 0 "
-                                       f"drew for {timeout_s:.0f}s (learner.data_timeout_s): is the buffer on a "
-                                       f"file system every rank sees the same way?")
-            time.sleep(0.01)
+    def view_changes(self, names: RowNames) -> RowNames:
+        """Rank 0: ``names`` with only the shard records the other ranks do not hold yet."""
+        return self._shared_view.changes(names)
+
+    positions_in_view = staticmethod(positions_in_view)
 
     # ------------------------------------------------------------------ reductions
     def any_rank(self, flag: bool) -> bool:
@@ -312,13 +306,13 @@ class DataParallel:
                 self.share_draw(MainStopped(interrupted=False, message=f"{type(exc).__name__}: {exc}"))
                 raise
             # the sampler state stays here: only rank 0 checkpoints it
-            self.share_draw((draw, dataclasses.replace(sampled, sampler_state={}), names, intake))
+            self.share_draw((draw, dataclasses.replace(sampled, sampler_state={}), self.view_changes(names), intake))
             return draw, (sampled, batch, names, intake), time.perf_counter() - start
         shared = self.share_draw(None)
         if isinstance(shared, MainStopped):
             shared.raise_here()
         draw, sampled, names, intake = shared
-        mine, filler = self.local_names(names)
+        mine, filler = self.local_names(names, sampled.rank_rows)
         positions = self.positions_in_view(store, mine, stop=stop, timeout_s=timeout_s)
         return draw, (sampled, read_slice(sampled, positions, filler), names, intake), time.perf_counter() - start
 

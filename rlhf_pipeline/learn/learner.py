@@ -286,7 +286,7 @@ class Learner:
                 return finish(positions, with_reasons(positions, collator.read(self._store, positions)), filler)
             if sampled.positions.numel() == 0:
                 return None
-            steps, _ = self.data_parallel.local_positions(sampled.trajectory_steps)
+            steps, _ = self.data_parallel.local_positions(sampled.trajectory_steps, sampled.rank_rows)
             if ragged:
                 joined = read_joined(self._store, positions, steps, turn_advantage=self.settings.turn_advantage,
                                      turn_advantage_weight=self.settings.turn_advantage_weight)
@@ -311,8 +311,8 @@ class Learner:
         def produce(draw: int):
             sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
             if self.data_parallel.enabled:
-                sampled = narrow_whole_draw(sampled)
-                positions, filler = self.data_parallel.local_positions(sampled.positions)  # this rank's slice
+                sampled = self.data_parallel.order_by_rank(narrow_whole_draw(sampled), self._store)  # shard affinity
+                positions, filler = self.data_parallel.local_positions(sampled.positions, sampled.rank_rows)
                 return sampled, read_slice(sampled, positions, filler)
             if ragged:
                 return produce_packed(sampled)
@@ -384,7 +384,7 @@ class Learner:
             self._sampler_state = sampled.sampler_state
             if sampled.weights is not None:  # prioritized sampling: the loss weighs each row
                 weights = mean_one(sampled.weights)  # over the global batch; this rank takes its rows'
-                batch["sample_weight"], _ = self.data_parallel.local_positions(weights)
+                batch["sample_weight"], _ = self.data_parallel.local_positions(weights, sampled.rank_rows)
             intake.step, intake.draws = self.progress.step, self.progress.draws
             intake.policy_version = self.progress.policy_version  # what the rounds it allows use (pacing.py)
             if self.data_parallel.is_main:

@@ -8,6 +8,11 @@ and blocks (``learn/samplers/exact.py``), the rows it has trained on (``learn/us
 the rows it has taken in from each shard, which it publishes so that collectors can pace
 themselves (:mod:`rlhf_pipeline.coordination.pacing`).
 
+A name resolves to a position against a *view* of the buffer. For a buffer at a URL, the names
+of a draw carry the view they were taken in: each shard's commit record as of that refresh
+(:func:`published_view`). Another process (a data-parallel rank) adopts it (:func:`adopt_view`)
+and so holds exactly the drawn rows without refreshing: no LIST, no record GET.
+
 A shard's *key* is its directory name under ``buffer/`` (``shard-0000``), or ``"."`` for a
 single store (runs made before shards, or a store opened on its own); a collector names its
 own store the same way, see :func:`rlhf_pipeline.coordination.pacing.shard_key`.
@@ -16,11 +21,16 @@ own store the same way, see :func:`rlhf_pipeline.coordination.pacing.shard_key`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from rlhf_pipeline.storage.buffers import is_url, shard_index
+
 SINGLE_STORE_KEY = "."
+#: shard key -> the commit record a refresh read (a Zarr store's ``published_record``)
+View = dict[str, dict[str, Any]]
 
 
 def shard_stores(store) -> list[tuple[str, object]]:
@@ -45,9 +55,10 @@ class RowNames:
     keys: list[str]  # the shard keys the rows come from
     shard: np.ndarray  # (B,) index into keys
     ids: np.ndarray  # (B,) global row id within its shard
+    view: View | None = None  # what they were named in, for a buffer at a URL (see the module docstring)
 
     def select(self, mask: np.ndarray) -> RowNames:
-        return RowNames(self.keys, self.shard[mask], self.ids[mask])
+        return RowNames(self.keys, self.shard[mask], self.ids[mask], self.view)
 
     def by_shard(self) -> dict[str, np.ndarray]:
         return {key: self.ids[self.shard == i] for i, key in enumerate(self.keys) if bool((self.shard == i).any())}
@@ -58,7 +69,7 @@ class RowNames:
         turns = np.asarray(steps, dtype=np.int64) + 1
         first = np.repeat(self.ids - turns + 1, turns)
         within = np.arange(int(turns.sum())) - np.repeat(np.cumsum(turns) - turns, turns)
-        return RowNames(self.keys, np.repeat(self.shard, turns), first + within)
+        return RowNames(self.keys, np.repeat(self.shard, turns), first + within, self.view)
 
 
 def row_names(store, positions: torch.Tensor) -> RowNames:
@@ -67,13 +78,35 @@ def row_names(store, positions: torch.Tensor) -> RowNames:
     locate = getattr(store, "locate", None)
     if locate is None:
         return RowNames([SINGLE_STORE_KEY], np.zeros(positions.numel(), dtype=np.int64),
-                        positions.numpy() + int(store.first_row))
-    shard_index, local = locate(positions)
+                        positions.numpy() + int(store.first_row), published_view(store))
+    indices, local = locate(positions)
     stores = shard_stores(store)
     index_of = {int(key.rsplit("-", 1)[1]): i for i, (key, _) in enumerate(stores)}
     firsts = torch.tensor([int(shard.first_row) for _, shard in stores], dtype=torch.int64)
-    slot = torch.tensor([index_of[int(i)] for i in shard_index.tolist()], dtype=torch.int64)
-    return RowNames([key for key, _ in stores], slot.numpy(), (local + firsts[slot]).numpy())
+    slot = torch.tensor([index_of[int(i)] for i in indices.tolist()], dtype=torch.int64)
+    return RowNames([key for key, _ in stores], slot.numpy(), (local + firsts[slot]).numpy(), published_view(store))
+
+
+def published_view(store) -> View | None:
+    """Each shard's commit record as of ``store``'s last refresh, by shard key, when the buffer is at
+    a URL and every shard is a Zarr store; else None: a local refresh costs an ``fstat`` per shard,
+    nothing worth sending to another process. References, not copies: a refresh replaces a record."""
+    if not is_url(store.location):
+        return None
+    stores = shard_stores(store)
+    if not all(hasattr(shard, "published_record") for _, shard in stores):
+        return None
+    return {key: shard.published_record for key, shard in stores}
+
+
+def adopt_view(store, view: View) -> None:
+    """``store`` (another process's reader of the same buffer) takes ``view`` as its own, without a
+    request: afterwards it holds exactly the rows the view's process held (shards ``view`` leaves
+    out keep their records)."""
+    if hasattr(store, "adopt_records"):
+        store.adopt_records({shard_index(key): record for key, record in view.items()})
+    elif view:
+        store.adopt_record(view[SINGLE_STORE_KEY])
 
 
 def union_positions(store, rows: dict[str, np.ndarray]) -> tuple[torch.Tensor, int]:

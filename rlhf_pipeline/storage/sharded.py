@@ -1,5 +1,8 @@
 """A read-only union of several stores: how several collectors feed one learner.
 
+Why one file: the union's positions are its shards' lengths as of one refresh; refreshing,
+locating, reading and sharing a refresh with another reader all keep that one state consistent.
+
 Each store takes exactly one writer, so a run scales out by *shards*: collector ``k``
 owns ``<buffer>/shard-<kkkk>/``, a store of its own (with its own pending-groups state
 of the group-advantage transform), and the learner reads the union of all shards::
@@ -26,6 +29,10 @@ store:
   ``1 + shards`` requests per batch. On an object store the shards' GETs (and the opening of
   shards that appeared) go out together, ``refresh_threads`` at a time, not one after another:
   a refresh then waits about one round trip, not one per shard;
+* one refresh can serve several readers of the buffer at a URL (data-parallel learner ranks):
+  :meth:`~ShardedStoreReader.published_records` gives each shard's commit record as of the last
+  refresh, and another reader's :meth:`~ShardedStoreReader.adopt_records` takes them as its view
+  without a request, so it holds exactly the first reader's rows;
 * ``read(positions, fields=)`` reads each shard's rows in one call and returns the rows
   in the requested order;
 * ``next_row`` / ``first_row`` are sums over the shards: ``next_row`` counts the rows ever
@@ -145,12 +152,14 @@ class ShardedStoreReader(TrajectoryStore):
         return dict(self._shards)
 
     def _discover(self) -> None:
-        from rlhf_pipeline.storage.backends import open_store
-
         if self._listing_current():
             return
-        new = [(index, path) for index, path in list_shards(self._path, self._open_options.get("storage_options"))
-               if index not in self._shards]
+        self._open_shards([(index, path) for index, path in list_shards(self._path, self._open_options.get(
+            "storage_options")) if index not in self._shards])
+
+    def _open_shards(self, new: list[tuple[int, str]]) -> None:
+        """Opens the shards ``(index, location)`` together; one still being created is skipped for now."""
+        from rlhf_pipeline.storage.backends import open_store
 
         def open_shard(path: str) -> TrajectoryStore | Exception:
             try:
@@ -219,6 +228,35 @@ class ShardedStoreReader(TrajectoryStore):
         self._lengths = torch.tensor(lengths, dtype=torch.int64)
         self._starts = torch.cumsum(self._lengths, 0) - self._lengths
         return int(self._lengths.sum())
+
+    # ================================================================ one refresh, several readers
+    def published_records(self) -> dict[int, dict[str, Any]] | None:
+        """Each open shard's commit record as of the last refresh, by shard index: what another reader
+        of the same buffer adopts (:meth:`adopt_records`) to hold exactly these rows without sending a
+        request. None for a local buffer or memmap shards: a local refresh costs an ``fstat`` per shard."""
+        if not is_url(self._path):
+            return None
+        return {index: self._shards[index].published_record for index in self._order}
+
+    def adopt_records(self, records: dict[int, dict[str, Any]]) -> None:
+        """Takes ``records`` (shard index -> commit record, read by another reader's refresh of this
+        buffer) as this reader's view: no LIST and no record GET. Shards not named keep the record
+        they had. A shard not open here yet is opened first (one GET, once per shard)."""
+        if self._closed:
+            raise StoreClosedError(f"{self._path}: the sharded reader is closed; open the buffer again")
+        missing = [(index, shard_location(self._path, index)) for index in records if index not in self._shards]
+        if missing:
+            self._open_shards(missing)
+            unopened = [shard_name(index) for index, _ in missing if index not in self._shards]
+            if unopened:
+                raise StoreCorruptedError(f"{self._path}: shards {unopened} hold no store, yet another reader of this "
+                                          f"buffer read their commit records: {self._skipped}")
+        for index, record in records.items():
+            self._shards[index].adopt_record(record)
+        self._refreshed_at = time.monotonic()
+        self._lengths = torch.tensor([self._shards[i].next_row - self._shards[i].first_row for i in self._order],
+                                     dtype=torch.int64)
+        self._starts = torch.cumsum(self._lengths, 0) - self._lengths
 
     def _map(self, function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
         """``[function(item) for item in items]``, on the refresh threads when there are several."""

@@ -8,6 +8,10 @@ environment, the process group started before the learner and stopped after it. 
 writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the step's draw).
 ``fsdp``: :data:`SETTINGS` with ``parallelism="fsdp"`` (FSDP2 instead of DDP). ``turns`` and
 ``turns-fsdp``: :data:`MULTI_TURN_SETTINGS` (a buffer of multi-turn trajectories), with DDP or FSDP2.
+``shards``: :data:`SHARDED_SETTINGS` over a buffer of :data:`SHARDS` shards (:func:`make_sharded_run`),
+each rank writing its rows as ``live`` does. ``s3-shards BUFFER_URL``: the same over a buffer at an
+S3 URL (the server and credentials in the environment); each rank signs its requests with its own
+access key id (``rank<R>``), so the server can tell which rank sent what.
 """
 
 from __future__ import annotations
@@ -55,6 +59,13 @@ MULTI_TURN_SETTINGS = LearnerSettings(batch_size=8, sampler="epoch", epoch_order
                                       loss=GRPOLossConfig(old_policy="current"))
 
 
+# the exact sampler over several shards: each draw takes an even share of every shard, oldest first
+SHARDS, ROWS_PER_SHARD = 4, 20
+SHARDED_SETTINGS = LearnerSettings(batch_size=16, sampler="exact", micro_batch_tokens=48, lr=1e-3, warmup_steps=1,
+                                   max_staleness=None, checkpoint_every=2, log_every=1,
+                                   loss=GRPOLossConfig(old_policy="current"))
+
+
 def make_model() -> torch.nn.Module:
     return tiny_causal_lm(len(TOKENIZER), hidden_size=32, num_layers=1, num_heads=2, seed=0)
 
@@ -76,6 +87,20 @@ def make_run(root: Path) -> RunPaths:
     return paths
 
 
+def make_sharded_run(root: Path) -> RunPaths:
+    """A run whose buffer is :data:`SHARDS` shards of :data:`ROWS_PER_SHARD` rows: shard ``k`` holds the
+    rows with trajectory ids ``[k * ROWS_PER_SHARD, (k + 1) * ROWS_PER_SHARD)``."""
+    paths = RunPaths(root)
+    source = rows(SHARDS * ROWS_PER_SHARD)
+    for k in range(SHARDS):
+        store = create_store(paths.buffer / f"shard-{k:04d}", "memmap", schema=StoreSchema(optional=("advantage",)),
+                             segment_rows=8)
+        store.append(source.select(slice(k * ROWS_PER_SHARD, (k + 1) * ROWS_PER_SHARD)))
+        store.close()
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    return paths
+
+
 def record_rows(root: Path, rank: int):
     """An ``on_step`` that appends the step's rows (trajectory ids of this rank's slice; on rank 0
     also the draw's positions) to ``root/rows-rank<rank>.jsonl``."""
@@ -88,13 +113,14 @@ def record_rows(root: Path, rank: int):
     return on_step
 
 
-def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mode: str = "") -> Learner:
+def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mode: str = "",
+          buffer: str | None = None) -> Learner:
     data_parallel = data_parallel or DataParallel()
-    live = mode == "live"
-    settings = {"live": LIVE_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
+    live = mode in ("live", "shards", "s3-shards")
+    settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "s3-shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
                 "turns": MULTI_TURN_SETTINGS,
                 "turns-fsdp": dataclasses.replace(MULTI_TURN_SETTINGS, parallelism="fsdp")}.get(mode, SETTINGS)
-    learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps,
+    learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps, buffer=buffer,
                       seed=SEED, show_progress=False, data_parallel=data_parallel,
                       on_step=record_rows(root, data_parallel.rank) if live else None)
     try:
@@ -113,8 +139,17 @@ def main() -> None:
     torch.set_num_threads(1)
     data_parallel = DataParallel.from_torchrun_env()
     data_parallel.start(torch.device("cpu"))
+    mode, buffer = (sys.argv[3:] + ["", ""])[:2]
+    if mode == "s3-shards":
+        import os
+
+        from rlhf_pipeline.storage.zarr import object_store
+
+        os.environ["AWS_ACCESS_KEY_ID"] = f"rank{data_parallel.rank}"
+        # every refresh asked for is sent (not once a second): a rank that refreshed would show on the server
+        object_store.DEFAULT_REFRESH_INTERVAL_S = 0.0
     try:
-        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel, mode=(sys.argv[3:] or [""])[0])
+        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel, mode=mode, buffer=buffer or None)
     finally:
         data_parallel.stop()
 

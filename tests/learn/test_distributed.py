@@ -14,14 +14,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_parallel_worker import ROWS, SETTINGS, make_model, make_run, rows, train
+from data_parallel_worker import (
+    ROWS,
+    ROWS_PER_SHARD,
+    SETTINGS,
+    SHARDS,
+    make_model,
+    make_run,
+    make_sharded_run,
+    rows,
+    train,
+)
 from test_trajectories import OPTIONAL, multi_turn_rows
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema, TerminationReason
-from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.coordination.weights import latest_version, load_weights, publish_weights
 
 WORKER = Path(__file__).with_name("data_parallel_worker.py")
@@ -34,8 +44,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun(ranks: int, root: Path, steps: int, *extra: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
+def torchrun(ranks: int, root: Path, steps: int, *extra: str, env: dict[str, str] | None = None) -> None:
+    env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(root), str(steps), *extra]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
@@ -148,6 +158,75 @@ def test_two_ranks_train_on_rank_zeros_draws_while_the_buffer_grows(tmp_path):
     # the draws followed the growing buffer: the last ones hold rows appended after the start
     assert max(rank0[-1]["draw"]) >= ROWS
     assert len(losses(root)) == STEPS
+
+
+@pytest.fixture(scope="module")
+def one_rank_shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dp-shards") / "one-rank"
+    make_sharded_run(root)
+    train(root, STEPS, mode="shards")
+    return root
+
+
+def assert_trains_like(root: Path, reference: Path) -> None:
+    torch.testing.assert_close(losses(root), losses(reference), rtol=1e-4, atol=1e-6)
+    expected, trained = final_weights(reference), final_weights(root)
+    for key in expected:
+        torch.testing.assert_close(trained[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_three_ranks_over_four_shards_read_their_own_shards_and_train_like_one(one_rank_shards, tmp_path):
+    """Shard affinity: rank r trains the rows of the shards k with k mod 3 == r (rank 0 two shards,
+    the others one), every step; the global batch is still the exact sampler's even share of every
+    shard, so the losses and weights are one rank's."""
+    root = tmp_path / "three-ranks"
+    make_sharded_run(root)
+    torchrun(3, root, STEPS, "shards")
+    assert_trains_like(root, one_rank_shards)
+    per_rank = [[json.loads(line) for line in (root / f"rows-rank{r}.jsonl").read_text().splitlines()]
+                for r in range(3)]
+    for step in range(STEPS):
+        shards_of = [{tid // ROWS_PER_SHARD for tid in lines[step]["rows"]} for lines in per_rank]
+        assert shards_of == [{0, 3}, {1}, {2}], (step, shards_of)
+        trained_ids = sorted(tid for lines in per_rank for tid in lines[step]["rows"])
+        share = SETTINGS.batch_size // SHARDS  # oldest first in each shard
+        assert trained_ids == [k * ROWS_PER_SHARD + step * share + i for k in range(SHARDS) for i in range(share)]
+
+
+def _view_requests(sent) -> list[tuple[str, str]]:
+    """A listing of the buffer, or a GET of a shard's commit record: what refreshing a view sends."""
+    return [(method, path) for method, path in sent if "list-type=2" in path or path.endswith("/zarr.json")]
+
+
+def test_ranks_over_a_url_buffer_take_rank_zeros_refresh_and_get_only_their_rows(s3_server, one_rank_shards,
+                                                                                   tmp_path, monkeypatch):
+    """The buffer's shards on moto's S3 server, 3 ranks each signing with its own key: past opening the
+    buffer, ranks 1 and 2 send no listing and no record GET (rank 0's records come with its draws,
+    and every refresh asked for would be sent), only their rows' units; they train like one rank."""
+    from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
+
+    url = s3_server.url("buffer")
+    source = rows(SHARDS * ROWS_PER_SHARD)
+    for k in range(SHARDS):
+        with ZarrTrajectoryStore.create(f"{url}/shard-{k:04d}", StoreSchema(optional=("advantage",)),
+                                        segment_rows=8, storage_options=s3_server.options) as store:
+            store.append(source.select(slice(k * ROWS_PER_SHARD, (k + 1) * ROWS_PER_SHARD)))
+    for name, value in s3_server.env().items():  # what opening the buffer sends, as a rank opens it
+        monkeypatch.setenv(name, value)
+    with s3_server.requests.recording() as sent:
+        open_buffer(url).close()
+    opening = sorted(_view_requests(sent))
+    root = tmp_path / "s3"
+    publish_weights(RunPaths(root).root, make_model().state_dict(), 0)
+    with s3_server.requests.recording(by_key=True) as sent:
+        torchrun(3, root, STEPS, "s3-shards", url, env=s3_server.env())
+    assert_trains_like(root, one_rank_shards)
+    by_rank = [[(method, path) for key, method, path in sent if key == f"rank{r}"] for r in range(3)]
+    assert len(_view_requests(by_rank[0])) > len(opening)  # rank 0 refreshed for its draws
+    for rank in (1, 2):
+        assert sorted(_view_requests(by_rank[rank])) == opening, rank
+        units = {path.split("/units/")[1].split("/")[0] for method, path in by_rank[rank] if "/units/" in path}
+        assert units, rank  # it read its rows itself
 
 
 def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(one_rank, tmp_path):

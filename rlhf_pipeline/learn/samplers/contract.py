@@ -52,6 +52,10 @@ class SampledRows:
     # end a trajectory (learn/trajectories.py): (n,) the step of each, whose earlier turns train with
     # it. None: single-turn rows, trained as drawn
     trajectory_steps: torch.Tensor | None = None
+    # set by the data-parallel layer, not the sampler (learn/distributed.py, order_by_rank): the rows
+    # of each rank, in rank order, when the draw is ordered by the rank that owns each row's shard.
+    # None: the ranks take slices of equal size
+    rank_rows: list[int] | None = None
 
 
 class BatchSampler(Protocol):

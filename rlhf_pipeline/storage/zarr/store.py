@@ -335,6 +335,20 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         """The lease of this writer's lock on an object store; None for a reader or a local store."""
         return getattr(self._lock, "lease_s", None)
 
+    @property
+    def published_record(self) -> dict[str, Any]:
+        """The commit record this store's view follows (a reader's last refresh)."""
+        return self._record
+
+    def adopt_record(self, record: dict[str, Any]) -> None:
+        """A reader takes ``record``, read by another process's refresh, as its own view without a
+        request (data-parallel ranks share rank 0's refresh: ``learn/distributed.py``)."""
+        if self._writable:
+            raise ReadOnlyStoreError(f"{self._location}: a writer's view is its own publishes; only a reader adopts")
+        self._apply(record)
+        self._refreshed_at = time.monotonic()
+        self._cache.retain({u.name for u in self._units})
+
     def refresh(self, *, force: bool = False) -> int:
         """A reader re-reads the commit record, unless it did less than ``refresh_interval_s``
         ago (``force`` reads it anyway); returns the rows held."""

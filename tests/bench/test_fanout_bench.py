@@ -1,0 +1,63 @@
+"""benchmarks/bench_fanout.py at a tiny size: the request counts it reports are the ones docs/scaling.md
+models (counted on its moto server by the key each simulated rank signs with)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SHARDS, RANKS, ROWS = 6, 3, 4
+
+
+@pytest.fixture(scope="module")
+def results():
+    pytest.importorskip("moto.server", reason="needs moto's server: pip install -e '.[s3,test-s3]'")
+    pytest.importorskip("s3fs")
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_fanout
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    found = bench_fanout.measure(SHARDS, RANKS, steps=2, rows=ROWS, samplers=["exact", "window"], log=lambda _: None)
+    return {(r["sampler"], r["mode"]): r["steps"] for r in found}, bench_fanout.table(found)
+
+
+def test_other_ranks_stop_refreshing_once_rank_zeros_refresh_is_shared(results):
+    by_mode, _ = results
+    for sampler in ("exact", "window"):
+        for step in by_mode[sampler, "before"]:  # each other rank: one LIST and a GET per shard's record
+            assert step["others LIST"] == RANKS - 1
+            assert step["others record GET"] == (RANKS - 1) * SHARDS
+        for mode in ("shared refresh", "shared + affinity"):
+            for step in by_mode[sampler, mode]:
+                assert step["others LIST"] == step["others record GET"] == 0
+                assert step["others unit GET"] > 0  # they still read their slices
+        for step in by_mode[sampler, "before"] + by_mode[sampler, "shared refresh"]:
+            assert step["rank 0 LIST"] >= 1 and step["rank 0 record GET"] >= SHARDS  # rank 0 refreshes as before
+
+
+def test_with_affinity_each_unit_is_fetched_by_one_rank_besides_rank_zeros_look_at_the_draw(results):
+    by_mode, _ = results
+    for sampler in ("exact", "window"):
+        for step in by_mode[sampler, "shared + affinity"]:
+            assert step["units read"] == SHARDS  # one new fragment per shard
+            assert step["other ranks per unit"] == 1.0
+            # rank 0 reads done/step of every row drawn (the learner's multi-turn test), and its own slice
+            assert step["rank 0 unit GET"] == SHARDS
+    # random draws split in equal slices fetch a fragment from several ranks; the exact sampler's draw
+    # is in shard order, so its equal slices were close to affinity already
+    assert all(step["other ranks per unit"] > 1.0 for step in by_mode["window", "before"])
+    assert all(step["other ranks per unit"] == 1.0 for step in by_mode["exact", "before"])
+
+
+def test_the_table_has_a_row_per_sampler_and_mode(results):
+    by_mode, printed = results
+    lines = printed.splitlines()
+    assert len(lines) == 2 + len(by_mode)
+    assert lines[0].startswith("| sampler | mode | rank 0: LIST + record GETs")
+    for sampler, mode in by_mode:
+        assert any(line.startswith(f"| {sampler} | {mode} |") for line in lines)
+    assert all(step["collectors PUT"] >= 3 * SHARDS for steps in by_mode.values() for step in steps)

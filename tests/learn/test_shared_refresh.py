@@ -1,0 +1,187 @@
+"""Data-parallel ranks over a buffer of shards, without a process group: rank 0's refresh shared with
+the other ranks (no record GET, no LIST of theirs, counted on moto's server) and shard affinity (each
+rank's slice from its own shards). The ranks' process-group side is in test_distributed.py."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
+from rlhf_pipeline.learn.shard_rows import row_names
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.schema.synthetic import synthetic_batch
+from rlhf_pipeline.storage import create_store, open_buffer
+from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
+
+ROWS_PER_APPEND = 4
+
+
+def _rows(shard: int, append: int):
+    """Rows whose trajectory ids name their shard and append: ``shard * 1000 + append * 10 + i``."""
+    batch = synthetic_batch(ROWS_PER_APPEND, group_size=2, prompt_len=(2, 6), response_len=(2, 6),
+                            seed=shard * 100 + append)
+    return batch.with_columns(trajectory_id=torch.arange(ROWS_PER_APPEND) + shard * 1000 + append * 10)
+
+
+def _view_requests(sent) -> list[tuple[str, str]]:
+    """The requests that read a view of the buffer: a listing, or a shard's commit record."""
+    return [(method, path) for method, path in sent if "list-type=2" in path or path.endswith("/zarr.json")]
+
+
+def _unit_gets(sent) -> list[str]:
+    return [path for method, path in sent if method == "GET" and "/units/" in path]
+
+
+def test_other_ranks_adopt_rank_zeros_refresh_and_send_no_record_get_or_list(s3_server):
+    prefix = s3_server.url("buffer")
+    writers = [ZarrTrajectoryStore.create(f"{prefix}/shard-{k:04d}", StoreSchema(), segment_rows=64,
+                                          storage_options=s3_server.options) for k in range(5)]
+    try:
+        for k, writer in enumerate(writers):
+            writer.append(_rows(k, 0))
+        options = {"storage_options": s3_server.options, "refresh_interval_s": 0}
+        main, other = open_buffer(prefix, **options), open_buffer(prefix, **options)
+        rank0, rank1 = DataParallel(rank=0, world_size=2), DataParallel(rank=1, world_size=2)
+        sampler = ExactUseSampler(main, batch_size=10)
+        stop = threading.Event()
+        for step in range(3):
+            for k in (1, 3):  # some collectors append between steps, the others do not
+                writers[k].append(_rows(k, step + 1))
+            sampled = sampler.draw(step)
+            names = row_names(main, sampled.positions)  # on rank 0's prefetch thread, right after the draw
+            writers[2].append(_rows(2, 10 + step))  # published after rank 0's refresh: not in its view
+            shared = rank0.view_changes(names)
+            # what goes to the other ranks: every shard's record the first time, then the changed ones
+            assert sorted(shared.view) == (["shard-0000", "shard-0001", "shard-0002", "shard-0003", "shard-0004"]
+                                           if step == 0 else ["shard-0001", "shard-0002", "shard-0003"])
+            with s3_server.requests.recording() as sent:
+                positions = rank1.positions_in_view(other, shared, stop=stop, timeout_s=5)
+                rows = other.read(positions)
+            assert _view_requests(sent) == [], sent
+            assert _unit_gets(sent) or step > 0  # this rank reads the rows itself (step 0 fetched their units)
+            assert torch.equal(rows["trajectory_id"], main.read(sampled.positions)["trajectory_id"])
+            # exactly rank 0's view: the append published in between is not seen
+            assert [length for *_, length in other.shard_ranges()] == [length for *_, length in main.shard_ranges()]
+        main.close()
+        other.close()
+    finally:
+        for writer in writers:
+            writer.close()
+
+
+def test_a_shard_new_to_another_rank_is_opened_from_rank_zeros_listing(s3_server):
+    prefix = s3_server.url("buffer")
+    with ZarrTrajectoryStore.create(f"{prefix}/shard-0000", StoreSchema(), storage_options=s3_server.options) as w:
+        w.append(_rows(0, 0))
+    options = {"storage_options": s3_server.options, "refresh_interval_s": 0}
+    main, other = open_buffer(prefix, **options), open_buffer(prefix, **options)
+    with ZarrTrajectoryStore.create(f"{prefix}/shard-0001", StoreSchema(), storage_options=s3_server.options) as w:
+        w.append(_rows(1, 0))
+    main.refresh()
+    names = row_names(main, torch.arange(2 * ROWS_PER_APPEND))
+    with s3_server.requests.recording() as sent:
+        positions = DataParallel(rank=1, world_size=2).positions_in_view(
+            other, DataParallel(rank=0, world_size=2).view_changes(names), stop=threading.Event(), timeout_s=5)
+    assert sorted(other.shards) == [0, 1]
+    assert not any("list-type=2" in path for _, path in sent)  # the listing was rank 0's
+    assert [path for _, path in _view_requests(sent)] == [f"{prefix.removeprefix('s3:/')}/shard-0001/zarr.json"]
+    assert other.read(positions)["trajectory_id"].tolist() == list(range(4)) + list(range(1000, 1004))
+    main.close()
+    other.close()
+
+
+def test_a_local_buffer_shares_no_view(tmp_path):
+    """A local refresh is an fstat per shard: the ranks refresh themselves, as before."""
+    store = create_store(tmp_path / "buffer" / "shard-0000", "zarr", schema=StoreSchema())
+    store.append(_rows(0, 0))
+    store.close()
+    reader = open_buffer(tmp_path / "buffer")
+    assert row_names(reader, torch.arange(2)).view is None
+    reader.close()
+
+
+def _sharded_buffer(root, shards: int, appends: int):
+    for k in range(shards):
+        store = create_store(root / f"shard-{k:04d}", "memmap", schema=StoreSchema(), segment_rows=8)
+        for append in range(appends):
+            store.append(_rows(k, append))
+        store.close()
+    return open_buffer(root)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_each_rank_reads_its_slice_from_its_own_shards_every_step(tmp_path, ranks):
+    reader = _sharded_buffer(tmp_path / "buffer", shards=5, appends=3)
+    sampler = ExactUseSampler(reader, batch_size=15)
+    dps = [DataParallel(rank=r, world_size=ranks) for r in range(ranks)]
+    for step in range(4):
+        sampled = dps[0].order_by_rank(sampler.draw(step), reader)
+        assert sum(sampled.rank_rows) == 15
+        shard_of = reader.locate(sampled.positions)[0]
+        # the global batch is still the exact sampler's: an even share (3 rows) from each of the 5 shards
+        assert torch.bincount(shard_of, minlength=5).tolist() == [3] * 5
+        slices = [dp.local_positions(sampled.positions, sampled.rank_rows) for dp in dps]
+        assert torch.equal(torch.cat([mine for mine, _ in slices]), sampled.positions)
+        for rank, (mine, filler) in enumerate(slices):
+            assert not filler
+            assert set(reader.locate(mine)[0].tolist()) == {k for k in range(5) if k % ranks == rank}
+        names = row_names(reader, sampled.positions)
+        for rank, dp in enumerate(dps):  # the names a rank reads are the same slice of the draw
+            mine, _ = dp.local_names(names, sampled.rank_rows)
+            assert {mine.keys[i] for i in np.unique(mine.shard)} == {f"shard-{k:04d}" for k in range(5)
+                                                                         if k % ranks == rank}
+    reader.close()
+
+
+def test_fewer_shards_than_ranks_keep_equal_slices(tmp_path):
+    reader = _sharded_buffer(tmp_path / "buffer", shards=2, appends=2)
+    sampled = ExactUseSampler(reader, batch_size=8).draw(0)
+    ordered = DataParallel(rank=0, world_size=3).order_by_rank(sampled, reader)
+    assert ordered is sampled and ordered.rank_rows is None
+    assert DataParallel(rank=2, world_size=3).local_positions(sampled.positions)[0].numel() == 2
+    reader.close()
+
+
+def test_a_draw_of_trajectories_is_ordered_by_rank_with_its_steps_and_weights(tmp_path):
+    """Rank 0 narrows a multi-turn draw to the rows that end a trajectory, with each one's step: the
+    reorder moves steps (and importance weights) with their rows, so each trajectory is read whole
+    by the rank that owns its shard (its earlier turns are in the same shard)."""
+    import dataclasses
+
+    reader = _sharded_buffer(tmp_path / "buffer", shards=4, appends=1)
+    positions = torch.tensor([15, 0, 9, 4, 13, 6])  # shards 3, 0, 2, 1, 3, 1
+    sampled = dataclasses.replace(ExactUseSampler(reader, batch_size=4).draw(0), positions=positions,
+                                  trajectory_steps=positions % 3, weights=positions.double() / 10)
+    ordered = DataParallel(rank=0, world_size=2).order_by_rank(sampled, reader)
+    # rank 0 owns shards 0 and 2, rank 1 shards 1 and 3; within a rank the draw's order is kept
+    assert ordered.rank_rows == [2, 4]
+    assert ordered.positions.tolist() == [0, 9, 15, 4, 13, 6]
+    assert torch.equal(ordered.trajectory_steps, ordered.positions % 3)
+    assert torch.equal(ordered.weights, ordered.positions.double() / 10)
+    reader.close()
+
+
+def test_a_single_store_at_a_url_is_shared_the_same_way(s3_server):
+    url = s3_server.url("buffer")
+    with ZarrTrajectoryStore.create(url, StoreSchema(), storage_options=s3_server.options) as writer:
+        writer.append(_rows(0, 0))
+        main = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=0)
+        other = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=0)
+        writer.append(_rows(0, 1))
+        main.refresh()
+        names = row_names(main, torch.arange(8))
+        assert list(names.view) == ["."]
+        with s3_server.requests.recording() as sent:
+            positions = DataParallel(rank=1, world_size=2).positions_in_view(
+                other, DataParallel(rank=0, world_size=2).view_changes(names), stop=threading.Event(), timeout_s=5)
+        assert sent == [] and other.next_row - other.first_row == 8  # rank 0's record, adopted without a request
+        assert other.read(positions)["trajectory_id"].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+        with pytest.raises(Exception, match="only a reader adopts"):
+            writer.adopt_record(main.published_record)
+        main.close()
+        other.close()
