@@ -253,6 +253,8 @@ class ObjectRunStore(RunStore):
                 kwargs["ContinuationToken"] = token
             out = self._list_page(prefix, kwargs)
             names += [item["Key"][len(base):] for item in out.get("Contents", [])]
+            # "directories" too, as a directory listing names them (a metrics log's parts)
+            names += [item["Prefix"][len(base):].rstrip("/") for item in out.get("CommonPrefixes", [])]
             if not out.get("IsTruncated"):
                 return names
             token = out["NextContinuationToken"]

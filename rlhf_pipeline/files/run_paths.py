@@ -116,7 +116,7 @@ class RunPaths:
     @classmethod
     def at_url(cls, url: str) -> RunPaths:
         """A run at ``url``: its buffer at ``<url>/buffer`` (unless the pipeline names another)."""
-        url = check_run_url(url, "the run")
+        url = check_run_url(url, "RUN")
         return cls(cache_dir(url), buffer_url=f"{url}/buffer", url=url)
 
     @classmethod

@@ -79,7 +79,7 @@ class RunStore(ABC):
 
     @abstractmethod
     def list(self, prefix: str) -> list[str]:
-        """Names of the objects directly under ``prefix`` (a "directory" key), unsorted."""
+        """Names of the objects and "directories" directly under ``prefix`` (a "directory" key), unsorted."""
 
     @abstractmethod
     def delete(self, key: str) -> None:

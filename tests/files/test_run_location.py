@@ -58,8 +58,8 @@ CANNOT_LIVE_AT = "is a URL with a scheme a run cannot live at"
     (["run", DEFAULT, "--home", "gs://runs/team", "--steps", "1"], {}, CANNOT_LIVE_AT),
     (["run", DEFAULT, "--steps", "1"], {HOME_ENV_VAR: "az://runs/team"}, CANNOT_LIVE_AT),
     (["replay", DEFAULT, "--buffer", "recorded", "--home", "s3://runs/team"], {}, "is a URL"),
-    (["export-model", "s3://runs/team/exp1", "out", "--list-versions"], {}, "is a URL"),
-    (["plot", "s3://runs/team/exp1", "--out", "charts"], {}, "is a URL"),
+    (["export-model", "gs://runs/team/exp1", "out", "--list-versions"], {}, CANNOT_LIVE_AT),
+    (["plot", "gs://runs/team/exp1", "--out", "charts"], {}, CANNOT_LIVE_AT),
 ], ids=["run-home", "run-env-home", "replay-home", "export-model-run", "plot-run"])
 def test_commands_refuse_a_run_at_a_url_they_cannot_use_and_create_nothing(tmp_path, argv, env, message):
     result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *argv], cwd=tmp_path,

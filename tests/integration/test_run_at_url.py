@@ -86,8 +86,24 @@ def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_se
     assert any(k.startswith("tensorboard/events.out.tfevents") for k in keys)
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]  # no s3: directory beside the command
     cache = cache_dir(f"{home}/exp1")
-    cached = {p.relative_to(cache).parts[0] for p in (tmp_path / "cache").rglob("*") if p.is_file()}
-    assert cached <= {"tensorboard", ".prepare.lock"}, cached  # a cache, no state
+    assert not any(p.is_file() and p.name != ".prepare.lock" and "tensorboard" not in p.parts
+                   for p in cache.rglob("*"))
+
+    # the commands that read a run take its URL (what they need is copied into the cache)
+    read = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    versions = subprocess.run([*read, "export-model", f"{home}/exp1", "--list-versions"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert versions.returncode == 0 and "v4 (weights policy_00000004.safetensors)" in versions.stdout, versions
+    exported = subprocess.run([*read, "export-model", f"{home}/exp1", str(tmp_path / "model")], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0 and "policy version 4" in exported.stdout, exported.stderr[-3000:]
+    assert (tmp_path / "model" / "config.json").is_file()
+    charts = subprocess.run([*read, "plot", f"{home}/exp1", "--out", str(tmp_path / "charts")], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert charts.returncode == 0 and (tmp_path / "charts" / "overview.png").is_file(), charts.stderr[-3000:]
+    inspected = subprocess.run([*read, "inspect", f"{home}/exp1/buffer/", "--json"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert inspected.returncode == 0 and '"shards": 1' in inspected.stdout, inspected.stderr[-3000:]
 
     local = subprocess.run([*command(str(tmp_path / "local"), "exp1"), "--steps", "4"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=600)
