@@ -17,7 +17,7 @@ Versions (weights, checkpoints) are created with ``If-None-Match: *``: never ove
 **Retries.** botocore's and s3fs's own retries are off, so that one loop owns the budget
 (:class:`RetryPolicy`): throttling (503 SlowDown, 500/502/504), a conflicting conditional write
 in flight (409) and timeouts or dropped connections are retried with exponential backoff and full
-jitter, at most ``attempts`` tries and ``budget_s`` seconds per request. A write whose answer was
+jitter, at most ``attempts`` tries, none started after ``budget_s`` seconds. A write whose answer was
 lost may have landed: its retry then meets its own write (412) and the store reads the object
 back; the same bytes count as written. What gives up raises
 :class:`~rlhf_pipeline.files.run_store.RunStoreError` naming the object, the tries and the last error.
@@ -47,8 +47,10 @@ _RETRY_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailab
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How long one request may keep trying: ``attempts`` tries within ``budget_s`` seconds, the
-    wait before try ``n`` drawn uniformly from ``[0, min(max_delay_s, first_delay_s * 2**n))``."""
+    """How long one request may keep trying: at most ``attempts`` tries, and no try starts (waits
+    included) after ``budget_s`` seconds; the wait before try ``n`` is drawn uniformly from
+    ``[0, min(max_delay_s, first_delay_s * 2**n))``. One try itself is bounded by the connect and
+    read timeouts, so a request gives up within ``budget_s + read_timeout_s``."""
 
     attempts: int = 8
     first_delay_s: float = 0.1

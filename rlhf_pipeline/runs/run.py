@@ -132,7 +132,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
             signal.signal(signal.SIGTERM, _terminated_while_preparing)
             try:
                 return _launch(module, settings, paths, pipeline_path, steps, device, overrides, collectors,
-                               holder_fd=holder.fd)
+                               holder=holder)
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
@@ -157,19 +157,19 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
 
 
 def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, steps: int | None,
-            device: str | None, overrides: Sequence[str], collectors: int, *, holder_fd: int) -> int:
+            device: str | None, overrides: Sequence[str], collectors: int, *, holder: Any) -> int:
     """``run``: checks what it can without torch, starts the children, waits while the learner
     prepares the run directory (collectors go once it exists), then watches them."""
     check_settings(module, settings)
     children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
                                learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1),
-                               holder_fd=holder_fd)
+                               holder_fd=holder.fd)
     try:
         wait_for_preparation(children)
     except BaseException:
         children.abandon()
         raise
-    return _run_both(paths, collectors, children)
+    return _run_both(paths, collectors, children, holder_lost=lambda: getattr(holder, "lost", False))
 
 
 def check_settings(module: Any, settings: Any) -> None:
@@ -300,7 +300,7 @@ def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, devi
                           keep_fds=(holder_fd,) if holder_fd >= 0 else ())
 
 
-def _run_both(paths: RunPaths, collectors: int, children) -> int:
+def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[[], bool] = lambda: False) -> int:
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
     from rlhf_pipeline.runs.launch import stop_ranks
 
@@ -317,6 +317,12 @@ def _run_both(paths: RunPaths, collectors: int, children) -> int:
                 # a failed data-parallel rank leaves the others in a collective that never ends
                 stop_ranks(ranks)
                 break
+            if holder_lost():
+                # a run at a URL: another command took the run over (this one's lease ran out unrenewed)
+                ask_children_to_stop(stop_write, len(processes))
+                wait_for_children(processes, signals)
+                raise RunError(f"{paths.location} was taken over by another command (this one's lease on run.lock "
+                               f"was not renewed in time); stopped its collectors and learner")
             for k, p in collector_procs.items():
                 code = p.poll()
                 if code is None or (code == 0 and paths.stop_requested()):

@@ -186,3 +186,17 @@ def test_a_learner_and_a_collector_killed_at_a_url_resume_exactly(s3_server, env
     assert min(len(a["tokens"]), len(b["tokens"])) >= trained_rows
     assert {key: v[:trained_rows] for key, v in a.items()} == {key: v[:trained_rows] for key, v in b.items()}
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
+
+
+def test_a_run_at_a_url_on_ray_keeps_its_state_there(s3_server, env, tmp_path):
+    """``--ray`` (a local Ray cluster started for the run): the actors open the run by its URL."""
+    pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+    home = s3_server.url("runs")
+    done = subprocess.run([*command(home, "on-ray"), "--ray", "--steps", "3"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"[run] run directory {home}/on-ray on Ray" in done.stderr, done.stderr[-3000:]
+    assert [r["step"] for r in learner_metrics(f"{home}/on-ray")] == [1, 2, 3]
+    keys = set(s3_server.keys(f"{home}/on-ray"))
+    assert {"collector/shard-0000.pt", "checkpoints/step_00000003.pt", "pacing.json"} <= keys, sorted(keys)
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
