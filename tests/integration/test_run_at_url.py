@@ -200,3 +200,27 @@ def test_a_run_at_a_url_on_ray_keeps_its_state_there(s3_server, env, tmp_path):
     keys = set(s3_server.keys(f"{home}/on-ray"))
     assert {"collector/shard-0000.pt", "checkpoints/step_00000003.pt", "pacing.json"} <= keys, sorted(keys)
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
+
+
+def test_a_run_whose_lease_was_taken_over_stops_its_processes(s3_server, env, tmp_path):
+    """Another command took ``run.lock`` over (as it does once a holder's lease runs out unrenewed):
+    ``run`` learns it at its next renewal, stops its collector and learner (they checkpoint), and
+    says so; it does not delete the other holder's lock."""
+    home = s3_server.url("runs")
+    run_url = f"{home}/taken"
+    first = subprocess.Popen([*command(home, "taken"), "--steps", "500"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and first.poll() is None and len(learner_metrics(run_url)) < 2:
+            time.sleep(0.5)
+        store = ObjectRunStore(run_url)
+        store.write("run.lock", b'{"command": "run", "pid": 1, "host": "elsewhere", "lease_s": 30}', fence=False)
+        out, _ = first.communicate(timeout=120)  # the holder renews every 10 s
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 2, out[-3000:]
+    assert f"{run_url} was taken over by another command" in out, out[-3000:]
+    assert "[learner] stopped at step" in out, out[-3000:]
+    assert b'"host": "elsewhere"' in store.read("run.lock")
