@@ -224,3 +224,14 @@ def test_a_run_whose_lease_was_taken_over_stops_its_processes(s3_server, env, tm
     assert f"{run_url} was taken over by another command" in out, out[-3000:]
     assert "[learner] stopped at step" in out, out[-3000:]
     assert b'"host": "elsewhere"' in store.read("run.lock")
+
+
+def test_a_run_at_a_url_with_a_memmap_buffer_is_refused_before_anything_is_written(s3_server, env, tmp_path):
+    home = s3_server.url("runs")
+    refused = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", home,
+                              "--steps", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "needs a Zarr buffer" in errors[0] and "--set buffer_backend=zarr" in errors[0]
+    assert s3_server.keys(f"{home}/default") == []  # not even the lock: it was let go
+    assert not (tmp_path / "s3:").exists()
