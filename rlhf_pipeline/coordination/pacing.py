@@ -159,11 +159,16 @@ class CollectorPacer:
     """
 
     def __init__(self, path: str | Path, key: str, rounds_ahead: int | None, *, round_rows: int | None = None,
-                 stall_s: float = 1.0, learner_expected: bool = True, store: RunStore | None = None) -> None:
+                 stall_s: float = 1.0, learner_expected: bool = True, store: RunStore | None = None,
+                 reread_s: float = 0.0) -> None:
         if rounds_ahead is not None and rounds_ahead < 0:
             raise ValueError(f"rounds_ahead must be >= 0 or None (got {rounds_ahead})")
         self.path = path
         self._store = store
+        # at a URL each read is a GET: one read serves the calls of one loop iteration
+        self.reread_s = reread_s
+        self._read_at = -math.inf
+        self._intake: LearnerIntake | None = None
         self.key = key
         self.rounds_ahead = rounds_ahead
         self.stall_s = stall_s
@@ -196,7 +201,7 @@ class CollectorPacer:
         first one is too old): take the newest."""
         if self.rounds_ahead is None:
             return None
-        intake = read_intake(self.path, store=self._store)
+        intake = self._read()
         if intake is None:
             return None
         for version, need, consumed in intake.recent:
@@ -205,10 +210,16 @@ class CollectorPacer:
                 return version
         return None
 
+    def _read(self) -> LearnerIntake | None:
+        now = time.monotonic()
+        if now - self._read_at >= self.reread_s:
+            self._intake, self._read_at = read_intake(self.path, store=self._store), now
+        return self._intake
+
     def may_collect(self, shard_rows: int) -> bool:
         if self.rounds_ahead is None:
             return True
-        intake = read_intake(self.path, store=self._store)
+        intake = self._read()
         if shard_rows < self.target_rows(intake):
             return True
         if intake is None or intake.waiting_since is None:

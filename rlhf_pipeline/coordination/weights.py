@@ -42,10 +42,11 @@ def weights_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / WEIGHTS
 
 
-def _files(run: Run) -> dict[int, str]:
-    """The weight object's name of each published version (safetensors where a version has both)."""
+def _files(run: Run, names: list[str] | None = None) -> dict[int, str]:
+    """The weight object's name of each published version (safetensors where a version has both);
+    ``names``: the listing of ``weights/`` when the caller has it."""
     found: dict[int, str] = {}
-    for name in as_run_store(run).list(WEIGHTS):
+    for name in as_run_store(run).list(WEIGHTS) if names is None else names:
         match = _NAME.match(name)
         if match and (match.group(2) == SUFFIX or int(match.group(1)) not in found):
             found[int(match.group(1))] = name
@@ -83,7 +84,8 @@ def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
     from safetensors.torch import save
 
     store = as_run_store(run)
-    files = _files(store)  # one listing: the newest version, then what to prune
+    listed = store.list(WEIGHTS)  # one listing: the newest version, then what to prune
+    files = _files(store, listed)
     current = max(files, default=None)
     if current is not None and version <= current:
         raise ValueError(
@@ -99,7 +101,9 @@ def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
     files[version] = name
     for old in sorted(files)[:-keep_last]:
         store.delete(f"{WEIGHTS}/{files[old]}")
-        store.delete(f"{WEIGHTS}/{Path(files[old]).with_suffix(LEGACY_SUFFIX).name}")
+        legacy = Path(files[old]).with_suffix(LEGACY_SUFFIX).name
+        if legacy in listed and legacy != files[old]:  # an older run's file beside it (a request less at a URL)
+            store.delete(f"{WEIGHTS}/{legacy}")
     return store.describe(f"{WEIGHTS}/{name}")
 
 

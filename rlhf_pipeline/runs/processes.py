@@ -107,7 +107,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         key = shard_key(store_path, paths.buffer) if not paths.buffer_url else f"shard-{collector_index:04d}"
         pacing, run_store = paths.state_object(paths.pacing)
         pacer = CollectorPacer(pacing, key, pipeline.collect_rounds_ahead, round_rows=_round_rows(collector),
-                               learner_expected=stop.launcher_fd is not None, store=run_store)
+                               learner_expected=stop.launcher_fd is not None, store=run_store,
+                               reread_s=0.0 if paths.url is None else 0.05)
         metrics_log, run_store = paths.state_object(paths.collector_metrics(collector_index))
         metrics = MetricsWriter(metrics_log, store=run_store)
         waited = paced_total = 0.0
