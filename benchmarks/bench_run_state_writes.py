@@ -67,7 +67,11 @@ def bench(store, repeat: int) -> dict[str, tuple[list[float], float | None]]:
     import torch
 
     from rlhf_pipeline.collect.position import CollectorPosition
-    from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher, read_intake
+    from rlhf_pipeline.coordination.pacing import (
+        LearnerIntake,
+        PacingPublisher,
+        read_intake,
+    )
     from rlhf_pipeline.coordination.weights import WeightsPoller, publish_weights
     from rlhf_pipeline.files.run_store import LocalRunStore
     from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress

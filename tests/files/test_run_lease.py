@@ -19,9 +19,9 @@ def store(s3_server):
 
 
 def test_a_second_holder_is_refused_with_the_first_ones_details(store):
-    with ObjectLease(store, "run.lock", record={"command": "run"}):
-        with pytest.raises(LeaseHeldError, match=r"`run` \(pid \d+ on host .*lease 30"):
-            ObjectLease(store, "run.lock", record={"command": "learn"}).acquire()
+    with ObjectLease(store, "run.lock", record={"command": "run"}), \
+            pytest.raises(LeaseHeldError, match=r"`run` \(pid \d+ on host .*lease 30"):
+        ObjectLease(store, "run.lock", record={"command": "learn"}).acquire()
     assert not store.exists("run.lock")  # released
     ObjectLease(store, "run.lock").acquire().release()
 
@@ -38,11 +38,12 @@ def test_a_lease_nobody_renews_is_taken_over_once_it_ran_out(store):
 
 
 def test_a_holder_on_this_host_that_no_longer_runs_is_taken_over_at_once(store):
+    import socket
     import subprocess
     import sys
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    import socket
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
 
     store.write("run.lock", json.dumps({"pid": int(gone.stdout), "host": socket.gethostname(),
                                         "lease_s": 600.0}).encode())
