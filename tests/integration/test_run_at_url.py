@@ -235,3 +235,30 @@ def test_a_run_at_a_url_with_a_memmap_buffer_is_refused_before_anything_is_writt
     assert len(errors) == 1 and "needs a Zarr buffer" in errors[0] and "--set buffer_backend=zarr" in errors[0]
     assert s3_server.keys(f"{home}/default") == []  # not even the lock: it was let go
     assert not (tmp_path / "s3:").exists()
+
+
+def test_a_collector_and_a_learner_started_apart_meet_at_the_url(s3_server, env, tmp_path):
+    """``collect`` and ``learn`` as separate commands (as on two machines: each with its own
+    cache directory and working directory), meeting only at the run's URL."""
+    home = s3_server.url("runs")
+    base = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    args = [DEFAULT, "--home", home, "--run-name", "apart", *SMALL, *ZARR]
+    machines = {}
+    for side in ("collector", "learner"):
+        (tmp_path / side).mkdir()
+        machines[side] = {**env, "XDG_CACHE_HOME": str(tmp_path / side / "cache")}
+    collector = subprocess.Popen([*base, "collect", *args], cwd=tmp_path / "collector", env=machines["collector"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        learner = subprocess.run([*base, "learn", *args, "--steps", "3"], cwd=tmp_path / "learner",
+                                 env=machines["learner"], capture_output=True, text=True, timeout=600)
+        out, _ = collector.communicate(timeout=120)  # ends by itself: the learner wrote STOP
+    finally:
+        if collector.poll() is None:
+            collector.kill()
+    assert learner.returncode == 0, learner.stderr[-3000:]
+    assert collector.returncode == 0 and "[collector] stopped after" in out, out[-3000:]
+    assert [r["step"] for r in learner_metrics(f"{home}/apart")] == [1, 2, 3]
+    assert int(max(rows_of(f"{home}/apart/buffer")["versions"])) >= 1  # the collector took the learner's weights
+    for side in ("collector", "learner"):
+        assert [p.name for p in (tmp_path / side).iterdir()] == ["cache"]
