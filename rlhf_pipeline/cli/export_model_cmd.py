@@ -12,7 +12,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("run_dir", help="the run directory (holds settings.json, weights/, checkpoints/)")
+    parser.add_argument("run_dir", help="the run directory (holds settings.json, weights/, checkpoints/), or a run "
+                                        "at an s3:// URL (copied into the local cache)")
     parser.add_argument("out", nargs="?", metavar="OUT",
                         help="directory to write (must not exist); not needed with --list-versions")
     parser.add_argument("--version", type=int, default=None,
@@ -32,7 +33,9 @@ def run(args: argparse.Namespace) -> int:
         export_model,
     )
     from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.files.run_cache import local_copy
     from rlhf_pipeline.files.run_paths import RunLocationError
+    from rlhf_pipeline.files.run_store import RunStoreError
     from rlhf_pipeline.files.state_files import StateFileError
 
     def fail(message: str) -> int:
@@ -42,13 +45,14 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None and not args.list_versions:
         return fail("OUT is required (unless --list-versions): the directory to write the model to")
     try:
+        run_dir = local_copy(args.run_dir, ("weights", "checkpoints"))
         if args.list_versions:
-            versions = available_versions(args.run_dir)
+            versions = available_versions(run_dir)
             print("\n".join(v.describe() for v in versions.values()) or "no versions on disk")
             return 0
-        result = export_model(args.run_dir, args.out, version=args.version, pipeline_path=args.pipeline)
+        result = export_model(run_dir, args.out, version=args.version, pipeline_path=args.pipeline)
     except (VersionNotFoundError, RunNotFoundError, PipelineError, FileExistsError, StateFileError,
-            RunLocationError) as exc:
+            RunLocationError, RunStoreError) as exc:
         return fail(str(exc))
     print(f"{result.out}: {result.model_class}, policy version {result.version} (from {result.source})")
     return 0

@@ -11,7 +11,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or metrics.jsonl files)")
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories, runs at s3:// URLs (copied into the local cache), or metrics.jsonl files")
     parser.add_argument("--out", required=True, help="directory for the PNG files")
 
 
@@ -20,11 +21,13 @@ def run(args: argparse.Namespace) -> int:
 
     from rlhf_pipeline.dataio.extras import MissingExtraError
     from rlhf_pipeline.dataio.plots import NotMetricsError, plot_runs
+    from rlhf_pipeline.files.run_cache import local_copy
     from rlhf_pipeline.files.run_paths import RunLocationError
+    from rlhf_pipeline.files.run_store import RunStoreError
 
     try:
-        written = plot_runs(args.runs, args.out)
-    except (MissingExtraError, FileNotFoundError, NotMetricsError, RunLocationError) as exc:
+        written = plot_runs([local_copy(run) for run in args.runs], args.out)
+    except (MissingExtraError, FileNotFoundError, NotMetricsError, RunLocationError, RunStoreError) as exc:
         print(f"rlhf-pipeline plot: error: {exc}", file=sys.stderr)
         return 2
     if not written:

@@ -36,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                             help="which collector this is: it writes buffer/shard-K, keeps its own state, "
                                  "and its ids carry K (default: 0)")
     parser.add_argument("--home", default=None,
-                        help="directory holding run directories (default: storage/ in the repo, "
-                             "or $RLHF_PIPELINE_HOME)")
+                        help="directory holding run directories, or an s3:// URL holding runs (every piece "
+                             "of run state there; endpoint and credentials from AWS_ENDPOINT_URL, "
+                             "AWS_ACCESS_KEY_ID, ...) (default: storage/ in the repo, or $RLHF_PIPELINE_HOME)")
     parser.add_argument("--run-name", default=None,
                         help="run directory name under --home (default: the pipeline file's name)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.runs.run import run_command
     from rlhf_pipeline.runs.run_directory import RunError
     from rlhf_pipeline.files.run_paths import RunLocationError
+    from rlhf_pipeline.files.run_store import RunStoreError, StaleWriterError
     from rlhf_pipeline.files.state_files import StateFileError
 
     try:
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             on_ray=on_ray,
             status_fd=getattr(args, "status_fd", None),
         )
-    except (PipelineError, RunError, StateFileError, RunLocationError) as exc:
+    except (PipelineError, RunError, StateFileError, RunLocationError, RunStoreError, StaleWriterError) as exc:
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -96,7 +95,7 @@ class ActorJob:
     def build(self):
         from rlhf_pipeline.runs.processes import build_pipeline, set_threads, with_buffer_url
 
-        paths = RunPaths(Path(self.run_root))
+        paths = RunPaths.at(self.run_root)  # a directory, or a run at a URL
         module = load_pipeline_module(self.pipeline_path)
         pipeline = build_pipeline(module, make_settings(module, list(self.overrides)), paths)
         set_threads(pipeline)
@@ -109,8 +108,8 @@ class ObjectStoreWeightsPoller:
     The interface of ``weights.WeightsPoller``; ``collect_main`` uses either.
     """
 
-    def __init__(self, run_dir: str | Path, control: Any, current_version: int = -1) -> None:
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: Any, control: Any, current_version: int = -1) -> None:
+        self.run_dir = run_dir  # a directory or the run's store (a run at a URL)
         self.control = control
         self.current_version = current_version
 
@@ -195,7 +194,7 @@ class CollectorActor:
         _register(control, self.name)
         _StopWatcher(control, "collector")
         pipeline, paths = self.job.build()
-        poller = ObjectStoreWeightsPoller(paths.root, control)
+        poller = ObjectStoreWeightsPoller(paths.store, control)
         return collect_main(pipeline, paths, collector_index=self.collector_index, poller=poller)
 
 

@@ -93,7 +93,7 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
     set_threads(pipeline)
     prepare_run(pipeline, paths, shards=range(collectors) if command == "run" else (0,))
     if command == "run":
-        paths.stop_file.unlink(missing_ok=True)  # left by a finished learner of an earlier start
+        paths.clear_stop()  # left by a finished learner of an earlier start
     else:
         collectors = 0
 
@@ -103,7 +103,7 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
 
         control = _start_control(ray, paths)
         job = ActorJob(pipeline_path=os.path.abspath(pipeline_path), overrides=tuple(overrides),
-                       run_root=str(paths.root), control_name=control_actor_name(paths))
+                       run_root=paths.location, control_name=control_actor_name(paths))
         _offer_initial_weights(ray, control, paths)
         run = _RayRun(ray, job, paths, resources, collectors, world_size)
         try:
@@ -139,13 +139,13 @@ def _start_control(ray: Any, paths: RunPaths) -> Any:
     try:
         return RunControl.options(name=name, namespace=NAMESPACE).remote()
     except ValueError:  # the name is taken: another driver runs this directory on this cluster
-        raise RunError(f"{paths.root} is already running on this Ray cluster (actor {name!r}); stop that "
+        raise RunError(f"{paths.location} is already running on this Ray cluster (actor {name!r}); stop that "
                        f"run first, or start a new one with --run-name NAME") from None
 
 
 def control_actor_name(paths: RunPaths) -> str:
     """The name of a run's control actor in :data:`NAMESPACE` (tests and tools find it by it)."""
-    return f"run:{paths.root}"
+    return f"run:{paths.location}"
 
 
 def _offer_initial_weights(ray: Any, control: Any, paths: RunPaths) -> None:
@@ -153,7 +153,7 @@ def _offer_initial_weights(ray: Any, control: Any, paths: RunPaths) -> None:
     start before the learner publishes; the driver owns it until a newer one replaces it."""
     from rlhf_pipeline.coordination.weights import load_weights
 
-    state, version = load_weights(paths.root)
+    state, version = load_weights(paths.store)
     ray.get(control.publish_weights.remote(version, [ray.put(state)]))
 
 
@@ -190,7 +190,7 @@ class _RayRun:
     # ------------------------------------------------------------------ watching
     def watch(self) -> int:
         n = len(self.collectors)
-        print(f"[run] run directory {self.paths.root} on Ray: {len(self.learners)} learner actor(s)"
+        print(f"[run] run directory {self.paths.location} on Ray: {len(self.learners)} learner actor(s)"
               + (f", {n} collector actor(s)" if n else ""), file=sys.stderr, flush=True)
         self.signals = LauncherSignals()
         try:
@@ -220,7 +220,7 @@ class _RayRun:
             reached = checkpoint_step(self.paths)
             saved = f"the learner's newest checkpoint is at step {reached}; " if reached is not None else ""
             print(f"[run] interrupted ({signal.Signals(signum).name}); {saved}run the same command again to "
-                  f"resume {self.paths.root}", file=sys.stderr, flush=True)
+                  f"resume {self.paths.location}", file=sys.stderr, flush=True)
             return 128 + signum
         if any(code != 0 for code in learner_codes):  # stopped early without a signal here (SIGTERM to a worker)
             self._stop_all()
@@ -247,7 +247,7 @@ class _RayRun:
                 return f"{names[task]} failed (its error is above)"
             except ray.exceptions.RayActorError as exc:
                 return f"{names[task]}'s process died and was not restarted ({type(exc).__name__})"
-            if task in self.collector_tasks.values() and not self.paths.stop_file.exists():
+            if task in self.collector_tasks.values() and not self.paths.stop_requested():
                 return f"{names[task]} ended early (exit code {code})"
         return None
 

@@ -21,7 +21,8 @@ variance and dynamic sampling dropped it) leaves ``next_row`` unchanged and is c
 again on restart; nothing was stored, so nothing is trained twice.
 
 File format: ``{"format": 1, "committed": state | None, "inflight": {...} | None}``
-written with :func:`~rlhf_pipeline.files.atomic.save_torch_atomic`; a bare state dict
+written atomically through the run's store (``files/run_store.py``: a file replaced by rename, or at
+a URL one fenced PUT, so a superseded collector cannot overwrite its successor's position); a bare state dict
 (older runs) reads as committed. It holds tensors and plain values only and loads with
 ``weights_only=True`` (``rlhf_pipeline/files/state_files.py``), so a file planted in a shared run
 directory cannot run code in the collector.
@@ -33,26 +34,36 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import save_torch_atomic
-from rlhf_pipeline.files.state_files import load_state
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
+from rlhf_pipeline.files.state_files import load_state, load_state_bytes
 
 FORMAT_VERSION = 1
 
 
 class CollectorPosition:
-    """The state file of one collector writing one store (see the module docstring)."""
+    """The state file of one collector writing one store (see the module docstring).
 
-    def __init__(self, path: str | os.PathLike, store: Any) -> None:
-        self.path = Path(path)
+    ``store``: the run's store when the run lives at a URL; ``path`` is then the key in it."""
+
+    def __init__(self, path: str | os.PathLike, store: Any, *, run_store: RunStore | None = None) -> None:
+        self.path = path if run_store is not None else Path(path)
+        self._run_store: RunStore = run_store if run_store is not None else LocalRunStore(Path(path).parent)
+        self._key = str(path) if run_store is not None else Path(path).name
         self.store = store
         self._committed: dict[str, Any] | None = None
         self.resumed_inflight_round = False  # load() found the round in flight written
 
     def load(self) -> dict[str, Any] | None:
         """The collector state to resume from, or None for a fresh collector."""
-        if not self.path.exists():
-            return None
-        payload = load_state(self.path, what="collector position")
+        if isinstance(self._run_store, LocalRunStore):
+            if not Path(self.path).exists():
+                return None
+            payload = load_state(self.path, what="collector position")
+        else:
+            data = self._run_store.read(self._key)  # also what the next fenced write replaces
+            if data is None:
+                return None
+            payload = load_state_bytes(data, what="collector position", where=self._run_store.describe(self._key))
         if "format" not in payload:  # a bare state dict
             self._committed = payload
             return payload
@@ -65,13 +76,18 @@ class CollectorPosition:
 
     def before_write(self, state_after_round: dict[str, Any]) -> None:
         """Records the round about to be appended; call right before the append."""
-        save_torch_atomic({
+        self._save({
             "format": FORMAT_VERSION,
             "committed": self._committed,
             "inflight": {"state": state_after_round, "store_next_row": int(self.store.next_row)},
-        }, self.path)
+        })
 
     def after_write(self, state: dict[str, Any]) -> None:
         """The round is in the store: ``state`` is where the collector now stands."""
         self._committed = state
-        save_torch_atomic({"format": FORMAT_VERSION, "committed": state, "inflight": None}, self.path)
+        self._save({"format": FORMAT_VERSION, "committed": state, "inflight": None})
+
+    def _save(self, payload: dict[str, Any]) -> None:
+        import torch
+
+        self._run_store.write(self._key, lambda f: torch.save(payload, f))

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import publish_json
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
 
 FORMAT_VERSION = 1
 PACING_FILE = "pacing.json"
@@ -100,12 +100,22 @@ class LearnerIntake:
                            for v, need, c in data.get("recent", [])])
 
 
-def read_intake(path: str | Path) -> LearnerIntake | None:
-    """The learner's last published intake, or None before its first publish."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
+def _object(path: str | Path, store: RunStore | None) -> tuple[RunStore, str]:
+    """``(store, key)`` of the pacing file: ``path`` in its directory, or ``path`` as a key in ``store``."""
+    if store is None:
+        return LocalRunStore(Path(path).parent), Path(path).name
+    return store, str(path)
+
+
+def read_intake(path: str | Path, *, store: RunStore | None = None) -> LearnerIntake | None:
+    """The learner's last published intake, or None before its first publish. ``store``: the run's
+    store when it lives at a URL (``path`` is then the key)."""
+    where, key = _object(path, store)
+    raw = where.read(key)
+    if raw is None:
         return None
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None  # replaced atomically, so only a file written by something else: ignore it
     if data.get("format") != FORMAT_VERSION:
@@ -121,8 +131,9 @@ generating) can no longer tell which one first allowed its round."""
 class PacingPublisher:
     """Learner side: publishes its intake after each batch it uses, and when it starts waiting."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, *, store: RunStore | None = None) -> None:
+        self.path = path
+        self._store, self._key = _object(path, store)
         self.intake = LearnerIntake()
 
     def publish(self, intake: LearnerIntake, *, new_draw: bool = True) -> None:
@@ -131,7 +142,8 @@ class PacingPublisher:
             entry = (intake.policy_version, intake.next_draw_rows, dict(intake.consumed))
             intake.recent = (list(self.intake.recent) + [entry])[-RECENT_DRAWS:]
         self.intake = intake
-        publish_json(self.path, intake.to_json(), durable=False)
+        payload = json.dumps(intake.to_json(), separators=(",", ":"), sort_keys=True).encode()
+        self._store.write(self._key, payload, durable=False)
 
     def waiting(self) -> None:
         """The learner is waiting for its next batch (once per wait; the time it began)."""
@@ -147,10 +159,16 @@ class CollectorPacer:
     """
 
     def __init__(self, path: str | Path, key: str, rounds_ahead: int | None, *, round_rows: int | None = None,
-                 stall_s: float = 1.0, learner_expected: bool = True) -> None:
+                 stall_s: float = 1.0, learner_expected: bool = True, store: RunStore | None = None,
+                 reread_s: float = 0.0) -> None:
         if rounds_ahead is not None and rounds_ahead < 0:
             raise ValueError(f"rounds_ahead must be >= 0 or None (got {rounds_ahead})")
-        self.path = Path(path)
+        self.path = path
+        self._store = store
+        # at a URL each read is a GET: one read serves the calls of one loop iteration
+        self.reread_s = reread_s
+        self._read_at = -math.inf
+        self._intake: LearnerIntake | None = None
         self.key = key
         self.rounds_ahead = rounds_ahead
         self.stall_s = stall_s
@@ -183,7 +201,7 @@ class CollectorPacer:
         first one is too old): take the newest."""
         if self.rounds_ahead is None:
             return None
-        intake = read_intake(self.path)
+        intake = self._read()
         if intake is None:
             return None
         for version, need, consumed in intake.recent:
@@ -192,10 +210,16 @@ class CollectorPacer:
                 return version
         return None
 
+    def _read(self) -> LearnerIntake | None:
+        now = time.monotonic()
+        if now - self._read_at >= self.reread_s:
+            self._intake, self._read_at = read_intake(self.path, store=self._store), now
+        return self._intake
+
     def may_collect(self, shard_rows: int) -> bool:
         if self.rounds_ahead is None:
             return True
-        intake = read_intake(self.path)
+        intake = self._read()
         if shard_rows < self.target_rows(intake):
             return True
         if intake is None or intake.waiting_since is None:

@@ -2,7 +2,8 @@
 
 The learner publishes ``<run>/weights/policy_XXXXXXXX.safetensors`` (a CPU ``state_dict``, its
 version in the file's metadata) with a version that only increases; the file is written to
-``*.partial`` and renamed, so a reader never sees half a file. Collectors poll with
+``*.partial`` and renamed, so a reader never sees half a file (at a URL: one PUT that creates the
+object, ``files/run_store.py``). Collectors poll with
 :class:`WeightsPoller` between rounds and load the newest version. Old versions are pruned (keep
 the last few) because a reader always wants the newest; a reader that loses a race with the
 pruning simply polls again.
@@ -17,77 +18,93 @@ read, and a resumed run publishes its next versions as safetensors beside them.
 
 from __future__ import annotations
 
-import os
+import json
 import re
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlhf_pipeline.files.atomic import write_atomic
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStore, as_run_store
 
 if TYPE_CHECKING:  # imported where used, so listing versions (export-model --list-versions) needs no torch
     import torch
 
 SUFFIX = ".safetensors"
 LEGACY_SUFFIX = ".pt"  # runs made before safetensors
+WEIGHTS = "weights"  # the key prefix of the weight objects in a run
 _NAME = re.compile(r"^policy_(\d{8,})(\.safetensors|\.pt)$")
+
+Run = str | Path | RunStore
+"""A run directory, or a run's store (``RunPaths.store``: a directory or a URL)."""
 
 
 def weights_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "weights"
+    return Path(run_dir) / WEIGHTS
 
 
-def _files(run_dir: str | Path) -> dict[int, Path]:
-    """The weight file of each published version (safetensors where a version has both)."""
-    directory = weights_dir(run_dir)
-    if not directory.is_dir():
-        return {}
-    found: dict[int, Path] = {}
-    for path in directory.iterdir():
-        match = _NAME.match(path.name)
+def _files(run: Run, names: list[str] | None = None) -> dict[int, str]:
+    """The weight object's name of each published version (safetensors where a version has both);
+    ``names``: the listing of ``weights/`` when the caller has it."""
+    found: dict[int, str] = {}
+    for name in as_run_store(run).list(WEIGHTS) if names is None else names:
+        match = _NAME.match(name)
         if match and (match.group(2) == SUFFIX or int(match.group(1)) not in found):
-            found[int(match.group(1))] = path
+            found[int(match.group(1))] = name
     return found
 
 
-def published_versions(run_dir: str | Path) -> list[int]:
-    """Every version published in ``run_dir``, oldest first."""
-    return sorted(_files(run_dir))
+def published_versions(run: Run) -> list[int]:
+    """Every version published in ``run``, oldest first."""
+    return sorted(_files(run))
 
 
-def latest_version(run_dir: str | Path) -> int | None:
+def latest_version(run: Run) -> int | None:
     """The newest published version, or ``None`` when nothing is published yet."""
-    versions = published_versions(run_dir)
+    versions = published_versions(run)
     return versions[-1] if versions else None
 
 
 def weights_path(run_dir: str | Path, version: int) -> Path:
-    """The file of ``version``: the one on disk (either format), else where a publish writes it."""
-    return _files(run_dir).get(version) or weights_dir(run_dir) / f"policy_{version:08d}{SUFFIX}"
+    """The file of ``version`` in a run directory: the one on disk (either format), else where a
+    publish writes it."""
+    name = _files(run_dir).get(version) or f"policy_{version:08d}{SUFFIX}"
+    return weights_dir(run_dir) / name
 
 
-def publish_weights(run_dir: str | Path, state_dict: dict[str, torch.Tensor], version: int,
-                    keep_last: int = 3) -> Path:
-    """Writes ``state_dict`` as ``version``; ``version`` must exceed every published one."""
+def weights_location(run: Run, version: int) -> str:
+    """Where ``version`` is (a path or a URL), for messages; as :func:`weights_path`."""
+    store = as_run_store(run)
+    return store.describe(f"{WEIGHTS}/{_files(store).get(version) or f'policy_{version:08d}{SUFFIX}'}")
+
+
+def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
+                    keep_last: int = 3) -> str:
+    """Writes ``state_dict`` as ``version``; ``version`` must exceed every published one. At a URL
+    the version is created, never overwritten: a second learner publishing it is refused."""
     from safetensors.torch import save
 
-    files = _files(run_dir)  # one listing: the newest version, then what to prune
+    store = as_run_store(run)
+    listed = store.list(WEIGHTS)  # one listing: the newest version, then what to prune
+    files = _files(store, listed)
     current = max(files, default=None)
     if current is not None and version <= current:
         raise ValueError(
             f"weights version {version} is not newer than the published version {current}; "
             "versions only increase"
         )
-    final = weights_dir(run_dir) / f"policy_{version:08d}{SUFFIX}"
+    name = f"policy_{version:08d}{SUFFIX}"
     # own copies: safetensors refuses tensors that share memory (tied embeddings), and a GPU
     # model's tensors must come to the CPU anyway
     cpu_state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
     payload = save(cpu_state, metadata={"version": str(version)})
-    write_atomic(final, lambda f: f.write(payload), partial_name=f"{final.name}.{os.getpid()}.partial")
-    files[version] = final
+    store.create(f"{WEIGHTS}/{name}", payload)
+    files[version] = name
     for old in sorted(files)[:-keep_last]:
-        files[old].unlink(missing_ok=True)
-        files[old].with_suffix(LEGACY_SUFFIX).unlink(missing_ok=True)
-    return final
+        store.delete(f"{WEIGHTS}/{files[old]}")
+        legacy = Path(files[old]).with_suffix(LEGACY_SUFFIX).name
+        if legacy in listed and legacy != files[old]:  # an older run's file beside it (a request less at a URL)
+            store.delete(f"{WEIGHTS}/{legacy}")
+    return store.describe(f"{WEIGHTS}/{name}")
 
 
 def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
@@ -109,34 +126,56 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
     return state, version
 
 
-def load_weights(run_dir: str | Path, version: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
+def _load_object(store: RunStore, name: str) -> tuple[dict[str, torch.Tensor], int]:
+    """``(state_dict, version)`` of the weight object ``name``; FileNotFoundError when pruned."""
+    if isinstance(store, LocalRunStore):
+        return load_weights_file(store.path(f"{WEIGHTS}/{name}"))
+    data = store.read(f"{WEIGHTS}/{name}")
+    if data is None:
+        raise FileNotFoundError(store.describe(f"{WEIGHTS}/{name}"))
+    named = _NAME.match(name)
+    if name.endswith(LEGACY_SUFFIX):
+        from rlhf_pipeline.files.state_files import load_state_bytes
+
+        payload = load_state_bytes(data, what="weights file", where=store.describe(f"{WEIGHTS}/{name}"))
+        return payload["state_dict"], int(payload["version"])
+    from safetensors.torch import load
+
+    (header_size,) = struct.unpack("<Q", data[:8])
+    metadata = json.loads(data[8:8 + header_size]).get("__metadata__") or {}
+    version = int(metadata.get("version") or (named.group(1) if named else -1))
+    return load(data), version
+
+
+def load_weights(run: Run, version: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """``(state_dict, version)`` of ``version`` (default: the newest)."""
-    files = _files(run_dir)
+    store = as_run_store(run)
+    files = _files(store)
     if version is None:
         if not files:
-            raise FileNotFoundError(f"no published weights under {weights_dir(run_dir)}")
+            raise FileNotFoundError(f"no published weights under {store.describe(WEIGHTS)}")
         version = max(files)
     if version not in files:
-        raise FileNotFoundError(f"weights version {version} is not under {weights_dir(run_dir)}")
-    return load_weights_file(files[version])
+        raise FileNotFoundError(f"weights version {version} is not under {store.describe(WEIGHTS)}")
+    return _load_object(store, files[version])
 
 
 class WeightsPoller:
     """Collector side: ``poll()`` returns the newest weights once, when a newer version appears."""
 
-    def __init__(self, run_dir: str | Path, current_version: int = -1) -> None:
-        self.run_dir = Path(run_dir)
+    def __init__(self, run: Run, current_version: int = -1) -> None:
+        self.store = as_run_store(run)
         self.current_version = current_version
 
     def poll(self) -> tuple[dict[str, torch.Tensor], int] | None:
         """Called between rounds, and every millisecond or so while a paced collector waits: one
         directory listing, and a load only when a newer version is there."""
-        files = _files(self.run_dir)
+        files = _files(self.store)
         newest = max(files, default=None)
         if newest is None or newest <= self.current_version:
             return None
         try:
-            state, version = load_weights_file(files[newest])
+            state, version = _load_object(self.store, files[newest])
         except FileNotFoundError:  # pruned between listing and loading: a newer one exists
             return self.poll()
         self.current_version = version
@@ -145,13 +184,13 @@ class WeightsPoller:
     def poll_version(self, version: int) -> tuple[dict[str, torch.Tensor], int] | None:
         """``version`` once it is published and newer than the current one, else None; the newest
         when ``version`` was pruned already (a paced collector asks for a set version, pacing.py)."""
-        files = _files(self.run_dir)
+        files = _files(self.store)
         if version <= self.current_version or not files or version > max(files):
             return None
         if version not in files:
             return self.poll()
         try:
-            state, loaded = load_weights_file(files[version])
+            state, loaded = _load_object(self.store, files[version])
         except FileNotFoundError:  # pruned between listing and loading
             return self.poll()
         self.current_version = loaded

@@ -1,5 +1,7 @@
-"""The run directory's small state files: where they live (:class:`RunPaths`, the data home),
-how they are written (atomically, whole or not at all) and how they are loaded (never running code).
+"""A run's small state files: where they live (:class:`RunPaths`, the data home), the store they
+go through (:class:`~rlhf_pipeline.files.run_store.RunStore`: a directory, or an ``s3://`` URL),
+how they are written (atomically, whole or not at all; fenced at a URL) and how they are loaded
+(never running code).
 
-The lowest layer beside :mod:`rlhf_pipeline.schema`: everything that keeps state on disk uses it.
+The lowest layer beside :mod:`rlhf_pipeline.schema`: everything that keeps run state uses it.
 """

@@ -1,46 +1,103 @@
-"""Where runs live on disk (``$RLHF_PIPELINE_HOME`` or ``storage/`` beside the package), and
-where one run keeps each piece of its state (:class:`RunPaths`)."""
+"""Where runs live (``$RLHF_PIPELINE_HOME`` or ``storage/`` beside the package, or a URL), and
+where one run keeps each piece of its state (:class:`RunPaths`).
+
+A run at a URL (``--home s3://bucket/prefix``) keeps every piece of its state under that URL
+(:attr:`RunPaths.store`); its :attr:`RunPaths.root` is then only this machine's cache directory
+(:func:`cache_dir`): TensorBoard's event files, the run-lock of processes preparing the run here.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.files.run_store import RunStore
 
 HOME_ENV_VAR = "RLHF_PIPELINE_HOME"
+RUN_URL_SCHEMES = ("s3://",)
+"""Schemes a run may live at: every piece of state is then an object (``files/object_run_store.py``)."""
 
 
 class RunLocationError(ValueError):
-    """A run directory (or the home of run directories) given as a URL."""
+    """A run directory (or the home of run directories) given as a URL that cannot hold a run."""
+
+
+def is_url(location: str | Path) -> bool:
+    return "://" in str(location)
+
+
+def check_run_url(location: str, what: str) -> str:
+    """``location`` if it is a URL a run can live at; else :class:`RunLocationError` naming ``what``."""
+    if not location.startswith(RUN_URL_SCHEMES):
+        raise RunLocationError(
+            f"{what} {location!r} is a URL with a scheme a run cannot live at yet: use "
+            f"{' or '.join(RUN_URL_SCHEMES)} (S3 or an S3-compatible server, AWS_ENDPOINT_URL), or a local or "
+            f"shared-file-system path")
+    if not location.split("://", 1)[1].strip("/"):
+        raise RunLocationError(f"{what} {location!r} names no bucket; give s3://BUCKET/PREFIX")
+    return location.rstrip("/")
 
 
 def local_run_path(location: str | Path, what: str) -> Path:
     """``location`` as a path, refusing a URL: ``Path("s3://bucket/x")`` is ``s3:/bucket/x``, a
-    local directory named ``s3:`` that a run would silently fill. ``what`` names the field."""
+    local directory named ``s3:`` that a command would silently fill. ``what`` names the field."""
     text = str(location)
-    if "://" in text:
+    if is_url(text):
         raise RunLocationError(
-            f"{what} {text!r} is a URL, but a run directory's state (settings, weights, checkpoints, "
-            f"metrics) lives on a file system for now: give a local or shared-file-system path. Only the "
-            f"buffer may live at a URL: set the pipeline's buffer_url (e.g. --set buffer_url=s3://bucket/run/buffer)")
+            f"{what} {text!r} is a URL, but this command reads a run directory on a file system only: give a "
+            f"local or shared-file-system path")
     return Path(text)
 
 
-def default_home() -> Path:
-    """The data home: ``$RLHF_PIPELINE_HOME`` if set, else ``<repo>/storage``.
+def default_home() -> Path | str:
+    """The data home: ``$RLHF_PIPELINE_HOME`` if set (a path or an ``s3://`` URL), else ``<repo>/storage``.
 
     Only the *location* of data comes from the environment; pipeline settings never do.
     """
     override = os.environ.get(HOME_ENV_VAR)
     if override:
-        return local_run_path(override, f"${HOME_ENV_VAR}").expanduser().resolve()
+        if is_url(override):
+            return check_run_url(override, f"${HOME_ENV_VAR}")
+        return Path(override).expanduser().resolve()
     return (Path(__file__).resolve().parents[2] / "storage").resolve()
 
 
 def run_dir(run_name: str, home: str | Path | None = None) -> Path:
     """Run ``run_name``'s directory under ``home`` (default :func:`default_home`); no URL."""
-    return (local_run_path(home, "--home") if home is not None else default_home()) / local_run_path(run_name,
-                                                                                                     "--run-name")
+    base = default_home() if home is None else home
+    return local_run_path(base, "--home" if home is not None else f"${HOME_ENV_VAR}") / local_run_path(
+        run_name, "--run-name")
+
+
+def run_paths(run_name: str, home: str | Path | None = None) -> RunPaths:
+    """Where run ``run_name`` under ``home`` (a directory or an ``s3://`` URL) keeps its state."""
+    local_run_path(run_name, "--run-name")
+    if "/" in run_name.strip("/") and home is not None and is_url(str(home)):
+        raise RunLocationError(f"--run-name {run_name!r} holds a '/'; give a plain name under --home")
+    base = default_home() if home is None else home
+    if is_url(str(base)):
+        url = check_run_url(str(base), "--home" if home is not None else f"${HOME_ENV_VAR}")
+        return RunPaths.at_url(f"{url}/{run_name.strip('/')}")
+    return RunPaths(run_dir(run_name, home).resolve())
+
+
+def cache_dir(url: str) -> Path:
+    """This machine's cache of the run at ``url``: ``$XDG_CACHE_HOME/rlhf_pipeline/runs/<scheme>/<path>``."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    scheme, rest = url.split("://", 1)
+    return (base / "rlhf_pipeline" / "runs" / scheme / rest.strip("/")).resolve()
+
+
+@functools.cache
+def _object_store(url: str) -> RunStore:
+    """One store per run URL per process: it remembers what this process wrote (fencing)."""
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+
+    return ObjectRunStore(url)
 
 
 # ====================================================================== run directory
@@ -51,7 +108,48 @@ class RunPaths:
     root: Path
     buffer_url: str | None = None
     """The buffer's URL prefix when it is not in the run directory (``Pipeline.buffer_url``):
-    collector k writes ``<buffer_url>/shard-kkkk``; weights, checkpoints and metrics stay here."""
+    collector k writes ``<buffer_url>/shard-kkkk``."""
+    url: str | None = None
+    """The run's URL when its state lives on object storage (:meth:`at_url`); :attr:`root` is then
+    this machine's cache directory, and every state object is read and written through :attr:`store`."""
+
+    @classmethod
+    def at_url(cls, url: str) -> RunPaths:
+        """A run at ``url``: its buffer at ``<url>/buffer`` (unless the pipeline names another)."""
+        url = check_run_url(url, "RUN")
+        return cls(cache_dir(url), buffer_url=f"{url}/buffer", url=url)
+
+    @classmethod
+    def at(cls, location: str | Path) -> RunPaths:
+        """A run given as a directory path or an ``s3://`` URL (``inspect``, ``plot``, ``export-model``)."""
+        if is_url(str(location)):
+            return cls.at_url(str(location))
+        return cls(Path(location))
+
+    @property
+    def store(self) -> RunStore:
+        """Where the run's state objects are read and written (keys as below, relative to the run)."""
+        if self.url is not None:
+            return _object_store(self.url)
+        from rlhf_pipeline.files.run_store import LocalRunStore
+
+        return LocalRunStore(self.root)
+
+    def key(self, path: Path) -> str:
+        """The store key of ``path``, one of the paths below (``weights/policy_00000001.safetensors``)."""
+        return Path(path).relative_to(self.root).as_posix()
+
+    def state_object(self, path: Path) -> tuple[Path | str, RunStore | None]:
+        """How the state modules take ``path`` (one of the paths below): ``(path, None)`` for a run
+        directory, ``(key, store)`` for a run at a URL (their ``store=`` argument)."""
+        if self.url is None:
+            return path, None
+        return self.key(path), self.store
+
+    @property
+    def location(self) -> str:
+        """The run as a user names it: its URL, or its directory."""
+        return self.url or str(self.root)
 
     @property
     def buffer(self) -> Path:
@@ -135,3 +233,23 @@ class RunPaths:
     def stop_file(self) -> Path:
         """Written by ``run`` when the learner is done: a standalone collector stops too."""
         return self.root / "STOP"
+
+    def request_stop(self) -> None:
+        """Writes ``STOP``: every collector of the run ends after its current round."""
+        self.store.write(self.key(self.stop_file), b"", fence=False)
+
+    def clear_stop(self) -> None:
+        self.store.delete(self.key(self.stop_file))
+
+    def stop_requested(self) -> bool:
+        return self.store.exists(self.key(self.stop_file))
+
+    @property
+    def name(self) -> str:
+        """The run's name: the last part of its directory or URL."""
+        return self.url.rsplit("/", 1)[-1] if self.url else self.root.name
+
+    @property
+    def home(self) -> str:
+        """Where the run lives (``--home``): its parent directory or URL."""
+        return self.url.rsplit("/", 1)[0] if self.url else str(self.root.parent)

@@ -56,7 +56,34 @@ def load_state(path: str | os.PathLike, *, what: str, legacy_numpy_arrays: bool 
         ) from None
 
 
-def _unsafe_globals(path: Path) -> list[str]:
+def load_state_bytes(data: bytes, *, what: str, where: str, legacy_numpy_arrays: bool = False) -> Any:
+    """:func:`load_state` of a state object read from a URL (``where`` names it in messages):
+    the same ``weights_only`` load, the same refusals."""
+    import io
+
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        unsafe = _unsafe_globals(io.BytesIO(data))
+        if legacy_numpy_arrays and unsafe and set(unsafe) <= set(_numpy_array_types()):
+            with torch.serialization.safe_globals(list(_numpy_array_types().values())):
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        found = ", ".join(unsafe) if unsafe else "objects other than tensors and plain values"
+        raise StateFileError(
+            f"refusing to load the {what} {where}: it holds {found}, which could run code when loaded and which "
+            f"rlhf_pipeline never writes. Find out who wrote it (anyone who can write to that location), then "
+            f"delete it; a learner resumes from its previous checkpoint"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise StateFileError(
+            f"cannot read the {what} {where}: {str(exc).splitlines()[0]}. The object is damaged or not a torch "
+            f"file; delete it (a learner resumes from its previous checkpoint)"
+        ) from None
+
+
+def _unsafe_globals(path) -> list[str]:
     import torch
 
     try:

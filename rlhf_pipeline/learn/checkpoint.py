@@ -7,7 +7,8 @@ sampler's state after the last draw a step used (``learn/samplers/``); with the 
 in the progress record, a resumed run redraws exactly the batches an uninterrupted one
 would. Files are written to ``*.partial`` and renamed into place
 (:mod:`rlhf_pipeline.files.atomic`), so a crash mid-write never leaves a checkpoint that looks
-complete; the manager keeps the last N.
+complete; the manager keeps the last N. A run at a URL keeps them as objects
+(``files/run_store.py``): one PUT that creates the step's object, never overwrites it.
 
 Every value in a checkpoint is a tensor or a plain value (dicts, lists, tuples, numbers,
 strings), so it loads with ``torch.load(weights_only=True)`` (``rlhf_pipeline/files/state_files.py``)
@@ -25,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import save_torch_atomic
-from rlhf_pipeline.files.state_files import load_state
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
+from rlhf_pipeline.files.state_files import load_state, load_state_bytes
 
 FORMAT_VERSION = 2
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
@@ -101,46 +103,80 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 # ====================================================================== manager
 class CheckpointManager:
-    """Saves, finds and loads checkpoints in one directory; keeps the newest ``keep_last``."""
+    """Saves, finds and loads checkpoints in one directory; keeps the newest ``keep_last``.
 
-    def __init__(self, directory: str | Path, keep_last: int = 2) -> None:
+    ``store``: the run's store (a run at a URL); ``directory`` is then the key prefix in it."""
+
+    def __init__(self, directory: str | Path, keep_last: int = 2, *, store: RunStore | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept")
-        self.directory = Path(directory)
         self.keep_last = keep_last
+        if store is None:
+            self.directory: Path | str = Path(directory)
+            self._store: RunStore = LocalRunStore(directory)
+            self._prefix = ""
+        else:
+            self._store, self._prefix = store, str(directory).strip("/")
+            self.directory = store.describe(self._prefix)
 
-    def paths(self) -> list[Path]:
-        """Complete checkpoints, oldest first (``*.partial`` leftovers are ignored)."""
-        if not self.directory.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _NAME.match(p.name))]
-        return [p for _, p in sorted(found)]
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}" if self._prefix else name
 
-    def latest(self) -> Path | None:
+    def _location(self, name: str) -> Path | str:
+        store = self._store
+        return store.path(self._key(name)) if isinstance(store, LocalRunStore) else store.describe(self._key(name))
+
+    def paths(self) -> list[Path | str]:
+        """Complete checkpoints, oldest first (``*.partial`` leftovers are ignored): paths, or
+        URLs for a run at a URL."""
+        found = [(int(m.group(1)), name) for name in self._store.list(self._prefix) if (m := _NAME.match(name))]
+        return [self._location(name) for _, name in sorted(found)]
+
+    def latest(self) -> Path | str | None:
         paths = self.paths()
         return paths[-1] if paths else None
 
     def latest_step(self) -> int | None:
         """The step of the newest checkpoint, from its name (cheap: no file is read, no torch import)."""
         latest = self.latest()
-        return int(_NAME.match(latest.name).group(1)) if latest is not None else None
+        return int(_NAME.match(_name(latest)).group(1)) if latest is not None else None
 
-    def save(self, progress: Progress, state: dict[str, Any]) -> Path:
+    def save(self, progress: Progress, state: dict[str, Any]) -> Path | str:
         """Writes ``state`` plus ``progress`` atomically as the checkpoint of ``progress.step``."""
-        final = self.directory / f"step_{progress.step:08d}.pt"
-        save_torch_atomic(dict(state, progress=progress.to_dict(), format=FORMAT_VERSION), final)
+        import torch
+
+        name = f"step_{progress.step:08d}.pt"
+        payload = dict(state, progress=progress.to_dict(), format=FORMAT_VERSION)
+        self._store.create(self._key(name), lambda f: torch.save(payload, f), partial_name=name + PARTIAL_SUFFIX)
         for old in self.paths()[: -self.keep_last]:
-            old.unlink(missing_ok=True)
-        return final
+            self._store.delete(self._key(_name(old)))
+        return self._location(name)
 
     def load(self, path: str | Path | None = None) -> tuple[Progress, dict[str, Any]]:
         """Loads ``path`` (default: the latest); raises ``FileNotFoundError`` when there is none."""
-        path = Path(path) if path is not None else self.latest()
+        path = path if path is not None else self.latest()
         if path is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         # tensors and plain values only (format 1's NumPy RNG array too); raises StateFileError
-        payload = load_state(path, what="learner checkpoint", legacy_numpy_arrays=True)
+        if isinstance(self._store, LocalRunStore):
+            payload = load_state(path, what="learner checkpoint", legacy_numpy_arrays=True)
+        else:
+            key = self._key(_name(path))
+            data = self._store.read(key)
+            if data is None:
+                raise FileNotFoundError(self._store.describe(key))
+            payload = load_state_bytes(data, what="learner checkpoint", where=self._store.describe(key),
+                                       legacy_numpy_arrays=True)
         progress = Progress.from_dict(payload.pop("progress"))
         payload.pop("format", None)
         return progress, payload
 
+
+def _name(location: str | Path) -> str:
+    return str(location).rstrip("/").rsplit("/", 1)[-1]
+
+
+def run_checkpoints(paths: Any, keep_last: int = 2) -> CheckpointManager:
+    """The checkpoints of the run at ``paths`` (a ``RunPaths``: a directory or a URL)."""
+    where, store = paths.state_object(paths.checkpoints)
+    return CheckpointManager(where, keep_last=keep_last, store=store)

@@ -61,10 +61,10 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.learn.checkpoint import (
-    CheckpointManager,
     Progress,
     capture_rng_state,
     restore_rng_state,
+    run_checkpoints,
 )
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.batch_charts import batch_charts, run_charts
@@ -132,13 +132,14 @@ class Learner:
         self.buffer = str(buffer) if buffer is not None else paths.buffer_location
         self.batch_transform = batch_transform
         self.on_step = on_step
-        self.checkpoints = CheckpointManager(paths.checkpoints, keep_last=settings.keep_checkpoints)
+        self.checkpoints = run_checkpoints(paths, keep_last=settings.keep_checkpoints)
         self._prefetcher: Prefetcher | None = None
         self._ready = False
         self._store = None
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
-        self._pacing = PacingPublisher(paths.pacing)
+        pacing, store = paths.state_object(paths.pacing)
+        self._pacing = PacingPublisher(pacing, store=store)
         self._trained = TrainedRows()
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
 
@@ -171,8 +172,9 @@ class Learner:
         if not self.data_parallel.is_main:  # only rank 0 writes files
             return
         self._pacing.publish(intake, new_draw=not saved)
-        truncate_metrics(self.paths.metrics, self.progress.step)
-        self._metrics = MetricsWriter(self.paths.metrics, self.paths.tensorboard)
+        metrics, store = self.paths.state_object(self.paths.metrics)
+        truncate_metrics(metrics, self.progress.step, store=store)
+        self._metrics = MetricsWriter(metrics, self.paths.tensorboard, store=store)
         if self.show_progress:
             # epoch replays train on another run's rows: their staleness means nothing, the ratio does
             keys = ProgressDisplay.OFF_POLICY_KEYS if self.settings.sampler == "epoch" else ProgressDisplay.KEYS
@@ -196,7 +198,7 @@ class Learner:
         if checkpoint is not None:
             self.model.load_state_dict(checkpoint["model"])
         else:
-            state, version = load_weights(self.paths.root)  # the initial policy, version 0
+            state, version = load_weights(self.paths.store)  # the initial policy, version 0
             self.model.load_state_dict(state)
             self.progress.policy_version = version
         if self.settings.packing:  # attention that keeps each packed row to itself (learn/packed_attention.py)
@@ -485,11 +487,11 @@ class Learner:
 
         # a crash after a publish but before its checkpoint leaves a newer file: never reuse its number
         dp = self.data_parallel
-        published = latest_version(self.paths.root) if dp.is_main else None
+        published = latest_version(self.paths.store) if dp.is_main else None
         version = dp.from_main(max(self.progress.policy_version, published if published is not None else -1) + 1)
         state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
         if dp.is_main:  # rank 0 writes the weights
-            publish_weights(self.paths.root, state, version)
+            publish_weights(self.paths.store, state, version)
         self.progress.policy_version = version
         self.sampler.current_version = version
 
@@ -512,6 +514,8 @@ class Learner:
             "trained_rows": self._trained.state_dict(),
             "intake": self._pacing.intake.to_json(),
         }
+        if self._metrics is not None:  # a resumed run redoes no step before this one: its lines must be kept
+            self._metrics.flush()
         self.checkpoints.save(self.progress, state)
 
     # ================================================================== cleanup

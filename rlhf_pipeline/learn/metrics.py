@@ -13,6 +13,14 @@ Names follow what GRPO trainers (TRL, verl, cleanrl) show, grouped by prefix:
   ``_spread`` (the policy versions that sampled the step's rows).
 
 ``metrics.jsonl`` is the source of truth; TensorBoard is a view of the same numbers.
+
+A run at a URL cannot append to an object, so its metrics are numbered part objects
+(``metrics.jsonl.parts/00000000.jsonl``, ...): the newest part is re-PUT whole (fenced, so a
+superseded writer cannot overwrite it) at most every ``upload_every_s`` seconds, at every
+:meth:`MetricsWriter.flush` (the learner flushes before each checkpoint, so a resumed run never
+lacks the lines of steps it will not redo) and at close; a part that reaches ``PART_LINES`` lines
+is left as it is and the next one begins. :func:`read_metrics` reads the parts in order. TensorBoard
+writes its event files into the local cache directory and uploads them at close.
 """
 
 from __future__ import annotations
@@ -25,6 +33,12 @@ from typing import Any
 from pathlib import Path
 
 import torch
+
+from rlhf_pipeline.files.log_parts import part_key, part_numbers, read_log_lines
+from rlhf_pipeline.files.run_store import RunStore
+
+PART_LINES = 1000  # ~1.5 MB of learner lines: the most one re-PUT of the newest part sends
+UPLOAD_EVERY_S = 5.0
 
 
 # ====================================================================== stats
@@ -52,12 +66,27 @@ def group_reward_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[s
 
 # ====================================================================== writer
 class MetricsWriter:
-    """Appends step metrics to ``metrics.jsonl`` and to TensorBoard event files."""
+    """Appends step metrics to ``metrics.jsonl`` and to TensorBoard event files.
 
-    def __init__(self, jsonl_path: str | Path, tensorboard_dir: str | Path | None = None) -> None:
-        self.jsonl_path = Path(jsonl_path)
-        self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.jsonl_path, "a", encoding="utf-8")
+    ``store``: the run's store when it lives at a URL; ``jsonl_path`` is then the key whose parts
+    hold the lines (see the module docstring), and ``tensorboard_dir`` a local cache directory
+    uploaded under ``tensorboard_key`` at close."""
+
+    def __init__(self, jsonl_path: str | Path, tensorboard_dir: str | Path | None = None, *,
+                 store: RunStore | None = None, tensorboard_key: str = "tensorboard",
+                 upload_every_s: float = UPLOAD_EVERY_S) -> None:
+        self._store = store
+        self._file = None
+        if store is None:
+            self.jsonl_path = Path(jsonl_path)
+            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.jsonl_path, "a", encoding="utf-8")
+        else:
+            self._parts = _Parts(store, str(jsonl_path))
+            self._upload_every_s = upload_every_s
+            self._uploaded_at = time.monotonic()
+        self._tensorboard_dir = tensorboard_dir
+        self._tensorboard_key = tensorboard_key
         self._tb = None
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
@@ -67,10 +96,22 @@ class MetricsWriter:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, "time": round(time.time(), 3)}
         record.update({k: _plain(v) for k, v in metrics.items()})
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = json.dumps(record) + "\n"
+        if self._file is not None:
+            self._file.write(line)
+            self._file.flush()
+        else:
+            self._parts.append(line)
+            if time.monotonic() - self._uploaded_at >= self._upload_every_s:
+                self.flush()
         if self._tb is not None:
             self._log_tensorboard(step, record)
+
+    def flush(self) -> None:
+        """At a URL: every line logged so far is in the store when this returns."""
+        if self._store is not None:
+            self._parts.upload()
+            self._uploaded_at = time.monotonic()
 
     def _log_tensorboard(self, step: int, record: Mapping[str, Any]) -> None:
         """All of a step's scalars as one event: ``add_scalar`` writes an event per scalar, and
@@ -84,15 +125,64 @@ class MetricsWriter:
             self._tb._get_file_writer().add_summary(Summary(value=values), step)
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
+        if self._store is not None:
+            self.flush()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+            if self._store is not None:
+                for event_file in sorted(Path(self._tensorboard_dir).glob("*")):
+                    if event_file.is_file():
+                        self._store.write(f"{self._tensorboard_key}/{event_file.name}", event_file.read_bytes(),
+                                          fence=False)
 
 
-def truncate_metrics(jsonl_path: str | Path, after_step: int) -> None:
-    """Drops lines of steps after ``after_step``: a resumed run redoes them (and writes them again)."""
+class _Parts:
+    """The numbered part objects of one metrics log at a URL; this writer owns the newest."""
+
+    def __init__(self, store: RunStore, key: str) -> None:
+        self.store, self.key = store, key
+        numbers = part_numbers(store, key)
+        self.number = numbers[-1] if numbers else 0
+        existing = store.read(self._part_key()) if numbers else None
+        self.lines = (existing or b"").decode("utf-8").splitlines(keepends=True)
+        if len(self.lines) >= PART_LINES:
+            self.number, self.lines = self.number + 1, []
+        self.dirty = False
+
+    def _part_key(self) -> str:
+        return part_key(self.key, self.number)
+
+    def append(self, line: str) -> None:
+        self.lines.append(line)
+        self.dirty = True
+
+    def upload(self) -> None:
+        if not self.dirty:
+            return
+        self.store.write(self._part_key(), "".join(self.lines).encode("utf-8"))
+        self.dirty = False
+        if len(self.lines) >= PART_LINES:
+            self.number, self.lines = self.number + 1, []
+
+
+def truncate_metrics(jsonl_path: str | Path, after_step: int, *, store: RunStore | None = None) -> None:
+    """Drops lines of steps after ``after_step``: a resumed run redoes them (and writes them again).
+    At a URL, parts are cut from the newest back, so a crash midway leaves lines of a prefix."""
+    if store is not None:
+        for number in reversed(part_numbers(store, str(jsonl_path))):
+            part = part_key(str(jsonl_path), number)
+            lines = (store.read(part) or b"").decode("utf-8").splitlines()
+            kept = [line for line in lines if line.strip() and _step_of(line) <= after_step]
+            if len(kept) == len([line for line in lines if line.strip()]):
+                return
+            if kept:
+                store.write(part, "".join(line + "\n" for line in kept).encode("utf-8"))
+                return
+            store.delete(part)
+        return
     path = Path(jsonl_path)
     if not path.exists():
         return
@@ -103,7 +193,9 @@ def truncate_metrics(jsonl_path: str | Path, after_step: int) -> None:
     partial.replace(path)
 
 
-def read_metrics(jsonl_path: str | Path) -> list[dict]:
+def read_metrics(jsonl_path: str | Path, *, store: RunStore | None = None) -> list[dict]:
+    if store is not None:
+        return [json.loads(line) for line in read_log_lines(store, str(jsonl_path)) if line.strip()]
     path = Path(jsonl_path)
     if not path.exists():
         return []

@@ -82,7 +82,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     done = 0
     try:
         model = pipeline.make_model()
-        poller = poller if poller is not None else WeightsPoller(paths.root)
+        poller = poller if poller is not None else WeightsPoller(paths.store)
         update = _wait_for_weights(poller, stop)
         if update is None:  # stopped while the learner warm-started: nothing written yet
             print(f"{tag} stopped before any policy weights were published", file=sys.stderr, flush=True)
@@ -92,7 +92,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         collector = _make_collector(pipeline, model, store, collector_index)
         # prompt position, id counters and sampling RNG: no prompt skipped or repeated, even
         # after a crash between a round's append and the save of the state after it
-        position = CollectorPosition(state_file, store)
+        where, run_store = paths.state_object(state_file)
+        position = CollectorPosition(where, store, run_store=run_store)
         saved = position.load()
         if saved is not None:
             collector.load_state_dict(saved)
@@ -104,18 +105,24 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # generate no more than the learner will take in, plus collect_rounds_ahead rounds
         # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
         key = shard_key(store_path, paths.buffer) if not paths.buffer_url else f"shard-{collector_index:04d}"
-        pacer = CollectorPacer(paths.pacing, key, pipeline.collect_rounds_ahead,
-                               round_rows=_round_rows(collector), learner_expected=stop.launcher_fd is not None)
-        metrics = MetricsWriter(paths.collector_metrics(collector_index))
+        pacing, run_store = paths.state_object(paths.pacing)
+        pacer = CollectorPacer(pacing, key, pipeline.collect_rounds_ahead, round_rows=_round_rows(collector),
+                               learner_expected=stop.launcher_fd is not None, store=run_store,
+                               reread_s=0.0 if paths.url is None else 0.05)
+        metrics_log, run_store = paths.state_object(paths.collector_metrics(collector_index))
+        metrics = MetricsWriter(metrics_log, store=run_store)
         waited = paced_total = 0.0
-        paced = PollBackoff(max_s=0.02)  # the learner takes the next batch within a step: poll soon
+        # the learner takes the next batch within a step: poll soon (at a URL each poll is a few
+        # requests, so not every millisecond)
+        paced = PollBackoff(max_s=0.02) if paths.url is None else PollBackoff(max_s=0.2, first_s=0.01)
+        stop_check = _StopCheck(paths, stop)
         lease_s = getattr(store, "writer_lease_s", None)  # an object store's leased lock
         lease = f" (writer lock lease {lease_s:g} s)" if lease_s is not None else ""
         print(f"{tag} writing to {store_path}{lease} with policy version {version}", file=sys.stderr, flush=True)
         # a paced round takes the version pacing names for it, not the newest: the same weights
         # for every round of a seed, whenever the learner publishes (pacing.py)
         pinned = pacer.rounds_ahead is not None and hasattr(poller, "poll_version")
-        while not _should_stop(stop, paths) and (rounds is None or done < rounds):
+        while not stop_check() and (rounds is None or done < rounds):
             limit = pipeline.collect_rounds_per_version
             allowed = pacer.may_collect(store.next_row)
             version = pacer.version_for_round(store.next_row) if pinned and allowed else None
@@ -209,8 +216,23 @@ def _wait_for_weights(poller, stop: StopFlag):
         time.sleep(0.05)  # the first round waits on this: poll often (a directory listing)
 
 
-def _should_stop(stop: StopFlag, paths: RunPaths) -> bool:
-    return stop.event.is_set() or paths.stop_file.exists()
+class _StopCheck:
+    """Whether to stop: a stop request, or the learner's ``STOP``; at a URL, ``STOP`` (a HEAD
+    request) is looked at no more than every ``every_s`` seconds, not on every paced poll."""
+
+    def __init__(self, paths: RunPaths, stop: StopFlag, every_s: float = 0.5) -> None:
+        self.paths, self.stop = paths, stop
+        self.every_s = 0.0 if paths.url is None else every_s
+        self._checked_at = -float("inf")
+
+    def __call__(self) -> bool:
+        if self.stop.event.is_set():
+            return True
+        now = time.monotonic()
+        if now - self._checked_at < self.every_s:
+            return False
+        self._checked_at = now
+        return self.paths.stop_requested()
 
 
 def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
@@ -226,7 +248,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
     data_parallel = data_parallel if data_parallel is not None else DataParallel.from_torchrun_env()
     stop = StopFlag()
     if data_parallel.is_main:
-        paths.stop_file.unlink(missing_ok=True)  # a resumed learner wants collectors running
+        paths.clear_stop()  # a resumed learner wants collectors running
     data_parallel.start(torch.device(pipeline.settings.device))
     learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event, data_parallel=data_parallel)
     if on_learner is not None:
@@ -240,6 +262,6 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
         data_parallel.stop()
     if finished:
         if data_parallel.is_main:
-            paths.stop_file.touch()  # tells collectors of this run that the learner is done
+            paths.request_stop()  # tells collectors of this run that the learner is done
         return 0
     return stop.exit_code() or 1  # not finished: the launcher must not report "done"

@@ -43,7 +43,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.run_paths import run_dir as make_run_dir
+from rlhf_pipeline.files.run_paths import run_paths
 from rlhf_pipeline.pipeline import (
     PipelineError,
     RunPaths,
@@ -113,7 +113,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         return 0
     if command in ("run", "learn") and settings.steps < 1:  # --set steps=0
         raise PipelineError(f"setting 'steps' must be >= 1, got {settings.steps}")
-    paths = RunPaths(make_run_dir(run_name or Path(pipeline_path).stem, home).resolve())
+    paths = run_paths(run_name or Path(pipeline_path).stem, home)
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
     _check_writable(paths.root)  # now, not after seconds of imports and model building
@@ -132,7 +132,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
             signal.signal(signal.SIGTERM, _terminated_while_preparing)
             try:
                 return _launch(module, settings, paths, pipeline_path, steps, device, overrides, collectors,
-                               holder_fd=holder.fd)
+                               holder=holder)
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
@@ -157,19 +157,19 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
 
 
 def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, steps: int | None,
-            device: str | None, overrides: Sequence[str], collectors: int, *, holder_fd: int) -> int:
+            device: str | None, overrides: Sequence[str], collectors: int, *, holder: Any) -> int:
     """``run``: checks what it can without torch, starts the children, waits while the learner
     prepares the run directory (collectors go once it exists), then watches them."""
     check_settings(module, settings)
     children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
                                learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1),
-                               holder_fd=holder_fd)
+                               holder_fd=holder.fd)
     try:
         wait_for_preparation(children)
     except BaseException:
         children.abandon()
         raise
-    return _run_both(paths, collectors, children)
+    return _run_both(paths, collectors, children, holder_lost=lambda: getattr(holder, "lost", False))
 
 
 def check_settings(module: Any, settings: Any) -> None:
@@ -265,12 +265,12 @@ def _check_writable(root: Path) -> None:
 
 def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
     """Says so when the newest checkpoint already reached ``steps`` (before any slow work)."""
-    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
-    reached = CheckpointManager(paths.checkpoints).latest_step()
+    reached = run_checkpoints(paths).latest_step()
     if reached is None or reached < steps:
         return False
-    print(f"[{command}] {paths.root} has already reached step {reached} (--steps {steps}); nothing to do. "
+    print(f"[{command}] {paths.location} has already reached step {reached} (--steps {steps}); nothing to do. "
           f"To train further, raise --steps, e.g. --steps {reached + max(steps, 1)}", file=sys.stderr)
     return True
 
@@ -285,8 +285,8 @@ def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, devi
     """Starts the collectors and the learner, which import their modules and wait for ``go``."""
     from rlhf_pipeline.runs.launch import Children
 
-    paths.stop_file.unlink(missing_ok=True)
-    common = [pipeline_path, "--home", str(paths.root.parent), "--run-name", paths.root.name]
+    paths.clear_stop()
+    common = [pipeline_path, "--home", paths.home, "--run-name", paths.name]
     if device is not None:
         common += ["--device", device]
     for item in overrides:
@@ -300,13 +300,13 @@ def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, devi
                           keep_fds=(holder_fd,) if holder_fd >= 0 else ())
 
 
-def _run_both(paths: RunPaths, collectors: int, children) -> int:
+def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[[], bool] = lambda: False) -> int:
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
     from rlhf_pipeline.runs.launch import stop_ranks
 
     collector_procs, learner, ranks = children.collectors, children.learner, children.learners
     stop_write = children.stop_write
-    print(f"[run] run directory {paths.root}" + (f" with {collectors} collectors" if collectors > 1 else ""),
+    print(f"[run] run directory {paths.location}" + (f" with {collectors} collectors" if collectors > 1 else ""),
           file=sys.stderr, flush=True)
     signals = LauncherSignals()  # before the children go, so no signal is missed
     try:
@@ -317,9 +317,15 @@ def _run_both(paths: RunPaths, collectors: int, children) -> int:
                 # a failed data-parallel rank leaves the others in a collective that never ends
                 stop_ranks(ranks)
                 break
+            if holder_lost():
+                # a run at a URL: another command took the run over (this one's lease ran out unrenewed)
+                ask_children_to_stop(stop_write, len(processes))
+                wait_for_children(processes, signals)
+                raise RunError(f"{paths.location} was taken over by another command (this one's lease on run.lock "
+                               f"was not renewed in time); stopped its collectors and learner")
             for k, p in collector_procs.items():
                 code = p.poll()
-                if code is None or (code == 0 and paths.stop_file.exists()):
+                if code is None or (code == 0 and paths.stop_requested()):
                     # (a clean exit after STOP means the learner finished and is exiting too)
                     continue
                 # a collector died: stop the learner (it checkpoints) and the other collectors
@@ -333,7 +339,7 @@ def _run_both(paths: RunPaths, collectors: int, children) -> int:
             ask_children_to_stop(stop_write, len(processes))
             wait_for_children(processes, signals)
         else:
-            paths.stop_file.touch()  # every collector ends after its current round
+            paths.request_stop()  # every collector ends after its current round
             for p in collector_procs.values():
                 wait_quietly(p, timeout=120.0)
     finally:
@@ -351,7 +357,7 @@ def _run_both(paths: RunPaths, collectors: int, children) -> int:
         reached = checkpoint_step(paths)
         saved = f"the learner's newest checkpoint is at step {reached}; " if reached is not None else ""
         print(f"[run] interrupted ({signal.Signals(signum).name}); {saved}run the same command again to "
-              f"resume {paths.root}", file=sys.stderr, flush=True)
+              f"resume {paths.location}", file=sys.stderr, flush=True)
         return 128 + signum
     if learner_code != 0:
         raise RunError(f"the learner failed (exit code {learner_code}); see its error above")

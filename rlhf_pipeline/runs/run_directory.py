@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import fsync_dir, write_atomic
+from rlhf_pipeline.files.atomic import fsync_dir
+from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 from rlhf_pipeline.storage.locking import pid_running
 
@@ -49,8 +50,8 @@ class RunHolder:
     The kernel drops the lock when every process holding it has exited, so a holder killed with
     ``kill -9`` blocks no later start; its details in the file are only read for a refusal's
     message. Child processes that get :attr:`fd` (``pass_fds``) keep the lock alive after their
-    parent dies, until they too have stopped writing. A run directory at a URL would need a
-    leased lock object instead (as the S3 writer lock); only local directories are held here.
+    parent dies, until they too have stopped writing. A run at a URL is held by a lease object
+    instead (:class:`UrlRunHolder`).
     """
 
     def __init__(self, fd: int, root: Path, created_root: bool) -> None:
@@ -77,9 +78,36 @@ class RunHolder:
         self.release()
 
 
-def hold_run_directory(paths: RunPaths, command: str) -> RunHolder:
+class UrlRunHolder:
+    """The one command that owns a run at a URL: ``run.lock`` there, a lease object
+    (``files/run_lease.py``) renewed while the command runs. Its children inherit nothing: when
+    the holder dies its lease runs out (or, on the same host, is taken over at once)."""
+
+    fd = -1  # no descriptor for children to inherit
+
+    def __init__(self, lease) -> None:
+        self.lease = lease
+
+    @property
+    def lost(self) -> bool:
+        """Another command took the run over (this one's lease ran out unrenewed)."""
+        return self.lease.lost.is_set()
+
+    def release(self) -> None:
+        self.lease.release()
+
+    def __enter__(self) -> UrlRunHolder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolder:
     """Takes ``paths.root`` for ``command``, or raises :class:`RunDirectoryBusyError` naming the
     holder (pid, host, command, start time) without changing anything in the directory."""
+    if paths.url is not None:
+        return _hold_run_url(paths, command)
     created_root = not paths.root.exists()
     paths.root.mkdir(parents=True, exist_ok=True)
     fd = os.open(paths.root / HOLDER_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -131,8 +159,24 @@ def _describe_holder(raw: bytes) -> str:
         return "another command (it is writing its details)"  # between its lock and its pwrite
 
 
+def _hold_run_url(paths: RunPaths, command: str) -> UrlRunHolder:
+    from rlhf_pipeline.files.run_lease import LeaseHeldError, ObjectLease
+
+    lease = ObjectLease(paths.store, HOLDER_FILE, record={"command": command,
+                                                          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    try:
+        lease.acquire()
+    except LeaseHeldError as exc:
+        raise RunDirectoryBusyError(
+            f"run {paths.url} is in use by {exc}; wait for it to end or stop it, or choose another --run-name "
+            f"(or --home). A holder on another machine that died lets go once its lease runs out") from None
+    return UrlRunHolder(lease)
+
+
 @contextmanager
 def run_lock(paths: RunPaths):
+    """Processes preparing the run on this machine, one at a time (a file lock; at a URL, in this
+    machine's cache: starts on several machines meet only in create-only writes)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     with open(paths.root / ".prepare.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # blocking: the other side is only preparing
@@ -155,19 +199,25 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
 def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> None:
     """``settings.json`` (checked against a previous start), the pipeline file's copy and the
     buffer shards of ``shards``; no model."""
+    _check_buffer_at_url(pipeline, paths)
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)
-        if paths.settings_file.exists():
-            saved = json.loads(paths.settings_file.read_text())
+        store, key = paths.store, paths.key(paths.settings_file)
+        saved_text = store.read(key)
+        if saved_text is None:
+            text = json.dumps(current, indent=2, sort_keys=True).encode()
+            try:
+                store.create(key, text, partial_name=paths.settings_file.name + ".partial")
+            except StaleWriterError:  # a start on another machine wrote it meanwhile: compare with that
+                saved_text = store.read(key)
+        if saved_text is not None:
+            saved = json.loads(saved_text)
             changed = settings_changes(saved, pipeline.settings, tag="[run]", since="the run started")
             if changed:
                 raise RunError(
-                    f"run directory {paths.root} was started with other settings ({'; '.join(changed)}). "
+                    f"run directory {paths.location} was started with other settings ({'; '.join(changed)}). "
                     f"Resume with the same settings, or start a new run with --run-name NAME"
                 )
-        else:
-            text = json.dumps(current, indent=2, sort_keys=True).encode()
-            write_atomic(paths.settings_file, lambda f: f.write(text))
         keep_pipeline_copy(pipeline, paths)
         if paths.single_store_buffer:
             extra = sorted(k for k in shards if k != 0)
@@ -212,10 +262,24 @@ def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> None:
     from rlhf_pipeline.coordination.weights import latest_version, publish_weights
 
     with run_lock(paths):
-        if latest_version(paths.root) is None:
-            print(f"[run] building the initial policy in {paths.root}", file=sys.stderr, flush=True)
+        if latest_version(paths.store) is None:
+            print(f"[run] building the initial policy in {paths.location}", file=sys.stderr, flush=True)
             model = pipeline.make_policy()
-            publish_weights(paths.root, model.state_dict(), 0)
+            try:
+                publish_weights(paths.store, model.state_dict(), 0)
+            except StaleWriterError:  # published meanwhile by a start on another machine: that one stands
+                if latest_version(paths.store) is None:
+                    raise
+
+
+def _check_buffer_at_url(pipeline: Pipeline, paths: RunPaths) -> None:
+    """A run at a URL keeps its buffer there, which only a Zarr store can: a pipeline that names
+    its backend (``buffer_backend``) is told before anything is written (a memmap store given a URL
+    would make a local directory named ``s3:``)."""
+    backend = getattr(pipeline.settings, "buffer_backend", None)
+    if paths.url is not None and isinstance(backend, str) and backend != "zarr":
+        raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
+                            f"setting 'buffer_backend' is {backend!r}: add --set buffer_backend=zarr")
 
 
 def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:
@@ -253,10 +317,14 @@ def keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
     """Copies the pipeline file into the run once, so the run can be rebuilt after the file moves."""
     module = sys.modules.get(type(pipeline.settings).__module__)
     source = getattr(module, "__file__", None)
-    if paths.pipeline_file.exists() or source is None:
+    key = paths.key(paths.pipeline_file)
+    if source is None or paths.store.exists(key):
         return
     text = Path(source).read_bytes()
-    write_atomic(paths.pipeline_file, lambda f: f.write(text))
+    try:
+        paths.store.create(key, text, partial_name=paths.pipeline_file.name + ".partial")
+    except StaleWriterError:
+        pass  # copied meanwhile by a start on another machine: the first copy stands
 
 
 def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:

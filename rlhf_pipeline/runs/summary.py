@@ -6,19 +6,23 @@ from __future__ import annotations
 import json
 import sys
 
+from rlhf_pipeline.files.log_parts import read_log_lines
 from rlhf_pipeline.files.run_paths import RunPaths
 
 
 def checkpoint_step(paths: RunPaths) -> int | None:
-    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
-    return CheckpointManager(paths.checkpoints).latest_step()
+    return run_checkpoints(paths).latest_step()
 
 
 def print_summary(paths: RunPaths) -> None:
     # metrics.jsonl read here, not with learn.metrics.read_metrics: that module imports torch,
     # which would cost the launcher seconds after the learner is done
-    lines = paths.metrics.read_text(encoding="utf-8").splitlines() if paths.metrics.exists() else []
+    if paths.url is not None:
+        lines = read_log_lines(paths.store, paths.key(paths.metrics))
+    else:
+        lines = paths.metrics.read_text(encoding="utf-8").splitlines() if paths.metrics.exists() else []
     records = [json.loads(line) for line in lines if line.strip()]
     if not records:
         return
@@ -28,4 +32,9 @@ def print_summary(paths: RunPaths) -> None:
     last = sum(rewards[-k:]) / k if rewards else float("nan")
     print(f"[run] done: {records[-1]['step']} learner steps; mean reward {first:.3f} "
           f"(first {k} steps) -> {last:.3f} (last {k} steps)", file=sys.stderr)
+    if paths.url is not None:
+        metrics = paths.store.describe(paths.key(paths.metrics))
+        print(f"[run] metrics: {metrics} (parts)  tensorboard: {paths.store.describe('tensorboard')} "
+              f"(uploaded at the end; cached in {paths.tensorboard})", file=sys.stderr)
+        return
     print(f"[run] metrics: {paths.metrics}  tensorboard: {paths.tensorboard}", file=sys.stderr)

@@ -46,6 +46,23 @@ def test_a_collector_writes_the_learners_next_batch_plus_rounds_ahead(tmp_path):
     assert CollectorPacer(path, "shard-0000", rounds_ahead=None).may_collect(10**9)  # unpaced
 
 
+def test_pacing_through_a_run_store_reads_once_per_reread_interval(tmp_path):
+    """At a URL a read is a GET: a pacer with ``reread_s`` reads the intake once for the calls of
+    one wait iteration, then again once the interval has passed."""
+    from rlhf_pipeline.files.run_store import LocalRunStore
+
+    store = LocalRunStore(tmp_path / "run")
+    learner = PacingPublisher("pacing.json", store=store)
+    pacer = CollectorPacer("pacing.json", "shard-0000", rounds_ahead=0, round_rows=ROUND, store=store, reread_s=0.2)
+    learner.publish(LearnerIntake(step=1, draws=1, consumed={"shard-0000": 8}, next_draw_rows=8))
+    assert pacer.may_collect(15) and not pacer.may_collect(16)
+    learner.publish(LearnerIntake(step=2, draws=2, consumed={"shard-0000": 16}, next_draw_rows=8))
+    assert not pacer.may_collect(16)  # the intake read a moment ago
+    time.sleep(0.25)
+    assert pacer.may_collect(16) and not pacer.may_collect(24)
+    assert (tmp_path / "run" / "pacing.json").is_file()
+
+
 def test_a_collector_alone_is_unpaced_until_a_learner_publishes(tmp_path):
     path = tmp_path / "pacing.json"
     alone = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, learner_expected=False)

@@ -1,0 +1,150 @@
+"""What a run's state writes cost when the run lives at a URL, beside the same writes in a directory.
+
+Times the run's own code paths (``publish_weights``, ``CheckpointManager.save``,
+``PacingPublisher.publish``, ``CollectorPosition.after_write``, and the polls a collector makes
+while it waits: ``WeightsPoller.poll`` and ``read_intake``) through an ``ObjectRunStore`` on a moto
+S3 server on loopback (in its own process, so its threads do not share this one's GIL) and through
+a ``LocalRunStore`` in a temporary directory. Sizes are the default pipeline's: weights 0.6 MB,
+a checkpoint 1.7 MB (model, AdamW moments, RNG), pacing.json ~200 bytes, a collector position ~7 KB.
+Each figure is the median over ``--repeat`` calls with its range, and the requests one call sends.
+
+    python benchmarks/bench_run_state_writes.py --repeat 20
+
+moto answers from memory on this machine: the figures are the client's and the protocol's cost
+(request count, serialisation), not a cloud's round trip (add ~10-30 ms per request for S3 in a
+region). Needs the s3 and test-s3 extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+BUCKET = "bench-run-state"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    code = ("import logging, time; logging.getLogger('werkzeug').setLevel(logging.ERROR); "
+            "from moto.server import ThreadedMotoServer; "
+            f"ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False).start(); time.sleep(1e9)")
+    server = subprocess.Popen([sys.executable, "-c", code])
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return server, endpoint
+        except OSError:
+            time.sleep(0.1)
+    server.kill()
+    raise RuntimeError("moto's server did not start")
+
+
+def time_calls(call, repeat: int) -> list[float]:
+    out = []
+    for i in range(repeat):
+        started = time.perf_counter()
+        call(i)
+        out.append((time.perf_counter() - started) * 1000)
+    return out
+
+
+def bench(store, repeat: int) -> dict[str, tuple[list[float], float | None]]:
+    import torch
+
+    from rlhf_pipeline.collect.position import CollectorPosition
+    from rlhf_pipeline.coordination.pacing import (
+        LearnerIntake,
+        PacingPublisher,
+        read_intake,
+    )
+    from rlhf_pipeline.coordination.weights import WeightsPoller, publish_weights
+    from rlhf_pipeline.files.run_store import LocalRunStore
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress
+
+    remote = not isinstance(store, LocalRunStore)
+    weights = {"w": torch.randn(150_000)}  # 0.6 MB, as the default policy
+    checkpoint = {"model": weights, "optimizer": {"exp_avg": torch.randn(150_000), "exp_avg_sq": torch.randn(150_000)},
+                  "rng": torch.get_rng_state()}
+    intake = LearnerIntake(step=12, draws=12, consumed={"shard-0000": 832}, next_draw_rows=64, policy_version=12,
+                           recent=[(v, 64, {"shard-0000": 16 * v}) for v in range(8)])
+
+    class Rows:
+        next_row = 0
+
+    position_state = {"prompt_order": torch.randperm(800), "rng": torch.get_rng_state()}
+    pacing = PacingPublisher("pacing.json", store=store) if remote else PacingPublisher(store.path("pacing.json"))
+    manager = (CheckpointManager("checkpoints", keep_last=2, store=store) if remote
+               else CheckpointManager(store.path("checkpoints"), keep_last=2))
+    position = (CollectorPosition("collector/shard-0000.pt", Rows(), run_store=store) if remote
+                else CollectorPosition(store.path("collector/shard-0000.pt"), Rows()))
+    poller = WeightsPoller(store)
+    cases = {
+        "weights publish (0.6 MB)": lambda i: publish_weights(store, weights, i),
+        "checkpoint save (1.7 MB)": lambda i: manager.save(Progress(seed=0, step=i + 1), checkpoint),
+        "pacing.json write": lambda i: pacing.publish(intake),
+        "collector position write": lambda i: position.after_write(position_state),
+        "weights poll (nothing new)": lambda i: poller.poll(),
+        "pacing.json read": lambda i: read_intake("pacing.json", store=store) if remote
+        else read_intake(store.path("pacing.json")),
+    }
+    poller.current_version = 1 << 30  # every poll finds nothing newer: what a waiting collector mostly sees
+    results = {}
+    for name, call in cases.items():
+        before = getattr(store, "requests", None)
+        times = time_calls(call, repeat)
+        sent = (store.requests - before) / repeat if before is not None else None
+        results[name] = (times, sent)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args()
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+    from rlhf_pipeline.files.run_store import LocalRunStore
+
+    server, endpoint = start_server()
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+        remote = ObjectRunStore(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/run", storage_options={"endpoint_url": endpoint})
+        with tempfile.TemporaryDirectory() as scratch:
+            local = LocalRunStore(scratch)
+            rows = {"local directory": bench(local, args.repeat), "s3:// on moto": bench(remote, args.repeat)}
+    finally:
+        server.kill()
+        server.wait()
+    load = os.getloadavg()
+    print(f"run state writes, median [min-max] ms over {args.repeat} calls; load {load[0]:.2f} {load[1]:.2f}")
+    print(f"{'operation':30s} {'local directory':>24s} {'s3:// on moto':>24s} {'requests':>9s}")
+    for name in rows["local directory"]:
+        cells = []
+        for where in rows:
+            times, _ = rows[where][name]
+            cells.append(f"{statistics.median(times):7.2f} [{min(times):.2f}-{max(times):.2f}]")
+        sent = rows["s3:// on moto"][name][1]
+        print(f"{name:30s} {cells[0]:>24s} {cells[1]:>24s} {sent:9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""A JSON-lines log at a URL, where nothing can be appended: numbered part objects
+``<key>.parts/00000000.jsonl``, ``00000001.jsonl``, ... read in order as one log.
+
+Torch-free, so the launcher can summarise a finished run's metrics without importing torch; the
+writer is ``learn/metrics.py``'s :class:`~rlhf_pipeline.learn.metrics.MetricsWriter`.
+"""
+
+from __future__ import annotations
+
+from rlhf_pipeline.files.run_store import RunStore
+
+
+def part_key(key: str, number: int) -> str:
+    return f"{key}.parts/{number:08d}.jsonl"
+
+
+def part_numbers(store: RunStore, key: str) -> list[int]:
+    """The numbers of ``key``'s parts, oldest first."""
+    names = store.list(f"{key}.parts")
+    return sorted(int(name.split(".")[0]) for name in names if name.endswith(".jsonl") and name.split(".")[0].isdigit())
+
+
+def read_log_lines(store: RunStore, key: str) -> list[str]:
+    """Every line of the log ``key``: its parts in order."""
+    text = "".join((store.read(part_key(key, n)) or b"").decode("utf-8") for n in part_numbers(store, key))
+    return text.splitlines()

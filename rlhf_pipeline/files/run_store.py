@@ -1,0 +1,160 @@
+"""Where a run's small state objects are kept: a directory (:class:`LocalRunStore`) or a URL
+(:class:`~rlhf_pipeline.files.object_run_store.ObjectRunStore`), behind one small contract.
+
+Every module that keeps run state (weights, checkpoints, collector positions, pacing, metrics,
+``settings.json``, the pipeline copy, ``STOP``) names its objects by a key relative to the run
+(``weights/policy_00000003.safetensors``) and reads and writes them through a :class:`RunStore`.
+What each store guarantees for every key:
+
+* **atomic**: a reader sees the old or the new content of a key, never a part of it;
+* **fenced** (``write(..., fence=True)``, :meth:`RunStore.create`): a writer whose key was replaced
+  by another writer since it last wrote that key gets :class:`StaleWriterError` instead of putting
+  its older state over the newer one; a version (a weights file, a checkpoint) is created once,
+  never overwritten. The local store keeps today's file semantics (a rename replaces whatever is
+  there; the run directory's ``flock`` keeps a second writer out instead);
+* **loaded without executing code**: readers get bytes and decode them with
+  :func:`rlhf_pipeline.files.state_files.load_state_bytes` or JSON.
+
+A run directory on disk behaves exactly as before: :class:`LocalRunStore` writes through
+:func:`rlhf_pipeline.files.atomic.write_atomic`, with the same temporary names and fsyncs.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, write_atomic
+
+Content = bytes | Callable[[IO[bytes]], None]
+"""What a write takes: the bytes, or a callback that writes them into a file (a local store
+streams a large checkpoint straight to disk; an object store collects it in memory first)."""
+
+
+class StaleWriterError(RuntimeError):
+    """A write refused because another writer replaced the object since this one last wrote it
+    (this process lost its lease or was superseded by a restart elsewhere), or a version that
+    exists already with other contents. The message names the object."""
+
+
+class RunStoreError(OSError):
+    """An object store request that failed for good (retries spent, access denied, no bucket);
+    the message names the object, what was tried and why it gave up."""
+
+
+class RunStore(ABC):
+    """A run's state objects by relative key (``/``-separated, no leading ``/``)."""
+
+    location: str
+    """The run's root as a user gives it: a directory path or a URL (for messages)."""
+
+    @property
+    @abstractmethod
+    def is_local(self) -> bool:
+        """True for a directory on a (possibly shared) file system."""
+
+    def describe(self, key: str) -> str:
+        """Where ``key`` lives, for messages: a path or a URL."""
+        return f"{self.location.rstrip('/')}/{key}"
+
+    @abstractmethod
+    def read(self, key: str) -> bytes | None:
+        """The content of ``key``, or None when it does not exist."""
+
+    @abstractmethod
+    def write(self, key: str, content: Content, *, fence: bool = True, durable: bool = True,
+              partial_name: str | None = None) -> None:
+        """Replaces ``key`` atomically. ``fence``: refuse (:class:`StaleWriterError`) when another
+        writer replaced it since this store last wrote or read it. ``durable`` and
+        ``partial_name`` are the local file's (:func:`~rlhf_pipeline.files.atomic.write_atomic`)."""
+
+    @abstractmethod
+    def create(self, key: str, content: Content, *, partial_name: str | None = None) -> None:
+        """Writes a new version ``key``: an object store refuses to replace an existing one with
+        other contents (:class:`StaleWriterError`); the same contents count as written (a retried
+        request whose first answer was lost)."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Names of the objects and "directories" directly under ``prefix`` (a "directory" key), unsorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Removes ``key``; a missing key is fine."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists now."""
+
+
+class LocalRunStore(RunStore):
+    """A run directory on a file system: today's atomic file writes (``*.partial`` + rename)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.location = str(self.root)
+
+    @property
+    def is_local(self) -> bool:
+        return True
+
+    def path(self, key: str) -> Path:
+        return self.root / key if key else self.root
+
+    def describe(self, key: str) -> str:
+        return str(self.path(key))
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return self.path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def write(self, key: str, content: Content, *, fence: bool = True, durable: bool = True,
+              partial_name: str | None = None) -> None:
+        write_atomic(self.path(key), _writer(content), durable=durable, partial_name=partial_name)
+
+    def create(self, key: str, content: Content, *, partial_name: str | None = None) -> None:
+        # writers that may race for one name give each process its own temporary file
+        name = partial_name or f"{Path(key).name}.{os.getpid()}{PARTIAL_SUFFIX}"
+        write_atomic(self.path(key), _writer(content), partial_name=name)
+
+    def list(self, prefix: str) -> list[str]:
+        directory = self.path(prefix)
+        if not directory.is_dir():
+            return []
+        return [p.name for p in directory.iterdir()]
+
+    def delete(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).exists()
+
+
+def _writer(content: Content) -> Callable[[IO[bytes]], None]:
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        data = bytes(content)
+        return lambda f: f.write(data)
+    return content
+
+
+def content_bytes(content: Content) -> bytes:
+    """``content`` as bytes (a callback writes into memory)."""
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        return bytes(content)
+    import io
+
+    buffer = io.BytesIO()
+    content(buffer)
+    return buffer.getvalue()
+
+
+def as_run_store(run: str | os.PathLike | RunStore) -> RunStore:
+    """``run`` as a store: a store as it is; a directory path as a :class:`LocalRunStore`."""
+    if isinstance(run, RunStore):
+        return run
+    return LocalRunStore(run)

@@ -1,0 +1,178 @@
+"""The run store contract (``files/run_store.py``), one suite for every store: a run directory
+on disk and a run at an ``s3://`` URL on moto's server on loopback. Then what only an object
+store needs: fencing of a superseded writer, atomic replacement seen by a concurrent reader,
+and retries of throttled requests and of writes whose answer was lost (a fault-injecting proxy
+in front of moto, ``tests/s3_faults.py``)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rlhf_pipeline.files.object_run_store import ObjectRunStore, RetryPolicy
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStoreError, StaleWriterError
+
+FAST_RETRIES = RetryPolicy(attempts=6, first_delay_s=0.01, max_delay_s=0.05, budget_s=20.0)
+
+
+class RunStoreContract:
+    """What every run store does; a subclass only says how to build one (``make``)."""
+
+    @pytest.fixture()
+    def make(self):
+        raise NotImplementedError
+
+    def test_a_missing_key_reads_as_none_and_does_not_exist(self, make):
+        store = make()
+        assert store.read("settings.json") is None
+        assert not store.exists("settings.json")
+        assert store.list("weights") == []
+
+    def test_write_replaces_the_whole_object(self, make):
+        store = make()
+        store.write("pacing.json", b"first, a longer content")
+        store.write("pacing.json", b"second")
+        assert store.read("pacing.json") == b"second"
+        assert store.exists("pacing.json")
+
+    def test_a_callback_writes_the_content(self, make):
+        store = make()
+        store.write("collector/shard-0000.pt", lambda f: f.write(b"from a callback"))
+        assert store.read("collector/shard-0000.pt") == b"from a callback"
+
+    def test_list_names_the_objects_directly_under_a_prefix(self, make):
+        store = make()
+        for name in ("policy_00000000.safetensors", "policy_00000001.safetensors"):
+            store.create(f"weights/{name}", name.encode())
+        store.write("weights/deeper/other", b"x")
+        store.write("weightsX", b"not under weights/")
+        assert sorted(n for n in store.list("weights") if not n.startswith("deeper")) == [
+            "policy_00000000.safetensors", "policy_00000001.safetensors"]
+
+    def test_create_twice_with_the_same_bytes_is_one_version(self, make):
+        store = make()
+        store.create("checkpoints/step_00000002.pt", b"checkpoint")
+        store.create("checkpoints/step_00000002.pt", b"checkpoint")  # a retried request
+        assert store.read("checkpoints/step_00000002.pt") == b"checkpoint"
+
+    def test_delete_removes_and_a_missing_key_is_fine(self, make):
+        store = make()
+        store.write("STOP", b"", fence=False)
+        store.delete("STOP")
+        store.delete("STOP")
+        assert not store.exists("STOP")
+
+
+class TestLocalRunStore(RunStoreContract):
+    @pytest.fixture()
+    def make(self, tmp_path):
+        return lambda: LocalRunStore(tmp_path / "run")
+
+    def test_files_are_where_a_run_directory_had_them_and_no_partial_is_left(self, tmp_path):
+        store = LocalRunStore(tmp_path / "run")
+        store.write("collector/shard-0000.pt", b"state")
+        store.create("weights/policy_00000003.safetensors", b"weights")
+        assert (tmp_path / "run" / "collector" / "shard-0000.pt").read_bytes() == b"state"
+        assert sorted(p.name for p in (tmp_path / "run").rglob("*") if p.is_file()) == [
+            "policy_00000003.safetensors", "shard-0000.pt"]
+
+
+class TestObjectRunStore(RunStoreContract):
+    @pytest.fixture()
+    def make(self, s3_server):
+        url = s3_server.url("run")
+        return lambda: ObjectRunStore(url, storage_options=s3_server.options, retry=FAST_RETRIES)
+
+    def test_a_superseded_writer_cannot_overwrite_its_successors_state(self, make):
+        old, new = make(), make()
+        old.write("collector/shard-0000.pt", b"old writer, round 7")
+        assert new.read("collector/shard-0000.pt") == b"old writer, round 7"  # the restart resumes from it
+        new.write("collector/shard-0000.pt", b"new writer, round 8")
+        with pytest.raises(StaleWriterError, match=r"collector/shard-0000.pt was replaced by another writer"):
+            old.write("collector/shard-0000.pt", b"old writer, round 8")
+        assert new.read("collector/shard-0000.pt") == b"new writer, round 8"
+        new.write("collector/shard-0000.pt", b"new writer, round 9")  # the current writer goes on
+
+    def test_a_restarted_writer_takes_over_objects_it_never_read(self, make):
+        old, new = make(), make()
+        old.write("pacing.json", b'{"step": 3}')
+        new.write("pacing.json", b'{"step": 1}')  # HEAD, then If-Match on what is there
+        with pytest.raises(StaleWriterError):
+            old.write("pacing.json", b'{"step": 4}')
+
+    def test_a_version_exists_once(self, make):
+        first, second = make(), make()
+        first.create("weights/policy_00000004.safetensors", b"learner A's version 4")
+        with pytest.raises(StaleWriterError, match=r"policy_00000004.safetensors exists already with other contents"):
+            second.create("weights/policy_00000004.safetensors", b"learner B's version 4")
+        assert second.read("weights/policy_00000004.safetensors") == b"learner A's version 4"
+
+    def test_a_reader_sees_the_old_or_the_new_object_never_a_mix(self, make):
+        writer, reader = make(), make()
+        contents = [bytes([i]) * (3 << 20) for i in range(1, 5)]  # 3 MB each: several packets a PUT
+        writer.write("checkpoint-like", contents[0], fence=False)
+        seen: list[bytes] = []
+        done = threading.Event()
+
+        def read_while_writing():
+            while not done.is_set():
+                seen.append(reader.read("checkpoint-like"))
+
+        thread = threading.Thread(target=read_while_writing)
+        thread.start()
+        try:
+            for content in contents[1:]:
+                writer.write("checkpoint-like", content, fence=False)
+        finally:
+            done.set()
+            thread.join()
+        assert seen and all(s in contents for s in seen)
+
+
+@pytest.fixture()
+def proxy(s3_server):
+    from s3_faults import FaultyProxy
+
+    proxy = FaultyProxy(s3_server.endpoint)
+    yield proxy
+    proxy.stop()
+
+
+def _through(proxy, s3_server, url, retry=FAST_RETRIES):
+    return ObjectRunStore(url, storage_options={**s3_server.options, "endpoint_url": proxy.endpoint}, retry=retry)
+
+
+def test_throttled_requests_are_retried_within_the_budget(s3_server, proxy):
+    store = _through(proxy, s3_server, s3_server.url("run"))
+    proxy.throttle(3)
+    store.write("pacing.json", b"after three 503s")
+    proxy.throttle(2)
+    assert store.read("pacing.json") == b"after three 503s"
+    assert proxy.statuses().count(503) == 5
+
+
+def test_giving_up_names_the_object_the_tries_and_the_last_error(s3_server, proxy):
+    policy = RetryPolicy(attempts=3, first_delay_s=0.01, max_delay_s=0.02, budget_s=10.0)
+    store = _through(proxy, s3_server, s3_server.url("run"), retry=policy)
+    proxy.throttle(100)
+    with pytest.raises(RunStoreError, match=r"weights/policy_00000001.safetensors: PUT \(create\) gave up after 3 "
+                                            r"tries .*retry budget: 3 tries.*SlowDown"):
+        store.create("weights/policy_00000001.safetensors", b"w")
+    assert proxy.statuses() == [503, 503, 503]
+
+
+def test_a_write_whose_answer_was_lost_is_settled_by_reading_it_back(s3_server, proxy):
+    url = s3_server.url("run")
+    store = _through(proxy, s3_server, url)
+    store.write("collector/shard-0000.pt", b"round 1")
+    proxy.lose_answer("PUT")  # the fenced PUT lands, its answer does not come back
+    store.write("collector/shard-0000.pt", b"round 2")
+    proxy.lose_answer("PUT")  # a new version: created on the first try, refused (412) on the retry
+    store.create("checkpoints/step_00000002.pt", b"checkpoint 2")
+    direct = ObjectRunStore(url, storage_options=s3_server.options)
+    assert direct.read("collector/shard-0000.pt") == b"round 2"
+    assert direct.read("checkpoints/step_00000002.pt") == b"checkpoint 2"
+    store.write("collector/shard-0000.pt", b"round 3")  # its ETag is the landed write's: still the writer
+    assert direct.read("collector/shard-0000.pt") == b"round 3"
+    assert 412 in proxy.statuses()  # the retries met their own writes

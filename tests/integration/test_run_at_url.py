@@ -1,0 +1,264 @@
+"""``run --home s3://...``: every piece of run state at the URL (moto's S3 server on loopback),
+local disk only a cache. The run trains exactly as the same run in a local directory; a learner
+and then a collector killed with ``kill -9`` resume from the URL, with no round lost or doubled
+and no step missing. Real processes; endpoint and credentials from the AWS variables, as a
+user's shell gives them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from integration.test_default_pipeline import DEFAULT, SMALL
+from integration.test_processes import _pids_of
+
+from rlhf_pipeline.files.object_run_store import ObjectRunStore
+from rlhf_pipeline.files.run_paths import cache_dir
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.storage import open_buffer, open_store
+
+REPO = Path(__file__).resolve().parents[2]
+ZARR = ["--set", "buffer_backend=zarr"]
+TIMING = ("time", "tokens_per_s", "_s")  # metrics that measure time, not what was trained
+
+
+def command(home: str, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", home, "--run-name", name,
+            *SMALL, *ZARR, *extra]
+
+
+@pytest.fixture()
+def env(s3_server, tmp_path, monkeypatch):
+    """The AWS variables for the children and this process (reading the results); the cache
+    of runs at a URL under tmp_path."""
+    environment = {**s3_server.env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+                "XDG_CACHE_HOME"):
+        monkeypatch.setenv(key, environment[key])
+    return environment
+
+
+def learner_metrics(run_url: str | None = None, run_dir: Path | None = None) -> list[dict]:
+    if run_url is not None:
+        return read_metrics("metrics.jsonl", store=ObjectRunStore(run_url))
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+# after a kill, what only names or counts differs: the versions' numbers, and how many rows the
+# buffer held at a step (a killed run's collector had run ahead; those rows are kept)
+LABELS = ("policy_version", "row_version", "staleness", "buffer_rows", "rows_generated")
+
+
+def trained(records: list[dict], labels: tuple[str, ...] = ()) -> list[dict]:
+    """What was trained, step by step: the metrics less those measuring time (and ``labels``)."""
+    return [{k: v for k, v in r.items() if not k.endswith(TIMING) and not any(n in k for n in labels)}
+            for r in records]
+
+
+def rows_of(buffer: str) -> dict:
+    with open_buffer(buffer, mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("policy_version", "reward", "response_tokens"))
+    return {"versions": rows["policy_version"].tolist(), "rewards": rows["reward"].tolist(),
+            "tokens": [t.tolist() for t in rows["response_tokens"].to_list()]}
+
+
+def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_server, env, tmp_path):
+    home = s3_server.url("runs")
+    at_url = subprocess.run([*command(home, "exp1"), "--steps", "4"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert at_url.returncode == 0, at_url.stderr[-3000:]
+    assert f"[run] run directory {home}/exp1" in at_url.stderr
+    assert "[run] done: 4 learner steps" in at_url.stderr, at_url.stderr[-3000:]
+    keys = set(s3_server.keys(f"{home}/exp1"))
+    for key in ("settings.json", "pipeline.py", "pacing.json", "collector/shard-0000.pt",
+                "checkpoints/step_00000004.pt", "weights/policy_00000004.safetensors",
+                "metrics.jsonl.parts/00000000.jsonl", "collector/metrics-0000.jsonl.parts/00000000.jsonl",
+                "buffer/shard-0000/zarr.json", "STOP"):
+        assert key in keys, sorted(keys)
+    assert "run.lock" not in keys and not any(k.endswith(".partial") for k in keys)  # let go; nothing half-written
+    assert any(k.startswith("tensorboard/events.out.tfevents") for k in keys)
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]  # no s3: directory beside the command
+    cache = cache_dir(f"{home}/exp1")
+    assert not any(p.is_file() and p.name != ".prepare.lock" and "tensorboard" not in p.parts
+                   for p in cache.rglob("*"))
+
+    # the commands that read a run take its URL (what they need is copied into the cache)
+    read = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    versions = subprocess.run([*read, "export-model", f"{home}/exp1", "--list-versions"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert versions.returncode == 0 and "v4 (weights policy_00000004.safetensors)" in versions.stdout, versions
+    exported = subprocess.run([*read, "export-model", f"{home}/exp1", str(tmp_path / "model")], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0 and "policy version 4" in exported.stdout, exported.stderr[-3000:]
+    assert (tmp_path / "model" / "config.json").is_file()
+    charts = subprocess.run([*read, "plot", f"{home}/exp1", "--out", str(tmp_path / "charts")], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert charts.returncode == 0 and (tmp_path / "charts" / "overview.png").is_file(), charts.stderr[-3000:]
+    inspected = subprocess.run([*read, "inspect", f"{home}/exp1/buffer/", "--json"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert inspected.returncode == 0 and '"shards": 1' in inspected.stdout, inspected.stderr[-3000:]
+
+    local = subprocess.run([*command(str(tmp_path / "local"), "exp1"), "--steps", "4"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert trained(learner_metrics(f"{home}/exp1")) == trained(learner_metrics(run_dir=tmp_path / "local" / "exp1"))
+    assert rows_of(f"{home}/exp1/buffer") == rows_of(str(tmp_path / "local" / "exp1" / "buffer"))
+
+
+def _kill_when(process: subprocess.Popen, run_url: str, steps: int, side: str) -> str:
+    """Waits until the run at ``run_url`` has logged ``steps`` learner steps, kills -9 its
+    ``side`` ("learn" or "collect") child, and returns what ``run`` printed."""
+    home = run_url.rsplit("/", 1)[0]
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and process.poll() is None:
+            if len(learner_metrics(run_url)) >= steps:
+                break
+            time.sleep(0.5)
+        learners = set(_pids_of("learn", home, "--status-fd"))  # run's learner child
+        victims = sorted(learners if side == "learn" else set(_pids_of("collect", home, "--stop-fd")) - learners)
+        assert len(victims) == 1, (victims, process.poll())
+        os.kill(victims[0], signal.SIGKILL)
+        out, _ = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_a_learner_and_a_collector_killed_at_a_url_resume_exactly(s3_server, env, tmp_path):
+    """kill -9 of the learner, then of the collector in the resumed run; the same command resumes
+    each time, and the run trains exactly as an uninterrupted one with the same steps: the same
+    rows (tokens, rewards) and the same losses and rewards step by step. One collector: which of
+    several collectors' rows a batch holds first is timing, so only one is deterministic.
+
+    Only labels and counts may differ after the learner's kill (``LABELS``): a learner killed after
+    publishing a version beyond its checkpoint never reuses that number (as on local disk), so the
+    same weights come back under a higher one, and the buffer holds the rows its collector wrote
+    ahead before the kill."""
+    home = s3_server.url("runs")
+    run_url = f"{home}/crash"
+    base = command(home, "crash")
+    first = subprocess.Popen([*base, "--steps", "60"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    out = _kill_when(first, run_url, 5, "learn")
+    assert "the learner failed" in out, out[-3000:]
+    killed_at = len(learner_metrics(run_url))
+
+    second = subprocess.Popen([*base, "--steps", "60"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    out = _kill_when(second, run_url, killed_at + 3, "collect")
+    assert f"[learner] resuming from {run_url}/checkpoints/step_" in out, out[-3000:]
+    assert "the collector exited early" in out, out[-3000:]
+    total = learner_metrics(run_url)[-1]["step"] + 3
+
+    resumed = subprocess.run([*base, "--steps", str(total)], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+    with open_store(f"{run_url}/buffer/shard-0000", mode="r") as shard:
+        ids = shard.read(torch.arange(len(shard)), fields=("trajectory_id", "group_id"))
+    # every round exactly once: the ids the collector handed out, in order, without a gap
+    rows = len(ids["trajectory_id"])
+    assert ids["trajectory_id"].tolist() == list(range(rows))
+    assert ids["group_id"].tolist() == [i // 4 for i in range(rows)]
+
+    plain = subprocess.run([*command(home, "plain"), "--steps", str(total)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    crashed = trained(learner_metrics(run_url), LABELS)
+    uninterrupted = trained(learner_metrics(f"{home}/plain"), LABELS)
+    assert [r["step"] for r in crashed] == list(range(1, total + 1))  # every step once, in order
+    for step, (a, b) in enumerate(zip(crashed, uninterrupted, strict=True), start=1):
+        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
+    a, b = rows_of(f"{run_url}/buffer"), rows_of(f"{home}/plain/buffer")
+    del a["versions"], b["versions"]
+    trained_rows = total * 16  # the rows the learner took in (how far the collector ran ahead at the end is timing)
+    assert min(len(a["tokens"]), len(b["tokens"])) >= trained_rows
+    assert {key: v[:trained_rows] for key, v in a.items()} == {key: v[:trained_rows] for key, v in b.items()}
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
+
+
+def test_a_run_at_a_url_on_ray_keeps_its_state_there(s3_server, env, tmp_path):
+    """``--ray`` (a local Ray cluster started for the run): the actors open the run by its URL."""
+    pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+    home = s3_server.url("runs")
+    done = subprocess.run([*command(home, "on-ray"), "--ray", "--steps", "3"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"[run] run directory {home}/on-ray on Ray" in done.stderr, done.stderr[-3000:]
+    assert [r["step"] for r in learner_metrics(f"{home}/on-ray")] == [1, 2, 3]
+    keys = set(s3_server.keys(f"{home}/on-ray"))
+    assert {"collector/shard-0000.pt", "checkpoints/step_00000003.pt", "pacing.json"} <= keys, sorted(keys)
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
+
+
+def test_a_run_whose_lease_was_taken_over_stops_its_processes(s3_server, env, tmp_path):
+    """Another command took ``run.lock`` over (as it does once a holder's lease runs out unrenewed):
+    ``run`` learns it at its next renewal, stops its collector and learner (they checkpoint), and
+    says so; it does not delete the other holder's lock."""
+    home = s3_server.url("runs")
+    run_url = f"{home}/taken"
+    first = subprocess.Popen([*command(home, "taken"), "--steps", "500"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and first.poll() is None and len(learner_metrics(run_url)) < 2:
+            time.sleep(0.5)
+        store = ObjectRunStore(run_url)
+        store.write("run.lock", b'{"command": "run", "pid": 1, "host": "elsewhere", "lease_s": 30}', fence=False)
+        out, _ = first.communicate(timeout=120)  # the holder renews every 10 s
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 2, out[-3000:]
+    assert f"{run_url} was taken over by another command" in out, out[-3000:]
+    assert "[learner] stopped at step" in out, out[-3000:]
+    assert b'"host": "elsewhere"' in store.read("run.lock")
+
+
+def test_a_run_at_a_url_with_a_memmap_buffer_is_refused_before_anything_is_written(s3_server, env, tmp_path):
+    home = s3_server.url("runs")
+    refused = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", home,
+                              "--steps", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "needs a Zarr buffer" in errors[0] and "--set buffer_backend=zarr" in errors[0]
+    assert s3_server.keys(f"{home}/default") == []  # not even the lock: it was let go
+    assert not (tmp_path / "s3:").exists()
+
+
+def test_a_collector_and_a_learner_started_apart_meet_at_the_url(s3_server, env, tmp_path):
+    """``collect`` and ``learn`` as separate commands (as on two machines: each with its own
+    cache directory and working directory), meeting only at the run's URL."""
+    home = s3_server.url("runs")
+    base = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    args = [DEFAULT, "--home", home, "--run-name", "apart", *SMALL, *ZARR]
+    machines = {}
+    for side in ("collector", "learner"):
+        (tmp_path / side).mkdir()
+        machines[side] = {**env, "XDG_CACHE_HOME": str(tmp_path / side / "cache")}
+    collector = subprocess.Popen([*base, "collect", *args], cwd=tmp_path / "collector", env=machines["collector"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        learner = subprocess.run([*base, "learn", *args, "--steps", "3"], cwd=tmp_path / "learner",
+                                 env=machines["learner"], capture_output=True, text=True, timeout=600)
+        out, _ = collector.communicate(timeout=120)  # ends by itself: the learner wrote STOP
+    finally:
+        if collector.poll() is None:
+            collector.kill()
+    assert learner.returncode == 0, learner.stderr[-3000:]
+    assert collector.returncode == 0 and "[collector] stopped after" in out, out[-3000:]
+    assert [r["step"] for r in learner_metrics(f"{home}/apart")] == [1, 2, 3]
+    assert int(max(rows_of(f"{home}/apart/buffer")["versions"])) >= 1  # the collector took the learner's weights
+    for side in ("collector", "learner"):
+        assert [p.name for p in (tmp_path / side).iterdir()] == ["cache"]

@@ -1,0 +1,95 @@
+"""An HTTP proxy on loopback in front of the moto server that injects the faults S3 has and moto
+does not: throttling (503 SlowDown before the request reaches the server) and lost answers (the
+request reaches the server and lands, but the client gets a 503 instead of the server's answer).
+
+Outside the project on purpose: it only forwards bytes; what is under test is the client's retries.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message><RequestId>proxy</RequestId></Error>")
+
+
+class FaultyProxy:
+    """``throttle(n)``: the next ``n`` requests get 503 SlowDown. ``lose_answer(method, n)``: the next
+    ``n`` requests with ``method`` are forwarded, then answered with 503 as if the answer was lost."""
+
+    def __init__(self, upstream: str) -> None:
+        target = urlsplit(upstream)
+        self._lock = threading.Lock()
+        self._throttle = 0
+        self._lose: dict[str, int] = {}
+        self.seen: list[tuple[str, str, int]] = []  # (method, path, status sent to the client)
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    throttled = proxy._throttle > 0
+                    if throttled:
+                        proxy._throttle -= 1
+                    lose = not throttled and proxy._lose.get(self.command, 0) > 0
+                    if lose:
+                        proxy._lose[self.command] -= 1
+                if throttled:
+                    self._reply(503, SLOW_DOWN, {"Content-Type": "application/xml"})
+                    return
+                connection = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                connection.request(self.command, self.path, body=body or None, headers=headers)
+                response = connection.getresponse()
+                data = response.read()
+                if lose:
+                    self._reply(503, SLOW_DOWN, {"Content-Type": "application/xml"})
+                else:
+                    passed = {k: v for k, v in response.getheaders()
+                              if k.lower() not in ("connection", "transfer-encoding", "content-length")}
+                    self._reply(response.status, data, passed)
+                connection.close()
+
+            def _reply(self, status: int, data: bytes, headers: dict) -> None:
+                with proxy._lock:
+                    proxy.seen.append((self.command, self.path, status))
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def throttle(self, requests: int) -> None:
+        with self._lock:
+            self._throttle = requests
+
+    def lose_answer(self, method: str, requests: int = 1) -> None:
+        with self._lock:
+            self._lose[method] = requests
+
+    def statuses(self) -> list[int]:
+        with self._lock:
+            return [status for _, _, status in self.seen]
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
