@@ -267,7 +267,9 @@ def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> None:
             model = pipeline.make_policy()
             try:
                 publish_weights(paths.store, model.state_dict(), 0)
-            except StaleWriterError:  # published meanwhile by a start on another machine: that one stands
+            except (StaleWriterError, ValueError):
+                # published meanwhile by a start on another machine (refused at the create, or seen
+                # by publish_weights' own listing after ours): that one stands
                 if latest_version(paths.store) is None:
                     raise
 
@@ -285,6 +287,7 @@ def _check_buffer_at_url(pipeline: Pipeline, paths: RunPaths) -> None:
 def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:
     """Creates the shards under ``buffer_url`` that hold no store yet (one listing of the prefix)."""
     from rlhf_pipeline.storage.buffers import list_shards
+    from rlhf_pipeline.storage.errors import StoreLockedError
 
     existing = {index for index, location in list_shards(paths.buffer_location) if _is_store(location)}
     for index in shards:
@@ -292,8 +295,10 @@ def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int
             continue
         try:
             store = pipeline.create_buffer(paths.shard_location(index))
-        except FileExistsError:
-            continue  # created since the listing (by a start on another machine): its rows stay
+        except (FileExistsError, StoreLockedError):
+            # created since the listing by a start on another machine (a collector started beside
+            # this learner may already hold its writer lock): its rows stay
+            continue
         backend = getattr(store, "backend_name", None)
         store.close()
         if backend != "zarr":
