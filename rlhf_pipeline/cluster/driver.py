@@ -12,8 +12,10 @@ the Ray cluster at ADDRESS, or starts a local one (``ray.init()``), and starts:
   rank is the plain learner; several form a torch.distributed group (gloo on CPU, NCCL on
   GPU) whose rank 0 chose the address and port, and train as ``learn/distributed.py`` says.
 
-Every actor reads and writes the run directory, so on several machines it must be on a
-file system they share (NFS, a cluster file system); the same holds for the pipeline file.
+Every actor reads and writes the run: on several machines, a run at a URL (``--home s3://...``)
+or a run directory on a file system they share; the pipeline file by a path every node sees.
+A node lost with its actors: Ray restarts them on live nodes (below), the control actor stays
+on the driver's node.
 What the actors print reaches this terminal through Ray's log forwarding, prefixed with the
 actor (``(collector 1 pid=…)``).
 
