@@ -12,8 +12,10 @@ the Ray cluster at ADDRESS, or starts a local one (``ray.init()``), and starts:
   rank is the plain learner; several form a torch.distributed group (gloo on CPU, NCCL on
   GPU) whose rank 0 chose the address and port, and train as ``learn/distributed.py`` says.
 
-Every actor reads and writes the run directory, so on several machines it must be on a
-file system they share (NFS, a cluster file system); the same holds for the pipeline file.
+Every actor reads and writes the run: on several machines, a run at a URL (``--home s3://...``)
+or a run directory on a file system they share; the pipeline file by a path every node sees.
+A node lost with its actors: Ray restarts them on live nodes (below), the control actor stays
+on the driver's node.
 What the actors print reaches this terminal through Ray's log forwarding, prefixed with the
 actor (``(collector 1 pid=…)``).
 
@@ -133,11 +135,16 @@ def _connect(address: str) -> tuple[Any, bool]:
 
 
 def _start_control(ray: Any, paths: RunPaths) -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from rlhf_pipeline.cluster.actors import NAMESPACE, RunControl
 
     name = control_actor_name(paths)
+    # on the driver's node: it lives and dies with the driver anyway, and a worker node lost
+    # with its actors must not take the run's stop flag and newest weights with it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     try:
-        return RunControl.options(name=name, namespace=NAMESPACE).remote()
+        return RunControl.options(name=name, namespace=NAMESPACE, scheduling_strategy=here).remote()
     except ValueError:  # the name is taken: another driver runs this directory on this cluster
         raise RunError(f"{paths.location} is already running on this Ray cluster (actor {name!r}); stop that "
                        f"run first, or start a new one with --run-name NAME") from None
@@ -167,18 +174,22 @@ class _RayRun:
         self.ray, self.job, self.paths = ray, job, paths
         self.control = job.control
         restarts = resources.max_restarts
-        # max_task_retries: the `run` task in flight runs again in the restarted actor
+        # the `run` task in flight runs again in the restarted actor. Its retries are unbounded
+        # (-1) while restarts are bounded: a node lost with an actor fails its calls as
+        # "unavailable" for the seconds until Ray declares the node dead, and a bounded count of
+        # retries would be spent there, before the actor is restarted on a live node
+        retries = -1 if restarts else 0
         self.collectors = {
             k: CollectorActor.options(num_cpus=resources.collector_num_cpus, num_gpus=resources.collector_num_gpus,
                                       scheduling_strategy="SPREAD", max_restarts=restarts,
-                                      max_task_retries=restarts).remote(job, k)
+                                      max_task_retries=retries).remote(job, k)
             for k in range(collectors)
         }
         # one rank restarts alone; a rank of several cannot rejoin its group's collectives
-        learner_restarts = restarts if world_size == 1 else 0
+        learner_restarts, learner_retries = (restarts, retries) if world_size == 1 else (0, 0)
         self.learners = [
             LearnerActor.options(num_cpus=resources.learner_num_cpus, num_gpus=resources.learner_num_gpus,
-                                 max_restarts=learner_restarts, max_task_retries=learner_restarts)
+                                 max_restarts=learner_restarts, max_task_retries=learner_retries)
             .remote(job, rank, world_size)
             for rank in range(world_size)
         ]

@@ -1,0 +1,212 @@
+"""``run --ray`` on a Ray cluster of several nodes on this one machine, with no path shared between
+the nodes and the whole run at a URL (moto's S3 server on loopback).
+
+Each node is its own ``ray start`` with its own temp dir, working directory, cache
+(``XDG_CACHE_HOME``) and ``TMPDIR``, as a rented machine would have its own disk; the head holds no
+CPUs, so the learner and the collector land on worker nodes. Then the collector's node is killed
+with every process it runs (SIGKILL to each), Ray restarts the collector on a live node, it
+resumes from the shard's state at the URL, and the run ends as an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from integration.test_run_at_url import LABELS, command, learner_metrics, rows_of, trained
+
+pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
+
+WORKER_NODES = 3  # the learner's, the collector's, and a spare one for the collector to move to
+STEPS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ray(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ray.scripts.scripts", *args]
+
+
+class LocalNodes:
+    """Ray nodes started here, each ``ray start --block`` in a session of its own, so that stopping
+    one is a SIGKILL to its processes and to nobody else's Ray."""
+
+    def __init__(self, base_env: dict[str, str]) -> None:
+        # Ray's socket paths must stay short: the scratch lives directly under /tmp
+        self.root = Path(tempfile.mkdtemp(prefix="rn"))
+        self.base_env = base_env
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self.address = ""
+
+    def scratch(self, name: str) -> Path:
+        return self.root / name
+
+    def env(self, name: str) -> dict[str, str]:
+        scratch = self.scratch(name)
+        return {**self.base_env, "XDG_CACHE_HOME": str(scratch / "cache"), "TMPDIR": str(scratch / "tmp"),
+                "RAY_DEDUP_LOGS": "0",
+                # a cluster on loopback for one test: no token (Ray would take ~/.ray's, a user's own)
+                "RAY_AUTH_MODE": "disabled"}
+
+    def start(self, name: str, cpus: int) -> None:
+        scratch = self.scratch(name)
+        for sub in ("cache", "tmp", "ray"):
+            (scratch / sub).mkdir(parents=True)
+        ports = ["--node-manager-port", str(_free_port()), "--object-manager-port", str(_free_port()),
+                 "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
+                 "--runtime-env-agent-port", str(_free_port()), "--min-worker-port", "0", "--max-worker-port", "0"]
+        if not self.nodes:
+            gcs = _free_port()
+            self.address = f"127.0.0.1:{gcs}"
+            role = ["--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--include-dashboard=false",
+                    "--ray-client-server-port", str(_free_port())]
+        else:
+            role = ["--address", self.address, "--node-ip-address", "127.0.0.1"]
+        resources = f'{{"{name}": 1}}'
+        with open(scratch / "ray-start.log", "w") as log:
+            self.nodes[name] = subprocess.Popen(
+                _ray("start", "--block", *role, *ports, "--num-cpus", str(cpus), "--resources", resources,
+                     "--temp-dir", str(scratch / "ray")),
+                cwd=scratch, env=self.env(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_for(self, names: list[str], timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = subprocess.run(_ray("status", "--address", self.address), check=False, capture_output=True, text=True,
+                                    env=self.env("head"))
+            if all(f" {name}" in status.stdout for name in names):
+                return
+            dead = {n: p.returncode for n, p in self.nodes.items() if p.poll() is not None}
+            assert not dead, (dead, self._logs())
+            time.sleep(1)
+        raise AssertionError(f"nodes {names} did not join: {self._logs()}")
+
+    def _logs(self) -> str:
+        return "\n".join(f"{name}: {(self.scratch(name) / 'ray-start.log').read_text()[-1500:]}"
+                         for name in self.nodes)
+
+    def processes(self, name: str) -> list[int]:
+        """Every process of this node: started in its session, or carrying its scratch in the
+        environment (Ray's workers)."""
+        marker = f"XDG_CACHE_HOME={self.scratch(name) / 'cache'}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                pid = int(entry.name)
+                if os.getsid(pid) == self.nodes[name].pid or marker in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(pid)
+            except (OSError, ProcessLookupError):
+                continue
+        return found
+
+    def kill(self, name: str) -> None:
+        for pid in self.processes(name):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.nodes[name].wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.nodes)):
+            self.kill(name)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def actor_processes(title: str) -> dict[int, str]:
+    """pid → the cache directory of every process whose title starts with ``ray::<title>``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(f"ray::{title}".encode()):
+                env = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
+                found[int(entry.name)] = env.get(b"XDG_CACHE_HOME", b"").decode()
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_node_lost_with_its_collector_resumes_elsewhere_and_the_run_ends_as_uninterrupted(
+        s3_server, tmp_path, monkeypatch):
+    for key, value in s3_server.env().items():
+        if key.startswith("AWS_"):  # this process reads the results at the URL
+            monkeypatch.setenv(key, value)
+    home = s3_server.url("runs")
+    run_url = f"{home}/multinode"
+    nodes = LocalNodes(s3_server.env())
+    try:
+        nodes.start("head", cpus=0)
+        nodes.wait_for(["head"])
+        names = [f"node_{k}" for k in range(1, WORKER_NODES + 1)]
+        for name in names:
+            nodes.start(name, cpus=1)
+        nodes.wait_for(["head", *names])
+
+        # the driver's machine: its own scratch, too
+        driver = nodes.scratch("head") / "driver"
+        driver.mkdir()
+        run = subprocess.Popen([*command(home, "multinode"), "--ray", nodes.address, "--steps", str(STEPS)],
+                               cwd=driver, env=nodes.env("head"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and run.poll() is None and len(learner_metrics(run_url)) < 2:
+                time.sleep(0.5)
+            collectors, learners = actor_processes("CollectorActor"), actor_processes("LearnerActor")
+            assert len(collectors) == 1 and len(learners) == 1, (collectors, learners, run.poll())
+            (collector_cache,), (learner_cache,) = collectors.values(), learners.values()
+            # each on a worker node of its own, which it knows by its own cache only
+            on_node = {str(nodes.scratch(n) / "cache"): n for n in names}
+            assert collector_cache in on_node and learner_cache in on_node and collector_cache != learner_cache
+            lost = on_node[collector_cache]
+            killed_at = len(learner_metrics(run_url))
+            nodes.kill(lost)
+            moved_to: set[str] = set()
+            while time.monotonic() < deadline + 120 and run.poll() is None and not moved_to:
+                moved_to = set(actor_processes("CollectorActor").values())
+                time.sleep(0.5)
+            out, _ = run.communicate(timeout=400)
+        finally:
+            if run.poll() is None:
+                run.kill()
+        assert run.returncode == 0, out[-4000:]
+        assert killed_at < STEPS, "the run ended before its node was lost"
+        spare = (set(names) - {lost, on_node[learner_cache]}).pop()
+        assert moved_to == {str(nodes.scratch(spare) / "cache")}, (moved_to, out[-3000:])
+        assert "took over the writer lock" in out, out[-3000:]
+
+        # nothing of the run on a disk of the driver's but its cache; the rest is at the URL
+        assert [p.name for p in driver.iterdir()] == [], list(driver.rglob("*"))
+        keys = set(s3_server.keys(run_url))
+        assert {"collector/shard-0000.pt", f"checkpoints/step_{STEPS:08d}.pt", "pacing.json"} <= keys, sorted(keys)
+
+        plain = subprocess.run([*command(home, "plain"), "--steps", str(STEPS)], check=False, cwd=tmp_path,
+                               env={**s3_server.env(), "XDG_CACHE_HOME": str(tmp_path / "cache")},
+                               capture_output=True, text=True, timeout=600)
+        assert plain.returncode == 0, plain.stderr[-3000:]
+    finally:
+        nodes.stop_all()
+    moved = trained(learner_metrics(run_url), LABELS)
+    uninterrupted = trained(learner_metrics(f"{home}/plain"), LABELS)
+    assert [r["step"] for r in moved] == list(range(1, STEPS + 1))
+    for step, (a, b) in enumerate(zip(moved, uninterrupted, strict=True), start=1):
+        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
+    a, b = rows_of(f"{run_url}/buffer"), rows_of(f"{home}/plain/buffer")
+    trained_rows = STEPS * 16
+    assert {k: v[:trained_rows] for k, v in a.items() if k != "versions"} == \
+        {k: v[:trained_rows] for k, v in b.items() if k != "versions"}
