@@ -24,8 +24,11 @@ class Prefetcher:
     """Runs ``produce(i)`` for ``i = start, start+1, ...`` in a thread, ``depth`` items ahead."""
 
     def __init__(self, produce: Callable[[int], Any], start_step: int, *, depth: int = 2,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, on_exit: Callable[[], None] | None = None) -> None:
         self._produce = produce
+        # run by the thread as it ends, however it ends (a data-parallel rank's last word to the
+        # others, learn/distributed.py DataParallel.draw_producer)
+        self._on_exit = on_exit
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = stop or threading.Event()
         # set while the consumer waits for an item: a producer that polls for its input (a sampler
@@ -36,6 +39,13 @@ class Prefetcher:
         self._thread.start()
 
     def _work(self, step: int) -> None:
+        try:
+            self._loop(step)
+        finally:
+            if self._on_exit is not None:
+                self._on_exit()
+
+    def _loop(self, step: int) -> None:
         while not self._stop.is_set():
             try:
                 item = (step, self._produce(step), None)
