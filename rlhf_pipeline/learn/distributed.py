@@ -11,12 +11,13 @@ What makes N ranks train exactly like one:
 * **The same draws.** Only rank 0 draws: its sampler alone watches the buffer grow and decides
   staleness drops, epochs and pacing (``learner.batch_size`` stays the global batch). It shares
   each draw, with the lasting names (shard, row id) of its rows, with one
-  ``broadcast_object_list`` on the main thread (:meth:`share_draw`), and every rank reads only
-  its own contiguous slice (:meth:`local_positions`, :meth:`local_names`; of trajectories, for
-  multi-turn rows) from its own view of the same buffer (:meth:`positions_in_view`). So the
-  ranks train on rank 0's rows while collectors write, and the checkpointed sampler state is
-  rank 0's. When rank 0 has no draw to give (stopped, or its draw failed) it shares a
-  :class:`MainStopped`, so no rank waits forever.
+  ``broadcast_object_list`` from its prefetch thread (:meth:`share_draw`, on a group only the
+  prefetch threads use), and every rank's prefetch thread reads only its own contiguous slice
+  (:meth:`local_positions`, :meth:`local_names`; of trajectories, for multi-turn rows) from its
+  own view of the same buffer (:meth:`positions_in_view`), ahead of the step that trains it
+  (:meth:`draw_producer`). So the ranks train on rank 0's rows while collectors write, and the
+  checkpointed sampler state is rank 0's. When rank 0 has no draw to give (stopped, or its draw
+  failed) it shares a :class:`MainStopped`, so no rank waits forever.
 * **One refresh per step, and shard affinity** (``learn/rank_slices.py``): for a buffer at a URL
   the other ranks adopt the commit records rank 0's refresh read, sent with the draw, instead of
   refreshing themselves; with at least as many shards as ranks, each rank's slice comes from its

@@ -21,7 +21,8 @@ One learner step, as :meth:`Learner.train` runs it:
    ``checkpoint_every`` steps (and on stop) save a checkpoint.
 
 Data parallelism is a layer around this (``learn/distributed.py``, ``DataParallel``): it shares
-rank 0's draw (``next_draw``), drops stale rows over all ranks (``drop_stale``) and plans the
+rank 0's draw with every rank's prefetch thread, which reads its slice (``draw_producer``),
+drops stale rows over all ranks (``drop_stale``) and plans the
 step over the global batch (``plan_step``). With one rank each of those is the single-rank
 function.
 
