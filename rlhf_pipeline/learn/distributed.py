@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 
 #: the per-row flag of a filler batch (see the module docstring): its rows carry no loss
 FILLER_KEY = "data_parallel_filler"
+#: how long a rank's closing prefetch thread waits for the others before it is left to stop()
+DRAW_CLOSE_WAIT_S = 10.0
 
 
 @dataclass
@@ -103,6 +105,7 @@ class DataParallel:
         self._started_here = False
         self._shared_view = SharedView()  # rank 0: each shard's record as the other ranks hold it
         self._draw_group = None  # open_draw_channel
+        self._closing_draws = threading.Event()  # draw_producer's; set by close_draws
 
     @classmethod
     def from_torchrun_env(cls, environ: Mapping[str, str] | None = None) -> DataParallel:
@@ -207,6 +210,13 @@ class DataParallel:
         dist.broadcast_object_list(box, src=0, group=self._draw_group)
         return box[0]
 
+    def close_draws(self, prefetcher) -> None:
+        """Closes this rank's prefetch thread (made from :meth:`draw_producer`). Waits a while for
+        the other ranks' threads to finish their part of the last broadcast; a thread still in one
+        after that (another rank failed) is woken when :meth:`stop` destroys the process group."""
+        self._closing_draws.set()
+        prefetcher.close(timeout_s=DRAW_CLOSE_WAIT_S if self.enabled else None)
+
     def open_draw_channel(self) -> None:
         """The gloo group draws are shared on (:meth:`draw_producer`); every rank calls it, at setup.
         Gloo even beside NCCL: a draw is a few kilobytes of Python objects, and a thread of its own
@@ -307,13 +317,15 @@ class DataParallel:
         one group). Every other rank's thread takes each draw in order and reads its slice (of
         trajectories when ``sampled.trajectory_steps`` is set) from its view of the buffer, held or
         refreshed until it holds the rows: so each rank's read and packing run ahead, off the training
-        thread. Each thread stops after a :class:`MainStopped`: rank 0 shares exactly one when its
-        thread ends (its draw failed, or it was stopped), and a rank asked to stop takes draws until it
-        comes, so neither thread is left in a broadcast the other never joins.
+        thread. The prefetcher keeps every item (``keep_every_item``): a draw rank 0 shared is trained
+        by every rank or by none. Each thread stops after a :class:`MainStopped`: rank 0 shares exactly
+        one (asked to stop, its draw failed, or closed), and a closing rank takes draws until it comes
+        (:meth:`close_draws`), so neither thread is left in a broadcast the other never joins.
         """
         if not self.enabled:
             return produce_named, None
         stopped = threading.Event()  # this thread has shared (rank 0) or taken (others) a MainStopped
+        closing = self._closing_draws = threading.Event()  # set by close_draws
 
         def say_stopped(message: MainStopped) -> None:
             stopped.set()
@@ -322,6 +334,8 @@ class DataParallel:
         if self.is_main:
             def produce_and_share(draw: int) -> tuple:
                 try:
+                    if stop.is_set():  # asked to stop: no more draws, on any rank
+                        raise InterruptedError("rank 0 stopped drawing")
                     sampled, batch, names, intake = produce_named(draw)
                 except InterruptedError:
                     say_stopped(MainStopped(interrupted=True))
@@ -354,8 +368,8 @@ class DataParallel:
             return sampled, read_slice(sampled, positions, filler), names, intake
 
         def wait_for_last_word() -> None:
-            # only when asked to stop: after its own error this rank fails, and so the run
-            while stop.is_set() and not stopped.is_set():
+            # only when closed: after its own error this rank fails, and so the run
+            while closing.is_set() and not stopped.is_set():
                 try:
                     if isinstance(self.share_draw(None), MainStopped):
                         stopped.set()

@@ -347,7 +347,8 @@ class Learner:
             self._naming_rows(produce), read_slice=read_slice, store=self._store, stop=self.stop_event,
             timeout_s=self.settings.data_timeout_s)
         self._prefetcher = Prefetcher(produce_draw, self.progress.draws, depth=self.settings.prefetch_depth,
-                                      stop=self.stop_event, on_exit=on_exit)
+                                      stop=self.stop_event, on_exit=on_exit,
+                                      keep_every_item=self.data_parallel.enabled)
         if self.data_parallel.is_main and hasattr(self.sampler, "hurry"):  # it polls for rows fast only while a step waits
             self.sampler.hurry = self._prefetcher.consumer_waiting
         self._ready = True
@@ -524,7 +525,7 @@ class Learner:
     # ================================================================== cleanup
     def cleanup(self) -> None:
         if self._prefetcher is not None:
-            self._prefetcher.close()
+            self.data_parallel.close_draws(self._prefetcher)
             self._prefetcher = None
         if self._display is not None:
             self._display.close()
