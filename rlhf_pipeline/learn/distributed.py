@@ -11,12 +11,13 @@ What makes N ranks train exactly like one:
 * **The same draws.** Only rank 0 draws: its sampler alone watches the buffer grow and decides
   staleness drops, epochs and pacing (``learner.batch_size`` stays the global batch). It shares
   each draw, with the lasting names (shard, row id) of its rows, with one
-  ``broadcast_object_list`` on the main thread (:meth:`share_draw`), and every rank reads only
-  its own contiguous slice (:meth:`local_positions`, :meth:`local_names`; of trajectories, for
-  multi-turn rows) from its own view of the same buffer (:meth:`positions_in_view`). So the
-  ranks train on rank 0's rows while collectors write, and the checkpointed sampler state is
-  rank 0's. When rank 0 has no draw to give (stopped, or its draw failed) it shares a
-  :class:`MainStopped`, so no rank waits forever.
+  ``broadcast_object_list`` from its prefetch thread (:meth:`share_draw`, on a group only the
+  prefetch threads use), and every rank's prefetch thread reads only its own contiguous slice
+  (:meth:`local_positions`, :meth:`local_names`; of trajectories, for multi-turn rows) from its
+  own view of the same buffer (:meth:`positions_in_view`), ahead of the step that trains it
+  (:meth:`draw_producer`). So the ranks train on rank 0's rows while collectors write, and the
+  checkpointed sampler state is rank 0's. When rank 0 has no draw to give (stopped, or its draw
+  failed) it shares a :class:`MainStopped`, so no rank waits forever.
 * **One refresh per step, and shard affinity** (``learn/rank_slices.py``): for a buffer at a URL
   the other ranks adopt the commit records rank 0's refresh read, sent with the draw, instead of
   refreshing themselves; with at least as many shards as ranks, each rank's slice comes from its
@@ -49,7 +50,6 @@ import dataclasses
 import functools
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 
 #: the per-row flag of a filler batch (see the module docstring): its rows carry no loss
 FILLER_KEY = "data_parallel_filler"
+#: how long a rank's closing prefetch thread waits for the others before it is left to stop()
+DRAW_CLOSE_WAIT_S = 10.0
 
 
 @dataclass
@@ -102,6 +104,8 @@ class DataParallel:
                              f"{self.local_rank}) is impossible: need 0 <= rank < world_size and local_rank >= 0")
         self._started_here = False
         self._shared_view = SharedView()  # rank 0: each shard's record as the other ranks hold it
+        self._draw_group = None  # open_draw_channel
+        self._closing_draws = threading.Event()  # draw_producer's; set by close_draws
 
     @classmethod
     def from_torchrun_env(cls, environ: Mapping[str, str] | None = None) -> DataParallel:
@@ -157,8 +161,9 @@ class DataParallel:
 
     def stop(self) -> None:
         if self._started_here and dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # the draw channel with it
             self._started_here = False
+            self._draw_group = None
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """The module forward/backward run through: DDP over the ranks, ``model`` sharded in place
@@ -196,13 +201,28 @@ class DataParallel:
         return FILLER_KEY in batch.keys() and bool(batch[FILLER_KEY].all())
 
     def share_draw(self, item: Any) -> Any:
-        """Rank 0's ``item`` on every rank (one ``broadcast_object_list``): a draw, i.e. what rank
-        0's sampler decided and the lasting names of its rows, or a :class:`MainStopped`."""
+        """Rank 0's ``item`` on every rank (one ``broadcast_object_list`` on the draw channel, by the
+        prefetch threads only): a draw, i.e. what rank 0's sampler decided and the lasting names of
+        its rows, or a :class:`MainStopped`."""
         if not self.enabled:
             return item
         box = [item if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._draw_group)
         return box[0]
+
+    def close_draws(self, prefetcher) -> None:
+        """Closes this rank's prefetch thread (made from :meth:`draw_producer`). Waits a while for
+        the other ranks' threads to finish their part of the last broadcast; a thread still in one
+        after that (another rank failed) is woken when :meth:`stop` destroys the process group."""
+        self._closing_draws.set()
+        prefetcher.close(timeout_s=DRAW_CLOSE_WAIT_S if self.enabled else None)
+
+    def open_draw_channel(self) -> None:
+        """The gloo group draws are shared on (:meth:`draw_producer`); every rank calls it, at setup.
+        Gloo even beside NCCL: a draw is a few kilobytes of Python objects, and a thread of its own
+        needs no CUDA device."""
+        if self.enabled and self._draw_group is None:
+            self._draw_group = dist.new_group(backend="gloo")
 
     def local_names(self, names: RowNames, rank_rows: list[int] | None = None) -> tuple[RowNames, bool]:
         """This rank's contiguous slice of a draw's row names, as :meth:`local_positions` slices positions."""
@@ -285,36 +305,78 @@ class DataParallel:
         return int(box.item())
 
     # ------------------------------------------------------------------ the layer around one step
-    def next_draw(self, take: Callable[[], tuple], *, read_slice: Callable[[Any, torch.Tensor, bool], TensorDict | None],
-                  store, stop: threading.Event, timeout_s: float):
-        """``(draw, (sampled, batch, names, intake), seconds waited)`` on every rank. Only rank 0
-        draws (``take()``: its prefetch thread; its sampler alone sees the buffer grow, decides
-        staleness drops, epochs and pacing) and shares the draw; every other rank reads its own
-        slice of the named rows (``read_slice(sampled, positions, filler)``: of trajectories when
-        ``sampled.trajectory_steps`` is set) from its view of the same buffer, refreshed until it
-        holds them. With one rank: ``take()``."""
+    def draw_producer(self, produce_named: Callable[[int], tuple], *,
+                      read_slice: Callable[[Any, torch.Tensor, bool], TensorDict | None], store,
+                      stop: threading.Event, timeout_s: float) -> tuple[Callable[[int], tuple], Callable[[], None] | None]:
+        """``(produce, on_exit)`` for this rank's prefetch thread (``learn/prefetch.py``): ``produce(draw)``
+        gives ``(sampled, batch, names, intake)`` of draw ``draw``. With one rank: ``produce_named``.
+
+        Rank 0 draws (``produce_named``: its sampler alone sees the buffer grow, decides staleness drops,
+        epochs and pacing), reads its own slice, and shares the draw on the draw channel (a gloo group
+        only the prefetch threads use, so the main threads' collectives are never issued concurrently on
+        one group). Every other rank's thread takes each draw in order and reads its slice (of
+        trajectories when ``sampled.trajectory_steps`` is set) from its view of the buffer, held or
+        refreshed until it holds the rows: so each rank's read and packing run ahead, off the training
+        thread. The prefetcher keeps every item (``keep_every_item``): a draw rank 0 shared is trained
+        by every rank or by none. Each thread stops after a :class:`MainStopped`: rank 0 shares exactly
+        one (asked to stop, its draw failed, or closed), and a closing rank takes draws until it comes
+        (:meth:`close_draws`), so neither thread is left in a broadcast the other never joins.
+        """
         if not self.enabled:
-            return take()
-        start = time.perf_counter()
+            return produce_named, None
+        stopped = threading.Event()  # this thread has shared (rank 0) or taken (others) a MainStopped
+        closing = self._closing_draws = threading.Event()  # set by close_draws
+
+        def say_stopped(message: MainStopped) -> None:
+            stopped.set()
+            self.share_draw(message)
+
         if self.is_main:
-            try:
-                draw, (sampled, batch, names, intake), _ = take()
-            except InterruptedError:
-                self.share_draw(MainStopped(interrupted=True))
-                raise
-            except Exception as exc:
-                self.share_draw(MainStopped(interrupted=False, message=f"{type(exc).__name__}: {exc}"))
-                raise
-            # the sampler state stays here: only rank 0 checkpoints it
-            self.share_draw((draw, dataclasses.replace(sampled, sampler_state={}), self.view_changes(names), intake))
-            return draw, (sampled, batch, names, intake), time.perf_counter() - start
-        shared = self.share_draw(None)
-        if isinstance(shared, MainStopped):
-            shared.raise_here()
-        draw, sampled, names, intake = shared
-        mine, filler = self.local_names(names, sampled.rank_rows)
-        positions = self.positions_in_view(store, mine, stop=stop, timeout_s=timeout_s)
-        return draw, (sampled, read_slice(sampled, positions, filler), names, intake), time.perf_counter() - start
+            def produce_and_share(draw: int) -> tuple:
+                try:
+                    if stop.is_set():  # asked to stop: no more draws, on any rank
+                        raise InterruptedError("rank 0 stopped drawing")
+                    sampled, batch, names, intake = produce_named(draw)
+                except InterruptedError:
+                    say_stopped(MainStopped(interrupted=True))
+                    raise
+                except Exception as exc:
+                    say_stopped(MainStopped(interrupted=False, message=f"{type(exc).__name__}: {exc}"))
+                    raise
+                # the sampler state stays here: only rank 0 checkpoints it
+                self.share_draw((draw, dataclasses.replace(sampled, sampler_state={}), self.view_changes(names), intake))
+                return sampled, batch, names, intake
+
+            def last_word() -> None:
+                if not stopped.is_set():
+                    with contextlib.suppress(RuntimeError, OSError):  # the other ranks are gone: nobody to tell
+                        say_stopped(MainStopped(interrupted=True))
+
+            return produce_and_share, last_word
+
+        def take_and_read(draw: int) -> tuple:
+            shared = self.share_draw(None)
+            if isinstance(shared, MainStopped):
+                stopped.set()
+                shared.raise_here()
+            shared_draw, sampled, names, intake = shared
+            if shared_draw != draw:
+                raise RuntimeError(f"data-parallel rank {self.rank} expected draw {draw} from rank 0 and got "
+                                   f"{shared_draw}: do all ranks resume from the same checkpoint?")
+            mine, filler = self.local_names(names, sampled.rank_rows)
+            positions = self.positions_in_view(store, mine, stop=stop, timeout_s=timeout_s)
+            return sampled, read_slice(sampled, positions, filler), names, intake
+
+        def wait_for_last_word() -> None:
+            # only when closed: after its own error this rank fails, and so the run
+            while closing.is_set() and not stopped.is_set():
+                try:
+                    if isinstance(self.share_draw(None), MainStopped):
+                        stopped.set()
+                except (RuntimeError, OSError):  # rank 0 is gone
+                    return
+
+        return take_and_read, wait_for_last_word
 
     def drop_stale(self, batch: TensorDict, fresh: np.ndarray) -> tuple[TensorDict | None, int, np.ndarray]:
         """:func:`~rlhf_pipeline.learn.stale_rows.drop_stale` over all ranks: stale rows counted

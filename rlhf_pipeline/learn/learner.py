@@ -21,7 +21,8 @@ One learner step, as :meth:`Learner.train` runs it:
    ``checkpoint_every`` steps (and on stop) save a checkpoint.
 
 Data parallelism is a layer around this (``learn/distributed.py``, ``DataParallel``): it shares
-rank 0's draw (``next_draw``), drops stale rows over all ranks (``drop_stale``) and plans the
+rank 0's draw with every rank's prefetch thread, which reads its slice (``draw_producer``),
+drops stale rows over all ranks (``drop_stale``) and plans the
 step over the global batch (``plan_step``). With one rank each of those is the single-rank
 function.
 
@@ -339,12 +340,17 @@ class Learner:
                 return sampled, finish(sampled.positions, PackedBatch.from_joined(joined, budget, pin=pin_packed))
             return sampled, finish(sampled.positions, packed_rows(sampled.positions, stored))
 
-        self._read_slice = read_slice
-        if self.data_parallel.is_main:  # the other ranks take rank 0's draws (_next_draw)
-            self._prefetcher = Prefetcher(self._naming_rows(produce), self.progress.draws,
-                                          depth=self.settings.prefetch_depth, stop=self.stop_event)
-            if hasattr(self.sampler, "hurry"):  # it polls for rows fast only while a step waits for them
-                self.sampler.hurry = self._prefetcher.consumer_waiting
+        # every rank prefetches: rank 0 draws and shares each draw, the others read their slice of it
+        # (learn/distributed.py, DataParallel.draw_producer); with one rank produce is as named
+        self.data_parallel.open_draw_channel()
+        produce_draw, on_exit = self.data_parallel.draw_producer(
+            self._naming_rows(produce), read_slice=read_slice, store=self._store, stop=self.stop_event,
+            timeout_s=self.settings.data_timeout_s)
+        self._prefetcher = Prefetcher(produce_draw, self.progress.draws, depth=self.settings.prefetch_depth,
+                                      stop=self.stop_event, on_exit=on_exit,
+                                      keep_every_item=self.data_parallel.enabled)
+        if self.data_parallel.is_main and hasattr(self.sampler, "hurry"):  # it polls for rows fast only while a step waits
+            self.sampler.hurry = self._prefetcher.consumer_waiting
         self._ready = True
 
     def _naming_rows(self, produce: Callable[[int], tuple[Any, Any]]) -> Callable[[int], tuple[Any, ...]]:
@@ -374,9 +380,7 @@ class Learner:
         on_wait = self._pacing.waiting if self.data_parallel.is_main else None
         while self.progress.step < until and not self.data_parallel.any_rank(self.stop_event.is_set()):
             try:
-                draw, (sampled, batch, names, intake), wait = self.data_parallel.next_draw(
-                    lambda: self._prefetcher.next(on_wait=on_wait), read_slice=self._read_slice, store=self._store,
-                    stop=self.stop_event, timeout_s=self.settings.data_timeout_s)
+                draw, (sampled, batch, names, intake), wait = self._prefetcher.next(on_wait=on_wait)
             except InterruptedError:
                 break
             assert draw == self.progress.draws, (draw, self.progress.draws)
@@ -521,7 +525,7 @@ class Learner:
     # ================================================================== cleanup
     def cleanup(self) -> None:
         if self._prefetcher is not None:
-            self._prefetcher.close()
+            self.data_parallel.close_draws(self._prefetcher)
             self._prefetcher = None
         if self._display is not None:
             self._display.close()

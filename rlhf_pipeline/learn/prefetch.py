@@ -24,10 +24,19 @@ class Prefetcher:
     """Runs ``produce(i)`` for ``i = start, start+1, ...`` in a thread, ``depth`` items ahead."""
 
     def __init__(self, produce: Callable[[int], Any], start_step: int, *, depth: int = 2,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, on_exit: Callable[[], None] | None = None,
+                 keep_every_item: bool = False) -> None:
         self._produce = produce
+        # run by the thread as it ends, however it ends (a data-parallel rank's last word to the
+        # others, learn/distributed.py DataParallel.draw_producer)
+        self._on_exit = on_exit
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = stop or threading.Event()
+        # keep_every_item: a stop request neither ends the thread nor drops what it made; only close()
+        # does. Data-parallel ranks: a draw rank 0 shared is trained by every rank or by none, so
+        # whether a step happens is decided by what produce() gives (MainStopped), on every rank alike
+        self._keep_every_item = keep_every_item
+        self._closing = threading.Event() if keep_every_item else self._stop
         # set while the consumer waits for an item: a producer that polls for its input (a sampler
         # waiting for rows, rlhf_pipeline/coordination/polling.py) polls fast only then
         self.consumer_waiting = threading.Event()
@@ -36,12 +45,19 @@ class Prefetcher:
         self._thread.start()
 
     def _work(self, step: int) -> None:
-        while not self._stop.is_set():
+        try:
+            self._loop(step)
+        finally:
+            if self._on_exit is not None:
+                self._on_exit()
+
+    def _loop(self, step: int) -> None:
+        while not self._closing.is_set():
             try:
                 item = (step, self._produce(step), None)
             except BaseException as exc:  # handed to the consumer, which re-raises it
                 item = (step, None, exc)
-            while not self._stop.is_set():
+            while not self._closing.is_set():
                 try:
                     self._queue.put(item, timeout=0.1)
                     break
@@ -78,16 +94,20 @@ class Prefetcher:
             try:
                 return self._queue.get(timeout=0.1)
             except queue.Empty:
-                if self._stop.is_set() or not self._thread.is_alive():
+                if (self._stop.is_set() and not self._keep_every_item) or not self._thread.is_alive():
                     raise InterruptedError("prefetching stopped") from None
                 if on_wait is not None:
                     on_wait()
                     on_wait = None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stops the thread and waits for it to end; ``timeout_s``: at most that long (a thread still
+        in a data-parallel broadcast whose other side failed is woken by destroying the process group)."""
         self._stop.set()
+        self._closing.set()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # drain so a producer blocked on a full queue sees the stop flag
-        while self._thread.is_alive():
+        while self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
             try:
                 self._queue.get_nowait()
             except queue.Empty:

@@ -8,6 +8,8 @@ environment, the process group started before the learner and stopped after it. 
 writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the step's draw).
 ``fsdp``: :data:`SETTINGS` with ``parallelism="fsdp"`` (FSDP2 instead of DDP). ``turns`` and
 ``turns-fsdp``: :data:`MULTI_TURN_SETTINGS` (a buffer of multi-turn trajectories), with DDP or FSDP2.
+``stop``: :data:`SETTINGS`, rank 0's stop event set after step :data:`STOP_AT_STEP` (a stop request
+that reaches rank 0 alone).
 ``shards``: :data:`SHARDED_SETTINGS` over a buffer of :data:`SHARDS` shards (:func:`make_sharded_run`),
 each rank writing its rows as ``live`` does. ``s3-shards BUFFER_URL``: the same over a buffer at an
 S3 URL (the server and credentials in the environment); each rank signs its requests with its own
@@ -66,6 +68,10 @@ SHARDED_SETTINGS = LearnerSettings(batch_size=16, sampler="exact", micro_batch_t
                                    loss=GRPOLossConfig(old_policy="current"))
 
 
+# ``stop``: SETTINGS, and rank 0 alone is asked to stop after this step, with draws prefetched ahead
+STOP_AT_STEP = 1
+
+
 def make_model() -> torch.nn.Module:
     return tiny_causal_lm(len(TOKENIZER), hidden_size=32, num_layers=1, num_heads=2, seed=0)
 
@@ -120,9 +126,15 @@ def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mod
     settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "s3-shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
                 "turns": MULTI_TURN_SETTINGS,
                 "turns-fsdp": dataclasses.replace(MULTI_TURN_SETTINGS, parallelism="fsdp")}.get(mode, SETTINGS)
+    on_step = record_rows(root, data_parallel.rank) if live else None
+    if mode == "stop" and data_parallel.is_main:
+        def stop_rank_zero(step, sampled, batch, metrics) -> None:  # rank 0 alone is asked to stop
+            if step == STOP_AT_STEP:
+                learner.stop_event.set()
+
+        on_step = stop_rank_zero
     learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps, buffer=buffer,
-                      seed=SEED, show_progress=False, data_parallel=data_parallel,
-                      on_step=record_rows(root, data_parallel.rank) if live else None)
+                      seed=SEED, show_progress=False, data_parallel=data_parallel, on_step=on_step)
     try:
         learner.setup()
         if data_parallel.sharded:  # FSDP2 really shards the model (its parameters are DTensors)

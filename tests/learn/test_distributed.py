@@ -19,6 +19,7 @@ from data_parallel_worker import (
     ROWS_PER_SHARD,
     SETTINGS,
     SHARDS,
+    STOP_AT_STEP,
     make_model,
     make_run,
     make_sharded_run,
@@ -29,6 +30,7 @@ from test_trajectories import OPTIONAL, multi_turn_rows
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.learn.prefetch import Prefetcher
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema, TerminationReason
 from rlhf_pipeline.storage import create_store, open_buffer, open_store
@@ -115,6 +117,43 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(one_rank, tmp_path):
     torchrun(2, root, 2)  # checkpoint_every=2: the checkpoint at step 2
     assert CheckpointManager(root / "checkpoints").latest_step() == SETTINGS.checkpoint_every
     train(root, STEPS)  # the same run directory, now one rank
+    torch.testing.assert_close(losses(root), losses(one_rank), rtol=1e-4, atol=1e-6)
+    reference, resumed = final_weights(one_rank), final_weights(root)
+    for key in reference:
+        torch.testing.assert_close(resumed[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_a_data_parallel_prefetcher_delivers_every_draw_it_made_after_a_stop():
+    """A rank's prefetcher keeps what its thread made after a stop request (rank 0 shared that draw:
+    every rank must train it); the thread's own InterruptedError (rank 0's MainStopped) ends it."""
+    stop = threading.Event()
+
+    def produce(draw: int) -> int:
+        if draw == 2:
+            stop.set()  # while draw 2 is made
+        if draw == 3:
+            raise InterruptedError("rank 0 stopped drawing")
+        return draw
+
+    prefetcher = Prefetcher(produce, 0, depth=1, stop=stop, keep_every_item=True)
+    try:
+        assert [prefetcher.next()[1] for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(InterruptedError):
+            prefetcher.next()
+    finally:
+        prefetcher.close(timeout_s=5)
+
+
+def test_a_stop_that_reaches_rank_zero_alone_stops_every_rank_and_resumes_exactly(one_rank, tmp_path):
+    """Every rank prefetches: rank 0 has shared draws ahead of the step that stops, and rank 1 has read
+    its slices of them. Both ranks stop at the same step (neither waits for the other forever), the
+    checkpoint names the draws trained, and the draws shared ahead are drawn again on resume."""
+    root = tmp_path / "stopped"
+    make_run(root)
+    torchrun(2, root, STEPS, "stop")
+    assert CheckpointManager(root / "checkpoints").latest_step() == STOP_AT_STEP
+    assert len(losses(root)) == STOP_AT_STEP
+    train(root, STEPS)  # resumed on one rank
     torch.testing.assert_close(losses(root), losses(one_rank), rtol=1e-4, atol=1e-6)
     reference, resumed = final_weights(one_rank), final_weights(root)
     for key in reference:
