@@ -10,15 +10,20 @@ Each figure is the median over ``--repeat`` calls with its range, and the reques
 
     python benchmarks/bench_run_state_writes.py --repeat 20
 
-moto answers from memory on this machine: the figures are the client's and the protocol's cost
-(request count, serialisation), not a cloud's round trip (add ~10-30 ms per request for S3 in a
-region). Needs the s3 and test-s3 extras.
+With the azure extra and Azurite (``azurite-blob`` on ``PATH``, ``$AZURITE_BLOB``, or where
+``.ci/run`` installs it), the same calls also go to an ``az://`` run on Azurite on loopback
+(``--no-azure`` leaves it out).
+
+moto and Azurite answer from memory on this machine: the figures are the client's and the
+protocol's cost (request count, serialisation), not a cloud's round trip (add ~10-30 ms per request
+in a region). Needs the s3 and test-s3 extras.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -28,6 +33,8 @@ import time
 import uuid
 
 BUCKET = "bench-run-state"
+AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==")  # Azurite's
+# published development key, not a secret
 
 
 def free_port() -> int:
@@ -42,16 +49,40 @@ def start_server() -> tuple[subprocess.Popen, str]:
             "from moto.server import ThreadedMotoServer; "
             f"ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False).start(); time.sleep(1e9)")
     server = subprocess.Popen([sys.executable, "-c", code])
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
+    wait_listening(server, port, "moto's server")
+    return server, f"http://127.0.0.1:{port}"
+
+
+def wait_listening(server: subprocess.Popen, port: int, what: str) -> None:
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return server, endpoint
+            return
         except OSError:
             time.sleep(0.1)
     server.kill()
-    raise RuntimeError("moto's server did not start")
+    raise RuntimeError(f"{what} did not start")
+
+
+def azurite_command() -> str | None:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    installed = os.path.join(cache, "rlhf-pipeline", "azurite", "node_modules", ".bin", "azurite-blob")
+    for candidate in (os.environ.get("AZURITE_BLOB"), shutil.which("azurite-blob"), installed):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def start_azurite(workdir: str) -> tuple[subprocess.Popen, str]:
+    """Azurite in memory on a free port; the connection string of its development account."""
+    port = free_port()
+    server = subprocess.Popen([azurite_command(), "--blobHost", "127.0.0.1", "--blobPort", str(port),
+                               "--inMemoryPersistence", "--silent", "--skipApiVersionCheck"], cwd=workdir,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_listening(server, port, "Azurite")
+    return server, (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+                    f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
 
 
 def time_calls(call, repeat: int) -> list[float]:
@@ -115,6 +146,7 @@ def bench(store, repeat: int) -> dict[str, tuple[list[float], float | None]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--no-azure", action="store_true", help="leave the az:// run on Azurite out")
     args = parser.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -122,28 +154,42 @@ def main() -> None:
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
     from rlhf_pipeline.files.run_store import LocalRunStore
 
-    server, endpoint = start_server()
+    servers = []
+    run = uuid.uuid4().hex[:8]
     try:
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-        remote = ObjectRunStore(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/run", storage_options={"endpoint_url": endpoint})
         with tempfile.TemporaryDirectory() as scratch:
-            local = LocalRunStore(scratch)
-            rows = {"local directory": bench(local, args.repeat), "s3:// on moto": bench(remote, args.repeat)}
+            server, endpoint = start_server()
+            servers.append(server)
+            import boto3
+
+            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+            stores = {"local directory": LocalRunStore(os.path.join(scratch, "run")),
+                      "s3:// on moto": ObjectRunStore(f"s3://{BUCKET}/{run}/run",
+                                                      storage_options={"endpoint_url": endpoint})}
+            if not args.no_azure and azurite_command() is not None:
+                server, connection = start_azurite(scratch)
+                servers.append(server)
+                from azure.storage.blob import BlobServiceClient
+
+                BlobServiceClient.from_connection_string(connection).create_container(BUCKET)
+                stores["az:// on Azurite"] = ObjectRunStore(f"az://{BUCKET}/{run}/run",
+                                                            storage_options={"connection_string": connection})
+            rows = {where: bench(store, args.repeat) for where, store in stores.items()}
     finally:
-        server.kill()
-        server.wait()
+        for server in servers:
+            server.kill()
+            server.wait()
     load = os.getloadavg()
-    print(f"run state writes, median [min-max] ms over {args.repeat} calls; load {load[0]:.2f} {load[1]:.2f}")
-    print(f"{'operation':30s} {'local directory':>24s} {'s3:// on moto':>24s} {'requests':>9s}")
+    print(f"run state writes, median [min-max] ms over {args.repeat} calls; load {load[0]:.2f} {load[1]:.2f}; "
+          f"requests: sent per call")
+    print(f"{'operation':30s}" + "".join(f" {where:>24s}" for where in rows) + f" {'requests':>9s}")
     for name in rows["local directory"]:
         cells = []
         for where in rows:
             times, _ = rows[where][name]
             cells.append(f"{statistics.median(times):7.2f} [{min(times):.2f}-{max(times):.2f}]")
-        sent = rows["s3:// on moto"][name][1]
-        print(f"{name:30s} {cells[0]:>24s} {cells[1]:>24s} {sent:9.1f}")
+        sent = "/".join(f"{rows[where][name][1]:.1f}" for where in rows if where != "local directory")
+        print(f"{name:30s}" + "".join(f" {cell:>24s}" for cell in cells) + f" {sent:>9s}")
 
 
 if __name__ == "__main__":

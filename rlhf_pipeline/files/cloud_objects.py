@@ -113,12 +113,56 @@ class CloudObjects(ABC):
         """Deletes ``key`` only if it is still version ``etag`` (else :class:`ConditionFailed`,
         also when it is gone)."""
 
+    # the unconditional operations beside them (run state: ``files/object_run_store.py``)
+    @abstractmethod
+    async def put(self, key: str, body: bytes) -> str:
+        """Writes ``key`` whatever is there; its etag."""
+
+    @abstractmethod
+    async def etag(self, key: str) -> str | None:
+        """``key``'s etag without its body (a HEAD); None when it does not exist."""
+
+    @abstractmethod
+    async def remove(self, key: str) -> None:
+        """Deletes ``key`` whatever version it is; a missing key is fine."""
+
+    @abstractmethod
+    async def list(self, prefix: str) -> list[str]:
+        """Names of the objects and "directories" directly under ``prefix`` (relative to it)."""
+
+    @classmethod
+    @abstractmethod
+    def without_client_retries(cls, url: str, storage_options: Mapping[str, Any] | None, *,
+                               connect_timeout_s: float, read_timeout_s: float) -> CloudObjects:
+        """The objects under ``url`` on a client that tries each request once, within these
+        timeouts: for a caller whose own loop owns the retries and their budget."""
+
+    @abstractmethod
+    def transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is worth another try: throttled, a server error, a timeout, a dropped
+        connection (not a refusal, a missing object or refused credentials)."""
+
+    def _list_base(self, prefix: str) -> str:
+        inner = prefix.strip("/")
+        base = self.key(inner) if inner else self.prefix
+        return f"{base}/" if base else ""
+
 
 def _module_missing(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is None
     except (ImportError, ValueError):  # a missing parent package ("azure" for "azure.storage.blob")
         return True
+
+
+def _connection_dropped(exc: BaseException) -> bool:
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - both clouds' clients bring aiohttp
+        return False
+    return isinstance(exc, aiohttp.ClientError)
 
 
 def _age_s(date_header: str | None, last_modified) -> float | None:
@@ -214,6 +258,90 @@ class S3Objects(CloudObjects):
             raise ConditionFailed(key) from None
 
 
+    async def put(self, key: str, body: bytes) -> str:
+        return (await self._call("put_object", key, Body=body))["ETag"]
+
+    async def etag(self, key: str) -> str | None:
+        try:
+            return (await self._call("head_object", key))["ETag"]
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            if _s3_status(exc) == 404:  # a HEAD's 404 has no body for s3fs to translate
+                return None
+            raise
+
+    async def remove(self, key: str) -> None:
+        try:
+            await self._call("delete_object", key)
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:
+            pass
+
+    async def list(self, prefix: str) -> list[str]:
+        base = self._list_base(prefix)
+        names: list[str] = []
+        page: dict[str, Any] = {"Prefix": base, "Delimiter": "/"}
+        while True:
+            out = await self.fs._call_s3("list_objects_v2", Bucket=self.container, **page)
+            names += [item["Key"][len(base):] for item in out.get("Contents", [])]
+            # "directories" too, as a directory listing names them (a metrics log's parts)
+            names += [item["Prefix"][len(base):].rstrip("/") for item in out.get("CommonPrefixes", [])]
+            if not out.get("IsTruncated"):
+                return names
+            page["ContinuationToken"] = out["NextContinuationToken"]
+
+    @classmethod
+    def without_client_retries(cls, url: str, storage_options: Mapping[str, Any] | None, *,
+                               connect_timeout_s: float, read_timeout_s: float) -> S3Objects:
+        import fsspec
+
+        options = cls.fsspec_options(storage_options)
+        config = dict(options.pop("config_kwargs", None) or {})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        config.setdefault("connect_timeout", connect_timeout_s)
+        config.setdefault("read_timeout", read_timeout_s)
+        fs, path = fsspec.core.url_to_fs(url, config_kwargs=config, skip_instance_cache=True, **options)
+        fs.retries = 1  # s3fs's own retry loop: a class attribute, not a constructor argument
+        return cls(fs, path)
+
+    def transient(self, exc: BaseException) -> bool:
+        response = _s3_response(exc)
+        code = response.get("Error", {}).get("Code")
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in _S3_TRANSIENT_CODES or status in _TRANSIENT_STATUS:
+            return True
+        if response:
+            return False
+        try:
+            from botocore.exceptions import ConnectionError as BotoConnectionError
+            from botocore.exceptions import HTTPClientError
+        except ImportError:  # pragma: no cover - s3fs brings botocore
+            return _connection_dropped(exc)
+        return isinstance(exc, (HTTPClientError, BotoConnectionError)) or _connection_dropped(exc)
+
+
+_TRANSIENT_STATUS = {408, 409, 429, 500, 502, 503, 504}
+_S3_TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
+                       "ThrottlingException", "ConditionalRequestConflict"}
+
+
+def _s3_response(exc: BaseException) -> dict:
+    """botocore's parsed response behind ``exc`` (s3fs raises its own OSError from botocore's)."""
+    seen = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            return response
+        current = current.__cause__ or current.__context__
+    return {}
+
+
 @functools.cache  # one signature inspection per process, not one per store opened
 def _s3fs_takes(option: str) -> bool:
     import inspect
@@ -252,9 +380,11 @@ class AzureObjects(CloudObjects):
                         "AZURE_STORAGE_ACCOUNT_KEY), or pass storage_options connection_string= or "
                         "account_name= with account_key=/sas_token=/credential=")
 
-    def __init__(self, fs, path: str):
+    def __init__(self, fs, path: str, *, client_retries: bool = True):
         super().__init__(fs, path)
         self._container_client = fs.service_client.get_container_client(self.container)
+        # azure-core's retry policy reads ``retry_total`` from each call's keyword arguments
+        self._per_call: dict[str, Any] = {} if client_retries else {"retry_total": 0}
         if fs.asynchronous:
             _drop_broken_exit_hooks(fs)
 
@@ -276,7 +406,7 @@ class AzureObjects(CloudObjects):
         )
 
         try:
-            return await operation(self._blob(key))
+            return await operation(self._blob(key), **self._per_call)
         except ResourceModifiedError:  # 412: an If-Match (or If-None-Match) condition not met
             raise ConditionFailed(key) from None
         except ResourceExistsError as exc:  # 409: only "BlobAlreadyExists" is a refused create
@@ -312,17 +442,17 @@ class AzureObjects(CloudObjects):
                                 f"{self.credentials_hint}")
 
     async def create(self, key: str, body: bytes) -> str:
-        async def upload(blob):
-            return (await blob.upload_blob(body, overwrite=False))["etag"]
+        async def upload(blob, **per_call):
+            return (await blob.upload_blob(body, overwrite=False, **per_call))["etag"]
 
         return await self._call(key, upload, gone_is_refusal=False)
 
     async def replace(self, key: str, body: bytes, etag: str) -> str:
         from azure.core import MatchConditions
 
-        async def upload(blob):
+        async def upload(blob, **per_call):
             return (await blob.upload_blob(body, overwrite=True, etag=etag,
-                                           match_condition=MatchConditions.IfNotModified))["etag"]
+                                           match_condition=MatchConditions.IfNotModified, **per_call))["etag"]
 
         return await self._call(key, upload, gone_is_refusal=True)
 
@@ -332,8 +462,8 @@ class AzureObjects(CloudObjects):
         def keep_date(response) -> None:  # the server's clock, for the age
             headers["date"] = response.http_response.headers.get("Date")
 
-        async def download(blob):
-            stream = await blob.download_blob(raw_response_hook=keep_date)
+        async def download(blob, **per_call):
+            stream = await blob.download_blob(raw_response_hook=keep_date, **per_call)
             return stream, await stream.readall()
 
         try:
@@ -347,10 +477,79 @@ class AzureObjects(CloudObjects):
     async def delete(self, key: str, etag: str) -> None:
         from azure.core import MatchConditions
 
-        async def delete(blob):
-            await blob.delete_blob(etag=etag, match_condition=MatchConditions.IfNotModified)
+        async def delete(blob, **per_call):
+            await blob.delete_blob(etag=etag, match_condition=MatchConditions.IfNotModified, **per_call)
 
         await self._call(key, delete, gone_is_refusal=True)
+
+    async def put(self, key: str, body: bytes) -> str:
+        async def upload(blob, **per_call):
+            return (await blob.upload_blob(body, overwrite=True, **per_call))["etag"]
+
+        return await self._call(key, upload, gone_is_refusal=False)
+
+    async def etag(self, key: str) -> str | None:
+        async def properties(blob, **per_call):
+            return (await blob.get_blob_properties(**per_call)).etag
+
+        try:
+            return await self._call(key, properties, gone_is_refusal=False)
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:
+            return None
+
+    async def remove(self, key: str) -> None:
+        async def delete(blob, **per_call):
+            await blob.delete_blob(**per_call)
+
+        try:
+            await self._call(key, delete, gone_is_refusal=False)
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:
+            pass
+
+    async def list(self, prefix: str) -> list[str]:
+        from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+
+        base = self._list_base(prefix)
+        try:
+            # walk_blobs with a delimiter names the "directories" (BlobPrefix, ending in "/") too
+            return [item.name[len(base):].rstrip("/") async for item in
+                    self._container_client.walk_blobs(name_starts_with=base, delimiter="/", **self._per_call)]
+        except ResourceNotFoundError:
+            raise ContainerNotFoundError(f"the container {self.container!r} does not exist; create it first "
+                                         f"({self.credentials_hint})") from None
+        except HttpResponseError as exc:
+            denied = self.access_error(exc)
+            if denied is not None:
+                raise denied from None
+            raise
+
+    @classmethod
+    def without_client_retries(cls, url: str, storage_options: Mapping[str, Any] | None, *,
+                               connect_timeout_s: float, read_timeout_s: float) -> AzureObjects:
+        import fsspec
+
+        options = cls.fsspec_options(storage_options)
+        options.setdefault("connection_timeout", int(connect_timeout_s))
+        options.setdefault("read_timeout", int(read_timeout_s))
+        fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+        return cls(fs, path, client_retries=False)
+
+    def transient(self, exc: BaseException) -> bool:
+        from azure.core.exceptions import (
+            HttpResponseError,
+            ServiceRequestError,
+            ServiceResponseError,
+        )
+
+        if isinstance(exc, (ServiceRequestError, ServiceResponseError)):  # no answer, or a broken one
+            return True
+        if isinstance(exc, HttpResponseError):
+            return exc.status_code in _TRANSIENT_STATUS and _azure_code(exc) != "BlobAlreadyExists"
+        return _connection_dropped(exc)
 
 
 def _drop_broken_exit_hooks(fs) -> None:

@@ -1,7 +1,7 @@
 """Where runs live (``$RLHF_PIPELINE_HOME`` or ``storage/`` beside the package, or a URL), and
 where one run keeps each piece of its state (:class:`RunPaths`).
 
-A run at a URL (``--home s3://bucket/prefix``) keeps every piece of its state under that URL
+A run at a URL (``--home s3://bucket/prefix`` or ``az://container/prefix``) keeps every piece of its state under that URL
 (:attr:`RunPaths.store`); its :attr:`RunPaths.root` is then only this machine's cache directory
 (:func:`cache_dir`): TensorBoard's event files, the run-lock of processes preparing the run here.
 """
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from rlhf_pipeline.files.run_store import RunStore
 
 HOME_ENV_VAR = "RLHF_PIPELINE_HOME"
-RUN_URL_SCHEMES = ("s3://",)
+RUN_URL_SCHEMES = ("s3://", "az://")
 """Schemes a run may live at: every piece of state is then an object (``files/object_run_store.py``)."""
 
 
@@ -35,10 +35,11 @@ def check_run_url(location: str, what: str) -> str:
     if not location.startswith(RUN_URL_SCHEMES):
         raise RunLocationError(
             f"{what} {location!r} is a URL with a scheme a run cannot live at yet: use "
-            f"{' or '.join(RUN_URL_SCHEMES)} (S3 or an S3-compatible server, AWS_ENDPOINT_URL), or a local or "
-            f"shared-file-system path")
+            f"{' or '.join(RUN_URL_SCHEMES)} (S3 or an S3-compatible server, AWS_ENDPOINT_URL; Azure Blob Storage, "
+            f"AZURE_STORAGE_CONNECTION_STRING), or a local or shared-file-system path")
     if not location.split("://", 1)[1].strip("/"):
-        raise RunLocationError(f"{what} {location!r} names no bucket; give s3://BUCKET/PREFIX")
+        raise RunLocationError(f"{what} {location!r} names no bucket or container; give s3://BUCKET/PREFIX or "
+                               f"az://CONTAINER/PREFIX")
     return location.rstrip("/")
 
 
@@ -54,7 +55,7 @@ def local_run_path(location: str | Path, what: str) -> Path:
 
 
 def default_home() -> Path | str:
-    """The data home: ``$RLHF_PIPELINE_HOME`` if set (a path or an ``s3://`` URL), else ``<repo>/storage``.
+    """The data home: ``$RLHF_PIPELINE_HOME`` if set (a path, an ``s3://`` or ``az://`` URL), else ``<repo>/storage``.
 
     Only the *location* of data comes from the environment; pipeline settings never do.
     """
@@ -74,7 +75,7 @@ def run_dir(run_name: str, home: str | Path | None = None) -> Path:
 
 
 def run_paths(run_name: str, home: str | Path | None = None) -> RunPaths:
-    """Where run ``run_name`` under ``home`` (a directory or an ``s3://`` URL) keeps its state."""
+    """Where run ``run_name`` under ``home`` (a directory, an ``s3://`` or ``az://`` URL) keeps its state."""
     local_run_path(run_name, "--run-name")
     if "/" in run_name.strip("/") and home is not None and is_url(str(home)):
         raise RunLocationError(f"--run-name {run_name!r} holds a '/'; give a plain name under --home")
@@ -121,7 +122,7 @@ class RunPaths:
 
     @classmethod
     def at(cls, location: str | Path) -> RunPaths:
-        """A run given as a directory path or an ``s3://`` URL (``inspect``, ``plot``, ``export-model``)."""
+        """A run given as a directory path or a URL (``inspect``, ``plot``, ``export-model``)."""
         if is_url(str(location)):
             return cls.at_url(str(location))
         return cls(Path(location))

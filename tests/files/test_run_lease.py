@@ -1,5 +1,5 @@
-"""The lease object that holds a run at a URL (``files/run_lease.py``) on moto's S3 server: one
-holder at a time, named in the refusal; a dead holder's lease taken over; a holder that was
+"""The lease object that holds a run at a URL (``files/run_lease.py``) on moto's S3 server and on
+Azurite: one holder at a time, named in the refusal; a dead holder's lease taken over; a holder that was
 taken over learns it at its next renewal."""
 
 from __future__ import annotations
@@ -13,9 +13,14 @@ from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_lease import LeaseHeldError, ObjectLease
 
 
+@pytest.fixture(params=["s3", "azure"])
+def server(request):
+    return request.getfixturevalue(f"{request.param}_server")
+
+
 @pytest.fixture()
-def store(s3_server):
-    return ObjectRunStore(s3_server.url("run"), storage_options=s3_server.options)
+def store(server):
+    return ObjectRunStore(server.url("run"), storage_options=server.options)
 
 
 def test_a_second_holder_is_refused_with_the_first_ones_details(store):
@@ -50,10 +55,10 @@ def test_a_holder_on_this_host_that_no_longer_runs_is_taken_over_at_once(store):
     ObjectLease(store, "run.lock").acquire().release()
 
 
-def test_a_holder_taken_over_learns_it_at_its_next_renewal(store, s3_server):
+def test_a_holder_taken_over_learns_it_at_its_next_renewal(store, server):
     first = ObjectLease(store, "run.lock", lease_s=0.6).acquire()
     try:
-        other = ObjectRunStore(store.location, storage_options=s3_server.options)
+        other = ObjectRunStore(store.location, storage_options=server.options)
         other.write("run.lock", b'{"token": "someone else"}', fence=False)
         assert first.lost.wait(5.0)
         assert not first.held

@@ -1,4 +1,4 @@
-"""A run's location: a directory, or an ``s3://`` URL whose state lives there (a local cache
+"""A run's location: a directory, or an ``s3://`` or ``az://`` URL whose state lives there (a local cache
 only here); any other URL is refused in one line, never taken for a local path.
 
 ``Path("s3://bucket/exp1")`` is ``s3:/bucket/exp1``: before these checks, ``run --home s3://...``
@@ -46,9 +46,18 @@ def test_urls_a_run_cannot_live_at_are_refused_naming_the_field(monkeypatch):
         run_paths("exp1", "s3://")
     with pytest.raises(RunLocationError, match="--run-name"):
         run_paths("gs://bucket/exp1", "s3://runs/team")
-    monkeypatch.setenv(HOME_ENV_VAR, "az://runs/team")
+    monkeypatch.setenv(HOME_ENV_VAR, "gs://runs/team")
     with pytest.raises(RunLocationError, match=r"\$RLHF_PIPELINE_HOME"):
         default_home()
+
+
+def test_a_run_at_an_az_url_keeps_its_state_in_the_container(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    paths = run_paths("exp1", "az://runs/team")
+    assert paths.url == "az://runs/team/exp1" and paths.buffer_location == "az://runs/team/exp1/buffer"
+    assert paths.root == (tmp_path / "cache" / "rlhf_pipeline" / "runs" / "az" / "runs" / "team" / "exp1").resolve()
+    with pytest.raises(RunLocationError, match="names no bucket or container"):
+        run_paths("exp1", "az://")
 
 
 CANNOT_LIVE_AT = "is a URL with a scheme a run cannot live at"
@@ -56,7 +65,7 @@ CANNOT_LIVE_AT = "is a URL with a scheme a run cannot live at"
 
 @pytest.mark.parametrize("argv, env, message", [
     (["run", DEFAULT, "--home", "gs://runs/team", "--steps", "1"], {}, CANNOT_LIVE_AT),
-    (["run", DEFAULT, "--steps", "1"], {HOME_ENV_VAR: "az://runs/team"}, CANNOT_LIVE_AT),
+    (["run", DEFAULT, "--steps", "1"], {HOME_ENV_VAR: "gs://runs/team"}, CANNOT_LIVE_AT),
     (["replay", DEFAULT, "--buffer", "recorded", "--home", "s3://runs/team"], {}, "is a URL"),
     (["export-model", "gs://runs/team/exp1", "out", "--list-versions"], {}, CANNOT_LIVE_AT),
     (["plot", "gs://runs/team/exp1", "--out", "charts"], {}, CANNOT_LIVE_AT),

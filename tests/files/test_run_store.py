@@ -1,6 +1,6 @@
 """The run store contract (``files/run_store.py``), one suite for every store: a run directory
-on disk and a run at an ``s3://`` URL on moto's server on loopback. Then what only an object
-store needs: fencing of a superseded writer, atomic replacement seen by a concurrent reader,
+on disk, a run at an ``s3://`` URL on moto's server and one at an ``az://`` URL on Azurite, both on
+loopback. Then what only an object store needs (on both clouds): fencing of a superseded writer, atomic replacement seen by a concurrent reader,
 and retries of throttled requests and of writes whose answer was lost (a fault-injecting proxy
 in front of moto, ``tests/s3_faults.py``)."""
 
@@ -79,10 +79,11 @@ class TestLocalRunStore(RunStoreContract):
 
 
 class TestObjectRunStore(RunStoreContract):
-    @pytest.fixture()
-    def make(self, s3_server):
-        url = s3_server.url("run")
-        return lambda: ObjectRunStore(url, storage_options=s3_server.options, retry=FAST_RETRIES)
+    @pytest.fixture(params=["s3", "azure"])
+    def make(self, request):
+        server = request.getfixturevalue(f"{request.param}_server")
+        url = server.url("run")
+        return lambda: ObjectRunStore(url, storage_options=server.options, retry=FAST_RETRIES)
 
     def test_a_superseded_writer_cannot_overwrite_its_successors_state(self, make):
         old, new = make(), make()
@@ -128,6 +129,13 @@ class TestObjectRunStore(RunStoreContract):
             done.set()
             thread.join()
         assert seen and all(s in contents for s in seen)
+
+
+def test_a_run_store_at_an_az_url_refuses_a_missing_container_naming_it(azure_server):
+    store = ObjectRunStore("az://no-such-container/run", storage_options=azure_server.options, retry=FAST_RETRIES)
+    with pytest.raises(RunStoreError, match=r"az://no-such-container/run/pacing.json: HEAD failed: the container "
+                                            r"'no-such-container' does not exist.*AZURE_STORAGE_CONNECTION_STRING"):
+        store.write("pacing.json", b"{}")
 
 
 @pytest.fixture()
