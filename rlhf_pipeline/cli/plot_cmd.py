@@ -12,7 +12,7 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="run directories, runs at s3:// URLs (copied into the local cache), or metrics.jsonl files")
+                        help="run directories, runs at s3:// or az:// URLs (copied into the local cache), or metrics.jsonl files")
     parser.add_argument("--out", required=True, help="directory for the PNG files")
 
 

@@ -36,9 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                             help="which collector this is: it writes buffer/shard-K, keeps its own state, "
                                  "and its ids carry K (default: 0)")
     parser.add_argument("--home", default=None,
-                        help="directory holding run directories, or an s3:// URL holding runs (every piece "
-                             "of run state there; endpoint and credentials from AWS_ENDPOINT_URL, "
-                             "AWS_ACCESS_KEY_ID, ...) (default: storage/ in the repo, or $RLHF_PIPELINE_HOME)")
+                        help="directory holding run directories, or an s3:// or az:// URL holding runs "
+                             "(every piece of run state there; endpoint and credentials from AWS_ENDPOINT_URL, "
+                             "AWS_ACCESS_KEY_ID, ... or AZURE_STORAGE_CONNECTION_STRING) "
+                             "(default: storage/ in the repo, or $RLHF_PIPELINE_HOME)")
     parser.add_argument("--run-name", default=None,
                         help="run directory name under --home (default: the pipeline file's name)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
