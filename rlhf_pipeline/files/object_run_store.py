@@ -227,9 +227,9 @@ def _short(exc: BaseException | None) -> str:
     """One line about ``exc``, with botocore's HTTP status and error code where it has them."""
     if exc is None:
         return "none"
-    from rlhf_pipeline.files.cloud_objects import _s3_response
+    from rlhf_pipeline.files.cloud_s3 import s3_error_response
 
-    response = _s3_response(exc)
+    response = s3_error_response(exc)
     code = response.get("Error", {}).get("Code")
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or getattr(exc, "status_code", None)
     code = code or getattr(exc, "error_code", None)

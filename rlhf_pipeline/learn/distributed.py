@@ -41,6 +41,12 @@ loads the same newest checkpoint, which holds the global draw count and the whol
 optimizer state (:meth:`model_state`, :meth:`optimizer_state`), so a checkpoint resumes with
 any number of ranks and either parallelism. Backend: gloo on CPU, NCCL on CUDA (rank ``r``
 uses ``cuda:LOCAL_RANK``).
+
+Why one file: every collective a rank takes part in is here (the draws shared on the prefetch
+threads' group, the counts, the stop, the gradient sync), and they must be issued in the same
+order on every rank; read apart, an order that deadlocks only across two files would be easy to
+write. What needs no collective (which rows are whose: ``rank_slices.py``; FSDP's wrapping:
+``fsdp.py``) lives beside it.
 """
 
 from __future__ import annotations

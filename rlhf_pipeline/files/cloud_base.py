@@ -1,0 +1,152 @@
+"""What every cloud's conditional objects answer (:class:`CloudObjects`), the errors they raise,
+and the small helpers the implementations share; ``cloud_objects.py`` says why the interface
+exists and picks an implementation (``cloud_s3.py``, ``cloud_azure.py``) for a URL."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from typing import Any, ClassVar
+
+
+class ConditionFailed(Exception):
+    """The server refused a conditional write: the object exists, or is no longer the version named."""
+
+
+class ContainerNotFoundError(FileNotFoundError):
+    """The bucket (S3) or container (Azure) does not exist; the message names it and the fix."""
+
+
+class CloudAccessError(PermissionError):
+    """The server refused the credentials; the message says where credentials come from."""
+
+
+@dataclass(frozen=True)
+class ObjectVersion:
+    body: bytes
+    etag: str
+    age_s: float | None  # seconds since its last write, on the server's clock (None: not told)
+
+
+class CloudObjects(ABC):
+    """The objects under one prefix of one cloud's object store; keys are relative to the prefix."""
+
+    # what a cloud needs, for the messages of a caller that checks before opening anything
+    name: ClassVar[str]  # "S3", "Azure Blob Storage"
+    schemes: ClassVar[tuple[str, ...]]  # URL schemes, with "://"
+    extra: ClassVar[str]  # the pip extra that installs its packages
+    packages: ClassVar[tuple[tuple[str, str], ...]]  # (module, pip name) it imports
+    credentials_hint: ClassVar[str]  # where credentials and endpoint come from
+
+    def __init__(self, fs, path: str):
+        self.fs = fs
+        self.container, _, self.prefix = path.strip("/").partition("/")
+
+    @classmethod
+    @abstractmethod
+    def fsspec_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``storage_options`` for this cloud's fsspec file system, with our defaults added."""
+
+    @classmethod
+    def missing_packages(cls) -> list[str]:
+        """pip names of this cloud's packages that are not installed."""
+        return [pip for module, pip in cls.packages if module_missing(module)]
+
+    @property
+    def loop(self):
+        """The event loop a synchronous file system runs its client on."""
+        return self.fs.loop
+
+    def key(self, key: str) -> str:
+        """``key``'s full name in the bucket or container."""
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    @abstractmethod
+    def access_error(self, exc: BaseException, key: str | None = None) -> CloudAccessError | None:
+        """The :class:`CloudAccessError` to raise for ``exc`` when it says the credentials were
+        refused (also for what the cloud's fsspec file system raised on a read); else None."""
+
+    @abstractmethod
+    async def create(self, key: str, body: bytes) -> str:
+        """Writes ``key`` only if it does not exist (else :class:`ConditionFailed`); its etag."""
+
+    @abstractmethod
+    async def replace(self, key: str, body: bytes, etag: str) -> str:
+        """Writes ``key`` only if it is still version ``etag`` (else :class:`ConditionFailed`,
+        also when it is gone); the new etag."""
+
+    @abstractmethod
+    async def read(self, key: str) -> ObjectVersion | None:
+        """``key``'s bytes, etag and age; None when it does not exist."""
+
+    @abstractmethod
+    async def delete(self, key: str, etag: str) -> None:
+        """Deletes ``key`` only if it is still version ``etag`` (else :class:`ConditionFailed`,
+        also when it is gone)."""
+
+    # the unconditional operations beside them (run state: ``files/object_run_store.py``)
+    @abstractmethod
+    async def put(self, key: str, body: bytes) -> str:
+        """Writes ``key`` whatever is there; its etag."""
+
+    @abstractmethod
+    async def etag(self, key: str) -> str | None:
+        """``key``'s etag without its body (a HEAD); None when it does not exist."""
+
+    @abstractmethod
+    async def remove(self, key: str) -> None:
+        """Deletes ``key`` whatever version it is; a missing key is fine."""
+
+    @abstractmethod
+    async def list(self, prefix: str) -> list[str]:
+        """Names of the objects and "directories" directly under ``prefix`` (relative to it)."""
+
+    @classmethod
+    @abstractmethod
+    def without_client_retries(cls, url: str, storage_options: Mapping[str, Any] | None, *,
+                               connect_timeout_s: float, read_timeout_s: float) -> CloudObjects:
+        """The objects under ``url`` on a client that tries each request once, within these
+        timeouts: for a caller whose own loop owns the retries and their budget."""
+
+    @abstractmethod
+    def transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is worth another try: throttled, a server error, a timeout, a dropped
+        connection (not a refusal, a missing object or refused credentials)."""
+
+    def _list_base(self, prefix: str) -> str:
+        inner = prefix.strip("/")
+        base = self.key(inner) if inner else self.prefix
+        return f"{base}/" if base else ""
+
+
+# HTTP statuses worth another try on either cloud (throttling, timeouts, server errors, and a
+# conditional write racing another one)
+TRANSIENT_STATUS = {408, 409, 429, 500, 502, 503, 504}
+
+
+def module_missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):  # a missing parent package ("azure" for "azure.storage.blob")
+        return True
+
+
+def connection_dropped(exc: BaseException) -> bool:
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - both clouds' clients bring aiohttp
+        return False
+    return isinstance(exc, aiohttp.ClientError)
+
+
+def server_age_s(date_header: str | None, last_modified) -> float | None:
+    if not date_header or last_modified is None:
+        return None
+    return (parsedate_to_datetime(date_header) - last_modified).total_seconds()
+

@@ -1,0 +1,214 @@
+"""S3 (and S3-compatible servers) behind :class:`~rlhf_pipeline.files.cloud_base.CloudObjects`:
+conditional PUTs through s3fs's botocore client."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from rlhf_pipeline.files.cloud_base import (
+    TRANSIENT_STATUS,
+    CloudAccessError,
+    CloudObjects,
+    ConditionFailed,
+    ContainerNotFoundError,
+    ObjectVersion,
+    connection_dropped,
+    server_age_s,
+)
+
+_CONFLICT_RETRIES = 5  # a 409 "conditional request conflict": another conditional PUT of that key is in flight
+
+
+class S3Objects(CloudObjects):
+    """S3 and S3-compatible servers (MinIO, R2, moto) through s3fs's botocore client."""
+
+    name = "S3"
+    schemes = ("s3://", "s3a://")
+    extra = "s3"
+    packages = (("s3fs", "s3fs"),)
+    credentials_hint = ("pass credentials as storage_options key=/secret= or set AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY")
+
+    @classmethod
+    def fsspec_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:
+        merged = dict(options or {})
+        # a cached listing could hide a killed writer's leftovers from the next writer
+        merged.setdefault("use_listings_cache", False)
+        # s3fs (since 2025) sends a HEAD before every whole-object GET, to split objects larger than its
+        # block size (50 MiB) into concurrent ranged GETs. Ours (commit records, units of a few MB) never
+        # are, so the HEAD only doubled every read's requests (counted on the server: a refresh of N
+        # shards sent N HEADs beside its N GETs). Reads of several objects already go out together
+        if _s3fs_takes("max_concurrency"):  # older s3fs has neither the option nor the HEAD
+            merged.setdefault("max_concurrency", 1)
+        return merged
+
+    async def _call(self, method: str, key: str, **kwargs) -> dict:
+        # s3fs's client call: public s3fs has no conditional PUT (If-None-Match / If-Match)
+        for attempt in range(_CONFLICT_RETRIES):
+            try:
+                return await self.fs._call_s3(method, Bucket=self.container, Key=self.key(key), **kwargs)
+            except FileNotFoundError as exc:
+                if "bucket" in str(exc).lower():
+                    raise ContainerNotFoundError(
+                        f"the bucket {self.container!r} does not exist on this endpoint; create it first, or "
+                        f"check endpoint_url (storage_options or AWS_ENDPOINT_URL)") from None
+                raise
+            except Exception as exc:  # s3fs maps the codes we need to generic OSErrors
+                denied = self.access_error(exc)
+                if denied is not None:
+                    raise denied from None
+                status = _s3_status(exc)
+                if status == 412:
+                    raise ConditionFailed(key) from None
+                if status != 409 or attempt == _CONFLICT_RETRIES - 1:
+                    raise
+            await asyncio.sleep(0.05 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def access_error(self, exc: BaseException, key: str | None = None) -> CloudAccessError | None:
+        if isinstance(exc, PermissionError):
+            return CloudAccessError(f"access denied ({exc}); {self.credentials_hint}")
+        return None
+
+    async def create(self, key: str, body: bytes) -> str:
+        return (await self._call("put_object", key, Body=body, IfNoneMatch="*"))["ETag"]
+
+    async def replace(self, key: str, body: bytes, etag: str) -> str:
+        try:
+            return (await self._call("put_object", key, Body=body, IfMatch=etag))["ETag"]
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:  # S3 answers 404, not 412, when the object is gone
+            raise ConditionFailed(key) from None
+
+    async def read(self, key: str) -> ObjectVersion | None:
+        try:
+            out = await self._call("get_object", key)
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:
+            return None
+        async with out["Body"] as stream:
+            body = await stream.read()
+        date = out.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        return ObjectVersion(body, out["ETag"], server_age_s(date, out.get("LastModified")))
+
+    async def delete(self, key: str, etag: str) -> None:
+        try:
+            await self._call("delete_object", key, IfMatch=etag)
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:
+            raise ConditionFailed(key) from None
+
+
+    async def put(self, key: str, body: bytes) -> str:
+        return (await self._call("put_object", key, Body=body))["ETag"]
+
+    async def etag(self, key: str) -> str | None:
+        try:
+            return (await self._call("head_object", key))["ETag"]
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            if _s3_status(exc) == 404:  # a HEAD's 404 has no body for s3fs to translate
+                return None
+            raise
+
+    async def remove(self, key: str) -> None:
+        try:
+            await self._call("delete_object", key)
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:
+            pass
+
+    async def list(self, prefix: str) -> list[str]:
+        base = self._list_base(prefix)
+        names: list[str] = []
+        page: dict[str, Any] = {"Prefix": base, "Delimiter": "/"}
+        while True:
+            out = await self.fs._call_s3("list_objects_v2", Bucket=self.container, **page)
+            names += [item["Key"][len(base):] for item in out.get("Contents", [])]
+            # "directories" too, as a directory listing names them (a metrics log's parts)
+            names += [item["Prefix"][len(base):].rstrip("/") for item in out.get("CommonPrefixes", [])]
+            if not out.get("IsTruncated"):
+                return names
+            page["ContinuationToken"] = out["NextContinuationToken"]
+
+    @classmethod
+    def without_client_retries(cls, url: str, storage_options: Mapping[str, Any] | None, *,
+                               connect_timeout_s: float, read_timeout_s: float) -> S3Objects:
+        import fsspec
+
+        options = cls.fsspec_options(storage_options)
+        config = dict(options.pop("config_kwargs", None) or {})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        config.setdefault("connect_timeout", connect_timeout_s)
+        config.setdefault("read_timeout", read_timeout_s)
+        fs, path = fsspec.core.url_to_fs(url, config_kwargs=config, skip_instance_cache=True, **options)
+        fs.retries = 1  # s3fs's own retry loop: a class attribute, not a constructor argument
+        return cls(fs, path)
+
+    def transient(self, exc: BaseException) -> bool:
+        response = s3_error_response(exc)
+        code = response.get("Error", {}).get("Code")
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in _S3_TRANSIENT_CODES or status in TRANSIENT_STATUS:
+            return True
+        if response:
+            return False
+        try:
+            from botocore.exceptions import ConnectionError as BotoConnectionError
+            from botocore.exceptions import HTTPClientError
+        except ImportError:  # pragma: no cover - s3fs brings botocore
+            return connection_dropped(exc)
+        return isinstance(exc, (HTTPClientError, BotoConnectionError)) or connection_dropped(exc)
+
+
+_S3_TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
+                       "ThrottlingException", "ConditionalRequestConflict"}
+
+
+def s3_error_response(exc: BaseException) -> dict:
+    """botocore's parsed response behind ``exc`` (s3fs raises its own OSError from botocore's)."""
+    seen = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            return response
+        current = current.__cause__ or current.__context__
+    return {}
+
+
+@functools.cache  # one signature inspection per process, not one per store opened
+def _s3fs_takes(option: str) -> bool:
+    import inspect
+
+    try:
+        from s3fs import S3FileSystem
+    except ImportError:  # the caller's missing_packages() check says so where it matters
+        return False
+    return option in inspect.signature(S3FileSystem.__init__).parameters
+
+
+def _s3_status(exc: BaseException) -> int | None:
+    response = {}
+    for candidate in (exc, exc.__cause__, exc.__context__):
+        if isinstance(getattr(candidate, "response", None), dict):
+            response = candidate.response
+            break
+    code = response.get("Error", {}).get("Code")
+    if code == "PreconditionFailed":
+        return 412
+    if code == "ConditionalRequestConflict":
+        return 409
+    return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+
