@@ -23,6 +23,7 @@ import uuid
 from typing import Any
 
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
+from rlhf_pipeline.files.processes import pid_running
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class ObjectLease:
 
     def _abandoned(self, holder: dict, age: float | None) -> str | None:
         pid, host = holder.get("pid"), holder.get("host")
-        if host == socket.gethostname() and isinstance(pid, int) and not _pid_running(pid):
+        if host == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
             return "that process is no longer running"
         try:
             lease = float(holder.get("lease_s", self.lease_s))
@@ -153,15 +154,3 @@ def describe_holder(holder: dict, age: float | None) -> str:
             f"{holder.get('started', '?')}; lease {holder.get('lease_s', '?')} s{renewed})")
 
 
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (killed, not yet reaped by its parent) is not running
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True

@@ -29,6 +29,7 @@ import socket
 import time
 from pathlib import Path
 
+from rlhf_pipeline.files.processes import pid_running
 from rlhf_pipeline.storage.errors import StoreLockedError
 
 LOCK_FILE_NAME = "writer.lock"
@@ -153,25 +154,6 @@ def _being_handed_over(holder: tuple[int, str] | None) -> bool:
         return True
     pid, host = holder
     return host in ("", socket.gethostname()) and not pid_running(pid)
-
-
-def pid_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
-            state = f.read().rpartition(b")")[2].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _is_current(fd: int, path: Path) -> bool:

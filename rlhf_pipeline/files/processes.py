@@ -1,0 +1,25 @@
+"""Whether a process of this host still runs: what every lock and lease of ours asks before it
+takes over from a holder on the same host (a file lock's, a store's writer lock, a run's lease)."""
+
+from __future__ import annotations
+
+import os
+
+
+def pid_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+            state = f.read().rpartition(b")")[2].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
