@@ -118,6 +118,7 @@ class CheckpointManager:
         else:
             self._store, self._prefix = store, str(directory).strip("/")
             self.directory = store.describe(self._prefix)
+        self._saved_step: int | None = None  # the step this process last saved
 
     def _key(self, name: str) -> str:
         return f"{self._prefix}/{name}" if self._prefix else name
@@ -146,8 +147,14 @@ class CheckpointManager:
         import torch
 
         name = f"step_{progress.step:08d}.pt"
+        if progress.step == self._saved_step and not isinstance(self._store, LocalRunStore):
+            # at a URL a step's checkpoint is created once: the same step saved again by this process
+            # (the periodic save, then a stop's right after it) holds the same training state, and
+            # would be refused as "another process wrote this version"
+            return self._location(name)
         payload = dict(state, progress=progress.to_dict(), format=FORMAT_VERSION)
         self._store.create(self._key(name), lambda f: torch.save(payload, f), partial_name=name + PARTIAL_SUFFIX)
+        self._saved_step = progress.step
         for old in self.paths()[: -self.keep_last]:
             self._store.delete(self._key(_name(old)))
         return self._location(name)

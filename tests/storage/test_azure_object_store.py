@@ -196,8 +196,13 @@ def test_a_missing_container_or_refused_credentials_say_what_to_do(azure_server)
 
 
 def test_no_credentials_at_all_say_where_they_come_from(azure_server, monkeypatch):
+    import adlfs
+
     for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME"):
         monkeypatch.delenv(name, raising=False)
+    # as in a fresh process: fsspec keeps one file system per set of options, so one an earlier test
+    # made from the environment's credentials (the same empty options) would answer instead
+    adlfs.AzureBlobFileSystem.clear_instance_cache()
     with pytest.raises(NotAStoreError, match=r"cannot open az://.* on Azure Blob Storage .*AZURE_STORAGE_CONNECTION_STRING"):
         ZarrTrajectoryStore.open(azure_server.url())
 
