@@ -293,3 +293,61 @@ def test_without_verifiers_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install -e '\.\[verifiers\]'"):
         VerifiersEnvironment(object())
+
+
+# ------------------------------------------------------------------ through the collector into a buffer
+class Again(vf.MultiTurnEnv):
+    """Says "Again." after every turn; verifiers' max_turns ends it."""
+
+    async def env_response(self, messages, state, **kwargs):
+        return [{"role": "user", "content": "Again."}]
+
+
+def code_points_mod_3(completion) -> float:
+    return float(sum(map(ord, completion[-1]["content"])) % 3)
+
+
+def test_the_agent_collector_writes_verifiers_episodes_with_the_rubrics_rewards(tmp_path):
+    import torch
+
+    from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, rebuild_trajectory
+    from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
+    from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage import create_store, make_replay_buffer
+    from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+
+    tokenizer = char_tool_tokenizer()
+    model = tiny_causal_lm(len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=512,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, seed=3)
+    env = Again(dataset=Dataset.from_list([{"question": f"Say something, {k}.", "answer": ""} for k in range(3)]),
+                rubric=vf.Rubric(funcs=[code_points_mod_3]), max_turns=2)
+    store = create_store(tmp_path / "buffer", "memmap",
+                         schema=StoreSchema(optional=("advantage", "termination_reason", *AGENT_ROW_FIELDS)))
+    buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(3, store=store)])
+    config = AgentCollectorConfig(tasks_per_round=2, group_size=3,
+                                  limits=EpisodeLimits(max_turns=4, max_new_tokens=6, end_on_cut_turn=False),
+                                  sampling=SamplingConfig(temperature=1.5), seed=11)
+    collector = AgentCollector(model, tokenizer, TaskSource(verifiers_tasks(env), seed=5),
+                               lambda: VerifiersEnvironment(env), buffer.extend, config, parser=parse_hermes)
+    collector.collect()
+    rows = store.read(torch.arange(len(store)))
+    store.close()
+
+    ids = rows["trajectory_id"].tolist()
+    assert len(rows) == 2 * 3 * 2 and sorted(set(ids)) == list(range(6))  # 6 trajectories of 2 turns
+    returns = []
+    for t in range(6):
+        idx = torch.tensor([i for i, u in enumerate(ids) if u == t])
+        trajectory = rows.select(idx)
+        assert trajectory["step"].tolist() == [0, 1] and trajectory["done"].tolist() == [False, True]
+        assert int(trajectory["termination_reason"][1]) == TerminationReason.MAX_TURNS  # verifiers' max_turns
+        rebuilt = rebuild_trajectory(trajectory)
+        assert "Again." in tokenizer.decode(rebuilt.token_ids[~rebuilt.loss_mask])
+        # the rubric reads the last turn as sampled (a turn cut at max_new_tokens keeps every id)
+        last = trajectory["response_tokens"].row(1).tolist()
+        text = tokenizer.decode(last[:-1] if last[-1] == tokenizer.eos_token_id else last, skip_special_tokens=False)
+        assert float(trajectory["reward"].sum()) == pytest.approx(sum(map(ord, text)) % 3)
+        returns.append(float(trajectory["reward"].sum()))
+        assert len(set(trajectory["advantage"].tolist())) == 1  # one advantage per trajectory
+    assert len(set(returns)) > 1  # the sampled text made the rubric's rewards differ
