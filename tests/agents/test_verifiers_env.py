@@ -263,6 +263,10 @@ def test_what_does_not_fit_is_refused_with_the_reason_and_the_fix():
         VerifiersEnvironment(vf.EnvGroup(envs=[tool_env(), tool_env()], env_names=["a", "b"]))
     with pytest.raises(ValueError, match="a task needs 'prompt' \\(chat messages\\) or 'question'.*\\['answer'\\]"):
         asyncio.run(VerifiersEnvironment(tool_env()).reset({"answer": "408"}))
+    adapter = VerifiersEnvironment(tool_env())
+    asyncio.run(adapter.reset(TASKS[0]))
+    with pytest.raises(RuntimeError, match="runs one episode; make_env must build a new one"):
+        asyncio.run(adapter.reset(TASKS[1]))
 
 
 def test_a_raw_row_gets_the_system_prompt_and_few_shot_as_verifiers_formats_them():
