@@ -11,6 +11,8 @@
 * :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them;
 * :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool) and a warm start on
   demonstration episodes.
+* :mod:`.verifiers_env` -- a ``verifiers`` environment (``MultiTurnEnv``, ``ToolEnv``, its rubric)
+  as an ``Environment`` (the optional ``verifiers`` extra).
 
 ``docs/agents.md`` says what is built, what a turn costs on disk and what is not built yet.
 

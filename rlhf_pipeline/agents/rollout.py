@@ -98,7 +98,8 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                        template_kwargs: Mapping[str, Any] | None = None) -> Rollout:
     """Runs ``group_size`` episodes of each task to their ends. ``make_env()`` builds one episode's
     environment; one with a ``toolbox`` attribute (a :class:`~.tools.ToolBox`) has its tools'
-    schemas rendered by the chat template."""
+    schemas rendered by the chat template, or one with ``tool_schemas`` (read after its reset:
+    OpenAI-format function schemas, as :class:`~.verifiers_env.VerifiersEnvironment` has) those."""
     with EnvironmentRunner(max_workers=config.max_workers, step_timeout_s=config.step_timeout_s) as runner:
         envs = [make_env() for _ in tasks for _ in range(config.group_size)]
         boxes = {id(box): box for env in envs if (box := getattr(env, "toolbox", None)) is not None}
@@ -142,5 +143,8 @@ def rollout(*args, **kwargs) -> Rollout:
 
 
 def _schemas(env: Environment) -> list[dict[str, Any]] | None:
+    schemas = getattr(env, "tool_schemas", None)  # known after reset (verifiers_env.py: per task)
+    if schemas is not None:
+        return list(schemas)
     box = getattr(env, "toolbox", None)
     return box.schemas if box is not None else None
