@@ -7,8 +7,9 @@ CPUs, so the learner and the collector land on worker nodes. In one run, the col
 killed with every process it runs (SIGKILL to each) and a fresh node joins: Ray restarts the
 collector on a live node and it resumes from the shard's state at the URL. Then the learner's
 node is killed: the learner restarts on the node with a CPU free, with an empty cache, and
-resumes from the newest checkpoint at the URL. The run ends as an uninterrupted one does: the same metrics step by step, buffer rows
-and final weights. One run for both losses: each node start and each plain run costs CI time.
+resumes from the newest checkpoint at the URL. The run ends as an uninterrupted one does: the
+same metrics step by step, buffer rows and final weights. One run for both losses: each node
+start and each plain run costs CI time.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from rlhf_pipeline.files.object_run_store import ObjectRunStore
 
 pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
 
-WORKER_NODES = 3  # the learner's, the collector's, and a spare one for the collector to move to
+WORKER_NODES = 3  # the learner's, the collector's and a spare; a fourth joins when the first is lost
 STEPS = 8
 # a lost node is declared dead after 5 failed health checks, 1 s apart (Ray's default: 3 s apart);
 # read by the head's GCS. Each check still waits its default 10 s for an answer: a node merely
