@@ -6,10 +6,10 @@ travel differently:
 
 * **Weights** go through Ray's object store. After each publish the learner (rank 0) puts
   the state dict in the object store (``ray.put``) and hands ``(version, ref)`` to the run's
-  :class:`RunControl` actor; collectors ask it for anything newer than what they hold
-  (:class:`ObjectStoreWeightsPoller`, the ``weights.WeightsPoller`` interface) and load it
-  with the same version numbers, so the learner's staleness bound means what it means
-  today. The learner still writes every version to ``weights/`` (a restart and
+  :class:`RunControl` actor; collectors ask it for the version pacing names for their next
+  round (:class:`ObjectStoreWeightsPoller`, the ``weights.WeightsPoller`` interface) and load
+  it with the same version numbers, so the learner's staleness bound means what it means
+  today and a round takes the same weights as under ``run``. The learner still writes every version to ``weights/`` (a restart and
   ``export-model`` read them there), and a collector falls back to that file when the
   object's owner, a learner that died, took it with it.
 * **Stop requests** come from :class:`RunControl` instead of ``run``'s stop pipe. Each actor
@@ -103,9 +103,13 @@ class ActorJob:
 
 
 class ObjectStoreWeightsPoller:
-    """Collector side: ``poll()`` returns the newest weights once, from Ray's object store.
+    """Collector side: ``poll()`` returns the newest weights once, from Ray's object store;
+    ``poll_version(v)`` returns version ``v`` once it is published.
 
-    The interface of ``weights.WeightsPoller``; ``collect_main`` uses either.
+    The interface of ``weights.WeightsPoller``; ``collect_main`` uses either. With
+    ``poll_version`` a paced round uses the version pacing names for it, not whichever is newest
+    when the round starts (``coordination/pacing.py``): a run on Ray trains as the same run under
+    ``run`` does, and so does a learner restarted on another node.
     """
 
     def __init__(self, run_dir: Any, control: Any, current_version: int = -1) -> None:
@@ -117,7 +121,30 @@ class ObjectStoreWeightsPoller:
         newest = ray.get(self.control.newest_weights.remote(self.current_version))
         if newest is None:
             return None
-        version, (ref,) = newest
+        return self._take(*newest)
+
+    def poll_version(self, version: int):
+        """``version`` once it is published and newer than the current one, else None; the newest
+        when ``version`` is gone (pruned)."""
+        if version <= self.current_version:
+            return None
+        newest = ray.get(self.control.newest_weights.remote(self.current_version))
+        if newest is None or newest[0] < version:
+            return None  # not published yet
+        if newest[0] == version:
+            return self._take(*newest)
+        # the learner has moved past it: that version's file (every version is written to one)
+        from rlhf_pipeline.coordination.weights import load_weights
+
+        try:
+            state, loaded = load_weights(self.run_dir, version)
+        except FileNotFoundError:  # pruned
+            return self._take(*newest)
+        self.current_version = loaded
+        return state, loaded
+
+    def _take(self, version: int, boxed_ref: list):
+        (ref,) = boxed_ref
         try:
             state = ray.get(ref, timeout=120)
         except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):

@@ -14,8 +14,8 @@ the Ray cluster at ADDRESS, or starts a local one (``ray.init()``), and starts:
 
 Every actor reads and writes the run: on several machines, a run at a URL (``--home s3://...``)
 or a run directory on a file system they share; the pipeline file by a path every node sees.
-A node lost with its actors: Ray restarts them on live nodes (below), the control actor stays
-on the driver's node.
+A node lost with its actors: Ray restarts them on live nodes (below); the control actor and the
+run's lease (``run.lock``, this command's) stay on the driver's node, so no lease is lost with one.
 What the actors print reaches this terminal through Ray's log forwarding, prefixed with the
 actor (``(collector 1 pid=…)``).
 

@@ -12,6 +12,7 @@ every batch it uses (a few hundred bytes, no fsync: it is advice, rewritten ever
      "consumed": {"shard-0000": 832, "shard-0001": 768},   rows taken in, per shard
      "next_draw_rows": 64,                                  new rows its next batch waits for
      "waiting_since": null,                                 or when it began waiting for a batch
+     "waiting_seen": null,                                  and when it last said it still waits
      "policy_version": 12,                                  the weights it trains that batch with
      "recent": [[11, 64, {"shard-0000": 768}], ...]}       (policy_version, next_draw_rows, consumed)
                                                             of its last draws, oldest first
@@ -31,7 +32,11 @@ It cannot deadlock:
   ran ahead of it just wait while it catches up on rows that already exist;
 * as a last resort, a learner that has waited for its next batch for ``stall_s`` seconds
   since a collector's last round (a sampler that needs more than it said, a dead collector
-  whose share the others must cover) lets that collector write one more round.
+  whose share the others must cover) lets that collector write one more round. The learner
+  renews ``waiting_seen`` every ``WAITING_RENEW_S`` while it waits, and the rule counts the wait
+  up to that renewal, not up to the collector's clock: a learner that died mid-wait (its node
+  lost, while under Ray the collector runs on) allows no rounds. Rounds the rule allows take the
+  newest weights, so rounds written for a dead learner would differ from an uninterrupted run's.
 
 Which weights a round uses. A paced collector does not take whatever version is newest when a
 round starts: the learner may or may not have published its next version by then, a race that
@@ -79,6 +84,8 @@ class LearnerIntake:
     consumed: dict[str, int] = field(default_factory=dict)
     next_draw_rows: int = 0
     waiting_since: float | None = None
+    waiting_seen: float | None = None
+    """The last time the learner said it was still waiting (renewed while it waits)."""
     policy_version: int = 0
     """The learner's weights when it took this batch in (its newest published version)."""
     recent: list[tuple[int, int, dict[str, int]]] = field(default_factory=list)
@@ -87,7 +94,8 @@ class LearnerIntake:
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_VERSION, "step": self.step, "draws": self.draws,
                 "consumed": dict(self.consumed), "next_draw_rows": self.next_draw_rows,
-                "waiting_since": self.waiting_since, "policy_version": self.policy_version,
+                "waiting_since": self.waiting_since, "waiting_seen": self.waiting_seen,
+                "policy_version": self.policy_version,
                 "recent": [[version, need, dict(consumed)] for version, need, consumed in self.recent]}
 
     @classmethod
@@ -95,6 +103,7 @@ class LearnerIntake:
         return cls(step=int(data["step"]), draws=int(data["draws"]),
                    consumed={str(k): int(v) for k, v in data["consumed"].items()},
                    next_draw_rows=int(data["next_draw_rows"]), waiting_since=data.get("waiting_since"),
+                   waiting_seen=data.get("waiting_seen"),
                    policy_version=int(data.get("policy_version", 0)),
                    recent=[(int(v), int(need), {str(k): int(n) for k, n in c.items()})
                            for v, need, c in data.get("recent", [])])
@@ -123,6 +132,9 @@ def read_intake(path: str | Path, *, store: RunStore | None = None) -> LearnerIn
     return LearnerIntake.from_json(data)
 
 
+WAITING_RENEW_S = 0.5
+"""How often a waiting learner renews ``waiting_seen``: at a URL, one PUT each time."""
+
 RECENT_DRAWS = 32
 """Draws kept in ``recent``: a collector that missed this many publishes in a row (it was busy
 generating) can no longer tell which one first allowed its round."""
@@ -146,9 +158,13 @@ class PacingPublisher:
         self._store.write(self._key, payload, durable=False)
 
     def waiting(self) -> None:
-        """The learner is waiting for its next batch (once per wait; the time it began)."""
-        if self.intake.waiting_since is None:
-            self.publish(dataclasses.replace(self.intake, waiting_since=time.time()), new_draw=False)
+        """The learner is waiting for its next batch: called while it waits; publishes the time it
+        began, then that it still waits at most every ``WAITING_RENEW_S``."""
+        now = time.time()
+        since, seen = self.intake.waiting_since, self.intake.waiting_seen
+        if since is None or seen is None or now - seen >= WAITING_RENEW_S:
+            self.publish(dataclasses.replace(self.intake, waiting_since=now if since is None else since,
+                                             waiting_seen=now), new_draw=False)
 
 
 class CollectorPacer:
@@ -222,8 +238,9 @@ class CollectorPacer:
         intake = self._read()
         if shard_rows < self.target_rows(intake):
             return True
-        if intake is None or intake.waiting_since is None:
+        if intake is None or intake.waiting_since is None or intake.waiting_seen is None:
             return False
         # the learner has waited for its next batch since before this collector's last round and
-        # is still waiting well after it: it needs more than it said; one more round
-        return time.time() - max(intake.waiting_since, self._last_round_at) > self.stall_s
+        # said it still waits well after it: it needs more than it said; one more round. Said, not
+        # supposed from this clock: a learner that died waiting says nothing more
+        return intake.waiting_seen - max(intake.waiting_since, self._last_round_at) > self.stall_s

@@ -167,7 +167,7 @@ class Learner:
         saved = (checkpoint or {}).get("intake")
         intake = LearnerIntake.from_json(saved) if saved else LearnerIntake(self.progress.step, self.progress.draws,
                                                                             {}, self.settings.batch_size)
-        intake.waiting_since = None  # a wait from before the stop is over
+        intake.waiting_since = intake.waiting_seen = None  # a wait from before the stop is over
         intake.policy_version = self.progress.policy_version
         self._pacing.intake = intake
         if not self.data_parallel.is_main:  # only rank 0 writes files

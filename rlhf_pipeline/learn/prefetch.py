@@ -70,8 +70,9 @@ class Prefetcher:
     def next(self, on_wait: Callable[[], None] | None = None) -> tuple[int, Any, float]:
         """``(i, item, seconds the caller waited for it)``; re-raises the producer's error.
 
-        ``on_wait()`` is called once when nothing has come for 0.1 s (the learner then tells
-        collectors it is waiting, ``rlhf_pipeline/coordination/pacing.py``). Raises InterruptedError once
+        ``on_wait()`` is called every 0.1 s while nothing has come (the learner then tells
+        collectors it is waiting, and renews that while it still is,
+        ``rlhf_pipeline/coordination/pacing.py``). Raises InterruptedError once
         the stop event is set while nothing is queued: the producer drops what it was making
         when stopped, so waiting on could never end.
         """
@@ -98,7 +99,6 @@ class Prefetcher:
                     raise InterruptedError("prefetching stopped") from None
                 if on_wait is not None:
                     on_wait()
-                    on_wait = None
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stops the thread and waits for it to end; ``timeout_s``: at most that long (a thread still

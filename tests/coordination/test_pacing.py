@@ -13,7 +13,14 @@ from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
-from rlhf_pipeline.coordination.pacing import CollectorPacer, LearnerIntake, PacingPublisher, read_intake, shard_key
+from rlhf_pipeline.coordination.pacing import (
+    WAITING_RENEW_S,
+    CollectorPacer,
+    LearnerIntake,
+    PacingPublisher,
+    read_intake,
+    shard_key,
+)
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store
@@ -81,12 +88,31 @@ def test_a_learner_still_waiting_after_a_round_gets_one_more(tmp_path):
     assert not pacer.may_collect(16)
     learner.waiting()
     since = read_intake(path).waiting_since
-    learner.waiting()  # once per wait: the time it began
-    assert read_intake(path).waiting_since == since
+    learner.waiting()  # the time it began stays; a renewal comes at most every WAITING_RENEW_S
+    assert read_intake(path).waiting_since == since and read_intake(path).waiting_seen == since
     assert not pacer.may_collect(16)
     time.sleep(0.3)
+    assert not pacer.may_collect(16)  # waited, but the learner has not said it still waits
+    time.sleep(WAITING_RENEW_S)
+    learner.waiting()
+    assert read_intake(path).waiting_since == since
     assert pacer.may_collect(16)
     learner.publish(LearnerIntake(2, 2, {"shard-0000": 16}, next_draw_rows=0))  # it took the round
+    assert not pacer.may_collect(16)
+
+
+def test_a_learner_that_died_waiting_gets_no_more_rounds(tmp_path):
+    """A learner lost mid-wait (its node gone; under Ray the collector runs on) renews nothing: the
+    collector writes no rounds for it, which would take whatever weights are newest."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=0))
+    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, stall_s=0.05)
+    learner.waiting()
+    time.sleep(0.1)
+    learner.waiting()  # not yet renewed: within WAITING_RENEW_S of the last
+    pacer.round_written(ROUND)
+    time.sleep(0.1)  # more than stall_s since the round, by the collector's clock
     assert not pacer.may_collect(16)
 
 

@@ -3,9 +3,13 @@ the nodes and the whole run at a URL (moto's S3 server on loopback).
 
 Each node is its own ``ray start`` with its own temp dir, working directory, cache
 (``XDG_CACHE_HOME``) and ``TMPDIR``, as a rented machine would have its own disk; the head holds no
-CPUs, so the learner and the collector land on worker nodes. Then the collector's node is killed
-with every process it runs (SIGKILL to each), Ray restarts the collector on a live node, it
-resumes from the shard's state at the URL, and the run ends as an uninterrupted one does.
+CPUs, so the learner and the collector land on worker nodes. In one run, the collector's node is
+killed with every process it runs (SIGKILL to each) and a fresh node joins: Ray restarts the
+collector on a live node and it resumes from the shard's state at the URL. Then the learner's
+node is killed: the learner restarts on the node with a CPU free, with an empty cache, and
+resumes from the newest checkpoint at the URL. The run ends as an uninterrupted one does: the
+same metrics step by step, buffer rows and final weights. One run for both losses: each node
+start and each plain run costs CI time.
 """
 
 from __future__ import annotations
@@ -21,12 +25,20 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from integration.test_run_at_url import LABELS, command, learner_metrics, rows_of, trained
+
+from rlhf_pipeline.coordination.weights import load_weights
+from rlhf_pipeline.files.object_run_store import ObjectRunStore
 
 pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
 
-WORKER_NODES = 3  # the learner's, the collector's, and a spare one for the collector to move to
+WORKER_NODES = 3  # the learner's, the collector's and a spare; a fourth joins when the first is lost
 STEPS = 8
+# a lost node is declared dead after 5 failed health checks, 1 s apart (Ray's default: 3 s apart);
+# read by the head's GCS. Each check still waits its default 10 s for an answer: a node merely
+# slow on a busy machine is not declared dead
+HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "5"}
 
 
 def _free_port() -> int:
@@ -56,7 +68,7 @@ class LocalNodes:
     def env(self, name: str) -> dict[str, str]:
         scratch = self.scratch(name)
         return {**self.base_env, "XDG_CACHE_HOME": str(scratch / "cache"), "TMPDIR": str(scratch / "tmp"),
-                "RAY_DEDUP_LOGS": "0",
+                "RAY_DEDUP_LOGS": "0", **HEALTH_CHECKS,
                 # a cluster on loopback for one test: no token (Ray would take ~/.ray's, a user's own)
                 "RAY_AUTH_MODE": "disabled"}
 
@@ -88,7 +100,7 @@ class LocalNodes:
                                     env=self.env("head"))
             if all(f" {name}" in status.stdout for name in names):
                 return
-            dead = {n: p.returncode for n, p in self.nodes.items() if p.poll() is not None}
+            dead = {n: self.nodes[n].returncode for n in names if self.nodes[n].poll() is not None}
             assert not dead, (dead, self._logs())
             time.sleep(1)
         raise AssertionError(f"nodes {names} did not join: {self._logs()}")
@@ -140,8 +152,23 @@ def actor_processes(title: str) -> dict[int, str]:
     return found
 
 
+def _wait_until(condition, run: subprocess.Popen, timeout: float):
+    """``condition()`` once truthy; None when the run ended first or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and run.poll() is None:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.5)
+    return None
+
+
+def newest_weights(run_url: str) -> dict:
+    return load_weights(ObjectRunStore(run_url))[0]
+
+
 @pytest.mark.slow
-def test_a_node_lost_with_its_collector_resumes_elsewhere_and_the_run_ends_as_uninterrupted(
+def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the_run_ends_as_uninterrupted(
         s3_server, tmp_path, monkeypatch):
     for key, value in s3_server.env().items():
         if key.startswith("AWS_"):  # this process reads the results at the URL
@@ -156,6 +183,7 @@ def test_a_node_lost_with_its_collector_resumes_elsewhere_and_the_run_ends_as_un
         for name in names:
             nodes.start(name, cpus=1)
         nodes.wait_for(["head", *names])
+        on_node = {str(nodes.scratch(n) / "cache"): n for n in [*names, "node_new"]}
 
         # the driver's machine: its own scratch, too
         driver = nodes.scratch("head") / "driver"
@@ -164,36 +192,52 @@ def test_a_node_lost_with_its_collector_resumes_elsewhere_and_the_run_ends_as_un
                                cwd=driver, env=nodes.env("head"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
         try:
-            deadline = time.monotonic() + 240
-            while time.monotonic() < deadline and run.poll() is None and len(learner_metrics(run_url)) < 2:
-                time.sleep(0.5)
+            _wait_until(lambda: len(learner_metrics(run_url)) >= 2, run, 240)
             collectors, learners = actor_processes("CollectorActor"), actor_processes("LearnerActor")
             assert len(collectors) == 1 and len(learners) == 1, (collectors, learners, run.poll())
             (collector_cache,), (learner_cache,) = collectors.values(), learners.values()
             # each on a worker node of its own, which it knows by its own cache only
-            on_node = {str(nodes.scratch(n) / "cache"): n for n in names}
             assert collector_cache in on_node and learner_cache in on_node and collector_cache != learner_cache
-            lost = on_node[collector_cache]
+            lost, learner_node = on_node[collector_cache], on_node[learner_cache]
             killed_at = len(learner_metrics(run_url))
+            lost_at = time.monotonic()
             nodes.kill(lost)
-            moved_to: set[str] = set()
-            while time.monotonic() < deadline + 120 and run.poll() is None and not moved_to:
-                moved_to = set(actor_processes("CollectorActor").values())
-                time.sleep(0.5)
+            # a machine joins in place of the lost one while Ray notices the loss (the collector
+            # may restart on it or on the spare node); later the learner's node is lost too
+            nodes.start("node_new", cpus=1)
+            collector_moved_to = _wait_until(lambda: set(actor_processes("CollectorActor").values()), run, 120)
+            print(f"[multinode] the collector runs again {time.monotonic() - lost_at:.1f} s after its node was lost")
+            nodes.wait_for(["node_new"])
+            _wait_until(lambda: len(learner_metrics(run_url)) >= killed_at + 2, run, 240)
+            learner_killed_at = len(learner_metrics(run_url))
+            lost_at = time.monotonic()
+            nodes.kill(learner_node)
+            learner_moved_to = _wait_until(lambda: set(actor_processes("LearnerActor").values()), run, 120)
+            print(f"[multinode] the learner runs again {time.monotonic() - lost_at:.1f} s after its node was lost")
+            _wait_until(lambda: len(learner_metrics(run_url)) > learner_killed_at, run, 240)
+            print(f"[multinode] and has trained past the step it was lost at {time.monotonic() - lost_at:.1f} s after")
             out, _ = run.communicate(timeout=400)
         finally:
             if run.poll() is None:
                 run.kill()
         assert run.returncode == 0, out[-4000:]
-        assert killed_at < STEPS, "the run ended before its node was lost"
-        spare = (set(names) - {lost, on_node[learner_cache]}).pop()
-        assert moved_to == {str(nodes.scratch(spare) / "cache")}, (moved_to, out[-3000:])
+        assert learner_killed_at < STEPS, "the run ended before the learner's node was lost"
+        live = {*names, "node_new"} - {lost, learner_node}
+        assert collector_moved_to is not None and len(collector_moved_to) == 1, (collector_moved_to, out[-3000:])
+        collector_node = on_node.get(next(iter(collector_moved_to)))
+        assert collector_node in live, (collector_node, out[-3000:])
         assert "took over the writer lock" in out, out[-3000:]
+        # the learner needs a whole CPU: only the live node without the collector has one
+        (free,) = live - {collector_node}
+        assert learner_moved_to == {str(nodes.scratch(free) / "cache")}, (learner_moved_to, out[-3000:])
+        assert f"[learner] resuming from {run_url}/checkpoints/step_" in out, out[-3000:]
 
-        # nothing of the run on a disk of the driver's but its cache; the rest is at the URL
+        # nothing of the run on a disk of the driver's but its cache; the rest is at the URL, and
+        # the driver's run lease (not the lost learner's: it holds none) was let go
         assert [p.name for p in driver.iterdir()] == [], list(driver.rglob("*"))
         keys = set(s3_server.keys(run_url))
         assert {"collector/shard-0000.pt", f"checkpoints/step_{STEPS:08d}.pt", "pacing.json"} <= keys, sorted(keys)
+        assert "run.lock" not in keys
 
         plain = subprocess.run([*command(home, "plain"), "--steps", str(STEPS)], check=False, cwd=tmp_path,
                                env={**s3_server.env(), "XDG_CACHE_HOME": str(tmp_path / "cache")},
@@ -203,10 +247,13 @@ def test_a_node_lost_with_its_collector_resumes_elsewhere_and_the_run_ends_as_un
         nodes.stop_all()
     moved = trained(learner_metrics(run_url), LABELS)
     uninterrupted = trained(learner_metrics(f"{home}/plain"), LABELS)
-    assert [r["step"] for r in moved] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in moved] == list(range(1, STEPS + 1))  # every step once, in order
     for step, (a, b) in enumerate(zip(moved, uninterrupted, strict=True), start=1):
         assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
     a, b = rows_of(f"{run_url}/buffer"), rows_of(f"{home}/plain/buffer")
     trained_rows = STEPS * 16
     assert {k: v[:trained_rows] for k, v in a.items() if k != "versions"} == \
         {k: v[:trained_rows] for k, v in b.items() if k != "versions"}
+    final, reference = newest_weights(run_url), newest_weights(f"{home}/plain")
+    assert final.keys() == reference.keys()
+    assert all(torch.equal(final[k], reference[k]) for k in reference), "the final weights differ"

@@ -24,7 +24,7 @@ from rlhf_pipeline.cluster.driver import ray_launcher
 from rlhf_pipeline.runs.run import run_command
 from rlhf_pipeline.storage import open_buffer, open_store
 from rlhf_pipeline.storage.sharded import list_shards
-from rlhf_pipeline.coordination.weights import load_weights
+from rlhf_pipeline.coordination.weights import load_weights, publish_weights
 
 ray = pytest.importorskip("ray", reason="the Ray tests need the ray extra: pip install -e '.[ray]'")
 
@@ -191,3 +191,33 @@ def test_two_learner_actors_train_like_one_learner_on_a_recorded_buffer(cluster,
         torch.testing.assert_close(trained["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)
     initial, _ = load_weights(recorded, 0)
     assert any(not torch.allclose(trained["model"][k], initial[k]) for k in initial)  # it trained
+
+
+def test_a_collector_on_ray_loads_the_version_pacing_names_not_the_newest(cluster, tmp_path):
+    """``poll_version`` as ``weights.WeightsPoller``'s: nothing before the version is published,
+    then exactly it (from the object store while it is the newest, else from its file), the newest
+    once it was pruned; so rounds on Ray take the weights they take under ``run``, whatever the timing."""
+    from rlhf_pipeline.cluster.actors import NAMESPACE, ObjectStoreWeightsPoller, RunControl
+
+    control = RunControl.options(namespace=NAMESPACE).remote()
+    state = {v: {"w": torch.full((2,), float(v))} for v in range(7)}
+
+    def publish(version: int) -> None:  # as the learner does: the file, then the object store
+        publish_weights(tmp_path, state[version], version)
+        ray.get(control.publish_weights.remote(version, [ray.put(state[version])]))
+
+    for version in range(2):
+        publish(version)
+    poller = ObjectStoreWeightsPoller(tmp_path, control, current_version=0)
+    assert poller.poll_version(2) is None  # not published yet
+    loaded, version = poller.poll_version(1)
+    assert version == 1 and torch.equal(loaded["w"], state[1]["w"])
+    assert poller.poll_version(1) is None  # held already
+    publish(2), publish(3)
+    loaded, version = poller.poll_version(2)  # not the newest (3): from its file
+    assert version == 2 and torch.equal(loaded["w"], state[2]["w"])
+    for version in range(4, 7):
+        publish(version)  # keeps the last 3 files: 4, 5, 6
+    loaded, version = ObjectStoreWeightsPoller(tmp_path, control).poll_version(3)  # pruned: the newest
+    assert version == 6 and torch.equal(loaded["w"], state[6]["w"])
+    ray.kill(control)
