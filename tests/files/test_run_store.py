@@ -56,6 +56,23 @@ class RunStoreContract:
         store.create("checkpoints/step_00000002.pt", b"checkpoint")  # a retried request
         assert store.read("checkpoints/step_00000002.pt") == b"checkpoint"
 
+    def test_etags_name_what_was_read_and_change_with_a_rewrite(self, make):
+        store = make()
+        assert store.list_etags("weights") == {} and store.read_with_etag("weights/x") is None
+        store.create("weights/policy_00000001.safetensors", b"run A's version 1")
+        store.write("weights/deeper/other", b"x")
+        listed = store.list_etags("weights")
+        assert list(listed) == ["policy_00000001.safetensors"]
+        body, etag = store.read_with_etag("weights/policy_00000001.safetensors")
+        assert (body, etag) == (b"run A's version 1", listed["policy_00000001.safetensors"])
+        # a new run under the same prefix publishes its own version 1 (of another size: a file's
+        # etag is its inode, size and mtime, and a freed inode may come back within one clock tick)
+        store.delete("weights/policy_00000001.safetensors")
+        store.create("weights/policy_00000001.safetensors", b"run B's version 1, another size")
+        body, again = store.read_with_etag("weights/policy_00000001.safetensors")
+        assert body == b"run B's version 1, another size" and again != etag
+        assert store.list_etags("weights") == {"policy_00000001.safetensors": again}
+
     def test_delete_removes_and_a_missing_key_is_fine(self, make):
         store = make()
         store.write("STOP", b"", fence=False)
