@@ -47,7 +47,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-KINDS = ("LIST", "record GET", "unit GET", "PUT", "other")
+KINDS = ("LIST", "record GET", "unit GET", "weights GET", "PUT", "other")
 
 
 # ---------------------------------------------------------------------------- the counting server
@@ -55,6 +55,8 @@ def _kind(method: str, path: str, query: str) -> tuple[str, str | None]:
     """The kind of a request, and for a unit GET the unit it reads (to count fetches per unit)."""
     if method == "GET" and "list-type=2" in query:
         return "LIST", None
+    if method == "GET" and "/weights/" in path:  # bench_weights_fanout.py's collectors
+        return "weights GET", None
     if method == "GET" and "/units/" in path:
         return "unit GET", path.split("/units/")[0] + "/" + path.split("/units/")[1].split("/")[0]
     if method == "GET" and path.endswith("/zarr.json"):
