@@ -187,6 +187,14 @@ def test_giving_up_names_the_object_the_tries_and_the_last_error(s3_server, prox
     assert proxy.statuses() == [503, 503, 503]
 
 
+def test_a_body_damaged_in_transit_is_read_again(s3_server, proxy):
+    store = _through(proxy, s3_server, s3_server.url("run"))
+    store.create("weights/policy_00000001.safetensors", b"the published weights")
+    proxy.damage(1)  # its CRC32 (sent on the PUT, checked on the GET) no longer matches
+    assert store.read("weights/policy_00000001.safetensors") == b"the published weights"
+    assert [status for method, _, status in proxy.seen if method == "GET"] == [200, 200]
+
+
 def test_a_write_whose_answer_was_lost_is_settled_by_reading_it_back(s3_server, proxy):
     url = s3_server.url("run")
     store = _through(proxy, s3_server, url)
