@@ -180,8 +180,8 @@ class S3Objects(CloudObjects):
             from botocore import exceptions
         except ImportError:  # pragma: no cover - s3fs brings botocore
             return connection_dropped(exc)
-        # a body that fails the checksum its PUT stored was damaged on its way: read it again (seen
-        # on moto under 16 concurrent GETs of a 16 MB object; a botocore before 1.36 checks none)
+        # a body that fails the checksum its PUT stored was damaged on its way: read it again (a
+        # botocore before 1.36 checks none)
         damaged = getattr(exceptions, "FlexibleChecksumError", ())
         return (isinstance(exc, (exceptions.HTTPClientError, exceptions.ConnectionError, damaged))
                 or connection_dropped(exc))
