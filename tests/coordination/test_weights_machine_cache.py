@@ -54,3 +54,26 @@ def test_each_machine_gets_each_version_once_however_many_collectors_it_runs(s3_
         if method == "GET" and "/weights/policy_" in path and key in readers:
             gets[key.split(".")[0], path.rsplit("/", 1)[1]] += 1
     assert gets == {(machine, f"policy_{v:08d}.safetensors"): 1 for machine in MACHINES for v in range(VERSIONS)}
+
+
+def test_a_poller_with_a_cache_loads_either_format_and_a_set_version(s3_server, tmp_path):
+    import io
+
+    from rlhf_pipeline.coordination.weights import WeightsPoller
+    from rlhf_pipeline.files.machine_cache import MachineCache
+
+    store = ObjectRunStore(s3_server.url("run"), storage_options=s3_server.options)
+    legacy = io.BytesIO()  # a run made before safetensors, resumed at the URL
+    torch.save({"version": 0, "state_dict": {"w": torch.zeros(3)}}, legacy)
+    store.create("weights/policy_00000000.pt", legacy.getvalue())
+    cache = MachineCache(tmp_path / "cache")
+    poller = WeightsPoller(store, cache=cache)
+    state, version = poller.poll()
+    assert version == 0 and torch.equal(state["w"], torch.zeros(3))
+    for v in (1, 2):
+        publish_weights(store, {"w": torch.full((3,), float(v))}, v)
+    state, version = poller.poll_version(1)  # a paced collector's set version, not the newest
+    assert version == 1 and torch.equal(state["w"], torch.ones(3))
+    assert poller.poll()[1] == 2 and poller.poll() is None
+    assert cache.downloads == 3
+    assert WeightsPoller(tmp_path / "run-directory", cache=cache).cache is None  # files are read in place
