@@ -25,8 +25,10 @@ an 8B model: 128 GB per version per machine instead of 16; docs/scaling.md, "Wei
   recorded pid no longer running: the waiter then downloads itself, which at worst fetches one
   version twice. A live holder is not timed out: its requests have timeouts and its retries a
   budget (``RetryPolicy``), and a large model's download may rightly take minutes.
-* **Pruned.** After each download the newest ``keep`` copies (by download time) stay; a reader
-  that loses a race with the pruning gets :class:`FileNotFoundError`, as from a pruned object.
+* **Pruned.** After each download the newest ``keep`` copies (by download time) stay, 2 by
+  default: a copy is as large as the model. A collector that opened a copy keeps reading it after
+  it is unlinked; one that loses the race between :meth:`MachineCache.fetch` and opening the file
+  gets :class:`FileNotFoundError`, as from a version pruned at the URL, and polls again.
 
 Copies are only a cache: deleting the directory loses nothing.
 """
@@ -45,7 +47,7 @@ from rlhf_pipeline.files.processes import pid_running
 from rlhf_pipeline.files.run_store import RunStore
 
 LOCK_NAME = "fetch.lock"
-KEEP = 4  # one more than publish_weights keeps at the URL: a collector loading the newest never loses it
+KEEP = 2  # the newest and the one before it: each copy is the model's size on local disk
 _FIRST_WAIT_S = 0.001
 _MAX_WAIT_S = 0.05  # a waiter notices the copy within this of its rename
 
@@ -63,7 +65,8 @@ class MachineCache:
     def path_for(self, key: str, etag: str) -> Path:
         """Where the copy of version ``etag`` of ``key`` is kept."""
         name = Path(key).name
-        digest = hashlib.sha256(etag.encode()).hexdigest()[:20]
+        # one etag, however a server quotes it in a listing and in a response header
+        digest = hashlib.sha256(etag.removeprefix("W/").strip('"').encode()).hexdigest()[:20]
         stem, dot, suffix = name.partition(".")
         return self.directory / f"{stem}.{digest}{dot}{suffix}"
 

@@ -157,3 +157,10 @@ def test_a_downloader_killed_mid_download_blocks_no_one(run, tmp_path):
         if child is not None:
             os.kill(child, signal.SIGKILL)
         silent.close()
+
+
+def test_a_copy_is_named_by_the_etag_however_it_is_quoted(tmp_path):
+    cache = MachineCache(tmp_path)
+    assert cache.path_for(KEY, '"0x8D1"') == cache.path_for(KEY, "0x8D1") == cache.path_for(KEY, 'W/"0x8D1"')
+    assert cache.path_for(KEY, '"0x8D1"') != cache.path_for(KEY, '"0x8D2"')
+    assert cache.path_for("weights/policy_00000002.pt", "x").name.endswith(".pt")  # loaded by its suffix
