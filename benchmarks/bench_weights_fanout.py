@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fanout import CountingServer  # noqa: E402  (the counting moto server, one copy of it)
+from bench_fanout import CountingServer  # the counting moto server, one copy of it
 
 MODES = ("before", "after")
 GIVE_UP_S = 600.0
@@ -138,9 +138,9 @@ def _cell(values: list[float], digits: int = 0) -> str:
 
 
 def table(results: dict[str, list[dict]], machines: int, collectors: int) -> str:
-    lines = ["| mode | machines × collectors | weight GETs per version | GETs per machine | MB downloaded "
-             "per version | collectors' LISTs per version | s until every collector has it |",
-             "|---|---|---|---|---|---|---|"]
+    header = ("| mode | machines × collectors | weight GETs per version | GETs per machine | MB downloaded "
+              "per version | collectors' LISTs per version | s until every collector has it |")
+    lines = [header, "|---|---|---|---|---|---|---|"]
     for mode, rows in results.items():
         cells = [_cell([row[name] for row in rows], digits)
                  for name, digits in (("GETs", 0), ("GETs per machine", 1), ("MB", 1), ("LISTs", 0), ("seconds", 2))]
