@@ -1,6 +1,7 @@
-"""A machine's shared copies of a run's objects (``files/machine_cache.py``) on moto's S3 server:
-one GET per object version for every process of a machine, copies named by etag (a run started
-again at the URL reuses names), never a torn copy, no stale lock, and pruning. The processes that
+"""A machine's shared copies of a run's objects (``files/machine_cache.py``): one GET per object
+version for every process of a machine (counted on moto's S3 server), copies named by etag (a run
+started again at the URL reuses names; on moto and on Azurite), never a torn copy, no stale lock,
+and pruning. The processes that
 share a cache in ``tests/coordination/test_weights_machine_cache.py`` are collectors' pollers."""
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ def run(s3_server):
     return url, ObjectRunStore(url, storage_options=s3_server.options, retry=FAST_RETRIES)
 
 
+@pytest.fixture(params=["s3", "azure"])
+def any_cloud(request):
+    """A run's store on moto or on Azurite: what a copy's name rests on (the etag) on both clouds."""
+    server = request.getfixturevalue(f"{request.param}_server")
+    return ObjectRunStore(server.url("run"), storage_options=server.options, retry=FAST_RETRIES)
+
+
 def weight_gets(entries) -> list[str]:
     return [path for method, path in entries if method == "GET" and "/weights/" in path and "list-type" not in path]
 
@@ -49,8 +57,8 @@ def test_processes_sharing_a_directory_fetch_each_version_once(s3_server, run, t
     assert copies[0].name.startswith("policy_00000001.") and copies[0].suffix == ".safetensors"
 
 
-def test_a_run_started_again_at_the_url_is_not_served_the_old_runs_copy(run, tmp_path):
-    _, store = run
+def test_a_run_started_again_at_the_url_is_not_served_the_old_runs_copy(any_cloud, tmp_path):
+    store = any_cloud
     cache = MachineCache(tmp_path / "cache")
     store.create(KEY, b"run A's version 1")
     old = cache.fetch(store, KEY, store.list_etags("weights")["policy_00000001.safetensors"])
@@ -60,8 +68,8 @@ def test_a_run_started_again_at_the_url_is_not_served_the_old_runs_copy(run, tmp
     assert new != old and new.read_bytes() == b"run B's version 1"
 
 
-def test_an_object_replaced_after_the_listing_is_kept_under_its_new_etag(run, tmp_path):
-    _, store = run
+def test_an_object_replaced_after_the_listing_is_kept_under_its_new_etag(any_cloud, tmp_path):
+    store = any_cloud
     cache = MachineCache(tmp_path / "cache")
     store.create(KEY, b"listed")
     listed = store.list_etags("weights")["policy_00000001.safetensors"]
@@ -73,14 +81,14 @@ def test_an_object_replaced_after_the_listing_is_kept_under_its_new_etag(run, tm
     assert got == cache.path_for(KEY, store.list_etags("weights")["policy_00000001.safetensors"])
 
 
-def test_a_pruned_object_raises_file_not_found(run, tmp_path):
-    _, store = run
+def test_a_pruned_object_raises_file_not_found(any_cloud, tmp_path):
+    store = any_cloud
     with pytest.raises(FileNotFoundError, match="policy_00000001"):
         MachineCache(tmp_path / "cache").fetch(store, KEY, '"gone"')
 
 
-def test_the_newest_copies_are_kept(run, tmp_path):
-    _, store = run
+def test_the_newest_copies_are_kept(any_cloud, tmp_path):
+    store = any_cloud
     cache = MachineCache(tmp_path / "cache", keep=2)
     kept = []
     for version in range(4):
@@ -90,8 +98,8 @@ def test_the_newest_copies_are_kept(run, tmp_path):
     assert sorted(p.name for p in cache.directory.iterdir() if p.name != LOCK_NAME) == sorted(p.name for p in kept[-2:])
 
 
-def test_a_partial_copy_of_a_killed_downloader_is_never_read_and_is_removed(run, tmp_path):
-    _, store = run
+def test_a_partial_copy_of_a_killed_downloader_is_never_read_and_is_removed(any_cloud, tmp_path):
+    store = any_cloud
     store.create(KEY, b"the whole object")
     etag = store.list_etags("weights")["policy_00000001.safetensors"]
     cache = MachineCache(tmp_path / "cache")
