@@ -47,7 +47,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-KINDS = ("LIST", "record GET", "unit GET", "PUT", "other")
+KINDS = ("LIST", "record GET", "unit GET", "weights GET", "PUT", "other")
 
 
 # ---------------------------------------------------------------------------- the counting server
@@ -55,6 +55,8 @@ def _kind(method: str, path: str, query: str) -> tuple[str, str | None]:
     """The kind of a request, and for a unit GET the unit it reads (to count fetches per unit)."""
     if method == "GET" and "list-type=2" in query:
         return "LIST", None
+    if method == "GET" and "/weights/" in path:  # bench_weights_fanout.py's collectors
+        return "weights GET", None
     if method == "GET" and "/units/" in path:
         return "unit GET", path.split("/units/")[0] + "/" + path.split("/units/")[1].split("/")[0]
     if method == "GET" and path.endswith("/zarr.json"):
@@ -73,6 +75,7 @@ def serve(port_file: str) -> None:
     from werkzeug.serving import make_server
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    lock_moto_etags()
     moto_app = DomainDispatcherApplication(create_backend_app)
     lock = threading.Lock()
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -99,6 +102,25 @@ def serve(port_file: str) -> None:
     server = make_server("127.0.0.1", 0, app, threaded=True)
     Path(port_file).write_text(str(server.server_port))
     server.serve_forever()
+
+
+def lock_moto_etags() -> None:
+    """moto (5.2.5) computes an object's ETag on first use by seeking and reading the object's buffer
+    without the object's lock, while a GET reads the same buffer under it: concurrent LISTs and GETs
+    of a new object over 5 MB (a file buffer, slow enough to interleave) then saw different ETags and
+    bodies that failed their checksum. Real S3 computes the ETag once, at the PUT; so does this."""
+    from moto.s3.models import FakeKey
+
+    unlocked = FakeKey.etag.fget
+    if getattr(unlocked, "locked", False):
+        return
+
+    def etag(key):
+        with key.lock:
+            return unlocked(key)
+
+    etag.locked = True
+    FakeKey.etag = property(etag)
 
 
 class CountingServer:

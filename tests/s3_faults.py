@@ -1,6 +1,7 @@
 """An HTTP proxy on loopback in front of the moto server that injects the faults S3 has and moto
-does not: throttling (503 SlowDown before the request reaches the server) and lost answers (the
-request reaches the server and lands, but the client gets a 503 instead of the server's answer).
+does not: throttling (503 SlowDown before the request reaches the server), lost answers (the
+request reaches the server and lands, but the client gets a 503 instead of the server's answer) and
+bodies damaged in transit (a byte of a GET's answer flipped; its checksum header then disagrees).
 
 Outside the project on purpose: it only forwards bytes; what is under test is the client's retries.
 """
@@ -18,13 +19,15 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 class FaultyProxy:
     """``throttle(n)``: the next ``n`` requests get 503 SlowDown. ``lose_answer(method, n)``: the next
-    ``n`` requests with ``method`` are forwarded, then answered with 503 as if the answer was lost."""
+    ``n`` requests with ``method`` are forwarded, then answered with 503 as if the answer was lost.
+    ``damage(n)``: the next ``n`` GET answers with a body arrive with its first byte flipped."""
 
     def __init__(self, upstream: str) -> None:
         target = urlsplit(upstream)
         self._lock = threading.Lock()
         self._throttle = 0
         self._lose: dict[str, int] = {}
+        self._damage = 0
         self.seen: list[tuple[str, str, int]] = []  # (method, path, status sent to the client)
         proxy = self
 
@@ -52,6 +55,12 @@ class FaultyProxy:
                 connection.request(self.command, self.path, body=body or None, headers=headers)
                 response = connection.getresponse()
                 data = response.read()
+                with proxy._lock:
+                    damaged = self.command == "GET" and bool(data) and proxy._damage > 0 and response.status == 200
+                    if damaged:
+                        proxy._damage -= 1
+                if damaged:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
                 if lose:
                     self._reply(503, SLOW_DOWN, {"Content-Type": "application/xml"})
                 else:
@@ -85,6 +94,10 @@ class FaultyProxy:
     def lose_answer(self, method: str, requests: int = 1) -> None:
         with self._lock:
             self._lose[method] = requests
+
+    def damage(self, answers: int = 1) -> None:
+        with self._lock:
+            self._damage = answers
 
     def statuses(self) -> list[int]:
         with self._lock:

@@ -161,12 +161,23 @@ class AzureObjects(CloudObjects):
             pass
 
     async def list(self, prefix: str) -> list[str]:
-        from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+        base = self._list_base(prefix)
+        # walk_blobs with a delimiter names the "directories" (BlobPrefix, ending in "/") too
+        return [item.name[len(base):].rstrip("/") for item in await self._walk(base)]
+
+    async def list_etags(self, prefix: str) -> dict[str, str]:
+        from azure.storage.blob import BlobProperties
 
         base = self._list_base(prefix)
+        # a listing's etag is bare (0x8D...), a response header's quoted ("0x8D..."): read()'s form
+        return {item.name[len(base):]: _quoted(item.etag) for item in await self._walk(base)
+                if isinstance(item, BlobProperties)}
+
+    async def _walk(self, base: str) -> list:
+        from azure.core.exceptions import HttpResponseError, ResourceNotFoundError
+
         try:
-            # walk_blobs with a delimiter names the "directories" (BlobPrefix, ending in "/") too
-            return [item.name[len(base):].rstrip("/") async for item in
+            return [item async for item in
                     self._container_client.walk_blobs(name_starts_with=base, delimiter="/", **self._per_call)]
         except ResourceNotFoundError:
             raise ContainerNotFoundError(f"the container {self.container!r} does not exist; create it first "
@@ -213,6 +224,10 @@ def _drop_broken_exit_hooks(fs) -> None:
         found = hook.peek()
         if found is not None and found[0] is fs and found[2][:1] == (None,):
             hook.detach()
+
+
+def _quoted(etag: str) -> str:
+    return etag if etag.startswith('"') else f'"{etag}"'
 
 
 def _azure_code(exc: Exception) -> str | None:

@@ -105,6 +105,11 @@ class CloudObjects(ABC):
     async def list(self, prefix: str) -> list[str]:
         """Names of the objects and "directories" directly under ``prefix`` (relative to it)."""
 
+    @abstractmethod
+    async def list_etags(self, prefix: str) -> dict[str, str]:
+        """The objects directly under ``prefix`` (no "directories"), each with its etag as
+        :meth:`read` and :meth:`etag` give it: from the same listing requests as :meth:`list`."""
+
     @classmethod
     @abstractmethod
     def without_client_retries(cls, url: str, storage_options: Mapping[str, Any] | None, *,

@@ -129,16 +129,29 @@ class S3Objects(CloudObjects):
             pass
 
     async def list(self, prefix: str) -> list[str]:
-        base = self._list_base(prefix)
         names: list[str] = []
+        async for contents, prefixes in self._pages(prefix):
+            names += list(contents)
+            # "directories" too, as a directory listing names them (a metrics log's parts)
+            names += prefixes
+        return names
+
+    async def list_etags(self, prefix: str) -> dict[str, str]:
+        etags: dict[str, str] = {}
+        async for contents, _ in self._pages(prefix):
+            etags.update(contents)
+        return etags
+
+    async def _pages(self, prefix: str):
+        """Each page of the listing: ``({object name: etag}, [directory names])``."""
+        base = self._list_base(prefix)
         page: dict[str, Any] = {"Prefix": base, "Delimiter": "/"}
         while True:
             out = await self.fs._call_s3("list_objects_v2", Bucket=self.container, **page)
-            names += [item["Key"][len(base):] for item in out.get("Contents", [])]
-            # "directories" too, as a directory listing names them (a metrics log's parts)
-            names += [item["Prefix"][len(base):].rstrip("/") for item in out.get("CommonPrefixes", [])]
+            yield ({item["Key"][len(base):]: item["ETag"] for item in out.get("Contents", [])},
+                   [item["Prefix"][len(base):].rstrip("/") for item in out.get("CommonPrefixes", [])])
             if not out.get("IsTruncated"):
-                return names
+                return
             page["ContinuationToken"] = out["NextContinuationToken"]
 
     @classmethod
@@ -164,11 +177,14 @@ class S3Objects(CloudObjects):
         if response:
             return False
         try:
-            from botocore.exceptions import ConnectionError as BotoConnectionError
-            from botocore.exceptions import HTTPClientError
+            from botocore import exceptions
         except ImportError:  # pragma: no cover - s3fs brings botocore
             return connection_dropped(exc)
-        return isinstance(exc, (HTTPClientError, BotoConnectionError)) or connection_dropped(exc)
+        # a body that fails the checksum its PUT stored was damaged on its way: read it again (a
+        # botocore before 1.36 checks none)
+        damaged = getattr(exceptions, "FlexibleChecksumError", ())
+        return (isinstance(exc, (exceptions.HTTPClientError, exceptions.ConnectionError, damaged))
+                or connection_dropped(exc))
 
 
 _S3_TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",

@@ -150,6 +150,13 @@ class ObjectRunStore(RunStore):
         self._etags[key] = found.etag
         return found.body
 
+    def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        found = self._call("GET", key, lambda: self.objects.read(key))
+        if found is None:
+            return None
+        self._etags[key] = found.etag
+        return found.body, found.etag
+
     def exists(self, key: str) -> bool:
         return self._call("HEAD", key, lambda: self.objects.etag(key)) is not None
 
@@ -193,6 +200,9 @@ class ObjectRunStore(RunStore):
 
     def list(self, prefix: str) -> list[str]:
         return self._call("LIST", prefix, lambda: self.objects.list(prefix))
+
+    def list_etags(self, prefix: str) -> dict[str, str]:
+        return self._call("LIST", prefix, lambda: self.objects.list_etags(prefix))
 
     def delete(self, key: str) -> None:
         self._call("DELETE", key, lambda: self.objects.remove(key))

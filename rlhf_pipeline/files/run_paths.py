@@ -199,6 +199,13 @@ class RunPaths:
         return self.root / "weights"
 
     @property
+    def fetched_weights(self) -> Path:
+        """For a run at a URL: the objects this machine's processes fetched once and share (the
+        collectors' weights, ``files/machine_cache.py``); beside ``weights/``, which ``plot`` and
+        ``export-model`` mirror from the URL."""
+        return self.root / "fetched" / "weights"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

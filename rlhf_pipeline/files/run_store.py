@@ -13,7 +13,12 @@ What each store guarantees for every key:
   never overwritten. The local store keeps today's file semantics (a rename replaces whatever is
   there; the run directory's ``flock`` keeps a second writer out instead);
 * **loaded without executing code**: readers get bytes and decode them with
-  :func:`rlhf_pipeline.files.state_files.load_state_bytes` or JSON.
+  :func:`rlhf_pipeline.files.state_files.load_state_bytes` or JSON;
+* **tagged** (:meth:`RunStore.list_etags`, :meth:`RunStore.read_with_etag`): every object carries an
+  etag, an opaque string that changes whenever the object is written with other contents (S3's
+  ETag, Azure's etag; a file's inode, size and modification time). A copy kept on this machine is
+  named by it (``files/machine_cache.py``), never by the key alone: a run started again at the same
+  URL writes ``weights/policy_00000001.safetensors`` anew.
 
 A run directory on disk behaves exactly as before: :class:`LocalRunStore` writes through
 :func:`rlhf_pipeline.files.atomic.write_atomic`, with the same temporary names and fsyncs.
@@ -82,6 +87,16 @@ class RunStore(ABC):
         """Names of the objects and "directories" directly under ``prefix`` (a "directory" key), unsorted."""
 
     @abstractmethod
+    def list_etags(self, prefix: str) -> dict[str, str]:
+        """The objects directly under ``prefix`` (no "directories"), each with its etag: one
+        listing, as :meth:`list`."""
+
+    @abstractmethod
+    def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        """``(content, etag)`` of ``key`` as read (the etag of these bytes, whatever a listing
+        before said), or None when it does not exist."""
+
+    @abstractmethod
     def delete(self, key: str) -> None:
         """Removes ``key``; a missing key is fine."""
 
@@ -128,11 +143,39 @@ class LocalRunStore(RunStore):
             return []
         return [p.name for p in directory.iterdir()]
 
+    def list_etags(self, prefix: str) -> dict[str, str]:
+        directory = self.path(prefix)
+        if not directory.is_dir():
+            return {}
+        found = {}
+        for entry in os.scandir(directory):
+            try:
+                if entry.is_file():
+                    found[entry.name] = _file_etag(entry.stat())
+            except FileNotFoundError:  # removed since the listing
+                pass
+        return found
+
+    def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            with open(self.path(key), "rb") as f:
+                # the open file's own: a rename over the key after this open changes the name's
+                return f.read(), _file_etag(os.fstat(f.fileno()))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
 
     def exists(self, key: str) -> bool:
         return self.path(key).exists()
+
+
+def _file_etag(stat: os.stat_result) -> str:
+    # every write here is a new file renamed over the key: a new inode while the old file exists. A
+    # deleted file's inode may be reused within one tick of a coarse mtime clock, with the same size:
+    # good enough for a directory, whose files are read in place and never copied by etag
+    return f"{stat.st_ino:x}-{stat.st_size:x}-{stat.st_mtime_ns:x}"
 
 
 def _writer(content: Content) -> Callable[[IO[bytes]], None]:

@@ -69,6 +69,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.coordination.weights import WeightsPoller
+    from rlhf_pipeline.files.machine_cache import MachineCache
 
     stop = StopFlag()
     tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
@@ -82,7 +83,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     done = 0
     try:
         model = pipeline.make_model()
-        poller = poller if poller is not None else WeightsPoller(paths.store)
+        if poller is None:  # at a URL, one download per version for all collectors of this machine
+            poller = WeightsPoller(paths.store, cache=MachineCache(paths.fetched_weights) if paths.url else None)
         update = _wait_for_weights(poller, stop)
         if update is None:  # stopped while the learner warm-started: nothing written yet
             print(f"{tag} stopped before any policy weights were published", file=sys.stderr, flush=True)

@@ -60,6 +60,22 @@ def test_a_replace_needs_the_version_it_names(server):
     assert call(objects, objects.read, "never-written.json") is None
 
 
+def test_a_listing_names_each_objects_etag_as_a_read_gives_it(server):
+    objects = objects_at(server.url("objects"), server.options)
+    first = call(objects, objects.create, "weights/policy_00000001.safetensors", b"version 1")
+    call(objects, objects.put, "weights/deeper/part", b"not directly under weights/")
+    listed = call(objects, objects.list_etags, "weights")
+    assert listed == {"policy_00000001.safetensors": first}  # objects only: no "deeper" directory
+    assert call(objects, objects.read, "weights/policy_00000001.safetensors").etag == first
+    assert call(objects, objects.etag, "weights/policy_00000001.safetensors") == first
+    # a run started again at the URL: the same name, other bytes, another etag
+    call(objects, objects.remove, "weights/policy_00000001.safetensors")
+    again = call(objects, objects.create, "weights/policy_00000001.safetensors", b"another run's version 1")
+    assert again != first
+    assert call(objects, objects.list_etags, "weights") == {"policy_00000001.safetensors": again}
+    assert call(objects, objects.list_etags, "nothing-here") == {}
+
+
 def test_a_delete_needs_the_version_it_names(server):
     objects = objects_at(server.url("objects"), server.options)
     first = call(objects, objects.create, "writer.lock", b"holder 1")

@@ -56,6 +56,23 @@ class RunStoreContract:
         store.create("checkpoints/step_00000002.pt", b"checkpoint")  # a retried request
         assert store.read("checkpoints/step_00000002.pt") == b"checkpoint"
 
+    def test_etags_name_what_was_read_and_change_with_a_rewrite(self, make):
+        store = make()
+        assert store.list_etags("weights") == {} and store.read_with_etag("weights/x") is None
+        store.create("weights/policy_00000001.safetensors", b"run A's version 1")
+        store.write("weights/deeper/other", b"x")
+        listed = store.list_etags("weights")
+        assert list(listed) == ["policy_00000001.safetensors"]
+        body, etag = store.read_with_etag("weights/policy_00000001.safetensors")
+        assert (body, etag) == (b"run A's version 1", listed["policy_00000001.safetensors"])
+        # a new run under the same prefix publishes its own version 1 (of another size: a file's
+        # etag is its inode, size and mtime, and a freed inode may come back within one clock tick)
+        store.delete("weights/policy_00000001.safetensors")
+        store.create("weights/policy_00000001.safetensors", b"run B's version 1, another size")
+        body, again = store.read_with_etag("weights/policy_00000001.safetensors")
+        assert body == b"run B's version 1, another size" and again != etag
+        assert store.list_etags("weights") == {"policy_00000001.safetensors": again}
+
     def test_delete_removes_and_a_missing_key_is_fine(self, make):
         store = make()
         store.write("STOP", b"", fence=False)
@@ -168,6 +185,14 @@ def test_giving_up_names_the_object_the_tries_and_the_last_error(s3_server, prox
                                             r"tries .*retry budget: 3 tries.*SlowDown"):
         store.create("weights/policy_00000001.safetensors", b"w")
     assert proxy.statuses() == [503, 503, 503]
+
+
+def test_a_body_damaged_in_transit_is_read_again(s3_server, proxy):
+    store = _through(proxy, s3_server, s3_server.url("run"))
+    store.create("weights/policy_00000001.safetensors", b"the published weights")
+    proxy.damage(1)  # its CRC32 (sent on the PUT, checked on the GET) no longer matches
+    assert store.read("weights/policy_00000001.safetensors") == b"the published weights"
+    assert [status for method, _, status in proxy.seen if method == "GET"] == [200, 200]
 
 
 def test_a_write_whose_answer_was_lost_is_settled_by_reading_it_back(s3_server, proxy):

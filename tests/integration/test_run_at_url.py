@@ -86,8 +86,11 @@ def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_se
     assert any(k.startswith("tensorboard/events.out.tfevents") for k in keys)
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]  # no s3: directory beside the command
     cache = cache_dir(f"{home}/exp1")
-    assert not any(p.is_file() and p.name != ".prepare.lock" and "tensorboard" not in p.parts
+    assert not any(p.is_file() and p.name != ".prepare.lock" and not {"tensorboard", "fetched"} & set(p.parts)
                    for p in cache.rglob("*"))
+    # the collector loaded its weights through this machine's copies (files/machine_cache.py), by etag
+    copies = [p.name for p in (cache / "fetched" / "weights").iterdir() if p.suffix == ".safetensors"]
+    assert copies and all(name.startswith("policy_000000") and name.count(".") == 2 for name in copies), copies
 
     # the commands that read a run take its URL (what they need is copied into the cache)
     read = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
