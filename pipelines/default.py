@@ -167,10 +167,13 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
-        pending_dir = None
-        if "://" in store.location:  # a shard under buffer_url: its incomplete groups wait in the run directory
-            pending_dir = run.root / "collector" / f"pending-{store.location.rstrip('/').rsplit('/', 1)[-1]}"
-        return [GroupAdvantage(settings.group_size, store=store, pending_dir=pending_dir)]
+        pending_dir = pending_store = None
+        if "://" in store.location:  # a shard under buffer_url: its incomplete groups wait with the run's state
+            shard = store.location.rstrip("/").rsplit("/", 1)[-1]
+            # a directory in the run directory, or for a run at a URL a key under it (and its store)
+            pending_dir, pending_store = run.state_object(run.pending_groups(shard))
+        return [GroupAdvantage(settings.group_size, store=store, pending_dir=pending_dir,
+                               pending_store=pending_store)]
 
     def make_collector(model, store, collector_index: int = 0):
         from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig

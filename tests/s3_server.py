@@ -99,6 +99,10 @@ class S3Server:
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/")
         return [item["Key"][len(prefix) + 1:] for page in pages for item in page.get("Contents", [])]
 
+    def get(self, url: str, key: str) -> bytes:
+        """``key`` under ``url``, read by a client of its own (what ``AzuriteServer.get`` does on Azure)."""
+        return self.client().get_object(Bucket=BUCKET, Key=f"{url.removeprefix(f's3://{BUCKET}/')}/{key}")["Body"].read()
+
     def stop(self) -> None:
         self._server.stop()
 

@@ -149,16 +149,11 @@ class AzureObjects(CloudObjects):
         except FileNotFoundError:
             return None
 
-    async def remove(self, key: str) -> None:
+    async def unconditional_delete(self, key: str) -> None:
         async def delete(blob, **per_call):
             await blob.delete_blob(**per_call)
 
-        try:
-            await self._call(key, delete, gone_is_refusal=False)
-        except ContainerNotFoundError:
-            raise
-        except FileNotFoundError:
-            pass
+        await self._call(key, delete, gone_is_refusal=False)
 
     async def list(self, prefix: str) -> list[str]:
         base = self._list_base(prefix)

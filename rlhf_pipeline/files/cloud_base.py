@@ -97,9 +97,22 @@ class CloudObjects(ABC):
     async def etag(self, key: str) -> str | None:
         """``key``'s etag without its body (a HEAD); None when it does not exist."""
 
-    @abstractmethod
     async def remove(self, key: str) -> None:
-        """Deletes ``key`` whatever version it is; a missing key is fine."""
+        """Deletes ``key`` whatever version it is; a missing key is fine, a missing bucket or
+        container is not (:class:`ContainerNotFoundError`): a run whose container is gone must say
+        so, not carry on as if its objects had been deleted."""
+        try:
+            await self.unconditional_delete(key)
+        except ContainerNotFoundError:  # a FileNotFoundError too: let it through before the next clause
+            raise
+        except FileNotFoundError:
+            pass
+
+    @abstractmethod
+    async def unconditional_delete(self, key: str) -> None:
+        """The cloud's DELETE of ``key`` with no condition (what :meth:`remove` sends): raises
+        ``FileNotFoundError`` when the object does not exist, :class:`ContainerNotFoundError`
+        when its bucket or container does not."""
 
     @abstractmethod
     async def list(self, prefix: str) -> list[str]:

@@ -120,13 +120,8 @@ class S3Objects(CloudObjects):
                 return None
             raise
 
-    async def remove(self, key: str) -> None:
-        try:
-            await self._call("delete_object", key)
-        except ContainerNotFoundError:
-            raise
-        except FileNotFoundError:
-            pass
+    async def unconditional_delete(self, key: str) -> None:
+        await self._call("delete_object", key)
 
     async def list(self, prefix: str) -> list[str]:
         names: list[str] = []

@@ -227,6 +227,12 @@ class RunPaths:
         (``rlhf_pipeline/coordination/pacing.py``)."""
         return self.root / "pacing.json"
 
+    def pending_groups(self, shard: str) -> Path:
+        """Where the write path keeps the incomplete groups of buffer shard ``shard`` (``shard-0000``)
+        when the shard is at a URL: in the run directory, or (:meth:`state_object`) under the run's
+        URL, where a collector restarted on another machine finds them."""
+        return self.root / "collector" / f"pending-{shard}"
+
     def collector_metrics(self, collector_index: int) -> Path:
         """Collector ``collector_index``'s metrics: one JSON line per round."""
         return self.root / "collector" / f"metrics-{collector_index:04d}.jsonl"

@@ -1,8 +1,8 @@
 """Where a run's small state objects are kept: a directory (:class:`LocalRunStore`) or a URL
 (:class:`~rlhf_pipeline.files.object_run_store.ObjectRunStore`), behind one small contract.
 
-Every module that keeps run state (weights, checkpoints, collector positions, pacing, metrics,
-``settings.json``, the pipeline copy, ``STOP``) names its objects by a key relative to the run
+Every module that keeps run state (weights, checkpoints, collector positions, pending groups,
+pacing, metrics, ``settings.json``, the pipeline copy, ``STOP``) names its objects by a key relative to the run
 (``weights/policy_00000003.safetensors``) and reads and writes them through a :class:`RunStore`.
 What each store guarantees for every key:
 

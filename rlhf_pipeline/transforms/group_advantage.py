@@ -1,5 +1,9 @@
 """Group-relative advantage on the write path: torchrl ``MCAdvantage`` semantics, vectorized.
 
+Why one file: the pure math, the transform that applies it to a write and the checks that refuse
+a write before any state changes are one definition of the variant computed, read together; the
+durable pending state they share lives apart (``pending_groups.py``).
+
 Variant computed (per group ``g`` of ``group_size`` trajectories with returns ``R_i``)::
 
     baseline_i = mean_g(R)                      (default)
@@ -34,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 
+from rlhf_pipeline.files.run_store import RunStore
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
 from rlhf_pipeline.storage.base import TrajectoryStore
@@ -109,9 +114,10 @@ class GroupAdvantage(WritePathTransform):
     no indices until some group completes (torchrl skips the storage when the
     transform stack returns ``None``).
 
-    Durability: with ``store=`` given, pending rows live in ``<store dir>/pending/``
-    (see :mod:`rlhf_pipeline.transforms.pending_groups`) and are reloaded when a
-    transform is built on the same store, so a collector killed mid-run loses no
+    Durability: with ``store=`` given, pending rows live in ``<store dir>/pending/``, in
+    ``pending_dir``, or under ``pending_dir`` in ``pending_store`` (a run at a URL; see
+    :mod:`rlhf_pipeline.transforms.pending_groups`) and are reloaded when a transform is
+    built on the same store, so a collector killed mid-run loses no
     acknowledged row and writes no group twice. ``state_dict()`` carries the same
     state for torchrl's ``rb.state_dict()`` / ``rb.dumps``.
 
@@ -125,6 +131,7 @@ class GroupAdvantage(WritePathTransform):
         drop_zero_variance: drop groups whose returns are all equal (dynamic sampling).
         store: the buffer's store; enables durable pending state and crash reconciliation.
         pending_dir: where the pending state lives; default ``<store.location>/pending``.
+        pending_store: the run's store (``RunPaths.state_object``); ``pending_dir`` is then a key prefix in it.
         durable: fsync the pending state on each change (off only for benchmarks/tests).
         step_advantage: also write each row's ``"step"`` advantage as ``step_advantage`` (turn_advantage=mixed).
     """
@@ -143,6 +150,7 @@ class GroupAdvantage(WritePathTransform):
         drop_zero_variance: bool = False,
         store: TrajectoryStore | None = None,
         pending_dir: str | None = None,
+        pending_store: RunStore | None = None,
         durable: bool = True,
         step_advantage: bool = False,
     ) -> None:
@@ -166,7 +174,7 @@ class GroupAdvantage(WritePathTransform):
         # than a second, undersized group (~60 bytes per group, in memory only).
         self._completed_groups: set[int] = set()
         self._unconfirmed: tuple[int, list[int]] | None = None
-        self.pending = PendingGroups(store=store, directory=pending_dir, durable=durable)
+        self.pending = PendingGroups(store=store, directory=pending_dir, durable=durable, run_store=pending_store)
         self._counters = self.pending.counters  # shared: saved with every pending snapshot
         for name in ("trajectories_in", "rows_in", "groups_completed", "groups_written",
                      "groups_dropped_zero_variance", "rows_written", "rows_dropped"):

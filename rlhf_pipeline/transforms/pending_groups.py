@@ -7,6 +7,15 @@ fsync the directory. A reader after ``kill -9`` sees the old or the new snapshot
 It is rewritten only when the pending set changes: a collector that writes whole
 groups per ``extend`` never touches it.
 
+Where a run keeps its state at a URL (``run --home s3://...``), the snapshot is the object
+``<directory>/state.pt`` of the run's :class:`~rlhf_pipeline.files.run_store.RunStore`
+(``run_store=``; ``directory`` is then a key prefix such as ``collector/pending-shard-0000``), so
+a collector restarted on another machine, with an empty local cache, finds it. The store gives
+the same guarantees as the file: one whole-object PUT (atomic), fenced like the collector's
+position (a predecessor still running is refused at its next write instead of putting its older
+snapshot over its successor's), and read back with ``weights_only=True``
+(:func:`~rlhf_pipeline.files.state_files.load_state_bytes`): loading it runs no code.
+
 The ordering problem. A group completes inside the transform, but the buffer appends
 it only after the transform returns. Dropping its earlier-pending rows from the
 snapshot before the append could lose them (crash in between); keeping them could
@@ -27,6 +36,7 @@ what is already held and sends only the rest.
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from collections.abc import Mapping
@@ -38,7 +48,8 @@ import torch
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, TrajectoryBatch
 from rlhf_pipeline.storage.base import StoreCorruptedError, TrajectoryStore
-from rlhf_pipeline.files.atomic import save_torch_atomic
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
+from rlhf_pipeline.files.state_files import load_state_bytes
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
@@ -48,7 +59,7 @@ class PendingGroups:
     """Rows of incomplete groups (``rows``) plus rows handed to the buffer but unconfirmed (``held``)."""
 
     def __init__(self, *, store: TrajectoryStore | None = None, directory: str | os.PathLike | None = None,
-                 durable: bool = True) -> None:
+                 durable: bool = True, run_store: RunStore | None = None) -> None:
         self.store = store
         self.durable = durable
         self.rows: TrajectoryBatch | None = None
@@ -58,18 +69,30 @@ class PendingGroups:
         # metrics counters saved with the snapshot; the owning transform shares this dict
         self.counters: dict[str, int] = {}
         self._dirty = False
-        self.path: Path | None = None
-        if directory is None and store is not None:
-            location = Path(store.location)
-            if not location.is_dir():
-                raise ValueError(
-                    f"store location {store.location!r} is not a local directory; pass pending_dir= "
-                    "to keep the pending groups somewhere durable")
-            directory = location / "pending"
-        if directory is not None:
-            self.path = Path(directory) / STATE_FILE
-            if self.path.exists():
-                self.load_payload(torch.load(self.path, weights_only=True))
+        # where the snapshot lives: a directory (a LocalRunStore over it), or a key in a run's store
+        self._state: RunStore | None = None
+        self._key = STATE_FILE
+        if run_store is not None:
+            if directory is None or not str(directory).strip("/"):
+                raise ValueError("run_store= needs directory=, the key prefix of the pending groups in that store "
+                                 "(such as collector/pending-shard-0000)")
+            self._state, self._key = run_store, f"{str(directory).strip('/')}/{STATE_FILE}"
+        else:
+            if directory is None and store is not None:
+                location = Path(store.location)
+                if not location.is_dir():
+                    raise ValueError(
+                        f"store location {store.location!r} is not a local directory; pass pending_dir= "
+                        "(and, for a run at a URL, pending_store=) to keep the pending groups somewhere durable")
+                directory = location / "pending"
+            if directory is not None:
+                self._state = LocalRunStore(directory)
+        self.location: str | None = None if self._state is None else self._state.describe(self._key)
+        """Where the snapshot lives (a path or a URL), for messages; None when it is kept in memory only."""
+        if self._state is not None:
+            data = self._state.read(self._key)  # at a URL, also what the next fenced write replaces
+            if data is not None:
+                self.load_payload(self._decode(data))
 
     # ------------------------------------------------------------------ views
     @property
@@ -133,10 +156,17 @@ class PendingGroups:
 
     # ------------------------------------------------------------------ persistence
     def persist_if_dirty(self) -> None:
-        if not self._dirty or self.path is None:
+        if not self._dirty or self._state is None:
             return
-        save_torch_atomic(self.to_payload(), self.path, durable=self.durable)
+        payload = self.to_payload()
+        # a directory: the same *.partial + rename (+ fsyncs) as ever; a URL: one fenced PUT
+        self._state.write(self._key, lambda f: torch.save(payload, f), durable=self.durable)
         self._dirty = False
+
+    def _decode(self, data: bytes) -> Mapping[str, Any]:
+        if isinstance(self._state, LocalRunStore):
+            return torch.load(io.BytesIO(data), weights_only=True)
+        return load_state_bytes(data, what="pending-group state", where=self.location)
 
     def to_payload(self) -> dict[str, Any]:
         parts = [b for b in (self.rows, self.held) if b is not None]
@@ -160,13 +190,13 @@ class PendingGroups:
         were completed and written since (a duplicate). A checkpoint therefore fills
         only a transform that has no pending state on disk (or none at all).
         """
-        if self.path is not None and self.path.exists():
+        if self._state is not None and self._state.exists(self._key):
             ours = set(self.trajectory_ids().tolist())
             theirs = set() if payload["rows"] is None else \
                 set(payload["rows"]["trajectory_id"].tolist())
             if ours != theirs:
                 warnings.warn(
-                    f"kept the pending groups in {self.path} ({len(ours)} trajectories) over the state_dict's "
+                    f"kept the pending groups in {self.location} ({len(ours)} trajectories) over the state_dict's "
                     f"({len(theirs)}): the on-disk state is the newer one", stacklevel=3)
             return
         self.load_payload(payload)

@@ -89,11 +89,22 @@ def test_a_delete_needs_the_version_it_names(server):
         call(objects, objects.delete, "writer.lock", renewed)
 
 
+def test_a_remove_deletes_whatever_version_and_a_missing_object_is_fine(server):
+    objects = objects_at(server.url("objects"), server.options)
+    call(objects, objects.create, "STOP", b"")
+    call(objects, objects.replace, "STOP", b"again", call(objects, objects.etag, "STOP"))
+    call(objects, objects.remove, "STOP")  # no version named: the newest goes
+    assert call(objects, objects.read, "STOP") is None and call(objects, objects.etag, "STOP") is None
+    call(objects, objects.remove, "STOP")  # gone already: nothing to do, no error
+    call(objects, objects.remove, "never-written")
+
+
 def test_a_missing_container_is_named_with_the_fix(server):
     scheme = server.url().split("://")[0]
     objects = objects_at(f"{scheme}://no-such-container-7/prefix", server.options)
     kind = "bucket" if scheme == "s3" else "container"
-    for operation, args in ((objects.create, ("k", b"x")), (objects.read, ("k",))):
+    # a remove too: a missing object is fine to it, a missing container is not
+    for operation, args in ((objects.create, ("k", b"x")), (objects.read, ("k",)), (objects.remove, ("k",))):
         with pytest.raises(ContainerNotFoundError, match=f"the {kind} 'no-such-container-7' does not exist.*create it"):
             call(objects, operation, *args)
 
