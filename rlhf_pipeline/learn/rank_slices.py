@@ -73,13 +73,17 @@ class SharedView:
 
     def changes(self, names: RowNames) -> RowNames:
         """``names`` carrying only the records of the shards that changed since the last draw shared
-        (every shard's, the first time): the other ranks keep the rest from earlier draws."""
+        (or since the opening shared: :meth:`opened`): the other ranks keep the rest."""
         if names.view is None:
             return names
         # a refresh replaces a record, so an unchanged one is often the same object: compared first
         changed = {key: record for key, record in names.view.items() if self._shared.get(key) != record}
         self._shared.update(changed)
         return dataclasses.replace(names, view=changed)
+
+    def opened(self, view: View) -> None:
+        """The other ranks opened the buffer in ``view`` (every shard's record)."""
+        self._shared = dict(view)
 
 
 def positions_in_view(store, names: RowNames, *, stop: threading.Event, timeout_s: float) -> torch.Tensor:

@@ -239,9 +239,10 @@ def _view_requests(sent) -> list[tuple[str, str]]:
 
 def test_ranks_over_a_url_buffer_take_rank_zeros_refresh_and_get_only_their_rows(s3_server, one_rank_shards,
                                                                                    tmp_path, monkeypatch):
-    """The buffer's shards on moto's S3 server, 3 ranks each signing with its own key: past opening the
-    buffer, ranks 1 and 2 send no listing and no record GET (rank 0's records come with its draws,
-    and every refresh asked for would be sent), only their rows' units; they train like one rank."""
+    """The buffer's shards on moto's S3 server, 3 ranks each signing with its own key: ranks 1 and 2
+    send no listing and no record GET, not even to open the buffer (rank 0's records come at setup and
+    with its draws, and every refresh asked for would be sent), only their rows' units; they train
+    like one rank."""
     from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
 
     url = s3_server.url("buffer")
@@ -255,6 +256,9 @@ def test_ranks_over_a_url_buffer_take_rank_zeros_refresh_and_get_only_their_rows
     with s3_server.requests.recording() as sent:
         open_buffer(url).close()
     opening = sorted(_view_requests(sent))
+    # one LIST and one GET of each shard's record (no second GET right after opening, none to detect the backend)
+    assert sorted(path.rsplit("/", 2)[-2] if path.endswith("/zarr.json") else "LIST" for _, path in opening) == \
+        ["LIST"] + [f"shard-{k:04d}" for k in range(SHARDS)], opening
     root = tmp_path / "s3"
     publish_weights(RunPaths(root).root, make_model().state_dict(), 0)
     with s3_server.requests.recording(by_key=True) as sent:
@@ -262,8 +266,9 @@ def test_ranks_over_a_url_buffer_take_rank_zeros_refresh_and_get_only_their_rows
     assert_trains_like(root, one_rank_shards)
     by_rank = [[(method, path) for key, method, path in sent if key == f"rank{r}"] for r in range(3)]
     assert len(_view_requests(by_rank[0])) > len(opening)  # rank 0 refreshed for its draws
+    assert sorted(_view_requests(by_rank[0])[:len(opening)]) == opening  # rank 0 opened the buffer
     for rank in (1, 2):
-        assert sorted(_view_requests(by_rank[rank])) == opening, rank
+        assert _view_requests(by_rank[rank]) == [], rank
         units = {path.split("/units/")[1].split("/")[0] for method, path in by_rank[rank] if "/units/" in path}
         assert units, rank  # it read its rows itself
 
