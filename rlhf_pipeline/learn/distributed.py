@@ -265,9 +265,9 @@ class DataParallel:
         if self.is_main:
             try:
                 store = open_here()
-            except Exception as exc:
-                self.share_draw(MainStopped(interrupted=False, message=f"opening {location}: "
-                                                                       f"{type(exc).__name__}: {exc}"))
+            except BaseException as exc:  # the other ranks wait for the records: they raise too
+                self.share_draw(MainStopped(interrupted=not isinstance(exc, Exception),
+                                            message=f"{type(exc).__name__}: {exc}"))
                 raise
             view = published_view(store)
             if view is not None:
@@ -276,7 +276,9 @@ class DataParallel:
             return store
         shared = self.share_draw(None)
         if isinstance(shared, MainStopped):
-            shared.raise_here()
+            if shared.interrupted:
+                raise InterruptedError(f"rank 0 stopped while opening {location}")
+            raise RuntimeError(f"data-parallel rank 0 failed to open {location}: {shared.message}")
         if shared is None:  # rank 0's reader has no records to share (not a Zarr store): open it here
             return open_here()
         return open_in_view(location, shared, refresh_interval_s=math.inf)

@@ -8,7 +8,8 @@ reader of the same buffer. Two things keep the buffer's requests from growing wi
   sends only the records that changed since the draw it shared before (:class:`SharedView`); the
   other ranks adopt them (:func:`positions_in_view`) and so hold exactly rank 0's rows, with no
   LIST and no record GET of their own: they GET only the units of their slice. Draws are shared in
-  order, so each rank's view follows rank 0's draw by draw. A local buffer's ranks refresh their
+  order, so each rank's view follows rank 0's draw by draw, from the view they opened the buffer in:
+  rank 0's records too, sent at setup (``DataParallel.open_buffer``, :meth:`SharedView.opened`). A local buffer's ranks refresh their
   own view (an ``fstat`` per shard) until it holds the drawn rows.
 * **Shard affinity.** With at least as many shards as ranks, rank 0 orders the draw by owning rank
   (shard ``k`` belongs to rank ``k mod N``: :func:`order_by_owner`), so a rank reads from the same

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.rank_slices import SharedView
 from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
 from rlhf_pipeline.learn.shard_rows import open_in_view, published_view, row_names
 from rlhf_pipeline.schema import StoreSchema
@@ -117,21 +118,30 @@ def test_other_ranks_open_the_buffer_from_the_records_rank_zero_read_and_send_no
     a reader opened from those records sends no request at all and holds exactly rank 0's rows."""
     _aws_environment(s3_server, monkeypatch)
     prefix = s3_server.url("buffer")
-    for k in range(4):
-        with ZarrTrajectoryStore.create(f"{prefix}/shard-{k:04d}", StoreSchema(), segment_rows=64) as writer:
-            writer.append(_rows(k, 0))
+    # the collectors stay open: closing merges a shard's fragments, and a reader of the old one rereads the record
+    writers = [ZarrTrajectoryStore.create(f"{prefix}/shard-{k:04d}", StoreSchema(), segment_rows=64) for k in range(4)]
+    for k, writer in enumerate(writers):
+        writer.append(_rows(k, 0))
     with s3_server.requests.recording() as sent:
         main = open_buffer(prefix, refresh_interval_s=0)
     assert _what_was_read(sent) == ["LIST", "shard-0000", "shard-0001", "shard-0002", "shard-0003"], sent
     assert len(sent) == 5
-    with ZarrTrajectoryStore.create(f"{prefix}/shard-0002", StoreSchema(), exist_ok=True, segment_rows=64) as writer:
-        writer.append(_rows(2, 1))  # after rank 0 read its record: a reader opened on its own would see it
+    writers[2].append(_rows(2, 1))  # after rank 0 read its record: a reader opened on its own would see it
     with s3_server.requests.recording() as sent:
         other = open_in_view(prefix, published_view(main), refresh_interval_s=0)
     assert sent == []
     assert sorted(other.shards) == [0, 1, 2, 3]
     assert [length for *_, length in other.shard_ranges()] == [length for *_, length in main.shard_ranges()]
     assert _all_rows(other) == _all_rows(main) == [k * 1000 + i for k in range(4) for i in range(ROWS_PER_APPEND)]
+    # rank 0's first draw after the opening sends only the record that changed since; the other rank then
+    # holds its rows
+    shared_view = SharedView()
+    shared_view.opened(published_view(main))
+    main.refresh()
+    names = shared_view.changes(row_names(main, torch.arange(5 * ROWS_PER_APPEND)))
+    assert sorted(names.view) == ["shard-0002"]
+    positions = DataParallel(rank=1, world_size=2).positions_in_view(other, names, stop=threading.Event(), timeout_s=5)
+    assert other.read(positions)["trajectory_id"].tolist() == _all_rows(main)
     # a reader like any other from then on: its own refresh sees the append, and a new shard is opened
     # with one GET of its record (not a second one right after)
     with ZarrTrajectoryStore.create(f"{prefix}/shard-0004", StoreSchema(), segment_rows=64) as writer:
@@ -141,6 +151,8 @@ def test_other_ranks_open_the_buffer_from_the_records_rank_zero_read_and_send_no
     assert _what_was_read(sent) == ["LIST"] + [f"shard-{k:04d}" for k in range(5)]
     main.close()
     other.close()
+    for writer in writers:
+        writer.close()
 
 
 def test_a_single_store_at_a_url_opens_with_one_record_get_and_another_rank_from_it(s3_server, monkeypatch):
