@@ -2,8 +2,8 @@
 
 Data-parallel learner ranks read one buffer at a URL. Rank 0 opens it (a LIST and one GET of each
 shard's commit record) and shares the records it read; every other rank opens its readers from them
-(:func:`open_reader`), so a rank's opening sends nothing, where 160 ranks over 640 shards opening
-their own would send 100,000 GETs at once (``docs/scaling.md``, section 4). What a reader needs
+(:func:`open_reader`), so a rank's opening sends nothing, where 160 ranks over 640 shards each
+opening their own sent 205,000 requests at once (``docs/scaling.md``, section 4). What a reader needs
 besides the record is the location, which every rank knows: the record holds the schema, the
 codecs, the arrays' layout and the units, everything :meth:`ZarrTrajectoryStore.open` reads.
 """
