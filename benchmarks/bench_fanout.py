@@ -24,10 +24,17 @@ shards). Two samplers: ``exact`` (an even share of every shard, drawn in shard o
 step's cost) and every step reads only the fragments appended just before it, so no unit is in a
 rank's cache from an earlier mode.
 
-    python benchmarks/bench_fanout.py --shards 256 --ranks 32 --steps 3
+Opening is measured first, twice: every rank opening the buffer itself (``open_buffer``: a LIST and
+a GET of each shard's commit record), and rank 0 opening it and the other ranks opening their
+readers from the records it read (what ``DataParallel.open_buffer`` does at a learner's setup:
+``published_view`` sent on the draw channel, ``open_in_view`` on the other ranks).
 
-Prints one table row per sampler and mode: requests per step (median and range over the steps) by
-who sent them, and how many ranks fetched each unit read that step. Needs the s3 and test-s3 extras.
+    python benchmarks/bench_fanout.py --shards 256 --ranks 32 --steps 3
+    python benchmarks/bench_fanout.py --shards 256 --ranks 32 --opening-only
+
+Prints a table of the opening's requests by who sent them, then one table row per sampler and mode:
+requests per step (median and range over the steps) by who sent them, and how many ranks fetched
+each unit read that step. Needs the s3 and test-s3 extras.
 """
 
 from __future__ import annotations
@@ -215,6 +222,68 @@ def _sampler(name: str, store, batch_size: int):
                            new_rows_per_draw=batch_size, min_next_row=int(store.next_row))
 
 
+# ---------------------------------------------------------------------------- opening the buffer
+OPENINGS = ("each rank opens", "rank 0's records")
+
+
+def open_readers(server: CountingServer, prefix: str, keys: list[str], opening: str, pool) -> tuple[list, int]:
+    """Every rank's reader of the buffer, opened as ``opening`` says, and the bytes rank 0 sends the
+    other ranks to open theirs (0 when each opens its own)."""
+    from rlhf_pipeline.storage import open_buffer
+
+    def options(key: str) -> dict:
+        return {"storage_options": server.options(key), "refresh_interval_s": 0, "refresh_threads": 4}
+
+    if opening == "each rank opens":
+        return list(pool.map(lambda key: open_buffer(prefix, **options(key)), keys)), 0
+    from rlhf_pipeline.learn.shard_rows import open_in_view, published_view
+
+    main = open_buffer(prefix, **options(keys[0]))
+    view = published_view(main)  # what DataParallel.open_buffer broadcasts on the draw channel
+    return [main] + list(pool.map(lambda key: open_in_view(prefix, view, **options(key)), keys[1:])), \
+        len(pickle.dumps(view))
+
+
+def measure_opening(server: CountingServer, prefix: str, keys: list[str], pool, log=print) -> tuple[list[dict], list]:
+    """Per way of opening: the requests each rank sent to open the buffer. Returns the readers of the
+    last way (rank 0's records) open, for the steps."""
+    results, readers = [], []
+    for opening in OPENINGS:
+        for reader in readers:
+            reader.close()
+        server.counts(reset=True)
+        started = time.perf_counter()
+        readers, sent_bytes = open_readers(server, prefix, keys, opening, pool)
+        seconds = time.perf_counter() - started
+        counts = {key: collections.Counter(value) for key, value in server.counts(reset=True)["counts"].items()}
+        per_rank = [counts.get(key, collections.Counter()) for key in keys]
+        results.append({"opening": opening, "rank 0 LIST": per_rank[0]["LIST"],
+                        "rank 0 record GET": per_rank[0]["record GET"],
+                        "others LIST": sum(c["LIST"] for c in per_rank[1:]),
+                        "others record GET": sum(c["record GET"] for c in per_rank[1:]),
+                        "others other": sum(c["unit GET"] + c["PUT"] + c["other"] for c in per_rank[1:]),
+                        "most by one other rank": max((sum(c.values()) for c in per_rank[1:]), default=0),
+                        "sent KB": sent_bytes / 1e3, "seconds": seconds})
+        log(f"[bench fanout] opening, {opening}: {len(keys)} readers of the buffer in {seconds:.1f} s")
+    return results, readers
+
+
+OPENING_COLUMNS = [("rank 0: LIST", "rank 0 LIST", 0), ("rank 0: record GETs", "rank 0 record GET", 0),
+                   ("other ranks: LIST", "others LIST", 0), ("other ranks: record GETs", "others record GET", 0),
+                   ("other ranks: other requests", "others other", 0),
+                   ("requests of the busiest other rank", "most by one other rank", 0),
+                   ("records sent by rank 0, KB", "sent KB", 0), ("seconds (this machine)", "seconds", 1)]
+
+
+def opening_table(results: list[dict]) -> str:
+    lines = ["| opening | " + " | ".join(name for name, _, _ in OPENING_COLUMNS) + " |",
+             "|---|" + "---|" * len(OPENING_COLUMNS)]
+    for result in results:
+        cells = [f"{result[key]:,.{digits}f}" for _, key, digits in OPENING_COLUMNS]
+        lines.append(f"| {result['opening']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- the run
 def _rows(count: int, seed: int):
     from rlhf_pipeline.schema.synthetic import synthetic_batch
@@ -223,18 +292,18 @@ def _rows(count: int, seed: int):
 
 
 def measure(shards: int, ranks: int, steps: int, rows: int, samplers: list[str], modes=MODES,
-            log=print) -> list[dict]:
-    """Per sampler and mode: each step's request counts by sender and kind, and fetches per unit."""
+            log=print) -> tuple[list[dict], list[dict]]:
+    """The opening's request counts by sender and kind (:func:`measure_opening`), and per sampler and
+    mode: each step's request counts by sender and kind, and fetches per unit."""
     import boto3
     import torch
 
     from rlhf_pipeline.schema import StoreSchema
-    from rlhf_pipeline.storage import open_buffer
     from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
 
     torch.set_num_threads(1)
     server = CountingServer()
-    results = []
+    results, opened = [], []
     try:
         boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1", aws_access_key_id="setup",
                      aws_secret_access_key="s").create_bucket(Bucket="bench")
@@ -255,11 +324,8 @@ def measure(shards: int, ranks: int, steps: int, rows: int, samplers: list[str],
             readers = []
             try:
                 collect()
-                started = time.perf_counter()
                 keys = [f"rank{r}" for r in range(ranks)]  # the key each rank signs with: who sent what
-                readers = list(pool.map(lambda key: open_buffer(prefix, storage_options=server.options(key),
-                                                                refresh_interval_s=0, refresh_threads=4), keys))
-                log(f"[bench fanout] {ranks} readers of {shards} shards opened in {time.perf_counter() - started:.0f} s")
+                opened, readers = measure_opening(server, prefix, keys, pool, log=log)
                 for sampler in samplers:
                     for mode in modes:
                         simulated = SimulatedRanks(readers, keys, sampler, shards * rows, mode)
@@ -283,7 +349,7 @@ def measure(shards: int, ranks: int, steps: int, rows: int, samplers: list[str],
                     writer.close()
     finally:
         server.stop()
-    return results
+    return opened, results
 
 
 def _summary(answer: dict, keys: list[str], written: dict) -> dict[str, float]:
@@ -338,6 +404,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=3, help="learner steps measured per sampler and mode")
     parser.add_argument("--rows", type=int, default=4, help="rows each collector appends per step (one fragment)")
     parser.add_argument("--samplers", nargs="+", default=["exact", "window"], choices=["exact", "window"])
+    parser.add_argument("--opening-only", action="store_true", help="measure opening the buffer, no steps")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -346,9 +413,13 @@ def main(argv: list[str]) -> int:
     print(f"# {args.shards} shards, {args.ranks} ranks, a global batch of {args.shards * args.rows} rows "
           f"({args.rows} per shard per step); load average at start {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores", file=sys.stderr)
-    results = measure(args.shards, args.ranks, args.steps, args.rows, args.samplers,
-                      log=lambda line: print(line, file=sys.stderr, flush=True))
-    print(table(results))
+    opened, results = measure(args.shards, args.ranks, 0 if args.opening_only else args.steps, args.rows,
+                              [] if args.opening_only else args.samplers,
+                              log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(opening_table(opened))
+    if results:
+        print()
+        print(table(results))
     print(f"# load average at end {os.getloadavg()[0]:.1f}", file=sys.stderr)
     return 0
 

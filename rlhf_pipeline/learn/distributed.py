@@ -18,10 +18,11 @@ What makes N ranks train exactly like one:
   (:meth:`draw_producer`). So the ranks train on rank 0's rows while collectors write, and the
   checkpointed sampler state is rank 0's. When rank 0 has no draw to give (stopped, or its draw
   failed) it shares a :class:`MainStopped`, so no rank waits forever.
-* **One refresh per step, and shard affinity** (``learn/rank_slices.py``): for a buffer at a URL
-  the other ranks adopt the commit records rank 0's refresh read, sent with the draw, instead of
-  refreshing themselves; with at least as many shards as ranks, each rank's slice comes from its
-  own shards (shard ``k`` belongs to rank ``k mod N``).
+* **One opening, one refresh per step, and shard affinity** (``learn/rank_slices.py``): for a
+  buffer at a URL rank 0 alone opens it and sends the commit records it read (:meth:`open_buffer`),
+  and the other ranks adopt the records each of rank 0's refreshes read, sent with the draw,
+  instead of listing and refreshing themselves; with at least as many shards as ranks, each rank's
+  slice comes from its own shards (shard ``k`` belongs to rank ``k mod N``).
 * **The same loss.** The loss is normalized by the *global* batch: every rank weighs its
   micro-batches by their share of the global response tokens (``token_mean``) or rows (the
   other aggregations), counted with one all-reduce (:meth:`sum_counts`). The sum over ranks
@@ -54,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -65,10 +67,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlhf_pipeline.storage.buffers import is_url
+
 from rlhf_pipeline.learn.loss import aggregates_by_token
 from rlhf_pipeline.learn.microbatch import take_rows
 from rlhf_pipeline.learn.rank_slices import SharedView, order_by_owner, positions_in_view, rank_slice
-from rlhf_pipeline.learn.shard_rows import RowNames
+from rlhf_pipeline.learn.shard_rows import RowNames, open_in_view, published_view
 from rlhf_pipeline.learn.stale_rows import drop_stale
 from rlhf_pipeline.learn.step import MicroBatch, StepPlan, batch_counts, micro_batch_weight, plan_step, split_batch
 
@@ -229,6 +233,55 @@ class DataParallel:
         needs no CUDA device."""
         if self.enabled and self._draw_group is None:
             self._draw_group = dist.new_group(backend="gloo")
+
+    def open_buffer(self, location: str, saved_state: dict[str, Any] | None = None):
+        """The buffer at ``location`` opened for reading on every rank (every rank calls it, at setup);
+        ``saved_state``: a checkpoint's state of it, whose rows must still be held (the store's
+        ``load_state_dict``).
+
+        At a URL rank 0 alone opens it (one LIST and one GET of each shard's commit record) and checks
+        ``saved_state``, then sends the records it read on the draw channel; every other rank opens
+        its reader from them (``shard_rows.open_in_view``): no request, and exactly rank 0's view.
+        Those readers refresh only when forced (a unit compacted away under a read): their view
+        follows rank 0's draws (:meth:`positions_in_view`), so a sampler that refreshes its store on
+        another rank (it never draws there) sends nothing. If rank 0 fails to open it, every rank
+        raises. A local buffer is opened by every rank, as a local refresh is made by each: a
+        directory listing and a read of each shard's manifest."""
+        from rlhf_pipeline.storage import open_buffer
+
+        def open_here():
+            store = open_buffer(location, mode="r")
+            try:
+                if saved_state is not None:
+                    store.load_state_dict(saved_state)  # refreshes: the rows it saw must still be there
+            except BaseException:
+                store.close()
+                raise
+            return store
+
+        if not self.enabled or not is_url(location):
+            return open_here()
+        self.open_draw_channel()  # the prefetch threads' group: none of them runs yet
+        if self.is_main:
+            try:
+                store = open_here()
+            except BaseException as exc:  # the other ranks wait for the records: they raise too
+                self.share_draw(MainStopped(interrupted=not isinstance(exc, Exception),
+                                            message=f"{type(exc).__name__}: {exc}"))
+                raise
+            view = published_view(store)
+            if view is not None:
+                self._shared_view.opened(view)
+            self.share_draw(view)
+            return store
+        shared = self.share_draw(None)
+        if isinstance(shared, MainStopped):
+            if shared.interrupted:
+                raise InterruptedError(f"rank 0 stopped while opening {location}")
+            raise RuntimeError(f"data-parallel rank 0 failed to open {location}: {shared.message}")
+        if shared is None:  # rank 0's reader has no records to share (not a Zarr store): open it here
+            return open_here()
+        return open_in_view(location, shared, refresh_interval_s=math.inf)
 
     def local_names(self, names: RowNames, rank_rows: list[int] | None = None) -> tuple[RowNames, bool]:
         """This rank's contiguous slice of a draw's row names, as :meth:`local_positions` slices positions."""

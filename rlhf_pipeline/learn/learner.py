@@ -217,12 +217,11 @@ class Learner:
 
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
         from rlhf_pipeline.schema.padding import PaddedCollator
-        from rlhf_pipeline.storage import open_buffer
 
-        # one store, or the union of the collectors' shards (new shards are picked up as they appear)
-        self._store = open_buffer(self.buffer, mode="r")
-        if checkpoint is not None:
-            self._store.load_state_dict(checkpoint["buffer"])  # the rows it saw must still be there
+        # one store, or the union of the collectors' shards (new shards are picked up as they appear);
+        # the rows the checkpoint saw must still be there. Several ranks over a buffer at a URL: rank 0
+        # alone lists it and reads the records, the others open their readers from those
+        self._store = self.data_parallel.open_buffer(self.buffer, None if checkpoint is None else checkpoint["buffer"])
         self.sampler = make_sampler(self.settings, self._store, seed=self.seed, stop=self.stop_event)
         # the state after the last draw a step used (draws run ahead on the prefetch thread)
         self._sampler_state = self.sampler.state_dict()

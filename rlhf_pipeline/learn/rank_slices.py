@@ -8,7 +8,8 @@ reader of the same buffer. Two things keep the buffer's requests from growing wi
   sends only the records that changed since the draw it shared before (:class:`SharedView`); the
   other ranks adopt them (:func:`positions_in_view`) and so hold exactly rank 0's rows, with no
   LIST and no record GET of their own: they GET only the units of their slice. Draws are shared in
-  order, so each rank's view follows rank 0's draw by draw. A local buffer's ranks refresh their
+  order, so each rank's view follows rank 0's draw by draw, from the view they opened the buffer in:
+  rank 0's records too, sent at setup (``DataParallel.open_buffer``, :meth:`SharedView.opened`). A local buffer's ranks refresh their
   own view (an ``fstat`` per shard) until it holds the drawn rows.
 * **Shard affinity.** With at least as many shards as ranks, rank 0 orders the draw by owning rank
   (shard ``k`` belongs to rank ``k mod N``: :func:`order_by_owner`), so a rank reads from the same
@@ -73,13 +74,17 @@ class SharedView:
 
     def changes(self, names: RowNames) -> RowNames:
         """``names`` carrying only the records of the shards that changed since the last draw shared
-        (every shard's, the first time): the other ranks keep the rest from earlier draws."""
+        (or since the opening shared: :meth:`opened`): the other ranks keep the rest."""
         if names.view is None:
             return names
         # a refresh replaces a record, so an unchanged one is often the same object: compared first
         changed = {key: record for key, record in names.view.items() if self._shared.get(key) != record}
         self._shared.update(changed)
         return dataclasses.replace(names, view=changed)
+
+    def opened(self, view: View) -> None:
+        """The other ranks opened the buffer in ``view`` (every shard's record)."""
+        self._shared = dict(view)
 
 
 def positions_in_view(store, names: RowNames, *, stop: threading.Event, timeout_s: float) -> torch.Tensor:

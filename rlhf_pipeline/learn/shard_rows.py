@@ -11,7 +11,8 @@ themselves (:mod:`rlhf_pipeline.coordination.pacing`).
 A name resolves to a position against a *view* of the buffer. For a buffer at a URL, the names
 of a draw carry the view they were taken in: each shard's commit record as of that refresh
 (:func:`published_view`). Another process (a data-parallel rank) adopts it (:func:`adopt_view`)
-and so holds exactly the drawn rows without refreshing: no LIST, no record GET.
+and so holds exactly the drawn rows without refreshing: no LIST, no record GET. It opens the
+buffer the same way (:func:`open_in_view`): from the view of the process that listed it.
 
 A shard's *key* is its directory name under ``buffer/`` (``shard-0000``), or ``"."`` for a
 single store (runs made before shards, or a store opened on its own); a collector names its
@@ -107,6 +108,20 @@ def adopt_view(store, view: View) -> None:
         store.adopt_records({shard_index(key): record for key, record in view.items()})
     elif view:
         store.adopt_record(view[SINGLE_STORE_KEY])
+
+
+def open_in_view(location: str, view: View, **options: Any):
+    """A reader of the buffer at ``location`` (a URL) holding exactly ``view``, another reader's
+    :func:`published_view` of it, opened without a request: no LIST, no record GET. ``options`` as
+    for ``open_buffer`` (``storage_options``, ``refresh_interval_s``, ...)."""
+    if SINGLE_STORE_KEY in view:
+        from rlhf_pipeline.storage.zarr.from_record import open_reader
+
+        return open_reader(location, view[SINGLE_STORE_KEY], **options)
+    from rlhf_pipeline.storage.sharded import ShardedStoreReader
+
+    return ShardedStoreReader(location, records={shard_index(key): record for key, record in view.items()},
+                              **options)
 
 
 def union_positions(store, rows: dict[str, np.ndarray]) -> tuple[torch.Tensor, int]:

@@ -63,13 +63,19 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
     A saved selection (``rlhf-pipeline filter ... --selection``) opens as a read-only
     :class:`~rlhf_pipeline.storage.selection.SelectionStore` over the rows it names.
     """
-    from rlhf_pipeline.storage.buffers import is_sharded_buffer
+    from rlhf_pipeline.storage.buffers import is_sharded_buffer, is_url, list_shards
     from rlhf_pipeline.storage.selection import SelectionStore, is_selection
 
     location = str(location)
     if is_selection(location):
         return SelectionStore.open(location, mode=mode, **options)
-    if is_sharded_buffer(location, options.get("storage_options")):
+    listed = None
+    if is_url(location):  # one LIST, handed to the reader of the shards (which would list again)
+        try:
+            listed = list_shards(location, options.get("storage_options"))
+        except OSError:  # as is_sharded_buffer: then it is no sharded buffer, and opening the store says why
+            listed = []
+    if listed or (listed is None and is_sharded_buffer(location)):
         if mode != "r":
             raise ReadOnlyStoreError(
                 f"{location} holds one store per collector (shard-NNNN); the union is read-only. "
@@ -77,7 +83,7 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
             )
         from rlhf_pipeline.storage.sharded import ShardedStoreReader
 
-        return ShardedStoreReader(location, **options)
+        return ShardedStoreReader(location, shards=listed, **options)
     return open_store(location, mode=mode, **options)
 
 

@@ -87,8 +87,9 @@ def detect_backend(location: str) -> str:
 
 def open_store(location, mode: str = "r", *, backend: str | None = None, **options) -> TrajectoryStore:
     """Opens an existing store; ``mode="r"`` reads (no lock), ``mode="a"`` appends (writer lock)."""
-    if backend is None and options.get("storage_options") is not None:
-        backend = "zarr"  # fsspec options: only the Zarr backend reads URLs
+    if backend is None and (options.get("storage_options") is not None or "://" in str(location)):
+        # only the Zarr backend reads URLs: asking each backend would GET the commit record twice
+        backend = "zarr"
     name = backend or detect_backend(str(location))
     return backend_class(name).open(str(location), mode=mode, **options)
 

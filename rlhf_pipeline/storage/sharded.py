@@ -32,7 +32,9 @@ store:
 * one refresh can serve several readers of the buffer at a URL (data-parallel learner ranks):
   :meth:`~ShardedStoreReader.published_records` gives each shard's commit record as of the last
   refresh, and another reader's :meth:`~ShardedStoreReader.adopt_records` takes them as its view
-  without a request, so it holds exactly the first reader's rows;
+  without a request, so it holds exactly the first reader's rows. So can one opening: a reader
+  made with ``records=`` opens its shards from them (their records hold all a reader reads at
+  opening), with no LIST and no GET;
 * ``read(positions, fields=)`` reads each shard's rows in one call and returns the rows
   in the requested order;
 * ``next_row`` / ``first_row`` are sums over the shards: ``next_row`` counts the rows ever
@@ -103,9 +105,14 @@ class ShardedStoreReader(TrajectoryStore):
     supports_field_subset = True
 
     def __init__(self, location: str | Path, *, refresh_interval_s: float | None = None,
-                 refresh_threads: int | None = None, **open_options: Any) -> None:
+                 refresh_threads: int | None = None, shards: list[tuple[int, str]] | None = None,
+                 records: dict[int, dict[str, Any]] | None = None, **open_options: Any) -> None:
         """``refresh_threads``: shards refreshed (or opened) at once; default
-        ``REMOTE_REFRESH_THREADS`` at a URL, 1 (one after another) on a local file system."""
+        ``REMOTE_REFRESH_THREADS`` at a URL, 1 (one after another) on a local file system.
+        ``shards``: the buffer's listing (:func:`list_shards`) when the caller just made it: the first
+        refresh does not list again. ``records``: shard index -> commit record, as another reader of
+        this buffer at a URL read them (its :meth:`published_records`): the reader opens in that view
+        (:meth:`adopt_records`), sending no request."""
         super().__init__()
         self._path = str(location).rstrip("/") if is_url(location) else Path(location)
         self._open_options = open_options
@@ -132,8 +139,12 @@ class ShardedStoreReader(TrajectoryStore):
         self._lengths = torch.zeros(0, dtype=torch.int64)
         self._starts = torch.zeros(0, dtype=torch.int64)
         self._closed = False
+        self._listed = shards  # used by the first discovery, instead of listing again
         try:
-            self.refresh()
+            if records is not None:
+                self.adopt_records(records)
+            else:
+                self.refresh()
         except BaseException:
             self.close()
             raise
@@ -151,23 +162,34 @@ class ShardedStoreReader(TrajectoryStore):
         """The open shard stores by shard index (a copy)."""
         return dict(self._shards)
 
-    def _discover(self) -> None:
+    def _discover(self) -> set[int]:
+        """Opens the shards that appeared since the last listing; returns their indices."""
         if self._listing_current():
-            return
-        self._open_shards([(index, path) for index, path in list_shards(self._path, self._open_options.get(
-            "storage_options")) if index not in self._shards])
+            return set()
+        listed, self._listed = self._listed, None
+        if listed is None:
+            listed = list_shards(self._path, self._open_options.get("storage_options"))
+        return self._open_shards([(index, path) for index, path in listed if index not in self._shards])
 
-    def _open_shards(self, new: list[tuple[int, str]]) -> None:
-        """Opens the shards ``(index, location)`` together; one still being created is skipped for now."""
+    def _open_shards(self, new: list[tuple[int, str]], records: dict[int, dict[str, Any]] | None = None) -> set[int]:
+        """Opens the shards ``(index, location)`` together (from ``records[index]`` where given: no
+        request); one still being created is skipped for now. Returns the indices opened."""
         from rlhf_pipeline.storage.backends import open_store
+        from rlhf_pipeline.storage.zarr.from_record import open_reader
 
-        def open_shard(path: str) -> TrajectoryStore | Exception:
+        reader_options = {key: value for key, value in self._open_options.items()
+                          if key in ("cache_bytes", "storage_options", "refresh_interval_s")}
+
+        def open_shard(item: tuple[int, str]) -> TrajectoryStore | Exception:
+            index, path = item
             try:
+                if records is not None and index in records:
+                    return open_reader(path, records[index], **reader_options)
                 return open_store(path, mode="r", **self._open_options)
             except Exception as exc:  # raised below, once every shard opened alongside is closed
                 return exc
 
-        opened = self._map(open_shard, [path for _, path in new])
+        opened = self._map(open_shard, new)
         failed = next((x for x in opened if isinstance(x, Exception) and not isinstance(x, NotAStoreError)), None)
         if failed is not None:
             for store in opened:
@@ -193,6 +215,7 @@ class ShardedStoreReader(TrajectoryStore):
             self._skipped.pop(shard_name(index), None)
             self._shards[index] = store
         self._order = sorted(self._shards)
+        return {index for (index, _), store in zip(new, opened) if not isinstance(store, Exception)}
 
     def _listing_current(self) -> bool:
         """Whether the last listing of a local buffer directory still holds: a learner polling for
@@ -223,8 +246,13 @@ class ShardedStoreReader(TrajectoryStore):
                 and now - self._refreshed_at < self.refresh_interval_s):
             return int(self._lengths.sum())
         self._refreshed_at = now
-        self._discover()
-        lengths = self._map(_refresh_now, [self._shards[i] for i in self._order])
+        opened = self._discover()  # each read its record just now: not read again
+
+        def refreshed(index: int) -> int:
+            shard = self._shards[index]
+            return shard.next_row - shard.first_row if index in opened else _refresh_now(shard)
+
+        lengths = self._map(refreshed, self._order)
         self._lengths = torch.tensor(lengths, dtype=torch.int64)
         self._starts = torch.cumsum(self._lengths, 0) - self._lengths
         return int(self._lengths.sum())
@@ -241,12 +269,12 @@ class ShardedStoreReader(TrajectoryStore):
     def adopt_records(self, records: dict[int, dict[str, Any]]) -> None:
         """Takes ``records`` (shard index -> commit record, read by another reader's refresh of this
         buffer) as this reader's view: no LIST and no record GET. Shards not named keep the record
-        they had. A shard not open here yet is opened first (one GET, once per shard)."""
+        they had. A shard not open here yet is opened from its record: no request either."""
         if self._closed:
             raise StoreClosedError(f"{self._path}: the sharded reader is closed; open the buffer again")
         missing = [(index, shard_location(self._path, index)) for index in records if index not in self._shards]
         if missing:
-            self._open_shards(missing)
+            self._open_shards(missing, records)
             unopened = [shard_name(index) for index, _ in missing if index not in self._shards]
             if unopened:
                 raise StoreCorruptedError(f"{self._path}: shards {unopened} hold no store, yet another reader of this "

@@ -1,5 +1,5 @@
 """benchmarks/bench_fanout.py at a tiny size: the request counts it reports are the ones docs/scaling.md
-models (counted on its moto server by the key each simulated rank signs with)."""
+gives (counted on its moto server by the key each simulated rank signs with), opening included."""
 
 from __future__ import annotations
 
@@ -21,12 +21,29 @@ def results():
         import bench_fanout
     finally:
         sys.path.remove(str(BENCHMARKS))
-    found = bench_fanout.measure(SHARDS, RANKS, steps=2, rows=ROWS, samplers=["exact", "window"], log=lambda _: None)
-    return {(r["sampler"], r["mode"]): r["steps"] for r in found}, bench_fanout.table(found)
+    opened, found = bench_fanout.measure(SHARDS, RANKS, steps=2, rows=ROWS, samplers=["exact", "window"],
+                                         log=lambda _: None)
+    return {(r["sampler"], r["mode"]): r["steps"] for r in found}, bench_fanout.table(found), \
+        {r["opening"]: r for r in opened}, bench_fanout.opening_table(opened)
+
+
+def test_other_ranks_open_the_buffer_from_rank_zeros_records_without_a_request(results):
+    _, _, opened, printed = results
+    for opening in opened.values():  # rank 0 lists the buffer once and GETs each shard's record once
+        assert (opening["rank 0 LIST"], opening["rank 0 record GET"]) == (1, SHARDS)
+    each = opened["each rank opens"]  # every other rank the same
+    assert (each["others LIST"], each["others record GET"]) == (RANKS - 1, (RANKS - 1) * SHARDS)
+    assert each["sent KB"] == 0
+    shared = opened["rank 0's records"]
+    assert shared["others LIST"] == shared["others record GET"] == shared["others other"] == 0
+    assert shared["most by one other rank"] == 0 and shared["sent KB"] > 0
+    lines = printed.splitlines()
+    assert lines[0].startswith("| opening | rank 0: LIST | rank 0: record GETs")
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| each rank opens", "| rank 0's records"]
 
 
 def test_other_ranks_stop_refreshing_once_rank_zeros_refresh_is_shared(results):
-    by_mode, _ = results
+    by_mode, *_ = results
     for sampler in ("exact", "window"):
         for step in by_mode[sampler, "before"]:  # each other rank: one LIST and a GET per shard's record
             assert step["others LIST"] == RANKS - 1
@@ -40,7 +57,7 @@ def test_other_ranks_stop_refreshing_once_rank_zeros_refresh_is_shared(results):
 
 
 def test_with_affinity_each_unit_is_fetched_by_one_rank_besides_rank_zeros_look_at_the_draw(results):
-    by_mode, _ = results
+    by_mode, *_ = results
     for sampler in ("exact", "window"):
         for step in by_mode[sampler, "shared + affinity"]:
             assert step["units read"] == SHARDS  # one new fragment per shard
@@ -54,7 +71,7 @@ def test_with_affinity_each_unit_is_fetched_by_one_rank_besides_rank_zeros_look_
 
 
 def test_the_table_has_a_row_per_sampler_and_mode(results):
-    by_mode, printed = results
+    by_mode, printed, *_ = results
     lines = printed.splitlines()
     assert len(lines) == 2 + len(by_mode)
     assert lines[0].startswith("| sampler | mode | rank 0: LIST + record GETs")

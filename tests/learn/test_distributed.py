@@ -237,11 +237,8 @@ def _view_requests(sent) -> list[tuple[str, str]]:
     return [(method, path) for method, path in sent if "list-type=2" in path or path.endswith("/zarr.json")]
 
 
-def test_ranks_over_a_url_buffer_take_rank_zeros_refresh_and_get_only_their_rows(s3_server, one_rank_shards,
-                                                                                   tmp_path, monkeypatch):
-    """The buffer's shards on moto's S3 server, 3 ranks each signing with its own key: past opening the
-    buffer, ranks 1 and 2 send no listing and no record GET (rank 0's records come with its draws,
-    and every refresh asked for would be sent), only their rows' units; they train like one rank."""
+def _s3_sharded_buffer(s3_server) -> str:
+    """The buffer of make_sharded_run, as Zarr shards on moto's S3 server; its URL."""
     from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
 
     url = s3_server.url("buffer")
@@ -250,11 +247,24 @@ def test_ranks_over_a_url_buffer_take_rank_zeros_refresh_and_get_only_their_rows
         with ZarrTrajectoryStore.create(f"{url}/shard-{k:04d}", StoreSchema(optional=("advantage",)),
                                         segment_rows=8, storage_options=s3_server.options) as store:
             store.append(source.select(slice(k * ROWS_PER_SHARD, (k + 1) * ROWS_PER_SHARD)))
+    return url
+
+
+def test_ranks_over_a_url_buffer_take_rank_zeros_refresh_and_get_only_their_rows(s3_server, one_rank_shards,
+                                                                                   tmp_path, monkeypatch):
+    """The buffer's shards on moto's S3 server, 3 ranks each signing with its own key: ranks 1 and 2
+    send no listing and no record GET, not even to open the buffer (rank 0's records come at setup and
+    with its draws, and every refresh asked for would be sent), only their rows' units; they train
+    like one rank."""
+    url = _s3_sharded_buffer(s3_server)
     for name, value in s3_server.env().items():  # what opening the buffer sends, as a rank opens it
         monkeypatch.setenv(name, value)
     with s3_server.requests.recording() as sent:
         open_buffer(url).close()
     opening = sorted(_view_requests(sent))
+    # one LIST and one GET of each shard's record (no second GET right after opening, none to detect the backend)
+    assert sorted(path.rsplit("/", 2)[-2] if path.endswith("/zarr.json") else "LIST" for _, path in opening) == \
+        ["LIST"] + [f"shard-{k:04d}" for k in range(SHARDS)], opening
     root = tmp_path / "s3"
     publish_weights(RunPaths(root).root, make_model().state_dict(), 0)
     with s3_server.requests.recording(by_key=True) as sent:
@@ -262,10 +272,31 @@ def test_ranks_over_a_url_buffer_take_rank_zeros_refresh_and_get_only_their_rows
     assert_trains_like(root, one_rank_shards)
     by_rank = [[(method, path) for key, method, path in sent if key == f"rank{r}"] for r in range(3)]
     assert len(_view_requests(by_rank[0])) > len(opening)  # rank 0 refreshed for its draws
+    assert sorted(_view_requests(by_rank[0])[:len(opening)]) == opening  # rank 0 opened the buffer
     for rank in (1, 2):
-        assert sorted(_view_requests(by_rank[rank])) == opening, rank
+        assert _view_requests(by_rank[rank]) == [], rank
         units = {path.split("/units/")[1].split("/")[0] for method, path in by_rank[rank] if "/units/" in path}
         assert units, rank  # it read its rows itself
+
+
+def test_ranks_resuming_over_a_url_buffer_open_it_from_rank_zeros_records(s3_server, one_rank_shards, tmp_path):
+    """A 3-rank run over an S3 buffer stopped at its checkpoint of step 2 and resumed by 3 ranks: rank 0
+    opens the buffer and checks that the rows the checkpoint saw are still there; ranks 1 and 2 open it
+    from the records rank 0 sends, listing nothing and GETting no record, and the run ends as one rank's."""
+    url = _s3_sharded_buffer(s3_server)
+    root = tmp_path / "s3-resumed"
+    publish_weights(RunPaths(root).root, make_model().state_dict(), 0)
+    torchrun(3, root, 2, "s3-shards", url, env=s3_server.env())
+    assert CheckpointManager(root / "checkpoints").latest_step() == 2
+    with s3_server.requests.recording(by_key=True) as sent:
+        torchrun(3, root, STEPS, "s3-shards", url, env=s3_server.env())
+    assert_trains_like(root, one_rank_shards)
+    by_rank = [[(method, path) for key, method, path in sent if key == f"rank{r}"] for r in range(3)]
+    # rank 0: the opening (a LIST and a GET of each record), then the checkpoint's check refreshes
+    assert sum("list-type=2" in path for _, path in _view_requests(by_rank[0])[:2 * (1 + SHARDS)]) == 2
+    for rank in (1, 2):
+        assert _view_requests(by_rank[rank]) == [], rank
+        assert any("/units/" in path for _, path in by_rank[rank]), rank  # it read its rows itself
 
 
 def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(one_rank, tmp_path):

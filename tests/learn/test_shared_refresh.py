@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.rank_slices import SharedView
 from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
-from rlhf_pipeline.learn.shard_rows import row_names
+from rlhf_pipeline.learn.shard_rows import open_in_view, published_view, row_names
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.schema.synthetic import synthetic_batch
 from rlhf_pipeline.storage import create_store, open_buffer
@@ -74,7 +75,7 @@ def test_other_ranks_adopt_rank_zeros_refresh_and_send_no_record_get_or_list(s3_
             writer.close()
 
 
-def test_a_shard_new_to_another_rank_is_opened_from_rank_zeros_listing(s3_server):
+def test_a_shard_new_to_another_rank_is_opened_from_rank_zeros_listing_and_record(s3_server):
     prefix = s3_server.url("buffer")
     with ZarrTrajectoryStore.create(f"{prefix}/shard-0000", StoreSchema(), storage_options=s3_server.options) as w:
         w.append(_rows(0, 0))
@@ -88,9 +89,88 @@ def test_a_shard_new_to_another_rank_is_opened_from_rank_zeros_listing(s3_server
         positions = DataParallel(rank=1, world_size=2).positions_in_view(
             other, DataParallel(rank=0, world_size=2).view_changes(names), stop=threading.Event(), timeout_s=5)
     assert sorted(other.shards) == [0, 1]
-    assert not any("list-type=2" in path for _, path in sent)  # the listing was rank 0's
-    assert [path for _, path in _view_requests(sent)] == [f"{prefix.removeprefix('s3:/')}/shard-0001/zarr.json"]
+    assert _view_requests(sent) == []  # the listing and the new shard's record were rank 0's
     assert other.read(positions)["trajectory_id"].tolist() == list(range(4)) + list(range(1000, 1004))
+    main.close()
+    other.close()
+
+
+def _aws_environment(s3_server, monkeypatch) -> None:
+    """The server's endpoint and credentials in the environment, as a learner rank finds them: a buffer
+    opened with no ``storage_options`` (whose backend was detected with one more GET of each record)."""
+    for name, value in s3_server.env().items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+
+
+def _what_was_read(sent) -> list[str]:
+    """Per view request, sorted: ``LIST``, or the shard whose commit record it GETs."""
+    return sorted("LIST" if "list-type=2" in path else path.rsplit("/", 2)[-2] for _, path in _view_requests(sent))
+
+
+def _all_rows(store) -> list[int]:
+    """The rows ``store`` holds as of its last refresh (``len()`` would refresh it)."""
+    return store.read(torch.arange(int(store.next_row - store.first_row)))["trajectory_id"].tolist()
+
+
+def test_other_ranks_open_the_buffer_from_the_records_rank_zero_read_and_send_nothing(s3_server, monkeypatch):
+    """Opening, shared like the refresh: rank 0 lists the buffer and GETs each shard's record once;
+    a reader opened from those records sends no request at all and holds exactly rank 0's rows."""
+    _aws_environment(s3_server, monkeypatch)
+    prefix = s3_server.url("buffer")
+    # the collectors stay open: closing merges a shard's fragments, and a reader of the old one rereads the record
+    writers = [ZarrTrajectoryStore.create(f"{prefix}/shard-{k:04d}", StoreSchema(), segment_rows=64) for k in range(4)]
+    for k, writer in enumerate(writers):
+        writer.append(_rows(k, 0))
+    with s3_server.requests.recording() as sent:
+        main = open_buffer(prefix, refresh_interval_s=0)
+    assert _what_was_read(sent) == ["LIST", "shard-0000", "shard-0001", "shard-0002", "shard-0003"], sent
+    assert len(sent) == 5
+    writers[2].append(_rows(2, 1))  # after rank 0 read its record: a reader opened on its own would see it
+    with s3_server.requests.recording() as sent:
+        other = open_in_view(prefix, published_view(main), refresh_interval_s=0)
+    assert sent == []
+    assert sorted(other.shards) == [0, 1, 2, 3]
+    assert [length for *_, length in other.shard_ranges()] == [length for *_, length in main.shard_ranges()]
+    assert _all_rows(other) == _all_rows(main) == [k * 1000 + i for k in range(4) for i in range(ROWS_PER_APPEND)]
+    # rank 0's first draw after the opening sends only the record that changed since; the other rank then
+    # holds its rows
+    shared_view = SharedView()
+    shared_view.opened(published_view(main))
+    main.refresh()
+    names = shared_view.changes(row_names(main, torch.arange(5 * ROWS_PER_APPEND)))
+    assert sorted(names.view) == ["shard-0002"]
+    positions = DataParallel(rank=1, world_size=2).positions_in_view(other, names, stop=threading.Event(), timeout_s=5)
+    assert other.read(positions)["trajectory_id"].tolist() == _all_rows(main)
+    # a reader like any other from then on: its own refresh sees the append, and a new shard is opened
+    # with one GET of its record (not a second one right after)
+    with ZarrTrajectoryStore.create(f"{prefix}/shard-0004", StoreSchema(), segment_rows=64) as writer:
+        writer.append(_rows(4, 0))
+    with s3_server.requests.recording() as sent:
+        assert other.refresh() == 6 * ROWS_PER_APPEND
+    assert _what_was_read(sent) == ["LIST"] + [f"shard-{k:04d}" for k in range(5)]
+    main.close()
+    other.close()
+    for writer in writers:
+        writer.close()
+
+
+def test_a_single_store_at_a_url_opens_with_one_record_get_and_another_rank_from_it(s3_server, monkeypatch):
+    _aws_environment(s3_server, monkeypatch)
+    url = s3_server.url("store")
+    writer = ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=64)
+    writer.append(_rows(0, 0))
+    with s3_server.requests.recording() as sent:
+        main = open_buffer(url, refresh_interval_s=0)
+    assert [path for _, path in _view_requests(sent) if path.endswith("/zarr.json")] == \
+        [f"{url.removeprefix('s3:/')}/zarr.json"]  # the record, once: no GET to tell its backend
+    writer.append(_rows(0, 1))
+    with s3_server.requests.recording() as sent:
+        other = open_in_view(url, published_view(main), refresh_interval_s=0)
+    assert sent == []
+    assert _all_rows(other) == _all_rows(main) == list(range(ROWS_PER_APPEND))  # rank 0's view, not newer
+    assert len(other) == 2 * ROWS_PER_APPEND  # its own refresh reads the record as any reader's does
+    writer.close()
     main.close()
     other.close()
 

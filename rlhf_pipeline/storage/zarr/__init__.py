@@ -4,7 +4,8 @@ Modules: :mod:`.store` (the store), :mod:`.layout` (keys, array metadata, codecs
 :mod:`.units` (the kinds of unit, writing and checked reading), :mod:`.location` (where a
 store lives and raw key/value I/O), :mod:`.writer` (cutting appends into units, background
 sealing), :mod:`.unit_cache` (decoded units and their LRU), :mod:`.padded` (locating rows for
-fused padded reads), :mod:`.inspection` (stats and checks without torch), :mod:`.repair`.
+fused padded reads), :mod:`.inspection` (stats and checks without torch), :mod:`.repair`,
+:mod:`.from_record` (a reader opened from another reader's commit record: no request).
 The store class is imported on first use: ``inspect`` and ``repair`` need no torch.
 """
 
