@@ -287,7 +287,7 @@ def _check_buffer_at_url(pipeline: Pipeline, paths: RunPaths) -> None:
 def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:
     """Creates the shards under ``buffer_url`` that hold no store yet (one listing of the prefix)."""
     from rlhf_pipeline.storage.buffers import list_shards
-    from rlhf_pipeline.storage.errors import StoreLockedError
+    from rlhf_pipeline.storage.errors import LocalOnlyStoreError, StoreLockedError
 
     existing = {index for index, location in list_shards(paths.buffer_location) if _is_store(location)}
     for index in shards:
@@ -299,6 +299,10 @@ def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int
             # created since the listing by a start on another machine (a collector started beside
             # this learner may already hold its writer lock): its rows stay
             continue
+        except LocalOnlyStoreError as exc:
+            raise PipelineError(f"a run at a URL ({paths.url or paths.buffer_url}) keeps its buffer there, but the "
+                                f"pipeline's create_buffer makes a store that lives on a file system only ({exc}). "
+                                f"Make create_buffer create a Zarr store, or run with a local --home") from None
         backend = getattr(store, "backend_name", None)
         store.close()
         if backend != "zarr":

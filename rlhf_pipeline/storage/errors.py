@@ -43,6 +43,10 @@ class IncompatibleStoreError(StoreError):
     """The store was written by a different backend or an incompatible format version."""
 
 
+class LocalOnlyStoreError(StoreError, ValueError):
+    """A backend that keeps files on a local or shared file system was given a URL."""
+
+
 class StoreDamageWarning(UserWarning):
     """A store was opened at an older state than its newest, damaged one (rows rolled back),
     or holds damage that reads do not reach yet; the message names the files and the rows."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from contract import StoreContractTests
 from helpers import assert_same_padded, make_batch
 
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.storage import create_store
 from rlhf_pipeline.storage.base import StoreCorruptedError, StoreLockedError
+from rlhf_pipeline.storage.errors import LocalOnlyStoreError
 from rlhf_pipeline.files.atomic import publish_json
 from rlhf_pipeline.storage.manifest import IncompatibleStoreError, read_json
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots
@@ -294,3 +297,20 @@ def test_read_padded_row_index_follows_a_long_run_at_bounded_memory(tmp_path):
             assert len(index.columns["prompt_start"]) <= max(2 * (held + 48), 1024)
         assert reader.first_row > 2000  # most rows were evicted along the way
         assert set(reader._padded_cache._sources) <= set(reader._segments)
+
+
+@pytest.mark.parametrize("location", ["s3://bucket/run/buffer/shard-0000", Path("s3://bucket/run/buffer/shard-0000"),
+                                      "az://container/buffer"])
+def test_a_url_is_refused_not_made_into_a_local_directory(tmp_path, monkeypatch, location):
+    """``Path("s3://b/k")`` is ``s3:/b/k``: taken as a path, a URL would become a local directory
+    named ``s3:`` that a run fills while the user believes the rows are in the bucket."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LocalOnlyStoreError, match="is a URL.*Zarr store"):
+        create_store(location, "memmap")
+    with pytest.raises(LocalOnlyStoreError, match="is a URL"):
+        MemmapTrajectoryStore.open(location, mode="a")
+    assert list(tmp_path.iterdir()) == []
+    # a local directory whose name merely contains a colon is still a directory
+    store = create_store(tmp_path / "runs:1" / "buffer", "memmap")
+    store.close()
+    assert (tmp_path / "runs:1" / "buffer").is_dir()

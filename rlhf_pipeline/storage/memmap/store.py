@@ -52,6 +52,7 @@ before the eviction can still map them.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 import warnings
@@ -71,7 +72,7 @@ from rlhf_pipeline.storage.base import (
     StoreCorruptedError,
     StoreStats,
 )
-from rlhf_pipeline.storage.errors import StoreDamageWarning
+from rlhf_pipeline.storage.errors import LocalOnlyStoreError, StoreDamageWarning
 from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
 from rlhf_pipeline.storage.manifest import check_header, schema_from_manifest
 from rlhf_pipeline.storage.memmap import layout
@@ -118,6 +119,20 @@ DEFAULT_EVICT_GRACE_S = 60.0
 # 256 segments (1M rows at the default segment size) never maps a segment twice.
 DEFAULT_MAPPED_SEGMENTS = 256
 
+_URL_TURNED_PATH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/(?!/)")  # Path("s3://b/k") is "s3:/b/k"; "C:/" is a drive
+
+
+def _local_directory(location: str | os.PathLike) -> Path:
+    """``location`` as a local directory; a URL (or a URL that went through ``Path``, which drops one
+    ``/``) is refused, since it would silently become a local directory named ``s3:``."""
+    text = os.fspath(location)
+    if "://" in text or _URL_TURNED_PATH.match(text):
+        raise LocalOnlyStoreError(f"{text!r} is a URL, but a memmap store is a directory on a local or shared file system: "
+                         f"keep a buffer at a URL in a Zarr store (create_store(url, 'zarr'); in a pipeline, "
+                         f"create_buffer making a Zarr store, --set buffer_backend=zarr where the pipeline has it), "
+                         f"or give a local path")
+    return Path(text)
+
 
 class MemmapTrajectoryStore(SegmentedTrajectoryStore):
     """A :class:`TrajectoryStore` in a local directory of memory-mapped segment files.
@@ -149,7 +164,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         the same schema, segment size and capacity. ``mapped_segments`` is as for :meth:`open`.
         """
         schema = schema or StoreSchema()
-        path = Path(path)
+        path = _local_directory(path)
         check_segment_layout(segment_rows, capacity_rows)
         if (path / MANIFEST_NAME).exists():
             if not exist_ok:
@@ -212,7 +227,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         """
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' (read) or 'a' (append), got {mode!r}")
-        path = Path(path)
+        path = _local_directory(path)
         read_manifest(path)  # NotAStoreError before anything is created (a writer's lock file)
         if mode == "r":
             return cls(path, lock=None, durable=durable, mapped_segments=mapped_segments)
