@@ -120,9 +120,9 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     """Imports ``source_path`` into ``buffer`` with ``pipeline``'s tokenizer, model and write path.
 
     ``run_root``: the run ``buffer`` belongs to (:func:`~rlhf_pipeline.dataio.run_pipeline.find_run`:
-    a directory, or a run at a URL); its newest weights score missing log-probs. Raises :class:`SourceError` for bad input and
-    ``PipelineError`` when the pipeline cannot provide what the buffer needs; either way
-    nothing is written.
+    a directory, or a run at a URL); its newest weights score missing log-probs. Raises
+    :class:`SourceError` for bad input and ``PipelineError`` when the pipeline cannot provide
+    what the buffer needs; either way nothing is written.
     """
     source = open_source(source_path, options.format, options.split)
     target = resolve_target(buffer, run_root)
@@ -233,6 +233,10 @@ def _open_or_create(pipeline: Pipeline, path: Path | str):
         try:
             detect_backend(path)
         except NotAStoreError:  # nothing there, or what a killed create left without its commit record
+            backend = getattr(pipeline.settings, "buffer_backend", None)
+            if isinstance(backend, str) and backend != "zarr":  # before a memmap store makes a local "s3:"
+                raise PipelineError(f"{path} is a URL, where only a Zarr buffer can live, but setting "
+                                    f"'buffer_backend' is {backend!r}: add --set buffer_backend=zarr")
             return _created_at_url(pipeline.create_buffer(path), path), True
         return open_store(path, mode="a"), False
     if path.exists() and (not path.is_dir() or any(path.iterdir())):

@@ -17,8 +17,8 @@ Order of work, so that bad input fails before anything is written:
    versions (the metrics still show them: ``charts/row_version_*``, ``charts/staleness_*``);
 3. prepare the new run under a lock (a directory, or a URL with ``--home s3://...``: then
    settings, the pipeline copy, weights, checkpoints, metrics and ``batches.jsonl`` are objects
-   there, as ``run --home URL`` keeps them, and local disk is only a cache): ``settings.json`` holds the pipeline's
-   settings plus a ``replay`` section (source, rows, options, the learner settings used); a
+   there, as ``run --home URL`` keeps them, and local disk is only a cache). ``settings.json``
+   holds the pipeline's settings plus a ``replay`` section (source, rows, options, the learner settings used); a
    second start must match it (only ``--epochs``/``--steps``, ``--device`` and, with a
    note, ``learner.*`` may change). The initial policy (``--init-from``, else the
    pipeline's ``make_policy()``) is published as weights version 0;
@@ -140,7 +140,8 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
     prepare_replay_run(pipeline, paths, record, options)
     epochs = steps / batches_per_epoch
     print(f"[replay] {options.buffer}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
-          f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) into {paths.location}",
+          f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) "
+          f"into {paths.location}",
           file=sys.stderr, flush=True)
     window = learner_settings.shuffle_window_rows
     if options.order == "shuffle" and 0 < window < rows:
@@ -365,7 +366,8 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
                         if k not in _RESUMABLE_OPTIONS and k in record and saved_replay.get(k) != record[k]]
             if changed:
                 raise ReplayError(
-                    f"run directory {paths.location} holds a replay started with other settings ({'; '.join(changed)}). "
+                    f"run directory {paths.location} holds a replay started with other settings "
+                    f"({'; '.join(changed)}). "
                     f"Resume with the same command, or start a new replay with --run-name NAME"
                 )
         # the initial policy before settings.json: a --init-from that does not fit leaves nothing behind
@@ -377,9 +379,10 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
             try:
                 paths.store.create(paths.key(paths.settings_file), text,
                                    partial_name=paths.settings_file.name + ".partial")
-            except StaleWriterError:  # only another machine's start of this replay writes it meanwhile
-                raise ReplayError(f"{paths.location} was started meanwhile by another replay with other settings; "
-                                  f"run the same command again to compare with them") from None
+            except StaleWriterError:  # only a start of this replay on another machine writes it meanwhile
+                raise ReplayError(f"{paths.location} was started meanwhile by another start of this replay (another "
+                                  f"machine); run the same command again: it checks its settings against that one"
+                                  ) from None
         keep_pipeline_copy(pipeline, paths)  # what export-model rebuilds the model from
         if model is not None:
             publish_weights(paths.store, model.state_dict(), 0)
@@ -406,15 +409,15 @@ def load_policy(location: str, make_model, *, what: str):
     if latest_version(run) is not None:
         state, version = load_weights(run)
         source = f"run {location} (weights version {version})"
+    elif is_url(location):  # never looked for as a local directory named "s3:"
+        raise ReplayError(f"{what} {location} holds no published weights (weights/policy_*): give the URL of a "
+                          f"run (--home URL plus its --run-name), or a local save_pretrained directory")
     elif (path / "config.json").is_file():
         try:
             state = load_model(path).state_dict()
         except ModelLoadError as exc:
             raise ReplayError(f"{what} {location}: {exc}") from exc
         source = f"model directory {path}"
-    elif is_url(location):
-        raise ReplayError(f"{what} {location} holds no published weights (weights/policy_*): give the URL of a "
-                          f"run (--home URL plus its --run-name), or a local save_pretrained directory")
     else:
         raise ReplayError(f"{what} {location} is neither a run directory (weights/policy_*) nor a model "
                           f"directory written by save_pretrained() (config.json + weights)")

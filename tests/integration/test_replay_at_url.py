@@ -14,12 +14,13 @@ import time
 
 import pytest
 import torch
-from integration.test_replay import DEFAULT, REPO, ROWS, SMALL_CLI, record, recorded_rows
+from integration.test_replay import DEFAULT, REPO, ROWS, SMALL, SMALL_CLI, record, recorded_rows
 from integration.test_run_at_url import trained
 
 from rlhf_pipeline.coordination.weights import load_weights
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.runs.replay import ReplayOptions, replay_command
 
 EPOCHS = ["--epochs", "2", "--seed", "7"]  # 12 steps of 16 rows; checkpoints every 2 steps
 VERSION = ("charts/policy_version",)
@@ -82,6 +83,12 @@ def test_a_replay_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3
         [r["trajectory_ids"] for r in logged(local_run, "batches.jsonl")]
     assert same_weights(store, tmp_path / "local" / "r1")
 
+    # a run at a URL as starting weights (in this process: one step is enough to start from them)
+    replay_command(DEFAULT, ReplayOptions(buffer=source, init_from=f"{home}/r1", steps=1), home=str(tmp_path / "local"),
+                   run_name="from-url", overrides=SMALL)
+    (start, version), (newest, _) = load_weights(tmp_path / "local" / "from-url", 0), load_weights(store)
+    assert version == 0 and all(torch.equal(start[k], newest[k]) for k in newest)
+
     # the same command again: finished, nothing retrained; a changed option is refused, naming it
     again = replay(env, tmp_path, home, "r1", source, "--order", "sequential")
     assert again.returncode == 2 and "--order: was 'shuffle', now 'sequential'" in again.stderr, again.stderr[-3000:]
@@ -134,15 +141,19 @@ def test_a_replay_killed_at_a_url_resumes_to_the_same_losses_rows_and_weights(s3
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
 
 
-def test_a_replay_home_or_init_from_with_an_unsupported_scheme_is_refused(env, source, tmp_path):
-    refused = replay(env, tmp_path, "gs://bucket/runs", "r", source)
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "--home 'gs://bucket/runs' is a URL with a scheme a run cannot live at yet" in refused.stderr
-    refused = replay(env, tmp_path, str(tmp_path / "home"), "r", source, "--init-from", "ftp://host/run")
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "--init-from: RUN 'ftp://host/run' is a URL with a scheme a run cannot live at" in refused.stderr
-    refused = replay(env, tmp_path, str(tmp_path / "home"), "r", "foo://bucket/buffer")
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    assert "foo://" in refused.stderr and "Traceback" not in refused.stderr
+def test_a_replay_home_or_init_from_with_an_unsupported_scheme_is_refused(env, source, tmp_path, monkeypatch,
+                                                                          capsys):
+    """In this process: each refusal comes before any training, and a CLI start costs seconds."""
+    from rlhf_pipeline.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    base = ["replay", DEFAULT, *SMALL_CLI, "--steps", "1"]
+    assert main([*base, "--buffer", source, "--home", "gs://bucket/runs", "--run-name", "r"]) == 2
+    assert "--home 'gs://bucket/runs' is a URL with a scheme a run cannot live at yet" in capsys.readouterr().err
+    home = str(tmp_path / "home")
+    assert main([*base, "--buffer", source, "--home", home, "--run-name", "r", "--init-from", "ftp://host/run"]) == 2
+    assert "--init-from: RUN 'ftp://host/run' is a URL with a scheme a run cannot live at" in capsys.readouterr().err
+    assert main([*base, "--buffer", "foo://bucket/buffer", "--home", home, "--run-name", "r"]) == 2
+    assert "foo:// is not a URL scheme a buffer can be read at" in capsys.readouterr().err
     assert not any(p.name.endswith(":") for p in tmp_path.rglob("*"))  # no URL taken for a local path
     assert not (tmp_path / "home" / "r" / "settings.json").exists()
