@@ -101,6 +101,7 @@ def _import(args: argparse.Namespace, fail, stop) -> int:
     from rlhf_pipeline.dataio.importer import ImportOptions
     from rlhf_pipeline.dataio.run_pipeline import find_run
     from rlhf_pipeline.files.run_paths import RunLocationError, check_run_url, is_url
+    from rlhf_pipeline.files.run_store import RunStoreError
     from rlhf_pipeline.runs.run_directory import RunError, hold_run_directory
 
     columns = ColumnMap(**{dest: getattr(args, f"col_{dest}") for _, dest, _ in _COLUMN_OPTIONS},
@@ -116,11 +117,13 @@ def _import(args: argparse.Namespace, fail, stop) -> int:
     except RunLocationError as exc:
         return fail(f"{exc}. An import writes a buffer at an s3:// or az:// URL only: for another place, import "
                     f"into a local path and copy it with `rlhf-pipeline convert`")
+    except RunStoreError as exc:  # the object store refused to say whether a run is there
+        return fail(str(exc))
     try:
         # importing into a run's buffer takes the run directory, as `run` and `replay` do
         with hold_run_directory(run, "import") if run is not None else nullcontext():
             return _import_into(args, run, options, fail)
-    except RunError as exc:
+    except (RunError, RunStoreError) as exc:
         return fail(str(exc))
 
 
@@ -131,6 +134,7 @@ def _import_into(args: argparse.Namespace, run, options, fail) -> int:
     from rlhf_pipeline.dataio.importer import ImportStopped, import_source
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.dataio.sources import SourceError
+    from rlhf_pipeline.files.run_store import RunStoreError, StaleWriterError
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
     from rlhf_pipeline.runs.processes import build_pipeline, set_threads
     from rlhf_pipeline.storage import StoreError
@@ -153,7 +157,7 @@ def _import_into(args: argparse.Namespace, run, options, fail) -> int:
         set_threads(pipeline)  # as `run` does: the warm start in make_policy() obeys it too
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         result = import_source(args.source, args.buffer, pipeline, options=options, run_root=run, log=log)
-    except (SourceError, PipelineError, StoreError, MissingExtraError) as exc:
+    except (SourceError, PipelineError, StoreError, MissingExtraError, RunStoreError, StaleWriterError) as exc:
         return fail(str(exc))
     except ImportStopped:
         raise KeyboardInterrupt from None
