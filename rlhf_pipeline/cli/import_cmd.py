@@ -3,7 +3,9 @@ Hugging Face dataset into a replay buffer, through the pipeline's tokenizer and 
 
 BUFFER is a store (created with the pipeline's ``create_buffer`` when new) or a run (its
 directory or ``buffer/``: the rows get a shard of their own, the pipeline and settings come
-from the run). See :mod:`rlhf_pipeline.dataio.importer` for what happens, in which order.
+from the run). Either may be at an ``s3://`` or ``az://`` URL (a run made with ``run --home URL``;
+a store at a URL is a Zarr store); another scheme is refused. See :mod:`rlhf_pipeline.dataio.importer`
+for what happens, in which order.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ _COLUMN_OPTIONS = (
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("source", help="a JSONL or Parquet file, a save_to_disk directory, or a directory of data files")
     parser.add_argument("buffer", help="the buffer to write: a store path (new or existing), or a run directory / "
-                                       "its buffer/ (a new shard)")
+                                       "its buffer/ (a new shard); either may be an s3:// or az:// URL")
     parser.add_argument("--pipeline", metavar="PIPELINE.py", default=None,
                         help="pipeline whose tokenizer, model and write path the import uses (optional for a "
                              "run, which keeps a copy of its own)")
@@ -97,8 +99,9 @@ def _import(args: argparse.Namespace, fail, stop) -> int:
 
     from rlhf_pipeline.dataio.columns import ColumnMap
     from rlhf_pipeline.dataio.importer import ImportOptions
-    from rlhf_pipeline.dataio.run_pipeline import find_run_root
-    from rlhf_pipeline.pipeline import RunPaths
+    from rlhf_pipeline.dataio.run_pipeline import find_run
+    from rlhf_pipeline.files.run_paths import RunLocationError, check_run_url, is_url
+    from rlhf_pipeline.files.run_store import RunStoreError
     from rlhf_pipeline.runs.run_directory import RunError, hold_run_directory
 
     columns = ColumnMap(**{dest: getattr(args, f"col_{dest}") for _, dest, _ in _COLUMN_OPTIONS},
@@ -107,43 +110,54 @@ def _import(args: argparse.Namespace, fail, stop) -> int:
     options = ImportOptions(columns=columns, format=args.format, split=args.split,
                             policy_version=args.policy_version, rows_per_chunk=args.rows_per_chunk,
                             show_progress=not args.quiet, stop=stop)
-    run_root = find_run_root(args.buffer)
+    try:
+        if is_url(args.buffer):  # never a local path named "s3:"; only where the import can write
+            check_run_url(args.buffer, "BUFFER")
+        run = find_run(args.buffer)
+    except RunLocationError as exc:
+        return fail(f"{exc}. An import writes a buffer at an s3:// or az:// URL only: for another place, import "
+                    f"into a local path and copy it with `rlhf-pipeline convert`")
+    except RunStoreError as exc:  # the object store refused to say whether a run is there
+        return fail(str(exc))
     try:
         # importing into a run's buffer takes the run directory, as `run` and `replay` do
-        with hold_run_directory(RunPaths(run_root), "import") if run_root is not None else nullcontext():
-            return _import_into(args, run_root, options, fail)
-    except RunError as exc:
+        with hold_run_directory(run, "import") if run is not None else nullcontext():
+            return _import_into(args, run, options, fail)
+    except (RunError, RunStoreError) as exc:
         return fail(str(exc))
 
 
-def _import_into(args: argparse.Namespace, run_root, options, fail) -> int:
+def _import_into(args: argparse.Namespace, run, options, fail) -> int:
     import sys
 
     from rlhf_pipeline.dataio.extras import MissingExtraError
     from rlhf_pipeline.dataio.importer import ImportStopped, import_source
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.dataio.sources import SourceError
+    from rlhf_pipeline.files.run_store import RunStoreError, StaleWriterError
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
     from rlhf_pipeline.runs.processes import build_pipeline, set_threads
     from rlhf_pipeline.storage import StoreError
 
     try:
-        if run_root is not None:
+        if run is not None:
             if args.overrides:
-                return fail(f"{args.buffer} belongs to run {run_root}, whose settings.json sets the pipeline's "
+                return fail(f"{args.buffer} belongs to run {run.location}, whose settings.json sets the pipeline's "
                             f"settings; drop --set")
-            pipeline = load_run_pipeline(run_root, args.pipeline, device=args.device)
+            pipeline = load_run_pipeline(run, args.pipeline, device=args.device)
         else:
             if args.pipeline is None:
                 return fail("pass --pipeline PIPELINE.py: its tokenizer, model and write path shape the rows")
             module = load_pipeline_module(args.pipeline)
             overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
             settings = make_settings(module, overrides)
-            pipeline = build_pipeline(module, settings, RunPaths(Path(args.buffer).resolve().parent))
+            home = args.buffer.rstrip("/").rsplit("/", 1)[0] if "://" in args.buffer else None
+            pipeline = build_pipeline(module, settings, RunPaths.at_url(home) if home else
+                                      RunPaths(Path(args.buffer).resolve().parent))
         set_threads(pipeline)  # as `run` does: the warm start in make_policy() obeys it too
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        result = import_source(args.source, args.buffer, pipeline, options=options, run_root=run_root, log=log)
-    except (SourceError, PipelineError, StoreError, MissingExtraError) as exc:
+        result = import_source(args.source, args.buffer, pipeline, options=options, run_root=run, log=log)
+    except (SourceError, PipelineError, StoreError, MissingExtraError, RunStoreError, StaleWriterError) as exc:
         return fail(str(exc))
     except ImportStopped:
         raise KeyboardInterrupt from None

@@ -16,6 +16,11 @@ published as lost (reads of them raise), so no append reuses a row id a readable
 
 Exit code: 0 when nothing needs repair (or ``--apply`` repaired everything), 1 when
 something needs repair (dry run) or cannot be recovered, 2 on errors.
+
+A Zarr store (or a buffer of shards) at an ``s3://`` or ``az://`` URL is repaired the same way,
+under the store's leased writer lock: a live writer keeps ``--apply`` out, and the record is
+written only over the version repair read (``storage/zarr/repair.py``). Other URL schemes have no
+writer lock across machines: repair reports what it found there but writes nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN stores")
+    parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN "
+                                     "stores; a Zarr store or a prefix of shards may be an s3:// or az:// URL")
     parser.add_argument("--apply", action="store_true", help="write the repair (default: a dry run)")
     parser.add_argument("--json", action="store_true", help="print a JSON list, one object per store")
     parser.add_argument("--quiet", action="store_true", help="no progress")
@@ -37,13 +43,17 @@ def run(args: argparse.Namespace) -> int:
 
     from rlhf_pipeline.cli.progress import progress_reporter
     from rlhf_pipeline.storage.buffers import repair_buffer
-    from rlhf_pipeline.storage.errors import StoreError
+    from rlhf_pipeline.storage.errors import StoreError, StoreLockedError
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # repair reports the damage itself
         try:
             reports = repair_buffer(args.path, apply=args.apply,
                                     progress=progress_reporter("repair", "parts", quiet=args.quiet))
+        except StoreLockedError as exc:
+            print(f"rlhf-pipeline repair: {exc}\nrepair --apply needs the store's writer lock: stop that writer (or "
+                  f"wait until its lease runs out), then run repair again; nothing was written", file=sys.stderr)
+            return 2
         except StoreError as exc:
             print(f"rlhf-pipeline repair: {exc}", file=sys.stderr)
             return 2

@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="(required) the recorded buffer: a memmap or Zarr store (directory, .zip, file:// "
                              "URL) or a run's buffer/ of shards; opened read-only, never modified")
     parser.add_argument("--init-from", default=None, metavar="RUN_DIR_OR_MODEL_DIR",
-                        help="starting weights: a run directory (its newest weights) or a save_pretrained "
-                             "directory (default: the pipeline's initial policy, warm start included)")
+                        help="starting weights: a run directory or a run's s3:// / az:// URL (its newest weights) "
+                             "or a save_pretrained directory (default: the pipeline's initial policy, warm start "
+                             "included)")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, default=None, metavar="E",
                         help="passes over every row (default 1); the last batch of an epoch is partial")
@@ -50,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                            help="recompute advantages from the stored rewards against the group mean or the "
                                 "mean of the other completions (leave-one-out, RLOO)")
     parser.add_argument("--home", default=None,
-                        help="directory holding run directories (default: storage/ in the repo, or "
-                             "$RLHF_PIPELINE_HOME)")
+                        help="directory holding run directories, or an s3:// or az:// URL (the whole replay run "
+                             "there; default: storage/ in the repo, or $RLHF_PIPELINE_HOME)")
     parser.add_argument("--run-name", default=None,
                         help="the new run's directory name under --home (default: <pipeline>-replay)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.runs.replay import ReplayError, ReplayOptions, replay_command
     from rlhf_pipeline.files.run_paths import RunLocationError
+    from rlhf_pipeline.files.run_store import RunStoreError, StaleWriterError
     from rlhf_pipeline.runs.run_directory import RunDirectoryBusyError
 
     if args.buffer is None and not args.list_settings:
@@ -82,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         return replay_command(args.pipeline, options, home=args.home, run_name=args.run_name, device=args.device,
                               overrides=args.overrides, list_settings=args.list_settings)
-    except (PipelineError, ReplayError, RunDirectoryBusyError, RunLocationError) as exc:
+    # a run at a URL: an object store that refuses (credentials, no bucket, retries spent) or a
+    # start elsewhere that took the run over is one line, as for `run`
+    except (PipelineError, ReplayError, RunDirectoryBusyError, RunLocationError, RunStoreError,
+            StaleWriterError) as exc:
         print(f"rlhf-pipeline replay: error: {exc}", file=sys.stderr)
         return 2

@@ -5,18 +5,23 @@ new shard of its own, numbered from :data:`IMPORT_SHARD_FIRST` so that a run's c
 (shards 0, 1, ...) never write into it and its ids (``id_base(shard) + counter``) never meet
 theirs. A collector's own shard is refused for the same reason.
 
+A run at a URL (``s3://bucket/prefix/RUN`` or its ``buffer/``) is the same: the shard is a Zarr
+store at ``<run>/buffer/shard-9000``, the record an object of the run (``files/run_store.py``); a
+bare store at an ``s3://`` or ``az://`` URL keeps its records under ``<store>/imports/`` there.
+
 Record. ``<store>/imports/import-<key>.pt`` (``<run>/imports/`` for a run), keyed by the
 store and the source files, holds the source's fingerprint (paths, sizes, mtimes), the
 options, the first fresh group / trajectory ids and the source rows written. Around each
 append it also holds the append in flight with the store's ``next_row`` before it (the
 scheme of ``collect/position.py``): the import is the store's only writer and an append is
 atomic, so after ``kill -9`` a larger ``next_row`` means that append landed. Every write
-of the record is atomic (:func:`~rlhf_pipeline.files.atomic.save_torch_atomic`).
+of the record is atomic (a ``*.partial`` file renamed, or one PUT at a URL: :class:`RunStore`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from dataclasses import dataclass
@@ -25,8 +30,9 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.files.atomic import save_torch_atomic
 from rlhf_pipeline.dataio.sources import Source, SourceError
+from rlhf_pipeline.files.run_paths import RunLocationError, check_run_url, is_url
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
 from rlhf_pipeline.pipeline import RunPaths
 
 RECORD_FORMAT = 1
@@ -41,22 +47,29 @@ _SHARD_RE = re.compile(r"^shard-(\d+)$")
 class Target:
     """The store an import writes, and the run it belongs to (if any)."""
 
-    store_path: Path
+    store_path: Path | str  # a local path, or a URL (a store at a URL, a shard of a run at a URL)
     run: RunPaths | None
     shard_index: int | None  # the shard's index when the store is a run's buffer shard
     new_shard: bool  # a shard this import creates in the run's buffer
 
     @property
-    def record_dir(self) -> Path:
-        return (self.run.root if self.run is not None else self.store_path) / "imports"
+    def records(self) -> RunStore:
+        """Where the import records are kept (under ``imports/``): the run's store, or the store's own."""
+        if self.run is not None:
+            return self.run.store
+        if is_url(str(self.store_path)):
+            return RunPaths.at_url(str(self.store_path)).store
+        return LocalRunStore(self.store_path)
 
 
-def resolve_target(buffer: str | Path, run_root: Path | None) -> Target:
+def resolve_target(buffer: str | Path, run: RunPaths | Path | None) -> Target:
     """What ``BUFFER`` names: a store (new or existing), or a run (a new shard of its buffer)."""
+    if is_url(str(buffer)):
+        return _url_target(str(buffer).rstrip("/"), run)
     path = Path(buffer).resolve()
-    if run_root is None:
+    if run is None:
         return Target(path, None, None, False)
-    run = RunPaths(run_root)
+    run = run if isinstance(run, RunPaths) else RunPaths(run)
     if path in (run.root, run.buffer) and not run.single_store_buffer:
         return Target(run.buffer, run, None, True)  # the shard index is chosen with the record
     if path in (run.root, run.buffer):
@@ -74,30 +87,63 @@ def resolve_target(buffer: str | Path, run_root: Path | None) -> Target:
     return Target(path, run, index, False)
 
 
+def _url_target(url: str, run: RunPaths | Path | None) -> Target:
+    try:
+        check_run_url(url, "BUFFER")  # the import writes: conditional writes that only these stores have
+    except RunLocationError as exc:
+        raise SourceError(f"{exc}. An import writes a buffer at an s3:// or az:// URL only; for another place, "
+                          f"import into a local path and copy it with `rlhf-pipeline convert`") from None
+    if run is None:
+        return Target(url, None, None, False)
+    if not isinstance(run, RunPaths) or run.url is None:
+        raise ValueError(f"{url} is a URL; its run must be a run at a URL (RunPaths.at_url)")
+    if url in (run.url, run.buffer_location):
+        return Target(run.buffer_location, run, None, True)
+    parent, _, name = url.rpartition("/")
+    match = _SHARD_RE.match(name)
+    if parent != run.buffer_location or match is None:
+        raise SourceError(f"{url} lies inside run {run.url} but is not its buffer or one of its shards")
+    index = int(match.group(1))
+    if run.store.exists(run.key(run.collector_state(index))):
+        raise SourceError(
+            f"{url} is written by collector {index} of run {run.url}; imported rows there would share its ids. "
+            f"Import into {run.buffer_location} instead: the rows get a shard of their own")
+    return Target(url, run, index, False)
+
+
 # ====================================================================== the import record
 class ImportRecord:
     """Where an import stands: source rows written, id bases, and the append in flight."""
 
-    def __init__(self, path: Path, data: dict[str, Any]) -> None:
-        self.path, self.data = path, data
+    def __init__(self, store: RunStore, key: str, data: dict[str, Any]) -> None:
+        self.store, self.key, self.data = store, key, data
+
+    @property
+    def path(self) -> str:
+        """Where the record is, for messages: a path or a URL."""
+        return self.store.describe(self.key)
 
     @classmethod
     def find(cls, target: Target, source: Source) -> ImportRecord | None:
-        path = target.record_dir / f"import-{_key(target, source)}.pt"
-        if not path.exists():
+        store, key = target.records, f"imports/import-{_key(target, source)}.pt"
+        raw = store.read(key)
+        if raw is None:
             return None
-        return cls(path, torch.load(path, weights_only=True))
+        return cls(store, key, torch.load(io.BytesIO(raw), weights_only=True))
 
     @classmethod
     def start(cls, target: Target, source: Source, data: dict[str, Any]) -> ImportRecord:
-        record = cls(target.record_dir / f"import-{_key(target, source)}.pt",
+        record = cls(target.records, f"imports/import-{_key(target, source)}.pt",
                      {"format": RECORD_FORMAT, "committed_rows": 0, "inflight": None, "done": False,
                       "rows_written": 0, **data})
         record.save()
         return record
 
     def save(self) -> None:
-        save_torch_atomic(self.data, self.path)
+        self.store.write(self.key, lambda f: torch.save(self.data, f))
+
+    def delete(self) -> None:
+        self.store.delete(self.key)
 
     def resume_row(self, store) -> int:
         """Source rows already in the store: the committed count, or the append in flight if it landed."""
@@ -129,11 +175,16 @@ def _key(target: Target, source: Source) -> str:
 
 
 def new_shard_index(run: RunPaths) -> int:
-    existing = [int(m.group(1)) for p in run.buffer.iterdir() if (m := _SHARD_RE.match(p.name))] \
-        if run.buffer.is_dir() else []
+    if run.url is not None:
+        from rlhf_pipeline.storage.buffers import list_shards
+
+        existing = [index for index, _ in list_shards(run.buffer_location)]
+    else:
+        existing = [int(m.group(1)) for p in run.buffer.iterdir() if (m := _SHARD_RE.match(p.name))] \
+            if run.buffer.is_dir() else []
     return max([IMPORT_SHARD_FIRST - 1, *existing]) + 1
 
 
-def shard_of(path: Path) -> int:
-    match = _SHARD_RE.match(path.name)
+def shard_of(path: Path | str) -> int:
+    match = _SHARD_RE.match(str(path).rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else 0

@@ -115,14 +115,14 @@ class ImportResult:
 
 # ====================================================================== the import
 def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipeline, *,
-                  options: ImportOptions = ImportOptions(), run_root: Path | None = None,
+                  options: ImportOptions = ImportOptions(), run_root: Path | RunPaths | None = None,
                   log=print) -> ImportResult:
     """Imports ``source_path`` into ``buffer`` with ``pipeline``'s tokenizer, model and write path.
 
-    ``run_root``: the run ``buffer`` belongs to (:func:`~rlhf_pipeline.dataio.run_pipeline.find_run_root`);
-    its newest weights score missing log-probs. Raises :class:`SourceError` for bad input and
-    ``PipelineError`` when the pipeline cannot provide what the buffer needs; either way
-    nothing is written.
+    ``run_root``: the run ``buffer`` belongs to (:func:`~rlhf_pipeline.dataio.run_pipeline.find_run`:
+    a directory, or a run at a URL); its newest weights score missing log-probs. Raises
+    :class:`SourceError` for bad input and ``PipelineError`` when the pipeline cannot provide
+    what the buffer needs; either way nothing is written.
     """
     source = open_source(source_path, options.format, options.split)
     target = resolve_target(buffer, run_root)
@@ -156,7 +156,8 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     store_path, started_record = target.store_path, False
     if target.new_shard:
         shard = record.data["shard"] if record is not None else new_shard_index(target.run)
-        store_path = target.run.shard(shard)
+        run = target.run
+        store_path = run.shard(shard) if run.url is None else run.shard_location(shard)
         if record is None:  # first, so a rerun after a crash reuses this shard (an empty one would stall learners)
             record = ImportRecord.start(target, source, {"shard": shard, **_record_basics(fingerprint, options, checked)})
             started_record = True
@@ -172,9 +173,9 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     except BaseException:
         store.close()
         if created:  # nothing of a failed import stays behind, not even an empty store
-            shutil.rmtree(store_path, ignore_errors=True)
+            _remove_store(store_path)
         if started_record:
-            record.path.unlink(missing_ok=True)
+            record.delete()
         raise
     try:
         if record is None:
@@ -221,14 +222,52 @@ def _raise_changed_since(record: ImportRecord, source: Source):
                       f"rows written); restore it, or delete {record.path} to import it as new data")
 
 
-def _open_or_create(pipeline: Pipeline, path: Path):
+def _open_or_create(pipeline: Pipeline, path: Path | str):
     """``(store opened for appending, created)``; a new store is the pipeline's ``create_buffer``."""
     from rlhf_pipeline.storage import open_store
 
+    if isinstance(path, str):  # a URL: a store is there once its commit record is
+        from rlhf_pipeline.storage import detect_backend
+        from rlhf_pipeline.storage.errors import NotAStoreError
+
+        try:
+            detect_backend(path)
+        except NotAStoreError:  # nothing there, or what a killed create left without its commit record
+            backend = getattr(pipeline.settings, "buffer_backend", None)
+            if isinstance(backend, str) and backend != "zarr":  # before a memmap store makes a local "s3:"
+                raise PipelineError(f"{path} is a URL, where only a Zarr buffer can live, but setting "
+                                    f"'buffer_backend' is {backend!r}: add --set buffer_backend=zarr")
+            return _created_at_url(pipeline.create_buffer(path), path), True
+        return open_store(path, mode="a"), False
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         return open_store(str(path), mode="a"), False
     path.parent.mkdir(parents=True, exist_ok=True)
     return pipeline.create_buffer(path), True
+
+
+def _created_at_url(store, url: str):
+    if getattr(store, "backend_name", None) != "zarr":
+        store.close()
+        raise PipelineError(f"{url} is a URL, where only a Zarr buffer can live, but the pipeline's create_buffer "
+                            f"made a {getattr(store, 'backend_name', type(store).__name__)!r} store; set "
+                            f"buffer_backend=zarr (--set buffer_backend=zarr for a store outside a run)")
+    return store
+
+
+def _remove_store(location: Path | str) -> None:
+    """Deletes a store this import created (every object under a URL prefix)."""
+    if isinstance(location, Path):
+        shutil.rmtree(location, ignore_errors=True)
+        return
+    import fsspec
+
+    from rlhf_pipeline.storage.zarr.object_store import object_store_options
+
+    fs, root = fsspec.core.url_to_fs(location, **object_store_options(None, location=location))
+    try:
+        fs.rm(root, recursive=True)
+    except FileNotFoundError:
+        pass
 
 
 # ====================================================================== write path
@@ -295,7 +334,7 @@ def _check_groups(plan: WritePathPlan, checked: Scan, source: Source, resolved: 
             f"or give the rows' advantages in the source")
 
 
-def _id_bases(store, target: Target, store_path: Path, resolved: ResolvedColumns, checked: Scan, source: Source,
+def _id_bases(store, target: Target, store_path: Path | str, resolved: ResolvedColumns, checked: Scan, source: Source,
               tokenizer: Any, options: ImportOptions) -> dict[str, int]:
     """First fresh group / trajectory id: past every id the store holds, in the shard's id range.
 
@@ -386,11 +425,11 @@ class _ScoringPolicy:
             return
         from rlhf_pipeline.coordination.weights import latest_version, load_weights
 
-        if self.run is not None and latest_version(self.run.root) is not None:
-            state, self.version = load_weights(self.run.root)
+        if self.run is not None and latest_version(self.run.store) is not None:
+            state, self.version = load_weights(self.run.store)
             self.model = self.pipeline.make_model()
             self.model.load_state_dict(state)
-            self.description = f"the run's newest policy, version {self.version} ({self.run.weights})"
+            self.description = f"the run's newest policy, version {self.version} ({self.run.store.describe('weights')})"
         else:
             self.model = self.pipeline.make_policy()
             self.description = "the pipeline's make_policy() (version 0)"
@@ -424,7 +463,7 @@ def _write(source: Source, store, pipeline: Pipeline, resolved: ResolvedColumns,
     elif compute:
         version = policy.version
     else:
-        version = (latest_version(target.run.root) or 0) if target.run is not None else 0
+        version = (latest_version(target.run.store) or 0) if target.run is not None else 0
     group_base, traj_base = int(record.data["group_base"]), int(record.data["trajectory_base"])
     queue = _ClosedPrefixQueue(checked.rows_per_group)
     written = int(record.data["rows_written"])

@@ -4,6 +4,7 @@ A run directory keeps ``settings.json`` (the settings of its first start) and ``
 (a copy of the pipeline file, made by ``run``/``collect``/``learn``). :func:`load_run_pipeline`
 loads that file (or another one given), applies the saved settings and calls its ``build``,
 so ``export-model`` and ``import`` get the same ``make_model`` and ``tokenizer`` the run used.
+A run at a URL is read through its store; its pipeline file is loaded from this machine's cache.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.files.run_paths import is_url
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, load_pipeline_module
 
 
@@ -30,24 +32,55 @@ def find_run_root(path: str | Path) -> Path | None:
     return None
 
 
-def load_run_pipeline(run_root: str | Path, pipeline_path: str | Path | None = None, *,
+def find_run(location: str | Path) -> RunPaths | None:
+    """:func:`find_run_root` for a directory; for a URL, the run at it (``<run>``, ``<run>/buffer``,
+    ``<run>/buffer/shard-NNNN``), recognised by its ``settings.json`` and ``weights/`` objects.
+    A URL whose scheme no run can live at raises ``RunLocationError``."""
+    if not is_url(str(location)):
+        root = find_run_root(location)
+        return RunPaths(root) if root is not None else None
+    url = str(location).rstrip("/")
+    parts = url.split("/")
+    candidates = [url]
+    if parts[-1] == "buffer":
+        candidates.append("/".join(parts[:-1]))
+    elif parts[-1].startswith("shard-") and len(parts) > 4 and parts[-2] == "buffer":
+        candidates.append("/".join(parts[:-2]))
+    for candidate in candidates:
+        if not candidate.split("://", 1)[1].strip("/"):
+            continue
+        paths = RunPaths.at_url(candidate)
+        if paths.store.exists("settings.json") and paths.store.list("weights"):
+            return paths
+    return None
+
+
+def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path | None = None, *,
                       device: str | None = None) -> Pipeline:
     """The run's pipeline built with the run's settings (``device`` may differ: it only says where
-    models run). ``pipeline_path`` replaces the run's copy of its pipeline file."""
+    models run). ``pipeline_path`` replaces the run's copy of its pipeline file. ``run_root``: a
+    directory, or a run's :class:`RunPaths` (a run at a URL)."""
     from rlhf_pipeline.runs.processes import build_pipeline
 
-    paths = RunPaths(Path(run_root).resolve())
-    if not paths.settings_file.is_file():
-        raise PipelineError(f"{paths.root} is not a run directory: it has no settings.json")
+    paths = run_root if isinstance(run_root, RunPaths) else RunPaths(Path(run_root).resolve())
+    store = paths.store
+    settings_text = store.read(paths.key(paths.settings_file))
+    if settings_text is None:
+        raise PipelineError(f"{paths.location} is not a run directory: it has no settings.json")
     if pipeline_path is None:
-        if not paths.pipeline_file.is_file():
+        copy = store.read(paths.key(paths.pipeline_file))
+        if copy is None:
             raise PipelineError(
-                f"{paths.root} keeps no copy of its pipeline file (runs started before this was recorded); "
+                f"{paths.location} keeps no copy of its pipeline file (runs started before this was recorded); "
                 f"pass --pipeline PIPELINE.py, the file the run was started with"
             )
+        if paths.url is not None:  # the run's copy, loaded from this machine's cache
+            from rlhf_pipeline.files.run_store import LocalRunStore
+
+            LocalRunStore(paths.root).write(paths.key(paths.pipeline_file), copy, durable=False)
         pipeline_path = paths.pipeline_file
     module = load_pipeline_module(pipeline_path)
-    saved = json.loads(paths.settings_file.read_text())
+    saved = json.loads(settings_text)
     settings = settings_from_json(module, saved)
     if device is not None:
         settings = dataclasses.replace(settings, device=device)

@@ -104,11 +104,14 @@ class Learner:
                  stop_event: threading.Event | None = None, show_progress: bool = True,
                  buffer: str | None = None, batch_transform: Callable[[torch.Tensor, Any], Any] | None = None,
                  on_step: Callable[[int, Any, Any, dict[str, float]], None] | None = None,
+                 before_checkpoint: Callable[[], None] | None = None,
                  data_parallel: DataParallel | None = None) -> None:
         """``buffer``: the store to read (a path or URL ``open_buffer`` opens) instead of the run's
         own ``buffer/`` (replay); ``batch_transform(positions, padded_batch) -> padded_batch`` runs on
         the prefetch thread after each read (replay's re-scoring); ``on_step(step, sampled, batch,
-        metrics)`` runs after each step, before its metrics are written, and may add metrics.
+        metrics)`` runs after each step, before its metrics are written, and may add metrics;
+        ``before_checkpoint()`` runs on rank 0 before each checkpoint is saved (replay uploads its
+        batch log there: a resume redoes no step the checkpoint covers, so its lines must be kept).
         ``data_parallel``: this process's rank among data-parallel learners (``learn/distributed.py``;
         its process group already started); ``batch`` in ``batch_transform``/``on_step`` is then the
         rank's own slice."""
@@ -133,6 +136,7 @@ class Learner:
         self.buffer = str(buffer) if buffer is not None else paths.buffer_location
         self.batch_transform = batch_transform
         self.on_step = on_step
+        self.before_checkpoint = before_checkpoint
         self.checkpoints = run_checkpoints(paths, keep_last=settings.keep_checkpoints)
         self._prefetcher: Prefetcher | None = None
         self._ready = False
@@ -519,6 +523,8 @@ class Learner:
         }
         if self._metrics is not None:  # a resumed run redoes no step before this one: its lines must be kept
             self._metrics.flush()
+        if self.before_checkpoint is not None:
+            self.before_checkpoint()
         self.checkpoints.save(self.progress, state)
 
     # ================================================================== cleanup

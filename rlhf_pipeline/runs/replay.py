@@ -15,8 +15,10 @@ Order of work, so that bad input fails before anything is written:
    ``learn/samplers/epoch.py``), and **no staleness bound**: the rows carry the policy
    versions of the run that recorded them, which say nothing about this learner's
    versions (the metrics still show them: ``charts/row_version_*``, ``charts/staleness_*``);
-3. prepare the new run directory under a lock: ``settings.json`` holds the pipeline's
-   settings plus a ``replay`` section (source, rows, options, the learner settings used); a
+3. prepare the new run under a lock (a directory, or a URL with ``--home s3://...``: then
+   settings, the pipeline copy, weights, checkpoints, metrics and ``batches.jsonl`` are objects
+   there, as ``run --home URL`` keeps them, and local disk is only a cache). ``settings.json``
+   holds the pipeline's settings plus a ``replay`` section (source, rows, options, the learner settings used); a
    second start must match it (only ``--epochs``/``--steps``, ``--device`` and, with a
    note, ``learner.*`` may change). The initial policy (``--init-from``, else the
    pipeline's ``make_policy()``) is published as weights version 0;
@@ -40,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import write_atomic
-from rlhf_pipeline.files.run_paths import run_dir as make_run_dir
+from rlhf_pipeline.files.run_paths import RunLocationError, is_url, run_paths
+from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.pipeline import (
     PipelineError,
     RunPaths,
@@ -105,7 +107,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         print(f"settings of {pipeline_path} (change with --set KEY=VALUE):")
         print(describe_settings(settings))
         return 0
-    paths = RunPaths(make_run_dir(run_name or f"{Path(pipeline_path).stem}-replay", home).resolve())
+    paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
     if "WORLD_SIZE" in os.environ:  # a rank started by _train_on_ranks: its launcher holds the directory
         return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)
     from rlhf_pipeline.runs.run_directory import hold_run_directory
@@ -138,7 +140,8 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
     prepare_replay_run(pipeline, paths, record, options)
     epochs = steps / batches_per_epoch
     print(f"[replay] {options.buffer}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
-          f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) into {paths.root}",
+          f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) "
+          f"into {paths.location}",
           file=sys.stderr, flush=True)
     window = learner_settings.shuffle_window_rows
     if options.order == "shuffle" and 0 < window < rows:
@@ -148,7 +151,7 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
     if learner_settings.world_size > 1 and "WORLD_SIZE" not in os.environ:
         # this process prepared the run; the ranks repeat the checks (they pass) and train
         call = {"pipeline_path": pipeline_path, "options": dataclasses.asdict(options),
-                "home": str(paths.root.parent), "run_name": paths.root.name, "device": device,
+                "home": paths.home, "run_name": paths.name, "device": device,
                 "overrides": list(overrides)}
         return _train_on_ranks(call, learner_settings.world_size, holder_fd)
     return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps)
@@ -328,12 +331,17 @@ def _replay_record(options: ReplayOptions, source: str, store, rows: int, steps:
 
 
 # ====================================================================== run directory
+def _saved_settings(paths: RunPaths) -> dict[str, Any] | None:
+    text = paths.store.read(paths.key(paths.settings_file))
+    return None if text is None else json.loads(text)
+
+
 def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
-    if not paths.settings_file.exists():
+    saved = _saved_settings(paths)
+    if saved is None:
         return None
-    saved = json.loads(paths.settings_file.read_text())
     if "replay" not in saved:
-        raise ReplayError(f"{paths.root} holds a run made by `rlhf-pipeline run`, not a replay; choose another "
+        raise ReplayError(f"{paths.location} holds a run made by `rlhf-pipeline run`, not a replay; choose another "
                           f"--run-name")
     return saved["replay"]
 
@@ -347,8 +355,8 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
     set_threads(pipeline)  # before the warm start, as `run` does: it and the training steps use them
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)
-        if paths.settings_file.exists():
-            saved = json.loads(paths.settings_file.read_text())
+        saved = _saved_settings(paths)
+        if saved is not None:
             saved_replay = saved.pop("replay")
             if record["seed"] is None:
                 record["seed"] = saved_replay["seed"]
@@ -358,19 +366,26 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
                         if k not in _RESUMABLE_OPTIONS and k in record and saved_replay.get(k) != record[k]]
             if changed:
                 raise ReplayError(
-                    f"run directory {paths.root} holds a replay started with other settings ({'; '.join(changed)}). "
+                    f"run directory {paths.location} holds a replay started with other settings "
+                    f"({'; '.join(changed)}). "
                     f"Resume with the same command, or start a new replay with --run-name NAME"
                 )
         # the initial policy before settings.json: a --init-from that does not fit leaves nothing behind
-        model = initial_policy(pipeline, options.init_from) if latest_version(paths.root) is None else None
-        if not paths.settings_file.exists():
+        model = initial_policy(pipeline, options.init_from) if latest_version(paths.store) is None else None
+        if saved is None:
             if record["seed"] is None:
                 record["seed"] = int(getattr(pipeline.settings, "seed", 0))
             text = json.dumps({**current, "replay": record}, indent=2, sort_keys=True).encode()
-            write_atomic(paths.settings_file, lambda f: f.write(text))
+            try:
+                paths.store.create(paths.key(paths.settings_file), text,
+                                   partial_name=paths.settings_file.name + ".partial")
+            except StaleWriterError:  # only a start of this replay on another machine writes it meanwhile
+                raise ReplayError(f"{paths.location} was started meanwhile by another start of this replay (another "
+                                  f"machine); run the same command again: it checks its settings against that one"
+                                  ) from None
         keep_pipeline_copy(pipeline, paths)  # what export-model rebuilds the model from
         if model is not None:
-            publish_weights(paths.root, model.state_dict(), 0)
+            publish_weights(paths.store, model.state_dict(), 0)
 
 
 def initial_policy(pipeline, init_from: str | None):
@@ -383,16 +398,20 @@ def initial_policy(pipeline, init_from: str | None):
 
 
 def load_policy(location: str, make_model, *, what: str):
-    """Weights from a run directory (its newest published version) or a ``save_pretrained``
-    directory (``AutoModelForCausalLM.from_pretrained``), copied into ``make_model()``."""
+    """Weights from a run directory or a run at a URL (its newest published version) or a
+    ``save_pretrained`` directory (``AutoModelForCausalLM.from_pretrained``), copied into ``make_model()``."""
     from rlhf_pipeline.models import ModelLoadError, load_model
     from rlhf_pipeline.coordination.weights import latest_version, load_weights
 
+    run = _run_at(location, what)
     path = Path(location).expanduser()
     model = make_model()
-    if latest_version(path) is not None:
-        state, _ = load_weights(path)
-        source = f"run {path} (weights version {latest_version(path)})"
+    if latest_version(run) is not None:
+        state, version = load_weights(run)
+        source = f"run {location} (weights version {version})"
+    elif is_url(location):  # never looked for as a local directory named "s3:"
+        raise ReplayError(f"{what} {location} holds no published weights (weights/policy_*): give the URL of a "
+                          f"run (--home URL plus its --run-name), or a local save_pretrained directory")
     elif (path / "config.json").is_file():
         try:
             state = load_model(path).state_dict()
@@ -405,6 +424,17 @@ def load_policy(location: str, make_model, *, what: str):
     _check_same_architecture(model.state_dict(), state, source, what)
     model.load_state_dict(state)
     return model
+
+
+def _run_at(location: str, what: str):
+    """Where ``--init-from`` / ``--ref-model`` keeps weights: a run's store at a URL (an
+    unsupported scheme refused), else the path."""
+    if not is_url(location):
+        return Path(location).expanduser()
+    try:
+        return RunPaths.at_url(location).store
+    except RunLocationError as exc:
+        raise ReplayError(f"{what}: {exc}") from None
 
 
 def _check_same_architecture(expected: dict, found: dict, source: str, what: str) -> None:
@@ -449,13 +479,16 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
 
     learner = Learner(learner_settings, paths, make_model=pipeline.make_model, steps=steps, seed=seed,
                       device=pipeline.settings.device, pad_token_id=pipeline.pad_token_id, stop_event=stop.event,
-                      buffer=source, batch_transform=rescorer, on_step=record_step, data_parallel=data_parallel)
+                      buffer=source, batch_transform=rescorer, on_step=record_step,
+                      before_checkpoint=lambda: batch_log.flush() if batch_log is not None else None,
+                      data_parallel=data_parallel)
     data_parallel.start(torch.device(pipeline.settings.device))
     try:
         learner.setup()
         if data_parallel.is_main:  # only rank 0 writes files
-            truncate_metrics(paths.root / BATCH_LOG, learner.progress.step)  # a resumed replay redoes later steps
-            batch_log = MetricsWriter(paths.root / BATCH_LOG)
+            log, store = paths.state_object(paths.root / BATCH_LOG)
+            truncate_metrics(log, learner.progress.step, store=store)  # a resumed replay redoes later steps
+            batch_log = MetricsWriter(log, store=store)
         finished = learner.train()
     finally:
         learner.cleanup()
@@ -466,10 +499,11 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
     if not data_parallel.is_main:
         return 0 if finished else 130
     if finished:
-        print(f"[replay] done: {steps} steps; metrics: {paths.metrics}  batches: {paths.root / BATCH_LOG}  "
-              f"weights: {paths.weights}", file=sys.stderr, flush=True)
+        store = paths.store
+        print(f"[replay] done: {steps} steps; metrics: {store.describe('metrics.jsonl')}  batches: "
+              f"{store.describe(BATCH_LOG)}  weights: {store.describe('weights')}", file=sys.stderr, flush=True)
         return 0
-    print(f"[replay] interrupted; run the same command again to resume {paths.root}", file=sys.stderr)
+    print(f"[replay] interrupted; run the same command again to resume {paths.location}", file=sys.stderr)
     return 130
 
 
@@ -505,7 +539,7 @@ def load_reference(location: str, pipeline):
     from rlhf_pipeline.coordination.weights import latest_version
 
     path = Path(location).expanduser()
-    if latest_version(path) is not None or not (path / "config.json").is_file():
+    if is_url(location) or latest_version(path) is not None or not (path / "config.json").is_file():
         return load_policy(location, pipeline.make_model, what="--ref-model")
     try:
         model = load_model(path)

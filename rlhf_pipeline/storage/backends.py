@@ -65,13 +65,37 @@ def buffer_inside(location: str) -> str | None:
     return run_buffer if "://" not in location and os.path.isdir(run_buffer) else None
 
 
+def check_buffer_url(location: str) -> str:
+    """``location`` as text when it is a local path or a URL whose scheme fsspec can open; else
+    :class:`~rlhf_pipeline.storage.errors.NotAStoreError` naming the scheme and the fix (never a
+    traceback from deep in fsspec, and never a local directory named ``foo:``)."""
+    location = str(location)
+    if "://" not in location:
+        return location
+    import fsspec
+
+    from rlhf_pipeline.storage.errors import StorageExtraMissingError
+
+    scheme = location.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ValueError:
+        raise NotAStoreError(
+            f"{location}: {scheme}:// is not a URL scheme a buffer can be read at; use s3:// or az:// (object "
+            f"storage), file:// or a local path (any other scheme needs an fsspec file system for it)") from None
+    except ImportError as exc:
+        raise StorageExtraMissingError(f"{location}: reading {scheme}:// URLs needs a package that is not "
+                                       f"installed: {exc}") from None
+    return location
+
+
 def detect_backend(location: str) -> str:
     """Name of the backend whose store (possibly damaged) lives at ``location``.
 
     ``StoreNotFoundError`` when the path does not exist, ``NotAStoreError`` when no backend
     recognizes what is there. Imports no torch.
     """
-    location = str(location)
+    location = check_buffer_url(location)
     if "://" not in location and not os.path.exists(location):
         raise StoreNotFoundError(f"{location} does not exist")
     for name in BACKENDS:

@@ -60,6 +60,9 @@ def list_shards(buffer: str | Path, storage_options: dict | None = None) -> list
     (one LIST request on S3; a prefix holding no object lists as empty).
     """
     if is_url(buffer):
+        from rlhf_pipeline.storage.backends import check_buffer_url
+
+        check_buffer_url(buffer)
         return [(index, shard_location(buffer, index)) for index in _url_shard_indices(str(buffer), storage_options)]
     root = Path(buffer)
     if not root.is_dir():
@@ -110,10 +113,10 @@ def stores_in(location: str) -> list[tuple[str, str]]:
     nothing there is a store, ``StoreCorruptedError`` when the store is too damaged to tell
     its backend (a shard being created, with no metadata yet, is skipped).
     """
-    from rlhf_pipeline.storage.backends import detect_backend
+    from rlhf_pipeline.storage.backends import check_buffer_url, detect_backend
     from rlhf_pipeline.storage.errors import NotAStoreError
 
-    location = str(location)
+    location = check_buffer_url(location)
     if "://" not in location and not os.path.exists(location):
         raise StoreNotFoundError(f"{location} does not exist")
     if not is_sharded_buffer(location):

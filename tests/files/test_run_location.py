@@ -66,7 +66,7 @@ CANNOT_LIVE_AT = "is a URL with a scheme a run cannot live at"
 @pytest.mark.parametrize("argv, env, message", [
     (["run", DEFAULT, "--home", "gs://runs/team", "--steps", "1"], {}, CANNOT_LIVE_AT),
     (["run", DEFAULT, "--steps", "1"], {HOME_ENV_VAR: "gs://runs/team"}, CANNOT_LIVE_AT),
-    (["replay", DEFAULT, "--buffer", "recorded", "--home", "s3://runs/team"], {}, "is a URL"),
+    (["replay", DEFAULT, "--buffer", "recorded", "--home", "gs://runs/team"], {}, CANNOT_LIVE_AT),
     (["export-model", "gs://runs/team/exp1", "out", "--list-versions"], {}, CANNOT_LIVE_AT),
     (["plot", "gs://runs/team/exp1", "--out", "charts"], {}, CANNOT_LIVE_AT),
 ], ids=["run-home", "run-env-home", "replay-home", "export-model-run", "plot-run"])

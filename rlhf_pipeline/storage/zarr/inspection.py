@@ -36,6 +36,10 @@ def detect(location: str) -> bool:
             loc = resolve(location, read_only=True, storage_options=None)
             try:
                 parse_root(loc.kv.get(ROOT_META), location)
+            except StoreCorruptedError:
+                return True  # a root document that does not parse: a damaged store, which repair takes
+            except NotAStoreError:
+                return has_units(loc)  # units without a root document: the same
             finally:
                 loc.kv.close()
             return True

@@ -1,4 +1,5 @@
-"""``rlhf-pipeline repair`` of a Zarr store: rebuild the commit record from the units (local stores).
+"""``rlhf-pipeline repair`` of a Zarr store: rebuild the commit record from the units (a local
+directory, or a store at an ``s3://`` or ``az://`` URL).
 
 The commit record (the root ``zarr.json``) is the only thing that says which rows exist;
 the units hold everything else, and their names say which rows they hold
@@ -14,6 +15,13 @@ When the record is intact it checks every published unit and reports what cannot
 (it cannot fix a damaged chunk); units the record does not name were never acknowledged and
 are left to the next writer, which deletes them. With ``apply=True`` it writes the record
 under the writer lock; the damaged record is copied to ``repair-<time>/``, nothing is deleted.
+
+At an ``s3://`` or ``az://`` URL the same steps hold with the store's own object-store protocol
+(``object_store.py``): the writer lock is the leased ``writer.lock`` object (a live writer keeps
+repair out: it is refused, naming the holder), taking it fences every earlier writer, and the
+record is written with ``If-Match`` on the version repair read, so a writer that was paused past
+its lease can never publish over the repaired record, nor repair over its. Other fsspec URLs have
+no lock that keeps a writer on another machine out: repair refuses them (give the local path).
 """
 
 from __future__ import annotations
@@ -72,9 +80,18 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
                                 "store (or the units named) from a snapshot")
         return report
 
+    from rlhf_pipeline.storage.zarr.object_store import is_object_store_url
+
     root = Path(location)
-    if "://" in str(location) or not root.is_dir():
-        report.unrecoverable.append(f"{location}: repair rebuilds the records of local directory stores only")
+    at_url = "://" in str(location)
+    if at_url and not is_object_store_url(str(location)):
+        report.unrecoverable.append(
+            f"{location}: repair writes a commit record only in a local directory or at an s3:// or az:// URL, where "
+            f"a writer lock keeps every writer out meanwhile; give the store's local path instead")
+        return report
+    if not at_url and not root.is_dir():
+        report.unrecoverable.append(f"{location}: repair rebuilds the records of directory stores only (unzip a "
+                                    f".zip store first)")
         return report
     loc = resolve(str(location), read_only=True, storage_options=None)
     try:
@@ -102,23 +119,33 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
     finally:
         loc.kv.close()
 
-    from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
+    from rlhf_pipeline.storage.zarr.layout import GROUP_METADATA
+    from rlhf_pipeline.storage.zarr.location import lock_for
 
-    with WriterLock(root / LOCK_FILE_NAME, store=str(location)):
-        backup = root / time.strftime("repair-%Y%m%d-%H%M%S")
-        backup.mkdir(exist_ok=True)
-        if (root / ROOT_META).exists():
-            shutil.copy2(root / ROOT_META, backup / ROOT_META)
-        loc = resolve(str(location), read_only=False, storage_options=None)
+    loc = resolve(str(location), read_only=False, storage_options=None)
+    try:
+        # locally an flock; at a URL the leased lock object, whose taking fences earlier writers and
+        # remembers the version of zarr.json that the publish below may replace (If-Match)
+        lock = lock_for(loc, str(location))
         try:
+            backup = time.strftime("repair-%Y%m%d-%H%M%S")
+            damaged = loc.kv.get(ROOT_META)
+            if at_url:
+                if damaged is not None:  # created, never overwritten (the object-store keys are create-only)
+                    loc.kv.put_many({f"{backup}/{ROOT_META}": bytes(damaged)}, durable=True)
+            else:
+                (root / backup).mkdir(exist_ok=True)
+                if (root / ROOT_META).exists():
+                    shutil.copy2(root / ROOT_META, root / backup / ROOT_META)
             if loc.kv.get(f"{UNITS_PREFIX}/{ROOT_META}") is None:
-                from rlhf_pipeline.storage.zarr.layout import GROUP_METADATA
-
                 loc.kv.put_many({f"{UNITS_PREFIX}/{ROOT_META}": GROUP_METADATA}, durable=True)
             publish(loc, record, durable=True)
         finally:
-            loc.kv.close()
-        report.notes.append(f"a copy of the replaced zarr.json (if any) is in {backup}")
+            lock.release()
+    finally:
+        loc.kv.close()
+    report.notes.append(f"a copy of the replaced zarr.json (if any) is in {str(location).rstrip('/')}/{backup}"
+                        if at_url else f"a copy of the replaced zarr.json (if any) is in {root / backup}")
     return report
 
 

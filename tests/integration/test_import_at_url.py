@@ -1,0 +1,178 @@
+"""``import SOURCE s3://bucket/prefix/RUN``: the rows get a shard of their own at the run's URL (moto's
+S3 server on loopback), the pipeline and settings come from the run's store, and ``inspect`` of the
+run's buffer shows them. An import killed with ``kill -9`` resumes from its record at the URL with no
+row lost or doubled. Real processes; endpoint and credentials from the AWS variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.coordination.weights import load_weights
+from rlhf_pipeline.dataio.import_state import IMPORT_SHARD_FIRST
+from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
+from rlhf_pipeline.files.object_run_store import ObjectRunStore
+from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
+from rlhf_pipeline.runs.processes import build_pipeline
+from rlhf_pipeline.runs.run_directory import prepare_run
+from rlhf_pipeline.schema.ids import collector_index_of
+from rlhf_pipeline.storage import open_buffer, open_store
+from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
+
+from integration.test_default_pipeline import DEFAULT
+
+SMALL = ("warm_start_steps=0", "hidden_size=32", "num_layers=1", "num_heads=2", "group_size=4",
+         "buffer_backend=zarr")
+CLI = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+
+
+@pytest.fixture()
+def env(s3_server, tmp_path, monkeypatch):
+    environment = {**s3_server.env(), "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+                "XDG_CACHE_HOME"):
+        monkeypatch.setenv(key, environment[key])
+    return environment
+
+
+def run_at(url: str) -> RunPaths:
+    """A run at ``url`` as ``run --home`` prepares it: settings, the pipeline copy, collector 0's (empty)
+    shard and weights version 0 (what an import needs from a run; no collector or learner step)."""
+    module = load_pipeline_module(DEFAULT)
+    paths = RunPaths.at_url(url)
+    prepare_run(build_pipeline(module, make_settings(module, list(SMALL)), paths), paths)
+    return paths
+
+
+def write_jsonl(path, groups: int, *, log_probs: bool = False):
+    records = []
+    for g in range(groups):
+        a, b = g % 17, (3 * g) % 13
+        for d in (0, 1, 0, -1):
+            completion = str(a + b + d)
+            record = {"messages": [{"role": "user", "content": f"{a}+{b}="}], "completion": completion,
+                      "reward": float(d == 0)}
+            if log_probs:
+                record["log_probs"] = [-0.5] * (len(completion) + 1)  # + EOS
+            records.append(record)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def rows_of(location: str):
+    with open_buffer(location, mode="r") as store:
+        return store.read(torch.arange(len(store)))
+
+
+def test_an_import_into_a_run_at_a_url_gets_a_shard_there_and_inspect_shows_it(s3_server, env, tmp_path, capsys):
+    run = run_at(s3_server.url("run"))
+    source = write_jsonl(tmp_path / "toy.jsonl", 3)
+    done = subprocess.run([*CLI, "import", str(source), run.url, "--quiet"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shard = f"{run.url}/buffer/shard-{IMPORT_SHARD_FIRST:04d}"
+    assert f"{shard}: 12 rows imported" in done.stdout
+    rows = rows_of(shard)
+    assert len(rows) == 12 and rows["policy_version"].eq(0).all()
+    assert collector_index_of(rows["trajectory_id"]).eq(IMPORT_SHARD_FIRST).all()
+    # scored by the run's newest weights, rebuilt from the run's own pipeline copy and settings
+    model = load_run_pipeline(run).make_model()
+    model.load_state_dict(load_weights(run.store)[0])
+    expected = reference_log_probs(model, rows["prompt_tokens"], rows["response_tokens"])
+    assert torch.allclose(rows["response_log_probs"].values, expected.values, atol=1e-5)
+    keys = s3_server.keys(run.url)
+    assert any(k.startswith("imports/import-") for k in keys) and "run.lock" not in keys  # recorded; let go
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "toy.jsonl"]  # no s3: directory
+
+    inspected = subprocess.run([*CLI, "inspect", f"{run.url}/buffer/", "--json"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert inspected.returncode == 0, inspected.stderr[-3000:]
+    stats = json.loads(inspected.stdout)
+    assert stats["rows"] == 12 and stats["extra"]["shards"] == 2  # collector 0's (empty) and the import's
+    assert f"shard-{IMPORT_SHARD_FIRST:04d}: 12" in stats["extra"]["shard_rows"]
+
+    # in this process from here (each CLI start imports torch again: seconds on a busy machine)
+    assert main(["import", str(source), f"{run.url}/buffer"]) == 0
+    assert "was already imported" in capsys.readouterr().err
+    assert len(rows_of(shard)) == 12
+    # once collector 0 has run (its position object exists), its shard is refused: ids would collide
+    run.store.write("collector/shard-0000.pt", b"position", fence=False)
+    assert main(["import", str(source), f"{run.url}/buffer/shard-0000", "--quiet"]) == 2
+    assert "is written by collector 0 of run" in capsys.readouterr().err
+
+
+def test_an_import_with_an_unsupported_url_scheme_is_refused(env, tmp_path, monkeypatch, capsys):
+    source = write_jsonl(tmp_path / "toy.jsonl", 1)
+    monkeypatch.chdir(tmp_path)
+    for url in ("gs://bucket/run", "file:///tmp/run"):
+        assert main(["import", str(source), url, "--pipeline", DEFAULT]) == 2
+        err = capsys.readouterr().err
+        assert f"BUFFER {url!r} is a URL with a scheme a run cannot live at" in err
+        assert "import into a local path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy.jsonl"]  # nothing taken for a local path
+
+
+def test_an_import_into_a_run_at_a_url_killed_midway_resumes_without_duplicates(s3_server, env, tmp_path):
+    runs = {name: run_at(s3_server.url(name)) for name in ("killed", "clean")}
+    source = write_jsonl(tmp_path / "big.jsonl", 60, log_probs=True)  # 240 rows in appends of one group
+    killed, clean = runs["killed"], runs["clean"]
+    shard = f"{killed.url}/buffer/shard-{IMPORT_SHARD_FIRST:04d}"
+    command = [*CLI, "import", str(source), killed.url, "--rows-per-chunk", "4", "--quiet"]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rows_at_kill = 0
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                with open_store(shard, mode="r") as store:
+                    rows_at_kill = len(store)
+            except Exception:  # noqa: BLE001 - not created yet; look again
+                rows_at_kill = 0
+            if rows_at_kill >= 20:
+                os.kill(process.pid, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        stderr = process.communicate(timeout=120)[1].decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == -signal.SIGKILL, stderr[-3000:]
+    assert 20 <= len(rows_of(shard)) < 240
+
+    # the same command again (in this process: the killed one's lease is taken over at once on this host)
+    assert main(command[3:]) == 0
+    assert main(["import", str(source), clean.url, "--rows-per-chunk", "64", "--quiet"]) == 0
+    rows, expected = rows_of(shard), rows_of(f"{clean.url}/buffer/shard-{IMPORT_SHARD_FIRST:04d}")
+    assert len(rows) == 240 and rows["trajectory_id"].unique().numel() == 240
+    assert rows.equal(expected)
+    store = ObjectRunStore(killed.url)
+    record, = [k for k in store.list("imports")]
+    assert record.startswith("import-")
+
+
+def test_an_import_into_a_store_at_a_url_outside_a_run(s3_server, env, tmp_path, monkeypatch, capsys):
+    """A bare Zarr store at a URL: created by the pipeline's create_buffer, its import record under
+    ``<store>/imports/``; a memmap setting is refused before anything is made."""
+    monkeypatch.chdir(tmp_path)
+    source = write_jsonl(tmp_path / "toy.jsonl", 2, log_probs=True)
+    url = s3_server.url("store")
+    settings = [a for s in SMALL if not s.startswith("buffer_backend") for a in ("--set", s)]
+    assert main(["import", str(source), url, "--pipeline", DEFAULT, "--quiet", *settings]) == 2
+    assert "only a Zarr buffer can live, but setting 'buffer_backend' is 'memmap'" in capsys.readouterr().err
+    assert s3_server.keys(url) == [] and not any(p.name.endswith(":") for p in tmp_path.rglob("*"))
+
+    assert main(["import", str(source), url, "--pipeline", DEFAULT, "--quiet", *settings,
+                 "--set", "buffer_backend=zarr"]) == 0
+    assert len(rows_of(url)) == 8
+    assert any(k.startswith("imports/import-") for k in s3_server.keys(url))
+    assert main(["import", str(source), url, "--pipeline", DEFAULT, *settings, "--set", "buffer_backend=zarr"]) == 0
+    assert "was already imported" in capsys.readouterr().err and len(rows_of(url)) == 8
