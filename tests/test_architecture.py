@@ -73,3 +73,13 @@ def test_the_architecture_page_names_every_top_level_package():
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
     missing = [p for p in packages if f"`{p}/`" not in page]
     assert not missing, f"docs/architecture.md does not describe {missing}"
+
+
+def test_test_modules_have_distinct_names():
+    """pytest imports test modules by basename (no packages under tests/): two files with one name
+    in different folders stop the whole suite at collection, so a clash fails here, naming both."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert clashes == {}, f"rename one of each: {clashes}"
