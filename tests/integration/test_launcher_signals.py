@@ -51,15 +51,19 @@ def start_and_train(home: Path, steps: int = 1) -> tuple[subprocess.Popen, list[
 
 
 def children_of(pid: int) -> list[int]:
-    """The ``collect`` / ``learn`` processes started by ``pid`` (not, e.g., multiprocessing helpers)."""
+    """The ``collect`` / ``learn`` processes started by ``pid`` (not, e.g., multiprocessing helpers):
+    forked by ``run`` (``rlhf_pipeline/runs/forking.py``, named ``rlhf-collect`` / ``rlhf-learn``) or
+    started with an interpreter of their own."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             stat = (entry / "stat").read_text()
             argv = (entry / "cmdline").read_bytes().split(b"\0")
+            comm = (entry / "comm").read_text()
         except (OSError, ValueError):
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"rlhf_pipeline.cli.main" in argv:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and (b"rlhf_pipeline.cli.main" in argv
+                                                               or comm.startswith("rlhf-")):
             found.append(int(entry.name))
     return found
 
