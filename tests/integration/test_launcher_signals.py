@@ -159,14 +159,14 @@ def test_a_read_only_home_is_one_line(tmp_path):
 
 # ---------------------------------------------------------------------- while the learner prepares
 def test_run_imports_no_torch_and_reports_the_learners_check_as_its_own(tmp_path):
-    """``run`` leaves build and preflight to its learner (no torch in the launcher); a preflight
+    """``run`` leaves build and preflight to its learner (no torch, nor numpy, in the launcher); a preflight
     error found there is ``run``'s one-line error with exit code 2, and nothing is created."""
     bad_reward = tmp_path / "bad_reward.py"
     bad_reward.write_text(Path(DEFAULT).read_text().replace(
         'rewards = {"toy": toy_reward}', 'rewards = {"toy": lambda prompts, completions, **_: [0.0]}'))
     argv = ["run", str(bad_reward), "--home", str(tmp_path), *FAST]
     script = ("import sys; from rlhf_pipeline.cli.main import main; code = main(sys.argv[1:]); "
-              "print(code, sorted(m for m in ('torch', 'tensordict', 'transformers') if m in sys.modules))")
+              "print(code, sorted(m for m in ('torch', 'tensordict', 'transformers', 'numpy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True,
                             timeout=180)
     assert result.stdout.strip() == "2 []", result.stdout + result.stderr[-3000:]
