@@ -83,7 +83,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     try:
         model = pipeline.make_model()
         poller = poller if poller is not None else WeightsPoller(paths.store)
-        update = _wait_for_weights(poller, stop)
+        # the first round waits on this: locally a listing every millisecond at first (version 0
+        # usually comes within ~0.1 s of "go"), at a URL each poll is a request
+        first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
+        update = _wait_for_weights(poller, stop, first)
         if update is None:  # stopped while the learner warm-started: nothing written yet
             print(f"{tag} stopped before any policy weights were published", file=sys.stderr, flush=True)
             return stop.exit_code()
@@ -205,7 +208,7 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
     return collector
 
 
-def _wait_for_weights(poller, stop: StopFlag):
+def _wait_for_weights(poller, stop: StopFlag, backoff: Any):
     """The first published weights, or None when asked to stop before there were any."""
     while True:
         update = poller.poll()
@@ -213,7 +216,7 @@ def _wait_for_weights(poller, stop: StopFlag):
             return update
         if stop.event.is_set():
             return None
-        time.sleep(0.05)  # the first round waits on this: poll often (a directory listing)
+        backoff.sleep()
 
 
 class _StopCheck:
