@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 _PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 _CHILD = "--child"  # before each child's command line in the forking process's own (ps shows them)
 
 
@@ -61,12 +62,17 @@ def set_thread_name(name: str) -> bool:
     return _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
-def _prctl(option: int, value: int | bytes) -> bool:
+def _prctl(option: int, value) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _is_subreaper() -> bool:
+    flag = ctypes.c_int(0)
+    return _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag)) and flag.value != 0
 
 
 def can_fork_children() -> bool:
@@ -133,6 +139,7 @@ def fork_children(children: Sequence[ChildSpec], *, pass_fds: Sequence[int] = ()
     returns them, adopted. ``pass_fds``: every descriptor any child keeps (the forking process
     gets them all; each child closes those not its own). Raises :class:`ForkError` when the
     forking process fails before it has forked them all (the ones it forked are killed)."""
+    was_subreaper = _is_subreaper()  # e.g. a test harness's: left as it was
     if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
         raise ForkError("prctl(PR_SET_CHILD_SUBREAPER) failed: run cannot adopt its children")
     stdins = [os.pipe() for _ in children]
@@ -175,7 +182,7 @@ def fork_children(children: Sequence[ChildSpec], *, pass_fds: Sequence[int] = ()
             writer.close()
         raise
     finally:
-        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+        _prctl(_PR_SET_CHILD_SUBREAPER, int(was_subreaper))
     return forked
 
 
