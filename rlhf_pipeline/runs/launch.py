@@ -197,24 +197,6 @@ class Children:
         children.collectors = dict(enumerate(started[:collectors]))
         children.learners = started[collectors:]
         return children
-        try:
-            children.collectors = {
-                k: subprocess.Popen([*launcher, "collect", *common, *(["--collector-index", str(k)] if k else []),
-                                     *wait], stdin=subprocess.PIPE, text=True, pass_fds=(stop_read, *keep_fds))
-                for k in range(collectors)
-            }
-            for rank, env in enumerate(rank_environments(learner_ranks)):
-                extra, fds = (prepare, (stop_read, status_write)) if rank == 0 else ([], (stop_read,))
-                children.learners.append(subprocess.Popen([*launcher, "learn", *common, *learner_args, *wait, *extra],
-                                                          stdin=subprocess.PIPE, text=True, pass_fds=(*fds, *keep_fds),
-                                                          env=env))
-        except BaseException:
-            children.abandon()
-            raise
-        finally:
-            os.close(stop_read)  # only the children read it: its end of file must mean we are gone
-            os.close(status_write)  # only the learner writes: end of file means it exited
-        return children
 
     def wait_for_learner(self, event: str) -> dict | None:
         """Blocks until the learner reports ``event`` or an ``ERROR`` and returns that report; None
