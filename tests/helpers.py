@@ -157,3 +157,35 @@ def multi_turn_rows(first_trajectory: int = 0, *, tool_counts: bool = False) -> 
                 kinds = 1 if reason is TerminationReason.TOOL_ERROR else 16 * failed  # malformed / timeout
                 rows[-1].update(tool_calls=calls, tool_errors=failed, tool_error_kinds=kinds)
     return TrajectoryBatch.from_rows(rows)
+
+
+def run_child_pids(role: str, *needles: str) -> list[int]:
+    """The children of a ``run`` in the role ``role`` (``"collect"``, ``"collect-1"`` for collector 1,
+    ``"learn"``) whose command line holds every needle (e.g. the run's home and name).
+
+    ``run`` forks its children from one process (``rlhf_pipeline/runs/forking.py``): they share that
+    process's command line, which holds every child's arguments, and each names its thread after its
+    role (``rlhf-collect``, ``rlhf-collect-1``, ``rlhf-learn``). A child started with an interpreter
+    of its own (where ``run`` cannot fork) is told by its own command line."""
+    from pathlib import Path
+
+    command, _, index = role.partition("-")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0")]
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        if not all(any(n in w for w in words) for n in needles):
+            continue
+        if comm.startswith("rlhf-"):
+            if comm == f"rlhf-{role}":
+                found.append(int(entry.name))
+        elif "rlhf_pipeline.cli.main" in words and command in words:
+            at = words.index("--collector-index") + 1 if "--collector-index" in words else None
+            if (words[at] if at is not None else "") == index:
+                found.append(int(entry.name))
+    return found

@@ -5,8 +5,11 @@ stack), torchrl and transformers: 4-5 s each on 2 idle cores, three times that o
 machine. ``run`` used to import them, check the settings and build the initial policy (the
 warm start) and only then start its children, which imported everything again.
 
-Now ``run`` starts the children first, with ``--wait-for-launcher``: each imports the modules
-its side needs (:func:`preload`) and then waits for one line on its stdin. Meanwhile ``run``
+Now ``run`` starts the children first, with ``--wait-for-launcher``: each has the modules its
+side needs imported (:func:`preload`) and then waits for one line on its stdin. On Linux they are
+forked from one process that imported them once (``forking.py``: each import costs ~3 s of CPU,
+and two at once on a small machine were most of the time to the first step); elsewhere each
+child imports them itself. Meanwhile ``run``
 checks the settings and prepares the run directory; then it writes ``go`` to every child
 (:meth:`Children.go`), or, when a check failed, closes their stdin so that they exit quietly
 and nothing but ``run``'s own error is printed (:meth:`Children.abandon`). A child told to go
@@ -37,6 +40,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from rlhf_pipeline.runs.forking import ChildSpec, can_fork_children, fork_children
 
 GO = "go"
 # what the learner child of `run` reports while it prepares the run (LauncherReports)
@@ -164,26 +169,33 @@ class Children:
         status_read, status_write = os.pipe()
         children.reports = os.fdopen(status_read, "r")
         wait = ["--wait-for-launcher", "--stop-fd", str(stop_read)]
+        specs = [ChildSpec(["collect", *common, *(["--collector-index", str(k)] if k else []), *wait],
+                           keep_fds=(stop_read, *keep_fds)) for k in range(collectors)]
+        # rank 0 prepares the run for all collectors' shards and says how it went; the other
+        # ranks wait for "go", given once weights version 0 is published
+        prepare = ["--status-fd", str(status_write), "--collectors", str(collectors)]
+        for rank, env in enumerate(rank_environments(learner_ranks)):
+            extra, fds = (prepare, (stop_read, status_write)) if rank == 0 else ([], (stop_read,))
+            specs.append(ChildSpec(["learn", *common, *learner_args, *wait, *extra], keep_fds=(*fds, *keep_fds),
+                                   env=env if learner_ranks > 1 else None))
+        started: list = []
         try:
-            children.collectors = {
-                k: subprocess.Popen([*launcher, "collect", *common, *(["--collector-index", str(k)] if k else []),
-                                     *wait], stdin=subprocess.PIPE, text=True, pass_fds=(stop_read, *keep_fds))
-                for k in range(collectors)
-            }
-            # rank 0 prepares the run for all collectors' shards and says how it went; the other
-            # ranks wait for "go", given once weights version 0 is published
-            prepare = ["--status-fd", str(status_write), "--collectors", str(collectors)]
-            for rank, env in enumerate(rank_environments(learner_ranks)):
-                extra, fds = (prepare, (stop_read, status_write)) if rank == 0 else ([], (stop_read,))
-                children.learners.append(subprocess.Popen([*launcher, "learn", *common, *learner_args, *wait, *extra],
-                                                          stdin=subprocess.PIPE, text=True, pass_fds=(*fds, *keep_fds),
-                                                          env=env))
+            if can_fork_children():  # torch & co. imported once for all of them (forking.py)
+                started = fork_children(specs, pass_fds=(stop_read, status_write, *keep_fds))
+            else:
+                for spec in specs:
+                    started.append(subprocess.Popen([*launcher, *spec.argv], stdin=subprocess.PIPE, text=True,
+                                                    pass_fds=spec.keep_fds, env=spec.env))
         except BaseException:
+            children.collectors = dict(enumerate(started[:collectors]))
+            children.learners = started[collectors:]
             children.abandon()
             raise
         finally:
             os.close(stop_read)  # only the children read it: its end of file must mean we are gone
             os.close(status_write)  # only the learner writes: end of file means it exited
+        children.collectors = dict(enumerate(started[:collectors]))
+        children.learners = started[collectors:]
         return children
 
     def wait_for_learner(self, event: str) -> dict | None:

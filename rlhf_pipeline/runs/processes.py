@@ -85,7 +85,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         model = pipeline.make_model()
         if poller is None:  # at a URL, one download per version for all collectors of this machine
             poller = WeightsPoller(paths.store, cache=MachineCache(paths.fetched_weights) if paths.url else None)
-        update = _wait_for_weights(poller, stop)
+        # the first round waits on this: locally a listing every millisecond at first (version 0
+        # usually comes within ~0.1 s of "go"), at a URL each poll is a request
+        first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
+        update = _wait_for_weights(poller, stop, first)
         if update is None:  # stopped while the learner warm-started: nothing written yet
             print(f"{tag} stopped before any policy weights were published", file=sys.stderr, flush=True)
             return stop.exit_code()
@@ -207,7 +210,7 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
     return collector
 
 
-def _wait_for_weights(poller, stop: StopFlag):
+def _wait_for_weights(poller, stop: StopFlag, backoff: Any):
     """The first published weights, or None when asked to stop before there were any."""
     while True:
         update = poller.poll()
@@ -215,7 +218,7 @@ def _wait_for_weights(poller, stop: StopFlag):
             return update
         if stop.event.is_set():
             return None
-        time.sleep(0.05)  # the first round waits on this: poll often (a directory listing)
+        backoff.sleep()
 
 
 class _StopCheck:

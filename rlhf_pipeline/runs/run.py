@@ -16,8 +16,9 @@ Order of work, so bad settings fail before anything starts:
 
 ``run`` itself imports no torch (three processes importing torch, tensordict and transformers
 at once on a small machine cost seconds before the first step): it does step 1's ``check``
-only, and its learner child does the rest of steps 1 and 2 while the collectors import, then
-build their side during the warm start (:func:`prepare_for_launcher`, ``launch.py``). An error
+only, and its learner child does the rest of steps 1 and 2, then the collectors build their
+side during the warm start (:func:`prepare_for_launcher`, ``launch.py``). The children are
+forked from one process that imported torch & co. once for all of them (``forking.py``). An error
 of ``build``, ``preflight`` or the run directory reaches ``run`` through a pipe, and ``run``
 raises it as its own (same message, exit code 2); nothing is created before they pass.
 
@@ -160,10 +161,15 @@ def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, ste
             device: str | None, overrides: Sequence[str], collectors: int, *, holder: Any) -> int:
     """``run``: checks what it can without torch, starts the children, waits while the learner
     prepares the run directory (collectors go once it exists), then watches them."""
+    from rlhf_pipeline.runs.forking import ForkError
+
     check_settings(module, settings)
-    children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
-                               learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1),
-                               holder_fd=holder.fd)
+    try:
+        children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
+                                   learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1),
+                                   holder_fd=holder.fd)
+    except ForkError as exc:
+        raise RunError(str(exc)) from None
     try:
         wait_for_preparation(children)
     except BaseException:

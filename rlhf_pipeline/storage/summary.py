@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -72,6 +73,8 @@ def summarize_trajectories(trajectory_id: np.ndarray, reasons: np.ndarray | None
     the turns with a failure of each kind (``tool_error_turns``: kind name -> turns)."""
     if trajectory_id.size == 0:
         return {}
+    import numpy as np  # here: importing this module (the storage package) stays numpy-free for run's launcher
+
     _, turns = np.unique(trajectory_id, return_counts=True)
     out: dict[str, Any] = {"count": int(turns.size), "multi_turn": int((turns > 1).sum()),
                            "turns_max": int(turns.max()), "turns_mean": float(turns.mean())}

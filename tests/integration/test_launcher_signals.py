@@ -51,15 +51,19 @@ def start_and_train(home: Path, steps: int = 1) -> tuple[subprocess.Popen, list[
 
 
 def children_of(pid: int) -> list[int]:
-    """The ``collect`` / ``learn`` processes started by ``pid`` (not, e.g., multiprocessing helpers)."""
+    """The ``collect`` / ``learn`` processes started by ``pid`` (not, e.g., multiprocessing helpers):
+    forked by ``run`` (``rlhf_pipeline/runs/forking.py``, named ``rlhf-collect`` / ``rlhf-learn``) or
+    started with an interpreter of their own."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             stat = (entry / "stat").read_text()
             argv = (entry / "cmdline").read_bytes().split(b"\0")
+            comm = (entry / "comm").read_text()
         except (OSError, ValueError):
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"rlhf_pipeline.cli.main" in argv:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and (b"rlhf_pipeline.cli.main" in argv
+                                                               or comm.startswith("rlhf-")):
             found.append(int(entry.name))
     return found
 
@@ -155,14 +159,14 @@ def test_a_read_only_home_is_one_line(tmp_path):
 
 # ---------------------------------------------------------------------- while the learner prepares
 def test_run_imports_no_torch_and_reports_the_learners_check_as_its_own(tmp_path):
-    """``run`` leaves build and preflight to its learner (no torch in the launcher); a preflight
+    """``run`` leaves build and preflight to its learner (no torch, nor numpy, in the launcher); a preflight
     error found there is ``run``'s one-line error with exit code 2, and nothing is created."""
     bad_reward = tmp_path / "bad_reward.py"
     bad_reward.write_text(Path(DEFAULT).read_text().replace(
         'rewards = {"toy": toy_reward}', 'rewards = {"toy": lambda prompts, completions, **_: [0.0]}'))
     argv = ["run", str(bad_reward), "--home", str(tmp_path), *FAST]
     script = ("import sys; from rlhf_pipeline.cli.main import main; code = main(sys.argv[1:]); "
-              "print(code, sorted(m for m in ('torch', 'tensordict', 'transformers') if m in sys.modules))")
+              "print(code, sorted(m for m in ('torch', 'tensordict', 'transformers', 'numpy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True,
                             timeout=180)
     assert result.stdout.strip() == "2 []", result.stdout + result.stderr[-3000:]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_child_pids
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.storage import ShardedStoreReader, open_buffer, open_store
@@ -178,22 +179,6 @@ def test_settings_added_to_a_pipeline_since_a_run_started_keep_their_default(tmp
         prepare_run(changed, paths)
 
 
-def _pids_of(*needles: str) -> list[int]:
-    """Processes whose command line holds every needle (the children of one ``run``)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        words = [a.decode(errors="replace") for a in argv]
-        if all(any(n in w for w in words) for n in needles):
-            found.append(int(entry.name))
-    return found
-
-
 def test_a_collector_killed_mid_run_of_a_sharded_zarr_buffer_resumes_exactly(tmp_path):
     """kill -9 of collector 1 stops the run; the same command resumes; no round is lost or doubled."""
     import signal
@@ -214,7 +199,7 @@ def test_a_collector_killed_mid_run_of_a_sharded_zarr_buffer_resumes_exactly(tmp
             if len(records) >= 3:
                 break
             time.sleep(0.2)
-        victims = _pids_of("collect", str(run.parent), "--collector-index", "crash")
+        victims = run_child_pids("collect-1", str(run.parent), "crash")
         assert len(victims) == 1, (victims, first.poll())
         os.kill(victims[0], signal.SIGKILL)
         out, _ = first.communicate(timeout=240)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from integration.test_default_pipeline import DEFAULT, SMALL
-from integration.test_processes import _pids_of
+from helpers import run_child_pids
 
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_paths import cache_dir
@@ -138,8 +138,7 @@ def _kill_when(process: subprocess.Popen, run_url: str, steps: int, side: str) -
             if len(learner_metrics(run_url)) >= steps:
                 break
             time.sleep(0.5)
-        learners = set(_pids_of("learn", home, "--status-fd"))  # run's learner child
-        victims = sorted(learners if side == "learn" else set(_pids_of("collect", home, "--stop-fd")) - learners)
+        victims = run_child_pids(side, home)
         assert len(victims) == 1, (victims, process.poll())
         os.kill(victims[0], signal.SIGKILL)
         out, _ = process.communicate(timeout=240)

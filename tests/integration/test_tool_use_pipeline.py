@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_child_pids
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.schema import TerminationReason
@@ -54,21 +55,6 @@ def test_run_trains_on_whole_multi_turn_trajectories(tmp_path):
     assert sum(r["tools/calls"] for r in rounds) > 0
 
 
-def _collector_pids(run_name: str, home: Path) -> list[int]:
-    """The ``collect`` child of the ``run`` of ``home/run_name``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            words = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0")]
-        except OSError:
-            continue
-        if "collect" in words and str(home) in words and run_name in words:
-            found.append(int(entry.name))
-    return found
-
-
 def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole(tmp_path):
     """kill -9 of the collector process stops the run; the same command resumes it: the buffer holds
     every trajectory the collector handed out exactly once, whole, in the order of its ids."""
@@ -81,7 +67,7 @@ def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole
     try:
         while first.poll() is None and (not rounds_file.exists() or len(read_metrics(rounds_file)) < 3):
             time.sleep(0.1)
-        victims = _collector_pids("crash", tmp_path)
+        victims = run_child_pids("collect", str(tmp_path), "crash")
         assert len(victims) == 1, (victims, first.poll())
         os.kill(victims[0], signal.SIGKILL)
         out, _ = first.communicate(timeout=300)

@@ -1,0 +1,91 @@
+"""The forking process of ``run``: imports torch & co. once, then forks each child into ``main(argv)``.
+
+``python -m rlhf_pipeline.cli.forker REPORT_FD --child ARGV... --child ARGV...`` is started by
+:func:`rlhf_pipeline.runs.forking.fork_children` (which says why); it is no command of its own.
+It reads the children's specs (JSON: ``argv``, ``keep_fds``, ``stdin``, ``env``) on its stdin, imports
+what the collectors and the learner import (``runs.launch.preload``), forks one child per spec,
+writes each child's pid on ``REPORT_FD`` as it is forked, and exits. The ``--child`` words are
+there for ``ps`` only: the children share this command line.
+
+A child closes the descriptors that are not its own, takes its stdin pipe as fd 0, sets its
+environment, waits until this process has exited (the end of file of a pipe only this process
+holds: it has been re-parented to ``run`` by then), and runs ``rlhf_pipeline.cli.main.main(argv)``;
+it never returns into this module's code (``os._exit``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+from rlhf_pipeline.runs.forking import set_thread_name, thread_name
+from rlhf_pipeline.runs.launch import preload
+
+
+def fork_all(report_fd: int) -> int:
+    spec = json.loads(sys.stdin.read())
+    try:
+        preload("collect")
+        preload("learn")
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the launcher reports it
+        return 130
+    adopted_read, adopted_write = os.pipe()  # its end of file: this process is gone, the child adopted
+    inherited = {fd for child in spec for fd in (child["stdin"], *child["keep_fds"])}
+    for child in spec:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        set_thread_name(thread_name(child["argv"], child["env"]))  # the child's name from its start
+        pid = os.fork()
+        if pid == 0:
+            run_child(child, inherited, adopted_read, adopted_write, report_fd)  # never returns
+        os.write(report_fd, f"{pid}\n".encode())
+        os.close(child["stdin"])
+    return 0
+
+
+def run_child(child: dict, inherited: set[int], adopted_read: int, adopted_write: int, report_fd: int) -> None:
+    """In a forked child: runs its command line and exits with its code."""
+    code = 1
+    try:
+        os.close(adopted_write)
+        os.close(report_fd)
+        for fd in inherited - set(child["keep_fds"]) - {child["stdin"]}:
+            try:
+                os.close(fd)
+            except OSError:  # an earlier child's stdin: this process closed it after that fork
+                pass
+        os.dup2(child["stdin"], 0)
+        os.close(child["stdin"])
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (fd 0 lives as long as the process)
+        if child["env"] is not None:
+            os.environ.clear()
+            os.environ.update(child["env"])
+        os.read(adopted_read, 1)  # returns once the forking process has exited
+        os.close(adopted_read)
+        from rlhf_pipeline.cli.main import main
+
+        code = main(child["argv"])
+    except SystemExit as exc:  # argparse's errors, sys.exit(...)
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 (printed as the interpreter would, then exit 1)
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_code = fork_all(int(sys.argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)  # no interpreter teardown (seconds with torch loaded); the children carry on
