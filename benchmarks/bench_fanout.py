@@ -81,6 +81,8 @@ def serve(port_file: str) -> None:
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
+    from rlhf_pipeline.bench.moto_etags import lock_moto_etags
+
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     lock_moto_etags()
     moto_app = DomainDispatcherApplication(create_backend_app)
@@ -110,24 +112,6 @@ def serve(port_file: str) -> None:
     Path(port_file).write_text(str(server.server_port))
     server.serve_forever()
 
-
-def lock_moto_etags() -> None:
-    """moto (5.2.5) computes an object's ETag on first use by seeking and reading the object's buffer
-    without the object's lock, while a GET reads the same buffer under it: concurrent LISTs and GETs
-    of a new object over 5 MB (a file buffer, slow enough to interleave) then saw different ETags and
-    bodies that failed their checksum. Real S3 computes the ETag once, at the PUT; so does this."""
-    from moto.s3.models import FakeKey
-
-    unlocked = FakeKey.etag.fget
-    if getattr(unlocked, "locked", False):
-        return
-
-    def etag(key):
-        with key.lock:
-            return unlocked(key)
-
-    etag.locked = True
-    FakeKey.etag = property(etag)
 
 
 class CountingServer:

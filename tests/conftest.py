@@ -29,6 +29,17 @@ def s3_server():
     server.stop()
 
 
+@pytest.fixture()
+def s3_env(s3_server, tmp_path, monkeypatch):
+    """The S3 server's AWS variables for child processes (returned) and for this process (set); the
+    cache of runs at a URL under ``tmp_path``; one OpenMP thread in the children."""
+    environment = {**s3_server.env(), "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
+                "XDG_CACHE_HOME"):
+        monkeypatch.setenv(key, environment[key])
+    return environment
+
+
 @pytest.fixture(scope="session")
 def azure_server(tmp_path_factory):
     """Azurite (the Azure Blob Storage emulator) on 127.0.0.1 for the session; skips, saying what to

@@ -56,6 +56,8 @@ class S3Server:
     def __init__(self):
         from moto.server import ThreadedMotoServer
 
+        from rlhf_pipeline.bench.moto_etags import lock_moto_etags
+
         lock_moto_etags()
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
@@ -106,24 +108,6 @@ class S3Server:
     def stop(self) -> None:
         self._server.stop()
 
-
-def lock_moto_etags() -> None:
-    """moto (5.2.5) computes an object's ETag on first use by seeking and reading the object's buffer
-    without the object's lock, while a GET reads the same buffer under it: concurrent LISTs and GETs
-    of a new object over 5 MB (a file buffer, slow enough to interleave) then saw different ETags and
-    bodies that failed their checksum. Real S3 computes the ETag once, at the PUT; so does this."""
-    from moto.s3.models import FakeKey
-
-    unlocked = FakeKey.etag.fget
-    if getattr(unlocked, "locked", False):
-        return
-
-    def etag(key):
-        with key.lock:
-            return unlocked(key)
-
-    etag.locked = True
-    FakeKey.etag = property(etag)
 
 
 def missing_packages() -> list[str]:

@@ -28,13 +28,8 @@ VERSION = ("charts/policy_version", "charts/staleness")
 
 
 @pytest.fixture()
-def env(s3_server, tmp_path, monkeypatch):
-    """The AWS variables for the children and this process; the cache of runs at a URL under tmp_path."""
-    environment = {**s3_server.env(), "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",
-                "XDG_CACHE_HOME"):
-        monkeypatch.setenv(key, environment[key])
-    return environment
+def env(s3_env):
+    return s3_env  # the module's tests name it env, as test_run_at_url.py does
 
 
 @pytest.fixture()
