@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from integration.test_default_pipeline import DEFAULT
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_weights
@@ -27,8 +28,6 @@ from rlhf_pipeline.runs.run_directory import prepare_run
 from rlhf_pipeline.schema.ids import collector_index_of
 from rlhf_pipeline.storage import open_buffer, open_store
 from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
-
-from integration.test_default_pipeline import DEFAULT
 
 SMALL = ("warm_start_steps=0", "hidden_size=32", "num_layers=1", "num_heads=2", "group_size=4",
          "buffer_backend=zarr")

@@ -6,7 +6,6 @@ weights. Real processes; endpoint and credentials from the AWS variables, as a u
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,15 @@ import time
 
 import pytest
 import torch
-from integration.test_replay import DEFAULT, REPO, ROWS, SMALL, SMALL_CLI, record, recorded_rows
+from integration.test_replay import (
+    DEFAULT,
+    REPO,
+    ROWS,
+    SMALL,
+    SMALL_CLI,
+    record,
+    recorded_rows,
+)
 from integration.test_run_at_url import trained
 
 from rlhf_pipeline.coordination.weights import load_weights
