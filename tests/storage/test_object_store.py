@@ -156,12 +156,15 @@ def test_a_writer_waits_out_the_lease_of_one_that_died_on_another_machine(azure_
     url, options = azure_server.url(), azure_server.options
     with ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=options) as store:
         store.append(checksummed_batch(0, 8))
-    holder = {"owner": "f" * 32, "pid": 4242, "host": "collector-node-7", "lease_s": 2, "renewal": 0}
+    holder = {"owner": "f" * 32, "pid": 4242, "host": "collector-node-7", "lease_s": 60, "renewal": 0}
     azure_server.put(url, "writer.lock", json.dumps(holder).encode())  # never renewed
 
     with pytest.raises(StoreLockedError, match=r"process 4242 on collector-node-7 .*lock_wait_s="):
         ZarrTrajectoryStore.open(url, "a", storage_options=options)  # no wait: refused at once
 
+    # a short lease, written again just before the wait (its age is the server's since this PUT): long
+    # enough to be seen alive on a loaded machine, short enough to wait out
+    azure_server.put(url, "writer.lock", json.dumps({**holder, "lease_s": 4}).encode())
     caplog.set_level(logging.WARNING, logger="rlhf_pipeline.storage.zarr.object_store")
     with ZarrTrajectoryStore.open(url, "a", storage_options=options, lock_wait_s=30) as store:
         store.append(checksummed_batch(8, 8))
