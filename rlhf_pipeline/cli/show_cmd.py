@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from rlhf_pipeline.dataio.run_pipeline import find_run_root
+    from rlhf_pipeline.dataio.run_pipeline import find_run
+    from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.dataio.trajectory_view import (
         TrajectoryNotFound,
         find_trajectory,
@@ -59,12 +60,17 @@ def run(args: argparse.Namespace) -> int:
     if args.overrides and args.pipeline is None:
         return fail("--set overrides a setting of --pipeline's pipeline: pass --pipeline PIPELINE.py too "
                     "(a run's buffer is decoded with the run's own settings)")
-    run_root = find_run_root(args.buffer)
-    location = args.buffer
-    if run_root is not None and Path(args.buffer).resolve() == run_root:
-        location = str(run_root / "buffer")
     try:
-        tokenizer = _tokenizer(args, run_root)
+        run = find_run(args.buffer)  # a run directory or a run at a URL, or None
+    except RunLocationError as exc:
+        return fail(str(exc))
+    location = args.buffer
+    if run is not None and str(args.buffer).rstrip("/") == run.location.rstrip("/"):
+        location = run.buffer_location
+    elif run is not None and run.url is None and Path(args.buffer).resolve() == run.root:
+        location = run.buffer_location
+    try:
+        tokenizer = _tokenizer(args, run)
         with open_buffer(location, mode="r") as store:
             view = find_trajectory(store, args.trajectory, row=args.row)
     except (StoreError, PipelineError, TrajectoryNotFound) as exc:
@@ -80,17 +86,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokenizer(args: argparse.Namespace, run_root):
-    """The tokenizer of ``--pipeline`` (with ``--set``), else of the run, else None."""
-    if args.pipeline is None and run_root is None:
+def _tokenizer(args: argparse.Namespace, run):
+    """The tokenizer of ``--pipeline`` (with ``--set``), else of the run (``RunPaths``), else None."""
+    if args.pipeline is None and run is None:
         return None
     if args.pipeline is None:
         from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
 
-        return load_run_pipeline(run_root).tokenizer
+        return load_run_pipeline(run).tokenizer
     from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
     from rlhf_pipeline.runs.processes import build_pipeline
 
     module = load_pipeline_module(args.pipeline)
-    scratch = Path(args.buffer).resolve().parent  # build() may name paths under it; show writes nothing there
+    # build() may name paths under it; show writes nothing there (a URL is no local path: the cwd then)
+    scratch = Path.cwd() if "://" in str(args.buffer) else Path(args.buffer).resolve().parent
     return build_pipeline(module, make_settings(module, list(args.overrides)), RunPaths(scratch)).tokenizer

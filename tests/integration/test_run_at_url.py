@@ -120,6 +120,10 @@ def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_se
     inspected = subprocess.run([*read, "inspect", f"{home}/exp1/buffer/", "--json"], cwd=tmp_path, env=env,
                                capture_output=True, text=True, timeout=300)
     assert inspected.returncode == 0 and '"shards": 1' in inspected.stdout, inspected.stderr[-3000:]
+    shown = subprocess.run([*read, "show", f"{home}/exp1", "--color", "never"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and "── turn 0" in shown.stdout, shown.stderr[-3000:]
+    assert "tokens shown by id" not in shown.stderr  # decoded with the tokenizer of the run's own pipeline copy
 
     local = subprocess.run([*command(str(tmp_path / "local"), "exp1"), "--steps", "4"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=600)
