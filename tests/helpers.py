@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
+from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema.termination import TerminationReason
 from rlhf_pipeline.schema.turn_messages import encode_turn_messages
 
@@ -189,3 +189,17 @@ def run_child_pids(role: str, *needles: str) -> list[int]:
             if (words[at] if at is not None else "") == index:
                 found.append(int(entry.name))
     return found
+
+
+def import_benchmark(name: str):
+    """The module of ``benchmarks/<name>.py`` (scripts, not a package: imported by path for the test)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, benchmarks)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(benchmarks)

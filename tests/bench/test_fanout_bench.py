@@ -3,12 +3,9 @@ gives (counted on its moto server by the key each simulated rank signs with), op
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import import_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SHARDS, RANKS, ROWS = 6, 3, 4
 
 
@@ -16,11 +13,7 @@ SHARDS, RANKS, ROWS = 6, 3, 4
 def results():
     pytest.importorskip("moto.server", reason="needs moto's server: pip install -e '.[s3,test-s3]'")
     pytest.importorskip("s3fs")
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_fanout
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench_fanout = import_benchmark("bench_fanout")
     opened, found = bench_fanout.measure(SHARDS, RANKS, steps=2, rows=ROWS, samplers=["exact", "window"],
                                          log=lambda _: None)
     return {(r["sampler"], r["mode"]): r["steps"] for r in found}, bench_fanout.table(found), \

@@ -4,23 +4,16 @@ machine cache and 1 with it; docs/scaling.md quotes its table."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from helpers import import_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 MACHINES, COLLECTORS, VERSIONS = 1, 2, 2
 
 
 def test_collectors_of_a_machine_download_each_version_once_instead_of_once_each():
     pytest.importorskip("moto.server", reason="needs moto's server: pip install -e '.[s3,test-s3]'")
     pytest.importorskip("s3fs")
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_weights_fanout
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench_weights_fanout = import_benchmark("bench_weights_fanout")
     results = bench_weights_fanout.measure(MACHINES, COLLECTORS, VERSIONS, model_mb=0.25, log=lambda _: None)
     assert [row["GETs"] for row in results["before"]] == [MACHINES * COLLECTORS] * VERSIONS
     assert [row["GETs"] for row in results["after"]] == [MACHINES] * VERSIONS

@@ -26,7 +26,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from integration.test_run_at_url import LABELS, command, learner_metrics, rows_of, trained
+from integration.test_run_at_url import (
+    assert_trained_as_uninterrupted,
+    command,
+    learner_metrics,
+    rows_of,
+)
 
 from rlhf_pipeline.coordination.weights import load_weights
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
@@ -245,11 +250,7 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
         assert plain.returncode == 0, plain.stderr[-3000:]
     finally:
         nodes.stop_all()
-    moved = trained(learner_metrics(run_url), LABELS)
-    uninterrupted = trained(learner_metrics(f"{home}/plain"), LABELS)
-    assert [r["step"] for r in moved] == list(range(1, STEPS + 1))  # every step once, in order
-    for step, (a, b) in enumerate(zip(moved, uninterrupted, strict=True), start=1):
-        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
+    assert_trained_as_uninterrupted(run_url, f"{home}/plain", STEPS)
     a, b = rows_of(f"{run_url}/buffer"), rows_of(f"{home}/plain/buffer")
     trained_rows = STEPS * 16
     assert {k: v[:trained_rows] for k, v in a.items() if k != "versions"} == \

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from integration.test_default_pipeline import DEFAULT, SMALL
 from helpers import run_child_pids
+from integration.test_default_pipeline import DEFAULT, SMALL
 
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_paths import cache_dir
@@ -73,6 +73,16 @@ def trained(records: list[dict], labels: tuple[str, ...] = ()) -> list[dict]:
     """What was trained, step by step: the metrics less those measuring time (and ``labels``)."""
     return [{k: v for k, v in r.items() if not k.endswith(TIMING) and not any(n in k for n in labels)}
             for r in records]
+
+
+def assert_trained_as_uninterrupted(run_url: str, plain_url: str, steps: int) -> None:
+    """The run at ``run_url`` (interrupted and resumed) logged every step once, in order, each equal
+    to the uninterrupted run's but for ``LABELS``."""
+    resumed = trained(learner_metrics(run_url), LABELS)
+    uninterrupted = trained(learner_metrics(plain_url), LABELS)
+    assert [r["step"] for r in resumed] == list(range(1, steps + 1))  # every step once, in order
+    for step, (a, b) in enumerate(zip(resumed, uninterrupted, strict=True), start=1):
+        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
 
 
 def rows_of(buffer: str) -> dict:
@@ -204,11 +214,7 @@ def test_processes_killed_at_a_url_resume_exactly(server, env, tmp_path):
     plain = subprocess.run([*command(home, "plain"), "--steps", str(total)], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    crashed = trained(learner_metrics(run_url), LABELS)
-    uninterrupted = trained(learner_metrics(f"{home}/plain"), LABELS)
-    assert [r["step"] for r in crashed] == list(range(1, total + 1))  # every step once, in order
-    for step, (a, b) in enumerate(zip(crashed, uninterrupted, strict=True), start=1):
-        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
+    assert_trained_as_uninterrupted(run_url, f"{home}/plain", total)
     a, b = rows_of(f"{run_url}/buffer"), rows_of(f"{home}/plain/buffer")
     del a["versions"], b["versions"]
     trained_rows = total * 16  # the rows the learner took in (how far the collector ran ahead at the end is timing)
