@@ -191,6 +191,38 @@ def run_child_pids(role: str, *needles: str) -> list[int]:
     return found
 
 
+def kill_when(process, condition, *, victims=None, timeout: float = 300, poll_s: float = 0.05,
+              wait_s: float = 240):
+    """Waits until ``condition()`` is true, then sends SIGKILL to ``process``, or to the one pid that
+    ``victims()`` returns (a child of it: ``run_child_pids``), and returns what ``process`` printed
+    (its stdout, or its stderr where only that was piped).
+
+    The kill and resume tests differ only in what they wait for (a metrics line, a checkpoint at a URL,
+    a collector round, rows in a shard) and whom they kill. Waiting also ends when ``process`` exits or
+    after ``timeout`` s; the kill is sent then too, and the test's own checks (the return code, how
+    far the run got) say what went wrong. ``process`` is killed if it still runs when this returns.
+    Keep ``condition`` cheap: it runs every ``poll_s`` s."""
+    import os
+    import signal
+    import time
+
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and process.poll() is None and not condition():
+            time.sleep(poll_s)
+        if victims is None:
+            process.send_signal(signal.SIGKILL)  # a no-op once it has exited: its return code tells
+        else:
+            pids = victims()
+            assert len(pids) == 1, (pids, process.poll())
+            os.kill(pids[0], signal.SIGKILL)
+        out, err = process.communicate(timeout=wait_s)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return out if out is not None else err
+
+
 def import_benchmark(name: str):
     """The module of ``benchmarks/<name>.py`` (scripts, not a package: imported by path for the test)."""
     import importlib

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_child_pids
+from helpers import kill_when, run_child_pids
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.storage import ShardedStoreReader, open_buffer, open_store
@@ -181,9 +181,6 @@ def test_settings_added_to_a_pipeline_since_a_run_started_keep_their_default(tmp
 
 def test_a_collector_killed_mid_run_of_a_sharded_zarr_buffer_resumes_exactly(tmp_path):
     """kill -9 of collector 1 stops the run; the same command resumes; no round is lost or doubled."""
-    import signal
-    import time
-
     from rlhf_pipeline.storage import ShardedStoreReader
 
     command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2",
@@ -192,20 +189,8 @@ def test_a_collector_killed_mid_run_of_a_sharded_zarr_buffer_resumes_exactly(tmp
     run = tmp_path / "crash"
     first = subprocess.Popen([*command, "--steps", "50"], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and first.poll() is None:
-            records = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
-            if len(records) >= 3:
-                break
-            time.sleep(0.2)
-        victims = run_child_pids("collect-1", str(run.parent), "crash")
-        assert len(victims) == 1, (victims, first.poll())
-        os.kill(victims[0], signal.SIGKILL)
-        out, _ = first.communicate(timeout=240)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    out = kill_when(first, lambda: (run / "metrics.jsonl").exists() and len(read_metrics(run / "metrics.jsonl")) >= 3,
+                    victims=lambda: run_child_pids("collect-1", str(run.parent), "crash"), timeout=240)
     assert first.returncode != 0 and "collector 1 exited early" in out, out[-3000:]
     stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"]
 

@@ -13,12 +13,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import kill_when
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
@@ -143,18 +143,10 @@ def test_a_replay_killed_with_sigkill_resumes_to_the_same_losses_and_weights(hom
     run = home / "killed"
     first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and first.poll() is None:
-            # whole lines only: the replay may be writing the next one
-            if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3:
-                break
-            time.sleep(0.01)
-        first.send_signal(signal.SIGKILL)
-        _, err = first.communicate(timeout=60)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    metrics = run / "metrics.jsonl"
+    # whole lines only: the replay may be writing the next one
+    err = kill_when(first, lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, timeout=240,
+                    poll_s=0.01, wait_s=60)
     assert first.returncode == -signal.SIGKILL, err[-3000:]
     stopped_at = len(read_metrics(run / "metrics.jsonl"))
     assert 3 <= stopped_at < 18, "the kill came after the replay had finished; nothing was resumed"

@@ -9,10 +9,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from helpers import kill_when
 from integration.test_replay import (
     DEFAULT,
     REPO,
@@ -108,19 +108,9 @@ def test_a_replay_killed_at_a_url_resumes_to_the_same_losses_rows_and_weights(s3
     first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
     store = ObjectRunStore(run)
-    try:
-        deadline = time.monotonic() + 300
-        # a checkpoint at step 2 or later, and the run not finished (10 steps of margin to the end)
-        while time.monotonic() < deadline and first.poll() is None:
-            names = store.list("checkpoints")
-            if any(n.startswith("step_") and 2 <= int(n[5:13]) < 12 for n in names):
-                break
-            time.sleep(0.05)
-        first.send_signal(signal.SIGKILL)
-        _, err = first.communicate(timeout=60)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    # a checkpoint at step 2 or later, and the run not finished (10 steps of margin to the end)
+    err = kill_when(first, lambda: any(n.startswith("step_") and 2 <= int(n[5:13]) < 12
+                                       for n in store.list("checkpoints")), wait_s=60)
     assert first.returncode == -signal.SIGKILL, err[-3000:]
     assert "checkpoints/step_00000012.pt" not in s3_server.keys(run), "the kill came after the replay had finished"
 

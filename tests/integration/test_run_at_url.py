@@ -10,8 +10,6 @@ cloud. The Azure case skips, saying what to install, without the ``azure`` extra
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_child_pids
+from helpers import kill_when, run_child_pids
 from integration.test_default_pipeline import DEFAULT, SMALL
 
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
@@ -146,19 +144,8 @@ def _kill_when(process: subprocess.Popen, run_url: str, steps: int, side: str) -
     """Waits until the run at ``run_url`` has logged ``steps`` learner steps, kills -9 its
     ``side`` ("learn" or "collect") child, and returns what ``run`` printed."""
     home = run_url.rsplit("/", 1)[0]
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and process.poll() is None:
-            if len(learner_metrics(run_url)) >= steps:
-                break
-            time.sleep(0.5)
-        victims = run_child_pids(side, home)
-        assert len(victims) == 1, (victims, process.poll())
-        os.kill(victims[0], signal.SIGKILL)
-        out, _ = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    out = kill_when(process, lambda: len(learner_metrics(run_url)) >= steps, victims=lambda: run_child_pids(side, home),
+                    poll_s=0.1)
     assert process.returncode != 0, out[-3000:]
     return out
 

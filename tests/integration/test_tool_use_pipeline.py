@@ -3,16 +3,13 @@ and a learner as real processes, a real buffer, a tiny model, nothing downloaded
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_child_pids
+from helpers import kill_when, run_child_pids
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.schema import TerminationReason
@@ -64,16 +61,8 @@ def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole
     rounds_file = run / "collector" / "metrics-0000.jsonl"
     first = subprocess.Popen([*command, "--steps", "40"], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
-    try:
-        while first.poll() is None and (not rounds_file.exists() or len(read_metrics(rounds_file)) < 3):
-            time.sleep(0.1)
-        victims = run_child_pids("collect", str(tmp_path), "crash")
-        assert len(victims) == 1, (victims, first.poll())
-        os.kill(victims[0], signal.SIGKILL)
-        out, _ = first.communicate(timeout=300)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    out = kill_when(first, lambda: rounds_file.exists() and len(read_metrics(rounds_file)) >= 3,
+                    victims=lambda: run_child_pids("collect", str(tmp_path), "crash"), wait_s=300)
     assert first.returncode != 0 and "exited early" in out, out[-3000:]
     stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"] if (run / "metrics.jsonl").exists() else 0
 
