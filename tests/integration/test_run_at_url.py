@@ -20,6 +20,7 @@ import torch
 from helpers import kill_when, run_child_pids
 from integration.test_default_pipeline import DEFAULT, SMALL
 
+from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_paths import cache_dir
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -90,7 +91,8 @@ def rows_of(buffer: str) -> dict:
             "tokens": [t.tolist() for t in rows["response_tokens"].to_list()]}
 
 
-def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_server, env, tmp_path):
+def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_server, env, tmp_path, monkeypatch,
+                                                                           capsys):
     home = s3_server.url("runs")
     at_url = subprocess.run([*command(home, "exp1"), "--steps", "4"], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=600)
@@ -113,25 +115,25 @@ def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_se
     copies = [p.name for p in (cache / "fetched" / "weights").iterdir() if p.suffix == ".safetensors"]
     assert copies and all(name.startswith("policy_000000") and name.count(".") == 2 for name in copies), copies
 
-    # the commands that read a run take its URL (what they need is copied into the cache)
-    read = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
-    versions = subprocess.run([*read, "export-model", f"{home}/exp1", "--list-versions"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
-    assert versions.returncode == 0 and "v4 (weights policy_00000004.safetensors)" in versions.stdout, versions
-    exported = subprocess.run([*read, "export-model", f"{home}/exp1", str(tmp_path / "model")], cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=300)
-    assert exported.returncode == 0 and "policy version 4" in exported.stdout, exported.stderr[-3000:]
+    # the commands that read a run take its URL (what they need is copied into the cache); in this
+    # process, from tmp_path (what they get at a URL is the point, not their process: each CLI start
+    # imports torch again, seconds on a busy machine)
+    monkeypatch.chdir(tmp_path)
+    assert main(["export-model", f"{home}/exp1", "--list-versions"]) == 0
+    assert "v4 (weights policy_00000004.safetensors)" in capsys.readouterr().out
+    assert main(["export-model", f"{home}/exp1", str(tmp_path / "model")]) == 0
+    assert "policy version 4" in capsys.readouterr().out
     assert (tmp_path / "model" / "config.json").is_file()
-    charts = subprocess.run([*read, "plot", f"{home}/exp1", "--out", str(tmp_path / "charts")], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert charts.returncode == 0 and (tmp_path / "charts" / "overview.png").is_file(), charts.stderr[-3000:]
-    inspected = subprocess.run([*read, "inspect", f"{home}/exp1/buffer/", "--json"], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=300)
-    assert inspected.returncode == 0 and '"shards": 1' in inspected.stdout, inspected.stderr[-3000:]
-    shown = subprocess.run([*read, "show", f"{home}/exp1", "--color", "never"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=300)
-    assert shown.returncode == 0 and "── turn 0" in shown.stdout, shown.stderr[-3000:]
-    assert "tokens shown by id" not in shown.stderr  # decoded with the tokenizer of the run's own pipeline copy
+    assert main(["plot", f"{home}/exp1", "--out", str(tmp_path / "charts")]) == 0
+    assert (tmp_path / "charts" / "overview.png").is_file()
+    capsys.readouterr()
+    assert main(["inspect", f"{home}/exp1/buffer/", "--json"]) == 0
+    assert '"shards": 1' in capsys.readouterr().out
+    assert main(["show", f"{home}/exp1", "--color", "never"]) == 0
+    shown = capsys.readouterr()
+    assert "── turn 0" in shown.out
+    assert "tokens shown by id" not in shown.err  # decoded with the tokenizer of the run's own pipeline copy
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "charts", "model"]  # no s3: directory
 
     local = subprocess.run([*command(str(tmp_path / "local"), "exp1"), "--steps", "4"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=600)
