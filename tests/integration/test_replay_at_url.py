@@ -15,7 +15,6 @@ import torch
 from helpers import kill_when
 from integration.test_replay import (
     DEFAULT,
-    REPO,
     ROWS,
     SMALL,
     SMALL_CLI,
@@ -24,12 +23,14 @@ from integration.test_replay import (
 )
 from integration.test_run_at_url import trained
 
+from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_weights
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.runs.replay import ReplayOptions, replay_command
 
 EPOCHS = ["--epochs", "2", "--seed", "7"]  # 12 steps of 16 rows; checkpoints every 2 steps
+IN_PROCESS = {"epochs": 2, "seed": 7}  # the same, as ReplayOptions for a replay in this process
 # what counts the learner's versions: a resumed replay may publish the same weights under a higher number
 VERSION = ("charts/policy_version", "charts/staleness")
 
@@ -64,7 +65,8 @@ def same_weights(a, b) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_a_replay_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_server, env, source, tmp_path):
+def test_a_replay_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_server, env, source, tmp_path,
+                                                                              monkeypatch, capsys):
     home = s3_server.url("runs")
     at_url = replay(env, tmp_path, home, "r1", source)
     assert at_url.returncode == 0, at_url.stderr[-3000:]
@@ -78,8 +80,9 @@ def test_a_replay_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3
     store = ObjectRunStore(f"{home}/r1")
     assert b'"buffer": "' + source.encode() + b'"' in store.read("settings.json")
 
-    local = replay(env, REPO, str(tmp_path / "local"), "r1", source)
-    assert local.returncode == 0, local.stderr[-3000:]
+    # the same replay in a local directory, in this process (its CLI start would only import torch again)
+    replay_command(DEFAULT, ReplayOptions(buffer=source, **IN_PROCESS), home=str(tmp_path / "local"),
+                   run_name="r1", overrides=SMALL)
     local_run = str(tmp_path / "local" / "r1")
     assert trained(logged(f"{home}/r1")) == trained(logged(local_run))
     assert [r["trajectory_ids"] for r in logged(f"{home}/r1", "batches.jsonl")] == \
@@ -93,12 +96,18 @@ def test_a_replay_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3
     assert version == 0 and all(torch.equal(start[k], newest[k]) for k in newest)
 
     # the same command again: finished, nothing retrained; a changed option is refused, naming it
-    again = replay(env, tmp_path, home, "r1", source, "--order", "sequential")
-    assert again.returncode == 2 and "--order: was 'shuffle', now 'sequential'" in again.stderr, again.stderr[-3000:]
-    assert f"{home}/r1 holds a replay started with other settings" in again.stderr
+    # (in this process: the refusal comes before any training)
+    monkeypatch.chdir(tmp_path)
+    assert main(["replay", DEFAULT, "--buffer", source, "--home", home, "--run-name", "r1", *SMALL_CLI, *EPOCHS,
+                 "--order", "sequential"]) == 2
+    refused = capsys.readouterr().err
+    assert "--order: was 'shuffle', now 'sequential'" in refused, refused[-3000:]
+    assert f"{home}/r1 holds a replay started with other settings" in refused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "local"]  # no s3: directory
 
 
-def test_a_replay_killed_at_a_url_resumes_to_the_same_losses_rows_and_weights(s3_server, env, source, tmp_path):
+def test_a_replay_killed_at_a_url_resumes_to_the_same_losses_rows_and_weights(s3_server, env, source, tmp_path,
+                                                                              monkeypatch):
     """The kill lands after a checkpoint of step 2 or later and before the last; the same command
     resumes from the newest checkpoint at the URL."""
     home = s3_server.url("runs")
@@ -120,8 +129,11 @@ def test_a_replay_killed_at_a_url_resumes_to_the_same_losses_rows_and_weights(s3
     assert [r["step"] for r in logged(run)] == list(range(1, 13))  # every step once, in order
     assert [r["step"] for r in logged(run, "batches.jsonl")] == list(range(1, 13))
 
-    plain = replay(env, tmp_path, home, "plain", source)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    # the uninterrupted replay to compare with, in this process (from tmp_path, whose listing is checked
+    # below): its CLI start would only import torch again
+    monkeypatch.chdir(tmp_path)
+    replay_command(DEFAULT, ReplayOptions(buffer=source, **IN_PROCESS), home=home, run_name="plain",
+                   overrides=SMALL)
     # only the versions' numbers (and the staleness counted from them) may differ: a replay killed after
     # publishing a version beyond its checkpoint never reuses that number at a URL (versions are created
     # once), as `run` at a URL; the losses, the rows of every step and the weights are the same
