@@ -261,22 +261,25 @@ def test_the_shuffle_window_is_fitted_to_a_zarr_readers_cache(source, tmp_path, 
         assert fit_shuffle_window(memmap, ROWS, settings, given=None, cache_bytes=cache) is settings
 
 
-def test_two_learner_ranks_replay_like_one(home, source):
+def test_two_learner_ranks_replay_like_one(home, source, capfd, monkeypatch):
     """``--set learner.world_size=2`` starts two data-parallel ranks: the same rows, losses and
-    weights as one rank (to float tolerance: the gradients are summed over ranks)."""
+    weights as one rank (to float tolerance: the gradients are summed over ranks).
+
+    The replay that starts the ranks runs in this process: the ranks are processes of their own
+    whoever starts them (``_train_on_ranks``), and a CLI start around it only imported torch again."""
     one = replay(home, "one-rank", source, steps=3, seed=7)
-    done = subprocess.run(
-        [sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", str(source), "--steps", "3",
-         "--seed", "7", "--home", str(home), "--run-name", "two-ranks", *SMALL_CLI, "--set", "learner.world_size=2"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-4000:]
+    capfd.readouterr()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks' environment, as a CLI start's was
+    assert replay_command(DEFAULT, ReplayOptions(buffer=str(source), steps=3, seed=7), home=str(home),
+                          run_name="two-ranks", overrides=[*SMALL, "learner.world_size=2"]) == 0
     two = home / "two-ranks"
+    done = capfd.readouterr()  # the ranks write to this process's stderr
     assert batches(two) == batches(one) and len(batches(two)) == 3  # every rank's rows, logged by rank 0
     torch.testing.assert_close(losses(two), losses(one), rtol=1e-4, atol=1e-6)
     (expected, _), (trained, _) = load_weights(one), load_weights(two)
     for key in expected:
         torch.testing.assert_close(trained[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
-    assert done.stderr.count("[replay] done") == 1  # rank 0 alone reports
+    assert done.err.count("[replay] done") == 1, done.err[-4000:]  # rank 0 alone reports
 
 
 def test_a_replay_keeps_its_pipeline_file_so_export_model_rebuilds_it(home, reference_run, tmp_path):
