@@ -153,8 +153,11 @@ def _kill_when(process: subprocess.Popen, run_url: str, steps: int, side: str) -
 
 
 # each cloud's kill test: the sides killed in turn, each once the run has logged this many more
-# learner steps; the steps each start asks for; the steps the last, uninterrupted start adds
-KILLS = {"s3": ((("learn", 5), ("collect", 3)), 60, 3), "az": ((("learn", 3),), 40, 2)}
+# learner steps; the steps each start asks for; the steps the last, uninterrupted start adds. A step
+# at a URL costs about a second, paid twice (the killed run and the plain one): the learner is killed
+# once step 3 is logged, past its first checkpoint (step 2, learner.checkpoint_every=2) and a version
+# published beyond it, which is all its kill needs, and each later start adds 2 steps
+KILLS = {"s3": ((("learn", 3), ("collect", 2)), 60, 2), "az": ((("learn", 3),), 40, 2)}
 
 
 @pytest.mark.slow
