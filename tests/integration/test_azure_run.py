@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from integration.test_default_pipeline import DEFAULT, SMALL
-from integration.test_s3_buffers import cli
+from integration.test_s3_buffers import cli, command
 
 from rlhf_pipeline.learn.metrics import read_metrics
 
@@ -26,11 +26,11 @@ def test_run_with_the_buffer_on_azure_then_verify_and_replay_it(azure_server, tm
     keys = azure_server.keys(url)
     assert "shard-0000/zarr.json" in keys and "shard-0000/writer.lock" not in keys  # the collector let go
 
-    stats = json.loads(cli(azure_server, "inspect", url + "/", "--json").stdout)
+    stats = json.loads(command(azure_server, "inspect", url + "/", "--json").stdout)
     assert stats["backend"] == "sharded" and stats["extra"]["shards"] == 1
     assert stats["rows"] >= 32 and stats["rows"] % 4 == 0  # two learner batches of 16, whole groups of 4
-    assert "no damage found" in cli(azure_server, "inspect", "--verify", url + "/").stdout
+    assert "no damage found" in command(azure_server, "inspect", "--verify", url + "/").stdout
 
-    cli(azure_server, "replay", DEFAULT, "--buffer", url, "--steps", "1", "--home", str(tmp_path),
-        "--run-name", "replayed", *SMALL, timeout=600)
+    command(azure_server, "replay", DEFAULT, "--buffer", url, "--steps", "1", "--home", str(tmp_path),
+            "--run-name", "replayed", *SMALL)
     assert [r["step"] for r in read_metrics(tmp_path / "replayed" / "metrics.jsonl")] == [1]

@@ -10,7 +10,7 @@ import json
 
 import pytest
 from integration.test_default_pipeline import DEFAULT, SMALL
-from integration.test_s3_buffers import cli
+from integration.test_s3_buffers import cli, command
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import PipelineError
@@ -30,12 +30,12 @@ def test_run_with_the_buffer_at_a_url_then_inspect_and_replay_it(s3_server, tmp_
     keys = s3_server.keys(url)
     assert "shard-0000/zarr.json" in keys and "shard-0000/writer.lock" not in keys  # the collector let go
 
-    stats = json.loads(cli(s3_server, "inspect", url + "/", "--json").stdout)
+    stats = json.loads(command(s3_server, "inspect", url + "/", "--json").stdout)
     assert stats["backend"] == "sharded" and stats["extra"]["shards"] == 1
     assert stats["rows"] >= 32 and stats["rows"] % 4 == 0  # two learner batches of 16, whole groups of 4
 
-    cli(s3_server, "replay", DEFAULT, "--buffer", url, "--steps", "1", "--home", str(tmp_path),
-        "--run-name", "replayed", *SMALL, timeout=600)
+    command(s3_server, "replay", DEFAULT, "--buffer", url, "--steps", "1", "--home", str(tmp_path),
+            "--run-name", "replayed", *SMALL)
     assert [r["step"] for r in read_metrics(tmp_path / "replayed" / "metrics.jsonl")] == [1]
 
 
