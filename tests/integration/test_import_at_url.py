@@ -7,14 +7,13 @@ row lost or doubled. Real processes; endpoint and credentials from the AWS varia
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from helpers import kill_when
 from integration.test_default_pipeline import DEFAULT
 
 from rlhf_pipeline.cli.main import main
@@ -123,23 +122,15 @@ def test_an_import_into_a_run_at_a_url_killed_midway_resumes_without_duplicates(
     shard = f"{killed.url}/buffer/shard-{IMPORT_SHARD_FIRST:04d}"
     command = [*CLI, "import", str(source), killed.url, "--rows-per-chunk", "4", "--quiet"]
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    rows_at_kill = 0
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                with open_store(shard, mode="r") as store:
-                    rows_at_kill = len(store)
-            except Exception:  # noqa: BLE001 - not created yet; look again
-                rows_at_kill = 0
-            if rows_at_kill >= 20:
-                os.kill(process.pid, signal.SIGKILL)
-                break
-            time.sleep(0.05)
-        stderr = process.communicate(timeout=120)[1].decode()
-    finally:
-        if process.poll() is None:
-            process.kill()
+
+    def rows_now() -> int:
+        try:
+            with open_store(shard, mode="r") as store:
+                return len(store)
+        except Exception:  # noqa: BLE001 - not created yet; look again
+            return 0
+
+    stderr = kill_when(process, lambda: rows_now() >= 20, timeout=240, wait_s=120).decode()
     assert process.returncode == -signal.SIGKILL, stderr[-3000:]
     assert 20 <= len(rows_of(shard)) < 240
 
