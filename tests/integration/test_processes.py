@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import kill_when, run_child_pids
 
+from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.storage import ShardedStoreReader, open_buffer, open_store
 from rlhf_pipeline.storage.sharded import list_shards
@@ -37,7 +38,7 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
     return out
 
 
-def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path):
+def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path, capfd):
     run = tmp_path / "shared"
     collector = start("collect", tmp_path)
     learner = start("learn", tmp_path, "--steps", "3")
@@ -49,17 +50,21 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path):
         versions = store.read(torch.arange(len(store)))["policy_version"]
     assert int(versions.max()) >= 1  # the collector picked up weights the learner published
 
-    # resume without a collector: offline replay over the recorded buffer, from step 3 to 5
-    learner_out = finish(start("learn", tmp_path, "--steps", "5", "--set", "learner.sampler=window",
-                               "--set", "learner.new_rows_per_step=0", "--set", "learner.max_staleness=none"))
+    # resume without a collector: offline replay over the recorded buffer, from step 3 to 5. In this
+    # process, as the refusal below: what the learner resumes from is on disk, and each CLI start
+    # would only import torch again
+    learn = ["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "shared", *SMALL]
+    capfd.readouterr()
+    assert main([*learn, "--steps", "5", "--set", "learner.sampler=window", "--set", "learner.new_rows_per_step=0",
+                 "--set", "learner.max_staleness=none"]) == 0
+    learner_out = "".join(capfd.readouterr())
     assert "resuming from" in learner_out and "(step 3)" in learner_out
     assert "learner settings changed" in learner_out
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
     # settings that define the data may not change under an existing run
-    other = start("learn", tmp_path, "--steps", "6", "--set", "group_size=8")
-    out, _ = other.communicate(timeout=300)
-    assert other.returncode == 2
+    assert main([*learn, "--steps", "6", "--set", "group_size=8"]) == 2
+    out = "".join(capfd.readouterr())
     assert "group_size: was 4, now 8" in out and "--run-name" in out
 
 
