@@ -105,6 +105,9 @@ def test_a_collector_killed_with_pending_groups_resumes_on_another_machine(s3_se
     for name in ("crash", "plain"):
         _create_shard(f"{home}/{name}")
 
+    # the run nobody kills, meanwhile (it ends by itself): its rows do not depend on timing, and its
+    # start (importing torch) overlaps the other collectors' instead of following them
+    plain = _collector(tmp_path, env, f"{home}/plain", "machine-c")
     first = _collector(tmp_path, env, f"{home}/crash", "machine-a")
     acked: list[int] = []
     try:
@@ -128,7 +131,7 @@ def test_a_collector_killed_with_pending_groups_resumes_on_another_machine(s3_se
     assert out.splitlines()[-1] == "finished 0"
     assert _nothing_local(tmp_path / "machine-b")
 
-    assert _finish(_collector(tmp_path, env, f"{home}/plain", "machine-c")).splitlines()[-1] == "finished 0"
+    assert _finish(plain).splitlines()[-1] == "finished 0"
     crashed, plain = _rows(f"{home}/crash/buffer/shard-0000"), _rows(f"{home}/plain/buffer/shard-0000")
     ids = crashed["trajectory_id"]
     assert sorted(ids.tolist()) == list(range(ROWS))  # every row once
