@@ -145,8 +145,9 @@ def _finish(process):
 
 
 def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_path):
-    _finish(_worker(tmp_path / "reference", tmp_path / "reference.pt", 4))
-
+    # the uninterrupted collector, meanwhile (what it samples does not depend on timing): its start
+    # overlaps the victim's instead of coming first
+    uninterrupted = _worker(tmp_path / "reference", tmp_path / "reference.pt", 4)
     ready = tmp_path / "ready"
     victim = _worker(tmp_path / "buffer", tmp_path / "collector.pt", 4, 2, ready)
     try:
@@ -165,6 +166,7 @@ def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_p
     assert len(set(rows["group_id"].tolist())) == 2 * 2  # two whole rounds of two groups
 
     _finish(_worker(tmp_path / "buffer", tmp_path / "collector.pt", 4))
+    _finish(uninterrupted)
     reference, resumed = open_or_create(tmp_path / "reference"), open_or_create(tmp_path / "buffer")
     want, got = stored(reference), stored(resumed)
     reference.close()
