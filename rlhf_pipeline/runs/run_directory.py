@@ -229,8 +229,10 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
         elif paths.buffer_url:
             _create_url_shards(pipeline, paths, shards)
         else:
-            for index in shards:
-                _create_local_shard(pipeline, paths.shard(index))
+            from rlhf_pipeline.storage.buffers import find_shard
+
+            for index in shards:  # under the name it has (a run copied from a URL keeps its spread names)
+                _create_local_shard(pipeline, Path(find_shard(paths.buffer, index)))
 
 
 CREATING_SUFFIX = ".creating"  # a shard being made; list_shards never takes it for one
@@ -286,7 +288,7 @@ def _check_buffer_at_url(pipeline: Pipeline, paths: RunPaths) -> None:
 
 def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:
     """Creates the shards under ``buffer_url`` that hold no store yet (one listing of the prefix)."""
-    from rlhf_pipeline.storage.buffers import list_shards
+    from rlhf_pipeline.storage.buffers import list_shards, shard_location
     from rlhf_pipeline.storage.errors import LocalOnlyStoreError, StoreLockedError
 
     existing = {index for index, location in list_shards(paths.buffer_location) if _is_store(location)}
@@ -294,7 +296,7 @@ def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int
         if index in existing:
             continue
         try:
-            store = pipeline.create_buffer(paths.shard_location(index))
+            store = pipeline.create_buffer(shard_location(paths.buffer_location, index))
         except (FileExistsError, StoreLockedError):
             # created since the listing by a start on another machine (a collector started beside
             # this learner may already hold its writer lock): its rows stay
