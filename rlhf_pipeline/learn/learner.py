@@ -41,7 +41,7 @@ stale ones (``charts/trajectories_masked``).
 
 After taking each batch the learner publishes what it has taken in from each shard
 (``<run>/pacing.json``), so collectors generate no more than it will train on
-(:mod:`rlhf_pipeline.coordination.pacing`); it counts the distinct rows it trained on against the rows
+(:mod:`rlhf_pipeline.coordination.pacing`; a replay, which has no collectors, writes none); it counts the distinct rows it trained on against the rows
 generated, and logs how stale they were (``learn/usage.py``).
 
 On CUDA the forward runs under bf16 autocast, batches (with packing: the packed micro-batches)
@@ -106,7 +106,7 @@ class Learner:
                  on_step: Callable[[int, Any, Any, dict[str, float]], None] | None = None,
                  before_checkpoint: Callable[[], None] | None = None,
                  data_parallel: DataParallel | None = None,
-                 initial_policy: torch.nn.Module | None = None) -> None:
+                 initial_policy: torch.nn.Module | None = None, publish_pacing: bool = True) -> None:
         """``buffer``: the store to read (a path or URL ``open_buffer`` opens) instead of the run's
         own ``buffer/`` (replay); ``batch_transform(positions, padded_batch) -> padded_batch`` runs on
         the prefetch thread after each read (replay's re-scoring); ``on_step(step, sampled, batch,
@@ -118,7 +118,8 @@ class Learner:
         rank's own slice. ``initial_policy``: the model this process just built and published as
         weights version 0 (``make_policy()``); a learner without a checkpoint trains it as it is
         instead of building ``make_model()`` and reading version 0 back (a second full model load),
-        a resumed one ignores it and loads its checkpoint."""
+        a resumed one ignores it and loads its checkpoint. ``publish_pacing=False``: no collector
+        feeds ``buffer`` (replay), so ``pacing.json`` is not written; checkpoints keep the intake."""
         settings.check()
         self.settings = settings
         self.paths = paths
@@ -149,7 +150,7 @@ class Learner:
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
         pacing, store = paths.state_object(paths.pacing)
-        self._pacing = PacingPublisher(pacing, store=store)
+        self._pacing = PacingPublisher(pacing, store=store, write=publish_pacing)
         self._trained = TrainedRows()
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
 

@@ -484,7 +484,8 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
                       device=pipeline.settings.device, pad_token_id=pipeline.pad_token_id, stop_event=stop.event,
                       buffer=source, batch_transform=rescorer, on_step=record_step,
                       before_checkpoint=lambda: batch_log.flush() if batch_log is not None else None,
-                      data_parallel=data_parallel, initial_policy=initial_policy)
+                      data_parallel=data_parallel, initial_policy=initial_policy,
+                      publish_pacing=False)  # no collectors: nothing reads pacing.json
     data_parallel.start(torch.device(pipeline.settings.device))
     try:
         learner.setup()
