@@ -243,9 +243,10 @@ class _StopCheck:
 
 
 def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
-               on_learner: Any = None) -> int:
+               on_learner: Any = None, initial_policy: Any = None) -> int:
     """``data_parallel``: this rank (default: torchrun's environment, else one rank);
-    ``on_learner(learner)`` runs once the learner is built (Ray attaches its weights publisher)."""
+    ``on_learner(learner)`` runs once the learner is built (Ray attaches its weights publisher);
+    ``initial_policy``: the model this process published as version 0, trained without a reload."""
     import torch
 
     from rlhf_pipeline.learn.distributed import DataParallel
@@ -257,7 +258,8 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
     if data_parallel.is_main:
         paths.clear_stop()  # a resumed learner wants collectors running
     data_parallel.start(torch.device(pipeline.settings.device))
-    learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event, data_parallel=data_parallel)
+    learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event, data_parallel=data_parallel,
+                                    initial_policy=initial_policy)
     if on_learner is not None:
         on_learner(learner)
     try:
