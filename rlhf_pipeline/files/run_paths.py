@@ -184,7 +184,8 @@ class RunPaths:
         if not buffer.is_dir():
             return False
         names = [p.name for p in buffer.iterdir()]
-        return bool(names) and not any(shard_index(n) is not None for n in names)
+        # a shard, or one being made (shard-0000.creating): a buffer of shards
+        return bool(names) and not any(shard_index(n.split(".", 1)[0]) is not None for n in names)
 
     def collector_state(self, collector_index: int) -> Path:
         """Collector ``collector_index``'s position (prompt order, id counters, sampling RNG)."""
