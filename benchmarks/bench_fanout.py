@@ -31,10 +31,13 @@ readers from the records it read (what ``DataParallel.open_buffer`` does at a le
 
     python benchmarks/bench_fanout.py --shards 256 --ranks 32 --steps 3
     python benchmarks/bench_fanout.py --shards 256 --ranks 32 --opening-only
+    python benchmarks/bench_fanout.py --shards 256 --ranks 32 --shard-names plain   # as buffers were named before
 
 Prints a table of the opening's requests by who sent them, then one table row per sampler and mode:
-requests per step (median and range over the steps) by who sent them, and how many ranks fetched
-each unit read that step. Needs the s3 and test-s3 extras.
+requests per step (median and range over the steps) by who sent them, how many ranks fetched
+each unit read that step, and the share of the step's requests (the appends before it included) that
+went to the busiest key prefix below the buffer, its shards' names' first character: the partition
+S3 would split first (``files/shard_names.py``). Needs the s3 and test-s3 extras.
 """
 
 from __future__ import annotations
@@ -89,23 +92,30 @@ def serve(port_file: str) -> None:
     lock = threading.Lock()
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     units: dict[str, set[str]] = collections.defaultdict(set)
+    # requests by the first character of the shard's name: the key prefix S3 splits a bucket on first
+    partitions: collections.Counter = collections.Counter()
 
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
         if path in ("/__counts", "/__reset"):
             with lock:
-                body = json.dumps({"counts": counts, "units": {k: sorted(v) for k, v in units.items()}}).encode()
+                body = json.dumps({"counts": counts, "units": {k: sorted(v) for k, v in units.items()},
+                                   "partitions": partitions}).encode()
                 if path == "/__reset":
                     counts.clear()
                     units.clear()
+                    partitions.clear()
             start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         key = environ.get("HTTP_AUTHORIZATION", "").partition("Credential=")[2].partition("/")[0]
         kind, unit = _kind(environ["REQUEST_METHOD"], path, environ.get("QUERY_STRING", ""))
+        parts = path.split("/")  # /bucket/buffer-prefix/shard-name/...
         with lock:
             counts[key][kind] += 1
             if unit is not None:
                 units[key].add(unit)
+            if kind != "LIST" and len(parts) > 3 and parts[3]:
+                partitions[parts[3][0]] += 1
         return moto_app(environ, start_response)
 
     server = make_server("127.0.0.1", 0, app, threaded=True)
@@ -276,15 +286,19 @@ def _rows(count: int, seed: int):
 
 
 def measure(shards: int, ranks: int, steps: int, rows: int, samplers: list[str], modes=MODES,
-            log=print) -> tuple[list[dict], list[dict]]:
+            log=print, shard_names: str = "spread") -> tuple[list[dict], list[dict]]:
     """The opening's request counts by sender and kind (:func:`measure_opening`), and per sampler and
-    mode: each step's request counts by sender and kind, and fetches per unit."""
+    mode: each step's request counts by sender and kind, and fetches per unit. ``shard_names``:
+    ``spread`` (``<hh>-shard-NNNN``, as a run makes them at a URL) or ``plain`` (``shard-NNNN``, as
+    buffers at a URL were made before)."""
     import boto3
     import torch
 
+    from rlhf_pipeline.files.shard_names import shard_name, spread_shard_name
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
 
+    name = {"spread": spread_shard_name, "plain": shard_name}[shard_names]
     torch.set_num_threads(1)
     server = CountingServer()
     results, opened = [], []
@@ -296,7 +310,7 @@ def measure(shards: int, ranks: int, steps: int, rows: int, samplers: list[str],
         # segments far larger than the run: no seal replaces the fragments being read
         with ThreadPoolExecutor(16) as pool:
             writers = list(pool.map(lambda k: ZarrTrajectoryStore.create(
-                f"{prefix}/shard-{k:04d}", StoreSchema(), segment_rows=1 << 20, storage_options=collector_options),
+                f"{prefix}/{name(k)}", StoreSchema(), segment_rows=1 << 20, storage_options=collector_options),
                 range(shards)))
             appended = 0
 
@@ -352,6 +366,9 @@ def _summary(answer: dict, keys: list[str], written: dict) -> dict[str, float]:
     out["ranks per unit"] = sum(fetched.values()) / max(1, len(fetched))
     # without rank 0's read of the whole draw's done/step: the fan-out of the slices alone
     out["other ranks per unit"] = sum(by_slice.values()) / max(1, len(by_slice))
+    # the step's reads and the appends before it, by the key prefix each went to
+    partitions = collections.Counter(answer.get("partitions", {})) + collections.Counter(written.get("partitions", {}))
+    out["busiest prefix %"] = 100.0 * max(partitions.values(), default=0) / max(1, sum(partitions.values()))
     return out
 
 
@@ -369,7 +386,8 @@ COLUMNS = [("rank 0: LIST + record GETs", lambda s: s["rank 0 LIST"] + s["rank 0
            ("ranks per unit read", lambda s: s["ranks per unit"], 2),
            ("ranks 1+ per unit they read", lambda s: s["other ranks per unit"], 2),
            ("collectors: PUTs", lambda s: s["collectors PUT"], 0),
-           ("draw broadcast, KB", lambda s: s["broadcast KB"], 0)]
+           ("draw broadcast, KB", lambda s: s["broadcast KB"], 0),
+           ("busiest key prefix, % of requests", lambda s: s["busiest prefix %"], 0)]
 
 
 def table(results: list[dict]) -> str:
@@ -389,17 +407,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rows", type=int, default=4, help="rows each collector appends per step (one fragment)")
     parser.add_argument("--samplers", nargs="+", default=["exact", "window"], choices=["exact", "window"])
     parser.add_argument("--opening-only", action="store_true", help="measure opening the buffer, no steps")
+    parser.add_argument("--modes", nargs="+", default=[mode.name for mode in MODES],
+                        choices=[mode.name for mode in MODES], help="the modes measured (default: all three)")
+    parser.add_argument("--shard-names", choices=["spread", "plain"], default="spread",
+                        help="spread: <hh>-shard-NNNN, as runs make shards at a URL; plain: shard-NNNN, as before")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         serve(args.serve)
         return 0
-    print(f"# {args.shards} shards, {args.ranks} ranks, a global batch of {args.shards * args.rows} rows "
-          f"({args.rows} per shard per step); load average at start {os.getloadavg()[0]:.1f} on "
+    print(f"# {args.shards} shards ({args.shard_names} names), {args.ranks} ranks, a global batch of "
+          f"{args.shards * args.rows} rows ({args.rows} per shard per step); load average at start {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores", file=sys.stderr)
     opened, results = measure(args.shards, args.ranks, 0 if args.opening_only else args.steps, args.rows,
                               [] if args.opening_only else args.samplers,
-                              log=lambda line: print(line, file=sys.stderr, flush=True))
+                              modes=[mode for mode in MODES if mode.name in args.modes],
+                              log=lambda line: print(line, file=sys.stderr, flush=True), shard_names=args.shard_names)
     print(opening_table(opened))
     if results:
         print()

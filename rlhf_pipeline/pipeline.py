@@ -70,7 +70,9 @@ class Pipeline:
     settings: Any
     learner: Any  # rlhf_pipeline.learn.settings.LearnerSettings
     make_policy: Callable[[], Any]
-    """Builds the initial policy (warm start included); run once per run, published as v0."""
+    """Builds the initial policy (warm start included); run once per run, published as v0. The
+    learner that published it trains this very object, so it must be what ``make_model`` builds
+    (architecture, dtype) with the warm start's weights in it."""
     make_model: Callable[[], Any]
     """Builds the model architecture only (random init); weights are loaded into it."""
     create_buffer: Callable[[Path], Any]

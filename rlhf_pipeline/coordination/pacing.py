@@ -141,11 +141,16 @@ generating) can no longer tell which one first allowed its round."""
 
 
 class PacingPublisher:
-    """Learner side: publishes its intake after each batch it uses, and when it starts waiting."""
+    """Learner side: publishes its intake after each batch it uses, and when it starts waiting.
 
-    def __init__(self, path: str | Path, *, store: RunStore | None = None) -> None:
+    ``write=False``: a learner no collector follows (a replay trains on a recorded buffer): it keeps
+    its intake (``recent`` included) for its checkpoints as ever, and writes nothing, where it
+    would write the file after every step (at a URL, a PUT each) for no reader."""
+
+    def __init__(self, path: str | Path, *, store: RunStore | None = None, write: bool = True) -> None:
         self.path = path
         self._store, self._key = _object(path, store)
+        self.write = write
         self.intake = LearnerIntake()
 
     def publish(self, intake: LearnerIntake, *, new_draw: bool = True) -> None:
@@ -154,6 +159,8 @@ class PacingPublisher:
             entry = (intake.policy_version, intake.next_draw_rows, dict(intake.consumed))
             intake.recent = (list(self.intake.recent) + [entry])[-RECENT_DRAWS:]
         self.intake = intake
+        if not self.write:
+            return
         payload = json.dumps(intake.to_json(), separators=(",", ":"), sort_keys=True).encode()
         self._store.write(self._key, payload, durable=False)
 

@@ -6,7 +6,7 @@ new shard of its own, numbered from :data:`IMPORT_SHARD_FIRST` so that a run's c
 theirs. A collector's own shard is refused for the same reason.
 
 A run at a URL (``s3://bucket/prefix/RUN`` or its ``buffer/``) is the same: the shard is a Zarr
-store at ``<run>/buffer/shard-9000``, the record an object of the run (``files/run_store.py``); a
+store at ``<run>/buffer/<hh>-shard-9000`` (``files/shard_names.py``), the record an object of the run (``files/run_store.py``); a
 bare store at an ``s3://`` or ``az://`` URL keeps its records under ``<store>/imports/`` there.
 
 Record. ``<store>/imports/import-<key>.pt`` (``<run>/imports/`` for a run), keyed by the
@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,13 @@ import torch
 from rlhf_pipeline.dataio.sources import Source, SourceError
 from rlhf_pipeline.files.run_paths import RunLocationError, check_run_url, is_url
 from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
+from rlhf_pipeline.files.shard_names import shard_index, shard_key_of
 from rlhf_pipeline.pipeline import RunPaths
 
 RECORD_FORMAT = 1
 # a run's collectors take shards 0, 1, ...; imports take shards from here, so a collector
 # started later never writes (and numbers ids) in an import's shard
 IMPORT_SHARD_FIRST = 9000
-_SHARD_RE = re.compile(r"^shard-(\d+)$")
 
 
 # ====================================================================== where rows go
@@ -75,10 +74,9 @@ def resolve_target(buffer: str | Path, run: RunPaths | Path | None) -> Target:
     if path in (run.root, run.buffer):
         path, index = run.buffer, 0
     else:
-        match = _SHARD_RE.match(path.name)
-        if path.parent != run.buffer or match is None:
+        index = shard_index(path.name)
+        if path.parent != run.buffer or index is None:
             raise SourceError(f"{buffer} lies inside run {run.root} but is not its buffer or one of its shards")
-        index = int(match.group(1))
     if run.collector_state(index).exists():
         raise SourceError(
             f"{path} is written by collector {index} of run {run.root}; imported rows there would share its "
@@ -100,10 +98,9 @@ def _url_target(url: str, run: RunPaths | Path | None) -> Target:
     if url in (run.url, run.buffer_location):
         return Target(run.buffer_location, run, None, True)
     parent, _, name = url.rpartition("/")
-    match = _SHARD_RE.match(name)
-    if parent != run.buffer_location or match is None:
+    index = shard_index(name)
+    if parent != run.buffer_location or index is None:
         raise SourceError(f"{url} lies inside run {run.url} but is not its buffer or one of its shards")
-    index = int(match.group(1))
     if run.store.exists(run.key(run.collector_state(index))):
         raise SourceError(
             f"{url} is written by collector {index} of run {run.url}; imported rows there would share its ids. "
@@ -180,11 +177,11 @@ def new_shard_index(run: RunPaths) -> int:
 
         existing = [index for index, _ in list_shards(run.buffer_location)]
     else:
-        existing = [int(m.group(1)) for p in run.buffer.iterdir() if (m := _SHARD_RE.match(p.name))] \
+        existing = [index for p in run.buffer.iterdir() if (index := shard_index(p.name)) is not None] \
             if run.buffer.is_dir() else []
     return max([IMPORT_SHARD_FIRST - 1, *existing]) + 1
 
 
 def shard_of(path: Path | str) -> int:
-    match = _SHARD_RE.match(str(path).rstrip("/").rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else 0
+    index = shard_index(shard_key_of(path))
+    return 0 if index is None else index

@@ -68,6 +68,7 @@ from rlhf_pipeline.dataio.progress import Progress
 from rlhf_pipeline.dataio.sources import Source, SourceError, open_source
 from rlhf_pipeline.schema.ids import id_base
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
+from rlhf_pipeline.storage.buffers import find_shard
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, TrajectoryBatch, TrajectoryValidationError
 
@@ -157,7 +158,8 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     if target.new_shard:
         shard = record.data["shard"] if record is not None else new_shard_index(target.run)
         run = target.run
-        store_path = run.shard(shard) if run.url is None else run.shard_location(shard)
+        # a rerun after a crash finds the shard under the name it was made with
+        store_path = run.shard(shard) if run.url is None else find_shard(run.buffer_location, shard)
         if record is None:  # first, so a rerun after a crash reuses this shard (an empty one would stall learners)
             record = ImportRecord.start(target, source, {"shard": shard, **_record_basics(fingerprint, options, checked)})
             started_record = True

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.run_paths import is_url
+from rlhf_pipeline.files.shard_names import shard_index
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, load_pipeline_module
 
 
@@ -44,7 +45,7 @@ def find_run(location: str | Path) -> RunPaths | None:
     candidates = [url]
     if parts[-1] == "buffer":
         candidates.append("/".join(parts[:-1]))
-    elif parts[-1].startswith("shard-") and len(parts) > 4 and parts[-2] == "buffer":
+    elif shard_index(parts[-1]) is not None and len(parts) > 4 and parts[-2] == "buffer":
         candidates.append("/".join(parts[:-2]))
     for candidate in candidates:
         if not candidate.split("://", 1)[1].strip("/"):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlhf_pipeline.files.shard_names import shard_index, shard_location, shard_name
+
 if TYPE_CHECKING:
     from rlhf_pipeline.files.run_store import RunStore
 
@@ -164,18 +166,14 @@ class RunPaths:
         return self.buffer_url.rstrip("/") if self.buffer_url else str(self.buffer)
 
     def shard_location(self, collector_index: int) -> str:
-        """The store collector ``collector_index`` writes: ``shard-NNNN`` under :attr:`buffer_location`."""
-        if self.buffer_url:
-            if collector_index < 0:
-                raise ValueError(f"collector index must be >= 0, got {collector_index}")
-            return f"{self.buffer_location}/shard-{collector_index:04d}"
-        return str(self.shard(collector_index))
+        """Where the store collector ``collector_index`` writes is made under :attr:`buffer_location`:
+        ``shard-NNNN``, at an object-store URL ``<hh>-shard-NNNN`` (``files/shard_names.py``). One made
+        before spread names keeps its name; ``storage.buffers.find_shard`` finds it."""
+        return shard_location(self.buffer_location, collector_index)
 
     def shard(self, collector_index: int) -> Path:
-        """The store collector ``collector_index`` writes: ``buffer/shard-NNNN``."""
-        if collector_index < 0:
-            raise ValueError(f"collector index must be >= 0, got {collector_index}")
-        return self.buffer / f"shard-{collector_index:04d}"
+        """The store collector ``collector_index`` writes in the run directory: ``buffer/shard-NNNN``."""
+        return self.buffer / shard_name(collector_index)
 
     @property
     def single_store_buffer(self) -> bool:
@@ -186,7 +184,8 @@ class RunPaths:
         if not buffer.is_dir():
             return False
         names = [p.name for p in buffer.iterdir()]
-        return bool(names) and not any(n.startswith("shard-") for n in names)
+        # a shard, or one being made (shard-0000.creating): a buffer of shards
+        return bool(names) and not any(shard_index(n.split(".", 1)[0]) is not None for n in names)
 
     def collector_state(self, collector_index: int) -> Path:
         """Collector ``collector_index``'s position (prompt order, id counters, sampling RNG)."""

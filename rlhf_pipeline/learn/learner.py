@@ -41,7 +41,7 @@ stale ones (``charts/trajectories_masked``).
 
 After taking each batch the learner publishes what it has taken in from each shard
 (``<run>/pacing.json``), so collectors generate no more than it will train on
-(:mod:`rlhf_pipeline.coordination.pacing`); it counts the distinct rows it trained on against the rows
+(:mod:`rlhf_pipeline.coordination.pacing`; a replay, which has no collectors, writes none); it counts the distinct rows it trained on against the rows
 generated, and logs how stale they were (``learn/usage.py``).
 
 On CUDA the forward runs under bf16 autocast, batches (with packing: the packed micro-batches)
@@ -105,7 +105,8 @@ class Learner:
                  buffer: str | None = None, batch_transform: Callable[[torch.Tensor, Any], Any] | None = None,
                  on_step: Callable[[int, Any, Any, dict[str, float]], None] | None = None,
                  before_checkpoint: Callable[[], None] | None = None,
-                 data_parallel: DataParallel | None = None) -> None:
+                 data_parallel: DataParallel | None = None,
+                 initial_policy: torch.nn.Module | None = None, publish_pacing: bool = True) -> None:
         """``buffer``: the store to read (a path or URL ``open_buffer`` opens) instead of the run's
         own ``buffer/`` (replay); ``batch_transform(positions, padded_batch) -> padded_batch`` runs on
         the prefetch thread after each read (replay's re-scoring); ``on_step(step, sampled, batch,
@@ -114,11 +115,16 @@ class Learner:
         batch log there: a resume redoes no step the checkpoint covers, so its lines must be kept).
         ``data_parallel``: this process's rank among data-parallel learners (``learn/distributed.py``;
         its process group already started); ``batch`` in ``batch_transform``/``on_step`` is then the
-        rank's own slice."""
+        rank's own slice. ``initial_policy``: the model this process just built and published as
+        weights version 0 (``make_policy()``); a learner without a checkpoint trains it as it is
+        instead of building ``make_model()`` and reading version 0 back (a second full model load),
+        a resumed one ignores it and loads its checkpoint. ``publish_pacing=False``: no collector
+        feeds ``buffer`` (replay), so ``pacing.json`` is not written; checkpoints keep the intake."""
         settings.check()
         self.settings = settings
         self.paths = paths
         self.make_model = make_model
+        self._initial_policy = initial_policy
         self.total_steps = steps
         self.seed = seed
         self.data_parallel = data_parallel or DataParallel()
@@ -144,17 +150,18 @@ class Learner:
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
         pacing, store = paths.state_object(paths.pacing)
-        self._pacing = PacingPublisher(pacing, store=store)
+        self._pacing = PacingPublisher(pacing, store=store, write=publish_pacing)
         self._trained = TrainedRows()
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
 
     @classmethod
     def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None,
-                      data_parallel: DataParallel | None = None) -> Learner:
+                      data_parallel: DataParallel | None = None,
+                      initial_policy: torch.nn.Module | None = None) -> Learner:
         s = pipeline.settings
         return cls(pipeline.learner, paths, make_model=pipeline.make_model, steps=s.steps,
                    seed=getattr(s, "seed", 0), device=s.device, pad_token_id=pipeline.pad_token_id,
-                   stop_event=stop_event, data_parallel=data_parallel)
+                   stop_event=stop_event, data_parallel=data_parallel, initial_policy=initial_policy)
 
     # ================================================================== setup
     def setup(self) -> None:
@@ -199,13 +206,20 @@ class Learner:
     def _setup_model(self, checkpoint: dict[str, Any] | None) -> None:
         from rlhf_pipeline.coordination.weights import load_weights
 
-        self.model = self.make_model()
-        if checkpoint is not None:
-            self.model.load_state_dict(checkpoint["model"])
+        initial, self._initial_policy = self._initial_policy, None  # held no longer than setup
+        if checkpoint is None and initial is not None:
+            # built and published as version 0 by this process: those weights, without a second load
+            self.model = initial
+            self.model.zero_grad(set_to_none=True)  # a warm start's last gradients
+            self.progress.policy_version = 0
         else:
-            state, version = load_weights(self.paths.store)  # the initial policy, version 0
-            self.model.load_state_dict(state)
-            self.progress.policy_version = version
+            self.model = self.make_model()
+            if checkpoint is not None:
+                self.model.load_state_dict(checkpoint["model"])
+            else:
+                state, version = load_weights(self.paths.store)  # the initial policy, version 0
+                self.model.load_state_dict(state)
+                self.progress.policy_version = version
         if self.settings.packing:  # attention that keeps each packed row to itself (learn/packed_attention.py)
             use_packed_attention(self.model)
         self.model.to(self.device).train()

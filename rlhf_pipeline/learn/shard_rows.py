@@ -14,7 +14,8 @@ of a draw carry the view they were taken in: each shard's commit record as of th
 and so holds exactly the drawn rows without refreshing: no LIST, no record GET. It opens the
 buffer the same way (:func:`open_in_view`): from the view of the process that listed it.
 
-A shard's *key* is its directory name under ``buffer/`` (``shard-0000``), or ``"."`` for a
+A shard's *key* is its name under ``buffer/`` (``shard-0000``; at an object-store URL, with its
+spread prefix, ``70-shard-0007``: see ``storage/buffers.py``), or ``"."`` for a
 single store (runs made before shards, or a store opened on its own); a collector names its
 own store the same way, see :func:`rlhf_pipeline.coordination.pacing.shard_key`.
 """
@@ -39,9 +40,8 @@ def shard_stores(store) -> list[tuple[str, object]]:
     shards = getattr(store, "shards", None)
     if shards is None:
         return [(SINGLE_STORE_KEY, store)]
-    from rlhf_pipeline.storage.sharded import shard_name
-
-    return [(shard_name(index), shards[index]) for index in sorted(shards)]
+    names = store.shard_names
+    return [(names[index], shards[index]) for index in sorted(shards)]
 
 
 def next_rows(store) -> dict[str, int]:
@@ -82,7 +82,7 @@ def row_names(store, positions: torch.Tensor) -> RowNames:
                         positions.numpy() + int(store.first_row), published_view(store))
     indices, local = locate(positions)
     stores = shard_stores(store)
-    index_of = {int(key.rsplit("-", 1)[1]): i for i, (key, _) in enumerate(stores)}
+    index_of = {shard_index(key): i for i, (key, _) in enumerate(stores)}
     firsts = torch.tensor([int(shard.first_row) for _, shard in stores], dtype=torch.int64)
     slot = torch.tensor([index_of[int(i)] for i in indices.tolist()], dtype=torch.int64)
     return RowNames([key for key, _ in stores], slot.numpy(), (local + firsts[slot]).numpy(), published_view(store))
@@ -105,7 +105,7 @@ def adopt_view(store, view: View) -> None:
     request: afterwards it holds exactly the rows the view's process held (shards ``view`` leaves
     out keep their records)."""
     if hasattr(store, "adopt_records"):
-        store.adopt_records({shard_index(key): record for key, record in view.items()})
+        store.adopt_records(view)
     elif view:
         store.adopt_record(view[SINGLE_STORE_KEY])
 
@@ -120,8 +120,7 @@ def open_in_view(location: str, view: View, **options: Any):
         return open_reader(location, view[SINGLE_STORE_KEY], **options)
     from rlhf_pipeline.storage.sharded import ShardedStoreReader
 
-    return ShardedStoreReader(location, records={shard_index(key): record for key, record in view.items()},
-                              **options)
+    return ShardedStoreReader(location, records=view, **options)
 
 
 def union_positions(store, rows: dict[str, np.ndarray]) -> tuple[torch.Tensor, int]:

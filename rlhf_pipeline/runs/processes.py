@@ -68,13 +68,15 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.coordination.pacing import CollectorPacer, shard_key
     from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.storage import open_store
+    from rlhf_pipeline.storage.buffers import find_shard, shard_key_of
     from rlhf_pipeline.coordination.weights import WeightsPoller
     from rlhf_pipeline.files.machine_cache import MachineCache
 
     stop = StopFlag()
     tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
     state_file = paths.collector_state(collector_index)
-    store_path = str(paths.buffer) if paths.single_store_buffer else paths.shard_location(collector_index)
+    # the shard under the name it was made with: shard-kkkk, or at an object-store URL <hh>-shard-kkkk
+    store_path = str(paths.buffer) if paths.single_store_buffer else find_shard(paths.buffer_location, collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on
     # another machine holds it until its lease runs out, which is waited for
     lock_wait = ({"lock_wait_s": pipeline.buffer_lock_wait_s, "lock_lease_s": pipeline.buffer_lock_lease_s}
@@ -109,7 +111,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         rounds_at_version = 0
         # generate no more than the learner will take in, plus collect_rounds_ahead rounds
         # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
-        key = shard_key(store_path, paths.buffer) if not paths.buffer_url else f"shard-{collector_index:04d}"
+        key = shard_key(store_path, paths.buffer) if not paths.buffer_url else shard_key_of(store_path)
         pacing, run_store = paths.state_object(paths.pacing)
         pacer = CollectorPacer(pacing, key, pipeline.collect_rounds_ahead, round_rows=_round_rows(collector),
                                learner_expected=stop.launcher_fd is not None, store=run_store,
@@ -241,9 +243,10 @@ class _StopCheck:
 
 
 def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
-               on_learner: Any = None) -> int:
+               on_learner: Any = None, initial_policy: Any = None) -> int:
     """``data_parallel``: this rank (default: torchrun's environment, else one rank);
-    ``on_learner(learner)`` runs once the learner is built (Ray attaches its weights publisher)."""
+    ``on_learner(learner)`` runs once the learner is built (Ray attaches its weights publisher);
+    ``initial_policy``: the model this process published as version 0, trained without a reload."""
     import torch
 
     from rlhf_pipeline.learn.distributed import DataParallel
@@ -255,7 +258,8 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
     if data_parallel.is_main:
         paths.clear_stop()  # a resumed learner wants collectors running
     data_parallel.start(torch.device(pipeline.settings.device))
-    learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event, data_parallel=data_parallel)
+    learner = Learner.from_pipeline(pipeline, paths, stop_event=stop.event, data_parallel=data_parallel,
+                                    initial_policy=initial_policy)
     if on_learner is not None:
         on_learner(learner)
     try:

@@ -137,7 +137,7 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
             learner_settings = fit_shuffle_window(store, rows, learner_settings, given=options.shuffle_window_rows)
         _check_source_fits(store, options, learner_settings)
         record = _replay_record(options, source, store, rows, steps, learner_settings)
-    prepare_replay_run(pipeline, paths, record, options)
+    initial_policy = prepare_replay_run(pipeline, paths, record, options)
     epochs = steps / batches_per_epoch
     print(f"[replay] {options.buffer}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
           f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) "
@@ -154,7 +154,8 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
                 "home": paths.home, "run_name": paths.name, "device": device,
                 "overrides": list(overrides)}
         return _train_on_ranks(call, learner_settings.world_size, holder_fd)
-    return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps)
+    return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps,
+                  initial_policy=initial_policy)
 
 
 def _train_on_ranks(call: dict[str, Any], world_size: int, holder_fd: int = -1) -> int:
@@ -346,8 +347,9 @@ def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
     return saved["replay"]
 
 
-def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> None:
-    """Writes ``settings.json`` (or checks a resumed replay against it) and publishes version 0."""
+def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> Any:
+    """Writes ``settings.json`` (or checks a resumed replay against it) and publishes version 0;
+    returns the model it published (the learner trains it without loading it again), else None."""
     from rlhf_pipeline.runs.processes import set_threads
     from rlhf_pipeline.runs.run_directory import keep_pipeline_copy, run_lock, settings_changes
     from rlhf_pipeline.coordination.weights import latest_version, publish_weights
@@ -386,6 +388,7 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
         keep_pipeline_copy(pipeline, paths)  # what export-model rebuilds the model from
         if model is not None:
             publish_weights(paths.store, model.state_dict(), 0)
+    return model
 
 
 def initial_policy(pipeline, init_from: str | None):
@@ -454,7 +457,7 @@ def _check_same_architecture(expected: dict, found: dict, source: str, what: str
 
 # ====================================================================== training
 def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, source: str, seed: int,
-           steps: int) -> int:
+           steps: int, initial_policy: Any = None) -> int:
     import torch
 
     from rlhf_pipeline.learn.distributed import DataParallel
@@ -481,7 +484,8 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
                       device=pipeline.settings.device, pad_token_id=pipeline.pad_token_id, stop_event=stop.event,
                       buffer=source, batch_transform=rescorer, on_step=record_step,
                       before_checkpoint=lambda: batch_log.flush() if batch_log is not None else None,
-                      data_parallel=data_parallel)
+                      data_parallel=data_parallel, initial_policy=initial_policy,
+                      publish_pacing=False)  # no collectors: nothing reads pacing.json
     data_parallel.start(torch.device(pipeline.settings.device))
     try:
         learner.setup()

@@ -152,8 +152,8 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
                 raise PipelineError(f"learner.world_size={ranks} needs {ranks} learner processes: `rlhf-pipeline run` "
                                     f"starts them, or start `learn` with torchrun --nproc-per-node {ranks} -m "
                                     f"rlhf_pipeline.cli.main learn ...")
-            prepare_run(pipeline, paths)
-            return learn_main(pipeline, paths)
+            initial_policy = prepare_run(pipeline, paths)
+            return learn_main(pipeline, paths, initial_policy=initial_policy)
         raise PipelineError(f"unknown command {command!r}")
 
 
@@ -241,12 +241,12 @@ def prepare_for_launcher(module: Any, settings: Any, paths: RunPaths, collectors
                 return 2
             raise  # the launcher is gone: say it here
         reports.send(PREPARED)
-        publish_initial_policy(pipeline, paths)
+        initial_policy = publish_initial_policy(pipeline, paths)
         reports.send(READY)
         reports.close()
     except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the launcher reports it
         return 130
-    return learn_main(pipeline, paths)
+    return learn_main(pipeline, paths, initial_policy=initial_policy)
 
 
 def _terminated_while_preparing(signum, frame) -> None:

@@ -186,14 +186,15 @@ def run_lock(paths: RunPaths):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> None:
+def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> Any:
     """Creates what a run needs once; checks a resumed run uses the same settings.
 
     ``shards``: the collectors whose buffer shards (``buffer/shard-kkkk``) must exist. A run
     made before shards keeps its single-store ``buffer/``, which takes collector 0 only.
+    Returns :func:`publish_initial_policy`'s model (None unless this call published version 0).
     """
     prepare_run_directory(pipeline, paths, shards)
-    publish_initial_policy(pipeline, paths)
+    return publish_initial_policy(pipeline, paths)
 
 
 def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> None:
@@ -229,8 +230,10 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
         elif paths.buffer_url:
             _create_url_shards(pipeline, paths, shards)
         else:
-            for index in shards:
-                _create_local_shard(pipeline, paths.shard(index))
+            from rlhf_pipeline.storage.buffers import find_shard
+
+            for index in shards:  # under the name it has (a run copied from a URL keeps its spread names)
+                _create_local_shard(pipeline, Path(find_shard(paths.buffer, index)))
 
 
 CREATING_SUFFIX = ".creating"  # a shard being made; list_shards never takes it for one
@@ -256,9 +259,11 @@ def _create_local_shard(pipeline: Pipeline, shard: Path) -> None:
     fsync_dir(shard.parent)
 
 
-def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> None:
+def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> Any:
     """Builds the initial policy (``make_policy``: the warm start) and publishes it as weights
-    version 0, unless a version exists. Under the run lock, so two processes never both build it."""
+    version 0, unless a version exists. Under the run lock, so two processes never both build it.
+    Returns the model it published (a learner in this process trains it without loading version 0
+    again), else None."""
     from rlhf_pipeline.coordination.weights import latest_version, publish_weights
 
     with run_lock(paths):
@@ -267,11 +272,13 @@ def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> None:
             model = pipeline.make_policy()
             try:
                 publish_weights(paths.store, model.state_dict(), 0)
+                return model
             except (StaleWriterError, ValueError):
                 # published meanwhile by a start on another machine (refused at the create, or seen
                 # by publish_weights' own listing after ours): that one stands
                 if latest_version(paths.store) is None:
                     raise
+    return None
 
 
 def _check_buffer_at_url(pipeline: Pipeline, paths: RunPaths) -> None:
@@ -286,7 +293,7 @@ def _check_buffer_at_url(pipeline: Pipeline, paths: RunPaths) -> None:
 
 def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:
     """Creates the shards under ``buffer_url`` that hold no store yet (one listing of the prefix)."""
-    from rlhf_pipeline.storage.buffers import list_shards
+    from rlhf_pipeline.storage.buffers import list_shards, shard_location
     from rlhf_pipeline.storage.errors import LocalOnlyStoreError, StoreLockedError
 
     existing = {index for index, location in list_shards(paths.buffer_location) if _is_store(location)}
@@ -294,7 +301,7 @@ def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int
         if index in existing:
             continue
         try:
-            store = pipeline.create_buffer(paths.shard_location(index))
+            store = pipeline.create_buffer(shard_location(paths.buffer_location, index))
         except (FileExistsError, StoreLockedError):
             # created since the listing by a start on another machine (a collector started beside
             # this learner may already hold its writer lock): its rows stay

@@ -3,7 +3,8 @@
 Every command that takes a buffer (``inspect``, ``inspect --verify``, ``repair``,
 ``convert``) accepts the same things: a memmap directory, a Zarr store (directory, ``.zip``
 or URL), or a run's ``buffer/`` of shards, one store per collector: a directory, or a URL
-prefix holding ``shard-NNNN/`` stores (``s3://bucket/run/buffer/``, listed through fsspec).
+prefix holding ``shard-NNNN/`` stores (``s3://bucket/run/buffer/``, listed through fsspec; there a
+shard made now is named ``<2 hex digits>-shard-NNNN``: ``files/shard_names.py``).
 :func:`stores_in` expands a buffer into its stores; :func:`buffer_stats`,
 :func:`verify_buffer` and :func:`repair_buffer` run the backends' torch-free functions
 (:data:`rlhf_pipeline.storage.INSPECTION`) on each.
@@ -13,22 +14,21 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 
-from rlhf_pipeline.storage.errors import StoreNotFoundError
+from rlhf_pipeline.files.shard_names import (  # noqa: F401 - re-exported: the shard names, with the listing
+    SHARD_PREFIX,
+    join_shard,
+    new_shard_name,
+    shard_index,
+    shard_key_of,
+    shard_location,
+    shard_name,
+    spread_shard_name,
+)
+from rlhf_pipeline.storage.errors import StoreCorruptedError, StoreNotFoundError
 from rlhf_pipeline.storage.reports import CheckReport, Progress, RepairReport
 from rlhf_pipeline.storage.summary import StoreStats, combine_trajectories
-
-SHARD_PREFIX = "shard-"
-_SHARD_RE = re.compile(r"^shard-(\d+)$")
-
-
-def shard_name(index: int) -> str:
-    """Directory name of shard ``index``: ``shard-0000``."""
-    if index < 0:
-        raise ValueError(f"shard index must be >= 0, got {index}")
-    return f"{SHARD_PREFIX}{index:04d}"
 
 
 def is_url(location: str | Path) -> bool:
@@ -40,42 +40,48 @@ def shard_path(buffer_dir: str | Path, index: int) -> Path:
     return Path(buffer_dir) / shard_name(index)
 
 
-def shard_location(buffer: str | Path, index: int) -> str:
-    """Where shard ``index`` of ``buffer`` lives: ``buffer/shard-NNNN``, joined as text for a URL."""
-    if is_url(buffer):
-        return f"{str(buffer).rstrip('/')}/{shard_name(index)}"
-    return str(shard_path(buffer, index))
-
-
-def shard_index(name: str) -> int | None:
-    """The index in a ``shard-NNNN`` name; None for anything else."""
-    match = _SHARD_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
 def list_shards(buffer: str | Path, storage_options: dict | None = None) -> list[tuple[int, str]]:
     """``(index, location)`` of the shard stores under ``buffer``, by index.
 
     A local directory is read with one directory listing; a URL prefix is listed through fsspec, once
-    (one LIST request on S3; a prefix holding no object lists as empty).
+    (one LIST request on S3; a prefix holding no object lists as empty). An index held under two names
+    (``shard-0007`` and ``70-shard-0007``) is refused: which of them its collector writes is not known.
     """
     if is_url(buffer):
         from rlhf_pipeline.storage.backends import check_buffer_url
 
         check_buffer_url(buffer)
-        return [(index, shard_location(buffer, index)) for index in _url_shard_indices(str(buffer), storage_options)]
-    root = Path(buffer)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        index = shard_index(child.name)
-        if index is not None and child.is_dir():
-            found.append((index, str(child)))
-    return sorted(found)
+        names = _url_shard_names(str(buffer), storage_options)
+    else:
+        root = Path(buffer)
+        names = [child.name for child in root.iterdir() if shard_index(child.name) is not None and child.is_dir()] \
+            if root.is_dir() else []
+    found: dict[int, str] = {}
+    for name in names:
+        index = shard_index(name)
+        if index is None:
+            continue
+        if index in found:
+            first, second = sorted([found[index], name])
+            raise StoreCorruptedError(
+                f"{buffer} holds shard {index} twice, as {first} and as {second}: keep the one its collector "
+                f"writes (the one with rows; `rlhf-pipeline inspect` each) and move the other out of the buffer")
+        found[index] = name
+    return [(index, join_shard(buffer, found[index])) for index in sorted(found)]
 
 
-def _url_shard_indices(url: str, storage_options: dict | None) -> list[int]:
+def find_shard(buffer: str | Path, index: int, storage_options: dict | None = None) -> str:
+    """Where shard ``index`` of ``buffer`` is: the store already there under either name (one listing),
+    else where it is made (:func:`shard_location`). A collector or an import opens its shard here, so
+    a buffer made before spread names goes on with its ``shard-NNNN`` stores."""
+    for listed, location in list_shards(buffer, storage_options):
+        if listed == index:
+            return location
+    return shard_location(buffer, index)
+
+
+def _url_shard_names(url: str, storage_options: dict | None) -> list[str]:
+    """The names of the directories under ``url`` (one LIST)."""
     import fsspec
 
     from rlhf_pipeline.storage.zarr import object_store
@@ -90,12 +96,7 @@ def _url_shard_indices(url: str, storage_options: dict | None) -> list[int]:
         entries = fs.ls(root, detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    indices = []
-    for entry in entries:
-        index = shard_index(str(entry["name"]).rstrip("/").rsplit("/", 1)[-1])
-        if index is not None and entry.get("type") == "directory":
-            indices.append(index)
-    return sorted(indices)
+    return [shard_key_of(entry["name"]) for entry in entries if entry.get("type") == "directory"]
 
 
 def is_sharded_buffer(location: str | Path, storage_options: dict | None = None) -> bool:
@@ -126,7 +127,7 @@ def stores_in(location: str) -> list[tuple[str, str]]:
         try:
             found.append((detect_backend(path), path))
         except NotAStoreError as exc:
-            skipped.append(f"{shard_name(index)}: {exc}")
+            skipped.append(f"{shard_key_of(path)}: {exc}")
     if not found:
         raise NotAStoreError(f"{location} holds no readable shard store (shard-NNNN directories): "
                              + "; ".join(skipped))

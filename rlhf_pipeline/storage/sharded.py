@@ -21,8 +21,9 @@ store:
 * ``refresh()`` (and ``len()``) refreshes every shard and opens shard directories that
   appeared since (a collector started later); positions are recomputed from the new
   lengths, so like eviction in a single store, they are valid until the next refresh;
-* the buffer may be a URL prefix (``s3://bucket/run/buffer/`` holding ``shard-0000/``...),
-  listed through fsspec; every shard there is a Zarr store. A refresh lists the prefix
+* the buffer may be a URL prefix (``s3://bucket/run/buffer/`` holding ``00-shard-0000/``...: at
+  an object-store URL shards are made with spread names, ``files/shard_names.py``; a shard is
+  found by its index under either name), listed through fsspec; every shard there is a Zarr store. A refresh lists the prefix
   (one LIST) and GETs each shard's commit record, at most once per ``refresh_interval_s``
   (1 s by default on an object store, 0 locally, where a refresh costs a directory scan
   and an ``fstat`` per shard): a learner asking before every batch would otherwise pay
@@ -73,8 +74,10 @@ from rlhf_pipeline.storage.buffers import (  # noqa: F401 - the shard helpers, r
     combine_stats,
     is_sharded_buffer,
     is_url,
+    join_shard,
     list_shards,
     shard_index,
+    shard_key_of,
     shard_location,
     shard_name,
     shard_path,
@@ -106,11 +109,11 @@ class ShardedStoreReader(TrajectoryStore):
 
     def __init__(self, location: str | Path, *, refresh_interval_s: float | None = None,
                  refresh_threads: int | None = None, shards: list[tuple[int, str]] | None = None,
-                 records: dict[int, dict[str, Any]] | None = None, **open_options: Any) -> None:
+                 records: dict[str, dict[str, Any]] | None = None, **open_options: Any) -> None:
         """``refresh_threads``: shards refreshed (or opened) at once; default
         ``REMOTE_REFRESH_THREADS`` at a URL, 1 (one after another) on a local file system.
         ``shards``: the buffer's listing (:func:`list_shards`) when the caller just made it: the first
-        refresh does not list again. ``records``: shard index -> commit record, as another reader of
+        refresh does not list again. ``records``: shard name -> commit record, as another reader of
         this buffer at a URL read them (its :meth:`published_records`): the reader opens in that view
         (:meth:`adopt_records`), sending no request."""
         super().__init__()
@@ -134,6 +137,7 @@ class ShardedStoreReader(TrajectoryStore):
         self._refreshed_at: float | None = None
         self._listing: tuple[tuple[int, int], float] | None = None  # (directory's (inode, mtime), when listed)
         self._shards: dict[int, TrajectoryStore] = {}
+        self._names: dict[int, str] = {}  # shard index -> its name under the buffer (shard-0007, 70-shard-0007)
         self._skipped: dict[str, str] = {}  # shard name -> why it is not open (yet)
         self._order: list[int] = []
         self._lengths = torch.zeros(0, dtype=torch.int64)
@@ -162,6 +166,12 @@ class ShardedStoreReader(TrajectoryStore):
         """The open shard stores by shard index (a copy)."""
         return dict(self._shards)
 
+    @property
+    def shard_names(self) -> dict[int, str]:
+        """The open shards' names under the buffer by shard index (``shard-0007``, or at an object-store
+        URL ``70-shard-0007``): each shard's key in row names and in the run's pacing file."""
+        return {index: self._names[index] for index in self._order}
+
     def _discover(self) -> set[int]:
         """Opens the shards that appeared since the last listing; returns their indices."""
         if self._listing_current():
@@ -171,8 +181,8 @@ class ShardedStoreReader(TrajectoryStore):
             listed = list_shards(self._path, self._open_options.get("storage_options"))
         return self._open_shards([(index, path) for index, path in listed if index not in self._shards])
 
-    def _open_shards(self, new: list[tuple[int, str]], records: dict[int, dict[str, Any]] | None = None) -> set[int]:
-        """Opens the shards ``(index, location)`` together (from ``records[index]`` where given: no
+    def _open_shards(self, new: list[tuple[int, str]], records: dict[str, dict[str, Any]] | None = None) -> set[int]:
+        """Opens the shards ``(index, location)`` together (from ``records[name]`` where given: no
         request); one still being created is skipped for now. Returns the indices opened."""
         from rlhf_pipeline.storage.backends import open_store
         from rlhf_pipeline.storage.zarr.from_record import open_reader
@@ -183,8 +193,8 @@ class ShardedStoreReader(TrajectoryStore):
         def open_shard(item: tuple[int, str]) -> TrajectoryStore | Exception:
             index, path = item
             try:
-                if records is not None and index in records:
-                    return open_reader(path, records[index], **reader_options)
+                if records is not None and shard_key_of(path) in records:
+                    return open_reader(path, records[shard_key_of(path)], **reader_options)
                 return open_store(path, mode="r", **self._open_options)
             except Exception as exc:  # raised below, once every shard opened alongside is closed
                 return exc
@@ -200,7 +210,7 @@ class ShardedStoreReader(TrajectoryStore):
             if isinstance(store, NotAStoreError):
                 # a shard being created by a collector right now (no metadata yet): try again later.
                 # A damaged shard raises StoreCorruptedError: the union never reads silently shorter
-                self._skipped[shard_name(index)] = str(store)
+                self._skipped[shard_key_of(path)] = str(store)
                 continue
             if self._shards:
                 expected = next(iter(self._shards.values())).schema
@@ -212,8 +222,9 @@ class ShardedStoreReader(TrajectoryStore):
                         f"shard {path} stores fields {store.schema.field_names}, the other shards of "
                         f"{self._path} store {expected.field_names}: every shard of a buffer needs one schema"
                     )
-            self._skipped.pop(shard_name(index), None)
+            self._skipped.pop(shard_key_of(path), None)
             self._shards[index] = store
+            self._names[index] = shard_key_of(path)
         self._order = sorted(self._shards)
         return {index for (index, _), store in zip(new, opened) if not isinstance(store, Exception)}
 
@@ -258,28 +269,33 @@ class ShardedStoreReader(TrajectoryStore):
         return int(self._lengths.sum())
 
     # ================================================================ one refresh, several readers
-    def published_records(self) -> dict[int, dict[str, Any]] | None:
-        """Each open shard's commit record as of the last refresh, by shard index: what another reader
+    def published_records(self) -> dict[str, dict[str, Any]] | None:
+        """Each open shard's commit record as of the last refresh, by shard name: what another reader
         of the same buffer adopts (:meth:`adopt_records`) to hold exactly these rows without sending a
         request. None for a local buffer or memmap shards: a local refresh costs an ``fstat`` per shard."""
         if not is_url(self._path):
             return None
-        return {index: self._shards[index].published_record for index in self._order}
+        return {self._names[index]: self._shards[index].published_record for index in self._order}
 
-    def adopt_records(self, records: dict[int, dict[str, Any]]) -> None:
-        """Takes ``records`` (shard index -> commit record, read by another reader's refresh of this
+    def adopt_records(self, records: dict[str, dict[str, Any]]) -> None:
+        """Takes ``records`` (shard name -> commit record, read by another reader's refresh of this
         buffer) as this reader's view: no LIST and no record GET. Shards not named keep the record
         they had. A shard not open here yet is opened from its record: no request either."""
         if self._closed:
             raise StoreClosedError(f"{self._path}: the sharded reader is closed; open the buffer again")
-        missing = [(index, shard_location(self._path, index)) for index in records if index not in self._shards]
+        indices = {name: shard_index(name) for name in records}
+        if None in indices.values() or len(set(indices.values())) < len(indices):
+            raise ValueError(f"{self._path}: the records' keys {sorted(records)} are not the names of distinct "
+                             f"shards (shard-NNNN): pass a reader's published_records() as they are")
+        by_index = {indices[name]: record for name, record in records.items()}
+        missing = [(index, join_shard(self._path, name)) for name, index in indices.items() if index not in self._shards]
         if missing:
             self._open_shards(missing, records)
-            unopened = [shard_name(index) for index, _ in missing if index not in self._shards]
+            unopened = [shard_key_of(path) for shard, path in missing if shard not in self._shards]
             if unopened:
                 raise StoreCorruptedError(f"{self._path}: shards {unopened} hold no store, yet another reader of this "
                                           f"buffer read their commit records: {self._skipped}")
-        for index, record in records.items():
+        for index, record in by_index.items():
             self._shards[index].adopt_record(record)
         self._refreshed_at = time.monotonic()
         self._lengths = torch.tensor([self._shards[i].next_row - self._shards[i].first_row for i in self._order],
@@ -340,7 +356,7 @@ class ShardedStoreReader(TrajectoryStore):
     def append(self, batch: TrajectoryBatch) -> torch.Tensor:
         raise ReadOnlyStoreError(
             f"{self._path} is a read-only union of shards; each collector appends to its own shard "
-            f"(open_store('{shard_location(self._path, 0).removesuffix('0000')}NNNN', mode='a'))"
+            f"(open_store('{shard_location(self._path, 0)}', mode='a') for shard 0)"
         )
 
     def _append_validated(self, batch: TrajectoryBatch) -> None:  # pragma: no cover - append raises first
@@ -396,7 +412,7 @@ class ShardedStoreReader(TrajectoryStore):
 
     def empty_shards(self) -> list[str]:
         """Names of the shards that hold no rows (as of the last refresh): collectors not yet heard from."""
-        return [shard_name(i) for i, n in zip(self._order, self._lengths.tolist()) if n == 0]
+        return [self._names[i] for i, n in zip(self._order, self._lengths.tolist()) if n == 0]
 
     def newest_positions(self, count: int) -> torch.Tensor:
         """Positions of the ``count`` newest rows: an even split across shards (ascending)."""
@@ -432,14 +448,14 @@ class ShardedStoreReader(TrajectoryStore):
         return out
 
     def snapshot_to(self, path: str) -> None:
-        """Copies every shard to ``<path>/shard-NNNN`` (a sharded buffer again)."""
+        """Copies every shard to ``<path>/<its name>`` (a sharded buffer again)."""
         Path(path).mkdir(parents=True, exist_ok=True)
         for index in self._order:
-            self._shards[index].snapshot_to(str(shard_path(path, index)))
+            self._shards[index].snapshot_to(str(Path(path) / self._names[index]))
 
     # ================================================================ resume checks
     def state_dict(self) -> dict[str, Any]:
-        shards = {shard_name(i): self._shards[i].state_dict() for i in self._order}
+        shards = {self._names[i]: self._shards[i].state_dict() for i in self._order}
         return {**super().state_dict(), "shards": shards}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -3,8 +3,12 @@ gives (counted on its moto server by the key each simulated rank signs with), op
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from helpers import import_benchmark
+
+from rlhf_pipeline.files.shard_names import spread_shard_name
 
 SHARDS, RANKS, ROWS = 6, 3, 4
 
@@ -71,3 +75,18 @@ def test_the_table_has_a_row_per_sampler_and_mode(results):
     for sampler, mode in by_mode:
         assert any(line.startswith(f"| {sampler} | {mode} |") for line in lines)
     assert all(step["collectors PUT"] >= 3 * SHARDS for steps in by_mode.values() for step in steps)
+
+
+def test_spread_shard_names_spread_the_requests_over_key_prefixes(results):
+    """Plain names send every request of a step to one key prefix (``shard-``); spread names
+    (``files/shard_names.py``) send each prefix about its shards' share: here the busiest first
+    character holds half of the 6 shards, so about half the requests, since every shard gets the
+    same appends, record GETs and (the exact sampler) reads."""
+    by_mode, *_ = results
+    bench_fanout = import_benchmark("bench_fanout")
+    _, plain = bench_fanout.measure(SHARDS, RANKS, steps=1, rows=ROWS, samplers=["exact"],
+                                    modes=bench_fanout.MODES[-1:], log=lambda _: None, shard_names="plain")
+    assert [step["busiest prefix %"] for step in plain[0]["steps"]] == [100.0]
+    busiest_share = max(Counter(spread_shard_name(k)[0] for k in range(SHARDS)).values()) / SHARDS
+    for step in by_mode["exact", "shared + affinity"]:
+        assert step["busiest prefix %"] < 100 * (busiest_share + 0.25)

@@ -11,7 +11,10 @@ import json
 from integration.test_default_pipeline import DEFAULT, SMALL
 from integration.test_s3_buffers import cli, command
 
+from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.learn.metrics import read_metrics
+
+SHARD0 = spread_shard_name(0)  # collector 0's shard at an object-store URL
 
 
 def test_run_with_the_buffer_on_azure_then_verify_and_replay_it(azure_server, tmp_path):
@@ -19,12 +22,12 @@ def test_run_with_the_buffer_on_azure_then_verify_and_replay_it(azure_server, tm
     out = cli(azure_server, "run", DEFAULT, "--steps", "2", "--home", str(tmp_path), "--run-name", "on-azure",
               *SMALL, "--set", "buffer_backend=zarr", "--set", f"buffer_url={url}", timeout=600)
     assert "[run] done: 2 learner steps" in out.stderr, out.stderr[-3000:]
-    assert f"writing to {url}/shard-0000" in out.stderr
+    assert f"writing to {url}/{SHARD0}" in out.stderr
     run = tmp_path / "on-azure"
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
     assert not (run / "buffer").exists()  # the rows went to the object store only
     keys = azure_server.keys(url)
-    assert "shard-0000/zarr.json" in keys and "shard-0000/writer.lock" not in keys  # the collector let go
+    assert f"{SHARD0}/zarr.json" in keys and f"{SHARD0}/writer.lock" not in keys  # the collector let go
 
     stats = json.loads(command(azure_server, "inspect", url + "/", "--json").stdout)
     assert stats["backend"] == "sharded" and stats["extra"]["shards"] == 1

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 
 from rlhf_pipeline.files.run_paths import RunPaths
+from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.pipeline import load_pipeline_module, make_settings
 from rlhf_pipeline.storage import open_store
 
 REPO = Path(__file__).resolve().parents[2]
+SHARD0 = spread_shard_name(0)  # collector 0's shard at an object-store URL
 ROWS = 200  # 50 groups of 4
 
 COLLECTOR = textwrap.dedent("""
@@ -121,7 +123,7 @@ def test_a_collector_killed_with_pending_groups_resumes_on_another_machine(s3_se
         if first.poll() is None:
             first.kill()
     assert first.returncode == -signal.SIGKILL
-    assert "collector/pending-shard-0000/state.pt" in s3_server.keys(f"{home}/crash")
+    assert f"collector/pending-{SHARD0}/state.pt" in s3_server.keys(f"{home}/crash")
     assert _nothing_local(tmp_path / "machine-a")  # the pending groups were never only on its disk
 
     out = _finish(_collector(tmp_path, env, f"{home}/crash", "machine-b"))
@@ -132,7 +134,7 @@ def test_a_collector_killed_with_pending_groups_resumes_on_another_machine(s3_se
     assert _nothing_local(tmp_path / "machine-b")
 
     assert _finish(plain).splitlines()[-1] == "finished 0"
-    crashed, plain = _rows(f"{home}/crash/buffer/shard-0000"), _rows(f"{home}/plain/buffer/shard-0000")
+    crashed, plain = _rows(f"{home}/crash/buffer/{SHARD0}"), _rows(f"{home}/plain/buffer/{SHARD0}")
     ids = crashed["trajectory_id"]
     assert sorted(ids.tolist()) == list(range(ROWS))  # every row once
     assert torch.bincount(crashed["group_id"]).tolist() == [4] * (ROWS // 4)  # every group whole

@@ -21,12 +21,15 @@ from rlhf_pipeline.coordination.weights import load_weights
 from rlhf_pipeline.dataio.import_state import IMPORT_SHARD_FIRST
 from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
+from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
 from rlhf_pipeline.runs.processes import build_pipeline
 from rlhf_pipeline.runs.run_directory import prepare_run
 from rlhf_pipeline.schema.ids import collector_index_of
 from rlhf_pipeline.storage import open_buffer, open_store
 from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
+
+IMPORTED = spread_shard_name(IMPORT_SHARD_FIRST)  # the import's shard at an object-store URL
 
 SMALL = ("warm_start_steps=0", "hidden_size=32", "num_layers=1", "num_heads=2", "group_size=4",
          "buffer_backend=zarr")
@@ -73,7 +76,7 @@ def test_an_import_into_a_run_at_a_url_gets_a_shard_there_and_inspect_shows_it(s
     done = subprocess.run([*CLI, "import", str(source), run.url, "--quiet"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    shard = f"{run.url}/buffer/shard-{IMPORT_SHARD_FIRST:04d}"
+    shard = f"{run.url}/buffer/{IMPORTED}"
     assert f"{shard}: 12 rows imported" in done.stdout
     rows = rows_of(shard)
     assert len(rows) == 12 and rows["policy_version"].eq(0).all()
@@ -92,7 +95,7 @@ def test_an_import_into_a_run_at_a_url_gets_a_shard_there_and_inspect_shows_it(s
     assert inspected.returncode == 0, inspected.stderr[-3000:]
     stats = json.loads(inspected.stdout)
     assert stats["rows"] == 12 and stats["extra"]["shards"] == 2  # collector 0's (empty) and the import's
-    assert f"shard-{IMPORT_SHARD_FIRST:04d}: 12" in stats["extra"]["shard_rows"]
+    assert f"{IMPORTED}: 12" in stats["extra"]["shard_rows"]
 
     # in this process from here (each CLI start imports torch again: seconds on a busy machine)
     assert main(["import", str(source), f"{run.url}/buffer"]) == 0
@@ -119,7 +122,7 @@ def test_an_import_into_a_run_at_a_url_killed_midway_resumes_without_duplicates(
     runs = {name: run_at(s3_server.url(name)) for name in ("killed", "clean")}
     source = write_jsonl(tmp_path / "big.jsonl", 60, log_probs=True)  # 240 rows in appends of one group
     killed, clean = runs["killed"], runs["clean"]
-    shard = f"{killed.url}/buffer/shard-{IMPORT_SHARD_FIRST:04d}"
+    shard = f"{killed.url}/buffer/{IMPORTED}"
     command = [*CLI, "import", str(source), killed.url, "--rows-per-chunk", "4", "--quiet"]
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -137,7 +140,7 @@ def test_an_import_into_a_run_at_a_url_killed_midway_resumes_without_duplicates(
     # the same command again (in this process: the killed one's lease is taken over at once on this host)
     assert main(command[3:]) == 0
     assert main(["import", str(source), clean.url, "--rows-per-chunk", "64", "--quiet"]) == 0
-    rows, expected = rows_of(shard), rows_of(f"{clean.url}/buffer/shard-{IMPORT_SHARD_FIRST:04d}")
+    rows, expected = rows_of(shard), rows_of(f"{clean.url}/buffer/{IMPORTED}")
     assert len(rows) == 240 and rows["trajectory_id"].unique().numel() == 240
     assert rows.equal(expected)
     store = ObjectRunStore(killed.url)

@@ -120,6 +120,13 @@ def test_a_replay_walks_every_row_per_epoch_and_records_what_it_did(reference_ru
     assert settings["hidden_size"] == 32  # the pipeline's own settings sit beside it
 
 
+def test_a_replay_writes_no_pacing_file(reference_run):
+    # pacing.json tells collectors what the learner took in; a replay has none, so its 18 steps
+    # write none (it was rewritten every step: at a URL, a PUT per step for no reader)
+    assert (reference_run / "checkpoints").is_dir()
+    assert not (reference_run / "pacing.json").exists()
+
+
 def test_the_same_seed_gives_the_same_losses_and_weights(home, source, reference_run):
     again = replay(home, "again", source, epochs=3, seed=7)
     assert losses(again) == losses(reference_run)

@@ -76,6 +76,7 @@ def test_a_replay_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3
                 "metrics.jsonl.parts/00000000.jsonl", "batches.jsonl.parts/00000000.jsonl"):
         assert key in keys, sorted(keys)
     assert "run.lock" not in keys and not any(k.endswith(".partial") for k in keys)
+    assert "pacing.json" not in keys  # no collectors read it: no PUT of it per step
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]  # no s3: directory beside the command
     store = ObjectRunStore(f"{home}/r1")
     assert b'"buffer": "' + source.encode() + b'"' in store.read("settings.json")

@@ -10,6 +10,7 @@ cloud. The Azure case skips, saying what to install, without the ``azure`` extra
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -23,8 +24,12 @@ from integration.test_default_pipeline import DEFAULT, SMALL
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_paths import cache_dir
+from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
 from rlhf_pipeline.storage import open_buffer, open_store
+
+SHARD0 = spread_shard_name(0)  # collector 0's shard at an object-store URL
 
 REPO = Path(__file__).resolve().parents[2]
 ZARR = ["--set", "buffer_backend=zarr"]
@@ -103,7 +108,7 @@ def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_se
     for key in ("settings.json", "pipeline.py", "pacing.json", "collector/shard-0000.pt",
                 "checkpoints/step_00000004.pt", "weights/policy_00000004.safetensors",
                 "metrics.jsonl.parts/00000000.jsonl", "collector/metrics-0000.jsonl.parts/00000000.jsonl",
-                "buffer/shard-0000/zarr.json", "STOP"):
+                f"buffer/{SHARD0}/zarr.json", "STOP"):
         assert key in keys, sorted(keys)
     assert "run.lock" not in keys and not any(k.endswith(".partial") for k in keys)  # let go; nothing half-written
     assert any(k.startswith("tensorboard/events.out.tfevents") for k in keys)
@@ -135,11 +140,32 @@ def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(s3_se
     assert "tokens shown by id" not in shown.err  # decoded with the tokenizer of the run's own pipeline copy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "charts", "model"]  # no s3: directory
 
-    local = subprocess.run([*command(str(tmp_path / "local"), "exp1"), "--steps", "4"], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=600)
+    # a buffer at a URL made before shards took spread names (buffer/shard-0000) goes on as it is: nothing
+    # made beside it, and the collector paces by the name the learner counts it under (else the rounds
+    # the stall rule lets through take the newest weights, and the run trains differently). Run beside
+    # the same run in a local directory
+    legacy = RunPaths.at_url(f"{home}/legacy")
+    module = load_pipeline_module(DEFAULT)
+    settings = make_settings(module, [a for a in [*SMALL, *ZARR] if a != "--set"])
+    module.build(settings, legacy).create_buffer(f"{legacy.url}/buffer/shard-0000").close()
+    legacy_run = subprocess.Popen([*command(home, "legacy"), "--steps", "4"], cwd=tmp_path, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        local = subprocess.run([*command(str(tmp_path / "local"), "exp1"), "--steps", "4"], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=600)
+        legacy_err = legacy_run.communicate(timeout=600)[1]
+    finally:
+        if legacy_run.poll() is None:
+            legacy_run.kill()
     assert local.returncode == 0, local.stderr[-3000:]
     assert trained(learner_metrics(f"{home}/exp1")) == trained(learner_metrics(run_dir=tmp_path / "local" / "exp1"))
     assert rows_of(f"{home}/exp1/buffer") == rows_of(str(tmp_path / "local" / "exp1" / "buffer"))
+
+    assert legacy_run.returncode == 0, legacy_err[-3000:]
+    assert f"writing to {legacy.url}/buffer/shard-0000" in legacy_err, legacy_err[-3000:]
+    assert {key.split("/", 1)[0] for key in s3_server.keys(f"{legacy.url}/buffer")} == {"shard-0000"}
+    assert json.loads(legacy.store.read("pacing.json"))["consumed"] == {"shard-0000": 4 * 16}
+    assert trained(learner_metrics(legacy.url)) == trained(learner_metrics(f"{home}/exp1"))
 
 
 def _kill_when(process: subprocess.Popen, run_url: str, steps: int, side: str) -> str:
@@ -187,7 +213,7 @@ def test_processes_killed_at_a_url_resume_exactly(server, env, tmp_path):
         assert ("the learner failed" if side == "learn" else "the collector exited early") in out, out[-3000:]
         logged = len(learner_metrics(run_url))
     keys = set(server.keys(run_url))
-    for key in ("settings.json", "pipeline.py", "collector/shard-0000.pt", "buffer/shard-0000/zarr.json"):
+    for key in ("settings.json", "pipeline.py", "collector/shard-0000.pt", f"buffer/{SHARD0}/zarr.json"):
         assert key in keys, sorted(keys)
     total = learner_metrics(run_url)[-1]["step"] + extra
 
@@ -196,7 +222,7 @@ def test_processes_killed_at_a_url_resume_exactly(server, env, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"[learner] resuming from {run_url}/checkpoints/step_" in resumed.stderr, resumed.stderr[-3000:]
     assert "run.lock" not in set(server.keys(run_url))  # let go
-    with open_store(f"{run_url}/buffer/shard-0000", mode="r") as shard:
+    with open_store(f"{run_url}/buffer/{SHARD0}", mode="r") as shard:
         ids = shard.read(torch.arange(len(shard)), fields=("trajectory_id", "group_id"))
     # every round exactly once: the ids the collector handed out, in order, without a gap
     rows = len(ids["trajectory_id"])

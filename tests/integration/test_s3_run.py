@@ -1,5 +1,5 @@
 """``run`` with the buffer on object storage (``buffer_url``), against moto's S3 server on loopback:
-the collector writes ``URL/shard-0000``, the learner reads the union, the run directory stays
+the collector writes ``URL/00-shard-0000`` (its spread name), the learner reads the union, the run directory stays
 local; then ``inspect`` and ``replay`` of that URL. Real processes, endpoint and credentials
 from the AWS variables as a user's shell would give them.
 """
@@ -12,9 +12,12 @@ import pytest
 from integration.test_default_pipeline import DEFAULT, SMALL
 from integration.test_s3_buffers import cli, command
 
+from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import PipelineError
 from rlhf_pipeline.runs.run import run_command
+
+SHARD0 = spread_shard_name(0)  # collector 0's shard at an object-store URL
 
 
 def test_run_with_the_buffer_at_a_url_then_inspect_and_replay_it(s3_server, tmp_path):
@@ -23,12 +26,12 @@ def test_run_with_the_buffer_at_a_url_then_inspect_and_replay_it(s3_server, tmp_
               "--set", "buffer_backend=zarr", "--set", f"buffer_url={url}", "--set", "buffer_lock_lease_s=12",
               timeout=600)
     assert "[run] done: 2 learner steps" in out.stderr, out.stderr[-3000:]
-    assert f"writing to {url}/shard-0000 (writer lock lease 12 s)" in out.stderr  # the setting reached the lock
+    assert f"writing to {url}/{SHARD0} (writer lock lease 12 s)" in out.stderr  # the setting reached the lock
     run = tmp_path / "on-s3"
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
     assert not (run / "buffer").exists()  # the rows went to the object store only
     keys = s3_server.keys(url)
-    assert "shard-0000/zarr.json" in keys and "shard-0000/writer.lock" not in keys  # the collector let go
+    assert f"{SHARD0}/zarr.json" in keys and f"{SHARD0}/writer.lock" not in keys  # the collector let go
 
     stats = json.loads(command(s3_server, "inspect", url + "/", "--json").stdout)
     assert stats["backend"] == "sharded" and stats["extra"]["shards"] == 1

@@ -205,6 +205,44 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
         assert torch.equal(wa[name], wb[name]), name
 
 
+def test_the_initial_policy_handed_over_is_trained_as_is_and_a_resume_loads_its_checkpoint(tmp_path):
+    # `run` builds the initial policy, publishes it as version 0 and hands it to its learner: no
+    # second model built, the same steps as a learner that reads version 0 back
+    built = []
+
+    def counting_make_model():
+        built.append(1)
+        return make_model()
+
+    reloaded = make_run(tmp_path / "a")
+    run = learner(reloaded, steps=3, publish_every=1)
+    run.setup()
+    run.train()
+    run.cleanup()
+
+    handed = make_run(tmp_path / "b")
+    initial = make_model()  # what make_run published as version 0
+    settings = dataclasses.replace(SETTINGS, publish_every=1)
+    first = Learner(settings, handed, make_model=counting_make_model, steps=4, seed=1, show_progress=False,
+                    initial_policy=initial)
+    first.setup()
+    assert first.model is initial and built == [] and first.progress.policy_version == 0
+    assert first.train(max_steps=3) is False  # stopped after 3 steps, with a checkpoint
+    first.cleanup()
+    wa, wb = (load_weights(p.root, 3)[0] for p in (reloaded, handed))
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+    # a resumed learner loads its checkpoint's weights, whatever it is handed
+    second = Learner(settings, handed, make_model=counting_make_model, steps=4, seed=1, show_progress=False,
+                     initial_policy=make_model())
+    second.setup()
+    assert built == [1] and second.progress.step == 3
+    for name, value in second.model.state_dict().items():
+        assert torch.equal(value, wb[name]), name
+    second.cleanup()
+
+
 def test_stop_request_saves_a_checkpoint(tmp_path):
     paths = make_run(tmp_path)
     stop = threading.Event()

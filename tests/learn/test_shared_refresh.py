@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlhf_pipeline.files.shard_names import shard_location, spread_shard_name
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.rank_slices import SharedView
 from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
@@ -76,19 +77,21 @@ def test_other_ranks_adopt_rank_zeros_refresh_and_send_no_record_get_or_list(s3_
 
 
 def test_a_shard_new_to_another_rank_is_opened_from_rank_zeros_listing_and_record(s3_server):
+    """Shard 0 as buffers at a URL were made before spread names (``shard-0000``), shard 1 as they are
+    made now (``<hh>-shard-0001``): the other rank opens it by the name in rank 0's view."""
     prefix = s3_server.url("buffer")
     with ZarrTrajectoryStore.create(f"{prefix}/shard-0000", StoreSchema(), storage_options=s3_server.options) as w:
         w.append(_rows(0, 0))
     options = {"storage_options": s3_server.options, "refresh_interval_s": 0}
     main, other = open_buffer(prefix, **options), open_buffer(prefix, **options)
-    with ZarrTrajectoryStore.create(f"{prefix}/shard-0001", StoreSchema(), storage_options=s3_server.options) as w:
+    with ZarrTrajectoryStore.create(shard_location(prefix, 1), StoreSchema(), storage_options=s3_server.options) as w:
         w.append(_rows(1, 0))
     main.refresh()
     names = row_names(main, torch.arange(2 * ROWS_PER_APPEND))
     with s3_server.requests.recording() as sent:
         positions = DataParallel(rank=1, world_size=2).positions_in_view(
             other, DataParallel(rank=0, world_size=2).view_changes(names), stop=threading.Event(), timeout_s=5)
-    assert sorted(other.shards) == [0, 1]
+    assert other.shard_names == {0: "shard-0000", 1: spread_shard_name(1)}
     assert _view_requests(sent) == []  # the listing and the new shard's record were rank 0's
     assert other.read(positions)["trajectory_id"].tolist() == list(range(4)) + list(range(1000, 1004))
     main.close()

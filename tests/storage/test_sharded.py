@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import make_batch
-from rlhf_pipeline.schema.padding import PaddedCollator
+
+from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.learn.samplers import DataTimeoutError
 from rlhf_pipeline.learn.samplers.window import FreshRowSampler
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.schema.padding import PaddedCollator
 from rlhf_pipeline.storage import (
     NotAStoreError,
     ReadOnlyStoreError,
@@ -20,6 +21,7 @@ from rlhf_pipeline.storage import (
     open_buffer,
     open_store,
 )
+from rlhf_pipeline.storage.buffers import find_shard
 from rlhf_pipeline.storage.sharded import list_shards, shard_path
 
 torch.set_num_threads(1)
@@ -270,3 +272,36 @@ def test_a_damaged_shard_is_never_left_out_silently(two_shards, capsys):
     assert "shard-0001 (memmap): repaired" in capsys.readouterr().out
     with open_buffer(buffer) as union:
         assert len(union) == 32
+
+
+def test_a_buffer_holding_plain_and_spread_shard_names_reads_as_one_union(tmp_path):
+    """Shards made at an object-store URL carry two hex digits (``files/shard_names.py``); a buffer made
+    before them, or copied to a disk, mixes both names. Each is found by its index; a name whose
+    digits are not its index's, or a shard still being made, is not a shard; an index under two
+    names is refused rather than one of them read."""
+    buffer = tmp_path / "buffer"
+    spread = spread_shard_name(1)
+    with create_store(buffer / "shard-0000", "memmap", schema=SCHEMA, segment_rows=8) as writer:
+        writer.append(shard_rows(0, 2))
+    with create_store(buffer / spread, "memmap", schema=SCHEMA, segment_rows=8) as writer:
+        writer.append(shard_rows(1, 3))
+    wrong = next(f"{d:02x}" for d in range(256) if f"{d:02x}" != spread_shard_name(2)[:2])
+    (buffer / f"{wrong}-shard-0002").mkdir()
+    (buffer / "shard-0003.creating").mkdir()
+    assert list_shards(buffer) == [(0, str(buffer / "shard-0000")), (1, str(buffer / spread))]
+    assert find_shard(buffer, 1) == str(buffer / spread)  # a collector goes on with the shard it has
+    assert find_shard(buffer, 4) == str(buffer / "shard-0004")  # a new one on a disk: the plain name
+    with open_buffer(buffer) as union:
+        assert union.shard_names == {0: "shard-0000", 1: spread}
+        assert len(union) == 20
+        assert union.read(torch.arange(20))["trajectory_id"].tolist() == \
+            [*range(8), *((1 << 40) + i for i in range(12))]
+        assert sorted(union.state_dict()["shards"]) == sorted(["shard-0000", spread])
+        union.snapshot_to(str(tmp_path / "copy"))
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == sorted(["shard-0000", spread])
+
+    with create_store(buffer / "shard-0001", "memmap", schema=SCHEMA, segment_rows=8) as writer:
+        writer.append(shard_rows(1, 1))
+    for opening in (lambda: list_shards(buffer), lambda: open_buffer(buffer)):
+        with pytest.raises(StoreCorruptedError, match=f"shard 1 twice, as {spread} and as shard-0001"):
+            opening()

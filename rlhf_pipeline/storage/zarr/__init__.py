@@ -5,7 +5,8 @@ Modules: :mod:`.store` (the store), :mod:`.layout` (keys, array metadata, codecs
 store lives and raw key/value I/O), :mod:`.writer` (cutting appends into units, background
 sealing), :mod:`.unit_cache` (decoded units and their LRU), :mod:`.padded` (locating rows for
 fused padded reads), :mod:`.inspection` (stats and checks without torch), :mod:`.repair`,
-:mod:`.from_record` (a reader opened from another reader's commit record: no request).
+:mod:`.from_record` (a reader opened from another reader's commit record: no request),
+:mod:`.snapshot` (a byte-for-byte copy of the published units into a new store).
 The store class is imported on first use: ``inspect`` and ``repair`` need no torch.
 """
 

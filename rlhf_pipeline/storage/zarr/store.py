@@ -1,8 +1,8 @@
 """Zarr v3 trajectory store: the memmap contract on local directories, zip files and fsspec URLs.
 
 Why one file: the store class keeps the ``TrajectoryStore`` contract in one place; layout, units,
-unit cache, writer, location, padded reads and repair are already modules of their own in this
-folder.
+unit cache, writer, location, padded reads, snapshots and repair are already modules of their own
+in this folder.
 
 Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr.layout` (and
 ``docs/zarr-layout.md``). How it stays consistent without a synchronizer:
@@ -64,7 +64,6 @@ from rlhf_pipeline.storage.segmented import (
     check_segment_layout,
     require_new_directory,
 )
-from rlhf_pipeline.storage.zarr import units as unit_io
 from rlhf_pipeline.storage.zarr.layout import (
     CHECKSUM,
     DEFAULT_CODEC,
@@ -102,6 +101,7 @@ from rlhf_pipeline.storage.zarr.units import (
     SEALED_PACKED,
     UnitCodecs,
     UnitGone,
+    UnitIO,
     UnitRef,
 )
 from rlhf_pipeline.storage.zarr.writer import Collector, Sealer, complete_segments, plan_pieces
@@ -136,7 +136,8 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             # a format 1 store: its units stay as they are (still read), new units are format 2
             record = dict(record, format_version=FORMAT_VERSION, arrays=arrays_json(self._arrays),
                           chunk_checksum=CHECKSUM)
-        self._codecs = UnitCodecs(record["codec"], record.get("fragment_codec", record["codec"]))
+        codecs = UnitCodecs(record["codec"], record.get("fragment_codec", record["codec"]))
+        self.unit_io = UnitIO(loc, self._arrays, codecs, durable=durable)  # public: snapshots copy through it
         self._segment_rows = int(record["segment_rows"])
         self._capacity_rows = None if capacity is None else int(capacity)
         self._writable = writable
@@ -407,7 +408,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             pieces.append((UnitRef(start + pos, rows, SEALED_PACKED if whole else PACKED_FRAGMENT), part))
             if completes:
                 complete.append(start + pos + rows - self._segment_rows)
-        pending = [self._write_unit(unit, part) for unit, part in pieces]
+        pending = [self.unit_io.write(unit, part) for unit, part in pieces]
         try:
             with self._publish_lock:
                 self._publish(self._units + [unit for unit, _ in pieces], start + n, pending)
@@ -460,7 +461,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             return  # sealed already
         rows = concat_arrays([self._unit(u).arrays for u in fragments], self._arrays)
         segment = UnitRef(first_row, size, SEALED_PACKED)
-        pending = self._write_unit(segment, rows, threaded=False)
+        pending = self.unit_io.write(segment, rows, threaded=False)
         with self._publish_lock:
             replaced = {u.name for u in fragments}
             units = [u for u in self._units if u.name not in replaced]
@@ -477,18 +478,10 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             return
         rows = concat_arrays([self._unit(u).arrays for u in tail], self._arrays)
         unit = UnitRef(tail[0].first_row, sum(u.rows for u in tail), PACKED_FRAGMENT)
-        pending = self._write_unit(unit, rows)
+        pending = self.unit_io.write(unit, rows)
         with self._publish_lock:
             replaced = {u.name for u in tail}
             self._publish([u for u in self._units if u.name not in replaced] + [unit], self._next_row, [pending])
-
-    def _write_unit(self, unit: UnitRef, arrays: dict[str, np.ndarray], *, threaded: bool = True):
-        """Writes a new unit (kind 3 or 4); returns what its publish still has to sync."""
-        if unit.kind == PACKED_FRAGMENT:  # two files: written here, without the I/O thread
-            items = unit_io.fragment_items(unit, arrays, self._arrays)
-            return self._loc.kv.put_many(items, durable=self._durable, threaded=False, defer_sync=True)
-        items = unit_io.sealed_items(unit, arrays, self._arrays, self._codecs.sealed)
-        return self._loc.kv.put_many(items, durable=self._durable, threaded=threaded, defer_sync=True)
 
     def _delete_orphans(self) -> None:
         """Deletes units no commit record names: left by a writer that died before publishing."""
@@ -555,8 +548,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         return self._cache.get(unit.name, lambda: self._load_unit(unit))
 
     def _load_unit(self, unit: UnitRef) -> DecodedUnit:
-        arrays = unit_io.read_unit(self._loc.kv, unit, self._arrays, self._codecs)
-        return DecodedUnit(unit.first_row, unit.rows, arrays)
+        return DecodedUnit(unit.first_row, unit.rows, self.unit_io.read(unit))
 
     # ---------------------------------------------------------------- summary and copies
     def stats(self) -> StoreStats:
@@ -569,10 +561,6 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         stats.extra.update(cache_bytes=self._cache.capacity_bytes, cached_bytes=self._cache.nbytes)
         return stats
 
-    def unit_keys(self, unit: UnitRef) -> list[str]:
-        """Every key of a published unit (group and array metadata, chunks)."""
-        return unit_io.unit_keys(unit, self._arrays)
-
     @property
     def units(self) -> list[UnitRef]:
         """The published units, once background seals are done."""
@@ -580,22 +568,10 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         return list(self._units)
 
     def snapshot_to(self, path: str) -> None:
-        """Copies the published units byte for byte into a new Zarr store at ``path``."""
-        self.flush()
-        self.refresh()
-        record = dict(self._record)
-        target = ZarrTrajectoryStore.create(path, self._schema, capacity_rows=self._capacity_rows,
-                                            segment_rows=self._segment_rows, codec=self._codecs.config,
-                                            cache_bytes=0, durable=self._durable)
-        try:
-            for unit in self._units:
-                keys = self.unit_keys(unit)
-                blobs = self._loc.kv.get_many(keys)
-                target._loc.kv.put_many({k: b for k, b in zip(keys, blobs) if b is not None},
-                                        durable=self._durable)
-            publish(target._loc, record, durable=self._durable)
-        finally:
-            target.close()
+        """Copies the published units byte for byte into a new Zarr store at ``path`` (:mod:`.snapshot`)."""
+        from rlhf_pipeline.storage.zarr.snapshot import write_snapshot
+
+        write_snapshot(self, path)
 
 
 # ======================================================================== helpers

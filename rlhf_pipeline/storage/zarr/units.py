@@ -13,7 +13,9 @@ kind  name suffix                   what it is
 4     ``f``                         fragment: one raw uint8 array + crc32c
 ====  ============================  ==========================================================
 
-Writers of format 2 write kinds 3 and 4 only; all five are read. :func:`read_unit` checks
+Writers of format 2 write kinds 3 and 4 only; all five are read. :class:`UnitIO` is one store's
+unit I/O (its location, layout, codecs and durability): write, read, and copy byte for byte to
+another store's (a snapshot: :mod:`.snapshot`). :func:`read_unit` checks
 every chunk against what the record promises (checksum, exact decoded size, offsets that
 start at 0 and never decrease) and raises :class:`StoreCorruptedError` naming the chunk,
 or :class:`UnitGone` when a chunk is missing (deleted after a compaction or an eviction,
@@ -25,7 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +50,9 @@ from rlhf_pipeline.storage.zarr.layout import (
     strip_checksum,
     unpack,
 )
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.storage.zarr.location import Location
 
 FRAGMENT, SEALED, PACKED_FRAGMENT_V1, SEALED_PACKED, PACKED_FRAGMENT = 0, 1, 2, 3, 4
 _SUFFIX = {FRAGMENT: "", SEALED: "", PACKED_FRAGMENT_V1: "p", SEALED_PACKED: "s", PACKED_FRAGMENT: "f"}
@@ -119,6 +124,41 @@ def unit_keys(unit: UnitRef, layout) -> list[str]:
     for name in names:
         keys += [f"{unit.prefix}/{name}/{ROOT_META}", f"{unit.prefix}/{name}/{CHUNK_KEY}"]
     return keys
+
+
+class UnitIO:
+    """One store's units where it lives (``loc``), with its array ``layout`` and ``codecs``; writes
+    are fsynced when ``durable``. The store owns one; a snapshot copies from one store's to another's."""
+
+    def __init__(self, loc: Location, layout, codecs: UnitCodecs, *, durable: bool):
+        self.loc = loc
+        self.layout = layout
+        self.codecs = codecs
+        self.durable = durable
+
+    def keys(self, unit: UnitRef) -> list[str]:
+        """Every key of the unit (group and array metadata, chunks)."""
+        return unit_keys(unit, self.layout)
+
+    def write(self, unit: UnitRef, arrays: dict[str, np.ndarray], *, threaded: bool = True):
+        """Writes a new unit (kind 3 or 4); returns what its publish still has to sync."""
+        if unit.kind == PACKED_FRAGMENT:  # two files: written here, without the I/O thread
+            items = fragment_items(unit, arrays, self.layout)
+            return self.loc.kv.put_many(items, durable=self.durable, threaded=False, defer_sync=True)
+        items = sealed_items(unit, arrays, self.layout, self.codecs.sealed)
+        return self.loc.kv.put_many(items, durable=self.durable, threaded=threaded, defer_sync=True)
+
+    def read(self, unit: UnitRef) -> dict[str, np.ndarray]:
+        """The unit's arrays, checked (:func:`read_unit`)."""
+        return read_unit(self.loc.kv, unit, self.layout, self.codecs)
+
+    def copy_to(self, target: UnitIO, units: list[UnitRef]) -> None:
+        """Copies ``units``' files byte for byte into ``target``'s location, decoding nothing; a key
+        a unit does not hold (an empty array has no chunk) is not written there either."""
+        for unit in units:
+            keys = self.keys(unit)
+            blobs = self.loc.kv.get_many(keys)
+            target.loc.kv.put_many({k: b for k, b in zip(keys, blobs) if b is not None}, durable=target.durable)
 
 
 # ======================================================================== writing

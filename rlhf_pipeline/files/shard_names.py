@@ -1,0 +1,94 @@
+"""The names of a buffer's shards: ``shard-NNNN``, and at an object-store URL ``<hh>-shard-NNNN``.
+
+A run's buffer is a directory (or URL prefix) of stores, one per collector, each named after its
+shard index. On a file system the name is ``shard-0007``. At an object-store URL (``s3://``,
+``az://``) a shard made now is named ``70-shard-0007``: two hex digits in front, the index's
+lowest hex digit first, so that the shards of one buffer start spread over 16 (then 256) key
+prefixes.
+
+Why: an object store partitions a bucket by key prefix (S3 serves 3,500 PUTs and 5,500 GETs per
+second per partition) and splits a busy prefix only after it has throttled it for a while. Shards
+named ``shard-0000 .. shard-0639`` share one prefix until S3 learns where to split it. With the
+digits the split points are known before the first write (``0 .. f``, then ``00 .. ff``): a bucket
+can be pre-partitioned on them (an S3 support request names such prefixes), and any split S3
+makes on its own divides the shards evenly. The digits are the index's own, reversed, rather than
+a hash of it: a run's collectors are numbered ``0 .. N-1`` (imports from 9000 on), and any such run
+of numbers lands evenly, at most one shard apart, on the 16 first digits and on the 256 pairs,
+where a hash leaves some prefixes with twice the shards of others. They are part of the shard's own
+name, at the same level, so one LIST of the buffer still finds every shard; and a directory whose
+digits do not match its index is not taken for a shard.
+
+A shard keeps the name it was made with: buffers made before spread names hold ``shard-NNNN`` at
+URLs too, and are read, written and resumed as they are (readers find shards by listing; a writer
+looks for its shard before making one, ``storage/buffers.py``'s ``find_shard``). A shard's name is
+also its key where the run names shards: the learner's row names and checkpoints, the pacing file,
+the pending groups of the write path.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from rlhf_pipeline.files.cloud_objects import cloud_for
+
+SHARD_PREFIX = "shard-"
+_SHARD_NAME = re.compile(r"^(?:([0-9a-f]{2})-)?shard-(\d+)$")
+
+
+def shard_name(index: int) -> str:
+    """The plain name of shard ``index``: ``shard-0007``."""
+    if index < 0:
+        raise ValueError(f"shard index must be >= 0, got {index}")
+    return f"{SHARD_PREFIX}{index:04d}"
+
+
+def spread_shard_name(index: int) -> str:
+    """The name of shard ``index`` made at an object-store URL: ``70-shard-0007`` (module docstring)."""
+    return f"{_spread_digits(index)}-{shard_name(index)}"
+
+
+def _spread_digits(index: int) -> str:
+    """The index's two lowest hex digits, lowest first: consecutive shards differ in the first."""
+    return f"{index % 16:x}{index // 16 % 16:x}"
+
+
+def spreads_shards(buffer: str | Path) -> bool:
+    """True when shards made under ``buffer`` take spread names: at an object-store URL. A file
+    system has no key partitions; its shards keep the plain names."""
+    return cloud_for(str(buffer)) is not None
+
+
+def new_shard_name(buffer: str | Path, index: int) -> str:
+    """The name shard ``index`` takes when it is made under ``buffer`` now."""
+    return spread_shard_name(index) if spreads_shards(buffer) else shard_name(index)
+
+
+def shard_index(name: str) -> int | None:
+    """The index in a shard's name (``shard-0007`` or ``70-shard-0007``); None for any other name,
+    digits that are not the index's included."""
+    match = _SHARD_NAME.match(name)
+    if match is None:
+        return None
+    index = int(match.group(2))
+    if match.group(1) is not None and match.group(1) != _spread_digits(index):
+        return None
+    return index
+
+
+def join_shard(buffer: str | Path, name: str) -> str:
+    """The location of the shard named ``name`` under ``buffer``; joined as text for a URL."""
+    if "://" in str(buffer):
+        return f"{str(buffer).rstrip('/')}/{name}"
+    return str(Path(buffer) / name)
+
+
+def shard_location(buffer: str | Path, index: int) -> str:
+    """Where shard ``index`` is made under ``buffer`` (:func:`new_shard_name`). A shard that exists
+    keeps the name it was made with: find it by listing the buffer."""
+    return join_shard(buffer, new_shard_name(buffer, index))
+
+
+def shard_key_of(location: str | Path) -> str:
+    """A shard's name from its location: the last part of its path or URL."""
+    return str(location).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
