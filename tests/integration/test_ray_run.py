@@ -47,7 +47,11 @@ def wait_for(condition, driver: subprocess.Popen, what: str, timeout: float = 24
     """Polls ``condition()`` until it returns something truthy; fails when the driver ended first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = condition()
+        try:
+            value = condition()
+        except ray.exceptions.RayActorError:  # the run's control actor: gone once the driver ends
+            driver.wait(timeout=60)  # then say how it ended, below
+            value = None
         if value:
             return value
         if driver.poll() is not None:
@@ -99,7 +103,9 @@ def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(cluster
     run = tmp_path / "run"
     command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", cluster, "--collectors",
                "2", "--home", str(tmp_path), "--run-name", "run", *[a for s in SMALL for a in ("--set", s)]]
-    driver = subprocess.Popen([*command, "--steps", "60"], cwd=REPO, stdout=subprocess.PIPE,
+    # far more steps than it gets to: SIGINT ends it. A learner as fast as on an idle machine trained
+    # 60 steps before the kill below landed, and the run ended before Ray could restart anything
+    driver = subprocess.Popen([*command, "--steps", "1000"], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
         control = wait_for(lambda: control_of(run), driver, "the control actor started")
