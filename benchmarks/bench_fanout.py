@@ -7,10 +7,12 @@ holds SHARDS small Zarr shards, each with a collector stand-in appending ROWS ro
 learner ranks, each with its own reader of the buffer and its own key, do per step exactly what a
 rank's data path does, through the real classes:
 
-* rank 0 draws (the real sampler over its reader, ``refresh_interval_s=0``: one refresh a draw),
-  orders the draw by owning rank when affinity is on (``DataParallel.order_by_rank``), reads the
-  draw's ``done`` and ``step`` (the learner's multi-turn test of a draw, on rank 0 only), names the
-  rows (``row_names``) and reads its own slice;
+* rank 0 draws (the real sampler over its reader, ``refresh_interval_s=0``: one refresh a draw,
+  reading the new rows' ``policy_version`` with ``--max-staleness``, the learner's default), orders
+  the draw by owning rank when affinity is on (``DataParallel.order_by_rank``), reads the draw's
+  ``done`` and ``step`` (the learner's multi-turn test of a draw, on rank 0 only), names the rows
+  (``row_names``) and reads its own slice. Both whole-draw reads are answered from the shards'
+  commit records where a fragment's values are constant (``storage/zarr/unit_constants.py``);
 * every other rank takes its slice of the names (``local_names``), finds them in its own view
   (``positions_in_view``: adopting rank 0's records when they are shared, else refreshing until it
   holds them) and reads them.
@@ -168,12 +170,13 @@ MODES = (Mode("before", False, False), Mode("shared refresh", True, False), Mode
 class SimulatedRanks:
     """RANKS readers of one buffer, rank 0 drawing with ``sampler``; :meth:`step` is one learner step."""
 
-    def __init__(self, readers: list, keys: list[str], sampler: str, batch_size: int, mode: Mode):
+    def __init__(self, readers: list, keys: list[str], sampler: str, batch_size: int, mode: Mode,
+                 max_staleness: int | None = 2):
         from rlhf_pipeline.learn.distributed import DataParallel
 
         self.mode, self.readers, self.keys = mode, readers, keys
         self.ranks = [DataParallel(rank=r, world_size=len(readers)) for r in range(len(readers))]
-        self.sampler = _sampler(sampler, self.readers[0], batch_size)
+        self.sampler = _sampler(sampler, self.readers[0], batch_size, max_staleness)
         self.stop_event = threading.Event()
         self._draws = 0
 
@@ -201,18 +204,19 @@ class SimulatedRanks:
         list(pool.map(other_rank, range(1, len(self.ranks))))
 
 
-def _sampler(name: str, store, batch_size: int):
-    """``name`` over ``store``, drawing from the rows appended from now on."""
+def _sampler(name: str, store, batch_size: int, max_staleness: int | None):
+    """``name`` over ``store``, drawing from the rows appended from now on; with ``max_staleness`` set it
+    reads the new rows' ``policy_version`` on rank 0, as the learner's samplers do by default."""
     if name == "exact":
         from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
 
-        sampler = ExactUseSampler(store, batch_size=batch_size)
+        sampler = ExactUseSampler(store, batch_size=batch_size, max_staleness=max_staleness)
         sampler.load_state_dict({})  # a state of no sampler: cursors at each shard's end
         return sampler
     from rlhf_pipeline.learn.samplers.window import FreshRowSampler
 
     # the newest rows, one step's appends: each draw is random over every shard's newest fragment
-    return FreshRowSampler(store, batch_size=batch_size, window=batch_size, seed=0, max_staleness=None,
+    return FreshRowSampler(store, batch_size=batch_size, window=batch_size, seed=0, max_staleness=max_staleness,
                            new_rows_per_draw=batch_size, min_next_row=int(store.next_row))
 
 
@@ -286,11 +290,11 @@ def _rows(count: int, seed: int):
 
 
 def measure(shards: int, ranks: int, steps: int, rows: int, samplers: list[str], modes=MODES,
-            log=print, shard_names: str = "spread") -> tuple[list[dict], list[dict]]:
+            log=print, shard_names: str = "spread", max_staleness: int | None = 2) -> tuple[list[dict], list[dict]]:
     """The opening's request counts by sender and kind (:func:`measure_opening`), and per sampler and
     mode: each step's request counts by sender and kind, and fetches per unit. ``shard_names``:
     ``spread`` (``<hh>-shard-NNNN``, as a run makes them at a URL) or ``plain`` (``shard-NNNN``, as
-    buffers at a URL were made before)."""
+    buffers at a URL were made before). ``max_staleness``: the samplers' (the learner's default, 2)."""
     import boto3
     import torch
 
@@ -326,7 +330,7 @@ def measure(shards: int, ranks: int, steps: int, rows: int, samplers: list[str],
                 opened, readers = measure_opening(server, prefix, keys, pool, log=log)
                 for sampler in samplers:
                     for mode in modes:
-                        simulated = SimulatedRanks(readers, keys, sampler, shards * rows, mode)
+                        simulated = SimulatedRanks(readers, keys, sampler, shards * rows, mode, max_staleness)
                         per_step = []
                         for number in range(steps):
                             started = time.perf_counter()
@@ -411,6 +415,8 @@ def main(argv: list[str]) -> int:
                         choices=[mode.name for mode in MODES], help="the modes measured (default: all three)")
     parser.add_argument("--shard-names", choices=["spread", "plain"], default="spread",
                         help="spread: <hh>-shard-NNNN, as runs make shards at a URL; plain: shard-NNNN, as before")
+    parser.add_argument("--max-staleness", type=lambda v: None if v == "none" else int(v), default=2,
+                        help="the samplers' staleness bound, as learner.max_staleness (default 2; none: off)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -422,7 +428,8 @@ def main(argv: list[str]) -> int:
     opened, results = measure(args.shards, args.ranks, 0 if args.opening_only else args.steps, args.rows,
                               [] if args.opening_only else args.samplers,
                               modes=[mode for mode in MODES if mode.name in args.modes],
-                              log=lambda line: print(line, file=sys.stderr, flush=True), shard_names=args.shard_names)
+                              log=lambda line: print(line, file=sys.stderr, flush=True), shard_names=args.shard_names,
+                              max_staleness=args.max_staleness)
     print(opening_table(opened))
     if results:
         print()

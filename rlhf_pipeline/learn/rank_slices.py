@@ -13,10 +13,12 @@ reader of the same buffer. Two things keep the buffer's requests from growing wi
   own view (an ``fstat`` per shard) until it holds the drawn rows.
 * **Shard affinity.** With at least as many shards as ranks, rank 0 orders the draw by owning rank
   (shard ``k`` belongs to rank ``k mod N``: :func:`order_by_owner`), so a rank reads from the same
-  shards every step and each unit is fetched by one rank (plus rank 0 where it reads a field of
-  the whole draw: multi-turn narrowing, the exact sampler's staleness check). The global batch is
-  the draw the sampler made (the exact sampler's even share per shard); only which rank trains
-  which row changes. With fewer shards than ranks the slices are equal, in draw order.
+  shards every step and each unit is fetched by one rank. Rank 0 also reads small fields of the
+  whole draw (``done``/``step`` for multi-turn narrowing, ``policy_version`` for the samplers'
+  staleness check); a Zarr shard's commit record answers those where a unit holds one value
+  (``storage/zarr/unit_constants.py``), so it fetches other ranks' units only for multi-turn rows
+  or a unit of mixed versions. The global batch is the draw the sampler made (the exact sampler's
+  even share per shard); only which rank trains which row changes. With fewer shards than ranks the slices are equal, in draw order.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ class CheckReport:
     checked: dict[str, int] = field(default_factory=dict)  # what was checked -> how many
     problems: list[str] = field(default_factory=list)  # damage, each naming the file or chunk
     notes: list[str] = field(default_factory=list)
+    # of the problems, those of the commit record alone that rewriting it fixes (the rows are intact)
+    record_problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -157,6 +157,12 @@ def actor_processes(title: str) -> dict[int, str]:
     return found
 
 
+def moved(title: str, lost_cache: str) -> set[str]:
+    """The cache directories of ``title``'s processes, leaving out the lost node's: a process sent
+    SIGKILL is still listed while the kernel tears it down (a learner's memory takes a moment)."""
+    return {cache for cache in actor_processes(title).values() if cache != lost_cache}
+
+
 def _wait_until(condition, run: subprocess.Popen, timeout: float):
     """``condition()`` once truthy; None when the run ended first or ``timeout`` passed."""
     deadline = time.monotonic() + timeout
@@ -210,14 +216,14 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
             # a machine joins in place of the lost one while Ray notices the loss (the collector
             # may restart on it or on the spare node); later the learner's node is lost too
             nodes.start("node_new", cpus=1)
-            collector_moved_to = _wait_until(lambda: set(actor_processes("CollectorActor").values()), run, 120)
+            collector_moved_to = _wait_until(lambda: moved("CollectorActor", collector_cache), run, 120)
             print(f"[multinode] the collector runs again {time.monotonic() - lost_at:.1f} s after its node was lost")
             nodes.wait_for(["node_new"])
             _wait_until(lambda: len(learner_metrics(run_url)) >= killed_at + 2, run, 240)
             learner_killed_at = len(learner_metrics(run_url))
             lost_at = time.monotonic()
             nodes.kill(learner_node)
-            learner_moved_to = _wait_until(lambda: set(actor_processes("LearnerActor").values()), run, 120)
+            learner_moved_to = _wait_until(lambda: moved("LearnerActor", learner_cache), run, 120)
             print(f"[multinode] the learner runs again {time.monotonic() - lost_at:.1f} s after its node was lost")
             _wait_until(lambda: len(learner_metrics(run_url)) > learner_killed_at, run, 240)
             print(f"[multinode] and has trained past the step it was lost at {time.monotonic() - lost_at:.1f} s after")

@@ -277,6 +277,10 @@ def test_ranks_over_a_url_buffer_take_rank_zeros_refresh_and_get_only_their_rows
         assert _view_requests(by_rank[rank]) == [], rank
         units = {path.split("/units/")[1].split("/")[0] for method, path in by_rank[rank] if "/units/" in path}
         assert units, rank  # it read its rows itself
+    # rank 0 GETs only its own shards' units: its test of the whole draw (single-turn rows?) is answered
+    # by the shards' records (storage/zarr/unit_constants.py), not by fetching the other ranks' units
+    shards_read = {path.split("/units/")[0].rsplit("/", 1)[-1] for _, path in by_rank[0] if "/units/" in path}
+    assert shards_read == {"shard-0000", "shard-0003"}, shards_read
 
 
 def test_ranks_resuming_over_a_url_buffer_open_it_from_rank_zeros_records(s3_server, one_rank_shards, tmp_path):

@@ -3,7 +3,8 @@
 Modules: :mod:`.store` (the store), :mod:`.layout` (keys, array metadata, codecs, packing),
 :mod:`.units` (the kinds of unit, writing and checked reading), :mod:`.location` (where a
 store lives and raw key/value I/O), :mod:`.writer` (cutting appends into units, background
-sealing), :mod:`.unit_cache` (decoded units and their LRU), :mod:`.padded` (locating rows for
+sealing), :mod:`.unit_cache` (decoded units and their LRU), :mod:`.unit_constants` (fields with
+one value per unit, kept in the commit record and read without the unit), :mod:`.padded` (locating rows for
 fused padded reads), :mod:`.inspection` (stats and checks without torch), :mod:`.repair`,
 :mod:`.from_record` (a reader opened from another reader's commit record: no request),
 :mod:`.snapshot` (a byte-for-byte copy of the published units into a new store).

@@ -20,6 +20,7 @@ from rlhf_pipeline.storage.reports import CheckReport, Progress
 from rlhf_pipeline.storage.summary import StoreStats, disk_usage, summarize_trajectories
 from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, NP_DTYPE_BY_NAME, UNITS_PREFIX, arrays_of
 from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root, resolve
+from rlhf_pipeline.storage.zarr.unit_constants import disagreements, parse_constants
 from rlhf_pipeline.storage.zarr.units import ROOT_META, UnitCodecs, UnitGone, UnitRef, read_unit
 
 BACKEND = "zarr"
@@ -185,13 +186,24 @@ def verify(location: str, progress: Progress | None = None, storage_options: dic
         total = int(record["next_row"]) - int(record["first_row"])
         unchecked = 0
         expected = int(record["first_row"])
+        try:
+            constants = parse_constants(record, str(location))
+        except StoreCorruptedError as exc:
+            constants = {}
+            report.problems.append(str(exc))
+            report.record_problems.append(str(exc))
         for number, unit in enumerate(units, 1):
             if unit.first_row != expected:
                 report.problems.append(f"{location}/zarr.json: unit {unit.name} starts at row {unit.first_row}, "
                                        f"the previous unit ends at {expected}")
             expected = unit.first_row + unit.rows
             try:
-                read_unit(loc.kv, unit, layout, codecs)
+                arrays = read_unit(loc.kv, unit, layout, codecs)
+                for wrong in disagreements(unit, constants, arrays):  # reads of those fields would be wrong
+                    problem = (f"{location}/zarr.json: {wrong}; `rlhf-pipeline repair {location} --apply` "
+                               f"rewrites the record without them")
+                    report.problems.append(problem)
+                    report.record_problems.append(problem)
             except UnitGone as gone:
                 report.problems.append(f"chunk {gone} of published unit {unit.name} is missing: rows "
                                        f"{unit.first_row}..{unit.first_row + unit.rows - 1} are lost")

@@ -44,6 +44,7 @@ from rlhf_pipeline.storage.zarr.layout import (
     arrays_of,
 )
 from rlhf_pipeline.storage.zarr.location import publish, resolve
+from rlhf_pipeline.storage.zarr.unit_constants import RECORD_KEY as CONSTANTS_KEY
 from rlhf_pipeline.storage.zarr.units import (
     FRAGMENT,
     PACKED_FRAGMENT,
@@ -73,11 +74,19 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         loc.kv.close()
         report.rows_before = report.rows_after = int(record["next_row"]) - int(record["first_row"])
         check = verify(str(location), progress)
-        report.unrecoverable += check.problems
+        damage = [p for p in check.problems if p not in check.record_problems]
+        report.unrecoverable += damage
         report.notes += check.notes
-        if check.problems:
+        if damage:
             report.notes.append("the commit record is intact: repair cannot restore damaged chunks; restore the "
                                 "store (or the units named) from a snapshot")
+        if check.record_problems:
+            # the rows are intact and the record names them: only what it says of their values is wrong
+            report.actions.append(f"write {location}/zarr.json without its '{CONSTANTS_KEY}' "
+                                  f"({len(check.record_problems)} problem(s)): reads of those fields then decode the units")
+            if apply:
+                backup = _write_record(str(location), lambda current: _without_constants(current, str(location)))
+                report.notes.append(_backup_note(location, backup))
         return report
 
     from rlhf_pipeline.storage.zarr.object_store import is_object_store_url
@@ -119,34 +128,57 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
     finally:
         loc.kv.close()
 
+    backup = _write_record(str(location), lambda _: record)
+    report.notes.append(_backup_note(location, backup))
+    return report
+
+
+def _write_record(location: str, make_record) -> str:
+    """Publishes ``make_record(the zarr.json held now, or None)`` under the writer lock, the replaced
+    zarr.json copied to ``repair-<time>/`` first; returns that folder's name."""
     from rlhf_pipeline.storage.zarr.layout import GROUP_METADATA
     from rlhf_pipeline.storage.zarr.location import lock_for
 
-    loc = resolve(str(location), read_only=False, storage_options=None)
+    loc = resolve(location, read_only=False, storage_options=None)
     try:
         # locally an flock; at a URL the leased lock object, whose taking fences earlier writers and
         # remembers the version of zarr.json that the publish below may replace (If-Match)
-        lock = lock_for(loc, str(location))
+        lock = lock_for(loc, location)
         try:
             backup = time.strftime("repair-%Y%m%d-%H%M%S")
-            damaged = loc.kv.get(ROOT_META)
-            if at_url:
-                if damaged is not None:  # created, never overwritten (the object-store keys are create-only)
-                    loc.kv.put_many({f"{backup}/{ROOT_META}": bytes(damaged)}, durable=True)
+            replaced = loc.kv.get(ROOT_META)
+            if "://" in location:
+                if replaced is not None:  # created, never overwritten (the object-store keys are create-only)
+                    loc.kv.put_many({f"{backup}/{ROOT_META}": bytes(replaced)}, durable=True)
             else:
+                root = Path(location)
                 (root / backup).mkdir(exist_ok=True)
                 if (root / ROOT_META).exists():
                     shutil.copy2(root / ROOT_META, root / backup / ROOT_META)
             if loc.kv.get(f"{UNITS_PREFIX}/{ROOT_META}") is None:
                 loc.kv.put_many({f"{UNITS_PREFIX}/{ROOT_META}": GROUP_METADATA}, durable=True)
-            publish(loc, record, durable=True)
+            publish(loc, make_record(replaced), durable=True)
         finally:
             lock.release()
     finally:
         loc.kv.close()
-    report.notes.append(f"a copy of the replaced zarr.json (if any) is in {str(location).rstrip('/')}/{backup}"
-                        if at_url else f"a copy of the replaced zarr.json (if any) is in {root / backup}")
-    return report
+    return backup
+
+
+def _without_constants(raw, location: str) -> dict[str, Any]:
+    """The record in ``raw`` (read under the lock: a writer may have published since the check)
+    without its unit constants."""
+    from rlhf_pipeline.storage.zarr.location import parse_root
+
+    record = dict(parse_root(raw, location))
+    record.pop(CONSTANTS_KEY, None)
+    return record
+
+
+def _backup_note(location, backup: str) -> str:
+    if "://" in str(location):
+        return f"a copy of the replaced zarr.json (if any) is in {str(location).rstrip('/')}/{backup}"
+    return f"a copy of the replaced zarr.json (if any) is in {Path(location) / backup}"
 
 
 def _chain(loc, candidates: list[UnitRef], layout, codecs: UnitCodecs, segment_rows: int, report: RepairReport,

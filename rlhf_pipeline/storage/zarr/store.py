@@ -32,7 +32,8 @@ Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr.layout` (and
   created only and whose record is compare-and-swapped: :mod:`.object_store`). Other
   URLs cannot be locked: one writer per store is then the caller's duty.
 * **Read from decoded units.** One Zarr read costs ~1 ms, so rows are served from
-  whole decoded units held in a byte-bounded LRU (:mod:`.unit_cache`).
+  whole decoded units held in a byte-bounded LRU (:mod:`.unit_cache`); a read of fields the record
+  knows to be constant in a unit is answered without it (:mod:`.unit_constants`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ from rlhf_pipeline.storage.zarr.location import (
 )
 from rlhf_pipeline.storage.zarr.object_store import default_refresh_interval_s
 from rlhf_pipeline.storage.zarr.padded import locate_rows
+from rlhf_pipeline.storage.zarr.unit_constants import (RECORD_KEY, answerable, constants_of, parse_constants,
+                                                      record_entry, unit_from_record, unit_key)
 from rlhf_pipeline.storage.zarr.unit_cache import (
     DecodedUnit,
     SegmentCache,
@@ -317,8 +320,10 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
                 raise ValueError("unknown unit kind")
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreCorruptedError(f"{self._location}/zarr.json has a malformed commit record: {exc!r}") from None
+        constants = parse_constants(record, self._location)
         self._record = record
         self._view = (units, np.array([u.first_row for u in units], dtype=np.int64))  # read as one
+        self._constants = constants  # by unit identity, so any view's units may look theirs up
         self._units = units
         self._first_row = first_row
         self._next_row = next_row
@@ -402,16 +407,18 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         self._sealer.check()
         n, start = len(batch), self._next_row  # only this thread moves next_row
         arrays = encode_columns(batch, self._schema)
-        pieces, complete = [], []
+        pieces, complete, constants = [], [], {}
         for pos, rows, whole, completes in plan_pieces(start, n, self._segment_rows):
             part = arrays if rows == n else slice_arrays(arrays, self._arrays, pos, pos + rows)
-            pieces.append((UnitRef(start + pos, rows, SEALED_PACKED if whole else PACKED_FRAGMENT), part))
+            unit = UnitRef(start + pos, rows, SEALED_PACKED if whole else PACKED_FRAGMENT)
+            pieces.append((unit, part))
+            constants[unit_key(unit)] = constants_of(part)
             if completes:
                 complete.append(start + pos + rows - self._segment_rows)
         pending = [self.unit_io.write(unit, part) for unit, part in pieces]
         try:
             with self._publish_lock:
-                self._publish(self._units + [unit for unit, _ in pieces], start + n, pending)
+                self._publish(self._units + [unit for unit, _ in pieces], start + n, pending, constants)
         except BaseException:
             self._resync_with_the_record()
             raise
@@ -436,8 +443,9 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         with self._publish_lock:
             self._apply(record)
 
-    def _publish(self, units: list[UnitRef], next_row: int, pending) -> None:
-        """Publishes ``units`` (caller holds the publish lock), then drops what fell out."""
+    def _publish(self, units: list[UnitRef], next_row: int, pending, constants=None) -> None:
+        """Publishes ``units`` (caller holds the publish lock), then drops what fell out; ``constants``:
+        the new units' constant fields (:mod:`.unit_constants`)."""
         names = {u.name for u in units}
         dropped = [u for u in self._units if u.name not in names]
         if self._capacity_rows is not None:
@@ -446,6 +454,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
                 dropped.append(units.pop(0))
         record = dict(self._record, first_row=units[0].first_row, next_row=next_row,
                       units=[[u.first_row, u.rows, u.kind] for u in units])
+        record[RECORD_KEY] = record_entry(units, {**self._constants, **(constants or {})})
         publish(self._loc, record, durable=self._durable, pending=pending)
         self._apply(record)
         self._cache.retain({u.name for u in units})
@@ -466,7 +475,8 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             replaced = {u.name for u in fragments}
             units = [u for u in self._units if u.name not in replaced]
             at = next((i for i, u in enumerate(units) if u.first_row > first_row), len(units))
-            self._publish(units[:at] + [segment] + units[at:], self._next_row, [pending])
+            self._publish(units[:at] + [segment] + units[at:], self._next_row, [pending],
+                          {unit_key(segment): constants_of(rows)})
         self._cache.put(segment.name, DecodedUnit(first_row, size, rows))
 
     def _merge_tail(self) -> None:
@@ -481,7 +491,8 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         pending = self.unit_io.write(unit, rows)
         with self._publish_lock:
             replaced = {u.name for u in tail}
-            self._publish([u for u in self._units if u.name not in replaced] + [unit], self._next_row, [pending])
+            self._publish([u for u in self._units if u.name not in replaced] + [unit], self._next_row, [pending],
+                          {unit_key(unit): constants_of(rows)})
 
     def _delete_orphans(self) -> None:
         """Deletes units no commit record names: left by a writer that died before publishing."""
@@ -535,11 +546,16 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
     def _gather(self, ids: np.ndarray, names: tuple[str, ...], view) -> TrajectoryBatch:
         units, starts = view
         which = np.searchsorted(starts, ids, side="right") - 1
+        constants = self._constants if answerable(names) else {}
 
         def parts():
             for k in np.unique(which).tolist():
                 positions = np.flatnonzero(which == k)
                 unit = units[k]
+                known = unit_from_record(unit, constants, names) if constants else None
+                if known is not None:  # the record holds these fields' one value: no GET, no decode
+                    yield positions, np.zeros(positions.size, dtype=np.int64), lambda known=known: known
+                    continue
                 yield positions, ids[positions] - unit.first_row, lambda unit=unit: self._unit(unit)
 
         return gather_rows(self._schema, names, ids.size, parts())
