@@ -198,7 +198,7 @@ class SimulatedRanks:
 
         def other_rank(r: int) -> None:
             rank, reader = self.ranks[r], self.readers[r]
-            slice_names, _ = rank.local_names(shared, sampled.rank_rows)
+            slice_names, _ = rank.local_names(rank.received(shared), sampled.rank_rows)
             reader.read(rank.positions_in_view(reader, slice_names, stop=self.stop_event, timeout_s=60))
 
         list(pool.map(other_rank, range(1, len(self.ranks))))
@@ -234,12 +234,17 @@ def open_readers(server: CountingServer, prefix: str, keys: list[str], opening: 
 
     if opening == "each rank opens":
         return list(pool.map(lambda key: open_buffer(prefix, **options(key)), keys)), 0
+    from rlhf_pipeline.learn.rank_slices import SharedView
     from rlhf_pipeline.learn.shard_rows import open_in_view, published_view
+    from rlhf_pipeline.learn.view_changes import ReceivedRecords
 
     main = open_buffer(prefix, **options(keys[0]))
-    view = published_view(main)  # what DataParallel.open_buffer broadcasts on the draw channel
-    return [main] + list(pool.map(lambda key: open_in_view(prefix, view, **options(key)), keys[1:])), \
-        len(pickle.dumps(view))
+    sent = SharedView().opened(published_view(main))  # what DataParallel.open_buffer broadcasts on the draw channel
+
+    def open_other(key: str):
+        return open_in_view(prefix, ReceivedRecords().unpack(sent), **options(key))
+
+    return [main] + list(pool.map(open_other, keys[1:])), len(pickle.dumps(sent))
 
 
 def measure_opening(server: CountingServer, prefix: str, keys: list[str], pool, log=print) -> tuple[list[dict], list]:

@@ -75,6 +75,7 @@ from rlhf_pipeline.learn.rank_slices import SharedView, order_by_owner, position
 from rlhf_pipeline.learn.shard_rows import RowNames, open_in_view, published_view
 from rlhf_pipeline.learn.stale_rows import drop_stale
 from rlhf_pipeline.learn.step import MicroBatch, StepPlan, batch_counts, micro_batch_weight, plan_step, split_batch
+from rlhf_pipeline.learn.view_changes import ReceivedRecords, ViewChanges
 
 if TYPE_CHECKING:
     from rlhf_pipeline.learn.samplers import SampledRows
@@ -114,6 +115,7 @@ class DataParallel:
                              f"{self.local_rank}) is impossible: need 0 <= rank < world_size and local_rank >= 0")
         self._started_here = False
         self._shared_view = SharedView()  # rank 0: each shard's record as the other ranks hold it
+        self._received = ReceivedRecords()  # the other ranks: the records rank 0 sent
         self._draw_group = None  # open_draw_channel
         self._closing_draws = threading.Event()  # draw_producer's; set by close_draws
 
@@ -270,9 +272,7 @@ class DataParallel:
                                             message=f"{type(exc).__name__}: {exc}"))
                 raise
             view = published_view(store)
-            if view is not None:
-                self._shared_view.opened(view)
-            self.share_draw(view)
+            self.share_draw(None if view is None else self._shared_view.opened(view))
             return store
         shared = self.share_draw(None)
         if isinstance(shared, MainStopped):
@@ -281,7 +281,7 @@ class DataParallel:
             raise RuntimeError(f"data-parallel rank 0 failed to open {location}: {shared.message}")
         if shared is None:  # rank 0's reader has no records to share (not a Zarr store): open it here
             return open_here()
-        return open_in_view(location, shared, refresh_interval_s=math.inf)
+        return open_in_view(location, self.received_records(shared), refresh_interval_s=math.inf)
 
     def local_names(self, names: RowNames, rank_rows: list[int] | None = None) -> tuple[RowNames, bool]:
         """This rank's contiguous slice of a draw's row names, as :meth:`local_positions` slices positions."""
@@ -289,8 +289,18 @@ class DataParallel:
         return names.select(index.numpy()), filler
 
     def view_changes(self, names: RowNames) -> RowNames:
-        """Rank 0: ``names`` with only the shard records the other ranks do not hold yet."""
+        """Rank 0: ``names`` with only the shard records the other ranks do not hold yet, packed."""
         return self._shared_view.changes(names)
+
+    def received(self, names: RowNames) -> RowNames:
+        """Another rank: ``names`` as rank 0 shared them (:meth:`view_changes`), with whole records."""
+        if not isinstance(names.view, ViewChanges):
+            return names
+        return dataclasses.replace(names, view=self.received_records(names.view))
+
+    def received_records(self, changes: ViewChanges) -> dict[str, dict[str, Any]]:
+        """Another rank: the whole records rank 0 sent as ``changes`` (at setup, or with a draw)."""
+        return self._received.unpack(changes)
 
     positions_in_view = staticmethod(positions_in_view)
 
@@ -422,6 +432,7 @@ class DataParallel:
             if shared_draw != draw:
                 raise RuntimeError(f"data-parallel rank {self.rank} expected draw {draw} from rank 0 and got "
                                    f"{shared_draw}: do all ranks resume from the same checkpoint?")
+            names = self.received(names)
             mine, filler = self.local_names(names, sampled.rank_rows)
             positions = self.positions_in_view(store, mine, stop=stop, timeout_s=timeout_s)
             return sampled, read_slice(sampled, positions, filler), names, intake

@@ -5,8 +5,9 @@ reader of the same buffer. Two things keep the buffer's requests from growing wi
 
 * **One refresh per step, rank 0's.** For a buffer at a URL the names of a draw carry each shard's
   commit record as rank 0's refresh read it (``RowNames.view``, ``learn/shard_rows.py``). Rank 0
-  sends only the records that changed since the draw it shared before (:class:`SharedView`); the
-  other ranks adopt them (:func:`positions_in_view`) and so hold exactly rank 0's rows, with no
+  sends only the records that changed since the draw it shared before (:class:`SharedView`), and
+  of those only what the other ranks do not hold (:mod:`.view_changes`); they rebuild the records
+  (``DataParallel.received``) and adopt them (:func:`positions_in_view`), so hold exactly rank 0's rows, with no
   LIST and no record GET of their own: they GET only the units of their slice. Draws are shared in
   order, so each rank's view follows rank 0's draw by draw, from the view they opened the buffer in:
   rank 0's records too, sent at setup (``DataParallel.open_buffer``, :meth:`SharedView.opened`). A local buffer's ranks refresh their
@@ -32,6 +33,7 @@ import torch
 
 from rlhf_pipeline.learn.samplers import DataTimeoutError
 from rlhf_pipeline.learn.shard_rows import RowNames, View, adopt_view, positions_of, shard_stores
+from rlhf_pipeline.learn.view_changes import ViewChanges, pack_changes
 
 if TYPE_CHECKING:
     from rlhf_pipeline.learn.samplers import SampledRows
@@ -76,23 +78,29 @@ class SharedView:
 
     def changes(self, names: RowNames) -> RowNames:
         """``names`` carrying only the records of the shards that changed since the last draw shared
-        (or since the opening shared: :meth:`opened`): the other ranks keep the rest."""
+        (or since the opening shared: :meth:`opened`), packed (:mod:`.view_changes`): the other ranks
+        keep the rest, and the parts of these they hold. They unpack it with
+        :meth:`DataParallel.received <rlhf_pipeline.learn.distributed.DataParallel.received>`."""
         if names.view is None:
             return names
         # a refresh replaces a record, so an unchanged one is often the same object: compared first
         changed = {key: record for key, record in names.view.items() if self._shared.get(key) != record}
+        packed = pack_changes(changed, self._shared)
         self._shared.update(changed)
-        return dataclasses.replace(names, view=changed)
+        return dataclasses.replace(names, view=packed)
 
-    def opened(self, view: View) -> None:
-        """The other ranks opened the buffer in ``view`` (every shard's record)."""
+    def opened(self, view: View) -> ViewChanges:
+        """What to send the other ranks so they open the buffer in ``view`` (every shard's record)."""
         self._shared = dict(view)
+        return pack_changes(view, {})
 
 
 def positions_in_view(store, names: RowNames, *, stop: threading.Event, timeout_s: float) -> torch.Tensor:
     """Positions of ``names`` in this rank's view of the buffer. With the records rank 0 drew them in
     (``names.view``) the view adopts those: no request. Otherwise it is refreshed until it holds
     every one of them: rank 0 may have drawn rows published after this rank's last refresh."""
+    if isinstance(names.view, ViewChanges):
+        raise TypeError("these names carry rank 0's records packed: unpack them first (DataParallel.received)")
     if names.view is not None:
         adopt_view(store, names.view)
         positions = positions_of(store, names)

@@ -56,7 +56,9 @@ class RowNames:
     keys: list[str]  # the shard keys the rows come from
     shard: np.ndarray  # (B,) index into keys
     ids: np.ndarray  # (B,) global row id within its shard
-    view: View | None = None  # what they were named in, for a buffer at a URL (see the module docstring)
+    # what they were named in, for a buffer at a URL (see the module docstring); between rank 0 and
+    # another rank, packed (learn/view_changes.ViewChanges)
+    view: Any = None
 
     def select(self, mask: np.ndarray) -> RowNames:
         return RowNames(self.keys, self.shard[mask], self.ids[mask], self.view)

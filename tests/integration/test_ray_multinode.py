@@ -145,13 +145,16 @@ class LocalNodes:
 
 
 def actor_processes(title: str) -> dict[int, str]:
-    """pid → the cache directory of every process whose title starts with ``ray::<title>``."""
+    """pid → the cache directory of every live process whose title starts with ``ray::<title>``. A
+    process being torn down after SIGKILL may still show its title with its environment already
+    gone: it is left out, as are its zombie and anything else without a cache directory."""
     found = {}
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(f"ray::{title}".encode()):
                 env = dict(v.split(b"=", 1) for v in (entry / "environ").read_bytes().split(b"\0") if b"=" in v)
-                found[int(entry.name)] = env.get(b"XDG_CACHE_HOME", b"").decode()
+                if env.get(b"XDG_CACHE_HOME"):
+                    found[int(entry.name)] = env[b"XDG_CACHE_HOME"].decode()
         except OSError:
             continue
     return found
@@ -159,7 +162,7 @@ def actor_processes(title: str) -> dict[int, str]:
 
 def moved(title: str, lost_cache: str) -> set[str]:
     """The cache directories of ``title``'s processes, leaving out the lost node's: a process sent
-    SIGKILL is still listed while the kernel tears it down (a learner's memory takes a moment)."""
+    SIGKILL can still be listed, with its environment, while the kernel tears it down."""
     return {cache for cache in actor_processes(title).values() if cache != lost_cache}
 
 

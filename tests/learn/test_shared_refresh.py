@@ -59,10 +59,13 @@ def test_other_ranks_adopt_rank_zeros_refresh_and_send_no_record_get_or_list(s3_
             writers[2].append(_rows(2, 10 + step))  # published after rank 0's refresh: not in its view
             shared = rank0.view_changes(names)
             # what goes to the other ranks: every shard's record the first time, then the changed ones
-            assert sorted(shared.view) == (["shard-0000", "shard-0001", "shard-0002", "shard-0003", "shard-0004"]
-                                           if step == 0 else ["shard-0001", "shard-0002", "shard-0003"])
+            assert sorted(shared.view.records) == (
+                ["shard-0000", "shard-0001", "shard-0002", "shard-0003", "shard-0004"] if step == 0
+                else ["shard-0001", "shard-0002", "shard-0003"])
+            # each shard's fixed part (schema, codecs, layout: the same in all five) once, then none
+            assert len(shared.view.fixed) == (1 if step == 0 else 0)
             with s3_server.requests.recording() as sent:
-                positions = rank1.positions_in_view(other, shared, stop=stop, timeout_s=5)
+                positions = rank1.positions_in_view(other, rank1.received(shared), stop=stop, timeout_s=5)
                 rows = other.read(positions)
             assert _view_requests(sent) == [], sent
             assert _unit_gets(sent) or step > 0  # this rank reads the rows itself (step 0 fetched their units)
@@ -89,8 +92,9 @@ def test_a_shard_new_to_another_rank_is_opened_from_rank_zeros_listing_and_recor
     main.refresh()
     names = row_names(main, torch.arange(2 * ROWS_PER_APPEND))
     with s3_server.requests.recording() as sent:
-        positions = DataParallel(rank=1, world_size=2).positions_in_view(
-            other, DataParallel(rank=0, world_size=2).view_changes(names), stop=threading.Event(), timeout_s=5)
+        rank1 = DataParallel(rank=1, world_size=2)
+        positions = rank1.positions_in_view(other, rank1.received(DataParallel(rank=0, world_size=2).view_changes(names)),
+                                            stop=threading.Event(), timeout_s=5)
     assert other.shard_names == {0: "shard-0000", 1: spread_shard_name(1)}
     assert _view_requests(sent) == []  # the listing and the new shard's record were rank 0's
     assert other.read(positions)["trajectory_id"].tolist() == list(range(4)) + list(range(1000, 1004))
@@ -130,20 +134,22 @@ def test_other_ranks_open_the_buffer_from_the_records_rank_zero_read_and_send_no
     assert _what_was_read(sent) == ["LIST", "shard-0000", "shard-0001", "shard-0002", "shard-0003"], sent
     assert len(sent) == 5
     writers[2].append(_rows(2, 1))  # after rank 0 read its record: a reader opened on its own would see it
+    shared_view, rank1 = SharedView(), DataParallel(rank=1, world_size=2)
+    opening = shared_view.opened(published_view(main))  # what rank 0 sends at setup
+    assert sorted(opening.records) == ["shard-0000", "shard-0001", "shard-0002", "shard-0003"]
+    assert len(opening.fixed) == 1  # the four shards' schema, codecs and layout: sent once
     with s3_server.requests.recording() as sent:
-        other = open_in_view(prefix, published_view(main), refresh_interval_s=0)
+        other = open_in_view(prefix, rank1.received_records(opening), refresh_interval_s=0)
     assert sent == []
     assert sorted(other.shards) == [0, 1, 2, 3]
     assert [length for *_, length in other.shard_ranges()] == [length for *_, length in main.shard_ranges()]
     assert _all_rows(other) == _all_rows(main) == [k * 1000 + i for k in range(4) for i in range(ROWS_PER_APPEND)]
     # rank 0's first draw after the opening sends only the record that changed since; the other rank then
     # holds its rows
-    shared_view = SharedView()
-    shared_view.opened(published_view(main))
     main.refresh()
     names = shared_view.changes(row_names(main, torch.arange(5 * ROWS_PER_APPEND)))
-    assert sorted(names.view) == ["shard-0002"]
-    positions = DataParallel(rank=1, world_size=2).positions_in_view(other, names, stop=threading.Event(), timeout_s=5)
+    assert sorted(names.view.records) == ["shard-0002"] and names.view.fixed == []
+    positions = rank1.positions_in_view(other, rank1.received(names), stop=threading.Event(), timeout_s=5)
     assert other.read(positions)["trajectory_id"].tolist() == _all_rows(main)
     # a reader like any other from then on: its own refresh sees the append, and a new shard is opened
     # with one GET of its record (not a second one right after)
@@ -260,8 +266,10 @@ def test_a_single_store_at_a_url_is_shared_the_same_way(s3_server):
         names = row_names(main, torch.arange(8))
         assert list(names.view) == ["."]
         with s3_server.requests.recording() as sent:
-            positions = DataParallel(rank=1, world_size=2).positions_in_view(
-                other, DataParallel(rank=0, world_size=2).view_changes(names), stop=threading.Event(), timeout_s=5)
+            rank1 = DataParallel(rank=1, world_size=2)
+            positions = rank1.positions_in_view(
+                other, rank1.received(DataParallel(rank=0, world_size=2).view_changes(names)), stop=threading.Event(),
+                timeout_s=5)
         assert sent == [] and other.next_row - other.first_row == 8  # rank 0's record, adopted without a request
         assert other.read(positions)["trajectory_id"].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
         with pytest.raises(Exception, match="only a reader adopts"):
