@@ -7,11 +7,12 @@ reader of the same buffer. Two things keep the buffer's requests from growing wi
   commit record as rank 0's refresh read it (``RowNames.view``, ``learn/shard_rows.py``). Rank 0
   sends only the records that changed since the draw it shared before (:class:`SharedView`), and
   of those only what the other ranks do not hold (:mod:`.view_changes`); they rebuild the records
-  (``DataParallel.received``) and adopt them (:func:`positions_in_view`), so hold exactly rank 0's rows, with no
-  LIST and no record GET of their own: they GET only the units of their slice. Draws are shared in
-  order, so each rank's view follows rank 0's draw by draw, from the view they opened the buffer in:
-  rank 0's records too, sent at setup (``DataParallel.open_buffer``, :meth:`SharedView.opened`). A local buffer's ranks refresh their
-  own view (an ``fstat`` per shard) until it holds the drawn rows.
+  (``DataParallel.received``) and adopt them (:func:`positions_in_view`), so they hold exactly rank
+  0's rows, with no LIST and no record GET of their own: they GET only the units of their slice.
+  Draws are shared in order, so each rank's view follows rank 0's draw by draw, from the view they
+  opened the buffer in: rank 0's records too, sent at setup (``DataParallel.open_buffer``,
+  :meth:`SharedView.opened`). A local buffer's ranks refresh their own view (an ``fstat`` per
+  shard) until it holds the drawn rows.
 * **Shard affinity.** With at least as many shards as ranks, rank 0 orders the draw by owning rank
   (shard ``k`` belongs to rank ``k mod N``: :func:`order_by_owner`), so a rank reads from the same
   shards every step and each unit is fetched by one rank. Rank 0 also reads small fields of the
@@ -19,7 +20,8 @@ reader of the same buffer. Two things keep the buffer's requests from growing wi
   staleness check); a Zarr shard's commit record answers those where a unit holds one value
   (``storage/zarr/unit_constants.py``), so it fetches other ranks' units only for multi-turn rows
   or a unit of mixed versions. The global batch is the draw the sampler made (the exact sampler's
-  even share per shard); only which rank trains which row changes. With fewer shards than ranks the slices are equal, in draw order.
+  even share per shard); only which rank trains which row changes. With fewer shards than ranks
+  the slices are equal, in draw order.
 """
 
 from __future__ import annotations

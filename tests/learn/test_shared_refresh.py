@@ -92,8 +92,8 @@ def test_a_shard_new_to_another_rank_is_opened_from_rank_zeros_listing_and_recor
     main.refresh()
     names = row_names(main, torch.arange(2 * ROWS_PER_APPEND))
     with s3_server.requests.recording() as sent:
-        rank1 = DataParallel(rank=1, world_size=2)
-        positions = rank1.positions_in_view(other, rank1.received(DataParallel(rank=0, world_size=2).view_changes(names)),
+        rank0, rank1 = DataParallel(rank=0, world_size=2), DataParallel(rank=1, world_size=2)
+        positions = rank1.positions_in_view(other, rank1.received(rank0.view_changes(names)),
                                             stop=threading.Event(), timeout_s=5)
     assert other.shard_names == {0: "shard-0000", 1: spread_shard_name(1)}
     assert _view_requests(sent) == []  # the listing and the new shard's record were rank 0's

@@ -83,7 +83,8 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         if check.record_problems:
             # the rows are intact and the record names them: only what it says of their values is wrong
             report.actions.append(f"write {location}/zarr.json without its '{CONSTANTS_KEY}' "
-                                  f"({len(check.record_problems)} problem(s)): reads of those fields then decode the units")
+                                  f"({len(check.record_problems)} problem(s)): reads of those fields then decode "
+                                  f"the units")
             if apply:
                 backup = _write_record(str(location), lambda current: _without_constants(current, str(location)))
                 report.notes.append(_backup_note(location, backup))
