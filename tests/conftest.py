@@ -63,3 +63,29 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# ---------------------------------------------------------------- skipped tests, for CI's second pass
+# .ci/run first runs the README's test command as a newcomer would (only the `test` extra), then
+# installs every extra and runs again just the tests that skipped: this file names them. Both what a
+# newcomer runs and what the extras cover are then checked, each test once where it can run.
+SKIPPED_TESTS_FILE = "RLHF_PIPELINE_SKIPPED_TESTS"
+
+
+def _record_skipped(nodeid: str) -> None:
+    import os
+
+    path = os.environ.get(SKIPPED_TESTS_FILE)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(nodeid + "\n")
+
+
+def pytest_collectreport(report):
+    if report.skipped:  # a whole module skipped at import (a module-level importorskip)
+        _record_skipped(report.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _record_skipped(report.nodeid)

@@ -146,17 +146,17 @@ def smooth(values: list[float], weight: float) -> list[float]:
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     """Writes the charts of ``run_dirs`` into ``out_dir``; returns the PNG paths written."""
     run_dirs = [local_run_path(run, "RUN") for run in run_dirs]
-    matplotlib = require("matplotlib", "plot")
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
     runs = [Path(r) for r in run_dirs]
-    data = {}
+    data = {}  # read first: a path that is no run's metrics is reported with or without the extra
     for run, label in zip(runs, run_labels(runs)):
         metrics = run / "metrics.jsonl" if run.is_dir() else run
         if not metrics.is_file():
             raise FileNotFoundError(f"{run} has no metrics.jsonl (is it a run directory? the learner writes it)")
         data[label] = RunMetrics(run_kind(run), read_metrics(metrics) + collector_records(run))
+    matplotlib = require("matplotlib", "plot")
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
