@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="pipeline file whose tokenizer decodes the tokens (default: the run's, for a run's buffer)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a --pipeline setting (repeatable)")
-    parser.add_argument("--html", metavar="PAGE", default=None, help="also write a self-contained HTML page here")
+    parser.add_argument("--html", metavar="PAGE", default=None,
+                        help="also write a self-contained HTML page here (the text, and a table per turn of every "
+                             "token's id and log-probs)")
     parser.add_argument("--log-probs", action="store_true", help="print each sampled token's log-prob after it")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="colour trained tokens (default: when printing to a terminal)")

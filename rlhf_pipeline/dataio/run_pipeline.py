@@ -1,9 +1,9 @@
 """Rebuilding a run's pipeline: its model architecture and tokenizer, as the run was configured.
 
 A run directory keeps ``settings.json`` (the settings of its first start) and ``pipeline.py``
-(a copy of the pipeline file, made by ``run``/``collect``/``learn``, compared at every start, with
-the modules beside it that it imports in ``pipeline_modules/``: ``rlhf_pipeline/runs/pipeline_copy.py``). :func:`load_run_pipeline`
-loads that file (or another one given), applies the saved settings and calls its ``build``,
+(a copy of the pipeline file, made by ``run``/``collect``/``learn`` and compared at every start, with
+the modules beside it that it imports in ``pipeline_modules/``: ``rlhf_pipeline/runs/pipeline_copy.py``).
+:func:`load_run_pipeline` loads that file (or another one given), applies the saved settings and calls its ``build``,
 so ``export-model`` and ``import`` get the same ``make_model`` and ``tokenizer`` the run used.
 A run at a URL is read through its store; its pipeline file is loaded from this machine's cache.
 """
@@ -95,8 +95,8 @@ def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path
             raise
         raise PipelineError(
             f"the run's copy of its pipeline file ({paths.store.describe(paths.key(paths.pipeline_file))}) imports "
-            f"{exc.name!r}, which is neither installed here nor kept by the run (runs keep the modules beside the "
-            f"pipeline file since 2026-11; older ones only pipeline.py): install it, or pass --pipeline PIPELINE.py, "
+            f"{exc.name!r}, which is neither installed here nor kept by the run (runs started before runs kept the "
+            f"modules beside the pipeline file have only pipeline.py): install it, or pass --pipeline PIPELINE.py, "
             f"the file the run was started with") from None
 
 

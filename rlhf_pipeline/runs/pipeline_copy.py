@@ -151,13 +151,14 @@ def _write(store: RunStore, current: dict[str, bytes], kept: dict[str, bytes], p
     for key, content in sorted(current.items()):
         if key != PIPELINE_KEY and kept.get(key) != content:
             store.write(key, content, fence=False, partial_name=PurePosixPath(key).name + ".partial")
+    partial = paths.pipeline_file.name + ".partial"
     if first:
         try:
-            store.create(PIPELINE_KEY, current[PIPELINE_KEY], partial_name=paths.pipeline_file.name + ".partial")
+            store.create(PIPELINE_KEY, current[PIPELINE_KEY], partial_name=partial)
         except StaleWriterError:
             pass  # copied meanwhile by a start on another machine: the first copy stands
     else:
-        store.write(PIPELINE_KEY, current[PIPELINE_KEY], fence=False, partial_name=paths.pipeline_file.name + ".partial")
+        store.write(PIPELINE_KEY, current[PIPELINE_KEY], fence=False, partial_name=partial)
 
 
 def importable_copy(paths: RunPaths) -> Path | None:

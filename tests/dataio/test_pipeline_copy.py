@@ -102,7 +102,8 @@ def test_the_modules_beside_the_pipeline_file_are_kept_and_compared(tmp_path, mo
     shutil.rmtree(paths.root / "pipeline_modules")
     for module in [m for m in sys.modules if m.startswith(name)]:
         monkeypatch.delitem(sys.modules, module)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in (str(source), str(paths.root / "pipeline_modules"))])
+    kept_dir = str(paths.root / "pipeline_modules")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in (str(source), kept_dir)])
     assert main(["show", str(paths.root)]) == 2
     err = capsys.readouterr().err
     assert f"imports '{name}', which is neither installed here nor kept by the run" in err
