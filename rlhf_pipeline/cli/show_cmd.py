@@ -1,8 +1,8 @@
 """``rlhf-pipeline show BUFFER``: one stored trajectory, token by token, trained or not.
 
 Prints the trajectory turn by turn (what was added before each turn, grey; what the model
-sampled and is trained on, green) and with ``--html PAGE`` writes a self-contained page where
-every token shows its id and log-probs. Without ``--trajectory``/``--row`` it shows the
+sampled and is trained on, green) and with ``--html PAGE`` writes a self-contained page that
+reads as text, with a table per turn of every token's id and log-probs. Without ``--trajectory``/``--row`` it shows the
 newest whole trajectory. Tokens are decoded with the pipeline's tokenizer: the run's own when
 the buffer belongs to a run, else ``--pipeline``'s; with neither, tokens are shown by id and
 turns by their stored text. See :mod:`rlhf_pipeline.dataio.trajectory_view`.
@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="pipeline file whose tokenizer decodes the tokens (default: the run's, for a run's buffer)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a --pipeline setting (repeatable)")
-    parser.add_argument("--html", metavar="PAGE", default=None, help="also write a self-contained HTML page here")
+    parser.add_argument("--html", metavar="PAGE", default=None,
+                        help="also write a self-contained HTML page here (the text, and a table per turn of every "
+                             "token's id and log-probs)")
     parser.add_argument("--log-probs", action="store_true", help="print each sampled token's log-prob after it")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="colour trained tokens (default: when printing to a terminal)")

@@ -13,7 +13,7 @@ tokenizer with its chat template. The config records the attention implementatio
 used, so ``AutoModelForCausalLM.from_pretrained(OUT)`` computes the same logits bit for bit;
 the generation config samples at the run's temperature and stops at the tokenizer's EOS.
 ``rlhf_pipeline_export.json`` says which run, version and file the weights came from. The
-directory appears at OUT only when complete.
+directory appears at OUT only when complete, every file with the mode a plain file gets here.
 
 A run directory may come from someone else, so nothing in it runs code here: a checkpoint's
 weights load as every state file does (``weights_only=True``, :mod:`rlhf_pipeline.files.state_files`),
@@ -213,9 +213,20 @@ def export_model(run_root: str | Path, out: str | Path, *, version: int | None =
         tokenizer.save_pretrained(partial)
         info = {"run": str(Path(run_root).resolve()), "version": source.version, "from": str(source.path),
                 "model_class": type(model).__name__}
-        (partial / "rlhf_pipeline_export.json").write_text(json.dumps(info, indent=2) + "\n")
+        record = partial / "rlhf_pipeline_export.json"
+        record.write_text(json.dumps(info, indent=2) + "\n")
+        _readable_as_the_rest(partial, record.stat().st_mode & 0o777)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     os.replace(partial, out)
     return ExportedModel(str(out), source.version, str(source.path), type(model).__name__)
+
+
+def _readable_as_the_rest(directory: Path, mode: int) -> None:
+    """Gives every file the mode of a file written plainly here (the user's umask applied):
+    ``save_pretrained`` writes the weights through a private temporary file (0600), which
+    would leave the model unreadable to the others who can read its config."""
+    for file in directory.rglob("*"):
+        if file.is_file() and file.stat().st_mode & 0o777 != mode:
+            file.chmod(mode)

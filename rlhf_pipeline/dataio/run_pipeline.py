@@ -1,8 +1,9 @@
 """Rebuilding a run's pipeline: its model architecture and tokenizer, as the run was configured.
 
 A run directory keeps ``settings.json`` (the settings of its first start) and ``pipeline.py``
-(a copy of the pipeline file, made by ``run``/``collect``/``learn``). :func:`load_run_pipeline`
-loads that file (or another one given), applies the saved settings and calls its ``build``,
+(a copy of the pipeline file, made by ``run``/``collect``/``learn`` and compared at every start, with
+the modules beside it that it imports in ``pipeline_modules/``: ``rlhf_pipeline/runs/pipeline_copy.py``).
+:func:`load_run_pipeline` loads that file (or another one given), applies the saved settings and calls its ``build``,
 so ``export-model`` and ``import`` get the same ``make_model`` and ``tokenizer`` the run used.
 A run at a URL is read through its store; its pipeline file is loaded from this machine's cache.
 """
@@ -61,6 +62,7 @@ def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path
     """The run's pipeline built with the run's settings (``device`` may differ: it only says where
     models run). ``pipeline_path`` replaces the run's copy of its pipeline file. ``run_root``: a
     directory, or a run's :class:`RunPaths` (a run at a URL)."""
+    from rlhf_pipeline.runs.pipeline_copy import importable_copy
     from rlhf_pipeline.runs.processes import build_pipeline
 
     paths = run_root if isinstance(run_root, RunPaths) else RunPaths(Path(run_root).resolve())
@@ -80,12 +82,22 @@ def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path
 
             LocalRunStore(paths.root).write(paths.key(paths.pipeline_file), copy, durable=False)
         pipeline_path = paths.pipeline_file
-    module = load_pipeline_module(pipeline_path)
-    saved = json.loads(settings_text)
-    settings = settings_from_json(module, saved)
-    if device is not None:
-        settings = dataclasses.replace(settings, device=device)
-    return build_pipeline(module, settings, paths)
+        importable_copy(paths)  # the modules beside the file that it imports, kept with it
+    try:
+        module = load_pipeline_module(pipeline_path)
+        saved = json.loads(settings_text)
+        settings = settings_from_json(module, saved)
+        if device is not None:
+            settings = dataclasses.replace(settings, device=device)
+        return build_pipeline(module, settings, paths)
+    except ModuleNotFoundError as exc:
+        if Path(pipeline_path) != paths.pipeline_file or exc.name is None:
+            raise
+        raise PipelineError(
+            f"the run's copy of its pipeline file ({paths.store.describe(paths.key(paths.pipeline_file))}) imports "
+            f"{exc.name!r}, which is neither installed here nor kept by the run (runs started before runs kept the "
+            f"modules beside the pipeline file have only pipeline.py): install it, or pass --pipeline PIPELINE.py, "
+            f"the file the run was started with") from None
 
 
 def settings_from_json(module: types.ModuleType, data: dict) -> Any:

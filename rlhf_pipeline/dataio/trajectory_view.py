@@ -8,7 +8,8 @@ A single-turn row is a trajectory of one turn, so the view works on every buffer
 
 :func:`find_trajectory` reads the rows of one trajectory from a store (memmap, Zarr or a
 run's shards), :func:`format_trajectory` prints them for a terminal and
-:func:`trajectory_html` writes a self-contained page (no script, no external file). Token
+:func:`trajectory_html` writes a self-contained page (no script, no external file) that a
+browser lays out as the text reads, with each token's id and log-probs in a table per turn. Token
 pieces come from the pipeline's tokenizer when one is given; without one a token is shown
 by its id and each turn by its stored text.
 """
@@ -255,19 +256,24 @@ body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 
 h1 { font-size: 1.3em; } table { border-collapse: collapse; margin: 1em 0; }
 td, th { border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: right; } th { background: #f4f4f4; }
 .turn { margin: 1.2em 0; } .turn h2 { font-size: 1em; margin: 0 0 0.3em 0; }
-.tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; line-height: 1.6;
+.tokens { font-family: ui-monospace, monospace; white-space: pre-wrap; overflow-wrap: anywhere; line-height: 1.6;
           border: 1px solid #ddd; padding: 0.6em; }
-.tokens span { border-bottom: 1px solid transparent; }
+.tokens span { box-shadow: inset -1px 0 0 rgba(0, 0, 0, 0.12); }
 .context { color: #888; background: #f2f2f2; }
 .trained { color: #000; }
 .legend span { padding: 0 0.4em; margin-right: 1em; font-family: ui-monospace, monospace; }
+details { margin: 0.3em 0; } summary { cursor: pointer; color: #555; }
+table.ids { font-family: ui-monospace, monospace; font-size: 0.9em; margin: 0.3em 0; }
+table.ids td.piece { text-align: left; white-space: pre; }
 .warning { color: #a00; }
 """
 
 
 def trajectory_html(view: TrajectoryView, tokenizer: Any | None = None, *, title: str | None = None) -> str:
-    """A self-contained page: each token a span, grey when not trained, shaded by its sampling
-    probability when trained (pale = unlikely), its id and log-prob(s) in the tooltip."""
+    """A self-contained page that reads as text: each turn's tokens run on as its text does, each a
+    span, grey when not trained, shaded by its sampling probability when trained (pale =
+    unlikely); under each turn a table (closed until opened, by keyboard or mouse) gives every
+    token's id and log-probs, which each token's tooltip shows as well."""
     out = ["<!DOCTYPE html>", '<html><head><meta charset="utf-8">',
            f"<title>{html.escape(title or f'trajectory {view.trajectory_id}')}</title>",
            f"<style>{_CSS}</style></head><body>",
@@ -276,29 +282,59 @@ def trajectory_html(view: TrajectoryView, tokenizer: Any | None = None, *, title
            '<p class="legend"><span class="context">not trained (prompt, template, environment)</span>'
            '<span class="trained" style="background:rgb(120,220,120)">trained, likely</span>'
            '<span class="trained" style="background:rgb(235,250,235)">trained, unlikely</span>'
-           " hover a token for its id and log-probs</p>",
+           " each turn's token table gives ids and log-probs (a token's tooltip too)</p>",
            _turn_table(view)]
     for turn in view.turns:
         out.append(f'<div class="turn" id="turn-{turn.step}"><h2>turn {turn.step} · row {turn.position} · reward '
                    f"{_num(turn.reward)}" + (f" · advantage {_num(turn.advantage)}" if turn.advantage is not None
                                              else "") + html.escape(turn.tools) + "</h2>")
-        out.append('<div class="tokens">')
-        for token, piece in zip(turn.prompt_ids, token_pieces(turn.prompt_ids, tokenizer), strict=True):
-            out.append(f'<span class="context" title="id {token} · not trained">{html.escape(piece)}</span>')
-        pieces = token_pieces(turn.response_ids, tokenizer)
-        for k, (token, piece) in enumerate(zip(turn.response_ids, pieces, strict=True)):
-            lp = turn.response_log_probs[k]
-            tip = f"id {token} · sampled log-prob {lp:.4f} (p {math.exp(lp):.3f})"
-            if turn.reference_log_probs is not None:
-                tip += f" · reference log-prob {turn.reference_log_probs[k]:.4f}"
-            out.append(f'<span class="trained" style="background:{_shade(lp)}" title="{html.escape(tip)}">'
-                       f"{html.escape(piece)}</span>")
-        out.append("</div></div>")
+        context, sampled = token_pieces(turn.prompt_ids, tokenizer), token_pieces(turn.response_ids, tokenizer)
+        spans = [f'<span class="context" title="id {token} · not trained">{html.escape(piece)}</span>'
+                 for token, piece in zip(turn.prompt_ids, context, strict=True)]
+        for k, (token, piece) in enumerate(zip(turn.response_ids, sampled, strict=True)):
+            spans.append(f'<span class="trained" style="background:{_shade(turn.response_log_probs[k])}" '
+                         f'title="{html.escape(_tip(turn, k))}">{html.escape(piece)}</span>')
+        # nothing between the spans: the block keeps white space, so a newline there would be shown
+        out.append('<div class="tokens">' + "".join(spans) + "</div>")
+        out.append(_token_table(turn, context, sampled))
+        out.append("</div>")
     gaps = missing_steps(view)
     if gaps:
         out.append(f'<p class="warning">turns {gaps} are not in the buffer (evicted, or never written)</p>')
     out.append("</body></html>")
     return "\n".join(out)
+
+
+def _tip(turn: TurnView, k: int) -> str:
+    lp = turn.response_log_probs[k]
+    tip = f"id {turn.response_ids[k]} · sampled log-prob {lp:.4f} (p {math.exp(lp):.3f})"
+    if turn.reference_log_probs is not None:
+        tip += f" · reference log-prob {turn.reference_log_probs[k]:.4f}"
+    return tip
+
+
+def _token_table(turn: TurnView, context: list[str], sampled: list[str]) -> str:
+    """Every token of the turn, one row each: the piece (spaces as ␣, line ends as \\n), id,
+    whether trained, and for sampled tokens their log-probs."""
+    reference = turn.reference_log_probs is not None
+    rows = ["<tr><th>#</th><th>token</th><th>id</th><th>trained</th><th>sampled log-prob</th><th>p</th>"
+            + ("<th>reference log-prob</th>" if reference else "") + "</tr>"]
+    for k, (token, piece) in enumerate(zip(turn.prompt_ids, context, strict=True)):
+        rows.append(f'<tr><td>{k}</td><td class="piece">{html.escape(_visible(piece))}</td><td>{token}</td>'
+                    f"<td>no</td><td></td><td></td>" + ("<td></td>" if reference else "") + "</tr>")
+    for k, (token, piece) in enumerate(zip(turn.response_ids, sampled, strict=True)):
+        lp = turn.response_log_probs[k]
+        rows.append(f'<tr><td>{len(context) + k}</td><td class="piece">{html.escape(_visible(piece))}</td>'
+                    f"<td>{token}</td><td>yes</td><td>{lp:.4f}</td><td>{math.exp(lp):.3f}</td>"
+                    + (f"<td>{turn.reference_log_probs[k]:.4f}</td>" if reference else "") + "</tr>")
+    return (f"<details><summary>ids and log-probs of the turn's {len(context) + len(sampled)} tokens "
+            f"({len(sampled)} trained)</summary><table class=\"ids\">" + "".join(rows) + "</table></details>")
+
+
+def _visible(piece: str) -> str:
+    if not piece:
+        return "(part of the next token's character)"
+    return piece.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t")
 
 
 def _turn_table(view: TrajectoryView) -> str:

@@ -7,6 +7,14 @@ characters. Its chat template wraps the assistant turn in
 return_assistant_tokens_mask=True)`` marks exactly the assistant's tokens (content
 plus the closing ``<|end|>``, which is also EOS).
 
+It is built as Qwen2's tokenizer class builds itself: byte-level symbols (a space is
+``Ġ``), Qwen2's split, NFC, a byte-level decoder, no unknown token. A saved copy is loaded
+by ``AutoTokenizer`` next to a Qwen2 config as ``Qwen2Tokenizer``, which keeps only the
+vocabulary and added tokens of ``tokenizer.json`` and rebuilds the rest its own way; a
+character-level vocabulary of plain ``" "`` entries lost every space there. Built this way,
+every loader gives the same ids. A character outside the vocabulary (a tab, non-ASCII) is
+dropped, as Qwen2's class drops it.
+
 Rendered conversation::
 
     <|system|>...<|user|>12+7=<|assistant|>19<|end|>
@@ -24,7 +32,7 @@ import string
 from typing import Literal
 
 import torch
-from tokenizers import Tokenizer, decoders, models
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -34,6 +42,7 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2ForSequenceClassification,
 )
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<|end|>"
@@ -59,15 +68,25 @@ def char_tokenizer(characters: str = DEFAULT_CHARACTERS) -> PreTrainedTokenizerF
     """A character-level ``PreTrainedTokenizerFast`` with pad/eos/unk and chat markers.
 
     Ids: 0 ``<pad>``, 1 ``<|end|>`` (EOS), 2 ``<unk>``, 3-5 role markers, then one id
-    per character of ``characters`` in order. A BPE model with no merges splits text
-    into characters; the ``Fuse`` decoder joins them back without spaces.
+    per character of ``characters`` (ASCII) in order. A byte-level BPE model with no merges
+    splits text into characters, one byte each; see the module docstring for why byte-level.
     """
     if len(set(characters)) != len(characters):
         raise ValueError("char_tokenizer(characters=...): characters must be distinct")
+    if not characters.isascii():
+        raise ValueError("char_tokenizer(characters=...): characters must be ASCII (the tokenizer is byte-level, "
+                         "one byte per token)")
     specials = [PAD_TOKEN, EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS]
-    vocab = {tok: i for i, tok in enumerate(specials + list(characters))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
-    backend.decoder = decoders.Fuse()
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = [byte_level.pre_tokenize_str(c)[0][0] for c in characters]  # " " -> "Ġ", "\n" -> "Ċ"
+    vocab = {tok: i for i, tok in enumerate(specials + symbols)}
+    # the arguments Qwen2Tokenizer builds its backend with: a loader that rebuilds it gets this one
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], dropout=None, unk_token=None, continuing_subword_prefix="",
+                                   end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False), byte_level])
+    backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left")
     # registering as special tokens keeps each marker one id and lets decode skip them
     tokenizer.add_special_tokens(

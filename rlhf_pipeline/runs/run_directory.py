@@ -25,6 +25,7 @@ from typing import Any
 from rlhf_pipeline.files.atomic import fsync_dir
 from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
+from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
 from rlhf_pipeline.storage.locking import pid_running
 
 # settings that may change between starts of one run; learner.* may too (with a note);
@@ -198,8 +199,9 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
 
 
 def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> None:
-    """``settings.json`` (checked against a previous start), the pipeline file's copy and the
-    buffer shards of ``shards``; no model."""
+    """``settings.json`` (checked against a previous start), the pipeline file's copy (compared
+    with the file given, :mod:`rlhf_pipeline.runs.pipeline_copy`) and the buffer shards of
+    ``shards``; no model."""
     _check_buffer_at_url(pipeline, paths)
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)
@@ -327,20 +329,6 @@ def _is_store(location: str) -> bool:
         return True
     except NotAStoreError:
         return False  # a prefix a killed create left without its commit record: created again
-
-
-def keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
-    """Copies the pipeline file into the run once, so the run can be rebuilt after the file moves."""
-    module = sys.modules.get(type(pipeline.settings).__module__)
-    source = getattr(module, "__file__", None)
-    key = paths.key(paths.pipeline_file)
-    if source is None or paths.store.exists(key):
-        return
-    text = Path(source).read_bytes()
-    try:
-        paths.store.create(key, text, partial_name=paths.pipeline_file.name + ".partial")
-    except StaleWriterError:
-        pass  # copied meanwhile by a start on another machine: the first copy stands
 
 
 def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:

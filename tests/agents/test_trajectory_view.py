@@ -6,6 +6,11 @@ pieces that join back to the decoded text (multi-byte characters included)."""
 
 from __future__ import annotations
 
+import html
+import json
+import re
+import shutil
+import subprocess
 from html.parser import HTMLParser
 
 import pytest
@@ -118,3 +123,60 @@ def test_show_command_prints_by_id_without_a_tokenizer_and_names_a_missing_id(st
     assert main(["show", str(path), "--trajectory", "9"]) == 2
     assert "trajectory 9 is not in" in capsys.readouterr().err
     assert episodes[0].reason in TerminationReason
+
+
+# Measures the page as a browser lays it out: its height with every token table closed, the lines
+# each turn's tokens take and the lines its trained tokens take; then, every table opened, how many
+# of their rows are shown. Added to a copy of the page only: the page itself runs no script.
+_MEASURE = """<script>
+const tops = spans => { const seen = new Set();
+  for (const span of spans) for (const r of span.getClientRects()) seen.add(Math.round(r.top));
+  return seen.size; };
+const blocks = [...document.querySelectorAll('.tokens')];
+const closed = document.documentElement.scrollHeight;
+const lines = blocks.map(b => tops(b.querySelectorAll('span')));
+const trained = blocks.map(b => tops(b.querySelectorAll('span.trained')));
+document.querySelectorAll('details').forEach(d => { d.open = true; });
+const rows = [...document.querySelectorAll('table.ids tr')].filter(r => r.offsetHeight > 0 && r.querySelector('td'));
+document.body.setAttribute('data-measured', JSON.stringify({closed, lines, trained, rows: rows.length}));
+</script>"""
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    pytest.skip("rendering the page needs chromium (Debian: apt-get install -y chromium)")
+
+
+def _render(page: str, tmp_path) -> dict:
+    copy = tmp_path / "measured.html"
+    copy.write_text(page.replace("</body>", _MEASURE + "</body>"), encoding="utf-8")
+    dom = subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+         "--window-size=1280,800", "--dump-dom", copy.as_uri()],
+        capture_output=True, text=True, timeout=120)
+    measured = re.search(r'data-measured="([^"]*)"', dom.stdout)
+    assert measured, dom.stderr[-2000:]
+    return json.loads(html.unescape(measured.group(1)))
+
+
+def test_the_page_reads_as_text_in_a_browser_with_every_id_a_keypress_away(stored, bpe_tokenizer, tmp_path):
+    path, episodes = stored
+    with open_store(str(path), mode="r") as store:
+        view = find_trajectory(store, 1)  # 5 turns, 620 tokens, most one character each (a scripted sampler)
+    page = trajectory_html(view, bpe_tokenizer)
+    measured = _render(page, tmp_path)
+    # one span per line made it a column of single characters, 17,258 px tall
+    assert measured["closed"] < 2500, measured
+    for turn, lines, trained in zip(view.turns, measured["lines"], measured["trained"], strict=True):
+        text = bpe_tokenizer.decode(turn.prompt_ids + turn.response_ids)
+        assert lines <= 2 * (text.count("\n") + 1), (turn.step, lines, text)  # a line of text wraps at most once
+        assert trained == 1, turn.step  # each sampled answer is one short line, read as one line
+    assert measured["rows"] == sum(len(t.prompt_ids) + len(t.response_ids) for t in view.turns)
+    tables = re.findall(r'<table class="ids">(.*?)</table>', page, flags=re.S)
+    first = view.turns[0]
+    lp = first.response_log_probs[0]
+    assert f"<td>{first.response_ids[0]}</td><td>yes</td><td>{lp:.4f}</td>" in tables[0]
+    assert len(tables) == len(view.turns) and "<details" in page

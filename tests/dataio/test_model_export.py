@@ -47,6 +47,16 @@ def test_exported_model_has_the_runs_logits_tokenizer_and_sampling(tiny_run, tmp
     assert tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False) == \
         original.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     assert tokenizer.encode("12+7=19", add_special_tokens=False) == original.encode("12+7=19", add_special_tokens=False)
+    # what users load with: AutoTokenizer takes a Qwen2 config's own tokenizer class, which once lost every space
+    spaced = [{"role": "user", "content": "What is 12 * 34?"}, {"role": "assistant", "content": "It is 408."}]
+    ids = original.apply_chat_template(spaced, tokenize=True, return_dict=True)["input_ids"]
+    assert tokenizer.apply_chat_template(spaced, tokenize=True, return_dict=True)["input_ids"] == ids
+    assert len(tokenizer.encode("What is 12 * 34?", add_special_tokens=False)) == 16
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "What is 12 * 34?It is 408."
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \
+        {p.name: 0o666 & ~umask for p in out.iterdir()}  # model.safetensors was 0600
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["do_sample"] is True and generation["temperature"] == 1.0
     assert generation["eos_token_id"] == original.eos_token_id

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rlhf_pipeline.models import (
     ModelLoadError,
     char_tokenizer,
+    char_tool_tokenizer,
     load_model,
     load_reward_model,
     load_tokenizer,
@@ -47,6 +49,37 @@ def test_chat_template_marks_exactly_the_assistant_turn(tokenizer):
     assert tokenizer.convert_ids_to_tokens(marked) == ["3", "<|end|>"]
     prompt = tokenizer.apply_chat_template(conv[:2], add_generation_prompt=True, tokenize=False)
     assert prompt == "<|system|>add<|user|>1+2=<|assistant|>"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_saved_tool_tokenizer_loads_with_every_loader_to_the_same_ids(arch, tmp_path):
+    # AutoTokenizer builds a Qwen2 config's tokenizer with Qwen2's own class, which keeps only the
+    # vocabulary of tokenizer.json: a character vocabulary with a plain " " lost every space there
+    tokenizer = char_tool_tokenizer()
+    tiny_causal_lm(len(tokenizer), arch=arch, hidden_size=8, num_layers=1, num_heads=2).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    text = 'What is 12 * 34?\n<tool_call>{"name": "multiply", "arguments": {"a": 12}}</tool_call> <|tool|>408<|end|>'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(tokenizer.encode("What is 12 * 34?", add_special_tokens=False)) == 16
+    chat = [{"role": "user", "content": "What is 12 * 34?"},
+            {"role": "assistant", "content": '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}'
+                                             "</tool_call>"},
+            {"role": "tool", "content": "408"}, {"role": "assistant", "content": "It is 408."}]
+    tools = [{"type": "function", "function": {"name": "multiply", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    chat_ids = tokenizer.apply_chat_template(chat, tools=tools, tokenize=True, return_dict=True)["input_ids"]
+    for loaded in (AutoTokenizer.from_pretrained(tmp_path), PreTrainedTokenizerFast.from_pretrained(tmp_path)):
+        name = type(loaded).__name__
+        assert loaded.encode(text, add_special_tokens=False) == ids, name
+        assert loaded.decode(ids) == text, name
+        assert loaded.apply_chat_template(chat, tools=tools, tokenize=True, return_dict=True)["input_ids"] == chat_ids
+        assert loaded.encode("naïve\tx", add_special_tokens=False) == tokenizer.encode("naïve\tx",
+                                                                                      add_special_tokens=False)
+
+
+def test_characters_must_be_ascii():
+    with pytest.raises(ValueError, match="must be ASCII"):
+        char_tokenizer("abé")
 
 
 def test_unknown_role_is_rejected(tokenizer):

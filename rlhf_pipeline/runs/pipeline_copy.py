@@ -1,0 +1,183 @@
+"""The run directory's copy of its pipeline file, and of the modules beside it that the file imports.
+
+``export-model``, ``import`` and ``show`` rebuild a run's model and tokenizer from ``pipeline.py``
+in the run directory (``rlhf_pipeline/dataio/run_pipeline.py``), so the copy must be the file the
+run trains with, and must import there as it did where it was written:
+
+- **Its neighbours are kept.** A module beside the pipeline file that it imports (``import
+  helper`` with ``helper.py`` or a package ``helper/`` next to it, found by reading the imports of
+  the file and of those modules, lazy ones included) is kept under ``pipeline_modules/``, which
+  :func:`importable_copy` puts on ``sys.path`` before the copy is loaded. Modules an installed
+  distribution provides, and the standard library, are not copied.
+- **Every start compares.** The file (and its neighbours) given to a start is compared with the
+  copy. A run that has published no policy yet built nothing from the copy (a start that failed
+  before its warm start ended, say), so the copy is replaced, saying so in one line. A run that
+  has published one is refused, in one line: a changed pipeline may change what the run trains
+  (its rewards, its prompts, its model), which the user must decide, and the line says how to go
+  on either way (the file as it was, a new run, or removing the copy to keep the changed file).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+
+from rlhf_pipeline.files.run_store import StaleWriterError
+from rlhf_pipeline.pipeline import PipelineError
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.files.run_store import RunStore
+    from rlhf_pipeline.pipeline import Pipeline, RunPaths
+
+PIPELINE_KEY = "pipeline.py"
+MODULES_KEY = "pipeline_modules"
+
+
+def keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
+    """Copies the pipeline file and its neighbours into the run at its first start; at a later
+    start compares them with the copy and updates it (nothing built from it yet) or refuses."""
+    module = sys.modules.get(type(pipeline.settings).__module__)
+    source = getattr(module, "__file__", None)
+    if source is None:
+        return
+    source = Path(source).resolve()
+    if paths.url is None and source == paths.pipeline_file.resolve():
+        return  # started from the run's own copy
+    store = paths.store
+    current = pipeline_sources(source)
+    kept = kept_sources(store)
+    if PIPELINE_KEY not in kept:
+        _write(store, current, kept, paths, first=True)
+        return
+    changed = sorted(key for key in current.keys() | kept.keys() if current.get(key) != kept.get(key))
+    if not changed:
+        return
+    from rlhf_pipeline.coordination.weights import latest_version
+
+    described = ", ".join(store.describe(key) for key in changed)
+    if latest_version(store) is None:
+        _write(store, current, kept, paths, first=False)
+        print(f"[run] note: the run's copy of its pipeline file is replaced by {source} ({described} differed); "
+              f"the run has published no policy, so nothing of it was built from the old copy",
+              file=sys.stderr, flush=True)
+        return
+    copy = store.describe(PIPELINE_KEY) + (f" and {store.describe(MODULES_KEY)}/" if any(
+        key.startswith(MODULES_KEY + "/") for key in current.keys() | kept.keys()) else "")
+    raise PipelineError(
+        f"pipeline file {source} (with the modules beside it that it imports) differs from the copy run directory "
+        f"{paths.location} was started with, in {described}, and the run has published policy weights built with "
+        f"it: a changed pipeline may change what the run trains, and export-model, import and show rebuild the run "
+        f"from the copy. "
+        f"Resume with the files as they were (the copy: {copy}), start a new run with --run-name NAME, or, to go on "
+        f"with the changed files, remove {store.describe(PIPELINE_KEY)} and start again"
+    )
+
+
+def pipeline_sources(pipeline_file: Path) -> dict[str, bytes]:
+    """``{run key: content}`` of the pipeline file (``pipeline.py``) and of the modules beside it
+    that it imports, directly or through each other (``pipeline_modules/helper.py``, and every
+    ``.py`` file of a package ``pipeline_modules/tools/...``)."""
+    directory = pipeline_file.parent
+    found = {PIPELINE_KEY: pipeline_file.read_bytes()}
+    pending, seen = [pipeline_file], set()
+    distributions = None
+    while pending:
+        for name in sorted(_imported_names(pending.pop())):
+            if name in seen or name in sys.stdlib_module_names:
+                continue
+            seen.add(name)
+            module, package = directory / f"{name}.py", directory / name
+            files = [module] if module.is_file() else (
+                sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
+                if (package / "__init__.py").is_file() else [])
+            if not files:
+                continue
+            if distributions is None:  # read only when a neighbour is there (it reads every installed package)
+                from importlib.metadata import packages_distributions
+
+                distributions = packages_distributions()
+            if name in distributions:
+                continue  # installed (an editable install beside the file, say): imported from there
+            for file in files:
+                found[f"{MODULES_KEY}/{file.relative_to(directory).as_posix()}"] = file.read_bytes()
+            pending += files
+    return found
+
+
+def _imported_names(file: Path) -> set[str]:
+    """The top-level names ``file`` imports absolutely, anywhere in it (functions included)."""
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except (SyntaxError, ValueError):
+        return set()  # a neighbour that does not parse fails where it is imported, with Python's own error
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def kept_sources(store: RunStore) -> dict[str, bytes]:
+    """``{run key: content}`` of the run's copy: ``pipeline.py`` and everything under ``pipeline_modules/``."""
+    kept = {}
+    pipeline = store.read(PIPELINE_KEY)
+    if pipeline is not None:
+        kept[PIPELINE_KEY] = pipeline
+    for key in _walk(store, MODULES_KEY):
+        content = store.read(key)
+        if content is not None:
+            kept[key] = content
+    return kept
+
+
+def _walk(store: RunStore, prefix: str) -> list[str]:
+    files = store.list_etags(prefix)  # objects only; list() gives the "directories" as well
+    keys = [f"{prefix}/{name}" for name in files if name.endswith(".py")]  # not a *.partial a crash left
+    for name in set(store.list(prefix)) - set(files):
+        if name.rstrip("/") != "__pycache__":  # written by Python where the copy is imported
+            keys += _walk(store, f"{prefix}/{name.rstrip('/')}")
+    return keys
+
+
+def _write(store: RunStore, current: dict[str, bytes], kept: dict[str, bytes], paths: RunPaths, *,
+           first: bool) -> None:
+    # the modules first, pipeline.py last: a run whose pipeline.py is there has its modules too
+    for key in sorted(kept.keys() - current.keys()):
+        store.delete(key)
+    for key, content in sorted(current.items()):
+        if key != PIPELINE_KEY and kept.get(key) != content:
+            store.write(key, content, fence=False, partial_name=PurePosixPath(key).name + ".partial")
+    partial = paths.pipeline_file.name + ".partial"
+    if first:
+        try:
+            store.create(PIPELINE_KEY, current[PIPELINE_KEY], partial_name=partial)
+        except StaleWriterError:
+            pass  # copied meanwhile by a start on another machine: the first copy stands
+    else:
+        store.write(PIPELINE_KEY, current[PIPELINE_KEY], fence=False, partial_name=partial)
+
+
+def importable_copy(paths: RunPaths) -> Path | None:
+    """The local directory holding the run's kept modules (for a run at a URL, written into this
+    machine's cache), put at the front of ``sys.path`` so that the copy imports them; None when
+    the run keeps none. It stays there: a pipeline may import them lazily, in ``make_model``."""
+    store = paths.store
+    keys = _walk(store, MODULES_KEY)
+    if not keys:
+        return None
+    directory = paths.root / MODULES_KEY
+    if paths.url is not None:
+        from rlhf_pipeline.files.run_store import LocalRunStore
+
+        cache = LocalRunStore(paths.root)
+        for key in keys:
+            content = store.read(key)
+            if content is not None:
+                cache.write(key, content, durable=False)
+    if str(directory) not in sys.path:
+        sys.path.insert(0, str(directory))
+    return directory
