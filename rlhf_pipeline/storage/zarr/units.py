@@ -150,6 +150,15 @@ class UnitIO:
         items = sealed_items(unit, arrays, self.layout, self.codecs.sealed)
         return self.loc.kv.put_many(items, durable=self.durable, threaded=threaded, defer_sync=True)
 
+    def discard(self, units: list[UnitRef], *, published: set[str]) -> None:
+        """Deletes the files of those ``units`` of a failed append that no record names (``published``),
+        in a local store: a full disk gets their space back at once, and a retry writes new files. An
+        object store's units are never overwritten: there the next writer deletes them."""
+        if self.loc.local_root is not None:
+            for unit in units:
+                if unit.name not in published:
+                    self.loc.kv.delete_prefix(unit.prefix)
+
     def read(self, unit: UnitRef) -> dict[str, np.ndarray]:
         """The unit's arrays, checked (:func:`read_unit`)."""
         return read_unit(self.loc.kv, unit, self.layout, self.codecs)
