@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json, write_all
 from rlhf_pipeline.files.cloud_objects import cloud_for
 from rlhf_pipeline.storage.errors import (
     IncompatibleStoreError,
@@ -78,12 +78,7 @@ class LocalKV:
                 made.add(path.parent)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                if isinstance(value, (list, tuple)):  # buffers of one file: a single writev
-                    done = os.writev(fd, value)
-                    value = b"".join(value)[done:] if done < sum(len(v) for v in value) else b""
-                view = memoryview(value).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, value, path)  # a list: the buffers of one file, one writev
             finally:
                 os.close(fd)
 
@@ -317,13 +312,14 @@ def publish(loc: Location, record: dict[str, Any], *, durable: bool, pending: It
 
         path = loc.local_root / ROOT_META
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        payload = json.dumps(document, separators=(",", ":"), sort_keys=True).encode()
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _write_partial_record(partial, document)
         try:
-            os.write(fd, payload)
             if not _syncfs_root(loc.local_root):
                 os.fsync(fd)
                 _sync_paths(loc.local_root, pending)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         os.replace(partial, path)
@@ -364,20 +360,34 @@ def _publish_targeted(root: Path, document: dict[str, Any], pending: list[Pendin
 
     path = root / ROOT_META
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    payload = json.dumps(document, separators=(",", ":"), sort_keys=True).encode()
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, payload)
-    finally:
-        os.close(fd)
+    os.close(_write_partial_record(partial, document))
     targets = {partial}
     for item in pending:
         targets.update(item.files)
         for directory in item.directories:
             targets.update((directory, directory.parent))
-    list(_fsync_pool().map(_fsync_path, sorted(targets)))
+    try:
+        list(_fsync_pool().map(_fsync_path, sorted(targets)))
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, path)
     _fsync_path(root)
+
+
+def _write_partial_record(partial: Path, document: dict[str, Any]) -> int:
+    """Writes the whole commit record to ``partial`` and returns the open descriptor; on a short
+    write (a nearly full disk) removes it and raises, so that no torn record is ever renamed over
+    the good one and the append that published it fails."""
+    payload = json.dumps(document, separators=(",", ":"), sort_keys=True).encode()
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, payload, partial)
+    except BaseException:
+        os.close(fd)
+        partial.unlink(missing_ok=True)
+        raise
+    return fd
 
 
 def lock_for(loc: Location, location: str, *, lease_s: float | None = None, wait_s: float = 0.0) -> WriterLock | None:
