@@ -63,6 +63,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     Collector ``collector_index`` writes its own shard ``buffer/shard-kkkk`` (with its own
     pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
     """
+    from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
     from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.learn.metrics import MetricsWriter
     from rlhf_pipeline.coordination.pacing import CollectorPacer, shard_key
@@ -129,6 +130,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # a paced round takes the version pacing names for it, not the newest: the same weights
         # for every round of a seed, whenever the learner publishes (pacing.py)
         pinned = pacer.rounds_ahead is not None and hasattr(poller, "poll_version")
+        failed = None
         while not stop_check() and (rounds is None or done < rounds):
             limit = pipeline.collect_rounds_per_version
             allowed = pacer.may_collect(store.next_row)
@@ -151,7 +153,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 continue
             paced.reset()
             rows_before = store.next_row
-            batch = collector.collect(before_write=position.before_write)
+            try:
+                collector.collect(before_write=position.before_write)
+            except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops
+                failed = exc
             position.after_write(collector.state_dict())
             pacer.round_written(store.next_row - rows_before)
             done += 1
@@ -161,8 +166,11 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 **getattr(collector, "last_metrics", {}), "rows_written": float(store.next_row - rows_before),
                 "shard_rows": float(store.next_row), "paced_wait_s": waited})
             waited = 0.0
+            if failed is not None:
+                print(f"{tag} stopped: {failed}", file=sys.stderr, flush=True)
+                break
             if done % 50 == 0:
-                print(f"{tag} round {done}: {len(batch)} rows, shard {len(store)} rows, "
+                print(f"{tag} round {done}: {store.next_row - rows_before} rows, shard {len(store)} rows, "
                       f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner",
                       file=sys.stderr, flush=True)
         metrics.close()
@@ -171,7 +179,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         stop.restore()
     print(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)",
           file=sys.stderr, flush=True)
-    return stop.exit_code()
+    return 1 if failed is not None else stop.exit_code()
 
 
 def _round_rows(collector: Any) -> int | None:
