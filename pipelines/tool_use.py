@@ -91,7 +91,8 @@ class Settings:
     """An episode whose environment raises, or whose reward is not finite, drops its group; past this
     fraction of the groups run (over at least 32) the collector stops the run (none: never)."""
     rounds_per_version: int = 2
-    """The collector writes at most this many rounds per policy version, then waits for new weights."""
+    """The collector writes at most this many rounds per policy version, then waits for new weights
+    (rounds the learner's next batch needs are written whatever this says)."""
     rounds_ahead: int | None = 0
     """Pacing: the collector generates what the learner's next batch needs plus at most this many
     rounds (none: unpaced)."""

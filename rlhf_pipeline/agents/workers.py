@@ -24,8 +24,8 @@ timeout=...)``), as code-execution environments do with remote sandboxes.
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
@@ -44,7 +44,11 @@ class _Worker:
 
 
 class WorkerPool(Executor):
-    """``max_workers`` daemon threads for calls; a call given up on frees its slot at once."""
+    """``max_workers`` daemon threads for calls; a call given up on frees its slot at once.
+
+    As ``ThreadPoolExecutor`` does, a call goes to a thread that is waiting for one when there
+    is such a thread, else to a new thread while fewer than ``max_workers`` take calls, else it
+    waits in the queue: a turn's calls run at the same time however many threads were idle."""
 
     def __init__(self, max_workers: int, *, max_abandoned: int = 64, name: str = "worker") -> None:
         if max_workers < 1:
@@ -54,12 +58,13 @@ class WorkerPool(Executor):
         self.max_workers = max_workers
         self.max_abandoned = max_abandoned
         self.name = name
-        self._lock = threading.Condition()
-        self._queue: deque[tuple[Future, Callable[..., Any], tuple, dict]] = deque()
+        self._lock = threading.Lock()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (future, fn, args, kwargs), or None: exit
+        self._idle = threading.Semaphore(0)  # threads back from a call, waiting for the next
         self._live = 0  # threads that take calls (not abandoned)
-        self._idle = 0  # of those, waiting for a call
         self._abandoned = 0  # threads still running a call given up on
         self._running: dict[Future, _Worker] = {}
+        self._workers: set[_Worker] = set()  # threads alive, abandoned ones included
         self._shutdown = False
         self._started = 0
 
@@ -77,11 +82,9 @@ class WorkerPool(Executor):
             if self._abandoned > self.max_abandoned:
                 raise PoolExhausted(f"{self._abandoned} calls that timed out are still running (more than "
                                     f"{self.max_abandoned}); no call is started until some return")
-            self._queue.append((future, fn, args, kwargs))
-            if self._idle == 0 and self._live < self.max_workers:
+            self._calls.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and self._live < self.max_workers:
                 self._start_worker()
-            else:
-                self._lock.notify()
         return future
 
     def abandon(self, future: Future) -> None:
@@ -96,21 +99,30 @@ class WorkerPool(Executor):
             worker.abandoned = True
             self._live -= 1
             self._abandoned += 1
-            if self._queue and self._idle == 0 and not self._shutdown:
+            if not self._shutdown:  # calls queued behind it get a thread now
                 self._start_worker()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stops taking calls. ``wait`` joins the threads of live calls, never abandoned ones."""
+        """Stops taking calls; queued calls still run unless ``cancel_futures``. ``wait`` joins the
+        threads that take calls, never those left running a call given up on."""
         with self._lock:
+            if self._shutdown:
+                return
             self._shutdown = True
             if cancel_futures:
-                while self._queue:
-                    self._queue.popleft()[0].cancel()
-            live = [w.thread for w in self._running.values() if not w.abandoned]
-            self._lock.notify_all()
+                while True:
+                    try:
+                        item = self._calls.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        item[0].cancel()
+            threads = [w.thread for w in self._workers if not w.abandoned and w.thread is not None]
+            for _ in range(self._live):
+                self._calls.put(None)
         if wait:
-            for thread in live:
-                if thread is not None:
+            for thread in threads:
+                if thread is not threading.current_thread():
                     thread.join()
 
     # ---------------------------------------------------------------- threads
@@ -118,35 +130,38 @@ class WorkerPool(Executor):
         """Called with the lock held."""
         worker = _Worker()
         self._started += 1
+        self._live += 1
+        self._workers.add(worker)
         worker.thread = threading.Thread(target=self._work, args=(worker,), daemon=True,
                                          name=f"{self.name}-{self._started}")
-        self._live += 1
         worker.thread.start()
 
     def _work(self, worker: _Worker) -> None:
+        try:
+            self._serve(worker)
+        finally:
+            with self._lock:
+                self._workers.discard(worker)
+
+    def _serve(self, worker: _Worker) -> None:
         while True:
-            with self._lock:
-                while not self._queue and not self._shutdown:
-                    self._idle += 1
-                    self._lock.wait()
-                    self._idle -= 1
-                if not self._queue:  # shut down with nothing left to run
-                    self._live -= 1
-                    return
-                future, fn, args, kwargs = self._queue.popleft()
-                if not future.set_running_or_notify_cancel():
-                    continue
-                self._running[future] = worker
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:  # handed to the caller, as concurrent.futures does
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-            finally:
-                del fn, args, kwargs
-            with self._lock:
-                self._running.pop(future, None)
-                if worker.abandoned:  # its slot went to another thread when it was given up on
-                    self._abandoned -= 1
-                    return
+            item = self._calls.get()
+            if item is None:  # shut down
+                return
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                with self._lock:
+                    self._running[future] = worker
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:  # handed to the caller, as concurrent.futures does
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+                del fn, args, kwargs, item
+                with self._lock:
+                    self._running.pop(future, None)
+                    if worker.abandoned:  # its slot went to another thread when it was given up on
+                        self._abandoned -= 1
+                        return
+            self._idle.release()

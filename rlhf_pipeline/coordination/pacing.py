@@ -222,7 +222,8 @@ class CollectorPacer:
         self.rounds_ahead = rounds_ahead
         self.stall_s = stall_s
         self.learner_expected = learner_expected
-        # rows of one round: as configured, else the most one round has written so far
+        # rows of one round: as the collector says (round_written updates it), else the most one
+        # round has written so far
         self._configured_round_rows = round_rows
         self.round_rows = round_rows or 0
         self._last_round_at = time.time()
@@ -314,7 +315,8 @@ class CollectorPacer:
         if version is not None:
             return RoundPlan(True, version, version,
                              f"waiting for policy version {version}, the learner's when it asked for this round")
-        if over and not stalled:  # an intake that asks for the round, or a newer version, will come
+        if over and not stalled and not self.needed(intake, shard_rows):
+            # an intake that asks for the round, or allows it with a newer version, will come
             return RoundPlan(False, None, 0, limited + " or for the learner to ask for this round")
         return RoundPlan(True, None, 0, "")  # no intake yet, the stall rule, or too old: the newest
 
