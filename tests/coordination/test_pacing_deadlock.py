@@ -58,9 +58,15 @@ class Collector:
         self.rows = self.version = self.rounds_at_version = 0
         self.versions: list[int] = []  # the version each round used
 
-    def act(self) -> bool:
-        plan = self.pacer.plan_round(self.rows, policy_version=self.version, rounds_at_version=self.rounds_at_version,
+    def plan(self):
+        return self.pacer.plan_round(self.rows, policy_version=self.version, rounds_at_version=self.rounds_at_version,
                                      rounds_per_version=self.rounds_per_version)
+
+    def waiting_for(self) -> str:
+        return self.plan().waiting_for
+
+    def act(self) -> bool:
+        plan = self.plan()
         published = self.learner.version
         if plan.version is not None and self.pacer.rounds_ahead is not None:
             loaded = plan.version if self.version < plan.version <= published else None
@@ -107,7 +113,7 @@ def test_pacing_never_deadlocks_over_batch_group_and_turn_sizes(tmp_path, rounds
             idle = 0 if moved else idle + 1
             assert idle < 3, (f"deadlock: batch {batch}, group {group}, turns <= {max_turns}: the learner waits at "
                               f"step {learner.step} for {batch} rows ({collector.rows - learner.consumed} there), the "
-                              f"collector: {collector.pacer.plan_round(collector.rows, policy_version=collector.version, rounds_at_version=collector.rounds_at_version, rounds_per_version=rounds_per_version).waiting_for}")
+                              f"collector: {collector.waiting_for()}")
         round_most = 2 * group * max_turns
         if rounds_ahead is not None:  # and it wrote no more than pacing allows
             assert collector.rows - learner.consumed <= batch + (rounds_ahead + 1) * round_most
