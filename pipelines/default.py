@@ -67,7 +67,8 @@ class Settings:
     temperature: float = 1.0
     """Sampling temperature; the learner recomputes log-probs at the same temperature."""
     rounds_per_version: int = 2
-    """The collector writes at most this many rounds per policy version, then waits for new weights."""
+    """The collector writes at most this many rounds per policy version, then waits for new weights
+    (rounds the learner's next batch needs are written whatever this says)."""
     rounds_ahead: int | None = 0
     """Pacing: the collector generates what the learner's next batch needs plus at most this many
     rounds, then waits for the learner to take them in (0: generation overlaps one learner step;

@@ -87,8 +87,12 @@ class Settings:
     """Failed tool calls that end an episode (TOOL_ERROR)."""
     temperature: float = 1.0
     """Sampling temperature; the learner recomputes log-probs at the same temperature."""
+    max_failed_group_fraction: float | None = 0.1
+    """An episode whose environment raises, or whose reward is not finite, drops its group; past this
+    fraction of the groups run (over at least 32) the collector stops the run (none: never)."""
     rounds_per_version: int = 2
-    """The collector writes at most this many rounds per policy version, then waits for new weights."""
+    """The collector writes at most this many rounds per policy version, then waits for new weights
+    (rounds the learner's next batch needs are written whatever this says)."""
     rounds_ahead: int | None = 0
     """Pacing: the collector generates what the learner's next batch needs plus at most this many
     rounds (none: unpaced)."""
@@ -117,6 +121,9 @@ def check(settings: Settings) -> LearnerSettings:
                             f"got {settings.low}, {settings.high}")
     if not 0.0 <= settings.warm_start_tool_fraction <= 1.0:
         raise PipelineError("setting 'warm_start_tool_fraction' must be in [0, 1]")
+    fraction = settings.max_failed_group_fraction
+    if fraction is not None and not 0.0 <= fraction <= 1.0:
+        raise PipelineError(f"setting 'max_failed_group_fraction' must be in [0, 1] or none, got {fraction}")
     if settings.init_weights and not Path(settings.init_weights).is_file():
         raise PipelineError(f"setting 'init_weights': {settings.init_weights!r} is not a file")
     if settings.max_new_tokens + 64 > settings.context_length:
@@ -206,7 +213,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
             limits=EpisodeLimits(max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
                                  context_length=settings.context_length),
             sampling=SamplingConfig(temperature=settings.temperature), seed=settings.seed,
-            collector_index=collector_index,
+            collector_index=collector_index, max_failed_group_fraction=settings.max_failed_group_fraction,
             # a buffer created before some of the agents' row fields existed goes on without them
             row_fields=tuple(f for f in AGENT_ROW_FIELDS if f in store.schema.field_names),
         )

@@ -97,7 +97,9 @@ class Pipeline:
     """Cheap checks that need code to run (the reward on one sample); called before any work."""
     collect_rounds_per_version: int | None = 2
     """A collector writes at most this many rounds per policy version, then waits for new
-    weights: rows much older than the learner would only be dropped as stale. None: no limit."""
+    weights: rows much older than the learner would only be dropped as stale. Rounds the learner's
+    next batch needs are written whatever this says (it cannot publish new weights without them;
+    ``coordination/pacing.py``). None: no limit."""
     collect_rounds_ahead: int | None = 0
     """Pacing: a collector generates what the learner's next batch needs (its share, with
     several collectors) plus at most this many rounds, then waits for the learner to take them

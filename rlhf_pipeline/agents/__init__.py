@@ -8,7 +8,9 @@
 * :mod:`.episode` -- ``Episode``: the token list as the source of truth (sampled ids verbatim,
   environment messages tokenized as the template renders them), the loss mask, the limits, the
   rows it stores (one per turn) and ``rebuild_trajectory`` from those rows;
-* :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them;
+* :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them; an
+  episode that fails drops its group, with the reason;
+* :mod:`.workers` -- the threads tool calls and sync steps run on, where a hung call frees its slot;
 * :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool) and a warm start on
   demonstration episodes.
 * :mod:`.verifiers_env` -- a ``verifiers`` environment (``MultiTurnEnv``, ``ToolEnv``, its rubric)

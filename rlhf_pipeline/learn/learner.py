@@ -92,6 +92,7 @@ from rlhf_pipeline.learn.trajectories import (
     trajectory_ends,
 )
 from rlhf_pipeline.learn.usage import TrainedRows
+from rlhf_pipeline.learn.waiting import WaitReport
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.files.run_paths import RunPaths
 
@@ -394,7 +395,9 @@ class Learner:
         assert self._ready, "call setup() first"
         waited = 0.0
         until = self.total_steps if max_steps is None else min(self.total_steps, self.progress.step + max_steps)
-        on_wait = self._pacing.waiting if self.data_parallel.is_main else None
+        # rank 0 tells collectors it waits (pacing.json) and, past wait_report_s, says what for
+        on_wait = (WaitReport(self._pacing, lambda: next_rows(self._store), self.settings.wait_report_s)
+                   if self.data_parallel.is_main else None)
         while self.progress.step < until and not self.data_parallel.any_rank(self.stop_event.is_set()):
             try:
                 draw, (sampled, batch, names, intake), wait = self._prefetcher.next(on_wait=on_wait)

@@ -63,9 +63,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     Collector ``collector_index`` writes its own shard ``buffer/shard-kkkk`` (with its own
     pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
     """
+    from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
     from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.learn.metrics import MetricsWriter
-    from rlhf_pipeline.coordination.pacing import CollectorPacer, shard_key
+    from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
     from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.storage.buffers import find_shard, shard_key_of
@@ -113,8 +114,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
         key = shard_key(store_path, paths.buffer) if not paths.buffer_url else shard_key_of(store_path)
         pacing, run_store = paths.state_object(paths.pacing)
-        pacer = CollectorPacer(pacing, key, pipeline.collect_rounds_ahead, round_rows=_round_rows(collector),
-                               learner_expected=stop.launcher_fd is not None, store=run_store,
+        # rows a round writes: exact for the single-turn collector, estimated from the turns so far for
+        # the agent collector (pacing counts rounds ahead in them; none is needed to be exact)
+        pacer = CollectorPacer(pacing, key, pipeline.collect_rounds_ahead,
+                               round_rows=getattr(collector, "round_rows", None), learner_expected=stop.launcher_fd is not None, store=run_store,
                                reread_s=0.0 if paths.url is None else 0.05)
         metrics_log, run_store = paths.state_object(paths.collector_metrics(collector_index))
         metrics = MetricsWriter(metrics_log, store=run_store)
@@ -129,31 +132,39 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # a paced round takes the version pacing names for it, not the newest: the same weights
         # for every round of a seed, whenever the learner publishes (pacing.py)
         pinned = pacer.rounds_ahead is not None and hasattr(poller, "poll_version")
+        waiting_since = failed = None
         while not stop_check() and (rounds is None or done < rounds):
-            limit = pipeline.collect_rounds_per_version
-            allowed = pacer.may_collect(store.next_row)
-            version = pacer.version_for_round(store.next_row) if pinned and allowed else None
-            if version is not None:
-                if limit is not None and rounds_at_version >= limit:
-                    version = max(version, collector.policy_version + 1)
-                update = poller.poll_version(version)
-            else:  # unpaced, or a round only the stall rule allowed: the newest
-                update = poller.poll() if allowed or not pinned else None
+            plan = pacer.plan_round(store.next_row, policy_version=collector.policy_version,
+                                    rounds_at_version=rounds_at_version,
+                                    rounds_per_version=pipeline.collect_rounds_per_version)
+            update = None
+            if plan.version is not None and pinned:
+                update = poller.poll_version(plan.version)
+            elif plan.allowed or not pinned:  # unpaced, or a round only the stall rule allowed: the newest
+                update = poller.poll()
             if update is not None:
                 collector.set_policy_state(*update)
                 rounds_at_version = 0
-            behind = version is not None and collector.policy_version < version
-            if behind or (limit is not None and rounds_at_version >= limit) or not allowed:
-                # far enough ahead of the learner: more rows now would go stale or untrained
+            if not plan.allowed or collector.policy_version < plan.min_version:
+                # far enough ahead of the learner, or waiting for the weights this round must use
                 started = time.perf_counter()
                 paced.sleep()
                 waited += time.perf_counter() - started
+                waiting_since = waiting_since or time.monotonic()
+                if time.monotonic() - waiting_since > WAIT_REPORT_S:
+                    print(f"{tag} no round for {time.monotonic() - waiting_since:.0f} s: {plan.waiting_for}",
+                          file=sys.stderr, flush=True)
+                    waiting_since = time.monotonic()  # said again after as long a wait
                 continue
+            waiting_since = None
             paced.reset()
             rows_before = store.next_row
-            batch = collector.collect(before_write=position.before_write)
+            try:
+                collector.collect(before_write=position.before_write)
+            except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops
+                failed = exc
             position.after_write(collector.state_dict())
-            pacer.round_written(store.next_row - rows_before)
+            pacer.round_written(store.next_row - rows_before, round_rows=getattr(collector, "round_rows", None))
             done += 1
             rounds_at_version += 1
             paced_total += waited
@@ -161,8 +172,11 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 **getattr(collector, "last_metrics", {}), "rows_written": float(store.next_row - rows_before),
                 "shard_rows": float(store.next_row), "paced_wait_s": waited})
             waited = 0.0
+            if failed is not None:
+                print(f"{tag} stopped: {failed}", file=sys.stderr, flush=True)
+                break
             if done % 50 == 0:
-                print(f"{tag} round {done}: {len(batch)} rows, shard {len(store)} rows, "
+                print(f"{tag} round {done}: {store.next_row - rows_before} rows, shard {len(store)} rows, "
                       f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner",
                       file=sys.stderr, flush=True)
         metrics.close()
@@ -171,16 +185,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         stop.restore()
     print(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)",
           file=sys.stderr, flush=True)
-    return stop.exit_code()
-
-
-def _round_rows(collector: Any) -> int | None:
-    """Rows one round writes, when the collector says (``CollectorConfig``); pacing counts in rounds."""
-    config = getattr(collector, "config", None)
-    try:
-        return int(config.prompts_per_batch) * int(config.num_generations)
-    except (AttributeError, TypeError, ValueError):
-        return None
+    return 1 if failed is not None else stop.exit_code()
 
 
 def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index: int) -> Any:
