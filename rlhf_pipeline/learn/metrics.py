@@ -234,8 +234,16 @@ class ProgressDisplay:
         self.total = total
         self._bar = None
         if getattr(self.stream, "isatty", lambda: False)():
+            import threading
+
             from tqdm import tqdm
 
+            if not hasattr(tqdm, "_lock"):
+                # tqdm's default lock holds a multiprocessing RLock: a named semaphore once torchrl has
+                # made "spawn" the start method. `run`'s learner ends with os._exit, so nothing unlinked
+                # it and the resource tracker warned of a leaked semaphore after every run on a
+                # terminal. One process draws this bar: a thread lock is all it needs.
+                tqdm.set_lock(threading.RLock())
             self._bar = tqdm(total=total, initial=initial, file=self.stream, desc="learner",
                              dynamic_ncols=True)
 
