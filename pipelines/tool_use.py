@@ -97,7 +97,9 @@ class Settings:
     """Pacing: the collector generates what the learner's next batch needs plus at most this many
     rounds (none: unpaced)."""
     log_rounds_every: int = 5
-    """The collector prints a line of its round metrics every this many rounds (0: never)."""
+    """The collector prints a line of its round metrics every this many rounds, with the first failed
+    tool call of each kind since the line before (0: never; a round whose every call failed is
+    still reported)."""
     threads: int | None = 1
     """Torch threads per process (collector, learner, warm start; none: torch's default)."""
 
@@ -199,6 +201,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
         from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
         from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
+        from rlhf_pipeline.collect.console import agent_round_printer
         from rlhf_pipeline.storage import make_replay_buffer
 
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size, transforms=make_write_path(store))
@@ -220,7 +223,8 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         # each collector (one buffer shard each) walks the tasks in its own order
         source = TaskSource(tasks, seed=settings.seed + 1_000_003 * collector_index,
                             required_fields=("question", "answer"))
-        hooks = [round_printer(settings.log_rounds_every, collector_index)] if settings.log_rounds_every else []
+        # a line every log_rounds_every rounds, with what failed tool calls said (collect/console.py)
+        hooks = [agent_round_printer(settings.log_rounds_every, collector_index, toolbox)]
         return AgentCollector(model.to(settings.device), tokenizer, source, make_env, sink=buffer.extend,
                               config=config, parser=parse_hermes, hooks=hooks)
 
@@ -245,23 +249,3 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         torch_threads=settings.threads,
     )
 
-
-def round_printer(every: int, collector_index: int):
-    """A metrics hook printing one line per ``every`` rounds: what the episodes did."""
-    import sys
-
-    tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
-    rounds = [0]
-
-    def hook(m: dict[str, float]) -> None:
-        rounds[0] += 1
-        if rounds[0] % every:
-            return
-        reasons = " ".join(f"{k.removeprefix('reason/')}={int(v)}" for k, v in m.items()
-                           if k.startswith("reason/") and v)
-        print(f"{tag} round {int(m['batches'])} (policy v{int(m['policy_version'])}): reward {m['reward_mean']:.3f}, "
-              f"tool-call rate {m['tool_call_rate']:.2f}, tool errors {int(m['tools/calls'] - m['tools/ok'])}"
-              f"/{int(m['tools/calls'])}, turns/episode {m['turns_per_episode']:.2f}, ends: {reasons}",
-              file=sys.stderr, flush=True)
-
-    return hook

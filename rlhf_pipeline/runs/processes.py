@@ -10,7 +10,6 @@ one of several data-parallel ranks) until its steps are taken or it is asked to 
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from typing import Any
 
@@ -64,6 +63,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
     """
     from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
+    from rlhf_pipeline.collect.console import collector_tag, say
     from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.learn.metrics import MetricsWriter
     from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
@@ -74,7 +74,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.files.machine_cache import MachineCache
 
     stop = StopFlag()
-    tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
+    tag = collector_tag(collector_index)
     state_file = paths.collector_state(collector_index)
     # the shard under the name it was made with: shard-kkkk, or at an object-store URL <hh>-shard-kkkk
     store_path = str(paths.buffer) if paths.single_store_buffer else find_shard(paths.buffer_location, collector_index)
@@ -93,7 +93,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
         update = _wait_for_weights(poller, stop, first)
         if update is None:  # stopped while the learner warm-started: nothing written yet
-            print(f"{tag} stopped before any policy weights were published", file=sys.stderr, flush=True)
+            say(f"{tag} stopped before any policy weights were published")
             return stop.exit_code()
         state, version = update
         model.load_state_dict(state)
@@ -106,8 +106,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         if saved is not None:
             collector.load_state_dict(saved)
         if position.resumed_inflight_round:
-            print(f"{tag} the round in flight at the last stop was written; resuming after it",
-                  file=sys.stderr, flush=True)
+            say(f"{tag} the round in flight at the last stop was written; resuming after it")
         collector.set_policy_state(state, version)
         rounds_at_version = 0
         # generate no more than the learner will take in, plus collect_rounds_ahead rounds
@@ -128,7 +127,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         stop_check = _StopCheck(paths, stop)
         lease_s = getattr(store, "writer_lease_s", None)  # an object store's leased lock
         lease = f" (writer lock lease {lease_s:g} s)" if lease_s is not None else ""
-        print(f"{tag} writing to {store_path}{lease} with policy version {version}", file=sys.stderr, flush=True)
+        say(f"{tag} writing to {store_path}{lease} with policy version {version}")
         # a paced round takes the version pacing names for it, not the newest: the same weights
         # for every round of a seed, whenever the learner publishes (pacing.py)
         pinned = pacer.rounds_ahead is not None and hasattr(poller, "poll_version")
@@ -152,8 +151,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 waited += time.perf_counter() - started
                 waiting_since = waiting_since or time.monotonic()
                 if time.monotonic() - waiting_since > WAIT_REPORT_S:
-                    print(f"{tag} no round for {time.monotonic() - waiting_since:.0f} s: {plan.waiting_for}",
-                          file=sys.stderr, flush=True)
+                    say(f"{tag} no round for {time.monotonic() - waiting_since:.0f} s: {plan.waiting_for}")
                     waiting_since = time.monotonic()  # said again after as long a wait
                 continue
             waiting_since = None
@@ -173,18 +171,16 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 "shard_rows": float(store.next_row), "paced_wait_s": waited})
             waited = 0.0
             if failed is not None:
-                print(f"{tag} stopped: {failed}", file=sys.stderr, flush=True)
+                say(f"{tag} stopped: {failed}")
                 break
             if done % 50 == 0:
-                print(f"{tag} round {done}: {store.next_row - rows_before} rows, shard {len(store)} rows, "
-                      f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner",
-                      file=sys.stderr, flush=True)
+                say(f"{tag} round {done}: {store.next_row - rows_before} rows, shard {len(store)} rows, "
+                    f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner")
         metrics.close()
     finally:
         store.close()
         stop.restore()
-    print(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)",
-          file=sys.stderr, flush=True)
+    say(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)")
     return 1 if failed is not None else stop.exit_code()
 
 
