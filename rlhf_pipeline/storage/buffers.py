@@ -139,14 +139,13 @@ def buffer_stats(location: str) -> StoreStats:
     selection, whose kept rows are read through its source (torch)."""
     from rlhf_pipeline.storage.backends import inspection
     from rlhf_pipeline.storage.errors import NotAStoreError, StoreNotFoundError
+    from rlhf_pipeline.storage.manifest import is_selection
 
     try:
         stores = stores_in(location)
     except StoreNotFoundError:
         raise
     except NotAStoreError:
-        from rlhf_pipeline.storage.selection import is_selection  # imports torch: only when no store is there
-
         if not is_selection(location):
             raise
         from rlhf_pipeline.storage import open_buffer
