@@ -52,6 +52,7 @@ from rlhf_pipeline.pipeline import (
     load_pipeline_module,
     make_settings,
 )
+from rlhf_pipeline.runs.devices import check_cuda_device
 from rlhf_pipeline.runs.run_directory import (  # RunError and prepare_run stay importable from here
     RunError,
     hold_run_directory,
@@ -114,6 +115,8 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         return 0
     if command in ("run", "learn") and settings.steps < 1:  # --set steps=0
         raise PipelineError(f"setting 'steps' must be >= 1, got {settings.steps}")
+    if on_ray is None:  # now, not after a child imported torch; a Ray cluster's GPUs are not this machine's
+        check_cuda_device(settings.device)
     paths = run_paths(run_name or Path(pipeline_path).stem, home)
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
