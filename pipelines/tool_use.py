@@ -228,10 +228,13 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         return AgentCollector(model.to(settings.device), tokenizer, source, make_env, sink=buffer.extend,
                               config=config, parser=parse_hermes, hooks=hooks)
 
-    def preflight():  # the tasks have what the environment reads, before any model is built
+    def preflight():  # before any model is built or anything written:
+        from rlhf_pipeline.agents.calculator import multiply
+        from rlhf_pipeline.agents.templates import check_chat_template
         from rlhf_pipeline.collect import TaskSource
 
-        TaskSource(tasks, required_fields=("question", "answer"))
+        TaskSource(tasks, required_fields=("question", "answer"))  # the tasks have what the environment reads
+        check_chat_template(tokenizer, tools=[multiply])  # the template renders user, assistant and tool turns
 
     return Pipeline(
         settings=settings,

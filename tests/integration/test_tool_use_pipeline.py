@@ -108,3 +108,26 @@ def test_a_batch_of_more_rounds_than_rounds_per_version_does_not_stall(tmp_path)
     assert all(r["rows_written"] == 16 for r in rounds)
     # three rounds with version 0 for the first batch: the limit yielded to what the learner needed
     assert [r["policy_version"] for r in rounds][:3] == [0, 0, 0]
+
+
+@pytest.mark.parametrize(("tokenizer_change", "message"), [
+    ("tokenizer.chat_template = None", "the tokenizer has no chat template"),
+    ("tokenizer.chat_template = CHAT_TEMPLATE", "cannot render a conversation of the roles user, assistant, tool: "
+                                                "TemplateError: unknown chat role: tool"),
+])
+def test_a_tokenizer_whose_template_cannot_render_episodes_is_refused_before_anything_is_made(
+        tmp_path, tokenizer_change, message):
+    """It failed inside the warm start, with transformers' or Jinja's traceback, after the run
+    directory was made (issue 33)."""
+    from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.runs.run import run_command
+
+    pipeline = tmp_path / "own_tokenizer.py"
+    pipeline.write_text(Path(TOOL_USE).read_text().replace(
+        "    tokenizer = char_tool_tokenizer()\n",
+        "    from rlhf_pipeline.models.tiny import CHAT_TEMPLATE\n\n"
+        f"    tokenizer = char_tool_tokenizer()\n    {tokenizer_change}\n"))
+    with pytest.raises(PipelineError, match=message):
+        run_command("learn", pipeline_path=str(pipeline), home=str(tmp_path / "home"), steps=1,
+                    overrides=["warm_start_steps=1"])
+    assert not (tmp_path / "home" / "own_tokenizer").exists()  # no run directory, no warm start
