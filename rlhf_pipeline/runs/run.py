@@ -341,8 +341,8 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                 ask_children_to_stop(stop_write, len(processes))
                 wait_for_children(processes, signals)
                 name = "the collector" if collectors == 1 else f"collector {k}"
-                raise RunError(f"{name} exited early (exit code {code}); see its error above. The "
-                               f"learner saved a checkpoint; rerun to resume")
+                raise RunError(f"{name} exited early (exit code {code}); see its error above. The learner "
+                               f"saved a checkpoint: once the cause is fixed, the same command resumes the run")
             time.sleep(0.2)
         if signals.received:
             ask_children_to_stop(stop_write, len(processes))
