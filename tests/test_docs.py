@@ -235,6 +235,20 @@ def test_the_command_check_catches_what_it_should():
             _check_command(wrong, choices, commands)
 
 
+def test_the_commands_page_names_every_command_and_benchmark():
+    """A command or benchmark added to the CLI's registries is added to the page (two benchmarks
+    were missing from it and from `bench`'s help, issue 33)."""
+    from rlhf_pipeline.cli.bench_cmd import BENCHMARKS
+    from rlhf_pipeline.cli.main import COMMANDS
+
+    page = (DOCS / "commands.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (.*?) \|", page, re.M))
+    assert set(rows) == set(COMMANDS)
+    for name in BENCHMARKS:
+        assert f"`{name}`" in rows["bench"], name
+        assert re.search(rf"^rlhf-pipeline bench {name}( |$)", page, re.M), name
+
+
 # ============================================================================ paths and names
 PATH = re.compile(r"(?<![\w/.-])((?:rlhf_pipeline|tests|benchmarks|pipelines)/[\w./-]*[\w/])")
 NAME = re.compile(r"(?<![\w.])(rlhf_pipeline(?:\.\w+)+)")

@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 
 EXAMPLES = """examples:
-  rlhf-pipeline show storage/runs/default                      # the newest trajectory of a run
-  rlhf-pipeline show storage/runs/default --trajectory 17 --log-probs
+  rlhf-pipeline show storage/tool_use                          # the newest trajectory of a run
+  rlhf-pipeline show storage/tool_use --trajectory 17 --log-probs
   rlhf-pipeline show my_buffer --pipeline pipelines/default.py --row 0 --html trajectory.html
 """
 
