@@ -389,3 +389,14 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
     result = _mkdocs_build(tmp_path, tmp_path / "site")
     assert result.returncode != 0
     assert "no-such-heading" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_ids(PAGES))
+def test_headings_carry_no_issue_numbers(path):
+    """A reader does not know the tracker: "Agents (issue 19)" says nothing to them (issue 33)."""
+    headings, in_code = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        in_code ^= line.lstrip().startswith("```")
+        if not in_code and line.startswith("#"):
+            headings.append(line)
+    assert not [h for h in headings if re.search(r"\bissue \d+", h, re.I)]

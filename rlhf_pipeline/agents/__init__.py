@@ -1,4 +1,4 @@
-"""Multi-turn, tool-using agents (issue 19): environments, tools and token-exact episodes.
+"""Multi-turn, tool-using agents: environments, tools and token-exact episodes.
 
 * :mod:`.environment` -- the ``Environment`` protocol a pipeline file implements, ``ModelTurn``,
   ``StepResult`` and ``EnvironmentRunner`` (sync steps in a thread pool, async ones awaited, a
