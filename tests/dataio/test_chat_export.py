@@ -75,10 +75,16 @@ def test_a_chat_export_imports_back_into_the_same_rows_token_for_token(agent_buf
     for name in ("chat.jsonl", "rows.jsonl"):
         # into a new buffer: the pipeline creates it, with the fields its collector writes
         # chunks of 5 rows: a trajectory's rows (one line) land in chunks of their own or straddle them
+        logged: list[str] = []
         imported = import_source(tmp_path / name, tmp_path / f"back-{name}", pipeline,
-                                 options=ImportOptions(show_progress=False, rows_per_chunk=5), log=quiet)
+                                 options=ImportOptions(show_progress=False, rows_per_chunk=5), log=logged.append)
         assert imported.rows_written == len(original) and imported.write_path == []  # advantages came with the rows
         assert all_rows(tmp_path / f"back-{name}").equal(original), name
+        # said as what it is: no "one row per completion", no warning about plain prompt text (the
+        # prompt's token ids came with it, rendered by the template when the rows were collected)
+        assert not [line for line in logged if "warning" in line], logged
+        if name == "chat.jsonl":
+            assert "chat messages (export --format chat): one row per model turn" in logged[0], logged[0]
 
 
 def test_each_line_is_the_conversation_and_the_exact_token_list(agent_buffer, tmp_path):
