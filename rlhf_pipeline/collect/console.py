@@ -53,7 +53,7 @@ def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = Non
         if calls and not ok:
             if not state["warned"]:  # once per stretch of rounds in which every call fails
                 say(f"{tag} warning: every tool call of round {round_number} failed ({calls} of {calls}); "
-                    f"is a tool broken?", stream)
+                    f"the first failure of each kind:", stream)
                 say_errors()
             state["warned"] = True
         elif ok:

@@ -561,7 +561,9 @@ def chat_template_warning(resolved: ResolvedColumns, tokenizer: Any) -> str | No
     through the template, so such rows train (and score) the model on prompts it never sees. Not
     when the prompt's token ids are given too (an export of a buffer, logged traffic): the ids are
     what is stored and trained, and the text only has to match them."""
-    if "prompt" not in resolved.slots or "prompt_ids" in resolved.slots or not getattr(tokenizer, "chat_template", None):
+    if "prompt" not in resolved.slots or "prompt_ids" in resolved.slots:
+        return None
+    if not getattr(tokenizer, "chat_template", None):
         return None
     return (f"[import] warning: column {resolved.slots['prompt']!r} is plain prompt text, stored as given, but the "
             f"pipeline's tokenizer has a chat template, which its collector applies to every prompt: give the "

@@ -35,7 +35,8 @@ def test_a_line_said_on_a_terminal_stands_alone_after_a_half_drawn_bar():
             break
         shown += chunk
     os.close(master)
-    assert screen_lines(shown) == ["[collector] round 50: 64 rows", "learner:  83%|########3 | 50/60 [00:26<00:04, reward=0.5]"]
+    assert screen_lines(shown) == ["[collector] round 50: 64 rows",
+                                   "learner:  83%|########3 | 50/60 [00:26<00:04, reward=0.5]"]
 
 
 def test_a_line_said_to_a_log_is_written_as_it_is():
@@ -85,7 +86,8 @@ def test_a_round_whose_tool_calls_all_fail_is_warned_of_once_with_the_first_erro
     raised = "[collector]   first raised error: multiply raised ZeroDivisionError: the tool is broken"
     unknown = "[collector]   first unknown_tool error: there is no tool 'divide'; the tools are ['multiply']"
     # at once, and once while every call keeps failing: the warning, then what each kind of failure said
-    assert lines[0] == f"[collector] warning: every tool call of round 1 failed ({calls} of {calls}); is a tool broken?"
+    assert lines[0] == (f"[collector] warning: every tool call of round 1 failed ({calls} of {calls}); "
+                        f"the first failure of each kind:")
     assert sorted(lines[1:3]) == [raised, unknown]
     assert sum("warning" in line for line in lines) == 1
     # a line every second round, each with the first failure of each kind since the line before
