@@ -58,6 +58,7 @@ def agent_buffer(tmp_path_factory):
     return root / "buffer", pipeline
 
 
+@pytest.mark.slow
 def test_a_chat_export_imports_back_into_the_same_rows_token_for_token(agent_buffer, tmp_path):
     source, pipeline = agent_buffer
     original = all_rows(source)

@@ -31,6 +31,7 @@ def forkserver():
     return context
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name", sorted(BACKENDS))
 def test_sigkilled_writer_leaves_every_published_row_intact(backend_name, forkserver, tmp_path):
     torch.set_num_threads(1)
