@@ -24,6 +24,11 @@ class StoreNotFoundError(NotAStoreError):
     """The location does not exist at all."""
 
 
+class StoreUnreachableError(StoreError):
+    """An object store gave no answer (connections refused, reset, timed out) for a whole retry
+    budget; nothing was lost, and the same call works again once the store answers."""
+
+
 class StoreCorruptedError(StoreError):
     """Published data is missing or damaged; the message names what and where."""
 

@@ -60,13 +60,17 @@ from rlhf_pipeline.files.cloud_objects import (
     ConditionFailed,
     ContainerNotFoundError,
     ObjectVersion,
+    RetryPolicy,
+    UnreachableError,
     cloud_for,
+    through_outages,
 )
 from rlhf_pipeline.storage.errors import (
     StorageExtraMissingError,
     StoreError,
     StoreLockedError,
     StoreNotFoundError,
+    StoreUnreachableError,
 )
 from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, pid_running
 from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY
@@ -124,7 +128,16 @@ def object_store_options(options: Mapping[str, Any] | None, *, location: str) ->
 # ======================================================================== key/value I/O
 class ObjectStoreKV(ZarrStoreKV):
     """An object-store URL's keys: reads through Zarr's ``FsspecStore``, writes through
-    :class:`~rlhf_pipeline.files.cloud_objects.CloudObjects` (conditional writes), on Zarr's loop."""
+    :class:`~rlhf_pipeline.files.cloud_objects.CloudObjects` (conditional writes), on Zarr's loop.
+
+    Every request is retried while it gets no answer (refused, reset, timed out) for up to
+    ``outage_policy.budget_s`` (60 s), with backoff: an outage shorter than that delays an append
+    or a refresh, it does not stop a collector or a learner. Faults the server answers (throttling,
+    server errors) are the client's own retries' (botocore's, azure-core's). A retry is safe: units
+    are created only (the same bytes already there count as written), the record replaces only the
+    version this writer holds, and either settles a lost answer by reading the object back."""
+
+    outage_policy = RetryPolicy()
 
     def __init__(self, store, location: str, *, read_only: bool):
         super().__init__(store, read_only=read_only)
@@ -132,6 +145,12 @@ class ObjectStoreKV(ZarrStoreKV):
         self.objects: CloudObjects = cloud_for(location)(store.fs, store.path)
         self._writer_token: str | None = None
         self._record_etag: str | None = None  # of the record this writer last read or wrote
+
+    def _through_outages(self, what: str, call):
+        try:
+            return through_outages(call, self.objects.unanswered, f"{self.location}: {what}", self.outage_policy)
+        except UnreachableError as exc:
+            raise StoreUnreachableError(f"{exc}; nothing published was lost: retry once it answers") from exc
 
     async def _answered(self, request):
         """``request``'s answer, with the cloud's errors as the store errors users act on."""
@@ -146,25 +165,39 @@ class ObjectStoreKV(ZarrStoreKV):
         return await self._answered(self.objects.read(key))
 
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        keys = list(keys)
         try:
-            return super().get_many(keys)
+            return self._through_outages(f"GET {keys[0] if len(keys) == 1 else f'{len(keys)} keys'}",
+                                         lambda: super(ObjectStoreKV, self).get_many(keys))
+        except StoreError:
+            raise
         except Exception as exc:
             denied = self.objects.access_error(exc)  # else the client's own error type and words
             if denied is None:
                 raise
             raise StoreError(f"{self.location}: {denied}") from None
 
+    def list_dir(self, prefix: str) -> list[str]:
+        return self._through_outages(f"LIST {prefix or '/'}", lambda: super(ObjectStoreKV, self).list_dir(prefix))
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._through_outages(f"DELETE {prefix}/", lambda: super(ObjectStoreKV, self).delete_prefix(prefix))
+
+    def size_of(self, prefix: str) -> int:
+        return self._through_outages(f"LIST {prefix}/", lambda: super(ObjectStoreKV, self).size_of(prefix))
+
     def create_object(self, key: str, body: bytes) -> str:
-        return self._sync(self._answered(self.objects.create(key, body)))
+        return self._through_outages(f"PUT {key}", lambda: self._sync(self._answered(self.objects.create(key, body))))
 
     def replace_object(self, key: str, body: bytes, etag: str) -> str:
-        return self._sync(self._answered(self.objects.replace(key, body, etag)))
+        return self._through_outages(f"PUT {key}",
+                                     lambda: self._sync(self._answered(self.objects.replace(key, body, etag))))
 
     def read_object(self, key: str) -> ObjectVersion | None:
-        return self._sync(self._read(key))
+        return self._through_outages(f"GET {key}", lambda: self._sync(self._read(key)))
 
     def delete_object(self, key: str, etag: str) -> None:
-        self._sync(self._answered(self.objects.delete(key, etag)))
+        self._through_outages(f"DELETE {key}", lambda: self._sync(self._answered(self.objects.delete(key, etag))))
 
     # ---------------------------------------------------------------- units: create only
     def put_many(self, items: Iterable[tuple[str, Any]] | Mapping[str, Any], *, durable: bool = False,
@@ -172,9 +205,15 @@ class ObjectStoreKV(ZarrStoreKV):
         pairs = [(k, _as_bytes(v)) for k, v in (items.items() if isinstance(items, Mapping) else items)]
 
         async def create_all():
-            await asyncio.gather(*(self._create(k, v) for k, v in pairs))
+            # every create ends before this returns (a retry never races one still in flight)
+            outcomes = await asyncio.gather(*(self._create(k, v) for k, v in pairs), return_exceptions=True)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:
+                # an outage before the others: retried for a time; a refusal (StoreLockedError) first
+                raise next((f for f in failed if not self.objects.unanswered(f)), failed[0])
 
-        self._sync(create_all())
+        self._through_outages(f"PUT {pairs[0][0] if len(pairs) == 1 else f'{len(pairs)} keys'}",
+                              lambda: self._sync(create_all()))
 
     async def _create(self, key: str, body: bytes) -> None:
         try:
@@ -305,6 +344,9 @@ class ObjectStoreLock:
                 changed_hands = self._changed_hands(changed_hands)  # released in between
                 continue
             holder = _holder(seen)
+            if holder.get("owner") == self._token:  # our create landed, its answer was lost: retried
+                self._etag = seen.etag
+                break
             if not self._abandoned(holder, seen):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
