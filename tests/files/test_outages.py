@@ -85,3 +85,22 @@ def test_a_buffer_append_and_a_refresh_ride_out_an_outage(s3_server):
     finally:
         proxy.stop()
     assert proxy.refused == 2
+
+
+def test_a_writer_whose_lock_create_was_retried_after_its_answer_was_lost_holds_the_lock(s3_server):
+    """Retries re-send a create that may have landed: the lock object found then is this writer's own
+    (its token), not another writer's to be refused by (before, a writer refused itself, naming its
+    own pid). A 503 instead of the answer (``tests/s3_faults.py``), which botocore retries."""
+    from s3_faults import FaultyProxy
+
+    proxy = FaultyProxy(s3_server.endpoint)
+    url = s3_server.url("buffer")
+    try:
+        proxy.lose_answer("PUT", 1)  # the first PUT of a new store: its writer.lock
+        with create_store(url, "zarr", storage_options={**s3_server.options, "endpoint_url": proxy.endpoint}) as w:
+            w.append(make_batch(2, 2, seed=0))
+    finally:
+        proxy.stop()
+    assert 412 in proxy.statuses()  # the retry met the lock its first try created
+    with open_store(url, storage_options=s3_server.options) as reader:
+        assert len(reader) == 4
