@@ -107,6 +107,44 @@ def is_sharded_buffer(location: str | Path, storage_options: dict | None = None)
         return False
 
 
+def within(location: str | Path, container: str | Path) -> bool:
+    """Whether ``location`` is ``container`` or lies under it (paths resolved; URLs compared as text)."""
+    if is_url(location) or is_url(container):
+        inner, outer = str(location).rstrip("/"), str(container).rstrip("/")
+        return inner == outer or inner.startswith(outer + "/")
+    inner, outer = Path(location).resolve(), Path(container).resolve()
+    return inner == outer or outer in inner.parents
+
+
+def buffer_holding(location: str | Path) -> str | None:
+    """The buffer that ``location`` lies inside, if any: the nearest directory (or URL prefix) above
+    it that is a store, holds shard stores, or is a run's ``buffer/`` (``settings.json`` beside it,
+    looked at on a local file system only). A store written there becomes part of that buffer: a new
+    ``shard-NNNN`` of a run's buffer is read by its learner as rows of the run. None when nothing above
+    ``location`` is a buffer. Locally a few ``stat`` calls per directory up to the root; at a URL a
+    GET and two LISTs per prefix up to the bucket."""
+    from rlhf_pipeline.storage.backends import detect_backend
+    from rlhf_pipeline.storage.errors import NotAStoreError
+
+    if is_url(location):
+        scheme, rest = str(location).rstrip("/").split("://", 1)
+        parts = rest.split("/")
+        ancestors = [f"{scheme}://{'/'.join(parts[:n])}" for n in range(len(parts) - 1, 1, -1)]
+    else:
+        ancestors = [str(parent) for parent in Path(location).resolve().parents if parent != parent.parent]
+    for ancestor in ancestors:
+        try:
+            detect_backend(ancestor)
+            return ancestor
+        except NotAStoreError:  # nothing there, or not a store (StoreNotFoundError too)
+            pass
+        if is_sharded_buffer(ancestor):
+            return ancestor
+        if not is_url(ancestor) and Path(ancestor).name == "buffer" and (Path(ancestor).parent / "settings.json").is_file():
+            return ancestor
+    return None
+
+
 def stores_in(location: str) -> list[tuple[str, str]]:
     """``(backend, location)`` of every store of a buffer: the store itself, or each shard.
 
