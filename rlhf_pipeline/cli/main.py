@@ -13,6 +13,8 @@ import importlib
 import os
 import sys
 
+from rlhf_pipeline.storage.errors import StoreClosedError, StoreError  # no torch: errors only
+
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rlhf_pipeline.cli.run_cmd", "run a pipeline: collector and learner together"),
@@ -61,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
         print(f"rlhf-pipeline {args.command}: interrupted", file=sys.stderr)
         return 130
+    except StoreError as exc:
+        # what a command did not word itself (a writer lock held by another process, a store refused at
+        # a URL): one line naming what and where, as every other refusal; a closed store is a bug
+        if isinstance(exc, StoreClosedError):
+            raise
+        print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

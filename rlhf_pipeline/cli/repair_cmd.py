@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
             reports = repair_buffer(args.path, apply=args.apply,
                                     progress=progress_reporter("repair", "parts", quiet=args.quiet))
         except StoreLockedError as exc:
-            print(f"rlhf-pipeline repair: {exc}\nrepair --apply needs the store's writer lock: stop that writer (or "
+            held = f"{args.path} is being written by {exc.holder}" if exc.holder else str(exc).split(";")[0]
+            print(f"rlhf-pipeline repair: {held}; repair --apply needs the store's writer lock: stop that writer (or "
                   f"wait until its lease runs out), then run repair again; nothing was written", file=sys.stderr)
             return 2
         except StoreError as exc:

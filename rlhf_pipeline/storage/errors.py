@@ -13,7 +13,12 @@ class StoreError(RuntimeError):
 
 
 class StoreLockedError(StoreError):
-    """Another process holds the store's writer lock."""
+    """Another process holds the store's writer lock; ``holder`` names it (``"process 4242 on
+    node-7"``) when known, for a caller that words its own message (the command line's)."""
+
+    def __init__(self, message: str, holder: str | None = None):
+        super().__init__(message)
+        self.holder = holder
 
 
 class NotAStoreError(StoreError):

@@ -178,10 +178,19 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         report.actions.append(f"publish the state rebuilt from the segment files into {STATE_STEM}.0 and "
                               f"{STATE_STEM}.1 ({before} -> rows {first_row}..{next_row - 1})")
     if unacknowledged:
-        report.notes.append(
-            f"{unacknowledged} complete row(s) past the published end (row {next_row}) were never acknowledged "
-            f"(a writer was killed before publishing them; a collector writes that round again): they are not "
-            f"published, and the next writer discards them")
+        from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, writer_holding
+
+        writer = writer_holding(path / LOCK_FILE_NAME)
+        if writer is not None:
+            report.notes.append(
+                f"{unacknowledged} complete row(s) past the published end (row {next_row}) are being appended by the "
+                f"live writer, {writer}, which holds the writer lock: its next publish acknowledges them; nothing "
+                f"to repair")
+        else:
+            report.notes.append(
+                f"{unacknowledged} complete row(s) past the published end (row {next_row}) were never acknowledged "
+                f"(a writer was killed before publishing them; a collector writes that round again): they are not "
+                f"published, and the next writer discards them")
     elif acknowledged is None and not same:
         report.notes.append(
             "no intact state slot: every complete row in the segment files is published, including rows a writer "

@@ -158,6 +158,17 @@ def summarize(loc: Location, record: dict[str, Any], location: str) -> StoreStat
     )
 
 
+def _live_writer(loc: Location) -> str | None:
+    """Who holds the store's writer lock now (``"process 4242 on node-7"``), else None: a look, not a take."""
+    if loc.local_root is not None:
+        from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, writer_holding
+
+        return writer_holding(loc.local_root / LOCK_FILE_NAME)
+    from rlhf_pipeline.storage.zarr.object_store import ObjectStoreKV, live_writer
+
+    return live_writer(loc.kv) if isinstance(loc.kv, ObjectStoreKV) else None
+
+
 def _bytes_on_disk(loc: Location) -> int:
     """What ``du`` counts for a local store; the object sizes for a remote one; the file for a zip."""
     if loc.local_root is not None:
@@ -223,8 +234,12 @@ def verify(location: str, progress: Progress | None = None, storage_options: dic
         published = {u.name for u in units}
         orphans = [n for n in loc.kv.list_dir(UNITS_PREFIX) if n != ROOT_META and n not in published]
         if orphans:
-            report.notes.append(f"{len(orphans)} unit(s) under units/ are not published (a writer's leftovers, "
-                                f"deleted by the next writer): {', '.join(orphans[:5])}")
+            writer = _live_writer(loc)
+            why = (f"being written by the live writer, {writer}, which holds the writer lock: published by its next "
+                   f"publish, or deleted by it" if writer is not None else
+                   "a writer's leftovers: a writer was stopped before publishing them, and the next one deletes them")
+            report.notes.append(f"{len(orphans)} unit(s) under units/ are not published ({why}): "
+                                f"{', '.join(orphans[:5])}")
         return report
     finally:
         loc.kv.close()

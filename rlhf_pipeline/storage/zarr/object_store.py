@@ -351,7 +351,8 @@ class ObjectStoreLock:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     waited = f" (waited {wait_s:g} s for it: lock_wait_s)" if wait_s else ""
-                    raise StoreLockedError(self._locked_message(holder, seen) + waited)
+                    raise StoreLockedError(self._locked_message(holder, seen) + waited,
+                                           holder=f"process {holder.get('pid')} on {holder.get('host')}")
                 runs_out_in = self._runs_out_in(holder, seen)
                 if announced != seen.etag:
                     announced = seen.etag
@@ -412,13 +413,7 @@ class ObjectStoreLock:
         return self._why_abandoned(holder, seen) is not None
 
     def _why_abandoned(self, holder: dict, seen: ObjectVersion) -> str | None:
-        pid, host = holder.get("pid"), holder.get("host")
-        if host == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
-            return "that process is no longer running"
-        lease = self._lease_of(holder)
-        if seen.age_s is not None and seen.age_s > lease:
-            return f"not renewed for {seen.age_s:.0f} s, lease {lease:g} s"
-        return None
+        return _why_abandoned(holder, seen, self._lease_of(holder))
 
     def _locked_message(self, holder: dict, seen: ObjectVersion) -> str:
         lease = self._lease_of(holder)
@@ -469,6 +464,31 @@ class ObjectStoreLock:
         self.release()
 
 
+def _why_abandoned(holder: dict, seen: ObjectVersion, lease: float) -> str | None:
+    pid, host = holder.get("pid"), holder.get("host")
+    if host == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
+        return "that process is no longer running"
+    if seen.age_s is not None and seen.age_s > lease:
+        return f"not renewed for {seen.age_s:.0f} s, lease {lease:g} s"
+    return None
+
+
+def live_writer(kv: ObjectStoreKV) -> str | None:
+    """Who holds the store's writer lock (``"process 4242 on node-7"``) while its lease runs, else
+    None (no lock object, or one its holder abandoned); reads the lock, takes nothing."""
+    seen = kv.read_object(LOCK_FILE_NAME)
+    if seen is None:
+        return None
+    holder = _holder(seen)
+    try:
+        lease = float(holder.get("lease_s", DEFAULT_LEASE_S))
+    except (TypeError, ValueError):
+        lease = DEFAULT_LEASE_S
+    if _why_abandoned(holder, seen, lease) is not None:
+        return None
+    return f"process {holder.get('pid')} on {holder.get('host')}"
+
+
 def _clock(epoch_s: float) -> str:
     """A moment as ``HH:MM:SS UTC`` (this host's clock), for the lines of a writer waiting for a lock."""
     import datetime
@@ -492,6 +512,7 @@ __all__ = [
     "ObjectStoreKV",
     "ObjectStoreLock",
     "is_object_store_url",
+    "live_writer",
     "object_store_options",
     "require_object_store_client",
 ]
