@@ -10,9 +10,10 @@ the open segment's end offsets tell how many complete rows it holds (see
    a damaged slot that still parses, else the files (fields from the file names, segment
    size from a sealed segment);
 2. with an intact newest slot (the record of what was acknowledged), publishes exactly the
-   rows it covers: complete rows past its end were written by a writer killed before its
-   publish, were never acknowledged (a collector writes that round again), and are left to
-   the next writer, which truncates them; the dry run then finds nothing to repair;
+   rows it covers: complete rows past its end were never acknowledged and are left alone: a
+   live writer (it holds the writer lock) publishes them with its append, and the rows of a
+   writer killed before its publish are truncated by the next writer (a collector writes that
+   round again); the dry run then finds nothing to repair;
 3. without one (both slots damaged or missing, or a newest slot damaged), walks the segments
    from the first held one: each sealed segment contributes its rows, the first segment
    that is not full is the tail and ends the walk. A segment that is missing or short while
