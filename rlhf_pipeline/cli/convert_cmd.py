@@ -2,7 +2,7 @@
 
 Takes what ``inspect`` takes: a single store, or a run's buffer of ``shard-NNNN`` stores,
 which is converted shard by shard into ``DST/shard-NNNN`` (a sharded buffer again, which
-a learner reads the same way). Streams one segment at a time (memory stays at about one
+a learner reads the same way); a shard still being made is left out, saying so. Streams one segment at a time (memory stays at about one
 segment), shows progress, and with ``--verify`` re-reads both buffers and compares every
 row. The source is opened read-only, so converting beside a running writer copies the rows
 published when the conversion started.
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from rlhf_pipeline.cli.progress import progress_reporter
-    from rlhf_pipeline.storage.buffers import is_sharded_buffer, list_shards, shard_location
+    from rlhf_pipeline.storage.buffers import is_sharded_buffer, shard_index, shard_key_of, shard_location, stores_in
     from rlhf_pipeline.storage.errors import StoreError, StoreNotFoundError
 
     options = {}
@@ -47,8 +47,14 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"rlhf-pipeline convert: {problem}", file=sys.stderr)
         return 2
+    skipped: dict[str, str] = {}
     if is_sharded_buffer(args.src):
-        pairs = [(path, shard_location(args.dst, index)) for index, path in list_shards(args.src)]
+        try:  # the shards a learner reads: one still being made is left out, as the learner does
+            pairs = [(path, shard_location(args.dst, shard_index(shard_key_of(path))))
+                     for _, path in stores_in(args.src, skipped)]
+        except StoreError as exc:
+            print(f"rlhf-pipeline convert: {exc}", file=sys.stderr)
+            return 2
     else:
         pairs = [(args.src, args.dst)]
 
@@ -70,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     except (StoreError, ValueError) as exc:
         print(f"rlhf-pipeline convert: {exc}", file=sys.stderr)
         return 2
+    lines += [f"{name}: not converted: {why}" for name, why in sorted(skipped.items())]
     print("\n".join(lines))
     return 0
 

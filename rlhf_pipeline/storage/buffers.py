@@ -145,12 +145,14 @@ def buffer_holding(location: str | Path) -> str | None:
     return None
 
 
-def stores_in(location: str) -> list[tuple[str, str]]:
+def stores_in(location: str, skipped: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """``(backend, location)`` of every store of a buffer: the store itself, or each shard.
 
     Raises ``StoreNotFoundError`` for a path that does not exist, ``NotAStoreError`` when
     nothing there is a store, ``StoreCorruptedError`` when the store is too damaged to tell
-    its backend (a shard being created, with no metadata yet, is skipped).
+    its backend. A shard being created (no metadata yet; at an object-store URL, where there is
+    no rename, :class:`~rlhf_pipeline.storage.errors.StoreBeingCreatedError` says so) is left out,
+    and ``skipped`` (when given) gets its name and why, as a learner's union leaves it out.
     """
     from rlhf_pipeline.storage.backends import check_buffer_url, detect_backend
     from rlhf_pipeline.storage.errors import NotAStoreError
@@ -160,16 +162,36 @@ def stores_in(location: str) -> list[tuple[str, str]]:
         raise StoreNotFoundError(f"{location} does not exist")
     if not is_sharded_buffer(location):
         return [(detect_backend(location), location)]
-    found, skipped = [], []
+    found, not_open = [], {}
     for index, path in list_shards(location):
         try:
             found.append((detect_backend(path), path))
         except NotAStoreError as exc:
-            skipped.append(f"{shard_key_of(path)}: {exc}")
+            not_open[shard_key_of(path)] = _being_created(path) or str(exc)
+    if skipped is not None:
+        skipped.update(not_open)
     if not found:
         raise NotAStoreError(f"{location} holds no readable shard store (shard-NNNN directories): "
-                             + "; ".join(skipped))
+                             + "; ".join(f"{name}: {why}" for name, why in not_open.items()))
     return found
+
+
+def _being_created(location: str) -> str | None:
+    """Why the shard at ``location``, which no backend recognizes, is a store being made (at an
+    object-store URL); else None."""
+    from rlhf_pipeline.storage.errors import StoreBeingCreatedError
+    from rlhf_pipeline.storage.zarr.inspection import open_record
+
+    if not is_url(location):
+        return None
+    try:
+        loc, _ = open_record(location)
+        loc.kv.close()
+    except StoreBeingCreatedError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - anything else: the caller's own reason stands
+        return None
+    return None
 
 
 def buffer_stats(location: str) -> StoreStats:
@@ -178,8 +200,9 @@ def buffer_stats(location: str) -> StoreStats:
     from rlhf_pipeline.storage.backends import inspection
     from rlhf_pipeline.storage.errors import NotAStoreError, StoreNotFoundError
 
+    skipped: dict[str, str] = {}
     try:
-        stores = stores_in(location)
+        stores = stores_in(location, skipped)
     except StoreNotFoundError:
         raise
     except NotAStoreError:
@@ -194,7 +217,10 @@ def buffer_stats(location: str) -> StoreStats:
     if not is_sharded_buffer(location):
         backend, path = stores[0]
         return inspection(backend).stats(path)
-    return combine_stats(location, [inspection(b).stats(p) for b, p in stores])
+    out = combine_stats(location, [inspection(b).stats(p) for b, p in stores])
+    if skipped:  # as the learner's union says it (ShardedStoreReader.stats)
+        out.extra["shards_not_open"] = "; ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
+    return out
 
 
 def combine_stats(location: str, per_shard: list[StoreStats], schema_optional: list[str] | None = None) -> StoreStats:

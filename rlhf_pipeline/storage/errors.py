@@ -29,6 +29,11 @@ class StoreNotFoundError(NotAStoreError):
     """The location does not exist at all."""
 
 
+class StoreBeingCreatedError(NotAStoreError):
+    """A store is being made at the location (or its making was stopped before its first commit
+    record): no rows yet. Readers of a run's buffer skip such a shard until it has a record."""
+
+
 class StoreUnreachableError(StoreError):
     """An object store gave no answer (connections refused, reset, timed out) for a whole retry
     budget; nothing was lost, and the same call works again once the store answers."""

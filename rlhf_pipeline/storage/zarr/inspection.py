@@ -19,7 +19,7 @@ from rlhf_pipeline.storage.errors import NotAStoreError, StoreCorruptedError
 from rlhf_pipeline.storage.reports import CheckReport, Progress
 from rlhf_pipeline.storage.summary import StoreStats, disk_usage, summarize_trajectories
 from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, NP_DTYPE_BY_NAME, UNITS_PREFIX, arrays_of
-from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root, resolve
+from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root, raise_if_being_created, resolve
 from rlhf_pipeline.storage.zarr.unit_constants import disagreements, parse_constants
 from rlhf_pipeline.storage.zarr.units import ROOT_META, UnitCodecs, UnitGone, UnitRef, read_unit
 
@@ -79,6 +79,8 @@ def open_record(location: str, storage_options: dict | None = None) -> tuple[Loc
         except NotAStoreError:
             if has_units(loc):
                 parse_root(raw, location, units_exist=True)  # raises StoreCorruptedError
+            if raw is None:
+                raise_if_being_created(loc)
             raise
     except BaseException:
         loc.kv.close()

@@ -80,6 +80,10 @@ from rlhf_pipeline.storage.zarr.units import ROOT_META
 log = logging.getLogger(__name__)
 
 OBJECT_STORE_SCHEMES = tuple(scheme for cloud in CLOUDS for scheme in cloud.schemes)
+# a store being made under this prefix: PUT before any other object of it, deleted once its first
+# commit record is published. Object storage has no rename, so this object is what a local
+# `shard-NNNN.creating` directory is: a reader tells a store still being made from a damaged one
+CREATING_KEY = "creating"
 DEFAULT_LEASE_S = 30.0
 # a reader asked to refresh more often (a learner: before every batch) GETs the record at most this often
 DEFAULT_REFRESH_INTERVAL_S = 1.0
@@ -247,6 +251,7 @@ class ObjectStoreKV(ZarrStoreKV):
                 return
             try:
                 self._record_etag = self.replace_object(ROOT_META, _dump(document), seen.etag)
+                self.unmark_creating()  # a creation killed between its first publish and deleting its marker
                 return
             except ConditionFailed:
                 continue  # a fenced writer's publish landed in between: read again
@@ -260,8 +265,9 @@ class ObjectStoreKV(ZarrStoreKV):
             document = dict(document, attributes=dict(
                 attributes, **{ATTRS_KEY: dict(attributes[ATTRS_KEY], writer=self._writer_token)}))
         body = _dump(document)
+        first = self._record_etag is None
         try:
-            if self._record_etag is None:
+            if first:
                 self._record_etag = self.create_object(ROOT_META, body)
             else:
                 self._record_etag = self.replace_object(ROOT_META, body, self._record_etag)
@@ -269,15 +275,47 @@ class ObjectStoreKV(ZarrStoreKV):
             current = self.read_object(ROOT_META)
             if current is not None and current.body == body:
                 self._record_etag = current.etag  # our own PUT, retried after its answer was lost
+                if first:
+                    self.unmark_creating()
                 return
             raise StoreLockedError(
                 f"{self.location}: another writer replaced the commit record since this writer's last publish "
                 f"(this writer's lock was taken over: its lease ran out, or the store was opened by a second "
                 f"writer); nothing of this append was published. Open the store again (mode='a') to append."
             ) from None
+        if first:
+            self.unmark_creating()  # the store's first record: it is made
 
     def writer_lock(self, lease_s: float) -> ObjectStoreLock:
         return ObjectStoreLock(self, lease_s=lease_s)
+
+    # ---------------------------------------------------------------- a store being made
+    def mark_creating(self) -> None:
+        """Says, before anything else is written, that a store is being made here (:data:`CREATING_KEY`)."""
+        body = _dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        self._through_outages(f"PUT {CREATING_KEY}", lambda: self._sync(self._answered(self.objects.put(CREATING_KEY, body))))
+
+    def unmark_creating(self) -> None:
+        """Deletes the marker: the store has its commit record (a marker left beside one is ignored)."""
+        self._through_outages(f"DELETE {CREATING_KEY}", lambda: self._sync(self._answered(self.objects.remove(CREATING_KEY))))
+
+    def being_created(self) -> str | None:
+        """For a prefix with no commit record and no units: why it is a store still being made (its
+        marker names the process and when it started), or one whose making stopped before its first
+        record (a creation killed midway before the marker existed leaves only its writer lock and
+        group metadata); None when other objects are there, which is no store of ours."""
+        marker = self.read_object(CREATING_KEY)
+        if marker is not None:
+            maker = _holder(marker)
+            started = maker.get("started")
+            since = f" since {_clock(started)}" if isinstance(started, (int, float)) else ""
+            return (f"{self.location} is being created by process {maker.get('pid')} on {maker.get('host')}{since}: "
+                    f"no rows yet (a creation killed midway stays so until its writer starts again)")
+        names = set(self.list_dir(""))
+        if names and names <= {LOCK_FILE_NAME, CREATING_KEY, "units"} and set(self.list_dir("units")) <= {ROOT_META}:
+            return (f"{self.location} holds only what a store's creation writes before its first commit record: no "
+                    f"rows yet (a creation stopped midway; its writer makes it again when it starts)")
+        return None
 
 
 def _as_bytes(value) -> bytes:
@@ -505,6 +543,7 @@ def _holder(seen: ObjectVersion) -> dict:
 
 
 __all__ = [
+    "CREATING_KEY",
     "DEFAULT_LEASE_S",
     "DEFAULT_REFRESH_INTERVAL_S",
     "OBJECT_STORE_SCHEMES",
