@@ -93,7 +93,7 @@ def _destination_problem(src: str, dst: str) -> str | None:
                     f"choose a DST that does not exist")
         return f"{dst} is inside the source {src}; choose a DST outside it"
     if "://" not in dst and os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-        return f"{dst} already exists; convert writes a new buffer: choose a path that does not exist"
+        return f"{dst} already holds files; convert writes a new buffer: choose a path that does not exist"
     holder = buffer_holding(dst)
     if holder is not None:
         return (f"{dst} is inside the buffer {holder}: a store written there becomes part of that buffer (a shard "

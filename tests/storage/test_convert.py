@@ -108,7 +108,7 @@ def test_cli_refuses_a_destination_that_is_the_source_inside_it_or_inside_a_run_
                (src, src, "zarr", "is the source: convert writes a copy"),
                (src, f"{src}/inner", "zarr", "is inside the source"),
                (src, str(run_buffer / "shard-0001"), "memmap", "is inside the buffer .*run/buffer"),
-               (str(run_buffer), str(tmp_path / "run"), "zarr", "already exists; convert writes a new buffer")]
+               (str(run_buffer), str(tmp_path / "run"), "zarr", "already holds files; convert writes a new buffer")]
     for a, b, to, message in refused:
         assert main(["convert", a, b, "--to", to, "--quiet"]) == 2
         err = capsys.readouterr().err
