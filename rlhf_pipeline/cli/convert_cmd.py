@@ -2,10 +2,10 @@
 
 Takes what ``inspect`` takes: a single store, or a run's buffer of ``shard-NNNN`` stores,
 which is converted shard by shard into ``DST/shard-NNNN`` (a sharded buffer again, which
-a learner reads the same way); a shard still being made is left out, saying so. Streams one segment at a time (memory stays at about one
-segment), shows progress, and with ``--verify`` re-reads both buffers and compares every
-row. The source is opened read-only, so converting beside a running writer copies the rows
-published when the conversion started.
+a learner reads the same way); a shard still being made is left out, saying so. Streams one
+segment at a time (memory stays at about one segment), shows progress, and with ``--verify``
+re-reads both buffers and compares every row. The source is opened read-only, so converting
+beside a running writer copies the rows published when the conversion started.
 """
 
 from __future__ import annotations

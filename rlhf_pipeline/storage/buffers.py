@@ -140,7 +140,8 @@ def buffer_holding(location: str | Path) -> str | None:
             pass
         if is_sharded_buffer(ancestor):
             return ancestor
-        if not is_url(ancestor) and Path(ancestor).name == "buffer" and (Path(ancestor).parent / "settings.json").is_file():
+        local = Path(ancestor)
+        if not is_url(ancestor) and local.name == "buffer" and (local.parent / "settings.json").is_file():
             return ancestor
     return None
 

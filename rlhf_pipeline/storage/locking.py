@@ -67,8 +67,8 @@ class WriterLock:
                     if time.monotonic() < deadline:
                         time.sleep(_POLL_S)
                         continue
-                raise StoreLockedError(self._locked_message(holder),
-                                       holder=None if holder is None else f"process {holder[0]} on {holder[1]}") from None
+                named = None if holder is None else f"process {holder[0]} on {holder[1]}"
+                raise StoreLockedError(self._locked_message(holder), holder=named) from None
             except BaseException:
                 os.close(fd)
                 raise

@@ -212,7 +212,8 @@ def test_a_shard_whose_creation_was_killed_is_skipped_as_being_made_and_a_damage
         assert list(union.shard_names) == [0] and len(union) == 10
     assert main(["inspect", buffer]) == 0
     out = capsys.readouterr().out
-    assert re.search(rf"shards not open +{made.rsplit('/', 1)[1]}: .* is being created by process {child.pid}", out), out
+    name = made.rsplit("/", 1)[1]
+    assert re.search(rf"shards not open +{name}: .* is being created by process {child.pid}", out), out
     assert main(["convert", buffer, str(tmp_path / "copy"), "--to", "memmap", "--quiet"]) == 0
     assert "not converted" in capsys.readouterr().out
 

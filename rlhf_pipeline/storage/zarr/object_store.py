@@ -293,11 +293,13 @@ class ObjectStoreKV(ZarrStoreKV):
     def mark_creating(self) -> None:
         """Says, before anything else is written, that a store is being made here (:data:`CREATING_KEY`)."""
         body = _dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
-        self._through_outages(f"PUT {CREATING_KEY}", lambda: self._sync(self._answered(self.objects.put(CREATING_KEY, body))))
+        self._through_outages(f"PUT {CREATING_KEY}",
+                              lambda: self._sync(self._answered(self.objects.put(CREATING_KEY, body))))
 
     def unmark_creating(self) -> None:
         """Deletes the marker: the store has its commit record (a marker left beside one is ignored)."""
-        self._through_outages(f"DELETE {CREATING_KEY}", lambda: self._sync(self._answered(self.objects.remove(CREATING_KEY))))
+        self._through_outages(f"DELETE {CREATING_KEY}",
+                              lambda: self._sync(self._answered(self.objects.remove(CREATING_KEY))))
 
     def being_created(self) -> str | None:
         """For a prefix with no commit record and no units: why it is a store still being made (its
