@@ -52,6 +52,37 @@ def set_threads(pipeline: Pipeline) -> None:
         torch.set_num_threads(pipeline.torch_threads)
 
 
+def collector_shard(paths: RunPaths, collector_index: int) -> str:
+    """Where collector ``collector_index`` writes: its shard under the name it was made with
+    (``shard-kkkk``, or at an object-store URL ``<hh>-shard-kkkk``), or a single-store buffer."""
+    from rlhf_pipeline.storage.buffers import find_shard
+
+    return str(paths.buffer) if paths.single_store_buffer else find_shard(paths.buffer_location, collector_index)
+
+
+def refuse_a_second_collector(paths: RunPaths, collector_index: int) -> None:
+    """Raises ``RunError`` when a live process holds the writer lock of this collector's local
+    shard: said before the seconds of building a policy, not after. A shard at a URL is left to
+    :func:`collect_main`, which waits out the lease of a collector that died on another machine."""
+    from pathlib import Path
+
+    from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, writer_holding
+
+    store_path = collector_shard(paths, collector_index)
+    if "://" not in store_path:
+        holder = writer_holding(Path(store_path) / LOCK_FILE_NAME)
+        if holder is not None:
+            raise _second_collector(collector_index, store_path, holder)
+
+
+def _second_collector(collector_index: int, store_path: str, holder: str | None) -> Exception:
+    from rlhf_pipeline.runs.run_directory import RunError
+
+    return RunError(f"collector {collector_index} of this run is already running: {holder or 'another process'} "
+                    f"writes {store_path}, and a shard takes one collector. Stop that one, or start this one with "
+                    f"another --collector-index")
+
+
 def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                  collector_index: int = 0, poller: Any = None) -> int:
     """Collects rounds until ``rounds``, a stop request, or the learner's ``STOP`` file.
@@ -69,20 +100,23 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
     from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.storage import open_store
-    from rlhf_pipeline.storage.buffers import find_shard, shard_key_of
+    from rlhf_pipeline.storage.buffers import shard_key_of
+    from rlhf_pipeline.storage.errors import StoreLockedError
     from rlhf_pipeline.coordination.weights import WeightsPoller
     from rlhf_pipeline.files.machine_cache import MachineCache
 
     stop = StopFlag()
     tag = collector_tag(collector_index)
     state_file = paths.collector_state(collector_index)
-    # the shard under the name it was made with: shard-kkkk, or at an object-store URL <hh>-shard-kkkk
-    store_path = str(paths.buffer) if paths.single_store_buffer else find_shard(paths.buffer_location, collector_index)
+    store_path = collector_shard(paths, collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on
     # another machine holds it until its lease runs out, which is waited for
     lock_wait = ({"lock_wait_s": pipeline.buffer_lock_wait_s, "lock_lease_s": pipeline.buffer_lock_lease_s}
                  if paths.buffer_url else {})
-    store = open_store(store_path, mode="a", **lock_wait)
+    try:
+        store = open_store(store_path, mode="a", **lock_wait)
+    except StoreLockedError as exc:  # a refusal, said in one line: the store's own words are for Python callers
+        raise _second_collector(collector_index, store_path, exc.holder) from None
     done = 0
     try:
         model = pipeline.make_model()

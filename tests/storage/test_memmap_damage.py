@@ -243,6 +243,31 @@ def unacknowledged_append(path, segment_rows: int, published_rows: int, appended
     return first
 
 
+def test_repair_beside_a_live_writer_calls_its_rows_in_flight_not_a_killed_writers(tmp_path, capsys):
+    """Rows past the published end while a writer holds the lock are its append in flight (they were
+    called "a writer was killed before publishing them"); ``--apply`` is refused in one line."""
+    import os
+
+    from rlhf_pipeline.storage.locking import WriterLock
+
+    path = tmp_path / "buffer"
+    unacknowledged_append(path, 64, 10, 30, 20)
+    lock = WriterLock(path / "writer.lock")  # as a writer holds it between writing rows and publishing them
+    with lock:
+        assert main(["repair", str(path)]) == 0
+        live = capsys.readouterr().out
+    assert main(["repair", str(path)]) == 0
+    stopped = capsys.readouterr().out
+    assert f"being appended by the live writer, process {os.getpid()} on" in live and "killed" not in live, live
+    assert "a writer was killed before publishing them" in stopped, stopped
+    (path / "state.0").write_bytes(b"damaged")  # something to repair, which --apply may not write now
+    with lock:
+        assert main(["repair", str(path), "--apply"]) == 2
+        refused = capsys.readouterr().err
+    assert len(refused.strip().splitlines()) == 1 and f"process {os.getpid()}" in refused, refused
+    assert "mode=" not in refused and "nothing was written" in refused, refused
+
+
 @pytest.mark.parametrize("appended, complete", [(30, 20), (30, None)])
 def test_repair_never_publishes_rows_past_an_intact_publish(tmp_path, capsys, appended, complete):
     path = tmp_path / "buffer"

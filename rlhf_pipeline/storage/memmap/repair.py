@@ -11,9 +11,9 @@ the open segment's end offsets tell how many complete rows it holds (see
    size from a sealed segment);
 2. with an intact newest slot (the record of what was acknowledged; the manifest's state when
    no publish has landed yet), publishes exactly the rows it covers: complete rows past its end
-   were written by a writer killed before its publish, were never acknowledged (a collector
-   writes that round again), and are left to the next writer, which truncates them; the dry run
-   then finds nothing to repair;
+   were never acknowledged and are left alone: a live writer (it holds the writer lock) publishes
+   them with its append, and the rows of a writer killed before its publish are truncated by the
+   next writer (a collector writes that round again); the dry run then finds nothing to repair;
 3. without one (both slots damaged, a newest slot damaged, or a slot lost: deleted, or emptied
    while the other holds publish 2 or later, see :func:`~.layout.lost_slot`), walks the segments
    from the first held one: each sealed segment contributes its rows, the first segment
@@ -213,10 +213,19 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         report.actions.append(f"publish the state rebuilt from the segment files into {STATE_STEM}.0 and "
                               f"{STATE_STEM}.1 ({before} -> rows {first_row}..{next_row - 1})")
     if unacknowledged:
-        report.notes.append(
-            f"{unacknowledged} complete row(s) past the published end (row {next_row}) were never acknowledged "
-            f"(a writer was killed before publishing them; a collector writes that round again): they are not "
-            f"published, and the next writer discards them")
+        from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, writer_holding
+
+        writer = writer_holding(path / LOCK_FILE_NAME)
+        if writer is not None:
+            report.notes.append(
+                f"{unacknowledged} complete row(s) past the published end (row {next_row}) are being appended by the "
+                f"live writer, {writer}, which holds the writer lock: its next publish acknowledges them; nothing "
+                f"to repair")
+        else:
+            report.notes.append(
+                f"{unacknowledged} complete row(s) past the published end (row {next_row}) were never acknowledged "
+                f"(a writer was killed before publishing them; a collector writes that round again): they are not "
+                f"published, and the next writer discards them")
     elif acknowledged is None and not same:
         report.notes.append(
             f"{'a state slot was lost' if lost is not None else 'no intact state slot'}: every complete row in the "
