@@ -9,8 +9,8 @@
   environment messages tokenized as the template renders them), the loss mask, the limits, the
   rows it stores (one per turn) and ``rebuild_trajectory`` from those rows;
 * :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them;
-* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool) and a warm start on
-  demonstration episodes.
+* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool), a warm start on
+  demonstration episodes and a greedy check of what it reached;
 * :mod:`.verifiers_env` -- a ``verifiers`` environment (``MultiTurnEnv``, ``ToolEnv``, its rubric)
   as an ``Environment`` (the optional ``verifiers`` extra).
 
