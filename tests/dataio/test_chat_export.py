@@ -28,7 +28,7 @@ from rlhf_pipeline.storage import create_store, open_buffer
 REPO = Path(__file__).resolve().parents[2]
 TOOL_USE = REPO / "pipelines" / "tool_use.py"
 # enough warm start that the tiny model calls the tool in some episodes (multi-turn trajectories)
-SMALL = ["warm_start_steps=40", "tasks_per_round=4", "group_size=4", "threads=1"]
+SMALL = ["warm_start_steps=40", "warm_start_check_tasks=0", "tasks_per_round=4", "group_size=4", "threads=1"]
 
 
 def tool_use_pipeline(root: Path, *overrides: str):
