@@ -47,7 +47,8 @@ generated, and logs how stale they were (``learn/usage.py``).
 On CUDA the forward runs under bf16 autocast, batches (with packing: the packed micro-batches)
 are pinned by the prefetch thread and copied with ``non_blocking=True``. A resumed run loads
 model, optimizer, scheduler, RNG and progress and continues exactly as an uninterrupted one
-would over the same data.
+would over the same data; the versions a killed learner published past that checkpoint are
+taken back and published again under the same numbers (``coordination/weights.py``).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class Learner:
         self.checkpoints = run_checkpoints(paths, keep_last=settings.keep_checkpoints)
         self._prefetcher: Prefetcher | None = None
         self._ready = False
+        self._saved_a_checkpoint = False  # a checkpoint holds the model: until one does, version 0 is kept
         self._store = None
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
@@ -167,6 +169,9 @@ class Learner:
     def setup(self) -> None:
         torch.manual_seed(self.seed)
         checkpoint = self._load_checkpoint()
+        self._saved_a_checkpoint = checkpoint is not None
+        if self.data_parallel.is_main:
+            self._retract_versions_past_checkpoint(checkpoint)
         self._setup_model(checkpoint)
         self._setup_optimizer(checkpoint)
         self._setup_data(checkpoint)
@@ -203,6 +208,22 @@ class Learner:
               file=sys.stderr, flush=True)
         return state
 
+    def _retract_versions_past_checkpoint(self, checkpoint: dict[str, Any] | None) -> None:
+        """Takes back what a learner killed without a checkpoint published after the one this learner
+        resumes from (or after the initial policy): it retrains those steps and publishes them again
+        under the uninterrupted run's numbers, which rows in the buffer carry. Numbered past them, those
+        rows looked that much staler and collectors pinned rounds to versions never had here."""
+        from rlhf_pipeline.coordination.weights import published_versions, retract_versions_after
+
+        if checkpoint is None and 0 not in published_versions(self.paths.store):
+            return  # an older run pruned its initial policy: it starts from the newest (_setup_model)
+        retracted = retract_versions_after(self.paths.store, self.progress.policy_version)
+        if retracted:
+            where = f"the checkpoint of step {self.progress.step}" if checkpoint is not None else "the initial policy"
+            print(f"[learner] weights versions {retracted[0]}-{retracted[-1]} were published after {where} by a "
+                  f"learner stopped before its next checkpoint; taken back, this learner publishes them again as it "
+                  f"retrains those steps", file=sys.stderr, flush=True)
+
     def _setup_model(self, checkpoint: dict[str, Any] | None) -> None:
         from rlhf_pipeline.coordination.weights import load_weights
 
@@ -217,7 +238,14 @@ class Learner:
             if checkpoint is not None:
                 self.model.load_state_dict(checkpoint["model"])
             else:
-                state, version = load_weights(self.paths.store)  # the initial policy, version 0
+                try:  # the initial policy: version 0 (kept until the first checkpoint, _publish)
+                    state, version = load_weights(self.paths.store, 0)
+                except FileNotFoundError:  # pruned by an older version of this library
+                    state, version = load_weights(self.paths.store)
+                    if version > 0:
+                        print(f"[learner] the initial policy (weights version 0) is gone; starting from version "
+                              f"{version}, so this run does not train as an uninterrupted one would",
+                              file=sys.stderr, flush=True)
                 self.model.load_state_dict(state)
                 self.progress.policy_version = version
         if self.settings.packing:  # attention that keeps each packed row to itself (learn/packed_attention.py)
@@ -504,15 +532,16 @@ class Learner:
         return contextlib.nullcontext()
 
     def _publish(self) -> None:
-        from rlhf_pipeline.coordination.weights import latest_version, publish_weights
+        from rlhf_pipeline.coordination.weights import publish_weights
 
-        # a crash after a publish but before its checkpoint leaves a newer file: never reuse its number
+        # the uninterrupted run's number: what a killed learner published past its checkpoint was
+        # taken back at setup (_retract_versions_past_checkpoint)
         dp = self.data_parallel
-        published = latest_version(self.paths.store) if dp.is_main else None
-        version = dp.from_main(max(self.progress.policy_version, published if published is not None else -1) + 1)
+        version = self.progress.policy_version + 1
         state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
         if dp.is_main:  # rank 0 writes the weights
-            publish_weights(self.paths.store, state, version)
+            # until a checkpoint holds the model, a restart starts again from the initial policy
+            publish_weights(self.paths.store, state, version, keep_versions=() if self._saved_a_checkpoint else (0,))
         self.progress.policy_version = version
         self.sampler.current_version = version
 
@@ -540,6 +569,7 @@ class Learner:
         if self.before_checkpoint is not None:
             self.before_checkpoint()
         self.checkpoints.save(self.progress, state)
+        self._saved_a_checkpoint = True
 
     # ================================================================== cleanup
     def cleanup(self) -> None:
