@@ -78,7 +78,7 @@ from rlhf_pipeline.learn.shard_rows import next_rows, row_names
 from rlhf_pipeline.learn.optimizer import make_optimizer
 from rlhf_pipeline.learn.packed_batch import PackedBatch
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
-from rlhf_pipeline.learn.stale_rows import fresh_mask
+from rlhf_pipeline.learn.stale_rows import DrawVersions, fresh_mask
 from rlhf_pipeline.learn.step import mean_one, train_step
 from rlhf_pipeline.learn.trajectories import (
     is_single_turn,
@@ -154,6 +154,7 @@ class Learner:
         pacing, store = paths.state_object(paths.pacing)
         self._pacing = PacingPublisher(pacing, store=store, write=publish_pacing)
         self._trained = TrainedRows()
+        self._draw_versions = DrawVersions(self.stop_event)  # what each draw's staleness is checked against
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
 
     @classmethod
@@ -280,7 +281,7 @@ class Learner:
                 print(f"[learner] the checkpoint's sampler state is another sampler's; "
                       f"{self.settings.sampler!r} starts from the buffer as it is now", file=sys.stderr, flush=True)
                 self._sampler_state = self.sampler.state_dict()
-        self.sampler.current_version = self.progress.policy_version
+        self._draw_versions.expect(self.progress.draws, self.progress.policy_version)
         pin = self.device.type == "cuda"
         # int32 token and position ids: half their bytes, nothing widened (collate.py, "Index dtype")
         collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None,
@@ -402,8 +403,12 @@ class Learner:
         """``produce`` plus what outlives the store's next refresh, taken on the prefetch thread
         right after the draw: each row's shard and global id, and the rows taken in per shard."""
         default_need = self.settings.new_rows_per_step or self.settings.batch_size
+        checks_staleness = getattr(self.sampler, "max_staleness", None) is not None
 
         def produce_named(draw: int):
+            # the version this draw trains with, not the one held right now (learn/stale_rows.py)
+            versions = self._draw_versions
+            self.sampler.current_version = versions.wait(draw) if checks_staleness else versions.latest()
             sampled, batch = produce(draw)
             consumed = sampled.consumed if sampled.consumed is not None else next_rows(self._store)
             need = default_need if sampled.next_draw_rows is None else sampled.next_draw_rows
@@ -443,6 +448,7 @@ class Learner:
             else:
                 self._pacing.intake = intake  # (what rank 0 checkpoints; kept alike on every rank)
             if batch is None:  # multi-turn: no drawn row ended a trajectory (learn/trajectories.py)
+                self._expect_next_draw(trains=False)
                 if self._feedback:
                     self.sampler.feed_back(draw, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
                 continue
@@ -459,6 +465,7 @@ class Learner:
                 self.progress.trajectories_masked += masked_now
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
+            self._expect_next_draw(trains=batch is not None)
             if batch is None:  # every row went stale while it waited in the prefetch queue
                 if self._feedback:
                     self.sampler.feed_back(draw, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
@@ -499,6 +506,12 @@ class Learner:
                 print(f"[learner] stopped at step {self.progress.step}; checkpoint saved, run the same "
                       f"command again to resume", file=sys.stderr, flush=True)
         return finished
+
+    def _expect_next_draw(self, trains: bool) -> None:
+        """Tells the prefetch thread the version the next draw trains with: this one's, plus the
+        version this step publishes if it ``trains``."""
+        publishes = trains and (self.progress.step + 1) % self.settings.publish_every == 0
+        self._draw_versions.expect(self.progress.draws, self.progress.policy_version + int(publishes))
 
     @property
     def _feedback(self) -> bool:
@@ -543,7 +556,6 @@ class Learner:
             # until a checkpoint holds the model, a restart starts again from the initial policy
             publish_weights(self.paths.store, state, version, keep_versions=() if self._saved_a_checkpoint else (0,))
         self.progress.policy_version = version
-        self.sampler.current_version = version
 
     # ================================================================== checkpoint
     def save_checkpoint(self) -> None:
