@@ -192,7 +192,8 @@ class Learner:
         self._pacing.publish(intake, new_draw=not saved)
         metrics, store = self.paths.state_object(self.paths.metrics)
         truncate_metrics(metrics, self.progress.step, store=store)
-        self._metrics = MetricsWriter(metrics, self.paths.tensorboard, store=store)
+        self._metrics = MetricsWriter(metrics, self.paths.tensorboard, store=store,
+                                      resumed_after=self.progress.step if checkpoint is not None else None)
         if self.show_progress:
             # epoch replays train on another run's rows: their staleness means nothing, the ratio does
             keys = ProgressDisplay.OFF_POLICY_KEYS if self.settings.sampler == "epoch" else ProgressDisplay.KEYS
