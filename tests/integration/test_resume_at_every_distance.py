@@ -36,7 +36,7 @@ from rlhf_pipeline.runs.processes import build_pipeline, collect_main, with_buff
 from rlhf_pipeline.runs.run_directory import prepare_run
 from rlhf_pipeline.storage import open_buffer
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT_EVERY = 6
