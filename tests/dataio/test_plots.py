@@ -38,9 +38,12 @@ def test_plot_errors_name_what_is_missing(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "charts")]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
+    # a run's metrics, read before the extra is asked for: without it, the one line says how to install it
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "charts/reward_mean": 0.5}) + "\n")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the extra were not installed
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "charts")]) == 2
     assert "pip install -e '.[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "charts").exists()
 
 
 def test_missing_extra_says_how_to_install_it(monkeypatch):
