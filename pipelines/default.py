@@ -1,6 +1,6 @@
 """Default pipeline: GRPO on a toy addition task with a tiny model, on CPU, in minutes.
 
-    rlhf-pipeline run pipelines/default.py                  # ~1 minute on 2 idle CPU cores
+    rlhf-pipeline run pipelines/default.py                  # about 15 s on 2 idle CPU cores
     rlhf-pipeline run pipelines/default.py --steps 20 --set group_size=4
 
 What it wires, top to bottom:
@@ -67,7 +67,8 @@ class Settings:
     temperature: float = 1.0
     """Sampling temperature; the learner recomputes log-probs at the same temperature."""
     rounds_per_version: int = 2
-    """The collector writes at most this many rounds per policy version, then waits for new weights."""
+    """The collector writes at most this many rounds per policy version, then waits for new weights
+    (rounds the learner's next batch needs are written whatever this says)."""
     rounds_ahead: int | None = 0
     """Pacing: the collector generates what the learner's next batch needs plus at most this many
     rounds, then waits for the learner to take them in (0: generation overlaps one learner step;

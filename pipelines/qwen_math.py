@@ -67,7 +67,8 @@ class Settings:
     format_weight: float = 0.1
     """Weight of the \\boxed{} format reward added to the correctness reward."""
     rounds_per_version: int = 2
-    """The collector writes at most this many rounds per policy version, then waits for new weights."""
+    """The collector writes at most this many rounds per policy version, then waits for new weights
+    (rounds the learner's next batch needs are written whatever this says)."""
 
     # ---- buffer and learner
     segment_rows: int = 4096

@@ -97,7 +97,9 @@ class Pipeline:
     """Cheap checks that need code to run (the reward on one sample); called before any work."""
     collect_rounds_per_version: int | None = 2
     """A collector writes at most this many rounds per policy version, then waits for new
-    weights: rows much older than the learner would only be dropped as stale. None: no limit."""
+    weights: rows much older than the learner would only be dropped as stale. Rounds the learner's
+    next batch needs are written whatever this says (it cannot publish new weights without them;
+    ``coordination/pacing.py``). None: no limit."""
     collect_rounds_ahead: int | None = 0
     """Pacing: a collector generates what the learner's next batch needs (its share, with
     several collectors) plus at most this many rounds, then waits for the learner to take them
@@ -165,6 +167,9 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as exc:  # the file's own mistake: where it is, not the import machinery's frames
+        sys.modules.pop(module_name, None)
+        raise PipelineError(_describe_syntax_error(exc, path)) from None
     except Exception:
         sys.modules.pop(module_name, None)
         raise
@@ -180,6 +185,13 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
             f"{path}: Settings lacks the field(s) {missing}, which --steps/--device set; add them"
         )
     return module
+
+
+def _describe_syntax_error(exc: SyntaxError, path: Path) -> str:
+    """``path:LINE:COLUMN: IndentationError: unexpected indent: <the line>``, in one line."""
+    where = ":".join(str(n) for n in (exc.filename or path, exc.lineno, exc.offset) if n is not None)
+    text = (exc.text or "").strip()
+    return f"{where}: {type(exc).__name__}: {exc.msg}" + (f": {text}" if text else "")
 
 
 def make_settings(module: types.ModuleType, overrides: Sequence[str] = ()) -> Any:

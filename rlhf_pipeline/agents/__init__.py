@@ -1,4 +1,4 @@
-"""Multi-turn, tool-using agents (issue 19): environments, tools and token-exact episodes.
+"""Multi-turn, tool-using agents: environments, tools and token-exact episodes.
 
 * :mod:`.environment` -- the ``Environment`` protocol a pipeline file implements, ``ModelTurn``,
   ``StepResult`` and ``EnvironmentRunner`` (sync steps in a thread pool, async ones awaited, a
@@ -8,9 +8,11 @@
 * :mod:`.episode` -- ``Episode``: the token list as the source of truth (sampled ids verbatim,
   environment messages tokenized as the template renders them), the loss mask, the limits, the
   rows it stores (one per turn) and ``rebuild_trajectory`` from those rows;
-* :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them;
-* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool) and a warm start on
-  demonstration episodes.
+* :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them; an
+  episode that fails drops its group, with the reason;
+* :mod:`.workers` -- the threads tool calls and sync steps run on, where a hung call frees its slot;
+* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool), a warm start on
+  demonstration episodes and a greedy check of what it reached;
 * :mod:`.verifiers_v1` -- the tasks of a verifiers 0.4 ``Taskset`` (its rewards, stops and MCP
   toolsets) as an ``Environment``, our rollout in the place of verifiers' ``null`` harness;
 * :mod:`.verifiers_env` -- a verifiers 0.1.10 environment (``MultiTurnEnv``, ``ToolEnv``, its

@@ -21,9 +21,10 @@ them runs ``turn.tool_calls`` through its ``ToolBox`` and answers with the tool 
 method in a thread pool (so many episodes step at once while one waits on I/O), a coroutine on
 the running event loop. A step that runs out of time ends the episode with
 ``TerminationReason.TIMEOUT`` (a truncation). A Python thread cannot be stopped, so a timed-out
-synchronous step keeps its thread until it returns; its answer is dropped. An exception raised
-by the environment's own code is a bug in the pipeline file and propagates: only the model's
-mistakes (bad tool calls) are turned into data.
+synchronous step keeps its thread until it returns (a daemon thread outside the pool's slots,
+``workers.py``); its answer is dropped, and tool calls it makes after its timeout count in no
+turn. An exception raised by the environment's own code propagates from the runner; a rollout
+drops that episode's group and counts why (``rollout.py``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import numbers
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from rlhf_pipeline.agents.workers import WorkerPool
 from rlhf_pipeline.schema.termination import TerminationReason
 
 Message = dict[str, Any]
@@ -84,12 +87,32 @@ class StepResult:
     """Anything to count or log (not stored)."""
 
     def __post_init__(self) -> None:
+        self.reward = reward_value(self.reward)
         if self.reason is not None and self.reason is TerminationReason.NOT_ENDED:
             raise ValueError("StepResult.reason NOT_ENDED is not a reason to end; leave reason None")
         if self.reason is not None and not self.done:
             raise ValueError(f"StepResult has a reason ({self.reason.name}) but done=False")
         if self.done and self.reason is None:
             self.reason = TerminationReason.ENV_DONE
+
+
+def reward_value(value: Any) -> float:
+    """A reward as the buffer's door takes one: a real number (or a one-element tensor or array),
+    never text, never a bool. A non-finite one passes here; the rollout drops its group."""
+    item = value
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # a tensor, array or numpy scalar
+        try:
+            item = value.item()
+        except (ValueError, RuntimeError):  # more than one element: refused below
+            pass
+    if isinstance(item, bool) or not isinstance(item, numbers.Real):
+        hint = "; numbers are not parsed from text" if isinstance(value, str) else ""
+        raise TypeError(f"StepResult.reward: expected a real number, got {value!r} ({type(value).__name__})"
+                        f"{hint}; pass a float, e.g. reward=float(...)")
+    try:
+        return float(item)
+    except OverflowError:  # an int beyond float64
+        raise ValueError(f"StepResult.reward: {item.bit_length()}-bit integer does not fit in a float") from None
 
 
 @runtime_checkable
@@ -105,13 +128,54 @@ class Environment(Protocol):
         ...
 
 
-TURN_TOOL_OUTCOMES: contextvars.ContextVar[Counter[str] | None] = contextvars.ContextVar(
+class TurnToolCounts:
+    """The tool outcomes of one step, counted until the step ends (returns or times out).
+
+    A timed-out synchronous step runs on in its thread and may still call tools; :meth:`close`
+    freezes the counts when the step ends, so those late calls count in no turn and no round."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def add(self, metric: str) -> None:
+        with self._lock:
+            if not self._closed:
+                self._counts[metric] += 1
+
+    def close(self) -> Counter[str]:
+        """Stops counting; the counts as they stand."""
+        with self._lock:
+            self._closed = True
+            return Counter(self._counts)
+
+
+TURN_TOOL_OUTCOMES: contextvars.ContextVar[TurnToolCounts | None] = contextvars.ContextVar(
     "turn_tool_outcomes", default=None)
-"""The tool outcomes of the turn being stepped (``calls``, ``ok``, ``malformed``, ...:
+"""The tool outcomes of the step running (``calls``, ``ok``, ``malformed``, ...:
 ``ToolBox.METRICS``), or None outside a step. :meth:`EnvironmentRunner.step_counting_tools` sets
 it and every ``ToolBox`` adds to it, so each stored turn knows its own failed calls even when
 many episodes share one ``ToolBox`` and step at once, and the environment reports nothing
 itself."""
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` for an error answer, whatever the exception's ``str()`` does."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = "(its message cannot be printed)"
+    return printable(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
+
+
+def printable(text: str) -> str:
+    """``text`` with any lone surrogate written as an escape, so it can go to a tokenizer and a store."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class StepTimeout(Exception):
@@ -128,7 +192,9 @@ class EnvironmentRunner:
         if step_timeout_s is not None and step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s must be > 0 or None, got {step_timeout_s}")
         self.step_timeout_s = step_timeout_s
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="environment")
+        # a timed-out step's thread is left to finish alone, outside the slots; an unbounded number
+        # may run, since a round's steps are bounded by its episodes
+        self._pool = WorkerPool(max_workers, max_abandoned=1 << 30, name="environment")
         self.timeouts = 0
 
     async def reset(self, env: Environment, task: Mapping[str, Any]) -> list[Message]:
@@ -138,6 +204,17 @@ class EnvironmentRunner:
             self.timeouts += 1
             raise StepTimeout(f"{type(env).__name__}.reset took longer than {self.step_timeout_s}s") from None
         return [dict(m) for m in messages]
+
+    async def reset_counting_tools(self, env: Environment, task: Mapping[str, Any]) -> tuple[list[Message], Counter[str]]:
+        """:meth:`reset`, and the outcomes of the tool calls it ran (as :meth:`step_counting_tools`)."""
+        outcomes = TurnToolCounts()
+        token = TURN_TOOL_OUTCOMES.set(outcomes)
+        try:
+            messages = await self.reset(env, task)
+        finally:
+            TURN_TOOL_OUTCOMES.reset(token)
+            counts = outcomes.close()
+        return messages, counts
 
     async def step(self, env: Environment, turn: ModelTurn) -> StepResult:
         try:
@@ -151,31 +228,38 @@ class EnvironmentRunner:
         return result
 
     async def step_counting_tools(self, env: Environment, turn: ModelTurn) -> tuple[StepResult, Counter[str]]:
-        """:meth:`step`, and the outcomes of the tool calls this step ran (``TURN_TOOL_OUTCOMES``).
+        """:meth:`step`, and the outcomes of the tool calls this step ran (``TURN_TOOL_OUTCOMES``),
+        as they stood when it ended: a timed-out step's later calls are not counted.
 
         Each call of this coroutine under ``asyncio.gather`` runs in its own task, hence its own
         copy of the context: concurrent steps never count into each other's turn."""
-        outcomes: Counter[str] = Counter()
+        outcomes = TurnToolCounts()
         token = TURN_TOOL_OUTCOMES.set(outcomes)
         try:
-            return await self.step(env, turn), outcomes
+            result = await self.step(env, turn)
         finally:
             TURN_TOOL_OUTCOMES.reset(token)
+            counts = outcomes.close()
+        return result, counts
 
     async def _call(self, method, argument):
         if inspect.iscoroutinefunction(method):
             return await asyncio.wait_for(method(argument), self.step_timeout_s)
-        loop = asyncio.get_running_loop()
-        # run_in_executor does not carry the context to the thread; the step's tool counts need it
+        # the pool's threads do not carry the context; the step's tool counts need it
         context = contextvars.copy_context()
-        result = await asyncio.wait_for(loop.run_in_executor(self._pool, context.run, method, argument),
-                                        self.step_timeout_s)
+        running = self._pool.submit(context.run, method, argument)
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(running), self.step_timeout_s)
+        except TimeoutError:
+            self._pool.abandon(running)  # its thread runs on alone; the slot takes the next step
+            raise
         if inspect.isawaitable(result):  # a sync method that hands back a coroutine
             result = await asyncio.wait_for(result, self.step_timeout_s)
         return result
 
     def close(self) -> None:
-        """Stops taking work; threads of timed-out steps finish on their own."""
+        """Stops taking work; threads of timed-out steps finish on their own (and are not waited
+        for at exit)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> EnvironmentRunner:

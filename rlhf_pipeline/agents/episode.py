@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.agents.environment import Message, ModelTurn, StepResult, ToolCall
+from rlhf_pipeline.agents.environment import Message, ModelTurn, StepResult, ToolCall, reward_value
 from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
 from rlhf_pipeline.schema.tool_errors import ToolErrorKind
 from rlhf_pipeline.schema.turn_messages import encode_turn_messages
@@ -190,7 +190,7 @@ class Episode:
         The turn's calls are those the parser found, or the ones run when the environment ran more."""
         if not self.segments[-1].sampled or self.done:
             raise RuntimeError("add_environment answers a model turn; add_turn first")
-        self.rewards.append(float(result.reward))
+        self.rewards.append(reward_value(result.reward))  # set after construction: checked again
         outcomes = tool_outcomes or {}
         ran = int(outcomes.get("calls", 0))
         self.tool_calls.append(max(len(self.turns[-1].tool_calls), ran))

@@ -7,6 +7,14 @@ each episode records its sampled ids; then every environment answers its episode
 same time (:class:`~.environment.EnvironmentRunner`: sync steps in a thread pool, async ones
 awaited, a per-step timeout). Episodes that ended drop out; the rest go round again.
 
+An episode that fails -- its environment cannot be built, its ``reset`` or ``step`` raises or
+times out at reset, it returns something that is not a ``StepResult`` or messages the template
+cannot render, its reward is not finite -- drops its whole group (GRPO compares a group's
+episodes with each other; the write path waits for whole groups): the group's other episodes
+stop there, nothing of the group is stored, and :attr:`Rollout.failures` says which episode failed,
+why and where. The other groups go on. Failures follow from the environment's code and the
+sampled text, so a rerun from the same RNG state drops the same groups.
+
 The sampler is a callable, so this package needs no generation code of its own::
 
     sample(prompts: list[list[int]], max_new_tokens: list[int]) -> list[tuple[list[int], list[float]]]
@@ -24,14 +32,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
+import traceback
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_pipeline.agents.environment import Environment, EnvironmentRunner, ToolCall
+from rlhf_pipeline.agents.environment import (
+    Environment,
+    EnvironmentRunner,
+    StepTimeout,
+    ToolCall,
+    describe_exception,
+)
 from rlhf_pipeline.agents.episode import Episode, EpisodeLimits, episodes_to_batch
+from rlhf_pipeline.agents.tools import ToolBox
 from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
 
 Sample = tuple[list[int], list[float]]
@@ -71,23 +88,56 @@ class RolloutConfig:
     """Count re-tokenization drift each turn (one extra encode of the conversation)."""
 
 
+FAILURE_REASONS = ("reset_failed", "step_failed", "non_finite_reward")
+"""Why an episode failed (and dropped its group): its environment could not be built, or its
+``reset`` raised, timed out or opened with messages the template refused; its ``step`` raised,
+returned something that is not a ``StepResult`` or messages the template refused; its reward was
+NaN or infinite."""
+
+
+@dataclass(frozen=True)
+class EpisodeFailure:
+    """One failed episode: its group (task index), its index in the rollout, why, and what happened."""
+
+    group: int
+    episode: int
+    reason: str
+    """One of :data:`FAILURE_REASONS`."""
+    message: str
+    """One line: what raised, with what, and where (``CalculatorEnv.step raised KeyError: 'x' at env.py:42``)."""
+
+
 @dataclass
 class Rollout:
-    """Ended episodes, ``group_size`` per task in task order, and what was counted."""
+    """Ended episodes of the groups kept, ``group_size`` per task in task order, and what was counted.
+
+    ``kept_groups`` are the indices (in ``tasks``) of the groups whose episodes are in ``episodes``;
+    the others were dropped, and ``failures`` says why."""
 
     tasks: list[Mapping[str, Any]]
     episodes: list[Episode]
     group_size: int
     metrics: Counter[str] = field(default_factory=Counter)
+    kept_groups: list[int] | None = None
+    """None: every task's group (nothing dropped)."""
+    failures: list[EpisodeFailure] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kept_groups is None:
+            self.kept_groups = list(range(len(self.tasks)))
 
     def to_batch(self, *, first_group_id: int, first_trajectory_id: int, policy_version: int,
-                 fields: Collection[str] = ()) -> TrajectoryBatch:
-        """Every episode's rows (one per turn), task ``i``'s group id ``first_group_id + i``, with
-        the optional ``fields`` (``episode.AGENT_ROW_FIELDS``) asked for."""
-        n = len(self.episodes)
-        return episodes_to_batch(self.episodes,
-                                 group_ids=[first_group_id + k // self.group_size for k in range(n)],
-                                 trajectory_ids=list(range(first_trajectory_id, first_trajectory_id + n)),
+                 fields: Collection[str] = ()) -> TrajectoryBatch | None:
+        """Every kept episode's rows (one per turn), task ``i``'s group id ``first_group_id + i`` and
+        its episodes' trajectory ids ``first_trajectory_id + i * group_size + j``: a dropped group
+        leaves its ids unused, so ids depend on the task's place, not on what failed. None: every
+        group was dropped."""
+        if not self.episodes:
+            return None
+        g = self.group_size
+        tasks = [self.kept_groups[k // g] for k in range(len(self.episodes))]
+        return episodes_to_batch(self.episodes, group_ids=[first_group_id + i for i in tasks],
+                                 trajectory_ids=[first_trajectory_id + i * g + k % g for k, i in enumerate(tasks)],
                                  policy_version=policy_version, fields=fields)
 
 
@@ -99,42 +149,101 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
     """Runs ``group_size`` episodes of each task to their ends. ``make_env()`` builds one episode's
     environment; one with a ``toolbox`` attribute (a :class:`~.tools.ToolBox`) has its tools'
     schemas rendered by the chat template, or one with ``tool_schemas`` (read after its reset:
-    OpenAI-format function schemas, as :class:`~.verifiers_env.VerifiersEnvironment` has) those."""
+    OpenAI-format function schemas, as :class:`~.verifiers_env.VerifiersEnvironment` has) those.
+    An episode that fails drops its group (the module docstring)."""
+    g = config.group_size
+    n = len(tasks) * g
+    failures: list[EpisodeFailure] = []
+    dropped: dict[int, str] = {}  # group -> the reason of its first failure
+
+    def fail(k: int, reason: str, message: str) -> None:
+        failures.append(EpisodeFailure(k // g, k, reason, message))
+        dropped.setdefault(k // g, reason)
+
+    metrics: Counter[str] = Counter()
+    tool_counts: Counter[str] = Counter()  # every call this rollout's resets and steps made, as they ended
     with EnvironmentRunner(max_workers=config.max_workers, step_timeout_s=config.step_timeout_s) as runner:
-        envs = [make_env() for _ in tasks for _ in range(config.group_size)]
+        envs: list[Environment | None] = []
+        for k in range(n):
+            try:
+                envs.append(make_env())
+            except Exception as exc:
+                envs.append(None)
+                fail(k, "reset_failed", _failed_call("make_env()", exc))
         boxes = {id(box): box for env in envs if (box := getattr(env, "toolbox", None)) is not None}
-        # a ToolBox shared across rollouts counts forever; this rollout reports its own calls
-        tools_before = {key: Counter(box.metrics) for key, box in boxes.items()}
-        jobs = [task for task in tasks for _ in range(config.group_size)]
-        openings = await asyncio.gather(*(runner.reset(env, task) for env, task in zip(envs, jobs, strict=True)))
-        episodes = [Episode(tokenizer, messages, limits=config.limits, tools=_schemas(env), parser=parser,
-                            stop_token_ids=stop_token_ids, check_drift=config.check_drift,
-                            template_kwargs=template_kwargs)
-                    for env, messages in zip(envs, openings, strict=True)]
-        metrics: Counter[str] = Counter()
+        jobs = [task for task in tasks for _ in range(g)]
+        live = [k for k in range(n) if envs[k] is not None]
+        openings = await asyncio.gather(*(_outcome(runner.reset_counting_tools(envs[k], jobs[k])) for k in live))
+        episodes: list[Episode | None] = [None] * n
+        for k, (opened, exc) in zip(live, openings, strict=True):
+            if exc is not None:
+                fail(k, "reset_failed", _failed_call(f"{type(envs[k]).__name__}.reset", exc))
+                continue
+            messages, counts = opened
+            tool_counts.update(counts)
+            try:
+                episodes[k] = Episode(tokenizer, messages, limits=config.limits, tools=_schemas(envs[k]),
+                                      parser=parser, stop_token_ids=stop_token_ids, check_drift=config.check_drift,
+                                      template_kwargs=template_kwargs)
+            except Exception as exc:
+                fail(k, "reset_failed", _failed_call(f"the opening messages of {type(envs[k]).__name__}.reset", exc))
         started = time.monotonic()
-        while active := [k for k, episode in enumerate(episodes) if not episode.done]:
+        while active := [k for k, e in enumerate(episodes) if e is not None and not e.done and k // g not in dropped]:
             samples = sample([episodes[k].token_ids for k in active], [episodes[k].max_new_tokens() for k in active])
             metrics["generation_batches"] += 1
             metrics["generated_rows"] += len(active)
             turns = [episodes[k].add_turn(ids, log_probs) for k, (ids, log_probs) in zip(active, samples, strict=True)]
-            results = await asyncio.gather(*(runner.step_counting_tools(envs[k], turn)
+            results = await asyncio.gather(*(_outcome(runner.step_counting_tools(envs[k], turn))
                                              for k, turn in zip(active, turns, strict=True)))
             overdue = config.episode_timeout_s is not None and time.monotonic() - started > config.episode_timeout_s
-            for k, (result, tool_outcomes) in zip(active, results, strict=True):
+            for k, (stepped, exc) in zip(active, results, strict=True):
+                where = f"{type(envs[k]).__name__}.step"
+                if exc is not None:
+                    fail(k, "step_failed", _failed_call(where, exc))
+                    continue
+                result, tool_outcomes = stepped
+                tool_counts.update(tool_outcomes)
+                if isinstance(result.reward, float) and not math.isfinite(result.reward):
+                    fail(k, "non_finite_reward", f"{where} gave reward {result.reward} at turn {len(episodes[k].turns) - 1}")
+                    continue
                 if overdue and not result.done:
                     result = dataclasses.replace(result, messages=[], done=True, reason=TerminationReason.TIMEOUT)
                     metrics["episode_timeouts"] += 1
-                episodes[k].add_environment(result, tool_outcomes)
+                try:
+                    episodes[k].add_environment(result, tool_outcomes)
+                except Exception as exc:  # a reward set to text after construction, messages the template refuses
+                    fail(k, "step_failed", _failed_call(f"the answer of {where}", exc))
         metrics["environment_timeouts"] = runner.timeouts
-    for episode in episodes:
+    kept_groups = [i for i in range(len(tasks)) if i not in dropped]
+    kept = [episodes[i * g + j] for i in kept_groups for j in range(g)]
+    for episode in kept:
         metrics.update(episode.metrics)
         metrics[f"reason/{episode.reason.name.lower()}"] += 1
         metrics["turns"] += len(episode.turns)
         metrics["tool_calls"] += sum(len(t.tool_calls) for t in episode.turns)
-    for key, box in boxes.items():  # environments may share one
-        metrics.update({f"tools/{name}": count - tools_before[key][name] for name, count in box.metrics.items()})
-    return Rollout(list(tasks), episodes, config.group_size, metrics)
+    metrics["groups_dropped"] = len(dropped)
+    for reason in dropped.values():
+        metrics[f"dropped/{reason}"] += 1
+    if boxes or tool_counts:
+        metrics.update({f"tools/{name}": tool_counts[name] for name in ToolBox.METRICS})
+    return Rollout(list(tasks), kept, g, metrics, kept_groups, failures)
+
+
+async def _outcome(awaitable: Awaitable[Any]) -> tuple[Any, Exception | None]:
+    """``(value, None)``, or ``(None, the exception)`` it raised: one episode's failure is its own."""
+    try:
+        return await awaitable, None
+    except Exception as exc:
+        return None, exc
+
+
+def _failed_call(what: str, exc: Exception) -> str:
+    """One line: what raised, the exception, and the innermost frame it came from."""
+    if isinstance(exc, StepTimeout):
+        return str(exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else ""
+    return f"{what} raised {describe_exception(exc)}{at}"
 
 
 def rollout(*args, **kwargs) -> Rollout:

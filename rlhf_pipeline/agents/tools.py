@@ -18,10 +18,14 @@ Tool calls are found in the model's text by a parser chosen per chat-template fa
 
 :class:`ToolBox` runs the calls of one turn and answers each with a ``tool`` message. Whatever
 the model gets wrong -- a call that is not valid JSON, an unknown tool, arguments that do not fit
-the signature, a tool that raises or runs past its timeout, more calls than a turn allows -- is
-answered with an error message as that tool's output and counted in :attr:`ToolBox.metrics`;
-nothing raises out of a rollout. Outputs longer than ``max_output_chars`` are cut, with a note
-saying how much was cut.
+the signature, a tool that raises or runs past its timeout, a result that cannot be made into
+text, more calls than a turn allows -- is answered with an error message as that tool's output
+and counted in :attr:`ToolBox.metrics`; nothing raises out of a rollout. Outputs longer than
+``max_output_chars`` are cut, with a note saying how much was cut.
+
+Calls run on a :class:`~.workers.WorkerPool`: a call past its timeout is given up on and its slot
+goes to a new thread, so hung calls never starve the calls after them, nor keep the process
+alive at exit (``workers.py`` says why threads and not a process per call).
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from transformers.utils import get_json_schema
 
-from rlhf_pipeline.agents.environment import TURN_TOOL_OUTCOMES, Message, ToolCall
+from rlhf_pipeline.agents.environment import TURN_TOOL_OUTCOMES, Message, ToolCall, describe_exception, printable
+from rlhf_pipeline.agents.workers import PoolExhausted, WorkerPool
 
 # ======================================================================== parsers
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
@@ -172,16 +177,19 @@ def parser_for_template(chat_template: str) -> ToolCallParser:
 class ToolBox:
     """The tools an environment offers, and the one place their calls run.
 
-    ``timeout_s`` bounds each call (a timed-out call's thread runs on; its answer is dropped),
-    ``max_output_chars`` each answer, ``max_calls_per_turn`` the calls answered in one turn (the
-    rest are answered with an error without running).
+    ``timeout_s`` bounds each call (a timed-out call's thread runs on alone, its slot taken by a
+    new thread; its answer is dropped), ``max_output_chars`` each answer, ``max_calls_per_turn``
+    the calls answered in one turn (the rest are answered with an error without running).
+    ``max_workers`` calls run at once; ``max_hung_calls`` timed-out calls may still be running
+    before new calls are answered at once with a ``timeout`` error instead of being started.
     """
 
     METRICS = ("calls", "ok", "malformed", "unknown_tool", "bad_arguments", "raised", "timeout",
-               "over_call_limit", "truncated_output")
+               "over_call_limit", "bad_output", "truncated_output")
 
     def __init__(self, tools: Iterable[Callable[..., Any]], *, timeout_s: float | None = 10.0,
-                 max_output_chars: int = 2000, max_calls_per_turn: int = 8, max_workers: int = 4):
+                 max_output_chars: int = 2000, max_calls_per_turn: int = 8, max_workers: int = 4,
+                 max_hung_calls: int = 64):
         self.tools: dict[str, Callable[..., Any]] = {}
         self.schemas: list[dict[str, Any]] = []
         for tool in tools:
@@ -200,8 +208,9 @@ class ToolBox:
         self.max_output_chars = max_output_chars
         self.max_calls_per_turn = max_calls_per_turn
         self.metrics: Counter[str] = Counter({name: 0 for name in self.METRICS})
+        self._first_errors: dict[str, str] = {}  # failure kind -> its first message since take_first_errors()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tool")
+        self._pool = WorkerPool(max_workers, max_abandoned=max_hung_calls, name="tool")
 
     def run(self, calls: Sequence[ToolCall]) -> list[Message]:
         """One ``tool`` message per call, in order; never raises for the model's mistakes."""
@@ -233,6 +242,13 @@ class ToolBox:
         """Calls answered with an error so far."""
         return self.metrics["calls"] - self.metrics["ok"]
 
+    def take_first_errors(self) -> dict[str, str]:
+        """The first error message of each kind of failure (``raised``, ``malformed``...) since the
+        last call, in the order they came: what a round's console report shows beside the counts."""
+        with self._lock:
+            taken, self._first_errors = self._first_errors, {}
+        return taken
+
     def _start(self, call: ToolCall) -> Future | tuple[str, bool]:
         """The running call, or at once the error answer of a call that cannot run."""
         if call.error is not None:
@@ -245,18 +261,24 @@ class ToolBox:
             inspect.signature(tool).bind(**call.arguments)
         except TypeError as exc:
             return self._failed("bad_arguments", f"{call.name}: {exc}")
-        return self._pool.submit(_call_tool, tool, call.arguments)
+        try:
+            return self._pool.submit(_call_tool, tool, call.arguments)
+        except PoolExhausted as exc:
+            return self._failed("timeout", f"{call.name} was not run: {exc}")
 
     def _finish(self, name: str, future: Future, submitted: float) -> tuple[str, bool]:
         left = None if self.timeout_s is None else max(0.0, self.timeout_s - (time.monotonic() - submitted))
         try:
-            result = future.result(timeout=left)
+            text = future.result(timeout=left)
         except FutureTimeout:
+            self._pool.abandon(future)  # frees its slot for the next call; its thread finishes alone
             return self._failed("timeout", f"{name} took longer than {self.timeout_s}s")
+        except UnusableOutput as exc:
+            return self._failed("bad_output", f"{name} returned {exc}")
         except Exception as exc:  # the tool's own failure is the model's answer, not our crash
-            return self._failed("raised", f"{name} raised {type(exc).__name__}: {exc}")
+            return self._failed("raised", f"{name} raised {describe_exception(exc)}")
         self._count("ok")
-        return self._truncate(_as_text(result)), True
+        return self._truncate(text), True
 
     def _truncate(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
@@ -266,38 +288,63 @@ class ToolBox:
         return text[: self.max_output_chars] + f"... [{cut} more characters cut]"
 
     def _failed(self, metric: str, message: str) -> tuple[str, bool]:
+        with self._lock:
+            self._first_errors.setdefault(metric, message)
         return self._error(metric, message), False
 
     def _error(self, metric: str, message: str) -> str:
         self._count(metric)
-        return self._truncate(f"Error: {message}")
+        return self._truncate(f"Error: {printable(message)}")
 
     def _count(self, metric: str) -> None:
         turn = TURN_TOOL_OUTCOMES.get()  # the turn being stepped, when an EnvironmentRunner steps it
         with self._lock:
             self.metrics[metric] += 1
-            if turn is not None:
-                turn[metric] += 1
+        if turn is not None:
+            turn.add(metric)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _call_tool(tool: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+class UnusableOutput(Exception):
+    """A tool's result that cannot be the model's answer: no text comes of it, or its text is not
+    valid Unicode (a lone surrogate, which no tokenizer or store takes)."""
+
+
+def _call_tool(tool: Callable[..., Any], arguments: dict[str, Any]) -> str:
+    """The call and its answer as text, both on the worker thread: a result whose conversion
+    hangs or is slow is bounded by the call's timeout too."""
     result = tool(**arguments)
     if inspect.isawaitable(result):  # an async tool: its own loop, in this worker thread
         result = asyncio.run(_await(result))
-    return result
+    return as_text(result)
 
 
 async def _await(awaitable):
     return await awaitable
 
 
-def _as_text(result: Any) -> str:
+def as_text(result: Any) -> str:
+    """A tool's result as the text the model reads: a str as it is, else JSON, else ``str()``.
+    Raises :class:`UnusableOutput` when neither works (an object whose ``str()`` raises, an int
+    past Python's digit limit) or the text is not valid Unicode."""
     if isinstance(result, str):
-        return result
+        text = result
+    else:
+        try:
+            try:
+                text = json.dumps(result, ensure_ascii=False)
+            except (TypeError, ValueError):
+                text = str(result)
+            if not isinstance(text, str):
+                raise TypeError(f"str() gave {type(text).__name__}")
+        except Exception as exc:
+            raise UnusableOutput(f"a {type(result).__name__} that cannot be made into text "
+                                 f"({describe_exception(exc)})") from None
     try:
-        return json.dumps(result, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(result)
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UnusableOutput(f"text that is not valid Unicode: character {exc.start} is a lone surrogate "
+                             f"({text[exc.start]!r})") from None
+    return text

@@ -53,9 +53,8 @@ def run_synchronous(pipeline_path: str, *, steps: int, home: str, run_name: str,
     collector.set_policy_state(state, version)
     learner = Learner.from_pipeline(pipeline, paths)
     rounds = MetricsWriter(paths.collector_metrics(0))
-    config = collector.config
     needs = CollectorPacer(paths.pacing, shard_key(paths.shard(0), paths.buffer), rounds_ahead=0,
-                           round_rows=config.prompts_per_batch * config.num_generations)
+                           round_rows=collector.round_rows)
     try:
         learner.setup()
         while learner.progress.step < steps:

@@ -17,6 +17,15 @@ path attached, so:
   the group-relative advantage of that return and writes it on every turn of the trajectory.
 
 Rewards are the environment's (``StepResult.reward`` per turn); a trajectory's return is their sum.
+
+An episode that fails (its environment raises in ``reset`` or ``step``, or gives a reward that is
+not finite) drops its group, not the round: the other groups are written, the dropped ones are
+counted by reason in the round's metrics (``groups_dropped``, ``dropped/<reason>``) and each is
+said in one line on stderr. Their ids stay unused, so the rows a round writes depend on the
+tasks, the sampling RNG and the environment only: a collector resumed before such a round drops
+the same groups and writes the same rows. Past ``max_failed_group_fraction`` of the groups run
+(counted over at least ``failure_rate_min_groups``), :meth:`AgentCollector.collect` raises
+:class:`EpisodeFailureRateError`, one line saying how many failed and the last reason.
 Each row also holds its turn's ``tool_calls`` and ``tool_errors``, counted per turn by the
 ``ToolBox`` the environment ran them through, so ``filter`` and ``inspect`` can pick out
 trajectories whose tool use failed, and its ``turn_messages`` (the chat messages with their
@@ -34,6 +43,7 @@ stores half of one. Sampling on a CPU is deterministic, so the rerun gives the s
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,10 +90,23 @@ class AgentCollectorConfig:
     """This collector's index among collectors writing one run; goes in the ids' high bits."""
     seed: int = 0
     """Seed of the sampling RNG (mixed with ``collector_index`` so collectors differ)."""
+    max_failed_group_fraction: float | None = 0.1
+    """Groups dropped because an episode failed (its environment raised, or gave a reward that is
+    not finite) may be at most this fraction of the groups run; past it ``collect`` raises
+    :class:`EpisodeFailureRateError` and the run stops. 0: the first failure stops it; None: never."""
+    failure_rate_min_groups: int = 32
+    """The fraction above is taken over at least this many groups, so a few failures at the start
+    do not stop a run (with 0.1 and 32, a fourth failed group within the first 32 does)."""
 
     def __post_init__(self) -> None:
         if self.tasks_per_round < 1 or self.group_size < 1:
             raise ValueError("AgentCollectorConfig: tasks_per_round and group_size must be >= 1")
+        fraction = self.max_failed_group_fraction
+        if fraction is not None and not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"AgentCollectorConfig.max_failed_group_fraction must be in [0, 1] or None, got {fraction}")
+        if self.failure_rate_min_groups < 1:
+            raise ValueError(f"AgentCollectorConfig.failure_rate_min_groups must be >= 1, got "
+                             f"{self.failure_rate_min_groups}")
         unknown = sorted(set(self.row_fields) - set(AGENT_ROW_FIELDS))
         if unknown:
             raise ValueError(f"AgentCollectorConfig.row_fields: {unknown} are not fields an episode fills; "
@@ -91,6 +114,10 @@ class AgentCollectorConfig:
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"AgentCollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), "
                              f"got {self.collector_index}")
+
+
+class EpisodeFailureRateError(RuntimeError):
+    """More groups were dropped over failed episodes than ``max_failed_group_fraction`` allows."""
 
 
 class AgentCollector:
@@ -132,17 +159,34 @@ class AgentCollector:
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
+        self.groups_dropped = 0  # over every round, resumed with the state: the failure rate's numerator
+        # rows and trajectories this process wrote: the turns a trajectory has, for round_rows
+        self._rows_written = self._trajectories_written = 0
         self.generator = torch.Generator(device=next(model.parameters()).device)
         self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
         self.last_metrics: dict[str, float] = {}
         self._generate_s = 0.0
 
+    @property
+    def trajectories_per_round(self) -> int:
+        return self.config.tasks_per_round * self.config.group_size
+
+    @property
+    def round_rows(self) -> int:
+        """Rows a round is expected to write: its trajectories times the rows (turns) a trajectory
+        has had so far in this process, one before any round. Turns vary, so this is an estimate;
+        pacing counts rounds ahead with it and never needs it to be exact (``coordination/pacing.py``)."""
+        if not self._trajectories_written:
+            return self.trajectories_per_round
+        return max(1, round(self.trajectories_per_round * self._rows_written / self._trajectories_written))
+
     # ---------------------------------------------------------------- one round
-    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch:
+    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch | None:
         """One round of whole groups: run the episodes to their ends, emit every row in one call.
 
         ``before_write(state)`` gets the state the collector will have once the sink took the
-        round, right before the sink is called (``collect/position.py``).
+        round, right before the sink is called (``collect/position.py``). Returns the round's rows,
+        or None when every group was dropped (the sink is then not called).
         """
         cfg = self.config
         started = time.perf_counter()
@@ -159,17 +203,48 @@ class AgentCollector:
         batch = result.to_batch(first_group_id=base + self.groups_emitted,
                                 first_trajectory_id=base + self.trajectories_emitted,
                                 policy_version=self.policy_version, fields=cfg.row_fields)
-        n_traj = len(result.episodes)
+        # a dropped group's ids stay unused: ids follow the tasks, whatever failed
+        n_traj = len(tasks) * cfg.group_size
+        dropped = len(tasks) - len(result.kept_groups)
         if before_write is not None:
-            before_write(self.state_dict(rounds_ahead=(1, len(tasks), n_traj)))
-        if self.sink is not None:
+            before_write(self.state_dict(rounds_ahead=(1, len(tasks), n_traj), dropped_ahead=dropped,
+                                         written_ahead=(len(result.episodes), 0 if batch is None else len(batch))))
+        if self.sink is not None and batch is not None:
             self.sink(batch)
         # counters advance only once the sink has the rows, so a failed write is retried with the same ids
         self.groups_emitted += len(tasks)
         self.trajectories_emitted += n_traj
         self.batches_emitted += 1
+        self.groups_dropped += dropped
+        self._trajectories_written += len(result.episodes)
+        self._rows_written += 0 if batch is None else len(batch)
+        self._say_failures(result)
         self._report(result, batch, time.perf_counter() - started)
+        self._check_failure_rate(result)
         return batch
+
+    def _say_failures(self, result: Rollout) -> None:
+        """One line on stderr per dropped group: the collector's log says what failed and where."""
+        base = id_base(self.config.collector_index) + self.groups_emitted - len(result.tasks)
+        first = {}
+        for failure in result.failures:
+            first.setdefault(failure.group, failure)
+        for group, failure in sorted(first.items()):
+            print(f"[agent collector {self.config.collector_index}] round {self.batches_emitted}: dropped group "
+                  f"{base + group} ({failure.reason}): {failure.message}", file=sys.stderr, flush=True)
+
+    def _check_failure_rate(self, result: Rollout) -> None:
+        cfg = self.config
+        limit = cfg.max_failed_group_fraction
+        if limit is None or not self.groups_dropped:
+            return
+        if self.groups_dropped > limit * max(self.groups_emitted, cfg.failure_rate_min_groups):
+            last = result.failures[-1] if result.failures else None
+            why = f"; the last: {last.reason}: {last.message}" if last is not None else ""
+            raise EpisodeFailureRateError(
+                f"{self.groups_dropped} of {self.groups_emitted} groups were dropped over failed episodes, more than "
+                f"max_failed_group_fraction={limit:g} allows (counted over at least {cfg.failure_rate_min_groups} "
+                f"groups){why}; fix the environment, or raise AgentCollectorConfig.max_failed_group_fraction")
 
     def _sample(self, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
         """One batch of turns from the model: every active episode's token list, one sample each."""
@@ -181,17 +256,18 @@ class AgentCollector:
         return [(ids.tolist(), log_probs.tolist())
                 for ids, log_probs in zip(gen.response_tokens.to_list(), gen.response_log_probs.to_list(), strict=True)]
 
-    def _report(self, result: Rollout, batch: TrajectoryBatch, elapsed: float) -> None:
+    def _report(self, result: Rollout, batch: TrajectoryBatch | None, elapsed: float) -> None:
         episodes, m = result.episodes, result.metrics
-        n = len(episodes)
-        returns = torch.tensor([sum(e.rewards) for e in episodes], dtype=torch.float64)  # (n,)
+        n = max(len(episodes), 1)  # every group dropped: the per-episode figures are 0
+        returns = torch.tensor([sum(e.rewards) for e in episodes] or [0.0], dtype=torch.float64)  # (n,)
         g = self.config.group_size
-        group_std = returns.reshape(-1, g).std(dim=1, unbiased=False) if g > 1 else torch.zeros(1)
-        turns = torch.tensor([len(e.turns) for e in episodes], dtype=torch.float64)
+        group_std = returns.reshape(-1, g).std(dim=1, unbiased=False) if g > 1 and episodes else torch.zeros(1)
+        turns = torch.tensor([len(e.turns) for e in episodes] or [0], dtype=torch.float64)
         calls = [sum(len(t.tool_calls) for t in e.turns) for e in episodes]
+        rows = 0 if batch is None else len(batch)
         metrics = {
-            "rows": float(len(batch)),
-            "rows_per_s": len(batch) / max(elapsed, 1e-9),
+            "rows": float(rows),
+            "rows_per_s": rows / max(elapsed, 1e-9),
             "round_s": elapsed,
             "generate_s": self._generate_s,
             "reward_mean": float(returns.mean()),
@@ -201,7 +277,9 @@ class AgentCollector:
             "turns_max": float(turns.max()),
             "tool_call_rate": sum(c > 0 for c in calls) / n,  # episodes that called a tool at least once
             "tool_calls_per_episode": sum(calls) / n,
-            "sampled_tokens_per_episode": float(batch["response_tokens"].lengths().sum()) / n,
+            "sampled_tokens_per_episode": 0.0 if batch is None else float(batch["response_tokens"].lengths().sum()) / n,
+            "groups_dropped": float(m["groups_dropped"]),
+            "groups_dropped_total": float(self.groups_dropped),
             "generation_batches": float(m["generation_batches"]),
             "retokenization_drift": float(m["retokenization_drift"]),
             "template_mismatch": float(m["template_mismatch"]),
@@ -210,8 +288,8 @@ class AgentCollector:
             "batches": float(self.batches_emitted),
             "trajectories": float(self.trajectories_emitted),
         }
-        for name, count in sorted(m.items()):  # reason/env_done..., tools/ok, tools/malformed...
-            if name.startswith(("reason/", "tools/")):
+        for name, count in sorted(m.items()):  # reason/env_done..., tools/ok, dropped/step_failed...
+            if name.startswith(("reason/", "tools/", "dropped/")):
                 metrics[name] = float(count)
         self.last_metrics = metrics
         for hook in self.hooks:
@@ -227,8 +305,12 @@ class AgentCollector:
         self.policy_version = int(version)
 
     # ---------------------------------------------------------------- resume
-    def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
-        """``rounds_ahead``: (rounds, groups, trajectories) not yet counted but to be included."""
+    def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0), dropped_ahead: int = 0,
+                   written_ahead: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+        """``rounds_ahead``: (rounds, groups, trajectories) not yet counted but to be included;
+        ``dropped_ahead``: of those groups, the dropped ones; ``written_ahead``: (trajectories,
+        rows) those rounds write, which :attr:`round_rows` estimates from (so a resumed collector
+        paces as the uninterrupted one did)."""
         batches, groups, trajectories = rounds_ahead
         cfg = self.config
         return {
@@ -236,6 +318,9 @@ class AgentCollector:
             "groups_emitted": self.groups_emitted + groups,
             "trajectories_emitted": self.trajectories_emitted + trajectories,
             "batches_emitted": self.batches_emitted + batches,
+            "groups_dropped": self.groups_dropped + dropped_ahead,
+            "trajectories_written": self._trajectories_written + written_ahead[0],
+            "rows_written": self._rows_written + written_ahead[1],
             "policy_version": self.policy_version,
             "rng": self.generator.get_state(),
             "config": {"collector_index": cfg.collector_index, "seed": cfg.seed, "group_size": cfg.group_size,
@@ -254,6 +339,10 @@ class AgentCollector:
         self.groups_emitted = int(state["groups_emitted"])
         self.trajectories_emitted = int(state["trajectories_emitted"])
         self.batches_emitted = int(state["batches_emitted"])
+        self.groups_dropped = int(state.get("groups_dropped", 0))  # saved before groups could be dropped: none
+        # saved before pacing estimated a round's rows: the estimate starts again
+        self._trajectories_written = int(state.get("trajectories_written", 0))
+        self._rows_written = int(state.get("rows_written", 0))
         self.policy_version = max(self.policy_version, int(state["policy_version"]))
         self.generator.set_state(state["rng"])
 

@@ -150,6 +150,11 @@ class Collector:
         self._report(batch, parts, t0, t_gen, t_reward)
         return batch
 
+    @property
+    def round_rows(self) -> int:
+        """Rows one :meth:`collect` writes (pacing counts rounds in them, ``coordination/pacing.py``)."""
+        return self.config.prompts_per_batch * self.config.num_generations
+
     def run(self, *, max_batches: int | None = None, max_rows: int | None = None,
             should_stop: Callable[[], bool] | None = None) -> int:
         """Calls :meth:`collect` until a limit is reached or ``should_stop()``; returns rows emitted."""

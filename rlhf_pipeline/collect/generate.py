@@ -24,6 +24,7 @@ part of the response.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -101,6 +102,18 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
     return ragged.to_padded(pad_value=pad_token_id, side="left")
 
 
+def _cache_keyword(model) -> str:
+    """The name under which ``model``'s forward takes and returns its KV cache: ``cache`` from
+    transformers 5.24, ``past_key_values`` before. 5.24 still takes the old name, but warns twice
+    on every collector start; an older one given ``cache`` would ignore it and decode from one
+    token without context."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     # left padding: the first real token sits at position 0 (pads get 0 too; they are masked)
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -134,8 +147,9 @@ def generate(
     ids, mask = ids.to(device), mask.to(device).long()  # (N, P)
     n = ids.shape[0]
 
+    cache_name = _cache_keyword(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
-    past, next_logits = out.past_key_values, out.logits[:, -1]  # (N, V)
+    past, next_logits = getattr(out, cache_name), out.logits[:, -1]  # (N, V)
     position = _positions(mask)[:, -1:]  # (N, 1)
     tokens, log_probs = [], []
     finished = torch.zeros(n, dtype=torch.bool, device=device)
@@ -153,8 +167,8 @@ def generate(
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position = position + 1
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                    past_key_values=past, use_cache=True)
-        past, next_logits = out.past_key_values, out.logits[:, -1]
+                    use_cache=True, **{cache_name: past})
+        past, next_logits = getattr(out, cache_name), out.logits[:, -1]
 
     response = torch.stack(tokens, dim=1).cpu()  # (N, R)
     response_lp = torch.stack(log_probs, dim=1).float().cpu()  # (N, R)

@@ -23,9 +23,15 @@ rows: what the learner's next batch needs (its share of it, with several collect
 ``rounds_ahead`` rounds. With ``rounds_ahead=0`` a collector generates the learner's next batch
 while the learner trains on the current one (one step of overlap), then waits.
 
-It cannot deadlock:
+It cannot deadlock, whatever the collector kind, the batch size, the round's size (an agent
+round's rows vary with its episodes' turns) and ``rounds_per_version``:
 
-* the learner's next batch is always allowed (``next_draw_rows``), whatever is ahead;
+* the learner's next batch is always allowed (``next_draw_rows``), whatever is ahead, and
+  whatever ``rounds_per_version`` says: that limit (a collector writes at most so many rounds
+  with one policy version, then waits for the next) holds back only rounds the learner has not
+  asked for yet, since the learner can publish no new version without the rows of its next
+  step (:meth:`CollectorPacer.plan_round`; a learner batch larger than ``rounds_per_version``
+  rounds once waited for ever there);
 * a collector started late, or whose shard the learner has not seen yet, counts as having
   nothing taken in, so it writes its first rows at once;
 * a resumed learner publishes the position of its checkpoint at start, so collectors that
@@ -43,8 +49,11 @@ round starts: the learner may or may not have published its next version by then
 made two runs with one seed part ways. A round uses the version the learner held when it took
 in the batch that first allowed the round (:meth:`CollectorPacer.version_for_round`, found in
 ``recent``), which depends on the rows and the seed only; it waits for that version if it is
-not loaded yet. Rounds that only the stall rule allowed, and versions already pruned, fall back
-to the newest version (no longer a function of the seed alone).
+not loaded yet. A collector that has written ``rounds_per_version`` rounds with its version takes
+the first intake in ``recent`` that asks for the round (the learner's next batch needs it) or
+that allows it with a newer version: again a function of the intakes, not of when they are read.
+Rounds that only the stall rule allowed, and versions already pruned, fall back to the newest
+version (no longer a function of the seed alone).
 
 Before the learner's first publish (no file yet) a collector started by ``run`` writes
 ``rounds_ahead + 1`` rounds: its learner is starting. A collector started alone (``collect``)
@@ -135,6 +144,9 @@ def read_intake(path: str | Path, *, store: RunStore | None = None) -> LearnerIn
 WAITING_RENEW_S = 0.5
 """How often a waiting learner renews ``waiting_seen``: at a URL, one PUT each time."""
 
+WAIT_REPORT_S = 60.0
+"""A collector that has written no round for this long says in one line what it waits for."""
+
 RECENT_DRAWS = 32
 """Draws kept in ``recent``: a collector that missed this many publishes in a row (it was busy
 generating) can no longer tell which one first allowed its round."""
@@ -174,6 +186,20 @@ class PacingPublisher:
                                              waiting_seen=now), new_draw=False)
 
 
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a collector does next (:meth:`CollectorPacer.plan_round`)."""
+
+    allowed: bool
+    """Pacing allows a round now (once ``min_version`` is loaded)."""
+    version: int | None
+    """The weights the round must use (poll exactly this version); None: the newest."""
+    min_version: int
+    """The round waits until the collector holds at least this version."""
+    waiting_for: str
+    """What it waits for when it cannot go yet, in words (the collector's line when it waits long)."""
+
+
 class CollectorPacer:
     """Collector side: ``may_collect(rows_in_my_shard)`` says whether to generate a round now.
 
@@ -196,14 +222,19 @@ class CollectorPacer:
         self.rounds_ahead = rounds_ahead
         self.stall_s = stall_s
         self.learner_expected = learner_expected
-        # rows of one round: as configured, else the most one round has written so far
+        # rows of one round: as the collector says (round_written updates it), else the most one
+        # round has written so far
         self._configured_round_rows = round_rows
         self.round_rows = round_rows or 0
         self._last_round_at = time.time()
 
-    def round_written(self, rows: int) -> None:
-        """A round appended ``rows`` rows (fewer than configured when groups were dropped)."""
-        if not self._configured_round_rows:
+    def round_written(self, rows: int, round_rows: int | None = None) -> None:
+        """A round appended ``rows`` rows (fewer than configured when groups were dropped);
+        ``round_rows``: the collector's new estimate of a round's rows (an agent round's rows vary
+        with its episodes' turns: ``AgentCollector.round_rows``)."""
+        if round_rows:
+            self.round_rows = round_rows
+        elif not self._configured_round_rows:
             self.round_rows = max(self.round_rows, rows)
         self._last_round_at = time.time()
 
@@ -224,14 +255,7 @@ class CollectorPacer:
         first one is too old): take the newest."""
         if self.rounds_ahead is None:
             return None
-        intake = self._read()
-        if intake is None:
-            return None
-        for version, need, consumed in intake.recent:
-            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need)
-            if shard_rows < self.target_rows(earlier):
-                return version
-        return None
+        return self._pinned_version(self._read(), shard_rows, newer_than=None)
 
     def _read(self) -> LearnerIntake | None:
         now = time.monotonic()
@@ -245,9 +269,68 @@ class CollectorPacer:
         intake = self._read()
         if shard_rows < self.target_rows(intake):
             return True
+        return self._stalled(intake)
+
+    def _stalled(self, intake: LearnerIntake | None) -> bool:
         if intake is None or intake.waiting_since is None or intake.waiting_seen is None:
             return False
         # the learner has waited for its next batch since before this collector's last round and
         # said it still waits well after it: it needs more than it said; one more round. Said, not
         # supposed from this clock: a learner that died waiting says nothing more
         return intake.waiting_seen - max(intake.waiting_since, self._last_round_at) > self.stall_s
+
+    def needed(self, intake: LearnerIntake | None, shard_rows: int) -> bool:
+        """The learner's next batch needs a round starting at ``shard_rows`` (its share of it)."""
+        if intake is None:
+            return False
+        shares = len(set(intake.consumed) | {self.key})
+        return shard_rows < intake.consumed.get(self.key, 0) + math.ceil(intake.next_draw_rows / shares)
+
+    def plan_round(self, shard_rows: int, *, policy_version: int, rounds_at_version: int,
+                   rounds_per_version: int | None) -> RoundPlan:
+        """Whether a round starting at ``shard_rows`` may be written now, and with which weights.
+
+        ``policy_version`` is the collector's, ``rounds_at_version`` the rounds it wrote with it,
+        ``rounds_per_version`` the pipeline's limit (None: no limit). A round the learner's next
+        batch needs, or that the stall rule allows, is never held back by the limit: the learner
+        publishes no new version without it.
+        """
+        intake = self._read()
+        over = rounds_per_version is not None and rounds_at_version >= rounds_per_version
+        limited = (f"wrote {rounds_at_version} rounds with policy version {policy_version} "
+                   f"(rounds_per_version={rounds_per_version}); waiting for a newer version")
+        if self.rounds_ahead is None:  # unpaced: the newest weights; the limit yields to the learner's need
+            if over and not (self.needed(intake, shard_rows) or self._stalled(intake)):
+                return RoundPlan(True, None, policy_version + 1, limited)
+            return RoundPlan(True, None, 0, "")
+        target = self.target_rows(intake)
+        stalled = self._stalled(intake)
+        if shard_rows >= target and not stalled:
+            taken = intake.consumed.get(self.key, 0) if intake is not None else 0
+            return RoundPlan(False, None, 0,
+                             f"the shard holds {shard_rows} rows, {shard_rows - taken} past what the learner has "
+                             f"taken in, as many as its next batch and rounds_ahead={self.rounds_ahead} ask for: "
+                             f"waiting for the learner to take rows in")
+        version = self._pinned_version(intake, shard_rows, newer_than=policy_version if over else None)
+        if version is not None:
+            return RoundPlan(True, version, version,
+                             f"waiting for policy version {version}, the learner's when it asked for this round")
+        if over and not stalled and not self.needed(intake, shard_rows):
+            # an intake that asks for the round, or allows it with a newer version, will come
+            return RoundPlan(False, None, 0, limited + " or for the learner to ask for this round")
+        return RoundPlan(True, None, 0, "")  # no intake yet, the stall rule, or too old: the newest
+
+    def _pinned_version(self, intake: LearnerIntake | None, shard_rows: int, newer_than: int | None) -> int | None:
+        """The version of the first intake in ``recent`` that allowed the round (``newer_than``
+        None), or past the limit the first that needs it or allows it with a version newer than
+        ``newer_than``; None when there is none."""
+        if intake is None:
+            return None
+        for version, need, consumed in intake.recent:
+            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need)
+            allowed = shard_rows < self.target_rows(earlier)
+            if newer_than is None and allowed:
+                return version
+            if newer_than is not None and (self.needed(earlier, shard_rows) or (allowed and version > newer_than)):
+                return version
+        return None

@@ -9,15 +9,23 @@ after it, so the new content survives a power loss once the call returns; ``dura
 keeps the atomicity (a process crash never exposes a partial file), but a machine crash may
 roll back to the old content.
 
+Writes through a Python file object (``open(..., "wb")``, ``Path.write_bytes``, ``torch.save``)
+raise when the disk fills. A raw ``os.write`` does not: on a nearly full disk (or past a file
+size limit) it writes what fits and returns that count, and only the next call fails. Code that
+writes a file with ``os.write``/``os.writev`` and renames it into place uses :func:`write_all`,
+which writes every byte or raises, so a torn file is never renamed over a good one.
+
 API: :func:`write_atomic` (the core: a callback writes into an open file),
-:func:`publish_json`, :func:`save_torch_atomic`, :func:`fsync_dir`, :data:`PARTIAL_SUFFIX`.
+:func:`publish_json`, :func:`save_torch_atomic`, :func:`write_all`, :func:`fsync_dir`,
+:data:`PARTIAL_SUFFIX`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,6 +39,31 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data, path: str | os.PathLike) -> None:
+    """Writes every byte of ``data`` to ``fd`` at its current position, or raises ``OSError``.
+
+    ``data`` is a bytes-like object, or a list of them written back to back (first with one
+    ``writev``). A short write is continued where it stopped; the call that fails then (a full
+    disk: ``ENOSPC``; a file size limit: ``EFBIG``) raises with ``path`` as the error's
+    ``filename``, so a command can name the file in its one-line error.
+    """
+    try:
+        if isinstance(data, Sequence) and not isinstance(data, (bytes, bytearray, memoryview)):
+            done = os.writev(fd, data) if data else 0
+            if done == sum(memoryview(b).nbytes for b in data):
+                return
+            view = memoryview(b"".join(data))[done:]  # a short writev: the rest as one buffer (rare)
+        else:
+            view = memoryview(data).cast("B")
+        while view:
+            written = os.write(fd, view)
+            if written <= 0:  # no error and no progress: the file system gave up; never loop on it
+                raise OSError(errno.EIO, f"the system wrote 0 of {len(view)} bytes")
+            view = view[written:]
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from None
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, durable: bool = True,
@@ -51,6 +84,11 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *,
             if durable:
                 os.fsync(f.fileno())
         os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        if exc.filename is None:  # a failed write or flush says which file (a command's one-line error names it)
+            raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(partial)) from exc
+        raise
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

@@ -147,6 +147,9 @@ class LearnerSettings:
     """Batches prepared ahead by the background thread."""
     data_timeout_s: float = 600.0
     """Give up when no usable batch could be sampled for this long (no collector running?)."""
+    wait_report_s: float = 60.0
+    """Say in one line what the learner waits for once it has waited this long for a batch (and
+    again each time the wait doubles)."""
     log_every: int = 10
     """Print a progress line every this many steps when stderr is not a terminal."""
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
@@ -215,6 +218,8 @@ class LearnerSettings:
                 raise bad(name, f"must be >= 1 (got {getattr(self, name)})")
         if self.temperature <= 0:
             raise bad("temperature", f"must be > 0 (got {self.temperature})")
+        if not self.wait_report_s > 0:
+            raise bad("wait_report_s", f"must be > 0 seconds (got {self.wait_report_s})")
         if self.replace_zero_variance and self.sampler != "groups":
             raise bad("replace_zero_variance", f"needs sampler='groups', which draws whole groups (got "
                                                f"sampler={self.sampler!r})")

@@ -25,6 +25,9 @@ class ToolErrorKind(enum.IntFlag):
     """The tool ran past its timeout."""
     OVER_CALL_LIMIT = 32
     """More calls than a turn may make; this one was not run."""
+    BAD_OUTPUT = 64
+    """The tool's result could not be made into text the model can read (an object whose
+    ``str()`` raises, an int past Python's digit limit, a lone surrogate)."""
 
 
 ALL_TOOL_ERROR_KINDS = int(sum(ToolErrorKind))

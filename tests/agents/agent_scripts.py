@@ -79,3 +79,18 @@ class ScriptedModel:
     def sample(self, turn: int, max_new_tokens: int) -> tuple[list[int], list[float]]:
         ids = self.ids(self.script[turn % len(self.script)])[:max_new_tokens]
         return ids, [-0.01 * (1 + (turn * 31 + k) % 50) for k in range(len(ids))]
+
+
+def scripted_sampler(tokenizer, script):
+    """Turn k of an episode says script[k]; the turn is read off the prompt's assistant headers."""
+    model = ScriptedModel(tokenizer, script)
+    header = tokenizer.encode("<|im_start|>assistant", add_special_tokens=False)
+
+    def sample(prompts, max_new_tokens):
+        out = []
+        for prompt, limit in zip(prompts, max_new_tokens):
+            turn = sum(prompt[i:i + len(header)] == header for i in range(len(prompt))) - 1
+            out.append(model.sample(turn, limit))
+        return out
+
+    return sample

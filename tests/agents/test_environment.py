@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 
 import pytest
+import torch
 
 from rlhf_pipeline.agents.environment import (
     Environment,
@@ -173,3 +175,31 @@ def test_reasons_split_into_terminated_and_truncated():
     assert not TerminationReason.NOT_ENDED.terminated and not TerminationReason.NOT_ENDED.truncated
     with pytest.raises(ValueError):
         StepResult(reason=TerminationReason.MAX_TURNS)  # a reason without done
+
+
+def test_a_reward_is_a_real_number_as_at_the_buffers_door():
+    """``StepResult(reward="1.0")`` was stored as 1.0 while the door refuses text rewards."""
+    import numpy as np
+
+    with pytest.raises(TypeError, match=r"StepResult.reward: expected a real number, got '1.0' \(str\); "
+                                        r"numbers are not parsed from text"):
+        StepResult(reward="1.0")
+    for refused in (True, None, b"1", [1.0], torch.tensor([1.0, 2.0])):
+        with pytest.raises(TypeError, match="StepResult.reward: expected a real number"):
+            StepResult(reward=refused)
+    for given, stored in ((1, 1.0), (np.float32(0.5), 0.5), (np.int64(2), 2.0), (torch.tensor(0.25), 0.25)):
+        reward = StepResult(reward=given).reward
+        assert type(reward) is float and reward == stored
+    assert math.isnan(StepResult(reward=float("nan")).reward)  # a rollout drops its group (tests/collect)
+
+    from rlhf_pipeline.agents.episode import Episode
+    from rlhf_pipeline.models import char_tool_tokenizer
+
+    result = StepResult()
+    result.reward = "1.0"  # set after construction: refused where the episode records it
+    tokenizer = char_tool_tokenizer()
+    episode = Episode(tokenizer, [{"role": "user", "content": "hi"}])
+    episode.add_turn([tokenizer.eos_token_id], [0.0])
+    with pytest.raises(TypeError, match="numbers are not parsed from text"):
+        episode.add_environment(result)
+    assert episode.rewards == []

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from agent_scripts import ScriptedModel
+from agent_scripts import scripted_sampler
 
 from rlhf_pipeline.agents.calculator import CalculatorEnv, multiply, product_tasks
 from rlhf_pipeline.agents.environment import StepResult
@@ -37,21 +37,6 @@ from rlhf_pipeline.storage import create_store
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
-
-
-def scripted_sampler(tokenizer, script):
-    """Turn k of an episode says script[k]; the turn is read off the prompt's assistant headers."""
-    model = ScriptedModel(tokenizer, script)
-    header = tokenizer.encode("<|im_start|>assistant", add_special_tokens=False)
-
-    def sample(prompts, max_new_tokens):
-        out = []
-        for prompt, limit in zip(prompts, max_new_tokens):
-            turn = sum(prompt[i:i + len(header)] == header for i in range(len(prompt))) - 1
-            out.append(model.sample(turn, limit))
-        return out
-
-    return sample
 
 
 def write_and_read(path, batch):

@@ -230,10 +230,14 @@ def test_the_calls_of_a_turn_run_at_the_same_time_and_answer_in_order():
         barrier.wait()
         return tag
 
-    box = ToolBox([meet], timeout_s=10.0, max_workers=3)
+    box = ToolBox([meet, multiply], timeout_s=10.0, max_workers=3)
+    assert box.run([ToolCall("multiply", {"a": 2, "b": 3}, "")])[0]["content"] == "6"
+    # one thread is idle now and the turn has three calls: two new threads, not one call after another
     answers, errors = box.run_counted([ToolCall("meet", {"tag": t}, "") for t in ("a", "b", "c")])
-    box.close()
     assert errors == 0 and [a["content"] for a in answers] == ["a", "b", "c"]
+    answers, errors = box.run_counted([ToolCall("meet", {"tag": t}, "") for t in ("d", "e", "f")])  # and again
+    box.close()
+    assert errors == 0 and [a["content"] for a in answers] == ["d", "e", "f"]
 
 
 def test_a_slow_call_times_out_alone_while_the_turns_other_calls_answer():

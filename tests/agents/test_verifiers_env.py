@@ -281,7 +281,7 @@ def test_a_raw_row_gets_the_system_prompt_and_few_shot_as_verifiers_formats_them
                                                             *few_shot, {"role": "user", "content": "What is 12 * 34?"}]
 
 
-def test_a_conversation_that_does_not_extend_the_last_turn_is_refused(bpe_tokenizer):
+def test_a_conversation_that_does_not_extend_the_last_turn_is_refused_and_drops_its_group(bpe_tokenizer):
     class Forgetful(GuessingGame):
         async def get_prompt_messages(self, state):
             if not state["trajectory"]:
@@ -290,8 +290,10 @@ def test_a_conversation_that_does_not_extend_the_last_turn_is_refused(bpe_tokeni
 
     env = Forgetful(dataset=Dataset.from_list([{"question": "Guess (1-9).", "answer": "7"}]),
                     rubric=vf.Rubric(funcs=[solved]), max_turns=3)
-    with pytest.raises(ValueError, match="does not extend the previous turn's"):
-        run(env, bpe_tokenizer, ["5", "7"])
+    result, _ = run(env, bpe_tokenizer, ["5", "7"])
+    (failure,) = result.failures
+    assert failure.reason == "step_failed" and "does not extend the previous turn's" in failure.message
+    assert result.episodes == [] and result.to_batch(first_group_id=0, first_trajectory_id=0, policy_version=0) is None
 
 
 def test_without_verifiers_the_error_names_the_extra(monkeypatch):

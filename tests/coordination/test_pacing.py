@@ -248,3 +248,28 @@ def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
         assert (intake.step, intake.draws, intake.consumed, intake.waiting_since) == (2, 3, {"shard-0000": 48}, None)
     finally:
         resumed.cleanup()
+
+
+def test_a_learner_that_waits_long_says_in_one_line_what_for(tmp_path, capsys):
+    """Issue 32: a stalled run printed nothing for 9 minutes. Past learner.wait_report_s the learner
+    says what it waits for (the rows its next draw needs, the rows there) and why it lacks them."""
+    from rlhf_pipeline.learn.samplers.contract import DataTimeoutError
+
+    paths = RunPaths(tmp_path / "run")
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    store = create_store(paths.shard(0), "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=64)
+    store.append(make_batch(2, 4, seed=1, optional=("advantage",), vocab_size=len(TOKENIZER)))  # 8 of the 16 rows
+    settings = LearnerSettings(batch_size=16, sampler="exact", max_staleness=None, data_timeout_s=2.0,
+                               wait_report_s=0.3)
+    learner = Learner(settings, paths, make_model=make_model, steps=2, seed=0, show_progress=False)
+    learner.setup()
+    try:
+        with pytest.raises(DataTimeoutError):
+            learner.train()
+    finally:
+        learner.cleanup()
+        store.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[learner] waiting")]
+    assert lines  # once past 0.3 s (and again each time the wait doubles)
+    assert "for the batch of step 1: its next draw needs 16 new rows; the buffer holds 8 past the rows taken in " \
+           "(shard-0000: 8); no collector has written a row since the wait began" in lines[0], lines[0]

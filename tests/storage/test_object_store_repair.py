@@ -90,7 +90,7 @@ def test_repair_is_refused_while_a_writer_holds_the_store_at_a_url(s3_server, en
         _put(s3_server, url, "zarr.json", None)
         assert main(["repair", url, "--apply", "--quiet"]) == 2
         err = capsys.readouterr().err
-        assert f"{url} is already open for writing by process" in err
+        assert f"{url} is being written by process" in err and len(err.strip().splitlines()) == 1, err
         assert "repair --apply needs the store's writer lock" in err and "stop that writer" in err, err
     assert not [k for k in s3_server.keys(url) if k.startswith("repair-")]  # nothing written
 
@@ -105,3 +105,26 @@ def test_repair_refuses_an_unknown_scheme_and_a_url_without_a_writer_lock(tmp_pa
     assert "repair writes a commit record only in a local directory or at an s3:// or az:// URL" in out, out
     assert "give the store's local path instead" in out
     assert not list(tmp_path.glob("**/repair-*"))
+
+
+def test_damaged_unit_metadata_at_a_url_is_reported_and_rewritten_under_the_lock(s3_server, env, capsys):
+    url = _store(s3_server.url("store"), 0, 40)  # two sealed segments, one fragment
+    damaged = {"units/000000000000000-0000000016s/values/zarr.json": b"{not json",
+               "units/000000000000032-0000000008f/zarr.json": None}
+    written = {key: s3_server.get(url, key) for key in damaged}
+    for key, body in damaged.items():
+        _put(s3_server, url, key, body)
+    assert main(["inspect", url, "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert all(f"{url}/{key} " in out for key in damaged) and "2 problem(s)" in out, out
+    assert main(["repair", url, "--apply", "--quiet"]) == 0
+    assert "did: rewrite 2 metadata file(s)" in capsys.readouterr().out
+    assert {key: s3_server.get(url, key) for key in damaged} == written  # as the writer wrote them
+    assert "writer.lock" not in s3_server.keys(url)
+    assert main(["inspect", url, "--verify"]) == 0
+    with ZarrTrajectoryStore.open(url, mode="a") as writer:  # its writer carries on: units stay create-only
+        writer.append(checksummed_batch(40, 4))
+    with open_store(url) as store:
+        rows = store.read(torch.arange(len(store)))
+    assert rows["trajectory_id"].tolist() == list(range(44))
+    check_rows(rows)

@@ -101,3 +101,22 @@ def test_repair_rebuilds_the_record_of_a_format1_store(old_stores):
         assert [u.kind for u in reader.units] == [1, 1, 0]
         assert reader.read(torch.arange(18)).equal(written_rows())
 
+
+
+def test_repair_rewrites_the_damaged_array_metadata_of_format1_units(old_stores):
+    from rlhf_pipeline.storage.buffers import repair_buffer
+
+    damaged = [old_stores / "zarr-closed" / "units" / "000000000000008-0000000008" / "response_tokens" / "zarr.json",
+               old_stores / "zarr-closed" / "units" / "000000000000016-0000000002" / "done" / "zarr.json",
+               old_stores / "zarr-packed" / "units" / "000000000000016-0000000002p" / "zarr.json"]
+    written = [p.read_bytes() for p in damaged]
+    damaged[0].unlink()
+    damaged[1].write_bytes(written[1].replace(b'"fill_value":false', b'"fill_value":true'))
+    damaged[2].write_bytes(written[2][:-9])
+    for name, count in (("zarr-closed", 2), ("zarr-packed", 1)):
+        report, = verify_buffer(str(old_stores / name))
+        assert len(report.problems) == count and all("metadata" in p for p in report.problems), report.problems
+        report, = repair_buffer(str(old_stores / name), apply=True)
+        assert not report.unrecoverable and f"rewrite {count} metadata file(s)" in report.actions[0], report
+        assert verify_buffer(str(old_stores / name))[0].ok
+    assert [p.read_bytes() for p in damaged] == written  # as the format 1 writer wrote them

@@ -1,8 +1,8 @@
 """A damaged Zarr store raises errors naming the file or chunk, and repair rebuilds its commit record.
 
 Real stores on disk, damaged as files get damaged: a truncated or deleted root ``zarr.json``,
-a flipped byte in a packed fragment, a missing unit. Chunk damage of sealed segments is in
-``test_zarr.py``.
+a flipped byte in a packed fragment, a missing unit, a unit's array metadata that only plain
+zarr readers need. Chunk damage of sealed segments is in ``test_zarr.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage import NotAStoreError, StoreCorruptedError, create_store, open_store
 from rlhf_pipeline.storage.buffers import repair_buffer, verify_buffer
 from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
+from test_zarr import assert_same_rows, read_with_plain_zarr
 
 SCHEMA = StoreSchema(optional=("advantage",))
 
@@ -160,3 +161,67 @@ def test_repair_never_publishes_a_unit_past_an_intact_record(tmp_path, capsys):
             assert len(reader) == 34 and reader.read(torch.arange(34)).equal(expected)
     finally:
         writer.close()
+
+
+def test_damaged_unit_metadata_is_reported_and_repair_lets_plain_zarr_read_the_store_again(tmp_path, capsys):
+    """This library reads units without their zarr.json; plain zarr cannot: damage there was silent."""
+    path = tmp_path / "b"
+    expected, _ = fill(path)  # four sealed segments and one fragment
+    units = path / "units"
+    damaged = {  # file -> how it is damaged
+        "units/000000000000000-0000000008s/values/zarr.json": "flip",  # still JSON: a shape one digit off
+        "units/000000000000008-0000000008s/rows/zarr.json": "truncate",
+        "units/000000000000016-0000000008s/zarr.json": "not json",
+        "units/000000000000032-0000000002f/zarr.json": "delete",
+        "units/zarr.json": "delete",
+    }
+    written = {key: (path / key).read_bytes() for key in damaged}
+    for key, how in damaged.items():
+        raw = written[key]
+        if how == "flip":
+            at = raw.index(b"]", raw.index(b'"shape":[')) - 1  # the shape's last digit, one bit off
+            (path / key).write_bytes(raw[:at] + bytes([raw[at] ^ 0x01]) + raw[at + 1:])
+        elif how == "truncate":
+            (path / key).write_bytes(raw[: len(raw) // 2])
+        elif how == "not json":
+            (path / key).write_bytes(b"\x00" * len(raw))
+        else:
+            (path / key).unlink()
+    with open_store(path) as reader:  # our reads never needed them
+        assert reader.read(torch.arange(34)).equal(expected)
+
+    assert main(["inspect", str(path), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "5 problem(s)" in out and all(f"{path}/{key} " in out for key in damaged), out
+    assert "values/zarr.json (unit 000000000000000-0000000008s's metadata) does not describe what the unit holds " \
+           "(its shape differs)" in out, out
+    assert main(["repair", str(path)]) == 1  # a dry run
+    assert "would: rewrite 5 metadata file(s)" in capsys.readouterr().out
+    assert main(["repair", str(path), "--apply"]) == 0
+    assert "did: rewrite 5 metadata file(s)" in capsys.readouterr().out
+    assert {key: (path / key).read_bytes() for key in damaged} == written  # what the writer wrote, byte for byte
+    assert [r.problems for r in verify_buffer(str(path))] == [[]]
+    assert_same_rows(read_with_plain_zarr(path, tmp_path), expected)
+    assert not list(units.glob("*.partial")) and not list(units.glob("*/*.partial"))
+
+
+def test_verify_tells_a_live_writers_unpublished_units_from_a_stopped_writers_leftovers(tmp_path, capsys):
+    """Units past the record are a live writer's append in flight while it holds the writer lock; only
+    without one are they leftovers of a writer stopped before its publish."""
+    import os
+
+    path, stopped_copy = tmp_path / "b", tmp_path / "copy"
+    _, writer = fill(path, close=False)
+    try:
+        record = (path / "zarr.json").read_bytes()
+        writer.append(make_batch(1, 3, seed=9, optional=("advantage",)))
+        (path / "zarr.json").write_bytes(record)  # its publish undone: the unit it wrote is past the record
+        shutil.copytree(path, stopped_copy)  # the same files, and no process holding the copy's lock
+        assert main(["inspect", "--verify", str(path)]) == 0
+        live = capsys.readouterr().out
+    finally:
+        writer.close()
+    assert main(["inspect", "--verify", str(stopped_copy)]) == 0
+    stopped = capsys.readouterr().out
+    assert f"being written by the live writer, process {os.getpid()} on" in live and "leftovers" not in live, live
+    assert "a writer's leftovers: a writer was stopped before publishing them" in stopped, stopped

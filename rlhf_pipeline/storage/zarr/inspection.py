@@ -2,14 +2,18 @@
 
 :func:`stats` summarizes the published rows from each unit's small per-row arrays (the
 store's ``stats()`` is :func:`summarize`); :func:`verify` decodes every chunk of every
-published unit, checking its CRC32C (format 2), its exact size and its offsets, and lists
-the units no record names.
+published unit, checking its CRC32C (format 2), its exact size and its offsets, checks each
+unit's group and array metadata (``zarr.json``) against what its decoded arrays imply, and
+lists the units no record names. This library reads units without their metadata, but a plain
+zarr reader needs it (the layout promises every store reads with zarr alone): a damaged or
+deleted one is reported, and :func:`check_units` hands ``repair`` the bytes to rewrite it with.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +22,10 @@ import numpy as np
 from rlhf_pipeline.storage.errors import NotAStoreError, StoreCorruptedError
 from rlhf_pipeline.storage.reports import CheckReport, Progress
 from rlhf_pipeline.storage.summary import StoreStats, disk_usage, summarize_trajectories
-from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, NP_DTYPE_BY_NAME, UNITS_PREFIX, arrays_of
-from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root, resolve
+from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, GROUP_METADATA, NP_DTYPE_BY_NAME, UNITS_PREFIX, arrays_of
+from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root, raise_if_being_created, resolve
 from rlhf_pipeline.storage.zarr.unit_constants import disagreements, parse_constants
-from rlhf_pipeline.storage.zarr.units import ROOT_META, UnitCodecs, UnitGone, UnitRef, read_unit
+from rlhf_pipeline.storage.zarr.units import ROOT_META, UnitCodecs, UnitGone, UnitRef, read_unit, unit_metadata
 
 BACKEND = "zarr"
 __all__ = ["detect", "stats", "summarize", "verify"]
@@ -79,6 +83,8 @@ def open_record(location: str, storage_options: dict | None = None) -> tuple[Loc
         except NotAStoreError:
             if has_units(loc):
                 parse_root(raw, location, units_exist=True)  # raises StoreCorruptedError
+            if raw is None:
+                raise_if_being_created(loc)
             raise
     except BaseException:
         loc.kv.close()
@@ -158,6 +164,17 @@ def summarize(loc: Location, record: dict[str, Any], location: str) -> StoreStat
     )
 
 
+def _live_writer(loc: Location) -> str | None:
+    """Who holds the store's writer lock now (``"process 4242 on node-7"``), else None: a look, not a take."""
+    if loc.local_root is not None:
+        from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, writer_holding
+
+        return writer_holding(loc.local_root / LOCK_FILE_NAME)
+    from rlhf_pipeline.storage.zarr.object_store import ObjectStoreKV, live_writer
+
+    return live_writer(loc.kv) if isinstance(loc.kv, ObjectStoreKV) else None
+
+
 def _bytes_on_disk(loc: Location) -> int:
     """What ``du`` counts for a local store; the object sizes for a remote one; the file for a zip."""
     if loc.local_root is not None:
@@ -169,8 +186,19 @@ def _bytes_on_disk(loc: Location) -> int:
 
 
 # ======================================================================== verify
+@dataclass(frozen=True)
+class MetadataFix:
+    """A damaged or missing ``zarr.json`` of a unit (or of ``units/``), and the bytes its writer wrote."""
+
+    key: str
+    data: bytes
+    unit: str | None  # the unit's name; None for units/zarr.json
+    problem: str  # as :func:`verify` reports it
+
+
 def verify(location: str, progress: Progress | None = None, storage_options: dict | None = None) -> CheckReport:
-    """Decodes and checks every chunk of every published unit; every problem names the chunk."""
+    """Decodes and checks every chunk of every published unit and its metadata; every problem names
+    the chunk or file."""
     report = CheckReport(str(location), BACKEND)
     try:
         loc, record = open_record(str(location), storage_options)
@@ -180,51 +208,94 @@ def verify(location: str, progress: Progress | None = None, storage_options: dic
                             f"`rlhf-pipeline repair {location}` rebuilds it from the units")
         return report
     try:
-        layout = arrays_of(record, str(location))
-        codecs = codecs_of(record)
-        units = units_of(record, str(location))
-        total = int(record["next_row"]) - int(record["first_row"])
-        unchecked = 0
-        expected = int(record["first_row"])
-        try:
-            constants = parse_constants(record, str(location))
-        except StoreCorruptedError as exc:
-            constants = {}
-            report.problems.append(str(exc))
-            report.record_problems.append(str(exc))
-        for number, unit in enumerate(units, 1):
-            if unit.first_row != expected:
-                report.problems.append(f"{location}/zarr.json: unit {unit.name} starts at row {unit.first_row}, "
-                                       f"the previous unit ends at {expected}")
-            expected = unit.first_row + unit.rows
-            try:
-                arrays = read_unit(loc.kv, unit, layout, codecs)
-                for wrong in disagreements(unit, constants, arrays):  # reads of those fields would be wrong
-                    problem = (f"{location}/zarr.json: {wrong}; `rlhf-pipeline repair {location} --apply` "
-                               f"rewrites the record without them")
-                    report.problems.append(problem)
-                    report.record_problems.append(problem)
-            except UnitGone as gone:
-                report.problems.append(f"chunk {gone} of published unit {unit.name} is missing: rows "
-                                       f"{unit.first_row}..{unit.first_row + unit.rows - 1} are lost")
-            except StoreCorruptedError as exc:
-                report.problems.append(f"unit {unit.name} (rows {unit.first_row}..{unit.first_row + unit.rows - 1}): "
-                                       f"{exc}")
-            unchecked += not unit.checksummed
-            if progress is not None:
-                progress(number, len(units))
-        if expected != int(record["next_row"]):
-            report.problems.append(f"{location}/zarr.json: its units end at row {expected}, its next_row is "
-                                   f"{record['next_row']}")
-        report.checked = {"units": len(units), "units with checksums": len(units) - unchecked, "rows": total}
-        if unchecked:
-            report.notes.append(f"{unchecked} unit(s) were written in format 1, without checksums: checked for "
-                                f"decodability, size and offsets only")
-        published = {u.name for u in units}
-        orphans = [n for n in loc.kv.list_dir(UNITS_PREFIX) if n != ROOT_META and n not in published]
-        if orphans:
-            report.notes.append(f"{len(orphans)} unit(s) under units/ are not published (a writer's leftovers, "
-                                f"deleted by the next writer): {', '.join(orphans[:5])}")
-        return report
+        return check_units(loc, record, str(location), progress)[0]
     finally:
         loc.kv.close()
+
+
+def check_units(loc: Location, record: dict[str, Any], location: str, progress: Progress | None = None
+                ) -> tuple[CheckReport, list[MetadataFix]]:
+    """:func:`verify` of the units ``record`` names; also the metadata files that rewriting fixes."""
+    report = CheckReport(location, BACKEND)
+    layout = arrays_of(record, location)
+    codecs = codecs_of(record)
+    units = units_of(record, location)
+    total = int(record["next_row"]) - int(record["first_row"])
+    unchecked = 0
+    expected = int(record["first_row"])
+    fixes = _metadata_fixes(loc, {f"{UNITS_PREFIX}/{ROOT_META}": GROUP_METADATA}, None, location)
+    try:
+        constants = parse_constants(record, location)
+    except StoreCorruptedError as exc:
+        constants = {}
+        report.problems.append(str(exc))
+        report.record_problems.append(str(exc))
+    for number, unit in enumerate(units, 1):
+        if unit.first_row != expected:
+            report.problems.append(f"{location}/zarr.json: unit {unit.name} starts at row {unit.first_row}, "
+                                   f"the previous unit ends at {expected}")
+        expected = unit.first_row + unit.rows
+        try:
+            arrays = read_unit(loc.kv, unit, layout, codecs)
+            for wrong in disagreements(unit, constants, arrays):  # reads of those fields would be wrong
+                problem = (f"{location}/zarr.json: {wrong}; `rlhf-pipeline repair {location} --apply` "
+                           f"rewrites the record without them")
+                report.problems.append(problem)
+                report.record_problems.append(problem)
+            fixes += _metadata_fixes(loc, unit_metadata(unit, arrays, layout, codecs), unit, location)
+        except UnitGone as gone:
+            report.problems.append(f"chunk {gone} of published unit {unit.name} is missing: rows "
+                                   f"{unit.first_row}..{unit.first_row + unit.rows - 1} are lost")
+        except StoreCorruptedError as exc:
+            report.problems.append(f"unit {unit.name} (rows {unit.first_row}..{unit.first_row + unit.rows - 1}): "
+                                   f"{exc}")
+        unchecked += not unit.checksummed
+        if progress is not None:
+            progress(number, len(units))
+    report.problems += [fix.problem for fix in fixes]
+    if expected != int(record["next_row"]):
+        report.problems.append(f"{location}/zarr.json: its units end at row {expected}, its next_row is "
+                               f"{record['next_row']}")
+    report.checked = {"units": len(units), "units with checksums": len(units) - unchecked, "rows": total}
+    if unchecked:
+        report.notes.append(f"{unchecked} unit(s) were written in format 1, without checksums: checked for "
+                            f"decodability, size and offsets only")
+    published = {u.name for u in units}
+    orphans = [n for n in loc.kv.list_dir(UNITS_PREFIX) if n != ROOT_META and n not in published]
+    if orphans:
+        writer = _live_writer(loc)
+        why = (f"being written by the live writer, {writer}, which holds the writer lock: published by its next "
+               f"publish, or deleted by it" if writer is not None else
+               "a writer's leftovers: a writer was stopped before publishing them, and the next one deletes them")
+        report.notes.append(f"{len(orphans)} unit(s) under units/ are not published ({why}): "
+                            f"{', '.join(orphans[:5])}")
+    return report, fixes
+
+
+def _metadata_fixes(loc: Location, expected: dict[str, bytes], unit: UnitRef | None, location: str
+                    ) -> list[MetadataFix]:
+    """The keys of ``expected`` whose stored metadata a plain zarr reader cannot use as written:
+    missing, not JSON, or saying other than the writer wrote (a shape, codec or byte range)."""
+    fixes = []
+    for (key, data), raw in zip(expected.items(), loc.kv.get_many(list(expected))):
+        if raw is None:
+            what = "is missing"
+        else:
+            try:
+                found = json.loads(raw)
+            except ValueError:
+                found = None
+            want = json.loads(data)
+            if found == want:
+                continue
+            if not isinstance(found, dict):
+                what = "is empty" if not raw else "is not valid JSON"
+            else:
+                differ = sorted(k for k in want.keys() | found.keys() if want.get(k) != found.get(k))
+                what = (f"does not describe what the unit holds (its {', '.join(differ)} "
+                        f"{'differs' if len(differ) == 1 else 'differ'})")
+        whose = f"unit {unit.name}'s" if unit is not None else "the units group's"
+        fixes.append(MetadataFix(key, data, None if unit is None else unit.name, (
+            f"{location.rstrip('/')}/{key} ({whose} metadata) {what}: this library reads its rows without it, "
+            f"plain zarr cannot; `rlhf-pipeline repair {location} --apply` rewrites it from the unit")))
+    return fixes

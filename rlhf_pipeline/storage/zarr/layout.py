@@ -344,6 +344,20 @@ def packed_ranges(layout, arrays_or_counts) -> dict[str, tuple[str, int, int]]:
     return out
 
 
+def array_metadata(dtype: str, length: int, codec: Codec) -> bytes:
+    """zarr.json of a format 1 unit's array: one field, 1-D, one chunk (chunk shape >= 1, as Zarr
+    requires); format 1 writers wrote exactly this, and ``repair`` rewrites it when damaged."""
+    fill: Any = False if dtype == "bool" else (0.0 if dtype.startswith("float") else 0)
+    meta = {
+        "zarr_format": 3, "node_type": "array", "shape": [length], "data_type": dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(length, 1)]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "fill_value": fill, "codecs": codec.zarr_codecs(NP_DTYPE_BY_NAME[dtype].itemsize), "attributes": {},
+        "dimension_names": None,
+    }
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
 def packed_metadata(ranges: dict[str, tuple[str, int, int]], nbytes: int, codecs: list | None = None) -> bytes:
     """zarr.json of a packed array: one uint8 array (one chunk) + the byte range of each array in it.
     ``codecs`` defaults to raw bytes (a format 1 packed fragment)."""

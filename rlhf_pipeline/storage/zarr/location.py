@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json, write_all
 from rlhf_pipeline.files.cloud_objects import cloud_for
 from rlhf_pipeline.storage.errors import (
     IncompatibleStoreError,
     NotAStoreError,
     ReadOnlyStoreError,
+    StoreBeingCreatedError,
     StoreCorruptedError,
     StoreNotFoundError,
 )
@@ -78,12 +79,7 @@ class LocalKV:
                 made.add(path.parent)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                if isinstance(value, (list, tuple)):  # buffers of one file: a single writev
-                    done = os.writev(fd, value)
-                    value = b"".join(value)[done:] if done < sum(len(v) for v in value) else b""
-                view = memoryview(value).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, value, path)  # a list: the buffers of one file, one writev
             finally:
                 os.close(fd)
 
@@ -277,13 +273,25 @@ def parse_root(raw: bytes | dict | None, location: str, *, units_exist: bool = F
 
 
 def parse_record(raw, location: str, loc: Location) -> dict[str, Any]:
-    """The commit record; a missing or foreign root document is damage when units exist."""
+    """The commit record; a missing or foreign root document is damage when units exist, and at an
+    object-store URL a store being made when only its creation's objects are there."""
     try:
         return parse_root(raw, location)
     except NotAStoreError:
         if has_units(loc):
             return parse_root(raw, location, units_exist=True)  # raises StoreCorruptedError
+        if raw is None:
+            raise_if_being_created(loc)
         raise
+
+
+def raise_if_being_created(loc: Location) -> None:
+    """:class:`StoreBeingCreatedError` when ``loc`` (no record, no units) is a store being made at
+    an object-store URL; a local one is made under another name and renamed, so never seen so."""
+    being_created = getattr(loc.kv, "being_created", None)
+    reason = being_created() if being_created is not None else None
+    if reason is not None:
+        raise StoreBeingCreatedError(reason)
 
 
 def has_units(loc: Location) -> bool:
@@ -317,13 +325,14 @@ def publish(loc: Location, record: dict[str, Any], *, durable: bool, pending: It
 
         path = loc.local_root / ROOT_META
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        payload = json.dumps(document, separators=(",", ":"), sort_keys=True).encode()
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _write_partial_record(partial, document)
         try:
-            os.write(fd, payload)
             if not _syncfs_root(loc.local_root):
                 os.fsync(fd)
                 _sync_paths(loc.local_root, pending)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         os.replace(partial, path)
@@ -364,20 +373,34 @@ def _publish_targeted(root: Path, document: dict[str, Any], pending: list[Pendin
 
     path = root / ROOT_META
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    payload = json.dumps(document, separators=(",", ":"), sort_keys=True).encode()
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, payload)
-    finally:
-        os.close(fd)
+    os.close(_write_partial_record(partial, document))
     targets = {partial}
     for item in pending:
         targets.update(item.files)
         for directory in item.directories:
             targets.update((directory, directory.parent))
-    list(_fsync_pool().map(_fsync_path, sorted(targets)))
+    try:
+        list(_fsync_pool().map(_fsync_path, sorted(targets)))
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, path)
     _fsync_path(root)
+
+
+def _write_partial_record(partial: Path, document: dict[str, Any]) -> int:
+    """Writes the whole commit record to ``partial`` and returns the open descriptor; on a short
+    write (a nearly full disk) removes it and raises, so that no torn record is ever renamed over
+    the good one and the append that published it fails."""
+    payload = json.dumps(document, separators=(",", ":"), sort_keys=True).encode()
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, payload, partial)
+    except BaseException:
+        os.close(fd)
+        partial.unlink(missing_ok=True)
+        raise
+    return fd
 
 
 def lock_for(loc: Location, location: str, *, lease_s: float | None = None, wait_s: float = 0.0) -> WriterLock | None:

@@ -16,6 +16,11 @@ When the record is intact it checks every published unit and reports what cannot
 are left to the next writer, which deletes them. With ``apply=True`` it writes the record
 under the writer lock; the damaged record is copied to ``repair-<time>/``, nothing is deleted.
 
+A unit's metadata (the ``zarr.json`` of its group and arrays) is never read by this library,
+only by plain zarr readers; when one is damaged or deleted, repair rewrites it, under the
+writer lock, with the bytes its writer wrote (they follow from the unit's decoded arrays and
+the record's codecs), whether the record was intact or rebuilt.
+
 At an ``s3://`` or ``az://`` URL the same steps hold with the store's own object-store protocol
 (``object_store.py``): the writer lock is the leased ``writer.lock`` object (a live writer keeps
 repair out: it is refused, naming the holder), taking it fences every earlier writer, and the
@@ -63,7 +68,7 @@ BACKEND = "zarr"
 
 def repair(location: str, *, apply: bool = False, progress: Progress | None = None) -> RepairReport:
     """Rebuilds the commit record of the Zarr store at ``location`` (a dry run unless ``apply``)."""
-    from rlhf_pipeline.storage.zarr.inspection import open_record, verify
+    from rlhf_pipeline.storage.zarr.inspection import check_units, open_record
 
     report = RepairReport(str(location), BACKEND, applied=apply, rows_before=None, rows_after=None)
     try:
@@ -71,10 +76,13 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
     except StoreCorruptedError as exc:
         report.notes.append(str(exc))
     else:
-        loc.kv.close()
+        try:
+            check, fixes = check_units(loc, record, str(location), progress)
+        finally:
+            loc.kv.close()
         report.rows_before = report.rows_after = int(record["next_row"]) - int(record["first_row"])
-        check = verify(str(location), progress)
-        damage = [p for p in check.problems if p not in check.record_problems]
+        fixed = {fix.problem for fix in fixes}
+        damage = [p for p in check.problems if p not in check.record_problems and p not in fixed]
         report.unrecoverable += damage
         report.notes += check.notes
         if damage:
@@ -85,23 +93,17 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
             report.actions.append(f"write {location}/zarr.json without its '{CONSTANTS_KEY}' "
                                   f"({len(check.record_problems)} problem(s)): reads of those fields then decode "
                                   f"the units")
-            if apply:
-                backup = _write_record(str(location), lambda current: _without_constants(current, str(location)))
-                report.notes.append(_backup_note(location, backup))
+        if (check.record_problems or fixes) and (refused := _unwritable(str(location))):
+            report.unrecoverable.append(refused)
+            return report
+        if apply and check.record_problems:
+            backup = _write_record(str(location), lambda current: _without_constants(current, str(location)))
+            report.notes.append(_backup_note(location, backup))
+        _rewrite_metadata(str(location), fixes, report, apply=apply)
         return report
 
-    from rlhf_pipeline.storage.zarr.object_store import is_object_store_url
-
-    root = Path(location)
-    at_url = "://" in str(location)
-    if at_url and not is_object_store_url(str(location)):
-        report.unrecoverable.append(
-            f"{location}: repair writes a commit record only in a local directory or at an s3:// or az:// URL, where "
-            f"a writer lock keeps every writer out meanwhile; give the store's local path instead")
-        return report
-    if not at_url and not root.is_dir():
-        report.unrecoverable.append(f"{location}: repair rebuilds the records of directory stores only (unzip a "
-                                    f".zip store first)")
+    if refused := _unwritable(str(location)):
+        report.unrecoverable.append(refused)
         return report
     loc = resolve(str(location), read_only=True, storage_options=None)
     try:
@@ -124,14 +126,65 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         report.notes.append(
             "no commit record: every readable unit is published, including fragments a writer killed before its "
             "publish may have left (they were never acknowledged)")
-        if not apply:
-            return report
+        fixes = check_units(loc, record, str(location))[1]  # the metadata of the units it names, as zarr reads it
     finally:
         loc.kv.close()
-
-    backup = _write_record(str(location), lambda _: record)
-    report.notes.append(_backup_note(location, backup))
+    if apply:
+        backup = _write_record(str(location), lambda _: record)
+        report.notes.append(_backup_note(location, backup))
+    _rewrite_metadata(str(location), fixes, report, apply=apply)
     return report
+
+
+def _unwritable(location: str) -> str | None:
+    """Why repair may not write at ``location``; None where it may (a directory, an s3:// or az:// URL)."""
+    from rlhf_pipeline.storage.zarr.object_store import is_object_store_url
+
+    if "://" in location and not is_object_store_url(location):
+        return (f"{location}: repair writes a commit record only in a local directory or at an s3:// or az:// URL, "
+                f"where a writer lock keeps every writer out meanwhile; give the store's local path instead")
+    if "://" not in location and not Path(location).is_dir():
+        return f"{location}: repair rebuilds the records of directory stores only (unzip a .zip store first)"
+    return None
+
+
+def _rewrite_metadata(location: str, fixes, report: RepairReport, *, apply: bool) -> None:
+    """Rewrites each damaged or missing metadata file in ``fixes`` (a unit's ``zarr.json``) with the
+    bytes its writer wrote, under the writer lock, for the units the record still names."""
+    if not fixes:
+        return
+    shown = ", ".join(fix.key for fix in fixes[:3]) + (f" and {len(fixes) - 3} more" if len(fixes) > 3 else "")
+    report.actions.append(f"rewrite {len(fixes)} metadata file(s) of {location} from their units ({shown}): "
+                          f"plain zarr reads those units again")
+    if not apply:
+        return
+    from rlhf_pipeline.files.atomic import write_atomic
+    from rlhf_pipeline.storage.zarr.inspection import units_of
+    from rlhf_pipeline.storage.zarr.location import lock_for, parse_root
+
+    loc = resolve(location, read_only=False, storage_options=None)
+    try:
+        lock = lock_for(loc, location)
+        try:
+            # a writer may have compacted or evicted a unit since the check: its metadata is not written back
+            named = {u.name for u in units_of(parse_root(loc.kv.get(ROOT_META), location), location)}
+            for fix in fixes:
+                if fix.unit is not None and fix.unit not in named:
+                    continue
+                if loc.local_root is not None:
+                    write_atomic(loc.local_root / fix.key, lambda f, data=fix.data: f.write(data))
+                    continue
+                # an object store creates unit keys only; under the lock a damaged one is replaced,
+                # conditionally on the version read
+                found = loc.kv.read_object(fix.key)
+                if found is None:
+                    loc.kv.create_object(fix.key, fix.data)
+                else:
+                    loc.kv.replace_object(fix.key, fix.data, found.etag)
+        finally:
+            lock.release()
+    finally:
+        loc.kv.close()
 
 
 def _write_record(location: str, make_record) -> str:

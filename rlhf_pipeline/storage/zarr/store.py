@@ -197,6 +197,8 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             return check_reopened_layout(store, schema, segment_rows, capacity_rows)
         if loc.local_root is not None:
             require_new_directory(loc.local_root, location)
+        if hasattr(loc.kv, "mark_creating"):  # no rename at a URL: an object says "being made" until published
+            loc.kv.mark_creating()
         lock = lock_for(loc, location, lease_s=lock_lease_s, wait_s=lock_wait_s)
         try:
             existing = loc.kv.get(ROOT_META)
@@ -415,12 +417,17 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             constants[unit_key(unit)] = constants_of(part)
             if completes:
                 complete.append(start + pos + rows - self._segment_rows)
-        pending = [self.unit_io.write(unit, part) for unit, part in pieces]
+        written = [unit for unit, _ in pieces]
+        try:
+            pending = [self.unit_io.write(unit, part) for unit, part in pieces]
+        except BaseException:  # a full disk: nothing published, and the space the units took is back
+            self.unit_io.discard(written, published={u.name for u in self._units})
+            raise
         try:
             with self._publish_lock:
-                self._publish(self._units + [unit for unit, _ in pieces], start + n, pending, constants)
+                self._publish(self._units + written, start + n, pending, constants)
         except BaseException:
-            self._resync_with_the_record()
+            self._resync_with_the_record(written)
             raise
         for unit, part in pieces:
             self._cache.put(unit.name, DecodedUnit(unit.first_row, unit.rows, part))
@@ -429,10 +436,10 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         if complete and self._capacity_rows is not None:
             self._sealer.wait()  # eviction drops sealed segments only: keep the bound exact
 
-    def _resync_with_the_record(self) -> None:
-        """After a publish that raised (Ctrl-C, a failed request): the record may or may not have
-        landed, so the writer takes its state from the record itself; a next append would
-        otherwise reuse the row ids, and unit names, of rows already published."""
+    def _resync_with_the_record(self, written: list[UnitRef]) -> None:
+        """After a publish that raised (Ctrl-C, a failed request, a full disk) the writer takes its state
+        from the record, which may or may not have landed (else it would reuse published row ids), and
+        discards the ``written`` units it does not name."""
         try:
             record = parse_record(self._loc.kv.get(ROOT_META), self._location, self._loc)
         except Exception:  # noqa: BLE001 - unreadable now: appending on could overwrite, so stop
@@ -442,6 +449,7 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             return
         with self._publish_lock:
             self._apply(record)
+            self.unit_io.discard(written, published={u.name for u in self._units})
 
     def _publish(self, units: list[UnitRef], next_row: int, pending, constants=None) -> None:
         """Publishes ``units`` (caller holds the publish lock), then drops what fell out; ``constants``:

@@ -40,12 +40,14 @@ from rlhf_pipeline.storage.zarr.layout import (
     UNITS_PREFIX,
     Codec,
     array_counts,
+    array_metadata,
     check_offsets,
     crc32c_of_buffers,
     pack_array,
     pack_buffers,
     pack_layouts,
     packed_metadata,
+    packed_ranges,
     packed_size,
     strip_checksum,
     unpack,
@@ -148,6 +150,15 @@ class UnitIO:
         items = sealed_items(unit, arrays, self.layout, self.codecs.sealed)
         return self.loc.kv.put_many(items, durable=self.durable, threaded=threaded, defer_sync=True)
 
+    def discard(self, units: list[UnitRef], *, published: set[str]) -> None:
+        """Deletes the files of those ``units`` of a failed append that no record names (``published``),
+        in a local store: a full disk gets their space back at once, and a retry writes new files. An
+        object store's units are never overwritten: there the next writer deletes them."""
+        if self.loc.local_root is not None:
+            for unit in units:
+                if unit.name not in published:
+                    self.loc.kv.delete_prefix(unit.prefix)
+
     def read(self, unit: UnitRef) -> dict[str, np.ndarray]:
         """The unit's arrays, checked (:func:`read_unit`)."""
         return read_unit(self.loc.kv, unit, self.layout, self.codecs)
@@ -168,8 +179,7 @@ def sealed_items(unit: UnitRef, arrays: dict[str, np.ndarray], layout, codec: Co
     yield f"{unit.prefix}/{ROOT_META}", GROUP_METADATA
     for (name, typesize), pack in zip(PACKS, pack_layouts(layout).values()):
         buffer, ranges = pack_array(pack, arrays)
-        meta = packed_metadata(ranges, buffer.size, codec.zarr_codecs(typesize, data_itemsize=1))
-        yield f"{unit.prefix}/{name}/{ROOT_META}", meta
+        yield f"{unit.prefix}/{name}/{ROOT_META}", _sealed_pack_metadata(ranges, buffer.size, codec, typesize)
         yield f"{unit.prefix}/{name}/{CHUNK_KEY}", codec.encode(buffer, typesize=typesize)
 
 
@@ -177,8 +187,35 @@ def fragment_items(unit: UnitRef, arrays: dict[str, np.ndarray], layout) -> list
     """Keys and values of a fragment (kind 4): two files, the chunk as buffers for one ``writev``."""
     buffers, ranges, size = pack_buffers(layout, arrays)
     buffers.append(crc32c_of_buffers(buffers))
-    meta = packed_metadata(ranges, size, [{"name": "bytes"}, {"name": "crc32c"}])
-    return [(f"{unit.prefix}/{ROOT_META}", meta), (f"{unit.prefix}/{CHUNK_KEY}", buffers)]
+    return [(f"{unit.prefix}/{ROOT_META}", _fragment_metadata(ranges, size)), (f"{unit.prefix}/{CHUNK_KEY}", buffers)]
+
+
+def _sealed_pack_metadata(ranges, nbytes: int, codec: Codec, typesize: int) -> bytes:
+    return packed_metadata(ranges, nbytes, codec.zarr_codecs(typesize, data_itemsize=1))
+
+
+def _fragment_metadata(ranges, nbytes: int) -> bytes:
+    return packed_metadata(ranges, nbytes, [{"name": "bytes"}, {"name": "crc32c"}])
+
+
+def unit_metadata(unit: UnitRef, arrays: dict[str, np.ndarray], layout, codecs: UnitCodecs) -> dict[str, bytes]:
+    """Every metadata key of a unit (the ``zarr.json`` of its group and of its arrays) with the bytes
+    its writer wrote, from the unit's decoded arrays and the record's codecs. This library reads a
+    unit without them; a plain zarr reader needs them, so ``repair`` rewrites one that is damaged."""
+    if unit.kind in (PACKED_FRAGMENT, PACKED_FRAGMENT_V1):
+        ranges, nbytes = packed_ranges(layout, arrays), packed_size(layout, arrays)
+        meta = _fragment_metadata(ranges, nbytes) if unit.kind == PACKED_FRAGMENT else packed_metadata(ranges, nbytes)
+        return {f"{unit.prefix}/{ROOT_META}": meta}
+    out = {f"{unit.prefix}/{ROOT_META}": GROUP_METADATA}
+    if unit.kind == SEALED_PACKED:
+        for (name, typesize), pack in zip(PACKS, pack_layouts(layout).values()):
+            out[f"{unit.prefix}/{name}/{ROOT_META}"] = _sealed_pack_metadata(
+                packed_ranges(pack, arrays), packed_size(pack, arrays), codecs.sealed, typesize)
+        return out
+    for spec in layout:  # format 1: one array per field
+        out[f"{unit.prefix}/{spec.name}/{ROOT_META}"] = array_metadata(spec.dtype, int(arrays[spec.name].size),
+                                                                       codecs.of(unit))
+    return out
 
 
 # ======================================================================== reading
