@@ -176,6 +176,7 @@ def same_trace(ours, theirs):
 
 
 # ------------------------------------------------------------------ a taskset's tool, its rewards
+@pytest.mark.slow  # `own`: verifiers' rollouts, a harness and a tool server per run in subprocesses
 def test_a_taskset_with_a_toolset_runs_its_tool_and_rewards_as_the_task_scores(bpe_tokenizer, own):
     taskset = MathTaskset(ToolsConfig())
     result, adapters = run(taskset, bpe_tokenizer, [CALL, "the answer is 408"], max_turns=4, group_size=2)
@@ -227,6 +228,7 @@ def test_malformed_and_unknown_calls_get_the_null_harness_errors_and_the_episode
 
 
 # ------------------------------------------------------------------ max turns: verifiers' and ours
+@pytest.mark.slow  # `own`: verifiers' rollouts, a harness and a tool server per run in subprocesses
 def test_verifiers_max_turns_ends_with_max_turns_and_the_reward_verifiers_gives(bpe_tokenizer, own):
     taskset = MathTaskset(ToolsConfig())
     result, adapters = run(taskset, bpe_tokenizer, [CALL], max_turns=2, tasks=verifiers_v1_tasks(taskset)[:1])
@@ -236,6 +238,7 @@ def test_verifiers_max_turns_ends_with_max_turns_and_the_reward_verifiers_gives(
     assert sum(episode.rewards) == own["cut"].reward == 0.5  # used the tool (its first answer), no answer
 
 
+@pytest.mark.slow  # `own`: verifiers' rollouts, a harness and a tool server per run in subprocesses
 def test_our_max_turns_ends_first_and_the_rewards_still_sum_to_verifiers_reward(bpe_tokenizer, own):
     taskset = MathTaskset(ToolsConfig())
     result, adapters = run(taskset, bpe_tokenizer, [CALL, CALL, "the answer is 408"], max_turns=10,
@@ -248,6 +251,7 @@ def test_our_max_turns_ends_first_and_the_rewards_still_sum_to_verifiers_reward(
 
 
 # ------------------------------------------------------------------ a task's own @vf.stop
+@pytest.mark.slow  # `own`: verifiers' rollouts, a harness and a tool server per run in subprocesses
 def test_a_tasks_stop_ends_the_episode_as_verifiers_stops_its_rollout(bpe_tokenizer, own):
     taskset = GuessTaskset(ToolsConfig())
     result, adapters = run(taskset, bpe_tokenizer, [guess(5), guess(9), guess(7), guess(7)], max_turns=6)
