@@ -13,8 +13,10 @@
 * :mod:`.workers` -- the threads tool calls and sync steps run on, where a hung call frees its slot;
 * :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool), a warm start on
   demonstration episodes and a greedy check of what it reached;
-* :mod:`.verifiers_env` -- a ``verifiers`` environment (``MultiTurnEnv``, ``ToolEnv``, its rubric)
-  as an ``Environment`` (the optional ``verifiers`` extra).
+* :mod:`.verifiers_v1` -- the tasks of a verifiers 0.4 ``Taskset`` (its rewards, stops and MCP
+  toolsets) as an ``Environment``, our rollout in the place of verifiers' ``null`` harness;
+* :mod:`.verifiers_env` -- a verifiers 0.1.10 environment (``MultiTurnEnv``, ``ToolEnv``, its
+  rubric) as an ``Environment``. Both need the optional ``verifiers`` extra.
 
 ``docs/agents.md`` says what is built, what a turn costs on disk and what is not built yet.
 

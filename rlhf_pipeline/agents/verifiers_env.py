@@ -1,4 +1,6 @@
-"""The ``verifiers`` package's environments (PyPI, Prime Intellect) as our :class:`~.environment.Environment`.
+"""verifiers 0.1.10 environments (PyPI, Prime Intellect) as our :class:`~.environment.Environment`.
+
+verifiers 0.4 removed this stack; its tasksets (``verifiers.v1``) run through :mod:`.verifiers_v1`.
 
 A verifiers ``MultiTurnEnv`` (``ToolEnv``, ``StatefulToolEnv``, ``SingleTurnEnv`` or a subclass of
 one's own) brings a dataset, an ``env_response``, stop conditions and a ``Rubric``; its own
@@ -66,6 +68,11 @@ REASONS = {
 }
 """verifiers' stop conditions that are not ``ENV_DONE`` (``has_error`` is decided by its error)."""
 
+TESTED_VERSIONS = ("0.1.10",)
+"""The verifiers releases this adapter is tested on (tests/agents/test_verifiers_env.py). 0.1.11
+changed what its hooks take and return (typed messages, its own model client) and 0.4 removed
+the stack: tasksets for verifiers 0.4 run through :mod:`.verifiers_v1`."""
+
 DEFAULT_SAMPLING_ARGS = {"n": 1, "extra_body": {}}
 """What a verifiers environment's ``sampling_args`` are when it was given none."""
 
@@ -80,16 +87,39 @@ def import_verifiers():
     return verifiers
 
 
+def import_classic_verifiers(env):
+    """The ``verifiers`` module with its classic ``MultiTurnEnv`` stack, or an error that says which
+    adapter runs ``env`` (a ``verifiers.v1`` Taskset) or this verifiers (0.4 has no classic stack)."""
+    vf = import_verifiers()
+    try:
+        from verifiers import v1
+    except ImportError:
+        v1 = None
+    if isinstance(env, getattr(v1, "Taskset", ())):
+        raise TypeError(f"{type(env).__name__} is a verifiers.v1 Taskset: it runs through VerifiersV1Environment, "
+                        "its tasks listed by verifiers_v1_tasks (rlhf_pipeline.agents.verifiers_v1)")
+    if not hasattr(vf, "MultiTurnEnv"):
+        raise TypeError(f"verifiers {vf.__version__} has no MultiTurnEnv (0.4 removed the classic stack this adapter "
+                        "runs): its environments are verifiers.v1 Tasksets, run by VerifiersV1Environment "
+                        "(rlhf_pipeline.agents.verifiers_v1)")
+    if vf.__version__ not in TESTED_VERSIONS:
+        raise ImportError(f"VerifiersEnvironment drives the rollout hooks of verifiers {' and '.join(TESTED_VERSIONS)}; "
+                          f"verifiers {vf.__version__} changed them: pip install 'verifiers==0.1.10' for "
+                          "MultiTurnEnv environments (tasksets for verifiers 0.4 run through VerifiersV1Environment)")
+    return vf
+
+
 def verifiers_tasks(env, n: int = -1, seed: int | None = None) -> list[dict[str, Any]]:
     """Rows of a verifiers environment's dataset (``env.get_dataset(n, seed)``), as tasks for
     ``rollout`` or ``TaskSource``: each with its formatted ``prompt``, ``answer``, ``info``,
     ``example_id`` and ``task``."""
+    import_classic_verifiers(env)
     return [dict(row) for row in env.get_dataset(n, seed)]
 
 
 def check_verifiers_env(env, *, ignore_sampling_args: bool = False) -> None:
     """Refuses a verifiers environment this adapter cannot run as verifiers would, saying why."""
-    vf = import_verifiers()
+    vf = import_classic_verifiers(env)
     name = type(env).__name__
     if not isinstance(env, vf.MultiTurnEnv):
         raise TypeError(f"{name} is not a verifiers MultiTurnEnv: only MultiTurnEnv subclasses (ToolEnv, "
