@@ -148,7 +148,8 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         from rlhf_pipeline.schema import StoreSchema
         from rlhf_pipeline.storage import create_store
 
-        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", *AGENT_ROW_FIELDS)))
+        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason",
+                                                                         *AGENT_ROW_FIELDS)))
 
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage

@@ -59,7 +59,7 @@ def warm_start(model, tokenizer, steps: int, *, length: int, lr: float, seed: in
 
 @dataclass
 class Settings:
-    steps: int = 40
+    steps: int = 100
     """Learner steps (optimizer updates); --steps sets it."""
     device: str = "cpu"
     """Where models run: cpu or cuda; --device sets it."""
@@ -74,7 +74,7 @@ class Settings:
     prompts_per_round: int = 8
     """Prompts per collection round."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
-        batch_size=64, sampler="exact", new_rows_per_step=64, lr=3e-4, warmup_steps=5, checkpoint_every=20,
+        batch_size=64, sampler="exact", new_rows_per_step=64, lr=1e-3, warmup_steps=5, checkpoint_every=50,
         log_every=10))
     """Learner settings (--set learner.lr=1e-4; --list-settings shows them all)."""
 
