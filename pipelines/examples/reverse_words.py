@@ -1,0 +1,140 @@
+"""A single-turn task built from scratch: write a word backwards (docs/your-own-pipeline.md).
+
+    rlhf-pipeline run pipelines/examples/reverse_words.py
+
+The page builds this file step by step: prompt records, a reward, a warm start, the pipeline.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from rlhf_pipeline.collect.prompts import PromptRecord
+from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
+
+
+def reverse_prompts(n: int, *, length: int, seed: int) -> list[PromptRecord]:
+    """``n`` prompts "reverse: abc", each carrying its ``answer`` field for the reward."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(length))
+        records.append(PromptRecord(messages=({"role": "user", "content": f"reverse: {word}"},),
+                                    fields={"answer": word[::-1]}, prompt_id=f"reverse-{word}"))
+    return records
+
+
+def reverse_reward(prompts: list[str], completions: list[str], *, answer: list[str], **_) -> list[float]:
+    """The share of letters in their right place; 1.0 only for the whole word, with nothing after it."""
+    rewards = []
+    for completion, target in zip(completions, answer):
+        said = completion.strip()
+        right = sum(a == b for a, b in zip(said, target))
+        rewards.append(right / max(len(said), len(target)))
+    return rewards
+
+
+def warm_start(model, tokenizer, steps: int, *, length: int, lr: float, seed: int) -> float:
+    """Supervised steps on right answers, the loss on the assistant's tokens only; returns the last loss."""
+    import torch
+
+    from rlhf_pipeline.models.supervised import supervised_step
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+    model.train()
+    loss = float("nan")
+    for step in range(steps):
+        records = reverse_prompts(32, length=length, seed=10_000 + seed * 1_000 + step)  # not the training prompts
+        chats = [[*r.messages, {"role": "assistant", "content": r.fields["answer"]}] for r in records]
+        batch = tokenizer.apply_chat_template(chats, return_dict=True, return_assistant_tokens_mask=True,
+                                              padding=True, return_tensors="pt")
+        loss = supervised_step(model, optimizer, scheduler, batch["input_ids"], batch["attention_mask"],
+                               batch["assistant_masks"].bool())
+    model.eval()
+    return loss
+
+
+@dataclass
+class Settings:
+    steps: int = 100
+    """Learner steps (optimizer updates); --steps sets it."""
+    device: str = "cpu"
+    """Where models run: cpu or cuda; --device sets it."""
+    seed: int = 0
+    """Seed of the model, the warm start, the prompts and the sampling."""
+    length: int = 3
+    """Letters per word."""
+    warm_start_steps: int = 200
+    """Supervised steps before RL (0: none; a random tiny model writes noise)."""
+    group_size: int = 8
+    """Completions per prompt (GRPO's G)."""
+    prompts_per_round: int = 8
+    """Prompts per collection round."""
+    learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
+        batch_size=64, sampler="exact", new_rows_per_step=64, lr=1e-3, warmup_steps=5, checkpoint_every=50,
+        log_every=10))
+    """Learner settings (--set learner.lr=1e-4; --list-settings shows them all)."""
+
+
+def check(settings: Settings) -> LearnerSettings:
+    """The checks that need no torch: `run` calls this before it starts any process."""
+    if settings.group_size < 2:
+        raise PipelineError("setting 'group_size' must be >= 2: GRPO compares completions within a group")
+    if not 1 <= settings.length <= 8:
+        raise PipelineError(f"setting 'length' must be in [1, 8], got {settings.length}")
+    try:
+        settings.learner.check()
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    return settings.learner
+
+
+def build(settings: Settings, run: RunPaths) -> Pipeline:
+    from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
+
+    learner = check(settings)
+    tokenizer = char_tokenizer()
+    prompts = reverse_prompts(2048, length=settings.length, seed=settings.seed)
+    rewards = {"reverse": reverse_reward}
+
+    def make_model():
+        return tiny_causal_lm(len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id, seed=settings.seed)
+
+    def make_policy():
+        model = make_model()
+        if settings.warm_start_steps:
+            loss = warm_start(model, tokenizer, settings.warm_start_steps, length=settings.length, lr=3e-3,
+                              seed=settings.seed)
+            print(f"[run] warm start: {settings.warm_start_steps} steps, loss {loss:.3f}", flush=True)
+        return model
+
+    def create_buffer(path):
+        from rlhf_pipeline.schema import StoreSchema
+        from rlhf_pipeline.storage import create_store
+
+        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage",)))
+
+    def make_write_path(store):
+        from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+
+        return [GroupAdvantage(settings.group_size, store=store)]
+
+    def make_collector(model, store, collector_index: int = 0):
+        from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+        from rlhf_pipeline.storage import make_replay_buffer
+
+        buffer = make_replay_buffer(store, batch_size=learner.batch_size, transforms=make_write_path(store))
+        config = CollectorConfig(prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
+                                 sampling=SamplingConfig(max_new_tokens=settings.length + 2),
+                                 seed=settings.seed, collector_index=collector_index)
+        source = PromptSource(prompts, seed=settings.seed + collector_index, required_fields=("answer",))
+        return Collector(model.to(settings.device), tokenizer, source, rewards, sink=buffer.extend, config=config)
+
+    return Pipeline(settings=settings, learner=learner, make_policy=make_policy, make_model=make_model,
+                    create_buffer=create_buffer, make_write_path=make_write_path, make_collector=make_collector,
+                    pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, torch_threads=1,
+                    preflight=lambda: preflight_rewards(rewards, prompts[:1], settings.group_size))
