@@ -84,6 +84,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                  if paths.buffer_url else {})
     store = open_store(store_path, mode="a", **lock_wait)
     done = 0
+    collector = None
     try:
         model = pipeline.make_model()
         if poller is None:  # at a URL, one download per version for all collectors of this machine
@@ -181,6 +182,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                       file=sys.stderr, flush=True)
         metrics.close()
     finally:
+        if collector is not None and hasattr(collector, "close"):  # its generation engine's process, if any
+            collector.close()
         store.close()
         stop.restore()
     print(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)",
