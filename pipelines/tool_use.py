@@ -1,16 +1,19 @@
 """Tool-use pipeline: GRPO on multi-turn calculator episodes with a tiny model, on CPU, in minutes.
 
     rlhf-pipeline run pipelines/tool_use.py                 # 71-81 s on 2 CPU cores (warm start ~55 s)
-    rlhf-pipeline run pipelines/tool_use.py --steps 10 --set warm_start_steps=150   # ~20 s warm start
+    rlhf-pipeline run pipelines/tool_use.py --steps 10 --set warm_start_steps=150   # ~20 s warm start, too short:
+                                                                                    # the check after it warns
 
 What it wires, top to bottom:
 
 1. model   a tiny Qwen2 built from a config, with the character tokenizer extended for tools
            (``models.char_tool_tokenizer``: a ``<|tool|>`` role, ``<tool_call>`` tokens, a short
            append-only template); a supervised warm start on demonstration episodes, 90% calling
-           the tool and 10% guessing, long enough (600 steps) for the model to learn to copy the
-           factors into its call and the tool's answer into its reply, so calls pay and RL has a
-           choice to reinforce (about 150 steps teach the call's format but not the copying);
+           the tool and 10% guessing, 600 steps, for the model to learn to copy the factors into
+           its call and the tool's answer into its reply, so calls pay and RL has a choice to
+           reinforce. Whether 600 steps reach the copying depends on the seed and the machine, so
+           greedy episodes on 64 tasks of their own print what it reached, with a warning below
+           the usable bar (a model that writes the call's format with wrong factors gains ~nothing);
 2. task    products of two 2-digit numbers, which the model cannot do in its head, and the
            ``multiply`` tool (``rlhf_pipeline.agents.calculator``): an episode is the model's turns,
            each either Hermes-style tool calls (answered by the tool) or a final answer (reward);
@@ -54,11 +57,17 @@ class Settings:
     """Attention heads of the tiny model."""
     warm_start_steps: int = 600
     """Supervised steps on demonstration episodes before RL (0 skips the warm start). Copying the
-    factors into the call is learned between about 300 and 600 steps; fewer teach only the format."""
+    factors into the call is learned between about 300 and 600 steps, on some seeds and machines
+    not by 600 (the check after the warm start says); fewer teach only the format."""
     warm_start_lr: float = 1e-2
-    """Learning rate of the warm start."""
+    """Learning rate of the warm start (after a linear warm-up over its first tenth)."""
     warm_start_tool_fraction: float = 0.9
     """Share of demonstrations that call the tool; the rest answer with a guess."""
+    warm_start_copy_weight: float = 1.0
+    """Weight in the warm start's loss of the digits a demonstration copies (the factors into its
+    call, the tool's answer into its reply), the other tokens of the model's turns weighing 1."""
+    warm_start_check_tasks: int = 64
+    """Greedy episodes on tasks of their own after the warm start, to print what it reached (0: none)."""
     init_weights: str = ""
     """A state dict saved with torch.save to start from instead of the warm start (empty: warm start).
     ``bench tool-use`` gives this run and TRL's trainer the same warm-started weights this way."""
@@ -97,7 +106,9 @@ class Settings:
     """Pacing: the collector generates what the learner's next batch needs plus at most this many
     rounds (none: unpaced)."""
     log_rounds_every: int = 5
-    """The collector prints a line of its round metrics every this many rounds (0: never)."""
+    """The collector prints a line of its round metrics every this many rounds, with the first failed
+    tool call of each kind since the line before (0: never; a round whose every call failed is
+    still reported)."""
     threads: int | None = 1
     """Torch threads per process (collector, learner, warm start; none: torch's default)."""
 
@@ -169,10 +180,13 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
             print(f"[run] initial weights from {settings.init_weights} (no warm start)", flush=True)
         elif settings.warm_start_steps:
             result = warm_start(model, tokenizer, settings.warm_start_steps, lr=settings.warm_start_lr,
-                                tool_fraction=settings.warm_start_tool_fraction, seed=settings.seed,
+                                tool_fraction=settings.warm_start_tool_fraction,
+                                copy_weight=settings.warm_start_copy_weight, seed=settings.seed,
                                 low=settings.low, high=settings.high)
             print(f"[run] warm start: {settings.warm_start_steps} steps, loss {result['loss']:.3f}, "
                   f"{result['seconds']:.1f}s", flush=True)
+            if settings.warm_start_check_tasks:
+                report_warm_start(model, tokenizer, settings)
         return model
 
     # ---------------------------------------------------------------- buffer + write path
@@ -199,6 +213,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
         from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
         from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
+        from rlhf_pipeline.collect.console import agent_round_printer
         from rlhf_pipeline.storage import make_replay_buffer
 
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size, transforms=make_write_path(store))
@@ -220,14 +235,18 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         # each collector (one buffer shard each) walks the tasks in its own order
         source = TaskSource(tasks, seed=settings.seed + 1_000_003 * collector_index,
                             required_fields=("question", "answer"))
-        hooks = [round_printer(settings.log_rounds_every, collector_index)] if settings.log_rounds_every else []
+        # a line every log_rounds_every rounds, with what failed tool calls said (collect/console.py)
+        hooks = [agent_round_printer(settings.log_rounds_every, collector_index, toolbox)]
         return AgentCollector(model.to(settings.device), tokenizer, source, make_env, sink=buffer.extend,
                               config=config, parser=parse_hermes, hooks=hooks)
 
-    def preflight():  # the tasks have what the environment reads, before any model is built
+    def preflight():  # before any model is built or anything written:
+        from rlhf_pipeline.agents.calculator import multiply
+        from rlhf_pipeline.agents.templates import check_chat_template
         from rlhf_pipeline.collect import TaskSource
 
-        TaskSource(tasks, required_fields=("question", "answer"))
+        TaskSource(tasks, required_fields=("question", "answer"))  # the tasks have what the environment reads
+        check_chat_template(tokenizer, tools=[multiply])  # the template renders user, assistant and tool turns
 
     return Pipeline(
         settings=settings,
@@ -246,22 +265,31 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     )
 
 
-def round_printer(every: int, collector_index: int):
-    """A metrics hook printing one line per ``every`` rounds: what the episodes did."""
+USABLE_RIGHT_FACTORS = 0.5
+"""Below this share of greedy calls with the question's factors, calls pay no better than guesses
+and GRPO has little to reinforce: the run says so before RL starts."""
+
+
+def report_warm_start(model, tokenizer, settings: Settings) -> dict[str, float]:
+    """Prints what the warm-started model does in greedy episodes on tasks of their own (a seed
+    neither the warm start nor the collector draws from), and a warning below the usable bar."""
     import sys
+    import time
 
-    tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
-    rounds = [0]
+    from rlhf_pipeline.agents.calculator import evaluate_tool_use, product_tasks
 
-    def hook(m: dict[str, float]) -> None:
-        rounds[0] += 1
-        if rounds[0] % every:
-            return
-        reasons = " ".join(f"{k.removeprefix('reason/')}={int(v)}" for k, v in m.items()
-                           if k.startswith("reason/") and v)
-        print(f"{tag} round {int(m['batches'])} (policy v{int(m['policy_version'])}): reward {m['reward_mean']:.3f}, "
-              f"tool-call rate {m['tool_call_rate']:.2f}, tool errors {int(m['tools/calls'] - m['tools/ok'])}"
-              f"/{int(m['tools/calls'])}, turns/episode {m['turns_per_episode']:.2f}, ends: {reasons}",
-              file=sys.stderr, flush=True)
-
-    return hook
+    tasks = product_tasks(settings.warm_start_check_tasks, low=settings.low, high=settings.high,
+                          seed=settings.seed + 7_000_000)
+    started = time.perf_counter()
+    reached = evaluate_tool_use(model, tokenizer, tasks, max_turns=settings.max_turns,
+                                max_new_tokens=settings.max_new_tokens, context_length=settings.context_length)
+    n = len(tasks)
+    print(f"[run] warm start reached, greedy on {n} tasks: tool calls {round(reached['tool_calls'] * n)}/{n}, "
+          f"right factors {round(reached['right_factors'] * n)}/{n}, exact answers {round(reached['exact'] * n)}/{n} "
+          f"({time.perf_counter() - started:.1f}s)", flush=True)
+    if reached["right_factors"] < USABLE_RIGHT_FACTORS:
+        print(f"[run] warning: the warm start called with the question's factors in {reached['right_factors']:.0%} of "
+              f"the tasks, below the usable {USABLE_RIGHT_FACTORS:.0%}: calls with wrong factors pay no better than "
+              f"guesses, so RL will barely learn; raise warm_start_steps (now {settings.warm_start_steps}) or "
+              f"try another seed", file=sys.stderr, flush=True)
+    return reached

@@ -168,6 +168,9 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as exc:  # the file's own mistake: where it is, not the import machinery's frames
+        sys.modules.pop(module_name, None)
+        raise PipelineError(_describe_syntax_error(exc, path)) from None
     except Exception:
         sys.modules.pop(module_name, None)
         raise
@@ -183,6 +186,13 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
             f"{path}: Settings lacks the field(s) {missing}, which --steps/--device set; add them"
         )
     return module
+
+
+def _describe_syntax_error(exc: SyntaxError, path: Path) -> str:
+    """``path:LINE:COLUMN: IndentationError: unexpected indent: <the line>``, in one line."""
+    where = ":".join(str(n) for n in (exc.filename or path, exc.lineno, exc.offset) if n is not None)
+    text = (exc.text or "").strip()
+    return f"{where}: {type(exc).__name__}: {exc.msg}" + (f": {text}" if text else "")
 
 
 def make_settings(module: types.ModuleType, overrides: Sequence[str] = ()) -> Any:

@@ -65,6 +65,20 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+# ---------------------------------------------------------------- the quick subset
+# `pytest -m "not slow"` is the quick subset the README offers. Slow: every test that trains a pipeline
+# end to end or runs a benchmark (these folders), and the modules and tests marked `slow` where they
+# stand (kill -9 and multi-process tests, several learner ranks)
+SLOW_FOLDERS = ("integration", "bench")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        relative = Path(str(item.fspath)).relative_to(TESTS_DIR)
+        if relative.parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
+
+
 # ---------------------------------------------------------------- skipped tests, for CI's second pass
 # .ci/run first runs the README's test command as a newcomer would (only the `test` extra), then
 # installs every extra and runs again just the tests that skipped: this file names them. Both what a

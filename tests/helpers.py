@@ -235,3 +235,73 @@ def import_benchmark(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(benchmarks)
+
+
+def run_on_terminal(argv: Sequence[str], *, cwd=None, timeout: float = 300, columns: int = 120) -> tuple[int, bytes]:
+    """Runs ``argv`` with stdin, stdout and stderr on a new pseudo-terminal of ``columns`` columns
+    (what a user at a terminal sees: tqdm bars, colours); returns its exit code and every byte it
+    wrote there. Killed after ``timeout`` seconds (exit code then negative)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    master, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    process = subprocess.Popen(list(argv), cwd=cwd, stdin=follower, stdout=follower, stderr=follower,
+                               start_new_session=True)
+    os.close(follower)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: every writer of the terminal is gone
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif process.poll() is not None:
+                break
+        else:
+            process.kill()
+    finally:
+        os.close(master)
+    return process.wait(), b"".join(chunks)
+
+
+def screen_lines(shown: bytes) -> list[str]:
+    """The lines a terminal shows after receiving ``shown``: ``\\r`` returns to the line's start,
+    later characters overwrite earlier ones, ``ESC[K`` erases to the end of the line; other
+    escape sequences are dropped."""
+    import re
+
+    text = shown.decode("utf-8", errors="replace")
+    lines: list[str] = []
+    line: list[str] = []
+    column = 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\r|\n|[^\x1b\r\n]", text):
+        if token == "\x1b[K":
+            del line[column:]
+        elif token.startswith("\x1b"):
+            continue
+        elif token == "\r":
+            column = 0
+        elif token == "\n":
+            lines.append("".join(line))
+            line, column = [], 0
+        else:
+            if column < len(line):
+                line[column] = token
+            else:
+                line.append(token)
+            column += 1
+    if line:
+        lines.append("".join(line))
+    return lines

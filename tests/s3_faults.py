@@ -1,7 +1,9 @@
 """An HTTP proxy on loopback in front of the moto server that injects the faults S3 has and moto
 does not: throttling (503 SlowDown before the request reaches the server), lost answers (the
-request reaches the server and lands, but the client gets a 503 instead of the server's answer) and
-bodies damaged in transit (a byte of a GET's answer flipped; its checksum header then disagrees).
+request reaches the server and lands, but the client gets a 503 instead of the server's answer),
+bodies damaged in transit (a byte of a GET's answer flipped; its checksum header then disagrees),
+and a request held on its way (``hold``: a test kills the client while it waits, and the request
+never lands).
 
 Outside the project on purpose: it only forwards bytes; what is under test is the client's retries.
 """
@@ -28,6 +30,9 @@ class FaultyProxy:
         self._throttle = 0
         self._lose: dict[str, int] = {}
         self._damage = 0
+        self._hold: tuple[str, str] | None = None  # (method, path suffix) of the request to hold
+        self.held = threading.Event()  # set when the held request arrived
+        self._released = threading.Event()
         self.seen: list[tuple[str, str, int]] = []  # (method, path, status sent to the client)
         proxy = self
 
@@ -40,6 +45,16 @@ class FaultyProxy:
             def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    hold = proxy._hold is not None and self.command == proxy._hold[0] and \
+                        self.path.split("?")[0].endswith(proxy._hold[1])
+                    if hold:
+                        proxy._hold = None
+                if hold:  # never forwarded: whoever sent it waits until released, then gets a 503
+                    proxy.held.set()
+                    proxy._released.wait()
+                    self._reply(503, SLOW_DOWN, {"Content-Type": "application/xml"})
+                    return
                 with proxy._lock:
                     throttled = proxy._throttle > 0
                     if throttled:
@@ -99,10 +114,22 @@ class FaultyProxy:
         with self._lock:
             self._damage = answers
 
+    def hold(self, method: str, path_suffix: str) -> None:
+        """The next request with ``method`` whose path ends with ``path_suffix`` waits, unanswered
+        and never forwarded, until :meth:`release`; :attr:`held` is set when it arrives."""
+        with self._lock:
+            self._hold = (method, path_suffix)
+            self.held.clear()
+            self._released.clear()
+
+    def release(self) -> None:
+        self._released.set()
+
     def statuses(self) -> list[int]:
         with self._lock:
             return [status for _, _, status in self.seen]
 
     def stop(self) -> None:
+        self._released.set()
         self._server.shutdown()
         self._server.server_close()

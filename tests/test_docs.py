@@ -235,6 +235,20 @@ def test_the_command_check_catches_what_it_should():
             _check_command(wrong, choices, commands)
 
 
+def test_the_commands_page_names_every_command_and_benchmark():
+    """A command or benchmark added to the CLI's registries is added to the page (two benchmarks
+    were missing from it and from `bench`'s help, issue 33)."""
+    from rlhf_pipeline.cli.bench_cmd import BENCHMARKS
+    from rlhf_pipeline.cli.main import COMMANDS
+
+    page = (DOCS / "commands.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (.*?) \|", page, re.M))
+    assert set(rows) == set(COMMANDS)
+    for name in BENCHMARKS:
+        assert f"`{name}`" in rows["bench"], name
+        assert re.search(rf"^rlhf-pipeline bench {name}( |$)", page, re.M), name
+
+
 # ============================================================================ paths and names
 PATH = re.compile(r"(?<![\w/.-])((?:rlhf_pipeline|tests|benchmarks|pipelines)/[\w./-]*[\w/])")
 NAME = re.compile(r"(?<![\w.])(rlhf_pipeline(?:\.\w+)+)")
@@ -375,3 +389,14 @@ def test_strict_build_fails_on_a_broken_link(tmp_path):
     result = _mkdocs_build(tmp_path, tmp_path / "site")
     assert result.returncode != 0
     assert "no-such-heading" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_ids(PAGES))
+def test_headings_carry_no_issue_numbers(path):
+    """A reader does not know the tracker: "Agents (issue 19)" says nothing to them (issue 33)."""
+    headings, in_code = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        in_code ^= line.lstrip().startswith("```")
+        if not in_code and line.startswith("#"):
+            headings.append(line)
+    assert not [h for h in headings if re.search(r"\bissue \d+", h, re.I)]

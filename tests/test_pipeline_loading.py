@@ -124,6 +124,25 @@ def test_pipeline_file_contract_is_checked(tmp_path):
         """))
 
 
+def test_a_syntax_error_in_a_pipeline_file_is_one_line_naming_the_place_and_exit_2(tmp_path, capsys):
+    from rlhf_pipeline.cli.main import main
+
+    path = _write(tmp_path, """
+        from dataclasses import dataclass
+        @dataclass
+        class Settings:
+            steps: int = 1
+            device: str = "cpu"
+        def build(settings run):
+            pass
+    """)
+    assert main(["run", str(path), "--home", str(tmp_path / "home")]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"rlhf-pipeline run: error: {path}:7:") and said.count("\n") == 1, said
+    assert "SyntaxError: invalid syntax" in said and said.endswith(": def build(settings run):\n")
+    assert not (tmp_path / "home").exists()
+
+
 def test_cli_reports_unknown_setting_before_any_work(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(DEFAULT), "--home", str(tmp_path),

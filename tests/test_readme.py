@@ -44,3 +44,11 @@ def test_readme_is_a_front_door():
     # one short example per use, each linking to its page
     for page in ("docs/pipelines.md", "docs/replay.md", "docs/learner.md"):
         assert f"]({page})" in README, page
+
+
+def test_the_default_pipeline_says_the_readmes_run_time():
+    """The pipeline file's docstring said ~1 minute where the README says 15 s (issue 33)."""
+    said = re.search(r"about (\d+) s on 2 CPU cores", README)
+    assert said, "the README no longer says how long the default run takes: update this test"
+    docstring = (ROOT / "pipelines" / "default.py").read_text(encoding="utf-8").split('"""')[1]
+    assert f"about {said.group(1)} s on 2 idle CPU cores" in docstring

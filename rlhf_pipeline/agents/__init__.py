@@ -1,4 +1,4 @@
-"""Multi-turn, tool-using agents (issue 19): environments, tools and token-exact episodes.
+"""Multi-turn, tool-using agents: environments, tools and token-exact episodes.
 
 * :mod:`.environment` -- the ``Environment`` protocol a pipeline file implements, ``ModelTurn``,
   ``StepResult`` and ``EnvironmentRunner`` (sync steps in a thread pool, async ones awaited, a
@@ -11,8 +11,8 @@
 * :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them; an
   episode that fails drops its group, with the reason;
 * :mod:`.workers` -- the threads tool calls and sync steps run on, where a hung call frees its slot;
-* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool) and a warm start on
-  demonstration episodes.
+* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool), a warm start on
+  demonstration episodes and a greedy check of what it reached;
 * :mod:`.verifiers_env` -- a ``verifiers`` environment (``MultiTurnEnv``, ``ToolEnv``, its rubric)
   as an ``Environment`` (the optional ``verifiers`` extra).
 

@@ -208,6 +208,7 @@ class ToolBox:
         self.max_output_chars = max_output_chars
         self.max_calls_per_turn = max_calls_per_turn
         self.metrics: Counter[str] = Counter({name: 0 for name in self.METRICS})
+        self._first_errors: dict[str, str] = {}  # failure kind -> its first message since take_first_errors()
         self._lock = threading.Lock()
         self._pool = WorkerPool(max_workers, max_abandoned=max_hung_calls, name="tool")
 
@@ -240,6 +241,13 @@ class ToolBox:
     def errors(self) -> int:
         """Calls answered with an error so far."""
         return self.metrics["calls"] - self.metrics["ok"]
+
+    def take_first_errors(self) -> dict[str, str]:
+        """The first error message of each kind of failure (``raised``, ``malformed``...) since the
+        last call, in the order they came: what a round's console report shows beside the counts."""
+        with self._lock:
+            taken, self._first_errors = self._first_errors, {}
+        return taken
 
     def _start(self, call: ToolCall) -> Future | tuple[str, bool]:
         """The running call, or at once the error answer of a call that cannot run."""
@@ -280,6 +288,8 @@ class ToolBox:
         return text[: self.max_output_chars] + f"... [{cut} more characters cut]"
 
     def _failed(self, metric: str, message: str) -> tuple[str, bool]:
+        with self._lock:
+            self._first_errors.setdefault(metric, message)
         return self._error(metric, message), False
 
     def _error(self, metric: str, message: str) -> str:

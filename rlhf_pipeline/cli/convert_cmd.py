@@ -2,10 +2,10 @@
 
 Takes what ``inspect`` takes: a single store, or a run's buffer of ``shard-NNNN`` stores,
 which is converted shard by shard into ``DST/shard-NNNN`` (a sharded buffer again, which
-a learner reads the same way). Streams one segment at a time (memory stays at about one
-segment), shows progress, and with ``--verify`` re-reads both buffers and compares every
-row. The source is opened read-only, so converting beside a running writer copies the rows
-published when the conversion started.
+a learner reads the same way); a shard still being made is left out, saying so. Streams one
+segment at a time (memory stays at about one segment), shows progress, and with ``--verify``
+re-reads both buffers and compares every row. The source is opened read-only, so converting
+beside a running writer copies the rows published when the conversion started.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from rlhf_pipeline.cli.progress import progress_reporter
-    from rlhf_pipeline.storage.buffers import is_sharded_buffer, list_shards, shard_location
+    from rlhf_pipeline.storage.buffers import is_sharded_buffer, shard_index, shard_key_of, shard_location, stores_in
     from rlhf_pipeline.storage.errors import StoreError, StoreNotFoundError
 
     options = {}
@@ -43,11 +43,18 @@ def run(args: argparse.Namespace) -> int:
     if "://" not in args.src and not os.path.exists(args.src):
         print(f"rlhf-pipeline convert: {StoreNotFoundError(f'{args.src} does not exist')}", file=sys.stderr)
         return 2
+    problem = _destination_problem(args.src, args.dst)
+    if problem is not None:
+        print(f"rlhf-pipeline convert: {problem}", file=sys.stderr)
+        return 2
+    skipped: dict[str, str] = {}
     if is_sharded_buffer(args.src):
-        if os.path.exists(args.dst) and (not os.path.isdir(args.dst) or os.listdir(args.dst)):
-            print(f"rlhf-pipeline convert: {args.dst} already holds files; choose a new path", file=sys.stderr)
+        try:  # the shards a learner reads: one still being made is left out, as the learner does
+            pairs = [(path, shard_location(args.dst, shard_index(shard_key_of(path))))
+                     for _, path in stores_in(args.src, skipped)]
+        except StoreError as exc:
+            print(f"rlhf-pipeline convert: {exc}", file=sys.stderr)
             return 2
-        pairs = [(path, shard_location(args.dst, index)) for index, path in list_shards(args.src)]
     else:
         pairs = [(args.src, args.dst)]
 
@@ -62,11 +69,36 @@ def run(args: argparse.Namespace) -> int:
             if args.verify:
                 verify(src, dst)
             lines.append(_describe(dst, stats, args.verify))
-    except (StoreError, FileExistsError, ValueError) as exc:
+    except FileExistsError:  # at a URL, where nothing was there when convert looked: made meanwhile
+        print(f"rlhf-pipeline convert: {args.dst} already holds a buffer (made meanwhile by another process); "
+              f"convert writes a new one: choose a path that does not exist", file=sys.stderr)
+        return 2
+    except (StoreError, ValueError) as exc:
         print(f"rlhf-pipeline convert: {exc}", file=sys.stderr)
         return 2
+    lines += [f"{name}: not converted: {why}" for name, why in sorted(skipped.items())]
     print("\n".join(lines))
     return 0
+
+
+def _destination_problem(src: str, dst: str) -> str | None:
+    """Why ``dst`` cannot take the converted buffer, in words for the command line; else None."""
+    import os
+
+    from rlhf_pipeline.storage.buffers import buffer_holding, within
+
+    if within(dst, src):
+        if within(src, dst):
+            return (f"{dst} is the source: convert writes a copy of it in the other backend to a new path; "
+                    f"choose a DST that does not exist")
+        return f"{dst} is inside the source {src}; choose a DST outside it"
+    if "://" not in dst and os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        return f"{dst} already holds files; convert writes a new buffer: choose a path that does not exist"
+    holder = buffer_holding(dst)
+    if holder is not None:
+        return (f"{dst} is inside the buffer {holder}: a store written there becomes part of that buffer (a shard "
+                f"of a run's buffer is read by its learner); choose a path outside it")
+    return None
 
 
 def _describe(dst: str, stats, verified: bool) -> str:

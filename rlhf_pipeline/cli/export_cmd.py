@@ -11,6 +11,11 @@ from __future__ import annotations
 import argparse
 
 
+# the optional packages each export format writes with (dataio/export.py), and its name in an error
+EXTRAS_OF_FORMAT = {"parquet": ("pyarrow",), "hf": ("pyarrow", "datasets")}
+FORMAT_NAMES = {"parquet": "Parquet", "hf": "a Hugging Face dataset"}
+
+
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("buffer", help="a store (memmap directory, Zarr store) or a run's buffer/ of shards")
     parser.add_argument("out", help="file (jsonl, parquet) or directory (hf) to write; must not exist")
@@ -27,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rlhf_pipeline.cli.checks import buffer_path_problem
     from rlhf_pipeline.dataio.export import export_format
+    from rlhf_pipeline.dataio.extras import missing_extra
 
     def fail(message: str, code: int = 2) -> int:
         print(f"rlhf-pipeline export: error: {message}", file=sys.stderr)
@@ -39,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     problem = buffer_path_problem(args.buffer)
     if problem is None and os.path.exists(args.out):
         problem = f"{args.out} already exists; choose another path or remove it"
+    if problem is None:  # before the buffer is read (and torch imported), not after
+        problem = missing_extra(EXTRAS_OF_FORMAT.get(fmt, ()), f"exporting to {FORMAT_NAMES.get(fmt, fmt)}")
     if problem is not None:
         return fail(problem)
 

@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from rlhf_pipeline.storage import StoreError
+    from rlhf_pipeline.storage.errors import LocalOnlyStoreError
     from rlhf_pipeline.storage.filtering import filter_buffer
 
     bars: dict[str, tqdm] = {}
@@ -105,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = filter_buffer(args.src, args.dst, args.where, whole_groups=args.groups, selection=args.selection,
                                to=args.to, progress=progress, **options)
+    except LocalOnlyStoreError:  # its own words are for Python callers
+        return fail(f"{args.dst} is a URL, where a buffer is a Zarr store, and the source is a memmap store: add "
+                    f"--to zarr")
     except (WhereError, StoreError, FileExistsError, ValueError) as exc:
         return fail(str(exc))
     finally:

@@ -73,6 +73,14 @@ def run(args: argparse.Namespace) -> int:
         return fail("--rows-per-chunk must be >= 1")
     if args.pipeline is not None and not Path(args.pipeline).is_file():
         return fail(f"pipeline file {args.pipeline!r} does not exist")
+    if args.device is not None:
+        from rlhf_pipeline.pipeline import PipelineError
+        from rlhf_pipeline.runs.devices import check_cuda_device
+
+        try:
+            check_cuda_device(args.device, what="--device")
+        except PipelineError as exc:
+            return fail(str(exc))
     try:
         open_source(args.source, args.format, args.split)
     except SourceError as exc:

@@ -13,6 +13,9 @@ import importlib
 import os
 import sys
 
+from rlhf_pipeline.cli.bench_cmd import BENCHMARKS  # names only: the benchmarks load when one is run
+from rlhf_pipeline.storage.errors import StoreClosedError, StoreError  # no torch: errors only
+
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rlhf_pipeline.cli.run_cmd", "run a pipeline: collector and learner together"),
@@ -24,9 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "filter": ("rlhf_pipeline.cli.filter_cmd", "keep rows or whole groups of a buffer: a new buffer or a selection"),
     "replay": ("rlhf_pipeline.cli.replay_cmd", "train a new run from a recorded buffer (epochs, no generation)"),
     "repair": ("rlhf_pipeline.cli.repair_cmd", "rebuild a damaged buffer's published state (dry run by default)"),
-    "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: storage, write-path, curation, replay, e2e"),
+    "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: " + ", ".join(BENCHMARKS)),
     "import": ("rlhf_pipeline.cli.import_cmd", "rows from JSONL, Parquet or a HF dataset into a buffer"),
-    "export": ("rlhf_pipeline.cli.export_cmd", "a buffer's rows to JSONL, Parquet or a HF dataset"),
+    "export": ("rlhf_pipeline.cli.export_cmd",
+               "a buffer's rows to JSONL, Parquet or a HF dataset; whole trajectories as chat messages (chat)"),
     "export-model": ("rlhf_pipeline.cli.export_model_cmd", "a run's policy as a save_pretrained directory"),
     "plot": ("rlhf_pipeline.cli.plot_cmd", "PNG charts of runs' metrics, overlaid"),
     "setup-vllm": ("rlhf_pipeline.cli.setup_vllm_cmd", "make the environment the vLLM generation engine runs under"),
@@ -38,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlhf-pipeline",
         description="Durable replay buffers and GRPO post-training for language models.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
@@ -45,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(command_parser, name)
         command_parser.set_defaults(_module=module_name)
     return parser
+
+
+def installed_version() -> str:
+    """This package's version as installed (``pip install -e .`` included)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlhf-pipeline")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed: run pip install -e . in the repository)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
         print(f"rlhf-pipeline {args.command}: interrupted", file=sys.stderr)
         return 130
+    except StoreError as exc:
+        # what a command did not word itself (a writer lock held by another process, a store refused at
+        # a URL): one line naming what and where, as every other refusal; a closed store is a bug
+        if isinstance(exc, StoreClosedError):
+            raise
+        print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

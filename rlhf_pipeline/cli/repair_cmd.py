@@ -8,9 +8,10 @@ the store. It reports what it could not recover (missing segments, chunks that f
 checksum), naming files and rows. Works on a single store or every shard of a run's buffer.
 
 Only what a publish record covered is published. With an intact record (a memmap state
-slot, a Zarr commit record), rows a killed writer left past it were never acknowledged (a
-collector writes that round again): repair leaves them to the next writer, which discards
-them, and a note counts them; that alone is nothing to repair. Without a record, every
+slot, a Zarr commit record), rows past it were never acknowledged: a live writer's append in
+flight (it holds the writer lock, and the note names its process), or what a killed writer left
+(a collector writes that round again, and the next writer discards them). Repair leaves them,
+and a note counts them; that alone is nothing to repair. Without a record, every
 readable row is kept at its row id, and rows between readable ones that no file holds stay
 published as lost (reads of them raise), so no append reuses a row id a readable row holds.
 
@@ -51,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
             reports = repair_buffer(args.path, apply=args.apply,
                                     progress=progress_reporter("repair", "parts", quiet=args.quiet))
         except StoreLockedError as exc:
-            print(f"rlhf-pipeline repair: {exc}\nrepair --apply needs the store's writer lock: stop that writer (or "
+            held = f"{args.path} is being written by {exc.holder}" if exc.holder else str(exc).split(";")[0]
+            print(f"rlhf-pipeline repair: {held}; repair --apply needs the store's writer lock: stop that writer (or "
                   f"wait until its lease runs out), then run repair again; nothing was written", file=sys.stderr)
             return 2
         except StoreError as exc:

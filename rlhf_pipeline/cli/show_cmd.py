@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 
 EXAMPLES = """examples:
-  rlhf-pipeline show storage/runs/default                      # the newest trajectory of a run
-  rlhf-pipeline show storage/runs/default --trajectory 17 --log-probs
+  rlhf-pipeline show storage/tool_use                          # the newest trajectory of a run
+  rlhf-pipeline show storage/tool_use --trajectory 17 --log-probs
   rlhf-pipeline show my_buffer --pipeline pipelines/default.py --row 0 --html trajectory.html
 """
 
@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    if "://" not in args.buffer and not Path(args.buffer).exists():  # before the imports below (torch)
+        print(f"rlhf-pipeline show: error: {args.buffer} does not exist", file=sys.stderr)
+        return 2
     from rlhf_pipeline.dataio.run_pipeline import find_run
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.dataio.trajectory_view import (

@@ -56,8 +56,11 @@ class RunControl:
     def stop_requested(self) -> bool:
         return self._stop
 
-    def publish_weights(self, version: int, boxed_ref: list) -> None:
-        if self._weights is None or version > self._weights[0]:
+    def publish_weights(self, version: int, boxed_ref: list, restarted: bool = False) -> None:
+        """``restarted``: the first publish of a learner that started again from its checkpoint; its
+        version replaces the held one even if older (a killed learner's version past the checkpoint,
+        which the restarted one publishes again as it retrains: ``learn/learner.py``)."""
+        if self._weights is None or version > self._weights[0] or restarted:
             self._weights = (version, boxed_ref)
 
     def newest_weights(self, after: int) -> tuple[int, list] | None:
@@ -138,10 +141,18 @@ class ObjectStoreWeightsPoller:
 
         try:
             state, loaded = load_weights(self.run_dir, version)
-        except FileNotFoundError:  # pruned
-            return self._take(*newest)
+        except FileNotFoundError:  # pruned, or taken back by a restarted learner (then: not yet)
+            return None if self._taken_back(version) else self._take(*newest)
         self.current_version = loaded
         return state, loaded
+
+    def _taken_back(self, version: int) -> bool:
+        """Whether ``version`` is newer than every published file: a learner restarted from an
+        earlier checkpoint took it back and publishes it again as it retrains (``learn/learner.py``)."""
+        from rlhf_pipeline.coordination.weights import latest_version
+
+        newest = latest_version(self.run_dir)
+        return newest is None or version > newest
 
     def _take(self, version: int, boxed_ref: list):
         (ref,) = boxed_ref
@@ -153,8 +164,10 @@ class ObjectStoreWeightsPoller:
 
             try:
                 state, version = load_weights(self.run_dir, version)
-            except FileNotFoundError:  # pruned since: a newer version is on disk
-                state, version = load_weights(self.run_dir)
+            except FileNotFoundError:
+                if self._taken_back(version):  # the learner that died published it past its checkpoint
+                    return None
+                state, version = load_weights(self.run_dir)  # pruned since: a newer version is on disk
         self.current_version = version
         return state, version
 
@@ -172,7 +185,8 @@ class ObjectStorePublisher:
         if version <= self.published or not self.learner.data_parallel.is_main:
             return
         state = {k: v.detach().to("cpu", copy=True) for k, v in self.learner.model.state_dict().items()}
-        ray.get(self.control.publish_weights.remote(version, [ray.put(state)]))
+        # this process's first: it replaces what a learner killed past its checkpoint had offered
+        ray.get(self.control.publish_weights.remote(version, [ray.put(state)], self.published < 0))
         self.published = version
 
 

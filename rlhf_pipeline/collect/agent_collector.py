@@ -220,7 +220,8 @@ class AgentCollector:
         n_traj = len(tasks) * cfg.group_size
         dropped = len(tasks) - len(result.kept_groups)
         if before_write is not None:
-            before_write(self.state_dict(rounds_ahead=(1, len(tasks), n_traj), dropped_ahead=dropped))
+            before_write(self.state_dict(rounds_ahead=(1, len(tasks), n_traj), dropped_ahead=dropped,
+                                         written_ahead=(len(result.episodes), 0 if batch is None else len(batch))))
         if self.sink is not None and batch is not None:
             self.sink(batch)
         # counters advance only once the sink has the rows, so a failed write is retried with the same ids
@@ -327,9 +328,12 @@ class AgentCollector:
         self.engine.close()
 
     # ---------------------------------------------------------------- resume
-    def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0), dropped_ahead: int = 0) -> dict[str, Any]:
+    def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0), dropped_ahead: int = 0,
+                   written_ahead: tuple[int, int] = (0, 0)) -> dict[str, Any]:
         """``rounds_ahead``: (rounds, groups, trajectories) not yet counted but to be included;
-        ``dropped_ahead``: of those groups, the dropped ones."""
+        ``dropped_ahead``: of those groups, the dropped ones; ``written_ahead``: (trajectories,
+        rows) those rounds write, which :attr:`round_rows` estimates from (so a resumed collector
+        paces as the uninterrupted one did)."""
         batches, groups, trajectories = rounds_ahead
         cfg = self.config
         return {
@@ -338,6 +342,8 @@ class AgentCollector:
             "trajectories_emitted": self.trajectories_emitted + trajectories,
             "batches_emitted": self.batches_emitted + batches,
             "groups_dropped": self.groups_dropped + dropped_ahead,
+            "trajectories_written": self._trajectories_written + written_ahead[0],
+            "rows_written": self._rows_written + written_ahead[1],
             "policy_version": self.policy_version,
             "rng": self.generator.get_state(),
             "config": {"collector_index": cfg.collector_index, "seed": cfg.seed, "group_size": cfg.group_size,
@@ -357,6 +363,9 @@ class AgentCollector:
         self.trajectories_emitted = int(state["trajectories_emitted"])
         self.batches_emitted = int(state["batches_emitted"])
         self.groups_dropped = int(state.get("groups_dropped", 0))  # saved before groups could be dropped: none
+        # saved before pacing estimated a round's rows: the estimate starts again
+        self._trajectories_written = int(state.get("trajectories_written", 0))
+        self._rows_written = int(state.get("rows_written", 0))
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])

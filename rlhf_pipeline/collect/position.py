@@ -20,7 +20,12 @@ A round whose rows were all dropped before the store (e.g. every group had zero 
 variance and dynamic sampling dropped it) leaves ``next_row`` unchanged and is collected
 again on restart; nothing was stored, so nothing is trained twice.
 
-File format: ``{"format": 1, "committed": state | None, "inflight": {...} | None}``
+The caller's own state goes beside the collector's (``loop``: ``collect`` keeps its pacing counts
+there, the rounds written with the current weights and the size of a round learned so far, so a
+restarted collector paces its next rounds as the uninterrupted one would), with the same rule:
+the loop state saved with the round in flight counts once that round is found written.
+
+File format: ``{"format": 1, "committed": state | None, "loop": {...}, "inflight": {...} | None}``
 written atomically through the run's store (``files/run_store.py``: a file replaced by rename, or at
 a URL one fenced PUT, so a superseded collector cannot overwrite its successor's position); a bare state dict
 (older runs) reads as committed. It holds tensors and plain values only and loads with
@@ -52,6 +57,8 @@ class CollectorPosition:
         self.store = store
         self._committed: dict[str, Any] | None = None
         self.resumed_inflight_round = False  # load() found the round in flight written
+        self.inflight_rows = 0  # and that many rows were appended by it
+        self.loop: dict[str, Any] = {}  # the caller's state that goes with the state load() returned
 
     def load(self) -> dict[str, Any] | None:
         """The collector state to resume from, or None for a fresh collector."""
@@ -68,24 +75,31 @@ class CollectorPosition:
             self._committed = payload
             return payload
         self._committed = payload["committed"]
+        self.loop = dict(payload.get("loop") or {})
         inflight = payload.get("inflight")
         if inflight is not None and self.store.next_row > int(inflight["store_next_row"]):
             self._committed = inflight["state"]
+            self.loop = dict(inflight.get("loop") or {})
             self.resumed_inflight_round = True
+            self.inflight_rows = int(self.store.next_row) - int(inflight["store_next_row"])
         return self._committed
 
-    def before_write(self, state_after_round: dict[str, Any]) -> None:
-        """Records the round about to be appended; call right before the append."""
+    def before_write(self, state_after_round: dict[str, Any], loop: dict[str, Any] | None = None) -> None:
+        """Records the round about to be appended; call right before the append. ``loop``: the
+        caller's state once the round is written (its row count aside: see ``inflight_rows``)."""
         self._save({
             "format": FORMAT_VERSION,
             "committed": self._committed,
-            "inflight": {"state": state_after_round, "store_next_row": int(self.store.next_row)},
+            "loop": self.loop,
+            "inflight": {"state": state_after_round, "store_next_row": int(self.store.next_row),
+                         "loop": dict(loop or {})},
         })
 
-    def after_write(self, state: dict[str, Any]) -> None:
-        """The round is in the store: ``state`` is where the collector now stands."""
+    def after_write(self, state: dict[str, Any], loop: dict[str, Any] | None = None) -> None:
+        """The round is in the store: ``state`` is where the collector now stands (``loop``: the caller's)."""
         self._committed = state
-        self._save({"format": FORMAT_VERSION, "committed": state, "inflight": None})
+        self.loop = dict(loop or {})
+        self._save({"format": FORMAT_VERSION, "committed": state, "loop": self.loop, "inflight": None})
 
     def _save(self, payload: dict[str, Any]) -> None:
         import torch

@@ -6,7 +6,14 @@ version in the file's metadata) with a version that only increases; the file is 
 object, ``files/run_store.py``). Collectors poll with
 :class:`WeightsPoller` between rounds and load the newest version. Old versions are pruned (keep
 the last few) because a reader always wants the newest; a reader that loses a race with the
-pruning simply polls again.
+pruning simply polls again. Version 0, the initial policy, is kept until the learner's first
+checkpoint: a learner killed before one starts again from it.
+
+A version's number follows from the learner's progress (one more per publish), whatever happened
+to its process: a learner killed after its checkpoint had published versions past it, which the resumed learner
+takes back (:func:`retract_versions_after`) and publishes again under the same numbers as it
+retrains those steps. Rows sampled with them keep their number, so staleness and the versions
+collectors pin their rounds to mean what they meant before the kill (``learn/learner.py``).
 
 At a URL, the collectors of one machine share one download per version
 (``WeightsPoller(..., cache=MachineCache(paths.fetched_weights))``, ``files/machine_cache.py``):
@@ -27,6 +34,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,9 +93,10 @@ def weights_location(run: Run, version: int) -> str:
 
 
 def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
-                    keep_last: int = 3) -> str:
+                    keep_last: int = 3, *, keep_versions: Collection[int] = ()) -> str:
     """Writes ``state_dict`` as ``version``; ``version`` must exceed every published one. At a URL
-    the version is created, never overwritten: a second learner publishing it is refused."""
+    the version is created, never overwritten: a second learner publishing it is refused. The
+    newest ``keep_last`` versions and ``keep_versions`` stay, older ones are pruned."""
     from safetensors.torch import save
 
     store = as_run_store(run)
@@ -107,11 +116,27 @@ def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
     store.create(f"{WEIGHTS}/{name}", payload)
     files[version] = name
     for old in sorted(files)[:-keep_last]:
+        if old in keep_versions:
+            continue
         store.delete(f"{WEIGHTS}/{files[old]}")
         legacy = Path(files[old]).with_suffix(LEGACY_SUFFIX).name
         if legacy in listed and legacy != files[old]:  # an older run's file beside it (a request less at a URL)
             store.delete(f"{WEIGHTS}/{legacy}")
     return store.describe(f"{WEIGHTS}/{name}")
+
+
+def retract_versions_after(run: Run, version: int) -> list[int]:
+    """Deletes every version published after ``version``, newest first, and returns them oldest
+    first. What a resumed learner calls with its checkpoint's version: a learner killed after that
+    checkpoint published these from steps the resumed one takes again, and it publishes them again
+    under the same numbers (the numbers rows in the buffer carry), so until it has, no collector
+    loads them. Newest first: a crash midway leaves published versions without a gap."""
+    store = as_run_store(run)
+    names = [name for name in store.list(WEIGHTS) if (match := _NAME.match(name)) and int(match.group(1)) > version]
+    names.sort(key=lambda name: int(_NAME.match(name).group(1)), reverse=True)
+    for name in names:  # a version's safetensors and legacy .pt files alike
+        store.delete(f"{WEIGHTS}/{name}")
+    return sorted({int(_NAME.match(name).group(1)) for name in names})
 
 
 def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:

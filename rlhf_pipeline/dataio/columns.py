@@ -122,7 +122,11 @@ class ResolvedColumns:
             slot = "completion"
         return self.slots.get(slot, name) if slot else name
 
-    def describe(self) -> str:
+    def describe(self, chat_trajectories: bool = False) -> str:
+        """What the import reads, for its first log line. ``chat_trajectories``: the source is
+        ``export --format chat`` lines, read as the rows of their turns (whose columns are not the file's)."""
+        if chat_trajectories:
+            return "whole trajectories as chat messages (export --format chat): one row per model turn, as stored"
         parts = [f"{slot}={col!r}" for slot, col in self.slots.items()]
         parts += [f"{f}={col!r}" for f, col in self.passthrough.items()]
         layout = "one row per prompt (a list of completions)" if self.per_prompt else "one row per completion"
@@ -554,8 +558,12 @@ def _short(text: str, limit: int = 60) -> str:
 def chat_template_warning(resolved: ResolvedColumns, tokenizer: Any) -> str | None:
     """A warning when rows give their prompt as plain text to a pipeline whose tokenizer has a chat
     template: the text is stored as given, while the pipeline's collector renders every prompt
-    through the template, so such rows train (and score) the model on prompts it never sees."""
-    if "prompt" not in resolved.slots or not getattr(tokenizer, "chat_template", None):
+    through the template, so such rows train (and score) the model on prompts it never sees. Not
+    when the prompt's token ids are given too (an export of a buffer, logged traffic): the ids are
+    what is stored and trained, and the text only has to match them."""
+    if "prompt" not in resolved.slots or "prompt_ids" in resolved.slots:
+        return None
+    if not getattr(tokenizer, "chat_template", None):
         return None
     return (f"[import] warning: column {resolved.slots['prompt']!r} is plain prompt text, stored as given, but the "
             f"pipeline's tokenizer has a chat template, which its collector applies to every prompt: give the "

@@ -129,7 +129,7 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     target = resolve_target(buffer, run_root)
     resolved = resolve_columns(source.sample_record(), options.columns, f"{source.files[0]} (first row)")
     tokenizer = pipeline.tokenizer
-    log(f"[import] {source.path} ({source.format}): {resolved.describe()}")
+    log(f"[import] {source.path} ({source.format}): {resolved.describe(source.holds_chat_trajectories())}")
     if (warning := chat_template_warning(resolved, tokenizer)) is not None:
         log(warning)
     record = ImportRecord.find(target, source)

@@ -138,6 +138,20 @@ class Source:
             return chunk.table.slice(0, 1).to_pylist()[0]
         raise SourceError(f"{self.path} holds no rows")
 
+    def holds_chat_trajectories(self) -> bool:
+        """Whether the source is lines of ``export --format chat`` (its first JSON line is one)."""
+        from rlhf_pipeline.dataio.chat_trajectories import is_chat_line
+
+        if self.format != "jsonl":
+            return False
+        try:
+            with open(self.files[0], encoding="utf-8") as f:
+                first = next((line for line in f if line.strip()), "")
+            record = json.loads(first)
+            return isinstance(record, dict) and is_chat_line(record)
+        except (OSError, UnicodeDecodeError, ValueError):  # chunks() says what is wrong with the file
+            return False
+
     def count_rows(self) -> int | None:
         """Rows in the source when its metadata says so (Parquet, hf); None for JSONL."""
         if self.is_saved_dataset:

@@ -14,6 +14,7 @@ from rlhf_pipeline.files.cloud_base import (
     ContainerNotFoundError,
     ObjectVersion,
     connection_dropped,
+    connection_lost,
     server_age_s,
 )
 
@@ -206,6 +207,13 @@ class AzureObjects(CloudObjects):
         if isinstance(exc, HttpResponseError):
             return exc.status_code in TRANSIENT_STATUS and _azure_code(exc) != "BlobAlreadyExists"
         return connection_dropped(exc)
+
+    def unanswered(self, exc: BaseException) -> bool:
+        from azure.core.exceptions import ServiceRequestError, ServiceResponseError
+
+        # ServiceRequestError: the request never went out (refused, connect timeout);
+        # ServiceResponseError: the connection broke before a whole answer came (reset, read timeout)
+        return isinstance(exc, (ServiceRequestError, ServiceResponseError)) or connection_lost(exc)
 
 
 def _drop_broken_exit_hooks(fs) -> None:

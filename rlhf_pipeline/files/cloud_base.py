@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import random
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+
+T = TypeVar("T")
 
 
 class ConditionFailed(Exception):
@@ -135,10 +139,74 @@ class CloudObjects(ABC):
         """Whether ``exc`` is worth another try: throttled, a server error, a timeout, a dropped
         connection (not a refusal, a missing object or refused credentials)."""
 
+    @abstractmethod
+    def unanswered(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says the request got no answer at all: the connection was refused, reset
+        or timed out (the server down, restarting or out of reach). Such a fault lasts as long as
+        the outage, whatever the number of tries: :class:`RetryPolicy` retries it for a time."""
+
     def _list_base(self, prefix: str) -> str:
         inner = prefix.strip("/")
         base = self.key(inner) if inner else self.prefix
         return f"{base}/" if base else ""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long one request may keep trying. A request the server answered with a fault
+    (throttling, a server error) is tried at most ``attempts`` times: the server is up and keeps
+    saying no. A request that got no answer (:meth:`CloudObjects.unanswered`: refused, reset, timed
+    out) is tried again until ``budget_s`` has passed, however many tries that takes: an outage
+    lasts a time, not a number of requests (a refused connection fails in a millisecond, so eight
+    tries spent ~8 s of a 60 s budget and stopped runs over outages of 8 to 13 s). Either way no try
+    starts (waits included) after ``budget_s`` seconds; the wait before try ``n`` is drawn uniformly
+    from ``[0, min(max_delay_s, first_delay_s * 2**n))``. One try itself is bounded by the connect
+    and read timeouts, so a request gives up within ``budget_s + read_timeout_s``."""
+
+    attempts: int = 8
+    first_delay_s: float = 0.1
+    max_delay_s: float = 5.0
+    budget_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+
+    def delay_s(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.max_delay_s, self.first_delay_s * 2 ** min(attempt, 30)))
+
+    def gives_up(self, answered_tries: int, spent_s: float, next_delay_s: float) -> bool:
+        """Whether to give up: ``attempts`` answered faults, or no time left for another try."""
+        return answered_tries >= self.attempts or spent_s + next_delay_s > self.budget_s
+
+    def describe(self) -> str:
+        return f"{self.attempts} tries while the store answers with faults, {self.budget_s:g} s in all"
+
+
+class UnreachableError(ConnectionError):
+    """Requests got no answer for a whole retry budget: the object store is down or out of reach."""
+
+
+def through_outages(call: Callable[[], T], unanswered: Callable[[BaseException], bool], what: str,
+                    policy: RetryPolicy = RetryPolicy()) -> T:
+    """``call()``, tried again while it gets no answer (``unanswered``), for up to
+    ``policy.budget_s``; then :class:`UnreachableError` naming ``what``, the time and the tries.
+    Faults the server answers pass through at once: the caller (or its client) owns those."""
+    started = time.monotonic()
+    tries = 0
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if not unanswered(exc):
+                raise
+            tries += 1
+            delay = policy.delay_s(tries)
+            spent = time.monotonic() - started
+            if spent + delay > policy.budget_s:
+                raise UnreachableError(
+                    f"{what} got no answer for {spent:.1f} s ({tries} tries; retry budget {policy.budget_s:g} s); "
+                    f"last error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. The object "
+                    f"store is down or out of reach") from exc
+        time.sleep(delay)
 
 
 # HTTP statuses worth another try on either cloud (throttling, timeouts, server errors, and a
@@ -151,6 +219,18 @@ def module_missing(module: str) -> bool:
         return importlib.util.find_spec(module) is None
     except (ImportError, ValueError):  # a missing parent package ("azure" for "azure.storage.blob")
         return True
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a connection refused, reset or timed out, as Python and aiohttp raise it:
+    no answer came (an HTTP answer, even an error, is not one of these)."""
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, ConnectionError)):
+        return True
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - both clouds' clients bring aiohttp
+        return False
+    return isinstance(exc, aiohttp.ClientConnectionError)
 
 
 def connection_dropped(exc: BaseException) -> bool:

@@ -40,6 +40,9 @@ from rlhf_pipeline.files.cloud_base import (
     ConditionFailed,
     ContainerNotFoundError,
     ObjectVersion,
+    RetryPolicy,
+    UnreachableError,
+    through_outages,
 )
 from rlhf_pipeline.files.cloud_s3 import S3Objects
 
@@ -74,7 +77,10 @@ __all__ = [
     "ConditionFailed",
     "ContainerNotFoundError",
     "ObjectVersion",
+    "RetryPolicy",
     "S3Objects",
+    "UnreachableError",
     "cloud_for",
     "objects_at",
+    "through_outages",
 ]

@@ -16,6 +16,7 @@ from rlhf_pipeline.files.cloud_base import (
     ContainerNotFoundError,
     ObjectVersion,
     connection_dropped,
+    connection_lost,
     server_age_s,
 )
 
@@ -180,6 +181,15 @@ class S3Objects(CloudObjects):
         damaged = getattr(exceptions, "FlexibleChecksumError", ())
         return (isinstance(exc, (exceptions.HTTPClientError, exceptions.ConnectionError, damaged))
                 or connection_dropped(exc))
+
+    def unanswered(self, exc: BaseException) -> bool:
+        try:
+            from botocore import exceptions
+        except ImportError:  # pragma: no cover - s3fs brings botocore
+            return connection_lost(exc)
+        # botocore's ConnectionError: refused, connect timeout, DNS; HTTPClientError: reset, closed,
+        # read timeout. A body that fails its checksum (FlexibleChecksumError) came: not these
+        return isinstance(exc, (exceptions.ConnectionError, exceptions.HTTPClientError)) or connection_lost(exc)
 
 
 _S3_TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",

@@ -19,21 +19,22 @@ Versions (weights, checkpoints) are created with ``If-None-Match: *``: never ove
 each request once (:meth:`CloudObjects.without_client_retries`), so that one loop owns the budget
 (:class:`RetryPolicy`) and a write refused on a retry is settled by reading it back, which only
 the run store knows how to judge. The buffer's stores keep their client's retries (botocore's,
-azure-core's): their commit and fencing logic already tolerates them. Throttling (503 SlowDown,
+azure-core's), which their commit and fencing logic already tolerates, and retry outages for the
+same budget themselves (``storage/zarr/object_store.py``). Throttling (503 SlowDown,
 429, 500/502/504), a conflicting conditional write in flight (409) and timeouts or dropped
-connections are retried with exponential backoff and full jitter, at most ``attempts`` tries, none
-started after ``budget_s`` seconds. A write whose answer was lost may have landed: its retry then
+connections are retried with exponential backoff and full jitter, none started after ``budget_s``
+seconds: faults the server answers at most ``attempts`` times, requests that got no answer at all
+(refused, reset, timed out: an outage) for as long as the budget lasts (:class:`RetryPolicy`). A
+write whose answer was lost may have landed: its retry then
 meets its own write (412) and the store reads the object back; the same bytes count as written.
 What gives up raises :class:`~rlhf_pipeline.files.run_store.RunStoreError` naming the object, the
-tries and the last error.
+tries, the time and the last error.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rlhf_pipeline.files.cloud_objects import (
@@ -41,6 +42,7 @@ from rlhf_pipeline.files.cloud_objects import (
     CloudObjects,
     ConditionFailed,
     ContainerNotFoundError,
+    RetryPolicy,
     cloud_for,
 )
 from rlhf_pipeline.files.run_store import (
@@ -53,24 +55,6 @@ from rlhf_pipeline.files.run_store import (
 
 SCHEMES = ("s3://", "az://")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How long one request may keep trying: at most ``attempts`` tries, and no try starts (waits
-    included) after ``budget_s`` seconds; the wait before try ``n`` is drawn uniformly from
-    ``[0, min(max_delay_s, first_delay_s * 2**n))``. One try itself is bounded by the connect and
-    read timeouts, so a request gives up within ``budget_s + read_timeout_s``."""
-
-    attempts: int = 8
-    first_delay_s: float = 0.1
-    max_delay_s: float = 5.0
-    budget_s: float = 60.0
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-
-    def delay_s(self, attempt: int) -> float:
-        return random.uniform(0.0, min(self.max_delay_s, self.first_delay_s * 2 ** attempt))
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -117,7 +101,7 @@ class ObjectRunStore(RunStore):
 
         started = time.monotonic()
         last: BaseException | None = None
-        attempt = 0
+        attempt = answered = 0
         while True:
             self.requests += 1
             try:
@@ -131,14 +115,16 @@ class ObjectRunStore(RunStore):
                     raise RunStoreError(f"{self.describe(key)}: {what} failed: {_short(exc)}. Check the URL, the "
                                         f"endpoint and the credentials: {self.objects.credentials_hint}") from exc
                 last = exc
+                if not self.objects.unanswered(exc):  # an outage is retried for a time, not a count
+                    answered += 1
             attempt += 1
             delay = self.retry.delay_s(attempt)
             spent = time.monotonic() - started
-            if attempt >= self.retry.attempts or spent + delay > self.retry.budget_s:
+            if self.retry.gives_up(answered, spent, delay):
                 raise RunStoreError(
                     f"{self.describe(key)}: {what} gave up after {attempt} tries in {spent:.1f} s (retry budget: "
-                    f"{self.retry.attempts} tries, {self.retry.budget_s:g} s); last error: {_short(last)}. The "
-                    f"object store is throttling or unreachable; the run can be started again once it answers"
+                    f"{self.retry.describe()}); last error: {_short(last)}. The object store is throttling or "
+                    f"unreachable; the run can be started again once it answers"
                 ) from last
             time.sleep(delay)
 

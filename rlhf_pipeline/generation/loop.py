@@ -17,6 +17,7 @@ falls inside its limit), as ``agents/rollout.py``'s ``cut_to_limits`` does.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +48,18 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
     """Lists of ids -> ``(ids (N, L), mask (N, L))`` padded on the left."""
     ragged = RaggedTensor.from_sequences([list(s) for s in sequences], dtype=torch.int64)
     return ragged.to_padded(pad_value=pad_token_id, side="left")
+
+
+def _cache_keyword(model) -> str:
+    """The name under which ``model``'s forward takes and returns its KV cache: ``cache`` from
+    transformers 5.24, ``past_key_values`` before. 5.24 still takes the old name, but warns twice
+    on every collector start; an older one given ``cache`` would ignore it and decode from one
+    token without context."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -82,8 +95,9 @@ def generate(
     ids, mask = ids.to(device), mask.to(device).long()  # (N, P)
     n = ids.shape[0]
 
+    cache_name = _cache_keyword(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
-    past, next_logits = out.past_key_values, out.logits[:, -1]  # (N, V)
+    past, next_logits = getattr(out, cache_name), out.logits[:, -1]  # (N, V)
     position = _positions(mask)[:, -1:]  # (N, 1)
     tokens, log_probs = [], []
     finished = torch.zeros(n, dtype=torch.bool, device=device)
@@ -101,8 +115,8 @@ def generate(
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position = position + 1
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                    past_key_values=past, use_cache=True)
-        past, next_logits = out.past_key_values, out.logits[:, -1]
+                    use_cache=True, **{cache_name: past})
+        past, next_logits = getattr(out, cache_name), out.logits[:, -1]
 
     response = torch.stack(tokens, dim=1).cpu()  # (N, R)
     response_lp = torch.stack(log_probs, dim=1).float().cpu()  # (N, R)

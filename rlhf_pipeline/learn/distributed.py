@@ -522,11 +522,3 @@ class DataParallel:
             load_optimizer_state(model, optimizer, state)
         else:
             optimizer.load_state_dict(state)
-
-    def from_main(self, value: int) -> int:
-        """Rank 0's ``value`` on every rank (a published weight version: only rank 0 reads the disk)."""
-        if not self.enabled:
-            return value
-        box = torch.tensor([value], dtype=torch.int64)
-        dist.broadcast(box, src=0)
-        return int(box.item())

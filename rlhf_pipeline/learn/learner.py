@@ -47,7 +47,8 @@ generated, and logs how stale they were (``learn/usage.py``).
 On CUDA the forward runs under bf16 autocast, batches (with packing: the packed micro-batches)
 are pinned by the prefetch thread and copied with ``non_blocking=True``. A resumed run loads
 model, optimizer, scheduler, RNG and progress and continues exactly as an uninterrupted one
-would over the same data.
+would over the same data; the versions a killed learner published past that checkpoint are
+taken back and published again under the same numbers (``coordination/weights.py``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ from rlhf_pipeline.learn.shard_rows import next_rows, row_names
 from rlhf_pipeline.learn.optimizer import make_optimizer
 from rlhf_pipeline.learn.packed_batch import PackedBatch
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
-from rlhf_pipeline.learn.stale_rows import fresh_mask
+from rlhf_pipeline.learn.stale_rows import DrawVersions, fresh_mask
 from rlhf_pipeline.learn.step import mean_one, train_step
 from rlhf_pipeline.learn.trajectories import (
     is_single_turn,
@@ -147,12 +148,14 @@ class Learner:
         self.checkpoints = run_checkpoints(paths, keep_last=settings.keep_checkpoints)
         self._prefetcher: Prefetcher | None = None
         self._ready = False
+        self._saved_a_checkpoint = False  # a checkpoint holds the model: until one does, version 0 is kept
         self._store = None
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
         pacing, store = paths.state_object(paths.pacing)
         self._pacing = PacingPublisher(pacing, store=store, write=publish_pacing)
         self._trained = TrainedRows()
+        self._draw_versions = DrawVersions(self.stop_event)  # what each draw's staleness is checked against
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
 
     @classmethod
@@ -168,6 +171,9 @@ class Learner:
     def setup(self) -> None:
         torch.manual_seed(self.seed)
         checkpoint = self._load_checkpoint()
+        self._saved_a_checkpoint = checkpoint is not None
+        if self.data_parallel.is_main:
+            self._retract_versions_past_checkpoint(checkpoint)
         self._setup_model(checkpoint)
         self._setup_optimizer(checkpoint)
         self._setup_data(checkpoint)
@@ -187,7 +193,8 @@ class Learner:
         self._pacing.publish(intake, new_draw=not saved)
         metrics, store = self.paths.state_object(self.paths.metrics)
         truncate_metrics(metrics, self.progress.step, store=store)
-        self._metrics = MetricsWriter(metrics, self.paths.tensorboard, store=store)
+        self._metrics = MetricsWriter(metrics, self.paths.tensorboard, store=store,
+                                      resumed_after=self.progress.step if checkpoint is not None else None)
         if self.show_progress:
             # epoch replays train on another run's rows: their staleness means nothing, the ratio does
             keys = ProgressDisplay.OFF_POLICY_KEYS if self.settings.sampler == "epoch" else ProgressDisplay.KEYS
@@ -204,6 +211,22 @@ class Learner:
               file=sys.stderr, flush=True)
         return state
 
+    def _retract_versions_past_checkpoint(self, checkpoint: dict[str, Any] | None) -> None:
+        """Takes back what a learner killed without a checkpoint published after the one this learner
+        resumes from (or after the initial policy): it retrains those steps and publishes them again
+        under the uninterrupted run's numbers, which rows in the buffer carry. Numbered past them, those
+        rows looked that much staler and collectors pinned rounds to versions never had here."""
+        from rlhf_pipeline.coordination.weights import published_versions, retract_versions_after
+
+        if checkpoint is None and 0 not in published_versions(self.paths.store):
+            return  # an older run pruned its initial policy: it starts from the newest (_setup_model)
+        retracted = retract_versions_after(self.paths.store, self.progress.policy_version)
+        if retracted:
+            where = f"the checkpoint of step {self.progress.step}" if checkpoint is not None else "the initial policy"
+            print(f"[learner] weights versions {retracted[0]}-{retracted[-1]} were published after {where} by a "
+                  f"learner stopped before its next checkpoint; taken back, this learner publishes them again as it "
+                  f"retrains those steps", file=sys.stderr, flush=True)
+
     def _setup_model(self, checkpoint: dict[str, Any] | None) -> None:
         from rlhf_pipeline.coordination.weights import load_weights
 
@@ -218,7 +241,14 @@ class Learner:
             if checkpoint is not None:
                 self.model.load_state_dict(checkpoint["model"])
             else:
-                state, version = load_weights(self.paths.store)  # the initial policy, version 0
+                try:  # the initial policy: version 0 (kept until the first checkpoint, _publish)
+                    state, version = load_weights(self.paths.store, 0)
+                except FileNotFoundError:  # pruned by an older version of this library
+                    state, version = load_weights(self.paths.store)
+                    if version > 0:
+                        print(f"[learner] the initial policy (weights version 0) is gone; starting from version "
+                              f"{version}, so this run does not train as an uninterrupted one would",
+                              file=sys.stderr, flush=True)
                 self.model.load_state_dict(state)
                 self.progress.policy_version = version
         if self.settings.packing:  # attention that keeps each packed row to itself (learn/packed_attention.py)
@@ -253,7 +283,7 @@ class Learner:
                 print(f"[learner] the checkpoint's sampler state is another sampler's; "
                       f"{self.settings.sampler!r} starts from the buffer as it is now", file=sys.stderr, flush=True)
                 self._sampler_state = self.sampler.state_dict()
-        self.sampler.current_version = self.progress.policy_version
+        self._draw_versions.expect(self.progress.draws, self.progress.policy_version)
         pin = self.device.type == "cuda"
         # int32 token and position ids: half their bytes, nothing widened (collate.py, "Index dtype")
         collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None,
@@ -375,8 +405,12 @@ class Learner:
         """``produce`` plus what outlives the store's next refresh, taken on the prefetch thread
         right after the draw: each row's shard and global id, and the rows taken in per shard."""
         default_need = self.settings.new_rows_per_step or self.settings.batch_size
+        checks_staleness = getattr(self.sampler, "max_staleness", None) is not None
 
         def produce_named(draw: int):
+            # the version this draw trains with, not the one held right now (learn/stale_rows.py)
+            versions = self._draw_versions
+            self.sampler.current_version = versions.wait(draw) if checks_staleness else versions.latest()
             sampled, batch = produce(draw)
             consumed = sampled.consumed if sampled.consumed is not None else next_rows(self._store)
             need = default_need if sampled.next_draw_rows is None else sampled.next_draw_rows
@@ -418,6 +452,7 @@ class Learner:
             else:
                 self._pacing.intake = intake  # (what rank 0 checkpoints; kept alike on every rank)
             if batch is None:  # multi-turn: no drawn row ended a trajectory (learn/trajectories.py)
+                self._expect_next_draw(trains=False)
                 if self._feedback:
                     self.sampler.feed_back(draw, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
                 continue
@@ -434,6 +469,7 @@ class Learner:
                 self.progress.trajectories_masked += masked_now
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
+            self._expect_next_draw(trains=batch is not None)
             if batch is None:  # every row went stale while it waited in the prefetch queue
                 if self._feedback:
                     self.sampler.feed_back(draw, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
@@ -475,6 +511,12 @@ class Learner:
                       f"command again to resume", file=sys.stderr, flush=True)
         return finished
 
+    def _expect_next_draw(self, trains: bool) -> None:
+        """Tells the prefetch thread the version the next draw trains with: this one's, plus the
+        version this step publishes if it ``trains``."""
+        publishes = trains and (self.progress.step + 1) % self.settings.publish_every == 0
+        self._draw_versions.expect(self.progress.draws, self.progress.policy_version + int(publishes))
+
     @property
     def _feedback(self) -> bool:
         return self.settings.priority_feedback != "none"
@@ -507,17 +549,17 @@ class Learner:
         return contextlib.nullcontext()
 
     def _publish(self) -> None:
-        from rlhf_pipeline.coordination.weights import latest_version, publish_weights
+        from rlhf_pipeline.coordination.weights import publish_weights
 
-        # a crash after a publish but before its checkpoint leaves a newer file: never reuse its number
+        # the uninterrupted run's number: what a killed learner published past its checkpoint was
+        # taken back at setup (_retract_versions_past_checkpoint)
         dp = self.data_parallel
-        published = latest_version(self.paths.store) if dp.is_main else None
-        version = dp.from_main(max(self.progress.policy_version, published if published is not None else -1) + 1)
+        version = self.progress.policy_version + 1
         state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
         if dp.is_main:  # rank 0 writes the weights
-            publish_weights(self.paths.store, state, version)
+            # until a checkpoint holds the model, a restart starts again from the initial policy
+            publish_weights(self.paths.store, state, version, keep_versions=() if self._saved_a_checkpoint else (0,))
         self.progress.policy_version = version
-        self.sampler.current_version = version
 
     # ================================================================== checkpoint
     def save_checkpoint(self) -> None:
@@ -543,6 +585,7 @@ class Learner:
         if self.before_checkpoint is not None:
             self.before_checkpoint()
         self.checkpoints.save(self.progress, state)
+        self._saved_a_checkpoint = True
 
     # ================================================================== cleanup
     def cleanup(self) -> None:

@@ -70,11 +70,12 @@ class MetricsWriter:
 
     ``store``: the run's store when it lives at a URL; ``jsonl_path`` is then the key whose parts
     hold the lines (see the module docstring), and ``tensorboard_dir`` a local cache directory
-    uploaded under ``tensorboard_key`` at close."""
+    uploaded under ``tensorboard_key`` at close. ``resumed_after``: the step of the checkpoint a
+    resumed run continues from."""
 
     def __init__(self, jsonl_path: str | Path, tensorboard_dir: str | Path | None = None, *,
                  store: RunStore | None = None, tensorboard_key: str = "tensorboard",
-                 upload_every_s: float = UPLOAD_EVERY_S) -> None:
+                 upload_every_s: float = UPLOAD_EVERY_S, resumed_after: int | None = None) -> None:
         self._store = store
         self._file = None
         if store is None:
@@ -91,7 +92,10 @@ class MetricsWriter:
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+            # a resumed run logs the steps after its checkpoint again: TensorBoard hides the earlier
+            # event files' steps from there on (what truncate_metrics does for metrics.jsonl)
+            purge = None if resumed_after is None else resumed_after + 1
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=purge)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, "time": round(time.time(), 3)}
@@ -234,8 +238,16 @@ class ProgressDisplay:
         self.total = total
         self._bar = None
         if getattr(self.stream, "isatty", lambda: False)():
+            import threading
+
             from tqdm import tqdm
 
+            if not hasattr(tqdm, "_lock"):
+                # tqdm's default lock holds a multiprocessing RLock: a named semaphore once torchrl has
+                # made "spawn" the start method. `run`'s learner ends with os._exit, so nothing unlinked
+                # it and the resource tracker warned of a leaked semaphore after every run on a
+                # terminal. One process draws this bar: a thread lock is all it needs.
+                tqdm.set_lock(threading.RLock())
             self._bar = tqdm(total=total, initial=initial, file=self.stream, desc="learner",
                              dynamic_ncols=True)
 

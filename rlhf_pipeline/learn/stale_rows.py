@@ -1,8 +1,19 @@
 """Rows that went stale while they waited: sampled within ``learner.max_staleness`` policy
 versions of the learner, they may be older than that by the time their step runs (they wait in
-the prefetch queue while the learner publishes)."""
+the prefetch queue while the learner publishes).
+
+Which version a draw's staleness is checked against (:class:`DrawVersions`). The sampler checks
+it as it makes the draw, on the prefetch thread, while the training thread publishes: the
+version the learner happened to hold at that moment depended on whether the rows came before or
+after the publish, so a resumed run (its collector had already written them) and a run under
+another load passed over other rows. The training thread tells the prefetch thread the version
+each draw will be trained with instead, once it has taken in the draw before; a sampler that
+checks staleness makes draw ``d`` only then (one draw of overlap with the step in progress).
+"""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -25,3 +36,34 @@ def drop_stale(batch: TensorDict, fresh: np.ndarray) -> tuple[TensorDict | None,
     if not fresh.any():
         return None, int(fresh.size)
     return take_rows(batch, torch.from_numpy(np.flatnonzero(fresh))), int((~fresh).sum())
+
+
+class DrawVersions:
+    """The policy version each draw is trained with: set by the training thread (:meth:`expect`)
+    when it has taken in the draw before, read by the prefetch thread before it draws (:meth:`wait`)."""
+
+    def __init__(self, stop: threading.Event, *, poll_s: float = 0.05) -> None:
+        self._stop = stop
+        self._poll_s = poll_s
+        self._changed = threading.Condition()
+        self._draw, self._version = -1, 0
+
+    def expect(self, draw: int, version: int) -> None:
+        """Draw ``draw`` trains with ``version`` (the draws before it are taken in)."""
+        with self._changed:
+            self._draw, self._version = draw, version
+            self._changed.notify_all()
+
+    def latest(self) -> int:
+        """The version of the newest draw told, without waiting (a sampler that rejects no rows)."""
+        with self._changed:
+            return self._version
+
+    def wait(self, draw: int) -> int:
+        """The version draw ``draw`` trains with, once told; InterruptedError when stopped first."""
+        with self._changed:
+            while self._draw < draw:
+                if self._stop.is_set():
+                    raise InterruptedError("sampling stopped")
+                self._changed.wait(self._poll_s)
+            return self._version

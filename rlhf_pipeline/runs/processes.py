@@ -10,8 +10,8 @@ one of several data-parallel ranks) until its steps are taken or it is asked to 
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
@@ -53,6 +53,37 @@ def set_threads(pipeline: Pipeline) -> None:
         torch.set_num_threads(pipeline.torch_threads)
 
 
+def collector_shard(paths: RunPaths, collector_index: int) -> str:
+    """Where collector ``collector_index`` writes: its shard under the name it was made with
+    (``shard-kkkk``, or at an object-store URL ``<hh>-shard-kkkk``), or a single-store buffer."""
+    from rlhf_pipeline.storage.buffers import find_shard
+
+    return str(paths.buffer) if paths.single_store_buffer else find_shard(paths.buffer_location, collector_index)
+
+
+def refuse_a_second_collector(paths: RunPaths, collector_index: int) -> None:
+    """Raises ``RunError`` when a live process holds the writer lock of this collector's local
+    shard: said before the seconds of building a policy, not after. A shard at a URL is left to
+    :func:`collect_main`, which waits out the lease of a collector that died on another machine."""
+    from pathlib import Path
+
+    from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, writer_holding
+
+    store_path = collector_shard(paths, collector_index)
+    if "://" not in store_path:
+        holder = writer_holding(Path(store_path) / LOCK_FILE_NAME)
+        if holder is not None:
+            raise _second_collector(collector_index, store_path, holder)
+
+
+def _second_collector(collector_index: int, store_path: str, holder: str | None) -> Exception:
+    from rlhf_pipeline.runs.run_directory import RunError
+
+    return RunError(f"collector {collector_index} of this run is already running: {holder or 'another process'} "
+                    f"writes {store_path}, and a shard takes one collector. Stop that one, or start this one with "
+                    f"another --collector-index")
+
+
 def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                  collector_index: int = 0, poller: Any = None) -> int:
     """Collects rounds until ``rounds``, a stop request, or the learner's ``STOP`` file.
@@ -64,72 +95,82 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
     """
     from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
+    from rlhf_pipeline.collect.console import collector_tag, say
     from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.learn.metrics import MetricsWriter
     from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
     from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.storage import open_store
-    from rlhf_pipeline.storage.buffers import find_shard, shard_key_of
+    from rlhf_pipeline.storage.buffers import shard_key_of
+    from rlhf_pipeline.storage.errors import StoreLockedError
     from rlhf_pipeline.coordination.weights import WeightsPoller
     from rlhf_pipeline.files.machine_cache import MachineCache
 
     stop = StopFlag()
-    tag = "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
+    tag = collector_tag(collector_index)
     state_file = paths.collector_state(collector_index)
-    # the shard under the name it was made with: shard-kkkk, or at an object-store URL <hh>-shard-kkkk
-    store_path = str(paths.buffer) if paths.single_store_buffer else find_shard(paths.buffer_location, collector_index)
+    store_path = collector_shard(paths, collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on
     # another machine holds it until its lease runs out, which is waited for
     lock_wait = ({"lock_wait_s": pipeline.buffer_lock_wait_s, "lock_lease_s": pipeline.buffer_lock_lease_s}
                  if paths.buffer_url else {})
-    store = open_store(store_path, mode="a", **lock_wait)
+    try:
+        store = open_store(store_path, mode="a", **lock_wait)
+    except StoreLockedError as exc:  # a refusal, said in one line: the store's own words are for Python callers
+        raise _second_collector(collector_index, store_path, exc.holder) from None
     done = 0
     collector = None
     try:
         model = pipeline.make_model()
         if poller is None:  # at a URL, one download per version for all collectors of this machine
             poller = WeightsPoller(paths.store, cache=MachineCache(paths.fetched_weights) if paths.url else None)
-        # the first round waits on this: locally a listing every millisecond at first (version 0
-        # usually comes within ~0.1 s of "go"), at a URL each poll is a request
-        first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
-        update = _wait_for_weights(poller, stop, first)
-        if update is None:  # stopped while the learner warm-started: nothing written yet
-            print(f"{tag} stopped before any policy weights were published", file=sys.stderr, flush=True)
-            return stop.exit_code()
-        state, version = update
-        model.load_state_dict(state)
-        collector = _make_collector(pipeline, model, store, collector_index)
         # prompt position, id counters and sampling RNG: no prompt skipped or repeated, even
         # after a crash between a round's append and the save of the state after it
         where, run_store = paths.state_object(state_file)
         position = CollectorPosition(where, store, run_store=run_store)
         saved = position.load()
+        # the first round waits on this: locally a listing every millisecond at first (version 0
+        # usually comes within ~0.1 s of "go"), at a URL each poll is a request
+        first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
+        stop_check = _StopCheck(paths, stop)
+        update = _wait_for_weights(poller, stop_check, first, held=_held_version(saved), tag=tag)
+        if update is None:  # stopped while the learner warm-started (or retrained): nothing written yet
+            say(f"{tag} stopped before the policy weights it starts with were published")
+            return stop.exit_code()
+        state, version = update
+        model.load_state_dict(state)
+        collector = _make_collector(pipeline, model, store, collector_index)
         if saved is not None:
             collector.load_state_dict(saved)
         if position.resumed_inflight_round:
-            print(f"{tag} the round in flight at the last stop was written; resuming after it",
-                  file=sys.stderr, flush=True)
+            say(f"{tag} the round in flight at the last stop was written; resuming after it")
         collector.set_policy_state(state, version)
-        rounds_at_version = 0
+        # the pacing counts of the uninterrupted collector: the rounds it wrote with these weights,
+        # and the size of a round as learned from the rounds written (when the collector does not say)
+        loop = position.loop
+        rounds_at_version = int(loop.get("rounds_at_version", 0)) if version == _held_version(saved) else 0
         # generate no more than the learner will take in, plus collect_rounds_ahead rounds
         # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
         key = shard_key(store_path, paths.buffer) if not paths.buffer_url else shard_key_of(store_path)
         pacing, run_store = paths.state_object(paths.pacing)
         # rows a round writes: exact for the single-turn collector, estimated from the turns so far for
         # the agent collector (pacing counts rounds ahead in them; none is needed to be exact)
-        pacer = CollectorPacer(pacing, key, pipeline.collect_rounds_ahead,
-                               round_rows=getattr(collector, "round_rows", None), learner_expected=stop.launcher_fd is not None, store=run_store,
+        round_rows = getattr(collector, "round_rows", None)
+        pacer = CollectorPacer(pacing, key, pipeline.collect_rounds_ahead, round_rows=round_rows,
+                               learner_expected=stop.launcher_fd is not None, store=run_store,
                                reread_s=0.0 if paths.url is None else 0.05)
+        learned = max(int(loop.get("round_rows", 0)), position.inflight_rows)
+        if round_rows is None and learned:
+            pacer.round_written(learned)
         metrics_log, run_store = paths.state_object(paths.collector_metrics(collector_index))
         metrics = MetricsWriter(metrics_log, store=run_store)
         waited = paced_total = 0.0
         # the learner takes the next batch within a step: poll soon (at a URL each poll is a few
         # requests, so not every millisecond)
         paced = PollBackoff(max_s=0.02) if paths.url is None else PollBackoff(max_s=0.2, first_s=0.01)
-        stop_check = _StopCheck(paths, stop)
         lease_s = getattr(store, "writer_lease_s", None)  # an object store's leased lock
         lease = f" (writer lock lease {lease_s:g} s)" if lease_s is not None else ""
-        print(f"{tag} writing to {store_path}{lease} with policy version {version}", file=sys.stderr, flush=True)
+        say(f"{tag} writing to {store_path}{lease} with policy version {version}")
         # a paced round takes the version pacing names for it, not the newest: the same weights
         # for every round of a seed, whenever the learner publishes (pacing.py)
         pinned = pacer.rounds_ahead is not None and hasattr(poller, "poll_version")
@@ -153,41 +194,40 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 waited += time.perf_counter() - started
                 waiting_since = waiting_since or time.monotonic()
                 if time.monotonic() - waiting_since > WAIT_REPORT_S:
-                    print(f"{tag} no round for {time.monotonic() - waiting_since:.0f} s: {plan.waiting_for}",
-                          file=sys.stderr, flush=True)
+                    say(f"{tag} no round for {time.monotonic() - waiting_since:.0f} s: {plan.waiting_for}")
                     waiting_since = time.monotonic()  # said again after as long a wait
                 continue
             waiting_since = None
             paced.reset()
             rows_before = store.next_row
             try:
-                collector.collect(before_write=position.before_write)
+                collector.collect(before_write=lambda after_round: position.before_write(
+                    after_round, {"rounds_at_version": rounds_at_version + 1, "round_rows": pacer.round_rows}))
             except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops
                 failed = exc
-            position.after_write(collector.state_dict())
             pacer.round_written(store.next_row - rows_before, round_rows=getattr(collector, "round_rows", None))
             done += 1
             rounds_at_version += 1
+            position.after_write(collector.state_dict(),
+                                 {"rounds_at_version": rounds_at_version, "round_rows": pacer.round_rows})
             paced_total += waited
             metrics.log(getattr(collector, "batches_emitted", done), {
                 **getattr(collector, "last_metrics", {}), "rows_written": float(store.next_row - rows_before),
                 "shard_rows": float(store.next_row), "paced_wait_s": waited})
             waited = 0.0
             if failed is not None:
-                print(f"{tag} stopped: {failed}", file=sys.stderr, flush=True)
+                say(f"{tag} stopped: {failed}")
                 break
             if done % 50 == 0:
-                print(f"{tag} round {done}: {store.next_row - rows_before} rows, shard {len(store)} rows, "
-                      f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner",
-                      file=sys.stderr, flush=True)
+                say(f"{tag} round {done}: {store.next_row - rows_before} rows, shard {len(store)} rows, "
+                    f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner")
         metrics.close()
     finally:
         if collector is not None and hasattr(collector, "close"):  # its generation engine's process, if any
             collector.close()
         store.close()
         stop.restore()
-    print(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)",
-          file=sys.stderr, flush=True)
+    say(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)")
     return 1 if failed is not None else stop.exit_code()
 
 
@@ -220,13 +260,33 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
     return collector
 
 
-def _wait_for_weights(poller, stop: StopFlag, backoff: Any):
-    """The first published weights, or None when asked to stop before there were any."""
+def _held_version(saved: dict[str, Any] | None) -> int | None:
+    """The policy version a collector held when it saved ``saved`` (its position), if it says."""
+    version = (saved or {}).get("policy_version")
+    return int(version) if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def _wait_for_weights(poller, should_stop: Callable[[], bool], backoff: Any, *, held: int | None = None,
+                      tag: str = "[collector]"):
+    """The weights to start with, or None when asked to stop before there were any: the newest for a
+    new collector; for a resumed one the version it ``held`` when it stopped, as the uninterrupted
+    collector holds it for its next round (the newest when that version was pruned). A learner
+    resumed from a checkpoint before ``held`` took it back and publishes it again as it retrains
+    (``learn/learner.py``): then this waits for it."""
+    said = False
     while True:
-        update = poller.poll()
-        if update is not None:
+        update = poller.poll() if held is None else poller.poll_version(held)
+        if update is not None and (held is None or update[1] >= held):
             return update
-        if stop.event.is_set():
+        if update is not None:  # an older version: ``held`` was taken back between listing and loading
+            poller.current_version = -1
+        elif held is not None and not said:
+            said = True
+            from rlhf_pipeline.collect.console import say
+
+            say(f"{tag} resuming with policy version {held}, the one its last round used; waiting for the "
+                f"learner to publish it")
+        if should_stop():
             return None
         backoff.sleep()
 

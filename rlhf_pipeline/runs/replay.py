@@ -52,6 +52,7 @@ from rlhf_pipeline.pipeline import (
     make_settings,
     settings_to_json,
 )
+from rlhf_pipeline.runs.devices import check_cuda_device
 
 # replay options a resumed replay may change: how long it runs
 _RESUMABLE_OPTIONS = {"epochs", "steps"}
@@ -107,6 +108,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         print(f"settings of {pipeline_path} (change with --set KEY=VALUE):")
         print(describe_settings(settings))
         return 0
+    check_cuda_device(settings.device)  # before torch is imported
     paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
     if "WORLD_SIZE" in os.environ:  # a rank started by _train_on_ranks: its launcher holds the directory
         return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)

@@ -52,6 +52,7 @@ from rlhf_pipeline.pipeline import (
     load_pipeline_module,
     make_settings,
 )
+from rlhf_pipeline.runs.devices import check_cuda_device
 from rlhf_pipeline.runs.run_directory import (  # RunError and prepare_run stay importable from here
     RunError,
     hold_run_directory,
@@ -63,6 +64,7 @@ from rlhf_pipeline.runs.processes import (
     build_pipeline,
     collect_main,
     learn_main,
+    refuse_a_second_collector,
     set_threads,
     with_buffer_url,
 )
@@ -114,6 +116,8 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         return 0
     if command in ("run", "learn") and settings.steps < 1:  # --set steps=0
         raise PipelineError(f"setting 'steps' must be >= 1, got {settings.steps}")
+    if on_ray is None:  # now, not after a child imported torch; a Ray cluster's GPUs are not this machine's
+        check_cuda_device(settings.device)
     paths = run_paths(run_name or Path(pipeline_path).stem, home)
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
@@ -144,7 +148,9 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         set_threads(pipeline)
         if command == "collect":
             if not wait_for_launcher:  # under `run`, the learner prepared the run directory before "go"
-                prepare_run(pipeline, paths, shards=(collector_index,))
+                prepare_run_directory(pipeline, paths, shards=(collector_index,))
+                refuse_a_second_collector(paths, collector_index)  # before seconds of warm start
+                publish_initial_policy(pipeline, paths)
             return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
         if command == "learn":
             ranks = pipeline.learner.world_size
@@ -338,8 +344,8 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                 ask_children_to_stop(stop_write, len(processes))
                 wait_for_children(processes, signals)
                 name = "the collector" if collectors == 1 else f"collector {k}"
-                raise RunError(f"{name} exited early (exit code {code}); see its error above. The "
-                               f"learner saved a checkpoint; rerun to resume")
+                raise RunError(f"{name} exited early (exit code {code}); see its error above. The learner "
+                               f"saved a checkpoint: once the cause is fixed, the same command resumes the run")
             time.sleep(0.2)
         if signals.received:
             ask_children_to_stop(stop_write, len(processes))

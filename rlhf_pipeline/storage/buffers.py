@@ -107,12 +107,53 @@ def is_sharded_buffer(location: str | Path, storage_options: dict | None = None)
         return False
 
 
-def stores_in(location: str) -> list[tuple[str, str]]:
+def within(location: str | Path, container: str | Path) -> bool:
+    """Whether ``location`` is ``container`` or lies under it (paths resolved; URLs compared as text)."""
+    if is_url(location) or is_url(container):
+        inner, outer = str(location).rstrip("/"), str(container).rstrip("/")
+        return inner == outer or inner.startswith(outer + "/")
+    inner, outer = Path(location).resolve(), Path(container).resolve()
+    return inner == outer or outer in inner.parents
+
+
+def buffer_holding(location: str | Path) -> str | None:
+    """The buffer that ``location`` lies inside, if any: the nearest directory (or URL prefix) above
+    it that is a store, holds shard stores, or is a run's ``buffer/`` (``settings.json`` beside it,
+    looked at on a local file system only). A store written there becomes part of that buffer: a new
+    ``shard-NNNN`` of a run's buffer is read by its learner as rows of the run. None when nothing above
+    ``location`` is a buffer. Locally a few ``stat`` calls per directory up to the root; at a URL a
+    GET and two LISTs per prefix up to the bucket."""
+    from rlhf_pipeline.storage.backends import detect_backend
+    from rlhf_pipeline.storage.errors import NotAStoreError
+
+    if is_url(location):
+        scheme, rest = str(location).rstrip("/").split("://", 1)
+        parts = rest.split("/")
+        ancestors = [f"{scheme}://{'/'.join(parts[:n])}" for n in range(len(parts) - 1, 1, -1)]
+    else:
+        ancestors = [str(parent) for parent in Path(location).resolve().parents if parent != parent.parent]
+    for ancestor in ancestors:
+        try:
+            detect_backend(ancestor)
+            return ancestor
+        except NotAStoreError:  # nothing there, or not a store (StoreNotFoundError too)
+            pass
+        if is_sharded_buffer(ancestor):
+            return ancestor
+        local = Path(ancestor)
+        if not is_url(ancestor) and local.name == "buffer" and (local.parent / "settings.json").is_file():
+            return ancestor
+    return None
+
+
+def stores_in(location: str, skipped: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """``(backend, location)`` of every store of a buffer: the store itself, or each shard.
 
     Raises ``StoreNotFoundError`` for a path that does not exist, ``NotAStoreError`` when
     nothing there is a store, ``StoreCorruptedError`` when the store is too damaged to tell
-    its backend (a shard being created, with no metadata yet, is skipped).
+    its backend. A shard being created (no metadata yet; at an object-store URL, where there is
+    no rename, :class:`~rlhf_pipeline.storage.errors.StoreBeingCreatedError` says so) is left out,
+    and ``skipped`` (when given) gets its name and why, as a learner's union leaves it out.
     """
     from rlhf_pipeline.storage.backends import check_buffer_url, detect_backend
     from rlhf_pipeline.storage.errors import NotAStoreError
@@ -122,16 +163,36 @@ def stores_in(location: str) -> list[tuple[str, str]]:
         raise StoreNotFoundError(f"{location} does not exist")
     if not is_sharded_buffer(location):
         return [(detect_backend(location), location)]
-    found, skipped = [], []
+    found, not_open = [], {}
     for index, path in list_shards(location):
         try:
             found.append((detect_backend(path), path))
         except NotAStoreError as exc:
-            skipped.append(f"{shard_key_of(path)}: {exc}")
+            not_open[shard_key_of(path)] = _being_created(path) or str(exc)
+    if skipped is not None:
+        skipped.update(not_open)
     if not found:
         raise NotAStoreError(f"{location} holds no readable shard store (shard-NNNN directories): "
-                             + "; ".join(skipped))
+                             + "; ".join(f"{name}: {why}" for name, why in not_open.items()))
     return found
+
+
+def _being_created(location: str) -> str | None:
+    """Why the shard at ``location``, which no backend recognizes, is a store being made (at an
+    object-store URL); else None."""
+    from rlhf_pipeline.storage.errors import StoreBeingCreatedError
+    from rlhf_pipeline.storage.zarr.inspection import open_record
+
+    if not is_url(location):
+        return None
+    try:
+        loc, _ = open_record(location)
+        loc.kv.close()
+    except StoreBeingCreatedError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - anything else: the caller's own reason stands
+        return None
+    return None
 
 
 def buffer_stats(location: str) -> StoreStats:
@@ -139,14 +200,14 @@ def buffer_stats(location: str) -> StoreStats:
     selection, whose kept rows are read through its source (torch)."""
     from rlhf_pipeline.storage.backends import inspection
     from rlhf_pipeline.storage.errors import NotAStoreError, StoreNotFoundError
+    from rlhf_pipeline.storage.manifest import is_selection
 
+    skipped: dict[str, str] = {}
     try:
-        stores = stores_in(location)
+        stores = stores_in(location, skipped)
     except StoreNotFoundError:
         raise
     except NotAStoreError:
-        from rlhf_pipeline.storage.selection import is_selection  # imports torch: only when no store is there
-
         if not is_selection(location):
             raise
         from rlhf_pipeline.storage import open_buffer
@@ -156,7 +217,10 @@ def buffer_stats(location: str) -> StoreStats:
     if not is_sharded_buffer(location):
         backend, path = stores[0]
         return inspection(backend).stats(path)
-    return combine_stats(location, [inspection(b).stats(p) for b, p in stores])
+    out = combine_stats(location, [inspection(b).stats(p) for b, p in stores])
+    if skipped:  # as the learner's union says it (ShardedStoreReader.stats)
+        out.extra["shards_not_open"] = "; ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
+    return out
 
 
 def combine_stats(location: str, per_shard: list[StoreStats], schema_optional: list[str] | None = None) -> StoreStats:

@@ -13,7 +13,12 @@ class StoreError(RuntimeError):
 
 
 class StoreLockedError(StoreError):
-    """Another process holds the store's writer lock."""
+    """Another process holds the store's writer lock; ``holder`` names it (``"process 4242 on
+    node-7"``) when known, for a caller that words its own message (the command line's)."""
+
+    def __init__(self, message: str, holder: str | None = None):
+        super().__init__(message)
+        self.holder = holder
 
 
 class NotAStoreError(StoreError):
@@ -22,6 +27,16 @@ class NotAStoreError(StoreError):
 
 class StoreNotFoundError(NotAStoreError):
     """The location does not exist at all."""
+
+
+class StoreBeingCreatedError(NotAStoreError):
+    """A store is being made at the location (or its making was stopped before its first commit
+    record): no rows yet. Readers of a run's buffer skip such a shard until it has a record."""
+
+
+class StoreUnreachableError(StoreError):
+    """An object store gave no answer (connections refused, reset, timed out) for a whole retry
+    budget; nothing was lost, and the same call works again once the store answers."""
 
 
 class StoreCorruptedError(StoreError):

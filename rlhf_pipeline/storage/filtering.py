@@ -24,6 +24,13 @@ How it runs, in bounded memory:
 3. *Copy* (new buffer only): the kept rows are read in source order, about a segment at a
    time, and appended to the new store, which is built under ``DST.partial`` and renamed to
    ``DST`` when complete: an interrupted filter never leaves a ``DST`` that looks finished.
+   The filter holds an ``flock`` on ``DST.partial`` while it builds there, so a second filter
+   into the same ``DST`` is refused in one line instead of deleting the first one's files, and
+   a ``DST.partial`` left by a killed filter (no lock) is cleared by the next.
+
+``DST`` is refused when it lies inside the source (or a selection's source) or inside any other
+buffer (a store, a buffer of shards, a run's ``buffer/``): a store written into a run's buffer is
+one more shard of it, and its learner would train the kept rows twice.
 
 Rows are those published when the filter starts; a writer appending meanwhile is not seen.
 Every read names rows by (part, global row id) (:mod:`.row_keys`), so a live writer evicting,
@@ -33,9 +40,12 @@ fails the filter with an IndexError instead of copying another row.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,6 +235,8 @@ def filter_buffer(src: str | os.PathLike, dst: str | os.PathLike | None, where: 
     if selection and (to is not None or dst_options):
         raise ValueError("a selection copies no rows: --to and store options apply to a new buffer only")
     with open_buffer(str(src), mode="r") as source:
+        if dst is not None:
+            _check_destination(str(dst), str(src), source)
         expression = parse_where(where, stored_fields=source.schema.field_names)
         parts = parts_of(source)  # every read below names rows by global id within these parts
         chosen = select_positions(source, expression, whole_groups=whole_groups, chunk_rows=chunk_rows,
@@ -245,6 +257,65 @@ def filter_buffer(src: str | os.PathLike, dst: str | os.PathLike | None, where: 
 
 def _exists(location: str) -> bool:
     return "://" not in location and Path(location).exists()
+
+
+def _check_destination(dst: str, src: str, source: TrajectoryStore) -> None:
+    """Refuses a ``dst`` inside the source or inside any buffer (see the module docstring)."""
+    from rlhf_pipeline.storage.buffers import buffer_holding, within
+
+    sources = [src, *([source.source_location] if hasattr(source, "source_location") else [])]
+    inside = next((s for s in sources if within(dst, s)), None)
+    if inside is not None:
+        raise ValueError(f"{dst} is inside {inside}, the buffer being filtered: the kept rows would be written into "
+                         f"their own buffer (a learner reading it would train them twice); choose a path outside it")
+    holder = buffer_holding(dst)
+    if holder is not None:
+        raise ValueError(f"{dst} is inside the buffer {holder}: a store written there becomes part of that buffer "
+                         f"(a shard of a run's buffer is read by its learner); choose a path outside it")
+
+
+@contextmanager
+def _building(dst: str) -> Iterator[Path]:
+    """``DST.partial``, empty and locked by this process until the block ends (the caller renames it
+    to ``DST`` inside the block): an ``flock`` on the directory itself, which the kernel drops when a
+    filter dies, so what a killed filter left is cleared and a live one is never disturbed."""
+    build_at = Path(dst + PARTIAL_SUFFIX)
+    build_at.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            build_at.mkdir()
+        except FileExistsError:
+            pass
+        fd = os.open(build_at, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            from rlhf_pipeline.storage.errors import StoreLockedError
+
+            raise StoreLockedError(f"another filter is writing {dst} right now (it holds {build_at}); wait for it "
+                                   f"to finish, or choose another destination") from None
+        if _same_directory(fd, build_at):
+            break
+        os.close(fd)  # renamed to DST (that filter finished) or cleared since it was opened: look again
+    try:
+        if Path(dst).exists():  # another filter finished it meanwhile
+            shutil.rmtree(build_at, ignore_errors=True)
+            raise FileExistsError(f"{dst} exists (written meanwhile by another filter); choose a new path for "
+                                  f"the filtered buffer")
+        for child in build_at.iterdir():  # left by a filter killed while building here
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        yield build_at
+    finally:
+        os.close(fd)
+
+
+def _same_directory(fd: int, path: Path) -> bool:
+    try:
+        here, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _save_selection(source: TrajectoryStore, parts: list[Part], positions: np.ndarray, dst: str, where: str,
@@ -277,12 +348,14 @@ def _copy_rows(source: TrajectoryStore, parts: list[Part], positions: np.ndarray
     backend, segment_rows = _backend_and_segment(source)
     target_cls = backend_class(to or backend)
     dst_options.setdefault("segment_rows", segment_rows)
-    local = "://" not in dst
-    build_at = dst + PARTIAL_SUFFIX if local else dst
-    if local and Path(build_at).exists():
-        shutil.rmtree(build_at)  # left by an interrupted filter to this same destination
-    try:
-        with target_cls.create(build_at, source.schema, **dst_options) as target:
+
+    def build(at: str) -> None:
+        try:
+            target = target_cls.create(at, source.schema, **dst_options)
+        except FileExistsError:  # at a URL: made meanwhile by another filter or writer
+            raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path for the "
+                                  f"filtered buffer") from None
+        with target:
             step = max(chunk_rows, dst_options["segment_rows"])
             for start in range(0, positions.size, step):
                 target.append(read_by_position(parts, positions[start: start + step]))
@@ -291,13 +364,24 @@ def _copy_rows(source: TrajectoryStore, parts: list[Part], positions: np.ndarray
             flush = getattr(target, "flush", None)
             if flush is not None:
                 flush()
-        if local:
-            os.replace(build_at, dst)
-            fsync_dir(Path(dst).resolve().parent)
-    except BaseException:
-        if local:
-            shutil.rmtree(build_at, ignore_errors=True)
-        raise
+
+    if "://" in dst:
+        build(dst)
+    else:
+        with _building(dst) as build_at:
+            try:
+                build(str(build_at))
+                try:
+                    os.replace(build_at, dst)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                        raise
+                    raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path "
+                                          f"for the filtered buffer") from None
+                fsync_dir(Path(dst).resolve().parent)
+            except BaseException:
+                shutil.rmtree(build_at, ignore_errors=True)
+                raise
     from rlhf_pipeline.storage.backends import open_store
 
     with open_store(dst, mode="r") as written:

@@ -30,6 +30,18 @@ from rlhf_pipeline.storage.errors import (  # noqa: F401 - IncompatibleStoreErro
 if TYPE_CHECKING:
     from rlhf_pipeline.schema import StoreSchema
 
+SELECTION_MANIFEST = "selection.json"
+"""The file that makes a directory a saved selection (``storage/selection.py``); here, with no
+torch behind it, so that ``inspect`` of a directory that is no buffer answers at once."""
+
+
+def is_selection(location: str | os.PathLike) -> bool:
+    """True when ``location`` is a directory holding a saved selection; never raises."""
+    try:
+        return (Path(location) / SELECTION_MANIFEST).is_file()
+    except (OSError, ValueError):
+        return False
+
 
 def _parse(raw: bytes, path: Path) -> dict[str, Any]:
     try:

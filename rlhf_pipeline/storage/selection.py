@@ -50,14 +50,14 @@ from rlhf_pipeline.storage.base import (
     StoreStats,
     TrajectoryStore,
 )
-from rlhf_pipeline.storage.manifest import read_json
+from rlhf_pipeline.storage.manifest import SELECTION_MANIFEST, is_selection, read_json  # noqa: F401 - is_selection re-exported
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.row_keys import parts_of
 from rlhf_pipeline.storage.summary import summarize_trajectories
 
 FORMAT = "rlhf_pipeline.selection"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "selection.json"
+MANIFEST_NAME = SELECTION_MANIFEST
 ROWS_NAME = "rows.npy"
 PARTS_NAME = "parts.npy"
 PROBES_PER_PART = 4
@@ -66,14 +66,6 @@ _PROBE_FIELDS = ("trajectory_id", "reward", "response_tokens", "response_log_pro
 
 class SelectionInvalidError(StoreError):
     """A saved selection's source no longer holds the rows it names."""
-
-
-def is_selection(location: str | os.PathLike) -> bool:
-    """True when ``location`` is a directory holding a saved selection; never raises."""
-    try:
-        return (Path(location) / MANIFEST_NAME).is_file()
-    except (OSError, ValueError):
-        return False
 
 
 # ====================================================================== writing

@@ -1,5 +1,6 @@
-"""The calculator environment's digit credit, the tool tokenizer's template and the warm start's
-demonstrations: real episodes, the model's turns (and only those) in their loss mask."""
+"""The calculator environment's digit credit, the tool tokenizer's template, the warm start's
+demonstrations (real episodes, the model's turns, and only those, in their loss mask) and the
+greedy check of what a warm start reached."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from rlhf_pipeline.agents.calculator import (
     CalculatorEnv,
     demonstration,
     digit_credit,
+    digit_token_ids,
+    evaluate_tool_use,
     multiply,
     product_tasks,
+    question_factors,
     warm_start,
 )
 from rlhf_pipeline.agents.environment import ModelTurn
@@ -62,3 +66,54 @@ def test_a_few_warm_start_steps_lower_the_loss_on_the_model_turns():
     later = warm_start(model, tokenizer, 15, batch_size=8, seed=1, lr=1e-2)
     assert later["loss"] < first["loss"] / 2 and not model.training
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_copy_weight_weighs_the_digits_in_the_loss():
+    tokenizer = char_tool_tokenizer()
+    assert tokenizer.convert_ids_to_tokens(digit_token_ids(tokenizer)) == list("0123456789")
+    losses = []
+    for copy_weight in (1.0, 5.0):
+        model = tiny_causal_lm(len(tokenizer), hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=256,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        losses.append(warm_start(model, tokenizer, 1, batch_size=8, seed=1, copy_weight=copy_weight)["loss"])
+    # one step from the same weights on the same demonstrations: only the weighting differs
+    assert losses[0] != losses[1] and all(torch.isfinite(torch.tensor(losses)))
+
+
+class ScriptedPolicy(torch.nn.Module):
+    """A stand-in for a warm-started model whose greedy turns are known: it calls ``multiply`` with
+    the question's factors when ``a`` is even and with ``b + 1`` when odd, then answers the tool's
+    number, plus 1 when ``b`` is a multiple of 3."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer, self.weight = tokenizer, torch.nn.Parameter(torch.zeros(1))
+        self.assistant = tokenizer.convert_tokens_to_ids("<|assistant|>")
+
+    def turn(self, before: str) -> str:
+        a, b = question_factors(before[before.rindex("What is "):].split("<|")[0])
+        if "<|tool|>" in before:
+            said = int(before[before.rindex("<|tool|>"):].removeprefix("<|tool|>").split("<|")[0])
+            return str(said + 1 if b % 3 == 0 else said)
+        return f'<tool_call>{{"name":"multiply","arguments":{{"a":{a},"b":{b if a % 2 == 0 else b + 1}}}}}</tool_call>'
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        logits = torch.zeros((*input_ids.shape, len(self.tokenizer)))  # (N, L, V)
+        for i, row in enumerate(input_ids.tolist()):
+            ids = [t for t, m in zip(row, attention_mask[i].tolist(), strict=True) if m]
+            start = len(ids) - ids[::-1].index(self.assistant)  # this turn's first sampled token
+            text = self.tokenizer.decode(ids[:start], skip_special_tokens=False)
+            script = self.tokenizer.encode(self.turn(text), add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            logits[i, -1, script[min(len(ids) - start, len(script) - 1)]] = 1.0
+        return type("Output", (), {"logits": logits})()
+
+
+def test_the_greedy_check_counts_right_factors_and_exact_answers():
+    tokenizer = char_tool_tokenizer()
+    tasks = product_tasks(24, seed=3)
+    reached = evaluate_tool_use(ScriptedPolicy(tokenizer), tokenizer, tasks)
+    factors = [question_factors(t["question"]) for t in tasks]
+    right = [a % 2 == 0 for a, _ in factors]
+    exact = [r and b % 3 != 0 for r, (_, b) in zip(right, factors, strict=True)]
+    assert 0 < sum(exact) < sum(right) < len(tasks)  # the tasks tell the three apart
+    assert reached == {"tool_calls": 1.0, "right_factors": sum(right) / 24, "exact": sum(exact) / 24}

@@ -166,6 +166,7 @@ def test_a_pool_replaces_a_worker_given_up_on_and_joins_only_live_ones():
     pool.shutdown(wait=True)  # returns: nothing live is running
 
 
+@pytest.mark.slow
 def test_a_process_whose_tool_hangs_for_ever_still_exits():
     """The interpreter joins a ThreadPoolExecutor's threads at exit: a tool that never returned kept a
     plain Python process (an AgentCollector in a script) alive for ever."""

@@ -21,8 +21,8 @@ from rlhf_pipeline.runs.processes import build_pipeline  # noqa: E402
 from rlhf_pipeline.storage import open_buffer  # noqa: E402
 
 PIPELINE = Path(__file__).resolve().parents[2] / "pipelines" / "tool_use.py"
-SMALL = ["warm_start_steps=20", "learner.batch_size=16", "learner.new_rows_per_step=16", "learner.sample_window=32",
-         "log_rounds_every=0", "seed=3"]
+SMALL = ["warm_start_steps=20", "warm_start_check_tasks=0", "learner.batch_size=16", "learner.new_rows_per_step=16",
+         "learner.sample_window=32", "log_rounds_every=0", "seed=3"]
 
 
 def test_trl_tokenizer_gives_our_episode_tokens(tmp_path):

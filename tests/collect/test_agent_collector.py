@@ -144,6 +144,7 @@ def _finish(process):
     assert process.returncode == 0, out[-3000:]
 
 
+@pytest.mark.slow
 def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_path):
     # the uninterrupted collector, meanwhile (what it samples does not depend on timing): its start
     # overlaps the victim's instead of coming first

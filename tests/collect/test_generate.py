@@ -112,3 +112,30 @@ def test_sampling_config_errors_name_the_setting():
         SamplingConfig(max_new_tokens=0)
     with pytest.raises(ValueError, match="top_k"):
         SamplingConfig(top_k=-1)
+
+
+def test_sampling_passes_the_kv_cache_under_the_name_transformers_takes_without_a_warning(tiny):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``: the old name still works but
+    printed two deprecation warnings on every collector start (issue 33)."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    model, tok = tiny
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_logging.warning_once.cache_clear()  # an earlier test may have had it printed once already
+    hf_root = logging.getLogger("transformers")
+    hf_root.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gen = generate(model, _prompt_ids(tok), SamplingConfig(max_new_tokens=5), pad_token_id=0,
+                           eos_token_id=1, num_samples=2, generator=torch.Generator().manual_seed(0))
+    finally:
+        hf_root.removeHandler(handler)
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in records]
+    assert not [line for line in said if "past_key_values" in line or "deprecated" in line], said
+    assert gen.response_tokens.lengths().max() > 1  # decoding went past the first token, through the cache

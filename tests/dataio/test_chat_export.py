@@ -28,7 +28,7 @@ from rlhf_pipeline.storage import create_store, open_buffer
 REPO = Path(__file__).resolve().parents[2]
 TOOL_USE = REPO / "pipelines" / "tool_use.py"
 # enough warm start that the tiny model calls the tool in some episodes (multi-turn trajectories)
-SMALL = ["warm_start_steps=40", "tasks_per_round=4", "group_size=4", "threads=1"]
+SMALL = ["warm_start_steps=40", "warm_start_check_tasks=0", "tasks_per_round=4", "group_size=4", "threads=1"]
 
 
 def tool_use_pipeline(root: Path, *overrides: str):
@@ -58,6 +58,7 @@ def agent_buffer(tmp_path_factory):
     return root / "buffer", pipeline
 
 
+@pytest.mark.slow
 def test_a_chat_export_imports_back_into_the_same_rows_token_for_token(agent_buffer, tmp_path):
     source, pipeline = agent_buffer
     original = all_rows(source)
@@ -75,10 +76,16 @@ def test_a_chat_export_imports_back_into_the_same_rows_token_for_token(agent_buf
     for name in ("chat.jsonl", "rows.jsonl"):
         # into a new buffer: the pipeline creates it, with the fields its collector writes
         # chunks of 5 rows: a trajectory's rows (one line) land in chunks of their own or straddle them
+        logged: list[str] = []
         imported = import_source(tmp_path / name, tmp_path / f"back-{name}", pipeline,
-                                 options=ImportOptions(show_progress=False, rows_per_chunk=5), log=quiet)
+                                 options=ImportOptions(show_progress=False, rows_per_chunk=5), log=logged.append)
         assert imported.rows_written == len(original) and imported.write_path == []  # advantages came with the rows
         assert all_rows(tmp_path / f"back-{name}").equal(original), name
+        # said as what it is: no "one row per completion", no warning about plain prompt text (the
+        # prompt's token ids came with it, rendered by the template when the rows were collected)
+        assert not [line for line in logged if "warning" in line], logged
+        if name == "chat.jsonl":
+            assert "chat messages (export --format chat): one row per model turn" in logged[0], logged[0]
 
 
 def test_each_line_is_the_conversation_and_the_exact_token_list(agent_buffer, tmp_path):

@@ -53,6 +53,7 @@ def test_a_run_directory_given_for_its_buffer_names_the_buffer(tiny_run, tmp_pat
     assert f"did you mean {tiny_run / 'buffer'}?" in err and "create_store" not in err
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_leaves_no_output(collected_buffers, tmp_path):
     """The file size limit (RLIMIT_FSIZE) makes writes fail as a full disk does (EFBIG for ENOSPC)."""
     out = tmp_path / "rows.jsonl"

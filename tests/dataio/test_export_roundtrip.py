@@ -59,9 +59,11 @@ def test_import_of_an_export_reproduces_every_field(collected_buffers, tmp_path,
     target = tmp_path / "imported"
     create_store(target, other, schema=StoreSchema(optional=WRITE_PATH_FIELDS)).close()
     pipeline = default_pipeline(tmp_path)
-    imported = import_source(out, target, pipeline, options=ImportOptions(show_progress=False), log=quiet)
+    logged: list[str] = []
+    imported = import_source(out, target, pipeline, options=ImportOptions(show_progress=False), log=logged.append)
     assert imported.rows_written == 80 and imported.write_path == []
     assert all_rows(target).equal(original)
+    assert not [line for line in logged if "warning" in line], logged  # the prompt's ids came with its text
 
 
 def test_export_of_a_run_buffer_reads_every_shard(tiny_run, tmp_path, capsys):

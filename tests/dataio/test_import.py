@@ -231,6 +231,7 @@ def test_import_into_a_run_adds_a_shard_scored_by_the_newest_policy(tiny_run, tm
 
 
 # ====================================================================== kill -9
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp_path, sig):
     records = []

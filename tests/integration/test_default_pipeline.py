@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_on_terminal, screen_lines
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import PipelineError
@@ -28,9 +29,17 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_run_writes_rows_trains_and_logs(tmp_path):
-    result = cli("run", DEFAULT, "--steps", "3", "--home", str(tmp_path), "--run-name", "smoke", *SMALL)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "[run] done: 3 learner steps" in result.stderr
+    # on a terminal, as a user starts it: the learner draws its bar there, beside the collector's lines
+    code, shown = run_on_terminal([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "3",
+                                   "--home", str(tmp_path), "--run-name", "smoke", *SMALL], cwd=REPO)
+    output, lines = shown.decode(errors="replace"), screen_lines(shown)
+    assert code == 0, output[-3000:]
+    assert "[run] done: 3 learner steps" in output
+    assert any(line.startswith("learner: 100%") for line in lines), lines
+    # nothing said that is not ours to say (issue 33): transformers' deprecation of the cache's old
+    # name at the collector's start, a leaked semaphore at the end; no line glued to the bar
+    assert "deprecated" not in output and "leaked semaphore" not in output, output
+    assert all(line.startswith("[collector]") for line in lines if "[collector]" in line), lines
     run = tmp_path / "smoke"
 
     # rows were written, whole groups, advantages normalized within each group

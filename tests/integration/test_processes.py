@@ -4,6 +4,7 @@ several collectors (one buffer shard each) feeding one learner."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from helpers import kill_when, run_child_pids
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.learn.metrics import read_metrics
-from rlhf_pipeline.storage import ShardedStoreReader, open_buffer, open_store
+from rlhf_pipeline.storage import ShardedStoreReader, create_store, open_buffer, open_store
 from rlhf_pipeline.storage.sharded import list_shards
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +107,29 @@ def test_two_collectors_feed_one_learner_through_buffer_shards(tmp_path):
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert max(r["charts/collectors_in_batch"] for r in records) == 2
+
+
+def test_a_second_collector_with_a_live_ones_index_is_refused_in_one_line(tmp_path, capsys):
+    """``collect --collector-index 0`` beside a live collector 0 printed a StoreLockedError traceback
+    (exit 1) with Python advice (``mode='r'``); every other refusal is one line, exit 2."""
+    from rlhf_pipeline.storage.locking import WriterLock
+
+    argv = ["collect", DEFAULT, "--home", str(tmp_path), "--run-name", "shared", *SMALL, "--steps", "1"]
+    shard = tmp_path / "shared" / "buffer" / "shard-0000"
+    create_store(shard, "memmap").close()  # collector 0's shard, as a first collector made it
+    with WriterLock(shard / "writer.lock"):  # held by collector 0 while it runs
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("[")]  # the start's own log lines
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.search(rf"collector 0 of this run is already running: process {os.getpid()} on .* writes "
+                     rf".*shard-0000.*another --collector-index", lines[0]), lines
+    assert "mode=" not in lines[0]
+    # a store error no command words itself (here a damaged shard) is one line too, not a traceback
+    (shard / "manifest.json").write_bytes(b"{")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and re.search(r"collect: error: .*shard-0000.*manifest.json", err), err
 
 
 def test_single_store_buffers_of_older_runs_keep_one_collector(tmp_path):

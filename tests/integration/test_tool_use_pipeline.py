@@ -17,15 +17,22 @@ from rlhf_pipeline.storage import open_buffer
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL_USE = str(REPO / "pipelines" / "tool_use.py")
-SMALL = ["--set", "warm_start_steps=20", "--set", "learner.batch_size=16", "--set", "learner.new_rows_per_step=16",
+SMALL = ["--set", "warm_start_steps=20", "--set", "warm_start_check_tasks=0", "--set", "learner.batch_size=16", "--set", "learner.new_rows_per_step=16",
          "--set", "learner.sample_window=32", "--set", "log_rounds_every=1"]
 
 
 def test_run_trains_on_whole_multi_turn_trajectories(tmp_path):
+    """Also: the warm start's greedy check is printed before RL starts, with a warning when the
+    model does not copy the factors (20 steps teach at most the call's format)."""
     result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--steps", "3",
-                             "--home", str(tmp_path), "--run-name", "tools", *SMALL],
+                             "--home", str(tmp_path), "--run-name", "tools", *SMALL,
+                             "--set", "warm_start_check_tasks=8"],
                             cwd=REPO, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "[run] warm start reached, greedy on 8 tasks: tool calls " in result.stdout, result.stdout[-2000:]
+    assert "right factors 0/8, exact answers 0/8" in result.stdout
+    warning = result.stderr.index("[run] warning: the warm start called with the question's factors in 0% of the tasks")
+    assert warning < result.stderr.index("[collector] writing to") and "raise warm_start_steps (now 20)" in result.stderr
     assert "[run] done: 3 learner steps" in result.stderr
     assert "tool-call rate" in result.stderr  # the collector's per-round line
     run = tmp_path / "tools"
@@ -108,3 +115,26 @@ def test_a_batch_of_more_rounds_than_rounds_per_version_does_not_stall(tmp_path)
     assert all(r["rows_written"] == 16 for r in rounds)
     # three rounds with version 0 for the first batch: the limit yielded to what the learner needed
     assert [r["policy_version"] for r in rounds][:3] == [0, 0, 0]
+
+
+@pytest.mark.parametrize(("tokenizer_change", "message"), [
+    ("tokenizer.chat_template = None", "the tokenizer has no chat template"),
+    ("tokenizer.chat_template = CHAT_TEMPLATE", "cannot render a conversation of the roles user, assistant, tool: "
+                                                "TemplateError: unknown chat role: tool"),
+])
+def test_a_tokenizer_whose_template_cannot_render_episodes_is_refused_before_anything_is_made(
+        tmp_path, tokenizer_change, message):
+    """It failed inside the warm start, with transformers' or Jinja's traceback, after the run
+    directory was made (issue 33)."""
+    from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.runs.run import run_command
+
+    pipeline = tmp_path / "own_tokenizer.py"
+    pipeline.write_text(Path(TOOL_USE).read_text().replace(
+        "    tokenizer = char_tool_tokenizer()\n",
+        "    from rlhf_pipeline.models.tiny import CHAT_TEMPLATE\n\n"
+        f"    tokenizer = char_tool_tokenizer()\n    {tokenizer_change}\n"))
+    with pytest.raises(PipelineError, match=message):
+        run_command("learn", pipeline_path=str(pipeline), home=str(tmp_path / "home"), steps=1,
+                    overrides=["warm_start_steps=1"])
+    assert not (tmp_path / "home" / "own_tokenizer").exists()  # no run directory, no warm start

@@ -36,6 +36,8 @@ from rlhf_pipeline.schema import StoreSchema, TerminationReason
 from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.coordination.weights import latest_version, load_weights, publish_weights
 
+pytestmark = pytest.mark.slow  # processes of their own (the quick subset leaves it out)
+
 WORKER = Path(__file__).with_name("data_parallel_worker.py")
 STEPS = 4  # epoch 1 is batches of 16, 16 and 1 rows; step 4 opens epoch 2
 

@@ -31,3 +31,21 @@ def test_every_numeric_metric_reaches_tensorboard_at_its_step(tmp_path):
         assert scalars["charts/rows"][step] == record["charts/rows"]
         assert scalars["charts/flag"][step] == 1.0
     assert all(4 not in by_step for by_step in scalars.values())
+
+
+def test_a_resumed_run_hides_the_steps_a_killed_learner_logged_past_its_checkpoint(tmp_path):
+    """Killed at step 5 with a checkpoint at step 3, a learner had logged steps 4 and 5; resumed, it
+    logs them again: TensorBoard shows each step once, as the resumed run logged it."""
+    killed = MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb")
+    for step in range(1, 6):
+        killed.log(step, {"losses/loss": float(step)})
+    killed.close()
+    resumed = MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb", resumed_after=3)
+    for step in (4, 5, 6):
+        resumed.log(step, {"losses/loss": 10.0 * step})
+    resumed.close()
+
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("losses/loss")] == \
+        [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]

@@ -14,6 +14,7 @@ from rlhf_pipeline.schema import (
     validate_batch,
 )
 from rlhf_pipeline.schema.ragged import RaggedTensor
+from rlhf_pipeline.schema.tool_errors import ALL_TOOL_ERROR_KINDS
 from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
 
 OPTIONAL = ("kl", "advantage")
@@ -166,7 +167,7 @@ AGENT_BAD_WRITES = [
     ("negative tool calls", _set("tool_calls", 1, -1), r"row 1, field 'tool_calls': must be >= 0"),
     ("more failed calls than calls", lambda b: b.with_columns(tool_errors=b["tool_calls"] + 1),
      r"row 0, field 'tool_errors': more failed tool calls than tool calls"),
-    ("unknown kind bits", lambda b: b.with_columns(tool_error_kinds=b["tool_error_kinds"] | 64),
+    ("unknown kind bits", lambda b: b.with_columns(tool_error_kinds=b["tool_error_kinds"] | (ALL_TOOL_ERROR_KINDS + 1)),
      r"row 0, field 'tool_error_kinds': unknown bits"),
     ("a kind on a turn without failures", lambda b: b.with_columns(
         tool_error_kinds=torch.where(b["tool_errors"] > 0, 16, 2).to(torch.int32)),

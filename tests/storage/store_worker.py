@@ -120,6 +120,29 @@ def append_forever(backend_name: str, path: str, batch_rows: int, report) -> Non
     _append(BACKENDS[backend_name], path, batch_rows, -1, report)
 
 
+def killed_in_first_publish(path: str, moment: str) -> None:
+    """Entry point for a ``multiprocessing`` child: appends 40 rows to a new memmap store and is
+    killed (SIGKILL) inside that append's publish, the store's first: with the rows written and
+    synced and the slot untouched (``moment="before"``), or with the slot's payload written and
+    its header not (``"payload"``, the slot is written payload first)."""
+    import json
+    import os
+    import signal
+
+    from rlhf_pipeline.storage.memmap.state_slots import StateSlots
+    from rlhf_pipeline.storage.memmap.store import MemmapTrajectoryStore
+
+    def publish(self, seq, data, *, durable=True):
+        if moment == "payload":
+            fd = os.open(self.paths[seq % 2], os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(fd, json.dumps(data).encode(), 24)  # past the 24-byte header, as publish writes it
+            os.fsync(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    StateSlots.publish = publish
+    MemmapTrajectoryStore.open(path, "a").append(checksummed_batch(0, 40))
+
+
 def _sample(backend, path: str, samples: int, batch_size: int) -> None:
     """Samples ``samples`` batches while another process appends, checking every row."""
     from rlhf_pipeline.storage.torchrl_glue import make_replay_buffer

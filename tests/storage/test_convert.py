@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import make_batch
@@ -92,3 +94,26 @@ def test_cli_converts_a_sharded_buffer_shard_by_shard_and_names_the_ratio_one_wa
         assert f"disk/raw {stats['bytes_on_disk'] / stats['raw_bytes']:.3f}" in line
     assert main(["convert", str(buffer), str(dst), "--to", "zarr", "--quiet"]) == 2  # never over a buffer
     assert "already holds" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_destination_that_is_the_source_inside_it_or_inside_a_run_buffer(tmp_path, capsys):
+    """``convert X X`` advised ``MemmapTrajectoryStore.open(...)`` (Python, on the command line); a DST
+    inside a run's buffer became one more shard of it."""
+    src = str(tmp_path / "src")
+    _fill(src, "memmap", batches=1)
+    run_buffer = tmp_path / "run" / "buffer"
+    _fill(str(run_buffer / "shard-0000"), "memmap", batches=1)
+    (tmp_path / "run" / "settings.json").write_text("{}")
+    refused = [(src, src, "memmap", "is the source: convert writes a copy"),
+               (src, src, "zarr", "is the source: convert writes a copy"),
+               (src, f"{src}/inner", "zarr", "is inside the source"),
+               (src, str(run_buffer / "shard-0001"), "memmap", "is inside the buffer .*run/buffer"),
+               (str(run_buffer), str(tmp_path / "run"), "zarr", "already holds files; convert writes a new buffer")]
+    for a, b, to, message in refused:
+        assert main(["convert", a, b, "--to", to, "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+        assert ".open(" not in err and "mode=" not in err and "exist_ok" not in err, err
+    assert not (run_buffer / "shard-0001").exists() and not (tmp_path / "src" / "inner").exists()
+    with open_store(src) as store:
+        assert len(store) == 12

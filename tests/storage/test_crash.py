@@ -31,6 +31,7 @@ def forkserver():
     return context
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name", sorted(BACKENDS))
 def test_sigkilled_writer_leaves_every_published_row_intact(backend_name, forkserver, tmp_path):
     torch.set_num_threads(1)
@@ -68,3 +69,22 @@ def test_sigkilled_writer_leaves_every_published_row_intact(backend_name, forkse
         # the lock died with the writer
         check_resumes_after_a_kill(lambda: backend.open(path, "a"), lambda: backend.open(path, "r"),
                                    published, f"kill {kill}")
+
+
+@pytest.mark.parametrize("moment", ["before", "payload"])
+def test_a_store_killed_in_its_first_publish_is_a_new_store_not_a_damaged_one(forkserver, tmp_path, moment):
+    """Rows a writer wrote before its first publish landed were never acknowledged: the store
+    reopens empty without a word of damage, and its next writer discards them."""
+    torch.set_num_threads(1)
+    path = str(tmp_path / "buffer")
+    backend = BACKENDS["memmap"]
+    backend.create(path, StoreSchema(), segment_rows=32).close()  # 40 rows: a sealed segment and 8 more
+    writer = forkserver.Process(target=store_worker.killed_in_first_publish, args=(path, moment), daemon=True)
+    writer.start()
+    writer.join(120)
+    assert writer.exitcode == -signal.SIGKILL
+    report, = repair_buffer(path)
+    assert not report.actions and not report.unrecoverable and report.rows_before == 0, report.format()
+    check, = verify_buffer(path)
+    assert check.ok, check.problems
+    check_resumes_after_a_kill(lambda: backend.open(path, "a"), lambda: backend.open(path, "r"), 0, moment)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,6 +164,62 @@ def test_an_interrupted_copy_leaves_no_destination(tmp_path):
     filter_buffer(tmp_path / "src", tmp_path / "dst", "reward >= 0", chunk_rows=16)  # and again, complete
     with open_store(tmp_path / "dst") as out:
         assert len(out) == 80
+
+
+def test_a_destination_inside_the_source_or_any_buffer_is_refused_and_nothing_is_written(tmp_path, capsys):
+    """``filter RUN/buffer RUN/buffer/shard-0001`` once made a shard of the run's own buffer holding
+    every kept row again (its learner then trained them twice)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "settings.json").write_text("{}")
+    fill(run / "buffer" / "shard-0000", batches=2)
+    fill(tmp_path / "other", batches=1)
+    refused = [
+        (run / "buffer", run / "buffer" / "shard-0001", "is inside .*buffer, the buffer being filtered"),
+        (run / "buffer" / "shard-0000", run / "buffer" / "shard-0000" / "kept", "the buffer being filtered"),
+        (tmp_path / "other", run / "buffer" / "shard-0002", "is inside the buffer .*run/buffer: a store written there"),
+        (tmp_path / "other", tmp_path / "other" / "sel", "the buffer being filtered"),
+    ]
+    for src, dst, message in refused:
+        for extra in ([], ["--selection"]):
+            assert main(["filter", str(src), str(dst), "--quiet", *extra, "--where", "reward >= 0"]) == 2
+            err = capsys.readouterr().err
+            assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
+            assert not dst.exists() and not Path(f"{dst}.partial").exists()
+    with open_buffer(run / "buffer") as union:
+        assert len(union) == 32  # shard-0000's rows, once
+    assert main(["filter", str(run / "buffer"), str(tmp_path / "kept"), "--quiet", "--where", "reward >= 0"]) == 0
+
+
+def test_a_second_filter_into_the_same_destination_is_refused_in_one_line(tmp_path, capsys):
+    """Two filters racing into one DST: the second deleted the first's DST.partial and one of them
+    died with an OSError traceback. Now the one building holds DST.partial; the other is refused."""
+    everything = fill(tmp_path / "src", batches=5)
+    second = {}
+
+    def run_second(stage, done, total):
+        if stage == "copy" and not second:  # the first is building DST.partial now
+            second["rc"] = main(["filter", str(tmp_path / "src"), str(tmp_path / "dst"), "--quiet", "--where",
+                                 "reward >= 0"])
+            second["err"] = capsys.readouterr().err
+
+    filter_buffer(tmp_path / "src", tmp_path / "dst", "reward >= -10", chunk_rows=16, progress=run_second)
+    assert second["rc"] == 2 and "another filter is writing" in second["err"], second
+    assert len(second["err"].strip().splitlines()) == 1
+    with open_store(tmp_path / "dst") as out:
+        assert out.read(torch.arange(len(out))).equal(everything)  # the first one's rows, whole
+    assert main(["filter", str(tmp_path / "src"), str(tmp_path / "dst"), "--quiet", "--where", "reward >= 0"]) == 2
+    assert "exists" in capsys.readouterr().err
+
+
+def test_what_a_killed_filter_left_in_the_partial_is_cleared_by_the_next(tmp_path):
+    everything = fill(tmp_path / "src", batches=2)
+    leftover = tmp_path / "dst.partial"
+    fill(leftover, batches=1)  # a killed filter's half-built store: no process holds it
+    filter_buffer(tmp_path / "src", tmp_path / "dst", "reward >= -10")
+    assert not leftover.exists()
+    with open_store(tmp_path / "dst") as out:
+        assert out.read(torch.arange(len(out))).equal(everything)
 
 
 # ====================================================================== the command

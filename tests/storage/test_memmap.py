@@ -181,7 +181,7 @@ def test_no_pickle_and_raw_numpy_files(tmp_path):
     assert text.decode() == "".join(batch["response_text"])
     ends = torch.frombuffer(bytearray((seg / "response_tokens.ends").read_bytes()), dtype=torch.int64)
     assert ends.tolist() == batch["response_tokens"].offsets[1:].tolist()
-    assert sorted(os.listdir(path)) == [MANIFEST_NAME, segment_dir_name(0), "state.1", "writer.lock"]
+    assert sorted(os.listdir(path)) == [MANIFEST_NAME, segment_dir_name(0), "state.0", "state.1", "writer.lock"]
 
 
 def test_long_rows_across_segments_read_back_in_any_order(tmp_path):

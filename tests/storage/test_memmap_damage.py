@@ -243,6 +243,31 @@ def unacknowledged_append(path, segment_rows: int, published_rows: int, appended
     return first
 
 
+def test_repair_beside_a_live_writer_calls_its_rows_in_flight_not_a_killed_writers(tmp_path, capsys):
+    """Rows past the published end while a writer holds the lock are its append in flight (they were
+    called "a writer was killed before publishing them"); ``--apply`` is refused in one line."""
+    import os
+
+    from rlhf_pipeline.storage.locking import WriterLock
+
+    path = tmp_path / "buffer"
+    unacknowledged_append(path, 64, 10, 30, 20)
+    lock = WriterLock(path / "writer.lock")  # as a writer holds it between writing rows and publishing them
+    with lock:
+        assert main(["repair", str(path)]) == 0
+        live = capsys.readouterr().out
+    assert main(["repair", str(path)]) == 0
+    stopped = capsys.readouterr().out
+    assert f"being appended by the live writer, process {os.getpid()} on" in live and "killed" not in live, live
+    assert "a writer was killed before publishing them" in stopped, stopped
+    (path / "state.0").write_bytes(b"damaged")  # something to repair, which --apply may not write now
+    with lock:
+        assert main(["repair", str(path), "--apply"]) == 2
+        refused = capsys.readouterr().err
+    assert len(refused.strip().splitlines()) == 1 and f"process {os.getpid()}" in refused, refused
+    assert "mode=" not in refused and "nothing was written" in refused, refused
+
+
 @pytest.mark.parametrize("appended, complete", [(30, 20), (30, None)])
 def test_repair_never_publishes_rows_past_an_intact_publish(tmp_path, capsys, appended, complete):
     path = tmp_path / "buffer"
@@ -289,16 +314,33 @@ def test_repair_without_a_record_keeps_every_readable_row_and_appends_reuse_no_r
         assert len(writer) == 32 and writer.read(readable).equal(expected.select(readable))
 
 
-def test_flipped_byte_in_the_open_segment_is_caught_by_verify(store_path, capsys):
+@pytest.mark.parametrize("name, offset", [("response_log_probs.values", 5), ("reward.col", 4 * 3 + 1)])
+def test_flipped_byte_in_the_open_segment_raises_on_read_and_is_caught_by_verify(store_path, capsys, name, offset):
     expected = fill(store_path)  # rows 24..29 in the open segment seg-00000003
     assert main(["inspect", str(store_path), "--verify"]) == 0
     assert "checked for structure only" not in capsys.readouterr().out
-    values = store_path / "seg-00000003" / "response_log_probs.values"
-    flip(values, 5)  # a float of row 24: a wrong value that no structural check can see
+    flip(store_path / "seg-00000003" / name, offset)  # a wrong value that no structural check can see
     with open_store(store_path) as reader:
-        assert not reader.read([24]).equal(expected.select(torch.tensor([24])))  # what a reader risks
+        for read in (reader.read, reader.read_padded):
+            with pytest.raises(StoreCorruptedError, match=rf"seg-00000003/{name} fails its crc32c"):
+                read([24])
+        assert reader.read(torch.arange(24)).equal(expected.select(torch.arange(24)))  # other segments read
     assert main(["inspect", str(store_path), "--verify"]) == 1
-    assert "seg-00000003/response_log_probs.values fails its crc32c" in capsys.readouterr().out
+    assert f"seg-00000003/{name} fails its crc32c" in capsys.readouterr().out
+
+
+def test_bytes_flipped_under_a_live_reader_are_caught_when_the_next_publish_is_read(store_path):
+    rows = fill(store_path)
+    more = make_batch(1, 1, seed=7, optional=("advantage",))
+    # the open segment's response tokens: rows 24..29, then the row appended below
+    tokens = len(rows.select(torch.arange(24, 30))["response_tokens"].values) + len(more["response_tokens"].values)
+    with open_store(store_path) as reader, open_store(store_path, mode="a") as writer:
+        reader.read_padded([25])  # the open segment is mapped and checked
+        writer.append(more)  # published, not yet read
+        flip(store_path / "seg-00000003" / "response_tokens.values", 4 * tokens - 1)  # a byte it published
+        reader.refresh()
+        with pytest.raises(StoreCorruptedError, match=r"seg-00000003/response_tokens.values fails its crc32c"):
+            reader.read_padded([30])
 
 
 def test_verify_of_a_live_writers_open_segment_is_clean(store_path, capsys):

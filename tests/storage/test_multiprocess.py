@@ -13,6 +13,8 @@ from store_worker import check_rows, checksummed_batch
 
 from rlhf_pipeline.schema import StoreSchema
 
+pytestmark = pytest.mark.slow  # processes of their own (the quick subset leaves it out)
+
 WORKER = Path(__file__).with_name("store_worker.py")
 
 

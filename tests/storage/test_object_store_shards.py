@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 
 import pytest
 import torch
 from store_worker import check_rows, checksummed_batch
+
+from s3_server import BUCKET
 
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import StoreLockedError, open_buffer
@@ -171,3 +174,57 @@ def test_a_live_writer_keeps_its_lock_through_a_waiting_writer(s3_server):
         assert time.monotonic() - started >= 2  # renewed every 0.5 s: never abandoned
         holder.append(checksummed_batch(0, 4))  # still the writer: not fenced
         assert len(holder) == 4
+
+
+def test_a_shard_whose_creation_was_killed_is_skipped_as_being_made_and_a_damaged_one_is_loud(s3_env, s3_server,
+                                                                                               tmp_path, capsys):
+    """A collector killed while it makes its shard at a URL (no rename there) leaves a prefix with no
+    commit record. Its ``creating`` marker tells readers (the learner's union, ``inspect``, ``convert``)
+    it is a store being made, skipped as a local ``shard-NNNN.creating`` is; its next start makes it.
+    A shard that lost its record but holds units is damage, and stays loud."""
+    import subprocess
+    import sys
+
+    from s3_faults import FaultyProxy
+
+    from rlhf_pipeline.cli.main import main
+    from rlhf_pipeline.storage import StoreCorruptedError, create_store
+    from rlhf_pipeline.storage.buffers import shard_location
+
+    buffer = s3_server.url("buffer")
+    with create_store(shard_location(buffer, 0), "zarr", segment_rows=16) as writer:
+        writer.append(checksummed_batch(0, 10))
+    made = shard_location(buffer, 1)
+    proxy = FaultyProxy(s3_server.endpoint)
+    proxy.hold("PUT", f"{made.split('://', 1)[1].split('/', 1)[1]}/zarr.json")  # its first commit record
+    creating = ("import sys; from rlhf_pipeline.storage import create_store; "
+                "create_store(sys.argv[1], 'zarr', storage_options={'endpoint_url': sys.argv[2]})")
+    child = subprocess.Popen([sys.executable, "-c", creating, made, proxy.endpoint], env=s3_env)
+    try:
+        assert proxy.held.wait(timeout=300), "the child never sent its commit record"
+    finally:
+        child.kill()  # kill -9 while its first commit record is on its way
+        child.wait()
+        proxy.stop()
+    assert "creating" in s3_server.keys(made) and "zarr.json" not in s3_server.keys(made)
+
+    with open_buffer(buffer) as union:  # the learner's reader
+        assert list(union.shard_names) == [0] and len(union) == 10
+    assert main(["inspect", buffer]) == 0
+    out = capsys.readouterr().out
+    name = made.rsplit("/", 1)[1]
+    assert re.search(rf"shards not open +{name}: .* is being created by process {child.pid}", out), out
+    assert main(["convert", buffer, str(tmp_path / "copy"), "--to", "memmap", "--quiet"]) == 0
+    assert "not converted" in capsys.readouterr().out
+
+    with create_store(made, "zarr", segment_rows=16) as writer:  # its collector's next start makes it
+        writer.append(checksummed_batch(100, 6))
+    assert "creating" not in s3_server.keys(made)
+    with open_buffer(buffer) as union:
+        assert len(union) == 16
+
+    s3_server.client().delete_object(Bucket=BUCKET, Key=f"{made.split(f'{BUCKET}/', 1)[1]}/zarr.json")
+    with pytest.raises(StoreCorruptedError, match="zarr.json is missing"):
+        open_buffer(buffer)  # the union never reads a damaged shard as one being made
+    assert main(["inspect", buffer]) == 2
+    assert "zarr.json is missing" in capsys.readouterr().err

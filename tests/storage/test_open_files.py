@@ -16,7 +16,7 @@ from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.storage.sharded import shard_path
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd (Linux)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd (Linux)")]
 
 SEGMENTS = 200
 ROWS_PER_SEGMENT = 2

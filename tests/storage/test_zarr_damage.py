@@ -203,3 +203,25 @@ def test_damaged_unit_metadata_is_reported_and_repair_lets_plain_zarr_read_the_s
     assert [r.problems for r in verify_buffer(str(path))] == [[]]
     assert_same_rows(read_with_plain_zarr(path, tmp_path), expected)
     assert not list(units.glob("*.partial")) and not list(units.glob("*/*.partial"))
+
+
+def test_verify_tells_a_live_writers_unpublished_units_from_a_stopped_writers_leftovers(tmp_path, capsys):
+    """Units past the record are a live writer's append in flight while it holds the writer lock; only
+    without one are they leftovers of a writer stopped before its publish."""
+    import os
+
+    path, stopped_copy = tmp_path / "b", tmp_path / "copy"
+    _, writer = fill(path, close=False)
+    try:
+        record = (path / "zarr.json").read_bytes()
+        writer.append(make_batch(1, 3, seed=9, optional=("advantage",)))
+        (path / "zarr.json").write_bytes(record)  # its publish undone: the unit it wrote is past the record
+        shutil.copytree(path, stopped_copy)  # the same files, and no process holding the copy's lock
+        assert main(["inspect", "--verify", str(path)]) == 0
+        live = capsys.readouterr().out
+    finally:
+        writer.close()
+    assert main(["inspect", "--verify", str(stopped_copy)]) == 0
+    stopped = capsys.readouterr().out
+    assert f"being written by the live writer, process {os.getpid()} on" in live and "leftovers" not in live, live
+    assert "a writer's leftovers: a writer was stopped before publishing them" in stopped, stopped

@@ -14,7 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlhf_pipeline.storage.buffers import verify_buffer
+
+pytestmark = pytest.mark.slow  # processes of their own (the quick subset leaves it out)
 
 WORKER = Path(__file__).with_name("full_disk_worker.py")
 

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import make_batch
 
@@ -146,6 +147,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_collection_then_resume_writes_every_row_once(tmp_path):
     path = tmp_path / "buf"
     script = tmp_path / "child.py"

@@ -16,9 +16,11 @@ form a block therefore depends on what each shard held at that moment; every row
 used exactly ``uses`` times.
 
 Staleness. With ``max_staleness`` set, a row sampled by a policy more than that many versions
-older than the learner when its block forms is skipped for good (``dropped_stale``), and the
-learner's own check at use time applies to every pass: leave room for ``uses - 1`` reuses plus
-the overlap (``max_staleness >= uses``), or some rows are trained on fewer times. A row evicted
+older than the learner will be when it trains the block's first draw (``current_version``, which
+the learner sets: not whatever version it holds as the rows arrive) is skipped for good
+(``dropped_stale``), and the learner's own check at use time applies to every pass: leave room
+for ``uses - 1`` reuses plus the overlap (``max_staleness >= uses``), or some rows are trained on
+fewer times. A row evicted
 from its store before its block is done is left out the same way.
 
 Resume. The state (:meth:`ExactUseSampler.state_dict`) is the cursors, the current block
@@ -54,7 +56,7 @@ class ExactUseSampler:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
-        self.current_version = 0  # set by the learner after each publish
+        self.current_version = 0  # set by the learner before each draw: the version it trains with
         self.hurry: threading.Event | None = None  # set while the learner waits for a draw (polling.py)
         self.cursors: dict[str, int] = {}  # shard key -> oldest global id not yet taken into a block
         self.block: dict[str, list[int]] = {}  # shard key -> global ids of the current block

@@ -78,7 +78,7 @@ class GroupWindowSampler:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
-        self.current_version = 0  # set by the learner after each publish
+        self.current_version = 0  # set by the learner before each draw: the version it trains with
         self.hurry: threading.Event | None = None  # set while the learner waits for a draw (polling.py)
         # the pool, as row keys: entry k is group_ids[k], its std and oldest version, and rows
         # (parts, rows)[offsets[k]:offsets[k+1]]

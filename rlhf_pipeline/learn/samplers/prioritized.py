@@ -70,7 +70,7 @@ class PrioritizedRowSampler:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
-        self.current_version = 0  # set by the learner after each publish
+        self.current_version = 0  # set by the learner before each draw: the version it trains with
         self.hurry: threading.Event | None = None  # set while the learner waits for a draw (polling.py)
         self.feedback = feedback
         # feedback by draw: (part index, global row, value) arrays; applied in draw order

@@ -53,7 +53,7 @@ class FreshRowSampler:
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.stop = stop or threading.Event()
-        self.current_version = 0  # set by the learner after each publish
+        self.current_version = 0  # set by the learner before each draw: the version it trains with
         self.hurry: threading.Event | None = None  # set while the learner waits for a draw (polling.py)
 
     def draw(self, draw_index: int) -> SampledRows:

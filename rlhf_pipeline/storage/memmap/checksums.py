@@ -8,13 +8,15 @@ CRC32C of its bytes (``google-crc32c``, which zarr depends on; hardware CRC32C r
     {"algorithm": "crc32c", "files": {"prompt_tokens.values": [size, crc], ...}}
 
 Readers check a sealed segment's file the first time they map it (see
-:class:`~.segments.SegmentView`), ``rlhf-pipeline inspect --verify`` and ``repair`` check
+:class:`~.views.SegmentView`), ``rlhf-pipeline inspect --verify`` and ``repair`` check
 every sealed segment. The open tail segment's files grow with every append: each publish
 records, in the state slot, the CRC32C of each file's published bytes (``open_segment_checksums``,
-extended by the bytes each append writes), which ``inspect --verify`` checks; readers do not
-check them. Sealing records those CRCs of the bytes written, not of a re-read, so a byte
-damaged while its segment was open fails every reader's check once sealed. Segments sealed
-by versions before checksums have none, and are checked for structure only.
+extended by the bytes each append writes), which readers check as they read what it publishes
+and ``inspect --verify`` checks whole. Sealing records those CRCs of the bytes written, not of a
+re-read, so a byte damaged while its segment was open fails every reader's check once sealed.
+The published state records from which segment on every sealed segment has its checksums
+(``checksums_from_segment``), so a lost ``checksums.json`` is damage; segments sealed by
+versions before checksums have none, and are checked for structure only.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir
 from rlhf_pipeline.storage.errors import StoreCorruptedError
-from rlhf_pipeline.storage.memmap.layout import CHECKSUMS_NAME
+from rlhf_pipeline.storage.memmap.layout import CHECKSUMS_NAME, segment_dir_name
 
 ALGORITHM = "crc32c"
 
@@ -86,6 +88,22 @@ def read_checksums(directory: Path) -> dict[str, tuple[int, int]] | None:
         return {name: (int(size), int(crc)) for name, (size, crc) in data["files"].items()}
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise StoreCorruptedError(f"{path} is damaged ({exc}); `rlhf-pipeline repair` records it again") from None
+
+
+def first_of_unbroken_checksums(path: Path, held: dict, segment_rows: int) -> int:
+    """The first segment id from which every held sealed segment (``held``: id -> ``SegmentState``)
+    of the store at ``path`` has checksums; earlier ones may have been sealed before checksums existed."""
+    for seg_id in sorted((i for i, s in held.items() if s.rows == segment_rows), reverse=True):
+        if not (path / segment_dir_name(seg_id) / CHECKSUMS_NAME).exists():
+            return seg_id + 1
+    return min(held, default=0)
+
+
+def missing_message(directory: Path) -> str:
+    """What a sealed segment that was sealed with checksums and lost them is told with."""
+    return (f"{directory / CHECKSUMS_NAME} is missing: segment {directory.name} was sealed with checksums "
+            f"and was damaged outside this library; its files are read unchecked until `rlhf-pipeline repair "
+            f"{directory.parent} --apply` records them again")
 
 
 def check_bytes(path: Path, data, expected: tuple[int, int]) -> None:

@@ -16,7 +16,8 @@ import torch
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, NUMPY_DTYPES, TrajectoryBatch
 from rlhf_pipeline.storage.base import StoreCorruptedError
-from rlhf_pipeline.storage.memmap.segments import ENDS_DTYPE, SegmentState, SegmentView, check_spans
+from rlhf_pipeline.storage.memmap.segments import ENDS_DTYPE, SegmentState, check_spans
+from rlhf_pipeline.storage.memmap.views import SegmentView
 
 
 def gather_rows(ids: np.ndarray, names: Sequence[str], segment_rows: int,

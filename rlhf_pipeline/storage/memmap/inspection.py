@@ -17,6 +17,8 @@ from rlhf_pipeline.storage.errors import StoreCorruptedError
 from rlhf_pipeline.storage.memmap import checksums
 from rlhf_pipeline.storage.memmap.layout import (
     BACKEND,
+    CHECKSUMS_FROM,
+    CHECKSUMS_NAME,
     ENDS_DTYPE,
     MANIFEST_NAME,
     STATE_STEM,
@@ -61,6 +63,8 @@ class PublishedView:
             self.segments = [SegmentState.from_json(s) for s in state["segments"]]
             self.evicted = list(state.get("evicted", []))
             self.open_checksums = open_segment_checksums(state)
+            checksums_from = state.get(CHECKSUMS_FROM)
+            self.checksums_from = None if checksums_from is None else int(checksums_from)
             self.optional = list(state["schema"].get("optional", []))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             source = published.source if published is not None else path / MANIFEST_NAME
@@ -148,7 +152,11 @@ def verify(location: str, progress: Progress | None = None) -> CheckReport:
                 sums = checksums.read_checksums(directory)
             except StoreCorruptedError as exc:
                 report.problems.append(str(exc))
-            if sums is None:
+            if sums is None and (directory / CHECKSUMS_NAME).exists():
+                pass  # damaged: reported above
+            elif sums is None and view.checksums_from is not None and state.id >= view.checksums_from:
+                report.problems.append(checksums.missing_message(directory))
+            elif sums is None:
                 unsummed += 1
         elif view.open_checksums is not None and view.open_checksums[0] == state.id:
             open_checked = True

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from rlhf_pipeline.storage.errors import NotAStoreError, StoreCorruptedError, StoreNotFoundError
-from rlhf_pipeline.storage.memmap.state_slots import SlotDamage, StateSlots
+from rlhf_pipeline.storage.memmap.state_slots import SlotDamage, SlotReading, StateSlots
 
 log = logging.getLogger("rlhf_pipeline.storage.memmap")
 
@@ -33,6 +33,12 @@ STATE_STEM = "state"  # state.0 / state.1: every append's publish (see StateSlot
 CHECKSUMS_NAME = "checksums.json"  # in a sealed segment's directory (see .checksums)
 # state key: [segment id, [file, size, crc32c, file, ...]] of the open segment's published bytes
 OPEN_SEGMENT_CHECKSUMS = "open_segment_checksums"
+# state key: the first segment id from which every sealed segment has a checksums.json (stores made
+# before it record none: their older segments may have been sealed before checksums existed)
+CHECKSUMS_FROM = "checksums_from_segment"
+# manifest key: both state slot files were created with the store, so a missing one is damage
+# (stores made before it created each slot file at its first publish)
+SLOT_FILES_CREATED = "state_slot_files_created"
 ENDS_DTYPE = np.dtype("<i8")
 SEGMENT_PREFIX = "seg-"
 
@@ -255,6 +261,13 @@ def read_published(path: Path, slots: StateSlots, manifest: dict[str, Any], fiel
         fresh = tuple(d for d in reading.damaged if (d.path, d.claimed_seq) not in seen)
         seen.update((d.path, d.claimed_seq) for d in reading.damaged)
         reading = replace(reading, damaged=fresh)
+    if after == 0:
+        lost = lost_slot(path, reading, manifest, fields)
+        if lost is not None:
+            raise StoreCorruptedError(
+                f"{lost}. Opened at what is left, published rows could be rolled back and overwritten; "
+                f"`rlhf-pipeline repair {path} --apply` rebuilds the state from the segment files"
+            )
     if reading.damaged and reading.seq is None and after == 0:
         names = " and ".join(str(p) for p in slots.paths)
         found = "; ".join(d.describe() for d in reading.damaged)
@@ -270,6 +283,46 @@ def read_published(path: Path, slots: StateSlots, manifest: dict[str, Any], fiel
     if reading.damaged:
         rollback = _rollback(path, reading, fields)
     return Published(reading.seq, reading.state, reading.path, rollback)
+
+
+def lost_slot(path: Path, reading: SlotReading, manifest: dict[str, Any], fields: list[FieldFiles]) -> str | None:
+    """What says a state slot was lost outside this library (None when nothing does).
+
+    A crash never deletes a slot file, and a lost slot may have held the newest publish: (1) the
+    store was made with both slot files and one is missing; (2) the other slot holds publish 2 or
+    later, so this one held the publish before or after it, yet it is missing or holds none. Stores
+    made before slot files came with the store have none until their first two publishes: there
+    (3) a missing slot is damage when the segment files hold complete rows past the remaining
+    state, since its publish may have covered them (a writer killed before its first publishes
+    may also have written them: the files cannot tell which).
+    """
+    if manifest.get(SLOT_FILES_CREATED) and reading.missing:
+        return (f"{path}: {_slots(reading.missing)} missing, yet the store was created with both slot files: "
+                f"deleted outside this library")
+    absent = reading.missing + reading.unpublished
+    if reading.seq is not None and reading.seq >= 2 and absent:
+        what = "missing" if reading.missing else "empty (no publish)"
+        return (f"{path}: {_slots(absent)} {what}, but {reading.path} holds publish {reading.seq}, so it held "
+                f"publish {reading.seq - 1} or {reading.seq + 1}: it was lost outside this library")
+    if reading.missing and not manifest.get(SLOT_FILES_CREATED) and not reading.damaged:
+        state = reading.state if reading.state is not None else manifest
+        try:
+            segment_rows, next_row = int(state["segment_rows"]), int(state["next_row"])
+            held = [SegmentState.from_json(s) for s in state["segments"]]
+        except (KeyError, TypeError, ValueError):
+            return None  # the state's own check fails later, with its own message
+        beyond = complete_rows_beyond(path, fields, segment_rows, next_row, held)
+        if beyond:
+            return (f"{path}: {_slots(reading.missing)} missing and the segment files hold "
+                    f"{beyond} complete row(s) past row {next_row}, where the remaining state ends: a lost slot "
+                    f"may have published them")
+    return None
+
+
+def _slots(paths: tuple[Path, ...]) -> str:
+    """``state slot A is`` / ``state slots A and B are``."""
+    names = " and ".join(str(p) for p in paths)
+    return f"state slot {names} is" if len(paths) == 1 else f"state slots {names} are"
 
 
 def _rollback(path: Path, reading, fields: list[FieldFiles]) -> RollBack | None:

@@ -9,17 +9,22 @@ the open segment's end offsets tell how many complete rows it holds (see
 1. takes the store's configuration from the newest intact slot, else the manifest, else
    a damaged slot that still parses, else the files (fields from the file names, segment
    size from a sealed segment);
-2. with an intact newest slot (the record of what was acknowledged), publishes exactly the
-   rows it covers: complete rows past its end were written by a writer killed before its
-   publish, were never acknowledged (a collector writes that round again), and are left to
-   the next writer, which truncates them; the dry run then finds nothing to repair;
-3. without one (both slots damaged or missing, or a newest slot damaged), walks the segments
+2. with an intact newest slot (the record of what was acknowledged; the manifest's state when
+   no publish has landed yet), publishes exactly the rows it covers: complete rows past its end
+   were never acknowledged and are left alone: a live writer (it holds the writer lock) publishes
+   them with its append, and the rows of a writer killed before its publish are truncated by the
+   next writer (a collector writes that round again); the dry run then finds nothing to repair;
+3. without one (both slots damaged, a newest slot damaged, or a slot lost: deleted, or emptied
+   while the other holds publish 2 or later, see :func:`~.layout.lost_slot`), walks the segments
    from the first held one: each sealed segment contributes its rows, the first segment
    that is not full is the tail and ends the walk. A segment that is missing or short while
    later segments exist stays published as lost rows (reads raise), so that later segments
    keep their row ids and no append reuses one; the Zarr repair keeps the same rows;
 4. compares that with what is published now and, with ``apply=True``, writes the manifest
-   (when damaged) and publishes the rebuilt state into both slots, under the writer lock.
+   (when damaged) and publishes the rebuilt state into both slots, under the writer lock;
+5. records again the ``checksums.json`` of a segment sealed with one that lost it (deleted or
+   damaged; the state says from which segment on every sealed one has them), from its files as
+   they are, once they pass the structural checks.
 
 Nothing is deleted: damaged files it replaces are copied to ``repair-<time>/`` in the store.
 It cannot fix the contents of a damaged file (a checksum mismatch): it reports the rows affected.
@@ -27,10 +32,13 @@ It cannot fix the contents of a damaged file (a checksum mismatch): it reports t
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rlhf_pipeline.files.atomic import publish_json
 from rlhf_pipeline.storage.errors import StoreCorruptedError
@@ -38,8 +46,11 @@ from rlhf_pipeline.storage.memmap import checksums
 from rlhf_pipeline.storage.memmap.inspection import check_segment
 from rlhf_pipeline.storage.memmap.layout import (
     BACKEND,
+    CHECKSUMS_FROM,
+    CHECKSUMS_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    SLOT_FILES_CREATED,
     STATE_STEM,
     FieldFiles,
     SegmentState,
@@ -47,8 +58,10 @@ from rlhf_pipeline.storage.memmap.layout import (
     complete_rows_beyond,
     fields_json,
     fields_of,
+    lost_slot,
     read_manifest,
     segment_dir_name,
+    segment_files,
     segment_ids_on_disk,
 )
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots
@@ -87,19 +100,26 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
             return report
     fields = _fields(manifest if manifest_ok else None, config_source, path)
     segment_rows = int(config_source["segment_rows"])
+    # a lost slot may have held the newest publish: the remaining one is no record of what was acknowledged
+    lost = lost_slot(path, reading, manifest if manifest_ok else {}, fields)
+    checksums_from = (current or config_source).get(CHECKSUMS_FROM)
 
     # ---- walk the segment files
     # segment states to trust: only an intact publish's (a damaged slot's payload may be wrong)
     known = {s[0]: SegmentState.from_json(s) for s in (current or {}).get("segments", [])}
     # an intact newest slot is the record of what was acknowledged: rows past it were never
     # acknowledged (a collector writes that round again), so it bounds what is published
-    acknowledged = int(intact["next_row"]) if intact is not None and not reading.damaged else None
+    # (so is the manifest of a store no publish has reached yet: one killed in its first append)
+    record = intact if intact is not None else (current if not reading.slots_in_use else None)
+    acknowledged = int(record["next_row"]) if record is not None and not reading.damaged and lost is None else None
     first_row = int((current or config_source).get("first_row", 0))
     on_disk = segment_ids_on_disk(path)
     first_seg = first_row // segment_rows
-    if current is None and on_disk:
+    if (current is None or (lost is not None and config_source["capacity_rows"] is not None)) and on_disk:
+        # no state, or one that a lost publish may have moved on: evictions since may have deleted segments
         first_seg = max(first_seg, on_disk[0])
     segments: list[SegmentState] = []
+    resum: list[tuple[Path, SegmentState]] = []  # sealed segments whose lost checksums.json is recorded again
     seg_id = first_seg
     total = sum(1 for i in on_disk if i >= first_seg) or 1
     while True:
@@ -129,14 +149,22 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
             # else from its end offsets (right even if a killed writer never trimmed its files)
             full = seg_id in known and known[seg_id].rows == segment_rows
             state = known[seg_id] if full else SegmentState(seg_id, rows, elements)
-            sums = checksums.read_checksums(directory) if (directory / "checksums.json").exists() else None
+            sums, sums_problem = _sealed_checksums(directory)
             damage = check_segment(directory, fields, state, sums)
             for problem in damage:
                 report.unrecoverable.append(f"{problem} (rows {seg_id * segment_rows}..{(seg_id + 1) * segment_rows - 1}"
                                             f" of this segment raise StoreCorruptedError when read)")
             if sums is None and not damage:
-                report.notes.append(f"{directory.name} is sealed but has no checksums (sealed before checksums "
-                                    f"existed, or by a writer killed while sealing)")
+                if sums_problem is not None or (checksums_from is not None and seg_id >= int(checksums_from)):
+                    # sealed with checksums, which were lost: recorded again from the files as they are
+                    resum.append((directory, state))
+                    report.actions.append(
+                        f"record {directory / CHECKSUMS_NAME} again ({sums_problem or 'it is missing'}): from the "
+                        f"files as they are now, which pass the structural checks; a byte damaged before this "
+                        f"cannot be told")
+                else:
+                    report.notes.append(f"{directory.name} is sealed but has no checksums (sealed before checksums "
+                                        f"existed)")
             segments.append(state)
         elif acknowledged is None and later:
             # short, yet segments follow: damaged (a segment is full before the next one starts). It
@@ -168,24 +196,43 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
                "segment_rows": segment_rows, "capacity_rows": config_source["capacity_rows"],
                "evict_grace_s": float(config_source["evict_grace_s"]), "first_row": first_row, "next_row": next_row,
                "segments": [s.to_json() for s in segments], "evicted": evicted}
+    if checksums_from is not None:
+        rebuilt[CHECKSUMS_FROM] = int(checksums_from)
 
     # ---- what to do
-    if not manifest_ok or "fields" not in (manifest or {}):
-        report.actions.append(f"write {path / MANIFEST_NAME} ({'rebuilt: it is damaged or missing' if not manifest_ok else 'adds the field layout'})")
     same = current is not None and _same_rows(current, rebuilt)
-    if not same or reading.damaged:
+    republish = not same or bool(reading.damaged) or lost is not None
+    # both slot files exist once republished: the manifest then says so
+    rewrite_manifest = not manifest_ok or "fields" not in (manifest or {}) or \
+        (republish and not (manifest or {}).get(SLOT_FILES_CREATED))
+    if rewrite_manifest:
+        why = "rebuilt: it is damaged or missing" if not manifest_ok else "adds the field layout and slot files"
+        report.actions.insert(0, f"write {path / MANIFEST_NAME} ({why})")
+    if republish:
         before = "no readable state" if current is None else f"rows up to {current['next_row']}"
         report.actions.append(f"publish the state rebuilt from the segment files into {STATE_STEM}.0 and "
                               f"{STATE_STEM}.1 ({before} -> rows {first_row}..{next_row - 1})")
     if unacknowledged:
-        report.notes.append(
-            f"{unacknowledged} complete row(s) past the published end (row {next_row}) were never acknowledged "
-            f"(a writer was killed before publishing them; a collector writes that round again): they are not "
-            f"published, and the next writer discards them")
+        from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, writer_holding
+
+        writer = writer_holding(path / LOCK_FILE_NAME)
+        if writer is not None:
+            report.notes.append(
+                f"{unacknowledged} complete row(s) past the published end (row {next_row}) are being appended by the "
+                f"live writer, {writer}, which holds the writer lock: its next publish acknowledges them; nothing "
+                f"to repair")
+        else:
+            report.notes.append(
+                f"{unacknowledged} complete row(s) past the published end (row {next_row}) were never acknowledged "
+                f"(a writer was killed before publishing them; a collector writes that round again): they are not "
+                f"published, and the next writer discards them")
     elif acknowledged is None and not same:
         report.notes.append(
-            "no intact state slot: every complete row in the segment files is published, including rows a writer "
-            "killed before its last publish may have left (they were never acknowledged)")
+            f"{'a state slot was lost' if lost is not None else 'no intact state slot'}: every complete row in the "
+            f"segment files is published, including rows a writer killed before its last publish may have left "
+            f"(they may never have been acknowledged)")
+    if lost is not None:
+        report.notes.append(f"lost state slot: {lost}")
     if reading.damaged:
         for damage in reading.damaged:
             report.notes.append(f"damaged state slot: {damage.describe()}")
@@ -201,24 +248,61 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
         for name in (MANIFEST_NAME, f"{STATE_STEM}.0", f"{STATE_STEM}.1"):
             if (path / name).exists():
                 shutil.copy2(path / name, backup / name)
-        if not manifest_ok or "fields" not in (manifest or {}):
+        for directory, state in resum:
+            _record_checksums(directory, fields, state, backup)
+        if rewrite_manifest:
             base = dict(rebuilt, first_row=0, next_row=0, segments=[], evicted=[]) if not manifest_ok else dict(manifest)
+            if republish:
+                StateSlots(path, stem=STATE_STEM).create_files()
+                base[SLOT_FILES_CREATED] = True
             publish_json(path / MANIFEST_NAME, {**base, "fields": fields_json(fields)}, durable=True)
-        seq = max([reading.seq or 0, *(d.claimed_seq or 0 for d in reading.damaged)]) + 1
-        slots = StateSlots(path, stem=STATE_STEM)
-        try:
-            slots.publish(seq, rebuilt, durable=True)
-            slots.publish(seq + 1, rebuilt, durable=True)  # both slots intact: no damaged one is left
-        finally:
-            slots.close()
+        if republish:
+            # above every publish either slot may have held (a lost one held at most one more)
+            seq = max([reading.seq or 0, *(d.claimed_seq or 0 for d in reading.damaged)]) + 1
+            slots = StateSlots(path, stem=STATE_STEM)
+            try:
+                slots.publish(seq, rebuilt, durable=True)
+                slots.publish(seq + 1, rebuilt, durable=True)  # both slots intact: no damaged one is left
+            finally:
+                slots.close()
         report.notes.append(f"copies of the replaced files are in {backup}")
     return report
 
 
+def _sealed_checksums(directory: Path) -> tuple[dict[str, tuple[int, int]] | None, str | None]:
+    """A sealed segment's checksums, and what is wrong with its checksums.json when it is damaged."""
+    if not (directory / CHECKSUMS_NAME).exists():
+        return None, None
+    try:
+        return checksums.read_checksums(directory), None
+    except StoreCorruptedError:
+        return None, "it is damaged"
+
+
+def _record_checksums(directory: Path, fields: list[FieldFiles], state: SegmentState, backup: Path) -> None:
+    """Writes a sealed segment's checksums.json from its files (a damaged one is kept in ``backup``)."""
+    if (directory / CHECKSUMS_NAME).exists():
+        shutil.copy2(directory / CHECKSUMS_NAME, backup / f"{directory.name}-{CHECKSUMS_NAME}")
+    sums = {}
+    for name in segment_files(fields, state):
+        data = np.fromfile(directory / name, dtype=np.uint8)  # the whole file, as readers check it
+        sums[name] = (data.size, checksums.crc32c(data))
+    partial = checksums.write_checksums(directory, sums)
+    fd = os.open(partial, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    checksums.publish_checksums(directory, durable=True)
+
+
 def _same_rows(current: dict[str, Any], rebuilt: dict[str, Any]) -> bool:
     keys = ("first_row", "next_row")
-    return all(int(current[k]) == int(rebuilt[k]) for k in keys) and \
-        [list(s[:2]) for s in current["segments"]] == [list(s[:2]) for s in rebuilt["segments"]]
+
+    def held(state: dict[str, Any]) -> list[list]:
+        return [list(s[:2]) for s in state["segments"] if s[1]]  # an empty segment holds nothing
+
+    return all(int(current[k]) == int(rebuilt[k]) for k in keys) and held(current) == held(rebuilt)
 
 
 def _fields(manifest: dict[str, Any] | None, config: dict[str, Any], path: Path) -> list[FieldFiles]:

@@ -13,8 +13,7 @@ many elements of each file are published. Bytes past that count are unpublished
 
 :class:`SegmentWriter` appends with ``pwrite`` and grows files ahead in chunks
 (sparse, so no disk is spent) so that readers rarely have to remap; sealing
-trims every file to its exact size. :class:`SegmentView` maps files read-only
-and hands out numpy arrays over the mapping.
+trims every file to its exact size. Reads go through :class:`~.views.SegmentView`.
 """
 
 from __future__ import annotations
@@ -37,7 +36,8 @@ from rlhf_pipeline.storage.memmap.layout import (  # noqa: F401 - SegmentState, 
     segment_dir_name,
 )
 from rlhf_pipeline.storage.memmap.layout import segment_files as _files_of
-from rlhf_pipeline.storage.memmap.mapping import MADV_POPULATE_READ, map_readonly
+from rlhf_pipeline.storage.memmap.mapping import MADV_POPULATE_READ
+from rlhf_pipeline.storage.memmap.views import SegmentView
 
 _GROW_MIN = 64 * 1024
 _GROW_MAX_STEP = 256 * 1024 * 1024
@@ -187,6 +187,10 @@ class SegmentWriter:
             written = os.pwrite(fd, view, offset)
             view, offset = view[written:], offset + written
 
+    def written_sums(self) -> dict[str, tuple[int, int]]:
+        """File -> (bytes, CRC32C) written so far (what the next publish records for the open segment)."""
+        return {name: sums for name, sums in self._written_crc.items() if sums is not None}
+
     def written_checksums(self) -> list:
         """``[name, size, crc, name, size, ...]``: the CRC32C of the bytes written to each file so far
         (the published ones once the append that wrote them is published). Flat, as it is published
@@ -231,78 +235,7 @@ class SegmentWriter:
             os.close(fd)
 
 
-# ============================================================================ reading
-class SegmentView:
-    """Read-only mappings of one segment's files, remapped when the published data outgrows them.
-
-    A mapping outlives the deletion of its file (Linux keeps unlinked pages alive while
-    mapped), so a reader keeps serving rows of a segment evicted after it was mapped.
-
-    For a sealed segment (``sealed=True``) each file is checked against the checksums
-    recorded at sealing the first time it is mapped (~1 ms per 12 MB, once per store object;
-    the mapping is prefaulted anyway), so bit rot shows up as a :class:`StoreCorruptedError`
-    naming the file instead of wrong rows. Segments sealed without checksums are not checked.
-    """
-
-    def __init__(self, directory: Path, *, sealed: bool = False, verified: set[str] | None = None):
-        self.directory = directory
-        self._arrays: dict[str, np.ndarray] = {}
-        self._sealed = sealed
-        self._sums: dict[str, tuple[int, int]] | None = None
-        # names of files already checked, shared by the store so that a segment unmapped by its
-        # cache of views and mapped again is not checked again (sealed files never change)
-        self._verified = verified if verified is not None else set()
-
-    def array(self, name: str, dtype: np.dtype, count: int) -> np.ndarray:
-        """The file ``name`` as an array with at least ``count`` elements (only those are published)."""
-        array = self._arrays.get(name)
-        if array is not None and len(array) >= count:
-            return array
-        path = self.directory / name
-        fd = os.open(path, os.O_RDONLY)  # FileNotFoundError: evicted or deleted; the store tells which
-        try:
-            array = self._map(fd, path, dtype, count)
-        finally:
-            os.close(fd)
-        if self._sealed and str(path) not in self._verified:
-            if self._sums is None:
-                self._sums = checksums.read_checksums(self.directory) or {}
-            if name in self._sums:
-                checksums.check_bytes(path, array, self._sums[name])
-            self._verified.add(str(path))
-        self._arrays[name] = array
-        return array
-
-    @staticmethod
-    def _map(fd: int, path: Path, dtype: np.dtype, count: int) -> np.ndarray:
-        published = count * dtype.itemsize
-        for _ in range(_MAP_ATTEMPTS):
-            size = os.fstat(fd).st_size
-            if size < published:
-                raise StoreCorruptedError(
-                    f"{path} holds {size} bytes but the manifest publishes {published}; "
-                    f"the file was truncated outside this library"
-                )
-            usable = size - size % dtype.itemsize
-            if usable == 0:
-                return np.empty(0, dtype=dtype)
-            try:
-                # no descriptor is kept: the caller closes fd, the mapping lives on (see .mapping)
-                return map_readonly(fd, usable, dtype, published)
-            except ValueError:
-                # the writer sealed the segment between fstat and mmap: it trimmed the
-                # grown-ahead space (never below the published size); map the new size
-                continue
-        # a file that keeps shrinking under us is not one this library writes
-        raise StoreCorruptedError(f"{path} changed size {_MAP_ATTEMPTS} times while being mapped")
-
-    def close(self) -> None:
-        # the mappings close when the last array viewing them is garbage-collected
-        self._arrays.clear()
-
-
-_MAP_ATTEMPTS = 8
-
+# ============================================================================ copying
 _MADV_POPULATE_READ = MADV_POPULATE_READ
 
 

@@ -42,6 +42,8 @@ class SlotReading:
     damaged: tuple[SlotDamage, ...] = ()
     slots_in_use: int = 0  # slots that hold (or held) a publish: a header was written
     path: Path | None = None  # the slot file ``state`` was read from
+    missing: tuple[Path, ...] = ()  # slot files that are not there at all
+    unpublished: tuple[Path, ...] = ()  # slot files there that never got a publish's header
 
 
 class StateSlots:
@@ -62,7 +64,9 @@ class StateSlots:
     :meth:`read` reports it as :class:`SlotDamage`. A reader racing the writer can still read
     a slot mid-rewrite; it notices that a header changed under it and reads again.
 
-    Files: ``<stem>.0`` and ``<stem>.1`` next to the manifest.
+    Files: ``<stem>.0`` and ``<stem>.1`` next to the manifest, both created empty with the store
+    (:meth:`create_files`): once publish 2 has landed each holds a publish, so a missing slot file, or
+    one with no publish beside a slot holding publish 2 or later, was lost outside this library.
     """
 
     _MAGIC = b"RLS1"
@@ -88,6 +92,13 @@ class StateSlots:
                 return None
             self._writable[slot] = create
         return self._fds[slot]
+
+    def create_files(self) -> None:
+        """Creates both slot files, empty (no publish yet), unless they exist; the entries are made
+        durable, so that a store's manifest is never on disk without them."""
+        for path in self.paths:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+        fsync_dir(self.paths[0].parent)
 
     def publish(self, seq: int, data: dict[str, Any], *, durable: bool = True) -> None:
         """Writes publish number ``seq`` (> every earlier one) into slot ``seq % 2``: payload, then header."""
@@ -126,8 +137,8 @@ class StateSlots:
     def _nothing_newer(self, headers: list[bytes | None], after: int) -> bool:
         """True when every slot holds a well-formed header of a publish ``<= after`` (or none)."""
         for raw in headers:
-            if raw is None:
-                continue
+            if raw is None or raw == self._UNUSED[: len(raw)]:
+                continue  # missing, or created and never published (an open told of a missing one)
             if len(raw) != self._HEADER.size:
                 return False
             magic, _, seq, _ = self._HEADER.unpack(raw)
@@ -147,9 +158,13 @@ class StateSlots:
         parsed: list[tuple[int, int, int, int] | None] = []  # per slot: (slot, seq, crc, length)
         damaged: list[SlotDamage] = []
         in_use = 0
+        missing = tuple(self.paths[slot] for slot, raw in enumerate(headers) if raw is None)
+        unpublished = []
         for slot, raw in enumerate(headers):
             if raw is None or raw in (b"", self._UNUSED) or raw == self._UNUSED[: len(raw)]:
                 parsed.append(None)  # missing, or created and never published
+                if raw is not None:
+                    unpublished.append(self.paths[slot])
                 continue
             in_use += 1
             if len(raw) < self._HEADER.size:
@@ -190,8 +205,8 @@ class StateSlots:
             damaged = [d for d in damaged if d.claimed_seq is not None]
         newer_damage = tuple(d for d in damaged if d.claimed_seq is None or d.claimed_seq > newest)
         if best is None:
-            return SlotReading(None, None, newer_damage, in_use)
-        return SlotReading(best[0], best[1], newer_damage, in_use, best[2])
+            return SlotReading(None, None, newer_damage, in_use, None, missing, tuple(unpublished))
+        return SlotReading(best[0], best[1], newer_damage, in_use, best[2], missing, tuple(unpublished))
 
     def remove(self) -> None:
         self.close()

@@ -8,7 +8,8 @@ On disk::
     <path>/
       manifest.json        what the store is (backend, format, schema, segment size, capacity)
                            and its state when created or snapshotted
-      state.0, state.1     the published state, rewritten in turn by every append
+      state.0, state.1     the published state, rewritten in turn by every append (both
+                           created with the store: a missing one is damage)
       writer.lock          flock'ed by the one writer; records its pid
       seg-00000000/        rows [0, S) -- sealed, immutable
         prompt_tokens.values  prompt_tokens.ends  ...  reward.col  ...  prompt_text.values ...
@@ -30,12 +31,12 @@ truncates the unpublished bytes and carries on at ``next_row``.
 Damage (:mod:`.layout`, :mod:`.checksums`): a newest slot that fails its check was
 damaged at rest, never torn by a crash. If the segment files hold rows beyond the intact
 older slot, readers open there with a ``StoreDamageWarning`` naming the rows rolled back,
-and a writer refuses (truncating the tail would destroy them); with no intact slot at all
-every open raises ``StoreCorruptedError`` naming both files. ``rlhf-pipeline repair``
-rebuilds the state from the segment files (:mod:`.repair`). Missing or damaged segment
-files raise ``StoreCorruptedError`` naming the segment and field when read; the other
-segments keep reading. Sealed segments are checked against their checksums when a process
-first maps them.
+and a writer refuses (truncating the tail would destroy them); with no intact slot at all, or a
+lost one (:func:`.layout.lost_slot`), every open raises ``StoreCorruptedError`` naming the files.
+``rlhf-pipeline repair`` rebuilds the state from the segment files (:mod:`.repair`). Missing or
+damaged segment files raise ``StoreCorruptedError`` naming the segment and field when read; the
+other segments keep reading. No byte is read before it was checked against the CRC32C recorded
+for it: a sealed segment's checksums, the open segment's published prefixes (:mod:`.views`).
 
 ``durable=False`` skips the fsyncs: a killed *process* still loses nothing that was
 published (the page cache holds it), but a power loss may roll back recent appends.
@@ -58,6 +59,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +77,14 @@ from rlhf_pipeline.storage.base import (
 from rlhf_pipeline.storage.errors import LocalOnlyStoreError, StoreDamageWarning
 from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
 from rlhf_pipeline.storage.manifest import check_header, schema_from_manifest
-from rlhf_pipeline.storage.memmap import layout
+from rlhf_pipeline.storage.memmap import checksums, layout
 from rlhf_pipeline.storage.memmap.gather import gather_rows
 from rlhf_pipeline.storage.memmap.layout import (
+    CHECKSUMS_FROM,
     CHECKSUMS_NAME,
     MANIFEST_NAME,
     OPEN_SEGMENT_CHECKSUMS,
+    SLOT_FILES_CREATED,
     STATE_STEM,
     FieldFiles,
     Published,
@@ -93,7 +97,6 @@ from rlhf_pipeline.storage.memmap.layout import (
 from rlhf_pipeline.storage.memmap.row_index import PaddedReadCache, locate_rows
 from rlhf_pipeline.storage.memmap.segments import (
     SegmentState,
-    SegmentView,
     SegmentWriter,
     copy_segment,
     empty_segment,
@@ -101,6 +104,7 @@ from rlhf_pipeline.storage.memmap.segments import (
     segment_dir_name,
 )
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots
+from rlhf_pipeline.storage.memmap.views import RecordedChecksums, SegmentView
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.segmented import (
     SegmentedTrajectoryStore,
@@ -195,6 +199,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             "format_version": FORMAT_VERSION,
             "schema": schema.to_json(),
             "fields": fields_json(field_files(schema)),
+            SLOT_FILES_CREATED: True,
             "segment_rows": segment_rows,
             "capacity_rows": capacity_rows,
             "evict_grace_s": evict_grace_s,
@@ -202,8 +207,11 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             "next_row": 0,
             "segments": [],
             "evicted": [],
+            CHECKSUMS_FROM: 0,
         }
         try:
+            # the slot files first: a manifest that says they were created is never without them
+            StateSlots(path, stem=STATE_STEM).create_files()
             publish_json(path / MANIFEST_NAME, manifest, durable=True)
             return cls(path, lock=lock, durable=durable, mapped_segments=mapped_segments)
         except BaseException:
@@ -254,7 +262,7 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         self._seq = 0  # number of the publish this object last saw (0: manifest.json itself)
         self._views: OrderedDict[int, SegmentView] = OrderedDict()  # least recently read first
         self._mapped_segments = mapped_segments
-        self._verified: set[str] = set()  # sealed files checked against their checksums
+        self._verified: dict[tuple[str, str], tuple[int, int]] = {}  # file -> (bytes, CRC32C) checked on read
         self._padded_cache: PaddedReadCache | None = None  # read_padded's row index (memmap.row_index)
         self._tail_writer: SegmentWriter | None = None
         self._closed = False
@@ -278,8 +286,13 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             raise
         super().__init__(max_size=self._capacity_rows or UNBOUNDED_ROWS)
         if lock is not None:
-            if "fields" not in manifest:  # made before manifests recorded them: record them now
-                publish_json(path / MANIFEST_NAME, {**manifest, "fields": fields_json(self._fields)}, durable=True)
+            if "fields" not in manifest or not manifest.get(SLOT_FILES_CREATED):
+                # made before manifests recorded them (its state was found intact above): record them
+                self._slots.create_files()
+                publish_json(path / MANIFEST_NAME, {**manifest, "fields": fields_json(self._fields),
+                                                    SLOT_FILES_CREATED: True}, durable=True)
+            if self._checksums_from is None:  # a state from before it was recorded
+                self._checksums_from = checksums.first_of_unbroken_checksums(path, self._segments, self._segment_rows)
             self._recover_tail()
 
     def _apply_published(self, published: Published | None) -> None:
@@ -306,6 +319,8 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             segments = [SegmentState.from_json(s) for s in manifest["segments"]]
             self._evicted: list[list] = [list(e) for e in manifest["evicted"]]
             self._published_open_checksums = open_segment_checksums(manifest)
+            checksums_from = manifest.get(CHECKSUMS_FROM)
+            self._checksums_from: int | None = None if checksums_from is None else int(checksums_from)
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreCorruptedError(f"{path} is missing or has a malformed entry: {exc!r}") from None
         self._segments = {s.id: s for s in segments}
@@ -325,6 +340,8 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             "segments": [s.to_json() for s in self._segments.values()],
             "evicted": self._evicted,
         }
+        if self._checksums_from is not None:
+            state[CHECKSUMS_FROM] = self._checksums_from
         if self._tail_writer is not None:
             # the open segment has no checksums.json until sealed: its published bytes' CRCs
             # travel with each publish instead (`inspect --verify` checks them)
@@ -376,6 +393,8 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             self._evict_over_capacity()
             self._slots.publish(self._seq + 1, self._manifest(), durable=self._durable)
             self._seq += 1
+            self._published_open_checksums = (None if self._tail_writer is None else
+                                              (max(self._segments), self._tail_writer.written_sums()))
         except BaseException:
             if self._publish_landed():
                 # interrupted (Ctrl-C) after the new state reached its slot: the rows are
@@ -465,11 +484,16 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         if view is not None:
             self._views.move_to_end(seg_id)
             return view
-        sealed = self._segments[seg_id].rows == self._segment_rows
-        view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id), sealed=sealed, verified=self._verified)
+        view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id), partial(self._recorded_checksums, seg_id),
+                                                 verified=self._verified)
         while len(self._views) > self._mapped_segments:
             self._unmap(next(iter(self._views)))
         return view
+
+    def _recorded_checksums(self, seg_id: int) -> RecordedChecksums:
+        """What the published state says segment ``seg_id``'s files are checked against on read."""
+        return RecordedChecksums.of(self._segments.get(seg_id), self._segment_rows, self._checksums_from,
+                                    self._published_open_checksums)
 
     def _unmap(self, seg_id: int) -> None:
         """Lets a segment's mappings go (they unmap once no array read from them is referenced)."""
@@ -573,6 +597,8 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         manifest = self._manifest()
         manifest["evicted"] = []
         manifest["fields"] = fields_json(self._fields)
+        manifest[SLOT_FILES_CREATED] = True
+        StateSlots(target, stem=STATE_STEM).create_files()
         publish_json(target / MANIFEST_NAME, manifest, durable=True)
 
 

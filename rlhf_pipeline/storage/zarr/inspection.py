@@ -23,7 +23,7 @@ from rlhf_pipeline.storage.errors import NotAStoreError, StoreCorruptedError
 from rlhf_pipeline.storage.reports import CheckReport, Progress
 from rlhf_pipeline.storage.summary import StoreStats, disk_usage, summarize_trajectories
 from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY, GROUP_METADATA, NP_DTYPE_BY_NAME, UNITS_PREFIX, arrays_of
-from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root, resolve
+from rlhf_pipeline.storage.zarr.location import Location, has_units, parse_root, raise_if_being_created, resolve
 from rlhf_pipeline.storage.zarr.unit_constants import disagreements, parse_constants
 from rlhf_pipeline.storage.zarr.units import ROOT_META, UnitCodecs, UnitGone, UnitRef, read_unit, unit_metadata
 
@@ -83,6 +83,8 @@ def open_record(location: str, storage_options: dict | None = None) -> tuple[Loc
         except NotAStoreError:
             if has_units(loc):
                 parse_root(raw, location, units_exist=True)  # raises StoreCorruptedError
+            if raw is None:
+                raise_if_being_created(loc)
             raise
     except BaseException:
         loc.kv.close()
@@ -160,6 +162,17 @@ def summarize(loc: Location, record: dict[str, Any], location: str) -> StoreStat
                "zarr_format": 3, "format_version": record["format_version"],
                "chunk_checksum": record.get("chunk_checksum", "none")},
     )
+
+
+def _live_writer(loc: Location) -> str | None:
+    """Who holds the store's writer lock now (``"process 4242 on node-7"``), else None: a look, not a take."""
+    if loc.local_root is not None:
+        from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, writer_holding
+
+        return writer_holding(loc.local_root / LOCK_FILE_NAME)
+    from rlhf_pipeline.storage.zarr.object_store import ObjectStoreKV, live_writer
+
+    return live_writer(loc.kv) if isinstance(loc.kv, ObjectStoreKV) else None
 
 
 def _bytes_on_disk(loc: Location) -> int:
@@ -250,8 +263,12 @@ def check_units(loc: Location, record: dict[str, Any], location: str, progress: 
     published = {u.name for u in units}
     orphans = [n for n in loc.kv.list_dir(UNITS_PREFIX) if n != ROOT_META and n not in published]
     if orphans:
-        report.notes.append(f"{len(orphans)} unit(s) under units/ are not published (a writer's leftovers, "
-                            f"deleted by the next writer): {', '.join(orphans[:5])}")
+        writer = _live_writer(loc)
+        why = (f"being written by the live writer, {writer}, which holds the writer lock: published by its next "
+               f"publish, or deleted by it" if writer is not None else
+               "a writer's leftovers: a writer was stopped before publishing them, and the next one deletes them")
+        report.notes.append(f"{len(orphans)} unit(s) under units/ are not published ({why}): "
+                            f"{', '.join(orphans[:5])}")
     return report, fixes
 
 

@@ -26,6 +26,7 @@ from rlhf_pipeline.storage.errors import (
     IncompatibleStoreError,
     NotAStoreError,
     ReadOnlyStoreError,
+    StoreBeingCreatedError,
     StoreCorruptedError,
     StoreNotFoundError,
 )
@@ -272,13 +273,25 @@ def parse_root(raw: bytes | dict | None, location: str, *, units_exist: bool = F
 
 
 def parse_record(raw, location: str, loc: Location) -> dict[str, Any]:
-    """The commit record; a missing or foreign root document is damage when units exist."""
+    """The commit record; a missing or foreign root document is damage when units exist, and at an
+    object-store URL a store being made when only its creation's objects are there."""
     try:
         return parse_root(raw, location)
     except NotAStoreError:
         if has_units(loc):
             return parse_root(raw, location, units_exist=True)  # raises StoreCorruptedError
+        if raw is None:
+            raise_if_being_created(loc)
         raise
+
+
+def raise_if_being_created(loc: Location) -> None:
+    """:class:`StoreBeingCreatedError` when ``loc`` (no record, no units) is a store being made at
+    an object-store URL; a local one is made under another name and renamed, so never seen so."""
+    being_created = getattr(loc.kv, "being_created", None)
+    reason = being_created() if being_created is not None else None
+    if reason is not None:
+        raise StoreBeingCreatedError(reason)
 
 
 def has_units(loc: Location) -> bool:

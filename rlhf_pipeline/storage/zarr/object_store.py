@@ -60,13 +60,17 @@ from rlhf_pipeline.files.cloud_objects import (
     ConditionFailed,
     ContainerNotFoundError,
     ObjectVersion,
+    RetryPolicy,
+    UnreachableError,
     cloud_for,
+    through_outages,
 )
 from rlhf_pipeline.storage.errors import (
     StorageExtraMissingError,
     StoreError,
     StoreLockedError,
     StoreNotFoundError,
+    StoreUnreachableError,
 )
 from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, pid_running
 from rlhf_pipeline.storage.zarr.layout import ATTRS_KEY
@@ -76,6 +80,10 @@ from rlhf_pipeline.storage.zarr.units import ROOT_META
 log = logging.getLogger(__name__)
 
 OBJECT_STORE_SCHEMES = tuple(scheme for cloud in CLOUDS for scheme in cloud.schemes)
+# a store being made under this prefix: PUT before any other object of it, deleted once its first
+# commit record is published. Object storage has no rename, so this object is what a local
+# `shard-NNNN.creating` directory is: a reader tells a store still being made from a damaged one
+CREATING_KEY = "creating"
 DEFAULT_LEASE_S = 30.0
 # a reader asked to refresh more often (a learner: before every batch) GETs the record at most this often
 DEFAULT_REFRESH_INTERVAL_S = 1.0
@@ -124,7 +132,16 @@ def object_store_options(options: Mapping[str, Any] | None, *, location: str) ->
 # ======================================================================== key/value I/O
 class ObjectStoreKV(ZarrStoreKV):
     """An object-store URL's keys: reads through Zarr's ``FsspecStore``, writes through
-    :class:`~rlhf_pipeline.files.cloud_objects.CloudObjects` (conditional writes), on Zarr's loop."""
+    :class:`~rlhf_pipeline.files.cloud_objects.CloudObjects` (conditional writes), on Zarr's loop.
+
+    Every request is retried while it gets no answer (refused, reset, timed out) for up to
+    ``outage_policy.budget_s`` (60 s), with backoff: an outage shorter than that delays an append
+    or a refresh, it does not stop a collector or a learner. Faults the server answers (throttling,
+    server errors) are the client's own retries' (botocore's, azure-core's). A retry is safe: units
+    are created only (the same bytes already there count as written), the record replaces only the
+    version this writer holds, and either settles a lost answer by reading the object back."""
+
+    outage_policy = RetryPolicy()
 
     def __init__(self, store, location: str, *, read_only: bool):
         super().__init__(store, read_only=read_only)
@@ -132,6 +149,12 @@ class ObjectStoreKV(ZarrStoreKV):
         self.objects: CloudObjects = cloud_for(location)(store.fs, store.path)
         self._writer_token: str | None = None
         self._record_etag: str | None = None  # of the record this writer last read or wrote
+
+    def _through_outages(self, what: str, call):
+        try:
+            return through_outages(call, self.objects.unanswered, f"{self.location}: {what}", self.outage_policy)
+        except UnreachableError as exc:
+            raise StoreUnreachableError(f"{exc}; nothing published was lost: retry once it answers") from exc
 
     async def _answered(self, request):
         """``request``'s answer, with the cloud's errors as the store errors users act on."""
@@ -146,25 +169,39 @@ class ObjectStoreKV(ZarrStoreKV):
         return await self._answered(self.objects.read(key))
 
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        keys = list(keys)
         try:
-            return super().get_many(keys)
+            return self._through_outages(f"GET {keys[0] if len(keys) == 1 else f'{len(keys)} keys'}",
+                                         lambda: super(ObjectStoreKV, self).get_many(keys))
+        except StoreError:
+            raise
         except Exception as exc:
             denied = self.objects.access_error(exc)  # else the client's own error type and words
             if denied is None:
                 raise
             raise StoreError(f"{self.location}: {denied}") from None
 
+    def list_dir(self, prefix: str) -> list[str]:
+        return self._through_outages(f"LIST {prefix or '/'}", lambda: super(ObjectStoreKV, self).list_dir(prefix))
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._through_outages(f"DELETE {prefix}/", lambda: super(ObjectStoreKV, self).delete_prefix(prefix))
+
+    def size_of(self, prefix: str) -> int:
+        return self._through_outages(f"LIST {prefix}/", lambda: super(ObjectStoreKV, self).size_of(prefix))
+
     def create_object(self, key: str, body: bytes) -> str:
-        return self._sync(self._answered(self.objects.create(key, body)))
+        return self._through_outages(f"PUT {key}", lambda: self._sync(self._answered(self.objects.create(key, body))))
 
     def replace_object(self, key: str, body: bytes, etag: str) -> str:
-        return self._sync(self._answered(self.objects.replace(key, body, etag)))
+        return self._through_outages(f"PUT {key}",
+                                     lambda: self._sync(self._answered(self.objects.replace(key, body, etag))))
 
     def read_object(self, key: str) -> ObjectVersion | None:
-        return self._sync(self._read(key))
+        return self._through_outages(f"GET {key}", lambda: self._sync(self._read(key)))
 
     def delete_object(self, key: str, etag: str) -> None:
-        self._sync(self._answered(self.objects.delete(key, etag)))
+        self._through_outages(f"DELETE {key}", lambda: self._sync(self._answered(self.objects.delete(key, etag))))
 
     # ---------------------------------------------------------------- units: create only
     def put_many(self, items: Iterable[tuple[str, Any]] | Mapping[str, Any], *, durable: bool = False,
@@ -172,9 +209,15 @@ class ObjectStoreKV(ZarrStoreKV):
         pairs = [(k, _as_bytes(v)) for k, v in (items.items() if isinstance(items, Mapping) else items)]
 
         async def create_all():
-            await asyncio.gather(*(self._create(k, v) for k, v in pairs))
+            # every create ends before this returns (a retry never races one still in flight)
+            outcomes = await asyncio.gather(*(self._create(k, v) for k, v in pairs), return_exceptions=True)
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:
+                # an outage before the others: retried for a time; a refusal (StoreLockedError) first
+                raise next((f for f in failed if not self.objects.unanswered(f)), failed[0])
 
-        self._sync(create_all())
+        self._through_outages(f"PUT {pairs[0][0] if len(pairs) == 1 else f'{len(pairs)} keys'}",
+                              lambda: self._sync(create_all()))
 
     async def _create(self, key: str, body: bytes) -> None:
         try:
@@ -208,6 +251,7 @@ class ObjectStoreKV(ZarrStoreKV):
                 return
             try:
                 self._record_etag = self.replace_object(ROOT_META, _dump(document), seen.etag)
+                self.unmark_creating()  # a creation killed between its first publish and deleting its marker
                 return
             except ConditionFailed:
                 continue  # a fenced writer's publish landed in between: read again
@@ -221,8 +265,9 @@ class ObjectStoreKV(ZarrStoreKV):
             document = dict(document, attributes=dict(
                 attributes, **{ATTRS_KEY: dict(attributes[ATTRS_KEY], writer=self._writer_token)}))
         body = _dump(document)
+        first = self._record_etag is None
         try:
-            if self._record_etag is None:
+            if first:
                 self._record_etag = self.create_object(ROOT_META, body)
             else:
                 self._record_etag = self.replace_object(ROOT_META, body, self._record_etag)
@@ -230,15 +275,49 @@ class ObjectStoreKV(ZarrStoreKV):
             current = self.read_object(ROOT_META)
             if current is not None and current.body == body:
                 self._record_etag = current.etag  # our own PUT, retried after its answer was lost
+                if first:
+                    self.unmark_creating()
                 return
             raise StoreLockedError(
                 f"{self.location}: another writer replaced the commit record since this writer's last publish "
                 f"(this writer's lock was taken over: its lease ran out, or the store was opened by a second "
                 f"writer); nothing of this append was published. Open the store again (mode='a') to append."
             ) from None
+        if first:
+            self.unmark_creating()  # the store's first record: it is made
 
     def writer_lock(self, lease_s: float) -> ObjectStoreLock:
         return ObjectStoreLock(self, lease_s=lease_s)
+
+    # ---------------------------------------------------------------- a store being made
+    def mark_creating(self) -> None:
+        """Says, before anything else is written, that a store is being made here (:data:`CREATING_KEY`)."""
+        body = _dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        self._through_outages(f"PUT {CREATING_KEY}",
+                              lambda: self._sync(self._answered(self.objects.put(CREATING_KEY, body))))
+
+    def unmark_creating(self) -> None:
+        """Deletes the marker: the store has its commit record (a marker left beside one is ignored)."""
+        self._through_outages(f"DELETE {CREATING_KEY}",
+                              lambda: self._sync(self._answered(self.objects.remove(CREATING_KEY))))
+
+    def being_created(self) -> str | None:
+        """For a prefix with no commit record and no units: why it is a store still being made (its
+        marker names the process and when it started), or one whose making stopped before its first
+        record (a creation killed midway before the marker existed leaves only its writer lock and
+        group metadata); None when other objects are there, which is no store of ours."""
+        marker = self.read_object(CREATING_KEY)
+        if marker is not None:
+            maker = _holder(marker)
+            started = maker.get("started")
+            since = f" since {_clock(started)}" if isinstance(started, (int, float)) else ""
+            return (f"{self.location} is being created by process {maker.get('pid')} on {maker.get('host')}{since}: "
+                    f"no rows yet (a creation killed midway stays so until its writer starts again)")
+        names = set(self.list_dir(""))
+        if names and names <= {LOCK_FILE_NAME, CREATING_KEY, "units"} and set(self.list_dir("units")) <= {ROOT_META}:
+            return (f"{self.location} holds only what a store's creation writes before its first commit record: no "
+                    f"rows yet (a creation stopped midway; its writer makes it again when it starts)")
+        return None
 
 
 def _as_bytes(value) -> bytes:
@@ -305,11 +384,15 @@ class ObjectStoreLock:
                 changed_hands = self._changed_hands(changed_hands)  # released in between
                 continue
             holder = _holder(seen)
+            if holder.get("owner") == self._token:  # our create landed, its answer was lost: retried
+                self._etag = seen.etag
+                break
             if not self._abandoned(holder, seen):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     waited = f" (waited {wait_s:g} s for it: lock_wait_s)" if wait_s else ""
-                    raise StoreLockedError(self._locked_message(holder, seen) + waited)
+                    raise StoreLockedError(self._locked_message(holder, seen) + waited,
+                                           holder=f"process {holder.get('pid')} on {holder.get('host')}")
                 runs_out_in = self._runs_out_in(holder, seen)
                 if announced != seen.etag:
                     announced = seen.etag
@@ -370,13 +453,7 @@ class ObjectStoreLock:
         return self._why_abandoned(holder, seen) is not None
 
     def _why_abandoned(self, holder: dict, seen: ObjectVersion) -> str | None:
-        pid, host = holder.get("pid"), holder.get("host")
-        if host == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
-            return "that process is no longer running"
-        lease = self._lease_of(holder)
-        if seen.age_s is not None and seen.age_s > lease:
-            return f"not renewed for {seen.age_s:.0f} s, lease {lease:g} s"
-        return None
+        return _why_abandoned(holder, seen, self._lease_of(holder))
 
     def _locked_message(self, holder: dict, seen: ObjectVersion) -> str:
         lease = self._lease_of(holder)
@@ -427,6 +504,31 @@ class ObjectStoreLock:
         self.release()
 
 
+def _why_abandoned(holder: dict, seen: ObjectVersion, lease: float) -> str | None:
+    pid, host = holder.get("pid"), holder.get("host")
+    if host == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
+        return "that process is no longer running"
+    if seen.age_s is not None and seen.age_s > lease:
+        return f"not renewed for {seen.age_s:.0f} s, lease {lease:g} s"
+    return None
+
+
+def live_writer(kv: ObjectStoreKV) -> str | None:
+    """Who holds the store's writer lock (``"process 4242 on node-7"``) while its lease runs, else
+    None (no lock object, or one its holder abandoned); reads the lock, takes nothing."""
+    seen = kv.read_object(LOCK_FILE_NAME)
+    if seen is None:
+        return None
+    holder = _holder(seen)
+    try:
+        lease = float(holder.get("lease_s", DEFAULT_LEASE_S))
+    except (TypeError, ValueError):
+        lease = DEFAULT_LEASE_S
+    if _why_abandoned(holder, seen, lease) is not None:
+        return None
+    return f"process {holder.get('pid')} on {holder.get('host')}"
+
+
 def _clock(epoch_s: float) -> str:
     """A moment as ``HH:MM:SS UTC`` (this host's clock), for the lines of a writer waiting for a lock."""
     import datetime
@@ -443,6 +545,7 @@ def _holder(seen: ObjectVersion) -> dict:
 
 
 __all__ = [
+    "CREATING_KEY",
     "DEFAULT_LEASE_S",
     "DEFAULT_REFRESH_INTERVAL_S",
     "OBJECT_STORE_SCHEMES",
@@ -450,6 +553,7 @@ __all__ = [
     "ObjectStoreKV",
     "ObjectStoreLock",
     "is_object_store_url",
+    "live_writer",
     "object_store_options",
     "require_object_store_client",
 ]

@@ -197,6 +197,8 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
             return check_reopened_layout(store, schema, segment_rows, capacity_rows)
         if loc.local_root is not None:
             require_new_directory(loc.local_root, location)
+        if hasattr(loc.kv, "mark_creating"):  # no rename at a URL: an object says "being made" until published
+            loc.kv.mark_creating()
         lock = lock_for(loc, location, lease_s=lock_lease_s, wait_s=lock_wait_s)
         try:
             existing = loc.kv.get(ROOT_META)

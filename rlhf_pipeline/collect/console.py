@@ -1,0 +1,80 @@
+"""What a collector says on the console: status lines that share a terminal with the learner's
+progress bar, and the agent collector's report of each round's tool calls.
+
+``run`` gives its collectors and its learner one stderr. On a terminal the learner draws a tqdm
+bar there, redrawing its line after a ``\\r`` and never ending it, so a plain ``print`` from a
+collector landed after the bar's text ("...wait=0.008][collector] round 50: ..."). :func:`say`
+first goes back to the start of the line and clears it: the line stands alone and the bar is
+redrawn under it at its next update. Written to a log or a pipe, lines are left as they are.
+
+:func:`agent_round_printer` is an :class:`~rlhf_pipeline.collect.AgentCollector` metrics hook:
+every few rounds a line of what the episodes did and, under it, the first failed tool call of
+each kind since the line before, as the model read it; at once, a warning when every tool call
+of a round failed (a tool that raises on every call is a bug in the tool, not a model to train).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+CLEAR_LINE = "\r\x1b[K"  # carriage return, then erase to the end of the line (ECMA-48 EL)
+ERROR_CHARS = 200  # of one tool error, on the console
+
+
+def say(line: str, stream: TextIO | None = None) -> None:
+    """Writes one line to ``stream`` (stderr), starting a clean line on a terminal."""
+    stream = stream if stream is not None else sys.stderr
+    prefix = CLEAR_LINE if getattr(stream, "isatty", lambda: False)() else ""
+    stream.write(f"{prefix}{line}\n")  # one write: another process's output does not land mid-line
+    stream.flush()
+
+
+def collector_tag(collector_index: int) -> str:
+    return "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
+
+
+def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = None,
+                        stream: TextIO | None = None) -> Callable[[Mapping[str, float]], None]:
+    """The hook. ``every``: rounds per line (0: no lines, warnings only); ``toolbox``: the
+    :class:`~rlhf_pipeline.agents.tools.ToolBox` the episodes call, whose ``take_first_errors()``
+    gives the error messages (without one, only counts are printed)."""
+    tag = collector_tag(collector_index)
+    since_line: dict[str, str] = {}  # kind -> first message since the last line
+    state = {"rounds": 0, "warned": False}
+
+    def hook(m: Mapping[str, float]) -> None:
+        state["rounds"] += 1
+        for kind, message in (toolbox.take_first_errors() if toolbox is not None else {}).items():
+            since_line.setdefault(kind, message)
+        calls, ok = int(m.get("tools/calls", 0)), int(m.get("tools/ok", 0))
+        round_number = int(m.get("batches", state["rounds"]))
+        if calls and not ok:
+            if not state["warned"]:  # once per stretch of rounds in which every call fails
+                say(f"{tag} warning: every tool call of round {round_number} failed ({calls} of {calls}); "
+                    f"the first failure of each kind:", stream)
+                say_errors()
+            state["warned"] = True
+        elif ok:
+            state["warned"] = False
+        if every and state["rounds"] % every == 0:
+            reasons = " ".join(f"{k.removeprefix('reason/')}={int(v)}" for k, v in m.items()
+                               if k.startswith("reason/") and v)
+            say(f"{tag} round {round_number} (policy v{int(m.get('policy_version', 0))}): reward "
+                f"{m.get('reward_mean', float('nan')):.3f}, tool-call rate {m.get('tool_call_rate', 0.0):.2f}, "
+                f"tool errors {calls - ok}/{calls}, turns/episode {m.get('turns_per_episode', 0.0):.2f}, "
+                f"ends: {reasons}", stream)
+            say_errors()
+
+    def say_errors() -> None:
+        for kind, message in since_line.items():
+            say(f"{tag}   first {kind} error: {_one_line(message)}", stream)
+        since_line.clear()
+
+    return hook
+
+
+def _one_line(message: str) -> str:
+    text = " ".join(str(message).split())
+    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + "..."

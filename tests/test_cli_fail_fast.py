@@ -1,0 +1,85 @@
+"""What a command cannot do, it says at once: one line and exit code 2 before torch is imported
+(a missing path, a directory that is no buffer, an extra not installed, a GPU the machine lacks),
+not after the seconds of imports and model building it took before (issue 33)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_pipeline.runs.devices import no_cuda_reason
+from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT = str(REPO / "pipelines" / "default.py")
+
+# runs main() on each argv in one fresh interpreter with pyarrow hidden (as if the `data` extra were
+# not installed); prints each exit code and stderr, and whether torch was imported by any of them
+SCRIPT = """
+import contextlib, io, json, sys
+sys.modules["pyarrow"] = None
+from rlhf_pipeline.cli.main import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, err.getvalue()])
+print(json.dumps({"results": results, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_commands_refuse_what_they_cannot_do_before_importing_torch(tmp_path):
+    from helpers import make_batch
+
+    store = tmp_path / "buffer"
+    with MemmapTrajectoryStore.create(store, segment_rows=8) as writer:
+        writer.append(make_batch(1, 2))
+    not_a_buffer = tmp_path / "notes"
+    not_a_buffer.mkdir()
+    (not_a_buffer / "README").write_text("not rows")
+    cases = [
+        (["inspect", str(not_a_buffer)], f"{not_a_buffer} is not a replay buffer"),
+        (["show", str(tmp_path / "missing")], f"{tmp_path / 'missing'} does not exist"),
+        (["export", str(store), str(tmp_path / "rows.parquet")],
+         "exporting to Parquet needs the optional package 'pyarrow'; install it with `pip install -e '.[data]'`"),
+    ]
+    if no_cuda_reason() is not None:  # this machine cannot have a GPU (CI): --device cuda is refused at once
+        home = str(tmp_path / "home")
+        refused = "'cuda' but this machine has no GPU driver"
+        cases += [(["run", DEFAULT, "--device", "cuda", "--home", home], refused),
+                  (["run", DEFAULT, "--set", "device=cuda", "--home", home], refused),
+                  (["replay", DEFAULT, "--buffer", str(store), "--device", "cuda", "--home", home], refused),
+                  (["import", str(tmp_path / "rows.jsonl"), str(tmp_path / "new"), "--pipeline", DEFAULT,
+                    "--device", "cuda"], refused)]
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([argv for argv, _ in cases])],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    for (argv, message), (code, err) in zip(cases, report["results"], strict=True):
+        assert code == 2 and err.count("\n") == 1 and message in err, (argv, code, err)
+    assert not report["torch"]
+    assert not (tmp_path / "home").exists() and not (tmp_path / "rows.parquet").exists()
+
+
+@pytest.mark.parametrize(("platform", "files", "refused"), [
+    ("linux", [], True),  # a machine with no GPU driver
+    ("linux", ["dev/nvidia0", "dev/nvidiactl"], False),  # NVIDIA's driver, also in a container given a GPU
+    ("linux", ["proc/driver/nvidia/version"], False),
+    ("linux", ["dev/kfd"], False),  # AMD's, which a ROCm build of torch uses as "cuda"
+    ("linux", ["dev/dxg"], False),  # WSL 2
+    ("darwin", [], True),
+    ("win32", [], False),  # no cheap probe there: torch decides, later
+])
+def test_a_gpu_is_ruled_out_only_where_no_driver_can_be_seen(tmp_path, monkeypatch, platform, files, refused):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert (no_cuda_reason(platform, root=str(tmp_path)) is not None) == refused
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hides every GPU, whatever the driver
+    assert "CUDA_VISIBLE_DEVICES" in no_cuda_reason(platform, root=str(tmp_path))
