@@ -125,13 +125,22 @@ class EngineStats:
     update_s_total: float = 0.0
     reported_s: float = 0.0
     """``update_s_total`` at the last :meth:`update_metrics`."""
+    starts: int = 0
+    """Times an engine with a process of its own started it (0 for our loop, which has none): one
+    for a whole run when weights change in place."""
+    start_s: float = 0.0
+    """Seconds its last start took."""
 
     def update_metrics(self) -> dict[str, float]:
         """A round's metrics: seconds spent loading weights since the last call (0 without an update;
-        a collector loads at most one version per round, so this is the time of that update) and the
-        number of updates so far."""
+        a collector loads at most one version per round, so this is the time of that update), the
+        number of updates so far and, for an engine in its own process, its starts so far and the
+        seconds the last took."""
         since, self.reported_s = self.update_s_total - self.reported_s, self.update_s_total
-        return {"weight_update_s": since, "weight_updates": float(self.weight_updates)}
+        metrics = {"weight_update_s": since, "weight_updates": float(self.weight_updates)}
+        if self.starts:
+            metrics.update(engine_starts=float(self.starts), engine_start_s=self.start_s)
+        return metrics
 
 
 def draw_seed(generator: torch.Generator) -> int:

@@ -142,9 +142,19 @@ class VLLMEngine(GenerationEngine):
         config = model.config
         if device == "cpu":
             check_cpu_head_size(config)
+        from transformers.utils import logging as hf_logging
+
         scratch = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="rlhf-vllm-"))
         model_dir = scratch / "model"
-        model.save_pretrained(model_dir, safe_serialization=True)
+        # no "Writing model shards" bar: it is noise in the collector's console, and its tqdm lock is a
+        # named semaphore the resource tracker warns about at exit
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(model_dir, safe_serialization=True)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
         dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
         options.setdefault("max_model_len", int(config.max_position_embeddings))
         return cls(model_dir, python=python, stop_token_ids=stop_token_ids, vocab_size=int(config.vocab_size),
@@ -184,6 +194,8 @@ class VLLMEngine(GenerationEngine):
         self._connection.send(options)
         reply = self._receive(timeout_s, what=f"starting (its log: {self.log_path})")
         self.startup_s = time.perf_counter() - started
+        self.stats.starts += 1
+        self.stats.start_s = self.startup_s
         self.vllm_version = reply.get("vllm_version", "")
 
     def _receive(self, timeout_s: float | None, what: str) -> dict[str, Any]:

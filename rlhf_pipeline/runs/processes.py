@@ -140,6 +140,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         state, version = update
         model.load_state_dict(state)
         collector = _make_collector(pipeline, model, store, collector_index)
+        engine = getattr(collector, "engine", None)
+        if getattr(getattr(engine, "stats", None), "starts", 0):  # an engine in a process of its own
+            say(f"{tag} the {engine.name} generation engine started in {engine.stats.start_s:.0f} s; it keeps "
+                f"running and takes each new policy version in place")
         if saved is not None:
             collector.load_state_dict(saved)
         if position.resumed_inflight_round:

@@ -126,7 +126,7 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_pa
     requests = [SampleRequest(long_prompt, n=2), SampleRequest(_prompts(tok)[1], n=2)]
     before = engine.sample(requests, config, torch.Generator().manual_seed(3))
     assert _max_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
-    version = engine.policy_version
+    version, pid = engine.policy_version, engine.pid
     # as a save_pretrained checkpoint holds a tied model: no lm_head.weight of its own (vLLM then leaves
     # its packed head on the old embedding unless it is tied again)
     untied_keys = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}
@@ -145,6 +145,8 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_pa
         assert [c.token_ids for g in restored for c in g.completions] == [c.token_ids for g in before for c in g.completions]
         with pytest.raises(ValueError, match="older than the current"):
             engine.update_weights(other.state_dict(), version)
+        assert engine.pid == pid and engine.stats.starts == 1  # in place: the same process throughout
+        assert engine.stats.update_metrics()["engine_starts"] == 1.0
     finally:
         if engine.policy_version != version + 2:
             engine.update_weights(model.state_dict(), version + 3)
