@@ -10,7 +10,8 @@ of a shared machine: one ``sample`` call (generated tokens per second: tokens th
 EOS included), and for vLLM one ``update_weights`` of a state dict (the collector's route: written
 to a safetensors file, reloaded in the engine's process, tied head repacked, prefix cache reset)
 and the engine's start (once). Reports the median and the range, and the load before and after.
-Needs the vLLM environment (``rlhf-pipeline setup-vllm``); one thread for our loop.
+Needs the vLLM environment (``rlhf-pipeline setup-vllm``); our loop on ``--loop-threads`` threads
+(default 1; vLLM's process binds its own).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--loop-threads", type=int, default=1, help="torch threads of our loop (default 1)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = parser.parse_args()
 
@@ -46,7 +48,7 @@ def main() -> None:
     from rlhf_pipeline.generation.vllm_engine import VLLMEngine
     from rlhf_pipeline.models import tiny_model_and_tokenizer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.loop_threads)
     load_before = os.getloadavg()
     model, tok = tiny_model_and_tokenizer(hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers)
     other, _ = tiny_model_and_tokenizer(seed=1, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers)
@@ -81,7 +83,7 @@ def main() -> None:
 
     result = {
         "parameters": parameters, "prompts": args.prompts, "group": args.group,
-        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "vllm": vllm.vllm_version,
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "loop_threads": args.loop_threads, "vllm": vllm.vllm_version,
         "loop_tokens_per_s": summary(rates["loop"]), "vllm_tokens_per_s": summary(rates["vllm"]),
         "weight_update_s": summary(updates), "engine_start_s": start_s,
         "load_before": load_before[0], "load_after": load_after[0],
@@ -90,7 +92,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"model {parameters:,} parameters; {args.prompts} prompts x {args.group}, up to {args.max_new_tokens} "
-          f"tokens; {args.repeats} repeats; vLLM {result['vllm']}; load {load_before[0]:.1f} -> {load_after[0]:.1f}")
+          f"tokens; {args.repeats} repeats; our loop on {args.loop_threads} thread(s); vLLM {result['vllm']}; load {load_before[0]:.1f} -> {load_after[0]:.1f}")
     for label, key, unit in (("our loop", "loop_tokens_per_s", "tokens/s"), ("vLLM", "vllm_tokens_per_s", "tokens/s"),
                              ("weight update", "weight_update_s", "s")):
         s = result[key]

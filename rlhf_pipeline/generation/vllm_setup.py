@@ -109,8 +109,12 @@ def setup_vllm(path: Path | None = None, *, gpu: bool | None = None, step_timeou
         path.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps(done, indent=1))
     say("[setup-vllm] checking that vllm and transformers import (importing vllm takes 15-90 s)")
-    versions = _run("check", [str(env_python), "-c", CHECK], step_timeout_s).strip().splitlines()[-1]
-    vllm_version, torch_version, cuda = versions.split()
+    printed = _run("check", [str(env_python), "-c", CHECK], step_timeout_s).strip()
+    try:
+        vllm_version, torch_version, cuda = printed.splitlines()[-1].split()
+    except (IndexError, ValueError):
+        raise SetupError(f"setup-vllm step 'check' printed {printed[-200:]!r}, not the versions of vllm and torch: "
+                         f"{env_python} is not the environment's Python; remove {path} and set up again") from None
     if not gpu and cuda != "None":
         raise SetupError(f"{path} holds a CUDA torch ({torch_version}) on a CPU machine; remove {path} and install "
                          f"{CPU_TORCH} from a CPU wheel index (pip's --index-url https://download.pytorch.org/whl/cpu) "
