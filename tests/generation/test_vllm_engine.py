@@ -8,6 +8,13 @@ vLLM environment is absent (``rlhf-pipeline setup-vllm`` makes it).
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -170,3 +177,46 @@ def test_settings_it_cannot_honour_are_refused_by_name(served):
     plain = engine.sample(requests, SamplingConfig(max_new_tokens=4), torch.Generator().manual_seed(4))
     wide = engine.sample(requests, config, torch.Generator().manual_seed(4))
     assert [c.log_probs for c in plain[0].completions] == [c.log_probs for c in wide[0].completions]
+
+
+OWNER = """
+import sys, time
+from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+from rlhf_pipeline.models import tiny_model_and_tokenizer
+model, tok = tiny_model_and_tokenizer(hidden_size=64, num_heads=2, num_layers=1)
+engine = VLLMEngine.from_model(model, python=sys.argv[1], stop_token_ids=[tok.eos_token_id], work_dir=sys.argv[2])
+print(engine.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited; its new parent may be slow to reap it
+
+
+@pytest.mark.slow
+def test_an_engine_whose_collector_is_killed_exits_by_itself(vllm_python, tmp_path):
+    """kill -9 of the process that owns the engine (nothing runs its close) leaves no engine behind:
+    the engine's socket to it closes and the engine exits."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, vllm_python, str(tmp_path / "engine")],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    engine_pid = None
+    try:
+        engine_pid = int(owner.stdout.readline())  # printed once the engine is up
+        assert _running(engine_pid)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 120  # a bound on a hang, not a timing: it exits within a second here
+        while _running(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running(engine_pid), "the vLLM engine outlived the process that owned it"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        if engine_pid is not None and _running(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
