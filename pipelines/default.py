@@ -2,6 +2,7 @@
 
     rlhf-pipeline run pipelines/default.py                  # about 15 s on 2 idle CPU cores
     rlhf-pipeline run pipelines/default.py --steps 20 --set group_size=4
+    rlhf-pipeline run pipelines/default.py --set generation.engine=vllm --set num_heads=2   # vLLM generates
 
 What it wires, top to bottom:
 
@@ -13,7 +14,10 @@ What it wires, top to bottom:
 3. buffer  a memmap (or Zarr) replay buffer per collector in ``<run>/buffer/shard-kkkk``; the write
            path computes the GRPO group advantage (normalized by the group's std) before
            rows land; the learner samples the union of the shards;
-4. learner GRPO with the settings in ``learner`` (see ``--list-settings``).
+4. learner GRPO with the settings in ``learner`` (see ``--list-settings``);
+5. engine  who samples: our loop in the collector's process, or vLLM in its own process
+           (``generation.engine=vllm``; its CPU attention needs a head size of 32 or more, so
+           ``num_heads=2`` with the default width).
 
 Copy this file to start a new pipeline; pipelines do not inherit from each other.
 """
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
 from rlhf_pipeline.cluster.settings import RaySettings
@@ -100,6 +105,8 @@ class Settings:
         checkpoint_every=50, log_every=20,
     ))
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    """Who samples the completions: our loop (default) or vLLM (--set generation.engine=vllm)."""
     ray: RaySettings = field(default_factory=RaySettings)
     """Resources of each actor under `run --ray` (--set ray.collector_num_gpus=1); ignored without --ray."""
 
@@ -114,6 +121,12 @@ def check(settings: Settings) -> LearnerSettings:
         raise PipelineError(f"setting 'buffer_url' ({settings.buffer_url}) needs buffer_backend=zarr: only a Zarr "
                             f"store lives at a URL; add --set buffer_backend=zarr, or drop buffer_url to keep the "
                             f"memmap buffer in the run directory")
+    try:
+        check_generation(settings.generation, head_size=settings.hidden_size // settings.num_heads,
+                         device=settings.device, head_hint=f" (hidden_size {settings.hidden_size} / num_heads "
+                         f"{settings.num_heads}): add --set num_heads=2")
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
     # the learner recomputes log-probs at the sampling temperature
     learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
     try:
@@ -178,6 +191,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     def make_collector(model, store, collector_index: int = 0):
         from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+        from rlhf_pipeline.generation.settings import make_engine
         from rlhf_pipeline.storage import make_replay_buffer
 
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size,
@@ -189,8 +203,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         )
         # each collector (one buffer shard each) walks the prompts in its own order
         source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
-        return Collector(model.to(settings.device), tokenizer, source, rewards, sink=buffer.extend,
-                         config=config)
+        # the loop samples with this model; a vLLM engine starts from its weights in its own process
+        engine = make_engine(settings.generation, model.to(settings.device), pad_token_id=tokenizer.pad_token_id,
+                             stop_token_ids=[tokenizer.eos_token_id], device=settings.device, seed=settings.seed)
+        return Collector(engine, tokenizer, source, rewards, sink=buffer.extend, config=config)
 
     return Pipeline(
         settings=settings,

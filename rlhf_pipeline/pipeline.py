@@ -82,7 +82,8 @@ class Pipeline:
     the store through the pipeline's write-path transforms (e.g. ``ReplayBuffer.extend`` with
     them attached). With several collectors each gets its own shard store and index, which it
     must pass on (``CollectorConfig(collector_index=...)``) so ids stay unique across shards; a
-    ``make_collector(model, store)`` without the parameter runs as collector 0 only."""
+    ``make_collector(model, store)`` without the parameter runs as collector 0 only. A collector
+    with a ``close()`` method (one that owns a vLLM engine's process) is closed when collection ends."""
     pad_token_id: int
     tokenizer: Any = None
     """The policy's tokenizer (a ``transformers`` tokenizer, with its chat template): what

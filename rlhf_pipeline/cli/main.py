@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "a buffer's rows to JSONL, Parquet or a HF dataset; whole trajectories as chat messages (chat)"),
     "export-model": ("rlhf_pipeline.cli.export_model_cmd", "a run's policy as a save_pretrained directory"),
     "plot": ("rlhf_pipeline.cli.plot_cmd", "PNG charts of runs' metrics, overlaid"),
+    "setup-vllm": ("rlhf_pipeline.cli.setup_vllm_cmd", "make the environment the vLLM generation engine runs under"),
 }
 
 

@@ -3,8 +3,8 @@
 One ``collect()`` call is one round: ``tasks_per_round`` tasks from a :class:`TaskSource`,
 ``group_size`` episodes of each (a GRPO group), run to their ends by
 :func:`rlhf_pipeline.agents.rollout.run_episodes` with the collector's model as the sampler
-(:func:`~rlhf_pipeline.collect.generate.generate`, batched over every active episode, through
-:func:`~rlhf_pipeline.agents.rollout.cut_to_limits` so each episode keeps its own turn limit).
+(its generation engine, ``generation/engine.py``: one request per active episode, each with its own
+turn limit, in one call; our sampling loop by default, which samples them as one batch).
 The round's rows go to ``sink`` in ONE call, typically ``ReplayBuffer.extend`` with the write
 path attached, so:
 
@@ -53,9 +53,11 @@ import torch
 
 from rlhf_pipeline.agents.environment import Environment, ToolCall
 from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
-from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, cut_to_limits, rollout
-from rlhf_pipeline.collect.collector import MetricsHook, load_policy_weights
-from rlhf_pipeline.collect.generate import SamplingConfig, generate
+from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, rollout
+from rlhf_pipeline.collect.collector import MetricsHook
+from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
+from rlhf_pipeline.generation.loop import LoopEngine
+from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.collect.prompts import TaskSource
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
@@ -125,7 +127,10 @@ class AgentCollector:
 
     ``make_env()`` builds one episode's environment (:class:`~rlhf_pipeline.agents.environment.Environment`);
     ``parser`` finds tool calls in the model's text (``rlhf_pipeline.agents.tools``);
-    ``stop_token_ids`` end a model turn (default: the tokenizer's EOS).
+    ``stop_token_ids`` end a model turn (default: the tokenizer's EOS). ``model``: the policy to
+    sample with in this process (our sampling loop), or a
+    :class:`~rlhf_pipeline.generation.engine.GenerationEngine`, whose own stop tokens must then be
+    ``stop_token_ids``; the collector owns it (:meth:`close`).
     """
 
     def __init__(
@@ -145,7 +150,6 @@ class AgentCollector:
     ) -> None:
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("AgentCollector: the tokenizer needs pad_token_id and eos_token_id set")
-        self.model = model.eval()
         self.tokenizer = tokenizer
         self.tasks = tasks
         self.make_env = make_env
@@ -155,14 +159,23 @@ class AgentCollector:
         self.stop_token_ids = sorted(stop_token_ids if stop_token_ids is not None else [tokenizer.eos_token_id])
         self.template_kwargs = dict(template_kwargs or {})
         self.hooks = list(hooks)
-        self.policy_version = policy_version
+        if isinstance(model, GenerationEngine):
+            if stop_token_ids is not None and sorted(stop_token_ids) != model.stop_token_ids:
+                raise ValueError(f"AgentCollector: stop_token_ids {self.stop_token_ids} differ from the engine's "
+                                 f"{model.stop_token_ids}; build the engine with the turn's stop tokens")
+            self.engine = model
+            self.stop_token_ids = model.stop_token_ids
+        else:
+            self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=self.stop_token_ids,
+                                     policy_version=policy_version)
+        self.engine.check_sampling(self.config.sampling)
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
         self.groups_dropped = 0  # over every round, resumed with the state: the failure rate's numerator
         # rows and trajectories this process wrote: the turns a trajectory has, for round_rows
         self._rows_written = self._trajectories_written = 0
-        self.generator = torch.Generator(device=next(model.parameters()).device)
+        self.generator = torch.Generator(device=self.engine.generator_device)
         self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
         self.last_metrics: dict[str, float] = {}
         self._generate_s = 0.0
@@ -192,7 +205,7 @@ class AgentCollector:
         started = time.perf_counter()
         self._generate_s = 0.0
         tasks = self.tasks.next_batch(cfg.tasks_per_round)
-        result = rollout(tasks, self.make_env, cut_to_limits(self._sample, self.stop_token_ids), self.tokenizer,
+        result = rollout(tasks, self.make_env, self._sample, self.tokenizer,
                          RolloutConfig(group_size=cfg.group_size, limits=cfg.limits,
                                        step_timeout_s=cfg.step_timeout_s, episode_timeout_s=cfg.episode_timeout_s,
                                        max_workers=cfg.max_workers,
@@ -246,15 +259,15 @@ class AgentCollector:
                 f"max_failed_group_fraction={limit:g} allows (counted over at least {cfg.failure_rate_min_groups} "
                 f"groups){why}; fix the environment, or raise AgentCollectorConfig.max_failed_group_fraction")
 
-    def _sample(self, prompts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
-        """One batch of turns from the model: every active episode's token list, one sample each."""
+    def _sample(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
+        """One batch of turns from the engine: every active episode's token list, one sample each, each
+        with its own limit."""
         started = time.perf_counter()
-        gen = generate(self.model, prompts, dataclasses.replace(self.config.sampling, max_new_tokens=max_new_tokens),
-                       pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stop_token_ids,
-                       generator=self.generator)
+        requests = [SampleRequest(prompt, n=1, max_new_tokens=limit)
+                    for prompt, limit in zip(prompts, max_new_tokens, strict=True)]
+        groups = self.engine.sample(requests, self.config.sampling, self.generator)
         self._generate_s += time.perf_counter() - started
-        return [(ids.tolist(), log_probs.tolist())
-                for ids, log_probs in zip(gen.response_tokens.to_list(), gen.response_log_probs.to_list(), strict=True)]
+        return [(g.completions[0].token_ids, g.completions[0].log_probs) for g in groups]
 
     def _report(self, result: Rollout, batch: TrajectoryBatch | None, elapsed: float) -> None:
         episodes, m = result.episodes, result.metrics
@@ -285,6 +298,7 @@ class AgentCollector:
             "template_mismatch": float(m["template_mismatch"]),
             "environment_timeouts": float(m["environment_timeouts"]),
             "policy_version": float(self.policy_version),
+            **self.engine.stats.update_metrics(),
             "batches": float(self.batches_emitted),
             "trajectories": float(self.trajectories_emitted),
         }
@@ -301,8 +315,17 @@ class AgentCollector:
         if version < self.policy_version:
             raise ValueError(f"set_policy_state: version {version} is older than the current "
                              f"{self.policy_version}; weights only move forward")
-        load_policy_weights(self.model, state_dict)
-        self.policy_version = int(version)
+        self.engine.update_weights(state_dict, version)
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the engine holds (weights change between rounds only, so a
+        round's rows all name one)."""
+        return self.engine.policy_version
+
+    def close(self) -> None:
+        """Closes the engine (stops a vLLM engine's process)."""
+        self.engine.close()
 
     # ---------------------------------------------------------------- resume
     def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0), dropped_ahead: int = 0,
@@ -343,6 +366,7 @@ class AgentCollector:
         # saved before pacing estimated a round's rows: the estimate starts again
         self._trajectories_written = int(state.get("trajectories_written", 0))
         self._rows_written = int(state.get("rows_written", 0))
-        self.policy_version = max(self.policy_version, int(state["policy_version"]))
+        # the saved policy_version is not restored: rows name the version the engine holds, and the
+        # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
 

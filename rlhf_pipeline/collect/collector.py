@@ -1,9 +1,11 @@
 """The collector: prompts in, scored ``TrajectoryBatch`` rows out to a sink.
 
-One ``collect()`` call takes ``prompts_per_batch`` prompts from the source, samples
-``num_generations`` completions of each (:func:`~rlhf_pipeline.collect.generate.generate`),
-scores them, and hands one ``TrajectoryBatch`` holding whole groups to ``sink``
-(typically ``ReplayBuffer.extend`` with the write-path transforms attached).
+One ``collect()`` call takes ``prompts_per_batch`` prompts from the source, asks its generation
+engine for ``num_generations`` completions of each (``generation/engine.py``: our sampling loop by
+default, vLLM with ``generation.engine=vllm``; the collector does not know which), scores them, and
+hands one ``TrajectoryBatch`` holding whole groups to ``sink`` (typically ``ReplayBuffer.extend``
+with the write-path transforms attached). Each row's ``policy_version`` is the version the engine
+held when it sampled the row's group.
 
 Ids. ``group_id`` and ``trajectory_id`` are ``(collector_index << 40) | counter`` with
 counters that live in :meth:`Collector.state_dict`, so ids stay unique across
@@ -28,11 +30,14 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.collect.generate import SamplingConfig, generate
 from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, score
+from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
+from rlhf_pipeline.generation.loop import LoopEngine, load_state_into
+from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
 from rlhf_pipeline.schema import TrajectoryBatch
+from rlhf_pipeline.schema.ragged import RaggedTensor
 
 
 @dataclass
@@ -61,11 +66,15 @@ MetricsHook = Callable[[dict[str, float]], None]
 
 
 class Collector:
-    """Generates, scores and emits groups of completions; resumable; takes new weights."""
+    """Generates, scores and emits groups of completions; resumable; takes new weights.
+
+    ``model``: the policy to sample with in this process (our sampling loop, ``LoopEngine``), or a
+    :class:`~rlhf_pipeline.generation.engine.GenerationEngine` (a vLLM engine...), which the
+    collector then owns: :meth:`close` closes it."""
 
     def __init__(
         self,
-        model,
+        model: Any,
         tokenizer,
         prompts: PromptSource,
         rewards: RewardFn | Mapping[str, RewardFn | tuple[RewardFn, float]] | Sequence[WeightedReward],
@@ -75,7 +84,6 @@ class Collector:
         policy_version: int = 0,
         hooks: Sequence[MetricsHook] = (),
     ) -> None:
-        self.model = model.eval()
         self.tokenizer = tokenizer
         self.prompts = prompts
         self.rewards = as_rewards(rewards)
@@ -84,12 +92,16 @@ class Collector:
         self.hooks = list(hooks)
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("Collector: the tokenizer needs pad_token_id and eos_token_id set")
-        self.policy_version = policy_version
+        if isinstance(model, GenerationEngine):
+            self.engine = model
+        else:
+            self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                     policy_version=policy_version)
+        self.engine.check_sampling(self.config.sampling)  # a setting the engine cannot honour: refused now
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
-        device = next(model.parameters()).device
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator(device=self.engine.generator_device)
         self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
         self.last_metrics: dict[str, float] = {}
 
@@ -103,18 +115,19 @@ class Collector:
         cfg = self.config
         t0 = time.perf_counter()
         records = self.prompts.next_batch(cfg.prompts_per_batch)
-        prompt_ids = [r.render(self.tokenizer) for r in records]
-        gen = generate(
-            self.model, prompt_ids, cfg.sampling, pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id, num_samples=cfg.num_generations,
-            generator=self.generator,
-        )
+        requests = [SampleRequest(r.render(self.tokenizer), n=cfg.num_generations) for r in records]
+        groups = self.engine.sample(requests, cfg.sampling, self.generator)
         t_gen = time.perf_counter()
-        idx = gen.prompt_index.tolist()
+        completions_out = [c for g in groups for c in g.completions]  # grouped by prompt, request order
+        prompt_index = torch.tensor([g.index for g in groups for _ in g.completions], dtype=torch.int64)  # (N,)
+        idx = prompt_index.tolist()
+        response_tokens = RaggedTensor.from_sequences([c.token_ids for c in completions_out], dtype=torch.int32)
+        terminated = torch.tensor([c.terminated for c in completions_out], dtype=torch.bool)
+        version = torch.tensor([g.policy_version for g in groups for _ in g.completions], dtype=torch.int64)
         # render each prompt's text once, not once per completion
         record_texts = [r.display_text(self.tokenizer) for r in records]
         prompt_texts = [record_texts[i] for i in idx]
-        completions = self.tokenizer.batch_decode(gen.response_tokens.to_list(), skip_special_tokens=True)
+        completions = self.tokenizer.batch_decode([c.token_ids for c in completions_out], skip_special_tokens=True)
         field_names = sorted({k for r in records for k in r.fields})
         fields = {k: [records[i].fields.get(k) for i in idx] for k in field_names}
         reward, parts = score(self.rewards, prompt_texts, completions, fields)
@@ -122,20 +135,21 @@ class Collector:
 
         n = len(idx)
         base = id_base(cfg.collector_index)
-        group_id = base + self.groups_emitted + gen.prompt_index
+        group_id = base + self.groups_emitted + prompt_index
         trajectory_id = base + self.trajectories_emitted + torch.arange(n)
         batch = TrajectoryBatch({
-            "prompt_tokens": gen.prompt_tokens.to(torch.int32),
-            "response_tokens": gen.response_tokens.to(torch.int32),
-            "response_log_probs": gen.response_log_probs,
+            "prompt_tokens": RaggedTensor.from_sequences([requests[i].prompt_ids for i in idx], dtype=torch.int32),
+            "response_tokens": response_tokens,
+            "response_log_probs": RaggedTensor.from_sequences([c.log_probs for c in completions_out],
+                                                              dtype=torch.float32),
             "group_id": group_id.to(torch.int64),
             "trajectory_id": trajectory_id.to(torch.int64),
             "step": torch.zeros(n, dtype=torch.int32),
             "reward": reward,
             "done": torch.ones(n, dtype=torch.bool),
-            "terminated": gen.terminated.clone(),
-            "truncated": gen.truncated.clone(),
-            "policy_version": torch.full((n,), self.policy_version, dtype=torch.int64),
+            "terminated": terminated,
+            "truncated": ~terminated,
+            "policy_version": version,
             "prompt_text": prompt_texts,
             "response_text": completions,
         })
@@ -188,6 +202,7 @@ class Collector:
             "policy_version": float(self.policy_version),
             "batches": float(self.batches_emitted),
             "trajectories": float(self.trajectories_emitted),
+            **self.engine.stats.update_metrics(),
         }
         for name, values in parts.items():
             metrics[f"reward/{name}"] = float(values.mean())
@@ -196,15 +211,23 @@ class Collector:
             hook(metrics)
 
     # ---------------------------------------------------------------- weights
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the engine holds: what the next rows are tagged with."""
+        return self.engine.policy_version
+
     def set_policy_state(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Loads new policy weights (all keys must match) and tags later rows with ``version``."""
+        """Loads new policy weights into the engine (all keys must match); later rows name ``version``."""
         if version < self.policy_version:
             raise ValueError(
                 f"set_policy_state: version {version} is older than the current {self.policy_version}; "
                 f"weights only move forward"
             )
-        load_policy_weights(self.model, state_dict)
-        self.policy_version = int(version)
+        self.engine.update_weights(state_dict, version)
+
+    def close(self) -> None:
+        """Closes the engine (stops a vLLM engine's process); the loop engine holds nothing to stop."""
+        self.engine.close()
 
     # ---------------------------------------------------------------- resume
     def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
@@ -232,18 +255,9 @@ class Collector:
         self.groups_emitted = int(state["groups_emitted"])
         self.trajectories_emitted = int(state["trajectories_emitted"])
         self.batches_emitted = int(state["batches_emitted"])
-        self.policy_version = max(self.policy_version, int(state["policy_version"]))
+        # the saved policy_version is not restored: rows name the version the engine holds, and the
+        # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
 
 
-def load_policy_weights(model, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Loads published weights into a collector's model (every key must match) and sets eval mode."""
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    # tied embeddings may be saved once; anything else missing means the wrong checkpoint
-    missing = [k for k in missing if k != "lm_head.weight" or not model.config.tie_word_embeddings]
-    if missing or unexpected:
-        raise ValueError(
-            f"set_policy_state: weights do not match the collector's model "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    model.eval()
+load_policy_weights = load_state_into  # the name the agent collector and older code use

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from rlhf_pipeline.collect.generate import SamplingConfig, generate
+from rlhf_pipeline.generation.loop import generate
+from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.collect.prompts import PromptRecord
 from rlhf_pipeline.models.supervised import supervised_step
 

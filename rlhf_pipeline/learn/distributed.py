@@ -69,7 +69,7 @@ from tensordict import TensorDict
 
 from rlhf_pipeline.storage.buffers import is_url
 
-from rlhf_pipeline.learn.loss import aggregates_by_token
+from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token
 from rlhf_pipeline.learn.microbatch import take_rows
 from rlhf_pipeline.learn.rank_slices import SharedView, order_by_owner, positions_in_view, rank_slice
 from rlhf_pipeline.learn.shard_rows import RowNames, open_in_view, published_view
@@ -330,12 +330,18 @@ class DataParallel:
         return values.tolist()
 
     def sum_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        """Per-rank weighted metric sums -> global ones (every rank has the same keys, in order)."""
+        """Per-rank weighted metric sums -> global ones (every rank has the same keys, in order); the
+        statistics in ``loss.MAX_METRICS`` are maxima, taken over the ranks."""
         if not self.enabled or not sums:
             return sums
-        keys = sorted(sums)
-        totals = self.sum_counts(*(sums[k] for k in keys))
-        return dict(zip(keys, totals))
+        keys = sorted(k for k in sums if k not in MAX_METRICS)
+        totals = dict(zip(keys, self.sum_counts(*(sums[k] for k in keys))))
+        maxima = sorted(k for k in sums if k in MAX_METRICS)
+        if maxima:
+            values = torch.tensor([sums[k] for k in maxima], dtype=torch.float64)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            totals.update(zip(maxima, values.tolist()))
+        return totals
 
     def gather_rows(self, batch: TensorDict) -> TensorDict:
         """The per-row columns (one value a row: ``(B,)`` or ``(B, 1)``) of every rank's real rows,

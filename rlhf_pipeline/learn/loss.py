@@ -47,7 +47,13 @@ the lower / upper clip removed: ratio < 1-eps with A < 0 / ratio > 1+eps with A 
 ``ratio_mean/min/max``, ``approx_kl_old`` (k3 between old and current policy),
 ``ess`` (effective sample size ``(sum w)^2 / (n * sum w^2)`` of the importance weights
 over response tokens, in (0, 1]; the TIS weights when TIS is on, else the ratios),
-``tis_clip_frac``.
+``tis_clip_frac``; with the sampler's stored log-probs, ``sampler_logprob_diff_mean`` /
+``_max`` / ``_frac`` (mean and max of ``|logp_learner - logp_sampler|`` over response tokens, and
+the share above :data:`LOGPROB_DIFF_THRESHOLD`): how far the learner's recomputed log-probs are
+from what the generation engine stored. It holds the policy's drift since the row was sampled
+(staleness) and the engine's numerical mismatch (another kernel, vLLM); on rows sampled by the
+learner's own version only the mismatch, ~1e-6 for vLLM on a CPU in float32. ``_max`` is a
+maximum over the step's micro-batches and ranks (:data:`MAX_METRICS`), the others weighted means.
 
 Per-row feedback for prioritized replay (``row_feedback=``, :func:`per_row_feedback`): with
 ``"loss"`` the metrics also hold ``row_feedback`` (B,), each row's mean over its response tokens
@@ -75,6 +81,13 @@ import torch
 
 from rlhf_pipeline.learn.settings import Aggregation, GRPOLossConfig  # noqa: F401 (re-exported)
 from rlhf_pipeline.learn.trajectories import TOKEN_ADVANTAGE_KEY
+
+
+LOGPROB_DIFF_THRESHOLD = 0.1
+"""``sampler_logprob_diff_frac`` counts the response tokens whose learner and stored log-probs differ by
+more than this (a ratio off by ~10%)."""
+MAX_METRICS = frozenset({"sampler_logprob_diff_max"})
+"""Statistics a step combines over micro-batches and ranks by their maximum, not a weighted sum."""
 
 
 def aggregates_by_token(options: Mapping[str, Any] | GRPOLossConfig | None) -> bool:
@@ -202,6 +215,8 @@ def grpo_loss(
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # (B, T)
 
     metrics: dict[str, torch.Tensor] = {}
+    if sampler_log_probs is not None:
+        metrics.update(sampler_mismatch(log_probs.detach(), sampler_log_probs, mask))
     if config.tis_cap is not None:
         if sampler_log_probs is None:
             raise ValueError("tis_cap is set but no sampler_log_probs were given; pass the stored sampling log-probs")
@@ -256,6 +271,20 @@ def grpo_loss(
         metrics["policy_loss"] = policy_loss.detach()
         metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+def sampler_mismatch(log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``|log_probs - sampler_log_probs|`` over the masked tokens: mean, max and the share above
+    :data:`LOGPROB_DIFF_THRESHOLD` (0-dim tensors; zeros without a masked token)."""
+    diff = (log_probs.float() - sampler_log_probs.float()).abs()  # (B, T)
+    if not bool(mask.any()):
+        zero = torch.zeros(())
+        return {"sampler_logprob_diff_mean": zero, "sampler_logprob_diff_max": zero, "sampler_logprob_diff_frac": zero}
+    return {
+        "sampler_logprob_diff_mean": _masked_mean(diff, mask),
+        "sampler_logprob_diff_max": diff[mask].max(),
+        "sampler_logprob_diff_frac": _masked_mean((diff > LOGPROB_DIFF_THRESHOLD).float(), mask),
+    }
 
 
 # ======================================================================== forward

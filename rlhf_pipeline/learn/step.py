@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
-from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss
+from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token, grpo_step_loss
 from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows
 from rlhf_pipeline.learn.packed import PackedMicroBatch, RaggedRows, grpo_packed_loss, plan_rows, pack_rows
 from rlhf_pipeline.learn.packed_batch import PackedBatch
@@ -162,7 +162,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
         if row_feedback is not None and part.counts:
             row_feedback[part.rows] = feedback.float().cpu()
         for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + float(value) * part.weight
+            if key in MAX_METRICS:  # a maximum over the micro-batches that count (not a filler's, a repeat's)
+                sums[key] = max(sums.get(key, 0.0), float(value) if part.weight > 0 else 0.0)
+            else:
+                sums[key] = sums.get(key, 0.0) + float(value) * part.weight
     losses = plan.reduce(sums)
 
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")

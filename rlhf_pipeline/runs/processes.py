@@ -119,6 +119,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     except StoreLockedError as exc:  # a refusal, said in one line: the store's own words are for Python callers
         raise _second_collector(collector_index, store_path, exc.holder) from None
     done = 0
+    collector = None
     try:
         model = pipeline.make_model()
         if poller is None:  # at a URL, one download per version for all collectors of this machine
@@ -139,6 +140,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         state, version = update
         model.load_state_dict(state)
         collector = _make_collector(pipeline, model, store, collector_index)
+        engine = getattr(collector, "engine", None)
+        if getattr(getattr(engine, "stats", None), "starts", 0):  # an engine in a process of its own
+            say(f"{tag} the {engine.name} generation engine started in {engine.stats.start_s:.0f} s; it keeps "
+                f"running and takes each new policy version in place")
         if saved is not None:
             collector.load_state_dict(saved)
         if position.resumed_inflight_round:
@@ -222,6 +227,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                     f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner")
         metrics.close()
     finally:
+        if collector is not None and hasattr(collector, "close"):  # its generation engine's process, if any
+            collector.close()
         store.close()
         stop.restore()
     say(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)")

@@ -11,6 +11,7 @@ from rlhf_pipeline.schema.padding import pad_batch
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.learn.loss import (
+    LOGPROB_DIFF_THRESHOLD,
     GRPOLossConfig,
     aggregates_by_token,
     effective_sample_size,
@@ -169,6 +170,21 @@ def test_config_errors_name_the_option():
     assert aggregates_by_token({}) and not aggregates_by_token({"aggregation": "sequence_mean"})
 
 
+def test_sampler_mismatch_is_the_learner_against_the_stored_log_probs():
+    log_probs, _, adv, mask, _, _ = _tensors()
+    # the stored log-probs off by known amounts on the response tokens: 0.5 on one, 0.2 on another
+    offsets = torch.full((B, T), 1e-3, dtype=torch.float64)
+    offsets[0, -1], offsets[3, -2] = 0.5, -0.2
+    sampler = log_probs.detach() + offsets
+    _, m = grpo_loss(log_probs, sampler, adv, mask, sampler_log_probs=sampler)
+    n = int(mask.sum())
+    assert float(m["sampler_logprob_diff_max"]) == pytest.approx(0.5)
+    assert float(m["sampler_logprob_diff_mean"]) == pytest.approx((0.5 + 0.2 + 1e-3 * (n - 2)) / n)
+    assert LOGPROB_DIFF_THRESHOLD < 0.2 and float(m["sampler_logprob_diff_frac"]) == pytest.approx(2 / n)
+    _, without = grpo_loss(log_probs, sampler, adv, mask)  # no stored log-probs given: nothing to compare
+    assert "sampler_logprob_diff_max" not in without
+
+
 # ====================================================================== forward on a padded batch
 @pytest.fixture(scope="module")
 def collected():
@@ -259,3 +275,29 @@ def test_int32_token_ids_give_the_same_loss_and_gradients(collected):
     assert torch.equal(results[0][0], results[1][0])
     for a, b in zip(results[0][1], results[1][1]):
         assert torch.equal(a, b)
+
+
+def test_a_step_reports_the_largest_mismatch_over_its_micro_batches(collected):
+    import dataclasses
+
+    from rlhf_pipeline.learn.settings import LearnerSettings
+    from rlhf_pipeline.learn.step import plan_step, train_step
+
+    model, tok, batch = collected
+    log_probs = batch["response_log_probs"]
+    values = log_probs.values.clone()
+    values[log_probs.offsets[-2]] += 0.75  # the first token of the last row: its micro-batch is not the first
+    skewed = batch.with_columns(response_log_probs=type(log_probs)(values, log_probs.offsets))
+    settings = dataclasses.replace(LearnerSettings(), micro_batch_tokens=40, packing=False, temperature=1.5)
+    plan = plan_step(pad_batch(skewed, pad_token_id=tok.pad_token_id), settings)
+    assert len(plan.micro_batches) > 2
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    try:
+        losses = train_step(model, optimizer, scheduler, plan, settings).losses
+    finally:
+        model.load_state_dict(state)
+    # the sampler's own model: the rest of the rows agree to float rounding
+    assert losses["sampler_logprob_diff_max"] == pytest.approx(0.75, abs=1e-4)
+    assert losses["sampler_logprob_diff_mean"] < 0.75 / 4

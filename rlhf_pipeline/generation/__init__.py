@@ -1,0 +1,39 @@
+"""Generation engines: token ids in, sampled ids and their sampling log-probs out, the policy version
+that produced them beside (``engine.py`` is the contract).
+
+* :mod:`.engine` -- ``GenerationEngine`` (an ABC with capability properties), ``SampleRequest``,
+  ``Completion``, ``CompletionGroup``, ``draw_seed``, the errors;
+* :mod:`.sampling` -- ``SamplingConfig`` and ``process_logits``, the one definition of the sampling
+  distribution every engine's log-probs follow;
+* :mod:`.loop` -- our sampling loop (``generate``, ``teacher_forced_log_probs``) and ``LoopEngine``;
+* :mod:`.settings` -- ``GenerationSettings`` (``--set generation.engine=vllm``) and ``make_engine``;
+* :mod:`.vllm_engine` -- ``VLLMEngine``: a vLLM engine in its own process, under the vLLM
+  environment's Python, driven over a socket; :mod:`.vllm_server` is what runs in that process and
+  :mod:`.vllm_worker` the worker extension that loads new weights there;
+* :mod:`.vllm_nccl` -- the GPU route for weights (vLLM's NCCL weight transfer);
+* :mod:`.vllm_setup` -- making the vLLM environment (``rlhf-pipeline setup-vllm``).
+
+This package is imported by the engine's own process, which runs under another Python with only
+the standard library, torch, safetensors and vllm: it imports nothing at import time, and names are
+resolved on first use (PEP 562).
+"""
+
+import importlib
+
+_DEFINED_IN = {
+    **{name: "engine" for name in (
+        "Completion", "CompletionGroup", "EngineFailed", "EngineStats", "GenerationEngine", "SampleRequest",
+        "UnsupportedCapability", "UnsupportedSetting", "draw_seed")},
+    "SamplingConfig": "sampling", "process_logits": "sampling",
+    **{name: "loop" for name in ("Generation", "LoopEngine", "generate", "left_pad", "teacher_forced_log_probs")},
+    "GenerationSettings": "settings", "make_engine": "settings",
+    "VLLMEngine": "vllm_engine",
+}
+__all__ = sorted(_DEFINED_IN)
+
+
+def __getattr__(name: str):
+    module = _DEFINED_IN.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

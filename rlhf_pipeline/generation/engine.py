@@ -1,0 +1,252 @@
+"""The generation engine contract: token ids in, sampled ids and their log-probs out, the policy
+version that produced them beside.
+
+A collector asks an engine for completions and never learns which engine it is: our own sampling
+loop (``generation/loop.py``, the default) and vLLM (``generation/vllm_engine.py``) both implement
+:class:`GenerationEngine`. What every engine guarantees:
+
+* **Token-exact.** Prompts go in as token ids, never text. Each :class:`Completion` holds the
+  sampled ids verbatim and, for each, its log-prob under the sampling distribution that drew it
+  (``generation/sampling.py`` defines it: temperature, then top-k, then top-p). A completion that
+  samples a stop token ends there and keeps it as its last token (``terminated``); one that
+  reaches its ``max_new_tokens`` first is ``truncated``. Nothing after the stop token is returned.
+* **Grouped.** ``sample(requests, ...)`` returns one :class:`CompletionGroup` per request, in
+  request order, with the request's ``n`` completions: a GRPO group is complete when its last
+  member ends. An engine that ``supports_streaming`` also yields groups as they finish
+  (:meth:`GenerationEngine.stream`); the others yield them all at the end, in order.
+* **One version per group.** Every group names the policy version the engine held while it
+  sampled it (:attr:`CompletionGroup.policy_version`). An engine loads new weights only between
+  requests, never under one in flight, so a row is sampled by exactly one version.
+* **Deterministic from the collector's generator.** Randomness comes only from the
+  ``torch.Generator`` the caller passes, which the collector checkpoints. Our loop draws every
+  token from it; an engine that samples elsewhere (vLLM) draws one seed per request from it, in
+  submission order (:func:`draw_seed`), and seeds the request with it. A collector resumed from its
+  saved state therefore sends the same seeds and gets the same rows (the same engine, weights and
+  batch: vLLM does not promise bit-identical logits across different batch compositions).
+* **Settings it cannot honour are refused by name** (:class:`UnsupportedSetting`, from
+  :meth:`GenerationEngine.check_sampling`) before anything is sampled, never approximated.
+
+Capabilities are properties, as storages have them (``storage/capabilities.py``):
+``supports_streaming``, ``supports_scoring`` (teacher-forced log-probs of given responses:
+replay's re-scoring, reference log-probs) and ``supports_weight_updates`` (new weights in place,
+without a restart). A method whose capability is False raises :class:`UnsupportedCapability`.
+Engines are context managers; :meth:`GenerationEngine.close` stops whatever the engine started.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlhf_pipeline.generation.sampling import SamplingConfig
+
+SEED_RANGE = 2**31
+"""Seeds drawn per request lie in [0, SEED_RANGE): vLLM seeds its ``n`` completions with ``seed + i``,
+so they stay well inside 64 bits."""
+
+Weights = "Mapping[str, torch.Tensor] | str | os.PathLike[str]"
+
+
+class UnsupportedSetting(ValueError):
+    """A sampling setting this engine cannot honour exactly; the message names it and the fix."""
+
+
+class UnsupportedCapability(NotImplementedError):
+    """A method whose capability this engine does not have (``supports_scoring`` False...)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine stopped working (its process died, its pipe closed); what it was doing is lost and
+    must be asked again (the collector's saved state says from where)."""
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """``n`` completions of one prompt."""
+
+    prompt_ids: Sequence[int]
+    """The prompt as token ids (what the policy's tokenizer and chat template gave)."""
+    n: int = 1
+    """Completions of this prompt: the GRPO group size for a single-turn collector, 1 per agent turn."""
+    max_new_tokens: int | None = None
+    """This request's response limit; None: the sampling config's ``max_new_tokens``."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SampleRequest.n must be >= 1, got {self.n}")
+        if len(self.prompt_ids) == 0:
+            raise ValueError("SampleRequest.prompt_ids is empty; every prompt needs at least one token")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"SampleRequest.max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
+
+    def limit(self, sampling: SamplingConfig) -> int:
+        return sampling.max_new_tokens if self.max_new_tokens is None else self.max_new_tokens
+
+
+@dataclass
+class Completion:
+    """One sampled response: ids verbatim and each one's sampling log-prob."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    terminated: bool
+    """Ended on a stop token, which is its last token; else it reached ``max_new_tokens`` (truncated)."""
+
+    @property
+    def truncated(self) -> bool:
+        return not self.terminated
+
+
+@dataclass
+class CompletionGroup:
+    """The completions of one request, with the version that sampled them."""
+
+    index: int
+    """The request's position in the list it was submitted with."""
+    completions: list[Completion]
+    policy_version: int
+    seed: int | None = None
+    """The seed drawn for this request (engines that seed per request); None for our loop."""
+
+
+@dataclass
+class EngineStats:
+    """What an engine measured, for the collector's metrics."""
+
+    weight_updates: int = 0
+    last_update_s: float = 0.0
+    """Seconds the last :meth:`GenerationEngine.update_weights` took, from call to return."""
+    update_s_total: float = 0.0
+    reported_s: float = 0.0
+    """``update_s_total`` at the last :meth:`update_metrics`."""
+    starts: int = 0
+    """Times an engine with a process of its own started it (0 for our loop, which has none): one
+    for a whole run when weights change in place."""
+    start_s: float = 0.0
+    """Seconds its last start took."""
+
+    def update_metrics(self) -> dict[str, float]:
+        """A round's metrics: seconds spent loading weights since the last call (0 without an update;
+        a collector loads at most one version per round, so this is the time of that update), the
+        number of updates so far and, for an engine in its own process, its starts so far and the
+        seconds the last took."""
+        since, self.reported_s = self.update_s_total - self.reported_s, self.update_s_total
+        metrics = {"weight_update_s": since, "weight_updates": float(self.weight_updates)}
+        if self.starts:
+            metrics.update(engine_starts=float(self.starts), engine_start_s=self.start_s)
+        return metrics
+
+
+def draw_seed(generator: torch.Generator) -> int:
+    """One request's seed from the collector's generator (advances it by one draw)."""
+    import torch
+
+    return int(torch.randint(0, SEED_RANGE, (1,), generator=generator, device=generator.device).item())
+
+
+class GenerationEngine(ABC):
+    """Token ids in, sampled ids and sampling log-probs out; see the module docstring."""
+
+    name: str = "engine"
+    """Short name for messages and metrics (``loop``, ``vllm``)."""
+
+    def __init__(self, stop_token_ids: Sequence[int], policy_version: int = 0) -> None:
+        if not stop_token_ids:
+            raise ValueError(f"{type(self).__name__}: stop_token_ids is empty; pass the tokenizer's EOS id at least")
+        self.stop_token_ids: list[int] = sorted(int(t) for t in stop_token_ids)
+        """A completion ends at the first of these it samples (kept as its last token)."""
+        self._policy_version = int(policy_version)
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ capabilities
+    @property
+    def supports_streaming(self) -> bool:
+        """True when :meth:`stream` yields each group as soon as its last member ends."""
+        return False
+
+    @property
+    def supports_scoring(self) -> bool:
+        """True when :meth:`score` gives teacher-forced log-probs of given responses."""
+        return False
+
+    @property
+    def supports_weight_updates(self) -> bool:
+        """True when :meth:`update_weights` loads new weights in place, without a restart."""
+        return True
+
+    @property
+    def generator_device(self) -> str:
+        """Where the caller's ``torch.Generator`` must live: the model's device for an engine that
+        draws tokens from it in this process, the CPU for one that only draws seeds."""
+        return "cpu"
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights this engine holds: what the next groups are sampled with."""
+        return self._policy_version
+
+    # ------------------------------------------------------------------ sampling
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """Raises :class:`UnsupportedSetting` naming a setting this engine cannot honour exactly."""
+
+    @abstractmethod
+    def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+               generator: torch.Generator) -> list[CompletionGroup]:
+        """One group per request, in request order; randomness drawn from ``generator`` only."""
+
+    def stream(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+               generator: torch.Generator) -> Iterator[CompletionGroup]:
+        """The groups of ``requests`` as they finish (each names its request's ``index``).
+
+        Seeds are drawn for all requests, in order, before the first group is yielded, so the rows
+        do not depend on the order groups finish in. Without ``supports_streaming`` this is
+        :meth:`sample`, yielded at the end."""
+        yield from self.sample(requests, sampling, generator)
+
+    def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+              sampling: SamplingConfig | None = None) -> list[list[float]]:
+        """Teacher-forced log-prob of each response token given the prompt and the response so far;
+        ``sampling`` None: the raw model distribution (temperature 1, no truncation)."""
+        raise UnsupportedCapability(f"the {self.name} engine does not score given responses (supports_scoring "
+                                    f"is False); score with the loop engine")
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
+        """Loads ``weights`` (a state dict, or the path of a published safetensors file) as ``version``.
+
+        Versions only move forward. The engine loads between requests (never under one in flight),
+        and what it derived from the old weights (a prefix cache, repacked kernels, a tied head) is
+        rebuilt before the next request. Records the time it took in :attr:`stats`."""
+        import time
+
+        if version < self._policy_version:
+            raise ValueError(f"update_weights: version {version} is older than the current {self._policy_version}; "
+                             f"weights only move forward")
+        if not self.supports_weight_updates:
+            raise UnsupportedCapability(f"the {self.name} engine cannot load new weights in place")
+        started = time.perf_counter()
+        self._load_weights(weights, int(version))
+        elapsed = time.perf_counter() - started
+        self._policy_version = int(version)
+        self.stats.weight_updates += 1
+        self.stats.last_update_s = elapsed
+        self.stats.update_s_total += elapsed
+
+    def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
+        raise UnsupportedCapability(f"the {self.name} engine cannot load new weights in place")
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stops what the engine started (a process, a connection); idempotent."""
+
+    def __enter__(self) -> GenerationEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

