@@ -46,7 +46,7 @@ def collect_rows(path: Path, backend: str, rounds: int = 5, segment_rows: int = 
                           CollectorConfig(prompts_per_batch=4, num_generations=GROUP_SIZE,
                                           sampling=SamplingConfig(max_new_tokens=5)))
     for version in range(rounds):
-        collector.policy_version = version  # several versions, as a live run would store
+        collector.set_policy_state(model.state_dict(), version)  # several versions, as a live run would store
         collector.collect()
     store.close()
     return path
