@@ -154,6 +154,19 @@ def test_cli_reports_unknown_setting_before_any_work(tmp_path):
     assert not any(tmp_path.iterdir())  # no run directory was created
 
 
+def test_a_pipeline_file_imports_the_modules_beside_it(tmp_path):
+    folder = tmp_path / "my_pipelines"
+    folder.mkdir()
+    (folder / "my_rewards.py").write_text("STEPS = 11\n")
+    body = DEFAULT.read_text().replace("steps: int = ", "steps: int = STEPS  # ", 1)
+    body = body.replace("from __future__ import annotations\n", "from __future__ import annotations\n\nfrom my_rewards import STEPS\n", 1)
+    (folder / "mine.py").write_text(body)
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(folder / "mine.py"),
+                             "--list-settings"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "steps (int) = 11" in result.stdout
+
+
 def test_cli_help_lists_the_run_flags():
     result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", "--help"],
                             capture_output=True, text=True, timeout=60)
