@@ -166,11 +166,12 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     # dataclasses resolve string annotations through sys.modules
     sys.modules[module_name] = module
-    # modules beside the file import as they would were it run as a script (its folder first on the
-    # path), also when build() imports them later
+    # modules beside the file import, also when build() imports them later; its folder goes last on
+    # the path, so that nothing in it (a run directory's folders, a stray file) hides an installed
+    # module, and a run's kept copies of them (runs/pipeline_copy.py puts those first) win
     folder = str(path.resolve().parent)
     if folder not in sys.path:
-        sys.path.insert(0, folder)
+        sys.path.append(folder)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as exc:  # the file's own mistake: where it is, not the import machinery's frames
