@@ -166,9 +166,8 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     # dataclasses resolve string annotations through sys.modules
     sys.modules[module_name] = module
-    # modules beside the file import, also when build() imports them later; its folder goes last on
-    # the path, so that nothing in it (a run directory's folders, a stray file) hides an installed
-    # module, and a run's kept copies of them (runs/pipeline_copy.py puts those first) win
+    # modules beside the file import (also later, in build()); last on the path, so nothing there hides
+    # an installed module and a run's kept copies of them (put first by runs/pipeline_copy.py) win
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.append(folder)
