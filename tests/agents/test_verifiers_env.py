@@ -14,7 +14,7 @@ import asyncio
 import json
 
 import pytest
-from agent_scripts import ScriptedModel
+from agent_scripts import ScriptedModel, scripted_sampler
 
 vf = pytest.importorskip("verifiers", reason="the verifiers adapter's tests need the verifiers extra: "
                                              "pip install -e '.[verifiers]'")
@@ -50,18 +50,6 @@ def tool_env(**kwargs):
     return vf.ToolEnv(tools=[multiply], dataset=Dataset.from_list(TASKS), system_prompt="Use the tool.",
                       rubric=vf.Rubric(funcs=[correct_answer, used_tool], weights=[1.0, 0.5]),
                       error_formatter=lambda e: f"Error: {type(e).__name__}: {e}", **kwargs)
-
-
-def scripted_sampler(tokenizer, script):
-    """Turn k of an episode says script[k]; the turn is read off the prompt's assistant headers."""
-    model = ScriptedModel(tokenizer, script)
-    header = tokenizer.encode("<|im_start|>assistant", add_special_tokens=False)
-
-    def sample(prompts, max_new_tokens):
-        return [model.sample(sum(p[i:i + len(header)] == header for i in range(len(p))) - 1, limit)
-                for p, limit in zip(prompts, max_new_tokens)]
-
-    return sample
 
 
 def run(env, tokenizer, script, *, group_size=1, limits=EpisodeLimits(), tasks=None):

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_scripts import ScriptedModel
+from agent_scripts import ScriptedModel, scripted_sampler
 
 vf = pytest.importorskip("verifiers", reason="the verifiers adapter's tests need the verifiers extra: "
                                              "pip install -e '.[verifiers]'")
@@ -54,18 +54,6 @@ OWN_RUNS = {
     "cut": (MathTaskset, 0, [CALL, CALL], 2),
     "guesses": (GuessTaskset, 0, [guess(5), guess(9), guess(7), guess(7)], 6),
 }
-
-
-def scripted_sampler(tokenizer, script):
-    """Turn k of an episode says script[k]; the turn is read off the prompt's assistant headers."""
-    model = ScriptedModel(tokenizer, script)
-    header = tokenizer.encode("<|im_start|>assistant", add_special_tokens=False)
-
-    def sample(prompts, max_new_tokens):
-        return [model.sample(sum(p[i:i + len(header)] == header for i in range(len(p))) - 1, limit)
-                for p, limit in zip(prompts, max_new_tokens)]
-
-    return sample
 
 
 def run(taskset, tokenizer, script, *, max_turns=None, group_size=1, limits=EpisodeLimits(), tasks=None):
