@@ -22,7 +22,7 @@ import importlib
 
 _DEFINED_IN = {
     **{name: "engine" for name in (
-        "Completion", "CompletionGroup", "EngineFailed", "EngineStats", "GenerationEngine", "SampleRequest",
+        "Completion", "CompletionGroup", "EngineDied", "EngineFailed", "EngineStats", "GenerationEngine", "SampleRequest",
         "UnsupportedCapability", "UnsupportedSetting", "draw_seed")},
     "SamplingConfig": "sampling", "process_logits": "sampling",
     **{name: "loop" for name in ("Generation", "LoopEngine", "generate", "left_pad", "teacher_forced_log_probs")},

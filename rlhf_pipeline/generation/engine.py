@@ -66,6 +66,16 @@ class EngineFailed(RuntimeError):
     must be asked again (the collector's saved state says from where)."""
 
 
+class EngineDied(EngineFailed):
+    """The engine's process exited or its socket closed: a fresh process may do what it could not
+    (an engine that answered with an error, or hung, is not this). ``cause``: what happened, in a
+    few words (the message adds the engine's log)."""
+
+    def __init__(self, message: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause or message.splitlines()[0]
+
+
 @dataclass(frozen=True)
 class SampleRequest:
     """``n`` completions of one prompt."""
@@ -130,16 +140,19 @@ class EngineStats:
     for a whole run when weights change in place."""
     start_s: float = 0.0
     """Seconds its last start took."""
+    restarts: int = 0
+    """Times its process died and was started again (each also counts in ``starts``)."""
 
     def update_metrics(self) -> dict[str, float]:
         """A round's metrics: seconds spent loading weights since the last call (0 without an update;
         a collector loads at most one version per round, so this is the time of that update), the
-        number of updates so far and, for an engine in its own process, its starts so far and the
-        seconds the last took."""
+        number of updates so far and, for an engine in its own process, its starts and restarts so
+        far and the seconds the last start took."""
         since, self.reported_s = self.update_s_total - self.reported_s, self.update_s_total
         metrics = {"weight_update_s": since, "weight_updates": float(self.weight_updates)}
         if self.starts:
-            metrics.update(engine_starts=float(self.starts), engine_start_s=self.start_s)
+            metrics.update(engine_starts=float(self.starts), engine_restarts=float(self.restarts),
+                           engine_start_s=self.start_s)
         return metrics
 
 

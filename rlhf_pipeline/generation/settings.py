@@ -56,6 +56,11 @@ class GenerationSettings:
     """vllm: how new weights reach the engine: files (each published version's safetensors, reloaded
     in place; CPU and GPU) or nccl (vLLM's NCCL weight transfer from the collector's GPU copy; GPU
     only, and vllm must import in the collector's own Python)."""
+    max_restarts: int = 3
+    """vllm: restarts in a row of an engine whose process died (kill -9, out of memory) before the
+    collector stops; a round the engine answers resets the count. 0: never restart."""
+    restart_backoff_s: float = 1.0
+    """vllm: seconds before the first restart in a row; each further one waits twice as long (at most 60 s)."""
 
 
 def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
@@ -79,6 +84,9 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
     if device == "cpu" and head_size is not None and head_size not in CPU_HEAD_SIZES:
         raise ValueError(f"generation.engine=vllm on a CPU: vLLM's CPU attention takes head sizes "
                          f"{list(CPU_HEAD_SIZES)}, this model's is {head_size}{head_hint}; or use generation.engine=loop")
+    from rlhf_pipeline.generation.restarts import Restarts
+
+    Restarts(settings.max_restarts, settings.restart_backoff_s)  # refuses either by name
     find_vllm_python(settings.python)
 
 
@@ -119,6 +127,10 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
         device=device, seed=seed, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
         enforce_eager=settings.enforce_eager, start_timeout_s=settings.start_timeout_s,
     )
+    if settings.weight_transfer == "files":  # a restarted engine reloads its weights from files
+        from rlhf_pipeline.generation.restarts import Restarts
+
+        options["restarts"] = Restarts(settings.max_restarts, settings.restart_backoff_s)
     if settings.max_model_len is not None:
         options["max_model_len"] = settings.max_model_len
     if device != "cpu":

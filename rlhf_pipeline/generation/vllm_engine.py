@@ -8,7 +8,9 @@ engine runs ``python -m rlhf_pipeline.generation.vllm_server`` under another int
 (``generation.python``; ``rlhf-pipeline setup-vllm`` makes one), sees only our package's directory
 on its path, and talks to this process over a socket pair (``vllm_server.py`` has the protocol). It
 is started with the collector and stopped with it (:meth:`VLLMEngine.close`, also at interpreter exit);
-if this process dies, the socket closes and the engine exits by itself.
+if this process dies, the socket closes and the engine exits by itself. If the engine's process dies
+(``kill -9``, the OOM killer), it is started again (``generation/restarts.py``: bounded, with backoff),
+given the weights it held, and asked again what it was doing, with the same seeds.
 
 What it holds to, beside the engine contract (``engine.py``):
 
@@ -57,13 +59,16 @@ import torch
 from rlhf_pipeline.generation.engine import (
     Completion,
     CompletionGroup,
+    EngineDied,
     EngineFailed,
     GenerationEngine,
     SampleRequest,
     UnsupportedSetting,
     draw_seed,
 )
+from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.sampling import SamplingConfig
+from rlhf_pipeline.generation.vllm_process import exit_status, package_path_dir, stop_process
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
 
 GREEDY_BELOW = 1e-5
@@ -96,7 +101,8 @@ class VLLMEngine(GenerationEngine):
     ``model_dir``: a ``save_pretrained`` directory (config and safetensors weights) the engine loads
     first, as ``policy_version``. ``python``: the interpreter with vLLM (``generation/settings.py``
     finds one). ``work_dir``: the engine's scratch directory (its log, the weight files it is
-    sent); a temporary one by default, removed at :meth:`close`."""
+    sent); a temporary one by default, removed at :meth:`close`. ``restarts``: how often, and after how
+    long, a process that died is started again (``generation/restarts.py``; default: never)."""
 
     name = "vllm"
 
@@ -105,7 +111,8 @@ class VLLMEngine(GenerationEngine):
                  max_model_len: int, seed: int = 0, kv_cache_gib: int = 1, max_num_seqs: int = 256,
                  enforce_eager: bool = True, gpu_memory_utilization: float | None = None,
                  weight_transfer_backend: str | None = None, start_timeout_s: float = 900.0,
-                 work_dir: str | os.PathLike[str] | None = None, remove_work_dir: bool | None = None) -> None:
+                 work_dir: str | os.PathLike[str] | None = None, remove_work_dir: bool | None = None,
+                 restarts: Restarts | None = None) -> None:
         super().__init__(stop_token_ids, policy_version)
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)
@@ -115,6 +122,8 @@ class VLLMEngine(GenerationEngine):
         self._remove_work_dir = work_dir is None if remove_work_dir is None else remove_work_dir
         self.log_path = self.work_dir / "vllm.log"
         self._weights_file: Path | None = None
+        """The weights loaded after the model directory's (what a restarted process is given again)."""
+        self.restarts = restarts if restarts is not None else Restarts(max_restarts=0)
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
         self.startup_s = 0.0
@@ -125,14 +134,12 @@ class VLLMEngine(GenerationEngine):
             "max_num_seqs": int(max_num_seqs), "gpu_memory_utilization": gpu_memory_utilization,
             "weight_transfer_backend": weight_transfer_backend,
         }
+        self._start_args = (python, options, kv_cache_gib, start_timeout_s)  # a restart starts the same
         try:
-            self._start(python, options, kv_cache_gib, start_timeout_s)
+            self._start(*self._start_args)
         except BaseException:
             self.close()
             raise
-        # stopped at interpreter exit too, without keeping the engine alive
-        self._finalizer = weakref.finalize(self, _stop_process, self._process, self._connection)
-        atexit.register(self._finalizer)
 
     @classmethod
     def from_model(cls, model, *, python: str, stop_token_ids: Sequence[int], policy_version: int = 0,
@@ -163,7 +170,7 @@ class VLLMEngine(GenerationEngine):
 
     # ------------------------------------------------------------------ the process
     def _start(self, python: str, options: dict[str, Any], kv_cache_gib: int, timeout_s: float) -> None:
-        package_root = _package_path_dir(self.work_dir)
+        package_root = package_path_dir(self.work_dir)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         env.update({
             "PYTHONPATH": str(package_root),  # our package alone: none of this environment's libraries
@@ -191,6 +198,7 @@ class VLLMEngine(GenerationEngine):
             finally:
                 theirs.close()
         self._connection = Connection(ours.detach())
+        self._guard()
         self._connection.send(options)
         reply = self._receive(timeout_s, what=f"starting (its log: {self.log_path})")
         self.startup_s = time.perf_counter() - started
@@ -198,14 +206,24 @@ class VLLMEngine(GenerationEngine):
         self.stats.start_s = self.startup_s
         self.vllm_version = reply.get("vllm_version", "")
 
+    def _guard(self) -> None:
+        """Stops this process's engine at interpreter exit too, without keeping the engine object alive."""
+        old = getattr(self, "_finalizer", None)
+        if old is not None:
+            old.detach()
+            atexit.unregister(old)
+        self._finalizer = weakref.finalize(self, stop_process, self._process, self._connection)
+        atexit.register(self._finalizer)
+
     def _receive(self, timeout_s: float | None, what: str) -> dict[str, Any]:
-        """The engine's next reply; EngineFailed when it died, hung past ``timeout_s`` or failed."""
+        """The engine's next reply; EngineDied when its process exited or its socket closed,
+        EngineFailed when it hung past ``timeout_s`` or answered with an error."""
         assert self._connection is not None and self._process is not None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._connection.poll(0.2):
             if self._process.poll() is not None:
-                raise EngineFailed(f"the vLLM engine died while {what}, exit code {self._process.returncode}; "
-                                   f"its log ends:\n{self.log_tail()}")
+                cause = f"its process exited ({exit_status(self._process.returncode)}) while {what}"
+                raise EngineDied(f"the vLLM engine died: {cause}; its log ends:\n{self.log_tail()}", cause=cause)
             if deadline is not None and time.monotonic() > deadline:
                 self.close()
                 raise EngineFailed(f"the vLLM engine did not answer within {timeout_s:g} s while {what}; "
@@ -213,8 +231,13 @@ class VLLMEngine(GenerationEngine):
         try:
             reply = self._connection.recv()
         except (EOFError, OSError) as exc:
-            raise EngineFailed(f"the vLLM engine closed its socket while {what} ({exc}); its log ends:\n"
-                               f"{self.log_tail()}") from None
+            try:  # its socket closes as it dies: the exit status says more than the EOF
+                code = self._process.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            cause = (f"its process exited ({exit_status(code)}) while {what}" if code is not None
+                     else f"its socket closed while {what} ({type(exc).__name__})")
+            raise EngineDied(f"the vLLM engine died: {cause}; its log ends:\n{self.log_tail()}", cause=cause) from None
         if not reply.get("ok"):
             raise EngineFailed(f"the vLLM engine failed while {what}: {reply.get('error')}\n"
                                f"{reply.get('traceback', '')}{self.log_tail()}")
@@ -227,8 +250,42 @@ class VLLMEngine(GenerationEngine):
         try:
             self._connection.send({"op": op, **message})
         except OSError as exc:
-            raise EngineFailed(f"the vLLM engine's socket is closed ({exc}); its log ends:\n{self.log_tail()}") from None
+            cause = f"its socket closed before {op} ({type(exc).__name__})"
+            raise EngineDied(f"the vLLM engine died: {cause}; its log ends:\n{self.log_tail()}", cause=cause) from None
         return self._receive(timeout_s, what=op)
+
+    def call_restarting(self, op: str, **message: Any) -> dict[str, Any]:
+        """:meth:`call`, and when the engine's process died, the same call again in a new one (given
+        the weights this one held) as :attr:`restarts` allows: the same message, so the same seeds."""
+        while True:
+            try:
+                reply = self.call(op, **message)
+            except EngineDied as died:
+                self._restart(died)
+                continue
+            self.restarts.answered()
+            return reply
+
+    def _restart(self, died: EngineDied) -> None:
+        """A new process in place of the dead one, holding the same weights; EngineFailed when
+        :attr:`restarts` gives up (the message names the setting)."""
+        while True:
+            delay = self.restarts.next_delay_s(died, engine=self.name)  # raises EngineFailed past the limit
+            self.restarts.announce(f"the {self.name} generation engine died ({died.cause}); restart "
+                                   f"{self.restarts.in_a_row} of at most {self.restarts.max_restarts} in a row "
+                                   f"in {delay:g} s (its log: {self.log_path})")
+            stop_process(self._process, self._connection, wait_s=5.0)  # reaps it (or ends a half-dead one)
+            self._process = self._connection = None
+            time.sleep(delay)
+            try:
+                self._start(*self._start_args)
+                if self._weights_file is not None:  # the model directory holds the first version only
+                    self.call("load_weights", path=str(self._weights_file))
+            except EngineDied as again:
+                died = again
+                continue
+            self.stats.restarts += 1
+            return
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         try:
@@ -269,7 +326,8 @@ class VLLMEngine(GenerationEngine):
             wire.append({"prompt_ids": [int(t) for t in request.prompt_ids], "n": request.n, "max_tokens": limit,
                          "seed": draw_seed(generator)})
         top_k = sampling.top_k if 0 < sampling.top_k < self.vocab_size else 0
-        reply = self.call("sample", requests=wire, stop_token_ids=self.stop_token_ids,
+        # the seeds are drawn above, once: an engine that dies under this round is asked the same again
+        reply = self.call_restarting("sample", requests=wire, stop_token_ids=self.stop_token_ids,
                           sampling={"temperature": sampling.temperature, "top_k": top_k, "top_p": sampling.top_p})
         version = self.policy_version
         stops = set(self.stop_token_ids)
@@ -291,16 +349,29 @@ class VLLMEngine(GenerationEngine):
     # ------------------------------------------------------------------ weights
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
         if isinstance(weights, (str, os.PathLike)) and Path(weights).suffix == ".safetensors":
-            path = Path(weights).resolve()
+            path = self._keep(Path(weights).resolve(), version)
         else:
             if isinstance(weights, (str, os.PathLike)):  # a legacy .pt publication
                 payload = torch.load(weights, map_location="cpu", weights_only=True)
                 weights = payload["state_dict"]
             path = self._write_weights(weights, version)
-        self.call("load_weights", path=str(path))
-        if self._weights_file is not None and self._weights_file != path:
-            self._weights_file.unlink(missing_ok=True)
-        self._weights_file = path if path.parent == self.work_dir else None
+        self.call_restarting("load_weights", path=str(path))
+        old, self._weights_file = self._weights_file, path
+        if old is not None and old != path and old.parent == self.work_dir:
+            old.unlink(missing_ok=True)
+
+    def _keep(self, published: Path, version: int) -> Path:
+        """A published file, linked into the scratch directory: a restart needs it after the learner
+        may have pruned it (a hard link holds the bytes; the published path where none can be made)."""
+        path = self.work_dir / f"weights-{version:08d}.safetensors"
+        partial = path.with_suffix(".partial")
+        try:
+            partial.unlink(missing_ok=True)
+            os.link(published, partial)
+        except OSError:  # another file system
+            return published
+        partial.replace(path)
+        return path
 
     def _write_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
         from safetensors.torch import save_file
@@ -316,7 +387,7 @@ class VLLMEngine(GenerationEngine):
     def close(self) -> None:
         process, connection = self._process, self._connection
         self._process = self._connection = None
-        _stop_process(process, connection)
+        stop_process(process, connection)
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
@@ -326,39 +397,3 @@ class VLLMEngine(GenerationEngine):
 
             shutil.rmtree(self.work_dir, ignore_errors=True)
             self._remove_work_dir = False
-
-
-def _stop_process(process: subprocess.Popen | None, connection: Connection | None, wait_s: float = 30.0) -> None:
-    """Asks the engine to exit, then terminates it, then kills it."""
-    if process is None:
-        return
-    if connection is not None:
-        try:
-            connection.send({"op": "close"})
-            if connection.poll(wait_s):
-                connection.recv()
-        except (OSError, EOFError):
-            pass
-        connection.close()
-    try:
-        process.wait(timeout=wait_s)
-    except subprocess.TimeoutExpired:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _package_path_dir(work_dir: Path) -> Path:
-    """A directory holding only a link to our package, for the engine's ``PYTHONPATH``: the package's
-    parent may be a site-packages full of this environment's libraries, which must not shadow the
-    vLLM environment's."""
-    package = Path(__file__).resolve().parent.parent
-    root = work_dir / "python-path"
-    root.mkdir(exist_ok=True)
-    link = root / package.name
-    if not link.exists():
-        link.symlink_to(package, target_is_directory=True)
-    return root

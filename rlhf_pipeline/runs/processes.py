@@ -144,6 +144,9 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         if getattr(getattr(engine, "stats", None), "starts", 0):  # an engine in a process of its own
             say(f"{tag} the {engine.name} generation engine started in {engine.stats.start_s:.0f} s; it keeps "
                 f"running and takes each new policy version in place")
+        restarts = getattr(engine, "restarts", None)
+        if restarts is not None:  # a restart of a dead engine is said on this console, as this collector's
+            restarts.announce = lambda line: say(f"{tag} {line}")
         if saved is not None:
             collector.load_state_dict(saved)
         if position.resumed_inflight_round:

@@ -12,15 +12,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource
+from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.coordination.weights import publish_weights, weights_path
-from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting, draw_seed
+from rlhf_pipeline.generation import EngineFailed, SampleRequest, SamplingConfig, UnsupportedSetting, draw_seed
 from rlhf_pipeline.generation.loop import teacher_forced_log_probs
+from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine, check_cpu_head_size
 from rlhf_pipeline.models import tiny_model_and_tokenizer
@@ -133,7 +137,7 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_pa
     requests = [SampleRequest(long_prompt, n=2), SampleRequest(_prompts(tok)[1], n=2)]
     before = engine.sample(requests, config, torch.Generator().manual_seed(3))
     assert _max_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
-    version, pid = engine.policy_version, engine.pid
+    version, pid, starts = engine.policy_version, engine.pid, engine.stats.starts
     # as a save_pretrained checkpoint holds a tied model: no lm_head.weight of its own (vLLM then leaves
     # its packed head on the old embedding unless it is tied again)
     untied_keys = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}
@@ -152,8 +156,8 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_pa
         assert [c.token_ids for g in restored for c in g.completions] == [c.token_ids for g in before for c in g.completions]
         with pytest.raises(ValueError, match="older than the current"):
             engine.update_weights(other.state_dict(), version)
-        assert engine.pid == pid and engine.stats.starts == 1  # in place: the same process throughout
-        assert engine.stats.update_metrics()["engine_starts"] == 1.0
+        assert engine.pid == pid and engine.stats.starts == starts  # in place: the same process throughout
+        assert engine.stats.update_metrics()["engine_starts"] == float(starts)
     finally:
         if engine.policy_version != version + 2:
             engine.update_weights(model.state_dict(), version + 3)
@@ -177,6 +181,94 @@ def test_settings_it_cannot_honour_are_refused_by_name(served):
     plain = engine.sample(requests, SamplingConfig(max_new_tokens=4), torch.Generator().manual_seed(4))
     wide = engine.sample(requests, config, torch.Generator().manual_seed(4))
     assert [c.log_probs for c in plain[0].completions] == [c.log_probs for c in wide[0].completions]
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks (fields 14 and 15 of stat)
+
+
+def _kill_once_busy(pid: int, ticks: int = 3) -> threading.Thread:
+    """kill -9 of ``pid`` once it has used ``ticks`` clock ticks of CPU from now: an idle engine waits
+    on its socket (0.01 core), so this lands while it samples the round it was just sent."""
+    start = _cpu_ticks(pid)
+
+    def watch() -> None:
+        while _running(pid) and _cpu_ticks(pid) - start < ticks:
+            time.sleep(0.002)
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(served):
+    """kill -9 of the engine's process while it samples a collector's round: a new process, given the
+    weights the dead one held, samples the round again with the same seeds, and the collector's rows
+    are those of the round without the kill (ids, log-probs, policy versions); one restart, said once."""
+    engine, model, tok = served
+    other, _ = tiny_model_and_tokenizer(seed=1, **SHAPE)
+    said: list[str] = []
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
+    version = engine.policy_version
+    # weights other than the model directory's: a restart that forgot them would sample other rows
+    engine.update_weights(other.state_dict(), version + 1)
+
+    def collect(kill_in_round: int | None = None) -> tuple[list, dict]:
+        batches: list = []
+        source = PromptSource(toy_prompts(12, seed=1), seed=0, required_fields=("answer",))
+        config = CollectorConfig(prompts_per_batch=6, num_generations=8, sampling=SamplingConfig(max_new_tokens=48))
+        collector = Collector(engine, tok, source, {"toy": toy_reward}, batches.append, config)
+        for round_index in range(2):
+            killer = _kill_once_busy(engine.pid) if round_index == kill_in_round else None
+            collector.collect()
+            if killer is not None:
+                killer.join(timeout=60)
+                assert not killer.is_alive()
+        return batches, collector.last_metrics  # the collector is not closed: it would stop the shared engine
+
+    try:
+        plain, plain_metrics = collect()
+        pid = engine.pid
+        killed, metrics = collect(kill_in_round=1)
+        assert engine.pid != pid and not _running(pid)
+        assert metrics["engine_restarts"] - plain_metrics["engine_restarts"] == 1
+        assert metrics["engine_starts"] - plain_metrics["engine_starts"] == 1
+        assert len(said) == 1 and "died (its process exited (killed by SIGKILL) while sample)" in said[0], said
+        for a, b in zip(plain, killed, strict=True):
+            assert a["trajectory_id"].tolist() == b["trajectory_id"].tolist()
+            assert a["policy_version"].tolist() == b["policy_version"].tolist() == [version + 1] * len(a)
+            assert [t.tolist() for t in a["response_tokens"].to_list()] == \
+                [t.tolist() for t in b["response_tokens"].to_list()]
+            assert float((a["response_log_probs"].values - b["response_log_probs"].values).abs().max()) < LOG_PROB_TOLERANCE
+        # the restarted engine's rows are the weights it was given again, not the model directory's
+        rows = killed[1]
+        prompts, responses = ([t.tolist() for t in rows[k].to_list()] for k in ("prompt_tokens", "response_tokens"))
+        recomputed = teacher_forced_log_probs(other, RaggedTensor.from_sequences(prompts, dtype=torch.int64),
+                                              RaggedTensor.from_sequences(responses, dtype=torch.int64),
+                                              SamplingConfig(max_new_tokens=48))
+        assert float((recomputed.values - rows["response_log_probs"].values).abs().max()) < LOG_PROB_TOLERANCE
+    finally:
+        engine.restarts = kept
+        engine.update_weights(model.state_dict(), engine.policy_version + 1)
+
+
+def test_an_engine_that_dies_past_max_restarts_stops_with_the_setting_named(served):
+    """max_restarts=0: the first death is not restarted; the error names the setting and keeps the log."""
+    engine, model, tok = served
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=0, announce=lambda line: None)
+    try:
+        pid = engine.pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineFailed, match=r"died and is not restarted \(generation.max_restarts=0"):
+            engine.sample([SampleRequest(_prompts(tok, 1)[0])], SamplingConfig(max_new_tokens=4),
+                          torch.Generator().manual_seed(0))
+    finally:
+        engine.restarts = Restarts(max_restarts=1, backoff_s=0.0, announce=lambda line: None)
+        engine.update_weights(model.state_dict(), engine.policy_version + 1)  # a new process, for the tests after
+        engine.restarts = kept
 
 
 OWNER = """

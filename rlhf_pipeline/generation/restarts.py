@@ -1,0 +1,62 @@
+"""When an engine whose process died is started again: :class:`Restarts`, a bounded exponential backoff.
+
+An engine in a process of its own (``vllm_engine.py``) can lose it to a ``kill -9``, the OOM killer
+or a crash in native code. The work it was doing is not lost with it: the collector drew the round's
+seeds before asking, and the weights it held are files in the engine's scratch directory, so a new
+process given those weights and asked the same gives the same rows. What is bounded here is how often
+that is tried: ``max_restarts`` restarts in a row (a call the engine answered resets the count, so a
+long run survives one death a day), the k-th after ``backoff_s * 2**(k-1)`` seconds (at most
+``MAX_DELAY_S``): an engine that dies again at once is not restarted in a tight loop, and one that
+cannot live (a machine out of memory) stops the collector after a few tries with one line naming the
+setting, rather than never.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rlhf_pipeline.generation.engine import EngineDied, EngineFailed
+
+MAX_DELAY_S = 60.0
+"""The longest wait before one restart, whatever the backoff has doubled to."""
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Restarts:
+    """How often, and after how long, an engine's dead process is started again; see the module docstring."""
+
+    max_restarts: int = 3
+    """Restarts in a row (without an answered call between them) before giving up; 0: never restart."""
+    backoff_s: float = 1.0
+    """Seconds before the first restart in a row; each further one waits twice as long (at most 60 s)."""
+    announce: Callable[[str], None] = field(default=_to_stderr, repr=False)
+    """Where the line said before each restart goes (the collector sets its console's)."""
+    in_a_row: int = 0
+    """Restarts since the engine last answered a call."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"setting 'generation.max_restarts' must be >= 0 (0: never restart the engine), "
+                             f"got {self.max_restarts}")
+        if not self.backoff_s >= 0:
+            raise ValueError(f"setting 'generation.restart_backoff_s' must be >= 0 (seconds), got {self.backoff_s}")
+
+    def next_delay_s(self, died: EngineDied, engine: str = "generation") -> float:
+        """Counts one more restart and returns how long to wait before it; EngineFailed, naming the
+        setting and keeping ``died``'s message (the engine's log), when none is left."""
+        if self.in_a_row >= self.max_restarts:
+            tried = (f"after {self.in_a_row} restarts in a row" if self.in_a_row else "and is not restarted")
+            raise EngineFailed(f"the {engine} engine died {tried} (generation.max_restarts={self.max_restarts}; "
+                               f"raise it to try more, then rerun to resume): {died}") from None
+        self.in_a_row += 1
+        return min(self.backoff_s * 2 ** (self.in_a_row - 1), MAX_DELAY_S)
+
+    def answered(self) -> None:
+        """The engine answered a call: the next death starts a new run of restarts."""
+        self.in_a_row = 0
