@@ -8,12 +8,16 @@ one property of it. Skipped, saying how to get it, where the vLLM environment is
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_child_pids
 
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.generation import SamplingConfig, teacher_forced_log_probs
@@ -33,6 +37,11 @@ SMALL = ["--set", "warm_start_steps=20", "--set", "prompts_per_round=4", "--set"
 STEPS = 4
 
 
+def _command(home: Path) -> list[str]:
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS), "--home", str(home),
+            "--run-name", "vllm", *VLLM, *SMALL]
+
+
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory):
     """A finished 4-step run of the default pipeline generating with vLLM: (run dir, its stderr)."""
@@ -41,9 +50,7 @@ def vllm_run(tmp_path_factory):
     except ValueError as exc:
         pytest.skip(f"needs the vLLM environment: {exc}")
     home = tmp_path_factory.mktemp("vllm-run")
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
-                             "--home", str(home), "--run-name", "vllm", *VLLM, *SMALL],
-                            cwd=REPO, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(_command(home), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return home / "vllm", result.stderr
 
@@ -91,3 +98,79 @@ def test_the_engine_starts_once_and_takes_each_version_in_place(vllm_run):
     assert rounds[-1]["policy_version"] >= 1
     assert stderr.count("the vllm generation engine started in") == 1
     assert "Writing model shards" not in stderr and "leaked semaphore" not in stderr
+
+
+def _rows(run: Path) -> dict[str, list]:
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "policy_version", "response_tokens",
+                                                             "response_log_probs"))
+    return {"trajectory_id": rows["trajectory_id"].tolist(), "policy_version": rows["policy_version"].tolist(),
+            "tokens": [t.tolist() for t in rows["response_tokens"].to_list()],
+            "log_probs": [t.tolist() for t in rows["response_log_probs"].to_list()]}
+
+
+def _engines_of(pid: int) -> list[int]:
+    """The vLLM engine processes ``pid`` started (its children running ``vllm_server``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid and b"rlhf_pipeline.generation.vllm_server" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(vllm_run, tmp_path):
+    """kill -9 of the whole run (launcher, collector and learner: its process group) after the
+    collector's second round; the vLLM engine, in a session of its own, exits with its collector.
+    The same command again resumes it: the buffer holds the uninterrupted run's rows, the same tokens,
+    log-probs to 1e-5 and policy versions, every round once."""
+    reference, _ = vllm_run
+    run = tmp_path / "vllm"
+    rounds = run / "collector" / "metrics-0000.jsonl"
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(_command(tmp_path), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # its own process group, to kill it whole
+    engines: list[int] = []
+    try:
+        deadline = time.monotonic() + 600  # a bound on a hang: the engine starts in tens of seconds
+        while first.poll() is None and time.monotonic() < deadline and not (
+                rounds.exists() and rounds.read_text().count("\n") >= 2):
+            time.sleep(0.05)
+        engines = [e for c in run_child_pids("collect", str(tmp_path), "vllm") for e in _engines_of(c)]
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    out = (tmp_path / "first.log").read_text()
+    assert first.returncode == -signal.SIGKILL, out[-3000:]  # killed, not finished or failed
+    assert len(engines) == 1, out[-3000:]
+    deadline = time.monotonic() + 120  # a bound, not a timing: it exits within a second of its collector
+    while _running(engines[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(engines[0]), "the vLLM engine outlived its killed run"
+    steps = len(read_metrics(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
+    assert steps < STEPS
+
+    resumed = subprocess.run(_command(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    killed, plain = _rows(run), _rows(reference)
+    starts = [t for i, t in enumerate(killed["trajectory_id"]) if i == 0 or t != killed["trajectory_id"][i - 1]]
+    assert starts == list(range(len(starts)))  # every trajectory once, in order: none lost, none twice
+    shared = min(len(killed["tokens"]), len(plain["tokens"]))
+    assert shared >= STEPS * 16  # at least the rows the learner took in (learner.new_rows_per_step=16)
+    for key in ("trajectory_id", "policy_version", "tokens"):
+        assert killed[key][:shared] == plain[key][:shared], key
+    assert max(abs(a - b) for x, y in zip(killed["log_probs"][:shared], plain["log_probs"][:shared])
+               for a, b in zip(x, y, strict=True)) < 1e-5
