@@ -3,8 +3,9 @@
 A learner waits for its next batch while its sampler has too few new rows; it waits up to
 ``data_timeout_s`` and then stops. A wait that long with nothing said looks like a hang, so
 past ``wait_report_s`` it says, in one line, what it waits for (the new rows its next draw
-needs, the rows each shard holds past what it took in) and why it cannot have them yet (no
-collector has written a row since it began waiting, or they write too slowly), then says it
+needs, the rows each shard holds past what it took in) and why it cannot have them yet (no row
+written at all: the collectors are starting; none written since it began waiting; or they write
+too slowly), then says it
 again each time the wait doubles.
 """
 
@@ -53,7 +54,10 @@ class WaitReport:
         held = {key: rows.get(key, 0) - intake.consumed.get(key, 0) for key in sorted(set(rows) | set(intake.consumed))}
         shards = ", ".join(f"{key}: {n}" for key, n in held.items()) or "no shard yet"
         total = sum(rows.values()) if rows else None
-        if total is None or self._rows_at_start is None:
+        if not total:  # nothing written at all: collectors still starting, not (yet) a collector that is gone
+            why = ("no collector has written a row yet: they are starting (one with a generation engine of its own, "
+                   "such as vLLM, writes its first round once the engine is up, tens of seconds; its log says when)")
+        elif self._rows_at_start is None:
             why = "the collectors have not written them yet"
         elif total == self._rows_at_start:
             why = ("no collector has written a row since the wait began: is one running? its log says "

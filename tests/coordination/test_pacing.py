@@ -273,3 +273,26 @@ def test_a_learner_that_waits_long_says_in_one_line_what_for(tmp_path, capsys):
     assert lines  # once past 0.3 s (and again each time the wait doubles)
     assert "for the batch of step 1: its next draw needs 16 new rows; the buffer holds 8 past the rows taken in " \
            "(shard-0000: 8); no collector has written a row since the wait began" in lines[0], lines[0]
+
+
+def test_a_learner_waiting_for_the_first_rows_says_the_collectors_are_starting(tmp_path, capsys):
+    """A vLLM engine takes tens of seconds to start: meanwhile the learner's line said "no collector
+    has written a row since the wait began: is one running?", which read like a failure."""
+    from rlhf_pipeline.learn.samplers.contract import DataTimeoutError
+
+    paths = RunPaths(tmp_path / "run")
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    store = create_store(paths.shard(0), "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=64)
+    settings = LearnerSettings(batch_size=16, sampler="exact", max_staleness=None, data_timeout_s=1.0,
+                               wait_report_s=0.3)
+    learner = Learner(settings, paths, make_model=make_model, steps=1, seed=0, show_progress=False)
+    learner.setup()
+    try:
+        with pytest.raises(DataTimeoutError):
+            learner.train()
+    finally:
+        learner.cleanup()
+        store.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[learner] waiting")]
+    assert lines and "no collector has written a row yet: they are starting" in lines[0], lines
+    assert "is one running" not in lines[0]
