@@ -106,7 +106,8 @@ class Settings:
     ))
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
-    """Who samples the completions: our loop (default) or vLLM (--set generation.engine=vllm)."""
+    """Who samples the completions: our loop (default) or vLLM (--set generation.engine=vllm; the
+    learner then waits generation.start_timeout_s longer than learner.data_timeout_s for rows)."""
     ray: RaySettings = field(default_factory=RaySettings)
     """Resources of each actor under `run --ray` (--set ray.collector_num_gpus=1); ignored without --ray."""
 
@@ -129,6 +130,8 @@ def check(settings: Settings) -> LearnerSettings:
         raise PipelineError(str(exc)) from None
     # the learner recomputes log-probs at the sampling temperature
     learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
+    if settings.generation.engine == "vllm":  # rows wait on the engine's start (or a restart): give up no sooner
+        learner = dataclasses.replace(learner, data_timeout_s=learner.data_timeout_s + settings.generation.start_timeout_s)
     try:
         learner.check()
     except ValueError as exc:

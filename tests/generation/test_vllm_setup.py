@@ -124,7 +124,20 @@ def test_the_command_refuses_in_one_line(tmp_path):
     (done / MARKER).write_text(json.dumps({"kind": "gpu", "venv": True, "vllm": True}))
     result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "setup-vllm", "--cpu", "--path", str(done)],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == 2  # bad input, as every command's refusals (a step that failed: 1)
     assert result.stderr.strip().splitlines() == [
         f"rlhf-pipeline setup-vllm: error: {done} was set up for a GPU machine; remove it or choose another --path "
         f"to set up for a CPU"]
+
+
+def test_with_vllm_the_learner_waits_for_the_engines_start_too():
+    """generation.start_timeout_s (900) was longer than learner.data_timeout_s (600): a learner could give
+    up on its first rows while the engine was still allowed to be starting."""
+    try:
+        find_vllm_python(None)
+    except ValueError as exc:
+        pytest.skip(f"needs the vLLM environment: {exc}")
+    module = load_pipeline_module(PACKAGE.parent / "pipelines" / "default.py")
+    timeouts = ["learner.data_timeout_s=100", "generation.start_timeout_s=50"]
+    assert module.check(make_settings(module, ["generation.engine=vllm", "num_heads=2", *timeouts])).data_timeout_s == 150
+    assert module.check(make_settings(module, timeouts)).data_timeout_s == 100  # the loop starts nothing
