@@ -35,14 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from rlhf_pipeline.generation.vllm_setup import SetupError, setup_vllm
+    from rlhf_pipeline.generation.vllm_setup import SetupError, SetupRefused, setup_vllm
 
     try:
         report = setup_vllm(args.path, gpu=args.gpu, step_timeout_s=args.step_timeout_s,
                             say=lambda line: print(line, file=sys.stderr, flush=True))
     except SetupError as exc:
         print(f"rlhf-pipeline setup-vllm: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, SetupRefused) else 1  # bad input exits 2, as every command's refusals
     steps = ", ".join(report.steps_run) or "none (already set up)"
     print(f"vLLM environment ready at {report.path} ({report.versions}); steps run: {steps}; {report.seconds:.0f} s")
     print(f"pipelines use it with --set generation.engine=vllm"

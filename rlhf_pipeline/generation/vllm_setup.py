@@ -51,6 +51,11 @@ class SetupError(RuntimeError):
     """A step of the setup failed; the message names it and what to do."""
 
 
+class SetupRefused(SetupError):
+    """The setup was asked for something it will not do (an environment made for the other kind of
+    machine): bad input, which the command reports as such (exit code 2)."""
+
+
 @dataclass
 class SetupReport:
     path: Path
@@ -87,7 +92,7 @@ def setup_vllm(path: Path | None = None, *, gpu: bool | None = None, step_timeou
     marker = path / MARKER
     done: dict = json.loads(marker.read_text()) if marker.exists() else {}
     if done.get("kind") not in (None, "gpu" if gpu else "cpu"):
-        raise SetupError(f"{path} was set up for a {done['kind'].upper()} machine; remove it or choose another "
+        raise SetupRefused(f"{path} was set up for a {done['kind'].upper()} machine; remove it or choose another "
                          f"--path to set up for a {'GPU' if gpu else 'CPU'}")
     done["kind"] = "gpu" if gpu else "cpu"
     env_python = path / "bin" / "python"
