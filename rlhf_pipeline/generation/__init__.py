@@ -9,7 +9,8 @@ that produced them beside (``engine.py`` is the contract).
 * :mod:`.settings` -- ``GenerationSettings`` (``--set generation.engine=vllm``) and ``make_engine``;
 * :mod:`.vllm_engine` -- ``VLLMEngine``: a vLLM engine in its own process, under the vLLM
   environment's Python, driven over a socket; :mod:`.vllm_server` is what runs in that process and
-  :mod:`.vllm_worker` the worker extension that loads new weights there;
+  :mod:`.vllm_worker` the worker extension that loads new weights there, :mod:`.vllm_process` the
+  helpers that stop that process; :mod:`.restarts` when a process that died is started again;
 * :mod:`.vllm_nccl` -- the GPU route for weights (vLLM's NCCL weight transfer);
 * :mod:`.vllm_setup` -- making the vLLM environment (``rlhf-pipeline setup-vllm``).
 
