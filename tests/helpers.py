@@ -223,6 +223,48 @@ def kill_when(process, condition, *, victims=None, timeout: float = 300, poll_s:
     return out if out is not None else err
 
 
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited: its parent may be slow to reap it)."""
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def cpu_ticks(pid: int) -> int:
+    """The CPU time ``pid`` has used, in clock ticks (utime + stime: fields 14 and 15 of its stat)."""
+    from pathlib import Path
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def kill_once_busy(pid: int, ticks: int = 3):
+    """Sends SIGKILL to ``pid`` once it has used ``ticks`` clock ticks of CPU from now, from a thread
+    (returned, started). An idle vLLM engine waits on its socket (~0.01 core), so this lands while it
+    works on what it was sent last: a round to sample, or new weights."""
+    import os
+    import signal
+    import threading
+    import time
+
+    start = cpu_ticks(pid)
+
+    def watch() -> None:
+        try:
+            while process_running(pid) and cpu_ticks(pid) - start < ticks:
+                time.sleep(0.002)
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError):  # it ended by itself meanwhile
+            pass
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
 def import_benchmark(name: str):
     """The module of ``benchmarks/<name>.py`` (scripts, not a package: imported by path for the test)."""
     import importlib

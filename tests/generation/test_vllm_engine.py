@@ -12,12 +12,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import kill_once_busy, process_running
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
@@ -183,27 +183,6 @@ def test_settings_it_cannot_honour_are_refused_by_name(served):
     assert [c.log_probs for c in plain[0].completions] == [c.log_probs for c in wide[0].completions]
 
 
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks (fields 14 and 15 of stat)
-
-
-def _kill_once_busy(pid: int, ticks: int = 3) -> threading.Thread:
-    """kill -9 of ``pid`` once it has used ``ticks`` clock ticks of CPU from now: an idle engine waits
-    on its socket (0.01 core), so this lands while it samples the round it was just sent."""
-    start = _cpu_ticks(pid)
-
-    def watch() -> None:
-        while _running(pid) and _cpu_ticks(pid) - start < ticks:
-            time.sleep(0.002)
-        if _running(pid):
-            os.kill(pid, signal.SIGKILL)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(served):
     """kill -9 of the engine's process while it samples a collector's round: a new process, given the
     weights the dead one held, samples the round again with the same seeds, and the collector's rows
@@ -222,7 +201,7 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
         config = CollectorConfig(prompts_per_batch=6, num_generations=8, sampling=SamplingConfig(max_new_tokens=48))
         collector = Collector(engine, tok, source, {"toy": toy_reward}, batches.append, config)
         for round_index in range(2):
-            killer = _kill_once_busy(engine.pid) if round_index == kill_in_round else None
+            killer = kill_once_busy(engine.pid) if round_index == kill_in_round else None
             collector.collect()
             if killer is not None:
                 killer.join(timeout=60)
@@ -233,7 +212,7 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
         plain, plain_metrics = collect()
         pid = engine.pid
         killed, metrics = collect(kill_in_round=1)
-        assert engine.pid != pid and not _running(pid)
+        assert engine.pid != pid and not process_running(pid)
         assert metrics["engine_restarts"] - plain_metrics["engine_restarts"] == 1
         assert metrics["engine_starts"] - plain_metrics["engine_starts"] == 1
         assert len(said) == 1 and "died (its process exited (killed by SIGKILL) while sample)" in said[0], said
@@ -282,14 +261,6 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"  # a zombie has exited; its new parent may be slow to reap it
-
-
 @pytest.mark.slow
 def test_an_engine_whose_collector_is_killed_exits_by_itself(vllm_python, tmp_path):
     """kill -9 of the process that owns the engine (nothing runs its close) leaves no engine behind:
@@ -299,16 +270,16 @@ def test_an_engine_whose_collector_is_killed_exits_by_itself(vllm_python, tmp_pa
     engine_pid = None
     try:
         engine_pid = int(owner.stdout.readline())  # printed once the engine is up
-        assert _running(engine_pid)
+        assert process_running(engine_pid)
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
         deadline = time.monotonic() + 120  # a bound on a hang, not a timing: it exits within a second here
-        while _running(engine_pid) and time.monotonic() < deadline:
+        while process_running(engine_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _running(engine_pid), "the vLLM engine outlived the process that owned it"
+        assert not process_running(engine_pid), "the vLLM engine outlived the process that owned it"
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
-        if engine_pid is not None and _running(engine_pid):
+        if engine_pid is not None and process_running(engine_pid):
             os.kill(engine_pid, signal.SIGKILL)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_child_pids
+from helpers import kill_once_busy, process_running, run_child_pids
 
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.generation import SamplingConfig, teacher_forced_log_probs
@@ -122,11 +122,53 @@ def _engines_of(pid: int) -> list[int]:
     return found
 
 
-def _running(pid: int) -> bool:
+def _same_rows(run: Path, reference: Path) -> None:
+    """``run``'s buffer holds ``reference``'s rows (as far as both go; at least what the learner took
+    in): the same tokens, log-probs to 1e-5 and policy versions, every trajectory once."""
+    got, plain = _rows(run), _rows(reference)
+    starts = [t for i, t in enumerate(got["trajectory_id"]) if i == 0 or t != got["trajectory_id"][i - 1]]
+    assert starts == list(range(len(starts)))  # every trajectory once, in order: none lost, none twice
+    shared = min(len(got["tokens"]), len(plain["tokens"]))
+    assert shared >= STEPS * 16  # at least the rows the learner took in (learner.new_rows_per_step=16)
+    for key in ("trajectory_id", "policy_version", "tokens"):
+        assert got[key][:shared] == plain[key][:shared], key
+    assert max(abs(a - b) for x, y in zip(got["log_probs"][:shared], plain["log_probs"][:shared])
+               for a, b in zip(x, y, strict=True)) < 1e-5
+
+
+def test_an_engine_killed_mid_run_is_restarted_and_the_run_writes_the_uninterrupted_rows(vllm_run, tmp_path):
+    """kill -9 of the vLLM engine's process (not the run's) as it next works after the collector's
+    first round (loading the next version's weights, in the runs seen, or sampling: the kill mid-round
+    is test_vllm_engine.py's): the collector says so once with the cause, starts a new engine with the
+    weights the dead one held, asks again, and the run finishes with the uninterrupted run's rows."""
+    reference, _ = vllm_run
+    run = tmp_path / "vllm"
+    rounds = run / "collector" / "metrics-0000.jsonl"
+    with open(tmp_path / "run.log", "w") as log:
+        started = subprocess.Popen(_command(tmp_path), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+        deadline = time.monotonic() + 600  # a bound on a hang: the engine starts in tens of seconds
+        while started.poll() is None and time.monotonic() < deadline and not (
+                rounds.exists() and rounds.read_text().count("\n") >= 1):
+            time.sleep(0.05)
+        engines = [e for c in run_child_pids("collect", str(tmp_path), "vllm") for e in _engines_of(c)]
+        assert len(engines) == 1, (tmp_path / "run.log").read_text()[-3000:]
+        kill_once_busy(engines[0]).join(timeout=600)
+        started.wait(timeout=900)
+    finally:
+        if started.poll() is None:
+            os.killpg(started.pid, signal.SIGKILL)
+    out = (tmp_path / "run.log").read_text()
+    assert started.returncode == 0, out[-4000:]
+    assert not process_running(engines[0])
+    died = [line for line in out.splitlines() if "the vllm generation engine died" in line]
+    assert len(died) == 1 and died[0].startswith("[collector] the vllm generation engine died (its "), out[-4000:]
+    assert "killed by SIGKILL" in died[0] and "restart 1 of at most 3 in a row" in died[0]
+    last = read_metrics(rounds)[-1]
+    assert (last["engine_restarts"], last["engine_starts"]) == (1, 2)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    _same_rows(run, reference)
 
 
 def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(vllm_run, tmp_path):
@@ -156,21 +198,13 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(vllm_ru
     assert first.returncode == -signal.SIGKILL, out[-3000:]  # killed, not finished or failed
     assert len(engines) == 1, out[-3000:]
     deadline = time.monotonic() + 120  # a bound, not a timing: it exits within a second of its collector
-    while _running(engines[0]) and time.monotonic() < deadline:
+    while process_running(engines[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _running(engines[0]), "the vLLM engine outlived its killed run"
+    assert not process_running(engines[0]), "the vLLM engine outlived its killed run"
     steps = len(read_metrics(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
     assert steps < STEPS
 
     resumed = subprocess.run(_command(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
-    killed, plain = _rows(run), _rows(reference)
-    starts = [t for i, t in enumerate(killed["trajectory_id"]) if i == 0 or t != killed["trajectory_id"][i - 1]]
-    assert starts == list(range(len(starts)))  # every trajectory once, in order: none lost, none twice
-    shared = min(len(killed["tokens"]), len(plain["tokens"]))
-    assert shared >= STEPS * 16  # at least the rows the learner took in (learner.new_rows_per_step=16)
-    for key in ("trajectory_id", "policy_version", "tokens"):
-        assert killed[key][:shared] == plain[key][:shared], key
-    assert max(abs(a - b) for x, y in zip(killed["log_probs"][:shared], plain["log_probs"][:shared])
-               for a, b in zip(x, y, strict=True)) < 1e-5
+    _same_rows(run, reference)
