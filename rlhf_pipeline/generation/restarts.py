@@ -1,7 +1,7 @@
 """When an engine whose process died is started again: :class:`Restarts`, a bounded exponential backoff.
 
 An engine in a process of its own (``vllm_engine.py``) can lose it to a ``kill -9``, the OOM killer
-or a crash in native code. The work it was doing is not lost with it: the collector drew the round's
+or a crash in native code, or hang (``hung_after_s``: then it is killed and counts as dead). The work it was doing is not lost with it: the collector drew the round's
 seeds before asking, and the weights it held are files in the engine's scratch directory, so a new
 process given those weights and asked the same gives the same rows. What is bounded here is how often
 that is tried: ``max_restarts`` restarts in a row (a call the engine answered resets the count, so a
@@ -35,6 +35,9 @@ class Restarts:
     """Restarts in a row (without an answered call between them) before giving up; 0: never restart."""
     backoff_s: float = 1.0
     """Seconds before the first restart in a row; each further one waits twice as long (at most 60 s)."""
+    hung_after_s: float | None = None
+    """A call (a round to sample, weights to load) unanswered this long: the engine hangs, and is
+    killed and restarted as one that died; None: wait for ever."""
     announce: Callable[[str], None] = field(default=_to_stderr, repr=False)
     """Where the line said before each restart goes (the collector sets its console's)."""
     in_a_row: int = 0
@@ -46,6 +49,9 @@ class Restarts:
                              f"got {self.max_restarts}")
         if not self.backoff_s >= 0:
             raise ValueError(f"setting 'generation.restart_backoff_s' must be >= 0 (seconds), got {self.backoff_s}")
+        if self.hung_after_s is not None and not self.hung_after_s > 0:
+            raise ValueError(f"setting 'generation.hung_after_s' must be > 0 (seconds) or none (wait for ever), "
+                             f"got {self.hung_after_s}")
 
     def next_delay_s(self, died: EngineDied, engine: str = "generation") -> float:
         """Counts one more restart and returns how long to wait before it; EngineFailed, naming the

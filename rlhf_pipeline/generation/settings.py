@@ -61,6 +61,9 @@ class GenerationSettings:
     collector stops; a round the engine answers resets the count. 0: never restart."""
     restart_backoff_s: float = 1.0
     """vllm: seconds before the first restart in a row; each further one waits twice as long (at most 60 s)."""
+    hung_after_s: float | None = None
+    """vllm: a round (or a weight load) the engine has not answered after this long counts as a hung
+    engine, killed and restarted as one that died; none: wait for ever (a long round is not a hang)."""
 
 
 def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
@@ -86,7 +89,7 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
                          f"{list(CPU_HEAD_SIZES)}, this model's is {head_size}{head_hint}; or use generation.engine=loop")
     from rlhf_pipeline.generation.restarts import Restarts
 
-    Restarts(settings.max_restarts, settings.restart_backoff_s)  # refuses either by name
+    Restarts(settings.max_restarts, settings.restart_backoff_s, settings.hung_after_s)  # refuses each by name
     find_vllm_python(settings.python)
 
 
@@ -130,7 +133,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
     if settings.weight_transfer == "files":  # a restarted engine reloads its weights from files
         from rlhf_pipeline.generation.restarts import Restarts
 
-        options["restarts"] = Restarts(settings.max_restarts, settings.restart_backoff_s)
+        options["restarts"] = Restarts(settings.max_restarts, settings.restart_backoff_s, settings.hung_after_s)
     if settings.max_model_len is not None:
         options["max_model_len"] = settings.max_model_len
     if device != "cpu":

@@ -68,7 +68,7 @@ from rlhf_pipeline.generation.engine import (
 )
 from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.sampling import SamplingConfig
-from rlhf_pipeline.generation.vllm_process import exit_status, package_path_dir, stop_process
+from rlhf_pipeline.generation.vllm_process import exit_status, hard_link, package_path_dir, stop_process
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
 
 GREEDY_BELOW = 1e-5
@@ -215,9 +215,10 @@ class VLLMEngine(GenerationEngine):
         self._finalizer = weakref.finalize(self, stop_process, self._process, self._connection)
         atexit.register(self._finalizer)
 
-    def _receive(self, timeout_s: float | None, what: str) -> dict[str, Any]:
-        """The engine's next reply; EngineDied when its process exited or its socket closed,
-        EngineFailed when it hung past ``timeout_s`` or answered with an error."""
+    def _receive(self, timeout_s: float | None, what: str, hung_is_dead: bool = False) -> dict[str, Any]:
+        """The engine's next reply; EngineDied when its process exited or its socket closed (or, with
+        ``hung_is_dead``, it hung past ``timeout_s``: it is killed), else EngineFailed when it hung or
+        answered with an error."""
         assert self._connection is not None and self._process is not None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._connection.poll(0.2):
@@ -225,6 +226,10 @@ class VLLMEngine(GenerationEngine):
                 cause = f"its process exited ({exit_status(self._process.returncode)}) while {what}"
                 raise EngineDied(f"the vLLM engine died: {cause}; its log ends:\n{self.log_tail()}", cause=cause)
             if deadline is not None and time.monotonic() > deadline:
+                if hung_is_dead:
+                    self._process.kill()
+                    cause = f"it did not answer within {timeout_s:g} s while {what}: killed"
+                    raise EngineDied(f"the vLLM engine hung: {cause}; its log ends:\n{self.log_tail()}", cause=cause)
                 self.close()
                 raise EngineFailed(f"the vLLM engine did not answer within {timeout_s:g} s while {what}; "
                                    f"its log ends:\n{self.log_tail()}")
@@ -243,7 +248,7 @@ class VLLMEngine(GenerationEngine):
                                f"{reply.get('traceback', '')}{self.log_tail()}")
         return reply
 
-    def call(self, op: str, timeout_s: float | None = None, **message: Any) -> dict[str, Any]:
+    def call(self, op: str, timeout_s: float | None = None, hung_is_dead: bool = False, **message: Any) -> dict[str, Any]:
         """Sends one operation to the engine's process and returns its reply (``vllm_server.py``)."""
         if self._connection is None:
             raise EngineFailed("the vLLM engine is closed")
@@ -252,14 +257,15 @@ class VLLMEngine(GenerationEngine):
         except OSError as exc:
             cause = f"its socket closed before {op} ({type(exc).__name__})"
             raise EngineDied(f"the vLLM engine died: {cause}; its log ends:\n{self.log_tail()}", cause=cause) from None
-        return self._receive(timeout_s, what=op)
+        return self._receive(timeout_s, what=op, hung_is_dead=hung_is_dead)
 
     def call_restarting(self, op: str, **message: Any) -> dict[str, Any]:
-        """:meth:`call`, and when the engine's process died, the same call again in a new one (given
-        the weights this one held) as :attr:`restarts` allows: the same message, so the same seeds."""
+        """:meth:`call`, and when the engine's process died (or hung: ``restarts.hung_after_s``), the same
+        call again in a new one given the weights this one held, as :attr:`restarts` allows: the same
+        message, so the same seeds."""
         while True:
             try:
-                reply = self.call(op, **message)
+                reply = self.call(op, timeout_s=self.restarts.hung_after_s, hung_is_dead=True, **message)
             except EngineDied as died:
                 self._restart(died)
                 continue
@@ -349,7 +355,8 @@ class VLLMEngine(GenerationEngine):
     # ------------------------------------------------------------------ weights
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
         if isinstance(weights, (str, os.PathLike)) and Path(weights).suffix == ".safetensors":
-            path = self._keep(Path(weights).resolve(), version)
+            # kept in the scratch directory: a restart needs it after the learner may have pruned it
+            path = hard_link(Path(weights).resolve(), self.work_dir / f"weights-{version:08d}.safetensors")
         else:
             if isinstance(weights, (str, os.PathLike)):  # a legacy .pt publication
                 payload = torch.load(weights, map_location="cpu", weights_only=True)
@@ -359,19 +366,6 @@ class VLLMEngine(GenerationEngine):
         old, self._weights_file = self._weights_file, path
         if old is not None and old != path and old.parent == self.work_dir:
             old.unlink(missing_ok=True)
-
-    def _keep(self, published: Path, version: int) -> Path:
-        """A published file, linked into the scratch directory: a restart needs it after the learner
-        may have pruned it (a hard link holds the bytes; the published path where none can be made)."""
-        path = self.work_dir / f"weights-{version:08d}.safetensors"
-        partial = path.with_suffix(".partial")
-        try:
-            partial.unlink(missing_ok=True)
-            os.link(published, partial)
-        except OSError:  # another file system
-            return published
-        partial.replace(path)
-        return path
 
     def _write_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
         from safetensors.torch import save_file

@@ -1,8 +1,10 @@
-"""The vLLM engine's process, seen from the collector's side: stopping it, saying how it ended, and the
-``PYTHONPATH`` it runs with (``vllm_engine.py`` starts it; ``vllm_server.py`` is what runs in it)."""
+"""The vLLM engine's process, seen from the collector's side: stopping it, saying how it ended, the
+``PYTHONPATH`` it runs with, the files it is given (``vllm_engine.py`` starts it; ``vllm_server.py`` is
+what runs in it)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from multiprocessing.connection import Connection
@@ -53,3 +55,16 @@ def package_path_dir(work_dir: Path) -> Path:
     if not link.exists():
         link.symlink_to(package, target_is_directory=True)
     return root
+
+
+def hard_link(source: Path, path: Path) -> Path:
+    """``path``, made a hard link to ``source`` (atomically: a link beside it, renamed), so the bytes
+    outlive ``source``'s removal; ``source`` itself where no link can be made (another file system)."""
+    partial = path.with_suffix(".partial")
+    try:
+        partial.unlink(missing_ok=True)
+        os.link(source, partial)
+    except OSError:
+        return source
+    partial.replace(path)
+    return path

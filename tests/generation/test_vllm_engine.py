@@ -234,6 +234,29 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
         engine.update_weights(model.state_dict(), engine.policy_version + 1)
 
 
+def test_an_engine_that_stops_answering_is_killed_and_restarted(served):
+    """generation.hung_after_s: an engine that does not answer a round (SIGSTOP: alive and silent) is
+    killed once that long has passed and restarted as one that died; the round comes back the same."""
+    engine, _, tok = served
+    said: list[str] = []
+    # 30 s: the first round of a new engine includes its warm-up (~9 s here), which is not a hang
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.0, hung_after_s=30,
+                                                      announce=said.append)
+    requests = [SampleRequest(p, n=2) for p in _prompts(tok, 3)]
+    config = SamplingConfig(max_new_tokens=6)
+    try:
+        before = engine.sample(requests, config, torch.Generator().manual_seed(5))
+        pid = engine.pid
+        os.kill(pid, signal.SIGSTOP)
+        after = engine.sample(requests, config, torch.Generator().manual_seed(5))
+        assert engine.pid != pid and not process_running(pid)
+        assert [(c.token_ids, c.log_probs) for g in after for c in g.completions] == \
+            [(c.token_ids, c.log_probs) for g in before for c in g.completions]
+        assert len(said) == 1 and "(it did not answer within 30 s while sample: killed)" in said[0], said
+    finally:
+        engine.restarts = kept
+
+
 def test_an_engine_that_dies_past_max_restarts_stops_with_the_setting_named(served):
     """max_restarts=0: the first death is not restarted; the error names the setting and keeps the log."""
     engine, model, tok = served
