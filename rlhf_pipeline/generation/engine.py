@@ -67,9 +67,9 @@ class EngineFailed(RuntimeError):
 
 
 class EngineDied(EngineFailed):
-    """The engine's process exited or its socket closed: a fresh process may do what it could not
-    (an engine that answered with an error, or hung, is not this). ``cause``: what happened, in a
-    few words (the message adds the engine's log)."""
+    """The engine's process exited or its socket closed (or it hung past ``generation.hung_after_s``
+    and was killed): a fresh process may do what it could not. An engine that answered with an error
+    is not this. ``cause``: what happened, in a few words (the message adds the engine's log)."""
 
     def __init__(self, message: str, cause: str | None = None) -> None:
         super().__init__(message)

@@ -5,8 +5,7 @@ A learner waits for its next batch while its sampler has too few new rows; it wa
 past ``wait_report_s`` it says, in one line, what it waits for (the new rows its next draw
 needs, the rows each shard holds past what it took in) and why it cannot have them yet (no row
 written at all: the collectors are starting; none written since it began waiting; or they write
-too slowly), then says it
-again each time the wait doubles.
+too slowly), then says it again each time the wait doubles.
 """
 
 from __future__ import annotations
