@@ -21,6 +21,10 @@ here:
 from __future__ import annotations
 
 
+MODEL_SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+
+
 class PublishedWeightsLoader:
     """Methods added to vLLM's worker; names carry ``published`` so they clash with none of its own."""
 
@@ -34,6 +38,13 @@ class PublishedWeightsLoader:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         retied = retie_lm_head(model)
         return {"tensors": len(state), "retied_lm_head": retied}
+
+    def describe_published_model(self) -> dict:
+        """The served model's shape, for a client that must check it serves the pipeline's model
+        before it sends weights (``generation/vllm_url.py``): what a state dict's keys and shapes
+        depend on."""
+        config = self.model_runner.get_model().config  # type: ignore[attr-defined]
+        return {key: getattr(config, key, None) for key in MODEL_SHAPE_KEYS}
 
     def retie_published_head(self) -> bool:
         """After vLLM's own weight transfer (the NCCL route): the tied head, as after a file load."""
