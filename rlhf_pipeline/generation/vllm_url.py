@@ -292,7 +292,14 @@ class VLLMURLEngine(GenerationEngine):
             if isinstance(weights, (str, Path)):  # a legacy .pt publication
                 weights = torch.load(weights, map_location="cpu", weights_only=True)["state_dict"]
             path = self._write_weights(weights, version)
-        reply = self.client.post("/collective_rpc", {"method": "load_published_weights", "args": [str(path)]})
+        try:
+            reply = self.client.post("/collective_rpc", {"method": "load_published_weights", "args": [str(path)]})
+        except ServerError as exc:
+            if "No such file" not in exc.detail and "FileNotFound" not in exc.detail:
+                raise
+            raise ServerMismatch(f"generation.url: the server at {self.url} cannot read {path}, the weights of version "
+                                 f"{version}: a server on another machine needs generation.url_weights_dir on a file "
+                                 f"system both machines see, at the same path") from None
         if not all(isinstance(r, dict) and r.get("tensors") for r in reply.get("results", [])):
             raise EngineFailed(f"the vLLM server at {self.url} did not load {path}: {reply}")
         # cached prefixes hold the old weights' keys and values; a reset fails while another client's

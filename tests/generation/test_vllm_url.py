@@ -224,3 +224,17 @@ def test_a_server_without_weight_updates_or_processed_log_probs_is_refused_with_
         assert "--logprobs-mode processed_logprobs" in _refusal(plain, model, tok, weight_updates=False)
     finally:
         plain.stop()
+
+
+def test_weights_the_server_cannot_read_are_named_with_the_setting_and_change_nothing(served, tmp_path):
+    engine, model, tok = served
+    version = engine.policy_version
+    elsewhere = tmp_path / "not-on-the-servers-machine" / "policy_00000099.safetensors"
+    with pytest.raises(ServerMismatch, match="generation.url_weights_dir") as caught:
+        engine.update_weights(elsewhere, version + 1)
+    assert "\n" not in str(caught.value) and str(elsewhere) in str(caught.value)
+    assert engine.policy_version == version  # the rows go on naming the weights the server holds
+    requests = [SampleRequest(_prompts(tok, 1)[0], n=2)]
+    config = SamplingConfig(max_new_tokens=4)
+    assert _max_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
+        < LOG_PROB_TOLERANCE
