@@ -207,6 +207,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         )
         # each collector (one buffer shard each) walks the prompts in its own order
         source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
+        if settings.generation.url is not None and collector_index > 0:
+            # two collectors loading their versions into one server would sample under each other's
+            raise PipelineError(f"generation.url serves one collector (its weights are that collector's), and this "
+                                f"is collector {collector_index}: run with --collectors 1")
         # the loop samples with this model; a vLLM engine starts from its weights in its own process; a
         # server at generation.url is checked against it (and the tokenizer) and given its weights
         try:

@@ -69,6 +69,10 @@ class GenerationSettings:
     url_weights_dir: str | None = None
     """url: where new weights are written for the server to read, a path its machine sees too;
     none: a temporary directory on this machine (a server on this machine)."""
+    url_weights: Literal["file", "inline"] = "file"
+    """url: how new weights reach the server: file (written to url_weights_dir, read there) or inline
+    (the file's bytes in the request, base64: for a server on a machine with no file system in
+    common; a third more than the weights travel per update)."""
     url_check_tolerance: float = 1e-3
     """url: largest log-prob difference between the server and the pipeline's model at the start
     check; raise it for a server in lower precision than the pipeline's model."""
@@ -159,7 +163,8 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
                             max_backoff_s=max(30.0, settings.url_backoff_s), timeout_s=settings.url_timeout_s)
         return VLLMURLEngine(settings.url, model, stop_token_ids=stop_token_ids, tokenizer=tokenizer,
                              policy_version=policy_version, served_model=settings.url_model,
-                             weights_dir=settings.url_weights_dir, retry=retry, wait_s=settings.url_wait_s,
+                             weights_dir=settings.url_weights_dir, inline_weights=settings.url_weights == "inline",
+                             retry=retry, wait_s=settings.url_wait_s,
                              check_tolerance=settings.url_check_tolerance)
     if settings.engine == "loop":
         from rlhf_pipeline.generation.loop import LoopEngine

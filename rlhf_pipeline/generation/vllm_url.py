@@ -32,7 +32,8 @@ every reply is in: a server that stops answering is retried with backoff (``vllm
 
 New weights travel as a safetensors file the server reads: ``weights_dir`` must be a directory the
 server's machine sees at the same path (a temporary one on this machine by default: a server on
-this machine). :data:`SERVER_COMMAND` is the command to start a server that can take them.
+this machine); or, with ``inline_weights``, as that file's bytes in the request (base64, a third
+larger than the file), for a server with no file system in common. :data:`SERVER_COMMAND` is the command to start a server that can take them.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class VLLMURLEngine(GenerationEngine):
 
     def __init__(self, url: str, model: Any, *, stop_token_ids: Sequence[int], tokenizer: Any = None,
                  policy_version: int = 0, served_model: str | None = None, weight_updates: bool = True,
-                 weights_dir: str | Path | None = None, retry: RetryPolicy | None = None, wait_s: float = 300.0,
+                 weights_dir: str | Path | None = None, inline_weights: bool = False, retry: RetryPolicy | None = None, wait_s: float = 300.0,
                  max_concurrency: int = 64, check_tolerance: float = 1e-3, api_key: str | None = None) -> None:
         super().__init__(stop_token_ids, policy_version)
         self.url = url.rstrip("/")
@@ -101,6 +102,7 @@ class VLLMURLEngine(GenerationEngine):
         self.vocab_size = int(model.config.vocab_size)
         self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
+        self.inline_weights = bool(inline_weights)
         self._own_weights_dir = weights_dir is None
         self.weights_dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-url-")) if weights_dir is None else Path(weights_dir)
         self._weights_file: Path | None = None
@@ -292,14 +294,20 @@ class VLLMURLEngine(GenerationEngine):
             if isinstance(weights, (str, Path)):  # a legacy .pt publication
                 weights = torch.load(weights, map_location="cpu", weights_only=True)["state_dict"]
             path = self._write_weights(weights, version)
+        if self.inline_weights:
+            import base64
+
+            request = {"method": "load_published_weights_inline", "args": [base64.b64encode(path.read_bytes()).decode()]}
+        else:
+            request = {"method": "load_published_weights", "args": [str(path)]}
         try:
-            reply = self.client.post("/collective_rpc", {"method": "load_published_weights", "args": [str(path)]})
+            reply = self.client.post("/collective_rpc", request)
         except ServerError as exc:
             if "No such file" not in exc.detail and "FileNotFound" not in exc.detail:
                 raise
             raise ServerMismatch(f"generation.url: the server at {self.url} cannot read {path}, the weights of version "
                                  f"{version}: a server on another machine needs generation.url_weights_dir on a file "
-                                 f"system both machines see, at the same path") from None
+                                 f"system both machines see, at the same path, or generation.url_weights=inline") from None
         if not all(isinstance(r, dict) and r.get("tensors") for r in reply.get("results", [])):
             raise EngineFailed(f"the vLLM server at {self.url} did not load {path}: {reply}")
         # cached prefixes hold the old weights' keys and values; a reset fails while another client's

@@ -33,7 +33,18 @@ class PublishedWeightsLoader:
         learner's ``publish_weights`` write them); returns what it loaded, for the caller's checks."""
         from safetensors.torch import load_file
 
-        state = load_file(path, device="cpu")
+        return self._reload_published(load_file(path, device="cpu"))
+
+    def load_published_weights_inline(self, encoded: str) -> dict:
+        """The same from the safetensors bytes themselves, base64-encoded (an HTTP ``/collective_rpc``
+        passes strings only): for a server that cannot read the client's files."""
+        import base64
+
+        from safetensors.torch import load
+
+        return self._reload_published(load(base64.b64decode(encoded)))
+
+    def _reload_published(self, state: dict) -> dict:
         self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         retied = retie_lm_head(model)

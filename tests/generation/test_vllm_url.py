@@ -238,3 +238,20 @@ def test_weights_the_server_cannot_read_are_named_with_the_setting_and_change_no
     config = SamplingConfig(max_new_tokens=4)
     assert _max_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
         < LOG_PROB_TOLERANCE
+
+
+def test_inline_weights_reach_a_server_that_shares_no_files(served, server):
+    _, model, tok = served
+    other, _ = tiny_model_and_tokenizer(seed=2, **SHAPE)
+    requests = [SampleRequest(p, n=2) for p in _prompts(tok, 3)]
+    config = SamplingConfig(max_new_tokens=5, temperature=0.9)
+    with VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok,
+                       inline_weights=True) as inline:
+        version = inline.policy_version
+        try:
+            inline.update_weights({k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}, version + 1)
+            after = inline.sample(requests, config, torch.Generator().manual_seed(4))
+            assert {g.policy_version for g in after} == {version + 1}
+            assert _max_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
+        finally:  # the module's engine holds the first weights on this server
+            inline.update_weights(model.state_dict(), version + 2)
