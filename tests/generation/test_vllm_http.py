@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -83,3 +84,17 @@ def test_url_settings_are_refused_by_name(changes, named):
 def test_a_url_needs_no_vllm_here_and_no_cpu_head_size():
     # the server is the user's: its Python and attention are its business, not this machine's
     check_generation(GenerationSettings(url="http://127.0.0.1:8000", python="/nonexistent"), head_size=16)
+
+
+def test_the_default_pipeline_runs_one_collector_per_server(tmp_path):
+    from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.runs.processes import build_pipeline
+
+    module = load_pipeline_module(Path(__file__).resolve().parents[2] / "pipelines" / "default.py")
+    # nothing listens at the URL: without the refusal this fails at once, unreachable
+    settings = make_settings(module, ["generation.url=http://127.0.0.1:9", "generation.url_wait_s=0",
+                                      "generation.url_retries=0", "num_heads=2"])
+    pipeline = build_pipeline(module, settings, RunPaths(tmp_path))
+    # refused before any engine is made, so no server is needed to see it
+    with pytest.raises(PipelineError, match="--collectors 1"):
+        pipeline.make_collector(pipeline.make_model(), pipeline.create_buffer(tmp_path / "shard"), collector_index=1)
