@@ -34,6 +34,11 @@ MESSAGE_CHARS = 500
 class ServerUnreachable(EngineFailed):
     """The server did not answer, or kept saying it was unavailable, through every retry."""
 
+    def __init__(self, message: str, last_error: str = "") -> None:
+        super().__init__(message)
+        self.last_error = last_error
+        """What the last try met (``URLError: [Errno 111] Connection refused``, ``HTTP 503: ...``)."""
+
 
 class ServerError(EngineFailed):
     """The server answered with an error status that asking again would not change."""
@@ -116,7 +121,7 @@ class JsonClient:
         raise ServerUnreachable(
             f"the vLLM server at {self.base_url} did not answer {method} {path} after {tries} "
             f"{'try' if tries == 1 else 'tries'} over {time.monotonic() - started:.0f} s ({last}); check that it "
-            f"is running, or raise generation.url_retries / generation.url_backoff_s")
+            f"is running, or raise generation.url_retries / generation.url_backoff_s", last)
 
 
 def _detail(exc: urllib.error.HTTPError) -> str:

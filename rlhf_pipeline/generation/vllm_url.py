@@ -131,7 +131,7 @@ class VLLMURLEngine(GenerationEngine):
             except ServerUnreachable as exc:
                 if time.monotonic() >= deadline:
                     raise ServerUnreachable(f"generation.url: no vLLM server answered at {self.url} within {wait_s:g} s "
-                                            f"({str(exc).rsplit('(', 1)[-1].rstrip(')')}); start one with: "
+                                            f"({exc.last_error}); start one with: "
                                             f"{SERVER_COMMAND}, or raise generation.url_wait_s") from None
             except ServerError as exc:  # answers, but not as vLLM does
                 raise ServerMismatch(f"generation.url: {self.url}/health answered HTTP {exc.status} ({exc.detail}): "
