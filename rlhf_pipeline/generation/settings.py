@@ -16,6 +16,7 @@ official ``vllm`` is installed with the project); else one line saying how to ge
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ class GenerationSettings:
     """url: how new weights reach the server: file (written to url_weights_dir, read there) or inline
     (the file's bytes in the request, base64: for a server on a machine with no file system in
     common; a third more than the weights travel per update)."""
+    url_api_key_env: str = "VLLM_API_KEY"
+    """url: the environment variable holding the server's API key (its --api-key), sent as a bearer
+    token when set: the key stays out of the run's settings file."""
     url_check_tolerance: float = 1e-3
     """url: largest log-prob difference between the server and the pipeline's model at the start
     check; raise it for a server in lower precision than the pipeline's model."""
@@ -165,7 +169,9 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
                              policy_version=policy_version, served_model=settings.url_model,
                              weights_dir=settings.url_weights_dir, inline_weights=settings.url_weights == "inline",
                              retry=retry, wait_s=settings.url_wait_s,
-                             check_tolerance=settings.url_check_tolerance)
+                             check_tolerance=settings.url_check_tolerance,
+                             api_key=os.environ.get(settings.url_api_key_env) or None,
+                             api_key_env=settings.url_api_key_env)
     if settings.engine == "loop":
         from rlhf_pipeline.generation.loop import LoopEngine
 

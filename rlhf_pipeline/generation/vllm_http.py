@@ -87,6 +87,10 @@ class JsonClient:
         if api_key:  # a server started with --api-key refuses requests without it
             self._headers["Authorization"] = f"Bearer {api_key}"
 
+    @property
+    def has_api_key(self) -> bool:
+        return "Authorization" in self._headers
+
     def get(self, path: str, *, retry: bool = True) -> Any:
         return self.call("GET", path, None, retry=retry)
 

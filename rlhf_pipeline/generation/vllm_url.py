@@ -94,11 +94,14 @@ class VLLMURLEngine(GenerationEngine):
 
     def __init__(self, url: str, model: Any, *, stop_token_ids: Sequence[int], tokenizer: Any = None,
                  policy_version: int = 0, served_model: str | None = None, weight_updates: bool = True,
-                 weights_dir: str | Path | None = None, inline_weights: bool = False, retry: RetryPolicy | None = None, wait_s: float = 300.0,
-                 max_concurrency: int = 64, check_tolerance: float = 1e-3, api_key: str | None = None) -> None:
+                 weights_dir: str | Path | None = None, inline_weights: bool = False,
+                 retry: RetryPolicy | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
+                 check_tolerance: float = 1e-3, api_key: str | None = None,
+                 api_key_env: str = "VLLM_API_KEY") -> None:
         super().__init__(stop_token_ids, policy_version)
         self.url = url.rstrip("/")
         self.client = JsonClient(self.url, retry, api_key=api_key)
+        self._api_key_env = api_key_env  # named in the refusal of a server that wants a key
         self.vocab_size = int(model.config.vocab_size)
         self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
@@ -139,7 +142,15 @@ class VLLMURLEngine(GenerationEngine):
             time.sleep(1.0)
 
     def _find_model(self, wanted: str | None) -> tuple[str, int]:
-        served = {entry["id"]: entry for entry in self.client.get("/v1/models").get("data", [])}
+        try:  # the first request a server started with --api-key guards
+            listing = self.client.get("/v1/models")
+        except ServerError as exc:
+            if exc.status != 401:
+                raise
+            given = "refused the key in" if self.client.has_api_key else "wants an API key: set"
+            raise ServerMismatch(f"generation.url: the server at {self.url} {given} ${self._api_key_env} (its "
+                                 f"--api-key; generation.url_api_key_env names another variable)") from None
+        served = {entry["id"]: entry for entry in listing.get("data", [])}
         if wanted is not None and wanted not in served:
             raise ServerMismatch(f"generation.url_model={wanted!r}: the server at {self.url} serves {sorted(served)}; "
                                  f"set generation.url_model to one of them")

@@ -23,6 +23,14 @@ class Scripted(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 (the standard library's name)
         length = int(self.headers.get("Content-Length", 0))
         self.server.bodies.append(json.loads(self.rfile.read(length) or b"null"))
+        self._answer()
+
+    def do_GET(self):  # noqa: N802
+        self.server.bodies.append(None)
+        self._answer()
+
+    def _answer(self):
+        self.server.authorizations.append(self.headers.get("Authorization"))
         status, body = self.server.script.pop(0) if self.server.script else (200, {"ok": True})
         payload = json.dumps(body).encode()
         self.send_response(status)
@@ -38,7 +46,7 @@ class Scripted(BaseHTTPRequestHandler):
 @pytest.fixture()
 def scripted():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    server.script, server.bodies = [], []
+    server.script, server.bodies, server.authorizations = [], [], []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -98,3 +106,22 @@ def test_the_default_pipeline_runs_one_collector_per_server(tmp_path):
     # refused before any engine is made, so no server is needed to see it
     with pytest.raises(PipelineError, match="--collectors 1"):
         pipeline.make_collector(pipeline.make_model(), pipeline.create_buffer(tmp_path / "shard"), collector_index=1)
+
+
+def test_a_server_that_wants_an_api_key_is_refused_naming_the_variable(scripted, monkeypatch):
+    from rlhf_pipeline.generation.settings import make_engine
+    from rlhf_pipeline.generation.vllm_url import ServerMismatch
+    from rlhf_pipeline.models import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(hidden_size=64, num_heads=2)
+    settings = GenerationSettings(url=f"http://127.0.0.1:{scripted.server_port}", url_retries=0,
+                                  url_api_key_env="TEST_VLLM_KEY")
+    monkeypatch.delenv("TEST_VLLM_KEY", raising=False)
+    scripted.script = [(200, {}), (401, {"error": "Unauthorized"})]  # /health is open, /v1 is guarded
+    with pytest.raises(ServerMismatch, match=r"wants an API key: set \$TEST_VLLM_KEY"):
+        make_engine(settings, model, pad_token_id=0, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
+    monkeypatch.setenv("TEST_VLLM_KEY", "sesame")
+    scripted.script = [(200, {}), (401, {"error": "Unauthorized"})]
+    with pytest.raises(ServerMismatch, match=r"refused the key in \$TEST_VLLM_KEY"):
+        make_engine(settings, model, pad_token_id=0, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
+    assert scripted.authorizations == [None, None, "Bearer sesame", "Bearer sesame"]
