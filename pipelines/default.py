@@ -3,6 +3,8 @@
     rlhf-pipeline run pipelines/default.py                  # about 15 s on 2 idle CPU cores
     rlhf-pipeline run pipelines/default.py --steps 20 --set group_size=4
     rlhf-pipeline run pipelines/default.py --set generation.engine=vllm --set num_heads=2   # vLLM generates
+    rlhf-pipeline run pipelines/default.py --set generation.url=http://127.0.0.1:8000 --set num_heads=2
+                                                            # a vLLM server you started (docs/generation.md)
 
 What it wires, top to bottom:
 
@@ -17,7 +19,8 @@ What it wires, top to bottom:
 4. learner GRPO with the settings in ``learner`` (see ``--list-settings``);
 5. engine  who samples: our loop in the collector's process, or vLLM in its own process
            (``generation.engine=vllm``; its CPU attention needs a head size of 32 or more, so
-           ``num_heads=2`` with the default width).
+           ``num_heads=2`` with the default width), or a vLLM server you started
+           (``generation.url``).
 
 Copy this file to start a new pipeline; pipelines do not inherit from each other.
 """
@@ -195,6 +198,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def make_collector(model, store, collector_index: int = 0):
         from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
         from rlhf_pipeline.generation.settings import make_engine
+        from rlhf_pipeline.generation.vllm_http import ServerUnreachable
         from rlhf_pipeline.storage import make_replay_buffer
 
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size,
@@ -206,9 +210,18 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         )
         # each collector (one buffer shard each) walks the prompts in its own order
         source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
-        # the loop samples with this model; a vLLM engine starts from its weights in its own process
-        engine = make_engine(settings.generation, model.to(settings.device), pad_token_id=tokenizer.pad_token_id,
-                             stop_token_ids=[tokenizer.eos_token_id], device=settings.device, seed=settings.seed)
+        if settings.generation.url is not None and collector_index > 0:
+            # two collectors loading their versions into one server would sample under each other's
+            raise PipelineError(f"generation.url serves one collector (its weights are that collector's), and this "
+                                f"is collector {collector_index}: run with --collectors 1")
+        # the loop samples with this model; a vLLM engine starts from its weights in its own process; a
+        # server at generation.url is checked against it (and the tokenizer) and given its weights
+        try:
+            engine = make_engine(settings.generation, model.to(settings.device), pad_token_id=tokenizer.pad_token_id,
+                                 stop_token_ids=[tokenizer.eos_token_id], device=settings.device, seed=settings.seed,
+                                 tokenizer=tokenizer)
+        except (ValueError, ServerUnreachable) as exc:  # a server that cannot serve this run: one line, no rows
+            raise PipelineError(str(exc)) from None
         return Collector(engine, tokenizer, source, rewards, sink=buffer.extend, config=config)
 
     return Pipeline(

@@ -11,6 +11,8 @@ that produced them beside (``engine.py`` is the contract).
   environment's Python, driven over a socket; :mod:`.vllm_server` is what runs in that process and
   :mod:`.vllm_worker` the worker extension that loads new weights there, :mod:`.vllm_process` the
   helpers that stop that process; :mod:`.restarts` when a process that died is started again;
+* :mod:`.vllm_url` -- ``VLLMURLEngine``: a vLLM server the user started, at a URL, through its
+  OpenAI-compatible API (checked against the pipeline's model first), over :mod:`.vllm_http`;
 * :mod:`.vllm_nccl` -- the GPU route for weights (vLLM's NCCL weight transfer);
 * :mod:`.vllm_setup` -- making the vLLM environment (``rlhf-pipeline setup-vllm``).
 
@@ -29,6 +31,7 @@ _DEFINED_IN = {
     **{name: "loop" for name in ("Generation", "LoopEngine", "generate", "left_pad", "teacher_forced_log_probs")},
     "GenerationSettings": "settings", "make_engine": "settings",
     "VLLMEngine": "vllm_engine",
+    "VLLMURLEngine": "vllm_url",
 }
 __all__ = sorted(_DEFINED_IN)
 

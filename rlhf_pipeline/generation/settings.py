@@ -1,5 +1,6 @@
-"""Which engine a pipeline generates with: ``GenerationSettings`` (``--set generation.engine=vllm``) and
-``make_engine``, which builds it for a collector.
+"""Which engine a pipeline generates with: ``GenerationSettings`` (``--set generation.engine=vllm``, or
+``--set generation.url=http://...`` for a vLLM server the user started) and ``make_engine``, which
+builds it for a collector.
 
 A pipeline holds ``generation: GenerationSettings`` in its ``Settings``, calls
 :func:`check_generation` in its ``check`` (no torch, before any process starts) and
@@ -15,6 +16,7 @@ official ``vllm`` is installed with the project); else one line saying how to ge
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +54,32 @@ class GenerationSettings:
     start_timeout_s: float = 900.0
     """vllm: how long the engine may take to start (importing vLLM alone took 16-90 s on a busy
     2-core machine) before the collector gives up, showing the engine's log."""
+    url: str | None = None
+    """A vLLM server the user started (http://host:port), instead of one the collector starts: checked
+    against the pipeline's model before any row is written; see docs/generation.md for its command."""
+    url_model: str | None = None
+    """url: the served model name to ask for; none: the only one the server serves."""
+    url_retries: int = 5
+    """url: tries after the first for a request the server did not answer, before the collector stops."""
+    url_backoff_s: float = 1.0
+    """url: pause before the first retry, doubled for each further one (at most 30 s)."""
+    url_timeout_s: float = 600.0
+    """url: longest wait for one reply (a round of completions)."""
+    url_wait_s: float = 300.0
+    """url: how long to wait at the start for a server that does not answer yet (one starting)."""
+    url_weights_dir: str | None = None
+    """url: where new weights are written for the server to read, a path its machine sees too;
+    none: a temporary directory on this machine (a server on this machine)."""
+    url_weights: Literal["file", "inline"] = "file"
+    """url: how new weights reach the server: file (written to url_weights_dir, read there) or inline
+    (the file's bytes in the request, base64: for a server on a machine with no file system in
+    common; a third more than the weights travel per update)."""
+    url_api_key_env: str = "VLLM_API_KEY"
+    """url: the environment variable holding the server's API key (its --api-key), sent as a bearer
+    token when set: the key stays out of the run's settings file."""
+    url_check_tolerance: float = 1e-3
+    """url: largest log-prob difference between the server and the pipeline's model at the start
+    check; raise it for a server in lower precision than the pipeline's model."""
     weight_transfer: Literal["files", "nccl"] = "files"
     """vllm: how new weights reach the engine: files (each published version's safetensors, reloaded
     in place; CPU and GPU) or nccl (vLLM's NCCL weight transfer from the collector's GPU copy; GPU
@@ -72,6 +100,9 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
 
     ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
     vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it)."""
+    if settings.url is not None:
+        check_url_settings(settings)
+        return
     if settings.engine == "loop":
         return
     if settings.kv_cache_gib < 1:
@@ -91,6 +122,23 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
 
     Restarts(settings.max_restarts, settings.restart_backoff_s, settings.hung_after_s)  # refuses each by name
     find_vllm_python(settings.python)
+
+
+def check_url_settings(settings: GenerationSettings) -> None:
+    """``generation.url`` and its settings; ValueError naming the setting."""
+    if settings.engine == "vllm":
+        raise ValueError(f"generation.url={settings.url} names a server you started and generation.engine=vllm "
+                         f"starts one of the collector's own: drop one of them")
+    if not settings.url.startswith(("http://", "https://")):
+        raise ValueError(f"setting 'generation.url' must be an http:// or https:// URL (http://host:port), got "
+                         f"{settings.url!r}")
+    if settings.url_retries < 0:
+        raise ValueError(f"setting 'generation.url_retries' must be >= 0, got {settings.url_retries}")
+    for name in ("url_backoff_s", "url_timeout_s", "url_check_tolerance"):
+        if not getattr(settings, name) > 0:
+            raise ValueError(f"setting 'generation.{name}' must be > 0, got {getattr(settings, name)}")
+    if settings.url_wait_s < 0:
+        raise ValueError(f"setting 'generation.url_wait_s' must be >= 0, got {settings.url_wait_s}")
 
 
 def find_vllm_python(explicit: str | None = None) -> str:
@@ -114,11 +162,27 @@ def find_vllm_python(explicit: str | None = None) -> str:
 
 
 def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, stop_token_ids: Sequence[int],
-                device: str = "cpu", policy_version: int = 0, seed: int = 0) -> GenerationEngine:
+                device: str = "cpu", policy_version: int = 0, seed: int = 0, tokenizer: Any = None) -> GenerationEngine:
     """The engine ``settings`` name, serving ``model`` (its current weights, as ``policy_version``).
 
     The loop engine samples with ``model`` itself; the vLLM engine saves it and starts its process
-    (tens of seconds): the caller owns the engine and closes it (a collector's ``close``)."""
+    (tens of seconds); a server at ``generation.url`` is checked against ``model`` and ``tokenizer``
+    (the pipeline's, for the server's /tokenize) and given its weights: the caller owns the engine and
+    closes it (a collector's ``close``)."""
+    if settings.url is not None:
+        from rlhf_pipeline.generation.vllm_http import RetryPolicy
+        from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
+
+        check_url_settings(settings)
+        retry = RetryPolicy(retries=settings.url_retries, backoff_s=settings.url_backoff_s,
+                            max_backoff_s=max(30.0, settings.url_backoff_s), timeout_s=settings.url_timeout_s)
+        return VLLMURLEngine(settings.url, model, stop_token_ids=stop_token_ids, tokenizer=tokenizer,
+                             policy_version=policy_version, served_model=settings.url_model,
+                             weights_dir=settings.url_weights_dir, inline_weights=settings.url_weights == "inline",
+                             retry=retry, wait_s=settings.url_wait_s,
+                             check_tolerance=settings.url_check_tolerance,
+                             api_key=os.environ.get(settings.url_api_key_env) or None,
+                             api_key_env=settings.url_api_key_env)
     if settings.engine == "loop":
         from rlhf_pipeline.generation.loop import LoopEngine
 

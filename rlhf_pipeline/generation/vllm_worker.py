@@ -21,6 +21,10 @@ here:
 from __future__ import annotations
 
 
+MODEL_SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+
+
 class PublishedWeightsLoader:
     """Methods added to vLLM's worker; names carry ``published`` so they clash with none of its own."""
 
@@ -29,11 +33,29 @@ class PublishedWeightsLoader:
         learner's ``publish_weights`` write them); returns what it loaded, for the caller's checks."""
         from safetensors.torch import load_file
 
-        state = load_file(path, device="cpu")
+        return self._reload_published(load_file(path, device="cpu"))
+
+    def load_published_weights_inline(self, encoded: str) -> dict:
+        """The same from the safetensors bytes themselves, base64-encoded (an HTTP ``/collective_rpc``
+        passes strings only): for a server that cannot read the client's files."""
+        import base64
+
+        from safetensors.torch import load
+
+        return self._reload_published(load(base64.b64decode(encoded)))
+
+    def _reload_published(self, state: dict) -> dict:
         self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         retied = retie_lm_head(model)
         return {"tensors": len(state), "retied_lm_head": retied}
+
+    def describe_published_model(self) -> dict:
+        """The served model's shape, for a client that must check it serves the pipeline's model
+        before it sends weights (``generation/vllm_url.py``): what a state dict's keys and shapes
+        depend on."""
+        config = self.model_runner.get_model().config  # type: ignore[attr-defined]
+        return {key: getattr(config, key, None) for key in MODEL_SHAPE_KEYS}
 
     def retie_published_head(self) -> bool:
         """After vLLM's own weight transfer (the NCCL route): the tied head, as after a file load."""

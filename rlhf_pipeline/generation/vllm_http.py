@@ -1,0 +1,149 @@
+"""JSON over HTTP to a vLLM server, with bounded retries: what ``vllm_url.py`` talks through.
+
+The standard library only (``urllib``): the project has no HTTP client among its dependencies, and a
+collector needs little of one -- a GET, a POST of a JSON body, a reply as JSON.
+
+What is retried and what is not. A server that does not answer (connection refused or reset, a
+timeout, a reply cut short) or answers that it is busy or restarting (HTTP 429, 502, 503, 504) is
+asked again after a pause that doubles each time (``RetryPolicy``: ``backoff_s``, ``2 * backoff_s``,
+..., at most ``max_backoff_s``), ``retries`` times at most; then :class:`ServerUnreachable` (an
+:class:`~rlhf_pipeline.generation.engine.EngineFailed`) says so in one line. Asking again is safe:
+every request we send is whole and seeded (the same seed gives the same completions), and a caller
+returns nothing until every reply is in, so a half-answered batch never reaches the buffer. Any other
+HTTP error (a 4xx naming a bad field, a 500 from a failing operation) is the server's answer, not a
+dead server: :class:`ServerError` at once, with the status and the server's message.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_pipeline.generation.engine import EngineFailed
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+"""Statuses that say "not now" (overloaded, a proxy without its upstream, restarting): retried."""
+MESSAGE_CHARS = 500
+
+
+class ServerUnreachable(EngineFailed):
+    """The server did not answer, or kept saying it was unavailable, through every retry."""
+
+    def __init__(self, message: str, last_error: str = "") -> None:
+        super().__init__(message)
+        self.last_error = last_error
+        """What the last try met (``URLError: [Errno 111] Connection refused``, ``HTTP 503: ...``)."""
+
+
+class ServerError(EngineFailed):
+    """The server answered with an error status that asking again would not change."""
+
+    def __init__(self, message: str, status: int, detail: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+        """The server's own message (its JSON ``message``/``detail``, or the body's start)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long a client waits for one reply and how often it asks again."""
+
+    retries: int = 5
+    """Further tries after the first for a request the server did not answer."""
+    backoff_s: float = 1.0
+    """Pause before the first retry; each further pause doubles."""
+    max_backoff_s: float = 30.0
+    """Longest pause between two tries."""
+    timeout_s: float = 600.0
+    """Longest wait for one reply (a large batch of completions on a CPU takes minutes)."""
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"RetryPolicy.retries must be >= 0, got {self.retries}")
+        if not self.backoff_s > 0 or not self.max_backoff_s >= self.backoff_s:
+            raise ValueError(f"RetryPolicy needs 0 < backoff_s <= max_backoff_s, got {self.backoff_s}, "
+                             f"{self.max_backoff_s}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"RetryPolicy.timeout_s must be > 0, got {self.timeout_s}")
+
+    def pause(self, attempt: int) -> float:
+        """Seconds to wait after failed try number ``attempt`` (0 for the first)."""
+        return min(self.backoff_s * 2.0 ** attempt, self.max_backoff_s)
+
+
+class JsonClient:
+    """GET and POST JSON to ``base_url`` (``http://host:port``), retrying as the module says."""
+
+    def __init__(self, base_url: str, retry: RetryPolicy | None = None, api_key: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if api_key:  # a server started with --api-key refuses requests without it
+            self._headers["Authorization"] = f"Bearer {api_key}"
+
+    @property
+    def has_api_key(self) -> bool:
+        return "Authorization" in self._headers
+
+    def get(self, path: str, *, retry: bool = True) -> Any:
+        return self.call("GET", path, None, retry=retry)
+
+    def post(self, path: str, body: Any = None, *, retry: bool = True) -> Any:
+        return self.call("POST", path, {} if body is None else body, retry=retry)
+
+    def call(self, method: str, path: str, body: Any, *, retry: bool = True) -> Any:
+        """One request; its reply as JSON (None for an empty body). ``retry`` False: one try only."""
+        url = self.base_url + path
+        data = None if body is None else json.dumps(body).encode()
+        tries = self.retry.retries + 1 if retry else 1
+        started = time.monotonic()
+        last = ""
+        for attempt in range(tries):
+            if attempt:
+                time.sleep(self.retry.pause(attempt - 1))
+            request = urllib.request.Request(url, data=data, headers=self._headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=self.retry.timeout_s) as reply:
+                    raw = reply.read()
+                return json.loads(raw) if raw.strip() else None
+            except urllib.error.HTTPError as exc:
+                detail = _detail(exc)
+                if exc.code not in RETRY_STATUSES:
+                    raise ServerError(f"the vLLM server at {self.base_url} answered {method} {path} with HTTP "
+                                      f"{exc.code}: {detail}", exc.code, detail) from None
+                last = f"HTTP {exc.code}: {detail}"
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+                # URLError wraps a refused connection; a timeout is an OSError; ValueError: a reply cut
+                # short mid-JSON
+                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+        raise ServerUnreachable(
+            f"the vLLM server at {self.base_url} did not answer {method} {path} after {tries} "
+            f"{'try' if tries == 1 else 'tries'} over {time.monotonic() - started:.0f} s ({last}); check that it "
+            f"is running, or raise generation.url_retries / generation.url_backoff_s", last)
+
+
+def _detail(exc: urllib.error.HTTPError) -> str:
+    """The server's message from an error reply (vLLM's ``{"error": {"message": ...}}``, FastAPI's
+    ``{"detail": ...}``), else the start of the body."""
+    try:
+        raw = exc.read().decode("utf-8", errors="replace")
+    except OSError:
+        return str(exc.reason)
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return raw[:MESSAGE_CHARS] or str(exc.reason)
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:MESSAGE_CHARS]
+        for key in ("message", "detail", "error"):
+            if parsed.get(key):
+                return str(parsed[key])[:MESSAGE_CHARS]
+    return raw[:MESSAGE_CHARS]

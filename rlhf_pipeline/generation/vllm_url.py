@@ -1,0 +1,356 @@
+"""``VLLMURLEngine``: a vLLM server that the user started, at a URL (``--set generation.url=http://...``),
+through its OpenAI-compatible API; a :class:`~rlhf_pipeline.generation.engine.GenerationEngine` like
+our loop and the vLLM engine the collector owns (``vllm_engine.py``).
+
+The server is not ours: we neither start nor stop it, and we trust nothing about it until it is
+checked. At construction, before any row exists, the engine checks in this order and refuses
+(:class:`ServerMismatch`, one line naming what the server has and what the pipeline needs):
+
+1. it answers ``/health`` (waiting up to ``wait_s`` for one that is still starting);
+2. ``/v1/models`` names the model it serves (``served_model``, or the only one) and its
+   ``max_model_len``;
+3. ``/tokenize`` gives our tokenizer's ids for a probe text (skipped for a server without a
+   tokenizer, which then tokenizes nothing of ours);
+4. with weight updates (the default), the server has vLLM's dev endpoints and our worker extension
+   (``/collective_rpc`` answers ``describe_published_model``), its model has the pipeline's model's
+   shape (architecture, vocabulary, sizes, tied head), and it loads the collector's current weights
+   as ``policy_version``, its prefix cache reset;
+5. one short seeded request, at a temperature that moves the sampling distribution away from the
+   raw one, returns our model's log-probs of the sampling distribution (teacher-forced here, within
+   ``check_tolerance``): log-probs that match the raw distribution instead mean a server started
+   without ``--logprobs-mode processed_logprobs``; matching neither, other weights.
+
+Sampling follows the owned engine's conventions exactly: prompts as token ids, one seed per request
+drawn in submission order (``engine.draw_seed``), the sampled ids and their log-probs stored verbatim,
+our stop tokens only (``ignore_eos``; penalties and ``min_p`` sent at their neutral values so the
+server's generation config sets none of them), the stop token kept as the last, ``terminated`` read
+from the tokens. A completion that stops on a token that is not ours (the server's generation config
+adds stop ids to every request) is refused, naming the flag to start it with. Requests go out
+concurrently (one HTTP request per prompt, so each has its own seed) and the call returns only when
+every reply is in: a server that stops answering is retried with backoff (``vllm_http.py``), then
+:class:`~rlhf_pipeline.generation.vllm_http.ServerUnreachable`, and nothing of the batch is returned.
+
+New weights travel as a safetensors file the server reads: ``weights_dir`` must be a directory the
+server's machine sees at the same path (a temporary one on this machine by default: a server on
+this machine); or, with ``inline_weights``, as that file's bytes in the request (base64, a third
+larger than the file), for a server with no file system in common. :data:`SERVER_COMMAND` is the command to start a server that can take them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.generation.engine import (
+    Completion,
+    CompletionGroup,
+    EngineFailed,
+    GenerationEngine,
+    SampleRequest,
+    UnsupportedCapability,
+    UnsupportedSetting,
+    draw_seed,
+)
+from rlhf_pipeline.generation.sampling import SamplingConfig
+from rlhf_pipeline.generation.vllm_engine import GREEDY_BELOW, MAX_TEMPERATURE
+from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable
+from rlhf_pipeline.generation.vllm_server import WORKER_EXTENSION
+from rlhf_pipeline.generation.vllm_worker import MODEL_SHAPE_KEYS
+
+SERVER_COMMAND = (
+    "VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this checkout> python -m vllm.entrypoints.openai.api_server "
+    "--model <model dir> --logprobs-mode processed_logprobs --generation-config vllm --enable-prefix-caching "
+    f"--worker-extension-cls {WORKER_EXTENSION}"
+)
+"""What a server needs for a pipeline that updates weights (docs/generation.md has it in full)."""
+PROBE_TEXT = "12+34=46, then 7*8=56."
+PROBE_SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.6)
+"""The log-prob check's request: at temperature 0.6 the sampling distribution is far from the raw one."""
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
+           "min_tokens": 0}
+"""Sent with every request: the server's generation config would otherwise set them."""
+
+
+class ServerMismatch(ValueError):
+    """The server at the URL cannot sample for this pipeline as it stands (another model or tokenizer,
+    another kind of log-prob, no way to take weights); the message names both sides and the fix."""
+
+
+class VLLMURLEngine(GenerationEngine):
+    """A vLLM server at ``url``, checked against ``model`` (and ``tokenizer``); see the module docstring.
+
+    ``model``: the pipeline's policy as a transformers causal LM, at ``policy_version``: the server is
+    checked against it and, with ``weight_updates``, given its weights. ``served_model``: the model
+    name to request (None: the only one the server serves)."""
+
+    name = "vllm-url"
+
+    def __init__(self, url: str, model: Any, *, stop_token_ids: Sequence[int], tokenizer: Any = None,
+                 policy_version: int = 0, served_model: str | None = None, weight_updates: bool = True,
+                 weights_dir: str | Path | None = None, inline_weights: bool = False,
+                 retry: RetryPolicy | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
+                 check_tolerance: float = 1e-3, api_key: str | None = None,
+                 api_key_env: str = "VLLM_API_KEY") -> None:
+        super().__init__(stop_token_ids, policy_version)
+        self.url = url.rstrip("/")
+        self.client = JsonClient(self.url, retry, api_key=api_key)
+        self._api_key_env = api_key_env  # named in the refusal of a server that wants a key
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_concurrency = int(max_concurrency)
+        self._weight_updates = bool(weight_updates)
+        self.inline_weights = bool(inline_weights)
+        self._own_weights_dir = weights_dir is None
+        self.weights_dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-url-")) if weights_dir is None else Path(weights_dir)
+        self._weights_file: Path | None = None
+        started = time.perf_counter()
+        try:
+            self._wait_until_healthy(wait_s)
+            self.served_model, server_len = self._find_model(served_model)
+            self.max_model_len = min(server_len, int(model.config.max_position_embeddings))
+            self.tokenizer_checked = tokenizer is not None and self._check_tokenizer(tokenizer)
+            if self._weight_updates:
+                self._check_shape(model)
+                self._load_weights(model.state_dict(), self.policy_version)  # the server now holds our policy
+            self._check_log_probs(model, tokenizer, check_tolerance)
+        except BaseException:
+            self.close()
+            raise
+        self.connect_s = time.perf_counter() - started
+
+    # ------------------------------------------------------------------ checks at connection
+    def _wait_until_healthy(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.client.get("/health", retry=False)
+                return
+            except ServerUnreachable as exc:
+                if time.monotonic() >= deadline:
+                    raise ServerUnreachable(f"generation.url: no vLLM server answered at {self.url} within {wait_s:g} s "
+                                            f"({exc.last_error}); start one with: "
+                                            f"{SERVER_COMMAND}, or raise generation.url_wait_s") from None
+            except ServerError as exc:  # answers, but not as vLLM does
+                raise ServerMismatch(f"generation.url: {self.url}/health answered HTTP {exc.status} ({exc.detail}): "
+                                     f"not a vLLM server; point generation.url at one") from None
+            time.sleep(1.0)
+
+    def _find_model(self, wanted: str | None) -> tuple[str, int]:
+        try:  # the first request a server started with --api-key guards
+            listing = self.client.get("/v1/models")
+        except ServerError as exc:
+            if exc.status != 401:
+                raise
+            given = "refused the key in" if self.client.has_api_key else "wants an API key: set"
+            raise ServerMismatch(f"generation.url: the server at {self.url} {given} ${self._api_key_env} (its "
+                                 f"--api-key; generation.url_api_key_env names another variable)") from None
+        served = {entry["id"]: entry for entry in listing.get("data", [])}
+        if wanted is not None and wanted not in served:
+            raise ServerMismatch(f"generation.url_model={wanted!r}: the server at {self.url} serves {sorted(served)}; "
+                                 f"set generation.url_model to one of them")
+        if wanted is None and len(served) != 1:
+            raise ServerMismatch(f"generation.url: the server at {self.url} serves {sorted(served) or 'no model'}; "
+                                 f"set generation.url_model to the pipeline's")
+        name = wanted if wanted is not None else next(iter(served))
+        return name, int(served[name].get("max_model_len") or 0) or 2**31
+
+    def _check_tokenizer(self, tokenizer: Any) -> bool:
+        """True when the server's tokenizer gives our ids for the probe; False when it has none."""
+        ours = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+        try:
+            theirs = self.client.post("/tokenize", {"model": self.served_model, "prompt": PROBE_TEXT,
+                                                    "add_special_tokens": False})["tokens"]
+        except ServerError:  # started without a tokenizer (--skip-tokenizer-init): it reads only our ids
+            return False
+        if list(theirs) != ours:
+            raise ServerMismatch(f"generation.url: the server's tokenizer ({self.served_model!r} at {self.url}) gives "
+                                 f"{theirs} for {PROBE_TEXT!r}, the pipeline's gives {ours}: serve a model directory "
+                                 f"holding the pipeline's tokenizer (tokenizer.save_pretrained)")
+        return True
+
+    def _check_shape(self, model: Any) -> None:
+        try:
+            reply = self.client.post("/collective_rpc", {"method": "describe_published_model"})
+        except ServerError as exc:
+            missing = ("the dev endpoints (VLLM_SERVER_DEV_MODE=1)" if exc.status == 404
+                       else f"our worker extension ({exc.detail})")
+            raise ServerMismatch(f"generation.url: the server at {self.url} was started without {missing}, which "
+                                 f"weight updates need; start it with: {SERVER_COMMAND}") from None
+        theirs = reply["results"][0]
+        ours = {key: getattr(model.config, key, None) for key in MODEL_SHAPE_KEYS}
+        # a model built in code names no architecture until save_pretrained writes its class's name
+        ours["architectures"] = list(ours["architectures"] or [type(model).__name__])
+        differ = [key for key in MODEL_SHAPE_KEYS if theirs.get(key) != ours[key]]
+        if differ:
+            def show(values):
+                return ", ".join(f"{key}={values.get(key)}" for key in differ)
+            raise ServerMismatch(f"generation.url: the server at {self.url} serves {self.served_model!r} with "
+                                 f"{show(theirs)}; the pipeline's model has {show(ours)}: serve a model of the "
+                                 f"pipeline's shape (its save_pretrained directory)")
+
+    def _check_log_probs(self, model: Any, tokenizer: Any, tolerance: float) -> None:
+        from rlhf_pipeline.generation.loop import teacher_forced_log_probs
+        from rlhf_pipeline.schema.ragged import RaggedTensor
+
+        if tokenizer is not None:
+            prompt = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+        else:
+            prompt = [i % self.vocab_size for i in range(2, 12)]
+        request = SampleRequest(prompt, n=2)
+        (group,) = self.sample([request], PROBE_SAMPLING, torch.Generator().manual_seed(0))
+        responses = [c.token_ids for c in group.completions]
+        stored = torch.tensor([p for c in group.completions for p in c.log_probs])
+
+        def distance(config: SamplingConfig | None) -> float:
+            with torch.no_grad():
+                again = teacher_forced_log_probs(
+                    model, RaggedTensor.from_sequences([prompt] * len(responses), dtype=torch.int64),
+                    RaggedTensor.from_sequences(responses, dtype=torch.int64), config)
+            return float((again.values.float().cpu() - stored).abs().max())
+
+        processed, raw = distance(PROBE_SAMPLING), distance(None)
+        if processed <= tolerance:
+            return
+        if raw <= tolerance:
+            raise ServerMismatch(f"generation.url: the server at {self.url} returns the raw log-probs, not the sampling "
+                                 f"distribution's; start it with --logprobs-mode processed_logprobs")
+        where = "after loading the pipeline's weights" if self._weight_updates else "(no weights sent to it)"
+        raise ServerMismatch(
+            f"generation.url: the server at {self.url} ({self.served_model!r}) answers with log-probs up to "
+            f"{processed:.3g} away from the pipeline's model's {where}, beyond generation.url_check_tolerance="
+            f"{tolerance:g}: it serves other weights, or log-probs of "
+            f"another kind (start it with --logprobs-mode processed_logprobs); raise the tolerance for a server "
+            f"in lower precision")
+
+    # ------------------------------------------------------------------ sampling
+    @property
+    def supports_weight_updates(self) -> bool:
+        return self._weight_updates
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        if not GREEDY_BELOW <= sampling.temperature <= MAX_TEMPERATURE:
+            raise UnsupportedSetting(
+                f"sampling.temperature={sampling.temperature:g}: a vLLM server samples greedily below "
+                f"{GREEDY_BELOW:g} (then returning raw log-probs) and takes none above {MAX_TEMPERATURE:g}; use one in "
+                f"[{GREEDY_BELOW:g}, {MAX_TEMPERATURE:g}], or the loop engine")
+
+    def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+               generator: torch.Generator) -> list[CompletionGroup]:
+        self.check_sampling(sampling)
+        top_k = sampling.top_k if 0 < sampling.top_k < self.vocab_size else 0  # as ours: k >= V keeps all
+        bodies = []
+        for request in requests:  # seeds in submission order: a resumed collector sends the same
+            limit = request.limit(sampling)
+            if len(request.prompt_ids) + limit > self.max_model_len:
+                raise ValueError(f"a prompt of {len(request.prompt_ids)} tokens with max_new_tokens {limit} exceeds "
+                                 f"{self.max_model_len} tokens, the server's max_model_len (or the model's positions); "
+                                 f"shorten the prompt or the limit")
+            bodies.append({
+                "model": self.served_model, "prompt": [int(t) for t in request.prompt_ids], "n": request.n,
+                "max_tokens": limit, "seed": draw_seed(generator), "temperature": sampling.temperature,
+                "top_k": top_k, "top_p": sampling.top_p, "logprobs": 0, "stop_token_ids": self.stop_token_ids,
+                "ignore_eos": True, "skip_special_tokens": False, "return_token_ids": True,
+                "return_tokens_as_token_ids": True, "stream": False, **NEUTRAL,
+            })
+        if not bodies:
+            return []
+        version = self.policy_version
+        # one HTTP request per prompt (each its own seed), all in flight at once: the server batches them
+        with ThreadPoolExecutor(max_workers=min(len(bodies), self.max_concurrency)) as pool:
+            futures = [pool.submit(self.client.post, "/v1/completions", body) for body in bodies]
+            try:
+                replies = [future.result() for future in futures]
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+        return [CompletionGroup(index, self._completions(reply, body), version, seed=body["seed"])
+                for index, (body, reply) in enumerate(zip(bodies, replies, strict=True))]
+
+    def _completions(self, reply: dict[str, Any], body: dict[str, Any]) -> list[Completion]:
+        stops = set(self.stop_token_ids)
+        limit = body["max_tokens"]
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        if len(choices) != body["n"]:
+            raise EngineFailed(f"the vLLM server at {self.url} returned {len(choices)} completions for n={body['n']}")
+        out = []
+        for choice in choices:
+            ids = [int(t) for t in choice["token_ids"]]
+            log_probs = [float(p) for p in choice["logprobs"]["token_logprobs"]]
+            if not ids or len(log_probs) != len(ids) or len(ids) > limit or any(t in stops for t in ids[:-1]):
+                raise EngineFailed(f"the vLLM server at {self.url} returned {len(ids)} tokens with {len(log_probs)} "
+                                   f"log-probs for a limit of {limit} and stop tokens {sorted(stops)}: not our stop rule")
+            terminated = ids[-1] in stops
+            if not terminated and len(ids) < limit:
+                raise ServerMismatch(
+                    f"generation.url: the server at {self.url} stopped a completion on token {ids[-1]} "
+                    f"(finish_reason {choice.get('finish_reason')!r}), which is not among the pipeline's stop tokens "
+                    f"{sorted(stops)}: its generation config adds stop tokens; start it with --generation-config vllm")
+            out.append(Completion(ids, log_probs, terminated=terminated))
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> None:
+        if not self._weight_updates:
+            raise UnsupportedCapability(f"the {self.name} engine was made without weight updates")
+        if isinstance(weights, (str, Path)) and Path(weights).suffix == ".safetensors":
+            path = Path(weights).resolve()  # a published version's file: the server reads it as it is
+        else:
+            if isinstance(weights, (str, Path)):  # a legacy .pt publication
+                weights = torch.load(weights, map_location="cpu", weights_only=True)["state_dict"]
+            path = self._write_weights(weights, version)
+        if self.inline_weights:
+            import base64
+
+            request = {"method": "load_published_weights_inline", "args": [base64.b64encode(path.read_bytes()).decode()]}
+        else:
+            request = {"method": "load_published_weights", "args": [str(path)]}
+        try:
+            reply = self.client.post("/collective_rpc", request)
+        except ServerError as exc:
+            if "No such file" not in exc.detail and "FileNotFound" not in exc.detail:
+                raise
+            raise ServerMismatch(f"generation.url: the server at {self.url} cannot read {path}, the weights of version "
+                                 f"{version}: a server on another machine needs generation.url_weights_dir on a file "
+                                 f"system both machines see, at the same path, or generation.url_weights=inline") from None
+        if not all(isinstance(r, dict) and r.get("tensors") for r in reply.get("results", [])):
+            raise EngineFailed(f"the vLLM server at {self.url} did not load {path}: {reply}")
+        # cached prefixes hold the old weights' keys and values; a reset fails while another client's
+        # requests hold blocks, so it is asked again (our own requests are all done here)
+        for attempt in range(self.client.retry.retries + 1):
+            if self.client.post("/reset_prefix_cache").get("success"):
+                break
+            time.sleep(self.client.retry.pause(attempt))
+        else:
+            raise EngineFailed(f"the vLLM server at {self.url} did not reset its prefix cache after loading version "
+                               f"{version} (requests of other clients running?): its rows would mix weights")
+        if self._weights_file is not None and self._weights_file != path:
+            self._weights_file.unlink(missing_ok=True)
+        self._weights_file = path if path.parent == self.weights_dir else None
+
+    def _write_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
+        from safetensors.torch import save_file
+
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        path = self.weights_dir / f"weights-{version:08d}.safetensors"
+        partial = path.with_suffix(".partial")
+        # own contiguous CPU copies: safetensors refuses tensors that share memory (a tied head)
+        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}, str(partial))
+        partial.replace(path)
+        return path
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Removes the weight files this engine wrote; the server is the user's and keeps running."""
+        if self._own_weights_dir:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+            self._own_weights_dir = False
+        elif self._weights_file is not None:
+            self._weights_file.unlink(missing_ok=True)
+        self._weights_file = None

@@ -1,0 +1,127 @@
+"""The HTTP client under the URL engine (``generation/vllm_http.py``) against a real HTTP server on
+loopback (the standard library's, answering as a busy or failing server does), and the
+``generation.url`` settings checks; neither needs vLLM."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
+from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable
+
+QUICK = RetryPolicy(retries=3, backoff_s=0.01, max_backoff_s=0.02, timeout_s=10.0)
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """Answers each request with the next (status, body) of the server's ``script``, then 200s."""
+
+    def do_POST(self):  # noqa: N802 (the standard library's name)
+        length = int(self.headers.get("Content-Length", 0))
+        self.server.bodies.append(json.loads(self.rfile.read(length) or b"null"))
+        self._answer()
+
+    def do_GET(self):  # noqa: N802
+        self.server.bodies.append(None)
+        self._answer()
+
+    def _answer(self):
+        self.server.authorizations.append(self.headers.get("Authorization"))
+        status, body = self.server.script.pop(0) if self.server.script else (200, {"ok": True})
+        payload = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@pytest.fixture()
+def scripted():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    server.script, server.bodies, server.authorizations = [], [], []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_busy_answers_are_retried_with_the_same_body_until_one_succeeds(scripted):
+    scripted.script = [(503, {"error": {"message": "restarting"}}), (429, {}), (502, {})]
+    client = JsonClient(f"http://127.0.0.1:{scripted.server_port}", QUICK)
+    assert client.post("/v1/completions", {"seed": 7}) == {"ok": True}
+    assert scripted.bodies == [{"seed": 7}] * 4  # three busy answers, then the one that counted
+
+
+def test_retries_are_bounded_and_end_in_one_line(scripted):
+    scripted.script = [(503, {"error": {"message": "restarting"}})] * 10
+    client = JsonClient(f"http://127.0.0.1:{scripted.server_port}", QUICK)
+    with pytest.raises(ServerUnreachable, match=r"after 4 tries .*HTTP 503: restarting") as caught:
+        client.post("/v1/completions", {})
+    assert "\n" not in str(caught.value) and len(scripted.bodies) == 4
+
+
+def test_an_error_answer_is_the_servers_and_not_retried(scripted):
+    scripted.script = [(400, {"error": {"message": "top_k must be -1, 0 or >= 1"}})]
+    client = JsonClient(f"http://127.0.0.1:{scripted.server_port}", QUICK)
+    with pytest.raises(ServerError, match="HTTP 400: top_k must be") as caught:
+        client.post("/v1/completions", {})
+    assert caught.value.status == 400 and len(scripted.bodies) == 1
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"url": "ftp://host"}, "'generation.url'"),
+    ({"url": "http://h:1", "engine": "vllm"}, "generation.engine=vllm"),
+    ({"url": "http://h:1", "url_retries": -1}, "'generation.url_retries'"),
+    ({"url": "http://h:1", "url_backoff_s": 0.0}, "'generation.url_backoff_s'"),
+    ({"url": "http://h:1", "url_check_tolerance": 0.0}, "'generation.url_check_tolerance'"),
+])
+def test_url_settings_are_refused_by_name(changes, named):
+    with pytest.raises(ValueError, match=named):
+        check_generation(GenerationSettings(**changes))
+
+
+def test_a_url_needs_no_vllm_here_and_no_cpu_head_size():
+    # the server is the user's: its Python and attention are its business, not this machine's
+    check_generation(GenerationSettings(url="http://127.0.0.1:8000", python="/nonexistent"), head_size=16)
+
+
+def test_the_default_pipeline_runs_one_collector_per_server(tmp_path):
+    from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.runs.processes import build_pipeline
+
+    module = load_pipeline_module(Path(__file__).resolve().parents[2] / "pipelines" / "default.py")
+    # nothing listens at the URL: without the refusal this fails at once, unreachable
+    settings = make_settings(module, ["generation.url=http://127.0.0.1:9", "generation.url_wait_s=0",
+                                      "generation.url_retries=0", "num_heads=2"])
+    pipeline = build_pipeline(module, settings, RunPaths(tmp_path))
+    # refused before any engine is made, so no server is needed to see it
+    with pytest.raises(PipelineError, match="--collectors 1"):
+        pipeline.make_collector(pipeline.make_model(), pipeline.create_buffer(tmp_path / "shard"), collector_index=1)
+
+
+def test_a_server_that_wants_an_api_key_is_refused_naming_the_variable(scripted, monkeypatch):
+    from rlhf_pipeline.generation.settings import make_engine
+    from rlhf_pipeline.generation.vllm_url import ServerMismatch
+    from rlhf_pipeline.models import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(hidden_size=64, num_heads=2)
+    settings = GenerationSettings(url=f"http://127.0.0.1:{scripted.server_port}", url_retries=0,
+                                  url_api_key_env="TEST_VLLM_KEY")
+    monkeypatch.delenv("TEST_VLLM_KEY", raising=False)
+    scripted.script = [(200, {}), (401, {"error": "Unauthorized"})]  # /health is open, /v1 is guarded
+    with pytest.raises(ServerMismatch, match=r"wants an API key: set \$TEST_VLLM_KEY"):
+        make_engine(settings, model, pad_token_id=0, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
+    monkeypatch.setenv("TEST_VLLM_KEY", "sesame")
+    scripted.script = [(200, {}), (401, {"error": "Unauthorized"})]
+    with pytest.raises(ServerMismatch, match=r"refused the key in \$TEST_VLLM_KEY"):
+        make_engine(settings, model, pad_token_id=0, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
+    assert scripted.authorizations == [None, None, "Bearer sesame", "Bearer sesame"]

