@@ -101,13 +101,36 @@ def recompute_difference(model, batch, sampling: SamplingConfig, *, later_turns_
     return worst
 
 
+def sharp_model(tokenizer, *, seed: int = 3, std: float = 0.3):
+    """A random model with large weights: its argmax follows the context (the default init's settles on
+    one token, ``\n`` 16 times, whatever came before) and sometimes is the stop token."""
+    model = tiny_causal_lm(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, max_position_embeddings=1024,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    return model
+
+
 def test_greedy_episodes_through_vllm_are_the_loop_engines_token_for_token(engine, policy, bpe_tokenizer, box):
     """top_k=1: both engines take the argmax, so two correct engines give the same episodes. The same
     token lists, masks (rebuilt from the rows), steps, endings and rows: any id the vLLM path re-tokenized,
     dropped or added, in a prompt or a response, changes the next turn's argmax context or the rows."""
     sampling = SamplingConfig(top_k=1)
-    through_vllm = collector(engine, bpe_tokenizer, box, sampling).collect()
-    through_loop = collector(policy, bpe_tokenizer, box, sampling).collect()
+    sharp = sharp_model(bpe_tokenizer)
+    engine.update_weights(sharp.state_dict(), engine.policy_version + 1)
+    try:
+        through_vllm = collector(engine, bpe_tokenizer, box, sampling).collect()
+    finally:  # the module's engine serves the first weights again, under a newer version
+        engine.update_weights(policy.state_dict(), engine.policy_version + 1)
+    through_loop = collector(sharp, bpe_tokenizer, box, sampling).collect()
+    responses = [r.tolist() for r in through_vllm["response_tokens"].to_list()]
+    eos = bpe_tokenizer.eos_token_id
+    # turns that stopped on EOS (kept as their last token) and turns cut at the limit, all different
+    assert any(r[-1] == eos for r in responses) and any(r[-1] != eos and len(r) == 16 for r in responses)
+    assert len({tuple(r) for r in responses}) >= 3  # the two episodes of a task are alike (greedy)
     assert len(through_vllm) == len(through_loop) > 6  # 6 episodes, some of several turns
     for name in ("prompt_tokens", "response_tokens"):
         assert [r.tolist() for r in through_vllm[name].to_list()] == [r.tolist() for r in through_loop[name].to_list()], name
