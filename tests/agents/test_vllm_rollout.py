@@ -79,6 +79,19 @@ def trajectories(batch) -> dict[int, object]:
             for t in sorted(set(batch["trajectory_id"].tolist()))}
 
 
+def sent_prompt_tokens(batch) -> int:
+    """The prompt tokens a round's turns sent: each turn, its whole conversation before its samples."""
+    total = 0
+    for t in set(batch["trajectory_id"].tolist()):
+        rows = batch.select(torch.nonzero(batch["trajectory_id"] == t).flatten())
+        so_far = 0
+        for prompt, response in zip(rows["prompt_tokens"].to_list(), rows["response_tokens"].to_list(), strict=True):
+            so_far += len(prompt)
+            total += so_far
+            so_far += len(response)
+    return total
+
+
 def recompute_difference(model, batch, sampling: SamplingConfig, *, later_turns_only: bool = False) -> float:
     """Max |stored - recomputed| over sampled tokens, each trajectory recomputed as ONE sequence (as
     the learner trains it): every token scored in the whole context the stored rows give it."""
@@ -156,6 +169,10 @@ def test_multi_turn_log_probs_are_the_teacher_forced_ones_over_the_whole_traject
     assert agents.last_metrics["retokenization_drift"] > 0
     assert recompute_difference(policy, batch, sampling) < LOG_PROB_TOLERANCE
     assert recompute_difference(policy, batch, sampling, later_turns_only=True) < LOG_PROB_TOLERANCE
+    # the turns' prompts were served from the prefix cache, in whole KV blocks, for the most part
+    metrics = agents.last_metrics
+    assert metrics["prompt_tokens"] == sent_prompt_tokens(batch)
+    assert 0 < metrics["prefix_cached_tokens"] <= metrics["prompt_tokens"]
     # the check bites: scored without the earlier turns (the row's own prompt tokens only), the later
     # turns' stored log-probs are far off, so they were sampled in the whole conversation
     later = torch.nonzero(batch["step"] >= 1).flatten()
