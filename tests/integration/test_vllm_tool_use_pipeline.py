@@ -116,3 +116,12 @@ def test_the_engine_starts_once_and_the_learner_recomputes_its_log_probs(vllm_ru
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     # step 1 learns from rows of version 0 with the weights of version 0: float noise apart
     assert records[0]["losses/sampler_logprob_diff_max"] < 1e-4
+
+
+def test_a_head_size_vllms_cpu_attention_does_not_take_is_refused_before_anything_is_made(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
+                             "--set", "generation.engine=vllm", "--set", "num_heads=4"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "this model's is 16 (hidden_size 64 / num_heads 4): add --set num_heads=2" in result.stderr
+    assert not any(tmp_path.iterdir())  # nothing created
