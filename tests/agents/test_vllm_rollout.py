@@ -116,7 +116,7 @@ def recompute_difference(model, batch, sampling: SamplingConfig, *, later_turns_
 
 def sharp_model(tokenizer, *, seed: int = 3, std: float = 0.3):
     """A random model with large weights: its argmax follows the context (the default init's settles on
-    one token, ``\n`` 16 times, whatever came before) and sometimes is the stop token."""
+    one token, a newline 16 times, whatever came before) and sometimes is the stop token."""
     model = tiny_causal_lm(len(tokenizer), hidden_size=64, num_layers=2, num_heads=2, max_position_embeddings=1024,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, seed=seed)
     generator = torch.Generator().manual_seed(seed)
@@ -141,12 +141,13 @@ def test_greedy_episodes_through_vllm_are_the_loop_engines_token_for_token(engin
     through_loop = collector(sharp, bpe_tokenizer, box, sampling).collect()
     responses = [r.tolist() for r in through_vllm["response_tokens"].to_list()]
     eos = bpe_tokenizer.eos_token_id
-    # turns that stopped on EOS (kept as their last token) and turns cut at the limit, all different
+    # turns that stopped on EOS (kept as their last token), turns cut at the limit, several distinct ones
     assert any(r[-1] == eos for r in responses) and any(r[-1] != eos and len(r) == 16 for r in responses)
     assert len({tuple(r) for r in responses}) >= 3  # the two episodes of a task are alike (greedy)
     assert len(through_vllm) == len(through_loop) > 6  # 6 episodes, some of several turns
     for name in ("prompt_tokens", "response_tokens"):
-        assert [r.tolist() for r in through_vllm[name].to_list()] == [r.tolist() for r in through_loop[name].to_list()], name
+        vllm_rows, loop_rows = ([r.tolist() for r in rows[name].to_list()] for rows in (through_vllm, through_loop))
+        assert vllm_rows == loop_rows, name
     for name in ("trajectory_id", "group_id", "step", "done", "terminated", "truncated", "termination_reason"):
         assert through_vllm[name].tolist() == through_loop[name].tolist(), name
     vllm_rebuilt, loop_rebuilt = trajectories(through_vllm), trajectories(through_loop)
@@ -169,7 +170,7 @@ def test_multi_turn_log_probs_are_the_teacher_forced_ones_over_the_whole_traject
     assert agents.last_metrics["retokenization_drift"] > 0
     assert recompute_difference(policy, batch, sampling) < LOG_PROB_TOLERANCE
     assert recompute_difference(policy, batch, sampling, later_turns_only=True) < LOG_PROB_TOLERANCE
-    # the turns' prompts were served from the prefix cache, in whole KV blocks, for the most part
+    # every turn sent its whole conversation, and part of it (whole KV blocks) came from the prefix cache
     metrics = agents.last_metrics
     assert metrics["prompt_tokens"] == sent_prompt_tokens(batch)
     assert 0 < metrics["prefix_cached_tokens"] <= metrics["prompt_tokens"]
