@@ -206,3 +206,25 @@ def test_a_weight_update_between_rounds_reaches_later_turns(engine, policy, bpe_
         assert recompute_difference(policy, after, sampling) > 1e-2  # the old weights' would be far off
     finally:  # the module's engine serves the first weights again, under a newer version
         engine.update_weights(policy.state_dict(), engine.policy_version + 1)
+
+
+def test_a_restored_collector_sends_the_same_seeds_and_gets_the_same_episodes(engine, bpe_tokenizer, box):
+    """The sampling RNG is the collector's saved state: restored after round 1, a new collector runs
+    round 2 again (now on a prefix cache warm with round 2's own prompts) and writes its rows: the same
+    ids, the log-probs equal to float noise (vLLM's logits may move in the last bits with what the
+    cache holds and the batch)."""
+    sampling = SamplingConfig()
+    first = collector(engine, bpe_tokenizer, box, sampling, seed=11)
+    first.collect()
+    saved = first.state_dict()
+    again = first.collect()
+    resumed = collector(engine, bpe_tokenizer, box, sampling, seed=11)
+    resumed.load_state_dict(saved)
+    rerun = resumed.collect()
+    for name in ("prompt_tokens", "response_tokens"):
+        assert [r.tolist() for r in rerun[name].to_list()] == [r.tolist() for r in again[name].to_list()], name
+    for name in ("trajectory_id", "group_id", "step", "termination_reason"):
+        assert rerun[name].tolist() == again[name].tolist(), name
+    assert float((rerun["response_log_probs"].values - again["response_log_probs"].values).abs().max()) < 1e-5
+    # the rerun found more of its prompts in the cache than round 2 did, and still gave the same rows
+    assert resumed.last_metrics["prefix_cached_tokens"] > first.last_metrics["prefix_cached_tokens"]
