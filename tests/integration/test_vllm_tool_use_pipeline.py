@@ -9,12 +9,15 @@ one property of it. Skipped, saying how to get it, where the vLLM environment is
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import kill_when, run_child_pids
 
 from rlhf_pipeline.agents.episode import rebuild_trajectory
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
@@ -126,3 +129,64 @@ def test_a_head_size_vllms_cpu_attention_does_not_take_is_refused_before_anythin
     assert result.returncode == 2, result.stderr[-2000:]
     assert "this model's is 16 (hidden_size 64 / num_heads 4): add --set num_heads=2" in result.stderr
     assert not any(tmp_path.iterdir())  # nothing created
+
+
+def _engine_children(parent: int) -> list[int]:
+    """The vLLM engine processes ``parent`` started (their command line runs ``vllm_server``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"rlhf_pipeline.generation.vllm_server" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_collector_leaves_no_engine_and_the_run_resumes_with_whole_trajectories(tmp_path):
+    """kill -9 of the collector mid-run: its engine exits by itself (the socket closed); the same
+    command resumes the run with a new engine, and the buffer holds every trajectory once and whole."""
+    try:
+        find_vllm_python(None)
+    except ValueError as exc:
+        pytest.skip(f"needs the vLLM environment: {exc}")
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
+               "--run-name", "crash", *VLLM, *SMALL, "--set", "log_rounds_every=0"]
+    run = tmp_path / "crash"
+    rounds_file = run / "collector" / "metrics-0000.jsonl"
+    engines: list[int] = []
+
+    def collector_with_rounds() -> bool:
+        if not (rounds_file.exists() and len(read_metrics(rounds_file)) >= 3):
+            return False
+        for pid in run_child_pids("collect", str(tmp_path), "crash"):
+            engines.extend(_engine_children(pid))
+        return True
+
+    first = subprocess.Popen([*command, "--steps", "40"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    out = kill_when(first, collector_with_rounds, victims=lambda: run_child_pids("collect", str(tmp_path), "crash"),
+                    wait_s=300)
+    assert first.returncode != 0 and "exited early" in out, out[-3000:]
+    assert len(engines) == 1, engines
+    deadline = time.monotonic() + 120
+    while os.path.exists(f"/proc/{engines[0]}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(f"/proc/{engines[0]}"), "the engine outlived its collector"
+    stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"] if (run / "metrics.jsonl").exists() else 0
+
+    resumed = subprocess.run([*command, "--steps", str(stopped_at + 2)], cwd=REPO, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("the vllm generation engine started in") == 1
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "step", "done"))
+    trajectory, step, done = rows["trajectory_id"].tolist(), rows["step"].tolist(), rows["done"].tolist()
+    starts = [i for i in range(len(trajectory)) if i == 0 or trajectory[i] != trajectory[i - 1]]
+    assert [trajectory[i] for i in starts] == list(range(len(starts)))  # each once, none missing
+    for a, b in zip(starts, [*starts[1:], len(trajectory)], strict=True):
+        assert step[a:b] == list(range(b - a)) and done[a:b] == [False] * (b - a - 1) + [True]
