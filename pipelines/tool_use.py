@@ -35,6 +35,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
 
@@ -121,6 +122,10 @@ class Settings:
         checkpoint_every=25, log_every=5,
     ))
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    """Who samples the model's turns: our loop (default) or vLLM (--set generation.engine=vllm, with a
+    head size vLLM's CPU attention takes: --set num_heads=2). Each turn goes to the engine as the
+    episode's token ids so far, and vLLM's prefix cache keeps the earlier turns' keys and values."""
 
 
 def check(settings: Settings) -> LearnerSettings:
@@ -140,6 +145,12 @@ def check(settings: Settings) -> LearnerSettings:
     if settings.max_new_tokens + 64 > settings.context_length:
         raise PipelineError(f"setting 'context_length' ({settings.context_length}) leaves no room for the opening "
                             f"prompt and a turn of max_new_tokens ({settings.max_new_tokens})")
+    try:
+        check_generation(settings.generation, head_size=settings.hidden_size // settings.num_heads,
+                         device=settings.device, head_hint=f" (hidden_size {settings.hidden_size} / num_heads "
+                         f"{settings.num_heads}): add --set num_heads=2")
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
     learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
     try:
         learner.check()
@@ -214,6 +225,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
         from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
         from rlhf_pipeline.collect.console import agent_round_printer
+        from rlhf_pipeline.generation.settings import make_engine
         from rlhf_pipeline.storage import make_replay_buffer
 
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size, transforms=make_write_path(store))
@@ -237,7 +249,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                             required_fields=("question", "answer"))
         # a line every log_rounds_every rounds, with what failed tool calls said (collect/console.py)
         hooks = [agent_round_printer(settings.log_rounds_every, collector_index, toolbox)]
-        return AgentCollector(model.to(settings.device), tokenizer, source, make_env, sink=buffer.extend,
+        # the loop samples with this model; a vLLM engine starts from its weights in its own process
+        engine = make_engine(settings.generation, model.to(settings.device), pad_token_id=tokenizer.pad_token_id,
+                             stop_token_ids=[tokenizer.eos_token_id], device=settings.device, seed=settings.seed)
+        return AgentCollector(engine, tokenizer, source, make_env, sink=buffer.extend,
                               config=config, parser=parse_hermes, hooks=hooks)
 
     def preflight():  # before any model is built or anything written:

@@ -24,8 +24,10 @@ sampling log-probs. :func:`cut_to_limits` adapts a sampler that takes one ``max_
 the batch (``collect.generate``): sample to the largest limit, cut each row at its own; a prefix
 of an autoregressive sample is a sample of that prefix, so its log-probs stay exact.
 
-Each round re-runs the model over every episode's whole token list (no KV cache kept across
-turns); a rollout engine with prefix caching would keep it.
+Each round sends every episode's whole token list again: the agent collector's sampler is a
+generation engine (``collect/agent_collector.py``). Our loop runs the model over all of it (no KV
+cache kept across turns); vLLM finds the earlier turns' keys and values in its prefix cache, in
+whole blocks, and computes only the rest. The ids are the same either way: nothing is re-tokenized.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 One ``collect()`` call is one round: ``tasks_per_round`` tasks from a :class:`TaskSource`,
 ``group_size`` episodes of each (a GRPO group), run to their ends by
 :func:`rlhf_pipeline.agents.rollout.run_episodes` with the collector's model as the sampler
-(its generation engine, ``generation/engine.py``: one request per active episode, each with its own
-turn limit, in one call; our sampling loop by default, which samples them as one batch).
+(its generation engine, ``generation/engine.py``: one request per active episode, its token ids so
+far, each with its own turn limit and a seed from the collector's generator, in one call; our
+sampling loop by default, which samples them as one batch, or vLLM, whose prefix cache holds the
+earlier turns: ``generation.engine=vllm`` in ``pipelines/tool_use.py``).
 The round's rows go to ``sink`` in ONE call, typically ``ReplayBuffer.extend`` with the write
 path attached, so:
 
@@ -37,7 +39,9 @@ in :meth:`AgentCollector.state_dict`, and ``collect(before_write=...)`` for
 :class:`~rlhf_pipeline.collect.position.CollectorPosition`. Episodes in flight are not saved: a
 collector killed mid-round (``kill -9``) wrote nothing of that round, and its restart runs the
 round again from the saved RNG state, so it neither duplicates nor loses a trajectory and never
-stores half of one. Sampling on a CPU is deterministic, so the rerun gives the same rows.
+stores half of one. Sampling on a CPU is deterministic, so the rerun gives the same rows (with
+vLLM: the same seeds, request by request; its logits may differ in the last bits with another batch
+or a cold prefix cache, which ``generation/engine.py`` says of every engine that samples elsewhere).
 """
 
 from __future__ import annotations

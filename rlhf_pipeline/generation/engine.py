@@ -142,17 +142,32 @@ class EngineStats:
     """Seconds its last start took."""
     restarts: int = 0
     """Times its process died and was started again (each also counts in ``starts``)."""
+    prompt_tokens: int = 0
+    """Prompt tokens sent so far (each request's once, however many completions it asks for)."""
+    cached_tokens: int = 0
+    """Of those, the ones an engine with a prefix cache did not compute again (vLLM: blocks of 128
+    tokens on a CPU). An agent's turn is its whole conversation so far, so most of it is cached."""
+    counts_cached: bool = False
+    """True for an engine that reports its prefix cache's hits (vLLM): the round metrics then have
+    ``prompt_tokens`` and ``prefix_cached_tokens``."""
+    cached_reported: tuple[int, int] = (0, 0)
+    """``(prompt_tokens, cached_tokens)`` at the last :meth:`update_metrics`."""
 
     def update_metrics(self) -> dict[str, float]:
         """A round's metrics: seconds spent loading weights since the last call (0 without an update;
         a collector loads at most one version per round, so this is the time of that update), the
-        number of updates so far and, for an engine in its own process, its starts and restarts so
-        far and the seconds the last start took."""
+        number of updates so far, for an engine in its own process its starts and restarts so far and
+        the seconds the last start took, and for one with a prefix cache the prompt tokens sent since
+        the last call and how many of them were found in the cache."""
         since, self.reported_s = self.update_s_total - self.reported_s, self.update_s_total
         metrics = {"weight_update_s": since, "weight_updates": float(self.weight_updates)}
         if self.starts:
             metrics.update(engine_starts=float(self.starts), engine_restarts=float(self.restarts),
                            engine_start_s=self.start_s)
+        if self.counts_cached:  # this round's prompt tokens and those found in the prefix cache
+            prompts, cached = self.prompt_tokens - self.cached_reported[0], self.cached_tokens - self.cached_reported[1]
+            self.cached_reported = (self.prompt_tokens, self.cached_tokens)
+            metrics.update(prompt_tokens=float(prompts), prefix_cached_tokens=float(cached))
         return metrics
 
 

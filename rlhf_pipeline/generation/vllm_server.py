@@ -17,7 +17,8 @@ Operations (``op`` of each request; every reply has ``ok`` and, when False, ``er
 
 * ``sample``: ``requests`` (``prompt_ids``, ``n``, ``max_tokens``, ``seed``), ``sampling``
   (``temperature``, ``top_k``, ``top_p``), ``stop_token_ids`` -> ``groups``: per request, per
-  completion, ``token_ids``, ``log_probs``, ``finish_reason``;
+  completion, ``token_ids``, ``log_probs``, ``finish_reason``; ``cached_tokens``: per request, its
+  prompt tokens found in the prefix cache;
 * ``load_weights``: ``path`` of a safetensors file -> loaded through the worker extension
   (``generation/vllm_worker.py``), then the prefix cache is reset;
 * ``nccl_init`` / ``nccl_start`` / ``nccl_update`` / ``nccl_finish``: vLLM's weight-transfer
@@ -84,7 +85,8 @@ def sample(llm, message: dict[str, Any]) -> dict[str, Any]:
             log_probs = [float(position[token].logprob) for position, token in zip(completion.logprobs, ids, strict=True)]
             completions.append({"token_ids": ids, "log_probs": log_probs, "finish_reason": completion.finish_reason})
         groups.append(completions)
-    return {"groups": groups}
+    # prompt tokens whose keys and values came from the prefix cache: an agent's later turns reuse the earlier ones'
+    return {"groups": groups, "cached_tokens": [int(output.num_cached_tokens or 0) for output in outputs]}
 
 
 def load_weights(llm, message: dict[str, Any]) -> dict[str, Any]:
