@@ -64,6 +64,7 @@ import torch
 
 from rlhf_pipeline.learn.checkpoint import (
     Progress,
+    buffer_rows,
     capture_rng_state,
     restore_rng_state,
     run_checkpoints,
@@ -145,7 +146,8 @@ class Learner:
         self.batch_transform = batch_transform
         self.on_step = on_step
         self.before_checkpoint = before_checkpoint
-        self.checkpoints = run_checkpoints(paths, keep_last=settings.keep_checkpoints)
+        self.checkpoints = run_checkpoints(paths, keep_last=settings.keep_checkpoints,
+                                           keep_every=settings.checkpoint_keep_every)
         self._prefetcher: Prefetcher | None = None
         self._ready = False
         self._saved_a_checkpoint = False  # a checkpoint holds the model: until one does, version 0 is kept
@@ -584,7 +586,9 @@ class Learner:
             self._metrics.flush()
         if self.before_checkpoint is not None:
             self.before_checkpoint()
-        self.checkpoints.save(self.progress, state)
+        # where the buffer stood, readable without torch: what `inspect` lists and `branch` limits a view to
+        record = {"buffer_rows": buffer_rows(state["buffer"]), "consumed": dict(self._pacing.intake.consumed)}
+        self.checkpoints.save(self.progress, state, record=record)
         self._saved_a_checkpoint = True
 
     # ================================================================== cleanup
