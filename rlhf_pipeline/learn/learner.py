@@ -76,7 +76,7 @@ from rlhf_pipeline.learn.prefetch import Prefetcher
 from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.shard_rows import next_rows, row_names
-from rlhf_pipeline.learn.optimizer import make_optimizer
+from rlhf_pipeline.learn.optimizer import apply_settings, make_optimizer
 from rlhf_pipeline.learn.packed_batch import PackedBatch
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.stale_rows import DrawVersions, fresh_mask
@@ -265,6 +265,7 @@ class Learner:
         if checkpoint is not None:
             self.data_parallel.load_optimizer_state(self.model, self.optimizer, checkpoint["optimizer"])
             self.scheduler.load_state_dict(checkpoint["scheduler"])
+            apply_settings(self.optimizer, self.scheduler, self.settings, self.total_steps)  # a changed lr applies
 
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
         from rlhf_pipeline.schema.padding import PaddedCollator

@@ -1,0 +1,198 @@
+"""``rlhf-pipeline branch RUN --from-step N NEW_RUN``: a new run that starts from RUN's checkpoint of step N.
+
+What a branch is made of (all of it written here, once; the parent is only read, so its files
+stay byte-identical):
+
+* ``checkpoints/step_N.pt`` and its rewind record: a copy of the parent's. The learner resumes
+  from it as from its own (model, optimizer, LR schedule, RNG, sampler position, intake), so a
+  branch with no setting changed trains, step for step, what the parent trained after step N
+  over the same rows;
+* ``settings.json``: the parent's, with the ``--set`` changes applied. Only what a resumed run may
+  change may change here (``learner.*``: learning rate, loss, KL, sampler; and ``steps``,
+  ``device``): the rest (model shape, schema, group size, prompts...) made the rows the branch
+  reads, and is refused by name;
+* the pipeline file's copy (``pipeline.py``, ``pipeline_modules/``), the metrics and (a replay)
+  ``batches.jsonl`` lines of steps up to N, and the weights of the checkpoint's policy version
+  (what a collector loads first);
+* ``branch.json``: the parent (its path), the step, the rows each of the parent's buffer shards
+  had published when that checkpoint was saved (the rewind record's ``buffer_rows``), and the
+  settings changed. ``inspect`` reads it (``runs/lineage.py``).
+
+How it continues. A branch of a replay (a run trained offline from a recorded buffer) continues
+with the same ``replay`` command under the branch's name: its source is read-only and does not
+change, so the branch reads exactly the rows the parent read. A branch of a run with collectors
+has no rows of its own yet; continuing it online (the parent's rows up to step N by reference,
+plus its own shards) is not there yet, and ``run`` on it is refused by the check in
+:func:`refuse_online_start` until it is.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.learn.checkpoint import CheckpointManager
+from rlhf_pipeline.runs.lineage import BRANCH_FILE, BRANCH_FORMAT, is_run_directory, read_parent
+from rlhf_pipeline.runs.run_directory import RunError
+
+# settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
+_CHANGEABLE = ("steps", "device")
+_COPIED = ("pipeline.py", "pipeline_modules")
+_LOGS = ("metrics.jsonl", "batches.jsonl")
+
+
+class BranchError(RunError):
+    """The parent, the step, the new run's place or a setting change does not allow this branch."""
+
+
+def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Makes the branch ``new`` of run ``parent`` at ``step`` (module docstring); returns its ``branch.json``."""
+    parent, new = Path(parent).resolve(), Path(new).resolve()
+    if not is_run_directory(parent):
+        raise BranchError(f"{parent} is not a run directory (no settings.json or checkpoints/); give the directory "
+                          f"a run wrote, e.g. storage/<run-name>")
+    if new.exists() and (not new.is_dir() or any(new.iterdir())):
+        raise BranchError(f"{new} exists; a branch is a new run: choose another NEW_RUN name")
+    checkpoints = CheckpointManager(parent / "checkpoints")
+    checkpoint = checkpoints.path_of(step)
+    if checkpoint is None:
+        kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
+        raise BranchError(f"{parent} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, "
+                          f"or keep more with learner.checkpoint_keep_every=M (every M-th step)")
+    saved = json.loads((parent / "settings.json").read_text())
+    settings, changed = changed_settings(parent, saved, overrides)
+    record = checkpoints.record(step) or {}
+    lineage = {
+        "format": BRANCH_FORMAT, "parent": str(parent), "step": step,
+        "policy_version": record.get("policy_version"), "buffer_rows": record.get("buffer_rows"),
+        "replay_source": saved.get("replay", {}).get("buffer"), "settings_changed": changed,
+        "overrides": list(overrides), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    making = new.with_name(new.name + ".creating")  # renamed into place whole: a failed branch leaves no run
+    if making.exists():
+        shutil.rmtree(making)
+    making.mkdir(parents=True)
+    try:
+        _write_branch(parent, making, checkpoint, step, settings, lineage)
+        if new.exists():
+            new.rmdir()  # empty (checked above)
+        making.replace(new)
+    except BaseException:
+        shutil.rmtree(making, ignore_errors=True)
+        raise
+    return lineage
+
+
+def changed_settings(parent: Path, saved: dict[str, Any], overrides: Sequence[str]) -> tuple[dict, list[str]]:
+    """The parent's ``settings.json`` with ``overrides`` applied (names and values checked by the
+    parent's copy of its pipeline file; the learner checks the whole at its start), and what changed
+    as ``key: was A, now B`` lines."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item:
+            raise BranchError(f"--set expects key=value, got {item!r}")
+        if not (key.startswith("learner.") or key in _CHANGEABLE):
+            raise BranchError(
+                f"--set {key}: cannot change at a branch point; the parent's rows up to the branch step were made "
+                f"with it (only learner.* settings, steps and device may change). Start a new run to change it")
+    if not overrides:
+        return saved, []
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_settings, settings_to_json
+    from rlhf_pipeline.runs.pipeline_copy import importable_copy
+
+    try:  # the parent's own pipeline file checks each name and parses each value to its type
+        importable_copy(RunPaths(parent))
+        updated = settings_to_json(make_settings(load_pipeline_module(parent / "pipeline.py"), overrides))
+    except (PipelineError, FileNotFoundError) as exc:
+        raise BranchError(f"--set: {exc}") from None
+    settings, changed = json.loads(json.dumps(saved)), []
+    for item in overrides:
+        parts = item.split("=", 1)[0].strip().split(".")
+        old, new = _get(saved, parts), _get(updated, parts)
+        target = settings
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = new
+        if old != new:
+            changed.append(f"{'.'.join(parts)}: was {old!r}, now {new!r}")
+    return settings, changed
+
+
+def _get(data: dict[str, Any], parts: list[str]) -> Any:
+    for part in parts:
+        data = data.get(part, {}) if isinstance(data, dict) else {}
+    return data if data != {} else None
+
+
+def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings: dict, lineage: dict) -> None:
+    from rlhf_pipeline.learn.metrics import truncate_metrics
+
+    (new / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True))
+    for name in _COPIED:
+        source = parent / name
+        if source.is_dir():
+            shutil.copytree(source, new / name)
+        elif source.is_file():
+            shutil.copyfile(source, new / name)
+    (new / "checkpoints").mkdir()
+    shutil.copyfile(checkpoint, new / "checkpoints" / checkpoint.name)
+    record = checkpoint.with_suffix(".json")
+    if record.is_file():
+        shutil.copyfile(record, new / "checkpoints" / record.name)
+    for name in _LOGS:  # the lines of steps up to the branch point: a resumed learner writes the later ones
+        if (parent / name).is_file():
+            shutil.copyfile(parent / name, new / name)
+            truncate_metrics(new / name, step)
+    _publish_checkpoint_weights(parent, new, checkpoint, lineage.get("policy_version"))
+    (new / BRANCH_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
+
+
+def _publish_checkpoint_weights(parent: Path, new: Path, checkpoint: Path, version: int | None) -> None:
+    """The policy the branch starts with as its newest weights version: the parent's file of that
+    version while it is kept, else the checkpoint's model (the parent prunes old versions)."""
+    from rlhf_pipeline.coordination.weights import publish_weights, weights_path
+
+    if version is not None and weights_path(parent, version).is_file():
+        target = weights_path(new, version)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(weights_path(parent, version), target)
+        return
+    from rlhf_pipeline.files.state_files import load_state
+
+    state = load_state(checkpoint, what="learner checkpoint", legacy_numpy_arrays=True)
+    version = int(state["progress"]["policy_version"])
+    publish_weights(new, state["model"], version)
+
+
+def refuse_online_start(root: str | Path) -> None:
+    """``run``/``collect``/``learn`` on a branch of a run with collectors: refused in one line until a
+    branch can read its parent's rows by reference (a replay's branch continues with ``replay``)."""
+    lineage = read_parent(root)
+    if lineage is not None and lineage.get("replay_source") is None:
+        raise BranchError(
+            f"{root} is a branch of {lineage['parent']} (a run with collectors) at step {lineage['step']}; continuing "
+            f"such a branch (the parent's rows up to that step by reference, new rows in its own shards) is not "
+            f"there yet; only a branch of a replay continues (with replay)")
+
+
+def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
+    """The command that continues the branch, for ``branch`` to print."""
+    sets = " ".join(f"--set {item}" for item in lineage["overrides"])
+    if lineage.get("replay_source") is not None:
+        return (f"continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
+                f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']} "
+                f"--home {new.parent} --run-name {new.name} {sets}").rstrip()
+    return (f"it has no rows of its own yet: continuing a branch of a run with collectors online is not there yet "
+            f"(see docs/branching.md)")
+
+
+def main_message(new: Path, lineage: dict[str, Any]) -> None:
+    changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
+    print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
+    print(f"[branch] {describe_continuation(new, lineage)}", file=sys.stderr)
