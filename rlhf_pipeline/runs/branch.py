@@ -18,12 +18,19 @@ stay byte-identical):
   had published when that checkpoint was saved (the rewind record's ``buffer_rows``), and the
   settings changed. ``inspect`` reads it (``runs/lineage.py``).
 
+* for a parent with collectors, ``parent-rows/``: a saved selection (``storage/selection.py``)
+  naming, by global id, the rows each of the parent's shards had published at step N. It is read
+  in place (no row copied), read-only, and opening it checks that the parent still holds exactly
+  those rows; rows the parent wrote after step N are not in it.
+
 How it continues. A branch of a replay (a run trained offline from a recorded buffer) continues
 with the same ``replay`` command under the branch's name: its source is read-only and does not
 change, so the branch reads exactly the rows the parent read. A branch of a run with collectors
-has no rows of its own yet; continuing it online (the parent's rows up to step N by reference,
-plus its own shards) is not there yet, and ``run`` on it is refused by the check in
-:func:`refuse_online_start` until it is.
+continues offline with ``replay --buffer NEW_RUN/parent-rows --run-name NEW_RUN``: from the
+checkpoint's model, optimizer and schedule, over the parent's rows up to step N in epochs (the
+epoch sampler starts afresh: the checkpoint's was the online one). Continuing it online (those
+rows plus its own shards, its collectors restarted from their state at those rows) is not there
+yet, and ``run``/``learn``/``collect`` on it are refused by :func:`refuse_online_start`.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from rlhf_pipeline.runs.run_directory import RunError
 _CHANGEABLE = ("steps", "device")
 _COPIED = ("pipeline.py", "pipeline_modules")
 _LOGS = ("metrics.jsonl", "batches.jsonl")
+PARENT_ROWS = "parent-rows"
 
 
 class BranchError(RunError):
@@ -150,7 +158,48 @@ def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings
             shutil.copyfile(parent / name, new / name)
             truncate_metrics(new / name, step)
     _publish_checkpoint_weights(parent, new, checkpoint, lineage.get("policy_version"))
+    if lineage["replay_source"] is None and (parent / "buffer").exists():
+        if lineage["buffer_rows"] is None:
+            raise BranchError(f"the checkpoint of step {step} of {parent} has no rewind record (a run made before "
+                              f"records): which of its rows were published at that step is not known; branch "
+                              f"from a later step")
+        _write_parent_rows(parent / "buffer", new / PARENT_ROWS, lineage["buffer_rows"], step)
     (new / BRANCH_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
+
+
+def _write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], step: int) -> None:
+    """A saved selection of the rows of ``buffer`` published at the branch step: per shard, its
+    held rows below the ``buffer_rows`` the checkpoint recorded (a shard made later had none)."""
+    import numpy as np
+
+    from rlhf_pipeline.storage import open_buffer
+    from rlhf_pipeline.storage.row_keys import parts_of
+    from rlhf_pipeline.storage.selection import write_selection
+
+    with open_buffer(buffer, mode="r") as source:
+        names = source.shard_names if hasattr(source, "shard_names") else {0: ""}
+        parts, ids = [], []
+        for part in parts_of(source):
+            limit = buffer_rows.get(names.get(part.index, ""))
+            if limit is None:
+                continue
+            if part.next_row < limit:
+                raise BranchError(f"{part.store.location} holds {part.next_row} rows, fewer than the {limit} it had "
+                                  f"published at step {step}: it was truncated or replaced since")
+            kept = np.arange(part.first_row, limit, dtype=np.int64)  # rows evicted before the step are gone
+            ids.append(kept)
+            parts.append(np.full(kept.size, part.index, dtype=np.int64))
+        if not ids or not sum(a.size for a in ids):
+            raise BranchError(f"{buffer} held no rows at step {step}; branch from a later step")
+        write_selection(target, source, np.concatenate(parts), np.concatenate(ids),
+                        where=f"rows published by step {step}", source_location=str(buffer))
+
+
+def offline_branch(root: str | Path) -> dict[str, Any] | None:
+    """The ``branch.json`` of a branch of a run with collectors (it continues offline, over
+    ``parent-rows/``), else None."""
+    lineage = read_parent(root)
+    return lineage if lineage is not None and lineage.get("replay_source") is None else None
 
 
 def _publish_checkpoint_weights(parent: Path, new: Path, checkpoint: Path, version: int | None) -> None:
@@ -173,12 +222,12 @@ def _publish_checkpoint_weights(parent: Path, new: Path, checkpoint: Path, versi
 def refuse_online_start(root: str | Path) -> None:
     """``run``/``collect``/``learn`` on a branch of a run with collectors: refused in one line until a
     branch can read its parent's rows by reference (a replay's branch continues with ``replay``)."""
-    lineage = read_parent(root)
-    if lineage is not None and lineage.get("replay_source") is None:
+    lineage = offline_branch(root)
+    if lineage is not None:
         raise BranchError(
             f"{root} is a branch of {lineage['parent']} (a run with collectors) at step {lineage['step']}; continuing "
-            f"such a branch (the parent's rows up to that step by reference, new rows in its own shards) is not "
-            f"there yet; only a branch of a replay continues (with replay)")
+            f"it online is not there yet: continue it offline with rlhf-pipeline replay PIPELINE.py --buffer "
+            f"{Path(root) / PARENT_ROWS} --home {Path(root).parent} --run-name {Path(root).name}")
 
 
 def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
@@ -188,8 +237,9 @@ def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
         return (f"continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
                 f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']} "
                 f"--home {new.parent} --run-name {new.name} {sets}").rstrip()
-    return (f"it has no rows of its own yet: continuing a branch of a run with collectors online is not there yet "
-            f"(see docs/branching.md)")
+    return (f"continue it offline over the parent's rows up to step {lineage['step']} (--epochs/--steps count from "
+            f"the parent's step 0; online it cannot continue yet): rlhf-pipeline replay PIPELINE.py --buffer "
+            f"{new / PARENT_ROWS} --home {new.parent} --run-name {new.name} {sets}").rstrip()
 
 
 def main_message(new: Path, lineage: dict[str, Any]) -> None:

@@ -138,3 +138,48 @@ def test_a_branch_of_a_run_with_collectors_is_refused_by_run_in_one_line(tmp_pat
     assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "b"]) == 2
     err = capsys.readouterr().err.strip()
     assert "is a branch of" in err and "not there yet" in err and len(err.splitlines()) == 1
+
+
+# ============================================================ a parent with a collector
+ONLINE = ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "learner.batch_size=16",
+          "learner.sample_window=32", "learner.new_rows_per_step=16", "learner.checkpoint_every=2",
+          "learner.keep_checkpoints=1", "learner.checkpoint_keep_every=4"]
+
+
+def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_branch_step_only(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from rlhf_pipeline.storage import open_buffer
+
+    sets = [arg for item in ONLINE for arg in ("--set", item)]
+    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
+                          str(tmp_path), "--run-name", "parent", *sets], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    parent = tmp_path / "parent"
+    before = digest(parent)
+    assert main(["branch", str(parent), "--from-step", "4", "offline", "--set", "learner.lr=1e-3"]) == 0
+    assert "rlhf-pipeline replay PIPELINE.py --buffer" in capsys.readouterr().err
+    branch = tmp_path / "offline"
+    record = json.loads((branch / "branch.json").read_text())
+    with open_buffer(parent / "buffer") as whole, open_buffer(branch / "parent-rows") as at_step:
+        published = sum(record["buffer_rows"].values())
+        assert len(at_step) == published < len(whole)  # the parent wrote more rows after step 4
+        everything = whole.read(torch.arange(len(whole)), fields=("trajectory_id",))["trajectory_id"].tolist()
+        readable = set(at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist())
+    later = set(everything) - readable
+    assert later and readable < set(everything)
+    # online it cannot continue yet; offline it does, over those rows only
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "offline"]) == 2
+    assert "continue it offline with rlhf-pipeline replay" in capsys.readouterr().err
+    assert replay_command(DEFAULT, ReplayOptions(buffer=str(branch / "parent-rows"), steps=8), home=str(tmp_path),
+                          run_name="offline", overrides=ONLINE + ["learner.lr=1e-3"]) == 0
+    metrics = read_metrics(branch / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert [m["charts/learning_rate"] for m in metrics[4:]] == [1e-3] * 4
+    trained_ids = {i for r in read_metrics(branch / "batches.jsonl") for i in r["trajectory_ids"]}
+    assert trained_ids and trained_ids <= readable and not trained_ids & later
+    assert digest(parent) == before  # the parent's files were only read
+    assert main(["inspect", str(branch)]) == 0
+    assert f"branched from  {parent} at step 4" in capsys.readouterr().out
