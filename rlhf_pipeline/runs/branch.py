@@ -3,7 +3,8 @@
 What a branch is made of (all of it written here, once; the parent is only read, so its files
 stay byte-identical):
 
-* ``checkpoints/step_N.pt`` and its rewind record: a copy of the parent's. The learner resumes
+* ``checkpoints/step_N.pt`` and its rewind record: the parent's (a hard link where the file
+  system allows, else a copy: checkpoint files are never changed in place). The learner resumes
   from it as from its own (model, optimizer, LR schedule, RNG, sampler position, intake), so a
   branch with no setting changed trains, step for step, what the parent trained after step N
   over the same rows;
@@ -149,7 +150,7 @@ def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings
         elif source.is_file():
             shutil.copyfile(source, new / name)
     (new / "checkpoints").mkdir()
-    shutil.copyfile(checkpoint, new / "checkpoints" / checkpoint.name)
+    _link_or_copy(checkpoint, new / "checkpoints" / checkpoint.name)
     record = checkpoint.with_suffix(".json")
     if record.is_file():
         shutil.copyfile(record, new / "checkpoints" / record.name)
@@ -165,6 +166,18 @@ def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings
                               f"from a later step")
         _write_parent_rows(parent / "buffer", new / PARENT_ROWS, lineage["buffer_rows"], step)
     (new / BRANCH_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link where the file system allows (a checkpoint can be gigabytes), else a copy. Safe
+    because a checkpoint or weights file is never changed in place: a save writes a new file and
+    renames it over the name, and pruning unlinks the parent's name, not the branch's."""
+    import os
+
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or one without hard links
+        shutil.copyfile(source, target)
 
 
 def _write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], step: int) -> None:
@@ -210,7 +223,7 @@ def _publish_checkpoint_weights(parent: Path, new: Path, checkpoint: Path, versi
     if version is not None and weights_path(parent, version).is_file():
         target = weights_path(new, version)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(weights_path(parent, version), target)
+        _link_or_copy(weights_path(parent, version), target)
         return
     from rlhf_pipeline.files.state_files import load_state
 
