@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
-from rlhf_pipeline.runs.lineage import BRANCH_FILE, BRANCH_FORMAT, is_run_directory, read_parent
+from rlhf_pipeline.runs.lineage import BRANCH_FILE, BRANCH_FORMAT, find_branches, is_run_directory, read_parent
 from rlhf_pipeline.runs.run_directory import RunError
 
 # settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
@@ -259,3 +259,23 @@ def main_message(new: Path, lineage: dict[str, Any]) -> None:
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
     print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
     print(f"[branch] {describe_continuation(new, lineage)}", file=sys.stderr)
+
+
+def refuse_evicting_parent(root: str | Path) -> None:
+    """A parent whose buffer evicts its oldest rows (a store with a capacity) may not run while a
+    branch reads its rows by reference (``parent-rows/``): the eviction would take rows from under
+    the branch. Refused in one line naming the branch, before the run starts."""
+    root = Path(root)
+    readers = [b["run"] for b in find_branches(root) if (Path(b["run"]) / PARENT_ROWS).exists()]
+    if not readers or not (root / "buffer").exists():
+        return
+    from rlhf_pipeline.storage import open_buffer
+
+    with open_buffer(root / "buffer", mode="r") as store:
+        shards = list(store.shards.values()) if hasattr(store, "shards") else [store]
+        evicting = [shard.location for shard in shards if shard.supports_eviction]
+    if evicting:
+        raise BranchError(
+            f"{evicting[0]} evicts its oldest rows (it has a capacity), and branch {readers[0]} reads rows of "
+            f"{root} by reference; running it would take them from the branch. Keep them first with "
+            f"rlhf-pipeline convert {Path(readers[0]) / PARENT_ROWS} DST --to memmap, then move the branch away")

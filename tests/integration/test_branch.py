@@ -183,3 +183,22 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     assert digest(parent) == before  # the parent's files were only read
     assert main(["inspect", str(branch)]) == 0
     assert f"branched from  {parent} at step 4" in capsys.readouterr().out
+
+
+def test_a_parent_that_would_evict_rows_a_branch_reads_is_refused(tmp_path, capsys):
+    from helpers import make_batch
+
+    from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
+
+    with MemmapTrajectoryStore.create(tmp_path / "parent" / "buffer" / "shard-0000", segment_rows=8,
+                                      capacity_rows=16) as store:
+        store.append(make_batch(2, 4))
+    (tmp_path / "b" / "parent-rows").mkdir(parents=True)
+    (tmp_path / "b" / "branch.json").write_text(json.dumps({"parent": str(tmp_path / "parent"), "step": 2}))
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "parent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "evicts its oldest rows" in err and str(tmp_path / "b") in err and len(err.splitlines()) == 1
+    from rlhf_pipeline.runs.branch import refuse_evicting_parent
+
+    (tmp_path / "b" / "parent-rows").rmdir()  # a branch that reads none of its rows does not hold it back
+    refuse_evicting_parent(tmp_path / "parent")
