@@ -91,6 +91,10 @@ def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequen
         if new.exists():
             new.rmdir()  # empty (checked above)
         making.replace(new)
+    except FileNotFoundError as exc:  # the running parent pruned that checkpoint (or weights) meanwhile
+        shutil.rmtree(making, ignore_errors=True)
+        raise BranchError(f"{exc.filename} went away while branching (the parent is running and pruned it); "
+                          f"branch from a step it keeps: learner.checkpoint_keep_every=M keeps every M-th") from None
     except BaseException:
         shutil.rmtree(making, ignore_errors=True)
         raise
@@ -165,6 +169,9 @@ def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings
                               f"records): which of its rows were published at that step is not known; branch "
                               f"from a later step")
         _write_parent_rows(parent / "buffer", new / PARENT_ROWS, lineage["buffer_rows"], step)
+    elif lineage["replay_source"] is None and (parent / PARENT_ROWS).is_dir():
+        # a branch that was never continued: its rows are its own parent's, named by its selection
+        shutil.copytree(parent / PARENT_ROWS, new / PARENT_ROWS)
     (new / BRANCH_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
 
 

@@ -170,6 +170,10 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
         readable = set(at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist())
     later = set(everything) - readable
     assert later and readable < set(everything)
+    # a branch of a branch never continued reads the same rows, through its own copy of the selection
+    assert main(["branch", str(branch), "--from-step", "4", "again"]) == 0
+    with open_buffer(tmp_path / "again" / "parent-rows") as again:
+        assert len(again) == published
     # online it cannot continue yet; offline it does, over those rows only
     assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "offline"]) == 2
     assert "continue it offline with rlhf-pipeline replay" in capsys.readouterr().err
@@ -183,6 +187,10 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     assert digest(parent) == before  # the parent's files were only read
     assert main(["inspect", str(branch)]) == 0
     assert f"branched from  {parent} at step 4" in capsys.readouterr().out
+    # once replayed, the branch is a replay: its branches continue with replay over the same rows
+    assert main(["branch", str(branch), "--from-step", "8", "later"]) == 0
+    assert json.loads((tmp_path / "later" / "branch.json").read_text())["replay_source"] == str(
+        branch / "parent-rows")
 
 
 def test_a_parent_that_would_evict_rows_a_branch_reads_is_refused(tmp_path, capsys):
