@@ -73,6 +73,9 @@ def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequen
         kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
         raise BranchError(f"{parent} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, "
                           f"or keep more with learner.checkpoint_keep_every=M (every M-th step)")
+    if not (parent / "settings.json").is_file():
+        raise BranchError(f"{parent} has no settings.json: a branch takes its parent's settings; give a run directory "
+                          f"a run or a replay made")
     saved = json.loads((parent / "settings.json").read_text())
     settings, changed = changed_settings(parent, saved, overrides)
     record = checkpoints.record(step) or {}
