@@ -221,7 +221,10 @@ def _write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], 
 def offline_branch(root: str | Path) -> dict[str, Any] | None:
     """The ``branch.json`` of a branch of a run with collectors (it continues offline, over
     ``parent-rows/``), else None."""
-    lineage = read_parent(root)
+    try:
+        lineage = read_parent(root)
+    except (ValueError, OSError) as exc:  # a damaged branch.json (json's errors are ValueErrors): one line
+        raise BranchError(str(exc)) from None
     return lineage if lineage is not None and lineage.get("replay_source") is None else None
 
 

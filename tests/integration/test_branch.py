@@ -138,6 +138,10 @@ def test_a_branch_of_a_run_with_collectors_is_refused_by_run_in_one_line(tmp_pat
     assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "b"]) == 2
     err = capsys.readouterr().err.strip()
     assert "is a branch of" in err and "not there yet" in err and len(err.splitlines()) == 1
+    (branch / "branch.json").write_text("{}")  # damaged: one line too
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "branch.json is damaged" in err and len(err.splitlines()) == 1
 
 
 # ============================================================ a parent with a collector
