@@ -170,3 +170,28 @@ def test_agent_buffers_report_their_tool_calls_and_failures(tmp_path, capsys):
         store.append(multi_turn_rows())
     assert main(["inspect", str(tmp_path / "old"), "--json"]) == 0
     assert "tool_calls" not in json.loads(capsys.readouterr().out)["trajectories"]
+
+
+def test_inspect_of_a_run_lists_its_rewind_points_parent_and_branches(tmp_path, capsys):
+    import torch
+
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress
+
+    run = tmp_path / "parent"
+    with MemmapTrajectoryStore.create(run / "buffer", segment_rows=8) as store:
+        store.append(make_batch(2, 4, policy_version=0))
+    checkpoints = CheckpointManager(run / "checkpoints", keep_last=1, keep_every=2)
+    for step in (1, 2, 3):
+        checkpoints.save(Progress(seed=0, step=step, policy_version=step), {"w": torch.zeros(1)},
+                         record={"buffer_rows": {"": 4 * step}})
+    (tmp_path / "child").mkdir()
+    (tmp_path / "child" / "branch.json").write_text(json.dumps({"parent": str(run), "step": 2}))
+    assert main(["inspect", str(run), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(p["step"], p["buffer_rows"]) for p in data["run"]["rewind_points"]] == [(2, {"": 8}), (3, {"": 12})]
+    assert data["run"]["branches"] == [{"run": str(tmp_path / "child"), "step": 2}]
+    assert data["run"]["parent"] is None and data["buffer"]["rows"] == 8
+    assert main(["inspect", str(run)]) == 0
+    table = capsys.readouterr().out
+    assert "step 2  policy version 2  buffer rows store=8" in table and "(from step 2)" in table
+    assert "rows held" in table  # then the buffer's table

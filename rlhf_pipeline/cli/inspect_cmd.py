@@ -9,6 +9,10 @@ sizes and policy versions: a table by default, one JSON object with ``--json``.
 recorded when they were sealed, every Zarr chunk against its CRC32C, and the structure of
 everything (offsets, sizes, UTF-8). It prints what it checked and every problem, naming
 the file or chunk; the exit code is 1 when it finds damage (see ``rlhf-pipeline repair``).
+
+A run directory (``storage/<run-name>``) prints the run first: its rewind points (kept
+checkpoints, each with the buffer rows it had seen), the run it was branched from and its
+branches (``runs/lineage.py``); then its ``buffer/`` as above.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN stores")
+    parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN "
+                                     "stores; or a run directory (its rewind points, parent and branches, then its buffer)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (a list with --verify)")
     parser.add_argument("--verify", action="store_true",
                         help="check every segment file or chunk against its checksum; exit code 1 on damage")
@@ -33,13 +38,28 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.storage.buffers import buffer_stats, verify_buffer
     from rlhf_pipeline.storage.errors import StoreError
 
+    from pathlib import Path
+
+    from rlhf_pipeline.runs.lineage import format_lineage, is_run_directory, run_lineage
+
+    lineage, path = None, args.path
+    if "://" not in str(path) and is_run_directory(path):
+        try:
+            lineage = run_lineage(path)
+        except ValueError as exc:
+            print(f"rlhf-pipeline inspect: {exc}", file=sys.stderr)
+            return 2
+        path = Path(path) / "buffer"
+        if not path.exists() and not args.verify:  # a run without a buffer of its own (a replay)
+            print(json.dumps({"run": lineage}) if args.json else format_lineage(lineage))
+            return 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             if args.verify:
-                reports = verify_buffer(args.path, progress=progress_reporter("verify", "parts", quiet=args.quiet))
+                reports = verify_buffer(path, progress=progress_reporter("verify", "parts", quiet=args.quiet))
             else:
-                stats = buffer_stats(args.path)
+                stats = buffer_stats(path)
         except StoreError as exc:
             print(f"rlhf-pipeline inspect: {exc}", file=sys.stderr)
             return 2
@@ -51,7 +71,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("\n".join(r.format() for r in reports))
         return 0 if all(r.ok for r in reports) else 1
-    print(json.dumps(stats.to_json()) if args.json else format_stats(stats))
+    if lineage is None:
+        print(json.dumps(stats.to_json()) if args.json else format_stats(stats))
+    elif args.json:
+        print(json.dumps({"run": lineage, "buffer": stats.to_json()}))
+    else:
+        print(format_lineage(lineage) + "\n\nbuffer\n" + format_stats(stats))
     return 0
 
 

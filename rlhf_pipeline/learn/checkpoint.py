@@ -7,8 +7,17 @@ sampler's state after the last draw a step used (``learn/samplers/``); with the 
 in the progress record, a resumed run redraws exactly the batches an uninterrupted one
 would. Files are written to ``*.partial`` and renamed into place
 (:mod:`rlhf_pipeline.files.atomic`), so a crash mid-write never leaves a checkpoint that looks
-complete; the manager keeps the last N. A run at a URL keeps them as objects
-(``files/run_store.py``): one PUT that creates the step's object, never overwrites it.
+complete. The manager keeps the newest ``keep_last`` plus, with ``keep_every`` M > 0, every
+checkpoint whose step is a multiple of M (the rewind points a run can be branched from, see
+``runs/branch.py``). A run at a URL keeps them as objects (``files/run_store.py``): one PUT that
+creates the step's object, never overwrites it.
+
+Beside each checkpoint a small ``step_XXXXXXXX.json`` (the *rewind record*) says, without torch
+and without reading the checkpoint, where the run stood: its step, policy version, draws, the
+rows each buffer shard had published as the learner saw it (``buffer_rows``) and the rows it had
+taken in (``consumed``). ``inspect RUN`` lists these; ``branch`` limits a branch's view of the
+parent's buffer to ``buffer_rows``. It is written after the checkpoint, so a checkpoint may lack
+one (a crash in between, or a run made before records), never the other way round.
 
 Every value in a checkpoint is a tensor or a plain value (dicts, lists, tuples, numbers,
 strings), so it loads with ``torch.load(weights_only=True)`` (``rlhf_pipeline/files/state_files.py``)
@@ -20,6 +29,7 @@ read (NumPy arrays only, nothing else), so runs started before the change resume
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -32,6 +42,7 @@ from rlhf_pipeline.files.state_files import load_state, load_state_bytes
 
 FORMAT_VERSION = 2
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
+RECORD_FORMAT = 1
 
 
 @dataclass
@@ -103,14 +114,19 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 # ====================================================================== manager
 class CheckpointManager:
-    """Saves, finds and loads checkpoints in one directory; keeps the newest ``keep_last``.
+    """Saves, finds and loads checkpoints in one directory; keeps the newest ``keep_last`` and,
+    with ``keep_every`` > 0, every one whose step is a multiple of it.
 
     ``store``: the run's store (a run at a URL); ``directory`` is then the key prefix in it."""
 
-    def __init__(self, directory: str | Path, keep_last: int = 2, *, store: RunStore | None = None) -> None:
+    def __init__(self, directory: str | Path, keep_last: int = 2, *, keep_every: int = 0,
+                 store: RunStore | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept")
+        if keep_every < 0:
+            raise ValueError(f"keep_every must be >= 0 (got {keep_every}); 0 keeps no checkpoint beyond the last")
         self.keep_last = keep_last
+        self.keep_every = keep_every
         if store is None:
             self.directory: Path | str = Path(directory)
             self._store: RunStore = LocalRunStore(directory)
@@ -142,11 +158,37 @@ class CheckpointManager:
         latest = self.latest()
         return int(_NAME.match(_name(latest)).group(1)) if latest is not None else None
 
-    def save(self, progress: Progress, state: dict[str, Any]) -> Path | str:
-        """Writes ``state`` plus ``progress`` atomically as the checkpoint of ``progress.step``."""
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first (from their names)."""
+        return [int(_NAME.match(_name(path)).group(1)) for path in self.paths()]
+
+    def path_of(self, step: int) -> Path | str | None:
+        """The checkpoint of ``step``, or None when it is not kept."""
+        return next((path for path in self.paths() if _name(path) == _checkpoint_name(step)), None)
+
+    def record(self, step: int) -> dict[str, Any] | None:
+        """The rewind record saved beside the checkpoint of ``step`` (module docstring); None when
+        there is none (a run made before records) or it is damaged."""
+        raw = self._store.read(self._key(_record_name(step)))
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return data if isinstance(data, dict) and data.get("step") == step else None
+
+    def rewind_points(self) -> list[dict[str, Any]]:
+        """Each kept checkpoint's rewind record, oldest first (``{"step": N}`` alone where it has none)."""
+        return [self.record(step) or {"step": step} for step in self.steps()]
+
+    def save(self, progress: Progress, state: dict[str, Any], *,
+             record: dict[str, Any] | None = None) -> Path | str:
+        """Writes ``state`` plus ``progress`` atomically as the checkpoint of ``progress.step``,
+        then its rewind record: ``record`` (the buffer position) plus the progress's counters."""
         import torch
 
-        name = f"step_{progress.step:08d}.pt"
+        name = _checkpoint_name(progress.step)
         if progress.step == self._saved_step and not isinstance(self._store, LocalRunStore):
             # at a URL a step's checkpoint is created once: the same step saved again by this process
             # (the periodic save, then a stop's right after it) holds the same training state, and
@@ -154,10 +196,25 @@ class CheckpointManager:
             return self._location(name)
         payload = dict(state, progress=progress.to_dict(), format=FORMAT_VERSION)
         self._store.create(self._key(name), lambda f: torch.save(payload, f), partial_name=name + PARTIAL_SUFFIX)
+        rewind = {"format": RECORD_FORMAT, "step": progress.step, "policy_version": progress.policy_version,
+                  "draws": progress.draws, **(record or {})}
+        record_name = _record_name(progress.step)
+        self._store.create(self._key(record_name), json.dumps(rewind, sort_keys=True).encode(),
+                           partial_name=record_name + PARTIAL_SUFFIX)
         self._saved_step = progress.step
-        for old in self.paths()[: -self.keep_last]:
-            self._store.delete(self._key(_name(old)))
+        self.prune()
         return self._location(name)
+
+    def prune(self) -> list[int]:
+        """Deletes the checkpoints (and their records) the schedule does not keep; returns their steps."""
+        steps = self.steps()
+        newest = set(steps[-self.keep_last:])
+        gone = [step for step in steps
+                if step not in newest and not (self.keep_every and step % self.keep_every == 0)]
+        for step in gone:
+            self._store.delete(self._key(_checkpoint_name(step)))
+            self._store.delete(self._key(_record_name(step)))
+        return gone
 
     def load(self, path: str | Path | None = None) -> tuple[Progress, dict[str, Any]]:
         """Loads ``path`` (default: the latest); raises ``FileNotFoundError`` when there is none."""
@@ -179,11 +236,29 @@ class CheckpointManager:
         return progress, payload
 
 
+def _checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}.pt"
+
+
+def _record_name(step: int) -> str:
+    return f"step_{step:08d}.json"
+
+
 def _name(location: str | Path) -> str:
     return str(location).rstrip("/").rsplit("/", 1)[-1]
 
 
-def run_checkpoints(paths: Any, keep_last: int = 2) -> CheckpointManager:
+def run_checkpoints(paths: Any, keep_last: int = 2, keep_every: int = 0) -> CheckpointManager:
     """The checkpoints of the run at ``paths`` (a ``RunPaths``: a directory or a URL)."""
     where, store = paths.state_object(paths.checkpoints)
-    return CheckpointManager(where, keep_last=keep_last, store=store)
+    return CheckpointManager(where, keep_last=keep_last, keep_every=keep_every, store=store)
+
+
+def buffer_rows(buffer_state: dict[str, Any] | None) -> dict[str, int]:
+    """Rows published per shard in a store's ``state_dict`` (a checkpoint's ``"buffer"``): shard
+    name -> next row; a single store (no shards) is ``{"": next_row}``."""
+    if not buffer_state:
+        return {}
+    if "shards" in buffer_state:
+        return {name: int(shard["next_row"]) for name, shard in buffer_state["shards"].items()}
+    return {"": int(buffer_state["next_row"])}

@@ -64,6 +64,7 @@ import torch
 
 from rlhf_pipeline.learn.checkpoint import (
     Progress,
+    buffer_rows,
     capture_rng_state,
     restore_rng_state,
     run_checkpoints,
@@ -75,7 +76,7 @@ from rlhf_pipeline.learn.prefetch import Prefetcher
 from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.shard_rows import next_rows, row_names
-from rlhf_pipeline.learn.optimizer import make_optimizer
+from rlhf_pipeline.learn.optimizer import apply_settings, make_optimizer
 from rlhf_pipeline.learn.packed_batch import PackedBatch
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.stale_rows import DrawVersions, fresh_mask
@@ -108,7 +109,8 @@ class Learner:
                  on_step: Callable[[int, Any, Any, dict[str, float]], None] | None = None,
                  before_checkpoint: Callable[[], None] | None = None,
                  data_parallel: DataParallel | None = None,
-                 initial_policy: torch.nn.Module | None = None, publish_pacing: bool = True) -> None:
+                 initial_policy: torch.nn.Module | None = None, publish_pacing: bool = True,
+                 checkpoint_of_another_buffer: bool = False) -> None:
         """``buffer``: the store to read (a path or URL ``open_buffer`` opens) instead of the run's
         own ``buffer/`` (replay); ``batch_transform(positions, padded_batch) -> padded_batch`` runs on
         the prefetch thread after each read (replay's re-scoring); ``on_step(step, sampled, batch,
@@ -121,12 +123,16 @@ class Learner:
         weights version 0 (``make_policy()``); a learner without a checkpoint trains it as it is
         instead of building ``make_model()`` and reading version 0 back (a second full model load),
         a resumed one ignores it and loads its checkpoint. ``publish_pacing=False``: no collector
-        feeds ``buffer`` (replay), so ``pacing.json`` is not written; checkpoints keep the intake."""
+        feeds ``buffer`` (replay), so ``pacing.json`` is not written; checkpoints keep the intake.
+        ``checkpoint_of_another_buffer``: the checkpoint resumed from saw another buffer than ``buffer``
+        (a branch replayed over its parent's rows, ``runs/branch.py``), so its rows are not checked
+        against ``buffer``."""
         settings.check()
         self.settings = settings
         self.paths = paths
         self.make_model = make_model
         self._initial_policy = initial_policy
+        self._checkpoint_of_another_buffer = checkpoint_of_another_buffer
         self.total_steps = steps
         self.seed = seed
         self.data_parallel = data_parallel or DataParallel()
@@ -145,7 +151,8 @@ class Learner:
         self.batch_transform = batch_transform
         self.on_step = on_step
         self.before_checkpoint = before_checkpoint
-        self.checkpoints = run_checkpoints(paths, keep_last=settings.keep_checkpoints)
+        self.checkpoints = run_checkpoints(paths, keep_last=settings.keep_checkpoints,
+                                           keep_every=settings.checkpoint_keep_every)
         self._prefetcher: Prefetcher | None = None
         self._ready = False
         self._saved_a_checkpoint = False  # a checkpoint holds the model: until one does, version 0 is kept
@@ -263,6 +270,7 @@ class Learner:
         if checkpoint is not None:
             self.data_parallel.load_optimizer_state(self.model, self.optimizer, checkpoint["optimizer"])
             self.scheduler.load_state_dict(checkpoint["scheduler"])
+            apply_settings(self.optimizer, self.scheduler, self.settings, self.total_steps)  # a changed lr applies
 
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
         from rlhf_pipeline.schema.padding import PaddedCollator
@@ -270,11 +278,12 @@ class Learner:
         # one store, or the union of the collectors' shards (new shards are picked up as they appear);
         # the rows the checkpoint saw must still be there. Several ranks over a buffer at a URL: rank 0
         # alone lists it and reads the records, the others open their readers from those
-        self._store = self.data_parallel.open_buffer(self.buffer, None if checkpoint is None else checkpoint["buffer"])
+        saw = None if checkpoint is None or self._checkpoint_of_another_buffer else checkpoint["buffer"]
+        self._store = self.data_parallel.open_buffer(self.buffer, saw)
         self.sampler = make_sampler(self.settings, self._store, seed=self.seed, stop=self.stop_event)
         # the state after the last draw a step used (draws run ahead on the prefetch thread)
         self._sampler_state = self.sampler.state_dict()
-        if checkpoint is not None:
+        if checkpoint is not None and not self._checkpoint_of_another_buffer:  # (positions in another buffer)
             # checkpoints from before learner samplers kept the window sampler's state in Progress
             self._sampler_state = checkpoint.get("sampler") or {"min_next_row": self.progress.min_next_row}
             try:
@@ -584,7 +593,9 @@ class Learner:
             self._metrics.flush()
         if self.before_checkpoint is not None:
             self.before_checkpoint()
-        self.checkpoints.save(self.progress, state)
+        # where the buffer stood, readable without torch: what `inspect` lists and `branch` limits a view to
+        record = {"buffer_rows": buffer_rows(state["buffer"]), "consumed": dict(self._pacing.intake.consumed)}
+        self.checkpoints.save(self.progress, state, record=record)
         self._saved_a_checkpoint = True
 
     # ================================================================== cleanup

@@ -39,3 +39,20 @@ def lr_lambda(settings: LearnerSettings, total_steps: int) -> Callable[[int], fl
         return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * cosine
 
     return factor
+
+
+def apply_settings(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                   settings: LearnerSettings, total_steps: int) -> None:
+    """Puts ``settings``' hyperparameters back after loading a checkpoint's optimizer and scheduler
+    states, which carry the values of the run that saved them (param groups' ``lr``, ``betas``,
+    ``weight_decay``; the scheduler's ``base_lrs``): without this, a resume or a branch with a
+    changed ``learner.lr`` would go on with the old one. The schedule's position (``last_epoch``)
+    and AdamW's moments are kept. With unchanged settings every value is the one loaded."""
+    factor = lr_lambda(settings, total_steps)(scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = settings.lr
+        group["lr"] = settings.lr * factor
+        group["betas"] = tuple(settings.adam_betas)
+        group["weight_decay"] = settings.weight_decay
+    scheduler.base_lrs = [settings.lr for _ in optimizer.param_groups]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports

@@ -143,6 +143,9 @@ class LearnerSettings:
     """Save a checkpoint every this many steps (and always at the end or on stop)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (newest first)."""
+    checkpoint_keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: none beyond the newest
+    keep_checkpoints): the steps `rlhf-pipeline branch` can start a new run from."""
     prefetch_depth: int = 2
     """Batches prepared ahead by the background thread."""
     data_timeout_s: float = 600.0
@@ -216,6 +219,9 @@ class LearnerSettings:
         for name in ("publish_every", "checkpoint_every", "keep_checkpoints", "prefetch_depth", "log_every"):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1 (got {getattr(self, name)})")
+        if self.checkpoint_keep_every < 0:
+            raise bad("checkpoint_keep_every", f"must be >= 0 (got {self.checkpoint_keep_every}); 0 keeps only "
+                                               f"the newest keep_checkpoints")
         if self.temperature <= 0:
             raise bad("temperature", f"must be > 0 (got {self.temperature})")
         if not self.wait_report_s > 0:

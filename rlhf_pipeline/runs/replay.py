@@ -343,10 +343,29 @@ def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
     saved = _saved_settings(paths)
     if saved is None:
         return None
+    if "replay" not in saved and _first_offline_start(paths):
+        return None  # a branch of a run with collectors, replayed for the first time (runs/branch.py)
     if "replay" not in saved:
         raise ReplayError(f"{paths.location} holds a run made by `rlhf-pipeline run`, not a replay; choose another "
                           f"--run-name")
     return saved["replay"]
+
+
+def _resumes_parents_checkpoint(paths: RunPaths) -> bool:
+    """A branch of a run with collectors whose newest checkpoint is still its parent's: that one saw
+    the parent's buffer, not the selection of its rows the branch replays."""
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.runs.branch import offline_branch
+
+    lineage = offline_branch(paths.root) if paths.url is None else None
+    return lineage is not None and run_checkpoints(paths).latest_step() == int(lineage["step"])
+
+
+def _first_offline_start(paths: RunPaths) -> bool:
+    """A branch of a run with collectors that was never replayed: its settings.json is its parent's."""
+    from rlhf_pipeline.runs.branch import offline_branch
+
+    return paths.url is None and offline_branch(paths.root) is not None
 
 
 def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> Any:
@@ -360,7 +379,17 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)
         saved = _saved_settings(paths)
-        if saved is not None:
+        branch_start = saved is not None and "replay" not in saved and _first_offline_start(paths)
+        if branch_start:  # its settings are its parent's, with the branch's changes: they must still hold
+            changed = settings_changes(saved, pipeline.settings, tag="[replay]", since="the branch was made")
+            if changed:
+                raise ReplayError(f"run directory {paths.location} is a branch made with other settings "
+                                  f"({'; '.join(changed)}); replay it with its settings (runs/branch.py)")
+            if record["seed"] is None:
+                record["seed"] = int(getattr(pipeline.settings, "seed", 0))
+            text = json.dumps({**saved, "replay": record}, indent=2, sort_keys=True).encode()
+            paths.store.write(paths.key(paths.settings_file), text, partial_name=paths.settings_file.name + ".partial")
+        elif saved is not None:
             saved_replay = saved.pop("replay")
             if record["seed"] is None:
                 record["seed"] = saved_replay["seed"]
@@ -487,7 +516,8 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
                       buffer=source, batch_transform=rescorer, on_step=record_step,
                       before_checkpoint=lambda: batch_log.flush() if batch_log is not None else None,
                       data_parallel=data_parallel, initial_policy=initial_policy,
-                      publish_pacing=False)  # no collectors: nothing reads pacing.json
+                      publish_pacing=False,  # no collectors: nothing reads pacing.json
+                      checkpoint_of_another_buffer=_resumes_parents_checkpoint(paths))
     data_parallel.start(torch.device(pipeline.settings.device))
     try:
         learner.setup()

@@ -61,7 +61,9 @@ def test_run_writes_rows_trains_and_logs(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["charts/rows"] == 16 and r["losses/grad_norm"] >= 0 for r in records)
     assert latest_version(run) == 3
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002.pt", "step_00000003.pt"]
+    # each with its rewind record (learn/checkpoint.py): where the buffer stood, readable without torch
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_00000002.json", "step_00000002.pt", "step_00000003.json", "step_00000003.pt"]
     assert any((run / "tensorboard").iterdir())
     assert (run / "STOP").exists()  # the collector was told to stop, and did (run returned)
 

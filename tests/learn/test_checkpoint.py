@@ -88,3 +88,31 @@ def test_weights_of_runs_made_before_safetensors_still_load_and_are_pruned(tmp_p
     assert sorted(p.name for p in weights.iterdir()) == ["policy_00000002.safetensors", "policy_00000003.safetensors"]
     with pytest.raises(FileNotFoundError, match="version 1 is not under"):
         load_weights(tmp_path, 1)
+
+
+def test_keep_every_keeps_rewind_points_beside_the_newest(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2, keep_every=4)
+    for step in range(1, 11):
+        manager.save(Progress(seed=0, step=step, policy_version=step), {},
+                     record={"buffer_rows": {"shard-0000": 16 * step}})
+    assert manager.steps() == [4, 8, 9, 10]
+    # a pruned checkpoint's record goes with it; a kept one says where the buffer stood
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json") == [
+        f"step_{s:08d}.json" for s in (4, 8, 9, 10)]
+    assert manager.record(8) == {"format": 1, "step": 8, "policy_version": 8, "draws": 0,
+                                 "buffer_rows": {"shard-0000": 128}}
+    assert [point["step"] for point in manager.rewind_points()] == [4, 8, 9, 10]
+
+
+def test_a_checkpoint_without_a_record_is_still_a_rewind_point(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    manager.save(Progress(seed=0, step=1), {})
+    (tmp_path / "step_00000001.json").unlink()  # as a run made before records left it
+    (tmp_path / "step_00000002.json").write_text("{torn")  # a record without its checkpoint counts for nothing
+    assert manager.rewind_points() == [{"step": 1}]
+    assert manager.record(1) is None
+
+
+def test_keep_every_must_not_be_negative(tmp_path):
+    with pytest.raises(ValueError, match="keep_every"):
+        CheckpointManager(tmp_path, keep_every=-1)

@@ -1,0 +1,47 @@
+"""``rlhf-pipeline branch RUN --from-step N NEW_RUN [--set KEY=VALUE ...]``: a new run from RUN's step N.
+
+The new run starts from RUN's checkpoint of step N (model, optimizer, RNG, sampler position)
+with the settings ``--set`` changes (``learner.*``, ``steps``, ``device``); RUN is only read.
+``rlhf_pipeline/runs/branch.py`` has the whole story; ``inspect RUN`` lists the steps a run can
+be branched from and its branches. Arguments are parsed before torch is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("run", metavar="RUN", help="the parent: a run directory, or a run's name under --home")
+    parser.add_argument("--from-step", type=int, required=True, metavar="N",
+                        help="the step whose checkpoint the branch starts from (inspect RUN lists them)")
+    parser.add_argument("new_run", metavar="NEW_RUN",
+                        help="the branch: a name (made beside RUN, where inspect RUN finds it) or a new directory")
+    parser.add_argument("--home", default=None,
+                        help="directory holding run directories, for a RUN given by name (default: storage/ in "
+                             "the repo, or $RLHF_PIPELINE_HOME)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="change a setting at the branch point, e.g. --set learner.lr=1e-4 (repeatable; "
+                             "learner.*, steps and device only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rlhf_pipeline.files.run_paths import RunLocationError, local_run_path, run_dir
+    from rlhf_pipeline.runs.branch import BranchError, branch_run, main_message
+
+    try:
+        parent = local_run_path(args.run, "RUN")
+        if not parent.exists() and "/" not in args.run:
+            parent = run_dir(args.run, args.home)
+        new = local_run_path(args.new_run, "NEW_RUN")
+        if "/" not in args.new_run:  # a name: beside its parent, in the same home
+            new = parent.resolve().parent / args.new_run
+        lineage = branch_run(parent, args.from_step, new, args.overrides)
+    except (BranchError, RunLocationError) as exc:
+        print(f"rlhf-pipeline branch: error: {exc}", file=sys.stderr)
+        return 2
+    main_message(Path(new).resolve(), lineage)
+    return 0

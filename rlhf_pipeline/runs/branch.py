@@ -1,0 +1,294 @@
+"""``rlhf-pipeline branch RUN --from-step N NEW_RUN``: a new run that starts from RUN's checkpoint of step N.
+
+What a branch is made of (all of it written here, once; the parent is only read, so its files
+stay byte-identical):
+
+* ``checkpoints/step_N.pt`` and its rewind record: the parent's (a hard link where the file
+  system allows, else a copy: checkpoint files are never changed in place). The learner resumes
+  from it as from its own (model, optimizer, LR schedule, RNG, sampler position, intake), so a
+  branch with no setting changed trains, step for step, what the parent trained after step N
+  over the same rows;
+* ``settings.json``: the parent's, with the ``--set`` changes applied. Only what a resumed run may
+  change may change here (``learner.*``: learning rate, loss, KL, sampler; and ``steps``,
+  ``device``): the rest (model shape, schema, group size, prompts...) made the rows the branch
+  reads, and is refused by name;
+* the pipeline file's copy (``pipeline.py``, ``pipeline_modules/``), the metrics and (a replay)
+  ``batches.jsonl`` lines of steps up to N, and the weights of the checkpoint's policy version
+  (what a collector loads first);
+* ``branch.json``: the parent (its path), the step, the rows each of the parent's buffer shards
+  had published when that checkpoint was saved (the rewind record's ``buffer_rows``), and the
+  settings changed. ``inspect`` reads it (``runs/lineage.py``).
+
+* for a parent with collectors, ``parent-rows/``: a saved selection (``storage/selection.py``)
+  naming, by global id, the rows each of the parent's shards had published at step N. It is read
+  in place (no row copied), read-only, and opening it checks that the parent still holds exactly
+  those rows; rows the parent wrote after step N are not in it.
+
+How it continues. A branch of a replay (a run trained offline from a recorded buffer) continues
+with the same ``replay`` command under the branch's name: its source is read-only and does not
+change, so the branch reads exactly the rows the parent read. A branch of a run with collectors
+continues offline with ``replay --buffer NEW_RUN/parent-rows --run-name NEW_RUN``: from the
+checkpoint's model, optimizer and schedule, over the parent's rows up to step N in epochs (the
+epoch sampler starts afresh: the checkpoint's was the online one). Continuing it online (those
+rows plus its own shards, its collectors restarted from their state at those rows) is not there
+yet, and ``run``/``learn``/``collect`` on it are refused by :func:`refuse_online_start`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.learn.checkpoint import CheckpointManager
+from rlhf_pipeline.runs.lineage import BRANCH_FILE, BRANCH_FORMAT, find_branches, is_run_directory, read_parent
+from rlhf_pipeline.runs.run_directory import RunError
+
+# settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
+_CHANGEABLE = ("steps", "device")
+_COPIED = ("pipeline.py", "pipeline_modules")
+_LOGS = ("metrics.jsonl", "batches.jsonl")
+PARENT_ROWS = "parent-rows"
+
+
+class BranchError(RunError):
+    """The parent, the step, the new run's place or a setting change does not allow this branch."""
+
+
+def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Makes the branch ``new`` of run ``parent`` at ``step`` (module docstring); returns its ``branch.json``."""
+    parent, new = Path(parent).resolve(), Path(new).resolve()
+    if not is_run_directory(parent):
+        raise BranchError(f"{parent} is not a run directory (no settings.json or checkpoints/); give the directory "
+                          f"a run wrote, e.g. storage/<run-name>")
+    if new.exists() and (not new.is_dir() or any(new.iterdir())):
+        raise BranchError(f"{new} exists; a branch is a new run: choose another NEW_RUN name")
+    checkpoints = CheckpointManager(parent / "checkpoints")
+    checkpoint = checkpoints.path_of(step)
+    if checkpoint is None:
+        kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
+        raise BranchError(f"{parent} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, "
+                          f"or keep more with learner.checkpoint_keep_every=M (every M-th step)")
+    if not (parent / "settings.json").is_file():
+        raise BranchError(f"{parent} has no settings.json: a branch takes its parent's settings; give a run directory "
+                          f"a run or a replay made")
+    saved = json.loads((parent / "settings.json").read_text())
+    settings, changed = changed_settings(parent, saved, overrides)
+    record = checkpoints.record(step) or {}
+    lineage = {
+        "format": BRANCH_FORMAT, "parent": str(parent), "step": step,
+        "policy_version": record.get("policy_version"), "buffer_rows": record.get("buffer_rows"),
+        "replay_source": saved.get("replay", {}).get("buffer"), "settings_changed": changed,
+        "overrides": list(overrides), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    making = new.with_name(new.name + ".creating")  # renamed into place whole: a failed branch leaves no run
+    if making.exists():
+        shutil.rmtree(making)
+    making.mkdir(parents=True)
+    try:
+        _write_branch(parent, making, checkpoint, step, settings, lineage)
+        if new.exists():
+            new.rmdir()  # empty (checked above)
+        making.replace(new)
+    except FileNotFoundError as exc:  # the running parent pruned that checkpoint (or weights) meanwhile
+        shutil.rmtree(making, ignore_errors=True)
+        raise BranchError(f"{exc.filename} went away while branching (the parent is running and pruned it); "
+                          f"branch from a step it keeps: learner.checkpoint_keep_every=M keeps every M-th") from None
+    except BaseException:
+        shutil.rmtree(making, ignore_errors=True)
+        raise
+    return lineage
+
+
+def changed_settings(parent: Path, saved: dict[str, Any], overrides: Sequence[str]) -> tuple[dict, list[str]]:
+    """The parent's ``settings.json`` with ``overrides`` applied (names and values checked by the
+    parent's copy of its pipeline file; the learner checks the whole at its start), and what changed
+    as ``key: was A, now B`` lines."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item:
+            raise BranchError(f"--set expects key=value, got {item!r}")
+        if not (key.startswith("learner.") or key in _CHANGEABLE):
+            raise BranchError(
+                f"--set {key}: cannot change at a branch point; the parent's rows up to the branch step were made "
+                f"with it (only learner.* settings, steps and device may change). Start a new run to change it")
+    if not overrides:
+        return saved, []
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_settings, settings_to_json
+    from rlhf_pipeline.runs.pipeline_copy import importable_copy
+
+    try:  # the parent's own pipeline file checks each name and parses each value to its type
+        importable_copy(RunPaths(parent))
+        updated = settings_to_json(make_settings(load_pipeline_module(parent / "pipeline.py"), overrides))
+    except (PipelineError, FileNotFoundError) as exc:
+        raise BranchError(f"--set: {exc}") from None
+    settings, changed = json.loads(json.dumps(saved)), []
+    for item in overrides:
+        parts = item.split("=", 1)[0].strip().split(".")
+        old, new = _get(saved, parts), _get(updated, parts)
+        target = settings
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = new
+        if old != new:
+            changed.append(f"{'.'.join(parts)}: was {old!r}, now {new!r}")
+    return settings, changed
+
+
+def _get(data: dict[str, Any], parts: list[str]) -> Any:
+    for part in parts:
+        data = data.get(part, {}) if isinstance(data, dict) else {}
+    return data if data != {} else None
+
+
+def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings: dict, lineage: dict) -> None:
+    from rlhf_pipeline.learn.metrics import truncate_metrics
+
+    (new / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True))
+    for name in _COPIED:
+        source = parent / name
+        if source.is_dir():
+            shutil.copytree(source, new / name)
+        elif source.is_file():
+            shutil.copyfile(source, new / name)
+    (new / "checkpoints").mkdir()
+    _link_or_copy(checkpoint, new / "checkpoints" / checkpoint.name)
+    record = checkpoint.with_suffix(".json")
+    if record.is_file():
+        shutil.copyfile(record, new / "checkpoints" / record.name)
+    for name in _LOGS:  # the lines of steps up to the branch point: a resumed learner writes the later ones
+        if (parent / name).is_file():
+            shutil.copyfile(parent / name, new / name)
+            truncate_metrics(new / name, step)
+    _publish_checkpoint_weights(parent, new, checkpoint, lineage.get("policy_version"))
+    if lineage["replay_source"] is None and (parent / "buffer").exists():
+        if lineage["buffer_rows"] is None:
+            raise BranchError(f"the checkpoint of step {step} of {parent} has no rewind record (a run made before "
+                              f"records): which of its rows were published at that step is not known; branch "
+                              f"from a later step")
+        _write_parent_rows(parent / "buffer", new / PARENT_ROWS, lineage["buffer_rows"], step)
+    elif lineage["replay_source"] is None and (parent / PARENT_ROWS).is_dir():
+        # a branch that was never continued: its rows are its own parent's, named by its selection
+        shutil.copytree(parent / PARENT_ROWS, new / PARENT_ROWS)
+    (new / BRANCH_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link where the file system allows (a checkpoint can be gigabytes), else a copy. Safe
+    because a checkpoint or weights file is never changed in place: a save writes a new file and
+    renames it over the name, and pruning unlinks the parent's name, not the branch's."""
+    import os
+
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or one without hard links
+        shutil.copyfile(source, target)
+
+
+def _write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], step: int) -> None:
+    """A saved selection of the rows of ``buffer`` published at the branch step: per shard, its
+    held rows below the ``buffer_rows`` the checkpoint recorded (a shard made later had none)."""
+    import numpy as np
+
+    from rlhf_pipeline.storage import open_buffer
+    from rlhf_pipeline.storage.row_keys import parts_of
+    from rlhf_pipeline.storage.selection import write_selection
+
+    with open_buffer(buffer, mode="r") as source:
+        names = source.shard_names if hasattr(source, "shard_names") else {0: ""}
+        parts, ids = [], []
+        for part in parts_of(source):
+            limit = buffer_rows.get(names.get(part.index, ""))
+            if limit is None:
+                continue
+            if part.next_row < limit:
+                raise BranchError(f"{part.store.location} holds {part.next_row} rows, fewer than the {limit} it had "
+                                  f"published at step {step}: it was truncated or replaced since")
+            kept = np.arange(part.first_row, limit, dtype=np.int64)  # rows evicted before the step are gone
+            ids.append(kept)
+            parts.append(np.full(kept.size, part.index, dtype=np.int64))
+        if not ids or not sum(a.size for a in ids):
+            raise BranchError(f"{buffer} held no rows at step {step}; branch from a later step")
+        write_selection(target, source, np.concatenate(parts), np.concatenate(ids),
+                        where=f"rows published by step {step}", source_location=str(buffer))
+
+
+def offline_branch(root: str | Path) -> dict[str, Any] | None:
+    """The ``branch.json`` of a branch of a run with collectors (it continues offline, over
+    ``parent-rows/``), else None."""
+    try:
+        lineage = read_parent(root)
+    except (ValueError, OSError) as exc:  # a damaged branch.json (json's errors are ValueErrors): one line
+        raise BranchError(str(exc)) from None
+    return lineage if lineage is not None and lineage.get("replay_source") is None else None
+
+
+def _publish_checkpoint_weights(parent: Path, new: Path, checkpoint: Path, version: int | None) -> None:
+    """The policy the branch starts with as its newest weights version: the parent's file of that
+    version while it is kept, else the checkpoint's model (the parent prunes old versions)."""
+    from rlhf_pipeline.coordination.weights import publish_weights, weights_path
+
+    if version is not None and weights_path(parent, version).is_file():
+        target = weights_path(new, version)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(weights_path(parent, version), target)
+        return
+    from rlhf_pipeline.files.state_files import load_state
+
+    state = load_state(checkpoint, what="learner checkpoint", legacy_numpy_arrays=True)
+    version = int(state["progress"]["policy_version"])
+    publish_weights(new, state["model"], version)
+
+
+def refuse_online_start(root: str | Path) -> None:
+    """``run``/``collect``/``learn`` on a branch of a run with collectors: refused in one line until a
+    branch can read its parent's rows by reference (a replay's branch continues with ``replay``)."""
+    lineage = offline_branch(root)
+    if lineage is not None:
+        raise BranchError(
+            f"{root} is a branch of {lineage['parent']} (a run with collectors) at step {lineage['step']}; continuing "
+            f"it online is not there yet: continue it offline with rlhf-pipeline replay PIPELINE.py --buffer "
+            f"{Path(root) / PARENT_ROWS} --home {Path(root).parent} --run-name {Path(root).name}")
+
+
+def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
+    """The command that continues the branch, for ``branch`` to print."""
+    sets = " ".join(f"--set {item}" for item in lineage["overrides"])
+    if lineage.get("replay_source") is not None:
+        return (f"continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
+                f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']} "
+                f"--home {new.parent} --run-name {new.name} {sets}").rstrip()
+    return (f"continue it offline over the parent's rows up to step {lineage['step']} (--epochs/--steps count from "
+            f"the parent's step 0; online it cannot continue yet): rlhf-pipeline replay PIPELINE.py --buffer "
+            f"{new / PARENT_ROWS} --home {new.parent} --run-name {new.name} {sets}").rstrip()
+
+
+def main_message(new: Path, lineage: dict[str, Any]) -> None:
+    changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
+    print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
+    print(f"[branch] {describe_continuation(new, lineage)}", file=sys.stderr)
+
+
+def refuse_evicting_parent(root: str | Path) -> None:
+    """A parent whose buffer evicts its oldest rows (a store with a capacity) may not run while a
+    branch reads its rows by reference (``parent-rows/``): the eviction would take rows from under
+    the branch. Refused in one line naming the branch, before the run starts."""
+    root = Path(root)
+    readers = [b["run"] for b in find_branches(root) if (Path(b["run"]) / PARENT_ROWS).exists()]
+    if not readers or not (root / "buffer").exists():
+        return
+    from rlhf_pipeline.storage import open_buffer
+
+    with open_buffer(root / "buffer", mode="r") as store:
+        shards = list(store.shards.values()) if hasattr(store, "shards") else [store]
+        evicting = [shard.location for shard in shards if shard.supports_eviction]
+    if evicting:
+        raise BranchError(
+            f"{evicting[0]} evicts its oldest rows (it has a capacity), and branch {readers[0]} reads rows of "
+            f"{root} by reference; running it would take them from the branch. Keep them first with "
+            f"rlhf-pipeline convert {Path(readers[0]) / PARENT_ROWS} DST --to memmap, then move the branch away")

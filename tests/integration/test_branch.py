@@ -1,0 +1,216 @@
+"""``rlhf-pipeline branch`` end to end, offline: a replay parent trained 12 steps, branched at step 6
+twice (nothing changed; ``learner.lr`` changed), each branch continued with the parent's replay
+command. The unchanged branch trains the parent's steps 7-12 exactly (rows, losses, weights);
+the changed one trains the same rows with another learning rate; the parent's files are
+byte-identical before and after; ``inspect`` shows the lineage; what cannot change is refused.
+
+The recorded buffer is synthetic (tokens of the default pipeline's character vocabulary); every
+run trains the default pipeline's tiny model on CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.coordination.weights import load_weights
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.models import char_tokenizer
+from rlhf_pipeline.runs.replay import ReplayOptions, replay_command
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.schema.synthetic import synthetic_batch
+from rlhf_pipeline.storage import create_store
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = str(REPO / "pipelines" / "default.py")
+ROWS = 96  # 6 batches of 16: 2 epochs are 12 steps
+SETTINGS = ["warm_start_steps=0", "hidden_size=32", "num_layers=1", "num_heads=2", "learner.batch_size=16",
+            "learner.checkpoint_every=2", "learner.keep_checkpoints=1", "learner.checkpoint_keep_every=6",
+            "learner.log_every=100"]
+OPTIONS = {"epochs": 2, "seed": 3}
+NOT_COMPARED = ("time", "tokens_per_s", "_s", "learning_rate")  # timings; the learning rate is compared apart
+
+
+def digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(path.rglob("*"))}
+
+
+def replay(home: Path, name: str, source: Path, *changes: str) -> Path:
+    assert replay_command(DEFAULT, ReplayOptions(buffer=str(source), **OPTIONS), home=str(home), run_name=name,
+                          overrides=SETTINGS + list(changes)) == 0
+    return home / name
+
+
+def trained(run: Path, after: int = 0) -> list[dict]:
+    """Each step's metrics after ``after``, timings left out."""
+    return [{k: v for k, v in m.items() if not any(t in k for t in NOT_COMPARED)}
+            for m in read_metrics(run / "metrics.jsonl") if m["step"] > after]
+
+
+def rows(run: Path) -> list[list[int]]:
+    return [r["trajectory_ids"] for r in read_metrics(run / "batches.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    data = tmp_path_factory.mktemp("recorded")
+    recorded = synthetic_batch(ROWS, group_size=4, prompt_len=(3, 8), response_len=(1, 6), seed=0,
+                               optional_fields=("advantage",), vocab_size=len(char_tokenizer()))
+    recorded = recorded.with_columns(trajectory_id=torch.arange(ROWS), group_id=torch.arange(ROWS) // 4)
+    source = data / "buffer"
+    with create_store(source, "memmap", schema=StoreSchema.for_batch(recorded), segment_rows=32) as store:
+        store.append(recorded)
+    home = tmp_path_factory.mktemp("home")
+    parent = replay(home, "parent", source)
+    before = digest(parent)
+    assert main(["branch", str(parent), "--from-step", "6", "same"]) == 0
+    assert main(["branch", str(parent), "--from-step", "6", "faster", "--set", "learner.lr=1e-3"]) == 0
+    assert digest(parent) == before  # branching only reads the parent
+    same = replay(home, "same", source)
+    faster = replay(home, "faster", source, "learner.lr=1e-3")
+    assert digest(parent) == before  # nor does training a branch write to it
+    return parent, same, faster
+
+
+def test_a_branch_with_nothing_changed_trains_what_the_parent_trained_after_the_branch_step(runs):
+    parent, same, _ = runs
+    assert [m["step"] for m in read_metrics(same / "metrics.jsonl")] == list(range(1, 13))
+    assert trained(same) == trained(parent)  # steps 1-6 copied, 7-12 trained again: the same
+    assert rows(same) == rows(parent)
+    parent_weights, version = load_weights(parent)
+    same_weights, same_version = load_weights(same)
+    assert version == same_version == 12
+    assert all(torch.equal(parent_weights[k], same_weights[k]) for k in parent_weights)
+
+
+def test_a_branch_with_another_learning_rate_trains_the_same_rows_otherwise(runs):
+    parent, _, faster = runs
+    assert rows(faster) == rows(parent)  # the same rows in the same order: the sampler resumed
+    assert trained(faster, after=6) != trained(parent, after=6)
+    lr = {m["step"]: m["charts/learning_rate"] for m in read_metrics(faster / "metrics.jsonl")}
+    parent_lr = {m["step"]: m["charts/learning_rate"] for m in read_metrics(parent / "metrics.jsonl")}
+    assert all(lr[s] == parent_lr[s] for s in range(1, 7))  # the parent's steps, kept
+    # past its warm-up the default pipeline's schedule is constant: the parent's 3e-4, the branch's 1e-3
+    assert {parent_lr[s] for s in range(7, 13)} == {3e-4} and {lr[s] for s in range(7, 13)} == {1e-3}
+    # step 7 trains the branch point's weights on the same rows: the same loss; the update differs
+    assert read_metrics(faster / "metrics.jsonl")[6]["losses/loss"] == read_metrics(parent / "metrics.jsonl")[6][
+        "losses/loss"]
+    parent_weights, _ = load_weights(parent)
+    faster_weights, _ = load_weights(faster)
+    assert any(not torch.equal(parent_weights[k], faster_weights[k]) for k in parent_weights)
+
+
+def test_inspect_shows_the_lineage_and_the_rewind_points(runs, capsys):
+    parent, same, faster = runs
+    assert main(["inspect", str(parent), "--json"]) == 0
+    lineage = json.loads(capsys.readouterr().out)["run"]
+    assert [p["step"] for p in lineage["rewind_points"]] == [6, 12]  # checkpoint_keep_every=6, keep_checkpoints=1
+    assert lineage["branches"] == [{"run": str(faster), "step": 6}, {"run": str(same), "step": 6}]
+    assert main(["inspect", str(faster)]) == 0
+    out = capsys.readouterr().out
+    assert f"branched from  {parent} at step 6 (learner.lr: was 0.0003, now 0.001)" in out
+
+
+def test_what_cannot_change_or_is_not_kept_is_refused_in_one_line(runs, capsys, tmp_path):
+    parent, _, _ = runs
+    assert main(["branch", str(parent), "--from-step", "6", str(tmp_path / "b"), "--set", "hidden_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert "--set hidden_size: cannot change at a branch point" in err and len(err.strip().splitlines()) == 1
+    assert main(["branch", str(parent), "--from-step", "4", str(tmp_path / "b")]) == 2
+    assert "keeps no checkpoint of step 4 (kept: 6, 12)" in capsys.readouterr().err
+    assert main(["branch", str(parent), "--from-step", "6", str(tmp_path / "b"), "--set", "learner.lr=fast"]) == 2
+    assert "learner.lr" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()  # a refused branch leaves nothing behind
+
+
+def test_a_branch_of_a_run_with_collectors_is_refused_by_run_in_one_line(tmp_path, capsys):
+    branch = tmp_path / "b"
+    branch.mkdir()
+    (branch / "branch.json").write_text(json.dumps({"parent": str(tmp_path / "a"), "step": 2}))
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a branch of" in err and "not there yet" in err and len(err.splitlines()) == 1
+    (branch / "branch.json").write_text("{}")  # damaged: one line too
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "branch.json is damaged" in err and len(err.splitlines()) == 1
+
+
+# ============================================================ a parent with a collector
+ONLINE = ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "learner.batch_size=16",
+          "learner.sample_window=32", "learner.new_rows_per_step=16", "learner.checkpoint_every=2",
+          "learner.keep_checkpoints=1", "learner.checkpoint_keep_every=4"]
+
+
+def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_branch_step_only(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from rlhf_pipeline.storage import open_buffer
+
+    sets = [arg for item in ONLINE for arg in ("--set", item)]
+    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
+                          str(tmp_path), "--run-name", "parent", *sets], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    parent = tmp_path / "parent"
+    before = digest(parent)
+    assert main(["branch", str(parent), "--from-step", "4", "offline", "--set", "learner.lr=1e-3"]) == 0
+    assert "rlhf-pipeline replay PIPELINE.py --buffer" in capsys.readouterr().err
+    branch = tmp_path / "offline"
+    record = json.loads((branch / "branch.json").read_text())
+    with open_buffer(parent / "buffer") as whole, open_buffer(branch / "parent-rows") as at_step:
+        published = sum(record["buffer_rows"].values())
+        assert len(at_step) == published < len(whole)  # the parent wrote more rows after step 4
+        everything = whole.read(torch.arange(len(whole)), fields=("trajectory_id",))["trajectory_id"].tolist()
+        readable = set(at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist())
+    later = set(everything) - readable
+    assert later and readable < set(everything)
+    # a branch of a branch never continued reads the same rows, through its own copy of the selection
+    assert main(["branch", str(branch), "--from-step", "4", "again"]) == 0
+    with open_buffer(tmp_path / "again" / "parent-rows") as again:
+        assert len(again) == published
+    # online it cannot continue yet; offline it does, over those rows only
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "offline"]) == 2
+    assert "continue it offline with rlhf-pipeline replay" in capsys.readouterr().err
+    assert replay_command(DEFAULT, ReplayOptions(buffer=str(branch / "parent-rows"), steps=8), home=str(tmp_path),
+                          run_name="offline", overrides=ONLINE + ["learner.lr=1e-3"]) == 0
+    metrics = read_metrics(branch / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert [m["charts/learning_rate"] for m in metrics[4:]] == [1e-3] * 4
+    trained_ids = {i for r in read_metrics(branch / "batches.jsonl") for i in r["trajectory_ids"]}
+    assert trained_ids and trained_ids <= readable and not trained_ids & later
+    assert digest(parent) == before  # the parent's files were only read
+    assert main(["inspect", str(branch)]) == 0
+    assert f"branched from  {parent} at step 4" in capsys.readouterr().out
+    # once replayed, the branch is a replay: its branches continue with replay over the same rows
+    assert main(["branch", str(branch), "--from-step", "8", "later"]) == 0
+    assert json.loads((tmp_path / "later" / "branch.json").read_text())["replay_source"] == str(
+        branch / "parent-rows")
+
+
+def test_a_parent_that_would_evict_rows_a_branch_reads_is_refused(tmp_path, capsys):
+    from helpers import make_batch
+
+    from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
+
+    with MemmapTrajectoryStore.create(tmp_path / "parent" / "buffer" / "shard-0000", segment_rows=8,
+                                      capacity_rows=16) as store:
+        store.append(make_batch(2, 4))
+    (tmp_path / "b" / "parent-rows").mkdir(parents=True)
+    (tmp_path / "b" / "branch.json").write_text(json.dumps({"parent": str(tmp_path / "parent"), "step": 2}))
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "parent"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "evicts its oldest rows" in err and str(tmp_path / "b") in err and len(err.splitlines()) == 1
+    from rlhf_pipeline.runs.branch import refuse_evicting_parent
+
+    (tmp_path / "b" / "parent-rows").rmdir()  # a branch that reads none of its rows does not hold it back
+    refuse_evicting_parent(tmp_path / "parent")
