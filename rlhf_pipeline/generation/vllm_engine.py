@@ -334,7 +334,7 @@ class VLLMEngine(GenerationEngine):
         top_k = sampling.top_k if 0 < sampling.top_k < self.vocab_size else 0
         # the seeds are drawn above, once: an engine that dies under this round is asked the same again
         reply = self.call_restarting("sample", requests=wire, stop_token_ids=self.stop_token_ids,
-                          sampling={"temperature": sampling.temperature, "top_k": top_k, "top_p": sampling.top_p})
+                                     sampling={"temperature": sampling.temperature, "top_k": top_k, "top_p": sampling.top_p})
         self.stats.counts_cached = True
         self.stats.prompt_tokens += sum(len(sent["prompt_ids"]) for sent in wire)
         self.stats.cached_tokens += sum(reply.get("cached_tokens", ()))
