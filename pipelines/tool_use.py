@@ -54,14 +54,20 @@ class Settings:
     """Width of the tiny model."""
     num_layers: int = 2
     """Transformer layers of the tiny model."""
-    num_heads: int = 4
-    """Attention heads of the tiny model."""
+    num_heads: int = 2
+    """Attention heads of the tiny model (2: a head size of 32, which vLLM's CPU attention takes)."""
     warm_start_steps: int = 600
-    """Supervised steps on demonstration episodes before RL (0 skips the warm start). Copying the
-    factors into the call is learned between about 300 and 600 steps, on some seeds and machines
-    not by 600 (the check after the warm start says); fewer teach only the format."""
+    """Supervised steps on demonstration episodes before RL (0 skips the warm start); fewer than
+    about 300 teach only the format, not copying the factors into the call."""
     warm_start_lr: float = 1e-2
-    """Learning rate of the warm start (after a linear warm-up over its first tenth)."""
+    """Peak learning rate of the warm start (linear warm-up over its first tenth, then a cosine down
+    to a tenth of it; gradients clipped to norm 1)."""
+    warm_start_target: float = 0.9
+    """Share of greedy check episodes whose call has the question's factors that ends the warm start;
+    below it, another stage of warm_start_steps / 2 runs (up to warm_start_more_stages)."""
+    warm_start_more_stages: int = 2
+    """Stages of warm_start_steps / 2 more steps the warm start may add while the check is below
+    warm_start_target (0: one stage, whatever the check says; without the check, one stage)."""
     warm_start_tool_fraction: float = 0.9
     """Share of demonstrations that call the tool; the rest answer with a guess."""
     warm_start_copy_weight: float = 1.0
@@ -118,13 +124,14 @@ class Settings:
     """Rows per segment of the replay buffer (the unit of sealing and eviction)."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=32, sampler="exact", uses_per_row=1, sample_window=64, new_rows_per_step=32,
-        micro_batch_tokens=4096, lr=1e-3, warmup_steps=3, max_staleness=2, publish_every=1,
+        micro_batch_tokens=4096, lr=3e-4, warmup_steps=3, max_staleness=2, publish_every=1,
         checkpoint_every=25, log_every=5,
     ))
-    """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
+    """Learner settings (--set learner.lr=1e-4, --list-settings shows them all). lr 3e-4: at 1e-3, on
+    seeds 0-2 the warm-started model lost reward over the 30 steps (docs/pipelines.md)."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
-    """Who samples the model's turns: our loop (default) or vLLM (--set generation.engine=vllm, with a
-    head size vLLM's CPU attention takes: --set num_heads=2). Each turn goes to the engine as the
+    """Who samples the model's turns: our loop (default) or vLLM (--set generation.engine=vllm; the default
+    head size of 32 is one vLLM's CPU attention takes). Each turn goes to the engine as the
     episode's token ids so far, and vLLM's prefix cache keeps the earlier turns' keys and values."""
 
 
@@ -137,6 +144,10 @@ def check(settings: Settings) -> LearnerSettings:
                             f"got {settings.low}, {settings.high}")
     if not 0.0 <= settings.warm_start_tool_fraction <= 1.0:
         raise PipelineError("setting 'warm_start_tool_fraction' must be in [0, 1]")
+    if not 0.0 <= settings.warm_start_target <= 1.0:
+        raise PipelineError(f"setting 'warm_start_target' must be in [0, 1], got {settings.warm_start_target}")
+    if settings.warm_start_more_stages < 0:
+        raise PipelineError(f"setting 'warm_start_more_stages' must be >= 0, got {settings.warm_start_more_stages}")
     fraction = settings.max_failed_group_fraction
     if fraction is not None and not 0.0 <= fraction <= 1.0:
         raise PipelineError(f"setting 'max_failed_group_fraction' must be in [0, 1] or none, got {fraction}")
@@ -163,7 +174,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     # imports here: loading the file for --list-settings or a bad --set stays fast
     import torch
 
-    from rlhf_pipeline.agents.calculator import CalculatorEnv, product_tasks, warm_start
+    from rlhf_pipeline.agents.calculator import CalculatorEnv, product_tasks
     from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage import create_store
@@ -190,14 +201,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
             model.load_state_dict(torch.load(settings.init_weights, map_location="cpu", weights_only=True))
             print(f"[run] initial weights from {settings.init_weights} (no warm start)", flush=True)
         elif settings.warm_start_steps:
-            result = warm_start(model, tokenizer, settings.warm_start_steps, lr=settings.warm_start_lr,
-                                tool_fraction=settings.warm_start_tool_fraction,
-                                copy_weight=settings.warm_start_copy_weight, seed=settings.seed,
-                                low=settings.low, high=settings.high)
-            print(f"[run] warm start: {settings.warm_start_steps} steps, loss {result['loss']:.3f}, "
-                  f"{result['seconds']:.1f}s", flush=True)
-            if settings.warm_start_check_tasks:
-                report_warm_start(model, tokenizer, settings)
+            warm_start_policy(model, tokenizer, settings)
         return model
 
     # ---------------------------------------------------------------- buffer + write path
@@ -285,26 +289,42 @@ USABLE_RIGHT_FACTORS = 0.5
 and GRPO has little to reinforce: the run says so before RL starts."""
 
 
-def report_warm_start(model, tokenizer, settings: Settings) -> dict[str, float]:
-    """Prints what the warm-started model does in greedy episodes on tasks of their own (a seed
-    neither the warm start nor the collector draws from), and a warning below the usable bar."""
+def warm_start_policy(model, tokenizer, settings: Settings) -> None:
+    """The warm start, in stages until the check reaches ``warm_start_target`` (or the stages run
+    out), printing after each what the model does in greedy episodes on tasks of their own (a seed
+    neither the warm start nor the collector draws from); a warning when the last is below the
+    usable bar."""
     import sys
-    import time
 
-    from rlhf_pipeline.agents.calculator import evaluate_tool_use, product_tasks
+    from rlhf_pipeline.agents.calculator import evaluate_tool_use, product_tasks, warm_start_until_copying
 
-    tasks = product_tasks(settings.warm_start_check_tasks, low=settings.low, high=settings.high,
-                          seed=settings.seed + 7_000_000)
-    started = time.perf_counter()
-    reached = evaluate_tool_use(model, tokenizer, tasks, max_turns=settings.max_turns,
-                                max_new_tokens=settings.max_new_tokens, context_length=settings.context_length)
-    n = len(tasks)
-    print(f"[run] warm start reached, greedy on {n} tasks: tool calls {round(reached['tool_calls'] * n)}/{n}, "
-          f"right factors {round(reached['right_factors'] * n)}/{n}, exact answers {round(reached['exact'] * n)}/{n} "
-          f"({time.perf_counter() - started:.1f}s)", flush=True)
-    if reached["right_factors"] < USABLE_RIGHT_FACTORS:
+    n = settings.warm_start_check_tasks
+    tasks = product_tasks(n, low=settings.low, high=settings.high, seed=settings.seed + 7_000_000)
+    stages = 1 + settings.warm_start_more_stages
+
+    def check(model) -> dict[str, float]:
+        return evaluate_tool_use(model, tokenizer, tasks, max_turns=settings.max_turns,
+                                 max_new_tokens=settings.max_new_tokens, context_length=settings.context_length)
+
+    def on_stage(result, reached) -> None:
+        nonlocal stages
+        stages -= 1
+        line = f"[run] warm start: {int(result['steps'])} steps, loss {result['loss']:.3f}, {result['seconds']:.1f}s"
+        if reached is not None:
+            line += (f"; greedy on {n} tasks: tool calls {round(reached['tool_calls'] * n)}/{n}, right factors "
+                     f"{round(reached['right_factors'] * n)}/{n}, exact answers {round(reached['exact'] * n)}/{n}")
+            if reached["right_factors"] < settings.warm_start_target and stages > 0:
+                line += (f"; below the target {settings.warm_start_target:.0%} right factors: "
+                         f"{settings.warm_start_steps // 2} steps more")
+        print(line, flush=True)
+
+    _, reached = warm_start_until_copying(
+        model, tokenizer, settings.warm_start_steps, check=check if n else None, target=settings.warm_start_target,
+        more_stages=settings.warm_start_more_stages, on_stage=on_stage, lr=settings.warm_start_lr,
+        tool_fraction=settings.warm_start_tool_fraction, copy_weight=settings.warm_start_copy_weight,
+        seed=settings.seed, low=settings.low, high=settings.high)
+    if reached is not None and reached["right_factors"] < USABLE_RIGHT_FACTORS:
         print(f"[run] warning: the warm start called with the question's factors in {reached['right_factors']:.0%} of "
               f"the tasks, below the usable {USABLE_RIGHT_FACTORS:.0%}: calls with wrong factors pay no better than "
-              f"guesses, so RL will barely learn; raise warm_start_steps (now {settings.warm_start_steps}) or "
-              f"try another seed", file=sys.stderr, flush=True)
-    return reached
+              f"guesses, so RL will barely learn; raise warm_start_steps or warm_start_more_stages, or try another "
+              f"seed", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -121,29 +121,35 @@ def demonstration(tokenizer, task: Mapping[str, Any], *, use_tool: bool, guess: 
 
 
 def warm_start(model, tokenizer, steps: int, *, tool_fraction: float = 0.5, batch_size: int = 32, lr: float = 3e-3,
-               copy_weight: float = 1.0, seed: int = 0, low: int = 10, high: int = 99) -> dict[str, float]:
+               copy_weight: float = 1.0, seed: int = 0, low: int = 10, high: int = 99, first_step: int = 0,
+               max_grad_norm: float | None = 1.0, min_lr_ratio: float = 0.1) -> dict[str, float]:
     """Supervised steps on :func:`demonstration` episodes (next-token loss where the episode's loss
-    mask is 1: the model's own turns), ``tool_fraction`` of them calling the tool. ``copy_weight``
-    weighs the digits of the demonstrations that call the tool (the factors copied into the call,
-    the tool's answer copied into the reply) against the other tokens of the model's turns (the
-    format is 50 tokens a call and the copied digits 7 or 8). Measured at 5 on one seed, copying
-    came sooner (300 steps instead of 600) but at the constant rate came and went; it is not a cure
-    for the knife edge (``docs/pipelines.md``), so it stays 1 unless asked for. Tasks come from
-    seeds disjoint from :func:`product_tasks`' defaults. Returns ``{"loss", "seconds", "steps"}``
-    (the loss of the last step, weighted); the model is left in eval mode."""
-    rng = random.Random(seed + 20_000)
+    mask is 1: the model's own turns), ``tool_fraction`` of them calling the tool.
+
+    The schedule is a linear warm-up over the first tenth, then a cosine down to ``min_lr_ratio *
+    lr``, with gradients clipped to ``max_grad_norm``: at a constant rate, copying the factors into
+    the call was learned abruptly and on some seeds and machines not at all, or learned and lost
+    again; the decay lets it settle (``docs/pipelines.md`` has the measurements). ``first_step``
+    numbers the first step, so a later stage (:func:`warm_start_until_copying`) draws demonstrations
+    no earlier stage saw. ``copy_weight`` weighs the digits a tool demonstration copies (the factors
+    into the call, the tool's answer into the reply) against the other tokens of the model's turns.
+    Tasks come from seeds disjoint from :func:`product_tasks`' defaults. Returns ``{"loss",
+    "seconds", "steps"}`` (the loss of the last step, weighted); the model is left in eval mode."""
+    from rlhf_pipeline.models.supervised import warmup_then_cosine
+
+    rng = random.Random(seed + 20_000 + first_step)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = max(1, steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_then_cosine(steps, warmup=max(1, steps // 10), floor=min_lr_ratio))
     device = next(model.parameters()).device
     digit_ids = torch.tensor(digit_token_ids(tokenizer), dtype=torch.long)
     toolbox = ToolBox([multiply])
     model.train()
     started, loss_value = time.perf_counter(), float("nan")
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         tasks = product_tasks(batch_size, low=low, high=high, seed=seed + 10_000 + step)
         uses_tool, episodes = [], []
-        for task in tasks:  # each task's draw of the tool, then of a guess: the demonstrations of before
+        for task in tasks:  # each task's draw of the tool, then of a guess
             uses_tool.append(rng.random() < tool_fraction)
             episodes.append(demonstration(tokenizer, task, use_tool=uses_tool[-1],
                                           guess=rng.randint(low * low, high * high), toolbox=toolbox))
@@ -159,10 +165,37 @@ def warm_start(model, tokenizer, steps: int, *, tool_fraction: float = 0.5, batc
             weights = torch.where(copied, copy_weight, 1.0).to(device)
         ids, target = ids.to(device), target.to(device)
         loss_value = supervised_step(model, optimizer, scheduler, ids, (ids != tokenizer.pad_token_id).long(), target,
-                                     weights)
+                                     weights, max_grad_norm=max_grad_norm)
     toolbox.close()
     model.eval()
     return {"loss": loss_value, "seconds": time.perf_counter() - started, "steps": float(steps)}
+
+
+def warm_start_until_copying(model, tokenizer, steps: int, *, check: Callable[[Any], Mapping[str, float]],
+                             target: float, more_stages: int = 2,
+                             on_stage: Callable[[Mapping[str, float], Mapping[str, float] | None], None] | None = None,
+                             **options: Any) -> tuple[dict[str, float], Mapping[str, float] | None]:
+    """:func:`warm_start` for ``steps``, then, while ``check(model)``'s ``right_factors`` is below
+    ``target``, up to ``more_stages`` stages of ``steps // 2`` more (each a warm restart of the
+    schedule on fresh demonstrations). Measured over seeds and thread counts, one schedule either
+    reached copying or stalled short of it on the same seed, and a short second run from the stalled
+    weights reached it: the check makes a stall visible, the stages get past it. ``on_stage(result,
+    reached)`` is called after each stage (``reached`` None when ``check`` is None). Returns the
+    last stage's result with ``steps`` and ``seconds`` summed over the stages, and the last check."""
+    result = warm_start(model, tokenizer, steps, **options)
+    total, seconds = steps, result["seconds"]
+    reached = check(model) if check is not None else None
+    if on_stage is not None:
+        on_stage(result, reached)
+    for _ in range(more_stages):
+        if reached is None or reached["right_factors"] >= target or steps // 2 == 0:
+            break
+        result = warm_start(model, tokenizer, steps // 2, first_step=total, **options)
+        total, seconds = total + steps // 2, seconds + result["seconds"]
+        reached = check(model)
+        if on_stage is not None:
+            on_stage(result, reached)
+    return {**result, "steps": float(total), "seconds": seconds}, reached
 
 
 def digit_token_ids(tokenizer) -> list[int]:

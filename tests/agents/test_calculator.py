@@ -16,10 +16,12 @@ from rlhf_pipeline.agents.calculator import (
     product_tasks,
     question_factors,
     warm_start,
+    warm_start_until_copying,
 )
 from rlhf_pipeline.agents.environment import ModelTurn
 from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
 from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
+from rlhf_pipeline.models.supervised import warmup_then_cosine
 from rlhf_pipeline.schema import TerminationReason
 
 
@@ -63,7 +65,7 @@ def test_a_few_warm_start_steps_lower_the_loss_on_the_model_turns():
     model = tiny_causal_lm(len(tokenizer), hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=256,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     first = warm_start(model, tokenizer, 1, batch_size=8, seed=1)
-    later = warm_start(model, tokenizer, 15, batch_size=8, seed=1, lr=1e-2)
+    later = warm_start(model, tokenizer, 30, batch_size=8, seed=1, lr=1e-2)
     assert later["loss"] < first["loss"] / 2 and not model.training
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -78,6 +80,46 @@ def test_copy_weight_weighs_the_digits_in_the_loss():
         losses.append(warm_start(model, tokenizer, 1, batch_size=8, seed=1, copy_weight=copy_weight)["loss"])
     # one step from the same weights on the same demonstrations: only the weighting differs
     assert losses[0] != losses[1] and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_a_later_stage_trains_on_demonstrations_of_its_own():
+    tokenizer = char_tool_tokenizer()
+    losses = []
+    for first_step in (0, 0, 5):
+        model = tiny_causal_lm(len(tokenizer), hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=256,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        losses.append(warm_start(model, tokenizer, 1, batch_size=8, seed=1, first_step=first_step)["loss"])
+    # the same weights: the same step gives the same loss, another step's demonstrations another
+    assert losses[0] == losses[1] and losses[2] != losses[0]
+
+
+def test_stages_are_added_while_the_check_is_below_the_target():
+    tokenizer = char_tool_tokenizer()
+
+    def run(reached_after_each_stage: list[float], more_stages: int):
+        model = tiny_causal_lm(len(tokenizer), hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=256,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        checks = iter(reached_after_each_stage)
+        stage_steps = []
+        result, reached = warm_start_until_copying(
+            model, tokenizer, 4, check=lambda m: {"right_factors": next(checks)}, target=0.9, more_stages=more_stages,
+            on_stage=lambda stage, _: stage_steps.append(int(stage["steps"])), batch_size=4, seed=1)
+        return result, reached, stage_steps
+
+    result, reached, stages = run([0.2, 0.5, 0.95], more_stages=2)  # reaches the target in the third stage
+    assert stages == [4, 2, 2] and result["steps"] == 8 and reached["right_factors"] == 0.95
+    result, reached, stages = run([0.95], more_stages=2)  # at the target after the first: no more
+    assert stages == [4] and result["steps"] == 4
+    result, reached, stages = run([0.1, 0.3], more_stages=1)  # stages run out below the target
+    assert stages == [4, 2] and reached["right_factors"] == 0.3
+
+
+def test_the_warm_start_schedule_warms_up_then_decays_to_its_floor():
+    multiplier = warmup_then_cosine(100, warmup=10, floor=0.1)
+    assert multiplier(0) == 0.1 and multiplier(9) == 1.0
+    values = [multiplier(s) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))  # never rises after the warm-up
+    assert abs(values[-1] - 0.1) < 1e-12 and abs(multiplier(54.5) - 0.55) < 1e-9  # halfway: half-way down
 
 
 class ScriptedPolicy(torch.nn.Module):

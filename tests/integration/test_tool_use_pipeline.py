@@ -22,17 +22,22 @@ SMALL = ["--set", "warm_start_steps=20", "--set", "warm_start_check_tasks=0", "-
 
 
 def test_run_trains_on_whole_multi_turn_trajectories(tmp_path):
-    """Also: the warm start's greedy check is printed before RL starts, with a warning when the
-    model does not copy the factors (20 steps teach at most the call's format)."""
+    """Also: the warm start's greedy check is printed after each stage, before RL starts; below the
+    target another stage runs, and below the usable bar the run warns (20 + 10 steps teach at most
+    the call's format)."""
     result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--steps", "3",
                              "--home", str(tmp_path), "--run-name", "tools", *SMALL,
-                             "--set", "warm_start_check_tasks=8"],
+                             "--set", "warm_start_check_tasks=8", "--set", "warm_start_more_stages=1"],
                             cwd=REPO, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[run] warm start reached, greedy on 8 tasks: tool calls " in result.stdout, result.stdout[-2000:]
-    assert "right factors 0/8, exact answers 0/8" in result.stdout
+    stages = [line for line in result.stdout.splitlines() if line.startswith("[run] warm start: ")]
+    assert len(stages) == 2, result.stdout[-2000:]  # the first stage, then one more below the target
+    assert stages[0].startswith("[run] warm start: 20 steps, loss ") and "; greedy on 8 tasks: tool calls " in stages[0]
+    assert stages[0].endswith("right factors 0/8, exact answers 0/8; below the target 90% right factors: 10 steps more")
+    assert stages[1].startswith("[run] warm start: 10 steps, loss ") and stages[1].endswith("exact answers 0/8")
     warning = result.stderr.index("[run] warning: the warm start called with the question's factors in 0% of the tasks")
-    assert warning < result.stderr.index("[collector] writing to") and "raise warm_start_steps (now 20)" in result.stderr
+    assert warning < result.stderr.index("[collector] writing to")
+    assert "raise warm_start_steps or warm_start_more_stages" in result.stderr
     assert "[run] done: 3 learner steps" in result.stderr
     assert "tool-call rate" in result.stderr  # the collector's per-round line
     run = tmp_path / "tools"
@@ -91,6 +96,8 @@ def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole
     ("group_size=1", "'group_size' must be >= 2"),
     ("context_length=100", "'context_length' (100) leaves no room"),
     ("warm_start_tool_fraction=1.5", "'warm_start_tool_fraction' must be in [0, 1]"),
+    ("warm_start_target=2", "'warm_start_target' must be in [0, 1], got 2.0"),
+    ("warm_start_more_stages=-1", "'warm_start_more_stages' must be >= 0, got -1"),
     ("init_weights=/no/such/weights.pt", "'init_weights': '/no/such/weights.pt' is not a file"),
 ])
 def test_bad_settings_fail_before_any_process_starts(tmp_path, setting, message):
