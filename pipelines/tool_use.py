@@ -1,19 +1,20 @@
 """Tool-use pipeline: GRPO on multi-turn calculator episodes with a tiny model, on CPU, in minutes.
 
-    rlhf-pipeline run pipelines/tool_use.py                 # 71-81 s on 2 CPU cores (warm start ~55 s)
-    rlhf-pipeline run pipelines/tool_use.py --steps 10 --set warm_start_steps=150   # ~20 s warm start, too short:
-                                                                                    # the check after it warns
+    rlhf-pipeline run pipelines/tool_use.py       # 90-280 s on 2 CPU cores at load 5-11, most of it the warm start
+    rlhf-pipeline run pipelines/tool_use.py --steps 10 --set warm_start_steps=150 --set warm_start_more_stages=0
+                                                  # a short warm start, too short: the check after it warns
+    rlhf-pipeline run pipelines/tool_use.py --set generation.engine=vllm     # vLLM samples the turns
 
 What it wires, top to bottom:
 
 1. model   a tiny Qwen2 built from a config, with the character tokenizer extended for tools
            (``models.char_tool_tokenizer``: a ``<|tool|>`` role, ``<tool_call>`` tokens, a short
            append-only template); a supervised warm start on demonstration episodes, 90% calling
-           the tool and 10% guessing, 600 steps, for the model to learn to copy the factors into
-           its call and the tool's answer into its reply, so calls pay and RL has a choice to
-           reinforce. Whether 600 steps reach the copying depends on the seed and the machine, so
-           greedy episodes on 64 tasks of their own print what it reached, with a warning below
-           the usable bar (a model that writes the call's format with wrong factors gains ~nothing);
+           the tool and 10% guessing, 600 steps on a decaying rate, for the model to learn to copy
+           the factors into its call and the tool's answer into its reply, so calls pay and RL has
+           a choice to reinforce. Copying is learned abruptly, on some seeds and machines not in
+           600 steps, so greedy episodes on 64 tasks of their own check it, and stages of 300 steps
+           more run while fewer than 90% of the calls carry the factors (``warm_start_policy``);
 2. task    products of two 2-digit numbers, which the model cannot do in its head, and the
            ``multiply`` tool (``rlhf_pipeline.agents.calculator``): an episode is the model's turns,
            each either Hermes-style tool calls (answered by the tool) or a final answer (reward);

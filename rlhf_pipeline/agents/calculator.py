@@ -14,9 +14,10 @@ instead of being taken as final (a bounded number: ``max_turns`` still ends the 
 lists and loss mask a rollout makes), some calling the tool and some guessing in the head, so a
 tiny random model starts RL calling the tool, and with enough steps copying the factors into its
 call and the tool's answer into its reply. Copying is what makes a call pay, and it is learned
-abruptly: whether 600 steps reach it depends on the seed and on the machine (the same seed copied
-on one 2-core machine and not on another; ``docs/pipelines.md`` has the measurements), so
-:func:`evaluate_tool_use` says what a warm start reached, in greedy episodes with the real tool.
+abruptly: whether a given number of steps reaches it depends on the seed, the thread count and the
+machine (``docs/pipelines.md`` has the measurements), so :func:`evaluate_tool_use` says what a warm
+start reached, in greedy episodes with the real tool, and :func:`warm_start_until_copying` adds
+stages until it copies.
 """
 
 from __future__ import annotations
