@@ -13,16 +13,20 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from engine_contract import (
+    chat_prompts,
+    check_eos_ends_a_completion_and_the_limit_truncates,
+    check_seeds_give_the_same_rows_twice,
+)
 from helpers import kill_once_busy, process_running
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.coordination.weights import publish_weights, weights_path
-from rlhf_pipeline.generation import EngineFailed, SampleRequest, SamplingConfig, UnsupportedSetting, draw_seed
+from rlhf_pipeline.generation import EngineFailed, SampleRequest, SamplingConfig, UnsupportedSetting
 from rlhf_pipeline.generation.loop import teacher_forced_log_probs
 from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.settings import find_vllm_python
@@ -54,11 +58,6 @@ def served(vllm_python, tmp_path_factory):
     engine.close()
 
 
-def _prompts(tok, count: int = 6) -> list[list[int]]:
-    return [tok.apply_chat_template([{"role": "user", "content": f"{3 * i + 1}+{i * i}="}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False) for i in range(count)]
-
-
 def _recompute(model, groups, requests, config) -> list[list[float]]:
     prompts = [list(requests[g.index].prompt_ids) for g in groups for _ in g.completions]
     responses = [c.token_ids for g in groups for c in g.completions]
@@ -83,7 +82,7 @@ CONFIGS = [
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
 def test_stored_log_probs_are_the_sampling_distribution_of_our_model(served, config):
     engine, model, tok = served
-    requests = [SampleRequest(p, n=4) for p in _prompts(tok)]
+    requests = [SampleRequest(p, n=4) for p in chat_prompts(tok)]
     groups = engine.sample(requests, config, torch.Generator().manual_seed(0))
     assert [g.index for g in groups] == list(range(len(requests))) and all(len(g.completions) == 4 for g in groups)
     assert _max_difference(model, groups, requests, config) < LOG_PROB_TOLERANCE
@@ -95,36 +94,12 @@ def test_stored_log_probs_are_the_sampling_distribution_of_our_model(served, con
 
 def test_eos_ends_a_completion_as_its_last_token_and_the_limit_truncates(served):
     engine, _, tok = served
-    eos = tok.eos_token_id
-    config = SamplingConfig(max_new_tokens=7, temperature=2.0)  # hot: some stop early, some run out
-    requests = [SampleRequest(p, n=8, max_new_tokens=limit) for p, limit in zip(_prompts(tok), [7, 3, 7, 5, 7, 2])]
-    groups = engine.sample(requests, config, torch.Generator().manual_seed(1))
-    completions = [(c, requests[g.index].max_new_tokens) for g in groups for c in g.completions]
-    for completion, limit in completions:
-        assert len(completion.token_ids) == len(completion.log_probs) <= limit
-        assert eos not in completion.token_ids[:-1]  # nothing after EOS
-        if completion.terminated:
-            assert completion.token_ids[-1] == eos and not completion.truncated
-        else:
-            assert len(completion.token_ids) == limit and completion.truncated
-    assert any(c.terminated for c, _ in completions) and any(c.truncated for c, _ in completions)
+    check_eos_ends_a_completion_and_the_limit_truncates(engine, tok)
 
 
 def test_seeds_from_the_generator_give_the_same_rows_twice(served):
     engine, _, tok = served
-    config = SamplingConfig(max_new_tokens=8, temperature=1.2)
-    requests = [SampleRequest(p, n=3) for p in _prompts(tok, 4)]
-    first = engine.sample(requests, config, torch.Generator().manual_seed(7))
-    again = engine.sample(requests, config, torch.Generator().manual_seed(7))
-    other = engine.sample(requests, config, torch.Generator().manual_seed(8))
-
-    def rows(groups):
-        return [(c.token_ids, c.log_probs) for g in groups for c in g.completions]
-
-    assert rows(first) == rows(again) and rows(first) != rows(other)
-    generator = torch.Generator().manual_seed(7)  # one seed per request, drawn in submission order
-    assert [g.seed for g in first] == [draw_seed(generator) for _ in requests]
-    assert len({tuple(c.token_ids) for c in first[0].completions}) > 1  # completion i is seeded seed + i
+    check_seeds_give_the_same_rows_twice(engine, tok)
 
 
 def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_path):
@@ -133,8 +108,8 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_pa
     assert other.config.tie_word_embeddings
     config = SamplingConfig(max_new_tokens=6)
     # a prompt over one CPU KV block (128 tokens): its prefix is cached by the first call
-    long_prompt = _prompts(tok, 1)[0][:-1] + tok.encode("7+" * 90) + _prompts(tok, 1)[0][-1:]
-    requests = [SampleRequest(long_prompt, n=2), SampleRequest(_prompts(tok)[1], n=2)]
+    long_prompt = chat_prompts(tok, 1)[0][:-1] + tok.encode("7+" * 90) + chat_prompts(tok, 1)[0][-1:]
+    requests = [SampleRequest(long_prompt, n=2), SampleRequest(chat_prompts(tok)[1], n=2)]
     before = engine.sample(requests, config, torch.Generator().manual_seed(3))
     assert _max_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
     version, pid, starts = engine.policy_version, engine.pid, engine.stats.starts
@@ -167,7 +142,7 @@ def test_settings_it_cannot_honour_are_refused_by_name(served):
     engine, _, tok = served
     for temperature in (1e-6, 2.5):
         with pytest.raises(UnsupportedSetting, match=f"sampling.temperature={temperature:g}"):
-            engine.sample([SampleRequest(_prompts(tok, 1)[0])], SamplingConfig(temperature=temperature),
+            engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], SamplingConfig(temperature=temperature),
                           torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="max_model_len"):
         engine.sample([SampleRequest(list(range(3, 250)), max_new_tokens=10)], SamplingConfig(),
@@ -177,7 +152,7 @@ def test_settings_it_cannot_honour_are_refused_by_name(served):
         check_cpu_head_size(narrow.config)
     # top_k beyond the vocabulary disables it, as in our loop
     config = SamplingConfig(max_new_tokens=4, top_k=10_000)
-    requests = [SampleRequest(_prompts(tok, 1)[0], n=2)]
+    requests = [SampleRequest(chat_prompts(tok, 1)[0], n=2)]
     plain = engine.sample(requests, SamplingConfig(max_new_tokens=4), torch.Generator().manual_seed(4))
     wide = engine.sample(requests, config, torch.Generator().manual_seed(4))
     assert [c.log_probs for c in plain[0].completions] == [c.log_probs for c in wide[0].completions]
@@ -242,7 +217,7 @@ def test_an_engine_that_stops_answering_is_killed_and_restarted(served):
     # 30 s: the first round of a new engine includes its warm-up (~9 s here), which is not a hang
     kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.0, hung_after_s=30,
                                                       announce=said.append)
-    requests = [SampleRequest(p, n=2) for p in _prompts(tok, 3)]
+    requests = [SampleRequest(p, n=2) for p in chat_prompts(tok, 3)]
     config = SamplingConfig(max_new_tokens=6)
     try:
         before = engine.sample(requests, config, torch.Generator().manual_seed(5))
@@ -265,7 +240,7 @@ def test_an_engine_that_dies_past_max_restarts_stops_with_the_setting_named(serv
         pid = engine.pid
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineFailed, match=r"died and is not restarted \(generation.max_restarts=0"):
-            engine.sample([SampleRequest(_prompts(tok, 1)[0])], SamplingConfig(max_new_tokens=4),
+            engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], SamplingConfig(max_new_tokens=4),
                           torch.Generator().manual_seed(0))
     finally:
         engine.restarts = Restarts(max_restarts=1, backoff_s=0.0, announce=lambda line: None)

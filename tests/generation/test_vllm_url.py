@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_contract import (
+    chat_prompts,
+    check_eos_ends_a_completion_and_the_limit_truncates,
+    check_seeds_give_the_same_rows_twice,
+)
 from outage_proxy import OutageProxy
 from vllm_server_process import VLLMServerProcess, free_port, save_model_dir
 
-from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting, draw_seed
+from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting
 from rlhf_pipeline.generation.loop import teacher_forced_log_probs
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_http import RetryPolicy, ServerUnreachable
@@ -58,11 +63,6 @@ def served(server):
     engine.close()
 
 
-def _prompts(tok, count: int = 6) -> list[list[int]]:
-    return [tok.apply_chat_template([{"role": "user", "content": f"{3 * i + 1}+{i * i}="}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=False) for i in range(count)]
-
-
 def _max_difference(model, groups, requests, config) -> float:
     prompts = [list(requests[g.index].prompt_ids) for g in groups for _ in g.completions]
     responses = [c.token_ids for g in groups for c in g.completions]
@@ -83,7 +83,7 @@ CONFIGS = [
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
 def test_stored_log_probs_are_the_sampling_distribution_of_our_model(served, config):
     engine, model, tok = served
-    requests = [SampleRequest(p, n=4) for p in _prompts(tok)]
+    requests = [SampleRequest(p, n=4) for p in chat_prompts(tok)]
     groups = engine.sample(requests, config, torch.Generator().manual_seed(0))
     assert [g.index for g in groups] == list(range(len(requests))) and all(len(g.completions) == 4 for g in groups)
     assert {g.policy_version for g in groups} == {engine.policy_version}
@@ -94,41 +94,18 @@ def test_stored_log_probs_are_the_sampling_distribution_of_our_model(served, con
 
 def test_eos_ends_a_completion_as_its_last_token_and_the_limit_truncates(served):
     engine, _, tok = served
-    eos = tok.eos_token_id
-    config = SamplingConfig(max_new_tokens=7, temperature=2.0)  # hot: some stop early, some run out
-    requests = [SampleRequest(p, n=8, max_new_tokens=limit) for p, limit in zip(_prompts(tok), [7, 3, 7, 5, 7, 2])]
-    groups = engine.sample(requests, config, torch.Generator().manual_seed(1))
-    completions = [(c, requests[g.index].max_new_tokens) for g in groups for c in g.completions]
-    for completion, limit in completions:
-        assert len(completion.token_ids) == len(completion.log_probs) <= limit
-        assert eos not in completion.token_ids[:-1]  # nothing after EOS
-        if completion.terminated:
-            assert completion.token_ids[-1] == eos and not completion.truncated
-        else:
-            assert len(completion.token_ids) == limit and completion.truncated
-    assert any(c.terminated for c, _ in completions) and any(c.truncated for c, _ in completions)
+    check_eos_ends_a_completion_and_the_limit_truncates(engine, tok)
 
 
 def test_seeds_from_the_generator_give_the_same_rows_twice(served):
     engine, _, tok = served
-    config = SamplingConfig(max_new_tokens=8, temperature=1.2)
-    requests = [SampleRequest(p, n=3) for p in _prompts(tok, 4)]
-    first = engine.sample(requests, config, torch.Generator().manual_seed(7))
-    again = engine.sample(requests, config, torch.Generator().manual_seed(7))
-    other = engine.sample(requests, config, torch.Generator().manual_seed(8))
-
-    def rows(groups):
-        return [(c.token_ids, c.log_probs) for g in groups for c in g.completions]
-
-    assert rows(first) == rows(again) and rows(first) != rows(other)
-    generator = torch.Generator().manual_seed(7)  # one seed per request, drawn in submission order
-    assert [g.seed for g in first] == [draw_seed(generator) for _ in requests]
+    check_seeds_give_the_same_rows_twice(engine, tok)
 
 
 def test_a_temperature_the_server_cannot_honour_is_refused_by_name(served):
     engine, _, tok = served
     with pytest.raises(UnsupportedSetting, match="sampling.temperature=1e-06"):
-        engine.sample([SampleRequest(_prompts(tok, 1)[0])], SamplingConfig(temperature=1e-6), torch.Generator())
+        engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], SamplingConfig(temperature=1e-6), torch.Generator())
 
 
 def test_new_weights_in_place_tied_head_and_prefix_cache_included(served):
@@ -137,8 +114,8 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served):
     assert other.config.tie_word_embeddings
     config = SamplingConfig(max_new_tokens=6)
     # a prompt over one CPU KV block (128 tokens): its prefix is cached by the first call
-    long_prompt = _prompts(tok, 1)[0][:-1] + tok.encode("7+" * 90) + _prompts(tok, 1)[0][-1:]
-    requests = [SampleRequest(long_prompt, n=2), SampleRequest(_prompts(tok)[1], n=2)]
+    long_prompt = chat_prompts(tok, 1)[0][:-1] + tok.encode("7+" * 90) + chat_prompts(tok, 1)[0][-1:]
+    requests = [SampleRequest(long_prompt, n=2), SampleRequest(chat_prompts(tok)[1], n=2)]
     before = engine.sample(requests, config, torch.Generator().manual_seed(3))
     assert _max_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
     version = engine.policy_version
@@ -188,7 +165,7 @@ def test_another_model_vocabulary_or_tokenizer_is_refused_in_one_line_naming_bot
 
 def test_a_server_that_stops_answering_is_retried_then_named(served, server):
     _, model, tok = served
-    requests = [SampleRequest(p, n=2) for p in _prompts(tok, 3)]
+    requests = [SampleRequest(p, n=2) for p in chat_prompts(tok, 3)]
     config = SamplingConfig(max_new_tokens=4)
     proxy = OutageProxy(server.url)
     try:
@@ -237,7 +214,7 @@ def test_weights_the_server_cannot_read_are_named_with_the_setting_and_change_no
         engine.update_weights(elsewhere, version + 1)
     assert "\n" not in str(caught.value) and str(elsewhere) in str(caught.value)
     assert engine.policy_version == version  # the rows go on naming the weights the server holds
-    requests = [SampleRequest(_prompts(tok, 1)[0], n=2)]
+    requests = [SampleRequest(chat_prompts(tok, 1)[0], n=2)]
     config = SamplingConfig(max_new_tokens=4)
     assert _max_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
         < LOG_PROB_TOLERANCE
@@ -246,7 +223,7 @@ def test_weights_the_server_cannot_read_are_named_with_the_setting_and_change_no
 def test_inline_weights_reach_a_server_that_shares_no_files(served, server):
     _, model, tok = served
     other, _ = tiny_model_and_tokenizer(seed=2, **SHAPE)
-    requests = [SampleRequest(p, n=2) for p in _prompts(tok, 3)]
+    requests = [SampleRequest(p, n=2) for p in chat_prompts(tok, 3)]
     config = SamplingConfig(max_new_tokens=5, temperature=0.9)
     with VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok,
                        inline_weights=True) as inline:

@@ -1,0 +1,47 @@
+"""What every generation engine promises, checked the same way for each (the vLLM engine the
+collector owns, a vLLM server at a URL): EOS and ``max_new_tokens`` conventions, and seeds drawn
+from the collector's generator giving the same rows again."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_pipeline.generation import SampleRequest, SamplingConfig, draw_seed
+
+
+def chat_prompts(tok, count: int = 6) -> list[list[int]]:
+    """``count`` toy-task prompts as the default pipeline's chat template renders them."""
+    return [tok.apply_chat_template([{"role": "user", "content": f"{3 * i + 1}+{i * i}="}], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for i in range(count)]
+
+
+def check_eos_ends_a_completion_and_the_limit_truncates(engine, tok) -> None:
+    eos = tok.eos_token_id
+    config = SamplingConfig(max_new_tokens=7, temperature=2.0)  # hot: some stop early, some run out
+    requests = [SampleRequest(p, n=8, max_new_tokens=limit) for p, limit in zip(chat_prompts(tok), [7, 3, 7, 5, 7, 2])]
+    groups = engine.sample(requests, config, torch.Generator().manual_seed(1))
+    completions = [(c, requests[g.index].max_new_tokens) for g in groups for c in g.completions]
+    for completion, limit in completions:
+        assert len(completion.token_ids) == len(completion.log_probs) <= limit
+        assert eos not in completion.token_ids[:-1]  # nothing after EOS
+        if completion.terminated:
+            assert completion.token_ids[-1] == eos and not completion.truncated
+        else:
+            assert len(completion.token_ids) == limit and completion.truncated
+    assert any(c.terminated for c, _ in completions) and any(c.truncated for c, _ in completions)
+
+
+def check_seeds_give_the_same_rows_twice(engine, tok) -> None:
+    config = SamplingConfig(max_new_tokens=8, temperature=1.2)
+    requests = [SampleRequest(p, n=3) for p in chat_prompts(tok, 4)]
+    first = engine.sample(requests, config, torch.Generator().manual_seed(7))
+    again = engine.sample(requests, config, torch.Generator().manual_seed(7))
+    other = engine.sample(requests, config, torch.Generator().manual_seed(8))
+
+    def rows(groups):
+        return [(c.token_ids, c.log_probs) for g in groups for c in g.completions]
+
+    assert rows(first) == rows(again) and rows(first) != rows(other)
+    generator = torch.Generator().manual_seed(7)  # one seed per request, drawn in submission order
+    assert [g.seed for g in first] == [draw_seed(generator) for _ in requests]
+    assert len({tuple(c.token_ids) for c in first[0].completions}) > 1  # completion i is seeded seed + i
