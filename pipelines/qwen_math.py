@@ -2,6 +2,9 @@
 
     rlhf-pipeline run pipelines/qwen_math.py --device cuda \\
         --set model_path=/models/Qwen2.5-0.5B-Instruct --set data_path=/data/gsm8k_train.jsonl
+    rlhf-pipeline setup-vllm && rlhf-pipeline run pipelines/qwen_math.py --device cuda \\
+        --set model_path=/models/Qwen2.5-0.5B-Instruct --set data_path=/data/gsm8k_train.jsonl \\
+        --set generation.engine=vllm --set generation.enforce_eager=false     # vLLM samples
 
 Both paths are local (nothing is downloaded). The data file is JSONL, one problem a line,
 with the question and a final numeric ``answer`` (GSM8K's ``#### 42`` tail is accepted)::
@@ -34,6 +37,7 @@ from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.settings import GRPOLossConfig
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
 from rlhf_pipeline.cluster.settings import RaySettings
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 
 
 @dataclass
@@ -80,6 +84,9 @@ class Settings:
         loss=GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token_mean"),
     ))
     """Learner settings (--set learner.lr=2e-6, --list-settings shows them all)."""
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    """Who samples the solutions: our loop (default) or vLLM (--set generation.engine=vllm, in the vLLM
+    environment `rlhf-pipeline setup-vllm` makes; on a GPU also --set generation.enforce_eager=false)."""
     ray: RaySettings = field(default_factory=RaySettings)
     """Resources of each actor under `run --ray` (--set ray.collector_num_gpus=1); ignored without --ray."""
 
@@ -89,6 +96,8 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, make_prompt
     from rlhf_pipeline.collect.rewards import extract_number, numeric_match, regex_reward
+    from rlhf_pipeline.generation.settings import make_engine
+    from rlhf_pipeline.generation.vllm_http import ServerUnreachable
     from rlhf_pipeline.models import load_model, load_tokenizer
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage import create_store, make_replay_buffer
@@ -105,7 +114,16 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
             f"setting 'model_path': {str(settings.model_path)!r} has no config.json; point it at a "
             f"local model directory (--set model_path=/path/to/Qwen2.5-0.5B-Instruct)"
         )
+    config = json.loads((Path(settings.model_path) / "config.json").read_text())
+    head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    try:
+        check_generation(settings.generation, head_size=head_size, device=settings.device,
+                         head_hint=f" (model_path's config.json); pick a model whose head size vLLM takes")
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
     learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
+    if settings.generation.engine == "vllm":  # rows wait on the engine's start (or a restart): give up no sooner
+        learner = dataclasses.replace(learner, data_timeout_s=learner.data_timeout_s + settings.generation.start_timeout_s)
     try:
         learner.check()
     except ValueError as exc:
@@ -149,7 +167,17 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         # each collector (one buffer shard each) walks the prompts in its own order
         source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
         sampler_model = model.to(device=settings.device, dtype=getattr(torch, dtype))
-        return Collector(sampler_model, tokenizer, source, rewards, sink=buffer.extend, config=config)
+        if settings.generation.url is not None and collector_index > 0:
+            # two collectors loading their versions into one server would sample under each other's
+            raise PipelineError(f"generation.url serves one collector (its weights are that collector's), and this "
+                                f"is collector {collector_index}: run with --collectors 1")
+        try:  # the loop samples with this model; a vLLM engine or server starts from its weights
+            engine = make_engine(settings.generation, sampler_model, pad_token_id=tokenizer.pad_token_id,
+                                 stop_token_ids=[tokenizer.eos_token_id], device=settings.device, seed=settings.seed,
+                                 tokenizer=tokenizer)
+        except (ValueError, ServerUnreachable) as exc:  # a server that cannot serve this run: one line, no rows
+            raise PipelineError(str(exc)) from None
+        return Collector(engine, tokenizer, source, rewards, sink=buffer.extend, config=config)
 
     return Pipeline(
         settings=settings,

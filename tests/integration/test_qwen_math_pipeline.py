@@ -68,6 +68,41 @@ def test_runs_on_a_tiny_model_and_jsonl_with_a_kl_penalty(tmp_path, model_dir):
     assert bool((rows["ref_log_probs"].values < 0).all())
 
 
+def test_a_model_whose_head_size_vllm_cannot_take_on_a_cpu_is_refused_by_name(tmp_path, model_dir):
+    data = write_jsonl(tmp_path / "ok.jsonl", [{"question": "1+1?", "answer": "2"}])
+    with pytest.raises(PipelineError, match=r"this model's is 16 \(model_path's config.json\)"):
+        run_command("run", pipeline_path=QWEN_MATH, home=str(tmp_path), device="cpu",
+                    overrides=[f"model_path={model_dir}", f"data_path={data}", "generation.engine=vllm"])
+    assert not (tmp_path / "qwen_math").exists()
+
+
+@pytest.mark.slow
+def test_samples_with_vllm_from_the_model_directory(tmp_path):
+    from rlhf_pipeline.generation.settings import find_vllm_python
+
+    try:
+        find_vllm_python()
+    except ValueError as exc:
+        pytest.skip(f"no vLLM environment: {exc}")
+    tokenizer = char_tokenizer()
+    model = tiny_causal_lm(len(tokenizer), arch="qwen2", hidden_size=64, num_layers=1, num_heads=2,  # head size 32
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = write_jsonl(tmp_path / "gsm.jsonl", [{"question": f"What is {a} + {b}?", "answer": str(a + b)}
+                                                for a, b in [(2, 3), (10, 7), (4, 4), (21, 9)]])
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", QWEN_MATH, "--steps", "2",
+                             "--home", str(tmp_path), *SMALL, "--set", f"model_path={tmp_path / 'model'}",
+                             "--set", f"data_path={data}", "--set", "generation.engine=vllm"],
+                            cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the vllm generation engine started" in result.stderr + result.stdout
+    records = read_metrics(tmp_path / "qwen_math" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    # rows of version 0 trained by weights of version 0: the engine's log-probs are the learner's
+    assert records[0]["losses/sampler_logprob_diff_max"] < 1e-4
+
+
 def test_missing_model_path_and_bad_prompts_fail_before_any_work(tmp_path, model_dir):
     data = write_jsonl(tmp_path / "ok.jsonl", [{"question": "1+1?", "answer": "2"}])
     with pytest.raises(PipelineError, match="nowhere' does not exist"):
