@@ -3,8 +3,8 @@ own and a vLLM server, on the same model, prompts, seeds and tokens.
 
 ``rlhf-pipeline bench generation [--models 2m 20m] [--engines loop hf vllm vllm-server] [--repeats 5]
 [--prompts 8] [--group 8] [--max-new-tokens 32] [--json [PATH]]``. Models: ``tiny_causal_lm`` with
-head size 32 (vLLM's CPU attention needs it): ``2m`` hidden 256, 4 layers, 8 heads; ``20m`` hidden
-512, 6 layers, 16 heads (the parameter counts are in the output).
+head size 32 (vLLM's CPU attention needs it): ``2m`` hidden 256, 2 layers, 8 heads (2.1M parameters);
+``20m`` hidden 512, 5 layers, 16 heads (21.0M); the counts are in the output.
 
 Each engine runs in a process of its own (:mod:`rlhf_pipeline.bench.generation_side`), so its peak
 memory is its own. For each model the benchmark starts them one after another (the start-up is timed
@@ -13,8 +13,9 @@ each engine in turn, the order rotating from repeat to repeat so every engine me
 of a shared machine:
 
 * ``tokens_per_s``: one call of ``--prompts`` chat prompts of the toy task x ``--group`` completions
-  of ``--max-new-tokens`` tokens each (no completion stops early: see generation_side), seeded with
-  the repeat's number; the generated tokens over the call's seconds;
+  of up to ``--max-new-tokens`` tokens each (a completion ends at EOS, kept), seeded with the
+  repeat's number; the tokens the completions hold over the call's seconds (``tokens_per_call``
+  beside);
 * ``ttft_s``: time to first token, the same requests with ``max_new_tokens`` 1 (one prefill and one
   sampled token for every completion; the call's time, so it includes what each engine spends per call);
 * ``weight_update_s``: loading the other of two sets of weights (the loop and vLLM: the engine's
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per engine (default %(default)s)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per call (default %(default)s)")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (default %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per completion (default %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="most tokens per completion (default %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the loop and hf processes (default 1; vLLM binds its own)")
     parser.add_argument("--vllm-python", default=None, metavar="PATH",
@@ -72,11 +73,16 @@ def check(args: argparse.Namespace) -> None:
 def vllm_python(explicit: str | None) -> tuple[str | None, str]:
     """The vLLM environment's python, or None and why there is none."""
     from rlhf_pipeline.generation.settings import find_vllm_python
+    from rlhf_pipeline.generation.vllm_setup import python_has_vllm
 
+    if explicit and not (os.path.exists(explicit) and python_has_vllm(explicit)):
+        return None, (f"--vllm-python {explicit} is not a Python with vLLM; pass the bin/python of the vLLM "
+                      f"environment (`rlhf-pipeline setup-vllm` makes one)")
     try:
         return find_vllm_python(explicit), ""
     except ValueError as error:
-        return None, str(error).replace("generation.engine=vllm", "the vllm engines")
+        return None, str(error).replace("generation.engine=vllm", "the vllm engines").replace(
+            "--set generation.python=", "--vllm-python ")
 
 
 class Child:
@@ -135,7 +141,7 @@ def bench_model(size: str, engines: list[str], args: argparse.Namespace, python:
             children[engine] = child
             child.ask("sample", seed=10_000, max_new_tokens=args.max_new_tokens)  # warm-up, untimed
             log(f"[bench generation] {size}: {engine} started in {child.hello['start_s']:.1f}s")
-        runs: dict[str, dict[str, list[float]]] = {e: {f: [] for f in (*REPEATED, "tokens")} for e in children}
+        runs: dict[str, dict[str, list[float]]] = {e: {f: [] for f in (*REPEATED, "tokens", "completions")} for e in children}
         order = list(children)
         for repeat in range(args.repeats):
             turn = order[repeat % len(order):] + order[:repeat % len(order)] if order else []
@@ -144,6 +150,7 @@ def bench_model(size: str, engines: list[str], args: argparse.Namespace, python:
                 call = child.ask("sample", seed=repeat, max_new_tokens=args.max_new_tokens)
                 figures["tokens_per_s"].append(call["tokens"] / call["seconds"])
                 figures["tokens"].append(call["tokens"])
+                figures["completions"].append(call["completions"])
                 figures["ttft_s"].append(child.ask("sample", seed=repeat, max_new_tokens=1)["seconds"])
                 figures["weight_update_s"].append(child.ask("update")["seconds"])
             log(f"[bench generation] {size}: repeat {repeat + 1}/{args.repeats} done (load average "
@@ -152,7 +159,8 @@ def bench_model(size: str, engines: list[str], args: argparse.Namespace, python:
             memory = child.ask("memory")
             results[engine] = {
                 **{f: summary(runs[engine][f]) for f in REPEATED},
-                "tokens_per_call": runs[engine]["tokens"], "engine_start_s": child.hello["start_s"],
+                "tokens_per_call": runs[engine]["tokens"], "completions_per_call": runs[engine]["completions"],
+                "engine_start_s": child.hello["start_s"],
                 "peak_rss_mib": memory["engine_peak_rss_mib"], "driver_peak_rss_mib": memory["driver_peak_rss_mib"],
                 "parameters": child.hello["parameters"], "vllm_version": child.hello.get("vllm_version"),
             }

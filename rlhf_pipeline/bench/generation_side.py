@@ -15,9 +15,10 @@ its own), driven by the benchmark over its stdin and stdout, one JSON object a l
 Engines: ``loop`` (:class:`LoopEngine`, our sampling loop), ``hf`` (``model.generate`` with
 ``do_sample``, temperature 1, no top-k or top-p; an update is ``load_state_dict``), ``vllm``
 (:class:`VLLMEngine`, an engine in its own process) and ``vllm-server`` (the documented server
-command, started here, reached through :class:`VLLMURLEngine`). Every engine stops only at a token id
-no model can sample (the vocabulary's size), so every completion has ``max_new_tokens`` tokens and
-each engine generates the same number of tokens from the same prompts.
+command, started here, reached through :class:`VLLMURLEngine`). Every engine stops at the tokenizer's
+EOS, as a collector's does; the untrained model samples it about once in a hundred tokens, so a
+call's tokens vary a little between engines and seeds (each answer says how many it generated). A
+stop id no model can sample would make them equal, but vLLM refuses an id outside the vocabulary.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from typing import Any
 
 ENGINES = ("loop", "hf", "vllm", "vllm-server")
 MODELS: dict[str, dict[str, int]] = {
-    # head size 32 in both: vLLM's CPU attention has no kernel for 16 (docs/generation.md)
-    "2m": {"hidden_size": 256, "num_layers": 4, "num_heads": 8},
-    "20m": {"hidden_size": 512, "num_layers": 6, "num_heads": 16},
+    # head size 32 in both: vLLM's CPU attention has no kernel for 16 (docs/generation.md). A layer of
+    # hidden h holds 16 h^2 parameters (MLP 4h wide), so 2 layers of 256 make 2.1M and 5 of 512 21M
+    "2m": {"hidden_size": 256, "num_layers": 2, "num_heads": 8},
+    "20m": {"hidden_size": 512, "num_layers": 5, "num_heads": 16},
 }
 
 
@@ -86,7 +88,7 @@ class Side:
         other, _ = tiny_model_and_tokenizer(seed=1, **MODELS[args.size])
         self.weights = [{k: v.clone() for k, v in self.model.state_dict().items()}, other.state_dict()]
         self.parameters = sum(p.numel() for p in self.model.parameters())
-        self.stop = [int(self.model.config.vocab_size)]  # never sampled: every completion runs to the limit
+        self.stop = [int(self.tokenizer.eos_token_id)]
         self.requests = [SampleRequest(r.render(self.tokenizer), n=args.group) for r in toy_prompts(args.prompts, seed=0)]
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"bench-generation-{args.engine}-", dir=args.work_dir))
         self.engine: Any = None
@@ -147,10 +149,14 @@ class Side:
         # generate draws from torch's global generator: seed it from the call's own
         torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
         config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                                  min_new_tokens=0, eos_token_id=None, pad_token_id=self.tokenizer.pad_token_id)
+                                  eos_token_id=self.stop, pad_token_id=self.tokenizer.pad_token_id)
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        return int(out[:, ids.shape[1]:].numel()), int(out.shape[0])
+            new = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+        # a row's tokens: up to its first EOS, kept (generate pads a finished row to the batch's length)
+        is_stop = new == self.stop[0]
+        ended = is_stop.any(dim=1)
+        lengths = torch.where(ended, is_stop.int().argmax(dim=1) + 1, torch.full_like(ended, new.shape[1], dtype=torch.long))
+        return int(lengths.sum()), int(new.shape[0])
 
     def update(self) -> dict[str, float]:
         self.updates += 1
