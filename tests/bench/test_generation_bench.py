@@ -107,3 +107,5 @@ def test_vllm_engine_and_server_generate_the_same_tokens(tmp_path):
         # the engine's own processes, not the driver: vLLM's is far bigger than a torch process
         assert engines[engine]["peak_rss_mib"] > engines[engine]["driver_peak_rss_mib"]
         assert engines[engine]["engine_start_s"] > 0.5
+    # the same seeds on the same weights: the engine and the server sample the same rows
+    assert engines["vllm"]["tokens_per_call"] == engines["vllm-server"]["tokens_per_call"]
