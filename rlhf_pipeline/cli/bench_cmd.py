@@ -42,6 +42,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rlhf_pipeline.bench.tool_use_bench",
         "pipelines/tool_use.py against TRL's GRPOTrainer with tools=, same weights, tasks and steps (needs trl)",
     ),
+    "generation": (
+        "rlhf_pipeline.bench.generation_bench",
+        "our sampling loop, HF generate, a vLLM engine and a vLLM server on the same model and tokens",
+    ),
 }
 
 

@@ -1,0 +1,223 @@
+"""Generation engines side by side (issue 34): our sampling loop, HF ``generate``, a vLLM engine of our
+own and a vLLM server, on the same model, prompts, seeds and tokens.
+
+``rlhf-pipeline bench generation [--models 2m 20m] [--engines loop hf vllm vllm-server] [--repeats 5]
+[--prompts 8] [--group 8] [--max-new-tokens 32] [--json [PATH]]``. Models: ``tiny_causal_lm`` with
+head size 32 (vLLM's CPU attention needs it): ``2m`` hidden 256, 2 layers, 8 heads (2.1M parameters);
+``20m`` hidden 512, 5 layers, 16 heads (21.0M); the counts are in the output.
+
+Each engine runs in a process of its own (:mod:`rlhf_pipeline.bench.generation_side`), so its peak
+memory is its own. For each model the benchmark starts them one after another (the start-up is timed
+there), sends each one untimed call (vLLM's first call warms it up), then, ``--repeats`` times, asks
+each engine in turn, the order rotating from repeat to repeat so every engine meets the same moments
+of a shared machine:
+
+* ``tokens_per_s``: one call of ``--prompts`` chat prompts of the toy task x ``--group`` completions
+  of up to ``--max-new-tokens`` tokens each (a completion ends at EOS, kept), seeded with the
+  repeat's number; the tokens the completions hold over the call's seconds (``tokens_per_call``
+  beside);
+* ``ttft_s``: time to first token, the same requests with ``max_new_tokens`` 1 (one prefill and one
+  sampled token for every completion; the call's time, so it includes what each engine spends per call);
+* ``weight_update_s``: loading the other of two sets of weights (the loop and vLLM: the engine's
+  ``update_weights``, a state dict written to safetensors and reloaded in the engine's process for
+  vLLM, over HTTP for the server; hf: ``load_state_dict``).
+
+And once: ``engine_start_s`` (building the engine: nothing for the loop and hf, the vLLM process
+until it answers, the server until it is healthy and has checked our model), ``peak_rss_mib`` (the
+engine's processes, VmHWM of each summed; for the loop and hf the process that samples, model and
+torch included) and ``driver_peak_rss_mib`` (the process that drives a vLLM engine). Every figure is
+the median with its range over the repeats; the load average before and after is beside. An engine
+that cannot run here (no vLLM environment, a start that fails) is skipped with a line saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+from rlhf_pipeline.bench.generation_side import ENGINES, MODELS
+from rlhf_pipeline.bench.storage_backends import log
+
+REPEATED = ("tokens_per_s", "ttft_s", "weight_update_s")
+"""Figures measured every repeat (median and range); the others are measured once per engine."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["2m", "20m"], metavar="SIZE",
+                        help="model sizes (2m, 20m; default both)")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES), metavar="ENGINE",
+                        help=f"engines ({', '.join(ENGINES)}; default all)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per engine (default %(default)s)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per call (default %(default)s)")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt (default %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="most tokens per completion (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the loop and hf processes (default 1; vLLM binds its own)")
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help="the vLLM environment's python (default: .venv-vllm beside the checkout)")
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help="write one JSON document to PATH (or stdout without PATH) instead of the table")
+
+
+def check(args: argparse.Namespace) -> None:
+    for name in ("repeats", "prompts", "group", "max_new_tokens", "threads"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"bench generation: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def vllm_python(explicit: str | None) -> tuple[str | None, str]:
+    """The vLLM environment's python, or None and why there is none."""
+    from rlhf_pipeline.generation.settings import find_vllm_python
+    from rlhf_pipeline.generation.vllm_setup import python_has_vllm
+
+    if explicit and not (os.path.exists(explicit) and python_has_vllm(explicit)):
+        return None, (f"--vllm-python {explicit} is not a Python with vLLM; pass the bin/python of the vLLM "
+                      f"environment (`rlhf-pipeline setup-vllm` makes one)")
+    try:
+        return find_vllm_python(explicit), ""
+    except ValueError as error:
+        return None, str(error).replace("generation.engine=vllm", "the vllm engines").replace(
+            "--set generation.python=", "--vllm-python ")
+
+
+class Child:
+    """One engine's process; :meth:`ask` sends an operation and returns its answer."""
+
+    def __init__(self, engine: str, size: str, args: argparse.Namespace, python: str | None) -> None:
+        command = [sys.executable, "-m", "rlhf_pipeline.bench.generation_side", "--engine", engine, "--size", size,
+                   "--prompts", str(args.prompts), "--group", str(args.group), "--threads", str(args.threads)]
+        if python:
+            command += ["--vllm-python", python]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        # its stderr is ours: progress and the libraries' output; its stdout is the protocol
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.engine = engine
+        self.hello = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            raise SystemExit(f"bench generation: the {self.engine} process exited ({code}); its output is above")
+        return json.loads(line)
+
+    def ask(self, op: str, **message: Any) -> dict[str, Any]:
+        self.process.stdin.write(json.dumps({"op": op, **message}) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.process.stdin.close()
+            except OSError:
+                pass
+            self.process.wait()
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def bench_model(size: str, engines: list[str], args: argparse.Namespace, python: str | None) -> dict[str, Any]:
+    """Every engine on one model size: ``{engine: figures}``, ``{"skipped": why}`` for one that cannot run."""
+    results: dict[str, Any] = {}
+    children: dict[str, Child] = {}
+    try:
+        for engine in engines:
+            log(f"[bench generation] {size}: starting {engine} (load average {os.getloadavg()[0]:.1f})")
+            child = Child(engine, size, args, python)
+            if "error" in child.hello:
+                log(f"[bench generation] {size}: {engine} skipped: it did not start ({child.hello['error']})")
+                results[engine] = {"skipped": f"it did not start: {child.hello['error']}"}
+                child.close()
+                continue
+            children[engine] = child
+            child.ask("sample", seed=10_000, max_new_tokens=args.max_new_tokens)  # warm-up, untimed
+            log(f"[bench generation] {size}: {engine} started in {child.hello['start_s']:.1f}s")
+        runs: dict[str, dict[str, list[float]]] = {e: {f: [] for f in (*REPEATED, "tokens", "completions")} for e in children}
+        order = list(children)
+        for repeat in range(args.repeats):
+            turn = order[repeat % len(order):] + order[:repeat % len(order)] if order else []
+            for engine in turn:
+                child, figures = children[engine], runs[engine]
+                call = child.ask("sample", seed=repeat, max_new_tokens=args.max_new_tokens)
+                figures["tokens_per_s"].append(call["tokens"] / call["seconds"])
+                figures["tokens"].append(call["tokens"])
+                figures["completions"].append(call["completions"])
+                figures["ttft_s"].append(child.ask("sample", seed=repeat, max_new_tokens=1)["seconds"])
+                figures["weight_update_s"].append(child.ask("update")["seconds"])
+            log(f"[bench generation] {size}: repeat {repeat + 1}/{args.repeats} done (load average "
+                f"{os.getloadavg()[0]:.1f}): " + ", ".join(f"{e} {runs[e]['tokens_per_s'][-1]:.0f} tokens/s" for e in turn))
+        for engine, child in children.items():
+            memory = child.ask("memory")
+            results[engine] = {
+                **{f: summary(runs[engine][f]) for f in REPEATED},
+                "tokens_per_call": runs[engine]["tokens"], "completions_per_call": runs[engine]["completions"],
+                "engine_start_s": child.hello["start_s"],
+                "peak_rss_mib": memory["engine_peak_rss_mib"], "driver_peak_rss_mib": memory["driver_peak_rss_mib"],
+                "parameters": child.hello["parameters"], "vllm_version": child.hello.get("vllm_version"),
+            }
+    finally:
+        for child in children.values():
+            child.close()
+    return {engine: results[engine] for engine in engines if engine in results}
+
+
+def main(args: argparse.Namespace) -> int:
+    check(args)
+    python, why = vllm_python(args.vllm_python)
+    engines = list(dict.fromkeys(args.engines))
+    skipped: dict[str, str] = {}
+    if python is None:
+        for engine in [e for e in engines if e.startswith("vllm")]:
+            log(f"[bench generation] {engine} skipped: {why}")
+            skipped[engine] = why
+            engines.remove(engine)
+    load_before = os.getloadavg()
+    models = {}
+    for size in dict.fromkeys(args.models):
+        models[size] = bench_model(size, engines, args, python)
+        models[size].update({engine: {"skipped": reason} for engine, reason in skipped.items()})
+    load_after = os.getloadavg()
+    result = {
+        "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "threads": args.threads, "cpus": os.cpu_count(), "load_before": list(load_before),
+        "load_after": list(load_after), "models": models,
+    }
+    if args.json == "-":
+        print(json.dumps(result, indent=2))
+    elif args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(result, out, indent=2)
+        log(f"[bench generation] wrote {args.json}")
+    if args.json != "-":
+        print(format_table(result))
+    return 0
+
+
+def format_table(result: dict[str, Any]) -> str:
+    def cell(s: dict[str, float], digits: int) -> str:
+        return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+    lines = [f"{result['prompts']} prompts x {result['group']} completions x {result['max_new_tokens']} tokens a call; "
+             f"{result['repeats']} repeats; loop and hf on {result['threads']} thread(s); {result['cpus']} CPUs; "
+             f"load average {result['load_before'][0]:.1f} before, {result['load_after'][0]:.1f} after; "
+             f"medians [ranges]"]
+    for size, engines in result["models"].items():
+        parameters = next((r["parameters"] for r in engines.values() if "parameters" in r), None)
+        lines += ["", f"model {size}" + (f" ({parameters:,} parameters)" if parameters else ""),
+                  "| engine | tokens/s | TTFT s | weight update s | start s | peak RSS MiB |", "|---|---|---|---|---|---|"]
+        for engine, r in engines.items():
+            if "skipped" in r:
+                lines.append(f"| {engine} | skipped: {r['skipped']} | | | | |")
+                continue
+            lines.append(f"| {engine} | {cell(r['tokens_per_s'], 0)} | {cell(r['ttft_s'], 3)} | "
+                         f"{cell(r['weight_update_s'], 3)} | {r['engine_start_s']:.1f} | {r['peak_rss_mib']:.0f} |")
+    return "\n".join(lines)
