@@ -2,7 +2,8 @@
 
     rlhf-pipeline run pipelines/qwen_math.py --device cuda \\
         --set model_path=/models/Qwen2.5-0.5B-Instruct --set data_path=/data/gsm8k_train.jsonl
-    rlhf-pipeline setup-vllm && rlhf-pipeline run pipelines/qwen_math.py --device cuda \\
+    rlhf-pipeline setup-vllm        # the vLLM environment (the official vllm on a GPU machine), then:
+    rlhf-pipeline run pipelines/qwen_math.py --device cuda \\
         --set model_path=/models/Qwen2.5-0.5B-Instruct --set data_path=/data/gsm8k_train.jsonl \\
         --set generation.engine=vllm --set generation.enforce_eager=false     # vLLM samples
 
