@@ -29,7 +29,7 @@ def read_parent(run: str | Path) -> dict[str, Any] | None:
     None for a run that is no branch."""
     try:
         data = json.loads((Path(run) / BRANCH_FILE).read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no run there yet, or a path the run's own checks refuse
         return None
     if not isinstance(data, dict) or "parent" not in data or "step" not in data:
         raise ValueError(f"{Path(run) / BRANCH_FILE} is damaged (no 'parent' and 'step'); it was written by "
