@@ -12,6 +12,10 @@ on recorded rows whose policy versions belong to the recording run, not to the r
 counter, so its "staleness" (own version minus the row's) is meaningless and, on one axis with
 a live run's, flattens it. Replays are left out of the staleness chart; a chart of the
 recorded versions in each batch (min / max) is drawn for them instead.
+
+A branch (``rlhf-pipeline branch``) is labelled with the step it started from, marked on every chart
+by a dotted line in its colour; plotted with its parent, it is drawn from that step on (its metrics
+up to there are the parent's own lines), so each branch leaves the parent's curve where it began.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Chart:
 class RunMetrics:
     kind: str  # "live" or "replay"
     records: list[dict]
+    branch_step: int | None = None  # a branch (``rlhf-pipeline branch``): the parent's step it started from
 
 
 CHARTS: tuple[Chart, ...] = (
@@ -143,16 +148,31 @@ def smooth(values: list[float], weight: float) -> list[float]:
     return out
 
 
-def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
-    """Writes the charts of ``run_dirs`` into ``out_dir``; returns the PNG paths written."""
-    run_dirs = [local_run_path(run, "RUN") for run in run_dirs]
-    runs = [Path(r) for r in run_dirs]
-    data = {}  # read first: a path that is no run's metrics is reported with or without the extra
+def load_runs(run_dirs: list[str | Path]) -> dict[str, RunMetrics]:
+    """Each run's metrics to draw, by legend label (see the module docstring for branches)."""
+    from rlhf_pipeline.runs.lineage import read_parent
+
+    runs = [Path(local_run_path(run, "RUN")) for run in run_dirs]
+    resolved = {run.resolve() for run in runs}
+    data = {}
     for run, label in zip(runs, run_labels(runs)):
         metrics = run / "metrics.jsonl" if run.is_dir() else run
         if not metrics.is_file():
             raise FileNotFoundError(f"{run} has no metrics.jsonl (is it a run directory? the learner writes it)")
-        data[label] = RunMetrics(run_kind(run), read_metrics(metrics) + collector_records(run))
+        records = read_metrics(metrics) + collector_records(run)
+        parent = read_parent(run) if run.is_dir() else None
+        step = int(parent["step"]) if parent else None
+        if parent is not None:
+            label = f"{label} (branch at step {step})"
+            if Path(parent["parent"]).resolve() in resolved:  # the parent draws the steps before
+                records = [r for r in records if r["step"] >= step]
+        data[label] = RunMetrics(run_kind(run), records, step)
+    return data
+
+
+def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """Writes the charts of ``run_dirs`` into ``out_dir``; returns the PNG paths written."""
+    data = load_runs(run_dirs)  # read first: a path that is no run's metrics is reported with or without the extra
     matplotlib = require("matplotlib", "plot")
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
@@ -214,6 +234,8 @@ def _draw(ax, chart: Chart, data: dict[str, RunMetrics], colors: list[str], comp
                 ax.plot(steps, smooth(values, 0.8), style, color=color, linewidth=1.5, label=name)
             else:
                 ax.plot(steps, values, style, color=color, marker="o", markersize=3, linewidth=1.5, label=name)
+        if run.branch_step is not None:
+            ax.axvline(run.branch_step, color=color, linestyle=":", linewidth=1)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers

@@ -119,6 +119,20 @@ def test_inspect_shows_the_lineage_and_the_rewind_points(runs, capsys):
     assert f"branched from  {parent} at step 6 (learner.lr: was 0.0003, now 0.001)" in out
 
 
+def test_plot_draws_each_branch_from_its_branch_step_beside_its_parent(runs):
+    from rlhf_pipeline.dataio.plots import load_runs
+
+    parent, same, faster = runs
+    drawn = load_runs([parent, same, faster])
+    assert list(drawn) == ["parent", "same (branch at step 6)", "faster (branch at step 6)"]
+    assert [r["step"] for r in drawn["parent"].records] == list(range(1, 13))
+    # with the parent plotted, a branch leaves its curve at the branch step (its earlier lines are the parent's)
+    assert [r["step"] for r in drawn["faster (branch at step 6)"].records] == list(range(6, 13))
+    assert drawn["faster (branch at step 6)"].branch_step == 6 and drawn["parent"].branch_step is None
+    alone = load_runs([faster])  # without its parent: the whole curve, the branch step still marked
+    assert [r["step"] for r in alone["faster (branch at step 6)"].records] == list(range(1, 13))
+
+
 def test_what_cannot_change_or_is_not_kept_is_refused_in_one_line(runs, capsys, tmp_path):
     parent, _, _ = runs
     assert main(["branch", str(parent), "--from-step", "6", str(tmp_path / "b"), "--set", "hidden_size=64"]) == 2
