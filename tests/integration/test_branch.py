@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import kill_when
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_weights
@@ -131,6 +136,36 @@ def test_plot_draws_each_branch_from_its_branch_step_beside_its_parent(runs):
     assert drawn["faster (branch at step 6)"].branch_step == 6 and drawn["parent"].branch_step is None
     alone = load_runs([faster])  # without its parent: the whole curve, the branch step still marked
     assert [r["step"] for r in alone["faster (branch at step 6)"].records] == list(range(1, 13))
+
+
+def test_a_branch_killed_mid_run_resumes_to_what_it_trains_uninterrupted(runs):
+    """Two more branches at step 6, both trained to 4 epochs (24 steps): one in this process, one
+    as the CLI runs it, killed with SIGKILL after its first steps and started again."""
+    parent, _, _ = runs
+    home, source = parent.parent, Path(json.loads((parent / "settings.json").read_text())["replay"]["buffer"])
+    assert main(["branch", str(parent), "--from-step", "6", "long"]) == 0
+    assert main(["branch", str(parent), "--from-step", "6", "long-killed"]) == 0
+    assert replay_command(DEFAULT, ReplayOptions(buffer=str(source), epochs=4, seed=3), home=str(home),
+                          run_name="long", overrides=SETTINGS) == 0
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", str(source),
+               "--epochs", "4", "--seed", "3", "--home", str(home), "--run-name", "long-killed",
+               *[word for setting in SETTINGS for word in ("--set", setting)]]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the in-process branch ran on one thread
+    metrics = home / "long-killed" / "metrics.jsonl"
+    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # whole lines only: the branch starts with the parent's 6; kill once it trained 3 of its own
+    err = kill_when(first, lambda: metrics.read_text().count("\n") >= 9, timeout=240, poll_s=0.01, wait_s=60)
+    assert first.returncode == -signal.SIGKILL, err[-3000:]
+    assert 9 <= len(read_metrics(metrics)) < 24, "the kill came after the branch had finished; nothing was resumed"
+    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+    killed, plain = home / "long-killed", home / "long"
+    assert [m["step"] for m in read_metrics(metrics)] == list(range(1, 25))
+    assert trained(killed) == trained(plain) and rows(killed) == rows(plain)
+    killed_weights, version = load_weights(killed)
+    plain_weights, _ = load_weights(plain)
+    assert version == 24 and all(torch.equal(killed_weights[k], plain_weights[k]) for k in plain_weights)
 
 
 def test_what_cannot_change_or_is_not_kept_is_refused_in_one_line(runs, capsys, tmp_path):
