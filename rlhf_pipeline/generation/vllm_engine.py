@@ -46,7 +46,6 @@ import atexit
 import os
 import socket
 import subprocess
-import tempfile
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -68,7 +67,7 @@ from rlhf_pipeline.generation.engine import (
 )
 from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.sampling import SamplingConfig
-from rlhf_pipeline.generation.vllm_process import exit_status, hard_link, package_path_dir, stop_process
+from rlhf_pipeline.generation.vllm_process import exit_status, hard_link, make_scratch_dir, package_path_dir, stop_process
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
 
 GREEDY_BELOW = 1e-5
@@ -117,7 +116,7 @@ class VLLMEngine(GenerationEngine):
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)
         self.device = device
-        self.work_dir = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="rlhf-vllm-"))
+        self.work_dir = Path(work_dir) if work_dir is not None else make_scratch_dir()
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._remove_work_dir = work_dir is None if remove_work_dir is None else remove_work_dir
         self.log_path = self.work_dir / "vllm.log"
@@ -151,7 +150,7 @@ class VLLMEngine(GenerationEngine):
             check_cpu_head_size(config)
         from transformers.utils import logging as hf_logging
 
-        scratch = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="rlhf-vllm-"))
+        scratch = Path(work_dir) if work_dir is not None else make_scratch_dir()
         model_dir = scratch / "model"
         # no "Writing model shards" bar: it is noise in the collector's console, and its tqdm lock is a
         # named semaphore the resource tracker warns about at exit

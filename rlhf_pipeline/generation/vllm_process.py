@@ -68,3 +68,30 @@ def hard_link(source: Path, path: Path) -> Path:
         return source
     partial.replace(path)
     return path
+
+
+SCRATCH_PREFIX = "rlhf-vllm-"
+
+
+def make_scratch_dir() -> Path:
+    """A new scratch directory for an engine (its model, weights, log), named after this process, after
+    removing those of processes that no longer run: a collector killed with SIGKILL never removes its
+    own, and each holds a copy of the model (a real model's is gigabytes)."""
+    import shutil
+    import tempfile
+
+    for old in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        owner = old.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not _running(int(owner)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
