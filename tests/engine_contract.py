@@ -7,12 +7,33 @@ from __future__ import annotations
 import torch
 
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, draw_seed
+from rlhf_pipeline.generation.loop import teacher_forced_log_probs
+from rlhf_pipeline.schema.ragged import RaggedTensor
+
+SAMPLING_CONFIGS = [
+    SamplingConfig(max_new_tokens=10),
+    SamplingConfig(max_new_tokens=10, temperature=0.7, top_k=7),
+    SamplingConfig(max_new_tokens=10, temperature=1.3, top_p=0.9),
+]
+"""Temperatures, top-k and top-p the stored log-probs are checked at (each engine's log-prob test)."""
 
 
 def chat_prompts(tok, count: int = 6) -> list[list[int]]:
     """``count`` toy-task prompts as the default pipeline's chat template renders them."""
     return [tok.apply_chat_template([{"role": "user", "content": f"{3 * i + 1}+{i * i}="}], add_generation_prompt=True,
                                     tokenize=True, return_dict=False) for i in range(count)]
+
+
+def max_log_prob_difference(model, groups, requests, config: SamplingConfig | None) -> float:
+    """Largest gap between the engine's stored log-probs and ``model``'s teacher-forced ones under
+    ``config``'s sampling distribution (None: the raw one)."""
+    prompts = [list(requests[g.index].prompt_ids) for g in groups for _ in g.completions]
+    responses = [c.token_ids for g in groups for c in g.completions]
+    with torch.no_grad():
+        again = teacher_forced_log_probs(model, RaggedTensor.from_sequences(prompts, dtype=torch.int64),
+                                         RaggedTensor.from_sequences(responses, dtype=torch.int64), config)
+    stored = torch.tensor([p for g in groups for c in g.completions for p in c.log_probs])
+    return float((again.values - stored).abs().max())
 
 
 def check_eos_ends_a_completion_and_the_limit_truncates(engine, tok) -> None:

@@ -17,9 +17,11 @@ import time
 import pytest
 import torch
 from engine_contract import (
+    SAMPLING_CONFIGS,
     chat_prompts,
     check_eos_ends_a_completion_and_the_limit_truncates,
     check_seeds_give_the_same_rows_twice,
+    max_log_prob_difference,
 )
 from helpers import kill_once_busy, process_running
 
@@ -58,38 +60,15 @@ def served(vllm_python, tmp_path_factory):
     engine.close()
 
 
-def _recompute(model, groups, requests, config) -> list[list[float]]:
-    prompts = [list(requests[g.index].prompt_ids) for g in groups for _ in g.completions]
-    responses = [c.token_ids for g in groups for c in g.completions]
-    scored = teacher_forced_log_probs(model, RaggedTensor.from_sequences(prompts, dtype=torch.int64),
-                                      RaggedTensor.from_sequences(responses, dtype=torch.int64), config)
-    return [row.tolist() for row in scored.to_list()]
-
-
-def _max_difference(model, groups, requests, config) -> float:
-    stored = [c.log_probs for g in groups for c in g.completions]
-    recomputed = _recompute(model, groups, requests, config)
-    return max(abs(a - b) for s, r in zip(stored, recomputed, strict=True) for a, b in zip(s, r, strict=True))
-
-
-CONFIGS = [
-    SamplingConfig(max_new_tokens=10),
-    SamplingConfig(max_new_tokens=10, temperature=0.7, top_k=7),
-    SamplingConfig(max_new_tokens=10, temperature=1.3, top_p=0.9),
-]
-
-
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
+@pytest.mark.parametrize("config", SAMPLING_CONFIGS, ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
 def test_stored_log_probs_are_the_sampling_distribution_of_our_model(served, config):
     engine, model, tok = served
     requests = [SampleRequest(p, n=4) for p in chat_prompts(tok)]
     groups = engine.sample(requests, config, torch.Generator().manual_seed(0))
     assert [g.index for g in groups] == list(range(len(requests))) and all(len(g.completions) == 4 for g in groups)
-    assert _max_difference(model, groups, requests, config) < LOG_PROB_TOLERANCE
+    assert max_log_prob_difference(model, groups, requests, config) < LOG_PROB_TOLERANCE
     if config.temperature != 1.0:  # the processing matters: the raw distribution is far from it
-        raw = _recompute(model, groups, requests, None)
-        stored = [c.log_probs for g in groups for c in g.completions]
-        assert max(abs(a - b) for s, r in zip(stored, raw) for a, b in zip(s, r)) > 1e-3
+        assert max_log_prob_difference(model, groups, requests, None) > 1e-3
 
 
 def test_eos_ends_a_completion_as_its_last_token_and_the_limit_truncates(served):
@@ -111,7 +90,7 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_pa
     long_prompt = chat_prompts(tok, 1)[0][:-1] + tok.encode("7+" * 90) + chat_prompts(tok, 1)[0][-1:]
     requests = [SampleRequest(long_prompt, n=2), SampleRequest(chat_prompts(tok)[1], n=2)]
     before = engine.sample(requests, config, torch.Generator().manual_seed(3))
-    assert _max_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
+    assert max_log_prob_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
     version, pid, starts = engine.policy_version, engine.pid, engine.stats.starts
     # as a save_pretrained checkpoint holds a tied model: no lm_head.weight of its own (vLLM then leaves
     # its packed head on the old embedding unless it is tied again)
@@ -122,8 +101,8 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_pa
         after = engine.sample(requests, config, torch.Generator().manual_seed(3))
         assert {g.policy_version for g in after} == {version + 1}
         # the new weights, tied head included, and no cached prefix of the old ones
-        assert _max_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
-        assert _max_difference(model, after, requests, config) > 1e-2
+        assert max_log_prob_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
+        assert max_log_prob_difference(model, after, requests, config) > 1e-2
         # a published version's file is loaded as it is
         publish_weights(tmp_path, model.state_dict(), version + 2)
         engine.update_weights(weights_path(tmp_path, version + 2), version + 2)

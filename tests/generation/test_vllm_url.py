@@ -13,21 +13,21 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_contract import (
+    SAMPLING_CONFIGS,
     chat_prompts,
     check_eos_ends_a_completion_and_the_limit_truncates,
     check_seeds_give_the_same_rows_twice,
+    max_log_prob_difference,
 )
 from outage_proxy import OutageProxy
 from vllm_server_process import VLLMServerProcess, free_port, save_model_dir
 
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting
-from rlhf_pipeline.generation.loop import teacher_forced_log_probs
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_http import RetryPolicy, ServerUnreachable
 from rlhf_pipeline.generation.vllm_url import PROBE_TEXT, ServerMismatch, VLLMURLEngine
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm, tiny_model_and_tokenizer
 from rlhf_pipeline.models.tiny import DEFAULT_CHARACTERS
-from rlhf_pipeline.schema.ragged import RaggedTensor
 
 LOG_PROB_TOLERANCE = 1e-5
 """The server's log-probs against our teacher-forced recompute with the same weights (float32 on a
@@ -63,33 +63,16 @@ def served(server):
     engine.close()
 
 
-def _max_difference(model, groups, requests, config) -> float:
-    prompts = [list(requests[g.index].prompt_ids) for g in groups for _ in g.completions]
-    responses = [c.token_ids for g in groups for c in g.completions]
-    with torch.no_grad():
-        again = teacher_forced_log_probs(model, RaggedTensor.from_sequences(prompts, dtype=torch.int64),
-                                         RaggedTensor.from_sequences(responses, dtype=torch.int64), config)
-    stored = torch.tensor([p for g in groups for c in g.completions for p in c.log_probs])
-    return float((again.values - stored).abs().max())
-
-
-CONFIGS = [
-    SamplingConfig(max_new_tokens=10),
-    SamplingConfig(max_new_tokens=10, temperature=0.7, top_k=7),
-    SamplingConfig(max_new_tokens=10, temperature=1.3, top_p=0.9),
-]
-
-
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
+@pytest.mark.parametrize("config", SAMPLING_CONFIGS, ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
 def test_stored_log_probs_are_the_sampling_distribution_of_our_model(served, config):
     engine, model, tok = served
     requests = [SampleRequest(p, n=4) for p in chat_prompts(tok)]
     groups = engine.sample(requests, config, torch.Generator().manual_seed(0))
     assert [g.index for g in groups] == list(range(len(requests))) and all(len(g.completions) == 4 for g in groups)
     assert {g.policy_version for g in groups} == {engine.policy_version}
-    assert _max_difference(model, groups, requests, config) < LOG_PROB_TOLERANCE
+    assert max_log_prob_difference(model, groups, requests, config) < LOG_PROB_TOLERANCE
     if config.temperature != 1.0:  # the processing matters: the raw distribution is far from it
-        assert _max_difference(model, groups, requests, None) > 1e-3
+        assert max_log_prob_difference(model, groups, requests, None) > 1e-3
 
 
 def test_eos_ends_a_completion_as_its_last_token_and_the_limit_truncates(served):
@@ -117,7 +100,7 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served):
     long_prompt = chat_prompts(tok, 1)[0][:-1] + tok.encode("7+" * 90) + chat_prompts(tok, 1)[0][-1:]
     requests = [SampleRequest(long_prompt, n=2), SampleRequest(chat_prompts(tok)[1], n=2)]
     before = engine.sample(requests, config, torch.Generator().manual_seed(3))
-    assert _max_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
+    assert max_log_prob_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
     version = engine.policy_version
     # as a save_pretrained checkpoint holds a tied model: no lm_head.weight of its own
     untied_keys = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}
@@ -128,11 +111,11 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served):
         after = engine.sample(requests, config, torch.Generator().manual_seed(3))
         assert {g.policy_version for g in after} == {version + 1}
         # the new weights, tied head included, and no cached prefix of the old ones
-        assert _max_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
-        assert _max_difference(model, after, requests, config) > 1e-2
+        assert max_log_prob_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
+        assert max_log_prob_difference(model, after, requests, config) > 1e-2
     finally:
         engine.update_weights(model.state_dict(), version + 2)
-    assert _max_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
+    assert max_log_prob_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
         < LOG_PROB_TOLERANCE
 
 
@@ -216,7 +199,7 @@ def test_weights_the_server_cannot_read_are_named_with_the_setting_and_change_no
     assert engine.policy_version == version  # the rows go on naming the weights the server holds
     requests = [SampleRequest(chat_prompts(tok, 1)[0], n=2)]
     config = SamplingConfig(max_new_tokens=4)
-    assert _max_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
+    assert max_log_prob_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
         < LOG_PROB_TOLERANCE
 
 
@@ -232,6 +215,6 @@ def test_inline_weights_reach_a_server_that_shares_no_files(served, server):
             inline.update_weights({k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}, version + 1)
             after = inline.sample(requests, config, torch.Generator().manual_seed(4))
             assert {g.policy_version for g in after} == {version + 1}
-            assert _max_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
+            assert max_log_prob_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
         finally:  # the module's engine holds the first weights on this server
             inline.update_weights(model.state_dict(), version + 2)
