@@ -197,8 +197,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     def make_collector(model, store, collector_index: int = 0):
         from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
-        from rlhf_pipeline.generation.settings import make_engine
-        from rlhf_pipeline.generation.vllm_http import ServerUnreachable
+        from rlhf_pipeline.generation.settings import make_collector_engine
         from rlhf_pipeline.storage import make_replay_buffer
 
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size,
@@ -210,17 +209,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         )
         # each collector (one buffer shard each) walks the prompts in its own order
         source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
-        if settings.generation.url is not None and collector_index > 0:
-            # two collectors loading their versions into one server would sample under each other's
-            raise PipelineError(f"generation.url serves one collector (its weights are that collector's), and this "
-                                f"is collector {collector_index}: run with --collectors 1")
-        # the loop samples with this model; a vLLM engine starts from its weights in its own process; a
-        # server at generation.url is checked against it (and the tokenizer) and given its weights
-        try:
-            engine = make_engine(settings.generation, model.to(settings.device), pad_token_id=tokenizer.pad_token_id,
-                                 stop_token_ids=[tokenizer.eos_token_id], device=settings.device, seed=settings.seed,
-                                 tokenizer=tokenizer)
-        except (ValueError, ServerUnreachable) as exc:  # a server that cannot serve this run: one line, no rows
+        try:  # the loop samples with this model; a vLLM engine or a server at generation.url starts from its weights
+            engine = make_collector_engine(settings.generation, model.to(settings.device), tokenizer, device=settings.device,
+                                           seed=settings.seed, collector_index=collector_index)
+        except ValueError as exc:  # one that cannot serve this run: one line, no rows
             raise PipelineError(str(exc)) from None
         return Collector(engine, tokenizer, source, rewards, sink=buffer.extend, config=config)
 

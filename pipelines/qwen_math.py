@@ -97,8 +97,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, make_prompt
     from rlhf_pipeline.collect.rewards import extract_number, numeric_match, regex_reward
-    from rlhf_pipeline.generation.settings import make_engine
-    from rlhf_pipeline.generation.vllm_http import ServerUnreachable
+    from rlhf_pipeline.generation.settings import make_collector_engine
     from rlhf_pipeline.models import load_model, load_tokenizer
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage import create_store, make_replay_buffer
@@ -168,15 +167,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         # each collector (one buffer shard each) walks the prompts in its own order
         source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
         sampler_model = model.to(device=settings.device, dtype=getattr(torch, dtype))
-        if settings.generation.url is not None and collector_index > 0:
-            # two collectors loading their versions into one server would sample under each other's
-            raise PipelineError(f"generation.url serves one collector (its weights are that collector's), and this "
-                                f"is collector {collector_index}: run with --collectors 1")
-        try:  # the loop samples with this model; a vLLM engine or server starts from its weights
-            engine = make_engine(settings.generation, sampler_model, pad_token_id=tokenizer.pad_token_id,
-                                 stop_token_ids=[tokenizer.eos_token_id], device=settings.device, seed=settings.seed,
-                                 tokenizer=tokenizer)
-        except (ValueError, ServerUnreachable) as exc:  # a server that cannot serve this run: one line, no rows
+        try:  # the loop samples with this model; a vLLM engine or a server at generation.url starts from its weights
+            engine = make_collector_engine(settings.generation, sampler_model, tokenizer, device=settings.device,
+                                           seed=settings.seed, collector_index=collector_index)
+        except ValueError as exc:  # one that cannot serve this run: one line, no rows
             raise PipelineError(str(exc)) from None
         return Collector(engine, tokenizer, source, rewards, sink=buffer.extend, config=config)
 

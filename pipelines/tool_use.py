@@ -230,8 +230,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
         from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
         from rlhf_pipeline.collect.console import agent_round_printer
-        from rlhf_pipeline.generation.settings import make_engine
-        from rlhf_pipeline.generation.vllm_http import ServerUnreachable
+        from rlhf_pipeline.generation.settings import make_collector_engine
         from rlhf_pipeline.storage import make_replay_buffer
 
         buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size, transforms=make_write_path(store))
@@ -255,17 +254,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                             required_fields=("question", "answer"))
         # a line every log_rounds_every rounds, with what failed tool calls said (collect/console.py)
         hooks = [agent_round_printer(settings.log_rounds_every, collector_index, toolbox)]
-        if settings.generation.url is not None and collector_index > 0:
-            # two collectors loading their versions into one server would sample under each other's
-            raise PipelineError(f"generation.url serves one collector (its weights are that collector's), and this "
-                                f"is collector {collector_index}: run with --collectors 1")
-        # the loop samples with this model; a vLLM engine starts from its weights in its own process; a
-        # server at generation.url is checked against it (and the tokenizer) and given its weights
-        try:
-            engine = make_engine(settings.generation, model.to(settings.device), pad_token_id=tokenizer.pad_token_id,
-                                 stop_token_ids=[tokenizer.eos_token_id], device=settings.device, seed=settings.seed,
-                                 tokenizer=tokenizer)
-        except (ValueError, ServerUnreachable) as exc:  # a server that cannot serve this run: one line, no rows
+        try:  # the loop samples with this model; a vLLM engine or a server at generation.url starts from its weights
+            engine = make_collector_engine(settings.generation, model.to(settings.device), tokenizer, device=settings.device,
+                                           seed=settings.seed, collector_index=collector_index)
+        except ValueError as exc:  # one that cannot serve this run: one line, no rows
             raise PipelineError(str(exc)) from None
         return AgentCollector(engine, tokenizer, source, make_env, sink=buffer.extend,
                               config=config, parser=parse_hermes, hooks=hooks)

@@ -6,7 +6,8 @@ that produced them beside (``engine.py`` is the contract).
 * :mod:`.sampling` -- ``SamplingConfig`` and ``process_logits``, the one definition of the sampling
   distribution every engine's log-probs follow;
 * :mod:`.loop` -- our sampling loop (``generate``, ``teacher_forced_log_probs``) and ``LoopEngine``;
-* :mod:`.settings` -- ``GenerationSettings`` (``--set generation.engine=vllm``) and ``make_engine``;
+* :mod:`.settings` -- ``GenerationSettings`` (``--set generation.engine=vllm``), ``make_engine`` and
+  ``make_collector_engine`` (what a pipeline's collector calls);
 * :mod:`.vllm_engine` -- ``VLLMEngine``: a vLLM engine in its own process, under the vLLM
   environment's Python, driven over a socket; :mod:`.vllm_server` is what runs in that process and
   :mod:`.vllm_worker` the worker extension that loads new weights there, :mod:`.vllm_process` the
@@ -29,7 +30,7 @@ _DEFINED_IN = {
         "UnsupportedCapability", "UnsupportedSetting", "draw_seed")},
     "SamplingConfig": "sampling", "process_logits": "sampling",
     **{name: "loop" for name in ("Generation", "LoopEngine", "generate", "left_pad", "teacher_forced_log_probs")},
-    "GenerationSettings": "settings", "make_engine": "settings",
+    "GenerationSettings": "settings", "make_collector_engine": "settings", "make_engine": "settings",
     "VLLMEngine": "vllm_engine",
     "VLLMURLEngine": "vllm_url",
 }

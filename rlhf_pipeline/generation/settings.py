@@ -4,7 +4,7 @@ builds it for a collector.
 
 A pipeline holds ``generation: GenerationSettings`` in its ``Settings``, calls
 :func:`check_generation` in its ``check`` (no torch, before any process starts) and
-:func:`make_engine` in its ``make_collector``; the collector gets the engine and knows nothing of
+:func:`make_collector_engine` in its ``make_collector``; the collector gets the engine and knows nothing of
 which one it is. The default, ``engine="loop"``, is our sampling loop in the collector's process:
 rows are exactly those the collector wrote before engines existed.
 
@@ -159,6 +159,25 @@ def find_vllm_python(explicit: str | None = None) -> str:
     raise ValueError(f"generation.engine=vllm needs a Python with vLLM, and there is no {beside} and no vllm in "
                      f"{sys.executable}: run `rlhf-pipeline setup-vllm` (makes {default_vllm_env()}), or "
                      f"--set generation.python=/path/to/bin/python")
+
+
+def make_collector_engine(settings: GenerationSettings, model: Any, tokenizer: Any, *, device: str, seed: int,
+                          collector_index: int) -> GenerationEngine:
+    """:func:`make_engine` as a pipeline's collector ``collector_index`` asks for it (the tokenizer's
+    pad and EOS). Whatever keeps the engine from serving this run is one ValueError naming it, before
+    any row: a second collector on one server (a server holds one collector's weights: two would
+    sample under each other's versions), a server that cannot serve this run or does not answer, a
+    missing vLLM environment. Pipelines turn it into their one-line ``PipelineError``."""
+    if settings.url is not None and collector_index > 0:
+        raise ValueError(f"generation.url serves one collector (its weights are that collector's), and this "
+                         f"is collector {collector_index}: run with --collectors 1")
+    from rlhf_pipeline.generation.vllm_http import ServerUnreachable
+
+    try:
+        return make_engine(settings, model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id],
+                           device=device, seed=seed, tokenizer=tokenizer)
+    except ServerUnreachable as exc:
+        raise ValueError(str(exc)) from None
 
 
 def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, stop_token_ids: Sequence[int],
