@@ -250,18 +250,19 @@ def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
         resumed.cleanup()
 
 
-def test_a_learner_that_waits_long_says_in_one_line_what_for(tmp_path, capsys):
-    """Issue 32: a stalled run printed nothing for 9 minutes. Past learner.wait_report_s the learner
-    says what it waits for (the rows its next draw needs, the rows there) and why it lacks them."""
+def _waiting_lines(tmp_path, capsys, *, groups_written: int, steps: int, data_timeout_s: float) -> list[str]:
+    """A learner over one shard holding ``groups_written`` groups of 4, run until its data timeout:
+    the lines it printed while it waited (``wait_report_s`` 0.3)."""
     from rlhf_pipeline.learn.samplers.contract import DataTimeoutError
 
     paths = RunPaths(tmp_path / "run")
     publish_weights(paths.root, make_model().state_dict(), 0)
     store = create_store(paths.shard(0), "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=64)
-    store.append(make_batch(2, 4, seed=1, optional=("advantage",), vocab_size=len(TOKENIZER)))  # 8 of the 16 rows
-    settings = LearnerSettings(batch_size=16, sampler="exact", max_staleness=None, data_timeout_s=2.0,
+    if groups_written:
+        store.append(make_batch(groups_written, 4, seed=1, optional=("advantage",), vocab_size=len(TOKENIZER)))
+    settings = LearnerSettings(batch_size=16, sampler="exact", max_staleness=None, data_timeout_s=data_timeout_s,
                                wait_report_s=0.3)
-    learner = Learner(settings, paths, make_model=make_model, steps=2, seed=0, show_progress=False)
+    learner = Learner(settings, paths, make_model=make_model, steps=steps, seed=0, show_progress=False)
     learner.setup()
     try:
         with pytest.raises(DataTimeoutError):
@@ -269,7 +270,13 @@ def test_a_learner_that_waits_long_says_in_one_line_what_for(tmp_path, capsys):
     finally:
         learner.cleanup()
         store.close()
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[learner] waiting")]
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("[learner] waiting")]
+
+
+def test_a_learner_that_waits_long_says_in_one_line_what_for(tmp_path, capsys):
+    """Issue 32: a stalled run printed nothing for 9 minutes. Past learner.wait_report_s the learner
+    says what it waits for (the rows its next draw needs, the rows there) and why it lacks them."""
+    lines = _waiting_lines(tmp_path, capsys, groups_written=2, steps=2, data_timeout_s=2.0)  # 8 of the 16 rows
     assert lines  # once past 0.3 s (and again each time the wait doubles)
     assert "for the batch of step 1: its next draw needs 16 new rows; the buffer holds 8 past the rows taken in " \
            "(shard-0000: 8); no collector has written a row since the wait began" in lines[0], lines[0]
@@ -278,21 +285,6 @@ def test_a_learner_that_waits_long_says_in_one_line_what_for(tmp_path, capsys):
 def test_a_learner_waiting_for_the_first_rows_says_the_collectors_are_starting(tmp_path, capsys):
     """A vLLM engine takes tens of seconds to start: meanwhile the learner's line said "no collector
     has written a row since the wait began: is one running?", which read like a failure."""
-    from rlhf_pipeline.learn.samplers.contract import DataTimeoutError
-
-    paths = RunPaths(tmp_path / "run")
-    publish_weights(paths.root, make_model().state_dict(), 0)
-    store = create_store(paths.shard(0), "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=64)
-    settings = LearnerSettings(batch_size=16, sampler="exact", max_staleness=None, data_timeout_s=1.0,
-                               wait_report_s=0.3)
-    learner = Learner(settings, paths, make_model=make_model, steps=1, seed=0, show_progress=False)
-    learner.setup()
-    try:
-        with pytest.raises(DataTimeoutError):
-            learner.train()
-    finally:
-        learner.cleanup()
-        store.close()
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[learner] waiting")]
+    lines = _waiting_lines(tmp_path, capsys, groups_written=0, steps=1, data_timeout_s=1.0)
     assert lines and "no collector has written a row yet: they are starting" in lines[0], lines
     assert "is one running" not in lines[0]
