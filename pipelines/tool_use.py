@@ -303,22 +303,18 @@ def warm_start_policy(model, tokenizer, settings: Settings) -> None:
 
     n = settings.warm_start_check_tasks
     tasks = product_tasks(n, low=settings.low, high=settings.high, seed=settings.seed + 7_000_000)
-    stages = 1 + settings.warm_start_more_stages
 
     def check(model) -> dict[str, float]:
         return evaluate_tool_use(model, tokenizer, tasks, max_turns=settings.max_turns,
                                  max_new_tokens=settings.max_new_tokens, context_length=settings.context_length)
 
-    def on_stage(result, reached) -> None:
-        nonlocal stages
-        stages -= 1
+    def on_stage(result, reached, next_steps: int) -> None:
         line = f"[run] warm start: {int(result['steps'])} steps, loss {result['loss']:.3f}, {result['seconds']:.1f}s"
         if reached is not None:
             line += (f"; greedy on {n} tasks: tool calls {round(reached['tool_calls'] * n)}/{n}, right factors "
                      f"{round(reached['right_factors'] * n)}/{n}, exact answers {round(reached['exact'] * n)}/{n}")
-            if reached["right_factors"] < settings.warm_start_target and stages > 0:
-                line += (f"; below the target {settings.warm_start_target:.0%} right factors: "
-                         f"{settings.warm_start_steps // 2} steps more")
+            if next_steps:
+                line += f"; below the target {settings.warm_start_target:.0%} right factors: {next_steps} steps more"
         print(line, flush=True)
 
     _, reached = warm_start_until_copying(

@@ -33,7 +33,7 @@ import torch
 from rlhf_pipeline.agents.environment import Message, ModelTurn, StepResult
 from rlhf_pipeline.agents.episode import Episode
 from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
-from rlhf_pipeline.models.supervised import supervised_step
+from rlhf_pipeline.models.supervised import supervised_step, warmup_then_cosine
 from rlhf_pipeline.schema import TerminationReason
 
 
@@ -136,8 +136,6 @@ def warm_start(model, tokenizer, steps: int, *, tool_fraction: float = 0.5, batc
     into the call, the tool's answer into the reply) against the other tokens of the model's turns.
     Tasks come from seeds disjoint from :func:`product_tasks`' defaults. Returns ``{"loss",
     "seconds", "steps"}`` (the loss of the last step, weighted); the model is left in eval mode."""
-    from rlhf_pipeline.models.supervised import warmup_then_cosine
-
     rng = random.Random(seed + 20_000 + first_step)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -172,31 +170,31 @@ def warm_start(model, tokenizer, steps: int, *, tool_fraction: float = 0.5, batc
     return {"loss": loss_value, "seconds": time.perf_counter() - started, "steps": float(steps)}
 
 
-def warm_start_until_copying(model, tokenizer, steps: int, *, check: Callable[[Any], Mapping[str, float]],
+def warm_start_until_copying(model, tokenizer, steps: int, *, check: Callable[[Any], Mapping[str, float]] | None,
                              target: float, more_stages: int = 2,
-                             on_stage: Callable[[Mapping[str, float], Mapping[str, float] | None], None] | None = None,
+                             on_stage: Callable[[Mapping[str, float], Mapping[str, float] | None, int], None]
+                             | None = None,
                              **options: Any) -> tuple[dict[str, float], Mapping[str, float] | None]:
     """:func:`warm_start` for ``steps``, then, while ``check(model)``'s ``right_factors`` is below
     ``target``, up to ``more_stages`` stages of ``steps // 2`` more (each a warm restart of the
     schedule on fresh demonstrations). Measured over seeds and thread counts, one schedule either
     reached copying or stalled short of it on the same seed, and a short second run from the stalled
     weights reached it: the check makes a stall visible, the stages get past it. ``on_stage(result,
-    reached)`` is called after each stage (``reached`` None when ``check`` is None). Returns the
-    last stage's result with ``steps`` and ``seconds`` summed over the stages, and the last check."""
+    reached, next_steps)`` is called after each stage (``reached`` None when ``check`` is None;
+    ``next_steps`` the steps of the stage that follows, 0 when none does). Returns the last stage's
+    result with ``steps`` and ``seconds`` summed over the stages, and the last check."""
     result = warm_start(model, tokenizer, steps, **options)
-    total, seconds = steps, result["seconds"]
-    reached = check(model) if check is not None else None
-    if on_stage is not None:
-        on_stage(result, reached)
-    for _ in range(more_stages):
-        if reached is None or reached["right_factors"] >= target or steps // 2 == 0:
-            break
+    total, seconds, stages_left = steps, result["seconds"], more_stages
+    while True:
+        reached = check(model) if check is not None else None
+        again = reached is not None and reached["right_factors"] < target and stages_left > 0 and steps // 2 > 0
+        if on_stage is not None:
+            on_stage(result, reached, steps // 2 if again else 0)
+        if not again:
+            return {**result, "steps": float(total), "seconds": seconds}, reached
+        stages_left -= 1
         result = warm_start(model, tokenizer, steps // 2, first_step=total, **options)
         total, seconds = total + steps // 2, seconds + result["seconds"]
-        reached = check(model)
-        if on_stage is not None:
-            on_stage(result, reached)
-    return {**result, "steps": float(total), "seconds": seconds}, reached
 
 
 def digit_token_ids(tokenizer) -> list[int]:

@@ -100,10 +100,16 @@ def test_stages_are_added_while_the_check_is_below_the_target():
         model = tiny_causal_lm(len(tokenizer), hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=256,
                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         checks = iter(reached_after_each_stage)
-        stage_steps = []
+        stage_steps, announced = [], []
+
+        def on_stage(stage, _, next_steps):
+            stage_steps.append(int(stage["steps"]))
+            announced.append(next_steps)
+
         result, reached = warm_start_until_copying(
             model, tokenizer, 4, check=lambda m: {"right_factors": next(checks)}, target=0.9, more_stages=more_stages,
-            on_stage=lambda stage, _: stage_steps.append(int(stage["steps"])), batch_size=4, seed=1)
+            on_stage=on_stage, batch_size=4, seed=1)
+        assert announced == stage_steps[1:] + [0]  # each stage says the steps of the one that follows
         return result, reached, stage_steps
 
     result, reached, stages = run([0.2, 0.5, 0.95], more_stages=2)  # reaches the target in the third stage
