@@ -59,6 +59,8 @@ class CollectorPosition:
         self.resumed_inflight_round = False  # load() found the round in flight written
         self.inflight_rows = 0  # and that many rows were appended by it
         self.loop: dict[str, Any] = {}  # the caller's state that goes with the state load() returned
+        # past committed states by row count (collect/position_history.py), for branches; None: not kept
+        self.history: Any = None
 
     def load(self) -> dict[str, Any] | None:
         """The collector state to resume from, or None for a fresh collector."""
@@ -82,6 +84,7 @@ class CollectorPosition:
             self.loop = dict(inflight.get("loop") or {})
             self.resumed_inflight_round = True
             self.inflight_rows = int(self.store.next_row) - int(inflight["store_next_row"])
+        self._keep_in_history(self._committed, self.loop, only_if_missing=True)  # a kill came before its entry?
         return self._committed
 
     def before_write(self, state_after_round: dict[str, Any], loop: dict[str, Any] | None = None) -> None:
@@ -99,7 +102,16 @@ class CollectorPosition:
         """The round is in the store: ``state`` is where the collector now stands (``loop``: the caller's)."""
         self._committed = state
         self.loop = dict(loop or {})
+        self._keep_in_history(state, self.loop)  # first: a kill before the save finds the round in flight written
         self._save({"format": FORMAT_VERSION, "committed": state, "loop": self.loop, "inflight": None})
+
+    def _keep_in_history(self, state: dict[str, Any] | None, loop: dict[str, Any], only_if_missing: bool = False) -> None:
+        """The committed state is where the collector stands at the store's ``next_row`` (the newest
+        such state: a round whose rows were all dropped leaves ``next_row`` as it was)."""
+        if self.history is None or state is None:
+            return
+        if not (only_if_missing and self.history.has(int(self.store.next_row))):
+            self.history.record(int(self.store.next_row), state, loop)
 
     def _save(self, payload: dict[str, Any]) -> None:
         import torch

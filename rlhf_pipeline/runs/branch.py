@@ -246,14 +246,15 @@ def _publish_checkpoint_weights(parent: Path, new: Path, checkpoint: Path, versi
 
 
 def refuse_online_start(root: str | Path) -> None:
-    """``run``/``collect``/``learn`` on a branch of a run with collectors: refused in one line until a
-    branch can read its parent's rows by reference (a replay's branch continues with ``replay``)."""
+    """``run``/``collect``/``learn`` on a branch of a run with collectors: sets it up to continue
+    online (``runs/branch_online.py``), or refuses in one line saying why, with the ``replay`` command."""
     lineage = offline_branch(root)
     if lineage is not None:
-        raise BranchError(
-            f"{root} is a branch of {lineage['parent']} (a run with collectors) at step {lineage['step']}; continuing "
-            f"it online is not there yet: continue it offline with rlhf-pipeline replay PIPELINE.py --buffer "
-            f"{Path(root) / PARENT_ROWS} --home {Path(root).parent} --run-name {Path(root).name}")
+        from rlhf_pipeline.runs.branch_online import prepare_online_branch
+
+        offline = (f"rlhf-pipeline replay PIPELINE.py --buffer {Path(root) / PARENT_ROWS} --home {Path(root).parent} "
+                   f"--run-name {Path(root).name}")
+        prepare_online_branch(root, lineage, offline)
 
 
 def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
@@ -263,9 +264,10 @@ def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
         return (f"continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
                 f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']} "
                 f"--home {new.parent} --run-name {new.name} {sets}").rstrip()
-    return (f"continue it offline over the parent's rows up to step {lineage['step']} (--epochs/--steps count from "
-            f"the parent's step 0; online it cannot continue yet): rlhf-pipeline replay PIPELINE.py --buffer "
-            f"{new / PARENT_ROWS} --home {new.parent} --run-name {new.name} {sets}").rstrip()
+    return (f"continue it online with the parent's run command under the branch's name: rlhf-pipeline run "
+            f"PIPELINE.py --home {new.parent} --run-name {new.name} {sets} (or offline over the parent's rows up to "
+            f"step {lineage['step']}, --epochs/--steps counting from the parent's step 0: rlhf-pipeline replay "
+            f"PIPELINE.py --buffer {new / PARENT_ROWS} --home {new.parent} --run-name {new.name} {sets})").rstrip()
 
 
 def main_message(new: Path, lineage: dict[str, Any]) -> None:

@@ -97,6 +97,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
     from rlhf_pipeline.collect.console import collector_tag, say
     from rlhf_pipeline.collect.position import CollectorPosition
+    from rlhf_pipeline.runs.branch_online import collector_rows, keep_position_history
     from rlhf_pipeline.learn.metrics import MetricsWriter
     from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
     from rlhf_pipeline.coordination.polling import PollBackoff
@@ -127,7 +128,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # prompt position, id counters and sampling RNG: no prompt skipped or repeated, even
         # after a crash between a round's append and the save of the state after it
         where, run_store = paths.state_object(state_file)
-        position = CollectorPosition(where, store, run_store=run_store)
+        # a continued branch's shard numbers its rows on from its parent's (runs/branch_online.py)
+        rows, _ = collector_rows(paths, store, store_path)
+        position = CollectorPosition(where, rows, run_store=run_store)
+        keep_position_history(position, paths, where, run_store, store_path)  # where a branch restarts it
         saved = position.load()
         # the first round waits on this: locally a listing every millisecond at first (version 0
         # usually comes within ~0.1 s of "go"), at a URL each poll is a request
@@ -183,7 +187,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         pinned = pacer.rounds_ahead is not None and hasattr(poller, "poll_version")
         waiting_since = failed = None
         while not stop_check() and (rounds is None or done < rounds):
-            plan = pacer.plan_round(store.next_row, policy_version=collector.policy_version,
+            plan = pacer.plan_round(rows.next_row, policy_version=collector.policy_version,
                                     rounds_at_version=rounds_at_version,
                                     rounds_per_version=pipeline.collect_rounds_per_version)
             update = None
@@ -220,7 +224,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             paced_total += waited
             metrics.log(getattr(collector, "batches_emitted", done), {
                 **getattr(collector, "last_metrics", {}), "rows_written": float(store.next_row - rows_before),
-                "shard_rows": float(store.next_row), "paced_wait_s": waited})
+                "shard_rows": float(rows.next_row), "paced_wait_s": waited})
             waited = 0.0
             if failed is not None:
                 say(f"{tag} stopped: {failed}")

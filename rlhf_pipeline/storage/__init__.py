@@ -61,12 +61,19 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
     :class:`~rlhf_pipeline.storage.sharded.ShardedStoreReader` over all of them, which also
     picks up shards created later. Appending goes to one shard: ``open_store(shard, mode="a")``.
     A saved selection (``rlhf-pipeline filter ... --selection``) opens as a read-only
-    :class:`~rlhf_pipeline.storage.selection.SelectionStore` over the rows it names.
+    :class:`~rlhf_pipeline.storage.selection.SelectionStore` over the rows it names. A branch's
+    buffer that continues its parent's (``continues.json``) opens as a read-only
+    :class:`~rlhf_pipeline.storage.continued.ContinuedBufferReader`.
     """
     from rlhf_pipeline.storage.buffers import is_sharded_buffer, is_url, list_shards
     from rlhf_pipeline.storage.selection import SelectionStore, is_selection
 
+    from rlhf_pipeline.storage.continued import continued_rows, open_continued
+
     location = str(location)
+    continues = continued_rows(location)  # a branch's buffer, continuing its parent's rows
+    if continues is not None:
+        return open_continued(location, continues, mode=mode, **options)
     if is_selection(location):
         return SelectionStore.open(location, mode=mode, **options)
     listed = None

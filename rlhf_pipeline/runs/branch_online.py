@@ -1,0 +1,134 @@
+"""A branch of a run with collectors, continued online: ``rlhf-pipeline run PIPELINE.py --run-name NEW``.
+
+``branch`` (``runs/branch.py``) made the branch: the checkpoint of step N and its record (the rows
+each buffer shard had published then), the settings and ``parent-rows/``. Its first online start
+(``run``, ``learn`` or ``collect``; :func:`prepare_online_branch`, before anything else) adds:
+
+* ``buffer.continues.json``: the branch's buffer continues the parent's (``storage/continued.py``).
+  The learner reads, per shard, the parent's rows below the recorded count in place (never
+  written), then the rows the branch's own collector writes to its own shard store, numbered on
+  from there. So the learner's positions, its sampler and its pacing intake go on as the parent's;
+* each collector's position (``collector/shard-kkkk.pt``): its state when its shard held exactly the
+  recorded rows, from the parent's position history (``collect/position_history.py``): prompt
+  position, id counters, sampling RNG and the pacing counts of the collect loop. The branch's
+  collector resumes from it as from its own, and writes what the parent's wrote next, unless a
+  changed learner setting changed the weights it samples with;
+* the parent's weights files of the versions from the oldest one those collectors held to the
+  branch step's, where the parent still keeps them (hard links): a paced round samples with the
+  version pacing names for it, which may be older than the checkpoint's.
+
+The buffer file is written last, once the rest is there: a start killed midway does it again.
+A parent without a position history at those rows (a run made before histories, a state pruned)
+continues offline only: refused in one line that names the reason and the ``replay`` command.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.collect.position_history import PositionHistory, history_key
+from rlhf_pipeline.files.run_store import LocalRunStore
+from rlhf_pipeline.storage.continued import continued_rows, write_continued_rows
+
+
+def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: str) -> None:
+    """Sets the branch at ``root`` up to continue online (module docstring), once; ``offline``:
+    the command that continues it offline, for a refusal."""
+    from rlhf_pipeline.runs.branch import BranchError
+    from rlhf_pipeline.storage.buffers import shard_index
+
+    root = Path(root)
+    if continued_rows(root / "buffer") is not None:
+        return  # set up by an earlier start
+    parent, rows = Path(lineage["parent"]), lineage.get("buffer_rows") or {}
+
+    def refuse(why: str) -> BranchError:
+        return BranchError(f"{root} is a branch of {parent} at step {lineage['step']} and cannot continue online: "
+                           f"{why}; continue it offline with {offline}")
+
+    if not (parent / "buffer").is_dir() or continued_rows(parent / "buffer") is not None:
+        raise refuse("its parent is itself a branch (continuing a branch of a branch online is not there yet)")
+    states = {}
+    for name, count in sorted(rows.items()):
+        index = shard_index(name)
+        if index is None:
+            raise refuse(f"its parent keeps one single-store buffer (made before shards), not one shard per collector")
+        if not count:
+            continue  # that collector had written nothing: it starts afresh
+        history = PositionHistory(LocalRunStore(parent / "collector"), history_key(f"{name}.pt"))
+        state = history.state_at(count)
+        if state is None:
+            raise refuse(f"the parent keeps no state of its collector {index} at row {count} of {name} (a run made "
+                         f"before collector position histories, or one pruned since)")
+        states[index] = state
+    import torch
+
+    from rlhf_pipeline.files.atomic import write_atomic
+
+    for index, state in states.items():
+        payload = {"format": 1, "committed": state["committed"], "loop": state["loop"], "inflight": None}
+        write_atomic(root / "collector" / f"shard-{index:04d}.pt", lambda f, p=payload: torch.save(p, f))
+    held = [int(s["committed"]["policy_version"]) for s in states.values()
+            if isinstance(s["committed"].get("policy_version"), int)]
+    if held and lineage.get("policy_version") is not None:
+        _link_parent_weights(parent, root, min(held), int(lineage["policy_version"]))
+    write_continued_rows(root / "buffer", str(parent / "buffer"), rows)
+
+
+def _link_parent_weights(parent: Path, root: Path, oldest: int, newest: int) -> None:
+    """Hard links (else copies) of the parent's weights of versions ``oldest..newest`` it still keeps."""
+    import shutil
+
+    from rlhf_pipeline.coordination.weights import weights_path
+
+    for version in range(oldest, newest + 1):
+        source, target = weights_path(parent, version), weights_path(root, version)
+        if not source.is_file() or target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copyfile(source, target)
+
+
+class _RowsFrom:
+    """A store seen with its rows numbered from ``offset`` (a branch's shard continues its parent's)."""
+
+    def __init__(self, store: Any, offset: int) -> None:
+        self._store, self._offset = store, offset
+
+    @property
+    def next_row(self) -> int:
+        return self._offset + int(self._store.next_row)
+
+
+def collector_rows(paths: Any, store: Any, store_path: str) -> tuple[Any, int]:
+    """``store`` as the collector's position and pacing count its rows (from the parent's count in a
+    continued branch), and that offset."""
+    continues = continued_rows(paths.buffer) if paths.url is None else None
+    offset = int((continues or {}).get("rows", {}).get(_shard_key(paths, store_path), 0))
+    return (_RowsFrom(store, offset) if offset else store), offset
+
+
+def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any, store_path: str) -> None:
+    """Gives ``position`` its history beside it, kept on the run's checkpoint schedule."""
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+
+    store, key = (LocalRunStore(Path(where).parent), Path(where).name) if run_store is None else (run_store, str(where))
+    name = _shard_key(paths, store_path)
+
+    def kept_rows() -> list[int] | None:
+        rows = [point["buffer_rows"][name] for point in run_checkpoints(paths).rewind_points()
+                if name in (point.get("buffer_rows") or {})]
+        return rows or None
+
+    position.history = PositionHistory(store, history_key(key), kept_rows)
+
+
+def _shard_key(paths: Any, store_path: str) -> str:
+    from rlhf_pipeline.storage.buffers import shard_key_of
+
+    return "" if paths.single_store_buffer else shard_key_of(store_path)
