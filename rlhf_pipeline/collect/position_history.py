@@ -19,20 +19,31 @@ Kept on the checkpoint schedule: after each append, entries are deleted unless a
 recorded their row count, or they are at or past the newest checkpoint's (a later checkpoint may
 record them). So a run keeps a few KB per kept checkpoint plus the rounds since the newest.
 Entries load with ``weights_only=True`` (``files/state_files.py``), like the position file.
+
+The weights its rounds sampled with. A paced round samples with the version pacing names for it
+(``coordination/pacing.py``), which may be older than the learner's at a checkpoint; the learner
+prunes old versions long before a branch is made. So in a run directory the history also keeps a
+hard link to the weights file of each version a kept state held (``policy_*`` beside the entries):
+for a kept checkpoint of step N, versions from the one its collector held at its rows up to N (the
+rounds after those rows sampled with versions in between, until the learner's later ones), and
+every version from the one the state at the newest checkpoint's rows held on. A hard link costs no
+space while the learner keeps the file; afterwards a version stays while a checkpoint needs it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.run_store import RunStore
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
 from rlhf_pipeline.files.state_files import load_state_bytes
 
 HISTORY_FORMAT = 1
 HISTORY_SUFFIX = ".history"
 _ENTRY = re.compile(r"row_(\d{12})\.pt$")
+_WEIGHTS_PREFIX = "policy_"  # + the version (8 digits): a hard link to the run's weights file
 
 
 def history_key(position_key: str) -> str:
@@ -44,14 +55,19 @@ def history_key(position_key: str) -> str:
 class PositionHistory:
     """The committed states of one collector by the shard's row count (module docstring).
 
-    ``kept_rows()``: the row counts the kept checkpoints recorded for this collector's shard,
-    oldest checkpoint first (None: no checkpoint yet, nothing is pruned)."""
+    ``kept()``: ``(rows, policy_version)`` of each kept checkpoint: the row count it recorded for
+    this collector's shard and its policy version (None: no checkpoint yet, nothing is pruned).
+    ``weights_file(version)``: the run's weights file of a version (a run directory), whose hard
+    link the history keeps; None keeps none (a run at a URL)."""
 
     def __init__(self, run_store: RunStore, prefix: str,
-                 kept_rows: Callable[[], list[int] | None] = lambda: None) -> None:
+                 kept: Callable[[], list[tuple[int, int]] | None] = lambda: None,
+                 weights_file: Callable[[int], Path] | None = None) -> None:
         self._store = run_store
         self._prefix = prefix.strip("/")
-        self._kept_rows = kept_rows
+        self._kept = kept
+        self._weights_file = weights_file if isinstance(run_store, LocalRunStore) else None
+        self._held: dict[int, int | None] = {}  # row count -> the version its state held (read once)
 
     def _key(self, next_row: int) -> str:
         return f"{self._prefix}/row_{int(next_row):012d}.pt"
@@ -68,7 +84,11 @@ class PositionHistory:
 
         payload = {"format": HISTORY_FORMAT, "next_row": int(next_row), "committed": state,
                    "loop": dict(loop or {})}
+        held = _held_version(state)
+        if held is not None and self._weights_file is not None:
+            self._link_weights(held)  # first: the entry is what needs it
         self._store.write(self._key(next_row), lambda f: torch.save(payload, f), fence=False)
+        self._held[int(next_row)] = held
         self.prune()
 
     def has(self, next_row: int) -> bool:
@@ -83,13 +103,65 @@ class PositionHistory:
                                    where=self._store.describe(self._key(next_row)))
         return {"committed": payload["committed"], "loop": dict(payload.get("loop") or {})}
 
+    def weights(self, version: int) -> Path | None:
+        """The kept weights file of ``version``, or None."""
+        if not isinstance(self._store, LocalRunStore):
+            return None
+        path = self._store.path(f"{self._prefix}/{_WEIGHTS_PREFIX}{int(version):08d}")
+        return path if path.is_file() else None
+
+    def _link_weights(self, version: int) -> None:
+        import os
+        import shutil
+
+        target = self._store.path(f"{self._prefix}/{_WEIGHTS_PREFIX}{int(version):08d}")
+        source = self._weights_file(version)
+        if target.exists() or not source.is_file():
+            return  # kept already, or pruned by the learner before this round was committed
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        partial.unlink(missing_ok=True)
+        try:
+            os.link(source, partial)
+        except FileNotFoundError:
+            return
+        except OSError:  # no hard links here: a copy
+            shutil.copyfile(source, partial)
+        partial.replace(target)
+
+    def held_at(self, next_row: int) -> int | None:
+        """The policy version the state at ``next_row`` held (None: no such state, or it does not say)."""
+        if next_row not in self._held:
+            state = self.state_at(next_row)
+            self._held[next_row] = None if state is None else _held_version(state["committed"])
+        return self._held[next_row]
+
     def prune(self) -> list[int]:
-        """Deletes the entries no kept checkpoint needs; returns their row counts."""
-        kept = self._kept_rows()
+        """Deletes the entries (and weights links) no kept checkpoint needs; returns the entries' row counts."""
+        kept = self._kept()
         if not kept:
             return []
-        needed, newest = set(kept), max(kept)
+        needed, newest = {rows for rows, _ in kept}, max(rows for rows, _ in kept)
         gone = [row for row in self.rows() if row < newest and row not in needed]
         for row in gone:
             self._store.delete(self._key(row))
+            self._held.pop(row, None)
+        if self._weights_file is not None:
+            self._prune_weights(kept, newest)
         return gone
+
+    def _prune_weights(self, kept: list[tuple[int, int]], newest: int) -> None:
+        spans = [(held, version) for rows, version in kept if (held := self.held_at(rows)) is not None]
+        tail = [held for row in self.rows() if row >= newest and (held := self.held_at(row)) is not None]
+        since = min(tail) if tail else None
+        for name in self._store.list(self._prefix):
+            if not (name.startswith(_WEIGHTS_PREFIX) and name[len(_WEIGHTS_PREFIX):].isdigit()):
+                continue
+            version = int(name[len(_WEIGHTS_PREFIX):])
+            if not (any(low <= version <= high for low, high in spans) or (since is not None and version >= since)):
+                self._store.delete(f"{self._prefix}/{name}")
+
+
+def _held_version(state: dict[str, Any] | None) -> int | None:
+    version = (state or {}).get("policy_version")
+    return int(version) if isinstance(version, int) and not isinstance(version, bool) else None

@@ -50,7 +50,7 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
 
     if not (parent / "buffer").is_dir() or continued_rows(parent / "buffer") is not None:
         raise refuse("its parent is itself a branch (continuing a branch of a branch online is not there yet)")
-    states = {}
+    states, held_versions = {}, []
     for name, count in sorted(rows.items()):
         index = shard_index(name)
         if index is None:
@@ -63,6 +63,9 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
             raise refuse(f"the parent keeps no state of its collector {index} at row {count} of {name} (a run made "
                          f"before collector position histories, or one pruned since)")
         states[index] = state
+        held = history.held_at(count)
+        if held is not None:
+            held_versions.append((held, history))
     import torch
 
     from rlhf_pipeline.files.atomic import write_atomic
@@ -70,22 +73,24 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
     for index, state in states.items():
         payload = {"format": 1, "committed": state["committed"], "loop": state["loop"], "inflight": None}
         write_atomic(root / "collector" / f"shard-{index:04d}.pt", lambda f, p=payload: torch.save(p, f))
-    held = [int(s["committed"]["policy_version"]) for s in states.values()
-            if isinstance(s["committed"].get("policy_version"), int)]
-    if held and lineage.get("policy_version") is not None:
-        _link_parent_weights(parent, root, min(held), int(lineage["policy_version"]))
+    if lineage.get("policy_version") is not None:
+        for held, history in held_versions:
+            _link_parent_weights(parent, root, history, held, int(lineage["policy_version"]))
     write_continued_rows(root / "buffer", str(parent / "buffer"), rows)
 
 
-def _link_parent_weights(parent: Path, root: Path, oldest: int, newest: int) -> None:
-    """Hard links (else copies) of the parent's weights of versions ``oldest..newest`` it still keeps."""
+def _link_parent_weights(parent: Path, root: Path, history: PositionHistory, oldest: int, newest: int) -> None:
+    """Hard links (else copies) of the parent's weights of versions ``oldest..newest``: its own file
+    while it keeps it, else the one its collector's history keeps."""
     import shutil
 
     from rlhf_pipeline.coordination.weights import weights_path
 
     for version in range(oldest, newest + 1):
-        source, target = weights_path(parent, version), weights_path(root, version)
-        if not source.is_file() or target.exists():
+        target = weights_path(root, version)
+        source = weights_path(parent, version)
+        source = source if source.is_file() else history.weights(version)
+        if source is None or target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -120,12 +125,15 @@ def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any,
     store, key = (LocalRunStore(Path(where).parent), Path(where).name) if run_store is None else (run_store, str(where))
     name = _shard_key(paths, store_path)
 
-    def kept_rows() -> list[int] | None:
-        rows = [point["buffer_rows"][name] for point in run_checkpoints(paths).rewind_points()
-                if name in (point.get("buffer_rows") or {})]
-        return rows or None
+    def kept() -> list[tuple[int, int]] | None:
+        points = [(int(point["buffer_rows"][name]), int(point.get("policy_version", point["step"])))
+                  for point in run_checkpoints(paths).rewind_points() if name in (point.get("buffer_rows") or {})]
+        return points or None
 
-    position.history = PositionHistory(store, history_key(key), kept_rows)
+    from rlhf_pipeline.coordination.weights import weights_path
+
+    weights_file = (lambda version: weights_path(paths.root, version)) if paths.url is None else None
+    position.history = PositionHistory(store, history_key(key), kept, weights_file)
 
 
 def _shard_key(paths: Any, store_path: str) -> str:

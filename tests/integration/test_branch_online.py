@@ -1,0 +1,163 @@
+"""A branch of a run with collectors, continued online with ``run`` (``runs/branch_online.py``).
+
+The parent (the default pipeline, single-turn, its tiny model on CPU with a collector) trains 8
+steps; it is branched at step 4. ``run`` on the branch with nothing changed trains the parent's
+steps 5-8 exactly: the same rows, including those its collector generates again after step 4, the
+same losses and weights. A branch with another learning rate differs from step 5 on and reads no
+row the parent wrote after step 4; two branches never see each other's rows; the parent's files
+stay byte-identical. A branch's ``run`` killed with SIGKILL (launcher and children at once) after
+its first steps and started again ends where the uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.coordination.weights import load_weights
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.storage import open_buffer, open_store
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = str(REPO / "pipelines" / "default.py")
+# a warm start long enough for some reward (non-zero losses); 16-row rounds, one per step
+SETTINGS = ["warm_start_steps=60", "prompts_per_round=4", "group_size=4", "learner.batch_size=16",
+            "learner.sample_window=32", "learner.new_rows_per_step=16", "learner.checkpoint_every=2",
+            "learner.keep_checkpoints=1", "learner.checkpoint_keep_every=4"]
+# timings, and how many rows the collector had written when a step was taken (it may be a round
+# ahead, as pacing allows, or not yet: a race, not what was trained); the learning rate apart
+NOT_COMPARED = ("time", "tokens_per_s", "_s", "learning_rate", "buffer_rows", "rows_generated")
+FIELDS = ("trajectory_id", "group_id", "policy_version", "reward", "response_tokens", "prompt_tokens")
+
+
+def command(home: Path, name: str, *changes: str) -> list[str]:
+    sets = [word for item in [*SETTINGS, *changes] for word in ("--set", item)]
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home", str(home),
+            "--run-name", name, *sets]
+
+
+def run(home: Path, name: str, *changes: str) -> str:
+    ran = subprocess.run(command(home, name, *changes), cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return ran.stderr
+
+
+def digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(path.rglob("*"))}
+
+
+def trained(run_dir: Path, after: int = 0) -> list[dict]:
+    return [{k: v for k, v in m.items() if not any(t in k for t in NOT_COMPARED)}
+            for m in read_metrics(run_dir / "metrics.jsonl") if m["step"] > after]
+
+
+def rows(location: Path, first: int = 0, stop: int | None = None) -> list[dict]:
+    """The rows at positions ``[first, stop)``, field by field as plain lists."""
+    with open_buffer(location) if location.name == "buffer" else open_store(location) as store:
+        positions = torch.arange(first, len(store) if stop is None else stop)
+        batch = store.read(positions, fields=FIELDS)
+    return [{name: (batch[name].row(i) if hasattr(batch[name], "row") else batch[name][i]).tolist()
+             for name in FIELDS} for i in range(len(positions))]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    (left, version), (right, other) = load_weights(a), load_weights(b)
+    return version == other and all(torch.equal(left[k], right[k]) for k in left)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    home = tmp_path_factory.mktemp("online")
+    run(home, "parent")
+    parent = home / "parent"
+    before = digest(parent)
+    assert main(["branch", str(parent), "--from-step", "4", "same"]) == 0
+    assert main(["branch", str(parent), "--from-step", "4", "faster", "--set", "learner.lr=1e-3"]) == 0
+    run(home, "same")
+    run(home, "faster", "learner.lr=1e-3")
+    assert digest(parent) == before  # the parent's files were only read
+    return home, parent, json.loads((home / "same" / "branch.json").read_text())["buffer_rows"]
+
+
+def test_a_branch_with_nothing_changed_trains_online_what_the_parent_trained_after_the_branch_step(runs):
+    home, parent, at_step = runs
+    same = home / "same"
+    assert [m["step"] for m in read_metrics(same / "metrics.jsonl")] == list(range(1, 9))
+    assert any(m["losses/loss"] != 0 for m in trained(parent, after=4))  # something to compare
+    assert trained(same) == trained(parent)
+    assert same_weights(same, parent)
+    # the rows: the parent's up to step 4 read in place, the ones its collector wrote again after it
+    assert rows(same / "buffer") == rows(parent / "buffer")
+    own = rows(same / "buffer" / "shard-0000")
+    assert own and own == rows(parent / "buffer", first=at_step["shard-0000"])
+
+
+def test_a_branch_with_another_learning_rate_differs_from_the_next_step_and_reads_no_later_parent_row(runs):
+    home, parent, at_step = runs
+    faster, same = home / "faster", home / "same"
+    lr, parent_lr = trained(faster), trained(parent)
+    assert lr[:4] == parent_lr[:4]  # the parent's steps, kept
+    assert lr[4]["losses/loss"] == parent_lr[4]["losses/loss"]  # step 5: the checkpoint's weights
+    assert not same_weights(faster, parent)
+    assert [m["charts/learning_rate"] for m in read_metrics(faster / "metrics.jsonl")[4:]] == [1e-3] * 4
+    inherited = at_step["shard-0000"]
+    with open_buffer(faster / "buffer") as union:
+        shard = union.shards[0]
+        assert (shard.parent_rows, shard.own.location) == (inherited, str(faster / "buffer" / "shard-0000"))
+    assert rows(faster / "buffer", stop=inherited) == rows(parent / "buffer", stop=inherited)
+    # after step 4 its rows are its own shard's: sampled with its own weights once it published one
+    mine, theirs = rows(faster / "buffer", first=inherited), rows(parent / "buffer", first=inherited)
+    assert mine == rows(faster / "buffer" / "shard-0000")
+    assert any(r["policy_version"] > 5 for r in mine) and mine != theirs
+    # two branches of one parent never see each other's rows
+    assert rows(same / "buffer" / "shard-0000") != rows(faster / "buffer" / "shard-0000")
+
+
+def test_a_branch_killed_mid_run_resumes_online_to_what_it_trains_uninterrupted(runs):
+    home, parent, _ = runs
+    assert main(["branch", str(parent), "--from-step", "4", "killed"]) == 0
+    killed = home / "killed"
+    metrics = killed / "metrics.jsonl"
+    first = subprocess.Popen(command(home, "killed"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:  # whole lines only: the branch starts with the parent's 4; killed once it trained 2 of its own
+        deadline = time.monotonic() + 300
+        while first.poll() is None and time.monotonic() < deadline and not (
+                metrics.is_file() and metrics.read_text().count("\n") >= 6):
+            time.sleep(0.01)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the launcher, its learner and its collector at once
+        first.wait(timeout=60)
+    assert first.returncode == -signal.SIGKILL
+    assert 6 <= len(read_metrics(metrics)) < 8, "the kill came after the branch had finished; nothing was resumed"
+    resumed = run(home, "killed")
+    assert "resuming from" in resumed
+    assert trained(killed) == trained(parent) and same_weights(killed, parent)
+    assert rows(killed / "buffer") == rows(parent / "buffer")
+
+
+def test_a_branch_of_a_parent_without_collector_histories_is_refused_online_in_one_line(tmp_path, capsys):
+    home, parent, branch = tmp_path, tmp_path / "old", tmp_path / "b"
+    (parent / "buffer" / "shard-0000").mkdir(parents=True)
+    branch.mkdir()
+    (branch / "branch.json").write_text(json.dumps({"parent": str(parent), "step": 2, "replay_source": None,
+                                                    "buffer_rows": {"shard-0000": 32}}))
+    assert main(["learn", DEFAULT, "--home", str(home), "--run-name", "b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "keeps no state of its collector 0 at row 32" in err and "continue it offline with" in err
+    assert len(err.splitlines()) == 1
+    assert not (branch / "collector").exists() and not (home / "b" / "buffer.continues.json").exists()
