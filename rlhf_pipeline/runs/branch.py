@@ -27,11 +27,12 @@ stay byte-identical):
 How it continues. A branch of a replay (a run trained offline from a recorded buffer) continues
 with the same ``replay`` command under the branch's name: its source is read-only and does not
 change, so the branch reads exactly the rows the parent read. A branch of a run with collectors
-continues offline with ``replay --buffer NEW_RUN/parent-rows --run-name NEW_RUN``: from the
-checkpoint's model, optimizer and schedule, over the parent's rows up to step N in epochs (the
-epoch sampler starts afresh: the checkpoint's was the online one). Continuing it online (those
-rows plus its own shards, its collectors restarted from their state at those rows) is not there
-yet, and ``run``/``learn``/``collect`` on it are refused by :func:`refuse_online_start`.
+continues online with the parent's ``run`` command under the branch's name (those rows plus its
+own shards, its collectors restarted from their state at those rows: ``runs/branch_online.py``,
+set up by :func:`refuse_online_start`, which refuses in one line where it cannot be), or offline
+with ``replay --buffer NEW_RUN/parent-rows --run-name NEW_RUN``: from the checkpoint's model,
+optimizer and schedule, over the parent's rows up to step N in epochs (the epoch sampler starts
+afresh: the checkpoint's was the online one).
 """
 
 from __future__ import annotations
@@ -259,15 +260,15 @@ def refuse_online_start(root: str | Path) -> None:
 
 def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
     """The command that continues the branch, for ``branch`` to print."""
-    sets = " ".join(f"--set {item}" for item in lineage["overrides"])
+    sets = "".join(f" --set {item}" for item in lineage["overrides"])
     if lineage.get("replay_source") is not None:
         return (f"continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
                 f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']} "
-                f"--home {new.parent} --run-name {new.name} {sets}").rstrip()
+                f"--home {new.parent} --run-name {new.name}{sets}")
     return (f"continue it online with the parent's run command under the branch's name: rlhf-pipeline run "
-            f"PIPELINE.py --home {new.parent} --run-name {new.name} {sets} (or offline over the parent's rows up to "
+            f"PIPELINE.py --home {new.parent} --run-name {new.name}{sets} (or offline over the parent's rows up to "
             f"step {lineage['step']}, --epochs/--steps counting from the parent's step 0: rlhf-pipeline replay "
-            f"PIPELINE.py --buffer {new / PARENT_ROWS} --home {new.parent} --run-name {new.name} {sets})").rstrip()
+            f"PIPELINE.py --buffer {new / PARENT_ROWS} --home {new.parent} --run-name {new.name}{sets})")
 
 
 def main_message(new: Path, lineage: dict[str, Any]) -> None:

@@ -48,8 +48,16 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
         return BranchError(f"{root} is a branch of {parent} at step {lineage['step']} and cannot continue online: "
                            f"{why}; continue it offline with {offline}")
 
-    if not (parent / "buffer").is_dir() or continued_rows(parent / "buffer") is not None:
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+
+    reached = CheckpointManager(root / "checkpoints").latest_step()
+    if reached is not None and reached > int(lineage["step"]):
+        raise refuse(f"it was continued offline already (it has a checkpoint of step {reached})")
+    if continued_rows(parent / "buffer") is not None or (not (parent / "buffer").is_dir()
+                                                         and (parent / "parent-rows").is_dir()):
         raise refuse("its parent is itself a branch (continuing a branch of a branch online is not there yet)")
+    if not (parent / "buffer").is_dir():
+        raise refuse(f"its parent's buffer ({parent / 'buffer'}) is not there")
     states, held_versions = {}, []
     for name, count in sorted(rows.items()):
         index = shard_index(name)

@@ -180,13 +180,14 @@ def test_what_cannot_change_or_is_not_kept_is_refused_in_one_line(runs, capsys, 
     assert not (tmp_path / "b").exists()  # a refused branch leaves nothing behind
 
 
-def test_a_branch_of_a_run_with_collectors_is_refused_by_run_in_one_line(tmp_path, capsys):
+def test_a_branch_whose_parent_is_gone_is_refused_online_in_one_line(tmp_path, capsys):
     branch = tmp_path / "b"
     branch.mkdir()
     (branch / "branch.json").write_text(json.dumps({"parent": str(tmp_path / "a"), "step": 2}))
     assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "b"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "is a branch of" in err and "not there yet" in err and len(err.splitlines()) == 1
+    assert "is a branch of" in err and "cannot continue online" in err and "replay" in err
+    assert len(err.splitlines()) == 1
     (branch / "branch.json").write_text("{}")  # damaged: one line too
     assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "b"]) == 2
     err = capsys.readouterr().err.strip()
@@ -227,9 +228,7 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     assert main(["branch", str(branch), "--from-step", "4", "again"]) == 0
     with open_buffer(tmp_path / "again" / "parent-rows") as again:
         assert len(again) == published
-    # online it cannot continue yet; offline it does, over those rows only
-    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "offline"]) == 2
-    assert "continue it offline with rlhf-pipeline replay" in capsys.readouterr().err
+    # offline it continues over those rows only (online: tests/integration/test_branch_online.py)
     assert replay_command(DEFAULT, ReplayOptions(buffer=str(branch / "parent-rows"), steps=8), home=str(tmp_path),
                           run_name="offline", overrides=ONLINE + ["learner.lr=1e-3"]) == 0
     metrics = read_metrics(branch / "metrics.jsonl")
@@ -238,6 +237,8 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     trained_ids = {i for r in read_metrics(branch / "batches.jsonl") for i in r["trajectory_ids"]}
     assert trained_ids and trained_ids <= readable and not trained_ids & later
     assert digest(parent) == before  # the parent's files were only read
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "offline"]) == 2  # no longer online
+    assert "it was continued offline already (it has a checkpoint of step 8)" in capsys.readouterr().err
     assert main(["inspect", str(branch)]) == 0
     assert f"branched from  {parent} at step 4" in capsys.readouterr().out
     # once replayed, the branch is a replay: its branches continue with replay over the same rows
