@@ -105,7 +105,8 @@ class CollectorPosition:
         self._keep_in_history(state, self.loop)  # first: a kill before the save finds the round in flight written
         self._save({"format": FORMAT_VERSION, "committed": state, "loop": self.loop, "inflight": None})
 
-    def _keep_in_history(self, state: dict[str, Any] | None, loop: dict[str, Any], only_if_missing: bool = False) -> None:
+    def _keep_in_history(self, state: dict[str, Any] | None, loop: dict[str, Any],
+                         only_if_missing: bool = False) -> None:
         """The committed state is where the collector stands at the store's ``next_row`` (the newest
         such state: a round whose rows were all dropped leaves ``next_row`` as it was)."""
         if self.history is None or state is None:

@@ -28,27 +28,33 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.collect.position_history import PositionHistory, history_key
 from rlhf_pipeline.files.run_store import LocalRunStore
-from rlhf_pipeline.storage.continued import continued_rows, write_continued_rows
+from rlhf_pipeline.runs.run_directory import RunError
+from rlhf_pipeline.storage.continues import continued_rows, write_continued_rows
+
+# (torch, and the collector modules that import it, load only on a branch's first online start:
+# ``run`` imports no torch itself)
+
+
+class OnlineBranchError(RunError):
+    """The branch cannot continue online (the message says why and gives the ``replay`` command)."""
 
 
 def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: str) -> None:
     """Sets the branch at ``root`` up to continue online (module docstring), once; ``offline``:
     the command that continues it offline, for a refusal."""
-    from rlhf_pipeline.runs.branch import BranchError
-    from rlhf_pipeline.storage.buffers import shard_index
-
     root = Path(root)
     if continued_rows(root / "buffer") is not None:
         return  # set up by an earlier start
+    from rlhf_pipeline.collect.position_history import PositionHistory, history_key
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+    from rlhf_pipeline.storage.buffers import shard_index
+
     parent, rows = Path(lineage["parent"]), lineage.get("buffer_rows") or {}
 
-    def refuse(why: str) -> BranchError:
-        return BranchError(f"{root} is a branch of {parent} at step {lineage['step']} and cannot continue online: "
-                           f"{why}; continue it offline with {offline}")
-
-    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+    def refuse(why: str) -> OnlineBranchError:
+        return OnlineBranchError(f"{root} is a branch of {parent} at step {lineage['step']} and cannot continue "
+                                 f"online: {why}; continue it offline with {offline}")
 
     reached = CheckpointManager(root / "checkpoints").latest_step()
     if reached is not None and reached > int(lineage["step"]):
@@ -87,7 +93,7 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
     write_continued_rows(root / "buffer", str(parent / "buffer"), rows)
 
 
-def _link_parent_weights(parent: Path, root: Path, history: PositionHistory, oldest: int, newest: int) -> None:
+def _link_parent_weights(parent: Path, root: Path, history: Any, oldest: int, newest: int) -> None:
     """Hard links (else copies) of the parent's weights of versions ``oldest..newest``: its own file
     while it keeps it, else the one its collector's history keeps."""
     import shutil
@@ -128,6 +134,7 @@ def collector_rows(paths: Any, store: Any, store_path: str) -> tuple[Any, int]:
 
 def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any, store_path: str) -> None:
     """Gives ``position`` its history beside it, kept on the run's checkpoint schedule."""
+    from rlhf_pipeline.collect.position_history import PositionHistory, history_key
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
     store, key = (LocalRunStore(Path(where).parent), Path(where).name) if run_store is None else (run_store, str(where))

@@ -68,11 +68,13 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
     from rlhf_pipeline.storage.buffers import is_sharded_buffer, is_url, list_shards
     from rlhf_pipeline.storage.selection import SelectionStore, is_selection
 
-    from rlhf_pipeline.storage.continued import continued_rows, open_continued
+    from rlhf_pipeline.storage.continues import continued_rows
 
     location = str(location)
     continues = continued_rows(location)  # a branch's buffer, continuing its parent's rows
     if continues is not None:
+        from rlhf_pipeline.storage.continued import open_continued
+
         return open_continued(location, continues, mode=mode, **options)
     if is_selection(location):
         return SelectionStore.open(location, mode=mode, **options)

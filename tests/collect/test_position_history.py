@@ -1,0 +1,140 @@
+"""A collector's position history: one state per committed round by the store's row count, kept on
+the checkpoint schedule, and agreeing with the position file after a kill at any point of a round."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf_pipeline.collect.position import CollectorPosition
+from rlhf_pipeline.collect.position_history import PositionHistory, history_key
+from rlhf_pipeline.files.run_store import LocalRunStore
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store, open_store
+
+from helpers import make_batch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def state(round_: int) -> dict:
+    """What a collector's state_dict holds, made from the round: prompts, counters, RNG, version."""
+    rng = torch.Generator()
+    rng.manual_seed(round_)
+    return {"prompts": {"position": round_ * 2}, "groups_emitted": round_ * 2, "trajectories_emitted": round_ * 8,
+            "batches_emitted": round_, "policy_version": round_ // 2, "rng": rng.get_state(),
+            "config": {"collector_index": 0}}
+
+
+def commit_rounds(directory: Path, rounds: range, kept=lambda: None) -> CollectorPosition:
+    """Rounds as ``collect_main`` commits them: before_write, the append, after_write."""
+    store = open_store(directory / "shard", mode="a")
+    position = CollectorPosition(directory / "collector" / "shard-0000.pt", store)
+    position.history = PositionHistory(LocalRunStore(directory / "collector"), history_key("shard-0000.pt"), kept)
+    position.load()
+    start = store.next_row // 8  # a restarted collector goes on from the rounds written
+    try:
+        for round_ in (start + r for r in rounds):
+            position.before_write(state(round_ + 1), {"rounds_at_version": round_})
+            store.append(make_batch(2, 4))
+            position.after_write(state(round_ + 1), {"rounds_at_version": round_})
+    finally:
+        store.close()
+    return position
+
+
+def test_each_round_is_kept_by_its_row_count_and_pruned_to_what_kept_checkpoints_name(tmp_path):
+    create_store(tmp_path / "shard", "memmap", schema=StoreSchema()).close()
+    commit_rounds(tmp_path, range(6))
+    history = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"))
+    assert history.rows() == [8 * r for r in range(1, 7)]
+    at_24 = history.state_at(24)
+    assert at_24["committed"]["batches_emitted"] == 3 and at_24["loop"] == {"rounds_at_version": 2}
+    assert torch.equal(at_24["committed"]["rng"], state(3)["rng"])
+    # checkpoints kept at 16 and 32 rows: the rest before the newest goes, what follows it stays
+    pruned = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"),
+                             lambda: [(16, 2), (32, 4)])
+    assert pruned.prune() == [8, 24]
+    assert pruned.rows() == [16, 32, 40, 48]
+
+
+def test_the_weights_a_kept_state_sampled_with_stay_linked_after_the_run_prunes_them(tmp_path):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for version in range(4):
+        (weights / f"v{version}").write_bytes(bytes([version]) * 8)
+    history = PositionHistory(LocalRunStore(tmp_path / "collector"), "shard-0000.history",
+                              lambda: [(16, 2)], weights_file=lambda v: weights / f"v{v}")
+    for round_ in range(1, 4):  # states holding versions 0, 1, 1
+        history.record(8 * round_, state(round_), {})
+    for version in range(4):
+        (weights / f"v{version}").unlink()  # the learner pruned them
+    # the checkpoint at 16 rows (policy version 2) needs from the version its state held (1) on
+    assert history.weights(0) is None
+    assert history.weights(1).read_bytes() == bytes([1]) * 8
+
+
+def test_a_kill_at_any_moment_of_a_round_leaves_a_history_the_reload_agrees_with(tmp_path):
+    """A child commits rounds until it is killed with SIGKILL, several times at random moments;
+    each reload finds the state it resumes from in the history, under the store's row count, and
+    every entry the history lists loads whole."""
+    create_store(tmp_path / "shard", "memmap", schema=StoreSchema()).close()
+    script = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}, {str(REPO / 'tests' / 'collect')!r}]\n"
+              f"from pathlib import Path\nfrom test_position_history import commit_rounds\n"
+              f"commit_rounds(Path({str(tmp_path)!r}), range(10_000))\n")
+    for kill in range(4):
+        child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        rounds_before = open_store(tmp_path / "shard", mode="r").next_row
+        deadline = time.monotonic() + 120
+        while child.poll() is None and time.monotonic() < deadline:  # until it commits rounds of its own
+            with open_store(tmp_path / "shard", mode="r") as store:
+                if store.next_row > rounds_before:
+                    break
+            time.sleep(0.01)
+        time.sleep(0.05 + 0.07 * kill)  # then somewhere in a later round
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        store = open_store(tmp_path / "shard", mode="r")
+        position = CollectorPosition(tmp_path / "collector" / "shard-0000.pt", store)
+        history = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"))
+        position.history = history
+        resumed = position.load()
+        entry = history.state_at(store.next_row)
+        assert resumed is not None and entry is not None, f"kill {kill}: nothing written yet"
+        assert entry["committed"]["batches_emitted"] == resumed["batches_emitted"] == store.next_row // 8
+        for row in history.rows():
+            assert history.state_at(row)["committed"]["batches_emitted"] == row // 8
+        store.close()
+
+
+def test_a_crash_between_the_append_and_the_saves_is_kept_at_the_next_load(tmp_path):
+    """Killed after the append, before the history entry (or after it, before the position file):
+    the next load finds the round written and keeps (or keeps) its state under the new row count."""
+    create_store(tmp_path / "shard", "memmap", schema=StoreSchema()).close()
+    commit_rounds(tmp_path, range(2))
+    for history_written in (False, True):
+        store = open_store(tmp_path / "shard", mode="a")
+        position = CollectorPosition(tmp_path / "collector" / "shard-0000.pt", store)
+        history = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"))
+        position.history = history
+        position.load()
+        after = state(store.next_row // 8 + 1)
+        position.before_write(after, {"rounds_at_version": 9})
+        store.append(make_batch(2, 4))
+        if history_written:  # what after_write does first
+            history.record(store.next_row, after, {"rounds_at_version": 9})
+        store.close()  # the kill: the position file still holds the round in flight
+        store = open_store(tmp_path / "shard", mode="a")
+        position = CollectorPosition(tmp_path / "collector" / "shard-0000.pt", store)
+        position.history = history
+        assert position.load()["batches_emitted"] == after["batches_emitted"] and position.resumed_inflight_round
+        kept = history.state_at(store.next_row)
+        assert kept["committed"]["batches_emitted"] == after["batches_emitted"]
+        assert kept["loop"] == {"rounds_at_version": 9}
+        store.close()
