@@ -58,12 +58,15 @@ class PositionHistory:
     ``kept()``: ``(rows, policy_version)`` of each kept checkpoint: the row count it recorded for
     this collector's shard and its policy version (None: no checkpoint yet, nothing is pruned).
     ``weights_file(version)``: the run's weights file of a version (a run directory), whose hard
-    link the history keeps; None keeps none (a run at a URL)."""
+    link the history keeps; None keeps none (a run at a URL). ``pending_file``: the shard's
+    pending-groups snapshot (``transforms/pending_groups.py``), kept with each state as it was at
+    the commit: rows of groups not whole yet, which a branch's collector would need too."""
 
     def __init__(self, run_store: RunStore, prefix: str,
                  kept: Callable[[], list[tuple[int, int]] | None] = lambda: None,
-                 weights_file: Callable[[int], Path] | None = None) -> None:
+                 weights_file: Callable[[int], Path] | None = None, pending_file: Path | None = None) -> None:
         self._store = run_store
+        self._pending_file = pending_file
         self._prefix = prefix.strip("/")
         self._kept = kept
         self._weights_file = weights_file if isinstance(run_store, LocalRunStore) else None
@@ -84,6 +87,8 @@ class PositionHistory:
 
         payload = {"format": HISTORY_FORMAT, "next_row": int(next_row), "committed": state,
                    "loop": dict(loop or {})}
+        if self._pending_file is not None and self._pending_file.is_file():
+            payload["pending"] = self._pending_file.read_bytes()
         held = _held_version(state)
         if held is not None and self._weights_file is not None:
             self._link_weights(held)  # first: the entry is what needs it
@@ -101,7 +106,8 @@ class PositionHistory:
             return None
         payload = load_state_bytes(data, what="collector position history",
                                    where=self._store.describe(self._key(next_row)))
-        return {"committed": payload["committed"], "loop": dict(payload.get("loop") or {})}
+        return {"committed": payload["committed"], "loop": dict(payload.get("loop") or {}),
+                "pending": payload.get("pending")}
 
     def weights(self, version: int) -> Path | None:
         """The kept weights file of ``version``, or None."""

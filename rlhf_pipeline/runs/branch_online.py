@@ -76,6 +76,9 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
         if state is None:
             raise refuse(f"the parent keeps no state of its collector {index} at row {count} of {name} (a run made "
                          f"before collector position histories, or one pruned since)")
+        if _pending_rows(state.get("pending")):
+            raise refuse(f"its collector {index} had rows of groups not whole yet pending at row {count} of {name}, "
+                         f"and restarting a collector with pending groups online is not there yet")
         states[index] = state
         held = history.held_at(count)
         if held is not None:
@@ -91,6 +94,23 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
         for held, history in held_versions:
             _link_parent_weights(parent, root, history, held, int(lineage["policy_version"]))
     write_continued_rows(root / "buffer", str(parent / "buffer"), rows)
+
+
+def _pending_rows(snapshot: bytes | None) -> int:
+    """Rows of groups not whole yet in a pending-groups snapshot (``transforms/pending_groups.py``),
+    leaving out those held for an append that the committed round made."""
+    if not snapshot:
+        return 0
+    import io
+
+    import torch
+
+    payload = torch.load(io.BytesIO(snapshot), weights_only=True)
+    rows = payload.get("rows")
+    if rows is None:
+        return 0
+    group_ids = rows["group_id"]
+    return int((~torch.isin(group_ids, payload["held_groups"])).sum())
 
 
 def _link_parent_weights(parent: Path, root: Path, history: Any, oldest: int, newest: int) -> None:
@@ -148,7 +168,8 @@ def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any,
     from rlhf_pipeline.coordination.weights import weights_path
 
     weights_file = (lambda version: weights_path(paths.root, version)) if paths.url is None else None
-    position.history = PositionHistory(store, history_key(key), kept, weights_file)
+    pending = Path(store_path) / "pending" / "state.pt" if "://" not in store_path else None  # a local shard's
+    position.history = PositionHistory(store, history_key(key), kept, weights_file, pending_file=pending)
 
 
 def _shard_key(paths: Any, store_path: str) -> str:

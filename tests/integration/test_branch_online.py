@@ -161,3 +161,54 @@ def test_a_branch_of_a_parent_without_collector_histories_is_refused_online_in_o
     assert "keeps no state of its collector 0 at row 32" in err and "continue it offline with" in err
     assert len(err.splitlines()) == 1
     assert not (branch / "collector").exists() and not (home / "b" / "buffer.continues.json").exists()
+
+
+def test_a_collector_with_groups_pending_at_the_branch_rows_is_refused_online_by_name(tmp_path, capsys):
+    """A collector that had rows of groups not whole yet at those rows (their other rows come in
+    later rounds) cannot restart exactly without them: refused in one line, not continued short."""
+    from helpers import make_batch
+
+    from rlhf_pipeline.collect.position_history import PositionHistory, history_key
+    from rlhf_pipeline.files.run_store import LocalRunStore
+    from rlhf_pipeline.transforms.pending_groups import PendingGroups
+
+    parent, branch = tmp_path / "parent", tmp_path / "b"
+    (parent / "buffer" / "shard-0000").mkdir(parents=True)
+    pending = PendingGroups(directory=tmp_path / "pending")
+    pending.add(make_batch(1, 2))  # half a group of 4
+    history = PositionHistory(LocalRunStore(parent / "collector"), history_key("shard-0000.pt"),
+                              pending_file=tmp_path / "pending" / "state.pt")
+    history.record(32, {"policy_version": 2}, {})
+    branch.mkdir()
+    (branch / "branch.json").write_text(json.dumps({"parent": str(parent), "step": 2, "replay_source": None,
+                                                    "buffer_rows": {"shard-0000": 32}, "policy_version": 2}))
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "had rows of groups not whole yet pending at row 32 of shard-0000" in err and len(err.splitlines()) == 1
+
+
+TOOL_USE = str(REPO / "pipelines" / "tool_use.py")
+AGENT = ["warm_start_steps=20", "warm_start_check_tasks=0", "learner.batch_size=16", "learner.new_rows_per_step=16",
+         "learner.sample_window=32", "learner.checkpoint_every=2", "learner.keep_checkpoints=1",
+         "learner.checkpoint_keep_every=4"]
+
+
+def test_an_agent_branch_continues_online_as_its_parent_did(tmp_path):
+    """The tool-use pipeline's multi-turn collector: its rounds end with whole groups, so a branch at
+    step 4 continues online exactly (rows, losses, weights)."""
+    def agent_run(name: str) -> None:
+        sets = [word for item in AGENT for word in ("--set", item)]
+        ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--steps", "8",
+                              "--home", str(tmp_path), "--run-name", name, *sets], cwd=REPO, capture_output=True,
+                             text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert ran.returncode == 0, ran.stderr[-3000:]
+
+    agent_run("parent")
+    parent = tmp_path / "parent"
+    before = digest(parent)
+    assert main(["branch", str(parent), "--from-step", "4", "same"]) == 0
+    agent_run("same")
+    same = tmp_path / "same"
+    assert trained(same) == trained(parent) and same_weights(same, parent)
+    assert rows(same / "buffer") == rows(parent / "buffer")
+    assert digest(parent) == before
