@@ -168,6 +168,13 @@ def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings
             truncate_metrics(new / name, step)
     _publish_checkpoint_weights(parent, new, checkpoint, lineage.get("policy_version"))
     if lineage["replay_source"] is None and (parent / "buffer").exists():
+        from rlhf_pipeline.storage.continues import continued_rows
+
+        continues = continued_rows(parent / "buffer")
+        if continues is not None:
+            grandparent = Path(continues["parent_buffer"]).parent
+            raise BranchError(f"{parent} is a branch continued online: its rows are partly its parent's, and "
+                              f"branching it is not there yet; branch its parent ({grandparent}) instead")
         if lineage["buffer_rows"] is None:
             raise BranchError(f"the checkpoint of step {step} of {parent} has no rewind record (a run made before "
                               f"records): which of its rows were published at that step is not known; branch "

@@ -68,7 +68,7 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
     for name, count in sorted(rows.items()):
         index = shard_index(name)
         if index is None:
-            raise refuse(f"its parent keeps one single-store buffer (made before shards), not one shard per collector")
+            raise refuse("its parent keeps one single-store buffer (made before shards), not one shard per collector")
         if not count:
             continue  # that collector had written nothing: it starts afresh
         history = PositionHistory(LocalRunStore(parent / "collector"), history_key(f"{name}.pt"))

@@ -106,6 +106,14 @@ def test_a_branch_with_nothing_changed_trains_online_what_the_parent_trained_aft
     assert own and own == rows(parent / "buffer", first=at_step["shard-0000"])
 
 
+def test_a_branch_continued_online_is_not_branched_again_yet(runs, capsys):
+    home, _, _ = runs
+    assert main(["branch", str(home / "same"), "--from-step", "8", str(home / "again")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a branch continued online" in err and len(err.splitlines()) == 1
+    assert not (home / "again").exists()
+
+
 def test_a_branch_with_another_learning_rate_differs_from_the_next_step_and_reads_no_later_parent_row(runs):
     home, parent, at_step = runs
     faster, same = home / "faster", home / "same"
