@@ -15,9 +15,10 @@ so a ``kill -9`` mid-append leaves the entry there or not, never a part; a missi
 again by the next start (:meth:`CollectorPosition.load` records the state it resumes from, which is
 the state after the newest written round). Writing the same entry twice writes the same state.
 
-Kept on the checkpoint schedule: after each append, entries are deleted unless a kept checkpoint
-recorded their row count, or they are at or past the newest checkpoint's (a later checkpoint may
-record them). So a run keeps a few KB per kept checkpoint plus the rounds since the newest.
+Kept on the checkpoint schedule: once the kept checkpoints change (looked at after each append),
+entries are deleted unless a kept checkpoint recorded their row count, or they are at or past the
+newest checkpoint's (a later checkpoint may record them). So a run keeps a few KB per kept
+checkpoint plus the rounds since the newest.
 Entries load with ``weights_only=True`` (``files/state_files.py``), like the position file.
 
 The weights its rounds sampled with. A paced round samples with the version pacing names for it
@@ -71,6 +72,7 @@ class PositionHistory:
         self._kept = kept
         self._weights_file = weights_file if isinstance(run_store, LocalRunStore) else None
         self._held: dict[int, int | None] = {}  # row count -> the version its state held (read once)
+        self._pruned_for: list[tuple[int, int]] | None = None  # entries become prunable only when this changes
 
     def _key(self, next_row: int) -> str:
         return f"{self._prefix}/row_{int(next_row):012d}.pt"
@@ -145,8 +147,9 @@ class PositionHistory:
     def prune(self) -> list[int]:
         """Deletes the entries (and weights links) no kept checkpoint needs; returns the entries' row counts."""
         kept = self._kept()
-        if not kept:
+        if not kept or kept == self._pruned_for:
             return []
+        self._pruned_for = list(kept)
         needed, newest = {rows for rows, _ in kept}, max(rows for rows, _ in kept)
         gone = [row for row in self.rows() if row < newest and row not in needed]
         for row in gone:

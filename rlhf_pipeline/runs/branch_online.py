@@ -160,10 +160,19 @@ def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any,
     store, key = (LocalRunStore(Path(where).parent), Path(where).name) if run_store is None else (run_store, str(where))
     name = _shard_key(paths, store_path)
 
+    seen: dict[tuple[int, ...], list[tuple[int, int]] | None] = {}
+
     def kept() -> list[tuple[int, int]] | None:
-        points = [(int(point["buffer_rows"][name]), int(point.get("policy_version", point["step"])))
-                  for point in run_checkpoints(paths).rewind_points() if name in (point.get("buffer_rows") or {})]
-        return points or None
+        # one listing per round; the records are read again only when the kept checkpoints change
+        checkpoints = run_checkpoints(paths)
+        steps = tuple(checkpoints.steps())
+        if steps not in seen:
+            records = [checkpoints.record(step) or {} for step in steps]
+            points = [(int(r["buffer_rows"][name]), int(r.get("policy_version", r["step"])))
+                      for r in records if name in (r.get("buffer_rows") or {})]
+            seen.clear()
+            seen[steps] = points or None
+        return seen[steps]
 
     from rlhf_pipeline.coordination.weights import weights_path
 
