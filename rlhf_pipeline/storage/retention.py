@@ -38,6 +38,11 @@ class RetentionSettings:
     None: no bound by version."""
     max_age_s: float | None = None
     """Drop rows written more than this many seconds ago. None: no bound by age."""
+    hold_rewind_points: bool = True
+    """true: every kept checkpoint holds the rows a rewind to it draws from (with
+    learner.checkpoint_keep_every, the oldest kept one then bounds what retention drops); false: only
+    the newest checkpoint does (a resume needs it), and a branch from an older one reads only the rows
+    still held."""
 
     @property
     def enabled(self) -> bool:
@@ -56,6 +61,9 @@ class RetentionSettings:
                 isinstance(self.max_versions_behind, int) and self.max_versions_behind >= 0):
             raise ValueError(f"setting 'retention.max_versions_behind' must be a whole number >= 0 (or None: "
                              f"no bound), got {self.max_versions_behind!r}")
+        if not isinstance(self.hold_rewind_points, bool):
+            raise ValueError(f"setting 'retention.hold_rewind_points' must be true or false, got "
+                             f"{self.hold_rewind_points!r}")
         if self.max_age_s is not None and not (isinstance(self.max_age_s, (int, float))
                                                and math.isfinite(self.max_age_s) and self.max_age_s > 0):
             raise ValueError(f"setting 'retention.max_age_s' must be a number of seconds > 0 (or None: no "
@@ -72,7 +80,8 @@ class RetentionSettings:
     def from_json(cls, data: Any) -> RetentionSettings:
         """From a run's ``settings.json`` entry (a dict, or None for a run made before retention)."""
         data = data if isinstance(data, dict) else {}
-        return cls(**{k: data.get(k) for k in ("max_rows", "max_versions_behind", "max_age_s")})
+        return cls(**{k: data.get(k) for k in ("max_rows", "max_versions_behind", "max_age_s")},
+                   hold_rewind_points=bool(data.get("hold_rewind_points", True)))
 
 
 class RowClock:
