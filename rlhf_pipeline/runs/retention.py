@@ -143,3 +143,26 @@ def branch_rows_needed(run: str | Path, store_path: str) -> list[tuple[str, int]
 
 def _resolved(location: str) -> str:
     return location if "://" in location else str(Path(location).resolve())
+
+
+def run_retention(run: str | Path) -> dict[str, Any] | None:
+    """What ``inspect RUN`` says of a run's retention: the rules from its ``settings.json`` (None
+    for a run with no ``retention`` settings, made before them or by a pipeline without them)."""
+    try:
+        settings = json.loads((Path(run) / "settings.json").read_text())
+    except (OSError, ValueError):
+        return None
+    data = settings.get("retention") if isinstance(settings, dict) else None
+    if not isinstance(data, dict):
+        return None
+    rules = RetentionSettings.from_json(data)
+    return {"policy": rules.describe(), "settings": {k: data.get(k) for k in sorted(data)}}
+
+
+def format_retention(retention: dict[str, Any] | None, stats: Any) -> str:
+    """The lines ``inspect`` prints between a run's lineage and its buffer."""
+    if retention is None:
+        return ""
+    first = stats.extra.get("shard_first_rows") or f"{stats.first_row}"
+    return (f"retention  {retention['policy']} (each collector, on its own shard)\n"
+            f"  first row held  {first} (rows before it were dropped; global ids)")
