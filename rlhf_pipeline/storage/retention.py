@@ -5,7 +5,7 @@ store's writer (a collector, after each round) through
 :meth:`~rlhf_pipeline.storage.segmented.SegmentedTrajectoryStore.drop_rows_before`. Each rule
 that is set bounds the rows held, and a row goes when any of them says so:
 
-* ``max_rows``: at most this many rows held (the newest);
+* ``max_rows``: at most this many rows held (the newest; as ``capacity_rows`` bounds a store);
 * ``max_versions_behind``: rows sampled by a policy more than this many versions behind the
   newest (the learner's) go;
 * ``max_age_s``: rows written more than this many seconds ago go (a :class:`RowClock` the writer
@@ -31,8 +31,8 @@ class RetentionSettings:
     """How much of a long run's buffer is kept (every rule unset: all of it)."""
 
     max_rows: int | None = None
-    """Keep at most about this many of each shard's newest rows (whole sealed segments go; set it
-    well above segment_rows). None: no bound by rows."""
+    """Keep at most this many of each shard's newest rows (whole sealed segments go, so between
+    max_rows - segment_rows and max_rows are held; >= segment_rows). None: no bound by rows."""
     max_versions_behind: int | None = None
     """Drop rows sampled by a policy more than this many versions behind the newest published one.
     None: no bound by version."""
@@ -121,8 +121,10 @@ def wanted_cut(store: Any, settings: RetentionSettings, *, newest_version: int |
                now: float) -> int:
     """The first row the rules alone would keep (before segments, groups and floors are considered)."""
     cut = store.first_row
-    if settings.max_rows is not None:
-        cut = max(cut, store.next_row - settings.max_rows)
+    if settings.max_rows is not None and store.next_row > settings.max_rows:
+        # up to the next segment boundary: at most max_rows held, as a store's capacity_rows bounds it
+        size = store.segment_rows
+        cut = max(cut, -(-(store.next_row - settings.max_rows) // size) * size)
     if settings.max_age_s is not None and clock is not None:
         cut = max(cut, clock.rows_older_than(settings.max_age_s, now))
     if settings.max_versions_behind is not None and newest_version is not None:
