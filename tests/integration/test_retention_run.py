@@ -92,3 +92,26 @@ def test_a_run_with_max_rows_keeps_its_shard_bounded_and_trains(tmp_path):
     shown = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "inspect", str(run)], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert "retention  max_rows=48" in shown.stdout and f"shard-0000: {first}" in shown.stdout
+
+
+def test_an_agent_run_drops_whole_trajectories_and_groups(tmp_path):
+    """Turns are rows: a trajectory's turns, and a group's trajectories, straddle segment boundaries."""
+    settings = ["--set", "warm_start_steps=20", "--set", "warm_start_check_tasks=0", "--set", "learner.batch_size=16",
+                "--set", "learner.new_rows_per_step=16", "--set", "learner.sample_window=32",
+                "--set", "learner.checkpoint_every=5", "--set", "segment_rows=16", "--set", "retention.max_rows=32"]
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" / "tool_use.py"),
+                             "--steps", "20", "--home", str(tmp_path), "--run-name", "agent", *settings],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open_buffer(tmp_path / "agent" / "buffer", mode="r") as buffer:
+        shard = next(iter(buffer.shards.values()))
+        assert shard.first_row > 0
+        rows = shard.read_global(list(range(shard.first_row, shard.next_row)),
+                                 fields=["group_id", "trajectory_id", "step"])
+    assert int(rows.step[0]) == 0  # the first row held is a first turn
+    first_turns = {int(t) for t, s in zip(rows.trajectory_id, rows.step) if int(s) == 0}
+    assert {int(t) for t in rows.trajectory_id} == first_turns  # no trajectory lost its first turns
+    per_group: dict[int, set[int]] = {}
+    for group, trajectory in zip(rows.group_id.tolist(), rows.trajectory_id.tolist()):
+        per_group.setdefault(group, set()).add(trajectory)
+    assert len({len(t) for t in per_group.values()}) == 1  # every group held has all its trajectories
