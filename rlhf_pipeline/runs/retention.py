@@ -17,14 +17,17 @@ after it. The floor is the lowest of:
 samplers can reach behind a position. The prioritized sampler draws from every row held, so with
 it retention bounds what it draws from (a rewind then draws from the rows still held, not exact).
 
-Not covered (``docs/retention.md``): a ``replay`` reading this run's buffer while it runs registers
-nowhere, so nothing holds its rows (its read of a dropped row fails naming the rows); branches made
-under another home, or of a run at a URL, are not found.
+* **a running replay of the buffer** beside the run (its ``settings.json`` names the source, its
+  ``run.lock`` a live process on this machine): while it runs, nothing is dropped.
+
+Not covered (``docs/retention.md``): a replay under another home or on another machine, and branches
+made under another home or of a run at a URL, are not found.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +91,9 @@ class ShardRetention:
         candidates = [(self._learner_floor(store), "the learner's unread rows and sampling window")]
         candidates += self._checkpoint_floors()
         candidates += self._branch_floors()
+        if self.paths.url is None:
+            candidates += [(store.first_row, f"replay {run} (running)")
+                           for run in running_replays_of(self.paths.root, self.store_path)]
         return min(candidates, key=lambda c: c[0])
 
     def _learner_floor(self, store: Any) -> int:
@@ -139,6 +145,32 @@ def branch_rows_needed(run: str | Path, store_path: str) -> list[tuple[str, int]
             if part.get("rows") and _resolved(part.get("location", "")) == shard:
                 needed.append((branch["run"], int(part["first_row"])))
     return needed
+
+
+def running_replays_of(run: str | Path, store_path: str) -> list[str]:
+    """The runs beside ``run`` whose ``replay`` is running now over ``run``'s buffer (or over the
+    store at ``store_path``): a replay's ``settings.json`` names its source, and its ``run.lock``
+    names the process that holds it (``runs/run_directory.py``). Such a replay counted the rows it
+    walks when it started, so while it runs nothing of the store is dropped."""
+    from rlhf_pipeline.files.processes import pid_running
+    from rlhf_pipeline.runs.run_directory import HOLDER_FILE
+
+    run = Path(run).resolve()
+    sources = {_resolved(str(run / "buffer")), _resolved(store_path)}
+    found = []
+    for candidate in sorted(run.parent.iterdir()) if run.parent.is_dir() else []:
+        if candidate == run or not (candidate / HOLDER_FILE).is_file():
+            continue
+        try:
+            replay = json.loads((candidate / "settings.json").read_text()).get("replay") or {}
+            holder = json.loads((candidate / HOLDER_FILE).read_text() or "{}")
+        except (OSError, ValueError, AttributeError):
+            continue  # not a replay, or one that has not written its record yet
+        source = replay.get("buffer") if isinstance(replay, dict) else None
+        if (isinstance(source, str) and _resolved(source) in sources and holder.get("host") == socket.gethostname()
+                and isinstance(holder.get("pid"), int) and pid_running(holder["pid"])):
+            found.append(str(candidate))
+    return found
 
 
 def _resolved(location: str) -> str:

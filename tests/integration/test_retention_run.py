@@ -4,7 +4,9 @@ and ``rlhf-pipeline run`` with ``retention.max_rows`` keeping its shard bounded 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +34,7 @@ def checkpoint(paths: RunPaths, step: int, rows: int) -> None:
     manager.save(Progress(seed=0, step=step), {}, record={"buffer_rows": {"shard-0000": rows}})
 
 
-def test_retention_never_passes_a_branch_a_checkpoint_or_the_learner(tmp_path):
+def test_retention_never_passes_a_branch_a_replay_a_checkpoint_or_the_learner(tmp_path):
     paths = RunPaths(tmp_path / "run")
     shard = paths.buffer / "shard-0000"
     store = create_store(shard, "memmap", segment_rows=SEGMENT, evict_grace_s=0.0)
@@ -55,7 +57,18 @@ def test_retention_never_passes_a_branch_a_checkpoint_or_the_learner(tmp_path):
     report = retention.after_round(store, None)
     assert report.rows_dropped == 0 and store.first_row == 0 and "branch" in report.held_by
 
-    shutil.rmtree(branch)  # the checkpoint's rows now hold: below 88, at a boundary no group straddles
+    shutil.rmtree(branch)
+    # a replay of this buffer beside the run, running (this process holds its run.lock): nothing goes
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    (replay / "settings.json").write_text(json.dumps({"replay": {"buffer": str(paths.buffer)}}))
+    (replay / "run.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    report = retention.after_round(store, None)
+    assert report.rows_dropped == 0 and "replay" in report.held_by
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (replay / "run.lock").write_text(json.dumps({"pid": int(ended.stdout), "host": socket.gethostname()}))
+
+    # the replay ended: the checkpoint's rows now hold, below 88, at a boundary no group straddles
     report = retention.after_round(store, None)
     assert store.first_row == report.first_row == 48 and report.rows_dropped == 48  # 80 and 64 split groups
     assert "checkpoint of step 5" in report.held_by and report.bytes_freed > 0
