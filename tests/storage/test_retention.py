@@ -1,4 +1,4 @@
-"""Retention on real stores (memmap, Zarr in a directory, Zarr on moto's S3 server): old rows go whole
+"""Retention on real stores (memmap, Zarr in a directory, on moto's S3 server and on Azurite): old rows go whole
 (whole segments, never a group or trajectory cut in two), their files or objects are gone and the
 bytes down, the rows kept read exactly as before, and a read of a dropped row is a clear error."""
 
@@ -38,7 +38,15 @@ def fill(store, rounds: int, groups_per_round: int = 2) -> None:
                                 first_trajectory_id=r * groups_per_round * GROUP, policy_version=r))
 
 
-@pytest.fixture(params=["memmap", "zarr", "zarr-s3"])
+def az_bytes(server, url: str) -> tuple[int, int]:
+    """(blobs, bytes) under ``url`` as the emulator lists them."""
+    prefix = url.split("/", 3)[3] + "/"
+    container = server.client().get_container_client(url.removeprefix("az://").split("/", 1)[0])
+    blobs = list(container.list_blobs(name_starts_with=prefix))
+    return len(blobs), sum(b.size for b in blobs)
+
+
+@pytest.fixture(params=["memmap", "zarr", "zarr-s3", "zarr-az"])
 def store_at(request, tmp_path):
     """A new writable store, a function returning the (objects, bytes) it takes now, and the
     arguments a reader opens it with."""
@@ -50,6 +58,11 @@ def store_at(request, tmp_path):
                    "client_kwargs": {"endpoint_url": env["AWS_ENDPOINT_URL"], "region_name": "us-east-1"}}
         store = create_store(url, "zarr", segment_rows=SEGMENT, storage_options=options)
         yield store, lambda: s3_bytes(server, url), {"storage_options": options}
+    elif request.param == "zarr-az":
+        server = request.getfixturevalue("azure_server")
+        url = server.url()
+        store = create_store(url, "zarr", segment_rows=SEGMENT, storage_options=server.options)
+        yield store, lambda: az_bytes(server, url), {"storage_options": server.options}
     else:
         path = tmp_path / "buffer"
         # memmap deletes a dropped segment's files after evict_grace_s (readers may still map them)
