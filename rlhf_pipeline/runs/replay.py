@@ -110,6 +110,10 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         return 0
     check_cuda_device(settings.device)  # before torch is imported
     paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
+    from rlhf_pipeline.runs.branch_url import half_made_branch
+
+    if (half_made := half_made_branch(paths)) is not None:
+        raise ReplayError(half_made)
     if "WORLD_SIZE" in os.environ:  # a rank started by _train_on_ranks: its launcher holds the directory
         return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)
     from rlhf_pipeline.runs.run_directory import hold_run_directory

@@ -1,0 +1,129 @@
+"""``rlhf-pipeline branch`` of a run at an ``s3://`` URL, at a URL beside it (moto's S3 server on
+loopback). A replay parent at the URL trains 12 steps from a source at a URL; its branch at step 6
+continues with the same ``replay`` command and trains the parent's steps 7-12 exactly (rows, losses,
+weights); the checkpoint and weights are copied server-side (no GET of them during the branch);
+the parent's objects keep their etags and bytes; ``inspect`` of either URL shows the lineage; a
+branch stopped before ``branch.json`` is refused by ``replay`` in one line and made again by
+``branch``; a parent with collectors and a local/URL mix are refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from integration.test_branch import OPTIONS, SETTINGS
+from integration.test_replay import ROWS, record, recorded_rows
+from integration.test_replay_at_url import DEFAULT, logged, same_weights
+from integration.test_run_at_url import trained
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.files.object_run_store import ObjectRunStore
+from rlhf_pipeline.runs.replay import ReplayOptions, replay_command
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+NOT_COMPARED = ("learning_rate",)
+
+
+def objects(s3_server, url: str) -> dict[str, tuple[str, str]]:
+    """Every object under ``url``: its etag and a digest of its bytes, read by a client of our own."""
+    from s3_server import BUCKET
+
+    prefix = url.removeprefix(f"s3://{BUCKET}/") + "/"
+    pages = s3_server.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {item["Key"][len(prefix):]: (item["ETag"], hashlib.sha256(s3_server.get(url, item["Key"][len(prefix):]))
+                                        .hexdigest()) for page in pages for item in page.get("Contents", [])}
+
+
+def replay(home: str, name: str, source: str) -> int:
+    return replay_command(DEFAULT, ReplayOptions(buffer=source, **OPTIONS), home=home, run_name=name,
+                          overrides=SETTINGS)
+
+
+@pytest.fixture()
+def parent(s3_server, s3_env, tmp_path, monkeypatch):
+    """A replay at a URL, 12 steps, from a recorded source at a URL; returns (home, source, parent URL)."""
+    monkeypatch.chdir(tmp_path)
+    source = s3_server.url("recorded")
+    record(source, recorded_rows(ROWS), backend="zarr")
+    home = s3_server.url("runs")
+    assert replay(home, "parent", source) == 0
+    return home, source, f"{home}/parent"
+
+
+def test_a_branch_at_a_url_continues_with_replay_as_the_parent_trained(s3_server, parent, capsys):
+    home, source, parent_url = parent
+    before = objects(s3_server, parent_url)
+    with s3_server.requests.recording() as requests:
+        assert main(["branch", parent_url, "--from-step", "6", "same"]) == 0
+    err = capsys.readouterr().err
+    assert f"[branch] {home}/same: from {parent_url} at step 6 (no setting changed)" in err
+    assert f"--buffer {source} --home {home} --run-name same" in err
+    # the checkpoint and the weights were copied on the server: this process never read them
+    reads = [path for method, path in requests if method == "GET"]
+    assert not any("/parent/checkpoints/step_00000006.pt" in p or "/parent/weights/" in p for p in reads), reads
+    made = objects(s3_server, f"{home}/same")
+    assert "branch.json" in made and "branch.making" not in made
+    assert made["checkpoints/step_00000006.pt"] == before["checkpoints/step_00000006.pt"]  # same bytes, same etag
+    assert objects(s3_server, parent_url) == before  # branching only read the parent
+
+    assert replay(home, "same", source) == 0
+    assert objects(s3_server, parent_url) == before  # nor did training the branch write to it
+    branch, whole = logged(f"{home}/same"), logged(parent_url)
+    assert [m["step"] for m in branch] == list(range(1, 13))
+    assert trained(branch, NOT_COMPARED) == trained(whole, NOT_COMPARED)  # steps 7-12 trained again: the same
+    assert [r["trajectory_ids"] for r in logged(f"{home}/same", "batches.jsonl")] == \
+        [r["trajectory_ids"] for r in logged(parent_url, "batches.jsonl")]
+    assert same_weights(ObjectRunStore(f"{home}/same"), ObjectRunStore(parent_url))
+
+    assert main(["inspect", parent_url, "--json"]) == 0
+    lineage = json.loads(capsys.readouterr().out)["run"]
+    assert lineage["branches"] == [{"run": f"{home}/same", "step": 6}]
+    assert [p["step"] for p in lineage["rewind_points"]] == [6, 12]
+    assert main(["inspect", f"{home}/same"]) == 0
+    assert f"branched from  {parent_url} at step 6 (no setting changed)" in capsys.readouterr().out
+
+
+def test_a_branch_stopped_before_branch_json_is_refused_then_made_again(s3_server, parent, capsys):
+    home, source, parent_url = parent
+    assert main(["branch", parent_url, "--from-step", "6", "cut", "--set", "learner.lr=1e-3"]) == 0
+    # what a kill before its last object leaves: the marker, no branch.json
+    from s3_server import BUCKET
+
+    prefix = f"{home}/cut".removeprefix(f"s3://{BUCKET}/")
+    client = s3_server.client()
+    client.delete_object(Bucket=BUCKET, Key=f"{prefix}/branch.json")
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/branch.making", Body=b"{}")
+    capsys.readouterr()
+    assert main(["replay", DEFAULT, "--buffer", source, "--home", home, "--run-name", "cut",
+                 *[w for s in SETTINGS for w in ("--set", s)], "--epochs", "2", "--seed", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a branch left half-made" in err and len(err.splitlines()) == 1, err
+    assert main(["inspect", parent_url, "--json"]) == 0  # not a branch yet: the parent does not list it
+    assert json.loads(capsys.readouterr().out)["run"]["branches"] == []
+    assert main(["branch", parent_url, "--from-step", "6", "cut", "--set", "learner.lr=1e-3"]) == 0
+    assert "left half-made" in capsys.readouterr().err
+    made = objects(s3_server, f"{home}/cut")
+    assert "branch.json" in made and "branch.making" not in made
+    assert json.loads(s3_server.get(f"{home}/cut", "settings.json"))["learner"]["lr"] == 1e-3
+    # a branch that is whole is a run: another branch of that name is refused
+    assert main(["branch", parent_url, "--from-step", "6", "cut"]) == 2
+    assert "holds objects already" in capsys.readouterr().err
+
+
+def test_what_a_branch_at_a_url_cannot_be_is_refused_by_name(s3_server, parent, tmp_path, capsys):
+    home, _, parent_url = parent
+    assert main(["branch", parent_url, "--from-step", "6", str(tmp_path / "local")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "must both be local directories or both URLs" in err and len(err.splitlines()) == 1
+    assert main(["branch", parent_url, "--from-step", "4", "b"]) == 2
+    assert "keeps no checkpoint of step 4 (kept: 6, 12)" in capsys.readouterr().err
+    store = ObjectRunStore(f"{home}/online")  # a run with collectors: settings without "replay"
+    store.create("settings.json", json.dumps({"learner": {}}).encode())
+    assert main(["branch", f"{home}/online", "--from-step", "2", "b"]) == 2
+    assert "is a run with collectors" in capsys.readouterr().err
+    assert s3_server.keys(f"{home}/b") == []  # a refused branch leaves nothing behind
+    assert torch.get_num_threads() == 1
