@@ -45,7 +45,14 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
-from rlhf_pipeline.runs.lineage import BRANCH_FILE, BRANCH_FORMAT, find_branches, is_run_directory, read_parent
+from rlhf_pipeline.runs.lineage import (
+    BRANCH_FILE,
+    BRANCH_FORMAT,
+    find_branches,
+    is_detached,
+    is_run_directory,
+    read_parent,
+)
 from rlhf_pipeline.runs.run_directory import RunError
 
 # settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
@@ -279,7 +286,8 @@ def refuse_evicting_parent(root: str | Path) -> None:
     branch reads its rows by reference (``parent-rows/``): the eviction would take rows from under
     the branch. Refused in one line naming the branch, before the run starts."""
     root = Path(root)
-    readers = [b["run"] for b in find_branches(root) if (Path(b["run"]) / PARENT_ROWS).exists()]
+    readers = [b["run"] for b in find_branches(root)
+               if (Path(b["run"]) / PARENT_ROWS).exists() and not is_detached(b["run"])]
     if not readers or not (root / "buffer").exists():
         return
     from rlhf_pipeline.storage import open_buffer
@@ -290,5 +298,5 @@ def refuse_evicting_parent(root: str | Path) -> None:
     if evicting:
         raise BranchError(
             f"{evicting[0]} evicts its oldest rows (it has a capacity), and branch {readers[0]} reads rows of "
-            f"{root} by reference; running it would take them from the branch. Keep them first with "
-            f"rlhf-pipeline convert {Path(readers[0]) / PARENT_ROWS} DST --to memmap, then move the branch away")
+            f"{root} by reference; running it would take them from the branch. Make the branch self-contained first: "
+            f"rlhf-pipeline detach {readers[0]} (copies the rows it reads into its own store)")

@@ -37,6 +37,15 @@ def read_parent(run: str | Path) -> dict[str, Any] | None:
     return data
 
 
+def is_detached(run: str | Path) -> bool:
+    """Whether the branch ``run`` was made self-contained (``runs/detach.py``): it reads nothing of
+    its parent any more, though its ``branch.json`` still names it."""
+    try:
+        return bool((read_parent(run) or {}).get("detached"))
+    except (ValueError, OSError):
+        return False  # damaged: treated as still reading its parent
+
+
 def find_branches(run: str | Path) -> list[dict[str, Any]]:
     """The branches of ``run`` among the runs beside it: ``{"run": path, "step": N}``, by step then path."""
     run = Path(run).resolve()

@@ -1,0 +1,113 @@
+"""``rlhf-pipeline detach BRANCH``: a branch of a run with collectors copies the parent rows it reads
+into its own store; then the parent's directory is deleted and the branch, resumed with the same
+``replay`` command, trains what an undetached twin trains (same rows, losses, weights). Every state
+a kill can leave mid-detach (a partial copy; a whole copy not switched to; switched but not
+recorded in ``branch.json``) reads the same rows and finishes with ``detach`` run again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from integration.test_branch import DEFAULT, ONLINE, REPO, digest, rows, trained
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.coordination.weights import load_weights
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.runs.replay import ReplayOptions, replay_command
+from rlhf_pipeline.storage import open_buffer
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+
+def replay_branch(home, name: str, steps: int) -> None:
+    assert replay_command(DEFAULT, ReplayOptions(buffer=str(home / name / "parent-rows"), steps=steps),
+                          home=str(home), run_name=name, overrides=ONLINE) == 0
+
+
+def held_ids(selection) -> list[int]:
+    with open_buffer(selection) as store:
+        return store.read(torch.arange(len(store)), fields=("trajectory_id",))["trajectory_id"].tolist()
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A parent trained 8 steps with its collector; branches at step 4 made by the tests."""
+    home = tmp_path_factory.mktemp("home")
+    sets = [arg for item in ONLINE for arg in ("--set", item)]
+    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
+                          str(home), "--run-name", "parent", *sets], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return home
+
+
+def test_a_detached_branch_trains_the_same_after_its_parent_is_deleted(home, capsys):
+    parent = home / "doomed"  # a copy of the parent, deleted below (the other tests keep theirs)
+    shutil.copytree(home / "parent", parent)
+    assert main(["branch", str(home / "parent"), "--from-step", "4", "twin"]) == 0
+    assert main(["branch", str(parent), "--from-step", "4", "alone"]) == 0
+    replay_branch(home, "twin", 10)  # the undetached twin, trained while the parent exists
+    replay_branch(home, "alone", 6)  # half way, then detached
+    before = held_ids(home / "alone" / "parent-rows")
+    parent_files = digest(parent)
+    capsys.readouterr()
+    assert main(["detach", str(home / "alone")]) == 0
+    assert f"{len(before)} parent rows copied into {home / 'alone' / 'own-rows'}" in capsys.readouterr().err
+    assert digest(parent) == parent_files  # detaching only read the parent
+    lineage = json.loads((home / "alone" / "branch.json").read_text())
+    assert lineage["parent"] == str(parent) and lineage["step"] == 4 and lineage["detached"]["rows_copied"] == len(
+        before)
+    assert main(["detach", str(home / "alone")]) == 0  # again: nothing left to do
+
+    shutil.rmtree(parent)
+    assert held_ids(home / "alone" / "parent-rows") == before  # the same rows at the same positions
+    replay_branch(home, "alone", 10)  # resumes from its step-6 checkpoint, over its own rows
+    alone, twin = home / "alone", home / "twin"
+    assert [m["step"] for m in read_metrics(alone / "metrics.jsonl")] == list(range(1, 11))
+    assert rows(alone) == rows(twin) and trained(alone) == trained(twin)
+    (wa, va), (wb, vb) = load_weights(alone), load_weights(twin)
+    assert va == vb and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert main(["inspect", str(alone)]) == 0  # the lineage is kept
+    assert f"branched from  {parent} at step 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stopped_after", ["partial copy", "whole copy", "switch"])
+def test_a_detach_stopped_anywhere_leaves_the_branch_usable_and_runs_again(home, stopped_after, capsys):
+    """What SIGKILL leaves at each point between the atomic steps (runs/detach.py), made by
+    detaching a twin and taking the later steps back."""
+    parent, name = home / "parent", f"cut-{stopped_after.replace(' ', '-')}"
+    assert main(["branch", str(parent), "--from-step", "4", name]) == 0
+    branch = home / name
+    rows_read = held_ids(branch / "parent-rows")
+    if stopped_after == "switch":  # the selection points at own-rows, branch.json does not say so yet
+        lineage = json.loads((branch / "branch.json").read_text())
+        assert main(["detach", str(branch)]) == 0
+        (branch / "branch.json").write_text(json.dumps(lineage))
+    else:  # the copy made, or being made; the selection untouched
+        twin = home / f"{name}-twin"
+        assert main(["branch", str(parent), "--from-step", "4", twin.name]) == 0
+        assert main(["detach", str(twin)]) == 0
+        target = branch / ("own-rows.partial" if stopped_after == "partial copy" else "own-rows")
+        shutil.copytree(twin / "own-rows", target)
+        if stopped_after == "partial copy":  # a torn copy: one data file cut short
+            torn = max((p for p in target.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+            torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    assert held_ids(branch / "parent-rows") == rows_read  # usable as it is
+    assert main(["detach", str(branch)]) == 0
+    assert json.loads((branch / "branch.json").read_text())["detached"]
+    assert not (branch / "own-rows.partial").exists() and not (branch / "parent-rows" / "rows.npy").exists()
+    assert held_ids(branch / "parent-rows") == rows_read
+    capsys.readouterr()
+
+
+def test_detach_of_what_is_no_branch_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    assert main(["detach", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is no branch" in err and len(err.splitlines()) == 1
