@@ -44,7 +44,7 @@ def find_branches_at_url(url: str) -> list[dict[str, Any]]:
         except ValueError:
             continue  # a damaged branch says so when it is inspected itself
         if parent is not None and str(parent["parent"]).rstrip("/") == url:
-            found.append({"run": f"{home}/{other}", "step": int(parent["step"])})
+            found.append({"run": f"{home}/{other}", "step": int(parent["step"])})  # find_branches' fields
     return sorted(found, key=lambda b: (b["step"], b["run"]))
 
 
@@ -59,7 +59,10 @@ def url_run_lineage(url: str) -> dict[str, Any]:
         "rewind_points": run_checkpoints(paths).rewind_points(),
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", [])},
-        "branches": find_branches_at_url(paths.url),
+        # a branch at a URL is a replay's (runs/branch_url.py): it holds none of the parent's rows
+        "branches": [{**b, "parent_rows": None, "reads": None,
+                      "detached": bool((read_parent_at_url(b["run"]) or {}).get("detached"))}
+                     for b in find_branches_at_url(paths.url)],
     }
 
 

@@ -81,10 +81,19 @@ def test_a_branch_at_a_url_continues_with_replay_as_the_parent_trained(s3_server
 
     assert main(["inspect", parent_url, "--json"]) == 0
     lineage = json.loads(capsys.readouterr().out)["run"]
-    assert lineage["branches"] == [{"run": f"{home}/same", "step": 6}]
+    assert lineage["branches"] == [{"run": f"{home}/same", "step": 6, "parent_rows": None, "reads": None,
+                                    "detached": False}]
     assert [p["step"] for p in lineage["rewind_points"]] == [6, 12]
     assert main(["inspect", f"{home}/same"]) == 0
     assert f"branched from  {parent_url} at step 6 (no setting changed)" in capsys.readouterr().out
+
+    # a branch of a replay reads none of its parent's rows: detach records it, and the lineage stays
+    assert main(["detach", f"{home}/same"]) == 0
+    assert "it read no parent rows" in capsys.readouterr().err
+    assert json.loads(s3_server.get(f"{home}/same", "branch.json"))["detached"]["rows_copied"] == 0
+    assert main(["inspect", parent_url]) == 0
+    assert f"{home}/same (from step 6; detached)" in capsys.readouterr().out
+    assert objects(s3_server, parent_url) == before
 
 
 def test_a_branch_stopped_before_branch_json_is_refused_then_made_again(s3_server, parent, capsys):

@@ -75,6 +75,8 @@ def test_a_detached_branch_trains_the_same_after_its_parent_is_deleted(home, cap
     assert va == vb and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert main(["inspect", str(alone)]) == 0  # the lineage is kept
     assert f"branched from  {parent} at step 4" in capsys.readouterr().out
+    assert main(["inspect", str(home / "parent")]) == 0  # the twin still reads the parent's rows
+    assert f"{twin} (from step 4; reads the parent's rows below" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("stopped_after", ["partial copy", "whole copy", "switch"])
