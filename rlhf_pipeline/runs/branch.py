@@ -178,7 +178,7 @@ def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings
             raise BranchError(f"the checkpoint of step {step} of {parent} has no rewind record (a run made before "
                               f"records): which of its rows were published at that step is not known; branch "
                               f"from a later step")
-        _write_parent_rows(parent / "buffer", new / PARENT_ROWS, lineage["buffer_rows"], step)
+        write_parent_rows(parent / "buffer", new / PARENT_ROWS, lineage["buffer_rows"], step)
     elif lineage["replay_source"] is None and (parent / PARENT_ROWS).is_dir():
         # a branch that was never continued: its rows are its own parent's, named by its selection
         shutil.copytree(parent / PARENT_ROWS, new / PARENT_ROWS)
@@ -197,7 +197,7 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
-def _write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], step: int) -> None:
+def write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], step: int) -> None:
     """A saved selection of the rows of ``buffer`` published at the branch step: per shard, its
     held rows below the ``buffer_rows`` the checkpoint recorded (a shard made later had none)."""
     import numpy as np

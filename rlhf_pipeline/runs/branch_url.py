@@ -35,7 +35,7 @@ from typing import Any
 
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
-from rlhf_pipeline.runs.branch import BranchError, changed_settings
+from rlhf_pipeline.runs.branch import PARENT_ROWS, BranchError, changed_settings, write_parent_rows
 from rlhf_pipeline.runs.lineage import BRANCH_FILE, BRANCH_FORMAT
 
 MAKING = "branch.making"
@@ -72,11 +72,6 @@ def branch_at_url(parent_url: str, step: int, new_url: str, overrides: Sequence[
         raise BranchError(f"{parent.url} holds no run (no settings.json); give the URL of a run, e.g. "
                           f"s3://BUCKET/runs/<run-name>")
     saved = json.loads(saved_text)
-    if "replay" not in saved:
-        raise BranchError(
-            f"{parent.url} is a run with collectors: a branch of it reads the parent's rows through parent-rows/, a "
-            f"selection kept on a file system, so it cannot be made at a URL yet; branch a replay at a URL, or a run "
-            f"with collectors in a local directory")
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
     checkpoints = run_checkpoints(parent)
@@ -90,12 +85,15 @@ def branch_at_url(parent_url: str, step: int, new_url: str, overrides: Sequence[
     lineage = {
         "format": BRANCH_FORMAT, "parent": parent.url, "step": step,
         "policy_version": record.get("policy_version"), "buffer_rows": record.get("buffer_rows"),
-        "replay_source": saved["replay"].get("buffer"), "settings_changed": changed,
+        "replay_source": saved.get("replay", {}).get("buffer"), "settings_changed": changed,
         "overrides": list(overrides), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     target.create(MAKING, json.dumps({"parent": parent.url, "step": step}).encode())
     try:
         _copy_branch(source, target, step, lineage["policy_version"])
+        if lineage["replay_source"] is None:  # a run with collectors: its rows up to the step, by reference
+            _parent_rows_at_url(saved.get("buffer_url") or f"{parent.url}/buffer", f"{new.url}/{PARENT_ROWS}",
+                                lineage["buffer_rows"], step, new)
     except FileNotFoundError as exc:  # the running parent pruned that checkpoint (or weights) meanwhile
         raise BranchError(f"{exc.filename} went away while branching (the parent is running and pruned it); "
                           f"branch from a step it keeps; {new.url} is left half-made: `branch` again removes it"
@@ -104,6 +102,26 @@ def branch_at_url(parent_url: str, step: int, new_url: str, overrides: Sequence[
     target.create(BRANCH_FILE, json.dumps(lineage, indent=2, sort_keys=True).encode())  # last: the branch is whole
     target.delete(MAKING)
     return lineage
+
+
+def _parent_rows_at_url(buffer: str, url: str, buffer_rows: dict[str, int] | None, step: int,
+                        new: RunPaths) -> None:
+    """``parent-rows/`` at the branch's URL: the saved selection of the parent's rows published at
+    ``step``, naming the parent's shards at their URLs (read in place), written in this machine's
+    cache of the branch and uploaded (``storage/selection_url.py``)."""
+    import shutil
+
+    from rlhf_pipeline.storage.selection_url import upload_selection
+
+    if buffer_rows is None:
+        raise BranchError(f"the checkpoint of step {step} has no rewind record (a run made before records): which "
+                          f"of its rows were published at that step is not known; branch from a later step")
+    local = new.root / PARENT_ROWS
+    if local.exists():
+        shutil.rmtree(local)
+    new.root.mkdir(parents=True, exist_ok=True)
+    write_parent_rows(buffer, local, buffer_rows, step)
+    upload_selection(local, url)
 
 
 def _url_changes(parent: RunPaths, saved: dict[str, Any], overrides: Sequence[str]) -> tuple[dict, list[str]]:
@@ -188,12 +206,48 @@ def half_made_branch(paths: RunPaths) -> str | None:
             f"it); run the same `rlhf-pipeline branch ... {paths.url}` again: it removes it and makes it whole")
 
 
+def offline_branch_of(paths: RunPaths) -> dict[str, Any] | None:
+    """``branch.offline_branch`` for a run directory or a run at a URL: the ``branch.json`` of a branch
+    of a run with collectors (it continues with ``replay`` over its ``parent-rows/``), else None."""
+    from rlhf_pipeline.runs.branch import offline_branch
+
+    if paths.url is None:
+        return offline_branch(paths.root)
+    raw = paths.store.read(BRANCH_FILE)
+    try:
+        lineage = None if raw is None else json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        lineage = None
+    if raw is not None and not (isinstance(lineage, dict) and "parent" in lineage and "step" in lineage):
+        raise BranchError(f"{paths.url}/{BRANCH_FILE} is damaged (no 'parent' and 'step'); it was written by "
+                          f"`rlhf-pipeline branch`: restore it, or the branch no longer knows the rows it may read")
+    return lineage if lineage is not None and lineage.get("replay_source") is None else None
+
+
+def refuse_at_url(paths: RunPaths) -> str | None:
+    """What ``run``/``collect``/``learn`` refuse at a URL, as ``branch.refuse_online_start`` does in a
+    directory: a half-made branch, or a branch of a run with collectors (it continues offline)."""
+    half_made = half_made_branch(paths)
+    if half_made is not None or paths.url is None:
+        return half_made
+    lineage = offline_branch_of(paths)
+    if lineage is None:
+        return None
+    return (f"{paths.url} is a branch of {lineage['parent']} (a run with collectors) at step {lineage['step']}; "
+            f"continuing it online is not there yet: continue it offline with rlhf-pipeline replay PIPELINE.py "
+            f"--buffer {paths.url}/{PARENT_ROWS} --home {paths.home} --run-name {paths.name}")
+
+
 def url_message(new_url: str, lineage: dict[str, Any]) -> None:
     """What ``branch`` prints for a branch at a URL: where from, and the command that continues it."""
     home, _, name = new_url.rpartition("/")
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
     sets = " ".join(f"--set {item}" for item in lineage["overrides"])
     print(f"[branch] {new_url}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
-    print(f"[branch] continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
-          f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']} --home {home} "
-          f"--run-name {name} {sets}".rstrip(), file=sys.stderr)
+    if lineage["replay_source"] is None:
+        how = (f"continue it offline over the parent's rows up to step {lineage['step']} (--epochs/--steps count "
+               f"from the parent's step 0): rlhf-pipeline replay PIPELINE.py --buffer {new_url}/{PARENT_ROWS}")
+    else:
+        how = (f"continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
+               f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']}")
+    print(f"[branch] {how} --home {home} --run-name {name} {sets}".rstrip(), file=sys.stderr)

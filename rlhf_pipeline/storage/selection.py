@@ -191,11 +191,21 @@ class SelectionStore(TrajectoryStore):
         if mode != "r":
             raise ReadOnlyStoreError(f"{location} is a saved selection, which is read-only; filter again "
                                      f"to change it, or open its source to append")
+        if "://" in str(location):  # kept at a URL (selection_url.py): opened from this machine's copy
+            from rlhf_pipeline.storage.selection_url import fetch_selection
+
+            local = fetch_selection(str(location), open_options.get("storage_options"))
+            if local is None:
+                raise NotAStoreError(f"{location} holds no saved selection ({MANIFEST_NAME} is missing)")
+            opened = cls(local, open_options)
+            opened._url = str(location).rstrip("/")
+            return opened
         return cls(Path(location), open_options)
 
     def __init__(self, path: Path, open_options: dict[str, Any]) -> None:
         super().__init__()
         self._path = path
+        self._url: str | None = None  # where it is kept, when at a URL (open)
         self._closed = False
         self._sources: dict[int, TrajectoryStore] = {}
         manifest = read_json(path / MANIFEST_NAME, what="saved selection")
@@ -286,7 +296,7 @@ class SelectionStore(TrajectoryStore):
 
     @property
     def location(self) -> str:
-        return str(self._path)
+        return self._url or str(self._path)
 
     @property
     def writable(self) -> bool:

@@ -4,7 +4,9 @@ continues with the same ``replay`` command and trains the parent's steps 7-12 ex
 weights); the checkpoint and weights are copied server-side (no GET of them during the branch);
 the parent's objects keep their etags and bytes; ``inspect`` of either URL shows the lineage; a
 branch stopped before ``branch.json`` is refused by ``replay`` in one line and made again by
-``branch``; a parent with collectors and a local/URL mix are refused by name.
+``branch``; a local/URL mix is refused by name. A parent with collectors at the URL (a Zarr buffer
+there) branches with its ``parent-rows/`` selection at the branch's URL, naming the parent's shards
+in place, and the branch replays only rows the parent had published by the branch step.
 """
 
 from __future__ import annotations
@@ -130,9 +132,52 @@ def test_what_a_branch_at_a_url_cannot_be_is_refused_by_name(s3_server, parent, 
     assert "must both be local directories or both URLs" in err and len(err.splitlines()) == 1
     assert main(["branch", parent_url, "--from-step", "4", "b"]) == 2
     assert "keeps no checkpoint of step 4 (kept: 6, 12)" in capsys.readouterr().err
-    store = ObjectRunStore(f"{home}/online")  # a run with collectors: settings without "replay"
-    store.create("settings.json", json.dumps({"learner": {}}).encode())
-    assert main(["branch", f"{home}/online", "--from-step", "2", "b"]) == 2
-    assert "is a run with collectors" in capsys.readouterr().err
+    assert main(["branch", f"{home}/nothing", "--from-step", "2", "b"]) == 2
+    assert "holds no run (no settings.json)" in capsys.readouterr().err
     assert s3_server.keys(f"{home}/b") == []  # a refused branch leaves nothing behind
     assert torch.get_num_threads() == 1
+
+
+def test_a_branch_at_a_url_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_step(s3_server, s3_env,
+                                                                                            tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from integration.test_branch import ONLINE, REPO
+
+    from rlhf_pipeline.learn.metrics import read_metrics
+    from rlhf_pipeline.storage import open_buffer
+
+    home = s3_server.url("runs")
+    sets = [arg for item in [*ONLINE, "buffer_backend=zarr"] for arg in ("--set", item)]
+    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
+                          home, "--run-name", "parent", *sets], cwd=tmp_path, env=s3_env, capture_output=True,
+                         text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    parent_url = f"{home}/parent"
+    before = objects(s3_server, parent_url)
+    assert main(["branch", parent_url, "--from-step", "4", "offline", "--set", "learner.lr=1e-3"]) == 0
+    assert f"--buffer {home}/offline/parent-rows --home {home} --run-name offline" in capsys.readouterr().err
+    branch = f"{home}/offline"
+    assert {"parent-rows/selection.json", "parent-rows/rows.npy", "branch.json"} <= set(s3_server.keys(branch))
+    record = json.loads(s3_server.get(branch, "branch.json"))
+    with open_buffer(f"{parent_url}/buffer") as whole, open_buffer(f"{branch}/parent-rows") as at_step:
+        assert len(at_step) == sum(record["buffer_rows"].values()) < len(whole)
+        everything = set(whole.read(torch.arange(len(whole)), fields=("trajectory_id",))["trajectory_id"].tolist())
+        readable = set(at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist())
+    later = everything - readable
+    assert later and readable < everything
+    # online it cannot continue yet (one line); offline it does, over those rows only
+    assert main(["learn", DEFAULT, "--home", home, "--run-name", "offline"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "continue it offline with rlhf-pipeline replay" in err and len(err.splitlines()) == 1, err
+    assert replay_command(DEFAULT, ReplayOptions(buffer=f"{branch}/parent-rows", steps=8), home=home,
+                          run_name="offline", overrides=ONLINE + ["buffer_backend=zarr", "learner.lr=1e-3"]) == 0
+    metrics = read_metrics("metrics.jsonl", store=ObjectRunStore(branch))
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert [m["charts/learning_rate"] for m in metrics[4:]] == [1e-3] * 4
+    trained_ids = {i for r in read_metrics("batches.jsonl", store=ObjectRunStore(branch)) for i in r["trajectory_ids"]}
+    assert trained_ids and trained_ids <= readable and not trained_ids & later
+    assert objects(s3_server, parent_url) == before  # the parent's objects were only read
+    assert main(["inspect", parent_url]) == 0
+    assert f"{branch} (from step 4;" in capsys.readouterr().out
