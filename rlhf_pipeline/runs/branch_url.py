@@ -15,8 +15,10 @@ What changes at a URL:
   ``branch.making`` is deleted. A branch killed midway holds ``branch.making`` and no
   ``branch.json``: ``replay`` and ``run`` refuse it in one line (:func:`half_made_branch`), and
   ``branch`` with the same NEW removes its objects and makes it again.
-* **a parent with collectors is refused by name.** Its branch would read the parent's rows through
-  ``parent-rows/``, a saved selection, which is a directory on a file system today.
+* **a parent with collectors** (its Zarr buffer at the URL): ``parent-rows/`` is the saved
+  selection of its rows published at step N, kept at the branch's URL (``storage/selection_url.py``)
+  and naming the parent's shards at their URLs, read in place. The branch continues offline with
+  ``replay --buffer NEW/parent-rows``; ``run``/``learn`` refuse it in one line (:func:`refuse_at_url`).
 * **both at URLs of one cloud, or both local.** A parent finds its branches beside it (``inspect``),
   and a branch on another kind of storage than its parent would be found by neither; copy the run
   first (``convert``/``export`` its buffer, ``replay --init-from``) to move it.

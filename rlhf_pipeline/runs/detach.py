@@ -23,8 +23,9 @@ Crash-safe: each step leaves the branch usable and ``detach`` re-runnable, one s
 3. ``branch.json`` is rewritten (atomically) with ``detached``; then the parent's ids files of
    the old selection, which nothing names any more, are deleted.
 
-At a URL (``runs/branch_url.py``) a branch is always a replay's: ``detach`` records it in
-``branch.json``.
+At a URL (``runs/branch_url.py``) the same steps, with ``own-rows/`` a Zarr store at the branch's
+URL: there is no rename there, so a copy found unswitched is kept when it holds every row and
+deleted and made again otherwise; the switch is one PUT of ``parent-rows/selection.json``.
 """
 
 from __future__ import annotations
@@ -101,9 +102,27 @@ def _own_selection(selection: Path, own: Path) -> int:
     if not own.exists():
         _copy_rows(selection, partial)
         partial.replace(own)
+    staged = selection.with_name(selection.name + ".detaching")  # the new selection, written whole, then moved in
+    ids, switched = _selection_over(own, staged, manifest)
+    switched["source"]["relative"] = f"../{OWN_ROWS}"
+    for part in switched["parts"]:
+        part["relative"] = f"../{OWN_ROWS}"
+    write_atomic(selection / OWN_IDS, lambda f: f.write(ids))
+    publish_json(selection / MANIFEST_NAME, switched)  # the switch: one rename
+    shutil.rmtree(staged)
+    return int(switched["rows"])
+
+
+def _selection_over(own: str | Path, staged: Path, manifest: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """The selection of every row of the copy ``own`` (written at ``staged``, a scratch directory):
+    its ids file's bytes and its manifest, naming that file and keeping the identity of the rows
+    first selected (``manifest``'s), which resumed checkpoints check."""
     import numpy as np
 
-    staged = selection.with_name(selection.name + ".detaching")  # the new selection, written whole, then moved in
+    from rlhf_pipeline.storage import open_buffer
+    from rlhf_pipeline.storage.manifest import read_json
+    from rlhf_pipeline.storage.selection import MANIFEST_NAME, write_selection
+
     if staged.exists():
         shutil.rmtree(staged)
     with open_buffer(own, mode="r") as copied:
@@ -111,24 +130,17 @@ def _own_selection(selection: Path, own: Path) -> int:
                         where=f"{manifest.get('where', '')} (detached: the branch's own copy)",
                         source_location=str(own))
     switched = read_json(staged / MANIFEST_NAME, what="saved selection")
-    ids = (staged / "rows.npy").read_bytes()
-    write_atomic(selection / OWN_IDS, lambda f: f.write(ids))
     switched.update(rows_file=OWN_IDS, parts_file=None, rows_identity_crc32=int(
         manifest.get("rows_identity_crc32", manifest["rows_crc32"])))
-    switched["source"]["relative"] = f"../{OWN_ROWS}"
-    for part in switched["parts"]:
-        part["relative"] = f"../{OWN_ROWS}"
-    publish_json(selection / MANIFEST_NAME, switched)  # the switch: one rename
-    shutil.rmtree(staged)
-    return int(switched["rows"])
+    return (staged / "rows.npy").read_bytes(), switched
 
 
-def _copy_rows(selection: Path, target: Path, rows_per_step: int = 4096) -> None:
-    """The selection's rows, in its order, into a new memmap store, a bounded slice at a time."""
+def _copy_rows(selection: Path | str, target: Path | str, backend: str = "memmap", rows_per_step: int = 4096) -> None:
+    """The selection's rows, in its order, into a new store, a bounded slice at a time."""
     from rlhf_pipeline.storage import create_store, open_buffer
 
-    with open_buffer(selection, mode="r") as source, \
-            create_store(target, "memmap", schema=source.schema, segment_rows=rows_per_step) as copy:
+    with open_buffer(str(selection), mode="r") as source, \
+            create_store(target, backend, schema=source.schema, segment_rows=rows_per_step) as copy:
         for start in range(0, len(source), rows_per_step):
             import torch
 
@@ -146,8 +158,10 @@ def _forget_parent_ids(selection: Path) -> None:
 
 
 def _detach_at_url(url: str) -> dict[str, Any]:
-    from rlhf_pipeline.runs.lineage_url import read_parent_at_url
+    """At a URL: the same three steps, with a Zarr store ``own-rows/`` at the branch's URL (whole or
+    deleted and copied again: no rename there), the switch one PUT of ``parent-rows/selection.json``."""
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
+    from rlhf_pipeline.runs.lineage_url import read_parent_at_url
 
     try:
         lineage = read_parent_at_url(url)
@@ -155,10 +169,42 @@ def _detach_at_url(url: str) -> dict[str, Any]:
         raise BranchError(str(exc)) from None
     if lineage is None:
         raise BranchError(f"{url} is no branch (no {BRANCH_FILE}); detach takes a run made by `rlhf-pipeline branch`")
-    if lineage.get("detached"):
-        return lineage["detached"]
-    _refuse_source_in_parent(lineage, url, str(lineage["parent"]).rstrip("/"))
-    detached = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_copied": 0, "rows_in": None}
-    ObjectRunStore(url).write(BRANCH_FILE, json.dumps({**lineage, "detached": detached}, indent=2,
-                                                      sort_keys=True).encode())
-    return detached
+    store = ObjectRunStore(url)
+    if not lineage.get("detached"):
+        _refuse_source_in_parent(lineage, url, str(lineage["parent"]).rstrip("/"))
+        rows = _own_selection_at_url(url, store) if store.exists(f"{PARENT_ROWS}/selection.json") else 0
+        lineage["detached"] = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_copied": rows,
+                               "rows_in": f"{url}/{OWN_ROWS}" if rows else None}
+        store.write(BRANCH_FILE, json.dumps(lineage, indent=2, sort_keys=True).encode())
+    for name in ("rows.npy", "parts.npy"):  # the parent's ids: nothing names them any more
+        store.delete(f"{PARENT_ROWS}/{name}")
+    return lineage["detached"]
+
+
+def _own_selection_at_url(url: str, store) -> int:
+    import tempfile
+
+    from rlhf_pipeline.runs.branch_url import walk
+    from rlhf_pipeline.storage import open_buffer
+
+    manifest = json.loads(store.read(f"{PARENT_ROWS}/selection.json"))
+    if manifest.get("rows_file") == OWN_IDS:  # switched already (a kill before branch.json)
+        return int(manifest["rows"])
+    own = f"{url}/{OWN_ROWS}"
+    leftover = walk(store, OWN_ROWS)
+    if leftover:
+        try:
+            with open_buffer(own, mode="r") as copied:
+                whole = len(copied) == int(manifest["rows"])
+        except Exception:  # a copy a kill interrupted before it was a store
+            whole = False
+        if not whole:
+            for key in leftover:
+                store.delete(key)
+    if not leftover or not whole:
+        _copy_rows(f"{url}/{PARENT_ROWS}", own, backend="zarr")
+    with tempfile.TemporaryDirectory() as scratch:
+        ids, switched = _selection_over(own, Path(scratch) / "selection", manifest)
+    store.write(f"{PARENT_ROWS}/{OWN_IDS}", ids, fence=False)
+    store.write(f"{PARENT_ROWS}/selection.json", json.dumps(switched, sort_keys=True).encode(), fence=False)
+    return int(switched["rows"])

@@ -181,3 +181,25 @@ def test_a_branch_at_a_url_of_a_run_with_collectors_replays_the_parents_rows_up_
     assert objects(s3_server, parent_url) == before  # the parent's objects were only read
     assert main(["inspect", parent_url]) == 0
     assert f"{branch} (from step 4;" in capsys.readouterr().out
+
+    # detached, the branch outlives its parent: its own copy of the rows (a Zarr store at its URL)
+    with open_buffer(f"{branch}/parent-rows") as at_step:
+        held = at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist()
+    from s3_server import BUCKET
+
+    client, prefix = s3_server.client(), parent_url.removeprefix(f"s3://{BUCKET}/")
+    # what a detach killed while copying leaves: part of a store at own-rows/, the selection not switched
+    client.put_object(Bucket=BUCKET, Key=f"{prefix.rsplit('/', 1)[0]}/offline/own-rows/zarr.json", Body=b"{")
+    assert main(["detach", branch]) == 0
+    assert f"{len(held)} parent rows copied into {branch}/own-rows" in capsys.readouterr().err
+    assert objects(s3_server, parent_url) == before
+    for key in s3_server.keys(parent_url):
+        client.delete_object(Bucket=BUCKET, Key=f"{prefix}/{key}")
+    with open_buffer(f"{branch}/parent-rows") as own:
+        assert own.read(torch.arange(len(own)), fields=("trajectory_id",))["trajectory_id"].tolist() == held
+    assert replay_command(DEFAULT, ReplayOptions(buffer=f"{branch}/parent-rows", steps=10), home=home,
+                          run_name="offline", overrides=ONLINE + ["buffer_backend=zarr", "learner.lr=1e-3"]) == 0
+    metrics = read_metrics("metrics.jsonl", store=ObjectRunStore(branch))
+    assert [m["step"] for m in metrics] == list(range(1, 11))  # resumed at step 8, over its own rows
+    assert main(["inspect", branch]) == 0
+    assert f"branched from  {parent_url} at step 4" in capsys.readouterr().out
