@@ -2,13 +2,15 @@
 into its own store; then the parent's directory is deleted and the branch, resumed with the same
 ``replay`` command, trains what an undetached twin trains (same rows, losses, weights). Every state
 a kill can leave mid-detach (a partial copy; a whole copy not switched to; switched but not
-recorded in ``branch.json``) reads the same rows and finishes with ``detach`` run again.
+recorded in ``branch.json``) reads the same rows and finishes with ``detach`` run again, and so
+does a ``detach`` killed with SIGKILL while it copies.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -113,3 +115,53 @@ def test_detach_of_what_is_no_branch_is_refused_in_one_line(tmp_path, capsys):
     assert main(["detach", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert "is no branch" in err and len(err.splitlines()) == 1
+
+
+def test_detach_killed_mid_copy_leaves_the_branch_usable_and_finishes_when_run_again(tmp_path):
+    """A real SIGKILL while ``detach`` copies: a branch whose ``parent-rows/`` names every other row of a
+    parent buffer of 400,000 rows (large enough that the copy is under way when the kill lands)."""
+    import numpy as np
+    from helpers import kill_when
+
+    from rlhf_pipeline.models import char_tokenizer
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.schema.synthetic import synthetic_batches
+    from rlhf_pipeline.storage import create_store
+    from rlhf_pipeline.storage.selection import write_selection
+
+    parent, branch = tmp_path / "parent", tmp_path / "branch"
+    store = None
+    for batch in synthetic_batches(400_000, group_size=4, prompt_len=(3, 8), response_len=(1, 6), batch_size=100_000,
+                                   seed=0, optional_fields=("advantage",), vocab_size=len(char_tokenizer())):
+        if store is None:
+            store = create_store(parent / "buffer", "memmap", schema=StoreSchema.for_batch(batch), segment_rows=65_536)
+        store.append(batch)
+    kept = np.arange(0, len(store), 2)
+    branch.mkdir()
+    write_selection(branch / "parent-rows", store, np.zeros(kept.size, dtype=np.int64), kept, where="every other row")
+    store.close()
+    (branch / "branch.json").write_text(json.dumps({"parent": str(parent), "step": 2, "replay_source": None}))
+    with open_buffer(branch / "parent-rows") as selection:
+        sample = torch.tensor([0, 1, kept.size // 2, kept.size - 1])
+        expected = selection.read(sample, fields=("trajectory_id", "response_tokens"))
+    parent_files = digest(parent)
+
+    partial = branch / "own-rows.partial"
+    started = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "detach", str(branch)], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = kill_when(started, lambda: partial.is_dir() and sum(p.stat().st_size for p in partial.rglob("*")
+                                                              if p.is_file()) > 2**20, poll_s=0.01, wait_s=60)
+    assert started.returncode == -signal.SIGKILL, err[-3000:]
+    assert partial.exists() and not (branch / "own-rows").exists(), "the kill came after the copy"
+    assert "detached" not in json.loads((branch / "branch.json").read_text())
+    with open_buffer(branch / "parent-rows") as selection:  # usable: still the parent's rows
+        assert selection.read(sample, fields=("trajectory_id", "response_tokens")).equal(expected)
+
+    assert main(["detach", str(branch)]) == 0  # re-run: removes the torn copy, copies again, switches
+    assert not partial.exists() and json.loads((branch / "branch.json").read_text())["detached"]["rows_copied"] == \
+        kept.size
+    assert digest(parent) == parent_files
+    shutil.rmtree(parent)
+    with open_buffer(branch / "parent-rows") as selection:
+        assert len(selection) == kept.size
+        assert selection.read(sample, fields=("trajectory_id", "response_tokens")).equal(expected)
