@@ -203,3 +203,29 @@ def test_a_branch_at_a_url_of_a_run_with_collectors_replays_the_parents_rows_up_
     assert [m["step"] for m in metrics] == list(range(1, 11))  # resumed at step 8, over its own rows
     assert main(["inspect", branch]) == 0
     assert f"branched from  {parent_url} at step 4" in capsys.readouterr().out
+
+
+def test_a_branch_at_an_az_url_continues_with_replay_as_the_parent_trained(azure_server, tmp_path, monkeypatch,
+                                                                           capsys):
+    """On Azure Blob Storage (Azurite) the copies go through the client (a GET, then a PUT); the rest
+    is the same: the branch trains the parent's steps 7-12, the parent's blobs are unchanged."""
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azure_server.env()["AZURE_STORAGE_CONNECTION_STRING"])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    source = azure_server.url("recorded")
+    record(source, recorded_rows(ROWS), backend="zarr")
+    home = azure_server.url("runs")
+    assert replay(home, "parent", source) == 0
+    parent_url = f"{home}/parent"
+
+    def blobs(url: str) -> dict[str, str]:
+        return {key: hashlib.sha256(azure_server.get(url, key)).hexdigest() for key in azure_server.keys(url)}
+
+    before = blobs(parent_url)
+    assert main(["branch", parent_url, "--from-step", "6", "same"]) == 0
+    assert replay(home, "same", source) == 0
+    assert blobs(parent_url) == before
+    assert trained(logged(f"{home}/same"), NOT_COMPARED) == trained(logged(parent_url), NOT_COMPARED)
+    assert same_weights(ObjectRunStore(f"{home}/same"), ObjectRunStore(parent_url))
+    assert main(["inspect", parent_url, "--json"]) == 0
+    assert [b["run"] for b in json.loads(capsys.readouterr().out)["run"]["branches"]] == [f"{home}/same"]
