@@ -89,6 +89,13 @@ def test_a_branch_at_a_url_continues_with_replay_as_the_parent_trained(s3_server
     assert main(["inspect", f"{home}/same"]) == 0
     assert f"branched from  {parent_url} at step 6 (no setting changed)" in capsys.readouterr().out
 
+    from rlhf_pipeline.dataio.plots import load_runs
+    from rlhf_pipeline.files.run_cache import local_copy
+
+    drawn = load_runs([local_copy(parent_url), local_copy(f"{home}/same")])  # what plot draws, from the cache
+    assert list(drawn) == ["parent", "same (branch at step 6)"]
+    assert [r["step"] for r in drawn["same (branch at step 6)"].records] == list(range(6, 13))
+
     # a branch of a replay reads none of its parent's rows: detach records it, and the lineage stays
     assert main(["detach", f"{home}/same"]) == 0
     assert "it read no parent rows" in capsys.readouterr().err
