@@ -8,9 +8,11 @@ modules of their own.
 
 One learner step, as :meth:`Learner.train` runs it:
 
-1. take the next draw: the positions the sampler chose read on the prefetch thread, packed into
-   micro-batches with ``packing`` (the default), else padded (``learn/draw_reading.py``); drop rows that went stale while they waited, more than ``max_staleness``
-   versions older than ours (``learn/stale_rows.py``, counted as ``charts/rows_dropped_stale``);
+1. take the next draw: the positions the sampler chose (``learn/samplers/``) read on the prefetch
+   thread (``learn/prefetch.py``), packed into micro-batches with ``packing`` (the default), else
+   padded (``learn/draw_reading.py``); drop rows that went stale while they waited, more than
+   ``max_staleness`` versions older than ours (``learn/stale_rows.py``, counted as
+   ``charts/rows_dropped_stale``);
 2. the optimizer step, top to bottom in ``learn/step.py``: micro-batches of at most
    ``micro_batch_tokens`` tokens (packed sequences of whole rows with ``packing``:
    ``learn/packed.py``; else padded), each loss weighted by its share of the batch,
