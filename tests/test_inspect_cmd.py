@@ -185,13 +185,17 @@ def test_inspect_of_a_run_lists_its_rewind_points_parent_and_branches(tmp_path, 
         checkpoints.save(Progress(seed=0, step=step, policy_version=step), {"w": torch.zeros(1)},
                          record={"buffer_rows": {"": 4 * step}})
     (tmp_path / "child").mkdir()
-    (tmp_path / "child" / "branch.json").write_text(json.dumps({"parent": str(run), "step": 2}))
+    (tmp_path / "child" / "parent-rows").mkdir()  # a branch of a run with collectors reads the parent's rows
+    (tmp_path / "child" / "branch.json").write_text(json.dumps({"parent": str(run), "step": 2,
+                                                                "buffer_rows": {"": 8}}))
     assert main(["inspect", str(run), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [(p["step"], p["buffer_rows"]) for p in data["run"]["rewind_points"]] == [(2, {"": 8}), (3, {"": 12})]
-    assert data["run"]["branches"] == [{"run": str(tmp_path / "child"), "step": 2}]
+    assert data["run"]["branches"] == [{"run": str(tmp_path / "child"), "step": 2, "parent_rows": {"": 8},
+                                        "reads": None, "detached": False}]
     assert data["run"]["parent"] is None and data["buffer"]["rows"] == 8
     assert main(["inspect", str(run)]) == 0
     table = capsys.readouterr().out
-    assert "step 2  policy version 2  buffer rows store=8" in table and "(from step 2)" in table
+    assert "step 2  policy version 2  buffer rows store=8" in table
+    assert "(from step 2; reads the parent's rows below store=8)" in table
     assert "rows held" in table  # then the buffer's table

@@ -12,7 +12,9 @@ the file or chunk; the exit code is 1 when it finds damage (see ``rlhf-pipeline 
 
 A run directory (``storage/<run-name>``) prints the run first: its rewind points (kept
 checkpoints, each with the buffer rows it had seen), the run it was branched from and its
-branches (``runs/lineage.py``); then its ``buffer/`` as above.
+branches (``runs/lineage.py``), its retention and the first row each shard still holds
+(``runs/retention.py``); then its ``buffer/`` as above. So does a run at an ``s3://`` or ``az://``
+URL (``runs/lineage_url.py``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,22 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.runs.lineage import format_lineage, is_run_directory, run_lineage
 
     lineage, path = None, args.path
-    if "://" not in str(path) and is_run_directory(path):
+    if str(path).startswith(("s3://", "az://")):  # a run at a URL (runs/lineage_url.py), or a buffer there
+        from rlhf_pipeline.runs.lineage_url import is_run_at_url, url_run_lineage
+
+        try:
+            if is_run_at_url(path):
+                lineage = url_run_lineage(path)
+                from rlhf_pipeline.files.run_paths import RunPaths
+
+                if not RunPaths.at_url(path).store.list("buffer") and not args.verify:  # a replay: no buffer
+                    print(json.dumps({"run": lineage}) if args.json else format_lineage(lineage))
+                    return 0
+                path = f"{str(path).rstrip('/')}/buffer"
+        except (ValueError, OSError) as exc:
+            print(f"rlhf-pipeline inspect: {exc}", file=sys.stderr)
+            return 2
+    elif "://" not in str(path) and is_run_directory(path):
         try:
             lineage = run_lineage(path)
         except ValueError as exc:
@@ -73,10 +90,15 @@ def run(args: argparse.Namespace) -> int:
         return 0 if all(r.ok for r in reports) else 1
     if lineage is None:
         print(json.dumps(stats.to_json()) if args.json else format_stats(stats))
-    elif args.json:
-        print(json.dumps({"run": lineage, "buffer": stats.to_json()}))
+        return 0
+    from rlhf_pipeline.runs.retention import format_retention, run_retention
+
+    retention = run_retention(lineage["run"])
+    if args.json:
+        print(json.dumps({"run": {**lineage, "retention": retention}, "buffer": stats.to_json()}))
     else:
-        print(format_lineage(lineage) + "\n\nbuffer\n" + format_stats(stats))
+        kept = format_retention(retention, stats)
+        print(format_lineage(lineage) + ("\n" + kept if kept else "") + "\n\nbuffer\n" + format_stats(stats))
     return 0
 
 

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "filter": ("rlhf_pipeline.cli.filter_cmd", "keep rows or whole groups of a buffer: a new buffer or a selection"),
     "replay": ("rlhf_pipeline.cli.replay_cmd", "train a new run from a recorded buffer (epochs, no generation)"),
     "branch": ("rlhf_pipeline.cli.branch_cmd", "a new run from another run's checkpoint of step N (settings may change)"),
+    "detach": ("rlhf_pipeline.cli.detach_cmd", "make a branch self-contained: copy the parent rows it reads into its own"),
     "repair": ("rlhf_pipeline.cli.repair_cmd", "rebuild a damaged buffer's published state (dry run by default)"),
     "bench": ("rlhf_pipeline.cli.bench_cmd", "benchmarks: " + ", ".join(BENCHMARKS)),
     "import": ("rlhf_pipeline.cli.import_cmd", "rows from JSONL, Parquet or a HF dataset into a buffer"),

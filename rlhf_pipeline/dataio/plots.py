@@ -150,6 +150,7 @@ def smooth(values: list[float], weight: float) -> list[float]:
 
 def load_runs(run_dirs: list[str | Path]) -> dict[str, RunMetrics]:
     """Each run's metrics to draw, by legend label (see the module docstring for branches)."""
+    from rlhf_pipeline.files.run_paths import cache_dir, is_url
     from rlhf_pipeline.runs.lineage import read_parent
 
     runs = [Path(local_run_path(run, "RUN")) for run in run_dirs]
@@ -164,7 +165,8 @@ def load_runs(run_dirs: list[str | Path]) -> dict[str, RunMetrics]:
         step = int(parent["step"]) if parent else None
         if parent is not None:
             label = f"{label} (branch at step {step})"
-            if Path(parent["parent"]).resolve() in resolved:  # the parent draws the steps before
+            drawn_as = cache_dir(parent["parent"]) if is_url(parent["parent"]) else Path(parent["parent"]).resolve()
+            if drawn_as in resolved:  # the parent draws the steps before (a parent at a URL: from its cache)
                 records = [r for r in records if r["step"] >= step]
         data[label] = RunMetrics(run_kind(run), records, step)
     return data

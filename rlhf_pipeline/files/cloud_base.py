@@ -118,6 +118,14 @@ class CloudObjects(ABC):
         ``FileNotFoundError`` when the object does not exist, :class:`ContainerNotFoundError`
         when its bucket or container does not."""
 
+    async def copy_from(self, source: CloudObjects, source_key: str, key: str) -> str | None:
+        """Copies ``source``'s object ``source_key`` to ``key`` here, whatever is there; its etag,
+        or None when the source object does not exist. This one goes through the client (a GET,
+        then a PUT: the bytes travel through this machine); a cloud with a server-side copy
+        between its own objects overrides it (S3's CopyObject)."""
+        found = await source.read(source_key)
+        return None if found is None else await self.put(key, found.body)
+
     @abstractmethod
     async def list(self, prefix: str) -> list[str]:
         """Names of the objects and "directories" directly under ``prefix`` (relative to it)."""

@@ -109,6 +109,27 @@ class S3Objects(CloudObjects):
     async def put(self, key: str, body: bytes) -> str:
         return (await self._call("put_object", key, Body=body))["ETag"]
 
+    async def copy_from(self, source: CloudObjects, source_key: str, key: str) -> str | None:
+        """Server-side: CopyObject (the bytes never leave S3), across buckets of one endpoint too;
+        an object over CopyObject's 5 GiB limit is copied in parts (s3fs's UploadPartCopy), still
+        server-side. Another cloud's object goes through the client (the base class)."""
+        if not isinstance(source, S3Objects):
+            return await super().copy_from(source, source_key, key)
+        copied_from = {"Bucket": source.container, "Key": source.key(source_key)}
+        try:
+            return (await self._call("copy_object", key, CopySource=copied_from))["CopyObjectResult"]["ETag"]
+        except ContainerNotFoundError:
+            raise
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            if _s3_status(exc) == 404:
+                return None
+            if "EntityTooLarge" not in str(s3_error_response(exc)) + str(exc):
+                raise
+        await self.fs._cp_file(f"{source.container}/{source.key(source_key)}", f"{self.container}/{self.key(key)}")
+        return await self.etag(key)
+
     async def etag(self, key: str) -> str | None:
         try:
             return (await self._call("head_object", key))["ETag"]

@@ -184,6 +184,15 @@ class ObjectRunStore(RunStore):
             f"{self.describe(key)} exists already with other contents: another process has written this version "
             f"(a restart of this run elsewhere). This process stops without overwriting it") from None
 
+    def copy_from(self, source: ObjectRunStore, source_key: str, key: str) -> None:
+        """Copies ``source``'s ``source_key`` (another run's object) to ``key``, unfenced: server-side
+        where the cloud has it (S3's CopyObject), else through this machine
+        (:meth:`CloudObjects.copy_from`). ``FileNotFoundError`` when the source object is gone."""
+        etag = self._call("COPY", key, lambda: self.objects.copy_from(source.objects, source_key, key))
+        if etag is None:
+            raise FileNotFoundError(2, "no such object", source.describe(source_key))
+        self._etags[key] = etag
+
     def list(self, prefix: str) -> list[str]:
         return self._call("LIST", prefix, lambda: self.objects.list(prefix))
 

@@ -29,7 +29,7 @@ def local_copy(location: str | Path, folders: Sequence[str] = ()) -> Path:
     if store.read("settings.json") is None and not store.list("metrics.jsonl" + PARTS):
         raise RunLocationError(f"{paths.url} holds no run (no settings.json, no metrics): give the URL a run "
                                 f"was started at, --home URL plus its --run-name")
-    for key in ("settings.json", "pipeline.py"):
+    for key in ("settings.json", "pipeline.py", "branch.json"):  # branch.json: plot draws a branch from its step
         _copy(store, cache, key)
     _join_log(store, cache, "metrics.jsonl")
     for name in store.list("collector"):

@@ -1,16 +1,18 @@
 """The learner recipe: setup -> train -> save_checkpoint -> cleanup (torchtune-style).
 
-Why one file: the recipe is one class read top to bottom, as torchtune's are; setup, the training
-loop and checkpointing share its state (progress, sampler state, intake), and the pieces that
-stand alone (the step, samplers, prefetch, staleness, trajectories, metrics) are modules already.
+This module is the recipe read top to bottom: setup, the training loop, publishing weights and
+cleanup. What a checkpoint saves and how a learner resumes from one is in ``learn/resume.py``
+(the class takes it from there); how a draw becomes a batch on the prefetch thread in
+``learn/draw_reading.py``; the step, samplers, prefetch, staleness, trajectories and metrics are
+modules of their own.
 
 One learner step, as :meth:`Learner.train` runs it:
 
 1. take the next draw: the positions the sampler chose (``learn/samplers/``) read on the prefetch
-   thread (``learn/prefetch.py``): with ``packing`` (the default) read ragged and packed there into
-   the step's micro-batches (``learn/packed_batch.py``: no padded batch at all), else read into a
-   padded batch; drop rows that went stale while they waited, more than ``max_staleness``
-   versions older than ours (``learn/stale_rows.py``, counted as ``charts/rows_dropped_stale``);
+   thread (``learn/prefetch.py``), packed into micro-batches with ``packing`` (the default), else
+   padded (``learn/draw_reading.py``); drop rows that went stale while they waited, more than
+   ``max_staleness`` versions older than ours (``learn/stale_rows.py``, counted as
+   ``charts/rows_dropped_stale``);
 2. the optimizer step, top to bottom in ``learn/step.py``: micro-batches of at most
    ``micro_batch_tokens`` tokens (packed sequences of whole rows with ``packing``:
    ``learn/packed.py``; else padded), each loss weighted by its share of the batch,
@@ -30,12 +32,8 @@ With ``priority_feedback`` (prioritized sampling) the loss also gives one value 
 after the step the learner hands them to the sampler for the rows it trained on
 (``PrioritizedRowSampler.feed_back``, ``charts/priority_feedback_*``).
 
-Multi-turn rows train as whole trajectories, one sequence each (``learn/trajectories.py``): a
-draw's rows that end a trajectory are read with their earlier turns on the prefetch thread and
-joined (ragged, with packing), the loss mask 0 on the environment's tokens; a drawn row that
-does not end its trajectory waits for the draw of its trajectory's last row. Single-turn draws are untouched. With several
-data-parallel ranks rank 0 narrows the whole draw to the rows that end a trajectory, and each rank
-reads its slice of those trajectories whole (``learn/distributed.py``). Rows (or
+Multi-turn rows train as whole trajectories, one sequence each (``learn/trajectories.py``, read
+as ``learn/draw_reading.py`` says); a draw that ends none trains no step. Rows (or
 trajectories) that ended for one of ``mask_termination_reasons`` are left out of the step like
 stale ones (``charts/trajectories_masked``).
 
@@ -45,10 +43,8 @@ After taking each batch the learner publishes what it has taken in from each sha
 generated, and logs how stale they were (``learn/usage.py``).
 
 On CUDA the forward runs under bf16 autocast, batches (with packing: the packed micro-batches)
-are pinned by the prefetch thread and copied with ``non_blocking=True``. A resumed run loads
-model, optimizer, scheduler, RNG and progress and continues exactly as an uninterrupted one
-would over the same data; the versions a killed learner published past that checkpoint are
-taken back and published again under the same numbers (``coordination/weights.py``).
+are pinned by the prefetch thread and copied with ``non_blocking=True``. A resumed run continues
+exactly as an uninterrupted one would over the same data (``learn/resume.py``).
 """
 
 from __future__ import annotations
@@ -62,44 +58,26 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.learn.checkpoint import (
-    Progress,
-    buffer_rows,
-    capture_rng_state,
-    restore_rng_state,
-    run_checkpoints,
-)
+from rlhf_pipeline.learn.checkpoint import restore_rng_state, run_checkpoints
 from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.draw_reading import draw_readers
 from rlhf_pipeline.learn.batch_charts import batch_charts, run_charts
 from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, truncate_metrics
 from rlhf_pipeline.learn.prefetch import Prefetcher
+from rlhf_pipeline.learn.resume import LearnerCheckpoints
 from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
-from rlhf_pipeline.learn.shard_rows import next_rows, row_names
-from rlhf_pipeline.learn.optimizer import apply_settings, make_optimizer
-from rlhf_pipeline.learn.packed_batch import PackedBatch
-from rlhf_pipeline.learn.packed_attention import use_packed_attention
+from rlhf_pipeline.learn.shard_rows import next_rows
 from rlhf_pipeline.learn.stale_rows import DrawVersions, fresh_mask
 from rlhf_pipeline.learn.step import mean_one, train_step
-from rlhf_pipeline.learn.trajectories import (
-    is_single_turn,
-    joined_trajectory_draw,
-    masked_by_reason,
-    narrow_to_trajectory_ends,
-    read_joined,
-    read_trajectories,
-    rows_are_single_turn,
-    termination_codes,
-    trajectory_draw,
-    trajectory_ends,
-)
+from rlhf_pipeline.learn.trajectories import masked_by_reason, termination_codes
 from rlhf_pipeline.learn.usage import TrainedRows
 from rlhf_pipeline.learn.waiting import WaitReport
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.files.run_paths import RunPaths
 
 
-class Learner:
+class Learner(LearnerCheckpoints):
     """Trains the policy on batches sampled from a run's buffer; publishes weights."""
 
     def __init__(self, settings: LearnerSettings, paths: RunPaths, *, make_model: Callable[[], torch.nn.Module],
@@ -207,74 +185,7 @@ class Learner:
             keys = ProgressDisplay.OFF_POLICY_KEYS if self.settings.sampler == "epoch" else ProgressDisplay.KEYS
             self._display = ProgressDisplay(self.total_steps, self.progress.step, self.settings.log_every, keys=keys)
 
-    def _load_checkpoint(self) -> dict[str, Any] | None:
-        if self.checkpoints.latest() is None:
-            self.progress = Progress(seed=self.seed)
-            return None
-        self.progress, state = self.checkpoints.load()
-        if self.progress.seed != self.seed:
-            raise ValueError(f"checkpoint was made with seed {self.progress.seed}, this run has seed {self.seed}")
-        print(f"[learner] resuming from {self.checkpoints.latest()} (step {self.progress.step})",
-              file=sys.stderr, flush=True)
-        return state
-
-    def _retract_versions_past_checkpoint(self, checkpoint: dict[str, Any] | None) -> None:
-        """Takes back what a learner killed without a checkpoint published after the one this learner
-        resumes from (or after the initial policy): it retrains those steps and publishes them again
-        under the uninterrupted run's numbers, which rows in the buffer carry. Numbered past them, those
-        rows looked that much staler and collectors pinned rounds to versions never had here."""
-        from rlhf_pipeline.coordination.weights import published_versions, retract_versions_after
-
-        if checkpoint is None and 0 not in published_versions(self.paths.store):
-            return  # an older run pruned its initial policy: it starts from the newest (_setup_model)
-        retracted = retract_versions_after(self.paths.store, self.progress.policy_version)
-        if retracted:
-            where = f"the checkpoint of step {self.progress.step}" if checkpoint is not None else "the initial policy"
-            print(f"[learner] weights versions {retracted[0]}-{retracted[-1]} were published after {where} by a "
-                  f"learner stopped before its next checkpoint; taken back, this learner publishes them again as it "
-                  f"retrains those steps", file=sys.stderr, flush=True)
-
-    def _setup_model(self, checkpoint: dict[str, Any] | None) -> None:
-        from rlhf_pipeline.coordination.weights import load_weights
-
-        initial, self._initial_policy = self._initial_policy, None  # held no longer than setup
-        if checkpoint is None and initial is not None:
-            # built and published as version 0 by this process: those weights, without a second load
-            self.model = initial
-            self.model.zero_grad(set_to_none=True)  # a warm start's last gradients
-            self.progress.policy_version = 0
-        else:
-            self.model = self.make_model()
-            if checkpoint is not None:
-                self.model.load_state_dict(checkpoint["model"])
-            else:
-                try:  # the initial policy: version 0 (kept until the first checkpoint, _publish)
-                    state, version = load_weights(self.paths.store, 0)
-                except FileNotFoundError:  # pruned by an older version of this library
-                    state, version = load_weights(self.paths.store)
-                    if version > 0:
-                        print(f"[learner] the initial policy (weights version 0) is gone; starting from version "
-                              f"{version}, so this run does not train as an uninterrupted one would",
-                              file=sys.stderr, flush=True)
-                self.model.load_state_dict(state)
-                self.progress.policy_version = version
-        if self.settings.packing:  # attention that keeps each packed row to itself (learn/packed_attention.py)
-            use_packed_attention(self.model)
-        self.model.to(self.device).train()
-        self.train_model = self.data_parallel.wrap(self.model, self.device)  # what forward/backward run through
-
-    def _setup_optimizer(self, checkpoint: dict[str, Any] | None) -> None:
-        # FSDP's sharded DTensor parameters keep AdamW's default implementation, not the fused one
-        fused = self.data_parallel.parallelism != "fsdp" or not self.data_parallel.enabled
-        self.optimizer, self.scheduler = make_optimizer(self.model, self.settings, self.total_steps, fused=fused)
-        if checkpoint is not None:
-            self.data_parallel.load_optimizer_state(self.model, self.optimizer, checkpoint["optimizer"])
-            self.scheduler.load_state_dict(checkpoint["scheduler"])
-            apply_settings(self.optimizer, self.scheduler, self.settings, self.total_steps)  # a changed lr applies
-
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
-        from rlhf_pipeline.schema.padding import PaddedCollator
-
         # one store, or the union of the collectors' shards (new shards are picked up as they appear);
         # the rows the checkpoint saw must still be there. Several ranks over a buffer at a URL: rank 0
         # alone lists it and reads the records, the others open their readers from those
@@ -293,115 +204,15 @@ class Learner:
                       f"{self.settings.sampler!r} starts from the buffer as it is now", file=sys.stderr, flush=True)
                 self._sampler_state = self.sampler.state_dict()
         self._draw_versions.expect(self.progress.draws, self.progress.policy_version)
-        pin = self.device.type == "cuda"
-        # int32 token and position ids: half their bytes, nothing widened (collate.py, "Index dtype")
-        collator = PaddedCollator(pad_token_id=self.pad_token_id, pin_memory=pin and self.batch_transform is None,
-                                  index_dtype=torch.int32)
-        packing = self.settings.packing
-        # with packing the prefetch thread reads rows ragged and packs them (learn/packed_batch.py); a
-        # batch_transform edits padded batches, so then it reads padded, transforms, and packs after
-        ragged = packing and self.batch_transform is None
-        budget = self.settings.micro_batch_tokens
-        pin_packed = pin and torch.cuda.is_available()
-
-        def transformed(positions: torch.Tensor, batch):
-            batch = self.batch_transform(positions, batch)
-            if packing:  # the packed micro-batches are pinned, not the padded batch
-                return PackedBatch.from_padded(batch, budget, pin=pin_packed)
-            return batch.pin_memory() if pin and torch.cuda.is_available() else batch
-
-        # single-turn rows carry no termination reason in the padded batch: read it only when asked to mask
-        read_reasons = self._masked_codes.numel() > 0 and "termination_reason" in self._store.schema.field_names
-
-        def finish(positions: torch.Tensor, batch, filler: bool = False):
-            """A read batch as it trains: re-scored (named by ``positions``), marked filler or not."""
-            if self.batch_transform is not None:
-                batch = transformed(positions, batch)
-            if self.data_parallel.enabled:
-                batch = self.data_parallel.mark_filler(batch, filler)
-            return batch
-
-        def reasons(positions: torch.Tensor) -> torch.Tensor | None:
-            if not read_reasons:
-                return None
-            return self._store.read(positions, fields=("termination_reason",))["termination_reason"]
-
-        def with_reasons(positions: torch.Tensor, batch):
-            if read_reasons:
-                batch["termination_reason"] = reasons(positions)
-            return batch
-
-        def packed_rows(positions: torch.Tensor, stored=None) -> PackedBatch:
-            """Single-turn rows at ``positions`` (``stored``: already read ragged), planned and packed."""
-            stored = self._store.read_ragged(positions) if stored is None else stored
-            return PackedBatch.from_stored(stored, budget, termination_reason=reasons(positions), pin=pin_packed)
-
-        def read_slice(sampled, positions: torch.Tensor, filler: bool):
-            """This rank's slice of a draw (``positions``): the rows as drawn, or, when rank 0
-            narrowed the draw to trajectory ends, the slice's trajectories read whole (None when
-            the draw ended none: every rank skips it)."""
-            if sampled.trajectory_steps is None:
-                if ragged:
-                    return finish(positions, packed_rows(positions), filler)
-                return finish(positions, with_reasons(positions, collator.read(self._store, positions)), filler)
-            if sampled.positions.numel() == 0:
-                return None
-            steps, _ = self.data_parallel.local_positions(sampled.trajectory_steps, sampled.rank_rows)
-            if ragged:
-                joined = read_joined(self._store, positions, steps, turn_advantage=self.settings.turn_advantage,
-                                     turn_advantage_weight=self.settings.turn_advantage_weight)
-                return finish(positions, PackedBatch.from_joined(joined, budget, pin=pin_packed), filler)
-            joined = read_trajectories(self._store, positions, steps, pad_token_id=self.pad_token_id,
-                                       turn_advantage=self.settings.turn_advantage,
-                                       turn_advantage_weight=self.settings.turn_advantage_weight)
-            if pin and self.batch_transform is None and torch.cuda.is_available():
-                joined = joined.pin_memory()
-            return finish(positions, joined, filler)
-
-        def narrow_whole_draw(sampled):
-            """Rank 0 alone sees the whole draw: from its rows' ``done`` and ``step`` it decides, as one
-            rank would from the rows it read, whether they are multi-turn and which of them end a whole
-            trajectory; every rank then trains its slice of those trajectories."""
-            flags = self._store.read(sampled.positions, fields=("done", "step"))
-            if rows_are_single_turn(flags["done"], flags["step"]):  # as drawn
-                return sampled
-            return narrow_to_trajectory_ends(sampled, trajectory_ends(self._store, sampled.positions,
-                                                                      flags["done"], flags["step"]))
-
-        def produce(draw: int):
-            sampled = self.sampler.draw(draw)  # positions, read before the store refreshes again
-            if self.data_parallel.enabled:
-                sampled = self.data_parallel.order_by_rank(narrow_whole_draw(sampled), self._store)  # shard affinity
-                positions, filler = self.data_parallel.local_positions(sampled.positions, sampled.rank_rows)
-                return sampled, read_slice(sampled, positions, filler)
-            if ragged:
-                return produce_packed(sampled)
-            batch = collator.read(self._store, sampled.positions)  # re-scored below, once it is known what trains
-            if not is_single_turn(batch):  # multi-turn rows: the whole trajectories they end
-                sampled, joined = trajectory_draw(self._store, sampled, batch, pad_token_id=self.pad_token_id,
-                                                  turn_advantage=self.settings.turn_advantage,
-                                                  turn_advantage_weight=self.settings.turn_advantage_weight,
-                                                  pin=pin and self.batch_transform is None)
-                return sampled, None if joined is None else finish(sampled.positions, joined)  # named by last rows
-            return sampled, finish(sampled.positions, with_reasons(sampled.positions, batch))
-
-        def produce_packed(sampled):
-            """One rank's draw with packing: read ragged, trajectories joined ragged, planned, packed."""
-            stored = self._store.read_ragged(sampled.positions)
-            if not rows_are_single_turn(stored["done"], stored["step"]):  # the whole trajectories they end
-                sampled, joined = joined_trajectory_draw(self._store, sampled, stored["done"], stored["step"],
-                                                         turn_advantage=self.settings.turn_advantage,
-                                                         turn_advantage_weight=self.settings.turn_advantage_weight)
-                if joined is None:
-                    return sampled, None
-                return sampled, finish(sampled.positions, PackedBatch.from_joined(joined, budget, pin=pin_packed))
-            return sampled, finish(sampled.positions, packed_rows(sampled.positions, stored))
-
+        produce, read_slice = draw_readers(self._store, self.sampler, self.settings, self.data_parallel,
+                                           device=self.device, pad_token_id=self.pad_token_id,
+                                           batch_transform=self.batch_transform, masked_codes=self._masked_codes,
+                                           draw_versions=self._draw_versions)
         # every rank prefetches: rank 0 draws and shares each draw, the others read their slice of it
         # (learn/distributed.py, DataParallel.draw_producer); with one rank produce is as named
         self.data_parallel.open_draw_channel()
         produce_draw, on_exit = self.data_parallel.draw_producer(
-            self._naming_rows(produce), read_slice=read_slice, store=self._store, stop=self.stop_event,
+            produce, read_slice=read_slice, store=self._store, stop=self.stop_event,
             timeout_s=self.settings.data_timeout_s)
         self._prefetcher = Prefetcher(produce_draw, self.progress.draws, depth=self.settings.prefetch_depth,
                                       stop=self.stop_event, on_exit=on_exit,
@@ -409,24 +220,6 @@ class Learner:
         if self.data_parallel.is_main and hasattr(self.sampler, "hurry"):  # it polls for rows fast only while a step waits
             self.sampler.hurry = self._prefetcher.consumer_waiting
         self._ready = True
-
-    def _naming_rows(self, produce: Callable[[int], tuple[Any, Any]]) -> Callable[[int], tuple[Any, ...]]:
-        """``produce`` plus what outlives the store's next refresh, taken on the prefetch thread
-        right after the draw: each row's shard and global id, and the rows taken in per shard."""
-        default_need = self.settings.new_rows_per_step or self.settings.batch_size
-        checks_staleness = getattr(self.sampler, "max_staleness", None) is not None
-
-        def produce_named(draw: int):
-            # the version this draw trains with, not the one held right now (learn/stale_rows.py)
-            versions = self._draw_versions
-            self.sampler.current_version = versions.wait(draw) if checks_staleness else versions.latest()
-            sampled, batch = produce(draw)
-            consumed = sampled.consumed if sampled.consumed is not None else next_rows(self._store)
-            need = default_need if sampled.next_draw_rows is None else sampled.next_draw_rows
-            return sampled, batch, row_names(self._store, sampled.positions), LearnerIntake(consumed=consumed,
-                                                                                            next_draw_rows=need)
-
-        return produce_named
 
     # ================================================================== train
     def train(self, max_steps: int | None = None, *, checkpoint_when_paused: bool = True) -> bool:
@@ -569,34 +362,6 @@ class Learner:
             # until a checkpoint holds the model, a restart starts again from the initial policy
             publish_weights(self.paths.store, state, version, keep_versions=() if self._saved_a_checkpoint else (0,))
         self.progress.policy_version = version
-
-    # ================================================================== checkpoint
-    def save_checkpoint(self) -> None:
-        # whole model and optimizer states, so a checkpoint resumes with any ranks and parallelism
-        # (under FSDP every rank takes part in gathering them to rank 0)
-        model_state = self.data_parallel.model_state(self.model)
-        optimizer_state = self.data_parallel.optimizer_state(self.model, self.optimizer)
-        if not self.data_parallel.is_main:  # one checkpoint per run, written by rank 0
-            return
-        state = {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": self.scheduler.state_dict(),
-            "rng": capture_rng_state(),
-            "buffer": self._store.state_dict() if self._store is not None else None,
-            # with priority feedback: plus the feedback given since that draw (not in its state yet)
-            "sampler": self.sampler.with_feedback(self._sampler_state) if self._feedback else self._sampler_state,
-            "trained_rows": self._trained.state_dict(),
-            "intake": self._pacing.intake.to_json(),
-        }
-        if self._metrics is not None:  # a resumed run redoes no step before this one: its lines must be kept
-            self._metrics.flush()
-        if self.before_checkpoint is not None:
-            self.before_checkpoint()
-        # where the buffer stood, readable without torch: what `inspect` lists and `branch` limits a view to
-        record = {"buffer_rows": buffer_rows(state["buffer"]), "consumed": dict(self._pacing.intake.consumed)}
-        self.checkpoints.save(self.progress, state, record=record)
-        self._saved_a_checkpoint = True
 
     # ================================================================== cleanup
     def cleanup(self) -> None:

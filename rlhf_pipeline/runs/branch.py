@@ -46,7 +46,14 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
-from rlhf_pipeline.runs.lineage import BRANCH_FILE, BRANCH_FORMAT, find_branches, is_run_directory, read_parent
+from rlhf_pipeline.runs.lineage import (
+    BRANCH_FILE,
+    BRANCH_FORMAT,
+    find_branches,
+    is_detached,
+    is_run_directory,
+    read_parent,
+)
 from rlhf_pipeline.runs.run_directory import RunError
 
 # settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
@@ -179,7 +186,7 @@ def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings
             raise BranchError(f"the checkpoint of step {step} of {parent} has no rewind record (a run made before "
                               f"records): which of its rows were published at that step is not known; branch "
                               f"from a later step")
-        _write_parent_rows(parent / "buffer", new / PARENT_ROWS, lineage["buffer_rows"], step)
+        write_parent_rows(parent / "buffer", new / PARENT_ROWS, lineage["buffer_rows"], step)
     elif lineage["replay_source"] is None and (parent / PARENT_ROWS).is_dir():
         # a branch that was never continued: its rows are its own parent's, named by its selection
         shutil.copytree(parent / PARENT_ROWS, new / PARENT_ROWS)
@@ -198,7 +205,7 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
-def _write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], step: int) -> None:
+def write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], step: int) -> None:
     """A saved selection of the rows of ``buffer`` published at the branch step: per shard, its
     held rows below the ``buffer_rows`` the checkpoint recorded (a shard made later had none)."""
     import numpy as np
@@ -289,7 +296,8 @@ def refuse_evicting_parent(root: str | Path) -> None:
     branch reads its rows by reference (``parent-rows/``): the eviction would take rows from under
     the branch. Refused in one line naming the branch, before the run starts."""
     root = Path(root)
-    readers = [b["run"] for b in find_branches(root) if (Path(b["run"]) / PARENT_ROWS).exists()]
+    readers = [b["run"] for b in find_branches(root)
+               if (Path(b["run"]) / PARENT_ROWS).exists() and not is_detached(b["run"])]
     if not readers or not (root / "buffer").exists():
         return
     from rlhf_pipeline.storage import open_buffer
@@ -300,5 +308,5 @@ def refuse_evicting_parent(root: str | Path) -> None:
     if evicting:
         raise BranchError(
             f"{evicting[0]} evicts its oldest rows (it has a capacity), and branch {readers[0]} reads rows of "
-            f"{root} by reference; running it would take them from the branch. Keep them first with "
-            f"rlhf-pipeline convert {Path(readers[0]) / PARENT_ROWS} DST --to memmap, then move the branch away")
+            f"{root} by reference; running it would take them from the branch. Make the branch self-contained first: "
+            f"rlhf-pipeline detach {readers[0]} (copies the rows it reads into its own store)")

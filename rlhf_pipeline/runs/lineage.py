@@ -37,6 +37,15 @@ def read_parent(run: str | Path) -> dict[str, Any] | None:
     return data
 
 
+def is_detached(run: str | Path) -> bool:
+    """Whether the branch ``run`` was made self-contained (``runs/detach.py``): it reads nothing of
+    its parent any more, though its ``branch.json`` still names it."""
+    try:
+        return bool((read_parent(run) or {}).get("detached"))
+    except (ValueError, OSError):
+        return False  # damaged: treated as still reading its parent
+
+
 def find_branches(run: str | Path) -> list[dict[str, Any]]:
     """The branches of ``run`` among the runs beside it: ``{"run": path, "step": N}``, by step then path."""
     run = Path(run).resolve()
@@ -62,8 +71,36 @@ def run_lineage(run: str | Path) -> dict[str, Any]:
         "rewind_points": CheckpointManager(run / "checkpoints").rewind_points(),
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", [])},
-        "branches": find_branches(run),
+        "branches": [{**b, **what_branch_reads(b["run"], run)} for b in find_branches(run)],
     }
+
+
+def what_branch_reads(branch: str | Path, parent: str | Path) -> dict[str, Any]:
+    """Which of ``parent``'s rows ``branch`` holds by reference: ``parent_rows`` (per shard, the rows
+    it reads below that row, or None when it reads none: a replay's branch reads the replay's
+    source), ``reads`` (a replay source inside the parent, else None) and ``detached``."""
+    lineage = read_parent(branch) or {}
+    source = lineage.get("replay_source")
+    inside = source is not None and "://" not in str(source) and Path(source).resolve().is_relative_to(
+        Path(parent).resolve())
+    holds = lineage.get("replay_source") is None and (Path(branch) / "parent-rows").exists()
+    return {"parent_rows": lineage.get("buffer_rows") if holds else None, "reads": source if inside else None,
+            "detached": bool(lineage.get("detached"))}
+
+
+def describe_branch(branch: dict[str, Any]) -> str:
+    """One branch as ``inspect`` lists it: where from, and what of the parent it reads."""
+    rows = branch.get("parent_rows")
+    shards = ", ".join(f"{name or 'store'}={n}" for name, n in sorted((rows or {}).items()))
+    if branch.get("detached"):
+        what = f"detached: its own copy of the parent's rows below {shards}" if rows else "detached"
+    elif rows:
+        what = f"reads the parent's rows below {shards}"
+    elif branch.get("reads"):
+        what = f"reads {branch['reads']}"
+    else:
+        what = "reads none of its rows"
+    return f"  {branch['run']} (from step {branch['step']}; {what})"
 
 
 def format_lineage(lineage: dict[str, Any]) -> str:
@@ -84,5 +121,5 @@ def format_lineage(lineage: dict[str, Any]) -> str:
         lines.append(f"  step {point['step']}{version}{where}")
     branches = lineage["branches"]
     lines.append(f"branches  {len(branches)}" if branches else "branches  none")
-    lines += [f"  {b['run']} (from step {b['step']})" for b in branches]
+    lines += [describe_branch(b) for b in branches]
     return "\n".join(lines)

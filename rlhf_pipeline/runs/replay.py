@@ -110,6 +110,10 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         return 0
     check_cuda_device(settings.device)  # before torch is imported
     paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
+    from rlhf_pipeline.runs.branch_url import half_made_branch
+
+    if (half_made := half_made_branch(paths)) is not None:
+        raise ReplayError(half_made)
     if "WORLD_SIZE" in os.environ:  # a rank started by _train_on_ranks: its launcher holds the directory
         return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)
     from rlhf_pipeline.runs.run_directory import hold_run_directory
@@ -355,17 +359,17 @@ def _resumes_parents_checkpoint(paths: RunPaths) -> bool:
     """A branch of a run with collectors whose newest checkpoint is still its parent's: that one saw
     the parent's buffer, not the selection of its rows the branch replays."""
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
-    from rlhf_pipeline.runs.branch import offline_branch
+    from rlhf_pipeline.runs.branch_url import offline_branch_of
 
-    lineage = offline_branch(paths.root) if paths.url is None else None
+    lineage = offline_branch_of(paths)
     return lineage is not None and run_checkpoints(paths).latest_step() == int(lineage["step"])
 
 
 def _first_offline_start(paths: RunPaths) -> bool:
     """A branch of a run with collectors that was never replayed: its settings.json is its parent's."""
-    from rlhf_pipeline.runs.branch import offline_branch
+    from rlhf_pipeline.runs.branch_url import offline_branch_of
 
-    return paths.url is None and offline_branch(paths.root) is not None
+    return offline_branch_of(paths) is not None
 
 
 def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> Any:

@@ -93,6 +93,17 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
         from rlhf_pipeline.storage.sharded import ShardedStoreReader
 
         return ShardedStoreReader(location, shards=listed, **options)
+    if listed == [] and mode == "r":  # a URL holding no shards: one store, or a saved selection kept there
+        from rlhf_pipeline.storage.errors import NotAStoreError
+
+        try:
+            return open_store(location, mode=mode, **options)
+        except NotAStoreError:  # asked only when no store is there: no request more for a store's opening
+            from rlhf_pipeline.storage.selection_url import fetch_selection
+
+            if fetch_selection(location, options.get("storage_options")) is None:
+                raise
+            return SelectionStore.open(location, mode=mode, **options)
     return open_store(location, mode=mode, **options)
 
 

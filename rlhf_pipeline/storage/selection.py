@@ -191,11 +191,21 @@ class SelectionStore(TrajectoryStore):
         if mode != "r":
             raise ReadOnlyStoreError(f"{location} is a saved selection, which is read-only; filter again "
                                      f"to change it, or open its source to append")
+        if "://" in str(location):  # kept at a URL (selection_url.py): opened from this machine's copy
+            from rlhf_pipeline.storage.selection_url import fetch_selection
+
+            local = fetch_selection(str(location), open_options.get("storage_options"))
+            if local is None:
+                raise NotAStoreError(f"{location} holds no saved selection ({MANIFEST_NAME} is missing)")
+            opened = cls(local, open_options)
+            opened._url = str(location).rstrip("/")
+            return opened
         return cls(Path(location), open_options)
 
     def __init__(self, path: Path, open_options: dict[str, Any]) -> None:
         super().__init__()
         self._path = path
+        self._url: str | None = None  # where it is kept, when at a URL (open)
         self._closed = False
         self._sources: dict[int, TrajectoryStore] = {}
         manifest = read_json(path / MANIFEST_NAME, what="saved selection")
@@ -214,14 +224,15 @@ class SelectionStore(TrajectoryStore):
             raise NotAStoreError(f"{where} is not a saved selection of format {FORMAT} v{FORMAT_VERSION}")
         try:
             self._schema = StoreSchema.from_json(manifest["schema"])
-            rows_path = self._path / ROWS_NAME
+            # a detached branch's selection names its own rows files (runs/detach.py): switched by the manifest alone
+            rows_path = self._path / manifest.get("rows_file", ROWS_NAME)
             raw = rows_path.read_bytes()
             if zlib.crc32(raw) != int(manifest["rows_crc32"]):
                 raise SelectionInvalidError(f"{rows_path} does not match its CRC in {where}: the file was "
                                             f"damaged; filter again to rebuild the selection")
             self._rows = np.load(rows_path, allow_pickle=False)
-            parts_path = self._path / PARTS_NAME
-            self._part_of = np.load(parts_path, allow_pickle=False) if parts_path.exists() else None
+            parts_path = self._path / (manifest.get("parts_file", PARTS_NAME) or "-")
+            self._part_of = np.load(parts_path, allow_pickle=False) if parts_path.is_file() else None
             described = manifest["parts"]
         except (KeyError, TypeError, ValueError, OSError) as exc:
             if isinstance(exc, StoreError):
@@ -285,7 +296,7 @@ class SelectionStore(TrajectoryStore):
 
     @property
     def location(self) -> str:
-        return str(self._path)
+        return self._url or str(self._path)
 
     @property
     def writable(self) -> bool:
@@ -419,7 +430,7 @@ class SelectionStore(TrajectoryStore):
             raw += _payload_bytes(batch)
             for v, c in zip(*np.unique(batch["policy_version"].numpy(), return_counts=True)):
                 versions[int(v)] = versions.get(int(v), 0) + int(c)
-        files = [self._path / name for name in (MANIFEST_NAME, ROWS_NAME, PARTS_NAME)]
+        files = [self._path / name for name in (MANIFEST_NAME, *_row_files(self._manifest))]
         out = StoreStats(
             backend=self.backend_name, location=self.location, rows=n, first_row=0, next_row=n,
             groups=int(np.unique(np.concatenate(groups)).size) if groups else 0,
@@ -449,7 +460,7 @@ class SelectionStore(TrajectoryStore):
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             raise FileExistsError(f"snapshot target {target} exists and is not an empty directory")
         target.mkdir(parents=True, exist_ok=True)
-        for name in (ROWS_NAME, PARTS_NAME):
+        for name in _row_files(self._manifest):
             if (self._path / name).exists():
                 data = (self._path / name).read_bytes()
                 write_atomic(target / name, lambda f, data=data: f.write(data))
@@ -459,18 +470,29 @@ class SelectionStore(TrajectoryStore):
         publish_json(target / MANIFEST_NAME, manifest)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "rows_crc32": int(self._manifest["rows_crc32"])}
+        return {**super().state_dict(), "rows_crc32": _identity(self._manifest)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Checks that this is the selection a saved state read (same rows, same order)."""
         if int(state_dict.get("next_row", -1)) != self.next_row or \
-                int(state_dict.get("rows_crc32", -1)) != int(self._manifest["rows_crc32"]):
+                int(state_dict.get("rows_crc32", -1)) != _identity(self._manifest):
             raise SelectionInvalidError(
                 f"{self._path} holds {self.next_row} rows, not the {state_dict.get('next_row')} rows of the "
                 f"selection the saved state read: the selection was replaced since that checkpoint")
 
     def __repr__(self) -> str:
         return f"SelectionStore({self.location!r}, rows={self.next_row}, source={self.source_location!r})"
+
+
+def _row_files(manifest: dict[str, Any]) -> list[str]:
+    """The selection's own rows files: ``rows.npy`` and ``parts.npy``, or those its manifest names."""
+    return [name for name in (manifest.get("rows_file", ROWS_NAME), manifest.get("parts_file", PARTS_NAME)) if name]
+
+
+def _identity(manifest: dict[str, Any]) -> int:
+    """What a saved state checks (the same rows, in the same order): the CRC of the rows first
+    selected, kept when a detached branch's selection names the same rows in its own copy."""
+    return int(manifest.get("rows_identity_crc32", manifest["rows_crc32"]))
 
 
 def _unit_starts(store: TrajectoryStore) -> np.ndarray:

@@ -118,7 +118,8 @@ def test_inspect_shows_the_lineage_and_the_rewind_points(runs, capsys):
     assert main(["inspect", str(parent), "--json"]) == 0
     lineage = json.loads(capsys.readouterr().out)["run"]
     assert [p["step"] for p in lineage["rewind_points"]] == [6, 12]  # checkpoint_keep_every=6, keep_checkpoints=1
-    assert lineage["branches"] == [{"run": str(faster), "step": 6}, {"run": str(same), "step": 6}]
+    assert [(b["run"], b["step"]) for b in lineage["branches"]] == [(str(faster), 6), (str(same), 6)]
+    assert [b["parent_rows"] for b in lineage["branches"]] == [None, None]  # a replay's branch reads its source
     assert main(["inspect", str(faster)]) == 0
     out = capsys.readouterr().out
     assert f"branched from  {parent} at step 6 (learner.lr: was 0.0003, now 0.001)" in out
@@ -241,6 +242,9 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     assert "it was continued offline already (it has a checkpoint of step 8)" in capsys.readouterr().err
     assert main(["inspect", str(branch)]) == 0
     assert f"branched from  {parent} at step 4" in capsys.readouterr().out
+    assert main(["inspect", str(parent)]) == 0  # which of its rows each branch holds
+    shards = ", ".join(f"{name}={n}" for name, n in sorted(record["buffer_rows"].items()))
+    assert f"{branch} (from step 4; reads the parent's rows below {shards})" in capsys.readouterr().out
     # once replayed, the branch is a replay: its branches continue with replay over the same rows
     assert main(["branch", str(branch), "--from-step", "8", "later"]) == 0
     assert json.loads((tmp_path / "later" / "branch.json").read_text())["replay_source"] == str(

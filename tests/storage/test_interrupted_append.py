@@ -15,7 +15,7 @@ from store_worker import check_rows, checksummed_batch
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots
-from rlhf_pipeline.storage.zarr import store as zarr_store_module
+from rlhf_pipeline.storage.zarr import appending as zarr_appending_module
 
 
 def _interrupt_publish(monkeypatch, backend: str, *, after_it_lands: bool) -> None:
@@ -23,7 +23,7 @@ def _interrupt_publish(monkeypatch, backend: str, *, after_it_lands: bool) -> No
     if backend == "memmap":
         owner, name = StateSlots, "publish"
     else:
-        owner, name = zarr_store_module, "publish"
+        owner, name = zarr_appending_module, "publish"  # what the append path publishes with
     real = getattr(owner, name)
     state = {"armed": True}
 

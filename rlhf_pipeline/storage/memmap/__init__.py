@@ -1,6 +1,8 @@
 """The memory-mapped backend: ragged columnar segment files in a local directory.
 
-Modules: :mod:`.store` (the store: create, open, append, read, evict), :mod:`.segments`
+Modules: :mod:`.store` (the store: create, open, its published state, close), :mod:`.appending`
+(appending and publishing), :mod:`.eviction` (dropping the oldest sealed segments: capacity and
+retention), :mod:`.reading` (mapping segments and gathering rows), :mod:`.segments`
 (one segment's files: writing, mapping, copying), :mod:`.layout` (names, the published
 state and damage, without torch), :mod:`.state_slots` (the published state, two
 CRC-checked slots), :mod:`.checksums` (CRC32C of sealed segments), :mod:`.row_index` (the

@@ -1,7 +1,8 @@
-"""The memory-mapped trajectory store: ragged columnar segments in a local directory.
+"""The memory-mapped trajectory store: creating and opening one, its published state, closing it.
 
-Why one file: the store class keeps the ``TrajectoryStore`` contract in one place; its layout,
-segments, row index, checksums, gather and repair are already modules of their own in this folder.
+The class is assembled from one module per job: this one creates and opens the store and keeps
+its published state (the manifest and the state slots); appending and publishing are in
+:mod:`.appending`, eviction and retention's drop in :mod:`.eviction`, reads in :mod:`.reading`.
 
 On disk::
 
@@ -22,11 +23,8 @@ records ``first_row``, ``next_row`` and, per held segment, its row count and val
 counts; it is a CRC-checked record in one of two slots
 (:class:`~rlhf_pipeline.storage.memmap.state_slots.StateSlots`), so publishing needs no rename.
 
-An append writes bytes past the published lengths, fsyncs them (``durable=True``),
-then publishes the new state. Readers see only what a publish covers, so they never
-see a partial row, and a writer killed at any moment leaves the previous publish
-intact (the slot it was rewriting keeps its old header); reopening for append
-truncates the unpublished bytes and carries on at ``next_row``.
+An append writes past the published lengths, then publishes (:mod:`.appending`): readers see
+only what a publish covers, and a writer killed at any moment leaves the previous publish intact.
 
 Damage (:mod:`.layout`, :mod:`.checksums`): a newest slot that fails its check was
 damaged at rest, never torn by a crash. If the segment files hold rows beyond the intact
@@ -38,36 +36,21 @@ damaged segment files raise ``StoreCorruptedError`` naming the segment and field
 other segments keep reading. No byte is read before it was checked against the CRC32C recorded
 for it: a sealed segment's checksums, the open segment's published prefixes (:mod:`.views`).
 
-``durable=False`` skips the fsyncs: a killed *process* still loses nothing that was
-published (the page cache holds it), but a power loss may roll back recent appends.
-FACTS.md measured fsync-per-batch at ~8.5x the cost of a plain memmap append; here
-the fsyncs of a batch's files are issued in parallel, which cuts most of that.
-
-With ``capacity_rows`` set, after each append the oldest *sealed* segments are
-dropped while more than ``capacity_rows`` rows are held, so the store holds between
-``capacity_rows - S + 1`` and ``capacity_rows`` rows once full. The files of a dropped
-segment are deleted ``evict_grace_s`` seconds later, so readers that opened the store
-before the eviction can still map them.
+``durable=False`` skips the fsyncs (:mod:`.appending` says what that risks). With ``capacity_rows``
+set the oldest sealed segments are dropped after each append (:mod:`.eviction`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from rlhf_pipeline.files.atomic import publish_json
-from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage.base import (
     UNBOUNDED_ROWS,
     StoreClosedError,
@@ -78,10 +61,10 @@ from rlhf_pipeline.storage.errors import LocalOnlyStoreError, StoreDamageWarning
 from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, WriterLock
 from rlhf_pipeline.storage.manifest import check_header, schema_from_manifest
 from rlhf_pipeline.storage.memmap import checksums, layout
-from rlhf_pipeline.storage.memmap.gather import gather_rows
+from rlhf_pipeline.storage.memmap.appending import MemmapAppending
+from rlhf_pipeline.storage.memmap.eviction import MemmapEviction
 from rlhf_pipeline.storage.memmap.layout import (
     CHECKSUMS_FROM,
-    CHECKSUMS_NAME,
     MANIFEST_NAME,
     OPEN_SEGMENT_CHECKSUMS,
     SLOT_FILES_CREATED,
@@ -94,18 +77,16 @@ from rlhf_pipeline.storage.memmap.layout import (
     read_manifest,
     read_published,
 )
-from rlhf_pipeline.storage.memmap.row_index import PaddedReadCache, locate_rows
+from rlhf_pipeline.storage.memmap.reading import MemmapReading
+from rlhf_pipeline.storage.memmap.row_index import PaddedReadCache
 from rlhf_pipeline.storage.memmap.segments import (
     SegmentState,
     SegmentWriter,
     copy_segment,
-    empty_segment,
-    missing_segment_file,
     segment_dir_name,
 )
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots
-from rlhf_pipeline.storage.memmap.views import RecordedChecksums, SegmentView
-from rlhf_pipeline.storage.padded_rows import LocatedRows
+from rlhf_pipeline.storage.memmap.views import SegmentView
 from rlhf_pipeline.storage.segmented import (
     SegmentedTrajectoryStore,
     check_reopened_layout,
@@ -138,7 +119,7 @@ def _local_directory(location: str | os.PathLike) -> Path:
     return Path(text)
 
 
-class MemmapTrajectoryStore(SegmentedTrajectoryStore):
+class MemmapTrajectoryStore(MemmapAppending, MemmapEviction, MemmapReading, SegmentedTrajectoryStore):
     """A :class:`TrajectoryStore` in a local directory of memory-mapped segment files.
 
     Build with :meth:`create` or :meth:`open`, not the constructor.
@@ -348,34 +329,6 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             state[OPEN_SEGMENT_CHECKSUMS] = [max(self._segments), self._tail_writer.written_checksums()]
         return state
 
-    def _recover_tail(self) -> None:
-        """After opening for append: drop what an interrupted writer left unpublished."""
-        held = set(self._segments)
-        last_id = max(held) if held else self._next_row // self._segment_rows - 1
-        pending = {int(seg_id) for seg_id, _ in self._evicted}
-        for entry in self._path.glob("seg-*"):
-            try:
-                seg_id = int(entry.name[4:])
-            except ValueError:
-                continue
-            # beyond the last published segment: created by an append that never published
-            if seg_id > last_id or (seg_id < min(held, default=last_id + 1) and seg_id not in pending):
-                shutil.rmtree(entry, ignore_errors=True)
-        (self._path / (MANIFEST_NAME + ".partial")).unlink(missing_ok=True)
-        if held:
-            tail = self._segments[last_id]
-            recorded = self._published_open_checksums  # the CRCs this open segment was published with
-            writer = SegmentWriter(self._segment_dir(last_id), self._schema, tail, durable=self._durable,
-                                   written=recorded[1] if recorded is not None and recorded[0] == last_id else None)
-            if tail.rows < self._segment_rows:
-                # a seal whose publish never happened may have left checksums of rows now dropped
-                for name in (CHECKSUMS_NAME, CHECKSUMS_NAME + ".partial"):
-                    (self._segment_dir(last_id) / name).unlink(missing_ok=True)
-                self._tail_writer = writer
-            else:
-                writer.close()
-        self._delete_expired_segments()
-
     # ================================================================ contract properties
     @property
     def writable(self) -> bool:
@@ -383,168 +336,6 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
 
     def _segment_dir(self, seg_id: int) -> Path:
         return self._path / segment_dir_name(seg_id)
-
-    # ================================================================ writing
-    def _append_validated(self, batch: TrajectoryBatch) -> None:
-        self._check_open()
-        published = (self._first_row, self._next_row, dict(self._segments), list(self._evicted))
-        try:
-            self._write_rows(batch)
-            self._evict_over_capacity()
-            self._slots.publish(self._seq + 1, self._manifest(), durable=self._durable)
-            self._seq += 1
-            self._published_open_checksums = (None if self._tail_writer is None else
-                                              (max(self._segments), self._tail_writer.written_sums()))
-        except BaseException:
-            if self._publish_landed():
-                # interrupted (Ctrl-C) after the new state reached its slot: the rows are
-                # committed, and rolling the files back would cut published bytes
-                self._seq += 1
-                raise
-            # back to the last published state; the files drop the unpublished bytes
-            self._first_row, self._next_row, self._segments, self._evicted = published
-            if self._tail_writer is not None:
-                self._tail_writer.close()
-                self._tail_writer = None
-            self._recover_tail()
-            raise
-        self._delete_expired_segments()
-
-    def _publish_landed(self) -> bool:
-        """Whether the publish of an append that raised is on disk (the slot after ``_seq``)."""
-        try:
-            newer = self._slots.latest(after=self._seq)
-        except Exception:  # noqa: BLE001 - unreadable: take it as not published, as a reopen would
-            return False
-        return newer is not None and newer[0] == self._seq + 1
-
-    def _write_rows(self, batch: TrajectoryBatch) -> None:
-        rows_per_segment = self._segment_rows
-        start, n = 0, len(batch)
-        while start < n:
-            if self._tail_writer is None:
-                seg_id = self._next_row // rows_per_segment
-                state = empty_segment(seg_id, self._schema)
-                self._tail_writer = SegmentWriter(
-                    self._segment_dir(seg_id), self._schema, state, durable=self._durable
-                )
-                self._segments[seg_id] = state
-            tail = self._segments[max(self._segments)]
-            stop = min(n, start + rows_per_segment - tail.rows)
-            tail = self._tail_writer.append(batch, start, stop, tail)
-            self._segments[tail.id] = tail
-            self._next_row += stop - start
-            start = stop
-            if tail.rows == rows_per_segment:
-                self._tail_writer.seal(tail)
-                self._tail_writer = None
-        if self._durable and self._tail_writer is not None:
-            self._tail_writer.sync()
-
-    def _evict_over_capacity(self) -> None:
-        if self._capacity_rows is None:
-            return
-        now = time.time()
-        while self._next_row - self._first_row > self._capacity_rows:
-            oldest = self._segments[min(self._segments)]
-            if oldest.rows < self._segment_rows:  # the open tail is never evicted
-                break
-            del self._segments[oldest.id]
-            self._first_row += oldest.rows
-            self._evicted.append([oldest.id, now])
-            if oldest.id in self._views:
-                self._unmap(oldest.id)
-
-    def _delete_expired_segments(self) -> None:
-        now = time.time()
-        keep = []
-        for seg_id, evicted_at in self._evicted:
-            if now - evicted_at >= self._evict_grace_s:
-                shutil.rmtree(self._segment_dir(int(seg_id)), ignore_errors=True)
-            else:
-                keep.append([seg_id, evicted_at])
-        # the shortened list is published with the next append; a deleted directory
-        # that is still listed is simply skipped
-        self._evicted = keep
-
-    # ================================================================ reading
-    def refresh(self) -> int:
-        self._check_open()
-        if self._lock is None:
-            self._apply_latest_publish()
-        return self._published_len()
-
-    def _apply_latest_publish(self) -> None:
-        manifest = {"segment_rows": self._segment_rows}
-        self._apply_published(read_published(self._path, self._slots, manifest, self._fields, after=self._seq,
-                                             seen=self._seen_damage))
-
-    def _view(self, seg_id: int) -> SegmentView:
-        view = self._views.get(seg_id)
-        if view is not None:
-            self._views.move_to_end(seg_id)
-            return view
-        view = self._views[seg_id] = SegmentView(self._segment_dir(seg_id), partial(self._recorded_checksums, seg_id),
-                                                 verified=self._verified)
-        while len(self._views) > self._mapped_segments:
-            self._unmap(next(iter(self._views)))
-        return view
-
-    def _recorded_checksums(self, seg_id: int) -> RecordedChecksums:
-        """What the published state says segment ``seg_id``'s files are checked against on read."""
-        return RecordedChecksums.of(self._segments.get(seg_id), self._segment_rows, self._checksums_from,
-                                    self._published_open_checksums)
-
-    def _unmap(self, seg_id: int) -> None:
-        """Lets a segment's mappings go (they unmap once no array read from them is referenced)."""
-        self._views.pop(seg_id).close()
-        if self._padded_cache is not None:
-            self._padded_cache.forget(seg_id)
-
-    def unit_bounds(self) -> list[tuple[int, int]]:
-        """One range per held segment (segment ``k`` holds global rows ``[k*S, k*S + rows)``)."""
-        bounds = []
-        for seg_id in sorted(self._segments):
-            start = max(seg_id * self._segment_rows, self._first_row)
-            stop = min(seg_id * self._segment_rows + self._segments[seg_id].rows, self._next_row)
-            if stop > start:
-                bounds.append((start - self._first_row, stop - self._first_row))
-        return bounds
-
-    def _read_global(self, global_ids: torch.Tensor, fields: Sequence[str] | None = None) -> TrajectoryBatch:
-        return self._unless_evicted(global_ids, lambda: self._gather(global_ids, fields))
-
-    def _locate_rows(self, global_ids: torch.Tensor) -> LocatedRows:
-        if self._padded_cache is None:
-            self._padded_cache = PaddedReadCache(self._schema)
-        cache = self._padded_cache
-        return self._unless_evicted(global_ids, lambda: locate_rows(self, cache, global_ids.numpy()))
-
-    def _unless_evicted(self, global_ids: torch.Tensor, read: Callable[[], Any]) -> Any:
-        """``read()``; an IndexError naming the rows when a segment was evicted and deleted under
-        this reader, a StoreCorruptedError naming the file when a held segment's file is missing."""
-        self._check_open()
-        for attempt in range(2):
-            try:
-                return read()
-            except FileNotFoundError as exc:
-                # a segment was evicted and deleted before this reader mapped it, or deleted by hand
-                self.refresh()
-                if global_ids.numel() and int(global_ids.min()) < self._first_row:
-                    raise IndexError(
-                        f"rows from global id {int(global_ids.min())} were evicted while being read "
-                        f"(the store now starts at {self._first_row}); sample again"
-                    ) from None
-                missing = _segment_of_path(exc.filename)
-                if attempt == 0 and missing is not None and missing not in self._segments:
-                    continue  # an evicted segment none of these rows needs: read again
-                raise missing_segment_file(self._path, exc.filename) from None
-        raise AssertionError("unreachable")
-
-    def _gather(self, global_ids: torch.Tensor, fields: Sequence[str] | None) -> TrajectoryBatch:
-        ids = global_ids.numpy().astype(np.int64, copy=False)
-        names = self._schema.field_names if fields is None else tuple(fields)
-        return gather_rows(ids, names, self._segment_rows, lambda seg_id: (self._view(seg_id), self._segments[seg_id]))
 
     # ================================================================ lifecycle
     def close(self) -> None:
@@ -600,14 +391,3 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
         manifest[SLOT_FILES_CREATED] = True
         StateSlots(target, stem=STATE_STEM).create_files()
         publish_json(target / MANIFEST_NAME, manifest, durable=True)
-
-
-def _segment_of_path(filename: str | None) -> int | None:
-    if not filename:
-        return None
-    path = Path(filename)
-    for part in (path.parent.name, path.name):
-        seg_id = layout.segment_id_of(part)
-        if seg_id is not None:
-            return seg_id
-    return None

@@ -1,6 +1,8 @@
 """The Zarr v3 backend: the memmap contract on local directories, zip files and fsspec URLs.
 
-Modules: :mod:`.store` (the store), :mod:`.layout` (keys, array metadata, codecs, packing),
+Modules: :mod:`.store` (the store: create, open, follow the commit record, close),
+:mod:`.appending` (its writer side: append, publish, seal, evict, drop), :mod:`.reading` (its
+reads from decoded units), :mod:`.layout` (keys, array metadata, codecs, packing),
 :mod:`.units` (the kinds of unit, writing and checked reading), :mod:`.location` (where a
 store lives and raw key/value I/O), :mod:`.writer` (cutting appends into units, background
 sealing), :mod:`.unit_cache` (decoded units and their LRU), :mod:`.unit_constants` (fields with

@@ -1,52 +1,28 @@
 """Zarr v3 trajectory store: the memmap contract on local directories, zip files and fsspec URLs.
 
-Why one file: the store class keeps the ``TrajectoryStore`` contract in one place; layout, units,
-unit cache, writer, location, padded reads, snapshots and repair are already modules of their own
-in this folder.
+This module creates and opens the store, follows its commit record and closes it. The class takes
+its writer side (appending units, publishing the commit record, sealing, eviction and retention's
+drop) from :mod:`.appending` and its reads from :mod:`.reading`; their docstrings say how each
+stays consistent without a synchronizer. Layout and codecs are in
+:mod:`rlhf_pipeline.storage.zarr.layout` (and ``docs/zarr-layout.md``).
 
-Layout and codecs are in :mod:`rlhf_pipeline.storage.zarr.layout` (and
-``docs/zarr-layout.md``). How it stays consistent without a synchronizer:
-
-* **Write, then publish.** An append writes a new *unit* (new keys only), then
-  replaces the root ``zarr.json`` whose attributes are the commit record (row
-  count and the list of units). A local store replaces it with an atomic rename
-  (``manifest.publish_json``); a remote store with a single PUT. A reader sees
-  the old or the new record, and every unit either record names is complete.
-* **Append fragments, compact into segments.** An append cuts its batch at segment
-  boundaries: a whole segment is written sealed; any other piece becomes a *packed
-  fragment* (all its arrays in one raw chunk: two files, one ``writev``). The append
-  that completes a segment hands it to a background thread (:mod:`.writer`),
-  which writes the segment, publishes, and only then deletes the fragments; publishes
-  are serialized by a lock. A crash in between leaves orphans that the next writer
-  deletes when it opens the store, and complete fragments it seals again. ``close``
-  merges the open segment's fragments into one.
-* **Checked reads.** Every chunk of a format 2 unit ends with a CRC32C checked when it is
-  decoded (cheap next to decompression), and every chunk must decode to exactly the size
-  the record implies: damage raises ``StoreCorruptedError`` naming the chunk, never wrong
-  rows, and only the damaged unit's rows are unreadable.
-* **One sync per durable publish.** The unit's files and ``zarr.json.partial`` are
-  flushed together (their fsyncs at once for a small unit, ``syncfs`` for a big one),
-  then the rename and an fsync of the directory.
 * **One writer.** ``mode="a"`` takes the ``flock`` in ``writer.lock`` for a local
   path or ``file://`` URL, and a leased lock object for ``s3://`` (whose units are
   created only and whose record is compare-and-swapped: :mod:`.object_store`). Other
   URLs cannot be locked: one writer per store is then the caller's duty.
-* **Read from decoded units.** One Zarr read costs ~1 ms, so rows are served from
-  whole decoded units held in a byte-bounded LRU (:mod:`.unit_cache`); a read of fields the record
-  knows to be constant in a unit is answered without it (:mod:`.unit_constants`).
+* **A writer resumes from the record.** Opening for append deletes the units no record names
+  (left by a writer killed before publishing) and seals the complete segments it left as fragments.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
-from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
+from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage.base import (
     IncompatibleStoreError,
     NotAStoreError,
@@ -58,13 +34,13 @@ from rlhf_pipeline.storage.base import (
 )
 from rlhf_pipeline.storage.locking import WriterLock
 from rlhf_pipeline.storage.manifest import ManifestWatcher
-from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.segmented import (
     SegmentedTrajectoryStore,
     check_reopened_layout,
     check_segment_layout,
     require_new_directory,
 )
+from rlhf_pipeline.storage.zarr.appending import ZarrAppending
 from rlhf_pipeline.storage.zarr.layout import (
     CHECKSUM,
     DEFAULT_CODEC,
@@ -88,34 +64,20 @@ from rlhf_pipeline.storage.zarr.location import (
     resolve,
 )
 from rlhf_pipeline.storage.zarr.object_store import default_refresh_interval_s
-from rlhf_pipeline.storage.zarr.padded import locate_rows
-from rlhf_pipeline.storage.zarr.unit_constants import (RECORD_KEY, answerable, constants_of, parse_constants,
-                                                      record_entry, unit_from_record, unit_key)
-from rlhf_pipeline.storage.zarr.unit_cache import (
-    DecodedUnit,
-    SegmentCache,
-    concat_arrays,
-    encode_columns,
-    gather_rows,
-    slice_arrays,
-)
-from rlhf_pipeline.storage.zarr.units import (
-    PACKED_FRAGMENT,
-    SEALED_PACKED,
-    UnitCodecs,
-    UnitGone,
-    UnitIO,
-    UnitRef,
-)
-from rlhf_pipeline.storage.zarr.writer import Collector, Sealer, complete_segments, plan_pieces
+from rlhf_pipeline.storage.zarr.reading import ZarrReading
+from rlhf_pipeline.storage.zarr.unit_cache import SegmentCache
+from rlhf_pipeline.storage.zarr.unit_constants import parse_constants
+from rlhf_pipeline.storage.zarr.units import UnitCodecs, UnitIO, UnitRef
+from rlhf_pipeline.storage.zarr.writer import Collector, Sealer, complete_segments
 
 DEFAULT_SEGMENT_ROWS = 4096
 DEFAULT_CACHE_BYTES = 512 * 2**20
 
 
 # ======================================================================== the store
-class ZarrTrajectoryStore(SegmentedTrajectoryStore):
-    """Ragged trajectory rows in a Zarr v3 hierarchy; see the module docstring for guarantees."""
+class ZarrTrajectoryStore(ZarrAppending, ZarrReading, SegmentedTrajectoryStore):
+    """Ragged trajectory rows in a Zarr v3 hierarchy; the guarantees are in the docstrings of this module,
+    :mod:`.appending` and :mod:`.reading`."""
 
     backend_name = "zarr"
     supports_field_subset = True
@@ -402,177 +364,6 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"{self._location} was closed; open it again to use it")
-
-    # ---------------------------------------------------------------- writing
-    def _append_validated(self, batch: TrajectoryBatch) -> None:
-        self._check_open()
-        self._sealer.check()
-        n, start = len(batch), self._next_row  # only this thread moves next_row
-        arrays = encode_columns(batch, self._schema)
-        pieces, complete, constants = [], [], {}
-        for pos, rows, whole, completes in plan_pieces(start, n, self._segment_rows):
-            part = arrays if rows == n else slice_arrays(arrays, self._arrays, pos, pos + rows)
-            unit = UnitRef(start + pos, rows, SEALED_PACKED if whole else PACKED_FRAGMENT)
-            pieces.append((unit, part))
-            constants[unit_key(unit)] = constants_of(part)
-            if completes:
-                complete.append(start + pos + rows - self._segment_rows)
-        written = [unit for unit, _ in pieces]
-        try:
-            pending = [self.unit_io.write(unit, part) for unit, part in pieces]
-        except BaseException:  # a full disk: nothing published, and the space the units took is back
-            self.unit_io.discard(written, published={u.name for u in self._units})
-            raise
-        try:
-            with self._publish_lock:
-                self._publish(self._units + written, start + n, pending, constants)
-        except BaseException:
-            self._resync_with_the_record(written)
-            raise
-        for unit, part in pieces:
-            self._cache.put(unit.name, DecodedUnit(unit.first_row, unit.rows, part))
-        for first_row in complete:
-            self._sealer.submit(first_row)
-        if complete and self._capacity_rows is not None:
-            self._sealer.wait()  # eviction drops sealed segments only: keep the bound exact
-
-    def _resync_with_the_record(self, written: list[UnitRef]) -> None:
-        """After a publish that raised (Ctrl-C, a failed request, a full disk) the writer takes its state
-        from the record, which may or may not have landed (else it would reuse published row ids), and
-        discards the ``written`` units it does not name."""
-        try:
-            record = parse_record(self._loc.kv.get(ROOT_META), self._location, self._loc)
-        except Exception:  # noqa: BLE001 - unreadable now: appending on could overwrite, so stop
-            self._closed = True
-            if self._lock is not None:
-                self._lock.release()
-            return
-        with self._publish_lock:
-            self._apply(record)
-            self.unit_io.discard(written, published={u.name for u in self._units})
-
-    def _publish(self, units: list[UnitRef], next_row: int, pending, constants=None) -> None:
-        """Publishes ``units`` (caller holds the publish lock), then drops what fell out; ``constants``:
-        the new units' constant fields (:mod:`.unit_constants`)."""
-        names = {u.name for u in units}
-        dropped = [u for u in self._units if u.name not in names]
-        if self._capacity_rows is not None:
-            # as memmap: drop the oldest sealed segments while more than capacity rows are held
-            while units[0].sealed and next_row - units[0].first_row > self._capacity_rows:
-                dropped.append(units.pop(0))
-        record = dict(self._record, first_row=units[0].first_row, next_row=next_row,
-                      units=[[u.first_row, u.rows, u.kind] for u in units])
-        record[RECORD_KEY] = record_entry(units, {**self._constants, **(constants or {})})
-        publish(self._loc, record, durable=self._durable, pending=pending)
-        self._apply(record)
-        self._cache.retain({u.name for u in units})
-        for unit in dropped:
-            self._collector.delete(unit.prefix)
-
-    def _seal(self, first_row: int) -> None:
-        """Background: rewrites the fragments of segment ``first_row`` as one sealed segment."""
-        size = self._segment_rows
-        with self._publish_lock:
-            fragments = [u for u in self._units if not u.sealed and first_row <= u.first_row < first_row + size]
-        if sum(u.rows for u in fragments) != size:
-            return  # sealed already
-        rows = concat_arrays([self._unit(u).arrays for u in fragments], self._arrays)
-        segment = UnitRef(first_row, size, SEALED_PACKED)
-        pending = self.unit_io.write(segment, rows, threaded=False)
-        with self._publish_lock:
-            replaced = {u.name for u in fragments}
-            units = [u for u in self._units if u.name not in replaced]
-            at = next((i for i, u in enumerate(units) if u.first_row > first_row), len(units))
-            self._publish(units[:at] + [segment] + units[at:], self._next_row, [pending],
-                          {unit_key(segment): constants_of(rows)})
-        self._cache.put(segment.name, DecodedUnit(first_row, size, rows))
-
-    def _merge_tail(self) -> None:
-        """On close: the open segment's fragments become one, so a closed store holds at most
-        one fragment (two files) besides its sealed segments."""
-        open_start = self._next_row - self._next_row % self._segment_rows
-        tail = [u for u in self._units if not u.sealed and u.first_row >= open_start]
-        if len(tail) < 2 and all(u.kind == PACKED_FRAGMENT for u in tail):
-            return
-        rows = concat_arrays([self._unit(u).arrays for u in tail], self._arrays)
-        unit = UnitRef(tail[0].first_row, sum(u.rows for u in tail), PACKED_FRAGMENT)
-        pending = self.unit_io.write(unit, rows)
-        with self._publish_lock:
-            replaced = {u.name for u in tail}
-            self._publish([u for u in self._units if u.name not in replaced] + [unit], self._next_row, [pending],
-                          {unit_key(unit): constants_of(rows)})
-
-    def _delete_orphans(self) -> None:
-        """Deletes units no commit record names: left by a writer that died before publishing."""
-        published = {u.name for u in self._units}
-        for name in self._loc.kv.list_dir(UNITS_PREFIX):
-            if name != ROOT_META and name not in published and not name.endswith(".partial"):
-                self._loc.kv.delete_prefix(f"{UNITS_PREFIX}/{name}")
-
-    # ---------------------------------------------------------------- reading
-    def unit_bounds(self) -> list[tuple[int, int]]:
-        """One range per published unit (sealed segment or tail fragment): a read decodes whole units."""
-        units, _ = self._view
-        first, stop = self._first_row, self._next_row
-        return [(max(u.first_row, first) - first, min(u.first_row + u.rows, stop) - first)
-                for u in units if min(u.first_row + u.rows, stop) > max(u.first_row, first)]
-
-    def _read_global(self, global_ids: torch.Tensor, fields: tuple[str, ...] | None = None) -> TrajectoryBatch:
-        names = self._schema.field_names if fields is None else fields
-        return self._with_current_units(global_ids.numpy(), lambda ids, view: self._gather(ids, names, view))
-
-    def _locate_rows(self, global_ids: torch.Tensor) -> LocatedRows:
-        return self._with_current_units(global_ids.numpy(), lambda ids, view: locate_rows(self, ids, view))
-
-    def _with_current_units(self, ids: np.ndarray, read: Callable[[np.ndarray, Any], Any]) -> Any:
-        """``read(ids, units view)``, retried on a newer view when a unit was deleted under it."""
-        self._check_open()
-        view = self._view
-        for _ in range(16):
-            try:
-                return read(ids, view)
-            except UnitGone as gone:
-                missing = gone
-            # compacted or evicted after the record we read (a reader's last refresh, or a seal on
-            # this writer's background thread): the rows live on in a unit the newer record names
-            if not self._writable:
-                self.refresh(force=True)
-                if ids.size and int(ids.min()) < self._first_row:
-                    raise IndexError(
-                        f"rows from {int(ids.min())} were evicted while being read; the store now holds "
-                        f"[{self._first_row}, {self._next_row})"
-                    ) from None
-            if self._view is view:
-                break
-            view = self._view
-        raise StoreCorruptedError(
-            f"{self._location}: chunk {missing} of a published unit is missing; the store was "
-            f"damaged outside this library. The store's other units still read; "
-            f"`rlhf-pipeline repair {self._location}` reports what is lost."
-        ) from None
-
-    def _gather(self, ids: np.ndarray, names: tuple[str, ...], view) -> TrajectoryBatch:
-        units, starts = view
-        which = np.searchsorted(starts, ids, side="right") - 1
-        constants = self._constants if answerable(names) else {}
-
-        def parts():
-            for k in np.unique(which).tolist():
-                positions = np.flatnonzero(which == k)
-                unit = units[k]
-                known = unit_from_record(unit, constants, names) if constants else None
-                if known is not None:  # the record holds these fields' one value: no GET, no decode
-                    yield positions, np.zeros(positions.size, dtype=np.int64), lambda known=known: known
-                    continue
-                yield positions, ids[positions] - unit.first_row, lambda unit=unit: self._unit(unit)
-
-        return gather_rows(self._schema, names, ids.size, parts())
-
-    def _unit(self, unit: UnitRef) -> DecodedUnit:
-        return self._cache.get(unit.name, lambda: self._load_unit(unit))
-
-    def _load_unit(self, unit: UnitRef) -> DecodedUnit:
-        return DecodedUnit(unit.first_row, unit.rows, self.unit_io.read(unit))
 
     # ---------------------------------------------------------------- summary and copies
     def stats(self) -> StoreStats:
