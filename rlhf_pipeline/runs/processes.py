@@ -175,7 +175,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             pacer.round_written(learned)
         metrics_log, run_store = paths.state_object(paths.collector_metrics(collector_index))
         metrics = MetricsWriter(metrics_log, store=run_store)
-        retention = _shard_retention(pipeline, paths, key, store_path, loop)
+        retention = _shard_retention(pipeline, paths, key, store_path, loop, say=lambda line: say(f"{tag} {line}"))
         waited = paced_total = 0.0
         # the learner takes the next batch within a step: poll soon (at a URL each poll is a few
         # requests, so not every millisecond)
@@ -247,11 +247,20 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     return 1 if failed is not None else stop.exit_code()
 
 
-def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: str, loop: dict) -> Any:
+def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: str, loop: dict,
+                     say: Any = print) -> Any:
     """The collector's retention of its shard (``runs/retention.py``), or None when no rule is set;
     its row clock continues from the saved loop state."""
     settings = getattr(pipeline, "retention", None)
     if settings is None or not settings.enabled:
+        return None
+    from rlhf_pipeline.storage.continues import continued_rows
+
+    if paths.url is None and continued_rows(paths.root / "buffer") is not None:
+        # a branch continued online numbers its own shard's rows from 0 and its checkpoints from the
+        # parent's count: floors computed across the two could drop a row a rewind needs
+        say("retention.* is off in a branch continued online (its floors across the parent's rows and its "
+            "own are not computed yet); its buffer grows: see docs/branching.md#not-there-yet")
         return None
     from rlhf_pipeline.runs.retention import CLOCK_KEY, ShardRetention
 

@@ -220,3 +220,15 @@ def test_an_agent_branch_continues_online_as_its_parent_did(tmp_path):
     assert trained(same) == trained(parent) and same_weights(same, parent)
     assert rows(same / "buffer") == rows(parent / "buffer")
     assert digest(parent) == before
+
+
+def test_retention_is_off_in_a_branch_continued_online_and_says_so(tmp_path):
+    # its own shard numbers rows from 0 and its checkpoints from the parent's count: the floors
+    # across the two are not computed, so nothing may be dropped rather than the wrong rows
+    bound = "retention.max_rows=4096"
+    run(tmp_path, "parent", bound)
+    assert main(["branch", str(tmp_path / "parent"), "--from-step", "4", "kept"]) == 0
+    err = run(tmp_path, "kept", bound)
+    assert "retention.* is off in a branch continued online" in err
+    with open_store(tmp_path / "kept" / "buffer" / "shard-0000") as own:
+        assert own.first_row == 0 and len(own) > 0
