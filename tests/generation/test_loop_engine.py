@@ -9,6 +9,7 @@ from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, Samp
 from rlhf_pipeline.generation import LoopEngine, SampleRequest, UnsupportedCapability, draw_seed, generate
 from rlhf_pipeline.generation.engine import GenerationEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer
+from engine_contract import check_streamed_groups_are_the_sampled_ones_short_first
 
 PROMPTS = ["1+2=", "13+4=", "hello there, add 40+2="]
 
@@ -145,3 +146,9 @@ def test_streamed_groups_are_the_sampled_rows_yielded_as_each_group_stops(tiny):
         assert [c.terminated for c in mine.completions] == [c.terminated for c in group.completions]
     assert torch.equal(sampled_with.get_state(), streamed_with.get_state())
     assert any(c.terminated for g in sampled for c in g.completions)
+
+
+def test_the_loop_engine_streams_as_the_engine_contract_says(tiny):
+    model, tok = tiny
+    engine = LoopEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    check_streamed_groups_are_the_sampled_ones_short_first(engine, tok)
