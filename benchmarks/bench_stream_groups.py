@@ -34,17 +34,27 @@ from pathlib import Path
 METRICS = ("first_group_s", "first_ended_s", "order_wait_s", "round_s", "chunks", "groups_per_chunk")
 
 
-def policy(warm_start_steps: int, seed: int):
+def policy(warm_start_steps: int, seed: int, hidden: int, layers: int, heads: int):
     import torch
 
     from rlhf_pipeline.collect.toy_task import warm_start
     from rlhf_pipeline.models import tiny_model_and_tokenizer
 
     torch.manual_seed(seed)
-    model, tok = tiny_model_and_tokenizer(hidden_size=64, num_layers=2, num_heads=2, seed=seed)
+    model, tok = tiny_model_and_tokenizer(hidden_size=hidden, num_layers=layers, num_heads=heads, seed=seed)
     if warm_start_steps:
         warm_start(model, tok, warm_start_steps, lr=3e-3, seed=seed)
     return model, tok
+
+
+def raise_eos_logit(model, tok, bias: float) -> None:
+    """Adds ``bias`` to the EOS logit in this process (the loop engine only): completion lengths then
+    fall off geometrically up to the limit, a longer tail than the warm-started policy's."""
+    import torch
+
+    shift = torch.zeros(model.config.vocab_size)
+    shift[tok.eos_token_id] = bias
+    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + shift)
 
 
 def engine_for(name: str, model, tok):
@@ -71,7 +81,8 @@ def bench_engine(name: str, model, tok, args, where: Path) -> dict:
         for stream in (True, False):
             store = create_store(where / f"{name}-{'stream' if stream else 'whole'}", "memmap", schema=StoreSchema())
             config = CollectorConfig(prompts_per_batch=args.prompts, num_generations=args.group_size, seed=args.seed,
-                                     sampling=SamplingConfig(max_new_tokens=args.max_new_tokens), stream_groups=stream)
+                                     sampling=SamplingConfig(max_new_tokens=args.max_new_tokens,
+                                                             temperature=args.temperature), stream_groups=stream)
             source = PromptSource(toy_prompts(1000, seed=args.seed), seed=args.seed, required_fields=("answer",))
             collectors[stream] = Collector(engine, tok, source, {"toy": toy_reward}, store.append, config)
         for round_index in range(args.rounds + 1):  # round 0 warms each up
@@ -110,6 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="response limit (default 64)")
     parser.add_argument("--warm-start-steps", type=int, default=150, help="toy-task warm start (default 150)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=2.0,
+                        help="sampling temperature (default 2.0, vLLM's highest: the warm-started policy then "
+                             "rambles past its answer in some completions, a round's long tail)")
+    parser.add_argument("--eos-bias", type=float, default=0.0,
+                        help="with --engines loop --warm-start-steps 0: add this to the EOS logit (a geometric tail)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256: bench generation's 2m)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8, help="attention heads (head size hidden/heads: 32 for vLLM)")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                         help="write the results as JSON (to PATH, or stdout)")
     args = parser.parse_args(argv)
@@ -117,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     load_before = os.getloadavg()
-    model, tok = policy(args.warm_start_steps, args.seed)
+    if args.eos_bias and args.engines != ["loop"]:
+        parser.error("--eos-bias changes the model in this process: run it with --engines loop")
+    model, tok = policy(args.warm_start_steps, args.seed, args.hidden, args.layers, args.heads)
+    if args.eos_bias:
+        raise_eos_logit(model, tok, args.eos_bias)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-stream-") as where:
         for name in args.engines:
