@@ -177,8 +177,8 @@ class Collector:
 
         timing = StreamTiming(started=t0)
         try:
-            commit_in_order(self.engine.stream(requests, self.config.sampling, self.generator), len(requests), write,
-                            timing)
+            commit_in_order(self.engine.stream_batches(requests, self.config.sampling, self.generator), len(requests),
+                            write, timing)
         except BaseException:
             if chunks:  # part of the round is stored: a retry generates it again and writes only the rest
                 written = int(torch.cat([c["group_id"] for c in chunks]).max())

@@ -1,7 +1,7 @@
 """Committing a streamed round in request order: group k goes to the write path once groups 0..k ended.
 
-An engine that ``supports_streaming`` yields a round's groups in the order they end
-(``GenerationEngine.stream``). The collector hands them to its sink in *request* order, in chunks:
+An engine that ``supports_streaming`` yields a round's groups in the order they end, those that end
+at one decoding step together (``GenerationEngine.stream_batches``). The collector hands them to its sink in *request* order, in chunks:
 whenever the groups that ended extend the prefix of the round already committed, that prefix grows
 by one append. Why not in the order they end: the buffer's order would then depend on timing, and
 what reads by position (exact resume, the learner's pacing and sampling) would no longer give the
@@ -60,21 +60,24 @@ class StreamTiming:
         }
 
 
-def commit_in_order(groups: Iterable[CompletionGroup], count: int, write: WriteChunk,
+def commit_in_order(batches: Iterable[list[CompletionGroup]], count: int, write: WriteChunk,
                     timing: StreamTiming | None = None) -> StreamTiming:
-    """Consumes a round's stream of ``count`` groups and writes them in request order as prefixes
-    complete (see the module docstring). Raises RuntimeError when the stream yields a request
+    """Consumes a round's stream of ``count`` groups (``GenerationEngine.stream_batches``: lists of
+    groups that finished together) and writes them in request order as prefixes complete, at most one
+    append per list (see the module docstring). Raises RuntimeError when the stream yields a request
     twice, one outside the round, or ends before every request's group came."""
     timing = timing or StreamTiming()
     ended: dict[int, CompletionGroup] = {}
     committed = 0  # groups 0..committed-1 are written
     held: list[CompletionGroup] = []  # the chunk that completes the round, written once the stream ends
-    for group in groups:
-        if not 0 <= group.index < count or group.index in ended or group.index < committed:
-            raise RuntimeError(f"the generation engine yielded request {group.index} twice or outside a round of "
-                               f"{count}: not the engine contract (one group per request)")
-        ended[group.index] = group
-        timing.ended_s[group.index] = timing.now()
+    for finished_together in batches:
+        now = timing.now()
+        for group in finished_together:
+            if not 0 <= group.index < count or group.index in ended or group.index < committed:
+                raise RuntimeError(f"the generation engine yielded request {group.index} twice or outside a round "
+                                   f"of {count}: not the engine contract (one group per request)")
+            ended[group.index] = group
+            timing.ended_s[group.index] = now
         chunk = []
         while committed in ended:
             chunk.append(ended.pop(committed))

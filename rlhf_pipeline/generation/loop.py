@@ -107,7 +107,7 @@ def decode_steps(
     """Our sampling loop, one :class:`DecodeStep` per sampled token: one row per prompt, all decoded
     in one batch, every token drawn from ``generator`` (it must live on the model's device).
 
-    :func:`generate` drains it; :meth:`LoopEngine.stream` reads rows as they stop. The draws are the
+    :func:`generate` drains it; :meth:`LoopEngine.stream_batches` reads rows as they stop. The draws are the
     same either way: a caller that stops iterating early has drawn fewer, never other ones."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate() needs at least one prompt and every prompt needs at least one token")
@@ -281,10 +281,10 @@ class LoopEngine(GenerationEngine):
             groups.append(CompletionGroup(index, completions, self.policy_version))
         return groups
 
-    def stream(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-               generator: torch.Generator) -> Iterator[CompletionGroup]:
+    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
         """Each request's group once its last row stopped (sampled a stop token or reached the request's
-        limit), in the order they stop; groups that stop at the same step in request order.
+        limit), in the order they stop; the groups that stop at one step together, in request order.
 
         The whole call is one batch, each request's ``n`` rows together: the order (and so the random
         stream) of ``generate(prompts, num_samples=n)``. Rows that stopped keep being decoded (as pads)
@@ -305,13 +305,17 @@ class LoopEngine(GenerationEngine):
                                   eos_token_id=self.stop_token_ids, generator=generator):
             ended = [i for i in waiting if state.step + 1 >= limits[i]
                      or bool(state.finished[first_row[i]:first_row[i + 1]].all())]
+            if not ended:
+                continue
+            groups = []
             for index in ended:
                 completions = []
                 for row in range(first_row[index], first_row[index + 1]):
                     tokens, lps = state.row(row, limits[index])
                     completions.append(Completion(tokens, lps, terminated=bool(tokens) and tokens[-1] in stops))
-                yield CompletionGroup(index, completions, self.policy_version)
+                groups.append(CompletionGroup(index, completions, self.policy_version))
             waiting = [i for i in waiting if i not in ended]
+            yield groups
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               sampling: SamplingConfig | None = None) -> list[list[float]]:

@@ -339,9 +339,9 @@ class VLLMEngine(GenerationEngine):
         return [to_group(self, index, request, sent, completions)
                 for index, (request, sent, completions) in enumerate(zip(requests, wire, reply["groups"], strict=True))]
 
-    def stream(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-               generator: torch.Generator) -> Iterator[CompletionGroup]:
-        """Each group as vLLM finishes it, from one continuous batch (``generation/vllm_rounds.py``)."""
+    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
+        """The groups vLLM finishes at each step, from one continuous batch (``generation/vllm_rounds.py``)."""
         return stream_round(self, requests, sampling, generator)
 
     # ------------------------------------------------------------------ weights

@@ -1,6 +1,6 @@
 """A round of requests to the owned vLLM engine (``vllm_engine.py``), whole or streamed.
 
-What :meth:`VLLMEngine.sample` and :meth:`VLLMEngine.stream` share: the requests as they cross the
+What :meth:`VLLMEngine.sample` and :meth:`VLLMEngine.stream_batches` share: the requests as they cross the
 socket, each with its seed drawn from the collector's generator in submission order (all of them
 before anything is sent, so a group's rows never depend on when the others end), and the checks
 that turn a completion the engine returned into ours (our stop rule, ``terminated`` read from the
@@ -8,9 +8,9 @@ tokens).
 
 Streaming (the server's ``stream`` operation, ``vllm_server.py``): the server adds every request to
 vLLM's engine at once (vLLM batches them continuously: a finished sequence's slot goes to a waiting
-one) and sends each request's group the step vLLM reports it finished, then ``done``. If the engine's
-process dies under a stream, a new one (``VLLMEngine._restart``) is sent the requests whose groups
-did not come yet, with the same seeds; the groups already yielded stand. A consumer that stops
+one) and sends the groups of the requests it reports finished at each step together, then ``done``.
+If the engine's process dies under a stream, a new one (``VLLMEngine._restart``) is sent the
+requests whose groups did not come yet, with the same seeds; the groups already yielded stand. A consumer that stops
 early is not left with replies in the socket: the rest are read and dropped.
 """
 
@@ -74,8 +74,8 @@ def count_prompt_tokens(engine: VLLMEngine, sent: Sequence[dict[str, Any]], cach
 
 
 def stream_round(engine: VLLMEngine, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-                 generator: torch.Generator) -> Iterator[CompletionGroup]:
-    """Each request's group as vLLM finishes it (see the module docstring)."""
+                 generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
+    """The groups vLLM finishes at each step, as it finishes them (see the module docstring)."""
     engine.check_sampling(sampling)
     if not requests:
         return
@@ -98,11 +98,15 @@ def stream_round(engine: VLLMEngine, requests: Sequence[SampleRequest], sampling
                     if reply.get("done"):
                         finished = True
                         break
-                    index = waiting[reply["position"]]  # its position in the list this stream was sent
-                    group = to_group(engine, index, requests[index], wire[index], reply["group"])
-                    count_prompt_tokens(engine, [wire[index]], [reply.get("cached_tokens", 0)])
-                    yield group
-                    waiting[reply["position"]] = -1  # yielded: not asked again after a restart
+                    groups = []
+                    for item in reply["finished"]:
+                        index = waiting[item["position"]]  # its position in the list this stream was sent
+                        groups.append(to_group(engine, index, requests[index], wire[index], item["group"]))
+                    count_prompt_tokens(engine, [wire[g.index] for g in groups],
+                                        [item.get("cached_tokens", 0) for item in reply["finished"]])
+                    yield groups
+                    for item in reply["finished"]:
+                        waiting[item["position"]] = -1  # yielded: not asked again after a restart
             finally:
                 if not finished:  # the consumer stopped early (or a group failed our checks): read the rest
                     _drain(engine)

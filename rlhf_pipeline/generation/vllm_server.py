@@ -19,9 +19,9 @@ Operations (``op`` of each request; every reply has ``ok`` and, when False, ``er
   (``temperature``, ``top_k``, ``top_p``), ``stop_token_ids`` -> ``groups``: per request, per
   completion, ``token_ids``, ``log_probs``, ``finish_reason``; ``cached_tokens``: per request, its
   prompt tokens found in the prefix cache;
-* ``stream``: as ``sample``, with one reply per request as vLLM finishes it (``position``: the
-  request's place in ``requests``, ``group``, ``cached_tokens``), then ``done``; an error reply ends
-  it too;
+* ``stream``: as ``sample``, with one reply per engine step at which requests finished
+  (``finished``: per request ``position``, its place in ``requests``, ``group``, ``cached_tokens``),
+  then ``done``; an error reply ends it too;
 * ``load_weights``: ``path`` of a safetensors file -> loaded through the worker extension
   (``generation/vllm_worker.py``), then the prefix cache is reset;
 * ``nccl_init`` / ``nccl_start`` / ``nccl_update`` / ``nccl_finish``: vLLM's weight-transfer
@@ -103,8 +103,9 @@ def sample(llm, message: dict[str, Any]) -> dict[str, Any]:
 
 def stream(llm, message: dict[str, Any], connection: Connection) -> None:
     """``sample``'s requests, added to vLLM's engine at once (``LLM.enqueue``: what ``generate`` does
-    before it steps the engine) and stepped here: each request's group is sent as one reply the step
-    vLLM reports it finished (``position``: its place in ``requests``), then ``{"done": True}``."""
+    before it steps the engine) and stepped here: the groups of the requests vLLM reports finished at a
+    step are sent as one reply (``finished``: each with ``position``, its place in ``requests``), then
+    ``{"done": True}``."""
     prompts, params = _requests(message)
     request_ids = [str(r) for r in llm.enqueue(prompts, params, use_tqdm=False)]
     # enqueue may return vLLM's internal ids ("21-1a2b3c4d"); outputs carry the id it was given ("21")
@@ -112,12 +113,15 @@ def stream(llm, message: dict[str, Any], connection: Connection) -> None:
     engine, unfinished = llm.llm_engine, set(request_ids)
     try:
         while engine.has_unfinished_requests():
+            finished = []
             for output in engine.step():
                 if output.finished:
                     k = position[external_id(output.request_id)]
                     unfinished.discard(request_ids[k])
-                    connection.send({"ok": True, "position": k,
-                                     "group": _completions(output), "cached_tokens": int(output.num_cached_tokens or 0)})
+                    finished.append({"position": k, "group": _completions(output),
+                                     "cached_tokens": int(output.num_cached_tokens or 0)})
+            if finished:  # the requests that finished at this step: one reply, one append for the collector
+                connection.send({"ok": True, "finished": finished})
     except Exception:  # the error reply ends the stream: nothing of it may stay in the engine
         if unfinished:
             engine.abort_request(sorted(external_id(r) for r in unfinished))  # each with its n completions

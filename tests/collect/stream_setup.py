@@ -12,6 +12,8 @@ from rlhf_pipeline.models import tiny_model_and_tokenizer
 
 EOS_BIAS = 3.5
 ROUND_ROWS = 12  # 4 prompts x 3 completions
+APPENDS = [[12], [3, 6, 3], [6, 6], [3, 3, 6]]
+"""Rows per append of the first four streamed rounds with this policy (the tests rely on the cuts)."""
 
 
 def policy():
@@ -25,6 +27,6 @@ def policy():
 
 def collector(model, tok, sink, *, stream: bool) -> Collector:
     config = CollectorConfig(prompts_per_batch=4, num_generations=3, stream_groups=stream,
-                             sampling=SamplingConfig(max_new_tokens=16, temperature=1.5))
+                             sampling=SamplingConfig(max_new_tokens=16, temperature=1.0))
     source = PromptSource(toy_prompts(20, seed=1), seed=0, required_fields=("answer",))
     return Collector(model, tok, source, {"toy": toy_reward}, sink, config)

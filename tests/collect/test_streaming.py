@@ -18,7 +18,7 @@ from rlhf_pipeline.generation.engine import CompletionGroup
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
 
-from stream_setup import ROUND_ROWS, collector, policy
+from stream_setup import APPENDS, ROUND_ROWS, collector, policy
 
 ROUNDS = 4
 
@@ -80,12 +80,12 @@ def test_streamed_rounds_store_the_rows_of_whole_rounds_byte_equal(tiny, tmp_pat
     _, chunks = run_rounds(tiny, store, tmp_path / "collector.pt", ROUNDS)
     rows = stored(store)
     store.close()
-    assert max(chunks) > 1  # some rounds really went in several appends
+    assert chunks == [len(sizes) for sizes in APPENDS]  # rounds really went in several appends
     assert rows.equal(reference)
     assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))
 
 
-@pytest.mark.parametrize("crash_at_append", [1, 2, 3, 5])
+@pytest.mark.parametrize("crash_at_append", [1, 2, 3, 4, 5, 7])
 def test_a_crash_between_appends_resumes_to_the_same_rows_each_trajectory_once(tiny, tmp_path, reference,
                                                                                crash_at_append):
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
@@ -103,20 +103,23 @@ def test_a_crash_between_appends_resumes_to_the_same_rows_each_trajectory_once(t
     store.close()
     assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # each once, none skipped
     assert rows.equal(reference)
-    if crash_at_append in (1, 2):  # the first round goes in 3 appends with this policy: cut inside it
-        assert 0 < partial < ROUND_ROWS and cut % ROUND_ROWS != 0
+    appends = [rows for sizes in APPENDS for rows in sizes]
+    assert cut == sum(appends[:crash_at_append])
+    # cut inside a round (after its first or second of several appends): generated again, the rest written
+    assert partial == (cut % ROUND_ROWS)
 
 
 def test_groups_are_committed_in_request_order_in_chunks_as_prefixes_complete():
-    ended = [CompletionGroup(i, [], 0) for i in (2, 0, 1, 4, 3)]
+    group = {i: CompletionGroup(i, [], 0) for i in range(7)}
+    steps = [[group[2]], [group[0]], [group[1]], [group[4], group[5]], [group[3], group[6]]]  # ended together
     chunks = []
-    timing = commit_in_order(iter(ended), 5, lambda groups, last: chunks.append(([g.index for g in groups], last)))
-    assert chunks == [([0], False), ([1, 2], False), ([3, 4], True)]
-    assert timing.metrics()["chunks"] == 3 and timing.metrics()["groups_per_chunk"] == 5 / 3
+    timing = commit_in_order(iter(steps), 7, lambda groups, last: chunks.append(([g.index for g in groups], last)))
+    assert chunks == [([0], False), ([1, 2], False), ([3, 4, 5, 6], True)]  # one append per step at most
+    assert timing.metrics()["chunks"] == 3 and timing.metrics()["groups_per_chunk"] == 7 / 3
     with pytest.raises(RuntimeError, match="ended after 2 of 3 groups"):
-        commit_in_order(iter(ended[:2]), 3, lambda groups, last: None)
+        commit_in_order(iter(steps[:2]), 3, lambda groups, last: None)
     with pytest.raises(RuntimeError, match="twice or outside"):
-        commit_in_order(iter([ended[1], ended[1]]), 3, lambda groups, last: None)
+        commit_in_order(iter([[group[1]], [group[1]]]), 3, lambda groups, last: None)
 
 
 def test_an_engine_that_cannot_stream_is_refused_by_setting_name(tiny):
@@ -180,11 +183,11 @@ def test_kill_9_of_a_collector_between_two_appends_of_a_round_resumes_to_the_sam
                                         rows=ROUNDS * ROUND_ROWS))
         return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
 
-    child = worker(stall_at=4)  # the second round's first append (of two), with this policy
+    child = worker(stall_at=2)  # the second round's first append (of three), with this policy
     lines = []
     for line in child.stdout:
         lines.append(line.split())
-        if line.startswith("appended 4 "):
+        if line.startswith("appended 2 "):
             child.send_signal(signal.SIGKILL)
             break
     child.wait()
