@@ -156,7 +156,7 @@ class Collector:
         return batch
 
     def _collect_streamed(self, records, requests, t0, start_state, state_after, before_write, before_first_chunk):
-        """The round through ``engine.stream``, written in request order as prefixes complete."""
+        """The round through ``engine.stream_batches``, written in request order as prefixes complete."""
         chunks: list[TrajectoryBatch] = []
         parts: list[dict[str, torch.Tensor]] = []
         scoring_s = 0.0

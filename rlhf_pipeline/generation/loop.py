@@ -20,7 +20,7 @@ import dataclasses
 import inspect
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -91,7 +91,7 @@ class DecodeStep:
         ids, lps = self._stacked
         return ids[index, :keep].tolist(), lps[index, :keep].tolist()
 
-    _stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+    _stacked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
 
 @torch.no_grad()

@@ -92,7 +92,7 @@ class GenerationSettings:
     stream_groups: bool = False
     """Write each GRPO group as soon as it and every earlier group of the round ended (several appends
     per round, in request order) instead of once the round's slowest completion ended: the same rows,
-    the first ones sooner (docs/generation.md#streaming-groups). The loop and vllm engines stream; a
+    the first ones sooner (docs/generation.md, "Streaming groups"). The loop and vllm engines stream; a
     server at generation.url and the agent collector (pipelines/tool_use.py) do not, and refuse it."""
     hung_after_s: float | None = None
     """vllm: a round (or a weight load) the engine has not answered after this long counts as a hung
