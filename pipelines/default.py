@@ -35,6 +35,7 @@ from typing import Literal
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
+from rlhf_pipeline.storage.retention import RetentionSettings
 from rlhf_pipeline.cluster.settings import RaySettings
 
 
@@ -102,6 +103,10 @@ class Settings:
     buffer_lock_lease_s: float = 30.0
     """With buffer_url: the lease of a collector's writer lock (>= 3 s, renewed every third of it).
     Shorter: a dead or paused collector is fenced and replaced sooner, at one more PUT per renewal."""
+    retention: RetentionSettings = field(default_factory=RetentionSettings)
+    """How much of its shard each collector keeps on a long run (--set retention.max_rows=200000;
+    also max_versions_behind, max_age_s): whole old segments go, never rows a kept checkpoint, a
+    branch or the learner still needs (docs/retention.md). Unset: every row is kept."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=64, sampler="exact", uses_per_row=1, sample_window=128, new_rows_per_step=64,
         micro_batch_tokens=4096, lr=3e-4, warmup_steps=5, max_staleness=2, publish_every=1,
@@ -126,6 +131,7 @@ def check(settings: Settings) -> LearnerSettings:
                             f"store lives at a URL; add --set buffer_backend=zarr, or drop buffer_url to keep the "
                             f"memmap buffer in the run directory")
     try:
+        settings.retention.check(settings.segment_rows)
         check_generation(settings.generation, head_size=settings.hidden_size // settings.num_heads,
                          device=settings.device, head_hint=f" (hidden_size {settings.hidden_size} / num_heads "
                          f"{settings.num_heads}): add --set num_heads=2")
@@ -233,4 +239,5 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         buffer_url=settings.buffer_url,
         buffer_lock_wait_s=settings.buffer_lock_wait_s,
         buffer_lock_lease_s=settings.buffer_lock_lease_s,
+        retention=settings.retention,
     )

@@ -37,6 +37,7 @@ from pathlib import Path
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.settings import GRPOLossConfig
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
+from rlhf_pipeline.storage.retention import RetentionSettings
 from rlhf_pipeline.cluster.settings import RaySettings
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 
@@ -78,6 +79,10 @@ class Settings:
     # ---- buffer and learner
     segment_rows: int = 4096
     """Rows per memmap segment of the replay buffer."""
+    retention: RetentionSettings = field(default_factory=RetentionSettings)
+    """How much of its shard each collector keeps on a long run (--set retention.max_rows=200000; also
+    max_versions_behind, max_age_s): old whole groups go, never rows a kept checkpoint, a branch or the
+    learner still needs (docs/retention.md). Unset: every row is kept."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=128, sample_window=256, new_rows_per_step=128, micro_batch_tokens=16384, lr=1e-6,
         warmup_steps=10, lr_schedule="cosine", max_grad_norm=1.0, max_staleness=2, publish_every=1,
@@ -117,6 +122,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     config = json.loads((Path(settings.model_path) / "config.json").read_text())
     head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     try:
+        settings.retention.check(settings.segment_rows)
         check_generation(settings.generation, head_size=head_size, device=settings.device,
                          head_hint=f" (model_path's config.json); pick a model whose head size vLLM takes")
     except ValueError as exc:
@@ -186,6 +192,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         make_write_path=make_write_path,
         preflight=lambda: preflight_rewards(rewards, prompts[:1], settings.group_size),
         collect_rounds_per_version=settings.rounds_per_version,
+        retention=settings.retention,
     )
 
 

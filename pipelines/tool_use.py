@@ -39,6 +39,7 @@ from pathlib import Path
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
+from rlhf_pipeline.storage.retention import RetentionSettings
 
 
 @dataclass
@@ -123,6 +124,10 @@ class Settings:
     # ---- buffer and learner
     segment_rows: int = 1024
     """Rows per segment of the replay buffer (the unit of sealing and eviction)."""
+    retention: RetentionSettings = field(default_factory=RetentionSettings)
+    """How much of its shard each collector keeps on a long run (--set retention.max_rows=200000; also
+    max_versions_behind, max_age_s): old whole groups go, never rows a kept checkpoint, a branch or the
+    learner still needs (docs/retention.md). Unset: every row is kept."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=32, sampler="exact", uses_per_row=1, sample_window=64, new_rows_per_step=32,
         micro_batch_tokens=4096, lr=3e-4, warmup_steps=3, max_staleness=2, publish_every=1,
@@ -158,6 +163,7 @@ def check(settings: Settings) -> LearnerSettings:
         raise PipelineError(f"setting 'context_length' ({settings.context_length}) leaves no room for the opening "
                             f"prompt and a turn of max_new_tokens ({settings.max_new_tokens})")
     try:
+        settings.retention.check(settings.segment_rows)  # an agent's turns (rows) go whole, with their group
         check_generation(settings.generation, head_size=settings.hidden_size // settings.num_heads,
                          device=settings.device, head_hint=f" (hidden_size {settings.hidden_size} / num_heads "
                          f"{settings.num_heads}): add --set num_heads=2", collector_streams=False)
@@ -284,6 +290,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         collect_rounds_per_version=settings.rounds_per_version,
         collect_rounds_ahead=settings.rounds_ahead,
         torch_threads=settings.threads,
+        retention=settings.retention,
     )
 
 

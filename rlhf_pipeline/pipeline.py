@@ -126,6 +126,9 @@ class Pipeline:
     renewal); a writer that cannot renew for a whole lease (a long GC pause, a network outage)
     loses its shard. At least 3 s."""
 
+    retention: Any = None
+    """Each collector's retention of its shard (storage/retention.py RetentionSettings); None: all rows."""
+
     def __post_init__(self) -> None:
         if not self.buffer_lock_lease_s >= MIN_LOCK_LEASE_S:
             raise PipelineError(
@@ -155,9 +158,7 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
     """Imports a pipeline file by path and checks that it defines ``Settings`` and ``build``."""
     path = Path(path)
     if not path.is_file():
-        raise PipelineError(
-            f"pipeline file {str(path)!r} does not exist; pass a path such as pipelines/default.py"
-        )
+        raise PipelineError(f"pipeline file {str(path)!r} does not exist; pass a path such as pipelines/default.py")
     # a name derived from the path keeps two pipelines in one process apart
     module_name = f"rlhf_pipeline_user_{abs(hash(str(path.resolve())))}"
     spec = importlib.util.spec_from_file_location(module_name, path)
@@ -333,9 +334,7 @@ def parse_value(annotation: Any, raw: str, key: str) -> Any:
         try:
             return annotation(raw)
         except ValueError:
-            raise PipelineError(
-                f"setting {key!r} expects {annotation.__name__}, got {raw!r}"
-            ) from None
+            raise PipelineError(f"setting {key!r} expects {annotation.__name__}, got {raw!r}") from None
     if annotation is Path:
         return Path(raw).expanduser()
     if annotation is str or annotation is Any:

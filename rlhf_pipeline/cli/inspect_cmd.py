@@ -12,7 +12,8 @@ the file or chunk; the exit code is 1 when it finds damage (see ``rlhf-pipeline 
 
 A run directory (``storage/<run-name>``) prints the run first: its rewind points (kept
 checkpoints, each with the buffer rows it had seen), the run it was branched from and its
-branches (``runs/lineage.py``); then its ``buffer/`` as above.
+branches (``runs/lineage.py``), its retention and the first row each shard still holds
+(``runs/retention.py``); then its ``buffer/`` as above.
 """
 
 from __future__ import annotations
@@ -73,10 +74,15 @@ def run(args: argparse.Namespace) -> int:
         return 0 if all(r.ok for r in reports) else 1
     if lineage is None:
         print(json.dumps(stats.to_json()) if args.json else format_stats(stats))
-    elif args.json:
-        print(json.dumps({"run": lineage, "buffer": stats.to_json()}))
+        return 0
+    from rlhf_pipeline.runs.retention import format_retention, run_retention
+
+    retention = run_retention(lineage["run"])
+    if args.json:
+        print(json.dumps({"run": {**lineage, "retention": retention}, "buffer": stats.to_json()}))
     else:
-        print(format_lineage(lineage) + "\n\nbuffer\n" + format_stats(stats))
+        kept = format_retention(retention, stats)
+        print(format_lineage(lineage) + ("\n" + kept if kept else "") + "\n\nbuffer\n" + format_stats(stats))
     return 0
 
 

@@ -174,6 +174,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             pacer.round_written(learned)
         metrics_log, run_store = paths.state_object(paths.collector_metrics(collector_index))
         metrics = MetricsWriter(metrics_log, store=run_store)
+        retention = _shard_retention(pipeline, paths, key, store_path, loop)
         waited = paced_total = 0.0
         # the learner takes the next batch within a step: poll soon (at a URL each poll is a few
         # requests, so not every millisecond)
@@ -215,19 +216,23 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 getattr(collector, "config", None), "stream_groups", False) else {}
             try:
                 collector.collect(before_write=lambda after_round: position.before_write(
-                    after_round, {"rounds_at_version": rounds_at_version + 1, "round_rows": pacer.round_rows}),
+                    after_round, {"rounds_at_version": rounds_at_version + 1, "round_rows": pacer.round_rows,
+                                  **_clock(retention)}),
                     **chunked)
             except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops
                 failed = exc
             pacer.round_written(store.next_row - rows_before, round_rows=getattr(collector, "round_rows", None))
             done += 1
             rounds_at_version += 1
-            position.after_write(collector.state_dict(),
-                                 {"rounds_at_version": rounds_at_version, "round_rows": pacer.round_rows})
+            # old rows go after the round (whole segments, never past what the run still needs)
+            retained = retention.after_round(store, collector.policy_version) if retention is not None else None
+            position.after_write(collector.state_dict(), {"rounds_at_version": rounds_at_version,
+                                                          "round_rows": pacer.round_rows, **_clock(retention)})
             paced_total += waited
             metrics.log(getattr(collector, "batches_emitted", done), {
                 **getattr(collector, "last_metrics", {}), "rows_written": float(store.next_row - rows_before),
-                "shard_rows": float(store.next_row), "paced_wait_s": waited})
+                "shard_rows": float(store.next_row), "paced_wait_s": waited,
+                **(retained.metrics() if retained is not None else {})})
             waited = 0.0
             if failed is not None:
                 say(f"{tag} stopped: {failed}")
@@ -243,6 +248,26 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         stop.restore()
     say(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)")
     return 1 if failed is not None else stop.exit_code()
+
+
+def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: str, loop: dict) -> Any:
+    """The collector's retention of its shard (``runs/retention.py``), or None when no rule is set;
+    its row clock continues from the saved loop state."""
+    settings = getattr(pipeline, "retention", None)
+    if settings is None or not settings.enabled:
+        return None
+    from rlhf_pipeline.runs.retention import CLOCK_KEY, ShardRetention
+
+    return ShardRetention(settings, paths, key, store_path, pipeline.learner, clock=loop.get(CLOCK_KEY))
+
+
+def _clock(retention: Any) -> dict[str, Any]:
+    """The row clock to save with the collector's position (when rows were written, for max_age_s)."""
+    if retention is None:
+        return {}
+    from rlhf_pipeline.runs.retention import CLOCK_KEY
+
+    return {CLOCK_KEY: retention.clock.to_json()}
 
 
 def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index: int) -> Any:

@@ -179,7 +179,7 @@ class TrajectoryStore(Storage, abc.ABC):
         lo, hi = self.first_row, self.next_row
         if global_ids.numel() and (int(global_ids.min()) < lo or int(global_ids.max()) >= hi):
             raise IndexError(
-                f"global row ids must lie in [{lo}, {hi}) (older rows were evicted, newer are "
+                f"global row ids must lie in [{lo}, {hi}) (older rows were evicted or dropped by retention, newer are "
                 f"not published); got [{int(global_ids.min())}, {int(global_ids.max())}]"
             )
         return self._read_fields(global_ids, fields)

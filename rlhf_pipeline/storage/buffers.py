@@ -249,6 +249,9 @@ def combine_stats(location: str, per_shard: list[StoreStats], schema_optional: l
             "shards": len(per_shard),
             "shard_backends": ",".join(sorted({s.backend for s in per_shard})),
             "shard_rows": ", ".join(f"{str(s.location).rstrip('/').rsplit('/', 1)[-1]}: {s.rows}" for s in per_shard),
+            # where each shard's held rows begin: retention (or eviction) dropped the ones before
+            "shard_first_rows": ", ".join(f"{str(s.location).rstrip('/').rsplit('/', 1)[-1]}: {s.first_row}"
+                                          for s in per_shard),
         },
     )
     with_rows = [s for s in per_shard if s.rows and s.reward_mean is not None]

@@ -3,16 +3,27 @@ optional row capacity that evicts the oldest sealed segments, and the same creat
 
 :class:`SegmentedTrajectoryStore` implements the contract's read-only properties from a
 few attributes its subclasses set (``_schema``, ``_location``, ``_first_row``, ``_next_row``,
-``_segment_rows``, ``_capacity_rows``); :func:`check_segment_layout` and
+``_segment_rows``, ``_capacity_rows``) and :meth:`~SegmentedTrajectoryStore.drop_rows_before`
+(retention, ``storage/retention.py``) from each one's ``_drop_sealed_before``; :func:`check_segment_layout` and
 :func:`check_reopened_layout` are the checks both ``create`` methods make.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from rlhf_pipeline.schema import StoreSchema
-from rlhf_pipeline.storage.base import TrajectoryStore
+from rlhf_pipeline.storage.base import ReadOnlyStoreError, StoreClosedError, TrajectoryStore
+
+
+class DroppedSegment(NamedTuple):
+    """A sealed segment a writer dropped: its global rows ``[first_row, first_row + rows)`` and the
+    bytes its files took (freed at once on an object store, after ``evict_grace_s`` for memmap)."""
+
+    first_row: int
+    rows: int
+    bytes: int
 
 
 class SegmentedTrajectoryStore(TrajectoryStore):
@@ -54,6 +65,22 @@ class SegmentedTrajectoryStore(TrajectoryStore):
     def capacity_rows(self) -> int | None:
         """The most rows held (oldest sealed segments are evicted beyond it); None: unbounded."""
         return self._capacity_rows
+
+    def drop_rows_before(self, global_row: int) -> list[DroppedSegment]:
+        """Drops the oldest sealed segments whose rows all lie before ``global_row``, as eviction
+        does (published in one step; a reader sees all of a segment or none of it), and returns
+        them, oldest first. The open segment is never dropped, so fewer rows than asked may go:
+        retention (``storage/retention.py``) chooses ``global_row``; this only obeys it."""
+        if self.closed:
+            raise StoreClosedError(f"{self.location} was closed; open it again with mode='a' to drop rows")
+        if not self.writable:
+            raise ReadOnlyStoreError(f"{self.location} was opened read-only; only its writer (mode='a') drops rows")
+        if global_row <= self.first_row:
+            return []
+        return self._drop_sealed_before(int(global_row))
+
+    def _drop_sealed_before(self, global_row: int) -> list[DroppedSegment]:
+        raise NotImplementedError
 
 
 def check_segment_layout(segment_rows: int, capacity_rows: int | None) -> None:

@@ -107,6 +107,7 @@ from rlhf_pipeline.storage.memmap.state_slots import StateSlots
 from rlhf_pipeline.storage.memmap.views import RecordedChecksums, SegmentView
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.segmented import (
+    DroppedSegment,
     SegmentedTrajectoryStore,
     check_reopened_layout,
     check_segment_layout,
@@ -454,6 +455,38 @@ class MemmapTrajectoryStore(SegmentedTrajectoryStore):
             self._evicted.append([oldest.id, now])
             if oldest.id in self._views:
                 self._unmap(oldest.id)
+
+    def _drop_sealed_before(self, global_row: int) -> list[DroppedSegment]:
+        """Retention's drop: the sealed segments wholly before ``global_row`` leave the published
+        state in one publish, and their files go ``evict_grace_s`` later, as evicted ones do."""
+        published = (self._first_row, self._next_row, dict(self._segments), list(self._evicted))
+        now, dropped = time.time(), []
+        while self._segments:
+            oldest = self._segments[min(self._segments)]
+            end = oldest.id * self._segment_rows + oldest.rows
+            if oldest.rows < self._segment_rows or end > global_row:  # the open tail is never dropped
+                break
+            folder = self._segment_dir(oldest.id)
+            size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0
+            dropped.append(DroppedSegment(end - oldest.rows, oldest.rows, size))
+            del self._segments[oldest.id]
+            self._first_row = end
+            self._evicted.append([oldest.id, now])
+            if oldest.id in self._views:
+                self._unmap(oldest.id)
+        if not dropped:
+            return []
+        try:
+            self._slots.publish(self._seq + 1, self._manifest(), durable=self._durable)
+            self._seq += 1
+        except BaseException:
+            if self._publish_landed():
+                self._seq += 1
+            else:  # nothing published: the segments are still held
+                self._first_row, self._next_row, self._segments, self._evicted = published
+            raise
+        self._delete_expired_segments()
+        return dropped
 
     def _delete_expired_segments(self) -> None:
         now = time.time()

@@ -60,6 +60,7 @@ from rlhf_pipeline.storage.locking import WriterLock
 from rlhf_pipeline.storage.manifest import ManifestWatcher
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.segmented import (
+    DroppedSegment,
     SegmentedTrajectoryStore,
     check_reopened_layout,
     check_segment_layout,
@@ -468,6 +469,22 @@ class ZarrTrajectoryStore(SegmentedTrajectoryStore):
         self._cache.retain({u.name for u in units})
         for unit in dropped:
             self._collector.delete(unit.prefix)
+
+    def _drop_sealed_before(self, global_row: int) -> list[DroppedSegment]:
+        """Retention's drop: the sealed segments wholly before ``global_row`` leave the commit record
+        in one publish; their objects (files) are deleted right after, as evicted ones are."""
+        self._check_open()
+        self._sealer.wait()  # a completed segment is sealed first: only sealed segments are dropped
+        with self._publish_lock:
+            units, dropped = list(self._units), []
+            while len(units) > 1 and units[0].sealed and units[0].first_row + units[0].rows <= global_row:
+                dropped.append(units.pop(0))
+            if not dropped:
+                return []
+            sizes = [DroppedSegment(u.first_row, u.rows, self._loc.kv.size_of(u.prefix)) for u in dropped]
+            self._publish(units, self._next_row, [])
+        self._collector.wait()  # the space is free when this returns
+        return sizes
 
     def _seal(self, first_row: int) -> None:
         """Background: rewrites the fragments of segment ``first_row`` as one sealed segment."""

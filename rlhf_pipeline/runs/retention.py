@@ -1,0 +1,200 @@
+"""Retention in a run: what a collector may drop from its shard after a round, and what it may not.
+
+The rules (``storage/retention.py``) say which old rows may go; this module finds the *floor*, the
+oldest row of the collector's shard that something of the run still needs, and drops nothing at or
+after it. The floor is the lowest of:
+
+* **the kept checkpoints** (rewind points; only the newest with ``hold_rewind_points=false``): a learner resumed or branched from step N draws its
+  next batches from the rows its sampler could reach then, the newest ``window`` rows before the
+  position the checkpoint recorded (``step_N.json``'s ``buffer_rows``); a checkpoint made before
+  positions were recorded, or one that does not name this shard, holds every row;
+* **the branches beside the run** (``runs/lineage.py`` finds them): a branch's ``parent-rows/``
+  names the parent's rows by global id and checks at every opening that they are all still there;
+* **the learner**: the rows it has not taken in yet (``pacing.json``'s ``consumed``) and the
+  ``window`` before them that its sampler draws from; before the learner's first intake, every row.
+
+``window`` is ``max(sample_window, batch_size * uses_per_row)``: what the window, groups and exact
+samplers can reach behind a position. The prioritized sampler draws from every row held, so with
+it retention bounds what it draws from (a rewind then draws from the rows still held, not exact).
+
+* **a running replay of the buffer** beside the run (its ``settings.json`` names the source, its
+  ``run.lock`` a live process on this machine): while it runs, nothing is dropped.
+
+Not covered (``docs/retention.md``): a replay under another home or on another machine, and branches
+made under another home or of a run at a URL, are not found.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.storage.retention import RetentionSettings, RowClock, wanted_cut, whole_cut
+
+CLOCK_KEY = "retention_clock"  # where the row clock rides in the collector's saved loop state
+
+
+@dataclass
+class RetentionReport:
+    """One round's retention, for the collector's metrics line."""
+
+    rows_dropped: int
+    bytes_freed: int
+    first_row: int
+    floor: int
+    held_by: str
+    """What set the floor when it stopped a drop the rules asked for ('' when nothing did)."""
+
+    def metrics(self) -> dict[str, float]:
+        return {"retention/rows_dropped": float(self.rows_dropped), "retention/bytes_freed": float(self.bytes_freed),
+                "retention/first_row": float(self.first_row)}
+
+
+def sampler_window(learner: Any) -> int:
+    """Rows behind a sampler's position that its next draws may still read."""
+    return max(int(learner.sample_window), int(learner.batch_size) * int(getattr(learner, "uses_per_row", 1)))
+
+
+class ShardRetention:
+    """A collector's retention of its own shard: :meth:`after_round` marks the row clock, finds the
+    floor and drops the whole segments the rules allow below it."""
+
+    def __init__(self, settings: RetentionSettings, paths: Any, key: str, store_path: str, learner: Any,
+                 clock: list | None = None) -> None:
+        self.settings, self.paths, self.key, self.store_path = settings, paths, key, store_path
+        self.window = sampler_window(learner)
+        self.clock = RowClock(clock)
+        self.totals = [0, 0]  # rows dropped, bytes freed by this process
+
+    def after_round(self, store: Any, newest_version: int | None, now: float | None = None) -> RetentionReport:
+        now = time.time() if now is None else now
+        self.clock.mark(store.next_row, now)
+        wanted = wanted_cut(store, self.settings, newest_version=newest_version, clock=self.clock, now=now)
+        dropped, floor, held_by = [], store.next_row, ""
+        if wanted - wanted % store.segment_rows > store.first_row:  # a whole segment may go: look at the floor
+            floor, held_by = self.floor(store)
+            cut = whole_cut(store, wanted, floor)
+            dropped = store.drop_rows_before(cut) if cut > store.first_row else []
+            held_by = held_by if floor < wanted else ""
+        self.clock.forget_before(store.first_row)
+        rows, size = sum(d.rows for d in dropped), sum(d.bytes for d in dropped)
+        self.totals[0] += rows
+        self.totals[1] += size
+        return RetentionReport(rows, size, store.first_row, floor, held_by)
+
+    def floor(self, store: Any) -> tuple[int, str]:
+        """The oldest row of this shard something still needs, and what needs it."""
+        candidates = [(self._learner_floor(store), "the learner's unread rows and sampling window")]
+        candidates += self._checkpoint_floors()
+        candidates += self._branch_floors()
+        if self.paths.url is None:
+            candidates += [(store.first_row, f"replay {run} (running)")
+                           for run in running_replays_of(self.paths.root, self.store_path)]
+        return min(candidates, key=lambda c: c[0])
+
+    def _learner_floor(self, store: Any) -> int:
+        from rlhf_pipeline.coordination.pacing import read_intake
+
+        where, run_store = self.paths.state_object(self.paths.pacing)
+        intake = read_intake(where, store=run_store)
+        if intake is None:
+            return store.first_row  # no learner intake yet: every row may still be read
+        return max(0, intake.consumed.get(self.key, 0) - self.window)
+
+    def _checkpoint_floors(self) -> list[tuple[int, str]]:
+        from rlhf_pipeline.learn.checkpoint import run_checkpoints
+
+        floors = []
+        points = run_checkpoints(self.paths).rewind_points()
+        if not self.settings.hold_rewind_points:
+            points = points[-1:]  # the newest only: what a resume after a crash starts from
+        for point in points:
+            rows = point.get("buffer_rows")
+            position = None if rows is None else rows.get("" if self.key == "." else self.key)
+            needed = 0 if position is None else max(0, int(position) - self.window)
+            floors.append((needed, f"the checkpoint of step {point['step']} (a rewind point)"))
+        return floors
+
+    def _branch_floors(self) -> list[tuple[int, str]]:
+        if self.paths.url is not None:
+            return []  # branches of a run at a URL are not found from it (docs/retention.md)
+        return [(row, f"branch {run}") for run, row in branch_rows_needed(self.paths.root, self.store_path)]
+
+
+def branch_rows_needed(run: str | Path, store_path: str) -> list[tuple[str, int]]:
+    """``(branch, first global row)`` of the rows of the store at ``store_path`` that each branch
+    beside ``run`` reads through its ``parent-rows/`` selection (one entry per branch that reads it)."""
+    from rlhf_pipeline.runs.lineage import find_branches
+
+    shard = _resolved(store_path)
+    needed = []
+    for branch in find_branches(run):
+        manifest = Path(branch["run"]) / "parent-rows" / "selection.json"
+        try:
+            parts = json.loads(manifest.read_text()).get("parts", [])
+        except FileNotFoundError:
+            continue  # a branch of a replay reads the replay's source, not this buffer
+        except (OSError, ValueError):
+            needed.append((branch["run"], 0))  # unreadable: hold every row rather than guess
+            continue
+        for part in parts:
+            if part.get("rows") and _resolved(part.get("location", "")) == shard:
+                needed.append((branch["run"], int(part["first_row"])))
+    return needed
+
+
+def running_replays_of(run: str | Path, store_path: str) -> list[str]:
+    """The runs beside ``run`` whose ``replay`` is running now over ``run``'s buffer (or over the
+    store at ``store_path``): a replay's ``settings.json`` names its source, and its ``run.lock``
+    names the process that holds it (``runs/run_directory.py``). Such a replay counted the rows it
+    walks when it started, so while it runs nothing of the store is dropped."""
+    from rlhf_pipeline.files.processes import pid_running
+    from rlhf_pipeline.runs.run_directory import HOLDER_FILE
+
+    run = Path(run).resolve()
+    sources = {_resolved(str(run / "buffer")), _resolved(store_path)}
+    found = []
+    for candidate in sorted(run.parent.iterdir()) if run.parent.is_dir() else []:
+        if candidate == run or not (candidate / HOLDER_FILE).is_file():
+            continue
+        try:
+            replay = json.loads((candidate / "settings.json").read_text()).get("replay") or {}
+            holder = json.loads((candidate / HOLDER_FILE).read_text() or "{}")
+        except (OSError, ValueError, AttributeError):
+            continue  # not a replay, or one that has not written its record yet
+        source = replay.get("buffer") if isinstance(replay, dict) else None
+        if (isinstance(source, str) and _resolved(source) in sources and holder.get("host") == socket.gethostname()
+                and isinstance(holder.get("pid"), int) and pid_running(holder["pid"])):
+            found.append(str(candidate))
+    return found
+
+
+def _resolved(location: str) -> str:
+    return location if "://" in location else str(Path(location).resolve())
+
+
+def run_retention(run: str | Path) -> dict[str, Any] | None:
+    """What ``inspect RUN`` says of a run's retention: the rules from its ``settings.json`` (None
+    for a run with no ``retention`` settings, made before them or by a pipeline without them)."""
+    try:
+        settings = json.loads((Path(run) / "settings.json").read_text())
+    except (OSError, ValueError):
+        return None
+    data = settings.get("retention") if isinstance(settings, dict) else None
+    if not isinstance(data, dict):
+        return None
+    rules = RetentionSettings.from_json(data)
+    return {"policy": rules.describe(), "settings": {k: data.get(k) for k in sorted(data)}}
+
+
+def format_retention(retention: dict[str, Any] | None, stats: Any) -> str:
+    """The lines ``inspect`` prints between a run's lineage and its buffer."""
+    if retention is None:
+        return ""
+    first = stats.extra.get("shard_first_rows") or f"{stats.first_row}"
+    return (f"retention  {retention['policy']} (each collector, on its own shard)\n"
+            f"  first row held  {first} (rows before it were dropped; global ids)")
