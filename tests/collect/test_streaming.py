@@ -4,9 +4,9 @@ the same rows as one append per round, and a crash between two appends resumed t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-import signal
 from pathlib import Path
 
 import pytest
