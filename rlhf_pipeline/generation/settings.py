@@ -92,8 +92,9 @@ class GenerationSettings:
     stream_groups: bool = False
     """Write each GRPO group as soon as it and every earlier group of the round ended (several appends
     per round, in request order) instead of once the round's slowest completion ended: the same rows,
-    the first ones sooner (docs/generation.md, "Streaming groups"). The loop and vllm engines stream; a
-    server at generation.url and the agent collector (pipelines/tool_use.py) do not, and refuse it."""
+    the first ones sooner (docs/generation.md, "Streaming groups"). Every engine streams (a server at
+    generation.url through one HTTP request per prompt); the agent collector (pipelines/tool_use.py)
+    does not, and refuses it."""
     hung_after_s: float | None = None
     """vllm: a round (or a weight load) the engine has not answered after this long counts as a hung
     engine, killed and restarted as one that died; none: wait for ever (a long round is not a hang)."""
@@ -110,9 +111,6 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
     if settings.stream_groups and not collector_streams:
         raise ValueError("setting 'generation.stream_groups' is on, but this pipeline's collector writes whole "
                          "rounds (agent episodes are not streamed yet); turn it off")
-    if settings.stream_groups and settings.url is not None:
-        raise ValueError("setting 'generation.stream_groups' is on, but a server at generation.url answers a round "
-                         "at once (it does not stream); turn it off, or use generation.engine=vllm or loop")
     if settings.url is not None:
         check_url_settings(settings)
         return
