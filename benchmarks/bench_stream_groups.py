@@ -1,7 +1,7 @@
-"""Streamed rounds: ``python benchmarks/bench_stream_groups.py [--engines loop vllm] [--rounds 6] [--json [PATH]]``.
+"""Streamed rounds: ``python benchmarks/bench_stream_groups.py [--engines loop vllm vllm-server] [--rounds 8] [--json [PATH]]``.
 
 How soon a round's first group reaches the buffer with ``generation.stream_groups`` on, against the
-round's end, for our loop and the vLLM engine the collector owns: the default pipeline's model shape
+round's end, for our loop, the vLLM engine the collector owns and a vLLM server at a URL: the default pipeline's model shape
 with two heads (hidden 64, 2 layers, head size 32, which vLLM's CPU attention takes), warm-started on
 the toy task so completions end at different lengths as a policy's do (most answer in a few tokens,
 some run to ``max_new_tokens``), a collector writing to a memmap store.
@@ -57,11 +57,19 @@ def raise_eos_logit(model, tok, bias: float) -> None:
     model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + shift)
 
 
-def engine_for(name: str, model, tok):
-    from rlhf_pipeline.generation.settings import GenerationSettings, make_engine
+def engine_for(name: str, model, tok, where: Path):
+    """``(engine, server)``: loop or vllm as a pipeline makes them; vllm-server: a vLLM server started
+    here (``rlhf_pipeline/bench/vllm_server_process.py``, as ``bench generation`` does) at a URL."""
+    from rlhf_pipeline.generation.settings import GenerationSettings, find_vllm_python, make_engine
 
-    return make_engine(GenerationSettings(engine=name), model, pad_token_id=tok.pad_token_id,
-                       stop_token_ids=[tok.eos_token_id])
+    if name != "vllm-server":
+        return make_engine(GenerationSettings(engine=name), model, pad_token_id=tok.pad_token_id,
+                           stop_token_ids=[tok.eos_token_id]), None
+    from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
+    from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
+
+    server = VLLMServerProcess(find_vllm_python(None), save_model_dir(model, tok, where / "model"), where)
+    return VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok), server
 
 
 def bench_engine(name: str, model, tok, args, where: Path) -> dict:
@@ -71,7 +79,7 @@ def bench_engine(name: str, model, tok, args, where: Path) -> dict:
     from rlhf_pipeline.storage import create_store
 
     started = time.perf_counter()
-    engine = engine_for(name, model, tok)
+    engine, server = engine_for(name, model, tok, where)
     start_s = time.perf_counter() - started
     streamed: dict[str, list[float]] = {k: [] for k in METRICS}
     whole: list[float] = []
@@ -100,6 +108,8 @@ def bench_engine(name: str, model, tok, args, where: Path) -> dict:
                     whole.append(elapsed)
     finally:
         engine.close()
+        if server is not None:
+            server.stop()
     summary = {key: _spread(values) for key, values in streamed.items()}
     summary["whole_round_s"] = _spread(whole)
     summary["engine_start_s"] = start_s
@@ -114,8 +124,9 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", nargs="+", choices=["loop", "vllm"], default=["loop", "vllm"])
-    parser.add_argument("--rounds", type=int, default=6, help="rounds counted per engine and mode (default 6)")
+    parser.add_argument("--engines", nargs="+", choices=["loop", "vllm", "vllm-server"],
+                        default=["loop", "vllm", "vllm-server"])
+    parser.add_argument("--rounds", type=int, default=8, help="rounds counted per engine and mode (default 8)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts (groups) per round (default 16)")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="response limit (default 64)")
