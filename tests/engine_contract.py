@@ -66,3 +66,48 @@ def check_seeds_give_the_same_rows_twice(engine, tok) -> None:
     generator = torch.Generator().manual_seed(7)  # one seed per request, drawn in submission order
     assert [g.seed for g in first] == [draw_seed(generator) for _ in requests]
     assert len({tuple(c.token_ids) for c in first[0].completions}) > 1  # completion i is seeded seed + i
+
+
+def check_streamed_groups_are_the_sampled_ones_short_first(engine, tok, *, short_first: bool = True) -> None:
+    """An engine that streams: ``stream`` gives ``sample``'s groups for the same generator state (ids and
+    log-probs equal), all seeds drawn before the first group, (``short_first``) a one-token request's
+    group yielded before the groups that took 10 steps or more, in an earlier batch; a stream left
+    early does not disturb the next call."""
+    assert engine.supports_streaming
+    config = SamplingConfig(max_new_tokens=120)  # long enough that a server's reply of one step comes first
+    prompts = chat_prompts(tok, 5)
+    # the one-token request first: a server at a URL gets one HTTP request per prompt, and one sent last may
+    # arrive after a short group of the others ended
+    requests = [SampleRequest(prompts[0], n=2, max_new_tokens=1)] + [SampleRequest(p, n=2) for p in prompts[1:]]
+    sampled_with, streamed_with = torch.Generator().manual_seed(21), torch.Generator().manual_seed(21)
+    sampled = engine.sample(requests, config, sampled_with)
+    stream = engine.stream(requests, config, streamed_with)
+    first = next(stream)
+    if sampled[0].seed is not None:  # an engine that seeds requests drew every seed before yielding
+        assert torch.equal(streamed_with.get_state(), sampled_with.get_state())
+    streamed = [first, *stream]
+    assert torch.equal(streamed_with.get_state(), sampled_with.get_state())
+    order = [g.index for g in streamed]
+    assert sorted(order) == list(range(len(requests)))
+    by_index = {g.index: g for g in streamed}
+    for group in sampled:
+        mine = by_index[group.index]
+        assert [c.token_ids for c in mine.completions] == [c.token_ids for c in group.completions]
+        assert [c.log_probs for c in mine.completions] == [c.log_probs for c in group.completions]
+        assert (mine.seed, mine.policy_version) == (group.seed, group.policy_version)
+    # the short group did not wait for the long ones (a margin of 10 steps: a server's requests arrive a
+    # little apart, as its client's threads are scheduled)
+    steps = {g.index: max(len(c.token_ids) for c in g.completions) for g in streamed}
+    longer = [k for k in order if steps[k] >= 10]
+    assert longer and all(order.index(0) < order.index(k) for k in longer)
+    batches = [[g.index for g in together] for together in
+               engine.stream_batches(requests, config, torch.Generator().manual_seed(21))]
+    short_in = next(b for b, indices in enumerate(batches) if 0 in indices)
+    if short_first:
+        assert all(short_in < b for b, indices in enumerate(batches) for k in indices if k in longer), (batches, steps)
+    # a consumer that stops after one group: the next call gets its own answer, not the rest of that stream
+    abandoned = engine.stream(requests, config, torch.Generator().manual_seed(21))
+    next(abandoned)
+    abandoned.close()
+    again = engine.sample(requests, config, torch.Generator().manual_seed(21))
+    assert [c.token_ids for g in again for c in g.completions] == [c.token_ids for g in sampled for c in g.completions]

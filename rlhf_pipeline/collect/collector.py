@@ -32,6 +32,7 @@ import torch
 
 from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, score
+from rlhf_pipeline.collect.streaming import StreamTiming, commit_in_order
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine, load_state_into
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -54,6 +55,10 @@ class CollectorConfig:
     """This collector's index among collectors writing one run; goes in the ids' high bits."""
     seed: int = 0
     """Seed of the sampling RNG (mixed with ``collector_index`` so collectors differ)."""
+    stream_groups: bool = False
+    """Write each group as soon as it and every earlier group of the round ended, in several appends
+    per round (``collect/streaming.py``), instead of one append once the round's slowest completion
+    ended. Needs an engine that ``supports_streaming``; the rows are the same either way."""
 
     def __post_init__(self) -> None:
         if self.prompts_per_batch < 1 or self.num_generations < 1:
@@ -98,6 +103,13 @@ class Collector:
             self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                      policy_version=policy_version)
         self.engine.check_sampling(self.config.sampling)  # a setting the engine cannot honour: refused now
+        if self.config.stream_groups and not self.engine.supports_streaming:
+            raise ValueError(f"setting 'generation.stream_groups' is on, but the {self.engine.name} engine cannot "
+                             f"stream groups (it returns a round at once); turn it off, or generate with "
+                             f"generation.engine=loop or vllm")
+        self.resume_after_group_id: int | None = None
+        """Set when a streamed round was cut off after some of its groups were stored: the round is
+        generated again from its start and its groups up to this id are not written again."""
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
@@ -106,37 +118,102 @@ class Collector:
         self.last_metrics: dict[str, float] = {}
 
     # ---------------------------------------------------------------- one batch
-    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch:
+    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None,
+                before_first_chunk: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch:
         """One batch of whole groups: generate, score, emit to the sink, report metrics.
 
         ``before_write(state)`` is called with the state the collector will have once the
-        sink took the batch, right before the sink is called (see ``collect/position.py``).
+        sink took the batch, right before the sink is called (see ``collect/position.py``). With
+        ``stream_groups`` the round may go to the sink in several appends (``collect/streaming.py``):
+        ``before_first_chunk(state)`` is then called before the first of them with the state at the
+        round's start, and ``before_write`` before the last.
         """
         cfg = self.config
         t0 = time.perf_counter()
+        start_state = self.state_dict() if cfg.stream_groups else None
         records = self.prompts.next_batch(cfg.prompts_per_batch)
         requests = [SampleRequest(r.render(self.tokenizer), n=cfg.num_generations) for r in records]
-        groups = self.engine.sample(requests, cfg.sampling, self.generator)
-        t_gen = time.perf_counter()
+        rows_in_round = len(records) * cfg.num_generations
+        state_after = lambda: self.state_dict(rounds_ahead=(1, len(records), rows_in_round))  # noqa: E731
+        if cfg.stream_groups:
+            batch, parts, t_gen, t_reward, streamed = self._collect_streamed(
+                records, requests, t0, start_state, state_after, before_write, before_first_chunk)
+        else:
+            groups = self.engine.sample(requests, cfg.sampling, self.generator)
+            t_gen = time.perf_counter()
+            batch, parts = self._rows(records, requests, groups)
+            t_reward = time.perf_counter()
+            if before_write is not None:
+                before_write(state_after())
+            self._emit(batch)
+            streamed = {}
+        # counters advance only once the sink has the rows, so a failed write is retried with the same ids
+        self.groups_emitted += len(records)
+        self.trajectories_emitted += rows_in_round
+        self.batches_emitted += 1
+        self.resume_after_group_id = None
+        self._report(batch, parts, t0, t_gen, t_reward, streamed)
+        return batch
+
+    def _collect_streamed(self, records, requests, t0, start_state, state_after, before_write, before_first_chunk):
+        """The round through ``engine.stream_batches``, written in request order as prefixes complete."""
+        chunks: list[TrajectoryBatch] = []
+        parts: list[dict[str, torch.Tensor]] = []
+        scoring_s = 0.0
+
+        def write(groups, last: bool) -> None:
+            nonlocal scoring_s
+            started = time.perf_counter()
+            batch, chunk_parts = self._rows(records, requests, groups)
+            scoring_s += time.perf_counter() - started
+            if last:
+                if before_write is not None:
+                    before_write(state_after())
+            elif not chunks and before_first_chunk is not None:
+                before_first_chunk(start_state)
+            self._emit(batch)
+            chunks.append(batch)
+            parts.append(chunk_parts)
+
+        timing = StreamTiming(started=t0)
+        try:
+            commit_in_order(self.engine.stream_batches(requests, self.config.sampling, self.generator), len(requests),
+                            write, timing)
+        except BaseException:
+            if chunks:  # part of the round is stored: a retry generates it again and writes only the rest
+                written = int(torch.cat([c["group_id"] for c in chunks]).max())
+                self.load_state_dict({**start_state, "resume_after_group_id": written})
+            raise
+        t_gen = t0 + max(timing.ended_s.values())
+        batch = TrajectoryBatch.cat(chunks)
+        names = parts[0].keys()
+        return (batch, {k: torch.cat([p[k] for p in parts]) for k in names}, t_gen, t_gen + scoring_s,
+                timing.metrics())
+
+    def _rows(self, records, requests, groups) -> tuple[TrajectoryBatch, dict[str, torch.Tensor]]:
+        """The scored rows of ``groups`` (whole groups of this round, in request order), with the ids
+        they have in the round: group ``k`` of the round is ``group_id`` base + groups so far + k."""
+        cfg = self.config
         completions_out = [c for g in groups for c in g.completions]  # grouped by prompt, request order
         prompt_index = torch.tensor([g.index for g in groups for _ in g.completions], dtype=torch.int64)  # (N,)
+        member = torch.tensor([j for g in groups for j in range(len(g.completions))], dtype=torch.int64)  # (N,)
         idx = prompt_index.tolist()
         response_tokens = RaggedTensor.from_sequences([c.token_ids for c in completions_out], dtype=torch.int32)
         terminated = torch.tensor([c.terminated for c in completions_out], dtype=torch.bool)
         version = torch.tensor([g.policy_version for g in groups for _ in g.completions], dtype=torch.int64)
         # render each prompt's text once, not once per completion
-        record_texts = [r.display_text(self.tokenizer) for r in records]
+        record_texts = {i: records[i].display_text(self.tokenizer) for i in sorted(set(idx))}
         prompt_texts = [record_texts[i] for i in idx]
         completions = self.tokenizer.batch_decode([c.token_ids for c in completions_out], skip_special_tokens=True)
         field_names = sorted({k for r in records for k in r.fields})
         fields = {k: [records[i].fields.get(k) for i in idx] for k in field_names}
         reward, parts = score(self.rewards, prompt_texts, completions, fields)
-        t_reward = time.perf_counter()
 
         n = len(idx)
         base = id_base(cfg.collector_index)
         group_id = base + self.groups_emitted + prompt_index
-        trajectory_id = base + self.trajectories_emitted + torch.arange(n)
+        # every group of a round has num_generations rows: row j of group k is the round's k * G + j
+        trajectory_id = base + self.trajectories_emitted + prompt_index * cfg.num_generations + member
         batch = TrajectoryBatch({
             "prompt_tokens": RaggedTensor.from_sequences([requests[i].prompt_ids for i in idx], dtype=torch.int32),
             "response_tokens": response_tokens,
@@ -153,16 +230,15 @@ class Collector:
             "prompt_text": prompt_texts,
             "response_text": completions,
         })
-        if before_write is not None:
-            before_write(self.state_dict(rounds_ahead=(1, len(records), n)))
-        if self.sink is not None:
+        return batch, parts
+
+    def _emit(self, batch: TrajectoryBatch) -> None:
+        """``batch`` to the sink, less the groups a cut-off streamed round already stored
+        (``resume_after_group_id``)."""
+        if self.resume_after_group_id is not None:
+            batch = batch.select(torch.nonzero(batch["group_id"] > self.resume_after_group_id).squeeze(-1))
+        if self.sink is not None and len(batch):
             self.sink(batch)
-        # counters advance only once the sink has the rows, so a failed write is retried with the same ids
-        self.groups_emitted += len(records)
-        self.trajectories_emitted += n
-        self.batches_emitted += 1
-        self._report(batch, parts, t0, t_gen, t_reward)
-        return batch
 
     @property
     def round_rows(self) -> int:
@@ -184,7 +260,8 @@ class Collector:
             batches += 1
         return rows
 
-    def _report(self, batch: TrajectoryBatch, parts: dict[str, torch.Tensor], t0: float, t_gen: float, t_reward: float) -> None:
+    def _report(self, batch: TrajectoryBatch, parts: dict[str, torch.Tensor], t0: float, t_gen: float, t_reward: float,
+                streamed: dict[str, float]) -> None:
         elapsed = time.perf_counter() - t0
         reward = batch["reward"]
         g = self.config.num_generations
@@ -203,6 +280,7 @@ class Collector:
             "batches": float(self.batches_emitted),
             "trajectories": float(self.trajectories_emitted),
             **self.engine.stats.update_metrics(),
+            **streamed,  # a streamed round: when its first and last groups were committed (collect/streaming.py)
         }
         for name, values in parts.items():
             metrics[f"reward/{name}"] = float(values.mean())
@@ -233,7 +311,9 @@ class Collector:
     def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
         """``rounds_ahead``: (batches, groups, trajectories) not yet counted but to be included."""
         batches, groups, trajectories = rounds_ahead
+        resume = {} if self.resume_after_group_id is None else {"resume_after_group_id": self.resume_after_group_id}
         return {
+            **resume,
             "prompts": self.prompts.state_dict(),
             "groups_emitted": self.groups_emitted + groups,
             "trajectories_emitted": self.trajectories_emitted + trajectories,
@@ -258,6 +338,10 @@ class Collector:
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
+        resume = state.get("resume_after_group_id")
+        # a marker from a round before the one this state starts is spent (its groups are all behind)
+        round_start = id_base(self.config.collector_index) + self.groups_emitted
+        self.resume_after_group_id = int(resume) if resume is not None and int(resume) >= round_start else None
 
 
 load_policy_weights = load_state_into  # the name the agent collector and older code use

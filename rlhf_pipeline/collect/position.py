@@ -16,6 +16,16 @@ on reload:
 * otherwise it was not (crash before or during the append): resume before it, and
   the same prompts are sampled again with the same RNG state and ids.
 
+A streamed round (``stream_groups``: ``collect/streaming.py``) is several appends, each of whole
+groups in request order. Before the first of them the file records the round's *start* state and
+``next_row`` then (``round_start_row``); before the last, as above, the state after it. On reload,
+when rows were appended since ``round_start_row`` but the round's last append is not known to have
+landed, the collector resumes from the round's start state with ``resume_after_group_id``: the
+largest ``group_id`` stored since then (groups are written in order, and a group dropped by dynamic
+sampling never reaches the store, so the largest one stored says how far the round got). It
+generates the round again from the same state (same prompts, seeds and ids) and writes only the
+groups after that one: every trajectory is stored once, and the rows are the uninterrupted run's.
+
 A round whose rows were all dropped before the store (e.g. every group had zero reward
 variance and dynamic sampling dropped it) leaves ``next_row`` unchanged and is collected
 again on restart; nothing was stored, so nothing is trained twice.
@@ -58,6 +68,9 @@ class CollectorPosition:
         self._committed: dict[str, Any] | None = None
         self.resumed_inflight_round = False  # load() found the round in flight written
         self.inflight_rows = 0  # and that many rows were appended by it
+        self.resumed_partial_round = 0  # load() found that many rows of a streamed round stored, not all of it
+        self._round_start_row: int | None = None  # a streamed round's first append is done or under way
+        self._round_start: dict[str, Any] | None = None  # and the collector's state before that round
         self.loop: dict[str, Any] = {}  # the caller's state that goes with the state load() returned
         # past committed states by row count (collect/position_history.py), for branches; None: not kept
         self.history: Any = None
@@ -79,29 +92,51 @@ class CollectorPosition:
         self._committed = payload["committed"]
         self.loop = dict(payload.get("loop") or {})
         inflight = payload.get("inflight")
-        if inflight is not None and self.store.next_row > int(inflight["store_next_row"]):
+        if inflight is None:
+            return self._committed
+        if inflight["state"] is not None and self.store.next_row > int(inflight["store_next_row"]):
             self._committed = inflight["state"]
             self.loop = dict(inflight.get("loop") or {})
             self.resumed_inflight_round = True
-            self.inflight_rows = int(self.store.next_row) - int(inflight["store_next_row"])
+            self.inflight_rows = int(self.store.next_row) - int(inflight.get("round_start_row",
+                                                                              inflight["store_next_row"]))
+        elif inflight.get("round_start_row") is not None and self.store.next_row > int(inflight["round_start_row"]):
+            start = int(inflight["round_start_row"])
+            stored = self.store.read_global(list(range(start, self.store.next_row)), fields=["group_id"])
+            self._committed = {**inflight["round_start_state"],
+                               "resume_after_group_id": int(stored["group_id"].max())}
+            self.resumed_partial_round = self.store.next_row - start
+            return self._committed  # cut inside a round: no history entry at a row count inside one
         self._keep_in_history(self._committed, self.loop, only_if_missing=True)  # a kill came before its entry?
         return self._committed
 
-    def before_write(self, state_after_round: dict[str, Any], loop: dict[str, Any] | None = None) -> None:
-        """Records the round about to be appended; call right before the append. ``loop``: the
-        caller's state once the round is written (its row count aside: see ``inflight_rows``)."""
+    def before_first_chunk(self, state_at_round_start: dict[str, Any]) -> None:
+        """Records that a streamed round is about to be appended in several chunks; call right before
+        the first. ``state_at_round_start``: the collector's state before the round (what a restart
+        generates the round again from)."""
+        self._round_start_row = int(self.store.next_row)
         self._save({
             "format": FORMAT_VERSION,
             "committed": self._committed,
             "loop": self.loop,
-            "inflight": {"state": state_after_round, "store_next_row": int(self.store.next_row),
-                         "loop": dict(loop or {})},
+            "inflight": {"state": None, "store_next_row": self._round_start_row, "loop": None,
+                         "round_start_row": self._round_start_row, "round_start_state": state_at_round_start},
         })
+        self._round_start = state_at_round_start
+
+    def before_write(self, state_after_round: dict[str, Any], loop: dict[str, Any] | None = None) -> None:
+        """Records the round about to be appended; call right before the append. ``loop``: the
+        caller's state once the round is written (its row count aside: see ``inflight_rows``)."""
+        inflight = {"state": state_after_round, "store_next_row": int(self.store.next_row), "loop": dict(loop or {})}
+        if self._round_start_row is not None:  # the last append of a streamed round: its earlier ones are in
+            inflight.update(round_start_row=self._round_start_row, round_start_state=self._round_start)
+        self._save({"format": FORMAT_VERSION, "committed": self._committed, "loop": self.loop, "inflight": inflight})
 
     def after_write(self, state: dict[str, Any], loop: dict[str, Any] | None = None) -> None:
         """The round is in the store: ``state`` is where the collector now stands (``loop``: the caller's)."""
         self._committed = state
         self.loop = dict(loop or {})
+        self._round_start_row = None
         self._keep_in_history(state, self.loop)  # first: a kill before the save finds the round in flight written
         self._save({"format": FORMAT_VERSION, "committed": state, "loop": self.loop, "inflight": None})
 

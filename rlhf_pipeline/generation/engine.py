@@ -13,7 +13,8 @@ loop (``generation/loop.py``, the default) and vLLM (``generation/vllm_engine.py
 * **Grouped.** ``sample(requests, ...)`` returns one :class:`CompletionGroup` per request, in
   request order, with the request's ``n`` completions: a GRPO group is complete when its last
   member ends. An engine that ``supports_streaming`` also yields groups as they finish
-  (:meth:`GenerationEngine.stream`); the others yield them all at the end, in order.
+  (:meth:`GenerationEngine.stream`; :meth:`GenerationEngine.stream_batches` yields those that finish
+  at one decoding step together); the others yield them all at the end, in order.
 * **One version per group.** Every group names the policy version the engine held while it
   sampled it (:attr:`CompletionGroup.policy_version`). An engine loads new weights only between
   requests, never under one in flight, so a row is sampled by exactly one version.
@@ -235,7 +236,15 @@ class GenerationEngine(ABC):
         Seeds are drawn for all requests, in order, before the first group is yielded, so the rows
         do not depend on the order groups finish in. Without ``supports_streaming`` this is
         :meth:`sample`, yielded at the end."""
-        yield from self.sample(requests, sampling, generator)
+        for finished_together in self.stream_batches(requests, sampling, generator):
+            yield from finished_together
+
+    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
+        """:meth:`stream`, with the groups that finished at one decoding step yielded together (a
+        collector then writes them in one append). Without ``supports_streaming``: one list, the
+        whole round, at the end. An engine that streams implements this."""
+        yield self.sample(requests, sampling, generator)
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               sampling: SamplingConfig | None = None) -> list[list[float]]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,7 +67,82 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@dataclass
+class DecodeStep:
+    """Where :func:`decode_steps` stands after sampling one token for every row (all on the CPU).
+
+    A row is decoded until every row stopped (or ``max_new_tokens``): a stopped row gets the pad token
+    from then on, drawn but not kept, so the random stream does not depend on when rows stop."""
+
+    step: int
+    """The index of the token just sampled (0 for the first response token)."""
+    tokens: list[torch.Tensor]  # step + 1 tensors of (N,), int64
+    log_probs: list[torch.Tensor]  # step + 1 tensors of (N,), aligned with tokens
+    lengths: torch.Tensor  # (N,) int64: response tokens each row kept so far (its stop token included)
+    finished: torch.Tensor  # (N,) bool: the row sampled a stop token
+    last: bool
+    """No further step follows (every row stopped, or the limit was reached)."""
+
+    def row(self, index: int, limit: int) -> tuple[list[int], list[float]]:
+        """Row ``index``'s response so far, cut at ``limit`` tokens: its ids and their log-probs."""
+        if self._stacked is None:  # once per step, however many rows are read from it
+            self._stacked = (torch.stack(self.tokens, dim=1), torch.stack(self.log_probs, dim=1))  # (N, R) each
+        keep = min(int(self.lengths[index]), limit)
+        ids, lps = self._stacked
+        return ids[index, :keep].tolist(), lps[index, :keep].tolist()
+
+    _stacked: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+
 @torch.no_grad()
+def decode_steps(
+    model,
+    prompts: Sequence[Sequence[int]],
+    config: SamplingConfig,
+    *,
+    pad_token_id: int,
+    eos_token_id: int | Sequence[int],
+    generator: torch.Generator | None = None,
+) -> Iterator[DecodeStep]:
+    """Our sampling loop, one :class:`DecodeStep` per sampled token: one row per prompt, all decoded
+    in one batch, every token drawn from ``generator`` (it must live on the model's device).
+
+    :func:`generate` drains it; :meth:`LoopEngine.stream_batches` reads rows as they stop. The draws are the
+    same either way: a caller that stops iterating early has drawn fewer, never other ones."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate() needs at least one prompt and every prompt needs at least one token")
+    device = next(model.parameters()).device
+    eos_ids = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    ids, mask = left_pad(prompts, pad_token_id)
+    ids, mask = ids.to(device), mask.to(device).long()  # (N, P)
+    n = ids.shape[0]
+
+    cache_name = _cache_keyword(model)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+    past, next_logits = getattr(out, cache_name), out.logits[:, -1]  # (N, V)
+    position = _positions(mask)[:, -1:]  # (N, 1)
+    tokens, log_probs = [], []
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
+    lengths = torch.zeros(n, dtype=torch.int64, device=device)
+    for step in range(config.max_new_tokens):
+        logp = torch.log_softmax(process_logits(next_logits, config), dim=-1)  # (N, V)
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)  # (N,)
+        token = torch.where(finished, torch.full_like(token, pad_token_id), token)
+        tokens.append(token.cpu())
+        log_probs.append(logp.gather(-1, token[:, None]).squeeze(-1).float().cpu())
+        lengths += (~finished).long()
+        finished |= torch.isin(token, eos_ids)
+        last = bool(finished.all()) or step == config.max_new_tokens - 1
+        yield DecodeStep(step, tokens, log_probs, lengths.cpu(), finished.cpu(), last)
+        if last:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        position = position + 1
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                    use_cache=True, **{cache_name: past})
+        past, next_logits = getattr(out, cache_name), out.logits[:, -1]
+
+
 def generate(
     model,
     prompts: Sequence[Sequence[int]],
@@ -87,42 +162,15 @@ def generate(
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate() needs at least one prompt and every prompt needs at least one token")
-    device = next(model.parameters()).device
-    eos_ids = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     prompt_index = torch.arange(len(prompts)).repeat_interleave(num_samples)  # (N,)
     repeated = [prompts[i] for i in prompt_index.tolist()]
-    ids, mask = left_pad(repeated, pad_token_id)
-    ids, mask = ids.to(device), mask.to(device).long()  # (N, P)
-    n = ids.shape[0]
-
-    cache_name = _cache_keyword(model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
-    past, next_logits = getattr(out, cache_name), out.logits[:, -1]  # (N, V)
-    position = _positions(mask)[:, -1:]  # (N, 1)
-    tokens, log_probs = [], []
-    finished = torch.zeros(n, dtype=torch.bool, device=device)
-    lengths = torch.zeros(n, dtype=torch.int64, device=device)
-    for step in range(config.max_new_tokens):
-        logp = torch.log_softmax(process_logits(next_logits, config), dim=-1)  # (N, V)
-        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)  # (N,)
-        token = torch.where(finished, torch.full_like(token, pad_token_id), token)
-        tokens.append(token)
-        log_probs.append(logp.gather(-1, token[:, None]).squeeze(-1))
-        lengths += (~finished).long()
-        finished |= torch.isin(token, eos_ids)
-        if bool(finished.all()) or step == config.max_new_tokens - 1:
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        position = position + 1
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
-                    use_cache=True, **{cache_name: past})
-        past, next_logits = getattr(out, cache_name), out.logits[:, -1]
-
-    response = torch.stack(tokens, dim=1).cpu()  # (N, R)
-    response_lp = torch.stack(log_probs, dim=1).float().cpu()  # (N, R)
-    lengths = lengths.cpu()
-    valid = torch.arange(response.shape[1])[None, :] < lengths[:, None]  # (N, R)
-    terminated = finished.cpu()
+    for state in decode_steps(model, repeated, config, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                              generator=generator):
+        pass
+    response = torch.stack(state.tokens, dim=1)  # (N, R)
+    response_lp = torch.stack(state.log_probs, dim=1)  # (N, R)
+    valid = torch.arange(response.shape[1])[None, :] < state.lengths[:, None]  # (N, R)
+    terminated = state.finished
     return Generation(
         prompt_tokens=RaggedTensor.from_sequences([list(p) for p in repeated], dtype=torch.int64),
         response_tokens=RaggedTensor.from_padded(response, valid),
@@ -205,6 +253,10 @@ class LoopEngine(GenerationEngine):
     def generator_device(self) -> str:
         return str(next(self.model.parameters()).device)
 
+    @property
+    def supports_streaming(self) -> bool:
+        return True
+
     def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
                generator: torch.Generator) -> list[CompletionGroup]:
         if not requests:
@@ -228,6 +280,42 @@ class LoopEngine(GenerationEngine):
                 row += 1
             groups.append(CompletionGroup(index, completions, self.policy_version))
         return groups
+
+    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
+        """Each request's group once its last row stopped (sampled a stop token or reached the request's
+        limit), in the order they stop; the groups that stop at one step together, in request order.
+
+        The whole call is one batch, each request's ``n`` rows together: the order (and so the random
+        stream) of ``generate(prompts, num_samples=n)``. Rows that stopped keep being decoded (as pads)
+        until the batch's last row stops, so the draws, and the generator's state after the call, are
+        those of a call that waits for the end."""
+        if not requests:
+            return
+        prompts = [list(r.prompt_ids) for r in requests for _ in range(r.n)]
+        limits = [r.limit(sampling) for r in requests]
+        longest = max(limits)
+        config = sampling if longest == sampling.max_new_tokens else dataclasses.replace(sampling, max_new_tokens=longest)
+        first_row = [0]
+        for request in requests:
+            first_row.append(first_row[-1] + request.n)
+        stops = set(self.stop_token_ids)
+        waiting = list(range(len(requests)))  # requests whose group is not yielded yet
+        for state in decode_steps(self.model, prompts, config, pad_token_id=self.pad_token_id,
+                                  eos_token_id=self.stop_token_ids, generator=generator):
+            ended = [i for i in waiting if state.step + 1 >= limits[i]
+                     or bool(state.finished[first_row[i]:first_row[i + 1]].all())]
+            if not ended:
+                continue
+            groups = []
+            for index in ended:
+                completions = []
+                for row in range(first_row[index], first_row[index + 1]):
+                    tokens, lps = state.row(row, limits[index])
+                    completions.append(Completion(tokens, lps, terminated=bool(tokens) and tokens[-1] in stops))
+                groups.append(CompletionGroup(index, completions, self.policy_version))
+            waiting = [i for i in waiting if i not in ended]
+            yield groups
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               sampling: SamplingConfig | None = None) -> list[list[float]]:

@@ -89,17 +89,28 @@ class GenerationSettings:
     collector stops; a round the engine answers resets the count. 0: never restart."""
     restart_backoff_s: float = 1.0
     """vllm: seconds before the first restart in a row; each further one waits twice as long (at most 60 s)."""
+    stream_groups: bool = False
+    """Write each GRPO group as soon as it and every earlier group of the round ended (several appends
+    per round, in request order) instead of once the round's slowest completion ended: the same rows,
+    the first ones sooner (docs/generation.md, "Streaming groups"). Every engine streams (a server at
+    generation.url through one HTTP request per prompt); the agent collector (pipelines/tool_use.py)
+    does not, and refuses it."""
     hung_after_s: float | None = None
     """vllm: a round (or a weight load) the engine has not answered after this long counts as a hung
     engine, killed and restarted as one that died; none: wait for ever (a long round is not a hang)."""
 
 
 def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
-                     head_hint: str = "") -> None:
+                     head_hint: str = "", collector_streams: bool = True) -> None:
     """The checks that need neither torch nor the engine: raises ValueError naming the setting.
 
     ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
-    vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it)."""
+    vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it).
+    ``collector_streams``: False for a collector that writes whole rounds only (the agent collector):
+    ``stream_groups`` is then refused."""
+    if settings.stream_groups and not collector_streams:
+        raise ValueError("setting 'generation.stream_groups' is on, but this pipeline's collector writes whole "
+                         "rounds (agent episodes are not streamed yet); turn it off")
     if settings.url is not None:
         check_url_settings(settings)
         return

@@ -48,7 +48,7 @@ import socket
 import subprocess
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -56,16 +56,15 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.generation.engine import (
-    Completion,
     CompletionGroup,
     EngineDied,
     EngineFailed,
     GenerationEngine,
     SampleRequest,
     UnsupportedSetting,
-    draw_seed,
 )
 from rlhf_pipeline.generation.restarts import Restarts
+from rlhf_pipeline.generation.vllm_rounds import count_prompt_tokens, stream_round, to_group, wire_requests, wire_sampling
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_process import exit_status, hard_link, make_scratch_dir, package_path_dir, stop_process
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
@@ -249,6 +248,11 @@ class VLLMEngine(GenerationEngine):
 
     def call(self, op: str, timeout_s: float | None = None, hung_is_dead: bool = False, **message: Any) -> dict[str, Any]:
         """Sends one operation to the engine's process and returns its reply (``vllm_server.py``)."""
+        self.send(op, **message)
+        return self._receive(timeout_s, what=op, hung_is_dead=hung_is_dead)
+
+    def send(self, op: str, **message: Any) -> None:
+        """Sends one operation; its replies are read with :meth:`receive` (``stream`` has several)."""
         if self._connection is None:
             raise EngineFailed("the vLLM engine is closed")
         try:
@@ -256,7 +260,10 @@ class VLLMEngine(GenerationEngine):
         except OSError as exc:
             cause = f"its socket closed before {op} ({type(exc).__name__})"
             raise EngineDied(f"the vLLM engine died: {cause}; its log ends:\n{self.log_tail()}", cause=cause) from None
-        return self._receive(timeout_s, what=op, hung_is_dead=hung_is_dead)
+
+    def receive(self, what: str, hung_is_dead: bool = True) -> dict[str, Any]:
+        """The next reply, waiting at most ``restarts.hung_after_s`` (a hang then counts as a death)."""
+        return self._receive(self.restarts.hung_after_s, what=what, hung_is_dead=hung_is_dead)
 
     def call_restarting(self, op: str, **message: Any) -> dict[str, Any]:
         """:meth:`call`, and when the engine's process died (or hung: ``restarts.hung_after_s``), the same
@@ -315,44 +322,27 @@ class VLLMEngine(GenerationEngine):
                 f"sampling.temperature={sampling.temperature:g}: vLLM takes temperatures up to {MAX_TEMPERATURE:g}; "
                 f"use one in [{GREEDY_BELOW:g}, {MAX_TEMPERATURE:g}], or the loop engine")
 
+    @property
+    def supports_streaming(self) -> bool:
+        return True
+
     def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
                generator: torch.Generator) -> list[CompletionGroup]:
         self.check_sampling(sampling)
         if not requests:
             return []
-        wire = []
-        for request in requests:  # seeds in submission order: a resumed collector sends the same
-            limit = request.limit(sampling)
-            if len(request.prompt_ids) + limit > self.max_model_len:
-                raise ValueError(
-                    f"a prompt of {len(request.prompt_ids)} tokens with max_new_tokens {limit} exceeds the vLLM "
-                    f"engine's max_model_len {self.max_model_len}; shorten the prompt or the limit, or raise "
-                    f"generation.max_model_len (at most the model's positions)")
-            wire.append({"prompt_ids": [int(t) for t in request.prompt_ids], "n": request.n, "max_tokens": limit,
-                         "seed": draw_seed(generator)})
-        top_k = sampling.top_k if 0 < sampling.top_k < self.vocab_size else 0
+        wire = wire_requests(self, requests, sampling, generator)
         # the seeds are drawn above, once: an engine that dies under this round is asked the same again
         reply = self.call_restarting("sample", requests=wire, stop_token_ids=self.stop_token_ids,
-                                     sampling={"temperature": sampling.temperature, "top_k": top_k, "top_p": sampling.top_p})
-        self.stats.counts_cached = True
-        self.stats.prompt_tokens += sum(len(sent["prompt_ids"]) for sent in wire)
-        self.stats.cached_tokens += sum(reply.get("cached_tokens", ()))
-        version = self.policy_version
-        stops = set(self.stop_token_ids)
-        groups = []
-        for index, (request, sent, completions) in enumerate(zip(requests, wire, reply["groups"], strict=True)):
-            out = []
-            for completion in completions:
-                ids = completion["token_ids"]
-                early = [k for k, token in enumerate(ids[:-1]) if token in stops]
-                if early or not ids or len(ids) > sent["max_tokens"]:
-                    raise EngineFailed(f"the vLLM engine returned {len(ids)} tokens with a stop token at "
-                                       f"{early} for a limit of {sent['max_tokens']}: not our stop rule")
-                out.append(Completion(ids, completion["log_probs"], terminated=ids[-1] in stops))
-            if len(out) != request.n:
-                raise EngineFailed(f"the vLLM engine returned {len(out)} completions for a request of n={request.n}")
-            groups.append(CompletionGroup(index, out, version, seed=sent["seed"]))
-        return groups
+                                     sampling=wire_sampling(self, sampling))
+        count_prompt_tokens(self, wire, reply.get("cached_tokens", ()))
+        return [to_group(self, index, request, sent, completions)
+                for index, (request, sent, completions) in enumerate(zip(requests, wire, reply["groups"], strict=True))]
+
+    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
+        """The groups vLLM finishes at each step, from one continuous batch (``generation/vllm_rounds.py``)."""
+        return stream_round(self, requests, sampling, generator)
 
     # ------------------------------------------------------------------ weights
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:

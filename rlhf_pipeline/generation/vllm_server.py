@@ -19,6 +19,9 @@ Operations (``op`` of each request; every reply has ``ok`` and, when False, ``er
   (``temperature``, ``top_k``, ``top_p``), ``stop_token_ids`` -> ``groups``: per request, per
   completion, ``token_ids``, ``log_probs``, ``finish_reason``; ``cached_tokens``: per request, its
   prompt tokens found in the prefix cache;
+* ``stream``: as ``sample``, with one reply per engine step at which requests finished
+  (``finished``: per request ``position``, its place in ``requests``, ``group``, ``cached_tokens``),
+  then ``done``; an error reply ends it too;
 * ``load_weights``: ``path`` of a safetensors file -> loaded through the worker extension
   (``generation/vllm_worker.py``), then the prefix cache is reset;
 * ``nccl_init`` / ``nccl_start`` / ``nccl_update`` / ``nccl_finish``: vLLM's weight-transfer
@@ -63,7 +66,8 @@ def build_llm(options: dict[str, Any]):
     return LLM(**kwargs)
 
 
-def sample(llm, message: dict[str, Any]) -> dict[str, Any]:
+def _requests(message: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``(prompts, params)`` of a ``sample`` or ``stream`` message, as ``vllm.LLM`` takes them."""
     from vllm import SamplingParams
 
     sampling = message["sampling"]
@@ -75,18 +79,58 @@ def sample(llm, message: dict[str, Any]) -> dict[str, Any]:
             stop_token_ids=list(message["stop_token_ids"]), detokenize=False, skip_special_tokens=False,
         ))
         prompts.append({"prompt_token_ids": list(request["prompt_ids"])})
+    return prompts, params
+
+
+def _completions(output) -> list[dict[str, Any]]:
+    """One finished request's completions: ids, the sampled tokens' log-probs, vLLM's finish reason."""
+    completions = []
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        ids = list(completion.token_ids)
+        # logprobs=0: each position's dict holds the sampled token's entry only
+        log_probs = [float(position[token].logprob) for position, token in zip(completion.logprobs, ids, strict=True)]
+        completions.append({"token_ids": ids, "log_probs": log_probs, "finish_reason": completion.finish_reason})
+    return completions
+
+
+def sample(llm, message: dict[str, Any]) -> dict[str, Any]:
+    prompts, params = _requests(message)
     outputs = llm.generate(prompts, sampling_params=params, use_tqdm=False)
-    groups = []
-    for output in outputs:
-        completions = []
-        for completion in sorted(output.outputs, key=lambda c: c.index):
-            ids = list(completion.token_ids)
-            # logprobs=0: each position's dict holds the sampled token's entry only
-            log_probs = [float(position[token].logprob) for position, token in zip(completion.logprobs, ids, strict=True)]
-            completions.append({"token_ids": ids, "log_probs": log_probs, "finish_reason": completion.finish_reason})
-        groups.append(completions)
     # prompt tokens whose keys and values came from the prefix cache: an agent's later turns reuse the earlier ones'
-    return {"groups": groups, "cached_tokens": [int(output.num_cached_tokens or 0) for output in outputs]}
+    return {"groups": [_completions(output) for output in outputs],
+            "cached_tokens": [int(output.num_cached_tokens or 0) for output in outputs]}
+
+
+def stream(llm, message: dict[str, Any], connection: Connection) -> None:
+    """``sample``'s requests, added to vLLM's engine at once (``LLM.enqueue``: what ``generate`` does
+    before it steps the engine) and stepped here: the groups of the requests vLLM reports finished at a
+    step are sent as one reply (``finished``: each with ``position``, its place in ``requests``), then
+    ``{"done": True}``."""
+    prompts, params = _requests(message)
+    request_ids = [str(r) for r in llm.enqueue(prompts, params, use_tqdm=False)]
+    # enqueue may return vLLM's internal ids ("21-1a2b3c4d"); outputs carry the id it was given ("21")
+    position = {external_id(request_id): k for k, request_id in enumerate(request_ids)}
+    engine, unfinished = llm.llm_engine, set(request_ids)
+    try:
+        while engine.has_unfinished_requests():
+            finished = []
+            for output in engine.step():
+                if output.finished:
+                    k = position[external_id(output.request_id)]
+                    unfinished.discard(request_ids[k])
+                    finished.append({"position": k, "group": _completions(output),
+                                     "cached_tokens": int(output.num_cached_tokens or 0)})
+            if finished:  # the requests that finished at this step: one reply, one append for the collector
+                connection.send({"ok": True, "finished": finished})
+    except Exception:  # the error reply ends the stream: nothing of it may stay in the engine
+        if unfinished:
+            engine.abort_request(sorted(external_id(r) for r in unfinished))  # each with its n completions
+        raise
+    connection.send({"ok": True, "done": True})
+
+
+def external_id(request_id: str) -> str:
+    return str(request_id).split("-", 1)[0]
 
 
 def load_weights(llm, message: dict[str, Any]) -> dict[str, Any]:
@@ -133,6 +177,9 @@ def serve(connection: Connection, options: dict[str, Any]) -> int:
             if op == "close":
                 connection.send({"ok": True})
                 return 0
+            if op == "stream":  # several replies, sent as requests finish
+                stream(llm, message, connection)
+                continue
             if op == "sample":
                 reply = sample(llm, message)
             elif op == "load_weights":

@@ -26,8 +26,9 @@ our stop tokens only (``ignore_eos``; penalties and ``min_p`` sent at their neut
 server's generation config sets none of them), the stop token kept as the last, ``terminated`` read
 from the tokens. A completion that stops on a token that is not ours (the server's generation config
 adds stop ids to every request) is refused, naming the flag to start it with. Requests go out
-concurrently (one HTTP request per prompt, so each has its own seed) and the call returns only when
-every reply is in: a server that stops answering is retried with backoff (``vllm_http.py``), then
+concurrently (one HTTP request per prompt, so each has its own seed); ``sample`` returns when every
+reply is in, ``stream_batches`` yields the groups whose replies came as they come (the server batches
+the requests continuously, so a short one's reply comes first): a server that stops answering is retried with backoff (``vllm_http.py``), then
 :class:`~rlhf_pipeline.generation.vllm_http.ServerUnreachable`, and nothing of the batch is returned.
 
 New weights travel as a safetensors file the server reads: ``weights_dir`` must be a directory the
@@ -41,8 +42,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -240,8 +241,19 @@ class VLLMURLEngine(GenerationEngine):
                 f"{GREEDY_BELOW:g} (then returning raw log-probs) and takes none above {MAX_TEMPERATURE:g}; use one in "
                 f"[{GREEDY_BELOW:g}, {MAX_TEMPERATURE:g}], or the loop engine")
 
+    @property
+    def supports_streaming(self) -> bool:
+        return True
+
     def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
                generator: torch.Generator) -> list[CompletionGroup]:
+        groups = [g for together in self.stream_batches(requests, sampling, generator) for g in together]
+        return sorted(groups, key=lambda group: group.index)
+
+    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
+        """One HTTP request per prompt (each its own seed, all drawn first), all in flight at once (the
+        server batches them); the groups whose replies came, as they come."""
         self.check_sampling(sampling)
         top_k = sampling.top_k if 0 < sampling.top_k < self.vocab_size else 0  # as ours: k >= V keeps all
         bodies = []
@@ -259,19 +271,20 @@ class VLLMURLEngine(GenerationEngine):
                 "return_tokens_as_token_ids": True, "stream": False, **NEUTRAL,
             })
         if not bodies:
-            return []
+            return
         version = self.policy_version
-        # one HTTP request per prompt (each its own seed), all in flight at once: the server batches them
         with ThreadPoolExecutor(max_workers=min(len(bodies), self.max_concurrency)) as pool:
-            futures = [pool.submit(self.client.post, "/v1/completions", body) for body in bodies]
+            index_of = {pool.submit(self.client.post, "/v1/completions", body): k for k, body in enumerate(bodies)}
+            waiting = set(index_of)
             try:
-                replies = [future.result() for future in futures]
-            except BaseException:
-                for future in futures:
+                while waiting:
+                    done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
+                    yield [CompletionGroup(k, self._completions(future.result(), bodies[k]), version,
+                                           seed=bodies[k]["seed"])
+                           for k, future in sorted((index_of[f], f) for f in done)]
+            finally:  # a failed request or a consumer that stopped: no request still queued goes out
+                for future in waiting:
                     future.cancel()
-                raise
-        return [CompletionGroup(index, self._completions(reply, body), version, seed=body["seed"])
-                for index, (body, reply) in enumerate(zip(bodies, replies, strict=True))]
 
     def _completions(self, reply: dict[str, Any], body: dict[str, Any]) -> list[Completion]:
         stops = set(self.stop_token_ids)

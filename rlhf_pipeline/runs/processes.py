@@ -155,6 +155,9 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             collector.load_state_dict(saved)
         if position.resumed_inflight_round:
             say(f"{tag} the round in flight at the last stop was written; resuming after it")
+        if position.resumed_partial_round:
+            say(f"{tag} the round in flight at the last stop was written in part ({position.resumed_partial_round} "
+                f"rows); generating it again and writing only its groups not stored yet")
         collector.set_policy_state(state, version)
         # the pacing counts of the uninterrupted collector: the rounds it wrote with these weights,
         # and the size of a round as learned from the rounds written (when the collector does not say)
@@ -212,10 +215,14 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             waiting_since = None
             paced.reset()
             rows_before = store.next_row
+            # a round streamed in several appends (generation.stream_groups) also records where it started
+            chunked = {"before_first_chunk": position.before_first_chunk} if getattr(
+                getattr(collector, "config", None), "stream_groups", False) else {}
             try:
                 collector.collect(before_write=lambda after_round: position.before_write(
                     after_round, {"rounds_at_version": rounds_at_version + 1, "round_rows": pacer.round_rows,
-                                  **_clock(retention)}))
+                                  **_clock(retention)}),
+                    **chunked)
             except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops
                 failed = exc
             pacer.round_written(store.next_row - rows_before, round_rows=getattr(collector, "round_rows", None))

@@ -9,6 +9,7 @@ from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, Samp
 from rlhf_pipeline.generation import LoopEngine, SampleRequest, UnsupportedCapability, draw_seed, generate
 from rlhf_pipeline.generation.engine import GenerationEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer
+from engine_contract import check_streamed_groups_are_the_sampled_ones_short_first
 
 PROMPTS = ["1+2=", "13+4=", "hello there, add 40+2="]
 
@@ -61,7 +62,7 @@ def test_weights_move_forward_with_their_time_recorded_and_scoring_is_teacher_fo
     other, _ = tiny_model_and_tokenizer(hidden_size=32, num_layers=2, num_heads=4, seed=1)
     engine = LoopEngine(model, pad_token_id=0, eos_token_id=1)
     assert isinstance(engine, GenerationEngine) and engine.supports_scoring and engine.supports_weight_updates
-    assert not engine.supports_streaming
+    assert engine.supports_streaming  # yields each group once its last row stopped
     engine.update_weights(other.state_dict(), 3)
     assert engine.policy_version == 3 and engine.stats.weight_updates == 1 and engine.stats.last_update_s > 0
     assert engine.stats.update_metrics()["weight_update_s"] > 0
@@ -119,3 +120,35 @@ def test_a_collector_given_an_engine_uses_it_and_closes_it(tiny):
     assert bool((collector.collect()["policy_version"] == 8).all()) and collector.last_metrics["weight_update_s"] > 0
     collector.close()
     assert closed == [True]
+
+
+def test_streamed_groups_are_the_sampled_rows_yielded_as_each_group_stops(tiny):
+    """stream() makes the draws sample() makes (rows bit-equal, the generator left in the same state),
+    yielding a short request's group at the step its last row stops, before a longer one's."""
+    model, tok = tiny
+    config = SamplingConfig(max_new_tokens=12, temperature=3.0)  # hot: EOS (7 here) comes early in some rows
+    requests = [SampleRequest(p, n=3, max_new_tokens=k) for p, k in zip(_ids(tok) * 3, [12, 3, 7, 12, 1, 9, 5, 12, 2])]
+    engine = LoopEngine(model, pad_token_id=0, eos_token_id=[1, 7])
+    sampled_with, streamed_with = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    sampled = engine.sample(requests, config, sampled_with)
+    order, steps = [], []
+    for group in engine.stream(requests, config, streamed_with):
+        order.append(group.index)
+        steps.append(max(len(c.token_ids) for c in group.completions))  # the step its last row stopped at
+    streamed = {g.index: g for g in engine.stream(requests, config, torch.Generator().manual_seed(11))}
+    assert sorted(order) == list(range(len(requests))) and order != sorted(order)
+    assert steps == sorted(steps)  # yielded as they stop, not in request order
+    assert order.index(4) == 0  # the one-token request first, while the others still decode
+    for group in sampled:
+        mine = streamed[group.index]
+        assert [c.token_ids for c in mine.completions] == [c.token_ids for c in group.completions]
+        assert [c.log_probs for c in mine.completions] == [c.log_probs for c in group.completions]  # bit-equal
+        assert [c.terminated for c in mine.completions] == [c.terminated for c in group.completions]
+    assert torch.equal(sampled_with.get_state(), streamed_with.get_state())
+    assert any(c.terminated for g in sampled for c in g.completions)
+
+
+def test_the_loop_engine_streams_as_the_engine_contract_says(tiny):
+    model, tok = tiny
+    engine = LoopEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    check_streamed_groups_are_the_sampled_ones_short_first(engine, tok)

@@ -21,6 +21,7 @@ from engine_contract import (
     chat_prompts,
     check_eos_ends_a_completion_and_the_limit_truncates,
     check_seeds_give_the_same_rows_twice,
+    check_streamed_groups_are_the_sampled_ones_short_first,
     max_log_prob_difference,
 )
 from helpers import kill_once_busy, process_running
@@ -79,6 +80,11 @@ def test_eos_ends_a_completion_as_its_last_token_and_the_limit_truncates(served)
 def test_seeds_from_the_generator_give_the_same_rows_twice(served):
     engine, _, tok = served
     check_seeds_give_the_same_rows_twice(engine, tok)
+
+
+def test_streamed_groups_are_the_sampled_ones_each_sent_as_vllm_finishes_it(served):
+    engine, _, tok = served
+    check_streamed_groups_are_the_sampled_ones_short_first(engine, tok)
 
 
 def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_path):
@@ -186,6 +192,37 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
     finally:
         engine.restarts = kept
         engine.update_weights(model.state_dict(), engine.policy_version + 1)
+
+
+def test_an_engine_killed_under_a_stream_is_restarted_and_asked_only_the_groups_not_yielded(served):
+    """kill -9 of the engine's process right after a stream yielded its first group (the others still
+    decoding): a new process is sent the other requests with their seeds; the groups are those of
+    sample() on the same generator state, each once, the first not generated again."""
+    engine, _, tok = served
+    said: list[str] = []
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
+    config = SamplingConfig(max_new_tokens=200)
+    prompts = chat_prompts(tok, 4)
+    requests = [SampleRequest(prompts[0], n=2, max_new_tokens=1)] + [SampleRequest(p, n=8) for p in prompts[1:]]
+    try:
+        sampled = engine.sample(requests, config, torch.Generator().manual_seed(8))
+        restarts, pid = engine.stats.restarts, engine.pid
+        streamed = []
+        for group in engine.stream(requests, config, torch.Generator().manual_seed(8)):
+            if not streamed:  # the one-token request: the other 24 completions are still being decoded
+                assert group.index == 0
+                os.kill(pid, signal.SIGKILL)
+            streamed.append(group)
+        assert engine.stats.restarts == restarts + 1 and engine.pid != pid
+        assert len(said) == 1 and "while stream" in said[0], said
+        assert sorted(g.index for g in streamed) == list(range(len(requests)))
+        for group in streamed:  # the restarted engine decodes a smaller batch: ids equal, log-probs within float noise
+            want = sampled[group.index]
+            assert [c.token_ids for c in group.completions] == [c.token_ids for c in want.completions]
+            got = torch.tensor([p for c in group.completions for p in c.log_probs])
+            assert float((got - torch.tensor([p for c in want.completions for p in c.log_probs])).abs().max()) < 1e-5
+    finally:
+        engine.restarts = kept
 
 
 def test_an_engine_that_stops_answering_is_killed_and_restarted(served):

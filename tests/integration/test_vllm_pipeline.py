@@ -208,3 +208,16 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(vllm_ru
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
     _same_rows(run, reference)
+
+
+def test_a_streamed_run_writes_the_rows_of_the_run_without_streaming(vllm_run, tmp_path):
+    """``generation.stream_groups=true``: each round's groups go to the buffer as vLLM finishes them, in
+    request order; the buffer holds the rows of the module's run, which wrote one append per round."""
+    reference, _ = vllm_run
+    result = subprocess.run([*_command(tmp_path), "--set", "generation.stream_groups=true"], cwd=REPO,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = tmp_path / "vllm"
+    _same_rows(run, reference)
+    rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
+    assert all(0 < r["first_group_s"] <= r["round_s"] and r["chunks"] >= 1 for r in rounds)

@@ -1,0 +1,100 @@
+"""Committing a streamed round in request order: group k goes to the write path once groups 0..k ended.
+
+An engine that ``supports_streaming`` yields a round's groups in the order they end, those that end
+at one decoding step together (``GenerationEngine.stream_batches``). The collector hands them to its sink in *request* order, in chunks:
+whenever the groups that ended extend the prefix of the round already committed, that prefix grows
+by one append. Why not in the order they end: the buffer's order would then depend on timing, and
+what reads by position (exact resume, the learner's pacing and sampling) would no longer give the
+same rows on a rerun. The price is that a group that ended early waits for every earlier one still
+decoding; :class:`StreamTiming` measures it (``order_wait_s``) beside the time to the first committed
+group and to the last.
+
+The last chunk is written only once the engine's stream is exhausted, so whatever the engine draws
+after its last group (our loop keeps decoding finished rows as pads until the batch ends) is drawn
+before the collector's state after the round is taken.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from rlhf_pipeline.generation.engine import CompletionGroup
+
+WriteChunk = Callable[[list[CompletionGroup], bool], None]
+"""``write(groups, last)``: one append of consecutive groups of the round; ``last`` for the chunk that
+completes it."""
+
+
+@dataclass
+class StreamTiming:
+    """When a streamed round's groups ended and were committed, in seconds from the round's start."""
+
+    started: float = field(default_factory=time.perf_counter)
+    ended_s: dict[int, float] = field(default_factory=dict)
+    """Request index -> when the engine yielded its group."""
+    committed_s: dict[int, float] = field(default_factory=dict)
+    """Request index -> when the append holding it returned."""
+    chunk_sizes: list[int] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.started
+
+    def metrics(self) -> dict[str, float]:
+        """``first_group_s`` / ``round_s``: the first and the last append's end; ``first_ended_s``: the
+        first group the engine finished (what a commit in the order groups end would achieve);
+        ``order_wait_s``: mean seconds a group waited for earlier ones; ``chunks`` and
+        ``groups_per_chunk``: appends this round and groups per append."""
+        if not self.committed_s:
+            return {}
+        waits = [self.committed_s[i] - self.ended_s[i] for i in self.committed_s]
+        return {
+            "first_group_s": min(self.committed_s.values()),
+            "round_s": max(self.committed_s.values()),
+            "first_ended_s": min(self.ended_s.values()),
+            "last_ended_s": max(self.ended_s.values()),
+            "order_wait_s": sum(waits) / len(waits),
+            "chunks": float(len(self.chunk_sizes)),
+            "groups_per_chunk": sum(self.chunk_sizes) / len(self.chunk_sizes),
+        }
+
+
+def commit_in_order(batches: Iterable[list[CompletionGroup]], count: int, write: WriteChunk,
+                    timing: StreamTiming | None = None) -> StreamTiming:
+    """Consumes a round's stream of ``count`` groups (``GenerationEngine.stream_batches``: lists of
+    groups that finished together) and writes them in request order as prefixes complete, at most one
+    append per list (see the module docstring). Raises RuntimeError when the stream yields a request
+    twice, one outside the round, or ends before every request's group came."""
+    timing = timing or StreamTiming()
+    ended: dict[int, CompletionGroup] = {}
+    committed = 0  # groups 0..committed-1 are written
+    held: list[CompletionGroup] = []  # the chunk that completes the round, written once the stream ends
+    for finished_together in batches:
+        now = timing.now()
+        for group in finished_together:
+            if not 0 <= group.index < count or group.index in ended or group.index < committed:
+                raise RuntimeError(f"the generation engine yielded request {group.index} twice or outside a round "
+                                   f"of {count}: not the engine contract (one group per request)")
+            ended[group.index] = group
+            timing.ended_s[group.index] = now
+        chunk = []
+        while committed in ended:
+            chunk.append(ended.pop(committed))
+            committed += 1
+        if chunk and committed == count:
+            held = chunk
+        elif chunk:
+            _write(write, chunk, False, timing)
+    if committed != count:
+        raise RuntimeError(f"the generation engine's stream ended after {committed + len(ended)} of {count} groups")
+    _write(write, held, True, timing)
+    return timing
+
+
+def _write(write: WriteChunk, chunk: list[CompletionGroup], last: bool, timing: StreamTiming) -> None:
+    write(chunk, last)
+    done = timing.now()
+    timing.chunk_sizes.append(len(chunk))
+    for group in chunk:
+        timing.committed_s[group.index] = done

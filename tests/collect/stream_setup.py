@@ -1,0 +1,32 @@
+"""Shared by the streamed-round tests and their kill -9 worker: a tiny real policy whose completions
+end at different steps (its EOS logit raised by a constant, so groups end apart and a round goes to
+the store in several appends), and a collector writing to a memmap store."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
+from rlhf_pipeline.models import tiny_model_and_tokenizer
+
+EOS_BIAS = 3.5
+ROUND_ROWS = 12  # 4 prompts x 3 completions
+APPENDS = [[12], [3, 6, 3], [6, 6], [3, 3, 6]]
+"""Rows per append of the first four streamed rounds with this policy (the tests rely on the cuts)."""
+
+
+def policy():
+    """(model, tokenizer): the tiny Qwen2 with ``EOS_BIAS`` added to its EOS logit."""
+    model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=2, num_heads=4)
+    bias = torch.zeros(model.config.vocab_size)
+    bias[tok.eos_token_id] = EOS_BIAS
+    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits + bias)
+    return model, tok
+
+
+def collector(model, tok, sink, *, stream: bool) -> Collector:
+    config = CollectorConfig(prompts_per_batch=4, num_generations=3, stream_groups=stream,
+                             sampling=SamplingConfig(max_new_tokens=16, temperature=1.0))
+    source = PromptSource(toy_prompts(20, seed=1), seed=0, required_fields=("answer",))
+    return Collector(model, tok, source, {"toy": toy_reward}, sink, config)
