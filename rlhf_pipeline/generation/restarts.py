@@ -21,6 +21,10 @@ from rlhf_pipeline.generation.engine import EngineDied, EngineFailed
 
 MAX_DELAY_S = 60.0
 """The longest wait before one restart, whatever the backoff has doubled to."""
+HUNG_AFTER_S = 300.0
+"""An engine that finished no decoding step (nor a weight load) this long hangs: the default. A
+streaming engine says it is decoding every few seconds however long its round (``vllm_server.PROGRESS_EVERY_S``),
+so this is a silence, not a round's length; a first round's warm-up (~9 s on these CPUs) is far below."""
 
 
 def _to_stderr(line: str) -> None:
@@ -35,9 +39,9 @@ class Restarts:
     """Restarts in a row (without an answered call between them) before giving up; 0: never restart."""
     backoff_s: float = 1.0
     """Seconds before the first restart in a row; each further one waits twice as long (at most 60 s)."""
-    hung_after_s: float | None = None
-    """A call (a round to sample, weights to load) unanswered this long: the engine hangs, and is
-    killed and restarted as one that died; None: wait for ever."""
+    hung_after_s: float | None = HUNG_AFTER_S
+    """No reply this long (a round's engine says it is decoding every few seconds; weights to load
+    answer once): the engine hangs, and is killed and restarted as one that died; None: wait for ever."""
     announce: Callable[[str], None] = field(default=_to_stderr, repr=False)
     """Where the line said before each restart goes (the collector sets its console's)."""
     in_a_row: int = 0

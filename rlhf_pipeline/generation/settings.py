@@ -95,9 +95,10 @@ class GenerationSettings:
     the first ones sooner (docs/generation.md, "Streaming groups"). Every engine streams (a server at
     generation.url through one HTTP request per prompt); the agent collector (pipelines/tool_use.py)
     does not, and refuses it."""
-    hung_after_s: float | None = None
-    """vllm: a round (or a weight load) the engine has not answered after this long counts as a hung
-    engine, killed and restarted as one that died; none: wait for ever (a long round is not a hang)."""
+    hung_after_s: float | None = 300.0
+    """vllm: seconds in which the engine finished no decoding step (it says so every 2 s while it
+    decodes, however long the round) or did not answer a weight load: a hung engine, killed and
+    restarted as one that died; none: wait for ever. (generation.url: url_timeout_s per request.)"""
 
 
 def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",

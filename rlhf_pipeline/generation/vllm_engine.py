@@ -64,7 +64,7 @@ from rlhf_pipeline.generation.engine import (
     UnsupportedSetting,
 )
 from rlhf_pipeline.generation.restarts import Restarts
-from rlhf_pipeline.generation.vllm_rounds import count_prompt_tokens, stream_round, to_group, wire_requests, wire_sampling
+from rlhf_pipeline.generation.vllm_rounds import stream_round
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_process import exit_status, hard_link, make_scratch_dir, package_path_dir, stop_process
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
@@ -328,16 +328,10 @@ class VLLMEngine(GenerationEngine):
 
     def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
                generator: torch.Generator) -> list[CompletionGroup]:
-        self.check_sampling(sampling)
-        if not requests:
-            return []
-        wire = wire_requests(self, requests, sampling, generator)
-        # the seeds are drawn above, once: an engine that dies under this round is asked the same again
-        reply = self.call_restarting("sample", requests=wire, stop_token_ids=self.stop_token_ids,
-                                     sampling=wire_sampling(self, sampling))
-        count_prompt_tokens(self, wire, reply.get("cached_tokens", ()))
-        return [to_group(self, index, request, sent, completions)
-                for index, (request, sent, completions) in enumerate(zip(requests, wire, reply["groups"], strict=True))]
+        # a stream read to its end: the engine says it is decoding while nothing finishes, so a hang
+        # (restarts.hung_after_s) is told from a long round; same seeds, same rows as the stream's
+        groups = [group for batch in stream_round(self, requests, sampling, generator) for group in batch]
+        return sorted(groups, key=lambda group: group.index)
 
     def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
                        generator: torch.Generator) -> Iterator[list[CompletionGroup]]:

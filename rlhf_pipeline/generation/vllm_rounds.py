@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf_pipeline.generation.engine import Completion, CompletionGroup, EngineDied, EngineFailed, SampleRequest, draw_seed
 from rlhf_pipeline.generation.sampling import SamplingConfig
+from rlhf_pipeline.generation.vllm_server import PROGRESS_EVERY_S
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +81,8 @@ def stream_round(engine: VLLMEngine, requests: Sequence[SampleRequest], sampling
     if not requests:
         return
     wire = wire_requests(engine, requests, sampling, generator)  # every seed before the first group
-    message = {"stop_token_ids": engine.stop_token_ids, "sampling": wire_sampling(engine, sampling)}
+    message = {"stop_token_ids": engine.stop_token_ids, "sampling": wire_sampling(engine, sampling),
+               "progress_every_s": progress_every_s(engine.restarts.hung_after_s)}
     waiting = list(range(len(requests)))  # requests whose group has not come yet
     while waiting:
         finished = False
@@ -89,7 +91,7 @@ def stream_round(engine: VLLMEngine, requests: Sequence[SampleRequest], sampling
             try:
                 while True:
                     try:
-                        reply = engine.receive("stream", hung_is_dead=True)
+                        reply = engine.receive("sampling", hung_is_dead=True)
                     except EngineDied:
                         raise
                     except EngineFailed:  # an error reply: the server ended the stream with it
@@ -98,6 +100,8 @@ def stream_round(engine: VLLMEngine, requests: Sequence[SampleRequest], sampling
                     if reply.get("done"):
                         finished = True
                         break
+                    if "progress" in reply:  # decoding, nothing finished yet: only the hang clock restarts
+                        continue
                     groups = []
                     for item in reply["finished"]:
                         index = waiting[item["position"]]  # its position in the list this stream was sent
@@ -118,11 +122,16 @@ def stream_round(engine: VLLMEngine, requests: Sequence[SampleRequest], sampling
         waiting = []
 
 
+def progress_every_s(hung_after_s: float | None) -> float:
+    """How often a decoding engine says so: every 2 s, or five times within ``hung_after_s``."""
+    return PROGRESS_EVERY_S if hung_after_s is None else min(PROGRESS_EVERY_S, hung_after_s / 5)
+
+
 def _drain(engine: VLLMEngine) -> None:
     """Reads and drops a stream's remaining replies, so the next operation gets its own; a dead engine
     is left to the caller (its restart)."""
     try:
-        while not engine.receive("stream", hung_is_dead=True).get("done"):
+        while not engine.receive("sampling", hung_is_dead=True).get("done"):
             pass
     except EngineFailed:  # died (the caller restarts it) or answered with an error (the stream is over)
         pass

@@ -15,13 +15,13 @@ the socket, never tensors.
 
 Operations (``op`` of each request; every reply has ``ok`` and, when False, ``error``):
 
-* ``sample``: ``requests`` (``prompt_ids``, ``n``, ``max_tokens``, ``seed``), ``sampling``
-  (``temperature``, ``top_k``, ``top_p``), ``stop_token_ids`` -> ``groups``: per request, per
-  completion, ``token_ids``, ``log_probs``, ``finish_reason``; ``cached_tokens``: per request, its
-  prompt tokens found in the prefix cache;
-* ``stream``: as ``sample``, with one reply per engine step at which requests finished
-  (``finished``: per request ``position``, its place in ``requests``, ``group``, ``cached_tokens``),
-  then ``done``; an error reply ends it too;
+* ``stream``: ``requests`` (``prompt_ids``, ``n``, ``max_tokens``, ``seed``), ``sampling``
+  (``temperature``, ``top_k``, ``top_p``), ``stop_token_ids`` -> one reply per engine step at
+  which requests finished (``finished``: per request ``position``, its place in ``requests``,
+  ``group``: per completion ``token_ids``, ``log_probs``, ``finish_reason``; ``cached_tokens``: its
+  prompt tokens found in the prefix cache), a ``progress`` reply every ``progress_every_s`` of
+  steps that finished none, then ``done``; an error reply ends it too. A whole round
+  (``VLLMEngine.sample``) is a stream read to its end;
 * ``load_weights``: ``path`` of a safetensors file -> loaded through the worker extension
   (``generation/vllm_worker.py``), then the prefix cache is reset;
 * ``nccl_init`` / ``nccl_start`` / ``nccl_update`` / ``nccl_finish``: vLLM's weight-transfer
@@ -39,6 +39,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 WORKER_EXTENSION = "rlhf_pipeline.generation.vllm_worker.PublishedWeightsLoader"
+PROGRESS_EVERY_S = 2.0
+"""A stream's longest silence while the engine decodes (``stream``), unless the client asks for less
+(it asks for a fifth of its ``hung_after_s`` when that is shorter)."""
 
 
 def build_llm(options: dict[str, Any]):
@@ -93,27 +96,26 @@ def _completions(output) -> list[dict[str, Any]]:
     return completions
 
 
-def sample(llm, message: dict[str, Any]) -> dict[str, Any]:
-    prompts, params = _requests(message)
-    outputs = llm.generate(prompts, sampling_params=params, use_tqdm=False)
-    # prompt tokens whose keys and values came from the prefix cache: an agent's later turns reuse the earlier ones'
-    return {"groups": [_completions(output) for output in outputs],
-            "cached_tokens": [int(output.num_cached_tokens or 0) for output in outputs]}
-
-
 def stream(llm, message: dict[str, Any], connection: Connection) -> None:
-    """``sample``'s requests, added to vLLM's engine at once (``LLM.enqueue``: what ``generate`` does
+    """A round's requests, added to vLLM's engine at once (``LLM.enqueue``: what ``generate`` does
     before it steps the engine) and stepped here: the groups of the requests vLLM reports finished at a
     step are sent as one reply (``finished``: each with ``position``, its place in ``requests``), then
-    ``{"done": True}``."""
+    ``{"done": True}``. A step that finished no request, ``progress_every_s`` (default
+    ``PROGRESS_EVERY_S``) after the last reply, sends ``{"progress": steps}``: the engine is
+    decoding, so the collector's ``hung_after_s`` measures time without a decoding step, not a
+    round's length. ``cached_tokens``: prompt tokens whose keys and values came from the prefix
+    cache (an agent's later turns reuse the earlier ones')."""
     prompts, params = _requests(message)
     request_ids = [str(r) for r in llm.enqueue(prompts, params, use_tqdm=False)]
     # enqueue may return vLLM's internal ids ("21-1a2b3c4d"); outputs carry the id it was given ("21")
     position = {external_id(request_id): k for k, request_id in enumerate(request_ids)}
     engine, unfinished = llm.llm_engine, set(request_ids)
     try:
+        every_s = float(message.get("progress_every_s", PROGRESS_EVERY_S))
+        steps, last_reply = 0, time.monotonic()
         while engine.has_unfinished_requests():
             finished = []
+            steps += 1
             for output in engine.step():
                 if output.finished:
                     k = position[external_id(output.request_id)]
@@ -122,6 +124,10 @@ def stream(llm, message: dict[str, Any], connection: Connection) -> None:
                                      "cached_tokens": int(output.num_cached_tokens or 0)})
             if finished:  # the requests that finished at this step: one reply, one append for the collector
                 connection.send({"ok": True, "finished": finished})
+                last_reply = time.monotonic()
+            elif time.monotonic() - last_reply >= every_s:
+                connection.send({"ok": True, "progress": steps})
+                last_reply = time.monotonic()
     except Exception:  # the error reply ends the stream: nothing of it may stay in the engine
         if unfinished:
             engine.abort_request(sorted(external_id(r) for r in unfinished))  # each with its n completions
@@ -180,9 +186,7 @@ def serve(connection: Connection, options: dict[str, Any]) -> int:
             if op == "stream":  # several replies, sent as requests finish
                 stream(llm, message, connection)
                 continue
-            if op == "sample":
-                reply = sample(llm, message)
-            elif op == "load_weights":
+            if op == "load_weights":
                 reply = load_weights(llm, message)
             elif op is not None and op.startswith("nccl_"):
                 reply = nccl(llm, op, message)

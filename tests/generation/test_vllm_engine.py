@@ -175,7 +175,7 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
         assert engine.pid != pid and not process_running(pid)
         assert metrics["engine_restarts"] - plain_metrics["engine_restarts"] == 1
         assert metrics["engine_starts"] - plain_metrics["engine_starts"] == 1
-        assert len(said) == 1 and "died (its process exited (killed by SIGKILL) while sample)" in said[0], said
+        assert len(said) == 1 and "died (its process exited (killed by SIGKILL) while sampling)" in said[0], said
         for a, b in zip(plain, killed, strict=True):
             assert a["trajectory_id"].tolist() == b["trajectory_id"].tolist()
             assert a["policy_version"].tolist() == b["policy_version"].tolist() == [version + 1] * len(a)
@@ -214,7 +214,7 @@ def test_an_engine_killed_under_a_stream_is_restarted_and_asked_only_the_groups_
                 os.kill(pid, signal.SIGKILL)
             streamed.append(group)
         assert engine.stats.restarts == restarts + 1 and engine.pid != pid
-        assert len(said) == 1 and "while stream" in said[0], said
+        assert len(said) == 1 and "while sampling" in said[0], said
         assert sorted(g.index for g in streamed) == list(range(len(requests)))
         for group in streamed:  # the restarted engine decodes a smaller batch: ids equal, log-probs within float noise
             want = sampled[group.index]
@@ -243,7 +243,31 @@ def test_an_engine_that_stops_answering_is_killed_and_restarted(served):
         assert engine.pid != pid and not process_running(pid)
         assert [(c.token_ids, c.log_probs) for g in after for c in g.completions] == \
             [(c.token_ids, c.log_probs) for g in before for c in g.completions]
-        assert len(said) == 1 and "(it did not answer within 30 s while sample: killed)" in said[0], said
+        assert len(said) == 1 and "(it did not answer within 30 s while sampling: killed)" in said[0], said
+    finally:
+        engine.restarts = kept
+
+
+def test_a_round_longer_than_hung_after_s_is_not_a_hang_while_the_engine_decodes(served):
+    """hung_after_s is on by default and measures silence, not a round's length: a decoding engine
+    says so five times within it (vllm_server's progress replies), so a round several times longer
+    than hung_after_s comes back from the same process, with the rows of a round sampled without it."""
+    engine, _, tok = served
+    said: list[str] = []
+    requests = [SampleRequest(p, n=8) for p in chat_prompts(tok, 8)]
+    config = SamplingConfig(max_new_tokens=96)
+    started = time.perf_counter()
+    reference = engine.sample(requests, config, torch.Generator().manual_seed(9))
+    round_s = time.perf_counter() - started
+    hung_after_s = round_s / 4  # a quarter of the round (up to 96 decoding steps): a hang if only replies counted
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.0, hung_after_s=hung_after_s,
+                                                      announce=said.append)
+    try:
+        pid = engine.pid
+        again = engine.sample(requests, config, torch.Generator().manual_seed(9))
+        assert said == [] and engine.pid == pid, f"round of {round_s:.2f} s, hung_after_s {hung_after_s:.2f}"
+        assert [(c.token_ids, c.log_probs) for g in again for c in g.completions] == \
+            [(c.token_ids, c.log_probs) for g in reference for c in g.completions]
     finally:
         engine.restarts = kept
 
