@@ -19,6 +19,15 @@ GROUP = 6  # 16 is no multiple of 6: groups straddle segment boundaries
 NO_FLOOR = 10**12
 
 
+def settled(store, size):
+    """``size`` measured once the store's background seals and deletions are done (a Zarr store
+    seals and removes merged units on a thread: a listing under way would race them)."""
+    def measure():
+        getattr(store, "flush", lambda: None)()
+        return size()
+    return measure
+
+
 def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -57,18 +66,18 @@ def store_at(request, tmp_path):
         options = {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"],
                    "client_kwargs": {"endpoint_url": env["AWS_ENDPOINT_URL"], "region_name": "us-east-1"}}
         store = create_store(url, "zarr", segment_rows=SEGMENT, storage_options=options)
-        yield store, lambda: s3_bytes(server, url), {"storage_options": options}
+        yield store, settled(store, lambda: s3_bytes(server, url)), {"storage_options": options}
     elif request.param == "zarr-az":
         server = request.getfixturevalue("azure_server")
         url = server.url()
         store = create_store(url, "zarr", segment_rows=SEGMENT, storage_options=server.options)
-        yield store, lambda: az_bytes(server, url), {"storage_options": server.options}
+        yield store, settled(store, lambda: az_bytes(server, url)), {"storage_options": server.options}
     else:
         path = tmp_path / "buffer"
         # memmap deletes a dropped segment's files after evict_grace_s (readers may still map them)
         extra = {"evict_grace_s": 0.0} if request.param == "memmap" else {}
         store = create_store(path, request.param, segment_rows=SEGMENT, **extra)
-        yield store, lambda: (sum(1 for f in path.rglob("*") if f.is_file()), du(path)), {}
+        yield store, settled(store, lambda: (sum(1 for f in path.rglob("*") if f.is_file()), du(path))), {}
     store.close()
 
 
