@@ -24,10 +24,10 @@ STEPS = 30
 TIMING = ("time", "tokens_per_s", "_s")  # metrics that measure time, not what was trained
 
 
-def run_default(home: Path, name: str) -> subprocess.CompletedProcess:
+def run_default(home: Path, name: str, *settings: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
-                           "--home", str(home), "--run-name", name], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
+                           "--home", str(home), "--run-name", name, *settings], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
 
 
 def what_was_trained(run: Path) -> dict:
@@ -36,6 +36,15 @@ def what_was_trained(run: Path) -> dict:
         rows = store.read(torch.arange(len(store)), fields=("policy_version", "reward", "response_tokens"))
     return {"learner": learner, "row_versions": rows["policy_version"].tolist(),
             "row_rewards": rows["reward"].tolist(), "row_tokens": [t.tolist() for t in rows["response_tokens"].to_list()]}
+
+
+def assert_trained_the_same(first: dict, second: dict) -> None:
+    """Two runs' :func:`what_was_trained`: the same rows (versions, rewards, tokens), step for step the same metrics."""
+    assert len(first["learner"]) == STEPS
+    assert first["row_versions"] == second["row_versions"]
+    assert first["row_rewards"] == second["row_rewards"] and first["row_tokens"] == second["row_tokens"]
+    for step, (a, b) in enumerate(zip(first["learner"], second["learner"], strict=True), start=1):
+        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
 
 
 @pytest.mark.slow
@@ -51,9 +60,4 @@ def test_two_paced_runs_with_one_seed_train_on_the_same_rows(tmp_path):
             process.kill()
             process.wait()
     assert second.returncode == 0, second.stderr[-3000:]
-    quiet, loaded = what_was_trained(tmp_path / "quiet"), what_was_trained(tmp_path / "loaded")
-    assert len(quiet["learner"]) == STEPS
-    assert quiet["row_versions"] == loaded["row_versions"]
-    assert quiet["row_rewards"] == loaded["row_rewards"] and quiet["row_tokens"] == loaded["row_tokens"]
-    for step, (a, b) in enumerate(zip(quiet["learner"], loaded["learner"], strict=True), start=1):
-        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
+    assert_trained_the_same(what_was_trained(tmp_path / "quiet"), what_was_trained(tmp_path / "loaded"))

@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from rlhf_pipeline.learn.metrics import read_metrics
 
-from test_paced_run_repeats import DEFAULT, REPO, STEPS, what_was_trained
-
-
-def run_default(home: Path, name: str, *settings: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
-                           "--home", str(home), "--run-name", name, *settings], cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+from test_paced_run_repeats import REPO, assert_trained_the_same, run_default, what_was_trained
 
 
 @pytest.mark.slow
@@ -27,12 +20,7 @@ def test_a_streamed_run_trains_on_the_rows_of_a_whole_rounds_run(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
     streamed = run_default(tmp_path, "streamed", "--set", "generation.stream_groups=true")
     assert streamed.returncode == 0, streamed.stderr[-3000:]
-    a, b = what_was_trained(tmp_path / "whole"), what_was_trained(tmp_path / "streamed")
-    assert len(a["learner"]) == STEPS
-    assert a["row_versions"] == b["row_versions"]
-    assert a["row_rewards"] == b["row_rewards"] and a["row_tokens"] == b["row_tokens"]
-    for step, (x, y) in enumerate(zip(a["learner"], b["learner"], strict=True), start=1):
-        assert x == y, f"step {step}: {sorted(set(x.items()) ^ set(y.items()))}"
+    assert_trained_the_same(what_was_trained(tmp_path / "whole"), what_was_trained(tmp_path / "streamed"))
     rounds = read_metrics(tmp_path / "streamed" / "collector" / "metrics-0000.jsonl")
     assert all(r["first_group_s"] <= r["round_s"] for r in rounds)
     assert max(r["chunks"] for r in rounds) > 1  # some rounds really went in several appends
