@@ -88,12 +88,21 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
     from rlhf_pipeline.files.atomic import write_atomic
 
     for index, state in states.items():
-        payload = {"format": 1, "committed": state["committed"], "loop": state["loop"], "inflight": None}
+        payload = {"format": 1, "committed": state["committed"], "loop": _branch_loop(state["loop"]), "inflight": None}
         write_atomic(root / "collector" / f"shard-{index:04d}.pt", lambda f, p=payload: torch.save(p, f))
     if lineage.get("policy_version") is not None:
         for held, history in held_versions:
             _link_parent_weights(parent, root, history, held, int(lineage["policy_version"]))
     write_continued_rows(root / "buffer", str(parent / "buffer"), rows)
+
+
+def _branch_loop(loop: dict[str, Any]) -> dict[str, Any]:
+    """The parent collector's loop state, for the branch's: without the parent's retention row clock,
+    whose marks number the parent's store's rows (the branch's clock marks its own store's, from 0;
+    its rows count as written at its first mark, which only keeps them longer)."""
+    from rlhf_pipeline.runs.retention import CLOCK_KEY
+
+    return {key: value for key, value in loop.items() if key != CLOCK_KEY}
 
 
 def _pending_rows(snapshot: bytes | None) -> int:

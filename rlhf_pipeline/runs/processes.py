@@ -129,7 +129,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # after a crash between a round's append and the save of the state after it
         where, run_store = paths.state_object(state_file)
         # a continued branch's shard numbers its rows on from its parent's (runs/branch_online.py)
-        rows, _ = collector_rows(paths, store, store_path)
+        rows, continues_from = collector_rows(paths, store, store_path)
         position = CollectorPosition(where, rows, run_store=run_store)
         keep_position_history(position, paths, where, run_store, store_path)  # where a branch restarts it
         saved = position.load()
@@ -178,7 +178,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             pacer.round_written(learned)
         metrics_log, run_store = paths.state_object(paths.collector_metrics(collector_index))
         metrics = MetricsWriter(metrics_log, store=run_store)
-        retention = _shard_retention(pipeline, paths, key, store_path, loop, say=lambda line: say(f"{tag} {line}"))
+        retention = _shard_retention(pipeline, paths, key, store_path, loop, continues_from)
         waited = paced_total = 0.0
         # the learner takes the next batch within a step: poll soon (at a URL each poll is a few
         # requests, so not every millisecond)
@@ -255,23 +255,17 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
 
 
 def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: str, loop: dict,
-                     say: Any = print) -> Any:
+                     continues_from: int = 0) -> Any:
     """The collector's retention of its shard (``runs/retention.py``), or None when no rule is set;
     its row clock continues from the saved loop state."""
     settings = getattr(pipeline, "retention", None)
     if settings is None or not settings.enabled:
         return None
-    from rlhf_pipeline.storage.continues import continued_rows
-
-    if paths.url is None and continued_rows(paths.root / "buffer") is not None:
-        # a branch continued online numbers its own shard's rows from 0 and its checkpoints from the
-        # parent's count: floors computed across the two could drop a row a rewind needs
-        say("retention.* is off in a branch continued online (its floors across the parent's rows and its "
-            "own are not computed yet); its buffer grows: see docs/branching.md#not-there-yet")
-        return None
     from rlhf_pipeline.runs.retention import CLOCK_KEY, ShardRetention
 
-    return ShardRetention(settings, paths, key, store_path, pipeline.learner, clock=loop.get(CLOCK_KEY))
+    # a branch continued online: its floors count from the parent's rows at the branch step
+    return ShardRetention(settings, paths, key, store_path, pipeline.learner, clock=loop.get(CLOCK_KEY),
+                          continues_from=continues_from)
 
 
 def _clock(retention: Any) -> dict[str, Any]:

@@ -17,6 +17,12 @@ after it. The floor is the lowest of:
 samplers can reach behind a position. The prioritized sampler draws from every row held, so with
 it retention bounds what it draws from (a rewind then draws from the rows still held, not exact).
 
+In a branch continued online (``runs/branch_online.py``) the checkpoints and the learner count a
+shard's rows on from the parent's count ``N`` at the branch step, its own store from 0: those
+floors are translated (row ``N + r`` is own row ``r``), a floor among the parent's rows holds every
+own row, and only the branch's own rows are ever dropped (the parent's are read in place, never
+written; the parent's own retention holds them for the branch through its ``parent-rows/``).
+
 * **a running replay of the buffer** beside the run (its ``settings.json`` names the source, its
   ``run.lock`` a live process on this machine): while it runs, nothing is dropped.
 
@@ -64,8 +70,11 @@ class ShardRetention:
     floor and drops the whole segments the rules allow below it."""
 
     def __init__(self, settings: RetentionSettings, paths: Any, key: str, store_path: str, learner: Any,
-                 clock: list | None = None) -> None:
+                 clock: list | None = None, continues_from: int = 0) -> None:
         self.settings, self.paths, self.key, self.store_path = settings, paths, key, store_path
+        # a branch continued online: its checkpoints and its learner count the shard's rows from the
+        # parent's count, its own store from 0 (storage/continued.py); only its own rows ever go
+        self.continues_from = int(continues_from)
         self.window = sampler_window(learner)
         self.clock = RowClock(clock)
         self.totals = [0, 0]  # rows dropped, bytes freed by this process
@@ -87,9 +96,12 @@ class ShardRetention:
         return RetentionReport(rows, size, store.first_row, floor, held_by)
 
     def floor(self, store: Any) -> tuple[int, str]:
-        """The oldest row of this shard something still needs, and what needs it."""
-        candidates = [(self._learner_floor(store), "the learner's unread rows and sampling window")]
-        candidates += self._checkpoint_floors()
+        """The oldest row of this shard something still needs (a row of ``store``), and what needs it."""
+        counted = [(self._learner_floor(store), "the learner's unread rows and sampling window")]
+        counted += self._checkpoint_floors()
+        # rows counted as the learner counts them, as rows of the store: a floor among the parent's
+        # rows (below continues_from) holds every own row
+        candidates = [(max(0, row - self.continues_from), why) for row, why in counted]
         candidates += self._branch_floors()
         if self.paths.url is None:
             candidates += [(store.first_row, f"replay {run} (running)")
@@ -102,7 +114,7 @@ class ShardRetention:
         where, run_store = self.paths.state_object(self.paths.pacing)
         intake = read_intake(where, store=run_store)
         if intake is None:
-            return store.first_row  # no learner intake yet: every row may still be read
+            return self.continues_from + store.first_row  # no learner intake yet: every row may still be read
         return max(0, intake.consumed.get(self.key, 0) - self.window)
 
     def _checkpoint_floors(self) -> list[tuple[int, str]]:

@@ -10,7 +10,9 @@ write stores of their own under the branch's ``buffer/``. ``buffer.continues.jso
 
 :class:`ContinuedShard` is one shard seen whole: global rows ``[first, N)`` are the parent shard's
 (``N`` = ``rows[name]``; rows the parent wrote later are not part of it), rows from ``N`` on are the
-branch's own store's rows ``0, 1, ...``. So each shard's row numbers, the union's positions and the
+branch's own store's rows ``0, 1, ...`` (own row ``r`` is row ``N + r``; once the branch's
+retention dropped its oldest own rows, the shard starts at ``N + own.first_row``: the parent's
+rows are behind a gap, no longer part of it). So each shard's row numbers, the union's positions and the
 learner's sampler and pacing counts go on from where the parent's stood, as if the parent had
 written the branch's rows itself. :class:`ContinuedBufferReader` is the read-only union of such
 shards (a :class:`~rlhf_pipeline.storage.sharded.ShardedStoreReader` whose shards are wrapped).
@@ -64,11 +66,14 @@ class ContinuedShard(TrajectoryStore):
 
     @property
     def first_row(self) -> int:
+        if self.own.first_row > 0:  # the branch's retention dropped own rows: the parent's are behind them
+            return self.parent_rows + self.own.first_row
         return min(self.parent.first_row, self.parent_rows)
 
     @property
     def next_row(self) -> int:
-        return self.parent_rows + self.own.next_row - self.own.first_row
+        # own row r is global row parent_rows + r, also once older own rows were dropped: ids stay put
+        return self.parent_rows + self.own.next_row
 
     @property
     def supports_eviction(self) -> bool:
@@ -86,7 +91,7 @@ class ContinuedShard(TrajectoryStore):
         """(store, its global ids, where they were) for the parent's part and the branch's part."""
         mine = global_ids >= self.parent_rows
         parts = []
-        for store, mask, shift in ((self.parent, ~mine, 0), (self.own, mine, self.own.first_row - self.parent_rows)):
+        for store, mask, shift in ((self.parent, ~mine, 0), (self.own, mine, -self.parent_rows)):
             where = torch.nonzero(mask).reshape(-1)
             if where.numel():
                 parts.append((store, global_ids[where] + shift, where))
@@ -107,9 +112,10 @@ class ContinuedShard(TrajectoryStore):
         return LocatedRows.merge(parts, global_ids.numel(), self.schema)
 
     def unit_bounds(self) -> list[tuple[int, int]]:
-        inherited = self.parent_rows - self.first_row
+        inherited = self.parent_rows - self.first_row  # <= 0 once own rows were dropped
+        own_start = self.parent_rows + self.own.first_row - self.first_row  # own's first held row, as a position
         bounds = [(a, min(b, inherited)) for a, b in self.parent.unit_bounds() if a < inherited]
-        return bounds + [(inherited + a, inherited + b) for a, b in self.own.unit_bounds()]
+        return bounds + [(own_start + a, own_start + b) for a, b in self.own.unit_bounds()]
 
     def _append_validated(self, batch: TrajectoryBatch) -> None:  # pragma: no cover - append raises first
         raise ReadOnlyStoreError(f"{self.location}: appends go to the branch's own shard store")

@@ -25,6 +25,7 @@ import torch
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_weights
+from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.storage import open_buffer, open_store
 
@@ -222,13 +223,41 @@ def test_an_agent_branch_continues_online_as_its_parent_did(tmp_path):
     assert digest(parent) == before
 
 
-def test_retention_is_off_in_a_branch_continued_online_and_says_so(tmp_path):
-    # its own shard numbers rows from 0 and its checkpoints from the parent's count: the floors
-    # across the two are not computed, so nothing may be dropped rather than the wrong rows
-    bound = "retention.max_rows=4096"
-    run(tmp_path, "parent", bound)
-    assert main(["branch", str(tmp_path / "parent"), "--from-step", "4", "kept"]) == 0
-    err = run(tmp_path, "kept", bound)
-    assert "retention.* is off in a branch continued online" in err
-    with open_store(tmp_path / "kept" / "buffer" / "shard-0000") as own:
-        assert own.first_row == 0 and len(own) > 0
+def test_retention_in_a_branch_continued_online_drops_only_its_own_rows_never_past_a_floor(tmp_path):
+    """The branch's checkpoints and learner count the shard's rows from the parent's count N, its own
+    store from 0: the floors are translated, whole own segments go, the parent's rows stay its own."""
+    bound = ["segment_rows=16", "retention.max_rows=48"]
+    # the branch keeps only its newest checkpoint: the step-4 one it starts from would hold every own row
+    newest_only = "learner.checkpoint_keep_every=0"
+
+    def bounded_run(name: str, steps: int, *changes: str) -> None:
+        sets = [word for item in [*SETTINGS, *bound, *changes] for word in ("--set", item)]
+        ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(steps),
+                              "--home", str(tmp_path), "--run-name", name, *sets], cwd=REPO, capture_output=True,
+                             text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        assert "retention.* is off" not in ran.stderr
+
+    bounded_run("parent", 8)
+    parent = tmp_path / "parent"
+    before = digest(parent)
+    assert main(["branch", str(parent), "--from-step", "4", "kept", "--set", newest_only]) == 0
+    inherited = json.loads((tmp_path / "kept" / "branch.json").read_text())["buffer_rows"]["shard-0000"]
+    bounded_run("kept", 16, newest_only)
+    kept = tmp_path / "kept"
+    assert digest(parent) == before  # the parent's rows were read in place, none dropped by the branch
+    assert [m["step"] for m in read_metrics(kept / "metrics.jsonl")] == list(range(1, 17))
+    dropped = sum(r.get("retention/rows_dropped", 0) for r in read_metrics(kept / "collector" / "metrics-0000.jsonl"))
+    with open_store(kept / "buffer" / "shard-0000") as own:
+        first, written = own.first_row, own.next_row
+        held = own.read_global(list(range(first, written)), fields=list(FIELDS))
+    assert dropped > 0 and first == dropped and first % 16 == 0  # whole own segments only
+    # never past a floor: the newest checkpoint's position (in the parent's numbering) less the reach
+    newest = CheckpointManager(kept / "checkpoints").rewind_points()[-1]
+    assert inherited + first <= int(newest["buffer_rows"]["shard-0000"]) - 32
+    # the union starts at the branch's first own row held, with the same global ids as before the drop
+    with open_buffer(kept / "buffer") as union:
+        shard = union.shards[0]
+        assert (shard.first_row, shard.next_row) == (inherited + first, inherited + written)
+        again = shard.read_global(list(range(inherited + first, inherited + written)), fields=list(FIELDS))
+    assert torch.equal(again.group_id, held.group_id) and torch.equal(again.reward, held.reward)

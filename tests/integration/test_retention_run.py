@@ -128,3 +128,24 @@ def test_an_agent_run_drops_whole_trajectories_and_groups(tmp_path):
     for group, trajectory in zip(rows.group_id.tolist(), rows.trajectory_id.tolist()):
         per_group.setdefault(group, set()).add(trajectory)
     assert len({len(t) for t in per_group.values()}) == 1  # every group held has all its trajectories
+
+
+def test_a_continued_branch_translates_its_floors_to_its_own_rows(tmp_path):
+    """A branch continued online from the parent's row 100: its checkpoints and learner count from
+    there, its own store from 0. A floor among the parent's rows holds every own row."""
+    paths = RunPaths(tmp_path / "branch")
+    shard = paths.buffer / "shard-0000"
+    store = create_store(shard, "memmap", segment_rows=SEGMENT, evict_grace_s=0.0)
+    for r in range(20):  # own rows [0, 240)
+        store.append(make_batch(2, GROUP, seed=r, first_group_id=2 * r, first_trajectory_id=12 * r))
+    retention = ShardRetention(RetentionSettings(max_rows=48), paths, "shard-0000", str(shard), LEARNER,
+                               continues_from=100)
+    PacingPublisher(paths.pacing).publish(LearnerIntake(consumed={"shard-0000": 100 + 200}))
+    checkpoint(paths, 4, 90)  # the step it was branched at, among the parent's rows: holds every own row
+    report = retention.after_round(store, None)
+    assert report.rows_dropped == 0 and report.floor == 0 and "step 4" in report.held_by
+    shutil.rmtree(paths.checkpoints)
+    checkpoint(paths, 9, 100 + 120)  # own row 120, less the sampler's 32: own rows from 88 stay
+    report = retention.after_round(store, None)
+    assert report.floor == 88 and store.first_row == report.first_row == 48  # 80 and 64 split groups
+    store.close()
