@@ -18,7 +18,7 @@ What changes at a URL:
 * **a parent with collectors** (its Zarr buffer at the URL): ``parent-rows/`` is the saved
   selection of its rows published at step N, kept at the branch's URL (``storage/selection_url.py``)
   and naming the parent's shards at their URLs, read in place. The branch continues offline with
-  ``replay --buffer NEW/parent-rows``; ``run``/``learn`` refuse it in one line (:func:`refuse_at_url`).
+  ``replay --buffer NEW/parent-rows``, or online with ``run`` (``runs/branch_online_url.py``).
 * **both at URLs of one cloud, or both local.** A parent finds its branches beside it (``inspect``),
   and a branch on another kind of storage than its parent would be found by neither; copy the run
   first (``convert``/``export`` its buffer, ``replay --init-from``) to move it.
@@ -228,16 +228,19 @@ def offline_branch_of(paths: RunPaths) -> dict[str, Any] | None:
 
 def refuse_at_url(paths: RunPaths) -> str | None:
     """What ``run``/``collect``/``learn`` refuse at a URL, as ``branch.refuse_online_start`` does in a
-    directory: a half-made branch, or a branch of a run with collectors (it continues offline)."""
+    directory: a half-made branch. A branch of a run with collectors is set up to continue online
+    (``runs/branch_online_url.py``), which raises ``OnlineBranchError`` (one line) where it cannot."""
     half_made = half_made_branch(paths)
     if half_made is not None or paths.url is None:
         return half_made
     lineage = offline_branch_of(paths)
-    if lineage is None:
-        return None
-    return (f"{paths.url} is a branch of {lineage['parent']} (a run with collectors) at step {lineage['step']}; "
-            f"continuing it online is not there yet: continue it offline with rlhf-pipeline replay PIPELINE.py "
-            f"--buffer {paths.url}/{PARENT_ROWS} --home {paths.home} --run-name {paths.name}")
+    if lineage is not None:
+        from rlhf_pipeline.runs.branch_online_url import prepare_online_branch_at_url
+
+        offline = (f"rlhf-pipeline replay PIPELINE.py --buffer {paths.url}/{PARENT_ROWS} --home {paths.home} "
+                   f"--run-name {paths.name}")
+        prepare_online_branch_at_url(paths, lineage, offline)
+    return None
 
 
 def url_message(new_url: str, lineage: dict[str, Any]) -> None:

@@ -263,7 +263,7 @@ def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: 
         return None
     from rlhf_pipeline.storage.continues import continued_rows
 
-    if paths.url is None and continued_rows(paths.root / "buffer") is not None:
+    if continued_rows(paths.root / "buffer" if paths.url is None else paths.buffer_location) is not None:
         # a branch continued online numbers its own shard's rows from 0 and its checkpoints from the
         # parent's count: floors computed across the two could drop a row a rewind needs
         say("retention.* is off in a branch continued online (its floors across the parent's rows and its "
