@@ -10,6 +10,7 @@ URL), the same losses and weights; the parent's objects keep their etags and byt
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -41,9 +42,10 @@ def trained(url: str) -> list[dict]:
 
 def rows(location: str, first: int = 0) -> list[dict]:
     with open_buffer(location) if location.endswith("/buffer") else open_store(location) as store:
-        batch = store.read(torch.arange(first, len(store)), fields=FIELDS)
+        count = len(store) - first
+        batch = store.read(torch.arange(first, first + count), fields=FIELDS)
     return [{name: (batch[name].row(i) if hasattr(batch[name], "row") else batch[name][i]).tolist()
-             for name in FIELDS} for i in range(len(store) - first)]
+             for name in FIELDS} for i in range(count)]
 
 
 def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_trained(s3_server, s3_env, tmp_path):
@@ -54,17 +56,18 @@ def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_tr
     before = objects(s3_server, parent)
     assert main(["branch", parent, "--from-step", "4", "same"]) == 0
     same = f"{home}/same"
-    at_step = ObjectRunStore(same).read("branch.json")
-    import json
-
-    inherited = json.loads(at_step)["buffer_rows"]
+    inherited = json.loads(ObjectRunStore(same).read("branch.json"))["buffer_rows"]
     run(s3_env, tmp_path, home, "same")
     assert objects(s3_server, parent) == before  # the parent's objects were only read
     assert [m["step"] for m in logged(same)] == list(range(1, 9))
     assert any(m["losses/loss"] != 0 for m in logged(parent)[4:])  # something to compare
     assert trained(same) == trained(parent)
     assert same_weights(ObjectRunStore(same), ObjectRunStore(parent))
-    assert rows(f"{same}/buffer") == rows(f"{parent}/buffer")
     (name, count), = inherited.items()
+    with open_buffer(f"{same}/buffer") as union:  # the parent's shard read in place below the branch rows
+        shard = union.shards[0]
+        assert (shard.parent.location, shard.parent_rows) == (f"{parent}/buffer/{name}", count)
+        assert shard.own.location == f"{same}/buffer/{name}"
+    assert rows(f"{same}/buffer") == rows(f"{parent}/buffer")
     own = rows(f"{same}/buffer/{name}")
     assert own and own == rows(f"{parent}/buffer", first=count)
