@@ -29,6 +29,19 @@ from rlhf_pipeline.runs.branch_online import OnlineBranchError
 from rlhf_pipeline.storage.continues import continued_rows, write_continued_rows
 
 
+def start_online_at_url(paths: RunPaths) -> None:
+    """``run``/``collect``/``learn`` of a run at a URL: a branch of a run with collectors is set up
+    to continue online, or refused (``OnlineBranchError``, one line with the ``replay`` command)."""
+    from rlhf_pipeline.runs.branch import PARENT_ROWS
+    from rlhf_pipeline.runs.branch_url import offline_branch_of
+
+    lineage = None if paths.url is None else offline_branch_of(paths)
+    if lineage is not None:
+        offline = (f"rlhf-pipeline replay PIPELINE.py --buffer {paths.url}/{PARENT_ROWS} --home {paths.home} "
+                   f"--run-name {paths.name}")
+        prepare_online_branch_at_url(paths, lineage, offline)
+
+
 def prepare_online_branch_at_url(paths: RunPaths, lineage: dict[str, Any], offline: str) -> None:
     """Sets the branch at ``paths.url`` up to continue online (module docstring), once; ``offline``:
     the command that continues it offline, for a refusal in one line."""

@@ -69,7 +69,7 @@ def parent(s3_server, s3_env, tmp_path):
 
 
 def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_trained(s3_server, s3_env, tmp_path,
-                                                                                     parent):
+                                                                                     parent, capsys):
     home, parent = parent
     kept = objects(s3_server, parent)
     # the collector's states, and copies of the weights versions they held, at the parent's URL
@@ -77,10 +77,16 @@ def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_tr
     assert any(key.startswith("collector/shard-0000.history/policy_") for key in kept)
     before = objects(s3_server, parent)
     assert main(["branch", parent, "--from-step", "4", "same"]) == 0
+    assert f"rlhf-pipeline run PIPELINE.py --home {home} --run-name same" in capsys.readouterr().err
     same = f"{home}/same"
     inherited = json.loads(ObjectRunStore(same).read("branch.json"))["buffer_rows"]
     run(s3_env, tmp_path, home, "same")
     assert objects(s3_server, parent) == before  # the parent's objects were only read
+    # a branch continued online is not branched again yet: one line naming its parent
+    assert main(["branch", same, "--from-step", "8", "again"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a branch continued online" in err and parent in err and len(err.splitlines()) == 1, err
+    assert s3_server.keys(f"{home}/again") == []
     assert [m["step"] for m in logged(same)] == list(range(1, 9))
     assert any(m["losses/loss"] != 0 for m in logged(parent)[4:])  # something to compare
     assert trained(same) == trained(parent)
