@@ -68,6 +68,13 @@ def parent(s3_server, s3_env, tmp_path):
     return home, f"{home}/parent"
 
 
+def same_rows(mine: list[dict], theirs: list[dict]) -> bool:
+    """The same rows in the same places; the last round may or may not have been written before the
+    stop (pacing lets a collector write a round ahead of the learner: a race, not what was trained)."""
+    shorter, longer = sorted((mine, theirs), key=len)
+    return bool(shorter) and shorter == longer[:len(shorter)] and len(longer) - len(shorter) <= 16
+
+
 def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_trained(s3_server, s3_env, tmp_path,
                                                                                      parent, capsys):
     home, parent = parent
@@ -96,9 +103,8 @@ def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_tr
         shard = union.shards[0]
         assert (shard.parent.location, shard.parent_rows) == (f"{parent}/buffer/{name}", count)
         assert shard.own.location == f"{same}/buffer/{name}"
-    assert rows(f"{same}/buffer") == rows(f"{parent}/buffer")
-    own = rows(f"{same}/buffer/{name}")
-    assert own and own == rows(f"{parent}/buffer", first=count)
+    assert same_rows(rows(f"{same}/buffer"), rows(f"{parent}/buffer"))
+    assert same_rows(rows(f"{same}/buffer/{name}"), rows(f"{parent}/buffer", first=count))
 
 
 def test_a_branch_at_a_url_killed_mid_run_resumes_online_to_what_the_parent_trained(s3_server, s3_env, tmp_path,
@@ -121,8 +127,5 @@ def test_a_branch_at_a_url_killed_mid_run_resumes_online_to_what_the_parent_trai
     assert "resuming from" in run(s3_env, tmp_path, home, "killed")
     assert trained(killed) == trained(parent)
     assert same_weights(ObjectRunStore(killed), ObjectRunStore(parent))
-    # the same rows in the same places; the last round may or may not have been written before the stop
-    # (pacing lets a collector run a round ahead of the learner: a race, not what was trained)
-    mine, theirs = rows(f"{killed}/buffer"), rows(f"{parent}/buffer")
-    assert mine == theirs[:len(mine)] and len(theirs) - len(mine) <= 16
+    assert same_rows(rows(f"{killed}/buffer"), rows(f"{parent}/buffer"))
     assert objects(s3_server, parent) == before
