@@ -39,6 +39,8 @@ def continued_rows(buffer: str | Path) -> dict[str, Any] | None:
     """What a buffer (a directory or a URL prefix) continues (module docstring), or None when it
     continues none."""
     if "://" in str(buffer):
+        if "/" not in str(buffer).split("://", 1)[1].strip("/"):
+            return None  # a whole bucket: no run holds it, nothing beside it
         store, key = _object(str(buffer))
         raw, where = store.read(key), store.describe(key)
         if raw is None:
