@@ -27,21 +27,21 @@ def continues_file(buffer: str | Path) -> Path:
     return buffer.with_name(buffer.name + CONTINUES_SUFFIX)
 
 
-def _object(buffer: str) -> tuple[Any, str]:
+def _object(buffer: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
     """The run store holding ``buffer``'s continues object at a URL, and its key there."""
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
 
     home, _, name = str(buffer).rstrip("/").rpartition("/")
-    return ObjectRunStore(home), name + CONTINUES_SUFFIX
+    return ObjectRunStore(home, storage_options=storage_options), name + CONTINUES_SUFFIX
 
 
-def continued_rows(buffer: str | Path) -> dict[str, Any] | None:
+def continued_rows(buffer: str | Path, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """What a buffer (a directory or a URL prefix) continues (module docstring), or None when it
-    continues none."""
+    continues none; ``storage_options``: the credentials for a URL, as the buffer's."""
     if "://" in str(buffer):
         if "/" not in str(buffer).split("://", 1)[1].strip("/"):
             return None  # a whole bucket: no run holds it, nothing beside it
-        store, key = _object(str(buffer))
+        store, key = _object(str(buffer), storage_options)
         raw, where = store.read(key), store.describe(key)
         if raw is None:
             return None
