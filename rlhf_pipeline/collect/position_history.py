@@ -29,6 +29,9 @@ for a kept checkpoint of step N, versions from the one its collector held at its
 rounds after those rows sampled with versions in between, until the learner's later ones), and
 every version from the one the state at the newest checkpoint's rows held on. A hard link costs no
 space while the learner keeps the file; afterwards a version stays while a checkpoint needs it.
+At a URL (no hard links) the same versions are kept as server-side copies of the run's weights
+objects (``policy_<version>.<suffix>`` beside the entries; S3's CopyObject, no bytes through this
+machine), copied once per version a state held and pruned by the same rule.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from rlhf_pipeline.files.state_files import load_state_bytes
 HISTORY_FORMAT = 1
 HISTORY_SUFFIX = ".history"
 _ENTRY = re.compile(r"row_(\d{12})\.pt$")
+_KEPT_WEIGHTS = re.compile(r"^policy_(\d{8})(\.safetensors|\.pt)?$")  # a link (a run directory) or a copy (a URL)
 _WEIGHTS_PREFIX = "policy_"  # + the version (8 digits): a hard link to the run's weights file
 
 
@@ -59,18 +63,22 @@ class PositionHistory:
     ``kept()``: ``(rows, policy_version)`` of each kept checkpoint: the row count it recorded for
     this collector's shard and its policy version (None: no checkpoint yet, nothing is pruned).
     ``weights_file(version)``: the run's weights file of a version (a run directory), whose hard
-    link the history keeps; None keeps none (a run at a URL). ``pending_file``: the shard's
+    link the history keeps; None keeps none. ``weights_object(version)``: at a URL, the key of the
+    run's weights object of a version (None: gone), which the history copies. ``pending_file``: the shard's
     pending-groups snapshot (``transforms/pending_groups.py``), kept with each state as it was at
     the commit: rows of groups not whole yet, which a branch's collector would need too."""
 
     def __init__(self, run_store: RunStore, prefix: str,
                  kept: Callable[[], list[tuple[int, int]] | None] = lambda: None,
-                 weights_file: Callable[[int], Path] | None = None, pending_file: Path | None = None) -> None:
+                 weights_file: Callable[[int], Path] | None = None, pending_file: Path | None = None,
+                 weights_object: Callable[[int], str | None] | None = None) -> None:
         self._store = run_store
         self._pending_file = pending_file
         self._prefix = prefix.strip("/")
         self._kept = kept
         self._weights_file = weights_file if isinstance(run_store, LocalRunStore) else None
+        self._weights_object = None if isinstance(run_store, LocalRunStore) else weights_object
+        self._copied: set[int] = set()  # versions this process copied already (a URL)
         self._held: dict[int, int | None] = {}  # row count -> the version its state held (read once)
         self._pruned_for: list[tuple[int, int]] | None = None  # entries become prunable only when this changes
 
@@ -94,6 +102,8 @@ class PositionHistory:
         held = _held_version(state)
         if held is not None and self._weights_file is not None:
             self._link_weights(held)  # first: the entry is what needs it
+        elif held is not None and self._weights_object is not None and held not in self._copied:
+            self._copy_weights(held)
         self._store.write(self._key(next_row), lambda f: torch.save(payload, f), fence=False)
         self._held[int(next_row)] = held
         self.prune()
@@ -117,6 +127,24 @@ class PositionHistory:
             return None
         path = self._store.path(f"{self._prefix}/{_WEIGHTS_PREFIX}{int(version):08d}")
         return path if path.is_file() else None
+
+    def weights_key(self, version: int) -> str | None:
+        """The key of the kept weights object of ``version`` in the history's store (a run at a URL), or None."""
+        for name in self._store.list(self._prefix):
+            match = _KEPT_WEIGHTS.match(name)
+            if match and int(match.group(1)) == int(version):
+                return f"{self._prefix}/{name}"
+        return None
+
+    def _copy_weights(self, version: int) -> None:
+        source = self._weights_object(version)
+        if source is None:
+            return  # pruned by the learner before this round was committed
+        try:
+            self._store.copy_from(self._store, source, f"{self._prefix}/{source.rsplit('/', 1)[-1]}")
+        except FileNotFoundError:
+            return  # pruned between the listing and the copy
+        self._copied.add(int(version))
 
     def _link_weights(self, version: int) -> None:
         import os
@@ -155,7 +183,7 @@ class PositionHistory:
         for row in gone:
             self._store.delete(self._key(row))
             self._held.pop(row, None)
-        if self._weights_file is not None:
+        if self._weights_file is not None or self._weights_object is not None:
             self._prune_weights(kept, newest)
         return gone
 
@@ -164,11 +192,12 @@ class PositionHistory:
         tail = [held for row in self.rows() if row >= newest and (held := self.held_at(row)) is not None]
         since = min(tail) if tail else None
         for name in self._store.list(self._prefix):
-            if not (name.startswith(_WEIGHTS_PREFIX) and name[len(_WEIGHTS_PREFIX):].isdigit()):
+            if (match := _KEPT_WEIGHTS.match(name)) is None:
                 continue
-            version = int(name[len(_WEIGHTS_PREFIX):])
+            version = int(match.group(1))
             if not (any(low <= version <= high for low, high in spans) or (since is not None and version >= since)):
                 self._store.delete(f"{self._prefix}/{name}")
+                self._copied.discard(version)
 
 
 def _held_version(state: dict[str, Any] | None) -> int | None:

@@ -68,6 +68,11 @@ def _files(run: Run, names: list[str] | None = None) -> dict[int, str]:
     return found
 
 
+def published_objects(run: Run) -> dict[int, str]:
+    """The weights object's name (in ``weights/``) of each published version."""
+    return _files(run)
+
+
 def published_versions(run: Run) -> list[int]:
     """Every version published in ``run``, oldest first."""
     return sorted(_files(run))

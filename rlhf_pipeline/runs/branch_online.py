@@ -156,7 +156,7 @@ class _RowsFrom:
 def collector_rows(paths: Any, store: Any, store_path: str) -> tuple[Any, int]:
     """``store`` as the collector's position and pacing count its rows (from the parent's count in a
     continued branch), and that offset."""
-    continues = continued_rows(paths.buffer) if paths.url is None else None
+    continues = continued_rows(paths.buffer if paths.url is None else paths.buffer_location)
     offset = int((continues or {}).get("rows", {}).get(_shard_key(paths, store_path), 0))
     return (_RowsFrom(store, offset) if offset else store), offset
 
@@ -187,7 +187,15 @@ def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any,
 
     weights_file = (lambda version: weights_path(paths.root, version)) if paths.url is None else None
     pending = Path(store_path) / "pending" / "state.pt" if "://" not in store_path else None  # a local shard's
-    position.history = PositionHistory(store, history_key(key), kept, weights_file, pending_file=pending)
+    position.history = PositionHistory(store, history_key(key), kept, weights_file, pending_file=pending,
+                                       weights_object=_weights_object(paths) if paths.url is not None else None)
+
+
+def _weights_object(paths: Any) -> Any:
+    """At a URL: the key of the run's weights object of a version (None once pruned), one listing each."""
+    from rlhf_pipeline.coordination.weights import WEIGHTS, published_objects
+
+    return lambda version: (f"{WEIGHTS}/{name}" if (name := published_objects(paths.store).get(version)) else None)
 
 
 def _shard_key(paths: Any, store_path: str) -> str:

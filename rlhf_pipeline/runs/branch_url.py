@@ -18,7 +18,7 @@ What changes at a URL:
 * **a parent with collectors** (its Zarr buffer at the URL): ``parent-rows/`` is the saved
   selection of its rows published at step N, kept at the branch's URL (``storage/selection_url.py``)
   and naming the parent's shards at their URLs, read in place. The branch continues offline with
-  ``replay --buffer NEW/parent-rows``; ``run``/``learn`` refuse it in one line (:func:`refuse_at_url`).
+  ``replay --buffer NEW/parent-rows``, or online with ``run`` (``runs/branch_online_url.py``).
 * **both at URLs of one cloud, or both local.** A parent finds its branches beside it (``inspect``),
   and a branch on another kind of storage than its parent would be found by neither; copy the run
   first (``convert``/``export`` its buffer, ``replay --init-from``) to move it.
@@ -81,6 +81,8 @@ def branch_at_url(parent_url: str, step: int, new_url: str, overrides: Sequence[
         kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
         raise BranchError(f"{parent.url} keeps no checkpoint of step {step} (kept: {kept}); branch from one of "
                           f"those, or keep more with learner.checkpoint_keep_every=M (every M-th step)")
+    if saved.get("replay", {}).get("buffer") is None:
+        _refuse_continued_online(parent, saved)
     _clear_place(target, new.url)
     settings, changed = _url_changes(parent, saved, overrides) if overrides else (saved, [])
     record = checkpoints.record(step) or {}
@@ -104,6 +106,18 @@ def branch_at_url(parent_url: str, step: int, new_url: str, overrides: Sequence[
     target.create(BRANCH_FILE, json.dumps(lineage, indent=2, sort_keys=True).encode())  # last: the branch is whole
     target.delete(MAKING)
     return lineage
+
+
+def _refuse_continued_online(parent: RunPaths, saved: dict[str, Any]) -> None:
+    """A branch continued online (``runs/branch_online_url.py``) is not branched again yet: its rows
+    are partly its parent's."""
+    from rlhf_pipeline.storage.continues import continued_rows
+
+    continues = continued_rows(saved.get("buffer_url") or f"{parent.url}/buffer")
+    if continues is not None:
+        grandparent = str(continues["parent_buffer"]).rstrip("/").rpartition("/")[0]
+        raise BranchError(f"{parent.url} is a branch continued online: its rows are partly its parent's, and "
+                          f"branching it is not there yet; branch its parent ({grandparent}) instead")
 
 
 def _parent_rows_at_url(buffer: str, url: str, buffer_rows: dict[str, int] | None, step: int,
@@ -228,16 +242,9 @@ def offline_branch_of(paths: RunPaths) -> dict[str, Any] | None:
 
 def refuse_at_url(paths: RunPaths) -> str | None:
     """What ``run``/``collect``/``learn`` refuse at a URL, as ``branch.refuse_online_start`` does in a
-    directory: a half-made branch, or a branch of a run with collectors (it continues offline)."""
-    half_made = half_made_branch(paths)
-    if half_made is not None or paths.url is None:
-        return half_made
-    lineage = offline_branch_of(paths)
-    if lineage is None:
-        return None
-    return (f"{paths.url} is a branch of {lineage['parent']} (a run with collectors) at step {lineage['step']}; "
-            f"continuing it online is not there yet: continue it offline with rlhf-pipeline replay PIPELINE.py "
-            f"--buffer {paths.url}/{PARENT_ROWS} --home {paths.home} --run-name {paths.name}")
+    directory: a half-made branch. (A branch of a run with collectors is then set up to continue
+    online: ``runs/branch_online_url.py``'s :func:`start_online_at_url`.)"""
+    return half_made_branch(paths)
 
 
 def url_message(new_url: str, lineage: dict[str, Any]) -> None:
@@ -247,6 +254,8 @@ def url_message(new_url: str, lineage: dict[str, Any]) -> None:
     sets = " ".join(f"--set {item}" for item in lineage["overrides"])
     print(f"[branch] {new_url}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
     if lineage["replay_source"] is None:
+        print(f"[branch] continue it online with the parent's command under the branch's name: rlhf-pipeline run "
+              f"PIPELINE.py --home {home} --run-name {name}; or", file=sys.stderr)
         how = (f"continue it offline over the parent's rows up to step {lineage['step']} (--epochs/--steps count "
                f"from the parent's step 0): rlhf-pipeline replay PIPELINE.py --buffer {new_url}/{PARENT_ROWS}")
     else:

@@ -126,8 +126,11 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         refuse_evicting_parent(paths.root)  # nor may its parent evict the rows it reads
     from rlhf_pipeline.runs.branch_url import refuse_at_url
 
-    if (refused := refuse_at_url(paths)) is not None:  # a branch at a URL: half-made, or to continue offline
+    if (refused := refuse_at_url(paths)) is not None:  # a branch at a URL left half-made
         raise RunError(refused)
+    from rlhf_pipeline.runs.branch_online_url import start_online_at_url
+
+    start_online_at_url(paths)  # a branch at a URL of a run with collectors: set up to continue online
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
     _check_writable(paths.root)  # now, not after seconds of imports and model building

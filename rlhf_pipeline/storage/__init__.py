@@ -71,7 +71,7 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
     from rlhf_pipeline.storage.continues import continued_rows
 
     location = str(location)
-    continues = continued_rows(location)  # a branch's buffer, continuing its parent's rows
+    continues = continued_rows(location, options.get("storage_options"))  # a branch's, continuing its parent's
     if continues is not None:
         from rlhf_pipeline.storage.continued import open_continued
 

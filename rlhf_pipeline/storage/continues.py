@@ -1,5 +1,9 @@
 """Which parent rows a branch's buffer continues, read without torch: ``<run>/buffer.continues.json``.
 
+At a URL (a branch of a run at ``s3://``/``az://`` continued online, ``runs/branch_online_url.py``)
+the file is the object beside the buffer's prefix, ``<run URL>/buffer.continues.json``: one GET
+says whether a buffer there continues another (none: a 404).
+
 The file (see ``storage/continued.py`` for the reader of such a buffer) is written once, by the
 branch's first online start (``runs/branch_online.py``); every later start, and ``open_buffer``,
 read it to know whether the buffer continues another.
@@ -23,23 +27,47 @@ def continues_file(buffer: str | Path) -> Path:
     return buffer.with_name(buffer.name + CONTINUES_SUFFIX)
 
 
-def continued_rows(buffer: str | Path) -> dict[str, Any] | None:
-    """What a local buffer directory continues (module docstring), or None when it continues none."""
+def _object(buffer: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The run store holding ``buffer``'s continues object at a URL, and its key there."""
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+
+    home, _, name = str(buffer).rstrip("/").rpartition("/")
+    return ObjectRunStore(home, storage_options=storage_options), name + CONTINUES_SUFFIX
+
+
+def continued_rows(buffer: str | Path, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """What a buffer (a directory or a URL prefix) continues (module docstring), or None when it
+    continues none; ``storage_options``: the credentials for a URL, as the buffer's."""
     if "://" in str(buffer):
-        return None
+        if "/" not in str(buffer).split("://", 1)[1].strip("/"):
+            return None  # a whole bucket: no run holds it, nothing beside it
+        store, key = _object(str(buffer), storage_options)
+        raw, where = store.read(key), store.describe(key)
+        if raw is None:
+            return None
+    else:
+        where = continues_file(buffer)
+        try:
+            raw = where.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
     try:
-        data = json.loads(continues_file(buffer).read_text())
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        data = None
     if not isinstance(data, dict) or "parent_buffer" not in data or not isinstance(data.get("rows"), dict):
-        raise StoreCorruptedError(f"{continues_file(buffer)} is damaged (no 'parent_buffer' and 'rows'); "
+        raise StoreCorruptedError(f"{where} is damaged (no 'parent_buffer' and 'rows'); "
                                   f"it was written when the branch first ran online: restore it")
     return data
 
 
-def write_continued_rows(buffer: Path, parent_buffer: str, rows: dict[str, int]) -> None:
-    from rlhf_pipeline.files.atomic import write_atomic
-
+def write_continued_rows(buffer: str | Path, parent_buffer: str, rows: dict[str, int]) -> None:
     text = json.dumps({"format": CONTINUES_FORMAT, "parent_buffer": str(parent_buffer),
                        "rows": {str(k): int(v) for k, v in rows.items()}}, indent=2, sort_keys=True).encode()
+    if "://" in str(buffer):
+        store, key = _object(str(buffer))
+        store.write(key, text, fence=False)  # one PUT: there or not
+        return
+    from rlhf_pipeline.files.atomic import write_atomic
+
     write_atomic(continues_file(buffer), lambda f: f.write(text))

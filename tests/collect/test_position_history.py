@@ -138,3 +138,26 @@ def test_a_crash_between_the_append_and_the_saves_is_kept_at_the_next_load(tmp_p
         assert kept["committed"]["batches_emitted"] == after["batches_emitted"]
         assert kept["loop"] == {"rounds_at_version": 9}
         store.close()
+
+
+def test_at_a_url_the_weights_a_kept_state_sampled_with_stay_as_copies_after_the_run_prunes_them(s3_server,
+                                                                                                 s3_env):
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+
+    store = ObjectRunStore(s3_server.url("run"))
+    for version in range(4):
+        store.write(f"weights/policy_{version:08d}.safetensors", bytes([version]) * 8, fence=False)
+    kept = [(16, 2)]
+    history = PositionHistory(store, "collector/shard-0000.history", lambda: list(kept),
+                              weights_object=lambda v: f"weights/policy_{v:08d}.safetensors"
+                              if store.exists(f"weights/policy_{v:08d}.safetensors") else None)
+    for round_ in range(1, 4):  # states holding versions 0, 1, 1
+        history.record(8 * round_, state(round_), {})
+    for version in range(4):
+        store.delete(f"weights/policy_{version:08d}.safetensors")  # the learner pruned them
+    # the checkpoint at 16 rows (policy version 2) needs from the version its state held (1) on
+    assert history.weights_key(0) is None
+    assert store.read(history.weights_key(1)) == bytes([1]) * 8
+    kept[:] = [(24, 3)]  # a later checkpoint: the state at 24 rows held version 1, still needed
+    history.prune()
+    assert history.weights_key(1) is not None and history.rows() == [24]

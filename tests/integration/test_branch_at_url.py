@@ -174,12 +174,15 @@ def test_a_branch_at_a_url_of_a_run_with_collectors_replays_the_parents_rows_up_
         readable = set(at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist())
     later = everything - readable
     assert later and readable < everything
-    # online it cannot continue yet (one line); offline it does, over those rows only
-    assert main(["learn", DEFAULT, "--home", home, "--run-name", "offline"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "continue it offline with rlhf-pipeline replay" in err and len(err.splitlines()) == 1, err
+    # offline it continues over those rows only (online: test_branch_online_at_url.py)
     assert replay_command(DEFAULT, ReplayOptions(buffer=f"{branch}/parent-rows", steps=8), home=home,
                           run_name="offline", overrides=ONLINE + ["buffer_backend=zarr", "learner.lr=1e-3"]) == 0
+    capsys.readouterr()
+    # once continued offline it cannot go on online (its learner is past the collectors' states): one line
+    assert main(["learn", DEFAULT, "--home", home, "--run-name", "offline"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "it was continued offline already (it has a checkpoint of step 8)" in err, err
+    assert "continue it offline with rlhf-pipeline replay" in err and len(err.splitlines()) == 1, err
     metrics = read_metrics("metrics.jsonl", store=ObjectRunStore(branch))
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert [m["charts/learning_rate"] for m in metrics[4:]] == [1e-3] * 4
