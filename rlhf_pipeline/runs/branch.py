@@ -20,7 +20,8 @@ stay byte-identical):
   settings changed. ``inspect`` reads it (``runs/lineage.py``).
 
 * for a parent with collectors, ``parent-rows/``: a saved selection (``storage/selection.py``)
-  naming, by global id, the rows each of the parent's shards had published at step N. It is read
+  naming, per shard, the range of global ids it had published at step N (kept as ranges, a few
+  bytes per shard at any buffer size: ``storage/row_ranges.py``). It is read
   in place (no row copied), read-only, and opening it checks that the parent still holds exactly
   those rows; rows the parent wrote after step N are not in it.
 
@@ -207,16 +208,15 @@ def _link_or_copy(source: Path, target: Path) -> None:
 
 def write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], step: int) -> None:
     """A saved selection of the rows of ``buffer`` published at the branch step: per shard, its
-    held rows below the ``buffer_rows`` the checkpoint recorded (a shard made later had none)."""
-    import numpy as np
-
+    held rows below the ``buffer_rows`` the checkpoint recorded (a shard made later had none).
+    Those are one range per shard, saved as such (storage/row_ranges.py): O(shards) bytes."""
     from rlhf_pipeline.storage import open_buffer
     from rlhf_pipeline.storage.row_keys import parts_of
-    from rlhf_pipeline.storage.selection import write_selection
+    from rlhf_pipeline.storage.selection import write_range_selection
 
     with open_buffer(buffer, mode="r") as source:
         names = source.shard_names if hasattr(source, "shard_names") else {0: ""}
-        parts, ids = [], []
+        ranges = {}
         for part in parts_of(source):
             limit = buffer_rows.get(names.get(part.index, ""))
             if limit is None:
@@ -224,13 +224,11 @@ def write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], s
             if part.next_row < limit:
                 raise BranchError(f"{part.store.location} holds {part.next_row} rows, fewer than the {limit} it had "
                                   f"published at step {step}: it was truncated or replaced since")
-            kept = np.arange(part.first_row, limit, dtype=np.int64)  # rows evicted before the step are gone
-            ids.append(kept)
-            parts.append(np.full(kept.size, part.index, dtype=np.int64))
-        if not ids or not sum(a.size for a in ids):
+            ranges[part.index] = (part.first_row, limit)  # rows evicted before the step are gone
+        if not sum(max(0, end - first) for first, end in ranges.values()):
             raise BranchError(f"{buffer} held no rows at step {step}; branch from a later step")
-        write_selection(target, source, np.concatenate(parts), np.concatenate(ids),
-                        where=f"rows published by step {step}", source_location=str(buffer))
+        write_range_selection(target, source, ranges, where=f"rows published by step {step}",
+                              source_location=str(buffer))
 
 
 def offline_branch(root: str | Path) -> dict[str, Any] | None:

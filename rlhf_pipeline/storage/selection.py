@@ -20,6 +20,10 @@ On disk (a directory, written to ``DST.partial`` and renamed into place when com
       parts.npy        int64 (rows,): the part (shard index) of each row; only for a
                        sharded source, whose rows are named (shard, global id): see row_keys.py
 
+A selection whose rows are, per part, one range (a branch's ``parent-rows/``) is kept as those
+ranges in selection.json instead, with no rows files (:func:`write_range_selection`,
+``row_ranges.py``): O(parts) bytes; both forms open the same way.
+
 A selection names rows by global id, which never changes, so rows appended to the source
 later do not disturb it. Opening checks that the source still holds exactly those rows and
 fails with :class:`SelectionInvalidError` otherwise: a part missing or of another backend or
@@ -53,6 +57,7 @@ from rlhf_pipeline.storage.base import (
 from rlhf_pipeline.storage.manifest import SELECTION_MANIFEST, is_selection, read_json  # noqa: F401 - is_selection re-exported
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.row_keys import parts_of
+from rlhf_pipeline.storage.row_ranges import RANGES_KEY, expand_ranges, probe_ids, ranges_crc32
 from rlhf_pipeline.storage.summary import summarize_trajectories
 
 FORMAT = "rlhf_pipeline.selection"
@@ -90,40 +95,65 @@ def write_selection(path: str | os.PathLike, source: TrajectoryStore, part_index
         rank[index] = position
     sort = np.lexsort((global_ids, rank[part_index]))
     part_index, global_ids = part_index[sort], global_ids[sort]
-    sharded = hasattr(source, "shard_ranges")
+    rows_bytes = _npy_bytes(global_ids)
+    files = {ROWS_NAME: rows_bytes}
+    if hasattr(source, "shard_ranges"):
+        files[PARTS_NAME] = _npy_bytes(part_index)
+    described = [(part, global_ids[part_index == part.index]) for part in parts]
+    return _publish(path, source, [(part, int(mine.size), _probes(part.store, mine)) for part, mine in described],
+                    files, {"rows": int(global_ids.size), "rows_crc32": zlib.crc32(rows_bytes)},
+                    where=where, whole_groups=whole_groups, source_location=source_location)
 
+
+def write_range_selection(path: str | os.PathLike, source: TrajectoryStore, ranges: dict[int, tuple[int, int]], *,
+                          where: str = "", source_location: str | None = None) -> Path:
+    """Saves, per part index of ``source``, the rows ``[first, end)`` of ``ranges`` as a selection
+    in the range form (row_ranges.py): O(parts) bytes, however many rows it names."""
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} exists; choose a new path for the selection")
+    parts = [part for part in parts_of(source) if part.index in ranges]
+    unknown = sorted(set(ranges) - {part.index for part in parts})
+    if unknown:
+        raise ValueError(f"part(s) {unknown} are not parts of {source.location}")
+    named = [[part.index, int(ranges[part.index][0]), max(int(ranges[part.index][0]), int(ranges[part.index][1]))]
+             for part in parts]
+    described = [(part, end - first, _probe_rows(part.store, probe_ids(first, end, PROBES_PER_PART)))
+                 for part, (_, first, end) in zip(parts, named)]
+    return _publish(path, source, described, {},
+                    {"rows": sum(rows for _, rows, _ in described), "rows_crc32": ranges_crc32(named),
+                     RANGES_KEY: named, "rows_file": None, "parts_file": None},
+                    where=where, whole_groups=False, source_location=source_location)
+
+
+def _publish(path: Path, source: TrajectoryStore, described: list, files: dict[str, bytes], rows: dict[str, Any], *,
+             where: str, whole_groups: bool, source_location: str | None) -> Path:
+    """Writes ``files`` and then the manifest into ``path.partial``, renamed to ``path`` when whole."""
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     if partial.exists():
         shutil.rmtree(partial)  # left by an interrupted write of this same selection
     partial.mkdir(parents=True)
     try:
-        rows_bytes = _npy_bytes(global_ids)
-        write_atomic(partial / ROWS_NAME, lambda f: f.write(rows_bytes))
-        if sharded:
-            write_atomic(partial / PARTS_NAME, lambda f: f.write(_npy_bytes(part_index)))
-        described = []
-        for part in parts:
-            mine = global_ids[part_index == part.index]
-            described.append({
+        for name, data in files.items():
+            write_atomic(partial / name, lambda f, data=data: f.write(data))
+        location = source_location or source.location
+        publish_json(partial / MANIFEST_NAME, {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "source": {"location": _absolute(location), "relative": _relative(location, path),
+                       "layout": "sharded" if hasattr(source, "shard_ranges") else "store"},
+            "parts": [{
                 "index": part.index,
                 "location": _absolute(part.store.location),
                 "relative": _relative(part.store.location, path),
                 "backend": part.store.backend_name,
                 "first_row": part.first_row,
                 "next_row": part.next_row,
-                "rows": int(mine.size),
-                "probes": _probes(part.store, mine),
-            })
-        location = source_location or source.location
-        publish_json(partial / MANIFEST_NAME, {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "source": {"location": _absolute(location), "relative": _relative(location, path),
-                       "layout": "sharded" if sharded else "store"},
-            "parts": described,
+                "rows": count,
+                "probes": probes,
+            } for part, count, probes in described],
             "schema": source.schema.to_json(),
-            "rows": int(global_ids.size),
-            "rows_crc32": zlib.crc32(rows_bytes),
+            **rows,
             "where": where,
             "whole_groups": bool(whole_groups),
             "created": round(time.time(), 3),
@@ -161,7 +191,13 @@ def _probes(store: TrajectoryStore, global_ids: np.ndarray) -> list[list[int]]:
     """``[global id, fingerprint]`` of a few kept rows: first, last and between."""
     if global_ids.size == 0:
         return []
-    picks = np.unique(global_ids[np.linspace(0, global_ids.size - 1, PROBES_PER_PART).round().astype(np.int64)])
+    return _probe_rows(store, np.unique(global_ids[np.linspace(0, global_ids.size - 1, PROBES_PER_PART)
+                                                   .round().astype(np.int64)]))
+
+
+def _probe_rows(store: TrajectoryStore, picks: np.ndarray) -> list[list[int]]:
+    if picks.size == 0:
+        return []
     return [[int(g), f] for g, f in zip(picks.tolist(), _fingerprints(store, picks))]
 
 
@@ -225,14 +261,10 @@ class SelectionStore(TrajectoryStore):
         try:
             self._schema = StoreSchema.from_json(manifest["schema"])
             # a detached branch's selection names its own rows files (runs/detach.py): switched by the manifest alone
-            rows_path = self._path / manifest.get("rows_file", ROWS_NAME)
-            raw = rows_path.read_bytes()
-            if zlib.crc32(raw) != int(manifest["rows_crc32"]):
-                raise SelectionInvalidError(f"{rows_path} does not match its CRC in {where}: the file was "
-                                            f"damaged; filter again to rebuild the selection")
-            self._rows = np.load(rows_path, allow_pickle=False)
-            parts_path = self._path / (manifest.get("parts_file", PARTS_NAME) or "-")
-            self._part_of = np.load(parts_path, allow_pickle=False) if parts_path.is_file() else None
+            if RANGES_KEY in manifest:  # the range form (row_ranges.py): no rows files to read
+                self._rows, self._part_of = expand_ranges(manifest, str(where))
+            else:
+                self._rows, self._part_of = self._load_row_files(manifest, where)
             described = manifest["parts"]
         except (KeyError, TypeError, ValueError, OSError) as exc:
             if isinstance(exc, StoreError):
@@ -252,6 +284,16 @@ class SelectionStore(TrajectoryStore):
             start += int(part["rows"])
         if start != self._rows.size:
             raise SelectionInvalidError(f"{self._path}: the parts name {start} rows, rows.npy holds {self._rows.size}")
+
+    def _load_row_files(self, manifest: dict[str, Any], where: Path) -> tuple[np.ndarray, np.ndarray | None]:
+        rows_path = self._path / manifest.get("rows_file", ROWS_NAME)
+        raw = rows_path.read_bytes()
+        if zlib.crc32(raw) != int(manifest["rows_crc32"]):
+            raise SelectionInvalidError(f"{rows_path} does not match its CRC in {where}: the file was "
+                                        f"damaged; filter again to rebuild the selection")
+        parts_path = self._path / (manifest.get("parts_file", PARTS_NAME) or "-")
+        return (np.load(rows_path, allow_pickle=False),
+                np.load(parts_path, allow_pickle=False) if parts_path.is_file() else None)
 
     def _find(self, part: dict[str, Any]) -> str:
         location = part["location"]

@@ -166,7 +166,8 @@ def test_a_branch_at_a_url_of_a_run_with_collectors_replays_the_parents_rows_up_
     assert main(["branch", parent_url, "--from-step", "4", "offline", "--set", "learner.lr=1e-3"]) == 0
     assert f"--buffer {home}/offline/parent-rows --home {home} --run-name offline" in capsys.readouterr().err
     branch = f"{home}/offline"
-    assert {"parent-rows/selection.json", "parent-rows/rows.npy", "branch.json"} <= set(s3_server.keys(branch))
+    keys = set(s3_server.keys(branch))  # per-shard ranges in selection.json: no per-row ids file (row_ranges.py)
+    assert {"parent-rows/selection.json", "branch.json"} <= keys and "parent-rows/rows.npy" not in keys
     record = json.loads(s3_server.get(branch, "branch.json"))
     with open_buffer(f"{parent_url}/buffer") as whole, open_buffer(f"{branch}/parent-rows") as at_step:
         assert len(at_step) == sum(record["buffer_rows"].values()) < len(whole)
