@@ -58,6 +58,7 @@ import torch
 from rlhf_pipeline.agents.environment import Environment, ToolCall
 from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, rollout
+from rlhf_pipeline.collect.agent_streaming import AgentRoundStream, after_group, group_rows
 from rlhf_pipeline.collect.collector import MetricsHook
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine
@@ -103,6 +104,10 @@ class AgentCollectorConfig:
     failure_rate_min_groups: int = 32
     """The fraction above is taken over at least this many groups, so a few failures at the start
     do not stop a run (with 0.1 and 32, a fourth failed group within the first 32 does)."""
+    stream_groups: bool = False
+    """Write each group once its episodes all ended and every earlier group of the round is written, in
+    several appends per round (``collect/agent_streaming.py``), instead of one append at the round's
+    end; the rows are the same either way."""
 
     def __post_init__(self) -> None:
         if self.tasks_per_round < 1 or self.group_size < 1:
@@ -173,6 +178,9 @@ class AgentCollector:
             self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=self.stop_token_ids,
                                      policy_version=policy_version)
         self.engine.check_sampling(self.config.sampling)
+        self.resume_after_group_id: int | None = None
+        """Set when a streamed round was cut off after some of its groups were stored: the round is run
+        again from its start and its groups up to this id are not written again."""
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
@@ -198,8 +206,11 @@ class AgentCollector:
         return max(1, round(self.trajectories_per_round * self._rows_written / self._trajectories_written))
 
     # ---------------------------------------------------------------- one round
-    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch | None:
-        """One round of whole groups: run the episodes to their ends, emit every row in one call.
+    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None,
+                before_first_chunk: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch | None:
+        """One round of whole groups: run the episodes to their ends, emit every row in one call
+        (with ``stream_groups``: each group once it and the earlier ones ended, ``before_first_chunk``
+        called with the round's start state before the first of several appends).
 
         ``before_write(state)`` gets the state the collector will have once the sink took the
         round, right before the sink is called (``collect/position.py``). Returns the round's rows,
@@ -208,26 +219,45 @@ class AgentCollector:
         cfg = self.config
         started = time.perf_counter()
         self._generate_s = 0.0
+        start_state = self.state_dict() if cfg.stream_groups else None
         tasks = self.tasks.next_batch(cfg.tasks_per_round)
-        result = rollout(tasks, self.make_env, self._sample, self.tokenizer,
+        base = id_base(cfg.collector_index)
+        stream = AgentRoundStream(len(tasks), lambda groups: group_rows(
+            groups, group_size=cfg.group_size, first_group_id=base + self.groups_emitted,
+            first_trajectory_id=base + self.trajectories_emitted, policy_version=self.policy_version,
+            fields=cfg.row_fields), self._emit, start_state, before_first_chunk, started) if cfg.stream_groups else None
+        try:
+            result = rollout(tasks, self.make_env, self._sample, self.tokenizer,
                          RolloutConfig(group_size=cfg.group_size, limits=cfg.limits,
                                        step_timeout_s=cfg.step_timeout_s, episode_timeout_s=cfg.episode_timeout_s,
                                        max_workers=cfg.max_workers,
                                        check_drift=cfg.check_drift),
                          parser=self.parser, stop_token_ids=self.stop_token_ids,
-                         template_kwargs=self.template_kwargs)
-        base = id_base(cfg.collector_index)
-        batch = result.to_batch(first_group_id=base + self.groups_emitted,
-                                first_trajectory_id=base + self.trajectories_emitted,
-                                policy_version=self.policy_version, fields=cfg.row_fields)
-        # a dropped group's ids stay unused: ids follow the tasks, whatever failed
-        n_traj = len(tasks) * cfg.group_size
-        dropped = len(tasks) - len(result.kept_groups)
-        if before_write is not None:
-            before_write(self.state_dict(rounds_ahead=(1, len(tasks), n_traj), dropped_ahead=dropped,
-                                         written_ahead=(len(result.episodes), 0 if batch is None else len(batch))))
-        if self.sink is not None and batch is not None:
-            self.sink(batch)
+                         template_kwargs=self.template_kwargs,
+                         on_groups_ended=None if stream is None else stream.groups_ended)
+            batch = result.to_batch(first_group_id=base + self.groups_emitted,
+                                    first_trajectory_id=base + self.trajectories_emitted,
+                                    policy_version=self.policy_version, fields=cfg.row_fields)
+            # a dropped group's ids stay unused: ids follow the tasks, whatever failed
+            n_traj = len(tasks) * cfg.group_size
+            dropped = len(tasks) - len(result.kept_groups)
+            state_after = lambda: self.state_dict(  # noqa: E731
+                rounds_ahead=(1, len(tasks), n_traj), dropped_ahead=dropped,
+                written_ahead=(len(result.episodes), 0 if batch is None else len(batch)))
+            if stream is not None:
+                streamed = stream.finish(lambda: before_write(state_after()) if before_write is not None else None)
+            else:
+                streamed = {}
+                if before_write is not None:
+                    before_write(state_after())
+                if batch is not None:
+                    self._emit(batch)
+        except BaseException:
+            if stream is not None and stream.written_group_id is not None:
+                # part of the round is stored: a retry runs it again and writes only the rest
+                self.load_state_dict({**start_state, "resume_after_group_id": stream.written_group_id})
+            raise
+        self.resume_after_group_id = None
         # counters advance only once the sink has the rows, so a failed write is retried with the same ids
         self.groups_emitted += len(tasks)
         self.trajectories_emitted += n_traj
@@ -236,7 +266,7 @@ class AgentCollector:
         self._trajectories_written += len(result.episodes)
         self._rows_written += 0 if batch is None else len(batch)
         self._say_failures(result)
-        self._report(result, batch, time.perf_counter() - started)
+        self._report(result, batch, time.perf_counter() - started, streamed)
         self._check_failure_rate(result)
         return batch
 
@@ -273,7 +303,14 @@ class AgentCollector:
         self._generate_s += time.perf_counter() - started
         return [(g.completions[0].token_ids, g.completions[0].log_probs) for g in groups]
 
-    def _report(self, result: Rollout, batch: TrajectoryBatch | None, elapsed: float) -> None:
+    def _emit(self, batch: TrajectoryBatch) -> None:
+        """``batch`` to the sink, less the groups a cut-off streamed round already stored."""
+        batch = after_group(batch, self.resume_after_group_id)
+        if self.sink is not None and len(batch):
+            self.sink(batch)
+
+    def _report(self, result: Rollout, batch: TrajectoryBatch | None, elapsed: float,
+                streamed: dict[str, float]) -> None:
         episodes, m = result.episodes, result.metrics
         n = max(len(episodes), 1)  # every group dropped: the per-episode figures are 0
         returns = torch.tensor([sum(e.rewards) for e in episodes] or [0.0], dtype=torch.float64)  # (n,)
@@ -305,6 +342,7 @@ class AgentCollector:
             **self.engine.stats.update_metrics(),
             "batches": float(self.batches_emitted),
             "trajectories": float(self.trajectories_emitted),
+            **streamed,  # a streamed round: when its first and last groups were written (collect/streaming.py)
         }
         for name, count in sorted(m.items()):  # reason/env_done..., tools/ok, dropped/step_failed...
             if name.startswith(("reason/", "tools/", "dropped/")):
@@ -340,7 +378,9 @@ class AgentCollector:
         paces as the uninterrupted one did)."""
         batches, groups, trajectories = rounds_ahead
         cfg = self.config
+        resume = {} if self.resume_after_group_id is None else {"resume_after_group_id": self.resume_after_group_id}
         return {
+            **resume,
             "tasks": self.tasks.state_dict(),
             "groups_emitted": self.groups_emitted + groups,
             "trajectories_emitted": self.trajectories_emitted + trajectories,
@@ -373,4 +413,8 @@ class AgentCollector:
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
+        resume = state.get("resume_after_group_id")
+        # a marker from a round before the one this state starts is spent (its groups are all behind)
+        round_start = id_base(self.config.collector_index) + self.groups_emitted
+        self.resume_after_group_id = int(resume) if resume is not None and int(resume) >= round_start else None
 
