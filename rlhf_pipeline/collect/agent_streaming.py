@@ -22,6 +22,7 @@ import torch
 from rlhf_pipeline.agents.episode import Episode, episodes_to_batch
 from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming
 from rlhf_pipeline.schema import TrajectoryBatch
+from rlhf_pipeline.schema.ids import id_base
 
 
 @dataclass(frozen=True)
@@ -104,3 +105,40 @@ def after_group(batch: TrajectoryBatch, group_id: int | None) -> TrajectoryBatch
     if group_id is None:
         return batch
     return batch.select(torch.nonzero(batch["group_id"] > group_id).squeeze(-1))
+
+
+def round_stream(collector, tasks: int, start_state: dict[str, Any],
+                 before_first_chunk: Callable[[dict[str, Any]], None] | None, started: float) -> AgentRoundStream:
+    """The stream of one round of ``collector`` (an :class:`~.agent_collector.AgentCollector`) of
+    ``tasks`` groups, its rows with the ids the unstreamed round gives them."""
+    cfg = collector.config
+    base = id_base(cfg.collector_index)
+
+    def rows(groups: list[EndedGroup]) -> TrajectoryBatch | None:
+        return group_rows(groups, group_size=cfg.group_size, first_group_id=base + collector.groups_emitted,
+                          first_trajectory_id=base + collector.trajectories_emitted,
+                          policy_version=collector.policy_version, fields=cfg.row_fields)
+
+    return AgentRoundStream(tasks, rows, collector._emit, start_state, before_first_chunk, started)
+
+
+def write_round(stream: AgentRoundStream | None, batch: TrajectoryBatch | None, state_after: Callable[[], dict],
+                before_write: Callable[[dict[str, Any]], None] | None,
+                emit: Callable[[TrajectoryBatch], None]) -> dict[str, float]:
+    """The round's last write once its rollout returned: a streamed round's last chunk, or the whole
+    ``batch`` in one append; ``before_write(state_after())`` right before it. Returns the streamed
+    round's timing metrics ({} unstreamed)."""
+    call_before = lambda: before_write(state_after()) if before_write is not None else None  # noqa: E731
+    if stream is not None:
+        return stream.finish(call_before)
+    call_before()
+    if batch is not None:
+        emit(batch)
+    return {}
+
+
+def resume_marker(state: dict[str, Any], round_start_group_id: int) -> int | None:
+    """The saved ``resume_after_group_id`` when it lies in the round ``state`` starts (a marker of an
+    earlier round is spent: its groups are all behind)."""
+    resume = state.get("resume_after_group_id")
+    return int(resume) if resume is not None and int(resume) >= round_start_group_id else None
