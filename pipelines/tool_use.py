@@ -166,7 +166,7 @@ def check(settings: Settings) -> LearnerSettings:
         settings.retention.check(settings.segment_rows)  # an agent's turns (rows) go whole, with their group
         check_generation(settings.generation, head_size=settings.hidden_size // settings.num_heads,
                          device=settings.device, head_hint=f" (hidden_size {settings.hidden_size} / num_heads "
-                         f"{settings.num_heads}): add --set num_heads=2", collector_streams=False)
+                         f"{settings.num_heads}): add --set num_heads=2")
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
     learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
@@ -252,6 +252,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                                  context_length=settings.context_length),
             sampling=SamplingConfig(temperature=settings.temperature), seed=settings.seed,
             collector_index=collector_index, max_failed_group_fraction=settings.max_failed_group_fraction,
+            stream_groups=settings.generation.stream_groups,
             # a buffer created before some of the agents' row fields existed goes on without them
             row_fields=tuple(f for f in AGENT_ROW_FIELDS if f in store.schema.field_names),
         )

@@ -147,12 +147,18 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                        tokenizer, config: RolloutConfig = RolloutConfig(), *,
                        parser: Callable[[str], list[ToolCall]] | None = None,
                        stop_token_ids: Sequence[int] | None = None,
-                       template_kwargs: Mapping[str, Any] | None = None) -> Rollout:
+                       template_kwargs: Mapping[str, Any] | None = None,
+                       on_groups_ended: Callable[[list[tuple[int, list[Episode] | None]]], None] | None = None,
+                       ) -> Rollout:
     """Runs ``group_size`` episodes of each task to their ends. ``make_env()`` builds one episode's
     environment; one with a ``toolbox`` attribute (a :class:`~.tools.ToolBox`) has its tools'
     schemas rendered by the chat template, or one with ``tool_schemas`` (read after its reset:
     OpenAI-format function schemas, as :class:`~.verifiers_env.VerifiersEnvironment` has) those.
-    An episode that fails drops its group (the module docstring)."""
+    An episode that fails drops its group (the module docstring).
+
+    ``on_groups_ended(ended)``: called between turns with the groups whose episodes all ended since
+    the last call, each as ``(task index, its episodes)``, or ``(task index, None)`` for a dropped
+    group; every group comes once (the agent collector writes them there, ``collect/agent_streaming.py``)."""
     g = config.group_size
     n = len(tasks) * g
     failures: list[EpisodeFailure] = []
@@ -161,6 +167,17 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
     def fail(k: int, reason: str, message: str) -> None:
         failures.append(EpisodeFailure(k // g, k, reason, message))
         dropped.setdefault(k // g, reason)
+
+    reported: set[int] = set()
+
+    def report_ended() -> None:
+        if on_groups_ended is None:
+            return
+        ended = [i for i in range(len(tasks)) if i not in reported
+                 and (i in dropped or all(episodes[i * g + j].done for j in range(g)))]
+        reported.update(ended)
+        if ended:
+            on_groups_ended([(i, None if i in dropped else episodes[i * g:(i + 1) * g]) for i in ended])
 
     metrics: Counter[str] = Counter()
     tool_counts: Counter[str] = Counter()  # every call this rollout's resets and steps made, as they ended
@@ -189,6 +206,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                                       template_kwargs=template_kwargs)
             except Exception as exc:
                 fail(k, "reset_failed", _failed_call(f"the opening messages of {type(envs[k]).__name__}.reset", exc))
+        report_ended()
         started = time.monotonic()
         while active := [k for k, e in enumerate(episodes) if e is not None and not e.done and k // g not in dropped]:
             samples = sample([episodes[k].token_ids for k in active], [episodes[k].max_new_tokens() for k in active])
@@ -215,6 +233,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                     episodes[k].add_environment(result, tool_outcomes)
                 except Exception as exc:  # a reward set to text after construction, messages the template refuses
                     fail(k, "step_failed", _failed_call(f"the answer of {where}", exc))
+            report_ended()
         metrics["environment_timeouts"] = runner.timeouts
     kept_groups = [i for i in range(len(tasks)) if i not in dropped]
     kept = [episodes[i * g + j] for i in kept_groups for j in range(g)]

@@ -7,11 +7,11 @@ One ``collect()`` call is one round: ``tasks_per_round`` tasks from a :class:`Ta
 far, each with its own turn limit and a seed from the collector's generator, in one call; our
 sampling loop by default, which samples them as one batch, or vLLM, whose prefix cache holds the
 earlier turns: ``generation.engine=vllm`` in ``pipelines/tool_use.py``).
-The round's rows go to ``sink`` in ONE call, typically ``ReplayBuffer.extend`` with the write
-path attached, so:
+The round's rows go to ``sink`` (typically ``ReplayBuffer.extend`` with the write path attached)
+in ONE call, or with ``stream_groups`` each group once its episodes and every earlier group's ended
+(``collect/agent_streaming.py``: the same rows, in several appends), so:
 
-* an episode that is still running is never in the buffer: rows exist only once the whole round
-  has ended, and a reader sees a round's groups all at once (the store's append is atomic);
+* an episode that is still running is never in the buffer, nor is part of a group (appends are atomic);
 * a trajectory's rows are contiguous and in step order (one row per model turn, ``step`` = turn
   index, the last ``done`` with its ``termination_reason``), trajectories of a group together;
 * the write path's :class:`~rlhf_pipeline.transforms.group_advantage.GroupAdvantage` sees whole
@@ -35,11 +35,11 @@ roles), so ``export --format chat`` writes the conversation (``AgentCollectorCon
 
 Ids and resume are the single-turn :class:`~rlhf_pipeline.collect.collector.Collector`'s:
 ``(collector_index << 40) | counter`` with the counters, the task position and the sampling RNG
-in :meth:`AgentCollector.state_dict`, and ``collect(before_write=...)`` for
+in :meth:`AgentCollector.state_dict`, and ``collect(before_write=..., before_first_chunk=...)`` for
 :class:`~rlhf_pipeline.collect.position.CollectorPosition`. Episodes in flight are not saved: a
-collector killed mid-round (``kill -9``) wrote nothing of that round, and its restart runs the
-round again from the saved RNG state, so it neither duplicates nor loses a trajectory and never
-stores half of one. Sampling on a CPU is deterministic, so the rerun gives the same rows (with
+collector killed mid-round (``kill -9``) runs the round again from the saved RNG state on restart
+and writes only the groups it had not (``resume_after_group_id``), so it neither duplicates nor
+loses a trajectory and never stores half of one. Sampling on a CPU is deterministic, so the rerun gives the same rows (with
 vLLM: the same seeds, request by request; its logits may differ in the last bits with another batch
 or a cold prefix cache, which ``generation/engine.py`` says of every engine that samples elsewhere).
 """
@@ -58,6 +58,7 @@ import torch
 from rlhf_pipeline.agents.environment import Environment, ToolCall
 from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, rollout
+from rlhf_pipeline.collect.agent_streaming import after_group, resume_marker, round_stream, write_round
 from rlhf_pipeline.collect.collector import MetricsHook
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine
@@ -103,6 +104,10 @@ class AgentCollectorConfig:
     failure_rate_min_groups: int = 32
     """The fraction above is taken over at least this many groups, so a few failures at the start
     do not stop a run (with 0.1 and 32, a fourth failed group within the first 32 does)."""
+    stream_groups: bool = False
+    """Write each group once its episodes all ended and every earlier group of the round is written, in
+    several appends per round (``collect/agent_streaming.py``), instead of one append at the round's
+    end; the rows are the same either way."""
 
     def __post_init__(self) -> None:
         if self.tasks_per_round < 1 or self.group_size < 1:
@@ -173,6 +178,7 @@ class AgentCollector:
             self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=self.stop_token_ids,
                                      policy_version=policy_version)
         self.engine.check_sampling(self.config.sampling)
+        self.resume_after_group_id: int | None = None  # a streamed round cut off: its groups to here are stored
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
@@ -198,36 +204,44 @@ class AgentCollector:
         return max(1, round(self.trajectories_per_round * self._rows_written / self._trajectories_written))
 
     # ---------------------------------------------------------------- one round
-    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch | None:
-        """One round of whole groups: run the episodes to their ends, emit every row in one call.
+    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None,
+                before_first_chunk: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch | None:
+        """One round of whole groups: run the episodes to their ends, emit every row in one call (with
+        ``stream_groups``: several, ``before_first_chunk(state at the round's start)`` before the first).
 
-        ``before_write(state)`` gets the state the collector will have once the sink took the
-        round, right before the sink is called (``collect/position.py``). Returns the round's rows,
-        or None when every group was dropped (the sink is then not called).
+        ``before_write(state)`` gets the state the collector will have once the sink took the round,
+        right before the (last) sink call (``collect/position.py``). Returns the round's rows, or None
+        when every group was dropped (the sink is then not called).
         """
         cfg = self.config
         started = time.perf_counter()
         self._generate_s = 0.0
+        start_state = self.state_dict() if cfg.stream_groups else None
         tasks = self.tasks.next_batch(cfg.tasks_per_round)
-        result = rollout(tasks, self.make_env, self._sample, self.tokenizer,
-                         RolloutConfig(group_size=cfg.group_size, limits=cfg.limits,
-                                       step_timeout_s=cfg.step_timeout_s, episode_timeout_s=cfg.episode_timeout_s,
-                                       max_workers=cfg.max_workers,
-                                       check_drift=cfg.check_drift),
-                         parser=self.parser, stop_token_ids=self.stop_token_ids,
-                         template_kwargs=self.template_kwargs)
         base = id_base(cfg.collector_index)
-        batch = result.to_batch(first_group_id=base + self.groups_emitted,
-                                first_trajectory_id=base + self.trajectories_emitted,
-                                policy_version=self.policy_version, fields=cfg.row_fields)
-        # a dropped group's ids stay unused: ids follow the tasks, whatever failed
-        n_traj = len(tasks) * cfg.group_size
-        dropped = len(tasks) - len(result.kept_groups)
-        if before_write is not None:
-            before_write(self.state_dict(rounds_ahead=(1, len(tasks), n_traj), dropped_ahead=dropped,
-                                         written_ahead=(len(result.episodes), 0 if batch is None else len(batch))))
-        if self.sink is not None and batch is not None:
-            self.sink(batch)
+        stream = round_stream(self, len(tasks), start_state, before_first_chunk, started) if cfg.stream_groups else None
+        try:
+            result = rollout(tasks, self.make_env, self._sample, self.tokenizer, RolloutConfig(
+                group_size=cfg.group_size, limits=cfg.limits, step_timeout_s=cfg.step_timeout_s,
+                episode_timeout_s=cfg.episode_timeout_s, max_workers=cfg.max_workers, check_drift=cfg.check_drift),
+                parser=self.parser, stop_token_ids=self.stop_token_ids, template_kwargs=self.template_kwargs,
+                on_groups_ended=None if stream is None else stream.groups_ended)
+            batch = result.to_batch(first_group_id=base + self.groups_emitted,
+                                    first_trajectory_id=base + self.trajectories_emitted,
+                                    policy_version=self.policy_version, fields=cfg.row_fields)
+            # a dropped group's ids stay unused: ids follow the tasks, whatever failed
+            n_traj = len(tasks) * cfg.group_size
+            dropped = len(tasks) - len(result.kept_groups)
+            state_after = lambda: self.state_dict(  # noqa: E731
+                rounds_ahead=(1, len(tasks), n_traj), dropped_ahead=dropped,
+                written_ahead=(len(result.episodes), 0 if batch is None else len(batch)))
+            streamed = write_round(stream, batch, state_after, before_write, self._emit)
+        except BaseException:
+            if stream is not None and stream.written_group_id is not None:
+                # part of the round is stored: a retry runs it again and writes only the rest
+                self.load_state_dict({**start_state, "resume_after_group_id": stream.written_group_id})
+            raise
+        self.resume_after_group_id = None
         # counters advance only once the sink has the rows, so a failed write is retried with the same ids
         self.groups_emitted += len(tasks)
         self.trajectories_emitted += n_traj
@@ -236,7 +250,7 @@ class AgentCollector:
         self._trajectories_written += len(result.episodes)
         self._rows_written += 0 if batch is None else len(batch)
         self._say_failures(result)
-        self._report(result, batch, time.perf_counter() - started)
+        self._report(result, batch, time.perf_counter() - started, streamed)
         self._check_failure_rate(result)
         return batch
 
@@ -273,7 +287,14 @@ class AgentCollector:
         self._generate_s += time.perf_counter() - started
         return [(g.completions[0].token_ids, g.completions[0].log_probs) for g in groups]
 
-    def _report(self, result: Rollout, batch: TrajectoryBatch | None, elapsed: float) -> None:
+    def _emit(self, batch: TrajectoryBatch) -> None:
+        """``batch`` to the sink, less the groups a cut-off streamed round already stored."""
+        batch = after_group(batch, self.resume_after_group_id)
+        if self.sink is not None and len(batch):
+            self.sink(batch)
+
+    def _report(self, result: Rollout, batch: TrajectoryBatch | None, elapsed: float,
+                streamed: dict[str, float]) -> None:
         episodes, m = result.episodes, result.metrics
         n = max(len(episodes), 1)  # every group dropped: the per-episode figures are 0
         returns = torch.tensor([sum(e.rewards) for e in episodes] or [0.0], dtype=torch.float64)  # (n,)
@@ -305,6 +326,7 @@ class AgentCollector:
             **self.engine.stats.update_metrics(),
             "batches": float(self.batches_emitted),
             "trajectories": float(self.trajectories_emitted),
+            **streamed,  # a streamed round: when its first and last groups were written (collect/streaming.py)
         }
         for name, count in sorted(m.items()):  # reason/env_done..., tools/ok, dropped/step_failed...
             if name.startswith(("reason/", "tools/", "dropped/")):
@@ -341,6 +363,7 @@ class AgentCollector:
         batches, groups, trajectories = rounds_ahead
         cfg = self.config
         return {
+            **({} if self.resume_after_group_id is None else {"resume_after_group_id": self.resume_after_group_id}),
             "tasks": self.tasks.state_dict(),
             "groups_emitted": self.groups_emitted + groups,
             "trajectories_emitted": self.trajectories_emitted + trajectories,
@@ -373,4 +396,5 @@ class AgentCollector:
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
+        self.resume_after_group_id = resume_marker(state, id_base(self.config.collector_index) + self.groups_emitted)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlhf_pipeline.generation.engine import CompletionGroup
 
@@ -60,39 +61,58 @@ class StreamTiming:
         }
 
 
+class InOrderCommit:
+    """:func:`commit_in_order` pushed to rather than pulled from: :meth:`add` each list of groups that
+    ended together as it comes, :meth:`finish` once the round's producer is done (the agent collector's
+    episodes end between turns of its own loop, ``collect/agent_streaming.py``). Groups need only an
+    ``index``, their request's place in the round."""
+
+    def __init__(self, count: int, write: WriteChunk, timing: StreamTiming | None = None) -> None:
+        self.count = count
+        self.write = write
+        self.timing = timing or StreamTiming()
+        self._ended: dict[int, Any] = {}
+        self.committed = 0  # groups 0..committed-1 are written
+        self._held: list[Any] = []  # the chunk that completes the round, written once the producer is done
+
+    def add(self, finished_together: Iterable[Any]) -> None:
+        now = self.timing.now()
+        for group in finished_together:
+            if not 0 <= group.index < self.count or group.index in self._ended or group.index < self.committed:
+                raise RuntimeError(f"the generation engine yielded request {group.index} twice or outside a round "
+                                   f"of {self.count}: not the engine contract (one group per request)")
+            self._ended[group.index] = group
+            self.timing.ended_s[group.index] = now
+        chunk = []
+        while self.committed in self._ended:
+            chunk.append(self._ended.pop(self.committed))
+            self.committed += 1
+        if chunk and self.committed == self.count:
+            self._held = chunk
+        elif chunk:
+            _write(self.write, chunk, False, self.timing)
+
+    def finish(self) -> StreamTiming:
+        if self.committed != self.count:
+            raise RuntimeError(f"the generation engine's stream ended after {self.committed + len(self._ended)} "
+                               f"of {self.count} groups")
+        _write(self.write, self._held, True, self.timing)
+        return self.timing
+
+
 def commit_in_order(batches: Iterable[list[CompletionGroup]], count: int, write: WriteChunk,
                     timing: StreamTiming | None = None) -> StreamTiming:
     """Consumes a round's stream of ``count`` groups (``GenerationEngine.stream_batches``: lists of
     groups that finished together) and writes them in request order as prefixes complete, at most one
     append per list (see the module docstring). Raises RuntimeError when the stream yields a request
     twice, one outside the round, or ends before every request's group came."""
-    timing = timing or StreamTiming()
-    ended: dict[int, CompletionGroup] = {}
-    committed = 0  # groups 0..committed-1 are written
-    held: list[CompletionGroup] = []  # the chunk that completes the round, written once the stream ends
+    commit = InOrderCommit(count, write, timing)
     for finished_together in batches:
-        now = timing.now()
-        for group in finished_together:
-            if not 0 <= group.index < count or group.index in ended or group.index < committed:
-                raise RuntimeError(f"the generation engine yielded request {group.index} twice or outside a round "
-                                   f"of {count}: not the engine contract (one group per request)")
-            ended[group.index] = group
-            timing.ended_s[group.index] = now
-        chunk = []
-        while committed in ended:
-            chunk.append(ended.pop(committed))
-            committed += 1
-        if chunk and committed == count:
-            held = chunk
-        elif chunk:
-            _write(write, chunk, False, timing)
-    if committed != count:
-        raise RuntimeError(f"the generation engine's stream ended after {committed + len(ended)} of {count} groups")
-    _write(write, held, True, timing)
-    return timing
+        commit.add(finished_together)
+    return commit.finish()
 
 
-def _write(write: WriteChunk, chunk: list[CompletionGroup], last: bool, timing: StreamTiming) -> None:
+def _write(write: WriteChunk, chunk: list[Any], last: bool, timing: StreamTiming) -> None:
     write(chunk, last)
     done = timing.now()
     timing.chunk_sizes.append(len(chunk))

@@ -94,7 +94,7 @@ class GenerationSettings:
     per round, in request order) instead of once the round's slowest completion ended: the same rows,
     the first ones sooner (docs/generation.md, "Streaming groups"). Every engine streams (a server at
     generation.url through one HTTP request per prompt); the agent collector (pipelines/tool_use.py)
-    does not, and refuses it."""
+    writes each group once its episodes all ended."""
     hung_after_s: float | None = 300.0
     """vllm: seconds in which the engine finished no decoding step (it says so every 2 s while it
     decodes, however long the round) or did not answer a weight load: a hung engine, killed and
@@ -102,16 +102,12 @@ class GenerationSettings:
 
 
 def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
-                     head_hint: str = "", collector_streams: bool = True) -> None:
+                     head_hint: str = "") -> None:
     """The checks that need neither torch nor the engine: raises ValueError naming the setting.
 
     ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
     vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it).
-    ``collector_streams``: False for a collector that writes whole rounds only (the agent collector):
-    ``stream_groups`` is then refused."""
-    if settings.stream_groups and not collector_streams:
-        raise ValueError("setting 'generation.stream_groups' is on, but this pipeline's collector writes whole "
-                         "rounds (agent episodes are not streamed yet); turn it off")
+    """
     if settings.url is not None:
         check_url_settings(settings)
         return

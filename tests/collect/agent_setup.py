@@ -57,13 +57,14 @@ def open_or_create(path: Path):
                                                                    *AGENT_ROW_FIELDS)))
 
 
-def agent_collector(model, tokenizer, store, *, on_step=None, sink=None):
-    """A collector of ``TurnsEnv`` episodes; rows go through ``GroupAdvantage`` into ``store``."""
+def agent_collector(model, tokenizer, store, *, on_step=None, sink=None, stream=False, tasks_per_round=2):
+    """A collector of ``TurnsEnv`` episodes; rows go through ``GroupAdvantage`` into ``store``
+    (``stream``: each group as it ends, ``AgentCollectorConfig.stream_groups``)."""
     toolbox = ToolBox([multiply])
     if sink is None:
         buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE, store=store)])
         sink = buffer.extend
-    config = AgentCollectorConfig(tasks_per_round=2, group_size=GROUP_SIZE,
+    config = AgentCollectorConfig(tasks_per_round=tasks_per_round, group_size=GROUP_SIZE, stream_groups=stream,
                                   limits=EpisodeLimits(max_turns=3, max_new_tokens=6, end_on_cut_turn=False),
                                   sampling=SamplingConfig(temperature=1.5), seed=11)
     return AgentCollector(model, tokenizer, TaskSource(TASKS, seed=5), lambda: TurnsEnv(toolbox, on_step), sink,

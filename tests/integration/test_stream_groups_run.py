@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.storage import open_buffer
 
 from test_paced_run_repeats import REPO, assert_trained_the_same, run_default, what_was_trained
 
@@ -26,9 +28,22 @@ def test_a_streamed_run_trains_on_the_rows_of_a_whole_rounds_run(tmp_path):
     assert max(r["chunks"] for r in rounds) > 1  # some rounds really went in several appends
 
 
-def test_stream_groups_is_refused_by_name_where_nothing_streams(tmp_path):
+@pytest.mark.slow
+def test_a_tool_use_run_streams_groups_of_whole_trajectories(tmp_path):
+    """The agent collector with ``generation.stream_groups``: rounds in several appends of whole groups."""
+    small = ["warm_start_steps=20", "warm_start_check_tasks=0", "learner.batch_size=16", "learner.new_rows_per_step=16",
+             "learner.sample_window=32", "log_rounds_every=1", "generation.stream_groups=true",
+             "group_size=2", "tasks_per_round=8"]  # small groups: some end at their first turn
     tool_use = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" / "tool_use.py"),
-                               "--home", str(tmp_path), "--set", "generation.stream_groups=true"], cwd=REPO,
-                              capture_output=True, text=True, timeout=300)
-    assert tool_use.returncode != 0
-    assert "'generation.stream_groups' is on, but this pipeline's collector writes whole rounds" in tool_use.stderr
+                               "--steps", "3", "--home", str(tmp_path), "--run-name", "agents",
+                               *[arg for setting in small for arg in ("--set", setting)]], cwd=REPO,
+                              capture_output=True, text=True, timeout=500)
+    assert tool_use.returncode == 0, tool_use.stderr[-3000:]
+    rounds = read_metrics(tmp_path / "agents" / "collector" / "metrics-0000.jsonl")
+    assert rounds and all(r["rows_written"] == r["rows"] for r in rounds)
+    assert max(r["chunks"] for r in rounds) > 1  # groups went to the buffer before their round ended
+    with open_buffer(tmp_path / "agents" / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "step"))
+    ids, steps = rows["trajectory_id"].tolist(), rows["step"].tolist()
+    assert ids == sorted(ids)  # in request order, each trajectory's turns together
+    assert all(s == (0 if k == 0 or ids[k - 1] != t else steps[k - 1] + 1) for k, (t, s) in enumerate(zip(ids, steps)))

@@ -1,0 +1,144 @@
+"""An agent round's groups written as they end (``stream_groups``), in request order.
+
+The rollout's loop (``agents/rollout.py``) says between turns which groups have all their episodes
+ended (or were dropped); :class:`AgentRoundStream` hands them to the single-turn collector's in-order
+commit (``collect/streaming.py``: group k goes to the sink once groups 0..k ended, the round's last
+chunk once the rollout returned), so the same ``CollectorPosition`` partial-round records make a
+kill between two appends resume to the same rows (``collect/position.py``).
+
+The episodes still take their turns in lockstep: the turns of a round's active episodes go to the
+engine in one batch, as without streaming, so the engine's random draws, and the rows, are the same
+bit for bit with streaming on and off; what streaming changes is when a group reaches the buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.agents.episode import Episode, episodes_to_batch
+from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming
+from rlhf_pipeline.schema import TrajectoryBatch
+from rlhf_pipeline.schema.ids import id_base
+
+
+@dataclass(frozen=True)
+class EndedGroup:
+    """One task's group once its episodes ended: ``index`` its task's place in the round;
+    ``episodes`` None when the group was dropped (nothing of it is written)."""
+
+    index: int
+    episodes: list[Episode] | None
+
+
+class AgentRoundStream:
+    """One streamed agent round: :meth:`groups_ended` is the rollout's ``on_groups_ended``,
+    :meth:`finish` writes the last chunk once the rollout returned.
+
+    ``rows(groups)`` builds the rows of consecutive ended groups (None: every one dropped);
+    ``emit(batch)`` appends them (less what a cut-off round already stored);
+    ``before_first_chunk(start_state)`` runs before the first of several appends, as the
+    single-turn collector calls it."""
+
+    def __init__(self, tasks: int, rows: Callable[[list[EndedGroup]], TrajectoryBatch | None],
+                 emit: Callable[[TrajectoryBatch], None], start_state: dict[str, Any],
+                 before_first_chunk: Callable[[dict[str, Any]], None] | None, started: float) -> None:
+        self._rows = rows
+        self._emit = emit
+        self._start_state = start_state
+        self._before_first_chunk = before_first_chunk
+        self._before_last: Callable[[], None] | None = None
+        self.chunks: list[TrajectoryBatch] = []  # the rows of every append so far, in request order
+        self.appends = 0
+        self._commit = InOrderCommit(tasks, self._write, StreamTiming(started=started))
+
+    def groups_ended(self, ended: list[tuple[int, list[Episode] | None]]) -> None:
+        self._commit.add([EndedGroup(index, episodes) for index, episodes in ended])
+
+    def finish(self, before_last: Callable[[], None]) -> dict[str, float]:
+        """Writes the round's last chunk, calling ``before_last()`` right before it (the state after
+        the round, which needs the whole rollout); returns the round's timing metrics."""
+        self._before_last = before_last
+        return self._commit.finish().metrics()
+
+    @property
+    def written_group_id(self) -> int | None:
+        """The largest group id stored by this round so far (None: none yet)."""
+        ids = [int(c["group_id"].max()) for c in self.chunks if len(c)]
+        return max(ids) if ids else None
+
+    def batch(self) -> TrajectoryBatch | None:
+        """The round's rows: every chunk's, in request order (None: every group dropped)."""
+        return TrajectoryBatch.cat(self.chunks) if self.chunks else None
+
+    def _write(self, groups: list[EndedGroup], last: bool) -> None:
+        batch = self._rows(groups)
+        if last:
+            self._before_last()
+        elif not self.appends and self._before_first_chunk is not None:
+            self._before_first_chunk(self._start_state)
+        if batch is not None:
+            self._emit(batch)
+            self.chunks.append(batch)
+        self.appends += 1
+
+
+def group_rows(groups: list[EndedGroup], *, group_size: int, first_group_id: int, first_trajectory_id: int,
+               policy_version: int, fields) -> TrajectoryBatch | None:
+    """The rows of ended groups with the ids :meth:`Rollout.to_batch` gives them: task ``i``'s group
+    ``first_group_id + i``, its episode ``j`` trajectory ``first_trajectory_id + i * group_size + j``."""
+    kept = [g for g in groups if g.episodes is not None]
+    if not kept:
+        return None
+    return episodes_to_batch([e for g in kept for e in g.episodes],
+                             group_ids=[first_group_id + g.index for g in kept for _ in g.episodes],
+                             trajectory_ids=[first_trajectory_id + g.index * group_size + j
+                                             for g in kept for j in range(len(g.episodes))],
+                             policy_version=policy_version, fields=fields)
+
+
+def after_group(batch: TrajectoryBatch, group_id: int | None) -> TrajectoryBatch:
+    """``batch`` less the groups up to ``group_id`` (None: all of it)."""
+    if group_id is None:
+        return batch
+    return batch.select(torch.nonzero(batch["group_id"] > group_id).squeeze(-1))
+
+
+def round_stream(collector, tasks: int, start_state: dict[str, Any],
+                 before_first_chunk: Callable[[dict[str, Any]], None] | None, started: float) -> AgentRoundStream:
+    """The stream of one round of ``collector`` (an :class:`~.agent_collector.AgentCollector`) of
+    ``tasks`` groups, its rows with the ids the unstreamed round gives them."""
+    cfg = collector.config
+    base = id_base(cfg.collector_index)
+
+    def rows(groups: list[EndedGroup]) -> TrajectoryBatch | None:
+        return group_rows(groups, group_size=cfg.group_size, first_group_id=base + collector.groups_emitted,
+                          first_trajectory_id=base + collector.trajectories_emitted,
+                          policy_version=collector.policy_version, fields=cfg.row_fields)
+
+    return AgentRoundStream(tasks, rows, collector._emit, start_state, before_first_chunk, started)
+
+
+def write_round(stream: AgentRoundStream | None, batch: TrajectoryBatch | None, state_after: Callable[[], dict],
+                before_write: Callable[[dict[str, Any]], None] | None,
+                emit: Callable[[TrajectoryBatch], None]) -> dict[str, float]:
+    """The round's last write once its rollout returned: a streamed round's last chunk, or the whole
+    ``batch`` in one append; ``before_write(state_after())`` right before it. Returns the streamed
+    round's timing metrics ({} unstreamed)."""
+    call_before = lambda: before_write(state_after()) if before_write is not None else None  # noqa: E731
+    if stream is not None:
+        return stream.finish(call_before)
+    call_before()
+    if batch is not None:
+        emit(batch)
+    return {}
+
+
+def resume_marker(state: dict[str, Any], round_start_group_id: int) -> int | None:
+    """The saved ``resume_after_group_id`` when it lies in the round ``state`` starts (a marker of an
+    earlier round is spent: its groups are all behind)."""
+    resume = state.get("resume_after_group_id")
+    return int(resume) if resume is not None and int(resume) >= round_start_group_id else None

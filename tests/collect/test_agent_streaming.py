@@ -1,0 +1,92 @@
+"""Streamed agent rounds (``AgentCollectorConfig.stream_groups``): each group written once its
+episodes all ended and the earlier groups are written, the same rows as one append per round, and a
+crash between two appends resumed to the same rows, each trajectory once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_pipeline.collect.position import CollectorPosition
+from rlhf_pipeline.storage import make_replay_buffer
+from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+
+from agent_setup import GROUP_SIZE, agent_collector, open_or_create, tiny_policy
+
+ROUNDS = 3
+TASKS_PER_ROUND = 4
+
+
+class Crash(Exception):
+    """Stands for kill -9: nothing after the raise point runs (the restart is a fresh collector)."""
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return tiny_policy()
+
+
+def run_rounds(policy, where, rounds, *, stream=True, crash_at_append=None):
+    """Collects like ``collect_main`` does; ``crash_at_append=k``: stop right after the k-th append.
+    Returns the appends of each round."""
+    store = open_or_create(where / "buffer")
+    buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE, store=store)])
+    appends, per_round = [], []
+
+    def sink(batch):
+        buffer.extend(batch)
+        appends.append(len(batch))
+        if len(appends) == crash_at_append:
+            raise Crash
+
+    position = CollectorPosition(where / "collector.pt", store)
+    collector = agent_collector(*policy, None, sink=sink, stream=stream, tasks_per_round=TASKS_PER_ROUND)
+    saved = position.load()
+    if saved is not None:
+        collector.load_state_dict(saved)
+    try:
+        for _ in range(rounds):
+            before = len(appends)
+            collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk)
+            position.after_write(collector.state_dict())
+            per_round.append(appends[before:])
+    except Crash:
+        pass
+    rows = store.read(torch.arange(len(store))) if len(store) else None
+    store.close()
+    return rows, per_round, position
+
+
+@pytest.fixture(scope="module")
+def reference(policy, tmp_path_factory):
+    """Rows of ROUNDS uninterrupted rounds, unstreamed (one append each), and the streamed appends."""
+    rows, per_round, _ = run_rounds(policy, tmp_path_factory.mktemp("whole"), ROUNDS, stream=False)
+    assert all(len(appends) == 1 for appends in per_round)
+    streamed, streamed_appends, _ = run_rounds(policy, tmp_path_factory.mktemp("streamed"), ROUNDS)
+    return rows, streamed, streamed_appends
+
+
+def test_a_streamed_agent_round_stores_the_rows_of_the_whole_round(reference):
+    rows, streamed, appends = reference
+    assert any(len(a) > 1 for a in appends)  # groups really went to the store before the round ended
+    assert streamed.equal(rows)
+    trajectories = streamed["trajectory_id"].unique_consecutive()
+    assert len(trajectories) == len(set(streamed["trajectory_id"].tolist()))  # each trajectory's rows together
+
+
+@pytest.mark.parametrize("crash_at_append", [1, 2, 3, 5])
+def test_a_crash_between_two_appends_resumes_to_the_same_rows_each_trajectory_once(policy, tmp_path, reference,
+                                                                                   crash_at_append):
+    rows, _, appends = reference
+    flat = [n for a in appends for n in a]
+    cut_rows, _, _ = run_rounds(policy, tmp_path, ROUNDS, crash_at_append=crash_at_append)
+    assert len(cut_rows) == sum(flat[:crash_at_append])
+    position = CollectorPosition(tmp_path / "collector.pt", open_or_create(tmp_path / "buffer"))
+    position.load()
+    inside_round = position.resumed_partial_round  # rows of a round cut between two of its appends
+    position.store.close()
+    round_ends = [sum(sum(a) for a in appends[:r]) for r in range(ROUNDS + 1)]
+    finished = round_ends.index(len(cut_rows) - inside_round)
+    assert inside_round == (0 if len(cut_rows) in round_ends else len(cut_rows) - round_ends[finished])
+    again, _, _ = run_rounds(policy, tmp_path, ROUNDS - finished)
+    assert again.equal(rows)  # each trajectory once, none skipped, the same rows
