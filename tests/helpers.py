@@ -191,8 +191,8 @@ def run_child_pids(role: str, *needles: str) -> list[int]:
     return found
 
 
-def kill_when(process, condition, *, victims=None, timeout: float = 300, poll_s: float = 0.05,
-              wait_s: float = 240):
+def kill_when(process, condition, *, victims=None, whole_group: bool = False, timeout: float = 300,
+              poll_s: float = 0.05, wait_s: float = 240):
     """Waits until ``condition()`` is true, then sends SIGKILL to ``process``, or to the one pid that
     ``victims()`` returns (a child of it: ``run_child_pids``), and returns what ``process`` printed
     (its stdout, or its stderr where only that was piped).
@@ -200,7 +200,9 @@ def kill_when(process, condition, *, victims=None, timeout: float = 300, poll_s:
     The kill and resume tests differ only in what they wait for (a metrics line, a checkpoint at a URL,
     a collector round, rows in a shard) and whom they kill. Waiting also ends when ``process`` exits or
     after ``timeout`` s; the kill is sent then too, and the test's own checks (the return code, how
-    far the run got) say what went wrong. ``process`` is killed if it still runs when this returns.
+    far the run got) say what went wrong. ``whole_group``: the kill goes to ``process``'s process group
+    (a launcher started with ``start_new_session=True``, its learner and collectors at once).
+    ``process`` is killed if it still runs when this returns.
     Keep ``condition`` cheap: it runs every ``poll_s`` s."""
     import os
     import signal
@@ -210,7 +212,9 @@ def kill_when(process, condition, *, victims=None, timeout: float = 300, poll_s:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and process.poll() is None and not condition():
             time.sleep(poll_s)
-        if victims is None:
+        if whole_group:
+            os.killpg(process.pid, signal.SIGKILL)
+        elif victims is None:
             process.send_signal(signal.SIGKILL)  # a no-op once it has exited: its return code tells
         else:
             pids = victims()

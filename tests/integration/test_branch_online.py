@@ -17,11 +17,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import kill_when
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_weights
@@ -143,14 +144,9 @@ def test_a_branch_killed_mid_run_resumes_online_to_what_it_trains_uninterrupted(
     metrics = killed / "metrics.jsonl"
     first = subprocess.Popen(command(home, "killed"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:  # whole lines only: the branch starts with the parent's 4; killed once it trained 2 of its own
-        deadline = time.monotonic() + 300
-        while first.poll() is None and time.monotonic() < deadline and not (
-                metrics.is_file() and metrics.read_text().count("\n") >= 6):
-            time.sleep(0.01)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)  # the launcher, its learner and its collector at once
-        first.wait(timeout=60)
+    # whole lines only: the branch starts with the parent's 4; killed once it trained 2 of its own
+    kill_when(first, lambda: metrics.is_file() and metrics.read_text().count("\n") >= 6, whole_group=True,
+              poll_s=0.01, wait_s=60)
     assert first.returncode == -signal.SIGKILL
     assert 6 <= len(read_metrics(metrics)) < 8, "the kill came after the branch had finished; nothing was resumed"
     resumed = run(home, "killed")

@@ -13,14 +13,13 @@ ends where the parent does.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from helpers import kill_when
 from integration.test_branch_at_url import objects
 from integration.test_branch_online import FIELDS, NOT_COMPARED, REPO, SETTINGS
 from integration.test_replay_at_url import DEFAULT, logged, same_weights
@@ -115,13 +114,8 @@ def test_a_branch_at_a_url_killed_mid_run_resumes_online_to_what_the_parent_trai
     killed = f"{home}/killed"
     first = subprocess.Popen(command(home, "killed"), cwd=tmp_path, env=s3_env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
-    try:  # the branch starts with the parent's 4 steps; killed once it trained 2 of its own
-        deadline = time.monotonic() + 300
-        while first.poll() is None and time.monotonic() < deadline and len(logged(killed)) < 6:
-            time.sleep(0.1)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)  # the launcher, its learner and its collector at once
-        first.wait(timeout=60)
+    # the branch starts with the parent's 4 steps; killed once it trained 2 of its own
+    kill_when(first, lambda: len(logged(killed)) >= 6, whole_group=True, poll_s=0.1, wait_s=60)
     assert first.returncode == -signal.SIGKILL
     assert 6 <= len(logged(killed)) < 8, "the kill came after the branch had finished; nothing was resumed"
     assert "resuming from" in run(s3_env, tmp_path, home, "killed")
