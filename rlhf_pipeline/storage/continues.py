@@ -39,6 +39,10 @@ def continued_rows(buffer: str | Path, storage_options: dict[str, Any] | None = 
     """What a buffer (a directory or a URL prefix) continues (module docstring), or None when it
     continues none; ``storage_options``: the credentials for a URL, as the buffer's."""
     if "://" in str(buffer):
+        from rlhf_pipeline.files.object_run_store import SCHEMES
+
+        if not str(buffer).startswith(SCHEMES):
+            return None  # file://, a zip...: runs (and so branches) live at s3:// and az:// URLs only
         if "/" not in str(buffer).split("://", 1)[1].strip("/"):
             return None  # a whole bucket: no run holds it, nothing beside it
         store, key = _object(str(buffer), storage_options)
