@@ -160,8 +160,6 @@ def generate(
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate() needs at least one prompt and every prompt needs at least one token")
     prompt_index = torch.arange(len(prompts)).repeat_interleave(num_samples)  # (N,)
     repeated = [prompts[i] for i in prompt_index.tolist()]
     for state in decode_steps(model, repeated, config, pad_token_id=pad_token_id, eos_token_id=eos_token_id,

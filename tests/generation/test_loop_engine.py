@@ -152,3 +152,11 @@ def test_the_loop_engine_streams_as_the_engine_contract_says(tiny):
     model, tok = tiny
     engine = LoopEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     check_streamed_groups_are_the_sampled_ones_short_first(engine, tok)
+
+
+def test_generate_refuses_no_prompts_and_an_empty_prompt_before_sampling(tiny):
+    model, tok = tiny
+    args = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    for prompts in ([], [[5, 6], []]):
+        with pytest.raises(ValueError, match="needs at least one prompt and every prompt needs at least one token"):
+            generate(model, prompts, SamplingConfig(max_new_tokens=2), num_samples=2, **args)
