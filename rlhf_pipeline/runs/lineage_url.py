@@ -28,7 +28,18 @@ def read_parent_at_url(url: str) -> dict[str, Any] | None:
 def find_branches_at_url(url: str) -> list[dict[str, Any]]:
     """The branches of the run at ``url`` among the runs beside it: ``{"run": URL, "step": N}``,
     by step then URL (one listing of the home, one read per run in it)."""
+    found = [{"run": b["run"], "step": b["step"]} for b in branch_records_at_url(url) if not b["half_made"]]
+    return sorted(found, key=lambda b: (b["step"], b["run"]))
+
+
+def branch_records_at_url(url: str, *, half_made: bool = False) -> list[dict[str, Any]]:
+    """The branches of the run at ``url`` beside it, each ``{"run": URL, "step": N, "lineage":
+    its branch.json, "half_made": False}``; with ``half_made``, also the branches ``branch`` is
+    making (or left half-made): ``branch.making`` and no ``branch.json``, with ``"lineage": None``
+    and ``"half_made": True``. One listing of the home and one read per run in it (two for a run
+    that is no branch, with ``half_made``)."""
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
+    from rlhf_pipeline.runs.branch_url import MAKING
 
     url = url.rstrip("/")
     home, _, name = url.rpartition("/")
@@ -40,12 +51,28 @@ def find_branches_at_url(url: str) -> list[dict[str, Any]]:
         if other == name:
             continue
         try:
-            parent = _parent_of(store, f"{other}/", f"{home}/{other}")
+            lineage = _parent_of(store, f"{other}/", f"{home}/{other}")
         except ValueError:
             continue  # a damaged branch says so when it is inspected itself
-        if parent is not None and str(parent["parent"]).rstrip("/") == url:
-            found.append({"run": f"{home}/{other}", "step": int(parent["step"])})  # find_branches' fields
-    return sorted(found, key=lambda b: (b["step"], b["run"]))
+        making = None
+        if lineage is None and half_made:
+            making = _making_of(store.read(f"{other}/{MAKING}"))
+        named = lineage if lineage is not None else making
+        if named is not None and str(named.get("parent", "")).rstrip("/") == url:
+            found.append({"run": f"{home}/{other}", "step": int(named.get("step", 0)), "lineage": lineage,
+                          "half_made": lineage is None})
+    return found
+
+
+def _making_of(raw: bytes | None) -> dict[str, Any] | None:
+    """``branch.making``'s record (``{"parent": URL, "step": N}``); a damaged one names no parent."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def url_run_lineage(url: str) -> dict[str, Any]:

@@ -78,6 +78,8 @@ class ShardRetention:
         self.window = sampler_window(learner)
         self.clock = RowClock(clock)
         self.totals = [0, 0]  # rows dropped, bytes freed by this process
+        self.url_branches: Any = None  # at a URL: the branches beside the run, looked up when a drop nears
+        self._looked_now = True
 
     def after_round(self, store: Any, newest_version: int | None, now: float | None = None) -> RetentionReport:
         now = time.time() if now is None else now
@@ -85,8 +87,11 @@ class ShardRetention:
         wanted = wanted_cut(store, self.settings, newest_version=newest_version, clock=self.clock, now=now)
         dropped, floor, held_by = [], store.next_row, ""
         if wanted - wanted % store.segment_rows > store.first_row:  # a whole segment may go: look at the floor
-            floor, held_by = self.floor(store)
+            floor, held_by = self.floor(store, fresh=False)
             cut = whole_cut(store, wanted, floor)
+            if cut > store.first_row and not self._looked_now:  # a drop is made only on a fresh look at the branches
+                floor, held_by = self.floor(store)
+                cut = whole_cut(store, wanted, floor)
             dropped = store.drop_rows_before(cut) if cut > store.first_row else []
             held_by = held_by if floor < wanted else ""
         self.clock.forget_before(store.first_row)
@@ -95,17 +100,20 @@ class ShardRetention:
         self.totals[1] += size
         return RetentionReport(rows, size, store.first_row, floor, held_by)
 
-    def floor(self, store: Any) -> tuple[int, str]:
-        """The oldest row of this shard something still needs (a row of ``store``), and what needs it."""
+    def floor(self, store: Any, fresh: bool = True) -> tuple[int, str]:
+        """The oldest row of this shard something still needs (a row of ``store``), and what needs it;
+        ``fresh=False`` may reuse a recent look at the branches at a URL (then see :meth:`after_round`)."""
         counted = [(self._learner_floor(store), "the learner's unread rows and sampling window")]
         counted += self._checkpoint_floors()
         # rows counted as the learner counts them, as rows of the store: a floor among the parent's
         # rows (below continues_from) holds every own row
         candidates = [(max(0, row - self.continues_from), why) for row, why in counted]
-        candidates += self._branch_floors()
+        branches, looked = self._branch_floors(fresh)
+        candidates += branches
         if self.paths.url is None:
             candidates += [(store.first_row, f"replay {run} (running)")
                            for run in running_replays_of(self.paths.root, self.store_path)]
+        self._looked_now = looked
         return min(candidates, key=lambda c: c[0])
 
     def _learner_floor(self, store: Any) -> int:
@@ -131,32 +139,64 @@ class ShardRetention:
             floors.append((needed, f"the checkpoint of step {point['step']} (a rewind point)"))
         return floors
 
-    def _branch_floors(self) -> list[tuple[int, str]]:
+    def _branch_floors(self, fresh: bool = True) -> tuple[list[tuple[int, str]], bool]:
+        """``(row, why)`` per branch reading this shard, and whether they were looked up just now
+        (at a URL a look lists the home: an earlier one is reused to keep rows, never to drop them)."""
         if self.paths.url is not None:
-            return []  # branches of a run at a URL are not found from it (docs/retention.md)
-        return [(row, f"branch {run}") for run, row in branch_rows_needed(self.paths.root, self.store_path)]
+            if self.url_branches is None:
+                from rlhf_pipeline.runs.retention_url import UrlBranchFloors
+
+                self.url_branches = UrlBranchFloors(self.paths.url, self.store_path)
+            return self.url_branches.floors(fresh=fresh)
+        return [(row, f"branch {run}") for run, row in branch_rows_needed(self.paths.root, self.store_path)], True
 
 
 def branch_rows_needed(run: str | Path, store_path: str) -> list[tuple[str, int]]:
     """``(branch, first global row)`` of the rows of the store at ``store_path`` that each branch
-    beside ``run`` reads through its ``parent-rows/`` selection (one entry per branch that reads it)."""
-    from rlhf_pipeline.runs.lineage import find_branches
+    beside ``run`` reads through its ``parent-rows/`` selection (one entry per branch that reads it),
+    or in place through its continued buffer (a detached branch continued online: every row)."""
+    from rlhf_pipeline.runs.lineage import find_branches, is_detached
+    from rlhf_pipeline.storage.continues import continued_rows
 
     shard = _resolved(store_path)
     needed = []
     for branch in find_branches(run):
         manifest = Path(branch["run"]) / "parent-rows" / "selection.json"
         try:
-            parts = json.loads(manifest.read_text()).get("parts", [])
+            first = first_row_read(json.loads(manifest.read_text()).get("parts", []), shard)
         except FileNotFoundError:
-            continue  # a branch of a replay reads the replay's source, not this buffer
-        except (OSError, ValueError):
+            first = None  # a branch of a replay reads the replay's source, not this buffer
+        except (OSError, ValueError, AttributeError, TypeError, KeyError):
             needed.append((branch["run"], 0))  # unreadable: hold every row rather than guess
             continue
-        for part in parts:
-            if part.get("rows") and _resolved(part.get("location", "")) == shard:
-                needed.append((branch["run"], int(part["first_row"])))
+        if first is not None:
+            needed.append((branch["run"], first))
+        elif is_detached(branch["run"]):  # its own copy of the rows, but a continued buffer reads them in place
+            try:
+                in_place = continues_shard(continued_rows(Path(branch["run"]) / "buffer"), shard)
+            except ValueError:
+                in_place = True  # unreadable: hold rather than guess
+            if in_place:
+                needed.append((branch["run"], 0))
     return needed
+
+
+def first_row_read(parts: list[dict[str, Any]], shard: str) -> int | None:
+    """The first row of the store at ``shard`` that a saved selection's ``parts`` name (None: none)."""
+    shard = _resolved(shard).rstrip("/")
+    firsts = [int(part["first_row"]) for part in parts
+              if part.get("rows") and _resolved(str(part.get("location", ""))).rstrip("/") == shard]
+    return min(firsts) if firsts else None
+
+
+def continues_shard(continues: dict[str, Any] | None, shard: str) -> bool:
+    """Whether a branch's continues record (``storage/continues.py``) reads rows of the parent
+    shard at ``shard`` in place: its ``parent_buffer`` is that shard's buffer and names rows of it."""
+    if continues is None:
+        return False
+    buffer, _, name = _resolved(shard).rstrip("/").rpartition("/")
+    same = _resolved(str(continues["parent_buffer"])).rstrip("/") == buffer
+    return same and int(continues["rows"].get(name, 0)) > 0
 
 
 def running_replays_of(run: str | Path, store_path: str) -> list[str]:
