@@ -86,11 +86,22 @@ def url_run_lineage(url: str) -> dict[str, Any]:
         "rewind_points": run_checkpoints(paths).rewind_points(),
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", [])},
-        # a branch at a URL is a replay's (runs/branch_url.py): it holds none of the parent's rows
-        "branches": [{**b, "parent_rows": None, "reads": None,
-                      "detached": bool((read_parent_at_url(b["run"]) or {}).get("detached"))}
-                     for b in find_branches_at_url(paths.url)],
+        "branches": [_what_branch_reads(b) for b in sorted(branch_records_at_url(paths.url),
+                                                            key=lambda b: (b["step"], b["run"]))],
     }
+
+
+def _what_branch_reads(branch: dict[str, Any]) -> dict[str, Any]:
+    """``lineage.what_branch_reads`` for a branch at a URL: a branch of a run with collectors holds
+    the parent's rows its ``parent-rows/`` names (a replay's branch reads the replay's source)."""
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+    from rlhf_pipeline.runs.branch import PARENT_ROWS
+
+    lineage = branch["lineage"]
+    holds = lineage.get("replay_source") is None and ObjectRunStore(branch["run"]).exists(
+        f"{PARENT_ROWS}/selection.json")
+    return {"run": branch["run"], "step": branch["step"], "parent_rows": lineage.get("buffer_rows") if holds else None,
+            "reads": None, "detached": bool(lineage.get("detached"))}
 
 
 def _parent_of(store, prefix: str, where: str) -> dict[str, Any] | None:

@@ -8,8 +8,9 @@ after it. The floor is the lowest of:
   next batches from the rows its sampler could reach then, the newest ``window`` rows before the
   position the checkpoint recorded (``step_N.json``'s ``buffer_rows``); a checkpoint made before
   positions were recorded, or one that does not name this shard, holds every row;
-* **the branches beside the run** (``runs/lineage.py`` finds them): a branch's ``parent-rows/``
-  names the parent's rows by global id and checks at every opening that they are all still there;
+* **the branches beside the run** (``runs/lineage.py`` finds them; at a URL ``runs/retention_url.py``):
+  a branch's ``parent-rows/`` names the parent's rows by global id and checks at every opening that
+  they are all still there (a detached branch continued online still reads them in place: all held);
 * **the learner**: the rows it has not taken in yet (``pacing.json``'s ``consumed``) and the
   ``window`` before them that its sampler draws from; before the learner's first intake, every row.
 
@@ -26,8 +27,8 @@ written; the parent's own retention holds them for the branch through its ``pare
 * **a running replay of the buffer** beside the run (its ``settings.json`` names the source, its
   ``run.lock`` a live process on this machine): while it runs, nothing is dropped.
 
-Not covered (``docs/retention.md``): a replay under another home or on another machine, and branches
-made under another home or of a run at a URL, are not found.
+Not covered (``docs/retention.md``): a replay under another home, on another machine or of a buffer at
+a URL, and branches made under another home (or URL prefix), are not found.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.runs.branch import PARENT_ROWS, write_parent_rows
 from rlhf_pipeline.runs.branch_url import MAKING, walk
 from rlhf_pipeline.runs.detach import detach
+from rlhf_pipeline.runs.lineage_url import url_run_lineage
 from rlhf_pipeline.runs.retention import ShardRetention
 from rlhf_pipeline.storage import create_store, open_buffer
 from rlhf_pipeline.storage.retention import RetentionSettings
@@ -67,6 +68,9 @@ def test_a_parent_at_a_url_keeps_the_rows_its_branches_read(s3_server, parent, t
     retention = ShardRetention(RetentionSettings(max_rows=48), paths, "shard-0000", paths.shard_location(0), LEARNER)
     assert retention.after_round(store, None).first_row == 144  # no branch yet: the learner's floor, 160 splits a group
     branch = make_branch(paths, "branch", 220, tmp_path)  # reads the rows [144, 220)
+    # inspect lists it as a branch holding the parent's rows
+    assert [(b["run"], b["parent_rows"]) for b in url_run_lineage(paths.url)["branches"]] == [
+        (branch, {"00-shard-0000": 220})]
     for r in range(20, 40):  # 240 rows more; the learner took in 440: its floor is row 408
         store.append(make_batch(2, GROUP, seed=r, first_group_id=2 * r, first_trajectory_id=12 * r))
     where, run_store = paths.state_object(paths.pacing)
