@@ -31,47 +31,56 @@ from typing import Any
 RESCAN_S = 30.0  # how long a look at the branches may keep rows before it is taken again
 
 
-def url_branch_rows_needed(run_url: str, store_path: str) -> list[tuple[str, int]]:
+def url_branch_rows_needed(run_url: str, store_path: str, home_store: Any = None) -> list[tuple[str, int]]:
     """``(branch, first global row)`` of the rows of the shard at ``store_path`` that each branch
-    beside the run at ``run_url`` reads (module docstring)."""
-    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+    beside the run at ``run_url`` reads (module docstring); ``home_store``: the ``ObjectRunStore``
+    of the runs' home to read with (one is made when None)."""
     from rlhf_pipeline.runs.branch import PARENT_ROWS
     from rlhf_pipeline.runs.lineage_url import branch_records_at_url
     from rlhf_pipeline.runs.retention import first_row_read
 
     shard = store_path.rstrip("/")
+    home_store = home_store if home_store is not None else _home_store(run_url)
     needed = []
-    for branch in branch_records_at_url(run_url, half_made=True):
-        store = ObjectRunStore(branch["run"])
-        raw = store.read(f"{PARENT_ROWS}/selection.json")
+    for branch in branch_records_at_url(run_url, half_made=True, home_store=home_store):
+        name = branch["run"].rpartition("/")[2]
+        raw = home_store.read(f"{name}/{PARENT_ROWS}/selection.json")
         lineage = branch["lineage"] or {}
+        in_place = f"{branch['run']} (detached, but continued online: it reads the parent in place)"
         if raw is None:
             if branch["half_made"]:
                 needed.append((f"{branch['run']} (half-made: run its `branch` again, or delete it)", 0))
-            elif lineage.get("detached") and _continues_in_place(store, branch["run"], shard):
-                needed.append((f"{branch['run']} (detached, but continued online: it reads the parent in place)", 0))
+            elif lineage.get("detached") and _continues_in_place(home_store, name, branch["run"], shard):
+                needed.append((in_place, 0))
             continue  # a branch of a replay reads the replay's source, not this buffer
         try:
-            parts = json.loads(raw).get("parts", [])
-            first = first_row_read(parts, shard)
+            first = first_row_read(json.loads(raw).get("parts", []), shard)
         except (ValueError, AttributeError, TypeError, KeyError):
             needed.append((f"{branch['run']} (its parent-rows/ is unreadable)", 0))  # hold every row rather than guess
             continue
         if first is not None:
             needed.append((branch["run"], first))
-        elif lineage.get("detached") and _continues_in_place(store, branch["run"], shard):
-            needed.append((f"{branch['run']} (detached, but continued online: it reads the parent in place)", 0))
+        elif lineage.get("detached") and _continues_in_place(home_store, name, branch["run"], shard):
+            needed.append((in_place, 0))
     return needed
 
 
-def _continues_in_place(store: Any, branch_url: str, shard: str) -> bool:
+def _home_store(run_url: str) -> Any:
+    """The ``ObjectRunStore`` of the runs beside the run at ``run_url`` (None at a bucket's top: none)."""
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+
+    home = run_url.rstrip("/").rpartition("/")[0]
+    return ObjectRunStore(home) if "://" in home and not home.endswith(":/") else None
+
+
+def _continues_in_place(home_store: Any, name: str, branch_url: str, shard: str) -> bool:
     """Whether the branch's buffer continues online from rows of the parent's shard at ``shard``
     (its ``buffer.continues.json`` names that shard's buffer and rows of it): it reads them in place."""
     from rlhf_pipeline.runs.retention import continues_shard
     from rlhf_pipeline.storage.continues import continued_rows
 
     try:
-        settings = json.loads(store.read("settings.json") or b"{}")
+        settings = json.loads(home_store.read(f"{name}/settings.json") or b"{}")
         continues = continued_rows(str(settings.get("buffer_url") or f"{branch_url}/buffer"))
     except (ValueError, OSError):
         return True  # unreadable: hold rather than guess
@@ -86,6 +95,7 @@ class UrlBranchFloors:
         self.run_url, self.store_path, self.rescan_s = run_url, store_path, rescan_s
         self._floors: list[tuple[int, str]] = []
         self._taken: float | None = None
+        self._home_store: Any = None
         self.looks = 0  # how many times the home was listed (metrics and tests)
 
     def floors(self, *, fresh: bool) -> tuple[list[tuple[int, str]], bool]:
@@ -93,7 +103,11 @@ class UrlBranchFloors:
         recent = self._taken is not None and time.monotonic() - self._taken < self.rescan_s
         if recent and not fresh:
             return self._floors, False
-        self._floors = [(row, f"branch {run}") for run, row in url_branch_rows_needed(self.run_url, self.store_path)]
+        if self._home_store is None:  # one client for every look
+            self._home_store = _home_store(self.run_url)
+        self._floors = [] if self._home_store is None else [  # at a bucket's top there are no runs beside
+            (row, f"branch {run}") for run, row in url_branch_rows_needed(self.run_url, self.store_path,
+                                                                           self._home_store)]
         self._taken = time.monotonic()
         self.looks += 1
         return self._floors, True
