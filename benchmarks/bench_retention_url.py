@@ -7,11 +7,12 @@ far ahead; beside it in the home are ``--runs`` other runs (a ``settings.json`` 
 ``branch.json``, as ``branch`` writes them). ``retention.max_rows=48`` asks every round to drop
 most of the shard, and the branches keep it all, the steady state of a parent beside a branch:
 
-* ``look``: one lookup of the branches (``url_branch_rows_needed``), the requests it sends
-  (LIST and the rest) and its seconds;
 * ``round, a recent look``: a collector's retention step in a round within ``RESCAN_S`` of the last
   look (it reuses it: the rows are kept with no listing);
-* ``round, looking``: the same round once ``RESCAN_S`` passed (a look, then nothing dropped).
+* ``round, looking``: the same round once ``RESCAN_S`` passed: a look (one LIST of the home and the
+  reads of the runs beside it, ``runs/lineage_url.py``), then nothing dropped.
+
+Both include the floors every retention step reads (the learner's intake, the checkpoints' list).
 
     python benchmarks/bench_retention_url.py --runs 10 --branches 1 --repeat 5
 
@@ -76,7 +77,6 @@ def measure(runs: int, branches: int, repeat: int) -> dict[str, list[tuple[int, 
         boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
         from rlhf_pipeline.learn.settings import LearnerSettings
         from rlhf_pipeline.runs.retention import ShardRetention
-        from rlhf_pipeline.runs.retention_url import url_branch_rows_needed
         from rlhf_pipeline.storage.retention import RetentionSettings
 
         with tempfile.TemporaryDirectory() as scratch:
@@ -85,7 +85,6 @@ def measure(runs: int, branches: int, repeat: int) -> dict[str, list[tuple[int, 
                                    LearnerSettings(batch_size=16, sample_window=32))
         retention.after_round(store, None)  # the first look
         cases = {
-            "look": lambda: url_branch_rows_needed(paths.url, paths.shard_location(0)),
             "round, a recent look": lambda: retention.after_round(store, None),
             "round, looking": lambda: (setattr(retention.url_branches, "rescan_s", 0.0),
                                        retention.after_round(store, None)),

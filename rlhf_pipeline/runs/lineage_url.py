@@ -44,7 +44,7 @@ def branch_records_at_url(url: str, *, half_made: bool = False, home_store: Any 
     from concurrent.futures import ThreadPoolExecutor
 
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
-    from rlhf_pipeline.runs.branch_url import MAKING
+    from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING
 
     url = url.rstrip("/")
     home, _, name = url.rpartition("/")
@@ -57,7 +57,7 @@ def branch_records_at_url(url: str, *, half_made: bool = False, home_store: Any 
             lineage = _parent_of(store, f"{other}/", f"{home}/{other}")
         except ValueError:
             return None  # a damaged branch says so when it is inspected itself
-        making = _making_of(store.read(f"{other}/{MAKING}")) if lineage is None and half_made else None
+        making = _making_of(store.read(f"{other}/{BRANCH_MAKING}")) if lineage is None and half_made else None
         named = lineage if lineage is not None else making
         if named is None or str(named.get("parent", "")).rstrip("/") != url:
             return None
@@ -100,11 +100,10 @@ def _what_branch_reads(branch: dict[str, Any]) -> dict[str, Any]:
     """``lineage.what_branch_reads`` for a branch at a URL: a branch of a run with collectors holds
     the parent's rows its ``parent-rows/`` names (a replay's branch reads the replay's source)."""
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
-    from rlhf_pipeline.runs.branch import PARENT_ROWS
+    from rlhf_pipeline.runs.branch_reads import PARENT_ROWS_MANIFEST
 
     lineage = branch["lineage"]
-    holds = lineage.get("replay_source") is None and ObjectRunStore(branch["run"]).exists(
-        f"{PARENT_ROWS}/selection.json")
+    holds = lineage.get("replay_source") is None and ObjectRunStore(branch["run"]).exists(PARENT_ROWS_MANIFEST)
     return {"run": branch["run"], "step": branch["step"], "parent_rows": lineage.get("buffer_rows") if holds else None,
             "reads": None, "detached": bool(lineage.get("detached"))}
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.runs.branch_reads import continues_shard, first_row_read, resolved_location
 from rlhf_pipeline.storage.retention import RetentionSettings, RowClock, wanted_cut, whole_cut
 
 CLOCK_KEY = "retention_clock"  # where the row clock rides in the collector's saved loop state
@@ -159,7 +160,7 @@ def branch_rows_needed(run: str | Path, store_path: str) -> list[tuple[str, int]
     from rlhf_pipeline.runs.lineage import find_branches, is_detached
     from rlhf_pipeline.storage.continues import continued_rows
 
-    shard = _resolved(store_path)
+    shard = resolved_location(store_path)
     needed = []
     for branch in find_branches(run):
         manifest = Path(branch["run"]) / "parent-rows" / "selection.json"
@@ -182,24 +183,6 @@ def branch_rows_needed(run: str | Path, store_path: str) -> list[tuple[str, int]
     return needed
 
 
-def first_row_read(parts: list[dict[str, Any]], shard: str) -> int | None:
-    """The first row of the store at ``shard`` that a saved selection's ``parts`` name (None: none)."""
-    shard = _resolved(shard).rstrip("/")
-    firsts = [int(part["first_row"]) for part in parts
-              if part.get("rows") and _resolved(str(part.get("location", ""))).rstrip("/") == shard]
-    return min(firsts) if firsts else None
-
-
-def continues_shard(continues: dict[str, Any] | None, shard: str) -> bool:
-    """Whether a branch's continues record (``storage/continues.py``) reads rows of the parent
-    shard at ``shard`` in place: its ``parent_buffer`` is that shard's buffer and names rows of it."""
-    if continues is None:
-        return False
-    buffer, _, name = _resolved(shard).rstrip("/").rpartition("/")
-    same = _resolved(str(continues["parent_buffer"])).rstrip("/") == buffer
-    return same and int(continues["rows"].get(name, 0)) > 0
-
-
 def running_replays_of(run: str | Path, store_path: str) -> list[str]:
     """The runs beside ``run`` whose ``replay`` is running now over ``run``'s buffer (or over the
     store at ``store_path``): a replay's ``settings.json`` names its source, and its ``run.lock``
@@ -209,7 +192,7 @@ def running_replays_of(run: str | Path, store_path: str) -> list[str]:
     from rlhf_pipeline.runs.run_directory import HOLDER_FILE
 
     run = Path(run).resolve()
-    sources = {_resolved(str(run / "buffer")), _resolved(store_path)}
+    sources = {resolved_location(str(run / "buffer")), resolved_location(store_path)}
     found = []
     for candidate in sorted(run.parent.iterdir()) if run.parent.is_dir() else []:
         if candidate == run or not (candidate / HOLDER_FILE).is_file():
@@ -220,14 +203,11 @@ def running_replays_of(run: str | Path, store_path: str) -> list[str]:
         except (OSError, ValueError, AttributeError):
             continue  # not a replay, or one that has not written its record yet
         source = replay.get("buffer") if isinstance(replay, dict) else None
-        if (isinstance(source, str) and _resolved(source) in sources and holder.get("host") == socket.gethostname()
+        if (isinstance(source, str) and resolved_location(source) in sources
+                and holder.get("host") == socket.gethostname()
                 and isinstance(holder.get("pid"), int) and pid_running(holder["pid"])):
             found.append(str(candidate))
     return found
-
-
-def _resolved(location: str) -> str:
-    return location if "://" in location else str(Path(location).resolve())
 
 
 def run_retention(run: str | Path) -> dict[str, Any] | None:

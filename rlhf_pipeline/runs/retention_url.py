@@ -35,16 +35,15 @@ def url_branch_rows_needed(run_url: str, store_path: str, home_store: Any = None
     """``(branch, first global row)`` of the rows of the shard at ``store_path`` that each branch
     beside the run at ``run_url`` reads (module docstring); ``home_store``: the ``ObjectRunStore``
     of the runs' home to read with (one is made when None)."""
-    from rlhf_pipeline.runs.branch import PARENT_ROWS
+    from rlhf_pipeline.runs.branch_reads import PARENT_ROWS_MANIFEST, first_row_read
     from rlhf_pipeline.runs.lineage_url import branch_records_at_url
-    from rlhf_pipeline.runs.retention import first_row_read
 
     shard = store_path.rstrip("/")
     home_store = home_store if home_store is not None else _home_store(run_url)
     needed = []
     for branch in branch_records_at_url(run_url, half_made=True, home_store=home_store):
         name = branch["run"].rpartition("/")[2]
-        raw = home_store.read(f"{name}/{PARENT_ROWS}/selection.json")
+        raw = home_store.read(f"{name}/{PARENT_ROWS_MANIFEST}")
         lineage = branch["lineage"] or {}
         in_place = f"{branch['run']} (detached, but continued online: it reads the parent in place)"
         if raw is None:
@@ -76,7 +75,7 @@ def _home_store(run_url: str) -> Any:
 def _continues_in_place(home_store: Any, name: str, branch_url: str, shard: str) -> bool:
     """Whether the branch's buffer continues online from rows of the parent's shard at ``shard``
     (its ``buffer.continues.json`` names that shard's buffer and rows of it): it reads them in place."""
-    from rlhf_pipeline.runs.retention import continues_shard
+    from rlhf_pipeline.runs.branch_reads import continues_shard
     from rlhf_pipeline.storage.continues import continued_rows
 
     try:

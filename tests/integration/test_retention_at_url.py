@@ -22,6 +22,7 @@ from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.runs.branch import PARENT_ROWS, write_parent_rows
+from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, PARENT_ROWS_MANIFEST
 from rlhf_pipeline.runs.branch_url import MAKING, walk
 from rlhf_pipeline.runs.detach import detach
 from rlhf_pipeline.runs.lineage_url import url_run_lineage
@@ -108,6 +109,10 @@ def test_a_parent_at_a_url_keeps_the_rows_its_branches_read(s3_server, parent, t
         assert len(rows) == 76
         assert rows.read(torch.arange(76), fields=["group_id"]).group_id.tolist() == [r // GROUP
                                                                                      for r in range(144, 220)]
+
+
+def test_the_names_retention_reads_are_those_branch_writes():
+    assert BRANCH_MAKING == MAKING and PARENT_ROWS_MANIFEST == f"{PARENT_ROWS}/selection.json"
 
 
 def test_a_deleted_branch_at_a_url_holds_nothing(s3_server, parent, tmp_path):
