@@ -1,4 +1,4 @@
-"""Retention of a run at an ``s3://`` URL (moto's S3 server on loopback) that has branches beside it:
+"""Retention of a run at an ``s3://`` or ``az://`` URL (moto's S3 server, Azurite) with branches beside it:
 the parent's collector never drops a row a branch at the URL reads (``runs/retention_url.py``).
 
 The parent's shard is a real Zarr store at its URL; its branch is made as ``branch`` makes one (its
@@ -51,9 +51,18 @@ def make_branch(parent: RunPaths, name: str, rows: int, tmp_path) -> str:
     return url
 
 
-@pytest.fixture()
-def parent(s3_server, s3_env):
-    paths = RunPaths.at_url(s3_server.url("runs") + "/parent")
+@pytest.fixture(params=["s3", "az"])
+def parent(request, tmp_path, monkeypatch):
+    """A parent's shard at the URL with 240 rows, and its learner's intake; on S3 (moto) and Azure (Azurite)."""
+    if request.param == "s3":
+        request.getfixturevalue("s3_env")
+        home = request.getfixturevalue("s3_server").url("runs")
+    else:
+        server = request.getfixturevalue("azure_server")
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.env()["AZURE_STORAGE_CONNECTION_STRING"])
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        home = server.url("runs")
+    paths = RunPaths.at_url(home + "/parent")
     store = create_store(paths.shard_location(0), "zarr", segment_rows=SEGMENT)
     for r in range(20):  # 240 rows in groups of 6: groups straddle some segment boundaries
         store.append(make_batch(2, GROUP, seed=r, first_group_id=2 * r, first_trajectory_id=12 * r))
@@ -64,7 +73,7 @@ def parent(s3_server, s3_env):
     store.close()
 
 
-def test_a_parent_at_a_url_keeps_the_rows_its_branches_read(s3_server, parent, tmp_path):
+def test_a_parent_at_a_url_keeps_the_rows_its_branches_read(parent, tmp_path):
     paths, store = parent
     retention = ShardRetention(RetentionSettings(max_rows=48), paths, "shard-0000", paths.shard_location(0), LEARNER)
     assert retention.after_round(store, None).first_row == 144  # no branch yet: the learner's floor, 160 splits a group
@@ -115,7 +124,7 @@ def test_the_names_retention_reads_are_those_branch_writes():
     assert BRANCH_MAKING == MAKING and PARENT_ROWS_MANIFEST == f"{PARENT_ROWS}/selection.json"
 
 
-def test_a_deleted_branch_at_a_url_holds_nothing(s3_server, parent, tmp_path):
+def test_a_deleted_branch_at_a_url_holds_nothing(parent, tmp_path):
     paths, store = parent
     retention = ShardRetention(RetentionSettings(max_rows=48), paths, "shard-0000", paths.shard_location(0), LEARNER)
     branch = make_branch(paths, "gone", 100, tmp_path)
