@@ -6,7 +6,9 @@ The parent's shard is a real Zarr store at its URL; its branch is made as ``bran
 its ``branch.json``). While the branch reads rows ``[0, 120)``, retention drops none of them, and
 neither while a branch is half-made (``branch.making``) or its selection unreadable; a branch
 detached with ``detach`` (its own copy of the rows) or deleted lets them go, after which the branch
-still reads every row it named. Looking for branches lists the home: only when a drop is due.
+still reads every row it named, unless it was continued online (its buffer still reads the
+parent's shard in place: held, at a URL and in a directory). Looking for branches lists the home:
+only when a drop is due.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, PARENT_ROWS_MANIFEST
 from rlhf_pipeline.runs.branch_url import MAKING, walk
 from rlhf_pipeline.runs.detach import detach
 from rlhf_pipeline.runs.lineage_url import url_run_lineage
-from rlhf_pipeline.runs.retention import ShardRetention
+from rlhf_pipeline.runs.retention import ShardRetention, branch_rows_needed
 from rlhf_pipeline.storage import create_store, open_buffer
+from rlhf_pipeline.storage.continues import write_continued_rows
 from rlhf_pipeline.storage.retention import RetentionSettings
 from rlhf_pipeline.storage.selection_url import upload_selection
 
@@ -134,3 +137,34 @@ def test_a_deleted_branch_at_a_url_holds_nothing(parent, tmp_path):
     retention.url_branches.rescan_s = 0.0  # as once RESCAN_S passed since the look that found it
     report = retention.after_round(store, None)
     assert store.first_row == 144 and "learner" in report.held_by
+
+
+def test_a_detached_branch_continued_online_still_holds_the_parents_rows(parent, tmp_path):
+    """Its ``parent-rows/`` names its own copy, but its buffer continues the parent's shard in place."""
+    paths, store = parent
+    retention = ShardRetention(RetentionSettings(max_rows=48), paths, "shard-0000", paths.shard_location(0), LEARNER)
+    branch = make_branch(paths, "online", 120, tmp_path)
+    name = paths.shard_location(0).rsplit("/", 1)[-1]
+    write_continued_rows(f"{branch}/buffer", paths.buffer_location, {name: 120})  # as its first online start does
+    detach(branch)
+    floor, why = retention.floor(store)
+    assert floor == 0 and "continued online" in why
+    ObjectRunStore(branch).delete("buffer.continues.json")  # (a branch never continued: its copy is all it reads)
+    assert "learner" in retention.floor(store)[1]
+
+
+def test_a_local_detached_branch_continued_online_still_holds_the_parents_rows(tmp_path):
+    run = RunPaths(tmp_path / "parent")
+    shard = run.buffer / "shard-0000"
+    store = create_store(shard, "memmap", segment_rows=SEGMENT, evict_grace_s=0.0)
+    for r in range(20):
+        store.append(make_batch(2, GROUP, seed=r, first_group_id=2 * r, first_trajectory_id=12 * r))
+    branch = tmp_path / "online"
+    branch.mkdir()
+    (branch / "branch.json").write_text(json.dumps({"parent": str(run.root), "step": 5, "detached": {"rows_copied": 0},
+                                                    "buffer_rows": {"shard-0000": 120}}))
+    write_continued_rows(branch / "buffer", str(run.buffer), {"shard-0000": 120})
+    assert branch_rows_needed(run.root, str(shard)) == [(str(branch), 0)]
+    write_continued_rows(branch / "buffer", str(run.buffer), {"shard-0000": 0})  # it reads none of that shard
+    assert branch_rows_needed(run.root, str(shard)) == []
+    store.close()
