@@ -5,7 +5,9 @@ One round is: every active episode's token list goes to the sampler in one batch
 own ``max_new_tokens``, the smaller of its per-turn limit and what its budget and context leave);
 each episode records its sampled ids; then every environment answers its episode's turn at the
 same time (:class:`~.environment.EnvironmentRunner`: sync steps in a thread pool, async ones
-awaited, a per-step timeout). Episodes that ended drop out; the rest go round again.
+awaited, a per-step timeout). Episodes that ended drop out; the rest go round again. Given a
+``sample_turn`` instead, each episode goes round on its own: its next turn is awaited as soon as its
+environment answered, whatever the others are doing (``collect/agent_turns.py``).
 
 An episode that fails -- its environment cannot be built, its ``reset`` or ``step`` raises or
 times out at reset, it returns something that is not a ``StepResult`` or messages the template

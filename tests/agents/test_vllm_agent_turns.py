@@ -3,7 +3,8 @@ episode's next turn added to vLLM's running batch as soon as its environment ans
 server's ``turns`` operation), over the BPE tokenizer trained here: the rows do not depend on when
 the environments answer, every stored log-prob is the teacher-forced one over its whole trajectory,
 greedy episodes are our loop's token for token, and a kill -9 of the engine mid-round gives the same
-rows. One engine serves the module; skipped where the vLLM environment is absent."""
+rows; the same through a vLLM server at a URL (one HTTP request per turn). One engine serves the
+module; skipped where the vLLM environment is absent."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import torch
 
 from rlhf_pipeline.agents.calculator import CalculatorEnv, multiply, product_tasks
 from rlhf_pipeline.agents.tools import ToolBox, parser_for_template
+from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, TaskSource
 from rlhf_pipeline.generation import SamplingConfig
 from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 from rlhf_pipeline.models import tiny_causal_lm
 
 from helpers import kill_once_busy, process_running
@@ -140,3 +143,30 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_turns_in_flight_sent_ag
         assert_same_rows(plain, killed)
     finally:
         engine.restarts = kept
+
+
+def test_per_episode_turns_through_a_server_at_a_url(policy, bpe_tokenizer, box, tmp_path_factory):
+    """One HTTP request per turn, each seeded from its episode's generator: the rows do not depend on
+    environment timing either, and every log-prob is the teacher-forced one over its whole trajectory."""
+    try:
+        python = find_vllm_python(None)
+    except ValueError as exc:
+        pytest.skip(f"needs the vLLM environment: {exc}")
+    work = tmp_path_factory.mktemp("vllm-url-turns")
+    server = VLLMServerProcess(python, save_model_dir(policy, bpe_tokenizer, work / "model"), work)
+    try:
+        engine = VLLMURLEngine(server.url, policy, stop_token_ids=[bpe_tokenizer.eos_token_id], tokenizer=bpe_tokenizer)
+        try:
+            sampling = SamplingConfig()
+            first = collector(engine, bpe_tokenizer, box, sampling, delay_seed=1, seed=5)
+            rows = first.collect()
+            again = collector(engine, bpe_tokenizer, box, sampling, delay_seed=2, seed=5).collect()
+            assert_same_rows(rows, again)
+            assert int(rows["step"].max()) >= 1
+            assert first.last_metrics["generation_batches"] == len(rows)  # one request per turn
+            assert recompute_difference(policy, rows, sampling) < LOG_PROB_TOLERANCE
+            assert recompute_difference(policy, rows, sampling, later_turns_only=True) < LOG_PROB_TOLERANCE
+        finally:
+            engine.close()
+    finally:
+        server.stop()
