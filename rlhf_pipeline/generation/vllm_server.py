@@ -178,6 +178,10 @@ def turns(llm, message: dict[str, Any], connection: Connection) -> None:
             elif time.monotonic() - last_reply >= every_s:
                 connection.send({"ok": True, "progress": steps})
                 last_reply = time.monotonic()
+    except (EOFError, OSError):  # the client is gone: drop its requests, the serve loop then ends
+        if keys:
+            engine.abort_request(sorted(keys))
+        return
     except Exception:  # the error reply ends the session: nothing of it may stay in the engine
         if keys:
             engine.abort_request(sorted(keys))

@@ -41,8 +41,10 @@ class VLLMTurns(TurnSubmitter):
         self._failed: BaseException | None = None
         self._ending = False
         self._finished = threading.Event()
-        with self._send_lock:
+        try:
             engine.send("turns", **self._opening)
+        except EngineDied as died:  # it died between rounds: a new one, as a round's first send does
+            self._restart(died)
         self._reader = threading.Thread(target=self._read, name="vllm-turns", daemon=True)
         self._reader.start()
 
