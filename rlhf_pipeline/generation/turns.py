@@ -1,7 +1,7 @@
 """Requests submitted one at a time, each answered as soon as it is sampled: an agent's next turn
 asked for the moment its environment answered, rather than with the round's other turns.
 
-:func:`open_turns` gives a :class:`TurnSubmitter` for an engine. Each :meth:`TurnSubmitter.submit`
+A :class:`TurnSubmitter` takes them for an engine (``collect/agent_turns.py`` picks one). Each :meth:`TurnSubmitter.submit`
 carries its own ``torch.Generator`` (the agent collector keeps one per episode, seeded at the round's
 start: ``collect/agent_turns.py``), and a request's randomness comes from that generator only, so what
 it samples does not depend on which other requests were in flight with it, nor on when it was sent:
@@ -96,17 +96,3 @@ class ThreadedTurns(TurnSubmitter):
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-
-def open_turns(engine: GenerationEngine, sampling: SamplingConfig) -> TurnSubmitter:
-    """The submitter for ``engine`` (see the module docstring)."""
-    engine.check_sampling(sampling)
-    from rlhf_pipeline.generation.vllm_engine import VLLMEngine
-    from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
-
-    if isinstance(engine, VLLMEngine):
-        from rlhf_pipeline.generation.vllm_turns import VLLMTurns
-
-        return VLLMTurns(engine, sampling)
-    if isinstance(engine, VLLMURLEngine):
-        return ThreadedTurns(engine, sampling, workers=engine.max_concurrency)
-    return ThreadedTurns(engine, sampling, workers=1)  # our loop: one model, one decode at a time
