@@ -54,26 +54,26 @@ def engine(policy, bpe_tokenizer, tmp_path_factory):
 class SlowCalculator(CalculatorEnv):
     """A calculator whose every step first sleeps a random while (``delays``, a seeded ``random.Random``)."""
 
-    def __init__(self, box, delays: random.Random, lock: threading.Lock):
+    def __init__(self, box, delays: random.Random, lock: threading.Lock, delay_s: tuple[float, float]):
         super().__init__(box, nudges=1)
-        self.delays, self.lock = delays, lock
+        self.delays, self.lock, self.delay_s = delays, lock, delay_s
 
     def step(self, turn):
         with self.lock:
-            delay = self.delays.uniform(0.0, 0.05)
+            delay = self.delays.uniform(*self.delay_s)
         time.sleep(delay)
         return super().step(turn)
 
 
 def collector(sampler, tokenizer, box, sampling: SamplingConfig, *, turns="per_episode", delay_seed=0,
-              seed=0) -> AgentCollector:
-    """3 tasks x 2 episodes a round, each environment step delayed at random (``delay_seed``); the rows
-    come back from ``collect()``."""
+              seed=0, delay_s=(0.0, 0.05)) -> AgentCollector:
+    """3 tasks x 2 episodes a round, each environment step delayed at random in ``delay_s``
+    (``delay_seed``); the rows come back from ``collect()``."""
     config = AgentCollectorConfig(tasks_per_round=3, group_size=2, limits=LIMITS, sampling=sampling, seed=seed,
                                   turns=turns)
     tasks = TaskSource(product_tasks(12, seed=1), seed=0, required_fields=("question", "answer"))
     delays, lock = random.Random(delay_seed), threading.Lock()
-    return AgentCollector(sampler, tokenizer, tasks, lambda: SlowCalculator(box, delays, lock), sink=None,
+    return AgentCollector(sampler, tokenizer, tasks, lambda: SlowCalculator(box, delays, lock, delay_s), sink=None,
                           config=config, parser=parser_for_template(tokenizer.chat_template))
 
 
@@ -143,6 +143,20 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_turns_in_flight_sent_ag
         assert_same_rows(plain, killed)
     finally:
         engine.restarts = kept
+
+
+def test_environments_slower_than_hung_after_s_are_not_a_hung_engine(engine, bpe_tokenizer, box):
+    """While every environment works the engine has no turn to decode; it says it is alive meanwhile, so
+    a wait longer than ``generation.hung_after_s`` is not taken for a hang (no kill, no restart)."""
+    said: list[str] = []
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=0, hung_after_s=1.0, announce=said.append)
+    pid = engine.pid
+    try:
+        rows = collector(engine, bpe_tokenizer, box, SamplingConfig(), delay_s=(1.5, 1.6), seed=3).collect()
+    finally:
+        engine.restarts = kept
+    assert int(rows["step"].max()) >= 1  # episodes waited 1.5 s for their environment more than once
+    assert engine.pid == pid and not said
 
 
 def test_per_episode_turns_through_a_server_at_a_url(policy, bpe_tokenizer, box, tmp_path_factory):
