@@ -309,7 +309,7 @@ class AgentCollector:
 
     def _report(self, result: Rollout, batch: TrajectoryBatch | None, elapsed: float,
                 streamed: dict[str, float]) -> None:
-        self.last_metrics = metrics = round_metrics(self, result, batch, elapsed, streamed)
+        self.last_metrics = metrics = round_metrics(self, result, batch, elapsed, self._generate_s, streamed)
         for hook in self.hooks:
             hook(metrics)
 

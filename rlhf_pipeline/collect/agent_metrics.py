@@ -12,7 +12,7 @@ from rlhf_pipeline.agents.rollout import Rollout
 from rlhf_pipeline.schema import TrajectoryBatch
 
 
-def round_metrics(collector: Any, result: Rollout, batch: TrajectoryBatch | None, elapsed: float,
+def round_metrics(collector: Any, result: Rollout, batch: TrajectoryBatch | None, elapsed: float, generate_s: float,
                   streamed: dict[str, float]) -> dict[str, float]:
     """``collector``'s (an :class:`~.agent_collector.AgentCollector`) metrics of the round it just wrote.
 
@@ -31,8 +31,8 @@ def round_metrics(collector: Any, result: Rollout, batch: TrajectoryBatch | None
         "rows": float(rows),
         "rows_per_s": rows / max(elapsed, 1e-9),
         "round_s": elapsed,
-        "generate_s": collector._generate_s,
-        "engine_idle_share": max(0.0, 1.0 - collector._generate_s / max(elapsed, 1e-9)),
+        "generate_s": generate_s,
+        "engine_idle_share": max(0.0, 1.0 - generate_s / max(elapsed, 1e-9)),
         "reward_mean": float(returns.mean()),
         "reward_std": float(returns.std(unbiased=False)),
         "groups_with_signal": float((group_std > 0).double().mean()),
