@@ -50,7 +50,7 @@ import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -109,7 +109,7 @@ class AgentCollectorConfig:
     """Write each group once its episodes all ended and every earlier group of the round is written, in
     several appends per round (``collect/agent_streaming.py``), instead of one append at the round's
     end; the rows are the same either way."""
-    turns: str = "lockstep"
+    turns: Literal["lockstep", "per_episode"] = "lockstep"
     """``lockstep``: every active episode's turn in one engine call; ``per_episode``: each episode's next
     turn sent as soon as its environment answered, its draws from a generator of its own
     (``collect/agent_turns.py``: other rows than lockstep's, as deterministic and resumable)."""
