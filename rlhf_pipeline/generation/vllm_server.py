@@ -22,10 +22,10 @@ Operations (``op`` of each request; every reply has ``ok`` and, when False, ``er
   prompt tokens found in the prefix cache), a ``progress`` reply every ``progress_every_s`` of
   steps that finished none, then ``done``; an error reply ends it too. A whole round
   (``VLLMEngine.sample``) is a stream read to its end;
-* ``turns``: a session of requests added one by one while the engine steps (:func:`turns`: an
-  agent's next turn sent as soon as its environment answered), replies as in ``stream`` but keyed;
 * ``load_weights``: ``path`` of a safetensors file -> loaded through the worker extension
   (``generation/vllm_worker.py``), then the prefix cache is reset;
+* ``turns``: a session of requests added one by one while the engine steps (:func:`turns`: an
+  agent's next turn sent as soon as its environment answered), replies as in ``stream`` but keyed;
 * ``nccl_init`` / ``nccl_start`` / ``nccl_update`` / ``nccl_finish``: vLLM's weight-transfer
   protocol, for the GPU route (``generation/vllm_nccl.py``);
 * ``close``: replies, then the process exits.
@@ -137,6 +137,10 @@ def stream(llm, message: dict[str, Any], connection: Connection) -> None:
     connection.send({"ok": True, "done": True})
 
 
+def external_id(request_id: str) -> str:
+    return str(request_id).split("-", 1)[0]
+
+
 def turns(llm, message: dict[str, Any], connection: Connection) -> None:
     """Requests added while vLLM's engine steps (an agent's turns, each sent once its environment
     answered: ``generation/vllm_turns.py``). The opening message has ``sampling``, ``stop_token_ids``
@@ -187,10 +191,6 @@ def turns(llm, message: dict[str, Any], connection: Connection) -> None:
             engine.abort_request(sorted(keys))
         raise
     connection.send({"ok": True, "done": True})
-
-
-def external_id(request_id: str) -> str:
-    return str(request_id).split("-", 1)[0]
 
 
 def load_weights(llm, message: dict[str, Any]) -> dict[str, Any]:
