@@ -252,7 +252,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                                  context_length=settings.context_length),
             sampling=SamplingConfig(temperature=settings.temperature), seed=settings.seed,
             collector_index=collector_index, max_failed_group_fraction=settings.max_failed_group_fraction,
-            stream_groups=settings.generation.stream_groups,
+            stream_groups=settings.generation.stream_groups, turns=settings.generation.agent_turns,
             # a buffer created before some of the agents' row fields existed goes on without them
             row_fields=tuple(f for f in AGENT_ROW_FIELDS if f in store.schema.field_names),
         )

@@ -37,6 +37,11 @@ class GenerationSettings:
     engine: Literal["loop", "vllm"] = "loop"
     """loop: our sampling loop in the collector's process (the default); vllm: a vLLM engine the
     collector starts in its own process under the vLLM environment's Python, and stops with the run."""
+    agent_turns: Literal["lockstep", "per_episode"] = "lockstep"
+    """Agents (pipelines/tool_use.py): lockstep sends every active episode's turn in one engine call;
+    per_episode sends each episode's next turn as soon as its environment answered, so vLLM's batch
+    stays full while slow environments work. Its draws come from per-episode generators seeded at the
+    round's start: other rows than lockstep's for a seed, the same whatever the timing (docs/generation.md)."""
     python: str | None = None
     """vllm: the Python that has vLLM; none: .venv-vllm/bin/python of this checkout (rlhf-pipeline
     setup-vllm makes it), else this Python if it has vllm."""
