@@ -150,5 +150,5 @@ class WeightsLeases:
             return self.release(holder, now)
         if op == "describe":
             self.expire(now)
-            return self._state(None, held_key=self.held_key, ready=self.ready)
+            return {**self._state(None, held_key=self.held_key, ready=self.ready), "state": None}
         raise ValueError(f"unknown lease operation {op!r}")

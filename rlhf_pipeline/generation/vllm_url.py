@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import nullcontext
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from rlhf_pipeline.generation.engine import (
     Completion,
     CompletionGroup,
     EngineFailed,
+    EngineStats,
     GenerationEngine,
     SampleRequest,
     UnsupportedCapability,
@@ -82,6 +84,22 @@ PROBE_SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.6)
 NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
            "min_tokens": 0}
 """Sent with every request: the server's generation config would otherwise set them."""
+
+
+@dataclass
+class SharedServerStats(EngineStats):
+    """The engine's stats, and what sharing the server cost this collector since the last round:
+    ``lease_wait_s``, seconds waiting for other collectors' rounds on other weights to end, and
+    ``server_loads``, loads of its weights (each version once, and again after another's went in)."""
+
+    weights: Any = None
+    reported: tuple[float, int] = (0.0, 0)
+
+    def update_metrics(self) -> dict[str, float]:
+        waited, loads = self.weights.waited_s, self.weights.loads
+        since = {"lease_wait_s": waited - self.reported[0], "server_loads": float(loads - self.reported[1])}
+        self.reported = (waited, loads)
+        return {**super().update_metrics(), **since}
 
 
 class VLLMURLEngine(GenerationEngine):
@@ -110,8 +128,7 @@ class VLLMURLEngine(GenerationEngine):
         # the weights this engine's rounds sample with, held on a server other collectors may share
         self.weights = ServerWeights(self.client, weights_dir=weights_dir, inline=inline_weights, lease_s=lease_s,
                                      version=policy_version)
-        self.lease_wait_s = 0.0
-        """Seconds this engine's rounds waited for other collectors' rounds on other weights to end."""
+        self.stats = SharedServerStats(weights=self.weights)
         started = time.perf_counter()
         try:
             self._wait_until_healthy(wait_s)
@@ -280,7 +297,7 @@ class VLLMURLEngine(GenerationEngine):
         lease = self.weights.round_lease() if self._weight_updates else None
         with lease or nullcontext(), ThreadPoolExecutor(max_workers=min(len(bodies), self.max_concurrency)) as pool:
             if lease is not None:
-                self.lease_wait_s += lease.waited_s
+                self.weights.waited_s += lease.waited_s
                 self.stats.update_s_total += lease.load_s  # another collector's weights went in meanwhile
             index_of = {pool.submit(self.client.post, "/v1/completions", body): k for k, body in enumerate(bodies)}
             waiting = set(index_of)

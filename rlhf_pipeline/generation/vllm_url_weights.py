@@ -50,6 +50,8 @@ class ServerWeights:
         self.key, self.version = "", int(version)
         self.loads, self.load_s = 0, 0.0
         """The server loads this engine did (its own versions, and again after another's went in)."""
+        self.waited_s = 0.0
+        """Seconds its rounds waited for other collectors' rounds on other weights to end."""
 
     def take(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> None:
         """``weights`` become the ones this engine's rounds sample with, loaded on the server now (a
@@ -63,8 +65,8 @@ class ServerWeights:
         before = (self.path, self.key, self.version)
         self.path, self.key, self.version = path, weights_digest(path), int(version)
         try:
-            with self.round_lease():  # loads them, unless the server holds them already
-                pass
+            with self.round_lease() as lease:  # loads them, unless the server holds them already
+                self.waited_s += lease.waited_s
         except BaseException:
             self.path, self.key, self.version = before
             if self._ours(path) and path != before[0]:
