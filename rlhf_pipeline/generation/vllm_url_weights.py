@@ -24,7 +24,7 @@ import torch
 
 from rlhf_pipeline.generation.engine import EngineFailed
 from rlhf_pipeline.generation.vllm_http import JsonClient, ServerError
-from rlhf_pipeline.generation.vllm_url_lease import RoundLease
+from rlhf_pipeline.generation.vllm_url_lease import LeaseUnsupported, RoundLease
 
 
 class ServerMismatch(ValueError):
@@ -67,10 +67,12 @@ class ServerWeights:
         try:
             with self.round_lease() as lease:  # loads them, unless the server holds them already
                 self.waited_s += lease.waited_s
-        except BaseException:
+        except BaseException as exc:
             self.path, self.key, self.version = before
             if self._ours(path) and path != before[0]:
                 path.unlink(missing_ok=True)
+            if isinstance(exc, LeaseUnsupported):  # an engine's first lease: said as its other checks are
+                raise ServerMismatch(f"generation.url: {exc}") from None
             raise
         if before[0] is not None and before[0] != path and self._ours(before[0]):
             before[0].unlink(missing_ok=True)
