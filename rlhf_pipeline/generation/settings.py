@@ -80,7 +80,7 @@ class GenerationSettings:
     url_lease_s: float = 60.0
     """url: seconds a round's lease on the server's weights lives without renewal (renewed every quarter
     of it while the round runs): how long a collector that died mid-round holds up the others sharing
-    the server; longer than a weight upload takes (the server answers no renewal while it loads)."""
+    the server. A collector stalled longer than this mid-round loses the round (nothing of it stored)."""
     url_check_tolerance: float = 1e-3
     """url: largest log-prob difference between the server and the pipeline's model at the start
     check; raise it for a server in lower precision than the pipeline's model."""

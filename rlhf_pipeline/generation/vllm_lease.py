@@ -17,7 +17,7 @@ may need version 7 and another's version 8 (or, resumed after a crash, version 5
   to **load** its weights (it alone uploads them, ``loaded`` records them, it resets the prefix cache,
   then ``ready`` grants it and every later ticket with the same key); weights OLDER than the held ones
   are loaded the same way: the rows of a resumed collector need the weights of the version they name;
-* a ticket lives ``ttl_s`` past its last call (``acquire``, ``renew``): a collector killed mid-round
+* a ticket lives ``ttl_s`` past its last call (``acquire``, ``renew``, its load): a collector killed mid-round
   stops renewing, its ticket expires, and the others go on. A loader that dies between its load and
   ``ready`` leaves weights whose prefix cache was maybe not reset: the next loader loads again.
 
@@ -98,8 +98,14 @@ class WeightsLeases:
             ticket.state = "loading"  # drained, and first in line: its weights go in next
         return self._state(ticket)
 
-    def loaded(self, holder: str | None, key: str | None, version: int | None) -> None:
-        """Weights were loaded (by ``holder``'s round, or by a client of no lease): a new epoch."""
+    def loaded(self, holder: str | None, key: str | None, version: int | None, ttl_s: float = 0.0,
+               now: float = 0.0) -> None:
+        """Weights were loaded (by ``holder``'s round, or by a client of no lease): a new epoch. The
+        loader's ticket lives ``ttl_s`` from the load's end: its renewals wait behind the load (the
+        server answers one call at a time), so an upload longer than ``ttl_s`` does not expire it."""
+        ticket = self.tickets.get(holder) if holder is not None else None
+        if ticket is not None and ticket.state == "loading":
+            ticket.expires_at = max(ticket.expires_at, now + ttl_s)
         self.epoch += 1
         self.held_key, self.held_version = key, version
         self.ready = holder is None  # a leased load is ready once its loader reset the prefix cache

@@ -99,7 +99,8 @@ class RoundLease:
         self._renewer = threading.Thread(target=self._renew_until_released, name="vllm-lease", daemon=True)
         self._renewer.start()  # a large model's upload may outlast ttl_s
         try:
-            self._load(json.dumps({"holder": self.holder, "key": self.key, "version": self.version}))
+            self._load(json.dumps({"holder": self.holder, "key": self.key, "version": self.version,
+                                   "ttl_s": self.ttl_s}))
             self._reset()
         finally:
             self._stop.set()

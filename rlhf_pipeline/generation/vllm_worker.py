@@ -60,7 +60,8 @@ class PublishedWeightsLoader:
         claim = json.loads(lease) if lease else {}
         # every worker loads whatever its lease table says: the weights never differ between workers
         leases = self._published_leases()
-        leases.loaded(claim.get("holder"), claim.get("key"), claim.get("version"))
+        leases.loaded(claim.get("holder"), claim.get("key"), claim.get("version"), float(claim.get("ttl_s", 0.0)),
+                      time.monotonic())
         return {"tensors": len(state), "retied_lm_head": retied, "epoch": leases.epoch}
 
     def published_lease(self, request: str) -> dict:

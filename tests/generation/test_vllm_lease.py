@@ -98,3 +98,12 @@ def test_one_round_asks_for_one_set_of_weights_and_unknown_operations_are_named(
     with pytest.raises(ValueError, match="unknown lease operation 'grab'"):
         leases.call({"op": "grab"}, now=0)
     assert leases.mark_ready("a", now=0)["refused"]
+
+
+def test_an_upload_longer_than_the_lease_does_not_expire_its_loader():
+    leases = WeightsLeases()
+    leases.acquire("slow", "k1", 1, TTL, now=0)
+    # the server answers one call at a time: the loader's renewals wait until its 30 s upload ends
+    leases.loaded("slow", "k1", 1, ttl_s=TTL, now=30)
+    assert leases.renew("slow", TTL, now=30.5)["state"] == "loading"
+    assert leases.mark_ready("slow", now=31)["state"] == "granted"
