@@ -157,3 +157,14 @@ def _env() -> dict:
 
     return {**os.environ, "PYTHONPATH": f"{REPO}{':' + os.environ['PYTHONPATH'] if os.environ.get('PYTHONPATH') else ''}",
             "OMP_NUM_THREADS": "1"}
+
+
+def test_a_server_without_the_lease_is_told_apart_by_what_vllm_answers_for_a_missing_method(server):
+    """A server running an older checkout's extension answers a lease call as vLLM answers any method
+    the worker lacks; ``vllm_url_lease.py`` recognises that answer by the method's name in it."""
+    from rlhf_pipeline.generation.vllm_http import ServerError
+
+    with pytest.raises(ServerError) as caught:
+        JsonClient(server.url).post("/collective_rpc", {"method": "published_lease_of_another_checkout",
+                                                        "args": ["{}"]}, retry=False)
+    assert "published_lease_of_another_checkout" in caught.value.detail, caught.value.detail
