@@ -93,12 +93,13 @@ class SharedServerStats(EngineStats):
     ``server_loads``, loads of its weights (each version once, and again after another's went in)."""
 
     weights: Any = None
-    reported: tuple[float, int] = (0.0, 0)
+    shared_reported: tuple[float, int] = (0.0, 0)
 
     def update_metrics(self) -> dict[str, float]:
         waited, loads = self.weights.waited_s, self.weights.loads
-        since = {"lease_wait_s": waited - self.reported[0], "server_loads": float(loads - self.reported[1])}
-        self.reported = (waited, loads)
+        since = {"lease_wait_s": waited - self.shared_reported[0],
+                 "server_loads": float(loads - self.shared_reported[1])}
+        self.shared_reported = (waited, loads)
         return {**super().update_metrics(), **since}
 
 

@@ -155,8 +155,8 @@ def test_a_collector_killed_mid_round_holds_the_server_for_its_lease_only(server
 def _env() -> dict:
     import os
 
-    return {**os.environ, "PYTHONPATH": f"{REPO}{':' + os.environ['PYTHONPATH'] if os.environ.get('PYTHONPATH') else ''}",
-            "OMP_NUM_THREADS": "1"}
+    inherited = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{REPO}:{inherited}" if inherited else str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def test_a_server_without_the_lease_is_told_apart_by_what_vllm_answers_for_a_missing_method(server):
