@@ -260,7 +260,7 @@ class SelectionStore(TrajectoryStore):
             raise NotAStoreError(f"{where} is not a saved selection of format {FORMAT} v{FORMAT_VERSION}")
         try:
             self._schema = StoreSchema.from_json(manifest["schema"])
-            # a detached branch's selection names its own rows files (runs/detach.py): switched by the manifest alone
+            # a detached branch's selection names its own copy (runs/detach.py): switched by the manifest alone
             # positions -> (part, global id): through the ranges themselves, or the rows files loaded whole
             self._rows: RangeRows | ListedRows = RangeRows.from_manifest(manifest, str(where)) \
                 if RANGES_KEY in manifest else self._load_row_files(manifest, where)
