@@ -22,7 +22,8 @@ On disk (a directory, written to ``DST.partial`` and renamed into place when com
 
 A selection whose rows are, per part, one range (a branch's ``parent-rows/``) is kept as those
 ranges in selection.json instead, with no rows files (:func:`write_range_selection`,
-``row_ranges.py``): O(parts) bytes; both forms open the same way.
+``row_ranges.py``): O(parts) bytes on disk and in memory once open (positions map to rows through
+the ranges; the per-row form loads its ids whole); both forms read the same way.
 
 A selection names rows by global id, which never changes, so rows appended to the source
 later do not disturb it. Opening checks that the source still holds exactly those rows and
