@@ -20,8 +20,10 @@ straight to the shards, as for the replay), the step-2 rewind record naming ever
 (``buffer_rows``, what a real run's learner writes). Its branch also writes ``parent-rows/``, the
 selection of those rows: per shard a range (storage/row_ranges.py). Also timed for it: opening
 that selection (the check that the parent still holds those rows), in this process and in a fresh
-one that reports how much its resident memory grew while opening (peak and held after; the
-process opens the selection once first, so imports and the page cache are paid before), and
+one that reports how much its resident memory grew while opening (peak; and held after, as
+anonymous memory, where ids built per row would be, and file pages mapped, the source segments
+the check reads; the process opens the selection once first, so imports and the page cache are
+paid before), and
 writing the same rows in the per-row form (8 bytes a row; what ``parent-rows/`` was before ranges)
 for comparison. Run it with ``PYTHONPATH`` at another checkout to measure that checkout's opening.
 """
@@ -103,7 +105,7 @@ def branches(parent: Path, repeats: int) -> dict:
     from rlhf_pipeline.storage import open_buffer
 
     out = {"branch_s": [], "branch_bytes": [], "new_bytes": [], "parent_rows_bytes": [], "open_parent_rows_s": [],
-           "open_fresh_s": [], "open_peak_rss": [], "open_held_rss": []}
+           "open_fresh_s": [], "open_peak_rss": [], "open_anon_rss": [], "open_file_rss": []}
     for k in range(repeats):
         branch = parent.with_name(f"{parent.name}-branch-{k}")
         started = time.perf_counter()
@@ -119,7 +121,7 @@ def branches(parent: Path, repeats: int) -> dict:
                 assert len(rows) > 0
             out["open_parent_rows_s"].append(time.perf_counter() - started)
             opened = open_in_fresh_process(branch / "parent-rows")
-            for key in ("open_fresh_s", "open_peak_rss", "open_held_rss"):
+            for key in ("open_fresh_s", "open_peak_rss", "open_anon_rss", "open_file_rss"):
                 out[key].append(opened[key])
     return out
 
@@ -136,12 +138,13 @@ with open_buffer(sys.argv[1]) as store:  # imports, the source's files in the pa
     len(store)
 with open("/proc/self/clear_refs", "w") as refs:
     refs.write("5")  # the peak resident size (VmHWM) starts again from now
-before = rss("VmRSS")
+before = {field: rss(field) for field in ("VmRSS", "RssAnon", "RssFile")}
 started = time.perf_counter()
 store = open_buffer(sys.argv[1])
 seconds = time.perf_counter() - started
-print(json.dumps({"open_fresh_s": seconds, "open_peak_rss": rss("VmHWM") - before,
-                  "open_held_rss": rss("VmRSS") - before, "rows": len(store)}))
+print(json.dumps({"open_fresh_s": seconds, "open_peak_rss": rss("VmHWM") - before["VmRSS"],
+                  "open_anon_rss": rss("RssAnon") - before["RssAnon"],
+                  "open_file_rss": rss("RssFile") - before["RssFile"], "rows": len(store)}))
 '''
 
 
@@ -150,8 +153,10 @@ def open_in_fresh_process(selection: Path) -> dict:
     and what the open selection holds), in a new Python process (Linux: /proc/self)."""
     import subprocess
 
+    # run from the selection's directory: ``-c`` puts the working directory first on sys.path, and a
+    # checkout there would be imported instead of the one PYTHONPATH names
     ran = subprocess.run([sys.executable, "-c", OPEN_ONCE, str(selection)], capture_output=True, text=True,
-                         check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         check=True, cwd=selection, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(ran.stdout.strip().splitlines()[-1])
 
 
@@ -247,14 +252,16 @@ def main() -> int:
     import rlhf_pipeline
 
     print(f"\nopening parent-rows/ in a fresh process ({Path(rlhf_pipeline.__file__).parent}): seconds, and the "
-          f"growth of its resident memory while opening, peak and held after\n")
-    print("| rows | open, ms | RSS peak, MiB | RSS held, MiB |")
-    print("|---|---|---|---|")
+          f"growth of its resident memory while opening: peak, and held after as anonymous memory and as "
+          f"mapped file pages\n")
+    print("| rows | open, ms | RSS peak, MiB | held: anonymous, MiB | held: file pages, MiB |")
+    print("|---|---|---|---|---|")
     for r in results:
         m = r["collectors"]
-        mib = {key: [v / 2**20 for v in m[key]] for key in ("open_peak_rss", "open_held_rss")}
+        mib = {key: [v / 2**20 for v in m[key]] for key in ("open_peak_rss", "open_anon_rss", "open_file_rss")}
         print(f"| {r['rows']:,} | {spread([s * 1000 for s in m['open_fresh_s']], '.1f')} | "
-              f"{spread(mib['open_peak_rss'], '.2f')} | {spread(mib['open_held_rss'], '.2f')} |")
+              f"{spread(mib['open_peak_rss'], '.2f')} | {spread(mib['open_anon_rss'], '.2f')} | "
+              f"{spread(mib['open_file_rss'], '.2f')} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"load": [load_before, load_after], "results": results}, indent=1))
     return 0
