@@ -134,8 +134,9 @@ def rss(field):
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
 
-with open_buffer(sys.argv[1]) as store:  # imports, the source's files in the page cache
-    len(store)
+with open_buffer(sys.argv[1]) as warm:  # imports, the source's files in the page cache
+    len(warm)
+del warm  # freed before measuring, not when the name is bound again below
 with open("/proc/self/clear_refs", "w") as refs:
     refs.write("5")  # the peak resident size (VmHWM) starts again from now
 before = {field: rss(field) for field in ("VmRSS", "RssAnon", "RssFile")}
@@ -154,9 +155,12 @@ def open_in_fresh_process(selection: Path) -> dict:
     import subprocess
 
     # run from the selection's directory: ``-c`` puts the working directory first on sys.path, and a
-    # checkout there would be imported instead of the one PYTHONPATH names
+    # checkout there would be imported instead of the one PYTHONPATH names. A fixed mmap threshold:
+    # glibc otherwise serves the measured opening's large arrays from heap pages the first one
+    # left resident, and what the opening holds would not show as growth
     ran = subprocess.run([sys.executable, "-c", OPEN_ONCE, str(selection)], capture_output=True, text=True,
-                         check=True, cwd=selection, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         check=True, cwd=selection, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                         "MALLOC_MMAP_THRESHOLD_": "131072"})
     return json.loads(ran.stdout.strip().splitlines()[-1])
 
 
