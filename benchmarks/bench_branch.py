@@ -19,8 +19,13 @@ checkpoints) over a ``buffer/`` of ``--shards`` shards holding the rows (synthet
 straight to the shards, as for the replay), the step-2 rewind record naming every row as published
 (``buffer_rows``, what a real run's learner writes). Its branch also writes ``parent-rows/``, the
 selection of those rows: per shard a range (storage/row_ranges.py). Also timed for it: opening
-that selection (the check that the parent still holds those rows), and writing the same rows in
-the per-row form (8 bytes a row; what ``parent-rows/`` was before ranges) for comparison.
+that selection (the check that the parent still holds those rows), in this process and in a fresh
+one that reports how much its resident memory grew while opening (peak; and held after, as
+anonymous memory, where ids built per row would be, and file pages mapped, the source segments
+the check reads; the process opens the selection once first, so imports and the page cache are
+paid before), and
+writing the same rows in the per-row form (8 bytes a row; what ``parent-rows/`` was before ranges)
+for comparison. Run it with ``PYTHONPATH`` at another checkout to measure that checkout's opening.
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ def branches(parent: Path, repeats: int) -> dict:
     from rlhf_pipeline.cli.main import main
     from rlhf_pipeline.storage import open_buffer
 
-    out = {"branch_s": [], "branch_bytes": [], "new_bytes": [], "parent_rows_bytes": [], "open_parent_rows_s": []}
+    out = {"branch_s": [], "branch_bytes": [], "new_bytes": [], "parent_rows_bytes": [], "open_parent_rows_s": [],
+           "open_fresh_s": [], "open_peak_rss": [], "open_anon_rss": [], "open_file_rss": []}
     for k in range(repeats):
         branch = parent.with_name(f"{parent.name}-branch-{k}")
         started = time.perf_counter()
@@ -114,7 +120,48 @@ def branches(parent: Path, repeats: int) -> dict:
             with open_buffer(branch / "parent-rows") as rows:
                 assert len(rows) > 0
             out["open_parent_rows_s"].append(time.perf_counter() - started)
+            opened = open_in_fresh_process(branch / "parent-rows")
+            for key in ("open_fresh_s", "open_peak_rss", "open_anon_rss", "open_file_rss"):
+                out[key].append(opened[key])
     return out
+
+
+OPEN_ONCE = '''
+import json, sys, time
+from rlhf_pipeline.storage import open_buffer
+
+def rss(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
+
+with open_buffer(sys.argv[1]) as warm:  # imports, the source's files in the page cache
+    len(warm)
+del warm  # freed before measuring, not when the name is bound again below
+with open("/proc/self/clear_refs", "w") as refs:
+    refs.write("5")  # the peak resident size (VmHWM) starts again from now
+before = {field: rss(field) for field in ("VmRSS", "RssAnon", "RssFile")}
+started = time.perf_counter()
+store = open_buffer(sys.argv[1])
+seconds = time.perf_counter() - started
+print(json.dumps({"open_fresh_s": seconds, "open_peak_rss": rss("VmHWM") - before["VmRSS"],
+                  "open_anon_rss": rss("RssAnon") - before["RssAnon"],
+                  "open_file_rss": rss("RssFile") - before["RssFile"], "rows": len(store)}))
+'''
+
+
+def open_in_fresh_process(selection: Path) -> dict:
+    """Seconds to open ``selection`` and the growth of resident memory while it opens (peak,
+    and what the open selection holds), in a new Python process (Linux: /proc/self)."""
+    import subprocess
+
+    # run from the selection's directory: ``-c`` puts the working directory first on sys.path, and a
+    # checkout there would be imported instead of the one PYTHONPATH names. A fixed mmap threshold:
+    # glibc otherwise serves the measured opening's large arrays from heap pages the first one
+    # left resident, and what the opening holds would not show as growth
+    ran = subprocess.run([sys.executable, "-c", OPEN_ONCE, str(selection)], capture_output=True, text=True,
+                         check=True, cwd=selection, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                         "MALLOC_MMAP_THRESHOLD_": "131072"})
+    return json.loads(ran.stdout.strip().splitlines()[-1])
 
 
 def make_collector_run(replay: Path, target: Path, rows: int, shards: int) -> Path:
@@ -206,6 +253,19 @@ def main() -> int:
         m = r["collectors"]
         print(f"| {r['rows']:,} | {spread(m['per_row_s'], '.3f')} | {spread(m['per_row_bytes'], ',')} | "
               f"{r['parent_checkpoint_bytes']:,} |")
+    import rlhf_pipeline
+
+    print(f"\nopening parent-rows/ in a fresh process ({Path(rlhf_pipeline.__file__).parent}): seconds, and the "
+          f"growth of its resident memory while opening: peak, and held after as anonymous memory and as "
+          f"mapped file pages\n")
+    print("| rows | open, ms | RSS peak, MiB | held: anonymous, MiB | held: file pages, MiB |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        m = r["collectors"]
+        mib = {key: [v / 2**20 for v in m[key]] for key in ("open_peak_rss", "open_anon_rss", "open_file_rss")}
+        print(f"| {r['rows']:,} | {spread([s * 1000 for s in m['open_fresh_s']], '.1f')} | "
+              f"{spread(mib['open_peak_rss'], '.2f')} | {spread(mib['open_anon_rss'], '.2f')} | "
+              f"{spread(mib['open_file_rss'], '.2f')} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"load": [load_before, load_after], "results": results}, indent=1))
     return 0

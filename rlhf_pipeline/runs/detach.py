@@ -17,9 +17,11 @@ Crash-safe: each step leaves the branch usable and ``detach`` re-runnable, one s
 1. the rows are copied to a memmap store ``own-rows.partial``, renamed ``own-rows``
    when complete; a kill leaves ``parent-rows/`` as it was, and the next ``detach`` deletes the
    partial copy and starts again;
-2. the selection over ``own-rows`` is written as ``parent-rows/own-rows.npy`` and then its
-   manifest replaces ``parent-rows/selection.json`` whole (one atomic rename): before it, the
-   branch reads the parent; after it, its own copy;
+2. the selection of every row of ``own-rows`` (one range of ids: ``storage/row_ranges.py``, a few
+   hundred bytes at any size, no per-row ids file) replaces ``parent-rows/selection.json`` whole
+   (one atomic rename): before it, the branch reads the parent; after it, its own copy. A branch
+   detached before ranges names its copy's rows one by one in ``parent-rows/own-rows.npy``; it
+   opens as before;
 3. ``branch.json`` is rewritten (atomically) with ``detached``; then the parent's ids files of
    the old selection, which nothing names any more, are deleted.
 
@@ -36,13 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, publish_json, write_atomic
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, publish_json
 from rlhf_pipeline.files.run_paths import is_url
 from rlhf_pipeline.runs.branch import PARENT_ROWS, BranchError
 from rlhf_pipeline.runs.lineage import BRANCH_FILE, read_parent
 
 OWN_ROWS = "own-rows"
-OWN_IDS = "own-rows.npy"
+OWN_IDS = "own-rows.npy"  # the per-row ids of a copy, as detach wrote them before ranges
+SWITCHED = "detached_into"  # in a switched selection's manifest: the copy it reads (OWN_ROWS)
 
 
 def detach(branch: str | Path) -> dict[str, Any]:
@@ -87,10 +90,10 @@ def _own_selection(selection: Path, own: Path) -> int:
     """Steps 1 and 2: the selection's rows copied into ``own``, and the selection switched to it."""
     from rlhf_pipeline.storage import open_buffer
     from rlhf_pipeline.storage.manifest import read_json
-    from rlhf_pipeline.storage.selection import MANIFEST_NAME, write_selection
+    from rlhf_pipeline.storage.selection import MANIFEST_NAME
 
     manifest = read_json(selection / MANIFEST_NAME, what="saved selection")
-    if manifest.get("rows_file") == OWN_IDS:  # switched already (a kill before step 3)
+    if _switched(manifest):  # a kill before step 3
         return int(manifest["rows"])
     partial = own.with_name(own.name + PARTIAL_SUFFIX)
     if partial.exists():
@@ -103,36 +106,38 @@ def _own_selection(selection: Path, own: Path) -> int:
         _copy_rows(selection, partial)
         partial.replace(own)
     staged = selection.with_name(selection.name + ".detaching")  # the new selection, written whole, then moved in
-    ids, switched = _selection_over(own, staged, manifest)
+    switched = _selection_over(own, staged, manifest)
     switched["source"]["relative"] = f"../{OWN_ROWS}"
     for part in switched["parts"]:
         part["relative"] = f"../{OWN_ROWS}"
-    write_atomic(selection / OWN_IDS, lambda f: f.write(ids))
     publish_json(selection / MANIFEST_NAME, switched)  # the switch: one rename
     shutil.rmtree(staged)
     return int(switched["rows"])
 
 
-def _selection_over(own: str | Path, staged: Path, manifest: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """The selection of every row of the copy ``own`` (written at ``staged``, a scratch directory):
-    its ids file's bytes and its manifest, naming that file and keeping the identity of the rows
+def _selection_over(own: str | Path, staged: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of the selection of every row of the copy ``own`` (written at ``staged``, a
+    scratch directory): one range of ids, marked as the switch, keeping the identity of the rows
     first selected (``manifest``'s), which resumed checkpoints check."""
-    import numpy as np
-
     from rlhf_pipeline.storage import open_buffer
     from rlhf_pipeline.storage.manifest import read_json
-    from rlhf_pipeline.storage.selection import MANIFEST_NAME, write_selection
+    from rlhf_pipeline.storage.selection import MANIFEST_NAME, write_range_selection
 
     if staged.exists():
         shutil.rmtree(staged)
     with open_buffer(own, mode="r") as copied:
-        write_selection(staged, copied, np.zeros(len(copied), dtype=np.int64), np.arange(len(copied)),
-                        where=f"{manifest.get('where', '')} (detached: the branch's own copy)",
-                        source_location=str(own))
+        write_range_selection(staged, copied, {0: (copied.first_row, copied.next_row)},
+                              where=f"{manifest.get('where', '')} (detached: the branch's own copy)",
+                              source_location=str(own))
     switched = read_json(staged / MANIFEST_NAME, what="saved selection")
-    switched.update(rows_file=OWN_IDS, parts_file=None, rows_identity_crc32=int(
-        manifest.get("rows_identity_crc32", manifest["rows_crc32"])))
-    return (staged / "rows.npy").read_bytes(), switched
+    switched.update({SWITCHED: OWN_ROWS, "rows_identity_crc32": int(
+        manifest.get("rows_identity_crc32", manifest["rows_crc32"]))})
+    return switched
+
+
+def _switched(manifest: dict[str, Any]) -> bool:
+    """Whether ``parent-rows/``'s manifest already names the branch's own copy (either form)."""
+    return manifest.get(SWITCHED) == OWN_ROWS or manifest.get("rows_file") == OWN_IDS
 
 
 def _copy_rows(selection: Path | str, target: Path | str, backend: str = "memmap", rows_per_step: int = 4096) -> None:
@@ -188,7 +193,7 @@ def _own_selection_at_url(url: str, store) -> int:
     from rlhf_pipeline.storage import open_buffer
 
     manifest = json.loads(store.read(f"{PARENT_ROWS}/selection.json"))
-    if manifest.get("rows_file") == OWN_IDS:  # switched already (a kill before branch.json)
+    if _switched(manifest):  # a kill before branch.json
         return int(manifest["rows"])
     own = f"{url}/{OWN_ROWS}"
     leftover = walk(store, OWN_ROWS)
@@ -204,7 +209,6 @@ def _own_selection_at_url(url: str, store) -> int:
     if not leftover or not whole:
         _copy_rows(f"{url}/{PARENT_ROWS}", own, backend="zarr")
     with tempfile.TemporaryDirectory() as scratch:
-        ids, switched = _selection_over(own, Path(scratch) / "selection", manifest)
-    store.write(f"{PARENT_ROWS}/{OWN_IDS}", ids, fence=False)
+        switched = _selection_over(own, Path(scratch) / "selection", manifest)
     store.write(f"{PARENT_ROWS}/selection.json", json.dumps(switched, sort_keys=True).encode(), fence=False)
     return int(switched["rows"])

@@ -22,7 +22,8 @@ On disk (a directory, written to ``DST.partial`` and renamed into place when com
 
 A selection whose rows are, per part, one range (a branch's ``parent-rows/``) is kept as those
 ranges in selection.json instead, with no rows files (:func:`write_range_selection`,
-``row_ranges.py``): O(parts) bytes; both forms open the same way.
+``row_ranges.py``): O(parts) bytes on disk and in memory once open (positions map to rows through
+the ranges; the per-row form loads its ids whole); both forms read the same way.
 
 A selection names rows by global id, which never changes, so rows appended to the source
 later do not disturb it. Opening checks that the source still holds exactly those rows and
@@ -57,7 +58,7 @@ from rlhf_pipeline.storage.base import (
 from rlhf_pipeline.storage.manifest import SELECTION_MANIFEST, is_selection, read_json  # noqa: F401 - is_selection re-exported
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.row_keys import parts_of
-from rlhf_pipeline.storage.row_ranges import RANGES_KEY, expand_ranges, probe_ids, ranges_crc32
+from rlhf_pipeline.storage.row_ranges import RANGES_KEY, ListedRows, RangeRows, probe_ids, ranges_crc32
 from rlhf_pipeline.storage.summary import summarize_trajectories
 
 FORMAT = "rlhf_pipeline.selection"
@@ -260,40 +261,40 @@ class SelectionStore(TrajectoryStore):
             raise NotAStoreError(f"{where} is not a saved selection of format {FORMAT} v{FORMAT_VERSION}")
         try:
             self._schema = StoreSchema.from_json(manifest["schema"])
-            # a detached branch's selection names its own rows files (runs/detach.py): switched by the manifest alone
-            if RANGES_KEY in manifest:  # the range form (row_ranges.py): no rows files to read
-                self._rows, self._part_of = expand_ranges(manifest, str(where))
-            else:
-                self._rows, self._part_of = self._load_row_files(manifest, where)
+            # a detached branch's selection names its own copy (runs/detach.py): switched by the manifest alone
+            # positions -> (part, global id): through the ranges themselves, or the rows files loaded whole
+            self._rows: RangeRows | ListedRows = RangeRows.from_manifest(manifest, str(where)) \
+                if RANGES_KEY in manifest else self._load_row_files(manifest, where)
             described = manifest["parts"]
         except (KeyError, TypeError, ValueError, OSError) as exc:
             if isinstance(exc, StoreError):
                 raise
             raise SelectionInvalidError(f"{self._path} is a damaged selection ({exc!r}); filter again") from None
-        if self._rows.shape != (int(manifest["rows"]),):
-            raise SelectionInvalidError(f"{self._path}: rows.npy holds {self._rows.shape} ids, the manifest "
-                                        f"says {manifest['rows']}")
+        named = sum(int(part["rows"]) for part in described)
+        if named != self._rows.size:
+            raise SelectionInvalidError(f"{self._path}: the parts name {named} rows, rows.npy holds {self._rows.size}")
         self._ranges: list[tuple[int, int, int]] = []  # (part index, first position, end position)
         start = 0
         for part in described:
             location = self._find(part)
             store = open_store(location, mode="r", **open_options)
             self._sources[int(part["index"])] = store
-            self._check_part(store, part)
+            self._check_part(store, part, start)
             self._ranges.append((int(part["index"]), start, start + int(part["rows"])))
             start += int(part["rows"])
-        if start != self._rows.size:
-            raise SelectionInvalidError(f"{self._path}: the parts name {start} rows, rows.npy holds {self._rows.size}")
 
-    def _load_row_files(self, manifest: dict[str, Any], where: Path) -> tuple[np.ndarray, np.ndarray | None]:
+    def _load_row_files(self, manifest: dict[str, Any], where: Path) -> ListedRows:
         rows_path = self._path / manifest.get("rows_file", ROWS_NAME)
         raw = rows_path.read_bytes()
         if zlib.crc32(raw) != int(manifest["rows_crc32"]):
             raise SelectionInvalidError(f"{rows_path} does not match its CRC in {where}: the file was "
                                         f"damaged; filter again to rebuild the selection")
         parts_path = self._path / (manifest.get("parts_file", PARTS_NAME) or "-")
-        return (np.load(rows_path, allow_pickle=False),
-                np.load(parts_path, allow_pickle=False) if parts_path.is_file() else None)
+        rows = np.load(rows_path, allow_pickle=False)
+        if rows.shape != (int(manifest["rows"]),):
+            raise SelectionInvalidError(f"{self._path}: rows.npy holds {rows.shape} ids, the manifest "
+                                        f"says {manifest['rows']}")
+        return ListedRows(rows, np.load(parts_path, allow_pickle=False) if parts_path.is_file() else None)
 
     def _find(self, part: dict[str, Any]) -> str:
         location = part["location"]
@@ -302,7 +303,8 @@ class SelectionStore(TrajectoryStore):
         moved = (self._path / part["relative"]).resolve()  # the selection moved along with its source
         return str(moved) if moved.exists() else location
 
-    def _check_part(self, store: TrajectoryStore, part: dict[str, Any]) -> None:
+    def _check_part(self, store: TrajectoryStore, part: dict[str, Any], start: int) -> None:
+        """``part`` of the manifest, whose rows are the positions from ``start``, against ``store``."""
         name = f"selection {self._path}: source {store.location}"
         if store.backend_name != part["backend"]:
             raise SelectionInvalidError(f"{name} is a {store.backend_name} store, it was a {part['backend']} "
@@ -313,10 +315,10 @@ class SelectionStore(TrajectoryStore):
         if store.next_row < int(part["next_row"]):
             raise SelectionInvalidError(f"{name} has published {store.next_row} rows, it had {part['next_row']} "
                                         f"when the selection was made: it was truncated or replaced")
-        mine = self._part_rows(int(part["index"]), part)
-        if mine.size and int(mine[0]) < store.first_row:
+        oldest = int(self._rows.ids(np.array([start]))[0]) if int(part["rows"]) else None  # ids ascend in a part
+        if oldest is not None and oldest < store.first_row:
             raise SelectionInvalidError(
-                f"{name} now starts at global row {store.first_row}: kept rows from {int(mine[0])} were "
+                f"{name} now starts at global row {store.first_row}: kept rows from {oldest} were "
                 f"evicted since the selection was made, so it can no longer be read. Filter again from a "
                 f"buffer that holds them (or raise the source's capacity_rows)")
         probes = part.get("probes") or []
@@ -325,11 +327,6 @@ class SelectionStore(TrajectoryStore):
             if _fingerprints(store, ids) != [int(p[1]) for p in probes]:
                 raise SelectionInvalidError(f"{name} holds other rows than when the selection was made (row "
                                             f"fingerprints differ): a different buffer is at that path")
-
-    def _part_rows(self, index: int, part: dict[str, Any]) -> np.ndarray:
-        if self._part_of is None:
-            return self._rows
-        return self._rows[self._part_of == index]
 
     # ================================================================ contract
     @property
@@ -350,7 +347,7 @@ class SelectionStore(TrajectoryStore):
 
     @property
     def next_row(self) -> int:
-        return int(self._rows.size)
+        return self._rows.size
 
     @property
     def source_location(self) -> str:
@@ -364,7 +361,7 @@ class SelectionStore(TrajectoryStore):
     def refresh(self) -> int:
         if self._closed:
             raise StoreError(f"{self._path} was closed; open it again")
-        return int(self._rows.size)
+        return self._rows.size
 
     def append(self, batch: TrajectoryBatch) -> torch.Tensor:
         raise ReadOnlyStoreError(f"{self._path} is a saved selection, which is read-only; append to its "
@@ -376,9 +373,7 @@ class SelectionStore(TrajectoryStore):
     def keys(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(part index, global row id in that part)`` of selection positions: the source's row keys."""
         positions = np.asarray(positions, dtype=np.int64)
-        parts = self._part_of[positions] if self._part_of is not None \
-            else np.zeros(positions.shape, dtype=np.int64)
-        return parts, self._rows[positions]
+        return self._rows.parts(positions), self._rows.ids(positions)
 
     def _split(self, positions: np.ndarray) -> list[tuple[TrajectoryStore, torch.Tensor, np.ndarray]]:
         """Per part holding some of ``positions``: (source store, global ids, where they were)."""
@@ -389,7 +384,7 @@ class SelectionStore(TrajectoryStore):
             where = np.flatnonzero(slot == k)
             index = self._ranges[k][0]
             store = self._sources[index]
-            ids = self._rows[positions[where]]
+            ids = self._rows.ids(positions[where])
             if ids.size and int(ids.min()) < store.first_row:
                 raise SelectionInvalidError(
                     f"selection {self._path}: rows from global row {int(ids.min())} of {store.location} were "
@@ -437,10 +432,7 @@ class SelectionStore(TrajectoryStore):
         for index, start, end in self._ranges:
             if start == end:
                 continue
-            starts = _unit_starts(self._sources[index])
-            unit = np.searchsorted(starts, self._rows[start:end], side="right")
-            cuts = (np.flatnonzero(np.diff(unit)) + 1 + start).tolist()
-            edges = [start, *cuts, end]
+            edges = [start, *self._rows.unit_cuts(start, end, _unit_starts(self._sources[index])), end]
             bounds += list(zip(edges[:-1], edges[1:]))
         return bounds
 
@@ -453,7 +445,7 @@ class SelectionStore(TrajectoryStore):
     # ================================================================ summary and copies
     def stats(self) -> StoreStats:
         """Rows, groups, tokens, rewards and versions of the kept rows (one pass over them)."""
-        n = int(self._rows.size)
+        n = self._rows.size
         groups, versions = [], {}
         prompt_tokens = response_tokens = raw = 0
         rewards, trajectories = [], []

@@ -121,3 +121,54 @@ def test_evicted_rows_and_an_edited_range_are_refused(tmp_path):
     with pytest.raises(SelectionInvalidError, match=r"now starts at global row \d+: kept rows from 0 were evicted"):
         open_buffer(tmp_path / "sel")
     store.close()
+
+
+def test_range_rows_map_positions_as_the_ids_they_name_would():
+    from rlhf_pipeline.storage.row_ranges import ListedRows, RangeRows
+
+    generator = np.random.default_rng(0)
+    ranges = [[0, 5, 5], [1, 3, 40], [2, 7 << 40, (7 << 40) + 1], [4, 0, 0], [5, 100, 164], [6, 9, 9]]
+    listed = ListedRows(np.concatenate([np.arange(first, end) for _, first, end in ranges]),
+                        np.concatenate([np.full(end - first, index) for index, first, end in ranges]))
+    for sharded in (True, False):
+        lazy = RangeRows(ranges, sharded=sharded)
+        assert lazy.size == listed.size == 102
+        positions = np.concatenate([np.arange(lazy.size), generator.integers(0, lazy.size, 500)])
+        assert lazy.ids(positions).tolist() == listed.ids(positions).tolist()
+        expected_parts = listed.parts(positions) if sharded else np.zeros(positions.size)
+        assert lazy.parts(positions).tolist() == expected_parts.tolist()
+        unit_starts = np.array([0, 8, 16, 24, 32, 40, 104, 112, 120, 128, 7 << 40])
+        start = 0
+        for _, first, end in ranges:
+            stop = start + end - first
+            assert lazy.unit_cuts(start, stop, unit_starts) == listed.unit_cuts(start, stop, unit_starts)
+            start = stop
+        for outside in ([lazy.size], [-1]):
+            with pytest.raises(IndexError, match=r"must lie in \[0, 102\)"):
+                lazy.ids(np.array(outside))
+    assert RangeRows([], sharded=False).size == 0
+
+
+def test_opening_a_range_selection_allocates_nothing_per_row(tmp_path):
+    """What the per-row form cost at open was 8 bytes a row for the ids (16 with parts), built even
+    for ranges: opened lazily, the ranges are all a selection holds of its rows."""
+    import tracemalloc
+
+    rows = 200_000
+    with create_store(tmp_path / "buf", "memmap", SCHEMA, segment_rows=65_536) as store:
+        for start in range(0, rows, 50_000):
+            batch = make_batch(12_500, 4, seed=start, optional=SCHEMA.optional, first_group_id=start // 4,
+                               first_trajectory_id=start)
+            store.append(batch)
+        write_range_selection(tmp_path / "sel", store, {0: (0, rows)})
+    tracemalloc.start()
+    try:
+        with open_buffer(tmp_path / "sel") as sel:
+            assert len(sel) == rows
+            _, peak = tracemalloc.get_traced_memory()
+            picks = torch.tensor([rows - 1, 0, 123_457, 65_536, 65_535])
+            assert sel.read(picks, fields=("trajectory_id",))["trajectory_id"].tolist() == picks.tolist()
+            assert sel.unit_bounds() == [(0, 65_536), (65_536, 131_072), (131_072, 196_608), (196_608, rows)]
+    finally:
+        tracemalloc.stop()
+    assert peak < rows, f"opening allocated {peak} bytes at its peak for {rows} rows"
