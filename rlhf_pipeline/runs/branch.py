@@ -50,6 +50,7 @@ from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
     BRANCH_FORMAT,
+    branches_settled,
     find_branches,
     is_detached,
     is_run_directory,
@@ -99,10 +100,11 @@ def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequen
         shutil.rmtree(making)
     making.mkdir(parents=True)
     try:
-        _write_branch(parent, making, checkpoint, step, settings, lineage)
-        if new.exists():
-            new.rmdir()  # empty (checked above)
-        making.replace(new)
+        with branches_settled(parent):  # the parent's retention does not drop the rows named meanwhile
+            _write_branch(parent, making, checkpoint, step, settings, lineage)
+            if new.exists():
+                new.rmdir()  # empty (checked above)
+            making.replace(new)
     except FileNotFoundError as exc:  # the running parent pruned that checkpoint (or weights) meanwhile
         shutil.rmtree(making, ignore_errors=True)
         raise BranchError(f"{exc.filename} went away while branching (the parent is running and pruned it); "

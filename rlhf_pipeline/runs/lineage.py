@@ -8,7 +8,10 @@ from its parent, but still names its parent itself.
 
 from __future__ import annotations
 
+import fcntl
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,23 @@ from rlhf_pipeline.learn.checkpoint import CheckpointManager
 
 BRANCH_FILE = "branch.json"
 BRANCH_FORMAT = 1
+
+
+@contextmanager
+def branches_settled(run: str | Path) -> Iterator[None]:
+    """Held while a run's retention looks for its branches and drops rows (``runs/retention.py``), and
+    while a branch of it names the rows it reads and appears (``runs/branch.py``): so a branch is either
+    seen by the look or names only rows left after the drop, never rows a drop decided without it.
+    An exclusive ``flock`` on the run's ``settings.json``, opened read-only: the parent stays
+    byte-identical. A run without ``settings.json`` (none was written yet) has nothing to hold."""
+    try:
+        handle = open(Path(run) / "settings.json", "rb")
+    except (FileNotFoundError, NotADirectoryError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 def is_run_directory(path: str | Path) -> bool:

@@ -89,18 +89,28 @@ class ShardRetention:
         wanted = wanted_cut(store, self.settings, newest_version=newest_version, clock=self.clock, now=now)
         dropped, floor, held_by = [], store.next_row, ""
         if wanted - wanted % store.segment_rows > store.first_row:  # a whole segment may go: look at the floor
-            floor, held_by = self.floor(store, fresh=False)
-            cut = whole_cut(store, wanted, floor)
-            if cut > store.first_row and not self._looked_now:  # a drop is made only on a fresh look at the branches
-                floor, held_by = self.floor(store)
+            with self._branches_settled():
+                floor, held_by = self.floor(store, fresh=False)
                 cut = whole_cut(store, wanted, floor)
-            dropped = store.drop_rows_before(cut) if cut > store.first_row else []
+                if cut > store.first_row and not self._looked_now:  # a drop is made only on a fresh look at them
+                    floor, held_by = self.floor(store)
+                    cut = whole_cut(store, wanted, floor)
+                dropped = store.drop_rows_before(cut) if cut > store.first_row else []
             held_by = held_by if floor < wanted else ""
         self.clock.forget_before(store.first_row)
         rows, size = sum(d.rows for d in dropped), sum(d.bytes for d in dropped)
         self.totals[0] += rows
         self.totals[1] += size
         return RetentionReport(rows, size, store.first_row, floor, held_by)
+
+    def _branches_settled(self) -> Any:
+        """No branch of a run directory appears between the look at its branches and the drop
+        (``lineage.branches_settled``); at a URL there is no lock (docs/retention.md)."""
+        from contextlib import nullcontext
+
+        from rlhf_pipeline.runs.lineage import branches_settled
+
+        return branches_settled(self.paths.root) if self.paths.url is None else nullcontext()
 
     def floor(self, store: Any, fresh: bool = True) -> tuple[int, str]:
         """The oldest row of this shard something still needs (a row of ``store``), and what needs it;

@@ -149,3 +149,53 @@ def test_a_continued_branch_translates_its_floors_to_its_own_rows(tmp_path):
     report = retention.after_round(store, None)
     assert report.floor == 88 and store.first_row == report.first_row == 48  # 80 and 64 split groups
     store.close()
+
+
+def test_a_branch_made_while_retention_drops_names_only_rows_left_and_one_made_first_is_held(tmp_path):
+    """The parent's retention looks for branches and drops under the same lock as ``branch`` names
+    its rows and appears (``lineage.branches_settled``): a branch is either seen by the look or made
+    after the drop, never given rows a drop decided without it."""
+    import threading
+
+    from rlhf_pipeline.runs.branch import branch_run
+    from rlhf_pipeline.runs.lineage import branches_settled
+    paths = RunPaths(tmp_path / "run")
+    shard = paths.buffer / "shard-0000"
+    store = create_store(shard, "memmap", segment_rows=SEGMENT, evict_grace_s=0.0)
+    for r in range(20):
+        store.append(make_batch(2, GROUP, seed=r, first_group_id=2 * r, first_trajectory_id=12 * r))
+    paths.root.joinpath("settings.json").write_text("{}")
+    before = paths.root.joinpath("settings.json").stat().st_mtime_ns
+    PacingPublisher(paths.pacing).publish(LearnerIntake(consumed={"shard-0000": 200}))
+    import torch  # the checkpoint a branch takes its weights from
+
+    CheckpointManager(paths.checkpoints, keep_last=10).save(
+        Progress(seed=0, step=5), {"model": {"weight": torch.zeros(2)}},
+        record={"buffer_rows": {"shard-0000": 120}, "policy_version": 5})
+    retention = ShardRetention(RetentionSettings(max_rows=48, hold_rewind_points=False), paths, "shard-0000",
+                               str(shard), LEARNER)
+
+    # a drop under way (the parent's retention holds the lock): `branch` waits for it to end
+    made: list = []
+    with branches_settled(paths.root):
+        branching = threading.Thread(target=lambda: made.append(branch_run(paths.root, 5, tmp_path / "late")))
+        branching.start()
+        branching.join(0.5)
+        assert branching.is_alive() and not (tmp_path / "late").exists()
+        store.drop_rows_before(48)  # what retention's drop does, decided without the branch
+    branching.join(30)
+    assert made and made[0]["buffer_rows"] == {"shard-0000": 120}
+    with open_buffer(tmp_path / "late" / "parent-rows") as rows:  # names only the rows left: all there
+        assert len(rows) == 120 - 48
+
+    # a branch that appears while the lock is held (as `branch` makes it) is seen by the next look
+    reports: list = []
+    with branches_settled(paths.root):
+        dropping = threading.Thread(target=lambda: reports.append(retention.after_round(store, None)))
+        dropping.start()
+        dropping.join(0.5)
+        assert dropping.is_alive()
+    dropping.join(30)
+    assert reports[0].rows_dropped == 0 and "late" in reports[0].held_by  # the checkpoint alone would let rows 48-79 go
+    assert paths.root.joinpath("settings.json").stat().st_mtime_ns == before  # the lock writes nothing
+    store.close()
