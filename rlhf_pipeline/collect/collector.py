@@ -207,6 +207,7 @@ class Collector:
         try:
             ended_at = read_round(self, batches, commit, next_round, len(records))
         except BaseException:
+            getattr(batches, "close", lambda: None)()  # the engine drops what is left of this round
             rewound = self._cancel_ahead()
             if chunks:  # part of the round is stored: a retry generates it again and writes only the rest
                 written = int(torch.cat([c["group_id"] for c in chunks]).max())

