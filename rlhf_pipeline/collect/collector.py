@@ -342,8 +342,7 @@ class Collector:
         self.engine.update_weights(state_dict, version)
 
     def close(self) -> None:
-        """Closes the engine (stops a vLLM engine's process, a round submitted ahead with it); the loop
-        engine holds nothing to stop."""
+        """Closes the engine (a vLLM engine's process, with a round submitted ahead); our loop has none."""
         self._ahead = None
         self.engine.close()
 

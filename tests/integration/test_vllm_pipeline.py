@@ -221,3 +221,20 @@ def test_a_streamed_run_writes_the_rows_of_the_run_without_streaming(vllm_run, t
     _same_rows(run, reference)
     rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
     assert all(0 < r["first_group_s"] <= r["round_s"] and r["chunks"] >= 1 for r in rounds)
+
+
+def test_a_run_with_rounds_ahead_writes_the_rows_of_the_run_without(vllm_run, tmp_path):
+    """``generation.overlap_rounds=true``: the next round goes to the engine while this round's tail
+    decodes when pacing gives it the same weights (``runs/round_ahead.py``); the buffer holds the rows
+    of the module's run, versions included: a round whose version was due waited and loaded it."""
+    reference, _ = vllm_run
+    result = subprocess.run([*_command(tmp_path), "--set", "generation.stream_groups=true",
+                             "--set", "generation.overlap_rounds=true"], cwd=REPO,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = tmp_path / "vllm"
+    _same_rows(run, reference)
+    rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
+    ahead = [r["submitted_ahead"] for r in rounds]
+    assert set(ahead) <= {0.0, 1.0} and ahead[0] == 0.0
+    assert all(r["engine_idle_s"] >= 0.0 for r in rounds)
