@@ -98,14 +98,15 @@ def read_round(collector: Collector, batches: Iterable[list[CompletionGroup]], c
     rows_now = records_now * collector.config.num_generations
     ended_at = None
     for finished_together in batches:
-        commit.add(finished_together)
-        if commit.committed == commit.count:
+        if len(commit.timing.ended_s) + len(finished_together) == commit.count:
             ended_at = time.perf_counter()
-        if next_round is not None:  # asked once, when the first slots of the engine's batch came free
+        if next_round is not None:  # asked once, when the first slots of the engine's batch came free,
+            # before these groups are written: the engine decodes the next round during the appends
             if next_round((commit.count - commit.written) * collector.config.num_generations):
                 idle_s = 0.0 if ended_at is None else time.perf_counter() - ended_at
                 collector._ahead = submit_ahead(collector, records_now, rows_now, idle_s)
             next_round = None
+        commit.add(finished_together)
     commit.finish()
     return ended_at if ended_at is not None else time.perf_counter()
 
