@@ -158,8 +158,8 @@ class Collector:
             batch, parts, t_gen, t_reward, streamed = self._collect_streamed(
                 records, requests, batches, t0, start_state, state_after, before_write, before_first_chunk,
                 next_round if cfg.overlap_rounds else None)
-            if cfg.overlap_rounds:
-                streamed.update(submitted_ahead=float(ahead is not None), engine_idle_s=idle_s)
+            streamed.update(engine_idle_s=idle_s)  # before this round's requests went (collect/overlap.py)
+            streamed.update({"submitted_ahead": float(ahead is not None)} if cfg.overlap_rounds else {})
         else:
             groups = self.engine.sample(requests, cfg.sampling, self.generator)
             t_gen = time.perf_counter()
