@@ -172,3 +172,43 @@ def test_a_crash_with_two_rounds_in_flight_resumes_to_the_same_rows_each_traject
     store.close()
     assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # each once, no gap
     assert_same_rows(rows, reference)
+
+
+def test_the_engine_killed_with_two_rounds_in_flight_is_restarted_and_both_rounds_sampled_again(served, request,
+                                                                                               tmp_path):
+    """kill -9 of the owned engine's process at a round's first append, its next round submitted ahead:
+    a new process is sent every request still waiting, of both rounds, with its seed; the rows are
+    those of rounds one after the other."""
+    engine, tok = served
+    if engine.name != "vllm":
+        pytest.skip("a server at a URL is the user's: its process is not the collector's to restart")
+    reference = request.getfixturevalue("reference")
+    import os
+    import signal
+
+    from rlhf_pipeline.generation.restarts import Restarts
+
+    said: list[str] = []
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
+    store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
+    restarts, killed = engine.stats.restarts, []
+
+    def sink(batch):
+        store.append(batch)
+        if not killed and collector.has_round_ahead:  # the first append with two rounds in flight
+            killed.append(engine.pid)
+            os.kill(engine.pid, signal.SIGKILL)
+
+    collector = make_collector(engine, tok, sink, overlap=True)
+    try:
+        for done in range(ROUNDS):
+            more = done + 1 < ROUNDS
+            collector.collect(next_round=lambda _rows: more)
+    finally:
+        engine.restarts = kept
+    rows = stored(store)
+    store.close()
+    assert killed and engine.stats.restarts == restarts + 1 and engine.pid != killed[0]
+    assert len(said) == 1, said
+    assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))
+    assert_same_rows(rows, reference)
