@@ -45,6 +45,28 @@ def test_overlap_is_refused_by_name_with_the_loop_engine_and_without_streamed_ro
     check_generation(GenerationSettings(engine="vllm", stream_groups=True, overlap_rounds=True))
 
 
+@pytest.mark.parametrize("pipeline, settings, says", [
+    ("default.py", ["generation.overlap_rounds=true"], "needs generation.stream_groups=true"),
+    ("default.py", ["generation.stream_groups=true", "generation.overlap_rounds=true"],
+     "needs generation.engine=vllm or generation.url"),
+    ("tool_use.py", ["generation.engine=vllm", "generation.stream_groups=true", "generation.overlap_rounds=true"],
+     "is for single-turn rounds"),
+])
+def test_a_run_refuses_overlap_where_it_cannot_work_in_one_line_before_it_starts(tmp_path, pipeline, settings, says):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(repo / "pipelines" / pipeline),
+                             "--steps", "1", "--home", str(tmp_path), *[a for x in settings for a in ("--set", x)]],
+                            cwd=repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "setting 'generation.overlap_rounds'" in lines[0] and says in lines[0], result.stderr
+    assert not any(tmp_path.iterdir())  # no run directory: refused before anything started
+
+
 # ----------------------------------------------------------------------------- the vLLM engine
 @pytest.fixture(scope="module", params=["engine", "server"])
 def served(request, tmp_path_factory):
