@@ -234,3 +234,93 @@ def test_the_engine_killed_with_two_rounds_in_flight_is_restarted_and_both_round
     assert len(said) == 1, said
     assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))
     assert_same_rows(rows, reference)
+
+
+WORKER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from test_overlap import STOPS, make_collector
+from rlhf_pipeline.collect.position import CollectorPosition
+from rlhf_pipeline.generation.settings import find_vllm_python
+from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+from rlhf_pipeline.models import tiny_model_and_tokenizer
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store, open_store
+
+if __name__ == "__main__":
+    where = Path({where!r})
+    if (where / "buffer").exists():
+        store = open_store(where / "buffer", mode="a")
+    else:
+        store = create_store(where / "buffer", "memmap", schema=StoreSchema())
+    model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
+    engine = VLLMEngine.from_model(model, python=find_vllm_python(None), stop_token_ids=STOPS)
+    position = CollectorPosition(where / "collector.pt", store)
+    appends = 0
+    def sink(batch):
+        global appends
+        store.append(batch)
+        appends += 1
+        print("appended", appends, store.next_row, collector.has_round_ahead, flush=True)
+        if appends == {stall_at}:
+            time.sleep(600)  # killed here, between this append and the next, the next round in flight
+    collector = make_collector(engine, tok, sink, overlap=True)
+    saved = position.load()
+    if saved is not None:
+        collector.load_state_dict(saved)
+    print("resumed", position.resumed_partial_round, flush=True)
+    while store.next_row < {rows}:
+        more = store.next_row + {round_rows} < {rows}
+        collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk,
+                          next_round=lambda _rows: more)
+        position.after_write(collector.state_dict())
+    collector.close()
+    store.close()
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_collector_with_two_rounds_in_flight_resumes_to_the_same_rows(served, request, tmp_path):
+    """A real kill -9 of the collector's process (its engine exits with it) between two appends of a
+    round whose next round is in flight; a new process, with a new engine, resumes to the same rows."""
+    if served[0].name != "vllm":
+        pytest.skip("the owned engine's run; the server's rounds are the same collector code")
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    reference = request.getfixturevalue("reference")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tests = str(Path(__file__).resolve().parent)
+
+    def worker(stall_at):
+        script = tmp_path / f"worker-{stall_at}.py"
+        script.write_text(WORKER.format(tests=tests, where=str(tmp_path), stall_at=stall_at,
+                                        rows=ROUNDS * ROUND_ROWS, round_rows=ROUND_ROWS))
+        return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+
+    child = worker(stall_at=3)  # the second round's appends, the third round ahead
+    lines = []
+    for line in child.stdout:
+        lines.append(line.split())
+        if line.startswith("appended 3 "):
+            child.send_signal(signal.SIGKILL)
+            break
+    child.wait()
+    assert child.returncode == -signal.SIGKILL
+    cut, ahead = int(lines[-1][2]), lines[-1][3] == "True"
+    assert ahead  # two rounds were in flight when it was killed
+
+    again = worker(stall_at=-1)
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, out
+    assert f"resumed {cut % ROUND_ROWS}" in out  # a round cut between appends is sampled again, the rest written
+    store = open_store(tmp_path / "buffer", mode="r")
+    rows = stored(store)
+    store.close()
+    assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))
+    assert_same_rows(rows, reference)
