@@ -164,6 +164,8 @@ class LiveStream:
         sends again what was waiting."""
         try:
             try:
+                if self.engine.pid is None:  # closed, or stopped once its restarts gave up
+                    raise EngineFailed("the vLLM engine is closed")
                 reply = self.engine.receive("sampling", hung_is_dead=True)
             except EngineDied:
                 raise
