@@ -147,7 +147,8 @@ def check(settings: Settings) -> LearnerSettings:
         raise PipelineError("setting 'group_size' must be >= 2: GRPO compares episodes within a group")
     if settings.generation.overlap_rounds:
         raise PipelineError("setting 'generation.overlap_rounds' is for single-turn rounds (pipelines/default.py); "
-                            "an agent round's episodes already keep the engine busy turn by turn: turn it off")
+                            "an agent round's engine idles between turns, which generation.agent_turns=per_episode "
+                            "addresses: turn it off")
     if not 1 <= settings.low <= settings.high:
         raise PipelineError(f"settings 'low' and 'high' must satisfy 1 <= low <= high, "
                             f"got {settings.low}, {settings.high}")
@@ -255,7 +256,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                                  context_length=settings.context_length),
             sampling=SamplingConfig(temperature=settings.temperature), seed=settings.seed,
             collector_index=collector_index, max_failed_group_fraction=settings.max_failed_group_fraction,
-            stream_groups=settings.generation.stream_groups,
+            stream_groups=settings.generation.stream_groups, turns=settings.generation.agent_turns,
             # a buffer created before some of the agents' row fields existed goes on without them
             row_fields=tuple(f for f in AGENT_ROW_FIELDS if f in store.schema.field_names),
         )

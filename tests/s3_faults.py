@@ -2,8 +2,9 @@
 does not: throttling (503 SlowDown before the request reaches the server), lost answers (the
 request reaches the server and lands, but the client gets a 503 instead of the server's answer),
 bodies damaged in transit (a byte of a GET's answer flipped; its checksum header then disagrees),
-and a request held on its way (``hold``: a test kills the client while it waits, and the request
-never lands).
+a request held on its way (``hold``: a test kills the client while it waits, and the request
+never lands), and an answer held on its way back (``hold_answer``: the request lands at once, the
+client hears of it only when released).
 
 Outside the project on purpose: it only forwards bytes; what is under test is the client's retries.
 """
@@ -31,6 +32,7 @@ class FaultyProxy:
         self._lose: dict[str, int] = {}
         self._damage = 0
         self._hold: tuple[str, str] | None = None  # (method, path suffix) of the request to hold
+        self._hold_answer: tuple[str, str] | None = None  # (method, path suffix) of the answer to hold
         self.held = threading.Event()  # set when the held request arrived
         self._released = threading.Event()
         self.seen: list[tuple[str, str, int]] = []  # (method, path, status sent to the client)
@@ -70,6 +72,14 @@ class FaultyProxy:
                 connection.request(self.command, self.path, body=body or None, headers=headers)
                 response = connection.getresponse()
                 data = response.read()
+                with proxy._lock:
+                    hold_answer = proxy._hold_answer is not None and self.command == proxy._hold_answer[0] and \
+                        self.path.split("?")[0].endswith(proxy._hold_answer[1])
+                    if hold_answer:
+                        proxy._hold_answer = None
+                if hold_answer:  # landed upstream; its answer (of that moment) waits until released
+                    proxy.held.set()
+                    proxy._released.wait()
                 with proxy._lock:
                     damaged = self.command == "GET" and bool(data) and proxy._damage > 0 and response.status == 200
                     if damaged:
@@ -119,6 +129,15 @@ class FaultyProxy:
         and never forwarded, until :meth:`release`; :attr:`held` is set when it arrives."""
         with self._lock:
             self._hold = (method, path_suffix)
+            self.held.clear()
+            self._released.clear()
+
+    def hold_answer(self, method: str, path_suffix: str) -> None:
+        """The next request with ``method`` whose path ends with ``path_suffix`` is forwarded and
+        answered upstream at once; its answer reaches the client only after :meth:`release`
+        (:attr:`held` is set when the answer is waiting)."""
+        with self._lock:
+            self._hold_answer = (method, path_suffix)
             self.held.clear()
             self._released.clear()
 

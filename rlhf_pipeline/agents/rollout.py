@@ -5,7 +5,9 @@ One round is: every active episode's token list goes to the sampler in one batch
 own ``max_new_tokens``, the smaller of its per-turn limit and what its budget and context leave);
 each episode records its sampled ids; then every environment answers its episode's turn at the
 same time (:class:`~.environment.EnvironmentRunner`: sync steps in a thread pool, async ones
-awaited, a per-step timeout). Episodes that ended drop out; the rest go round again.
+awaited, a per-step timeout). Episodes that ended drop out; the rest go round again. Given a
+``sample_turn`` instead, each episode goes round on its own: its next turn is awaited as soon as its
+environment answered, whatever the others are doing (``collect/agent_turns.py``).
 
 An episode that fails -- its environment cannot be built, its ``reset`` or ``step`` raises or
 times out at reset, it returns something that is not a ``StepResult`` or messages the template
@@ -55,6 +57,8 @@ from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
 
 Sample = tuple[list[int], list[float]]
 Sampler = Callable[[list[list[int]], list[int]], list[Sample]]
+TurnSampler = Callable[[int, list[int], int], Awaitable[Sample]]
+"""``sample_turn(episode index, its token ids, its max_new_tokens)``: one episode's next turn, awaited."""
 
 
 def cut_to_limits(sample_batch: Callable[[list[list[int]], int], list[Sample]], stop_token_ids: Sequence[int]) -> Sampler:
@@ -149,7 +153,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                        stop_token_ids: Sequence[int] | None = None,
                        template_kwargs: Mapping[str, Any] | None = None,
                        on_groups_ended: Callable[[list[tuple[int, list[Episode] | None]]], None] | None = None,
-                       ) -> Rollout:
+                       sample_turn: TurnSampler | None = None) -> Rollout:
     """Runs ``group_size`` episodes of each task to their ends. ``make_env()`` builds one episode's
     environment; one with a ``toolbox`` attribute (a :class:`~.tools.ToolBox`) has its tools'
     schemas rendered by the chat template, or one with ``tool_schemas`` (read after its reset:
@@ -158,7 +162,11 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
 
     ``on_groups_ended(ended)``: called between turns with the groups whose episodes all ended since
     the last call, each as ``(task index, its episodes)``, or ``(task index, None)`` for a dropped
-    group; every group comes once (the agent collector writes them there, ``collect/agent_streaming.py``)."""
+    group; every group comes once (the agent collector writes them there, ``collect/agent_streaming.py``).
+
+    ``sample_turn``: each episode takes its turns on its own, its next turn asked for (awaited) as soon
+    as its environment answered, instead of every active episode's turn in one ``sample`` call
+    (``collect/agent_turns.py``); the first error it raises ends the rollout."""
     g = config.group_size
     n = len(tasks) * g
     failures: list[EpisodeFailure] = []
@@ -208,32 +216,55 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                 fail(k, "reset_failed", _failed_call(f"the opening messages of {type(envs[k]).__name__}.reset", exc))
         report_ended()
         started = time.monotonic()
-        while active := [k for k, e in enumerate(episodes) if e is not None and not e.done and k // g not in dropped]:
-            samples = sample([episodes[k].token_ids for k in active], [episodes[k].max_new_tokens() for k in active])
-            metrics["generation_batches"] += 1
-            metrics["generated_rows"] += len(active)
-            turns = [episodes[k].add_turn(ids, log_probs) for k, (ids, log_probs) in zip(active, samples, strict=True)]
-            results = await asyncio.gather(*(_outcome(runner.step_counting_tools(envs[k], turn))
-                                             for k, turn in zip(active, turns, strict=True)))
+
+        def answer(k: int, stepped: Any, exc: Exception | None) -> None:
+            """Episode ``k``'s environment answered (or raised): the answer goes on its token list."""
+            where = f"{type(envs[k]).__name__}.step"
+            if exc is not None:
+                fail(k, "step_failed", _failed_call(where, exc))
+                return
+            result, tool_outcomes = stepped
+            tool_counts.update(tool_outcomes)
+            if isinstance(result.reward, float) and not math.isfinite(result.reward):
+                fail(k, "non_finite_reward", f"{where} gave reward {result.reward} at turn {len(episodes[k].turns) - 1}")
+                return
             overdue = config.episode_timeout_s is not None and time.monotonic() - started > config.episode_timeout_s
-            for k, (stepped, exc) in zip(active, results, strict=True):
-                where = f"{type(envs[k]).__name__}.step"
-                if exc is not None:
-                    fail(k, "step_failed", _failed_call(where, exc))
-                    continue
-                result, tool_outcomes = stepped
-                tool_counts.update(tool_outcomes)
-                if isinstance(result.reward, float) and not math.isfinite(result.reward):
-                    fail(k, "non_finite_reward", f"{where} gave reward {result.reward} at turn {len(episodes[k].turns) - 1}")
-                    continue
-                if overdue and not result.done:
-                    result = dataclasses.replace(result, messages=[], done=True, reason=TerminationReason.TIMEOUT)
-                    metrics["episode_timeouts"] += 1
-                try:
-                    episodes[k].add_environment(result, tool_outcomes)
-                except Exception as exc:  # a reward set to text after construction, messages the template refuses
-                    fail(k, "step_failed", _failed_call(f"the answer of {where}", exc))
-            report_ended()
+            if overdue and not result.done:
+                result = dataclasses.replace(result, messages=[], done=True, reason=TerminationReason.TIMEOUT)
+                metrics["episode_timeouts"] += 1
+            try:
+                episodes[k].add_environment(result, tool_outcomes)
+            except Exception as exc:  # a reward set to text after construction, messages the template refuses
+                fail(k, "step_failed", _failed_call(f"the answer of {where}", exc))
+
+        def running(k: int) -> bool:
+            return episodes[k] is not None and not episodes[k].done and k // g not in dropped
+
+        if sample_turn is None:  # lockstep: every active episode's turn in one call
+            while active := [k for k in range(n) if running(k)]:
+                samples = sample([episodes[k].token_ids for k in active], [episodes[k].max_new_tokens() for k in active])
+                metrics["generation_batches"] += 1
+                metrics["generated_rows"] += len(active)
+                turns = [episodes[k].add_turn(ids, log_probs) for k, (ids, log_probs) in zip(active, samples, strict=True)]
+                results = await asyncio.gather(*(_outcome(runner.step_counting_tools(envs[k], turn))
+                                                 for k, turn in zip(active, turns, strict=True)))
+                for k, (stepped, exc) in zip(active, results, strict=True):
+                    answer(k, stepped, exc)
+                report_ended()
+        else:  # each episode on its own: its next turn asked for as soon as its environment answered
+
+            async def take_turns(k: int) -> None:
+                while running(k):
+                    ids, log_probs = await sample_turn(k, episodes[k].token_ids, episodes[k].max_new_tokens())
+                    metrics["generation_batches"] += 1  # one request per turn
+                    metrics["generated_rows"] += 1
+                    if k // g in dropped:  # another episode of its group failed meanwhile: nothing is kept
+                        return
+                    turn = episodes[k].add_turn(ids, log_probs)
+                    answer(k, *await _outcome(runner.step_counting_tools(envs[k], turn)))
+                    report_ended()
+
+            await _all_or_first_error([take_turns(k) for k in range(n) if running(k)])
         metrics["environment_timeouts"] = runner.timeouts
     kept_groups = [i for i in range(len(tasks)) if i not in dropped]
     kept = [episodes[i * g + j] for i in kept_groups for j in range(g)]
@@ -248,6 +279,19 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
     if boxes or tool_counts:
         metrics.update({f"tools/{name}": tool_counts[name] for name in ToolBox.METRICS})
     return Rollout(list(tasks), kept, g, metrics, kept_groups, failures)
+
+
+async def _all_or_first_error(coroutines: list[Awaitable[None]]) -> None:
+    """Runs ``coroutines`` together; the first to raise (the engine failed) cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    if not tasks:
+        return
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task in done:
+        task.result()
 
 
 async def _outcome(awaitable: Awaitable[Any]) -> tuple[Any, Exception | None]:

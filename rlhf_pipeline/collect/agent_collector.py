@@ -2,11 +2,10 @@
 
 One ``collect()`` call is one round: ``tasks_per_round`` tasks from a :class:`TaskSource`,
 ``group_size`` episodes of each (a GRPO group), run to their ends by
-:func:`rlhf_pipeline.agents.rollout.run_episodes` with the collector's model as the sampler
-(its generation engine, ``generation/engine.py``: one request per active episode, its token ids so
-far, each with its own turn limit and a seed from the collector's generator, in one call; our
-sampling loop by default, which samples them as one batch, or vLLM, whose prefix cache holds the
-earlier turns: ``generation.engine=vllm`` in ``pipelines/tool_use.py``).
+:func:`rlhf_pipeline.agents.rollout.run_episodes` with the collector's generation engine
+(``generation/engine.py``; vLLM's prefix cache holds the earlier turns) as the sampler: every active
+episode's turn (its token ids so far, its own limit) in one call, or with ``turns="per_episode"``
+each episode's as soon as its environment answered (``collect/agent_turns.py``).
 The round's rows go to ``sink`` (typically ``ReplayBuffer.extend`` with the write path attached)
 in ONE call, or with ``stream_groups`` each group once its episodes and every earlier group's ended
 (``collect/agent_streaming.py``: the same rows, in several appends), so:
@@ -19,7 +18,6 @@ in ONE call, or with ``stream_groups`` each group once its episodes and every ea
   the group-relative advantage of that return and writes it on every turn of the trajectory.
 
 Rewards are the environment's (``StepResult.reward`` per turn); a trajectory's return is their sum.
-
 An episode that fails (its environment raises in ``reset`` or ``step``, or gives a reward that is
 not finite) drops its group, not the round: the other groups are written, the dropped ones are
 counted by reason in the round's metrics (``groups_dropped``, ``dropped/<reason>``) and each is
@@ -46,12 +44,13 @@ or a cold prefix cache, which ``generation/engine.py`` says of every engine that
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -59,6 +58,8 @@ from rlhf_pipeline.agents.environment import Environment, ToolCall
 from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, rollout
 from rlhf_pipeline.collect.agent_streaming import after_group, resume_marker, round_stream, write_round
+from rlhf_pipeline.collect.agent_metrics import round_metrics
+from rlhf_pipeline.collect.agent_turns import TURN_MODES, EpisodeTurns, episode_seeds
 from rlhf_pipeline.collect.collector import MetricsHook
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine
@@ -108,6 +109,10 @@ class AgentCollectorConfig:
     """Write each group once its episodes all ended and every earlier group of the round is written, in
     several appends per round (``collect/agent_streaming.py``), instead of one append at the round's
     end; the rows are the same either way."""
+    turns: Literal["lockstep", "per_episode"] = "lockstep"
+    """``lockstep``: every active episode's turn in one engine call; ``per_episode``: each episode's next
+    turn sent as soon as its environment answered, its draws from a generator of its own
+    (``collect/agent_turns.py``: other rows than lockstep's, as deterministic and resumable)."""
 
     def __post_init__(self) -> None:
         if self.tasks_per_round < 1 or self.group_size < 1:
@@ -122,6 +127,9 @@ class AgentCollectorConfig:
         if unknown:
             raise ValueError(f"AgentCollectorConfig.row_fields: {unknown} are not fields an episode fills; "
                              f"choose from {list(AGENT_ROW_FIELDS)}")
+        if self.turns not in TURN_MODES:
+            raise ValueError(f"AgentCollectorConfig.turns (generation.agent_turns) must be one of {list(TURN_MODES)}, "
+                             f"got {self.turns!r}")
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"AgentCollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), "
                              f"got {self.collector_index}")
@@ -221,11 +229,17 @@ class AgentCollector:
         base = id_base(cfg.collector_index)
         stream = round_stream(self, len(tasks), start_state, before_first_chunk, started) if cfg.stream_groups else None
         try:
-            result = rollout(tasks, self.make_env, self._sample, self.tokenizer, RolloutConfig(
-                group_size=cfg.group_size, limits=cfg.limits, step_timeout_s=cfg.step_timeout_s,
-                episode_timeout_s=cfg.episode_timeout_s, max_workers=cfg.max_workers, check_drift=cfg.check_drift),
-                parser=self.parser, stop_token_ids=self.stop_token_ids, template_kwargs=self.template_kwargs,
-                on_groups_ended=None if stream is None else stream.groups_ended)
+            per_episode = cfg.turns == "per_episode"  # seeds drawn in episode order, before any turn
+            with (EpisodeTurns(self.engine, cfg.sampling, episode_seeds(self.generator, len(tasks) * cfg.group_size))
+                  if per_episode else contextlib.nullcontext()) as turns:
+                result = rollout(tasks, self.make_env, self._sample, self.tokenizer, RolloutConfig(
+                    group_size=cfg.group_size, limits=cfg.limits, step_timeout_s=cfg.step_timeout_s,
+                    episode_timeout_s=cfg.episode_timeout_s, max_workers=cfg.max_workers, check_drift=cfg.check_drift),
+                    parser=self.parser, stop_token_ids=self.stop_token_ids, template_kwargs=self.template_kwargs,
+                    on_groups_ended=None if stream is None else stream.groups_ended,
+                    sample_turn=turns.sample_turn if per_episode else None)
+            if per_episode:
+                self._generate_s = turns.busy_s
             batch = result.to_batch(first_group_id=base + self.groups_emitted,
                                     first_trajectory_id=base + self.trajectories_emitted,
                                     policy_version=self.policy_version, fields=cfg.row_fields)
@@ -295,43 +309,7 @@ class AgentCollector:
 
     def _report(self, result: Rollout, batch: TrajectoryBatch | None, elapsed: float,
                 streamed: dict[str, float]) -> None:
-        episodes, m = result.episodes, result.metrics
-        n = max(len(episodes), 1)  # every group dropped: the per-episode figures are 0
-        returns = torch.tensor([sum(e.rewards) for e in episodes] or [0.0], dtype=torch.float64)  # (n,)
-        g = self.config.group_size
-        group_std = returns.reshape(-1, g).std(dim=1, unbiased=False) if g > 1 and episodes else torch.zeros(1)
-        turns = torch.tensor([len(e.turns) for e in episodes] or [0], dtype=torch.float64)
-        calls = [sum(len(t.tool_calls) for t in e.turns) for e in episodes]
-        rows = 0 if batch is None else len(batch)
-        metrics = {
-            "rows": float(rows),
-            "rows_per_s": rows / max(elapsed, 1e-9),
-            "round_s": elapsed,
-            "generate_s": self._generate_s,
-            "reward_mean": float(returns.mean()),
-            "reward_std": float(returns.std(unbiased=False)),
-            "groups_with_signal": float((group_std > 0).double().mean()),
-            "turns_per_episode": float(turns.mean()),
-            "turns_max": float(turns.max()),
-            "tool_call_rate": sum(c > 0 for c in calls) / n,  # episodes that called a tool at least once
-            "tool_calls_per_episode": sum(calls) / n,
-            "sampled_tokens_per_episode": 0.0 if batch is None else float(batch["response_tokens"].lengths().sum()) / n,
-            "groups_dropped": float(m["groups_dropped"]),
-            "groups_dropped_total": float(self.groups_dropped),
-            "generation_batches": float(m["generation_batches"]),
-            "retokenization_drift": float(m["retokenization_drift"]),
-            "template_mismatch": float(m["template_mismatch"]),
-            "environment_timeouts": float(m["environment_timeouts"]),
-            "policy_version": float(self.policy_version),
-            **self.engine.stats.update_metrics(),
-            "batches": float(self.batches_emitted),
-            "trajectories": float(self.trajectories_emitted),
-            **streamed,  # a streamed round: when its first and last groups were written (collect/streaming.py)
-        }
-        for name, count in sorted(m.items()):  # reason/env_done..., tools/ok, dropped/step_failed...
-            if name.startswith(("reason/", "tools/", "dropped/")):
-                metrics[name] = float(count)
-        self.last_metrics = metrics
+        self.last_metrics = metrics = round_metrics(self, result, batch, elapsed, self._generate_s, streamed)
         for hook in self.hooks:
             hook(metrics)
 

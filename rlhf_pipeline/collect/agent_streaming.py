@@ -6,9 +6,10 @@ commit (``collect/streaming.py``: group k goes to the sink once groups 0..k ende
 chunk once the rollout returned), so the same ``CollectorPosition`` partial-round records make a
 kill between two appends resume to the same rows (``collect/position.py``).
 
-The episodes still take their turns in lockstep: the turns of a round's active episodes go to the
-engine in one batch, as without streaming, so the engine's random draws, and the rows, are the same
-bit for bit with streaming on and off; what streaming changes is when a group reaches the buffer.
+Streaming changes when a group reaches the buffer, not how its turns are sampled: with lockstep turns
+(the default) the round's active episodes' turns go to the engine in one batch, as without streaming,
+and with per-episode turns (``collect/agent_turns.py``) each episode draws from its own generator;
+either way the rows are the same bit for bit with streaming on and off.
 """
 
 from __future__ import annotations

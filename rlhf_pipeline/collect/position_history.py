@@ -64,16 +64,17 @@ class PositionHistory:
     this collector's shard and its policy version (None: no checkpoint yet, nothing is pruned).
     ``weights_file(version)``: the run's weights file of a version (a run directory), whose hard
     link the history keeps; None keeps none. ``weights_object(version)``: at a URL, the key of the
-    run's weights object of a version (None: gone), which the history copies. ``pending_file``: the shard's
-    pending-groups snapshot (``transforms/pending_groups.py``), kept with each state as it was at
-    the commit: rows of groups not whole yet, which a branch's collector would need too."""
+    run's weights object of a version (None: gone), which the history copies. ``pending()``: the shard's
+    pending-groups snapshot (``transforms/pending_groups.py``; None when there is none), kept with each
+    state as it was at the commit: rows of groups not whole yet, which a branch's collector would need too."""
 
     def __init__(self, run_store: RunStore, prefix: str,
                  kept: Callable[[], list[tuple[int, int]] | None] = lambda: None,
-                 weights_file: Callable[[int], Path] | None = None, pending_file: Path | None = None,
+                 weights_file: Callable[[int], Path] | None = None,
+                 pending: Callable[[], bytes | None] | None = None,
                  weights_object: Callable[[int], str | None] | None = None) -> None:
         self._store = run_store
-        self._pending_file = pending_file
+        self._pending = pending
         self._prefix = prefix.strip("/")
         self._kept = kept
         self._weights_file = weights_file if isinstance(run_store, LocalRunStore) else None
@@ -97,8 +98,9 @@ class PositionHistory:
 
         payload = {"format": HISTORY_FORMAT, "next_row": int(next_row), "committed": state,
                    "loop": dict(loop or {})}
-        if self._pending_file is not None and self._pending_file.is_file():
-            payload["pending"] = self._pending_file.read_bytes()
+        snapshot = None if self._pending is None else self._pending()
+        if snapshot is not None:
+            payload["pending"] = snapshot
         held = _held_version(state)
         if held is not None and self._weights_file is not None:
             self._link_weights(held)  # first: the entry is what needs it

@@ -33,6 +33,7 @@ tries, the time and the last error.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -84,6 +85,11 @@ class ObjectRunStore(RunStore):
         self.bucket, self.prefix = split_url(url)
         self.retry = retry
         self._etags: dict[str, str] = {}
+        # threads of one process share a store (a learner and a collector in one process): each
+        # ETag remembered bumps its key's count, and a read records its ETag only when nothing was
+        # recorded for that key while it was in flight, so a late answer never replaces a newer one
+        self._etag_lock = threading.RLock()
+        self._etag_counts: dict[str, int] = {}
         self.objects: CloudObjects = cloud.without_client_retries(
             self.location, storage_options, connect_timeout_s=retry.connect_timeout_s,
             read_timeout_s=retry.read_timeout_s)
@@ -130,18 +136,30 @@ class ObjectRunStore(RunStore):
 
     # ---------------------------------------------------------------- the contract
     def read(self, key: str) -> bytes | None:
-        found = self._call("GET", key, lambda: self.objects.read(key))
-        if found is None:
-            return None
-        self._etags[key] = found.etag
-        return found.body
+        found = self._read(key)
+        return None if found is None else found.body
 
     def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        found = self._read(key)
+        return None if found is None else (found.body, found.etag)
+
+    def _read(self, key: str) -> Any:
+        count = self._etag_counts.get(key, 0)
         found = self._call("GET", key, lambda: self.objects.read(key))
-        if found is None:
-            return None
-        self._etags[key] = found.etag
-        return found.body, found.etag
+        if found is not None:
+            with self._etag_lock:
+                if self._etag_counts.get(key, 0) == count:
+                    self._remember(key, found.etag)
+        return found
+
+    def _remember(self, key: str, etag: str | None) -> None:
+        """``etag`` as the version of ``key`` this store last wrote or read (None: forget it)."""
+        with self._etag_lock:
+            if etag is None:
+                self._etags.pop(key, None)
+            else:
+                self._etags[key] = etag
+            self._etag_counts[key] = self._etag_counts.get(key, 0) + 1
 
     def exists(self, key: str) -> bool:
         return self._call("HEAD", key, lambda: self.objects.etag(key)) is not None
@@ -150,21 +168,22 @@ class ObjectRunStore(RunStore):
               partial_name: str | None = None) -> None:
         body = content_bytes(content)
         if not fence:
-            self._etags[key] = self._call("PUT", key, lambda: self.objects.put(key, body))
+            self._remember(key, self._call("PUT", key, lambda: self.objects.put(key, body)))
             return
         etag = self._etags.get(key) or self._call("HEAD", key, lambda: self.objects.etag(key))
         try:
             if etag is None:
-                self._etags[key] = self._call("PUT (fenced)", key, lambda: self.objects.create(key, body))
+                self._remember(key, self._call("PUT (fenced)", key, lambda: self.objects.create(key, body)))
             else:
-                self._etags[key] = self._call("PUT (fenced)", key, lambda: self.objects.replace(key, body, etag))
+                self._remember(key, self._call("PUT (fenced)", key,
+                                               lambda: self.objects.replace(key, body, etag)))
         except ConditionFailed:
             self._settle_refused(key, body, replaced=True)
 
     def create(self, key: str, content: Content, *, partial_name: str | None = None) -> None:
         body = content_bytes(content)
         try:
-            self._etags[key] = self._call("PUT (create)", key, lambda: self.objects.create(key, body))
+            self._remember(key, self._call("PUT (create)", key, lambda: self.objects.create(key, body)))
         except ConditionFailed:
             self._settle_refused(key, body, replaced=False)
 
@@ -173,7 +192,7 @@ class ObjectRunStore(RunStore):
         another writer's object."""
         found = self._call("GET", key, lambda: self.objects.read(key))
         if found is not None and found.body == body:
-            self._etags[key] = found.etag
+            self._remember(key, found.etag)
             return
         if replaced:
             raise StaleWriterError(
@@ -191,7 +210,7 @@ class ObjectRunStore(RunStore):
         etag = self._call("COPY", key, lambda: self.objects.copy_from(source.objects, source_key, key))
         if etag is None:
             raise FileNotFoundError(2, "no such object", source.describe(source_key))
-        self._etags[key] = etag
+        self._remember(key, etag)
 
     def list(self, prefix: str) -> list[str]:
         return self._call("LIST", prefix, lambda: self.objects.list(prefix))
@@ -201,7 +220,7 @@ class ObjectRunStore(RunStore):
 
     def delete(self, key: str) -> None:
         self._call("DELETE", key, lambda: self.objects.remove(key))
-        self._etags.pop(key, None)
+        self._remember(key, None)
 
     # ---------------------------------------------------------------- leases (run_lease.py)
     def put_if(self, key: str, body: bytes, *, etag: str | None) -> str | None:

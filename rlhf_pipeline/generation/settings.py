@@ -37,6 +37,11 @@ class GenerationSettings:
     engine: Literal["loop", "vllm"] = "loop"
     """loop: our sampling loop in the collector's process (the default); vllm: a vLLM engine the
     collector starts in its own process under the vLLM environment's Python, and stops with the run."""
+    agent_turns: Literal["lockstep", "per_episode"] = "lockstep"
+    """Agents (pipelines/tool_use.py): lockstep sends every active episode's turn in one engine call;
+    per_episode sends each episode's next turn as soon as its environment answered, so vLLM's batch
+    stays full while slow environments work. Its draws come from per-episode generators seeded at the
+    round's start: other rows than lockstep's for a seed, the same whatever the timing (docs/generation.md)."""
     python: str | None = None
     """vllm: the Python that has vLLM; none: .venv-vllm/bin/python of this checkout (rlhf-pipeline
     setup-vllm makes it), else this Python if it has vllm."""
@@ -77,6 +82,10 @@ class GenerationSettings:
     url_api_key_env: str = "VLLM_API_KEY"
     """url: the environment variable holding the server's API key (its --api-key), sent as a bearer
     token when set: the key stays out of the run's settings file."""
+    url_lease_s: float = 60.0
+    """url: seconds a round's lease on the server's weights lives without renewal (renewed every quarter
+    of it while the round runs): how long a collector that died mid-round holds up the others sharing
+    the server. A collector stalled longer than this mid-round loses the round (nothing of it stored)."""
     url_check_tolerance: float = 1e-3
     """url: largest log-prob difference between the server and the pipeline's model at the start
     check; raise it for a server in lower precision than the pipeline's model."""
@@ -152,7 +161,7 @@ def check_url_settings(settings: GenerationSettings) -> None:
                          f"{settings.url!r}")
     if settings.url_retries < 0:
         raise ValueError(f"setting 'generation.url_retries' must be >= 0, got {settings.url_retries}")
-    for name in ("url_backoff_s", "url_timeout_s", "url_check_tolerance"):
+    for name in ("url_backoff_s", "url_timeout_s", "url_check_tolerance", "url_lease_s"):
         if not getattr(settings, name) > 0:
             raise ValueError(f"setting 'generation.{name}' must be > 0, got {getattr(settings, name)}")
     if settings.url_wait_s < 0:
@@ -183,12 +192,9 @@ def make_collector_engine(settings: GenerationSettings, model: Any, tokenizer: A
                           collector_index: int) -> GenerationEngine:
     """:func:`make_engine` as a pipeline's collector ``collector_index`` asks for it (the tokenizer's
     pad and EOS). Whatever keeps the engine from serving this run is one ValueError naming it, before
-    any row: a second collector on one server (a server holds one collector's weights: two would
-    sample under each other's versions), a server that cannot serve this run or does not answer, a
-    missing vLLM environment. Pipelines turn it into their one-line ``PipelineError``."""
-    if settings.url is not None and collector_index > 0:
-        raise ValueError(f"generation.url serves one collector (its weights are that collector's), and this "
-                         f"is collector {collector_index}: run with --collectors 1")
+    any row: a server that cannot serve this run or does not answer, a missing vLLM environment.
+    Several collectors may share one server at ``generation.url``: each round holds a lease on the
+    weights it samples with (``generation/vllm_lease.py``). Pipelines turn it into their one-line ``PipelineError``."""
     from rlhf_pipeline.generation.vllm_http import ServerUnreachable
 
     try:
@@ -219,7 +225,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
                              retry=retry, wait_s=settings.url_wait_s,
                              check_tolerance=settings.url_check_tolerance,
                              api_key=os.environ.get(settings.url_api_key_env) or None,
-                             api_key_env=settings.url_api_key_env)
+                             api_key_env=settings.url_api_key_env, lease_s=settings.url_lease_s)
     if settings.engine == "loop":
         from rlhf_pipeline.generation.loop import LoopEngine
 

@@ -28,6 +28,8 @@ Operations (``op`` of each request; every reply has ``ok`` and, when False, ``er
   ``stream`` of its own (no ``extended``). A request's ``key``, when given, comes back with its group;
 * ``load_weights``: ``path`` of a safetensors file -> loaded through the worker extension
   (``generation/vllm_worker.py``), then the prefix cache is reset;
+* ``turns``: a session of requests added one by one while the engine steps (:func:`turns`: an
+  agent's next turn sent as soon as its environment answered), replies as in ``stream`` but keyed;
 * ``nccl_init`` / ``nccl_start`` / ``nccl_update`` / ``nccl_finish``: vLLM's weight-transfer
   protocol, for the GPU route (``generation/vllm_nccl.py``);
 * ``close``: replies, then the process exits.
@@ -166,6 +168,58 @@ def external_id(request_id: str) -> str:
     return str(request_id).split("-", 1)[0]
 
 
+def turns(llm, message: dict[str, Any], connection: Connection) -> None:
+    """Requests added while vLLM's engine steps (an agent's turns, each sent once its environment
+    answered: ``generation/vllm_turns.py``). The opening message has ``sampling``, ``stop_token_ids``
+    and ``progress_every_s``; then the client sends ``{"add": [requests]}`` (each with a ``key`` of
+    its own beside the fields ``stream`` takes) and at last ``{"end": True}``. Between steps, what
+    came is added to the running batch; each step that finished requests sends ``{"finished": [...]}``
+    (per request its ``key``, ``group``, ``cached_tokens``). Silence (no step finished one, or nothing
+    to decode while the client's environments work) sends ``{"progress": steps}`` every
+    ``progress_every_s``, so the client tells a hang from a wait. After ``end``, once nothing is left
+    to decode, ``{"done": True}``."""
+    every_s = float(message.get("progress_every_s", PROGRESS_EVERY_S))
+    engine, keys = llm.llm_engine, {}  # vLLM's request id -> the client's key
+    ending, steps, last_reply = False, 0, time.monotonic()
+    try:
+        while True:
+            busy = engine.has_unfinished_requests()
+            if not busy and ending:
+                break
+            wait_s = 0.0 if busy else max(0.0, every_s - (time.monotonic() - last_reply))
+            while connection.poll(wait_s):  # EOFError when the client is gone: the serve loop ends
+                added = connection.recv()
+                if added.get("end"):
+                    ending = True
+                if added.get("add"):
+                    prompts, params = _requests({**message, "requests": added["add"]})
+                    for request, request_id in zip(added["add"], llm.enqueue(prompts, params, use_tqdm=False)):
+                        keys[external_id(str(request_id))] = request["key"]
+                wait_s = 0.0
+            finished = []
+            if engine.has_unfinished_requests():
+                steps += 1
+                for output in engine.step():
+                    if output.finished:
+                        finished.append({"key": keys.pop(external_id(output.request_id)), "group": _completions(output),
+                                         "cached_tokens": int(output.num_cached_tokens or 0)})
+            if finished:
+                connection.send({"ok": True, "finished": finished})
+                last_reply = time.monotonic()
+            elif time.monotonic() - last_reply >= every_s:
+                connection.send({"ok": True, "progress": steps})
+                last_reply = time.monotonic()
+    except (EOFError, OSError):  # the client is gone: drop its requests, the serve loop then ends
+        if keys:
+            engine.abort_request(sorted(keys))
+        return
+    except Exception:  # the error reply ends the session: nothing of it may stay in the engine
+        if keys:
+            engine.abort_request(sorted(keys))
+        raise
+    connection.send({"ok": True, "done": True})
+
+
 def load_weights(llm, message: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     (loaded,) = llm.collective_rpc("load_published_weights", args=(message["path"],))
@@ -212,6 +266,9 @@ def serve(connection: Connection, options: dict[str, Any]) -> int:
                 return 0
             if op in ("stream", "extend"):  # several replies, sent as requests finish
                 stream(llm, message, connection)
+                continue
+            if op == "turns":  # requests added while the engine steps, replies as they finish
+                turns(llm, message, connection)
                 continue
             if op == "load_weights":
                 reply = load_weights(llm, message)

@@ -35,15 +35,20 @@ New weights travel as a safetensors file the server reads: ``weights_dir`` must 
 server's machine sees at the same path (a temporary one on this machine by default: a server on
 this machine); or, with ``inline_weights``, as that file's bytes in the request (base64, a third
 larger than the file), for a server with no file system in common. :data:`SERVER_COMMAND` is the command to start a server that can take them.
+
+Several collectors may share one server (``vllm_url_weights.py``, ``vllm_lease.py``): each round runs
+under a lease on the weights it must be sampled with, joining the rounds of other collectors on the same
+weights, or waiting until the held weights drain and then loading its own; a reply is kept only if no
+weights went in under its round, so every row names the version that sampled it.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +58,7 @@ from rlhf_pipeline.generation.engine import (
     Completion,
     CompletionGroup,
     EngineFailed,
+    EngineStats,
     GenerationEngine,
     SampleRequest,
     UnsupportedCapability,
@@ -63,6 +69,7 @@ from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_engine import GREEDY_BELOW, MAX_TEMPERATURE
 from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable
 from rlhf_pipeline.generation.vllm_server import WORKER_EXTENSION
+from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch, ServerWeights
 from rlhf_pipeline.generation.vllm_worker import MODEL_SHAPE_KEYS
 
 SERVER_COMMAND = (
@@ -79,9 +86,21 @@ NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalt
 """Sent with every request: the server's generation config would otherwise set them."""
 
 
-class ServerMismatch(ValueError):
-    """The server at the URL cannot sample for this pipeline as it stands (another model or tokenizer,
-    another kind of log-prob, no way to take weights); the message names both sides and the fix."""
+@dataclass
+class SharedServerStats(EngineStats):
+    """The engine's stats, and what sharing the server cost this collector since the last round:
+    ``lease_wait_s``, seconds waiting for other collectors' rounds on other weights to end, and
+    ``server_loads``, loads of its weights (each version once, and again after another's went in)."""
+
+    weights: Any = None
+    shared_reported: tuple[float, int] = (0.0, 0)
+
+    def update_metrics(self) -> dict[str, float]:
+        waited, loads = self.weights.waited_s, self.weights.loads
+        since = {"lease_wait_s": waited - self.shared_reported[0],
+                 "server_loads": float(loads - self.shared_reported[1])}
+        self.shared_reported = (waited, loads)
+        return {**super().update_metrics(), **since}
 
 
 class VLLMURLEngine(GenerationEngine):
@@ -98,7 +117,7 @@ class VLLMURLEngine(GenerationEngine):
                  weights_dir: str | Path | None = None, inline_weights: bool = False,
                  retry: RetryPolicy | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
                  check_tolerance: float = 1e-3, api_key: str | None = None,
-                 api_key_env: str = "VLLM_API_KEY") -> None:
+                 api_key_env: str = "VLLM_API_KEY", lease_s: float = 60.0) -> None:
         super().__init__(stop_token_ids, policy_version)
         self.url = url.rstrip("/")
         self.client = JsonClient(self.url, retry, api_key=api_key)
@@ -107,9 +126,10 @@ class VLLMURLEngine(GenerationEngine):
         self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
         self.inline_weights = bool(inline_weights)
-        self._own_weights_dir = weights_dir is None
-        self.weights_dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-url-")) if weights_dir is None else Path(weights_dir)
-        self._weights_file: Path | None = None
+        # the weights this engine's rounds sample with, held on a server other collectors may share
+        self.weights = ServerWeights(self.client, weights_dir=weights_dir, inline=inline_weights, lease_s=lease_s,
+                                     version=policy_version)
+        self.stats = SharedServerStats(weights=self.weights)
         started = time.perf_counter()
         try:
             self._wait_until_healthy(wait_s)
@@ -285,15 +305,24 @@ class VLLMURLEngine(GenerationEngine):
         if not bodies:
             return
         version = self.policy_version
-        with ThreadPoolExecutor(max_workers=min(len(bodies), self.max_concurrency)) as pool:
+        # with weight updates the server may be shared: the round runs on this engine's weights, held
+        # by a lease, and each reply is kept only once the lease says no weights went in under it
+        lease = self.weights.round_lease() if self._weight_updates else None
+        with lease or nullcontext(), ThreadPoolExecutor(max_workers=min(len(bodies), self.max_concurrency)) as pool:
+            if lease is not None:
+                self.weights.waited_s += lease.waited_s
+                self.stats.update_s_total += lease.load_s  # another collector's weights went in meanwhile
             index_of = {pool.submit(self.client.post, "/v1/completions", body): k for k, body in enumerate(bodies)}
             waiting = set(index_of)
             try:
                 while waiting:
                     done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
-                    yield [CompletionGroup(k, self._completions(future.result(), bodies[k]), version,
-                                           seed=bodies[k]["seed"])
-                           for k, future in sorted((index_of[f], f) for f in done)]
+                    groups = [CompletionGroup(k, self._completions(future.result(), bodies[k]), version,
+                                              seed=bodies[k]["seed"])
+                              for k, future in sorted((index_of[f], f) for f in done)]
+                    if lease is not None:
+                        lease.check()
+                    yield groups
             finally:  # a failed request or a consumer that stopped: no request still queued goes out
                 for future in waiting:
                     future.cancel()
@@ -324,58 +353,10 @@ class VLLMURLEngine(GenerationEngine):
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> None:
         if not self._weight_updates:
             raise UnsupportedCapability(f"the {self.name} engine was made without weight updates")
-        if isinstance(weights, (str, Path)) and Path(weights).suffix == ".safetensors":
-            path = Path(weights).resolve()  # a published version's file: the server reads it as it is
-        else:
-            if isinstance(weights, (str, Path)):  # a legacy .pt publication
-                weights = torch.load(weights, map_location="cpu", weights_only=True)["state_dict"]
-            path = self._write_weights(weights, version)
-        if self.inline_weights:
-            import base64
-
-            request = {"method": "load_published_weights_inline", "args": [base64.b64encode(path.read_bytes()).decode()]}
-        else:
-            request = {"method": "load_published_weights", "args": [str(path)]}
-        try:
-            reply = self.client.post("/collective_rpc", request)
-        except ServerError as exc:
-            if "No such file" not in exc.detail and "FileNotFound" not in exc.detail:
-                raise
-            raise ServerMismatch(f"generation.url: the server at {self.url} cannot read {path}, the weights of version "
-                                 f"{version}: a server on another machine needs generation.url_weights_dir on a file "
-                                 f"system both machines see, at the same path, or generation.url_weights=inline") from None
-        if not all(isinstance(r, dict) and r.get("tensors") for r in reply.get("results", [])):
-            raise EngineFailed(f"the vLLM server at {self.url} did not load {path}: {reply}")
-        # cached prefixes hold the old weights' keys and values; a reset fails while another client's
-        # requests hold blocks, so it is asked again (our own requests are all done here)
-        for attempt in range(self.client.retry.retries + 1):
-            if self.client.post("/reset_prefix_cache").get("success"):
-                break
-            time.sleep(self.client.retry.pause(attempt))
-        else:
-            raise EngineFailed(f"the vLLM server at {self.url} did not reset its prefix cache after loading version "
-                               f"{version} (requests of other clients running?): its rows would mix weights")
-        if self._weights_file is not None and self._weights_file != path:
-            self._weights_file.unlink(missing_ok=True)
-        self._weights_file = path if path.parent == self.weights_dir else None
-
-    def _write_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
-        from safetensors.torch import save_file
-
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        path = self.weights_dir / f"weights-{version:08d}.safetensors"
-        partial = path.with_suffix(".partial")
-        # own contiguous CPU copies: safetensors refuses tensors that share memory (a tied head)
-        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}, str(partial))
-        partial.replace(path)
-        return path
+        self.weights.take(weights, version)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Removes the weight files this engine wrote; the server is the user's and keeps running."""
-        if self._own_weights_dir:
-            shutil.rmtree(self.weights_dir, ignore_errors=True)
-            self._own_weights_dir = False
-        elif self._weights_file is not None:
-            self._weights_file.unlink(missing_ok=True)
-        self._weights_file = None
+        self.weights.close()
+

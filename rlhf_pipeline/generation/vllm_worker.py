@@ -16,9 +16,16 @@ here:
   after every load (on a GPU packing is a no-op);
 * tensors passed as ``collective_rpc`` arguments arrive as plain lists, so the weights travel as the
   path of a safetensors file, which the worker maps and reads itself.
+
+A server that several collectors share also keeps its weights lease here (``generation/vllm_lease.py``):
+``published_lease`` answers a round's lease calls, and every load records which weights went in (the
+``lease`` argument: the loading round and its weights' key) and starts a new epoch.
 """
 
 from __future__ import annotations
+
+import json
+import time
 
 
 MODEL_SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -28,27 +35,46 @@ MODEL_SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_la
 class PublishedWeightsLoader:
     """Methods added to vLLM's worker; names carry ``published`` so they clash with none of its own."""
 
-    def load_published_weights(self, path: str) -> dict:
+    def load_published_weights(self, path: str, lease: str = "") -> dict:
         """Loads the safetensors file at ``path`` (checkpoint names, as ``save_pretrained`` or our
-        learner's ``publish_weights`` write them); returns what it loaded, for the caller's checks."""
+        learner's ``publish_weights`` write them); returns what it loaded, for the caller's checks.
+        ``lease``: JSON of the loading round's ``holder``, ``key`` and ``version`` (empty: a load outside
+        any lease)."""
         from safetensors.torch import load_file
 
-        return self._reload_published(load_file(path, device="cpu"))
+        return self._reload_published(load_file(path, device="cpu"), lease)
 
-    def load_published_weights_inline(self, encoded: str) -> dict:
+    def load_published_weights_inline(self, encoded: str, lease: str = "") -> dict:
         """The same from the safetensors bytes themselves, base64-encoded (an HTTP ``/collective_rpc``
         passes strings only): for a server that cannot read the client's files."""
         import base64
 
         from safetensors.torch import load
 
-        return self._reload_published(load(base64.b64decode(encoded)))
+        return self._reload_published(load(base64.b64decode(encoded)), lease)
 
-    def _reload_published(self, state: dict) -> dict:
+    def _reload_published(self, state: dict, lease: str = "") -> dict:
         self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         retied = retie_lm_head(model)
-        return {"tensors": len(state), "retied_lm_head": retied}
+        claim = json.loads(lease) if lease else {}
+        # every worker loads whatever its lease table says: the weights never differ between workers
+        leases = self._published_leases()
+        leases.loaded(claim.get("holder"), claim.get("key"), claim.get("version"), float(claim.get("ttl_s", 0.0)),
+                      time.monotonic())
+        return {"tensors": len(state), "retied_lm_head": retied, "epoch": leases.epoch}
+
+    def published_lease(self, request: str) -> dict:
+        """One lease call of a round (JSON: ``op``, ``holder`` and the op's arguments; see
+        ``generation/vllm_lease.py``), answered from this server's table."""
+        return self._published_leases().call(json.loads(request), time.monotonic())
+
+    def _published_leases(self):
+        from rlhf_pipeline.generation.vllm_lease import WeightsLeases
+
+        if getattr(self, "_weights_leases", None) is None:
+            self._weights_leases = WeightsLeases()
+        return self._weights_leases
 
     def describe_published_model(self) -> dict:
         """The served model's shape, for a client that must check it serves the pipeline's model

@@ -76,7 +76,7 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
         if state is None:
             raise refuse(f"the parent keeps no state of its collector {index} at row {count} of {name} (a run made "
                          f"before collector position histories, or one pruned since)")
-        if _pending_rows(state.get("pending")):
+        if pending_rows(state.get("pending")):
             raise refuse(f"its collector {index} had rows of groups not whole yet pending at row {count} of {name}, "
                          f"and restarting a collector with pending groups online is not there yet")
         states[index] = state
@@ -105,7 +105,7 @@ def _branch_loop(loop: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in loop.items() if key != CLOCK_KEY}
 
 
-def _pending_rows(snapshot: bytes | None) -> int:
+def pending_rows(snapshot: bytes | None) -> int:
     """Rows of groups not whole yet in a pending-groups snapshot (``transforms/pending_groups.py``),
     leaving out those held for an append that the committed round made."""
     if not snapshot:
@@ -186,9 +186,25 @@ def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any,
     from rlhf_pipeline.coordination.weights import weights_path
 
     weights_file = (lambda version: weights_path(paths.root, version)) if paths.url is None else None
-    pending = Path(store_path) / "pending" / "state.pt" if "://" not in store_path else None  # a local shard's
-    position.history = PositionHistory(store, history_key(key), kept, weights_file, pending_file=pending,
+    position.history = PositionHistory(store, history_key(key), kept, weights_file,
+                                       pending=pending_snapshot(paths, store_path),
                                        weights_object=_weights_object(paths) if paths.url is not None else None)
+
+
+def pending_snapshot(paths: Any, store_path: str) -> Any:
+    """Reads the shard's pending-groups snapshot (None when there is none) where our pipelines keep it
+    (``pipelines/default.py``'s write path): beside a local shard, or for a shard at a URL in the run's
+    state (a directory, or an object under the run's URL: one GET a round)."""
+    from rlhf_pipeline.transforms.pending_groups import STATE_FILE
+
+    if "://" not in store_path:
+        local = Path(store_path) / "pending" / STATE_FILE
+        return lambda: local.read_bytes() if local.is_file() else None
+    where, run_store = paths.state_object(paths.pending_groups(store_path.rstrip("/").rsplit("/", 1)[-1]))
+    if run_store is None:
+        local = Path(where) / STATE_FILE
+        return lambda: local.read_bytes() if local.is_file() else None
+    return lambda: run_store.read(f"{where}/{STATE_FILE}")
 
 
 def _weights_object(paths: Any) -> Any:

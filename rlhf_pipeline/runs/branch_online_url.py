@@ -25,7 +25,7 @@ import json
 from typing import Any
 
 from rlhf_pipeline.files.run_paths import RunPaths
-from rlhf_pipeline.runs.branch_online import OnlineBranchError
+from rlhf_pipeline.runs.branch_online import OnlineBranchError, pending_rows
 from rlhf_pipeline.storage.continues import continued_rows, write_continued_rows
 
 
@@ -80,6 +80,9 @@ def prepare_online_branch_at_url(paths: RunPaths, lineage: dict[str, Any], offli
         if state is None:
             raise refuse(f"the parent keeps no state of its collector {index} at row {count} of {name} (a run made "
                          f"before collector position histories at URLs, or one pruned since)")
+        if pending_rows(state.get("pending")):
+            raise refuse(f"its collector {index} had rows of groups not whole yet pending at row {count} of {name}, "
+                         f"and restarting a collector with pending groups online is not there yet")
         states[index] = state
         histories.append((history.held_at(count), history))
     import torch

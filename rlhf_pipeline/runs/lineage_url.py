@@ -11,6 +11,8 @@ from typing import Any
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.runs.lineage import BRANCH_FILE
 
+_READS_AT_ONCE = 16  # reads of the runs beside a run in flight at once: a home of 100 runs in ~7 round trips
+
 
 def is_run_at_url(url: str) -> bool:
     """Whether ``url`` holds a run: its ``settings.json`` or a checkpoint."""
@@ -28,24 +30,54 @@ def read_parent_at_url(url: str) -> dict[str, Any] | None:
 def find_branches_at_url(url: str) -> list[dict[str, Any]]:
     """The branches of the run at ``url`` among the runs beside it: ``{"run": URL, "step": N}``,
     by step then URL (one listing of the home, one read per run in it)."""
+    found = [{"run": b["run"], "step": b["step"]} for b in branch_records_at_url(url) if not b["half_made"]]
+    return sorted(found, key=lambda b: (b["step"], b["run"]))
+
+
+def branch_records_at_url(url: str, *, half_made: bool = False, home_store: Any = None) -> list[dict[str, Any]]:
+    """The branches of the run at ``url`` beside it, each ``{"run": URL, "step": N, "lineage":
+    its branch.json, "half_made": False}``; with ``half_made``, also the branches ``branch`` is
+    making (or left half-made): ``branch.making`` and no ``branch.json``, with ``"lineage": None``
+    and ``"half_made": True``. One listing of the home and one read per run in it (two for a run
+    that is no branch, with ``half_made``), sent a few at a time; ``home_store``: the home's
+    ``ObjectRunStore`` to send them with (one is made when None)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
+    from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING
 
     url = url.rstrip("/")
     home, _, name = url.rpartition("/")
     if "://" not in home or home.endswith(":/"):  # a run at the top of a bucket has no runs beside it
         return []
-    store = ObjectRunStore(home)
-    found = []
-    for other in sorted(store.list("")):
-        if other == name:
-            continue
+    store = home_store if home_store is not None else ObjectRunStore(home)
+
+    def record_of(other: str) -> dict[str, Any] | None:
         try:
-            parent = _parent_of(store, f"{other}/", f"{home}/{other}")
+            lineage = _parent_of(store, f"{other}/", f"{home}/{other}")
         except ValueError:
-            continue  # a damaged branch says so when it is inspected itself
-        if parent is not None and str(parent["parent"]).rstrip("/") == url:
-            found.append({"run": f"{home}/{other}", "step": int(parent["step"])})  # find_branches' fields
-    return sorted(found, key=lambda b: (b["step"], b["run"]))
+            return None  # a damaged branch says so when it is inspected itself
+        making = _making_of(store.read(f"{other}/{BRANCH_MAKING}")) if lineage is None and half_made else None
+        named = lineage if lineage is not None else making
+        if named is None or str(named.get("parent", "")).rstrip("/") != url:
+            return None
+        return {"run": f"{home}/{other}", "step": int(named.get("step", 0)), "lineage": lineage,
+                "half_made": lineage is None}
+
+    others = [other for other in sorted(store.list("")) if other != name]
+    with ThreadPoolExecutor(max_workers=max(1, min(_READS_AT_ONCE, len(others)))) as pool:
+        return [found for found in pool.map(record_of, others) if found is not None]
+
+
+def _making_of(raw: bytes | None) -> dict[str, Any] | None:
+    """``branch.making``'s record (``{"parent": URL, "step": N}``); a damaged one names no parent."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def url_run_lineage(url: str) -> dict[str, Any]:
@@ -59,11 +91,21 @@ def url_run_lineage(url: str) -> dict[str, Any]:
         "rewind_points": run_checkpoints(paths).rewind_points(),
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", [])},
-        # a branch at a URL is a replay's (runs/branch_url.py): it holds none of the parent's rows
-        "branches": [{**b, "parent_rows": None, "reads": None,
-                      "detached": bool((read_parent_at_url(b["run"]) or {}).get("detached"))}
-                     for b in find_branches_at_url(paths.url)],
+        "branches": [_what_branch_reads(b) for b in sorted(branch_records_at_url(paths.url),
+                                                            key=lambda b: (b["step"], b["run"]))],
     }
+
+
+def _what_branch_reads(branch: dict[str, Any]) -> dict[str, Any]:
+    """``lineage.what_branch_reads`` for a branch at a URL: a branch of a run with collectors holds
+    the parent's rows its ``parent-rows/`` names (a replay's branch reads the replay's source)."""
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+    from rlhf_pipeline.runs.branch_reads import PARENT_ROWS_MANIFEST
+
+    lineage = branch["lineage"]
+    holds = lineage.get("replay_source") is None and ObjectRunStore(branch["run"]).exists(PARENT_ROWS_MANIFEST)
+    return {"run": branch["run"], "step": branch["step"], "parent_rows": lineage.get("buffer_rows") if holds else None,
+            "reads": None, "detached": bool(lineage.get("detached"))}
 
 
 def _parent_of(store, prefix: str, where: str) -> dict[str, Any] | None:

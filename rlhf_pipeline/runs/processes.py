@@ -179,8 +179,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             pacer.round_written(learned)
         metrics_log, run_store = paths.state_object(paths.collector_metrics(collector_index))
         metrics = MetricsWriter(metrics_log, store=run_store)
-        retention = _shard_retention(pipeline, paths, key, store_path, loop, continues_from,
-                                     say=lambda line: say(f"{tag} {line}"))
+        retention = _shard_retention(pipeline, paths, key, store_path, loop, continues_from)
         waited = paced_total = 0.0
         # the learner takes the next batch within a step: poll soon (at a URL each poll is a few
         # requests, so not every millisecond)
@@ -260,16 +259,11 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
 
 
 def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: str, loop: dict,
-                     continues_from: int = 0, say: Callable[[str], None] = print) -> Any:
+                     continues_from: int = 0) -> Any:
     """The collector's retention of its shard (``runs/retention.py``), or None when no rule is set;
     its row clock continues from the saved loop state."""
     settings = getattr(pipeline, "retention", None)
     if settings is None or not settings.enabled:
-        return None
-    if paths.url is not None and continues_from:
-        # at a URL, floors translated between the parent's numbering and the branch's own are not tested
-        say("retention.* is off in a branch at a URL continued online (its floors across the parent's rows and "
-            "its own are computed in a run directory only); its buffer grows: see docs/branching.md#not-there-yet")
         return None
     from rlhf_pipeline.runs.retention import CLOCK_KEY, ShardRetention
 

@@ -8,8 +8,9 @@ after it. The floor is the lowest of:
   next batches from the rows its sampler could reach then, the newest ``window`` rows before the
   position the checkpoint recorded (``step_N.json``'s ``buffer_rows``); a checkpoint made before
   positions were recorded, or one that does not name this shard, holds every row;
-* **the branches beside the run** (``runs/lineage.py`` finds them): a branch's ``parent-rows/``
-  names the parent's rows by global id and checks at every opening that they are all still there;
+* **the branches beside the run** (``runs/lineage.py`` finds them; at a URL ``runs/retention_url.py``):
+  a branch's ``parent-rows/`` names the parent's rows by global id and checks at every opening that
+  they are all still there (a detached branch continued online still reads them in place: all held);
 * **the learner**: the rows it has not taken in yet (``pacing.json``'s ``consumed``) and the
   ``window`` before them that its sampler draws from; before the learner's first intake, every row.
 
@@ -26,8 +27,8 @@ written; the parent's own retention holds them for the branch through its ``pare
 * **a running replay of the buffer** beside the run (its ``settings.json`` names the source, its
   ``run.lock`` a live process on this machine): while it runs, nothing is dropped.
 
-Not covered (``docs/retention.md``): a replay under another home or on another machine, and branches
-made under another home or of a run at a URL, are not found.
+Not covered (``docs/retention.md``): a replay under another home, on another machine or of a buffer at
+a URL, and branches made under another home (or URL prefix), are not found.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.runs.branch_reads import continues_shard, first_row_read, resolved_location
 from rlhf_pipeline.storage.retention import RetentionSettings, RowClock, wanted_cut, whole_cut
 
 CLOCK_KEY = "retention_clock"  # where the row clock rides in the collector's saved loop state
@@ -78,6 +80,8 @@ class ShardRetention:
         self.window = sampler_window(learner)
         self.clock = RowClock(clock)
         self.totals = [0, 0]  # rows dropped, bytes freed by this process
+        self.url_branches: Any = None  # at a URL: the branches beside the run, looked up when a drop nears
+        self._looked_now = True
 
     def after_round(self, store: Any, newest_version: int | None, now: float | None = None) -> RetentionReport:
         now = time.time() if now is None else now
@@ -85,8 +89,11 @@ class ShardRetention:
         wanted = wanted_cut(store, self.settings, newest_version=newest_version, clock=self.clock, now=now)
         dropped, floor, held_by = [], store.next_row, ""
         if wanted - wanted % store.segment_rows > store.first_row:  # a whole segment may go: look at the floor
-            floor, held_by = self.floor(store)
+            floor, held_by = self.floor(store, fresh=False)
             cut = whole_cut(store, wanted, floor)
+            if cut > store.first_row and not self._looked_now:  # a drop is made only on a fresh look at the branches
+                floor, held_by = self.floor(store)
+                cut = whole_cut(store, wanted, floor)
             dropped = store.drop_rows_before(cut) if cut > store.first_row else []
             held_by = held_by if floor < wanted else ""
         self.clock.forget_before(store.first_row)
@@ -95,17 +102,20 @@ class ShardRetention:
         self.totals[1] += size
         return RetentionReport(rows, size, store.first_row, floor, held_by)
 
-    def floor(self, store: Any) -> tuple[int, str]:
-        """The oldest row of this shard something still needs (a row of ``store``), and what needs it."""
+    def floor(self, store: Any, fresh: bool = True) -> tuple[int, str]:
+        """The oldest row of this shard something still needs (a row of ``store``), and what needs it;
+        ``fresh=False`` may reuse a recent look at the branches at a URL (then see :meth:`after_round`)."""
         counted = [(self._learner_floor(store), "the learner's unread rows and sampling window")]
         counted += self._checkpoint_floors()
         # rows counted as the learner counts them, as rows of the store: a floor among the parent's
         # rows (below continues_from) holds every own row
         candidates = [(max(0, row - self.continues_from), why) for row, why in counted]
-        candidates += self._branch_floors()
+        branches, looked = self._branch_floors(fresh)
+        candidates += branches
         if self.paths.url is None:
             candidates += [(store.first_row, f"replay {run} (running)")
                            for run in running_replays_of(self.paths.root, self.store_path)]
+        self._looked_now = looked
         return min(candidates, key=lambda c: c[0])
 
     def _learner_floor(self, store: Any) -> int:
@@ -131,31 +141,45 @@ class ShardRetention:
             floors.append((needed, f"the checkpoint of step {point['step']} (a rewind point)"))
         return floors
 
-    def _branch_floors(self) -> list[tuple[int, str]]:
+    def _branch_floors(self, fresh: bool = True) -> tuple[list[tuple[int, str]], bool]:
+        """``(row, why)`` per branch reading this shard, and whether they were looked up just now
+        (at a URL a look lists the home: an earlier one is reused to keep rows, never to drop them)."""
         if self.paths.url is not None:
-            return []  # branches of a run at a URL are not found from it (docs/retention.md)
-        return [(row, f"branch {run}") for run, row in branch_rows_needed(self.paths.root, self.store_path)]
+            if self.url_branches is None:
+                from rlhf_pipeline.runs.retention_url import UrlBranchFloors
+
+                self.url_branches = UrlBranchFloors(self.paths.url, self.store_path)
+            return self.url_branches.floors(fresh=fresh)
+        return [(row, f"branch {run}") for run, row in branch_rows_needed(self.paths.root, self.store_path)], True
 
 
 def branch_rows_needed(run: str | Path, store_path: str) -> list[tuple[str, int]]:
     """``(branch, first global row)`` of the rows of the store at ``store_path`` that each branch
-    beside ``run`` reads through its ``parent-rows/`` selection (one entry per branch that reads it)."""
-    from rlhf_pipeline.runs.lineage import find_branches
+    beside ``run`` reads through its ``parent-rows/`` selection (one entry per branch that reads it),
+    or in place through its continued buffer (a detached branch continued online: every row)."""
+    from rlhf_pipeline.runs.lineage import find_branches, is_detached
+    from rlhf_pipeline.storage.continues import continued_rows
 
-    shard = _resolved(store_path)
+    shard = resolved_location(store_path)
     needed = []
     for branch in find_branches(run):
         manifest = Path(branch["run"]) / "parent-rows" / "selection.json"
         try:
-            parts = json.loads(manifest.read_text()).get("parts", [])
+            first = first_row_read(json.loads(manifest.read_text()).get("parts", []), shard)
         except FileNotFoundError:
-            continue  # a branch of a replay reads the replay's source, not this buffer
-        except (OSError, ValueError):
+            first = None  # a branch of a replay reads the replay's source, not this buffer
+        except (OSError, ValueError, AttributeError, TypeError, KeyError):
             needed.append((branch["run"], 0))  # unreadable: hold every row rather than guess
             continue
-        for part in parts:
-            if part.get("rows") and _resolved(part.get("location", "")) == shard:
-                needed.append((branch["run"], int(part["first_row"])))
+        if first is not None:
+            needed.append((branch["run"], first))
+        elif is_detached(branch["run"]):  # its own copy of the rows, but a continued buffer reads them in place
+            try:
+                in_place = continues_shard(continued_rows(Path(branch["run"]) / "buffer"), shard)
+            except ValueError:
+                in_place = True  # unreadable: hold rather than guess
+            if in_place:
+                needed.append((branch["run"], 0))
     return needed
 
 
@@ -168,7 +192,7 @@ def running_replays_of(run: str | Path, store_path: str) -> list[str]:
     from rlhf_pipeline.runs.run_directory import HOLDER_FILE
 
     run = Path(run).resolve()
-    sources = {_resolved(str(run / "buffer")), _resolved(store_path)}
+    sources = {resolved_location(str(run / "buffer")), resolved_location(store_path)}
     found = []
     for candidate in sorted(run.parent.iterdir()) if run.parent.is_dir() else []:
         if candidate == run or not (candidate / HOLDER_FILE).is_file():
@@ -179,14 +203,11 @@ def running_replays_of(run: str | Path, store_path: str) -> list[str]:
         except (OSError, ValueError, AttributeError):
             continue  # not a replay, or one that has not written its record yet
         source = replay.get("buffer") if isinstance(replay, dict) else None
-        if (isinstance(source, str) and _resolved(source) in sources and holder.get("host") == socket.gethostname()
+        if (isinstance(source, str) and resolved_location(source) in sources
+                and holder.get("host") == socket.gethostname()
                 and isinstance(holder.get("pid"), int) and pid_running(holder["pid"])):
             found.append(str(candidate))
     return found
-
-
-def _resolved(location: str) -> str:
-    return location if "://" in location else str(Path(location).resolve())
 
 
 def run_retention(run: str | Path) -> dict[str, Any] | None:

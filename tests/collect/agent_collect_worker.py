@@ -1,9 +1,9 @@
 """A collector process for the kill -9 test: collects until the store holds ``rounds`` rounds, saving
 its position as ``rlhf-pipeline collect`` does (collect/position.py).
 
-    agent_collect_worker.py STORE STATE_FILE ROUNDS [HANG_IN_ROUND READY_FILE]
+    agent_collect_worker.py [--per-episode] STORE STATE_FILE ROUNDS [HANG_IN_ROUND READY_FILE]
 
-With HANG_IN_ROUND, the environment writes READY_FILE at the second turn of an episode of that
+``--per-episode``: the collector's turns are per episode (``AgentCollectorConfig.turns``). With HANG_IN_ROUND, the environment writes READY_FILE at the second turn of an episode of that
 round and then blocks, so the process can be killed mid-episode, mid-round.
 """
 
@@ -20,9 +20,11 @@ from rlhf_pipeline.collect.position import CollectorPosition
 
 def main() -> None:
     torch.set_num_threads(1)
-    store_path, state_file, rounds = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-    hang_round = int(sys.argv[4]) if len(sys.argv) > 4 else None
-    ready = Path(sys.argv[5]) if len(sys.argv) > 5 else None
+    args = [a for a in sys.argv[1:] if a != "--per-episode"]
+    turns = "per_episode" if "--per-episode" in sys.argv else "lockstep"
+    store_path, state_file, rounds = Path(args[0]), Path(args[1]), int(args[2])
+    hang_round = int(args[3]) if len(args) > 3 else None
+    ready = Path(args[4]) if len(args) > 4 else None
     store = open_or_create(store_path)
     model, tokenizer = tiny_policy()
     collector = None
@@ -32,7 +34,7 @@ def main() -> None:
             ready.write_text("mid-episode")
             hang_forever()
 
-    collector = agent_collector(model, tokenizer, store, on_step=on_step)
+    collector = agent_collector(model, tokenizer, store, on_step=on_step, turns=turns)
     position = CollectorPosition(state_file, store)
     saved = position.load()
     if saved is not None:

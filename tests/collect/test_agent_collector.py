@@ -134,8 +134,9 @@ def test_a_restored_collector_continues_exactly(tmp_path):
         assert got.equal(want)
 
 
-def _worker(store, state, rounds, *hang):
-    return subprocess.Popen([sys.executable, str(WORKER), str(store), str(state), str(rounds), *map(str, hang)],
+def _worker(store, state, rounds, *hang, turns="lockstep"):
+    flags = ["--per-episode"] if turns == "per_episode" else []
+    return subprocess.Popen([sys.executable, str(WORKER), *flags, str(store), str(state), str(rounds), *map(str, hang)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -145,12 +146,13 @@ def _finish(process):
 
 
 @pytest.mark.slow
-def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_path):
+@pytest.mark.parametrize("turns", ["lockstep", "per_episode"])
+def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_path, turns):
     # the uninterrupted collector, meanwhile (what it samples does not depend on timing): its start
     # overlaps the victim's instead of coming first
-    uninterrupted = _worker(tmp_path / "reference", tmp_path / "reference.pt", 4)
+    uninterrupted = _worker(tmp_path / "reference", tmp_path / "reference.pt", 4, turns=turns)
     ready = tmp_path / "ready"
-    victim = _worker(tmp_path / "buffer", tmp_path / "collector.pt", 4, 2, ready)
+    victim = _worker(tmp_path / "buffer", tmp_path / "collector.pt", 4, 2, ready, turns=turns)
     try:
         while not ready.exists():  # the third round (index 2) has an episode at its second turn
             assert victim.poll() is None, victim.communicate()[0][-3000:]
@@ -166,7 +168,7 @@ def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_p
     assert rows["done"].tolist()[-1]  # nothing of the round in flight: the store ends on a whole trajectory
     assert len(set(rows["group_id"].tolist())) == 2 * 2  # two whole rounds of two groups
 
-    _finish(_worker(tmp_path / "buffer", tmp_path / "collector.pt", 4))
+    _finish(_worker(tmp_path / "buffer", tmp_path / "collector.pt", 4, turns=turns))
     _finish(uninterrupted)
     reference, resumed = open_or_create(tmp_path / "reference"), open_or_create(tmp_path / "buffer")
     want, got = stored(reference), stored(resumed)

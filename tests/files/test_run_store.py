@@ -209,3 +209,23 @@ def test_a_write_whose_answer_was_lost_is_settled_by_reading_it_back(s3_server, 
     store.write("collector/shard-0000.pt", b"round 3")  # its ETag is the landed write's: still the writer
     assert direct.read("collector/shard-0000.pt") == b"round 3"
     assert 412 in proxy.statuses()  # the retries met their own writes
+
+
+def test_a_read_answered_before_this_stores_own_write_does_not_fence_the_writer_out(s3_server, proxy):
+    """A learner and a collector in one process share a run store: the collector's read of pacing.json
+    may be answered before the learner's write lands and heard of after it. The writer stays the
+    writer (the stale answer's ETag is not remembered over the newer write's)."""
+    url = s3_server.url("run")
+    store = _through(proxy, s3_server, url)
+    store.write("pacing.json", b'{"step": 1}')
+    proxy.hold_answer("GET", "pacing.json")
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(store.read("pacing.json")))
+    reader.start()
+    assert proxy.held.wait(30)  # the read has its answer: step 1
+    store.write("pacing.json", b'{"step": 2}')
+    proxy.release()
+    reader.join(30)
+    assert seen == [b'{"step": 1}']
+    store.write("pacing.json", b'{"step": 3}')  # the writer's own ETag, not the late read's
+    assert ObjectRunStore(url, storage_options=s3_server.options).read("pacing.json") == b'{"step": 3}'

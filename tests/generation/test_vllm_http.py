@@ -94,18 +94,18 @@ def test_a_url_needs_no_vllm_here_and_no_cpu_head_size():
     check_generation(GenerationSettings(url="http://127.0.0.1:8000", python="/nonexistent"), head_size=16)
 
 
-def test_the_default_pipeline_runs_one_collector_per_server(tmp_path):
+def test_a_second_collector_of_the_default_pipeline_connects_to_the_shared_server(tmp_path):
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
     from rlhf_pipeline.runs.processes import build_pipeline
 
     module = load_pipeline_module(Path(__file__).resolve().parents[2] / "pipelines" / "default.py")
-    # nothing listens at the URL: without the refusal this fails at once, unreachable
+    # nothing listens at the URL: collector 1 is not refused for its index, it goes to the server
     settings = make_settings(module, ["generation.url=http://127.0.0.1:9", "generation.url_wait_s=0",
                                       "generation.url_retries=0", "num_heads=2"])
     pipeline = build_pipeline(module, settings, RunPaths(tmp_path))
-    # refused before any engine is made, so no server is needed to see it
-    with pytest.raises(PipelineError, match="--collectors 1"):
+    with pytest.raises(PipelineError, match="no vLLM server answered at http://127.0.0.1:9") as caught:
         pipeline.make_collector(pipeline.make_model(), pipeline.create_buffer(tmp_path / "shard"), collector_index=1)
+    assert "--collectors 1" not in str(caught.value)
 
 
 def test_a_server_that_wants_an_api_key_is_refused_naming_the_variable(scripted, monkeypatch):

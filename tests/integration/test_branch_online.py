@@ -182,7 +182,7 @@ def test_a_collector_with_groups_pending_at_the_branch_rows_is_refused_online_by
     pending = PendingGroups(directory=tmp_path / "pending")
     pending.add(make_batch(1, 2))  # half a group of 4
     history = PositionHistory(LocalRunStore(parent / "collector"), history_key("shard-0000.pt"),
-                              pending_file=tmp_path / "pending" / "state.pt")
+                              pending=(tmp_path / "pending" / "state.pt").read_bytes)
     history.record(32, {"policy_version": 2}, {})
     branch.mkdir()
     (branch / "branch.json").write_text(json.dumps({"parent": str(parent), "step": 2, "replay_source": None,

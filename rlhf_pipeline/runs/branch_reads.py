@@ -1,0 +1,37 @@
+"""Which rows of a parent's shard a branch reads, from what the branch keeps: its ``parent-rows/``
+selection (``storage/selection.py``: per part, the store's location and its first row then) and
+its continues record (``storage/continues.py``, a branch continued online). Retention's branch
+floors (``runs/retention.py`` in a directory, ``runs/retention_url.py`` at a URL) read them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# the names runs/branch.py (PARENT_ROWS) and runs/branch_url.py (MAKING) write, kept here so that
+# retention and lineage read them without importing how a branch is made (which imports retention)
+PARENT_ROWS_MANIFEST = "parent-rows/selection.json"
+BRANCH_MAKING = "branch.making"
+
+
+def resolved_location(location: str) -> str:
+    """A store's location as selections record it: a URL as it is, a path made absolute."""
+    return location if "://" in location else str(Path(location).resolve())
+
+
+def first_row_read(parts: list[dict[str, Any]], shard: str) -> int | None:
+    """The first row of the store at ``shard`` that a saved selection's ``parts`` name (None: none)."""
+    shard = resolved_location(shard).rstrip("/")
+    firsts = [int(part["first_row"]) for part in parts
+              if part.get("rows") and resolved_location(str(part.get("location", ""))).rstrip("/") == shard]
+    return min(firsts) if firsts else None
+
+
+def continues_shard(continues: dict[str, Any] | None, shard: str) -> bool:
+    """Whether a branch's continues record (``storage/continues.py``) reads rows of the parent
+    shard at ``shard`` in place: its ``parent_buffer`` is that shard's buffer and names rows of it."""
+    if continues is None:
+        return False
+    buffer, _, name = resolved_location(shard).rstrip("/").rpartition("/")
+    same = resolved_location(str(continues["parent_buffer"])).rstrip("/") == buffer
+    return same and int(continues["rows"].get(name, 0)) > 0

@@ -1,0 +1,112 @@
+"""The rows a retaining parent at a URL (``s3://``, ``az://``) holds for its branches beside it.
+
+A branch at a URL (``runs/branch_url.py``) of a run with collectors names the parent's rows it
+reads in ``parent-rows/selection.json`` at its own URL: per parent shard, the rows from the first
+one the parent held when the branch was made up to its count at the branch step. A replay of it
+reads them by global id and checks they are all there; a branch continued online
+(``runs/branch_online_url.py``) reads the same rows in place below that count, through its
+``buffer.continues.json``. Either way the parent keeps every row from the selection's first row
+of its shard on (as ``runs/retention.py``'s ``branch_rows_needed`` does for a local parent), and:
+
+* a branch being made (``branch.making``, no ``branch.json`` yet) holds from its selection's first
+  row once that is uploaded, and every row before (it is about to name the rows held then); one
+  left half-made by a killed ``branch`` holds them until ``branch`` is run again or it is deleted;
+* an unreadable selection holds every row rather than guess;
+* a detached branch (``runs/detach.py``) reads its own copy, so it holds nothing, unless it was
+  continued online: its buffer still reads the parent's shard in place, so it holds every row;
+* a branch of a replay reads the replay's source, not this buffer: nothing.
+
+Finding them costs one listing of the home and one or two reads per run beside it, plus one read
+per branch (:func:`~rlhf_pipeline.runs.lineage_url.branch_records_at_url`): :class:`UrlBranchFloors`
+does it only when a drop is about to happen, and reuses a look younger than ``rescan_s`` only to
+*keep* rows (a stale look may miss a branch made since, never a row it needs).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+RESCAN_S = 30.0  # how long a look at the branches may keep rows before it is taken again
+
+
+def url_branch_rows_needed(run_url: str, store_path: str, home_store: Any = None) -> list[tuple[str, int]]:
+    """``(branch, first global row)`` of the rows of the shard at ``store_path`` that each branch
+    beside the run at ``run_url`` reads (module docstring); ``home_store``: the ``ObjectRunStore``
+    of the runs' home to read with (one is made when None)."""
+    from rlhf_pipeline.runs.branch_reads import PARENT_ROWS_MANIFEST, first_row_read
+    from rlhf_pipeline.runs.lineage_url import branch_records_at_url
+
+    shard = store_path.rstrip("/")
+    home_store = home_store if home_store is not None else _home_store(run_url)
+    needed = []
+    for branch in branch_records_at_url(run_url, half_made=True, home_store=home_store):
+        name = branch["run"].rpartition("/")[2]
+        raw = home_store.read(f"{name}/{PARENT_ROWS_MANIFEST}")
+        lineage = branch["lineage"] or {}
+        in_place = f"{branch['run']} (detached, but continued online: it reads the parent in place)"
+        if raw is None:
+            if branch["half_made"]:
+                needed.append((f"{branch['run']} (half-made: run its `branch` again, or delete it)", 0))
+            elif lineage.get("detached") and _continues_in_place(home_store, name, branch["run"], shard):
+                needed.append((in_place, 0))
+            continue  # a branch of a replay reads the replay's source, not this buffer
+        try:
+            first = first_row_read(json.loads(raw).get("parts", []), shard)
+        except (ValueError, AttributeError, TypeError, KeyError):
+            needed.append((f"{branch['run']} (its parent-rows/ is unreadable)", 0))  # hold every row rather than guess
+            continue
+        if first is not None:
+            needed.append((branch["run"], first))
+        elif lineage.get("detached") and _continues_in_place(home_store, name, branch["run"], shard):
+            needed.append((in_place, 0))
+    return needed
+
+
+def _home_store(run_url: str) -> Any:
+    """The ``ObjectRunStore`` of the runs beside the run at ``run_url`` (None at a bucket's top: none)."""
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+
+    home = run_url.rstrip("/").rpartition("/")[0]
+    return ObjectRunStore(home) if "://" in home and not home.endswith(":/") else None
+
+
+def _continues_in_place(home_store: Any, name: str, branch_url: str, shard: str) -> bool:
+    """Whether the branch's buffer continues online from rows of the parent's shard at ``shard``
+    (its ``buffer.continues.json`` names that shard's buffer and rows of it): it reads them in place."""
+    from rlhf_pipeline.runs.branch_reads import continues_shard
+    from rlhf_pipeline.storage.continues import continued_rows
+
+    try:
+        settings = json.loads(home_store.read(f"{name}/settings.json") or b"{}")
+        continues = continued_rows(str(settings.get("buffer_url") or f"{branch_url}/buffer"))
+    except (ValueError, OSError):
+        return True  # unreadable: hold rather than guess
+    return continues_shard(continues, shard)
+
+
+class UrlBranchFloors:
+    """The branch floors of one shard of a parent at a URL, looked up at most once per ``rescan_s``
+    unless a drop is about to happen (module docstring)."""
+
+    def __init__(self, run_url: str, store_path: str, rescan_s: float = RESCAN_S) -> None:
+        self.run_url, self.store_path, self.rescan_s = run_url, store_path, rescan_s
+        self._floors: list[tuple[int, str]] = []
+        self._taken: float | None = None
+        self._home_store: Any = None
+        self.looks = 0  # how many times the home was listed (metrics and tests)
+
+    def floors(self, *, fresh: bool) -> tuple[list[tuple[int, str]], bool]:
+        """``(row, why)`` per branch, and whether they were looked up just now."""
+        recent = self._taken is not None and time.monotonic() - self._taken < self.rescan_s
+        if recent and not fresh:
+            return self._floors, False
+        if self._home_store is None:  # one client for every look
+            self._home_store = _home_store(self.run_url)
+        self._floors = [] if self._home_store is None else [  # at a bucket's top there are no runs beside
+            (row, f"branch {run}") for run, row in url_branch_rows_needed(self.run_url, self.store_path,
+                                                                           self._home_store)]
+        self._taken = time.monotonic()
+        self.looks += 1
+        return self._floors, True

@@ -1,0 +1,159 @@
+"""Per-episode turns (``AgentCollectorConfig.turns="per_episode"``, ``collect/agent_turns.py``): each
+episode's next turn sent as soon as its environment answered, with our loop engine. The rows must not
+depend on when the environments answer, and a streamed round cut between two appends resumes to them."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from rlhf_pipeline.collect import AgentCollectorConfig
+from rlhf_pipeline.collect.agent_turns import EpisodeTurns, episode_seeds
+from rlhf_pipeline.collect.position import CollectorPosition
+from rlhf_pipeline.generation.loop import LoopEngine
+from rlhf_pipeline.generation.sampling import SamplingConfig
+from rlhf_pipeline.storage import make_replay_buffer
+from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+
+from agent_setup import GROUP_SIZE, TurnsEnv, agent_collector, open_or_create, tiny_policy
+
+ROUNDS = 2
+TASKS_PER_ROUND = 3
+
+
+class Crash(Exception):
+    """Stands for kill -9: nothing after the raise point runs (the restart is a fresh collector)."""
+
+
+class SlowEnv(TurnsEnv):
+    """``TurnsEnv`` whose every step sleeps a random while (``delays``: a seeded ``random.Random``) and
+    says which episode stepped when (``log``: its creation ordinal and turn index, in the order steps ran)."""
+
+    def __init__(self, toolbox, ordinal: int, delays: random.Random, log: list, lock: threading.Lock):
+        super().__init__(toolbox)
+        self.ordinal, self.delays, self.log, self.lock = ordinal, delays, log, lock
+
+    def step(self, turn):
+        with self.lock:
+            delay = self.delays.uniform(0.0, 0.03)
+        time.sleep(delay)
+        with self.lock:
+            self.log.append((self.ordinal, turn.index))
+        return super().step(turn)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return tiny_policy()
+
+
+def run_rounds(policy, where, rounds, *, delay_seed=0, stream=True, turns="per_episode", crash_at_append=None):
+    """Collects like ``collect_main`` does, each environment step delayed at random (``delay_seed``);
+    ``crash_at_append=k``: stop right after the k-th append. Returns the stored rows, the appends of each
+    round and the order environment steps ran in."""
+    store = open_or_create(where / "buffer")
+    buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE, store=store)])
+    appends, per_round, log, lock = [], [], [], threading.Lock()
+    delays, ordinals = random.Random(delay_seed), itertools.count()
+
+    def sink(batch):
+        buffer.extend(batch)
+        appends.append(len(batch))
+        if len(appends) == crash_at_append:
+            raise Crash
+
+    position = CollectorPosition(where / "collector.pt", store)
+    collector = agent_collector(*policy, None, sink=sink, stream=stream, tasks_per_round=TASKS_PER_ROUND, turns=turns,
+                                make_env=lambda toolbox: SlowEnv(toolbox, next(ordinals), delays, log, lock))
+    saved = position.load()
+    if saved is not None:
+        collector.load_state_dict(saved)
+    try:
+        for _ in range(rounds):
+            before = len(appends)
+            collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk)
+            position.after_write(collector.state_dict())
+            per_round.append(appends[before:])
+    except Crash:
+        pass
+    rows = store.read(torch.arange(len(store))) if len(store) else None
+    store.close()
+    return rows, per_round, log, collector
+
+
+@pytest.fixture(scope="module")
+def reference(policy, tmp_path_factory):
+    """Per-episode rounds, streamed, under one seed of environment delays."""
+    return run_rounds(policy, tmp_path_factory.mktemp("per-episode"), ROUNDS, delay_seed=1)
+
+
+def test_rows_do_not_depend_on_when_environments_answer(policy, tmp_path, reference):
+    rows, _, log, collector = reference
+    again, _, other_log, _ = run_rounds(policy, tmp_path, ROUNDS, delay_seed=2)
+    assert log != other_log  # the episodes really stepped in another order
+    assert sorted(log) == sorted(other_log)
+    assert again.equal(rows)  # ids, log-probs, rewards, masks: bit for bit
+    metrics = collector.last_metrics
+    assert metrics["generation_batches"] == metrics["turns_per_episode"] * TASKS_PER_ROUND * GROUP_SIZE  # one per turn
+    assert 0.0 <= metrics["engine_idle_share"] <= 1.0
+
+
+def test_a_whole_round_stores_the_rows_of_a_streamed_one(policy, tmp_path, reference):
+    rows, appends, _, _ = reference
+    assert any(len(a) > 1 for a in appends)  # the streamed rounds went in several appends
+    whole, whole_appends, _, _ = run_rounds(policy, tmp_path, ROUNDS, delay_seed=3, stream=False)
+    assert all(len(a) == 1 for a in whole_appends)
+    assert whole.equal(rows)
+
+
+def test_per_episode_rows_are_other_draws_than_lockstep_from_the_same_state(policy, tmp_path, reference):
+    rows, _, _, _ = reference
+    lockstep, _, _, _ = run_rounds(policy, tmp_path, ROUNDS, turns="lockstep")
+    # the same tasks and ids, other samples: the setting changes what a seed gives (docs/generation.md)
+    assert lockstep["trajectory_id"].unique().equal(rows["trajectory_id"].unique())
+    assert not (len(lockstep) == len(rows) and lockstep["response_tokens"].values.equal(rows["response_tokens"].values))
+
+
+@pytest.mark.parametrize("crash_at_append", [1, 2, 3])
+def test_a_crash_between_two_appends_resumes_to_the_same_rows_each_trajectory_once(policy, tmp_path, reference,
+                                                                                   crash_at_append):
+    rows, appends, _, _ = reference
+    cut, _, _, _ = run_rounds(policy, tmp_path, ROUNDS, delay_seed=4, crash_at_append=crash_at_append)
+    # how a round splits into appends follows the timing; what is stored is a prefix of the rows, whole groups
+    assert cut.equal(rows.select(torch.arange(len(cut))))
+    assert len(cut) == len(rows) or int(rows["group_id"][len(cut)]) != int(cut["group_id"][-1])
+    round_ends = [sum(sum(a) for a in appends[:r]) for r in range(ROUNDS + 1)]
+    finished = max(r for r, end in enumerate(round_ends) if end <= len(cut))
+    again, _, _, _ = run_rounds(policy, tmp_path, ROUNDS - finished, delay_seed=5)
+    assert again.equal(rows)  # each trajectory once, none skipped, the same rows
+
+
+def test_each_episode_draws_from_its_own_seed(policy):
+    model, tokenizer = policy
+    engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    seeds = episode_seeds(torch.Generator().manual_seed(0), 3)
+    assert seeds == episode_seeds(torch.Generator().manual_seed(0), 3) and len(set(seeds)) == 3
+    sampling = SamplingConfig(temperature=1.5)
+    prompt = tokenizer("Say something.", add_special_tokens=False)["input_ids"]
+
+    async def turns(order):
+        with EpisodeTurns(engine, sampling, seeds) as episodes:
+            import asyncio
+
+            return dict(zip(order, await asyncio.gather(*(episodes.sample_turn(k, prompt, 8) for k in order))))
+
+    import asyncio
+
+    forward, backward = asyncio.run(turns([0, 1, 2])), asyncio.run(turns([2, 1, 0]))
+    assert forward == backward  # each episode's turn is its seed's, whatever came before it
+    assert len({tuple(ids) for ids, _ in forward.values()}) > 1
+
+
+def test_an_unknown_turn_mode_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"AgentCollectorConfig.turns \(generation.agent_turns\) must be one of"):
+        AgentCollectorConfig(turns="eager")
