@@ -145,6 +145,10 @@ def check(settings: Settings) -> LearnerSettings:
     """Settings checks that need no torch: ``run`` calls this before it starts any process."""
     if settings.group_size < 2:
         raise PipelineError("setting 'group_size' must be >= 2: GRPO compares episodes within a group")
+    if settings.generation.overlap_rounds:
+        raise PipelineError("setting 'generation.overlap_rounds' is for single-turn rounds (pipelines/default.py); "
+                            "an agent round's engine idles between turns, which generation.agent_turns=per_episode "
+                            "addresses: turn it off")
     if not 1 <= settings.low <= settings.high:
         raise PipelineError(f"settings 'low' and 'high' must satisfy 1 <= low <= high, "
                             f"got {settings.low}, {settings.high}")

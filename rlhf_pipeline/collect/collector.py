@@ -32,7 +32,8 @@ import torch
 
 from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, score
-from rlhf_pipeline.collect.streaming import StreamTiming, commit_in_order
+from rlhf_pipeline.collect.overlap import IdleClock, RoundAhead, check_overlap, read_round
+from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine, load_state_into
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -59,6 +60,9 @@ class CollectorConfig:
     """Write each group as soon as it and every earlier group of the round ended, in several appends
     per round (``collect/streaming.py``), instead of one append once the round's slowest completion
     ended. Needs an engine that ``supports_streaming``; the rows are the same either way."""
+    overlap_rounds: bool = False
+    """With ``stream_groups``: the next round submitted while this one's tail decodes, when
+    ``collect(next_round=...)`` allows (``collect/overlap.py``); the same rows."""
 
     def __post_init__(self) -> None:
         if self.prompts_per_batch < 1 or self.num_generations < 1:
@@ -107,6 +111,9 @@ class Collector:
             raise ValueError(f"setting 'generation.stream_groups' is on, but the {self.engine.name} engine cannot "
                              f"stream groups (it returns a round at once); turn it off, or generate with "
                              f"generation.engine=loop or vllm")
+        check_overlap(self.config.overlap_rounds, self.config.stream_groups, self.engine)
+        self._ahead: RoundAhead | None = None  # the next round, submitted while the current one decoded
+        self._idle = IdleClock()
         self.resume_after_group_id: int | None = None
         """Set when a streamed round was cut off after some of its groups were stored: the round is
         generated again from its start and its groups up to this id are not written again."""
@@ -119,25 +126,40 @@ class Collector:
 
     # ---------------------------------------------------------------- one batch
     def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None,
-                before_first_chunk: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch:
+                before_first_chunk: Callable[[dict[str, Any]], None] | None = None,
+                next_round: Callable[[int], bool] | None = None) -> TrajectoryBatch:
         """One batch of whole groups: generate, score, emit to the sink, report metrics.
 
         ``before_write(state)`` is called with the state the collector will have once the
         sink took the batch, right before the sink is called (see ``collect/position.py``). With
         ``stream_groups`` the round may go to the sink in several appends (``collect/streaming.py``):
         ``before_first_chunk(state)`` is then called before the first of them with the state at the
-        round's start, and ``before_write`` before the last.
+        round's start, and ``before_write`` before the last. ``next_round(rows not appended yet)``: with
+        ``overlap_rounds``, True submits the next round now, for the next call (``collect/overlap.py``).
         """
         cfg = self.config
         t0 = time.perf_counter()
-        start_state = self.state_dict() if cfg.stream_groups else None
-        records = self.prompts.next_batch(cfg.prompts_per_batch)
-        requests = [SampleRequest(r.render(self.tokenizer), n=cfg.num_generations) for r in records]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # submitted while the round before decoded: its draws are done
+            records, requests, start_state, idle_s = ahead.records, ahead.requests, ahead.start_state, ahead.idle_before_s
+        else:
+            start_state = self.state_dict() if cfg.stream_groups else None
+            records = self.prompts.next_batch(cfg.prompts_per_batch)
+            requests = self.requests_for(records)
+            idle_s = self._idle.submitted()
         rows_in_round = len(records) * cfg.num_generations
+
+        # the state after this round (with a round submitted ahead: the state it holds)
         state_after = lambda: self.state_dict(rounds_ahead=(1, len(records), rows_in_round))  # noqa: E731
+
         if cfg.stream_groups:
+            batches = (ahead.batches if ahead is not None
+                       else self.engine.stream_batches(requests, cfg.sampling, self.generator))
             batch, parts, t_gen, t_reward, streamed = self._collect_streamed(
-                records, requests, t0, start_state, state_after, before_write, before_first_chunk)
+                records, requests, batches, t0, start_state, state_after, before_write, before_first_chunk,
+                next_round if cfg.overlap_rounds else None)
+            streamed.update(engine_idle_s=idle_s)  # before this round's requests went (collect/overlap.py)
+            streamed.update({"submitted_ahead": float(ahead is not None)} if cfg.overlap_rounds else {})
         else:
             groups = self.engine.sample(requests, cfg.sampling, self.generator)
             t_gen = time.perf_counter()
@@ -155,8 +177,13 @@ class Collector:
         self._report(batch, parts, t0, t_gen, t_reward, streamed)
         return batch
 
-    def _collect_streamed(self, records, requests, t0, start_state, state_after, before_write, before_first_chunk):
-        """The round through ``engine.stream_batches``, written in request order as prefixes complete."""
+    def requests_for(self, records) -> list[SampleRequest]:
+        return [SampleRequest(r.render(self.tokenizer), n=self.config.num_generations) for r in records]
+
+    def _collect_streamed(self, records, requests, batches, t0, start_state, state_after, before_write,
+                          before_first_chunk, next_round):
+        """The round's stream (``batches``), written in request order as prefixes complete; with
+        ``next_round``, the next round submitted once this one's first group ended, if it allows."""
         chunks: list[TrajectoryBatch] = []
         parts: list[dict[str, torch.Tensor]] = []
         scoring_s = 0.0
@@ -176,14 +203,20 @@ class Collector:
             parts.append(chunk_parts)
 
         timing = StreamTiming(started=t0)
+        commit = InOrderCommit(len(requests), write, timing)
         try:
-            commit_in_order(self.engine.stream_batches(requests, self.config.sampling, self.generator), len(requests),
-                            write, timing)
+            ended_at = read_round(self, batches, commit, next_round, len(records))
         except BaseException:
+            getattr(batches, "close", lambda: None)()  # the engine drops what is left of this round
+            rewound = self._cancel_ahead()
             if chunks:  # part of the round is stored: a retry generates it again and writes only the rest
                 written = int(torch.cat([c["group_id"] for c in chunks]).max())
                 self.load_state_dict({**start_state, "resume_after_group_id": written})
+            elif rewound:  # the next round's draws are undone with this round's: a retry samples both again
+                self.load_state_dict(start_state)
             raise
+        if self._ahead is None:
+            self._idle.emptied(ended_at)
         t_gen = t0 + max(timing.ended_s.values())
         batch = TrajectoryBatch.cat(chunks)
         names = parts[0].keys()
@@ -256,7 +289,9 @@ class Collector:
                 break
             if should_stop is not None and should_stop():
                 break
-            rows += len(self.collect())
+            rounds_left = lambda: ((max_batches is None or batches + 1 < max_batches)  # noqa: E731
+                                   and (max_rows is None or rows + self.round_rows < max_rows))
+            rows += len(self.collect(next_round=lambda _rows: rounds_left()))
             batches += 1
         return rows
 
@@ -301,15 +336,32 @@ class Collector:
                 f"set_policy_state: version {version} is older than the current {self.policy_version}; "
                 f"weights only move forward"
             )
+        if self._ahead is not None and version != self.policy_version:
+            raise RuntimeError(f"set_policy_state: version {version} while a round submitted ahead samples with "
+                               f"version {self.policy_version}; weights change between rounds only: collect it first")
         self.engine.update_weights(state_dict, version)
 
     def close(self) -> None:
-        """Closes the engine (stops a vLLM engine's process); the loop engine holds nothing to stop."""
+        """Closes the engine (a vLLM engine's process, with a round submitted ahead); our loop has none."""
+        self._ahead = None
         self.engine.close()
+
+    @property
+    def has_round_ahead(self) -> bool:
+        """The next round went while the last one decoded: the next :meth:`collect` reads it."""
+        return self._ahead is not None
+
+    def _cancel_ahead(self) -> bool:
+        """Drops the round submitted ahead, if any (the engine discards its groups)."""
+        ahead, self._ahead = self._ahead, None
+        return ahead is not None and ahead.batches.cancel() is None
 
     # ---------------------------------------------------------------- resume
     def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
-        """``rounds_ahead``: (batches, groups, trajectories) not yet counted but to be included."""
+        """``rounds_ahead``: (batches, groups, trajectories) not yet counted but to be included. With a
+        round submitted ahead, the state before its draws (where a restart samples it again from)."""
+        if self._ahead is not None:  # taken with this round's counts, before the next round's draws
+            return dict(self._ahead.start_state)
         batches, groups, trajectories = rounds_ahead
         resume = {} if self.resume_after_group_id is None else {"resume_after_group_id": self.resume_after_group_id}
         return {
@@ -326,6 +378,7 @@ class Collector:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._cancel_ahead()  # drawn from the state being replaced
         if state["config"]["collector_index"] != self.config.collector_index:
             raise ValueError(
                 f"collector state belongs to collector_index {state['config']['collector_index']}, "

@@ -92,6 +92,11 @@ class InOrderCommit:
         elif chunk:
             _write(self.write, chunk, False, self.timing)
 
+    @property
+    def written(self) -> int:
+        """Groups appended so far (the chunk that completes the round waits for :meth:`finish`)."""
+        return self.committed - len(self._held)
+
     def finish(self) -> StreamTiming:
         if self.committed != self.count:
             raise RuntimeError(f"the generation engine's stream ended after {self.committed + len(self._ended)} "

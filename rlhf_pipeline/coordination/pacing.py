@@ -271,6 +271,11 @@ class CollectorPacer:
             return True
         return self._stalled(intake)
 
+    def within_target(self, shard_rows: int) -> bool:
+        """The learner's intake alone allows a round starting at ``shard_rows`` (not the stall rule,
+        which counts from this collector's last round: ``collect/overlap.py`` asks before it ends)."""
+        return shard_rows < self.target_rows(self._read())
+
     def _stalled(self, intake: LearnerIntake | None) -> bool:
         if intake is None or intake.waiting_since is None or intake.waiting_seen is None:
             return False

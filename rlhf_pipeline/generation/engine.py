@@ -28,7 +28,8 @@ loop (``generation/loop.py``, the default) and vLLM (``generation/vllm_engine.py
   :meth:`GenerationEngine.check_sampling`) before anything is sampled, never approximated.
 
 Capabilities are properties, as storages have them (``storage/capabilities.py``):
-``supports_streaming``, ``supports_scoring`` (teacher-forced log-probs of given responses:
+``supports_streaming``, ``supports_overlap`` (a next round submitted while this one's tail decodes),
+``supports_scoring`` (teacher-forced log-probs of given responses:
 replay's re-scoring, reference log-probs) and ``supports_weight_updates`` (new weights in place,
 without a restart). A method whose capability is False raises :class:`UnsupportedCapability`.
 Engines are context managers; :meth:`GenerationEngine.close` stops whatever the engine started.
@@ -200,6 +201,11 @@ class GenerationEngine(ABC):
         return False
 
     @property
+    def supports_overlap(self) -> bool:
+        """True when :meth:`stream_ahead` submits a next round while the current stream still decodes."""
+        return False
+
+    @property
     def supports_scoring(self) -> bool:
         """True when :meth:`score` gives teacher-forced log-probs of given responses."""
         return False
@@ -245,6 +251,15 @@ class GenerationEngine(ABC):
         collector then writes them in one append). Without ``supports_streaming``: one list, the
         whole round, at the end. An engine that streams implements this."""
         yield self.sample(requests, sampling, generator)
+
+    def stream_ahead(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+                     generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
+        """Submits ``requests`` now, while the stream being read still decodes, so the engine's batch
+        stays full across two rounds (``collect/overlap.py``); their seeds are drawn from ``generator``
+        before this returns, as :meth:`stream_batches` would draw them. The iterator yields their
+        groups as :meth:`stream_batches` does; read it once the current stream is read to its end."""
+        raise UnsupportedCapability(f"the {self.name} engine cannot submit a round while another decodes "
+                                    f"(supports_overlap is False)")
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               sampling: SamplingConfig | None = None) -> list[list[float]]:

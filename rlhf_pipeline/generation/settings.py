@@ -104,6 +104,10 @@ class GenerationSettings:
     the first ones sooner (docs/generation.md, "Streaming groups"). Every engine streams (a server at
     generation.url through one HTTP request per prompt); the agent collector (pipelines/tool_use.py)
     writes each group once its episodes all ended."""
+    overlap_rounds: bool = False
+    """With stream_groups, single-turn rounds: submit the next round's requests while this round's tail
+    decodes (when pacing gives it the same weights), so the engine's batch stays full across rounds;
+    the same rows (docs/generation.md, "Rounds ahead"). vllm and url engines; refused with the loop."""
     hung_after_s: float | None = 300.0
     """vllm: seconds in which the engine finished no decoding step (it says so every 2 s while it
     decodes, however long the round) or did not answer a weight load: a hung engine, killed and
@@ -117,6 +121,12 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
     ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
     vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it).
     """
+    if settings.overlap_rounds and not settings.stream_groups:
+        raise ValueError("setting 'generation.overlap_rounds' needs generation.stream_groups=true (the next round goes "
+                         "once this round's first group ended, which only a streamed round tells); turn both on")
+    if settings.overlap_rounds and settings.url is None and settings.engine == "loop":
+        raise ValueError("setting 'generation.overlap_rounds' needs generation.engine=vllm or generation.url: our loop "
+                         "decodes a round in lockstep, with no free slot for a next one; turn it off")
     if settings.url is not None:
         check_url_settings(settings)
         return

@@ -64,7 +64,7 @@ from rlhf_pipeline.generation.engine import (
     UnsupportedSetting,
 )
 from rlhf_pipeline.generation.restarts import Restarts
-from rlhf_pipeline.generation.vllm_rounds import stream_round
+from rlhf_pipeline.generation.vllm_rounds import LiveStream, stream_ahead, stream_round
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_process import exit_status, hard_link, make_scratch_dir, package_path_dir, stop_process
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
@@ -124,6 +124,7 @@ class VLLMEngine(GenerationEngine):
         self.restarts = restarts if restarts is not None else Restarts(max_restarts=0)
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
+        self.live_stream: LiveStream | None = None  # the server stream rounds are read from (vllm_rounds.py)
         self.startup_s = 0.0
         self.vllm_version = ""
         options = {
@@ -338,8 +339,20 @@ class VLLMEngine(GenerationEngine):
         """The groups vLLM finishes at each step, from one continuous batch (``generation/vllm_rounds.py``)."""
         return stream_round(self, requests, sampling, generator)
 
+    @property
+    def supports_overlap(self) -> bool:
+        return True
+
+    def stream_ahead(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+                     generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
+        """Sent into the running stream (``extend``): one continuous batch for both rounds."""
+        return stream_ahead(self, requests, sampling, generator)
+
     # ------------------------------------------------------------------ weights
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
+        if self.live_stream is not None and self.live_stream.busy:
+            raise EngineFailed(f"new weights (version {version}) under requests in flight: read the round "
+                               f"submitted ahead first")
         if isinstance(weights, (str, os.PathLike)) and Path(weights).suffix == ".safetensors":
             # kept in the scratch directory: a restart needs it after the learner may have pruned it
             path = hard_link(Path(weights).resolve(), self.work_dir / f"weights-{version:08d}.safetensors")

@@ -21,7 +21,11 @@ Operations (``op`` of each request; every reply has ``ok`` and, when False, ``er
   ``group``: per completion ``token_ids``, ``log_probs``, ``finish_reason``; ``cached_tokens``: its
   prompt tokens found in the prefix cache), a ``progress`` reply every ``progress_every_s`` of
   steps that finished none, then ``done``; an error reply ends it too. A whole round
-  (``VLLMEngine.sample``) is a stream read to its end;
+  (``VLLMEngine.sample``) is a stream read to its end. While a stream runs the client may send
+  ``extend`` (the next round's requests, submitted while this one's tail decodes:
+  ``generation/vllm_rounds.py``): they join the running batch, the reply ``extended`` says so, and
+  ``done`` comes once they finished too; an ``extend`` read after the stream's ``done`` runs as a
+  ``stream`` of its own (no ``extended``). A request's ``key``, when given, comes back with its group;
 * ``load_weights``: ``path`` of a safetensors file -> loaded through the worker extension
   (``generation/vllm_worker.py``), then the prefix cache is reset;
 * ``turns``: a session of requests added one by one while the engine steps (:func:`turns`: an
@@ -107,22 +111,41 @@ def stream(llm, message: dict[str, Any], connection: Connection) -> None:
     decoding, so the collector's ``hung_after_s`` measures time without a decoding step, not a
     round's length. ``cached_tokens``: prompt tokens whose keys and values came from the prefix
     cache (an agent's later turns reuse the earlier ones')."""
-    prompts, params = _requests(message)
-    request_ids = [str(r) for r in llm.enqueue(prompts, params, use_tqdm=False)]
-    # enqueue may return vLLM's internal ids ("21-1a2b3c4d"); outputs carry the id it was given ("21")
-    position = {external_id(request_id): k for k, request_id in enumerate(request_ids)}
-    engine, unfinished = llm.llm_engine, set(request_ids)
+    request_ids: list[str] = []
+    keys: list[Any] = []
+    position: dict[str, int] = {}
+    engine, unfinished = llm.llm_engine, set()
+
+    def enqueue(more: dict[str, Any]) -> None:
+        prompts, params = _requests(more)
+        added = [str(r) for r in llm.enqueue(prompts, params, use_tqdm=False)]
+        # enqueue may return vLLM's internal ids ("21-1a2b3c4d"); outputs carry the id it was given ("21")
+        for request_id, request in zip(added, more["requests"], strict=True):
+            position[external_id(request_id)] = len(request_ids)
+            keys.append(request.get("key", len(request_ids)))
+            request_ids.append(request_id)
+            unfinished.add(request_id)
+
+    enqueue(message)
     try:
         every_s = float(message.get("progress_every_s", PROGRESS_EVERY_S))
         steps, last_reply = 0, time.monotonic()
         while engine.has_unfinished_requests():
+            while connection.poll(0):  # the next round's requests, sent while this one's tail decodes
+                more = connection.recv()
+                if more.get("op") == "close":  # the collector stops: nothing of the stream is wanted
+                    raise StreamClosed
+                if more.get("op") != "extend":
+                    raise ValueError(f"operation {more.get('op')!r} sent under a stream; only extend and close are")
+                enqueue(more)
+                connection.send({"ok": True, "extended": len(more["requests"])})
             finished = []
             steps += 1
             for output in engine.step():
                 if output.finished:
                     k = position[external_id(output.request_id)]
                     unfinished.discard(request_ids[k])
-                    finished.append({"position": k, "group": _completions(output),
+                    finished.append({"position": k, "key": keys[k], "group": _completions(output),
                                      "cached_tokens": int(output.num_cached_tokens or 0)})
             if finished:  # the requests that finished at this step: one reply, one append for the collector
                 connection.send({"ok": True, "finished": finished})
@@ -130,11 +153,15 @@ def stream(llm, message: dict[str, Any], connection: Connection) -> None:
             elif time.monotonic() - last_reply >= every_s:
                 connection.send({"ok": True, "progress": steps})
                 last_reply = time.monotonic()
-    except Exception:  # the error reply ends the stream: nothing of it may stay in the engine
+    except (Exception, StreamClosed):  # the error reply ends the stream: nothing of it may stay in the engine
         if unfinished:
             engine.abort_request(sorted(external_id(r) for r in unfinished))  # each with its n completions
         raise
     connection.send({"ok": True, "done": True})
+
+
+class StreamClosed(BaseException):
+    """``close`` came under a stream: its requests are aborted, the reply sent, the process exits."""
 
 
 def external_id(request_id: str) -> str:
@@ -237,7 +264,7 @@ def serve(connection: Connection, options: dict[str, Any]) -> int:
             if op == "close":
                 connection.send({"ok": True})
                 return 0
-            if op == "stream":  # several replies, sent as requests finish
+            if op in ("stream", "extend"):  # several replies, sent as requests finish
                 stream(llm, message, connection)
                 continue
             if op == "turns":  # requests added while the engine steps, replies as they finish
@@ -250,6 +277,9 @@ def serve(connection: Connection, options: dict[str, Any]) -> int:
             else:
                 raise ValueError(f"unknown operation {op!r}")
             connection.send({"ok": True, **reply})
+        except StreamClosed:
+            connection.send({"ok": True})
+            return 0
         except Exception as exc:  # one failed request: said to the client, the engine keeps serving
             connection.send({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
 

@@ -265,6 +265,18 @@ class VLLMURLEngine(GenerationEngine):
     def supports_streaming(self) -> bool:
         return True
 
+    @property
+    def supports_overlap(self) -> bool:
+        return True
+
+    def stream_ahead(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
+                     generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
+        """Its HTTP requests sent now from a thread of their own (``generation/ahead.py``): the
+        server batches them with the current round's."""
+        from rlhf_pipeline.generation.ahead import stream_in_background
+
+        return stream_in_background(self, requests, sampling, generator)
+
     def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
                generator: torch.Generator) -> list[CompletionGroup]:
         groups = [g for together in self.stream_batches(requests, sampling, generator) for g in together]

@@ -105,6 +105,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.storage.buffers import shard_key_of
     from rlhf_pipeline.storage.errors import StoreLockedError
     from rlhf_pipeline.coordination.weights import WeightsPoller
+    from rlhf_pipeline.runs.round_ahead import ahead_rule
     from rlhf_pipeline.files.machine_cache import MachineCache
 
     stop = StopFlag()
@@ -194,15 +195,15 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             plan = pacer.plan_round(rows.next_row, policy_version=collector.policy_version,
                                     rounds_at_version=rounds_at_version,
                                     rounds_per_version=pipeline.collect_rounds_per_version)
-            update = None
-            if plan.version is not None and pinned:
+            update, ahead = None, getattr(collector, "has_round_ahead", False)  # runs/round_ahead.py: no new weights
+            if plan.version is not None and pinned and not ahead:
                 update = poller.poll_version(plan.version)
-            elif plan.allowed or not pinned:  # unpaced, or a round only the stall rule allowed: the newest
+            elif (plan.allowed or not pinned) and not ahead:  # unpaced, or allowed by the stall rule only: the newest
                 update = poller.poll()
             if update is not None:
                 collector.set_policy_state(*update)
                 rounds_at_version = 0
-            if not plan.allowed or collector.policy_version < plan.min_version:
+            if not ahead and (not plan.allowed or collector.policy_version < plan.min_version):
                 # far enough ahead of the learner, or waiting for the weights this round must use
                 started = time.perf_counter()
                 paced.sleep()
@@ -215,9 +216,12 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             waiting_since = None
             paced.reset()
             rows_before = store.next_row
-            # a round streamed in several appends (generation.stream_groups) also records where it started
-            chunked = {"before_first_chunk": position.before_first_chunk} if getattr(
-                getattr(collector, "config", None), "stream_groups", False) else {}
+            config = getattr(collector, "config", None)  # a streamed round also records where it started
+            chunked = {"before_first_chunk": position.before_first_chunk} if getattr(config, "stream_groups", False) else {}
+            if getattr(config, "overlap_rounds", False) and (rounds is None or done + 1 < rounds):
+                chunked["next_round"] = ahead_rule(pacer, poller, rows, policy_version=collector.policy_version,
+                                                   rounds_at_version=rounds_at_version, pinned=pinned,
+                                                   per_version=pipeline.collect_rounds_per_version)
             try:
                 collector.collect(before_write=lambda after_round: position.before_write(
                     after_round, {"rounds_at_version": rounds_at_version + 1, "round_rows": pacer.round_rows,

