@@ -170,7 +170,7 @@ def check(settings: Settings) -> LearnerSettings:
         settings.retention.check(settings.segment_rows)  # an agent's turns (rows) go whole, with their group
         check_generation(settings.generation, head_size=settings.hidden_size // settings.num_heads,
                          device=settings.device, head_hint=f" (hidden_size {settings.hidden_size} / num_heads "
-                         f"{settings.num_heads}): add --set num_heads=2")
+                         f"{settings.num_heads}): add --set num_heads=2", multi_turn=True)
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
     learner = dataclasses.replace(settings.learner, temperature=settings.temperature)

@@ -115,12 +115,17 @@ class GenerationSettings:
 
 
 def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
-                     head_hint: str = "") -> None:
+                     head_hint: str = "", multi_turn: bool = False) -> None:
     """The checks that need neither torch nor the engine: raises ValueError naming the setting.
 
     ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
     vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it).
+    ``multi_turn``: the pipeline's rounds are agents' episodes (``generation.agent_turns`` applies).
     """
+    if not multi_turn and settings.agent_turns != "lockstep":
+        raise ValueError(f"setting 'generation.agent_turns={settings.agent_turns}' is for multi-turn agents "
+                         f"(pipelines/tool_use.py); this pipeline's rounds are single-turn, each group sent to "
+                         f"the engine at once: drop the setting")
     if settings.overlap_rounds and not settings.stream_groups:
         raise ValueError("setting 'generation.overlap_rounds' needs generation.stream_groups=true (the next round goes "
                          "once this round's first group ended, which only a streamed round tells); turn both on")

@@ -157,3 +157,19 @@ def test_each_episode_draws_from_its_own_seed(policy):
 def test_an_unknown_turn_mode_is_refused_by_name():
     with pytest.raises(ValueError, match=r"AgentCollectorConfig.turns \(generation.agent_turns\) must be one of"):
         AgentCollectorConfig(turns="eager")
+
+
+def test_per_episode_turns_in_a_single_turn_pipeline_are_refused_in_one_line_before_it_starts(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(repo / "pipelines" / "default.py"),
+                             "--steps", "1", "--home", str(tmp_path), "--set", "generation.agent_turns=per_episode"],
+                            cwd=repo, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "setting 'generation.agent_turns=per_episode' is for multi-turn agents" in lines[0], \
+        result.stderr
+    assert not any(tmp_path.iterdir())  # no run directory: refused before anything started
