@@ -38,11 +38,13 @@ afresh: the checkpoint's was the online one).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +102,7 @@ def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequen
         shutil.rmtree(making)
     making.mkdir(parents=True)
     try:
-        with branches_settled(parent):  # the parent's retention does not drop the rows named meanwhile
+        with evicting_parent_stopped(parent), branches_settled(parent):  # no drop or eviction of the rows named
             _write_branch(parent, making, checkpoint, step, settings, lineage)
             if new.exists():
                 new.rmdir()  # empty (checked above)
@@ -294,19 +296,50 @@ def main_message(new: Path, lineage: dict[str, Any]) -> None:
 def refuse_evicting_parent(root: str | Path) -> None:
     """A parent whose buffer evicts its oldest rows (a store with a capacity) may not run while a
     branch reads its rows by reference (``parent-rows/``): the eviction would take rows from under
-    the branch. Refused in one line naming the branch, before the run starts."""
+    the branch. Refused in one line naming the branch, before the run starts (and again once the
+    run holds its directory, which :func:`evicting_parent_stopped` holds while a branch is made)."""
     root = Path(root)
     readers = [b["run"] for b in find_branches(root)
                if (Path(b["run"]) / PARENT_ROWS).exists() and not is_detached(b["run"])]
-    if not readers or not (root / "buffer").exists():
+    if not readers:
         return
-    from rlhf_pipeline.storage import open_buffer
-
-    with open_buffer(root / "buffer", mode="r") as store:
-        shards = list(store.shards.values()) if hasattr(store, "shards") else [store]
-        evicting = [shard.location for shard in shards if shard.supports_eviction]
+    evicting = _evicting_shards(root)
     if evicting:
         raise BranchError(
             f"{evicting[0]} evicts its oldest rows (it has a capacity), and branch {readers[0]} reads rows of "
             f"{root} by reference; running it would take them from the branch. Make the branch self-contained first: "
             f"rlhf-pipeline detach {readers[0]} (copies the rows it reads into its own store)")
+
+
+def _evicting_shards(root: Path) -> list[str]:
+    """The shards of ``root``'s buffer that evict their oldest rows (a store with a capacity)."""
+    if not (root / "buffer").exists():
+        return []
+    from rlhf_pipeline.storage import open_buffer
+
+    with open_buffer(root / "buffer", mode="r") as store:
+        shards = list(store.shards.values()) if hasattr(store, "shards") else [store]
+        return [shard.location for shard in shards if shard.supports_eviction]
+
+
+@contextmanager
+def evicting_parent_stopped(parent: Path) -> Iterator[None]:
+    """While a branch of a parent whose buffer evicts is made: the parent's ``run.lock`` (the lock
+    its commands hold while they run; opened read-only, nothing written), so the parent is not
+    running and does not start until the branch exists, and its start then refuses to evict the
+    rows the branch reads. A running parent is refused by name."""
+    from rlhf_pipeline.runs.run_directory import HOLDER_FILE
+
+    evicting = _evicting_shards(parent)
+    if not evicting or not (parent / HOLDER_FILE).is_file():
+        yield
+        return
+    with open(parent / HOLDER_FILE, "rb") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BranchError(f"{parent} is running and {evicting[0]} evicts its oldest rows (it has a capacity): "
+                              f"they could be taken from the branch as it is made. Stop the parent, branch it, and "
+                              f"detach the branch (rlhf-pipeline detach NEW_RUN) before starting the parent again; "
+                              f"or bound the buffer with retention.* instead, which keeps a branch's rows") from None
+        yield

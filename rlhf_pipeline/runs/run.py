@@ -138,6 +138,10 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     # `learn` run under the holder that started them
     holds = command == "run" or (command == "learn" and not wait_for_launcher and os.environ.get("RANK", "0") == "0")
     with hold_run_directory(paths, command) if holds else nullcontext() as holder:
+        if holds and paths.url is None:  # again under the lock `branch` takes while it makes a branch of it
+            from rlhf_pipeline.runs.branch import refuse_evicting_parent
+
+            refuse_evicting_parent(paths.root)
         StopFlag.launcher_fd = stop_fd
         if on_ray is not None:
             return on_ray(command, module, settings, paths, pipeline_path, cli_overrides, collectors)

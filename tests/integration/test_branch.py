@@ -268,3 +268,32 @@ def test_a_parent_that_would_evict_rows_a_branch_reads_is_refused(tmp_path, caps
 
     (tmp_path / "b" / "parent-rows").rmdir()  # a branch that reads none of its rows does not hold it back
     refuse_evicting_parent(tmp_path / "parent")
+
+
+def test_a_running_parent_whose_buffer_evicts_is_not_branched_and_a_stopped_one_cannot_start_meanwhile(
+        tmp_path, capsys):
+    """``branch`` holds the parent's run.lock while it makes a branch of a parent whose buffer evicts:
+    a running parent is refused by name (its evictions could take the rows being named), and a
+    parent started once the branch exists refuses to evict them."""
+    from helpers import make_batch
+
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress
+    from rlhf_pipeline.pipeline import RunPaths
+    from rlhf_pipeline.runs.run_directory import hold_run_directory
+    from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
+
+    parent = tmp_path / "parent"
+    with MemmapTrajectoryStore.create(parent / "buffer" / "shard-0000", segment_rows=8, capacity_rows=16) as store:
+        store.append(make_batch(2, 4))
+    (parent / "settings.json").write_text("{}")
+    CheckpointManager(parent / "checkpoints", keep_last=3).save(
+        Progress(seed=0, step=2), {"model": {"weight": torch.zeros(2)}},
+        record={"buffer_rows": {"shard-0000": 8}, "policy_version": 2})
+    with hold_run_directory(RunPaths(parent), "run"):  # the parent running
+        assert main(["branch", str(parent), "--from-step", "2", "b"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "is running" in err and "evicts its oldest rows" in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "b").exists()
+    assert main(["branch", str(parent), "--from-step", "2", str(tmp_path / "b")]) == 0  # stopped: branched
+    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "parent"]) == 2
+    assert "evicts its oldest rows" in capsys.readouterr().err
