@@ -14,6 +14,15 @@ and resets its prefix cache, as the file route does. The state dict given to ``u
 (the learner's, on the GPU, in a colocated loop; or a published version loaded to the GPU) is
 what is sent, under its checkpoint names; a path is loaded to the GPU first.
 
+A restart (``generation/restarts.py``) works as the file route's, through the same file: a process
+started in place of a dead one cannot join the dead one's NCCL group, so it is given the version the
+dead one held by the file route's ``load_weights`` (``vllm_held_weights.py`` keeps that file: a
+published path hard-linked, a state dict written -- a CPU copy and a disk write per version, made only
+while restarts are allowed). This side of the dead group is dropped first, waiting on no peer, and the
+next version rendezvouses with the new process in a new group. An engine that dies during a version's
+control calls is restarted and sent that version again. Not covered: a death in the middle of the
+broadcast itself, where this side can wait in NCCL for the dead peer (vLLM's communicator has no timeout).
+
 What it needs, and why it is not tested here: CUDA on both sides (vLLM's NCCL and IPC transfer
 engines are CUDA-only; no upstream CPU engine exists: the GLOO one, vLLM #39097, was closed), and
 ``vllm`` importable in the collector's own Python (the trainer side is vLLM's code, and the wire
@@ -120,8 +129,8 @@ class SocketWeightSyncClient:
         self.lock = threading.Lock()
 
     def _call(self, op: str, **message: Any) -> None:
-        with self.lock:
-            self.engine.call(op, **message)
+        with self.lock:  # a hang (restarts.hung_after_s) is killed and restarted as a death, as the files route's
+            self.engine.call(op, timeout_s=self.engine.restarts.hung_after_s, hung_is_dead=True, **message)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._call("nccl_init", init_info=init_info)
