@@ -11,7 +11,8 @@ that produced them beside (``engine.py`` is the contract).
 * :mod:`.vllm_engine` -- ``VLLMEngine``: a vLLM engine in its own process, under the vLLM
   environment's Python, driven over a socket; :mod:`.vllm_server` is what runs in that process and
   :mod:`.vllm_worker` the worker extension that loads new weights there, :mod:`.vllm_process` the
-  helpers that stop that process; :mod:`.restarts` when a process that died is started again;
+  helpers that stop that process; :mod:`.restarts` when a process that died is started again,
+  :mod:`.vllm_held_weights` the file of the weights it is given then (both weight routes);
 * :mod:`.vllm_url` -- ``VLLMURLEngine``: a vLLM server the user started, at a URL, through its
   OpenAI-compatible API (checked against the pipeline's model first), over :mod:`.vllm_http`;
 * :mod:`.vllm_nccl` -- the GPU route for weights (vLLM's NCCL weight transfer);

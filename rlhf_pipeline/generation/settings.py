@@ -95,7 +95,8 @@ class GenerationSettings:
     only, and vllm must import in the collector's own Python)."""
     max_restarts: int = 3
     """vllm: restarts in a row of an engine whose process died (kill -9, out of memory) before the
-    collector stops; a round the engine answers resets the count. 0: never restart."""
+    collector stops; a round the engine answers resets the count. 0: never restart (with
+    weight_transfer=nccl, 0 also spares the disk write of each version a restart would reload)."""
     restart_backoff_s: float = 1.0
     """vllm: seconds before the first restart in a row; each further one waits twice as long (at most 60 s)."""
     stream_groups: bool = False
@@ -242,10 +243,10 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
         device=device, seed=seed, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
         enforce_eager=settings.enforce_eager, start_timeout_s=settings.start_timeout_s,
     )
-    if settings.weight_transfer == "files":  # a restarted engine reloads its weights from files
-        from rlhf_pipeline.generation.restarts import Restarts
+    from rlhf_pipeline.generation.restarts import Restarts
 
-        options["restarts"] = Restarts(settings.max_restarts, settings.restart_backoff_s, settings.hung_after_s)
+    # both routes: a restarted engine reloads the version it held from a file (generation/vllm_held_weights.py)
+    options["restarts"] = Restarts(settings.max_restarts, settings.restart_backoff_s, settings.hung_after_s)
     if settings.max_model_len is not None:
         options["max_model_len"] = settings.max_model_len
     if device != "cpu":

@@ -66,7 +66,8 @@ from rlhf_pipeline.generation.engine import (
 from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.vllm_rounds import LiveStream, stream_ahead, stream_round
 from rlhf_pipeline.generation.sampling import SamplingConfig
-from rlhf_pipeline.generation.vllm_process import exit_status, hard_link, make_scratch_dir, package_path_dir, stop_process
+from rlhf_pipeline.generation.vllm_held_weights import HeldWeights
+from rlhf_pipeline.generation.vllm_process import exit_status, make_scratch_dir, package_path_dir, stop_process
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
 
 GREEDY_BELOW = 1e-5
@@ -119,8 +120,7 @@ class VLLMEngine(GenerationEngine):
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._remove_work_dir = work_dir is None if remove_work_dir is None else remove_work_dir
         self.log_path = self.work_dir / "vllm.log"
-        self._weights_file: Path | None = None
-        """The weights loaded after the model directory's (what a restarted process is given again)."""
+        self.held_weights = HeldWeights(self.work_dir)  # what a restarted process is given again
         self.restarts = restarts if restarts is not None else Restarts(max_restarts=0)
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
@@ -284,6 +284,7 @@ class VLLMEngine(GenerationEngine):
         :attr:`restarts` gives up (the message names the setting)."""
         while True:
             delay = self.restarts.next_delay_s(died, engine=self.name)  # raises EngineFailed past the limit
+            restore = self.held_weights.restore_path(died)  # EngineFailed when the held version was not kept
             self.restarts.announce(f"the {self.name} generation engine died ({died.cause}); restart "
                                    f"{self.restarts.in_a_row} of at most {self.restarts.max_restarts} in a row "
                                    f"in {delay:g} s (its log: {self.log_path})")
@@ -292,8 +293,8 @@ class VLLMEngine(GenerationEngine):
             time.sleep(delay)
             try:
                 self._start(*self._start_args)
-                if self._weights_file is not None:  # the model directory holds the first version only
-                    self.call("load_weights", path=str(self._weights_file))
+                if restore is not None:  # the model directory holds the first version only
+                    self.call("load_weights", path=str(restore))
             except EngineDied as again:
                 died = again
                 continue
@@ -350,31 +351,20 @@ class VLLMEngine(GenerationEngine):
 
     # ------------------------------------------------------------------ weights
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
+        self.check_no_requests_in_flight(version)
+        # kept in the scratch directory: a restart needs it after the learner may have pruned it
+        path = self.held_weights.prepare(weights, version)
+        try:
+            self.call_restarting("load_weights", path=str(path))
+        except BaseException:
+            self.held_weights.discard(path)
+            raise
+        self.held_weights.hold(path, version)
+
+    def check_no_requests_in_flight(self, version: int) -> None:
         if self.live_stream is not None and self.live_stream.busy:
             raise EngineFailed(f"new weights (version {version}) under requests in flight: read the round "
                                f"submitted ahead first")
-        if isinstance(weights, (str, os.PathLike)) and Path(weights).suffix == ".safetensors":
-            # kept in the scratch directory: a restart needs it after the learner may have pruned it
-            path = hard_link(Path(weights).resolve(), self.work_dir / f"weights-{version:08d}.safetensors")
-        else:
-            if isinstance(weights, (str, os.PathLike)):  # a legacy .pt publication
-                payload = torch.load(weights, map_location="cpu", weights_only=True)
-                weights = payload["state_dict"]
-            path = self._write_weights(weights, version)
-        self.call_restarting("load_weights", path=str(path))
-        old, self._weights_file = self._weights_file, path
-        if old is not None and old != path and old.parent == self.work_dir:
-            old.unlink(missing_ok=True)
-
-    def _write_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
-        from safetensors.torch import save_file
-
-        path = self.work_dir / f"weights-{version:08d}.safetensors"
-        partial = path.with_suffix(".partial")
-        # own contiguous CPU copies: safetensors refuses tensors that share memory (a tied head)
-        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}, str(partial))
-        partial.replace(path)
-        return path
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

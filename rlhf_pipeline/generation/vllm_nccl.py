@@ -14,6 +14,15 @@ and resets its prefix cache, as the file route does. The state dict given to ``u
 (the learner's, on the GPU, in a colocated loop; or a published version loaded to the GPU) is
 what is sent, under its checkpoint names; a path is loaded to the GPU first.
 
+A restart (``generation/restarts.py``) works as the file route's, through the same file: a process
+started in place of a dead one cannot join the dead one's NCCL group, so it is given the version the
+dead one held by the file route's ``load_weights`` (``vllm_held_weights.py`` keeps that file: a
+published path hard-linked, a state dict written -- a CPU copy and a disk write per version, made only
+while restarts are allowed). This side of the dead group is dropped first, waiting on no peer, and the
+next version rendezvouses with the new process in a new group. An engine that dies during a version's
+control calls is restarted and sent that version again. Not covered: a death in the middle of the
+broadcast itself, where this side can wait in NCCL for the dead peer (vLLM's communicator has no timeout).
+
 What it needs, and why it is not tested here: CUDA on both sides (vLLM's NCCL and IPC transfer
 engines are CUDA-only; no upstream CPU engine exists: the GLOO one, vLLM #39097, was closed), and
 ``vllm`` importable in the collector's own Python (the trainer side is vLLM's code, and the wire
@@ -31,7 +40,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.generation.engine import UnsupportedSetting
+from rlhf_pipeline.generation.engine import EngineDied, UnsupportedSetting
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 
 
@@ -50,15 +59,36 @@ class NCCLVLLMEngine(VLLMEngine):
         self._source = StateDictSource()
 
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
-        if isinstance(weights, (str, os.PathLike)):
-            from safetensors.torch import load_file
+        self.check_no_requests_in_flight(version)
+        # what a restarted process is given (vllm_held_weights.py): a published file is linked, at no
+        # cost; a state dict costs a CPU copy and a disk write, made only when restarts are allowed
+        kept = self.held_weights.prepare(weights, version, write_state_dict=self.restarts.max_restarts > 0)
+        try:
+            if isinstance(weights, (str, os.PathLike)):
+                from safetensors.torch import load_file
 
-            weights = load_file(os.fspath(weights), device="cuda")
-        self._source.state = {name: tensor.detach().to("cuda") for name, tensor in weights.items()}
-        if self._sender is None:
-            self._sender = self._rendezvous()
-        self._sender.send_weights()
-        self._source.state = {}
+                weights = load_file(os.fspath(kept or weights), device="cuda")
+            state = {name: tensor.detach().to("cuda") for name, tensor in weights.items()}
+            while True:
+                try:
+                    self._send(state)
+                    break
+                except EngineDied as died:  # a new process, given the version held before; this one sent again
+                    self._restart(died)
+            self.restarts.answered()
+        except BaseException:
+            self.held_weights.discard(kept)
+            raise
+        self.held_weights.hold(kept, version)
+
+    def _send(self, state: dict[str, torch.Tensor]) -> None:
+        self._source.state = state
+        try:
+            if self._sender is None:  # the first version, or the first after a restart: a new group
+                self._sender = self._rendezvous()
+            self._sender.send_weights()
+        finally:
+            self._source.state = {}
 
     def _rendezvous(self) -> Any:
         """Joins the engine's worker in a two-rank NCCL group (this process is rank 0, the sender)."""
@@ -68,10 +98,24 @@ class NCCLVLLMEngine(VLLMEngine):
         return NCCLTrainerWeightTransferEngine.trainer_init(info, client=SocketWeightSyncClient(self),
                                                             source=self._source)
 
-    def close(self) -> None:
+    def _restart(self, died: EngineDied) -> None:
+        """The group's peer is dead: the sender is dropped before the new process starts (which is
+        given the held version from its file, as the files route's), and the next version rendezvouses
+        with the new process in a new group."""
+        self._drop_sender()
+        super()._restart(died)
+
+    def _drop_sender(self) -> None:
+        """Ends the sender's side of the NCCL group without waiting on its peer: vLLM's ``shutdown``
+        destroys the communicator with ``ncclCommAbort`` (local: it waits on no other rank, unlike
+        ``ncclCommDestroy``; run on a thread joined for at most 5 s), and the rendezvous store this
+        process served goes with the sender."""
         sender, self._sender = getattr(self, "_sender", None), None
         if sender is not None:
             sender.shutdown()
+
+    def close(self) -> None:
+        self._drop_sender()
         super().close()
 
 
@@ -85,8 +129,8 @@ class SocketWeightSyncClient:
         self.lock = threading.Lock()
 
     def _call(self, op: str, **message: Any) -> None:
-        with self.lock:
-            self.engine.call(op, **message)
+        with self.lock:  # a hang (restarts.hung_after_s) is killed and restarted as a death, as the files route's
+            self.engine.call(op, timeout_s=self.engine.restarts.hung_after_s, hung_is_dead=True, **message)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._call("nccl_init", init_info=init_info)
