@@ -1,10 +1,10 @@
 """A branch of a run with collectors, continued online with ``run`` (``runs/branch_online.py``).
 
-The parent (the default pipeline, single-turn, its tiny model on CPU with a collector) trains 8
-steps; it is branched at step 4. ``run`` on the branch with nothing changed trains the parent's
-steps 5-8 exactly: the same rows, including those its collector generates again after step 4, the
-same losses and weights. A branch with another learning rate differs from step 5 on and reads no
-row the parent wrote after step 4; two branches never see each other's rows; the parent's files
+The parent (the default pipeline, single-turn, its tiny model on CPU with a collector) trains 40
+steps; it is branched at step 20. ``run`` on the branch with nothing changed trains the parent's
+steps 21-40 exactly: the same rows, including those its collector generates again after step 20,
+the same losses and weights. A branch with another learning rate differs from step 21 on and reads
+no row the parent wrote after step 20; two branches never see each other's rows; the parent's files
 stay byte-identical. A branch's ``run`` killed with SIGKILL (launcher and children at once) after
 its first steps and started again ends where the uninterrupted one does.
 """
@@ -41,12 +41,13 @@ SETTINGS = ["warm_start_steps=60", "prompts_per_round=4", "group_size=4", "learn
 # timings, and how many rows the collector had written when a step was taken (it may be a round
 # ahead, as pacing allows, or not yet: a race, not what was trained); the learning rate apart
 NOT_COMPARED = ("time", "tokens_per_s", "_s", "learning_rate", "buffer_rows", "rows_generated")
+STEPS, BRANCH_AT = 40, 20  # a multiple of checkpoint_keep_every: a kept rewind point
 FIELDS = ("trajectory_id", "group_id", "policy_version", "reward", "response_tokens", "prompt_tokens")
 
 
 def command(home: Path, name: str, *changes: str) -> list[str]:
     sets = [word for item in [*SETTINGS, *changes] for word in ("--set", item)]
-    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home", str(home),
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS), "--home", str(home),
             "--run-name", name, *sets]
 
 
@@ -87,8 +88,8 @@ def runs(tmp_path_factory):
     run(home, "parent")
     parent = home / "parent"
     before = digest(parent)
-    assert main(["branch", str(parent), "--from-step", "4", "same"]) == 0
-    assert main(["branch", str(parent), "--from-step", "4", "faster", "--set", "learner.lr=1e-3"]) == 0
+    assert main(["branch", str(parent), "--from-step", str(BRANCH_AT), "same"]) == 0
+    assert main(["branch", str(parent), "--from-step", str(BRANCH_AT), "faster", "--set", "learner.lr=1e-3"]) == 0
     run(home, "same")
     run(home, "faster", "learner.lr=1e-3")
     assert digest(parent) == before  # the parent's files were only read
@@ -98,11 +99,11 @@ def runs(tmp_path_factory):
 def test_a_branch_with_nothing_changed_trains_online_what_the_parent_trained_after_the_branch_step(runs):
     home, parent, at_step = runs
     same = home / "same"
-    assert [m["step"] for m in read_metrics(same / "metrics.jsonl")] == list(range(1, 9))
-    assert any(m["losses/loss"] != 0 for m in trained(parent, after=4))  # something to compare
+    assert [m["step"] for m in read_metrics(same / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    assert any(m["losses/loss"] != 0 for m in trained(parent, after=BRANCH_AT))  # something to compare
     assert trained(same) == trained(parent)
     assert same_weights(same, parent)
-    # the rows: the parent's up to step 4 read in place, the ones its collector wrote again after it
+    # the rows: the parent's up to the branch step read in place, the ones its collector wrote again after it
     assert rows(same / "buffer") == rows(parent / "buffer")
     own = rows(same / "buffer" / "shard-0000")
     assert own and own == rows(parent / "buffer", first=at_step["shard-0000"])
@@ -110,7 +111,7 @@ def test_a_branch_with_nothing_changed_trains_online_what_the_parent_trained_aft
 
 def test_a_branch_continued_online_is_not_branched_again_yet(runs, capsys):
     home, _, _ = runs
-    assert main(["branch", str(home / "same"), "--from-step", "8", str(home / "again")]) == 2
+    assert main(["branch", str(home / "same"), "--from-step", str(STEPS), str(home / "again")]) == 2
     err = capsys.readouterr().err.strip()
     assert "is a branch continued online" in err and len(err.splitlines()) == 1
     assert not (home / "again").exists()
@@ -120,35 +121,35 @@ def test_a_branch_with_another_learning_rate_differs_from_the_next_step_and_read
     home, parent, at_step = runs
     faster, same = home / "faster", home / "same"
     lr, parent_lr = trained(faster), trained(parent)
-    assert lr[:4] == parent_lr[:4]  # the parent's steps, kept
-    assert lr[4]["losses/loss"] == parent_lr[4]["losses/loss"]  # step 5: the checkpoint's weights
+    assert lr[:BRANCH_AT] == parent_lr[:BRANCH_AT]  # the parent's steps, kept
+    assert lr[BRANCH_AT]["losses/loss"] == parent_lr[BRANCH_AT]["losses/loss"]  # its first: the checkpoint's weights
     assert not same_weights(faster, parent)
-    assert [m["charts/learning_rate"] for m in read_metrics(faster / "metrics.jsonl")[4:]] == [1e-3] * 4
+    assert [m["charts/learning_rate"] for m in read_metrics(faster / "metrics.jsonl")[BRANCH_AT:]] == [1e-3] * (STEPS - BRANCH_AT)
     inherited = at_step["shard-0000"]
     with open_buffer(faster / "buffer") as union:
         shard = union.shards[0]
         assert (shard.parent_rows, shard.own.location) == (inherited, str(faster / "buffer" / "shard-0000"))
     assert rows(faster / "buffer", stop=inherited) == rows(parent / "buffer", stop=inherited)
-    # after step 4 its rows are its own shard's: sampled with its own weights once it published one
+    # after the branch step its rows are its own shard's: sampled with its own weights once it published one
     mine, theirs = rows(faster / "buffer", first=inherited), rows(parent / "buffer", first=inherited)
     assert mine == rows(faster / "buffer" / "shard-0000")
-    assert any(r["policy_version"] > 5 for r in mine) and mine != theirs
+    assert any(r["policy_version"] > BRANCH_AT + 1 for r in mine) and mine != theirs
     # two branches of one parent never see each other's rows
     assert rows(same / "buffer" / "shard-0000") != rows(faster / "buffer" / "shard-0000")
 
 
 def test_a_branch_killed_mid_run_resumes_online_to_what_it_trains_uninterrupted(runs):
     home, parent, _ = runs
-    assert main(["branch", str(parent), "--from-step", "4", "killed"]) == 0
+    assert main(["branch", str(parent), "--from-step", str(BRANCH_AT), "killed"]) == 0
     killed = home / "killed"
     metrics = killed / "metrics.jsonl"
     first = subprocess.Popen(command(home, "killed"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    # whole lines only: the branch starts with the parent's 4; killed once it trained 2 of its own
-    kill_when(first, lambda: metrics.is_file() and metrics.read_text().count("\n") >= 6, whole_group=True,
+    # whole lines only: the branch starts with the parent's steps; killed once it trained 2 of its own
+    kill_when(first, lambda: metrics.is_file() and metrics.read_text().count("\n") >= BRANCH_AT + 2, whole_group=True,
               poll_s=0.01, wait_s=60)
     assert first.returncode == -signal.SIGKILL
-    assert 6 <= len(read_metrics(metrics)) < 8, "the kill came after the branch had finished; nothing was resumed"
+    assert BRANCH_AT + 2 <= len(read_metrics(metrics)) < STEPS, "the kill came after the branch had finished; nothing was resumed"
     resumed = run(home, "killed")
     assert "resuming from" in resumed
     assert trained(killed) == trained(parent) and same_weights(killed, parent)
