@@ -20,15 +20,16 @@ vLLM's CPU attention takes) over its character tokenizer, untrained. The load av
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_stream_groups import engine_for, spread, write_report  # noqa: E402  (the same engines and report)
 
 METRICS = ("round_s", "engine_idle_share", "generate_s", "generation_batches", "rows")
 
@@ -53,20 +54,6 @@ class UnevenEnv:
         if turn.index + 1 >= self.turns:
             return StepResult(reward=reward, done=True)
         return StepResult([{"role": "user", "content": f"Go on ({turn.index})."}], reward=reward)
-
-
-def engine_for(name: str, model, tok, where: Path):
-    """``(engine, server)``: loop or vllm as a pipeline makes them; vllm-server: a vLLM server started here."""
-    from rlhf_pipeline.generation.settings import GenerationSettings, find_vllm_python, make_engine
-
-    if name != "vllm-server":
-        return make_engine(GenerationSettings(engine=name), model, pad_token_id=tok.pad_token_id,
-                           stop_token_ids=[tok.eos_token_id]), None
-    from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
-    from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
-
-    server = VLLMServerProcess(find_vllm_python(None), save_model_dir(model, tok, where / "model"), where)
-    return VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok), server
 
 
 def bench_engine(name: str, model, tok, args, where: Path) -> dict:
@@ -99,13 +86,9 @@ def bench_engine(name: str, model, tok, args, where: Path) -> dict:
         engine.close()
         if server is not None:
             server.stop()
-    summary = {mode: {key: _spread(values) for key, values in per_mode.items()} for mode, per_mode in results.items()}
+    summary = {mode: {key: spread(values) for key, values in per_mode.items()} for mode, per_mode in results.items()}
     summary["engine_start_s"] = start_s
     return summary
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,12 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 s = summary[mode][key]
                 print(f"    {key:>18}: median {s['median']:.3f}  range {s['min']:.3f}-{s['max']:.3f}  (n={s['n']})")
     print(f"load average before {load_before[0]:.2f}, after {report['load_after'][0]:.2f}")
-    if args.json is not None:
-        text = json.dumps(report, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+    write_report(report, args.json)
     return 0
 
 

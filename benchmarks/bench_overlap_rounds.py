@@ -23,16 +23,14 @@ The load average before and after is printed: on a busy machine every time here 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_stream_groups import engine_for, policy  # noqa: E402  (the same model, prompts and engines)
+from bench_stream_groups import engine_for, policy, spread, write_report  # noqa: E402  (the same model, prompts and engines)
 
 
 def run_rounds(engine, tok, args, where: Path, overlap: bool) -> dict:
@@ -78,12 +76,8 @@ def bench_engine(name: str, model, tok, args, where: Path) -> dict:
     summary = {"engine_start_s": start_s}
     for overlap, results in runs.items():
         summary["overlap" if overlap else "one_after_the_other"] = {
-            key: _spread([r[key] for r in results]) for key in results[0]}
+            key: spread([r[key] for r in results]) for key in results[0]}
     return summary
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,12 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['engine_idle_share']['max']:.3f}) | {s['ahead']['median']:.0f} of {args.rounds} |")
     starts = ", ".join(f"{name} {summary['engine_start_s']:.1f} s" for name, summary in results.items())
     print(f"engine start {starts}; load average before {load_before[0]:.2f}, after {report['load_after'][0]:.2f}")
-    if args.json is not None:
-        text = json.dumps(report, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+    write_report(report, args.json)
     return 0
 
 

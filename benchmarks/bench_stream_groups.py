@@ -110,16 +110,28 @@ def bench_engine(name: str, model, tok, args, where: Path) -> dict:
         engine.close()
         if server is not None:
             server.stop()
-    summary = {key: _spread(values) for key, values in streamed.items()}
-    summary["whole_round_s"] = _spread(whole)
+    summary = {key: spread(values) for key, values in streamed.items()}
+    summary["whole_round_s"] = spread(whole)
     summary["engine_start_s"] = start_s
     summary["response_len"] = {"median": statistics.median(lengths), "max": max(lengths),
                                f"at_limit_{args.max_new_tokens}": sum(x == args.max_new_tokens for x in lengths) / len(lengths)}
     return summary
 
 
-def _spread(values: list[float]) -> dict[str, float]:
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, range and count of a figure over repeats (what every table here prints)."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def write_report(report: dict, where: str | None) -> None:
+    """``--json``: the report as JSON to stdout (``-``) or to the file named; None: nothing."""
+    if where is None:
+        return
+    text = json.dumps(report, indent=2)
+    if where == "-":
+        print(text)
+    else:
+        Path(where).write_text(text + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,12 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             s = summary[key]
             print(f"  {key:>16}: median {s['median']:.4f}  range {s['min']:.4f}-{s['max']:.4f}  (n={s['n']})")
     print(f"load average before {load_before[0]:.2f}, after {report['load_after'][0]:.2f}")
-    if args.json is not None:
-        text = json.dumps(report, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+    write_report(report, args.json)
     return 0
 
 
