@@ -25,10 +25,11 @@ own row, and only the branch's own rows are ever dropped (the parent's are read 
 written; the parent's own retention holds them for the branch through its ``parent-rows/``).
 
 * **a running replay of the buffer** beside the run (its ``settings.json`` names the source, its
-  ``run.lock`` a live process on this machine): while it runs, nothing is dropped.
+  ``run.lock`` a live process on this machine; at a URL a live lease: ``runs/retention_url.py``):
+  while it runs, nothing is dropped.
 
-Not covered (``docs/retention.md``): a replay under another home, on another machine or of a buffer at
-a URL, and branches made under another home (or URL prefix), are not found.
+Not covered (``docs/retention.md``): a replay under another home (or, of a run directory, on another
+machine), and branches made under another home (or URL prefix), are not found.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class ShardRetention:
             if self.url_branches is None:
                 from rlhf_pipeline.runs.retention_url import UrlBranchFloors
 
-                self.url_branches = UrlBranchFloors(self.paths.url, self.store_path)
+                self.url_branches = UrlBranchFloors(self.paths.url, self.store_path,
+                                                    buffer_location=self.paths.buffer_location)
             return self.url_branches.floors(fresh=fresh)
         return [(row, f"branch {run}") for run, row in branch_rows_needed(self.paths.root, self.store_path)], True
 

@@ -25,6 +25,7 @@ does it only when a drop is about to happen, and reuses a look younger than ``re
 from __future__ import annotations
 
 import json
+import socket
 import time
 from typing import Any
 
@@ -86,12 +87,53 @@ def _continues_in_place(home_store: Any, name: str, branch_url: str, shard: str)
     return continues_shard(continues, shard)
 
 
-class UrlBranchFloors:
-    """The branch floors of one shard of a parent at a URL, looked up at most once per ``rescan_s``
-    unless a drop is about to happen (module docstring)."""
+def running_replays_at_url(run_url: str, sources: set[str], home_store: Any) -> list[str]:
+    """The runs beside the run at ``run_url`` whose ``replay`` reads one of ``sources`` (the parent's
+    buffer or this shard: their ``settings.json`` names the source) and runs now: their ``run.lock``
+    lease (``files/run_lease.py``) renewed within its ``lease_s`` on the server's clock, by a process
+    still running when it is on this host. One read or two per run beside, a few at a time."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    def __init__(self, run_url: str, store_path: str, rescan_s: float = RESCAN_S) -> None:
+    from rlhf_pipeline.files.processes import pid_running
+
+    home, _, name = run_url.rstrip("/").rpartition("/")
+    wanted = {source.rstrip("/") for source in sources}
+
+    def running(other: str) -> str | None:
+        try:
+            replay = json.loads(home_store.read(f"{other}/settings.json") or b"{}").get("replay") or {}
+            source = replay.get("buffer") if isinstance(replay, dict) else None
+        except (ValueError, AttributeError):
+            return None  # no settings yet, or not a replay
+        if not isinstance(source, str) or source.rstrip("/") not in wanted:
+            return None
+        seen = home_store.read_with_age(f"{other}/run.lock")
+        if seen is None:
+            return None  # not running
+        try:
+            holder = json.loads(seen[0])
+            lease_s = float(holder.get("lease_s", 0))
+        except (ValueError, AttributeError, TypeError):
+            return f"{home}/{other}"  # unreadable: hold rather than guess
+        pid, age = holder.get("pid"), seen[2]
+        if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
+            return None  # its process ended here without releasing the lease
+        return None if age is not None and lease_s > 0 and age > lease_s else f"{home}/{other}"
+
+    others = [other for other in sorted(home_store.list("")) if other != name]
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(others)))) as pool:
+        return [found for found in pool.map(running, others) if found is not None]
+
+
+class UrlBranchFloors:
+    """The branch floors of one shard of a parent at a URL, and the running replays of its buffer
+    beside it (they hold every row), looked up at most once per ``rescan_s`` unless a drop is about
+    to happen (module docstring)."""
+
+    def __init__(self, run_url: str, store_path: str, rescan_s: float = RESCAN_S,
+                 buffer_location: str | None = None) -> None:
         self.run_url, self.store_path, self.rescan_s = run_url, store_path, rescan_s
+        self.sources = {store_path, buffer_location or f"{run_url.rstrip('/')}/buffer"}
         self._floors: list[tuple[int, str]] = []
         self._taken: float | None = None
         self._home_store: Any = None
@@ -107,6 +149,9 @@ class UrlBranchFloors:
         self._floors = [] if self._home_store is None else [  # at a bucket's top there are no runs beside
             (row, f"branch {run}") for run, row in url_branch_rows_needed(self.run_url, self.store_path,
                                                                            self._home_store)]
+        if self._home_store is not None:  # a running replay counted the rows it walks when it started
+            self._floors += [(0, f"replay {run} (running)")
+                             for run in running_replays_at_url(self.run_url, self.sources, self._home_store)]
         self._taken = time.monotonic()
         self.looks += 1
         return self._floors, True

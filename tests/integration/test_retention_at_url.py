@@ -168,3 +168,34 @@ def test_a_local_detached_branch_continued_online_still_holds_the_parents_rows(t
     write_continued_rows(branch / "buffer", str(run.buffer), {"shard-0000": 0})  # it reads none of that shard
     assert branch_rows_needed(run.root, str(shard)) == []
     store.close()
+
+
+def test_a_running_replay_of_the_parents_buffer_beside_it_holds_every_row(parent):
+    """A replay at the URL beside the parent whose source is the parent's buffer, running now (its
+    run.lock lease live), holds every row; one whose process ended here, or that released its lease, does not."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from rlhf_pipeline.files.run_lease import ObjectLease
+
+    paths, store = parent
+    retention = ShardRetention(RetentionSettings(max_rows=48), paths, "shard-0000", paths.shard_location(0), LEARNER)
+    replay = ObjectRunStore(f"{paths.home}/replay")
+    replay.write("settings.json", json.dumps({"replay": {"buffer": paths.buffer_location}}).encode(), fence=False)
+    lease = ObjectLease(replay, "run.lock", record={"command": "replay"}).acquire()  # this process replays
+    try:
+        report = retention.after_round(store, None)
+        assert report.rows_dropped == 0 and store.first_row == 0
+        assert report.held_by == f"replay {paths.home}/replay (running)"
+    finally:
+        lease.release()  # the replay ended: its run.lock is gone
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    replay.write("run.lock", json.dumps({"pid": int(ended.stdout), "host": socket.gethostname(),
+                                         "lease_s": 30.0}).encode(), fence=False)  # killed here: its lease left
+    assert int(ended.stdout) != os.getpid()
+    assert retention.after_round(store, None).rows_dropped == 0  # a recent look keeps rows a while (never drops)
+    retention.url_branches.rescan_s = 0.0  # as once RESCAN_S passed
+    report = retention.after_round(store, None)
+    assert report.rows_dropped > 0 and store.first_row == 144 and "learner" in report.held_by
