@@ -96,6 +96,10 @@ def branch_at_url(parent_url: str, step: int, new_url: str, overrides: Sequence[
     try:
         _copy_branch(source, target, step, lineage["policy_version"])
         if lineage["replay_source"] is None:  # a run with collectors: its rows up to the step, by reference
+            from rlhf_pipeline.runs.retention_url import wait_for_drops
+
+            # our branch.making is up: a drop decided from here on sees it; one under way ends first
+            wait_for_drops(source, (lineage["buffer_rows"] or {}).keys())
             _parent_rows_at_url(saved.get("buffer_url") or f"{parent.url}/buffer", f"{new.url}/{PARENT_ROWS}",
                                 lineage["buffer_rows"], step, new)
     except FileNotFoundError as exc:  # the running parent pruned that checkpoint (or weights) meanwhile

@@ -105,13 +105,15 @@ class ShardRetention:
         return RetentionReport(rows, size, store.first_row, floor, held_by)
 
     def _branches_settled(self) -> Any:
-        """No branch of a run directory appears between the look at its branches and the drop
-        (``lineage.branches_settled``); at a URL there is no lock (docs/retention.md)."""
-        from contextlib import nullcontext
-
+        """No branch appears between the look at the branches and the drop: in a run directory one lock
+        with ``branch`` (``lineage.branches_settled``), at a URL a mark ``branch`` waits for
+        (``retention_url.drop_under_way``)."""
         from rlhf_pipeline.runs.lineage import branches_settled
+        from rlhf_pipeline.runs.retention_url import drop_under_way
 
-        return branches_settled(self.paths.root) if self.paths.url is None else nullcontext()
+        if self.paths.url is None:
+            return branches_settled(self.paths.root)
+        return drop_under_way(self.paths.store, self.key)
 
     def floor(self, store: Any, fresh: bool = True) -> tuple[int, str]:
         """The oldest row of this shard something still needs (a row of ``store``), and what needs it;

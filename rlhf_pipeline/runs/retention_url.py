@@ -25,11 +25,46 @@ does it only when a drop is about to happen, and reuses a look younger than ``re
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 RESCAN_S = 30.0  # how long a look at the branches may keep rows before it is taken again
+# a drop under way is marked in the run's store; `branch` waits for it, up to this age (a collector
+# killed mid-drop leaves its mark behind)
+DROP_MARK_STALE_S = 60.0
+
+
+def drop_mark_key(shard_key: str) -> str:
+    """The object in a run's store that says a drop of shard ``shard_key``'s rows is under way."""
+    return f"retention/dropping-{shard_key.strip('/').replace('/', '_') or 'buffer'}.json"
+
+
+@contextmanager
+def drop_under_way(run_store: Any, shard_key: str) -> Iterator[None]:
+    """Held by a collector at a URL while it looks at its branches and drops rows: ``branch`` names the
+    parent's rows only when no drop is under way (:func:`wait_for_drops`), so a branch is either seen by
+    the look (its ``branch.making`` came first) or names the rows left after the drop: the URL's
+    counterpart of ``lineage.branches_settled``. One PUT and one DELETE a round that drops."""
+    key = drop_mark_key(shard_key)
+    run_store.write(key, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), fence=False)
+    try:
+        yield
+    finally:
+        run_store.delete(key)
+
+
+def wait_for_drops(run_store: Any, shard_keys: Any, poll_s: float = 0.05) -> None:
+    """Returns once no drop of the shards' rows is under way in the run at ``run_store`` (a mark older
+    than ``DROP_MARK_STALE_S`` on the server's clock is one a killed collector left: not waited for)."""
+    for shard_key in shard_keys:
+        while (seen := run_store.read_with_age(drop_mark_key(shard_key))) is not None:
+            if seen[2] is not None and seen[2] > DROP_MARK_STALE_S:
+                break
+            time.sleep(poll_s)
 
 
 def url_branch_rows_needed(run_url: str, store_path: str, home_store: Any = None) -> list[tuple[str, int]]:

@@ -199,3 +199,33 @@ def test_a_running_replay_of_the_parents_buffer_beside_it_holds_every_row(parent
     retention.url_branches.rescan_s = 0.0  # as once RESCAN_S passed
     report = retention.after_round(store, None)
     assert report.rows_dropped > 0 and store.first_row == 144 and "learner" in report.held_by
+
+
+def test_a_branch_made_while_a_drop_is_under_way_names_only_the_rows_left(parent):
+    """The parent's collector marks a drop under way (``retention_url.drop_under_way``) around its look
+    at the branches and its drop; ``branch`` puts up its ``branch.making`` and then waits for the mark
+    to go before it names the parent's rows: it never names rows a drop decided without it."""
+    import threading
+
+    from rlhf_pipeline.cli.main import main
+    from rlhf_pipeline.learn.checkpoint import Progress, run_checkpoints
+    from rlhf_pipeline.runs.retention_url import drop_under_way
+
+    paths, store = parent
+    shard = paths.shard_location(0).rsplit("/", 1)[-1]  # the key a collector's retention and checkpoints use
+    paths.store.write("settings.json", b"{}", fence=False)
+    run_checkpoints(paths).save(Progress(seed=0, step=5), {"model": {"weight": torch.zeros(2)}},
+                                record={"buffer_rows": {shard: 120}, "policy_version": 5})
+    done: list[int] = []
+    with drop_under_way(paths.store, shard):  # what the parent's retention holds while it drops
+        branching = threading.Thread(target=lambda: done.append(main(["branch", paths.url, "--from-step", "5",
+                                                                      "late"])))
+        branching.start()
+        branching.join(1.0)
+        assert branching.is_alive() and not ObjectRunStore(f"{paths.home}/late").exists("branch.json")
+        store.drop_rows_before(48)  # decided before the branch was made
+    branching.join(60)
+    assert done == [0]
+    with open_buffer(f"{paths.home}/late/{PARENT_ROWS}") as rows:  # only the rows left: all there
+        assert len(rows) == 120 - 48
+    assert not paths.store.exists(f"retention/dropping-{shard}.json")
