@@ -82,7 +82,6 @@ class ShardRetention:
         self.clock = RowClock(clock)
         self.totals = [0, 0]  # rows dropped, bytes freed by this process
         self.url_branches: Any = None  # at a URL: the branches beside the run, looked up when a drop nears
-        self._looked_now = True
 
     def after_round(self, store: Any, newest_version: int | None, now: float | None = None) -> RetentionReport:
         now = time.time() if now is None else now
@@ -90,13 +89,13 @@ class ShardRetention:
         wanted = wanted_cut(store, self.settings, newest_version=newest_version, clock=self.clock, now=now)
         dropped, floor, held_by = [], store.next_row, ""
         if wanted - wanted % store.segment_rows > store.first_row:  # a whole segment may go: look at the floor
-            with self._branches_settled():
-                floor, held_by = self.floor(store, fresh=False)
-                cut = whole_cut(store, wanted, floor)
-                if cut > store.first_row and not self._looked_now:  # a drop is made only on a fresh look at them
+            floor, held_by = self.floor(store, fresh=False)  # at a URL a recent look may keep rows, never drop them
+            cut = whole_cut(store, wanted, floor)
+            if cut > store.first_row:  # a drop: decided on a fresh look, no branch appearing until it is made
+                with self._branches_settled():
                     floor, held_by = self.floor(store)
                     cut = whole_cut(store, wanted, floor)
-                dropped = store.drop_rows_before(cut) if cut > store.first_row else []
+                    dropped = store.drop_rows_before(cut) if cut > store.first_row else []
             held_by = held_by if floor < wanted else ""
         self.clock.forget_before(store.first_row)
         rows, size = sum(d.rows for d in dropped), sum(d.bytes for d in dropped)
@@ -123,12 +122,10 @@ class ShardRetention:
         # rows counted as the learner counts them, as rows of the store: a floor among the parent's
         # rows (below continues_from) holds every own row
         candidates = [(max(0, row - self.continues_from), why) for row, why in counted]
-        branches, looked = self._branch_floors(fresh)
-        candidates += branches
+        candidates += self._branch_floors(fresh)
         if self.paths.url is None:
             candidates += [(store.first_row, f"replay {run} (running)")
                            for run in running_replays_of(self.paths.root, self.store_path)]
-        self._looked_now = looked
         return min(candidates, key=lambda c: c[0])
 
     def _learner_floor(self, store: Any) -> int:
@@ -154,17 +151,17 @@ class ShardRetention:
             floors.append((needed, f"the checkpoint of step {point['step']} (a rewind point)"))
         return floors
 
-    def _branch_floors(self, fresh: bool = True) -> tuple[list[tuple[int, str]], bool]:
-        """``(row, why)`` per branch reading this shard, and whether they were looked up just now
-        (at a URL a look lists the home: an earlier one is reused to keep rows, never to drop them)."""
+    def _branch_floors(self, fresh: bool = True) -> list[tuple[int, str]]:
+        """``(row, why)`` per branch reading this shard (at a URL, and per running replay there; a look
+        lists the home: with ``fresh=False`` a recent one may be reused, which only keeps rows)."""
         if self.paths.url is not None:
             if self.url_branches is None:
                 from rlhf_pipeline.runs.retention_url import UrlBranchFloors
 
                 self.url_branches = UrlBranchFloors(self.paths.url, self.store_path,
                                                     buffer_location=self.paths.buffer_location)
-            return self.url_branches.floors(fresh=fresh)
-        return [(row, f"branch {run}") for run, row in branch_rows_needed(self.paths.root, self.store_path)], True
+            return self.url_branches.floors(fresh=fresh)[0]
+        return [(row, f"branch {run}") for run, row in branch_rows_needed(self.paths.root, self.store_path)]
 
 
 def branch_rows_needed(run: str | Path, store_path: str) -> list[tuple[str, int]]:

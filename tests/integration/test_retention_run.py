@@ -188,14 +188,24 @@ def test_a_branch_made_while_retention_drops_names_only_rows_left_and_one_made_f
     with open_buffer(tmp_path / "late" / "parent-rows") as rows:  # names only the rows left: all there
         assert len(rows) == 120 - 48
 
-    # a branch that appears while the lock is held (as `branch` makes it) is seen by the next look
+    # a drop about to be made waits for a branch being made (`branch` holds the lock), then sees it
+    shutil.rmtree(tmp_path / "late")
+    CheckpointManager(paths.checkpoints, keep_last=10).save(  # a newer checkpoint: rows from 168 held, 48-143 may go
+        Progress(seed=0, step=9), {"model": {"weight": torch.zeros(2)}},
+        record={"buffer_rows": {"shard-0000": 200}, "policy_version": 9})
     reports: list = []
     with branches_settled(paths.root):
         dropping = threading.Thread(target=lambda: reports.append(retention.after_round(store, None)))
         dropping.start()
         dropping.join(0.5)
-        assert dropping.is_alive()
+        assert dropping.is_alive()  # it would drop: it waits for the lock to look again
+        early = tmp_path / "early"  # what `branch` writes under the lock: its selection, then its branch.json
+        early.mkdir()
+        with open_buffer(paths.buffer, mode="r") as source:
+            write_selection(early / "parent-rows", source, np.zeros(72, dtype=np.int64), np.arange(48, 120))
+        (early / "branch.json").write_text(json.dumps({"parent": str(paths.root), "step": 5,
+                                                       "buffer_rows": {"shard-0000": 120}}))
     dropping.join(30)
-    assert reports[0].rows_dropped == 0 and "late" in reports[0].held_by  # the checkpoint alone would let rows 48-79 go
+    assert reports[0].rows_dropped == 0 and store.first_row == 48 and "early" in reports[0].held_by
     assert paths.root.joinpath("settings.json").stat().st_mtime_ns == before  # the lock writes nothing
     store.close()
