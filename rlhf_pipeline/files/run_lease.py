@@ -72,8 +72,8 @@ class ObjectLease:
             if seen is None:
                 continue  # released in between
             body, seen_etag, age = seen
-            holder = _holder(body)
-            why = self._abandoned(holder, age)
+            holder = holder_record(body)
+            why = abandoned(holder, age, default_lease_s=self.lease_s)
             if why is None:
                 if time.monotonic() >= deadline:
                     raise LeaseHeldError(describe_holder(holder, age))
@@ -90,18 +90,6 @@ class ObjectLease:
         self._thread = threading.Thread(target=self._renew_until_released, name="run-lease", daemon=True)
         self._thread.start()
         return self
-
-    def _abandoned(self, holder: dict, age: float | None) -> str | None:
-        pid, host = holder.get("pid"), holder.get("host")
-        if host == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
-            return "that process is no longer running"
-        try:
-            lease = float(holder.get("lease_s", self.lease_s))
-        except (TypeError, ValueError):
-            lease = self.lease_s
-        if age is not None and age > lease:
-            return f"not renewed for {age:.0f} s, lease {lease:g} s"
-        return None
 
     def _renew_until_released(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
@@ -140,12 +128,29 @@ class ObjectLease:
         self.release()
 
 
-def _holder(body: bytes) -> dict:
+def holder_record(body: bytes) -> dict:
+    """A lease object's holder record (empty when unreadable)."""
     try:
         holder = json.loads(body)
         return holder if isinstance(holder, dict) else {}
     except ValueError:
         return {}
+
+
+def abandoned(holder: dict, age: float | None, *, default_lease_s: float = DEFAULT_LEASE_S) -> str | None:
+    """Why a lease held by ``holder`` (its record), last written ``age`` seconds ago on the server's
+    clock, is abandoned: its process ended on this host, or it was not renewed within its lease;
+    None while it is live."""
+    pid, host = holder.get("pid"), holder.get("host")
+    if host == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
+        return "that process is no longer running"
+    try:
+        lease = float(holder.get("lease_s", default_lease_s))
+    except (TypeError, ValueError):
+        lease = default_lease_s
+    if age is not None and age > lease:
+        return f"not renewed for {age:.0f} s, lease {lease:g} s"
+    return None
 
 
 def describe_holder(holder: dict, age: float | None) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.runs.lineage import BRANCH_FILE
 
-_READS_AT_ONCE = 16  # reads of the runs beside a run in flight at once: a home of 100 runs in ~7 round trips
+READS_AT_ONCE = 16  # reads of the runs beside a run in flight at once: a home of 100 runs in ~7 round trips
 
 
 def is_run_at_url(url: str) -> bool:
@@ -34,13 +34,15 @@ def find_branches_at_url(url: str) -> list[dict[str, Any]]:
     return sorted(found, key=lambda b: (b["step"], b["run"]))
 
 
-def branch_records_at_url(url: str, *, half_made: bool = False, home_store: Any = None) -> list[dict[str, Any]]:
+def branch_records_at_url(url: str, *, half_made: bool = False, home_store: Any = None,
+                          others: list[str] | None = None) -> list[dict[str, Any]]:
     """The branches of the run at ``url`` beside it, each ``{"run": URL, "step": N, "lineage":
     its branch.json, "half_made": False}``; with ``half_made``, also the branches ``branch`` is
     making (or left half-made): ``branch.making`` and no ``branch.json``, with ``"lineage": None``
     and ``"half_made": True``. One listing of the home and one read per run in it (two for a run
     that is no branch, with ``half_made``), sent a few at a time; ``home_store``: the home's
-    ``ObjectRunStore`` to send them with (one is made when None)."""
+    ``ObjectRunStore`` to send them with (one is made when None); ``others``: the runs beside it, when
+    the caller has listed them (:func:`runs_beside`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
@@ -64,9 +66,14 @@ def branch_records_at_url(url: str, *, half_made: bool = False, home_store: Any 
         return {"run": f"{home}/{other}", "step": int(named.get("step", 0)), "lineage": lineage,
                 "half_made": lineage is None}
 
-    others = [other for other in sorted(store.list("")) if other != name]
-    with ThreadPoolExecutor(max_workers=max(1, min(_READS_AT_ONCE, len(others)))) as pool:
+    others = runs_beside(store, name) if others is None else others
+    with ThreadPoolExecutor(max_workers=max(1, min(READS_AT_ONCE, len(others)))) as pool:
         return [found for found in pool.map(record_of, others) if found is not None]
+
+
+def runs_beside(home_store: Any, name: str) -> list[str]:
+    """The names of the runs in the home ``home_store`` other than ``name`` (one listing)."""
+    return [other for other in sorted(home_store.list("")) if other != name]
 
 
 def _making_of(raw: bytes | None) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ does it only when a drop is about to happen, and reuses a look younger than ``re
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -67,17 +68,18 @@ def wait_for_drops(run_store: Any, shard_keys: Any, poll_s: float = 0.05) -> Non
             time.sleep(poll_s)
 
 
-def url_branch_rows_needed(run_url: str, store_path: str, home_store: Any = None) -> list[tuple[str, int]]:
+def url_branch_rows_needed(run_url: str, store_path: str, home_store: Any = None,
+                           others: list[str] | None = None) -> list[tuple[str, int]]:
     """``(branch, first global row)`` of the rows of the shard at ``store_path`` that each branch
     beside the run at ``run_url`` reads (module docstring); ``home_store``: the ``ObjectRunStore``
-    of the runs' home to read with (one is made when None)."""
+    of the runs' home to read with (one is made when None); ``others``: the runs beside, if listed."""
     from rlhf_pipeline.runs.branch_reads import PARENT_ROWS_MANIFEST, first_row_read
     from rlhf_pipeline.runs.lineage_url import branch_records_at_url
 
     shard = store_path.rstrip("/")
     home_store = home_store if home_store is not None else _home_store(run_url)
     needed = []
-    for branch in branch_records_at_url(run_url, half_made=True, home_store=home_store):
+    for branch in branch_records_at_url(run_url, half_made=True, home_store=home_store, others=others):
         name = branch["run"].rpartition("/")[2]
         raw = home_store.read(f"{name}/{PARENT_ROWS_MANIFEST}")
         lineage = branch["lineage"] or {}
@@ -122,16 +124,16 @@ def _continues_in_place(home_store: Any, name: str, branch_url: str, shard: str)
     return continues_shard(continues, shard)
 
 
-def running_replays_at_url(run_url: str, sources: set[str], home_store: Any) -> list[str]:
-    """The runs beside the run at ``run_url`` whose ``replay`` reads one of ``sources`` (the parent's
-    buffer or this shard: their ``settings.json`` names the source) and runs now: their ``run.lock``
-    lease (``files/run_lease.py``) renewed within its ``lease_s`` on the server's clock, by a process
-    still running when it is on this host. One read or two per run beside, a few at a time."""
+def running_replays_at_url(run_url: str, sources: set[str], home_store: Any, others: list[str]) -> list[str]:
+    """The runs ``others`` beside the run at ``run_url`` whose ``replay`` reads one of ``sources`` (the
+    parent's buffer or this shard: their ``settings.json`` names the source) and runs now: their
+    ``run.lock`` lease (``files/run_lease.py``) not abandoned. One read or two per run, a few at a time."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rlhf_pipeline.files.processes import pid_running
+    from rlhf_pipeline.files.run_lease import abandoned, holder_record
+    from rlhf_pipeline.runs.lineage_url import READS_AT_ONCE
 
-    home, _, name = run_url.rstrip("/").rpartition("/")
+    home = run_url.rstrip("/").rpartition("/")[0]
     wanted = {source.rstrip("/") for source in sources}
 
     def running(other: str) -> str | None:
@@ -145,18 +147,13 @@ def running_replays_at_url(run_url: str, sources: set[str], home_store: Any) -> 
         seen = home_store.read_with_age(f"{other}/run.lock")
         if seen is None:
             return None  # not running
-        try:
-            holder = json.loads(seen[0])
-            lease_s = float(holder.get("lease_s", 0))
-        except (ValueError, AttributeError, TypeError):
+        holder = holder_record(seen[0])
+        if not holder:
             return f"{home}/{other}"  # unreadable: hold rather than guess
-        pid, age = holder.get("pid"), seen[2]
-        if holder.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_running(pid):
-            return None  # its process ended here without releasing the lease
-        return None if age is not None and lease_s > 0 and age > lease_s else f"{home}/{other}"
+        # the lease's own rule; a record naming no lease_s never runs out by age
+        return None if abandoned(holder, seen[2], default_lease_s=math.inf) else f"{home}/{other}"
 
-    others = [other for other in sorted(home_store.list("")) if other != name]
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(others)))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(READS_AT_ONCE, len(others)))) as pool:
         return [found for found in pool.map(running, others) if found is not None]
 
 
@@ -181,12 +178,16 @@ class UrlBranchFloors:
             return self._floors, False
         if self._home_store is None:  # one client for every look
             self._home_store = _home_store(self.run_url)
-        self._floors = [] if self._home_store is None else [  # at a bucket's top there are no runs beside
-            (row, f"branch {run}") for run, row in url_branch_rows_needed(self.run_url, self.store_path,
-                                                                           self._home_store)]
-        if self._home_store is not None:  # a running replay counted the rows it walks when it started
-            self._floors += [(0, f"replay {run} (running)")
-                             for run in running_replays_at_url(self.run_url, self.sources, self._home_store)]
+        self._floors = []
+        if self._home_store is not None:  # at a bucket's top there are no runs beside
+            from rlhf_pipeline.runs.lineage_url import runs_beside
+
+            others = runs_beside(self._home_store, self.run_url.rstrip("/").rpartition("/")[2])  # one listing
+            self._floors = [(row, f"branch {run}") for run, row in url_branch_rows_needed(
+                self.run_url, self.store_path, self._home_store, others)]
+            # a running replay counted the rows it walks when it started
+            self._floors += [(0, f"replay {run} (running)") for run in running_replays_at_url(
+                self.run_url, self.sources, self._home_store, others)]
         self._taken = time.monotonic()
         self.looks += 1
         return self._floors, True
