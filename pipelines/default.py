@@ -193,11 +193,8 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
-        pending_dir = pending_store = None
-        if "://" in store.location:  # a shard under buffer_url: its incomplete groups wait with the run's state
-            shard = store.location.rstrip("/").rsplit("/", 1)[-1]
-            # a directory in the run directory, or for a run at a URL a key under it (and its store)
-            pending_dir, pending_store = run.state_object(run.pending_groups(shard))
+        # a shard under buffer_url: its incomplete groups wait with the run's state (beside a local shard)
+        pending_dir, pending_store = run.pending_state_of(store.location)
         return [GroupAdvantage(settings.group_size, store=store, pending_dir=pending_dir,
                                pending_store=pending_store)]
 

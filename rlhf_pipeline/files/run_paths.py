@@ -232,6 +232,15 @@ class RunPaths:
         URL, where a collector restarted on another machine finds them."""
         return self.root / "collector" / f"pending-{shard}"
 
+    def pending_state_of(self, store_location: str) -> tuple[Path | str | None, RunStore | None]:
+        """Where the write path of the shard store at ``store_location`` keeps its incomplete groups,
+        as ``GroupAdvantage(pending_dir=..., pending_store=...)`` takes it: ``(None, None)`` for a
+        store in a directory (its own ``pending/`` beside it), else :meth:`pending_groups` of the
+        shard's name, in the run directory or under the run's URL (:meth:`state_object`)."""
+        if "://" not in str(store_location):
+            return None, None
+        return self.state_object(self.pending_groups(str(store_location).rstrip("/").rsplit("/", 1)[-1]))
+
     def collector_metrics(self, collector_index: int) -> Path:
         """Collector ``collector_index``'s metrics: one JSON line per round."""
         return self.root / "collector" / f"metrics-{collector_index:04d}.jsonl"

@@ -192,19 +192,16 @@ def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any,
 
 
 def pending_snapshot(paths: Any, store_path: str) -> Any:
-    """Reads the shard's pending-groups snapshot (None when there is none) where our pipelines keep it
-    (``pipelines/default.py``'s write path): beside a local shard, or for a shard at a URL in the run's
-    state (a directory, or an object under the run's URL: one GET a round)."""
+    """Reads the shard's pending-groups snapshot (None when there is none) where the write path keeps
+    it (``RunPaths.pending_state_of``): beside a local shard, or for a shard at a URL in the run's state
+    (a directory, or an object under the run's URL: one GET a round)."""
     from rlhf_pipeline.transforms.pending_groups import STATE_FILE
 
-    if "://" not in store_path:
-        local = Path(store_path) / "pending" / STATE_FILE
-        return lambda: local.read_bytes() if local.is_file() else None
-    where, run_store = paths.state_object(paths.pending_groups(store_path.rstrip("/").rsplit("/", 1)[-1]))
-    if run_store is None:
-        local = Path(where) / STATE_FILE
-        return lambda: local.read_bytes() if local.is_file() else None
-    return lambda: run_store.read(f"{where}/{STATE_FILE}")
+    where, run_store = paths.pending_state_of(store_path)
+    if run_store is not None:
+        return lambda: run_store.read(f"{where}/{STATE_FILE}")
+    local = (Path(store_path) / "pending" if where is None else Path(where)) / STATE_FILE
+    return lambda: local.read_bytes() if local.is_file() else None
 
 
 def _weights_object(paths: Any) -> Any:
