@@ -33,12 +33,17 @@ def ranges_crc32(ranges: list[list[int]]) -> int:
     return zlib.crc32(np.asarray(ranges, dtype=np.int64).reshape(-1, 3).tobytes())
 
 
+def probe_positions(rows: int, probes: int) -> np.ndarray:
+    """Which of ``rows`` rows a selection probes: first, last and evenly between (ascending, unique)."""
+    if rows <= 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(np.linspace(0, rows - 1, probes).round().astype(np.int64))
+
+
 def probe_ids(first: int, end: int, probes: int) -> np.ndarray:
     """The global ids probed of the range ``[first, end)``: the same rows the per-row form
-    probes of ``np.arange(first, end)`` (first, last and evenly between)."""
-    if end <= first:
-        return np.zeros(0, dtype=np.int64)
-    return np.unique(first + np.linspace(0, end - first - 1, probes).round().astype(np.int64))
+    probes of ``np.arange(first, end)``."""
+    return first + probe_positions(end - first, probes)
 
 
 def _positions(positions: np.ndarray, size: int) -> np.ndarray:

@@ -58,7 +58,14 @@ from rlhf_pipeline.storage.base import (
 from rlhf_pipeline.storage.manifest import SELECTION_MANIFEST, is_selection, read_json  # noqa: F401 - is_selection re-exported
 from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.row_keys import parts_of
-from rlhf_pipeline.storage.row_ranges import RANGES_KEY, ListedRows, RangeRows, probe_ids, ranges_crc32
+from rlhf_pipeline.storage.row_ranges import (
+    RANGES_KEY,
+    ListedRows,
+    RangeRows,
+    probe_ids,
+    probe_positions,
+    ranges_crc32,
+)
 from rlhf_pipeline.storage.summary import summarize_trajectories
 
 FORMAT = "rlhf_pipeline.selection"
@@ -190,10 +197,7 @@ def _relative(location: str, selection: Path) -> str | None:
 
 def _probes(store: TrajectoryStore, global_ids: np.ndarray) -> list[list[int]]:
     """``[global id, fingerprint]`` of a few kept rows: first, last and between."""
-    if global_ids.size == 0:
-        return []
-    return _probe_rows(store, np.unique(global_ids[np.linspace(0, global_ids.size - 1, PROBES_PER_PART)
-                                                   .round().astype(np.int64)]))
+    return _probe_rows(store, global_ids[probe_positions(global_ids.size, PROBES_PER_PART)])
 
 
 def _probe_rows(store: TrajectoryStore, picks: np.ndarray) -> list[list[int]]:
