@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, check_rounds
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
 from rlhf_pipeline.storage.retention import RetentionSettings
@@ -132,6 +132,7 @@ def check(settings: Settings) -> LearnerSettings:
                             f"memmap buffer in the run directory")
     try:
         settings.retention.check(settings.segment_rows)
+        check_rounds(settings.generation, multi_turn=False)
         check_generation(settings.generation, head_size=settings.hidden_size // settings.num_heads,
                          device=settings.device, head_hint=f" (hidden_size {settings.hidden_size} / num_heads "
                          f"{settings.num_heads}): add --set num_heads=2")

@@ -39,7 +39,7 @@ from rlhf_pipeline.learn.settings import GRPOLossConfig
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
 from rlhf_pipeline.storage.retention import RetentionSettings
 from rlhf_pipeline.cluster.settings import RaySettings
-from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, check_rounds
 
 
 @dataclass
@@ -123,6 +123,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     head_size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     try:
         settings.retention.check(settings.segment_rows)
+        check_rounds(settings.generation, multi_turn=False)
         check_generation(settings.generation, head_size=head_size, device=settings.device,
                          head_hint=f" (model_path's config.json); pick a model whose head size vLLM takes")
     except ValueError as exc:

@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, check_rounds
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
 from rlhf_pipeline.storage.retention import RetentionSettings
@@ -145,10 +145,6 @@ def check(settings: Settings) -> LearnerSettings:
     """Settings checks that need no torch: ``run`` calls this before it starts any process."""
     if settings.group_size < 2:
         raise PipelineError("setting 'group_size' must be >= 2: GRPO compares episodes within a group")
-    if settings.generation.overlap_rounds:
-        raise PipelineError("setting 'generation.overlap_rounds' is for single-turn rounds (pipelines/default.py); "
-                            "an agent round's engine idles between turns, which generation.agent_turns=per_episode "
-                            "addresses: turn it off")
     if not 1 <= settings.low <= settings.high:
         raise PipelineError(f"settings 'low' and 'high' must satisfy 1 <= low <= high, "
                             f"got {settings.low}, {settings.high}")
@@ -168,9 +164,10 @@ def check(settings: Settings) -> LearnerSettings:
                             f"prompt and a turn of max_new_tokens ({settings.max_new_tokens})")
     try:
         settings.retention.check(settings.segment_rows)  # an agent's turns (rows) go whole, with their group
+        check_rounds(settings.generation, multi_turn=True)
         check_generation(settings.generation, head_size=settings.hidden_size // settings.num_heads,
                          device=settings.device, head_hint=f" (hidden_size {settings.hidden_size} / num_heads "
-                         f"{settings.num_heads}): add --set num_heads=2", multi_turn=True)
+                         f"{settings.num_heads}): add --set num_heads=2")
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
     learner = dataclasses.replace(settings.learner, temperature=settings.temperature)

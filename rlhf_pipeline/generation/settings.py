@@ -115,24 +115,33 @@ class GenerationSettings:
     restarted as one that died; none: wait for ever. (generation.url: url_timeout_s per request.)"""
 
 
-def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
-                     head_hint: str = "", multi_turn: bool = False) -> None:
-    """The checks that need neither torch nor the engine: raises ValueError naming the setting.
-
-    ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
-    vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it).
-    ``multi_turn``: the pipeline's rounds are agents' episodes (``generation.agent_turns`` applies).
-    """
+def check_rounds(settings: GenerationSettings, *, multi_turn: bool) -> None:
+    """The settings that depend on the pipeline's rounds, not on the engine: a pipeline's ``check()``
+    calls it (``multi_turn``: its rounds are agents' episodes); ValueError naming the setting."""
     if not multi_turn and settings.agent_turns != "lockstep":
         raise ValueError(f"setting 'generation.agent_turns={settings.agent_turns}' is for multi-turn agents "
                          f"(pipelines/tool_use.py); this pipeline's rounds are single-turn, each group sent to "
                          f"the engine at once: drop the setting")
+    if multi_turn and settings.overlap_rounds:
+        raise ValueError("setting 'generation.overlap_rounds' is for single-turn rounds (pipelines/default.py); "
+                         "an agent round's engine idles between turns, which generation.agent_turns=per_episode "
+                         "addresses: turn it off")
     if settings.overlap_rounds and not settings.stream_groups:
         raise ValueError("setting 'generation.overlap_rounds' needs generation.stream_groups=true (the next round goes "
                          "once this round's first group ended, which only a streamed round tells); turn both on")
     if settings.overlap_rounds and settings.url is None and settings.engine == "loop":
         raise ValueError("setting 'generation.overlap_rounds' needs generation.engine=vllm or generation.url: our loop "
                          "decodes a round in lockstep, with no free slot for a next one; turn it off")
+
+
+def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
+                     head_hint: str = "") -> None:
+    """The engine's checks that need neither torch nor the engine: raises ValueError naming the setting
+    (the pipeline's rounds: :func:`check_rounds`).
+
+    ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
+    vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it).
+    """
     if settings.url is not None:
         check_url_settings(settings)
         return

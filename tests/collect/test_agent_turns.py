@@ -173,3 +173,19 @@ def test_per_episode_turns_in_a_single_turn_pipeline_are_refused_in_one_line_bef
     assert len(lines) == 1 and "setting 'generation.agent_turns=per_episode' is for multi-turn agents" in lines[0], \
         result.stderr
     assert not any(tmp_path.iterdir())  # no run directory: refused before anything started
+
+
+def test_per_episode_turns_are_a_pipelines_setting_the_engine_does_not_refuse(tmp_path):
+    """``make_engine`` runs the engine's checks only: per-episode turns (an agent pipeline's setting,
+    checked by its ``check()`` through ``check_rounds``) reach the vLLM engine's start, here stopped
+    at the missing vLLM Python it names, not refused as a single-turn setting."""
+    from rlhf_pipeline.generation.settings import GenerationSettings, check_rounds, make_engine
+    from rlhf_pipeline.models import tiny_model_and_tokenizer
+
+    settings = GenerationSettings(engine="vllm", agent_turns="per_episode", python=str(tmp_path / "no-python"))
+    check_rounds(settings, multi_turn=True)
+    with pytest.raises(ValueError, match="'generation.agent_turns=per_episode' is for multi-turn agents"):
+        check_rounds(settings, multi_turn=False)
+    model, tok = tiny_model_and_tokenizer(hidden_size=64, num_layers=1, num_heads=2)
+    with pytest.raises(ValueError, match="setting 'generation.python' is .*which does not exist"):
+        make_engine(settings, model, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])

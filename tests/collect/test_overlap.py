@@ -12,7 +12,7 @@ import torch
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
 from rlhf_pipeline.collect.position import CollectorPosition
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
-from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, find_vllm_python
+from rlhf_pipeline.generation.settings import GenerationSettings, check_rounds, find_vllm_python
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
@@ -39,11 +39,12 @@ def test_overlap_is_refused_by_name_with_the_loop_engine_and_without_streamed_ro
     with pytest.raises(ValueError, match="'generation.overlap_rounds'.*loop.*lockstep"):
         make_collector(model, tok, None, overlap=True)
     with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.stream_groups=true"):
-        check_generation(GenerationSettings(engine="vllm", overlap_rounds=True))
+        check_rounds(GenerationSettings(engine="vllm", overlap_rounds=True), multi_turn=False)
     with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.engine=vllm or generation.url"):
-        check_generation(GenerationSettings(engine="loop", stream_groups=True, overlap_rounds=True))
-    # taken with a server (the engine's own check would look for the vLLM environment, which CI's first pass lacks)
-    check_generation(GenerationSettings(url="http://127.0.0.1:8000", stream_groups=True, overlap_rounds=True))
+        check_rounds(GenerationSettings(engine="loop", stream_groups=True, overlap_rounds=True), multi_turn=False)
+    check_rounds(GenerationSettings(engine="vllm", stream_groups=True, overlap_rounds=True), multi_turn=False)
+    check_rounds(GenerationSettings(url="http://127.0.0.1:8000", stream_groups=True, overlap_rounds=True),
+                 multi_turn=False)
 
 
 @pytest.mark.parametrize("pipeline, settings, says", [
