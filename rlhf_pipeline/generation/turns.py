@@ -46,7 +46,6 @@ class TurnSubmitter(ABC):
         self._in_flight = 0
         self._busy_since: float | None = None
         self.busy_s = 0.0
-        self.submitted = 0
 
     @abstractmethod
     def submit(self, request: SampleRequest, generator: torch.Generator, done: Done) -> None:
@@ -58,7 +57,6 @@ class TurnSubmitter(ABC):
     # ------------------------------------------------------------------ busy time
     def _started(self) -> None:
         with self._lock:
-            self.submitted += 1
             self._in_flight += 1
             if self._busy_since is None:
                 self._busy_since = time.perf_counter()

@@ -163,21 +163,18 @@ class LiveStream:
         """One reply of the engine, its groups handed to their rounds; a death restarts the engine and
         sends again what was waiting."""
         try:
-            try:
-                if self.engine.pid is None:  # closed, or stopped once its restarts gave up
-                    raise EngineFailed("the vLLM engine is closed")
-                reply = self.engine.receive("sampling", hung_is_dead=True)
-            except EngineDied:
-                raise
-            except EngineFailed as failed:  # an error reply ends a stream: its requests are aborted there
-                self._stream_ended()
-                for round_, _ in self.waiting.values():
-                    round_.error = failed
-                self.waiting.clear()
-                raise
-        except EngineDied as died:
+            if self.engine.pid is None:  # closed, or stopped once its restarts gave up
+                raise EngineFailed("the vLLM engine is closed")
+            reply = self.engine.receive("sampling", hung_is_dead=True)
+        except EngineDied as died:  # before EngineFailed, which it is a kind of
             self._restart(died)
             return
+        except EngineFailed as failed:  # an error reply ends a stream: its requests are aborted there
+            self._stream_ended()
+            for round_, _ in self.waiting.values():
+                round_.error = failed
+            self.waiting.clear()
+            raise
         if reply.get("done"):
             self._stream_ended()
             if not self.open:

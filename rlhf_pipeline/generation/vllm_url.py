@@ -125,7 +125,6 @@ class VLLMURLEngine(GenerationEngine):
         self.vocab_size = int(model.config.vocab_size)
         self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
-        self.inline_weights = bool(inline_weights)
         # the weights this engine's rounds sample with, held on a server other collectors may share
         self.weights = ServerWeights(self.client, weights_dir=weights_dir, inline=inline_weights, lease_s=lease_s,
                                      version=policy_version)

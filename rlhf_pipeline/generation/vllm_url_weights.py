@@ -48,7 +48,7 @@ class ServerWeights:
         self._tag = uuid.uuid4().hex[:12]
         self.path: Path | None = None
         self.key, self.version = "", int(version)
-        self.loads, self.load_s = 0, 0.0
+        self.loads = 0
         """The server loads this engine did (its own versions, and again after another's went in)."""
         self.waited_s = 0.0
         """Seconds its rounds waited for other collectors' rounds on other weights to end."""
@@ -105,7 +105,6 @@ class ServerWeights:
                        "args": [base64.b64encode(path.read_bytes()).decode(), lease]}
         else:
             request = {"method": "load_published_weights", "args": [str(path), lease]}
-        started = time.perf_counter()
         try:
             reply = self.client.post("/collective_rpc", request)
         except ServerError as exc:
@@ -117,7 +116,6 @@ class ServerWeights:
         if not all(isinstance(r, dict) and r.get("tensors") for r in reply.get("results", [])):
             raise EngineFailed(f"the vLLM server at {url} did not load {path}: {reply}")
         self.loads += 1
-        self.load_s += time.perf_counter() - started
 
     def _reset_prefix_cache(self) -> None:
         # cached prefixes hold the old weights' keys and values; a reset fails while requests hold
