@@ -57,7 +57,8 @@ import torch
 from rlhf_pipeline.agents.environment import Environment, ToolCall
 from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, rollout
-from rlhf_pipeline.collect.agent_streaming import after_group, resume_marker, round_stream, write_round
+from rlhf_pipeline.collect.agent_streaming import round_stream, write_round
+from rlhf_pipeline.collect.streaming import after_group, resume_marker
 from rlhf_pipeline.collect.agent_metrics import round_metrics
 from rlhf_pipeline.collect.agent_turns import TURN_MODES, EpisodeTurns, episode_seeds
 from rlhf_pipeline.collect.collector import MetricsHook

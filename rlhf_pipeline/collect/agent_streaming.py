@@ -18,8 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from rlhf_pipeline.agents.episode import Episode, episodes_to_batch
 from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming
 from rlhf_pipeline.schema import TrajectoryBatch
@@ -101,13 +99,6 @@ def group_rows(groups: list[EndedGroup], *, group_size: int, first_group_id: int
                              policy_version=policy_version, fields=fields)
 
 
-def after_group(batch: TrajectoryBatch, group_id: int | None) -> TrajectoryBatch:
-    """``batch`` less the groups up to ``group_id`` (None: all of it)."""
-    if group_id is None:
-        return batch
-    return batch.select(torch.nonzero(batch["group_id"] > group_id).squeeze(-1))
-
-
 def round_stream(collector, tasks: int, start_state: dict[str, Any],
                  before_first_chunk: Callable[[dict[str, Any]], None] | None, started: float) -> AgentRoundStream:
     """The stream of one round of ``collector`` (an :class:`~.agent_collector.AgentCollector`) of
@@ -136,10 +127,3 @@ def write_round(stream: AgentRoundStream | None, batch: TrajectoryBatch | None, 
     if batch is not None:
         emit(batch)
     return {}
-
-
-def resume_marker(state: dict[str, Any], round_start_group_id: int) -> int | None:
-    """The saved ``resume_after_group_id`` when it lies in the round ``state`` starts (a marker of an
-    earlier round is spent: its groups are all behind)."""
-    resume = state.get("resume_after_group_id")
-    return int(resume) if resume is not None and int(resume) >= round_start_group_id else None

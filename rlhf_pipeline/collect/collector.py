@@ -33,7 +33,7 @@ import torch
 from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, score
 from rlhf_pipeline.collect.overlap import IdleClock, RoundAhead, check_overlap, read_round
-from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming
+from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming, after_group, resume_marker
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine, load_state_into
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -268,8 +268,7 @@ class Collector:
     def _emit(self, batch: TrajectoryBatch) -> None:
         """``batch`` to the sink, less the groups a cut-off streamed round already stored
         (``resume_after_group_id``)."""
-        if self.resume_after_group_id is not None:
-            batch = batch.select(torch.nonzero(batch["group_id"] > self.resume_after_group_id).squeeze(-1))
+        batch = after_group(batch, self.resume_after_group_id)
         if self.sink is not None and len(batch):
             self.sink(batch)
 
@@ -391,10 +390,7 @@ class Collector:
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
-        resume = state.get("resume_after_group_id")
-        # a marker from a round before the one this state starts is spent (its groups are all behind)
-        round_start = id_base(self.config.collector_index) + self.groups_emitted
-        self.resume_after_group_id = int(resume) if resume is not None and int(resume) >= round_start else None
+        self.resume_after_group_id = resume_marker(state, id_base(self.config.collector_index) + self.groups_emitted)
 
 
 load_policy_weights = load_state_into  # the name the agent collector and older code use

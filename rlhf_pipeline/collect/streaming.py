@@ -21,7 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from rlhf_pipeline.generation.engine import CompletionGroup
+from rlhf_pipeline.schema import TrajectoryBatch
 
 WriteChunk = Callable[[list[CompletionGroup], bool], None]
 """``write(groups, last)``: one append of consecutive groups of the round; ``last`` for the chunk that
@@ -123,3 +126,17 @@ def _write(write: WriteChunk, chunk: list[Any], last: bool, timing: StreamTiming
     timing.chunk_sizes.append(len(chunk))
     for group in chunk:
         timing.committed_s[group.index] = done
+
+
+def after_group(batch: TrajectoryBatch, group_id: int | None) -> TrajectoryBatch:
+    """``batch`` less the groups up to ``group_id`` (None: all of it)."""
+    if group_id is None:
+        return batch
+    return batch.select(torch.nonzero(batch["group_id"] > group_id).squeeze(-1))
+
+
+def resume_marker(state: dict[str, Any], round_start_group_id: int) -> int | None:
+    """The saved ``resume_after_group_id`` when it lies in the round ``state`` starts (a marker of an
+    earlier round is spent: its groups are all behind)."""
+    resume = state.get("resume_after_group_id")
+    return int(resume) if resume is not None and int(resume) >= round_start_group_id else None
