@@ -193,9 +193,11 @@ def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tin
         assert torch.equal(got["response_tokens"].offsets, expected["response_tokens"].offsets)
 
 
-def test_a_round_whose_every_group_is_dropped_writes_nothing_and_reports_no_nan(tiny):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_round_whose_every_group_is_dropped_writes_nothing_and_reports_no_nan(tiny, stream):
     sunk = []
-    collector = _collector(tiny, lambda prompts, completions, **_: [math.inf] * len(completions), sunk.append)
+    collector = _collector(tiny, lambda prompts, completions, **_: [math.inf] * len(completions), sunk.append,
+                           stream=stream)
     assert len(collector.collect()) == 0 and sunk == []
     metrics = collector.last_metrics
     assert metrics["groups_dropped"] == 3 and metrics["dropped/non_finite_reward"] == 3
