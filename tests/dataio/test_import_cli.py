@@ -122,17 +122,26 @@ def test_a_bad_record_is_refused_in_one_line_and_nothing_stored_is_lost(stored, 
     assert not (buffer / "imports" / "bad.jsonl").exists() and len(list((buffer / "imports").iterdir())) == 1
 
 
-def test_a_column_only_in_a_later_data_file_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_column_only_in_a_later_data_file_is_refused(tmp_path, capsys, kind):
     """A directory of data files: the first file decides the columns, as its first record does."""
     data = tmp_path / "data"
     data.mkdir()
     rows = _later_rows_with_log_probs()
-    write_jsonl(data / "train-0.jsonl", rows[:4])
-    write_jsonl(data / "train-1.jsonl", rows[4:])
+    if kind == "jsonl":
+        write_jsonl(data / "train-0.jsonl", rows[:4])
+        write_jsonl(data / "train-1.jsonl", rows[4:])
+        where = "line 1"
+    else:
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        for i, part in enumerate((rows[:4], rows[4:])):
+            pq.write_table(pa.Table.from_pylist(part), data / f"train-{i}.parquet")
+        where = "row 0"
     assert main(["import", str(data), str(tmp_path / "buf"), "--quiet", "--pipeline", str(DEFAULT_PIPELINE),
                  *_set_small()]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"train-1.jsonl line 1: column 'log_probs' is missing from \S*train-0.jsonl line 1", err), err
+    assert re.search(rf"train-1.{kind} {where}: column 'log_probs' is missing from \S*train-0.{kind} {where}", err), err
     assert not (tmp_path / "buf").exists()
 
 
