@@ -96,9 +96,10 @@ class StepResult:
             self.reason = TerminationReason.ENV_DONE
 
 
-def reward_value(value: Any) -> float:
+def reward_value(value: Any, what: str = "StepResult.reward") -> float:
     """A reward as the buffer's door takes one: a real number (or a one-element tensor or array),
-    never text, never a bool. A non-finite one passes here; the rollout drops its group."""
+    never text, never a bool. ``what`` names it in the error. A non-finite one passes here; the
+    rollout (and the single-turn collector, ``collect/rewards.py``) drops its group."""
     item = value
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # a tensor, array or numpy scalar
         try:
@@ -107,12 +108,12 @@ def reward_value(value: Any) -> float:
             pass
     if isinstance(item, bool) or not isinstance(item, numbers.Real):
         hint = "; numbers are not parsed from text" if isinstance(value, str) else ""
-        raise TypeError(f"StepResult.reward: expected a real number, got {value!r} ({type(value).__name__})"
-                        f"{hint}; pass a float, e.g. reward=float(...)")
+        raise TypeError(f"{what}: expected a real number, got {value!r} ({type(value).__name__}){hint}; "
+                        f"give a float, e.g. float(...)")
     try:
         return float(item)
     except OverflowError:  # an int beyond float64
-        raise ValueError(f"StepResult.reward: {item.bit_length()}-bit integer does not fit in a float") from None
+        raise ValueError(f"{what}: {item.bit_length()}-bit integer does not fit in a float") from None
 
 
 @runtime_checkable

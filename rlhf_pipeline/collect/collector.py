@@ -1,5 +1,8 @@
 """The collector: prompts in, scored ``TrajectoryBatch`` rows out to a sink.
 
+Why one file: a round's sampling, scoring, ids, metrics and resume state are one sequence whose
+parts must agree row for row (streaming and rounds ahead have their own modules).
+
 One ``collect()`` call takes ``prompts_per_batch`` prompts from the source, asks its generation
 engine for ``num_generations`` completions of each (``generation/engine.py``: our sampling loop by
 default, vLLM with ``generation.engine=vllm``; the collector does not know which), scores them, and
@@ -11,7 +14,10 @@ Ids. ``group_id`` and ``trajectory_id`` are ``(collector_index << 40) | counter`
 counters that live in :meth:`Collector.state_dict`, so ids stay unique across
 collector processes (different indices) and restarts (counters resume). Every row
 is a single-turn trajectory: ``step`` 0, ``done`` True, ``terminated`` when the
-completion ended on EOS, ``truncated`` when it hit ``max_new_tokens``.
+completion ended on EOS, ``truncated`` when it hit ``max_new_tokens``. A group with a NaN or
+infinite reward is dropped, not the run, as the agent collector drops one: its ids stay unused, it
+is counted in the round's metrics (``groups_dropped``, ``dropped/non_finite_reward``) and said in
+one line on stderr, and a collector resumed before the round drops it again.
 
 Resume. ``state_dict()`` holds the prompt position, the id counters, the policy
 version and the sampling RNG. Save it after ``collect()`` returns (the batch is then
@@ -31,7 +37,8 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.collect.prompts import PromptSource
-from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, score
+from rlhf_pipeline.collect.console import collector_tag, say
+from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, drop_non_finite_groups, score
 from rlhf_pipeline.collect.overlap import IdleClock, RoundAhead, check_overlap, read_round
 from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming, after_group, resume_marker
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
@@ -123,6 +130,7 @@ class Collector:
         self.generator = torch.Generator(device=self.engine.generator_device)
         self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
         self.last_metrics: dict[str, float] = {}
+        self._dropped: list[tuple[int, str]] = []  # this round's groups with a non-finite reward: (group id, why)
 
     # ---------------------------------------------------------------- one batch
     def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None,
@@ -139,6 +147,7 @@ class Collector:
         """
         cfg = self.config
         t0 = time.perf_counter()
+        self._dropped = []
         ahead, self._ahead = self._ahead, None
         if ahead is not None:  # submitted while the round before decoded: its draws are done
             records, requests, start_state, idle_s = ahead.records, ahead.requests, ahead.start_state, ahead.idle_before_s
@@ -174,6 +183,9 @@ class Collector:
         self.trajectories_emitted += rows_in_round
         self.batches_emitted += 1
         self.resume_after_group_id = None
+        for group_id, why in self._dropped:  # as the agent collector says its dropped groups
+            say(f"{collector_tag(cfg.collector_index)} round {self.batches_emitted}: dropped group {group_id} "
+                f"(non_finite_reward): {why}")
         self._report(batch, parts, t0, t_gen, t_reward, streamed)
         return batch
 
@@ -209,7 +221,7 @@ class Collector:
         except BaseException:
             getattr(batches, "close", lambda: None)()  # the engine drops what is left of this round
             rewound = self._cancel_ahead()
-            if chunks:  # part of the round is stored: a retry generates it again and writes only the rest
+            if any(len(c) for c in chunks):  # part of the round is stored: a retry generates it again, writes the rest
                 written = int(torch.cat([c["group_id"] for c in chunks]).max())
                 self.load_state_dict({**start_state, "resume_after_group_id": written})
             elif rewound:  # the next round's draws are undone with this round's: a retry samples both again
@@ -263,6 +275,8 @@ class Collector:
             "prompt_text": prompt_texts,
             "response_text": completions,
         })
+        batch, parts, dropped = drop_non_finite_groups(batch, parts, prompt_index, completions)
+        self._dropped += dropped
         return batch, parts
 
     def _emit(self, batch: TrajectoryBatch) -> None:
@@ -299,17 +313,24 @@ class Collector:
         elapsed = time.perf_counter() - t0
         reward = batch["reward"]
         g = self.config.num_generations
-        group_std = reward.reshape(-1, g).std(dim=1, unbiased=False) if g > 1 else torch.zeros(1)
+        grouped = reward.reshape(-1, g)
+        group_std = grouped.std(dim=1, unbiased=False) if g > 1 and len(batch) else torch.zeros(len(grouped))
+
+        def mean(values: torch.Tensor) -> float:  # 0 for a round whose every group was dropped
+            return float(values.float().mean()) if values.numel() else 0.0
+
         metrics = {
             "rows": float(len(batch)),
             "rows_per_s": len(batch) / max(elapsed, 1e-9),
             "generate_s": t_gen - t0,
             "reward_s": t_reward - t_gen,
-            "reward_mean": float(reward.mean()),
-            "reward_std": float(reward.std(unbiased=False)),
-            "groups_with_signal": float((group_std > 0).float().mean()),
-            "response_len_mean": float(batch["response_tokens"].lengths().float().mean()),
-            "terminated_frac": float(batch["terminated"].float().mean()),
+            "reward_mean": mean(reward),
+            "reward_std": float(reward.std(unbiased=False)) if len(batch) else 0.0,
+            "groups_with_signal": mean(group_std > 0),
+            "response_len_mean": mean(batch["response_tokens"].lengths()),
+            "terminated_frac": mean(batch["terminated"]),
+            "groups_dropped": float(len(self._dropped)),  # the agent collector's names (agent_metrics.py)
+            **({"dropped/non_finite_reward": float(len(self._dropped))} if self._dropped else {}),
             "policy_version": float(self.policy_version),
             "batches": float(self.batches_emitted),
             "trajectories": float(self.trajectories_emitted),
@@ -317,7 +338,7 @@ class Collector:
             **streamed,  # a streamed round: when its first and last groups were committed (collect/streaming.py)
         }
         for name, values in parts.items():
-            metrics[f"reward/{name}"] = float(values.mean())
+            metrics[f"reward/{name}"] = mean(values)
         self.last_metrics = metrics
         for hook in self.hooks:
             hook(metrics)

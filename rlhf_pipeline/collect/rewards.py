@@ -5,8 +5,10 @@ A reward is any callable ``fn(prompts, completions, **fields) -> list[float]``:
 (e.g. ``answer``) arrives as a keyword holding a list of N values, one per
 completion. Functions should accept ``**kwargs`` so fields they do not read pass by.
 
-:func:`score` calls a set of named rewards, checks each returns N finite numbers (the
-error names the reward), and sums them with weights. The verifiable rewards here:
+:func:`score` calls a set of named rewards, checks each returns N real numbers (the
+error names the reward; text such as ``'1.0'`` is refused, as the agents' ``StepResult.reward``
+is, by the same check), and sums them with weights. A NaN or infinite value is not an error:
+the single-turn collector drops that completion's group and counts it, as the agent rollout does. The verifiable rewards here:
 
 * ``exact_match``: 1.0 when the stripped completion equals the stripped ``answer``.
 * ``numeric_match``: 1.0 when the number extracted from the completion equals
@@ -28,11 +30,14 @@ from typing import Any
 
 import torch
 
+from rlhf_pipeline.agents.environment import reward_value
+from rlhf_pipeline.schema import TrajectoryBatch
+
 RewardFn = Callable[..., Sequence[float]]
 
 
 class RewardError(ValueError):
-    """A reward returned the wrong number of values, a non-number, or a non-finite value."""
+    """A reward returned the wrong number of values, or a value that is not a real number."""
 
 
 # ======================================================================== number extraction
@@ -196,25 +201,57 @@ def score(
     completions: Sequence[str],
     fields: Mapping[str, Sequence[Any]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``(total (N,) float32, {name: (N,) float32})``: each reward checked, then the weighted sum."""
+    """``(total (N,) float32, {name: (N,) float32})``: each reward checked, then the weighted sum.
+
+    Each value must be a real number as the agents' ``StepResult.reward`` must (one check:
+    :func:`~rlhf_pipeline.agents.environment.reward_value`): text such as ``'1.0'`` or a bool is
+    refused. A NaN or infinite value is no error here: its total is not finite, and the collector
+    drops the completion's group (:func:`non_finite_reason` says why), as the agent rollout does."""
     n = len(completions)
     fields = dict(fields or {})
     total = torch.zeros(n, dtype=torch.float32)
     parts: dict[str, torch.Tensor] = {}
     for r in rewards:
-        values = r.fn(list(prompts), list(completions), **fields)
+        returned = r.fn(list(prompts), list(completions), **fields)
         try:
-            values = [float(v) for v in values]
-        except (TypeError, ValueError) as exc:
-            raise RewardError(f"reward {r.name!r} must return a list of numbers; {exc}") from None
+            values = list(returned)
+        except TypeError:
+            raise RewardError(f"reward {r.name!r} must return a list of numbers, got {type(returned).__name__}") from None
         if len(values) != n:
             raise RewardError(f"reward {r.name!r} returned {len(values)} values for {n} completions; return one per completion")
-        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-        if bad:
-            raise RewardError(
-                f"reward {r.name!r} returned a non-finite value ({values[bad[0]]}) for completion {bad[0]}: "
-                f"{completions[bad[0]]!r}; return a finite number (e.g. 0.0) for unscorable completions"
-            )
+        try:
+            values = [reward_value(v, f"reward {r.name!r} for completion {i}") for i, v in enumerate(values)]
+        except (TypeError, ValueError) as exc:
+            raise RewardError(str(exc)) from None
         parts[r.name] = torch.tensor(values, dtype=torch.float32)
         total += r.weight * parts[r.name]
     return total, parts
+
+
+def drop_non_finite_groups(batch: TrajectoryBatch, parts: Mapping[str, torch.Tensor], group_of_row: torch.Tensor,
+                           completions: Sequence[str]) -> tuple[TrajectoryBatch, dict[str, torch.Tensor], list[tuple[int, str]]]:
+    """``batch`` (and its reward ``parts``) less every group with a non-finite reward, and each dropped
+    group's ``(group_id, why)``. ``group_of_row``: (N,) the group each row belongs to.
+
+    As the agent rollout drops a group whose environment gave a NaN reward: the group's ids stay
+    unused and its prompt consumed, so the rows a round writes follow from its prompts and sampling
+    RNG alone, and a collector resumed before the round drops the same groups."""
+    bad = ~torch.isfinite(batch["reward"])
+    if not bool(bad.any()):
+        return batch, dict(parts), []
+    groups = torch.unique(group_of_row[bad])
+    dropped = []
+    for group in groups.tolist():
+        row = int(torch.nonzero(bad & (group_of_row == group))[0])
+        dropped.append((int(batch["group_id"][row]), non_finite_reason(parts, row, completions[row])))
+    keep = torch.nonzero(~torch.isin(group_of_row, groups)).flatten()
+    return batch.select(keep), {name: values[keep] for name, values in parts.items()}, dropped
+
+
+def non_finite_reason(parts: Mapping[str, torch.Tensor], row: int, completion: str) -> str:
+    """Why row ``row``'s total reward is not finite: the first reward that gave NaN or infinity for it
+    (or, every part finite, a weighted sum that overflowed float32)."""
+    for name, values in parts.items():
+        if not math.isfinite(float(values[row])):
+            return f"reward {name!r} gave {float(values[row])} for completion {completion!r}"
+    return f"the weighted sum of the rewards of completion {completion!r} is not finite"

@@ -18,7 +18,9 @@ too, the ids must decode to it. Columns named like stored fields (``advantage``,
 ``terminated``, ``truncated``) are taken as given, so an ``export`` imports back exactly.
 
 :func:`resolve_columns` picks the columns (options first, then the usual names) from the
-first record; :func:`normalize` turns one :class:`~rlhf_pipeline.dataio.sources.SourceChunk`
+first record, and every record must carry the same ones: a later record lacking one, or holding
+one the first record lacks that the import would read, is refused by name (:func:`check_columns`),
+never imported without it. :func:`normalize` turns one :class:`~rlhf_pipeline.dataio.sources.SourceChunk`
 into :class:`ImportRows`, raising :class:`~rlhf_pipeline.dataio.sources.SourceError` naming
 the file, row and column of the first bad value.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +98,8 @@ class ResolvedColumns:
     per_prompt: bool  # one row per prompt with a list of completions
     group_ids_given: bool  # the group column holds integer ids (kept as group_id)
     options: ColumnMap
+    first_columns: frozenset[str]  # the first record's (top-level) columns
+    first_record: str  # where the first record is, for errors
 
     @property
     def given_fields(self) -> tuple[str, ...]:
@@ -134,22 +138,19 @@ class ResolvedColumns:
 
 
 def resolve_columns(record: Mapping[str, Any], options: ColumnMap, where: str) -> ResolvedColumns:
-    """Chooses the columns from the first record; errors name the missing role and its option."""
+    """Chooses the columns from the first record; errors name the missing role and its option.
+
+    Every record must carry the columns chosen here (:func:`check_columns` refuses a later record
+    with a column this choice would have read, had the first record carried it)."""
     def present(column: str) -> bool:
         return column not in options.ignore and lookup(record, column) is not MISSING
 
-    slots: dict[str, str] = {}
-    for slot, candidates in CANDIDATES.items():
+    for slot in CANDIDATES:
         chosen = getattr(options, slot)
-        if chosen is not None:
-            if not present(chosen):
-                raise SourceError(f"{where}: column {chosen!r} (given with {OPTION_OF_SLOT[slot]}) is missing; "
-                                  f"the record has {sorted(record)}")
-            slots[slot] = chosen
-            continue
-        found = next((c for c in candidates if present(c)), None)
-        if found is not None:
-            slots[slot] = found
+        if chosen is not None and not present(chosen):
+            raise SourceError(f"{where}: column {chosen!r} (given with {OPTION_OF_SLOT[slot]}) is missing; "
+                              f"the record has {sorted(record)}")
+    slots, passthrough = _choose(present, options)
     if not {"prompt", "messages", "prompt_ids"} & set(slots):
         raise SourceError(f"{where}: no prompt column; name one with --prompt (text), --messages (chat) or "
                           f"--prompt-ids (token ids). The record has {sorted(record)}")
@@ -158,16 +159,49 @@ def resolve_columns(record: Mapping[str, Any], options: ColumnMap, where: str) -
                           f"--completion-ids (token ids). The record has {sorted(record)}")
     if "reward" not in slots:
         raise SourceError(f"{where}: no reward column; name it with --reward. The record has {sorted(record)}")
-    if "messages" in slots and "prompt" in slots and options.prompt is None:
-        del slots["prompt"]  # a chat prompt: the text is the rendered template
-    passthrough = {f: f for f in PASSTHROUGH_FIELDS if present(f)}
     completion = lookup(record, slots.get("completion_ids", slots.get("completion")))
     if "completion_ids" in slots:
         per_prompt = isinstance(completion, list) and bool(completion) and isinstance(completion[0], list)
     else:
         per_prompt = isinstance(completion, list)
     group_ids_given = "group" in slots and isinstance(lookup(record, slots["group"]), int)
-    return ResolvedColumns(slots, passthrough, per_prompt, group_ids_given, options)
+    return ResolvedColumns(slots, passthrough, per_prompt, group_ids_given, options, frozenset(record), where)
+
+
+def _choose(present: Callable[[str], bool], options: ColumnMap) -> tuple[dict[str, str], dict[str, str]]:
+    """``(slot -> column, stored field -> column)`` read from a record holding the columns ``present`` says."""
+    slots: dict[str, str] = {}
+    for slot, candidates in CANDIDATES.items():
+        chosen = getattr(options, slot)
+        found = chosen if chosen is not None else next((c for c in candidates if present(c)), None)
+        if found is not None:
+            slots[slot] = found
+    if "messages" in slots and "prompt" in slots and options.prompt is None:
+        del slots["prompt"]  # a chat prompt: the text is the rendered template
+    return slots, {f: f for f in PASSTHROUGH_FIELDS if present(f)}
+
+
+def check_columns(chunk: SourceChunk, resolved: ResolvedColumns) -> None:
+    """Refuses a record carrying a column the import would read had the first record carried it.
+
+    The columns are chosen from the first record, so such a column would be dropped from every
+    record without a word (given log-probs replaced by computed ones, bad values never checked).
+    A column the first record has and a later one lacks is refused where its values are read."""
+    if chunk.records is not None:
+        columns = set().union(*chunk.records)
+    else:
+        columns = set(chunk.table.schema.names)
+    options = resolved.options
+    for column in sorted(columns - resolved.first_columns - set(options.ignore)):
+        read = resolved.first_columns | {column}
+        slots, passthrough = _choose(lambda c: c in read and c not in options.ignore, options)  # noqa: B023
+        if slots == dict(resolved.slots) and passthrough == dict(resolved.passthrough):
+            continue  # a column the import would not read anyway
+        row = 0 if chunk.records is None else next(i for i, r in enumerate(chunk.records) if column in r)
+        raise SourceError(
+            f"{chunk.where(row)}: column {column!r} is missing from {resolved.first_record}, which decides "
+            f"the columns an import reads, so it would be dropped from every record; give it on "
+            f"every record, or leave it out with --ignore-column {column}")
 
 
 # ====================================================================== normalized rows
@@ -211,6 +245,7 @@ class _Errors:
 
 def normalize(chunk: SourceChunk, resolved: ResolvedColumns, tokenizer: Any) -> ImportRows:
     """Stored-row columns of ``chunk`` (token ids, texts, rewards, given fields); checks every value."""
+    check_columns(chunk, resolved)
     slots = resolved.slots
     errors = _Errors(chunk)
     n_rows = len(chunk)
@@ -298,7 +333,7 @@ def normalize(chunk: SourceChunk, resolved: ResolvedColumns, tokenizer: Any) -> 
 
 # ====================================================================== prompts
 def _prompts(chunk, resolved, tokenizer, errors, source_row) -> tuple[RaggedTensor, list[str]]:
-    from rlhf_pipeline.collect.prompts import PromptError, PromptRecord
+    from rlhf_pipeline.collect.prompts import PromptRecord
 
     slots, n_rows = resolved.slots, len(chunk)
     texts: list[str | None] = [None] * n_rows
@@ -314,14 +349,23 @@ def _prompts(chunk, resolved, tokenizer, errors, source_row) -> tuple[RaggedTens
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in messages):
                 errors.fail(i, column, "expected a non-empty list of {role, content} messages")
+            for m in messages:
+                _check_text(m["role"], i, column, errors)
+                _check_text(m["content"], i, column, errors)
             records.append(PromptRecord(messages=tuple({"role": m["role"], "content": m["content"]} for m in messages)))
         _need_tokenizer(tokenizer, "render chat messages")
-        try:
-            texts = [r.display_text(tokenizer) for r in records]
-            if ids is None:
-                ids = RaggedTensor.from_sequences([r.render(tokenizer) for r in records], dtype=torch.int32)
-        except (PromptError, ValueError, TypeError) as exc:  # e.g. a role the chat template rejects
-            errors.fail(0, column, f"the tokenizer's chat template failed: {exc}")
+        texts, rendered = [], []
+        for i, r in enumerate(records):  # one at a time, so a failure names its record
+            try:
+                texts.append(r.display_text(tokenizer))
+                if ids is None:
+                    rendered.append(r.render(tokenizer))
+            # the template is the tokenizer's code run on this record's messages: whatever it raises (a
+            # jinja2 TemplateError for a role it rejects, a ValueError...) is this record's fault
+            except Exception as exc:  # noqa: BLE001
+                errors.fail(i, column, f"the tokenizer's chat template failed: {exc}")
+        if ids is None:
+            ids = RaggedTensor.from_sequences(rendered, dtype=torch.int32)
     elif "prompt" in slots:
         column = slots["prompt"]
         texts = _strings(chunk.values(column), column, errors, "prompt")
@@ -401,12 +445,16 @@ def _group_keys(chunk, resolved, errors, per_prompt_value, columns, source_row) 
         keys = np.empty(n, dtype=np.uint64)
         values = per_prompt_value(column) if resolved.per_prompt else chunk.values(column)
         for i, v in enumerate(values):
+            if v is MISSING or v is None:
+                errors.fail(i, column, _missing(v), expanded=True)
             if resolved.group_ids_given:
                 if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**63:
                     errors.fail(i, column, f"expected an integer group id in [0, 2**63) like the first row's, got {v!r}",
                                 expanded=True)
                 keys[i] = v
             elif isinstance(v, (str, int)) and not isinstance(v, bool):
+                if isinstance(v, str):
+                    _check_text(v, i, column, errors, expanded=True)
                 keys[i] = _hash(f"{type(v).__name__}:{v}".encode())
             else:
                 errors.fail(i, column, f"expected a group key (string or integer), got {v!r}", expanded=True)
@@ -434,18 +482,37 @@ def _need_tokenizer(tokenizer: Any, what: str) -> None:
 def _strings(values: Sequence[Any], column: str, errors: _Errors, what: str, *, expanded: bool = False) -> list[str]:
     for i, v in enumerate(values):
         if v is MISSING or v is None:
-            errors.fail(i, column, "missing", expanded=expanded)
+            errors.fail(i, column, _missing(v), expanded=expanded)
         if not isinstance(v, str):
             errors.fail(i, column, f"expected the {what} as a string, got {type(v).__name__}", expanded=expanded)
+        _check_text(v, i, column, errors, expanded=expanded)
     # an empty text is no error by itself: the door's rule is on tokens (a completion that is only
     # EOS is a real sample, stored with response_text ""); the token checks name empty rows
     return list(values)
 
 
+def _missing(value: Any) -> str:
+    if value is MISSING:  # the first record has the column (it was chosen from it): every record needs it
+        return "missing (the first record has this column, and every record needs the columns an import reads)"
+    return "missing"
+
+
+def _check_text(text: str, i: int, column: str, errors: _Errors, *, expanded: bool = False) -> None:
+    """Refuses a lone surrogate (a JSON ``\\ud800`` escape without its pair): not text that
+    a tokenizer or a store can encode."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        errors.fail(i, column, f"holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), half of a "
+                               f"UTF-16 pair and not text; fix or drop the record", expanded=expanded)
+
+
 def _floats(values: Sequence[Any], column: str, errors: _Errors) -> torch.Tensor:
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            errors.fail(i, column, "missing" if v is MISSING or v is None else f"expected a number, got {v!r}",
+            errors.fail(i, column, _missing(v) if v is MISSING or v is None else f"expected a number, got {v!r}",
                         expanded=True)
         if not math.isfinite(v):
             errors.fail(i, column, f"{v} is not finite; store a finite value (e.g. 0 for a failed completion)",
@@ -456,7 +523,7 @@ def _floats(values: Sequence[Any], column: str, errors: _Errors) -> torch.Tensor
 def _ints(values: Sequence[Any], column: str, errors: _Errors, *, minimum: int) -> torch.Tensor:
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v >= 2**63:
-            errors.fail(i, column, "missing" if v is MISSING or v is None else
+            errors.fail(i, column, _missing(v) if v is MISSING or v is None else
                         f"expected an integer >= {minimum}, got {v!r}", expanded=True)
     return torch.tensor(values, dtype=torch.int64)
 
@@ -464,7 +531,7 @@ def _ints(values: Sequence[Any], column: str, errors: _Errors, *, minimum: int) 
 def _bools(values: Sequence[Any], column: str, errors: _Errors) -> torch.Tensor:
     for i, v in enumerate(values):
         if not isinstance(v, bool):
-            errors.fail(i, column, "missing" if v is MISSING or v is None else f"expected true/false, got {v!r}",
+            errors.fail(i, column, _missing(v) if v is MISSING or v is None else f"expected true/false, got {v!r}",
                         expanded=True)
     return torch.tensor(values, dtype=torch.bool)
 
@@ -492,7 +559,7 @@ def _ragged(chunk: SourceChunk, column: str, per_completion, errors: _Errors, dt
     flat: list[Any] = []
     for i, v in enumerate(values):
         if not isinstance(v, list):
-            errors.fail(i, column, "missing" if v is MISSING or v is None else
+            errors.fail(i, column, _missing(v) if v is MISSING or v is None else
                         f"expected a list of numbers, got {type(v).__name__}", expanded=expanded)
         if allow_dicts and v and isinstance(v[0], dict):  # [{"token": ..., "logprob": -0.1}, ...]
             v = [d.get("logprob", MISSING) if isinstance(d, dict) else d for d in v]

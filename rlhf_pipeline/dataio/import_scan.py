@@ -52,8 +52,12 @@ class Scan:
 
 
 def scan(source: Source, resolved: ResolvedColumns, tokenizer: Any, rows_per_chunk: int, show_progress: bool,
-         stopped: Callable[[], bool] = lambda: False) -> Scan | None:
+         stopped: Callable[[], bool] = lambda: False, *, positions: int | None = None) -> Scan | None:
     """Pass 1: reads and checks every row; raises SourceError at the first bad one.
+
+    ``positions``: the model's context (``max_position_embeddings``); a row whose prompt and
+    completion together are longer is refused (its log-probs would be computed, and it would be
+    trained, past the positions the model has). None: no limit.
 
     Returns None as soon as ``stopped()`` is true: nothing is written in this pass, so there is
     nothing to record."""
@@ -65,6 +69,8 @@ def scan(source: Source, resolved: ResolvedColumns, tokenizer: Any, rows_per_chu
             return None
         rows = normalize(chunk, resolved, tokenizer)
         validate_rows(rows)
+        if positions is not None:
+            _check_context(rows, positions)
         before.append(completions)
         digests.append(chunk_digest(rows))
         keys.append(rows.group_key)
@@ -124,6 +130,17 @@ def _check_trajectory_ids(trajectory: np.ndarray, step: np.ndarray, group: np.nd
     raise SourceError(f"{where(second)}, column {resolved.passthrough['trajectory_id']!r}: {what} "
                       f"{int(trajectory[second])} is {kind} {where(first)}; ids are unique in a buffer: give each "
                       f"trajectory its own id, or leave the column out (--ignore-column trajectory_id) for fresh ids")
+
+
+def _check_context(rows: ImportRows, positions: int) -> None:
+    prompt, response = rows.columns["prompt_tokens"].lengths(), rows.columns["response_tokens"].lengths()
+    over = torch.nonzero(prompt + response > positions)
+    if over.numel():
+        i = int(over[0])
+        p, r = int(prompt[i]), int(response[i])
+        raise SourceError(f"{rows.where(i)}: its prompt ({p} tokens) and completion ({r} tokens) make {p + r} tokens, "
+                          f"more than the {positions} positions of the pipeline's model (max_position_embeddings): "
+                          f"it cannot be scored or trained past them; shorten the row or leave it out of the source")
 
 
 def chunk_digest(rows: ImportRows) -> bytes:

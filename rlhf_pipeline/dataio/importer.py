@@ -127,7 +127,8 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     """
     source = open_source(source_path, options.format, options.split)
     target = resolve_target(buffer, run_root)
-    resolved = resolve_columns(source.sample_record(), options.columns, f"{source.files[0]} (first row)")
+    first, where = source.first_record()
+    resolved = resolve_columns(first, options.columns, f"{where} (the first record)")
     tokenizer = pipeline.tokenizer
     log(f"[import] {source.path} ({source.format}): {resolved.describe(source.holds_chat_trajectories())}")
     if (warning := chat_template_warning(resolved, tokenizer)) is not None:
@@ -144,7 +145,8 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
 
     # ---------------------------------------------------------------- pass 1: nothing is touched
     fingerprint = source.fingerprint()
-    checked = scan(source, resolved, tokenizer, options.rows_per_chunk, options.show_progress, _stopped(options))
+    checked = scan(source, resolved, tokenizer, options.rows_per_chunk, options.show_progress, _stopped(options),
+                   positions=model_positions(pipeline))
     if checked is None:
         raise ImportStopped(0)
     if check_content:  # the file's size or time changed: resume only on the same rows
@@ -188,6 +190,20 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
         return _write(source, store, pipeline, resolved, checked, record, options, target, plan, log)
     finally:
         store.close()
+
+
+def model_positions(pipeline: Pipeline) -> int | None:
+    """The positions the pipeline's model has (``config.max_position_embeddings``; None: not said).
+
+    Read from ``make_model()`` built on the meta device, which allocates nothing; a model that cannot
+    be built there (``from_pretrained`` refuses it: it loads weights) is built as it is."""
+    try:
+        with torch.device("meta"):
+            model = pipeline.make_model()
+    except (RuntimeError, NotImplementedError):  # "You are using `from_pretrained` with a meta device context"
+        model = pipeline.make_model()
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(positions) if isinstance(positions, int) else None
 
 
 def _stopped(options: ImportOptions) -> Callable[[], bool]:

@@ -130,12 +130,12 @@ class Source:
         return self.format == "hf" and len(self.files) == 1 and self.files[0].is_dir()
 
     # ------------------------------------------------------------------ what it holds
-    def sample_record(self) -> dict:
-        """The first row as a Python dict (for column detection); SourceError when empty."""
+    def first_record(self) -> tuple[dict, str]:
+        """The first row as a Python dict (for column detection) and where it is; SourceError when empty."""
         for chunk in self.chunks(1):
             if chunk.records is not None:
-                return chunk.records[0]
-            return chunk.table.slice(0, 1).to_pylist()[0]
+                return chunk.records[0], chunk.where(0)
+            return chunk.table.slice(0, 1).to_pylist()[0], chunk.where(0)
         raise SourceError(f"{self.path} holds no rows")
 
     def holds_chat_trajectories(self) -> bool:

@@ -16,7 +16,12 @@ from rlhf_pipeline.collect.rewards import (
     numeric_match,
     score,
 )
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect.toy_task import toy_prompts
 from rlhf_pipeline.models import tiny_reward_model
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store, make_replay_buffer
+from rlhf_pipeline.transforms import GroupAdvantage
 
 
 @pytest.mark.parametrize("text, value", [
@@ -71,10 +76,13 @@ def test_bad_rewards_are_named():
     def text(prompts, completions, **_):
         return ["a", "b"]
 
-    for fn, match in [(short, "'short' returned 1 values for 2"), (nan, "'nan' returned a non-finite"),
-                      (text, "'text' must return a list of numbers")]:
+    for fn, match in [(short, "'short' returned 1 values for 2"),
+                      (text, "'text' for completion 0: expected a real number, got 'a'")]:
         with pytest.raises(RewardError, match=match):
             score([WeightedReward(fn.__name__, fn)], ["p", "q"], ["a", "b"])
+    # not an error: the collector drops the group (below)
+    total, parts = score([WeightedReward("nan", nan)], ["p", "q"], ["a", "b"])
+    assert total[0] == 0.0 and math.isnan(total[1]) and math.isnan(parts["nan"][1])
     with pytest.raises(RewardError, match="needs an 'answer' field"):
         score(as_rewards({"exact": exact_match}), ["p"], ["a"], {})
     with pytest.raises(RewardError, match="unknown reward 'nope'"):
@@ -95,3 +103,103 @@ def test_reward_model_scores_with_a_tiny_classifier(tiny):
     assert len(set(values)) == 3
     total, parts = score(as_rewards({"rm": reward}), prompts, completions)
     assert torch.equal(total, parts["rm"])
+
+
+# ====================================================================== the checks a collector runs them through
+def test_a_reward_given_as_text_is_refused_by_the_agents_check():
+    """``'1.0'`` was stored as 1.0 by the single-turn path while ``StepResult(reward='1.0')`` was refused."""
+    def text_reward(prompts, completions, **_):
+        return ["1.0"] * len(completions)
+
+    with pytest.raises(RewardError, match=r"^reward 'text_reward' for completion 0: expected a real number, got "
+                                          r"'1.0' \(str\); numbers are not parsed from text"):
+        score(as_rewards(text_reward), ["p"], ["a"])
+    for refused in (True, None, b"1", [1.0]):
+        with pytest.raises(RewardError, match="expected a real number"):
+            score(as_rewards({"r": lambda p, c, **_: [refused]}), ["p"], ["a"])
+    with pytest.raises(RewardError, match="must return a list of numbers, got float"):
+        score(as_rewards({"r": lambda p, c, **_: 1.0}), ["p"], ["a"])
+    import numpy as np
+
+    total, _ = score(as_rewards({"r": lambda p, c, **_: [1, np.float32(0.5), torch.tensor(0.25)]}), ["p"] * 3,
+                     ["a"] * 3)
+    assert total.tolist() == [1.0, 0.5, 0.25]
+
+
+def _collector(tiny, reward, sink, *, stream=False):
+    model, tok = tiny
+    config = CollectorConfig(prompts_per_batch=3, num_generations=4, stream_groups=stream,
+                             sampling=SamplingConfig(max_new_tokens=5, temperature=1.5))
+    source = PromptSource(toy_prompts(10, seed=1), seed=0, required_fields=("answer",))
+    return Collector(model, tok, source, {"r": reward}, sink, config)
+
+
+def test_a_collector_whose_reward_returns_text_stops_before_writing(tiny):
+    sunk = []
+    collector = _collector(tiny, lambda prompts, completions, **_: ["1.0"] * len(completions), sunk.append)
+    with pytest.raises(RewardError, match="expected a real number, got '1.0'"):
+        collector.collect()
+    assert sunk == [] and collector.groups_emitted == 0
+
+
+class NaNOnMultiplesOfThree:
+    """NaN for every completion of a prompt whose answer is a multiple of 3 (so, deterministically, for
+    the same groups on every run), the completion's length otherwise; remembers each group's answer."""
+
+    def __init__(self):
+        self.answers: list[str] = []  # one per group scored, in order
+
+    def __call__(self, prompts, completions, *, answer, **_):
+        self.answers += answer[::4]
+        return [math.nan if int(a) % 3 == 0 else float(len(c)) for a, c in zip(answer, completions)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tiny, tmp_path, capsys, stream):
+    """A NaN reward stopped the whole run (and again on resume); now its group is dropped as the agent
+    collector drops one: the other groups are written through the write path, the dropped one counted."""
+    store = create_store(tmp_path / "buf", "memmap", schema=StoreSchema(optional=("advantage",)))
+    buffer = make_replay_buffer(store, transforms=[GroupAdvantage(4, store=store)])
+    reward = NaNOnMultiplesOfThree()
+    straight = _collector(tiny, reward, buffer.extend, stream=stream)
+    rounds, dropped = [], []
+    for _ in range(3):
+        seen = len(reward.answers)
+        rounds.append(straight.collect())
+        dropped.append(sum(int(a) % 3 == 0 for a in reward.answers[seen:]))
+        assert straight.last_metrics["groups_dropped"] == dropped[-1]
+        assert straight.last_metrics.get("dropped/non_finite_reward", 0) == dropped[-1]
+        assert len(rounds[-1]) == 4 * (3 - dropped[-1]) and not torch.isnan(rounds[-1]["reward"]).any()
+    assert sum(dropped) and sum(dropped) < 9  # some groups dropped, some written
+    err = capsys.readouterr().err
+    assert err.count("dropped group") == sum(dropped)
+    assert "(non_finite_reward): reward 'r' gave nan for completion" in err
+    stored = store.read(torch.arange(len(store)))
+    assert len(stored) == sum(len(r) for r in rounds) and not torch.isnan(stored["advantage"]).any()
+    # a dropped group's ids stay unused: the ids still follow the prompts
+    assert straight.groups_emitted == 9 and straight.trajectories_emitted == 36
+    store.close()
+
+    # resumed after the first round: the same groups are dropped, the same rows written
+    first = _collector(tiny, NaNOnMultiplesOfThree(), None, stream=stream)
+    first.collect()
+    resumed = _collector(tiny, NaNOnMultiplesOfThree(), None, stream=stream)
+    resumed.load_state_dict(first.state_dict())
+    for expected in rounds[1:]:
+        got = resumed.collect()
+        for name in ("group_id", "trajectory_id", "reward"):
+            assert torch.equal(got[name], expected[name]), name
+        assert torch.equal(got["response_tokens"].values, expected["response_tokens"].values)
+        assert torch.equal(got["response_tokens"].offsets, expected["response_tokens"].offsets)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_round_whose_every_group_is_dropped_writes_nothing_and_reports_no_nan(tiny, stream):
+    sunk = []
+    collector = _collector(tiny, lambda prompts, completions, **_: [math.inf] * len(completions), sunk.append,
+                           stream=stream)
+    assert len(collector.collect()) == 0 and sunk == []
+    metrics = collector.last_metrics
+    assert metrics["groups_dropped"] == 3 and metrics["dropped/non_finite_reward"] == 3
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert len(collector.collect()) == 0 and collector.groups_emitted == 6  # the prompts move on

@@ -195,7 +195,7 @@ def test_a_file_that_is_not_the_named_format(pipeline, tmp_path, capsys):
 
 def test_missing_role_column_says_which_option_names_it(pipeline, tmp_path):
     source = write_jsonl(tmp_path / "x.jsonl", [{"question": "1+1=", "answer": "2", "score": 1.0}])
-    with pytest.raises(SourceError, match=r"x.jsonl \(first row\): no prompt column; name one with --prompt"):
+    with pytest.raises(SourceError, match=r"x.jsonl line 1 \(the first record\): no prompt column; name one with --prompt"):
         import_source(source, tmp_path / "buf", pipeline, options=QUIET, log=quiet)
     options = ImportOptions(columns=ColumnMap(prompt="question", completion="answer", reward="reward"))
     with pytest.raises(SourceError, match=r"column 'reward' \(given with --reward\) is missing"):

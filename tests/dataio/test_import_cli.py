@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
+import pytest
+import torch
 from conftest import DEFAULT_PIPELINE, REPO, SMALL
 
 from rlhf_pipeline.cli.main import main
@@ -42,3 +45,110 @@ def test_group_size_advice_in_a_run_does_not_suggest_set(tiny_run, tmp_path, cap
     assert main(["import", str(source), str(tmp_path / "store"), "--quiet", "--pipeline", str(DEFAULT_PIPELINE),
                  *[a for s in SMALL for a in ("--set", s)]]) == 2
     assert "--set group_size=3" in capsys.readouterr().err
+
+
+# ====================================================================== records the first one does not speak for
+def _set_small():
+    return [a for s in SMALL for a in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """A buffer already holding two imported groups: a refused import must leave them as they are."""
+    root = tmp_path_factory.mktemp("stored")
+    source = write_jsonl(root / "good.jsonl", toy_rows(2))
+    assert main(["import", str(source), str(root / "buf"), "--quiet", "--pipeline", str(DEFAULT_PIPELINE),
+                 *_set_small()]) == 0
+    return root / "buf"
+
+
+def _later_rows_with_log_probs():
+    rows = toy_rows(2)
+    for row in rows[:4]:
+        del row["log_probs"]
+    for row in rows[4:]:  # bad values too: positive log-probs, never checked while the column was dropped
+        row["log_probs"] = [0.5] * len(row["log_probs"])
+    return rows
+
+
+def _edited(index: int, **changes):
+    rows = toy_rows(2)
+    rows[index].update(changes)
+    return rows
+
+
+def _without(index: int, column: str):
+    rows = toy_rows(2)
+    del rows[index][column]
+    return rows
+
+
+@pytest.mark.parametrize("rows, message", [
+    # a column on later records only was dropped from every record without a word
+    (_later_rows_with_log_probs(),
+     r"bad.jsonl line 5: column 'log_probs' is missing from \S*bad.jsonl line 1 \(the first record\), which decides "
+     r"the columns an import reads, so it would be dropped from every record; give it on every record, or leave it "
+     r"out with --ignore-column log_probs$"),
+    (_without(5, "log_probs"), r"bad.jsonl line 6, column 'log_probs': missing \(the first record has this column"),
+    (_without(6, "group_id"), r"bad.jsonl line 7, column 'group_id': missing \(the first record has this column"),
+    # a prompt of 10,002 characters (tokens, with the char tokenizer) for a model of 256 positions
+    (_edited(2, messages=[{"role": "user", "content": "1" * 10_000 + "+1"}]),
+     r"bad.jsonl line 3: its prompt \(\d+ tokens\) and completion \(2 tokens\) make \d+ tokens, more than the 256 "
+     r"positions of the pipeline's model \(max_position_embeddings\)"),
+    # lone surrogates (JSON "\ud800"): a 35-line tokenizer traceback, or the wrong line named
+    (_edited(4, messages=[{"role": "user", "content": "\ud800+1="}]),
+     r"bad.jsonl line 5, column 'messages': holds a lone surrogate \('\\ud800' at character 0\)"),
+    ([{**{k: v for k, v in row.items() if k != "messages"}, "prompt": "1+\udfff" if i == 6 else "1+1="}
+      for i, row in enumerate(toy_rows(2))],
+     r"bad.jsonl line 7, column 'prompt': holds a lone surrogate \('\\udfff' at character 2\)"),
+    (_edited(3, completion="\ud83d"), r"bad.jsonl line 4, column 'completion': holds a lone surrogate"),
+    (_edited(7, group_id="g\ud800"), r"bad.jsonl line 8, column 'group_id': holds a lone surrogate"),
+    # the chat template's own error: a traceback, and line 1 named for any record
+    (_edited(5, messages=[{"role": "bogus", "content": "1+1="}]),
+     r"bad.jsonl line 6, column 'messages': the tokenizer's chat template failed: unknown chat role: bogus"),
+])
+def test_a_bad_record_is_refused_in_one_line_and_nothing_stored_is_lost(stored, tmp_path, capsys, rows, message):
+    buffer = tmp_path / "buf"
+    shutil.copytree(stored, buffer)
+    capsys.readouterr()
+    before = rows_in(buffer)
+    source = write_jsonl(tmp_path / "bad.jsonl", rows)
+    assert main(["import", str(source), str(buffer), "--quiet", "--pipeline", str(DEFAULT_PIPELINE),
+                 *_set_small()]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(message, err.strip().removeprefix("rlhf-pipeline import: error: ")), err
+    assert rows_in(buffer) == before
+    assert not (buffer / "imports" / "bad.jsonl").exists() and len(list((buffer / "imports").iterdir())) == 1
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_column_only_in_a_later_data_file_is_refused(tmp_path, capsys, kind):
+    """A directory of data files: the first file decides the columns, as its first record does."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = _later_rows_with_log_probs()
+    if kind == "jsonl":
+        write_jsonl(data / "train-0.jsonl", rows[:4])
+        write_jsonl(data / "train-1.jsonl", rows[4:])
+        where = "line 1"
+    else:
+        pa = pytest.importorskip("pyarrow")
+        pq = pytest.importorskip("pyarrow.parquet")
+        for i, part in enumerate((rows[:4], rows[4:])):
+            pq.write_table(pa.Table.from_pylist(part), data / f"train-{i}.parquet")
+        where = "row 0"
+    assert main(["import", str(data), str(tmp_path / "buf"), "--quiet", "--pipeline", str(DEFAULT_PIPELINE),
+                 *_set_small()]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"train-1.{kind} {where}: column 'log_probs' is missing from \S*train-0.{kind} {where}", err), err
+    assert not (tmp_path / "buf").exists()
+
+
+def rows_in(buffer):
+    from rlhf_pipeline.storage import open_store
+
+    with open_store(str(buffer), mode="r") as store:
+        batch = store.read(torch.arange(len(store)))
+    return {name: batch[name].tolist() if hasattr(batch[name], "tolist") else list(batch[name])
+            for name in ("group_id", "trajectory_id", "reward", "response_text")}
