@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     from rlhf_pipeline.cli.progress import progress_reporter
+    from rlhf_pipeline.cli.vocabulary import model_vocabulary
     from rlhf_pipeline.storage.buffers import buffer_stats, verify_buffer
     from rlhf_pipeline.storage.errors import StoreError
 
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.verify:
                 reports = verify_buffer(path, progress=progress_reporter("verify", "parts", quiet=args.quiet))
-                vocabulary = _vocabulary(args.vocab_size, args.path if lineage is not None else None)
+                vocabulary = model_vocabulary(args.vocab_size, args.path if lineage is not None else None)
                 _check_token_ids(reports, path, vocabulary, progress_reporter("token ids", "parts", quiet=args.quiet))
             else:
                 stats = buffer_stats(path)
@@ -113,36 +114,6 @@ def run(args: argparse.Namespace) -> int:
         kept = format_retention(retention, stats)
         print(format_lineage(lineage) + ("\n" + kept if kept else "") + "\n\nbuffer\n" + format_stats(stats))
     return 0
-
-
-def _vocabulary(given: int | None, run: str | None) -> tuple[int | None, str]:
-    """The vocabulary size token ids are checked against, and where it came from (or why none)."""
-    if given is not None:
-        return given, "--vocab-size"
-    if run is None:
-        return None, "a bare buffer: pass --vocab-size N to check its token ids against the model's vocabulary"
-    if "://" in str(run):
-        return None, "a run at a URL: pass --vocab-size N to check its token ids against the model's vocabulary"
-    from rlhf_pipeline.coordination.weights import latest_version, weights_path
-
-    version = latest_version(run)
-    if version is None:
-        return None, f"{run} has published no weights to read its model's vocabulary from; pass --vocab-size N"
-    path = weights_path(run, version)
-    if path.suffix != ".safetensors":
-        return None, f"{path} is not a safetensors file; pass --vocab-size N"
-    from safetensors import safe_open
-
-    with safe_open(str(path), "np") as weights:
-        for key in weights.keys():
-            if key.endswith(EMBEDDING_KEYS):
-                return int(weights.get_slice(key).get_shape()[0]), f"{key} in {path}"
-    return None, f"no input embedding ({', '.join(EMBEDDING_KEYS)}) in {path}; pass --vocab-size N"
-
-
-EMBEDDING_KEYS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
-"""How transformers' causal LMs name their input embedding in a state dict (Qwen2 and Llama, GPT-2,
-BLOOM, GPT-NeoX): its rows are the model's vocabulary."""
 
 
 def _check_token_ids(reports, path, vocabulary: tuple[int | None, str], progress) -> None:

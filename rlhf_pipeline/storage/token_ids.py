@@ -67,18 +67,27 @@ def bad_groups(store, vocab_size: int, progress: Progress | None = None) -> list
     return sorted(groups, key=lambda group: group.rows[0])
 
 
-def check_token_ids(location: str, vocab_size: int, progress: Progress | None = None) -> list[CheckReport]:
-    """One report per store of the buffer at ``location``: a problem for each group holding an id
-    outside ``[0, vocab_size)``."""
+def find_bad_groups(location: str, vocab_size: int,
+                    progress: Progress | None = None) -> list[tuple[str, str, int, list[BadGroup]]]:
+    """``(backend, store location, rows checked, bad groups)`` of every store of the buffer at
+    ``location`` (each shard of a run's buffer)."""
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.storage.buffers import stores_in
 
-    reports = []
+    found = []
     for backend, path in stores_in(location):
-        report = CheckReport(location=path, backend=backend)
         with open_store(path, mode="r") as store:
-            report.checked["rows' token ids"] = len(store)
-            for group in bad_groups(store, vocab_size, progress):
-                report.problems.append(f"{group.describe(vocab_size)}: a learner cannot embed them")
+            found.append((backend, path, len(store), bad_groups(store, vocab_size, progress)))
+    return found
+
+
+def check_token_ids(location: str, vocab_size: int, progress: Progress | None = None) -> list[CheckReport]:
+    """One report per store of the buffer at ``location``: a problem for each group holding an id
+    outside ``[0, vocab_size)``."""
+    reports = []
+    for backend, path, rows, groups in find_bad_groups(location, vocab_size, progress):
+        report = CheckReport(location=path, backend=backend)
+        report.checked["rows' token ids"] = rows
+        report.problems += [f"{group.describe(vocab_size)}: a learner cannot embed them" for group in groups]
         reports.append(report)
     return reports

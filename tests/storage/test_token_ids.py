@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from helpers import make_batch
 
 from rlhf_pipeline.cli.main import main
@@ -75,3 +76,45 @@ def test_a_vocabulary_size_without_verify_or_below_one_is_refused_in_one_line(tm
         assert main(["inspect", str(tmp_path / "buffer"), *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--vocab-size" in err
+
+
+def test_repair_names_the_groups_and_the_selection_without_them_that_a_learner_samples(tmp_path, capsys):
+    import shlex
+
+    from rlhf_pipeline.storage import open_buffer
+
+    _planted(tmp_path / "buffer", 102)
+    assert main(["repair", str(tmp_path / "buffer"), "--quiet"]) == 0  # no vocabulary: nothing to say of the ids
+    capsys.readouterr()
+    assert main(["repair", str(tmp_path / "buffer"), "--quiet", "--vocab-size", "102"]) == 1
+    out = capsys.readouterr().out
+    assert "NOT RECOVERABLE: group 3: rows 13, 14 hold token ids outside the model's vocabulary of 102 " \
+           "(row 13 response_tokens: 1000000): rows cannot be taken out of the middle of a store" in out
+    command = out.split("to train on the other rows offline: ")[1].split(", then rlhf-pipeline replay")[0]
+    words = shlex.split(command.replace("DST", str(tmp_path / "kept")))
+    assert words[:2] == ["rlhf-pipeline", "filter"] and main(words[1:]) == 0
+    with open_buffer(tmp_path / "kept") as kept:  # what replay --buffer reads: every row but group 3's
+        rows = kept.read(torch.arange(len(kept)), fields=("group_id", "prompt_tokens", "response_tokens"))
+    assert len(rows) == 20 and 3 not in rows["group_id"].tolist()
+    assert all(int(rows[f].values.max()) < 102 for f in ("prompt_tokens", "response_tokens"))
+
+
+def test_repair_of_a_run_names_the_branch_from_the_newest_checkpoint_before_the_bad_rows(tmp_path, capsys):
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress
+
+    model, _ = tiny_model_and_tokenizer(hidden_size=32, num_layers=2, num_heads=4)
+    vocab = model.config.vocab_size
+    run = tmp_path / "run"
+    (run / "buffer").mkdir(parents=True)
+    (run / "settings.json").write_text("{}")
+    publish_weights(run, model.state_dict(), 0)
+    _planted(run / "buffer" / "shard-0000", vocab)  # group 3 (rows 12-15) holds the bad ids, from row 13
+    checkpoints = CheckpointManager(run / "checkpoints", keep_last=3)
+    for step, rows in ((1, 8), (2, 12), (3, 16)):
+        checkpoints.save(Progress(seed=0, step=step, policy_version=step), {"w": torch.zeros(1)},
+                         record={"buffer_rows": {"shard-0000": rows}})
+    assert main(["repair", str(run), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert f"group 3: rows 13, 14 hold token ids outside the model's vocabulary of {vocab}" in out
+    assert f"rlhf-pipeline branch {run} --from-step 2 run-from-2, then rlhf-pipeline run PIPELINE.py --home " \
+           f"{tmp_path} --run-name run-from-2" in out
