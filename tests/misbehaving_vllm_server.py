@@ -1,12 +1,15 @@
 """A stand-in for a broken vLLM server at a URL: the part of vLLM's OpenAI-compatible API that
-``VLLMURLEngine`` talks to without weight updates (``/health``, ``/v1/models``, ``/v1/completions``),
-served on 127.0.0.1 by the standard library's ``http.server``.
+``VLLMURLEngine`` talks to (``/health``, ``/v1/models``, ``/v1/completions``, and for weight updates
+``/collective_rpc`` with our worker extension's methods and ``/reset_prefix_cache``), served on
+127.0.0.1 by the standard library's ``http.server``. The weights lease is the server side's own
+table (``generation/vllm_lease.py``), as our worker extension keeps it inside vLLM.
 
 It answers honestly until told otherwise: each completion is sampled by our own loop engine from the
 tiny model it was given, seeded with the request's seed, so the engine's connection check (log-probs of
 the sampling distribution) passes as it would against vLLM. ``fault`` then names one way a broken server
 answers (:data:`FAULTS`), applied to every ``/v1/completions`` reply from then on; ``completions`` counts
-the requests, so a test sees how often the client asked. vLLM itself is outside the project and does
+the requests, so a test sees how often the client asked; ``honest_for`` completions requests are
+answered honestly before the fault applies (a server that breaks mid-run). vLLM itself is outside the project and does
 not run here; what is under test is the client's checking of what any server answers.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -21,6 +25,8 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.generation import LoopEngine, SampleRequest, SamplingConfig
+from rlhf_pipeline.generation.vllm_lease import WeightsLeases
+from rlhf_pipeline.generation.vllm_worker import MODEL_SHAPE_KEYS
 
 
 def _last_choice(reply: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -65,7 +71,10 @@ class MisbehavingVLLMServer:
 
     def __init__(self, model: Any, *, stop_token_ids: list[int], pad_token_id: int) -> None:
         self.fault: str | None = None
+        self.honest_for = 0
         self.completions = 0
+        self._model = model
+        self._leases = WeightsLeases()
         self._engine = LoopEngine(model, pad_token_id=pad_token_id, eos_token_id=stop_token_ids)
         self._lock = threading.Lock()  # one sampling at a time: the model is shared
         self._max_len = int(model.config.max_position_embeddings)
@@ -85,11 +94,14 @@ class MisbehavingVLLMServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path != "/v1/completions":  # /tokenize: a server without a tokenizer
+                if self.path == "/v1/completions":
+                    self._send(200, server._complete(body))
+                elif self.path == "/collective_rpc":
+                    self._send(200, {"results": [server._worker(body["method"], *body.get("args", []))]})
+                elif self.path == "/reset_prefix_cache":  # it caches nothing
+                    self._send(200, {"success": True})
+                else:  # /tokenize: a server without a tokenizer
                     self._send(404, {"detail": "Not Found"})
-                    return
-                reply = server._complete(body)
-                self._send(200, reply)
 
             def _send(self, status: int, body: Any) -> None:
                 raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -110,13 +122,33 @@ class MisbehavingVLLMServer:
                                   top_k=body["top_k"], top_p=body["top_p"])
         with self._lock:
             self.completions += 1
-            fault = self.fault
+            fault = self.fault if self.completions > self.honest_for else None
             (group,) = self._engine.sample([SampleRequest(body["prompt"], n=body["n"], max_new_tokens=body["max_tokens"])],
                                            sampling, torch.Generator().manual_seed(body["seed"]))
         reply = {"choices": [{"index": i, "token_ids": c.token_ids, "logprobs": {"token_logprobs": c.log_probs},
                               "finish_reason": "stop" if c.terminated else "length"}
                              for i, c in enumerate(group.completions)]}
         return reply if fault is None else FAULTS[fault][0](reply)
+
+    def _worker(self, method: str, *args: Any) -> Any:
+        """What our worker extension answers (``generation/vllm_worker.py``), for this model."""
+        with self._lock:
+            if method == "describe_published_model":
+                shape = {key: getattr(self._model.config, key, None) for key in MODEL_SHAPE_KEYS}
+                return {**shape, "architectures": list(shape["architectures"] or [type(self._model).__name__])}
+            if method == "published_lease":
+                return self._leases.call(json.loads(args[0]), time.monotonic())
+            if method == "load_published_weights":
+                from safetensors.torch import load_file
+
+                state = load_file(args[0], device="cpu")
+                self._model.load_state_dict(state, strict=False)  # a tied head has no key of its own
+                self._model.tie_weights()
+                claim = json.loads(args[1]) if len(args) > 1 and args[1] else {}
+                self._leases.loaded(claim.get("holder"), claim.get("key"), claim.get("version"),
+                                    float(claim.get("ttl_s", 0.0)), time.monotonic())
+                return {"tensors": len(state), "epoch": self._leases.epoch}
+        raise ValueError(f"no method {method!r}")
 
     def stop(self) -> None:
         self._server.shutdown()
