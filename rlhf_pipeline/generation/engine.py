@@ -135,7 +135,9 @@ def checked_completions(choices: Sequence[tuple[Any, Any]], *, n: int, limit: in
     in the engine's own types; :class:`BadAnswer` naming the choice, the token and what is wrong with it
     (the caller adds which engine answered) when one could not be a row: ids that are not integers
     (a float, a string and a bool are not) inside ``[0, vocab_size)``, a log-prob per id that is a
-    finite number <= 0, at most ``limit`` ids, no stop token but as the last, ``n`` choices."""
+    finite number <= 0 (up to the rounding the store accepts, ``schema.fields.LOG_PROB_TOLERANCE``), at most ``limit`` ids, no stop token but as the last, ``n`` choices."""
+    from rlhf_pipeline.schema.fields import LOG_PROB_TOLERANCE  # the store's own rule: a few ulps over 0 pass
+
     if len(choices) != n:
         raise BadAnswer(f"{len(choices)} completions for a request of n={n}")
     stops = set(stop_token_ids)
@@ -157,8 +159,9 @@ def checked_completions(choices: Sequence[tuple[Any, Any]], *, n: int, limit: in
                                 f"tokens")
             if not isinstance(log_prob, numbers.Real) or isinstance(log_prob, bool):
                 raise BadAnswer(f"choice {c} token {k} has log-prob {_shown(log_prob)}, not a number")
-            if not math.isfinite(log_prob) or log_prob > 0:
-                raise BadAnswer(f"choice {c} token {k} has log-prob {log_prob}, not a finite number <= 0")
+            if not math.isfinite(log_prob) or log_prob > LOG_PROB_TOLERANCE:
+                raise BadAnswer(f"choice {c} token {k} has log-prob {log_prob}, not a finite number <= 0 (rounding "
+                                f"up to +{LOG_PROB_TOLERANCE:g} is accepted)")
             if token in stops and k < len(token_ids) - 1:
                 raise BadAnswer(f"choice {c} token {k} is the stop token {token}, with {len(token_ids) - 1 - k} "
                                 f"tokens after it (a completion ends at its stop token)")
