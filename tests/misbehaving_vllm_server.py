@@ -46,6 +46,11 @@ def _set_log_prob(value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return fault
 
 
+def _lengthen(choice: dict[str, Any]) -> None:
+    choice["token_ids"].extend([5] * 64)
+    choice["logprobs"]["token_logprobs"].extend([-1.0] * 64)
+
+
 FAULTS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     # name: (what the server answers instead, what the client's one line must say)
     "id-outside-vocabulary": (_set_token(lambda _: 10**6), "is 1000000, outside the model's vocabulary of"),
@@ -58,9 +63,7 @@ FAULTS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
     "nan-log-prob": (_set_log_prob(float("nan")), "has log-prob nan, not a finite number <= 0"),
     "log-prob-missing": (lambda reply: _last_choice(reply, lambda c: c["logprobs"]["token_logprobs"].pop()),
                          "log-probs for"),
-    "over-the-limit": (lambda reply: _last_choice(reply, lambda c: (c["token_ids"].extend([5] * 64),
-                                                                     c["logprobs"]["token_logprobs"].extend([-1.0] * 64))),
-                       "over the request's max_new_tokens"),
+    "over-the-limit": (lambda reply: _last_choice(reply, _lengthen), "over the request's max_new_tokens"),
     "no-choices": (lambda reply: {"object": "error", "message": "internal"}, "no 'choices' list in the reply"),
     "garbage-json": (lambda reply: b"<html>502 bad gateway</html>", "a body that is not JSON"),
 }
@@ -123,8 +126,8 @@ class MisbehavingVLLMServer:
         with self._lock:
             self.completions += 1
             fault = self.fault if self.completions > self.honest_for else None
-            (group,) = self._engine.sample([SampleRequest(body["prompt"], n=body["n"], max_new_tokens=body["max_tokens"])],
-                                           sampling, torch.Generator().manual_seed(body["seed"]))
+            request = SampleRequest(body["prompt"], n=body["n"], max_new_tokens=body["max_tokens"])
+            (group,) = self._engine.sample([request], sampling, torch.Generator().manual_seed(body["seed"]))
         reply = {"choices": [{"index": i, "token_ids": c.token_ids, "logprobs": {"token_logprobs": c.log_probs},
                               "finish_reason": "stop" if c.terminated else "length"}
                              for i, c in enumerate(group.completions)]}

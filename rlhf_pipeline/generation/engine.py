@@ -135,7 +135,8 @@ def checked_completions(choices: Sequence[tuple[Any, Any]], *, n: int, limit: in
     in the engine's own types; :class:`BadAnswer` naming the choice, the token and what is wrong with it
     (the caller adds which engine answered) when one could not be a row: ids that are not integers
     (a float, a string and a bool are not) inside ``[0, vocab_size)``, a log-prob per id that is a
-    finite number <= 0 (up to the rounding the store accepts, ``schema.fields.LOG_PROB_TOLERANCE``), at most ``limit`` ids, no stop token but as the last, ``n`` choices."""
+    finite number <= 0 (up to the rounding the store accepts, ``schema.fields.LOG_PROB_TOLERANCE``),
+    at most ``limit`` ids, no stop token but as the last, ``n`` choices."""
     from rlhf_pipeline.schema.fields import LOG_PROB_TOLERANCE  # the store's own rule: a few ulps over 0 pass
 
     if len(choices) != n:

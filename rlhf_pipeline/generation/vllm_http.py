@@ -101,7 +101,8 @@ class JsonClient:
     def get(self, path: str, *, retry: bool = True) -> Any:
         return self.call("GET", path, None, retry=retry)
 
-    def post(self, path: str, body: Any = None, *, retry: bool = True, check: Callable[[Any], Any] | None = None) -> Any:
+    def post(self, path: str, body: Any = None, *, retry: bool = True,
+             check: Callable[[Any], Any] | None = None) -> Any:
         return self.call("POST", path, {} if body is None else body, retry=retry, check=check)
 
     def call(self, method: str, path: str, body: Any, *, retry: bool = True,

@@ -355,9 +355,10 @@ class VLLMURLEngine(GenerationEngine):
         for choice, completion in zip(choices, completions):
             if not completion.terminated and len(completion.token_ids) < body["max_tokens"]:
                 raise ServerMismatch(
-                    f"generation.url: the server at {self.url} stopped a completion on token {completion.token_ids[-1]} "
-                    f"(finish_reason {choice.get('finish_reason')!r}), which is not among the pipeline's stop tokens "
-                    f"{self.stop_token_ids}: its generation config adds stop tokens; start it with --generation-config vllm")
+                    f"generation.url: the server at {self.url} stopped a completion on token "
+                    f"{completion.token_ids[-1]} (finish_reason {choice.get('finish_reason')!r}), which is not among "
+                    f"the pipeline's stop tokens {self.stop_token_ids}: its generation config adds stop tokens; start "
+                    f"it with --generation-config vllm")
         return completions
 
     # ------------------------------------------------------------------ weights

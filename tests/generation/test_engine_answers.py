@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from misbehaving_vllm_server import FAULTS, MisbehavingVLLMServer
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
