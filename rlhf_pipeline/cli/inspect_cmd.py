@@ -9,6 +9,10 @@ sizes and policy versions: a table by default, one JSON object with ``--json``.
 recorded when they were sealed, every Zarr chunk against its CRC32C, and the structure of
 everything (offsets, sizes, UTF-8). It prints what it checked and every problem, naming
 the file or chunk; the exit code is 1 when it finds damage (see ``rlhf-pipeline repair``).
+With a vocabulary to check against it also reads every row's token ids (through the store, so
+with torch) and names each group holding an id the model cannot embed (``storage/token_ids.py``):
+a run directory's is the embedding of its newest published weights, a bare buffer's is
+``--vocab-size N`` (without it a bare buffer's ids are not checked, and a note says so).
 
 A run directory (``storage/<run-name>``) prints the run first: its rewind points (kept
 checkpoints, each with the buffer rows it had seen), the run it was branched from and its
@@ -29,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="check every segment file or chunk against its checksum; exit code 1 on damage")
     parser.add_argument("--quiet", action="store_true", help="no progress bar with --verify")
+    parser.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                        help="with --verify: report token ids outside [0, N) (default: a run directory's model's "
+                             "vocabulary, read from its newest published weights; a bare buffer's are not checked)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     from rlhf_pipeline.cli.progress import progress_reporter
+    from rlhf_pipeline.cli.vocabulary import model_vocabulary
     from rlhf_pipeline.storage.buffers import buffer_stats, verify_buffer
     from rlhf_pipeline.storage.errors import StoreError
 
@@ -44,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
 
     from rlhf_pipeline.runs.lineage import format_lineage, is_run_directory, run_lineage
 
+    if args.vocab_size is not None and (args.vocab_size < 1 or not args.verify):
+        print(f"rlhf-pipeline inspect: --vocab-size {args.vocab_size}: give a vocabulary size >= 1, with --verify",
+              file=sys.stderr)
+        return 2
     lineage, path = None, args.path
     if str(path).startswith(("s3://", "az://")):  # a run at a URL (runs/lineage_url.py), or a buffer there
         from rlhf_pipeline.runs.lineage_url import is_run_at_url, url_run_lineage
@@ -75,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.verify:
                 reports = verify_buffer(path, progress=progress_reporter("verify", "parts", quiet=args.quiet))
+                vocabulary = model_vocabulary(args.vocab_size, args.path if lineage is not None else None)
+                _check_token_ids(reports, path, vocabulary, progress_reporter("token ids", "parts", quiet=args.quiet))
             else:
                 stats = buffer_stats(path)
         except StoreError as exc:
@@ -100,6 +114,31 @@ def run(args: argparse.Namespace) -> int:
         kept = format_retention(retention, stats)
         print(format_lineage(lineage) + ("\n" + kept if kept else "") + "\n\nbuffer\n" + format_stats(stats))
     return 0
+
+
+def _check_token_ids(reports, path, vocabulary: tuple[int | None, str], progress) -> None:
+    """Adds to each store's report the groups holding token ids outside the vocabulary."""
+    vocab_size, source = vocabulary
+    if vocab_size is None:
+        for report in reports:
+            report.notes.append(f"token ids not checked: {source}")
+        return
+    from rlhf_pipeline.storage.errors import StoreError
+    from rlhf_pipeline.storage.token_ids import check_token_ids  # reads rows through the store: torch
+
+    try:
+        found = {r.location: r for r in check_token_ids(str(path), vocab_size, progress)}
+    except StoreError as exc:  # damage the checksums report above keeps the store from opening
+        for report in reports:
+            report.notes.append(f"token ids not checked: {exc}")
+        return
+    for report in reports:
+        checked = found.get(report.location)
+        if checked is None:
+            continue
+        report.checked.update(checked.checked)
+        report.problems.extend(checked.problems)
+        report.notes.append(f"token ids checked against a vocabulary of {vocab_size} ({source})")
 
 
 def _number(value: float | None, digits: int = 4) -> str:

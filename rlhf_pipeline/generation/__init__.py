@@ -27,8 +27,8 @@ import importlib
 
 _DEFINED_IN = {
     **{name: "engine" for name in (
-        "Completion", "CompletionGroup", "EngineDied", "EngineFailed", "EngineStats", "GenerationEngine", "SampleRequest",
-        "UnsupportedCapability", "UnsupportedSetting", "draw_seed")},
+        "BadAnswer", "Completion", "CompletionGroup", "EngineDied", "EngineFailed", "EngineStats", "GenerationEngine",
+        "SampleRequest", "UnsupportedCapability", "UnsupportedSetting", "checked_completions", "draw_seed")},
     "SamplingConfig": "sampling", "process_logits": "sampling",
     **{name: "loop" for name in ("Generation", "LoopEngine", "generate", "left_pad", "teacher_forced_log_probs")},
     "GenerationSettings": "settings", "make_collector_engine": "settings", "make_engine": "settings",

@@ -24,6 +24,13 @@ loop (``generation/loop.py``, the default) and vLLM (``generation/vllm_engine.py
   submission order (:func:`draw_seed`), and seeds the request with it. A collector resumed from its
   saved state therefore sends the same seeds and gets the same rows (the same engine, weights and
   batch: vLLM does not promise bit-identical logits across different batch compositions).
+* **Checked before it is a row.** Whatever an engine outside this process answers (a server at a URL,
+  the owned vLLM engine) becomes completions through :func:`checked_completions` only: ids that are
+  integers inside the model's vocabulary, one finite log-prob <= 0 per id, at most the request's
+  ``max_new_tokens``, our stop rule. Anything else is a :class:`BadAnswer` (an :class:`EngineFailed`,
+  so it takes the engine's retry path and then stops the collector), never a row: a learner cannot
+  embed an id outside its vocabulary, and a run whose buffer holds one cannot go on. Our loop draws
+  its ids from the model's own logits, so it needs no check.
 * **Settings it cannot honour are refused by name** (:class:`UnsupportedSetting`, from
   :meth:`GenerationEngine.check_sampling`) before anything is sampled, never approximated.
 
@@ -37,11 +44,13 @@ Engines are context managers; :meth:`GenerationEngine.close` stops whatever the 
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +85,11 @@ class EngineDied(EngineFailed):
     def __init__(self, message: str, cause: str | None = None) -> None:
         super().__init__(message)
         self.cause = cause or message.splitlines()[0]
+
+
+class BadAnswer(EngineFailed):
+    """An engine answered with something that cannot be a row (an id outside the vocabulary, a
+    log-prob that is not one, a reply of the wrong shape); the message names the engine and the fault."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,54 @@ class Completion:
     @property
     def truncated(self) -> bool:
         return not self.terminated
+
+
+def checked_completions(choices: Sequence[tuple[Any, Any]], *, n: int, limit: int, vocab_size: int,
+                        stop_token_ids: Sequence[int]) -> list[Completion]:
+    """The completions of one request from an engine's answer, ``choices`` as ``(token_ids, log_probs)``
+    in the engine's own types; :class:`BadAnswer` naming the choice, the token and what is wrong with it
+    (the caller adds which engine answered) when one could not be a row: ids that are not integers
+    (a float, a string and a bool are not) inside ``[0, vocab_size)``, a log-prob per id that is a
+    finite number <= 0 (up to the rounding the store accepts, ``schema.fields.LOG_PROB_TOLERANCE``),
+    at most ``limit`` ids, no stop token but as the last, ``n`` choices."""
+    from rlhf_pipeline.schema.fields import LOG_PROB_TOLERANCE  # the store's own rule: a few ulps over 0 pass
+
+    if len(choices) != n:
+        raise BadAnswer(f"{len(choices)} completions for a request of n={n}")
+    stops = set(stop_token_ids)
+    out = []
+    for c, (token_ids, log_probs) in enumerate(choices):
+        if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)) or not token_ids:
+            raise BadAnswer(f"choice {c} has token ids {_shown(token_ids)}, not a list of at least one id")
+        if not isinstance(log_probs, Sequence) or isinstance(log_probs, (str, bytes)):
+            raise BadAnswer(f"choice {c} has log-probs {_shown(log_probs)}, not a list")
+        if len(token_ids) > limit:
+            raise BadAnswer(f"choice {c} has {len(token_ids)} tokens, over the request's max_new_tokens {limit}")
+        if len(log_probs) != len(token_ids):
+            raise BadAnswer(f"choice {c} has {len(log_probs)} log-probs for {len(token_ids)} tokens (one per token)")
+        for k, (token, log_prob) in enumerate(zip(token_ids, log_probs)):
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+                raise BadAnswer(f"choice {c} token {k} is {_shown(token)}, not an integer id")
+            if not 0 <= token < vocab_size:
+                raise BadAnswer(f"choice {c} token {k} is {token}, outside the model's vocabulary of {vocab_size} "
+                                f"tokens")
+            if not isinstance(log_prob, numbers.Real) or isinstance(log_prob, bool):
+                raise BadAnswer(f"choice {c} token {k} has log-prob {_shown(log_prob)}, not a number")
+            if not math.isfinite(log_prob) or log_prob > LOG_PROB_TOLERANCE:
+                raise BadAnswer(f"choice {c} token {k} has log-prob {log_prob}, not a finite number <= 0 (rounding "
+                                f"up to +{LOG_PROB_TOLERANCE:g} is accepted)")
+            if token in stops and k < len(token_ids) - 1:
+                raise BadAnswer(f"choice {c} token {k} is the stop token {token}, with {len(token_ids) - 1 - k} "
+                                f"tokens after it (a completion ends at its stop token)")
+        ids = [int(t) for t in token_ids]
+        out.append(Completion(ids, [float(p) for p in log_probs], terminated=ids[-1] in stops))
+    return out
+
+
+def _shown(value: Any) -> str:
+    """A value from an answer as a message shows it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass

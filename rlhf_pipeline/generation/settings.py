@@ -210,12 +210,13 @@ def make_collector_engine(settings: GenerationSettings, model: Any, tokenizer: A
     any row: a server that cannot serve this run or does not answer, a missing vLLM environment.
     Several collectors may share one server at ``generation.url``: each round holds a lease on the
     weights it samples with (``generation/vllm_lease.py``). Pipelines turn it into their one-line ``PipelineError``."""
+    from rlhf_pipeline.generation.engine import BadAnswer
     from rlhf_pipeline.generation.vllm_http import ServerUnreachable
 
     try:
         return make_engine(settings, model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id],
                            device=device, seed=seed, tokenizer=tokenizer)
-    except ServerUnreachable as exc:
+    except (ServerUnreachable, BadAnswer) as exc:  # the check's own request went unanswered, or answered badly
         raise ValueError(str(exc)) from None
 
 

@@ -12,6 +12,12 @@ every request we send is whole and seeded (the same seed gives the same completi
 returns nothing until every reply is in, so a half-answered batch never reaches the buffer. Any other
 HTTP error (a 4xx naming a bad field, a 500 from a failing operation) is the server's answer, not a
 dead server: :class:`ServerError` at once, with the status and the server's message.
+
+A reply that came whole but cannot be used -- a body that is not JSON, or one the caller's ``check``
+refuses (``vllm_url.py`` checks every completion, ``engine.checked_completions``) -- is a
+:class:`~rlhf_pipeline.generation.engine.BadAnswer`: asked again as an unanswered request is (a
+server's fault may be passing, and the same seed asks for the same completions), then one line
+naming the server, the request and the fault; never "did not answer", since it did.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from rlhf_pipeline.generation.engine import EngineFailed
+from rlhf_pipeline.generation.engine import BadAnswer, EngineFailed
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 """Statuses that say "not now" (overloaded, a proxy without its upstream, restarting): retried."""
@@ -94,34 +101,56 @@ class JsonClient:
     def get(self, path: str, *, retry: bool = True) -> Any:
         return self.call("GET", path, None, retry=retry)
 
-    def post(self, path: str, body: Any = None, *, retry: bool = True) -> Any:
-        return self.call("POST", path, {} if body is None else body, retry=retry)
+    def post(self, path: str, body: Any = None, *, retry: bool = True,
+             check: Callable[[Any], Any] | None = None) -> Any:
+        return self.call("POST", path, {} if body is None else body, retry=retry, check=check)
 
-    def call(self, method: str, path: str, body: Any, *, retry: bool = True) -> Any:
-        """One request; its reply as JSON (None for an empty body). ``retry`` False: one try only."""
+    def call(self, method: str, path: str, body: Any, *, retry: bool = True,
+             check: Callable[[Any], Any] | None = None) -> Any:
+        """One request; its reply as JSON (None for an empty body), or what ``check`` makes of it.
+        ``check`` raises :class:`BadAnswer` (the fault, without the server's name) for a reply it
+        cannot use: asked again, then said. ``retry`` False: one try only."""
         url = self.base_url + path
         data = None if body is None else json.dumps(body).encode()
         tries = self.retry.retries + 1 if retry else 1
         started = time.monotonic()
         last = ""
+        bad: BadAnswer | None = None  # the last try's fault, when it answered
         for attempt in range(tries):
             if attempt:
                 time.sleep(self.retry.pause(attempt - 1))
             request = urllib.request.Request(url, data=data, headers=self._headers, method=method)
+            bad = None
             try:
                 with urllib.request.urlopen(request, timeout=self.retry.timeout_s) as reply:
                     raw = reply.read()
-                return json.loads(raw) if raw.strip() else None
             except urllib.error.HTTPError as exc:
                 detail = _detail(exc)
                 if exc.code not in RETRY_STATUSES:
                     raise ServerError(f"the vLLM server at {self.base_url} answered {method} {path} with HTTP "
                                       f"{exc.code}: {detail}", exc.code, detail) from None
                 last = f"HTTP {exc.code}: {detail}"
-            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-                # URLError wraps a refused connection; a timeout is an OSError; ValueError: a reply cut
-                # short mid-JSON
+                continue
+            except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
+                # URLError wraps a refused connection; a timeout is an OSError; a reply cut short of its
+                # length an IncompleteRead (an HTTPException)
                 last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+                continue
+            try:
+                answer = json.loads(raw) if raw.strip() else None
+            except ValueError:
+                bad = BadAnswer(f"a body that is not JSON: {bytes(raw[:60])!r}{'...' if len(raw) > 60 else ''}")
+                continue
+            if check is None:
+                return answer
+            try:
+                return check(answer)
+            except BadAnswer as fault:
+                bad = fault
+        if bad is not None:
+            raise BadAnswer(f"the vLLM server at {self.base_url} answered {method} {path} with what cannot be used: "
+                            f"{bad} ({'its only try' if tries == 1 else f'the last of {tries} tries'}; nothing of it "
+                            f"stored); check the server (its version, its model), then rerun to resume")
         raise ServerUnreachable(
             f"the vLLM server at {self.base_url} did not answer {method} {path} after {tries} "
             f"{'try' if tries == 1 else 'tries'} over {time.monotonic() - started:.0f} s ({last}); check that it "

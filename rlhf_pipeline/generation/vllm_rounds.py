@@ -28,7 +28,15 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlhf_pipeline.generation.engine import Completion, CompletionGroup, EngineDied, EngineFailed, SampleRequest, draw_seed
+from rlhf_pipeline.generation.engine import (
+    BadAnswer,
+    CompletionGroup,
+    EngineDied,
+    EngineFailed,
+    SampleRequest,
+    checked_completions,
+    draw_seed,
+)
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_server import PROGRESS_EVERY_S
 
@@ -63,19 +71,15 @@ def wire_sampling(engine: VLLMEngine, sampling: SamplingConfig) -> dict[str, Any
 
 def to_group(engine: VLLMEngine, index: int, request: SampleRequest, sent: dict[str, Any],
              completions: list[dict[str, Any]]) -> CompletionGroup:
-    """One request's group as the engine returned it, checked against our stop rule."""
-    stops = set(engine.stop_token_ids)
-    out = []
-    for completion in completions:
-        ids = completion["token_ids"]
-        early = [k for k, token in enumerate(ids[:-1]) if token in stops]
-        if early or not ids or len(ids) > sent["max_tokens"]:
-            raise EngineFailed(f"the vLLM engine returned {len(ids)} tokens with a stop token at "
-                               f"{early} for a limit of {sent['max_tokens']}: not our stop rule")
-        out.append(Completion(ids, completion["log_probs"], terminated=ids[-1] in stops))
-    if len(out) != request.n:
-        raise EngineFailed(f"the vLLM engine returned {len(out)} completions for a request of n={request.n}")
-    return CompletionGroup(index, out, engine.policy_version, seed=sent["seed"])
+    """One request's group as the engine returned it, checked (``engine.checked_completions``) before it
+    may become rows; :class:`~rlhf_pipeline.generation.engine.BadAnswer` naming the fault otherwise."""
+    try:
+        checked = checked_completions([(c.get("token_ids"), c.get("log_probs")) for c in completions], n=request.n,
+                                      limit=sent["max_tokens"], vocab_size=engine.vocab_size,
+                                      stop_token_ids=engine.stop_token_ids)
+    except BadAnswer as fault:
+        raise BadAnswer(f"the vLLM engine answered what cannot be a row: {fault}") from None
+    return CompletionGroup(index, checked, engine.policy_version, seed=sent["seed"])
 
 
 def count_prompt_tokens(engine: VLLMEngine, sent: Sequence[dict[str, Any]], cached: Sequence[int]) -> None:

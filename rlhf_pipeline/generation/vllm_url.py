@@ -30,6 +30,10 @@ concurrently (one HTTP request per prompt, so each has its own seed); ``sample``
 reply is in, ``stream_batches`` yields the groups whose replies came as they come (the server batches
 the requests continuously, so a short one's reply comes first): a server that stops answering is retried with backoff (``vllm_http.py``), then
 :class:`~rlhf_pipeline.generation.vllm_http.ServerUnreachable`, and nothing of the batch is returned.
+Every reply is checked before it is a completion (``engine.checked_completions``: integer ids inside the
+model's vocabulary, one finite log-prob <= 0 each, the request's limit, the OpenAI shape): a bad one is
+asked again as an unanswered one is, then :class:`~rlhf_pipeline.generation.engine.BadAnswer` names the
+server and the fault, and nothing of the batch is returned.
 
 New weights travel as a safetensors file the server reads: ``weights_dir`` must be a directory the
 server's machine sees at the same path (a temporary one on this machine by default: a server on
@@ -49,20 +53,22 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlhf_pipeline.generation.engine import (
+    BadAnswer,
     Completion,
     CompletionGroup,
-    EngineFailed,
     EngineStats,
     GenerationEngine,
     SampleRequest,
     UnsupportedCapability,
     UnsupportedSetting,
+    checked_completions,
     draw_seed,
 )
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -159,6 +165,8 @@ class VLLMURLEngine(GenerationEngine):
             except ServerError as exc:  # answers, but not as vLLM does
                 raise ServerMismatch(f"generation.url: {self.url}/health answered HTTP {exc.status} ({exc.detail}): "
                                      f"not a vLLM server; point generation.url at one") from None
+            except BadAnswer as exc:
+                raise ServerMismatch(f"generation.url: {exc}: not a vLLM server; point generation.url at one") from None
             time.sleep(1.0)
 
     def _find_model(self, wanted: str | None) -> tuple[str, int]:
@@ -311,13 +319,14 @@ class VLLMURLEngine(GenerationEngine):
             if lease is not None:
                 self.weights.waited_s += lease.waited_s
                 self.stats.update_s_total += lease.load_s  # another collector's weights went in meanwhile
-            index_of = {pool.submit(self.client.post, "/v1/completions", body): k for k, body in enumerate(bodies)}
+            # each reply is checked as it comes, inside the client's retries: a bad one is asked again
+            index_of = {pool.submit(self.client.post, "/v1/completions", body,
+                                    check=partial(self._completions, body=body)): k for k, body in enumerate(bodies)}
             waiting = set(index_of)
             try:
                 while waiting:
                     done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
-                    groups = [CompletionGroup(k, self._completions(future.result(), bodies[k]), version,
-                                              seed=bodies[k]["seed"])
+                    groups = [CompletionGroup(k, future.result(), version, seed=bodies[k]["seed"])
                               for k, future in sorted((index_of[f], f) for f in done)]
                     if lease is not None:
                         lease.check()
@@ -326,27 +335,31 @@ class VLLMURLEngine(GenerationEngine):
                 for future in waiting:
                     future.cancel()
 
-    def _completions(self, reply: dict[str, Any], body: dict[str, Any]) -> list[Completion]:
-        stops = set(self.stop_token_ids)
-        limit = body["max_tokens"]
-        choices = sorted(reply["choices"], key=lambda c: c["index"])
-        if len(choices) != body["n"]:
-            raise EngineFailed(f"the vLLM server at {self.url} returned {len(choices)} completions for n={body['n']}")
-        out = []
-        for choice in choices:
-            ids = [int(t) for t in choice["token_ids"]]
-            log_probs = [float(p) for p in choice["logprobs"]["token_logprobs"]]
-            if not ids or len(log_probs) != len(ids) or len(ids) > limit or any(t in stops for t in ids[:-1]):
-                raise EngineFailed(f"the vLLM server at {self.url} returned {len(ids)} tokens with {len(log_probs)} "
-                                   f"log-probs for a limit of {limit} and stop tokens {sorted(stops)}: not our stop rule")
-            terminated = ids[-1] in stops
-            if not terminated and len(ids) < limit:
+    def _completions(self, reply: Any, body: dict[str, Any]) -> list[Completion]:
+        """A ``/v1/completions`` reply's completions, checked (``engine.checked_completions``);
+        :class:`BadAnswer` naming the fault, or :class:`ServerMismatch` for a server that stops on
+        tokens that are not ours."""
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if not isinstance(choices, list):
+            has = f"keys {sorted(reply)}" if isinstance(reply, dict) else f"a {type(reply).__name__}"
+            raise BadAnswer(f"no 'choices' list in the reply (it holds {has})")
+        if not all(isinstance(c, dict) and isinstance(c.get("logprobs"), dict) for c in choices):
+            raise BadAnswer("a choice without its 'logprobs' object")
+        indices = [c.get("index") for c in choices]
+        if not all(type(i) is int for i in indices) or sorted(indices) != list(range(len(choices))):
+            raise BadAnswer(f"choices numbered {indices[:8]}, not 0 to {len(choices) - 1}")
+        choices = sorted(choices, key=lambda c: c["index"])
+        completions = checked_completions([(c.get("token_ids"), c["logprobs"].get("token_logprobs")) for c in choices],
+                                          n=body["n"], limit=body["max_tokens"], vocab_size=self.vocab_size,
+                                          stop_token_ids=self.stop_token_ids)
+        for choice, completion in zip(choices, completions):
+            if not completion.terminated and len(completion.token_ids) < body["max_tokens"]:
                 raise ServerMismatch(
-                    f"generation.url: the server at {self.url} stopped a completion on token {ids[-1]} "
-                    f"(finish_reason {choice.get('finish_reason')!r}), which is not among the pipeline's stop tokens "
-                    f"{sorted(stops)}: its generation config adds stop tokens; start it with --generation-config vllm")
-            out.append(Completion(ids, log_probs, terminated=terminated))
-        return out
+                    f"generation.url: the server at {self.url} stopped a completion on token "
+                    f"{completion.token_ids[-1]} (finish_reason {choice.get('finish_reason')!r}), which is not among "
+                    f"the pipeline's stop tokens {self.stop_token_ids}: its generation config adds stop tokens; start "
+                    f"it with --generation-config vllm")
+        return completions
 
     # ------------------------------------------------------------------ weights
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> None:

@@ -96,6 +96,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     """
     from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
     from rlhf_pipeline.collect.console import collector_tag, say
+    from rlhf_pipeline.generation.engine import EngineFailed
     from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.runs.branch_online import collector_rows, keep_position_history
     from rlhf_pipeline.learn.metrics import MetricsWriter
@@ -229,6 +230,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                     **chunked)
             except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops
                 failed = exc
+            except EngineFailed as exc:  # its retries or restarts spent, or an answer that cannot be a row
+                say(f"{tag} stopped: {exc}")  # one line; a rerun resumes from the position saved before this round
+                failed = exc
+                break
             pacer.round_written(store.next_row - rows_before, round_rows=getattr(collector, "round_rows", None))
             done += 1
             rounds_at_version += 1

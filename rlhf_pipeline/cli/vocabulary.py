@@ -1,0 +1,39 @@
+"""The vocabulary a buffer's token ids are checked against (``inspect --verify``, ``repair``): the
+one given (``--vocab-size``), else a run directory's model's, read from its newest published
+weights' header (safetensors, no torch): the rows of its input embedding, which is what a learner
+indexes with every stored id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def model_vocabulary(given: int | None, run: str | Path | None) -> tuple[int | None, str]:
+    """The vocabulary size token ids are checked against (``given``, else the run's model's when
+    ``run`` is a local run directory), and where it came from; or None and why there is none."""
+    if given is not None:
+        return given, "--vocab-size"
+    if run is None:
+        return None, "a bare buffer: pass --vocab-size N to check its token ids against the model's vocabulary"
+    if "://" in str(run):
+        return None, "a run at a URL: pass --vocab-size N to check its token ids against the model's vocabulary"
+    from rlhf_pipeline.coordination.weights import latest_version, weights_path
+
+    version = latest_version(run)
+    if version is None:
+        return None, f"{run} has published no weights to read its model's vocabulary from; pass --vocab-size N"
+    path = weights_path(run, version)
+    if path.suffix != ".safetensors":
+        return None, f"{path} is not a safetensors file; pass --vocab-size N"
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as weights:
+        for key in weights.keys():
+            if key.endswith(EMBEDDING_KEYS):
+                return int(weights.get_slice(key).get_shape()[0]), f"{key} in {path}"
+    return None, f"no input embedding ({', '.join(EMBEDDING_KEYS)}) in {path}; pass --vocab-size N"
+
+
+EMBEDDING_KEYS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+"""How transformers' causal LMs name their input embedding in a state dict (Qwen2 and Llama, GPT-2,
+BLOOM, GPT-NeoX): its rows are the model's vocabulary."""

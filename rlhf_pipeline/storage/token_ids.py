@@ -1,0 +1,93 @@
+"""Stored token ids outside a model's vocabulary: what ``inspect --verify`` reports beside the damage
+its checksums find.
+
+A row whose prompt or response holds an id the model cannot embed (a broken engine's answer written
+before engines' answers were checked, ``generation/engine.py``; an import from another tokenizer) is
+intact on disk, so no checksum sees it, yet the learner that samples it dies with an ``IndexError`` in
+its embedding, and dies again on every resume. The check reads ``group_id`` and both token fields of
+every published row, one storage unit at a time (a memmap segment, a Zarr unit), and names each store,
+each group holding such a row, its rows (global ids) and the first bad id found in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_pipeline.storage.reports import CheckReport, Progress
+
+TOKEN_FIELDS = ("prompt_tokens", "response_tokens")
+
+
+@dataclass(frozen=True)
+class BadGroup:
+    """A group of one store that holds at least one token id outside the vocabulary."""
+
+    group_id: int
+    rows: tuple[int, ...]
+    """Global row ids of the group's rows that hold one."""
+    row: int
+    field: str
+    token: int
+    """The first bad id found: in ``field`` of global row ``row``."""
+
+    def describe(self, vocab_size: int) -> str:
+        rows = ", ".join(str(r) for r in self.rows[:8]) + (", ..." if len(self.rows) > 8 else "")
+        held = f"rows {rows} hold" if len(self.rows) > 1 else f"row {rows} holds"
+        return (f"group {self.group_id}: {held} token ids outside the model's vocabulary of {vocab_size} "
+                f"(row {self.row} {self.field}: {self.token})")
+
+
+def bad_groups(store, vocab_size: int, progress: Progress | None = None) -> list[BadGroup]:
+    """The groups of ``store`` (an open :class:`~rlhf_pipeline.storage.base.TrajectoryStore`) whose
+    rows hold a token id outside ``[0, vocab_size)``, in row order."""
+    found: dict[int, list[tuple[int, str, int]]] = {}
+    units = store.unit_bounds()
+    for done, (start, stop) in enumerate(units, 1):
+        positions = torch.arange(start, stop, dtype=torch.int64)
+        batch = store.read(positions, fields=("group_id", *TOKEN_FIELDS))
+        for field in TOKEN_FIELDS:
+            ragged = batch[field]
+            outside = (ragged.values < 0) | (ragged.values >= vocab_size)
+            if not bool(outside.any()):
+                continue
+            row_of_value = torch.repeat_interleave(torch.arange(len(ragged)), ragged.lengths())
+            for index in torch.nonzero(outside).flatten().tolist():
+                k = int(row_of_value[index])
+                found.setdefault(int(batch["group_id"][k]), []).append(
+                    (store.first_row + start + k, field, int(ragged.values[index])))
+        if progress is not None:
+            progress(done, len(units))
+    groups = []
+    for group_id, hits in found.items():
+        rows = tuple(sorted({row for row, _, _ in hits}))
+        row, field, token = min(hits)
+        groups.append(BadGroup(group_id, rows, row, field, token))
+    return sorted(groups, key=lambda group: group.rows[0])
+
+
+def find_bad_groups(location: str, vocab_size: int,
+                    progress: Progress | None = None) -> list[tuple[str, str, int, list[BadGroup]]]:
+    """``(backend, store location, rows checked, bad groups)`` of every store of the buffer at
+    ``location`` (each shard of a run's buffer)."""
+    from rlhf_pipeline.storage import open_store
+    from rlhf_pipeline.storage.buffers import stores_in
+
+    found = []
+    for backend, path in stores_in(location):
+        with open_store(path, mode="r") as store:
+            found.append((backend, path, len(store), bad_groups(store, vocab_size, progress)))
+    return found
+
+
+def check_token_ids(location: str, vocab_size: int, progress: Progress | None = None) -> list[CheckReport]:
+    """One report per store of the buffer at ``location``: a problem for each group holding an id
+    outside ``[0, vocab_size)``."""
+    reports = []
+    for backend, path, rows, groups in find_bad_groups(location, vocab_size, progress):
+        report = CheckReport(location=path, backend=backend)
+        report.checked["rows' token ids"] = rows
+        report.problems += [f"{group.describe(vocab_size)}: a learner cannot embed them" for group in groups]
+        reports.append(report)
+    return reports
