@@ -108,8 +108,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.runs.round_ahead import ahead_rule
     from rlhf_pipeline.files.machine_cache import MachineCache
 
-    stop = StopFlag()
     tag = collector_tag(collector_index)
+    stop = StopFlag(tag.strip("[]"))
     state_file = paths.collector_state(collector_index)
     store_path = collector_shard(paths, collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on
@@ -372,7 +372,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
 
     # under torchrun: one of N data-parallel ranks (learn/distributed.py); rank 0 writes the files
     data_parallel = data_parallel if data_parallel is not None else DataParallel.from_torchrun_env()
-    stop = StopFlag()
+    stop = StopFlag("learner")
     if data_parallel.is_main:
         paths.clear_stop()  # a resumed learner wants collectors running
     data_parallel.start(torch.device(pipeline.settings.device))

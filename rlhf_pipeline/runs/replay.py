@@ -502,7 +502,7 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
 
     # one of learner.world_size ranks (_train_on_ranks) or of torchrun's; one rank otherwise
     data_parallel = DataParallel.from_torchrun_env()
-    stop = StopFlag()
+    stop = StopFlag("learner")
     rescorer = _make_rescorer(pipeline, options, learner_settings, source)
     batch_log: MetricsWriter | None = None
 
