@@ -219,10 +219,11 @@ def _register(control: Any, name: str) -> None:
 class CollectorActor:
     """Collector ``k``: writes ``buffer/shard-kkkk``, the only writer of that shard."""
 
-    def __init__(self, job: ActorJob, collector_index: int) -> None:
+    def __init__(self, job: ActorJob, collector_index: int, one_of_several: bool) -> None:
         self.job = job
         self.collector_index = collector_index
-        self.name = "collector" if collector_index == 0 else f"collector {collector_index}"
+        self.one_of_several = one_of_several
+        self.name = f"collector {collector_index}" if one_of_several else "collector"
 
     def __repr__(self) -> str:  # Ray prefixes the actor's forwarded output with it
         return self.name
@@ -235,7 +236,8 @@ class CollectorActor:
         _StopWatcher(control)
         pipeline, paths = self.job.build()
         poller = ObjectStoreWeightsPoller(paths.store, control)
-        return collect_main(pipeline, paths, collector_index=self.collector_index, poller=poller)
+        return collect_main(pipeline, paths, collector_index=self.collector_index, poller=poller,
+                            one_of_several=self.one_of_several)
 
 
 @ray.remote
