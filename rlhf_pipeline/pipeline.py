@@ -228,9 +228,9 @@ def _set_path(obj: Any, parts: list[str], raw: str, full_key: str, prefix: str) 
         known = sorted(_all_keys(type(obj), prefix))
         close = suggest_setting(full_key, known)
         hint = f" Did you mean {close!r}?" if close else ""
-        raise PipelineError(
-            f"unknown setting {full_key!r}.{hint} Known settings: {', '.join(known)}"
-        )
+        # a pointer, not the list: a pipeline has over a hundred settings, which made a 2,000-character line
+        raise PipelineError(f"unknown setting {full_key!r}.{hint} `rlhf-pipeline run PIPELINE.py --list-settings` "
+                            f"prints every setting with its documentation")
     hints = typing.get_type_hints(type(obj))
     if len(parts) > 1:
         child = getattr(obj, name)

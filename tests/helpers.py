@@ -186,7 +186,7 @@ def run_child_pids(role: str, *needles: str) -> list[int]:
                 found.append(int(entry.name))
         elif "rlhf_pipeline.cli.main" in words and command in words:
             at = words.index("--collector-index") + 1 if "--collector-index" in words else None
-            if (words[at] if at is not None else "") == index:
+            if (words[at] if at is not None else "0") == (index or "0"):
                 found.append(int(entry.name))
     return found
 

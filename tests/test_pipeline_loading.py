@@ -85,6 +85,17 @@ def test_unknown_settings_suggest_what_was_meant(typed, meant):
         assert f"Did you mean {meant!r}?" in message
 
 
+@pytest.mark.parametrize("typed", ["group_sise", "learner.foo", "nothing_like_any_setting"])
+def test_an_unknown_setting_is_a_short_line_pointing_at_list_settings(typed):
+    module = load_pipeline_module(DEFAULT)
+    with pytest.raises(PipelineError) as info:
+        make_settings(module, [f"{typed}=1"])
+    message = str(info.value)
+    # was every known setting, comma-separated: over 2,000 characters on one line
+    assert "\n" not in message and len(message) < 200, message
+    assert "--list-settings" in message and "learner.lr," not in message
+
+
 def test_overrides_parse_bools_tuples_and_paths(tmp_path):
     path = _write(tmp_path, """
         from dataclasses import dataclass

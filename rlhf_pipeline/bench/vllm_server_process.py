@@ -32,8 +32,11 @@ def free_port() -> int:
 
 def save_model_dir(model, tokenizer, path: Path) -> Path:
     """A ``save_pretrained`` directory of ``model`` with ``tokenizer``: what a user serves."""
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    from rlhf_pipeline.models.loading import transformers_bars_off
+
+    with transformers_bars_off():  # no "Writing model shards" bar amid the benchmark's report
+        model.save_pretrained(path, safe_serialization=True)
+        tokenizer.save_pretrained(path)
     return path
 
 

@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     # the first Ctrl-C (or SIGTERM) asks the import to stop after the append it is writing; a
     # second one interrupts at once, which a resume survives as well (appends are atomic)
-    StopFlag.role = "import"
-    stop = StopFlag()
+    stop = StopFlag("import")
     try:
         return _import(args, fail, stop.event)
     except KeyboardInterrupt:  # also how _import_into reports ImportStopped

@@ -70,13 +70,13 @@ def run(args: argparse.Namespace) -> int:
                     return 0
                 path = f"{str(path).rstrip('/')}/buffer"
         except (ValueError, OSError) as exc:
-            print(f"rlhf-pipeline inspect: {exc}", file=sys.stderr)
+            print(f"rlhf-pipeline inspect: error: {exc}", file=sys.stderr)
             return 2
     elif "://" not in str(path) and is_run_directory(path):
         try:
             lineage = run_lineage(path)
         except ValueError as exc:
-            print(f"rlhf-pipeline inspect: {exc}", file=sys.stderr)
+            print(f"rlhf-pipeline inspect: error: {exc}", file=sys.stderr)
             return 2
         path = Path(path) / "buffer"
         if not path.exists() and not args.verify:  # a run without a buffer of its own (a replay)
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 stats = buffer_stats(path)
         except StoreError as exc:
-            print(f"rlhf-pipeline inspect: {exc}", file=sys.stderr)
+            print(f"rlhf-pipeline inspect: error: {exc}", file=sys.stderr)
             return 2
     for warning in caught:
         print(f"rlhf-pipeline inspect: warning: {warning.message}", file=sys.stderr)

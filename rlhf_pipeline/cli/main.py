@@ -14,6 +14,7 @@ import os
 import sys
 
 from rlhf_pipeline.cli.bench_cmd import BENCHMARKS  # names only: the benchmarks load when one is run
+from rlhf_pipeline.files.run_store import RunStoreError  # no torch: the run store's base and errors
 from rlhf_pipeline.storage.errors import StoreClosedError, StoreError  # no torch: errors only
 
 # command name -> (module, one-line help)
@@ -79,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
         print(f"rlhf-pipeline {args.command}: interrupted", file=sys.stderr)
         return 130
-    except StoreError as exc:
+    except (StoreError, RunStoreError) as exc:
         # what a command did not word itself (a writer lock held by another process, a store refused at
-        # a URL): one line naming what and where, as every other refusal; a closed store is a bug
+        # a URL, s3fs missing for one): one line naming what and where, as every other refusal; a closed
+        # store is a bug
         if isinstance(exc, StoreClosedError):
             raise
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)

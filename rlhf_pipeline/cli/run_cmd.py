@@ -32,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                             help="collector processes to start; collector k writes buffer/shard-k and "
                                  "the learner reads all shards (default: 1)")
     if name == "collect":
-        parser.add_argument("--collector-index", type=int, default=0, metavar="K",
+        parser.add_argument("--collector-index", type=int, default=None, metavar="K",
                             help="which collector this is: it writes buffer/shard-K, keeps its own state, "
-                                 "and its ids carry K (default: 0)")
+                                 "its ids carry K and its lines say [collector K] (default: 0, the run's only "
+                                 "collector, whose lines say [collector])")
     parser.add_argument("--home", default=None,
                         help="directory holding run directories, or an s3:// or az:// URL holding runs "
                              "(every piece of run state there; endpoint and credentials from AWS_ENDPOINT_URL, "
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             overrides=args.overrides,
             list_settings=args.list_settings,
             collectors=getattr(args, "collectors", 1),
-            collector_index=getattr(args, "collector_index", 0),
+            collector_index=getattr(args, "collector_index", None),
             stop_fd=getattr(args, "stop_fd", None),
             wait_for_launcher=getattr(args, "wait_for_launcher", False),
             on_ray=on_ray,

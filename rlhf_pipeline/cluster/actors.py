@@ -193,11 +193,10 @@ class ObjectStorePublisher:
 class _StopWatcher:
     """Turns the control actor's stop request into a byte on a pipe that ``StopFlag`` watches."""
 
-    def __init__(self, control: Any, role: str) -> None:
+    def __init__(self, control: Any) -> None:
         self.control = control
         read_end, self._write_end = os.pipe()
         StopFlag.launcher_fd = read_end
-        StopFlag.role = role
         threading.Thread(target=self._watch, daemon=True, name="ray-stop-watch").start()
 
     def _watch(self) -> None:
@@ -220,10 +219,11 @@ def _register(control: Any, name: str) -> None:
 class CollectorActor:
     """Collector ``k``: writes ``buffer/shard-kkkk``, the only writer of that shard."""
 
-    def __init__(self, job: ActorJob, collector_index: int) -> None:
+    def __init__(self, job: ActorJob, collector_index: int, one_of_several: bool) -> None:
         self.job = job
         self.collector_index = collector_index
-        self.name = "collector" if collector_index == 0 else f"collector {collector_index}"
+        self.one_of_several = one_of_several
+        self.name = f"collector {collector_index}" if one_of_several else "collector"
 
     def __repr__(self) -> str:  # Ray prefixes the actor's forwarded output with it
         return self.name
@@ -233,10 +233,11 @@ class CollectorActor:
 
         control = self.job.control
         _register(control, self.name)
-        _StopWatcher(control, "collector")
+        _StopWatcher(control)
         pipeline, paths = self.job.build()
         poller = ObjectStoreWeightsPoller(paths.store, control)
-        return collect_main(pipeline, paths, collector_index=self.collector_index, poller=poller)
+        return collect_main(pipeline, paths, collector_index=self.collector_index, poller=poller,
+                            one_of_several=self.one_of_several)
 
 
 @ray.remote
@@ -264,7 +265,7 @@ class LearnerActor:
 
         control = self.job.control
         _register(control, self.name)
-        _StopWatcher(control, "learner")
+        _StopWatcher(control)
         # torch.distributed's env:// rendezvous; this worker process runs this rank only
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
         # Ray shows each actor only the GPUs it reserved, so a rank's GPU is always cuda:0

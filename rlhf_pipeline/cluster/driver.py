@@ -182,7 +182,7 @@ class _RayRun:
         self.collectors = {
             k: CollectorActor.options(num_cpus=resources.collector_num_cpus, num_gpus=resources.collector_num_gpus,
                                       scheduling_strategy="SPREAD", max_restarts=restarts,
-                                      max_task_retries=retries).remote(job, k)
+                                      max_task_retries=retries).remote(job, k, collectors > 1)
             for k in range(collectors)
         }
         # one rank restarts alone; a rank of several cannot rejoin its group's collectives

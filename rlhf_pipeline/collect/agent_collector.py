@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +61,7 @@ from rlhf_pipeline.collect.streaming import after_group, resume_marker
 from rlhf_pipeline.collect.agent_metrics import round_metrics
 from rlhf_pipeline.collect.agent_turns import TURN_MODES, EpisodeTurns, episode_seeds
 from rlhf_pipeline.collect.collector import MetricsHook
+from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -276,8 +276,8 @@ class AgentCollector:
         for failure in result.failures:
             first.setdefault(failure.group, failure)
         for group, failure in sorted(first.items()):
-            print(f"[agent collector {self.config.collector_index}] round {self.batches_emitted}: dropped group "
-                  f"{base + group} ({failure.reason}): {failure.message}", file=sys.stderr, flush=True)
+            say(f"{collector_tag(self.config.collector_index)} round {self.batches_emitted}: dropped group "
+                f"{base + group} ({failure.reason}): {failure.message}")
 
     def _check_failure_rate(self, result: Rollout) -> None:
         cfg = self.config

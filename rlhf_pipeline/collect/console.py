@@ -31,8 +31,21 @@ def say(line: str, stream: TextIO | None = None) -> None:
     stream.flush()
 
 
+# Whether this process's collector is one of several: collect_main knows (`run --collectors N`
+# with N > 1 gives each its --collector-index, as does a user starting `collect --collector-index K`);
+# a pipeline's own console hooks, built by make_collector with the index alone, do not.
+_one_of_several = False
+
+
+def name_collectors(one_of_several: bool) -> None:
+    """Sets how :func:`collector_tag` names this process's collector."""
+    global _one_of_several
+    _one_of_several = one_of_several
+
+
 def collector_tag(collector_index: int) -> str:
-    return "[collector]" if collector_index == 0 else f"[collector {collector_index}]"
+    """``[collector]`` for a run's only collector; ``[collector 0]``, ``[collector 1]``... for several."""
+    return f"[collector {collector_index}]" if _one_of_several or collector_index else "[collector]"
 
 
 def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = None,
@@ -40,11 +53,11 @@ def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = Non
     """The hook. ``every``: rounds per line (0: no lines, warnings only); ``toolbox``: the
     :class:`~rlhf_pipeline.agents.tools.ToolBox` the episodes call, whose ``take_first_errors()``
     gives the error messages (without one, only counts are printed)."""
-    tag = collector_tag(collector_index)
     since_line: dict[str, str] = {}  # kind -> first message since the last line
     state = {"rounds": 0, "warned": False}
 
     def hook(m: Mapping[str, float]) -> None:
+        tag = collector_tag(collector_index)
         state["rounds"] += 1
         for kind, message in (toolbox.take_first_errors() if toolbox is not None else {}).items():
             since_line.setdefault(kind, message)
@@ -68,6 +81,7 @@ def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = Non
             say_errors()
 
     def say_errors() -> None:
+        tag = collector_tag(collector_index)
         for kind, message in since_line.items():
             say(f"{tag}   first {kind} error: {_one_line(message)}", stream)
         since_line.clear()

@@ -208,9 +208,12 @@ def export_model(run_root: str | Path, out: str | Path, *, version: int | None =
 
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
+    from rlhf_pipeline.models.loading import transformers_bars_off
+
     try:
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
+        with transformers_bars_off():  # the command prints where it wrote; a bar for one shard is noise
+            model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
         info = {"run": str(Path(run_root).resolve()), "version": source.version, "from": str(source.path),
                 "model_class": type(model).__name__}
         record = partial / "rlhf_pipeline_export.json"

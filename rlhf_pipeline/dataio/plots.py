@@ -16,13 +16,16 @@ recorded versions in each batch (min / max) is drawn for them instead.
 A branch (``rlhf-pipeline branch``) is labelled with the step it started from, marked on every chart
 by a dotted line in its colour; plotted with its parent, it is drawn from that step on (its metrics
 up to there are the parent's own lines), so each branch leaves the parent's curve where it began.
+Those earlier lines still feed its moving average (:attr:`RunMetrics.lead_in`): the branch's average
+goes on from the parent's instead of starting again at its first point, which opened every branch
+curve with a jump to that one noisy value.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_pipeline.dataio.extras import require
@@ -46,6 +49,9 @@ class RunMetrics:
     kind: str  # "live" or "replay"
     records: list[dict]
     branch_step: int | None = None  # a branch (``rlhf-pipeline branch``): the parent's step it started from
+    lead_in: list[dict] = field(default_factory=list)
+    """A branch drawn beside its parent: its records before the branch step (the parent's, which the
+    parent draws). Not drawn; they only seed the moving average of ``records``."""
 
 
 CHARTS: tuple[Chart, ...] = (
@@ -163,12 +169,14 @@ def load_runs(run_dirs: list[str | Path]) -> dict[str, RunMetrics]:
         records = read_metrics(metrics) + collector_records(run)
         parent = read_parent(run) if run.is_dir() else None
         step = int(parent["step"]) if parent else None
+        lead_in = []
         if parent is not None:
             label = f"{label} (branch at step {step})"
             drawn_as = cache_dir(parent["parent"]) if is_url(parent["parent"]) else Path(parent["parent"]).resolve()
             if drawn_as in resolved:  # the parent draws the steps before (a parent at a URL: from its cache)
+                lead_in = [r for r in records if r["step"] < step]
                 records = [r for r in records if r["step"] >= step]
-        data[label] = RunMetrics(run_kind(run), records, step)
+        data[label] = RunMetrics(run_kind(run), records, step, lead_in)
     return data
 
 
@@ -209,6 +217,23 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     return written
 
 
+SMOOTHING = 0.8  # TensorBoard's slider; a curve of fewer than SMOOTHED_FROM points is drawn raw
+SMOOTHED_FROM = 10
+
+
+def curve(run: RunMetrics, key: str) -> tuple[list[int], list[float], list[float] | None] | None:
+    """``run``'s points of ``key`` to draw: (steps, raw values, moving average or None when too few
+    points to smooth), the average seeded with the run's lead-in; None when it has no such point."""
+    series = _series(run.records, key)
+    if series is None:
+        return None
+    steps, values = series
+    lead_in = (_series(run.lead_in, key) or ([], []))[1]
+    if len(lead_in) + len(values) < SMOOTHED_FROM:
+        return steps, values, None
+    return steps, values, smooth(lead_in + values, SMOOTHING)[len(lead_in):]
+
+
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]] | None:
     points = [(r["step"], float(r[key])) for r in records
               if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
@@ -225,15 +250,15 @@ def _draw(ax, chart: Chart, data: dict[str, RunMetrics], colors: list[str], comp
         if not chart.draws(run):
             continue
         for j, (key, series_label) in enumerate(chart.series):
-            series = _series(run.records, key)
-            if series is None:
+            points = curve(run, key)
+            if points is None:
                 continue
-            steps, values = series
+            steps, values, smoothed = points
             style = "-" if j == 0 else "--"
             name = f"{label} ({series_label})" if several_series else label
-            if len(values) >= 10:
+            if smoothed is not None:
                 ax.plot(steps, values, style, color=color, alpha=0.2, linewidth=0.8)
-                ax.plot(steps, smooth(values, 0.8), style, color=color, linewidth=1.5, label=name)
+                ax.plot(steps, smoothed, style, color=color, linewidth=1.5, label=name)
             else:
                 ax.plot(steps, values, style, color=color, marker="o", markersize=3, linewidth=1.5, label=name)
         if run.branch_step is not None:

@@ -148,19 +148,14 @@ class VLLMEngine(GenerationEngine):
         config = model.config
         if device == "cpu":
             check_cpu_head_size(config)
-        from transformers.utils import logging as hf_logging
+        from rlhf_pipeline.models.loading import transformers_bars_off
 
         scratch = Path(work_dir) if work_dir is not None else make_scratch_dir()
         model_dir = scratch / "model"
         # no "Writing model shards" bar: it is noise in the collector's console, and its tqdm lock is a
         # named semaphore the resource tracker warns about at exit
-        bar = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
+        with transformers_bars_off():
             model.save_pretrained(model_dir, safe_serialization=True)
-        finally:
-            if bar:
-                hf_logging.enable_progress_bar()
         dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
         options.setdefault("max_model_len", int(config.max_position_embeddings))
         return cls(model_dir, python=python, stop_token_ids=stop_token_ids, vocab_size=int(config.vocab_size),

@@ -7,6 +7,8 @@ with a message naming the path, not turn into a download attempt. Errors are
 Progress: on a terminal, transformers' own "Loading weights" bar shows; when stderr is a log
 file (``run``'s children, a job scheduler) the bar would add a screen of carriage returns per
 load, so it is switched off for the load and one line before and after says what is loaded.
+Saving (:func:`transformers_bars_off` around ``save_pretrained``) shows no bar at all: its
+"Writing model shards" bar for a model of one shard is noise amid a command's own output.
 """
 
 from __future__ import annotations
@@ -55,22 +57,30 @@ def _check_dir(path: str | Path, what: str) -> Path:
 
 
 @contextmanager
-def _load_progress(what: str, path: Path) -> Iterator[None]:
-    """transformers' weight-loading bar on a terminal; a line before and after in a log."""
+def transformers_bars_off() -> Iterator[None]:
+    """No transformers progress bar inside the block (``save_pretrained``'s "Writing model shards",
+    ``from_pretrained``'s "Loading weights"); as it was after it. Ours (tqdm's own) are untouched."""
     from transformers.utils import logging as hf_logging
 
-    if sys.stderr.isatty():
-        yield
-        return
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
-    print(f"[models] loading {what} from {path}", file=sys.stderr, flush=True)
-    start = time.perf_counter()
     try:
         yield
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def _load_progress(what: str, path: Path) -> Iterator[None]:
+    """transformers' weight-loading bar on a terminal; a line before and after in a log."""
+    if sys.stderr.isatty():
+        yield
+        return
+    print(f"[models] loading {what} from {path}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    with transformers_bars_off():
+        yield
     print(f"[models] loaded {what} in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
 
 

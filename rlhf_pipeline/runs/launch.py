@@ -161,7 +161,8 @@ class Children:
     @classmethod
     def start(cls, launcher: Sequence[str], common: Sequence[str], learner_args: Sequence[str],
               collectors: int, learner_ranks: int = 1, keep_fds: Sequence[int] = ()) -> Children:
-        """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP);
+        """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP; with
+        several, each is given its index, which names it in its lines: ``[collector 0]``, ``[collector 1]``);
         ``learner_ranks`` learner processes train as data-parallel ranks (``rank_environments``);
         every child inherits ``keep_fds`` (open, unused: the run directory's holder lock)."""
         children = cls()
@@ -169,7 +170,7 @@ class Children:
         status_read, status_write = os.pipe()
         children.reports = os.fdopen(status_read, "r")
         wait = ["--wait-for-launcher", "--stop-fd", str(stop_read)]
-        specs = [ChildSpec(["collect", *common, *(["--collector-index", str(k)] if k else []), *wait],
+        specs = [ChildSpec(["collect", *common, *(["--collector-index", str(k)] if collectors > 1 else []), *wait],
                            keep_fds=(stop_read, *keep_fds)) for k in range(collectors)]
         # rank 0 prepares the run for all collectors' shards and says how it went; the other
         # ranks wait for "go", given once weights version 0 is published

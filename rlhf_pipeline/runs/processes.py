@@ -85,17 +85,18 @@ def _second_collector(collector_index: int, store_path: str, holder: str | None)
 
 
 def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
-                 collector_index: int = 0, poller: Any = None) -> int:
+                 collector_index: int = 0, poller: Any = None, one_of_several: bool = False) -> int:
     """Collects rounds until ``rounds``, a stop request, or the learner's ``STOP`` file.
 
     ``poller``: where new weights come from (``poll() -> (state_dict, version) | None`` and
     ``current_version``); default the run's weight files (``weights.WeightsPoller``).
 
     Collector ``collector_index`` writes its own shard ``buffer/shard-kkkk`` (with its own
-    pending groups) and keeps its own position in ``collector/shard-kkkk.pt``.
+    pending groups) and keeps its own position in ``collector/shard-kkkk.pt``. ``one_of_several``:
+    its lines say ``[collector K]``, else ``[collector]`` (collector 0 alone).
     """
     from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
-    from rlhf_pipeline.collect.console import collector_tag, say
+    from rlhf_pipeline.collect.console import collector_tag, name_collectors, say
     from rlhf_pipeline.generation.engine import EngineFailed
     from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.runs.branch_online import collector_rows, keep_position_history
@@ -109,8 +110,9 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.runs.round_ahead import ahead_rule
     from rlhf_pipeline.files.machine_cache import MachineCache
 
-    stop = StopFlag()
+    name_collectors(one_of_several)
     tag = collector_tag(collector_index)
+    stop = StopFlag(tag.strip("[]"))
     state_file = paths.collector_state(collector_index)
     store_path = collector_shard(paths, collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on
@@ -250,8 +252,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             if failed is not None:
                 say(f"{tag} stopped: {failed}")
                 break
-            if done % 50 == 0:
-                say(f"{tag} round {done}: {store.next_row - rows_before} rows, shard {len(store)} rows, "
+            # the collector's own count, saved with its state: a resumed collector goes on from it
+            round_number = getattr(collector, "batches_emitted", done)
+            if round_number % 50 == 0:
+                say(f"{tag} round {round_number}: {store.next_row - rows_before} rows, shard {len(store)} rows, "
                     f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner")
         metrics.close()
     finally:
@@ -377,7 +381,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
 
     # under torchrun: one of N data-parallel ranks (learn/distributed.py); rank 0 writes the files
     data_parallel = data_parallel if data_parallel is not None else DataParallel.from_torchrun_env()
-    stop = StopFlag()
+    stop = StopFlag("learner")
     if data_parallel.is_main:
         paths.clear_stop()  # a resumed learner wants collectors running
     data_parallel.start(torch.device(pipeline.settings.device))

@@ -20,8 +20,9 @@ Order of work, so that bad input fails before anything is written:
    there, as ``run --home URL`` keeps them, and local disk is only a cache). ``settings.json``
    holds the pipeline's settings plus a ``replay`` section (source, rows, options, the learner settings used); a
    second start must match it (only ``--epochs``/``--steps``, ``--device`` and, with a
-   note, ``learner.*`` may change). The initial policy (``--init-from``, else the
-   pipeline's ``make_policy()``) is published as weights version 0;
+   note, ``learner.*`` may change). The initial policy (``--init-from``; else the weights version 0
+   of the run that recorded the buffer, when it still holds it and has this replay's settings;
+   else the pipeline's ``make_policy()``, saying why) is published as weights version 0;
 4. run the :class:`~rlhf_pipeline.learn.learner.Learner` over the source, with the optional
    re-scoring (``learn/rescore.py``) as its batch transform, and record each step's rows in
    ``batches.jsonl`` (positions and trajectory ids), so two replays can be compared row
@@ -408,7 +409,8 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
                     f"Resume with the same command, or start a new replay with --run-name NAME"
                 )
         # the initial policy before settings.json: a --init-from that does not fit leaves nothing behind
-        model = initial_policy(pipeline, options.init_from) if latest_version(paths.store) is None else None
+        model = (initial_policy(pipeline, options.init_from, record["buffer"])
+                 if latest_version(paths.store) is None else None)
         if saved is None:
             if record["seed"] is None:
                 record["seed"] = int(getattr(pipeline.settings, "seed", 0))
@@ -426,13 +428,58 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
     return model
 
 
-def initial_policy(pipeline, init_from: str | None):
-    """The replay's starting weights in the pipeline's architecture (see :func:`load_policy`)."""
-    if init_from is None:
-        print("[replay] initial policy: the pipeline's make_policy()", file=sys.stderr, flush=True)
-        return pipeline.make_policy()
-    print(f"[replay] initial policy: {init_from}", file=sys.stderr, flush=True)
-    return load_policy(init_from, pipeline.make_model, what="--init-from")
+def initial_policy(pipeline, init_from: str | None, source: str):
+    """The replay's starting weights in the pipeline's architecture: ``init_from`` (see
+    :func:`load_policy`), else the recording run's initial policy (:func:`recorded_initial_policy`),
+    else ``make_policy()`` (a warm start of seconds to minutes), with the reason it is built again."""
+    if init_from is not None:
+        print(f"[replay] initial policy: {init_from}", file=sys.stderr, flush=True)
+        return load_policy(init_from, pipeline.make_model, what="--init-from")
+    recorded, said = recorded_initial_policy(pipeline, source)
+    if recorded is not None:
+        print(f"[replay] initial policy: {said}", file=sys.stderr, flush=True)
+        return recorded
+    print(f"[replay] initial policy: the pipeline's make_policy(), since {said} (--init-from RUN_DIR|MODEL_DIR "
+          f"starts from saved weights instead)", file=sys.stderr, flush=True)
+    return pipeline.make_policy()
+
+
+# settings make_policy() does not depend on: those a run may change on resume, and the learner's
+_NOT_THE_INITIAL_POLICY = {"learner", "steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s"}
+
+
+def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
+    """``(model, what it is)``: weights version 0 of the run whose ``buffer/`` (or shard of it) is
+    ``source``, in ``make_model()``, when that run still holds it (a run keeps it until its learner's
+    first checkpoint: a buffer recorded by ``collect`` alone, a short run) and was made with this
+    replay's settings, so ``make_policy()`` would build those weights again; else ``(None, why not)``."""
+    from rlhf_pipeline.coordination.weights import load_weights, published_versions
+    from rlhf_pipeline.runs.lineage import is_run_directory, read_parent
+
+    path = Path(source).expanduser()
+    run = next((b.parent for b in (path, path.parent) if b.name == "buffer" and is_run_directory(b.parent)), None)
+    if is_url(source) or run is None:
+        return None, f"{source} is no run directory's buffer/ (no initial weights beside it)"
+    try:
+        saved = json.loads((run / "settings.json").read_text())
+        branch = read_parent(run)
+    except (OSError, ValueError) as exc:
+        return None, f"the settings of {run}, which recorded the buffer, are unreadable ({exc})"
+    if branch is not None:
+        return None, f"{run}, which recorded the buffer, is a branch: it started from a checkpoint of its parent"
+    current = settings_to_json(pipeline.settings)
+    changed = [k for k in sorted(current) if k not in _NOT_THE_INITIAL_POLICY and k in saved and saved[k] != current[k]]
+    if changed:
+        return None, (f"{run}, which recorded the buffer, was made with other settings ({', '.join(changed)}), "
+                      f"so its initial policy may not be this pipeline's")
+    if 0 not in published_versions(run):
+        return None, (f"{run}, which recorded the buffer, no longer holds its weights version 0 (a run keeps it "
+                      f"until its first checkpoint)")
+    state, _ = load_weights(run, 0)
+    model = pipeline.make_model()
+    _check_same_architecture(model.state_dict(), state, f"run {run} (weights version 0)", "the recording run")
+    model.load_state_dict(state)
+    return model, f"weights version 0 of {run}, the run that recorded the buffer (made with these settings)"
 
 
 def load_policy(location: str, make_model, *, what: str):
@@ -502,7 +549,7 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
 
     # one of learner.world_size ranks (_train_on_ranks) or of torchrun's; one rank otherwise
     data_parallel = DataParallel.from_torchrun_env()
-    stop = StopFlag()
+    stop = StopFlag("learner")
     rescorer = _make_rescorer(pipeline, options, learner_settings, source)
     batch_log: MetricsWriter | None = None
 

@@ -85,13 +85,14 @@ RayLaunch = Callable[[str, Any, Any, RunPaths, str, Sequence[str], int], int]
 def run_command(command: str, *, pipeline_path: str, steps: int | None = None, home: str | None = None,
                 run_name: str | None = None, device: str | None = None,
                 overrides: Sequence[str] = (), list_settings: bool = False,
-                collectors: int = 1, collector_index: int = 0, stop_fd: int | None = None,
+                collectors: int = 1, collector_index: int | None = None, stop_fd: int | None = None,
                 wait_for_launcher: bool = False, status_fd: int | None = None,
                 on_ray: RayLaunch | None = None) -> int:
     """``on_ray``: place the processes on a Ray cluster instead (``--ray``): called once the run
     directory is held, as ``on_ray(command, module, settings, paths, pipeline_path, overrides,
     collectors)``; the CLI passes :func:`rlhf_pipeline.cluster.driver.ray_launcher`'s. This layer
-    knows no Ray: the cluster package builds on it, not the other way round."""
+    knows no Ray: the cluster package builds on it, not the other way round. ``collector_index``: which
+    collector ``collect`` is (None: 0, the run's only one, named ``[collector]`` in its lines)."""
     if wait_for_launcher:  # a child of `run`, started before the run directory was ready
         from rlhf_pipeline.runs.launch import wait_for_launcher as wait
 
@@ -99,6 +100,8 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
             return 0  # run's checks failed or it was interrupted; it says why
     if collectors < 1:
         raise PipelineError(f"--collectors must be >= 1, got {collectors}")
+    named_by_index = collector_index is not None
+    collector_index = collector_index or 0
     if collector_index < 0:
         raise PipelineError(f"--collector-index must be >= 0, got {collector_index}")
     if steps is not None and steps < 1:  # before anything is written, as `replay` refuses it
@@ -167,7 +170,8 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
                 prepare_run_directory(pipeline, paths, shards=(collector_index,))
                 refuse_a_second_collector(paths, collector_index)  # before seconds of warm start
                 publish_initial_policy(pipeline, paths)
-            return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index)
+            return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index,
+                                one_of_several=named_by_index)
         if command == "learn":
             ranks = pipeline.learner.world_size
             if ranks > 1 and "WORLD_SIZE" not in os.environ:  # before the run directory is prepared

@@ -24,12 +24,16 @@ class StopFlag:
     on it is a stop request, end-of-file means the launcher died (even by ``kill -9``); both
     stop cleanly. Neither counts as a signal, so one Ctrl-C (which reaches the launcher and the
     children alike) never looks like two.
+
+    ``role`` names the process in its messages (``collector 1``, ``learner``): the caller says it,
+    since a child forked by ``run`` (``cli/forker.py``) has the forking process's ``sys.argv``, which
+    holds every child's command line, so a collector guessing from it called itself the learner.
     """
 
     launcher_fd: int | None = None
-    role: str | None = None  # the name in its messages, where sys.argv does not tell (a Ray actor)
 
-    def __init__(self) -> None:
+    def __init__(self, role: str) -> None:
+        self.role = role
         self.event = threading.Event()
         self.signal: int | None = None  # the first signal received
         self.launcher_stopped = False
@@ -44,7 +48,7 @@ class StopFlag:
         if self.signal is not None:  # second Ctrl-C: stop now
             raise KeyboardInterrupt
         self.signal = signum
-        say_in_handler(f"[{_role()}] stopping cleanly ({signal.Signals(signum).name}); press Ctrl-C again to abort")
+        say_in_handler(f"[{self.role}] stopping cleanly ({signal.Signals(signum).name}); press Ctrl-C again to abort")
         self.event.set()
 
     def _watch_launcher(self, fd: int) -> None:
@@ -58,7 +62,7 @@ class StopFlag:
         self.event.set()
         if not told:
             why = "the launcher asked to stop" if asked else "the launcher is gone"
-            if not say_in_handler(f"[{_role()}] {why}; stopping cleanly") and not asked:
+            if not say_in_handler(f"[{self.role}] {why}; stopping cleanly") and not asked:
                 _silence_output()  # nobody reads the dead launcher's log: a print must not end us mid-stop
 
     def exit_code(self) -> int:
@@ -89,12 +93,6 @@ def _silence_output() -> None:
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     os.close(devnull)
-
-
-def _role() -> str:
-    if StopFlag.role is not None:
-        return StopFlag.role
-    return "learner" if {"learn", "replay"} & set(sys.argv) else "collector" if "collect" in sys.argv else "run"
 
 
 class LauncherSignals:

@@ -116,3 +116,28 @@ def test_a_multi_turn_run_gets_its_turns_and_trajectories_charted(tiny_run, tmp_
     assert image.imread(tmp_path / "both" / "turns.png")[..., :3].std() > 0.01
     assert main(["plot", str(tiny_run), "--out", str(tmp_path / "single")]) == 0  # a single-turn run: none
     assert not (tmp_path / "single" / "turns.png").exists()
+
+
+def test_a_branch_curve_continues_its_parents_moving_average(tmp_path):
+    """A branch plotted beside its parent is drawn from its branch step; its moving average goes on
+    from the parent's there instead of starting again at that one (noisy) point."""
+    from rlhf_pipeline.dataio.plots import curve, load_runs
+
+    parent, branch = tmp_path / "parent", tmp_path / "branch"
+    parent.mkdir()
+    branch.mkdir()
+    reward = {step: 0.1 * (step % 3) for step in range(1, 21)}
+    reward[10] = 5.0  # an outlier at the branch step: the average there is far from this value
+    lines = [json.dumps({"step": step, "charts/reward_mean": value}) + "\n" for step, value in reward.items()]
+    (parent / "metrics.jsonl").write_text("".join(lines))
+    # a branch's metrics are its parent's lines up to the branch step, then its own
+    own = [json.dumps({"step": step, "charts/reward_mean": 0.3}) + "\n" for step in range(11, 21)]
+    (branch / "metrics.jsonl").write_text("".join(lines[:10] + own))
+    (branch / "branch.json").write_text(json.dumps({"parent": str(parent), "step": 10}))
+
+    drawn = load_runs([parent, branch])
+    parent_steps, _, parent_average = curve(drawn["parent"], "charts/reward_mean")
+    steps, values, average = curve(drawn["branch (branch at step 10)"], "charts/reward_mean")
+    assert steps[0] == 10 and values[0] == 5.0  # the raw points are the branch's from its step on
+    assert average[0] == pytest.approx(parent_average[parent_steps.index(10)])
+    assert average[0] < 2.0  # not the raw outlier, where a restarted average would begin

@@ -84,7 +84,9 @@ def test_two_collectors_feed_one_learner_through_buffer_shards(tmp_path):
     run = tmp_path / "two"
     # clean shutdown: the learner finished, wrote STOP, and both collectors ended on it
     assert "[run] done: 4 learner steps" in result.stderr
-    assert "[collector] stopped after" in result.stderr and "[collector 1] stopped after" in result.stderr
+    # named alike: each of several by its index (collector 0 once said "[collector]" beside "[collector 1]")
+    assert "[collector 0] stopped after" in result.stderr and "[collector 1] stopped after" in result.stderr
+    assert "[collector] " not in result.stderr
     assert (run / "STOP").exists()
 
     # each collector wrote its own shard, with ids that carry its index, and kept its own state
@@ -258,3 +260,17 @@ def test_run_with_two_learner_ranks_writes_one_set_of_files(tmp_path):
 
     assert CheckpointManager(run / "checkpoints").latest_step() == 3 and latest_version(run) == 3
     assert done.stderr.count("[run] done: 3 learner steps") == 1
+
+
+def test_a_resumed_collector_numbers_its_rounds_on_from_where_it_stopped(tmp_path, capsys):
+    """Every 50th round is said; a collector resumed after 30 rounds says round 50 after 20 more
+    (it once counted again from 1: its 20th round then, nothing said)."""
+    argv = ["collect", DEFAULT, "--home", str(tmp_path), "--run-name", "rounds", "--set", "warm_start_steps=0",
+            "--set", "prompts_per_round=2", "--set", "group_size=2",
+            "--set", "rounds_per_version=1000", "--set", "rounds_ahead=none"]  # alone: no learner to pace it
+    assert main([*argv, "--steps", "30"]) == 0
+    assert "[collector] stopped after 30 rounds" in capsys.readouterr().err
+    assert main([*argv, "--steps", "20"]) == 0
+    err = capsys.readouterr().err
+    assert "[collector] round 50: 4 rows, shard 200 rows" in err, err
+    assert "[collector] stopped after 20 rounds" in err

@@ -137,7 +137,7 @@ def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(cluster
     # SIGINT: every actor stopped cleanly, the learner at a checkpoint
     assert driver.returncode == 130, out[-3000:]
     assert "[run] interrupted (SIGINT)" in out and "[learner] stopped at step" in out, out[-3000:]
-    assert "[collector] stopped after" in out and "[collector 1] stopped after" in out, out[-3000:]
+    assert "[collector 0] stopped after" in out and "[collector 1] stopped after" in out, out[-3000:]
     stopped_at = CheckpointManager(run / "checkpoints").latest_step()
     assert stopped_at == read_metrics(run / "metrics.jsonl")[-1]["step"]
 

@@ -306,3 +306,37 @@ def test_a_replays_warm_start_and_steps_use_the_pipelines_threads(home, source):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_replay_starts_from_the_recording_runs_initial_policy_or_says_why_it_builds_one(tmp_path, capsys):
+    """A buffer recorded by `collect` alone: its run still holds weights version 0, the policy the
+    replay's make_policy() would build again (a warm start of minutes in a real pipeline). Reused
+    when the settings are the recording's; otherwise the warm start runs and one line says why."""
+    from rlhf_pipeline.cli.main import main
+    from rlhf_pipeline.coordination.weights import weights_path
+
+    settings = [*SMALL, "warm_start_steps=3", "prompts_per_round=2", "group_size=4", "learner.batch_size=8",
+                "rounds_per_version=1000", "rounds_ahead=none"]  # collect alone: no learner to pace it
+    cli = [arg for item in settings for arg in ("--set", item)]
+    assert main(["collect", DEFAULT, "--home", str(tmp_path), "--run-name", "rec", *cli, "--steps", "2"]) == 0
+    buffer = tmp_path / "rec" / "buffer"
+    capsys.readouterr()
+
+    def replay_said(name: str, *extra: str) -> str:
+        replay_command(DEFAULT, ReplayOptions(buffer=str(buffer), steps=1), home=str(tmp_path), run_name=name,
+                       overrides=settings + list(extra))
+        said = capsys.readouterr()
+        return said.out + said.err
+
+    said = replay_said("same")
+    assert f"[replay] initial policy: weights version 0 of {tmp_path / 'rec'}, the run that recorded" in said, said
+    assert "warm start" not in said
+
+    said = replay_said("other", "warm_start_steps=4")
+    assert ("[replay] initial policy: the pipeline's make_policy(), since " f"{tmp_path / 'rec'}, which recorded the "
+            "buffer, was made with other settings (warm_start_steps)") in said, said
+    assert "[run] warm start: 4 steps" in said
+
+    weights_path(tmp_path / "rec", 0).unlink()  # as a run's first checkpoint prunes it
+    said = replay_said("pruned")
+    assert "no longer holds its weights version 0" in said and "[run] warm start: 3 steps" in said, said

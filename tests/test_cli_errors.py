@@ -1,0 +1,26 @@
+"""Every command words a failure alike: one line, ``rlhf-pipeline COMMAND: error: ...``, exit code 2,
+no traceback, including failures it did not word itself (``cli/main.py`` catches those)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from rlhf_pipeline.cli.main import main
+
+
+@pytest.mark.parametrize("argv", [
+    ["inspect", "s3://some-bucket/run"],  # a run at a URL
+    ["inspect", "s3://some-bucket/run/buffer"],
+    ["export", "s3://some-bucket/run/buffer", "rows.jsonl"],  # was a traceback (RunStoreError)
+    ["filter", "s3://some-bucket/run/buffer", "kept", "--where", "response_length <= 3"],
+], ids=["inspect-run", "inspect-buffer", "export", "filter"])
+def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if the `s3` extra were not installed
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlhf-pipeline {argv[0]}: error: ") and err.count("\n") == 1, err
+    assert "s3fs" in err and "pip install -e '.[s3]'" in err
+    assert not any(tmp_path.iterdir())  # nothing written
