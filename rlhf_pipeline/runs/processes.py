@@ -5,6 +5,9 @@ a standalone ``collect`` / ``learn``, or a Ray actor (``rlhf_pipeline/cluster/ac
 :func:`collect_main` collects rounds into the collector's own shard, paced by the learner, until
 the learner's ``STOP`` file or a stop request; :func:`learn_main` runs the learner (one rank, or
 one of several data-parallel ranks) until its steps are taken or it is asked to stop.
+
+Why one file: the two process bodies are the run's one reading of its own directory (paths, stop
+file, pacing, weights) from the inside; a change to how a run is laid out changes both together.
 """
 
 from __future__ import annotations
