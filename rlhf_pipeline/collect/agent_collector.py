@@ -62,6 +62,7 @@ from rlhf_pipeline.collect.agent_metrics import round_metrics
 from rlhf_pipeline.collect.agent_turns import TURN_MODES, EpisodeTurns, episode_seeds
 from rlhf_pipeline.collect.collector import MetricsHook
 from rlhf_pipeline.collect.console import collector_tag, say
+from rlhf_pipeline.collect.rewards import EpisodeFailureRateError, check_failure_fraction, check_failure_rate
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -118,12 +119,7 @@ class AgentCollectorConfig:
     def __post_init__(self) -> None:
         if self.tasks_per_round < 1 or self.group_size < 1:
             raise ValueError("AgentCollectorConfig: tasks_per_round and group_size must be >= 1")
-        fraction = self.max_failed_group_fraction
-        if fraction is not None and not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"AgentCollectorConfig.max_failed_group_fraction must be in [0, 1] or None, got {fraction}")
-        if self.failure_rate_min_groups < 1:
-            raise ValueError(f"AgentCollectorConfig.failure_rate_min_groups must be >= 1, got "
-                             f"{self.failure_rate_min_groups}")
+        check_failure_fraction(self.max_failed_group_fraction, self.failure_rate_min_groups, "AgentCollectorConfig")
         unknown = sorted(set(self.row_fields) - set(AGENT_ROW_FIELDS))
         if unknown:
             raise ValueError(f"AgentCollectorConfig.row_fields: {unknown} are not fields an episode fills; "
@@ -134,10 +130,6 @@ class AgentCollectorConfig:
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"AgentCollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), "
                              f"got {self.collector_index}")
-
-
-class EpisodeFailureRateError(RuntimeError):
-    """More groups were dropped over failed episodes than ``max_failed_group_fraction`` allows."""
 
 
 class AgentCollector:
@@ -280,17 +272,11 @@ class AgentCollector:
                 f"{base + group} ({failure.reason}): {failure.message}")
 
     def _check_failure_rate(self, result: Rollout) -> None:
-        cfg = self.config
-        limit = cfg.max_failed_group_fraction
-        if limit is None or not self.groups_dropped:
-            return
-        if self.groups_dropped > limit * max(self.groups_emitted, cfg.failure_rate_min_groups):
-            last = result.failures[-1] if result.failures else None
-            why = f"; the last: {last.reason}: {last.message}" if last is not None else ""
-            raise EpisodeFailureRateError(
-                f"{self.groups_dropped} of {self.groups_emitted} groups were dropped over failed episodes, more than "
-                f"max_failed_group_fraction={limit:g} allows (counted over at least {cfg.failure_rate_min_groups} "
-                f"groups){why}; fix the environment, or raise AgentCollectorConfig.max_failed_group_fraction")
+        last = result.failures[-1] if result.failures else None
+        check_failure_rate(self.groups_dropped, self.groups_emitted, self.config.max_failed_group_fraction,
+                           self.config.failure_rate_min_groups,
+                           None if last is None else f"{last.reason}: {last.message}", "AgentCollectorConfig",
+                           over="failed episodes")
 
     def _sample(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
         """One batch of turns from the engine: every active episode's token list, one sample each, each

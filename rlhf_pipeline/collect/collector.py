@@ -38,7 +38,8 @@ import torch
 
 from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.console import collector_tag, say
-from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, drop_non_finite_groups, score
+from rlhf_pipeline.collect.rewards import (RewardFn, WeightedReward, as_rewards, check_failure_fraction,
+                                           check_failure_rate, drop_non_finite_groups, score)
 from rlhf_pipeline.collect.overlap import IdleClock, RoundAhead, check_overlap, read_round
 from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming, after_group, resume_marker
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
@@ -70,12 +71,20 @@ class CollectorConfig:
     overlap_rounds: bool = False
     """With ``stream_groups``: the next round submitted while this one's tail decodes, when
     ``collect(next_round=...)`` allows (``collect/overlap.py``); the same rows."""
+    max_failed_group_fraction: float | None = 0.1
+    """Groups dropped for a reward that is not finite may be at most this fraction of the groups run;
+    past it ``collect`` raises :class:`~rlhf_pipeline.collect.rewards.EpisodeFailureRateError` after
+    writing its round, and the run stops (the agent collector's rule). 0: the first drop stops it;
+    None: never."""
+    failure_rate_min_groups: int = 32
+    """The fraction above is taken over at least this many groups."""
 
     def __post_init__(self) -> None:
         if self.prompts_per_batch < 1 or self.num_generations < 1:
             raise ValueError("CollectorConfig: prompts_per_batch and num_generations must be >= 1")
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"CollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), got {self.collector_index}")
+        check_failure_fraction(self.max_failed_group_fraction, self.failure_rate_min_groups, "CollectorConfig")
 
 
 MetricsHook = Callable[[dict[str, float]], None]
@@ -131,6 +140,7 @@ class Collector:
         self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
         self.last_metrics: dict[str, float] = {}
         self._dropped: list[tuple[int, str]] = []  # this round's groups with a non-finite reward: (group id, why)
+        self.groups_dropped = 0  # over every round, resumed with the state: the failure rate's numerator
 
     # ---------------------------------------------------------------- one batch
     def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None,
@@ -182,11 +192,15 @@ class Collector:
         self.groups_emitted += len(records)
         self.trajectories_emitted += rows_in_round
         self.batches_emitted += 1
+        self.groups_dropped += len(self._dropped)
         self.resume_after_group_id = None
         for group_id, why in self._dropped:  # as the agent collector says its dropped groups
             say(f"{collector_tag(cfg.collector_index)} round {self.batches_emitted}: dropped group {group_id} "
                 f"(non_finite_reward): {why}")
         self._report(batch, parts, t0, t_gen, t_reward, streamed)
+        check_failure_rate(self.groups_dropped, self.groups_emitted, cfg.max_failed_group_fraction,
+                           cfg.failure_rate_min_groups, self._dropped[-1][1] if self._dropped else None,
+                           "CollectorConfig", over="non-finite rewards")
         return batch
 
     def requests_for(self, records) -> list[SampleRequest]:
@@ -330,6 +344,7 @@ class Collector:
             "response_len_mean": mean(batch["response_tokens"].lengths()),
             "terminated_frac": mean(batch["terminated"]),
             "groups_dropped": float(len(self._dropped)),  # the agent collector's names (agent_metrics.py)
+            "groups_dropped_total": float(self.groups_dropped),
             **({"dropped/non_finite_reward": float(len(self._dropped))} if self._dropped else {}),
             "policy_version": float(self.policy_version),
             "batches": float(self.batches_emitted),
@@ -390,6 +405,8 @@ class Collector:
             "groups_emitted": self.groups_emitted + groups,
             "trajectories_emitted": self.trajectories_emitted + trajectories,
             "batches_emitted": self.batches_emitted + batches,
+            # a round being counted (batches) has its drops in _dropped already: its rows are built
+            "groups_dropped": self.groups_dropped + (len(self._dropped) if batches else 0),
             "policy_version": self.policy_version,
             "rng": self.generator.get_state(),
             "config": {"collector_index": self.config.collector_index, "seed": self.config.seed,
@@ -408,6 +425,7 @@ class Collector:
         self.groups_emitted = int(state["groups_emitted"])
         self.trajectories_emitted = int(state["trajectories_emitted"])
         self.batches_emitted = int(state["batches_emitted"])
+        self.groups_dropped = int(state.get("groups_dropped", 0))  # saved before groups could be dropped: none
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])

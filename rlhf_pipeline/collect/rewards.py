@@ -255,3 +255,31 @@ def non_finite_reason(parts: Mapping[str, torch.Tensor], row: int, completion: s
         if not math.isfinite(float(values[row])):
             return f"reward {name!r} gave {float(values[row])} for completion {completion!r}"
     return f"the weighted sum of the rewards of completion {completion!r} is not finite"
+
+
+class EpisodeFailureRateError(RuntimeError):
+    """More groups were dropped (an episode failed, or a reward was not finite) than
+    ``max_failed_group_fraction`` allows; the round that crossed it is written, then the run stops."""
+
+
+def check_failure_rate(dropped: int, emitted: int, limit: float | None, min_groups: int, last: str | None,
+                       config_name: str, over: str) -> None:
+    """Raise :class:`EpisodeFailureRateError` once ``dropped`` of ``emitted`` groups is past ``limit``,
+    the fraction taken over at least ``min_groups`` groups (so a few drops at the start stop nothing);
+    ``over``: what drops a group in this collector, for the message.
+    One rule for the single-turn and the agent collector, so a reward that is always NaN stops either."""
+    if limit is None or not dropped or dropped <= limit * max(emitted, min_groups):
+        return
+    why = f"; the last: {last}" if last else ""
+    raise EpisodeFailureRateError(
+        f"{dropped} of {emitted} groups were dropped over {over}, more than max_failed_group_fraction={limit:g} allows "
+        f"(counted over at least {min_groups} groups){why}; fix the reward or environment, or raise "
+        f"{config_name}.max_failed_group_fraction")
+
+
+def check_failure_fraction(limit: float | None, min_groups: int, config_name: str) -> None:
+    """The two failure-rate settings of a collector's config, checked where they are declared."""
+    if limit is not None and not (math.isfinite(limit) and 0.0 <= limit <= 1.0):
+        raise ValueError(f"{config_name}.max_failed_group_fraction must be in [0, 1] or None, got {limit}")
+    if min_groups < 1:
+        raise ValueError(f"{config_name}.failure_rate_min_groups must be >= 1, got {min_groups}")

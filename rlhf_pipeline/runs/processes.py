@@ -98,7 +98,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     pending groups) and keeps its own position in ``collector/shard-kkkk.pt``. ``one_of_several``:
     its lines say ``[collector K]``, else ``[collector]`` (collector 0 alone).
     """
-    from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
+    from rlhf_pipeline.collect.rewards import EpisodeFailureRateError
     from rlhf_pipeline.collect.console import collector_tag, name_collectors, say
     from rlhf_pipeline.generation.engine import EngineFailed
     from rlhf_pipeline.collect.position import CollectorPosition

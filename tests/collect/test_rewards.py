@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlhf_pipeline.collect.rewards import (
+    EpisodeFailureRateError,
     RewardError,
     RewardModelReward,
     WeightedReward,
@@ -126,10 +127,10 @@ def test_a_reward_given_as_text_is_refused_by_the_agents_check():
     assert total.tolist() == [1.0, 0.5, 0.25]
 
 
-def _collector(tiny, reward, sink, *, stream=False):
+def _collector(tiny, reward, sink, *, stream=False, **config_fields):
     model, tok = tiny
     config = CollectorConfig(prompts_per_batch=3, num_generations=4, stream_groups=stream,
-                             sampling=SamplingConfig(max_new_tokens=5, temperature=1.5))
+                             sampling=SamplingConfig(max_new_tokens=5, temperature=1.5), **config_fields)
     source = PromptSource(toy_prompts(10, seed=1), seed=0, required_fields=("answer",))
     return Collector(model, tok, source, {"r": reward}, sink, config)
 
@@ -161,7 +162,7 @@ def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tin
     store = create_store(tmp_path / "buf", "memmap", schema=StoreSchema(optional=("advantage",)))
     buffer = make_replay_buffer(store, transforms=[GroupAdvantage(4, store=store)])
     reward = NaNOnMultiplesOfThree()
-    straight = _collector(tiny, reward, buffer.extend, stream=stream)
+    straight = _collector(tiny, reward, buffer.extend, stream=stream, max_failed_group_fraction=None)
     rounds, dropped = [], []
     for _ in range(3):
         seen = len(reward.answers)
@@ -181,9 +182,9 @@ def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tin
     store.close()
 
     # resumed after the first round: the same groups are dropped, the same rows written
-    first = _collector(tiny, NaNOnMultiplesOfThree(), None, stream=stream)
+    first = _collector(tiny, NaNOnMultiplesOfThree(), None, stream=stream, max_failed_group_fraction=None)
     first.collect()
-    resumed = _collector(tiny, NaNOnMultiplesOfThree(), None, stream=stream)
+    resumed = _collector(tiny, NaNOnMultiplesOfThree(), None, stream=stream, max_failed_group_fraction=None)
     resumed.load_state_dict(first.state_dict())
     for expected in rounds[1:]:
         got = resumed.collect()
@@ -197,9 +198,33 @@ def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tin
 def test_a_round_whose_every_group_is_dropped_writes_nothing_and_reports_no_nan(tiny, stream):
     sunk = []
     collector = _collector(tiny, lambda prompts, completions, **_: [math.inf] * len(completions), sunk.append,
-                           stream=stream)
+                           stream=stream, max_failed_group_fraction=None)
     assert len(collector.collect()) == 0 and sunk == []
     metrics = collector.last_metrics
     assert metrics["groups_dropped"] == 3 and metrics["dropped/non_finite_reward"] == 3
     assert all(math.isfinite(v) for v in metrics.values())
     assert len(collector.collect()) == 0 and collector.groups_emitted == 6  # the prompts move on
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reward_that_is_never_finite_stops_the_collector_past_the_failure_rate(tiny, stream):
+    """Dropping groups must not become a run that burns its compute on nothing: past
+    max_failed_group_fraction of the groups (taken over failure_rate_min_groups), collect() raises
+    after its round, as the agent collector does, and the count survives a resume."""
+    sunk = []
+    always_nan = lambda prompts, completions, **_: [math.nan] * len(completions)  # noqa: E731
+    collector = _collector(tiny, always_nan, sunk.append, stream=stream, max_failed_group_fraction=0.5,
+                           failure_rate_min_groups=8)
+    collector.collect()  # 3 of 3 dropped: 3 <= 0.5 * max(3, 8)
+    resumed = _collector(tiny, always_nan, sunk.append, stream=stream, max_failed_group_fraction=0.5,
+                         failure_rate_min_groups=8)
+    resumed.load_state_dict(collector.state_dict())
+    assert resumed.groups_dropped == 3
+    with pytest.raises(EpisodeFailureRateError) as raised:
+        resumed.collect()  # 6 of 6 dropped: past 0.5 * 8
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("6 of 6 groups were dropped over non-finite rewards")
+    assert "CollectorConfig.max_failed_group_fraction" in message and "reward 'r' gave nan" in message
+    assert resumed.last_metrics["groups_dropped_total"] == 6 and resumed.batches_emitted == 2
+    with pytest.raises(ValueError, match="max_failed_group_fraction must be in \\[0, 1\\]"):
+        CollectorConfig(max_failed_group_fraction=float("nan"))
