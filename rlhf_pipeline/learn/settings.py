@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from rlhf_pipeline.finite_settings import check_finite
+
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 #: priorities of the ``prioritized`` sampler (rlhf_pipeline.storage.prioritized.PRIORITIES)
 PRIORITY_NAMES = ("abs_advantage", "group_reward_std", "recency")
@@ -186,6 +188,8 @@ class LearnerSettings:
     def check(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"learner setting {name!r} {why}")
+
+        check_finite(self, "learner.")  # the range checks below let inf (and some nan) through
 
         if self.batch_size < 1:
             raise bad("batch_size", f"must be >= 1 (got {self.batch_size})")

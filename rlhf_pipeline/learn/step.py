@@ -186,7 +186,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     if not math.isfinite(grad_norm):
         found = _first_not_finite((name, p.grad) for name, p in model.named_parameters())
         raise NonFiniteStep(f"the gradient of {found[0]!r} is not finite (norm {found[1]})" if found else
-                            f"the gradients' total norm is {grad_norm} (each parameter's is finite: they overflow together)")
+                            f"the gradients' total norm is {grad_norm} (each parameter's is finite: they "
+                            f"overflow together)")
     learning_rate = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()

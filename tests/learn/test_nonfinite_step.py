@@ -112,3 +112,17 @@ def test_run_with_a_learning_rate_that_blows_up_the_weights_stops_in_one_line(tm
     assert "rlhf-pipeline run: error: the learner failed (exit code 2)" in done.stderr
     run = home / "blown"
     assert published_versions(run) == [0] and not (run / "checkpoints").exists()
+
+
+def test_settings_built_in_python_refuse_numbers_that_are_not_finite():
+    """What `--set` refuses (tests/test_cli_fail_fast.py) is refused by the settings' own checks too."""
+    from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
+    from rlhf_pipeline.learn.settings import GRPOLossConfig
+
+    with pytest.raises(ValueError, match=r"^setting 'learner.lr' must be a finite number, got inf: give one, e.g. "
+                                         r"its default 0.0001$"):
+        dataclasses.replace(SETTINGS, lr=float("inf")).check()
+    with pytest.raises(ValueError, match=r"^setting 'learner.loss.entropy_coef' must be a finite number, got nan"):
+        dataclasses.replace(SETTINGS, loss=GRPOLossConfig(entropy_coef=float("nan"))).check()
+    with pytest.raises(ValueError, match=r"^setting 'generation.url_timeout_s' must be a finite number, got inf"):
+        check_generation(GenerationSettings(url_timeout_s=float("inf")))
