@@ -189,8 +189,6 @@ class LearnerSettings:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"learner setting {name!r} {why}")
 
-        check_finite(self, "learner.")  # the range checks below let inf (and some nan) through
-
         if self.batch_size < 1:
             raise bad("batch_size", f"must be >= 1 (got {self.batch_size})")
         from rlhf_pipeline.learn.samplers.registry import SAMPLERS
@@ -268,3 +266,4 @@ class LearnerSettings:
             raise bad("parallelism", f"must be ddp or fsdp (got {self.parallelism!r})")
         if self.priority_alpha < 0 or self.priority_beta < 0:
             raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")
+        check_finite(self, "learner.")  # what the range checks above let through (inf; nan where `x < 0`)
