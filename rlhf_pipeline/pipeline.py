@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from rlhf_pipeline.files.run_paths import RunPaths  # noqa: F401 -- pipeline files import it from here
+from rlhf_pipeline.finite_settings import check_finite
 
 REQUIRED_SETTINGS = ("steps", "device")
 MIN_LOCK_LEASE_S = 3.0  # an object-store writer lock renews every third of its lease: a request a second at most
@@ -202,12 +203,12 @@ def _describe_syntax_error(exc: SyntaxError, path: Path) -> str:
 
 
 def make_settings(module: types.ModuleType, overrides: Sequence[str] = ()) -> Any:
-    """Default settings of a loaded pipeline with ``key=value`` overrides applied."""
+    """Default settings of a loaded pipeline, ``key=value`` overrides applied, every float finite (nan, inf refused)."""
     try:
-        settings = module.Settings()
+        defaults = module.Settings()
     except TypeError as exc:
         raise PipelineError(f"every field of Settings needs a default ({exc})") from None
-    return apply_overrides(settings, overrides)
+    return check_finite(apply_overrides(defaults, overrides), defaults=defaults, error=PipelineError)
 
 
 # ====================================================================== --set

@@ -83,3 +83,36 @@ def test_a_gpu_is_ruled_out_only_where_no_driver_can_be_seen(tmp_path, monkeypat
     assert (no_cuda_reason(platform, root=str(tmp_path)) is not None) == refused
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hides every GPU, whatever the driver
     assert "CUDA_VISIBLE_DEVICES" in no_cuda_reason(platform, root=str(tmp_path))
+
+
+def test_settings_that_are_not_finite_numbers_are_refused_before_anything_starts(tmp_path):
+    """nan and inf pass most range checks (`lr > 0` holds for inf, `temperature <= 0` fails for nan):
+    every float setting of every pipeline is refused when not finite, in one line naming it, before
+    torch is imported (issue 41); so is a value no engine takes, whichever engine runs."""
+    home = str(tmp_path / "home")
+    tool_use = str(REPO / "pipelines" / "tool_use.py")
+    cases = [
+        (["run", DEFAULT, "--set", "learner.lr=inf"], "setting 'learner.lr' must be a finite number, got inf: give "
+                                                      "one, e.g. its default 0.0003"),
+        (["run", DEFAULT, "--set", "temperature=nan"], "setting 'temperature' must be a finite number, got nan"),
+        (["run", DEFAULT, "--set", "learner.loss.kl_coef=-inf"], "setting 'learner.loss.kl_coef' must be a finite "
+                                                                 "number, got -inf"),
+        (["run", DEFAULT, "--set", "learner.adam_betas=0.9,nan"], "setting 'learner.adam_betas' must be a finite "
+                                                                  "number, got (0.9, nan)"),
+        (["learn", DEFAULT, "--set", "retention.max_age_s=inf"], "setting 'retention.max_age_s' must be a finite "
+                                                                 "number or none, got inf"),
+        (["run", tool_use, "--set", "max_failed_group_fraction=nan"], "setting 'max_failed_group_fraction' must be a "
+                                                                      "finite number or none, got nan"),
+        (["run", DEFAULT, "--set", "generation.hung_after_s=-5"], "setting 'generation.hung_after_s' must be > 0 "
+                                                                  "(seconds) or none (wait for ever), got -5.0"),
+    ]
+    argvs = [[*argv, "--home", home] for argv, _ in cases]
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(argvs)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    for (argv, message), (code, err) in zip(cases, report["results"], strict=True):
+        assert code == 2 and err.count("\n") == 1 and message in err, (argv, code, err)
+    assert not report["torch"]
+    # no run directory (`run` makes --home itself before the pipeline's own check() runs)
+    assert not (tmp_path / "home").exists() or not any((tmp_path / "home").iterdir())

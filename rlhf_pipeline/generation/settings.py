@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlhf_pipeline.finite_settings import check_finite
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES, default_vllm_env, python_has_vllm
 
 if TYPE_CHECKING:
@@ -142,11 +143,7 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
     ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
     vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it).
     """
-    if settings.url is not None:
-        check_url_settings(settings)
-        return
-    if settings.engine == "loop":
-        return
+    # a value no engine takes is refused whichever engine runs now: the run may switch engines later
     if settings.kv_cache_gib < 1:
         raise ValueError(f"setting 'generation.kv_cache_gib' must be >= 1 (GiB), got {settings.kv_cache_gib}")
     if not 0.0 < settings.gpu_memory_utilization <= 1.0:
@@ -154,15 +151,26 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
                          f"{settings.gpu_memory_utilization}")
     if settings.max_model_len is not None and settings.max_model_len < 2:
         raise ValueError(f"setting 'generation.max_model_len' must be >= 2 or none, got {settings.max_model_len}")
+    if settings.max_num_seqs < 1:
+        raise ValueError(f"setting 'generation.max_num_seqs' must be >= 1, got {settings.max_num_seqs}")
+    if not settings.start_timeout_s > 0:
+        raise ValueError(f"setting 'generation.start_timeout_s' must be > 0 (seconds), got {settings.start_timeout_s}")
+    _check_url_numbers(settings)
+    from rlhf_pipeline.generation.restarts import Restarts
+
+    Restarts(settings.max_restarts, settings.restart_backoff_s, settings.hung_after_s)  # refuses each by name
+    check_finite(settings, "generation.")  # what the range checks above let through (inf, as a rule)
+    if settings.url is not None:
+        check_url_settings(settings)
+        return
+    if settings.engine == "loop":
+        return
     if settings.weight_transfer == "nccl" and device == "cpu":
         raise ValueError("setting 'generation.weight_transfer=nccl' needs a GPU (vLLM's NCCL weight transfer is "
                          "CUDA-only); on a CPU use generation.weight_transfer=files")
     if device == "cpu" and head_size is not None and head_size not in CPU_HEAD_SIZES:
         raise ValueError(f"generation.engine=vllm on a CPU: vLLM's CPU attention takes head sizes "
                          f"{list(CPU_HEAD_SIZES)}, this model's is {head_size}{head_hint}; or use generation.engine=loop")
-    from rlhf_pipeline.generation.restarts import Restarts
-
-    Restarts(settings.max_restarts, settings.restart_backoff_s, settings.hung_after_s)  # refuses each by name
     find_vllm_python(settings.python)
 
 
@@ -174,6 +182,10 @@ def check_url_settings(settings: GenerationSettings) -> None:
     if not settings.url.startswith(("http://", "https://")):
         raise ValueError(f"setting 'generation.url' must be an http:// or https:// URL (http://host:port), got "
                          f"{settings.url!r}")
+    _check_url_numbers(settings)
+
+
+def _check_url_numbers(settings: GenerationSettings) -> None:
     if settings.url_retries < 0:
         raise ValueError(f"setting 'generation.url_retries' must be >= 0, got {settings.url_retries}")
     for name in ("url_backoff_s", "url_timeout_s", "url_check_tolerance", "url_lease_s"):

@@ -5,6 +5,7 @@ Modules: ``learner`` (the recipe: setup -> train -> save_checkpoint -> cleanup),
 ``sampling`` (the sampler contract and registry; ``window_sampler`` is the default),
 ``prefetch`` (a background thread that prepares batches), ``microbatch`` (token-budget
 micro-batches for gradient accumulation), ``checkpoint`` (``Progress`` +
-``CheckpointManager``), ``metrics`` (JSONL + TensorBoard + progress display) and ``loss``
-(the GRPO loss). Import from the submodules; this package keeps its import light.
+``CheckpointManager``), ``metrics`` (JSONL + TensorBoard + progress display), ``loss``
+(the GRPO loss) and ``errors`` (a refused step, importable without torch). Import from the
+submodules; this package keeps its import light.
 """

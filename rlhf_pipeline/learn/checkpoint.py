@@ -195,7 +195,14 @@ class CheckpointManager:
             # would be refused as "another process wrote this version"
             return self._location(name)
         payload = dict(state, progress=progress.to_dict(), format=FORMAT_VERSION)
-        self._store.create(self._key(name), lambda f: torch.save(payload, f), partial_name=name + PARTIAL_SUFFIX)
+
+        def write(file) -> None:
+            try:
+                torch.save(payload, file)
+            except RuntimeError as exc:  # torch's zip writer takes a failed write for a wrong position
+                raise _os_error_under(exc) or exc
+
+        self._store.create(self._key(name), write, partial_name=name + PARTIAL_SUFFIX)
         rewind = {"format": RECORD_FORMAT, "step": progress.step, "policy_version": progress.policy_version,
                   "draws": progress.draws, **(record or {})}
         record_name = _record_name(progress.step)
@@ -234,6 +241,19 @@ class CheckpointManager:
         progress = Progress.from_dict(payload.pop("progress"))
         payload.pop("format", None)
         return progress, payload
+
+
+def _os_error_under(exc: BaseException) -> OSError | None:
+    """The OSError (a full disk: ENOSPC) that ``exc`` was raised while handling, if any.
+
+    ``torch.save`` into a file object swallows the file's own error and fails a write later with
+    ``[enforce fail at inline_container.cc] unexpected pos``; the OSError stays in the exception's
+    context. Raised as it is, the atomic write names the file and the command says it in one line,
+    as every other writer's full disk (``cli/run_cmd.py``)."""
+    seen = exc.__cause__ or exc.__context__
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen
 
 
 def _checkpoint_name(step: int) -> str:

@@ -17,7 +17,9 @@ One learner step, as :meth:`Learner.train` runs it:
    ``micro_batch_tokens`` tokens (packed sequences of whole rows with ``packing``:
    ``learn/packed.py``; else padded), each loss weighted by its share of the batch,
    gradients accumulated, clipped, AdamW, LR schedule (linear warm-up, then constant or cosine
-   decay);
+   decay); a step whose loss, gradients or new weights are not finite is refused
+   (:class:`~rlhf_pipeline.learn.errors.NonFiniteStep`): the learner stops there, its newest
+   checkpoint and published weights as they were;
 3. every ``publish_every`` steps publish the weights as a new version
    (``coordination/weights.py``); write metrics (``learn/batch_charts.py``); every
    ``checkpoint_every`` steps (and on stop) save a checkpoint.
@@ -61,6 +63,7 @@ import torch
 from rlhf_pipeline.learn.checkpoint import restore_rng_state, run_checkpoints
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.draw_reading import draw_readers
+from rlhf_pipeline.learn.errors import NonFiniteStep
 from rlhf_pipeline.learn.batch_charts import batch_charts, run_charts
 from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, truncate_metrics
 from rlhf_pipeline.learn.prefetch import Prefetcher
@@ -331,8 +334,11 @@ class Learner(LearnerCheckpoints):
         on_host = batch  # (its per-row columns feed the charts: no copy back from the device)
         batch = batch.to(self.device, non_blocking=True)
         plan = dp.plan_step(batch, self.settings, self.train_model)
-        outcome = train_step(self.model, self.optimizer, self.scheduler, plan, self.settings,
-                             forward_model=self.train_model, autocast=self._autocast)
+        try:
+            outcome = train_step(self.model, self.optimizer, self.scheduler, plan, self.settings,
+                                 forward_model=self.train_model, autocast=self._autocast)
+        except NonFiniteStep as refused:  # raised before this step publishes or checkpoints anything
+            raise refused.at(self.progress.step + 1, self.checkpoints.latest_step()) from None
         self.progress.rows_used += plan.rows
         self.progress.tokens_seen += plan.response_tokens
         metrics = {f"losses/{key}": value for key, value in outcome.losses.items()}

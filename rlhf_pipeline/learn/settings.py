@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from rlhf_pipeline.finite_settings import check_finite
+
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 #: priorities of the ``prioritized`` sampler (rlhf_pipeline.storage.prioritized.PRIORITIES)
 PRIORITY_NAMES = ("abs_advantage", "group_reward_std", "recency")
@@ -264,3 +266,4 @@ class LearnerSettings:
             raise bad("parallelism", f"must be ddp or fsdp (got {self.parallelism!r})")
         if self.priority_alpha < 0 or self.priority_beta < 0:
             raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")
+        check_finite(self, "learner.")  # what the range checks above let through (inf; nan where `x < 0`)

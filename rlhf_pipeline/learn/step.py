@@ -4,6 +4,12 @@
     its share of the step's batch ─► forward + GRPO loss, backward (gradients accumulate)
     ─► clip the gradient norm ─► AdamW step ─► LR schedule step
 
+A step whose loss, gradient norm or new weights' norm is not finite is refused
+(:class:`~rlhf_pipeline.learn.errors.NonFiniteStep`, before the optimizer step for the first two):
+the learner stops without publishing or checkpointing it (docs/learner.md, "A step that is not
+finite"). The checks cost one norm of the weights: the loss is already a number here and the
+gradient norm is clipping's own.
+
 With ``learner.packing`` (the default) a micro-batch is one packed sequence of whole rows
 (``learn/packing.py`` plans them first-fit decreasing, ``learn/packed.py`` runs them), planned
 and packed on the learner's prefetch thread (a :class:`~rlhf_pipeline.learn.packed_batch.PackedBatch`);
@@ -26,13 +32,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
 
+from rlhf_pipeline.learn.errors import NonFiniteStep
 from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token, grpo_step_loss
 from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows
 from rlhf_pipeline.learn.packed import PackedMicroBatch, RaggedRows, grpo_packed_loss, plan_rows, pack_rows
@@ -167,12 +175,46 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
             else:
                 sums[key] = sums.get(key, 0.0) + float(value) * part.weight
     losses = plan.reduce(sums)
+    # every value checked below is the same on every rank (the loss is summed over them, DDP's
+    # gradients and weights are alike everywhere, FSDP's norms are gathered), so all ranks refuse
+    # the same step, with no collective of its own
+    if not math.isfinite(losses["loss"]):
+        raise NonFiniteStep(f"its loss is {losses['loss']}")
 
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the same on every rank
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = float(_whole(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+    if not math.isfinite(grad_norm):
+        found = _first_not_finite((name, p.grad) for name, p in model.named_parameters())
+        raise NonFiniteStep(f"the gradient of {found[0]!r} is not finite (norm {found[1]})" if found else
+                            f"the gradients' total norm is {grad_norm} (each parameter's is finite: they "
+                            f"overflow together)")
     learning_rate = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()
-    return StepOutcome(losses, float(grad_norm), learning_rate, row_feedback)
+    # float32 norms: weights whose squares overflow (beyond ~1e19) count as not finite, as no
+    # forward through them is (a learning rate of 1e30 makes such weights from finite gradients)
+    weight_norm = float(_whole(torch.nn.utils.get_total_norm(list(model.parameters()))))
+    if not math.isfinite(weight_norm):
+        found = _first_not_finite(model.named_parameters())
+        where = f"{found[0]!r} has norm {found[1]}" if found else f"their total norm is {weight_norm}"
+        raise NonFiniteStep(f"the weights after the optimizer step are not finite ({where}; learning rate "
+                            f"{learning_rate:g})")
+    return StepOutcome(losses, grad_norm, learning_rate, row_feedback)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP DTensor gathered whole (a collective: every rank calls it), or ``tensor`` itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _first_not_finite(named: Iterable[tuple[str, torch.Tensor | None]]) -> tuple[str, float] | None:
+    """The first ``(name, norm)`` whose tensor's norm is not finite, or None. Only on a refused step:
+    every rank goes through the same tensors in the same order and stops at the same one (an FSDP
+    shard is gathered whole, the same everywhere)."""
+    for name, tensor in named:
+        if tensor is None:
+            continue
+        norm = float(torch.linalg.vector_norm(_whole(tensor.detach())))
+        if not math.isfinite(norm):
+            return name, norm
+    return None

@@ -14,6 +14,9 @@ that reaches rank 0 alone).
 each rank writing its rows as ``live`` does. ``s3-shards BUFFER_URL``: the same over a buffer at an
 S3 URL (the server and credentials in the environment); each rank signs its requests with its own
 access key id (``rank<R>``), so the server can tell which rank sent what.
+``blow-up`` and ``blow-up-fsdp``: :data:`SETTINGS` at a learning rate of 1e30 (DDP or FSDP2), whose
+first step leaves weights that are not finite: each rank writes the refusal it raised to
+``RUN_DIR/refused-rank<R>.txt`` and exits 3.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch
 
 from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.errors import NonFiniteStep
 from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
@@ -125,7 +129,9 @@ def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mod
     live = mode in ("live", "shards", "s3-shards")
     settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "s3-shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
                 "turns": MULTI_TURN_SETTINGS,
-                "turns-fsdp": dataclasses.replace(MULTI_TURN_SETTINGS, parallelism="fsdp")}.get(mode, SETTINGS)
+                "turns-fsdp": dataclasses.replace(MULTI_TURN_SETTINGS, parallelism="fsdp"),
+                "blow-up": dataclasses.replace(SETTINGS, lr=1e30),
+                "blow-up-fsdp": dataclasses.replace(SETTINGS, lr=1e30, parallelism="fsdp")}.get(mode, SETTINGS)
     on_step = record_rows(root, data_parallel.rank) if live else None
     if mode == "stop" and data_parallel.is_main:
         def stop_rank_zero(step, sampled, batch, metrics) -> None:  # rank 0 alone is asked to stop
@@ -160,8 +166,12 @@ def main() -> None:
         os.environ["AWS_ACCESS_KEY_ID"] = f"rank{data_parallel.rank}"
         # every refresh asked for is sent (not once a second): a rank that refreshed would show on the server
         object_store.DEFAULT_REFRESH_INTERVAL_S = 0.0
+    root = Path(sys.argv[1])
     try:
-        train(Path(sys.argv[1]), int(sys.argv[2]), data_parallel, mode=mode, buffer=buffer or None)
+        train(root, int(sys.argv[2]), data_parallel, mode=mode, buffer=buffer or None)
+    except NonFiniteStep as refused:
+        (root / f"refused-rank{data_parallel.rank}.txt").write_text(str(refused))
+        sys.exit(3)
     finally:
         data_parallel.stop()
 

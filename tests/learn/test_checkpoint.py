@@ -116,3 +116,87 @@ def test_a_checkpoint_without_a_record_is_still_a_rewind_point(tmp_path):
 def test_keep_every_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError, match="keep_every"):
         CheckpointManager(tmp_path, keep_every=-1)
+
+
+# ====================================================================== a full disk
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB tmpfs (mounting needs root: skipped without it), unmounted afterwards."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk, leave_bytes: int):
+    """A file taking all of ``disk``'s free space but ``leave_bytes``."""
+    import os
+
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    filler = disk / "filler"
+    with open(filler, "wb") as out:
+        os.posix_fallocate(out.fileno(), 0, max(free - leave_bytes, 1))
+    return filler
+
+
+def test_a_full_disk_under_torch_save_is_the_os_error_naming_the_file(small_disk):
+    """torch.save on a full disk raised `[enforce fail at inline_container.cc:672] unexpected pos`
+    (a tensor written past Python's file buffer: the file's ENOSPC swallowed inside torch); now the
+    ENOSPC itself, naming the file, which the command line says in one line as it does every other
+    writer's (cli/run_cmd.py); the checkpoint before stays whole."""
+    import errno
+
+    checkpoints = CheckpointManager(small_disk / "checkpoints")
+    checkpoints.save(Progress(seed=0, step=1), {"model": {"w": torch.ones(1000)}})
+    fill(small_disk, leave_bytes=64 * 1024)
+    with pytest.raises(OSError) as failed:
+        checkpoints.save(Progress(seed=0, step=2), {"model": {"w": torch.ones(1024 * 1024)}})
+    assert failed.value.errno == errno.ENOSPC, failed.value
+    assert failed.value.filename == str(small_disk / "checkpoints" / "step_00000002.pt.partial")
+    assert sorted(p.name for p in (small_disk / "checkpoints").iterdir()) == ["step_00000001.json",
+                                                                               "step_00000001.pt"]
+    progress, state = checkpoints.load()
+    assert progress.step == 1 and torch.equal(state["model"]["w"], torch.ones(1000))
+
+
+def test_a_learner_on_a_full_disk_stops_at_its_checkpoint_and_resumes_from_the_last_one(small_disk):
+    """The learner's side of a full disk at a checkpoint: the OSError, the checkpoint before whole,
+    and once space is freed the same learner resumes from it."""
+    import errno
+
+    from test_learner import learner, make_run
+
+    paths = make_run(small_disk)
+    checkpoint_bytes = []
+
+    def fill_the_disk_at_step_3(step, sampled, batch, metrics):
+        if step == 3:  # room left for metrics lines, not for the checkpoint of step 4
+            checkpoint_bytes.append((paths.checkpoints / "step_00000002.pt").stat().st_size)
+            fill(small_disk, leave_bytes=checkpoint_bytes[0] // 2)
+
+    run = learner(paths, steps=4, checkpoint_every=2, publish_every=100)
+    run.on_step = fill_the_disk_at_step_3
+    run.setup()
+    with pytest.raises(OSError) as failed:
+        run.train()
+    run.cleanup()
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(
+        paths.checkpoints / "step_00000004.pt.partial"), failed.value
+    assert sorted(p.name for p in paths.checkpoints.iterdir()) == ["step_00000002.json", "step_00000002.pt"]
+    progress, _ = CheckpointManager(paths.checkpoints).load()
+    assert progress.step == 2
+
+    (small_disk / "filler").unlink()  # space freed: the same learner resumes from step 2
+    resumed = learner(paths, steps=4, checkpoint_every=2, publish_every=100)
+    resumed.setup()
+    assert resumed.progress.step == 2
+    assert resumed.train() is True
+    resumed.cleanup()
+    assert resumed.checkpoints.steps() == [2, 4]

@@ -48,12 +48,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun(ranks: int, root: Path, steps: int, *extra: str, env: dict[str, str] | None = None) -> None:
+def torchrun(ranks: int, root: Path, steps: int, *extra: str, env: dict[str, str] | None = None,
+             fails: bool = False) -> None:
     env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(root), str(steps), *extra]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-8000:]
+    assert (done.returncode != 0) == fails, done.stderr[-8000:]
 
 
 def losses(root: Path) -> list[float]:
@@ -329,6 +330,23 @@ def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(
     torch.testing.assert_close(losses(resumed), losses(one_rank), rtol=1e-4, atol=1e-6)
     for key, value in final_weights(resumed).items():
         torch.testing.assert_close(value, reference[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("mode", ["blow-up", "blow-up-fsdp"])
+def test_every_rank_refuses_a_step_whose_weights_are_not_finite_and_the_checkpoint_stays(tmp_path, mode):
+    """Weights that overflow after step 3 (a learning rate of 1e30): both ranks refuse that step with the
+    same line (FSDP's shards are gathered to name the parameter), none hangs, and nothing of it is
+    published or checkpointed."""
+    root = tmp_path / mode
+    make_run(root)
+    torchrun(2, root, 2)  # checkpoint_every=2: the checkpoint at step 2
+    torchrun(2, root, STEPS, mode, fails=True)
+    refusals = [(root / f"refused-rank{rank}.txt").read_text() for rank in range(2)]
+    assert refusals[0] == refusals[1]
+    assert refusals[0].startswith("learner step 3 refused: the weights after the optimizer step are not finite ('")
+    assert refusals[0].endswith("resumes from the checkpoint of step 2")
+    assert CheckpointManager(root / "checkpoints").steps() == [2]
+    assert latest_version(root) == 2
 
 
 # ====================================================================== multi-turn trajectories

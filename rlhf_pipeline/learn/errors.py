@@ -1,0 +1,35 @@
+"""The learner errors a user can act on, importable without torch (the command line catches them).
+
+A learner step whose loss, gradients or new weights are not finite is refused, not skipped
+(docs/learner.md, "A step that is not finite"): :class:`NonFiniteStep` names the step and what
+was not finite, and says where the run resumes from. Nothing of the refused step is published
+or checkpointed, so the newest checkpoint and every published version stay finite.
+"""
+
+from __future__ import annotations
+
+
+class NonFiniteStep(RuntimeError):
+    """A step refused because ``what`` was not finite (``"its loss is nan"``, a parameter's
+    gradient, the weights after the optimizer step). ``learn/step.py`` raises it without the step;
+    the learner raises it again with the step and its newest checkpoint (:meth:`at`), the line a
+    user reads."""
+
+    def __init__(self, what: str, *, step: int | None = None, checkpoint_step: int | None = None) -> None:
+        self.what = what
+        self.step = step
+        self.checkpoint_step = checkpoint_step
+        super().__init__(self._line())
+
+    def at(self, step: int, checkpoint_step: int | None) -> NonFiniteStep:
+        """This refusal, as learner step ``step`` of a run whose newest checkpoint is ``checkpoint_step``."""
+        return NonFiniteStep(self.what, step=step, checkpoint_step=checkpoint_step)
+
+    def _line(self) -> str:
+        if self.step is None:
+            return f"a learner step was refused: {self.what}"
+        resume = (f"the checkpoint of step {self.checkpoint_step}" if self.checkpoint_step is not None
+                  else "the initial policy (no checkpoint yet)")
+        return (f"learner step {self.step} refused: {self.what}; nothing of it was published or checkpointed. Fix "
+                f"the cause (often a learning rate too high for the model: lower learner.lr, or clip gradients with "
+                f"learner.max_grad_norm) and run the same command: it resumes from {resume}")
