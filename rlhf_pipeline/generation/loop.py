@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhf_pipeline.generation.engine import Completion, CompletionGroup, GenerationEngine, SampleRequest
+from rlhf_pipeline.generation.engine import Completion, CompletionGroup, EngineFailed, GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.sampling import SamplingConfig, process_logits
 from rlhf_pipeline.schema.ragged import RaggedTensor
 
@@ -126,7 +126,7 @@ def decode_steps(
     lengths = torch.zeros(n, dtype=torch.int64, device=device)
     for step in range(config.max_new_tokens):
         logp = torch.log_softmax(process_logits(next_logits, config), dim=-1)  # (N, V)
-        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)  # (N,)
+        token = _draw(logp, generator, step)  # (N,)
         token = torch.where(finished, torch.full_like(token, pad_token_id), token)
         tokens.append(token.cpu())
         log_probs.append(logp.gather(-1, token[:, None]).squeeze(-1).float().cpu())
@@ -141,6 +141,21 @@ def decode_steps(
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
                     use_cache=True, **{cache_name: past})
         past, next_logits = getattr(out, cache_name), out.logits[:, -1]
+
+
+def _draw(logp: torch.Tensor, generator: torch.Generator | None, step: int) -> torch.Tensor:
+    """One token a row from ``logp`` (N, V). Weights that are finite but huge (a learning rate far too
+    large) give logits that overflow: an engine failure in one line, not torch's traceback; checked
+    only once the draw failed, so a healthy step pays nothing."""
+    probs = logp.exp()
+    try:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    except RuntimeError:
+        if bool(torch.isfinite(probs).all()):
+            raise
+        raise EngineFailed(f"the policy's next-token probabilities are not finite (decoding step {step}): its weights "
+                           f"overflow or hold NaN; nothing of this round is stored. Resume from a checkpoint whose "
+                           f"weights are sound with a smaller learner.lr") from None
 
 
 def generate(

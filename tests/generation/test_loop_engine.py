@@ -7,7 +7,7 @@ import torch
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, make_prompt
 from rlhf_pipeline.generation import LoopEngine, SampleRequest, UnsupportedCapability, draw_seed, generate
-from rlhf_pipeline.generation.engine import GenerationEngine
+from rlhf_pipeline.generation.engine import EngineFailed, GenerationEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from engine_contract import check_streamed_groups_are_the_sampled_ones_short_first
 
@@ -160,3 +160,23 @@ def test_generate_refuses_no_prompts_and_an_empty_prompt_before_sampling(tiny):
     for prompts in ([], [[5, 6], []]):
         with pytest.raises(ValueError, match="needs at least one prompt and every prompt needs at least one token"):
             generate(model, prompts, SamplingConfig(max_new_tokens=2), num_samples=2, **args)
+
+
+def test_weights_that_overflow_the_logits_are_an_engine_failure_in_one_line(tiny):
+    """A learning rate far too large gives weights that are finite but make the logits overflow: the
+    draw fails as an engine failure naming the cause (the collector stops in one line), not with torch's
+    'probability tensor contains either inf, nan' traceback."""
+    model, tok = tiny
+    engine = LoopEngine(model, pad_token_id=0, eos_token_id=1)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(1e20)  # finite, but q.k and the logits overflow float32
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        with pytest.raises(EngineFailed, match="next-token probabilities are not finite") as raised:
+            engine.sample([SampleRequest(p, n=2) for p in _ids(tok)], SamplingConfig(max_new_tokens=4),
+                          torch.Generator().manual_seed(0))
+        assert "\n" not in str(raised.value) and "learner.lr" in str(raised.value)
+    finally:
+        model.load_state_dict(saved)
