@@ -1,5 +1,8 @@
 """What a pipeline file is, how it is loaded by path, and how ``--set`` edits its settings.
 
+Why one file: the three change together; they are the contract between a user's pipeline file and
+the framework (issue 42 splits task from run settings, which will cut it along that line).
+
 A pipeline is a Python file (``pipelines/default.py`` is the model to copy) that defines:
 
 * ``Settings`` -- a ``@dataclass`` with a default for every field. Each field is documented
@@ -155,6 +158,15 @@ def preflight_rewards(rewards: Any, records: Sequence[Any], group_size: int) -> 
 
 
 # ====================================================================== loading
+# modules of ours that moved, and where their names live now: a pipeline file that imports the old one
+# is refused naming the new place
+MOVED_MODULES = {
+    "rlhf_pipeline.collate": "rlhf_pipeline.schema.padding",
+    "rlhf_pipeline.ray_settings": "rlhf_pipeline.cluster.settings",
+    "rlhf_pipeline.collect.generate": "rlhf_pipeline.generation (loop.py, sampling.py)",
+}
+
+
 def load_pipeline_module(path: str | Path) -> types.ModuleType:
     """Imports a pipeline file by path and checks that it defines ``Settings`` and ``build``."""
     path = Path(path)
@@ -178,6 +190,12 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
     except SyntaxError as exc:  # the file's own mistake: where it is, not the import machinery's frames
         sys.modules.pop(module_name, None)
         raise PipelineError(_describe_syntax_error(exc, path)) from None
+    except ModuleNotFoundError as exc:
+        sys.modules.pop(module_name, None)
+        if exc.name in MOVED_MODULES:  # a pipeline file (or a run's copy of one) written before a move
+            raise PipelineError(f"{path} imports {exc.name}, which moved: import from {MOVED_MODULES[exc.name]} "
+                                f"instead") from None
+        raise
     except Exception:
         sys.modules.pop(module_name, None)
         raise

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf_pipeline.schema.padding import PaddedCollator, pad_batch, padded_fields
-from rlhf_pipeline.collect.generate import SamplingConfig, generate
+from rlhf_pipeline.collect import SamplingConfig, generate
 from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.metrics import read_metrics

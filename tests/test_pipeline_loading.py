@@ -197,23 +197,15 @@ def test_a_resume_may_change_the_buffer_lock_settings_but_not_the_data_settings(
     assert len(changed) == 1 and "group_size" in changed[0]  # the writer lock is not the data
 
 
-def test_moved_public_modules_still_import_with_a_warning_naming_the_new_place():
-    """Pipeline files written before the layout move (and run directories' copies of them)
-    import ``rlhf_pipeline.ray_settings`` and the README's old ``rlhf_pipeline.collate``."""
-    import importlib
-    import sys
-    import warnings
-
-    from rlhf_pipeline.cluster.settings import RaySettings
-    from rlhf_pipeline.schema.padding import PaddedCollator
-
-    for old, new, name, moved in [("rlhf_pipeline.ray_settings", "rlhf_pipeline.cluster.settings", "RaySettings",
-                                   RaySettings),
-                                  ("rlhf_pipeline.collate", "rlhf_pipeline.schema.padding", "PaddedCollator",
-                                   PaddedCollator)]:
-        sys.modules.pop(old, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = importlib.import_module(old)
-        assert getattr(module, name) is moved
-        assert any(issubclass(w.category, FutureWarning) and new in str(w.message) for w in caught), old
+@pytest.mark.parametrize("old, new", [("rlhf_pipeline.ray_settings", "rlhf_pipeline.cluster.settings"),
+                                      ("rlhf_pipeline.collate", "rlhf_pipeline.schema.padding"),
+                                      ("rlhf_pipeline.collect.generate", "rlhf_pipeline.generation")])
+def test_a_pipeline_file_importing_a_moved_module_is_refused_naming_its_new_place(tmp_path, old, new):
+    """The old names are gone (no shims); a pipeline file written before a move, or a run's copy of one,
+    is refused in one line that says where to import from."""
+    path = tmp_path / "old_pipeline.py"
+    path.write_text(f"import {old}\n")
+    with pytest.raises(PipelineError) as raised:
+        load_pipeline_module(path)
+    message = str(raised.value)
+    assert "\n" not in message and f"imports {old}, which moved" in message and new in message

@@ -23,7 +23,7 @@ The sampler is a callable, so this package needs no generation code of its own::
 
 returning each prompt's sampled ids (the stop token included when it stopped on one) and their
 sampling log-probs. :func:`cut_to_limits` adapts a sampler that takes one ``max_new_tokens`` for
-the batch (``collect.generate``): sample to the largest limit, cut each row at its own; a prefix
+the batch (``generation/loop.py``): sample to the largest limit, cut each row at its own; a prefix
 of an autoregressive sample is a sample of that prefix, so its log-probs stay exact.
 
 Each round sends every episode's whole token list again: the agent collector's sampler is a

@@ -3,7 +3,8 @@ collectors, a toy task."""
 
 from rlhf_pipeline.collect.agent_collector import AgentCollector, AgentCollectorConfig
 from rlhf_pipeline.collect.collector import Collector, CollectorConfig
-from rlhf_pipeline.collect.generate import Generation, SamplingConfig, generate, process_logits, teacher_forced_log_probs
+from rlhf_pipeline.generation.loop import Generation, generate, teacher_forced_log_probs
+from rlhf_pipeline.generation.sampling import SamplingConfig, process_logits
 from rlhf_pipeline.collect.prompts import (
     PromptError,
     PromptRecord,

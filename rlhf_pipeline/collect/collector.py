@@ -431,5 +431,3 @@ class Collector:
         self.generator.set_state(state["rng"])
         self.resume_after_group_id = resume_marker(state, id_base(self.config.collector_index) + self.groups_emitted)
 
-
-load_policy_weights = load_state_into  # the name the agent collector and older code use

@@ -295,7 +295,7 @@ def response_logprobs(model, padded_batch, temperature: float = 1.0) -> tuple[to
     (recomputed as ``cumsum(mask) - 1`` when absent), the layout of
     ``rlhf_pipeline.schema.padding.pad_batch``. Entry ``t`` scores token ``t`` given the tokens
     before it, under ``log_softmax(logits / temperature)`` (no top-k/top-p truncation;
-    see ``collect/generate.py`` on when that matches the sampler exactly); ``entropy[t]``
+    see ``generation/sampling.py`` on when that matches the sampler exactly); ``entropy[t]``
     is the entropy of that same distribution. Column 0 and padding are 0.
     """
     tokens = padded_batch["tokens", "full"]  # (B, T)

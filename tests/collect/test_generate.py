@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_pipeline.collect.generate import SamplingConfig, generate, process_logits, teacher_forced_log_probs
+from rlhf_pipeline.collect import SamplingConfig, generate, process_logits, teacher_forced_log_probs
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 
 PROMPTS = ["1+2=", "13+4=", "hello there, add 40+2="]
