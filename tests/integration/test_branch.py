@@ -297,3 +297,51 @@ def test_a_running_parent_whose_buffer_evicts_is_not_branched_and_a_stopped_one_
     assert main(["branch", str(parent), "--from-step", "2", str(tmp_path / "b")]) == 0  # stopped: branched
     assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "parent"]) == 2
     assert "evicts its oldest rows" in capsys.readouterr().err
+
+
+# ============================================================ the command branch prints
+def printed_command(err: str, kind: str) -> list[str]:
+    """The continuation command ``branch`` printed (``kind``: run or replay), as words to run."""
+    import re
+    import shlex
+
+    line = next(line for line in err.splitlines() if "continue it" in line)
+    found = re.search(rf"rlhf-pipeline {kind} .*?(?= \(or offline|$)", line)
+    assert found, line
+    words = shlex.split(found.group(0))
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", *words[1:]]
+
+
+def test_the_printed_replay_command_continues_the_branch_with_the_parents_settings(runs, capsys):
+    """``branch`` printed ``replay PIPELINE.py ...`` with only the branch's --set: pasted, it was no
+    command, and given the pipeline without the parent's other --sets the learner settings changed
+    with only a note (issue 41). Now it is the parent's command, run here verbatim."""
+    parent, _, faster = runs
+    assert main(["branch", str(parent), "--from-step", "6", "pasted", "--set", "learner.lr=1e-3"]) == 0
+    command = printed_command(capsys.readouterr().err, "replay")
+    ran = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "resuming from" in ran.stderr and "changed" not in ran.stderr, ran.stderr[-3000:]
+    pasted = parent.parent / "pasted"
+    assert json.loads((pasted / "settings.json").read_text()) == json.loads((faster / "settings.json").read_text())
+    assert trained(pasted) == trained(faster) and rows(pasted) == rows(faster)
+
+
+def test_the_printed_run_command_continues_a_branch_online_with_the_parents_settings(tmp_path, capsys):
+    sets = [arg for item in ONLINE for arg in ("--set", item)]
+    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
+                          str(tmp_path), "--run-name", "parent", *sets], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert main(["branch", str(tmp_path / "parent"), "--from-step", "4", "online", "--set", "learner.lr=1e-3"]) == 0
+    err = capsys.readouterr().err
+    branch = tmp_path / "online"
+    made_with = (branch / "settings.json").read_text()
+    ran = subprocess.run(printed_command(err, "run"), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "resuming from" in ran.stderr and "changed" not in ran.stderr, ran.stderr[-3000:]
+    assert (branch / "settings.json").read_text() == made_with
+    metrics = read_metrics(branch / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert [m["charts/learning_rate"] for m in metrics[4:]] == [1e-3] * 4

@@ -1,0 +1,115 @@
+"""The command that continues a branch, as ``branch`` prints it: the parent's own command, rebuilt
+from what the branch recorded, under the branch's name.
+
+A run records no command line, but its ``settings.json`` holds every setting it was started with,
+and its pipeline copy (``pipeline.py``) gives the defaults: each setting that differs from its
+default is a ``--set`` the parent was given (or the branch changed). Giving them all again is what
+keeps a resumed branch on the branch's settings; leaving one out resumes it with the default,
+which for a ``learner.*`` setting only prints a note (``runs/run_directory.py``), so it would
+change silently. A replay parent's options (``--buffer``, ``--epochs``, ``--order``, ``--seed``, ...)
+come from the ``replay`` record its ``settings.json`` keeps.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+# settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
+_REPLAY_FLAGS_SET = ("steps",)
+# replay options as their flags; what a replay command left at its default is not repeated
+_REPLAY_FLAGS = (("init_from", "--init-from"), ("order", "--order"), ("shuffle_window_rows", "--shuffle-window"),
+                 ("ref_model", "--ref-model"), ("kl_estimator", "--kl-estimator"), ("kl_coef", "--kl-coef"),
+                 ("advantage_std", "--advantage-std"), ("advantage_baseline", "--advantage-baseline"))
+
+
+def recorded_sets(settings: dict[str, Any], module: Any) -> list[str]:
+    """``KEY=VALUE`` for each setting in ``settings`` (a run's ``settings.json``) that differs
+    from the default of the pipeline ``module``, in the form ``--set`` parses, sorted by key.
+    Checked by applying them: a value ``--set`` cannot give back raises ``ValueError`` naming it."""
+    from rlhf_pipeline.pipeline import make_settings, settings_to_json
+
+    wanted = {k: v for k, v in settings.items() if k != "replay"}
+    sets = [f"{key}={_as_set_value(value)}"
+            for key, value in _differences(wanted, settings_to_json(make_settings(module)))]
+    rebuilt = settings_to_json(make_settings(module, sets))
+    lost = [key for key, _ in _differences(wanted, rebuilt)]
+    if lost:
+        raise ValueError(f"setting(s) {', '.join(lost)} cannot be given back with --set")
+    return sets
+
+
+def _differences(saved: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for key in sorted(saved):
+        value, default = saved[key], defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            out += _differences(value, default, f"{prefix}{key}.")
+        elif _normal(value) != _normal(default):
+            out.append((prefix + key, value))
+    return out
+
+
+def _normal(value: Any) -> Any:
+    return [_normal(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _as_set_value(value: Any) -> str:
+    """``value`` as ``--set`` spells it (``pipeline.parse_value`` reads it back)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_as_set_value(v) for v in value)
+    return str(value)
+
+
+def replay_flags(record: dict[str, Any]) -> list[str]:
+    """The ``replay`` command's own flags, from the record a replay keeps in ``settings.json``
+    (``runs/replay.py``), but ``--buffer``: how long, in which order, with which seed, re-scored how."""
+    from rlhf_pipeline.runs.replay import ReplayOptions
+
+    defaults = ReplayOptions(buffer="")
+    words = ["--epochs", str(record["epochs"])] if record.get("epochs") is not None else (
+        ["--steps", str(record["steps"])] if record.get("steps") is not None else [])
+    if record.get("seed") is not None:
+        words += ["--seed", str(record["seed"])]
+    for name, flag in _REPLAY_FLAGS:
+        value = record.get(name)
+        if value is not None and value != getattr(defaults, name):
+            words += [flag, {True: "on", False: "off"}.get(value, str(value)) if name == "advantage_std" else str(value)]
+    return words
+
+
+def continuation(pipeline: str, home: str, name: str, settings: dict[str, Any], module: Any,
+                 lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
+    """The commands that continue the branch ``name`` under ``home``, as shell lines: ``"replay"``
+    for a branch of a replay; ``"online"`` and ``"offline"`` for a branch of a run with collectors
+    (``parent_rows``: where its ``parent-rows/`` is). ``settings``: the branch's ``settings.json``."""
+    recorded = recorded_sets(settings, module)
+    sets = [word for item in recorded for word in ("--set", item)]
+    replay_sets = [word for item in recorded if item.split("=", 1)[0] not in _REPLAY_FLAGS_SET
+                   for word in ("--set", item)]
+    place = ["--home", home, "--run-name", name]
+    if lineage.get("replay_source") is not None:
+        record = settings.get("replay", {})
+        return {"replay": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", lineage["replay_source"],
+                                      *replay_flags(record), *place, *replay_sets])}
+    collectors = len(lineage.get("buffer_rows") or {})
+    many = ["--collectors", str(collectors)] if collectors > 1 else []
+    return {"online": shlex.join(["rlhf-pipeline", "run", pipeline, *many, *place, *sets]),
+            "offline": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", parent_rows, *place,
+                                   *replay_sets])}
+
+
+def load_copy(run: Path) -> Any:
+    """The pipeline module of the run directory (or URL cache) ``run`` from its copy, the modules
+    it imports put first on the path (``runs/pipeline_copy.py``)."""
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.pipeline import load_pipeline_module
+    from rlhf_pipeline.runs.pipeline_copy import importable_copy
+
+    importable_copy(RunPaths(run))
+    return load_pipeline_module(run / "pipeline.py")
