@@ -277,24 +277,19 @@ def refuse_online_start(root: str | Path) -> None:
 def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
     """The command that continues the branch, for ``branch`` to print: the parent's, with every
     setting it was started with and the branch's changes (``runs/branch_command.py``)."""
+    from rlhf_pipeline.files.run_paths import RunPaths
     from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.runs.branch_command import continuation, load_copy
+    from rlhf_pipeline.runs.branch_command import continuation, describe, load_copy, not_rebuilt
 
     # the branch's copy of the parent's pipeline file is the file it was started with; one that
     # imports modules beside it loads them from pipeline_modules/ only through a run's own start
     pipeline = "PIPELINE.py" if (new / "pipeline_modules").exists() else str(new / "pipeline.py")
     try:
         commands = continuation(pipeline, str(new.parent), new.name, json.loads((new / "settings.json").read_text()),
-                                load_copy(new), lineage, str(new / PARENT_ROWS))
+                                load_copy(RunPaths(new)), lineage, str(new / PARENT_ROWS))
     except (PipelineError, ValueError, OSError) as exc:
-        return (f"continue it with the parent's command under the branch's name, giving every --set the parent was "
-                f"given (its settings.json has them) and the branch's: {' '.join(lineage['overrides'])} "
-                f"(the command could not be rebuilt: {exc})")
-    if "replay" in commands:
-        return f"continue it with the parent's replay command under the branch's name: {commands['replay']}"
-    return (f"continue it online with the parent's run command under the branch's name: {commands['online']} "
-            f"(or offline over the parent's rows up to step {lineage['step']}, --epochs/--steps counting from the "
-            f"parent's step 0: {commands['offline']})")
+        return not_rebuilt(lineage["overrides"], exc)
+    return describe(commands, lineage["step"])
 
 
 def main_message(new: Path, lineage: dict[str, Any]) -> None:

@@ -104,12 +104,35 @@ def continuation(pipeline: str, home: str, name: str, settings: dict[str, Any], 
                                    *replay_sets])}
 
 
-def load_copy(run: Path) -> Any:
-    """The pipeline module of the run directory (or URL cache) ``run`` from its copy, the modules
-    it imports put first on the path (``runs/pipeline_copy.py``)."""
-    from rlhf_pipeline.files.run_paths import RunPaths
-    from rlhf_pipeline.pipeline import load_pipeline_module
-    from rlhf_pipeline.runs.pipeline_copy import importable_copy
+def describe(commands: dict[str, str], step: int, pipeline_note: str = "") -> str:
+    """:func:`continuation`'s commands as the line ``branch`` prints (``pipeline_note``: what the
+    pipeline file given stands for, where it is not the run's copy)."""
+    if "replay" in commands:
+        return f"continue it with the parent's replay command under the branch's name{pipeline_note}: {commands['replay']}"
+    return (f"continue it online with the parent's run command under the branch's name{pipeline_note}: "
+            f"{commands['online']} (or offline over the parent's rows up to step {step}, --epochs/--steps counting "
+            f"from the parent's step 0: {commands['offline']})")
 
-    importable_copy(RunPaths(run))
-    return load_pipeline_module(run / "pipeline.py")
+
+def not_rebuilt(overrides: list[str], why: Exception) -> str:
+    """What ``branch`` prints when the parent's command cannot be rebuilt."""
+    return (f"continue it with the parent's command under the branch's name, giving every --set the parent was given "
+            f"(its settings.json has them) and the branch's: {' '.join(overrides)} (the command could not be "
+            f"rebuilt: {why})")
+
+
+def load_copy(paths: Any) -> Any:
+    """The pipeline module of the run at ``paths`` (a ``RunPaths``) from its copy, the modules it
+    imports put first on the path (``runs/pipeline_copy.py``); a run at a URL's copy is read into
+    this machine's cache of it first."""
+    from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module
+    from rlhf_pipeline.runs.pipeline_copy import PIPELINE_KEY, importable_copy
+
+    if paths.url is not None:
+        content = paths.store.read(PIPELINE_KEY)
+        if content is None:
+            raise PipelineError(f"{paths.url} keeps no {PIPELINE_KEY}")
+        paths.root.mkdir(parents=True, exist_ok=True)
+        (paths.root / PIPELINE_KEY).write_bytes(content)
+    importable_copy(paths)
+    return load_pipeline_module(paths.root / PIPELINE_KEY)

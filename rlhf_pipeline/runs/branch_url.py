@@ -252,17 +252,21 @@ def refuse_at_url(paths: RunPaths) -> str | None:
 
 
 def url_message(new_url: str, lineage: dict[str, Any]) -> None:
-    """What ``branch`` prints for a branch at a URL: where from, and the command that continues it."""
+    """What ``branch`` prints for a branch at a URL: where from, and the parent's command that
+    continues it (``runs/branch_command.py``), the pipeline file given as PIPELINE.py: the run
+    keeps its copy at its URL, and any machine may continue it."""
+    from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.runs.branch_command import continuation, describe, load_copy, not_rebuilt
+
     home, _, name = new_url.rpartition("/")
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
-    sets = " ".join(f"--set {item}" for item in lineage["overrides"])
     print(f"[branch] {new_url}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
-    if lineage["replay_source"] is None:
-        print(f"[branch] continue it online with the parent's command under the branch's name: rlhf-pipeline run "
-              f"PIPELINE.py --home {home} --run-name {name}; or", file=sys.stderr)
-        how = (f"continue it offline over the parent's rows up to step {lineage['step']} (--epochs/--steps count "
-               f"from the parent's step 0): rlhf-pipeline replay PIPELINE.py --buffer {new_url}/{PARENT_ROWS}")
-    else:
-        how = (f"continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
-               f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']}")
-    print(f"[branch] {how} --home {home} --run-name {name} {sets}".rstrip(), file=sys.stderr)
+    paths = RunPaths.at_url(new_url)
+    try:
+        commands = continuation("PIPELINE.py", home, name, json.loads(paths.store.read("settings.json")),
+                                load_copy(paths), lineage, f"{new_url}/{PARENT_ROWS}")
+    except (PipelineError, ValueError, TypeError, OSError) as exc:
+        print(f"[branch] {not_rebuilt(lineage['overrides'], exc)}", file=sys.stderr)
+        return
+    note = f" (PIPELINE.py: the parent's pipeline file, kept at {new_url}/pipeline.py)"
+    print(f"[branch] {describe(commands, lineage['step'], note)}", file=sys.stderr)

@@ -215,8 +215,8 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     parent = tmp_path / "parent"
     before = digest(parent)
     assert main(["branch", str(parent), "--from-step", "4", "offline", "--set", "learner.lr=1e-3"]) == 0
-    assert "rlhf-pipeline replay PIPELINE.py --buffer" in capsys.readouterr().err
     branch = tmp_path / "offline"
+    assert f"rlhf-pipeline replay {branch / 'pipeline.py'} --buffer {branch / 'parent-rows'}" in capsys.readouterr().err
     record = json.loads((branch / "branch.json").read_text())
     with open_buffer(parent / "buffer") as whole, open_buffer(branch / "parent-rows") as at_step:
         published = sum(record["buffer_rows"].values())
