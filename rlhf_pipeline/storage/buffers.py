@@ -268,10 +268,20 @@ def combine_stats(location: str, per_shard: list[StoreStats], schema_optional: l
 
 
 def verify_buffer(location: str, progress: Progress | None = None) -> list[CheckReport]:
-    """``inspect --verify``: one report per store of the buffer."""
+    """``inspect --verify``: one report per store of the buffer; of a saved selection (a branch's
+    ``parent-rows/``), one per store it reads, once opening it checked that they still hold the
+    rows it names (torch, as ``open_buffer`` reads it)."""
     from rlhf_pipeline.storage.backends import inspection
+    from rlhf_pipeline.storage.manifest import is_selection
 
-    return [inspection(backend).verify(path, progress) for backend, path in stores_in(location)]
+    if is_selection(location):
+        from rlhf_pipeline.storage import open_buffer
+
+        with open_buffer(location, mode="r") as selection:
+            stores = [(source.backend_name, source.location) for source in selection.sources]
+    else:
+        stores = stores_in(location)
+    return [inspection(backend).verify(path, progress) for backend, path in stores]
 
 
 def repair_buffer(location: str, *, apply: bool = False, progress: Progress | None = None) -> list[RepairReport]:

@@ -225,6 +225,18 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
         readable = set(at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist())
     later = set(everything) - readable
     assert later and readable < set(everything)
+    # open_store opens one store: of a run's buffer or a branch's parent-rows it names open_buffer, which
+    # reads them (it said "not a replay buffer ... a buffer is ... a run's buffer/", refusing one: issue 41)
+    from rlhf_pipeline.storage import open_store
+    from rlhf_pipeline.storage.errors import NotAStoreError
+
+    for location in (parent / "buffer", branch / "parent-rows"):
+        with pytest.raises(NotAStoreError, match=r"read it with open_buffer\("):
+            open_store(location)
+    # what a branch reads verifies: the parent's shard its parent-rows/ reads, checked byte by byte
+    assert main(["inspect", str(branch / "parent-rows"), "--verify", "--quiet"]) == 0
+    verified = capsys.readouterr().out
+    assert str(parent / "buffer" / "shard-0000") in verified and "no damage found" in verified, verified
     # a branch of a branch never continued reads the same rows, through its own copy of the selection
     assert main(["branch", str(branch), "--from-step", "4", "again"]) == 0
     with open_buffer(tmp_path / "again" / "parent-rows") as again:
