@@ -18,10 +18,11 @@ from typing import Any
 
 # settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
 _REPLAY_FLAGS_SET = ("steps",)
-# replay options as their flags; what a replay command left at its default is not repeated
-_REPLAY_FLAGS = (("init_from", "--init-from"), ("order", "--order"), ("shuffle_window_rows", "--shuffle-window"),
-                 ("ref_model", "--ref-model"), ("kl_estimator", "--kl-estimator"), ("kl_coef", "--kl-coef"),
-                 ("advantage_std", "--advantage-std"), ("advantage_baseline", "--advantage-baseline"))
+# a replay's options as their flags, each given back as recorded (a resumed replay must give the same)
+_REPLAY_FLAGS = (("order", "--order"), ("seed", "--seed"), ("init_from", "--init-from"),
+                 ("shuffle_window_rows", "--shuffle-window"), ("ref_model", "--ref-model"),
+                 ("kl_estimator", "--kl-estimator"), ("kl_coef", "--kl-coef"), ("advantage_std", "--advantage-std"),
+                 ("advantage_baseline", "--advantage-baseline"))
 
 
 def recorded_sets(settings: dict[str, Any], module: Any) -> list[str]:
@@ -68,18 +69,14 @@ def _as_set_value(value: Any) -> str:
 
 def replay_flags(record: dict[str, Any]) -> list[str]:
     """The ``replay`` command's own flags, from the record a replay keeps in ``settings.json``
-    (``runs/replay.py``), but ``--buffer``: how long, in which order, with which seed, re-scored how."""
-    from rlhf_pipeline.runs.replay import ReplayOptions
-
-    defaults = ReplayOptions(buffer="")
+    (``runs/replay.py``), but ``--buffer``: how long, in which order, with which seed, re-scored how.
+    Each option recorded is given, defaults too: a resumed replay is refused if one differs."""
     words = ["--epochs", str(record["epochs"])] if record.get("epochs") is not None else (
         ["--steps", str(record["steps"])] if record.get("steps") is not None else [])
-    if record.get("seed") is not None:
-        words += ["--seed", str(record["seed"])]
     for name, flag in _REPLAY_FLAGS:
         value = record.get(name)
-        if value is not None and value != getattr(defaults, name):
-            words += [flag, {True: "on", False: "off"}.get(value, str(value)) if name == "advantage_std" else str(value)]
+        if value is not None:
+            words += [flag, {True: "on", False: "off"}[value] if name == "advantage_std" else str(value)]
     return words
 
 

@@ -104,11 +104,11 @@ def detect_backend(location: str) -> str:
     if (run_buffer := buffer_inside(location)) is not None:
         raise NotAStoreError(f"{location} is not a replay buffer but holds one: did you mean {run_buffer}? (in "
                              f"Python, open_buffer reads a run's buffer)")
-    from rlhf_pipeline.storage.buffers import is_sharded_buffer
+    from rlhf_pipeline.files.shard_names import local_shard_names
     from rlhf_pipeline.storage.manifest import is_selection
 
     # what open_buffer reads but no single store's backend does: said as such, with the function that reads it
-    if is_sharded_buffer(location):
+    if "://" not in location and local_shard_names(location):
         raise NotAStoreError(f"{location} is a run's buffer (one shard-NNNN store per collector), not a single store: "
                              f"read it with open_buffer({location!r}); open_store opens one store, e.g. one shard")
     if is_selection(location):

@@ -19,6 +19,7 @@ from pathlib import Path
 from rlhf_pipeline.files.shard_names import (  # noqa: F401 - re-exported: the shard names, with the listing
     SHARD_PREFIX,
     join_shard,
+    local_shard_names,
     new_shard_name,
     shard_index,
     shard_key_of,
@@ -53,9 +54,7 @@ def list_shards(buffer: str | Path, storage_options: dict | None = None) -> list
         check_buffer_url(buffer)
         names = _url_shard_names(str(buffer), storage_options)
     else:
-        root = Path(buffer)
-        names = [child.name for child in root.iterdir() if shard_index(child.name) is not None and child.is_dir()] \
-            if root.is_dir() else []
+        names = local_shard_names(buffer)
     found: dict[int, str] = {}
     for name in names:
         index = shard_index(name)
