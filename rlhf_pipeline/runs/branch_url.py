@@ -37,7 +37,13 @@ from typing import Any
 
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
-from rlhf_pipeline.runs.branch import PARENT_ROWS, BranchError, changed_settings, write_parent_rows
+from rlhf_pipeline.runs.branch import (
+    PARENT_ROWS,
+    BranchError,
+    changed_settings,
+    half_made_removed,
+    write_parent_rows,
+)
 from rlhf_pipeline.runs.lineage import BRANCH_FILE, BRANCH_FORMAT
 
 MAKING = "branch.making"
@@ -79,8 +85,10 @@ def branch_at_url(parent_url: str, step: int, new_url: str, overrides: Sequence[
     checkpoints = run_checkpoints(parent)
     if checkpoints.path_of(step) is None:
         kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
-        raise BranchError(f"{parent.url} keeps no checkpoint of step {step} (kept: {kept}); branch from one of "
-                          f"those, or keep more with learner.checkpoint_keep_every=M (every M-th step)")
+        reason = (f"{parent.url} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, or keep "
+                  f"more with learner.checkpoint_keep_every=M (every M-th step)")
+        # a branch of it left half-made there cannot be made any more, and no rerun would remove it
+        raise BranchError(half_made_removed(reason, new.url) if _remove_half_made(target, parent.url) else reason)
     if saved.get("replay", {}).get("buffer") is None:
         _refuse_continued_online(parent, saved)
     _clear_place(target, new.url)
@@ -167,6 +175,24 @@ def _clear_place(target: ObjectRunStore, url: str) -> None:
         raise BranchError(f"{url} holds objects already; a branch is a new run: choose another NEW_RUN name")
     print(f"[branch] {url} holds a branch left half-made ({MAKING}, no {BRANCH_FILE}): removing its "
           f"{len(keys)} objects and making it again", file=sys.stderr)
+    _delete(target, keys)
+
+
+def _remove_half_made(target: ObjectRunStore, parent_url: str) -> bool:
+    """Removes the branch of ``parent_url`` left half-made at ``target`` (``branch.making``, no
+    ``branch.json``), if there is one; whether it did."""
+    from rlhf_pipeline.runs.branch_reads import making_record
+
+    keys = walk(target, "")
+    if MAKING not in keys or BRANCH_FILE in keys:
+        return False
+    if str((making_record(target.read(MAKING)) or {}).get("parent", parent_url)).rstrip("/") != parent_url:
+        return False  # another parent's
+    _delete(target, keys)
+    return True
+
+
+def _delete(target: ObjectRunStore, keys: list[str]) -> None:
     for key in sorted(keys, key=lambda k: k == MAKING):  # the marker last: a kill here is still recognisable
         target.delete(key)
 

@@ -357,3 +357,40 @@ def test_the_printed_run_command_continues_a_branch_online_with_the_parents_sett
     metrics = read_metrics(branch / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert [m["charts/learning_rate"] for m in metrics[4:]] == [1e-3] * 4
+
+
+# ============================================================ a branch killed midway
+def test_a_branch_killed_midway_whose_step_is_pruned_is_listed_then_removed_by_its_refused_rerun(tmp_path, capsys):
+    """``branch`` killed with SIGKILL while it copies left ``NAME.creating/``; the parent then pruned
+    the step, so the rerun is refused, and nothing removed or listed it any more (issue 41). Now
+    the parent's ``inspect`` lists it with what to do, and the refused rerun removes it, saying so."""
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress
+
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    (parent / "settings.json").write_text("{}")
+    CheckpointManager(parent / "checkpoints", keep_last=3).save(
+        Progress(seed=0, step=2), {"model": {"weight": torch.zeros(2)}}, record={"policy_version": 2})
+    modules = parent / "pipeline_modules"  # many files to copy: the kill comes while they are copied
+    modules.mkdir()
+    for i in range(20_000):
+        (modules / f"m{i}.py").write_text("")
+    making = tmp_path / "cut.creating"
+    branching = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "branch", str(parent),
+                                  "--from-step", "2", "cut"], cwd=REPO, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+    err = kill_when(branching, lambda: (making / "pipeline_modules").is_dir(), timeout=240, poll_s=0.01, wait_s=60)
+    assert branching.returncode == -signal.SIGKILL, err[-3000:]
+    assert making.is_dir() and not (tmp_path / "cut").exists(), "the kill came after the branch was made"
+    (parent / "checkpoints" / "step_00000002.pt").unlink()  # the parent ran on and pruned step 2
+    (parent / "checkpoints" / "step_00000002.json").unlink()
+    assert main(["inspect", str(parent), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == [{"run": str(making), "step": 2}]
+    assert main(["inspect", str(parent)]) == 0
+    assert f"{making} (from step 2; run the same `rlhf-pipeline branch` again" in capsys.readouterr().out
+    assert main(["branch", str(parent), "--from-step", "2", "cut"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "keeps no checkpoint of step 2" in err and f"Removed {making}" in err and len(err.splitlines()) == 1, err
+    assert not making.exists() and not (tmp_path / "cut").exists()
+    assert main(["inspect", str(parent), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == []
