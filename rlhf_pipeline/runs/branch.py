@@ -295,11 +295,12 @@ def refuse_online_start(root: str | Path) -> None:
     online (``runs/branch_online.py``), or refuses in one line saying why, with the ``replay`` command."""
     lineage = offline_branch(root)
     if lineage is not None:
+        from rlhf_pipeline.files.run_paths import RunPaths
+        from rlhf_pipeline.runs.branch_command import offline_command
         from rlhf_pipeline.runs.branch_online import prepare_online_branch
 
-        offline = (f"rlhf-pipeline replay PIPELINE.py --buffer {Path(root) / PARENT_ROWS} --home {Path(root).parent} "
-                   f"--run-name {Path(root).name}")
-        prepare_online_branch(root, lineage, offline)
+        prepare_online_branch(root, lineage,
+                              lambda: offline_command(RunPaths(Path(root)), lineage, str(Path(root) / PARENT_ROWS)))
 
 
 def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:

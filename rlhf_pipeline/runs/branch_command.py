@@ -118,6 +118,24 @@ def not_rebuilt(overrides: list[str], why: Exception) -> str:
             f"rebuilt: {why})")
 
 
+def offline_command(paths: Any, lineage: dict[str, Any], parent_rows: str) -> str:
+    """The ``replay`` command that continues the branch of a run with collectors at ``paths`` (a
+    ``RunPaths``) offline over its ``parent_rows``, as ``branch`` printed it: what a refusal to
+    continue it online names. The pipeline file is the branch's copy in a directory, PIPELINE.py at a URL."""
+    import json
+
+    from rlhf_pipeline.pipeline import PipelineError
+
+    local = paths.url is None and not (paths.root / "pipeline_modules").exists()
+    pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
+    try:
+        return continuation(pipeline, paths.home, paths.name, json.loads(paths.store.read("settings.json")),
+                            load_copy(paths), lineage, parent_rows)["offline"]
+    except (PipelineError, ValueError, TypeError, OSError):  # the parent's own command, to be completed by hand
+        return shlex.join(["rlhf-pipeline", "replay", "PIPELINE.py", "--buffer", parent_rows, "--home", paths.home,
+                           "--run-name", paths.name]) + " with every --set of the parent"
+
+
 def load_copy(paths: Any) -> Any:
     """The pipeline module of the run at ``paths`` (a ``RunPaths``) from its copy, the modules it
     imports put first on the path (``runs/pipeline_copy.py``); a run at a URL's copy is read into

@@ -251,7 +251,12 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     assert trained_ids and trained_ids <= readable and not trained_ids & later
     assert digest(parent) == before  # the parent's files were only read
     assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "offline"]) == 2  # no longer online
-    assert "it was continued offline already (it has a checkpoint of step 8)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "it was continued offline already (it has a checkpoint of step 8)" in err
+    # the command it names is the one branch printed: the branch's pipeline copy and every --set
+    assert (f"continue it offline with rlhf-pipeline replay {branch / 'pipeline.py'} --buffer "
+            f"{branch / 'parent-rows'} --home {tmp_path} --run-name offline --set group_size=4") in err, err
+    assert "--set learner.lr=0.001" in err, err
     assert main(["inspect", str(branch)]) == 0
     assert f"branched from  {parent} at step 4" in capsys.readouterr().out
     assert main(["inspect", str(parent)]) == 0  # which of its rows each branch holds
