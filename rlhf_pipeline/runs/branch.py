@@ -308,17 +308,12 @@ def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
     setting it was started with and the branch's changes (``runs/branch_command.py``)."""
     from rlhf_pipeline.files.run_paths import RunPaths
     from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.runs.branch_command import continuation, describe, load_copy, not_rebuilt
+    from rlhf_pipeline.runs.branch_command import branch_commands, describe, not_rebuilt
 
-    # the branch's copy of the parent's pipeline file is the file it was started with; one that
-    # imports modules beside it loads them from pipeline_modules/ only through a run's own start
-    pipeline = "PIPELINE.py" if (new / "pipeline_modules").exists() else str(new / "pipeline.py")
     try:
-        commands = continuation(pipeline, str(new.parent), new.name, json.loads((new / "settings.json").read_text()),
-                                load_copy(RunPaths(new)), lineage, str(new / PARENT_ROWS))
+        return describe(branch_commands(RunPaths(new), lineage, str(new / PARENT_ROWS)), lineage["step"])
     except (PipelineError, ValueError, OSError) as exc:
         return not_rebuilt(lineage["overrides"], exc)
-    return describe(commands, lineage["step"])
 
 
 def main_message(new: Path, lineage: dict[str, Any]) -> None:

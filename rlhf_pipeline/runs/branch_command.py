@@ -12,8 +12,8 @@ come from the ``replay`` record its ``settings.json`` keeps.
 
 from __future__ import annotations
 
+import json
 import shlex
-from pathlib import Path
 from typing import Any
 
 # settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
@@ -118,20 +118,28 @@ def not_rebuilt(overrides: list[str], why: Exception) -> str:
             f"rebuilt: {why})")
 
 
-def offline_command(paths: Any, lineage: dict[str, Any], parent_rows: str) -> str:
-    """The ``replay`` command that continues the branch of a run with collectors at ``paths`` (a
-    ``RunPaths``) offline over its ``parent_rows``, as ``branch`` printed it: what a refusal to
-    continue it online names. The pipeline file is the branch's copy in a directory, PIPELINE.py at a URL."""
-    import json
-
-    from rlhf_pipeline.pipeline import PipelineError
-
+def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
+    """:func:`continuation` of the branch at ``paths`` (a ``RunPaths``), from its ``settings.json``
+    and pipeline copy; ``parent_rows``: where its ``parent-rows/`` is. The pipeline file given is the
+    branch's copy in a directory, else PIPELINE.py: at a URL (any machine may continue it), or where
+    the copy imports modules beside it (they load from ``pipeline_modules/`` only in a run's start).
+    ``PipelineError``, ``ValueError`` or ``OSError`` when it cannot be rebuilt."""
     local = paths.url is None and not (paths.root / "pipeline_modules").exists()
     pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
+    settings = paths.store.read("settings.json")
+    if settings is None:
+        raise ValueError(f"{paths.location} keeps no settings.json")
+    return continuation(pipeline, paths.home, paths.name, json.loads(settings), load_copy(paths), lineage, parent_rows)
+
+
+def offline_command(paths: Any, lineage: dict[str, Any], parent_rows: str) -> str:
+    """The ``replay`` command that continues the branch of a run with collectors at ``paths``
+    offline, as ``branch`` printed it: what a refusal to continue it online names."""
+    from rlhf_pipeline.pipeline import PipelineError
+
     try:
-        return continuation(pipeline, paths.home, paths.name, json.loads(paths.store.read("settings.json")),
-                            load_copy(paths), lineage, parent_rows)["offline"]
-    except (PipelineError, ValueError, TypeError, OSError):  # the parent's own command, to be completed by hand
+        return branch_commands(paths, lineage, parent_rows)["offline"]
+    except (PipelineError, ValueError, OSError):  # the parent's own command, to be completed by hand
         return shlex.join(["rlhf-pipeline", "replay", "PIPELINE.py", "--buffer", parent_rows, "--home", paths.home,
                            "--run-name", paths.name]) + " with every --set of the parent"
 

@@ -282,16 +282,13 @@ def url_message(new_url: str, lineage: dict[str, Any]) -> None:
     continues it (``runs/branch_command.py``), the pipeline file given as PIPELINE.py: the run
     keeps its copy at its URL, and any machine may continue it."""
     from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.runs.branch_command import continuation, describe, load_copy, not_rebuilt
+    from rlhf_pipeline.runs.branch_command import branch_commands, describe, not_rebuilt
 
-    home, _, name = new_url.rpartition("/")
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
     print(f"[branch] {new_url}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
-    paths = RunPaths.at_url(new_url)
     try:
-        commands = continuation("PIPELINE.py", home, name, json.loads(paths.store.read("settings.json")),
-                                load_copy(paths), lineage, f"{new_url}/{PARENT_ROWS}")
-    except (PipelineError, ValueError, TypeError, OSError) as exc:
+        commands = branch_commands(RunPaths.at_url(new_url), lineage, f"{new_url}/{PARENT_ROWS}")
+    except (PipelineError, ValueError, OSError) as exc:
         print(f"[branch] {not_rebuilt(lineage['overrides'], exc)}", file=sys.stderr)
         return
     note = f" (PIPELINE.py: the parent's pipeline file, kept at {new_url}/pipeline.py)"
