@@ -22,7 +22,7 @@ import torch
 from helpers import kill_when
 from integration.test_branch import printed_command
 from integration.test_branch_at_url import objects
-from integration.test_branch_online import FIELDS, NOT_COMPARED, REPO, SETTINGS
+from integration.test_branch_online import FIELDS, NOT_COMPARED, REPO, SETTINGS, same_rows
 from integration.test_replay_at_url import DEFAULT, logged, same_weights
 
 from rlhf_pipeline.cli.main import main
@@ -66,13 +66,6 @@ def parent(s3_server, s3_env, tmp_path):
     home = s3_server.url("runs")
     run(s3_env, tmp_path, home, "parent")
     return home, f"{home}/parent"
-
-
-def same_rows(mine: list[dict], theirs: list[dict]) -> bool:
-    """The same rows in the same places; the last round may or may not have been written before the
-    stop (pacing lets a collector write a round ahead of the learner: a race, not what was trained)."""
-    shorter, longer = sorted((mine, theirs), key=len)
-    return bool(shorter) and shorter == longer[:len(shorter)] and len(longer) - len(shorter) <= 16
 
 
 def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_trained(s3_server, s3_env, tmp_path,
