@@ -116,7 +116,8 @@ def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequen
         except FileNotFoundError as exc:  # the running parent pruned that checkpoint (or weights) meanwhile
             shutil.rmtree(making, ignore_errors=True)
             raise BranchError(f"{exc.filename} went away while branching (the parent is running and pruned it); "
-                              f"branch from a step it keeps: learner.checkpoint_keep_every=M keeps every M-th") from None
+                              f"branch from a step it keeps: learner.checkpoint_keep_every=M keeps every M-th"
+                              ) from None
         except BaseException:
             shutil.rmtree(making, ignore_errors=True)
             raise

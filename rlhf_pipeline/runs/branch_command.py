@@ -105,7 +105,8 @@ def describe(commands: dict[str, str], step: int, pipeline_note: str = "") -> st
     """:func:`continuation`'s commands as the line ``branch`` prints (``pipeline_note``: what the
     pipeline file given stands for, where it is not the run's copy)."""
     if "replay" in commands:
-        return f"continue it with the parent's replay command under the branch's name{pipeline_note}: {commands['replay']}"
+        return (f"continue it with the parent's replay command under the branch's name{pipeline_note}: "
+                f"{commands['replay']}")
     return (f"continue it online with the parent's run command under the branch's name{pipeline_note}: "
             f"{commands['online']} (or offline over the parent's rows up to step {step}, --epochs/--steps counting "
             f"from the parent's step 0: {commands['offline']})")
