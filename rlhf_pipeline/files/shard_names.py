@@ -76,6 +76,13 @@ def shard_index(name: str) -> int | None:
     return index
 
 
+def local_shard_names(directory: str | Path) -> list[str]:
+    """The names of the shards in the local buffer directory ``directory`` (none when it is none)."""
+    root = Path(directory)
+    return [child.name for child in root.iterdir() if shard_index(child.name) is not None and child.is_dir()] \
+        if root.is_dir() else []
+
+
 def join_shard(buffer: str | Path, name: str) -> str:
     """The location of the shard named ``name`` under ``buffer``; joined as text for a URL."""
     if "://" in str(buffer):

@@ -58,6 +58,7 @@ from rlhf_pipeline.runs.lineage import (
     is_run_directory,
     read_parent,
 )
+from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, HALF_MADE_SUFFIX
 from rlhf_pipeline.runs.run_directory import RunError
 
 # settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
@@ -83,8 +84,8 @@ def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequen
     checkpoint = checkpoints.path_of(step)
     if checkpoint is None:
         kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
-        raise BranchError(f"{parent} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, "
-                          f"or keep more with learner.checkpoint_keep_every=M (every M-th step)")
+        raise _refused(parent, new, f"{parent} keeps no checkpoint of step {step} (kept: {kept}); branch from one "
+                                    f"of those, or keep more with learner.checkpoint_keep_every=M (every M-th step)")
     if not (parent / "settings.json").is_file():
         raise BranchError(f"{parent} has no settings.json: a branch takes its parent's settings; give a run directory "
                           f"a run or a replay made")
@@ -97,24 +98,52 @@ def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequen
         "replay_source": saved.get("replay", {}).get("buffer"), "settings_changed": changed,
         "overrides": list(overrides), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    making = new.with_name(new.name + ".creating")  # renamed into place whole: a failed branch leaves no run
-    if making.exists():
-        shutil.rmtree(making)
-    making.mkdir(parents=True)
-    try:
-        with evicting_parent_stopped(parent), branches_settled(parent):  # no drop or eviction of the rows named
+    making = new.with_name(new.name + HALF_MADE_SUFFIX)  # renamed into place whole: a failed branch leaves no run
+    # held throughout, so no other `branch` of this parent is making NEW meanwhile (_refused relies on it)
+    with evicting_parent_stopped(parent), branches_settled(parent):  # and no drop or eviction of the rows named
+        if making.exists():
+            print(f"[branch] {making} was left half-made by a `branch` stopped midway: removing it and making the "
+                  f"branch again", file=sys.stderr)
+            shutil.rmtree(making)
+        making.mkdir(parents=True)
+        try:
+            # first, so that the parent's `inspect` lists it if this is stopped midway (runs/lineage.py)
+            (making / BRANCH_MAKING).write_text(json.dumps({"parent": str(parent), "step": step}))
             _write_branch(parent, making, checkpoint, step, settings, lineage)
             if new.exists():
                 new.rmdir()  # empty (checked above)
             making.replace(new)
-    except FileNotFoundError as exc:  # the running parent pruned that checkpoint (or weights) meanwhile
-        shutil.rmtree(making, ignore_errors=True)
-        raise BranchError(f"{exc.filename} went away while branching (the parent is running and pruned it); "
-                          f"branch from a step it keeps: learner.checkpoint_keep_every=M keeps every M-th") from None
-    except BaseException:
-        shutil.rmtree(making, ignore_errors=True)
-        raise
+        except FileNotFoundError as exc:  # the running parent pruned that checkpoint (or weights) meanwhile
+            shutil.rmtree(making, ignore_errors=True)
+            raise BranchError(f"{exc.filename} went away while branching (the parent is running and pruned it); "
+                              f"branch from a step it keeps: learner.checkpoint_keep_every=M keeps every M-th"
+                              ) from None
+        except BaseException:
+            shutil.rmtree(making, ignore_errors=True)
+            raise
+    (new / BRANCH_MAKING).unlink()
     return lineage
+
+
+def _refused(parent: Path, new: Path, reason: str) -> BranchError:
+    """The refusal of a branch that cannot be made (any more), once the ``NEW.creating/`` that a
+    ``branch`` of it stopped midway left is removed: no rerun would remove it any more, and it holds
+    nothing anyone reads. Under the lock a branch being made holds throughout (:func:`branch_run`),
+    so it is no other ``branch``'s work in progress."""
+    from rlhf_pipeline.runs.lineage import half_made_parent
+
+    making = new.with_name(new.name + HALF_MADE_SUFFIX)
+    with branches_settled(parent):
+        if not making.is_dir() or half_made_parent(making) not in (None, str(parent)):  # another parent's
+            return BranchError(reason)
+        shutil.rmtree(making)
+    return BranchError(half_made_removed(reason, str(making)))
+
+
+def half_made_removed(reason: str, where: str) -> str:
+    """A refusal's line once the branch a ``branch`` stopped midway left half-made at ``where`` was removed."""
+    return (f"{reason}. Removed {where}, the branch a `branch` stopped midway left half-made (it held nothing "
+            f"anyone reads)")
 
 
 def changed_settings(parent: Path, saved: dict[str, Any], overrides: Sequence[str]) -> tuple[dict, list[str]]:
@@ -267,24 +296,25 @@ def refuse_online_start(root: str | Path) -> None:
     online (``runs/branch_online.py``), or refuses in one line saying why, with the ``replay`` command."""
     lineage = offline_branch(root)
     if lineage is not None:
+        from rlhf_pipeline.files.run_paths import RunPaths
+        from rlhf_pipeline.runs.branch_command import offline_command
         from rlhf_pipeline.runs.branch_online import prepare_online_branch
 
-        offline = (f"rlhf-pipeline replay PIPELINE.py --buffer {Path(root) / PARENT_ROWS} --home {Path(root).parent} "
-                   f"--run-name {Path(root).name}")
-        prepare_online_branch(root, lineage, offline)
+        prepare_online_branch(root, lineage,
+                              lambda: offline_command(RunPaths(Path(root)), lineage, str(Path(root) / PARENT_ROWS)))
 
 
 def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
-    """The command that continues the branch, for ``branch`` to print."""
-    sets = "".join(f" --set {item}" for item in lineage["overrides"])
-    if lineage.get("replay_source") is not None:
-        return (f"continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
-                f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']} "
-                f"--home {new.parent} --run-name {new.name}{sets}")
-    return (f"continue it online with the parent's run command under the branch's name: rlhf-pipeline run "
-            f"PIPELINE.py --home {new.parent} --run-name {new.name}{sets} (or offline over the parent's rows up to "
-            f"step {lineage['step']}, --epochs/--steps counting from the parent's step 0: rlhf-pipeline replay "
-            f"PIPELINE.py --buffer {new / PARENT_ROWS} --home {new.parent} --run-name {new.name}{sets})")
+    """The command that continues the branch, for ``branch`` to print: the parent's, with every
+    setting it was started with and the branch's changes (``runs/branch_command.py``)."""
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.runs.branch_command import branch_commands, describe, not_rebuilt
+
+    try:
+        return describe(branch_commands(RunPaths(new), lineage, str(new / PARENT_ROWS)), lineage["step"])
+    except (PipelineError, ValueError, OSError) as exc:
+        return not_rebuilt(lineage["overrides"], exc)
 
 
 def main_message(new: Path, lineage: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ continues offline only: refused in one line that names the reason and the ``repl
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,9 @@ class OnlineBranchError(RunError):
     """The branch cannot continue online (the message says why and gives the ``replay`` command)."""
 
 
-def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: str) -> None:
+def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: Callable[[], str]) -> None:
     """Sets the branch at ``root`` up to continue online (module docstring), once; ``offline``:
-    the command that continues it offline, for a refusal."""
+    the command that continues it offline, for a refusal (made only then: it loads the pipeline copy)."""
     root = Path(root)
     if continued_rows(root / "buffer") is not None:
         return  # set up by an earlier start
@@ -54,7 +55,7 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: st
 
     def refuse(why: str) -> OnlineBranchError:
         return OnlineBranchError(f"{root} is a branch of {parent} at step {lineage['step']} and cannot continue "
-                                 f"online: {why}; continue it offline with {offline}")
+                                 f"online: {why}; continue it offline with {offline()}")
 
     reached = CheckpointManager(root / "checkpoints").latest_step()
     if reached is not None and reached > int(lineage["step"]):

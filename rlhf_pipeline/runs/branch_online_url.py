@@ -22,6 +22,7 @@ The parent is only read (listed, read, and copied from): its objects keep their 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from rlhf_pipeline.files.run_paths import RunPaths
@@ -37,14 +38,15 @@ def start_online_at_url(paths: RunPaths) -> None:
 
     lineage = None if paths.url is None else offline_branch_of(paths)
     if lineage is not None:
-        offline = (f"rlhf-pipeline replay PIPELINE.py --buffer {paths.url}/{PARENT_ROWS} --home {paths.home} "
-                   f"--run-name {paths.name}")
-        prepare_online_branch_at_url(paths, lineage, offline)
+        from rlhf_pipeline.runs.branch_command import offline_command
+
+        prepare_online_branch_at_url(paths, lineage,
+                                     lambda: offline_command(paths, lineage, f"{paths.url}/{PARENT_ROWS}"))
 
 
-def prepare_online_branch_at_url(paths: RunPaths, lineage: dict[str, Any], offline: str) -> None:
+def prepare_online_branch_at_url(paths: RunPaths, lineage: dict[str, Any], offline: Callable[[], str]) -> None:
     """Sets the branch at ``paths.url`` up to continue online (module docstring), once; ``offline``:
-    the command that continues it offline, for a refusal in one line."""
+    the command that continues it offline, for a refusal in one line (made only then)."""
     buffer = paths.buffer_location
     if continued_rows(buffer) is not None:
         return  # set up by an earlier start
@@ -57,7 +59,7 @@ def prepare_online_branch_at_url(paths: RunPaths, lineage: dict[str, Any], offli
 
     def refuse(why: str) -> OnlineBranchError:
         return OnlineBranchError(f"{paths.url} is a branch of {parent.url} at step {lineage['step']} and cannot "
-                                 f"continue online: {why}; continue it offline with {offline}")
+                                 f"continue online: {why}; continue it offline with {offline()}")
 
     reached = run_checkpoints(paths).latest_step()
     if reached is not None and reached > int(lineage["step"]):

@@ -5,13 +5,15 @@ floors (``runs/retention.py`` in a directory, ``runs/retention_url.py`` at a URL
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 # the names runs/branch.py (PARENT_ROWS) and runs/branch_url.py (MAKING) write, kept here so that
 # retention and lineage read them without importing how a branch is made (which imports retention)
 PARENT_ROWS_MANIFEST = "parent-rows/selection.json"
-BRANCH_MAKING = "branch.making"
+BRANCH_MAKING = "branch.making"  # what a branch being made is made of ({"parent", "step"}), written first
+HALF_MADE_SUFFIX = ".creating"  # a local branch is made as NAME.creating/ and renamed into place whole
 
 
 def resolved_location(location: str) -> str:
@@ -35,3 +37,14 @@ def continues_shard(continues: dict[str, Any] | None, shard: str) -> bool:
     buffer, _, name = resolved_location(shard).rstrip("/").rpartition("/")
     same = resolved_location(str(continues["parent_buffer"])).rstrip("/") == buffer
     return same and int(continues["rows"].get(name, 0)) > 0
+
+
+def making_record(raw: bytes | None) -> dict[str, Any] | None:
+    """``branch.making``'s record (``{"parent": URL, "step": N}``); a damaged one names no parent."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -37,7 +37,13 @@ from typing import Any
 
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
-from rlhf_pipeline.runs.branch import PARENT_ROWS, BranchError, changed_settings, write_parent_rows
+from rlhf_pipeline.runs.branch import (
+    PARENT_ROWS,
+    BranchError,
+    changed_settings,
+    half_made_removed,
+    write_parent_rows,
+)
 from rlhf_pipeline.runs.lineage import BRANCH_FILE, BRANCH_FORMAT
 
 MAKING = "branch.making"
@@ -79,8 +85,10 @@ def branch_at_url(parent_url: str, step: int, new_url: str, overrides: Sequence[
     checkpoints = run_checkpoints(parent)
     if checkpoints.path_of(step) is None:
         kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
-        raise BranchError(f"{parent.url} keeps no checkpoint of step {step} (kept: {kept}); branch from one of "
-                          f"those, or keep more with learner.checkpoint_keep_every=M (every M-th step)")
+        reason = (f"{parent.url} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, or keep "
+                  f"more with learner.checkpoint_keep_every=M (every M-th step)")
+        # a branch of it left half-made there cannot be made any more, and no rerun would remove it
+        raise BranchError(half_made_removed(reason, new.url) if _remove_half_made(target, parent.url) else reason)
     if saved.get("replay", {}).get("buffer") is None:
         _refuse_continued_online(parent, saved)
     _clear_place(target, new.url)
@@ -167,6 +175,24 @@ def _clear_place(target: ObjectRunStore, url: str) -> None:
         raise BranchError(f"{url} holds objects already; a branch is a new run: choose another NEW_RUN name")
     print(f"[branch] {url} holds a branch left half-made ({MAKING}, no {BRANCH_FILE}): removing its "
           f"{len(keys)} objects and making it again", file=sys.stderr)
+    _delete(target, keys)
+
+
+def _remove_half_made(target: ObjectRunStore, parent_url: str) -> bool:
+    """Removes the branch of ``parent_url`` left half-made at ``target`` (``branch.making``, no
+    ``branch.json``), if there is one; whether it did."""
+    from rlhf_pipeline.runs.branch_reads import making_record
+
+    keys = walk(target, "")
+    if MAKING not in keys or BRANCH_FILE in keys:
+        return False
+    if str((making_record(target.read(MAKING)) or {}).get("parent", parent_url)).rstrip("/") != parent_url:
+        return False  # another parent's
+    _delete(target, keys)
+    return True
+
+
+def _delete(target: ObjectRunStore, keys: list[str]) -> None:
     for key in sorted(keys, key=lambda k: k == MAKING):  # the marker last: a kill here is still recognisable
         target.delete(key)
 
@@ -252,17 +278,18 @@ def refuse_at_url(paths: RunPaths) -> str | None:
 
 
 def url_message(new_url: str, lineage: dict[str, Any]) -> None:
-    """What ``branch`` prints for a branch at a URL: where from, and the command that continues it."""
-    home, _, name = new_url.rpartition("/")
+    """What ``branch`` prints for a branch at a URL: where from, and the parent's command that
+    continues it (``runs/branch_command.py``), the pipeline file given as PIPELINE.py: the run
+    keeps its copy at its URL, and any machine may continue it."""
+    from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.runs.branch_command import branch_commands, describe, not_rebuilt
+
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
-    sets = " ".join(f"--set {item}" for item in lineage["overrides"])
     print(f"[branch] {new_url}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
-    if lineage["replay_source"] is None:
-        print(f"[branch] continue it online with the parent's command under the branch's name: rlhf-pipeline run "
-              f"PIPELINE.py --home {home} --run-name {name}; or", file=sys.stderr)
-        how = (f"continue it offline over the parent's rows up to step {lineage['step']} (--epochs/--steps count "
-               f"from the parent's step 0): rlhf-pipeline replay PIPELINE.py --buffer {new_url}/{PARENT_ROWS}")
-    else:
-        how = (f"continue it with the parent's replay command under the branch's name (same --epochs/--steps, "
-               f"--order, --seed): rlhf-pipeline replay PIPELINE.py --buffer {lineage['replay_source']}")
-    print(f"[branch] {how} --home {home} --run-name {name} {sets}".rstrip(), file=sys.stderr)
+    try:
+        commands = branch_commands(RunPaths.at_url(new_url), lineage, f"{new_url}/{PARENT_ROWS}")
+    except (PipelineError, ValueError, OSError) as exc:
+        print(f"[branch] {not_rebuilt(lineage['overrides'], exc)}", file=sys.stderr)
+        return
+    note = f" (PIPELINE.py: the parent's pipeline file, kept at {new_url}/pipeline.py)"
+    print(f"[branch] {describe(commands, lineage['step'], note)}", file=sys.stderr)

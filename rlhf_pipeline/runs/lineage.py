@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
+from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, HALF_MADE_SUFFIX, making_record
 
 BRANCH_FILE = "branch.json"
 BRANCH_FORMAT = 1
@@ -82,6 +83,35 @@ def find_branches(run: str | Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda b: (b["step"], b["run"]))
 
 
+def half_made_parent(making: Path) -> str | None:
+    """The parent a branch left half-made at ``making`` (``NAME.creating/``) names in its
+    ``branch.making``; None when it names none (stopped before writing it, or made before it was)."""
+    parent = _making_record(making).get("parent")
+    return None if parent is None else str(parent)
+
+
+def _making_record(making: Path) -> dict[str, Any]:
+    try:
+        return making_record((making / BRANCH_MAKING).read_bytes()) or {}
+    except OSError:
+        return {}
+
+
+def half_made_branches(run: str | Path) -> list[dict[str, Any]]:
+    """The branches of ``run`` that a ``branch`` stopped midway left beside it, ``NAME.creating/``
+    (``runs/branch.py``): ``{"run": path, "step": N}``, by path; one that names no parent is listed
+    too (step None): nothing else would ever show it."""
+    run = Path(run).resolve()
+    found = []
+    for candidate in sorted(run.parent.iterdir()) if run.parent.is_dir() else []:
+        if not candidate.name.endswith(HALF_MADE_SUFFIX) or not candidate.is_dir():
+            continue
+        record = _making_record(candidate)
+        if record.get("parent") is None or Path(str(record["parent"])).resolve() == run:
+            found.append({"run": str(candidate), "step": record.get("step")})
+    return found
+
+
 def run_lineage(run: str | Path) -> dict[str, Any]:
     """What ``inspect RUN`` says about a run directory: its rewind points, its parent, its branches."""
     run = Path(run).resolve()
@@ -92,6 +122,7 @@ def run_lineage(run: str | Path) -> dict[str, Any]:
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", [])},
         "branches": [{**b, **what_branch_reads(b["run"], run)} for b in find_branches(run)],
+        "half_made": half_made_branches(run),
     }
 
 
@@ -142,4 +173,11 @@ def format_lineage(lineage: dict[str, Any]) -> str:
     branches = lineage["branches"]
     lines.append(f"branches  {len(branches)}" if branches else "branches  none")
     lines += [describe_branch(b) for b in branches]
+    half_made = lineage.get("half_made") or []
+    if half_made:
+        lines.append(f"half-made branches  {len(half_made)} (a `branch` stopped midway, or making it now)")
+    for branch in half_made:
+        step = "" if branch["step"] is None else f"from step {branch['step']}; "
+        lines.append(f"  {branch['run']} ({step}run the same `rlhf-pipeline branch` again: it makes it whole, or "
+                     f"removes it if the step is no longer kept; it holds nothing anyone reads)")
     return "\n".join(lines)

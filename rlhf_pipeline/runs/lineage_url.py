@@ -46,7 +46,7 @@ def branch_records_at_url(url: str, *, half_made: bool = False, home_store: Any 
     from concurrent.futures import ThreadPoolExecutor
 
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
-    from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING
+    from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, making_record
 
     url = url.rstrip("/")
     home, _, name = url.rpartition("/")
@@ -59,7 +59,7 @@ def branch_records_at_url(url: str, *, half_made: bool = False, home_store: Any 
             lineage = _parent_of(store, f"{other}/", f"{home}/{other}")
         except ValueError:
             return None  # a damaged branch says so when it is inspected itself
-        making = _making_of(store.read(f"{other}/{BRANCH_MAKING}")) if lineage is None and half_made else None
+        making = making_record(store.read(f"{other}/{BRANCH_MAKING}")) if lineage is None and half_made else None
         named = lineage if lineage is not None else making
         if named is None or str(named.get("parent", "")).rstrip("/") != url:
             return None
@@ -76,30 +76,20 @@ def runs_beside(home_store: Any, name: str) -> list[str]:
     return [other for other in sorted(home_store.list("")) if other != name]
 
 
-def _making_of(raw: bytes | None) -> dict[str, Any] | None:
-    """``branch.making``'s record (``{"parent": URL, "step": N}``); a damaged one names no parent."""
-    if raw is None:
-        return None
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def url_run_lineage(url: str) -> dict[str, Any]:
     """What ``inspect URL`` says about a run at a URL: the same fields as ``lineage.run_lineage``."""
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
     paths = RunPaths.at_url(url)
     parent = read_parent_at_url(paths.url)
+    records = sorted(branch_records_at_url(paths.url, half_made=True), key=lambda b: (b["step"], b["run"]))
     return {
         "run": paths.url,
         "rewind_points": run_checkpoints(paths).rewind_points(),
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", [])},
-        "branches": [_what_branch_reads(b) for b in sorted(branch_records_at_url(paths.url),
-                                                            key=lambda b: (b["step"], b["run"]))],
+        "branches": [_what_branch_reads(b) for b in records if not b["half_made"]],
+        "half_made": [{"run": b["run"], "step": b["step"]} for b in records if b["half_made"]],
     }
 
 

@@ -102,7 +102,18 @@ def detect_backend(location: str) -> str:
         if inspection(name).detect(location):
             return name
     if (run_buffer := buffer_inside(location)) is not None:
-        raise NotAStoreError(f"{location} is not a replay buffer but holds one: did you mean {run_buffer}?")
+        raise NotAStoreError(f"{location} is not a replay buffer but holds one: did you mean {run_buffer}? (in "
+                             f"Python, open_buffer reads a run's buffer)")
+    from rlhf_pipeline.files.shard_names import local_shard_names
+    from rlhf_pipeline.storage.manifest import is_selection
+
+    # what open_buffer reads but no single store's backend does: said as such, with the function that reads it
+    if "://" not in location and local_shard_names(location):
+        raise NotAStoreError(f"{location} is a run's buffer (one shard-NNNN store per collector), not a single store: "
+                             f"read it with open_buffer({location!r}); open_store opens one store, e.g. one shard")
+    if is_selection(location):
+        raise NotAStoreError(f"{location} is a saved selection (a branch's parent-rows/, or filter --selection), rows "
+                             f"of other stores read in place, not a store: read it with open_buffer({location!r})")
     raise NotAStoreError(
         f"{location} is not a replay buffer: no backend ({', '.join(BACKENDS)}) recognizes it. Check the "
         f"path: a buffer is a memmap directory, a Zarr store, or a run's buffer/ of shard-NNNN stores."

@@ -19,6 +19,7 @@ from pathlib import Path
 from rlhf_pipeline.files.shard_names import (  # noqa: F401 - re-exported: the shard names, with the listing
     SHARD_PREFIX,
     join_shard,
+    local_shard_names,
     new_shard_name,
     shard_index,
     shard_key_of,
@@ -53,9 +54,7 @@ def list_shards(buffer: str | Path, storage_options: dict | None = None) -> list
         check_buffer_url(buffer)
         names = _url_shard_names(str(buffer), storage_options)
     else:
-        root = Path(buffer)
-        names = [child.name for child in root.iterdir() if shard_index(child.name) is not None and child.is_dir()] \
-            if root.is_dir() else []
+        names = local_shard_names(buffer)
     found: dict[int, str] = {}
     for name in names:
         index = shard_index(name)
@@ -268,10 +267,20 @@ def combine_stats(location: str, per_shard: list[StoreStats], schema_optional: l
 
 
 def verify_buffer(location: str, progress: Progress | None = None) -> list[CheckReport]:
-    """``inspect --verify``: one report per store of the buffer."""
+    """``inspect --verify``: one report per store of the buffer; of a saved selection (a branch's
+    ``parent-rows/``), one per store it reads, once opening it checked that they still hold the
+    rows it names (torch, as ``open_buffer`` reads it)."""
     from rlhf_pipeline.storage.backends import inspection
+    from rlhf_pipeline.storage.manifest import is_selection
 
-    return [inspection(backend).verify(path, progress) for backend, path in stores_in(location)]
+    if is_selection(location):
+        from rlhf_pipeline.storage import open_buffer
+
+        with open_buffer(location, mode="r") as selection:
+            stores = [(source.backend_name, source.location) for source in selection.sources]
+    else:
+        stores = stores_in(location)
+    return [inspection(backend).verify(path, progress) for backend, path in stores]
 
 
 def repair_buffer(location: str, *, apply: bool = False, progress: Progress | None = None) -> list[RepairReport]:

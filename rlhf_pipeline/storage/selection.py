@@ -338,6 +338,11 @@ class SelectionStore(TrajectoryStore):
         return self._schema
 
     @property
+    def sources(self) -> list[TrajectoryStore]:
+        """The stores it reads its rows from, in part order (``inspect --verify`` checks them)."""
+        return list(self._sources.values())
+
+    @property
     def location(self) -> str:
         return self._url or str(self._path)
 

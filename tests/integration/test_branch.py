@@ -215,8 +215,8 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     parent = tmp_path / "parent"
     before = digest(parent)
     assert main(["branch", str(parent), "--from-step", "4", "offline", "--set", "learner.lr=1e-3"]) == 0
-    assert "rlhf-pipeline replay PIPELINE.py --buffer" in capsys.readouterr().err
     branch = tmp_path / "offline"
+    assert f"rlhf-pipeline replay {branch / 'pipeline.py'} --buffer {branch / 'parent-rows'}" in capsys.readouterr().err
     record = json.loads((branch / "branch.json").read_text())
     with open_buffer(parent / "buffer") as whole, open_buffer(branch / "parent-rows") as at_step:
         published = sum(record["buffer_rows"].values())
@@ -225,6 +225,18 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
         readable = set(at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist())
     later = set(everything) - readable
     assert later and readable < set(everything)
+    # open_store opens one store: of a run's buffer or a branch's parent-rows it names open_buffer, which
+    # reads them (it said "not a replay buffer ... a buffer is ... a run's buffer/", refusing one: issue 41)
+    from rlhf_pipeline.storage import open_store
+    from rlhf_pipeline.storage.errors import NotAStoreError
+
+    for location in (parent / "buffer", branch / "parent-rows"):
+        with pytest.raises(NotAStoreError, match=r"read it with open_buffer\("):
+            open_store(location)
+    # what a branch reads verifies: the parent's shard its parent-rows/ reads, checked byte by byte
+    assert main(["inspect", str(branch / "parent-rows"), "--verify", "--quiet"]) == 0
+    verified = capsys.readouterr().out
+    assert str(parent / "buffer" / "shard-0000") in verified and "no damage found" in verified, verified
     # a branch of a branch never continued reads the same rows, through its own copy of the selection
     assert main(["branch", str(branch), "--from-step", "4", "again"]) == 0
     with open_buffer(tmp_path / "again" / "parent-rows") as again:
@@ -239,7 +251,12 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     assert trained_ids and trained_ids <= readable and not trained_ids & later
     assert digest(parent) == before  # the parent's files were only read
     assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "offline"]) == 2  # no longer online
-    assert "it was continued offline already (it has a checkpoint of step 8)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "it was continued offline already (it has a checkpoint of step 8)" in err
+    # the command it names is the one branch printed: the branch's pipeline copy and every --set
+    assert (f"continue it offline with rlhf-pipeline replay {branch / 'pipeline.py'} --buffer "
+            f"{branch / 'parent-rows'} --home {tmp_path} --run-name offline --set group_size=4") in err, err
+    assert "--set learner.lr=0.001" in err, err
     assert main(["inspect", str(branch)]) == 0
     assert f"branched from  {parent} at step 4" in capsys.readouterr().out
     assert main(["inspect", str(parent)]) == 0  # which of its rows each branch holds
@@ -297,3 +314,88 @@ def test_a_running_parent_whose_buffer_evicts_is_not_branched_and_a_stopped_one_
     assert main(["branch", str(parent), "--from-step", "2", str(tmp_path / "b")]) == 0  # stopped: branched
     assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "parent"]) == 2
     assert "evicts its oldest rows" in capsys.readouterr().err
+
+
+# ============================================================ the command branch prints
+def printed_command(err: str, kind: str) -> list[str]:
+    """The continuation command ``branch`` printed (``kind``: run or replay), as words to run."""
+    import re
+    import shlex
+
+    line = next(line for line in err.splitlines() if "continue it" in line)
+    found = re.search(rf"rlhf-pipeline {kind} .*?(?= \(or offline|$)", line)
+    assert found, line
+    words = shlex.split(found.group(0))
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", *words[1:]]
+
+
+def test_the_printed_replay_command_continues_the_branch_with_the_parents_settings(runs, capsys):
+    """``branch`` printed ``replay PIPELINE.py ...`` with only the branch's --set: pasted, it was no
+    command, and given the pipeline without the parent's other --sets the learner settings changed
+    with only a note (issue 41). Now it is the parent's command, run here verbatim."""
+    parent, _, faster = runs
+    assert main(["branch", str(parent), "--from-step", "6", "pasted", "--set", "learner.lr=1e-3"]) == 0
+    command = printed_command(capsys.readouterr().err, "replay")
+    ran = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "resuming from" in ran.stderr and "changed" not in ran.stderr, ran.stderr[-3000:]
+    pasted = parent.parent / "pasted"
+    assert json.loads((pasted / "settings.json").read_text()) == json.loads((faster / "settings.json").read_text())
+    assert trained(pasted) == trained(faster) and rows(pasted) == rows(faster)
+
+
+def test_the_printed_run_command_continues_a_branch_online_with_the_parents_settings(tmp_path, capsys):
+    sets = [arg for item in ONLINE for arg in ("--set", item)]
+    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
+                          str(tmp_path), "--run-name", "parent", *sets], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert main(["branch", str(tmp_path / "parent"), "--from-step", "4", "online", "--set", "learner.lr=1e-3"]) == 0
+    err = capsys.readouterr().err
+    branch = tmp_path / "online"
+    made_with = (branch / "settings.json").read_text()
+    ran = subprocess.run(printed_command(err, "run"), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "resuming from" in ran.stderr and "changed" not in ran.stderr, ran.stderr[-3000:]
+    assert (branch / "settings.json").read_text() == made_with
+    metrics = read_metrics(branch / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert [m["charts/learning_rate"] for m in metrics[4:]] == [1e-3] * 4
+
+
+# ============================================================ a branch killed midway
+def test_a_branch_killed_midway_whose_step_is_pruned_is_listed_then_removed_by_its_refused_rerun(tmp_path, capsys):
+    """``branch`` killed with SIGKILL while it copies left ``NAME.creating/``; the parent then pruned
+    the step, so the rerun is refused, and nothing removed or listed it any more (issue 41). Now
+    the parent's ``inspect`` lists it with what to do, and the refused rerun removes it, saying so."""
+    from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress
+
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    (parent / "settings.json").write_text("{}")
+    CheckpointManager(parent / "checkpoints", keep_last=3).save(
+        Progress(seed=0, step=2), {"model": {"weight": torch.zeros(2)}}, record={"policy_version": 2})
+    modules = parent / "pipeline_modules"  # many files to copy: the kill comes while they are copied
+    modules.mkdir()
+    for i in range(20_000):
+        (modules / f"m{i}.py").write_text("")
+    making = tmp_path / "cut.creating"
+    branching = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "branch", str(parent),
+                                  "--from-step", "2", "cut"], cwd=REPO, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+    err = kill_when(branching, lambda: (making / "pipeline_modules").is_dir(), timeout=240, poll_s=0.01, wait_s=60)
+    assert branching.returncode == -signal.SIGKILL, err[-3000:]
+    assert making.is_dir() and not (tmp_path / "cut").exists(), "the kill came after the branch was made"
+    (parent / "checkpoints" / "step_00000002.pt").unlink()  # the parent ran on and pruned step 2
+    (parent / "checkpoints" / "step_00000002.json").unlink()
+    assert main(["inspect", str(parent), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == [{"run": str(making), "step": 2}]
+    assert main(["inspect", str(parent)]) == 0
+    assert f"{making} (from step 2; run the same `rlhf-pipeline branch` again" in capsys.readouterr().out
+    assert main(["branch", str(parent), "--from-step", "2", "cut"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "keeps no checkpoint of step 2" in err and f"Removed {making}" in err and len(err.splitlines()) == 1, err
+    assert not making.exists() and not (tmp_path / "cut").exists()
+    assert main(["inspect", str(parent), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == []

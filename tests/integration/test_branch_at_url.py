@@ -63,7 +63,9 @@ def test_a_branch_at_a_url_continues_with_replay_as_the_parent_trained(s3_server
         assert main(["branch", parent_url, "--from-step", "6", "same"]) == 0
     err = capsys.readouterr().err
     assert f"[branch] {home}/same: from {parent_url} at step 6 (no setting changed)" in err
-    assert f"--buffer {source} --home {home} --run-name same" in err
+    # the parent's replay command: its flags and every --set it was given, under the branch's name
+    assert f"rlhf-pipeline replay PIPELINE.py --buffer {source} --epochs 2 --order shuffle --seed 3" in err, err
+    assert f"--home {home} --run-name same --set hidden_size=32" in err, err
     # the checkpoint and the weights were copied on the server: this process never read them
     reads = [path for method, path in requests if method == "GET"]
     assert not any("/parent/checkpoints/step_00000006.pt" in p or "/parent/weights/" in p for p in reads), reads
@@ -240,3 +242,28 @@ def test_a_branch_at_an_az_url_continues_with_replay_as_the_parent_trained(azure
     assert same_weights(ObjectRunStore(f"{home}/same"), ObjectRunStore(parent_url))
     assert main(["inspect", parent_url, "--json"]) == 0
     assert [b["run"] for b in json.loads(capsys.readouterr().out)["run"]["branches"]] == [f"{home}/same"]
+
+
+def test_a_half_made_branch_whose_step_is_no_longer_kept_is_listed_then_removed_by_its_refused_rerun(
+        s3_server, parent, capsys):
+    """A `branch` killed midway whose step the parent pruned since: its rerun is refused (the step is
+    not kept), and no rerun would ever remove it; the parent's `inspect` did not list it either."""
+    home, _, parent_url = parent
+    from s3_server import BUCKET
+
+    prefix = f"{home}/gone".removeprefix(f"s3://{BUCKET}/")
+    client = s3_server.client()
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/branch.making",
+                      Body=json.dumps({"parent": parent_url, "step": 4}).encode())
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/pipeline.py", Body=b"# copied before the kill")
+    assert main(["inspect", parent_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == [{"run": f"{home}/gone", "step": 4}]
+    assert main(["inspect", parent_url]) == 0
+    assert f"{home}/gone (from step 4; run the same `rlhf-pipeline branch` again" in capsys.readouterr().out
+    assert main(["branch", parent_url, "--from-step", "4", "gone"]) == 2  # kept: 6, 12
+    err = capsys.readouterr().err.strip()
+    assert "keeps no checkpoint of step 4" in err and f"Removed {home}/gone" in err, err
+    assert len(err.splitlines()) == 1, err
+    assert s3_server.keys(f"{home}/gone") == []
+    assert main(["inspect", parent_url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == []

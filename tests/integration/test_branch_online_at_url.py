@@ -20,8 +20,9 @@ import sys
 import pytest
 import torch
 from helpers import kill_when
+from integration.test_branch import printed_command
 from integration.test_branch_at_url import objects
-from integration.test_branch_online import FIELDS, NOT_COMPARED, REPO, SETTINGS
+from integration.test_branch_online import FIELDS, NOT_COMPARED, REPO, SETTINGS, same_rows
 from integration.test_replay_at_url import DEFAULT, logged, same_weights
 
 from rlhf_pipeline.cli.main import main
@@ -67,13 +68,6 @@ def parent(s3_server, s3_env, tmp_path):
     return home, f"{home}/parent"
 
 
-def same_rows(mine: list[dict], theirs: list[dict]) -> bool:
-    """The same rows in the same places; the last round may or may not have been written before the
-    stop (pacing lets a collector write a round ahead of the learner: a race, not what was trained)."""
-    shorter, longer = sorted((mine, theirs), key=len)
-    return bool(shorter) and shorter == longer[:len(shorter)] and len(longer) - len(shorter) <= 16
-
-
 def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_trained(s3_server, s3_env, tmp_path,
                                                                                      parent, capsys):
     home, parent = parent
@@ -83,10 +77,15 @@ def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_tr
     assert any(key.startswith("collector/shard-0000.history/policy_") for key in kept)
     before = objects(s3_server, parent)
     assert main(["branch", parent, "--from-step", "4", "same"]) == 0
-    assert f"rlhf-pipeline run PIPELINE.py --home {home} --run-name same" in capsys.readouterr().err
+    # the parent's command with every --set it was given, the pipeline file as PIPELINE.py: run as printed
+    printed = printed_command(capsys.readouterr().err, "run")
+    assert printed[3:8] == ["run", "PIPELINE.py", "--home", home, "--run-name"]
     same = f"{home}/same"
     inherited = json.loads(ObjectRunStore(same).read("branch.json"))["buffer_rows"]
-    run(s3_env, tmp_path, home, "same")
+    ran = subprocess.run([DEFAULT if word == "PIPELINE.py" else word for word in printed], cwd=tmp_path, env=s3_env,
+                         capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "changed" not in ran.stderr, ran.stderr[-3000:]  # no setting left out of the printed command
     assert objects(s3_server, parent) == before  # the parent's objects were only read
     # a branch continued online is not branched again yet: one line naming its parent
     assert main(["branch", same, "--from-step", "8", "again"]) == 2

@@ -1,0 +1,162 @@
+"""The command that continues a branch, as ``branch`` prints it: the parent's own command, rebuilt
+from what the branch recorded, under the branch's name.
+
+A run records no command line, but its ``settings.json`` holds every setting it was started with,
+and its pipeline copy (``pipeline.py``) gives the defaults: each setting that differs from its
+default is a ``--set`` the parent was given (or the branch changed). Giving them all again is what
+keeps a resumed branch on the branch's settings; leaving one out resumes it with the default,
+which for a ``learner.*`` setting only prints a note (``runs/run_directory.py``), so it would
+change silently. A replay parent's options (``--buffer``, ``--epochs``, ``--order``, ``--seed``, ...)
+come from the ``replay`` record its ``settings.json`` keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+# settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
+_REPLAY_FLAGS_SET = ("steps",)
+# a replay's options as their flags, each given back as recorded (a resumed replay must give the same)
+_REPLAY_FLAGS = (("order", "--order"), ("seed", "--seed"), ("init_from", "--init-from"),
+                 ("shuffle_window_rows", "--shuffle-window"), ("ref_model", "--ref-model"),
+                 ("kl_estimator", "--kl-estimator"), ("kl_coef", "--kl-coef"), ("advantage_std", "--advantage-std"),
+                 ("advantage_baseline", "--advantage-baseline"))
+
+
+def recorded_sets(settings: dict[str, Any], module: Any) -> list[str]:
+    """``KEY=VALUE`` for each setting in ``settings`` (a run's ``settings.json``) that differs
+    from the default of the pipeline ``module``, in the form ``--set`` parses, sorted by key.
+    Checked by applying them: a value ``--set`` cannot give back raises ``ValueError`` naming it."""
+    from rlhf_pipeline.pipeline import make_settings, settings_to_json
+
+    wanted = {k: v for k, v in settings.items() if k != "replay"}
+    sets = [f"{key}={_as_set_value(value)}"
+            for key, value in _differences(wanted, settings_to_json(make_settings(module)))]
+    rebuilt = settings_to_json(make_settings(module, sets))
+    lost = [key for key, _ in _differences(wanted, rebuilt)]
+    if lost:
+        raise ValueError(f"setting(s) {', '.join(lost)} cannot be given back with --set")
+    return sets
+
+
+def _differences(saved: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for key in sorted(saved):
+        value, default = saved[key], defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            out += _differences(value, default, f"{prefix}{key}.")
+        elif _normal(value) != _normal(default):
+            out.append((prefix + key, value))
+    return out
+
+
+def _normal(value: Any) -> Any:
+    return [_normal(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _as_set_value(value: Any) -> str:
+    """``value`` as ``--set`` spells it (``pipeline.parse_value`` reads it back)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_as_set_value(v) for v in value)
+    return str(value)
+
+
+def replay_flags(record: dict[str, Any]) -> list[str]:
+    """The ``replay`` command's own flags, from the record a replay keeps in ``settings.json``
+    (``runs/replay.py``), but ``--buffer``: how long, in which order, with which seed, re-scored how.
+    Each option recorded is given, defaults too: a resumed replay is refused if one differs."""
+    words = ["--epochs", str(record["epochs"])] if record.get("epochs") is not None else (
+        ["--steps", str(record["steps"])] if record.get("steps") is not None else [])
+    for name, flag in _REPLAY_FLAGS:
+        value = record.get(name)
+        if value is not None:
+            words += [flag, {True: "on", False: "off"}[value] if name == "advantage_std" else str(value)]
+    return words
+
+
+def continuation(pipeline: str, home: str, name: str, settings: dict[str, Any], module: Any,
+                 lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
+    """The commands that continue the branch ``name`` under ``home``, as shell lines: ``"replay"``
+    for a branch of a replay; ``"online"`` and ``"offline"`` for a branch of a run with collectors
+    (``parent_rows``: where its ``parent-rows/`` is). ``settings``: the branch's ``settings.json``."""
+    recorded = recorded_sets(settings, module)
+    sets = [word for item in recorded for word in ("--set", item)]
+    replay_sets = [word for item in recorded if item.split("=", 1)[0] not in _REPLAY_FLAGS_SET
+                   for word in ("--set", item)]
+    place = ["--home", home, "--run-name", name]
+    if lineage.get("replay_source") is not None:
+        record = settings.get("replay", {})
+        return {"replay": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", lineage["replay_source"],
+                                      *replay_flags(record), *place, *replay_sets])}
+    collectors = len(lineage.get("buffer_rows") or {})
+    many = ["--collectors", str(collectors)] if collectors > 1 else []
+    return {"online": shlex.join(["rlhf-pipeline", "run", pipeline, *many, *place, *sets]),
+            "offline": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", parent_rows, *place,
+                                   *replay_sets])}
+
+
+def describe(commands: dict[str, str], step: int, pipeline_note: str = "") -> str:
+    """:func:`continuation`'s commands as the line ``branch`` prints (``pipeline_note``: what the
+    pipeline file given stands for, where it is not the run's copy)."""
+    if "replay" in commands:
+        return (f"continue it with the parent's replay command under the branch's name{pipeline_note}: "
+                f"{commands['replay']}")
+    return (f"continue it online with the parent's run command under the branch's name{pipeline_note}: "
+            f"{commands['online']} (or offline over the parent's rows up to step {step}, --epochs/--steps counting "
+            f"from the parent's step 0: {commands['offline']})")
+
+
+def not_rebuilt(overrides: list[str], why: Exception) -> str:
+    """What ``branch`` prints when the parent's command cannot be rebuilt."""
+    return (f"continue it with the parent's command under the branch's name, giving every --set the parent was given "
+            f"(its settings.json has them) and the branch's: {' '.join(overrides)} (the command could not be "
+            f"rebuilt: {why})")
+
+
+def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
+    """:func:`continuation` of the branch at ``paths`` (a ``RunPaths``), from its ``settings.json``
+    and pipeline copy; ``parent_rows``: where its ``parent-rows/`` is. The pipeline file given is the
+    branch's copy in a directory, else PIPELINE.py: at a URL (any machine may continue it), or where
+    the copy imports modules beside it (they load from ``pipeline_modules/`` only in a run's start).
+    ``PipelineError``, ``ValueError`` or ``OSError`` when it cannot be rebuilt."""
+    local = paths.url is None and not (paths.root / "pipeline_modules").exists()
+    pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
+    settings = paths.store.read("settings.json")
+    if settings is None:
+        raise ValueError(f"{paths.location} keeps no settings.json")
+    return continuation(pipeline, paths.home, paths.name, json.loads(settings), load_copy(paths), lineage, parent_rows)
+
+
+def offline_command(paths: Any, lineage: dict[str, Any], parent_rows: str) -> str:
+    """The ``replay`` command that continues the branch of a run with collectors at ``paths``
+    offline, as ``branch`` printed it: what a refusal to continue it online names."""
+    from rlhf_pipeline.pipeline import PipelineError
+
+    try:
+        return branch_commands(paths, lineage, parent_rows)["offline"]
+    except (PipelineError, ValueError, OSError):  # the parent's own command, to be completed by hand
+        return shlex.join(["rlhf-pipeline", "replay", "PIPELINE.py", "--buffer", parent_rows, "--home", paths.home,
+                           "--run-name", paths.name]) + " with every --set of the parent"
+
+
+def load_copy(paths: Any) -> Any:
+    """The pipeline module of the run at ``paths`` (a ``RunPaths``) from its copy, the modules it
+    imports put first on the path (``runs/pipeline_copy.py``); a run at a URL's copy is read into
+    this machine's cache of it first."""
+    from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module
+    from rlhf_pipeline.runs.pipeline_copy import PIPELINE_KEY, importable_copy
+
+    if paths.url is not None:
+        content = paths.store.read(PIPELINE_KEY)
+        if content is None:
+            raise PipelineError(f"{paths.url} keeps no {PIPELINE_KEY}")
+        paths.root.mkdir(parents=True, exist_ok=True)
+        (paths.root / PIPELINE_KEY).write_bytes(content)
+    importable_copy(paths)
+    return load_pipeline_module(paths.root / PIPELINE_KEY)
