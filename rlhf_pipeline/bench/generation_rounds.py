@@ -57,7 +57,6 @@ class PipelineRounds:
             overrides.append(f"generation.python={args.vllm_python}")
         module = load_pipeline_module(default_pipeline())
         settings = make_settings(module, overrides)
-        self.engine_name = args.engine
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"bench-generation-rounds-{args.engine}-", dir=args.work_dir))
         pipeline = build_pipeline(module, settings, RunPaths(self.work_dir / "run"))
         if pipeline.torch_threads is not None:  # as the collector's process: one thread beside the learner
