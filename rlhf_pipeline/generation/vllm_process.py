@@ -65,8 +65,8 @@ def engine_environment(package_root: Path, *, kv_cache_gib: int, device: str) ->
     ``threads``, 1 by default), not vLLM's default of one per core: vLLM's CPU worker keeps torch's
     default there (it turns ``torch.set_num_threads`` into a no-op before its own call to lower it),
     and the idle OpenMP threads spin between the tiny ops of each decoding step, on the cores the
-    learner and the collector use: a default pipeline's run with vLLM generated a round in 0.51 s
-    (median) that way, 0.06 s with one thread, and took 355 s against 120 s (docs/generation.md).
+    learner and the collector use: a default pipeline's run with vLLM spent 175 s generating that way,
+    17 s with one thread, and took 330 s against 98 s (medians of 3, docs/generation.md).
     ``OMP_NUM_THREADS`` set in this process's environment wins."""
     import torch
 
