@@ -1,13 +1,19 @@
 """Generation engines side by side (issue 34): our sampling loop, HF ``generate``, a vLLM engine of our
 own and a vLLM server, on the same model, prompts, seeds and tokens.
 
-``rlhf-pipeline bench generation [--models 2m 20m] [--engines loop hf vllm vllm-server] [--repeats 5]
-[--prompts 8] [--group 8] [--max-new-tokens 32] [--json [PATH]]``. Models: ``tiny_causal_lm`` with
-head size 32 (vLLM's CPU attention needs it): ``2m`` hidden 256, 2 layers, 8 heads (2.1M parameters);
-``20m`` hidden 512, 5 layers, 16 heads (21.0M); the counts are in the output.
+``rlhf-pipeline bench generation [--cases long pipeline] [--models 2m 20m] [--engines loop hf vllm
+vllm-server] [--repeats 5] [--prompts 8] [--group 8] [--max-new-tokens 32] [--rounds 20] [--set KEY=VALUE]
+[--json [PATH]]``. Two cases (both by default):
+
+* ``long``: many long completions a call, below. Models: ``tiny_causal_lm`` with head size 32 (vLLM's
+  CPU attention needs it): ``2m`` hidden 256, 2 layers, 8 heads (2.1M parameters); ``20m`` hidden
+  512, 5 layers, 16 heads (21.0M); the counts are in the output;
+* ``pipeline``: the default pipeline's rounds, a weight update before each, on the collector's
+  engines (loop and vllm; :mod:`rlhf_pipeline.bench.generation_rounds` says what it measures), with
+  ``--rounds`` rounds per engine per repeat and ``--set`` settings of ``pipelines/default.py``.
 
 Each engine runs in a process of its own (:mod:`rlhf_pipeline.bench.generation_side`), so its peak
-memory is its own. For each model the benchmark starts them one after another (the start-up is timed
+memory is its own. In the long case, for each model the benchmark starts them one after another (the start-up is timed
 there), sends each one untimed call (vLLM's first call warms it up), then, ``--repeats`` times, asks
 each engine in turn, the order rotating from repeat to repeat so every engine meets the same moments
 of a shared machine:
@@ -38,16 +44,24 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.bench.e2e_bench import default_pipeline
+from rlhf_pipeline.bench.generation_rounds import COLLECTOR_ENGINES, FIGURES, SAME_MODEL, format_rounds_table, ratios
 from rlhf_pipeline.bench.generation_side import ENGINES, MODELS
 from rlhf_pipeline.bench.storage_backends import log
 
+CASES = ("long", "pipeline")
 REPEATED = ("tokens_per_s", "ttft_s", "weight_update_s")
 """Figures measured every repeat (median and range); the others are measured once per engine."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), metavar="CASE",
+                        help="long: long completions, one call per figure; pipeline: the default pipeline's "
+                             "rounds, a weight update before each (default both)")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["2m", "20m"], metavar="SIZE",
                         help="model sizes (2m, 20m; default both)")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES), metavar="ENGINE",
@@ -56,8 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per call (default %(default)s)")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (default %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="most tokens per completion (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="pipeline case: rounds per engine per repeat (default %(default)s)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="pipeline case: a setting of pipelines/default.py for both engines (repeatable)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the loop and hf processes (default 1; vLLM binds its own)")
+                        help="long case: torch threads of every engine (default 1); the pipeline case takes the "
+                             "pipeline's `threads`")
     parser.add_argument("--vllm-python", default=None, metavar="PATH",
                         help="the vLLM environment's python (default: .venv-vllm beside the checkout)")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
@@ -65,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    for name in ("repeats", "prompts", "group", "max_new_tokens", "threads"):
+    for name in ("repeats", "prompts", "group", "max_new_tokens", "threads", "rounds"):
         if getattr(args, name) < 1:
             raise SystemExit(f"bench generation: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
@@ -88,12 +107,16 @@ def vllm_python(explicit: str | None) -> tuple[str | None, str]:
 class Child:
     """One engine's process; :meth:`ask` sends an operation and returns its answer."""
 
-    def __init__(self, engine: str, size: str, args: argparse.Namespace, python: str | None) -> None:
-        command = [sys.executable, "-m", "rlhf_pipeline.bench.generation_side", "--engine", engine, "--size", size,
-                   "--prompts", str(args.prompts), "--group", str(args.group), "--threads", str(args.threads)]
+    def __init__(self, engine: str, case: list[str], python: str | None, threads: int | None) -> None:
+        """``case``: the side's arguments that say what it samples (``--size 2m ...``, ``--case pipeline ...``);
+        ``threads``: its torch threads (None: the pipeline's ``threads``, as in a run)."""
+        command = [sys.executable, "-m", "rlhf_pipeline.bench.generation_side", "--engine", engine, *case]
         if python:
             command += ["--vllm-python", python]
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        env = dict(os.environ)
+        if threads is not None:
+            command += ["--threads", str(threads)]
+            env["OMP_NUM_THREADS"] = str(threads)
         # its stderr is ours: progress and the libraries' output; its stdout is the protocol
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.engine = engine
@@ -132,7 +155,8 @@ def bench_model(size: str, engines: list[str], args: argparse.Namespace, python:
     try:
         for engine in engines:
             log(f"[bench generation] {size}: starting {engine} (load average {os.getloadavg()[0]:.1f})")
-            child = Child(engine, size, args, python)
+            child = Child(engine, ["--size", size, "--prompts", str(args.prompts), "--group", str(args.group)],
+                          python, threads=args.threads)
             if "error" in child.hello:
                 log(f"[bench generation] {size}: {engine} skipped: it did not start ({child.hello['error']})")
                 results[engine] = {"skipped": f"it did not start: {child.hello['error']}"}
@@ -170,6 +194,69 @@ def bench_model(size: str, engines: list[str], args: argparse.Namespace, python:
     return {engine: results[engine] for engine in engines if engine in results}
 
 
+def bench_rounds(engines: list[str], args: argparse.Namespace, python: str | None,
+                 skipped: dict[str, str]) -> dict[str, Any]:
+    """The pipeline case on ``engines``: ``{"settings": ..., "engines": {engine: figures or
+    {"skipped": why}}, "ratios": vLLM's medians over the loop's}``."""
+    from rlhf_pipeline.bench.tool_use_bench import initial_weights
+
+    results: dict[str, Any] = {}
+    for engine in engines:
+        if engine not in COLLECTOR_ENGINES:
+            results[engine] = {"skipped": f"no collector engine (the pipeline case runs {', '.join(COLLECTOR_ENGINES)})"}
+        elif engine in skipped:
+            results[engine] = {"skipped": skipped[engine]}
+    runnable = [e for e in engines if e not in results]
+    children: dict[str, Child] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-generation-rounds-") as scratch:
+        weights = Path(scratch) / "policy.pt"
+        if runnable:
+            warm_s = initial_weights(default_pipeline(), [*SAME_MODEL, *args.set], weights)
+            log(f"[bench generation] pipeline: the warm-started policy took {warm_s:.1f}s")
+        try:
+            for engine in runnable:
+                log(f"[bench generation] pipeline: starting {engine} (load average {os.getloadavg()[0]:.1f})")
+                argv = ["--case", "pipeline", "--weights", str(weights), *(f"--set={item}" for item in args.set)]
+                child = Child(engine, argv, python, threads=None)
+                if "error" in child.hello:
+                    log(f"[bench generation] pipeline: {engine} skipped: it did not start ({child.hello['error']})")
+                    results[engine] = {"skipped": f"it did not start: {child.hello['error']}"}
+                    child.close()
+                    continue
+                children[engine] = child
+                child.ask("round")  # warm-up, untimed
+            runs: dict[str, dict[str, list[float]]] = {e: {f: [] for f in (*FIGURES, "rows", "response_len")}
+                                                       for e in children}
+            order = list(children)
+            for repeat in range(args.repeats):
+                turn = order[repeat % len(order):] + order[:repeat % len(order)] if order else []
+                for engine in turn:
+                    rounds = [children[engine].ask("round") for _ in range(args.rounds)]
+                    figures = runs[engine]
+                    figures["generate_s"].append(sum(r["generate_s"] for r in rounds) / len(rounds))
+                    figures["update_s"].append(sum(r["update_s"] for r in rounds) / len(rounds))
+                    figures["rounds_per_s"].append(len(rounds) / sum(r["round_s"] for r in rounds))
+                    figures["rows"].append(sum(r["rows"] for r in rounds) / len(rounds))
+                    figures["response_len"].append(sum(r["response_len_mean"] for r in rounds) / len(rounds))
+                log(f"[bench generation] pipeline: repeat {repeat + 1}/{args.repeats} done (load average "
+                    f"{os.getloadavg()[0]:.1f}): " + ", ".join(f"{e} {runs[e]['rounds_per_s'][-1]:.2f} rounds/s"
+                                                             for e in turn))
+            for engine, child in children.items():
+                memory = child.ask("memory")
+                results[engine] = {
+                    **{f: summary(runs[engine][f]) for f in FIGURES},
+                    "rows_per_round": runs[engine]["rows"], "response_len_mean": runs[engine]["response_len"],
+                    "engine_start_s": child.hello["start_s"], "peak_rss_mib": memory["engine_peak_rss_mib"],
+                    "parameters": child.hello["parameters"],
+                }
+        finally:
+            for child in children.values():
+                child.close()
+    ordered = {engine: results[engine] for engine in engines}
+    return {"settings": {"overrides": [*SAME_MODEL, *args.set], "rounds": args.rounds}, "engines": ordered,
+            "ratios": ratios(ordered)}
+
+
 def main(args: argparse.Namespace) -> int:
     check(args)
     python, why = vllm_python(args.vllm_python)
@@ -179,17 +266,19 @@ def main(args: argparse.Namespace) -> int:
         for engine in [e for e in engines if e.startswith("vllm")]:
             log(f"[bench generation] {engine} skipped: {why}")
             skipped[engine] = why
-            engines.remove(engine)
+    running = [engine for engine in engines if engine not in skipped]
     load_before = os.getloadavg()
     models = {}
-    for size in dict.fromkeys(args.models):
-        models[size] = bench_model(size, engines, args, python)
-        models[size].update({engine: {"skipped": reason} for engine, reason in skipped.items()})
+    if "long" in args.cases:
+        for size in dict.fromkeys(args.models):
+            models[size] = bench_model(size, running, args, python)
+            models[size].update({engine: {"skipped": reason} for engine, reason in skipped.items()})
+    pipeline = bench_rounds(engines, args, python, skipped) if "pipeline" in args.cases else None
     load_after = os.getloadavg()
     result = {
         "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
         "threads": args.threads, "cpus": os.cpu_count(), "load_before": list(load_before),
-        "load_after": list(load_after), "models": models,
+        "load_after": list(load_after), "models": models, "pipeline": pipeline,
     }
     if args.json == "-":
         print(json.dumps(result, indent=2))
@@ -206,10 +295,12 @@ def format_table(result: dict[str, Any]) -> str:
     def cell(s: dict[str, float], digits: int) -> str:
         return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
 
-    lines = [f"{result['prompts']} prompts x {result['group']} completions x {result['max_new_tokens']} tokens a call; "
-             f"{result['repeats']} repeats; loop and hf on {result['threads']} thread(s); {result['cpus']} CPUs; "
+    lines = [f"{result['repeats']} repeats; loop and hf on {result['threads']} thread(s); {result['cpus']} CPUs; "
              f"load average {result['load_before'][0]:.1f} before, {result['load_after'][0]:.1f} after; "
              f"medians [ranges]"]
+    if result["models"]:
+        lines.append(f"long case: {result['prompts']} prompts x {result['group']} completions x "
+                     f"{result['max_new_tokens']} tokens a call")
     for size, engines in result["models"].items():
         parameters = next((r["parameters"] for r in engines.values() if "parameters" in r), None)
         lines += ["", f"model {size}" + (f" ({parameters:,} parameters)" if parameters else ""),
@@ -220,4 +311,6 @@ def format_table(result: dict[str, Any]) -> str:
                 continue
             lines.append(f"| {engine} | {cell(r['tokens_per_s'], 0)} | {cell(r['ttft_s'], 3)} | "
                          f"{cell(r['weight_update_s'], 3)} | {r['engine_start_s']:.1f} | {r['peak_rss_mib']:.0f} |")
+    if result["pipeline"] is not None:
+        lines += format_rounds_table(result["pipeline"])
     return "\n".join(lines)

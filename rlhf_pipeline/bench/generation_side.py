@@ -9,6 +9,8 @@ its own), driven by the benchmark over its stdin and stdout, one JSON object a l
   a generator seeded ``S``; answers the seconds and the tokens generated (``max_new_tokens`` 1 is
   the time to the first token of every completion: one prefill and one sampled token);
 * ``{"op": "update"}``: loads the other weights (the two sets alternate); answers the seconds;
+* ``{"op": "round"}``: with ``--case pipeline``, one round of the default pipeline's collector after a
+  weight update (:mod:`rlhf_pipeline.bench.generation_rounds`); answers its seconds;
 * ``{"op": "memory"}``: the peak resident memory of this process and of the engine's processes;
 * ``{"op": "quit"}``: stops the engine and exits.
 
@@ -31,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from rlhf_pipeline.bench.generation_rounds import PipelineRounds
 
 ENGINES = ("loop", "hf", "vllm", "vllm-server")
 MODELS: dict[str, dict[str, int]] = {
@@ -72,8 +76,20 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
+def memory(engine: Any, server: Any = None) -> dict[str, float]:
+    """The peak resident memory of the engine's processes (this one for the loop and hf, the vLLM
+    engine's or the server's tree) and of this process."""
+    if server is not None:
+        pids = process_tree(server.process.pid)
+    else:
+        pid = getattr(engine, "pid", None)
+        pids = process_tree(pid) if pid else [os.getpid()]
+    # the sum of each process's own peak: an upper bound when their peaks fell at different moments
+    return {"engine_peak_rss_mib": sum(peak_rss_mib(pid) for pid in pids), "driver_peak_rss_mib": peak_rss_mib()}
+
+
 class Side:
-    """The model, the requests and one engine; the methods are the protocol's operations."""
+    """The long case's model, requests and one engine; the methods are the protocol's operations."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
@@ -115,13 +131,6 @@ class Side:
             model_dir = save_model_dir(self.model, self.tokenizer, self.work_dir / "model")
             self.server = VLLMServerProcess(args.vllm_python, model_dir, self.work_dir)
             self.engine = VLLMURLEngine(self.server.url, self.model, stop_token_ids=self.stop, tokenizer=self.tokenizer)
-
-    def engine_pids(self) -> list[int]:
-        """The processes the engine runs in: this one for loop and hf, the engine's or the server's tree."""
-        if self.server is not None:
-            return process_tree(self.server.process.pid)
-        pid = getattr(self.engine, "pid", None)
-        return process_tree(pid) if pid else [os.getpid()]
 
     def sample(self, seed: int, max_new_tokens: int) -> dict[str, float]:
         import torch
@@ -168,11 +177,6 @@ class Side:
             self.engine.update_weights(weights, self.updates)
         return {"seconds": time.perf_counter() - started}
 
-    def memory(self) -> dict[str, float]:
-        # the sum of each process's own peak: an upper bound when their peaks fell at different moments
-        engine = sum(peak_rss_mib(pid) for pid in self.engine_pids())
-        return {"engine_peak_rss_mib": engine, "driver_peak_rss_mib": peak_rss_mib()}
-
     def close(self) -> None:
         if self.engine is not None and self.engine_name != "hf":
             self.engine.close()
@@ -183,9 +187,12 @@ class Side:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engine", choices=ENGINES, required=True)
-    parser.add_argument("--size", choices=sorted(MODELS), required=True)
-    parser.add_argument("--prompts", type=int, required=True)
-    parser.add_argument("--group", type=int, required=True)
+    parser.add_argument("--case", choices=("long", "pipeline"), default="long")
+    parser.add_argument("--size", choices=sorted(MODELS), help="long case: the model")
+    parser.add_argument("--prompts", type=int, help="long case: prompts per call")
+    parser.add_argument("--group", type=int, help="long case: completions per prompt")
+    parser.add_argument("--weights", help="pipeline case: the policy's state dict (torch.save)")
+    parser.add_argument("--set", action="append", default=[], help="pipeline case: a setting of the pipeline")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--work-dir", default=None)
@@ -199,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         protocol.write(json.dumps(message) + "\n")
 
     try:
-        side = Side(args)
+        side = Side(args) if args.case == "long" else PipelineRounds(args)
     except Exception as error:  # the benchmark skips this engine and says why
         reply({"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"})
         return 1
@@ -212,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                 reply(side.sample(int(message["seed"]), int(message["max_new_tokens"])))
             elif message["op"] == "update":
                 reply(side.update())
+            elif message["op"] == "round":
+                reply(side.round())
             elif message["op"] == "memory":
-                reply(side.memory())
+                reply(memory(side.engine, getattr(side, "server", None)))
             elif message["op"] == "quit":
                 break
     finally:

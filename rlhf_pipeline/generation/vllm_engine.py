@@ -67,7 +67,13 @@ from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.vllm_rounds import LiveStream, stream_ahead, stream_round
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_held_weights import HeldWeights
-from rlhf_pipeline.generation.vllm_process import exit_status, make_scratch_dir, package_path_dir, stop_process
+from rlhf_pipeline.generation.vllm_process import (
+    engine_environment,
+    exit_status,
+    make_scratch_dir,
+    package_path_dir,
+    stop_process,
+)
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
 
 GREEDY_BELOW = 1e-5
@@ -164,17 +170,7 @@ class VLLMEngine(GenerationEngine):
 
     # ------------------------------------------------------------------ the process
     def _start(self, python: str, options: dict[str, Any], kv_cache_gib: int, timeout_s: float) -> None:
-        package_root = package_path_dir(self.work_dir)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-        env.update({
-            "PYTHONPATH": str(package_root),  # our package alone: none of this environment's libraries
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process: this process is the engine's alone
-            "VLLM_HOST_IP": "127.0.0.1",  # else its message queue binds a non-loopback address
-            "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-            "PYTHONUNBUFFERED": "1",
-        })
+        env = engine_environment(package_path_dir(self.work_dir), kv_cache_gib=kv_cache_gib, device=self.device)
         python = os.path.abspath(python)  # the engine runs in its work directory; a venv's link stays a link
         ours, theirs = socket.socketpair()
         started = time.perf_counter()

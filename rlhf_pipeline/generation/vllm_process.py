@@ -1,6 +1,6 @@
 """The vLLM engine's process, seen from the collector's side: stopping it, saying how it ended, the
-``PYTHONPATH`` it runs with, the files it is given (``vllm_engine.py`` starts it; ``vllm_server.py`` is
-what runs in it)."""
+environment it runs in (its ``PYTHONPATH``, its threads), the files it is given (``vllm_engine.py``
+starts it; ``vllm_server.py`` is what runs in it)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,34 @@ def package_path_dir(work_dir: Path) -> Path:
     if not link.exists():
         link.symlink_to(package, target_is_directory=True)
     return root
+
+
+def engine_environment(package_root: Path, *, kv_cache_gib: int, device: str) -> dict[str, str]:
+    """The environment the engine's process runs in: this one's, less its Python paths, plus vLLM's
+    settings for an engine alone in its process.
+
+    On a CPU the engine computes with as many torch threads as this process has (a pipeline's
+    ``threads``, 1 by default), not vLLM's default of one per core: vLLM's CPU worker keeps torch's
+    default there (it turns ``torch.set_num_threads`` into a no-op before its own call to lower it),
+    and the idle OpenMP threads spin between the tiny ops of each decoding step, on the cores the
+    learner and the collector use: a default pipeline's run with vLLM spent 175 s generating that way,
+    17 s with one thread, and took 330 s against 98 s (medians of 3, docs/generation.md).
+    ``OMP_NUM_THREADS`` set in this process's environment wins."""
+    import torch
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update({
+        "PYTHONPATH": str(package_root),  # our package alone: none of this environment's libraries
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process: this process is the engine's alone
+        "VLLM_HOST_IP": "127.0.0.1",  # else its message queue binds a non-loopback address
+        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if device == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    return env
 
 
 def hard_link(source: Path, path: Path) -> Path:

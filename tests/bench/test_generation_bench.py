@@ -1,6 +1,7 @@
 """``bench generation``: every engine gets the same requests and generates the same tokens, every
 figure is in the JSON, an engine that cannot run is skipped with the reason, and the vLLM engines
-run when the vLLM environment is there."""
+run when the vLLM environment is there. The pipeline case runs the default pipeline's collector,
+a weight update before each round, at a tiny size."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ ONCE = ("engine_start_s", "peak_rss_mib", "driver_peak_rss_mib", "parameters")
 def bench_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     generation_bench.add_arguments(parser)
-    return parser.parse_args(["--models", "2m", "--repeats", "2", "--prompts", "2", "--group", "3",
+    return parser.parse_args(["--cases", "long", "--models", "2m", "--repeats", "2", "--prompts", "2", "--group", "3",
                               "--max-new-tokens", "4", *argv])
 
 
@@ -109,3 +110,53 @@ def test_vllm_engine_and_server_generate_the_same_tokens(tmp_path):
         assert engines[engine]["engine_start_s"] > 0.5
     # the same seeds on the same weights: the engine and the server sample the same rows
     assert engines["vllm"]["tokens_per_call"] == engines["vllm-server"]["tokens_per_call"]
+
+
+# the default pipeline's round at a tiny size: 2 prompts x 2 completions, a short warm start
+TINY_PIPELINE = ("--cases", "pipeline", "--rounds", "2", "--set", "warm_start_steps=2", "--set", "prompts_per_round=2",
+                 "--set", "group_size=2")
+
+
+def check_rounds(figures: dict, repeats: int) -> None:
+    for name in ("generate_s", "update_s", "rounds_per_s"):
+        s = figures[name]
+        assert 0 < s["min"] <= s["median"] <= s["max"], (name, s)
+    assert figures["rows_per_round"] == [4] * repeats  # every round: 2 prompts x 2 completions written
+    assert all(1 <= length <= 6 for length in figures["response_len_mean"])  # the pipeline's max_new_tokens
+    assert figures["peak_rss_mib"] > 50
+
+
+def test_the_pipeline_case_runs_the_collectors_rounds_with_an_update_before_each(tmp_path, capsys):
+    result = run_bench(tmp_path, *TINY_PIPELINE, "--engines", "loop", "hf")
+    assert result["models"] == {}  # the long case was not asked for
+    case = result["pipeline"]
+    assert case["settings"] == {"overrides": ["num_heads=2", "warm_start_steps=2", "prompts_per_round=2",
+                                              "group_size=2"], "rounds": 2}
+    check_rounds(case["engines"]["loop"], repeats=2)
+    assert case["engines"]["loop"]["parameters"] == 138_304  # the default pipeline's model, 2 heads
+    assert "no collector engine" in case["engines"]["hf"]["skipped"]
+    assert case["ratios"] == {}  # no vLLM to compare
+    table = capsys.readouterr().out
+    assert "pipeline case: pipelines/default.py's round" in table and "| loop |" in table
+    assert "| engine | generation s/round | weight update s/round | rounds/s |" in table
+
+
+def test_the_pipeline_case_refuses_zero_rounds():
+    with pytest.raises(SystemExit, match="--rounds must be >= 1, got 0"):
+        generation_bench.main(bench_args("--rounds", "0"))
+
+
+def test_the_pipeline_case_compares_vllm_with_the_loop(tmp_path, capsys):
+    from rlhf_pipeline.generation.settings import find_vllm_python
+
+    try:
+        find_vllm_python(None)
+    except ValueError as error:
+        pytest.skip(f"needs the vLLM environment: {error}")
+    result = run_bench(tmp_path, *TINY_PIPELINE, "--engines", "loop", "vllm", "--repeats", "1")
+    case = result["pipeline"]
+    for engine in ("loop", "vllm"):
+        check_rounds(case["engines"][engine], repeats=1)
+    assert case["engines"]["vllm"]["engine_start_s"] > 0.5
+    assert set(case["ratios"]) == {"generate_s", "update_s", "rounds_per_s"}
+    assert "| vllm / loop |" in capsys.readouterr().out

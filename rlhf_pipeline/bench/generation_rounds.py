@@ -1,0 +1,139 @@
+"""The pipeline case of ``rlhf-pipeline bench generation``: the default pipeline's rounds, each after
+a weight update, on our loop and on vLLM.
+
+The long case (``generation_bench.py``) asks for many long completions in one call; a pipeline asks
+for short ones (the default pipeline: 8 prompts x 8 completions of at most 6 characters) and loads
+new weights before nearly every round. This case measures that shape. Each engine's process builds
+the default pipeline (``pipelines/default.py``, with ``--set`` overrides and ``num_heads=2``: vLLM's
+CPU attention needs a head size of 32, so both engines serve that same model) and its real collector
+(``Pipeline.make_collector``: the pipeline's engine, prompt order, sampling settings, write path and
+a memmap store in a scratch directory), from the pipeline's warm-started policy (made once, before
+any engine starts). Then, per round, as a collector in a run does: ``set_policy_state`` with the
+next version (the weights alternate between the policy and a copy with every parameter moved by
+1e-3 noise, so each load changes them), then ``collect()``. Per round it reports:
+
+* ``generate_s``: the collector's own ``generate_s`` (the engine's sampling of the round);
+* ``update_s``: ``set_policy_state`` (the engine's ``update_weights``: ``load_state_dict`` for the
+  loop; for vLLM a safetensors file written, then loaded, re-tied and repacked in its process, and
+  its prefix cache reset);
+* ``rounds_per_s``: rounds over the seconds of update plus ``collect()`` (rewards and the write to
+  the buffer included).
+
+Each repeat runs ``--rounds`` rounds per engine, the engines' order rotating from repeat to repeat;
+the figures are the means over a repeat's rounds, then the median and range over the repeats, and
+the ratio of vLLM's median to the loop's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+COLLECTOR_ENGINES = ("loop", "vllm")
+"""The engines a pipeline's collector runs in this case (hf is no collector engine; a server at
+``generation.url`` is one you start)."""
+FIGURES = ("generate_s", "update_s", "rounds_per_s")
+SAME_MODEL = ("num_heads=2",)
+"""vLLM's CPU attention takes no head size of 16 (the default 64 / 4): both engines get 64 / 2."""
+NOISE = 1e-3
+
+
+class PipelineRounds:
+    """One engine's side of the pipeline case: the pipeline's collector; :meth:`round` is one round."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from rlhf_pipeline.bench.e2e_bench import default_pipeline
+        from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
+        from rlhf_pipeline.runs.processes import build_pipeline
+
+        overrides = [*SAME_MODEL, *args.set, f"generation.engine={args.engine}"]
+        if args.engine == "vllm" and args.vllm_python:
+            overrides.append(f"generation.python={args.vllm_python}")
+        module = load_pipeline_module(default_pipeline())
+        settings = make_settings(module, overrides)
+        self.work_dir = Path(tempfile.mkdtemp(prefix=f"bench-generation-rounds-{args.engine}-", dir=args.work_dir))
+        pipeline = build_pipeline(module, settings, RunPaths(self.work_dir / "run"))
+        if pipeline.torch_threads is not None:  # as the collector's process: one thread beside the learner
+            torch.set_num_threads(pipeline.torch_threads)
+        model = pipeline.make_model()
+        model.load_state_dict(torch.load(args.weights, map_location="cpu", weights_only=True))
+        self.weights = [{k: v.clone() for k, v in model.state_dict().items()}, moved(model, seed=1)]
+        self.parameters = sum(p.numel() for p in model.parameters())
+        self.store = pipeline.create_buffer(self.work_dir / "buffer")
+        started = time.perf_counter()
+        self.collector = pipeline.make_collector(model, self.store, collector_index=0)
+        self.start_s = time.perf_counter() - started
+        self.version = 0
+
+    @property
+    def engine(self) -> Any:
+        return self.collector.engine
+
+    def round(self) -> dict[str, float]:
+        self.version += 1
+        started = time.perf_counter()
+        self.collector.set_policy_state(self.weights[self.version % 2], self.version)
+        updated = time.perf_counter()
+        self.collector.collect()
+        ended = time.perf_counter()
+        metrics = self.collector.last_metrics
+        return {"update_s": updated - started, "round_s": ended - started, "generate_s": metrics["generate_s"],
+                "rows": metrics["rows"], "response_len_mean": metrics["response_len_mean"]}
+
+    def close(self) -> None:
+        import shutil
+
+        self.collector.close()
+        self.store.close()
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def moved(model: Any, seed: int) -> dict[str, Any]:
+    """``model``'s state with every parameter moved by ``NOISE`` standard normal noise; a tied head
+    moves with its embedding, as a learner's step keeps it."""
+    import copy
+
+    import torch
+
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(NOISE * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    return other.state_dict()
+
+
+def ratios(engines: dict[str, Any]) -> dict[str, float]:
+    """vLLM's median over the loop's, per figure; empty unless both ran."""
+    loop, vllm = engines.get("loop", {}), engines.get("vllm", {})
+    if "generate_s" not in loop or "generate_s" not in vllm:
+        return {}
+    return {f: vllm[f]["median"] / loop[f]["median"] for f in FIGURES if loop[f]["median"] > 0}
+
+
+def format_rounds_table(case: dict[str, Any]) -> list[str]:
+    def cell(s: dict[str, float], digits: int) -> str:
+        return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+    engines = case["engines"]
+    parameters = next((r["parameters"] for r in engines.values() if "parameters" in r), None)
+    lines = ["", f"pipeline case: pipelines/default.py's round ({' '.join(case['settings']['overrides'])}"
+             + (f", {parameters:,} parameters" if parameters else "")
+             + f"), a weight update before each; {case['settings']['rounds']} rounds a repeat",
+             "| engine | generation s/round | weight update s/round | rounds/s | start s | peak RSS MiB |",
+             "|---|---|---|---|---|---|"]
+    for engine, r in engines.items():
+        if "skipped" in r:
+            lines.append(f"| {engine} | skipped: {r['skipped']} | | | | |")
+            continue
+        lines.append(f"| {engine} | {cell(r['generate_s'], 4)} | {cell(r['update_s'], 4)} | "
+                     f"{cell(r['rounds_per_s'], 2)} | {r['engine_start_s']:.1f} | {r['peak_rss_mib']:.0f} |")
+    if case["ratios"]:
+        lines.append("| vllm / loop | " + " | ".join(f"{case['ratios'][f]:.1f}x" for f in FIGURES) + " | | |")
+    return lines

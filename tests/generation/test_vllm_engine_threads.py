@@ -1,0 +1,36 @@
+"""The environment of the vLLM engine's process (no vLLM needed here): on a CPU it computes with as
+many torch threads as the collector's process has, not one per core; OpenMP threads left idle spin
+between the ops of a decoding step, on the cores the learner and the collector use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_pipeline.generation.vllm_process import engine_environment
+
+
+@pytest.fixture
+def torch_threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_a_cpu_engine_gets_this_processs_torch_threads(tmp_path, monkeypatch, torch_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch_threads(1)  # a pipeline's collector: `threads` 1
+    env = engine_environment(tmp_path, kv_cache_gib=2, device="cpu")
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["PYTHONPATH"] == str(tmp_path) and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    torch_threads(2)  # `threads` 2 (or none: torch's default)
+    assert engine_environment(tmp_path, kv_cache_gib=1, device="cpu")["OMP_NUM_THREADS"] == "2"
+
+
+def test_omp_num_threads_set_by_the_user_wins_and_a_gpu_engine_keeps_vllms_own(tmp_path, monkeypatch, torch_threads):
+    torch_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert engine_environment(tmp_path, kv_cache_gib=1, device="cpu")["OMP_NUM_THREADS"] == "3"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    # on a GPU vLLM lowers its torch threads itself (the CPU worker is the one that cannot)
+    assert "OMP_NUM_THREADS" not in engine_environment(tmp_path, kv_cache_gib=1, device="cuda")
