@@ -289,6 +289,55 @@ def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
         resumed.cleanup()
 
 
+class VersionedWriter(PacedWriter):
+    """A :class:`PacedWriter` that stamps each round with the policy version pacing names for it, as
+    ``collect_main`` samples it, and waits for the stall rule never (``stall_s`` out of reach)."""
+
+    def __init__(self, paths: RunPaths, rounds_ahead: int) -> None:
+        super().__init__(paths, 0, rounds_ahead)
+        self.pacer.stall_s = 1e9
+        self.versions: list[int] = []  # of each round
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            plan = self.pacer.plan_round(self.store.next_row, policy_version=0, rounds_at_version=0,
+                                         rounds_per_version=None)
+            if not plan.allowed:
+                time.sleep(0.005)
+                continue
+            groups = self.store.next_row // 4
+            self.versions.append(plan.version or 0)
+            self.store.append(make_batch(2, 4, seed=groups, optional=("advantage",), first_group_id=groups,
+                                         first_trajectory_id=4 * groups, policy_version=self.versions[-1],
+                                         vocab_size=len(TOKENIZER)))
+            self.pacer.round_written(ROUND)
+
+
+def test_rows_the_learner_passes_over_as_stale_are_written_again_with_its_draws_version(tmp_path):
+    """max_staleness=0: after each step every row written ahead is stale for the next draw, which
+    needs a whole batch more than the learner's intake said. It says so while it waits (``lacking``),
+    and the collector writes it with the version that draw trains with; with only the stall rule to
+    go by (out of reach here) the learner waited till its data timeout."""
+    paths = RunPaths(tmp_path / "run")
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    writer = VersionedWriter(paths, rounds_ahead=1)
+    settings = LearnerSettings(batch_size=8, sampler="exact", micro_batch_tokens=4096, max_staleness=0,
+                               checkpoint_every=1000, data_timeout_s=60)
+    learner = Learner(settings, paths, make_model=make_model, steps=3, seed=0, show_progress=False)
+    writer.start()
+    try:
+        learner.setup()
+        assert learner.train() is True
+    finally:
+        learner.cleanup()
+        writer.stop.set()
+        writer.join(timeout=30)
+        writer.store.close()
+    records = read_metrics(paths.metrics)
+    assert [r["charts/rows_dropped_stale_total"] for r in records] == [0, 16, 32]  # two rounds ahead, each step
+    assert writer.versions[:7] == [0, 0, 0, 1, 1, 1, 2]  # rounds 3 and 6: what draws 1 and 2 lacked
+
+
 def _waiting_lines(tmp_path, capsys, *, groups_written: int, steps: int, data_timeout_s: float) -> list[str]:
     """A learner over one shard holding ``groups_written`` groups of 4, run until its data timeout:
     the lines it printed while it waited (``wait_report_s`` 0.3)."""
