@@ -153,7 +153,8 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                        stop_token_ids: Sequence[int] | None = None,
                        template_kwargs: Mapping[str, Any] | None = None,
                        on_groups_ended: Callable[[list[tuple[int, list[Episode] | None]]], None] | None = None,
-                       sample_turn: TurnSampler | None = None) -> Rollout:
+                       sample_turn: TurnSampler | None = None,
+                       clock: Callable[[], float] = time.monotonic) -> Rollout:
     """Runs ``group_size`` episodes of each task to their ends. ``make_env()`` builds one episode's
     environment; one with a ``toolbox`` attribute (a :class:`~.tools.ToolBox`) has its tools'
     schemas rendered by the chat template, or one with ``tool_schemas`` (read after its reset:
@@ -166,7 +167,10 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
 
     ``sample_turn``: each episode takes its turns on its own, its next turn asked for (awaited) as soon
     as its environment answered, instead of every active episode's turn in one ``sample`` call
-    (``collect/agent_turns.py``); the first error it raises ends the rollout."""
+    (``collect/agent_turns.py``); the first error it raises ends the rollout.
+
+    ``clock``: the seconds ``episode_timeout_s`` is measured in (a test gives one it moves itself, so
+    whether an episode is overdue follows from its steps, not from the machine's speed)."""
     g = config.group_size
     n = len(tasks) * g
     failures: list[EpisodeFailure] = []
@@ -215,7 +219,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
             except Exception as exc:
                 fail(k, "reset_failed", _failed_call(f"the opening messages of {type(envs[k]).__name__}.reset", exc))
         report_ended()
-        started = time.monotonic()
+        started = clock()
 
         def answer(k: int, stepped: Any, exc: Exception | None) -> None:
             """Episode ``k``'s environment answered (or raised): the answer goes on its token list."""
@@ -228,7 +232,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
             if isinstance(result.reward, float) and not math.isfinite(result.reward):
                 fail(k, "non_finite_reward", f"{where} gave reward {result.reward} at turn {len(episodes[k].turns) - 1}")
                 return
-            overdue = config.episode_timeout_s is not None and time.monotonic() - started > config.episode_timeout_s
+            overdue = config.episode_timeout_s is not None and clock() - started > config.episode_timeout_s
             if overdue and not result.done:
                 result = dataclasses.replace(result, messages=[], done=True, reason=TerminationReason.TIMEOUT)
                 metrics["episode_timeouts"] += 1

@@ -14,8 +14,9 @@ every batch it uses (a few hundred bytes, no fsync: it is advice, rewritten ever
      "waiting_since": null,                                 or when it began waiting for a batch
      "waiting_seen": null,                                  and when it last said it still waits
      "policy_version": 12,                                  the weights it trains that batch with
-     "recent": [[11, 64, {"shard-0000": 768}], ...]}       (policy_version, next_draw_rows, consumed)
+     "recent": [[11, 64, {"shard-0000": 768}], ...],       (policy_version, next_draw_rows, consumed)
                                                             of its last draws, oldest first
+     "lacking": [13, 5, {"shard-0000": 840}]}              while it waits, what its sampler still lacks
 
 The collector side (:class:`CollectorPacer`) allows a new round while its own shard holds
 fewer than ``consumed[shard] + ceil(next_draw_rows / shards) + rounds_ahead * round_rows``
@@ -36,7 +37,13 @@ round's rows vary with its episodes' turns) and ``rounds_per_version``:
   nothing taken in, so it writes its first rows at once;
 * a resumed learner publishes the position of its checkpoint at start, so collectors that
   ran ahead of it just wait while it catches up on rows that already exist;
-* as a last resort, a learner that has waited for its next batch for ``stall_s`` seconds
+* a learner whose next draw needs more rows than it said (the ``exact`` sampler passed over stale
+  rows) says, while it waits, what that draw lacks: ``lacking`` is ``(policy version the draw
+  trains with, rows it lacks, rows per shard its sampler has seen)``, and a collector writes its
+  share of them at once, with that version. Said by the sampler, not supposed from a clock: a
+  learner slow to read rows it has (a loaded machine) says it lacks 0 and gets no round for it;
+* as a last resort, for a sampler that does not say what it lacks, a learner that has waited
+  for its next batch for ``stall_s`` seconds
   since a collector's last round (a sampler that needs more than it said, a dead collector
   whose share the others must cover) lets that collector write one more round. The learner
   renews ``waiting_seen`` every ``WAITING_RENEW_S`` while it waits, and the rule counts the wait
@@ -52,8 +59,9 @@ in the batch that first allowed the round (:meth:`CollectorPacer.version_for_rou
 not loaded yet. A collector that has written ``rounds_per_version`` rounds with its version takes
 the first intake in ``recent`` that asks for the round (the learner's next batch needs it) or
 that allows it with a newer version: again a function of the intakes, not of when they are read.
-Rounds that only the stall rule allowed, and versions already pruned, fall back to the newest
-version (no longer a function of the seed alone).
+A round the learner's ``lacking`` asks for takes the version named there: the version the draw
+waiting for it trains with. Rounds that only the stall rule allowed, and versions already pruned,
+fall back to the newest version (no longer a function of the seed alone).
 
 Before the learner's first publish (no file yet) a collector started by ``run`` writes
 ``rounds_ahead + 1`` rounds: its learner is starting. A collector started alone (``collect``)
@@ -99,13 +107,18 @@ class LearnerIntake:
     """The learner's weights when it took this batch in (its newest published version)."""
     recent: list[tuple[int, int, dict[str, int]]] = field(default_factory=list)
     """``(policy_version, next_draw_rows, consumed)`` of the last draws, this one included, oldest first."""
+    lacking: tuple[int, int, dict[str, int]] | None = None
+    """While the learner waits, from a sampler that says it (``exact``): ``(the policy version the draw
+    it waits for trains with, the rows that draw lacks, the rows per shard the sampler has seen)``;
+    0 rows: it has them and is reading them. None: not waiting, or a sampler that does not say."""
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_VERSION, "step": self.step, "draws": self.draws,
                 "consumed": dict(self.consumed), "next_draw_rows": self.next_draw_rows,
                 "waiting_since": self.waiting_since, "waiting_seen": self.waiting_seen,
                 "policy_version": self.policy_version,
-                "recent": [[version, need, dict(consumed)] for version, need, consumed in self.recent]}
+                "recent": [[version, need, dict(consumed)] for version, need, consumed in self.recent],
+                "lacking": None if self.lacking is None else [*self.lacking[:2], dict(self.lacking[2])]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LearnerIntake:
@@ -114,8 +127,14 @@ class LearnerIntake:
                    next_draw_rows=int(data["next_draw_rows"]), waiting_since=data.get("waiting_since"),
                    waiting_seen=data.get("waiting_seen"),
                    policy_version=int(data.get("policy_version", 0)),
-                   recent=[(int(v), int(need), {str(k): int(n) for k, n in c.items()})
-                           for v, need, c in data.get("recent", [])])
+                   recent=[_draw_entry(entry) for entry in data.get("recent", [])],
+                   lacking=None if data.get("lacking") is None else _draw_entry(data["lacking"]))
+
+
+def _draw_entry(entry) -> tuple[int, int, dict[str, int]]:
+    """``(policy_version, rows, rows per shard)`` as ``recent`` and ``lacking`` hold them."""
+    version, rows, per_shard = entry
+    return int(version), int(rows), {str(k): int(n) for k, n in per_shard.items()}
 
 
 def _object(path: str | Path, store: RunStore | None) -> tuple[RunStore, str]:
@@ -176,14 +195,15 @@ class PacingPublisher:
         payload = json.dumps(intake.to_json(), separators=(",", ":"), sort_keys=True).encode()
         self._store.write(self._key, payload, durable=False)
 
-    def waiting(self) -> None:
+    def waiting(self, lacking: tuple[int, int, dict[str, int]] | None = None) -> None:
         """The learner is waiting for its next batch: called while it waits; publishes the time it
-        began, then that it still waits at most every ``WAITING_RENEW_S``."""
+        began, then that it still waits at most every ``WAITING_RENEW_S``, and at once what its
+        sampler says the draw ``lacking`` whenever that changes (:attr:`LearnerIntake.lacking`)."""
         now = time.time()
         since, seen = self.intake.waiting_since, self.intake.waiting_seen
-        if since is None or seen is None or now - seen >= WAITING_RENEW_S:
+        if since is None or seen is None or now - seen >= WAITING_RENEW_S or lacking != self.intake.lacking:
             self.publish(dataclasses.replace(self.intake, waiting_since=now if since is None else since,
-                                             waiting_seen=now), new_draw=False)
+                                             waiting_seen=now, lacking=lacking), new_draw=False)
 
 
 @dataclass(frozen=True)
@@ -269,15 +289,26 @@ class CollectorPacer:
         intake = self._read()
         if shard_rows < self.target_rows(intake):
             return True
-        return self._stalled(intake)
+        return self.lacked(intake, shard_rows) or self._stalled(intake)
 
     def within_target(self, shard_rows: int) -> bool:
         """The learner's intake alone allows a round starting at ``shard_rows`` (not the stall rule,
         which counts from this collector's last round: ``collect/overlap.py`` asks before it ends)."""
         return shard_rows < self.target_rows(self._read())
 
+    def lacked(self, intake: LearnerIntake | None, shard_rows: int) -> bool:
+        """The draw the learner waits for lacks rows of this shard from ``shard_rows`` on (its share
+        of the rows its sampler says it lacks, past the rows it has seen here)."""
+        if intake is None or intake.lacking is None:
+            return False
+        _, rows, seen = intake.lacking
+        shards = len(set(seen) | {self.key})
+        return shard_rows < seen.get(self.key, 0) + math.ceil(rows / shards)
+
     def _stalled(self, intake: LearnerIntake | None) -> bool:
         if intake is None or intake.waiting_since is None or intake.waiting_seen is None:
+            return False
+        if intake.lacking is not None:  # its sampler says what it lacks: the clock decides nothing
             return False
         # the learner has waited for its next batch since before this collector's last round and
         # said it still waits well after it: it needs more than it said; one more round. Said, not
@@ -311,6 +342,10 @@ class CollectorPacer:
         target = self.target_rows(intake)
         stalled = self._stalled(intake)
         if shard_rows >= target and not stalled:
+            if self.lacked(intake, shard_rows):  # the draw it waits for needs it: never held back by the limit
+                version = intake.lacking[0]
+                return RoundPlan(True, version, version, f"waiting for policy version {version}, the one the "
+                                 f"learner's waiting draw trains with")
             taken = intake.consumed.get(self.key, 0) if intake is not None else 0
             return RoundPlan(False, None, 0,
                              f"the shard holds {shard_rows} rows, {shard_rows - taken} past what the learner has "

@@ -173,7 +173,7 @@ class Learner(LearnerCheckpoints):
         saved = (checkpoint or {}).get("intake")
         intake = LearnerIntake.from_json(saved) if saved else LearnerIntake(self.progress.step, self.progress.draws,
                                                                             {}, self.settings.batch_size)
-        intake.waiting_since = intake.waiting_seen = None  # a wait from before the stop is over
+        intake.waiting_since = intake.waiting_seen = intake.lacking = None  # a wait from before the stop is over
         intake.policy_version = self.progress.policy_version
         self._pacing.intake = intake
         if not self.data_parallel.is_main:  # only rank 0 writes files
@@ -235,7 +235,10 @@ class Learner(LearnerCheckpoints):
         waited = 0.0
         until = self.total_steps if max_steps is None else min(self.total_steps, self.progress.step + max_steps)
         # rank 0 tells collectors it waits (pacing.json) and, past wait_report_s, says what for
-        on_wait = (WaitReport(self._pacing, lambda: next_rows(self._store), self.settings.wait_report_s)
+        # a sampler that says what its draw lacks (exact.py) has the collectors write it, with no stall rule
+        lacking = (lambda: self.sampler.lacking) if hasattr(self.sampler, "lacking") else None
+        on_wait = (WaitReport(self._pacing, lambda: next_rows(self._store), self.settings.wait_report_s,
+                              lacking=lacking)
                    if self.data_parallel.is_main else None)
         while self.progress.step < until and not self.data_parallel.any_rank(self.stop_event.is_set()):
             try:

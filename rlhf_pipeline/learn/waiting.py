@@ -21,12 +21,16 @@ class WaitReport:
     """The learner's ``on_wait`` (called every 0.1 s while it waits for a batch): renews the wait
     in ``pacing.json`` (``PacingPublisher.waiting``) and says what it waits for once it is long.
 
-    ``shard_rows()`` gives the rows each shard has published, as the learner's store last saw them."""
+    ``shard_rows()`` gives the rows each shard has published, as the learner's store last saw them;
+    ``lacking()`` what the draw it waits for still lacks, from a sampler that says it
+    (``LearnerIntake.lacking``; None: the collectors go by the stall rule)."""
 
     def __init__(self, pacing: PacingPublisher, shard_rows: Callable[[], dict[str, int]], after_s: float,
-                 say: Callable[[str], None] | None = None) -> None:
+                 say: Callable[[str], None] | None = None,
+                 lacking: Callable[[], tuple[int, int, dict[str, int]]] | None = None) -> None:
         self.pacing = pacing
         self.shard_rows = shard_rows
+        self.lacking = lacking
         self.after_s = after_s
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self._wait: float | None = None  # waiting_since of the wait being reported
@@ -34,7 +38,7 @@ class WaitReport:
         self._rows_at_start: int | None = None
 
     def __call__(self) -> None:
-        self.pacing.waiting()
+        self.pacing.waiting(None if self.lacking is None else self.lacking())
         intake = self.pacing.intake
         since = intake.waiting_since
         if since is None:

@@ -52,12 +52,6 @@ class Slow:
         return StepResult()
 
 
-class AsyncSlow(Slow):
-    async def step(self, turn):
-        await asyncio.sleep(self.seconds)
-        return StepResult()
-
-
 def test_sync_environment_runs_in_the_thread_pool():
     env = Echo()
     assert isinstance(env, Environment)
@@ -115,32 +109,56 @@ def test_sync_steps_overlap_in_the_pool():
     assert len(results) == 4 and not any(r.done for r in results)
 
 
-@pytest.mark.parametrize("env_class", [Slow, AsyncSlow])
+class Blocked:
+    """A step that returns only once the test is over: past any timeout, however slow the machine."""
+
+    def __init__(self, released: threading.Event):
+        self.released = released
+
+    def reset(self, task):
+        self.released.wait(60)
+        return []
+
+    def step(self, turn):
+        self.released.wait(60)
+        return StepResult()
+
+
+class AsyncBlocked(Blocked):
+    async def step(self, turn):
+        await asyncio.Event().wait()  # cancelled by the timeout
+        return StepResult()
+
+
+@pytest.mark.parametrize("env_class", [Blocked, AsyncBlocked])
 def test_a_step_past_its_timeout_ends_the_episode_as_truncated(env_class):
+    released = threading.Event()
+
     async def main():
         with EnvironmentRunner(step_timeout_s=0.05) as runner:
-            result = await runner.step(env_class(0.5), ModelTurn(0, ""))
+            result = await runner.step(env_class(released), ModelTurn(0, ""))
             return result, runner.timeouts
 
-    result, timeouts = asyncio.run(main())
+    try:
+        result, timeouts = asyncio.run(main())
+    finally:
+        released.set()
     assert result.done and result.reason is TerminationReason.TIMEOUT and timeouts == 1
     assert result.reason.truncated and not result.reason.terminated
 
 
 def test_reset_past_its_timeout_raises():
-    class SlowReset:
-        def reset(self, task):
-            time.sleep(0.5)
-
-        def step(self, turn):
-            return StepResult()
+    released = threading.Event()
 
     async def main():
         with EnvironmentRunner(step_timeout_s=0.05) as runner:
-            await runner.reset(SlowReset(), {})
+            await runner.reset(Blocked(released), {})
 
-    with pytest.raises(StepTimeout):
-        asyncio.run(main())
+    try:
+        with pytest.raises(StepTimeout):
+            asyncio.run(main())
+    finally:
+        released.set()
 
 
 def test_an_environment_bug_propagates_and_a_wrong_return_type_is_named():

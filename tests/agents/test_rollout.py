@@ -86,17 +86,26 @@ def test_async_environments_step_concurrently(bpe_tokenizer):
 
 
 def test_an_episode_past_its_wall_clock_limit_ends_with_timeout(bpe_tokenizer):
+    """The limit is read on a clock the environment moves: each turn's step takes a second of it, so
+    with a limit of 1.5 s every episode is overdue after its second step, however fast the machine."""
+    seconds = 0.0
+
+    def clock() -> float:
+        return seconds
+
     class Endless(CalculatorEnv):  # answers every turn and never ends the episode
         def step(self, turn):
-            time.sleep(0.05)
+            nonlocal seconds
+            seconds = max(seconds, turn.index + 1.0)  # both episodes' steps of a turn end at the same second
             return StepResult([{"role": "user", "content": "go on"}], reward=0.25)
 
     limits = EpisodeLimits(max_turns=1000, max_new_tokens=8)
     result = rollout([{"question": "q", "answer": "1"}], Endless, scripted_sampler(bpe_tokenizer, ["a"] * 1000),
-                     bpe_tokenizer, RolloutConfig(group_size=2, limits=limits, episode_timeout_s=0.3))
+                     bpe_tokenizer, RolloutConfig(group_size=2, limits=limits, episode_timeout_s=1.5), clock=clock)
     for episode in result.episodes:
         assert episode.reason is TerminationReason.TIMEOUT and episode.reason.truncated
-        assert 2 <= len(episode.turns) < 1000 and episode.rewards[-1] == 0.25  # the last step's reward is kept
+        assert len(episode.turns) == 2 and episode.rewards == [0.25, 0.25]  # the last step's reward is kept
+        assert episode.segments[-1].sampled  # the overdue step's messages ("go on") are dropped
     assert result.metrics["episode_timeouts"] == 2 and result.metrics["reason/timeout"] == 2
 
 

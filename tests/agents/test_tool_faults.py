@@ -115,6 +115,7 @@ def test_hung_calls_free_their_slots_for_the_calls_after_them():
         for _ in range(3):  # more hung calls than threads
             (answer,) = box.run([ToolCall("hang", {}, "")])
             assert answer["content"] == "Error: hang took longer than 0.2s"
+        box.timeout_s = 60.0  # the quick calls: a limit no loaded machine reaches, so only a free thread is tested
         answers, errors = box.run_counted([ToolCall("quick", {"x": k}, "") for k in range(2)])
         assert errors == 0 and [a["content"] for a in answers] == ["0", "1"]
         assert box.metrics["timeout"] == 3 and box.metrics["ok"] == 2
@@ -125,11 +126,11 @@ def test_hung_calls_free_their_slots_for_the_calls_after_them():
 
 def test_past_max_hung_calls_new_calls_are_answered_at_once_not_started():
     release = threading.Event()
-    started = []
+    started = threading.Semaphore(0)
 
     def hang() -> str:
         """Waits until the test ends."""
-        started.append(1)
+        started.release()
         release.wait(60)
         return "late"
 
@@ -138,7 +139,9 @@ def test_past_max_hung_calls_new_calls_are_answered_at_once_not_started():
         answers = [box.run([ToolCall("hang", {}, "")])[0]["content"] for _ in range(4)]
         assert answers[:3] == ["Error: hang took longer than 0.05s"] * 3
         assert answers[3].startswith("Error: hang was not run: 3 calls that timed out are still running (more than 2)")
-        assert len(started) == 3 and box.metrics["timeout"] == 4
+        # the three given up on started (their threads may start after their timeout, on a loaded machine)
+        assert all(started.acquire(timeout=60) for _ in range(3)) and not started.acquire(timeout=0)
+        assert box.metrics["timeout"] == 4
     finally:
         release.set()
         box.close()
@@ -221,9 +224,9 @@ def test_calls_that_end_after_their_round_count_in_no_round(bpe_tokenizer):
             return StepResult(reward=1.0, done=True)
 
     sample = scripted_sampler(bpe_tokenizer, ["hi"])
-    config = RolloutConfig(group_size=1, step_timeout_s=0.3)
-    first = rollout([{"round": 1}], Env, sample, bpe_tokenizer, config)
-    second = rollout([{"round": 2}], Env, sample, bpe_tokenizer, config)
+    first = rollout([{"round": 1}], Env, sample, bpe_tokenizer, RolloutConfig(group_size=1, step_timeout_s=0.3))
+    # the second round's step must end in time: a limit no loaded machine reaches
+    second = rollout([{"round": 2}], Env, sample, bpe_tokenizer, RolloutConfig(group_size=1, step_timeout_s=60.0))
     box.close()
     assert first.metrics["environment_timeouts"] == 1
     assert (first.metrics["tools/calls"], first.metrics["tools/ok"]) == (1, 0)  # started, not answered in time
@@ -242,7 +245,7 @@ def test_a_hung_environment_step_frees_its_thread_for_the_next_step():
             return []
 
         def step(self, turn):
-            release.wait(60)
+            release.wait(300)
             return StepResult()
 
     class Quick(Hangs):
@@ -250,8 +253,12 @@ def test_a_hung_environment_step_frees_its_thread_for_the_next_step():
             return StepResult(reward=1.0, done=True)
 
     async def two_steps():
-        with EnvironmentRunner(max_workers=1, step_timeout_s=1.0) as runner:
-            return await runner.step(Hangs(), ModelTurn(0, "")), await runner.step(Quick(), ModelTurn(0, ""))
+        with EnvironmentRunner(max_workers=1, step_timeout_s=0.1) as runner:
+            hung = await runner.step(Hangs(), ModelTurn(0, ""))
+            # queued behind the hung step, the quick one would time out too; on its own thread it
+            # answers well within a limit no loaded machine reaches
+            runner.step_timeout_s = 60.0
+            return hung, await runner.step(Quick(), ModelTurn(0, ""))
 
     try:
         hung, quick = asyncio.run(two_steps())

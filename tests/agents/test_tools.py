@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -39,13 +38,12 @@ def explode(reason: str) -> str:
     raise RuntimeError(reason)
 
 
-def sleepy(seconds: float) -> str:
-    """Sleeps.
+RELEASED = threading.Event()  # set once a test is over: a call of ``stuck`` runs past any timeout till then
 
-    Args:
-        seconds: how long
-    """
-    time.sleep(seconds)
+
+def stuck() -> str:
+    """Returns once the test is over."""
+    RELEASED.wait(60)
     return "awake"
 
 
@@ -70,9 +68,12 @@ async def lookup(key: str) -> dict:
 
 @pytest.fixture
 def box():
-    box = ToolBox([multiply, explode, sleepy, shout, lookup], timeout_s=0.1, max_output_chars=120,
+    """A limit no loaded machine reaches for the quick tools (``stuck`` is given one of its own)."""
+    box = ToolBox([multiply, explode, stuck, shout, lookup], timeout_s=60.0, max_output_chars=120,
                   max_calls_per_turn=3)
+    RELEASED.clear()
     yield box
+    RELEASED.set()
     box.close()
 
 
@@ -174,13 +175,19 @@ def test_good_calls_answer_with_the_result(box):
     (ToolCall("multiply", {"a": 1, "b": 2, "c": 3}, ""), "bad_arguments", "unexpected keyword argument 'c'"),
     (ToolCall("multiply", {"a": "x", "b": None}, ""), "raised", "multiply raised TypeError"),
     (ToolCall("explode", {"reason": "boom"}, ""), "raised", "explode raised RuntimeError: boom"),
-    (ToolCall("sleepy", {"seconds": 1.0}, ""), "timeout", "sleepy took longer than 0.1s"),
 ])
 def test_every_failure_is_an_error_answer_and_a_count(box, call, metric, says):
     (answer,) = box.run([call])
     assert answer["role"] == "tool" and answer["content"].startswith("Error: ") and says in answer["content"]
     assert box.metrics[metric] == 1 and box.metrics["calls"] == 1 and box.metrics["ok"] == 0
     assert box.errors() == 1
+
+
+def test_a_call_past_its_timeout_is_an_error_answer_and_a_count(box):
+    box.timeout_s = 0.1  # stuck returns once the test is over: past this limit on any machine
+    (answer,) = box.run([ToolCall("stuck", {}, "")])
+    assert answer == {"role": "tool", "name": "stuck", "content": "Error: stuck took longer than 0.1s"}
+    assert box.metrics["timeout"] == 1 and box.metrics["calls"] == 1 and box.errors() == 1
 
 
 def test_outputs_are_truncated_and_calls_past_the_limit_are_not_run(box):
@@ -245,16 +252,19 @@ def test_a_slow_call_times_out_alone_while_the_turns_other_calls_answer():
 
     def slow() -> str:
         """Blocks until released."""
-        release.wait(5.0)
+        release.wait(60)
         return "late"
 
     def quick() -> str:
         """Answers at once."""
         return "quick"
 
-    box = ToolBox([slow, quick], timeout_s=0.2, max_workers=2)
-    answers, errors = box.run_counted([ToolCall("slow", {}, ""), ToolCall("quick", {}, "")])
-    release.set()
-    box.close()
-    assert errors == 1 and answers[0]["content"] == "Error: slow took longer than 0.2s"
+    # a limit the quick call meets on a loaded machine; the slow one returns only once the test is over
+    box = ToolBox([slow, quick], timeout_s=5.0, max_workers=2)
+    try:
+        answers, errors = box.run_counted([ToolCall("slow", {}, ""), ToolCall("quick", {}, "")])
+    finally:
+        release.set()
+        box.close()
+    assert errors == 1 and answers[0]["content"] == "Error: slow took longer than 5.0s"
     assert answers[1]["content"] == "quick" and box.metrics["timeout"] == 1 and box.metrics["ok"] == 1

@@ -116,6 +116,45 @@ def test_a_learner_that_died_waiting_gets_no_more_rounds(tmp_path):
     assert not pacer.may_collect(16)
 
 
+def test_a_learner_slow_to_read_rows_it_has_gets_no_round_from_the_stall_rule(tmp_path):
+    """Issue 41: under load a learner took longer than ``stall_s`` to read the round it had waited
+    for; the stall rule gave it one more round, with whatever weights were newest, that the same run
+    on a quiet machine wrote later with other weights (a resumed agent run trained other rows). A
+    learner whose sampler says what it lacks is never second-guessed from the clock."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=8, policy_version=1))
+    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, stall_s=1.0)
+    pacer.round_written(ROUND)  # 16 rows: what the learner's next draw needs
+    now = time.time()  # the learner still says it waits a minute after that round (a slow read)
+    waits = dataclasses.replace(learner.intake, waiting_since=now - 1, waiting_seen=now + 60)
+    learner.publish(waits, new_draw=False)
+    plan = lambda: pacer.plan_round(16, policy_version=1, rounds_at_version=1, rounds_per_version=2)  # noqa: E731
+    assert plan().allowed and plan().version is None  # a sampler that says nothing: the rule, the newest weights
+    learner.publish(dataclasses.replace(waits, lacking=(2, 0, {"shard-0000": 16})), new_draw=False)
+    assert not plan().allowed and not pacer.may_collect(16)  # it has its rows, it is reading them
+    assert read_intake(path).lacking == (2, 0, {"shard-0000": 16})
+
+
+def test_a_waiting_learner_gets_the_rows_its_sampler_lacks_at_once_with_its_draws_version(tmp_path):
+    """The exact sampler passed over stale rows and needs more than its intake said: the collectors
+    write them without waiting out ``stall_s``, with the version the waiting draw trains with, and
+    with several shards each writes its share."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=8, policy_version=1))
+    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, stall_s=1e9)
+    assert not pacer.may_collect(16)
+    learner.waiting((3, 5, {"shard-0000": 16}))
+    plan = pacer.plan_round(16, policy_version=1, rounds_at_version=2, rounds_per_version=2)
+    assert (plan.allowed, plan.version, plan.min_version) == (True, 3, 3)  # needed: past the version limit too
+    assert pacer.may_collect(20) and not pacer.may_collect(21)  # 5 rows lacking: a round from 16 to 20 on
+    learner.waiting((3, 5, {"shard-0000": 16, "shard-0001": 4}))
+    assert pacer.may_collect(18) and not pacer.may_collect(19)  # its share, ceil(5 / 2)
+    learner.publish(LearnerIntake(2, 2, {"shard-0000": 16}, next_draw_rows=8, policy_version=3))
+    assert read_intake(path).lacking is None  # the draw came: the intake says what the next one needs
+
+
 def test_a_round_uses_the_version_of_the_intake_that_first_allowed_it(tmp_path):
     """Not the newest: a collector that reads pacing.json late (it was generating) still names
     the weights the learner held when the round first became allowed, so timing cannot change it."""
@@ -248,6 +287,55 @@ def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
         assert (intake.step, intake.draws, intake.consumed, intake.waiting_since) == (2, 3, {"shard-0000": 48}, None)
     finally:
         resumed.cleanup()
+
+
+class VersionedWriter(PacedWriter):
+    """A :class:`PacedWriter` that stamps each round with the policy version pacing names for it, as
+    ``collect_main`` samples it, and waits for the stall rule never (``stall_s`` out of reach)."""
+
+    def __init__(self, paths: RunPaths, rounds_ahead: int) -> None:
+        super().__init__(paths, 0, rounds_ahead)
+        self.pacer.stall_s = 1e9
+        self.versions: list[int] = []  # of each round
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            plan = self.pacer.plan_round(self.store.next_row, policy_version=0, rounds_at_version=0,
+                                         rounds_per_version=None)
+            if not plan.allowed:
+                time.sleep(0.005)
+                continue
+            groups = self.store.next_row // 4
+            self.versions.append(plan.version or 0)
+            self.store.append(make_batch(2, 4, seed=groups, optional=("advantage",), first_group_id=groups,
+                                         first_trajectory_id=4 * groups, policy_version=self.versions[-1],
+                                         vocab_size=len(TOKENIZER)))
+            self.pacer.round_written(ROUND)
+
+
+def test_rows_the_learner_passes_over_as_stale_are_written_again_with_its_draws_version(tmp_path):
+    """max_staleness=0: after each step every row written ahead is stale for the next draw, which
+    needs a whole batch more than the learner's intake said. It says so while it waits (``lacking``),
+    and the collector writes it with the version that draw trains with; with only the stall rule to
+    go by (out of reach here) the learner waited till its data timeout."""
+    paths = RunPaths(tmp_path / "run")
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    writer = VersionedWriter(paths, rounds_ahead=1)
+    settings = LearnerSettings(batch_size=8, sampler="exact", micro_batch_tokens=4096, max_staleness=0,
+                               checkpoint_every=1000, data_timeout_s=60)
+    learner = Learner(settings, paths, make_model=make_model, steps=3, seed=0, show_progress=False)
+    writer.start()
+    try:
+        learner.setup()
+        assert learner.train() is True
+    finally:
+        learner.cleanup()
+        writer.stop.set()
+        writer.join(timeout=30)
+        writer.store.close()
+    records = read_metrics(paths.metrics)
+    assert [r["charts/rows_dropped_stale_total"] for r in records] == [0, 16, 32]  # two rounds ahead, each step
+    assert writer.versions[:7] == [0, 0, 0, 1, 1, 1, 2]  # rounds 3 and 6: what draws 1 and 2 lacked
 
 
 def _waiting_lines(tmp_path, capsys, *, groups_written: int, steps: int, data_timeout_s: float) -> list[str]:

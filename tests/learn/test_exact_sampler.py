@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -136,6 +137,35 @@ def test_rows_too_stale_when_their_block_forms_are_skipped_and_counted(tmp_path)
         assert drawn.dropped_stale == 4 and versions.eq(5).all()
         assert drawn.consumed == {"shard-0000": 12}  # the skipped rows are behind the cursor for good
     finally:
+        reader.close()
+        shards.close()
+
+
+def test_a_block_waiting_for_rows_says_what_it_lacks_past_the_stale_ones(tmp_path):
+    """What the learner tells the collectors while it waits (``pacing.json``'s ``lacking``): the rows
+    its intake counted on were stale, so the block lacks 4 more than the intake said."""
+    shards = Shards(tmp_path / "buffer", 1)
+    shards.append(0, 1, version=0)  # 4 stale rows
+    shards.append(0, 1, version=5)
+    reader = open_buffer(tmp_path / "buffer")
+    sampler = ExactUseSampler(reader, batch_size=8, max_staleness=1, timeout_s=60, poll_s=0.01)
+    sampler.current_version = 6
+    drawn: list = []
+    drawing = threading.Thread(target=lambda: drawn.append(sampler.draw(0)))
+    assert sampler.lacking == (0, 0, {})
+    drawing.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sampler.lacking[1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sampler.lacking == (6, 4, {"shard-0000": 8})  # the version the block trains with
+        shards.append(0, 1, version=6)
+        drawing.join(60)
+        assert drawn[0].dropped_stale == 4 and drawn[0].consumed == {"shard-0000": 12}
+        assert sampler.lacking == (0, 0, {})  # the block is whole: it lacks nothing
+    finally:
+        sampler.stop.set()
+        drawing.join(60)
         reader.close()
         shards.close()
 

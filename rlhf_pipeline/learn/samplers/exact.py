@@ -21,7 +21,11 @@ the learner sets: not whatever version it holds as the rows arrive) is skipped f
 (``dropped_stale``), and the learner's own check at use time applies to every pass: leave room
 for ``uses - 1`` reuses plus the overlap (``max_staleness >= uses``), or some rows are trained on
 fewer times. A row evicted
-from its store before its block is done is left out the same way.
+from its store before its block is done is left out the same way. Rows passed over are rows the
+learner's intake did not count on: while a block waits for rows, :attr:`ExactUseSampler.lacking`
+says how many it still lacks, which the learner publishes to the collectors
+(``coordination/pacing.py``, ``lacking``), so they write them at once and with the version the
+block trains with, whatever the timing.
 
 Resume. The state (:meth:`ExactUseSampler.state_dict`) is the cursors, the current block
 (global ids per shard) and how many draws have used it; the learner checkpoints the state of
@@ -40,6 +44,10 @@ import numpy as np
 from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, SampledRows
 from rlhf_pipeline.learn.shard_rows import next_rows, shard_stores, union_positions
 from rlhf_pipeline.coordination.polling import PollBackoff
+
+
+NOTHING_LACKING: tuple[int, int, dict[str, int]] = (0, 0, {})
+"""What a sampler not waiting for rows lacks."""
 
 
 class ExactUseSampler:
@@ -61,6 +69,8 @@ class ExactUseSampler:
         self.cursors: dict[str, int] = {}  # shard key -> oldest global id not yet taken into a block
         self.block: dict[str, list[int]] = {}  # shard key -> global ids of the current block
         self.block_draws = uses  # draws that used the current block; == uses: the next draw takes a new one
+        # (version the draw trains with, rows it lacks, rows per shard seen): read by the learner while it waits
+        self.lacking: tuple[int, int, dict[str, int]] = NOTHING_LACKING
 
     def draw(self, draw_index: int) -> SampledRows:
         """The next draw's rows. ``draw_index`` is not needed: the state says where the run is."""
@@ -105,8 +115,11 @@ class ExactUseSampler:
                 if have == self.batch_size:
                     self.block = block
                     self.block_draws = 0
+                    self.lacking = NOTHING_LACKING
                     return skipped
                 continue
+            self.lacking = (self.current_version, need - sum(len(ids) for ids in available.values()),
+                            next_rows(self.store))
             if self.stop.is_set():
                 raise InterruptedError("sampling stopped")
             if time.monotonic() > deadline:
