@@ -14,6 +14,7 @@ every batch it uses (a few hundred bytes, no fsync: it is advice, rewritten ever
      "waiting_since": null,                                 or when it began waiting for a batch
      "waiting_seen": null,                                  and when it last said it still waits
      "policy_version": 12,                                  the weights it trains that batch with
+     "last_step": false,                                    that batch is the run's last step
      "recent": [[11, 64, {"shard-0000": 768}], ...]}       (policy_version, next_draw_rows, consumed)
                                                             of its last draws, oldest first
 
@@ -22,6 +23,12 @@ fewer than ``consumed[shard] + ceil(next_draw_rows / shards) + rounds_ahead * ro
 rows: what the learner's next batch needs (its share of it, with several collectors) plus
 ``rounds_ahead`` rounds. With ``rounds_ahead=0`` a collector generates the learner's next batch
 while the learner trains on the current one (one step of overlap), then waits.
+
+After the batch of the run's last step (``last_step``) no round is allowed: the learner takes in
+nothing more. Without this rule a collector wrote the round of a step that never comes whenever it
+read that intake before the learner's ``STOP`` (a race with the learner's last step and checkpoint),
+so a finished run's buffer held one round more or not depending on load, and an online branch's
+buffer (``runs/branch_online.py``) could not be the same as its parent's.
 
 It cannot deadlock, whatever the collector kind, the batch size, the round's size (an agent
 round's rows vary with its episodes' turns) and ``rounds_per_version``:
@@ -99,12 +106,14 @@ class LearnerIntake:
     """The learner's weights when it took this batch in (its newest published version)."""
     recent: list[tuple[int, int, dict[str, int]]] = field(default_factory=list)
     """``(policy_version, next_draw_rows, consumed)`` of the last draws, this one included, oldest first."""
+    last_step: bool = False
+    """This batch is the run's last step (or the learner has taken all its steps): no more draws."""
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_VERSION, "step": self.step, "draws": self.draws,
                 "consumed": dict(self.consumed), "next_draw_rows": self.next_draw_rows,
                 "waiting_since": self.waiting_since, "waiting_seen": self.waiting_seen,
-                "policy_version": self.policy_version,
+                "policy_version": self.policy_version, "last_step": self.last_step,
                 "recent": [[version, need, dict(consumed)] for version, need, consumed in self.recent]}
 
     @classmethod
@@ -114,6 +123,7 @@ class LearnerIntake:
                    next_draw_rows=int(data["next_draw_rows"]), waiting_since=data.get("waiting_since"),
                    waiting_seen=data.get("waiting_seen"),
                    policy_version=int(data.get("policy_version", 0)),
+                   last_step=bool(data.get("last_step", False)),
                    recent=[(int(v), int(need), {str(k): int(n) for k, n in c.items()})
                            for v, need, c in data.get("recent", [])])
 
@@ -244,6 +254,8 @@ class CollectorPacer:
             return math.inf  # unpaced, or no round written yet: its size is unknown
         if intake is None:
             return (self.rounds_ahead + 1) * self.round_rows if self.learner_expected else math.inf
+        if intake.last_step:  # rows past what it has taken in would never be trained on
+            return intake.consumed.get(self.key, 0)
         shards = len(set(intake.consumed) | {self.key})
         share = math.ceil(intake.next_draw_rows / shards)
         return intake.consumed.get(self.key, 0) + share + self.rounds_ahead * self.round_rows
@@ -312,6 +324,9 @@ class CollectorPacer:
         stalled = self._stalled(intake)
         if shard_rows >= target and not stalled:
             taken = intake.consumed.get(self.key, 0) if intake is not None else 0
+            if intake is not None and intake.last_step:
+                return RoundPlan(False, None, 0, "the learner has taken in the batch of its last step: "
+                                                 "waiting for the run to stop")
             return RoundPlan(False, None, 0,
                              f"the shard holds {shard_rows} rows, {shard_rows - taken} past what the learner has "
                              f"taken in, as many as its next batch and rounds_ahead={self.rounds_ahead} ask for: "
@@ -332,7 +347,8 @@ class CollectorPacer:
         if intake is None:
             return None
         for version, need, consumed in intake.recent:
-            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need)
+            # draws before the newest were not the run's last step (and the last allows no new round)
+            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need, last_step=False)
             allowed = shard_rows < self.target_rows(earlier)
             if newer_than is None and allowed:
                 return version
