@@ -280,8 +280,44 @@ def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
         intake = read_intake(paths.pacing)
         # the third batch (48 rows) was taken when 2 steps were done; the old wait is over
         assert (intake.step, intake.draws, intake.consumed, intake.waiting_since) == (2, 3, {"shard-0000": 48}, None)
+        assert not intake.last_step  # its checkpoint's draw was the last of 3 steps; it now takes 5
     finally:
         resumed.cleanup()
+
+
+def test_a_draw_that_trains_nothing_is_not_the_learners_last_step(tmp_path):
+    """Multi-turn rows of which none ends a trajectory train nothing: the learner draws again, so a
+    last-step intake then would keep collectors from writing the rows it waits for."""
+    import torch
+
+    paths = RunPaths(tmp_path / "run")
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    store = create_store(paths.shard(0), "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=64)
+    turns = make_batch(1, 4, optional=("advantage",), vocab_size=len(TOKENIZER)).with_columns(  # 3 turns, then 1
+        trajectory_id=torch.tensor([0, 0, 0, 1]), step=torch.tensor([0, 1, 2, 0], dtype=torch.int32),
+        done=torch.tensor([False, False, True, True]), terminated=torch.tensor([False, False, True, True]),
+        truncated=torch.zeros(4, dtype=torch.bool))
+    store.append(turns.select(torch.arange(2)))  # no trajectory ended yet
+    settings = LearnerSettings(batch_size=2, sampler="exact", micro_batch_tokens=4096, max_staleness=None,
+                               data_timeout_s=60)
+    run = Learner(settings, paths, make_model=make_model, steps=1, seed=0, show_progress=False)
+    run.setup()
+    finished = []
+    learner = threading.Thread(target=lambda: finished.append(run.train()), daemon=True)
+    learner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while (intake := read_intake(paths.pacing)) is None or intake.draws < 1:
+            assert time.monotonic() < deadline and learner.is_alive(), "the learner published no first draw"
+            time.sleep(0.01)
+        assert not intake.last_step and not finished
+        store.append(turns.select(torch.arange(2, 4)))
+        learner.join(timeout=60)
+        assert finished == [True]
+        assert (read_intake(paths.pacing).draws, read_intake(paths.pacing).last_step) == (2, True)
+    finally:
+        run.cleanup()
+        store.close()
 
 
 def _waiting_lines(tmp_path, capsys, *, groups_written: int, steps: int, data_timeout_s: float) -> list[str]:
