@@ -43,6 +43,9 @@ round's rows vary with its episodes' turns) and ``rounds_per_version``:
   nothing taken in, so it writes its first rows at once;
 * a resumed learner publishes the position of its checkpoint at start, so collectors that
   ran ahead of it just wait while it catches up on rows that already exist;
+* only a draw that trains is marked ``last_step`` (one that trains nothing, multi-turn rows of
+  which none ended a trajectory, is followed by another draw), and a learner resumed with more
+  steps than its checkpoint's run republishes that intake unmarked;
 * as a last resort, a learner that has waited for its next batch for ``stall_s`` seconds
   since a collector's last round (a sampler that needs more than it said, a dead collector
   whose share the others must cover) lets that collector write one more round. The learner
