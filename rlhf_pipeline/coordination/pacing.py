@@ -14,6 +14,7 @@ every batch it uses (a few hundred bytes, no fsync: it is advice, rewritten ever
      "waiting_since": null,                                 or when it began waiting for a batch
      "waiting_seen": null,                                  and when it last said it still waits
      "policy_version": 12,                                  the weights it trains that batch with
+     "last_step": false,                                    that batch is the run's last step
      "recent": [[11, 64, {"shard-0000": 768}], ...],       (policy_version, next_draw_rows, consumed)
                                                             of its last draws, oldest first
      "lacking": [13, 5, {"shard-0000": 840}]}              while it waits, what its sampler still lacks
@@ -23,6 +24,12 @@ fewer than ``consumed[shard] + ceil(next_draw_rows / shards) + rounds_ahead * ro
 rows: what the learner's next batch needs (its share of it, with several collectors) plus
 ``rounds_ahead`` rounds. With ``rounds_ahead=0`` a collector generates the learner's next batch
 while the learner trains on the current one (one step of overlap), then waits.
+
+After the batch of the run's last step (``last_step``) no round is allowed: the learner takes in
+nothing more. Without this rule a collector wrote the round of a step that never comes whenever it
+read that intake before the learner's ``STOP`` (a race with the learner's last step and checkpoint),
+so a finished run's buffer held one round more or not depending on load, and an online branch's
+buffer (``runs/branch_online.py``) could not be the same as its parent's.
 
 It cannot deadlock, whatever the collector kind, the batch size, the round's size (an agent
 round's rows vary with its episodes' turns) and ``rounds_per_version``:
@@ -42,6 +49,9 @@ round's rows vary with its episodes' turns) and ``rounds_per_version``:
   trains with, rows it lacks, rows per shard its sampler has seen)``, and a collector writes its
   share of them at once, with that version. Said by the sampler, not supposed from a clock: a
   learner slow to read rows it has (a loaded machine) says it lacks 0 and gets no round for it;
+* only a draw that trains is marked ``last_step`` (one that trains nothing, multi-turn rows of
+  which none ended a trajectory, is followed by another draw), and a learner resumed with more
+  steps than its checkpoint's run republishes that intake unmarked;
 * as a last resort, for a sampler that does not say what it lacks, a learner that has waited
   for its next batch for ``stall_s`` seconds
   since a collector's last round (a sampler that needs more than it said, a dead collector
@@ -111,12 +121,14 @@ class LearnerIntake:
     """While the learner waits, from a sampler that says it (``exact``): ``(the policy version the draw
     it waits for trains with, the rows that draw lacks, the rows per shard the sampler has seen)``;
     0 rows: it has them and is reading them. None: not waiting, or a sampler that does not say."""
+    last_step: bool = False
+    """This batch is the run's last step (or the learner has taken all its steps): no more draws."""
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_VERSION, "step": self.step, "draws": self.draws,
                 "consumed": dict(self.consumed), "next_draw_rows": self.next_draw_rows,
                 "waiting_since": self.waiting_since, "waiting_seen": self.waiting_seen,
-                "policy_version": self.policy_version,
+                "policy_version": self.policy_version, "last_step": self.last_step,
                 "recent": [[version, need, dict(consumed)] for version, need, consumed in self.recent],
                 "lacking": None if self.lacking is None else [*self.lacking[:2], dict(self.lacking[2])]}
 
@@ -127,6 +139,7 @@ class LearnerIntake:
                    next_draw_rows=int(data["next_draw_rows"]), waiting_since=data.get("waiting_since"),
                    waiting_seen=data.get("waiting_seen"),
                    policy_version=int(data.get("policy_version", 0)),
+                   last_step=bool(data.get("last_step", False)),
                    recent=[_draw_entry(entry) for entry in data.get("recent", [])],
                    lacking=None if data.get("lacking") is None else _draw_entry(data["lacking"]))
 
@@ -264,6 +277,8 @@ class CollectorPacer:
             return math.inf  # unpaced, or no round written yet: its size is unknown
         if intake is None:
             return (self.rounds_ahead + 1) * self.round_rows if self.learner_expected else math.inf
+        if intake.last_step:  # rows past what it has taken in would never be trained on
+            return intake.consumed.get(self.key, 0)
         shards = len(set(intake.consumed) | {self.key})
         share = math.ceil(intake.next_draw_rows / shards)
         return intake.consumed.get(self.key, 0) + share + self.rounds_ahead * self.round_rows
@@ -347,6 +362,9 @@ class CollectorPacer:
                 return RoundPlan(True, version, version, f"waiting for policy version {version}, the one the "
                                  f"learner's waiting draw trains with")
             taken = intake.consumed.get(self.key, 0) if intake is not None else 0
+            if intake is not None and intake.last_step:
+                return RoundPlan(False, None, 0, "the learner has taken in the batch of its last step: "
+                                                 "waiting for the run to stop")
             return RoundPlan(False, None, 0,
                              f"the shard holds {shard_rows} rows, {shard_rows - taken} past what the learner has "
                              f"taken in, as many as its next batch and rounds_ahead={self.rounds_ahead} ask for: "
@@ -367,7 +385,8 @@ class CollectorPacer:
         if intake is None:
             return None
         for version, need, consumed in intake.recent:
-            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need)
+            # draws before the newest were not the run's last step (and the last allows no new round)
+            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need, last_step=False)
             allowed = shard_rows < self.target_rows(earlier)
             if newer_than is None and allowed:
                 return version

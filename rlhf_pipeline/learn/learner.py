@@ -174,6 +174,7 @@ class Learner(LearnerCheckpoints):
         intake = LearnerIntake.from_json(saved) if saved else LearnerIntake(self.progress.step, self.progress.draws,
                                                                             {}, self.settings.batch_size)
         intake.waiting_since = intake.waiting_seen = intake.lacking = None  # a wait from before the stop is over
+        intake.last_step = self.progress.step >= self.total_steps  # resumed with more --steps: it draws on
         intake.policy_version = self.progress.policy_version
         self._pacing.intake = intake
         if not self.data_parallel.is_main:  # only rank 0 writes files
@@ -255,11 +256,8 @@ class Learner(LearnerCheckpoints):
                 batch["sample_weight"], _ = self.data_parallel.local_positions(weights, sampled.rank_rows)
             intake.step, intake.draws = self.progress.step, self.progress.draws
             intake.policy_version = self.progress.policy_version  # what the rounds it allows use (pacing.py)
-            if self.data_parallel.is_main:
-                self._pacing.publish(intake)  # collectors may now generate the rows the next draw needs
-            else:
-                self._pacing.intake = intake  # (what rank 0 checkpoints; kept alike on every rank)
             if batch is None:  # multi-turn: no drawn row ended a trajectory (learn/trajectories.py)
+                self._take_in(intake, trains=False)
                 self._expect_next_draw(trains=False)
                 if self._feedback:
                     self.sampler.feed_back(draw, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
@@ -277,6 +275,7 @@ class Learner(LearnerCheckpoints):
                 self.progress.trajectories_masked += masked_now
             dropped = sampled.dropped_stale + stale_now
             self.progress.rows_dropped_stale += dropped
+            self._take_in(intake, trains=batch is not None)
             self._expect_next_draw(trains=batch is not None)
             if batch is None:  # every row went stale while it waited in the prefetch queue
                 if self._feedback:
@@ -318,6 +317,16 @@ class Learner(LearnerCheckpoints):
                 print(f"[learner] stopped at step {self.progress.step}; checkpoint saved, run the same "
                       f"command again to resume", file=sys.stderr, flush=True)
         return finished
+
+    def _take_in(self, intake: LearnerIntake, trains: bool) -> None:
+        """Publishes what this draw took in: collectors may now generate the rows the next draw
+        needs. Only a draw that ``trains`` can be the run's last step (``last_step``: collectors
+        then write no more rounds); one that does not is followed by another draw."""
+        intake.last_step = trains and self.progress.step + 1 >= self.total_steps
+        if self.data_parallel.is_main:
+            self._pacing.publish(intake)
+        else:
+            self._pacing.intake = intake  # (what rank 0 checkpoints; kept alike on every rank)
 
     def _expect_next_draw(self, trains: bool) -> None:
         """Tells the prefetch thread the version the next draw trains with: this one's, plus the

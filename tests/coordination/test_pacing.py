@@ -53,6 +53,21 @@ def test_a_collector_writes_the_learners_next_batch_plus_rounds_ahead(tmp_path):
     assert CollectorPacer(path, "shard-0000", rounds_ahead=None).may_collect(10**9)  # unpaced
 
 
+def test_after_the_learners_last_step_no_round_is_allowed(tmp_path):
+    """Its last batch taken in, the learner takes in nothing more: no round, not even the rounds ahead
+    or the share of a next batch it would have needed, and the collector's wait line says why."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=1, round_rows=ROUND)
+    learner.publish(LearnerIntake(step=4, draws=5, consumed={"shard-0000": 40}, next_draw_rows=8, last_step=True))
+    assert read_intake(path).last_step
+    assert pacer.target_rows(read_intake(path)) == 40 and not pacer.may_collect(40)
+    plan = pacer.plan_round(40, policy_version=4, rounds_at_version=0, rounds_per_version=None)
+    assert not plan.allowed and "last step" in plan.waiting_for
+    learner.publish(LearnerIntake(step=4, draws=5, consumed={"shard-0000": 40}, next_draw_rows=8))
+    assert pacer.may_collect(40 + 8 + ROUND - 1)  # the same intake, not the last: its next batch and a round
+
+
 def test_pacing_through_a_run_store_reads_once_per_reread_interval(tmp_path):
     """At a URL a read is a GET: a pacer with ``reread_s`` reads the intake once for the calls of
     one wait iteration, then again once the interval has passed."""
@@ -195,6 +210,7 @@ class PacedWriter(threading.Thread):
         self.index, self.start_at_step = index, start_at_step
         self.stop = threading.Event()
         self.most_ahead = 0  # rows past the learner's intake of this shard, at the worst moment
+        self.looked = 0  # times it asked the pacer whether to write a round (and acted on the answer)
 
     def run(self) -> None:
         while self.start_at_step and not self.stop.is_set():  # a collector started late
@@ -204,6 +220,7 @@ class PacedWriter(threading.Thread):
             time.sleep(0.005)
         groups = 0
         while not self.stop.is_set():
+            self.looked += 1
             if not self.pacer.may_collect(self.store.next_row):
                 time.sleep(0.005)
                 continue
@@ -218,7 +235,8 @@ class PacedWriter(threading.Thread):
             self.most_ahead = max(self.most_ahead, self.store.next_row - taken)
 
 
-def paced_run(tmp_path, *, writers: int, rounds_ahead: int, steps: int, late: int = 0, **learner):
+def paced_run(tmp_path, *, writers: int, rounds_ahead: int, steps: int, late: int = 0, on_step=None, **learner):
+    """``on_step(step, threads)``: called after each learner step with the writer threads."""
     paths = RunPaths(tmp_path / "run")
     publish_weights(paths.root, make_model().state_dict(), 0)
     threads = [PacedWriter(paths, k, rounds_ahead, start_at_step=late if k == writers - 1 else 0)
@@ -226,7 +244,8 @@ def paced_run(tmp_path, *, writers: int, rounds_ahead: int, steps: int, late: in
     settings = dataclasses.replace(LearnerSettings(batch_size=16, sampler="exact", micro_batch_tokens=4096,
                                                    max_staleness=None, checkpoint_every=1000, data_timeout_s=60),
                                    **learner)
-    run = Learner(settings, paths, make_model=make_model, steps=steps, seed=0, show_progress=False)
+    hook = None if on_step is None else lambda step, *_: on_step(step, threads)
+    run = Learner(settings, paths, make_model=make_model, steps=steps, seed=0, show_progress=False, on_step=hook)
     for thread in threads:
         thread.start()
     try:
@@ -244,13 +263,28 @@ def paced_run(tmp_path, *, writers: int, rounds_ahead: int, steps: int, late: in
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def wait_for_a_look_after_it(step: int, threads: list[PacedWriter], last: int) -> None:
+    """At the learner's ``last`` step (its batch taken in and published): returns once every writer
+    has asked the pacer afresh and acted on the answer, as a fast collector would before ``STOP``."""
+    if step != last:
+        return
+    before = [writer.looked for writer in threads]
+    deadline = time.monotonic() + 60
+    while any(writer.looked < n + 2 for writer, n in zip(threads, before, strict=True)):
+        assert time.monotonic() < deadline, "a writer stopped asking the pacer"
+        time.sleep(0.005)
+
+
 def test_a_paced_collector_writes_what_the_learner_trains_on_and_no_more(tmp_path):
-    paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=6)
+    """Not even the round of a step after the last: the buffer a run leaves is the same at any load."""
+    paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=6,
+                                 on_step=lambda step, threads: wait_for_a_look_after_it(step, threads, last=6))
     last = read_metrics(paths.metrics)[-1]
     # 16 rows a step, each trained on once; the collector never ran past the next batch
     assert last["charts/rows_trained"] == 6 * 16
     assert writer.most_ahead <= 16 + 16  # the batch being trained on + the next one
-    assert writer.store.next_row <= 6 * 16 + 16
+    assert writer.store.next_row == 6 * 16
+    assert read_intake(paths.pacing).last_step
     assert last["charts/staleness_p90"] >= last["charts/staleness_p50"] >= 0
 
 
@@ -285,6 +319,7 @@ def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
         intake = read_intake(paths.pacing)
         # the third batch (48 rows) was taken when 2 steps were done; the old wait is over
         assert (intake.step, intake.draws, intake.consumed, intake.waiting_since) == (2, 3, {"shard-0000": 48}, None)
+        assert not intake.last_step  # its checkpoint's draw was the last of 3 steps; it now takes 5
     finally:
         resumed.cleanup()
 
@@ -336,6 +371,41 @@ def test_rows_the_learner_passes_over_as_stale_are_written_again_with_its_draws_
     records = read_metrics(paths.metrics)
     assert [r["charts/rows_dropped_stale_total"] for r in records] == [0, 16, 32]  # two rounds ahead, each step
     assert writer.versions[:7] == [0, 0, 0, 1, 1, 1, 2]  # rounds 3 and 6: what draws 1 and 2 lacked
+
+
+def test_a_draw_that_trains_nothing_is_not_the_learners_last_step(tmp_path):
+    """Multi-turn rows of which none ends a trajectory train nothing: the learner draws again, so a
+    last-step intake then would keep collectors from writing the rows it waits for."""
+    import torch
+
+    paths = RunPaths(tmp_path / "run")
+    publish_weights(paths.root, make_model().state_dict(), 0)
+    store = create_store(paths.shard(0), "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=64)
+    turns = make_batch(1, 4, optional=("advantage",), vocab_size=len(TOKENIZER)).with_columns(  # 3 turns, then 1
+        trajectory_id=torch.tensor([0, 0, 0, 1]), step=torch.tensor([0, 1, 2, 0], dtype=torch.int32),
+        done=torch.tensor([False, False, True, True]), terminated=torch.tensor([False, False, True, True]),
+        truncated=torch.zeros(4, dtype=torch.bool))
+    store.append(turns.select(torch.arange(2)))  # no trajectory ended yet
+    settings = LearnerSettings(batch_size=2, sampler="exact", micro_batch_tokens=4096, max_staleness=None,
+                               data_timeout_s=60)
+    run = Learner(settings, paths, make_model=make_model, steps=1, seed=0, show_progress=False)
+    run.setup()
+    finished = []
+    learner = threading.Thread(target=lambda: finished.append(run.train()), daemon=True)
+    learner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while (intake := read_intake(paths.pacing)) is None or intake.draws < 1:
+            assert time.monotonic() < deadline and learner.is_alive(), "the learner published no first draw"
+            time.sleep(0.01)
+        assert not intake.last_step and not finished
+        store.append(turns.select(torch.arange(2, 4)))
+        learner.join(timeout=60)
+        assert finished == [True]
+        assert (read_intake(paths.pacing).draws, read_intake(paths.pacing).last_step) == (2, True)
+    finally:
+        run.cleanup()
+        store.close()
 
 
 def _waiting_lines(tmp_path, capsys, *, groups_written: int, steps: int, data_timeout_s: float) -> list[str]:
