@@ -35,7 +35,9 @@ def test_a_tool_use_run_streams_groups_of_whole_trajectories(tmp_path):
              "learner.sample_window=32", "log_rounds_every=1", "generation.stream_groups=true",
              "group_size=2", "tasks_per_round=8"]  # small groups: some end at their first turn
     tool_use = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" / "tool_use.py"),
-                               "--steps", "3", "--home", str(tmp_path), "--run-name", "agents",
+                               # 5 steps: these seeds' rounds 3 and 4 go in two appends (no round is written
+                               # past the last step's batch any more, so 3 steps leave only rounds 1-2)
+                               "--steps", "5", "--home", str(tmp_path), "--run-name", "agents",
                                *[arg for setting in small for arg in ("--set", setting)]], cwd=REPO,
                               capture_output=True, text=True, timeout=500)
     assert tool_use.returncode == 0, tool_use.stderr[-3000:]
