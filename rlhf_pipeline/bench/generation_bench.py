@@ -148,19 +148,29 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def start_child(case: str, engine: str, argv: list[str], python: str | None, threads: int | None,
+                results: dict[str, Any]) -> Child | None:
+    """``engine``'s process for ``case`` (a model size, or ``pipeline``), or None when it did not start;
+    then ``results[engine]`` says why it is skipped."""
+    log(f"[bench generation] {case}: starting {engine} (load average {os.getloadavg()[0]:.1f})")
+    child = Child(engine, argv, python, threads=threads)
+    if "error" not in child.hello:
+        return child
+    log(f"[bench generation] {case}: {engine} skipped: it did not start ({child.hello['error']})")
+    results[engine] = {"skipped": f"it did not start: {child.hello['error']}"}
+    child.close()
+    return None
+
+
 def bench_model(size: str, engines: list[str], args: argparse.Namespace, python: str | None) -> dict[str, Any]:
     """Every engine on one model size: ``{engine: figures}``, ``{"skipped": why}`` for one that cannot run."""
     results: dict[str, Any] = {}
     children: dict[str, Child] = {}
     try:
         for engine in engines:
-            log(f"[bench generation] {size}: starting {engine} (load average {os.getloadavg()[0]:.1f})")
-            child = Child(engine, ["--size", size, "--prompts", str(args.prompts), "--group", str(args.group)],
-                          python, threads=args.threads)
-            if "error" in child.hello:
-                log(f"[bench generation] {size}: {engine} skipped: it did not start ({child.hello['error']})")
-                results[engine] = {"skipped": f"it did not start: {child.hello['error']}"}
-                child.close()
+            child = start_child(size, engine, ["--size", size, "--prompts", str(args.prompts), "--group",
+                                               str(args.group)], python, args.threads, results)
+            if child is None:
                 continue
             children[engine] = child
             child.ask("sample", seed=10_000, max_new_tokens=args.max_new_tokens)  # warm-up, untimed
@@ -215,13 +225,9 @@ def bench_rounds(engines: list[str], args: argparse.Namespace, python: str | Non
             log(f"[bench generation] pipeline: the warm-started policy took {warm_s:.1f}s")
         try:
             for engine in runnable:
-                log(f"[bench generation] pipeline: starting {engine} (load average {os.getloadavg()[0]:.1f})")
                 argv = ["--case", "pipeline", "--weights", str(weights), *(f"--set={item}" for item in args.set)]
-                child = Child(engine, argv, python, threads=None)
-                if "error" in child.hello:
-                    log(f"[bench generation] pipeline: {engine} skipped: it did not start ({child.hello['error']})")
-                    results[engine] = {"skipped": f"it did not start: {child.hello['error']}"}
-                    child.close()
+                child = start_child("pipeline", engine, argv, python, None, results)
+                if child is None:
                     continue
                 children[engine] = child
                 child.ask("round")  # warm-up, untimed
