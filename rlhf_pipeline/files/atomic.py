@@ -103,6 +103,19 @@ def publish_json(path: str | os.PathLike, data: dict[str, Any], *, durable: bool
     write_atomic(path, lambda f: f.write(payload), durable=durable)
 
 
+def json_object(raw: bytes | None) -> dict[str, Any] | None:
+    """What :func:`publish_json` wrote, read back: the JSON object in ``raw``; None for no file
+    (``raw`` None), bytes that are not JSON, or JSON that is not an object. A record a caller needs
+    is refused by the caller, naming the file (each says what wrote it and how to restore it)."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def save_torch_atomic(obj: Any, path: str | os.PathLike, *, durable: bool = True,
                       partial_name: str | None = None) -> Path:
     """Atomically replaces ``path`` with ``torch.save(obj)``."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX
+from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, json_object
 from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
 from rlhf_pipeline.files.state_files import load_state, load_state_bytes
 
@@ -169,14 +169,8 @@ class CheckpointManager:
     def record(self, step: int) -> dict[str, Any] | None:
         """The rewind record saved beside the checkpoint of ``step`` (module docstring); None when
         there is none (a run made before records) or it is damaged."""
-        raw = self._store.read(self._key(_record_name(step)))
-        if raw is None:
-            return None
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return None
-        return data if isinstance(data, dict) and data.get("step") == step else None
+        data = json_object(self._store.read(self._key(_record_name(step))))
+        return data if data is not None and data.get("step") == step else None
 
     def rewind_points(self) -> list[dict[str, Any]]:
         """Each kept checkpoint's rewind record, oldest first (``{"step": N}`` alone where it has none)."""

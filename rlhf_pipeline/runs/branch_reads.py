@@ -5,9 +5,10 @@ floors (``runs/retention.py`` in a directory, ``runs/retention_url.py`` at a URL
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from rlhf_pipeline.files.atomic import json_object
 
 # the names runs/branch.py (PARENT_ROWS) and runs/branch_url.py (MAKING) write, kept here so that
 # retention and lineage read them without importing how a branch is made (which imports retention)
@@ -41,10 +42,4 @@ def continues_shard(continues: dict[str, Any] | None, shard: str) -> bool:
 
 def making_record(raw: bytes | None) -> dict[str, Any] | None:
     """``branch.making``'s record (``{"parent": URL, "step": N}``); a damaged one names no parent."""
-    if raw is None:
-        return None
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
+    return json_object(raw)

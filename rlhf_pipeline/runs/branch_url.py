@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
 from rlhf_pipeline.runs.branch import (
@@ -260,11 +261,8 @@ def offline_branch_of(paths: RunPaths) -> dict[str, Any] | None:
     if paths.url is None:
         return offline_branch(paths.root)
     raw = paths.store.read(BRANCH_FILE)
-    try:
-        lineage = None if raw is None else json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        lineage = None
-    if raw is not None and not (isinstance(lineage, dict) and "parent" in lineage and "step" in lineage):
+    lineage = json_object(raw)
+    if raw is not None and not (lineage is not None and "parent" in lineage and "step" in lineage):
         raise BranchError(f"{paths.url}/{BRANCH_FILE} is damaged (no 'parent' and 'step'); it was written by "
                           f"`rlhf-pipeline branch`: restore it, or the branch no longer knows the rows it may read")
     return lineage if lineage is not None and lineage.get("replay_source") is None else None

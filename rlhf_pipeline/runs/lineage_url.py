@@ -5,9 +5,9 @@ written to, so nothing in it names its branches."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.runs.lineage import BRANCH_FILE
 
@@ -109,11 +109,8 @@ def _parent_of(store, prefix: str, where: str) -> dict[str, Any] | None:
     raw = store.read(f"{prefix}{BRANCH_FILE}")
     if raw is None:
         return None
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        data = None
-    if not isinstance(data, dict) or "parent" not in data or "step" not in data:
+    data = json_object(raw)
+    if data is None or "parent" not in data or "step" not in data:
         raise ValueError(f"{where}/{BRANCH_FILE} is damaged (no 'parent' and 'step'); it was written by "
                          f"`rlhf-pipeline branch`: restore it, or the branch no longer knows where it came from")
     return data

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.storage.errors import StoreCorruptedError
 
 CONTINUES_SUFFIX = ".continues.json"
@@ -55,11 +56,8 @@ def continued_rows(buffer: str | Path, storage_options: dict[str, Any] | None = 
             raw = where.read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        data = None
-    if not isinstance(data, dict) or "parent_buffer" not in data or not isinstance(data.get("rows"), dict):
+    data = json_object(raw)
+    if data is None or "parent_buffer" not in data or not isinstance(data.get("rows"), dict):
         raise StoreCorruptedError(f"{where} is damaged (no 'parent_buffer' and 'rows'); "
                                   f"it was written when the branch first ran online: restore it")
     return data
