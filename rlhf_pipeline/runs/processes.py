@@ -144,7 +144,9 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # usually comes within ~0.1 s of "go"), at a URL each poll is a request
         first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
         stop_check = _StopCheck(paths, stop)
-        update = _wait_for_weights(poller, stop_check, first, held=_held_version(saved), tag=tag)
+        held = _held_version(saved)
+        update = _wait_for_weights(poller, stop_check, first, held=held, tag=tag,
+                                   republished_after=_resumed_learner_version(paths) if held is not None else None)
         if update is None:  # stopped while the learner warm-started (or retrained): nothing written yet
             say(f"{tag} stopped before the policy weights it starts with were published")
             return stop.exit_code()
@@ -328,19 +330,41 @@ def _held_version(saved: dict[str, Any] | None) -> int | None:
     return int(version) if isinstance(version, int) and not isinstance(version, bool) else None
 
 
+def _resumed_learner_version(paths: RunPaths) -> int | None:
+    """The policy version of the state a (re)started learner resumes from: its newest checkpoint's, or
+    0 (the initial policy) before the first. The learner takes back every version published after it
+    (``retract_versions_after``) and publishes those numbers again as it retrains. None when that
+    cannot be told without torch (a checkpoint whose rewind record a crash kept from being written,
+    or an older run that pruned its initial policy)."""
+    from rlhf_pipeline.coordination.weights import published_versions
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+
+    checkpoints = run_checkpoints(paths)
+    step = checkpoints.latest_step()
+    if step is None:
+        return 0 if 0 in published_versions(paths.store) else None
+    version = (checkpoints.record(step) or {}).get("policy_version")
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
 def _wait_for_weights(poller, should_stop: Callable[[], bool], backoff: Any, *, held: int | None = None,
-                      tag: str = "[collector]"):
+                      tag: str = "[collector]", republished_after: int | None = None):
     """The weights to start with, or None when asked to stop before there were any: the newest for a
     new collector; for a resumed one the version it ``held`` when it stopped, as the uninterrupted
     collector holds it for its next round (the newest when that version was pruned). A learner
-    resumed from a checkpoint before ``held`` took it back and publishes it again as it retrains
-    (``learn/learner.py``): then this waits for it."""
+    resumed from a checkpoint before ``held`` (of version ``republished_after``) takes back every
+    version after it and publishes them again as it retrains (``learn/resume.py``): then this waits
+    for ``held`` itself. Until the learner has taken them back, the listing may still show the stopped
+    learner's newer versions with ``held`` pruned; the newest of those is not what the uninterrupted
+    collector used, so it is never taken in place of ``held`` (a restart that raced the learner's
+    retraction wrote a round with version 11 where the uninterrupted run used 8)."""
     said = False
+    exactly_held = held is not None and republished_after is not None and held > republished_after
     while True:
         update = poller.poll() if held is None else poller.poll_version(held)
-        if update is not None and (held is None or update[1] >= held):
+        if update is not None and (held is None or update[1] == held or (update[1] > held and not exactly_held)):
             return update
-        if update is not None:  # an older version: ``held`` was taken back between listing and loading
+        if update is not None:  # another version: ``held`` was pruned, or taken back between listing and loading
             poller.current_version = -1
         elif held is not None and not said:
             said = True
