@@ -1,25 +1,11 @@
 """Multi-turn, tool-using agents: environments, tools and token-exact episodes.
 
-* :mod:`.environment` -- the ``Environment`` protocol a pipeline file implements, ``ModelTurn``,
-  ``StepResult`` and ``EnvironmentRunner`` (sync steps in a thread pool, async ones awaited, a
-  per-step timeout);
-* :mod:`.tools` -- tools as typed Python functions, their JSON schemas, tool-call parsers per
-  chat-template family, and ``ToolBox``, which runs calls and turns every failure into an answer;
-* :mod:`.episode` -- ``Episode``: the token list as the source of truth (sampled ids verbatim,
-  environment messages tokenized as the template renders them), the loss mask, the limits, the
-  rows it stores (one per turn) and ``rebuild_trajectory`` from those rows;
-* :mod:`.rollout` -- many episodes stepped concurrently with generation batched over them; an
-  episode that fails drops its group, with the reason;
-* :mod:`.workers` -- the threads tool calls and sync steps run on, where a hung call frees its slot;
-* :mod:`.calculator` -- a toy environment (products, with a ``multiply`` tool), a warm start on
-  demonstration episodes and a greedy check of what it reached;
-* :mod:`.verifiers_v1` -- the tasks of a verifiers 0.4 ``Taskset`` (its rewards, stops and MCP
-  toolsets) as an ``Environment``, our rollout in the place of verifiers' ``null`` harness;
-* :mod:`.verifiers_env` -- a verifiers 0.1.10 environment (``MultiTurnEnv``, ``ToolEnv``, its
-  rubric) as an ``Environment``. Both need the optional ``verifiers`` extra.
+:mod:`.environment` (the ``Environment`` protocol and its runner), :mod:`.tools` (typed tools,
+call parsers, ``ToolBox``), :mod:`.episode` (the token list and the rows it stores),
+:mod:`.rollout` (many episodes at once), :mod:`.workers` (threads a hung call cannot starve),
+:mod:`.calculator` (a toy environment and its warm start), :mod:`.verifiers_v1` and
+:mod:`.verifiers_env` (verifiers environments, the optional ``verifiers`` extra).
 
-``docs/agents.md`` says what is built, what a turn costs on disk and what is not built yet.
-
-This package knows rows (``schema``) and models; storage, the write path and the learner are the
-caller's business: ``collect/agent_collector.py`` runs rollouts with the policy and writes them.
+Knows rows and models, not storage: ``collect/agent_collector.py`` writes what rollouts return.
+User's guide: docs/agents.md; design: docs/architecture.md#episodes-are-token-lists.
 """

@@ -1,23 +1,11 @@
-"""A toy tool-using environment: products of two numbers, with a ``multiply`` tool.
+"""A toy tool-using environment: products of two numbers, with a ``multiply`` tool, and its warm start.
 
-The task a small model cannot do in its head but can with the tool: ``{"question": "What is 37 *
-58?", "answer": "2146"}``. A turn with tool calls is answered by the tools (reward 0); a turn
-without is the final answer: reward 1 when its last number is the product, 0 otherwise, and the
-episode ends (with ``partial_credit``, a wrong number earns ``0.5 * right-aligned matching digits /
-longer length``, so near misses rank above wild guesses). The last number, not "the text contains
-the product": a policy paid for containing it learns to write long strings of digits (seen: a run
-was paid 1 for "77287" on 56 * 13 = 728). ``max_tool_errors`` failed calls end the
-episode with ``TOOL_ERROR`` (reward 0). With ``nudges`` set, the first answers without a tool call are met with a reminder to use the tool
-instead of being taken as final (a bounded number: ``max_turns`` still ends the episode).
-
-:func:`warm_start` is supervised steps on demonstrations built as real episodes (the same token
-lists and loss mask a rollout makes), some calling the tool and some guessing in the head, so a
-tiny random model starts RL calling the tool, and with enough steps copying the factors into its
-call and the tool's answer into its reply. Copying is what makes a call pay, and it is learned
-abruptly: whether a given number of steps reaches it depends on the seed, the thread count and the
-machine (``docs/pipelines.md`` has the measurements), so :func:`evaluate_tool_use` says what a warm
-start reached, in greedy episodes with the real tool, and :func:`warm_start_until_copying` adds
-stages until it copies.
+A turn with tool calls is answered by the tools (reward 0); a turn without is the final answer,
+paid 1 when its LAST number is the product (a policy paid for containing it learns to write long
+strings of digits), or partial credit per matching digit with ``partial_credit``.
+:func:`warm_start` trains on demonstrations built as real episodes; copying the factors into the
+call is learned abruptly, so :func:`evaluate_tool_use` checks it in greedy episodes and
+:func:`warm_start_until_copying` adds stages until it copies (measured: docs/pipelines.md).
 """
 
 from __future__ import annotations

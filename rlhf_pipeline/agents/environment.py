@@ -1,30 +1,8 @@
-"""What an environment is, and how one is stepped: sync ones in a thread pool, async ones awaited.
+"""What an environment is (``reset`` and ``step``, sync or async), and :class:`EnvironmentRunner`.
 
-A pipeline file writes an environment as a small class, one instance per episode::
-
-    class Countdown:
-        def reset(self, task):                      # a dataset row -> the opening messages
-            self.target = task["answer"]
-            return [{"role": "user", "content": task["question"]}]
-
-        def step(self, turn):                       # the model's turn -> the environment's answer
-            if turn.text.strip() == self.target:
-                return StepResult(reward=1.0, done=True)
-            return StepResult([{"role": "user", "content": "Try again."}])
-
-Either method may be ``async def``. ``turn`` is a :class:`ModelTurn`: the model's message text (the
-end-of-turn token stripped), the tool calls parsed from it, whether the model ended its message
-or was cut at its ``max_new_tokens``. Tools live in :mod:`.tools`; an environment that offers
-them runs ``turn.tool_calls`` through its ``ToolBox`` and answers with the tool messages.
-
-:class:`EnvironmentRunner` runs ``reset`` and ``step`` under a per-call timeout: a synchronous
-method in a thread pool (so many episodes step at once while one waits on I/O), a coroutine on
-the running event loop. A step that runs out of time ends the episode with
-``TerminationReason.TIMEOUT`` (a truncation). A Python thread cannot be stopped, so a timed-out
-synchronous step keeps its thread until it returns (a daemon thread outside the pool's slots,
-``workers.py``); its answer is dropped, and tool calls it makes after its timeout count in no
-turn. An exception raised by the environment's own code propagates from the runner; a rollout
-drops that episode's group and counts why (``rollout.py``).
+The runner steps sync methods in a thread pool and awaits async ones, under a per-call timeout
+(a timed-out episode ends with ``TerminationReason.TIMEOUT``). How to write one: docs/agents.md;
+design: docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations

@@ -1,33 +1,8 @@
 """One multi-turn episode as a token list: sampled ids verbatim, environment turns as the template
-renders them, a loss mask, the limits, and the rows it is stored as.
+renders them, a loss mask, the limits, and the rows it is stored as (one per model turn).
 
-The token list is the source of truth. What the model sampled goes in as the sampled ids, never
-decoded and encoded again (a BPE tokenizer does not give back the ids it was decoded from, and a
-changed id breaks the importance ratio against the stored log-probs). Only what the environment
-adds is tokenized, and only as the chat template renders it after the conversation so far: the
-conversation is rendered with and without the environment's new messages (plus the generation
-prompt) and the difference is the new text. That text begins where the model's last sampled
-token ended, so it holds the template's closing of the model's turn (``"\\n"`` after
-``<|im_end|>``, or the whole ``<|im_end|>\\n`` when a turn was cut at its length), the new
-messages and the next generation prompt. The mask is 1 exactly on sampled tokens.
-
-Two checks run each turn and are counted in :attr:`Episode.metrics`, never hidden:
-
-* ``template_mismatch``: the template's rendering of the conversation does not begin with the text
-  the model saw and sampled (a template that is not append-only: one that strips earlier turns'
-  thinking, trims whitespace, or a turn that stopped on a token the template does not write).
-  The new text is then what the template writes after the model's last message when the new
-  messages follow it (found by rendering a probe message in its place), so no earlier turn is
-  tokenized again; the stored ids still hold what was sampled.
-* ``retokenization_drift``: encoding the rendered conversation does not give the token list.
-  This is what a system that re-tokenizes would have trained on instead; here it changes nothing
-  and is counted to show how often it would have happened.
-
-Stored rows: one per model turn, ``step`` = turn index, the last one ``done`` with its
-``termination_reason``. A row's prompt is only what was added since the previous turn (the
-opening prompt for turn 0, the environment's tokens after) and its response that turn's sampled
-ids, so a trajectory's rows hold each token once and storage grows linearly with its length.
-:func:`rebuild_trajectory` concatenates them back into the token list and mask, exactly.
+The token list is the source of truth; nothing sampled is re-tokenized. Design:
+docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
 """Many episodes at once: generation batched over every active episode, environments stepped
 concurrently, whole groups of whole trajectories handed back together.
 
-One round is: every active episode's token list goes to the sampler in one batch (each with its
-own ``max_new_tokens``, the smaller of its per-turn limit and what its budget and context leave);
-each episode records its sampled ids; then every environment answers its episode's turn at the
-same time (:class:`~.environment.EnvironmentRunner`: sync steps in a thread pool, async ones
-awaited, a per-step timeout). Episodes that ended drop out; the rest go round again. Given a
-``sample_turn`` instead, each episode goes round on its own: its next turn is awaited as soon as its
-environment answered, whatever the others are doing (``collect/agent_turns.py``).
-
-An episode that fails -- its environment cannot be built, its ``reset`` or ``step`` raises or
-times out at reset, it returns something that is not a ``StepResult`` or messages the template
-cannot render, its reward is not finite -- drops its whole group (GRPO compares a group's
-episodes with each other; the write path waits for whole groups): the group's other episodes
-stop there, nothing of the group is stored, and :attr:`Rollout.failures` says which episode failed,
-why and where. The other groups go on. Failures follow from the environment's code and the
-sampled text, so a rerun from the same RNG state drops the same groups.
-
-The sampler is a callable, so this package needs no generation code of its own::
-
-    sample(prompts: list[list[int]], max_new_tokens: list[int]) -> list[tuple[list[int], list[float]]]
-
-returning each prompt's sampled ids (the stop token included when it stopped on one) and their
-sampling log-probs. :func:`cut_to_limits` adapts a sampler that takes one ``max_new_tokens`` for
-the batch (``generation/loop.py``): sample to the largest limit, cut each row at its own; a prefix
-of an autoregressive sample is a sample of that prefix, so its log-probs stay exact.
-
-Each round sends every episode's whole token list again: the agent collector's sampler is a
-generation engine (``collect/agent_collector.py``). Our loop runs the model over all of it (no KV
-cache kept across turns); vLLM finds the earlier turns' keys and values in its prefix cache, in
-whole blocks, and computes only the rest. The ids are the same either way: nothing is re-tokenized.
+An episode that fails drops its group, with the reason in :attr:`Rollout.failures`. The sampler is
+a callable ``sample(prompts, max_new_tokens) -> [(ids, log_probs), ...]``; :func:`cut_to_limits`
+adapts one that takes a single limit. Design: docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Tools: typed Python functions, the calls parsed from the model's text, and running them safely.
 
-A tool is a plain function with type hints and a Google-style docstring (``Args:`` naming each
-argument), the convention ``transformers`` chat templates and TRL use; its JSON schema comes from
-the signature with ``transformers.utils.get_json_schema`` and is what the chat template lists for
-the model (``apply_chat_template(..., tools=toolbox.schemas)``).
-
-Tool calls are found in the model's text by a parser chosen per chat-template family
-(:data:`PARSERS`; :func:`parser_for_template` picks one from a template's own markers):
-
-* ``hermes`` (Hermes, Qwen 2.5/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-  any number per message;
-* ``mistral``: ``[TOOL_CALLS]`` followed by a JSON list of ``{"name", "arguments"}`` objects;
-* ``llama3_json`` (Llama 3.1-3.3 custom tools): the whole message is ``{"name": ...,
-  "parameters": {...}}``, optionally after ``<|python_tag|>``, several separated by ``;``;
-* ``deepseek`` (DeepSeek V3/R1): ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then the
-  arguments as a fenced JSON block, ``<｜tool▁call▁end｜>``, inside ``<｜tool▁calls▁begin｜>...``.
-
-:class:`ToolBox` runs the calls of one turn and answers each with a ``tool`` message. Whatever
-the model gets wrong -- a call that is not valid JSON, an unknown tool, arguments that do not fit
-the signature, a tool that raises or runs past its timeout, a result that cannot be made into
-text, more calls than a turn allows -- is answered with an error message as that tool's output
-and counted in :attr:`ToolBox.metrics`; nothing raises out of a rollout. Outputs longer than
-``max_output_chars`` are cut, with a note saying how much was cut.
-
-Calls run on a :class:`~.workers.WorkerPool`: a call past its timeout is given up on and its slot
-goes to a new thread, so hung calls never starve the calls after them, nor keep the process
-alive at exit (``workers.py`` says why threads and not a process per call).
+:data:`PARSERS` holds a parser per chat-template family (``hermes``, ``mistral``, ``llama3_json``,
+``deepseek``; :func:`parser_for_template` picks one). :class:`ToolBox` runs a turn's calls and
+answers every failure as that tool's output, counted in its metrics. Design:
+docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations

@@ -1,56 +1,12 @@
-"""verifiers 0.1.10 environments (PyPI, Prime Intellect) as our :class:`~.environment.Environment`.
+"""verifiers 0.1.10 environments (``MultiTurnEnv``, ``ToolEnv``, their ``Rubric``) as our
+:class:`~.environment.Environment`.
 
-verifiers 0.4 removed this stack; its tasksets (``verifiers.v1``) run through :mod:`.verifiers_v1`.
-
-A verifiers ``MultiTurnEnv`` (``ToolEnv``, ``StatefulToolEnv``, ``SingleTurnEnv`` or a subclass of
-one's own) brings a dataset, an ``env_response``, stop conditions and a ``Rubric``; its own
-``rollout`` loop generates through an OpenAI-compatible client. Here our rollout generates (sampled
-ids kept verbatim) and :class:`VerifiersEnvironment` drives the environment's side of that loop
-one model turn at a time, calling the same verifiers methods its ``rollout`` calls, in its order::
-
-    import verifiers as vf
-    env = vf.ToolEnv(tools=[multiply], dataset=dataset, rubric=vf.Rubric(funcs=[correct]), max_turns=6)
-    result = rollout(verifiers_tasks(env), lambda: VerifiersEnvironment(env), sampler, tokenizer,
-                     RolloutConfig(group_size=8), parser=parser_for_template(tokenizer.chat_template))
-
-One ``VerifiersEnvironment`` per episode (``make_env`` builds a fresh one around the shared
-verifiers environment), holding that episode's verifiers ``state``:
-
-* ``reset(task)``: ``init_state`` on the task (a row of ``env.get_dataset()``, whose ``prompt``
-  already holds the system prompt and few-shot messages; a raw row with a ``question`` gets them
-  here), then ``setup_state``; the opening messages are ``get_prompt_messages`` (the prompt). The
-  tools the chat template lists are the state's ``oai_tools`` (:attr:`tool_schemas`).
-* ``step(turn)``: the model's turn becomes the assistant message verifiers expects (content = the
-  text as sampled, tool calls in OpenAI's format with JSON-string arguments), recorded with
-  ``add_trajectory_step``; then, as in ``rollout``: ``is_completed``, else ``get_prompt_messages``
-  (which calls ``env_response``), its new messages (tool results as ``tool`` messages) being the
-  step's. A ``vf.Error`` from ``env_response`` is kept in the state (``has_error`` then ends it),
-  as ``rollout`` does.
-* The reward: the rubric (``render_completion`` + ``rubric.score_rollout``) scores the
-  conversation after every turn, and a turn's reward is the score's change since the previous
-  turn. The rewards of a trajectory therefore sum to what verifiers' rubric gives its conversation
-  as it stands when the episode ends, whatever ended it: verifiers' stop conditions, or our own
-  limits (``max_turns``, token budget, context, a cut turn, a timeout), which the environment
-  cannot see coming. A reward an environment sets itself on a step (``add_trajectory_step``,
-  verifiers' hook for intermediate rewards) is added to that turn's.
-
-Endings (``state["stop_condition"]``) map to our reasons: ``max_turns_reached`` -> ``MAX_TURNS``,
-``prompt_too_long`` -> ``CONTEXT_FULL``, ``has_error`` on a ``vf.ToolError`` (a tool call that
-failed with one of the environment's ``stop_errors``) -> ``TOOL_ERROR``, any other stop condition
-(``no_tools_called``, ``has_final_env_response``, an environment's own ``@vf.stop``) -> ``ENV_DONE``.
-Any other ``vf.Error`` (sandbox, infrastructure) is the environment failing, not the model: it is
-raised, as an exception from any environment's own code is (``environment.py``).
-
-What does not fit, refused where it would change the data and written down otherwise
-(``docs/agents.md``): the environment's client, model and ``sampling_args`` (our sampler
-generates; non-default ``sampling_args`` are refused unless ``ignore_sampling_args=True``),
-``message_type="completion"`` (our episodes are chat conversations), rubrics with group reward
-functions (a rollout's reward here is known when its episode ends, without its group), ``score_rollouts=False``,
-``get_prompt_messages`` overrides whose conversation does not extend the previous turn's (one
-token list per episode), and ``EnvGroup`` (not a ``MultiTurnEnv``).
-
-``verifiers`` is an optional dependency (the ``verifiers`` extra), imported when an adapter is
-built, never when this module is.
+:class:`VerifiersEnvironment` drives the environment's side of verifiers' ``rollout`` one model turn
+at a time, calling its methods in its order, while our rollout generates; a turn's reward is the
+rubric score's change since the previous turn. Endings map to our reasons (``max_turns_reached`` ->
+``MAX_TURNS``, ``prompt_too_long`` -> ``CONTEXT_FULL``, a ``vf.ToolError`` -> ``TOOL_ERROR``, any
+other stop -> ``ENV_DONE``); what does not fit is refused by name (docs/agents.md). ``verifiers`` is
+imported when an adapter is built. Design: docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations

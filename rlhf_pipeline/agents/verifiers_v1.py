@@ -1,50 +1,12 @@
-"""Tasksets written for ``verifiers.v1`` (verifiers 0.4, Prime Intellect) as our :class:`~.environment.Environment`.
+"""Tasksets written for ``verifiers.v1`` (verifiers 0.4) as our :class:`~.environment.Environment`.
 
-verifiers 0.4 removed the ``MultiTurnEnv`` / ``ToolEnv`` / ``Rubric`` stack that
-:mod:`.verifiers_env` adapts. An environment is now a ``vf.Taskset`` of ``vf.Task`` objects: the
-task's data (a prompt, a system prompt, its own fields), its ``@vf.reward`` / ``@vf.metric``
-methods scoring a ``vf.Trace``, its ``@vf.stop`` conditions, ``setup`` / ``finalize`` hooks given
-a runtime, and tools served over MCP by ``vf.Toolset`` classes. What runs the conversation is a
-*harness*, a program that talks to the model through verifiers' interception server; the one
-for a plain chat with MCP tools is ``null`` (``verifiers/v1/harnesses/null``). Here our rollout
-is that harness: it generates (sampled ids kept verbatim), and :class:`VerifiersV1Environment`
-does the rest of what ``null``'s chat loop and verifiers' rollout do, one model turn at a time::
-
-    import verifiers.v1 as vf
-    taskset = MathTaskset(MathConfig())                      # a vf.Taskset, built once
-    result = rollout(verifiers_v1_tasks(taskset), lambda: VerifiersV1Environment(taskset, max_turns=6),
-                     sampler, tokenizer, RolloutConfig(group_size=8), parser=parse_hermes)
-
-* A task is its data as verifiers ships it between processes (``task.data.model_dump()``; what
-  ``verifiers_v1_tasks`` lists); ``reset`` rebuilds the ``Task`` from it with the taskset's
-  task config, as verifiers' env server does, starts a local (subprocess) runtime, runs
-  ``task.setup``, and opens the conversation as ``null`` does: the system prompt, then the
-  prompt. The tools the chat template lists are the taskset's and the task's toolsets', named
-  as ``null`` names them (``<server>_<tool>``, the bare name under ``TOOL_PREFIX = None``).
-* ``step(turn)``: the model's turn is committed to the task's ``vf.Trace`` as verifiers'
-  interception commits a response (``graph.prepare_turn(...).commit``); without tool calls the
-  harness is done (``agent_completed``); otherwise each call is answered as ``null`` answers it
-  (the toolset's result over MCP, or ``null``'s error for bad JSON arguments or an unknown
-  tool), and, as before verifiers serves the next model call, its limits (``max_turns``) and
-  the task's ``@vf.stop`` conditions are checked (``RolloutSession.refused``).
-* The reward: the task's rewards score the trace (``task.score``) after every turn, and a
-  turn's reward is the change of ``trace.reward``, so a trajectory's rewards sum to verifiers'
-  reward of the trace where the episode ended, whoever ended it. When verifiers' own stop ends
-  it, ``task.finalize`` runs first, as in verifiers.
-
-Endings (``trace.stop_condition``): ``agent_completed`` (a reply without tool calls) and a
-task's ``@vf.stop`` -> ``ENV_DONE``; ``max_turns`` -> ``MAX_TURNS``. An exception from the
-task's own code (setup, finalize, a reward) is raised, as from any environment's code.
-
-What does not fit is refused, naming it (``docs/agents.md``): an ``Env`` (pass its taskset),
-tasks that need a container (an image, ``NEEDS_CONTAINER``, a network policy), tasks with no
-prompt (a user opens them), ``@vf.intercept`` hooks and ``@vf.stop`` conditions on a
-``Request`` or ``Response``, tasks with no weighted reward, toolsets served elsewhere (a
-``url``), in another runtime, or with their own ``State`` (shared with the trace over
-verifiers' state channel, which needs its interception server).
-
-``verifiers`` is an optional dependency (the ``verifiers`` extra), imported when an adapter is
-built, never when this module is.
+Our rollout takes the place of verifiers' ``null`` harness: :class:`VerifiersV1Environment`
+rebuilds each task, runs its setup, commits each model turn to the task's ``vf.Trace``, answers
+tool calls over MCP as ``null`` does and checks ``max_turns`` and the task's ``@vf.stop``
+conditions. A turn's reward is the change of ``trace.reward``. Endings: ``agent_completed`` and
+``@vf.stop`` -> ``ENV_DONE``, ``max_turns`` -> ``MAX_TURNS``. What does not fit (containers, hooks on
+requests, remote toolsets, ...) is refused by name (docs/agents.md). ``verifiers`` is imported when
+an adapter is built. Design: docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
 """Threads for tool calls and environment steps that a hung call cannot starve or keep alive.
 
-A Python thread cannot be stopped, so a call that never returns holds its thread for ever. In a
-``concurrent.futures.ThreadPoolExecutor`` that thread also holds one of the pool's
-``max_workers`` slots: after as many hung calls as slots, every later call waits behind them
-(and times out, for ever if they never return), and the interpreter joins the pool's threads at
-exit, so a process whose tool hung never ends.
-
-:class:`WorkerPool` runs calls on daemon threads, ``max_workers`` of them taking calls. A call
-its caller gave up on (:meth:`WorkerPool.abandon`, once its timeout has passed) leaves its
-thread to finish on its own: the thread takes no more calls and a new one takes its slot at
-once, so the pool keeps ``max_workers`` threads for live calls whatever hangs. Abandoned threads
-still running are bounded by ``max_abandoned``: past it, :meth:`WorkerPool.submit` refuses
-(:class:`PoolExhausted`) instead of growing without bound. Daemon threads are not waited for at
-exit.
-
-Why threads, not a process per call: a tool is often a closure over the environment's state (a
-cache, a client, a barrier in a test) that a forked or spawned process would not share, the
-result must be picklable, and forking a process that already runs torch and other threads can
-deadlock in the child. A tool that must be killable (running model-written code) belongs in a
-process or sandbox of its own, started and killed by the tool itself (``subprocess.run(...,
-timeout=...)``), as code-execution environments do with remote sandboxes.
+:class:`WorkerPool` gives an abandoned call's slot to a new daemon thread at once, up to
+``max_abandoned`` (then :class:`PoolExhausted`). Why threads: docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations

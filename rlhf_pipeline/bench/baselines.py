@@ -1,21 +1,9 @@
 """Baseline backends for the storage benchmark: what one would build without our stores.
 
-* ``raw-numpy``: flat values + offsets per ragged field in plain files (appended with
-  ``ndarray.tofile``, read back through ``np.memmap``); sampling copies each row's
-  slices into the padded output arrays in a Python loop (tokens, masks, positions,
-  log-probs, advantage). The floor for writes, the reference loop for reads.
-* ``raw-numpy-fsync``: the same, fsyncing every file after each batch (one by one, as a
-  straightforward durable append would): the write baseline of durable stores.
-* ``torchrl-lazystack``: torchrl ``LazyStackStorage`` in a ``ReplayBuffer`` holding one
-  ragged TensorDict per row (in RAM; it cannot persist); padding via tensordict's
-  ``as_padded_tensor``. Its disk bytes are 0 because it writes nothing.
-* ``torchrl-lazymemmap``: torchrl ``LazyMemmapStorage`` (on disk), every row padded to
-  the generator's maximum prompt / response length since it rejects ragged data; text
-  kept as fixed-width UTF-8 bytes.
-
-Every backend returns the same padded TensorDict as :func:`rlhf_pipeline.schema.padding.pad_batch`
-(the benchmark test checks this), so sampling speeds compare like for like; the torchrl
-backends build it from their own padded pieces with :func:`assemble_from_padded`.
+``raw-numpy`` (flat files, a Python loop to pad: the floor for writes, the reference for reads),
+``raw-numpy-fsync`` (the same, fsynced after each batch), ``torchrl-lazystack`` (in RAM) and
+``torchrl-lazymemmap`` (every row padded to the maximum). Each returns the same padded TensorDict as
+:func:`rlhf_pipeline.schema.padding.pad_batch` (tested). Figures: docs/benchmarks.md#storage-rlhf-pipeline-bench-storage.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""``rlhf-pipeline bench curation``: what prioritized sampling and ``filter`` cost, against baselines.
+"""``rlhf-pipeline bench curation``: prioritized sampling and ``filter`` against their baselines,
+alternating rounds, medians compared.
 
-Two measurements, each taken side by side with its baseline (rounds alternate A, B, A, B...,
-and medians of the per-round figures are compared), because the machine is shared:
-
-* **prioritized** (:mod:`rlhf_pipeline.storage.prioritized`): one learner-style step, draw
-  64 positions by priority with their importance weights, then ``update_priority`` on them,
-  over N rows with random priorities, for N = 10^4 and 10^6 (a torchrl ``LazyTensorStorage``
-  holds the rows: the step costs only the sampler). Baseline: the plain O(N) vectorized way,
-  ``torch.multinomial`` over the ``p^alpha`` array plus its ``min()`` for the weights, then
-  an indexed write. torchrl's own ``PrioritizedSampler`` does not run here (its extension
-  does not load), so it cannot be the baseline.
-* **filter** (:mod:`rlhf_pipeline.storage.filtering`): the storage benchmark's synthetic
-  buffer (memmap, groups of 8, prompt 32-256, response 16-1024 tokens), filtered with
-  ``group_reward_std > 0 and response_length < 768``: counting only (``--dry-run``), saving a
-  selection, and writing a new buffer; baseline: ``convert`` of the same buffer to memmap,
-  which copies every row. Rows/s are source rows read per second.
+``prioritized``: one learner-style draw of 64 with weights plus ``update_priority``, at 10^4 and 10^6
+rows, against ``torch.multinomial`` over ``p^alpha``. ``filter``: the storage benchmark's buffer
+filtered on ``group_reward_std > 0 and response_length < 768`` (dry run, selection, new buffer)
+against ``convert``. Figures: docs/benchmarks.md#curation-rlhf-pipeline-bench-curation.
 """
 
 from __future__ import annotations

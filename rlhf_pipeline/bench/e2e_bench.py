@@ -1,34 +1,10 @@
-"""End-to-end benchmark: the pipeline against a synchronous generate-then-train loop.
+"""End-to-end benchmark: ``run`` against a synchronous generate-then-train loop (:mod:`.sync_loop`).
 
-``rlhf-pipeline bench e2e [--json] [--steps N] [--repeat N] [--set key=value ...]`` trains the
-default pipeline's task (``pipelines/default.py``, or ``--pipeline``) to the same number of
-learner steps twice, each in fresh processes and a fresh run directory:
-
-* ``pipeline``: ``rlhf-pipeline run`` (a collector process and a learner process meeting in
-  the buffer: generation overlaps training, the collector paced by the learner);
-* ``synchronous``: :mod:`rlhf_pipeline.bench.sync_loop`, one process that generates the
-  rounds a step needs, trains on them, loads the new weights, and so on. Same pipeline file
-  and settings, hence the same model, batch, group size, loss and learner code.
-
-Per mode (``--json`` prints one record per mode; with ``--repeat N`` the modes alternate N
-times and each figure is the median, with every run's value under ``runs``):
-
-* ``wall_s``: from starting the command to its exit (imports, warm start and shutdown included);
-* ``time_to_first_step_s``: from starting the command to the first learner step's metrics line;
-* ``learner_step_s``: mean seconds of one learner step (forward, backward, optimizer, publish;
-  ``charts/step_time_s``), without waiting for data;
-* ``generation_s``: mean seconds of one collection round (``generate_s`` of the collector's
-  metrics), and ``generation_total_s``, their sum;
-* ``rows_generated_per_row_trained``: rows written to the buffer by the end over the distinct
-  rows the learner trained on (1.0: no generation wasted);
-* ``reward_first`` / ``reward_last``: mean ``charts/reward_mean`` of the first and the last
-  tenth of the steps.
-
-The table adds the pipeline's figures over the synchronous loop's. What to expect on 2 CPU
-cores: the pipeline can at best hide the shorter of generation and training behind the
-longer; its two processes import torch & co. at once, one per core, so it reaches its first
-step about when the synchronous loop does (``run`` itself imports no torch); see
-``docs/benchmarks.md``.
+Both train the same pipeline and settings to the same steps in fresh processes; ``--repeat N``
+alternates them and reports medians. Figures per mode: ``wall_s``, ``time_to_first_step_s``,
+``learner_step_s``, ``generation_s`` / ``generation_total_s``, ``rows_generated_per_row_trained``
+(1.0: nothing wasted), ``reward_first`` / ``reward_last``. Method and figures:
+docs/benchmarks.md#end-to-end-rlhf-pipeline-bench-e2e.
 """
 
 from __future__ import annotations

@@ -1,39 +1,11 @@
-"""Generation engines side by side (issue 34): our sampling loop, HF ``generate``, a vLLM engine of our
-own and a vLLM server, on the same model, prompts, seeds and tokens.
+"""``rlhf-pipeline bench generation``: our sampling loop, HF ``generate``, a vLLM engine and a vLLM
+server on the same model, prompts and seeds, each in a process of its own.
 
-``rlhf-pipeline bench generation [--cases long pipeline] [--models 2m 20m] [--engines loop hf vllm
-vllm-server] [--repeats 5] [--prompts 8] [--group 8] [--max-new-tokens 32] [--rounds 20] [--set KEY=VALUE]
-[--json [PATH]]``. Two cases (both by default):
-
-* ``long``: many long completions a call, below. Models: ``tiny_causal_lm`` with head size 32 (vLLM's
-  CPU attention needs it): ``2m`` hidden 256, 2 layers, 8 heads (2.1M parameters); ``20m`` hidden
-  512, 5 layers, 16 heads (21.0M); the counts are in the output;
-* ``pipeline``: the default pipeline's rounds, a weight update before each, on the collector's
-  engines (loop and vllm; :mod:`rlhf_pipeline.bench.generation_rounds` says what it measures), with
-  ``--rounds`` rounds per engine per repeat and ``--set`` settings of ``pipelines/default.py``.
-
-Each engine runs in a process of its own (:mod:`rlhf_pipeline.bench.generation_side`), so its peak
-memory is its own. In the long case, for each model the benchmark starts them one after another (the start-up is timed
-there), sends each one untimed call (vLLM's first call warms it up), then, ``--repeats`` times, asks
-each engine in turn, the order rotating from repeat to repeat so every engine meets the same moments
-of a shared machine:
-
-* ``tokens_per_s``: one call of ``--prompts`` chat prompts of the toy task x ``--group`` completions
-  of up to ``--max-new-tokens`` tokens each (a completion ends at EOS, kept), seeded with the
-  repeat's number; the tokens the completions hold over the call's seconds (``tokens_per_call``
-  beside);
-* ``ttft_s``: time to first token, the same requests with ``max_new_tokens`` 1 (one prefill and one
-  sampled token for every completion; the call's time, so it includes what each engine spends per call);
-* ``weight_update_s``: loading the other of two sets of weights (the loop and vLLM: the engine's
-  ``update_weights``, a state dict written to safetensors and reloaded in the engine's process for
-  vLLM, over HTTP for the server; hf: ``load_state_dict``).
-
-And once: ``engine_start_s`` (building the engine: nothing for the loop and hf, the vLLM process
-until it answers, the server until it is healthy and has checked our model), ``peak_rss_mib`` (the
-engine's processes, VmHWM of each summed; for the loop and hf the process that samples, model and
-torch included) and ``driver_peak_rss_mib`` (the process that drives a vLLM engine). Every figure is
-the median with its range over the repeats; the load average before and after is beside. An engine
-that cannot run here (no vLLM environment, a start that fails) is skipped with a line saying why.
+Cases ``long`` (many long completions a call: ``tokens_per_s``, ``ttft_s``, ``weight_update_s``) and
+``pipeline`` (the default pipeline's rounds, :mod:`.generation_rounds`); once per engine
+``engine_start_s`` and ``peak_rss_mib``. Engines are asked in turn, the order rotating; figures are
+medians with their range, the load beside; an engine that cannot run is skipped, saying why.
+Method and figures: docs/benchmarks.md#generation-engines-rlhf-pipeline-bench-generation.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """The pipeline case of ``rlhf-pipeline bench generation``: the default pipeline's rounds, each after
 a weight update, on our loop and on vLLM.
 
-The long case (``generation_bench.py``) asks for many long completions in one call; a pipeline asks
-for short ones (the default pipeline: 8 prompts x 8 completions of at most 6 characters) and loads
-new weights before nearly every round. This case measures that shape. Each engine's process builds
-the default pipeline (``pipelines/default.py``, with ``--set`` overrides and ``num_heads=2``: vLLM's
-CPU attention needs a head size of 32, so both engines serve that same model) and its real collector
-(``Pipeline.make_collector``: the pipeline's engine, prompt order, sampling settings, write path and
-a memmap store in a scratch directory), from the pipeline's warm-started policy (made once, before
-any engine starts). Then, per round, as a collector in a run does: ``set_policy_state`` with the
-next version (the weights alternate between the policy and a copy with every parameter moved by
-1e-3 noise, so each load changes them), then ``collect()``. Per round it reports:
-
-* ``generate_s``: the collector's own ``generate_s`` (the engine's sampling of the round);
-* ``update_s``: ``set_policy_state`` (the engine's ``update_weights``: ``load_state_dict`` for the
-  loop; for vLLM a safetensors file written, then loaded, re-tied and repacked in its process, and
-  its prefix cache reset);
-* ``rounds_per_s``: rounds over the seconds of update plus ``collect()`` (rewards and the write to
-  the buffer included).
-
-Each repeat runs ``--rounds`` rounds per engine, the engines' order rotating from repeat to repeat;
-the figures are the means over a repeat's rounds, then the median and range over the repeats, and
-the ratio of vLLM's median to the loop's.
+Each engine's process builds the default pipeline's real collector (``num_heads=2``, vLLM's CPU head
+size) from its warm-started policy; per round ``set_policy_state`` with alternating weights, then
+``collect()``. Reports ``generate_s``, ``update_s`` and ``rounds_per_s`` (means per repeat, then
+median and range). Figures: docs/benchmarks.md#the-pipeline-case.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""One engine of ``rlhf-pipeline bench generation``, in a process of its own (so its peak memory is
-its own), driven by the benchmark over its stdin and stdout, one JSON object a line.
+"""One engine of ``rlhf-pipeline bench generation`` in a process of its own, driven over stdin and
+stdout, one JSON object a line.
 
-``python -m rlhf_pipeline.bench.generation_side --engine ENGINE --size 2m ...`` builds the model (seed
-0) and the weights it loads at each update (seed 1), starts the engine and answers ``{"ready": ...}``
-(or ``{"error": ...}`` when it cannot start). Then, per line it reads:
-
-* ``{"op": "sample", "seed": S, "max_new_tokens": T}``: the benchmark's requests, sampled once with
-  a generator seeded ``S``; answers the seconds and the tokens generated (``max_new_tokens`` 1 is
-  the time to the first token of every completion: one prefill and one sampled token);
-* ``{"op": "update"}``: loads the other weights (the two sets alternate); answers the seconds;
-* ``{"op": "round"}``: with ``--case pipeline``, one round of the default pipeline's collector after a
-  weight update (:mod:`rlhf_pipeline.bench.generation_rounds`); answers its seconds;
-* ``{"op": "memory"}``: the peak resident memory of this process and of the engine's processes;
-* ``{"op": "quit"}``: stops the engine and exits.
-
-Engines: ``loop`` (:class:`LoopEngine`, our sampling loop), ``hf`` (``model.generate`` with
-``do_sample``, temperature 1, no top-k or top-p; an update is ``load_state_dict``), ``vllm``
-(:class:`VLLMEngine`, an engine in its own process) and ``vllm-server`` (the documented server
-command, started here, reached through :class:`VLLMURLEngine`). Every engine stops at the tokenizer's
-EOS, as a collector's does; the untrained model samples it about once in a hundred tokens, so a
-call's tokens vary a little between engines and seeds (each answer says how many it generated). A
-stop id no model can sample would make them equal, but vLLM refuses an id outside the vocabulary.
+``python -m rlhf_pipeline.bench.generation_side --engine ENGINE --size 2m ...`` answers ``ready`` (or
+``error``), then the operations ``sample`` (seeded; ``max_new_tokens`` 1 times the first token),
+``update`` (the other of two weight sets), ``round`` (``--case pipeline``), ``memory`` and ``quit``.
+Engines: ``loop``, ``hf``, ``vllm`` and ``vllm-server``, each stopping at the tokenizer's EOS.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Padded sampling of several backends at the same moments: ``bench storage --interleaved``.
 
-The per-backend runs of :mod:`.storage_bench` happen one after another, so on a shared
-machine two rows of its table can be measured in a fast and a slow minute and their
-ratio says as much about the neighbours as about the backends. Here every backend is
-set up in this one process with the same data, then sampled round-robin: each round,
-every backend in turn serves ``batches_per_round`` padded batches of 64 at fresh random
-positions (first touches of pages count as they do in a learner). The order of the backends
-is shuffled every round (seeded): a backend that always ran right after ``raw-numpy`` started
-every round with the caches that its large allocations left cold (in an A/B of single batches
-here, a memmap batch right after a raw-numpy one took ~15% longer than in a shuffled order). Each backend's
-per-round milliseconds per batch give a minimum and a median; ratios are of medians
-against ``raw-numpy``, taken over rounds that ran side by side.
+Every backend is set up in this one process and sampled round-robin, the order shuffled every
+round (seeded) so none always inherits another's cold caches; ratios are of per-round medians
+against ``raw-numpy``.
 """
 
 from __future__ import annotations

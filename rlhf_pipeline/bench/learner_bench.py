@@ -1,47 +1,9 @@
 """``rlhf-pipeline bench learner``: learner steps on length-skewed rows, padded against packed, TRL beside.
 
-Each side trains the same synthetic rows, from the same initial weights, for ``--steps`` learner
-steps of ``--rows`` rows (a fresh AdamW each time, so every repeat does identical work), and
-the sides run in alternation ``--repeat`` times (padded, packed, TRL, padded, ...): a busy
-neighbour slows all of them alike. A step is what the learner does with a sampled batch:
-micro-batches of at most ``--micro-batch-tokens`` tokens, forward, GRPO loss (token mean, clip
-0.2, old log-probs the sampler's), backward, gradient clip, AdamW.
-
-* ``padded``: the learner's step (``learn/step.py``) with ``learner.packing=false``:
-  ``learn/microbatch.py`` micro-batches (rows sorted by length, each padded to its longest
-  prompt + response) and ``grpo_step_loss``, the model's attention ``sdpa``;
-* ``packed``: the same step with ``learner.packing=true``: ``learn/packing.py`` plans
-  (first-fit decreasing), ``learn/packed.py`` packed sequences and ``grpo_packed_loss`` with the
-  ``rlhf_packed`` attention. As in the learner, the rows are planned and packed from their
-  ragged form before the step (the learner does it on its prefetch thread,
-  ``learn/packed_batch.py``): that time is reported apart (``prefetch_ms``), not in the timed step;
-* ``trl``: ``trl.GRPOTrainer.compute_loss`` and backward on TRL's layout of the same rows
-  (``bench/trl_side.py`` says exactly what of TRL runs), when TRL is installed
-  (``pip install -e .[bench-trl]``).
-
-Workloads (``--workload``):
-
-* ``skewed``: prompts clipped log-normal, median 130 tokens, sigma 0.45, in [32, 256] (mean
-  ~140); responses clipped log-normal, median 450, sigma 0.75, in [16, 1024] (mean ~520, 13%
-  at the 1,024 cap, as truncated rollouts are); 16 rows a step; a Qwen2 model built from a
-  config: hidden 512, 4 layers, 8 query / 2 key-value heads, MLP 1,408, vocabulary 16,384,
-  tied embeddings (19.7M parameters); 8,192-token micro-batches; 2 torch threads.
-* ``short``: the default pipeline's rows (``a+b=`` prompts of 6-8 tokens, answers of 1-6
-  tokens, ``max_new_tokens=6``), its model (``tiny_causal_lm``, hidden 64, 2 layers, eager attention on the padded
-  side, as ``pipelines/default.py`` builds it), 64 rows a step, 4,096-token micro-batches,
-  1 thread: where packing has little to win, and must not lose.
-
-``--quick`` shrinks ``skewed`` (hidden 64, 2 layers, vocabulary 512, 4 rows, responses up to 96
-tokens) so a test runs it in seconds.
-
-Reported per side: trained tokens per second (response tokens, the ones with a loss, and all
-non-pad tokens), the training thread's milliseconds per step before the first forward
-(``plan_ms``: ``plan_step``, the padded split, or, packed, handing over the prefetched
-micro-batches), the packed side's packing per step off the training thread (``prefetch_ms``),
-the forward's padding fraction (pad positions over positions run through the
-model), peak RSS of the side's steps (the process's high-water mark, reset before each side
-through ``/proc/self/clear_refs``), the first step's loss (equal on every side: the same rows
-and objective), each as the median and range over repeats; ratios are of medians.
+The sides train the same rows from the same weights in alternation (padded, packed, TRL, ...), a
+fresh AdamW each repeat; packing is planned before the timed step and reported apart
+(``prefetch_ms``). Workloads ``skewed`` and ``short``; method and figures:
+docs/benchmarks.md#learner-rlhf-pipeline-bench-learner.
 """
 
 from __future__ import annotations

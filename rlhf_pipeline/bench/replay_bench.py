@@ -1,33 +1,10 @@
-"""Replay benchmark: reading a recorded buffer in epoch order, memmap against Zarr (``bench replay``).
+"""Replay benchmark: a recorded buffer read in epoch order, memmap against a Zarr store four times
+its decoded-unit cache (``bench replay``).
 
-The question: does a Zarr buffer several times bigger than its decoded-unit cache replay
-about as fast as the same data in memmap? Uniform sampling over such a store misses the
-cache on most batches and decodes a whole unit each time; an epoch that walks the store
-unit by unit (``learn/samplers/epoch.py``) decodes each unit once.
-
-Setup: the storage benchmark's synthetic GRPO data (:class:`~.storage_bench.BenchSpec`;
-32,768 completions by default, prompt 32-256 and response 16-1024 tokens) is written once
-to a memmap store and to a Zarr store, both in 4,096-row segments (the stores' default).
-The Zarr store is then opened with ``cache_bytes`` = a quarter of the raw payload (the
-decoded size the cache counts; 2 of its 8 units).
-
-Then, per (backend, order), in a fresh subprocess that opens the store read-only:
-
-* ``shuffle``: one epoch of the epoch sampler (shuffled unit window by unit window,
-  window ``--window-rows``, default one unit), padded batches of 64;
-* ``sequential``: one epoch in store order;
-* ``uniform``: the baseline, batches of 64 uniformly random positions (what ``--order
-  with-replacement`` does, and the learner's window sampler over a window this big): 48
-  batches, or one epoch's worth if fewer (a Zarr batch that misses the cache takes ~0.3 s).
-
-Each batch is what the learner's prefetch thread does: the sampler's draw, then
-``PaddedCollator.read`` (the store's fused ``read_padded``). ``batches_per_s`` is the
-batches over the wall time of all of them (decoding included, no warm-up batch: the
-first unit's decode is part of an epoch), ``peak_rss_mb`` the subprocess's peak RSS
-(``VmHWM``; a memmap reader's mapped pages count in it), ``import_rss_mb`` the same before the store
-was opened. ``vs_memmap`` is a record's rate over memmap's in the same order, ``vs_uniform``
-over the same backend's uniform rate. ``--repeat N`` runs every (backend, order) N times
-round-robin and keeps the best rate (every run stays in ``batches_per_s_runs``).
+Orders ``shuffle`` and ``sequential`` (the epoch sampler) against ``uniform``, each in a fresh
+read-only subprocess, each batch the learner's draw plus ``PaddedCollator.read``. Reports
+``batches_per_s`` (best of ``--repeat``; every run in ``batches_per_s_runs``), ``peak_rss_mb``,
+``vs_memmap`` and ``vs_uniform``. Figures: docs/benchmarks.md#replay-rlhf-pipeline-bench-replay.
 """
 
 from __future__ import annotations

@@ -4,45 +4,12 @@ Why one file: one benchmark end to end: running a backend in its own process, th
 baselines and the table are one measurement's parts; the backends and the data spec are apart in
 :mod:`.storage_backends`.
 
-What is measured, per backend (``rlhf-pipeline bench storage``):
-
-* ``write_us_per_completion``: wall time of ``write(batch)`` over all batches of 512
-  (plus ``finish_writes()``), divided by the completions. Data generation is not timed.
-* ``batches_per_s``: padded batches of 64 rows at uniformly random positions (the same
-  positions for every backend), each turned into the learner's padded TensorDict
-  (:mod:`rlhf_pipeline.schema.padding` contract), so every backend produces identical output.
-  The sampled batches are timed in ``SAMPLE_ROUNDS`` consecutive slices and the fastest
-  slice gives the rate (timeit-style, robust to a shared machine);
-  ``batches_per_s_all_rounds`` is the rate over every batch.
-* ``useful_tokens_per_s``: real (prompt + response) tokens per second in that slice.
-* ``disk_bytes_per_raw_byte``: allocated bytes under the backend's directory, files and
-  directories, as ``du`` counts them (for our stores: ``inspect``'s "bytes on disk") over
-  the raw payload (token values, row values, UTF-8 text; no offsets), the same definitions
-  as :mod:`rlhf_pipeline.storage.summary`.
-* ``peak_rss_mb``: ``ru_maxrss`` of the process that ran the backend. Each backend runs
-  in its own fresh subprocess (unless ``--in-process``), so this is per backend;
-  ``import_rss_mb`` is the same figure taken before the backend was set up (interpreter,
-  torch and torchrl), for subtracting.
-
-Reads come from a warm page cache (the data was just written). Our stores publish each
-batch as they would in production; ``memmap`` and ``zarr`` also fsync it (``durable``),
-so their write ratios are taken against ``raw-numpy-fsync``, which fsyncs its files after
-every batch, and the other backends' against ``raw-numpy``, which never does
-(``write_vs_raw`` / ``write_baseline``; sampling ratios are against ``raw-numpy``).
-``--repeat N`` runs the backends round-robin N times and keeps each one's best figures.
-
-Adding a backend. ``BACKENDS`` (:mod:`.storage_backends`) maps a name to ``"module:factory"``; the factory takes
-no arguments and returns an object with the :class:`StorageBackend` methods::
-
-    setup(directory, spec)         create an empty backend inside ``directory``
-    write(batch)                   store one TrajectoryBatch (timed)
-    finish_writes()                flush / publish anything pending (timed with writes)
-    sample_padded(positions)       rows at ``positions`` as the collator's padded TensorDict
-    disk_bytes()                   bytes the backend holds on disk now
-    close()                        release files (the directory is removed afterwards)
-
-A store that implements our ``TrajectoryStore`` contract only needs a factory:
-``TrajectoryStoreBackend(name, create)`` (see ``MemmapBackend`` below).
+Per backend, each in a fresh subprocess: ``write_us_per_completion`` (``write`` over batches of 512,
+data generation untimed), ``batches_per_s`` (padded batches of 64 at the same random positions; the
+fastest of ``SAMPLE_ROUNDS`` slices, ``batches_per_s_all_rounds`` over all), ``useful_tokens_per_s``,
+``disk_bytes_per_raw_byte`` (as ``du`` counts, over the raw payload) and ``peak_rss_mb``. Durable
+stores are compared with ``raw-numpy-fsync``, the others with ``raw-numpy``. Method and figures:
+docs/benchmarks.md#storage-rlhf-pipeline-bench-storage.
 """
 
 from __future__ import annotations

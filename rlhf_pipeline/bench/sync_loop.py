@@ -1,18 +1,9 @@
 """The synchronous baseline of ``bench e2e``: generate a round, train on it, repeat, in one process.
 
-What a GRPO trainer without a buffer-centric pipeline does (TRL's ``GRPOTrainer`` on one
-device): the policy generates, then trains on what it generated, and generation waits for
-training and the reverse. It is built from the pipeline's own parts so that only the
-orchestration differs from ``run``: the same pipeline file and settings, the same
-``prepare_run`` (warm start, weights v0), the same collector and write path into a store of
-the run directory, and the same :class:`~rlhf_pipeline.learn.learner.Learner` (sampler, loss,
-publishing, metrics.jsonl). Each loop iteration collects the rounds the learner's next batch
-needs (what the learner publishes for paced collectors, ``rlhf_pipeline/coordination/pacing.py``, with
-nothing ahead), takes one learner step, and loads the new weights into the collector's model. Torch threads are the pipeline's ``threads`` setting unless overridden.
-
-Run as ``python -m rlhf_pipeline.bench.sync_loop PIPELINE.py --home DIR --run-name NAME
---steps N [--threads N] [--set key=value ...]``; it writes the run directory as ``run`` does
-(``metrics.jsonl``, ``collector/metrics-0000.jsonl``), which ``bench e2e`` reads.
+Built from the pipeline's own parts (settings, ``prepare_run``, collector, write path,
+:class:`~rlhf_pipeline.learn.learner.Learner`) so that only the orchestration differs from ``run``.
+Run as ``python -m rlhf_pipeline.bench.sync_loop PIPELINE.py --home DIR --run-name NAME --steps N
+[--threads N] [--set key=value ...]``; it writes the run directory as ``run`` does.
 """
 
 from __future__ import annotations

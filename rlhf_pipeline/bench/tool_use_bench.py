@@ -1,36 +1,11 @@
-"""Tool-use benchmark: ``pipelines/tool_use.py`` against TRL's ``GRPOTrainer`` with ``tools=`` (issue 19).
+"""Tool-use benchmark: ``pipelines/tool_use.py`` against TRL's ``GRPOTrainer`` with ``tools=``.
 
-``rlhf-pipeline bench tool-use [--steps N] [--seeds 0 1 2] [--json] [--set key=value ...]`` needs
-TRL (``pip install -e '.[bench-trl]'``). Per seed it builds the warm-started weights once (the
-pipeline's own ``make_policy``: ``warm_start_steps`` supervised steps, ``seed`` set) and saves
-them, then trains from them to ``--steps`` optimizer steps twice, each in a fresh process, the
-two sides' order alternating from seed to seed:
-
-* ``ours``: ``rlhf-pipeline run PIPELINE --set init_weights=...`` (a collector process and a
-  learner process meeting in the buffer; each trajectory trained as one sequence);
-* ``trl``: :mod:`rlhf_pipeline.bench.trl_tool_side`, one process running ``trl.GRPOTrainer``
-  with ``tools=[multiply]`` on the same tasks in the same order, group size, episodes per step,
-  optimizer, schedule, loss, turn and token limits (its docstring says what it maps and the one
-  adaptation, the tokenizer's template and response parser).
-
-Figures per side (``--json`` prints one record per side: medians over the seeds, every run
-under ``runs``):
-
-* ``wall_s``: from starting the command to its exit (imports, building, training, shutdown; no
-  warm start on either side); ``time_to_first_step_s``: from starting it to the end of the first
-  optimizer step (ours: the learner's first metrics line; TRL: its first ``on_step_end``);
-* ``reward_first`` / ``reward_last``: mean episode return of the first and the last tenth of the
-  rounds (a round: ``tasks_per_round`` x ``group_size`` episodes of one policy version; TRL's
-  generation batch of a step), counting only rounds sampled by policies 0 .. steps-1, the ones
-  TRL samples (the pipeline's collector may write a round or two ahead);
-* ``tool_call_rate_first`` / ``_last``: the share of those episodes that called the tool at
-  least once;
-* ``ended_on_call``: the share of episodes that ended on a tool call, not an answer (ours:
-  ``TOOL_ERROR``, ``MAX_TURNS``, ``GENERATION_LENGTH`` endings; TRL: the turn limit, or a call
-  it could not parse, which it takes as the final text);
-* ``rounds``: rounds counted; ``episodes_per_step``: trajectories in an optimizer step (TRL: one
-  generation batch; ours: ``charts/trajectories``, a ``batch_size`` of rows (turns) makes whole
-  trajectories, so about ``batch_size / turns per episode``).
+Per seed, one warm start saved and trained from on both sides, each in a fresh process, the order
+alternating by seed: ``ours`` (``run --set init_weights=...``) and ``trl``
+(:mod:`rlhf_pipeline.bench.trl_tool_side`). Figures per side, medians over the seeds: ``wall_s``,
+``time_to_first_step_s``, ``reward_first`` / ``reward_last`` and ``tool_call_rate_first`` / ``_last``
+(first and last tenth of the rounds TRL also samples), ``ended_on_call``, ``rounds``,
+``episodes_per_step``. Method and figures: docs/benchmarks.md#tool-use-against-trl-rlhf-pipeline-bench-tool-use.
 """
 
 from __future__ import annotations

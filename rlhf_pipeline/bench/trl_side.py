@@ -1,27 +1,10 @@
 """TRL's ``GRPOTrainer`` loss-and-backward on the learner benchmark's rows: the third side of ``bench learner``.
 
-What runs, and what of TRL is timed. A real ``trl.GRPOTrainer`` is built offline (a model
-object, a local tokenizer, a one-column in-memory dataset, a reward function that is never
-called; nothing is downloaded). Generation, rewards and ``_prepare_inputs`` are not run:
-the benchmark's rows are already sampled. Each step then does what TRL's training step does
-with one generation batch, on TRL's own layout of it:
-
-* the batch padded as ``_generate_and_score_completions`` pads it: prompts left-padded and
-  completions right-padded to the longest of the WHOLE batch (``prompt_ids``,
-  ``completion_ids``, masks), the stored sampling log-probs as ``old_per_token_logps``, the
-  rows' advantages;
-* split, in row order, into ``steps_per_generation`` chunks of ``per_device_train_batch_size``
-  rows (TRL shuffles the rows first; with every chunk padded to the batch's widths the order
-  changes no cost), as many rows per chunk as fit ``micro_batch_tokens`` padded tokens;
-* per chunk ``trainer.compute_loss(model, chunk)`` (TRL's log-prob forward through its fused,
-  chunked LM head, entropies included, then its loss) and ``backward()``; then the same
-  gradient clip and AdamW step as the other two sides.
-
-Timed: those forwards, losses, backwards and the optimizer step. The loss is
-``loss_type="dapo"`` (a token mean over the whole generation batch: our ``token_mean``),
-``epsilon=0.2`` both sides, ``beta=0``: the objective the padded and packed sides train, so
-the three report the same first-step loss. ``current_gradient_accumulation_steps`` is set to
-the chunk count, as ``transformers.Trainer``'s loop sets it.
+A real ``trl.GRPOTrainer`` built offline; generation, rewards and ``_prepare_inputs`` are not run.
+Timed: ``compute_loss`` and backward on TRL's own layout (the whole batch padded as
+``_generate_and_score_completions`` pads it, split into chunks that fit the token budget), then the
+same clip and AdamW step; ``loss_type="dapo"``, ``epsilon=0.2``, ``beta=0``, so the three sides report
+the same first-step loss. Figures: docs/benchmarks.md#learner-rlhf-pipeline-bench-learner.
 """
 
 from __future__ import annotations

@@ -1,43 +1,14 @@
 """TRL's ``GRPOTrainer`` with ``tools=[multiply]`` on ``pipelines/tool_use.py``'s task: ``bench tool-use``'s TRL side.
 
 Run as ``python -m rlhf_pipeline.bench.trl_tool_side PIPELINE.py --init WEIGHTS.pt --steps N
---out FIGURES.json [--threads N] [--set key=value ...]``; ``bench tool-use`` starts it. It reads the
-same pipeline file and settings as ``rlhf-pipeline run`` and builds, from them:
-
-* the model: ``tiny_causal_lm`` with the pipeline's sizes, loaded with ``--init`` (the warm-started
-  weights ``bench tool-use`` gives both sides);
-* the tasks: ``product_tasks`` in the order the pipeline's collector 0 takes them (its
-  ``TaskSource`` and seed), as a dataset of one-message prompts that TRL walks without shuffling
-  (``shuffle_dataset=False``), so round k of both sides asks the same questions;
-* one trainer step per generation batch: ``tasks_per_round`` prompts x ``group_size`` episodes,
-  one optimizer step on them (``steps_per_generation=1``, ``num_iterations=1``) with the learner's
-  own optimizer and schedule (``learn.optimizer.make_optimizer``: fused AdamW, linear warm-up) and
-  gradient clip, ``loss_type="dapo"`` (a token mean over the batch's sampled tokens: our
-  ``token_mean``), ``epsilon`` = our clip, ``beta=0``, sampling at the pipeline's temperature
-  with no top-k / top-p;
-* multi-turn episodes: at most ``max_turns`` generations (``max_tool_calling_iterations =
-  max_turns - 1``), each of at most ``max_new_tokens`` (``generation_kwargs``), the whole completion
-  (turns and tool results) at most what the context leaves after the prompt.
-
-**The one adaptation: the tokenizer.** The pipeline's ``char_tool_tokenizer`` puts a tool call in
-the assistant message's text, as the model wrote it; TRL parses a turn into ``tool_calls`` with
-``tokenizer.parse_response`` and its chat template must render them back
-(``trl.chat_template_utils.supports_tool_calling``). The TRL side therefore gets the same tokenizer
-(same vocabulary and ids) with :data:`TRL_TOOL_CHAT_TEMPLATE`, which renders ``tool_calls`` in the
-model's own compact Hermes format (``<tool_call>{"name":..,"arguments":{..}}</tool_call>``) and is
-otherwise :data:`~rlhf_pipeline.models.tiny.TOOL_CHAT_TEMPLATE`, and :data:`RESPONSE_TEMPLATE`, a
-transformers ``response_template`` for it (TRL knows templates of real model families only:
-``add_response_schema``). The token lists are those of our episodes: TRL concatenates the sampled
-ids, the tool result's ids (``<|tool|>2146<|assistant|>``, found by diffing a dummy conversation)
-and the next turn's ids without re-tokenizing, and masks the tool result.
-
-**The reward.** :class:`Scorer` reads the last assistant message: ``digit_credit`` of its text (the
-environment's ``partial_credit``) or exact match, like ``CalculatorEnv``; 0 when the episode ended
-on a tool call (the turn limit) or when the last message is a tool call TRL could not parse (TRL
-keeps such a turn as plain text and ends the episode: ours answers it with an error and the
-episode goes on, ending with ``TOOL_ERROR`` after ``max_tool_errors`` failed calls). It records
-each batch's mean reward and tool-call rate (episodes with at least one call), the figures the
-collector logs per round.
+--out FIGURES.json [--threads N] [--set key=value ...]`` (``bench tool-use`` starts it). From the
+pipeline's own file and settings it builds the model (loaded with ``--init``), the tasks in the
+order collector 0 takes them (``shuffle_dataset=False``), one optimizer step per generation batch
+with the learner's optimizer, schedule and clip (``loss_type="dapo"``, ``beta=0``), and the same
+turn and token limits. The one adaptation is the tokenizer's template
+(:data:`TRL_TOOL_CHAT_TEMPLATE`, :data:`RESPONSE_TEMPLATE`), so TRL can parse and render tool calls;
+:class:`Scorer` pays what ``CalculatorEnv`` pays. What is mapped and what still differs:
+docs/benchmarks.md#tool-use-against-trl-rlhf-pipeline-bench-tool-use.
 """
 
 from __future__ import annotations

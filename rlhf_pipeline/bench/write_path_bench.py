@@ -1,32 +1,11 @@
 """Write-path benchmark: group advantage + KL reward on the way into the buffer, per completion.
 
-What is timed (``rlhf-pipeline bench write-path``), per backend, on the same synthetic GRPO
-data (:mod:`rlhf_pipeline.schema.synthetic`; generation and format conversion are not timed):
-
-* ``memmap`` / ``zarr``: ``rb.extend(batch)`` on a ``ReplayBuffer`` over our store with
-  ``GroupAdvantage`` (durable pending state) and ``KLReward`` attached
-  (``append_transform(..., invert=True)``). Input rows carry ``ref_log_probs``; the
-  reference model's cost is measured separately (below) since it dwarfs the rest.
-* ``torchrl-mcadvantage-lazystack``: torchrl's ``ReplayBuffer`` + ``LazyStackStorage`` +
-  ``MCAdvantage(grpo_size=G)``, fed the same rows as torchrl LLM TensorDicts. torchrl
-  has no KL transform that works on the write path (see FACTS), so it does less work.
-* ``raw-numpy``: the storage benchmark's raw baseline writing the *final* rows
-  (advantage, ref, kl, token rewards precomputed): the floor, with no transform at all.
-* ``memmap-append-only``: ``store.append`` of those final rows, no buffer, no transforms:
-  what the store itself costs, so ``memmap`` minus this is the stack's overhead.
-
-Stores fsync every append by default (as in the storage benchmark); ``raw-numpy`` never
-does, so compare like with like with ``--no-fsync`` (stores and pending state not fsynced).
-
-``write_path_us_per_completion`` is total extend time / completions; ``vs_raw`` is the
-ratio to ``raw-numpy``. ``stack_us_per_completion`` (our backends) is the transforms
-alone, no store. ``--misaligned`` shifts every write by half a group, so each extend
-leaves a half group pending (the durable pending state is rewritten on every write).
-
-``--ref-completions N`` adds a ``reference-model`` record: tokens/s of
-``reference_log_probs`` with a tiny Llama built from a config (no download), which only
-says what the batching costs on this machine; a real reference model is far slower.
-With ``--json`` stdout is one JSON array of records (the storage benchmark's format).
+Our stores behind a ``ReplayBuffer`` with the transforms attached, against torchrl's
+``MCAdvantage`` + ``LazyStackStorage``, raw files of the final rows (the floor) and
+``memmap-append-only`` (the store alone). Reports ``write_path_us_per_completion``, ``vs_raw`` and
+``stack_us_per_completion`` (transforms alone); ``--no-fsync`` compares like with like,
+``--misaligned`` leaves half a group pending per write, ``--ref-completions N`` times the reference
+model. Figures: docs/benchmarks.md#write-path-rlhf-pipeline-bench-write-path.
 """
 
 from __future__ import annotations

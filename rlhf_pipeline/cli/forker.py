@@ -1,16 +1,8 @@
 """The forking process of ``run``: imports torch & co. once, then forks each child into ``main(argv)``.
 
-``python -m rlhf_pipeline.cli.forker REPORT_FD --child ARGV... --child ARGV...`` is started by
-:func:`rlhf_pipeline.runs.forking.fork_children` (which says why); it is no command of its own.
-It reads the children's specs (JSON: ``argv``, ``keep_fds``, ``stdin``, ``env``) on its stdin, imports
-what the collectors and the learner import (``runs.launch.preload``), forks one child per spec,
-writes each child's pid on ``REPORT_FD`` as it is forked, and exits. The ``--child`` words are
-there for ``ps`` only: the children share this command line.
-
-A child closes the descriptors that are not its own, takes its stdin pipe as fd 0, sets its
-environment, waits until this process has exited (the end of file of a pipe only this process
-holds: it has been re-parented to ``run`` by then), and runs ``rlhf_pipeline.cli.main.main(argv)``;
-it never returns into this module's code (``os._exit``).
+Started by :func:`rlhf_pipeline.runs.forking.fork_children`, never as a command: it reads the
+children's specs (JSON) on stdin, forks one child per spec, reports each pid on ``REPORT_FD`` and
+exits; each child waits for that exit before it runs. Design: docs/architecture.md#the-command-line.
 """
 
 from __future__ import annotations

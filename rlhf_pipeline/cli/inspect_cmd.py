@@ -1,24 +1,8 @@
-"""``rlhf-pipeline inspect PATH [--json] [--verify]``: what a replay buffer holds, from its own metadata.
+"""``rlhf-pipeline inspect PATH [--json] [--verify]``: what a replay buffer or a run holds.
 
-Reads the buffer's files with numpy, json and zarr only (no torch, no lock, so it is quick
-and safe beside a running writer): a memmap directory, a Zarr store, or a run's buffer of
-``shard-NNNN`` stores (summed over the shards). Prints rows, groups, tokens, rewards,
-sizes and policy versions: a table by default, one JSON object with ``--json``.
-
-``--verify`` checks every byte instead: sealed memmap segments against the checksums
-recorded when they were sealed, every Zarr chunk against its CRC32C, and the structure of
-everything (offsets, sizes, UTF-8). It prints what it checked and every problem, naming
-the file or chunk; the exit code is 1 when it finds damage (see ``rlhf-pipeline repair``).
-With a vocabulary to check against it also reads every row's token ids (through the store, so
-with torch) and names each group holding an id the model cannot embed (``storage/token_ids.py``):
-a run directory's is the embedding of its newest published weights, a bare buffer's is
-``--vocab-size N`` (without it a bare buffer's ids are not checked, and a note says so).
-
-A run directory (``storage/<run-name>``) prints the run first: its rewind points (kept
-checkpoints, each with the buffer rows it had seen), the run it was branched from and its
-branches (``runs/lineage.py``), its retention and the first row each shard still holds
-(``runs/retention.py``); then its ``buffer/`` as above. So does a run at an ``s3://`` or ``az://``
-URL (``runs/lineage_url.py``).
+Reads metadata with numpy, json and zarr only (no torch, no lock): rows, groups, tokens, rewards,
+sizes, versions; a run's rewind points, lineage and retention first. ``--verify`` checks every byte
+and exits 1 on damage. User's guide: docs/buffer-tools.md; design: docs/architecture.md#the-command-line.
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
 """``rlhf-pipeline repair PATH [--apply] [--json]``: rebuild a damaged buffer's published state.
 
-A dry run by default: it says what it found and what it would write. ``--apply`` writes
-it, under the store's writer lock (stop the writer first). A memmap store's manifest and
-state slots are rebuilt from its segment files; a Zarr store's commit record from its
-units. Nothing is deleted: the files it replaces are copied to ``repair-<time>/`` inside
-the store. It reports what it could not recover (missing segments, chunks that fail their
-checksum), naming files and rows. Works on a single store or every shard of a run's buffer.
-
-Only what a publish record covered is published. With an intact record (a memmap state
-slot, a Zarr commit record), rows past it were never acknowledged: a live writer's append in
-flight (it holds the writer lock, and the note names its process), or what a killed writer left
-(a collector writes that round again, and the next writer discards them). Repair leaves them,
-and a note counts them; that alone is nothing to repair. Without a record, every
-readable row is kept at its row id, and rows between readable ones that no file holds stay
-published as lost (reads of them raise), so no append reuses a row id a readable row holds.
-
-Exit code: 0 when nothing needs repair (or ``--apply`` repaired everything), 1 when
-something needs repair (dry run) or cannot be recovered, 2 on errors.
-
-Token ids outside the model's vocabulary (``storage/token_ids.py``; a run directory's model's, or
-``--vocab-size N``) are intact bytes that no learner can embed. Their groups cannot be taken out of
-the middle of a store: its rows are numbered without gaps, and the learner's sampler positions, its
-checkpoints' buffer rows and the collectors' positions all count on those numbers. So repair reports
-each such group as not recoverable in place and says how the run goes on without them: a branch from
-the newest kept checkpoint whose rows hold none of them (``rlhf-pipeline branch``, continued online
-with the run's command: its collectors generate the rows after that step again), or, when no kept
-checkpoint precedes them, a saved selection without those groups to train on offline (``filter
---selection``, then ``replay --buffer``).
-
-A Zarr store (or a buffer of shards) at an ``s3://`` or ``az://`` URL is repaired the same way,
-under the store's leased writer lock: a live writer keeps ``--apply`` out, and the record is
-written only over the version repair read (``storage/zarr/repair.py``). Other URL schemes have no
-writer lock across machines: repair reports what it found there but writes nothing.
+A dry run unless ``--apply``, which writes under the store's writer lock (leased at a URL) and
+copies what it replaces to ``repair-<time>/``. Only what a publish record covered is published;
+token ids outside the vocabulary are reported with how the run goes on without them. Exit code 0
+nothing to repair, 1 damage found or unrecoverable, 2 errors. User's guide: docs/buffer-tools.md;
+design: docs/architecture.md#the-command-line.
 """
 
 from __future__ import annotations

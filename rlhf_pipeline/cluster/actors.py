@@ -1,25 +1,9 @@
-"""The Ray actors of ``run --ray``: a run's control actor, its collectors and its learner ranks.
+"""The Ray actors of ``run --ray``: a run's control actor (:class:`RunControl`), its collectors and
+its learner ranks.
 
-Each collector and learner actor runs the same code as a process started by ``run``
-(``run.collect_main`` / ``run.learn_main``) in its own Ray worker process; only two things
-travel differently:
-
-* **Weights** go through Ray's object store. After each publish the learner (rank 0) puts
-  the state dict in the object store (``ray.put``) and hands ``(version, ref)`` to the run's
-  :class:`RunControl` actor; collectors ask it for the version pacing names for their next
-  round (:class:`ObjectStoreWeightsPoller`, the ``weights.WeightsPoller`` interface) and load
-  it with the same version numbers, so the learner's staleness bound means what it means
-  today and a round takes the same weights as under ``run``. The learner still writes every version to ``weights/`` (a restart and
-  ``export-model`` read them there), and a collector falls back to that file when the
-  object's owner, a learner that died, took it with it.
-* **Stop requests** come from :class:`RunControl` instead of ``run``'s stop pipe. Each actor
-  makes a pipe of its own, hands its read end to ``stopping.StopFlag`` exactly as ``run``
-  does with ``--stop-fd``, and a watcher thread writes to it when the driver asks the run to
-  stop: the collector finishes its round, the learner saves a checkpoint.
-
-Ray restarts an actor whose worker process died (``ray.max_restarts``) and runs its ``run``
-task again, which resumes like any restarted process: a collector from its shard's saved
-position and pending groups, the learner from its newest checkpoint.
+Each actor runs the same code as a process of ``run``; weights travel through Ray's object store
+(:class:`ObjectStoreWeightsPoller`, falling back to ``weights/``) and stop requests through
+:class:`RunControl`. Design: docs/architecture.md#ray.
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
 """``run --ray [ADDRESS]`` and ``learn --ray [ADDRESS]``: the same run, its processes as Ray actors.
 
-The driver (this process) checks the settings and prepares the run directory exactly as
-``run`` does (``run.prepare_run``: settings, buffer shards, the initial policy), then joins
-the Ray cluster at ADDRESS, or starts a local one (``ray.init()``), and starts:
-
-* a :class:`~rlhf_pipeline.cluster.actors.RunControl` actor (stop requests, the newest weights);
-* ``--collectors N`` collector actors, spread over the cluster's nodes (``SPREAD``), each
-  reserving ``ray.collector_num_cpus`` / ``ray.collector_num_gpus``; collector ``k`` writes
-  ``buffer/shard-kkkk``, its only writer, as under ``run``;
-* ``learner.world_size`` learner actors (``ray.learner_num_cpus`` / ``_num_gpus`` each): one
-  rank is the plain learner; several form a torch.distributed group (gloo on CPU, NCCL on
-  GPU) whose rank 0 chose the address and port, and train as ``learn/distributed.py`` says.
-
-Every actor reads and writes the run: on several machines, a run at a URL (``--home s3://...``)
-or a run directory on a file system they share; the pipeline file by a path every node sees.
-A node lost with its actors: Ray restarts them on live nodes (below); the control actor and the
-run's lease (``run.lock``, this command's) stay on the driver's node, so no lease is lost with one.
-What the actors print reaches this terminal through Ray's log forwarding, prefixed with the
-actor (``(collector 1 pid=…)``).
-
-Failure and stopping, the way ``run`` handles its processes:
-
-* an actor whose process dies is restarted by Ray (``ray.max_restarts``) and its ``run``
-  task runs again: it resumes from the shard's saved position or the newest checkpoint.
-  Learner ranks of a group of several are not restarted (the others would wait in a
-  collective for a rank that is gone): the run stops and the same command resumes it;
-* an actor that fails (an exception) stops the run: the others are asked to stop, then this
-  command exits with the error;
-* the first SIGINT/SIGTERM asks every actor to stop (collectors finish their round, the
-  learner saves a checkpoint), a second one kills them. Then the cluster this command
-  started is shut down; a cluster it joined keeps running.
+The driver prepares the run as ``run`` does, joins the cluster at ADDRESS (or starts a local one)
+and starts a :class:`~rlhf_pipeline.cluster.actors.RunControl` actor, ``--collectors N`` collector
+actors spread over the nodes and ``learner.world_size`` learner actors. Failures and stopping are
+handled as ``run`` handles its processes. User's guide: docs/ray.md; design: docs/architecture.md#ray.
 """
 
 from __future__ import annotations

@@ -1,81 +1,10 @@
-"""Collector pacing: generate no more than the learner will train on, plus a set number of rounds.
+"""Collector pacing: a collector generates no more than the learner will train on, plus
+``rounds_ahead`` rounds.
 
-When the learner is the slower side, a collector left alone generates rows the learner never
-trains on (they go stale or fall out of its sampling window): generation paid for and thrown
-away. So the learner tells the collectors what it has taken in, and each collector stays at
-most ``rounds_ahead`` rounds ahead of that.
-
-The learner side (:class:`PacingPublisher`) writes ``<run>/pacing.json`` atomically after
-every batch it uses (a few hundred bytes, no fsync: it is advice, rewritten every step)::
-
-    {"format": 1, "step": 12, "draws": 12,
-     "consumed": {"shard-0000": 832, "shard-0001": 768},   rows taken in, per shard
-     "next_draw_rows": 64,                                  new rows its next batch waits for
-     "waiting_since": null,                                 or when it began waiting for a batch
-     "waiting_seen": null,                                  and when it last said it still waits
-     "policy_version": 12,                                  the weights it trains that batch with
-     "last_step": false,                                    that batch is the run's last step
-     "recent": [[11, 64, {"shard-0000": 768}], ...],       (policy_version, next_draw_rows, consumed)
-                                                            of its last draws, oldest first
-     "lacking": [13, 5, {"shard-0000": 840}]}              while it waits, what its sampler still lacks
-
-The collector side (:class:`CollectorPacer`) allows a new round while its own shard holds
-fewer than ``consumed[shard] + ceil(next_draw_rows / shards) + rounds_ahead * round_rows``
-rows: what the learner's next batch needs (its share of it, with several collectors) plus
-``rounds_ahead`` rounds. With ``rounds_ahead=0`` a collector generates the learner's next batch
-while the learner trains on the current one (one step of overlap), then waits.
-
-After the batch of the run's last step (``last_step``) no round is allowed: the learner takes in
-nothing more. Without this rule a collector wrote the round of a step that never comes whenever it
-read that intake before the learner's ``STOP`` (a race with the learner's last step and checkpoint),
-so a finished run's buffer held one round more or not depending on load, and an online branch's
-buffer (``runs/branch_online.py``) could not be the same as its parent's.
-
-It cannot deadlock, whatever the collector kind, the batch size, the round's size (an agent
-round's rows vary with its episodes' turns) and ``rounds_per_version``:
-
-* the learner's next batch is always allowed (``next_draw_rows``), whatever is ahead, and
-  whatever ``rounds_per_version`` says: that limit (a collector writes at most so many rounds
-  with one policy version, then waits for the next) holds back only rounds the learner has not
-  asked for yet, since the learner can publish no new version without the rows of its next
-  step (:meth:`CollectorPacer.plan_round`; a learner batch larger than ``rounds_per_version``
-  rounds once waited for ever there);
-* a collector started late, or whose shard the learner has not seen yet, counts as having
-  nothing taken in, so it writes its first rows at once;
-* a resumed learner publishes the position of its checkpoint at start, so collectors that
-  ran ahead of it just wait while it catches up on rows that already exist;
-* a learner whose next draw needs more rows than it said (the ``exact`` sampler passed over stale
-  rows) says, while it waits, what that draw lacks: ``lacking`` is ``(policy version the draw
-  trains with, rows it lacks, rows per shard its sampler has seen)``, and a collector writes its
-  share of them at once, with that version. Said by the sampler, not supposed from a clock: a
-  learner slow to read rows it has (a loaded machine) says it lacks 0 and gets no round for it;
-* only a draw that trains is marked ``last_step`` (one that trains nothing, multi-turn rows of
-  which none ended a trajectory, is followed by another draw), and a learner resumed with more
-  steps than its checkpoint's run republishes that intake unmarked;
-* as a last resort, for a sampler that does not say what it lacks, a learner that has waited
-  for its next batch for ``stall_s`` seconds
-  since a collector's last round (a sampler that needs more than it said, a dead collector
-  whose share the others must cover) lets that collector write one more round. The learner
-  renews ``waiting_seen`` every ``WAITING_RENEW_S`` while it waits, and the rule counts the wait
-  up to that renewal, not up to the collector's clock: a learner that died mid-wait (its node
-  lost, while under Ray the collector runs on) allows no rounds. Rounds the rule allows take the
-  newest weights, so rounds written for a dead learner would differ from an uninterrupted run's.
-
-Which weights a round uses. A paced collector does not take whatever version is newest when a
-round starts: the learner may or may not have published its next version by then, a race that
-made two runs with one seed part ways. A round uses the version the learner held when it took
-in the batch that first allowed the round (:meth:`CollectorPacer.version_for_round`, found in
-``recent``), which depends on the rows and the seed only; it waits for that version if it is
-not loaded yet. A collector that has written ``rounds_per_version`` rounds with its version takes
-the first intake in ``recent`` that asks for the round (the learner's next batch needs it) or
-that allows it with a newer version: again a function of the intakes, not of when they are read.
-A round the learner's ``lacking`` asks for takes the version named there: the version the draw
-waiting for it trains with. Rounds that only the stall rule allowed, and versions already pruned,
-fall back to the newest version (no longer a function of the seed alone).
-
-Before the learner's first publish (no file yet) a collector started by ``run`` writes
-``rounds_ahead + 1`` rounds: its learner is starting. A collector started alone (``collect``)
-is unpaced until a learner publishes: it may be recording a buffer with no learner at all.
+:class:`PacingPublisher` (the learner) rewrites ``<run>/pacing.json`` after every batch it takes in;
+:class:`CollectorPacer` (a collector) allows a round from it and names the policy version the round
+samples with, a function of the learner's intakes, never of timing. The file's fields, why it
+cannot deadlock and which weights a round uses: docs/architecture.md#pacing.
 """
 
 from __future__ import annotations

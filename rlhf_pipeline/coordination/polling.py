@@ -1,22 +1,6 @@
-"""Waiting on a file the other side of the pipeline rewrites: poll soon when it matters, else rarely.
+"""Waiting on a file the other side rewrites: poll soon when the wait is hurried, else back off.
 
-The collector and the learner meet only in files (the buffer's commit records, ``pacing.json``,
-the weight files), so each waits for the other by polling. In steady state those waits are a
-few milliseconds long: with ``rounds_ahead=0`` the collector writes the next batch while the
-learner trains on the current one, and whichever finishes first waits for the other. A fixed
-20 ms sleep there cost ~10 ms per learner step on average (``charts/data_wait_s`` 12 ms of a
-70 ms step on the default pipeline).
-
-Polling every millisecond instead is not free either: the learner's sampler polls on its
-prefetch thread, and a poll every millisecond there slowed the training step beside it
-(50 -> 56-63 ms a step: the two threads share the GIL and the core). So a wait may be told
-when it is *hurried*: the learner's prefetch thread backs off from ``first_s`` to ``max_s``
-(the samplers' ``poll_s``, 5 ms: a 20 ms cap left ~5 ms between a round's commit and the
-batch being read) while the learner trains, and starts again from ``first_s`` the moment the
-learner waits for the batch (:class:`rlhf_pipeline.learn.prefetch.Prefetcher` sets the event).
-A wait nobody hurries (the collector waiting for the learner to take its rows in, in a process
-of its own) polls every ``first_s`` for its first ``fast_s`` seconds, then backs off: a long
-wait (a learner warm-starting, a collector that died) polls rarely.
+Design: docs/architecture.md#polling.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
-"""Policy weights travelling from the learner back to collectors, as versioned files.
+"""Policy weights from the learner back to the collectors, as versioned safetensors files.
 
-The learner publishes ``<run>/weights/policy_XXXXXXXX.safetensors`` (a CPU ``state_dict``, its
-version in the file's metadata) with a version that only increases; the file is written to
-``*.partial`` and renamed, so a reader never sees half a file (at a URL: one PUT that creates the
-object, ``files/run_store.py``). Collectors poll with
-:class:`WeightsPoller` between rounds and load the newest version. Old versions are pruned (keep
-the last few) because a reader always wants the newest; a reader that loses a race with the
-pruning simply polls again. Version 0, the initial policy, is kept until the learner's first
-checkpoint: a learner killed before one starts again from it.
-
-A version's number follows from the learner's progress (one more per publish), whatever happened
-to its process: a learner killed after its checkpoint had published versions past it, which the resumed learner
-takes back (:func:`retract_versions_after`) and publishes again under the same numbers as it
-retrains those steps. Rows sampled with them keep their number, so staleness and the versions
-collectors pin their rounds to mean what they meant before the kill (``learn/resume.py``).
-
-At a URL, the collectors of one machine share one download per version
-(``WeightsPoller(..., cache=MachineCache(paths.fetched_weights))``, ``files/machine_cache.py``):
-the poll's listing names each object's etag, the first collector to want a version GETs it into
-the machine's cache, the others load that file. Under ``--ray`` weights travel through Ray's object
-store instead (``cluster/actors.py``), which already moves one copy per node.
-
-Why safetensors: a collector loads every version the learner publishes, one per learner step
-by default, and ``torch.load(weights_only=True)`` of the default model's 0.6 MB took 4-5.5 ms
-against 1.3-1.7 ms (``benchmarks/bench_step_overhead.py``; writing costs about the same in
-both); like ``weights_only`` it runs no code from the file. Runs made before hold
-``policy_XXXXXXXX.pt`` files (a torch pickle of ``{"version", "state_dict"}``): they are still
-read, and a resumed run publishes its next versions as safetensors beside them.
+The learner publishes ``<run>/weights/policy_XXXXXXXX.safetensors`` atomically with a version that
+follows its progress (a resumed learner retracts and republishes versions past its checkpoint);
+collectors poll with :class:`WeightsPoller`. Design: docs/architecture.md#published-weights.
 """
 
 from __future__ import annotations

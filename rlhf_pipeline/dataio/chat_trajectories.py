@@ -1,32 +1,11 @@
 """One whole trajectory as one JSON line of chat messages and token ids (``export --format chat``).
 
-A stored trajectory is rows, one per model turn (``docs/agents.md``). People moving agent data
-to or from TRL, verl or SkyRL think of it as a conversation, so this format writes one line per
-trajectory::
-
-    {"format": "rlhf-pipeline/chat-trajectory/v1",
-     "trajectory_id": 7, "group_id": 2,
-     "messages": [{"role": "user", ...}, {"role": "assistant", ...}, {"role": "tool", ...}, ...],
-     "turn_rewards": [0.0, 1.0], "final_reward": 1.0, "return": 1.0,
-     "done": true, "terminated": true, "truncated": false, "termination_reason": "ENV_DONE",
-     "turns": [{"step": 0, "messages": [0, 2],               # messages[0:2] belong to this turn
-                "prompt_ids": [...], "completion_ids": [...], "completion_logprobs": [...],
-                "prompt_text": "...", "completion_text": "...", "reward": 0.0, "policy_version": 3,
-                "advantage": 0.5, "tool_calls": 1, "tool_errors": 0, ...}, ...]}
-
-``messages`` are the conversation as the environment produced it (the stored ``turn_messages``
-of each turn, in order: what was added before the turn, then the model's message); ``null``
-when the buffer does not keep them (single-turn buffers, agent buffers from before the field).
-A turn's ``prompt_ids`` are the tokens added before it (the whole opening prompt at step 0,
-the template's and the environment's tokens after) and ``completion_ids`` / ``completion_logprobs``
-what the model sampled, exactly as stored: the trajectory's token list is
-``prompt_ids[0] + completion_ids[0] + prompt_ids[1] + completion_ids[1] + ...``, with the loss
-on the completion ids only. Any other stored per-row field (``advantage``, ``ref_log_probs``,
-``tool_calls``, ...) rides on its turn under its stored name, so ``import`` of the file gives
-the rows back field for field (:func:`trajectory_rows`).
-
-Only whole trajectories are written: one whose first turns a store evicted is skipped and
-counted, never written as a conversation that did not happen.
+Format ``rlhf-pipeline/chat-trajectory/v1``: the conversation's ``messages`` (the stored
+``turn_messages``, or ``null``), the rewards and endings, and per turn its ``prompt_ids`` (tokens
+added before it), ``completion_ids`` / ``completion_logprobs`` as sampled and every other stored
+field under its own name, so :func:`trajectory_rows` (``import``) gives the rows back field for
+field. Only whole trajectories are written. Spec: docs/agents.md#export-and-import-trajectories-as-chat-messages;
+design: docs/architecture.md#rows-in-and-out.
 """
 
 from __future__ import annotations

@@ -3,26 +3,11 @@
 Why one file: the column mapping of ``import`` (which source column holds what) and turning a chunk
 into stored columns are one set of rules per row layout, checked against each other.
 
-Two row layouts, told apart by the completion column:
-
-* one row per completion: ``{"prompt": "...", "completion": "...", "reward": 1.0}``;
-* one row per prompt with a list of completions (the prompt's group):
-  ``{"prompt": "...", "completions": ["...", "..."], "rewards": [1.0, 0.0]}``; every
-  per-completion column (ids, rewards, log-probs) then holds one entry per completion.
-
-The prompt is text, chat ``messages`` (rendered with the tokenizer's chat template and a
-generation prompt, as the collector renders them) or token ids; the completion is text or
-token ids. Token ids are taken as given (logged inference traffic): where the text is given
-too, the ids must decode to it. Columns named like stored fields (``advantage``,
-``ref_log_probs``, ``kl``, ``token_rewards``, ``trajectory_id``, ``step``, ``done``,
-``terminated``, ``truncated``) are taken as given, so an ``export`` imports back exactly.
-
-:func:`resolve_columns` picks the columns (options first, then the usual names) from the
-first record, and every record must carry the same ones: a later record lacking one, or holding
-one the first record lacks that the import would read, is refused by name (:func:`check_columns`),
-never imported without it. :func:`normalize` turns one :class:`~rlhf_pipeline.dataio.sources.SourceChunk`
-into :class:`ImportRows`, raising :class:`~rlhf_pipeline.dataio.sources.SourceError` naming
-the file, row and column of the first bad value.
+Two row layouts, told apart by the completion column: one row per completion, or one row per
+prompt with a list of completions (its group). :func:`resolve_columns` picks the columns from the
+first record and every record must carry the same ones (:func:`check_columns`); :func:`normalize`
+turns one chunk into :class:`ImportRows`, raising a ``SourceError`` naming the file, row and
+column of the first bad value. Columns: docs/datasets.md; design: docs/architecture.md#rows-in-and-out.
 """
 
 from __future__ import annotations

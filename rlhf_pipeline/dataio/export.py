@@ -1,26 +1,9 @@
-"""``export``: every stored field of a buffer's rows to JSONL, Parquet or a Hugging Face dataset.
+"""``export``: every stored field of a buffer's rows to JSONL, Parquet, a Hugging Face dataset or
+chat trajectories.
 
-Columns are the stored fields under their own names (``prompt_text``, ``prompt_tokens``,
-``response_log_probs``, ``advantage``, ``group_id``, ...; the optional fields the buffer
-holds included), one row per stored row, in buffer order (a run's shards one after the
-other). Values are exact: token ids as integers, float32 values as the float64 numbers
-they widen to (JSON writes the shortest text that reads back to the same float), text as
-UTF-8. ``import`` reads the same names back, so an export imports into an equal buffer.
-
-Rows are read one chunk at a time (segment-aligned, so a Zarr buffer decodes each unit
-once) and written as they come: memory stays at one chunk. The output appears at OUT only
-when complete (written to ``OUT.partial``, then renamed). Formats:
-
-* ``jsonl``: one JSON object per line;
-* ``parquet``: one row group per chunk; the schema's metadata records the buffer's fields;
-* ``hf``: a ``datasets`` ``save_to_disk`` directory (``datasets.load_from_disk(OUT)``);
-* ``chat``: JSONL with one line per whole trajectory, its chat messages and each turn's token
-  ids and log-probs (:mod:`.chat_trajectories`); chosen only by ``--format chat`` (OUT named
-  ``*.jsonl`` or anything else), and ``import`` reads it back into the same rows.
-
-The format follows OUT's suffix (``.jsonl``/``.ndjson``/``.json``, ``.parquet``) unless given;
-a format given that contradicts the suffix is refused (:func:`export_format`). This module
-imports torch only when rows are read, so the CLI checks its arguments first.
+One chunk in memory at a time; the output appears at OUT only when complete; the format follows
+OUT's suffix unless given (a contradiction is refused, :func:`export_format`). Imports torch only
+when rows are read. Design: docs/architecture.md#rows-in-and-out.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Where an import writes, and the record that lets a killed import resume without duplicates.
+"""Where an import writes (a shard of its own, from :data:`IMPORT_SHARD_FIRST`), and the record that
+lets a killed import resume without duplicates.
 
-Target. BUFFER names a store (new or existing) or a run: its directory or ``buffer/`` gets a
-new shard of its own, numbered from :data:`IMPORT_SHARD_FIRST` so that a run's collectors
-(shards 0, 1, ...) never write into it and its ids (``id_base(shard) + counter``) never meet
-theirs. A collector's own shard is refused for the same reason.
-
-A run at a URL (``s3://bucket/prefix/RUN`` or its ``buffer/``) is the same: the shard is a Zarr
-store at ``<run>/buffer/<hh>-shard-9000`` (``files/shard_names.py``), the record an object of the run (``files/run_store.py``); a
-bare store at an ``s3://`` or ``az://`` URL keeps its records under ``<store>/imports/`` there.
-
-Record. ``<store>/imports/import-<key>.pt`` (``<run>/imports/`` for a run), keyed by the
-store and the source files, holds the source's fingerprint (paths, sizes, mtimes), the
-options, the first fresh group / trajectory ids and the source rows written. Around each
-append it also holds the append in flight with the store's ``next_row`` before it (the
-scheme of ``collect/position.py``): the import is the store's only writer and an append is
-atomic, so after ``kill -9`` a larger ``next_row`` means that append landed. Every write
-of the record is atomic (a ``*.partial`` file renamed, or one PUT at a URL: :class:`RunStore`).
+The record, ``<store>/imports/import-<key>.pt`` (``<run>/imports/`` for a run), holds the source's
+fingerprint, the options, the first fresh ids, the source rows written and, around each append,
+the store's ``next_row``; every write of it is atomic. Design: docs/architecture.md#rows-in-and-out.
 """
 
 from __future__ import annotations

@@ -4,36 +4,10 @@ Why one file: the checks that need the store and the write pass share the scan's
 the id bases and the resume record, and must stay in step row for row (the check pass itself,
 which needs none of them, is :mod:`import_scan`).
 
-Two streaming passes over the source, each holding one chunk at a time:
-
-1. **check**: every row is read, tokenized and validated exactly as it will be stored
-   (columns present, texts non-empty, rewards finite, log-probs aligned with the tokens,
-   token ids decoding to the given text, stored-row validation), and each completion's group
-   key is kept (8 bytes a row). Any bad value stops the import here, before the buffer is
-   created or touched. The checks that need the store come next, before any row is written:
-   fields the source carries but the store lacks (or the reverse), group sizes against the
-   write path's, given group ids already stored; a store created for the import is removed
-   when they fail. So nothing of a failed import lands. Checking in a cheap first pass
-   rather than staging rows in a temporary store keeps memory and disk at one chunk; the
-   price is tokenizing twice.
-2. **write**: rows are read again, sampling log-probs the source lacks are computed with
-   the pipeline's model, ids are assigned, and whole groups go through the pipeline's
-   write-path transforms (:attr:`Pipeline.make_write_path`) into ``store.append``: the
-   door every collector writes through. Transforms whose fields the source already carries
-   (an ``export`` holds ``advantage``...) are skipped, so those values are stored as given.
-
-Rows are written in source order, in prefixes closed under groups (every group of the
-prefix complete), so a group's rows may be scattered in the source at the cost of holding
-them until the group is complete. An import killed at any moment resumes where it stopped
-when the same command runs again: the import record (``<buffer>/imports/`` or
-``<run>/imports/``) holds the source rows written and, around each append, the store's
-``next_row`` (the scheme of ``collect/position.py``); an append is atomic, so a rerun
-neither repeats nor skips a row. A finished import run again writes nothing.
-
-Which weights score the missing log-probs: the run's newest published policy when the buffer
-belongs to a run (rows get that version), otherwise the pipeline's ``make_policy()``
-(version 0). The pipeline's sampling temperature (``learner.temperature``) applies, so the
-importance ratio of a fresh learner starts at 1 on these rows.
+Two streaming passes: check every row as it will be stored (nothing lands when one fails), then
+write whole groups through the pipeline's write path into ``store.append``, computing the sampling
+log-probs the source lacks with the run's newest policy (or ``make_policy()``, version 0) at the
+pipeline's temperature. A killed import resumes exactly. Design: docs/architecture.md#rows-in-and-out.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """``export-model``: a run's policy of one version as a ``save_pretrained`` directory.
 
-Where versions live. The learner publishes ``weights/policy_XXXXXXXX.safetensors`` (``.pt`` in
-older runs) and keeps the last few; each checkpoint ``checkpoints/step_XXXXXXXX.pt`` holds the
-model after its step, which is the version published at that step when the step published
-(``step % learner.publish_every == 0``, the run's setting). :func:`available_versions` lists
-both (a weights file wins).
-
-What is written: the pipeline's ``make_model()`` (the run's architecture, from the run's
-``pipeline.py`` and ``settings.json``) with that version's weights, saved by
-``save_pretrained`` (config, safetensors weights, generation config) and the pipeline's
-tokenizer with its chat template. The config records the attention implementation the run
-used, so ``AutoModelForCausalLM.from_pretrained(OUT)`` computes the same logits bit for bit;
-the generation config samples at the run's temperature and stops at the tokenizer's EOS.
-``rlhf_pipeline_export.json`` says which run, version and file the weights came from. The
-directory appears at OUT only when complete, every file with the mode a plain file gets here.
-
-A run directory may come from someone else, so nothing in it runs code here: a checkpoint's
-weights load as every state file does (``weights_only=True``, :mod:`rlhf_pipeline.files.state_files`),
-and listing the versions reads only each checkpoint's progress record, with a reader that
-resolves no name the file mentions (see :func:`_checkpoint_progress`); the listing imports
-neither torch nor transformers, so ``--list-versions`` answers at once.
+A version comes from ``weights/`` or from the checkpoint of the step that published it
+(:func:`available_versions`). The pipeline's ``make_model()`` with those weights and its tokenizer
+are saved so that ``from_pretrained(OUT)`` computes the same logits; ``rlhf_pipeline_export.json``
+says where they came from. Nothing in the run directory runs code. Design: docs/architecture.md#rows-in-and-out.
 """
 
 from __future__ import annotations

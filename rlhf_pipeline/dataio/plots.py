@@ -1,24 +1,8 @@
 """``plot``: PNG charts of runs' learner metrics (``metrics.jsonl``), runs overlaid.
 
-One PNG per chart plus ``overview.png`` (all charts in a grid). Each run is one colour
-(legend: the run directory's name); a metric with two series (clip fractions low / high,
-staleness mean / max, KL to the reference / to the sampler) uses a solid and a dashed line.
-Raw values are drawn faint and an exponential moving average over them solid, as
-TensorBoard does, so noisy per-step values still show a trend. Metrics a run did not log
-are left out of its lines; a chart no run has data for is not written.
-
-A replay run (``rlhf-pipeline replay``: its ``settings.json`` has a ``replay`` section) trains
-on recorded rows whose policy versions belong to the recording run, not to the replay's own
-counter, so its "staleness" (own version minus the row's) is meaningless and, on one axis with
-a live run's, flattens it. Replays are left out of the staleness chart; a chart of the
-recorded versions in each batch (min / max) is drawn for them instead.
-
-A branch (``rlhf-pipeline branch``) is labelled with the step it started from, marked on every chart
-by a dotted line in its colour; plotted with its parent, it is drawn from that step on (its metrics
-up to there are the parent's own lines), so each branch leaves the parent's curve where it began.
-Those earlier lines still feed its moving average (:attr:`RunMetrics.lead_in`): the branch's average
-goes on from the parent's instead of starting again at its first point, which opened every branch
-curve with a jump to that one noisy value.
+One PNG per chart plus ``overview.png``; raw values faint, a moving average solid. Replays are
+left out of the staleness chart (a chart of their recorded versions instead); a branch is drawn
+from its branch step on. Design: docs/architecture.md#rows-in-and-out.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Reading import sources in bounded chunks: JSONL, Parquet, and Hugging Face datasets on disk.
 
-A source is one of:
-
-* a JSONL file (one JSON object per line; ``.jsonl``, ``.ndjson`` or ``.json``); a line written
-  by ``export --format chat`` (one whole trajectory) is read as the rows of its turns;
-* a Parquet file (read one row batch at a time, so memory stays at one chunk);
-* a Hugging Face dataset on disk: a ``save_to_disk`` directory (memory-mapped Arrow, read
-  through ``datasets.load_from_disk``; ``split`` picks a split of a ``DatasetDict``), or a
-  directory of data files (``*.parquet`` / ``*.jsonl``, as a dataset repository holds them;
-  ``split`` keeps the files whose path names it, e.g. ``data/train-00000-of-00001.parquet``).
-
-:func:`open_source` finds the format (or checks the one named) and returns a :class:`Source`
-whose :meth:`Source.chunks` yields :class:`SourceChunk` objects of at most ``rows`` rows.
-A chunk gives column values per row (``values``), or, for Arrow-backed chunks, list columns
-as flat values plus offsets without a Python object per token (``list_column``). Columns
-may be dotted paths into nested records (``outputs.0.token_ids``). Every error is a
-:class:`SourceError` naming the file and the line or row.
+:func:`open_source` finds the format (a ``chat`` JSONL line reads as its turns' rows; a dataset is a
+``save_to_disk`` directory or a directory of data files, ``split`` picking one) and returns a
+:class:`Source` whose :meth:`Source.chunks` yields :class:`SourceChunk` objects of at most ``rows``
+rows; Arrow list columns come as flat values plus offsets. Columns may be dotted paths. Every
+error is a :class:`SourceError` naming the file and the line or row.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """One stored trajectory, turn by turn: what the model saw, what it sampled, what is trained.
 
-This is how a user checks a loss mask or a tokenization: every token of the trajectory as it
-is stored (the ids are the source of truth, see ``docs/agents.md``), marked trained (a sampled
-token, mask 1) or not (the prompt, the template, tool results, user turns), with its sampling
-log-prob, and per turn the reward and advantage; the last turn carries the termination reason.
-A single-turn row is a trajectory of one turn, so the view works on every buffer.
-
-:func:`find_trajectory` reads the rows of one trajectory from a store (memmap, Zarr or a
-run's shards), :func:`format_trajectory` prints them for a terminal and
-:func:`trajectory_html` writes a self-contained page (no script, no external file) that a
-browser lays out as the text reads, with each token's id and log-probs in a table per turn. Token
-pieces come from the pipeline's tokenizer when one is given; without one a token is shown
-by its id and each turn by its stored text.
+:func:`find_trajectory` reads its rows from a store or a run's shards, :func:`format_trajectory`
+prints them for a terminal and :func:`trajectory_html` writes a self-contained page with each
+token's id and log-probs. A single-turn row is a trajectory of one turn. User's guide:
+docs/agents.md#looking-at-stored-trajectories.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Loading real Hugging Face models and tokenizers from a LOCAL directory (never the Hub).
 
-Every loader passes ``local_files_only=True``: a typo in a path must fail at once
-with a message naming the path, not turn into a download attempt. Errors are
-:class:`ModelLoadError` and say what was expected in the directory.
-
-Progress: on a terminal, transformers' own "Loading weights" bar shows; when stderr is a log
-file (``run``'s children, a job scheduler) the bar would add a screen of carriage returns per
-load, so it is switched off for the load and one line before and after says what is loaded.
-Saving (:func:`transformers_bars_off` around ``save_pretrained``) shows no bar at all: its
-"Writing model shards" bar for a model of one shard is noise amid a command's own output.
+Every loader passes ``local_files_only=True`` and fails with :class:`ModelLoadError` naming the
+path and what was expected there. transformers' progress bars show on a terminal only. Design:
+docs/architecture.md#models-and-tokenizers.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Tiny offline models and a character-level tokenizer, built in-process (no Hub access).
 
-The tokenizer maps every printable ASCII character to one token and registers the
-chat markers as special tokens, so ``<|user|>`` is one id instead of eight
-characters. Its chat template wraps the assistant turn in
-``{% generation %}...{% endgeneration %}`` so ``apply_chat_template(...,
-return_assistant_tokens_mask=True)`` marks exactly the assistant's tokens (content
-plus the closing ``<|end|>``, which is also EOS).
-
-It is built as Qwen2's tokenizer class builds itself: byte-level symbols (a space is
-``Ġ``), Qwen2's split, NFC, a byte-level decoder, no unknown token. A saved copy is loaded
-by ``AutoTokenizer`` next to a Qwen2 config as ``Qwen2Tokenizer``, which keeps only the
-vocabulary and added tokens of ``tokenizer.json`` and rebuilds the rest its own way; a
-character-level vocabulary of plain ``" "`` entries lost every space there. Built this way,
-every loader gives the same ids. A character outside the vocabulary (a tab, non-ASCII) is
-dropped, as Qwen2's class drops it.
-
-Rendered conversation::
-
-    <|system|>...<|user|>12+7=<|assistant|>19<|end|>
-
-The models are ``Qwen2ForCausalLM`` (default) or ``LlamaForCausalLM`` built from a
-config with random weights. Both use RoPE, so left padding with
-``position_ids = cumsum(mask) - 1`` gives the same logits as unpadded input; GPT-2
-is not offered because torchrl's ``TransformersWrapper`` passes the attention mask
-positionally, which GPT-2 takes as ``past_key_values``.
+The tokenizer maps each printable ASCII character to one token, the chat markers to special
+tokens, and is built as Qwen2's tokenizer class builds itself, so every loader gives the same ids;
+its template marks the assistant's tokens (``{% generation %}``) and renders
+``<|system|>...<|user|>12+7=<|assistant|>19<|end|>``. Models are ``Qwen2ForCausalLM`` (default) or
+``LlamaForCausalLM`` with random weights. Design: docs/architecture.md#models-and-tokenizers.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""What one stored row is, and the checks every write passes before anything is stored.
+"""What one stored row is: the field table ``FIELDS``, ``StoreSchema`` and one row, ``Trajectory``.
 
-A row is one completed step of a trajectory. Single-turn GRPO stores one row per
-completion (``done`` is True); a multi-turn trajectory stores several rows with the
-same ``trajectory_id`` and increasing ``step``, the last one done.
-
-Fields come in three kinds:
-
-* token fields: ragged, one value per token, aligned with the prompt or the response;
-* row fields: one scalar per row;
-* text fields: one UTF-8 string per row (stored as bytes + offsets, never pickled).
-
-``FIELDS`` is the single table every other module reads (storage layout, validation,
-padding, README). Each field also names its torchrl 0.14 key, so a batch converts to
-the ``("tokens", "response")`` / ``("next", "reward")`` conventions torchrl's LLM
-transforms and losses read.
+Token fields (ragged), row fields (one scalar) and text fields (UTF-8); each names its torchrl 0.14
+key. The table every other module reads: docs/architecture.md#rows-and-the-padded-batch.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Rows given one by one (dicts or ``Trajectory`` objects) into the columns of a ``TrajectoryBatch``.
 
-What :meth:`TrajectoryBatch.from_rows` runs. It converts nothing that would change a value:
-a text must already be a ``str`` (never ``str(b"...")``), a token id an integer (a float is
-refused, never truncated), a reward a real number (never parsed from ``"1.0"``), a flag a
-``bool``, and every key must be a field of the schema. Whatever it cannot store exactly in
-the field's dtype is refused too (a token id of 2**31, an id of 2**70, a reward of 1e39),
-with a :class:`~rlhf_pipeline.schema.TrajectoryValidationError` naming the row, the field and
-the fix. The one change it makes on purpose is rounding real numbers to float32, the storage
-dtype of log-probs, rewards and advantages.
-
-The checks that need whole columns (lengths that agree, finite values, log-probs <= 0, ...)
-stay in :func:`~rlhf_pipeline.schema.validate_batch`, which every store runs on every write.
+Converts nothing that would change a value (float32 rounding aside); whatever cannot be stored
+exactly is refused naming the row, the field and the fix. Design: docs/architecture.md#rows-and-the-padded-batch.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Synthetic GRPO data: valid ``TrajectoryBatch`` objects of any size, for benchmarks and tests.
 
-Shape of the data: groups of ``group_size`` completions share one prompt (same tokens,
-same ``group_id``); prompt and response lengths are drawn uniformly from inclusive
-ranges; token ids are uniform in ``[0, vocab_size)``; sampling log-probs are
-``-Exponential(1)`` (finite, <= 0); rewards are 0/1. A response that reached the
-maximum length is ``truncated``, every other one ``terminated``.
-
-Optional fields, when asked for: ``advantage`` is the group-normalized reward
-``(r - mean) / (std + 1e-6)`` over each group present in the batch (batches hold whole
-groups when ``batch_size`` is a multiple of ``group_size``); ``ref_log_probs`` is the
-sampling log-prob plus noise (kept <= 0); ``kl`` is the k1 estimate
-``log_probs - ref_log_probs``; ``token_rewards`` is ``-0.05 * kl`` with the scalar reward
-added on the last token.
-
-Everything is drawn from one ``torch.Generator`` seeded with ``seed``, so equal
-arguments give equal batches. Construction is vectorized except the short text fields.
+Groups of ``group_size`` completions share a prompt; lengths are uniform in inclusive ranges,
+log-probs ``-Exponential(1)``, rewards 0/1, a response at the maximum length is ``truncated``.
+Optional fields: group-normalized ``advantage``, ``ref_log_probs`` (sampling log-prob plus noise),
+``kl`` (k1) and ``token_rewards`` (``-0.05 * kl``, the reward on the last token). Everything comes
+from one generator seeded with ``seed``: equal arguments give equal batches.
 """
 
 from __future__ import annotations

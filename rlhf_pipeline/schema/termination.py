@@ -1,16 +1,7 @@
 """Why a trajectory ended: the codes stored in the optional ``termination_reason`` row field.
 
-The code lives in the schema (not with the environments that produce it) because readers of a
-buffer -- ``filter``, ``inspect``, a learner that masks some endings out of the loss -- must
-understand it without importing the agents package. Codes are stable on disk: append new ones,
-never renumber.
-
-Which reasons are ``terminated`` and which ``truncated`` follows Gymnasium's split: an episode is
-*terminated* when it reached an end the policy is answerable for (the environment said done, or
-the policy's tool use failed past the environment's tolerance), and *truncated* when something
-outside the task cut it short (a turn, token or context limit, the per-turn generation length, a
-timeout). A truncated episode's last state has a value we did not observe; a learner may mask
-those out of the loss.
+Terminated or truncated follows Gymnasium's split; codes are stable on disk (append, never
+renumber). Design: docs/architecture.md#rows-and-the-padded-batch.
 """
 
 from __future__ import annotations

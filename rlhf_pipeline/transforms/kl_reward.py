@@ -1,31 +1,17 @@
 """Per-token KL to the reference and the KL-shaped token reward, on the write path.
 
-Estimators (Schulman, "Approximating KL divergence"), per response token, with
-``logp`` = ``response_log_probs`` (sampling policy) and ``ref`` = ``ref_log_probs``::
+Estimators (Schulman, "Approximating KL divergence"), per response token, ``logp`` the sampling
+log-prob and ``ref`` the reference's::
 
     k1 = logp - ref                              (unbiased, can be negative; torchrl KLRewardTransform)
     k2 = 0.5 * (logp - ref) ** 2                 (biased, >= 0)
-    k3 = exp(ref - logp) - (ref - logp) - 1      (unbiased, >= 0; GRPO's in-loss penalty, torchrl GRPOLoss)
+    k3 = exp(ref - logp) - (ref - logp) - 1      (unbiased, >= 0; GRPO's in-loss penalty)
 
-Written per row: ``kl`` (per token) and ``token_rewards = -coef * kl`` per token with the
-row's scalar ``reward`` added on its LAST response token (the reward is earned when the
-response ends). The row field ``reward`` is left untouched.
-
-How this meets the advantage: ``GroupAdvantage`` normalizes the scalar ``reward`` and
-runs before this transform, so ``advantage`` carries no KL term. ``token_rewards`` is for
-learners that use per-token returns (PPO / REINFORCE with a KL-shaped reward); a GRPO
-learner uses ``advantage`` and, if it wants a KL penalty, the in-loss k3 term instead.
-Using both counts the KL twice. Order on the write path: group advantage -> reference
-log-probs -> KL reward (this one needs ``ref_log_probs``).
-
-Coefficient: fixed, or adaptive (Ziegler et al. 2019, sec. 2.2; torchrl's
-``AdaptiveKLController``). After each write, with ``KL`` the mean over its rows of the
-per-sequence KL (sum over tokens of the chosen estimator) and ``n`` its number of rows::
-
-    e    = clip(KL / target_kl - 1, -0.2, 0.2)
-    coef = coef * (1 + e * n / horizon)
-
-The new coefficient applies from the next write; it is part of ``state_dict()``.
+Writes ``kl`` and ``token_rewards = -coef * kl`` with the row's ``reward`` added on its last
+response token; ``reward`` is untouched. The coefficient is fixed or adaptive (Ziegler et al. 2019,
+sec. 2.2): after each write ``coef *= 1 + clip(KL / target_kl - 1, -0.2, 0.2) * n / horizon``, with
+``KL`` the mean per-sequence KL of its ``n`` rows; it is part of ``state_dict()``. Why it does not
+meet the advantage: docs/architecture.md#the-write-path-transforms.
 """
 
 from __future__ import annotations

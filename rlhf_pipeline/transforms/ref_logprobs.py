@@ -1,22 +1,9 @@
 """Per-token log-probs of each response under a frozen reference model, batched.
 
-Variant computed: for row ``i`` with prompt ``p`` (already chat-templated tokens, as
-stored) and response ``r``::
-
-    ref_log_probs[i, t] = log_softmax(logits(p + r[:t]) / temperature)[r[t]]
-
-i.e. the reference scored at the *sampler's* temperature. ``response_log_probs`` come
-from the tempered distribution that was sampled, so scoring the reference at the same
-temperature makes ``logp - ref`` (the KL estimate) compare like with like; set
-``temperature=1.0`` to score the untempered reference instead. Top-k / top-p truncation
-is not applied to the reference.
-
-Batching: rows are sorted by length and packed into micro-batches of at most
-``tokens_per_microbatch`` padded tokens (a row longer than that goes alone). Inside a
-micro-batch prompts are left-padded and responses right-padded, so every response
-starts at the same column; ``position_ids = cumsum(attention_mask) - 1`` keeps each
-row's positions as if unpadded (models with absolute positions need it, see FACTS).
-The result equals a per-sequence forward to float32 precision (tested to 1e-5).
+``ref_log_probs[i, t] = log_softmax(logits(p + r[:t]) / temperature)[r[t]]``: the reference scored
+at the sampler's temperature (``temperature=1.0`` for the untempered one), no top-k / top-p. Rows
+are packed by length into micro-batches of at most ``tokens_per_microbatch`` padded tokens; the
+result equals a per-sequence forward to 1e-5. Design: docs/architecture.md#the-write-path-transforms.
 """
 
 from __future__ import annotations
