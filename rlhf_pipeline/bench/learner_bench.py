@@ -181,7 +181,7 @@ class Side:
         around its loss and backward."""
         import torch
 
-        from rlhf_pipeline.learn.optimizer import make_optimizer
+        from rlhf_pipeline.learn.step import make_optimizer
         from rlhf_pipeline.learn.settings import LearnerSettings
         from rlhf_pipeline.learn.step import plan_step, train_step
 

@@ -11,7 +11,7 @@ same pipeline file and settings as ``rlhf-pipeline run`` and builds, from them:
   (``shuffle_dataset=False``), so round k of both sides asks the same questions;
 * one trainer step per generation batch: ``tasks_per_round`` prompts x ``group_size`` episodes,
   one optimizer step on them (``steps_per_generation=1``, ``num_iterations=1``) with the learner's
-  own optimizer and schedule (``learn.optimizer.make_optimizer``: fused AdamW, linear warm-up) and
+  own optimizer and schedule (``learn.step.make_optimizer``: fused AdamW, linear warm-up) and
   gradient clip, ``loss_type="dapo"`` (a token mean over the batch's sampled tokens: our
   ``token_mean``), ``epsilon`` = our clip, ``beta=0``, sampling at the pipeline's temperature
   with no top-k / top-p;
@@ -143,7 +143,7 @@ def build_trainer(settings: Any, state_dict: dict, *, steps: int, output_dir: st
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_pipeline.agents.calculator import multiply
-    from rlhf_pipeline.learn.optimizer import make_optimizer
+    from rlhf_pipeline.learn.step import make_optimizer
     from rlhf_pipeline.models import tiny_causal_lm
 
     tokenizer = trl_tool_tokenizer()

@@ -148,7 +148,7 @@ class ObjectStoreWeightsPoller:
 
     def _taken_back(self, version: int) -> bool:
         """Whether ``version`` is newer than every published file: a learner restarted from an
-        earlier checkpoint took it back and publishes it again as it retrains (``learn/resume.py``)."""
+        earlier checkpoint took it back and publishes it again as it retrains (``learn/learner.py``)."""
         from rlhf_pipeline.coordination.weights import latest_version
 
         newest = latest_version(self.run_dir)

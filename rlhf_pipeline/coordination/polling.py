@@ -13,7 +13,7 @@ prefetch thread, and a poll every millisecond there slowed the training step bes
 when it is *hurried*: the learner's prefetch thread backs off from ``first_s`` to ``max_s``
 (the samplers' ``poll_s``, 5 ms: a 20 ms cap left ~5 ms between a round's commit and the
 batch being read) while the learner trains, and starts again from ``first_s`` the moment the
-learner waits for the batch (:class:`rlhf_pipeline.learn.prefetch.Prefetcher` sets the event).
+learner waits for the batch (:class:`rlhf_pipeline.learn.learner.Prefetcher` sets the event).
 A wait nobody hurries (the collector waiting for the learner to take its rows in, in a process
 of its own) polls every ``first_s`` for its first ``fast_s`` seconds, then backs off: a long
 wait (a learner warm-starting, a collector that died) polls rarely.

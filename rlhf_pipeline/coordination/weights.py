@@ -13,7 +13,7 @@ A version's number follows from the learner's progress (one more per publish), w
 to its process: a learner killed after its checkpoint had published versions past it, which the resumed learner
 takes back (:func:`retract_versions_after`) and publishes again under the same numbers as it
 retrains those steps. Rows sampled with them keep their number, so staleness and the versions
-collectors pin their rounds to mean what they meant before the kill (``learn/resume.py``).
+collectors pin their rounds to mean what they meant before the kill (``learn/learner.py``).
 
 At a URL, the collectors of one machine share one download per version
 (``WeightsPoller(..., cache=MachineCache(paths.fetched_weights))``, ``files/machine_cache.py``):

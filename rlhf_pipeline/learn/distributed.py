@@ -383,8 +383,8 @@ class DataParallel:
     def draw_producer(self, produce_named: Callable[[int], tuple], *,
                       read_slice: Callable[[Any, torch.Tensor, bool], TensorDict | None], store,
                       stop: threading.Event, timeout_s: float) -> tuple[Callable[[int], tuple], Callable[[], None] | None]:
-        """``(produce, on_exit)`` for this rank's prefetch thread (``learn/prefetch.py``): ``produce(draw)``
-        gives ``(sampled, batch, names, intake)`` of draw ``draw``. With one rank: ``produce_named``.
+        """``(produce, on_exit)`` for this rank's prefetch thread (``Prefetcher``, ``learn/learner.py``):
+        ``produce(draw)`` gives ``(sampled, batch, names, intake)`` of draw ``draw``. With one rank: ``produce_named``.
 
         Rank 0 draws (``produce_named``: its sampler alone sees the buffer grow, decides staleness drops,
         epochs and pacing), reads its own slice, and shares the draw on the draw channel (a gloo group

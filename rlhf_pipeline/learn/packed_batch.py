@@ -1,6 +1,6 @@
 """The packed learner's batch, made on the prefetch thread (``learner.packing``, the default).
 
-With packing on, the learner's prefetch thread (``learn/prefetch.py``) turns each draw into a
+With packing on, the learner's prefetch thread (``learn/learner.py``, ``Prefetcher``) turns each draw into a
 :class:`PackedBatch`, and no padded ``(B, T)`` batch is built anywhere on the way::
 
     store.read_ragged(positions)     the drawn rows end to end, as stored (storage/padded_rows.py)

@@ -13,8 +13,6 @@ checks staleness makes draw ``d`` only then (one draw of overlap with the step i
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 from tensordict import TensorDict
@@ -36,34 +34,3 @@ def drop_stale(batch: TensorDict, fresh: np.ndarray) -> tuple[TensorDict | None,
     if not fresh.any():
         return None, int(fresh.size)
     return take_rows(batch, torch.from_numpy(np.flatnonzero(fresh))), int((~fresh).sum())
-
-
-class DrawVersions:
-    """The policy version each draw is trained with: set by the training thread (:meth:`expect`)
-    when it has taken in the draw before, read by the prefetch thread before it draws (:meth:`wait`)."""
-
-    def __init__(self, stop: threading.Event, *, poll_s: float = 0.05) -> None:
-        self._stop = stop
-        self._poll_s = poll_s
-        self._changed = threading.Condition()
-        self._draw, self._version = -1, 0
-
-    def expect(self, draw: int, version: int) -> None:
-        """Draw ``draw`` trains with ``version`` (the draws before it are taken in)."""
-        with self._changed:
-            self._draw, self._version = draw, version
-            self._changed.notify_all()
-
-    def latest(self) -> int:
-        """The version of the newest draw told, without waiting (a sampler that rejects no rows)."""
-        with self._changed:
-            return self._version
-
-    def wait(self, draw: int) -> int:
-        """The version draw ``draw`` trains with, once told; InterruptedError when stopped first."""
-        with self._changed:
-            while self._draw < draw:
-                if self._stop.is_set():
-                    raise InterruptedError("sampling stopped")
-                self._changed.wait(self._poll_s)
-            return self._version

@@ -3,7 +3,7 @@
 A sampler makes *draw* ``d`` (the ``d``-th batch the learner asks for; a batch can be
 dropped whole as stale, so draws and steps may differ): the store positions of one
 step's rows. The learner runs draws on a prefetch thread a few draws ahead
-(``learn/prefetch.py``), reads the rows into a padded batch, and records the draw count in
+(``learn/learner.py``, ``Prefetcher``), reads the rows into a padded batch, and records the draw count in
 its ``Progress``. A sampler keeps this contract (:class:`BatchSampler`):
 
 * ``draw(d) -> SampledRows`` is deterministic given the seed, ``d``, the sampler's state
