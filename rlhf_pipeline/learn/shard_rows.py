@@ -57,7 +57,7 @@ class RowNames:
     shard: np.ndarray  # (B,) index into keys
     ids: np.ndarray  # (B,) global row id within its shard
     # what they were named in, for a buffer at a URL (see the module docstring); between rank 0 and
-    # another rank, packed (learn/view_changes.ViewChanges)
+    # another rank, packed (learn/distributed.ViewChanges)
     view: Any = None
 
     def select(self, mask: np.ndarray) -> RowNames:
