@@ -8,13 +8,13 @@ micro-batches of at most ``--micro-batch-tokens`` tokens, forward, GRPO loss (to
 0.2, old log-probs the sampler's), backward, gradient clip, AdamW.
 
 * ``padded``: the learner's step (``learn/step.py``) with ``learner.packing=false``:
-  ``learn/microbatch.py`` micro-batches (rows sorted by length, each padded to its longest
+  ``learn/batch.py`` micro-batches (rows sorted by length, each padded to its longest
   prompt + response) and ``grpo_step_loss``, the model's attention ``sdpa``;
-* ``packed``: the same step with ``learner.packing=true``: ``learn/packing.py`` plans
-  (first-fit decreasing), ``learn/packed.py`` packed sequences and ``grpo_packed_loss`` with the
+* ``packed``: the same step with ``learner.packing=true``: ``learn/batch.py`` plans
+  (first-fit decreasing) and packs sequences, and ``grpo_packed_loss`` with the
   ``rlhf_packed`` attention. As in the learner, the rows are planned and packed from their
   ragged form before the step (the learner does it on its prefetch thread,
-  ``learn/packed_batch.py``): that time is reported apart (``prefetch_ms``), not in the timed step;
+  ``learn/batch.py``): that time is reported apart (``prefetch_ms``), not in the timed step;
 * ``trl``: ``trl.GRPOTrainer.compute_loss`` and backward on TRL's layout of the same rows
   (``bench/trl_side.py`` says exactly what of TRL runs), when TRL is installed
   (``pip install -e .[bench-trl]``).
@@ -189,7 +189,7 @@ class Side:
                                    packing=self.name == "packed")
         prefetch_s = 0.0
         if self.name == "packed":  # the learner's prefetch thread: planned and packed from ragged rows
-            from rlhf_pipeline.learn.packed_batch import PackedBatch
+            from rlhf_pipeline.learn.batch import PackedBatch
 
             start = time.perf_counter()
             prepared = [PackedBatch.from_stored(rows, settings.micro_batch_tokens) for rows in prepared]

@@ -76,7 +76,7 @@ from tensordict import TensorDict
 from rlhf_pipeline.storage.buffers import is_url
 
 from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token
-from rlhf_pipeline.learn.microbatch import take_rows
+from rlhf_pipeline.learn.batch import drop_stale, take_rows
 from rlhf_pipeline.learn.samplers import DataTimeoutError
 from rlhf_pipeline.learn.shard_rows import (
     RowNames,
@@ -87,7 +87,6 @@ from rlhf_pipeline.learn.shard_rows import (
     published_view,
     shard_stores,
 )
-from rlhf_pipeline.learn.stale_rows import drop_stale
 from rlhf_pipeline.learn.step import MicroBatch, StepPlan, batch_counts, micro_batch_weight, plan_step, split_batch
 
 if TYPE_CHECKING:
@@ -467,7 +466,7 @@ class DataParallel:
         return take_and_read, wait_for_last_word
 
     def drop_stale(self, batch: TensorDict, fresh: np.ndarray) -> tuple[TensorDict | None, int, np.ndarray]:
-        """:func:`~rlhf_pipeline.learn.stale_rows.drop_stale` over all ranks: stale rows counted
+        """:func:`~rlhf_pipeline.learn.batch.drop_stale` over all ranks: stale rows counted
         globally, the step skipped (None) only when no rank has a row left, a rank with none left
         trains on a filler. Also returns the freshness of every row of the global draw, in draw order."""
         if not self.enabled:

@@ -67,16 +67,15 @@ from tensordict import TensorDict
 
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.files.run_paths import RunPaths
+from rlhf_pipeline.learn.batch import PackedBatch, fresh_mask
 from rlhf_pipeline.learn.checkpoint import Progress, buffer_rows, capture_rng_state, restore_rng_state, run_checkpoints
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.errors import NonFiniteStep
 from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, group_reward_stats, truncate_metrics
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
-from rlhf_pipeline.learn.packed_batch import PackedBatch
 from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.shard_rows import next_rows, row_names
-from rlhf_pipeline.learn.stale_rows import fresh_mask
 from rlhf_pipeline.learn.step import apply_settings, make_optimizer, mean_one, train_step
 from rlhf_pipeline.learn.trajectories import (
     is_single_turn,
@@ -343,7 +342,7 @@ class Learner:
                 if self._feedback:
                     self.sampler.feed_back(draw, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
                 continue
-            # rows that went stale in the prefetch queue: dropped before the step (learn/stale_rows.py);
+            # rows that went stale in the prefetch queue: dropped before the step (batch.drop_stale);
             # so are those whose trajectory ended for a masked reason: kept in the batch with a zero loss
             # mask they would still count in sequence_mean's and constant's number of rows
             fresh = fresh_mask(batch, self.progress.policy_version, self.settings.max_staleness)
@@ -513,7 +512,7 @@ def draw_readers(store, sampler, settings: LearnerSettings, data_parallel: DataP
     ``sampler`` and reads the batch, returning ``(sampled, batch, row names, intake)``;
     ``read_slice(sampled, positions, filler)`` reads one rank's slice of a shared draw.
     ``masked_codes``: the termination reasons left out of the step (their reasons are read only then);
-    ``draw_versions``: the version each draw's staleness is checked against (``learn/stale_rows.py``)."""
+    ``draw_versions``: the version each draw's staleness is checked against (:class:`DrawVersions`)."""
     from rlhf_pipeline.schema.padding import PaddedCollator
 
     pin = device.type == "cuda"
@@ -521,7 +520,7 @@ def draw_readers(store, sampler, settings: LearnerSettings, data_parallel: DataP
     collator = PaddedCollator(pad_token_id=pad_token_id, pin_memory=pin and batch_transform is None,
                               index_dtype=torch.int32)
     packing = settings.packing
-    # with packing the prefetch thread reads rows ragged and packs them (learn/packed_batch.py); a
+    # with packing the prefetch thread reads rows ragged and packs them (batch.PackedBatch); a
     # batch_transform edits padded batches, so then it reads padded, transforms, and packs after
     ragged = packing and batch_transform is None
     budget = settings.micro_batch_tokens
@@ -626,7 +625,7 @@ def draw_readers(store, sampler, settings: LearnerSettings, data_parallel: DataP
     checks_staleness = getattr(sampler, "max_staleness", None) is not None
 
     def produce_named(draw: int):
-        # the version this draw trains with, not the one held right now (learn/stale_rows.py)
+        # the version this draw trains with, not the one held right now (DrawVersions)
         versions = draw_versions
         sampler.current_version = versions.wait(draw) if checks_staleness else versions.latest()
         sampled, batch = produce(draw)
@@ -640,7 +639,13 @@ def draw_readers(store, sampler, settings: LearnerSettings, data_parallel: DataP
 
 class DrawVersions:
     """The policy version each draw is trained with: set by the training thread (:meth:`expect`)
-    when it has taken in the draw before, read by the prefetch thread before it draws (:meth:`wait`)."""
+    when it has taken in the draw before, read by the prefetch thread before it draws (:meth:`wait`).
+
+    Why: the sampler checks staleness as it makes the draw, on the prefetch thread, while the
+    training thread publishes. The version the learner happened to hold at that moment depended on
+    whether the rows came before or after the publish, so a resumed run (its collector had already
+    written them) and a run under another load passed over other rows. A sampler that checks
+    staleness makes draw ``d`` only once told (one draw of overlap with the step in progress)."""
 
     def __init__(self, stop: threading.Event, *, poll_s: float = 0.05) -> None:
         self._stop = stop

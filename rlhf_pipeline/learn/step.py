@@ -12,9 +12,9 @@ finite"). The checks cost one norm of the weights: the loss is already a number 
 gradient norm is clipping's own.
 
 With ``learner.packing`` (the default) a micro-batch is one packed sequence of whole rows
-(``learn/packing.py`` plans them first-fit decreasing, ``learn/packed.py`` runs them), planned
-and packed on the learner's prefetch thread (a :class:`~rlhf_pipeline.learn.packed_batch.PackedBatch`);
-without it, rows sorted by length and padded to the longest of their micro-batch (``learn/microbatch.py``).
+(``learn/batch.py`` plans them first-fit decreasing and packs them, ``loss.grpo_packed_loss`` runs
+them), planned and packed on the learner's prefetch thread (a :class:`~rlhf_pipeline.learn.batch.PackedBatch`);
+without it, rows sorted by length and padded to the longest of their micro-batch (``learn/batch.py``).
 
 :func:`plan_step` cuts a batch into weighted micro-batches; :func:`train_step` runs them. The
 step knows nothing of other ranks: data parallelism is a layer around it
@@ -42,10 +42,15 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_pipeline.learn.errors import NonFiniteStep
-from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token, grpo_step_loss
-from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows
-from rlhf_pipeline.learn.packed import PackedMicroBatch, RaggedRows, grpo_packed_loss, plan_rows, pack_rows
-from rlhf_pipeline.learn.packed_batch import PackedBatch
+from rlhf_pipeline.learn.batch import (
+    PackedBatch,
+    PackedMicroBatch,
+    RaggedRows,
+    pack_rows,
+    plan_rows,
+    split_microbatches_with_rows,
+)
+from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token, grpo_packed_loss, grpo_step_loss
 
 if TYPE_CHECKING:
     from rlhf_pipeline.learn.settings import LearnerSettings

@@ -12,10 +12,8 @@ from test_trajectories import OPTIONAL, TURNS, multi_turn_rows
 from rlhf_pipeline.coordination.weights import publish_weights
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.learn import trajectories
+from rlhf_pipeline.learn.batch import PackedBatch, RaggedRows, packed_micro_batches, take_rows
 from rlhf_pipeline.learn.learner import Learner
-from rlhf_pipeline.learn.microbatch import take_rows
-from rlhf_pipeline.learn.packed import RaggedRows, packed_micro_batches
-from rlhf_pipeline.learn.packed_batch import PackedBatch
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.step import batch_counts, split_batch
 from rlhf_pipeline.learn.trajectories import read_joined, read_trajectories
