@@ -59,6 +59,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -94,40 +95,49 @@ from rlhf_pipeline.schema.ids import collector_index_of
 STALENESS_BUCKETS = (0, 1, 2)  # fractions of rows exactly this stale, plus one for the rest
 
 
+@dataclass(frozen=True)
+class BufferSource:
+    """The buffer a learner trains on when it is not its run's own ``buffer/`` (a replay's source)."""
+
+    location: str
+    """A path or URL ``open_buffer`` opens."""
+    fed_by_collectors: bool = True
+    """Collectors write it and pace themselves by this learner's ``pacing.json``. False (replay): no
+    collector reads it, so it is not written; checkpoints keep the intake all the same."""
+    checkpoint_saw_another: bool = False
+    """The checkpoint resumed from saw another buffer than this one (a branch replayed over its
+    parent's rows, ``runs/branch.py``): its rows are not checked against this buffer, and its
+    sampler state (positions in the other buffer) is not loaded."""
+
+
 class Learner:
     """Trains the policy on batches sampled from a run's buffer; publishes weights."""
 
     def __init__(self, settings: LearnerSettings, paths: RunPaths, *, make_model: Callable[[], torch.nn.Module],
                  steps: int, seed: int = 0, device: str = "cpu", pad_token_id: int = 0,
                  stop_event: threading.Event | None = None, show_progress: bool = True,
-                 buffer: str | None = None, batch_transform: Callable[[torch.Tensor, Any], Any] | None = None,
+                 source: BufferSource | None = None, batch_transform: Callable[[torch.Tensor, Any], Any] | None = None,
                  on_step: Callable[[int, Any, Any, dict[str, float]], None] | None = None,
                  before_checkpoint: Callable[[], None] | None = None,
-                 data_parallel: DataParallel | None = None,
-                 initial_policy: torch.nn.Module | None = None, publish_pacing: bool = True,
-                 checkpoint_of_another_buffer: bool = False) -> None:
-        """``buffer``: the store to read (a path or URL ``open_buffer`` opens) instead of the run's
-        own ``buffer/`` (replay); ``batch_transform(positions, padded_batch) -> padded_batch`` runs on
-        the prefetch thread after each read (replay's re-scoring); ``on_step(step, sampled, batch,
-        metrics)`` runs after each step, before its metrics are written, and may add metrics;
-        ``before_checkpoint()`` runs on rank 0 before each checkpoint is saved (replay uploads its
-        batch log there: a resume redoes no step the checkpoint covers, so its lines must be kept).
-        ``data_parallel``: this process's rank among data-parallel learners (``learn/distributed.py``;
-        its process group already started); ``batch`` in ``batch_transform``/``on_step`` is then the
-        rank's own slice. ``initial_policy``: the model this process just built and published as
-        weights version 0 (``make_policy()``); a learner without a checkpoint trains it as it is
-        instead of building ``make_model()`` and reading version 0 back (a second full model load),
-        a resumed one ignores it and loads its checkpoint. ``publish_pacing=False``: no collector
-        feeds ``buffer`` (replay), so ``pacing.json`` is not written; checkpoints keep the intake.
-        ``checkpoint_of_another_buffer``: the checkpoint resumed from saw another buffer than ``buffer``
-        (a branch replayed over its parent's rows, ``runs/branch.py``), so its rows are not checked
-        against ``buffer``."""
+                 data_parallel: DataParallel | None = None, initial_policy: torch.nn.Module | None = None) -> None:
+        """``source``: the buffer to train on instead of the run's own (:class:`BufferSource`);
+        ``batch_transform(positions, padded_batch) -> padded_batch`` runs on the prefetch thread
+        after each read (replay's re-scoring); ``on_step(step, sampled, batch, metrics)`` runs after
+        each step, before its metrics are written, and may add metrics; ``before_checkpoint()`` runs
+        on rank 0 before each checkpoint is saved (replay uploads its batch log there: a resume redoes
+        no step the checkpoint covers, so its lines must be kept). ``data_parallel``: this process's
+        rank among data-parallel learners (``learn/distributed.py``; its process group already
+        started); ``batch`` in ``batch_transform``/``on_step`` is then the rank's own slice.
+        ``initial_policy``: the model this process just built and published as weights version 0
+        (``make_policy()``); a learner without a checkpoint trains it as it is instead of building
+        ``make_model()`` and reading version 0 back (a second full model load), a resumed one
+        ignores it and loads its checkpoint."""
         settings.check()
         self.settings = settings
         self.paths = paths
         self.make_model = make_model
         self._initial_policy = initial_policy
-        self._checkpoint_of_another_buffer = checkpoint_of_another_buffer
+        self.source = source or BufferSource(paths.buffer_location)
         self.total_steps = steps
         self.seed = seed
         self.data_parallel = data_parallel or DataParallel()
@@ -142,7 +152,6 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.stop_event = stop_event or threading.Event()
         self.show_progress = show_progress
-        self.buffer = str(buffer) if buffer is not None else paths.buffer_location
         self.batch_transform = batch_transform
         self.on_step = on_step
         self.before_checkpoint = before_checkpoint
@@ -155,7 +164,7 @@ class Learner:
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
         pacing, store = paths.state_object(paths.pacing)
-        self._pacing = PacingPublisher(pacing, store=store, write=publish_pacing)
+        self._pacing = PacingPublisher(pacing, store=store, write=self.source.fed_by_collectors)
         self._trained = TrainedRows()
         self._draw_versions = DrawVersions(self.stop_event)  # what each draw's staleness is checked against
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
@@ -273,12 +282,12 @@ class Learner:
         # one store, or the union of the collectors' shards (new shards are picked up as they appear);
         # the rows the checkpoint saw must still be there. Several ranks over a buffer at a URL: rank 0
         # alone lists it and reads the records, the others open their readers from those
-        saw = None if checkpoint is None or self._checkpoint_of_another_buffer else checkpoint["buffer"]
-        self._store = self.data_parallel.open_buffer(self.buffer, saw)
+        saw = None if checkpoint is None or self.source.checkpoint_saw_another else checkpoint["buffer"]
+        self._store = self.data_parallel.open_buffer(str(self.source.location), saw)
         self.sampler = make_sampler(self.settings, self._store, seed=self.seed, stop=self.stop_event)
         # the state after the last draw a step used (draws run ahead on the prefetch thread)
         self._sampler_state = self.sampler.state_dict()
-        if checkpoint is not None and not self._checkpoint_of_another_buffer:  # (positions in another buffer)
+        if checkpoint is not None and not self.source.checkpoint_saw_another:  # (positions in another buffer)
             # checkpoints from before learner samplers kept the window sampler's state in Progress
             self._sampler_state = checkpoint.get("sampler") or {"min_next_row": self.progress.min_next_row}
             try:
