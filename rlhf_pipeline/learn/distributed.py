@@ -119,7 +119,7 @@ class DataParallel:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    parallelism: str = "ddp"  # or "fsdp" (learn/fsdp.py): the learner sets it from learner.parallelism
+    parallelism: str = "ddp"  # or "fsdp" (shard_model, below): the learner sets it from learner.parallelism
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size or self.local_rank < 0:

@@ -72,7 +72,7 @@ from rlhf_pipeline.learn.batch import PackedBatch, fresh_mask
 from rlhf_pipeline.learn.checkpoint import Progress, buffer_rows, capture_rng_state, restore_rng_state, run_checkpoints
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.errors import NonFiniteStep
-from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, group_reward_stats, truncate_metrics
+from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, truncate_metrics
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.samplers import make_sampler
 from rlhf_pipeline.learn.settings import LearnerSettings
@@ -778,7 +778,29 @@ class Prefetcher:
             self._thread.join(timeout=0.1)
 
 
-# ====================================================================== what a step reports: charts, rows trained, waiting
+# ====================================================================== what a step reports
+def group_reward_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
+    """Mean/std of rewards and the fraction of groups whose rewards have zero spread."""
+    rewards = rewards.float()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    if n_groups:
+        hi = torch.full((n_groups,), -torch.inf).scatter_reduce(0, inverse, rewards, "amax")
+        lo = torch.full((n_groups,), torch.inf).scatter_reduce(0, inverse, rewards, "amin")
+        counts = torch.bincount(inverse, minlength=n_groups)
+        # a group seen through a single sampled row tells nothing about its spread
+        multi = counts > 1
+        zero = ((hi - lo).abs() < 1e-8) & multi
+        frac_zero = float(zero.sum()) / max(int(multi.sum()), 1)
+    else:
+        frac_zero = 0.0
+    return {
+        "charts/reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+        "charts/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "charts/frac_reward_zero_std": frac_zero,
+    }
+
+
 def batch_charts(rows: TensorDict, policy_version: int) -> dict[str, float]:
     """``rows``: one value a row (every rank's rows under data parallelism, on the CPU);
     ``policy_version``: the learner's version when it trained on them."""
