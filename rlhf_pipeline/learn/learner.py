@@ -512,7 +512,7 @@ class Learner:
             self._store = None
 
 
-# ====================================================================== the prefetch thread: a draw read into the step's batch
+# ====================================================================== the prefetch thread
 def draw_readers(store, sampler, settings: LearnerSettings, data_parallel: DataParallel, *, device: torch.device,
                  pad_token_id: int, batch_transform: Callable[[torch.Tensor, Any], Any] | None,
                  masked_codes: torch.Tensor, draw_versions: DrawVersions
@@ -684,7 +684,9 @@ class DrawVersions:
 
 
 class Prefetcher:
-    """Runs ``produce(i)`` for ``i = start, start+1, ...`` in a thread, ``depth`` items ahead."""
+    """Runs ``produce(i)`` for ``i = start, start+1, ...`` in a thread, ``depth`` items ahead: the
+    learner's draws (a sampler's draw + the read, :func:`draw_readers`), so the model does not wait
+    on disk reads, padding or packing."""
 
     def __init__(self, produce: Callable[[int], Any], start_step: int, *, depth: int = 2,
                  stop: threading.Event | None = None, on_exit: Callable[[], None] | None = None,
@@ -851,7 +853,11 @@ def run_charts(tokens: float, elapsed_s: float, waited_s: float, dropped: int, s
 
 
 class TrainedRows:
-    """Which stored rows have gone into a loss: a bitmap per shard over its global row ids."""
+    """Which stored rows have gone into a loss: a bitmap per shard over its global row ids.
+
+    The waste a user paying for generation wants to see, ``charts/rows_generated_per_row_trained``:
+    rows ever written over distinct rows trained (a row drawn twice counts once). One bit per stored
+    row (by global id, ``learn/shard_rows.py``): exact, 1 MB per 8 million rows; checkpointed."""
 
     def __init__(self) -> None:
         self._bits: dict[str, np.ndarray] = {}  # shard key -> packed bits (uint8), bit i = global row i
@@ -908,6 +914,11 @@ def staleness_metrics(staleness: torch.Tensor) -> dict[str, float]:
 class WaitReport:
     """The learner's ``on_wait`` (called every 0.1 s while it waits for a batch): renews the wait
     in ``pacing.json`` (``PacingPublisher.waiting``) and says what it waits for once it is long.
+
+    A wait of up to ``data_timeout_s`` with nothing said looks like a hang, so past ``wait_report_s``
+    it says in one line what the next draw needs and why it cannot have it yet (no row written at
+    all: the collectors are starting; none since the wait began; or they write too slowly), then
+    again each time the wait doubles.
 
     ``shard_rows()`` gives the rows each shard has published, as the learner's store last saw them;
     ``lacking()`` what the draw it waits for still lacks, from a sampler that says it
