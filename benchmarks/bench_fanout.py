@@ -234,9 +234,8 @@ def open_readers(server: CountingServer, prefix: str, keys: list[str], opening: 
 
     if opening == "each rank opens":
         return list(pool.map(lambda key: open_buffer(prefix, **options(key)), keys)), 0
-    from rlhf_pipeline.learn.rank_slices import SharedView
+    from rlhf_pipeline.learn.distributed import ReceivedRecords, SharedView
     from rlhf_pipeline.learn.shard_rows import open_in_view, published_view
-    from rlhf_pipeline.learn.view_changes import ReceivedRecords
 
     main = open_buffer(prefix, **options(keys[0]))
     sent = SharedView().opened(published_view(main))  # what DataParallel.open_buffer broadcasts on the draw channel

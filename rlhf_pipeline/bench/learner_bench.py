@@ -143,7 +143,7 @@ class Side:
         around its loss and backward."""
         import torch
 
-        from rlhf_pipeline.learn.optimizer import make_optimizer
+        from rlhf_pipeline.learn.step import make_optimizer
         from rlhf_pipeline.learn.settings import LearnerSettings
         from rlhf_pipeline.learn.step import plan_step, train_step
 
@@ -151,7 +151,7 @@ class Side:
                                    packing=self.name == "packed")
         prefetch_s = 0.0
         if self.name == "packed":  # the learner's prefetch thread: planned and packed from ragged rows
-            from rlhf_pipeline.learn.packed_batch import PackedBatch
+            from rlhf_pipeline.learn.batch import PackedBatch
 
             start = time.perf_counter()
             prepared = [PackedBatch.from_stored(rows, settings.micro_batch_tokens) for rows in prepared]

@@ -114,7 +114,7 @@ def build_trainer(settings: Any, state_dict: dict, *, steps: int, output_dir: st
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_pipeline.agents.calculator import multiply
-    from rlhf_pipeline.learn.optimizer import make_optimizer
+    from rlhf_pipeline.learn.step import make_optimizer
     from rlhf_pipeline.models import tiny_causal_lm
 
     tokenizer = trl_tool_tokenizer()

@@ -43,7 +43,7 @@ class RunControl:
     def publish_weights(self, version: int, boxed_ref: list, restarted: bool = False) -> None:
         """``restarted``: the first publish of a learner that started again from its checkpoint; its
         version replaces the held one even if older (a killed learner's version past the checkpoint,
-        which the restarted one publishes again as it retrains: ``learn/resume.py``)."""
+        which the restarted one publishes again as it retrains: ``learn/learner.py``)."""
         if self._weights is None or version > self._weights[0] or restarted:
             self._weights = (version, boxed_ref)
 
@@ -132,7 +132,7 @@ class ObjectStoreWeightsPoller:
 
     def _taken_back(self, version: int) -> bool:
         """Whether ``version`` is newer than every published file: a learner restarted from an
-        earlier checkpoint took it back and publishes it again as it retrains (``learn/resume.py``)."""
+        earlier checkpoint took it back and publishes it again as it retrains (``learn/learner.py``)."""
         from rlhf_pipeline.coordination.weights import latest_version
 
         newest = latest_version(self.run_dir)

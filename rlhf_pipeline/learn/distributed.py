@@ -18,7 +18,7 @@ What makes N ranks train exactly like one:
   (:meth:`draw_producer`). So the ranks train on rank 0's rows while collectors write, and the
   checkpointed sampler state is rank 0's. When rank 0 has no draw to give (stopped, or its draw
   failed) it shares a :class:`MainStopped`, so no rank waits forever.
-* **One opening, one refresh per step, and shard affinity** (``learn/rank_slices.py``): for a
+* **One opening, one refresh per step, and shard affinity** (:class:`SharedView`, :func:`positions_in_view`): for a
   buffer at a URL rank 0 alone opens it and sends the commit records it read (:meth:`open_buffer`),
   and the other ranks adopt the records each of rank 0's refreshes read, sent with the draw,
   instead of listing and refreshing themselves; with at least as many shards as ranks, each rank's
@@ -35,7 +35,7 @@ What makes N ranks train exactly like one:
   stale trains on a *filler*: one row of its batch with loss weight 0, so DDP's all-reduce
   still runs on every rank and adds nothing.
 
-``parallelism="fsdp"`` shards the model with FSDP2 instead of DDP (``learn/fsdp.py``).
+``parallelism="fsdp"`` shards the model with FSDP2 instead of DDP (:func:`shard_model`).
 
 Only rank 0 writes: weights, checkpoints, metrics, TensorBoard, ``pacing.json``. Every rank
 loads the same newest checkpoint, which holds the global draw count and the whole model and
@@ -43,11 +43,16 @@ optimizer state (:meth:`model_state`, :meth:`optimizer_state`), so a checkpoint 
 any number of ranks and either parallelism. Backend: gloo on CPU, NCCL on CUDA (rank ``r``
 uses ``cuda:LOCAL_RANK``).
 
+Below the class, what the ranks agree on without a collective of its own: which rows are whose
+and the view of the buffer they are read in (:func:`rank_slice`, :func:`order_by_owner`,
+:class:`SharedView`, :func:`positions_in_view`); the commit records rank 0 sends, each part at
+most once (:class:`ViewChanges`); and FSDP2's wrapping and whole states (:func:`shard_model`).
+
 Why one file: every collective a rank takes part in is here (the draws shared on the prefetch
-threads' group, the counts, the stop, the gradient sync), and they must be issued in the same
-order on every rank; read apart, an order that deadlocks only across two files would be easy to
-write. What needs no collective (which rows are whose: ``rank_slices.py``; FSDP's wrapping:
-``fsdp.py``) lives beside it.
+threads' group, the counts, the stop, the gradient sync, FSDP's gathers), and they must be issued
+in the same order on every rank; read apart, an order that deadlocks only across two files would
+be easy to write. The slices, views and FSDP wrapping change with them: they are what the
+collectives carry and what they run on.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import functools
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,12 +76,18 @@ from tensordict import TensorDict
 from rlhf_pipeline.storage.buffers import is_url
 
 from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token
-from rlhf_pipeline.learn.microbatch import take_rows
-from rlhf_pipeline.learn.rank_slices import SharedView, order_by_owner, positions_in_view, rank_slice
-from rlhf_pipeline.learn.shard_rows import RowNames, open_in_view, published_view
-from rlhf_pipeline.learn.stale_rows import drop_stale
+from rlhf_pipeline.learn.batch import drop_stale, take_rows
+from rlhf_pipeline.learn.samplers import DataTimeoutError
+from rlhf_pipeline.learn.shard_rows import (
+    RowNames,
+    View,
+    adopt_view,
+    open_in_view,
+    positions_of,
+    published_view,
+    shard_stores,
+)
 from rlhf_pipeline.learn.step import MicroBatch, StepPlan, batch_counts, micro_batch_weight, plan_step, split_batch
-from rlhf_pipeline.learn.view_changes import ReceivedRecords, ViewChanges
 
 if TYPE_CHECKING:
     from rlhf_pipeline.learn.samplers import SampledRows
@@ -107,7 +119,7 @@ class DataParallel:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    parallelism: str = "ddp"  # or "fsdp" (learn/fsdp.py): the learner sets it from learner.parallelism
+    parallelism: str = "ddp"  # or "fsdp" (shard_model, below): the learner sets it from learner.parallelism
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size or self.local_rank < 0:
@@ -183,8 +195,6 @@ class DataParallel:
         if not self.enabled:
             return model
         if self.sharded:
-            from rlhf_pipeline.learn.fsdp import shard_model
-
             return shard_model(model)
         from torch.nn.parallel import DistributedDataParallel
 
@@ -194,13 +204,13 @@ class DataParallel:
     # ------------------------------------------------------------------ data
     def local_positions(self, positions: torch.Tensor, rank_rows: list[int] | None = None) -> tuple[torch.Tensor, bool]:
         """This rank's contiguous slice of a draw's global positions (or of any per-row values of the
-        draw, e.g. importance weights), and whether it is a filler: ``rank_slices.rank_slice``."""
+        draw, e.g. importance weights), and whether it is a filler: :func:`rank_slice`."""
         if not self.enabled:
             return positions, False
         return rank_slice(positions, self.rank, self.world_size, rank_rows)
 
     def order_by_rank(self, sampled: SampledRows, store) -> SampledRows:
-        """Rank 0's draw ordered by the rank that owns each row's shard: ``rank_slices.order_by_owner``."""
+        """Rank 0's draw ordered by the rank that owns each row's shard: :func:`order_by_owner`."""
         return order_by_owner(sampled, store, self.world_size) if self.enabled else sampled
 
     @staticmethod
@@ -302,7 +312,10 @@ class DataParallel:
         """Another rank: the whole records rank 0 sent as ``changes`` (at setup, or with a draw)."""
         return self._received.unpack(changes)
 
-    positions_in_view = staticmethod(positions_in_view)
+    @staticmethod
+    def positions_in_view(store, names: RowNames, *, stop: threading.Event, timeout_s: float) -> torch.Tensor:
+        """:func:`positions_in_view`: ``names``' positions in this rank's view of the buffer."""
+        return positions_in_view(store, names, stop=stop, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ reductions
     def any_rank(self, flag: bool) -> bool:
@@ -362,8 +375,6 @@ class DataParallel:
         """No gradient sync while ``accumulating`` micro-batches (DDP's ``no_sync``, FSDP's
         ``set_requires_gradient_sync``); the last one reduces gradients over the ranks."""
         if self.sharded:
-            from rlhf_pipeline.learn.fsdp import set_gradient_sync
-
             set_gradient_sync(model, not accumulating)
             return contextlib.nullcontext()
         if self.enabled and accumulating:
@@ -383,8 +394,8 @@ class DataParallel:
     def draw_producer(self, produce_named: Callable[[int], tuple], *,
                       read_slice: Callable[[Any, torch.Tensor, bool], TensorDict | None], store,
                       stop: threading.Event, timeout_s: float) -> tuple[Callable[[int], tuple], Callable[[], None] | None]:
-        """``(produce, on_exit)`` for this rank's prefetch thread (``learn/prefetch.py``): ``produce(draw)``
-        gives ``(sampled, batch, names, intake)`` of draw ``draw``. With one rank: ``produce_named``.
+        """``(produce, on_exit)`` for this rank's prefetch thread (``Prefetcher``, ``learn/learner.py``):
+        ``produce(draw)`` gives ``(sampled, batch, names, intake)`` of draw ``draw``. With one rank: ``produce_named``.
 
         Rank 0 draws (``produce_named``: its sampler alone sees the buffer grow, decides staleness drops,
         epochs and pacing), reads its own slice, and shares the draw on the draw channel (a gloo group
@@ -455,7 +466,7 @@ class DataParallel:
         return take_and_read, wait_for_last_word
 
     def drop_stale(self, batch: TensorDict, fresh: np.ndarray) -> tuple[TensorDict | None, int, np.ndarray]:
-        """:func:`~rlhf_pipeline.learn.stale_rows.drop_stale` over all ranks: stale rows counted
+        """:func:`~rlhf_pipeline.learn.batch.drop_stale` over all ranks: stale rows counted
         globally, the step skipped (None) only when no rank has a row left, a rank with none left
         trains on a filler. Also returns the freshness of every row of the global draw, in draw order."""
         if not self.enabled:
@@ -501,24 +512,281 @@ class DataParallel:
         """The whole model's state dict for weights and checkpoints; gathered to rank 0 under FSDP
         (every rank must call it then; the others get an empty dict)."""
         if self.sharded:
-            from rlhf_pipeline.learn.fsdp import full_model_state
-
             return full_model_state(model)
         return model.state_dict()
 
     def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The whole optimizer state in ``optimizer.state_dict()``'s layout (see :meth:`model_state`)."""
         if self.sharded:
-            from rlhf_pipeline.learn.fsdp import full_optimizer_state
-
             return full_optimizer_state(model, optimizer)
         return optimizer.state_dict()
 
     def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              state: dict[str, Any]) -> None:
         if self.sharded:
-            from rlhf_pipeline.learn.fsdp import load_optimizer_state
-
             load_optimizer_state(model, optimizer, state)
         else:
             optimizer.load_state_dict(state)
+
+
+# ====================================================================== which rows are whose, in which view
+# Which rows each data-parallel rank reads, and the view of the buffer it reads them in.
+#
+# Rank 0 draws; every rank reads a contiguous slice of the draw (:func:`rank_slice`) from its own
+# reader of the same buffer. Two things keep the buffer's requests from growing with the ranks:
+#
+# * **One refresh per step, rank 0's.** For a buffer at a URL the names of a draw carry each shard's
+#   commit record as rank 0's refresh read it (``RowNames.view``, ``learn/shard_rows.py``). Rank 0
+#   sends only the records that changed since the draw it shared before (:class:`SharedView`), and
+#   of those only what the other ranks do not hold (:class:`ViewChanges`); they rebuild the records
+#   (``DataParallel.received``) and adopt them (:func:`positions_in_view`), so they hold exactly rank
+#   0's rows, with no LIST and no record GET of their own: they GET only the units of their slice.
+#   Draws are shared in order, so each rank's view follows rank 0's draw by draw, from the view they
+#   opened the buffer in: rank 0's records too, sent at setup (``DataParallel.open_buffer``,
+#   :meth:`SharedView.opened`). A local buffer's ranks refresh their own view (an ``fstat`` per
+#   shard) until it holds the drawn rows.
+# * **Shard affinity.** With at least as many shards as ranks, rank 0 orders the draw by owning rank
+#   (shard ``k`` belongs to rank ``k mod N``: :func:`order_by_owner`), so a rank reads from the same
+#   shards every step and each unit is fetched by one rank. Rank 0 also reads small fields of the
+#   whole draw (``done``/``step`` for multi-turn narrowing, ``policy_version`` for the samplers'
+#   staleness check); a Zarr shard's commit record answers those where a unit holds one value
+#   (``storage/zarr/unit_constants.py``), so it fetches other ranks' units only for multi-turn rows
+#   or a unit of mixed versions. The global batch is the draw the sampler made (the exact sampler's
+#   even share per shard); only which rank trains which row changes. With fewer shards than ranks
+#   the slices are equal, in draw order.
+
+
+def rank_slice(values: torch.Tensor, rank: int, world_size: int,
+               rank_rows: list[int] | None = None) -> tuple[torch.Tensor, bool]:
+    """Rank ``rank``'s contiguous slice of a draw's per-row ``values`` and whether it is a filler
+    (an empty slice replaced by the draw's first row, trained with weight 0). ``rank_rows``: each
+    rank's rows in rank order (a draw :func:`order_by_owner` ordered); None: slices of equal size."""
+    if rank_rows is None:
+        mine = torch.tensor_split(values, world_size)[rank]
+    else:
+        start = sum(rank_rows[:rank])
+        mine = values[start:start + rank_rows[rank]]
+    if mine.numel() == 0:
+        return values[:1], True
+    return mine, False
+
+
+def order_by_owner(sampled: SampledRows, store, world_size: int) -> SampledRows:
+    """``sampled`` with each rank's rows together, in rank order (``rank_rows`` set): rank ``r`` owns
+    shard ``k`` when ``k mod world_size == r``. Within a rank the draw's order is kept. Unchanged with
+    fewer shards than ranks (some rank would own none) or an empty draw."""
+    if len(shard_stores(store)) < world_size or sampled.positions.numel() == 0:
+        return sampled
+    shard_indices, _ = store.locate(sampled.positions)
+    owner = shard_indices % world_size
+    order = torch.sort(owner, stable=True).indices
+    return dataclasses.replace(
+        sampled, positions=sampled.positions[order],
+        weights=None if sampled.weights is None else sampled.weights[order],
+        trajectory_steps=None if sampled.trajectory_steps is None else sampled.trajectory_steps[order],
+        rank_rows=torch.bincount(owner, minlength=world_size).tolist())
+
+
+class SharedView:
+    """Rank 0's record of what it has shared: each shard's commit record as the other ranks hold it."""
+
+    def __init__(self) -> None:
+        self._shared: View = {}
+
+    def changes(self, names: RowNames) -> RowNames:
+        """``names`` carrying only the records of the shards that changed since the last draw shared
+        (or since the opening shared: :meth:`opened`), packed (:class:`ViewChanges`): the other ranks
+        keep the rest, and the parts of these they hold. They unpack it with
+        :meth:`DataParallel.received <rlhf_pipeline.learn.distributed.DataParallel.received>`."""
+        if names.view is None:
+            return names
+        # a refresh replaces a record, so an unchanged one is often the same object: compared first
+        changed = {key: record for key, record in names.view.items() if self._shared.get(key) != record}
+        packed = pack_changes(changed, self._shared)
+        self._shared.update(changed)
+        return dataclasses.replace(names, view=packed)
+
+    def opened(self, view: View) -> ViewChanges:
+        """What to send the other ranks so they open the buffer in ``view`` (every shard's record)."""
+        self._shared = dict(view)
+        return pack_changes(view, {})
+
+
+def positions_in_view(store, names: RowNames, *, stop: threading.Event, timeout_s: float) -> torch.Tensor:
+    """Positions of ``names`` in this rank's view of the buffer. With the records rank 0 drew them in
+    (``names.view``) the view adopts those: no request. Otherwise it is refreshed until it holds
+    every one of them: rank 0 may have drawn rows published after this rank's last refresh."""
+    if isinstance(names.view, ViewChanges):
+        raise TypeError("these names carry rank 0's records packed: unpack them first (DataParallel.received)")
+    if names.view is not None:
+        adopt_view(store, names.view)
+        positions = positions_of(store, names)
+        if positions is None:
+            raise RuntimeError(f"this data-parallel rank's view of {store.location} lacks rows rank 0 drew even "
+                               f"with rank 0's commit records: do all ranks read the same buffer?")
+        return positions
+    deadline = time.monotonic() + timeout_s
+    while True:
+        store.refresh()
+        positions = positions_of(store, names)
+        if positions is not None:
+            return positions
+        if stop.is_set():
+            raise InterruptedError("data-parallel rank stopped while waiting for rank 0's rows")
+        if time.monotonic() > deadline:
+            raise DataTimeoutError(f"this data-parallel rank's view of {store.location} lacked rows rank 0 "
+                                   f"drew for {timeout_s:.0f}s (learner.data_timeout_s): is the buffer on a "
+                                   f"file system every rank sees the same way?")
+        time.sleep(0.01)
+
+
+# ====================================================================== commit records sent once
+# Rank 0 sends the commit records its refresh read: at setup every shard's, then with each draw those
+# that changed. A record is mostly what its shard was made with (schema, codecs, the units' layout:
+# ~1.8 KB, the same in every shard a run makes) and a small part its writer changes. Sent whole, 640
+# changed shards are ~1.2 MB a step (docs/scaling.md, section 5). :class:`ViewChanges` carries each
+# shard's changing keys, and a fixed part only where the receiving ranks do not hold it. Rank 0
+# (:func:`pack_changes`, against the records it sent before) and each other rank
+# (:class:`ReceivedRecords`) keep the same records draw after draw, since draws are shared in
+# order; so a rank rebuilds exactly rank 0's records, as if they had been sent whole.
+
+#: what a shard's writers change in its commit record (an object store's records name the writer that
+#: published them); the rest is fixed when the shard is made
+CHANGING_KEYS = frozenset({"first_row", "next_row", "units", "unit_constants", "writer"})
+#: in :attr:`ViewChanges.records`: the receiver holds this shard's fixed part already
+AS_HELD = -1
+
+Records = dict[str, dict[str, Any]]
+
+
+@dataclass
+class ViewChanges:
+    """Changed commit records by shard key, as sent to the other ranks."""
+
+    fixed: list[dict[str, Any]]  # each distinct fixed part not held by the receivers, once
+    records: dict[str, tuple[int, dict[str, Any]]]  # key -> (index into fixed, or AS_HELD; the changing keys)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def split_record(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(fixed part, changing part)`` of a commit record."""
+    fixed, changing = {}, {}
+    for key, value in record.items():
+        (changing if key in CHANGING_KEYS else fixed)[key] = value
+    return fixed, changing
+
+
+def pack_changes(changed: Records, held: Records) -> ViewChanges:
+    """``changed`` records for receivers that hold ``held`` (the records sent to them before)."""
+    fixed_parts: list[dict[str, Any]] = []
+    records: dict[str, tuple[int, dict[str, Any]]] = {}
+    for key, record in changed.items():
+        fixed, changing = split_record(record)
+        before = held.get(key)
+        if before is not None and split_record(before)[0] == fixed:
+            records[key] = (AS_HELD, changing)
+            continue
+        index = next((i for i, part in enumerate(fixed_parts) if part == fixed), None)
+        if index is None:
+            fixed_parts.append(fixed)
+            index = len(fixed_parts) - 1
+        records[key] = (index, changing)
+    return ViewChanges(fixed_parts, records)
+
+
+class ReceivedRecords:
+    """Another rank's copy of the records rank 0 has sent it; turns :class:`ViewChanges` into records."""
+
+    def __init__(self) -> None:
+        self._held: Records = {}
+
+    def unpack(self, changes: ViewChanges) -> Records:
+        """The whole records ``changes`` stands for, now held."""
+        out: Records = {}
+        for key, (index, changing) in changes.records.items():
+            if index == AS_HELD:
+                before = self._held.get(key)
+                if before is None:
+                    raise RuntimeError(f"rank 0 sent the changes of shard {key}'s commit record, whose fixed part "
+                                       f"this rank was never sent: were draws shared out of order?")
+                fixed = split_record(before)[0]
+            else:
+                fixed = changes.fixed[index]
+            out[key] = {**fixed, **changing}
+        self._held.update(out)
+        return out
+
+
+# ====================================================================== FSDP2 (learner.parallelism=fsdp)
+# ``fully_shard`` on each transformer block (the classes a transformers model lists in
+# ``_no_split_modules``), then on the root. The model is loaded whole on every rank before it is
+# sharded, and what leaves the ranks is always whole (the full state dict and the optimizer state
+# in ``Optimizer.state_dict()``'s layout, gathered to rank 0's CPU), so weights and checkpoints do
+# not depend on how a run was sharded: a checkpoint from FSDP ranks resumes on DDP ranks or one
+# process, and the other way round. FSDP all-gathers a block's parameters in every forward and
+# backward, so every rank runs the same number of micro-batches (:meth:`DataParallel.plan_step`).
+def block_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks: modules of the classes it names in ``_no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``fully_shard`` on each block, then the root; in place (the parameters become DTensors)."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = block_modules(model)
+    if not blocks:
+        raise ValueError(f"learner.parallelism=fsdp found no transformer blocks in {type(model).__name__} "
+                         f"(it names none in _no_split_modules); use learner.parallelism=ddp for this model")
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0's CPU (empty on the other ranks). Every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_gather_whole())
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The whole optimizer state on rank 0 (empty elsewhere), numbered like ``optimizer.state_dict()``
+    of an unsharded model. Every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    by_name = get_optimizer_state_dict(model, optimizer, options=_gather_whole())
+    if not by_name:
+        return {}
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return {"state": {index[name]: value for name, value in by_name["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in by_name["param_groups"]]}
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Loads a whole optimizer state (``optimizer.state_dict()`` layout, see
+    :func:`full_optimizer_state`) into the sharded optimizer; every rank passes the same state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [name for name, _ in model.named_parameters()]
+    by_name = {"state": {names[i]: value for i, value in state["state"].items()},
+               "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+    """FSDP2's ``no_sync``: skip the gradient reduce-scatter while accumulating micro-batches."""
+    model.set_requires_gradient_sync(sync)
+
+
+def _gather_whole():
+    """Whole states gathered to rank 0's CPU (imported here: a single-rank learner never needs FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)

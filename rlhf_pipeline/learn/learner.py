@@ -1,119 +1,143 @@
-"""The learner recipe: setup -> train -> save_checkpoint -> cleanup (torchtune-style).
-
-This module is the recipe read top to bottom: setup, the training loop, publishing weights and
-cleanup. What a checkpoint saves and how a learner resumes from one is in ``learn/resume.py``
-(the class takes it from there); how a draw becomes a batch on the prefetch thread in
-``learn/draw_reading.py``; the step, samplers, prefetch, staleness, trajectories and metrics are
-modules of their own.
+"""The learner recipe, read top to bottom (torchtune-style): ``setup`` -> ``_setup_model`` /
+``_setup_optimizer`` / ``_setup_data`` -> ``train`` -> ``save_checkpoint`` -> ``cleanup``.
 
 One learner step, as :meth:`Learner.train` runs it:
 
-1. take the next draw: the positions the sampler chose (``learn/samplers/``) read on the prefetch
-   thread (``learn/prefetch.py``), packed into micro-batches with ``packing`` (the default), else
-   padded (``learn/draw_reading.py``); drop rows that went stale while they waited, more than
-   ``max_staleness`` versions older than ours (``learn/stale_rows.py``, counted as
-   ``charts/rows_dropped_stale``);
-2. the optimizer step, top to bottom in ``learn/step.py``: micro-batches of at most
-   ``micro_batch_tokens`` tokens (packed sequences of whole rows with ``packing``:
-   ``learn/packed.py``; else padded), each loss weighted by its share of the batch,
-   gradients accumulated, clipped, AdamW, LR schedule (linear warm-up, then constant or cosine
-   decay); a step whose loss, gradients or new weights are not finite is refused
+1. take the next draw: the positions the sampler chose (``learn/samplers/``), read on the prefetch
+   thread (:class:`Prefetcher`, :func:`draw_readers`) and packed into micro-batches with
+   ``packing`` (the default), else padded (``learn/batch.py``); rows that went stale while they
+   waited, more than ``max_staleness`` versions older than ours, are dropped
+   (``charts/rows_dropped_stale``; :class:`DrawVersions` says which version each draw trains with);
+2. the optimizer step (``learn/step.py``): micro-batches of at most ``micro_batch_tokens`` tokens,
+   each loss weighted by its share of the batch, gradients accumulated, clipped, AdamW, LR
+   schedule; a step whose loss, gradients or new weights are not finite is refused
    (:class:`~rlhf_pipeline.learn.errors.NonFiniteStep`): the learner stops there, its newest
    checkpoint and published weights as they were;
-3. every ``publish_every`` steps publish the weights as a new version
-   (``coordination/weights.py``); write metrics (``learn/batch_charts.py``); every
-   ``checkpoint_every`` steps (and on stop) save a checkpoint.
+3. every ``publish_every`` steps publish the weights as a new version (``coordination/weights.py``);
+   write metrics (:func:`batch_charts`, :func:`run_charts`); every ``checkpoint_every`` steps (and
+   on stop) save a checkpoint.
 
-Data parallelism is a layer around this (``learn/distributed.py``, ``DataParallel``): it shares
-rank 0's draw with every rank's prefetch thread, which reads its slice (``draw_producer``),
-drops stale rows over all ranks (``drop_stale``) and plans the
-step over the global batch (``plan_step``). With one rank each of those is the single-rank
-function.
+Resume. A checkpoint (``learn/checkpoint.py``: ``Progress`` + ``CheckpointManager``) holds the
+whole model and optimizer states, the scheduler, RNG, the buffer's position, the sampler's state
+after the last draw a step used, the rows trained and the intake, so a resumed run continues
+exactly as an uninterrupted one would over the same data, with any number of ranks and either
+parallelism. The versions a killed learner published past that checkpoint are taken back and
+published again under the same numbers. Without a checkpoint the learner starts from the
+initial policy, weights version 0 (kept until the first checkpoint holds the model).
 
-With ``priority_feedback`` (prioritized sampling) the loss also gives one value per row, and
-after the step the learner hands them to the sampler for the rows it trained on
-(``PrioritizedRowSampler.feed_back``, ``charts/priority_feedback_*``).
-
-Multi-turn rows train as whole trajectories, one sequence each (``learn/trajectories.py``, read
-as ``learn/draw_reading.py`` says); a draw that ends none trains no step. Rows (or
-trajectories) that ended for one of ``mask_termination_reasons`` are left out of the step like
+Data parallelism is a layer around this (``learn/distributed.py``, ``DataParallel``): rank 0
+draws and shares each draw with every rank's prefetch thread, which reads its slice; stale rows
+are dropped and the step planned over the global batch. With one rank each is the single-rank
+function. With ``priority_feedback`` the loss also gives one value per row, handed back to the
+sampler for the rows trained (``charts/priority_feedback_*``). Multi-turn rows train as whole
+trajectories, one sequence each (``learn/trajectories.py``); a draw that ends none trains no
+step. Rows whose trajectory ended for one of ``mask_termination_reasons`` are left out like
 stale ones (``charts/trajectories_masked``).
 
 After taking each batch the learner publishes what it has taken in from each shard
-(``<run>/pacing.json``), so collectors generate no more than it will train on
-(:mod:`rlhf_pipeline.coordination.pacing`; a replay, which has no collectors, writes none); it counts the distinct rows it trained on against the rows
-generated, and logs how stale they were (``learn/usage.py``).
+(``<run>/pacing.json``, :mod:`rlhf_pipeline.coordination.pacing`), so collectors generate no more
+than it will train on (a replay, which has no collectors, writes none); while it waits it says
+what for (:class:`WaitReport`). It counts the distinct rows it trained on against the rows
+generated and how stale they were (:class:`TrainedRows`, :func:`staleness_metrics`). On CUDA the
+forward runs under bf16 autocast; the prefetch thread pins batches and the learner copies them
+with ``non_blocking=True``.
 
-On CUDA the forward runs under bf16 autocast, batches (with packing: the packed micro-batches)
-are pinned by the prefetch thread and copied with ``non_blocking=True``. A resumed run continues
-exactly as an uninterrupted one would over the same data (``learn/resume.py``).
+Why one file: this is the recipe; its setup, resume, prefetching and reporting change together
+with the loop they serve (what a checkpoint saves is what setup restores; what the prefetch
+thread hands over is what the loop unpacks; the charts are the loop's counters). Apart, the
+class was a mixin in another file and each piece was read out of its caller's context. What
+changes for reasons of its own lives beside it: the step (``step.py``), the batch layout
+(``batch.py``), trajectories, the loss, data parallelism, the samplers, the checkpoint and
+metrics files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from tensordict import TensorDict
 
-from rlhf_pipeline.learn.checkpoint import restore_rng_state, run_checkpoints
-from rlhf_pipeline.learn.distributed import DataParallel
-from rlhf_pipeline.learn.draw_reading import draw_readers
-from rlhf_pipeline.learn.errors import NonFiniteStep
-from rlhf_pipeline.learn.batch_charts import batch_charts, run_charts
-from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, truncate_metrics
-from rlhf_pipeline.learn.prefetch import Prefetcher
-from rlhf_pipeline.learn.resume import LearnerCheckpoints
-from rlhf_pipeline.learn.samplers import make_sampler
-from rlhf_pipeline.learn.settings import LearnerSettings
-from rlhf_pipeline.learn.shard_rows import next_rows
-from rlhf_pipeline.learn.stale_rows import DrawVersions, fresh_mask
-from rlhf_pipeline.learn.step import mean_one, train_step
-from rlhf_pipeline.learn.trajectories import masked_by_reason, termination_codes
-from rlhf_pipeline.learn.usage import TrainedRows
-from rlhf_pipeline.learn.waiting import WaitReport
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.files.run_paths import RunPaths
+from rlhf_pipeline.learn.batch import PackedBatch, fresh_mask
+from rlhf_pipeline.learn.checkpoint import Progress, buffer_rows, capture_rng_state, restore_rng_state, run_checkpoints
+from rlhf_pipeline.learn.distributed import DataParallel
+from rlhf_pipeline.learn.errors import NonFiniteStep
+from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, truncate_metrics
+from rlhf_pipeline.learn.packed_attention import use_packed_attention
+from rlhf_pipeline.learn.samplers import make_sampler
+from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.learn.shard_rows import next_rows, row_names
+from rlhf_pipeline.learn.step import apply_settings, make_optimizer, mean_one, train_step
+from rlhf_pipeline.learn.trajectories import (
+    is_single_turn,
+    joined_trajectory_draw,
+    masked_by_reason,
+    narrow_to_trajectory_ends,
+    read_joined,
+    read_trajectories,
+    rows_are_single_turn,
+    termination_codes,
+    trajectory_draw,
+    trajectory_ends,
+)
+from rlhf_pipeline.schema.ids import collector_index_of
+
+STALENESS_BUCKETS = (0, 1, 2)  # fractions of rows exactly this stale, plus one for the rest
 
 
-class Learner(LearnerCheckpoints):
+@dataclass(frozen=True)
+class BufferSource:
+    """The buffer a learner trains on when it is not its run's own ``buffer/`` (a replay's source)."""
+
+    location: str
+    """A path or URL ``open_buffer`` opens."""
+    fed_by_collectors: bool = True
+    """Collectors write it and pace themselves by this learner's ``pacing.json``. False (replay): no
+    collector reads it, so it is not written; checkpoints keep the intake all the same."""
+    checkpoint_saw_another: bool = False
+    """The checkpoint resumed from saw another buffer than this one (a branch replayed over its
+    parent's rows, ``runs/branch.py``): its rows are not checked against this buffer, and its
+    sampler state (positions in the other buffer) is not loaded."""
+
+
+class Learner:
     """Trains the policy on batches sampled from a run's buffer; publishes weights."""
 
     def __init__(self, settings: LearnerSettings, paths: RunPaths, *, make_model: Callable[[], torch.nn.Module],
                  steps: int, seed: int = 0, device: str = "cpu", pad_token_id: int = 0,
                  stop_event: threading.Event | None = None, show_progress: bool = True,
-                 buffer: str | None = None, batch_transform: Callable[[torch.Tensor, Any], Any] | None = None,
+                 source: BufferSource | None = None, batch_transform: Callable[[torch.Tensor, Any], Any] | None = None,
                  on_step: Callable[[int, Any, Any, dict[str, float]], None] | None = None,
                  before_checkpoint: Callable[[], None] | None = None,
-                 data_parallel: DataParallel | None = None,
-                 initial_policy: torch.nn.Module | None = None, publish_pacing: bool = True,
-                 checkpoint_of_another_buffer: bool = False) -> None:
-        """``buffer``: the store to read (a path or URL ``open_buffer`` opens) instead of the run's
-        own ``buffer/`` (replay); ``batch_transform(positions, padded_batch) -> padded_batch`` runs on
-        the prefetch thread after each read (replay's re-scoring); ``on_step(step, sampled, batch,
-        metrics)`` runs after each step, before its metrics are written, and may add metrics;
-        ``before_checkpoint()`` runs on rank 0 before each checkpoint is saved (replay uploads its
-        batch log there: a resume redoes no step the checkpoint covers, so its lines must be kept).
-        ``data_parallel``: this process's rank among data-parallel learners (``learn/distributed.py``;
-        its process group already started); ``batch`` in ``batch_transform``/``on_step`` is then the
-        rank's own slice. ``initial_policy``: the model this process just built and published as
-        weights version 0 (``make_policy()``); a learner without a checkpoint trains it as it is
-        instead of building ``make_model()`` and reading version 0 back (a second full model load),
-        a resumed one ignores it and loads its checkpoint. ``publish_pacing=False``: no collector
-        feeds ``buffer`` (replay), so ``pacing.json`` is not written; checkpoints keep the intake.
-        ``checkpoint_of_another_buffer``: the checkpoint resumed from saw another buffer than ``buffer``
-        (a branch replayed over its parent's rows, ``runs/branch.py``), so its rows are not checked
-        against ``buffer``."""
+                 data_parallel: DataParallel | None = None, initial_policy: torch.nn.Module | None = None) -> None:
+        """``source``: the buffer to train on instead of the run's own (:class:`BufferSource`);
+        ``batch_transform(positions, padded_batch) -> padded_batch`` runs on the prefetch thread
+        after each read (replay's re-scoring); ``on_step(step, sampled, batch, metrics)`` runs after
+        each step, before its metrics are written, and may add metrics; ``before_checkpoint()`` runs
+        on rank 0 before each checkpoint is saved (replay uploads its batch log there: a resume redoes
+        no step the checkpoint covers, so its lines must be kept). ``data_parallel``: this process's
+        rank among data-parallel learners (``learn/distributed.py``; its process group already
+        started); ``batch`` in ``batch_transform``/``on_step`` is then the rank's own slice.
+        ``initial_policy``: the model this process just built and published as weights version 0
+        (``make_policy()``); a learner without a checkpoint trains it as it is instead of building
+        ``make_model()`` and reading version 0 back (a second full model load), a resumed one
+        ignores it and loads its checkpoint."""
         settings.check()
         self.settings = settings
         self.paths = paths
         self.make_model = make_model
         self._initial_policy = initial_policy
-        self._checkpoint_of_another_buffer = checkpoint_of_another_buffer
+        self.source = source or BufferSource(paths.buffer_location)
         self.total_steps = steps
         self.seed = seed
         self.data_parallel = data_parallel or DataParallel()
@@ -128,7 +152,6 @@ class Learner(LearnerCheckpoints):
         self.pad_token_id = pad_token_id
         self.stop_event = stop_event or threading.Event()
         self.show_progress = show_progress
-        self.buffer = str(buffer) if buffer is not None else paths.buffer_location
         self.batch_transform = batch_transform
         self.on_step = on_step
         self.before_checkpoint = before_checkpoint
@@ -141,7 +164,7 @@ class Learner(LearnerCheckpoints):
         self._metrics: MetricsWriter | None = None
         self._display: ProgressDisplay | None = None
         pacing, store = paths.state_object(paths.pacing)
-        self._pacing = PacingPublisher(pacing, store=store, write=publish_pacing)
+        self._pacing = PacingPublisher(pacing, store=store, write=self.source.fed_by_collectors)
         self._trained = TrainedRows()
         self._draw_versions = DrawVersions(self.stop_event)  # what each draw's staleness is checked against
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
@@ -189,16 +212,82 @@ class Learner(LearnerCheckpoints):
             keys = ProgressDisplay.OFF_POLICY_KEYS if self.settings.sampler == "epoch" else ProgressDisplay.KEYS
             self._display = ProgressDisplay(self.total_steps, self.progress.step, self.settings.log_every, keys=keys)
 
+    def _load_checkpoint(self) -> dict[str, Any] | None:
+        if self.checkpoints.latest() is None:
+            self.progress = Progress(seed=self.seed)
+            return None
+        self.progress, state = self.checkpoints.load()
+        if self.progress.seed != self.seed:
+            raise ValueError(f"checkpoint was made with seed {self.progress.seed}, this run has seed {self.seed}")
+        print(f"[learner] resuming from {self.checkpoints.latest()} (step {self.progress.step})",
+              file=sys.stderr, flush=True)
+        return state
+
+    def _retract_versions_past_checkpoint(self, checkpoint: dict[str, Any] | None) -> None:
+        """Takes back what a learner killed without a checkpoint published after the one this learner
+        resumes from (or after the initial policy): it retrains those steps and publishes them again
+        under the uninterrupted run's numbers, which rows in the buffer carry. Numbered past them, those
+        rows looked that much staler and collectors pinned rounds to versions never had here."""
+        from rlhf_pipeline.coordination.weights import published_versions, retract_versions_after
+
+        if checkpoint is None and 0 not in published_versions(self.paths.store):
+            return  # an older run pruned its initial policy: it starts from the newest (_setup_model)
+        retracted = retract_versions_after(self.paths.store, self.progress.policy_version)
+        if retracted:
+            where = f"the checkpoint of step {self.progress.step}" if checkpoint is not None else "the initial policy"
+            print(f"[learner] weights versions {retracted[0]}-{retracted[-1]} were published after {where} by a "
+                  f"learner stopped before its next checkpoint; taken back, this learner publishes them again as it "
+                  f"retrains those steps", file=sys.stderr, flush=True)
+
+    def _setup_model(self, checkpoint: dict[str, Any] | None) -> None:
+        from rlhf_pipeline.coordination.weights import load_weights
+
+        initial, self._initial_policy = self._initial_policy, None  # held no longer than setup
+        if checkpoint is None and initial is not None:
+            # built and published as version 0 by this process: those weights, without a second load
+            self.model = initial
+            self.model.zero_grad(set_to_none=True)  # a warm start's last gradients
+            self.progress.policy_version = 0
+        else:
+            self.model = self.make_model()
+            if checkpoint is not None:
+                self.model.load_state_dict(checkpoint["model"])
+            else:
+                try:  # the initial policy: version 0 (kept until the first checkpoint, _publish)
+                    state, version = load_weights(self.paths.store, 0)
+                except FileNotFoundError:  # pruned by an older version of this library
+                    state, version = load_weights(self.paths.store)
+                    if version > 0:
+                        print(f"[learner] the initial policy (weights version 0) is gone; starting from version "
+                              f"{version}, so this run does not train as an uninterrupted one would",
+                              file=sys.stderr, flush=True)
+                self.model.load_state_dict(state)
+                self.progress.policy_version = version
+        if self.settings.packing:  # attention that keeps each packed row to itself (learn/packed_attention.py)
+            use_packed_attention(self.model)
+        self.model.to(self.device).train()
+        self.train_model = self.data_parallel.wrap(self.model, self.device)  # what forward/backward run through
+
+    def _setup_optimizer(self, checkpoint: dict[str, Any] | None) -> None:
+        # FSDP's sharded DTensor parameters keep AdamW's default implementation, not the fused one
+        fused = self.data_parallel.parallelism != "fsdp" or not self.data_parallel.enabled
+        self.optimizer, self.scheduler = make_optimizer(self.model, self.settings, self.total_steps, fused=fused)
+        if checkpoint is not None:
+            self.data_parallel.load_optimizer_state(self.model, self.optimizer, checkpoint["optimizer"])
+            self.scheduler.load_state_dict(checkpoint["scheduler"])
+            apply_settings(self.optimizer, self.scheduler, self.settings, self.total_steps)  # a changed lr applies
+
+
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:
         # one store, or the union of the collectors' shards (new shards are picked up as they appear);
         # the rows the checkpoint saw must still be there. Several ranks over a buffer at a URL: rank 0
         # alone lists it and reads the records, the others open their readers from those
-        saw = None if checkpoint is None or self._checkpoint_of_another_buffer else checkpoint["buffer"]
-        self._store = self.data_parallel.open_buffer(self.buffer, saw)
+        saw = None if checkpoint is None or self.source.checkpoint_saw_another else checkpoint["buffer"]
+        self._store = self.data_parallel.open_buffer(str(self.source.location), saw)
         self.sampler = make_sampler(self.settings, self._store, seed=self.seed, stop=self.stop_event)
         # the state after the last draw a step used (draws run ahead on the prefetch thread)
         self._sampler_state = self.sampler.state_dict()
-        if checkpoint is not None and not self._checkpoint_of_another_buffer:  # (positions in another buffer)
+        if checkpoint is not None and not self.source.checkpoint_saw_another:  # (positions in another buffer)
             # checkpoints from before learner samplers kept the window sampler's state in Progress
             self._sampler_state = checkpoint.get("sampler") or {"min_next_row": self.progress.min_next_row}
             try:
@@ -262,7 +351,7 @@ class Learner(LearnerCheckpoints):
                 if self._feedback:
                     self.sampler.feed_back(draw, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
                 continue
-            # rows that went stale in the prefetch queue: dropped before the step (learn/stale_rows.py);
+            # rows that went stale in the prefetch queue: dropped before the step (batch.drop_stale);
             # so are those whose trajectory ended for a masked reason: kept in the batch with a zero loss
             # mask they would still count in sequence_mean's and constant's number of rows
             fresh = fresh_mask(batch, self.progress.policy_version, self.settings.max_staleness)
@@ -381,6 +470,34 @@ class Learner(LearnerCheckpoints):
             publish_weights(self.paths.store, state, version, keep_versions=() if self._saved_a_checkpoint else (0,))
         self.progress.policy_version = version
 
+    # ================================================================== checkpoint
+    def save_checkpoint(self) -> None:
+        # whole model and optimizer states, so a checkpoint resumes with any ranks and parallelism
+        # (under FSDP every rank takes part in gathering them to rank 0)
+        model_state = self.data_parallel.model_state(self.model)
+        optimizer_state = self.data_parallel.optimizer_state(self.model, self.optimizer)
+        if not self.data_parallel.is_main:  # one checkpoint per run, written by rank 0
+            return
+        state = {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": capture_rng_state(),
+            "buffer": self._store.state_dict() if self._store is not None else None,
+            # with priority feedback: plus the feedback given since that draw (not in its state yet)
+            "sampler": self.sampler.with_feedback(self._sampler_state) if self._feedback else self._sampler_state,
+            "trained_rows": self._trained.state_dict(),
+            "intake": self._pacing.intake.to_json(),
+        }
+        if self._metrics is not None:  # a resumed run redoes no step before this one: its lines must be kept
+            self._metrics.flush()
+        if self.before_checkpoint is not None:
+            self.before_checkpoint()
+        # where the buffer stood, readable without torch: what `inspect` lists and `branch` limits a view to
+        record = {"buffer_rows": buffer_rows(state["buffer"]), "consumed": dict(self._pacing.intake.consumed)}
+        self.checkpoints.save(self.progress, state, record=record)
+        self._saved_a_checkpoint = True
+
     # ================================================================== cleanup
     def cleanup(self) -> None:
         if self._prefetcher is not None:
@@ -393,3 +510,472 @@ class Learner(LearnerCheckpoints):
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+# ====================================================================== the prefetch thread
+def draw_readers(store, sampler, settings: LearnerSettings, data_parallel: DataParallel, *, device: torch.device,
+                 pad_token_id: int, batch_transform: Callable[[torch.Tensor, Any], Any] | None,
+                 masked_codes: torch.Tensor, draw_versions: DrawVersions
+                 ) -> tuple[Callable[[int], tuple[Any, ...]], Callable[..., Any]]:
+    """``(produce, read_slice)`` for ``DataParallel.draw_producer``: ``produce(draw)`` draws from
+    ``sampler`` and reads the batch, returning ``(sampled, batch, row names, intake)``;
+    ``read_slice(sampled, positions, filler)`` reads one rank's slice of a shared draw.
+    ``masked_codes``: the termination reasons left out of the step (their reasons are read only then);
+    ``draw_versions``: the version each draw's staleness is checked against (:class:`DrawVersions`)."""
+    from rlhf_pipeline.schema.padding import PaddedCollator
+
+    pin = device.type == "cuda"
+    # int32 token and position ids: half their bytes, nothing widened (collate.py, "Index dtype")
+    collator = PaddedCollator(pad_token_id=pad_token_id, pin_memory=pin and batch_transform is None,
+                              index_dtype=torch.int32)
+    packing = settings.packing
+    # with packing the prefetch thread reads rows ragged and packs them (batch.PackedBatch); a
+    # batch_transform edits padded batches, so then it reads padded, transforms, and packs after
+    ragged = packing and batch_transform is None
+    budget = settings.micro_batch_tokens
+    pin_packed = pin and torch.cuda.is_available()
+
+    def transformed(positions: torch.Tensor, batch):
+        batch = batch_transform(positions, batch)
+        if packing:  # the packed micro-batches are pinned, not the padded batch
+            return PackedBatch.from_padded(batch, budget, pin=pin_packed)
+        return batch.pin_memory() if pin and torch.cuda.is_available() else batch
+
+    # single-turn rows carry no termination reason in the padded batch: read it only when asked to mask
+    read_reasons = masked_codes.numel() > 0 and "termination_reason" in store.schema.field_names
+
+    def finish(positions: torch.Tensor, batch, filler: bool = False):
+        """A read batch as it trains: re-scored (named by ``positions``), marked filler or not."""
+        if batch_transform is not None:
+            batch = transformed(positions, batch)
+        if data_parallel.enabled:
+            batch = data_parallel.mark_filler(batch, filler)
+        return batch
+
+    def reasons(positions: torch.Tensor) -> torch.Tensor | None:
+        if not read_reasons:
+            return None
+        return store.read(positions, fields=("termination_reason",))["termination_reason"]
+
+    def with_reasons(positions: torch.Tensor, batch):
+        if read_reasons:
+            batch["termination_reason"] = reasons(positions)
+        return batch
+
+    def packed_rows(positions: torch.Tensor, stored=None) -> PackedBatch:
+        """Single-turn rows at ``positions`` (``stored``: already read ragged), planned and packed."""
+        stored = store.read_ragged(positions) if stored is None else stored
+        return PackedBatch.from_stored(stored, budget, termination_reason=reasons(positions), pin=pin_packed)
+
+    def read_slice(sampled, positions: torch.Tensor, filler: bool):
+        """This rank's slice of a draw (``positions``): the rows as drawn, or, when rank 0
+        narrowed the draw to trajectory ends, the slice's trajectories read whole (None when
+        the draw ended none: every rank skips it)."""
+        if sampled.trajectory_steps is None:
+            if ragged:
+                return finish(positions, packed_rows(positions), filler)
+            return finish(positions, with_reasons(positions, collator.read(store, positions)), filler)
+        if sampled.positions.numel() == 0:
+            return None
+        steps, _ = data_parallel.local_positions(sampled.trajectory_steps, sampled.rank_rows)
+        if ragged:
+            joined = read_joined(store, positions, steps, turn_advantage=settings.turn_advantage,
+                                 turn_advantage_weight=settings.turn_advantage_weight)
+            return finish(positions, PackedBatch.from_joined(joined, budget, pin=pin_packed), filler)
+        joined = read_trajectories(store, positions, steps, pad_token_id=pad_token_id,
+                                   turn_advantage=settings.turn_advantage,
+                                   turn_advantage_weight=settings.turn_advantage_weight)
+        if pin and batch_transform is None and torch.cuda.is_available():
+            joined = joined.pin_memory()
+        return finish(positions, joined, filler)
+
+    def narrow_whole_draw(sampled):
+        """Rank 0 alone sees the whole draw: from its rows' ``done`` and ``step`` it decides, as one
+        rank would from the rows it read, whether they are multi-turn and which of them end a whole
+        trajectory; every rank then trains its slice of those trajectories."""
+        flags = store.read(sampled.positions, fields=("done", "step"))
+        if rows_are_single_turn(flags["done"], flags["step"]):  # as drawn
+            return sampled
+        return narrow_to_trajectory_ends(sampled, trajectory_ends(store, sampled.positions,
+                                                                  flags["done"], flags["step"]))
+
+    def produce(draw: int):
+        sampled = sampler.draw(draw)  # positions, read before the store refreshes again
+        if data_parallel.enabled:
+            sampled = data_parallel.order_by_rank(narrow_whole_draw(sampled), store)  # shard affinity
+            positions, filler = data_parallel.local_positions(sampled.positions, sampled.rank_rows)
+            return sampled, read_slice(sampled, positions, filler)
+        if ragged:
+            return produce_packed(sampled)
+        batch = collator.read(store, sampled.positions)  # re-scored below, once it is known what trains
+        if not is_single_turn(batch):  # multi-turn rows: the whole trajectories they end
+            sampled, joined = trajectory_draw(store, sampled, batch, pad_token_id=pad_token_id,
+                                              turn_advantage=settings.turn_advantage,
+                                              turn_advantage_weight=settings.turn_advantage_weight,
+                                              pin=pin and batch_transform is None)
+            return sampled, None if joined is None else finish(sampled.positions, joined)  # named by last rows
+        return sampled, finish(sampled.positions, with_reasons(sampled.positions, batch))
+
+    def produce_packed(sampled):
+        """One rank's draw with packing: read ragged, trajectories joined ragged, planned, packed."""
+        stored = store.read_ragged(sampled.positions)
+        if not rows_are_single_turn(stored["done"], stored["step"]):  # the whole trajectories they end
+            sampled, joined = joined_trajectory_draw(store, sampled, stored["done"], stored["step"],
+                                                     turn_advantage=settings.turn_advantage,
+                                                     turn_advantage_weight=settings.turn_advantage_weight)
+            if joined is None:
+                return sampled, None
+            return sampled, finish(sampled.positions, PackedBatch.from_joined(joined, budget, pin=pin_packed))
+        return sampled, finish(sampled.positions, packed_rows(sampled.positions, stored))
+
+    # what outlives the store's next refresh, taken right after the draw: each row's shard and
+    # global id, and the rows taken in per shard
+    default_need = settings.new_rows_per_step or settings.batch_size
+    checks_staleness = getattr(sampler, "max_staleness", None) is not None
+
+    def produce_named(draw: int):
+        # the version this draw trains with, not the one held right now (DrawVersions)
+        versions = draw_versions
+        sampler.current_version = versions.wait(draw) if checks_staleness else versions.latest()
+        sampled, batch = produce(draw)
+        consumed = sampled.consumed if sampled.consumed is not None else next_rows(store)
+        need = default_need if sampled.next_draw_rows is None else sampled.next_draw_rows
+        return sampled, batch, row_names(store, sampled.positions), LearnerIntake(consumed=consumed,
+                                                                                  next_draw_rows=need)
+
+    return produce_named, read_slice
+
+
+class DrawVersions:
+    """The policy version each draw is trained with: set by the training thread (:meth:`expect`)
+    when it has taken in the draw before, read by the prefetch thread before it draws (:meth:`wait`).
+
+    Why: the sampler checks staleness as it makes the draw, on the prefetch thread, while the
+    training thread publishes. The version the learner happened to hold at that moment depended on
+    whether the rows came before or after the publish, so a resumed run (its collector had already
+    written them) and a run under another load passed over other rows. A sampler that checks
+    staleness makes draw ``d`` only once told (one draw of overlap with the step in progress)."""
+
+    def __init__(self, stop: threading.Event, *, poll_s: float = 0.05) -> None:
+        self._stop = stop
+        self._poll_s = poll_s
+        self._changed = threading.Condition()
+        self._draw, self._version = -1, 0
+
+    def expect(self, draw: int, version: int) -> None:
+        """Draw ``draw`` trains with ``version`` (the draws before it are taken in)."""
+        with self._changed:
+            self._draw, self._version = draw, version
+            self._changed.notify_all()
+
+    def latest(self) -> int:
+        """The version of the newest draw told, without waiting (a sampler that rejects no rows)."""
+        with self._changed:
+            return self._version
+
+    def wait(self, draw: int) -> int:
+        """The version draw ``draw`` trains with, once told; InterruptedError when stopped first."""
+        with self._changed:
+            while self._draw < draw:
+                if self._stop.is_set():
+                    raise InterruptedError("sampling stopped")
+                self._changed.wait(self._poll_s)
+            return self._version
+
+
+class Prefetcher:
+    """Runs ``produce(i)`` for ``i = start, start+1, ...`` in a thread, ``depth`` items ahead: the
+    learner's draws (a sampler's draw + the read, :func:`draw_readers`), so the model does not wait
+    on disk reads, padding or packing."""
+
+    def __init__(self, produce: Callable[[int], Any], start_step: int, *, depth: int = 2,
+                 stop: threading.Event | None = None, on_exit: Callable[[], None] | None = None,
+                 keep_every_item: bool = False) -> None:
+        self._produce = produce
+        # run by the thread as it ends, however it ends (a data-parallel rank's last word to the
+        # others, learn/distributed.py DataParallel.draw_producer)
+        self._on_exit = on_exit
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = stop or threading.Event()
+        # keep_every_item: a stop request neither ends the thread nor drops what it made; only close()
+        # does. Data-parallel ranks: a draw rank 0 shared is trained by every rank or by none, so
+        # whether a step happens is decided by what produce() gives (MainStopped), on every rank alike
+        self._keep_every_item = keep_every_item
+        self._closing = threading.Event() if keep_every_item else self._stop
+        # set while the consumer waits for an item: a producer that polls for its input (a sampler
+        # waiting for rows, rlhf_pipeline/coordination/polling.py) polls fast only then
+        self.consumer_waiting = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(start_step,), daemon=True,
+                                        name="learner-prefetch")
+        self._thread.start()
+
+    def _work(self, step: int) -> None:
+        try:
+            self._loop(step)
+        finally:
+            if self._on_exit is not None:
+                self._on_exit()
+
+    def _loop(self, step: int) -> None:
+        while not self._closing.is_set():
+            try:
+                item = (step, self._produce(step), None)
+            except BaseException as exc:  # handed to the consumer, which re-raises it
+                item = (step, None, exc)
+            while not self._closing.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+            step += 1
+
+    def next(self, on_wait: Callable[[], None] | None = None) -> tuple[int, Any, float]:
+        """``(i, item, seconds the caller waited for it)``; re-raises the producer's error.
+
+        ``on_wait()`` is called every 0.1 s while nothing has come (the learner then tells
+        collectors it is waiting, and renews that while it still is,
+        ``rlhf_pipeline/coordination/pacing.py``). Raises InterruptedError once
+        the stop event is set while nothing is queued: the producer drops what it was making
+        when stopped, so waiting on could never end.
+        """
+        start = time.perf_counter()
+        try:
+            step, item, exc = self._queue.get_nowait()
+        except queue.Empty:
+            self.consumer_waiting.set()
+            try:
+                step, item, exc = self._wait(on_wait)
+            finally:
+                self.consumer_waiting.clear()
+        waited = time.perf_counter() - start
+        if exc is not None:
+            raise exc
+        return step, item, waited
+
+    def _wait(self, on_wait: Callable[[], None] | None) -> tuple[int, Any, BaseException | None]:
+        while True:
+            try:
+                return self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if (self._stop.is_set() and not self._keep_every_item) or not self._thread.is_alive():
+                    raise InterruptedError("prefetching stopped") from None
+                if on_wait is not None:
+                    on_wait()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stops the thread and waits for it to end; ``timeout_s``: at most that long (a thread still
+        in a data-parallel broadcast whose other side failed is woken by destroying the process group)."""
+        self._stop.set()
+        self._closing.set()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        # drain so a producer blocked on a full queue sees the stop flag
+        while self._thread.is_alive() and (deadline is None or time.monotonic() < deadline):
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(timeout=0.1)
+
+
+# ====================================================================== what a step reports
+def group_reward_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
+    """Mean/std of rewards and the fraction of groups whose rewards have zero spread."""
+    rewards = rewards.float()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    if n_groups:
+        hi = torch.full((n_groups,), -torch.inf).scatter_reduce(0, inverse, rewards, "amax")
+        lo = torch.full((n_groups,), torch.inf).scatter_reduce(0, inverse, rewards, "amin")
+        counts = torch.bincount(inverse, minlength=n_groups)
+        # a group seen through a single sampled row tells nothing about its spread
+        multi = counts > 1
+        zero = ((hi - lo).abs() < 1e-8) & multi
+        frac_zero = float(zero.sum()) / max(int(multi.sum()), 1)
+    else:
+        frac_zero = 0.0
+    return {
+        "charts/reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
+        "charts/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "charts/frac_reward_zero_std": frac_zero,
+    }
+
+
+def batch_charts(rows: TensorDict, policy_version: int) -> dict[str, float]:
+    """``rows``: one value a row (every rank's rows under data parallelism, on the CPU);
+    ``policy_version``: the learner's version when it trained on them."""
+    staleness = (policy_version - rows["policy_version"]).float()
+    row_versions = rows["policy_version"]  # the versions that sampled the rows: how off-policy the batch is
+    charts = group_reward_stats(rows["next", "reward"].reshape(-1), rows["group_id"])
+    if "sequence_advantage" in rows.keys():
+        advantage = rows["sequence_advantage"]
+        charts["charts/advantage_mean"] = float(advantage.mean())
+        charts["charts/advantage_std"] = float(advantage.std()) if advantage.numel() > 1 else 0.0
+    # ids carry their collector's index in the high bits: how many collectors fed this batch
+    charts["charts/collectors_in_batch"] = float(torch.unique(collector_index_of(rows["group_id"])).numel())
+    if "sample_weight" in rows.keys():
+        charts["charts/importance_weight_mean"] = float(rows["sample_weight"].mean())
+        charts["charts/importance_weight_min"] = float(rows["sample_weight"].min())
+    lengths = rows["response_lengths"].float()
+    charts.update({
+        "charts/response_length_mean": float(lengths.mean()),
+        "charts/response_length_max": float(lengths.max()),
+        "charts/staleness_mean": float(staleness.mean()),
+        "charts/staleness_max": float(staleness.max()),
+        "charts/row_version_min": float(row_versions.min()),
+        "charts/row_version_max": float(row_versions.max()),
+        "charts/row_version_spread": float(row_versions.max() - row_versions.min()),
+        **staleness_metrics(staleness),  # mean and max again, median, p90, fraction 0 / 1 / 2 / 3+ stale
+    })
+    return charts
+
+
+def run_charts(tokens: float, elapsed_s: float, waited_s: float, dropped: int, sampled, progress, *,
+               rows_trained: int) -> dict[str, float]:
+    """``tokens``: the step's prompt + response tokens; ``sampled``: its draw (``SampledRows``);
+    ``progress``: the learner's ``Progress`` after the step; ``rows_trained``: distinct rows so far."""
+    return {
+        "charts/tokens_per_s": tokens / max(elapsed_s + waited_s, 1e-9),
+        "charts/data_wait_s": waited_s,
+        "charts/rows_dropped_stale": float(dropped),
+        "charts/rows_dropped_stale_total": float(progress.rows_dropped_stale),
+        "charts/policy_version": float(progress.policy_version),
+        "charts/buffer_rows": float(sampled.buffer_rows),
+        # waste: rows ever written to the buffer over the distinct rows trained on so far
+        "charts/rows_generated": float(sampled.buffer_next_row),
+        "charts/rows_trained": float(rows_trained),
+        "charts/rows_generated_per_row_trained": sampled.buffer_next_row / max(rows_trained, 1),
+        "charts/step_time_s": elapsed_s,
+        **sampled.metrics,
+    }
+
+
+class TrainedRows:
+    """Which stored rows have gone into a loss: a bitmap per shard over its global row ids.
+
+    The waste a user paying for generation wants to see, ``charts/rows_generated_per_row_trained``:
+    rows ever written over distinct rows trained (a row drawn twice counts once). One bit per stored
+    row (by global id, ``learn/shard_rows.py``): exact, 1 MB per 8 million rows; checkpointed."""
+
+    def __init__(self) -> None:
+        self._bits: dict[str, np.ndarray] = {}  # shard key -> packed bits (uint8), bit i = global row i
+        self.count = 0
+
+    def mark(self, rows: dict[str, np.ndarray]) -> int:
+        """Marks ``rows`` (shard key -> global ids) as trained on; returns how many were new."""
+        new = 0
+        for key, ids in rows.items():
+            ids = np.unique(np.asarray(ids, dtype=np.int64))
+            if not len(ids):
+                continue
+            bits = self._bits.get(key, np.zeros(0, dtype=np.uint8))
+            needed = int(ids[-1]) // 8 + 1
+            if needed > len(bits):
+                grown = np.zeros(max(needed, 2 * len(bits)), dtype=np.uint8)
+                grown[: len(bits)] = bits
+                bits = grown
+            byte, mask = ids // 8, (1 << (ids % 8)).astype(np.uint8)
+            fresh = (bits[byte] & mask) == 0
+            new += int(fresh.sum())
+            np.bitwise_or.at(bits, byte, mask)
+            self._bits[key] = bits
+        self.count += new
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        # tensors, not arrays: checkpoints load with weights_only=True (state_files.py)
+        return {"count": self.count, "bits": {key: torch.from_numpy(bits.copy()) for key, bits in self._bits.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state["count"])
+        self._bits = {str(key): np.array(bits, dtype=np.uint8) for key, bits in state["bits"].items()}
+
+
+def staleness_metrics(staleness: torch.Tensor) -> dict[str, float]:
+    """Distribution of per-row staleness (versions) in one step's batch."""
+    values = staleness.to(torch.float32).reshape(-1)
+    if not values.numel():
+        return {}
+    out = {
+        "charts/staleness_mean": float(values.mean()),
+        "charts/staleness_p50": float(values.quantile(0.5)),
+        "charts/staleness_p90": float(values.quantile(0.9)),
+        "charts/staleness_max": float(values.max()),
+    }
+    for bucket in STALENESS_BUCKETS:
+        out[f"charts/staleness_frac_{bucket}"] = float((values == bucket).float().mean())
+    out[f"charts/staleness_frac_{STALENESS_BUCKETS[-1] + 1}plus"] = float(
+        (values > STALENESS_BUCKETS[-1]).float().mean())
+    return out
+
+
+class WaitReport:
+    """The learner's ``on_wait`` (called every 0.1 s while it waits for a batch): renews the wait
+    in ``pacing.json`` (``PacingPublisher.waiting``) and says what it waits for once it is long.
+
+    A wait of up to ``data_timeout_s`` with nothing said looks like a hang, so past ``wait_report_s``
+    it says in one line what the next draw needs and why it cannot have it yet (no row written at
+    all: the collectors are starting; none since the wait began; or they write too slowly), then
+    again each time the wait doubles.
+
+    ``shard_rows()`` gives the rows each shard has published, as the learner's store last saw them;
+    ``lacking()`` what the draw it waits for still lacks, from a sampler that says it
+    (``LearnerIntake.lacking``; None: the collectors go by the stall rule)."""
+
+    def __init__(self, pacing: PacingPublisher, shard_rows: Callable[[], dict[str, int]], after_s: float,
+                 say: Callable[[str], None] | None = None,
+                 lacking: Callable[[], tuple[int, int, dict[str, int]]] | None = None) -> None:
+        self.pacing = pacing
+        self.shard_rows = shard_rows
+        self.lacking = lacking
+        self.after_s = after_s
+        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._wait: float | None = None  # waiting_since of the wait being reported
+        self._next_at = 0.0
+        self._rows_at_start: int | None = None
+
+    def __call__(self) -> None:
+        self.pacing.waiting(None if self.lacking is None else self.lacking())
+        intake = self.pacing.intake
+        since = intake.waiting_since
+        if since is None:
+            return
+        if since != self._wait:  # a new wait
+            self._wait, self._next_at = since, self.after_s
+            self._rows_at_start = self._total_rows()
+        waited = time.time() - since
+        if waited >= self._next_at:
+            self.say(self.line(waited))
+            self._next_at = 2 * max(waited, self.after_s)
+
+    def line(self, waited: float) -> str:
+        intake = self.pacing.intake
+        rows = self._rows() or {}
+        held = {key: rows.get(key, 0) - intake.consumed.get(key, 0) for key in sorted(set(rows) | set(intake.consumed))}
+        shards = ", ".join(f"{key}: {n}" for key, n in held.items()) or "no shard yet"
+        total = sum(rows.values()) if rows else None
+        if not total:  # nothing written at all: collectors still starting, not (yet) a collector that is gone
+            why = ("no collector has written a row yet: they are starting (one with a generation engine of its own, "
+                   "such as vLLM, writes its first round once the engine is up, tens of seconds; its log says when)")
+        elif self._rows_at_start is None:
+            why = "the collectors have not written them yet"
+        elif total == self._rows_at_start:
+            why = ("no collector has written a row since the wait began: is one running? its log says "
+                   "what it waits for")
+        else:
+            why = f"collectors wrote {total - self._rows_at_start} rows since it began, too few so far"
+        return (f"[learner] waiting {waited:.1f} s for the batch of step {intake.step + 1}: its next draw needs "
+                f"{intake.next_draw_rows} new rows; the buffer holds {sum(held.values())} past the rows taken in "
+                f"({shards}); {why} (it stops after learner.data_timeout_s)")
+
+    def _rows(self) -> dict[str, int] | None:
+        try:
+            return self.shard_rows()
+        except RuntimeError:  # the prefetch thread refreshed the shard list meanwhile: next call
+            return None
+
+    def _total_rows(self) -> int | None:
+        rows = self._rows()
+        return None if rows is None else sum(rows.values())

@@ -1,4 +1,4 @@
-"""The GRPO loss, as pure functions of padded (B, T) tensors, and the log-prob forward.
+"""The GRPO loss, as pure functions of padded (B, T) tensors, and the padded and packed forwards.
 
 Which variant. :func:`grpo_loss` computes, per response token t of row i,
 
@@ -70,17 +70,25 @@ and entropy bonus match, and ``ess`` equals its ``ESS``. Its logged ``kl_to_ref`
 zero, clipping counted whatever the advantage sign); ours average over response
 tokens only, and its KL-to-ref loss term is that all-position mean rather than an
 aggregation like the policy term.
+
+Why one file: :func:`grpo_loss` and the two forwards that feed it (padded:
+:func:`grpo_step_loss`; packed: :func:`grpo_packed_loss`) change together: a new option or
+statistic of the loss must reach both, and the two must keep giving the same value (the parity
+tests in ``tests/learn/test_packing.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhf_pipeline.learn.settings import Aggregation, GRPOLossConfig  # noqa: F401 (re-exported)
 from rlhf_pipeline.learn.trajectories import TOKEN_ADVANTAGE_KEY
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.learn.batch import PackedMicroBatch
 
 
 LOGPROB_DIFF_THRESHOLD = 0.1
@@ -348,4 +356,59 @@ def grpo_step_loss(model, padded_batch, *, temperature: float = 1.0, token_count
         log_probs, old, advantage, mask, config,
         ref_log_probs=ref, sampler_log_probs=sampler, entropy=entropy, token_count=token_count,
         row_weights=row_weights, row_feedback=row_feedback,
+    )
+
+
+# ======================================================================== the packed forward
+# With ``learner.packing`` a micro-batch is ONE sequence of its rows end to end (``learn/batch.py``,
+# :class:`~rlhf_pipeline.learn.batch.PackedMicroBatch`). The forward runs it with the ``rlhf_packed``
+# attention (``learn/packed_attention.py``: causal within each row, never across rows), computes
+# logits only where they score a trained response token (``logits_to_keep``), scatters the per-token
+# log-probs and entropies back into a response-aligned (n, R) layout, and runs the SAME
+# :func:`grpo_loss` on them. The loss is elementwise per row with per-row aggregation, so every
+# variant (aggregations, GSPO, KL, entropy, TIS, row feedback, importance weights) gives the padded
+# path's value; ``tests/learn/test_packing.py`` checks loss and gradients to 1e-5 in float32. Every
+# row needs at least one prompt token (its first response token is scored from the last prompt
+# token's logits).
+
+
+def packed_response_logprobs(model, packed: PackedMicroBatch, temperature: float = 1.0, *,
+                             entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_probs (n, R), entropy (n, R))`` of the response tokens, from one packed forward.
+
+    The values :func:`rlhf_pipeline.learn.loss.response_logprobs` gives at the response columns
+    of the padded batch, in the response-aligned layout (0 off the response). The model must run
+    the ``rlhf_packed`` attention (``use_packed_attention``) or another that reads
+    ``cu_seq_lens_q`` (transformers' flash-attention). ``entropy_grad=False`` computes the
+    entropy without a graph (it is then only a metric).
+    """
+    cu, longest = packed.cu_seq_lens, packed.max_length
+    out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
+                logits_to_keep=packed.logit_positions)
+    logits = out.logits[0].float()  # (N, V): only the positions that score a response token
+    if temperature != 1.0:  # (a division by 1 is exact: skipping it saves a pass over N x V)
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    token_logp = logp_all.gather(-1, packed.targets[:, None]).squeeze(-1)  # (N,)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
+    mask = packed.response_mask
+    log_probs = token_logp.new_zeros(mask.shape).masked_scatter(mask, token_logp)  # (n, R)
+    entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)  # (n, R)
+    return log_probs, entropy
+
+
+def grpo_packed_loss(model, packed: PackedMicroBatch, *, temperature: float = 1.0, token_count=None,
+                     row_feedback: str | None = None, **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`rlhf_pipeline.learn.loss.grpo_step_loss` on a packed micro-batch: one packed forward, then
+    the same :func:`grpo_loss` on (n, R) response-aligned tensors; same options, same outputs."""
+    config = GRPOLossConfig.from_options(options)
+    log_probs, entropy = packed_response_logprobs(model, packed, temperature, entropy_grad=config.entropy_coef != 0)
+    sampler = packed.sampler_log_probs
+    old = log_probs.detach() if config.old_policy == "current" else sampler
+    return grpo_loss(
+        log_probs, old, packed.advantages, packed.response_mask, config,
+        ref_log_probs=packed.ref_log_probs, sampler_log_probs=sampler, entropy=entropy, token_count=token_count,
+        row_weights=packed.sample_weight, row_feedback=row_feedback,
     )

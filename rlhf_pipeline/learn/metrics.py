@@ -41,29 +41,6 @@ PART_LINES = 1000  # ~1.5 MB of learner lines: the most one re-PUT of the newest
 UPLOAD_EVERY_S = 5.0
 
 
-# ====================================================================== stats
-def group_reward_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[str, float]:
-    """Mean/std of rewards and the fraction of groups whose rewards have zero spread."""
-    rewards = rewards.float()
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    if n_groups:
-        hi = torch.full((n_groups,), -torch.inf).scatter_reduce(0, inverse, rewards, "amax")
-        lo = torch.full((n_groups,), torch.inf).scatter_reduce(0, inverse, rewards, "amin")
-        counts = torch.bincount(inverse, minlength=n_groups)
-        # a group seen through a single sampled row tells nothing about its spread
-        multi = counts > 1
-        zero = ((hi - lo).abs() < 1e-8) & multi
-        frac_zero = float(zero.sum()) / max(int(multi.sum()), 1)
-    else:
-        frac_zero = 0.0
-    return {
-        "charts/reward_mean": float(rewards.mean()) if rewards.numel() else 0.0,
-        "charts/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "charts/frac_reward_zero_std": frac_zero,
-    }
-
-
 # ====================================================================== writer
 class MetricsWriter:
     """Appends step metrics to ``metrics.jsonl`` and to TensorBoard event files.

@@ -1,6 +1,6 @@
 """Attention for packed sequences: every row attends only to itself, causally, per device.
 
-A packed forward (``learn/packed.py``) runs the model on one sequence ``(1, L)`` holding several
+A packed forward (``loss.grpo_packed_loss``) runs the model on one sequence ``(1, L)`` holding several
 rows end to end, with ``position_ids`` restarting at 0 at each row and the row boundaries as
 ``cu_seq_lens_q`` (int32 ``(n + 1,)`` offsets: row i is ``[cu[i], cu[i+1])``), the keyword
 transformers' flash-attention path also reads. :func:`use_packed_attention` switches a

@@ -106,8 +106,8 @@ class LearnerSettings:
     sequence (a longer row gets one of its own); padded: rows x longest prompt+response."""
     packing: bool = True
     """Micro-batches are packed sequences: rows laid end to end, each attending only to itself, the
-    logits computed only where they score a response token (learn/packed.py), so a step costs
-    the tokens it trains. false: each micro-batch is padded to its longest row (learn/microbatch.py).
+    logits computed only where they score a response token (learn/loss.py), so a step costs
+    the tokens it trains. false: each micro-batch is padded to its longest row (learn/batch.py).
     Same loss and gradients either way (to float rounding)."""
     turn_advantage: Literal["trajectory", "turn", "mixed"] = "trajectory"
     """Multi-turn rows (learn/trajectories.py): trajectory = the trajectory's advantage (its group-relative

@@ -4,7 +4,7 @@ A learner samples *positions*, which are valid only until the store's next refre
 of shards renumbers its positions whenever a shard grows, and eviction shifts a single
 store's). What outlives a refresh is a row's shard and its global id in that shard (ids never
 repeat). The learner needs that lasting name for three things: the exact-use sampler's cursors
-and blocks (``learn/samplers/exact.py``), the rows it has trained on (``learn/usage.py``), and
+and blocks (``learn/samplers/exact.py``), the rows it has trained on (``learn/learner.py``, ``TrainedRows``), and
 the rows it has taken in from each shard, which it publishes so that collectors can pace
 themselves (:mod:`rlhf_pipeline.coordination.pacing`).
 
@@ -57,7 +57,7 @@ class RowNames:
     shard: np.ndarray  # (B,) index into keys
     ids: np.ndarray  # (B,) global row id within its shard
     # what they were named in, for a buffer at a URL (see the module docstring); between rank 0 and
-    # another rank, packed (learn/view_changes.ViewChanges)
+    # another rank, packed (learn/distributed.ViewChanges)
     view: Any = None
 
     def select(self, mask: np.ndarray) -> RowNames:

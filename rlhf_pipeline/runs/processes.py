@@ -353,7 +353,7 @@ def _wait_for_weights(poller, should_stop: Callable[[], bool], backoff: Any, *, 
     new collector; for a resumed one the version it ``held`` when it stopped, as the uninterrupted
     collector holds it for its next round (the newest when that version was pruned). A learner
     resumed from a checkpoint before ``held`` (of version ``republished_after``) takes back every
-    version after it and publishes them again as it retrains (``learn/resume.py``): then this waits
+    version after it and publishes them again as it retrains (``learn/learner.py``): then this waits
     for ``held`` itself. Until the learner has taken them back, the listing may still show the stopped
     learner's newer versions with ``held`` pruned; the newest of those is not what the uninterrupted
     collector used, so it is never taken in place of ``held`` (a restart that raced the learner's

@@ -543,7 +543,7 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
     import torch
 
     from rlhf_pipeline.learn.distributed import DataParallel
-    from rlhf_pipeline.learn.learner import Learner
+    from rlhf_pipeline.learn.learner import BufferSource, Learner
     from rlhf_pipeline.learn.metrics import MetricsWriter, truncate_metrics
     from rlhf_pipeline.runs.stopping import StopFlag
 
@@ -564,11 +564,11 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
 
     learner = Learner(learner_settings, paths, make_model=pipeline.make_model, steps=steps, seed=seed,
                       device=pipeline.settings.device, pad_token_id=pipeline.pad_token_id, stop_event=stop.event,
-                      buffer=source, batch_transform=rescorer, on_step=record_step,
+                      source=BufferSource(source, fed_by_collectors=False,
+                                          checkpoint_saw_another=_resumes_parents_checkpoint(paths)),
+                      batch_transform=rescorer, on_step=record_step,
                       before_checkpoint=lambda: batch_log.flush() if batch_log is not None else None,
-                      data_parallel=data_parallel, initial_policy=initial_policy,
-                      publish_pacing=False,  # no collectors: nothing reads pacing.json
-                      checkpoint_of_another_buffer=_resumes_parents_checkpoint(paths))
+                      data_parallel=data_parallel, initial_policy=initial_policy)
     data_parallel.start(torch.device(pipeline.settings.device))
     try:
         learner.setup()

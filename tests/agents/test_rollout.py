@@ -23,8 +23,7 @@ from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
 from rlhf_pipeline.agents.rollout import RolloutConfig, cut_to_limits, rollout
 from rlhf_pipeline.agents.tools import ToolBox, parser_for_template
 from rlhf_pipeline.collect import SamplingConfig, generate
-from rlhf_pipeline.learn.loss import grpo_step_loss
-from rlhf_pipeline.learn.packed import grpo_packed_loss
+from rlhf_pipeline.learn.loss import grpo_packed_loss, grpo_step_loss
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
 from rlhf_pipeline.learn.settings import LearnerSettings

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from rlhf_pipeline.learn.prefetch import Prefetcher
+from rlhf_pipeline.learn.learner import Prefetcher
 from rlhf_pipeline.coordination.polling import PollBackoff
 
 

@@ -30,7 +30,7 @@ import torch
 
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.errors import NonFiniteStep
-from rlhf_pipeline.learn.learner import Learner
+from rlhf_pipeline.learn.learner import BufferSource, Learner
 from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths
@@ -139,7 +139,8 @@ def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mod
                 learner.stop_event.set()
 
         on_step = stop_rank_zero
-    learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps, buffer=buffer,
+    learner = Learner(settings, RunPaths(root), make_model=make_model, steps=steps,
+                      source=None if buffer is None else BufferSource(buffer),
                       seed=SEED, show_progress=False, data_parallel=data_parallel, on_step=on_step)
     try:
         learner.setup()

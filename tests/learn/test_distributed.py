@@ -30,7 +30,7 @@ from test_trajectories import OPTIONAL, multi_turn_rows
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.metrics import read_metrics
-from rlhf_pipeline.learn.prefetch import Prefetcher
+from rlhf_pipeline.learn.learner import Prefetcher
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema, TerminationReason
 from rlhf_pipeline.storage import create_store, open_buffer, open_store

@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from rlhf_pipeline.schema.padding import pad_batch
-from rlhf_pipeline.learn.learner import Learner
-from rlhf_pipeline.learn.optimizer import lr_lambda
-from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.learn.batch import plan_microbatches, split_microbatches
+from rlhf_pipeline.learn.learner import Learner, Prefetcher, group_reward_stats
 from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_step_loss
-from rlhf_pipeline.learn.metrics import group_reward_stats, read_metrics
-from rlhf_pipeline.learn.microbatch import plan_microbatches, split_microbatches
-from rlhf_pipeline.learn.prefetch import Prefetcher
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.learn.step import lr_lambda
 from rlhf_pipeline.learn.samplers import DataTimeoutError
 from rlhf_pipeline.learn.samplers.window import FreshRowSampler
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm

@@ -15,7 +15,7 @@ import torch
 from test_learner import SETTINGS, TOKENIZER, learner, make_model, make_run, rows
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.learn.errors import NonFiniteStep
-from rlhf_pipeline.learn.optimizer import make_optimizer
+from rlhf_pipeline.learn.step import make_optimizer
 from rlhf_pipeline.learn.step import plan_step, train_step
 from rlhf_pipeline.schema.padding import pad_batch
 

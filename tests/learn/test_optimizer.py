@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from rlhf_pipeline.learn.optimizer import apply_settings, lr_lambda, make_optimizer
+from rlhf_pipeline.learn.step import apply_settings, lr_lambda, make_optimizer
 from rlhf_pipeline.learn.settings import LearnerSettings
 
 SETTINGS = LearnerSettings(lr=1e-4, warmup_steps=4, lr_schedule="cosine", batch_size=4, sample_window=4)

@@ -1,4 +1,4 @@
-"""Packed batches made on the prefetch thread (``learn/packed_batch.py``): from rows read ragged
+"""Packed batches made on the prefetch thread (``PackedBatch``, ``learn/batch.py``): from rows read ragged
 off a real store, the same micro-batches, counts and per-row columns as packing the padded batch
 of the same rows; and the learner's prefetch hands the training thread a batch packed already,
 with no padded batch built on the way."""
@@ -12,10 +12,8 @@ from test_trajectories import OPTIONAL, TURNS, multi_turn_rows
 from rlhf_pipeline.coordination.weights import publish_weights
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.learn import trajectories
+from rlhf_pipeline.learn.batch import PackedBatch, RaggedRows, packed_micro_batches, take_rows
 from rlhf_pipeline.learn.learner import Learner
-from rlhf_pipeline.learn.microbatch import take_rows
-from rlhf_pipeline.learn.packed import RaggedRows, packed_micro_batches
-from rlhf_pipeline.learn.packed_batch import PackedBatch
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.learn.step import batch_counts, split_batch
 from rlhf_pipeline.learn.trajectories import read_joined, read_trajectories
@@ -97,7 +95,7 @@ def test_dropped_rows_are_packed_afresh_as_if_only_they_were_drawn(tmp_path):
     packed = PackedBatch.from_stored(store.read_ragged(positions), BUDGET)
     packed["sample_weight"] = torch.linspace(0.5, 1.5, 10)
     kept = torch.tensor([1, 2, 6, 8, 9])
-    narrowed = take_rows(packed, kept)  # what stale_rows.drop_stale and data-parallel fillers call
+    narrowed = take_rows(packed, kept)  # what batch.drop_stale and data-parallel fillers call
     alone = PackedBatch.from_stored(store.read_ragged(positions[kept]), BUDGET)
     _assert_same_micro_batches([m for _, m in narrowed.micro_batches()], [m for _, m in alone.micro_batches()])
     for (rows, micro), want in zip(narrowed.micro_batches(), narrowed.pieces):

@@ -15,18 +15,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_pipeline.learn.loss import aggregates_by_token, grpo_step_loss, response_logprobs
-from rlhf_pipeline.learn.microbatch import split_microbatches_with_rows
-from rlhf_pipeline.learn.packed import (
+from rlhf_pipeline.learn import packed_attention
+from rlhf_pipeline.learn.batch import (
     RaggedRows,
-    grpo_packed_loss,
     pack_rows,
     packed_micro_batches,
-    packed_response_logprobs,
+    plan_packs,
+    split_microbatches_with_rows,
 )
-from rlhf_pipeline.learn import packed_attention
+from rlhf_pipeline.learn.loss import (
+    aggregates_by_token,
+    grpo_packed_loss,
+    grpo_step_loss,
+    packed_response_logprobs,
+    response_logprobs,
+)
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
-from rlhf_pipeline.learn.packing import plan_packs
 from rlhf_pipeline.models.tiny import tiny_causal_lm
 from rlhf_pipeline.schema.padding import pad_batch
 from rlhf_pipeline.schema.synthetic import batch_with_lengths

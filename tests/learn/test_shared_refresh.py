@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from rlhf_pipeline.files.shard_names import shard_location, spread_shard_name
-from rlhf_pipeline.learn.distributed import DataParallel
-from rlhf_pipeline.learn.rank_slices import SharedView
+from rlhf_pipeline.learn.distributed import DataParallel, SharedView
 from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
 from rlhf_pipeline.learn.shard_rows import open_in_view, published_view, row_names
 from rlhf_pipeline.schema import StoreSchema

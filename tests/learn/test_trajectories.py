@@ -18,10 +18,10 @@ import torch
 from rlhf_pipeline.agents.episode import rebuild_trajectory
 from rlhf_pipeline.coordination.weights import load_weights, publish_weights
 from rlhf_pipeline.files.run_paths import RunPaths
+from rlhf_pipeline.learn.batch import PackedMicroBatch
 from rlhf_pipeline.learn.learner import Learner
-from rlhf_pipeline.learn.loss import grpo_step_loss
+from rlhf_pipeline.learn.loss import grpo_packed_loss, grpo_step_loss
 from rlhf_pipeline.learn.metrics import read_metrics
-from rlhf_pipeline.learn.packed import PackedMicroBatch, grpo_packed_loss
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.samplers.exact import ExactUseSampler
 from rlhf_pipeline.learn.samplers.window import FreshRowSampler

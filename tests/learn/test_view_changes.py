@@ -13,10 +13,16 @@ import numpy as np
 import pytest
 from helpers import make_batch
 
-from rlhf_pipeline.learn.distributed import DataParallel
-from rlhf_pipeline.learn.rank_slices import SharedView
+from rlhf_pipeline.learn.distributed import (
+    AS_HELD,
+    DataParallel,
+    ReceivedRecords,
+    SharedView,
+    ViewChanges,
+    pack_changes,
+    split_record,
+)
 from rlhf_pipeline.learn.shard_rows import RowNames
-from rlhf_pipeline.learn.view_changes import AS_HELD, ReceivedRecords, ViewChanges, pack_changes, split_record
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
 

@@ -3,13 +3,13 @@
 A sampler makes *draw* ``d`` (the ``d``-th batch the learner asks for; a batch can be
 dropped whole as stale, so draws and steps may differ): the store positions of one
 step's rows. The learner runs draws on a prefetch thread a few draws ahead
-(``learn/prefetch.py``), reads the rows into a padded batch, and records the draw count in
+(``learn/learner.py``, ``Prefetcher``), reads the rows into a padded batch, and records the draw count in
 its ``Progress``. A sampler keeps this contract (:class:`BatchSampler`):
 
 * ``draw(d) -> SampledRows`` is deterministic given the seed, ``d``, the sampler's state
   and the rows published: a resumed run redraws exactly what an uninterrupted one would;
 * ``current_version`` is set by the learner before each draw: the policy version that draw is
-  trained with (staleness checks use it; ``learn/stale_rows.py``, ``DrawVersions``);
+  trained with (staleness checks use it; ``DrawVersions``, ``learn/learner.py``);
 * ``state_dict()`` / ``load_state_dict()`` hold whatever else a resumed run needs. Draws run
   ahead of the steps, so each ``SampledRows`` carries the state right after its draw
   (``sampler_state``); the learner checkpoints the state of the last draw it *used*;
