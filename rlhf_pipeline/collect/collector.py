@@ -46,6 +46,7 @@ from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine, load_state_into
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
+from rlhf_pipeline.finite_settings import check_fields
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.ragged import RaggedTensor
 
@@ -80,6 +81,7 @@ class CollectorConfig:
     """The fraction above is taken over at least this many groups."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "CollectorConfig.")  # every number finite
         if self.prompts_per_batch < 1 or self.num_generations < 1:
             raise ValueError("CollectorConfig: prompts_per_batch and num_generations must be >= 1")
         if not 0 <= self.collector_index < MAX_COLLECTORS:

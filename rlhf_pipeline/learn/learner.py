@@ -108,7 +108,6 @@ class Learner(LearnerCheckpoints):
         ``checkpoint_of_another_buffer``: the checkpoint resumed from saw another buffer than ``buffer``
         (a branch replayed over its parent's rows, ``runs/branch.py``), so its rows are not checked
         against ``buffer``."""
-        settings.check()
         self.settings = settings
         self.paths = paths
         self.make_model = make_model
