@@ -90,9 +90,11 @@ class Settings(RunSettings):
 
 def check(settings: Settings) -> None:
     """What the settings point at: ``run`` calls this before it starts any process."""
-    if not (Path(settings.model_path) / "config.json").is_file():
-        raise ValueError(f"setting 'model_path': {str(settings.model_path)!r} has no config.json; point it at a "
-                         f"local model directory (--set model_path=/path/to/Qwen2.5-0.5B-Instruct)")
+    model = Path(settings.model_path)
+    if not (model / "config.json").is_file():
+        missing = "does not exist" if not model.exists() else "has no config.json"
+        raise ValueError(f"setting 'model_path': {str(model)!r} {missing}; point it at a local model directory "
+                         f"(--set model_path=/path/to/Qwen2.5-0.5B-Instruct)")
     if not Path(settings.data_path).is_file():
         raise ValueError(f"setting 'data_path': {str(settings.data_path)!r} does not exist; point it at a local "
                          f"JSONL of problems")

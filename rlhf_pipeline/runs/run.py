@@ -121,6 +121,9 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if on_ray is None:  # now, not after a child imported torch; a Ray cluster's GPUs are not this machine's
         check_cuda_device(settings.device)
     paths = run_paths(run_name or Path(pipeline_path).stem, home)
+    if paths.url is not None and settings.buffer_backend != "zarr":  # a memmap store given a URL makes a dir "s3:"
+        raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
+                            f"setting 'buffer_backend' is {settings.buffer_backend!r}: add --set buffer_backend=zarr")
     if paths.url is None:  # a branch of a run with collectors cannot continue online yet (runs/branch.py);
         from rlhf_pipeline.runs.branch import refuse_evicting_parent, refuse_online_start
 
