@@ -310,10 +310,6 @@ def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
     return True
 
 
-
-
-
-
 # ====================================================================== both
 def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
                     overrides: Sequence[str], collectors: int, learner_ranks: int = 1, holder_fd: int = -1):
