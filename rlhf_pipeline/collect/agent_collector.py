@@ -118,10 +118,10 @@ class AgentCollectorConfig:
     (``collect/agent_turns.py``: other rows than lockstep's, as deterministic and resumable)."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "AgentCollectorConfig.")  # turns is one of its choices; every number finite
         if self.tasks_per_round < 1 or self.group_size < 1:
             raise ValueError("AgentCollectorConfig: tasks_per_round and group_size must be >= 1")
         check_failure_fraction(self.max_failed_group_fraction, self.failure_rate_min_groups, "AgentCollectorConfig")
+        check_fields(self, "AgentCollectorConfig.")  # turns is one of its choices; every number finite
         unknown = sorted(set(self.row_fields) - set(AGENT_ROW_FIELDS))
         if unknown:
             raise ValueError(f"AgentCollectorConfig.row_fields: {unknown} are not fields an episode fills; "

@@ -81,12 +81,12 @@ class CollectorConfig:
     """The fraction above is taken over at least this many groups."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "CollectorConfig.")  # every number finite
         if self.prompts_per_batch < 1 or self.num_generations < 1:
             raise ValueError("CollectorConfig: prompts_per_batch and num_generations must be >= 1")
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"CollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), got {self.collector_index}")
         check_failure_fraction(self.max_failed_group_fraction, self.failure_rate_min_groups, "CollectorConfig")
+        check_fields(self, "CollectorConfig.")  # what the ranges above let through: every number finite
 
 
 MetricsHook = Callable[[dict[str, float]], None]
