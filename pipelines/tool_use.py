@@ -32,24 +32,26 @@ Copy this file to start a new pipeline; pipelines do not inherit from each other
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, check_rounds
 from rlhf_pipeline.learn.settings import LearnerSettings
-from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
-from rlhf_pipeline.storage.retention import RetentionSettings
+from rlhf_pipeline.pipeline import Pipeline, RunPaths
+from rlhf_pipeline.run_settings import RunSettings
 
 
 @dataclass
-class Settings:
+class Settings(RunSettings):
+    """The task's settings; the run's (steps, device, seed, group_size, temperature, buffer, learner,
+    generation, retention, ray...) come from RunSettings, with this task's defaults below."""
+
+    multi_turn: ClassVar[bool] = True
+
     steps: int = 30
     """Learner steps (optimizer updates); --steps sets it."""
-    device: str = "cpu"
-    """Where models run: cpu or cuda; --device sets it."""
-    seed: int = 0
-    """Seed of the model init, warm start, task order, sampling and learner."""
+    group_size: int = 4
+    """Episodes per task (GRPO's G)."""
 
     # ---- model
     hidden_size: int = 64
@@ -81,7 +83,7 @@ class Settings:
     """A state dict saved with torch.save to start from instead of the warm start (empty: warm start).
     ``bench tool-use`` gives this run and TRL's trainer the same warm-started weights this way."""
 
-    # ---- task and collection
+    # ---- task
     num_tasks: int = 4096
     """Distinct training tasks (a * b); the collector cycles over them, reshuffled per epoch."""
     low: int = 10
@@ -93,8 +95,6 @@ class Settings:
     so a tiny model's near misses still rank within a group; false: 1 for the product, else 0."""
     tasks_per_round: int = 4
     """Tasks per collection round; a round writes tasks_per_round groups."""
-    group_size: int = 4
-    """Episodes per task (GRPO's G)."""
     max_turns: int = 3
     """Model turns per episode at most."""
     max_new_tokens: int = 64
@@ -103,31 +103,14 @@ class Settings:
     """Tokens of a whole episode at most (the tiny model's positions)."""
     max_tool_errors: int = 2
     """Failed tool calls that end an episode (TOOL_ERROR)."""
-    temperature: float = 1.0
-    """Sampling temperature; the learner recomputes log-probs at the same temperature."""
     max_failed_group_fraction: float | None = 0.1
     """An episode whose environment raises, or whose reward is not finite, drops its group; past this
     fraction of the groups run (over at least 32) the collector stops the run (none: never)."""
-    rounds_per_version: int = 2
-    """The collector writes at most this many rounds per policy version, then waits for new weights
-    (rounds the learner's next batch needs are written whatever this says)."""
-    rounds_ahead: int | None = 0
-    """Pacing: the collector generates what the learner's next batch needs plus at most this many
-    rounds (none: unpaced)."""
     log_rounds_every: int = 5
     """The collector prints a line of its round metrics every this many rounds, with the first failed
     tool call of each kind since the line before (0: never; a round whose every call failed is
     still reported)."""
-    threads: int | None = 1
-    """Torch threads per process (collector, learner, warm start; none: torch's default)."""
 
-    # ---- buffer and learner
-    segment_rows: int = 1024
-    """Rows per segment of the replay buffer (the unit of sealing and eviction)."""
-    retention: RetentionSettings = field(default_factory=RetentionSettings)
-    """How much of its shard each collector keeps on a long run (--set retention.max_rows=200000; also
-    max_versions_behind, max_age_s): old whole groups go, never rows a kept checkpoint, a branch or the
-    learner still needs (docs/retention.md). Unset: every row is kept."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=32, sampler="exact", uses_per_row=1, sample_window=64, new_rows_per_step=32,
         micro_batch_tokens=4096, lr=3e-4, warmup_steps=3, max_staleness=2, publish_every=1,
@@ -135,47 +118,31 @@ class Settings:
     ))
     """Learner settings (--set learner.lr=1e-4, --list-settings shows them all). lr 3e-4: at 1e-3, on
     seeds 0-2 the warm-started model lost reward over the 30 steps (docs/pipelines.md)."""
-    generation: GenerationSettings = field(default_factory=GenerationSettings)
-    """Who samples the model's turns: our loop (default) or vLLM (--set generation.engine=vllm; the default
-    head size of 32 is one vLLM's CPU attention takes). Each turn goes to the engine as the
-    episode's token ids so far, and vLLM's prefix cache keeps the earlier turns' keys and values."""
+
+    def validate(self) -> None:
+        if not 1 <= self.low <= self.high:
+            raise ValueError(f"settings 'low' and 'high' must satisfy 1 <= low <= high, got {self.low}, {self.high}")
+        for name in ("warm_start_tool_fraction", "warm_start_target"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"setting {name!r} must be in [0, 1], got {getattr(self, name)}")
+        if self.warm_start_more_stages < 0:
+            raise ValueError(f"setting 'warm_start_more_stages' must be >= 0, got {self.warm_start_more_stages}")
+        fraction = self.max_failed_group_fraction
+        if fraction is not None and not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"setting 'max_failed_group_fraction' must be in [0, 1] or none, got {fraction}")
+        if self.max_new_tokens + 64 > self.context_length:
+            raise ValueError(f"setting 'context_length' ({self.context_length}) leaves no room for the opening "
+                             f"prompt and a turn of max_new_tokens ({self.max_new_tokens})")
+
+    def model_head_size(self) -> tuple[int, str]:
+        return (self.hidden_size // self.num_heads,
+                f" (hidden_size {self.hidden_size} / num_heads {self.num_heads}): add --set num_heads=2")
 
 
-def check(settings: Settings) -> LearnerSettings:
-    """Settings checks that need no torch: ``run`` calls this before it starts any process."""
-    if settings.group_size < 2:
-        raise PipelineError("setting 'group_size' must be >= 2: GRPO compares episodes within a group")
-    if not 1 <= settings.low <= settings.high:
-        raise PipelineError(f"settings 'low' and 'high' must satisfy 1 <= low <= high, "
-                            f"got {settings.low}, {settings.high}")
-    if not 0.0 <= settings.warm_start_tool_fraction <= 1.0:
-        raise PipelineError("setting 'warm_start_tool_fraction' must be in [0, 1]")
-    if not 0.0 <= settings.warm_start_target <= 1.0:
-        raise PipelineError(f"setting 'warm_start_target' must be in [0, 1], got {settings.warm_start_target}")
-    if settings.warm_start_more_stages < 0:
-        raise PipelineError(f"setting 'warm_start_more_stages' must be >= 0, got {settings.warm_start_more_stages}")
-    fraction = settings.max_failed_group_fraction
-    if fraction is not None and not 0.0 <= fraction <= 1.0:
-        raise PipelineError(f"setting 'max_failed_group_fraction' must be in [0, 1] or none, got {fraction}")
+def check(settings: Settings) -> None:
+    """What the settings point at: ``run`` calls this before it starts any process."""
     if settings.init_weights and not Path(settings.init_weights).is_file():
-        raise PipelineError(f"setting 'init_weights': {settings.init_weights!r} is not a file")
-    if settings.max_new_tokens + 64 > settings.context_length:
-        raise PipelineError(f"setting 'context_length' ({settings.context_length}) leaves no room for the opening "
-                            f"prompt and a turn of max_new_tokens ({settings.max_new_tokens})")
-    try:
-        settings.retention.check(settings.segment_rows)  # an agent's turns (rows) go whole, with their group
-        check_rounds(settings.generation, multi_turn=True)
-        check_generation(settings.generation, head_size=settings.hidden_size // settings.num_heads,
-                         device=settings.device, head_hint=f" (hidden_size {settings.hidden_size} / num_heads "
-                         f"{settings.num_heads}): add --set num_heads=2")
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
-    learner = dataclasses.replace(settings.learner, temperature=settings.temperature)
-    try:
-        learner.check()
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
-    return learner
+        raise ValueError(f"setting 'init_weights': {settings.init_weights!r} is not a file")
 
 
 def build(settings: Settings, run: RunPaths) -> Pipeline:
@@ -183,14 +150,8 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     import torch
 
     from rlhf_pipeline.agents.calculator import CalculatorEnv, product_tasks
+    from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
     from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
-    from rlhf_pipeline.schema import StoreSchema
-    from rlhf_pipeline.storage import create_store
-
-    # ---------------------------------------------------------------- checks first
-    learner = check(settings)
-    if settings.device == "cuda" and not torch.cuda.is_available():
-        raise PipelineError("setting 'device' is 'cuda' but torch sees no GPU; use --device cpu")
 
     tokenizer = char_tool_tokenizer()
     tasks = product_tasks(settings.num_tasks, low=settings.low, high=settings.high, seed=settings.seed)
@@ -212,14 +173,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
             warm_start_policy(model, tokenizer, settings)
         return model
 
-    # ---------------------------------------------------------------- buffer + write path
-    def create_buffer(path: Path):
-        from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
-
-        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "step_advantage",
-                                                                          "termination_reason", *AGENT_ROW_FIELDS)),
-                            segment_rows=settings.segment_rows)
-
+    # ---------------------------------------------------------------- write path
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
@@ -231,16 +185,13 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                                step_advantage="step_advantage" in store.schema.field_names)]
 
     # ---------------------------------------------------------------- collector
-    def make_collector(model, store, collector_index: int = 0):
+    def collector(engine, sink, store, collector_index: int):
         from rlhf_pipeline.agents.calculator import multiply
-        from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
+        from rlhf_pipeline.agents.episode import EpisodeLimits
         from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
         from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
         from rlhf_pipeline.collect.console import agent_round_printer
-        from rlhf_pipeline.generation.settings import make_collector_engine
-        from rlhf_pipeline.storage import make_replay_buffer
 
-        buffer = make_replay_buffer(store, batch_size=settings.learner.batch_size, transforms=make_write_path(store))
         toolbox = ToolBox([multiply], timeout_s=5.0, max_output_chars=100)  # shared by every episode
 
         def make_env():
@@ -262,12 +213,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                             required_fields=("question", "answer"))
         # a line every log_rounds_every rounds, with what failed tool calls said (collect/console.py)
         hooks = [agent_round_printer(settings.log_rounds_every, collector_index, toolbox)]
-        try:  # the loop samples with this model; a vLLM engine or a server at generation.url starts from its weights
-            engine = make_collector_engine(settings.generation, model.to(settings.device), tokenizer, device=settings.device,
-                                           seed=settings.seed, collector_index=collector_index)
-        except ValueError as exc:  # one that cannot serve this run: one line, no rows
-            raise PipelineError(str(exc)) from None
-        return AgentCollector(engine, tokenizer, source, make_env, sink=buffer.extend,
+        return AgentCollector(engine, tokenizer, source, make_env, sink=sink,
                               config=config, parser=parse_hermes, hooks=hooks)
 
     def preflight():  # before any model is built or anything written:
@@ -280,19 +226,13 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     return Pipeline(
         settings=settings,
-        learner=learner,
         make_policy=make_policy,
         make_model=make_model,
-        create_buffer=create_buffer,
-        make_collector=make_collector,
-        pad_token_id=tokenizer.pad_token_id,
         tokenizer=tokenizer,
         make_write_path=make_write_path,
+        row_fields=("advantage", "step_advantage", "termination_reason", *AGENT_ROW_FIELDS),
+        collector=collector,
         preflight=preflight,
-        collect_rounds_per_version=settings.rounds_per_version,
-        collect_rounds_ahead=settings.rounds_ahead,
-        torch_threads=settings.threads,
-        retention=settings.retention,
     )
 
 

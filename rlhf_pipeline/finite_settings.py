@@ -1,53 +1,95 @@
-"""Every number a run is set with is finite: one check for every settings dataclass, no torch.
+"""The checks every settings dataclass runs on itself: each choice one its type allows, each number finite.
+
+A choice is a field typed ``Literal[...]``; a dataclass built in Python is not held to its type, so
+:func:`check_fields` refuses a value outside it, naming the setting, the value, the choices and the
+closest one, in the words ``--set`` uses for the same mistake (:func:`choice_error`).
 
 ``--set learner.lr=inf`` parses as a float, and a range check such as ``lr > 0`` lets it through
 (``nan`` fails every comparison, so ``not x > 0`` catches it, but ``x <= 0`` does not): such a value
-used to reach the learner or the collector and break there. :func:`check_finite` walks a settings
-dataclass, nested settings included, and refuses the first float (or float in a tuple) that is
-``nan`` or infinite, naming the setting by its dotted key. No setting means anything by infinity:
+used to reach the learner or the collector and break there. No setting means anything by infinity:
 "for ever" and "no limit" are ``none`` where a setting offers them.
 
-It runs where settings are made (``pipeline.make_settings``: every ``--set`` of every pipeline, before
-any process starts) and in the settings classes' own checks (``LearnerSettings.check``,
-``generation.settings.check_generation``) for settings built in Python.
+Every settings class calls :func:`check_fields` in its ``__post_init__``, so a value is refused where
+it is declared, whoever builds the settings (``--set``, a pipeline file, a test).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import types
 import typing
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 
-def check_finite(settings: Any, prefix: str = "", *, defaults: Any = None,
-                 error: type[ValueError] = ValueError) -> Any:
-    """Returns ``settings`` (a dataclass; its nested dataclasses too, keys prefixed with ``prefix``)
-    when every float setting in it is finite, else raises ``error`` naming the first that is not.
-    ``defaults``: the same settings at their defaults (default: ``type(settings)()``), whose value
-    the message offers."""
-    if defaults is None:
-        try:
-            defaults = type(settings)()
-        except (TypeError, ValueError):  # a field without a default: the message offers none
-            defaults = None
-    try:
-        hints = typing.get_type_hints(type(settings))
-    except (NameError, TypeError):  # an annotation that does not resolve: the message leaves out "or none"
-        hints = {}
+def choice_error(key: str, value: Any, choices: Sequence[Any]) -> str:
+    """``setting 'learner.sampler' must be one of ['window', 'exact'], got 'exakt'; did you mean 'exact'?``"""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"setting {key!r} must be one of {list(choices)}, got {value!r}{hint}"
+
+
+def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values a ``Literal[...]`` (or ``Literal[...] | None``) annotation allows; None for another type."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        literals = [a for a in typing.get_args(annotation) if typing.get_origin(a) is Literal]
+        if literals and all(a is type(None) or typing.get_origin(a) is Literal for a in typing.get_args(annotation)):
+            return tuple(c for a in literals for c in typing.get_args(a))
+    return None
+
+
+def check_fields(settings: Any, prefix: str = "") -> None:
+    """Raises ValueError naming the first field of ``settings`` (one dataclass; its nested settings check
+    themselves) whose value is outside its ``Literal`` choices or a float that is not finite."""
+    hints = _hints(type(settings))
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
-        default = getattr(defaults, field.name, None)
+        choices = literal_choices(hints.get(field.name))
+        if choices is not None and value not in choices and not (value is None and _takes_none(hints, field.name)):
+            raise ValueError(choice_error(prefix + field.name, value, choices))
+    check_finite(settings, prefix, nested=False)
+
+
+def check_finite(settings: Any, prefix: str = "", *, nested: bool = True) -> Any:
+    """Returns ``settings`` (a dataclass; with ``nested``, its nested dataclasses too, keys prefixed with
+    ``prefix``) when every float setting in it is finite, else raises ValueError naming the first that
+    is not and offering the field's declared default."""
+    hints = _hints(type(settings))
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
         key = prefix + field.name
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            check_finite(value, key + ".", defaults=default if type(default) is type(value) else None, error=error)
+            if nested:
+                check_finite(value, key + ".")
             continue
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        for item in values:
-            if not isinstance(item, float) or math.isfinite(item):
-                continue
-            takes_none = type(None) in typing.get_args(hints.get(field.name))
-            offer = f", e.g. its default {default!r}" if default is not None else ""
-            raise error(f"setting {key!r} must be a finite number{' or none' if takes_none else ''}, got "
-                        f"{value!r}: give one{offer}")
+        if not_finite(value):
+            default = field.default if field.default is not dataclasses.MISSING else None
+            raise ValueError(finite_error(key, value, default, takes_none=_takes_none(hints, field.name)))
     return settings
+
+
+def not_finite(value: Any) -> bool:
+    """A float (or a float in a tuple or list) that is nan or infinite."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return any(isinstance(item, float) and not math.isfinite(item) for item in values)
+
+
+def finite_error(key: str, value: Any, default: Any, *, takes_none: bool) -> str:
+    offer = f", e.g. its default {default!r}" if default is not None else ""
+    return (f"setting {key!r} must be a finite number{' or none' if takes_none else ''}, got {value!r}: "
+            f"give one{offer}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation that does not resolve: no choices, no "or none"
+        return {}
+
+
+def _takes_none(hints: dict[str, Any], name: str) -> bool:
+    return type(None) in typing.get_args(hints.get(name))

@@ -1,23 +1,20 @@
 """What a pipeline file is, how it is loaded by path, and how ``--set`` edits its settings.
 
 Why one file: the three change together; they are the contract between a user's pipeline file and
-the framework (issue 42 splits task from run settings, which will cut it along that line).
+the framework. The run's settings themselves are ``run_settings.py``.
 
-A pipeline is a Python file (``pipelines/default.py`` is the model to copy) that defines:
+A pipeline is a Python file (``pipelines/default.py`` is the model to copy) that defines its task:
 
-* ``Settings`` -- a ``@dataclass`` with a default for every field. Each field is documented
-  by a docstring right below it (or ``metadata={"help": ...}``); ``--list-settings`` prints
-  them. It must have the fields ``steps: int`` (learner steps) and ``device: str``, which the
-  ``--steps`` / ``--device`` flags set. Nested dataclasses are allowed and addressed with
-  dots (``--set learner.lr=1e-4``).
-* ``build(settings, run: RunPaths) -> Pipeline`` -- checks the settings (paths exist,
-  prompts have their fields, the reward returns one value per completion...) and returns a
-  :class:`Pipeline`. ``build`` must raise :class:`PipelineError` on bad settings and must not
-  start any long work: models are built only when a ``Pipeline`` callable is called.
-* ``check(settings)`` (optional) -- the settings checks that need no torch (ranges, learner
-  settings), raising :class:`PipelineError`. ``run`` imports no torch: it calls ``check`` before
-  it starts any process, and its learner process calls ``build``, whose errors ``run`` reports
-  the same way, only seconds later. ``build`` calls ``check`` too (``collect`` / ``learn``).
+* ``Settings`` -- a ``@dataclass`` subclassing :class:`~rlhf_pipeline.run_settings.RunSettings` (the
+  run's settings: steps, device, learner, generation, buffer...) with a default for every field it
+  adds, each documented by a docstring right below it; ``--list-settings`` prints them, and nested
+  settings are addressed with dots (``--set learner.lr=1e-4``). Its own rules go in ``validate``,
+  which every construction runs: a bad value is refused before any process starts.
+* ``build(settings, run: RunPaths) -> Pipeline`` -- the task's parts: the model, the tokenizer, the
+  write path, the collector over an engine the framework makes. ``build`` must not start any long
+  work: models are built only when a ``Pipeline`` callable is called.
+* ``check(settings)`` (optional) -- checks of what the settings point at (a data file, a model's
+  directory), which need no torch; ``run`` calls it before it starts any process.
 
 Settings come from the dataclass defaults and the command line only; they are never read
 from environment variables (``RLHF_PIPELINE_HOME`` only says where run directories live).
@@ -35,15 +32,13 @@ import textwrap
 import types
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from rlhf_pipeline.files.run_paths import RunPaths  # noqa: F401 -- pipeline files import it from here
-from rlhf_pipeline.finite_settings import check_finite
-
-REQUIRED_SETTINGS = ("steps", "device")
-MIN_LOCK_LEASE_S = 3.0  # an object-store writer lock renews every third of its lease: a request a second at most
+from rlhf_pipeline.finite_settings import choice_error, finite_error, literal_choices, not_finite
+from rlhf_pipeline.run_settings import RunSettings
 
 
 class PipelineError(ValueError):
@@ -65,82 +60,81 @@ class CollectorLike(Protocol):
 
 @dataclass
 class Pipeline:
-    """What ``build`` returns: the parts ``run`` / ``collect`` / ``learn`` wire together.
+    """What ``build`` returns: the task's parts, which ``run`` / ``collect`` / ``learn`` wire together
+    with what the run's settings say (the buffer, the engine, the learner's settings).
 
     Every callable is cheap to hold and does its work only when called, so a ``Pipeline``
     can be built in the parent process just to check settings.
     """
 
-    settings: Any
-    learner: Any  # rlhf_pipeline.learn.settings.LearnerSettings
+    settings: RunSettings
+    """The pipeline's ``Settings``: the run's and the task's."""
     make_policy: Callable[[], Any]
     """Builds the initial policy (warm start included); run once per run, published as v0. The
     learner that published it trains this very object, so it must be what ``make_model`` builds
     (architecture, dtype) with the warm start's weights in it."""
     make_model: Callable[[], Any]
     """Builds the model architecture only (random init); weights are loaded into it."""
-    create_buffer: Callable[[Path], Any]
-    """Creates the (empty) replay buffer at the path; returns the open, writable store."""
-    make_collector: Callable[..., CollectorLike]
-    """``make_collector(model, writable_store, collector_index=0)`` -> a collector whose rows reach
-    the store through the pipeline's write-path transforms (e.g. ``ReplayBuffer.extend`` with
-    them attached). With several collectors each gets its own shard store and index, which it
-    must pass on (``CollectorConfig(collector_index=...)``) so ids stay unique across shards; a
-    ``make_collector(model, store)`` without the parameter runs as collector 0 only. A collector
-    with a ``close()`` method (one that owns a vLLM engine's process) is closed when collection ends."""
-    pad_token_id: int
-    tokenizer: Any = None
-    """The policy's tokenizer (a ``transformers`` tokenizer, with its chat template): what
-    ``import`` tokenizes text with and ``export-model`` saves beside the weights. Without it
-    those commands stop with an error saying so."""
+    tokenizer: Any
+    """The policy's tokenizer (a ``transformers`` tokenizer, with its chat template): its pad and end
+    tokens, what ``import`` tokenizes text with and what ``export-model`` saves beside the weights."""
+    collector: Callable[..., CollectorLike]
+    """``collector(engine, sink, store, collector_index)`` -> the task's collector, sampling with the
+    engine the run's ``generation`` settings name and writing rows with ``sink`` (the write path into
+    ``store``, whose schema says which fields it holds). It passes ``collector_index`` on
+    (``CollectorConfig(collector_index=...)``) so ids stay unique across shards. A collector with a
+    ``close()`` method is closed when collection ends."""
     make_write_path: Callable[[Any], Sequence[Any]] | None = None
     """``make_write_path(writable_store)`` -> the write-path transforms bound to that store, in
-    write order (group advantage, reference log-probs, KL reward...). ``make_collector`` builds
-    its buffer from it and ``import`` writes through it, so collected and imported rows share
-    one definition. None: rows are stored as they come."""
+    write order (group advantage, reference log-probs, KL reward...). Collected and imported rows
+    go through it alike. None: rows are stored as they come."""
+    row_fields: tuple[str, ...] = ("advantage",)
+    """The optional row fields the buffer stores (``schema.StoreSchema(optional=...)``): what the
+    write path adds (``advantage``) and the task's own (an agent's ``step_advantage``...)."""
+    sampler_dtype: str | None = None
+    """The dtype the collector's copy of the policy samples in (``bfloat16``); None: as built."""
     preflight: Callable[[], None] = lambda: None
     """Cheap checks that need code to run (the reward on one sample); called before any work."""
-    collect_rounds_per_version: int | None = 2
-    """A collector writes at most this many rounds per policy version, then waits for new
-    weights: rows much older than the learner would only be dropped as stale. Rounds the learner's
-    next batch needs are written whatever this says (it cannot publish new weights without them;
-    ``coordination/pacing.py``). None: no limit."""
-    collect_rounds_ahead: int | None = 0
-    """Pacing: a collector generates what the learner's next batch needs (its share, with
-    several collectors) plus at most this many rounds, then waits for the learner to take them
-    in (``rlhf_pipeline/coordination/pacing.py``): no generation the learner would not train on. 0 overlaps
-    generation with exactly one learner step; None: no pacing."""
-    torch_threads: int | None = None
-    """Intra-op torch threads of each process (collector, learner, the warm start). Collector and
-    learner run side by side, so one each is often fastest on a small CPU machine; None: torch's
-    default."""
-    buffer_url: str | None = None
-    """The buffer on object storage: a URL prefix (``s3://bucket/run/buffer``) under which
-    collector k writes ``shard-kkkk`` with ``create_buffer`` (which must make a Zarr store) and
-    the learner reads the union; endpoint and credentials from the ``AWS_*`` environment
-    variables (``az://container/run/buffer``: from ``AZURE_STORAGE_CONNECTION_STRING``). None: ``<run>/buffer``. The run directory (weights, checkpoints, metrics) stays local."""
-    buffer_lock_wait_s: float = 60.0
-    """With ``buffer_url``: how long a collector waits for its shard's writer lock while another
-    writer holds it (a collector that died on another machine holds it until its lease runs
-    out); it says whose lease it is and until when."""
-    buffer_lock_lease_s: float = 30.0
-    """With ``buffer_url``: the lease of a collector's writer lock on its shard, renewed every third
-    of it. A shorter lease lets a restarted collector take over sooner from one that died or hangs
-    (a paused writer is fenced once its lease has run out) and costs more requests (one PUT per
-    renewal); a writer that cannot renew for a whole lease (a long GC pause, a network outage)
-    loses its shard. At least 3 s."""
-
-    retention: Any = None
-    """Each collector's retention of its shard (storage/retention.py RetentionSettings); None: all rows."""
+    learner: Any = field(init=False)
+    """The learner's settings, derived once from the run's (``RunSettings.learner_settings``)."""
 
     def __post_init__(self) -> None:
-        if not self.buffer_lock_lease_s >= MIN_LOCK_LEASE_S:
-            raise PipelineError(
-                f"setting 'buffer_lock_lease_s' must be >= {MIN_LOCK_LEASE_S:g} seconds (the lock is renewed every "
-                f"third of it), got {self.buffer_lock_lease_s!r}; the default is 30"
-            )
-        if not self.buffer_lock_wait_s >= 0:
-            raise PipelineError(f"setting 'buffer_lock_wait_s' must be >= 0 seconds, got {self.buffer_lock_wait_s!r}")
+        self.learner = self.settings.learner_settings()
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    def create_buffer(self, location: Path | str) -> Any:
+        """Creates the (empty) replay buffer shard at ``location`` (a path, or a URL under
+        ``buffer_url``) and returns the open, writable store."""
+        from rlhf_pipeline.schema import StoreSchema
+        from rlhf_pipeline.storage import create_store
+
+        return create_store(location, self.settings.buffer_backend, schema=StoreSchema(optional=self.row_fields),
+                            segment_rows=self.settings.segment_rows)
+
+    def make_collector(self, model: Any, store: Any, collector_index: int = 0) -> CollectorLike:
+        """Collector ``collector_index`` writing to ``store`` through the write path, sampling with the
+        engine ``settings.generation`` names, started from ``model``'s weights. An engine that cannot
+        serve this run is one PipelineError, before any row."""
+        from rlhf_pipeline.generation.settings import make_collector_engine
+        from rlhf_pipeline.storage import make_replay_buffer
+
+        settings = self.settings
+        write_path = self.make_write_path(store) if self.make_write_path is not None else ()
+        buffer = make_replay_buffer(store, batch_size=self.learner.batch_size, transforms=write_path)
+        if self.sampler_dtype is not None:
+            import torch
+
+            model = model.to(dtype=getattr(torch, self.sampler_dtype))
+        model = model.to(settings.device)
+        try:  # the loop samples with this model; a vLLM engine or a server at generation.url starts from its weights
+            engine = make_collector_engine(settings.generation, model, self.tokenizer, device=settings.device,
+                                           seed=settings.seed, collector_index=collector_index)
+        except ValueError as exc:  # one that cannot serve this run: one line, no rows
+            raise PipelineError(str(exc)) from None
+        return self.collector(engine=engine, sink=buffer.extend, store=store, collector_index=collector_index)
 
 
 def preflight_rewards(rewards: Any, records: Sequence[Any], group_size: int) -> None:
@@ -162,7 +156,8 @@ def preflight_rewards(rewards: Any, records: Sequence[Any], group_size: int) -> 
 # is refused naming the new place
 MOVED_MODULES = {
     "rlhf_pipeline.collate": "rlhf_pipeline.schema.padding",
-    "rlhf_pipeline.ray_settings": "rlhf_pipeline.cluster.settings",
+    "rlhf_pipeline.ray_settings": "rlhf_pipeline.run_settings (RaySettings; a pipeline's RunSettings has them)",
+    "rlhf_pipeline.cluster.settings": "rlhf_pipeline.run_settings (RaySettings; a pipeline's RunSettings has them)",
     "rlhf_pipeline.collect.generate": "rlhf_pipeline.generation (loop.py, sampling.py)",
 }
 
@@ -200,16 +195,11 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
         sys.modules.pop(module_name, None)
         raise
     settings_cls = getattr(module, "Settings", None)
-    if settings_cls is None or not dataclasses.is_dataclass(settings_cls):
-        raise PipelineError(f"{path} must define `Settings`, a @dataclass of its settings")
+    if settings_cls is None or not dataclasses.is_dataclass(settings_cls) or not issubclass(settings_cls, RunSettings):
+        raise PipelineError(f"{path} must define `Settings`, a @dataclass subclassing "
+                            f"rlhf_pipeline.run_settings.RunSettings (the run's settings) with its task's own")
     if not callable(getattr(module, "build", None)):
         raise PipelineError(f"{path} must define `build(settings, run) -> Pipeline`")
-    names = {f.name for f in dataclasses.fields(settings_cls)}
-    missing = [n for n in REQUIRED_SETTINGS if n not in names]
-    if missing:
-        raise PipelineError(
-            f"{path}: Settings lacks the field(s) {missing}, which --steps/--device set; add them"
-        )
     return module
 
 
@@ -221,46 +211,75 @@ def _describe_syntax_error(exc: SyntaxError, path: Path) -> str:
 
 
 def make_settings(module: types.ModuleType, overrides: Sequence[str] = ()) -> Any:
-    """Default settings of a loaded pipeline, ``key=value`` overrides applied, every float finite (nan, inf refused)."""
+    """Default settings of a loaded pipeline with ``key=value`` overrides applied; every value is
+    checked where it is declared (its type, its class's ``__post_init__``), so a bad one is one
+    PipelineError naming the setting."""
     try:
         defaults = module.Settings()
     except TypeError as exc:
         raise PipelineError(f"every field of Settings needs a default ({exc})") from None
-    return check_finite(apply_overrides(defaults, overrides), defaults=defaults, error=PipelineError)
+    except ValueError as exc:
+        raise PipelineError(f"the defaults of Settings are refused: {exc}") from None
+    return apply_overrides(defaults, overrides)
 
 
 # ====================================================================== --set
 def apply_overrides(settings: Any, overrides: Sequence[str]) -> Any:
-    """Returns a copy of ``settings`` with each ``key=value`` (dotted keys for nesting) applied."""
+    """Returns a copy of ``settings`` with each ``key=value`` (dotted keys for nesting) applied.
+
+    Each settings dataclass is rebuilt once with all of its changes, so rules between its fields
+    (``sample_window >= batch_size``) see the values given together, in whatever order."""
+    changes: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise PipelineError(f"--set expects key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        settings = _set_path(settings, key.strip().split("."), raw.strip(), key.strip(), "")
-    return settings
+        key, raw = (part.strip() for part in item.split("=", 1))
+        level = changes
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            level = level.setdefault(part, {})
+            if not isinstance(level, dict):
+                raise PipelineError(f"--set {item!r}: {'.'.join(parts[:depth + 1])!r} was given a value of its own")
+        level[parts[-1]] = raw
+    return _rebuild(settings, changes, "", settings)
 
 
-def _set_path(obj: Any, parts: list[str], raw: str, full_key: str, prefix: str) -> Any:
+def _rebuild(obj: Any, changes: dict[str, Any], prefix: str, root: Any) -> Any:
     fields = {f.name: f for f in dataclasses.fields(obj)}
-    name = parts[0]
-    if name not in fields:
-        known = sorted(_all_keys(type(obj), prefix))
-        close = suggest_setting(full_key, known)
-        hint = f" Did you mean {close!r}?" if close else ""
-        # a pointer, not the list: a pipeline has over a hundred settings, which made a 2,000-character line
-        raise PipelineError(f"unknown setting {full_key!r}.{hint} `rlhf-pipeline run PIPELINE.py --list-settings` "
-                            f"prints every setting with its documentation")
     hints = typing.get_type_hints(type(obj))
-    if len(parts) > 1:
-        child = getattr(obj, name)
-        if not dataclasses.is_dataclass(child):
-            raise PipelineError(f"setting {full_key!r}: {name!r} has no sub-settings")
-        return dataclasses.replace(obj, **{name: _set_path(child, parts[1:], raw, full_key, prefix + name + ".")})
-    value = parse_value(hints[name], raw, full_key)
+    values: dict[str, Any] = {}
+    for name, change in changes.items():
+        key = prefix + name
+        if name not in fields:
+            raise PipelineError(_unknown_setting(key, root))
+        derived = fields[name].metadata.get("derived_from")
+        if derived is not None:
+            raise PipelineError(f"setting {key!r} is set from {derived!r} by the run; set that instead "
+                                f"(--set {derived}=...)")
+        current = getattr(obj, name)
+        if isinstance(change, dict):
+            if not dataclasses.is_dataclass(current):
+                raise PipelineError(f"setting {key + '.' + next(iter(change))!r}: {name!r} has no sub-settings")
+            values[name] = _rebuild(current, change, key + ".", root)
+        elif dataclasses.is_dataclass(current):
+            raise PipelineError(f"setting {key!r} is a group of settings; set one of them, e.g. "
+                                f"--set {key}.{dataclasses.fields(current)[0].name}=...")
+        else:
+            values[name] = parse_value(hints[name], change, key, default=current)
+    if not values:
+        return obj
     try:
-        return dataclasses.replace(obj, **{name: value})
-    except (ValueError, TypeError) as exc:  # the dataclass's own checks (__post_init__)
-        raise PipelineError(f"setting {full_key!r}={raw!r} was rejected: {exc}") from None
+        return dataclasses.replace(obj, **values)
+    except (ValueError, TypeError) as exc:  # the class's own checks (__post_init__)
+        raise PipelineError(str(exc)) from None
+
+
+def _unknown_setting(key: str, root: Any) -> str:
+    close = suggest_setting(key, sorted(_all_keys(type(root))))
+    hint = f" Did you mean {close!r}?" if close else ""
+    # a pointer, not the list: a pipeline has over a hundred settings, which made a 2,000-character line
+    return (f"unknown setting {key!r}.{hint} `rlhf-pipeline run PIPELINE.py --list-settings` prints every "
+            f"setting with its documentation")
 
 
 # names people bring from other trainers (TRL, verl, torchtune...) -> the name used here
@@ -308,6 +327,8 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
         t = hints[f.name]
+        if "derived_from" in f.metadata:
+            continue
         if dataclasses.is_dataclass(t):
             keys += _all_keys(t, prefix + f.name + ".")
         else:
@@ -319,29 +340,38 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def parse_value(annotation: Any, raw: str, key: str) -> Any:
-    """Parses ``raw`` as ``annotation`` (bool, int, float, str, Path, Literal, Optional, tuple)."""
+def parse_value(annotation: Any, raw: str, key: str, default: Any = None) -> Any:
+    """Parses ``raw`` as ``annotation`` (bool, int, float, str, Path, Literal, Optional, tuple); a choice
+    outside a ``Literal`` or a float that is not finite is refused naming ``key`` (and ``default``)."""
+    value = _parse(annotation, raw, key)
+    if not_finite(value):
+        raise PipelineError(finite_error(key, value, default, takes_none=type(None) in typing.get_args(annotation)))
+    return value
+
+
+def _parse(annotation: Any, raw: str, key: str) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    choices = literal_choices(annotation)
+    if choices is not None and not (type(None) in args and raw.lower() in ("none", "null", "")):
+        for choice in choices:
+            if str(choice) == raw:
+                return choice
+        raise PipelineError(choice_error(key, raw, choices))
     if origin in (typing.Union, types.UnionType):
         if type(None) in args and raw.lower() in ("none", "null", ""):
             return None
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
-                return parse_value(arg, raw, key)
+                return _parse(arg, raw, key)
             except PipelineError as exc:
                 errors.append(str(exc))
         raise PipelineError(errors[0] if len(errors) == 1 else f"setting {key!r}: cannot parse {raw!r} as {annotation}")
-    if origin is Literal:
-        for choice in args:
-            if str(choice) == raw:
-                return choice
-        raise PipelineError(f"setting {key!r} must be one of {list(args)}, got {raw!r}")
     if origin in (tuple, list):
         item_type = args[0] if args else str
         items = [s.strip() for s in raw.split(",") if s.strip()]
-        values = [parse_value(item_type, s, key) for s in items]
+        values = [_parse(item_type, s, key) for s in items]
         return tuple(values) if origin is tuple else values
     if annotation is bool:
         if raw.lower() in _TRUE:
@@ -363,18 +393,20 @@ def parse_value(annotation: Any, raw: str, key: str) -> Any:
 
 # ====================================================================== docs
 def settings_docs(cls: type) -> dict[str, str]:
-    """Field name -> help text, from ``metadata["help"]`` or the docstring under the field."""
+    """Field name -> help text, from ``metadata["help"]`` or the docstring under the field (a
+    subclass's word for a field it declares again wins over its base's)."""
     docs: dict[str, str] = {}
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        for stmt, nxt in zip(body, body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
-                    and isinstance(nxt.value.value, str)):
-                docs[stmt.target.id] = " ".join(nxt.value.value.split())
-    except (OSError, TypeError, SyntaxError, IndexError):
-        pass
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+            body = tree.body[0].body  # type: ignore[attr-defined]
+            for stmt, nxt in zip(body, body[1:]):
+                if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                        and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)
+                        and isinstance(nxt.value.value, str)):
+                    docs[stmt.target.id] = " ".join(nxt.value.value.split())
+        except (OSError, TypeError, SyntaxError, IndexError):
+            pass
     for f in dataclasses.fields(cls):
         if "help" in f.metadata:
             docs[f.name] = f.metadata["help"]
@@ -388,12 +420,14 @@ def describe_settings(settings: Any, prefix: str = "") -> str:
     hints = typing.get_type_hints(type(settings))
     for f in dataclasses.fields(settings):
         value = getattr(settings, f.name)
+        if "derived_from" in f.metadata:  # not a setting of its own
+            continue
         if dataclasses.is_dataclass(value):
             lines.append(describe_settings(value, prefix + f.name + "."))
             continue
         hint = hints[f.name]
-        if typing.get_origin(hint) is Literal:
-            type_name = "|".join(str(a) for a in typing.get_args(hint))
+        if literal_choices(hint) is not None:
+            type_name = "|".join(str(a) for a in literal_choices(hint))
         else:
             type_name = getattr(hint, "__name__", str(hint).replace("typing.", ""))
         lines.append(f"  {prefix + f.name} ({type_name}) = {value!r}")

@@ -208,12 +208,15 @@ def _check_command(command: str, choices, commands) -> None:
     module = _pipeline_module(rest)
     if module is None:
         return
+    overrides = []
     for i, word in enumerate(rest[:-1]):
         if word.lstrip("[") == "--set":
             key, _, value = rest[i + 1].rstrip("]").partition("=")
             if key.lower() == "key":  # the placeholder of a synopsis
                 continue
-            make_settings(module, [f"{key}={value}"])  # an unknown key or a bad value raises
+            overrides.append(f"{key}={value}")
+    # together, as the command gives them: a rule between settings sees them all (buffer_url with zarr)
+    make_settings(module, overrides)  # an unknown key or a bad value raises
 
 
 @pytest.mark.parametrize("path", DOCUMENTS, ids=_ids(DOCUMENTS))

@@ -101,10 +101,10 @@ def test_overrides_parse_bools_tuples_and_paths(tmp_path):
         from dataclasses import dataclass
         from pathlib import Path
 
+        from rlhf_pipeline.run_settings import RunSettings
+
         @dataclass
-        class Settings:
-            steps: int = 1
-            device: str = "cpu"
+        class Settings(RunSettings):
             flag: bool = False
             betas: tuple[float, float] = (0.9, 0.99)
             data: Path = Path("x")
@@ -125,12 +125,13 @@ def test_pipeline_file_contract_is_checked(tmp_path):
         load_pipeline_module(tmp_path / "missing.py")
     with pytest.raises(PipelineError, match="must define `Settings`"):
         load_pipeline_module(_write(tmp_path, "def build(s, r): pass\n"))
-    with pytest.raises(PipelineError, match="lacks the field"):
+    with pytest.raises(PipelineError, match="a @dataclass subclassing rlhf_pipeline.run_settings.RunSettings"):
         load_pipeline_module(_write(tmp_path, """
             from dataclasses import dataclass
             @dataclass
-            class Settings:
+            class Settings:  # the run's settings are the framework's: a pipeline adds its task's
                 steps: int = 1
+                device: str = "cpu"
             def build(s, r): pass
         """))
 
@@ -169,13 +170,13 @@ def test_a_pipeline_file_imports_the_modules_beside_it(tmp_path):
     folder = tmp_path / "my_pipelines"
     folder.mkdir()
     (folder / "my_rewards.py").write_text("STEPS = 11\n")
-    body = DEFAULT.read_text().replace("steps: int = ", "steps: int = STEPS  # ", 1)
+    body = DEFAULT.read_text().replace("warm_start_steps: int = ", "warm_start_steps: int = STEPS  # ", 1)
     body = body.replace("from __future__ import annotations\n", "from __future__ import annotations\n\nfrom my_rewards import STEPS\n", 1)
     (folder / "mine.py").write_text(body)
     result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(folder / "mine.py"),
                              "--list-settings"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "steps (int) = 11" in result.stdout
+    assert "  warm_start_steps (int) = 11" in result.stdout
 
 
 def test_cli_help_lists_the_run_flags():
@@ -197,7 +198,8 @@ def test_a_resume_may_change_the_buffer_lock_settings_but_not_the_data_settings(
     assert len(changed) == 1 and "group_size" in changed[0]  # the writer lock is not the data
 
 
-@pytest.mark.parametrize("old, new", [("rlhf_pipeline.ray_settings", "rlhf_pipeline.cluster.settings"),
+@pytest.mark.parametrize("old, new", [("rlhf_pipeline.ray_settings", "rlhf_pipeline.run_settings"),
+                                      ("rlhf_pipeline.cluster.settings", "rlhf_pipeline.run_settings"),
                                       ("rlhf_pipeline.collate", "rlhf_pipeline.schema.padding"),
                                       ("rlhf_pipeline.collect.generate", "rlhf_pipeline.generation")])
 def test_a_pipeline_file_importing_a_moved_module_is_refused_naming_its_new_place(tmp_path, old, new):

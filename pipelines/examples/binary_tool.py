@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rlhf_pipeline.agents.environment import StepResult
 from rlhf_pipeline.learn.settings import LearnerSettings
-from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
+from rlhf_pipeline.pipeline import Pipeline, RunPaths
+from rlhf_pipeline.run_settings import RunSettings
 
 
 def to_binary(number: int) -> str:
@@ -93,17 +95,15 @@ def warm_start(model, tokenizer, steps: int, *, lr: float, seed: int) -> float:
 
 
 @dataclass
-class Settings:
+class Settings(RunSettings):
+    multi_turn: ClassVar[bool] = True
+
     steps: int = 20
     """Learner steps (optimizer updates); --steps sets it."""
-    device: str = "cpu"
-    """Where models run: cpu or cuda; --device sets it."""
-    seed: int = 0
-    """Seed of the model, the warm start, the tasks and the sampling."""
-    warm_start_steps: int = 300
-    """Supervised steps on demonstrations before RL (0: none)."""
     group_size: int = 4
     """Episodes per task (GRPO's G)."""
+    warm_start_steps: int = 300
+    """Supervised steps on demonstrations before RL (0: none)."""
     tasks_per_round: int = 4
     """Tasks per collection round."""
     max_turns: int = 3
@@ -114,21 +114,10 @@ class Settings:
     """Learner settings (--set learner.lr=3e-4; --list-settings shows them all)."""
 
 
-def check(settings: Settings) -> LearnerSettings:
-    """The checks that need no torch: `run` calls this before it starts any process."""
-    if settings.group_size < 2:
-        raise PipelineError("setting 'group_size' must be >= 2: GRPO compares episodes within a group")
-    try:
-        settings.learner.check()
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
-    return settings.learner
-
-
 def build(settings: Settings, run: RunPaths) -> Pipeline:
+    from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
     from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
 
-    learner = check(settings)
     tokenizer = char_tool_tokenizer()
     tasks = binary_tasks(2048, seed=settings.seed)
 
@@ -143,35 +132,25 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
             print(f"[run] warm start: {settings.warm_start_steps} steps, loss {loss:.3f}", flush=True)
         return model
 
-    def create_buffer(path):
-        from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
-        from rlhf_pipeline.schema import StoreSchema
-        from rlhf_pipeline.storage import create_store
-
-        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage", "termination_reason",
-                                                                         *AGENT_ROW_FIELDS)))
-
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
         return [GroupAdvantage(settings.group_size, store=store, trajectory_return="sum")]
 
-    def make_collector(model, store, collector_index: int = 0):
+    def collector(engine, sink, store, collector_index: int):
         from rlhf_pipeline.agents.episode import EpisodeLimits
         from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
-        from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, TaskSource
+        from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
         from rlhf_pipeline.collect.console import agent_round_printer
-        from rlhf_pipeline.storage import make_replay_buffer
 
-        buffer = make_replay_buffer(store, batch_size=learner.batch_size, transforms=make_write_path(store))
         toolbox = ToolBox([to_binary], timeout_s=5.0, max_output_chars=100)
         config = AgentCollectorConfig(
             tasks_per_round=settings.tasks_per_round, group_size=settings.group_size, seed=settings.seed,
             limits=EpisodeLimits(max_turns=settings.max_turns, max_new_tokens=64, context_length=256),
-            collector_index=collector_index)
+            sampling=SamplingConfig(temperature=settings.temperature), collector_index=collector_index)
         source = TaskSource(tasks, seed=settings.seed + collector_index, required_fields=("question", "answer"))
-        return AgentCollector(model.to(settings.device), tokenizer, source, lambda: BinaryEnv(toolbox),
-                              sink=buffer.extend, config=config, parser=parse_hermes,
+        return AgentCollector(engine, tokenizer, source, lambda: BinaryEnv(toolbox), sink=sink, config=config,
+                              parser=parse_hermes,
                               hooks=[agent_round_printer(5, collector_index, toolbox)])  # a line every 5 rounds
 
     def preflight():
@@ -179,6 +158,6 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
         check_chat_template(tokenizer, tools=[to_binary])
 
-    return Pipeline(settings=settings, learner=learner, make_policy=make_policy, make_model=make_model,
-                    create_buffer=create_buffer, make_write_path=make_write_path, make_collector=make_collector,
-                    pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, preflight=preflight, torch_threads=1)
+    return Pipeline(settings=settings, make_policy=make_policy, make_model=make_model, tokenizer=tokenizer,
+                    make_write_path=make_write_path, row_fields=("advantage", "termination_reason", *AGENT_ROW_FIELDS),
+                    collector=collector, preflight=preflight)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from rlhf_pipeline.collect.prompts import PromptRecord
 from rlhf_pipeline.learn.settings import LearnerSettings
-from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
+from rlhf_pipeline.pipeline import Pipeline, RunPaths, preflight_rewards
+from rlhf_pipeline.run_settings import RunSettings
 
 
 def reverse_prompts(n: int, *, length: int, seed: int) -> list[PromptRecord]:
@@ -58,19 +59,13 @@ def warm_start(model, tokenizer, steps: int, *, length: int, lr: float, seed: in
 
 
 @dataclass
-class Settings:
+class Settings(RunSettings):
     steps: int = 100
     """Learner steps (optimizer updates); --steps sets it."""
-    device: str = "cpu"
-    """Where models run: cpu or cuda; --device sets it."""
-    seed: int = 0
-    """Seed of the model, the warm start, the prompts and the sampling."""
     length: int = 3
     """Letters per word."""
     warm_start_steps: int = 200
     """Supervised steps before RL (0: none; a random tiny model writes noise)."""
-    group_size: int = 8
-    """Completions per prompt (GRPO's G)."""
     prompts_per_round: int = 8
     """Prompts per collection round."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
@@ -78,24 +73,14 @@ class Settings:
         log_every=10))
     """Learner settings (--set learner.lr=1e-4; --list-settings shows them all)."""
 
-
-def check(settings: Settings) -> LearnerSettings:
-    """The checks that need no torch: `run` calls this before it starts any process."""
-    if settings.group_size < 2:
-        raise PipelineError("setting 'group_size' must be >= 2: GRPO compares completions within a group")
-    if not 1 <= settings.length <= 8:
-        raise PipelineError(f"setting 'length' must be in [1, 8], got {settings.length}")
-    try:
-        settings.learner.check()
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
-    return settings.learner
+    def validate(self) -> None:
+        if not 1 <= self.length <= 8:
+            raise ValueError(f"setting 'length' must be in [1, 8], got {self.length}")
 
 
 def build(settings: Settings, run: RunPaths) -> Pipeline:
     from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 
-    learner = check(settings)
     tokenizer = char_tokenizer()
     prompts = reverse_prompts(2048, length=settings.length, seed=settings.seed)
     rewards = {"reverse": reverse_reward}
@@ -112,29 +97,21 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
             print(f"[run] warm start: {settings.warm_start_steps} steps, loss {loss:.3f}", flush=True)
         return model
 
-    def create_buffer(path):
-        from rlhf_pipeline.schema import StoreSchema
-        from rlhf_pipeline.storage import create_store
-
-        return create_store(path, "memmap", schema=StoreSchema(optional=("advantage",)))
-
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
         return [GroupAdvantage(settings.group_size, store=store)]
 
-    def make_collector(model, store, collector_index: int = 0):
+    def collector(engine, sink, store, collector_index: int):
         from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
-        from rlhf_pipeline.storage import make_replay_buffer
 
-        buffer = make_replay_buffer(store, batch_size=learner.batch_size, transforms=make_write_path(store))
         config = CollectorConfig(prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
-                                 sampling=SamplingConfig(max_new_tokens=settings.length + 2),
+                                 sampling=SamplingConfig(max_new_tokens=settings.length + 2,
+                                                         temperature=settings.temperature),
                                  seed=settings.seed, collector_index=collector_index)
         source = PromptSource(prompts, seed=settings.seed + collector_index, required_fields=("answer",))
-        return Collector(model.to(settings.device), tokenizer, source, rewards, sink=buffer.extend, config=config)
+        return Collector(engine, tokenizer, source, rewards, sink=sink, config=config)
 
-    return Pipeline(settings=settings, learner=learner, make_policy=make_policy, make_model=make_model,
-                    create_buffer=create_buffer, make_write_path=make_write_path, make_collector=make_collector,
-                    pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, torch_threads=1,
+    return Pipeline(settings=settings, make_policy=make_policy, make_model=make_model, tokenizer=tokenizer,
+                    make_write_path=make_write_path, collector=collector,
                     preflight=lambda: preflight_rewards(rewards, prompts[:1], settings.group_size))

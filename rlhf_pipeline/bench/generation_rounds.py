@@ -42,8 +42,8 @@ class PipelineRounds:
         settings = make_settings(module, overrides)
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"bench-generation-rounds-{args.engine}-", dir=args.work_dir))
         pipeline = build_pipeline(module, settings, RunPaths(self.work_dir / "run"))
-        if pipeline.torch_threads is not None:  # as the collector's process: one thread beside the learner
-            torch.set_num_threads(pipeline.torch_threads)
+        if pipeline.settings.threads is not None:  # as the collector's process: one thread beside the learner
+            torch.set_num_threads(pipeline.settings.threads)
         model = pipeline.make_model()
         model.load_state_dict(torch.load(args.weights, map_location="cpu", weights_only=True))
         self.weights = [{k: v.clone() for k, v in model.state_dict().items()}, moved(model, seed=1)]

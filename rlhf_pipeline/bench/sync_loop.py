@@ -31,7 +31,7 @@ def run_synchronous(pipeline_path: str, *, steps: int, home: str, run_name: str,
     settings = make_settings(module, [*overrides, f"steps={steps}"])
     paths = RunPaths(run_dir(run_name, home).resolve())
     pipeline = build_pipeline(module, settings, paths)
-    threads = threads if threads is not None else pipeline.torch_threads
+    threads = threads if threads is not None else pipeline.settings.threads
     if threads is not None:
         torch.set_num_threads(threads)
     prepare_run(pipeline, paths, shards=(0,))

@@ -97,8 +97,8 @@ def initial_weights(pipeline: Path, overrides: list[str], path: Path) -> float:
     with tempfile.TemporaryDirectory(prefix="bench-tool-use-build-") as scratch, redirect_stdout(sys.stderr):
         built = build_pipeline(module, settings, RunPaths(Path(scratch)))
         threads = torch.get_num_threads()
-        if built.torch_threads is not None:
-            torch.set_num_threads(built.torch_threads)
+        if built.settings.threads is not None:
+            torch.set_num_threads(built.settings.threads)
         model = built.make_policy()
         torch.set_num_threads(threads)
     torch.save(model.state_dict(), path)

@@ -1,3 +1,4 @@
-"""The same run placed on a Ray cluster: the driver, the collector and learner actors, and the
-``RaySettings`` a pipeline file declares. Ray is an optional extra; only this package imports it.
+"""The same run placed on a Ray cluster: the driver and the collector and learner actors, asking for
+what the run's ``ray`` settings say (``run_settings.RaySettings``). Ray is an optional extra; only
+this package imports it.
 """

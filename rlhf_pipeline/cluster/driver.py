@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlhf_pipeline.pipeline import PipelineError, RunPaths
-from rlhf_pipeline.cluster.settings import RaySettings
+from rlhf_pipeline.run_settings import RaySettings
 from rlhf_pipeline.runs.processes import build_pipeline, set_threads, with_buffer_url
 from rlhf_pipeline.runs.run_directory import prepare_run, RunError
 from rlhf_pipeline.runs.summary import checkpoint_step, print_summary
@@ -58,12 +58,8 @@ def ray_launcher(command: str, address: str) -> Callable[..., int]:
 def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pipeline_path: str,
                   overrides: Sequence[str], collectors: int, *, address: str) -> int:
     """``run`` (collectors and learner) or ``learn`` (the learner ranks only) on a Ray cluster."""
-    resources = getattr(settings, "ray", None) or RaySettings()  # a pipeline without a `ray` section
-    world_size = int(getattr(settings.learner, "world_size", 1))
-    try:
-        resources.check()
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
+    resources = settings.ray
+    world_size = settings.learner.world_size
     pipeline = build_pipeline(module, settings, paths)
     paths = with_buffer_url(paths, pipeline)
     set_threads(pipeline)

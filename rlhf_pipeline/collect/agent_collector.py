@@ -59,7 +59,7 @@ from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, rollout
 from rlhf_pipeline.collect.agent_streaming import round_stream, write_round
 from rlhf_pipeline.collect.streaming import after_group, resume_marker
 from rlhf_pipeline.collect.agent_metrics import round_metrics
-from rlhf_pipeline.collect.agent_turns import TURN_MODES, EpisodeTurns, episode_seeds
+from rlhf_pipeline.collect.agent_turns import EpisodeTurns, episode_seeds
 from rlhf_pipeline.collect.collector import MetricsHook
 from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.collect.rewards import EpisodeFailureRateError, check_failure_fraction, check_failure_rate
@@ -69,6 +69,7 @@ from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.collect.prompts import TaskSource
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
+from rlhf_pipeline.finite_settings import check_fields
 
 
 @dataclass
@@ -120,13 +121,11 @@ class AgentCollectorConfig:
         if self.tasks_per_round < 1 or self.group_size < 1:
             raise ValueError("AgentCollectorConfig: tasks_per_round and group_size must be >= 1")
         check_failure_fraction(self.max_failed_group_fraction, self.failure_rate_min_groups, "AgentCollectorConfig")
+        check_fields(self, "AgentCollectorConfig.")  # turns is one of its choices; every number finite
         unknown = sorted(set(self.row_fields) - set(AGENT_ROW_FIELDS))
         if unknown:
             raise ValueError(f"AgentCollectorConfig.row_fields: {unknown} are not fields an episode fills; "
                              f"choose from {list(AGENT_ROW_FIELDS)}")
-        if self.turns not in TURN_MODES:
-            raise ValueError(f"AgentCollectorConfig.turns (generation.agent_turns) must be one of {list(TURN_MODES)}, "
-                             f"got {self.turns!r}")
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"AgentCollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), "
                              f"got {self.collector_index}")

@@ -46,6 +46,7 @@ from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine, load_state_into
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
+from rlhf_pipeline.finite_settings import check_fields
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.ragged import RaggedTensor
 
@@ -85,6 +86,7 @@ class CollectorConfig:
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"CollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), got {self.collector_index}")
         check_failure_fraction(self.max_failed_group_fraction, self.failure_rate_min_groups, "CollectorConfig")
+        check_fields(self, "CollectorConfig.")  # what the ranges above let through: every number finite
 
 
 MetricsHook = Callable[[dict[str, float]], None]

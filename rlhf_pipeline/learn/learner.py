@@ -132,7 +132,6 @@ class Learner:
         (``make_policy()``); a learner without a checkpoint trains it as it is instead of building
         ``make_model()`` and reading version 0 back (a second full model load), a resumed one
         ignores it and loads its checkpoint."""
-        settings.check()
         self.settings = settings
         self.paths = paths
         self.make_model = make_model

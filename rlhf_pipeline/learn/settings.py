@@ -1,24 +1,29 @@
-"""The learner's and the loss's settings: plain dataclasses, importable without torch.
+"""The learner's and the loss's settings: plain dataclasses, importable without torch, that check themselves.
 
-Pipelines nest :class:`LearnerSettings` in their ``Settings`` (``--set learner.lr=1e-4``,
-``--set learner.loss.clip_eps_high=0.28``), so loading a pipeline file for
-``--list-settings`` or a bad ``--set`` must not pay for importing torch. The code that uses
-them lives in ``learn/learner.py`` and ``learn/loss.py``.
+The run's settings hold :class:`LearnerSettings` (``--set learner.lr=1e-4``,
+``--set learner.loss.clip_eps_high=0.28``), so loading a pipeline file for ``--list-settings`` or a
+bad ``--set`` must not pay for importing torch. Each class refuses a bad value in ``__post_init__``
+(every choice is a ``Literal``; ``finite_settings.check_fields``), so one built in Python is checked
+as one built from ``--set``. The code that uses them lives in ``learn/learner.py`` and ``learn/loss.py``.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from rlhf_pipeline.finite_settings import check_finite
+from rlhf_pipeline.finite_settings import check_fields
 
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
+#: the samplers of learn/samplers/registry.py's SAMPLERS (a test keeps the two equal)
+SamplerName = Literal["window", "exact", "groups", "prioritized", "epoch"]
 #: priorities of the ``prioritized`` sampler (rlhf_pipeline.storage.prioritized.PRIORITIES)
-PRIORITY_NAMES = ("abs_advantage", "group_reward_std", "recency")
+Priority = Literal["abs_advantage", "group_reward_std", "recency"]
+PRIORITY_NAMES = typing.get_args(Priority)
 #: what the learner feeds back as each trained row's new priority (learn/loss.py, per_row_feedback)
-PRIORITY_FEEDBACK_NAMES = ("none", "loss", "ratio_deviation")
+PriorityFeedback = Literal["none", "loss", "ratio_deviation"]
 
 
 @dataclass(frozen=True)
@@ -46,20 +51,15 @@ class GRPOLossConfig:
     """:func:`grpo_step_loss` only: the old log-probs are the sampler's or the learner's (detached)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "learner.loss.")
         if not (0 <= self.clip_eps_low < 1) or self.clip_eps_high < 0:
             raise ValueError(
                 f"clip_eps_low must be in [0, 1) and clip_eps_high >= 0, got ({self.clip_eps_low}, {self.clip_eps_high})"
             )
-        if self.aggregation not in ("token_mean", "sequence_mean", "constant"):
-            raise ValueError(f"aggregation must be token_mean, sequence_mean or constant, got {self.aggregation!r}")
         if self.aggregation == "constant" and not (self.max_tokens and self.max_tokens > 0):
             raise ValueError("aggregation='constant' (Dr. GRPO) needs max_tokens > 0, e.g. the sampler's max_new_tokens")
-        if self.ratio_level not in ("token", "sequence"):
-            raise ValueError(f"ratio_level must be 'token' or 'sequence' (GSPO), got {self.ratio_level!r}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0 (or None to disable), got {self.tis_cap}")
-        if self.old_policy not in ("sampler", "current"):
-            raise ValueError(f"old_policy must be 'sampler' or 'current', got {self.old_policy!r}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> GRPOLossConfig:
@@ -79,7 +79,7 @@ class LearnerSettings:
     batch_size: int = 64
     """Rows (completions) per optimizer step. Multi-turn rows are turns: the drawn rows that end a
     trajectory bring its earlier turns, the others wait for it (learn/trajectories.py)."""
-    sampler: str = "window"
+    sampler: SamplerName = "window"
     """How each step picks its rows (learn/samplers/ lists them): window = uniformly from the
     newest sample_window rows, once new_rows_per_step new rows arrived; exact = every fresh row
     in exactly uses_per_row steps, in the order written (no row left out or drawn twice);
@@ -151,7 +151,8 @@ class LearnerSettings:
     prefetch_depth: int = 2
     """Batches prepared ahead by the background thread."""
     data_timeout_s: float = 600.0
-    """Give up when no usable batch could be sampled for this long (no collector running?)."""
+    """Give up when no usable batch could be sampled for this long (no collector running?); with
+    generation.engine=vllm the run adds generation.start_timeout_s, the engine's start-up allowance."""
     wait_report_s: float = 60.0
     """Say in one line what the learner waits for once it has waited this long for a batch (and
     again each time the wait doubles)."""
@@ -159,20 +160,21 @@ class LearnerSettings:
     """Print a progress line every this many steps when stderr is not a terminal."""
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     """GRPO loss options: clip range, aggregation, KL/entropy coefficients, TIS (learn/loss.py)."""
-    temperature: float = 1.0
-    """Sampling temperature of the collector: log-probs are recomputed at the same temperature."""
+    temperature: float = field(default=1.0, metadata={"derived_from": "temperature"})
+    """The run's sampling temperature, at which log-probs are recomputed: set from the run's
+    ``temperature`` (``RunSettings.learner_settings``), never on its own."""
     replace_zero_variance: bool = False
     """sampler=groups: replace each group whose rewards are all equal (no GRPO signal) by an
     informative group kept from earlier steps (charts/groups_replaced counts them)."""
     replay_pool_groups: int = 64
     """sampler=groups: informative groups kept for replacement (those of highest reward std)."""
-    priority: str = "abs_advantage"
+    priority: Priority = "abs_advantage"
     """sampler=prioritized: abs_advantage | group_reward_std | recency (halves every 10 versions)."""
     priority_alpha: float = 0.6
     """sampler=prioritized: rows are drawn with probability proportional to priority^alpha (0: uniform)."""
     priority_beta: float = 0.4
     """sampler=prioritized: importance-weight exponent; 1 fully corrects the sampling bias."""
-    priority_feedback: str = "none"
+    priority_feedback: PriorityFeedback = "none"
     """sampler=prioritized: after each step the learner sets the priority of the rows it trained on
     (prioritized experience replay): none = priorities stay those of `priority`; loss = the row's
     mean |per-token policy loss|; ratio_deviation = the row's mean |ratio - 1| (how far the policy
@@ -180,28 +182,24 @@ class LearnerSettings:
     world_size: int = 1
     """Data-parallel learner ranks (learn/distributed.py) that `run` and `replay` start, or learner
     actors under `--ray`."""
-    parallelism: str = "ddp"
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
     """With several ranks: ddp = every rank holds the whole model (DistributedDataParallel);
     fsdp = parameters, gradients and optimizer state sharded over the ranks (FSDP2 fully_shard
     on each transformer block and the root), for models that do not fit one device."""
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        check_fields(self, "learner.")  # the choices; every number finite
+
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"learner setting {name!r} {why}")
+            return ValueError(f"setting 'learner.{name}' {why}")
 
         if self.batch_size < 1:
             raise bad("batch_size", f"must be >= 1 (got {self.batch_size})")
-        from rlhf_pipeline.learn.samplers.registry import SAMPLERS
-
-        if self.sampler not in SAMPLERS:
-            raise bad("sampler", f"must be one of {sorted(SAMPLERS)} (got {self.sampler!r})")
         if self.sampler == "epoch" and self.max_staleness is not None:
             # an epoch walks recorded rows of old policies: every batch would be dropped as stale,
             # and the sampler would serve the same rows again, forever
             raise bad("max_staleness", f"must be None with sampler=epoch, which replays recorded rows (got "
                                        f"{self.max_staleness}); add --set learner.max_staleness=none")
-        if self.epoch_order not in ("shuffle", "sequential", "with-replacement"):
-            raise bad("epoch_order", f"must be shuffle, sequential or with-replacement (got {self.epoch_order!r})")
         if self.epoch_rows is not None and self.epoch_rows < 1:
             raise bad("epoch_rows", f"must be >= 1 or None (got {self.epoch_rows})")
         if self.shuffle_window_rows < 0:
@@ -233,11 +231,6 @@ class LearnerSettings:
                                                f"sampler={self.sampler!r})")
         if self.replay_pool_groups < 1:
             raise bad("replay_pool_groups", f"must be >= 1 (got {self.replay_pool_groups})")
-        if self.priority not in PRIORITY_NAMES:
-            raise bad("priority", f"must be one of {list(PRIORITY_NAMES)} (got {self.priority!r})")
-        if self.priority_feedback not in PRIORITY_FEEDBACK_NAMES:
-            raise bad("priority_feedback", f"must be one of {list(PRIORITY_FEEDBACK_NAMES)} "
-                                           f"(got {self.priority_feedback!r})")
         if self.priority_feedback != "none":
             if self.sampler != "prioritized":
                 raise bad("priority_feedback", f"needs sampler='prioritized', which keeps priorities "
@@ -248,8 +241,6 @@ class LearnerSettings:
             if self.priority_feedback == "ratio_deviation" and self.loss.old_policy == "current":
                 raise bad("priority_feedback", "'ratio_deviation' is always 0 with loss.old_policy='current' "
                                                "(the ratio is 1 by construction); use 'loss'")
-        if self.turn_advantage not in ("trajectory", "turn", "mixed"):
-            raise bad("turn_advantage", f"must be trajectory, turn or mixed (got {self.turn_advantage!r})")
         if isinstance(self.turn_advantage_weight, bool) or not isinstance(self.turn_advantage_weight, (int, float)) \
                 or not 0.0 <= self.turn_advantage_weight <= 1.0:
             raise bad("turn_advantage_weight", f"must be a number in [0, 1], the turn's share of turn_advantage=mixed "
@@ -262,8 +253,5 @@ class LearnerSettings:
             raise bad("mask_termination_reasons", f"names unknown reason(s) {unknown}; valid: {sorted(reasons)}")
         if self.world_size < 1:
             raise bad("world_size", f"must be >= 1 (got {self.world_size})")
-        if self.parallelism not in ("ddp", "fsdp"):
-            raise bad("parallelism", f"must be ddp or fsdp (got {self.parallelism!r})")
         if self.priority_alpha < 0 or self.priority_beta < 0:
             raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")
-        check_finite(self, "learner.")  # what the range checks above let through (inf; nan where `x < 0`)

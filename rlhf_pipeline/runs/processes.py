@@ -39,7 +39,7 @@ def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
 
 def with_buffer_url(paths: RunPaths, pipeline: Pipeline) -> RunPaths:
     """``paths`` with the pipeline's ``buffer_url`` (the buffer on object storage), checked."""
-    url = pipeline.buffer_url
+    url = pipeline.settings.buffer_url
     if not url:
         return paths
     if "://" not in url:
@@ -49,11 +49,11 @@ def with_buffer_url(paths: RunPaths, pipeline: Pipeline) -> RunPaths:
 
 
 def set_threads(pipeline: Pipeline) -> None:
-    """``pipeline.torch_threads`` intra-op threads in this process (collector and learner run side by side)."""
-    if pipeline.torch_threads is not None:
+    """``settings.threads`` intra-op threads in this process (collector and learner run side by side)."""
+    if pipeline.settings.threads is not None:
         import torch
 
-        torch.set_num_threads(pipeline.torch_threads)
+        torch.set_num_threads(pipeline.settings.threads)
 
 
 def collector_shard(paths: RunPaths, collector_index: int) -> str:
@@ -120,7 +120,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     store_path = collector_shard(paths, collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on
     # another machine holds it until its lease runs out, which is waited for
-    lock_wait = ({"lock_wait_s": pipeline.buffer_lock_wait_s, "lock_lease_s": pipeline.buffer_lock_lease_s}
+    lock_wait = ({"lock_wait_s": pipeline.settings.buffer_lock_wait_s,
+                  "lock_lease_s": pipeline.settings.buffer_lock_lease_s}
                  if paths.buffer_url else {})
     try:
         store = open_store(store_path, mode="a", **lock_wait)
@@ -179,7 +180,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # rows a round writes: exact for the single-turn collector, estimated from the turns so far for
         # the agent collector (pacing counts rounds ahead in them; none is needed to be exact)
         round_rows = getattr(collector, "round_rows", None)
-        pacer = CollectorPacer(pacing, key, pipeline.collect_rounds_ahead, round_rows=round_rows,
+        pacer = CollectorPacer(pacing, key, pipeline.settings.rounds_ahead, round_rows=round_rows,
                                learner_expected=stop.launcher_fd is not None, store=run_store,
                                reread_s=0.0 if paths.url is None else 0.05)
         learned = max(int(loop.get("round_rows", 0)), position.inflight_rows)
@@ -202,7 +203,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         while not stop_check() and (rounds is None or done < rounds):
             plan = pacer.plan_round(rows.next_row, policy_version=collector.policy_version,
                                     rounds_at_version=rounds_at_version,
-                                    rounds_per_version=pipeline.collect_rounds_per_version)
+                                    rounds_per_version=pipeline.settings.rounds_per_version)
             update, ahead = None, getattr(collector, "has_round_ahead", False)  # runs/round_ahead.py: no new weights
             if plan.version is not None and pinned and not ahead:
                 update = poller.poll_version(plan.version)
@@ -229,7 +230,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             if getattr(config, "overlap_rounds", False) and (rounds is None or done + 1 < rounds):
                 chunked["next_round"] = ahead_rule(pacer, poller, rows, policy_version=collector.policy_version,
                                                    rounds_at_version=rounds_at_version, pinned=pinned,
-                                                   per_version=pipeline.collect_rounds_per_version)
+                                                   per_version=pipeline.settings.rounds_per_version)
             try:
                 collector.collect(before_write=lambda after_round: position.before_write(
                     after_round, {"rounds_at_version": rounds_at_version + 1, "round_rows": pacer.round_rows,
@@ -276,8 +277,8 @@ def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: 
                      continues_from: int = 0) -> Any:
     """The collector's retention of its shard (``runs/retention.py``), or None when no rule is set;
     its row clock continues from the saved loop state."""
-    settings = getattr(pipeline, "retention", None)
-    if settings is None or not settings.enabled:
+    settings = pipeline.settings.retention
+    if not settings.enabled:
         return None
     from rlhf_pipeline.runs.retention import CLOCK_KEY, ShardRetention
 

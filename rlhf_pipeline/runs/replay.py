@@ -251,12 +251,10 @@ def _replay_learner_settings(learner, options: ReplayOptions, rows: int):
     if learner.max_staleness is not None:
         print(f"[replay] note: learner.max_staleness={learner.max_staleness} does not apply to a replay: the "
               f"rows carry the policy versions of the run that recorded them", file=sys.stderr, flush=True)
-    settings = dataclasses.replace(learner, **changes)
     try:
-        settings.check()
+        return dataclasses.replace(learner, **changes)
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
-    return settings
 
 
 def fit_shuffle_window(store, rows: int, learner, *, given: int | None, cache_bytes: int | None = None):

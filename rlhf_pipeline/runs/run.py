@@ -2,9 +2,9 @@
 
 Order of work, so bad settings fail before anything starts:
 
-1. load the pipeline file, apply ``--set`` / ``--steps`` / ``--device``, run its torch-free
-   ``check`` (if it has one), ``build`` it (settings checks) and run its ``preflight`` (e.g. the
-   reward on one sample);
+1. load the pipeline file, apply ``--set`` / ``--steps`` / ``--device`` (each settings class checks
+   its values as it is built), check what the settings ask of the machine and point at
+   (:func:`check_settings`), ``build`` it and run its ``preflight`` (e.g. the reward on one sample);
 2. prepare the run directory under a file lock (``run_directory.py``; idempotent, so ``collect``
    and ``learn`` started side by side agree): check ``settings.json`` against a previous start, create
    the buffer (:func:`prepare_run_directory`), then build the initial policy (warm start) and
@@ -15,7 +15,7 @@ Order of work, so bad settings fail before anything starts:
    collector after its current round. A child that fails stops the others.
 
 ``run`` itself imports no torch (three processes importing torch, tensordict and transformers
-at once on a small machine cost seconds before the first step): it does step 1's ``check``
+at once on a small machine cost seconds before the first step): it does step 1's checks
 only, and its learner child does the rest of steps 1 and 2, then the collectors build their
 side during the warm start (:func:`prepare_for_launcher`, ``launch.py``). The children are
 forked from one process that imported torch & co. once for all of them (``forking.py``). An error
@@ -117,11 +117,13 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         print(f"settings of {pipeline_path} (change with --set KEY=VALUE):")
         print(describe_settings(settings))
         return 0
-    if command in ("run", "learn") and settings.steps < 1:  # --set steps=0
-        raise PipelineError(f"setting 'steps' must be >= 1, got {settings.steps}")
+    check_settings(module, settings)  # what they ask of this machine and point at: before any process starts
     if on_ray is None:  # now, not after a child imported torch; a Ray cluster's GPUs are not this machine's
         check_cuda_device(settings.device)
     paths = run_paths(run_name or Path(pipeline_path).stem, home)
+    if paths.url is not None and settings.buffer_backend != "zarr":  # a memmap store given a URL makes a dir "s3:"
+        raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
+                            f"setting 'buffer_backend' is {settings.buffer_backend!r}: add --set buffer_backend=zarr")
     if paths.url is None:  # a branch of a run with collectors cannot continue online yet (runs/branch.py);
         from rlhf_pipeline.runs.branch import refuse_evicting_parent, refuse_online_start
 
@@ -189,10 +191,9 @@ def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, ste
     prepares the run directory (collectors go once it exists), then watches them."""
     from rlhf_pipeline.runs.forking import ForkError
 
-    check_settings(module, settings)
     try:
         children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
-                                   learner_ranks=getattr(getattr(settings, "learner", None), "world_size", 1),
+                                   learner_ranks=settings.learner.world_size,
                                    holder_fd=holder.fd)
     except ForkError as exc:
         raise RunError(str(exc)) from None
@@ -205,17 +206,19 @@ def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, ste
 
 
 def check_settings(module: Any, settings: Any) -> None:
-    """The pipeline file's optional ``check(settings)``: settings checks that need no torch, so
-    ``run`` reports them at once, before any process starts. ValueError counts as PipelineError."""
-    check = getattr(module, "check", None)
-    if check is None:
-        return
+    """The checks that look past the settings' own values, none of which needs torch: what they ask of
+    this machine (``RunSettings.check_machine``: the engine's Python, vLLM's head sizes) and what they
+    point at (the pipeline file's optional ``check(settings)``: a data file, a model's directory).
+    ValueError counts as PipelineError."""
     try:
-        check(settings)
+        check = getattr(module, "check", None)
+        if check is not None:
+            check(settings)
+        settings.check_machine()
     except PipelineError:
         raise
     except ValueError as exc:
-        raise PipelineError(f"{type(exc).__name__}: {exc}") from exc
+        raise PipelineError(str(exc)) from None
 
 
 def wait_for_preparation(children: Any) -> None:
@@ -305,10 +308,6 @@ def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
     print(f"[{command}] {paths.location} has already reached step {reached} (--steps {steps}); nothing to do. "
           f"To train further, raise --steps, e.g. --steps {reached + max(steps, 1)}", file=sys.stderr)
     return True
-
-
-
-
 
 
 # ====================================================================== both

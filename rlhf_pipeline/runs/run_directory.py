@@ -202,7 +202,6 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
     """``settings.json`` (checked against a previous start), the pipeline file's copy (compared
     with the file given, :mod:`rlhf_pipeline.runs.pipeline_copy`) and the buffer shards of
     ``shards``; no model."""
-    _check_buffer_at_url(pipeline, paths)
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)
         store, key = paths.store, paths.key(paths.settings_file)
@@ -281,16 +280,6 @@ def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> Any:
                 if latest_version(paths.store) is None:
                     raise
     return None
-
-
-def _check_buffer_at_url(pipeline: Pipeline, paths: RunPaths) -> None:
-    """A run at a URL keeps its buffer there, which only a Zarr store can: a pipeline that names
-    its backend (``buffer_backend``) is told before anything is written (a memmap store given a URL
-    would make a local directory named ``s3:``)."""
-    backend = getattr(pipeline.settings, "buffer_backend", None)
-    if paths.url is not None and isinstance(backend, str) and backend != "zarr":
-        raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
-                            f"setting 'buffer_backend' is {backend!r}: add --set buffer_backend=zarr")
 
 
 def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:

@@ -19,9 +19,10 @@ the ``floor``: the oldest row something still needs (a checkpoint, a branch, the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from rlhf_pipeline.finite_settings import check_fields
 
 ROW_CLOCK_MARKS = 256  # marks kept; older ones are merged so a clock stays a few KB
 
@@ -48,15 +49,13 @@ class RetentionSettings:
     def enabled(self) -> bool:
         return any(v is not None for v in (self.max_rows, self.max_versions_behind, self.max_age_s))
 
-    def check(self, segment_rows: int | None = None) -> None:
-        """ValueError in one line naming the setting and the fix."""
+    def __post_init__(self) -> None:
+        """ValueError in one line naming the setting and the fix (``max_rows`` against the buffer's
+        segment_rows: the run's settings, which hold both)."""
+        check_fields(self, "retention.")
         if self.max_rows is not None and not (isinstance(self.max_rows, int) and self.max_rows >= 1):
             raise ValueError(f"setting 'retention.max_rows' must be a whole number >= 1 (or None: no bound), "
                              f"got {self.max_rows!r}")
-        if segment_rows is not None and self.max_rows is not None and self.max_rows < segment_rows:
-            raise ValueError(f"setting 'retention.max_rows' ({self.max_rows}) must be >= segment_rows "
-                             f"({segment_rows}): rows are dropped a whole sealed segment at a time; raise it, "
-                             f"or lower segment_rows")
         if self.max_versions_behind is not None and not (
                 isinstance(self.max_versions_behind, int) and self.max_versions_behind >= 0):
             raise ValueError(f"setting 'retention.max_versions_behind' must be a whole number >= 0 (or None: "
@@ -64,8 +63,7 @@ class RetentionSettings:
         if not isinstance(self.hold_rewind_points, bool):
             raise ValueError(f"setting 'retention.hold_rewind_points' must be true or false, got "
                              f"{self.hold_rewind_points!r}")
-        if self.max_age_s is not None and not (isinstance(self.max_age_s, (int, float))
-                                               and math.isfinite(self.max_age_s) and self.max_age_s > 0):
+        if self.max_age_s is not None and not (isinstance(self.max_age_s, (int, float)) and self.max_age_s > 0):
             raise ValueError(f"setting 'retention.max_age_s' must be a number of seconds > 0 (or None: no "
                              f"bound), got {self.max_age_s!r}")
 

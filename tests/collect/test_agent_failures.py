@@ -153,14 +153,14 @@ def test_collect_stops_the_run_with_one_line_when_failures_pass_the_rate(tmp_pat
                                       "max_new_tokens=8", "max_failed_group_fraction=0.0", "log_rounds_every=0"])
     paths = RunPaths(tmp_path / "run")
     pipeline = build_pipeline(module, settings, paths)
-    make = pipeline.make_collector
+    make = pipeline.collector
 
-    def failing_collector(model, store, collector_index=0):
-        made = make(model, store, collector_index=collector_index)
+    def failing_collector(**parts):
+        made = make(**parts)
         made.make_env = lambda: Flaky()  # every task lacks "fail": each reset raises KeyError
         return made
 
-    pipeline = dataclasses.replace(pipeline, make_collector=failing_collector)
+    pipeline = dataclasses.replace(pipeline, collector=failing_collector)
     prepare_run(pipeline, paths)
     capsys.readouterr()
     assert collect_main(pipeline, paths, rounds=5) == 1

@@ -155,7 +155,7 @@ def test_each_episode_draws_from_its_own_seed(policy):
 
 
 def test_an_unknown_turn_mode_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"AgentCollectorConfig.turns \(generation.agent_turns\) must be one of"):
+    with pytest.raises(ValueError, match=r"'AgentCollectorConfig.turns' must be one of \['lockstep', 'per_episode'\]"):
         AgentCollectorConfig(turns="eager")
 
 

@@ -13,6 +13,7 @@ import pytest
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, find_vllm_python
 from rlhf_pipeline.generation.vllm_setup import MARKER, SetupError, setup_vllm
 from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_settings
+from rlhf_pipeline.runs.run import check_settings
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rlhf_pipeline"
 ENGINE_SIDE = ("generation/vllm_server.py", "generation/vllm_worker.py", "generation/vllm_lease.py",
@@ -62,8 +63,8 @@ def test_generation_settings_are_checked_before_any_process_starts(tmp_path):
     module = load_pipeline_module(PACKAGE.parent / "pipelines" / "default.py")
     # the default model's head size is 64 / 4 = 16: refused on a CPU, naming the setting that fixes it
     with pytest.raises(PipelineError, match=r"this model's is 16 \(hidden_size 64 / num_heads 4\): add --set num_heads=2"):
-        module.check(make_settings(module, ["generation.engine=vllm"]))
-    module.check(make_settings(module, []))  # the default, our loop, is unchanged
+        check_settings(module, make_settings(module, ["generation.engine=vllm"]))
+    check_settings(module, make_settings(module, []))  # the default, our loop, is unchanged
 
 
 def _recording_python(path: Path, log: Path, fail_on: str = "", sleep_s: float = 0.0) -> Path:
@@ -130,16 +131,3 @@ def test_the_command_refuses_in_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"rlhf-pipeline setup-vllm: error: {done} was set up for a GPU machine; remove it or choose another --path "
         f"to set up for a CPU"]
-
-
-def test_with_vllm_the_learner_waits_for_the_engines_start_too():
-    """generation.start_timeout_s (900) was longer than learner.data_timeout_s (600): a learner could give
-    up on its first rows while the engine was still allowed to be starting."""
-    try:
-        find_vllm_python(None)
-    except ValueError as exc:
-        pytest.skip(f"needs the vLLM environment: {exc}")
-    module = load_pipeline_module(PACKAGE.parent / "pipelines" / "default.py")
-    timeouts = ["learner.data_timeout_s=100", "generation.start_timeout_s=50"]
-    assert module.check(make_settings(module, ["generation.engine=vllm", "num_heads=2", *timeouts])).data_timeout_s == 150
-    assert module.check(make_settings(module, timeouts)).data_timeout_s == 100  # the loop starts nothing

@@ -69,7 +69,7 @@ def test_run_writes_rows_trains_and_logs(tmp_path):
 
 
 def test_bad_settings_fail_before_any_work(tmp_path):
-    with pytest.raises(PipelineError, match=r"'sample_window' \(8\) must be >= batch_size \(64\)"):
+    with pytest.raises(PipelineError, match=r"'learner.sample_window' \(8\) must be >= batch_size \(64\)"):
         run_command("run", pipeline_path=DEFAULT, home=str(tmp_path), overrides=["learner.sample_window=8"])
     assert not (tmp_path / "default").exists()
 

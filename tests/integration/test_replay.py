@@ -255,7 +255,7 @@ def test_the_shuffle_window_is_fitted_to_a_zarr_readers_cache(source, tmp_path, 
     from rlhf_pipeline.storage import open_buffer
 
     convert(str(source), str(tmp_path / "zarr"), "zarr")
-    settings = LearnerSettings(sampler="epoch", shuffle_window_rows=64)
+    settings = LearnerSettings(sampler="epoch", max_staleness=None, shuffle_window_rows=64)
     with open_buffer(tmp_path / "zarr") as store:
         row_bytes = store.stats().raw_bytes / ROWS
         cache = int(row_bytes * 41)  # half of it holds 20.5 rows

@@ -291,15 +291,16 @@ def test_a_run_at_a_url_with_a_memmap_buffer_is_refused_before_anything_is_writt
 
 
 def test_a_run_at_a_url_whose_pipeline_makes_memmap_shards_is_refused_in_one_line(s3_server, env, tmp_path):
-    """pipelines/tool_use.py has no buffer_backend setting to check up front: its create_buffer is
-    refused by the memmap store itself, before any row or local directory is made."""
+    """pipelines/tool_use.py's buffer is memmap by default (buffer_backend, a run setting of every
+    pipeline): refused as the default pipeline's is, before any row or local directory is made."""
     tool_use = str(Path(DEFAULT).with_name("tool_use.py"))
     refused = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", tool_use, "--home",
                               s3_server.url("runs"), "--steps", "1"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "create_buffer" in errors[0] and "Zarr store" in errors[0], refused.stderr[-3000:]
+    assert len(errors) == 1 and "needs a Zarr buffer" in errors[0] and "--set buffer_backend=zarr" in errors[0], \
+        refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr
     assert not (tmp_path / "s3:").exists()
 

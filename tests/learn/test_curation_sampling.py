@@ -175,10 +175,10 @@ def test_row_weights_scale_each_rows_loss_terms():
 
 def test_priority_names_in_settings_match_the_sampler():
     assert sorted(PRIORITY_NAMES) == sorted(PRIORITIES)
-    with pytest.raises(ValueError, match="'priority' must be one of"):
-        LearnerSettings(sampler="prioritized", priority="loss").check()
-    with pytest.raises(ValueError, match="'replace_zero_variance' needs sampler='groups'"):
-        LearnerSettings(replace_zero_variance=True).check()
+    with pytest.raises(ValueError, match="'learner.priority' must be one of"):
+        LearnerSettings(sampler="prioritized", priority="loss")
+    with pytest.raises(ValueError, match="'learner.replace_zero_variance' needs sampler='groups'"):
+        LearnerSettings(replace_zero_variance=True)
 
 
 # ====================================================================== the learner

@@ -143,11 +143,11 @@ def test_the_learner_builds_it_from_its_settings(reader):
     sampler = make_sampler(settings, reader, seed=0, stop=threading.Event())
     assert isinstance(sampler, EpochSampler)
     assert sampler.draw(0).positions.tolist() == list(range(10))
-    with pytest.raises(ValueError, match="'epoch_order' must be shuffle, sequential or with-replacement"):
-        LearnerSettings(sampler="epoch", epoch_order="random", max_staleness=None).check()
+    with pytest.raises(ValueError, match="'learner.epoch_order' must be one of \\['shuffle'"):
+        LearnerSettings(sampler="epoch", epoch_order="random", max_staleness=None)
     # recorded rows of old policies would all be dropped as stale, the same rows served forever
-    with pytest.raises(ValueError, match=r"'max_staleness' must be None with sampler=epoch.*max_staleness=none"):
-        LearnerSettings(sampler="epoch", max_staleness=2).check()
+    with pytest.raises(ValueError, match=r"'learner.max_staleness' must be None with sampler=epoch.*max_staleness=none"):
+        LearnerSettings(sampler="epoch", max_staleness=2)
     stop = threading.Event()
     stop.set()
     with pytest.raises(InterruptedError):

@@ -201,5 +201,5 @@ def test_the_learner_setting_picks_it_and_checks_k(tmp_path):
     finally:
         reader.close()
         shards.close()
-    with pytest.raises(ValueError, match="'uses_per_row' must be >= 1"):
-        LearnerSettings(sampler="exact", uses_per_row=0).check()
+    with pytest.raises(ValueError, match="'learner.uses_per_row' must be >= 1"):
+        LearnerSettings(sampler="exact", uses_per_row=0)

@@ -150,8 +150,8 @@ def test_group_reward_stats_counts_groups_without_signal():
 
 
 def test_bad_learner_settings_name_the_field():
-    with pytest.raises(ValueError, match="'sample_window' \\(8\\) must be >= batch_size \\(16\\)"):
-        dataclasses.replace(SETTINGS, sample_window=8).check()
+    with pytest.raises(ValueError, match="'learner.sample_window' \\(8\\) must be >= batch_size \\(16\\)"):
+        dataclasses.replace(SETTINGS, sample_window=8)
     with pytest.raises(ValueError, match="unknown GRPO loss option"):
         GRPOLossConfig.from_options({"clip": 0.2})
 

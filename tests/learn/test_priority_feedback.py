@@ -30,16 +30,16 @@ TOKENIZER = char_tokenizer()
 
 # ====================================================================== settings and the loss
 def test_bad_feedback_settings_name_the_field():
-    with pytest.raises(ValueError, match="'priority_feedback' must be one of .*'ratio_deviation'.*got 'td'"):
-        LearnerSettings(sampler="prioritized", priority_feedback="td").check()
-    with pytest.raises(ValueError, match="'priority_feedback' needs sampler='prioritized'"):
-        LearnerSettings(priority_feedback="loss").check()
-    with pytest.raises(ValueError, match="'priority_feedback' needs priority=.*'recency'"):
-        LearnerSettings(sampler="prioritized", priority="recency", priority_feedback="loss").check()
-    with pytest.raises(ValueError, match="'priority_feedback' 'ratio_deviation' is always 0"):
+    with pytest.raises(ValueError, match="'learner.priority_feedback' must be one of .*'ratio_deviation'.*got 'td'"):
+        LearnerSettings(sampler="prioritized", priority_feedback="td")
+    with pytest.raises(ValueError, match="'learner.priority_feedback' needs sampler='prioritized'"):
+        LearnerSettings(priority_feedback="loss")
+    with pytest.raises(ValueError, match="'learner.priority_feedback' needs priority=.*'recency'"):
+        LearnerSettings(sampler="prioritized", priority="recency", priority_feedback="loss")
+    with pytest.raises(ValueError, match="'learner.priority_feedback' 'ratio_deviation' is always 0"):
         LearnerSettings(sampler="prioritized", priority_feedback="ratio_deviation",
-                        loss=GRPOLossConfig(old_policy="current")).check()
-    LearnerSettings(sampler="prioritized", priority_feedback="ratio_deviation").check()
+                        loss=GRPOLossConfig(old_policy="current"))
+    LearnerSettings(sampler="prioritized", priority_feedback="ratio_deviation")
 
 
 def test_per_row_feedback_is_each_rows_own_loss_or_ratio_deviation():

@@ -10,8 +10,8 @@ from tests.helpers import make_batch
 
 
 def test_unknown_sampler_is_named_with_the_choices():
-    with pytest.raises(ValueError, match=r"'sampler' must be one of \[.*'window'.*\] \(got 'nope'\)"):
-        LearnerSettings(sampler="nope").check()
+    with pytest.raises(ValueError, match=r"'learner.sampler' must be one of \[.*'window'.*\], got 'nope'"):
+        LearnerSettings(sampler="nope")
 
 
 def test_make_sampler_builds_the_named_sampler_from_the_settings(tmp_path):

@@ -299,9 +299,9 @@ def test_masked_termination_reasons_name_the_trajectories_they_leave_out():
     with pytest.raises(ValueError, match="unknown termination reason 'max_turn'"):
         termination_codes(["max_turn"])
     with pytest.raises(ValueError, match="mask_termination_reasons"):
-        LearnerSettings(mask_termination_reasons=("timeouts",)).check()
+        LearnerSettings(mask_termination_reasons=("timeouts",))
     with pytest.raises(ValueError, match="turn_advantage"):
-        LearnerSettings(turn_advantage="row").check()
+        LearnerSettings(turn_advantage="row")
 
 
 # ====================================================================== whole trajectories from a store

@@ -1,0 +1,168 @@
+"""The run's settings, which the framework owns: a pipeline's ``Settings`` subclasses :class:`RunSettings`.
+
+A pipeline file declares its task (model, prompts or environment, rewards, warm start) and the few
+settings of its own; what every run has -- steps, device, seed, threads, the GRPO group, pacing, the
+buffer and its lock, retention, the learner, the engine, Ray -- is declared here once, with the
+rules between them beside the fields (``__post_init__``) and the values derived from them
+(:meth:`RunSettings.learner_settings`). The keys stay flat (``--set group_size=4``,
+``--set learner.lr=1e-4``, ``--set generation.engine=vllm``). Importable without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from rlhf_pipeline.finite_settings import check_fields
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, check_rounds
+from rlhf_pipeline.learn.settings import LearnerSettings
+from rlhf_pipeline.storage.retention import RetentionSettings
+
+MIN_LOCK_LEASE_S = 3.0  # an object-store writer lock renews every third of its lease: a request a second at most
+
+
+@dataclass
+class RaySettings:
+    """What each Ray actor of ``run --ray`` asks the cluster for. Resource requests change nothing in
+    the data, so they may differ between starts of one run; without ``--ray`` they are not used."""
+
+    collector_num_cpus: float = 0.5
+    """CPUs each collector actor reserves (fractions allowed: 1 learner + 2 collectors fit 2 CPUs)."""
+    collector_num_gpus: float = 0.0
+    """GPUs each collector actor reserves (Ray sets CUDA_VISIBLE_DEVICES to them)."""
+    learner_num_cpus: float = 1.0
+    """CPUs each learner actor (each data-parallel rank) reserves."""
+    learner_num_gpus: float = 0.0
+    """GPUs each learner actor reserves; a CUDA learner rank needs 1."""
+    max_restarts: int = 3
+    """How often Ray restarts a collector or a learner actor whose process died; each restart
+    resumes from the shard's saved position or the newest checkpoint (-1: without limit)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "ray.")
+        for name in ("collector_num_cpus", "collector_num_gpus", "learner_num_cpus", "learner_num_gpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"setting 'ray.{name}' must be >= 0 (got {getattr(self, name)})")
+        if self.max_restarts < -1:
+            raise ValueError(f"setting 'ray.max_restarts' must be >= -1 (got {self.max_restarts})")
+
+
+@dataclass
+class RunSettings:
+    """Every run's settings. A pipeline's ``Settings`` subclasses it, adds its task's own fields (and
+    may give these other defaults by declaring them again), and puts its own rules in :meth:`validate`."""
+
+    multi_turn: ClassVar[bool] = False
+    """A pipeline whose rounds are agents' episodes (pipelines/tool_use.py) sets it True."""
+
+    steps: int = 300
+    """Learner steps (optimizer updates); --steps sets it."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where models run; --device sets it."""
+    seed: int = 0
+    """Seed of the model init, warm start, prompt order, sampling and learner."""
+    threads: int | None = 1
+    """Torch threads per process (collector, learner, warm start): the two sides run at once, so
+    torch's default of one thread per core would oversubscribe a small CPU (none: torch's default)."""
+
+    # ---- collection
+    group_size: int = 8
+    """Completions per prompt (GRPO's G): advantages compare the completions of one group."""
+    temperature: float = 1.0
+    """Sampling temperature; the learner recomputes log-probs at the same temperature."""
+    rounds_per_version: int | None = 2
+    """The collector writes at most this many rounds per policy version, then waits for new weights
+    (rounds the learner's next batch needs are written whatever this says; none: no limit)."""
+    rounds_ahead: int | None = 0
+    """Pacing: the collector generates what the learner's next batch needs plus at most this many
+    rounds, then waits for the learner to take them in (0: generation overlaps one learner step;
+    none: unpaced)."""
+
+    # ---- buffer
+    buffer_backend: Literal["memmap", "zarr"] = "memmap"
+    """Store of each buffer shard: memmap files, or a Zarr store (compressed)."""
+    segment_rows: int = 1024
+    """Rows per segment of the replay buffer (the unit of sealing and eviction)."""
+    buffer_url: str | None = None
+    """The buffer on object storage: a URL prefix such as s3://bucket/run/buffer under which
+    collector k writes shard-kkkk (needs buffer_backend=zarr and the s3 extra; endpoint and
+    credentials from the AWS_* variables), or az://container/run/buffer on Azure Blob Storage (the
+    azure extra; the account from AZURE_STORAGE_CONNECTION_STRING). None: <run>/buffer. Weights,
+    checkpoints and metrics stay in the run directory."""
+    buffer_lock_wait_s: float = 60.0
+    """With buffer_url: how long a collector waits for its shard's writer lock while another writer
+    holds it (one that died on another machine holds it until its lease runs out)."""
+    buffer_lock_lease_s: float = 30.0
+    """With buffer_url: the lease of a collector's writer lock (>= 3 s, renewed every third of it).
+    Shorter: a dead or paused collector is fenced and replaced sooner, at one more PUT per renewal."""
+    retention: RetentionSettings = field(default_factory=RetentionSettings)
+    """How much of its shard each collector keeps on a long run (--set retention.max_rows=200000;
+    also max_versions_behind, max_age_s): whole old segments go, never rows a kept checkpoint, a
+    branch or the learner still needs (docs/retention.md). Unset: every row is kept."""
+
+    # ---- learner, engine, cluster
+    learner: LearnerSettings = field(default_factory=LearnerSettings)
+    """Learner settings (--set learner.lr=3e-4; --list-settings shows them all)."""
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    """Who samples the completions: our loop (default) or vLLM (--set generation.engine=vllm; the
+    learner then waits generation.start_timeout_s longer than learner.data_timeout_s for rows)."""
+    ray: RaySettings = field(default_factory=RaySettings)
+    """Resources of each actor under `run --ray` (--set ray.collector_num_gpus=1); ignored without --ray."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # every choice (the task's too) and every number finite
+        check_fields(self.generation, "generation.")
+        at_least = {"steps": 1, "group_size": 2, "segment_rows": 1, "threads": 1, "rounds_per_version": 1,
+                    "rounds_ahead": 0}
+        for name, least in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < least:
+                why = ": GRPO compares completions within a group" if name == "group_size" else ""
+                raise ValueError(f"setting {name!r} must be >= {least}{why}, got {value}")
+        if not self.temperature > 0:
+            raise ValueError(f"setting 'temperature' must be > 0, got {self.temperature}")
+        if self.buffer_url is not None:
+            if "://" not in self.buffer_url:
+                raise ValueError(f"setting 'buffer_url' must be a URL such as s3://bucket/run/buffer, got "
+                                 f"{self.buffer_url!r}; leave it unset to keep the buffer in the run directory")
+            if self.buffer_backend != "zarr":
+                raise ValueError(f"setting 'buffer_url' ({self.buffer_url}) needs buffer_backend=zarr: only a Zarr "
+                                 f"store lives at a URL; add --set buffer_backend=zarr, or drop buffer_url to keep "
+                                 f"the memmap buffer in the run directory")
+        if not self.buffer_lock_lease_s >= MIN_LOCK_LEASE_S:
+            raise ValueError(f"setting 'buffer_lock_lease_s' must be >= {MIN_LOCK_LEASE_S:g} seconds (the lock is "
+                             f"renewed every third of it), got {self.buffer_lock_lease_s!r}; the default is 30")
+        if not self.buffer_lock_wait_s >= 0:
+            raise ValueError(f"setting 'buffer_lock_wait_s' must be >= 0 seconds, got {self.buffer_lock_wait_s!r}")
+        if self.retention.max_rows is not None and self.retention.max_rows < self.segment_rows:
+            raise ValueError(f"setting 'retention.max_rows' ({self.retention.max_rows}) must be >= segment_rows "
+                             f"({self.segment_rows}): rows are dropped a whole sealed segment at a time; raise it, "
+                             f"or lower segment_rows")
+        check_rounds(self.generation, multi_turn=self.multi_turn)
+        self.validate()
+
+    def validate(self) -> None:
+        """The pipeline's own rules over its own settings: raise ValueError naming the setting."""
+
+    def model_head_size(self) -> tuple[int, str] | None:
+        """The policy's attention head size, when the task knows it without building the model, and
+        what changes it (vLLM's CPU attention takes only some); None: unknown."""
+        return None
+
+    def learner_settings(self) -> LearnerSettings:
+        """What the learner trains with: ``learner`` and the values the run derives for it, here only.
+        Log-probs are recomputed at the sampling temperature; rows wait on a vLLM engine's start (or a
+        restart), so the learner gives up no sooner than that allowance past ``data_timeout_s``."""
+        timeout = self.learner.data_timeout_s
+        if self.generation.engine == "vllm":
+            timeout += self.generation.start_timeout_s
+        return dataclasses.replace(self.learner, temperature=self.temperature, data_timeout_s=timeout)
+
+    def check_machine(self) -> None:
+        """What the settings ask of this machine, which building them cannot check (the engine's
+        Python, vLLM's CPU attention against the model's head size): ValueError naming the setting.
+        The launcher calls it before any process starts."""
+        head = self.model_head_size()
+        check_generation(self.generation, head_size=head[0] if head else None, device=self.device,
+                         head_hint=head[1] if head else "")

@@ -1,0 +1,144 @@
+"""Typed settings, checked where they are declared, and the run's settings apart from the task's.
+
+Every choice is a ``Literal`` that ``--set`` and a dataclass built in Python refuse alike; every
+settings class checks itself in ``__post_init__``; the values the run derives (the learner's sampling
+temperature, its data timeout under vLLM) are derived once, the same for every pipeline; and a bad value
+is refused by the launcher, before any process starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings, SamplerName
+from rlhf_pipeline.pipeline import PipelineError, describe_settings, load_pipeline_module, make_settings
+from rlhf_pipeline.run_settings import RaySettings, RunSettings
+from rlhf_pipeline.storage.retention import RetentionSettings
+
+REPO = Path(__file__).resolve().parent.parent
+PIPELINES = ["pipelines/default.py", "pipelines/tool_use.py", "pipelines/qwen_math.py",
+             "pipelines/examples/reverse_words.py", "pipelines/examples/binary_tool.py"]
+
+
+def settings_of(pipeline: str, *overrides: str):
+    return make_settings(load_pipeline_module(REPO / pipeline), list(overrides))
+
+
+# ====================================================================== choices
+@pytest.mark.parametrize(("override", "message"), [
+    ("learner.sampler=exakt", "setting 'learner.sampler' must be one of ['window', 'exact', 'groups', 'prioritized', "
+                              "'epoch'], got 'exakt'; did you mean 'exact'?"),
+    ("learner.priority_feedback=los", "setting 'learner.priority_feedback' must be one of ['none', 'loss', "
+                                      "'ratio_deviation'], got 'los'; did you mean 'loss'?"),
+    ("learner.parallelism=fsdp2", "setting 'learner.parallelism' must be one of ['ddp', 'fsdp'], got 'fsdp2'; "
+                                  "did you mean 'fsdp'?"),
+    ("learner.loss.aggregation=mean", "setting 'learner.loss.aggregation' must be one of ['token_mean', "
+                                      "'sequence_mean', 'constant'], got 'mean'"),
+    ("buffer_backend=zar", "setting 'buffer_backend' must be one of ['memmap', 'zarr'], got 'zar'; did you mean "
+                           "'zarr'?"),
+    ("generation.engine=vlm", "setting 'generation.engine' must be one of ['loop', 'vllm'], got 'vlm'; did you "
+                              "mean 'vllm'?"),
+])
+def test_a_bad_choice_is_refused_naming_the_key_the_value_the_choices_and_the_closest(override, message):
+    with pytest.raises(PipelineError) as raised:
+        settings_of("pipelines/default.py", override)
+    assert str(raised.value) == message
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: LearnerSettings(sampler="exakt"), "setting 'learner.sampler' must be one of"),
+    (lambda: LearnerSettings(lr=float("inf")), "setting 'learner.lr' must be a finite number, got inf"),
+    (lambda: GRPOLossConfig(ratio_level="seq"), "setting 'learner.loss.ratio_level' must be one of"),
+    (lambda: RetentionSettings(max_age_s=float("nan")), "setting 'retention.max_age_s' must be a finite number"),
+    (lambda: RaySettings(collector_num_cpus=-1.0), "setting 'ray.collector_num_cpus' must be >= 0"),
+    (lambda: RunSettings(device="tpu"), "setting 'device' must be one of ['cpu', 'cuda'], got 'tpu'"),
+    (lambda: RunSettings(group_size=1), "setting 'group_size' must be >= 2: GRPO compares completions"),
+    (lambda: RunSettings(buffer_url="s3://bucket/run"), "setting 'buffer_url' (s3://bucket/run) needs "
+                                                        "buffer_backend=zarr"),
+    (lambda: RunSettings(retention=RetentionSettings(max_rows=10)), "setting 'retention.max_rows' (10) must be >= "
+                                                                    "segment_rows (1024)"),
+    (lambda: RunSettings(buffer_lock_lease_s=1.0), "setting 'buffer_lock_lease_s' must be >= 3 seconds"),
+])
+def test_a_dataclass_built_in_python_is_checked_as_one_built_from_set(build, message):
+    with pytest.raises(ValueError) as raised:
+        build()
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_sampler_choices_are_the_registry_and_the_priorities_the_stores():
+    from rlhf_pipeline.learn.samplers.registry import SAMPLERS
+    from rlhf_pipeline.learn.settings import Priority
+    from rlhf_pipeline.storage.prioritized import PRIORITIES
+
+    assert sorted(typing.get_args(SamplerName)) == sorted(SAMPLERS)
+    assert sorted(typing.get_args(Priority)) == sorted(PRIORITIES)
+
+
+def test_settings_given_together_are_checked_together_in_any_order():
+    """sample_window >= batch_size: raising both at once was refused when --set applied them one at a time."""
+    for order in (["learner.batch_size=256", "learner.sample_window=512"],
+                  ["learner.sample_window=512", "learner.batch_size=256"]):
+        learner = settings_of("pipelines/default.py", *order).learner
+        assert (learner.batch_size, learner.sample_window) == (256, 512)
+    with pytest.raises(PipelineError, match=r"'learner.sample_window' \(128\) must be >= batch_size \(256\)"):
+        settings_of("pipelines/default.py", "learner.batch_size=256")
+    prioritized = settings_of("pipelines/default.py", "learner.priority_feedback=loss", "learner.sampler=prioritized")
+    assert prioritized.learner.priority_feedback == "loss"
+
+
+# ====================================================================== the run apart from the task
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_every_pipeline_declares_its_task_on_the_run_settings(pipeline):
+    settings = settings_of(pipeline)
+    assert isinstance(settings, RunSettings)
+    for key in ("buffer_url", "retention.max_rows", "ray.collector_num_cpus", "generation.engine", "threads"):
+        assert f"  {key} (" in describe_settings(settings), key  # every pipeline takes every run setting
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_the_run_derives_the_learners_temperature_and_its_wait_for_a_vllm_engine_once_for_every_pipeline(
+        pipeline):
+    """tool_use.py did not add the engine's start-up allowance (600 s learner timeout against 900 s for the
+    engine to start); each pipeline's check() overwrote learner.temperature."""
+    timeouts = ["learner.data_timeout_s=100", "generation.start_timeout_s=50", "temperature=0.7"]
+    on_the_loop = settings_of(pipeline, *timeouts).learner_settings()
+    assert (on_the_loop.data_timeout_s, on_the_loop.temperature) == (100, 0.7)
+    with_vllm = settings_of(pipeline, "generation.engine=vllm", *timeouts).learner_settings()
+    assert (with_vllm.data_timeout_s, with_vllm.temperature) == (150, 0.7)
+
+
+def test_a_derived_setting_is_refused_naming_what_sets_it():
+    with pytest.raises(PipelineError) as raised:
+        settings_of("pipelines/default.py", "learner.temperature=0.5")
+    assert str(raised.value) == ("setting 'learner.temperature' is set from 'temperature' by the run; set that "
+                                 "instead (--set temperature=...)")
+    assert "learner.temperature" not in describe_settings(settings_of("pipelines/default.py"))
+
+
+def test_a_pipelines_own_rules_run_with_every_construction():
+    module = load_pipeline_module(REPO / "pipelines" / "tool_use.py")
+    with pytest.raises(ValueError, match="settings 'low' and 'high' must satisfy 1 <= low <= high"):
+        module.Settings(low=50, high=20)
+    with pytest.raises(PipelineError, match="'generation.overlap_rounds' is for single-turn rounds"):
+        make_settings(module, ["generation.overlap_rounds=true", "generation.stream_groups=true"])
+    assert dataclasses.replace(module.Settings(), low=20).low == 20
+
+
+# ====================================================================== refused before any process starts
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--set", "learner.sampler=exakt"], "setting 'learner.sampler' must be one of ['window', 'exact', 'groups', "
+                                         "'prioritized', 'epoch'], got 'exakt'; did you mean 'exact'?"),
+    (["--set", "learner.temperature=0.5"], "setting 'learner.temperature' is set from 'temperature'"),
+])
+def test_the_real_cli_refuses_a_bad_setting_in_one_line_before_anything_starts(tmp_path, argv, message):
+    command = Path(sys.executable).with_name("rlhf-pipeline")
+    done = subprocess.run([str(command), "run", str(REPO / "pipelines" / "default.py"), "--home", str(tmp_path),
+                           *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert not any(tmp_path.iterdir())  # no run directory, no process started
