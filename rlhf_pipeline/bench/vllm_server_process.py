@@ -42,10 +42,12 @@ def save_model_dir(model, tokenizer, path: Path) -> Path:
 
 class VLLMServerProcess:
     """``model_dir`` served as ``served_name``; ``updatable``: started with what weight updates need
-    (the dev endpoints and our worker extension); ``logprobs_mode``: vLLM's setting."""
+    (the dev endpoints and our worker extension); ``logprobs_mode``: vLLM's setting; ``omp_threads``:
+    its OpenMP threads (None: vLLM's default, one per core)."""
 
     def __init__(self, python: str, model_dir: Path, work_dir: Path, *, served_name: str = "tiny",
-                 updatable: bool = True, logprobs_mode: str = "processed_logprobs") -> None:
+                 updatable: bool = True, logprobs_mode: str = "processed_logprobs",
+                 omp_threads: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = work_dir / "server.log"
@@ -54,6 +56,8 @@ class VLLMServerProcess:
         env.update({"PYTHONPATH": str(package_dir), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                     "DO_NOT_TRACK": "1"})
+        if omp_threads is not None:  # as the owned engine's: vLLM's default is one thread per core
+            env["OMP_NUM_THREADS"] = str(omp_threads)
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                    "--served-model-name", served_name, "--dtype", "float32", "--enforce-eager",
                    "--enable-prefix-caching", "--generation-config", "vllm", "--logprobs-mode", logprobs_mode,
