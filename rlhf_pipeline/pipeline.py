@@ -244,6 +244,9 @@ def _set_path(obj: Any, parts: list[str], raw: str, full_key: str, prefix: str) 
     fields = {f.name: f for f in dataclasses.fields(obj)}
     name = parts[0]
     if name not in fields:
+        renamed = getattr(type(obj), "RENAMED", {}).get(name)  # a settings class's own table of old names
+        if renamed is not None:
+            raise PipelineError(f"setting {full_key!r} is now {prefix + renamed!r}: --set {prefix + renamed}=...")
         known = sorted(_all_keys(type(obj), prefix))
         close = suggest_setting(full_key, known)
         hint = f" Did you mean {close!r}?" if close else ""

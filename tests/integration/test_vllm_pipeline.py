@@ -110,12 +110,12 @@ def _rows(run: Path) -> dict[str, list]:
 
 
 def _engines_of(pid: int) -> list[int]:
-    """The vLLM engine processes ``pid`` started (its children running ``vllm_server``)."""
+    """The vLLM servers ``pid`` started (its children running vLLM's API server)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if parent == pid and b"rlhf_pipeline.generation.vllm_server" in (entry / "cmdline").read_bytes():
+            if parent == pid and b"vllm.entrypoints.openai.api_server" in (entry / "cmdline").read_bytes():
                 found.append(int(entry.name))
         except (OSError, ValueError, IndexError):
             continue
