@@ -44,8 +44,9 @@ class GenerationSettings:
     old name is refused, naming the new one (``pipeline.py``)."""
 
     engine: Literal["loop", "vllm"] = "loop"
-    """loop: our sampling loop in the collector's process (the default); vllm: a vLLM engine the
-    collector starts in its own process under the vLLM environment's Python, and stops with the run."""
+    """loop: our sampling loop in the collector's process (the default); vllm: a vLLM server the
+    collector starts under the vLLM environment's Python, reached as one at generation.url is, and
+    stops with the run."""
     agent_turns: Literal["lockstep", "per_episode"] = "lockstep"
     """Agents (pipelines/tool_use.py): lockstep sends every active episode's turn in one engine call;
     per_episode sends each episode's next turn as soon as its environment answered, so vLLM's batch

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import subprocess
 import threading
 import time
 import weakref
@@ -124,12 +125,17 @@ class OwnedServer:
                 return True
             ended = self.process.exited()
             doing = WHAT.get(what, what)
+            timed_out = "timed out" in fault or "TimeoutError" in fault or "timeout" in fault
+            if ended is None and not timed_out:  # a killed server's socket closes a moment before it is reaped
+                try:
+                    self.process.process.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    return False  # alive: a passing fault, for the client's own retries
+                ended = self.process.exited()
             if ended is not None:
                 cause = f"its process exited ({ended}) while {doing}"
-            elif "timed out" in fault or "TimeoutError" in fault or "timeout" in fault:
-                cause = f"it did not answer within {self.hung_after_s:g} s while {doing}: killed"
             else:
-                return False  # alive and answering after a pause: the client's own retries
+                cause = f"it did not answer within {self.hung_after_s:g} s while {doing}: killed"
             died = EngineDied(f"the {self.name} engine died: {cause}; its log ends:\n{self.process.log_tail()}",
                               cause=cause)
             while True:
@@ -208,7 +214,7 @@ class VLLMEngine(VLLMURLEngine):
             raise
         engine.server = server
         engine._guard()
-        retry = RetryPolicy(retries=0, backoff_s=max(backoff_s, 1e-3), max_backoff_s=max(30.0, backoff_s),
+        retry = RetryPolicy(retries=engine.restarts.max_restarts, backoff_s=max(backoff_s, 1e-3), max_backoff_s=max(30.0, backoff_s),
                             timeout_s=timeout_s if timeout_s is not None else 10**9)
         try:
             VLLMURLEngine.__init__(engine, server.base_url, model, stop_token_ids=stop_token_ids,

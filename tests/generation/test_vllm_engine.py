@@ -227,7 +227,7 @@ def test_an_engine_killed_under_a_stream_is_restarted_and_asked_only_the_groups_
 
 
 def test_an_engine_that_stops_answering_is_killed_and_restarted(served):
-    """generation.hung_after_s: a server that does not answer a round (SIGSTOP: alive and silent) is
+    """generation.timeout_s: a server that does not answer a round (SIGSTOP: alive and silent) is
     killed once that long has passed and restarted as one that died; the round comes back the same."""
     engine, _, tok = served
     said: list[str] = []
