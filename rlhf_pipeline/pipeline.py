@@ -251,6 +251,9 @@ def _rebuild(obj: Any, changes: dict[str, Any], prefix: str, root: Any) -> Any:
     for name, change in changes.items():
         key = prefix + name
         if name not in fields:
+            renamed = getattr(type(obj), "RENAMED", {}).get(name)  # a settings class's own table of old names
+            if renamed is not None:
+                raise PipelineError(f"setting {key!r} is now {prefix + renamed!r}: --set {prefix + renamed}=...")
             raise PipelineError(_unknown_setting(key, root))
         derived = fields[name].metadata.get("derived_from")
         if derived is not None:

@@ -103,7 +103,7 @@ def test_settings_that_are_not_finite_numbers_are_refused_before_anything_starts
                                                                  "number or none, got inf"),
         (["run", tool_use, "--set", "max_failed_group_fraction=nan"], "setting 'max_failed_group_fraction' must be a "
                                                                       "finite number or none, got nan"),
-        (["run", DEFAULT, "--set", "generation.hung_after_s=-5"], "setting 'generation.hung_after_s' must be > 0 "
+        (["run", DEFAULT, "--set", "generation.timeout_s=-5"], "setting 'generation.timeout_s' must be > 0 "
                                                                   "(seconds) or none (wait for ever), got -5.0"),
     ]
     argvs = [[*argv, "--home", home] for argv, _ in cases]

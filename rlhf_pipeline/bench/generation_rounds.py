@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-COLLECTOR_ENGINES = ("loop", "vllm")
-"""The engines a pipeline's collector runs in this case (hf is no collector engine; a server at
-``generation.url`` is one you start)."""
+COLLECTOR_ENGINES = ("loop", "vllm", "vllm-server")
+"""The engines a pipeline's collector runs in this case (hf is no collector engine); ``vllm-server``
+is the pipeline at ``generation.url`` of a server started here with the documented command
+(``vllm_server_process.py``), serving the same model on as many threads as the owned engine."""
 FIGURES = ("generate_s", "update_s", "rounds_per_s")
 SAME_MODEL = ("num_heads=2",)
 """vLLM's CPU attention takes no head size of 16 (the default 64 / 4): both engines get 64 / 2."""
@@ -35,7 +36,8 @@ class PipelineRounds:
         from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
         from rlhf_pipeline.runs.processes import build_pipeline
 
-        overrides = [*SAME_MODEL, *args.set, f"generation.engine={args.engine}"]
+        engine = "loop" if args.engine == "vllm-server" else args.engine  # the server's URL is set below
+        overrides = [*SAME_MODEL, *args.set, f"generation.engine={engine}"]
         if args.engine == "vllm" and args.vllm_python:
             overrides.append(f"generation.python={args.vllm_python}")
         module = load_pipeline_module(default_pipeline())
@@ -50,6 +52,15 @@ class PipelineRounds:
         self.parameters = sum(p.numel() for p in model.parameters())
         self.store = pipeline.create_buffer(self.work_dir / "buffer")
         started = time.perf_counter()
+        self.server = None
+        if args.engine == "vllm-server":  # started as a user starts one; its start is the engine's
+            from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
+            from rlhf_pipeline.generation.settings import find_vllm_python
+
+            model_dir = save_model_dir(model, pipeline.tokenizer, self.work_dir / "model")
+            self.server = VLLMServerProcess(find_vllm_python(args.vllm_python), model_dir, self.work_dir,
+                                            omp_threads=torch.get_num_threads())
+            settings.generation.url = self.server.url
         self.collector = pipeline.make_collector(model, self.store, collector_index=0)
         self.start_s = time.perf_counter() - started
         self.version = 0
@@ -74,6 +85,8 @@ class PipelineRounds:
 
         self.collector.close()
         self.store.close()
+        if self.server is not None:
+            self.server.stop()
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
@@ -92,12 +105,13 @@ def moved(model: Any, seed: int) -> dict[str, Any]:
     return other.state_dict()
 
 
-def ratios(engines: dict[str, Any]) -> dict[str, float]:
-    """vLLM's median over the loop's, per figure; empty unless both ran."""
-    loop, vllm = engines.get("loop", {}), engines.get("vllm", {})
-    if "generate_s" not in loop or "generate_s" not in vllm:
+def ratios(engines: dict[str, Any], base: str = "loop") -> dict[str, dict[str, float]]:
+    """Each other engine's median over ``base``'s, per figure; only engines that ran."""
+    reference = engines.get(base, {})
+    if "generate_s" not in reference:
         return {}
-    return {f: vllm[f]["median"] / loop[f]["median"] for f in FIGURES if loop[f]["median"] > 0}
+    return {name: {f: r[f]["median"] / reference[f]["median"] for f in FIGURES if reference[f]["median"] > 0}
+            for name, r in engines.items() if name != base and "generate_s" in r}
 
 
 def format_rounds_table(case: dict[str, Any]) -> list[str]:
@@ -117,6 +131,10 @@ def format_rounds_table(case: dict[str, Any]) -> list[str]:
             continue
         lines.append(f"| {engine} | {cell(r['generate_s'], 4)} | {cell(r['update_s'], 4)} | "
                      f"{cell(r['rounds_per_s'], 2)} | {r['engine_start_s']:.1f} | {r['peak_rss_mib']:.0f} |")
-    if case["ratios"]:
-        lines.append("| vllm / loop | " + " | ".join(f"{case['ratios'][f]:.1f}x" for f in FIGURES) + " | | |")
+    for name, over in case["ratios"].items():
+        lines.append(f"| {name} / loop | " + " | ".join(f"{over[f]:.2f}x" for f in FIGURES) + " | | |")
+    if "vllm" in engines and "vllm-server" in engines:
+        over = ratios(engines, base="vllm").get("vllm-server")
+        if over:
+            lines.append("| vllm-server / vllm | " + " | ".join(f"{over[f]:.2f}x" for f in FIGURES) + " | | |")
     return lines

@@ -25,20 +25,16 @@ from rlhf_pipeline.agents.rollout import Sample
 from rlhf_pipeline.generation.engine import CompletionGroup, GenerationEngine, SampleRequest, draw_seed
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.turns import ThreadedTurns, TurnSubmitter
-from rlhf_pipeline.generation.vllm_engine import VLLMEngine
-from rlhf_pipeline.generation.vllm_turns import VLLMTurns
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 
 TURN_MODES = ("lockstep", "per_episode")
 
 
 def open_turns(engine: GenerationEngine, sampling: SamplingConfig) -> TurnSubmitter:
-    """How ``engine`` takes turns one at a time (``generation/turns.py``): the owned vLLM engine adds each
-    to its running batch; a server gets one HTTP request per turn, many in flight; our loop (or another
-    engine) samples one turn at a time, alone."""
+    """How ``engine`` takes turns one at a time (``generation/turns.py``): a vLLM server (the collector's
+    own or one at a URL) gets one HTTP request per turn, many in flight; our loop (or another engine)
+    samples one turn at a time, alone."""
     engine.check_sampling(sampling)
-    if isinstance(engine, VLLMEngine):
-        return VLLMTurns(engine, sampling)
     if isinstance(engine, VLLMURLEngine):
         return ThreadedTurns(engine, sampling, workers=engine.max_concurrency)
     return ThreadedTurns(engine, sampling, workers=1)  # one model, one decode at a time

@@ -8,13 +8,13 @@ that produced them beside (``engine.py`` is the contract).
 * :mod:`.loop` -- our sampling loop (``generate``, ``teacher_forced_log_probs``) and ``LoopEngine``;
 * :mod:`.settings` -- ``GenerationSettings`` (``--set generation.engine=vllm``), ``make_engine`` and
   ``make_collector_engine`` (what a pipeline's collector calls);
-* :mod:`.vllm_engine` -- ``VLLMEngine``: a vLLM engine in its own process, under the vLLM
-  environment's Python, driven over a socket; :mod:`.vllm_server` is what runs in that process and
-  :mod:`.vllm_worker` the worker extension that loads new weights there, :mod:`.vllm_process` the
-  helpers that stop that process; :mod:`.restarts` when a process that died is started again,
-  :mod:`.vllm_held_weights` the file of the weights it is given then (both weight routes);
-* :mod:`.vllm_url` -- ``VLLMURLEngine``: a vLLM server the user started, at a URL, through its
-  OpenAI-compatible API (checked against the pipeline's model first), over :mod:`.vllm_http`;
+* :mod:`.vllm_url` -- ``VLLMURLEngine``: the one vLLM client, a server reached through its
+  OpenAI-compatible API over :mod:`.vllm_http` (checked against the pipeline's model first), its
+  weights in :mod:`.vllm_url_weights`;
+* :mod:`.vllm_engine` -- ``VLLMEngine``: that client on a server the collector starts
+  (:mod:`.vllm_process` starts and stops it, under the vLLM environment's Python) and starts again
+  when it dies (:mod:`.restarts`, given the weights it held); :mod:`.vllm_worker` is the worker
+  extension that loads new weights in the server;
 * :mod:`.vllm_nccl` -- the GPU route for weights (vLLM's NCCL weight transfer);
 * :mod:`.vllm_setup` -- making the vLLM environment (``rlhf-pipeline setup-vllm``).
 

@@ -78,7 +78,7 @@ class EngineFailed(RuntimeError):
 
 
 class EngineDied(EngineFailed):
-    """The engine's process exited or its socket closed (or it hung past ``generation.hung_after_s``
+    """The engine's process exited or its socket closed (or it hung past ``generation.timeout_s``
     and was killed): a fresh process may do what it could not. An engine that answered with an error
     is not this. ``cause``: what happened, in a few words (the message adds the engine's log)."""
 

@@ -1,10 +1,12 @@
-"""When an engine whose process died is started again: :class:`Restarts`, a bounded exponential backoff.
+"""When a server the collector started and that died is started again: :class:`Restarts`, a bounded
+exponential backoff.
 
-An engine in a process of its own (``vllm_engine.py``) can lose it to a ``kill -9``, the OOM killer
-or a crash in native code, or hang (``hung_after_s``: then it is killed and counts as dead). The work it was doing is not lost with it: the collector drew the round's
-seeds before asking, and the weights it held are files in the engine's scratch directory, so a new
-process given those weights and asked the same gives the same rows. What is bounded here is how often
-that is tried: ``max_restarts`` restarts in a row (a call the engine answered resets the count, so a
+The collector's own vLLM server (``vllm_engine.py``) can be lost to a ``kill -9``, the OOM killer or a
+crash in native code, or hang (no reply within ``generation.timeout_s``: then it is killed and counts as
+dead). The work it was doing is not lost with it: every request is whole and seeded, and the weights
+it held are a file in the engine's scratch directory, so a new server given those weights and sent
+the unanswered requests again gives the same rows. What is bounded here is how often
+that is tried: ``max_restarts`` (``generation.retries``) restarts in a row (a call the engine answered resets the count, so a
 long run survives one death a day), the k-th after ``backoff_s * 2**(k-1)`` seconds (at most
 ``MAX_DELAY_S``): an engine that dies again at once is not restarted in a tight loop, and one that
 cannot live (a machine out of memory) stops the collector after a few tries with one line naming the
@@ -22,9 +24,8 @@ from rlhf_pipeline.generation.engine import EngineDied, EngineFailed
 MAX_DELAY_S = 60.0
 """The longest wait before one restart, whatever the backoff has doubled to."""
 HUNG_AFTER_S = 300.0
-"""An engine that finished no decoding step (nor a weight load) this long hangs: the default. A
-streaming engine says it is decoding every few seconds however long its round (``vllm_server.PROGRESS_EVERY_S``),
-so this is a silence, not a round's length; a first round's warm-up (~9 s on these CPUs) is far below."""
+"""A server that answers no request (a round's completions, a weight load) within this long hangs:
+the default; a first round's warm-up (~9 s on these CPUs) is far below."""
 
 
 def _to_stderr(line: str) -> None:
@@ -40,8 +41,8 @@ class Restarts:
     backoff_s: float = 1.0
     """Seconds before the first restart in a row; each further one waits twice as long (at most 60 s)."""
     hung_after_s: float | None = HUNG_AFTER_S
-    """No reply this long (a round's engine says it is decoding every few seconds; weights to load
-    answer once): the engine hangs, and is killed and restarted as one that died; None: wait for ever."""
+    """No reply to a request this long: the server hangs, and is killed and restarted as one that
+    died; None: wait for ever."""
     announce: Callable[[str], None] = field(default=_to_stderr, repr=False)
     """Where the line said before each restart goes (the collector sets its console's)."""
     in_a_row: int = 0
@@ -49,12 +50,12 @@ class Restarts:
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
-            raise ValueError(f"setting 'generation.max_restarts' must be >= 0 (0: never restart the engine), "
+            raise ValueError(f"setting 'generation.retries' must be >= 0 (0: never restart the engine), "
                              f"got {self.max_restarts}")
         if not self.backoff_s >= 0:
-            raise ValueError(f"setting 'generation.restart_backoff_s' must be >= 0 (seconds), got {self.backoff_s}")
+            raise ValueError(f"setting 'generation.backoff_s' must be >= 0 (seconds), got {self.backoff_s}")
         if self.hung_after_s is not None and not self.hung_after_s > 0:
-            raise ValueError(f"setting 'generation.hung_after_s' must be > 0 (seconds) or none (wait for ever), "
+            raise ValueError(f"setting 'generation.timeout_s' must be > 0 (seconds) or none (wait for ever), "
                              f"got {self.hung_after_s}")
 
     def next_delay_s(self, died: EngineDied, engine: str = "generation") -> float:
@@ -62,7 +63,7 @@ class Restarts:
         setting and keeping ``died``'s message (the engine's log), when none is left."""
         if self.in_a_row >= self.max_restarts:
             tried = (f"after {self.in_a_row} restarts in a row" if self.in_a_row else "and is not restarted")
-            raise EngineFailed(f"the {engine} engine died {tried} (generation.max_restarts={self.max_restarts}; "
+            raise EngineFailed(f"the {engine} engine died {tried} (generation.retries={self.max_restarts}; "
                                f"raise it to try more, then rerun to resume): {died}") from None
         self.in_a_row += 1
         return min(self.backoff_s * 2 ** (self.in_a_row - 1), MAX_DELAY_S)

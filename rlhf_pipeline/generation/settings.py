@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from rlhf_pipeline.finite_settings import check_finite
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES, default_vllm_env, python_has_vllm
@@ -35,9 +35,18 @@ if TYPE_CHECKING:
 class GenerationSettings:
     """Which engine samples the collector's completions, and how it runs."""
 
+    RENAMED: ClassVar[dict[str, str]] = {
+        "url_retries": "retries", "max_restarts": "retries", "url_backoff_s": "backoff_s",
+        "restart_backoff_s": "backoff_s", "url_wait_s": "start_timeout_s", "url_timeout_s": "timeout_s",
+        "hung_after_s": "timeout_s", "url_weights": "weight_transfer",
+    }
+    """Settings of one engine each that became one for every vLLM server (issue 42): ``--set`` with an
+    old name is refused, naming the new one (``pipeline.py``)."""
+
     engine: Literal["loop", "vllm"] = "loop"
-    """loop: our sampling loop in the collector's process (the default); vllm: a vLLM engine the
-    collector starts in its own process under the vLLM environment's Python, and stops with the run."""
+    """loop: our sampling loop in the collector's process (the default); vllm: a vLLM server the
+    collector starts under the vLLM environment's Python, reached as one at generation.url is, and
+    stops with the run."""
     agent_turns: Literal["lockstep", "per_episode"] = "lockstep"
     """Agents (pipelines/tool_use.py): lockstep sends every active episode's turn in one engine call;
     per_episode sends each episode's next turn as soon as its environment answered, so vLLM's batch
@@ -58,28 +67,26 @@ class GenerationSettings:
     """vllm: no torch.compile / CUDA graphs (start-up 11-18 s on a CPU instead of ~48 s; for tiny
     models they gain nothing). Turn off for real models on a GPU."""
     start_timeout_s: float = 900.0
-    """vllm: how long the engine may take to start (importing vLLM alone took 16-90 s on a busy
-    2-core machine) before the collector gives up, showing the engine's log."""
+    """vllm or url: how long the server may take to start (importing vLLM alone took 16-90 s on a busy
+    2-core machine; a server at the URL may still be starting) before the collector gives up."""
+    retries: int = 5
+    """vllm or url: tries after the first for a request the server did not answer, before the collector
+    stops; the collector's own server is restarted (given the weights it held) before each, in a row:
+    a request it answers resets the count. 0: never."""
+    backoff_s: float = 1.0
+    """vllm or url: pause before the first retry (or restart), doubled for each further one (at most
+    30 s for a server at a URL, 60 s for a restart)."""
+    timeout_s: float | None = 600.0
+    """vllm or url: longest wait for one reply (a prompt's completions, a weight load); the collector's
+    own server that does not answer within it hangs, and is killed and restarted. none: wait for ever."""
     url: str | None = None
     """A vLLM server the user started (http://host:port), instead of one the collector starts: checked
     against the pipeline's model before any row is written; see docs/generation.md for its command."""
     url_model: str | None = None
     """url: the served model name to ask for; none: the only one the server serves."""
-    url_retries: int = 5
-    """url: tries after the first for a request the server did not answer, before the collector stops."""
-    url_backoff_s: float = 1.0
-    """url: pause before the first retry, doubled for each further one (at most 30 s)."""
-    url_timeout_s: float = 600.0
-    """url: longest wait for one reply (a round of completions)."""
-    url_wait_s: float = 300.0
-    """url: how long to wait at the start for a server that does not answer yet (one starting)."""
     url_weights_dir: str | None = None
     """url: where new weights are written for the server to read, a path its machine sees too;
     none: a temporary directory on this machine (a server on this machine)."""
-    url_weights: Literal["file", "inline"] = "file"
-    """url: how new weights reach the server: file (written to url_weights_dir, read there) or inline
-    (the file's bytes in the request, base64: for a server on a machine with no file system in
-    common; a third more than the weights travel per update)."""
     url_api_key_env: str = "VLLM_API_KEY"
     """url: the environment variable holding the server's API key (its --api-key), sent as a bearer
     token when set: the key stays out of the run's settings file."""
@@ -90,16 +97,13 @@ class GenerationSettings:
     url_check_tolerance: float = 1e-3
     """url: largest log-prob difference between the server and the pipeline's model at the start
     check; raise it for a server in lower precision than the pipeline's model."""
-    weight_transfer: Literal["files", "nccl"] = "files"
-    """vllm: how new weights reach the engine: files (each published version's safetensors, reloaded
-    in place; CPU and GPU) or nccl (vLLM's NCCL weight transfer from the collector's GPU copy; GPU
-    only, and vllm must import in the collector's own Python)."""
-    max_restarts: int = 3
-    """vllm: restarts in a row of an engine whose process died (kill -9, out of memory) before the
-    collector stops; a round the engine answers resets the count. 0: never restart (with
-    weight_transfer=nccl, 0 also spares the disk write of each version a restart would reload)."""
-    restart_backoff_s: float = 1.0
-    """vllm: seconds before the first restart in a row; each further one waits twice as long (at most 60 s)."""
+    weight_transfer: Literal["files", "inline", "nccl"] = "files"
+    """How new weights reach the server: files (each version's safetensors file, read by the server
+    and reloaded in place; CPU and GPU; url: written to url_weights_dir), inline (url: the file's bytes
+    in the request, base64, for a server on a machine with no file system in common; a third more than
+    the weights travel per update) or nccl (vllm: vLLM's NCCL weight transfer from the collector's GPU
+    copy; GPU only, and vllm must import in the collector's own Python; retries=0 spares the disk write
+    of each version a restart would reload)."""
     stream_groups: bool = False
     """Write each GRPO group as soon as it and every earlier group of the round ended (several appends
     per round, in request order) instead of once the round's slowest completion ended: the same rows,
@@ -110,10 +114,6 @@ class GenerationSettings:
     """With stream_groups, single-turn rounds: submit the next round's requests while this round's tail
     decodes (when pacing gives it the same weights), so the engine's batch stays full across rounds;
     the same rows (docs/generation.md, "Rounds ahead"). vllm and url engines; refused with the loop."""
-    hung_after_s: float | None = 300.0
-    """vllm: seconds in which the engine finished no decoding step (it says so every 2 s while it
-    decodes, however long the round) or did not answer a weight load: a hung engine, killed and
-    restarted as one that died; none: wait for ever. (generation.url: url_timeout_s per request.)"""
 
 
 def check_rounds(settings: GenerationSettings, *, multi_turn: bool) -> None:
@@ -153,18 +153,21 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
         raise ValueError(f"setting 'generation.max_model_len' must be >= 2 or none, got {settings.max_model_len}")
     if settings.max_num_seqs < 1:
         raise ValueError(f"setting 'generation.max_num_seqs' must be >= 1, got {settings.max_num_seqs}")
-    if not settings.start_timeout_s > 0:
-        raise ValueError(f"setting 'generation.start_timeout_s' must be > 0 (seconds), got {settings.start_timeout_s}")
+    if not settings.start_timeout_s >= 0:
+        raise ValueError(f"setting 'generation.start_timeout_s' must be >= 0 (seconds), got {settings.start_timeout_s}")
     _check_url_numbers(settings)
     from rlhf_pipeline.generation.restarts import Restarts
 
-    Restarts(settings.max_restarts, settings.restart_backoff_s, settings.hung_after_s)  # refuses each by name
+    Restarts(settings.retries, settings.backoff_s, settings.timeout_s)  # refuses each by name
     check_finite(settings, "generation.")  # what the range checks above let through (inf, as a rule)
     if settings.url is not None:
         check_url_settings(settings)
         return
     if settings.engine == "loop":
         return
+    if settings.weight_transfer == "inline":
+        raise ValueError("setting 'generation.weight_transfer=inline' is for a server at generation.url on another "
+                         "machine; the collector's own server reads files: use generation.weight_transfer=files")
     if settings.weight_transfer == "nccl" and device == "cpu":
         raise ValueError("setting 'generation.weight_transfer=nccl' needs a GPU (vLLM's NCCL weight transfer is "
                          "CUDA-only); on a CPU use generation.weight_transfer=files")
@@ -179,6 +182,9 @@ def check_url_settings(settings: GenerationSettings) -> None:
     if settings.engine == "vllm":
         raise ValueError(f"generation.url={settings.url} names a server you started and generation.engine=vllm "
                          f"starts one of the collector's own: drop one of them")
+    if settings.weight_transfer == "nccl":
+        raise ValueError("setting 'generation.weight_transfer=nccl' is for the collector's own server "
+                         "(generation.engine=vllm on a GPU); a server at generation.url takes files or inline")
     if not settings.url.startswith(("http://", "https://")):
         raise ValueError(f"setting 'generation.url' must be an http:// or https:// URL (http://host:port), got "
                          f"{settings.url!r}")
@@ -186,13 +192,9 @@ def check_url_settings(settings: GenerationSettings) -> None:
 
 
 def _check_url_numbers(settings: GenerationSettings) -> None:
-    if settings.url_retries < 0:
-        raise ValueError(f"setting 'generation.url_retries' must be >= 0, got {settings.url_retries}")
-    for name in ("url_backoff_s", "url_timeout_s", "url_check_tolerance", "url_lease_s"):
+    for name in ("url_check_tolerance", "url_lease_s"):
         if not getattr(settings, name) > 0:
             raise ValueError(f"setting 'generation.{name}' must be > 0, got {getattr(settings, name)}")
-    if settings.url_wait_s < 0:
-        raise ValueError(f"setting 'generation.url_wait_s' must be >= 0, got {settings.url_wait_s}")
 
 
 def find_vllm_python(explicit: str | None = None) -> str:
@@ -245,12 +247,13 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
         from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 
         check_url_settings(settings)
-        retry = RetryPolicy(retries=settings.url_retries, backoff_s=settings.url_backoff_s,
-                            max_backoff_s=max(30.0, settings.url_backoff_s), timeout_s=settings.url_timeout_s)
+        retry = RetryPolicy(retries=settings.retries, backoff_s=max(settings.backoff_s, 1e-3),
+                            max_backoff_s=max(30.0, settings.backoff_s),
+                            timeout_s=settings.timeout_s if settings.timeout_s is not None else 10**9)
         return VLLMURLEngine(settings.url, model, stop_token_ids=stop_token_ids, tokenizer=tokenizer,
                              policy_version=policy_version, served_model=settings.url_model,
-                             weights_dir=settings.url_weights_dir, inline_weights=settings.url_weights == "inline",
-                             retry=retry, wait_s=settings.url_wait_s,
+                             weights_dir=settings.url_weights_dir, inline_weights=settings.weight_transfer == "inline",
+                             retry=retry, wait_s=settings.start_timeout_s,
                              check_tolerance=settings.url_check_tolerance,
                              api_key=os.environ.get(settings.url_api_key_env) or None,
                              api_key_env=settings.url_api_key_env, lease_s=settings.url_lease_s)
@@ -260,17 +263,16 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
         return LoopEngine(model, pad_token_id=pad_token_id, eos_token_id=list(stop_token_ids),
                           policy_version=policy_version)
     check_generation(settings, device=device)
+    from rlhf_pipeline.generation.restarts import Restarts
+
     options: dict[str, Any] = dict(
         python=find_vllm_python(settings.python), stop_token_ids=stop_token_ids, policy_version=policy_version,
         device=device, seed=seed, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
         enforce_eager=settings.enforce_eager, start_timeout_s=settings.start_timeout_s,
+        max_model_len=settings.max_model_len, timeout_s=settings.timeout_s, backoff_s=settings.backoff_s,
+        # a server that died is started again and given the version it held, from its file (vllm_url_weights.py)
+        restarts=Restarts(settings.retries, settings.backoff_s, settings.timeout_s),
     )
-    from rlhf_pipeline.generation.restarts import Restarts
-
-    # both routes: a restarted engine reloads the version it held from a file (generation/vllm_held_weights.py)
-    options["restarts"] = Restarts(settings.max_restarts, settings.restart_backoff_s, settings.hung_after_s)
-    if settings.max_model_len is not None:
-        options["max_model_len"] = settings.max_model_len
     if device != "cpu":
         options["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if settings.weight_transfer == "nccl":

@@ -6,10 +6,9 @@ carries its own ``torch.Generator`` (the agent collector keeps one per episode, 
 start: ``collect/agent_turns.py``), and a request's randomness comes from that generator only, so what
 it samples does not depend on which other requests were in flight with it, nor on when it was sent:
 
-* **the vLLM engine the collector owns** (``vllm_turns.py``): requests join its running batch
-  between decoding steps (vLLM's continuous batching), each seeded with one draw from its generator;
-* **a server at ``generation.url``**: one HTTP request per turn, each seeded with one draw from its
-  generator, as many in flight as ``max_concurrency`` (the server batches them continuously);
+* **a vLLM server** (the collector's own or one at ``generation.url``): one HTTP request per turn, each
+  seeded with one draw from its generator, as many in flight as ``max_concurrency`` (the server
+  batches them continuously: a turn joins the running batch between decoding steps);
 * **our loop**: each turn decoded alone (a batch of one), in the order turns come, every token drawn
   from its generator: the same computation whatever else is waiting, so the same bits. Alone, it does
   not batch episodes together: on a CPU with tiny models that is slower than lockstep turns.

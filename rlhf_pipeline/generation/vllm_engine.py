@@ -1,86 +1,55 @@
-"""``VLLMEngine``: a vLLM engine the collector owns, in its own process, under the vLLM environment's
-Python; a :class:`~rlhf_pipeline.generation.engine.GenerationEngine` like our loop.
+"""``VLLMEngine``: a vLLM server the collector starts and stops (``generation.engine=vllm``), reached
+through the same client as a server at a URL (:class:`~rlhf_pipeline.generation.vllm_url.VLLMURLEngine`,
+which says what every reply is checked for and how sampling follows our conventions).
 
-Why its own process and its own Python. vLLM in a process seeds the global RNG, binds OpenMP threads
-and memory to cores and makes ``torch.set_num_threads`` a no-op for the rest of it; its CPU build
-pins ``transformers<5.20`` and pulls a CUDA ``torchvision`` that breaks ``transformers``. So the
-engine runs ``python -m rlhf_pipeline.generation.vllm_server`` under another interpreter
-(``generation.python``; ``rlhf-pipeline setup-vllm`` makes one), sees only our package's directory
-on its path, and talks to this process over a socket pair (``vllm_server.py`` has the protocol). It
-is started with the collector and stopped with it (:meth:`VLLMEngine.close`, also at interpreter exit);
-if this process dies, the socket closes and the engine exits by itself. If the engine's process dies
-(``kill -9``, the OOM killer), it is started again (``generation/restarts.py``: bounded, with backoff),
-given the weights it held, and asked again what it was doing, with the same seeds.
+What owning the server adds to that client:
 
-What it holds to, beside the engine contract (``engine.py``):
-
-* **Token-exact, our conventions.** Prompts go in as ``prompt_token_ids``; vLLM runs without a
-  tokenizer (``skip_tokenizer_init``). Sampled ids and their log-probs come back verbatim, the
-  log-probs of the sampling distribution (``logprobs_mode="processed_logprobs"``). Completions stop
-  on our stop tokens only (``stop_token_ids``, with ``ignore_eos`` so neither the model's config nor
-  its ``generation_config.json`` adds one; ``generation_config="vllm"``), keep the stop token as their
-  last, and ``terminated`` is read from the tokens as our loop reads it (a stop token last), not from
-  vLLM's ``finish_reason``.
-* **Seeds.** One seed per request from the collector's generator, in submission order
-  (``engine.draw_seed``); vLLM seeds completion ``i`` of a request with ``seed + i``.
-* **Sampling settings, checked against ours** (``generation/sampling.py``). vLLM's sampler divides
-  by the temperature, then applies top-k, then top-p, as ours. Top-k keeps ties at the k-th value,
-  as ours (``logits < kth`` is masked in both). Top-p keeps a token when the probability of the
-  tokens ranked above it is below ``top_p``, the same rule as ours, computed in the other sort
-  direction: the kept set can differ only when tokens tie at the boundary or the cumulative sum
-  rounds across ``top_p``, and the stored log-prob is then still the one vLLM sampled with. Refused
-  by name: a temperature below 1e-5 (vLLM then samples greedily and returns the raw log-probs, not
-  the sampling distribution's) or above 2 (vLLM's ``SamplingParams`` refuses it). ``top_k`` >= the vocabulary is sent as 0 (disabled), as ours treats it.
-* **Weights in place.** :meth:`update_weights` takes a state dict (written to a safetensors file in
-  the engine's scratch directory) or the path of a published safetensors file, and the worker
-  extension (``vllm_worker.py``) reloads, re-ties and repacks; the prefix cache is reset after
-  every load, since cached prefixes hold the old weights' keys and values (0.07 off in log-prob on a
-  224-token prompt when it was not). Loads happen between ``sample`` calls, never under one.
+* **Its start.** The model's ``save_pretrained`` directory in the engine's scratch directory, served by
+  ``python -m vllm.entrypoints.openai.api_server`` under the vLLM environment's Python
+  (``generation.python``; ``rlhf-pipeline setup-vllm`` makes one) with the flags the client's checks
+  require (``vllm_process.server_command``), on as many OpenMP threads as this process has torch
+  threads; then the client's checks, as for any server. It is stopped with the collector
+  (:meth:`VLLMEngine.close`, also at interpreter exit), and with it when the collector is killed.
+* **One restart path.** A request the server does not answer (its process died: ``kill -9``, the OOM
+  killer; or it hung past ``generation.timeout_s``: it is killed) makes the engine start a new server,
+  give it the weights the dead one held (their file, ``vllm_url_weights.ServerWeights``), and send
+  every unanswered request again, whole, with its seed: the rows are those the dead one would have
+  given. Restarts are bounded (``generation/restarts.py``: ``generation.retries`` in a row, backing off
+  from ``generation.backoff_s``); past them the collector stops with one line naming the setting.
+  A server at a URL is not ours to restart: its requests are retried, then one line.
 * **Shapes it can run.** vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128, 160, 192,
-  224, 256 and 512: a model with another is refused before the process starts, naming the sizes.
+  224, 256 and 512: a model with another is refused before the server starts, naming the sizes.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import socket
 import subprocess
+import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from multiprocessing.connection import Connection
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from rlhf_pipeline.generation.engine import (
-    CompletionGroup,
-    EngineDied,
-    EngineFailed,
-    GenerationEngine,
-    SampleRequest,
-    UnsupportedSetting,
-)
+from rlhf_pipeline.generation.engine import EngineDied, EngineFailed, UnsupportedSetting
 from rlhf_pipeline.generation.restarts import Restarts
-from rlhf_pipeline.generation.vllm_rounds import LiveStream, stream_ahead, stream_round
-from rlhf_pipeline.generation.sampling import SamplingConfig
-from rlhf_pipeline.generation.vllm_held_weights import HeldWeights
+from rlhf_pipeline.generation.vllm_http import RetryPolicy
 from rlhf_pipeline.generation.vllm_process import (
+    ServerProcess,
     engine_environment,
-    exit_status,
     make_scratch_dir,
     package_path_dir,
-    stop_process,
+    server_command,
 )
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
+from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 
-GREEDY_BELOW = 1e-5
-"""vLLM samples greedily below this temperature (its ``_SAMPLING_EPS``)."""
-MAX_TEMPERATURE = 2.0
-"""vLLM's ``SamplingParams`` refuses a temperature above this."""
-LOG_TAIL_CHARS = 3000
+SERVED_NAME = "policy"
+WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/reset_prefix_cache": "loading weights"}
+"""What the engine was doing, by the request that went unanswered, for the restart's line."""
 
 
 def head_size(config: Any) -> int:
@@ -100,273 +69,219 @@ def check_cpu_head_size(config: Any) -> None:
         )
 
 
-class VLLMEngine(GenerationEngine):
-    """A vLLM engine in its own process; see the module docstring.
+class OwnedServer:
+    """The server a :class:`VLLMEngine` started, and its replacement when it dies: the client's
+    ``supervisor`` (``vllm_http.Supervisor``). ``reload``: gives a new server the held weights."""
 
-    ``model_dir``: a ``save_pretrained`` directory (config and safetensors weights) the engine loads
-    first, as ``policy_version``. ``python``: the interpreter with vLLM (``generation/settings.py``
-    finds one). ``work_dir``: the engine's scratch directory (its log, the weight files it is
-    sent); a temporary one by default, removed at :meth:`close`. ``restarts``: how often, and after how
-    long, a process that died is started again (``generation/restarts.py``; default: never)."""
+    def __init__(self, command: list[str], env: dict[str, str], work_dir: Path, start_timeout_s: float,
+                 restarts: Restarts, stats: Any, name: str) -> None:
+        self._args = (command, env, work_dir, start_timeout_s)
+        self.restarts = restarts
+        self.stats = stats
+        self.name = name
+        self.reload: Any = None
+        self.hung_after_s: float | None = None
+        self.generation = 0
+        self._lock = threading.Lock()
+        # one thread starts every server: a server gets SIGTERM when the thread that started it ends
+        # (PR_SET_PDEATHSIG follows the thread), and a restart comes from a request's passing thread
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-server-start")
+        try:
+            self.process = self._start()
+        except BaseException:
+            self._spawner.shutdown()
+            raise
+
+    def _start(self) -> ServerProcess:
+        try:
+            process = self._spawner.submit(ServerProcess, *self._args).result()
+        except RuntimeError as exc:
+            raise EngineDied(f"the vLLM engine did not start: {exc}", cause=str(exc).splitlines()[0]) from None
+        except OSError as exc:
+            raise EngineFailed(f"could not start the vLLM engine with generation.python={self._args[0][0]!r}: "
+                               f"{exc}") from None
+        self.stats.starts += 1
+        self.stats.start_s = process.start_s
+        return process
+
+    @property
+    def base_url(self) -> str:
+        return self.process.url
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
+
+    def answered(self) -> None:
+        self.restarts.answered()
+
+    def revive(self, seen: int, fault: str, what: str) -> bool:
+        with self._lock:
+            if self.generation != seen:  # another request's thread replaced it meanwhile
+                return True
+            ended = self.process.exited()
+            doing = WHAT.get(what, what)
+            timed_out = "timed out" in fault or "TimeoutError" in fault or "timeout" in fault
+            if ended is None and not timed_out:  # a killed server's socket closes a moment before it is reaped
+                try:
+                    self.process.process.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    return False  # alive: a passing fault, for the client's own retries
+                ended = self.process.exited()
+            if ended is not None:
+                cause = f"its process exited ({ended}) while {doing}"
+            else:
+                cause = f"it did not answer within {self.hung_after_s:g} s while {doing}: killed"
+            died = EngineDied(f"the {self.name} engine died: {cause}; its log ends:\n{self.process.log_tail()}",
+                              cause=cause)
+            while True:
+                delay = self.restarts.next_delay_s(died, engine=self.name)  # EngineFailed past generation.retries
+                self.restarts.announce(f"the {self.name} generation engine died ({died.cause}); restart "
+                                       f"{self.restarts.in_a_row} of at most {self.restarts.max_restarts} in a row in "
+                                       f"{delay:g} s (its log: {self.process.log_path})")
+                self.process.stop(wait_s=5.0)
+                time.sleep(delay)
+                try:
+                    self.process = self._start()
+                    self.generation += 1
+                    if self.reload is not None:
+                        self.reload()  # the version the dead one held: the new one starts from the model directory
+                except EngineDied as again:
+                    died = again
+                    continue
+                self.stats.restarts += 1
+                return True
+
+    def stop(self) -> None:
+        self.process.stop()
+        self._spawner.shutdown()
+
+
+class VLLMEngine(VLLMURLEngine):
+    """A vLLM server this engine starts, reached as any server is; see the module docstring.
+
+    Build it with :meth:`from_model`. ``restarts``: how often a server that died is started again
+    (default: never); ``timeout_s``: the longest wait for one reply before a live server counts as hung."""
 
     name = "vllm"
 
-    def __init__(self, model_dir: str | os.PathLike[str], *, python: str, stop_token_ids: Sequence[int],
-                 vocab_size: int, policy_version: int = 0, device: str = "cpu", dtype: str = "float32",
-                 max_model_len: int, seed: int = 0, kv_cache_gib: int = 1, max_num_seqs: int = 256,
-                 enforce_eager: bool = True, gpu_memory_utilization: float | None = None,
-                 weight_transfer_backend: str | None = None, start_timeout_s: float = 900.0,
-                 work_dir: str | os.PathLike[str] | None = None, remove_work_dir: bool | None = None,
-                 restarts: Restarts | None = None) -> None:
-        super().__init__(stop_token_ids, policy_version)
-        self.vocab_size = int(vocab_size)
-        self.max_model_len = int(max_model_len)
-        self.device = device
-        self.work_dir = Path(work_dir) if work_dir is not None else make_scratch_dir()
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        self._remove_work_dir = work_dir is None if remove_work_dir is None else remove_work_dir
-        self.log_path = self.work_dir / "vllm.log"
-        self.held_weights = HeldWeights(self.work_dir)  # what a restarted process is given again
-        self.restarts = restarts if restarts is not None else Restarts(max_restarts=0)
-        self._process: subprocess.Popen | None = None
-        self._connection: Connection | None = None
-        self.live_stream: LiveStream | None = None  # the server stream rounds are read from (vllm_rounds.py)
-        self.startup_s = 0.0
-        self.vllm_version = ""
-        options = {
-            "model_dir": str(Path(model_dir).resolve()), "dtype": dtype, "seed": int(seed),
-            "max_model_len": self.max_model_len, "enforce_eager": bool(enforce_eager),
-            "max_num_seqs": int(max_num_seqs), "gpu_memory_utilization": gpu_memory_utilization,
-            "weight_transfer_backend": weight_transfer_backend,
-        }
-        self._start_args = (python, options, kv_cache_gib, start_timeout_s)  # a restart starts the same
-        try:
-            self._start(*self._start_args)
-        except BaseException:
-            self.close()
-            raise
-
     @classmethod
-    def from_model(cls, model, *, python: str, stop_token_ids: Sequence[int], policy_version: int = 0,
-                   device: str = "cpu", work_dir: str | os.PathLike[str] | None = None, **options: Any) -> VLLMEngine:
-        """An engine serving ``model`` (a transformers causal LM) with its current weights: saved to
-        the engine's scratch directory, loaded there. ``options``: as the constructor's."""
+    def from_model(cls, model: Any, *, python: str, stop_token_ids: Sequence[int], policy_version: int = 0,
+                   device: str = "cpu", work_dir: str | os.PathLike[str] | None = None, seed: int = 0,
+                   kv_cache_gib: int = 1, max_num_seqs: int = 256, enforce_eager: bool = True,
+                   max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
+                   weight_transfer_backend: str | None = None, start_timeout_s: float = 900.0,
+                   restarts: Restarts | None = None, timeout_s: float | None = 600.0,
+                   backoff_s: float = 1.0) -> VLLMEngine:
+        """An engine serving ``model`` (a transformers causal LM) with its current weights, as
+        ``policy_version``: saved to the engine's scratch directory and served from there."""
         config = model.config
         if device == "cpu":
             check_cpu_head_size(config)
         from rlhf_pipeline.models.loading import transformers_bars_off
 
         scratch = Path(work_dir) if work_dir is not None else make_scratch_dir()
+        scratch.mkdir(parents=True, exist_ok=True)
         model_dir = scratch / "model"
-        # no "Writing model shards" bar: it is noise in the collector's console, and its tqdm lock is a
-        # named semaphore the resource tracker warns about at exit
+        # no "Writing model shards" bar: it is noise in the collector's console
         with transformers_bars_off():
             model.save_pretrained(model_dir, safe_serialization=True)
         dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
-        options.setdefault("max_model_len", int(config.max_position_embeddings))
-        return cls(model_dir, python=python, stop_token_ids=stop_token_ids, vocab_size=int(config.vocab_size),
-                   policy_version=policy_version, device=device, dtype=dtype.removeprefix("torch."),
-                   work_dir=scratch, remove_work_dir=work_dir is None, **options)
+        command = server_command(
+            os.path.abspath(python), model_dir, 0, served_name=SERVED_NAME, dtype=dtype.removeprefix("torch."),
+            max_model_len=max_model_len or int(config.max_position_embeddings), max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+            weight_transfer_backend=weight_transfer_backend)
+        command[command.index("--port") + 1] = "{port}"
+        engine = cls.__new__(cls)
+        engine.work_dir, engine._remove_work_dir = scratch, work_dir is None
+        engine.restarts = restarts if restarts is not None else Restarts(max_restarts=0, hung_after_s=timeout_s)
+        from rlhf_pipeline.generation.engine import EngineStats
 
-    # ------------------------------------------------------------------ the process
-    def _start(self, python: str, options: dict[str, Any], kv_cache_gib: int, timeout_s: float) -> None:
-        env = engine_environment(package_path_dir(self.work_dir), kv_cache_gib=kv_cache_gib, device=self.device)
-        python = os.path.abspath(python)  # the engine runs in its work directory; a venv's link stays a link
-        ours, theirs = socket.socketpair()
-        started = time.perf_counter()
-        with open(self.log_path, "ab") as log:
-            try:
-                self._process = subprocess.Popen(
-                    [python, "-m", "rlhf_pipeline.generation.vllm_server", "--fd", str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=env, cwd=self.work_dir,
-                    start_new_session=True,  # a Ctrl-C in the terminal reaches the collector, which stops it
-                )
-            except OSError as exc:
-                ours.close()
-                raise EngineFailed(f"could not start the vLLM engine with generation.python={python!r}: {exc}") from None
-            finally:
-                theirs.close()
-        self._connection = Connection(ours.detach())
-        self._guard()
-        self._connection.send(options)
-        reply = self._receive(timeout_s, what=f"starting (its log: {self.log_path})")
-        self.startup_s = time.perf_counter() - started
-        self.stats.starts += 1
-        self.stats.start_s = self.startup_s
-        self.vllm_version = reply.get("vllm_version", "")
-
-    def _guard(self) -> None:
-        """Stops this process's engine at interpreter exit too, without keeping the engine object alive."""
-        old = getattr(self, "_finalizer", None)
-        if old is not None:
-            old.detach()
-            atexit.unregister(old)
-        self._finalizer = weakref.finalize(self, stop_process, self._process, self._connection)
-        atexit.register(self._finalizer)
-
-    def _receive(self, timeout_s: float | None, what: str, hung_is_dead: bool = False) -> dict[str, Any]:
-        """The engine's next reply; EngineDied when its process exited or its socket closed (or, with
-        ``hung_is_dead``, it hung past ``timeout_s``: it is killed), else EngineFailed when it hung or
-        answered with an error."""
-        assert self._connection is not None and self._process is not None
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._connection.poll(0.2):
-            if self._process.poll() is not None:
-                cause = f"its process exited ({exit_status(self._process.returncode)}) while {what}"
-                raise EngineDied(f"the vLLM engine died: {cause}; its log ends:\n{self.log_tail()}", cause=cause)
-            if deadline is not None and time.monotonic() > deadline:
-                if hung_is_dead:
-                    self._process.kill()
-                    cause = f"it did not answer within {timeout_s:g} s while {what}: killed"
-                    raise EngineDied(f"the vLLM engine hung: {cause}; its log ends:\n{self.log_tail()}", cause=cause)
-                self.close()
-                raise EngineFailed(f"the vLLM engine did not answer within {timeout_s:g} s while {what}; "
-                                   f"its log ends:\n{self.log_tail()}")
+        stats = EngineStats()
+        env = engine_environment(package_path_dir(scratch), kv_cache_gib=kv_cache_gib, device=device)
         try:
-            reply = self._connection.recv()
-        except (EOFError, OSError) as exc:
-            try:  # its socket closes as it dies: the exit status says more than the EOF
-                code = self._process.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                code = None
-            cause = (f"its process exited ({exit_status(code)}) while {what}" if code is not None
-                     else f"its socket closed while {what} ({type(exc).__name__})")
-            raise EngineDied(f"the vLLM engine died: {cause}; its log ends:\n{self.log_tail()}", cause=cause) from None
-        if not reply.get("ok"):
-            raise EngineFailed(f"the vLLM engine failed while {what}: {reply.get('error')}\n"
-                               f"{reply.get('traceback', '')}{self.log_tail()}")
-        return reply
-
-    def call(self, op: str, timeout_s: float | None = None, hung_is_dead: bool = False, **message: Any) -> dict[str, Any]:
-        """Sends one operation to the engine's process and returns its reply (``vllm_server.py``)."""
-        self.send(op, **message)
-        return self._receive(timeout_s, what=op, hung_is_dead=hung_is_dead)
-
-    def send(self, op: str, **message: Any) -> None:
-        """Sends one operation; its replies are read with :meth:`receive` (``stream`` has several)."""
-        if self._connection is None:
-            raise EngineFailed("the vLLM engine is closed")
+            server = OwnedServer(command, env, scratch, start_timeout_s, engine.restarts, stats, cls.name)
+        except EngineDied as died:
+            engine._cleanup()
+            raise EngineFailed(str(died)) from None
+        except BaseException:
+            engine._cleanup()
+            raise
+        engine.server = server
+        engine._guard()
+        retry = RetryPolicy(retries=engine.restarts.max_restarts, backoff_s=max(backoff_s, 1e-3), max_backoff_s=max(30.0, backoff_s),
+                            timeout_s=timeout_s if timeout_s is not None else 10**9)
         try:
-            self._connection.send({"op": op, **message})
-        except OSError as exc:
-            cause = f"its socket closed before {op} ({type(exc).__name__})"
-            raise EngineDied(f"the vLLM engine died: {cause}; its log ends:\n{self.log_tail()}", cause=cause) from None
+            VLLMURLEngine.__init__(engine, server.base_url, model, stop_token_ids=stop_token_ids,
+                                   policy_version=policy_version, served_model=SERVED_NAME,
+                                   weights_dir=scratch / "weights", retry=retry, wait_s=start_timeout_s,
+                                   supervisor=server, shared=False)
+        except BaseException:
+            engine.close()
+            raise
+        engine.stats = stats  # the server's starts and restarts, beside the client's figures
+        engine.restarts = engine.restarts  # the reply timeout, from the one place a test or a setting sets it
+        server.reload = engine.weights.reload
+        engine.vllm_version = engine._server_version()
+        return engine
 
-    def receive(self, what: str, hung_is_dead: bool = True) -> dict[str, Any]:
-        """The next reply, waiting at most ``restarts.hung_after_s`` (a hang then counts as a death)."""
-        return self._receive(self.restarts.hung_after_s, what=what, hung_is_dead=hung_is_dead)
-
-    def call_restarting(self, op: str, **message: Any) -> dict[str, Any]:
-        """:meth:`call`, and when the engine's process died (or hung: ``restarts.hung_after_s``), the same
-        call again in a new one given the weights this one held, as :attr:`restarts` allows: the same
-        message, so the same seeds."""
-        while True:
-            try:
-                reply = self.call(op, timeout_s=self.restarts.hung_after_s, hung_is_dead=True, **message)
-            except EngineDied as died:
-                self._restart(died)
-                continue
-            self.restarts.answered()
-            return reply
-
-    def _restart(self, died: EngineDied) -> None:
-        """A new process in place of the dead one, holding the same weights; EngineFailed when
-        :attr:`restarts` gives up (the message names the setting)."""
-        while True:
-            delay = self.restarts.next_delay_s(died, engine=self.name)  # raises EngineFailed past the limit
-            restore = self.held_weights.restore_path(died)  # EngineFailed when the held version was not kept
-            self.restarts.announce(f"the {self.name} generation engine died ({died.cause}); restart "
-                                   f"{self.restarts.in_a_row} of at most {self.restarts.max_restarts} in a row "
-                                   f"in {delay:g} s (its log: {self.log_path})")
-            stop_process(self._process, self._connection, wait_s=5.0)  # reaps it (or ends a half-dead one)
-            self._process = self._connection = None
-            time.sleep(delay)
-            try:
-                self._start(*self._start_args)
-                if restore is not None:  # the model directory holds the first version only
-                    self.call("load_weights", path=str(restore))
-            except EngineDied as again:
-                died = again
-                continue
-            self.stats.restarts += 1
-            return
-
-    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+    def _server_version(self) -> str:
         try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return "(no log)"
-        return text[-chars:]
+            return str(self.client.get("/version").get("version", ""))
+        except EngineFailed:
+            return ""
+
+    @property
+    def restarts(self) -> Restarts:
+        return self._restarts
+
+    @restarts.setter
+    def restarts(self, value: Restarts) -> None:  # the server's restarts and the reply timeout follow
+        import dataclasses
+
+        self._restarts = value
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.restarts = value
+            server.hung_after_s = value.hung_after_s
+        client = getattr(self, "client", None)
+        if client is not None:
+            timeout_s = value.hung_after_s if value.hung_after_s is not None else 10**9
+            client.retry = dataclasses.replace(client.retry, timeout_s=timeout_s)
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
-
-    # ------------------------------------------------------------------ sampling
-    def check_sampling(self, sampling: SamplingConfig) -> None:
-        if sampling.temperature < GREEDY_BELOW:
-            raise UnsupportedSetting(
-                f"sampling.temperature={sampling.temperature:g}: vLLM samples greedily below {GREEDY_BELOW:g} and "
-                f"then stores the raw log-probs, not the sampling distribution's; use a temperature >= "
-                f"{GREEDY_BELOW:g} (top_k=1 for greedy), or the loop engine")
-        if sampling.temperature > MAX_TEMPERATURE:
-            raise UnsupportedSetting(
-                f"sampling.temperature={sampling.temperature:g}: vLLM takes temperatures up to {MAX_TEMPERATURE:g}; "
-                f"use one in [{GREEDY_BELOW:g}, {MAX_TEMPERATURE:g}], or the loop engine")
+        server = getattr(self, "server", None)
+        return None if server is None else server.pid
 
     @property
-    def supports_streaming(self) -> bool:
-        return True
-
-    def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-               generator: torch.Generator) -> list[CompletionGroup]:
-        # a stream read to its end: the engine says it is decoding while nothing finishes, so a hang
-        # (restarts.hung_after_s) is told from a long round; same seeds, same rows as the stream's
-        groups = [group for batch in stream_round(self, requests, sampling, generator) for group in batch]
-        return sorted(groups, key=lambda group: group.index)
-
-    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
-        """The groups vLLM finishes at each step, from one continuous batch (``generation/vllm_rounds.py``)."""
-        return stream_round(self, requests, sampling, generator)
+    def log_path(self) -> Path:
+        return self.server.log_path
 
     @property
-    def supports_overlap(self) -> bool:
-        return True
+    def startup_s(self) -> float:
+        return self.stats.start_s
 
-    def stream_ahead(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-                     generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
-        """Sent into the running stream (``extend``): one continuous batch for both rounds."""
-        return stream_ahead(self, requests, sampling, generator)
+    def _guard(self) -> None:
+        """Stops the server at interpreter exit too, without keeping the engine object alive."""
+        self._finalizer = weakref.finalize(self, self.server.stop)
+        atexit.register(self._finalizer)
 
-    # ------------------------------------------------------------------ weights
-    def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
-        self.check_no_requests_in_flight(version)
-        # kept in the scratch directory: a restart needs it after the learner may have pruned it
-        path = self.held_weights.prepare(weights, version)
-        try:
-            self.call_restarting("load_weights", path=str(path))
-        except BaseException:
-            self.held_weights.discard(path)
-            raise
-        self.held_weights.hold(path, version)
-
-    def check_no_requests_in_flight(self, version: int) -> None:
-        if self.live_stream is not None and self.live_stream.busy:
-            raise EngineFailed(f"new weights (version {version}) under requests in flight: read the round "
-                               f"submitted ahead first")
-
-    # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        process, connection = self._process, self._connection
-        self._process = self._connection = None
-        stop_process(process, connection)
+        super().close()
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
-            finalizer.detach()
             atexit.unregister(finalizer)
-        if self._remove_work_dir:
+            finalizer()  # stops the server, once
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        if getattr(self, "_remove_work_dir", False):
             import shutil
 
             shutil.rmtree(self.work_dir, ignore_errors=True)

@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from rlhf_pipeline.generation.engine import BadAnswer, EngineFailed
 
@@ -84,15 +84,39 @@ class RetryPolicy:
         return min(self.backoff_s * 2.0 ** attempt, self.max_backoff_s)
 
 
-class JsonClient:
-    """GET and POST JSON to ``base_url`` (``http://host:port``), retrying as the module says."""
+class Supervisor(Protocol):
+    """What a client asks about a server it owns (``vllm_engine.py``): after a request went unanswered,
+    whether the server was replaced (a dead or hung one restarted, given the weights it held), so the
+    request goes again at once to ``base_url``, with the same seed."""
 
-    def __init__(self, base_url: str, retry: RetryPolicy | None = None, api_key: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+    generation: int
+    """How many servers were started before the current one: a request remembers it when sent."""
+    base_url: str
+
+    def revive(self, seen: int, fault: str, what: str) -> bool:
+        """True when the server is (now) a newer one than ``seen``; False when it lives and answers
+        nothing worse than a pause (then the client's own retries go on)."""
+
+    def answered(self) -> None:
+        """A request was answered: the next death starts a new run of restarts."""
+
+
+class JsonClient:
+    """GET and POST JSON to ``base_url`` (``http://host:port``), retrying as the module says;
+    ``supervisor``: the server is ours, and a dead one is replaced before the request goes again."""
+
+    def __init__(self, base_url: str, retry: RetryPolicy | None = None, api_key: str | None = None,
+                 supervisor: Supervisor | None = None) -> None:
+        self._base_url = base_url.rstrip("/")
         self.retry = retry or RetryPolicy()
+        self.supervisor = supervisor
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:  # a server started with --api-key refuses requests without it
             self._headers["Authorization"] = f"Bearer {api_key}"
+
+    @property
+    def base_url(self) -> str:
+        return self.supervisor.base_url if self.supervisor is not None else self._base_url
 
     @property
     def has_api_key(self) -> bool:
@@ -110,16 +134,18 @@ class JsonClient:
         """One request; its reply as JSON (None for an empty body), or what ``check`` makes of it.
         ``check`` raises :class:`BadAnswer` (the fault, without the server's name) for a reply it
         cannot use: asked again, then said. ``retry`` False: one try only."""
-        url = self.base_url + path
         data = None if body is None else json.dumps(body).encode()
         tries = self.retry.retries + 1 if retry else 1
         started = time.monotonic()
         last = ""
         bad: BadAnswer | None = None  # the last try's fault, when it answered
-        for attempt in range(tries):
+        attempt = 0
+        while attempt < tries:
             if attempt:
                 time.sleep(self.retry.pause(attempt - 1))
-            request = urllib.request.Request(url, data=data, headers=self._headers, method=method)
+            attempt += 1
+            seen = self.supervisor.generation if self.supervisor is not None else 0
+            request = urllib.request.Request(self.base_url + path, data=data, headers=self._headers, method=method)
             bad = None
             try:
                 with urllib.request.urlopen(request, timeout=self.retry.timeout_s) as reply:
@@ -135,7 +161,11 @@ class JsonClient:
                 # URLError wraps a refused connection; a timeout is an OSError; a reply cut short of its
                 # length an IncompleteRead (an HTTPException)
                 last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+                if retry and self.supervisor is not None and self.supervisor.revive(seen, last, path):
+                    attempt -= 1  # a new server: the same request again, not a retry of a live one's
                 continue
+            if self.supervisor is not None:
+                self.supervisor.answered()
             try:
                 answer = json.loads(raw) if raw.strip() else None
             except ValueError:
@@ -154,7 +184,7 @@ class JsonClient:
         raise ServerUnreachable(
             f"the vLLM server at {self.base_url} did not answer {method} {path} after {tries} "
             f"{'try' if tries == 1 else 'tries'} over {time.monotonic() - started:.0f} s ({last}); check that it "
-            f"is running, or raise generation.url_retries / generation.url_backoff_s", last)
+            f"is running, or raise generation.retries / generation.backoff_s", last)
 
 
 def _detail(exc: urllib.error.HTTPError) -> str:

@@ -1,14 +1,34 @@
-"""The vLLM engine's process, seen from the collector's side: stopping it, saying how it ended, the
-environment it runs in (its ``PYTHONPATH``, its threads), the files it is given (``vllm_engine.py``
-starts it; ``vllm_server.py`` is what runs in it)."""
+"""A vLLM server process started from here: ``python -m vllm.entrypoints.openai.api_server`` under the
+vLLM environment's Python, on a free loopback port, with the flags our client's checks need
+(:func:`server_command`), its log in a file. The collector's own engine (``vllm_engine.py``) starts one
+and talks to it through the same client as a server at a URL (``vllm_url.py``); the tests and the
+benchmark start one as a user would.
+
+Why its own process and its own Python. vLLM in a process seeds the global RNG, binds OpenMP threads
+and memory to cores and makes ``torch.set_num_threads`` a no-op for the rest of it; its CPU build pins
+``transformers<5.20`` and pulls a CUDA ``torchvision`` that breaks ``transformers``. So the server sees
+only our package's directory on its path (for the worker extension, ``vllm_worker.py``).
+
+It runs in a session of its own (a Ctrl-C in the terminal reaches the collector, which stops it), is
+stopped with its whole process group (the API server, its engine core and worker), and gets SIGTERM
+when the process that started it dies (``PR_SET_PDEATHSIG``), so a collector killed with SIGKILL
+leaves no server behind.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
-from multiprocessing.connection import Connection
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+
+WORKER_EXTENSION = "rlhf_pipeline.generation.vllm_worker.PublishedWeightsLoader"
+SCRATCH_PREFIX = "rlhf-vllm-"
+LOG_TAIL_CHARS = 3000
 
 
 def exit_status(returncode: int | None) -> str:
@@ -21,36 +41,20 @@ def exit_status(returncode: int | None) -> str:
     return f"exit code {returncode}"
 
 
-def stop_process(process: subprocess.Popen | None, connection: Connection | None, wait_s: float = 30.0) -> None:
-    """Asks the engine to exit, then terminates it, then kills it."""
-    if process is None:
-        return
-    if connection is not None:
-        try:
-            connection.send({"op": "close"})
-            if connection.poll(wait_s):
-                connection.recv()
-        except (OSError, EOFError):
-            pass
-        connection.close()
-    try:
-        process.wait(timeout=wait_s)
-    except subprocess.TimeoutExpired:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def free_port() -> int:
+    """A TCP port free on the loopback now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def package_path_dir(work_dir: Path) -> Path:
-    """A directory holding only a link to our package, for the engine's ``PYTHONPATH``: the package's
+    """A directory holding only a link to our package, for the server's ``PYTHONPATH``: the package's
     parent may be a site-packages full of this environment's libraries, which must not shadow the
     vLLM environment's."""
     package = Path(__file__).resolve().parent.parent
-    root = work_dir / "python-path"
-    root.mkdir(exist_ok=True)
+    root = Path(work_dir) / "python-path"
+    root.mkdir(parents=True, exist_ok=True)
     link = root / package.name
     if not link.exists():
         link.symlink_to(package, target_is_directory=True)
@@ -58,24 +62,22 @@ def package_path_dir(work_dir: Path) -> Path:
 
 
 def engine_environment(package_root: Path, *, kv_cache_gib: int, device: str) -> dict[str, str]:
-    """The environment the engine's process runs in: this one's, less its Python paths, plus vLLM's
-    settings for an engine alone in its process.
+    """The environment the server runs in: this one's, less its Python paths, plus vLLM's settings.
 
     On a CPU the engine computes with as many torch threads as this process has (a pipeline's
-    ``threads``, 1 by default), not vLLM's default of one per core: vLLM's CPU worker keeps torch's
-    default there (it turns ``torch.set_num_threads`` into a no-op before its own call to lower it),
-    and the idle OpenMP threads spin between the tiny ops of each decoding step, on the cores the
-    learner and the collector use: a default pipeline's run with vLLM spent 175 s generating that way,
-    17 s with one thread, and took 330 s against 98 s (medians of 3, docs/generation.md).
-    ``OMP_NUM_THREADS`` set in this process's environment wins."""
+    ``threads``, 1 by default), not vLLM's default of one per core: the idle OpenMP threads spin
+    between the tiny ops of each decoding step, on the cores the learner and the collector use: a
+    default pipeline's run with vLLM spent 175 s generating that way, 17 s with one thread, and took
+    330 s against 98 s (medians of 3, docs/generation.md). ``OMP_NUM_THREADS`` set in this process's
+    environment wins."""
     import torch
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update({
         "PYTHONPATH": str(package_root),  # our package alone: none of this environment's libraries
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process: this process is the engine's alone
         "VLLM_HOST_IP": "127.0.0.1",  # else its message queue binds a non-loopback address
         "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache: new weights in place
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
@@ -85,20 +87,106 @@ def engine_environment(package_root: Path, *, kv_cache_gib: int, device: str) ->
     return env
 
 
-def hard_link(source: Path, path: Path) -> Path:
-    """``path``, made a hard link to ``source`` (atomically: a link beside it, renamed), so the bytes
-    outlive ``source``'s removal; ``source`` itself where no link can be made (another file system)."""
-    partial = path.with_suffix(".partial")
-    try:
-        partial.unlink(missing_ok=True)
-        os.link(source, partial)
-    except OSError:
-        return source
-    partial.replace(path)
-    return path
+def server_command(python: str, model_dir: Path, port: int, *, served_name: str, dtype: str = "float32",
+                   max_model_len: int | None = None, max_num_seqs: int = 256, enforce_eager: bool = True,
+                   seed: int = 0, gpu_memory_utilization: float | None = None,
+                   weight_transfer_backend: str | None = None, updatable: bool = True,
+                   logprobs_mode: str = "processed_logprobs") -> list[str]:
+    """The documented server command (docs/generation.md) as the collector runs it: token ids in and
+    out, the sampling distribution's log-probs, no generation config of the model's, a prefix cache
+    (reset after every load), and with ``updatable`` our worker extension for new weights in place."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", served_name, "--dtype", dtype, "--seed", str(seed),
+               "--enable-prefix-caching", "--generation-config", "vllm", "--logprobs-mode", logprobs_mode,
+               "--max-num-seqs", str(max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
+               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+    if enforce_eager:
+        command.append("--enforce-eager")
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    if gpu_memory_utilization is not None:
+        command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if weight_transfer_backend:
+        command += ["--weight-transfer-config", f'{{"backend": "{weight_transfer_backend}"}}']
+    if updatable:
+        command += ["--worker-extension-cls", WORKER_EXTENSION]
+    return command
 
 
-SCRATCH_PREFIX = "rlhf-vllm-"
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServerProcess:
+    """One vLLM server: ``command`` (``server_command``'s, with ``{port}`` for the port) under ``env``,
+    in ``work_dir`` (its log there); healthy when the constructor returns, else RuntimeError with the
+    log's tail (``start_timeout_s`` at most)."""
+
+    def __init__(self, command: list[str], env: dict[str, str], work_dir: Path, start_timeout_s: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.work_dir = Path(work_dir)
+        self.log_path = self.work_dir / "server.log"
+        started = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [str(self.port) if part == "{port}" else part for part in command],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.work_dir,
+                start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self._wait_healthy(start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.perf_counter() - started
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def exited(self) -> str | None:
+        """How the server's process ended (``killed by SIGKILL``); None while it runs."""
+        code = self.process.poll()
+        return None if code is None else exit_status(code)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ended = self.exited()
+            if ended is not None:
+                raise RuntimeError(f"the vLLM server exited ({ended}) while starting; its log ends:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5):
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.5)
+        raise RuntimeError(f"the vLLM server was not healthy within {timeout_s:g} s (generation.start_timeout_s); "
+                           f"its log ends:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, wait_s: float = 30.0) -> None:
+        """SIGTERM to its process group (the API server, its engine core and worker), SIGKILL if it lingers."""
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:  # the group is gone (its leader reaped, its children with it)
+            pass
+        try:
+            self.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # whatever of the group is left (an engine core whose API server was killed)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
 
 def make_scratch_dir() -> Path:
@@ -123,3 +211,16 @@ def _running(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def hard_link(source: Path, path: Path) -> Path:
+    """``path``, made a hard link to ``source`` (atomically: a link beside it, renamed), so the bytes
+    outlive ``source``'s removal; ``source`` itself where no link can be made (another file system)."""
+    partial = path.with_suffix(".partial")
+    try:
+        partial.unlink(missing_ok=True)
+        os.link(source, partial)
+    except OSError:
+        return source
+    partial.replace(path)
+    return path

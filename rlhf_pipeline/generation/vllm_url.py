@@ -1,9 +1,10 @@
-"""``VLLMURLEngine``: a vLLM server that the user started, at a URL (``--set generation.url=http://...``),
-through its OpenAI-compatible API; a :class:`~rlhf_pipeline.generation.engine.GenerationEngine` like
-our loop and the vLLM engine the collector owns (``vllm_engine.py``).
+"""``VLLMURLEngine``: the one vLLM client, a :class:`~rlhf_pipeline.generation.engine.GenerationEngine`
+like our loop, through a server's OpenAI-compatible API: a server the user started, at a URL
+(``--set generation.url=http://...``), or the one the collector starts (``vllm_engine.py``, which adds
+only the server's start and its restart when it dies).
 
-The server is not ours: we neither start nor stop it, and we trust nothing about it until it is
-checked. At construction, before any row exists, the engine checks in this order and refuses
+A server at a URL is not ours: we neither start nor stop it, and we trust nothing about it until it is
+checked (the collector's own is checked the same way). At construction, before any row exists, the engine checks in this order and refuses
 (:class:`ServerMismatch`, one line naming what the server has and what the pipeline needs):
 
 1. it answers ``/health`` (waiting up to ``wait_s`` for one that is still starting);
@@ -48,10 +49,11 @@ weights went in under its round, so every row names the version that sampled it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -63,6 +65,7 @@ from rlhf_pipeline.generation.engine import (
     BadAnswer,
     Completion,
     CompletionGroup,
+    EngineFailed,
     EngineStats,
     GenerationEngine,
     SampleRequest,
@@ -72,17 +75,14 @@ from rlhf_pipeline.generation.engine import (
     draw_seed,
 )
 from rlhf_pipeline.generation.sampling import SamplingConfig
-from rlhf_pipeline.generation.vllm_engine import GREEDY_BELOW, MAX_TEMPERATURE
-from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable
-from rlhf_pipeline.generation.vllm_server import WORKER_EXTENSION
+from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable, Supervisor
+from rlhf_pipeline.generation.vllm_process import WORKER_EXTENSION
 from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch, ServerWeights
 from rlhf_pipeline.generation.vllm_worker import MODEL_SHAPE_KEYS
 
-SERVER_COMMAND = (
-    "VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this checkout> python -m vllm.entrypoints.openai.api_server "
-    "--model <model dir> --logprobs-mode processed_logprobs --generation-config vllm --enable-prefix-caching "
-    f"--worker-extension-cls {WORKER_EXTENSION}"
-)
+SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this checkout> python -m vllm.entrypoints.openai.api_server "
+                  "--model <model dir> --logprobs-mode processed_logprobs --generation-config vllm "
+                  f"--enable-prefix-caching --worker-extension-cls {WORKER_EXTENSION}")
 """What a server needs for a pipeline that updates weights (docs/generation.md has it in full)."""
 PROBE_TEXT = "12+34=46, then 7*8=56."
 PROBE_SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.6)
@@ -90,6 +90,8 @@ PROBE_SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.6)
 NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
            "min_tokens": 0}
 """Sent with every request: the server's generation config would otherwise set them."""
+GREEDY_BELOW, MAX_TEMPERATURE = 1e-5, 2.0
+"""vLLM samples greedily below the one (its ``_SAMPLING_EPS``); its ``SamplingParams`` refuses a temperature above the other."""
 
 
 @dataclass
@@ -123,18 +125,21 @@ class VLLMURLEngine(GenerationEngine):
                  weights_dir: str | Path | None = None, inline_weights: bool = False,
                  retry: RetryPolicy | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
                  check_tolerance: float = 1e-3, api_key: str | None = None,
-                 api_key_env: str = "VLLM_API_KEY", lease_s: float = 60.0) -> None:
+                 api_key_env: str = "VLLM_API_KEY", lease_s: float = 60.0, supervisor: Supervisor | None = None,
+                 shared: bool = True) -> None:
         super().__init__(stop_token_ids, policy_version)
         self.url = url.rstrip("/")
-        self.client = JsonClient(self.url, retry, api_key=api_key)
+        self.client = JsonClient(self.url, retry, api_key=api_key, supervisor=supervisor)
         self._api_key_env = api_key_env  # named in the refusal of a server that wants a key
         self.vocab_size = int(model.config.vocab_size)
         self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
         # the weights this engine's rounds sample with, held on a server other collectors may share
         self.weights = ServerWeights(self.client, weights_dir=weights_dir, inline=inline_weights, lease_s=lease_s,
-                                     version=policy_version)
+                                     version=policy_version, shared=shared)
         self.stats = SharedServerStats(weights=self.weights)
+        self._counting = threading.Lock()  # replies are checked on the request threads
+        self._rounds_in_flight = 0
         started = time.perf_counter()
         try:
             self._wait_until_healthy(wait_s)
@@ -161,7 +166,7 @@ class VLLMURLEngine(GenerationEngine):
                 if time.monotonic() >= deadline:
                     raise ServerUnreachable(f"generation.url: no vLLM server answered at {self.url} within {wait_s:g} s "
                                             f"({exc.last_error}); start one with: "
-                                            f"{SERVER_COMMAND}, or raise generation.url_wait_s") from None
+                                            f"{SERVER_COMMAND}, or raise generation.start_timeout_s") from None
             except ServerError as exc:  # answers, but not as vLLM does
                 raise ServerMismatch(f"generation.url: {self.url}/health answered HTTP {exc.status} ({exc.detail}): "
                                      f"not a vLLM server; point generation.url at one") from None
@@ -314,8 +319,9 @@ class VLLMURLEngine(GenerationEngine):
         version = self.policy_version
         # with weight updates the server may be shared: the round runs on this engine's weights, held
         # by a lease, and each reply is kept only once the lease says no weights went in under it
-        lease = self.weights.round_lease() if self._weight_updates else None
-        with lease or nullcontext(), ThreadPoolExecutor(max_workers=min(len(bodies), self.max_concurrency)) as pool:
+        lease = self.weights.round_lease() if self._weight_updates and self.weights.shared else None
+        with self._in_flight_round(), lease or nullcontext(), \
+                ThreadPoolExecutor(max_workers=min(len(bodies), self.max_concurrency)) as pool:
             if lease is not None:
                 self.weights.waited_s += lease.waited_s
                 self.stats.update_s_total += lease.load_s  # another collector's weights went in meanwhile
@@ -334,6 +340,16 @@ class VLLMURLEngine(GenerationEngine):
             finally:  # a failed request or a consumer that stopped: no request still queued goes out
                 for future in waiting:
                     future.cancel()
+
+    @contextmanager
+    def _in_flight_round(self) -> Iterator[None]:
+        with self._counting:
+            self._rounds_in_flight += 1
+        try:
+            yield
+        finally:
+            with self._counting:
+                self._rounds_in_flight -= 1
 
     def _completions(self, reply: Any, body: dict[str, Any]) -> list[Completion]:
         """A ``/v1/completions`` reply's completions, checked (``engine.checked_completions``);
@@ -359,12 +375,21 @@ class VLLMURLEngine(GenerationEngine):
                     f"{completion.token_ids[-1]} (finish_reason {choice.get('finish_reason')!r}), which is not among "
                     f"the pipeline's stop tokens {self.stop_token_ids}: its generation config adds stop tokens; start "
                     f"it with --generation-config vllm")
+        details = (reply.get("usage") or {}).get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:  # a server started with --enable-prompt-tokens-details
+            with self._counting:
+                self.stats.counts_cached = True
+                self.stats.prompt_tokens += len(body["prompt"])
+                self.stats.cached_tokens += int(details["cached_tokens"])
         return completions
 
     # ------------------------------------------------------------------ weights
     def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> None:
         if not self._weight_updates:
             raise UnsupportedCapability(f"the {self.name} engine was made without weight updates")
+        if not self.weights.shared and self._rounds_in_flight:  # no lease holds a server of our own
+            raise EngineFailed(f"new weights (version {version}) under requests in flight: read the round "
+                               f"submitted ahead first")
         self.weights.take(weights, version)
 
     # ------------------------------------------------------------------ lifetime

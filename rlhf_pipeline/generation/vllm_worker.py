@@ -1,7 +1,7 @@
 """The vLLM worker extension that loads a published version's weights in place.
 
-vLLM mixes this class into its worker (``LLM(worker_extension_cls=...)``), and the engine's process
-calls its methods through ``collective_rpc`` (``generation/vllm_server.py``). It runs inside the vLLM
+vLLM mixes this class into its worker (``--worker-extension-cls``), and the client calls its methods
+through the server's ``/collective_rpc`` (``generation/vllm_url_weights.py``). It runs inside the vLLM
 environment: the standard library, torch, safetensors and vllm only.
 
 Why not ``model.load_weights`` again: on a CPU, vLLM packs every linear weight for oneDNN after the

@@ -170,8 +170,6 @@ def test_rounds_submitted_ahead_store_the_rows_of_rounds_one_after_the_other(ser
     assert sum(m["chunks"] for m in metrics) > ROUNDS  # rounds went in several appends
     assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # request order across rounds
     assert_same_rows(rows, reference)
-    live = getattr(served[0], "live_stream", None)  # the owned engine's server stream
-    assert live is None or not live.busy  # nothing left in flight
 
 
 @pytest.mark.parametrize("crash_at_append", [1, 2, 3, 4, 5])

@@ -18,7 +18,7 @@ def test_restarts_back_off_doubling_up_to_a_bound_and_give_up_naming_the_setting
     restarts = Restarts(max_restarts=9, backoff_s=2.0)
     delays = [restarts.next_delay_s(DIED) for _ in range(9)]
     assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, MAX_DELAY_S, MAX_DELAY_S, MAX_DELAY_S, MAX_DELAY_S]
-    with pytest.raises(EngineFailed, match=r"(?s)after 9 restarts in a row \(generation.max_restarts=9; raise it.*"
+    with pytest.raises(EngineFailed, match=r"(?s)after 9 restarts in a row \(generation.retries=9; raise it.*"
                                            r"killed by SIGKILL.*OOM"):
         restarts.next_delay_s(DIED, engine="vllm")
 
@@ -31,12 +31,12 @@ def test_an_answered_call_starts_a_new_run_of_restarts():
 
 
 def test_no_restarts_means_the_first_death_stops_the_collector():
-    with pytest.raises(EngineFailed, match=r"died and is not restarted \(generation.max_restarts=0"):
+    with pytest.raises(EngineFailed, match=r"died and is not restarted \(generation.retries=0"):
         Restarts(max_restarts=0).next_delay_s(DIED)
 
 
-@pytest.mark.parametrize(("setting", "value"), [("max_restarts", -1), ("restart_backoff_s", -0.5),
-                                                ("restart_backoff_s", float("nan")), ("hung_after_s", 0.0)])
+@pytest.mark.parametrize(("setting", "value"), [("retries", -1), ("backoff_s", -0.5),
+                                                ("backoff_s", float("nan")), ("timeout_s", 0.0)])
 def test_bad_restart_settings_are_refused_by_name(setting, value):
     with pytest.raises(ValueError, match=f"setting 'generation.{setting}' must be >"):
         check_generation(GenerationSettings(engine="vllm", **{setting: value}))

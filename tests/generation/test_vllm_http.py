@@ -80,8 +80,9 @@ def test_an_error_answer_is_the_servers_and_not_retried(scripted):
 @pytest.mark.parametrize(("changes", "named"), [
     ({"url": "ftp://host"}, "'generation.url'"),
     ({"url": "http://h:1", "engine": "vllm"}, "generation.engine=vllm"),
-    ({"url": "http://h:1", "url_retries": -1}, "'generation.url_retries'"),
-    ({"url": "http://h:1", "url_backoff_s": 0.0}, "'generation.url_backoff_s'"),
+    ({"url": "http://h:1", "retries": -1}, "'generation.retries'"),
+    ({"url": "http://h:1", "backoff_s": -1.0}, "'generation.backoff_s'"),
+    ({"url": "http://h:1", "weight_transfer": "nccl"}, "'generation.weight_transfer=nccl' is for the collector's own"),
     ({"url": "http://h:1", "url_check_tolerance": 0.0}, "'generation.url_check_tolerance'"),
 ])
 def test_url_settings_are_refused_by_name(changes, named):
@@ -100,8 +101,8 @@ def test_a_second_collector_of_the_default_pipeline_connects_to_the_shared_serve
 
     module = load_pipeline_module(Path(__file__).resolve().parents[2] / "pipelines" / "default.py")
     # nothing listens at the URL: collector 1 is not refused for its index, it goes to the server
-    settings = make_settings(module, ["generation.url=http://127.0.0.1:9", "generation.url_wait_s=0",
-                                      "generation.url_retries=0", "num_heads=2"])
+    settings = make_settings(module, ["generation.url=http://127.0.0.1:9", "generation.start_timeout_s=0",
+                                      "generation.retries=0", "num_heads=2"])
     pipeline = build_pipeline(module, settings, RunPaths(tmp_path))
     with pytest.raises(PipelineError, match="no vLLM server answered at http://127.0.0.1:9") as caught:
         pipeline.make_collector(pipeline.make_model(), pipeline.create_buffer(tmp_path / "shard"), collector_index=1)
@@ -114,7 +115,7 @@ def test_a_server_that_wants_an_api_key_is_refused_naming_the_variable(scripted,
     from rlhf_pipeline.models import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(hidden_size=64, num_heads=2)
-    settings = GenerationSettings(url=f"http://127.0.0.1:{scripted.server_port}", url_retries=0,
+    settings = GenerationSettings(url=f"http://127.0.0.1:{scripted.server_port}", retries=0,
                                   url_api_key_env="TEST_VLLM_KEY")
     monkeypatch.delenv("TEST_VLLM_KEY", raising=False)
     scripted.script = [(200, {}), (401, {"error": "Unauthorized"})]  # /health is open, /v1 is guarded

@@ -4,7 +4,7 @@ The transfer itself needs CUDA on both sides and vllm importable in this Python 
 engine is vLLM's code): it runs where both hold and is skipped, saying so, elsewhere; so is the
 restart of this route's engine (kill -9 mid-round). The refusals that keep a CPU run from choosing
 it run everywhere; what a restart reloads, when it is written and removed, is the same helper as the
-files route's and is tested on a CPU (``test_vllm_held_weights.py``).
+files route's (``ServerWeights``) and is tested on a CPU (``test_vllm_held_weights.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def test_the_nccl_route_is_refused_on_a_cpu_before_anything_starts():
         check_generation(GenerationSettings(engine="vllm", weight_transfer="nccl"), device="cpu")
     from rlhf_pipeline.generation.vllm_nccl import NCCLVLLMEngine
 
+    model, tok = tiny_model_and_tokenizer(hidden_size=64, num_heads=2, num_layers=1)
     with pytest.raises(UnsupportedSetting, match="needs CUDA"):
-        NCCLVLLMEngine("unused", python="unused", stop_token_ids=[1], vocab_size=8, max_model_len=8, device="cpu")
+        NCCLVLLMEngine.from_model(model, python="unused", stop_token_ids=[tok.eos_token_id], device="cpu")
 
 
 needs_cuda_and_vllm = pytest.mark.skipif(
@@ -74,7 +75,7 @@ def test_an_nccl_engine_killed_mid_round_restarts_from_its_file_and_the_next_ver
     v1_model, _ = tiny_model_and_tokenizer(hidden_size=64, num_heads=2, num_layers=2, seed=1)
     v2_model, _ = tiny_model_and_tokenizer(hidden_size=64, num_heads=2, num_layers=2, seed=2)
     settings = GenerationSettings(engine="vllm", weight_transfer="nccl", gpu_memory_utilization=0.2,
-                                  max_restarts=2, restart_backoff_s=0.1)
+                                  retries=2, backoff_s=0.1)
     engine = make_engine(settings, model.cuda(), pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id],
                          device="cuda")
     said: list[str] = []
@@ -84,8 +85,8 @@ def test_an_nccl_engine_killed_mid_round_restarts_from_its_file_and_the_next_ver
     try:
         # version 1 over NCCL from the GPU: a restart that forgot it would sample the model directory's weights
         engine.update_weights({name: t.cuda() for name, t in v1_model.state_dict().items()}, 1)
-        kept = engine.held_weights.path
-        assert kept is not None and kept.parent == engine.work_dir and kept.exists()
+        kept = engine.weights.path
+        assert kept is not None and kept.parent == engine.weights.dir and kept.exists()
         plain = engine.sample(requests, config, torch.Generator().manual_seed(3))
         first_group, pid = engine._sender, engine.pid
 
@@ -95,7 +96,7 @@ def test_an_nccl_engine_killed_mid_round_restarts_from_its_file_and_the_next_ver
         assert not killer.is_alive()
         assert engine.pid != pid and not process_running(pid) and engine.stats.restarts == 1
         assert len(said) == 1 and "died (its process exited (killed by SIGKILL) while sampling)" in said[0], said
-        assert engine._sender is None  # the dead peer's group is gone with it
+        assert engine._sender_generation != engine.server.generation  # the dead peer's group is not used again
         for a, b in zip(plain, killed, strict=True):
             assert a.policy_version == b.policy_version == 1
             assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
@@ -103,7 +104,7 @@ def test_an_nccl_engine_killed_mid_round_restarts_from_its_file_and_the_next_ver
 
         engine.update_weights({name: t.cuda() for name, t in v2_model.state_dict().items()}, 2)
         assert engine._sender is not None and engine._sender is not first_group  # a new rendezvous
-        assert not kept.exists() and engine.held_weights.path.exists()  # one version's file at a time
+        assert not kept.exists() and engine.weights.path.exists()  # one version's file at a time
         groups = engine.sample(requests, config, torch.Generator().manual_seed(4))
         assert all(group.policy_version == 2 for group in groups)
         assert max_log_prob_difference(v2_model, groups, requests, config) < GPU_TOLERANCE

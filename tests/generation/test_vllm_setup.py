@@ -16,7 +16,7 @@ from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_set
 from rlhf_pipeline.runs.run import check_settings
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rlhf_pipeline"
-ENGINE_SIDE = ("generation/vllm_server.py", "generation/vllm_worker.py", "generation/vllm_lease.py",
+ENGINE_SIDE = ("generation/vllm_worker.py", "generation/vllm_lease.py",
                "generation/__init__.py", "__init__.py")
 OURS_THERE = ("rlhf_pipeline.generation.vllm_worker", "rlhf_pipeline.generation.vllm_lease")
 ALLOWED = {"torch", "safetensors", "vllm", "rlhf_pipeline"}
@@ -131,3 +131,16 @@ def test_the_command_refuses_in_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"rlhf-pipeline setup-vllm: error: {done} was set up for a GPU machine; remove it or choose another --path "
         f"to set up for a CPU"]
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("url_retries", "retries"), ("max_restarts", "retries"), ("url_backoff_s", "backoff_s"),
+    ("restart_backoff_s", "backoff_s"), ("url_wait_s", "start_timeout_s"), ("url_timeout_s", "timeout_s"),
+    ("hung_after_s", "timeout_s"), ("url_weights", "weight_transfer"),
+])
+def test_a_setting_one_server_made_one_is_refused_in_one_line_naming_its_new_name(old, new):
+    """The collector's own server and one at a URL share one client: their twin settings became one each."""
+    module = load_pipeline_module(Path(__file__).resolve().parents[2] / "pipelines" / "default.py")
+    with pytest.raises(PipelineError, match=rf"^setting 'generation.{old}' is now 'generation.{new}': "
+                                            rf"--set generation.{new}=\.\.\.$"):
+        make_settings(module, [f"generation.{old}=1"])

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
 SETTINGS = ["warm_start_steps=4", "prompts_per_round=2", "group_size=4", "learner.batch_size=8",
             "learner.sample_window=16", "learner.new_rows_per_step=8", "learner.checkpoint_every=2",
-            "generation.url_retries=2", "generation.url_backoff_s=0.05"]
+            "generation.retries=2", "generation.backoff_s=0.05"]
 STEPS = 4
 
 

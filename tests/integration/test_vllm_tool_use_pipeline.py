@@ -103,7 +103,7 @@ def test_a_head_size_vllms_cpu_attention_does_not_take_is_refused_before_anythin
 
 
 def _engine_children(parent: int) -> list[int]:
-    """The vLLM engine processes ``parent`` started (their command line runs ``vllm_server``)."""
+    """The vLLM servers ``parent`` started (their command line runs vLLM's API server)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -113,13 +113,13 @@ def _engine_children(parent: int) -> list[int]:
             command = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent and b"rlhf_pipeline.generation.vllm_server" in command:
+        if ppid == parent and b"vllm.entrypoints.openai.api_server" in command:
             found.append(int(entry.name))
     return found
 
 
 def test_a_killed_collector_leaves_no_engine_and_the_run_resumes_with_whole_trajectories(tmp_path):
-    """kill -9 of the collector mid-run: its engine exits by itself (the socket closed); the same
+    """kill -9 of the collector mid-run: its engine exits by itself (SIGTERM when its parent dies); the same
     command resumes the run with a new engine, and the buffer holds every trajectory once and whole."""
     try:
         find_vllm_python(None)
