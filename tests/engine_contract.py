@@ -71,7 +71,8 @@ def check_seeds_give_the_same_rows_twice(engine, tok) -> None:
 def check_streamed_groups_are_the_sampled_ones_short_first(engine, tok, *, short_first: bool = True) -> None:
     """An engine that streams: ``stream`` gives ``sample``'s groups for the same generator state (ids and
     log-probs equal), all seeds drawn before the first group, (``short_first``) a one-token request's
-    group yielded before the groups that took 10 steps or more, in an earlier batch; a stream left
+    group yielded before the groups that took 10 steps or more, in an earlier batch (an engine whose requests race
+    one another, one HTTP request each, gives no such order); a stream left
     early does not disturb the next call."""
     assert engine.supports_streaming
     config = SamplingConfig(max_new_tokens=120)  # long enough that a server's reply of one step comes first
@@ -99,7 +100,9 @@ def check_streamed_groups_are_the_sampled_ones_short_first(engine, tok, *, short
     # little apart, as its client's threads are scheduled)
     steps = {g.index: max(len(c.token_ids) for c in g.completions) for g in streamed}
     longer = [k for k in order if steps[k] >= 10]
-    assert longer and all(order.index(0) < order.index(k) for k in longer)
+    assert longer
+    if short_first:
+        assert all(order.index(0) < order.index(k) for k in longer)
     batches = [[g.index for g in together] for together in
                engine.stream_batches(requests, config, torch.Generator().manual_seed(21))]
     short_in = next(b for b, indices in enumerate(batches) if 0 in indices)
