@@ -157,7 +157,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                             segment_rows=settings.segment_rows)
 
     def make_write_path(store):
-        write_path = [GroupAdvantage(settings.group_size, store=store)]
+        write_path = [GroupAdvantage(settings.group_size)]
         if with_reference:
             reference = load_model(settings.model_path, dtype=dtype, device=settings.device)
             write_path.append(ReferenceLogProbs(reference, temperature=settings.temperature,

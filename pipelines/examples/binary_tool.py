@@ -154,7 +154,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
-        return [GroupAdvantage(settings.group_size, store=store, trajectory_return="sum")]
+        return [GroupAdvantage(settings.group_size, trajectory_return="sum")]
 
     def make_collector(model, store, collector_index: int = 0):
         from rlhf_pipeline.agents.episode import EpisodeLimits

@@ -121,7 +121,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
-        return [GroupAdvantage(settings.group_size, store=store)]
+        return [GroupAdvantage(settings.group_size)]
 
     def make_collector(model, store, collector_index: int = 0):
         from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig

@@ -1,5 +1,8 @@
 """The contract every trajectory store keeps, and its glue to torchrl's replay buffer.
 
+Why one file: it is one class, ``TrajectoryStore``, whose torchrl ``Storage`` methods are written in
+terms of its own contract; a backend reads the two together to know what it must implement.
+
 A ``TrajectoryStore`` is a durable, append-only, ragged, columnar table of rows
 (see :mod:`rlhf_pipeline.schema`) living at one location (a directory, a Zarr store).
 It is a torchrl :class:`~torchrl.data.replay_buffers.Storage`, so it plugs into
@@ -107,6 +110,12 @@ class TrajectoryStore(Storage, abc.ABC):
     def closed(self) -> bool:
         """True after :meth:`close`; reading or appending then raises :class:`StoreClosedError`."""
         return bool(getattr(self, "_closed", False))
+
+    @property
+    def writer_lease_s(self) -> float | None:
+        """The lease of this writer's lock on an object store; None for a reader or a lock that
+        needs no lease (a local store's)."""
+        return None
 
     @property
     def writer_state(self) -> bytes | None:

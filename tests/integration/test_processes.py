@@ -17,6 +17,7 @@ from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.storage import ShardedStoreReader, create_store, open_buffer, open_store
 from rlhf_pipeline.storage.sharded import list_shards
+from rlhf_pipeline.storage.writer_state import decode
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
@@ -96,7 +97,7 @@ def test_two_collectors_feed_one_learner_through_buffer_shards(tmp_path):
             assert len(shard) > 0 and len(shard) % 4 == 0
             ids = shard.read(torch.arange(len(shard)), fields=("group_id", "trajectory_id"))
             assert bool((ids["group_id"] >> 40 == k).all()) and bool((ids["trajectory_id"] >> 40 == k).all())
-        assert (run / "collector" / f"shard-{k:04d}.pt").exists()
+            assert decode(shard.writer_state, path)["writer"]["config"]["collector_index"] == k  # its own state
 
     # the learner's union: ids unique across shards, whole groups of 4
     with open_buffer(run / "buffer", mode="r") as union:
