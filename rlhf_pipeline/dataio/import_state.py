@@ -12,8 +12,7 @@ bare store at an ``s3://`` or ``az://`` URL keeps its records under ``<store>/im
 Record. ``<store>/imports/import-<key>.pt`` (``<run>/imports/`` for a run), keyed by the
 store and the source files, holds the source's fingerprint (paths, sizes, mtimes), the
 options, the first fresh group / trajectory ids and the source rows written. Around each
-append it also holds the append in flight with the store's ``next_row`` before it (the
-scheme of ``collect/position.py``): the import is the store's only writer and an append is
+append it also holds the append in flight with the store's ``next_row`` before it: the import is the store's only writer and an append is
 atomic, so after ``kill -9`` a larger ``next_row`` means that append landed. Every write
 of the record is atomic (a ``*.partial`` file renamed, or one PUT at a URL: :class:`RunStore`).
 """

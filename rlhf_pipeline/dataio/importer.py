@@ -27,7 +27,7 @@ prefix complete), so a group's rows may be scattered in the source at the cost o
 them until the group is complete. An import killed at any moment resumes where it stopped
 when the same command runs again: the import record (``<buffer>/imports/`` or
 ``<run>/imports/``) holds the source rows written and, around each append, the store's
-``next_row`` (the scheme of ``collect/position.py``); an append is atomic, so a rerun
+``next_row``; an append is atomic, so a rerun
 neither repeats nor skips a row. A finished import run again writes nothing.
 
 Which weights score the missing log-probs: the run's newest published policy when the buffer
