@@ -37,14 +37,14 @@ def run_rounds(engine, tok, args, where: Path, overlap: bool) -> dict:
     from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
     from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
     from rlhf_pipeline.schema import StoreSchema
-    from rlhf_pipeline.storage import create_store
+    from rlhf_pipeline.storage import create_store, make_replay_buffer
 
     store = create_store(where / f"{time.monotonic_ns()}", "memmap", schema=StoreSchema())
     config = CollectorConfig(prompts_per_batch=args.prompts, num_generations=args.group_size, seed=args.seed,
                              sampling=SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature),
                              stream_groups=True, overlap_rounds=overlap)
     source = PromptSource(toy_prompts(1000, seed=args.seed), seed=args.seed, required_fields=("answer",))
-    collector = Collector(engine, tok, source, {"toy": toy_reward}, store.append, config)
+    collector = Collector(engine, tok, source, {"toy": toy_reward}, make_replay_buffer(store).extend, config)
     total = args.rounds + 1  # round 0 warms up
     idle, ahead, started = 0.0, 0, None
     for k in range(total):

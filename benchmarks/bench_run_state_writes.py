@@ -1,11 +1,11 @@
 """What a run's state writes cost when the run lives at a URL, beside the same writes in a directory.
 
 Times the run's own code paths (``publish_weights``, ``CheckpointManager.save``,
-``PacingPublisher.publish``, ``CollectorPosition.after_write``, and the polls a collector makes
+``PacingPublisher.publish``, ``PositionHistory.record``, and the polls a collector makes
 while it waits: ``WeightsPoller.poll`` and ``read_intake``) through an ``ObjectRunStore`` on a moto
 S3 server on loopback (in its own process, so its threads do not share this one's GIL) and through
 a ``LocalRunStore`` in a temporary directory. Sizes are the default pipeline's: weights 0.6 MB,
-a checkpoint 1.7 MB (model, AdamW moments, RNG), pacing.json ~200 bytes, a collector position ~7 KB.
+a checkpoint 1.7 MB (model, AdamW moments, RNG), pacing.json ~200 bytes, a collector state ~7 KB.
 Each figure is the median over ``--repeat`` calls with its range, and the requests one call sends.
 
     python benchmarks/bench_run_state_writes.py --repeat 20
@@ -97,7 +97,7 @@ def time_calls(call, repeat: int) -> list[float]:
 def bench(store, repeat: int) -> dict[str, tuple[list[float], float | None]]:
     import torch
 
-    from rlhf_pipeline.collect.position import CollectorPosition
+    from rlhf_pipeline.collect.position_history import PositionHistory
     from rlhf_pipeline.coordination.pacing import (
         LearnerIntake,
         PacingPublisher,
@@ -106,6 +106,7 @@ def bench(store, repeat: int) -> dict[str, tuple[list[float], float | None]]:
     from rlhf_pipeline.coordination.weights import WeightsPoller, publish_weights
     from rlhf_pipeline.files.run_store import LocalRunStore
     from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress
+    from rlhf_pipeline.storage.writer_state import encode
 
     remote = not isinstance(store, LocalRunStore)
     weights = {"w": torch.randn(150_000)}  # 0.6 MB, as the default policy
@@ -114,21 +115,17 @@ def bench(store, repeat: int) -> dict[str, tuple[list[float], float | None]]:
     intake = LearnerIntake(step=12, draws=12, consumed={"shard-0000": 832}, next_draw_rows=64, policy_version=12,
                            recent=[(v, 64, {"shard-0000": 16 * v}) for v in range(8)])
 
-    class Rows:
-        next_row = 0
-
-    position_state = {"prompt_order": torch.randperm(800), "rng": torch.get_rng_state()}
+    position_state = encode({"prompt_order": torch.randperm(800), "rng": torch.get_rng_state()}, [])
     pacing = PacingPublisher("pacing.json", store=store) if remote else PacingPublisher(store.path("pacing.json"))
     manager = (CheckpointManager("checkpoints", keep_last=2, store=store) if remote
                else CheckpointManager(store.path("checkpoints"), keep_last=2))
-    position = (CollectorPosition("collector/shard-0000.pt", Rows(), run_store=store) if remote
-                else CollectorPosition(store.path("collector/shard-0000.pt"), Rows()))
+    history = PositionHistory(store, "collector/shard-0000.history")
     poller = WeightsPoller(store)
     cases = {
         "weights publish (0.6 MB)": lambda i: publish_weights(store, weights, i),
         "checkpoint save (1.7 MB)": lambda i: manager.save(Progress(seed=0, step=i + 1), checkpoint),
         "pacing.json write": lambda i: pacing.publish(intake),
-        "collector position write": lambda i: position.after_write(position_state),
+        "collector history entry write": lambda i: history.record(64 * (i + 1), position_state),
         "weights poll (nothing new)": lambda i: poller.poll(),
         "pacing.json read": lambda i: read_intake("pacing.json", store=store) if remote
         else read_intake(store.path("pacing.json")),

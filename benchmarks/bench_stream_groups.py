@@ -76,7 +76,7 @@ def bench_engine(name: str, model, tok, args, where: Path) -> dict:
     from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
     from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
     from rlhf_pipeline.schema import StoreSchema
-    from rlhf_pipeline.storage import create_store
+    from rlhf_pipeline.storage import create_store, make_replay_buffer
 
     started = time.perf_counter()
     engine, server = engine_for(name, model, tok, where)
@@ -92,7 +92,7 @@ def bench_engine(name: str, model, tok, args, where: Path) -> dict:
                                      sampling=SamplingConfig(max_new_tokens=args.max_new_tokens,
                                                              temperature=args.temperature), stream_groups=stream)
             source = PromptSource(toy_prompts(1000, seed=args.seed), seed=args.seed, required_fields=("answer",))
-            collectors[stream] = Collector(engine, tok, source, {"toy": toy_reward}, store.append, config)
+            collectors[stream] = Collector(engine, tok, source, {"toy": toy_reward}, make_replay_buffer(store).extend, config)
         for round_index in range(args.rounds + 1):  # round 0 warms each up
             for stream, collector in collectors.items():
                 t0 = time.perf_counter()

@@ -111,10 +111,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
-        # a shard under buffer_url: its incomplete groups wait with the run's state (beside a local shard)
-        pending_dir, pending_store = run.pending_state_of(store.location)
-        return [GroupAdvantage(settings.group_size, store=store, pending_dir=pending_dir,
-                               pending_store=pending_store)]
+        return [GroupAdvantage(settings.group_size)]
 
     # ---------------------------------------------------------------- collector
     def collector(engine, sink, store, collector_index: int):

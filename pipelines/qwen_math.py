@@ -121,7 +121,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     with_reference = settings.learner.loss.kl_coef > 0
 
     def make_write_path(store):
-        write_path = [GroupAdvantage(settings.group_size, store=store)]
+        write_path = [GroupAdvantage(settings.group_size)]
         if with_reference:
             reference = load_model(settings.model_path, dtype=dtype, device=settings.device)
             write_path.append(ReferenceLogProbs(reference, temperature=settings.temperature,

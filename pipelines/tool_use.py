@@ -181,7 +181,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         # each turn's own group-normalized advantage beside it, so that --set
         # learner.turn_advantage=turn or =mixed works on this buffer (one made before it had
         # the field goes on without it)
-        return [GroupAdvantage(settings.group_size, store=store, trajectory_return="sum",
+        return [GroupAdvantage(settings.group_size, trajectory_return="sum",
                                step_advantage="step_advantage" in store.schema.field_names)]
 
     # ---------------------------------------------------------------- collector

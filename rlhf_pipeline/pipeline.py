@@ -47,15 +47,33 @@ class PipelineError(ValueError):
 
 # ====================================================================== the contract
 class CollectorLike(Protocol):
-    """What ``rlhf-pipeline collect`` drives (``rlhf_pipeline.collect.Collector`` is one)."""
+    """Everything ``rlhf-pipeline collect`` calls (``rlhf_pipeline.collect.Collector`` and
+    ``AgentCollector`` are two): its sink publishes each append's rows with the state after them
+    (``make_replay_buffer(store, ...).extend``), which ``load_state_dict`` takes back on restart."""
 
-    def collect(self) -> Any: ...  # one round: generate, score, write whole groups; returns the rows
+    config: Any  # its ``collector_index`` names the ids it writes
+    engine: Any  # a GenerationEngine: its ``stats`` and ``name`` are said on the console
+    runner_state: dict[str, Any]  # the runner's own state, published with the collector's
+    last_metrics: dict[str, float]  # the last round's
+    batches_emitted: int  # rounds written, counted on across restarts
+    rounds_at_version: int  # rounds written with the weights it holds (pacing's rounds_per_version)
+
+    def collect(self, next_round: Callable[[int], bool] | None = None) -> Any: ...  # one round
+
+    @property
+    def round_rows(self) -> int: ...  # rows a round writes (an estimate for agents)
+
+    @property
+    def policy_version(self) -> int: ...
+
+    @property
+    def has_round_ahead(self) -> bool: ...  # the next round went ahead: it takes no new weights
 
     def set_policy_state(self, state_dict: dict, version: int) -> None: ...
 
-    def state_dict(self) -> dict[str, Any]: ...
-
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass

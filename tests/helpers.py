@@ -7,7 +7,7 @@ same arguments build equal batches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -351,3 +351,45 @@ def screen_lines(shown: bytes) -> list[str]:
     if line:
         lines.append("".join(line))
     return lines
+
+
+def into(rows: list) -> Callable[..., None]:
+    """A collector's sink that keeps the rows of each call in ``rows``, its writer state aside."""
+    def sink(batch: TrajectoryBatch | None, writer_state: dict | None = None) -> None:
+        if batch is not None:
+            rows.append(batch)
+    return sink
+
+
+class Crash(Exception):
+    """Stands for kill -9: nothing after the raise point runs."""
+
+
+def store_sink(store, *, crash_before: int | None = None, crash_after: int | None = None) -> Callable[..., None]:
+    """A collector's sink as a run's: ``make_replay_buffer(store).extend``, each call publishing its
+    rows with the collector's state; ``crash_before`` / ``crash_after=k``: :class:`Crash` before or
+    after the k-th call's append."""
+    from rlhf_pipeline.storage import make_replay_buffer
+
+    buffer, calls = make_replay_buffer(store), 0
+
+    def sink(batch: TrajectoryBatch | None, writer_state: dict) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == crash_before:
+            raise Crash
+        buffer.extend(batch, writer_state=writer_state)
+        if calls == crash_after:
+            raise Crash
+    return sink
+
+
+def resume(collector, store) -> dict | None:
+    """Restores ``collector`` from the state ``store``'s last append published, as ``collect_main``
+    does; returns that state (None: none, a new collector)."""
+    from rlhf_pipeline.storage.writer_state import decode
+
+    published = decode(store.writer_state, store.location)
+    if published is not None:
+        collector.load_state_dict(published["writer"])
+    return None if published is None else published["writer"]

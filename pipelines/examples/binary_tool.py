@@ -135,7 +135,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
-        return [GroupAdvantage(settings.group_size, store=store, trajectory_return="sum")]
+        return [GroupAdvantage(settings.group_size, trajectory_return="sum")]
 
     def collector(engine, sink, store, collector_index: int):
         from rlhf_pipeline.agents.episode import EpisodeLimits

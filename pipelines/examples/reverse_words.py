@@ -100,7 +100,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def make_write_path(store):
         from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
-        return [GroupAdvantage(settings.group_size, store=store)]
+        return [GroupAdvantage(settings.group_size)]
 
     def collector(engine, sink, store, collector_index: int):
         from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig

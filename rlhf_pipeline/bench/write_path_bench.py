@@ -160,7 +160,7 @@ def _run_ours(name: str, directory: Path, args) -> tuple[float, dict[str, Any]] 
     if store is None:
         return None
     try:
-        ga = GroupAdvantage(args.group_size, store=store, durable=not args.no_fsync)
+        ga = GroupAdvantage(args.group_size)
         rb = attach_write_path(make_replay_buffer(store), ga, KLReward(0.05))
         start = time.perf_counter()
         for batch in batches:

@@ -33,11 +33,11 @@ roles), so ``export --format chat`` writes the conversation (``AgentCollectorCon
 
 Ids and resume are the single-turn :class:`~rlhf_pipeline.collect.collector.Collector`'s:
 ``(collector_index << 40) | counter`` with the counters, the task position and the sampling RNG
-in :meth:`AgentCollector.state_dict`, and ``collect(before_write=..., before_first_chunk=...)`` for
-:class:`~rlhf_pipeline.collect.position.CollectorPosition`. Episodes in flight are not saved: a
-collector killed mid-round (``kill -9``) runs the round again from the saved RNG state on restart
-and writes only the groups it had not (``resume_after_group_id``), so it neither duplicates nor
-loses a trajectory and never stores half of one. Sampling on a CPU is deterministic, so the rerun gives the same rows (with
+in :meth:`AgentCollector.state_dict`, each sink call carrying the state after exactly its groups
+(``sink(rows, writer_state=state)``, one atomic append). Episodes in flight are not saved: a
+collector killed mid-round (``kill -9``) runs the round again from the round's start state on
+restart and writes only the groups it had not (``collect/streaming.py``), so it neither duplicates
+nor loses a trajectory and never stores half of one. Sampling on a CPU is deterministic, so the rerun gives the same rows (with
 vLLM: the same seeds, request by request; its logits may differ in the last bits with another batch
 or a cold prefix cache, which ``generation/engine.py`` says of every engine that samples elsewhere).
 """
@@ -57,10 +57,10 @@ from rlhf_pipeline.agents.environment import Environment, ToolCall
 from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.rollout import Rollout, RolloutConfig, rollout
 from rlhf_pipeline.collect.agent_streaming import round_stream, write_round
-from rlhf_pipeline.collect.streaming import after_group, resume_marker
+from rlhf_pipeline.collect.streaming import partial_round, stored_in_round, without_stored
 from rlhf_pipeline.collect.agent_metrics import round_metrics
 from rlhf_pipeline.collect.agent_turns import EpisodeTurns, episode_seeds
-from rlhf_pipeline.collect.collector import MetricsHook
+from rlhf_pipeline.collect.collector import MetricsHook, Sink
 from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.collect.rewards import EpisodeFailureRateError, check_failure_fraction, check_failure_rate
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
@@ -148,7 +148,7 @@ class AgentCollector:
         tokenizer,
         tasks: TaskSource,
         make_env: Callable[[], Environment],
-        sink: Callable[[TrajectoryBatch], Any] | None,
+        sink: Sink | None,
         config: AgentCollectorConfig | None = None,
         *,
         parser: Callable[[str], list[ToolCall]] | None = None,
@@ -178,7 +178,12 @@ class AgentCollector:
             self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=self.stop_token_ids,
                                      policy_version=policy_version)
         self.engine.check_sampling(self.config.sampling)
-        self.resume_after_group_id: int | None = None  # a streamed round cut off: its groups to here are stored
+        self._stored_in_round = 0  # a cut-off streamed round's groups already stored: not written again
+        self.rounds_at_version = 0
+        """Rounds written with the weights the engine holds (pacing's ``rounds_per_version`` counts them)."""
+        self._rounds_version = self.engine.policy_version
+        self.runner_state: dict[str, Any] = {}
+        """The runner's own state (its row clock), saved in and restored from :meth:`state_dict`."""
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
@@ -204,22 +209,18 @@ class AgentCollector:
         return max(1, round(self.trajectories_per_round * self._rows_written / self._trajectories_written))
 
     # ---------------------------------------------------------------- one round
-    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None,
-                before_first_chunk: Callable[[dict[str, Any]], None] | None = None) -> TrajectoryBatch | None:
-        """One round of whole groups: run the episodes to their ends, emit every row in one call (with
-        ``stream_groups``: several, ``before_first_chunk(state at the round's start)`` before the first).
-
-        ``before_write(state)`` gets the state the collector will have once the sink took the round,
-        right before the (last) sink call (``collect/position.py``). Returns the round's rows, or None
-        when every group was dropped (the sink is then not called).
-        """
+    def collect(self, next_round: Callable[[int], bool] | None = None) -> TrajectoryBatch | None:
+        """One round of whole groups: run the episodes to their ends, emit every row in one sink call
+        (with ``stream_groups``: several), each with the state after its groups. Returns the round's
+        rows, or None when every group was dropped (the sink then gets the state alone). Agent rounds
+        are not submitted ahead: ``next_round`` is never asked."""
         cfg = self.config
         started = time.perf_counter()
         self._generate_s = 0.0
-        start_state = self.state_dict() if cfg.stream_groups else None
+        start_state = self.state_dict()
         tasks = self.tasks.next_batch(cfg.tasks_per_round)
         base = id_base(cfg.collector_index)
-        stream = round_stream(self, len(tasks), start_state, before_first_chunk, started) if cfg.stream_groups else None
+        stream = round_stream(self, len(tasks), start_state, started) if cfg.stream_groups else None
         try:
             per_episode = cfg.turns == "per_episode"  # seeds drawn in episode order, before any turn
             with (EpisodeTurns(self.engine, cfg.sampling, episode_seeds(self.generator, len(tasks) * cfg.group_size))
@@ -241,17 +242,18 @@ class AgentCollector:
             state_after = lambda: self.state_dict(  # noqa: E731
                 rounds_ahead=(1, len(tasks), n_traj), dropped_ahead=dropped,
                 written_ahead=(len(result.episodes), 0 if batch is None else len(batch)))
-            streamed = write_round(stream, batch, state_after, before_write, self._emit)
+            streamed = write_round(stream, batch, state_after, self._commit)
         except BaseException:
-            if stream is not None and stream.written_group_id is not None:
-                # part of the round is stored: a retry runs it again and writes only the rest
-                self.load_state_dict({**start_state, "resume_after_group_id": stream.written_group_id})
+            stored = max(self._stored_in_round, 0 if stream is None else stream.stored)
+            if stored:  # part of the round is stored: a retry runs it again and writes only the rest
+                self.load_state_dict(partial_round(start_state, stored))
             raise
-        self.resume_after_group_id = None
+        self._stored_in_round = 0
         # counters advance only once the sink has the rows, so a failed write is retried with the same ids
         self.groups_emitted += len(tasks)
         self.trajectories_emitted += n_traj
         self.batches_emitted += 1
+        self.rounds_at_version += 1
         self.groups_dropped += dropped
         self._trajectories_written += len(result.episodes)
         self._rows_written += 0 if batch is None else len(batch)
@@ -287,11 +289,16 @@ class AgentCollector:
         self._generate_s += time.perf_counter() - started
         return [(g.completions[0].token_ids, g.completions[0].log_probs) for g in groups]
 
-    def _emit(self, batch: TrajectoryBatch) -> None:
-        """``batch`` to the sink, less the groups a cut-off streamed round already stored."""
-        batch = after_group(batch, self.resume_after_group_id)
-        if self.sink is not None and len(batch):
-            self.sink(batch)
+    def _commit(self, batch: TrajectoryBatch | None, state: dict[str, Any], last: bool) -> None:
+        """``batch`` (consecutive groups of this round; None: all dropped) to the sink with the state
+        after them, less the groups a cut-off round stored before; the round's last call goes even
+        with no rows."""
+        if batch is not None:
+            batch = without_stored(batch, id_base(self.config.collector_index) + self.groups_emitted,
+                                   self._stored_in_round)
+        rows = batch if batch is not None and len(batch) else None
+        if self.sink is not None and (last or rows is not None):
+            self.sink(rows, writer_state=state)
 
     def _report(self, result: Rollout, batch: TrajectoryBatch | None, elapsed: float,
                 streamed: dict[str, float]) -> None:
@@ -306,6 +313,8 @@ class AgentCollector:
             raise ValueError(f"set_policy_state: version {version} is older than the current "
                              f"{self.policy_version}; weights only move forward")
         self.engine.update_weights(state_dict, version)
+        if version != self._rounds_version:
+            self.rounds_at_version, self._rounds_version = 0, version
 
     @property
     def policy_version(self) -> int:
@@ -317,6 +326,11 @@ class AgentCollector:
         """Closes the engine (stops a vLLM engine's process)."""
         self.engine.close()
 
+    @property
+    def has_round_ahead(self) -> bool:
+        """Agent rounds are never submitted ahead."""
+        return False
+
     # ---------------------------------------------------------------- resume
     def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0), dropped_ahead: int = 0,
                    written_ahead: tuple[int, int] = (0, 0)) -> dict[str, Any]:
@@ -327,7 +341,6 @@ class AgentCollector:
         batches, groups, trajectories = rounds_ahead
         cfg = self.config
         return {
-            **({} if self.resume_after_group_id is None else {"resume_after_group_id": self.resume_after_group_id}),
             "tasks": self.tasks.state_dict(),
             "groups_emitted": self.groups_emitted + groups,
             "trajectories_emitted": self.trajectories_emitted + trajectories,
@@ -336,6 +349,8 @@ class AgentCollector:
             "trajectories_written": self._trajectories_written + written_ahead[0],
             "rows_written": self._rows_written + written_ahead[1],
             "policy_version": self.policy_version,
+            "rounds_at_version": self.rounds_at_version + batches,
+            "runner": dict(self.runner_state),
             "rng": self.generator.get_state(),
             "config": {"collector_index": cfg.collector_index, "seed": cfg.seed, "group_size": cfg.group_size,
                        "sampling": dataclasses.asdict(cfg.sampling), "limits": dataclasses.asdict(cfg.limits)},
@@ -360,5 +375,7 @@ class AgentCollector:
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
-        self.resume_after_group_id = resume_marker(state, id_base(self.config.collector_index) + self.groups_emitted)
+        self._stored_in_round = stored_in_round(state)
+        self.rounds_at_version, self._rounds_version = int(state["rounds_at_version"]), int(state["policy_version"])
+        self.runner_state = dict(state["runner"])
 

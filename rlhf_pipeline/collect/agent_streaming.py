@@ -3,8 +3,8 @@
 The rollout's loop (``agents/rollout.py``) says between turns which groups have all their episodes
 ended (or were dropped); :class:`AgentRoundStream` hands them to the single-turn collector's in-order
 commit (``collect/streaming.py``: group k goes to the sink once groups 0..k ended, the round's last
-chunk once the rollout returned), so the same ``CollectorPosition`` partial-round records make a
-kill between two appends resume to the same rows (``collect/position.py``).
+chunk once the rollout returned), each chunk with the state after its groups (the round's start and
+the groups of it stored), so a kill between two appends resumes to the same rows.
 
 Streaming changes when a group reaches the buffer, not how its turns are sampled: with lockstep turns
 (the default) the round's active episodes' turns go to the engine in one batch, as without streaming,
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_pipeline.agents.episode import Episode, episodes_to_batch
-from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming
+from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming, partial_round
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.ids import id_base
 
@@ -38,36 +38,28 @@ class AgentRoundStream:
     :meth:`finish` writes the last chunk once the rollout returned.
 
     ``rows(groups)`` builds the rows of consecutive ended groups (None: every one dropped);
-    ``emit(batch)`` appends them (less what a cut-off round already stored);
-    ``before_first_chunk(start_state)`` runs before the first of several appends, as the
-    single-turn collector calls it."""
+    ``commit(batch, state, last)`` appends them with the state after them (less what a cut-off round
+    already stored); ``start_state``: the collector's state at the round's start."""
 
     def __init__(self, tasks: int, rows: Callable[[list[EndedGroup]], TrajectoryBatch | None],
-                 emit: Callable[[TrajectoryBatch], None], start_state: dict[str, Any],
-                 before_first_chunk: Callable[[dict[str, Any]], None] | None, started: float) -> None:
+                 commit: Callable[[TrajectoryBatch | None, dict[str, Any], bool], None], start_state: dict[str, Any],
+                 started: float) -> None:
         self._rows = rows
-        self._emit = emit
+        self._commit_rows = commit
         self._start_state = start_state
-        self._before_first_chunk = before_first_chunk
-        self._before_last: Callable[[], None] | None = None
+        self._state_after: Callable[[], dict[str, Any]] | None = None
         self.chunks: list[TrajectoryBatch] = []  # the rows of every append so far, in request order
-        self.appends = 0
+        self.stored = 0  # the round's groups (dropped ones too) whose append is done
         self._commit = InOrderCommit(tasks, self._write, StreamTiming(started=started))
 
     def groups_ended(self, ended: list[tuple[int, list[Episode] | None]]) -> None:
         self._commit.add([EndedGroup(index, episodes) for index, episodes in ended])
 
-    def finish(self, before_last: Callable[[], None]) -> dict[str, float]:
-        """Writes the round's last chunk, calling ``before_last()`` right before it (the state after
-        the round, which needs the whole rollout); returns the round's timing metrics."""
-        self._before_last = before_last
+    def finish(self, state_after: Callable[[], dict[str, Any]]) -> dict[str, float]:
+        """Writes the round's last chunk with ``state_after()`` (the state after the round, which needs
+        the whole rollout); returns the round's timing metrics."""
+        self._state_after = state_after
         return self._commit.finish().metrics()
-
-    @property
-    def written_group_id(self) -> int | None:
-        """The largest group id stored by this round so far (None: none yet)."""
-        ids = [int(c["group_id"].max()) for c in self.chunks if len(c)]
-        return max(ids) if ids else None
 
     def batch(self) -> TrajectoryBatch | None:
         """The round's rows: every chunk's, in request order (None: every group dropped)."""
@@ -75,14 +67,11 @@ class AgentRoundStream:
 
     def _write(self, groups: list[EndedGroup], last: bool) -> None:
         batch = self._rows(groups)
-        if last:
-            self._before_last()
-        elif not self.appends and self._before_first_chunk is not None:
-            self._before_first_chunk(self._start_state)
+        state = self._state_after() if last else partial_round(self._start_state, groups[-1].index + 1)
+        self._commit_rows(batch, state, last)
         if batch is not None:
-            self._emit(batch)
             self.chunks.append(batch)
-        self.appends += 1
+        self.stored = groups[-1].index + 1
 
 
 def group_rows(groups: list[EndedGroup], *, group_size: int, first_group_id: int, first_trajectory_id: int,
@@ -99,8 +88,7 @@ def group_rows(groups: list[EndedGroup], *, group_size: int, first_group_id: int
                              policy_version=policy_version, fields=fields)
 
 
-def round_stream(collector, tasks: int, start_state: dict[str, Any],
-                 before_first_chunk: Callable[[dict[str, Any]], None] | None, started: float) -> AgentRoundStream:
+def round_stream(collector, tasks: int, start_state: dict[str, Any], started: float) -> AgentRoundStream:
     """The stream of one round of ``collector`` (an :class:`~.agent_collector.AgentCollector`) of
     ``tasks`` groups, its rows with the ids the unstreamed round gives them."""
     cfg = collector.config
@@ -111,19 +99,15 @@ def round_stream(collector, tasks: int, start_state: dict[str, Any],
                           first_trajectory_id=base + collector.trajectories_emitted,
                           policy_version=collector.policy_version, fields=cfg.row_fields)
 
-    return AgentRoundStream(tasks, rows, collector._emit, start_state, before_first_chunk, started)
+    return AgentRoundStream(tasks, rows, collector._commit, start_state, started)
 
 
 def write_round(stream: AgentRoundStream | None, batch: TrajectoryBatch | None, state_after: Callable[[], dict],
-                before_write: Callable[[dict[str, Any]], None] | None,
-                emit: Callable[[TrajectoryBatch], None]) -> dict[str, float]:
-    """The round's last write once its rollout returned: a streamed round's last chunk, or the whole
-    ``batch`` in one append; ``before_write(state_after())`` right before it. Returns the streamed
-    round's timing metrics ({} unstreamed)."""
-    call_before = lambda: before_write(state_after()) if before_write is not None else None  # noqa: E731
+                commit: Callable[[TrajectoryBatch | None, dict[str, Any], bool], None]) -> dict[str, float]:
+    """The round's last write once its rollout returned, with ``state_after()``: a streamed round's
+    last chunk, or the whole ``batch`` in one append. Returns the streamed round's timing metrics
+    ({} unstreamed)."""
     if stream is not None:
-        return stream.finish(call_before)
-    call_before()
-    if batch is not None:
-        emit(batch)
+        return stream.finish(state_after)
+    commit(batch, state_after(), True)
     return {}

@@ -19,12 +19,14 @@ infinite reward is dropped, not the run, as the agent collector drops one: its i
 is counted in the round's metrics (``groups_dropped``, ``dropped/non_finite_reward``) and said in
 one line on stderr, and a collector resumed before the round drops it again.
 
-Resume. ``state_dict()`` holds the prompt position, the id counters, the policy
-version and the sampling RNG. Save it after ``collect()`` returns (the batch is then
-in the sink): a collector restored from it continues with the next prompt and the
-same random stream, so nothing is skipped or repeated. A crash between the sink's
-write and that save is covered by ``collect(before_write=...)`` and
-:class:`~rlhf_pipeline.collect.position.CollectorPosition`.
+Resume. ``state_dict()`` holds the prompt position, the id counters, the policy version, the
+sampling RNG and the pacing counts. Every call of the sink carries the state after exactly the
+groups it holds (``sink(rows, writer_state=state)``; ``ReplayBuffer.extend`` publishes the two in
+one atomic append, ``storage/writer_state.py``), so a collector restored from the store's last
+``writer_state`` continues where the stored rows end: nothing is skipped or repeated, after a
+``kill -9`` at any moment too. Within a streamed round that state is the round's start and the
+groups of it stored (``collect/streaming.py``): the round is generated again from the same prompts
+and seeds, and only its groups not stored yet are written.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.collect.rewards import (RewardFn, WeightedReward, as_rewards, check_failure_fraction,
                                            check_failure_rate, drop_non_finite_groups, score)
-from rlhf_pipeline.collect.overlap import IdleClock, RoundAhead, check_overlap, read_round
-from rlhf_pipeline.collect.streaming import InOrderCommit, StreamTiming, after_group, resume_marker
+from rlhf_pipeline.collect.overlap import IdleClock, Round, check_overlap, read_round
+from rlhf_pipeline.collect.streaming import (InOrderCommit, StreamTiming, partial_round, stored_in_round,
+                                             without_stored)
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.loop import LoopEngine, load_state_into
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -90,6 +93,9 @@ class CollectorConfig:
 
 
 MetricsHook = Callable[[dict[str, float]], None]
+Sink = Callable[..., Any]
+"""``sink(rows | None, *, writer_state=state)``: stores whole groups with the collector's state after
+them in one step (``ReplayBuffer.extend`` made by ``make_replay_buffer``); None: the state alone."""
 
 
 class Collector:
@@ -105,7 +111,7 @@ class Collector:
         tokenizer,
         prompts: PromptSource,
         rewards: RewardFn | Mapping[str, RewardFn | tuple[RewardFn, float]] | Sequence[WeightedReward],
-        sink: Callable[[TrajectoryBatch], Any] | None,
+        sink: Sink | None,
         config: CollectorConfig | None = None,
         *,
         policy_version: int = 0,
@@ -130,11 +136,14 @@ class Collector:
                              f"stream groups (it returns a round at once); turn it off, or generate with "
                              f"generation.engine=loop or vllm")
         check_overlap(self.config.overlap_rounds, self.config.stream_groups, self.engine)
-        self._ahead: RoundAhead | None = None  # the next round, submitted while the current one decoded
+        self._ahead: Round | None = None  # the next round, submitted while the current one decoded
         self._idle = IdleClock()
-        self.resume_after_group_id: int | None = None
-        """Set when a streamed round was cut off after some of its groups were stored: the round is
-        generated again from its start and its groups up to this id are not written again."""
+        self._stored_in_round = 0  # a cut-off streamed round's groups already stored: not written again
+        self.rounds_at_version = 0
+        """Rounds written with the weights the engine holds (pacing's ``rounds_per_version`` counts them)."""
+        self._rounds_version = self.engine.policy_version
+        self.runner_state: dict[str, Any] = {}
+        """The runner's own state (its row clock), saved in and restored from :meth:`state_dict`."""
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
@@ -145,57 +154,49 @@ class Collector:
         self.groups_dropped = 0  # over every round, resumed with the state: the failure rate's numerator
 
     # ---------------------------------------------------------------- one batch
-    def collect(self, before_write: Callable[[dict[str, Any]], None] | None = None,
-                before_first_chunk: Callable[[dict[str, Any]], None] | None = None,
-                next_round: Callable[[int], bool] | None = None) -> TrajectoryBatch:
+    def collect(self, next_round: Callable[[int], bool] | None = None) -> TrajectoryBatch:
         """One batch of whole groups: generate, score, emit to the sink, report metrics.
 
-        ``before_write(state)`` is called with the state the collector will have once the
-        sink took the batch, right before the sink is called (see ``collect/position.py``). With
-        ``stream_groups`` the round may go to the sink in several appends (``collect/streaming.py``):
-        ``before_first_chunk(state)`` is then called before the first of them with the state at the
-        round's start, and ``before_write`` before the last. ``next_round(rows not appended yet)``: with
-        ``overlap_rounds``, True submits the next round now, for the next call (``collect/overlap.py``).
+        Without ``stream_groups`` the round goes to the sink in one call; with it, in several
+        (``collect/streaming.py``), each with the state after its groups. ``next_round(rows not
+        appended yet)``: with ``overlap_rounds``, True submits the next round now, for the next call
+        (``collect/overlap.py``).
         """
         cfg = self.config
         t0 = time.perf_counter()
         self._dropped = []
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:  # submitted while the round before decoded: its draws are done
-            records, requests, start_state, idle_s = ahead.records, ahead.requests, ahead.start_state, ahead.idle_before_s
-        else:
-            start_state = self.state_dict() if cfg.stream_groups else None
-            records = self.prompts.next_batch(cfg.prompts_per_batch)
-            requests = self.requests_for(records)
-            idle_s = self._idle.submitted()
+        round_, self._ahead = self._ahead or self._start_round(), None
+        records, requests = round_.records, round_.requests
         rows_in_round = len(records) * cfg.num_generations
 
-        # the state after this round (with a round submitted ahead: the state it holds)
-        state_after = lambda: self.state_dict(rounds_ahead=(1, len(records), rows_in_round))  # noqa: E731
+        def state_after(groups_done: int) -> dict[str, Any]:
+            """The state once the round's groups ``0..groups_done - 1`` are stored."""
+            if groups_done < len(records):
+                return partial_round(round_.start_state, groups_done)
+            if self._ahead is not None:  # the next round's draws are done: the state before them
+                return dict(self._ahead.start_state)
+            return self.state_dict(rounds_ahead=(1, len(records), rows_in_round))
 
         if cfg.stream_groups:
-            batches = (ahead.batches if ahead is not None
-                       else self.engine.stream_batches(requests, cfg.sampling, self.generator))
+            batches = round_.batches or self.engine.stream_batches(requests, cfg.sampling, self.generator)
             batch, parts, t_gen, t_reward, streamed = self._collect_streamed(
-                records, requests, batches, t0, start_state, state_after, before_write, before_first_chunk,
-                next_round if cfg.overlap_rounds else None)
-            streamed.update(engine_idle_s=idle_s)  # before this round's requests went (collect/overlap.py)
-            streamed.update({"submitted_ahead": float(ahead is not None)} if cfg.overlap_rounds else {})
+                round_, batches, t0, state_after, next_round if cfg.overlap_rounds else None)
+            streamed.update(engine_idle_s=round_.idle_before_s)  # before its requests went (collect/overlap.py)
+            streamed.update({"submitted_ahead": float(round_.batches is not None)} if cfg.overlap_rounds else {})
         else:
             groups = self.engine.sample(requests, cfg.sampling, self.generator)
             t_gen = time.perf_counter()
             batch, parts = self._rows(records, requests, groups)
             t_reward = time.perf_counter()
-            if before_write is not None:
-                before_write(state_after())
-            self._emit(batch)
+            self._commit(batch, state_after(len(records)), last=True)
             streamed = {}
         # counters advance only once the sink has the rows, so a failed write is retried with the same ids
         self.groups_emitted += len(records)
         self.trajectories_emitted += rows_in_round
         self.batches_emitted += 1
+        self.rounds_at_version += 1
         self.groups_dropped += len(self._dropped)
-        self.resume_after_group_id = None
+        self._stored_in_round = 0
         for group_id, why in self._dropped:  # as the agent collector says its dropped groups
             say(f"{collector_tag(cfg.collector_index)} round {self.batches_emitted}: dropped group {group_id} "
                 f"(non_finite_reward): {why}")
@@ -205,43 +206,44 @@ class Collector:
                            "CollectorConfig", over="non-finite rewards")
         return batch
 
+    def _start_round(self) -> Round:
+        """This round's prompts, drawn now, with the state before them."""
+        start = self.state_dict()
+        records = self.prompts.next_batch(self.config.prompts_per_batch)
+        return Round(records, self.requests_for(records), start, None, self._idle.submitted())
+
     def requests_for(self, records) -> list[SampleRequest]:
         return [SampleRequest(r.render(self.tokenizer), n=self.config.num_generations) for r in records]
 
-    def _collect_streamed(self, records, requests, batches, t0, start_state, state_after, before_write,
-                          before_first_chunk, next_round):
+    def _collect_streamed(self, round_: Round, batches, t0, state_after, next_round):
         """The round's stream (``batches``), written in request order as prefixes complete; with
         ``next_round``, the next round submitted once this one's first group ended, if it allows."""
         chunks: list[TrajectoryBatch] = []
         parts: list[dict[str, torch.Tensor]] = []
         scoring_s = 0.0
+        stored = self._stored_in_round  # groups of the round in the store
 
         def write(groups, last: bool) -> None:
-            nonlocal scoring_s
+            nonlocal scoring_s, stored
             started = time.perf_counter()
-            batch, chunk_parts = self._rows(records, requests, groups)
+            batch, chunk_parts = self._rows(round_.records, round_.requests, groups)
             scoring_s += time.perf_counter() - started
-            if last:
-                if before_write is not None:
-                    before_write(state_after())
-            elif not chunks and before_first_chunk is not None:
-                before_first_chunk(start_state)
-            self._emit(batch)
+            self._commit(batch, state_after(groups[-1].index + 1), last)
+            stored = max(stored, groups[-1].index + 1)
             chunks.append(batch)
             parts.append(chunk_parts)
 
         timing = StreamTiming(started=t0)
-        commit = InOrderCommit(len(requests), write, timing)
+        commit = InOrderCommit(len(round_.requests), write, timing)
         try:
-            ended_at = read_round(self, batches, commit, next_round, len(records))
+            ended_at = read_round(self, batches, commit, next_round, len(round_.records))
         except BaseException:
             getattr(batches, "close", lambda: None)()  # the engine drops what is left of this round
             rewound = self._cancel_ahead()
-            if any(len(c) for c in chunks):  # part of the round is stored: a retry generates it again, writes the rest
-                written = int(torch.cat([c["group_id"] for c in chunks]).max())
-                self.load_state_dict({**start_state, "resume_after_group_id": written})
+            if stored:  # part of the round is stored: a retry generates it again, writes the rest
+                self.load_state_dict(partial_round(round_.start_state, stored))
             elif rewound:  # the next round's draws are undone with this round's: a retry samples both again
-                self.load_state_dict(start_state)
+                self.load_state_dict(round_.start_state)
             raise
         if self._ahead is None:
             self._idle.emptied(ended_at)
@@ -295,12 +297,13 @@ class Collector:
         self._dropped += dropped
         return batch, parts
 
-    def _emit(self, batch: TrajectoryBatch) -> None:
-        """``batch`` to the sink, less the groups a cut-off streamed round already stored
-        (``resume_after_group_id``)."""
-        batch = after_group(batch, self.resume_after_group_id)
-        if self.sink is not None and len(batch):
-            self.sink(batch)
+    def _commit(self, batch: TrajectoryBatch, state: dict[str, Any], last: bool) -> None:
+        """``batch`` (consecutive groups of this round) to the sink with the state after them, less
+        the groups a cut-off round stored before; a round's last call goes even with no rows."""
+        base = id_base(self.config.collector_index) + self.groups_emitted
+        batch = without_stored(batch, base, self._stored_in_round)
+        if self.sink is not None and (last or len(batch)):
+            self.sink(batch if len(batch) else None, writer_state=state)
 
     @property
     def round_rows(self) -> int:
@@ -377,6 +380,8 @@ class Collector:
             raise RuntimeError(f"set_policy_state: version {version} while a round submitted ahead samples with "
                                f"version {self.policy_version}; weights change between rounds only: collect it first")
         self.engine.update_weights(state_dict, version)
+        if version != self._rounds_version:
+            self.rounds_at_version, self._rounds_version = 0, version
 
     def close(self) -> None:
         """Closes the engine (a vLLM engine's process, with a round submitted ahead); our loop has none."""
@@ -395,14 +400,9 @@ class Collector:
 
     # ---------------------------------------------------------------- resume
     def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
-        """``rounds_ahead``: (batches, groups, trajectories) not yet counted but to be included. With a
-        round submitted ahead, the state before its draws (where a restart samples it again from)."""
-        if self._ahead is not None:  # taken with this round's counts, before the next round's draws
-            return dict(self._ahead.start_state)
+        """``rounds_ahead``: (batches, groups, trajectories) not yet counted but to be included."""
         batches, groups, trajectories = rounds_ahead
-        resume = {} if self.resume_after_group_id is None else {"resume_after_group_id": self.resume_after_group_id}
         return {
-            **resume,
             "prompts": self.prompts.state_dict(),
             "groups_emitted": self.groups_emitted + groups,
             "trajectories_emitted": self.trajectories_emitted + trajectories,
@@ -410,6 +410,8 @@ class Collector:
             # a round being counted (batches) has its drops in _dropped already: its rows are built
             "groups_dropped": self.groups_dropped + (len(self._dropped) if batches else 0),
             "policy_version": self.policy_version,
+            "rounds_at_version": self.rounds_at_version + batches,
+            "runner": dict(self.runner_state),
             "rng": self.generator.get_state(),
             "config": {"collector_index": self.config.collector_index, "seed": self.config.seed,
                        "num_generations": self.config.num_generations,
@@ -431,5 +433,7 @@ class Collector:
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
-        self.resume_after_group_id = resume_marker(state, id_base(self.config.collector_index) + self.groups_emitted)
+        self._stored_in_round = stored_in_round(state)
+        self.rounds_at_version, self._rounds_version = int(state["rounds_at_version"]), int(state["policy_version"])
+        self.runner_state = dict(state["runner"])
 

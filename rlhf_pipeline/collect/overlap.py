@@ -18,11 +18,11 @@ What does not change:
   batch composition moves log-probs by ~1e-7).
 * **The commits.** Each round's groups are written in request order, and the next round's only once
   this round's last append returned (its groups that end earlier wait in memory).
-* **The saved state.** The state after this round (``before_write``) and at the next round's start
-  (``before_first_chunk``) is the state before the next round's draws, taken when it was submitted
-  (:attr:`RoundAhead.start_state`): a collector killed with both rounds in flight resumes from it
-  and samples the next round again from the same prompts and seeds; the engine's work on it is lost,
-  never a row written twice or skipped.
+* **The saved state.** Every round keeps the state before its draws (:attr:`Round.start_state`);
+  the state published with this round's last groups is the next round's, taken when it was
+  submitted: a collector killed with both rounds in flight resumes from it and samples the next
+  round again from the same prompts and seeds; the engine's work on it is lost, never a row written
+  twice or skipped.
 * **The weights.** Only rounds that take the version this round holds go ahead; when a new version
   is due the next round waits, as without overlap, and loads it between rounds.
 
@@ -49,15 +49,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class RoundAhead:
-    """A round whose requests went to the engine while the round before it decoded."""
+class Round:
+    """A round's prompts and requests, drawn: now, or ahead while the round before it decoded."""
 
     records: list[PromptRecord]
     requests: list[SampleRequest]
     start_state: dict[str, Any]
     """The collector's state at this round's start: after the round before it, before this round's
     prompts and seeds were drawn (what a restart samples it again from)."""
-    batches: AheadStream
+    batches: AheadStream | None
+    """Its stream, when it was submitted ahead; None: submitted when read."""
     idle_before_s: float
     """Seconds the engine had nothing of this collector's to decode before these requests went: 0 when
     they went before the round before them ended."""
@@ -78,16 +79,15 @@ def check_overlap(overlap_rounds: bool, stream_groups: bool, engine: GenerationE
                          f"or generation.url")
 
 
-def submit_ahead(collector: Collector, records_now: int, rows_now: int, idle_before_s: float) -> RoundAhead:
+def submit_ahead(collector: Collector, records_now: int, rows_now: int, idle_before_s: float) -> Round:
     """Draws the next round's prompts and seeds and submits it; ``records_now`` / ``rows_now``: the
     prompts and rows of the round still being read (counted into the state taken first)."""
     cfg = collector.config
     state = collector.state_dict(rounds_ahead=(1, records_now, rows_now))
-    state.pop("resume_after_group_id", None)  # a cut-off round's marker is spent once that round is written
     records = collector.prompts.next_batch(cfg.prompts_per_batch)
     requests = collector.requests_for(records)
     batches = collector.engine.stream_ahead(requests, cfg.sampling, collector.generator)
-    return RoundAhead(records, requests, state, batches, idle_before_s)
+    return Round(records, requests, state, batches, idle_before_s)
 
 
 def read_round(collector: Collector, batches: Iterable[list[CompletionGroup]], commit: InOrderCommit,

@@ -1,25 +1,24 @@
 """Past collector states, one per round, so a branch can restart a collector where it stood at a step.
 
-``collect/position.py`` keeps only where a collector stands now. A branch of a run at step N
-(``runs/branch_online.py``) needs where each collector stood when its shard held exactly the rows
-the learner's checkpoint of step N recorded (``checkpoints/step_N.json``, ``buffer_rows``): the prompt
-position, id counters, sampling RNG and the pacing counts of the collect loop. This module keeps
-those states: one object per committed round, keyed by the shard's ``next_row`` once the round was
-written::
+A shard's store keeps only the state published with its last append (its ``writer_state``,
+``storage/writer_state.py``). A branch of a run at step N (``runs/branch_online.py``) needs where each
+collector stood when its shard held exactly the rows the learner's checkpoint of step N recorded
+(``checkpoints/step_N.json``, ``buffer_rows``): the prompt position, id counters, sampling RNG, pacing
+counts and the write path's pending groups. This module keeps those states: after each round, the
+store's published writer state, byte for byte, keyed by the shard's ``next_row`` it went with::
 
-    collector/shard-0000.history/row_000000000064.pt    {"format": 1, "next_row": 64,
-                                                          "committed": state, "loop": {...}}
+    collector/shard-0000.history/row_000000000064.pt    the writer_state published with row 63
 
 Each entry is written whole (the run store's atomic write: a file renamed into place, or one PUT),
-so a ``kill -9`` mid-append leaves the entry there or not, never a part; a missing entry is written
-again by the next start (:meth:`CollectorPosition.load` records the state it resumes from, which is
-the state after the newest written round). Writing the same entry twice writes the same state.
+so a ``kill -9`` leaves the entry there or not, never a part; a missing entry is written again by
+the next start (the collector records the state it resumes from, the store's last). Writing the
+same entry twice writes the same state.
 
 Kept on the checkpoint schedule: once the kept checkpoints change (looked at after each append),
 entries are deleted unless a kept checkpoint recorded their row count, or they are at or past the
 newest checkpoint's (a later checkpoint may record them). So a run keeps a few KB per kept
 checkpoint plus the rounds since the newest.
-Entries load with ``weights_only=True`` (``files/state_files.py``), like the position file.
+Entries load with ``weights_only=True`` (``files/state_files.py``), like the store's writer state.
 
 The weights its rounds sampled with. A paced round samples with the version pacing names for it
 (``coordination/pacing.py``), which may be older than the learner's at a checkpoint; the learner
@@ -42,9 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
-from rlhf_pipeline.files.state_files import load_state_bytes
+from rlhf_pipeline.storage import writer_state as writer_states
 
-HISTORY_FORMAT = 1
 HISTORY_SUFFIX = ".history"
 _ENTRY = re.compile(r"row_(\d{12})\.pt$")
 _KEPT_WEIGHTS = re.compile(r"^policy_(\d{8})(\.safetensors|\.pt)?$")  # a link (a run directory) or a copy (a URL)
@@ -64,17 +62,13 @@ class PositionHistory:
     this collector's shard and its policy version (None: no checkpoint yet, nothing is pruned).
     ``weights_file(version)``: the run's weights file of a version (a run directory), whose hard
     link the history keeps; None keeps none. ``weights_object(version)``: at a URL, the key of the
-    run's weights object of a version (None: gone), which the history copies. ``pending()``: the shard's
-    pending-groups snapshot (``transforms/pending_groups.py``; None when there is none), kept with each
-    state as it was at the commit: rows of groups not whole yet, which a branch's collector would need too."""
+    run's weights object of a version (None: gone), which the history copies."""
 
     def __init__(self, run_store: RunStore, prefix: str,
                  kept: Callable[[], list[tuple[int, int]] | None] = lambda: None,
                  weights_file: Callable[[int], Path] | None = None,
-                 pending: Callable[[], bytes | None] | None = None,
                  weights_object: Callable[[int], str | None] | None = None) -> None:
         self._store = run_store
-        self._pending = pending
         self._prefix = prefix.strip("/")
         self._kept = kept
         self._weights_file = weights_file if isinstance(run_store, LocalRunStore) else None
@@ -91,22 +85,15 @@ class PositionHistory:
         return sorted(int(m.group(1)) for name in self._store.list(self._prefix)
                       if (m := _ENTRY.search(name)))
 
-    def record(self, next_row: int, state: dict[str, Any], loop: dict[str, Any] | None) -> None:
-        """Keeps ``state`` (and the loop's pacing counts) as where the collector stood at ``next_row``;
-        then prunes what no kept checkpoint needs."""
-        import torch
-
-        payload = {"format": HISTORY_FORMAT, "next_row": int(next_row), "committed": state,
-                   "loop": dict(loop or {})}
-        snapshot = None if self._pending is None else self._pending()
-        if snapshot is not None:
-            payload["pending"] = snapshot
-        held = _held_version(state)
+    def record(self, next_row: int, writer_state: bytes) -> None:
+        """Keeps ``writer_state`` (the store's, published with its rows up to ``next_row``) as where the
+        collector stood at ``next_row``; then prunes what no kept checkpoint needs."""
+        held = _held_version(self._decode(writer_state, self._key(next_row))["committed"])
         if held is not None and self._weights_file is not None:
             self._link_weights(held)  # first: the entry is what needs it
         elif held is not None and self._weights_object is not None and held not in self._copied:
             self._copy_weights(held)
-        self._store.write(self._key(next_row), lambda f: torch.save(payload, f), fence=False)
+        self._store.write(self._key(next_row), writer_state, fence=False)
         self._held[int(next_row)] = held
         self.prune()
 
@@ -114,14 +101,27 @@ class PositionHistory:
         return self._store.exists(self._key(next_row))
 
     def state_at(self, next_row: int) -> dict[str, Any] | None:
-        """``{"committed": state, "loop": {...}}`` at ``next_row``, or None when none is kept."""
+        """``{"committed": collector state, "loop": its runner's state, "pending": the write path's rows
+        of groups not whole yet (``torch.save`` bytes of ``{"rows": ...}``, None: none)}`` at
+        ``next_row``, or None when none is kept."""
         data = self._store.read(self._key(next_row))
-        if data is None:
-            return None
-        payload = load_state_bytes(data, what="collector position history",
-                                   where=self._store.describe(self._key(next_row)))
-        return {"committed": payload["committed"], "loop": dict(payload.get("loop") or {}),
-                "pending": payload.get("pending")}
+        return None if data is None else self._decode(data, self._key(next_row))
+
+    def _decode(self, data: bytes, key: str) -> dict[str, Any]:
+        import io
+
+        import torch
+
+        published = writer_states.decode(data, self._store.describe(key))
+        committed = dict(published["writer"] or {})
+        loop = dict(committed.pop("runner", None) or {})
+        rows = [p["rows"] for p in published["write_path"] if isinstance(p, dict) and p.get("rows") is not None]
+        pending = None
+        if rows:
+            buffer = io.BytesIO()
+            torch.save({"rows": rows[0]}, buffer)
+            pending = buffer.getvalue()
+        return {"committed": committed, "loop": loop, "pending": pending}
 
     def weights(self, version: int) -> Path | None:
         """The kept weights file of ``version``, or None."""

@@ -9,9 +9,11 @@ same rows on a rerun. The price is that a group that ended early waits for every
 decoding; :class:`StreamTiming` measures it (``order_wait_s``) beside the time to the first committed
 group and to the last.
 
-The last chunk is written only once the engine's stream is exhausted, so whatever the engine draws
-after its last group (our loop keeps decoding finished rows as pads until the batch ends) is drawn
-before the collector's state after the round is taken.
+Each chunk goes to the sink with the collector's state after exactly its groups: the round's start
+and how many of its groups are stored (:data:`STORED_IN_ROUND`), the store publishing the two in one
+step. The last chunk is written only once the engine's stream is exhausted, so whatever the engine
+draws after its last group (our loop keeps decoding finished rows as pads until the batch ends) is
+drawn before the collector's state after the round is taken.
 """
 
 from __future__ import annotations
@@ -128,15 +130,24 @@ def _write(write: WriteChunk, chunk: list[Any], last: bool, timing: StreamTiming
         timing.committed_s[group.index] = done
 
 
-def after_group(batch: TrajectoryBatch, group_id: int | None) -> TrajectoryBatch:
-    """``batch`` less the groups up to ``group_id`` (None: all of it)."""
-    if group_id is None:
+STORED_IN_ROUND = "groups_stored_in_round"
+"""In a collector's state taken within a streamed round: how many of the round's groups (in request
+order, dropped ones included) are stored. The rest of the state is the round's start, so a restart
+generates the round again from the same prompts and seeds and writes only the groups after those."""
+
+
+def partial_round(start_state: dict[str, Any], groups_stored: int) -> dict[str, Any]:
+    """The state of a collector whose round, begun at ``start_state``, has ``groups_stored`` groups stored."""
+    return {**start_state, STORED_IN_ROUND: int(groups_stored)}
+
+
+def stored_in_round(state: dict[str, Any]) -> int:
+    """The groups of the round ``state`` starts that are stored already (0: a round boundary)."""
+    return int(state.get(STORED_IN_ROUND, 0))
+
+
+def without_stored(batch: TrajectoryBatch, first_group_id: int, stored: int) -> TrajectoryBatch:
+    """``batch`` less the groups of its round stored already: ids below ``first_group_id + stored``."""
+    if not stored:
         return batch
-    return batch.select(torch.nonzero(batch["group_id"] > group_id).squeeze(-1))
-
-
-def resume_marker(state: dict[str, Any], round_start_group_id: int) -> int | None:
-    """The saved ``resume_after_group_id`` when it lies in the round ``state`` starts (a marker of an
-    earlier round is spent: its groups are all behind)."""
-    resume = state.get("resume_after_group_id")
-    return int(resume) if resume is not None and int(resume) >= round_start_group_id else None
+    return batch.select(torch.nonzero(batch["group_id"] >= first_group_id + stored).squeeze(-1))

@@ -65,7 +65,7 @@ def resolve_target(buffer: str | Path, run: RunPaths | Path | None) -> Target:
         index = shard_index(path.name)
         if path.parent != run.buffer or index is None:
             raise SourceError(f"{buffer} lies inside run {run.root} but is not its buffer or one of its shards")
-    if run.collector_state(index).exists():
+    if run.collector_history(index).exists():
         raise SourceError(
             f"{path} is written by collector {index} of run {run.root}; imported rows there would share its "
             f"ids. Import into {run.buffer} instead: the rows get a shard of their own"
@@ -89,7 +89,7 @@ def _url_target(url: str, run: RunPaths | Path | None) -> Target:
     index = shard_index(name)
     if parent != run.buffer_location or index is None:
         raise SourceError(f"{url} lies inside run {run.url} but is not its buffer or one of its shards")
-    if run.store.exists(run.key(run.collector_state(index))):
+    if run.store.list(run.key(run.collector_history(index))):
         raise SourceError(
             f"{url} is written by collector {index} of run {run.url}; imported rows there would share its ids. "
             f"Import into {run.buffer_location} instead: the rows get a shard of their own")

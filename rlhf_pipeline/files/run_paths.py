@@ -188,10 +188,16 @@ class RunPaths:
         return bool(names) and not any(shard_index(n.split(".", 1)[0]) is not None for n in names)
 
     def collector_state(self, collector_index: int) -> Path:
-        """Collector ``collector_index``'s position (prompt order, id counters, sampling RNG)."""
+        """Collector ``collector_index``'s start as a continued branch's (``runs/branch_online.py``); a
+        collector resumes from the state its shard's store published with its last append."""
         if self.single_store_buffer:
             return self.root / "collector" / "state.pt"
         return self.root / "collector" / f"shard-{collector_index:04d}.pt"
+
+    def collector_history(self, collector_index: int) -> Path:
+        """Collector ``collector_index``'s position history (``collect/position_history.py``): there
+        once it wrote a round."""
+        return self.collector_state(collector_index).with_suffix(".history")
 
     @property
     def weights(self) -> Path:
@@ -225,21 +231,6 @@ class RunPaths:
         """What the learner has taken in, rewritten after every batch; collectors pace by it
         (``rlhf_pipeline/coordination/pacing.py``)."""
         return self.root / "pacing.json"
-
-    def pending_groups(self, shard: str) -> Path:
-        """Where the write path keeps the incomplete groups of buffer shard ``shard`` (``shard-0000``)
-        when the shard is at a URL: in the run directory, or (:meth:`state_object`) under the run's
-        URL, where a collector restarted on another machine finds them."""
-        return self.root / "collector" / f"pending-{shard}"
-
-    def pending_state_of(self, store_location: str) -> tuple[Path | str | None, RunStore | None]:
-        """Where the write path of the shard store at ``store_location`` keeps its incomplete groups,
-        as ``GroupAdvantage(pending_dir=..., pending_store=...)`` takes it: ``(None, None)`` for a
-        store in a directory (its own ``pending/`` beside it), else :meth:`pending_groups` of the
-        shard's name, in the run directory or under the run's URL (:meth:`state_object`)."""
-        if "://" not in str(store_location):
-            return None, None
-        return self.state_object(self.pending_groups(str(store_location).rstrip("/").rsplit("/", 1)[-1]))
 
     def collector_metrics(self, collector_index: int) -> Path:
         """Collector ``collector_index``'s metrics: one JSON line per round."""

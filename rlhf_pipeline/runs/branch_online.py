@@ -107,20 +107,15 @@ def _branch_loop(loop: dict[str, Any]) -> dict[str, Any]:
 
 
 def pending_rows(snapshot: bytes | None) -> int:
-    """Rows of groups not whole yet in a pending-groups snapshot (``transforms/pending_groups.py``),
-    leaving out those held for an append that the committed round made."""
+    """Rows of groups not whole yet in a position history's pending snapshot (``PositionHistory.state_at``)."""
     if not snapshot:
         return 0
     import io
 
     import torch
 
-    payload = torch.load(io.BytesIO(snapshot), weights_only=True)
-    rows = payload.get("rows")
-    if rows is None:
-        return 0
-    group_ids = rows["group_id"]
-    return int((~torch.isin(group_ids, payload["held_groups"])).sum())
+    rows = torch.load(io.BytesIO(snapshot), weights_only=True).get("rows")
+    return 0 if rows is None else int(rows["group_id"].numel())
 
 
 def _link_parent_weights(parent: Path, root: Path, history: Any, oldest: int, newest: int) -> None:
@@ -162,8 +157,9 @@ def collector_rows(paths: Any, store: Any, store_path: str) -> tuple[Any, int]:
     return (_RowsFrom(store, offset) if offset else store), offset
 
 
-def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any, store_path: str) -> None:
-    """Gives ``position`` its history beside it, kept on the run's checkpoint schedule."""
+def keep_position_history(paths: Any, where: Any, run_store: Any, store_path: str) -> Any:
+    """The position history of the collector whose start file is ``where`` (beside it), kept on the
+    run's checkpoint schedule."""
     from rlhf_pipeline.collect.position_history import PositionHistory, history_key
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
@@ -187,22 +183,8 @@ def keep_position_history(position: Any, paths: Any, where: Any, run_store: Any,
     from rlhf_pipeline.coordination.weights import weights_path
 
     weights_file = (lambda version: weights_path(paths.root, version)) if paths.url is None else None
-    position.history = PositionHistory(store, history_key(key), kept, weights_file,
-                                       pending=pending_snapshot(paths, store_path),
-                                       weights_object=_weights_object(paths) if paths.url is not None else None)
-
-
-def pending_snapshot(paths: Any, store_path: str) -> Any:
-    """Reads the shard's pending-groups snapshot (None when there is none) where the write path keeps
-    it (``RunPaths.pending_state_of``): beside a local shard, or for a shard at a URL in the run's state
-    (a directory, or an object under the run's URL: one GET a round)."""
-    from rlhf_pipeline.transforms.pending_groups import STATE_FILE
-
-    where, run_store = paths.pending_state_of(store_path)
-    if run_store is not None:
-        return lambda: run_store.read(f"{where}/{STATE_FILE}")
-    local = (Path(store_path) / "pending" if where is None else Path(where)) / STATE_FILE
-    return lambda: local.read_bytes() if local.is_file() else None
+    return PositionHistory(store, history_key(key), kept, weights_file,
+                           weights_object=_weights_object(paths) if paths.url is not None else None)
 
 
 def _weights_object(paths: Any) -> Any:

@@ -91,17 +91,18 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                  collector_index: int = 0, poller: Any = None, one_of_several: bool = False) -> int:
     """Collects rounds until ``rounds``, a stop request, or the learner's ``STOP`` file.
 
-    ``poller``: where new weights come from (``poll() -> (state_dict, version) | None`` and
-    ``current_version``); default the run's weight files (``weights.WeightsPoller``).
+    ``poller``: where new weights come from (``poll() -> (state_dict, version) | None``,
+    ``poll_version`` and ``current_version``); default the run's weight files (``weights.WeightsPoller``).
 
-    Collector ``collector_index`` writes its own shard ``buffer/shard-kkkk`` (with its own
-    pending groups) and keeps its own position in ``collector/shard-kkkk.pt``. ``one_of_several``:
-    its lines say ``[collector K]``, else ``[collector]`` (collector 0 alone).
+    Collector ``collector_index`` writes its own shard ``buffer/shard-kkkk``. Every append publishes
+    the rows and the collector's state after them in one step (``storage/writer_state.py``), so it
+    resumes from its shard's last publish: no round repeated or skipped, whenever it was killed.
+    ``one_of_several``: its lines say ``[collector K]``, else ``[collector]`` (collector 0 alone).
     """
     from rlhf_pipeline.collect.rewards import EpisodeFailureRateError
     from rlhf_pipeline.collect.console import collector_tag, name_collectors, say
+    from rlhf_pipeline.collect.streaming import stored_in_round
     from rlhf_pipeline.generation.engine import EngineFailed
-    from rlhf_pipeline.collect.position import CollectorPosition
     from rlhf_pipeline.runs.branch_online import collector_rows, keep_position_history
     from rlhf_pipeline.learn.metrics import MetricsWriter
     from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
@@ -116,7 +117,6 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     name_collectors(one_of_several)
     tag = collector_tag(collector_index)
     stop = StopFlag(tag.strip("[]"))
-    state_file = paths.collector_state(collector_index)
     store_path = collector_shard(paths, collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on
     # another machine holds it until its lease runs out, which is waited for
@@ -127,20 +127,19 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         store = open_store(store_path, mode="a", **lock_wait)
     except StoreLockedError as exc:  # a refusal, said in one line: the store's own words are for Python callers
         raise _second_collector(collector_index, store_path, exc.holder) from None
-    done = 0
-    collector = None
+    done, waited, paced_total = 0, 0.0, 0.0
+    collector = failed = None
     try:
         model = pipeline.make_model()
         if poller is None:  # at a URL, one download per version for all collectors of this machine
             poller = WeightsPoller(paths.store, cache=MachineCache(paths.fetched_weights) if paths.url else None)
-        # prompt position, id counters and sampling RNG: no prompt skipped or repeated, even
-        # after a crash between a round's append and the save of the state after it
-        where, run_store = paths.state_object(state_file)
+        start_file, run_store = paths.state_object(paths.collector_state(collector_index))
+        saved = _start_state(store, start_file, run_store)
         # a continued branch's shard numbers its rows on from its parent's (runs/branch_online.py)
         rows, continues_from = collector_rows(paths, store, store_path)
-        position = CollectorPosition(where, rows, run_store=run_store)
-        keep_position_history(position, paths, where, run_store, store_path)  # where a branch restarts it
-        saved = position.load()
+        history = keep_position_history(paths, start_file, run_store, store_path)  # where a branch restarts it
+        if store.writer_state is not None and not history.has(rows.next_row):  # a kill came before its entry
+            history.record(rows.next_row, store.writer_state)
         # the first round waits on this: locally a listing every millisecond at first (version 0
         # usually comes within ~0.1 s of "go"), at a URL each poll is a request
         first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
@@ -154,129 +153,139 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         state, version = update
         model.load_state_dict(state)
         collector = _make_collector(pipeline, model, store, collector_index)
-        engine = getattr(collector, "engine", None)
-        if getattr(getattr(engine, "stats", None), "starts", 0):  # an engine in a process of its own
-            say(f"{tag} the {engine.name} generation engine started in {engine.stats.start_s:.0f} s; it keeps "
-                f"running and takes each new policy version in place")
-        restarts = getattr(engine, "restarts", None)
-        if restarts is not None:  # a restart of a dead engine is said on this console, as this collector's
-            restarts.announce = lambda line: say(f"{tag} {line}")
+        _announce_engine(collector.engine, tag, say)
         if saved is not None:
             collector.load_state_dict(saved)
-        if position.resumed_inflight_round:
-            say(f"{tag} the round in flight at the last stop was written; resuming after it")
-        if position.resumed_partial_round:
-            say(f"{tag} the round in flight at the last stop was written in part ({position.resumed_partial_round} "
-                f"rows); generating it again and writing only its groups not stored yet")
+            if stored_in_round(saved):
+                say(f"{tag} the round in flight at the last stop was written in part ({stored_in_round(saved)} "
+                    f"groups); generating it again and writing only its groups not stored yet")
         collector.set_policy_state(state, version)
-        # the pacing counts of the uninterrupted collector: the rounds it wrote with these weights,
-        # and the size of a round as learned from the rounds written (when the collector does not say)
-        loop = position.loop
-        rounds_at_version = int(loop.get("rounds_at_version", 0)) if version == _held_version(saved) else 0
         # generate no more than the learner will take in, plus collect_rounds_ahead rounds
         # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
         key = shard_key(store_path, paths.buffer) if not paths.buffer_url else shard_key_of(store_path)
-        pacing, run_store = paths.state_object(paths.pacing)
-        # rows a round writes: exact for the single-turn collector, estimated from the turns so far for
-        # the agent collector (pacing counts rounds ahead in them; none is needed to be exact)
-        round_rows = getattr(collector, "round_rows", None)
-        pacer = CollectorPacer(pacing, key, pipeline.settings.rounds_ahead, round_rows=round_rows,
-                               learner_expected=stop.launcher_fd is not None, store=run_store,
+        pacing, pacing_store = paths.state_object(paths.pacing)
+        pacer = CollectorPacer(pacing, key, pipeline.settings.rounds_ahead, round_rows=collector.round_rows,
+                               learner_expected=stop.launcher_fd is not None, store=pacing_store,
                                reread_s=0.0 if paths.url is None else 0.05)
-        learned = max(int(loop.get("round_rows", 0)), position.inflight_rows)
-        if round_rows is None and learned:
-            pacer.round_written(learned)
-        metrics_log, run_store = paths.state_object(paths.collector_metrics(collector_index))
-        metrics = MetricsWriter(metrics_log, store=run_store)
-        retention = _shard_retention(pipeline, paths, key, store_path, loop, continues_from)
-        waited = paced_total = 0.0
+        metrics_log, metrics_store = paths.state_object(paths.collector_metrics(collector_index))
+        metrics = MetricsWriter(metrics_log, store=metrics_store)
+        retention = _shard_retention(pipeline, paths, key, store_path, collector.runner_state, continues_from)
         # the learner takes the next batch within a step: poll soon (at a URL each poll is a few
         # requests, so not every millisecond)
         paced = PollBackoff(max_s=0.02) if paths.url is None else PollBackoff(max_s=0.2, first_s=0.01)
-        lease_s = getattr(store, "writer_lease_s", None)  # an object store's leased lock
-        lease = f" (writer lock lease {lease_s:g} s)" if lease_s is not None else ""
+        lease = "" if store.writer_lease_s is None else f" (writer lock lease {store.writer_lease_s:g} s)"
         say(f"{tag} writing to {store_path}{lease} with policy version {version}")
         # a paced round takes the version pacing names for it, not the newest: the same weights
         # for every round of a seed, whenever the learner publishes (pacing.py)
-        pinned = pacer.rounds_ahead is not None and hasattr(poller, "poll_version")
-        waiting_since = failed = None
+        pinned = pacer.rounds_ahead is not None
+        waiting_since = None
         while not stop_check() and (rounds is None or done < rounds):
             plan = pacer.plan_round(rows.next_row, policy_version=collector.policy_version,
-                                    rounds_at_version=rounds_at_version,
+                                    rounds_at_version=collector.rounds_at_version,
                                     rounds_per_version=pipeline.settings.rounds_per_version)
-            update, ahead = None, getattr(collector, "has_round_ahead", False)  # runs/round_ahead.py: no new weights
-            if plan.version is not None and pinned and not ahead:
-                update = poller.poll_version(plan.version)
-            elif (plan.allowed or not pinned) and not ahead:  # unpaced, or allowed by the stall rule only: the newest
-                update = poller.poll()
-            if update is not None:
-                collector.set_policy_state(*update)
-                rounds_at_version = 0
-            if not ahead and (not plan.allowed or collector.policy_version < plan.min_version):
-                # far enough ahead of the learner, or waiting for the weights this round must use
-                started = time.perf_counter()
-                paced.sleep()
-                waited += time.perf_counter() - started
-                waiting_since = waiting_since or time.monotonic()
-                if time.monotonic() - waiting_since > WAIT_REPORT_S:
-                    say(f"{tag} no round for {time.monotonic() - waiting_since:.0f} s: {plan.waiting_for}")
-                    waiting_since = time.monotonic()  # said again after as long a wait
-                continue
+            if not collector.has_round_ahead:  # a round submitted ahead (runs/round_ahead.py) takes no new weights
+                update = (poller.poll_version(plan.version) if plan.version is not None and pinned
+                          else poller.poll() if plan.allowed or not pinned else None)  # unpaced or stalled: the newest
+                if update is not None:
+                    collector.set_policy_state(*update)
+                if not plan.allowed or collector.policy_version < plan.min_version:
+                    # far enough ahead of the learner, or waiting for the weights this round must use
+                    started = time.perf_counter()
+                    paced.sleep()
+                    waited += time.perf_counter() - started
+                    waiting_since = waiting_since or time.monotonic()
+                    if time.monotonic() - waiting_since > WAIT_REPORT_S:
+                        say(f"{tag} no round for {time.monotonic() - waiting_since:.0f} s: {plan.waiting_for}")
+                        waiting_since = time.monotonic()  # said again after as long a wait
+                    continue
             waiting_since = None
             paced.reset()
             rows_before = store.next_row
-            config = getattr(collector, "config", None)  # a streamed round also records where it started
-            chunked = {"before_first_chunk": position.before_first_chunk} if getattr(config, "stream_groups", False) else {}
-            if getattr(config, "overlap_rounds", False) and (rounds is None or done + 1 < rounds):
-                chunked["next_round"] = ahead_rule(pacer, poller, rows, policy_version=collector.policy_version,
-                                                   rounds_at_version=rounds_at_version, pinned=pinned,
-                                                   per_version=pipeline.settings.rounds_per_version)
+            collector.runner_state = _clock(retention)  # published with the round's rows
+            next_round = None if rounds is not None and done + 1 >= rounds else ahead_rule(
+                pacer, poller, rows, policy_version=collector.policy_version,
+                rounds_at_version=collector.rounds_at_version, pinned=pinned,
+                per_version=pipeline.settings.rounds_per_version)
             try:
-                collector.collect(before_write=lambda after_round: position.before_write(
-                    after_round, {"rounds_at_version": rounds_at_version + 1, "round_rows": pacer.round_rows,
-                                  **_clock(retention)}),
-                    **chunked)
+                collector.collect(next_round=next_round)
             except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops
                 failed = exc
             except EngineFailed as exc:  # its retries or restarts spent, or an answer that cannot be a row
-                say(f"{tag} stopped: {exc}")  # one line; a rerun resumes from the position saved before this round
+                say(f"{tag} stopped: {exc}")  # one line; a rerun resumes from the state the store last published
                 failed = exc
                 break
-            pacer.round_written(store.next_row - rows_before, round_rows=getattr(collector, "round_rows", None))
+            if store.writer_state is None:
+                raise PipelineError("the pipeline's collector wrote its round without its state: give it "
+                                    "make_replay_buffer(store, transforms=...).extend as its sink, which "
+                                    "publishes the two together")
+            pacer.round_written(store.next_row - rows_before, round_rows=collector.round_rows)
             done += 1
-            rounds_at_version += 1
             # old rows go after the round (whole segments, never past what the run still needs)
             retained = retention.after_round(store, collector.policy_version) if retention is not None else None
-            position.after_write(collector.state_dict(), {"rounds_at_version": rounds_at_version,
-                                                          "round_rows": pacer.round_rows, **_clock(retention)})
+            history.record(rows.next_row, store.writer_state)
             paced_total += waited
-            metrics.log(getattr(collector, "batches_emitted", done), {
-                **getattr(collector, "last_metrics", {}), "rows_written": float(store.next_row - rows_before),
+            metrics.log(collector.batches_emitted, {
+                **collector.last_metrics, "rows_written": float(store.next_row - rows_before),
                 "shard_rows": float(rows.next_row), "paced_wait_s": waited,
                 **(retained.metrics() if retained is not None else {})})
             waited = 0.0
             if failed is not None:
                 say(f"{tag} stopped: {failed}")
                 break
-            # the collector's own count, saved with its state: a resumed collector goes on from it
-            round_number = getattr(collector, "batches_emitted", done)
-            if round_number % 50 == 0:
-                say(f"{tag} round {round_number}: {store.next_row - rows_before} rows, shard {len(store)} rows, "
-                    f"policy version {poller.current_version}, {paced_total:.1f}s waiting for the learner")
+            if collector.batches_emitted % 50 == 0:  # the collector's own count: a resumed one goes on from it
+                say(f"{tag} round {collector.batches_emitted}: {store.next_row - rows_before} rows, shard "
+                    f"{len(store)} rows, policy version {poller.current_version}, {paced_total:.1f}s waiting "
+                    f"for the learner")
         metrics.close()
     finally:
-        if collector is not None and hasattr(collector, "close"):  # its generation engine's process, if any
-            collector.close()
+        if collector is not None:
+            collector.close()  # its generation engine's process, if any
         store.close()
         stop.restore()
     say(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)")
     return 1 if failed is not None else stop.exit_code()
 
 
+def _start_state(store: Any, start_file: Any, run_store: Any) -> dict[str, Any] | None:
+    """The collector state to start from: the one its shard's last publish carries; for a shard with
+    no publish yet, a continued branch's start (``collector/shard-kkkk.pt``, which
+    ``runs/branch_online.py`` takes from its parent's position history), else None (a new collector)."""
+    from pathlib import Path
+
+    from rlhf_pipeline.files.state_files import load_state_bytes
+    from rlhf_pipeline.runs.run_directory import RunError
+    from rlhf_pipeline.storage.writer_state import decode
+
+    published = decode(store.writer_state, store.location)
+    if published is not None:
+        return published["writer"]
+    where = str(start_file) if run_store is None else run_store.describe(str(start_file))
+    data = (Path(start_file).read_bytes() if Path(start_file).is_file() else None) if run_store is None \
+        else run_store.read(str(start_file))
+    if data is None:
+        return None
+    if store.next_row:
+        raise RunError(f"{where} is the collector position of a run made before a buffer's appends carried "
+                       f"their collector's state (format 2); this version cannot resume its collectors: "
+                       f"start a new run")
+    start = load_state_bytes(data, what="collector start", where=where)
+    return {**start["committed"], "runner": dict(start.get("loop") or {})}
+
+
+def _announce_engine(engine: Any, tag: str, say: Callable[[str], None]) -> None:
+    """An engine in a process of its own says when it started, and its restarts go to this console."""
+    if engine.stats.starts:
+        say(f"{tag} the {engine.name} generation engine started in {engine.stats.start_s:.0f} s; it keeps "
+            f"running and takes each new policy version in place")
+    restarts = getattr(engine, "restarts", None)  # an engine with a process to restart (generation/restarts.py)
+    if restarts is not None:
+        restarts.announce = lambda line: say(f"{tag} {line}")
+
+
 def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: str, loop: dict,
                      continues_from: int = 0) -> Any:
     """The collector's retention of its shard (``runs/retention.py``), or None when no rule is set;
-    its row clock continues from the saved loop state."""
+    its row clock continues from the runner state saved with the collector's."""
     settings = pipeline.settings.retention
     if not settings.enabled:
         return None
@@ -288,7 +297,7 @@ def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: 
 
 
 def _clock(retention: Any) -> dict[str, Any]:
-    """The row clock to save with the collector's position (when rows were written, for max_age_s)."""
+    """The row clock to publish with the collector's state (when rows were written, for max_age_s)."""
     if retention is None:
         return {}
     from rlhf_pipeline.runs.retention import CLOCK_KEY
@@ -316,8 +325,8 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
             "collector 0 only; add a `collector_index=0` parameter and pass it to "
             "CollectorConfig(collector_index=...) to run several collectors"
         )
-    got = getattr(getattr(collector, "config", None), "collector_index", None)
-    if got is not None and got != collector_index:
+    got = collector.config.collector_index
+    if got != collector_index:
         raise PipelineError(
             f"make_collector(..., collector_index={collector_index}) returned a collector with "
             f"collector_index {got}; pass it to CollectorConfig so ids stay unique across collectors"
@@ -326,7 +335,7 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
 
 
 def _held_version(saved: dict[str, Any] | None) -> int | None:
-    """The policy version a collector held when it saved ``saved`` (its position), if it says."""
+    """The policy version a collector held when it saved ``saved``, if it says."""
     version = (saved or {}).get("policy_version")
     return int(version) if isinstance(version, int) and not isinstance(version, bool) else None
 

@@ -1,5 +1,8 @@
 """The contract every trajectory store keeps, and its glue to torchrl's replay buffer.
 
+Why one file: it is one class, ``TrajectoryStore``, whose torchrl ``Storage`` methods are written in
+terms of its own contract; a backend reads the two together to know what it must implement.
+
 A ``TrajectoryStore`` is a durable, append-only, ragged, columnar table of rows
 (see :mod:`rlhf_pipeline.schema`) living at one location (a directory, a Zarr store).
 It is a torchrl :class:`~torchrl.data.replay_buffers.Storage`, so it plugs into
@@ -17,6 +20,14 @@ refreshes a reader automatically, so a sampler sees rows written since).
 
 One writer. ``mode="a"`` takes an exclusive lock on the location; a second writer
 gets :class:`StoreLockedError`. Readers take no lock.
+
+The writer's state. An append may carry ``writer_state``: opaque bytes (whatever the writer needs
+to restart exactly where it stands: a collector's position, RNG, id counters, the write path's
+pending groups) published in the same atomic step as its rows, so a reader, or a writer restarted
+after ``kill -9``, finds the rows and the state that goes with them, both old or both new, never one
+without the other. :attr:`TrajectoryStore.writer_state` reads the state of the last publish that
+carried one; a publish without one (an append with no state, an eviction) keeps it as it was. An
+append of no rows with a state publishes the state alone (a round whose groups were all dropped).
 """
 
 from __future__ import annotations
@@ -100,9 +111,22 @@ class TrajectoryStore(Storage, abc.ABC):
         """True after :meth:`close`; reading or appending then raises :class:`StoreClosedError`."""
         return bool(getattr(self, "_closed", False))
 
+    @property
+    def writer_lease_s(self) -> float | None:
+        """The lease of this writer's lock on an object store; None for a reader or a lock that
+        needs no lease (a local store's)."""
+        return None
+
+    @property
+    def writer_state(self) -> bytes | None:
+        """The ``writer_state`` of the last published append that carried one (as of the last
+        refresh), or None: never given, or a store that takes no appends (a view of several)."""
+        return None
+
     @abc.abstractmethod
-    def _append_validated(self, batch: TrajectoryBatch) -> None:
-        """Writes an already validated batch and publishes it atomically (all rows or none)."""
+    def _append_validated(self, batch: TrajectoryBatch | None, writer_state: bytes | None) -> None:
+        """Writes an already validated batch (None: no rows) and publishes it atomically with
+        ``writer_state`` (None: the last one stays): all rows and the state, or nothing."""
 
     @abc.abstractmethod
     def _read_global(self, global_ids: torch.Tensor) -> TrajectoryBatch:
@@ -125,8 +149,10 @@ class TrajectoryStore(Storage, abc.ABC):
         """Copies the published rows to a new store of the same backend at ``path``."""
 
     # ================================================================ shared behaviour
-    def append(self, batch: TrajectoryBatch) -> torch.Tensor:
-        """Validates ``batch`` and stores it atomically; returns the new rows' positions.
+    def append(self, batch: TrajectoryBatch | None, *, writer_state: bytes | None = None) -> torch.Tensor:
+        """Validates ``batch`` and stores it atomically with ``writer_state`` (module docstring);
+        returns the new rows' positions. ``batch`` None or empty with a ``writer_state``: the state
+        alone is published.
 
         On any validation error nothing is stored and the store is unchanged.
         """
@@ -136,10 +162,19 @@ class TrajectoryStore(Storage, abc.ABC):
             raise ReadOnlyStoreError(
                 f"{self.location} was opened read-only; open it with mode='a' to append"
             )
-        batch = validate_batch(batch, self.schema)
+        if writer_state is not None and not isinstance(writer_state, bytes):
+            raise TypeError(f"writer_state must be bytes (the writer encodes its own state), "
+                            f"got {type(writer_state).__name__}")
+        if batch is not None and len(batch) == 0:
+            batch = None
+        if batch is None and writer_state is None:
+            return torch.zeros(0, dtype=torch.int64)
+        if batch is not None:
+            batch = validate_batch(batch, self.schema)
         first_new = self.next_row
-        self._append_validated(batch)
-        return torch.arange(first_new, first_new + len(batch), dtype=torch.int64) - self.first_row
+        self._append_validated(batch, writer_state)
+        rows = 0 if batch is None else len(batch)
+        return torch.arange(first_new, first_new + rows, dtype=torch.int64) - self.first_row
 
     def read(
         self, positions: torch.Tensor | list[int] | int, *, fields: Sequence[str] | None = None

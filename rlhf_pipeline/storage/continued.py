@@ -117,7 +117,7 @@ class ContinuedShard(TrajectoryStore):
         bounds = [(a, min(b, inherited)) for a, b in self.parent.unit_bounds() if a < inherited]
         return bounds + [(own_start + a, own_start + b) for a, b in self.own.unit_bounds()]
 
-    def _append_validated(self, batch: TrajectoryBatch) -> None:  # pragma: no cover - append raises first
+    def _append_validated(self, batch, writer_state) -> None:  # pragma: no cover - append raises first
         raise ReadOnlyStoreError(f"{self.location}: appends go to the branch's own shard store")
 
     def close(self) -> None:

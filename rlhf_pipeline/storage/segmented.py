@@ -10,11 +10,35 @@ few attributes its subclasses set (``_schema``, ``_location``, ``_first_row``, `
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from rlhf_pipeline.schema import StoreSchema
-from rlhf_pipeline.storage.base import ReadOnlyStoreError, StoreClosedError, TrajectoryStore
+from rlhf_pipeline.storage.base import ReadOnlyStoreError, StoreClosedError, StoreCorruptedError, TrajectoryStore
+
+
+WRITER_STATE_KEY = "writer_state"
+"""Where a segmented store's published record (memmap's state slot, Zarr's commit record) keeps the
+last append's ``writer_state``, base64 text."""
+
+
+def writer_state_entry(record: dict[str, Any], writer_state: bytes | None) -> dict[str, Any]:
+    """``record`` carrying ``writer_state`` (None: as it is, the last one staying)."""
+    if writer_state is None:
+        return record
+    return {**record, WRITER_STATE_KEY: base64.b64encode(writer_state).decode("ascii")}
+
+
+def writer_state_of(record: dict[str, Any], where: str) -> bytes | None:
+    """The ``writer_state`` a published record carries, or None."""
+    text = record.get(WRITER_STATE_KEY)
+    if text is None:
+        return None
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (AttributeError, ValueError) as exc:
+        raise StoreCorruptedError(f"{where}: its published writer_state is not base64 text: {exc!r}") from None
 
 
 class DroppedSegment(NamedTuple):
@@ -35,6 +59,11 @@ class SegmentedTrajectoryStore(TrajectoryStore):
     _next_row: int
     _segment_rows: int
     _capacity_rows: int | None
+    _writer_state: bytes | None = None
+
+    @property
+    def writer_state(self) -> bytes | None:
+        return self._writer_state
 
     @property
     def schema(self) -> StoreSchema:

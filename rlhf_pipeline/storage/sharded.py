@@ -353,13 +353,13 @@ class ShardedStoreReader(TrajectoryStore):
     def _published_len(self) -> int:
         return int(self._lengths.sum())
 
-    def append(self, batch: TrajectoryBatch) -> torch.Tensor:
+    def append(self, batch: TrajectoryBatch | None, *, writer_state: bytes | None = None) -> torch.Tensor:
         raise ReadOnlyStoreError(
             f"{self._path} is a read-only union of shards; each collector appends to its own shard "
             f"(open_store('{shard_location(self._path, 0)}', mode='a') for shard 0)"
         )
 
-    def _append_validated(self, batch: TrajectoryBatch) -> None:  # pragma: no cover - append raises first
+    def _append_validated(self, batch, writer_state) -> None:  # pragma: no cover - append raises first
         raise ReadOnlyStoreError(f"{self._path} is a read-only union of shards")
 
     def read(self, positions: torch.Tensor | list[int] | int, *,

@@ -10,6 +10,7 @@ Typical use::
     store = create_store("storage/run/buffer")
     rb = make_replay_buffer(store, batch_size=64, collate_fn=PaddedCollator(...))
     rb.extend(batch)          # a TrajectoryBatch or a TensorDict with torchrl LLM keys
+    rb.extend(batch, writer_state=position)  # with the writer's state, in the same publish
     padded = rb.sample()      # with a PaddedCollator: the store's fused read_padded
 """
 
@@ -31,7 +32,9 @@ from torchrl.data.replay_buffers.writers import ImmutableDatasetWriter, TensorDi
 
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.batch import as_trajectory_batch
+from rlhf_pipeline.storage import writer_state as writer_states
 from rlhf_pipeline.storage.capabilities import is_trajectory_store
+from rlhf_pipeline.storage.writer_state import stateful_transforms
 
 if TYPE_CHECKING:
     from rlhf_pipeline.storage.base import TrajectoryStore
@@ -145,8 +148,12 @@ class AppendWriter(Writer):
             raise ValueError(f"add() takes one row, got {len(batch)}; use extend() for several")
         return int(self._store().append(batch)[0])
 
+    writer_state: bytes | None = None
+    """Published with the next ``extend``'s rows (:meth:`TrajectoryReplayBuffer.extend` sets it)."""
+
     def extend(self, data: Any) -> torch.Tensor:
-        return self._store().append(as_trajectory_batch(data))
+        state, self.writer_state = self.writer_state, None
+        return self._store().append(as_trajectory_batch(data), writer_state=state)
 
     @property
     def _write_count(self) -> int:
@@ -196,6 +203,46 @@ class TrajectoryReplayBuffer(ReplayBuffer):
     (``docs/benchmarks.md``). Sampling, locks, transforms and ``pin_memory`` behave as in
     torchrl; any other ``collate_fn``, a sample unit or generation tracking take torchrl's path.
     """
+
+    _published_writer: dict[str, Any] | None = None  # the writer part of the store's last writer_state
+
+    def extend(self, data: Any, *, writer_state: dict[str, Any] | None = None,
+               update_priority: bool | None = None) -> torch.Tensor:
+        """torchrl's ``extend``, publishing with the rows the store's ``writer_state``: ``writer_state``
+        (None: the last one) and the write path's state after these rows (``storage/writer_state.py``).
+        ``data`` None with a ``writer_state``: the state alone. A write that raises leaves the write
+        path's state as it was before it."""
+        transforms = stateful_transforms(self)
+        if writer_state is None and not transforms:
+            return super().extend(data, update_priority=update_priority)
+        before = [t.get_extra_state() for t in transforms]
+        try:
+            if data is not None and self._transform is not None and len(self._transform):
+                with _set_dispatch_td_nn_modules(is_tensor_collection(data)):
+                    data = self._transform.inv(data)
+            writer = self._published_writer if writer_state is None else writer_state
+            state = writer_states.encode(writer, [t.get_extra_state() for t in transforms])
+            if data is None:
+                self._storage.append(None, writer_state=state)
+                index = torch.zeros((0, self._storage.ndim), dtype=torch.long)
+            else:
+                self._writer.writer_state = state
+                index = self._extend(data, update_priority=update_priority)
+        except BaseException:
+            self._writer.writer_state = None
+            for transform, state in zip(transforms, before):
+                transform.set_extra_state(state)
+            raise
+        self._published_writer = writer
+        return index
+
+    def resume_writer(self) -> dict[str, Any] | None:
+        """The ``writer_state`` the store's last publish carried (None: none), its write path's part
+        loaded into this buffer's transforms."""
+        published = writer_states.decode(self._storage.writer_state, self._storage.location)
+        writer_states.load_write_path(self, published, self._storage.location)
+        self._published_writer = None if published is None else published["writer"]
+        return self._published_writer
 
     def _sample(self, batch_size: int) -> tuple[Any, dict]:
         read = getattr(self._collate_fn, "read", None)
@@ -248,6 +295,9 @@ def make_replay_buffer(
         collate_fn=collate_fn or _identity,
         batch_size=batch_size,
     )
-    for transform in reversed(list(transforms)):
+    transforms = list(transforms)
+    for transform in reversed(transforms):
         rb.append_transform(transform, invert=True)
+    if transforms and store.writable:  # a restarted writer: its write path's state, as published
+        rb.resume_writer()
     return rb

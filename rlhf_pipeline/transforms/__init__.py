@@ -4,7 +4,7 @@ Each transform is a pure function (the math, tested on its own) plus a thin torc
 ``Transform`` that attaches with ``rb.append_transform(t, invert=True)``:
 
 * :class:`GroupAdvantage` holds rows until a group is complete, then writes it with
-  ``advantage`` (durable pending state under ``<buffer dir>/pending/``);
+  ``advantage`` (its pending rows go in the store's ``writer_state`` with every append);
 * :class:`ReferenceLogProbs` fills ``ref_log_probs`` from a frozen reference model;
 * :class:`KLReward` fills ``kl`` and ``token_rewards``.
 
@@ -13,7 +13,7 @@ path must run group advantage -> reference log-probs -> KL reward (rows wait for
 group before the reference model spends time on them; KL needs the reference), so
 append them in the reverse order, or let :func:`attach_write_path` do it::
 
-    attach_write_path(rb, GroupAdvantage(8, store=store), ReferenceLogProbs(ref), KLReward(0.05))
+    attach_write_path(rb, GroupAdvantage(8), ReferenceLogProbs(ref), KLReward(0.05))
 
 The store must hold the optional fields the stack fills:
 ``StoreSchema(optional=("advantage", "ref_log_probs", "kl", "token_rewards"))``.

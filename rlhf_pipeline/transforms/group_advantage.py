@@ -2,7 +2,7 @@
 
 Why one file: the pure math, the transform that applies it to a write and the checks that refuse
 a write before any state changes are one definition of the variant computed, read together; the
-durable pending state they share lives apart (``pending_groups.py``).
+pending rows they share live apart (``pending_groups.py``).
 
 Variant computed (per group ``g`` of ``group_size`` trajectories with returns ``R_i``)::
 
@@ -38,10 +38,8 @@ from typing import Any, Literal
 
 import torch
 
-from rlhf_pipeline.files.run_store import RunStore
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, TrajectoryValidationError, validate_batch
-from rlhf_pipeline.storage.base import TrajectoryStore
 from rlhf_pipeline.transforms.pending_groups import PendingGroups
 from rlhf_pipeline.transforms.write_path import WritePathTransform
 
@@ -114,12 +112,11 @@ class GroupAdvantage(WritePathTransform):
     no indices until some group completes (torchrl skips the storage when the
     transform stack returns ``None``).
 
-    Durability: with ``store=`` given, pending rows live in ``<store dir>/pending/``, in
-    ``pending_dir``, or under ``pending_dir`` in ``pending_store`` (a run at a URL; see
-    :mod:`rlhf_pipeline.transforms.pending_groups`) and are reloaded when a transform is
-    built on the same store, so a collector killed mid-run loses no
-    acknowledged row and writes no group twice. ``state_dict()`` carries the same
-    state for torchrl's ``rb.state_dict()`` / ``rb.dumps``.
+    Durability: the pending rows are this transform's state (``get_extra_state``), which a buffer
+    made by ``make_replay_buffer`` publishes with every append as the store's ``writer_state`` and
+    loads back when it is built on that store again (``storage/writer_state.py``), so a writer
+    killed mid-run loses no acknowledged row and writes no group twice. ``state_dict()`` carries
+    the same state for torchrl's ``rb.state_dict()`` / ``rb.dumps``.
 
     Args:
         group_size: trajectories per group (GRPO's G).
@@ -129,10 +126,6 @@ class GroupAdvantage(WritePathTransform):
         unbiased_std: std with ``n - 1`` (torch / torchrl default) or ``n``.
         trajectory_return: ``"sum" | "mean" | "max" | "step"``, see the module docstring.
         drop_zero_variance: drop groups whose returns are all equal (dynamic sampling).
-        store: the buffer's store; enables durable pending state and crash reconciliation.
-        pending_dir: where the pending state lives; default ``<store.location>/pending``.
-        pending_store: the run's store (``RunPaths.state_object``); ``pending_dir`` is then a key prefix in it.
-        durable: fsync the pending state on each change (off only for benchmarks/tests).
         step_advantage: also write each row's ``"step"`` advantage as ``step_advantage`` (turn_advantage=mixed).
     """
 
@@ -148,10 +141,6 @@ class GroupAdvantage(WritePathTransform):
         unbiased_std: bool = True,
         trajectory_return: TrajectoryReturn = "sum",
         drop_zero_variance: bool = False,
-        store: TrajectoryStore | None = None,
-        pending_dir: str | None = None,
-        pending_store: RunStore | None = None,
-        durable: bool = True,
         step_advantage: bool = False,
     ) -> None:
         super().__init__()
@@ -173,12 +162,10 @@ class GroupAdvantage(WritePathTransform):
         # Ids of groups already written, so a late extra trajectory is an error rather
         # than a second, undersized group (~60 bytes per group, in memory only).
         self._completed_groups: set[int] = set()
-        self._unconfirmed: tuple[int, list[int]] | None = None
-        self.pending = PendingGroups(store=store, directory=pending_dir, durable=durable, run_store=pending_store)
+        self._unconfirmed: list[int] = []  # completed by the last write: written once a next write comes
+        self.pending = PendingGroups()
         self._counters = self.pending.counters  # shared: saved with every pending snapshot
-        for name in ("trajectories_in", "rows_in", "groups_completed", "groups_written",
-                     "groups_dropped_zero_variance", "rows_written", "rows_dropped"):
-            self._counters.setdefault(name, 0)
+        self._name_counters()
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, int]:
@@ -191,8 +178,8 @@ class GroupAdvantage(WritePathTransform):
             return None
         if not isinstance(batch, TrajectoryBatch):
             raise TypeError(f"GroupAdvantage takes a TrajectoryBatch, got {type(batch).__name__}")
-        self._confirm_last_write()
-        self.pending.reconcile()
+        self._completed_groups.update(self._unconfirmed)  # no rollback came: that write was published
+        self._unconfirmed = []
         # ---- checks: everything that can reject the write runs before any state changes
         _check_rewards(batch)
         old = self.pending.rows
@@ -213,7 +200,7 @@ class GroupAdvantage(WritePathTransform):
         complete_group = traj_per_group == self.group_size  # (G,)
         if not bool(complete_group.any()):
             rows = _validated(batch)
-            self._count(rows_in=len(batch), trajectories_in=new_traj)  # before the snapshot that saves them
+            self._count(rows_in=len(batch), trajectories_in=new_traj)
             self.pending.add(rows)
             return None
 
@@ -238,18 +225,10 @@ class GroupAdvantage(WritePathTransform):
                     groups_dropped_zero_variance=n_dropped, groups_written=n_complete - n_dropped,
                     rows_dropped=int(dropped_group[group_of_row].sum()), rows_written=num_out)
         if n_old:
-            old_group = group_of_row[:n_old]
-            self.pending.settle(done_groups=group_ids[torch.unique(old_group[row_complete[:n_old]])],
-                                written_groups=group_ids[torch.unique(old_group[row_written[:n_old]])],
-                                num_out_rows=num_out)
+            self.pending.complete(group_ids[torch.unique(group_of_row[:n_old][row_complete[:n_old]])])
         if new_pending_rows is not None:
-            self.pending.add(new_pending_rows, persist=False)
-        self.pending.persist_if_dirty()
-        if self.pending.store is not None:
-            # confirmed at the next write, once the store shows the append happened
-            self._unconfirmed = (self.pending.store.next_row, completed)
-        else:
-            self._completed_groups.update(completed)
+            self.pending.add(new_pending_rows)
+        self._unconfirmed = completed
 
         if num_out == 0:
             return None
@@ -268,14 +247,10 @@ class GroupAdvantage(WritePathTransform):
         for name, value in increments.items():
             self._counters[name] += value
 
-    def _confirm_last_write(self) -> None:
-        """Groups of the previous write count as completed only if the store shows they were appended."""
-        if self._unconfirmed is None:
-            return
-        start, groups = self._unconfirmed
-        if self.pending.store.next_row > start:
-            self._completed_groups.update(groups)
-        self._unconfirmed = None
+    def _name_counters(self) -> None:
+        for name in ("trajectories_in", "rows_in", "groups_completed", "groups_written",
+                     "groups_dropped_zero_variance", "rows_written", "rows_dropped"):
+            self._counters.setdefault(name, 0)
 
     def _advantages(self, combined, traj_of_row, num_traj, group_of_traj, group_of_row, how=None):
         num_groups, how = int(group_of_traj.max()) + 1, how or self.trajectory_return
@@ -311,7 +286,11 @@ class GroupAdvantage(WritePathTransform):
         return self.pending.to_payload()
 
     def load_payload(self, payload: Mapping[str, Any]) -> None:
-        self.pending.load_state_payload(payload)
+        """A published state (a restart), or the one before a write that raised: the groups that
+        write completed were not written."""
+        self.pending.load_payload(payload)
+        self._name_counters()
+        self._unconfirmed = []
 
 
 # ============================================================================ checks

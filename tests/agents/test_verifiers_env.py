@@ -321,7 +321,7 @@ def test_the_agent_collector_writes_verifiers_episodes_with_the_rubrics_rewards(
                 rubric=vf.Rubric(funcs=[code_points_mod_3]), max_turns=2)
     store = create_store(tmp_path / "buffer", "memmap",
                          schema=StoreSchema(optional=("advantage", "termination_reason", *AGENT_ROW_FIELDS)))
-    buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(3, store=store)])
+    buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(3)])
     config = AgentCollectorConfig(tasks_per_round=2, group_size=3,
                                   limits=EpisodeLimits(max_turns=4, max_new_tokens=6, end_on_cut_turn=False),
                                   sampling=SamplingConfig(temperature=1.5), seed=11)

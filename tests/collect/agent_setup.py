@@ -64,7 +64,7 @@ def agent_collector(model, tokenizer, store, *, on_step=None, sink=None, stream=
     ``AgentCollectorConfig.turns``)."""
     toolbox = ToolBox([multiply])
     if sink is None:
-        buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE, store=store)])
+        buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE)])
         sink = buffer.extend
     config = AgentCollectorConfig(tasks_per_round=tasks_per_round, group_size=GROUP_SIZE, stream_groups=stream,
                                   limits=EpisodeLimits(max_turns=3, max_new_tokens=6, end_on_cut_turn=False),

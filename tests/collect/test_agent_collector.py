@@ -31,6 +31,7 @@ from rlhf_pipeline.schema.tool_errors import ToolErrorKind
 from rlhf_pipeline.storage import make_replay_buffer
 from rlhf_pipeline.storage.filtering import select_positions
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+from helpers import into
 
 WORKER = Path(__file__).with_name("agent_collect_worker.py")
 
@@ -53,7 +54,7 @@ def test_rounds_write_whole_groups_of_whole_trajectories_with_one_advantage_each
     appends = []
     collector = agent_collector(model, tokenizer, store)
     sink = collector.sink
-    collector.sink = lambda batch: appends.append(len(batch)) or sink(batch)
+    collector.sink = lambda batch, writer_state: appends.append(len(batch)) or sink(batch, writer_state=writer_state)
     for _ in range(3):
         collector.collect()
     rows = stored(store)
@@ -118,15 +119,15 @@ def test_round_metrics_count_this_round_only(tmp_path):
 def test_a_restored_collector_continues_exactly(tmp_path):
     model, tokenizer = tiny_policy()
     reference = []
-    first = agent_collector(model, tokenizer, None, sink=reference.append)
+    first = agent_collector(model, tokenizer, None, sink=into(reference))
     for _ in range(3):
         first.collect()
 
     resumed_rows = []
-    again = agent_collector(model, tokenizer, None, sink=resumed_rows.append)
+    again = agent_collector(model, tokenizer, None, sink=into(resumed_rows))
     again.collect()
     state = again.state_dict()
-    restored = agent_collector(model, tokenizer, None, sink=resumed_rows.append)
+    restored = agent_collector(model, tokenizer, None, sink=into(resumed_rows))
     restored.load_state_dict(state)
     restored.collect()
     restored.collect()
@@ -134,9 +135,9 @@ def test_a_restored_collector_continues_exactly(tmp_path):
         assert got.equal(want)
 
 
-def _worker(store, state, rounds, *hang, turns="lockstep"):
+def _worker(store, rounds, *hang, turns="lockstep"):
     flags = ["--per-episode"] if turns == "per_episode" else []
-    return subprocess.Popen([sys.executable, str(WORKER), *flags, str(store), str(state), str(rounds), *map(str, hang)],
+    return subprocess.Popen([sys.executable, str(WORKER), *flags, str(store), str(rounds), *map(str, hang)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -150,9 +151,9 @@ def _finish(process):
 def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_path, turns):
     # the uninterrupted collector, meanwhile (what it samples does not depend on timing): its start
     # overlaps the victim's instead of coming first
-    uninterrupted = _worker(tmp_path / "reference", tmp_path / "reference.pt", 4, turns=turns)
+    uninterrupted = _worker(tmp_path / "reference", 4, turns=turns)
     ready = tmp_path / "ready"
-    victim = _worker(tmp_path / "buffer", tmp_path / "collector.pt", 4, 2, ready, turns=turns)
+    victim = _worker(tmp_path / "buffer", 4, 2, ready, turns=turns)
     try:
         while not ready.exists():  # the third round (index 2) has an episode at its second turn
             assert victim.poll() is None, victim.communicate()[0][-3000:]
@@ -168,7 +169,7 @@ def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_p
     assert rows["done"].tolist()[-1]  # nothing of the round in flight: the store ends on a whole trajectory
     assert len(set(rows["group_id"].tolist())) == 2 * 2  # two whole rounds of two groups
 
-    _finish(_worker(tmp_path / "buffer", tmp_path / "collector.pt", 4, turns=turns))
+    _finish(_worker(tmp_path / "buffer", 4, turns=turns))
     _finish(uninterrupted)
     reference, resumed = open_or_create(tmp_path / "reference"), open_or_create(tmp_path / "buffer")
     want, got = stored(reference), stored(resumed)
@@ -217,7 +218,7 @@ def test_each_turn_row_holds_its_own_tool_calls_and_failures(tmp_path):
         return (FailingCallsEnv if len(made) % 2 else AsyncFailingCallsEnv)(toolbox)
 
     tasks = [{"question": f"Q{k}", "turns": 1 + k % 3, "fail": k} for k in range(6)]
-    sink = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE, store=store)]).extend
+    sink = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE)]).extend
     config = AgentCollectorConfig(tasks_per_round=3, group_size=GROUP_SIZE, seed=3,
                                   limits=EpisodeLimits(max_turns=3, max_new_tokens=4, end_on_cut_turn=False))
     # no parser: the turn's calls are then exactly the ones its environment ran

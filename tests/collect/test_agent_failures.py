@@ -19,6 +19,7 @@ from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.storage import make_replay_buffer
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
+from helpers import into
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP = 2
@@ -46,7 +47,7 @@ class Flaky:
 
 def collector(model, tokenizer, tasks, store=None, *, sink=None, **config):
     if sink is None:
-        sink = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP, store=store)]).extend
+        sink = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP)]).extend
     settings = dict(tasks_per_round=3, group_size=GROUP, seed=7, max_failed_group_fraction=None,
                     limits=EpisodeLimits(max_turns=2, max_new_tokens=5, end_on_cut_turn=False),
                     sampling=SamplingConfig(temperature=1.5))
@@ -93,15 +94,15 @@ def test_a_resumed_collector_drops_the_same_groups_and_writes_the_same_rows(tmp_
     model, tokenizer = tiny_policy()
     tasks = [{"question": f"Q{k}", "fail": "odd" if k % 2 else "none"} for k in range(9)]
     reference, resumed = [], []
-    uninterrupted = collector(model, tokenizer, tasks, sink=reference.append)
+    uninterrupted = collector(model, tokenizer, tasks, sink=into(reference))
     dropped = []
     for _ in range(3):
         uninterrupted.collect()
         dropped.append(uninterrupted.last_metrics["groups_dropped"])
     assert sum(dropped) > 0  # the premise: some groups failed on what was sampled
-    first = collector(model, tokenizer, tasks, sink=resumed.append)
+    first = collector(model, tokenizer, tasks, sink=into(resumed))
     first.collect()
-    again = collector(model, tokenizer, tasks, sink=resumed.append)
+    again = collector(model, tokenizer, tasks, sink=into(resumed))
     again.load_state_dict(first.state_dict())
     again.collect()
     again.collect()
@@ -114,7 +115,7 @@ def test_a_resumed_collector_drops_the_same_groups_and_writes_the_same_rows(tmp_
 def test_a_round_with_every_group_dropped_writes_nothing_and_moves_on():
     model, tokenizer = tiny_policy()
     calls = []
-    agents = collector(model, tokenizer, [{"question": "Q", "fail": "reset"}], sink=calls.append, tasks_per_round=2)
+    agents = collector(model, tokenizer, [{"question": "Q", "fail": "reset"}], sink=into(calls), tasks_per_round=2)
     assert agents.collect() is None and calls == []
     state = agents.state_dict()
     assert (state["groups_emitted"], state["trajectories_emitted"], state["groups_dropped"]) == (2, 2 * GROUP, 2)
@@ -125,7 +126,7 @@ def test_past_the_failure_rate_collect_raises_one_line_after_writing_the_round(t
     model, tokenizer = tiny_policy()
     written = []
     tasks = [{"question": "a", "fail": "step"}, {"question": "b", "fail": "none"}, {"question": "c", "fail": "nan"}]
-    agents = collector(model, tokenizer, tasks, sink=written.append, max_failed_group_fraction=0.25,
+    agents = collector(model, tokenizer, tasks, sink=into(written), max_failed_group_fraction=0.25,
                        failure_rate_min_groups=4)
     with pytest.raises(EpisodeFailureRateError) as raised:
         agents.collect()  # 2 of 3 groups dropped: more than 0.25 of at least 4
@@ -134,7 +135,7 @@ def test_past_the_failure_rate_collect_raises_one_line_after_writing_the_round(t
     assert "max_failed_group_fraction=0.25" in message and "counted over at least 4 groups" in message
     good = [t["fail"] for t in TaskSource(tasks, seed=2).next_batch(3)].index("none")
     assert len(written) == 1 and set(written[0]["group_id"].tolist()) == {good}  # the good group was written
-    below = collector(model, tokenizer, tasks, sink=written.append, max_failed_group_fraction=0.7,
+    below = collector(model, tokenizer, tasks, sink=into(written), max_failed_group_fraction=0.7,
                       failure_rate_min_groups=1)
     below.collect()  # 2 of 3 is below 0.7: the run goes on
     with pytest.raises(ValueError, match="max_failed_group_fraction must be in \\[0, 1\\]"):

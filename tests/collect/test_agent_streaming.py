@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_pipeline.collect.position import CollectorPosition
+from helpers import resume
+from rlhf_pipeline.collect.streaming import stored_in_round
 from rlhf_pipeline.storage import make_replay_buffer
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
@@ -30,31 +31,27 @@ def run_rounds(policy, where, rounds, *, stream=True, crash_at_append=None):
     """Collects like ``collect_main`` does; ``crash_at_append=k``: stop right after the k-th append.
     Returns the appends of each round."""
     store = open_or_create(where / "buffer")
-    buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE, store=store)])
+    buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE)])
     appends, per_round = [], []
 
-    def sink(batch):
-        buffer.extend(batch)
-        appends.append(len(batch))
+    def sink(batch, writer_state):
+        buffer.extend(batch, writer_state=writer_state)
+        appends.append(0 if batch is None else len(batch))
         if len(appends) == crash_at_append:
             raise Crash
 
-    position = CollectorPosition(where / "collector.pt", store)
     collector = agent_collector(*policy, None, sink=sink, stream=stream, tasks_per_round=TASKS_PER_ROUND)
-    saved = position.load()
-    if saved is not None:
-        collector.load_state_dict(saved)
+    resumed = resume(collector, store)
     try:
         for _ in range(rounds):
             before = len(appends)
-            collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk)
-            position.after_write(collector.state_dict())
+            collector.collect()
             per_round.append(appends[before:])
     except Crash:
         pass
     rows = store.read(torch.arange(len(store))) if len(store) else None
     store.close()
-    return rows, per_round, position
+    return rows, per_round, resumed
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +78,9 @@ def test_a_crash_between_two_appends_resumes_to_the_same_rows_each_trajectory_on
     flat = [n for a in appends for n in a]
     cut_rows, _, _ = run_rounds(policy, tmp_path, ROUNDS, crash_at_append=crash_at_append)
     assert len(cut_rows) == sum(flat[:crash_at_append])
-    position = CollectorPosition(tmp_path / "collector.pt", open_or_create(tmp_path / "buffer"))
-    position.load()
-    inside_round = position.resumed_partial_round  # rows of a round cut between two of its appends
-    position.store.close()
     round_ends = [sum(sum(a) for a in appends[:r]) for r in range(ROUNDS + 1)]
-    finished = round_ends.index(len(cut_rows) - inside_round)
-    assert inside_round == (0 if len(cut_rows) in round_ends else len(cut_rows) - round_ends[finished])
-    again, _, _ = run_rounds(policy, tmp_path, ROUNDS - finished)
+    finished = max(r for r, end in enumerate(round_ends) if end <= len(cut_rows))
+    again, _, resumed = run_rounds(policy, tmp_path, ROUNDS - finished)
+    # a round cut between two of its appends is run again from its start, its stored groups not rewritten
+    assert (stored_in_round(resumed) > 0) == (len(cut_rows) not in round_ends)
     assert again.equal(rows)  # each trajectory once, none skipped, the same rows

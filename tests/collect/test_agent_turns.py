@@ -14,13 +14,13 @@ import torch
 
 from rlhf_pipeline.collect import AgentCollectorConfig
 from rlhf_pipeline.collect.agent_turns import EpisodeTurns, episode_seeds
-from rlhf_pipeline.collect.position import CollectorPosition
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.storage import make_replay_buffer
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
 from agent_setup import GROUP_SIZE, TurnsEnv, agent_collector, open_or_create, tiny_policy
+from helpers import resume
 
 ROUNDS = 2
 TASKS_PER_ROUND = 3
@@ -57,27 +57,23 @@ def run_rounds(policy, where, rounds, *, delay_seed=0, stream=True, turns="per_e
     ``crash_at_append=k``: stop right after the k-th append. Returns the stored rows, the appends of each
     round and the order environment steps ran in."""
     store = open_or_create(where / "buffer")
-    buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE, store=store)])
+    buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE)])
     appends, per_round, log, lock = [], [], [], threading.Lock()
     delays, ordinals = random.Random(delay_seed), itertools.count()
 
-    def sink(batch):
-        buffer.extend(batch)
-        appends.append(len(batch))
+    def sink(batch, writer_state):
+        buffer.extend(batch, writer_state=writer_state)
+        appends.append(0 if batch is None else len(batch))
         if len(appends) == crash_at_append:
             raise Crash
 
-    position = CollectorPosition(where / "collector.pt", store)
     collector = agent_collector(*policy, None, sink=sink, stream=stream, tasks_per_round=TASKS_PER_ROUND, turns=turns,
                                 make_env=lambda toolbox: SlowEnv(toolbox, next(ordinals), delays, log, lock))
-    saved = position.load()
-    if saved is not None:
-        collector.load_state_dict(saved)
+    resume(collector, store)
     try:
         for _ in range(rounds):
             before = len(appends)
-            collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk)
-            position.after_write(collector.state_dict())
+            collector.collect()
             per_round.append(appends[before:])
     except Crash:
         pass

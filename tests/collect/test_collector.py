@@ -12,6 +12,7 @@ from rlhf_pipeline.schema.ids import ID_COUNTER_BITS
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema, validate_batch
+from helpers import into
 
 
 def _collector(model, tok, *, sink=None, index=0, seed=0, hooks=(), prompts=None):
@@ -24,7 +25,7 @@ def _collector(model, tok, *, sink=None, index=0, seed=0, hooks=(), prompts=None
 def test_rows_are_valid_grouped_and_uniquely_identified(tiny):
     model, tok = tiny
     sunk = []
-    collector = _collector(model, tok, sink=sunk.append, index=3)
+    collector = _collector(model, tok, sink=into(sunk), index=3)
     batches = [collector.collect() for _ in range(2)]
     assert [len(b) for b in sunk] == [12, 12] and sunk[0] is batches[0]
     for batch in batches:
@@ -91,7 +92,7 @@ def test_hooks_get_metrics_and_sink_errors_do_not_advance_ids(tiny):
     model, tok = tiny
     seen = []
 
-    def failing_sink(batch):
+    def failing_sink(batch, writer_state):
         raise OSError("disk full")
 
     collector = _collector(model, tok, sink=failing_sink, hooks=[seen.append])
@@ -115,13 +116,22 @@ def test_config_errors():
 def test_rows_round_trip_through_a_memmap_store(tiny, tmp_path):
     from rlhf_pipeline.storage import create_store
 
+    from rlhf_pipeline.storage import make_replay_buffer
+    from rlhf_pipeline.storage.writer_state import decode
+
     model, tok = tiny
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
     try:
-        collector = _collector(model, tok, sink=store.append)
+        collector = _collector(model, tok, sink=make_replay_buffer(store).extend)
         written = [collector.collect() for _ in range(2)]
         assert len(store) == 24
         back = store.read(torch.arange(24))
         assert back.equal(validate_batch(type(written[0]).cat(written), StoreSchema()))
+        # the state after those rows, published with them: a collector restored from it goes on as this one
+        published = decode(store.writer_state, store.location)["writer"]
+        assert published["groups_emitted"] == 6 and published["batches_emitted"] == 2
+        restored = _collector(model, tok, sink=None)
+        restored.load_state_dict(published)
+        assert restored.collect().equal(collector.collect())
     finally:
         store.close()

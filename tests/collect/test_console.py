@@ -77,7 +77,7 @@ def test_a_round_whose_tool_calls_all_fail_is_warned_of_once_with_the_first_erro
                                   limits=EpisodeLimits(max_turns=1, max_new_tokens=4),
                                   sampling=SamplingConfig(temperature=1.5), seed=11)
     collector = AgentCollector(model, tokenizer, TaskSource(TASKS, seed=5), lambda: BrokenToolsEnv(toolbox),
-                               lambda batch: None, config, parser=parse_hermes,
+                               lambda batch, writer_state: None, config, parser=parse_hermes,
                                hooks=[agent_round_printer(2, toolbox=toolbox, stream=console)])
     for _ in range(4):
         collector.collect()

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
-from rlhf_pipeline.collect.position import CollectorPosition
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.generation.settings import GenerationSettings, check_rounds, find_vllm_python
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema
-from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.storage import create_store, make_replay_buffer, open_store
+from helpers import resume
 
 PROMPTS, G = 4, 3
 ROUND_ROWS = PROMPTS * G
@@ -104,36 +104,32 @@ class Crash(Exception):
     """Stands for kill -9: nothing after the raise point runs."""
 
 
-def run_rounds(served, store, state_file, rounds, *, overlap, crash_at_append=None):
-    """Collects as ``runs/processes.py`` does (position saved around every append); the next round may
+def run_rounds(served, store, rounds, *, overlap, crash_at_append=None):
+    """Collects as ``runs/processes.py`` does (resumed from the store's last publish); the next round may
     go ahead while another follows. ``crash_at_append=k``: stop right after the k-th append."""
     appends, metrics = 0, []
+    buffer = make_replay_buffer(store)
 
-    def sink(batch):
+    def sink(batch, writer_state):
         nonlocal appends
-        store.append(batch)
+        buffer.extend(batch, writer_state=writer_state)
         appends += 1
         if appends == crash_at_append:
             metrics.append({"crashed_with_round_ahead": collector.has_round_ahead})
             raise Crash
 
-    position = CollectorPosition(state_file, store)
     collector = make_collector(*served, sink, overlap=overlap)
-    saved = position.load()
-    if saved is not None:
-        collector.load_state_dict(saved)
+    resumed = resume(collector, store)
     done = 0
     try:
         while done < rounds:
             more = done + 1 < rounds
-            collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk,
-                              next_round=lambda _rows: more)
-            position.after_write(collector.state_dict())
+            collector.collect(next_round=lambda _rows: more)
             metrics.append(dict(collector.last_metrics))
             done += 1
     except Crash:
         pass
-    return position, metrics
+    return resumed, metrics
 
 
 def stored(store):
@@ -155,7 +151,7 @@ def reference(served, tmp_path_factory):
     """ROUNDS streamed rounds one after the other (no overlap)."""
     where = tmp_path_factory.mktemp("reference")
     store = create_store(where / "buffer", "memmap", schema=StoreSchema())
-    run_rounds(served, store, where / "collector.pt", ROUNDS, overlap=False)
+    run_rounds(served, store, ROUNDS, overlap=False)
     rows = stored(store)
     store.close()
     return rows
@@ -163,7 +159,7 @@ def reference(served, tmp_path_factory):
 
 def test_rounds_submitted_ahead_store_the_rows_of_rounds_one_after_the_other(served, reference, tmp_path):
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
-    _, metrics = run_rounds(served, store, tmp_path / "collector.pt", ROUNDS, overlap=True)
+    _, metrics = run_rounds(served, store, ROUNDS, overlap=True)
     rows = stored(store)
     store.close()
     assert [m["submitted_ahead"] for m in metrics] == [0.0] + [1.0] * (ROUNDS - 1)  # every later round went ahead
@@ -176,8 +172,7 @@ def test_rounds_submitted_ahead_store_the_rows_of_rounds_one_after_the_other(ser
 def test_a_crash_with_two_rounds_in_flight_resumes_to_the_same_rows_each_trajectory_once(served, reference, tmp_path,
                                                                                        crash_at_append):
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
-    state_file = tmp_path / "collector.pt"
-    _, before = run_rounds(served, store, state_file, ROUNDS, overlap=True, crash_at_append=crash_at_append)
+    _, before = run_rounds(served, store, ROUNDS, overlap=True, crash_at_append=crash_at_append)
     crash = before.pop()
     assert "crashed_with_round_ahead" in crash  # the crash came (a round's appends vary with vLLM's steps)
     if len(before) < ROUNDS - 1:  # in a round another followed: that one was in flight too
@@ -185,11 +180,9 @@ def test_a_crash_with_two_rounds_in_flight_resumes_to_the_same_rows_each_traject
     cut = len(store)
     store.close()
     store = open_store(tmp_path / "buffer", mode="a")  # the restarted process
-    position = CollectorPosition(state_file, store)
-    position.load()
-    finished = (cut - position.resumed_partial_round) // ROUND_ROWS
-    assert finished >= len(before)  # the rounds whose after_write ran, and one whose last append landed
-    run_rounds(served, store, state_file, ROUNDS - finished, overlap=True)
+    finished = cut // ROUND_ROWS
+    assert finished >= len(before)  # the rounds that returned, and one whose last append landed
+    run_rounds(served, store, ROUNDS - finished, overlap=True)
     rows = stored(store)
     store.close()
     assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # each once, no gap
@@ -215,7 +208,7 @@ def test_the_engine_killed_with_two_rounds_in_flight_is_restarted_and_both_round
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
     restarts, killed = engine.stats.restarts, []
 
-    def sink(batch):
+    def sink(batch, writer_state):
         store.append(batch)
         if not killed and collector.has_round_ahead:  # the first append with two rounds in flight
             killed.append(engine.pid)
@@ -238,15 +231,16 @@ def test_the_engine_killed_with_two_rounds_in_flight_is_restarted_and_both_round
 
 WORKER = """
 import sys, time
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {tests!r}.rsplit("/", 1)[0]]
 from pathlib import Path
+from helpers import resume
 from test_overlap import STOPS, make_collector
-from rlhf_pipeline.collect.position import CollectorPosition
+from rlhf_pipeline.collect.streaming import stored_in_round
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema
-from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.storage import create_store, make_replay_buffer, open_store
 
 if __name__ == "__main__":
     where = Path({where!r})
@@ -256,25 +250,20 @@ if __name__ == "__main__":
         store = create_store(where / "buffer", "memmap", schema=StoreSchema())
     model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
     engine = VLLMEngine.from_model(model, python=find_vllm_python(None), stop_token_ids=STOPS)
-    position = CollectorPosition(where / "collector.pt", store)
+    buffer = make_replay_buffer(store)
     appends = 0
-    def sink(batch):
+    def sink(batch, writer_state):
         global appends
-        store.append(batch)
+        buffer.extend(batch, writer_state=writer_state)
         appends += 1
         print("appended", appends, store.next_row, collector.has_round_ahead, flush=True)
         if appends == {stall_at}:
             time.sleep(600)  # killed here, between this append and the next, the next round in flight
     collector = make_collector(engine, tok, sink, overlap=True)
-    saved = position.load()
-    if saved is not None:
-        collector.load_state_dict(saved)
-    print("resumed", position.resumed_partial_round, flush=True)
+    print("resumed", stored_in_round(resume(collector, store) or {{}}) * {group_rows}, flush=True)
     while store.next_row < {rows}:
         more = store.next_row + {round_rows} < {rows}
-        collector.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk,
-                          next_round=lambda _rows: more)
-        position.after_write(collector.state_dict())
+        collector.collect(next_round=lambda _rows: more)
     collector.close()
     store.close()
     print("done", flush=True)
@@ -300,7 +289,7 @@ def test_kill_9_of_a_collector_with_two_rounds_in_flight_resumes_to_the_same_row
     def worker(stall_at):
         script = tmp_path / f"worker-{stall_at}.py"
         script.write_text(WORKER.format(tests=tests, where=str(tmp_path), stall_at=stall_at,
-                                        rows=ROUNDS * ROUND_ROWS, round_rows=ROUND_ROWS))
+                                        rows=ROUNDS * ROUND_ROWS, round_rows=ROUND_ROWS, group_rows=G))
         return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
 
     child = worker(stall_at=3)  # the second round's appends, the third round ahead

@@ -1,5 +1,6 @@
-"""A collector's position history: one state per committed round by the store's row count, kept on
-the checkpoint schedule, and agreeing with the position file after a kill at any point of a round."""
+"""A collector's position history: the writer state its store published after each round, by the
+store's row count, kept on the checkpoint schedule, and agreeing with the store after a kill at any
+point of a round."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from rlhf_pipeline.collect.position import CollectorPosition
 from rlhf_pipeline.collect.position_history import PositionHistory, history_key
 from rlhf_pipeline.files.run_store import LocalRunStore
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.storage.writer_state import decode, encode
 
 from helpers import make_batch
 
@@ -29,24 +30,28 @@ def state(round_: int) -> dict:
     rng.manual_seed(round_)
     return {"prompts": {"position": round_ * 2}, "groups_emitted": round_ * 2, "trajectories_emitted": round_ * 8,
             "batches_emitted": round_, "policy_version": round_ // 2, "rng": rng.get_state(),
-            "config": {"collector_index": 0}}
+            "config": {"collector_index": 0}, "runner": {"rounds_at_version": round_ - 1}}
 
 
-def commit_rounds(directory: Path, rounds: range, kept=lambda: None) -> CollectorPosition:
-    """Rounds as ``collect_main`` commits them: before_write, the append, after_write."""
+def published(round_: int) -> bytes:
+    """The writer state a buffer publishes with the rows of ``round_`` rounds."""
+    return encode(state(round_), [])
+
+
+def commit_rounds(directory: Path, rounds: range, kept=lambda: None) -> PositionHistory:
+    """Rounds as ``collect_main`` commits them: the append with its state, then the history entry."""
     store = open_store(directory / "shard", mode="a")
-    position = CollectorPosition(directory / "collector" / "shard-0000.pt", store)
-    position.history = PositionHistory(LocalRunStore(directory / "collector"), history_key("shard-0000.pt"), kept)
-    position.load()
+    history = PositionHistory(LocalRunStore(directory / "collector"), history_key("shard-0000.pt"), kept)
+    if store.writer_state is not None and not history.has(store.next_row):  # what a start does
+        history.record(store.next_row, store.writer_state)
     start = store.next_row // 8  # a restarted collector goes on from the rounds written
     try:
         for round_ in (start + r for r in rounds):
-            position.before_write(state(round_ + 1), {"rounds_at_version": round_})
-            store.append(make_batch(2, 4))
-            position.after_write(state(round_ + 1), {"rounds_at_version": round_})
+            store.append(make_batch(2, 4), writer_state=published(round_ + 1))
+            history.record(store.next_row, store.writer_state)
     finally:
         store.close()
-    return position
+    return history
 
 
 def test_each_round_is_kept_by_its_row_count_and_pruned_to_what_kept_checkpoints_name(tmp_path):
@@ -56,6 +61,7 @@ def test_each_round_is_kept_by_its_row_count_and_pruned_to_what_kept_checkpoints
     assert history.rows() == [8 * r for r in range(1, 7)]
     at_24 = history.state_at(24)
     assert at_24["committed"]["batches_emitted"] == 3 and at_24["loop"] == {"rounds_at_version": 2}
+    assert at_24["pending"] is None
     assert torch.equal(at_24["committed"]["rng"], state(3)["rng"])
     # checkpoints kept at 16 and 32 rows: the rest before the newest goes, what follows it stays
     pruned = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"),
@@ -72,7 +78,7 @@ def test_the_weights_a_kept_state_sampled_with_stay_linked_after_the_run_prunes_
     history = PositionHistory(LocalRunStore(tmp_path / "collector"), "shard-0000.history",
                               lambda: [(16, 2)], weights_file=lambda v: weights / f"v{v}")
     for round_ in range(1, 4):  # states holding versions 0, 1, 1
-        history.record(8 * round_, state(round_), {})
+        history.record(8 * round_, published(round_))
     for version in range(4):
         (weights / f"v{version}").unlink()  # the learner pruned them
     # the checkpoint at 16 rows (policy version 2) needs from the version its state held (1) on
@@ -100,11 +106,10 @@ def test_a_kill_at_any_moment_of_a_round_leaves_a_history_the_reload_agrees_with
         time.sleep(0.05 + 0.07 * kill)  # then somewhere in a later round
         child.send_signal(signal.SIGKILL)
         child.wait()
+        commit_rounds(tmp_path, range(0))  # the next start: it keeps the entry a kill came before
         store = open_store(tmp_path / "shard", mode="r")
-        position = CollectorPosition(tmp_path / "collector" / "shard-0000.pt", store)
         history = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"))
-        position.history = history
-        resumed = position.load()
+        resumed = decode(store.writer_state, store.location)["writer"]
         entry = history.state_at(store.next_row)
         assert resumed is not None and entry is not None, f"kill {kill}: nothing written yet"
         assert entry["committed"]["batches_emitted"] == resumed["batches_emitted"] == store.next_row // 8
@@ -113,31 +118,17 @@ def test_a_kill_at_any_moment_of_a_round_leaves_a_history_the_reload_agrees_with
         store.close()
 
 
-def test_a_crash_between_the_append_and_the_saves_is_kept_at_the_next_load(tmp_path):
-    """Killed after the append, before the history entry (or after it, before the position file):
-    the next load finds the round written and keeps (or keeps) its state under the new row count."""
+def test_a_crash_between_the_append_and_the_history_entry_is_kept_at_the_next_start(tmp_path):
+    """Killed after the append, before the history entry: the next start finds the state the store
+    published and keeps it under the new row count."""
     create_store(tmp_path / "shard", "memmap", schema=StoreSchema()).close()
     commit_rounds(tmp_path, range(2))
-    for history_written in (False, True):
-        store = open_store(tmp_path / "shard", mode="a")
-        position = CollectorPosition(tmp_path / "collector" / "shard-0000.pt", store)
-        history = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"))
-        position.history = history
-        position.load()
-        after = state(store.next_row // 8 + 1)
-        position.before_write(after, {"rounds_at_version": 9})
-        store.append(make_batch(2, 4))
-        if history_written:  # what after_write does first
-            history.record(store.next_row, after, {"rounds_at_version": 9})
-        store.close()  # the kill: the position file still holds the round in flight
-        store = open_store(tmp_path / "shard", mode="a")
-        position = CollectorPosition(tmp_path / "collector" / "shard-0000.pt", store)
-        position.history = history
-        assert position.load()["batches_emitted"] == after["batches_emitted"] and position.resumed_inflight_round
-        kept = history.state_at(store.next_row)
-        assert kept["committed"]["batches_emitted"] == after["batches_emitted"]
-        assert kept["loop"] == {"rounds_at_version": 9}
-        store.close()
+    with open_store(tmp_path / "shard", mode="a") as store:
+        store.append(make_batch(2, 4), writer_state=published(3))  # the kill came before its entry
+    history = commit_rounds(tmp_path, range(0))
+    kept = history.state_at(24)
+    assert kept["committed"]["batches_emitted"] == 3 and kept["loop"] == {"rounds_at_version": 2}
+    assert torch.equal(kept["committed"]["rng"], state(3)["rng"])
 
 
 def test_at_a_url_the_weights_a_kept_state_sampled_with_stay_as_copies_after_the_run_prunes_them(s3_server,
@@ -152,7 +143,7 @@ def test_at_a_url_the_weights_a_kept_state_sampled_with_stay_as_copies_after_the
                               weights_object=lambda v: f"weights/policy_{v:08d}.safetensors"
                               if store.exists(f"weights/policy_{v:08d}.safetensors") else None)
     for round_ in range(1, 4):  # states holding versions 0, 1, 1
-        history.record(8 * round_, state(round_), {})
+        history.record(8 * round_, published(round_))
     for version in range(4):
         store.delete(f"weights/policy_{version:08d}.safetensors")  # the learner pruned them
     # the checkpoint at 16 rows (policy version 2) needs from the version its state held (1) on

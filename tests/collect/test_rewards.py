@@ -23,6 +23,7 @@ from rlhf_pipeline.models import tiny_reward_model
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, make_replay_buffer
 from rlhf_pipeline.transforms import GroupAdvantage
+from helpers import into
 
 
 @pytest.mark.parametrize("text, value", [
@@ -160,7 +161,7 @@ def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tin
     """A NaN reward stopped the whole run (and again on resume); now its group is dropped as the agent
     collector drops one: the other groups are written through the write path, the dropped one counted."""
     store = create_store(tmp_path / "buf", "memmap", schema=StoreSchema(optional=("advantage",)))
-    buffer = make_replay_buffer(store, transforms=[GroupAdvantage(4, store=store)])
+    buffer = make_replay_buffer(store, transforms=[GroupAdvantage(4)])
     reward = NaNOnMultiplesOfThree()
     straight = _collector(tiny, reward, buffer.extend, stream=stream, max_failed_group_fraction=None)
     rounds, dropped = [], []
@@ -197,9 +198,10 @@ def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tin
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_round_whose_every_group_is_dropped_writes_nothing_and_reports_no_nan(tiny, stream):
     sunk = []
-    collector = _collector(tiny, lambda prompts, completions, **_: [math.inf] * len(completions), sunk.append,
+    collector = _collector(tiny, lambda prompts, completions, **_: [math.inf] * len(completions),
+                           lambda batch, writer_state: sunk.append((batch, writer_state["batches_emitted"])),
                            stream=stream, max_failed_group_fraction=None)
-    assert len(collector.collect()) == 0 and sunk == []
+    assert len(collector.collect()) == 0 and sunk == [(None, 1)]  # no rows: the state after the round alone
     metrics = collector.last_metrics
     assert metrics["groups_dropped"] == 3 and metrics["dropped/non_finite_reward"] == 3
     assert all(math.isfinite(v) for v in metrics.values())
@@ -213,10 +215,10 @@ def test_a_reward_that_is_never_finite_stops_the_collector_past_the_failure_rate
     after its round, as the agent collector does, and the count survives a resume."""
     sunk = []
     always_nan = lambda prompts, completions, **_: [math.nan] * len(completions)  # noqa: E731
-    collector = _collector(tiny, always_nan, sunk.append, stream=stream, max_failed_group_fraction=0.5,
+    collector = _collector(tiny, always_nan, into(sunk), stream=stream, max_failed_group_fraction=0.5,
                            failure_rate_min_groups=8)
     collector.collect()  # 3 of 3 dropped: 3 <= 0.5 * max(3, 8)
-    resumed = _collector(tiny, always_nan, sunk.append, stream=stream, max_failed_group_fraction=0.5,
+    resumed = _collector(tiny, always_nan, into(sunk), stream=stream, max_failed_group_fraction=0.5,
                          failure_rate_min_groups=8)
     resumed.load_state_dict(collector.state_dict())
     assert resumed.groups_dropped == 3

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_pipeline.collect.position import CollectorPosition
-from rlhf_pipeline.collect.streaming import commit_in_order
+from rlhf_pipeline.collect.streaming import commit_in_order, stored_in_round
 from rlhf_pipeline.generation.engine import CompletionGroup
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
 
+from helpers import Crash, resume, store_sink
 from stream_setup import APPENDS, ROUND_ROWS, collector, policy
 
 ROUNDS = 4
@@ -28,36 +28,20 @@ def tiny():
     return policy()
 
 
-class Crash(Exception):
-    """Stands for kill -9: nothing after the raise point runs."""
-
-
-def run_rounds(tiny, store, state_file, rounds, *, stream=True, crash_at_append=None):
-    """Collects like ``collect_main`` does; ``crash_at_append=k``: stop right after the k-th append."""
-    appends = 0
-
-    def sink(batch):
-        nonlocal appends
-        store.append(batch)
-        appends += 1
-        if appends == crash_at_append:
-            raise Crash
-
-    position = CollectorPosition(state_file, store)
-    streamer = collector(*tiny, sink, stream=stream)
-    saved = position.load()
-    if saved is not None:
-        streamer.load_state_dict(saved)
+def run_rounds(tiny, store, rounds, *, stream=True, crash_at_append=None):
+    """Collects like ``collect_main`` does; ``crash_at_append=k``: stop right after the k-th append.
+    Returns the state it resumed from and the appends of each round."""
+    streamer = collector(*tiny, store_sink(store, crash_after=crash_at_append), stream=stream)
+    resumed = resume(streamer, store)
     done, sizes = 0, []
     try:
         while done < rounds:
-            streamer.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk)
-            position.after_write(streamer.state_dict())
+            streamer.collect()
             sizes.append(streamer.last_metrics.get("chunks", 1.0))
             done += 1
     except Crash:
         pass
-    return position, sizes
+    return resumed, sizes
 
 
 def stored(store):
@@ -69,7 +53,7 @@ def reference(tiny, tmp_path_factory):
     """Rows of ROUNDS uninterrupted rounds, each one append."""
     where = tmp_path_factory.mktemp("reference")
     store = create_store(where / "buffer", "memmap", schema=StoreSchema())
-    run_rounds(tiny, store, where / "collector.pt", ROUNDS, stream=False)
+    run_rounds(tiny, store, ROUNDS, stream=False)
     rows = stored(store)
     store.close()
     return rows
@@ -77,7 +61,7 @@ def reference(tiny, tmp_path_factory):
 
 def test_streamed_rounds_store_the_rows_of_whole_rounds_byte_equal(tiny, tmp_path, reference):
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
-    _, chunks = run_rounds(tiny, store, tmp_path / "collector.pt", ROUNDS)
+    _, chunks = run_rounds(tiny, store, ROUNDS)
     rows = stored(store)
     store.close()
     assert chunks == [len(sizes) for sizes in APPENDS]  # rounds really went in several appends
@@ -89,16 +73,13 @@ def test_streamed_rounds_store_the_rows_of_whole_rounds_byte_equal(tiny, tmp_pat
 def test_a_crash_between_appends_resumes_to_the_same_rows_each_trajectory_once(tiny, tmp_path, reference,
                                                                                crash_at_append):
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
-    state_file = tmp_path / "collector.pt"
-    run_rounds(tiny, store, state_file, ROUNDS, crash_at_append=crash_at_append)
+    run_rounds(tiny, store, ROUNDS, crash_at_append=crash_at_append)
     cut = len(store)
     store.close()
     store = open_store(tmp_path / "buffer", mode="a")  # the restarted process
-    position = CollectorPosition(state_file, store)
-    position.load()
-    partial = position.resumed_partial_round
-    finished = (cut - partial) // ROUND_ROWS
-    run_rounds(tiny, store, state_file, ROUNDS - finished)
+    finished = cut // ROUND_ROWS
+    resumed, _ = run_rounds(tiny, store, ROUNDS - finished)
+    partial = stored_in_round(resumed) * 3  # groups of 3 rows
     rows = stored(store)
     store.close()
     assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))  # each once, none skipped
@@ -138,11 +119,12 @@ def test_an_engine_that_cannot_stream_is_refused_by_setting_name(tiny):
 
 WORKER = """
 import sys, time
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {tests!r}.rsplit("/", 1)[0]]
 from stream_setup import collector, policy
-from rlhf_pipeline.collect.position import CollectorPosition
+from helpers import resume
+from rlhf_pipeline.collect.streaming import stored_in_round
 from rlhf_pipeline.schema import StoreSchema
-from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.storage import create_store, make_replay_buffer, open_store
 from pathlib import Path
 
 where = Path({where!r})
@@ -150,23 +132,19 @@ if (where / "buffer").exists():
     store = open_store(where / "buffer", mode="a")
 else:
     store = create_store(where / "buffer", "memmap", schema=StoreSchema())
-position = CollectorPosition(where / "collector.pt", store)
+buffer = make_replay_buffer(store)
 appends = 0
-def sink(batch):
+def sink(batch, writer_state):
     global appends
-    store.append(batch)
+    buffer.extend(batch, writer_state=writer_state)
     appends += 1
     print("appended", appends, store.next_row, flush=True)
     if appends == {stall_at}:
         time.sleep(600)  # killed here, between this append and the next
 streamer = collector(*policy(), sink, stream=True)
-saved = position.load()
-if saved is not None:
-    streamer.load_state_dict(saved)
-print("resumed", position.resumed_partial_round, flush=True)
+print("resumed", stored_in_round(resume(streamer, store) or {{}}) * 3, flush=True)
 while store.next_row < {rows}:
-    streamer.collect(before_write=position.before_write, before_first_chunk=position.before_first_chunk)
-    position.after_write(streamer.state_dict())
+    streamer.collect()
 store.close()
 print("done", flush=True)
 """

@@ -37,7 +37,7 @@ def collect_rows(path: Path, backend: str, rounds: int = 5, segment_rows: int = 
     model, tokenizer = tiny_model_and_tokenizer(seed=0)
     reference, _ = tiny_model_and_tokenizer(seed=1)
     store = create_store(path, backend, schema=StoreSchema(optional=WRITE_PATH_FIELDS), segment_rows=segment_rows)
-    buffer = make_replay_buffer(store, transforms=[GroupAdvantage(GROUP_SIZE, store=store),
+    buffer = make_replay_buffer(store, transforms=[GroupAdvantage(GROUP_SIZE),
                                                    ReferenceLogProbs(reference), KLReward(0.05)])
     collector = Collector(model, tokenizer, PromptSource(toy_prompts(64, seed=0), required_fields=("answer",)),
                           # the untrained model rarely answers right; its answers' lengths vary

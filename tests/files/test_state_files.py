@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from rlhf_pipeline.files.atomic import save_torch_atomic
-from rlhf_pipeline.collect.position import CollectorPosition
 from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress, capture_rng_state, restore_rng_state
 from rlhf_pipeline.files.state_files import StateFileError
 
@@ -50,12 +49,18 @@ def test_a_planted_checkpoint_is_refused_and_runs_nothing(tmp_path):
     assert manager.load(manager.paths()[0])[0].step == 3  # the checkpoint we wrote still loads
 
 
-def test_a_planted_collector_position_is_refused(tmp_path):
-    state_file = tmp_path / "collector" / "shard-0000.pt"
-    state_file.parent.mkdir()
-    plant(state_file, tmp_path / "ran")
-    with pytest.raises(StateFileError, match=r"collector position .*shard-0000\.pt.*could run code"):
-        CollectorPosition(state_file, store=None).load()
+def test_a_planted_collector_state_is_refused(tmp_path):
+    """A writer state planted in a shared buffer (the collector's position and pending groups) is
+    refused by whatever resumes from it, and runs nothing."""
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage import create_store
+    from rlhf_pipeline.storage.writer_state import decode
+
+    plant(tmp_path / "bad.pt", tmp_path / "ran")
+    with create_store(tmp_path / "shard-0000", "memmap", schema=StoreSchema()) as store:
+        store.append(None, writer_state=(tmp_path / "bad.pt").read_bytes())
+        with pytest.raises(StateFileError, match=r"writer state .*shard-0000.*could run code"):
+            decode(store.writer_state, store.location)
     assert not (tmp_path / "ran").exists()
 
 

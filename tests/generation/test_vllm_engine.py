@@ -25,7 +25,7 @@ from engine_contract import (
     check_streamed_groups_are_the_sampled_ones_short_first,
     max_log_prob_difference,
 )
-from helpers import kill_once_busy, process_running
+from helpers import into, kill_once_busy, process_running
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
@@ -162,7 +162,7 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
         batches: list = []
         source = PromptSource(toy_prompts(12, seed=1), seed=0, required_fields=("answer",))
         config = CollectorConfig(prompts_per_batch=6, num_generations=8, sampling=SamplingConfig(max_new_tokens=48))
-        collector = Collector(engine, tok, source, {"toy": toy_reward}, batches.append, config)
+        collector = Collector(engine, tok, source, {"toy": toy_reward}, into(batches), config)
         for round_index in range(2):
             killer = kill_once_busy(engine.pid) if round_index == kill_in_round else None
             collector.collect()

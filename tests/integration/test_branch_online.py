@@ -183,15 +183,15 @@ def test_a_collector_with_groups_pending_at_the_branch_rows_is_refused_online_by
 
     from rlhf_pipeline.collect.position_history import PositionHistory, history_key
     from rlhf_pipeline.files.run_store import LocalRunStore
+    from rlhf_pipeline.storage.writer_state import encode
     from rlhf_pipeline.transforms.pending_groups import PendingGroups
 
     parent, branch = tmp_path / "parent", tmp_path / "b"
     (parent / "buffer" / "shard-0000").mkdir(parents=True)
-    pending = PendingGroups(directory=tmp_path / "pending")
+    pending = PendingGroups()
     pending.add(make_batch(1, 2))  # half a group of 4
-    history = PositionHistory(LocalRunStore(parent / "collector"), history_key("shard-0000.pt"),
-                              pending=(tmp_path / "pending" / "state.pt").read_bytes)
-    history.record(32, {"policy_version": 2}, {})
+    history = PositionHistory(LocalRunStore(parent / "collector"), history_key("shard-0000.pt"))
+    history.record(32, encode({"policy_version": 2}, [pending.to_payload()]))
     branch.mkdir()
     (branch / "branch.json").write_text(json.dumps({"parent": str(parent), "step": 2, "replay_source": None,
                                                     "buffer_rows": {"shard-0000": 32}, "policy_version": 2}))

@@ -125,25 +125,23 @@ def test_a_branch_at_a_url_killed_mid_run_resumes_online_to_what_the_parent_trai
 
 
 def test_a_collector_with_groups_pending_at_the_branch_rows_is_refused_online_at_a_url(s3_server, s3_env, capsys):
-    """The position history at a URL keeps the shard's pending-groups snapshot too (an object under the
-    run's URL, where the write path keeps it there): a collector with rows of groups not whole yet at
-    the branch rows is refused in one line, not restarted without them."""
+    """The position history at a URL keeps the shard's writer state whole, its write path's pending
+    groups too: a collector with rows of groups not whole yet at the branch rows is refused in one
+    line, not restarted without them."""
     from helpers import make_batch
 
     from rlhf_pipeline.collect.position_history import PositionHistory, history_key
     from rlhf_pipeline.files.run_paths import RunPaths
-    from rlhf_pipeline.runs.branch_online import pending_snapshot
+    from rlhf_pipeline.storage.writer_state import encode
     from rlhf_pipeline.transforms.pending_groups import PendingGroups
 
     home = s3_server.url("runs")
     parent = RunPaths.at_url(f"{home}/parent")
     parent.store.write("settings.json", b"{}")
-    shard = f"{parent.url}/buffer/shard-0000"
-    where, run_store = parent.state_object(parent.pending_groups("shard-0000"))
-    PendingGroups(directory=where, run_store=run_store).add(make_batch(1, 2))  # half a group of 4
-    history = PositionHistory(parent.store, history_key("collector/shard-0000.pt"),
-                              pending=pending_snapshot(parent, shard))
-    history.record(32, {"policy_version": 2}, {})
+    pending = PendingGroups()
+    pending.add(make_batch(1, 2))  # half a group of 4
+    history = PositionHistory(parent.store, history_key("collector/shard-0000.pt"))
+    history.record(32, encode({"policy_version": 2}, [pending.to_payload()]))
     ObjectRunStore(f"{home}/b").write("branch.json", json.dumps({
         "parent": parent.url, "step": 2, "replay_source": None, "buffer_rows": {"shard-0000": 32},
         "policy_version": 2}).encode())

@@ -1,7 +1,7 @@
 """A collector of a run at a URL killed with ``kill -9`` while groups are pending, resumed on
 "another machine" (a fresh process with an empty cache directory of its own): the pending groups
-are found under the run's URL, and the buffer ends with every group whole, once, equal to an
-uninterrupted run's. moto's S3 server on loopback; the write path is ``pipelines/default.py``'s.
+are found in the shard's own commit record at its URL (its writer state), and the buffer ends with
+every group whole, once, equal to an uninterrupted run's. moto's S3 server on loopback; the write path is ``pipelines/default.py``'s.
 
 The collector here sends each group's completions over several writes (as a streaming collector
 would), which is what leaves groups pending between writes; the pipeline's own collector writes
@@ -22,6 +22,7 @@ from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.pipeline import load_pipeline_module, make_settings
 from rlhf_pipeline.storage import open_store
+from rlhf_pipeline.storage.writer_state import decode
 
 REPO = Path(__file__).resolve().parents[2]
 SHARD0 = spread_shard_name(0)  # collector 0's shard at an object-store URL
@@ -123,7 +124,8 @@ def test_a_collector_killed_with_pending_groups_resumes_on_another_machine(s3_se
         if first.poll() is None:
             first.kill()
     assert first.returncode == -signal.SIGKILL
-    assert f"collector/pending-{SHARD0}/state.pt" in s3_server.keys(f"{home}/crash")
+    with open_store(f"{home}/crash/buffer/{SHARD0}", mode="r") as shard:  # published with the shard's rows
+        assert decode(shard.writer_state, shard.location)["write_path"][0]["rows"] is not None
     assert _nothing_local(tmp_path / "machine-a")  # the pending groups were never only on its disk
 
     out = _finish(_collector(tmp_path, env, f"{home}/crash", "machine-b"))

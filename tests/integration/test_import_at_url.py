@@ -101,8 +101,8 @@ def test_an_import_into_a_run_at_a_url_gets_a_shard_there_and_inspect_shows_it(s
     assert main(["import", str(source), f"{run.url}/buffer"]) == 0
     assert "was already imported" in capsys.readouterr().err
     assert len(rows_of(shard)) == 12
-    # once collector 0 has run (its position object exists), its shard is refused: ids would collide
-    run.store.write("collector/shard-0000.pt", b"position", fence=False)
+    # once collector 0 has run (its position history exists), its shard is refused: ids would collide
+    run.store.write("collector/shard-0000.history/row_000000000012.pt", b"position", fence=False)
     assert main(["import", str(source), f"{run.url}/buffer/shard-0000", "--quiet"]) == 2
     assert "is written by collector 0 of run" in capsys.readouterr().err
 

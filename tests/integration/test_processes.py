@@ -17,6 +17,7 @@ from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.storage import ShardedStoreReader, create_store, open_buffer, open_store
 from rlhf_pipeline.storage.sharded import list_shards
+from rlhf_pipeline.storage.writer_state import decode
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
@@ -96,7 +97,7 @@ def test_two_collectors_feed_one_learner_through_buffer_shards(tmp_path):
             assert len(shard) > 0 and len(shard) % 4 == 0
             ids = shard.read(torch.arange(len(shard)), fields=("group_id", "trajectory_id"))
             assert bool((ids["group_id"] >> 40 == k).all()) and bool((ids["trajectory_id"] >> 40 == k).all())
-        assert (run / "collector" / f"shard-{k:04d}.pt").exists()
+            assert decode(shard.writer_state, path)["writer"]["config"]["collector_index"] == k  # its own state
 
     # the learner's union: ids unique across shards, whole groups of 4
     with open_buffer(run / "buffer", mode="r") as union:
@@ -274,3 +275,26 @@ def test_a_resumed_collector_numbers_its_rounds_on_from_where_it_stopped(tmp_pat
     err = capsys.readouterr().err
     assert "[collector] round 50: 4 rows, shard 200 rows" in err, err
     assert "[collector] stopped after 20 rounds" in err
+
+
+def test_a_collector_position_file_of_a_run_made_before_writer_states_is_refused_in_one_line(tmp_path, capsys):
+    """Such a run kept its collector's position in ``collector/shard-0000.pt`` beside a shard whose
+    appends carried no state: it cannot be resumed exactly, and is refused by name, not restarted
+    from the first prompt (its ids would repeat)."""
+    from helpers import make_batch
+
+    argv = ["collect", DEFAULT, "--home", str(tmp_path), "--run-name", "old", "--set", "warm_start_steps=0",
+            "--set", "rounds_ahead=none", "--steps", "1"]
+    shard = tmp_path / "old" / "buffer" / "shard-0000"
+    with create_store(shard, "memmap", schema=None) as store:
+        store.append(make_batch(2, 4))  # rows written the old way: no writer state
+    (tmp_path / "old" / "collector").mkdir()
+    torch.save({"format": 1, "committed": {}, "loop": {}, "inflight": None},
+               tmp_path / "old" / "collector" / "shard-0000.pt")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("[")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "shard-0000.pt is the collector position of a run made before" in lines[0], lines
+    with open_store(shard, mode="r") as store:
+        assert store.next_row == 8  # nothing written

@@ -187,6 +187,59 @@ class StoreContractTests(TorchRLContractTests):
             assert reader.refresh() == 12
             assert reader.read(torch.arange(12)).equal(TrajectoryBatch.cat([self.batch(0), self.batch(2)]))
 
+    # ------------------------------------------------------------------ the writer's state
+    def test_writer_state_is_published_with_its_rows(self, factory, location):
+        """An append's writer_state is the store's from that publish on: for the writer, a reader
+        after refresh, and a reopened writer; an append without one keeps it."""
+        with self.new_store(factory, location) as store, factory.open(location, "r") as reader:
+            assert store.writer_state is None and reader.writer_state is None
+            store.append(self.batch(0), writer_state=b"after batch 0")
+            assert store.writer_state == b"after batch 0"
+            assert reader.writer_state is None  # not refreshed yet: its rows and state are the old ones
+            assert reader.refresh() == 6 and reader.writer_state == b"after batch 0"
+            store.append(self.batch(1))
+            assert store.writer_state == b"after batch 0"
+            store.append(self.batch(2), writer_state=bytes(range(256)) * 40)  # any bytes, a few KB
+        with factory.open(location, "a") as store:
+            assert store.next_row == 18 and store.writer_state == bytes(range(256)) * 40
+
+    def test_writer_state_alone_is_published_without_rows(self, factory, location):
+        """A round whose groups were all dropped still moves the writer on: its state is published
+        with no rows, and the rows stay as they were."""
+        with self.new_store(factory, location) as store, factory.open(location, "r") as reader:
+            store.append(self.batch(0), writer_state=b"one")
+            assert store.append(None, writer_state=b"two").tolist() == []
+            assert store.append(self.batch(1).select(torch.arange(0)), writer_state=b"three").tolist() == []
+            assert (store.next_row, store.writer_state) == (6, b"three")
+            assert (reader.refresh(), reader.writer_state) == (6, b"three")
+            assert reader.read(torch.arange(6)).equal(self.batch(0))
+            assert store.append(self.batch(1)).tolist() == list(range(6, 12))
+        with factory.open(location, "r") as reader:
+            assert (reader.next_row, reader.writer_state) == (12, b"three")
+
+    def test_writer_state_stays_through_eviction_and_sealing(self, factory, location):
+        with self.new_store(factory, location, capacity_rows=2 * self.segment_rows) as store:
+            for i in range(8):
+                store.append(self.batch(i), writer_state=f"after {i}".encode())
+            assert store.first_row > 0  # evicted: those publishes carried no state of their own
+            if hasattr(store, "flush"):
+                store.flush()  # a background seal published since
+            assert store.writer_state == b"after 7"
+        with factory.open(location, "r") as reader:
+            assert reader.writer_state == b"after 7"
+
+    def test_rejected_write_leaves_the_writer_state_unchanged(self, factory, location):
+        with self.new_store(factory, location) as store:
+            store.append(self.batch(0), writer_state=b"kept")
+            bad = self.batch(1)
+            with pytest.raises(TrajectoryValidationError):
+                store.append(bad.without("response_text"), writer_state=b"never")
+            with pytest.raises(TypeError, match="writer_state must be bytes"):
+                store.append(self.batch(1), writer_state={"position": 1})
+            assert (store.next_row, store.writer_state) == (6, b"kept")
+        with factory.open(location, "r") as reader:
+            assert (reader.next_row, reader.writer_state) == (6, b"kept")
+
     # ------------------------------------------------------------------ torchrl
     def test_replay_buffer_extend_and_random_sample(self, factory, location):
         with self.new_store(factory, location) as store:

@@ -85,11 +85,19 @@ def check_rows(batch: TrajectoryBatch) -> None:
             raise AssertionError(f"field {name!r} of rows with trajectory ids {tids.tolist()} is torn or wrong")
 
 
+def writer_state_at(next_row: int) -> bytes:
+    """The writer state the appending workers publish with the rows up to ``next_row``."""
+    return f"rows to {next_row}".encode() * 50  # a few KB, as a collector's position is
+
+
 def check_resumes_after_a_kill(open_for_append, open_for_read, published: int, label: str) -> None:
     """After a writer was killed: the store reopens for appending with every row published before
     the kill intact and ids without a gap, takes three more rows, and a reader sees exactly those."""
     with open_for_append() as store:
         assert store.next_row >= published, f"{label}: published {published}, reopened {store.next_row}"
+        # the state of the last publish came with exactly its rows: both old or both new, never mixed
+        if store.next_row:
+            assert store.writer_state == writer_state_at(store.next_row), f"{label}: writer state of other rows"
         everything = store.read(torch.arange(len(store)))
         check_rows(everything)
         assert everything["trajectory_id"].tolist() == list(range(store.next_row))
@@ -104,7 +112,9 @@ def _append(backend, path: str, batch_rows: int, batches: int, report=None) -> N
     store = backend.open(path, "a")
     done = 0
     while batches < 0 or done < batches:
-        store.append(checksummed_batch(store.next_row, batch_rows))
+        # the state names the rows it goes with: a reader finds the two together or neither
+        store.append(checksummed_batch(store.next_row, batch_rows),
+                     writer_state=writer_state_at(store.next_row + batch_rows))
         done += 1
         if report is None:
             print(f"published {store.next_row}", flush=True)

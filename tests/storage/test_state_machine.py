@@ -1,6 +1,7 @@
 """Each backend against a plain Python model, through random sequences of operations.
 
-The model is the list of every row ever appended plus the first row still held.
+The model is the list of every row ever appended plus the first row still held, and the last
+writer state an append published.
 Eviction in the model is the contract's rule: the smallest multiple of
 ``segment_rows`` that brings the rows held to at most ``capacity_rows``.
 """
@@ -38,6 +39,7 @@ def make_machine(backend_name: str) -> type[RuleBasedStateMachine]:
             self.rows: list[TrajectoryBatch] = []  # one batch per append, in order
             self.first_row = 0
             self.appends = 0
+            self.writer_state = None  # the last one an append published
 
         # ------------------------------------------------------------ model
         def model_rows(self) -> TrajectoryBatch:
@@ -58,20 +60,29 @@ def make_machine(backend_name: str) -> type[RuleBasedStateMachine]:
             self.reader = self.backend.open(self.path, "r")
 
         @precondition(lambda self: self.store is not None)
-        @rule(n_groups=st.integers(1, 3), group_size=st.integers(1, 3))
-        def append(self, n_groups, group_size):
+        @rule(n_groups=st.integers(1, 3), group_size=st.integers(1, 3), with_state=st.booleans())
+        def append(self, n_groups, group_size, with_state):
             self.appends += 1
             batch = make_batch(
                 n_groups, group_size, seed=self.appends, optional=OPTIONAL,
                 first_group_id=10 * self.appends, first_trajectory_id=self.next_row,
             )
             start = self.next_row
-            positions = self.store.append(batch)
+            state = f"after append {self.appends}".encode() if with_state else None
+            positions = self.store.append(batch, writer_state=state)
             self.rows.append(batch)
+            self.writer_state = state if with_state else self.writer_state
             if self.capacity is not None and self.next_row - self.first_row > self.capacity:
                 over = self.next_row - self.capacity
                 self.first_row = -(-over // SEGMENT_ROWS) * SEGMENT_ROWS
             assert positions.tolist() == list(range(start - self.first_row, self.next_row - self.first_row))
+
+        @precondition(lambda self: self.store is not None)
+        @rule()
+        def publish_writer_state_alone(self):
+            self.appends += 1
+            self.writer_state = f"no rows at {self.appends}".encode()
+            assert self.store.append(None, writer_state=self.writer_state).tolist() == []
 
         @precondition(lambda self: self.store is not None and self.next_row > 0)
         @rule(data=st.data())
@@ -104,6 +115,7 @@ def make_machine(backend_name: str) -> type[RuleBasedStateMachine]:
         def reader_refreshes_and_compares(self, data):
             held = self.reader.refresh()
             assert (held, self.reader.first_row) == (self.next_row - self.first_row, self.first_row)
+            assert self.reader.writer_state == self.writer_state
             positions = data.draw(st.lists(st.integers(0, held - 1), min_size=1, max_size=8))
             expected = self.model_rows().select(torch.tensor(positions) + self.first_row)
             assert self.reader.read(positions).equal(expected)
@@ -121,6 +133,7 @@ def make_machine(backend_name: str) -> type[RuleBasedStateMachine]:
             if self.store is not None:
                 assert (self.store.first_row, self.store.next_row) == (self.first_row, self.next_row)
                 assert len(self.store) == self.next_row - self.first_row
+                assert self.store.writer_state == self.writer_state
                 if self.capacity is not None:
                     assert len(self.store) <= max(self.capacity, SEGMENT_ROWS)
 

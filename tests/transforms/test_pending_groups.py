@@ -1,4 +1,5 @@
-"""Durable pending groups: reload, the append/crash ordering problem, rb state, and a real SIGKILL."""
+"""Pending groups in the store's writer state: reload, a crash on either side of the append, a write
+the store refuses, rb state, and a real SIGKILL."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 from helpers import make_batch
 
-from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.schema import StoreSchema, TrajectoryValidationError
+from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
 from rlhf_pipeline.storage.torchrl_glue import make_replay_buffer
 from rlhf_pipeline.transforms import GroupAdvantage, attach_write_path, group_advantages
@@ -26,6 +28,12 @@ def _store(path: Path) -> MemmapTrajectoryStore:
     return MemmapTrajectoryStore.create(path, SCHEMA, durable=False, exist_ok=True)
 
 
+def _buffer(store):
+    """A restarted writer's buffer: its write path's state as the store last published it."""
+    ga = GroupAdvantage(4)
+    return make_replay_buffer(store, transforms=[ga]), ga
+
+
 def _all_trajectory_ids(store) -> list[int]:
     if store.next_row == 0:
         return []
@@ -33,63 +41,58 @@ def _all_trajectory_ids(store) -> list[int]:
 
 
 def test_encode_decode_round_trip():
-    batch = make_batch(3, 2, optional=("ref_log_probs",))
+    batch = make_batch(2, 3)
     assert decode_batch(encode_batch(batch)).equal(batch)
 
 
-def test_pending_rows_survive_a_new_transform(tmp_path):
+def test_pending_rows_survive_a_new_buffer_on_the_store(tmp_path):
     store = _store(tmp_path / "buf")
-    batch = make_batch(2, 4)
-    ga = GroupAdvantage(4, store=store)
-    assert ga.write(batch.select([0, 1, 4])) is None
-    assert (tmp_path / "buf" / "pending" / "state.pt").exists()
-    again = GroupAdvantage(4, store=store)  # what a restarted collector builds
-    assert sorted(again.pending.trajectory_ids().tolist()) == [0, 1, 4]
-    assert again.metrics()["rows_in"] == 3
-    out = again.write(batch.select([2, 3]))
-    assert sorted(out["trajectory_id"].tolist()) == [0, 1, 2, 3]
-    store.close()
-
-
-def test_crash_between_transform_and_append_loses_nothing(tmp_path):
-    """The group completed in the transform but the process died before the append."""
-    store = _store(tmp_path / "buf")
+    rb, _ = _buffer(store)
     batch = make_batch(1, 4)
-    ga = GroupAdvantage(4, store=store)
-    ga.write(batch.select([0, 1]))
-    out = ga.write(batch.select([2, 3]))  # complete; the append never happens
-    assert len(out) == 4
-    restarted = GroupAdvantage(4, store=store)
-    assert sorted(restarted.pending.trajectory_ids().tolist()) == [0, 1]  # held rows are back
-    out = restarted.write(batch.select([2, 3]))  # the unacknowledged rows are sent again
-    store.append(out)
-    assert sorted(_all_trajectory_ids(store)) == [0, 1, 2, 3]
-    assert GroupAdvantage(4, store=store).pending.num_rows == 0
+    assert rb.extend(batch.select([0, 2])).numel() == 0  # no rows yet: the pending ones are published
     store.close()
-
-
-def test_crash_after_append_writes_group_once(tmp_path):
     store = _store(tmp_path / "buf")
+    rb, again = _buffer(store)  # what a restarted collector builds
+    assert sorted(again.pending.trajectory_ids().tolist()) == [0, 2]
+    assert again.metrics()["rows_in"] == 2  # the counters travel with the rows
+    assert rb.extend(batch.select([1, 3])).numel() == 4
+    assert sorted(_all_trajectory_ids(store)) == [0, 1, 2, 3] and again.pending.num_rows == 0
+    store.close()
+    with MemmapTrajectoryStore.open(tmp_path / "buf", "a") as store:
+        assert _buffer(store)[1].pending.num_rows == 0  # the completed group is not pending again
+
+
+def test_a_crash_between_the_transform_and_the_append_loses_nothing(tmp_path, monkeypatch):
+    """The group completed in the transform, the process died before the append published: neither
+    the rows nor the pending state moved, so the resent rows complete the group once."""
+    store = _store(tmp_path / "buf")
+    rb, _ = _buffer(store)
     batch = make_batch(1, 4)
-    ga = GroupAdvantage(4, store=store)
-    ga.write(batch.select([0, 1]))
-    store.append(ga.write(batch.select([2, 3])))  # appended, then the process dies
-    restarted = GroupAdvantage(4, store=store)
-    assert restarted.pending.num_rows == 0
+    rb.extend(batch.select([0, 1]))
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(type(store), "_append_validated", killed)
+    with pytest.raises(Killed):
+        rb.extend(batch.select([2, 3]))
+    monkeypatch.undo()
+    store.close()
+    store = _store(tmp_path / "buf")
+    rb, again = _buffer(store)
+    assert store.next_row == 0 and sorted(again.pending.trajectory_ids().tolist()) == [0, 1]
+    assert rb.extend(batch.select([2, 3])).numel() == 4
     assert sorted(_all_trajectory_ids(store)) == [0, 1, 2, 3]
     store.close()
 
 
 def test_failed_extend_keeps_pending_rows_in_process(tmp_path):
     """The store rejects the write after the group completed: resending it completes the group once."""
-    import pytest
-
-    from rlhf_pipeline.schema.ragged import RaggedTensor
-    from rlhf_pipeline.schema import TrajectoryValidationError
-
     store = _store(tmp_path / "buf")
-    ga = GroupAdvantage(4, store=store)
-    rb = attach_write_path(make_replay_buffer(store), ga)
+    rb, ga = _buffer(store)
     batch = make_batch(1, 4)
     log_probs = batch["response_log_probs"]
     bad_values = log_probs.values.clone()
@@ -98,7 +101,7 @@ def test_failed_extend_keeps_pending_rows_in_process(tmp_path):
     rb.extend(batch.select([0, 1]))
     with pytest.raises(TrajectoryValidationError, match="response_log_probs"):
         rb.extend(bad.select([2, 3]))
-    assert store.next_row == 0
+    assert store.next_row == 0 and sorted(ga.pending.trajectory_ids().tolist()) == [0, 1]
     assert rb.extend(batch.select([2, 3])).numel() == 4  # the corrected retry completes the group
     assert sorted(_all_trajectory_ids(store)) == [0, 1, 2, 3]
     assert ga.pending.num_rows == 0
@@ -113,7 +116,7 @@ def test_replay_buffer_state_dict_carries_pending_rows(tmp_path):
     state = rb.state_dict()
     store.close()
 
-    store = _store(tmp_path / "buf")
+    store = _store(tmp_path / "other")
     fresh = GroupAdvantage(4)
     rb2 = attach_write_path(make_replay_buffer(store), fresh)
     rb2.load_state_dict(state)
@@ -133,7 +136,7 @@ CHILD = textwrap.dedent("""
     from rlhf_pipeline.storage.torchrl_glue import make_replay_buffer
     from rlhf_pipeline.transforms import GroupAdvantage, attach_write_path
     store = MemmapTrajectoryStore.create({path!r}, StoreSchema(optional=("advantage",)), exist_ok=True)
-    rb = attach_write_path(make_replay_buffer(store), GroupAdvantage(4, store=store))
+    rb = make_replay_buffer(store, transforms=[GroupAdvantage(4)])
     batch = make_batch(50, 4, seed=5)  # far more than the parent lets it write
     order = torch.randperm(200, generator=torch.Generator().manual_seed(3))
     sizes = [1, 2, 3, 1, 3, 2] * 40
@@ -164,10 +167,10 @@ def test_sigkill_mid_collection_then_resume_writes_every_row_once(tmp_path):
     assert child.returncode == -signal.SIGKILL
 
     store = MemmapTrajectoryStore.open(path, "a")
-    ga = GroupAdvantage(4, store=store)
+    ga = GroupAdvantage(4)
+    rb = make_replay_buffer(store, transforms=[ga])  # the pending rows published with the last append
     held = set(_all_trajectory_ids(store)) | set(ga.pending.trajectory_ids().tolist())
     assert set(acked) <= held  # every acknowledged row is stored or pending
-    rb = attach_write_path(make_replay_buffer(store), ga)
     assert len(held) < 200  # the kill came mid-collection
     batch = make_batch(50, 4, seed=5)
     rb.extend(batch.select([i for i in range(200) if i not in held]))
@@ -177,34 +180,4 @@ def test_sigkill_mid_collection_then_resume_writes_every_row_once(tmp_path):
     stored = store.read_global(torch.arange(200))
     expected, _ = group_advantages(stored["reward"], stored["group_id"], 50)
     torch.testing.assert_close(stored["advantage"], expected, atol=1e-6, rtol=0)
-    store.close()
-
-
-def test_older_checkpoint_does_not_override_the_on_disk_state(tmp_path):
-    import pytest
-
-    store = _store(tmp_path / "buf")
-    batch = make_batch(1, 4)
-    ga = GroupAdvantage(4, store=store)
-    ga.write(batch.select([0, 1]))
-    old_state = ga.state_dict()
-    ga.write(batch.select([2]))
-    restarted = GroupAdvantage(4, store=store)
-    with pytest.warns(UserWarning, match="on-disk state is the newer one"):
-        restarted.load_state_dict(old_state)
-    assert sorted(restarted.pending.trajectory_ids().tolist()) == [0, 1, 2]
-    store.close()
-
-
-def test_in_flight_state_needs_its_store(tmp_path):
-    import pytest
-
-    store = _store(tmp_path / "buf")
-    batch = make_batch(1, 4)
-    ga = GroupAdvantage(4, store=store)
-    ga.write(batch.select([0, 1]))
-    ga.write(batch.select([2, 3]))  # complete: rows 0 and 1 are held until the append is seen
-    state = ga.state_dict()
-    with pytest.raises(ValueError, match="in flight.*store="):
-        GroupAdvantage(4).load_state_dict(state)
     store.close()

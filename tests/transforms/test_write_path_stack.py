@@ -28,7 +28,7 @@ def test_stack_end_to_end_into_memmap(tmp_path):
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              max_position_embeddings=128)).eval()
     store = MemmapTrajectoryStore.create(tmp_path / "buf", FULL, durable=False)
-    ga = GroupAdvantage(4, store=store)
+    ga = GroupAdvantage(4)
     kl = KLReward(0.05, estimator="k3")
     rb = make_replay_buffer(store, batch_size=5)
     # torchrl runs inverse transforms last-appended-first: append in reverse write order

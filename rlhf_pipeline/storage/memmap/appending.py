@@ -1,7 +1,8 @@
 """A memmap store's writer side: appending rows to the open segment and publishing them.
 
 An append writes bytes past the published lengths, fsyncs them (``durable=True``),
-then publishes the new state (:class:`~rlhf_pipeline.storage.memmap.state_slots.StateSlots`).
+then publishes the new state, the append's ``writer_state`` in it
+(:class:`~rlhf_pipeline.storage.memmap.state_slots.StateSlots`).
 Readers see only what a publish covers, so they never see a partial row, and a writer killed at
 any moment leaves the previous publish intact (the slot it was rewriting keeps its old header);
 reopening for append truncates the unpublished bytes and carries on at ``next_row``
@@ -55,11 +56,14 @@ class MemmapAppending:
                 writer.close()
         self._delete_expired_segments()
 
-    def _append_validated(self, batch: TrajectoryBatch) -> None:
+    def _append_validated(self, batch: TrajectoryBatch | None, writer_state: bytes | None) -> None:
         self._check_open()
-        published = (self._first_row, self._next_row, dict(self._segments), list(self._evicted))
+        published = (self._first_row, self._next_row, dict(self._segments), list(self._evicted), self._writer_state)
         try:
-            self._write_rows(batch)
+            if batch is not None:
+                self._write_rows(batch)
+            if writer_state is not None:
+                self._writer_state = writer_state  # in the same slot publish as the rows
             self._evict_over_capacity()
             self._slots.publish(self._seq + 1, self._manifest(), durable=self._durable)
             self._seq += 1
@@ -72,7 +76,7 @@ class MemmapAppending:
                 self._seq += 1
                 raise
             # back to the last published state; the files drop the unpublished bytes
-            self._first_row, self._next_row, self._segments, self._evicted = published
+            self._first_row, self._next_row, self._segments, self._evicted, self._writer_state = published
             if self._tail_writer is not None:
                 self._tail_writer.close()
                 self._tail_writer = None

@@ -65,6 +65,7 @@ from rlhf_pipeline.storage.memmap.layout import (
     segment_ids_on_disk,
 )
 from rlhf_pipeline.storage.memmap.state_slots import StateSlots
+from rlhf_pipeline.storage.segmented import WRITER_STATE_KEY
 from rlhf_pipeline.storage.reports import Progress, RepairReport
 
 _CONFIG_KEYS = ("schema", "segment_rows", "capacity_rows", "evict_grace_s")
@@ -198,6 +199,8 @@ def repair(location: str, *, apply: bool = False, progress: Progress | None = No
                "segments": [s.to_json() for s in segments], "evicted": evicted}
     if checksums_from is not None:
         rebuilt[CHECKSUMS_FROM] = int(checksums_from)
+    if current is not None and WRITER_STATE_KEY in current and int(current["next_row"]) == next_row:
+        rebuilt[WRITER_STATE_KEY] = current[WRITER_STATE_KEY]  # it goes with these rows: the writer resumes from it
 
     # ---- what to do
     same = current is not None and _same_rows(current, rebuilt)

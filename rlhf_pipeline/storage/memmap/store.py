@@ -92,6 +92,8 @@ from rlhf_pipeline.storage.segmented import (
     check_reopened_layout,
     check_segment_layout,
     require_new_directory,
+    writer_state_entry,
+    writer_state_of,
 )
 
 BACKEND = layout.BACKEND
@@ -305,6 +307,7 @@ class MemmapTrajectoryStore(MemmapAppending, MemmapEviction, MemmapReading, Segm
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreCorruptedError(f"{path} is missing or has a malformed entry: {exc!r}") from None
         self._segments = {s.id: s for s in segments}
+        self._writer_state = writer_state_of(manifest, str(path))
         for seg_id in [i for i in self._views if i not in self._segments]:
             self._unmap(seg_id)
 
@@ -327,7 +330,7 @@ class MemmapTrajectoryStore(MemmapAppending, MemmapEviction, MemmapReading, Segm
             # the open segment has no checksums.json until sealed: its published bytes' CRCs
             # travel with each publish instead (`inspect --verify` checks them)
             state[OPEN_SEGMENT_CHECKSUMS] = [max(self._segments), self._tail_writer.written_checksums()]
-        return state
+        return writer_state_entry(state, self._writer_state)
 
     # ================================================================ contract properties
     @property

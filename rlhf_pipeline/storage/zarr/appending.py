@@ -2,7 +2,7 @@
 
 * **Write, then publish.** An append writes a new *unit* (new keys only), then
   replaces the root ``zarr.json`` whose attributes are the commit record (row
-  count and the list of units). A local store replaces it with an atomic rename
+  count, the list of units and the append's ``writer_state``). A local store replaces it with an atomic rename
   (``manifest.publish_json``); a remote store with a single PUT. A reader sees
   the old or the new record, and every unit either record names is complete.
 * **Append fragments, compact into segments.** An append cuts its batch at segment
@@ -26,7 +26,7 @@ deleted right after the publish that dropped it.
 from __future__ import annotations
 
 from rlhf_pipeline.schema import TrajectoryBatch
-from rlhf_pipeline.storage.segmented import DroppedSegment
+from rlhf_pipeline.storage.segmented import DroppedSegment, writer_state_entry
 from rlhf_pipeline.storage.zarr.layout import UNITS_PREFIX
 from rlhf_pipeline.storage.zarr.location import ROOT_META, parse_record, publish
 from rlhf_pipeline.storage.zarr.unit_cache import DecodedUnit, concat_arrays, encode_columns, slice_arrays
@@ -39,9 +39,17 @@ class ZarrAppending:
     """The write path of :class:`~rlhf_pipeline.storage.zarr.store.ZarrTrajectoryStore`, which holds
     the state it works on (the record, its units, the unit I/O, the sealer and the publish lock)."""
 
-    def _append_validated(self, batch: TrajectoryBatch) -> None:
+    def _append_validated(self, batch: TrajectoryBatch | None, writer_state: bytes | None) -> None:
         self._check_open()
         self._sealer.check()
+        if batch is None:  # the writer's state alone, in one publish of the record
+            try:
+                with self._publish_lock:
+                    self._publish(list(self._units), self._next_row, [], writer_state=writer_state)
+            except BaseException:
+                self._resync_with_the_record([])
+                raise
+            return
         n, start = len(batch), self._next_row  # only this thread moves next_row
         arrays = encode_columns(batch, self._schema)
         pieces, complete, constants = [], [], {}
@@ -60,7 +68,7 @@ class ZarrAppending:
             raise
         try:
             with self._publish_lock:
-                self._publish(self._units + written, start + n, pending, constants)
+                self._publish(self._units + written, start + n, pending, constants, writer_state=writer_state)
         except BaseException:
             self._resync_with_the_record(written)
             raise
@@ -86,18 +94,21 @@ class ZarrAppending:
             self._apply(record)
             self.unit_io.discard(written, published={u.name for u in self._units})
 
-    def _publish(self, units: list[UnitRef], next_row: int, pending, constants=None) -> None:
+    def _publish(self, units: list[UnitRef], next_row: int, pending, constants=None,
+                 writer_state: bytes | None = None) -> None:
         """Publishes ``units`` (caller holds the publish lock), then drops what fell out; ``constants``:
-        the new units' constant fields (:mod:`.unit_constants`)."""
+        the new units' constant fields (:mod:`.unit_constants`); ``writer_state``: the append's (None:
+        the record's stays, as the sealer's and retention's publishes keep it)."""
         names = {u.name for u in units}
         dropped = [u for u in self._units if u.name not in names]
         if self._capacity_rows is not None:
             # as memmap: drop the oldest sealed segments while more than capacity rows are held
-            while units[0].sealed and next_row - units[0].first_row > self._capacity_rows:
+            while units and units[0].sealed and next_row - units[0].first_row > self._capacity_rows:
                 dropped.append(units.pop(0))
-        record = dict(self._record, first_row=units[0].first_row, next_row=next_row,
+        record = dict(self._record, first_row=units[0].first_row if units else self._first_row, next_row=next_row,
                       units=[[u.first_row, u.rows, u.kind] for u in units])
         record[RECORD_KEY] = record_entry(units, {**self._constants, **(constants or {})})
+        record = writer_state_entry(record, writer_state)
         publish(self._loc, record, durable=self._durable, pending=pending)
         self._apply(record)
         self._cache.retain({u.name for u in units})

@@ -39,6 +39,7 @@ from rlhf_pipeline.storage.segmented import (
     check_reopened_layout,
     check_segment_layout,
     require_new_directory,
+    writer_state_of,
 )
 from rlhf_pipeline.storage.zarr.appending import ZarrAppending
 from rlhf_pipeline.storage.zarr.layout import (
@@ -291,6 +292,7 @@ class ZarrTrajectoryStore(ZarrAppending, ZarrReading, SegmentedTrajectoryStore):
         self._units = units
         self._first_row = first_row
         self._next_row = next_row
+        self._writer_state = writer_state_of(record, f"{self._location}/zarr.json")
 
     @property
     def writable(self) -> bool:
