@@ -111,4 +111,4 @@ def _copy_parent_weights(parent: RunPaths, branch: RunPaths, history: Any, oldes
         source = f"{WEIGHTS}/{kept[version]}" if version in kept else history.weights_key(version)
         if source is None:
             continue  # neither keeps it: a round that needs it waits for a newer version, as a resumed run does
-        branch.store.copy_from(parent.store, source, f"{WEIGHTS}/{source.rsplit('/', 1)[-1]}")
+        branch.store.copy(source, f"{WEIGHTS}/{source.rsplit('/', 1)[-1]}", source=parent.store)

@@ -204,14 +204,14 @@ def _copy_branch(source: ObjectRunStore, target: ObjectRunStore, step: int, vers
     for key in ["pipeline.py", *walk(source, _MODULES)]:
         if key == "pipeline.py" and not source.exists(key):
             continue
-        target.copy_from(source, key, key)
+        target.copy(key, key, source=source)
     checkpoint = f"checkpoints/step_{step:08d}.pt"
-    target.copy_from(source, checkpoint, checkpoint)
+    target.copy(checkpoint, checkpoint, source=source)
     if source.exists(checkpoint[:-3] + ".json"):
-        target.copy_from(source, checkpoint[:-3] + ".json", checkpoint[:-3] + ".json")
+        target.copy(checkpoint[:-3] + ".json", checkpoint[:-3] + ".json", source=source)
     for log in _LOGS:  # the lines of steps up to the branch point: the resumed learner writes the later ones
         for key in walk(source, f"{log}.parts"):
-            target.copy_from(source, key, key)
+            target.copy(key, key, source=source)
         truncate_metrics(log, step, store=target)
     _copy_weights(source, target, checkpoint, version)
 
@@ -224,7 +224,7 @@ def _copy_weights(source: ObjectRunStore, target: ObjectRunStore, checkpoint: st
     if version is not None:
         name = next((n for n in source.list(WEIGHTS) if n.startswith(f"policy_{version:08d}.")), None)
         if name is not None:
-            target.copy_from(source, f"{WEIGHTS}/{name}", f"{WEIGHTS}/{name}")
+            target.copy(f"{WEIGHTS}/{name}", f"{WEIGHTS}/{name}", source=source)
             return
     from rlhf_pipeline.files.state_files import load_state_bytes
 
