@@ -137,6 +137,11 @@ class RunStore(ABC):
             raise FileNotFoundError(2, "no such object", source.describe(src_key))
         self.write(dst_key, body, fence=False)
 
+    def delete_prefix(self, prefix: str = "") -> None:
+        """Removes every object under ``prefix`` (``""``: the whole run); nothing there is fine."""
+        for key in self.walk(prefix):
+            self.delete(key)
+
     def walk(self, prefix: str = "") -> list[str]:
         """Every object key under ``prefix`` (``""``: the whole run) at any depth, unsorted."""
         found, pending = [], [prefix.strip("/")]
@@ -225,6 +230,13 @@ class LocalRunStore(RunStore):
 
     def exists(self, key: str) -> bool:
         return self.path(key).exists()
+
+    def delete_prefix(self, prefix: str = "") -> None:
+        path = self.path(prefix)
+        if path.is_dir():
+            shutil.rmtree(path)  # its directories too
+        else:
+            path.unlink(missing_ok=True)
 
     def copy(self, src_key: str, dst_key: str, *, source: RunStore | None = None) -> None:
         source = self if source is None else source

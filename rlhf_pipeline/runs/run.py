@@ -122,18 +122,11 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if on_ray is None:  # now, not after a child imported torch; a Ray cluster's GPUs are not this machine's
         check_cuda_device(settings.device)
     paths = run_paths(run_name or Path(pipeline_path).stem, home)
-    if paths.url is None:  # a branch of a run with collectors cannot continue online yet (runs/branch.py);
-        from rlhf_pipeline.runs.branch import refuse_evicting_parent, refuse_online_start
+    from rlhf_pipeline.runs.branch import refuse_evicting_parent, start_online
 
-        refuse_online_start(paths.root)
-        refuse_evicting_parent(paths.root)  # nor may its parent evict the rows it reads
-    from rlhf_pipeline.runs.branch_url import refuse_at_url
-
-    if (refused := refuse_at_url(paths)) is not None:  # a branch at a URL left half-made
-        raise RunError(refused)
-    from rlhf_pipeline.runs.branch_online_url import start_online_at_url
-
-    start_online_at_url(paths)  # a branch at a URL of a run with collectors: set up to continue online
+    start_online(paths)  # a half-made branch is refused; a branch of a run with collectors is set up to go online
+    if paths.url is None:
+        refuse_evicting_parent(paths.root)  # nor may its parent evict the rows it reads (a local store's eviction)
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
     _check_writable(paths.root)  # now, not after seconds of imports and model building

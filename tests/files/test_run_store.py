@@ -100,6 +100,9 @@ class RunStoreContract:
                                         "settings.json"]
         assert sorted(store.walk("pipeline_modules")) == ["pipeline_modules/deep/er.py", "pipeline_modules/helper.py"]
         assert store.walk("nothing") == []
+        store.delete_prefix("pipeline_modules")
+        store.delete_prefix("nothing")
+        assert store.walk() == ["settings.json"] and store.list("") == ["settings.json"]
 
 
 class TestLocalRunStore(RunStoreContract):
