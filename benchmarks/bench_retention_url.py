@@ -1,4 +1,4 @@
-"""What a retaining parent at a URL pays to find its branches (``runs/retention_url.py``), counted by
+"""What a retaining parent at a URL pays to find its branches (``runs/retention.py``), counted by
 the server: moto's S3 server in its own process behind ``bench_fanout.CountingServer``.
 
 A parent's Zarr shard at ``s3://bench/<home>/parent`` holds 480 rows in segments of 16, its learner
@@ -10,7 +10,7 @@ most of the shard, and the branches keep it all, the steady state of a parent be
 * ``round, a recent look``: a collector's retention step in a round within ``RESCAN_S`` of the last
   look (it reuses it: the rows are kept with no listing);
 * ``round, looking``: the same round once ``RESCAN_S`` passed: a look (one LIST of the home and the
-  reads of the runs beside it, ``runs/lineage_url.py``), then nothing dropped.
+  reads of the runs beside it, ``runs/lineage.py``), then nothing dropped.
 
 Both include the floors every retention step reads (the learner's intake, the checkpoints' list).
 
@@ -46,7 +46,7 @@ def setup(home: str, runs: int, branches: int, scratch: Path):
     from rlhf_pipeline.runs.branch import PARENT_ROWS, write_parent_rows
     from rlhf_pipeline.schema.synthetic import synthetic_batches
     from rlhf_pipeline.storage import create_store
-    from rlhf_pipeline.storage.selection_url import upload_selection
+    from rlhf_pipeline.storage.selection import publish_selection
 
     paths = RunPaths.at_url(f"{home}/parent")
     store = create_store(paths.shard_location(0), "zarr", segment_rows=SEGMENT)
@@ -61,7 +61,7 @@ def setup(home: str, runs: int, branches: int, scratch: Path):
     for i in range(branches):
         url = f"{home}/branch-{i:04d}"
         write_parent_rows(paths.buffer_location, scratch / f"branch-{i}", {shard: ROWS // 2}, 5)
-        upload_selection(scratch / f"branch-{i}", f"{url}/{PARENT_ROWS}")
+        publish_selection(scratch / f"branch-{i}", ObjectRunStore(url), PARENT_ROWS)
         ObjectRunStore(url).create("branch.json", json.dumps({"parent": paths.url, "step": 5, "replay_source": None,
                                                               "buffer_rows": {shard: ROWS // 2}}).encode())
     return paths, store
@@ -86,7 +86,7 @@ def measure(runs: int, branches: int, repeat: int) -> dict[str, list[tuple[int, 
         retention.after_round(store, None)  # the first look
         cases = {
             "round, a recent look": lambda: retention.after_round(store, None),
-            "round, looking": lambda: (setattr(retention.url_branches, "rescan_s", 0.0),
+            "round, looking": lambda: (setattr(retention.branches, "rescan_s", 0.0),
                                        retention.after_round(store, None)),
         }
         results: dict[str, list[tuple[int, int, float]]] = {}

@@ -54,6 +54,23 @@ def azure_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(params=["local", "s3", "azure"])
+def run_home(request, tmp_path, monkeypatch) -> str:
+    """Where runs live, the one location parameter of the run-level feature tests (branch, lineage,
+    detach, retention): a directory, an ``s3://`` URL on moto's server or an ``az://`` URL on Azurite
+    (each cloud skips, saying what to install, without its extra or emulator). The cloud's
+    credentials are set for this process, and the cache of runs at a URL is under ``tmp_path``."""
+    if request.param == "local":
+        return str(tmp_path / "runs")
+    if request.param == "s3":
+        request.getfixturevalue("s3_env")
+        return request.getfixturevalue("s3_server").url("runs")
+    server = request.getfixturevalue("azure_server")  # found under the real cache, before it moves
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.env()["AZURE_STORAGE_CONNECTION_STRING"])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return server.url("runs")
+
+
 @pytest.fixture()
 def one_torch_thread():
     """torch on one thread for the test (deterministic reductions, no oversubscription on a shared

@@ -186,6 +186,7 @@ def test_inspect_of_a_run_lists_its_rewind_points_parent_and_branches(tmp_path, 
                          record={"buffer_rows": {"": 4 * step}})
     (tmp_path / "child").mkdir()
     (tmp_path / "child" / "parent-rows").mkdir()  # a branch of a run with collectors reads the parent's rows
+    (tmp_path / "child" / "parent-rows" / "selection.json").write_text("{}")
     (tmp_path / "child" / "branch.json").write_text(json.dumps({"parent": str(run), "step": 2,
                                                                 "buffer_rows": {"": 8}}))
     assert main(["inspect", str(run), "--json"]) == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -27,32 +28,20 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from rlhf_pipeline.files.run_paths import RunLocationError, local_run_path, run_dir
-    from rlhf_pipeline.runs.branch import BranchError, branch_run, main_message
-
-    from rlhf_pipeline.files.run_paths import is_url
+    from rlhf_pipeline.files.run_paths import RunLocationError, is_url, run_dir
     from rlhf_pipeline.files.run_store import RunStoreError
+    from rlhf_pipeline.runs.branch import BranchError, branch_run, main_message
+    from rlhf_pipeline.runs.branch_reads import resolved_location
 
     try:
-        if is_url(args.run) or is_url(args.new_run):  # at a URL: runs/branch_url.py
-            from rlhf_pipeline.runs.branch_url import branch_at_url, check_same_kind, url_message
-
-            new_url = args.new_run if "/" in args.new_run else f"{args.run.rstrip('/').rsplit('/', 1)[0]}/{args.new_run}"
-            check_same_kind(args.run, new_url)
-            lineage = branch_at_url(args.run.rstrip("/"), args.from_step, new_url.rstrip("/"), args.overrides)
-            url_message(new_url.rstrip("/"), lineage)
-            return 0
-        parent = local_run_path(args.run, "RUN")
-        if not parent.exists() and "/" not in args.run:
-            parent = run_dir(args.run, args.home)
-        new = local_run_path(args.new_run, "NEW_RUN")
-        if "/" not in args.new_run:  # a name: beside its parent, in the same home
-            new = parent.resolve().parent / args.new_run
+        parent = args.run.rstrip("/")
+        if not is_url(parent) and "/" not in parent and not Path(parent).exists():
+            parent = str(run_dir(parent, args.home))  # a name under --home
+        # a name: beside its parent, in the same home (where `inspect RUN` finds it)
+        new = args.new_run if "/" in args.new_run else f"{resolved_location(parent).rstrip('/').rpartition('/')[0]}/{args.new_run}"
         lineage = branch_run(parent, args.from_step, new, args.overrides)
     except (BranchError, RunLocationError, RunStoreError) as exc:
         print(f"rlhf-pipeline branch: error: {exc}", file=sys.stderr)
         return 2
-    main_message(Path(new).resolve(), lineage)
+    main_message(resolved_location(new).rstrip("/"), lineage)
     return 0

@@ -32,40 +32,25 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.storage.buffers import buffer_stats, verify_buffer
     from rlhf_pipeline.storage.errors import StoreError
 
-    from pathlib import Path
-
-    from rlhf_pipeline.runs.lineage import format_lineage, is_run_directory, run_lineage
+    from rlhf_pipeline.files.run_paths import RUN_URL_SCHEMES
+    from rlhf_pipeline.runs.lineage import format_lineage, is_run, run_lineage, run_store_at
 
     if args.vocab_size is not None and (args.vocab_size < 1 or not args.verify):
         print(f"rlhf-pipeline inspect: --vocab-size {args.vocab_size}: give a vocabulary size >= 1, with --verify",
               file=sys.stderr)
         return 2
     lineage, path = None, args.path
-    if str(path).startswith(("s3://", "az://")):  # a run at a URL (runs/lineage_url.py), or a buffer there
-        from rlhf_pipeline.runs.lineage_url import is_run_at_url, url_run_lineage
-
+    if "://" not in str(path) or str(path).startswith(RUN_URL_SCHEMES):  # a run (or a buffer) here or at a URL
         try:
-            if is_run_at_url(path):
-                lineage = url_run_lineage(path)
-                from rlhf_pipeline.files.run_paths import RunPaths
-
-                if not RunPaths.at_url(path).store.list("buffer") and not args.verify:  # a replay: no buffer
+            if is_run(path):
+                lineage = run_lineage(path)
+                if not run_store_at(path).list("buffer") and not args.verify:  # no buffer of its own (a replay)
                     print(json.dumps({"run": lineage}) if args.json else format_lineage(lineage))
                     return 0
-                path = f"{str(path).rstrip('/')}/buffer"
+                path = f"{lineage['run']}/buffer"
         except (ValueError, OSError) as exc:
             print(f"rlhf-pipeline inspect: error: {exc}", file=sys.stderr)
             return 2
-    elif "://" not in str(path) and is_run_directory(path):
-        try:
-            lineage = run_lineage(path)
-        except ValueError as exc:
-            print(f"rlhf-pipeline inspect: error: {exc}", file=sys.stderr)
-            return 2
-        path = Path(path) / "buffer"
-        if not path.exists() and not args.verify:  # a run without a buffer of its own (a replay)
-            print(json.dumps({"run": lineage}) if args.json else format_lineage(lineage))
-            return 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -35,16 +35,16 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.storage.errors import StoreError, StoreLockedError
 
     from rlhf_pipeline.cli.vocabulary import model_vocabulary
-    from rlhf_pipeline.runs.lineage import is_run_directory
+    from rlhf_pipeline.runs.lineage import is_run
 
     if args.vocab_size is not None and args.vocab_size < 1:
         print(f"rlhf-pipeline repair: --vocab-size must be >= 1, got {args.vocab_size}", file=sys.stderr)
         return 2
     path, run_dir = args.path, None
     if "://" not in str(path):  # a run directory, or a run's buffer/: the run says its model's vocabulary
-        if is_run_directory(path):
+        if is_run(path):
             path, run_dir = str(Path(path) / "buffer"), Path(path)
-        elif Path(path).name == "buffer" and is_run_directory(Path(path).parent):
+        elif Path(path).name == "buffer" and is_run(Path(path).parent):
             run_dir = Path(path).parent
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # repair reports the damage itself

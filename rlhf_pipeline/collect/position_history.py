@@ -143,7 +143,7 @@ class PositionHistory:
         if source is None:
             return  # pruned by the learner before this round was committed
         try:
-            self._store.copy_from(self._store, source, f"{self._prefix}/{source.rsplit('/', 1)[-1]}")
+            self._store.copy(source, f"{self._prefix}/{source.rsplit('/', 1)[-1]}")
         except FileNotFoundError:
             return  # pruned between the listing and the copy
         self._copied.add(int(version))

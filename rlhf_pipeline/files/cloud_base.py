@@ -45,6 +45,7 @@ class CloudObjects(ABC):
     extra: ClassVar[str]  # the pip extra that installs its packages
     packages: ClassVar[tuple[tuple[str, str], ...]]  # (module, pip name) it imports
     credentials_hint: ClassVar[str]  # where credentials and endpoint come from
+    server_side_copy: ClassVar[bool] = False  # copy_from between its own objects stays on the server
 
     def __init__(self, fs, path: str):
         self.fs = fs

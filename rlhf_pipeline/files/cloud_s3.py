@@ -32,6 +32,7 @@ class S3Objects(CloudObjects):
     packages = (("s3fs", "s3fs"),)
     credentials_hint = ("pass credentials as storage_options key=/secret= or set AWS_ACCESS_KEY_ID and "
                         "AWS_SECRET_ACCESS_KEY")
+    server_side_copy = True  # CopyObject
 
     @classmethod
     def fsspec_options(cls, options: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -99,6 +99,18 @@ class ObjectRunStore(RunStore):
     def is_local(self) -> bool:
         return False
 
+    @property
+    def supports_link(self) -> bool:
+        return False
+
+    @property
+    def supports_rename(self) -> bool:
+        return False
+
+    @property
+    def supports_server_copy(self) -> bool:
+        return self.objects.server_side_copy
+
     # ---------------------------------------------------------------- one request, retried
     def _call(self, what: str, key: str, operation: Callable[[], Awaitable[T]]) -> T:
         """``operation()`` (one request about ``key``), retried under :attr:`retry`; lets
@@ -203,14 +215,16 @@ class ObjectRunStore(RunStore):
             f"{self.describe(key)} exists already with other contents: another process has written this version "
             f"(a restart of this run elsewhere). This process stops without overwriting it") from None
 
-    def copy_from(self, source: ObjectRunStore, source_key: str, key: str) -> None:
-        """Copies ``source``'s ``source_key`` (another run's object) to ``key``, unfenced: server-side
-        where the cloud has it (S3's CopyObject), else through this machine
-        (:meth:`CloudObjects.copy_from`). ``FileNotFoundError`` when the source object is gone."""
-        etag = self._call("COPY", key, lambda: self.objects.copy_from(source.objects, source_key, key))
+    def copy(self, src_key: str, dst_key: str, *, source: RunStore | None = None) -> None:
+        """Server-side where the cloud has it (S3's CopyObject), else through this machine
+        (:meth:`CloudObjects.copy_from`); a store of another kind is read and written."""
+        source = self if source is None else source
+        if not isinstance(source, ObjectRunStore):
+            return super().copy(src_key, dst_key, source=source)
+        etag = self._call("COPY", dst_key, lambda: self.objects.copy_from(source.objects, src_key, dst_key))
         if etag is None:
-            raise FileNotFoundError(2, "no such object", source.describe(source_key))
-        self._remember(key, etag)
+            raise FileNotFoundError(2, "no such object", source.describe(src_key))
+        self._remember(dst_key, etag)
 
     def list(self, prefix: str) -> list[str]:
         return self._call("LIST", prefix, lambda: self.objects.list(prefix))

@@ -14,6 +14,10 @@ What each store guarantees for every key:
   there; the run directory's ``flock`` keeps a second writer out instead);
 * **loaded without executing code**: readers get bytes and decode them with
   :func:`rlhf_pipeline.files.state_files.load_state_bytes` or JSON;
+* **copied as the store can** (:meth:`RunStore.copy`): a hard link on a file system
+  (:attr:`~RunStore.supports_link`), a server-side copy where the cloud has one
+  (:attr:`~RunStore.supports_server_copy`), else a read and a write. Callers never ask where the
+  run is: they ask what the store can do, the way zarr's ``Store`` says ``supports_writes``;
 * **tagged** (:meth:`RunStore.list_etags`, :meth:`RunStore.read_with_etag`): every object carries an
   etag, an opaque string that changes whenever the object is written with other contents (S3's
   ETag, Azure's etag; a file's inode, size and modification time). A copy kept on this machine is
@@ -27,6 +31,7 @@ A run directory on disk behaves exactly as before: :class:`LocalRunStore` writes
 from __future__ import annotations
 
 import os
+import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +65,24 @@ class RunStore(ABC):
     @abstractmethod
     def is_local(self) -> bool:
         """True for a directory on a (possibly shared) file system."""
+
+    @property
+    @abstractmethod
+    def supports_link(self) -> bool:
+        """:meth:`copy` may share the bytes with the source (a hard link): free at any size, and
+        safe because no object is changed in place (a write replaces it by a new one)."""
+
+    @property
+    @abstractmethod
+    def supports_rename(self) -> bool:
+        """A whole prefix can be moved in one atomic step (a directory rename), so a new run can be
+        made aside and appear whole; without it a run is made in place and finished by a marker."""
+
+    @property
+    @abstractmethod
+    def supports_server_copy(self) -> bool:
+        """:meth:`copy` between objects of this cloud happens on the server: the bytes never travel
+        through this machine (S3's CopyObject)."""
 
     def describe(self, key: str) -> str:
         """Where ``key`` lives, for messages: a path or a URL."""
@@ -104,6 +127,32 @@ class RunStore(ABC):
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists now."""
 
+    def copy(self, src_key: str, dst_key: str, *, source: RunStore | None = None) -> None:
+        """Puts ``source``'s ``src_key`` (``source``: another run's store; None: this one) at
+        ``dst_key`` here, unfenced: linked, server-copied or read and written, as the two stores
+        can. ``FileNotFoundError`` naming the source when it is gone (a running parent pruned it)."""
+        source = self if source is None else source
+        body = source.read(src_key)
+        if body is None:
+            raise FileNotFoundError(2, "no such object", source.describe(src_key))
+        self.write(dst_key, body, fence=False)
+
+    def delete_prefix(self, prefix: str = "") -> None:
+        """Removes every object under ``prefix`` (``""``: the whole run); nothing there is fine."""
+        for key in self.walk(prefix):
+            self.delete(key)
+
+    def walk(self, prefix: str = "") -> list[str]:
+        """Every object key under ``prefix`` (``""``: the whole run) at any depth, unsorted."""
+        found, pending = [], [prefix.strip("/")]
+        while pending:
+            here = pending.pop()
+            objects = self.list_etags(here)
+            for name in self.list(here):
+                key = f"{here}/{name}" if here else name
+                (found if name in objects else pending).append(key)
+        return found
+
 
 class LocalRunStore(RunStore):
     """A run directory on a file system: today's atomic file writes (``*.partial`` + rename)."""
@@ -115,6 +164,18 @@ class LocalRunStore(RunStore):
     @property
     def is_local(self) -> bool:
         return True
+
+    @property
+    def supports_link(self) -> bool:
+        return True
+
+    @property
+    def supports_rename(self) -> bool:
+        return True
+
+    @property
+    def supports_server_copy(self) -> bool:
+        return False
 
     def path(self, key: str) -> Path:
         return self.root / key if key else self.root
@@ -169,6 +230,27 @@ class LocalRunStore(RunStore):
 
     def exists(self, key: str) -> bool:
         return self.path(key).exists()
+
+    def delete_prefix(self, prefix: str = "") -> None:
+        path = self.path(prefix)
+        if path.is_dir():
+            shutil.rmtree(path)  # its directories too
+        else:
+            path.unlink(missing_ok=True)
+
+    def copy(self, src_key: str, dst_key: str, *, source: RunStore | None = None) -> None:
+        source = self if source is None else source
+        if not isinstance(source, LocalRunStore):
+            return super().copy(src_key, dst_key, source=source)
+        origin, target = source.path(src_key), self.path(dst_key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        try:
+            os.link(origin, target)
+        except FileNotFoundError:
+            raise
+        except OSError:  # another file system, or one without hard links
+            shutil.copyfile(origin, target)
 
 
 def _file_etag(stat: os.stat_result) -> str:

@@ -1,13 +1,21 @@
 """``rlhf-pipeline branch RUN --from-step N NEW_RUN``: a new run that starts from RUN's checkpoint of step N.
 
-What a branch is made of (all of it written here, once; the parent is only read, so its files
-stay byte-identical):
+Why one file: making a branch is one sequence (checks, ``branch.making``, copies, ``parent-rows/``,
+``branch.json``) whose steps share the two run stores and the half-made protocol; the refusals and
+the online start beside it read the same marker and records.
 
-* ``checkpoints/step_N.pt`` and its rewind record: the parent's (a hard link where the file
-  system allows, else a copy: checkpoint files are never changed in place). The learner resumes
-  from it as from its own (model, optimizer, LR schedule, RNG, sampler position, intake), so a
-  branch with no setting changed trains, step for step, what the parent trained after step N
-  over the same rows;
+RUN and NEW_RUN are run directories, or both URLs of one cloud (``s3://``, ``az://``): a parent
+finds its branches beside it (``inspect``), and a branch on another kind of storage would be found
+by neither. Everything is read and written through the two runs' run stores
+(``files/run_store.py``), one way for both. What a branch is made of (all of it written here, once;
+the parent is only read, so its files or objects stay byte-identical, etags included):
+
+* ``checkpoints/step_N.pt`` and its rewind record: the parent's, copied as the store can
+  (:meth:`RunStore.copy`: a hard link in a directory, S3's server-side CopyObject, else a GET and a
+  PUT; either way the branch's own: the parent pruning its checkpoint later takes nothing from it).
+  The learner resumes from it as from its own (model, optimizer, LR schedule, RNG, sampler
+  position, intake), so a branch with no setting changed trains, step for step, what the parent
+  trained after step N over the same rows;
 * ``settings.json``: the parent's, with the ``--set`` changes applied. Only what a resumed run may
   change may change here (``learner.*``: learning rate, loss, KL, sampler; and ``steps``,
   ``device``): the rest (model shape, schema, group size, prompts...) made the rows the branch
@@ -15,25 +23,32 @@ stay byte-identical):
 * the pipeline file's copy (``pipeline.py``, ``pipeline_modules/``), the metrics and (a replay)
   ``batches.jsonl`` lines of steps up to N, and the weights of the checkpoint's policy version
   (what a collector loads first);
-* ``branch.json``: the parent (its path), the step, the rows each of the parent's buffer shards
-  had published when that checkpoint was saved (the rewind record's ``buffer_rows``), and the
-  settings changed. ``inspect`` reads it (``runs/lineage.py``).
-
+* ``branch.json``: the parent, the step, the rows each of the parent's buffer shards had published
+  when that checkpoint was saved (the rewind record's ``buffer_rows``), and the settings changed.
+  ``inspect`` reads it (``runs/lineage.py``);
 * for a parent with collectors, ``parent-rows/``: a saved selection (``storage/selection.py``)
   naming, per shard, the range of global ids it had published at step N (kept as ranges, a few
-  bytes per shard at any buffer size: ``storage/row_ranges.py``). It is read
-  in place (no row copied), read-only, and opening it checks that the parent still holds exactly
-  those rows; rows the parent wrote after step N are not in it.
+  bytes per shard at any buffer size: ``storage/row_ranges.py``). It is read in place (no row
+  copied), read-only, and opening it checks that the parent still holds exactly those rows; rows
+  the parent wrote after step N are not in it.
+
+**Made in place, finished by ``branch.json``.** A branch is written where it will live: first
+``branch.making`` (the parent and the step), then its objects, then ``branch.json`` (a branch with
+it is whole), then ``branch.making`` is deleted. A ``branch`` killed midway leaves ``branch.making``
+and no ``branch.json``: ``replay`` and ``run`` refuse it in one line (:func:`half_made_branch`), the
+parent's ``inspect`` lists it as half-made, and ``branch`` with the same NEW_RUN removes it and makes
+it again (or, when the parent no longer keeps the step, is refused and removes it). While the rows
+are named, no drop of them by the parent's retention is under way (``runs/retention.py``).
 
 How it continues. A branch of a replay (a run trained offline from a recorded buffer) continues
 with the same ``replay`` command under the branch's name: its source is read-only and does not
 change, so the branch reads exactly the rows the parent read. A branch of a run with collectors
 continues online with the parent's ``run`` command under the branch's name (those rows plus its
 own shards, its collectors restarted from their state at those rows: ``runs/branch_online.py``,
-set up by :func:`refuse_online_start`, which refuses in one line where it cannot be), or offline
-with ``replay --buffer NEW_RUN/parent-rows --run-name NEW_RUN``: from the checkpoint's model,
-optimizer and schedule, over the parent's rows up to step N in epochs (the epoch sampler starts
-afresh: the checkpoint's was the online one).
+set up by :func:`start_online`, which refuses in one line where it cannot be), or offline with
+``replay --buffer NEW_RUN/parent-rows --run-name NEW_RUN``: from the checkpoint's model, optimizer
+and schedule, over the parent's rows up to step N in epochs (the epoch sampler starts afresh: the
+checkpoint's was the online one).
 """
 
 from __future__ import annotations
@@ -48,22 +63,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.learn.checkpoint import CheckpointManager
+from rlhf_pipeline.files.run_paths import RunPaths, is_url
+from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, PARENT_ROWS_MANIFEST, making_record, resolved_location
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
     BRANCH_FORMAT,
     branches_settled,
     find_branches,
     is_detached,
-    is_run_directory,
+    is_run,
     read_parent,
 )
-from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, HALF_MADE_SUFFIX
 from rlhf_pipeline.runs.run_directory import RunError
 
 # settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
 _CHANGEABLE = ("steps", "device")
-_COPIED = ("pipeline.py", "pipeline_modules")
 _LOGS = ("metrics.jsonl", "batches.jsonl")
 PARENT_ROWS = "parent-rows"
 
@@ -72,72 +86,75 @@ class BranchError(RunError):
     """The parent, the step, the new run's place or a setting change does not allow this branch."""
 
 
+def check_same_kind(parent: str, new: str) -> None:
+    """A parent at a URL branches at a URL of the same cloud; a local parent branches locally."""
+    if is_url(parent) != is_url(new):
+        where, other = (parent, new) if is_url(parent) else (new, parent)
+        raise BranchError(
+            f"RUN and NEW_RUN must both be local directories or both URLs ({where} is a URL, {other} is not): a "
+            f"parent finds its branches beside it, and a branch elsewhere would be found by neither. Give NEW_RUN as "
+            f"a name (made beside RUN) or a URL beside it")
+    if is_url(parent) and parent.split("://", 1)[0] != new.split("://", 1)[0]:
+        raise BranchError(f"RUN {parent} and NEW_RUN {new} are on different clouds; branch within one "
+                          f"(give NEW_RUN as a name: it is made beside RUN)")
+
+
 def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Makes the branch ``new`` of run ``parent`` at ``step`` (module docstring); returns its ``branch.json``."""
-    parent, new = Path(parent).resolve(), Path(new).resolve()
-    if not is_run_directory(parent):
-        raise BranchError(f"{parent} is not a run directory (no settings.json or checkpoints/); give the directory "
-                          f"a run wrote, e.g. storage/<run-name>")
-    if new.exists() and (not new.is_dir() or any(new.iterdir())):
-        raise BranchError(f"{new} exists; a branch is a new run: choose another NEW_RUN name")
-    checkpoints = CheckpointManager(parent / "checkpoints")
-    checkpoint = checkpoints.path_of(step)
-    if checkpoint is None:
-        kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
-        raise _refused(parent, new, f"{parent} keeps no checkpoint of step {step} (kept: {kept}); branch from one "
-                                    f"of those, or keep more with learner.checkpoint_keep_every=M (every M-th step)")
-    if not (parent / "settings.json").is_file():
-        raise BranchError(f"{parent} has no settings.json: a branch takes its parent's settings; give a run directory "
+    parent_at, new_at = resolved_location(str(parent)).rstrip("/"), resolved_location(str(new)).rstrip("/")
+    check_same_kind(parent_at, new_at)
+    if parent_at == new_at:
+        raise BranchError(f"NEW_RUN is RUN ({new_at}); a branch is a new run: choose another name")
+    parent_paths, new_paths = RunPaths.at(parent_at), RunPaths.at(new_at)
+    source, target = parent_paths.store, new_paths.store
+    if not is_run(parent_at):
+        raise BranchError(f"{parent_at} is not a run (no settings.json or checkpoints/); give the directory or URL "
+                          f"a run wrote, e.g. storage/<run-name> or s3://BUCKET/runs/<run-name>")
+    if (half_made := half_made_branch(parent_paths)) is not None:
+        raise BranchError(half_made)
+    saved_text = source.read("settings.json")
+    if saved_text is None:
+        raise BranchError(f"{parent_at} has no settings.json: a branch takes its parent's settings; give a run "
                           f"a run or a replay made")
-    saved = json.loads((parent / "settings.json").read_text())
-    settings, changed = changed_settings(parent, saved, overrides)
-    record = checkpoints.record(step) or {}
-    lineage = {
-        "format": BRANCH_FORMAT, "parent": str(parent), "step": step,
-        "policy_version": record.get("policy_version"), "buffer_rows": record.get("buffer_rows"),
-        "replay_source": saved.get("replay", {}).get("buffer"), "settings_changed": changed,
-        "overrides": list(overrides), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    making = new.with_name(new.name + HALF_MADE_SUFFIX)  # renamed into place whole: a failed branch leaves no run
-    # held throughout, so no other `branch` of this parent is making NEW meanwhile (_refused relies on it)
-    with evicting_parent_stopped(parent), branches_settled(parent):  # and no drop or eviction of the rows named
-        if making.exists():
-            print(f"[branch] {making} was left half-made by a `branch` stopped midway: removing it and making the "
-                  f"branch again", file=sys.stderr)
-            shutil.rmtree(making)
-        making.mkdir(parents=True)
+    saved = json.loads(saved_text)
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+
+    checkpoints = run_checkpoints(parent_paths)
+    # held throughout in a directory, so that no other `branch` of this parent is making NEW meanwhile
+    # and the parent's retention drops nothing while the rows are named (runs/retention.py)
+    with evicting_parent_stopped(parent_paths), branches_settled(parent_paths.store):
+        if checkpoints.path_of(step) is None:
+            kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
+            reason = (f"{parent_at} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, or "
+                      f"keep more with learner.checkpoint_keep_every=M (every M-th step)")
+            # a branch of it left half-made there cannot be made any more, and no rerun would remove it
+            raise BranchError(half_made_removed(reason, new_at) if _remove_half_made(target, parent_at) else reason)
+        _clear_place(target, new_at)
+        settings, changed = changed_settings(parent_paths, saved, overrides)
+        record = checkpoints.record(step) or {}
+        buffer = str(saved.get("buffer_url") or parent_paths.buffer_location)
+        lineage = {
+            "format": BRANCH_FORMAT, "parent": parent_at, "step": step,
+            "policy_version": record.get("policy_version"), "buffer_rows": record.get("buffer_rows"),
+            "replay_source": saved.get("replay", {}).get("buffer"), "settings_changed": changed,
+            "overrides": list(overrides), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        if lineage["replay_source"] is None:  # a run with collectors: the branch names its rows by reference
+            _refuse_parent_rows(parent_paths, buffer, lineage, step)
+        # first, so that the parent's `inspect` lists it (and retention holds its rows) if this is stopped midway
+        target.create(BRANCH_MAKING, json.dumps({"parent": parent_at, "step": step}).encode())
         try:
-            # first, so that the parent's `inspect` lists it if this is stopped midway (runs/lineage.py)
-            (making / BRANCH_MAKING).write_text(json.dumps({"parent": str(parent), "step": step}))
-            _write_branch(parent, making, checkpoint, step, settings, lineage)
-            if new.exists():
-                new.rmdir()  # empty (checked above)
-            making.replace(new)
+            _copy_branch(source, new_paths, step, lineage["policy_version"])
+            if lineage["replay_source"] is None:  # a run with collectors: its rows up to the step, by reference
+                _parent_rows(parent_paths, buffer, new_paths, lineage, step)
         except FileNotFoundError as exc:  # the running parent pruned that checkpoint (or weights) meanwhile
-            shutil.rmtree(making, ignore_errors=True)
             raise BranchError(f"{exc.filename} went away while branching (the parent is running and pruned it); "
-                              f"branch from a step it keeps: learner.checkpoint_keep_every=M keeps every M-th"
-                              ) from None
-        except BaseException:
-            shutil.rmtree(making, ignore_errors=True)
-            raise
-    (new / BRANCH_MAKING).unlink()
+                              f"branch from a step it keeps: learner.checkpoint_keep_every=M keeps every M-th; "
+                              f"{new_at} is left half-made: `branch` again removes it") from None
+        target.create("settings.json", json.dumps(settings, indent=2, sort_keys=True).encode())
+        target.create(BRANCH_FILE, json.dumps(lineage, indent=2, sort_keys=True).encode())  # last: the branch is whole
+    target.delete(BRANCH_MAKING)
     return lineage
-
-
-def _refused(parent: Path, new: Path, reason: str) -> BranchError:
-    """The refusal of a branch that cannot be made (any more), once the ``NEW.creating/`` that a
-    ``branch`` of it stopped midway left is removed: no rerun would remove it any more, and it holds
-    nothing anyone reads. Under the lock a branch being made holds throughout (:func:`branch_run`),
-    so it is no other ``branch``'s work in progress."""
-    from rlhf_pipeline.runs.lineage import half_made_parent
-
-    making = new.with_name(new.name + HALF_MADE_SUFFIX)
-    with branches_settled(parent):
-        if not making.is_dir() or half_made_parent(making) not in (None, str(parent)):  # another parent's
-            return BranchError(reason)
-        shutil.rmtree(making)
-    return BranchError(half_made_removed(reason, str(making)))
 
 
 def half_made_removed(reason: str, where: str) -> str:
@@ -146,7 +163,49 @@ def half_made_removed(reason: str, where: str) -> str:
             f"anyone reads)")
 
 
-def changed_settings(parent: Path, saved: dict[str, Any], overrides: Sequence[str]) -> tuple[dict, list[str]]:
+def half_made_branch(paths: RunPaths) -> str | None:
+    """The line ``replay``/``run``/``branch`` print for a run that is a branch left half-made, else None."""
+    if not paths.store.exists(BRANCH_MAKING) or paths.store.exists(BRANCH_FILE):
+        return None
+    return (f"{paths.location} is a branch left half-made ({BRANCH_MAKING}, no {BRANCH_FILE}: `branch` was stopped "
+            f"while making it); run the same `rlhf-pipeline branch ... {paths.location}` again: it removes it and "
+            f"makes it whole")
+
+
+def _clear_place(target: Any, where: str) -> None:
+    """NEW must hold nothing, or a branch left half-made (then it is removed)."""
+    keys = target.walk()
+    if not keys:
+        return
+    if BRANCH_MAKING not in keys or BRANCH_FILE in keys:
+        raise BranchError(f"{where} exists and holds objects already; a branch is a new run: choose another NEW_RUN "
+                          f"name")
+    print(f"[branch] {where} holds a branch left half-made ({BRANCH_MAKING}, no {BRANCH_FILE}): removing its "
+          f"{len(keys)} objects and making it again", file=sys.stderr)
+    _delete(target, keys)
+
+
+def _remove_half_made(target: Any, parent: str) -> bool:
+    """Removes the branch of ``parent`` left half-made at ``target`` (``branch.making``, no
+    ``branch.json``), if there is one; whether it did."""
+    keys = target.walk()
+    if BRANCH_MAKING not in keys or BRANCH_FILE in keys:
+        return False
+    named = (making_record(target.read(BRANCH_MAKING)) or {}).get("parent", parent)
+    if resolved_location(str(named)).rstrip("/") != parent:
+        return False  # another parent's
+    _delete(target, keys)
+    return True
+
+
+def _delete(target: Any, keys: list[str]) -> None:
+    for key in keys:
+        if key != BRANCH_MAKING:
+            target.delete(key)
+    target.delete_prefix()  # the marker last: a kill before here is still recognisable
+
+
+def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequence[str]) -> tuple[dict, list[str]]:
     """The parent's ``settings.json`` with ``overrides`` applied (names and values checked by the
     parent's copy of its pipeline file; the learner checks the whole at its start), and what changed
     as ``key: was A, now B`` lines."""
@@ -160,13 +219,11 @@ def changed_settings(parent: Path, saved: dict[str, Any], overrides: Sequence[st
                 f"with it (only learner.* settings, steps and device may change). Start a new run to change it")
     if not overrides:
         return saved, []
-    from rlhf_pipeline.files.run_paths import RunPaths
-    from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_settings, settings_to_json
-    from rlhf_pipeline.runs.pipeline_copy import importable_copy
+    from rlhf_pipeline.pipeline import PipelineError, make_settings, settings_to_json
+    from rlhf_pipeline.runs.branch_command import load_copy
 
     try:  # the parent's own pipeline file checks each name and parses each value to its type
-        importable_copy(RunPaths(parent))
-        updated = settings_to_json(make_settings(load_pipeline_module(parent / "pipeline.py"), overrides))
+        updated = settings_to_json(make_settings(load_copy(parent), overrides))
     except (PipelineError, FileNotFoundError) as exc:
         raise BranchError(f"--set: {exc}") from None
     settings, changed = json.loads(json.dumps(saved)), []
@@ -188,55 +245,82 @@ def _get(data: dict[str, Any], parts: list[str]) -> Any:
     return data if data != {} else None
 
 
-def _write_branch(parent: Path, new: Path, checkpoint: Path, step: int, settings: dict, lineage: dict) -> None:
+def _copy_branch(source: Any, new: RunPaths, step: int, version: int | None) -> None:
+    """The parent's pipeline copy, checkpoint of ``step`` with its record, log lines up to ``step``
+    and the checkpoint's weights, copied into the branch's store."""
     from rlhf_pipeline.learn.metrics import truncate_metrics
 
-    (new / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True))
-    for name in _COPIED:
-        source = parent / name
-        if source.is_dir():
-            shutil.copytree(source, new / name)
-        elif source.is_file():
-            shutil.copyfile(source, new / name)
-    (new / "checkpoints").mkdir()
-    _link_or_copy(checkpoint, new / "checkpoints" / checkpoint.name)
-    record = checkpoint.with_suffix(".json")
-    if record.is_file():
-        shutil.copyfile(record, new / "checkpoints" / record.name)
-    for name in _LOGS:  # the lines of steps up to the branch point: a resumed learner writes the later ones
-        if (parent / name).is_file():
-            shutil.copyfile(parent / name, new / name)
-            truncate_metrics(new / name, step)
-    _publish_checkpoint_weights(parent, new, checkpoint, lineage.get("policy_version"))
-    if lineage["replay_source"] is None and (parent / "buffer").exists():
-        from rlhf_pipeline.storage.continues import continued_rows
-
-        continues = continued_rows(parent / "buffer")
-        if continues is not None:
-            grandparent = Path(continues["parent_buffer"]).parent
-            raise BranchError(f"{parent} is a branch continued online: its rows are partly its parent's, and "
-                              f"branching it is not there yet; branch its parent ({grandparent}) instead")
-        if lineage["buffer_rows"] is None:
-            raise BranchError(f"the checkpoint of step {step} of {parent} has no rewind record (a run made before "
-                              f"records): which of its rows were published at that step is not known; branch "
-                              f"from a later step")
-        write_parent_rows(parent / "buffer", new / PARENT_ROWS, lineage["buffer_rows"], step)
-    elif lineage["replay_source"] is None and (parent / PARENT_ROWS).is_dir():
-        # a branch that was never continued: its rows are its own parent's, named by its selection
-        shutil.copytree(parent / PARENT_ROWS, new / PARENT_ROWS)
-    (new / BRANCH_FILE).write_text(json.dumps(lineage, indent=2, sort_keys=True))
+    target = new.store
+    for key in ["pipeline.py", *source.walk("pipeline_modules")]:
+        if key == "pipeline.py" and not source.exists(key):
+            continue
+        target.copy(key, key, source=source)
+    checkpoint = f"checkpoints/step_{step:08d}.pt"
+    target.copy(checkpoint, checkpoint, source=source)
+    if source.exists(checkpoint[:-3] + ".json"):
+        target.copy(checkpoint[:-3] + ".json", checkpoint[:-3] + ".json", source=source)
+    for log in _LOGS:  # the lines of steps up to the branch point: the resumed learner writes the later ones
+        # a directory keeps a log as one file, a URL as parts (learn/metrics.py)
+        for key in ([log] if source.exists(log) else []) + source.walk(f"{log}.parts"):
+            target.copy(key, key, source=source)
+        where, store = new.state_object(new.root / log)
+        truncate_metrics(where, step, store=store)  # a new file or object: a linked one stays the parent's
+    _copy_weights(source, target, checkpoint, version)
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
-    """A hard link where the file system allows (a checkpoint can be gigabytes), else a copy. Safe
-    because a checkpoint or weights file is never changed in place: a save writes a new file and
-    renames it over the name, and pruning unlinks the parent's name, not the branch's."""
-    import os
+def _copy_weights(source: Any, target: Any, checkpoint: str, version: int | None) -> None:
+    """The checkpoint's policy as the branch's newest weights version: the parent's object while it
+    keeps it, else written from the checkpoint's model (the parent prunes old versions)."""
+    from rlhf_pipeline.coordination.weights import WEIGHTS, published_objects, publish_weights
 
-    try:
-        os.link(source, target)
-    except OSError:  # another file system, or one without hard links
-        shutil.copyfile(source, target)
+    name = published_objects(source).get(version) if version is not None else None
+    if name is not None:
+        target.copy(f"{WEIGHTS}/{name}", f"{WEIGHTS}/{name}", source=source)
+        return
+    from rlhf_pipeline.files.state_files import load_state_bytes
+
+    state = load_state_bytes(target.read(checkpoint), what="learner checkpoint", where=target.describe(checkpoint),
+                             legacy_numpy_arrays=True)
+    publish_weights(target, state["model"], int(state["progress"]["policy_version"]))
+
+
+def _refuse_parent_rows(parent: RunPaths, buffer: str, lineage: dict[str, Any], step: int) -> None:
+    """What makes the rows of a parent with collectors unknown, refused before anything is written:
+    a parent continued online (its rows are partly its own parent's), a checkpoint without a record."""
+    from rlhf_pipeline.storage.continues import continued_rows
+
+    continues = continued_rows(buffer)
+    if continues is not None:
+        grandparent = str(continues["parent_buffer"]).rstrip("/").rpartition("/")[0]
+        raise BranchError(f"{parent.location} is a branch continued online: its rows are partly its parent's, and "
+                          f"branching it is not there yet; branch its parent ({grandparent}) instead")
+    if lineage["buffer_rows"] is None and not parent.store.exists(PARENT_ROWS_MANIFEST):
+        raise BranchError(f"the checkpoint of step {step} of {parent.location} has no rewind record (a run made "
+                          f"before records): which of its rows were published at that step is not known; branch "
+                          f"from a later step")
+
+
+def _parent_rows(parent: RunPaths, buffer: str, new: RunPaths, lineage: dict[str, Any], step: int) -> None:
+    """``parent-rows/`` in the branch's store: the saved selection of the parent's rows published at
+    ``step``, naming the parent's shards where they are (read in place); a parent that is itself a
+    branch never continued passes on its own selection."""
+    from rlhf_pipeline.storage.selection import publish_selection
+
+    source, target = parent.store, new.store
+    if source.exists(PARENT_ROWS_MANIFEST):  # a branch that was never continued: its rows are its own parent's
+        for key in source.walk(PARENT_ROWS):
+            target.copy(key, key, source=source)
+        return
+    if not source.is_local:  # no lock there: our branch.making is up, so a drop decided from here on sees it
+        from rlhf_pipeline.runs.retention import wait_for_drops
+
+        wait_for_drops(source, lineage["buffer_rows"].keys())
+    # written in the branch's directory (a URL's: this machine's cache of it), then put in its store
+    local = new.root / PARENT_ROWS
+    if local.exists():
+        shutil.rmtree(local)
+    write_parent_rows(buffer, local, lineage["buffer_rows"], step)
+    publish_selection(local, target, PARENT_ROWS)
 
 
 def write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], step: int) -> None:
@@ -264,63 +348,48 @@ def write_parent_rows(buffer: Path, target: Path, buffer_rows: dict[str, int], s
                               source_location=str(buffer))
 
 
-def offline_branch(root: str | Path) -> dict[str, Any] | None:
-    """The ``branch.json`` of a branch of a run with collectors (it continues offline, over
-    ``parent-rows/``), else None."""
+def offline_branch_of(paths: RunPaths) -> dict[str, Any] | None:
+    """The ``branch.json`` of a branch of a run with collectors (it continues with ``replay`` over
+    its ``parent-rows/``, or online), else None."""
     try:
-        lineage = read_parent(root)
-    except (ValueError, OSError) as exc:  # a damaged branch.json (json's errors are ValueErrors): one line
+        lineage = read_parent(paths.store)
+    except (ValueError, OSError) as exc:  # a damaged branch.json: one line
         raise BranchError(str(exc)) from None
     return lineage if lineage is not None and lineage.get("replay_source") is None else None
 
 
-def _publish_checkpoint_weights(parent: Path, new: Path, checkpoint: Path, version: int | None) -> None:
-    """The policy the branch starts with as its newest weights version: the parent's file of that
-    version while it is kept, else the checkpoint's model (the parent prunes old versions)."""
-    from rlhf_pipeline.coordination.weights import publish_weights, weights_path
-
-    if version is not None and weights_path(parent, version).is_file():
-        target = weights_path(new, version)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _link_or_copy(weights_path(parent, version), target)
-        return
-    from rlhf_pipeline.files.state_files import load_state
-
-    state = load_state(checkpoint, what="learner checkpoint", legacy_numpy_arrays=True)
-    version = int(state["progress"]["policy_version"])
-    publish_weights(new, state["model"], version)
-
-
-def refuse_online_start(root: str | Path) -> None:
-    """``run``/``collect``/``learn`` on a branch of a run with collectors: sets it up to continue
-    online (``runs/branch_online.py``), or refuses in one line saying why, with the ``replay`` command."""
-    lineage = offline_branch(root)
+def start_online(paths: RunPaths) -> None:
+    """``run``/``collect``/``learn`` of a branch: one left half-made is refused in one line; one of a
+    run with collectors is set up to continue online (``runs/branch_online.py``), or refused in one
+    line saying why, with the ``replay`` command."""
+    if (half_made := half_made_branch(paths)) is not None:
+        raise BranchError(half_made)
+    lineage = offline_branch_of(paths)
     if lineage is not None:
-        from rlhf_pipeline.files.run_paths import RunPaths
         from rlhf_pipeline.runs.branch_command import offline_command
         from rlhf_pipeline.runs.branch_online import prepare_online_branch
 
-        prepare_online_branch(root, lineage,
-                              lambda: offline_command(RunPaths(Path(root)), lineage, str(Path(root) / PARENT_ROWS)))
+        prepare_online_branch(paths, lineage,
+                              lambda: offline_command(paths, lineage, f"{paths.location}/{PARENT_ROWS}"))
 
 
-def describe_continuation(new: Path, lineage: dict[str, Any]) -> str:
-    """The command that continues the branch, for ``branch`` to print: the parent's, with every
-    setting it was started with and the branch's changes (``runs/branch_command.py``)."""
-    from rlhf_pipeline.files.run_paths import RunPaths
+def main_message(new: str, lineage: dict[str, Any]) -> None:
+    """What ``branch`` prints: where from, and the parent's command that continues the branch
+    (``runs/branch_command.py``), with every setting it was started with and the branch's changes."""
     from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.runs.branch_command import branch_commands, describe, not_rebuilt
 
-    try:
-        return describe(branch_commands(RunPaths(new), lineage, str(new / PARENT_ROWS)), lineage["step"])
-    except (PipelineError, ValueError, OSError) as exc:
-        return not_rebuilt(lineage["overrides"], exc)
-
-
-def main_message(new: Path, lineage: dict[str, Any]) -> None:
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
     print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
-    print(f"[branch] {describe_continuation(new, lineage)}", file=sys.stderr)
+    try:
+        commands = branch_commands(RunPaths.at(new), lineage, f"{new}/{PARENT_ROWS}")
+    except (PipelineError, ValueError, OSError) as exc:
+        print(f"[branch] {not_rebuilt(lineage['overrides'], exc)}", file=sys.stderr)
+        return
+    # PIPELINE.py where the branch's copy cannot be run in place (at a URL, or importing modules beside it)
+    given = any("PIPELINE.py" in command for command in commands.values())
+    note = f" (PIPELINE.py: the parent's pipeline file, kept at {new}/pipeline.py)" if given else ""
+    print(f"[branch] {describe(commands, lineage['step'], note)}", file=sys.stderr)
 
 
 def refuse_evicting_parent(root: str | Path) -> None:
@@ -353,22 +422,23 @@ def _evicting_shards(root: Path) -> list[str]:
 
 
 @contextmanager
-def evicting_parent_stopped(parent: Path) -> Iterator[None]:
+def evicting_parent_stopped(parent: RunPaths) -> Iterator[None]:
     """While a branch of a parent whose buffer evicts is made: the parent's ``run.lock`` (the lock
     its commands hold while they run; opened read-only, nothing written), so the parent is not
     running and does not start until the branch exists, and its start then refuses to evict the
-    rows the branch reads. A running parent is refused by name."""
+    rows the branch reads. A running parent is refused by name. (Eviction is a local store's: a
+    store at a URL bounds its rows with retention, which holds a branch's rows.)"""
     from rlhf_pipeline.runs.run_directory import HOLDER_FILE
 
-    evicting = _evicting_shards(parent)
-    if not evicting or not (parent / HOLDER_FILE).is_file():
+    evicting = _evicting_shards(parent.root) if parent.store.is_local else []
+    if not evicting or not (parent.root / HOLDER_FILE).is_file():
         yield
         return
-    with open(parent / HOLDER_FILE, "rb") as handle:
+    with open(parent.root / HOLDER_FILE, "rb") as handle:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise BranchError(f"{parent} is running and {evicting[0]} evicts its oldest rows (it has a capacity): "
+            raise BranchError(f"{parent.root} is running and {evicting[0]} evicts its oldest rows (it has a capacity): "
                               f"they could be taken from the branch as it is made. Stop the parent, branch it, and "
                               f"detach the branch (rlhf-pipeline detach NEW_RUN) before starting the parent again; "
                               f"or bound the buffer with retention.* instead, which keeps a branch's rows") from None

@@ -1,4 +1,5 @@
-"""A branch of a run with collectors, continued online: ``rlhf-pipeline run PIPELINE.py --run-name NEW``.
+"""A branch of a run with collectors, continued online: ``rlhf-pipeline run PIPELINE.py --run-name NEW``
+(``--home s3://.../runs`` for a branch at a URL: the same steps, through the run stores).
 
 ``branch`` (``runs/branch.py``) made the branch: the checkpoint of step N and its record (the rows
 each buffer shard had published then), the settings and ``parent-rows/``. Its first online start
@@ -13,18 +14,21 @@ each buffer shard had published then), the settings and ``parent-rows/``. Its fi
   position, id counters, sampling RNG and the pacing counts of the collect loop. The branch's
   collector resumes from it as from its own, and writes what the parent's wrote next, unless a
   changed learner setting changed the weights it samples with;
-* the parent's weights files of the versions from the oldest one those collectors held to the
-  branch step's, where the parent still keeps them (hard links): a paced round samples with the
-  version pacing names for it, which may be older than the checkpoint's.
+* the parent's weights of the versions from the oldest one those collectors held to the branch
+  step's, copied as the store can (hard links, server-side copies): the parent's own while it keeps
+  them, else the ones its collectors' histories keep (the learner prunes old versions long before a
+  branch). A paced round samples with the version pacing names for it, which may be older than the
+  checkpoint's.
 
-The buffer file is written last, once the rest is there: a start killed midway does it again.
+The buffer record is written last, once the rest is there: a start killed midway does it again
+(each object written is the same again). The parent is only read: its files and objects keep their etags.
 A parent without a position history at those rows (a run made before histories, a state pruned)
 continues offline only: refused in one line that names the reason and the ``replay`` command.
 """
 
 from __future__ import annotations
 
-import os
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,38 +45,48 @@ class OnlineBranchError(RunError):
     """The branch cannot continue online (the message says why and gives the ``replay`` command)."""
 
 
-def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: Callable[[], str]) -> None:
-    """Sets the branch at ``root`` up to continue online (module docstring), once; ``offline``:
-    the command that continues it offline, for a refusal (made only then: it loads the pipeline copy)."""
-    root = Path(root)
-    if continued_rows(root / "buffer") is not None:
+def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable[[], str]) -> None:
+    """Sets the branch at ``paths`` (a ``RunPaths``: a directory or a URL) up to continue online
+    (module docstring), once; ``offline``: the command that continues it offline, for a refusal (made
+    only then: it loads the pipeline copy)."""
+    buffer = paths.buffer_location
+    if continued_rows(buffer) is not None:
         return  # set up by an earlier start
     from rlhf_pipeline.collect.position_history import PositionHistory, history_key
-    from rlhf_pipeline.learn.checkpoint import CheckpointManager
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.runs.lineage import read_parent
     from rlhf_pipeline.storage.buffers import shard_index
 
-    parent, rows = Path(lineage["parent"]), lineage.get("buffer_rows") or {}
+    parent, rows = RunPaths.at(str(lineage["parent"])), lineage.get("buffer_rows") or {}
 
     def refuse(why: str) -> OnlineBranchError:
-        return OnlineBranchError(f"{root} is a branch of {parent} at step {lineage['step']} and cannot continue "
-                                 f"online: {why}; continue it offline with {offline()}")
+        return OnlineBranchError(f"{paths.location} is a branch of {parent.location} at step {lineage['step']} and "
+                                 f"cannot continue online: {why}; continue it offline with {offline()}")
 
-    reached = CheckpointManager(root / "checkpoints").latest_step()
+    reached = run_checkpoints(paths).latest_step()
     if reached is not None and reached > int(lineage["step"]):
         raise refuse(f"it was continued offline already (it has a checkpoint of step {reached})")
-    if continued_rows(parent / "buffer") is not None or (not (parent / "buffer").is_dir()
-                                                         and (parent / "parent-rows").is_dir()):
+    saved = parent.store.read("settings.json")
+    parent_buffer = str(json.loads(saved or b"{}").get("buffer_url") or parent.buffer_location).rstrip("/")
+    if saved is None and not parent.store.list("buffer"):
+        raise refuse(f"its parent's buffer ({parent_buffer}) is not there")
+    try:
+        grandparent = read_parent(parent.store)
+    except ValueError as exc:  # its branch.json is damaged
+        raise refuse(str(exc)) from None
+    if continued_rows(parent_buffer) is not None or (grandparent or {"replay_source": ""}).get("replay_source") is None:
         raise refuse("its parent is itself a branch (continuing a branch of a branch online is not there yet)")
-    if not (parent / "buffer").is_dir():
-        raise refuse(f"its parent's buffer ({parent / 'buffer'}) is not there")
-    states, held_versions = {}, []
+    if parent_buffer == buffer.rstrip("/"):
+        raise refuse(f"its buffer is its parent's ({buffer}): give the branch a buffer_url of its own")
+    states, histories = {}, []
     for name, count in sorted(rows.items()):
         index = shard_index(name)
         if index is None:
             raise refuse("its parent keeps one single-store buffer (made before shards), not one shard per collector")
         if not count:
             continue  # that collector had written nothing: it starts afresh
-        history = PositionHistory(LocalRunStore(parent / "collector"), history_key(f"{name}.pt"))
+        history = PositionHistory(parent.store, history_key(f"collector/shard-{index:04d}.pt"))
         state = history.state_at(count)
         if state is None:
             raise refuse(f"the parent keeps no state of its collector {index} at row {count} of {name} (a run made "
@@ -81,20 +95,17 @@ def prepare_online_branch(root: str | Path, lineage: dict[str, Any], offline: Ca
             raise refuse(f"its collector {index} had rows of groups not whole yet pending at row {count} of {name}, "
                          f"and restarting a collector with pending groups online is not there yet")
         states[index] = state
-        held = history.held_at(count)
-        if held is not None:
-            held_versions.append((held, history))
+        histories.append((history.held_at(count), history))
     import torch
-
-    from rlhf_pipeline.files.atomic import write_atomic
 
     for index, state in states.items():
         payload = {"format": 1, "committed": state["committed"], "loop": _branch_loop(state["loop"]), "inflight": None}
-        write_atomic(root / "collector" / f"shard-{index:04d}.pt", lambda f, p=payload: torch.save(p, f))
+        paths.store.write(f"collector/shard-{index:04d}.pt", lambda f, p=payload: torch.save(p, f), fence=False)
     if lineage.get("policy_version") is not None:
-        for held, history in held_versions:
-            _link_parent_weights(parent, root, history, held, int(lineage["policy_version"]))
-    write_continued_rows(root / "buffer", str(parent / "buffer"), rows)
+        for held, history in histories:
+            if held is not None:
+                _copy_parent_weights(parent, paths, history, held, int(lineage["policy_version"]))
+    write_continued_rows(buffer, parent_buffer, rows)
 
 
 def _branch_loop(loop: dict[str, Any]) -> dict[str, Any]:
@@ -118,24 +129,22 @@ def pending_rows(snapshot: bytes | None) -> int:
     return 0 if rows is None else int(rows["group_id"].numel())
 
 
-def _link_parent_weights(parent: Path, root: Path, history: Any, oldest: int, newest: int) -> None:
-    """Hard links (else copies) of the parent's weights of versions ``oldest..newest``: its own file
-    while it keeps it, else the one its collector's history keeps."""
-    import shutil
+def _copy_parent_weights(parent: Any, branch: Any, history: Any, oldest: int, newest: int) -> None:
+    """Copies (links, server-side copies) of the parent's weights of versions ``oldest..newest`` into
+    the branch's ``weights/``: the parent's own object while it keeps it, else the one its
+    collector's history keeps."""
+    from rlhf_pipeline.coordination.weights import LEGACY_SUFFIX, SUFFIX, WEIGHTS, published_objects
 
-    from rlhf_pipeline.coordination.weights import weights_path
-
+    kept, have = published_objects(parent.store), published_objects(branch.store)
     for version in range(oldest, newest + 1):
-        target = weights_path(root, version)
-        source = weights_path(parent, version)
-        source = source if source.is_file() else history.weights(version)
-        if source is None or target.exists():
+        if version in have:
             continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(source, target)
-        except OSError:
-            shutil.copyfile(source, target)
+        source = f"{WEIGHTS}/{kept[version]}" if version in kept else history.weights_key(version)
+        if source is None:
+            continue  # neither keeps it: a round that needs it waits for a newer version, as a resumed run does
+        name = source.rsplit("/", 1)[-1]
+        name = name if name.endswith((SUFFIX, LEGACY_SUFFIX)) else name + SUFFIX  # a history's link has no suffix
+        branch.store.copy(source, f"{WEIGHTS}/{name}", source=parent.store)
 
 
 class _RowsFrom:
@@ -152,7 +161,7 @@ class _RowsFrom:
 def collector_rows(paths: Any, store: Any, store_path: str) -> tuple[Any, int]:
     """``store`` as the collector's position and pacing count its rows (from the parent's count in a
     continued branch), and that offset."""
-    continues = continued_rows(paths.buffer if paths.url is None else paths.buffer_location)
+    continues = continued_rows(paths.buffer_location)
     offset = int((continues or {}).get("rows", {}).get(_shard_key(paths, store_path), 0))
     return (_RowsFrom(store, offset) if offset else store), offset
 
@@ -182,13 +191,13 @@ def keep_position_history(paths: Any, where: Any, run_store: Any, store_path: st
 
     from rlhf_pipeline.coordination.weights import weights_path
 
-    weights_file = (lambda version: weights_path(paths.root, version)) if paths.url is None else None
-    return PositionHistory(store, history_key(key), kept, weights_file,
-                           weights_object=_weights_object(paths) if paths.url is not None else None)
+    # the history links the run's weights file in a directory, copies its object at a URL: it takes the one its store uses
+    return PositionHistory(store, history_key(key), kept, lambda version: weights_path(paths.root, version),
+                           weights_object=_weights_object(paths))
 
 
 def _weights_object(paths: Any) -> Any:
-    """At a URL: the key of the run's weights object of a version (None once pruned), one listing each."""
+    """The key of the run's weights object of a version (None once pruned), one listing each."""
     from rlhf_pipeline.coordination.weights import WEIGHTS, published_objects
 
     return lambda version: (f"{WEIGHTS}/{name}" if (name := published_objects(paths.store).get(version)) else None)

@@ -1,7 +1,7 @@
 """Which rows of a parent's shard a branch reads, from what the branch keeps: its ``parent-rows/``
 selection (``storage/selection.py``: per part, the store's location and its first row then) and
 its continues record (``storage/continues.py``, a branch continued online). Retention's branch
-floors (``runs/retention.py`` in a directory, ``runs/retention_url.py`` at a URL) read them."""
+floors (``runs/retention.py``) read them."""
 
 from __future__ import annotations
 
@@ -10,16 +10,20 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
 
-# the names runs/branch.py (PARENT_ROWS) and runs/branch_url.py (MAKING) write, kept here so that
+# the names runs/branch.py writes (PARENT_ROWS, BRANCH_MAKING), kept here so that
 # retention and lineage read them without importing how a branch is made (which imports retention)
 PARENT_ROWS_MANIFEST = "parent-rows/selection.json"
 BRANCH_MAKING = "branch.making"  # what a branch being made is made of ({"parent", "step"}), written first
-HALF_MADE_SUFFIX = ".creating"  # a local branch is made as NAME.creating/ and renamed into place whole
 
 
 def resolved_location(location: str) -> str:
     """A store's location as selections record it: a URL as it is, a path made absolute."""
     return location if "://" in location else str(Path(location).resolve())
+
+
+def is_inside(location: str, run: str) -> bool:
+    """Whether ``location`` (a path or a URL) lies inside the run at ``run``."""
+    return resolved_location(location).startswith(resolved_location(run).rstrip("/") + "/")
 
 
 def first_row_read(parts: list[dict[str, Any]], shard: str) -> int | None:

@@ -1,9 +1,10 @@
-"""A local run's lineage and rewind points, read without torch: what ``inspect RUN`` prints.
+"""A run's lineage and rewind points, read without torch: what ``inspect RUN`` prints, for a run
+directory or a run at an ``s3://``/``az://`` URL alike (every read goes through the run store).
 
 A branch (``runs/branch.py``) records its parent in ``<branch>/branch.json``; the parent is never
-written to (its files stay byte-identical), so a parent's branches are found by looking at the runs
-beside it (the same home) for a ``branch.json`` that names it. A branch made elsewhere is not found
-from its parent, but still names its parent itself.
+written to (its files or objects stay byte-identical), so a parent's branches are found by looking
+at the runs beside it (the same home: a directory or a URL prefix) for a ``branch.json`` that names
+it. A branch made elsewhere is not found from its parent, but still names its parent itself.
 """
 
 from __future__ import annotations
@@ -15,22 +16,35 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.learn.checkpoint import CheckpointManager
-from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, HALF_MADE_SUFFIX, making_record
+from rlhf_pipeline.files.atomic import json_object
+from rlhf_pipeline.files.run_store import RunStore
+from rlhf_pipeline.runs.branch_reads import (
+    BRANCH_MAKING,
+    PARENT_ROWS_MANIFEST,
+    is_inside,
+    making_record,
+    resolved_location,
+)
 
 BRANCH_FILE = "branch.json"
 BRANCH_FORMAT = 1
+READS_AT_ONCE = 16  # reads of the runs beside a run in flight at once: a home of 100 runs in ~7 round trips
 
 
 @contextmanager
-def branches_settled(run: str | Path) -> Iterator[None]:
+def branches_settled(run: RunStore) -> Iterator[None]:
     """Held while a run's retention looks for its branches and drops rows (``runs/retention.py``), and
     while a branch of it names the rows it reads and appears (``runs/branch.py``): so a branch is either
     seen by the look or names only rows left after the drop, never rows a drop decided without it.
-    An exclusive ``flock`` on the run's ``settings.json``, opened read-only: the parent stays
-    byte-identical. A run without ``settings.json`` (none was written yet) has nothing to hold."""
+    In a directory, an exclusive ``flock`` on the run's ``settings.json``, opened read-only: the parent
+    stays byte-identical; a run without ``settings.json`` (none was written yet) has nothing to hold.
+    An object store has no lock: there a drop is marked and ``branch`` waits for it instead
+    (``retention.drop_under_way``), so this holds nothing."""
+    if not run.is_local:
+        yield
+        return
     try:
-        handle = open(Path(run) / "settings.json", "rb")
+        handle = open(run.path("settings.json"), "rb")
     except (FileNotFoundError, NotADirectoryError):
         yield
         return
@@ -39,22 +53,35 @@ def branches_settled(run: str | Path) -> Iterator[None]:
         yield
 
 
-def is_run_directory(path: str | Path) -> bool:
-    """A directory a run made: it holds ``settings.json`` or ``checkpoints/``."""
-    path = Path(path)
-    return (path / "settings.json").is_file() or (path / "checkpoints").is_dir()
+def run_store_at(run: str | Path) -> Any:
+    """The run store of the run at ``run``: a directory (made absolute) or an ``s3://``/``az://`` URL."""
+    from rlhf_pipeline.files.run_paths import RunPaths
+
+    return RunPaths.at(resolved_location(str(run))).store
 
 
-def read_parent(run: str | Path) -> dict[str, Any] | None:
-    """The run's ``branch.json`` (``{"parent": path, "step": N, "buffer_rows": {...}, ...}``), or
-    None for a run that is no branch."""
-    try:
-        data = json.loads((Path(run) / BRANCH_FILE).read_text())
-    except (FileNotFoundError, NotADirectoryError):  # no run there yet, or a path the run's own checks refuse
+def is_run(run: str | Path) -> bool:
+    """Whether ``run`` (a directory or a URL) holds a run: its ``settings.json`` or ``checkpoints/``."""
+    store = run_store_at(run)
+    return store.exists("settings.json") or store.exists("checkpoints") or bool(store.list("checkpoints"))
+
+
+def read_parent(run: str | Path | RunStore) -> dict[str, Any] | None:
+    """The ``branch.json`` of ``run`` (a directory, a URL or its run store): ``{"parent": its
+    location, "step": N, "buffer_rows": {...}, ...}``, or None for a run that is no branch."""
+    store = run if isinstance(run, RunStore) else run_store_at(run)
+    return _lineage_at(store, "")
+
+
+def _lineage_at(store: Any, prefix: str) -> dict[str, Any] | None:
+    """The ``branch.json`` at ``prefix`` in ``store``; a damaged one raises one line naming it."""
+    raw = store.read(f"{prefix}{BRANCH_FILE}")
+    if raw is None:
         return None
-    if not isinstance(data, dict) or "parent" not in data or "step" not in data:
-        raise ValueError(f"{Path(run) / BRANCH_FILE} is damaged (no 'parent' and 'step'); it was written by "
-                         f"`rlhf-pipeline branch`: restore it, or the branch no longer knows the rows it may read")
+    data = json_object(raw)
+    if data is None or "parent" not in data or "step" not in data:
+        raise ValueError(f"{store.describe(prefix + BRANCH_FILE)} is damaged (no 'parent' and 'step'); it was written "
+                         f"by `rlhf-pipeline branch`: restore it, or the branch no longer knows the rows it may read")
     return data
 
 
@@ -67,75 +94,96 @@ def is_detached(run: str | Path) -> bool:
         return False  # damaged: treated as still reading its parent
 
 
-def find_branches(run: str | Path) -> list[dict[str, Any]]:
-    """The branches of ``run`` among the runs beside it: ``{"run": path, "step": N}``, by step then path."""
-    run = Path(run).resolve()
-    found = []
-    for candidate in sorted(run.parent.iterdir()) if run.parent.is_dir() else []:
-        if candidate == run or not (candidate / BRANCH_FILE).is_file():
-            continue
+def home_of(run: str | Path) -> tuple[Any, str]:
+    """The run store of the home that holds ``run`` (its directory or URL prefix; None for a run at
+    the top of a bucket, which has no runs beside it) and the run's name there."""
+    location = resolved_location(str(run)).rstrip("/")
+    home, _, name = location.rpartition("/")
+    if "://" in location and ("://" not in home or home.endswith(":/")):
+        return None, name
+    return run_store_at(home or "/"), name
+
+
+def runs_beside(home: Any, name: str) -> list[str]:
+    """The names in the home ``home`` other than ``name`` (one listing)."""
+    return [other for other in sorted(home.list("")) if other != name]
+
+
+def branch_records(run: str | Path, *, half_made: bool = False, home: Any = None,
+                   others: list[str] | None = None) -> list[dict[str, Any]]:
+    """The branches of ``run`` beside it, each ``{"run": location, "step": N, "lineage": its
+    branch.json, "half_made": False}``; with ``half_made``, also the branches ``branch`` is making or
+    left half-made (``branch.making`` and no ``branch.json``), with ``"lineage": None`` and
+    ``"half_made": True``. One listing of the home and a read or two per run in it, sent
+    a few at a time; ``home``/``others``: the home's store and its runs, when the caller has them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    location = resolved_location(str(run)).rstrip("/")
+    if home is None:
+        home, name = home_of(location)
+        if home is None:
+            return []
+    else:
+        name = location.rpartition("/")[2]
+    where = home.location.rstrip("/")
+
+    def record_of(other: str) -> dict[str, Any] | None:
         try:
-            parent = read_parent(candidate)
-        except (ValueError, json.JSONDecodeError, OSError):
-            continue  # a damaged branch says so when it is inspected itself
-        if parent is not None and Path(parent["parent"]).resolve() == run:
-            found.append({"run": str(candidate), "step": int(parent["step"])})
-    return sorted(found, key=lambda b: (b["step"], b["run"]))
+            lineage = _lineage_at(home, f"{other}/")
+        except ValueError:
+            return None  # a damaged branch says so when it is inspected itself
+        making = making_record(home.read(f"{other}/{BRANCH_MAKING}")) if lineage is None and half_made else None
+        parent = (lineage if lineage is not None else making or {}).get("parent")
+        if parent is None or resolved_location(str(parent)).rstrip("/") != location:
+            return None  # no branch, or another run's
+        step = int(lineage["step"]) if lineage is not None else making.get("step")
+        return {"run": f"{where}/{other}", "step": step, "lineage": lineage, "half_made": lineage is None}
+
+    others = runs_beside(home, name) if others is None else others
+    with ThreadPoolExecutor(max_workers=max(1, min(READS_AT_ONCE, len(others)))) as pool:
+        return [found for found in pool.map(record_of, others) if found is not None]
 
 
-def half_made_parent(making: Path) -> str | None:
-    """The parent a branch left half-made at ``making`` (``NAME.creating/``) names in its
-    ``branch.making``; None when it names none (stopped before writing it, or made before it was)."""
-    parent = _making_record(making).get("parent")
-    return None if parent is None else str(parent)
-
-
-def _making_record(making: Path) -> dict[str, Any]:
-    try:
-        return making_record((making / BRANCH_MAKING).read_bytes()) or {}
-    except OSError:
-        return {}
-
-
-def half_made_branches(run: str | Path) -> list[dict[str, Any]]:
-    """The branches of ``run`` that a ``branch`` stopped midway left beside it, ``NAME.creating/``
-    (``runs/branch.py``): ``{"run": path, "step": N}``, by path; one that names no parent is listed
-    too (step None): nothing else would ever show it."""
-    run = Path(run).resolve()
-    found = []
-    for candidate in sorted(run.parent.iterdir()) if run.parent.is_dir() else []:
-        if not candidate.name.endswith(HALF_MADE_SUFFIX) or not candidate.is_dir():
-            continue
-        record = _making_record(candidate)
-        if record.get("parent") is None or Path(str(record["parent"])).resolve() == run:
-            found.append({"run": str(candidate), "step": record.get("step")})
-    return found
+def find_branches(run: str | Path) -> list[dict[str, Any]]:
+    """The branches of ``run`` among the runs beside it: ``{"run": location, "step": N}``, by step then location."""
+    return sorted(({"run": b["run"], "step": b["step"]} for b in branch_records(run)),
+                  key=lambda b: (b["step"], b["run"]))
 
 
 def run_lineage(run: str | Path) -> dict[str, Any]:
-    """What ``inspect RUN`` says about a run directory: its rewind points, its parent, its branches."""
-    run = Path(run).resolve()
-    parent = read_parent(run)
+    """What ``inspect RUN`` says about a run (a directory or a URL): its rewind points, its parent,
+    its branches and the branches left half-made beside it."""
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+
+    location = resolved_location(str(run)).rstrip("/")
+    paths = RunPaths.at(location)
+    parent = read_parent(paths.store)
+    records = branch_records(location, half_made=True)
+    home = home_of(location)[0]
     return {
-        "run": str(run),
-        "rewind_points": CheckpointManager(run / "checkpoints").rewind_points(),
+        "run": location,
+        "rewind_points": run_checkpoints(paths).rewind_points(),
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", [])},
-        "branches": [{**b, **what_branch_reads(b["run"], run)} for b in find_branches(run)],
-        "half_made": half_made_branches(run),
+        "branches": [{"run": b["run"], "step": b["step"], **what_branch_reads(b, location, home)}
+                     for b in sorted(records, key=lambda b: (b["step"], b["run"])) if not b["half_made"]],
+        "half_made": [{"run": b["run"], "step": b["step"]} for b in sorted(records, key=lambda b: b["run"])
+                      if b["half_made"]],
     }
 
 
-def what_branch_reads(branch: str | Path, parent: str | Path) -> dict[str, Any]:
-    """Which of ``parent``'s rows ``branch`` holds by reference: ``parent_rows`` (per shard, the rows
-    it reads below that row, or None when it reads none: a replay's branch reads the replay's
-    source), ``reads`` (a replay source inside the parent, else None) and ``detached``."""
-    lineage = read_parent(branch) or {}
+def what_branch_reads(branch: dict[str, Any], parent: str, home: Any) -> dict[str, Any]:
+    """Which of ``parent``'s rows the branch (a :func:`branch_records` record) holds by reference:
+    ``parent_rows`` (per shard, the rows it reads below that row, or None when it reads none: a
+    replay's branch reads the replay's source), ``reads`` (a replay source inside the parent, else
+    None) and ``detached``."""
+    lineage = branch["lineage"]
     source = lineage.get("replay_source")
-    inside = source is not None and "://" not in str(source) and Path(source).resolve().is_relative_to(
-        Path(parent).resolve())
-    holds = lineage.get("replay_source") is None and (Path(branch) / "parent-rows").exists()
-    return {"parent_rows": lineage.get("buffer_rows") if holds else None, "reads": source if inside else None,
+    name = branch["run"].rstrip("/").rpartition("/")[2]
+    holds = source is None and home.exists(f"{name}/{PARENT_ROWS_MANIFEST}")
+    return {"parent_rows": lineage.get("buffer_rows") if holds else None,
+            "reads": source if source is not None and is_inside(str(source), parent) else None,
             "detached": bool(lineage.get("detached"))}
 
 

@@ -111,7 +111,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         return 0
     check_cuda_device(settings.device)  # before torch is imported
     paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
-    from rlhf_pipeline.runs.branch_url import half_made_branch
+    from rlhf_pipeline.runs.branch import half_made_branch
 
     if (half_made := half_made_branch(paths)) is not None:
         raise ReplayError(half_made)
@@ -358,7 +358,7 @@ def _resumes_parents_checkpoint(paths: RunPaths) -> bool:
     """A branch of a run with collectors whose newest checkpoint is still its parent's: that one saw
     the parent's buffer, not the selection of its rows the branch replays."""
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
-    from rlhf_pipeline.runs.branch_url import offline_branch_of
+    from rlhf_pipeline.runs.branch import offline_branch_of
 
     lineage = offline_branch_of(paths)
     return lineage is not None and run_checkpoints(paths).latest_step() == int(lineage["step"])
@@ -366,7 +366,7 @@ def _resumes_parents_checkpoint(paths: RunPaths) -> bool:
 
 def _first_offline_start(paths: RunPaths) -> bool:
     """A branch of a run with collectors that was never replayed: its settings.json is its parent's."""
-    from rlhf_pipeline.runs.branch_url import offline_branch_of
+    from rlhf_pipeline.runs.branch import offline_branch_of
 
     return offline_branch_of(paths) is not None
 
@@ -452,10 +452,10 @@ def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
     first checkpoint: a buffer recorded by ``collect`` alone, a short run) and was made with this
     replay's settings, so ``make_policy()`` would build those weights again; else ``(None, why not)``."""
     from rlhf_pipeline.coordination.weights import load_weights, published_versions
-    from rlhf_pipeline.runs.lineage import is_run_directory, read_parent
+    from rlhf_pipeline.runs.lineage import is_run, read_parent
 
     path = Path(source).expanduser()
-    run = next((b.parent for b in (path, path.parent) if b.name == "buffer" and is_run_directory(b.parent)), None)
+    run = next((b.parent for b in (path, path.parent) if b.name == "buffer" and is_run(b.parent)), None)
     if is_url(source) or run is None:
         return None, f"{source} is no run directory's buffer/ (no initial weights beside it)"
     try:

@@ -8,9 +8,14 @@ after it. The floor is the lowest of:
   next batches from the rows its sampler could reach then, the newest ``window`` rows before the
   position the checkpoint recorded (``step_N.json``'s ``buffer_rows``); a checkpoint made before
   positions were recorded, or one that does not name this shard, holds every row;
-* **the branches beside the run** (``runs/lineage.py`` finds them; at a URL ``runs/retention_url.py``):
+* **the branches beside the run** (``runs/lineage.py`` finds them, in a directory or at a URL alike):
   a branch's ``parent-rows/`` names the parent's rows by global id and checks at every opening that
-  they are all still there (a detached branch continued online still reads them in place: all held);
+  they are all still there, so the parent keeps every row from the selection's first row of its
+  shard on. A branch being made (or left half-made by a killed ``branch``) holds from its
+  selection's first row once that is written, and every row before; an unreadable selection holds
+  every row rather than guess; a detached branch reads its own copy, unless it was continued online
+  (its buffer still reads the parent's shard in place: every row held); a branch of a replay reads
+  the replay's source, not this buffer;
 * **the learner**: the rows it has not taken in yet (``pacing.json``'s ``consumed``) and the
   ``window`` before them that its sampler draws from; before the learner's first intake, every row.
 
@@ -25,8 +30,16 @@ own row, and only the branch's own rows are ever dropped (the parent's are read 
 written; the parent's own retention holds them for the branch through its ``parent-rows/``).
 
 * **a running replay of the buffer** beside the run (its ``settings.json`` names the source, its
-  ``run.lock`` a live process on this machine; at a URL a live lease: ``runs/retention_url.py``):
-  while it runs, nothing is dropped.
+  ``run.lock`` a live process on this machine, or at a URL a live lease): while it runs, nothing is
+  dropped.
+
+Finding the branches and replays costs one listing of the home and a read or two per run beside
+it: :class:`BranchFloors` does it only when a drop is about to happen, and at a URL reuses a look
+younger than ``RESCAN_S`` only to *keep* rows (a stale look may miss a branch made since, never a
+row it needs). No branch appears between the look and the drop: in a directory ``branch`` and
+retention take one lock (``lineage.branches_settled``); at a URL, where there is none, the
+collector marks a drop under way (:func:`drop_under_way`) and ``branch`` waits for it
+(:func:`wait_for_drops`) after writing its ``branch.making``.
 
 Not covered (``docs/retention.md``): a replay under another home (or, of a run directory, on another
 machine), and branches made under another home (or URL prefix), are not found.
@@ -35,8 +48,12 @@ machine), and branches made under another home (or URL prefix), are not found.
 from __future__ import annotations
 
 import json
+import math
+import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +62,10 @@ from rlhf_pipeline.runs.branch_reads import continues_shard, first_row_read, res
 from rlhf_pipeline.storage.retention import RetentionSettings, RowClock, wanted_cut, whole_cut
 
 CLOCK_KEY = "retention_clock"  # where the row clock rides in the collector's saved loop state
+RESCAN_S = 30.0  # at a URL: how long a look at the branches may keep rows before it is taken again
+# a drop under way at a URL is marked in the run's store; `branch` waits for it, up to this age (a
+# collector killed mid-drop leaves its mark behind)
+DROP_MARK_STALE_S = 60.0
 
 
 @dataclass
@@ -81,7 +102,9 @@ class ShardRetention:
         self.window = sampler_window(learner)
         self.clock = RowClock(clock)
         self.totals = [0, 0]  # rows dropped, bytes freed by this process
-        self.url_branches: Any = None  # at a URL: the branches beside the run, looked up when a drop nears
+        # a directory is listed in microseconds, a URL prefix in round trips: only there is a look reused
+        self.branches = BranchFloors(paths.location, store_path, buffer_location=paths.buffer_location,
+                                     rescan_s=0.0 if paths.store.is_local else RESCAN_S)
 
     def after_round(self, store: Any, newest_version: int | None, now: float | None = None) -> RetentionReport:
         now = time.time() if now is None else now
@@ -104,28 +127,22 @@ class ShardRetention:
         return RetentionReport(rows, size, store.first_row, floor, held_by)
 
     def _branches_settled(self) -> Any:
-        """No branch appears between the look at the branches and the drop: in a run directory one lock
-        with ``branch`` (``lineage.branches_settled``), at a URL a mark ``branch`` waits for
-        (``retention_url.drop_under_way``)."""
+        """No branch appears between the look at the branches and the drop (module docstring)."""
         from rlhf_pipeline.runs.lineage import branches_settled
-        from rlhf_pipeline.runs.retention_url import drop_under_way
 
-        if self.paths.url is None:
-            return branches_settled(self.paths.root)
+        if self.paths.store.is_local:  # a lock `branch` takes too; an object store has none
+            return branches_settled(self.paths.store)
         return drop_under_way(self.paths.store, self.key)
 
     def floor(self, store: Any, fresh: bool = True) -> tuple[int, str]:
         """The oldest row of this shard something still needs (a row of ``store``), and what needs it;
-        ``fresh=False`` may reuse a recent look at the branches at a URL (then see :meth:`after_round`)."""
+        ``fresh=False`` may reuse a recent look at the branches (then see :meth:`after_round`)."""
         counted = [(self._learner_floor(store), "the learner's unread rows and sampling window")]
         counted += self._checkpoint_floors()
         # rows counted as the learner counts them, as rows of the store: a floor among the parent's
         # rows (below continues_from) holds every own row
         candidates = [(max(0, row - self.continues_from), why) for row, why in counted]
-        candidates += self._branch_floors(fresh)
-        if self.paths.url is None:
-            candidates += [(store.first_row, f"replay {run} (running)")
-                           for run in running_replays_of(self.paths.root, self.store_path)]
+        candidates += self.branches.floors(fresh=fresh)[0]
         return min(candidates, key=lambda c: c[0])
 
     def _learner_floor(self, store: Any) -> int:
@@ -151,81 +168,170 @@ class ShardRetention:
             floors.append((needed, f"the checkpoint of step {point['step']} (a rewind point)"))
         return floors
 
-    def _branch_floors(self, fresh: bool = True) -> list[tuple[int, str]]:
-        """``(row, why)`` per branch reading this shard (at a URL, and per running replay there; a look
-        lists the home: with ``fresh=False`` a recent one may be reused, which only keeps rows)."""
-        if self.paths.url is not None:
-            if self.url_branches is None:
-                from rlhf_pipeline.runs.retention_url import UrlBranchFloors
-
-                self.url_branches = UrlBranchFloors(self.paths.url, self.store_path,
-                                                    buffer_location=self.paths.buffer_location)
-            return self.url_branches.floors(fresh=fresh)[0]
-        return [(row, f"branch {run}") for run, row in branch_rows_needed(self.paths.root, self.store_path)]
 
 
-def branch_rows_needed(run: str | Path, store_path: str) -> list[tuple[str, int]]:
-    """``(branch, first global row)`` of the rows of the store at ``store_path`` that each branch
-    beside ``run`` reads through its ``parent-rows/`` selection (one entry per branch that reads it),
-    or in place through its continued buffer (a detached branch continued online: every row)."""
-    from rlhf_pipeline.runs.lineage import find_branches, is_detached
-    from rlhf_pipeline.storage.continues import continued_rows
+@contextmanager
+def drop_under_way(run_store: Any, shard_key: str) -> Iterator[None]:
+    """Held by a collector at a URL while it looks at its branches and drops rows: ``branch`` names the
+    parent's rows only when no drop is under way (:func:`wait_for_drops`), so a branch is either seen by
+    the look (its ``branch.making`` came first) or names the rows left after the drop: the URL's
+    counterpart of ``lineage.branches_settled``. One PUT and one DELETE a round that drops."""
+    key = drop_mark_key(shard_key)
+    run_store.write(key, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode(), fence=False)
+    try:
+        yield
+    finally:
+        run_store.delete(key)
 
-    shard = resolved_location(store_path)
+
+def drop_mark_key(shard_key: str) -> str:
+    """The object in a run's store that says a drop of shard ``shard_key``'s rows is under way."""
+    return f"retention/dropping-{shard_key.strip('/').replace('/', '_') or 'buffer'}.json"
+
+
+def wait_for_drops(run_store: Any, shard_keys: Any, poll_s: float = 0.05) -> None:
+    """Returns once no drop of the shards' rows is under way in the run at ``run_store`` (a mark older
+    than ``DROP_MARK_STALE_S`` on the server's clock is one a killed collector left: not waited for)."""
+    for shard_key in shard_keys:
+        while (seen := run_store.read_with_age(drop_mark_key(shard_key))) is not None:
+            if seen[2] is not None and seen[2] > DROP_MARK_STALE_S:
+                break
+            time.sleep(poll_s)
+
+
+def branch_rows_needed(run: str, store_path: str, home: Any = None,
+                       others: list[str] | None = None) -> list[tuple[str, int]]:
+    """``(branch, first global row)`` of the rows of the shard at ``store_path`` that each branch
+    beside ``run`` (a directory or a URL) reads (module docstring); ``home``: the run store of the
+    runs' home to read with (found when None); ``others``: the runs beside, if listed."""
+    from rlhf_pipeline.runs.branch_reads import PARENT_ROWS_MANIFEST
+    from rlhf_pipeline.runs.lineage import branch_records, home_of
+
+    shard = resolved_location(store_path).rstrip("/")
+    home = home if home is not None else home_of(run)[0]
+    if home is None:  # a run at a bucket's top: no runs beside it
+        return []
     needed = []
-    for branch in find_branches(run):
-        manifest = Path(branch["run"]) / "parent-rows" / "selection.json"
+    for branch in branch_records(run, half_made=True, home=home, others=others):
+        name = branch["run"].rpartition("/")[2]
+        raw = home.read(f"{name}/{PARENT_ROWS_MANIFEST}")
+        lineage = branch["lineage"] or {}
+        in_place = f"{branch['run']} (detached, but continued online: it reads the parent in place)"
+        if raw is None:
+            if branch["half_made"]:
+                needed.append((f"{branch['run']} (half-made: run its `branch` again, or delete it)", 0))
+            elif lineage.get("detached") and _continues_in_place(home, name, branch["run"], shard):
+                needed.append((in_place, 0))
+            continue  # a branch of a replay reads the replay's source, not this buffer
         try:
-            first = first_row_read(json.loads(manifest.read_text()).get("parts", []), shard)
-        except FileNotFoundError:
-            first = None  # a branch of a replay reads the replay's source, not this buffer
-        except (OSError, ValueError, AttributeError, TypeError, KeyError):
-            needed.append((branch["run"], 0))  # unreadable: hold every row rather than guess
+            first = first_row_read(json.loads(raw).get("parts", []), shard)
+        except (ValueError, AttributeError, TypeError, KeyError):
+            needed.append((f"{branch['run']} (its parent-rows/ is unreadable)", 0))  # hold every row rather than guess
             continue
         if first is not None:
             needed.append((branch["run"], first))
-        elif is_detached(branch["run"]):  # its own copy of the rows, but a continued buffer reads them in place
-            try:
-                in_place = continues_shard(continued_rows(Path(branch["run"]) / "buffer"), shard)
-            except ValueError:
-                in_place = True  # unreadable: hold rather than guess
-            if in_place:
-                needed.append((branch["run"], 0))
+        elif lineage.get("detached") and _continues_in_place(home, name, branch["run"], shard):
+            needed.append((in_place, 0))
     return needed
 
 
-def running_replays_of(run: str | Path, store_path: str) -> list[str]:
-    """The runs beside ``run`` whose ``replay`` is running now over ``run``'s buffer (or over the
-    store at ``store_path``): a replay's ``settings.json`` names its source, and its ``run.lock``
-    names the process that holds it (``runs/run_directory.py``). Such a replay counted the rows it
-    walks when it started, so while it runs nothing of the store is dropped."""
+def _continues_in_place(home: Any, name: str, branch: str, shard: str) -> bool:
+    """Whether the branch's buffer continues online from rows of the parent's shard at ``shard``
+    (its ``buffer.continues.json`` names that shard's buffer and rows of it): it reads them in place."""
+    from rlhf_pipeline.storage.continues import continued_rows
+
+    try:
+        settings = json.loads(home.read(f"{name}/settings.json") or b"{}")
+        continues = continued_rows(str(settings.get("buffer_url") or f"{branch}/buffer"))
+    except (ValueError, OSError):
+        return True  # unreadable: hold rather than guess
+    return continues_shard(continues, shard)
+
+
+def running_replays(run: str, sources: set[str], home: Any, others: list[str]) -> list[str]:
+    """The runs ``others`` beside ``run`` whose ``replay`` reads one of ``sources`` (the parent's
+    buffer or this shard: their ``settings.json`` names the source) and runs now: their ``run.lock``
+    names a live process on this machine (a directory, ``runs/run_directory.py``) or is a lease not
+    abandoned (a URL, ``files/run_lease.py``). Such a replay counted the rows it walks when it
+    started, so while it runs nothing of the store is dropped. A read or two per run, a few at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from rlhf_pipeline.files.processes import pid_running
+    from rlhf_pipeline.files.run_lease import abandoned, holder_record
+    from rlhf_pipeline.runs.lineage import READS_AT_ONCE
     from rlhf_pipeline.runs.run_directory import HOLDER_FILE
 
-    run = Path(run).resolve()
-    sources = {resolved_location(str(run / "buffer")), resolved_location(store_path)}
-    found = []
-    for candidate in sorted(run.parent.iterdir()) if run.parent.is_dir() else []:
-        if candidate == run or not (candidate / HOLDER_FILE).is_file():
-            continue
+    where = home.location.rstrip("/")
+    wanted = {resolved_location(source).rstrip("/") for source in sources}
+
+    def running(other: str) -> str | None:
         try:
-            replay = json.loads((candidate / "settings.json").read_text()).get("replay") or {}
-            holder = json.loads((candidate / HOLDER_FILE).read_text() or "{}")
-        except (OSError, ValueError, AttributeError):
-            continue  # not a replay, or one that has not written its record yet
-        source = replay.get("buffer") if isinstance(replay, dict) else None
-        if (isinstance(source, str) and resolved_location(source) in sources
-                and holder.get("host") == socket.gethostname()
-                and isinstance(holder.get("pid"), int) and pid_running(holder["pid"])):
-            found.append(str(candidate))
-    return found
+            replay = json.loads(home.read(f"{other}/settings.json") or b"{}").get("replay") or {}
+            source = replay.get("buffer") if isinstance(replay, dict) else None
+        except (ValueError, AttributeError, OSError):
+            return None  # no settings yet, or not a replay
+        if not isinstance(source, str) or resolved_location(source).rstrip("/") not in wanted:
+            return None
+        if home.is_local:  # a lock held by a process, which only this machine can see running
+            holder = holder_record(home.read(f"{other}/{HOLDER_FILE}") or b"")
+            alive = holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
+                and pid_running(holder["pid"])
+            return f"{where}/{other}" if alive else None
+        seen = home.read_with_age(f"{other}/{HOLDER_FILE}")
+        if seen is None:
+            return None  # not running
+        holder = holder_record(seen[0])
+        if not holder:
+            return f"{where}/{other}"  # unreadable: hold rather than guess
+        # the lease's own rule; a record naming no lease_s never runs out by age
+        return None if abandoned(holder, seen[2], default_lease_s=math.inf) else f"{where}/{other}"
+
+    with ThreadPoolExecutor(max_workers=max(1, min(READS_AT_ONCE, len(others)))) as pool:
+        return [found for found in pool.map(running, others) if found is not None]
+
+
+class BranchFloors:
+    """The branch floors of one shard of a run, and the running replays of its buffer beside it (they
+    hold every row), looked up at most once per ``rescan_s`` unless a drop is about to happen."""
+
+    def __init__(self, run: str, store_path: str, rescan_s: float = RESCAN_S,
+                 buffer_location: str | None = None) -> None:
+        self.run, self.store_path, self.rescan_s = str(run).rstrip("/"), store_path, rescan_s
+        self.sources = {store_path, buffer_location or f"{self.run}/buffer"}
+        self._floors: list[tuple[int, str]] = []
+        self._taken: float | None = None
+        self._home: Any = None
+        self.looks = 0  # how many times the home was listed (metrics and tests)
+
+    def floors(self, *, fresh: bool) -> tuple[list[tuple[int, str]], bool]:
+        """``(row, why)`` per branch and running replay, and whether they were looked up just now."""
+        recent = self._taken is not None and time.monotonic() - self._taken < self.rescan_s
+        if recent and not fresh:
+            return self._floors, False
+        from rlhf_pipeline.runs.lineage import home_of, runs_beside
+
+        if self._home is None:  # one client for every look
+            self._home, self._name = home_of(self.run)
+        self._floors = []
+        if self._home is not None:  # at a bucket's top there are no runs beside
+            others = runs_beside(self._home, self._name)  # one listing
+            self._floors = [(row, f"branch {run}") for run, row in branch_rows_needed(
+                self.run, self.store_path, self._home, others)]
+            # a running replay counted the rows it walks when it started
+            self._floors += [(0, f"replay {run} (running)") for run in running_replays(
+                self.run, self.sources, self._home, others)]
+        self._taken = time.monotonic()
+        self.looks += 1
+        return self._floors, True
 
 
 def run_retention(run: str | Path) -> dict[str, Any] | None:
     """What ``inspect RUN`` says of a run's retention: the rules from its ``settings.json`` (None
     for a run with no ``retention`` settings, made before them or by a pipeline without them)."""
+    from rlhf_pipeline.runs.lineage import run_store_at
+
     try:
-        settings = json.loads((Path(run) / "settings.json").read_text())
+        settings = json.loads(run_store_at(run).read("settings.json") or b"null")
     except (OSError, ValueError):
         return None
     data = settings.get("retention") if isinstance(settings, dict) else None

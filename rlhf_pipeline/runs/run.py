@@ -124,18 +124,11 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if paths.url is not None and settings.buffer_backend != "zarr":  # a memmap store given a URL makes a dir "s3:"
         raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
                             f"setting 'buffer_backend' is {settings.buffer_backend!r}: add --set buffer_backend=zarr")
-    if paths.url is None:  # a branch of a run with collectors cannot continue online yet (runs/branch.py);
-        from rlhf_pipeline.runs.branch import refuse_evicting_parent, refuse_online_start
+    from rlhf_pipeline.runs.branch import refuse_evicting_parent, start_online
 
-        refuse_online_start(paths.root)
-        refuse_evicting_parent(paths.root)  # nor may its parent evict the rows it reads
-    from rlhf_pipeline.runs.branch_url import refuse_at_url
-
-    if (refused := refuse_at_url(paths)) is not None:  # a branch at a URL left half-made
-        raise RunError(refused)
-    from rlhf_pipeline.runs.branch_online_url import start_online_at_url
-
-    start_online_at_url(paths)  # a branch at a URL of a run with collectors: set up to continue online
+    start_online(paths)  # a half-made branch is refused; a branch of a run with collectors is set up to go online
+    if paths.url is None:
+        refuse_evicting_parent(paths.root)  # nor may its parent evict the rows it reads (a local store's eviction)
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
     _check_writable(paths.root)  # now, not after seconds of imports and model building

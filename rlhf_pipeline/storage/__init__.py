@@ -99,7 +99,7 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
         try:
             return open_store(location, mode=mode, **options)
         except NotAStoreError:  # asked only when no store is there: no request more for a store's opening
-            from rlhf_pipeline.storage.selection_url import fetch_selection
+            from rlhf_pipeline.storage.selection import fetch_selection
 
             if fetch_selection(location, options.get("storage_options")) is None:
                 raise

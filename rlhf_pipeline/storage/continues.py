@@ -1,6 +1,6 @@
 """Which parent rows a branch's buffer continues, read without torch: ``<run>/buffer.continues.json``.
 
-At a URL (a branch of a run at ``s3://``/``az://`` continued online, ``runs/branch_online_url.py``)
+At a URL (a branch of a run at ``s3://``/``az://`` continued online, ``runs/branch_online.py``)
 the file is the object beside the buffer's prefix, ``<run URL>/buffer.continues.json``: one GET
 says whether a buffer there continues another (none: a 404).
 

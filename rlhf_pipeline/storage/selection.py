@@ -232,9 +232,7 @@ class SelectionStore(TrajectoryStore):
         if mode != "r":
             raise ReadOnlyStoreError(f"{location} is a saved selection, which is read-only; filter again "
                                      f"to change it, or open its source to append")
-        if "://" in str(location):  # kept at a URL (selection_url.py): opened from this machine's copy
-            from rlhf_pipeline.storage.selection_url import fetch_selection
-
+        if "://" in str(location):  # kept at a URL: opened from this machine's copy (fetch_selection)
             local = fetch_selection(str(location), open_options.get("storage_options"))
             if local is None:
                 raise NotAStoreError(f"{location} holds no saved selection ({MANIFEST_NAME} is missing)")
@@ -525,6 +523,41 @@ class SelectionStore(TrajectoryStore):
 
     def __repr__(self) -> str:
         return f"SelectionStore({self.location!r}, rows={self.next_row}, source={self.source_location!r})"
+
+
+# ====================================================================== kept in a run store
+# A branch keeps its parent-rows/ selection in its run store: a directory, or an s3:// or az:// URL,
+# where it is the same three small objects (publish_selection, the manifest last, so a selection is
+# there whole or not at all). One at a URL opens from this machine's copy (fetch_selection), fetched
+# again at each opening: a few bytes per row; the rows it names are read in place from their stores.
+def publish_selection(directory: Path, store: Any, key: str) -> None:
+    """Puts the selection written at ``directory`` into the run store ``store`` (a
+    :class:`~rlhf_pipeline.files.run_store.RunStore`) under ``key``: its ids files, then its manifest."""
+    for name in (ROWS_NAME, PARTS_NAME, MANIFEST_NAME):
+        if (directory / name).is_file():
+            store.write(f"{key}/{name}", (directory / name).read_bytes(), fence=False)
+
+
+def fetch_selection(url: str, storage_options: dict[str, Any] | None = None) -> Path | None:
+    """This machine's copy of the selection kept at ``url``; None when ``url`` holds no selection."""
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+    from rlhf_pipeline.files.run_paths import cache_dir
+
+    store = ObjectRunStore(url.rstrip("/"), storage_options=storage_options)
+    manifest = store.read(MANIFEST_NAME)
+    if manifest is None:
+        return None
+    local = cache_dir(url.rstrip("/"))
+    local.mkdir(parents=True, exist_ok=True)
+    write_atomic(local / MANIFEST_NAME, lambda f: f.write(manifest), durable=False)
+    named = read_json(local / MANIFEST_NAME, what="saved selection")
+    for name in {named.get("rows_file", ROWS_NAME), named.get("parts_file", PARTS_NAME)} - {None}:
+        data = store.read(name)
+        if data is None:  # a selection of one store has no parts.npy
+            (local / name).unlink(missing_ok=True)
+        else:
+            write_atomic(local / name, lambda f, data=data: f.write(data), durable=False)
+    return local
 
 
 def _row_files(manifest: dict[str, Any]) -> list[str]:

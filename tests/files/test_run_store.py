@@ -80,11 +80,44 @@ class RunStoreContract:
         store.delete("STOP")
         assert not store.exists("STOP")
 
+    def test_copy_puts_another_runs_object_here_as_its_own(self, make):
+        parent, branch = make("parent"), make("branch")
+        parent.create("checkpoints/step_00000006.pt", b"the parent's checkpoint")
+        branch.copy("checkpoints/step_00000006.pt", "checkpoints/step_00000006.pt", source=parent)
+        branch.copy("checkpoints/step_00000006.pt", "copied/again.pt")  # within one store
+        parent.delete("checkpoints/step_00000006.pt")  # the parent prunes it: the branch keeps its copy
+        assert branch.read("checkpoints/step_00000006.pt") == b"the parent's checkpoint"
+        assert branch.read("copied/again.pt") == b"the parent's checkpoint"
+        with pytest.raises(FileNotFoundError, match=r"parent.*step_00000006\.pt"):
+            branch.copy("checkpoints/step_00000006.pt", "checkpoints/gone.pt", source=parent)
+        assert not branch.exists("checkpoints/gone.pt")
+
+    def test_walk_names_every_object_at_any_depth(self, make):
+        store = make()
+        for key in ("settings.json", "pipeline_modules/helper.py", "pipeline_modules/deep/er.py"):
+            store.write(key, b"x")
+        assert sorted(store.walk()) == ["pipeline_modules/deep/er.py", "pipeline_modules/helper.py",
+                                        "settings.json"]
+        assert sorted(store.walk("pipeline_modules")) == ["pipeline_modules/deep/er.py", "pipeline_modules/helper.py"]
+        assert store.walk("nothing") == []
+        store.delete_prefix("pipeline_modules")
+        store.delete_prefix("nothing")
+        assert store.walk() == ["settings.json"] and store.list("") == ["settings.json"]
+
 
 class TestLocalRunStore(RunStoreContract):
     @pytest.fixture()
     def make(self, tmp_path):
-        return lambda: LocalRunStore(tmp_path / "run")
+        return lambda name="run": LocalRunStore(tmp_path / name)
+
+    def test_a_copy_is_a_hard_link_where_the_file_system_allows(self, tmp_path):
+        parent, branch = LocalRunStore(tmp_path / "parent"), LocalRunStore(tmp_path / "branch")
+        assert parent.supports_link and parent.supports_rename and not parent.supports_server_copy
+        parent.create("weights/policy_00000006.safetensors", b"weights")
+        branch.copy("weights/policy_00000006.safetensors", "weights/policy_00000006.safetensors", source=parent)
+        linked = branch.path("weights/policy_00000006.safetensors").stat()
+        assert linked.st_ino == parent.path("weights/policy_00000006.safetensors").stat().st_ino
+        assert linked.st_nlink == 2
 
     def test_files_are_where_a_run_directory_had_them_and_no_partial_is_left(self, tmp_path):
         store = LocalRunStore(tmp_path / "run")
@@ -99,8 +132,13 @@ class TestObjectRunStore(RunStoreContract):
     @pytest.fixture(params=["s3", "azure"])
     def make(self, request):
         server = request.getfixturevalue(f"{request.param}_server")
-        url = server.url("run")
-        return lambda: ObjectRunStore(url, storage_options=server.options, retry=FAST_RETRIES)
+        home = server.url("home")
+        return lambda name="run": ObjectRunStore(f"{home}/{name}", storage_options=server.options, retry=FAST_RETRIES)
+
+    def test_only_s3_copies_on_the_server(self, make):
+        store = make()
+        assert not store.supports_link and not store.supports_rename
+        assert store.supports_server_copy == store.location.startswith("s3://")
 
     def test_a_superseded_writer_cannot_overwrite_its_successors_state(self, make):
         old, new = make(), make()
@@ -166,6 +204,15 @@ def proxy(s3_server):
 
 def _through(proxy, s3_server, url, retry=FAST_RETRIES):
     return ObjectRunStore(url, storage_options={**s3_server.options, "endpoint_url": proxy.endpoint}, retry=retry)
+
+
+def test_a_copy_on_s3_never_reads_the_object_through_this_machine(s3_server):
+    parent, branch = (ObjectRunStore(s3_server.url(name), storage_options=s3_server.options) for name in ("parent", "branch"))
+    parent.create("checkpoints/step_00000006.pt", b"a large checkpoint")
+    with s3_server.requests.recording() as requests:
+        branch.copy("checkpoints/step_00000006.pt", "checkpoints/step_00000006.pt", source=parent)
+    assert [method for method, _ in requests] == ["PUT"]  # CopyObject: a PUT naming its source
+    assert branch.read("checkpoints/step_00000006.pt") == b"a large checkpoint"
 
 
 def test_throttled_requests_are_retried_within_the_budget(s3_server, proxy):

@@ -366,27 +366,29 @@ def test_the_printed_run_command_continues_a_branch_online_with_the_parents_sett
 
 # ============================================================ a branch killed midway
 def test_a_branch_killed_midway_whose_step_is_pruned_is_listed_then_removed_by_its_refused_rerun(tmp_path, capsys):
-    """``branch`` killed with SIGKILL while it copies left ``NAME.creating/``; the parent then pruned
-    the step, so the rerun is refused, and nothing removed or listed it any more (issue 41). Now
-    the parent's ``inspect`` lists it with what to do, and the refused rerun removes it, saying so."""
+    """``branch`` killed with SIGKILL while it copies left ``NAME/`` with its ``branch.making`` and no
+    ``branch.json``; the parent then pruned the step, so the rerun is refused, and nothing removed or
+    listed it any more (issue 41). Now the parent's ``inspect`` lists it with what to do, ``replay``
+    refuses it, and the refused rerun removes it, saying so."""
     from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress
 
     parent = tmp_path / "parent"
     parent.mkdir()
-    (parent / "settings.json").write_text("{}")
+    (parent / "settings.json").write_text(json.dumps({"replay": {"buffer": str(tmp_path / "source")}}))
     CheckpointManager(parent / "checkpoints", keep_last=3).save(
         Progress(seed=0, step=2), {"model": {"weight": torch.zeros(2)}}, record={"policy_version": 2})
     modules = parent / "pipeline_modules"  # many files to copy: the kill comes while they are copied
     modules.mkdir()
     for i in range(20_000):
         (modules / f"m{i}.py").write_text("")
-    making = tmp_path / "cut.creating"
+    making = tmp_path / "cut"
     branching = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "branch", str(parent),
                                   "--from-step", "2", "cut"], cwd=REPO, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
     err = kill_when(branching, lambda: (making / "pipeline_modules").is_dir(), timeout=240, poll_s=0.01, wait_s=60)
     assert branching.returncode == -signal.SIGKILL, err[-3000:]
-    assert making.is_dir() and not (tmp_path / "cut").exists(), "the kill came after the branch was made"
+    assert (making / "branch.making").is_file() and not (making / "branch.json").exists(), \
+        "the kill came after the branch was made"
     (parent / "checkpoints" / "step_00000002.pt").unlink()  # the parent ran on and pruned step 2
     (parent / "checkpoints" / "step_00000002.json").unlink()
     assert main(["inspect", str(parent), "--json"]) == 0
@@ -396,6 +398,67 @@ def test_a_branch_killed_midway_whose_step_is_pruned_is_listed_then_removed_by_i
     assert main(["branch", str(parent), "--from-step", "2", "cut"]) == 2
     err = capsys.readouterr().err.strip()
     assert "keeps no checkpoint of step 2" in err and f"Removed {making}" in err and len(err.splitlines()) == 1, err
-    assert not making.exists() and not (tmp_path / "cut").exists()
+    assert not making.exists()
     assert main(["inspect", str(parent), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["run"]["half_made"] == []
+
+
+# ============================================================ per location: a directory, S3, Azure
+def hand_made_parent(run_home: str) -> str:
+    """A run with a checkpoint of step 2 only (what a parent that pruned step 4 keeps), in ``run_home``."""
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.learn.checkpoint import Progress, run_checkpoints
+
+    paths = RunPaths.at(f"{run_home}/parent")
+    paths.store.write("settings.json", b"{}")
+    run_checkpoints(paths, keep_last=3).save(Progress(seed=0, step=2), {"model": {"weight": torch.zeros(2)}},
+                                             record={"policy_version": 2})
+    return paths.location
+
+
+def test_a_half_made_branch_whose_step_is_no_longer_kept_is_listed_then_removed_by_its_refused_rerun(
+        run_home, capsys):
+    """A `branch` killed midway (its ``branch.making``, what it copied, no ``branch.json``) whose step the
+    parent pruned since: ``replay`` and the parent's ``inspect`` say so, and its rerun, refused (the step
+    is not kept), removes it in the same line; no rerun would remove it otherwise."""
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    parent = hand_made_parent(run_home)
+    gone = run_store_at(f"{run_home}/gone")
+    gone.write("branch.making", json.dumps({"parent": parent, "step": 4}).encode())
+    gone.write("pipeline.py", b"# copied before the kill")
+    where = f"{run_home}/gone" if "://" in run_home else str(Path(run_home, "gone").resolve())
+    assert main(["inspect", parent, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == [{"run": where, "step": 4}]
+    assert main(["inspect", parent]) == 0
+    assert f"{where} (from step 4; run the same `rlhf-pipeline branch` again" in capsys.readouterr().out
+    assert main(["replay", DEFAULT, "--buffer", parent, "--home", run_home, "--run-name", "gone"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a branch left half-made" in err and len(err.splitlines()) == 1, err
+    assert main(["branch", parent, "--from-step", "4", "gone"]) == 2  # kept: 2
+    err = capsys.readouterr().err.strip()
+    assert "keeps no checkpoint of step 4 (kept: 2)" in err and f"Removed {where}" in err, err
+    assert len(err.splitlines()) == 1, err
+    assert gone.walk() == []
+    assert main(["inspect", parent, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == []
+
+
+def test_what_a_branch_cannot_be_is_refused_by_name_and_leaves_nothing(run_home, tmp_path, capsys):
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    parent = hand_made_parent(run_home)
+    elsewhere = str(tmp_path / "local") if "://" in run_home else "s3://bucket/runs/b"
+    assert main(["branch", parent, "--from-step", "2", elsewhere]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "must both be local directories or both URLs" in err and len(err.splitlines()) == 1
+    assert main(["branch", parent, "--from-step", "4", "b"]) == 2
+    assert "keeps no checkpoint of step 4 (kept: 2)" in capsys.readouterr().err
+    assert main(["branch", f"{run_home}/nothing", "--from-step", "2", "b"]) == 2
+    assert "is not a run (no settings.json or checkpoints/)" in capsys.readouterr().err
+    assert main(["branch", parent, "--from-step", "2", "parent"]) == 2
+    assert "a branch is a new run" in capsys.readouterr().err
+    run_store_at(f"{run_home}/taken").write("settings.json", b"{}")  # another run's name
+    assert main(["branch", parent, "--from-step", "2", "taken"]) == 2
+    assert "holds objects already" in capsys.readouterr().err
+    assert run_store_at(f"{run_home}/b").walk() == []  # a refused branch leaves nothing behind

@@ -134,19 +134,6 @@ def test_a_branch_stopped_before_branch_json_is_refused_then_made_again(s3_serve
     assert "holds objects already" in capsys.readouterr().err
 
 
-def test_what_a_branch_at_a_url_cannot_be_is_refused_by_name(s3_server, parent, tmp_path, capsys):
-    home, _, parent_url = parent
-    assert main(["branch", parent_url, "--from-step", "6", str(tmp_path / "local")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "must both be local directories or both URLs" in err and len(err.splitlines()) == 1
-    assert main(["branch", parent_url, "--from-step", "4", "b"]) == 2
-    assert "keeps no checkpoint of step 4 (kept: 6, 12)" in capsys.readouterr().err
-    assert main(["branch", f"{home}/nothing", "--from-step", "2", "b"]) == 2
-    assert "holds no run (no settings.json)" in capsys.readouterr().err
-    assert s3_server.keys(f"{home}/b") == []  # a refused branch leaves nothing behind
-    assert torch.get_num_threads() == 1
-
-
 def test_a_branch_at_a_url_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_step(s3_server, s3_env,
                                                                                             tmp_path, capsys):
     import subprocess
@@ -242,28 +229,3 @@ def test_a_branch_at_an_az_url_continues_with_replay_as_the_parent_trained(azure
     assert same_weights(ObjectRunStore(f"{home}/same"), ObjectRunStore(parent_url))
     assert main(["inspect", parent_url, "--json"]) == 0
     assert [b["run"] for b in json.loads(capsys.readouterr().out)["run"]["branches"]] == [f"{home}/same"]
-
-
-def test_a_half_made_branch_whose_step_is_no_longer_kept_is_listed_then_removed_by_its_refused_rerun(
-        s3_server, parent, capsys):
-    """A `branch` killed midway whose step the parent pruned since: its rerun is refused (the step is
-    not kept), and no rerun would ever remove it; the parent's `inspect` did not list it either."""
-    home, _, parent_url = parent
-    from s3_server import BUCKET
-
-    prefix = f"{home}/gone".removeprefix(f"s3://{BUCKET}/")
-    client = s3_server.client()
-    client.put_object(Bucket=BUCKET, Key=f"{prefix}/branch.making",
-                      Body=json.dumps({"parent": parent_url, "step": 4}).encode())
-    client.put_object(Bucket=BUCKET, Key=f"{prefix}/pipeline.py", Body=b"# copied before the kill")
-    assert main(["inspect", parent_url, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == [{"run": f"{home}/gone", "step": 4}]
-    assert main(["inspect", parent_url]) == 0
-    assert f"{home}/gone (from step 4; run the same `rlhf-pipeline branch` again" in capsys.readouterr().out
-    assert main(["branch", parent_url, "--from-step", "4", "gone"]) == 2  # kept: 6, 12
-    err = capsys.readouterr().err.strip()
-    assert "keeps no checkpoint of step 4" in err and f"Removed {home}/gone" in err, err
-    assert len(err.splitlines()) == 1, err
-    assert s3_server.keys(f"{home}/gone") == []
-    assert main(["inspect", parent_url, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["run"]["half_made"] == []

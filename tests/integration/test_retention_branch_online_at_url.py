@@ -3,7 +3,7 @@
 A parent at the URL (the default pipeline, its tiny model on CPU, one collector, a Zarr shard at the
 URL) runs with ``retention.max_rows`` and ``hold_rewind_points=false`` (only its newest checkpoint
 holds rows), is branched at step 4, and runs on to step 16: its rules ask to drop rows the branch
-reads, and it keeps them (``runs/retention_url.py``). The branch then continues online to step 16
+reads, and it keeps them (``runs/retention.py``). The branch then continues online to step 16
 with the same rules: only its own shard's oldest segments go, their objects deleted, the parent's
 objects keep their etags, and the branch's buffer still reads from the parent's rows it started with.
 """
