@@ -12,7 +12,8 @@ TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
-# Two cores shared by many processes: one intra-op thread keeps tests predictable.
+# Two cores shared by many processes, two of them pytest-xdist's workers (pyproject's addopts), each
+# importing this file: one intra-op thread each keeps tests predictable and the cores not oversubscribed.
 torch.set_num_threads(1)
 
 
@@ -107,7 +108,9 @@ def _record_skipped(nodeid: str) -> None:
     import os
 
     path = os.environ.get(SKIPPED_TESTS_FILE)
-    if path:
+    # under pytest-xdist the controller receives every worker's reports and records them once; a
+    # worker (PYTEST_XDIST_WORKER set) leaves it to the controller
+    if path and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(path, "a", encoding="utf-8") as f:
             f.write(nodeid + "\n")
 
