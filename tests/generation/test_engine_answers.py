@@ -15,7 +15,7 @@ from rlhf_pipeline.generation.vllm_http import RetryPolicy
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema
-from rlhf_pipeline.storage import create_store
+from rlhf_pipeline.storage import create_store, make_replay_buffer
 
 VOCAB, EOS = 102, 1
 RULES = dict(n=1, limit=4, vocab_size=VOCAB, stop_token_ids=[EOS])
@@ -86,7 +86,7 @@ def test_a_bad_answer_is_asked_again_then_stops_the_collector_in_one_line_and_wr
     server.fault = None  # honest while the engine checks the server at its start
     engine = VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], weight_updates=False, retry=QUICK)
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
-    collector = _collector(engine, tok, store.append)
+    collector = _collector(engine, tok, make_replay_buffer(store, batch_size=4).extend)  # the commit path: rows with the state
     try:
         server.fault = fault
         asked_before = server.completions
