@@ -169,7 +169,7 @@ def test_a_branch_at_a_url_of_a_run_with_collectors_replays_the_parents_rows_up_
                           run_name="offline", overrides=ONLINE + ["buffer_backend=zarr", "learner.lr=1e-3"]) == 0
     capsys.readouterr()
     # once continued offline it cannot go on online (its learner is past the collectors' states): one line
-    assert main(["learn", DEFAULT, "--home", home, "--run-name", "offline"]) == 2
+    assert main(["learn", DEFAULT, "--home", home, "--run-name", "offline", "--set", "buffer_backend=zarr"]) == 2
     err = capsys.readouterr().err.strip()
     assert "it was continued offline already (it has a checkpoint of step 8)" in err, err
     assert "continue it offline with rlhf-pipeline replay" in err and len(err.splitlines()) == 1, err
