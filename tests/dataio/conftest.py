@@ -13,16 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_PIPELINE = REPO / "pipelines" / "default.py"
-# the default pipeline sized down; its tiny model (seed 0, no warm start) is the collector's here
-SMALL = ("warm_start_steps=0", "prompts_per_round=4", "group_size=4", "max_new_tokens=5",
-         "rounds_per_version=100", "learner.batch_size=16", "learner.sample_window=32",
-         "learner.new_rows_per_step=0", "learner.max_staleness=none", "learner.checkpoint_every=2", "learner.publish_every=1")
-GROUP_SIZE = 4
-# the optional fields the single-turn collector and write path fill (termination_reason is the
-# multi-turn agents' field: a single-turn collector does not write it)
-WRITE_PATH_FIELDS = ("ref_log_probs", "kl", "token_rewards", "advantage")
+from dataio_setup import DEFAULT_PIPELINE, GROUP_SIZE, SMALL, WRITE_PATH_FIELDS
 
 
 def collect_rows(path: Path, backend: str, rounds: int = 5, segment_rows: int = 32):

@@ -160,8 +160,8 @@ def test_trajectories_not_held_whole_are_skipped_and_the_cli_says_so(agent_buffe
 def test_single_turn_rows_are_one_turn_trajectories_without_messages(collected_buffers, tmp_path):
     """A buffer of the single-turn collector (no turn_messages): one line per row, messages null,
     and the import gives the rows back field for field."""
-    from conftest import SMALL as DEFAULT_SMALL
-    from conftest import WRITE_PATH_FIELDS
+    from dataio_setup import SMALL as DEFAULT_SMALL
+    from dataio_setup import WRITE_PATH_FIELDS
 
     from rlhf_pipeline.schema import StoreSchema
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pytest
 import torch
-from conftest import DEFAULT_PIPELINE, SMALL, WRITE_PATH_FIELDS
+from dataio_setup import DEFAULT_PIPELINE, SMALL, WRITE_PATH_FIELDS
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.columns import ColumnMap

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import DEFAULT_PIPELINE, GROUP_SIZE, REPO, SMALL, WRITE_PATH_FIELDS
+from dataio_setup import DEFAULT_PIPELINE, GROUP_SIZE, REPO, SMALL, WRITE_PATH_FIELDS
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.columns import ColumnMap

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DEFAULT_PIPELINE, REPO, SMALL
+from dataio_setup import DEFAULT_PIPELINE, REPO, SMALL
 
 from rlhf_pipeline.cli.main import main
 

@@ -7,7 +7,7 @@ import shutil
 import sys
 
 import pytest
-from conftest import DEFAULT_PIPELINE, SMALL
+from dataio_setup import DEFAULT_PIPELINE, SMALL
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import DEFAULT_PIPELINE, REPO
+from dataio_setup import DEFAULT_PIPELINE, REPO
 
 from rlhf_pipeline.dataio.run_pipeline import find_run_root, settings_from_json
 from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_settings, settings_to_json
