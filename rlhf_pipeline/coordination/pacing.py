@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
+from rlhf_pipeline.files.run_store import RunStore, state_store_and_key
 
 FORMAT_VERSION = 1
 PACING_FILE = "pacing.json"
@@ -79,17 +79,10 @@ def _draw_entry(entry) -> tuple[int, int, dict[str, int]]:
     return int(version), int(rows), {str(k): int(n) for k, n in per_shard.items()}
 
 
-def _object(path: str | Path, store: RunStore | None) -> tuple[RunStore, str]:
-    """``(store, key)`` of the pacing file: ``path`` in its directory, or ``path`` as a key in ``store``."""
-    if store is None:
-        return LocalRunStore(Path(path).parent), Path(path).name
-    return store, str(path)
-
-
 def read_intake(path: str | Path, *, store: RunStore | None = None) -> LearnerIntake | None:
     """The learner's last published intake, or None before its first publish. ``store``: the run's
     store when it lives at a URL (``path`` is then the key)."""
-    where, key = _object(path, store)
+    where, key = state_store_and_key(path, store)
     raw = where.read(key)
     if raw is None:
         return None
@@ -122,7 +115,7 @@ class PacingPublisher:
 
     def __init__(self, path: str | Path, *, store: RunStore | None = None, write: bool = True) -> None:
         self.path = path
-        self._store, self._key = _object(path, store)
+        self._store, self._key = state_store_and_key(path, store)
         self.write = write
         self.intake = LearnerIntake()
 

@@ -283,3 +283,11 @@ def as_run_store(run: str | os.PathLike | RunStore) -> RunStore:
     if isinstance(run, RunStore):
         return run
     return LocalRunStore(run)
+
+
+def state_store_and_key(where: str | os.PathLike, store: RunStore | None) -> tuple[RunStore, str]:
+    """``(store, key)`` of one state object as ``RunPaths.state_object`` gives it: a file ``where`` in
+    its directory (``store`` None), or the key ``where`` in ``store`` (a run at a URL)."""
+    if store is None:
+        return LocalRunStore(Path(where).parent), Path(where).name
+    return store, str(where)

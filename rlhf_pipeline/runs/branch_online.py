@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.run_store import LocalRunStore
+from rlhf_pipeline.files.run_store import state_store_and_key
 from rlhf_pipeline.runs.run_directory import RunError
 from rlhf_pipeline.storage.continues import continued_rows, write_continued_rows
 
@@ -172,7 +171,7 @@ def keep_position_history(paths: Any, where: Any, run_store: Any, store_path: st
     from rlhf_pipeline.collect.position_history import PositionHistory, history_key
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
-    store, key = (LocalRunStore(Path(where).parent), Path(where).name) if run_store is None else (run_store, str(where))
+    store, key = state_store_and_key(where, run_store)
     name = _shard_key(paths, store_path)
 
     seen: dict[tuple[int, ...], list[tuple[int, int]] | None] = {}

@@ -156,9 +156,9 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         _announce_engine(collector.engine, tag, say)
         if saved is not None:
             collector.load_state_dict(saved)
-            if stored_in_round(saved):
-                say(f"{tag} the round in flight at the last stop was written in part ({stored_in_round(saved)} "
-                    f"groups); generating it again and writing only its groups not stored yet")
+            if stored := stored_in_round(saved):
+                say(f"{tag} the round in flight at the last stop was written in part ({stored} groups); "
+                    f"generating it again and writing only its groups not stored yet")
         collector.set_policy_state(state, version)
         # generate no more than the learner will take in, plus collect_rounds_ahead rounds
         # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
@@ -250,8 +250,7 @@ def _start_state(store: Any, start_file: Any, run_store: Any) -> dict[str, Any] 
     """The collector state to start from: the one its shard's last publish carries; for a shard with
     no publish yet, a continued branch's start (``collector/shard-kkkk.pt``, which
     ``runs/branch_online.py`` takes from its parent's position history), else None (a new collector)."""
-    from pathlib import Path
-
+    from rlhf_pipeline.files.run_store import state_store_and_key
     from rlhf_pipeline.files.state_files import load_state_bytes
     from rlhf_pipeline.runs.run_directory import RunError
     from rlhf_pipeline.storage.writer_state import decode
@@ -259,9 +258,8 @@ def _start_state(store: Any, start_file: Any, run_store: Any) -> dict[str, Any] 
     published = decode(store.writer_state, store.location)
     if published is not None:
         return published["writer"]
-    where = str(start_file) if run_store is None else run_store.describe(str(start_file))
-    data = (Path(start_file).read_bytes() if Path(start_file).is_file() else None) if run_store is None \
-        else run_store.read(str(start_file))
+    start_store, key = state_store_and_key(start_file, run_store)
+    where, data = start_store.describe(key), start_store.read(key)
     if data is None:
         return None
     if store.next_row:
