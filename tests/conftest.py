@@ -99,27 +99,30 @@ def pytest_collection_modifyitems(config, items):
 
 # ---------------------------------------------------------------- skipped tests, for CI's second pass
 # .ci/run first runs the README's test command as a newcomer would (only the `test` extra), then
-# installs every extra and runs again just the tests that skipped: this file names them. Both what a
-# newcomer runs and what the extras cover are then checked, each test once where it can run.
+# installs every extra and runs again just the tests that skipped: this file names them, each with why
+# it skipped (a tab between), so CI can run those that wait for the vLLM environment or start Ray
+# apart from the rest. Both what a newcomer runs and what the extras cover are then checked, each test
+# once where it can run.
 SKIPPED_TESTS_FILE = "RLHF_PIPELINE_SKIPPED_TESTS"
 
 
-def _record_skipped(nodeid: str) -> None:
+def _record_skipped(report) -> None:
     import os
 
     path = os.environ.get(SKIPPED_TESTS_FILE)
     # under pytest-xdist the controller receives every worker's reports and records them once; a
     # worker (PYTEST_XDIST_WORKER set) leaves it to the controller
     if path and "PYTEST_XDIST_WORKER" not in os.environ:
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         with open(path, "a", encoding="utf-8") as f:
-            f.write(nodeid + "\n")
+            f.write(f"{report.nodeid}\t{' '.join(str(reason).split())}\n")
 
 
 def pytest_collectreport(report):
     if report.skipped:  # a whole module skipped at import (a module-level importorskip)
-        _record_skipped(report.nodeid)
+        _record_skipped(report)
 
 
 def pytest_runtest_logreport(report):
     if report.skipped and not hasattr(report, "wasxfail"):
-        _record_skipped(report.nodeid)
+        _record_skipped(report)
