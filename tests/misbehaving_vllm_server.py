@@ -127,7 +127,7 @@ class MisbehavingVLLMServer:
             self.completions += 1
             fault = self.fault if self.completions > self.honest_for else None
             request = SampleRequest(body["prompt"], n=body["n"], max_new_tokens=body["max_tokens"])
-            (group,) = self._engine.sample([request], sampling, torch.Generator().manual_seed(body["seed"]))
+            (group,) = self._engine.sample([request], [body["seed"]], sampling)
         reply = {"choices": [{"index": i, "token_ids": c.token_ids, "logprobs": {"token_logprobs": c.log_probs},
                               "finish_reason": "stop" if c.terminated else "length"}
                              for i, c in enumerate(group.completions)]}

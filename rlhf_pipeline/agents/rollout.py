@@ -128,6 +128,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                        template_kwargs: Mapping[str, Any] | None = None,
                        on_groups_ended: Callable[[list[tuple[int, list[Episode] | None]]], None] | None = None,
                        sample_turn: TurnSampler | None = None,
+                       episode_ended: Callable[[int], None] | None = None,
                        clock: Callable[[], float] = time.monotonic) -> Rollout:
     """Runs ``group_size`` episodes of each task to their ends. ``make_env()`` builds one episode's
     environment; one with a ``toolbox`` attribute (a :class:`~.tools.ToolBox`) has its tools'
@@ -141,7 +142,8 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
 
     ``sample_turn``: each episode takes its turns on its own, its next turn asked for (awaited) as soon
     as its environment answered, instead of every active episode's turn in one ``sample`` call
-    (``collect/agent_turns.py``); the first error it raises ends the rollout.
+    (``collect/agent_turns.py``); the first error it raises ends the rollout. ``episode_ended(k)``:
+    called once for each episode, when it asks for no more turns (or never started).
 
     ``clock``: the seconds ``episode_timeout_s`` is measured in (a test gives one it moves itself, so
     whether an episode is overdue follows from its steps, not from the machine's speed)."""
@@ -231,17 +233,25 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                 report_ended()
         else:  # each episode on its own: its next turn asked for as soon as its environment answered
 
-            async def take_turns(k: int) -> None:
-                while running(k):
-                    ids, log_probs = await sample_turn(k, episodes[k].token_ids, episodes[k].max_new_tokens())
-                    metrics["generation_batches"] += 1  # one request per turn
-                    metrics["generated_rows"] += 1
-                    if k // g in dropped:  # another episode of its group failed meanwhile: nothing is kept
-                        return
-                    turn = episodes[k].add_turn(ids, log_probs)
-                    answer(k, *await _outcome(runner.step_counting_tools(envs[k], turn)))
-                    report_ended()
+            ended = episode_ended or (lambda k: None)
 
+            async def take_turns(k: int) -> None:
+                try:
+                    while running(k):
+                        ids, log_probs = await sample_turn(k, episodes[k].token_ids, episodes[k].max_new_tokens())
+                        metrics["generation_batches"] += 1  # one request per turn
+                        metrics["generated_rows"] += 1
+                        if k // g in dropped:  # another episode of its group failed meanwhile: nothing is kept
+                            return
+                        turn = episodes[k].add_turn(ids, log_probs)
+                        answer(k, *await _outcome(runner.step_counting_tools(envs[k], turn)))
+                        report_ended()
+                finally:
+                    ended(k)
+
+            for k in range(n):
+                if not running(k):
+                    ended(k)
             await _all_or_first_error([take_turns(k) for k in range(n) if running(k)])
         metrics["environment_timeouts"] = runner.timeouts
     kept_groups = [i for i in range(len(tasks)) if i not in dropped]

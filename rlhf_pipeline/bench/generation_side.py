@@ -126,7 +126,10 @@ class Side:
         if self.engine_name == "hf":
             tokens, completions = self._hf_generate(generator, max_new_tokens)
         else:
-            groups = self.engine.sample(self.requests, SamplingConfig(max_new_tokens=max_new_tokens), generator)
+            from rlhf_pipeline.generation.engine import draw_seed
+
+            seeds = [draw_seed(generator) for _ in self.requests]
+            groups = self.engine.sample(self.requests, seeds, SamplingConfig(max_new_tokens=max_new_tokens))
             tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
             completions = sum(len(g.completions) for g in groups)
         return {"seconds": time.perf_counter() - started, "tokens": tokens, "completions": completions}
@@ -158,7 +161,7 @@ class Side:
         if self.engine_name == "hf":
             self.model.load_state_dict(weights)
         else:
-            self.engine.update_weights(weights, self.updates)
+            self.engine.load_weights(weights, self.updates)
         return {"seconds": time.perf_counter() - started}
 
     def close(self) -> None:

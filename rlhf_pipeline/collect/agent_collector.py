@@ -63,7 +63,7 @@ from rlhf_pipeline.collect.agent_turns import EpisodeTurns, episode_seeds
 from rlhf_pipeline.collect.collector import MetricsHook, Sink
 from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.collect.rewards import EpisodeFailureRateError, check_failure_fraction, check_failure_rate
-from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
+from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest, draw_seed
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.collect.prompts import TaskSource
@@ -190,7 +190,7 @@ class AgentCollector:
         self.groups_dropped = 0  # over every round, resumed with the state: the failure rate's numerator
         # rows and trajectories this process wrote: the turns a trajectory has, for round_rows
         self._rows_written = self._trajectories_written = 0
-        self.generator = torch.Generator(device=self.engine.generator_device)
+        self.generator = torch.Generator()  # seeds: one per request, or per episode
         self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
         self.last_metrics: dict[str, float] = {}
         self._generate_s = 0.0
@@ -230,7 +230,8 @@ class AgentCollector:
                     episode_timeout_s=cfg.episode_timeout_s, max_workers=cfg.max_workers, check_drift=cfg.check_drift),
                     parser=self.parser, stop_token_ids=self.stop_token_ids, template_kwargs=self.template_kwargs,
                     on_groups_ended=None if stream is None else stream.groups_ended,
-                    sample_turn=turns.sample_turn if per_episode else None)
+                    sample_turn=turns.sample_turn if per_episode else None,
+                    episode_ended=turns.episode_ended if per_episode else None)
             if per_episode:
                 self._generate_s = turns.busy_s
             batch = result.to_batch(first_group_id=base + self.groups_emitted,
@@ -285,7 +286,7 @@ class AgentCollector:
         started = time.perf_counter()
         requests = [SampleRequest(prompt, n=1, max_new_tokens=limit)
                     for prompt, limit in zip(prompts, max_new_tokens, strict=True)]
-        groups = self.engine.sample(requests, self.config.sampling, self.generator)
+        groups = self.engine.sample(requests, [draw_seed(self.generator) for _ in requests], self.config.sampling)
         self._generate_s += time.perf_counter() - started
         return [(g.completions[0].token_ids, g.completions[0].log_probs) for g in groups]
 
@@ -312,7 +313,7 @@ class AgentCollector:
         if version < self.policy_version:
             raise ValueError(f"set_policy_state: version {version} is older than the current "
                              f"{self.policy_version}; weights only move forward")
-        self.engine.update_weights(state_dict, version)
+        self.engine.load_weights(state_dict, version)
         if version != self._rounds_version:
             self.rounds_at_version, self._rounds_version = 0, version
 

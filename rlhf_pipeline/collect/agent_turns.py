@@ -1,43 +1,34 @@
 """An agent round whose episodes take their turns on their own (``AgentCollectorConfig.turns =
 "per_episode"``, ``--set generation.agent_turns=per_episode``): each episode's next turn goes to the
 engine as soon as its environment answered, so a fast environment's episode does not wait for the
-round's slowest one, and vLLM's batch keeps its slots full (``generation/turns.py``).
+round's slowest one, and vLLM's batch keeps its slots full.
 
-Rows that do not depend on timing. With lockstep turns the engine's random draws follow the order
-of one batch per turn; here which turns share a batch, and in what order they come, changes with the
-environments' timing. So randomness is per episode: at the round's start the collector's generator
-(the one it checkpoints) gives one seed per episode, in episode order, and episode ``k``'s turns draw
-only from a generator seeded with the ``k``-th (vLLM and a server: one request seed per turn; our loop:
-every token, the turn decoded alone). A round's rows then depend on the tasks, the collector's saved
-state, the model and the environments' answers, not on when those answers came; a collector resumed
-from its saved state gives every episode the same seeds. The rows differ from lockstep turns' (other
-draws), so the setting changes what a seed gives, and lockstep stays the default.
+Rows that do not depend on timing. Which turns share an engine's batch, and in what order they come,
+changes with the environments' timing. So randomness is per episode: at the round's start the
+collector's generator (the one it checkpoints) gives one seed per episode, in episode order, and
+episode ``k``'s turns are seeded from a generator seeded with the ``k``-th (one request seed per turn,
+``engine.draw_seed``). Our loop decodes what is queued when the caller flushes: :class:`EpisodeTurns`
+flushes once every live episode of the round waits for a turn that has not begun, so the loop's
+batches are the round's live episodes' turns together, whatever the timing, and the same bits; a
+server starts each turn when it is submitted. A round's rows then depend on the tasks, the collector's saved state, the model and
+the environments' answers, not on when those answers came.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
 from rlhf_pipeline.agents.rollout import Sample
-from rlhf_pipeline.generation.engine import CompletionGroup, GenerationEngine, SampleRequest, draw_seed
+from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest, draw_seed
 from rlhf_pipeline.generation.sampling import SamplingConfig
-from rlhf_pipeline.generation.turns import ThreadedTurns, TurnSubmitter
-from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 
 TURN_MODES = ("lockstep", "per_episode")
-
-
-def open_turns(engine: GenerationEngine, sampling: SamplingConfig) -> TurnSubmitter:
-    """How ``engine`` takes turns one at a time (``generation/turns.py``): a vLLM server (the collector's
-    own or one at a URL) gets one HTTP request per turn, many in flight; our loop (or another engine)
-    samples one turn at a time, alone."""
-    engine.check_sampling(sampling)
-    if isinstance(engine, VLLMURLEngine):
-        return ThreadedTurns(engine, sampling, workers=engine.max_concurrency)
-    return ThreadedTurns(engine, sampling, workers=1)  # one model, one decode at a time
 
 
 def episode_seeds(generator: torch.Generator, episodes: int) -> list[int]:
@@ -46,45 +37,57 @@ def episode_seeds(generator: torch.Generator, episodes: int) -> list[int]:
 
 
 class EpisodeTurns:
-    """One round's turns, each episode's from its own generator; use as a context manager around the
-    rollout (``sample_turn`` is its ``sample_turn``)."""
+    """One round's turns, each episode's seeded from its own generator: ``sample_turn`` and
+    ``episode_ended`` are the rollout's. Use as a context manager around the rollout."""
 
     def __init__(self, engine: GenerationEngine, sampling: SamplingConfig, seeds: Sequence[int]) -> None:
-        self.generators = [torch.Generator(device=engine.generator_device).manual_seed(seed) for seed in seeds]
-        self.submitter = open_turns(engine, sampling)
+        engine.check_sampling(sampling)
+        self.engine, self.sampling = engine, sampling
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self._lock = threading.Lock()  # answers are counted on the engine's threads
+        self._live = len(seeds)  # episodes that may still ask for a turn
+        self._unanswered: set[Future] = set()  # turns submitted and not answered
+        self._busy_since: float | None = None
+        self.busy_s = 0.0
+        """Seconds at least one turn was in the engine (the round's ``generate_s``)."""
 
     async def sample_turn(self, episode: int, token_ids: list[int], max_new_tokens: int) -> Sample:
-        """Episode ``episode``'s next turn: sent now, awaited until the engine sampled it."""
-        loop = asyncio.get_running_loop()
-        answered: asyncio.Future[CompletionGroup] = loop.create_future()
-
-        def done(group: CompletionGroup | None, error: BaseException | None) -> None:
-            try:
-                loop.call_soon_threadsafe(_settle, answered, group, error)
-            except RuntimeError:  # the round ended (it failed) before this turn came back: nobody waits
-                pass
-
-        self.submitter.submit(SampleRequest(token_ids, n=1, max_new_tokens=max_new_tokens),
-                              self.generators[episode], done)
-        completion = (await answered).completions[0]
+        """Episode ``episode``'s next turn: submitted now, awaited until the engine sampled it."""
+        future = self.engine.submit(SampleRequest(token_ids, n=1, max_new_tokens=max_new_tokens),
+                                    draw_seed(self.generators[episode]), self.sampling)
+        with self._lock:
+            self._unanswered.add(future)
+            if self._busy_since is None:
+                self._busy_since = time.perf_counter()
+        future.add_done_callback(self._answered)
+        self._flush_when_all_wait()
+        completion = (await asyncio.wrap_future(future)).completions[0]
         return completion.token_ids, completion.log_probs
 
-    @property
-    def busy_s(self) -> float:
-        """Seconds at least one turn was in the engine (the round's ``generate_s``)."""
-        return self.submitter.busy_s
+    def episode_ended(self, episode: int) -> None:
+        """Episode ``episode`` asks for no more turns (it ended, failed, or never started)."""
+        with self._lock:
+            self._live -= 1
+        self._flush_when_all_wait()
+
+    def _answered(self, future: Future) -> None:
+        with self._lock:
+            self._unanswered.discard(future)
+            if not self._unanswered and self._busy_since is not None:
+                self.busy_s += time.perf_counter() - self._busy_since
+                self._busy_since = None
+
+    def _flush_when_all_wait(self) -> None:
+        """Every live episode waits for a turn none of whose has begun (the loop answers a batch's turns
+        as they stop, and may still be decoding the rest): what they submitted may start, as one batch."""
+        with self._lock:
+            all_wait = (self._unanswered and len(self._unanswered) == self._live
+                        and not any(future.running() or future.done() for future in self._unanswered))
+        if all_wait:
+            self.engine.flush()
 
     def __enter__(self) -> EpisodeTurns:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.submitter.close()
-
-
-def _settle(future: asyncio.Future, group: CompletionGroup | None, error: BaseException | None) -> None:
-    if future.done():  # its episode was cancelled (another failed the round)
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(group)
+        pass

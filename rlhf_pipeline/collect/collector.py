@@ -43,9 +43,9 @@ from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.collect.rewards import (RewardFn, WeightedReward, as_rewards, check_failure_fraction,
                                            check_failure_rate, drop_non_finite_groups, score)
 from rlhf_pipeline.collect.overlap import IdleClock, Round, check_overlap, read_round
-from rlhf_pipeline.collect.streaming import (InOrderCommit, StreamTiming, partial_round, stored_in_round,
+from rlhf_pipeline.collect.streaming import (InOrderCommit, StreamTiming, Submitted, partial_round, stored_in_round,
                                              without_stored)
-from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest
+from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest, draw_seed
 from rlhf_pipeline.generation.loop import LoopEngine, load_state_into
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
@@ -71,7 +71,7 @@ class CollectorConfig:
     stream_groups: bool = False
     """Write each group as soon as it and every earlier group of the round ended, in several appends
     per round (``collect/streaming.py``), instead of one append once the round's slowest completion
-    ended. Needs an engine that ``supports_streaming``; the rows are the same either way."""
+    ended; the rows are the same either way."""
     overlap_rounds: bool = False
     """With ``stream_groups``: the next round submitted while this one's tail decodes, when
     ``collect(next_round=...)`` allows (``collect/overlap.py``); the same rows."""
@@ -131,11 +131,7 @@ class Collector:
             self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                      policy_version=policy_version)
         self.engine.check_sampling(self.config.sampling)  # a setting the engine cannot honour: refused now
-        if self.config.stream_groups and not self.engine.supports_streaming:
-            raise ValueError(f"setting 'generation.stream_groups' is on, but the {self.engine.name} engine cannot "
-                             f"stream groups (it returns a round at once); turn it off, or generate with "
-                             f"generation.engine=loop or vllm")
-        check_overlap(self.config.overlap_rounds, self.config.stream_groups, self.engine)
+        check_overlap(self.config.overlap_rounds, self.config.stream_groups)
         self._ahead: Round | None = None  # the next round, submitted while the current one decoded
         self._idle = IdleClock()
         self._stored_in_round = 0  # a cut-off streamed round's groups already stored: not written again
@@ -147,7 +143,7 @@ class Collector:
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
-        self.generator = torch.Generator(device=self.engine.generator_device)
+        self.generator = torch.Generator()  # one seed per request, drawn with the round's prompts
         self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
         self.last_metrics: dict[str, float] = {}
         self._dropped: list[tuple[int, str]] = []  # this round's groups with a non-finite reward: (group id, why)
@@ -178,13 +174,16 @@ class Collector:
             return self.state_dict(rounds_ahead=(1, len(records), rows_in_round))
 
         if cfg.stream_groups:
-            batches = round_.batches or self.engine.stream_batches(requests, cfg.sampling, self.generator)
+            went_ahead = round_.submitted is not None
+            if round_.submitted is None:
+                round_.submitted = Submitted(self.engine, requests, round_.seeds, cfg.sampling)
+            batches = round_.submitted.batches()
             batch, parts, t_gen, t_reward, streamed = self._collect_streamed(
                 round_, batches, t0, state_after, next_round if cfg.overlap_rounds else None)
             streamed.update(engine_idle_s=round_.idle_before_s)  # before its requests went (collect/overlap.py)
-            streamed.update({"submitted_ahead": float(round_.batches is not None)} if cfg.overlap_rounds else {})
+            streamed.update({"submitted_ahead": float(went_ahead)} if cfg.overlap_rounds else {})
         else:
-            groups = self.engine.sample(requests, cfg.sampling, self.generator)
+            groups = self.engine.sample(requests, round_.seeds, cfg.sampling)
             t_gen = time.perf_counter()
             batch, parts = self._rows(records, requests, groups)
             t_reward = time.perf_counter()
@@ -207,13 +206,15 @@ class Collector:
         return batch
 
     def _start_round(self) -> Round:
-        """This round's prompts, drawn now, with the state before them."""
+        """This round's prompts and seeds, drawn now, with the state before them."""
         start = self.state_dict()
         records = self.prompts.next_batch(self.config.prompts_per_batch)
-        return Round(records, self.requests_for(records), start, None, self._idle.submitted())
+        return Round(records, *self.requests_for(records), start, None, self._idle.submitted())
 
-    def requests_for(self, records) -> list[SampleRequest]:
-        return [SampleRequest(r.render(self.tokenizer), n=self.config.num_generations) for r in records]
+    def requests_for(self, records) -> tuple[list[SampleRequest], list[int]]:
+        """The requests of ``records`` and their seeds, drawn from the generator in request order."""
+        requests = [SampleRequest(r.render(self.tokenizer), n=self.config.num_generations) for r in records]
+        return requests, [draw_seed(self.generator) for _ in requests]
 
     def _collect_streamed(self, round_: Round, batches, t0, state_after, next_round):
         """The round's stream (``batches``), written in request order as prefixes complete; with
@@ -238,7 +239,8 @@ class Collector:
         try:
             ended_at = read_round(self, batches, commit, next_round, len(round_.records))
         except BaseException:
-            getattr(batches, "close", lambda: None)()  # the engine drops what is left of this round
+            batches.close()
+            round_.submitted.cancel()  # what the engine has not begun of this round
             rewound = self._cancel_ahead()
             if stored:  # part of the round is stored: a retry generates it again, writes the rest
                 self.load_state_dict(partial_round(round_.start_state, stored))
@@ -379,7 +381,7 @@ class Collector:
         if self._ahead is not None and version != self.policy_version:
             raise RuntimeError(f"set_policy_state: version {version} while a round submitted ahead samples with "
                                f"version {self.policy_version}; weights change between rounds only: collect it first")
-        self.engine.update_weights(state_dict, version)
+        self.engine.load_weights(state_dict, version)
         if version != self._rounds_version:
             self.rounds_at_version, self._rounds_version = 0, version
 
@@ -396,7 +398,7 @@ class Collector:
     def _cancel_ahead(self) -> bool:
         """Drops the round submitted ahead, if any (the engine discards its groups)."""
         ahead, self._ahead = self._ahead, None
-        return ahead is not None and ahead.batches.cancel() is None
+        return ahead is not None and ahead.submitted.cancel() is None
 
     # ---------------------------------------------------------------- resume
     def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:

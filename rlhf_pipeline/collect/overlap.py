@@ -6,7 +6,7 @@ batch emptied during the round's tail (its slowest completions) and idled during
 ``overlap_rounds`` the collector asks, as soon as the round's first group ended (a slot of the
 engine's batch came free), whether the next round may start now with the weights this round uses
 (``next_round``: the runner's pacing says, ``runs/round_ahead.py``); if so it draws the next round's
-prompts and seeds at once and submits them (``GenerationEngine.stream_ahead``), and the next
+prompts and seeds at once and submits them (``streaming.Submitted``), and the next
 ``collect()`` reads that round instead of starting one.
 
 What does not change:
@@ -26,11 +26,8 @@ What does not change:
 * **The weights.** Only rounds that take the version this round holds go ahead; when a new version
   is due the next round waits, as without overlap, and loads it between rounds.
 
-Engines: the vLLM engine the collector owns (one server stream carries both rounds) and a server at
-a URL (the next round's HTTP requests go from a thread). Our sampling loop cannot: it decodes a round
-in lockstep on this process's cores and draws every token from the collector's generator, so a
-second round has no free slot to take and would need the generator the first one is still drawing
-from; it is refused by name.
+Every engine takes it: a vLLM server batches the next round's requests with this round's tail; our
+loop queues them and decodes them as one batch once this round's batch ended.
 """
 
 from __future__ import annotations
@@ -40,12 +37,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlhf_pipeline.collect.streaming import Submitted
+
 if TYPE_CHECKING:
     from rlhf_pipeline.collect.streaming import InOrderCommit
     from rlhf_pipeline.collect.collector import Collector
     from rlhf_pipeline.collect.prompts import PromptRecord
-    from rlhf_pipeline.generation.ahead import AheadStream
-    from rlhf_pipeline.generation.engine import CompletionGroup, GenerationEngine, SampleRequest
+    from rlhf_pipeline.generation.engine import CompletionGroup, SampleRequest
 
 
 @dataclass
@@ -54,29 +52,24 @@ class Round:
 
     records: list[PromptRecord]
     requests: list[SampleRequest]
+    seeds: list[int]
+    """One per request, drawn from the collector's generator with the round's prompts."""
     start_state: dict[str, Any]
     """The collector's state at this round's start: after the round before it, before this round's
     prompts and seeds were drawn (what a restart samples it again from)."""
-    batches: AheadStream | None
-    """Its stream, when it was submitted ahead; None: submitted when read."""
+    submitted: Submitted | None
+    """Its requests, when they were submitted ahead; None: submitted when read."""
     idle_before_s: float
     """Seconds the engine had nothing of this collector's to decode before these requests went: 0 when
     they went before the round before them ended."""
 
 
-def check_overlap(overlap_rounds: bool, stream_groups: bool, engine: GenerationEngine) -> None:
+def check_overlap(overlap_rounds: bool, stream_groups: bool) -> None:
     """Refuses, by setting name, an ``overlap_rounds`` that cannot work."""
-    if not overlap_rounds:
-        return
-    if not stream_groups:
+    if overlap_rounds and not stream_groups:
         raise ValueError("setting 'generation.overlap_rounds' needs generation.stream_groups=true (the next round "
                          "is submitted once this round's first group ended, which only a streamed round tells); "
                          "turn both on, or overlap_rounds off")
-    if not engine.supports_overlap:
-        raise ValueError(f"setting 'generation.overlap_rounds' is on, but the {engine.name} engine cannot take a "
-                         f"round while another decodes (our loop decodes a round in lockstep and draws every token "
-                         f"from the collector's generator); turn it off, or generate with generation.engine=vllm "
-                         f"or generation.url")
 
 
 def submit_ahead(collector: Collector, records_now: int, rows_now: int, idle_before_s: float) -> Round:
@@ -85,9 +78,9 @@ def submit_ahead(collector: Collector, records_now: int, rows_now: int, idle_bef
     cfg = collector.config
     state = collector.state_dict(rounds_ahead=(1, records_now, rows_now))
     records = collector.prompts.next_batch(cfg.prompts_per_batch)
-    requests = collector.requests_for(records)
-    batches = collector.engine.stream_ahead(requests, cfg.sampling, collector.generator)
-    return Round(records, requests, state, batches, idle_before_s)
+    requests, seeds = collector.requests_for(records)
+    submitted = Submitted(collector.engine, requests, seeds, cfg.sampling)
+    return Round(records, requests, seeds, state, submitted, idle_before_s)
 
 
 def read_round(collector: Collector, batches: Iterable[list[CompletionGroup]], commit: InOrderCommit,

@@ -1,7 +1,7 @@
 """Committing a streamed round in request order: group k goes to the write path once groups 0..k ended.
 
-An engine that ``supports_streaming`` yields a round's groups in the order they end, those that end
-at one decoding step together (``GenerationEngine.stream_batches``). The collector hands them to its sink in *request* order, in chunks:
+A round's requests go to the engine at once, each with its seed (:class:`Submitted`), and their
+groups come back in the order they end. The collector hands them to its sink in *request* order, in chunks:
 whenever the groups that ended extend the prefix of the round already committed, that prefix grows
 by one append. Why not in the order they end: the buffer's order would then depend on timing, and
 what reads by position (exact resume, the learner's pacing and sampling) would no longer give the
@@ -18,15 +18,39 @@ drawn before the collector's state after the round is taken.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rlhf_pipeline.generation.engine import CompletionGroup
+from rlhf_pipeline.generation.engine import CompletionGroup, GenerationEngine, SampleRequest
+from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.schema import TrajectoryBatch
+
+class Submitted:
+    """A round's requests submitted now, each with its seed; :meth:`batches` yields their groups (each
+    with its request's ``index``) as lists that ended together, :meth:`cancel` drops what has not begun."""
+
+    def __init__(self, engine: GenerationEngine, requests: Sequence[SampleRequest], seeds: Sequence[int],
+                 sampling: SamplingConfig) -> None:
+        self.futures = [engine.submit(request, seed, sampling) for request, seed in zip(requests, seeds, strict=True)]
+        engine.flush()
+
+    def batches(self) -> Iterator[list[CompletionGroup]]:
+        index = {future: k for k, future in enumerate(self.futures)}
+        waiting = set(self.futures)
+        while waiting:
+            done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
+            yield [dataclasses.replace(f.result(), index=index[f]) for f in sorted(done, key=index.__getitem__)]
+
+    def cancel(self) -> None:
+        for future in self.futures:
+            future.cancel()
+
 
 WriteChunk = Callable[[list[CompletionGroup], bool], None]
 """``write(groups, last)``: one append of consecutive groups of the round; ``last`` for the chunk that
@@ -112,8 +136,8 @@ class InOrderCommit:
 
 def commit_in_order(batches: Iterable[list[CompletionGroup]], count: int, write: WriteChunk,
                     timing: StreamTiming | None = None) -> StreamTiming:
-    """Consumes a round's stream of ``count`` groups (``GenerationEngine.stream_batches``: lists of
-    groups that finished together) and writes them in request order as prefixes complete, at most one
+    """Consumes a round's stream of ``count`` groups (:meth:`Submitted.batches`: lists of groups that
+    finished together) and writes them in request order as prefixes complete, at most one
     append per list (see the module docstring). Raises RuntimeError when the stream yields a request
     twice, one outside the round, or ends before every request's group came."""
     commit = InOrderCommit(count, write, timing)

@@ -10,20 +10,24 @@ loop (``generation/loop.py``, the default) and vLLM (``generation/vllm_engine.py
   (``generation/sampling.py`` defines it: temperature, then top-k, then top-p). A completion that
   samples a stop token ends there and keeps it as its last token (``terminated``); one that
   reaches its ``max_new_tokens`` first is ``truncated``. Nothing after the stop token is returned.
-* **Grouped.** ``sample(requests, ...)`` returns one :class:`CompletionGroup` per request, in
-  request order, with the request's ``n`` completions: a GRPO group is complete when its last
-  member ends. An engine that ``supports_streaming`` also yields groups as they finish
-  (:meth:`GenerationEngine.stream`; :meth:`GenerationEngine.stream_batches` yields those that finish
-  at one decoding step together); the others yield them all at the end, in order.
+* **Submitted one request at a time.** ``submit(request, seed, sampling)`` returns a
+  ``concurrent.futures.Future`` of the request's :class:`CompletionGroup` (its ``n`` completions):
+  a GRPO group is complete when its last member ends. Servers start each request as it is
+  submitted; our loop decodes what is queued as one batch once the caller :meth:`flushes
+  <GenerationEngine.flush>` (is about to wait), so its batches are what the caller submitted between
+  two waits, whatever the timing. :meth:`GenerationEngine.sample` submits a list and waits for all.
 * **One version per group.** Every group names the policy version the engine held while it
   sampled it (:attr:`CompletionGroup.policy_version`). An engine loads new weights only between
-  requests, never under one in flight, so a row is sampled by exactly one version.
-* **Deterministic from the collector's generator.** Randomness comes only from the
-  ``torch.Generator`` the caller passes, which the collector checkpoints. Our loop draws every
-  token from it; an engine that samples elsewhere (vLLM) draws one seed per request from it, in
-  submission order (:func:`draw_seed`), and seeds the request with it. A collector resumed from its
-  saved state therefore sends the same seeds and gets the same rows (the same engine, weights and
-  batch: vLLM does not promise bit-identical logits across different batch compositions).
+  requests, never under one in flight (:meth:`GenerationEngine.load_weights` is called with nothing
+  of its caller in flight), so a row is sampled by exactly one version.
+* **Deterministic from the request's seed.** Each request carries its own seed (the collector draws
+  it from the generator it checkpoints, :func:`draw_seed`, when its round starts), and a request's
+  randomness comes from that seed only: our loop draws its rows' tokens from a ``torch.Generator``
+  seeded with it, vLLM seeds the request with it. What else is in flight does not change a
+  request's tokens; a collector resumed from its saved state sends the same seeds and gets the same
+  rows (vLLM's logits, and our loop's log-probs in their last bits, may move with the batch a request
+  shares: the loop's batches are the caller's own waits, so a caller that submits the same requests
+  between the same waits gets the same bits).
 * **Checked before it is a row.** Whatever an engine outside this process answers (a server at a URL,
   the owned vLLM engine) becomes completions through :func:`checked_completions` only: ids that are
   integers inside the model's vocabulary, one finite log-prob <= 0 per id, at most the request's
@@ -35,20 +39,21 @@ loop (``generation/loop.py``, the default) and vLLM (``generation/vllm_engine.py
   :meth:`GenerationEngine.check_sampling`) before anything is sampled, never approximated.
 
 Capabilities are properties, as storages have them (``storage/capabilities.py``):
-``supports_streaming``, ``supports_overlap`` (a next round submitted while this one's tail decodes),
-``supports_scoring`` (teacher-forced log-probs of given responses:
-replay's re-scoring, reference log-probs) and ``supports_weight_updates`` (new weights in place,
-without a restart). A method whose capability is False raises :class:`UnsupportedCapability`.
-Engines are context managers; :meth:`GenerationEngine.close` stops whatever the engine started.
+``supports_scoring`` (teacher-forced log-probs of given responses: replay's re-scoring, reference
+log-probs) and ``supports_weight_updates`` (new weights in place, without a restart). A method whose
+capability is False raises :class:`UnsupportedCapability`. Engines are context managers;
+:meth:`GenerationEngine.close` stops whatever the engine started.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -181,12 +186,13 @@ def _shown(value: Any) -> str:
 class CompletionGroup:
     """The completions of one request, with the version that sampled them."""
 
-    index: int
-    """The request's position in the list it was submitted with."""
     completions: list[Completion]
     policy_version: int
-    seed: int | None = None
-    """The seed drawn for this request (engines that seed per request); None for our loop."""
+    seed: int
+    """The request's seed: its draws came from it alone."""
+    index: int = 0
+    """The request's position in the :meth:`GenerationEngine.sample` call that asked for it (0 for one
+    submitted alone)."""
 
 
 @dataclass
@@ -195,7 +201,7 @@ class EngineStats:
 
     weight_updates: int = 0
     last_update_s: float = 0.0
-    """Seconds the last :meth:`GenerationEngine.update_weights` took, from call to return."""
+    """Seconds the last :meth:`GenerationEngine.load_weights` took, from call to return."""
     update_s_total: float = 0.0
     reported_s: float = 0.0
     """``update_s_total`` at the last :meth:`update_metrics`."""
@@ -258,30 +264,14 @@ class GenerationEngine(ABC):
 
     # ------------------------------------------------------------------ capabilities
     @property
-    def supports_streaming(self) -> bool:
-        """True when :meth:`stream` yields each group as soon as its last member ends."""
-        return False
-
-    @property
-    def supports_overlap(self) -> bool:
-        """True when :meth:`stream_ahead` submits a next round while the current stream still decodes."""
-        return False
-
-    @property
     def supports_scoring(self) -> bool:
         """True when :meth:`score` gives teacher-forced log-probs of given responses."""
         return False
 
     @property
     def supports_weight_updates(self) -> bool:
-        """True when :meth:`update_weights` loads new weights in place, without a restart."""
+        """True when :meth:`load_weights` loads new weights in place, without a restart."""
         return True
-
-    @property
-    def generator_device(self) -> str:
-        """Where the caller's ``torch.Generator`` must live: the model's device for an engine that
-        draws tokens from it in this process, the CPU for one that only draws seeds."""
-        return "cpu"
 
     @property
     def policy_version(self) -> int:
@@ -293,35 +283,24 @@ class GenerationEngine(ABC):
         """Raises :class:`UnsupportedSetting` naming a setting this engine cannot honour exactly."""
 
     @abstractmethod
-    def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-               generator: torch.Generator) -> list[CompletionGroup]:
-        """One group per request, in request order; randomness drawn from ``generator`` only."""
+    def submit(self, request: SampleRequest, seed: int, sampling: SamplingConfig) -> Future[CompletionGroup]:
+        """Starts (or queues, until :meth:`flush`) ``request``, its draws from ``seed`` alone; the future
+        holds its group, or the :class:`EngineFailed` that ended it."""
 
-    def stream(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-               generator: torch.Generator) -> Iterator[CompletionGroup]:
-        """The groups of ``requests`` as they finish (each names its request's ``index``).
+    def flush(self) -> None:
+        """The caller is about to wait for what it submitted: an engine that batches what is queued
+        (our loop) starts it now. Servers start each request on :meth:`submit`: nothing to do."""
 
-        Seeds are drawn for all requests, in order, before the first group is yielded, so the rows
-        do not depend on the order groups finish in. Without ``supports_streaming`` this is
-        :meth:`sample`, yielded at the end."""
-        for finished_together in self.stream_batches(requests, sampling, generator):
-            yield from finished_together
-
-    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
-        """:meth:`stream`, with the groups that finished at one decoding step yielded together (a
-        collector then writes them in one append). Without ``supports_streaming``: one list, the
-        whole round, at the end. An engine that streams implements this."""
-        yield self.sample(requests, sampling, generator)
-
-    def stream_ahead(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-                     generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
-        """Submits ``requests`` now, while the stream being read still decodes, so the engine's batch
-        stays full across two rounds (``collect/overlap.py``); their seeds are drawn from ``generator``
-        before this returns, as :meth:`stream_batches` would draw them. The iterator yields their
-        groups as :meth:`stream_batches` does; read it once the current stream is read to its end."""
-        raise UnsupportedCapability(f"the {self.name} engine cannot submit a round while another decodes "
-                                    f"(supports_overlap is False)")
+    def sample(self, requests: Sequence[SampleRequest], seeds: Sequence[int],
+               sampling: SamplingConfig) -> list[CompletionGroup]:
+        """One group per request, in request order (``index`` its position): every request submitted,
+        then every answer waited for; the first failure is raised once all have ended."""
+        if len(seeds) != len(requests):
+            raise ValueError(f"sample: {len(seeds)} seeds for {len(requests)} requests (one seed per request)")
+        futures = [self.submit(request, seed, sampling) for request, seed in zip(requests, seeds)]
+        self.flush()
+        wait(futures)
+        return [dataclasses.replace(future.result(), index=k) for k, future in enumerate(futures)]
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               sampling: SamplingConfig | None = None) -> list[list[float]]:
@@ -331,28 +310,28 @@ class GenerationEngine(ABC):
                                     f"is False); score with the loop engine")
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
         """Loads ``weights`` (a state dict, or the path of a published safetensors file) as ``version``.
 
-        Versions only move forward. The engine loads between requests (never under one in flight),
-        and what it derived from the old weights (a prefix cache, repacked kernels, a tied head) is
+        Versions only move forward. Called between rounds, with nothing of the caller in flight; what
+        the engine derived from the old weights (a prefix cache, repacked kernels, a tied head) is
         rebuilt before the next request. Records the time it took in :attr:`stats`."""
         import time
 
         if version < self._policy_version:
-            raise ValueError(f"update_weights: version {version} is older than the current {self._policy_version}; "
+            raise ValueError(f"load_weights: version {version} is older than the current {self._policy_version}; "
                              f"weights only move forward")
         if not self.supports_weight_updates:
             raise UnsupportedCapability(f"the {self.name} engine cannot load new weights in place")
         started = time.perf_counter()
-        self._load_weights(weights, int(version))
+        self._load(weights, int(version))
         elapsed = time.perf_counter() - started
         self._policy_version = int(version)
         self.stats.weight_updates += 1
         self.stats.last_update_s = elapsed
         self.stats.update_s_total += elapsed
 
-    def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
+    def _load(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
         raise UnsupportedCapability(f"the {self.name} engine cannot load new weights in place")
 
     # ------------------------------------------------------------------ lifetime

@@ -7,11 +7,15 @@ ours: prompts are left-padded, ``position_ids = cumsum(mask) - 1``, the KV cache
 steps, a row stops at EOS (EOS kept as its last response token, ``terminated``) or at
 ``max_new_tokens`` (``truncated``). Nothing after EOS is part of the response.
 
-:class:`LoopEngine` draws every token from the generator it is given, over the whole call as one
-batch, so a collector's rows are exactly those of calling :func:`generate` directly (the
-exact-resume and determinism tests hold them to it). Requests with their own ``max_new_tokens``
-are sampled to the largest limit and each cut at its own (a cut row keeps a stop token that
-falls inside its limit), as ``agents/rollout.py``'s ``cut_to_limits`` does.
+:class:`LoopEngine` runs the loop on a thread of its own: requests submitted to it queue until the
+caller flushes (``GenerationEngine.flush``: it is about to wait), then everything queued is decoded
+in one padded batch, each request's ``n`` rows drawing their tokens from a ``torch.Generator``
+seeded with the request's seed, and each request answered at the step its last row stopped (the
+batch decodes on until its last row stops: stopped rows draw pads, as ``generate`` does). A request's tokens therefore do not depend on what else shares its
+batch (its log-probs may move in their last bits with the batch's padding; the batches are the
+caller's own waits, so the same submissions give the same bits). Requests with their own
+``max_new_tokens`` are decoded to the batch's largest limit and each cut at its own (a cut row
+keeps a stop token that falls inside its limit).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -102,13 +108,13 @@ def decode_steps(
     *,
     pad_token_id: int,
     eos_token_id: int | Sequence[int],
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[tuple[int, int, torch.Generator]] | None = None,
 ) -> Iterator[DecodeStep]:
     """Our sampling loop, one :class:`DecodeStep` per sampled token: one row per prompt, all decoded
-    in one batch, every token drawn from ``generator`` (it must live on the model's device).
-
-    :func:`generate` drains it; :meth:`LoopEngine.stream_batches` reads rows as they stop. The draws are the
-    same either way: a caller that stops iterating early has drawn fewer, never other ones."""
+    in one batch, every token drawn from ``generator`` (it must live on the model's device), or rows
+    ``start:end`` of each ``(start, end, generator)`` from that generator (:class:`LoopEngine`: one
+    per request). :func:`generate` drains it; a caller that stops iterating early has drawn fewer
+    tokens, never other ones."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate() needs at least one prompt and every prompt needs at least one token")
     device = next(model.parameters()).device
@@ -143,13 +149,17 @@ def decode_steps(
         past, next_logits = getattr(out, cache_name), out.logits[:, -1]
 
 
-def _draw(logp: torch.Tensor, generator: torch.Generator | None, step: int) -> torch.Tensor:
+def _draw(logp: torch.Tensor, generator: torch.Generator | Sequence[tuple[int, int, torch.Generator]] | None,
+          step: int) -> torch.Tensor:
     """One token a row from ``logp`` (N, V). Weights that are finite but huge (a learning rate far too
     large) give logits that overflow: an engine failure in one line, not torch's traceback; checked
     only once the draw failed, so a healthy step pays nothing."""
     probs = logp.exp()
     try:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if generator is None or isinstance(generator, torch.Generator):
+            return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return torch.cat([torch.multinomial(probs[start:end], 1, generator=own).squeeze(-1)
+                          for start, end, own in generator])
     except RuntimeError:
         if bool(torch.isfinite(probs).all()):
             raise
@@ -247,8 +257,8 @@ def load_state_into(model, state_dict) -> None:
 class LoopEngine(GenerationEngine):
     """Our sampling loop as a :class:`~rlhf_pipeline.generation.engine.GenerationEngine`.
 
-    It samples with ``model`` in this process (on the model's device; the generator must live
-    there too) and scores with :func:`teacher_forced_log_probs`. New weights are loaded into
+    It samples with ``model`` in this process, on a thread of its own (see the module docstring), on
+    the model's device, and scores with :func:`teacher_forced_log_probs`. New weights are loaded into
     ``model`` itself, so a caller holding it sees them."""
 
     name = "loop"
@@ -257,90 +267,129 @@ class LoopEngine(GenerationEngine):
         super().__init__([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, policy_version)
         self.model = model.eval()
         self.pad_token_id = int(pad_token_id)
+        self._queue: list[_Queued] = []
+        self._ready = 0  # queued requests a flush let go
+        self._closed = False
+        # one lock for the queue and for handing out a batch's answers: a flush sees a batch answered
+        # whole or not at all (re-entrant: a done-callback may submit)
+        self._wake = threading.Condition(threading.RLock())
+        self._decoding = threading.Lock()  # held while a batch decodes: weights change between batches
+        self._thread = threading.Thread(target=self._serve, name="loop-engine", daemon=True)
+        self._thread.start()
 
     @property
     def supports_scoring(self) -> bool:
         return True
 
-    @property
-    def generator_device(self) -> str:
-        return str(next(self.model.parameters()).device)
+    def submit(self, request: SampleRequest, seed: int, sampling: SamplingConfig) -> Future[CompletionGroup]:
+        future: Future[CompletionGroup] = Future()
+        with self._wake:
+            if self._closed:
+                raise EngineFailed("the loop engine is closed; no request is taken")
+            self._queue.append(_Queued(request, int(seed), sampling, future))
+        return future
 
-    @property
-    def supports_streaming(self) -> bool:
-        return True
+    def flush(self) -> None:
+        with self._wake:
+            self._ready = len(self._queue)
+            self._wake.notify()
 
-    def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-               generator: torch.Generator) -> list[CompletionGroup]:
-        if not requests:
-            return []
-        # one batch of every completion, each request's n rows together: the order (and so the random
-        # stream) of generate(prompts, num_samples=n)
-        prompts = [list(r.prompt_ids) for r in requests for _ in range(r.n)]
-        limits = [r.limit(sampling) for r in requests]
-        longest = max(limits)
-        config = sampling if longest == sampling.max_new_tokens else dataclasses.replace(sampling, max_new_tokens=longest)
-        gen = generate(self.model, prompts, config, pad_token_id=self.pad_token_id, eos_token_id=self.stop_token_ids,
-                       generator=generator)
-        ids, log_probs = gen.response_tokens.to_list(), gen.response_log_probs.to_list()
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._ready and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                batch, self._queue = self._queue[:self._ready], self._queue[self._ready:]
+                self._ready = 0
+            with self._decoding:
+                # one batch per sampling distribution (temperature, top-k, top-p): process_logits takes one
+                kinds: dict[tuple, list[_Queued]] = {}
+                for item in batch:
+                    if item.future.set_running_or_notify_cancel():
+                        kinds.setdefault(_distribution(item.sampling), []).append(item)
+                for items in kinds.values():
+                    try:
+                        self._decode(items)
+                    except BaseException as exc:  # the batch's callers get it; the thread serves on
+                        with self._wake:
+                            for item in items:
+                                if not item.future.done():
+                                    item.future.set_exception(exc)
+
+    def _decode(self, items: list[_Queued]) -> None:
+        """One padded batch of every queued request's ``n`` rows, each request's from its own generator,
+        each answered at the step its rows all stopped (those of one step together, under the queue's
+        lock: a flush sees them answered together or not at all)."""
+        device = next(self.model.parameters()).device
+        prompts, draws, limits = [], [], []
+        for item in items:
+            first = len(prompts)
+            prompts += [list(item.request.prompt_ids)] * item.request.n
+            draws.append((first, len(prompts), torch.Generator(device=device).manual_seed(item.seed)))
+            limits.append(item.request.limit(item.sampling))
+        config = dataclasses.replace(items[0].sampling, max_new_tokens=max(limits))
         stops = set(self.stop_token_ids)
-        groups, row = [], 0
-        for index, (request, limit) in enumerate(zip(requests, limits, strict=True)):
-            completions = []
-            for _ in range(request.n):
-                tokens, lps = ids[row].tolist()[:limit], log_probs[row].tolist()[:limit]
-                completions.append(Completion(tokens, lps, terminated=bool(tokens) and tokens[-1] in stops))
-                row += 1
-            groups.append(CompletionGroup(index, completions, self.policy_version))
-        return groups
-
-    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
-        """Each request's group once its last row stopped (sampled a stop token or reached the request's
-        limit), in the order they stop; the groups that stop at one step together, in request order.
-
-        The whole call is one batch, each request's ``n`` rows together: the order (and so the random
-        stream) of ``generate(prompts, num_samples=n)``. Rows that stopped keep being decoded (as pads)
-        until the batch's last row stops, so the draws, and the generator's state after the call, are
-        those of a call that waits for the end."""
-        if not requests:
-            return
-        prompts = [list(r.prompt_ids) for r in requests for _ in range(r.n)]
-        limits = [r.limit(sampling) for r in requests]
-        longest = max(limits)
-        config = sampling if longest == sampling.max_new_tokens else dataclasses.replace(sampling, max_new_tokens=longest)
-        first_row = [0]
-        for request in requests:
-            first_row.append(first_row[-1] + request.n)
-        stops = set(self.stop_token_ids)
-        waiting = list(range(len(requests)))  # requests whose group is not yielded yet
+        waiting = list(range(len(items)))
         for state in decode_steps(self.model, prompts, config, pad_token_id=self.pad_token_id,
-                                  eos_token_id=self.stop_token_ids, generator=generator):
-            ended = [i for i in waiting if state.step + 1 >= limits[i]
-                     or bool(state.finished[first_row[i]:first_row[i + 1]].all())]
+                                  eos_token_id=self.stop_token_ids, generator=draws):
+            ended = [k for k in waiting if state.step + 1 >= limits[k]
+                     or bool(state.finished[draws[k][0]:draws[k][1]].all())]
             if not ended:
                 continue
-            groups = []
-            for index in ended:
+            answers = []
+            for k in ended:
                 completions = []
-                for row in range(first_row[index], first_row[index + 1]):
-                    tokens, lps = state.row(row, limits[index])
+                for row in range(draws[k][0], draws[k][1]):
+                    tokens, lps = state.row(row, limits[k])
                     completions.append(Completion(tokens, lps, terminated=bool(tokens) and tokens[-1] in stops))
-                groups.append(CompletionGroup(index, completions, self.policy_version))
-            waiting = [i for i in waiting if i not in ended]
-            yield groups
+                answers.append((items[k], CompletionGroup(completions, self.policy_version, items[k].seed)))
+            waiting = [k for k in waiting if k not in ended]
+            with self._wake:
+                for item, group in answers:
+                    item.future.set_result(group)
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               sampling: SamplingConfig | None = None) -> list[list[float]]:
-        scored = teacher_forced_log_probs(
-            self.model, RaggedTensor.from_sequences([list(p) for p in prompts], dtype=torch.int64),
-            RaggedTensor.from_sequences([list(r) for r in responses], dtype=torch.int64), sampling,
-            pad_token_id=self.pad_token_id)
+        with self._decoding:
+            scored = teacher_forced_log_probs(
+                self.model, RaggedTensor.from_sequences([list(p) for p in prompts], dtype=torch.int64),
+                RaggedTensor.from_sequences([list(r) for r in responses], dtype=torch.int64), sampling,
+                pad_token_id=self.pad_token_id)
         return [row.tolist() for row in scored.to_list()]
 
-    def _load_weights(self, weights, version: int) -> None:
+    def _load(self, weights, version: int) -> None:
         if isinstance(weights, (str, os.PathLike)):
             from safetensors.torch import load_file
 
             weights = load_file(os.fspath(weights))
-        load_state_into(self.model, weights)
+        with self._decoding:
+            load_state_into(self.model, weights)
+
+    def close(self) -> None:
+        """Stops the thread; requests still queued fail with :class:`EngineFailed`."""
+        with self._wake:
+            if self._closed:
+                return
+            self._closed = True
+            left, self._queue = self._queue, []
+            self._wake.notify()
+        for item in left:
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(EngineFailed("the loop engine was closed before this request was decoded"))
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+@dataclass
+class _Queued:
+    request: SampleRequest
+    seed: int
+    sampling: SamplingConfig
+    future: Future
+
+
+def _distribution(sampling: SamplingConfig) -> tuple:
+    """What decides a batch's sampling distribution (its length limit does not)."""
+    return sampling.temperature, sampling.top_k, sampling.top_p

@@ -4,7 +4,7 @@ On a GPU, reading each published version from disk in the server (``vllm_url_wei
 copy through the file system per version; vLLM's weight-transfer API broadcasts the tensors from a
 "trainer" process's GPU straight into the server's GPU over NCCL. :class:`NCCLVLLMEngine` is the
 collector's own :class:`~rlhf_pipeline.generation.vllm_engine.VLLMEngine` (its server started with
-``--weight-transfer-config '{"backend": "nccl"}'``) whose :meth:`update_weights` does that: the
+``--weight-transfer-config '{"backend": "nccl"}'``) whose :meth:`load_weights` does that: the
 collector's process is the trainer side (NCCL rank 0, vLLM's ``NCCLTrainerWeightTransferEngine``), the
 server's worker rank 1, and the four phases of vLLM's protocol travel over the server's own HTTP
 routes (vLLM's ``HTTPVLLMWeightSyncClient``: ``/init_weight_transfer_engine``, then per version
@@ -54,7 +54,7 @@ class NCCLVLLMEngine(VLLMEngine):
         engine._sender, engine._sender_generation, engine._source = None, -1, StateDictSource()
         return engine
 
-    def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
+    def _load(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
         # what a restarted server is given: a published file is linked, at no cost; a state dict costs a
         # CPU copy and a disk write, made only when restarts are allowed
         keep = self.restarts.max_restarts > 0 or not isinstance(weights, Mapping)

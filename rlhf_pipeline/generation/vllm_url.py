@@ -22,38 +22,38 @@ checked (the collector's own is checked the same way). At construction, before a
    without ``--logprobs-mode processed_logprobs``; matching neither, other weights.
 
 Sampling follows the owned engine's conventions exactly: prompts as token ids, one seed per request
-drawn in submission order (``engine.draw_seed``), the sampled ids and their log-probs stored verbatim,
+given by the collector (``engine.draw_seed``), the sampled ids and their log-probs stored verbatim,
 our stop tokens only (``ignore_eos``; penalties and ``min_p`` sent at their neutral values so the
 server's generation config sets none of them), the stop token kept as the last, ``terminated`` read
 from the tokens. A completion that stops on a token that is not ours (the server's generation config
-adds stop ids to every request) is refused, naming the flag to start it with. Requests go out
-concurrently (one HTTP request per prompt, so each has its own seed); ``sample`` returns when every
-reply is in, ``stream_batches`` yields the groups whose replies came as they come (the server batches
-the requests continuously, so a short one's reply comes first): a server that stops answering is retried with backoff (``vllm_http.py``), then
-:class:`~rlhf_pipeline.generation.vllm_http.ServerUnreachable`, and nothing of the batch is returned.
+adds stop ids to every request) is refused, naming the flag to start it with. Each ``submit`` is one
+HTTP request (its own seed) sent from one thread pool kept for the engine's life, up to
+``max_concurrency`` in flight (the server batches them continuously, so a short one's reply comes
+first): a server that stops answering is retried with backoff (``vllm_http.py``), then
+:class:`~rlhf_pipeline.generation.vllm_http.ServerUnreachable` ends that request's future.
 Every reply is checked before it is a completion (``engine.checked_completions``: integer ids inside the
 model's vocabulary, one finite log-prob <= 0 each, the request's limit, the OpenAI shape): a bad one is
 asked again as an unanswered one is, then :class:`~rlhf_pipeline.generation.engine.BadAnswer` names the
-server and the fault, and nothing of the batch is returned.
+server and the fault.
 
 New weights travel as a safetensors file the server reads: ``weights_dir`` must be a directory the
 server's machine sees at the same path (a temporary one on this machine by default: a server on
 this machine); or, with ``inline_weights``, as that file's bytes in the request (base64, a third
 larger than the file), for a server with no file system in common. :data:`SERVER_COMMAND` is the command to start a server that can take them.
 
-Several collectors may share one server (``vllm_url_weights.py``, ``vllm_lease.py``): each round runs
-under a lease on the weights it must be sampled with, joining the rounds of other collectors on the same
-weights, or waiting until the held weights drain and then loading its own; a reply is kept only if no
-weights went in under its round, so every row names the version that sampled it.
+Several collectors may share one server (``vllm_url_weights.py``, ``vllm_lease.py``): while any
+request of this engine is in flight it holds a lease on the weights they must be sampled with, joining
+the requests of other collectors on the same weights, or waiting until the held weights drain and then
+loading its own; a reply is kept only if no weights went in under its lease, so every row names the
+version that sampled it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -72,7 +72,6 @@ from rlhf_pipeline.generation.engine import (
     UnsupportedCapability,
     UnsupportedSetting,
     checked_completions,
-    draw_seed,
 )
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable, Supervisor
@@ -139,7 +138,12 @@ class VLLMURLEngine(GenerationEngine):
                                      version=policy_version, shared=shared)
         self.stats = SharedServerStats(weights=self.weights)
         self._counting = threading.Lock()  # replies are checked on the request threads
-        self._rounds_in_flight = 0
+        self._rounds_in_flight = 0  # requests sent and not answered
+        self._closed = False
+        self._leasing = threading.Lock()
+        self._lease: Any = None
+        # one pool for the engine's life: up to max_concurrency requests in flight, the rest queue here
+        self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix=f"{self.name}-requests")
         started = time.perf_counter()
         try:
             self._wait_until_healthy(wait_s)
@@ -148,7 +152,7 @@ class VLLMURLEngine(GenerationEngine):
             self.tokenizer_checked = tokenizer is not None and self._check_tokenizer(tokenizer)
             if self._weight_updates:
                 self._check_shape(model)
-                self._load_weights(model.state_dict(), self.policy_version)  # the server now holds our policy
+                self._load(model.state_dict(), self.policy_version)  # the server now holds our policy
             self._check_log_probs(model, tokenizer, check_tolerance)
         except BaseException:
             self.close()
@@ -236,7 +240,7 @@ class VLLMURLEngine(GenerationEngine):
         else:
             prompt = [i % self.vocab_size for i in range(2, 12)]
         request = SampleRequest(prompt, n=2)
-        (group,) = self.sample([request], PROBE_SAMPLING, torch.Generator().manual_seed(0))
+        (group,) = self.sample([request], [0], PROBE_SAMPLING)
         responses = [c.token_ids for c in group.completions]
         stored = torch.tensor([p for c in group.completions for p in c.log_probs])
 
@@ -273,83 +277,70 @@ class VLLMURLEngine(GenerationEngine):
                 f"{GREEDY_BELOW:g} (then returning raw log-probs) and takes none above {MAX_TEMPERATURE:g}; use one in "
                 f"[{GREEDY_BELOW:g}, {MAX_TEMPERATURE:g}], or the loop engine")
 
-    @property
-    def supports_streaming(self) -> bool:
-        return True
-
-    @property
-    def supports_overlap(self) -> bool:
-        return True
-
-    def stream_ahead(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-                     generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
-        """Its HTTP requests sent now from a thread of their own (``generation/ahead.py``): the
-        server batches them with the current round's."""
-        from rlhf_pipeline.generation.ahead import stream_in_background
-
-        return stream_in_background(self, requests, sampling, generator)
-
-    def sample(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-               generator: torch.Generator) -> list[CompletionGroup]:
-        groups = [g for together in self.stream_batches(requests, sampling, generator) for g in together]
-        return sorted(groups, key=lambda group: group.index)
-
-    def stream_batches(self, requests: Sequence[SampleRequest], sampling: SamplingConfig,
-                       generator: torch.Generator) -> Iterator[list[CompletionGroup]]:
-        """One HTTP request per prompt (each its own seed, all drawn first), all in flight at once (the
-        server batches them); the groups whose replies came, as they come."""
+    def submit(self, request: SampleRequest, seed: int, sampling: SamplingConfig) -> Future[CompletionGroup]:
+        """One HTTP request with ``seed``, sent from the engine's pool at once (the server batches what
+        is in flight continuously); its reply is checked before it is a group."""
         self.check_sampling(sampling)
+        limit = request.limit(sampling)
+        if len(request.prompt_ids) + limit > self.max_model_len:
+            raise ValueError(f"a prompt of {len(request.prompt_ids)} tokens with max_new_tokens {limit} exceeds "
+                             f"{self.max_model_len} tokens, the server's max_model_len (or the model's positions); "
+                             f"shorten the prompt or the limit")
         top_k = sampling.top_k if 0 < sampling.top_k < self.vocab_size else 0  # as ours: k >= V keeps all
-        bodies = []
-        for request in requests:  # seeds in submission order: a resumed collector sends the same
-            limit = request.limit(sampling)
-            if len(request.prompt_ids) + limit > self.max_model_len:
-                raise ValueError(f"a prompt of {len(request.prompt_ids)} tokens with max_new_tokens {limit} exceeds "
-                                 f"{self.max_model_len} tokens, the server's max_model_len (or the model's positions); "
-                                 f"shorten the prompt or the limit")
-            bodies.append({
-                "model": self.served_model, "prompt": [int(t) for t in request.prompt_ids], "n": request.n,
-                "max_tokens": limit, "seed": draw_seed(generator), "temperature": sampling.temperature,
-                "top_k": top_k, "top_p": sampling.top_p, "logprobs": 0, "stop_token_ids": self.stop_token_ids,
-                "ignore_eos": True, "skip_special_tokens": False, "return_token_ids": True,
-                "return_tokens_as_token_ids": True, "stream": False, **NEUTRAL,
-            })
-        if not bodies:
-            return
-        version = self.policy_version
-        # with weight updates the server may be shared: the round runs on this engine's weights, held
-        # by a lease, and each reply is kept only once the lease says no weights went in under it
-        lease = self.weights.round_lease() if self._weight_updates and self.weights.shared else None
-        with self._in_flight_round(), lease or nullcontext(), \
-                ThreadPoolExecutor(max_workers=min(len(bodies), self.max_concurrency)) as pool:
-            if lease is not None:
-                self.weights.waited_s += lease.waited_s
-                self.stats.update_s_total += lease.load_s  # another collector's weights went in meanwhile
-            # each reply is checked as it comes, inside the client's retries: a bad one is asked again
-            index_of = {pool.submit(self.client.post, "/v1/completions", body,
-                                    check=partial(self._completions, body=body)): k for k, body in enumerate(bodies)}
-            waiting = set(index_of)
-            try:
-                while waiting:
-                    done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
-                    groups = [CompletionGroup(k, future.result(), version, seed=bodies[k]["seed"])
-                              for k, future in sorted((index_of[f], f) for f in done)]
-                    if lease is not None:
-                        lease.check()
-                    yield groups
-            finally:  # a failed request or a consumer that stopped: no request still queued goes out
-                for future in waiting:
-                    future.cancel()
-
-    @contextmanager
-    def _in_flight_round(self) -> Iterator[None]:
+        body = {
+            "model": self.served_model, "prompt": [int(t) for t in request.prompt_ids], "n": request.n,
+            "max_tokens": limit, "seed": int(seed), "temperature": sampling.temperature,
+            "top_k": top_k, "top_p": sampling.top_p, "logprobs": 0, "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": True, "skip_special_tokens": False, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "stream": False, **NEUTRAL,
+        }
         with self._counting:
+            if self._closed:
+                raise EngineFailed(f"the {self.name} engine is closed; no request is taken")
+            version = self.policy_version
             self._rounds_in_flight += 1
         try:
-            yield
+            lease = self._lease_in_flight()
+        except BaseException:
+            self._ended(None)
+            raise
+        return self._pool.submit(self._ask, body, version, lease)
+
+    def _ask(self, body: dict[str, Any], version: int, lease: Any) -> CompletionGroup:
+        try:
+            # checked as it comes, inside the client's retries: a bad reply is asked again, with its seed
+            completions = self.client.post("/v1/completions", body, check=partial(self._completions, body=body))
+            if lease is not None:  # kept only if no weights went in under it
+                lease.check()
+            return CompletionGroup(completions, version, body["seed"])
         finally:
-            with self._counting:
-                self._rounds_in_flight -= 1
+            self._ended(lease)
+
+    def _lease_in_flight(self) -> Any:
+        """A server other collectors may share holds this engine's weights while any request of it is in
+        flight: one lease from the first request sent to the last answered (``vllm_url_lease.py``)."""
+        if not (self._weight_updates and self.weights.shared):
+            return None
+        with self._leasing:
+            if self._lease is None:
+                lease = self.weights.round_lease()
+                lease.__enter__()
+                self.weights.waited_s += lease.waited_s
+                self.stats.update_s_total += lease.load_s  # another collector's weights went in meanwhile
+                self._lease = lease
+            return self._lease
+
+    def _ended(self, lease: Any) -> None:
+        with self._counting:
+            self._rounds_in_flight -= 1
+            last = self._rounds_in_flight == 0
+        if lease is not None and last:
+            with self._leasing:
+                with self._counting:
+                    if self._rounds_in_flight or self._lease is not lease:
+                        return
+                    self._lease = None
+                lease.__exit__(None, None, None)
 
     def _completions(self, reply: Any, body: dict[str, Any]) -> list[Completion]:
         """A ``/v1/completions`` reply's completions, checked (``engine.checked_completions``);
@@ -384,16 +375,23 @@ class VLLMURLEngine(GenerationEngine):
         return completions
 
     # ------------------------------------------------------------------ weights
-    def _load_weights(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> None:
+    def _load(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> None:
         if not self._weight_updates:
             raise UnsupportedCapability(f"the {self.name} engine was made without weight updates")
-        if not self.weights.shared and self._rounds_in_flight:  # no lease holds a server of our own
-            raise EngineFailed(f"new weights (version {version}) under requests in flight: read the round "
-                               f"submitted ahead first")
+        if self._rounds_in_flight:  # a lease holds a shared server, none our own: between requests only
+            raise EngineFailed(f"new weights (version {version}) under requests in flight: wait for their "
+                               f"answers first")
         self.weights.take(weights, version)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Removes the weight files this engine wrote; the server is the user's and keeps running."""
-        self.weights.close()
+        """Stops the request pool (what it still holds is not sent) and removes the weight files this
+        engine wrote; the server is the user's and keeps running."""
+        self._closed = True
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        weights = getattr(self, "weights", None)
+        if weights is not None:
+            weights.close()
 

@@ -112,11 +112,11 @@ def test_greedy_per_episode_turns_are_the_loop_engines_lockstep_ones(engine, pol
     through our loop token for token, with the same masks: nothing re-tokenized, dropped or added."""
     sampling = SamplingConfig(top_k=1)
     sharp = sharp_model(bpe_tokenizer)
-    engine.update_weights(sharp.state_dict(), engine.policy_version + 1)
+    engine.load_weights(sharp.state_dict(), engine.policy_version + 1)
     try:
         through_vllm = collector(engine, bpe_tokenizer, box, sampling, delay_seed=3).collect()
     finally:
-        engine.update_weights(policy.state_dict(), engine.policy_version + 1)
+        engine.load_weights(policy.state_dict(), engine.policy_version + 1)
     through_loop = collector(sharp, bpe_tokenizer, box, sampling, turns="lockstep").collect()
     for name in ("prompt_tokens", "response_tokens"):
         assert [r.tolist() for r in through_vllm[name].to_list()] == [r.tolist() for r in through_loop[name].to_list()]

@@ -133,11 +133,11 @@ def test_greedy_episodes_through_vllm_are_the_loop_engines_token_for_token(engin
     dropped or added, in a prompt or a response, changes the next turn's argmax context or the rows."""
     sampling = SamplingConfig(top_k=1)
     sharp = sharp_model(bpe_tokenizer)
-    engine.update_weights(sharp.state_dict(), engine.policy_version + 1)
+    engine.load_weights(sharp.state_dict(), engine.policy_version + 1)
     try:
         through_vllm = collector(engine, bpe_tokenizer, box, sampling).collect()
     finally:  # the module's engine serves the first weights again, under a newer version
-        engine.update_weights(policy.state_dict(), engine.policy_version + 1)
+        engine.load_weights(policy.state_dict(), engine.policy_version + 1)
     through_loop = collector(sharp, bpe_tokenizer, box, sampling).collect()
     responses = [r.tolist() for r in through_vllm["response_tokens"].to_list()]
     eos = bpe_tokenizer.eos_token_id
@@ -205,7 +205,7 @@ def test_a_weight_update_between_rounds_reaches_later_turns(engine, policy, bpe_
         assert recompute_difference(other, after, sampling, later_turns_only=True) < LOG_PROB_TOLERANCE
         assert recompute_difference(policy, after, sampling) > 1e-2  # the old weights' would be far off
     finally:  # the module's engine serves the first weights again, under a newer version
-        engine.update_weights(policy.state_dict(), engine.policy_version + 1)
+        engine.load_weights(policy.state_dict(), engine.policy_version + 1)
 
 
 def test_a_restored_collector_sends_the_same_seeds_and_gets_the_same_episodes(engine, bpe_tokenizer, box):

@@ -12,8 +12,6 @@ from rlhf_pipeline.models import tiny_model_and_tokenizer
 
 EOS_BIAS = 3.5
 ROUND_ROWS = 12  # 4 prompts x 3 completions
-APPENDS = [[12], [3, 6, 3], [6, 6], [3, 3, 6]]
-"""Rows per append of the first four streamed rounds with this policy (the tests rely on the cuts)."""
 
 
 def policy():

@@ -35,9 +35,6 @@ def make_collector(engine_or_model, tok, sink, *, overlap: bool) -> Collector:
 
 # ----------------------------------------------------------------------------- refusals (no vLLM)
 def test_overlap_is_refused_by_name_with_the_loop_engine_and_without_streamed_rounds():
-    model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=1, num_heads=4)
-    with pytest.raises(ValueError, match="'generation.overlap_rounds'.*loop.*lockstep"):
-        make_collector(model, tok, None, overlap=True)
     with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.stream_groups=true"):
         check_rounds(GenerationSettings(engine="vllm", overlap_rounds=True), multi_turn=False)
     with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.engine=vllm or generation.url"):

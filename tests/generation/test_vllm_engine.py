@@ -22,8 +22,9 @@ from engine_contract import (
     chat_prompts,
     check_eos_ends_a_completion_and_the_limit_truncates,
     check_seeds_give_the_same_rows_twice,
-    check_streamed_groups_are_the_sampled_ones_short_first,
+    check_a_request_gives_the_same_tokens_alone_and_beside_others,
     max_log_prob_difference,
+    seeds,
 )
 from helpers import into, kill_once_busy, process_running
 
@@ -66,7 +67,7 @@ def served(vllm_python, tmp_path_factory):
 def test_stored_log_probs_are_the_sampling_distribution_of_our_model(served, config):
     engine, model, tok = served
     requests = [SampleRequest(p, n=4) for p in chat_prompts(tok)]
-    groups = engine.sample(requests, config, torch.Generator().manual_seed(0))
+    groups = engine.sample(requests, seeds(0, len(requests)), config)
     assert [g.index for g in groups] == list(range(len(requests))) and all(len(g.completions) == 4 for g in groups)
     assert max_log_prob_difference(model, groups, requests, config) < LOG_PROB_TOLERANCE
     if config.temperature != 1.0:  # the processing matters: the raw distribution is far from it
@@ -83,11 +84,9 @@ def test_seeds_from_the_generator_give_the_same_rows_twice(served):
     check_seeds_give_the_same_rows_twice(engine, tok)
 
 
-def test_streamed_groups_are_the_sampled_ones_each_sent_as_vllm_finishes_it(served):
+def test_a_request_gives_the_same_tokens_alone_and_beside_others(served):
     engine, _, tok = served
-    # one HTTP request per prompt, as to a server at a URL: which reply comes first is the scheduler's
-    # (a loaded machine sent the one-token request after longer ones had ended), so order is not checked
-    check_streamed_groups_are_the_sampled_ones_short_first(engine, tok, short_first=False)
+    check_a_request_gives_the_same_tokens_alone_and_beside_others(engine, tok)
 
 
 def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_path):
@@ -98,51 +97,49 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served, tmp_pa
     # a prompt over one CPU KV block (128 tokens): its prefix is cached by the first call
     long_prompt = chat_prompts(tok, 1)[0][:-1] + tok.encode("7+" * 90) + chat_prompts(tok, 1)[0][-1:]
     requests = [SampleRequest(long_prompt, n=2), SampleRequest(chat_prompts(tok)[1], n=2)]
-    before = engine.sample(requests, config, torch.Generator().manual_seed(3))
+    before = engine.sample(requests, seeds(3, len(requests)), config)
     assert max_log_prob_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
     version, pid, starts = engine.policy_version, engine.pid, engine.stats.starts
     # as a save_pretrained checkpoint holds a tied model: no lm_head.weight of its own (vLLM then leaves
     # its packed head on the old embedding unless it is tied again)
     untied_keys = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}
     try:
-        engine.update_weights(untied_keys, version + 1)
+        engine.load_weights(untied_keys, version + 1)
         assert engine.policy_version == version + 1 and engine.stats.last_update_s > 0
-        after = engine.sample(requests, config, torch.Generator().manual_seed(3))
+        after = engine.sample(requests, seeds(3, len(requests)), config)
         assert {g.policy_version for g in after} == {version + 1}
         # the new weights, tied head included, and no cached prefix of the old ones
         assert max_log_prob_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
         assert max_log_prob_difference(model, after, requests, config) > 1e-2
         # a published version's file is loaded as it is
         publish_weights(tmp_path, model.state_dict(), version + 2)
-        engine.update_weights(weights_path(tmp_path, version + 2), version + 2)
-        restored = engine.sample(requests, config, torch.Generator().manual_seed(3))
+        engine.load_weights(weights_path(tmp_path, version + 2), version + 2)
+        restored = engine.sample(requests, seeds(3, len(requests)), config)
         assert [c.token_ids for g in restored for c in g.completions] == [c.token_ids for g in before for c in g.completions]
         with pytest.raises(ValueError, match="older than the current"):
-            engine.update_weights(other.state_dict(), version)
+            engine.load_weights(other.state_dict(), version)
         assert engine.pid == pid and engine.stats.starts == starts  # in place: the same process throughout
         assert engine.stats.update_metrics()["engine_starts"] == float(starts)
     finally:
         if engine.policy_version != version + 2:
-            engine.update_weights(model.state_dict(), version + 3)
+            engine.load_weights(model.state_dict(), version + 3)
 
 
 def test_settings_it_cannot_honour_are_refused_by_name(served):
     engine, _, tok = served
     for temperature in (1e-6, 2.5):
         with pytest.raises(UnsupportedSetting, match=f"sampling.temperature={temperature:g}"):
-            engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], SamplingConfig(temperature=temperature),
-                          torch.Generator().manual_seed(0))
+            engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], [0], SamplingConfig(temperature=temperature))
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.sample([SampleRequest(list(range(3, 250)), max_new_tokens=10)], SamplingConfig(),
-                      torch.Generator().manual_seed(0))
+        engine.sample([SampleRequest(list(range(3, 250)), max_new_tokens=10)], [0], SamplingConfig())
     narrow, _ = tiny_model_and_tokenizer(hidden_size=64, num_heads=4, num_layers=1)  # head size 16
     with pytest.raises(UnsupportedSetting, match=r"head sizes \[32, 64.*this model's is 16"):
         check_cpu_head_size(narrow.config)
     # top_k beyond the vocabulary disables it, as in our loop
     config = SamplingConfig(max_new_tokens=4, top_k=10_000)
     requests = [SampleRequest(chat_prompts(tok, 1)[0], n=2)]
-    plain = engine.sample(requests, SamplingConfig(max_new_tokens=4), torch.Generator().manual_seed(4))
-    wide = engine.sample(requests, config, torch.Generator().manual_seed(4))
+    plain = engine.sample(requests, seeds(4, len(requests)), SamplingConfig(max_new_tokens=4))
+    wide = engine.sample(requests, seeds(4, len(requests)), config)
     assert [c.log_probs for c in plain[0].completions] == [c.log_probs for c in wide[0].completions]
 
 
@@ -156,7 +153,7 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
     kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
     version = engine.policy_version
     # weights other than the model directory's: a restart that forgot them would sample other rows
-    engine.update_weights(other.state_dict(), version + 1)
+    engine.load_weights(other.state_dict(), version + 1)
 
     def collect(kill_in_round: int | None = None) -> tuple[list, dict]:
         batches: list = []
@@ -194,13 +191,13 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
         assert float((recomputed.values - rows["response_log_probs"].values).abs().max()) < LOG_PROB_TOLERANCE
     finally:
         engine.restarts = kept
-        engine.update_weights(model.state_dict(), engine.policy_version + 1)
+        engine.load_weights(model.state_dict(), engine.policy_version + 1)
 
 
-def test_an_engine_killed_under_a_stream_is_restarted_and_asked_only_the_groups_not_yielded(served):
-    """kill -9 of the engine's server right after a stream yielded its first group (the others still
-    decoding): a new server is sent the other requests with their seeds; the groups are those of
-    sample() on the same generator state, each once, the first not generated again."""
+def test_an_engine_killed_under_requests_in_flight_is_restarted_and_asked_only_the_unanswered(served):
+    """kill -9 of the engine's server right after the first of several submitted requests was answered
+    (the others still decoding): a new server is sent the others with their seeds; the groups are
+    those of sample() with the same seeds, the first not generated again."""
     engine, _, tok = served
     said: list[str] = []
     kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
@@ -208,19 +205,16 @@ def test_an_engine_killed_under_a_stream_is_restarted_and_asked_only_the_groups_
     prompts = chat_prompts(tok, 4)
     requests = [SampleRequest(prompts[0], n=2, max_new_tokens=1)] + [SampleRequest(p, n=8) for p in prompts[1:]]
     try:
-        sampled = engine.sample(requests, config, torch.Generator().manual_seed(8))
+        sampled = engine.sample(requests, seeds(8, len(requests)), config)
         restarts, pid = engine.stats.restarts, engine.pid
-        streamed = []
-        for group in engine.stream(requests, config, torch.Generator().manual_seed(8)):
-            if not streamed:  # the one-token request: the other 24 completions are still being decoded
-                assert group.index == 0
-                os.kill(pid, signal.SIGKILL)
-            streamed.append(group)
+        futures = [engine.submit(r, s, config) for r, s in zip(requests, seeds(8, len(requests)))]
+        futures[0].result(timeout=600)  # the one-token request: the other 24 completions are still being decoded
+        assert not any(f.done() for f in futures[1:])
+        os.kill(pid, signal.SIGKILL)
+        answered = [f.result(timeout=600) for f in futures]
         assert engine.stats.restarts == restarts + 1 and engine.pid != pid
         assert len(said) == 1 and "while sampling" in said[0], said
-        assert sorted(g.index for g in streamed) == list(range(len(requests)))
-        for group in streamed:  # the restarted engine decodes a smaller batch: ids equal, log-probs within float noise
-            want = sampled[group.index]
+        for group, want in zip(answered, sampled):  # a smaller batch after the restart: ids equal, log-probs within float noise
             assert [c.token_ids for c in group.completions] == [c.token_ids for c in want.completions]
             got = torch.tensor([p for c in group.completions for p in c.log_probs])
             assert float((got - torch.tensor([p for c in want.completions for p in c.log_probs])).abs().max()) < 1e-5
@@ -239,10 +233,10 @@ def test_an_engine_that_stops_answering_is_killed_and_restarted(served):
     requests = [SampleRequest(p, n=2) for p in chat_prompts(tok, 3)]
     config = SamplingConfig(max_new_tokens=6)
     try:
-        before = engine.sample(requests, config, torch.Generator().manual_seed(5))
+        before = engine.sample(requests, seeds(5, len(requests)), config)
         pid = engine.pid
         os.kill(pid, signal.SIGSTOP)
-        after = engine.sample(requests, config, torch.Generator().manual_seed(5))
+        after = engine.sample(requests, seeds(5, len(requests)), config)
         assert engine.pid != pid and not process_running(pid)
         assert [(c.token_ids, c.log_probs) for g in after for c in g.completions] == \
             [(c.token_ids, c.log_probs) for g in before for c in g.completions]
@@ -259,11 +253,10 @@ def test_an_engine_that_dies_past_max_restarts_stops_with_the_setting_named(serv
         pid = engine.pid
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineFailed, match=r"died and is not restarted \(generation.retries=0"):
-            engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], SamplingConfig(max_new_tokens=4),
-                          torch.Generator().manual_seed(0))
+            engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], [0], SamplingConfig(max_new_tokens=4))
     finally:
         engine.restarts = Restarts(max_restarts=1, backoff_s=0.0, announce=lambda line: None)
-        engine.update_weights(model.state_dict(), engine.policy_version + 1)  # a new process, for the tests after
+        engine.load_weights(model.state_dict(), engine.policy_version + 1)  # a new process, for the tests after
         engine.restarts = kept
 
 

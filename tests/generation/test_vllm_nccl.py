@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 import torch
-from engine_contract import chat_prompts, max_log_prob_difference
+from engine_contract import chat_prompts, max_log_prob_difference, seeds
 from helpers import kill_once_busy, process_running
 
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting
@@ -50,11 +50,11 @@ def test_weights_sent_over_nccl_are_the_ones_the_engine_samples_with():
     engine = make_engine(settings, model, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id],
                          device="cuda")
     try:
-        engine.update_weights(other.state_dict(), 1)  # the state dict on the GPU, broadcast
+        engine.load_weights(other.state_dict(), 1)  # the state dict on the GPU, broadcast
         prompt = tok.apply_chat_template([{"role": "user", "content": "12+7="}], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)
         config = SamplingConfig(max_new_tokens=8)
-        (group,) = engine.sample([SampleRequest(prompt, n=4)], config, torch.Generator().manual_seed(0))
+        (group,) = engine.sample([SampleRequest(prompt, n=4)], [0], config)
         assert group.policy_version == 1
         recomputed = teacher_forced_log_probs(
             other, RaggedTensor.from_sequences([prompt] * 4, dtype=torch.int64),
@@ -84,14 +84,14 @@ def test_an_nccl_engine_killed_mid_round_restarts_from_its_file_and_the_next_ver
     config = SamplingConfig(max_new_tokens=64)
     try:
         # version 1 over NCCL from the GPU: a restart that forgot it would sample the model directory's weights
-        engine.update_weights({name: t.cuda() for name, t in v1_model.state_dict().items()}, 1)
+        engine.load_weights({name: t.cuda() for name, t in v1_model.state_dict().items()}, 1)
         kept = engine.weights.path
         assert kept is not None and kept.parent == engine.weights.dir and kept.exists()
-        plain = engine.sample(requests, config, torch.Generator().manual_seed(3))
+        plain = engine.sample(requests, seeds(3, len(requests)), config)
         first_group, pid = engine._sender, engine.pid
 
         killer = kill_once_busy(pid)
-        killed = engine.sample(requests, config, torch.Generator().manual_seed(3))
+        killed = engine.sample(requests, seeds(3, len(requests)), config)
         killer.join(timeout=60)
         assert not killer.is_alive()
         assert engine.pid != pid and not process_running(pid) and engine.stats.restarts == 1
@@ -102,10 +102,10 @@ def test_an_nccl_engine_killed_mid_round_restarts_from_its_file_and_the_next_ver
             assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
         assert max_log_prob_difference(v1_model, killed, requests, config) < GPU_TOLERANCE
 
-        engine.update_weights({name: t.cuda() for name, t in v2_model.state_dict().items()}, 2)
+        engine.load_weights({name: t.cuda() for name, t in v2_model.state_dict().items()}, 2)
         assert engine._sender is not None and engine._sender is not first_group  # a new rendezvous
         assert not kept.exists() and engine.weights.path.exists()  # one version's file at a time
-        groups = engine.sample(requests, config, torch.Generator().manual_seed(4))
+        groups = engine.sample(requests, seeds(4, len(requests)), config)
         assert all(group.policy_version == 2 for group in groups)
         assert max_log_prob_difference(v2_model, groups, requests, config) < GPU_TOLERANCE
     finally:

@@ -17,8 +17,9 @@ from engine_contract import (
     chat_prompts,
     check_eos_ends_a_completion_and_the_limit_truncates,
     check_seeds_give_the_same_rows_twice,
-    check_streamed_groups_are_the_sampled_ones_short_first,
+    check_a_request_gives_the_same_tokens_alone_and_beside_others,
     max_log_prob_difference,
+    seeds,
 )
 from outage_proxy import OutageProxy
 from vllm_server_process import VLLMServerProcess, free_port, save_model_dir
@@ -68,7 +69,7 @@ def served(server):
 def test_stored_log_probs_are_the_sampling_distribution_of_our_model(served, config):
     engine, model, tok = served
     requests = [SampleRequest(p, n=4) for p in chat_prompts(tok)]
-    groups = engine.sample(requests, config, torch.Generator().manual_seed(0))
+    groups = engine.sample(requests, seeds(0, len(requests)), config)
     assert [g.index for g in groups] == list(range(len(requests))) and all(len(g.completions) == 4 for g in groups)
     assert {g.policy_version for g in groups} == {engine.policy_version}
     assert max_log_prob_difference(model, groups, requests, config) < LOG_PROB_TOLERANCE
@@ -86,19 +87,15 @@ def test_seeds_from_the_generator_give_the_same_rows_twice(served):
     check_seeds_give_the_same_rows_twice(engine, tok)
 
 
-def test_streamed_groups_are_the_sampled_ones_each_taken_as_its_reply_comes(served):
-    """The rows of sample(). Not checked: that the one-token request's reply comes before the long ones
-    end. On these 2 shared cores the server's API process often sends it only when they do (its engine
-    process takes the CPU while it decodes; in about half of 10 tries), so a server streams only as well as
-    it answers early."""
+def test_a_request_gives_the_same_tokens_alone_and_beside_others(served):
     engine, _, tok = served
-    check_streamed_groups_are_the_sampled_ones_short_first(engine, tok, short_first=False)
+    check_a_request_gives_the_same_tokens_alone_and_beside_others(engine, tok)
 
 
 def test_a_temperature_the_server_cannot_honour_is_refused_by_name(served):
     engine, _, tok = served
     with pytest.raises(UnsupportedSetting, match="sampling.temperature=1e-06"):
-        engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], SamplingConfig(temperature=1e-6), torch.Generator())
+        engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], [0], SamplingConfig(temperature=1e-6))
 
 
 def test_new_weights_in_place_tied_head_and_prefix_cache_included(served):
@@ -109,23 +106,23 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served):
     # a prompt over one CPU KV block (128 tokens): its prefix is cached by the first call
     long_prompt = chat_prompts(tok, 1)[0][:-1] + tok.encode("7+" * 90) + chat_prompts(tok, 1)[0][-1:]
     requests = [SampleRequest(long_prompt, n=2), SampleRequest(chat_prompts(tok)[1], n=2)]
-    before = engine.sample(requests, config, torch.Generator().manual_seed(3))
+    before = engine.sample(requests, seeds(3, len(requests)), config)
     assert max_log_prob_difference(model, before, requests, config) < LOG_PROB_TOLERANCE
     version = engine.policy_version
     # as a save_pretrained checkpoint holds a tied model: no lm_head.weight of its own
     untied_keys = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}
     try:
-        engine.update_weights(untied_keys, version + 1)
+        engine.load_weights(untied_keys, version + 1)
         assert engine.policy_version == version + 1 and engine.stats.last_update_s > 0
         assert engine.stats.update_metrics()["weight_updates"] >= 1
-        after = engine.sample(requests, config, torch.Generator().manual_seed(3))
+        after = engine.sample(requests, seeds(3, len(requests)), config)
         assert {g.policy_version for g in after} == {version + 1}
         # the new weights, tied head included, and no cached prefix of the old ones
         assert max_log_prob_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
         assert max_log_prob_difference(model, after, requests, config) > 1e-2
     finally:
-        engine.update_weights(model.state_dict(), version + 2)
-    assert max_log_prob_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
+        engine.load_weights(model.state_dict(), version + 2)
+    assert max_log_prob_difference(model, engine.sample(requests, seeds(0, len(requests)), config), requests, config) \
         < LOG_PROB_TOLERANCE
 
 
@@ -165,14 +162,14 @@ def test_a_server_that_stops_answering_is_retried_then_named(served, server):
         engine = VLLMURLEngine(proxy.endpoint, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok,
                                retry=RetryPolicy(retries=6, backoff_s=0.2, max_backoff_s=2.0, timeout_s=60.0))
         # an outage shorter than the retries: the same seeds are sent again, the batch comes back whole
-        expected = engine.sample(requests, config, torch.Generator().manual_seed(5))
+        expected = engine.sample(requests, seeds(5, len(requests)), config)
         proxy.refuse_for(1.0)
-        assert engine.sample(requests, config, torch.Generator().manual_seed(5)) == expected
+        assert engine.sample(requests, seeds(5, len(requests)), config) == expected
         # one longer than the retries: a clear error after a bounded number of tries, and no groups
         engine.client.retry = QUICK
         proxy.refuse_for(600.0)
         with pytest.raises(ServerUnreachable, match=r"after 3 tries") as caught:
-            engine.sample(requests, config, torch.Generator().manual_seed(5))
+            engine.sample(requests, seeds(5, len(requests)), config)
         assert "\n" not in str(caught.value) and proxy.endpoint in str(caught.value)
         engine.close()
     finally:
@@ -204,12 +201,12 @@ def test_weights_the_server_cannot_read_are_named_with_the_setting_and_change_no
     version = engine.policy_version
     elsewhere = tmp_path / "not-on-the-servers-machine" / "policy_00000099.safetensors"
     with pytest.raises(ServerMismatch, match="generation.url_weights_dir") as caught:
-        engine.update_weights(elsewhere, version + 1)
+        engine.load_weights(elsewhere, version + 1)
     assert "\n" not in str(caught.value) and str(elsewhere) in str(caught.value)
     assert engine.policy_version == version  # the rows go on naming the weights the server holds
     requests = [SampleRequest(chat_prompts(tok, 1)[0], n=2)]
     config = SamplingConfig(max_new_tokens=4)
-    assert max_log_prob_difference(model, engine.sample(requests, config, torch.Generator()), requests, config) \
+    assert max_log_prob_difference(model, engine.sample(requests, seeds(0, len(requests)), config), requests, config) \
         < LOG_PROB_TOLERANCE
 
 
@@ -222,9 +219,9 @@ def test_inline_weights_reach_a_server_that_shares_no_files(served, server):
                        inline_weights=True) as inline:
         version = inline.policy_version
         try:
-            inline.update_weights({k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}, version + 1)
-            after = inline.sample(requests, config, torch.Generator().manual_seed(4))
+            inline.load_weights({k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}, version + 1)
+            after = inline.sample(requests, seeds(4, len(requests)), config)
             assert {g.policy_version for g in after} == {version + 1}
             assert max_log_prob_difference(other, after, requests, config) < LOG_PROB_TOLERANCE
         finally:  # the module's engine holds the first weights on this server
-            inline.update_weights(model.state_dict(), version + 2)
+            inline.load_weights(model.state_dict(), version + 2)

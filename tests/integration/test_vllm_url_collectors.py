@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_contract import chat_prompts, max_log_prob_difference
+from engine_contract import chat_prompts, max_log_prob_difference, seeds
 from vllm_server_process import VLLMServerProcess, save_model_dir
 
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
@@ -41,7 +41,7 @@ SMALL = ["--set", "warm_start_steps=20", "--set", "prompts_per_round=4", "--set"
 STEPS = 4
 VICTIM = """
 import sys, torch
-from engine_contract import chat_prompts
+from engine_contract import chat_prompts, seeds
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer
@@ -50,8 +50,7 @@ model, tok = tiny_model_and_tokenizer(seed=1, hidden_size=64, num_heads=2, num_l
 engine = VLLMURLEngine(sys.argv[1], model, stop_token_ids=[tok.eos_token_id], tokenizer=tok, lease_s=3.0,
                        policy_version=41)
 print("round", flush=True)
-engine.sample([SampleRequest(p, n=8) for p in chat_prompts(tok, 8)] * 8, SamplingConfig(max_new_tokens=200),
-              torch.Generator())
+engine.sample([SampleRequest(p, n=8) for p in chat_prompts(tok, 8)] * 8, seeds(0, 64), SamplingConfig(max_new_tokens=200))
 """
 """A collector of its own weights (labelled version 41) whose round is long enough to be killed in."""
 
@@ -144,7 +143,7 @@ def test_a_collector_killed_mid_round_holds_the_server_for_its_lease_only(server
                        policy_version=5) as engine:
         requests = [SampleRequest(p, n=2) for p in chat_prompts(tok, 3)]
         config = SamplingConfig(max_new_tokens=8, temperature=0.9)
-        groups = engine.sample(requests, config, torch.Generator().manual_seed(0))
+        groups = engine.sample(requests, seeds(0, len(requests)), config)
         assert {g.policy_version for g in groups} == {5}
         assert max_log_prob_difference(model, groups, requests, config) < 1e-5
         assert engine.weights.loads >= 1
