@@ -82,7 +82,7 @@ def test_an_error_answer_is_the_servers_and_not_retried(scripted):
     ({"url": "http://h:1", "engine": "vllm"}, "generation.engine=vllm"),
     ({"url": "http://h:1", "retries": -1}, "'generation.retries'"),
     ({"url": "http://h:1", "backoff_s": -1.0}, "'generation.backoff_s'"),
-    ({"url": "http://h:1", "weight_transfer": "nccl"}, "'generation.weight_transfer=nccl' is for the collector's own"),
+    ({"url": "http://h:1", "weight_transfer": "nccl"}, "'generation.weight_transfer=nccl' is for generation.engine=vllm; this run generates with the server"),
     ({"url": "http://h:1", "url_check_tolerance": 0.0}, "'generation.url_check_tolerance'"),
 ])
 def test_url_settings_are_refused_by_name(changes, named):
@@ -92,7 +92,7 @@ def test_url_settings_are_refused_by_name(changes, named):
 
 def test_a_url_needs_no_vllm_here_and_no_cpu_head_size():
     # the server is the user's: its Python and attention are its business, not this machine's
-    check_generation(GenerationSettings(url="http://127.0.0.1:8000", python="/nonexistent"), head_size=16)
+    check_generation(GenerationSettings(url="http://127.0.0.1:8000"), head_size=16)
 
 
 def test_a_second_collector_of_the_default_pipeline_connects_to_the_shared_server(tmp_path):
