@@ -58,13 +58,21 @@ class GenerationSettings:
     """Settings of one engine each that became one for every vLLM server (issue 42): ``--set`` with an
     old name is refused, naming the new one (``pipeline.py``)."""
 
+    REMOVED: ClassVar[dict[str, str]] = {
+        "url_api_key_env": "a server started with --api-key gets the key in $VLLM_API_KEY, vLLM's own variable for it",
+        "url_lease_s": "a round's lease on a shared server's weights lives 60 s without renewal, which only a collector "
+                       "that died mid-round makes the others wait out",
+        "enforce_eager": "the collector's own vLLM server runs eager on a CPU and compiled (CUDA graphs) on a GPU",
+    }
+    """Settings that went (issue 42), each with what replaced it: ``--set`` with one is refused in one line
+    saying so (``pipeline.py``); a run started with one resumes without it (``runs/run_directory.py``)."""
+
     ENGINES: ClassVar[dict[str, tuple[Engine, ...]]] = {
         "engine": EVERY, "url": ("url",),  # the choice itself (a URL and engine=vllm: __post_init__)
         "python": ("vllm",), "kv_cache_gib": ("vllm",), "gpu_memory_utilization": ("vllm",),
-        "max_model_len": ("vllm",), "max_num_seqs": ("vllm",), "enforce_eager": ("vllm",),
+        "max_model_len": ("vllm",), "max_num_seqs": ("vllm",),
         "start_timeout_s": SERVERS, "retries": SERVERS, "backoff_s": SERVERS, "timeout_s": SERVERS,
-        "url_model": ("url",), "url_weights_dir": ("url",), "url_api_key_env": ("url",), "url_lease_s": ("url",),
-        "url_check_tolerance": ("url",),
+        "url_model": ("url",), "url_weights_dir": ("url",), "url_check_tolerance": ("url",),
         "weight_transfer": SERVERS, "weight_transfer=inline": ("url",), "weight_transfer=nccl": ("vllm",),
         "agent_turns": EVERY, "stream_groups": EVERY, "overlap_rounds": EVERY,
     }
@@ -92,9 +100,6 @@ class GenerationSettings:
     """vllm: longest prompt + response in tokens; none: the model's max_position_embeddings."""
     max_num_seqs: int = 256
     """vllm: most sequences decoded at once (its continuous batch)."""
-    enforce_eager: bool = True
-    """vllm: no torch.compile / CUDA graphs (start-up 11-18 s on a CPU instead of ~48 s; for tiny
-    models they gain nothing). Turn off for real models on a GPU."""
     start_timeout_s: float = 900.0
     """vllm or url: how long the server may take to start (importing vLLM alone took 16-90 s on a busy
     2-core machine; a server at the URL may still be starting) before the collector gives up."""
@@ -116,13 +121,6 @@ class GenerationSettings:
     url_weights_dir: str | None = None
     """url: where new weights are written for the server to read, a path its machine sees too;
     none: a temporary directory on this machine (a server on this machine)."""
-    url_api_key_env: str = "VLLM_API_KEY"
-    """url: the environment variable holding the server's API key (its --api-key), sent as a bearer
-    token when set: the key stays out of the run's settings file."""
-    url_lease_s: float = 60.0
-    """url: seconds a round's lease on the server's weights lives without renewal (renewed every quarter
-    of it while the round runs): how long a collector that died mid-round holds up the others sharing
-    the server. A collector stalled longer than this mid-round loses the round (nothing of it stored)."""
     url_check_tolerance: float = 1e-3
     """url: largest log-prob difference between the server and the pipeline's model at the start
     check; raise it for a server in lower precision than the pipeline's model."""
@@ -178,9 +176,8 @@ class GenerationSettings:
             raise ValueError(f"setting 'generation.max_num_seqs' must be >= 1, got {self.max_num_seqs}")
         if not self.start_timeout_s >= 0:
             raise ValueError(f"setting 'generation.start_timeout_s' must be >= 0 (seconds), got {self.start_timeout_s}")
-        for name in ("url_check_tolerance", "url_lease_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"setting 'generation.{name}' must be > 0, got {getattr(self, name)}")
+        if not self.url_check_tolerance > 0:
+            raise ValueError(f"setting 'generation.url_check_tolerance' must be > 0, got {self.url_check_tolerance}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"setting 'generation.url' must be an http:// or https:// URL (http://host:port), got "
                              f"{self.url!r}")
@@ -274,7 +271,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
     closes it (a collector's ``close``)."""
     if settings.url is not None:
         from rlhf_pipeline.generation.vllm_http import RetryPolicy
-        from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
+        from rlhf_pipeline.generation.vllm_url import API_KEY_ENV, VLLMURLEngine
 
         retry = RetryPolicy(retries=settings.retries, backoff_s=max(settings.backoff_s, 1e-3),
                             max_backoff_s=max(30.0, settings.backoff_s),
@@ -284,8 +281,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
                              weights_dir=settings.url_weights_dir, inline_weights=settings.weight_transfer == "inline",
                              retry=retry, wait_s=settings.start_timeout_s,
                              check_tolerance=settings.url_check_tolerance,
-                             api_key=os.environ.get(settings.url_api_key_env) or None,
-                             api_key_env=settings.url_api_key_env, lease_s=settings.url_lease_s)
+                             api_key=os.environ.get(API_KEY_ENV) or None)
     if settings.engine == "loop":
         from rlhf_pipeline.generation.loop import LoopEngine
 
@@ -297,7 +293,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
     options: dict[str, Any] = dict(
         python=find_vllm_python(settings.python), stop_token_ids=stop_token_ids, policy_version=policy_version,
         device=device, seed=seed, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
-        enforce_eager=settings.enforce_eager, start_timeout_s=settings.start_timeout_s,
+        start_timeout_s=settings.start_timeout_s,
         max_model_len=settings.max_model_len, timeout_s=settings.timeout_s, backoff_s=settings.backoff_s,
         # a server that died is started again and given the version it held, from its file (vllm_url_weights.py)
         restarts=Restarts(settings.retries, settings.backoff_s, settings.timeout_s),

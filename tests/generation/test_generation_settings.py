@@ -149,3 +149,48 @@ def test_only_the_collectors_own_server_asks_this_machine_for_anything(tmp_path)
         check_generation(GenerationSettings(engine="vllm"), head_size=16, device="cpu")
     with pytest.raises(ValueError, match="'generation.python' is .* which does not exist"):
         check_generation(GenerationSettings(engine="vllm", python=str(tmp_path / "python")), device="cpu")
+
+
+# ====================================================================== settings that went
+@pytest.mark.parametrize(("name", "says"), [
+    ("url_api_key_env", r"\$VLLM_API_KEY, vLLM's own variable"),
+    ("url_lease_s", "lives 60 s without renewal"),
+    ("enforce_eager", "eager on a CPU and compiled"),
+])
+def test_a_removed_setting_is_refused_in_one_line_saying_what_replaced_it(name, says):
+    assert name in GenerationSettings.REMOVED and name not in FIELDS and name not in GenerationSettings.ENGINES
+    with pytest.raises(PipelineError, match=rf"^setting 'generation.{name}' was removed: .*{says}.*; drop it$"):
+        make_settings(load_pipeline_module(DEFAULT), ["generation.engine=vllm", f"generation.{name}=1"])
+
+
+def test_a_run_started_with_a_removed_setting_resumes_without_it():
+    """settings.json of a run started before a setting went still holds it: resuming compares the rest."""
+    from rlhf_pipeline.pipeline import settings_to_json
+    from rlhf_pipeline.runs.run_directory import settings_changes
+
+    settings = make_settings(load_pipeline_module(DEFAULT), ["generation.engine=vllm"])
+    saved = settings_to_json(settings)
+    saved["generation"].update(enforce_eager=False, url_lease_s=60.0, url_api_key_env="MY_KEY")
+    assert settings_changes(saved, settings, tag="[run]", since="the run started") == []
+    saved["generation"]["max_num_seqs"] = 8  # a setting that stays still has to match
+    assert settings_changes(saved, settings, tag="[run]", since="the run started") == [
+        "generation.max_num_seqs: was 8, now 256"]
+
+
+@pytest.mark.parametrize(("device", "eager"), [("cpu", True), ("cuda", False)])
+def test_the_collectors_own_server_runs_eager_on_a_cpu_and_compiled_on_a_gpu(tmp_path, device, eager):
+    """What generation.enforce_eager chose: the command the engine starts vLLM with, recorded by a
+    stand-in for the vLLM environment's Python that exits at once (the start is then refused)."""
+    from rlhf_pipeline.generation.engine import EngineFailed
+    from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+    from rlhf_pipeline.models import tiny_model_and_tokenizer
+
+    log, python = tmp_path / "argv", tmp_path / "python"
+    python.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexit 3\n')
+    python.chmod(0o755)
+    model, tok = tiny_model_and_tokenizer(hidden_size=64, num_heads=2, num_layers=1)
+    with pytest.raises(EngineFailed):
+        VLLMEngine.from_model(model, python=str(python), stop_token_ids=[tok.eos_token_id], device=device,
+                              work_dir=tmp_path / "scratch", start_timeout_s=60)
+    command = log.read_text()
+    assert "vllm.entrypoints.openai.api_server" in command and ("--enforce-eager" in command) == eager

@@ -115,14 +115,13 @@ def test_a_server_that_wants_an_api_key_is_refused_naming_the_variable(scripted,
     from rlhf_pipeline.models import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(hidden_size=64, num_heads=2)
-    settings = GenerationSettings(url=f"http://127.0.0.1:{scripted.server_port}", retries=0,
-                                  url_api_key_env="TEST_VLLM_KEY")
-    monkeypatch.delenv("TEST_VLLM_KEY", raising=False)
+    settings = GenerationSettings(url=f"http://127.0.0.1:{scripted.server_port}", retries=0)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     scripted.script = [(200, {}), (401, {"error": "Unauthorized"})]  # /health is open, /v1 is guarded
-    with pytest.raises(ServerMismatch, match=r"wants an API key: set \$TEST_VLLM_KEY"):
+    with pytest.raises(ServerMismatch, match=r"wants an API key: set \$VLLM_API_KEY"):
         make_engine(settings, model, pad_token_id=0, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
-    monkeypatch.setenv("TEST_VLLM_KEY", "sesame")
+    monkeypatch.setenv("VLLM_API_KEY", "sesame")
     scripted.script = [(200, {}), (401, {"error": "Unauthorized"})]
-    with pytest.raises(ServerMismatch, match=r"refused the key in \$TEST_VLLM_KEY"):
+    with pytest.raises(ServerMismatch, match=r"refused the key in \$VLLM_API_KEY"):
         make_engine(settings, model, pad_token_id=0, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
     assert scripted.authorizations == [None, None, "Bearer sesame", "Bearer sesame"]
