@@ -5,7 +5,7 @@
     rlhf-pipeline setup-vllm        # the vLLM environment (the official vllm on a GPU machine), then:
     rlhf-pipeline run pipelines/qwen_math.py --device cuda \\
         --set model_path=/models/Qwen2.5-0.5B-Instruct --set data_path=/data/gsm8k_train.jsonl \\
-        --set generation.engine=vllm --set generation.enforce_eager=false     # vLLM samples
+        --set generation.engine=vllm     # vLLM samples
 
 Both paths are local (nothing is downloaded). The data file is JSONL, one problem a line,
 with the question and a final numeric ``answer`` (GSM8K's ``#### 42`` tail is accepted)::

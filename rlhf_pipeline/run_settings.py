@@ -112,7 +112,6 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)  # every choice (the task's too) and every number finite
-        check_fields(self.generation, "generation.")
         at_least = {"steps": 1, "group_size": 2, "segment_rows": 1, "threads": 1, "rounds_per_version": 1,
                     "rounds_ahead": 0}
         for name, least in at_least.items():

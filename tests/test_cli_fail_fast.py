@@ -88,7 +88,7 @@ def test_a_gpu_is_ruled_out_only_where_no_driver_can_be_seen(tmp_path, monkeypat
 def test_settings_that_are_not_finite_numbers_are_refused_before_anything_starts(tmp_path):
     """nan and inf pass most range checks (`lr > 0` holds for inf, `temperature <= 0` fails for nan):
     every float setting of every pipeline is refused when not finite, in one line naming it, before
-    torch is imported (issue 41); so is a value no engine takes, whichever engine runs."""
+    torch is imported (issue 41); so is an engine's setting given to a run of another engine (issue 42)."""
     home = str(tmp_path / "home")
     tool_use = str(REPO / "pipelines" / "tool_use.py")
     cases = [
@@ -103,8 +103,9 @@ def test_settings_that_are_not_finite_numbers_are_refused_before_anything_starts
                                                                  "number or none, got inf"),
         (["run", tool_use, "--set", "max_failed_group_fraction=nan"], "setting 'max_failed_group_fraction' must be a "
                                                                       "finite number or none, got nan"),
-        (["run", DEFAULT, "--set", "generation.timeout_s=-5"], "setting 'generation.timeout_s' must be > 0 "
-                                                                  "(seconds) or none (wait for ever), got -5.0"),
+        (["run", DEFAULT, "--set", "generation.timeout_s=-5"], "setting 'generation.timeout_s' is for "
+                                                                  "generation.engine=vllm or generation.url; this run "
+                                                                  "generates with the loop: drop it"),
     ]
     argvs = [[*argv, "--home", home] for argv, _ in cases]
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(argvs)],

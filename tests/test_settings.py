@@ -105,10 +105,10 @@ def test_the_run_derives_the_learners_temperature_and_its_wait_for_a_vllm_engine
         pipeline):
     """tool_use.py did not add the engine's start-up allowance (600 s learner timeout against 900 s for the
     engine to start); each pipeline's check() overwrote learner.temperature."""
-    timeouts = ["learner.data_timeout_s=100", "generation.start_timeout_s=50", "temperature=0.7"]
+    timeouts = ["learner.data_timeout_s=100", "temperature=0.7"]
     on_the_loop = settings_of(pipeline, *timeouts).learner_settings()
     assert (on_the_loop.data_timeout_s, on_the_loop.temperature) == (100, 0.7)
-    with_vllm = settings_of(pipeline, "generation.engine=vllm", *timeouts).learner_settings()
+    with_vllm = settings_of(pipeline, "generation.engine=vllm", "generation.start_timeout_s=50", *timeouts).learner_settings()
     assert (with_vllm.data_timeout_s, with_vllm.temperature) == (150, 0.7)
 
 

@@ -2,11 +2,12 @@
 ``--set generation.url=http://...`` for a vLLM server the user started) and ``make_engine``, which
 builds it for a collector.
 
-A pipeline holds ``generation: GenerationSettings`` in its ``Settings``, calls
-:func:`check_generation` in its ``check`` (no torch, before any process starts) and
-:func:`make_collector_engine` in its ``make_collector``; the collector gets the engine and knows nothing of
-which one it is. The default, ``engine="loop"``, is our sampling loop in the collector's process:
-rows are exactly those the collector wrote before engines existed.
+The run's settings hold ``generation: GenerationSettings`` (``run_settings.py``), which checks itself:
+each option belongs to the engines of one table (:attr:`GenerationSettings.ENGINES`), and one set for
+another engine is refused. What the collector's own server asks of the machine (a GPU for NCCL, vLLM's
+CPU attention, a Python with vLLM) is :func:`check_generation`'s, before any process starts. A pipeline
+calls :func:`make_collector_engine` in its ``make_collector``; the collector gets the engine and knows
+nothing of which one it is. The default, ``engine="loop"``, is our sampling loop in the collector's process.
 
 Where the vLLM engine's Python comes from (``generation.python``, default none): the given
 interpreter; else ``.venv-vllm/bin/python`` beside this package's checkout (what
@@ -16,6 +17,7 @@ official ``vllm`` is installed with the project); else one line saying how to ge
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from rlhf_pipeline.finite_settings import check_finite
+from rlhf_pipeline.finite_settings import check_fields
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES, default_vllm_env, python_has_vllm
 
 if TYPE_CHECKING:
@@ -31,9 +33,22 @@ if TYPE_CHECKING:
 
 
 
+Engine = Literal["loop", "vllm", "url"]
+"""The engine a run generates with: ``generation.engine`` (loop or vllm), or ``url`` when ``generation.url``
+names a server the user started."""
+EVERY: tuple[Engine, ...] = ("loop", "vllm", "url")
+SERVERS: tuple[Engine, ...] = ("vllm", "url")
+CHOSEN_BY: dict[Engine, str] = {"loop": "generation.engine=loop", "vllm": "generation.engine=vllm",
+                                "url": "generation.url"}
+GENERATES_WITH: dict[Engine, str] = {
+    "loop": "the loop", "vllm": "the collector's own vLLM server (generation.engine=vllm)",
+    "url": "the server at generation.url"}
+
+
 @dataclass
 class GenerationSettings:
-    """Which engine samples the collector's completions, and how it runs."""
+    """Which engine samples the collector's completions, and how it runs. Each option belongs to the
+    engines :attr:`ENGINES` names: set to other than its default for another engine, it is refused."""
 
     RENAMED: ClassVar[dict[str, str]] = {
         "url_retries": "retries", "max_restarts": "retries", "url_backoff_s": "backoff_s",
@@ -42,6 +57,28 @@ class GenerationSettings:
     }
     """Settings of one engine each that became one for every vLLM server (issue 42): ``--set`` with an
     old name is refused, naming the new one (``pipeline.py``)."""
+
+    REMOVED: ClassVar[dict[str, str]] = {
+        "url_api_key_env": "a server started with --api-key gets the key in $VLLM_API_KEY, vLLM's own variable for it",
+        "url_lease_s": "a round's lease on a shared server's weights lives 60 s without renewal, which only a collector "
+                       "that died mid-round makes the others wait out",
+        "enforce_eager": "the collector's own vLLM server runs eager on a CPU and compiled (CUDA graphs) on a GPU",
+    }
+    """Settings that went (issue 42), each with what replaced it: ``--set`` with one is refused in one line
+    saying so (``pipeline.py``); a run started with one resumes without it (``runs/run_directory.py``)."""
+
+    ENGINES: ClassVar[dict[str, tuple[Engine, ...]]] = {
+        "engine": EVERY, "url": ("url",),  # the choice itself (a URL and engine=vllm: __post_init__)
+        "python": ("vllm",), "kv_cache_gib": ("vllm",), "gpu_memory_utilization": ("vllm",),
+        "max_model_len": ("vllm",), "max_num_seqs": ("vllm",),
+        "start_timeout_s": SERVERS, "retries": SERVERS, "backoff_s": SERVERS, "timeout_s": SERVERS,
+        "url_model": ("url",), "url_weights_dir": ("url",), "url_check_tolerance": ("url",),
+        "weight_transfer": SERVERS, "weight_transfer=inline": ("url",), "weight_transfer=nccl": ("vllm",),
+        "agent_turns": EVERY, "stream_groups": EVERY, "overlap_rounds": EVERY,
+    }
+    """The engines each setting means something for (``name=value``: that value only, before the name's
+    own entry). Set to other than its default while the run generates with another engine, it is
+    refused in one line naming it, its engines and the run's (:meth:`__post_init__`)."""
 
     engine: Literal["loop", "vllm"] = "loop"
     """loop: our sampling loop in the collector's process (the default); vllm: a vLLM server the
@@ -63,9 +100,6 @@ class GenerationSettings:
     """vllm: longest prompt + response in tokens; none: the model's max_position_embeddings."""
     max_num_seqs: int = 256
     """vllm: most sequences decoded at once (its continuous batch)."""
-    enforce_eager: bool = True
-    """vllm: no torch.compile / CUDA graphs (start-up 11-18 s on a CPU instead of ~48 s; for tiny
-    models they gain nothing). Turn off for real models on a GPU."""
     start_timeout_s: float = 900.0
     """vllm or url: how long the server may take to start (importing vLLM alone took 16-90 s on a busy
     2-core machine; a server at the URL may still be starting) before the collector gives up."""
@@ -87,13 +121,6 @@ class GenerationSettings:
     url_weights_dir: str | None = None
     """url: where new weights are written for the server to read, a path its machine sees too;
     none: a temporary directory on this machine (a server on this machine)."""
-    url_api_key_env: str = "VLLM_API_KEY"
-    """url: the environment variable holding the server's API key (its --api-key), sent as a bearer
-    token when set: the key stays out of the run's settings file."""
-    url_lease_s: float = 60.0
-    """url: seconds a round's lease on the server's weights lives without renewal (renewed every quarter
-    of it while the round runs): how long a collector that died mid-round holds up the others sharing
-    the server. A collector stalled longer than this mid-round loses the round (nothing of it stored)."""
     url_check_tolerance: float = 1e-3
     """url: largest log-prob difference between the server and the pipeline's model at the start
     check; raise it for a server in lower precision than the pipeline's model."""
@@ -114,6 +141,49 @@ class GenerationSettings:
     """With stream_groups, single-turn rounds: submit the next round's requests while this round's tail
     decodes (when pacing gives it the same weights), so the engine's batch stays full across rounds;
     the same rows (docs/generation.md, "Rounds ahead"). vllm and url engines; refused with the loop."""
+
+    @property
+    def chosen_engine(self) -> Engine:
+        """The engine this run generates with: the server at ``url`` when one is named, else ``engine``."""
+        return "url" if self.url is not None else self.engine
+
+    def __post_init__(self) -> None:
+        check_fields(self, "generation.")  # each choice one its type allows, every number finite
+        if self.url is not None and self.engine == "vllm":
+            raise ValueError(f"generation.url={self.url} names a server you started and generation.engine=vllm "
+                             f"starts one of the collector's own: drop one of them")
+        chosen = self.chosen_engine
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value == field.default:
+                continue
+            shown = f"{field.name}={value}" if f"{field.name}={value}" in self.ENGINES else field.name
+            if chosen not in self.ENGINES[shown]:
+                raise ValueError(f"setting 'generation.{shown}' is for "
+                                 f"{' or '.join(CHOSEN_BY[e] for e in self.ENGINES[shown])}; this run generates "
+                                 f"with {GENERATES_WITH[chosen]}: drop it")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        if self.kv_cache_gib < 1:
+            raise ValueError(f"setting 'generation.kv_cache_gib' must be >= 1 (GiB), got {self.kv_cache_gib}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"setting 'generation.gpu_memory_utilization' must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"setting 'generation.max_model_len' must be >= 2 or none, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"setting 'generation.max_num_seqs' must be >= 1, got {self.max_num_seqs}")
+        if not self.start_timeout_s >= 0:
+            raise ValueError(f"setting 'generation.start_timeout_s' must be >= 0 (seconds), got {self.start_timeout_s}")
+        if not self.url_check_tolerance > 0:
+            raise ValueError(f"setting 'generation.url_check_tolerance' must be > 0, got {self.url_check_tolerance}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"setting 'generation.url' must be an http:// or https:// URL (http://host:port), got "
+                             f"{self.url!r}")
+        from rlhf_pipeline.generation.restarts import Restarts
+
+        Restarts(self.retries, self.backoff_s, self.timeout_s)  # refuses each by name
 
 
 def check_rounds(settings: GenerationSettings, *, multi_turn: bool) -> None:
@@ -137,37 +207,14 @@ def check_rounds(settings: GenerationSettings, *, multi_turn: bool) -> None:
 
 def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
                      head_hint: str = "") -> None:
-    """The engine's checks that need neither torch nor the engine: raises ValueError naming the setting
-    (the pipeline's rounds: :func:`check_rounds`).
+    """What the collector's own vLLM server asks of this machine, which the settings cannot check
+    themselves (they do in ``__post_init__``): raises ValueError naming the setting.
 
     ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
     vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it).
     """
-    # a value no engine takes is refused whichever engine runs now: the run may switch engines later
-    if settings.kv_cache_gib < 1:
-        raise ValueError(f"setting 'generation.kv_cache_gib' must be >= 1 (GiB), got {settings.kv_cache_gib}")
-    if not 0.0 < settings.gpu_memory_utilization <= 1.0:
-        raise ValueError(f"setting 'generation.gpu_memory_utilization' must be in (0, 1], got "
-                         f"{settings.gpu_memory_utilization}")
-    if settings.max_model_len is not None and settings.max_model_len < 2:
-        raise ValueError(f"setting 'generation.max_model_len' must be >= 2 or none, got {settings.max_model_len}")
-    if settings.max_num_seqs < 1:
-        raise ValueError(f"setting 'generation.max_num_seqs' must be >= 1, got {settings.max_num_seqs}")
-    if not settings.start_timeout_s >= 0:
-        raise ValueError(f"setting 'generation.start_timeout_s' must be >= 0 (seconds), got {settings.start_timeout_s}")
-    _check_url_numbers(settings)
-    from rlhf_pipeline.generation.restarts import Restarts
-
-    Restarts(settings.retries, settings.backoff_s, settings.timeout_s)  # refuses each by name
-    check_finite(settings, "generation.")  # what the range checks above let through (inf, as a rule)
-    if settings.url is not None:
-        check_url_settings(settings)
+    if settings.chosen_engine != "vllm":
         return
-    if settings.engine == "loop":
-        return
-    if settings.weight_transfer == "inline":
-        raise ValueError("setting 'generation.weight_transfer=inline' is for a server at generation.url on another "
-                         "machine; the collector's own server reads files: use generation.weight_transfer=files")
     if settings.weight_transfer == "nccl" and device == "cpu":
         raise ValueError("setting 'generation.weight_transfer=nccl' needs a GPU (vLLM's NCCL weight transfer is "
                          "CUDA-only); on a CPU use generation.weight_transfer=files")
@@ -175,26 +222,6 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
         raise ValueError(f"generation.engine=vllm on a CPU: vLLM's CPU attention takes head sizes "
                          f"{list(CPU_HEAD_SIZES)}, this model's is {head_size}{head_hint}; or use generation.engine=loop")
     find_vllm_python(settings.python)
-
-
-def check_url_settings(settings: GenerationSettings) -> None:
-    """``generation.url`` and its settings; ValueError naming the setting."""
-    if settings.engine == "vllm":
-        raise ValueError(f"generation.url={settings.url} names a server you started and generation.engine=vllm "
-                         f"starts one of the collector's own: drop one of them")
-    if settings.weight_transfer == "nccl":
-        raise ValueError("setting 'generation.weight_transfer=nccl' is for the collector's own server "
-                         "(generation.engine=vllm on a GPU); a server at generation.url takes files or inline")
-    if not settings.url.startswith(("http://", "https://")):
-        raise ValueError(f"setting 'generation.url' must be an http:// or https:// URL (http://host:port), got "
-                         f"{settings.url!r}")
-    _check_url_numbers(settings)
-
-
-def _check_url_numbers(settings: GenerationSettings) -> None:
-    for name in ("url_check_tolerance", "url_lease_s"):
-        if not getattr(settings, name) > 0:
-            raise ValueError(f"setting 'generation.{name}' must be > 0, got {getattr(settings, name)}")
 
 
 def find_vllm_python(explicit: str | None = None) -> str:
@@ -244,9 +271,8 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
     closes it (a collector's ``close``)."""
     if settings.url is not None:
         from rlhf_pipeline.generation.vllm_http import RetryPolicy
-        from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
+        from rlhf_pipeline.generation.vllm_url import API_KEY_ENV, VLLMURLEngine
 
-        check_url_settings(settings)
         retry = RetryPolicy(retries=settings.retries, backoff_s=max(settings.backoff_s, 1e-3),
                             max_backoff_s=max(30.0, settings.backoff_s),
                             timeout_s=settings.timeout_s if settings.timeout_s is not None else 10**9)
@@ -255,8 +281,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
                              weights_dir=settings.url_weights_dir, inline_weights=settings.weight_transfer == "inline",
                              retry=retry, wait_s=settings.start_timeout_s,
                              check_tolerance=settings.url_check_tolerance,
-                             api_key=os.environ.get(settings.url_api_key_env) or None,
-                             api_key_env=settings.url_api_key_env, lease_s=settings.url_lease_s)
+                             api_key=os.environ.get(API_KEY_ENV) or None)
     if settings.engine == "loop":
         from rlhf_pipeline.generation.loop import LoopEngine
 
@@ -268,7 +293,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
     options: dict[str, Any] = dict(
         python=find_vllm_python(settings.python), stop_token_ids=stop_token_ids, policy_version=policy_version,
         device=device, seed=seed, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
-        enforce_eager=settings.enforce_eager, start_timeout_s=settings.start_timeout_s,
+        start_timeout_s=settings.start_timeout_s,
         max_model_len=settings.max_model_len, timeout_s=settings.timeout_s, backoff_s=settings.backoff_s,
         # a server that died is started again and given the version it held, from its file (vllm_url_weights.py)
         restarts=Restarts(settings.retries, settings.backoff_s, settings.timeout_s),

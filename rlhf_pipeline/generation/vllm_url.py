@@ -76,9 +76,11 @@ from rlhf_pipeline.generation.engine import (
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable, Supervisor
 from rlhf_pipeline.generation.vllm_process import WORKER_EXTENSION
+from rlhf_pipeline.generation.vllm_url_lease import ROUND_LEASE_S
 from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch, ServerWeights
 from rlhf_pipeline.generation.vllm_worker import MODEL_SHAPE_KEYS
 
+API_KEY_ENV = "VLLM_API_KEY"  # a server's --api-key, in vLLM's own variable for it: no key in settings.json
 SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this checkout> python -m vllm.entrypoints.openai.api_server "
                   "--model <model dir> --logprobs-mode processed_logprobs --generation-config vllm "
                   f"--enable-prefix-caching --worker-extension-cls {WORKER_EXTENSION}")
@@ -124,12 +126,10 @@ class VLLMURLEngine(GenerationEngine):
                  weights_dir: str | Path | None = None, inline_weights: bool = False,
                  retry: RetryPolicy | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
                  check_tolerance: float = 1e-3, api_key: str | None = None,
-                 api_key_env: str = "VLLM_API_KEY", lease_s: float = 60.0, supervisor: Supervisor | None = None,
-                 shared: bool = True) -> None:
+                 lease_s: float = ROUND_LEASE_S, supervisor: Supervisor | None = None, shared: bool = True) -> None:
         super().__init__(stop_token_ids, policy_version)
         self.url = url.rstrip("/")
         self.client = JsonClient(self.url, retry, api_key=api_key, supervisor=supervisor)
-        self._api_key_env = api_key_env  # named in the refusal of a server that wants a key
         self.vocab_size = int(model.config.vocab_size)
         self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
@@ -185,8 +185,7 @@ class VLLMURLEngine(GenerationEngine):
             if exc.status != 401:
                 raise
             given = "refused the key in" if self.client.has_api_key else "wants an API key: set"
-            raise ServerMismatch(f"generation.url: the server at {self.url} {given} ${self._api_key_env} (its "
-                                 f"--api-key; generation.url_api_key_env names another variable)") from None
+            raise ServerMismatch(f"generation.url: the server at {self.url} {given} ${API_KEY_ENV} (its --api-key)") from None
         served = {entry["id"]: entry for entry in listing.get("data", [])}
         if wanted is not None and wanted not in served:
             raise ServerMismatch(f"generation.url_model={wanted!r}: the server at {self.url} serves {sorted(served)}; "

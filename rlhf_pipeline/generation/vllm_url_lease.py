@@ -29,6 +29,9 @@ from typing import Any
 from rlhf_pipeline.generation.engine import EngineFailed
 from rlhf_pipeline.generation.vllm_http import JsonClient, ServerError
 
+ROUND_LEASE_S = 60.0
+"""A round's lease without renewal: renewed every quarter of it, it runs out only for a collector that
+died or stalled mid-round, whose sharers wait this long (a stalled one loses its round, nothing stored)."""
 FIRST_PAUSE_S = 0.02
 LONGEST_PAUSE_S = 0.5
 
@@ -123,7 +126,7 @@ class RoundLease:
         if int(reply["epoch"]) != self.epoch:
             raise EngineFailed(
                 f"the vLLM server at {self.client.base_url} loaded other weights under a round of version "
-                f"{self.version} (its lease lapsed: this collector did not renew it for generation.url_lease_s="
+                f"{self.version} (its lease lapsed: this collector did not renew it within its "
                 f"{self.ttl_s:g} s); the round's replies are dropped, nothing of it stored")
 
     def __exit__(self, *exc: object) -> None:

@@ -11,6 +11,7 @@ preparation whoever comes first. Apart from that short lock, the command that ow
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -323,11 +324,23 @@ def _is_store(location: str) -> bool:
 def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:
     """What differs between ``saved`` settings JSON and ``settings``, except learner knobs: those
     may change on resume (the data stays valid), so they are only printed as a note."""
-    changed = _diff(saved, settings_to_json(settings), _default_settings(settings))
+    removed = _removed_settings(settings)  # a setting that went since: the rows it saw stand
+    changed = [c for c in _diff(saved, settings_to_json(settings), _default_settings(settings))
+               if c.split(":", 1)[0] not in removed]
     tuned = [c for c in changed if c.startswith("learner.")]
     if tuned:
         print(f"{tag} note: learner settings changed since {since}: {'; '.join(tuned)}", file=sys.stderr, flush=True)
     return [c for c in changed if not c.startswith("learner.")]
+
+
+def _removed_settings(settings: Any, prefix: str = "") -> set[str]:
+    """The dotted names each settings class of ``settings`` lists as removed (its ``REMOVED`` table)."""
+    names = {prefix + name for name in getattr(type(settings), "REMOVED", {})}
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            names |= _removed_settings(value, prefix + field.name + ".")
+    return names
 
 
 def _default_settings(settings: Any) -> dict:

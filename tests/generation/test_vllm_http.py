@@ -82,7 +82,7 @@ def test_an_error_answer_is_the_servers_and_not_retried(scripted):
     ({"url": "http://h:1", "engine": "vllm"}, "generation.engine=vllm"),
     ({"url": "http://h:1", "retries": -1}, "'generation.retries'"),
     ({"url": "http://h:1", "backoff_s": -1.0}, "'generation.backoff_s'"),
-    ({"url": "http://h:1", "weight_transfer": "nccl"}, "'generation.weight_transfer=nccl' is for the collector's own"),
+    ({"url": "http://h:1", "weight_transfer": "nccl"}, "'generation.weight_transfer=nccl' is for generation.engine=vllm; this run generates with the server"),
     ({"url": "http://h:1", "url_check_tolerance": 0.0}, "'generation.url_check_tolerance'"),
 ])
 def test_url_settings_are_refused_by_name(changes, named):
@@ -92,7 +92,7 @@ def test_url_settings_are_refused_by_name(changes, named):
 
 def test_a_url_needs_no_vllm_here_and_no_cpu_head_size():
     # the server is the user's: its Python and attention are its business, not this machine's
-    check_generation(GenerationSettings(url="http://127.0.0.1:8000", python="/nonexistent"), head_size=16)
+    check_generation(GenerationSettings(url="http://127.0.0.1:8000"), head_size=16)
 
 
 def test_a_second_collector_of_the_default_pipeline_connects_to_the_shared_server(tmp_path):
@@ -115,14 +115,13 @@ def test_a_server_that_wants_an_api_key_is_refused_naming_the_variable(scripted,
     from rlhf_pipeline.models import tiny_model_and_tokenizer
 
     model, tok = tiny_model_and_tokenizer(hidden_size=64, num_heads=2)
-    settings = GenerationSettings(url=f"http://127.0.0.1:{scripted.server_port}", retries=0,
-                                  url_api_key_env="TEST_VLLM_KEY")
-    monkeypatch.delenv("TEST_VLLM_KEY", raising=False)
+    settings = GenerationSettings(url=f"http://127.0.0.1:{scripted.server_port}", retries=0)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     scripted.script = [(200, {}), (401, {"error": "Unauthorized"})]  # /health is open, /v1 is guarded
-    with pytest.raises(ServerMismatch, match=r"wants an API key: set \$TEST_VLLM_KEY"):
+    with pytest.raises(ServerMismatch, match=r"wants an API key: set \$VLLM_API_KEY"):
         make_engine(settings, model, pad_token_id=0, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
-    monkeypatch.setenv("TEST_VLLM_KEY", "sesame")
+    monkeypatch.setenv("VLLM_API_KEY", "sesame")
     scripted.script = [(200, {}), (401, {"error": "Unauthorized"})]
-    with pytest.raises(ServerMismatch, match=r"refused the key in \$TEST_VLLM_KEY"):
+    with pytest.raises(ServerMismatch, match=r"refused the key in \$VLLM_API_KEY"):
         make_engine(settings, model, pad_token_id=0, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
     assert scripted.authorizations == [None, None, "Bearer sesame", "Bearer sesame"]

@@ -124,5 +124,5 @@ def test_settings_built_in_python_refuse_numbers_that_are_not_finite():
         dataclasses.replace(SETTINGS, lr=float("inf"))
     with pytest.raises(ValueError, match=r"^setting 'learner.loss.entropy_coef' must be a finite number, got nan"):
         dataclasses.replace(SETTINGS, loss=GRPOLossConfig(entropy_coef=float("nan")))
-    with pytest.raises(ValueError, match=r"^setting 'generation.url_lease_s' must be a finite number, got inf"):
-        check_generation(GenerationSettings(url_lease_s=float("inf")))
+    with pytest.raises(ValueError, match=r"^setting 'generation.url_check_tolerance' must be a finite number, got inf"):
+        check_generation(GenerationSettings(url="http://h:1", url_check_tolerance=float("inf")))
