@@ -221,10 +221,18 @@ class CollectorPacer:
         share = math.ceil(intake.next_draw_rows / len(set(intake.consumed) | {self.key}))
         return intake.consumed.get(self.key, 0) + max(self.max_lag, 1) * share
 
-    def version_for(self, version: int, next_version: int) -> int:
-        """The weights a round allowed by a draw taken in with ``version`` samples with: that
-        version, or with ``max_lag=0`` the one the next draw trains with (waited for)."""
-        return max(version, next_version - self.max_lag)
+    def version_for(self, intake: LearnerIntake, shard_rows: int) -> int:
+        """The weights a round starting at ``shard_rows``, allowed by ``intake``, samples with: the
+        oldest that keeps its last row (``round_rows`` on) within ``max_lag`` versions of the draw
+        that trains it, a version a draw: the learner's when it took the batch in (the round overlaps
+        its step), else the one its next draw trains with (waited for) -- never a later one, which
+        the learner cannot publish without this round. So with 1 a round that crosses into the batch
+        after next waits for the step in progress, and with 0 a round's tail in a later batch is a
+        version too old (passed over: ``learner.max_staleness``)."""
+        share = math.ceil(intake.next_draw_rows / len(set(intake.consumed) | {self.key}))
+        last_row = shard_rows + max(self.round_rows, 1) - 1
+        draws_on = (last_row - intake.consumed.get(self.key, 0)) // share if share else 0
+        return max(intake.policy_version, min(intake.next_version, intake.next_version + draws_on - self.max_lag))
 
     def _read(self) -> LearnerIntake | None:
         now = time.monotonic()
@@ -298,7 +306,8 @@ class CollectorPacer:
             return None
         for version, next_version, need, consumed in intake.recent:
             # draws before the newest were not the run's last step (and the last allows no new round)
-            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need, last_step=False)
+            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need, last_step=False,
+                                          policy_version=version, next_version=next_version)
             if shard_rows < self.target_rows(earlier):
-                return self.version_for(version, next_version)
+                return self.version_for(earlier, shard_rows)
         return None
