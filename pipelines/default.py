@@ -65,7 +65,7 @@ class Settings(RunSettings):
 
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=64, sampler="exact", uses_per_row=1, sample_window=128, new_rows_per_step=64,
-        micro_batch_tokens=4096, lr=3e-4, warmup_steps=5, max_staleness=2, publish_every=1,
+        micro_batch_tokens=4096, lr=3e-4, warmup_steps=5, publish_every=1,
         checkpoint_every=50, log_every=20,
     ))
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""

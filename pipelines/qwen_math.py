@@ -73,7 +73,7 @@ class Settings(RunSettings):
 
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=128, sample_window=256, new_rows_per_step=128, micro_batch_tokens=16384, lr=1e-6,
-        warmup_steps=10, lr_schedule="cosine", max_grad_norm=1.0, max_staleness=2, publish_every=1,
+        warmup_steps=10, lr_schedule="cosine", max_grad_norm=1.0, publish_every=1,
         checkpoint_every=50, log_every=10,
         loss=GRPOLossConfig(clip_eps_low=0.2, clip_eps_high=0.28, aggregation="token_mean"),
     ))

@@ -113,7 +113,7 @@ class Settings(RunSettings):
 
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=32, sampler="exact", uses_per_row=1, sample_window=64, new_rows_per_step=32,
-        micro_batch_tokens=4096, lr=3e-4, warmup_steps=3, max_staleness=2, publish_every=1,
+        micro_batch_tokens=4096, lr=3e-4, warmup_steps=3, publish_every=1,
         checkpoint_every=25, log_every=5,
     ))
     """Learner settings (--set learner.lr=1e-4, --list-settings shows them all). lr 3e-4: at 1e-3, on

@@ -11,6 +11,7 @@ rules between them beside the fields (``__post_init__``) and the values derived 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -48,10 +49,29 @@ class RaySettings:
             raise ValueError(f"setting 'ray.max_restarts' must be >= -1 (got {self.max_restarts})")
 
 
+def max_staleness(max_lag: int | None, learner: LearnerSettings) -> int | None:
+    """The learner's bound on a row's age, from the run's ``max_lag`` plus the steps the sampler
+    draws a row again after its first: ``uses_per_row - 1`` for ``exact``; for ``window`` and
+    ``groups``, the steps a row stays in the window (``sample_window / new_rows_per_step``) less one;
+    none for ``prioritized`` or a window that never waits for new rows, whose reuses ``max_lag``
+    bounds itself. None (no bound) for an unpaced run and for an ``epoch`` replay of recorded rows."""
+    if max_lag is None or learner.sampler == "epoch":
+        return None
+    if learner.sampler == "exact":
+        return max_lag + learner.uses_per_row - 1
+    if learner.sampler in ("window", "groups") and learner.new_rows_per_step:
+        return max_lag + math.ceil(learner.sample_window / learner.new_rows_per_step) - 1
+    return max_lag
+
+
 @dataclass
 class RunSettings:
     """Every run's settings. A pipeline's ``Settings`` subclasses it, adds its task's own fields (and
     may give these other defaults by declaring them again), and puts its own rules in :meth:`validate`."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"rounds_ahead": "max_lag", "rounds_per_version": "max_lag"}
+    """Pacing settings that became one (issue 42): ``--set`` with an old name is refused, naming the
+    new one (``pipeline.py``). ``rounds_ahead=0`` with ``rounds_per_version=2`` was ``max_lag=1``."""
 
     multi_turn: ClassVar[bool] = False
     """A pipeline whose rounds are agents' episodes (pipelines/tool_use.py) sets it True."""
@@ -71,13 +91,14 @@ class RunSettings:
     """Completions per prompt (GRPO's G): advantages compare the completions of one group."""
     temperature: float = 1.0
     """Sampling temperature; the learner recomputes log-probs at the same temperature."""
-    rounds_per_version: int | None = 2
-    """The collector writes at most this many rounds per policy version, then waits for new weights
-    (rounds the learner's next batch needs are written whatever this says; none: no limit)."""
-    rounds_ahead: int | None = 0
-    """Pacing: the collector generates what the learner's next batch needs plus at most this many
-    rounds, then waits for the learner to take them in (0: generation overlaps one learner step;
-    none: unpaced)."""
+    max_lag: int | None = 1
+    """How many policy versions the weights a row is sampled with may be behind the weights of the
+    learner step that trains it. 0: on-policy, as TRL: step k trains rows sampled with the version
+    step k-1 published, so the collector waits for each step and the learner for each round; 1: the
+    collector samples the next batch while the learner trains this one (one step of overlap); N:
+    up to N steps' rows ahead. The learner trains no row older than that (learner.max_staleness is
+    derived from it). none: unpaced, the newest weights, no bound (a collector recording a buffer).
+    docs/architecture.md#pacing says which to pick when."""
 
     # ---- buffer
     buffer_backend: Literal["memmap", "zarr"] = "memmap"
@@ -112,8 +133,7 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)  # every choice (the task's too) and every number finite
-        at_least = {"steps": 1, "group_size": 2, "segment_rows": 1, "threads": 1, "rounds_per_version": 1,
-                    "rounds_ahead": 0}
+        at_least = {"steps": 1, "group_size": 2, "segment_rows": 1, "threads": 1, "max_lag": 0}
         for name, least in at_least.items():
             value = getattr(self, name)
             if value is not None and value < least:
@@ -152,11 +172,13 @@ class RunSettings:
     def learner_settings(self) -> LearnerSettings:
         """What the learner trains with: ``learner`` and the values the run derives for it, here only.
         Log-probs are recomputed at the sampling temperature; rows wait on a vLLM engine's start (or a
-        restart), so the learner gives up no sooner than that allowance past ``data_timeout_s``."""
+        restart), so the learner gives up no sooner than that allowance past ``data_timeout_s``; no
+        row trains more than ``max_lag`` versions behind (:func:`max_staleness`)."""
         timeout = self.learner.data_timeout_s
         if self.generation.engine == "vllm":
             timeout += self.generation.start_timeout_s
-        return dataclasses.replace(self.learner, temperature=self.temperature, data_timeout_s=timeout)
+        return dataclasses.replace(self.learner, temperature=self.temperature, data_timeout_s=timeout,
+                                   max_staleness=max_staleness(self.max_lag, self.learner))
 
     def check_machine(self) -> None:
         """What the settings ask of this machine, which building them cannot check (the engine's

@@ -29,9 +29,9 @@ def _write(tmp_path, body: str) -> Path:
 
 def test_default_pipeline_loads_and_documents_its_settings():
     module = load_pipeline_module(DEFAULT)
-    settings = make_settings(module, ["steps=7", "learner.lr=0.001", "arch=llama", "learner.max_staleness=none"])
+    settings = make_settings(module, ["steps=7", "learner.lr=0.001", "arch=llama", "max_lag=none"])
     assert settings.steps == 7 and settings.learner.lr == 0.001 and settings.arch == "llama"
-    assert settings.learner.max_staleness is None
+    assert settings.max_lag is None and settings.learner_settings().max_staleness is None
     text = describe_settings(settings)
     assert "learner.lr (float) = 0.001" in text
     assert "Completions per prompt" in text  # the docstring under group_size

@@ -44,7 +44,7 @@ def run_synchronous(pipeline_path: str, *, steps: int, home: str, run_name: str,
     collector.set_policy_state(state, version)
     learner = Learner.from_pipeline(pipeline, paths)
     rounds = MetricsWriter(paths.collector_metrics(0))
-    needs = CollectorPacer(paths.pacing, shard_key(paths.shard(0), paths.buffer), rounds_ahead=0,
+    needs = CollectorPacer(paths.pacing, shard_key(paths.shard(0), paths.buffer), max_lag=0,
                            round_rows=collector.round_rows)
     try:
         learner.setup()

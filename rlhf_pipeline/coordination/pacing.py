@@ -1,5 +1,5 @@
-"""Collector pacing: a collector generates no more than the learner will train on, plus
-``rounds_ahead`` rounds.
+"""Collector pacing: a collector generates what the learner's next ``max_lag`` batches need, with
+weights at most ``max_lag`` versions behind those that train them, and no more.
 
 :class:`PacingPublisher` (the learner) rewrites ``<run>/pacing.json`` after every batch it takes in;
 :class:`CollectorPacer` (a collector) allows a round from it and names the policy version the round
@@ -19,7 +19,7 @@ from typing import Any
 
 from rlhf_pipeline.files.run_store import RunStore, state_store_and_key
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: ``next_version``, and in each ``recent`` draw
 PACING_FILE = "pacing.json"
 
 
@@ -44,8 +44,12 @@ class LearnerIntake:
     """The last time the learner said it was still waiting (renewed while it waits)."""
     policy_version: int = 0
     """The learner's weights when it took this batch in (its newest published version)."""
-    recent: list[tuple[int, int, dict[str, int]]] = field(default_factory=list)
-    """``(policy_version, next_draw_rows, consumed)`` of the last draws, this one included, oldest first."""
+    next_version: int = 0
+    """The weights the learner's next draw trains with: ``policy_version``, plus one when the step
+    this batch trains publishes (``max_lag=0`` samples the next draw's rows with it)."""
+    recent: list[tuple[int, int, int, dict[str, int]]] = field(default_factory=list)
+    """``(policy_version, next_version, next_draw_rows, consumed)`` of the last draws, this one
+    included, oldest first."""
     lacking: tuple[int, int, dict[str, int]] | None = None
     """While the learner waits, from a sampler that says it (``exact``): ``(the policy version the draw
     it waits for trains with, the rows that draw lacks, the rows per shard the sampler has seen)``;
@@ -57,8 +61,10 @@ class LearnerIntake:
         return {"format": FORMAT_VERSION, "step": self.step, "draws": self.draws,
                 "consumed": dict(self.consumed), "next_draw_rows": self.next_draw_rows,
                 "waiting_since": self.waiting_since, "waiting_seen": self.waiting_seen,
-                "policy_version": self.policy_version, "last_step": self.last_step,
-                "recent": [[version, need, dict(consumed)] for version, need, consumed in self.recent],
+                "policy_version": self.policy_version, "next_version": self.next_version,
+                "last_step": self.last_step,
+                "recent": [[version, next_version, need, dict(consumed)]
+                           for version, next_version, need, consumed in self.recent],
                 "lacking": None if self.lacking is None else [*self.lacking[:2], dict(self.lacking[2])]}
 
     @classmethod
@@ -68,15 +74,24 @@ class LearnerIntake:
                    next_draw_rows=int(data["next_draw_rows"]), waiting_since=data.get("waiting_since"),
                    waiting_seen=data.get("waiting_seen"),
                    policy_version=int(data.get("policy_version", 0)),
+                   next_version=int(data.get("next_version", data.get("policy_version", 0))),
                    last_step=bool(data.get("last_step", False)),
-                   recent=[_draw_entry(entry) for entry in data.get("recent", [])],
-                   lacking=None if data.get("lacking") is None else _draw_entry(data["lacking"]))
+                   recent=[_recent_entry(entry) for entry in data.get("recent", [])],
+                   lacking=None if data.get("lacking") is None else _lacking_entry(data["lacking"]))
 
 
-def _draw_entry(entry) -> tuple[int, int, dict[str, int]]:
-    """``(policy_version, rows, rows per shard)`` as ``recent`` and ``lacking`` hold them."""
+def _lacking_entry(entry) -> tuple[int, int, dict[str, int]]:
+    """``(policy_version, rows, rows per shard)`` as ``lacking`` holds them."""
     version, rows, per_shard = entry
     return int(version), int(rows), {str(k): int(n) for k, n in per_shard.items()}
+
+
+def _recent_entry(entry) -> tuple[int, int, int, dict[str, int]]:
+    """A ``recent`` draw; one of a checkpoint made before ``next_version`` names none: its own version."""
+    if len(entry) == 3:
+        entry = [entry[0], *entry]
+    version, next_version, rows, per_shard = entry
+    return int(version), int(next_version), int(rows), {str(k): int(n) for k, n in per_shard.items()}
 
 
 def read_intake(path: str | Path, *, store: RunStore | None = None) -> LearnerIntake | None:
@@ -122,7 +137,7 @@ class PacingPublisher:
     def publish(self, intake: LearnerIntake, *, new_draw: bool = True) -> None:
         """Publishes ``intake``; ``new_draw``: it follows a draw, which ``recent`` records."""
         if new_draw:
-            entry = (intake.policy_version, intake.next_draw_rows, dict(intake.consumed))
+            entry = (intake.policy_version, intake.next_version, intake.next_draw_rows, dict(intake.consumed))
             intake.recent = (list(self.intake.recent) + [entry])[-RECENT_DRAWS:]
         self.intake = intake
         if not self.write:
@@ -156,17 +171,18 @@ class RoundPlan:
 
 
 class CollectorPacer:
-    """Collector side: ``may_collect(rows_in_my_shard)`` says whether to generate a round now.
+    """Collector side: ``plan_round(rows_in_my_shard)`` says whether to generate a round now, and with
+    which weights.
 
-    ``rounds_ahead=None`` turns pacing off (every call says yes). ``learner_expected=False``
-    leaves it off until a learner's first publish.
+    ``max_lag=None`` turns pacing off (every round goes, with the newest weights).
+    ``learner_expected=False`` leaves it off until a learner's first publish.
     """
 
-    def __init__(self, path: str | Path, key: str, rounds_ahead: int | None, *, round_rows: int | None = None,
+    def __init__(self, path: str | Path, key: str, max_lag: int | None, *, round_rows: int | None = None,
                  stall_s: float = 1.0, learner_expected: bool = True, store: RunStore | None = None,
                  reread_s: float = 0.0) -> None:
-        if rounds_ahead is not None and rounds_ahead < 0:
-            raise ValueError(f"rounds_ahead must be >= 0 or None (got {rounds_ahead})")
+        if max_lag is not None and max_lag < 0:
+            raise ValueError(f"max_lag must be >= 0 or None (got {max_lag})")
         self.path = path
         self._store = store
         # at a URL each read is a GET: one read serves the calls of one loop iteration
@@ -174,7 +190,7 @@ class CollectorPacer:
         self._read_at = -math.inf
         self._intake: LearnerIntake | None = None
         self.key = key
-        self.rounds_ahead = rounds_ahead
+        self.max_lag = max_lag
         self.stall_s = stall_s
         self.learner_expected = learner_expected
         # rows of one round: as the collector says (round_written updates it), else the most one
@@ -194,25 +210,29 @@ class CollectorPacer:
         self._last_round_at = time.time()
 
     def target_rows(self, intake: LearnerIntake | None) -> float:
-        """The rows this collector's shard may hold before it waits (inf: no limit)."""
-        if self.rounds_ahead is None or not self.round_rows:
+        """The rows this collector's shard may hold before it waits (inf: no limit): its share of the
+        learner's next draw, and of ``max_lag - 1`` draws more."""
+        if self.max_lag is None or not self.round_rows:
             return math.inf  # unpaced, or no round written yet: its size is unknown
-        if intake is None:
-            return (self.rounds_ahead + 1) * self.round_rows if self.learner_expected else math.inf
+        if intake is None:  # the learner's first draw trains with version 0, which the rounds sample with
+            return max(self.max_lag, 1) * self.round_rows if self.learner_expected else math.inf
         if intake.last_step:  # rows past what it has taken in would never be trained on
             return intake.consumed.get(self.key, 0)
-        shards = len(set(intake.consumed) | {self.key})
-        share = math.ceil(intake.next_draw_rows / shards)
-        return intake.consumed.get(self.key, 0) + share + self.rounds_ahead * self.round_rows
+        share = math.ceil(intake.next_draw_rows / len(set(intake.consumed) | {self.key}))
+        return intake.consumed.get(self.key, 0) + max(self.max_lag, 1) * share
 
-    def version_for_round(self, shard_rows: int) -> int | None:
-        """The policy version a round starting at ``shard_rows`` rows uses: the learner's when it
-        published the first intake that allowed the round. None: unpaced, no intake yet (only the
-        initial policy exists), or no intake in ``recent`` allowed it (the stall rule did, or the
-        first one is too old): take the newest."""
-        if self.rounds_ahead is None:
-            return None
-        return self._pinned_version(self._read(), shard_rows, newer_than=None)
+    def version_for(self, intake: LearnerIntake, shard_rows: int) -> int:
+        """The weights a round starting at ``shard_rows``, allowed by ``intake``, samples with: the
+        oldest that keeps its last row (``round_rows`` on) within ``max_lag`` versions of the draw
+        that trains it, a version a draw: the learner's when it took the batch in (the round overlaps
+        its step), else the one its next draw trains with (waited for) -- never a later one, which
+        the learner cannot publish without this round. So with 1 a round that crosses into the batch
+        after next waits for the step in progress, and with 0 a round's tail in a later batch is a
+        version too old (passed over: ``learner.max_staleness``)."""
+        share = math.ceil(intake.next_draw_rows / len(set(intake.consumed) | {self.key}))
+        last_row = shard_rows + max(self.round_rows, 1) - 1
+        draws_on = (last_row - intake.consumed.get(self.key, 0)) // share if share else 0
+        return max(intake.policy_version, min(intake.next_version, intake.next_version + draws_on - self.max_lag))
 
     def _read(self) -> LearnerIntake | None:
         now = time.monotonic()
@@ -221,7 +241,7 @@ class CollectorPacer:
         return self._intake
 
     def may_collect(self, shard_rows: int) -> bool:
-        if self.rounds_ahead is None:
+        if self.max_lag is None:
             return True
         intake = self._read()
         if shard_rows < self.target_rows(intake):
@@ -252,66 +272,42 @@ class CollectorPacer:
         # supposed from this clock: a learner that died waiting says nothing more
         return intake.waiting_seen - max(intake.waiting_since, self._last_round_at) > self.stall_s
 
-    def needed(self, intake: LearnerIntake | None, shard_rows: int) -> bool:
-        """The learner's next batch needs a round starting at ``shard_rows`` (its share of it)."""
-        if intake is None:
-            return False
-        shares = len(set(intake.consumed) | {self.key})
-        return shard_rows < intake.consumed.get(self.key, 0) + math.ceil(intake.next_draw_rows / shares)
-
-    def plan_round(self, shard_rows: int, *, policy_version: int, rounds_at_version: int,
-                   rounds_per_version: int | None) -> RoundPlan:
-        """Whether a round starting at ``shard_rows`` may be written now, and with which weights.
-
-        ``policy_version`` is the collector's, ``rounds_at_version`` the rounds it wrote with it,
-        ``rounds_per_version`` the pipeline's limit (None: no limit). A round the learner's next
-        batch needs, or that the stall rule allows, is never held back by the limit: the learner
-        publishes no new version without it.
-        """
-        intake = self._read()
-        over = rounds_per_version is not None and rounds_at_version >= rounds_per_version
-        limited = (f"wrote {rounds_at_version} rounds with policy version {policy_version} "
-                   f"(rounds_per_version={rounds_per_version}); waiting for a newer version")
-        if self.rounds_ahead is None:  # unpaced: the newest weights; the limit yields to the learner's need
-            if over and not (self.needed(intake, shard_rows) or self._stalled(intake)):
-                return RoundPlan(True, None, policy_version + 1, limited)
+    def plan_round(self, shard_rows: int) -> RoundPlan:
+        """Whether a round starting at ``shard_rows`` may be written now, and with which weights:
+        the version pinned by the first intake that allowed it (:meth:`version_for`), the one the
+        learner's waiting draw trains with for a round that draw lacks, else the newest."""
+        if self.max_lag is None:
             return RoundPlan(True, None, 0, "")
-        target = self.target_rows(intake)
-        stalled = self._stalled(intake)
-        if shard_rows >= target and not stalled:
-            if self.lacked(intake, shard_rows):  # the draw it waits for needs it: never held back by the limit
+        intake = self._read()
+        if shard_rows >= self.target_rows(intake) and not self._stalled(intake):
+            if self.lacked(intake, shard_rows):  # the draw it waits for needs it: with the version it trains with
                 version = intake.lacking[0]
                 return RoundPlan(True, version, version, f"waiting for policy version {version}, the one the "
                                  f"learner's waiting draw trains with")
-            taken = intake.consumed.get(self.key, 0) if intake is not None else 0
             if intake is not None and intake.last_step:
                 return RoundPlan(False, None, 0, "the learner has taken in the batch of its last step: "
                                                  "waiting for the run to stop")
+            taken = intake.consumed.get(self.key, 0) if intake is not None else 0
             return RoundPlan(False, None, 0,
                              f"the shard holds {shard_rows} rows, {shard_rows - taken} past what the learner has "
-                             f"taken in, as many as its next batch and rounds_ahead={self.rounds_ahead} ask for: "
+                             f"taken in, as many as its next batches within max_lag={self.max_lag} ask for: "
                              f"waiting for the learner to take rows in")
-        version = self._pinned_version(intake, shard_rows, newer_than=policy_version if over else None)
+        version = self._pinned_version(intake, shard_rows)
         if version is not None:
             return RoundPlan(True, version, version,
-                             f"waiting for policy version {version}, the learner's when it asked for this round")
-        if over and not stalled and not self.needed(intake, shard_rows):
-            # an intake that asks for the round, or allows it with a newer version, will come
-            return RoundPlan(False, None, 0, limited + " or for the learner to ask for this round")
+                             f"waiting for policy version {version}, the one pacing names for this round "
+                             f"(max_lag={self.max_lag})")
         return RoundPlan(True, None, 0, "")  # no intake yet, the stall rule, or too old: the newest
 
-    def _pinned_version(self, intake: LearnerIntake | None, shard_rows: int, newer_than: int | None) -> int | None:
-        """The version of the first intake in ``recent`` that allowed the round (``newer_than``
-        None), or past the limit the first that needs it or allows it with a version newer than
-        ``newer_than``; None when there is none."""
+    def _pinned_version(self, intake: LearnerIntake | None, shard_rows: int) -> int | None:
+        """The version :meth:`version_for` names from the first intake in ``recent`` that allowed the
+        round; None when there is none."""
         if intake is None:
             return None
-        for version, need, consumed in intake.recent:
+        for version, next_version, need, consumed in intake.recent:
             # draws before the newest were not the run's last step (and the last allows no new round)
-            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need, last_step=False)
-            allowed = shard_rows < self.target_rows(earlier)
-            if newer_than is None and allowed:
-                return version
-            if newer_than is not None and (self.needed(earlier, shard_rows) or (allowed and version > newer_than)):
-                return version
+            earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need, last_step=False,
+                                          policy_version=version, next_version=next_version)
+            if shard_rows < self.target_rows(earlier):
+                return self.version_for(earlier, shard_rows)
         return None

@@ -198,6 +198,7 @@ class Learner:
         intake.waiting_since = intake.waiting_seen = intake.lacking = None  # a wait from before the stop is over
         intake.last_step = self.progress.step >= self.total_steps  # resumed with more --steps: it draws on
         intake.policy_version = self.progress.policy_version
+        intake.next_version = max(intake.next_version, intake.policy_version)  # a new learner's first draw: its own
         self._pacing.intake = intake
         if not self.data_parallel.is_main:  # only rank 0 writes files
             return
@@ -411,16 +412,21 @@ class Learner:
         needs. Only a draw that ``trains`` can be the run's last step (``last_step``: collectors
         then write no more rounds); one that does not is followed by another draw."""
         intake.last_step = trains and self.progress.step + 1 >= self.total_steps
+        intake.next_version = self._next_draw_version(trains)  # what max_lag=0 samples the next rows with
         if self.data_parallel.is_main:
             self._pacing.publish(intake)
         else:
             self._pacing.intake = intake  # (what rank 0 checkpoints; kept alike on every rank)
 
     def _expect_next_draw(self, trains: bool) -> None:
-        """Tells the prefetch thread the version the next draw trains with: this one's, plus the
-        version this step publishes if it ``trains``."""
+        """Tells the prefetch thread the version the next draw trains with."""
+        self._draw_versions.expect(self.progress.draws, self._next_draw_version(trains))
+
+    def _next_draw_version(self, trains: bool) -> int:
+        """The version the draw after this one trains with: this one's, plus the version this step
+        publishes if it ``trains``."""
         publishes = trains and (self.progress.step + 1) % self.settings.publish_every == 0
-        self._draw_versions.expect(self.progress.draws, self.progress.policy_version + int(publishes))
+        return self.progress.policy_version + int(publishes)
 
     @property
     def _feedback(self) -> bool:

@@ -136,9 +136,10 @@ class LearnerSettings:
     new_rows_per_step: int = 0
     """Each step waits until the collector has written this many new rows since the previous
     step (an update-to-data ratio: rows are reused ~batch_size / this times). 0 never waits."""
-    max_staleness: int | None = 2
+    max_staleness: int | None = field(default=None, metadata={"derived_from": "max_lag"})
     """Rows sampled by a policy more than this many versions older than the learner's are not
-    used. None disables the bound (offline replay of a recorded buffer)."""
+    used (None: no bound). Set from the run's ``max_lag`` and this sampler's reuses
+    (``run_settings.max_staleness``), never on its own."""
     publish_every: int = 1
     """Publish the weights as a new version every this many steps."""
     checkpoint_every: int = 50
@@ -199,7 +200,7 @@ class LearnerSettings:
             # an epoch walks recorded rows of old policies: every batch would be dropped as stale,
             # and the sampler would serve the same rows again, forever
             raise bad("max_staleness", f"must be None with sampler=epoch, which replays recorded rows (got "
-                                       f"{self.max_staleness}); add --set learner.max_staleness=none")
+                                       f"{self.max_staleness}); a run derives it so: pass max_staleness=None")
         if self.epoch_rows is not None and self.epoch_rows < 1:
             raise bad("epoch_rows", f"must be >= 1 or None (got {self.epoch_rows})")
         if self.shuffle_window_rows < 0:

@@ -160,11 +160,11 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 say(f"{tag} the round in flight at the last stop was written in part ({stored} groups); "
                     f"generating it again and writing only its groups not stored yet")
         collector.set_policy_state(state, version)
-        # generate no more than the learner will take in, plus collect_rounds_ahead rounds
-        # (alone, with no learner yet, it may be recording a buffer: unpaced until one publishes)
+        # generate what the learner's next max_lag batches need, no more (alone, with no learner
+        # yet, it may be recording a buffer: unpaced until one publishes)
         key = shard_key(store_path, paths.buffer) if not paths.buffer_url else shard_key_of(store_path)
         pacing, pacing_store = paths.state_object(paths.pacing)
-        pacer = CollectorPacer(pacing, key, pipeline.settings.rounds_ahead, round_rows=collector.round_rows,
+        pacer = CollectorPacer(pacing, key, pipeline.settings.max_lag, round_rows=collector.round_rows,
                                learner_expected=stop.launcher_fd is not None, store=pacing_store,
                                reread_s=0.0 if paths.url is None else 0.05)
         metrics_log, metrics_store = paths.state_object(paths.collector_metrics(collector_index))
@@ -177,12 +177,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         say(f"{tag} writing to {store_path}{lease} with policy version {version}")
         # a paced round takes the version pacing names for it, not the newest: the same weights
         # for every round of a seed, whenever the learner publishes (pacing.py)
-        pinned = pacer.rounds_ahead is not None
+        pinned = pacer.max_lag is not None
         waiting_since = None
         while not stop_check() and (rounds is None or done < rounds):
-            plan = pacer.plan_round(rows.next_row, policy_version=collector.policy_version,
-                                    rounds_at_version=collector.rounds_at_version,
-                                    rounds_per_version=pipeline.settings.rounds_per_version)
+            plan = pacer.plan_round(rows.next_row)
             if not collector.has_round_ahead:  # a round submitted ahead (runs/round_ahead.py) takes no new weights
                 update = (poller.poll_version(plan.version) if plan.version is not None and pinned
                           else poller.poll() if plan.allowed or not pinned else None)  # unpaced or stalled: the newest
@@ -203,9 +201,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             rows_before = store.next_row
             collector.runner_state = _clock(retention)  # published with the round's rows
             next_round = None if rounds is not None and done + 1 >= rounds else ahead_rule(
-                pacer, poller, rows, policy_version=collector.policy_version,
-                rounds_at_version=collector.rounds_at_version, pinned=pinned,
-                per_version=pipeline.settings.rounds_per_version)
+                pacer, poller, rows, policy_version=collector.policy_version, pinned=pinned)
             try:
                 collector.collect(next_round=next_round)
             except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops

@@ -248,9 +248,6 @@ def _replay_learner_settings(learner, options: ReplayOptions, rows: int):
                                "max_staleness": None, "new_rows_per_step": 0}
     if options.shuffle_window_rows is not None:
         changes["shuffle_window_rows"] = options.shuffle_window_rows
-    if learner.max_staleness is not None:
-        print(f"[replay] note: learner.max_staleness={learner.max_staleness} does not apply to a replay: the "
-              f"rows carry the policy versions of the run that recorded them", file=sys.stderr, flush=True)
     try:
         return dataclasses.replace(learner, **changes)
     except ValueError as exc:

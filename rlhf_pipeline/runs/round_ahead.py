@@ -14,8 +14,8 @@ one way with them), and the weights it takes are the ones the collector holds:
 
 So a new version due means no overlap: the round after waits and loads it between rounds, as
 today. The stall rule is not used (it counts from this collector's last round, which has not ended),
-nor are rounds past the run's limit; what pacing counts (rounds written, rows ahead of the learner,
-its wait) is what the rounds write, as without overlap.
+and what pacing counts (rows ahead of the learner, its wait) is what the rounds write, as without
+overlap.
 """
 
 from __future__ import annotations
@@ -28,18 +28,14 @@ from rlhf_pipeline.coordination.weights import latest_version
 
 
 def next_round_goes_ahead(pacer: CollectorPacer, poller: Any, *, shard_rows: int, rows_to_come: int,
-                          policy_version: int, rounds_at_version: int, rounds_per_version: int | None,
-                          pinned: bool) -> bool:
+                          policy_version: int, pinned: bool) -> bool:
     """True when the round after the current one may be submitted now (see the module docstring).
 
-    ``shard_rows``: the shard's rows now; ``rows_to_come``: the current round's rows not appended yet;
-    ``rounds_at_version``: the rounds written with ``policy_version`` before the current one."""
-    plans = [pacer.plan_round(rows, policy_version=policy_version, rounds_at_version=rounds_at_version + 1,
-                              rounds_per_version=rounds_per_version)
-             for rows in (shard_rows, shard_rows + rows_to_come)]
+    ``shard_rows``: the shard's rows now; ``rows_to_come``: the current round's rows not appended yet."""
+    plans = [pacer.plan_round(rows) for rows in (shard_rows, shard_rows + rows_to_come)]
     if not all(plan.allowed and plan.min_version <= policy_version for plan in plans):
         return False
-    if pacer.rounds_ahead is not None and not pacer.within_target(shard_rows + rows_to_come):
+    if pacer.max_lag is not None and not pacer.within_target(shard_rows + rows_to_come):
         return False  # allowed by the stall rule only
     if len({plan.version for plan in plans}) != 1:
         return False
@@ -50,10 +46,10 @@ def next_round_goes_ahead(pacer: CollectorPacer, poller: Any, *, shard_rows: int
     return newest is None or newest <= policy_version
 
 
-def ahead_rule(pacer: CollectorPacer, poller: Any, rows: Any, *, policy_version: int, rounds_at_version: int,
-               per_version: int | None, pinned: bool) -> Callable[[int], bool]:
-    """``collect(next_round=...)`` for a round started with ``policy_version`` after ``rounds_at_version``
-    rounds with it; ``rows``: the shard's row count (``next_row``), read when asked."""
+def ahead_rule(pacer: CollectorPacer, poller: Any, rows: Any, *, policy_version: int,
+               pinned: bool) -> Callable[[int], bool]:
+    """``collect(next_round=...)`` for a round started with ``policy_version``; ``rows``: the shard's
+    row count (``next_row``), read when asked."""
     return lambda rows_to_come: next_round_goes_ahead(
         pacer, poller, shard_rows=rows.next_row, rows_to_come=rows_to_come, policy_version=policy_version,
-        rounds_at_version=rounds_at_version, rounds_per_version=per_version, pinned=pinned)
+        pinned=pinned)

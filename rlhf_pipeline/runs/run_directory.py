@@ -30,8 +30,9 @@ from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
 from rlhf_pipeline.storage.locking import pid_running
 
 # settings that may change between starts of one run; learner.* may too (with a note);
-# the rest define the data in the buffer and must match (the buffer's writer lock does not)
-_RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s"}
+# the rest define the data in the buffer and must match (the buffer's writer lock does not; max_lag
+# paces the rows still to come and bounds the learner, as learner.max_staleness did before it)
+_RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "max_lag"}
 
 
 class RunError(RuntimeError):

@@ -35,22 +35,24 @@ def make_model():
 
 
 # ====================================================================== the rule
-def test_a_collector_writes_the_learners_next_batch_plus_rounds_ahead(tmp_path):
+def test_a_collector_writes_the_learners_next_max_lag_batches(tmp_path):
     path = tmp_path / "pacing.json"
-    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=1, round_rows=ROUND)
-    # before the learner's first publish: rounds_ahead + 1 rounds
+    pacer = CollectorPacer(path, "shard-0000", max_lag=2, round_rows=ROUND)
+    # before the learner's first publish: max_lag rounds
     assert pacer.may_collect(8) and not pacer.may_collect(16)
     learner = PacingPublisher(path)
     learner.publish(LearnerIntake(step=3, draws=3, consumed={"shard-0000": 24}, next_draw_rows=8))
     assert read_intake(path) == learner.intake
-    assert pacer.target_rows(read_intake(path)) == 24 + 8 + ROUND
+    assert pacer.target_rows(read_intake(path)) == 24 + 2 * 8
     assert pacer.may_collect(39) and not pacer.may_collect(40)
     # with two shards the next batch is shared; a shard the learner has not seen counts from 0
     learner.publish(LearnerIntake(3, 3, {"shard-0000": 24, "shard-0001": 16}, next_draw_rows=16))
-    assert pacer.target_rows(read_intake(path)) == 24 + 8 + ROUND
-    late = CollectorPacer(path, "shard-0002", rounds_ahead=0, round_rows=ROUND)
+    assert pacer.target_rows(read_intake(path)) == 24 + 2 * 8
+    late = CollectorPacer(path, "shard-0002", max_lag=1, round_rows=ROUND)
     assert late.target_rows(read_intake(path)) == 0 + 6  # ceil(16 / 3 shards)
-    assert CollectorPacer(path, "shard-0000", rounds_ahead=None).may_collect(10**9)  # unpaced
+    on_policy = CollectorPacer(path, "shard-0002", max_lag=0, round_rows=ROUND)
+    assert on_policy.target_rows(read_intake(path)) == 0 + 6  # the next batch: its weights are waited for
+    assert CollectorPacer(path, "shard-0000", max_lag=None).may_collect(10**9)  # unpaced
 
 
 def test_after_the_learners_last_step_no_round_is_allowed(tmp_path):
@@ -58,14 +60,14 @@ def test_after_the_learners_last_step_no_round_is_allowed(tmp_path):
     or the share of a next batch it would have needed, and the collector's wait line says why."""
     path = tmp_path / "pacing.json"
     learner = PacingPublisher(path)
-    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=1, round_rows=ROUND)
+    pacer = CollectorPacer(path, "shard-0000", max_lag=2, round_rows=ROUND)
     learner.publish(LearnerIntake(step=4, draws=5, consumed={"shard-0000": 40}, next_draw_rows=8, last_step=True))
     assert read_intake(path).last_step
     assert pacer.target_rows(read_intake(path)) == 40 and not pacer.may_collect(40)
-    plan = pacer.plan_round(40, policy_version=4, rounds_at_version=0, rounds_per_version=None)
+    plan = pacer.plan_round(40)
     assert not plan.allowed and "last step" in plan.waiting_for
     learner.publish(LearnerIntake(step=4, draws=5, consumed={"shard-0000": 40}, next_draw_rows=8))
-    assert pacer.may_collect(40 + 8 + ROUND - 1)  # the same intake, not the last: its next batch and a round
+    assert pacer.may_collect(40 + 2 * 8 - 1)  # the same intake, not the last: its next two batches
 
 
 def test_pacing_through_a_run_store_reads_once_per_reread_interval(tmp_path):
@@ -75,7 +77,7 @@ def test_pacing_through_a_run_store_reads_once_per_reread_interval(tmp_path):
 
     store = LocalRunStore(tmp_path / "run")
     learner = PacingPublisher("pacing.json", store=store)
-    pacer = CollectorPacer("pacing.json", "shard-0000", rounds_ahead=0, round_rows=ROUND, store=store, reread_s=0.2)
+    pacer = CollectorPacer("pacing.json", "shard-0000", max_lag=1, round_rows=ROUND, store=store, reread_s=0.2)
     learner.publish(LearnerIntake(step=1, draws=1, consumed={"shard-0000": 8}, next_draw_rows=8))
     assert pacer.may_collect(15) and not pacer.may_collect(16)
     learner.publish(LearnerIntake(step=2, draws=2, consumed={"shard-0000": 16}, next_draw_rows=8))
@@ -87,7 +89,7 @@ def test_pacing_through_a_run_store_reads_once_per_reread_interval(tmp_path):
 
 def test_a_collector_alone_is_unpaced_until_a_learner_publishes(tmp_path):
     path = tmp_path / "pacing.json"
-    alone = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, learner_expected=False)
+    alone = CollectorPacer(path, "shard-0000", max_lag=1, round_rows=ROUND, learner_expected=False)
     assert alone.may_collect(10 * ROUND)  # `collect` recording a buffer with no learner
     PacingPublisher(path).publish(LearnerIntake(step=1, draws=1, consumed={"shard-0000": 8}, next_draw_rows=8))
     assert alone.may_collect(15) and not alone.may_collect(16)  # a learner came: paced from now on
@@ -98,7 +100,7 @@ def test_a_learner_still_waiting_after_a_round_gets_one_more(tmp_path):
     path = tmp_path / "pacing.json"
     learner = PacingPublisher(path)
     learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=0))
-    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, stall_s=0.2)
+    pacer = CollectorPacer(path, "shard-0000", max_lag=1, round_rows=ROUND, stall_s=0.2)
     pacer.round_written(ROUND)
     assert not pacer.may_collect(16)
     learner.waiting()
@@ -122,7 +124,7 @@ def test_a_learner_that_died_waiting_gets_no_more_rounds(tmp_path):
     path = tmp_path / "pacing.json"
     learner = PacingPublisher(path)
     learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=0))
-    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, stall_s=0.05)
+    pacer = CollectorPacer(path, "shard-0000", max_lag=1, round_rows=ROUND, stall_s=0.05)
     learner.waiting()
     time.sleep(0.1)
     learner.waiting()  # not yet renewed: within WAITING_RENEW_S of the last
@@ -139,12 +141,12 @@ def test_a_learner_slow_to_read_rows_it_has_gets_no_round_from_the_stall_rule(tm
     path = tmp_path / "pacing.json"
     learner = PacingPublisher(path)
     learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=8, policy_version=1))
-    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, stall_s=1.0)
+    pacer = CollectorPacer(path, "shard-0000", max_lag=1, round_rows=ROUND, stall_s=1.0)
     pacer.round_written(ROUND)  # 16 rows: what the learner's next draw needs
     now = time.time()  # the learner still says it waits a minute after that round (a slow read)
     waits = dataclasses.replace(learner.intake, waiting_since=now - 1, waiting_seen=now + 60)
     learner.publish(waits, new_draw=False)
-    plan = lambda: pacer.plan_round(16, policy_version=1, rounds_at_version=1, rounds_per_version=2)  # noqa: E731
+    plan = lambda: pacer.plan_round(16)  # noqa: E731
     assert plan().allowed and plan().version is None  # a sampler that says nothing: the rule, the newest weights
     learner.publish(dataclasses.replace(waits, lacking=(2, 0, {"shard-0000": 16})), new_draw=False)
     assert not plan().allowed and not pacer.may_collect(16)  # it has its rows, it is reading them
@@ -158,11 +160,11 @@ def test_a_waiting_learner_gets_the_rows_its_sampler_lacks_at_once_with_its_draw
     path = tmp_path / "pacing.json"
     learner = PacingPublisher(path)
     learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=8, policy_version=1))
-    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=0, round_rows=ROUND, stall_s=1e9)
+    pacer = CollectorPacer(path, "shard-0000", max_lag=1, round_rows=ROUND, stall_s=1e9)
     assert not pacer.may_collect(16)
     learner.waiting((3, 5, {"shard-0000": 16}))
-    plan = pacer.plan_round(16, policy_version=1, rounds_at_version=2, rounds_per_version=2)
-    assert (plan.allowed, plan.version, plan.min_version) == (True, 3, 3)  # needed: past the version limit too
+    plan = pacer.plan_round(16)
+    assert (plan.allowed, plan.version, plan.min_version) == (True, 3, 3)
     assert pacer.may_collect(20) and not pacer.may_collect(21)  # 5 rows lacking: a round from 16 to 20 on
     learner.waiting((3, 5, {"shard-0000": 16, "shard-0001": 4}))
     assert pacer.may_collect(18) and not pacer.may_collect(19)  # its share, ceil(5 / 2)
@@ -175,37 +177,74 @@ def test_a_round_uses_the_version_of_the_intake_that_first_allowed_it(tmp_path):
     the weights the learner held when the round first became allowed, so timing cannot change it."""
     path = tmp_path / "pacing.json"
     learner = PacingPublisher(path)
-    pacer = CollectorPacer(path, "shard-0000", rounds_ahead=1, round_rows=ROUND)
-    assert pacer.version_for_round(0) is None  # no learner yet: only the initial policy exists
+    pacer = CollectorPacer(path, "shard-0000", max_lag=2, round_rows=ROUND)
+    assert pacer.plan_round(0).version is None  # no learner yet: only the initial policy exists
     learner.publish(LearnerIntake(0, 0, {}, next_draw_rows=8, policy_version=0))
     for step in range(1, 6):  # draw `step` took rows up to 8 * step, trained with version step - 1
         learner.publish(LearnerIntake(step - 1, step, {"shard-0000": 8 * step}, next_draw_rows=8,
-                                      policy_version=step - 1))
+                                      policy_version=step - 1, next_version=step))
     learner.waiting()  # a republish, not a draw
-    # a round starting at 8r rows is allowed once 8r < consumed + 8 + 8, i.e. from draw r - 1
-    assert [pacer.version_for_round(8 * r) for r in range(7)] == [0, 0, 0, 1, 2, 3, 4]
-    assert pacer.version_for_round(8 * 7) is None  # not allowed yet (or only by the stall rule)
-    assert CollectorPacer(path, "shard-0000", rounds_ahead=None).version_for_round(0) is None  # unpaced
-    assert read_intake(path).recent[-1] == (4, 8, {"shard-0000": 40})
+    # a round starting at 8r rows is allowed once 8r < consumed + 2 * 8, i.e. from draw r - 1
+    assert [pacer.plan_round(8 * r).version for r in range(7)] == [0, 0, 0, 1, 2, 3, 4]
+    assert not pacer.plan_round(8 * 7).allowed  # not allowed yet (the stall rule would take the newest)
+    assert CollectorPacer(path, "shard-0000", max_lag=None).plan_round(0).version is None  # unpaced
+    assert read_intake(path).recent[-1] == (4, 5, 8, {"shard-0000": 40})
+
+
+def test_on_policy_a_round_waits_for_the_version_the_draw_it_feeds_trains_with(tmp_path):
+    """max_lag=0: the rows of step k are sampled with the version step k-1 publishes, which the round
+    waits for; the learner's next batch alone is allowed, never a round more."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    pacer = CollectorPacer(path, "shard-0000", max_lag=0, round_rows=ROUND)
+    learner.publish(LearnerIntake(0, 0, {}, next_draw_rows=8, policy_version=0, next_version=0))
+    assert pacer.may_collect(0) and not pacer.may_collect(8)  # draw 0 trains with version 0: no wait
+    assert pacer.plan_round(0).version == 0
+    for step in range(1, 4):  # draw `step` trains with version step - 1 and publishes version step
+        learner.publish(LearnerIntake(step - 1, step, {"shard-0000": 8 * step}, next_draw_rows=8,
+                                      policy_version=step - 1, next_version=step))
+    plans = [pacer.plan_round(8 * r) for r in range(4)]
+    assert [(plan.version, plan.min_version) for plan in plans] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert not pacer.plan_round(8 * 4).allowed
+    # a draw that publishes nothing (publish_every > 1, or one that trains nothing) keeps its version
+    learner.publish(LearnerIntake(3, 4, {"shard-0000": 32}, next_draw_rows=8, policy_version=3, next_version=3))
+    assert pacer.plan_round(32).version == 3
+
+
+def test_a_round_that_would_cross_into_the_batch_after_next_waits_for_the_step_in_progress(tmp_path):
+    """max_lag=1 with rounds of 12 rows and batches of 8: sampled with the version the learner holds,
+    the round's last rows would train two versions later; it waits for the next version instead
+    (never a later one, which needs its rows), so nothing is generated to be passed over."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    learner.publish(LearnerIntake(2, 3, {"shard-0000": 16}, next_draw_rows=8, policy_version=2, next_version=3))
+    crossing = CollectorPacer(path, "shard-0000", max_lag=1, round_rows=12).plan_round(16)
+    assert (crossing.allowed, crossing.version, crossing.min_version) == (True, 3, 3)
+    within = CollectorPacer(path, "shard-0000", max_lag=1, round_rows=8).plan_round(16)
+    assert within.version == 2  # all its rows in the next batch: it overlaps the step in progress
+    ahead = CollectorPacer(path, "shard-0000", max_lag=2, round_rows=12).plan_round(16)
+    assert ahead.version == 2  # two versions allowed: the crossing round overlaps too
+    on_policy = CollectorPacer(path, "shard-0000", max_lag=0, round_rows=12).plan_round(16)
+    assert on_policy.version == 3  # its tail in the batch after next is passed over by the learner
 
 
 def test_shard_keys_match_the_learners(tmp_path):
     assert shard_key(tmp_path / "buffer" / "shard-0003", tmp_path / "buffer") == "shard-0003"
     assert shard_key(tmp_path / "buffer", tmp_path / "buffer") == "."
-    with pytest.raises(ValueError, match="rounds_ahead must be >= 0"):
-        CollectorPacer(tmp_path / "p.json", ".", rounds_ahead=-1)
+    with pytest.raises(ValueError, match="max_lag must be >= 0"):
+        CollectorPacer(tmp_path / "p.json", ".", max_lag=-1)
 
 
 # ====================================================================== learner + writers
 class PacedWriter(threading.Thread):
     """A collector's loop around a real store: a round of whole groups whenever the pacer allows."""
 
-    def __init__(self, paths: RunPaths, index: int, rounds_ahead: int, start_at_step: int = 0) -> None:
+    def __init__(self, paths: RunPaths, index: int, max_lag: int, start_at_step: int = 0) -> None:
         super().__init__(daemon=True)
         store_path = paths.shard(index)
         self.store = create_store(store_path, "memmap", schema=StoreSchema(optional=("advantage",)),
                                   segment_rows=64)
-        self.pacer = CollectorPacer(paths.pacing, shard_key(store_path, paths.buffer), rounds_ahead,
+        self.pacer = CollectorPacer(paths.pacing, shard_key(store_path, paths.buffer), max_lag,
                                     round_rows=ROUND)
         self.index, self.start_at_step = index, start_at_step
         self.stop = threading.Event()
@@ -235,11 +274,11 @@ class PacedWriter(threading.Thread):
             self.most_ahead = max(self.most_ahead, self.store.next_row - taken)
 
 
-def paced_run(tmp_path, *, writers: int, rounds_ahead: int, steps: int, late: int = 0, on_step=None, **learner):
+def paced_run(tmp_path, *, writers: int, max_lag: int, steps: int, late: int = 0, on_step=None, **learner):
     """``on_step(step, threads)``: called after each learner step with the writer threads."""
     paths = RunPaths(tmp_path / "run")
     publish_weights(paths.root, make_model().state_dict(), 0)
-    threads = [PacedWriter(paths, k, rounds_ahead, start_at_step=late if k == writers - 1 else 0)
+    threads = [PacedWriter(paths, k, max_lag, start_at_step=late if k == writers - 1 else 0)
                for k in range(writers)]
     settings = dataclasses.replace(LearnerSettings(batch_size=16, sampler="exact", micro_batch_tokens=4096,
                                                    max_staleness=None, checkpoint_every=1000, data_timeout_s=60),
@@ -277,7 +316,7 @@ def wait_for_a_look_after_it(step: int, threads: list[PacedWriter], last: int) -
 
 def test_a_paced_collector_writes_what_the_learner_trains_on_and_no_more(tmp_path):
     """Not even the round of a step after the last: the buffer a run leaves is the same at any load."""
-    paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=6,
+    paths, (writer,) = paced_run(tmp_path, writers=1, max_lag=1, steps=6,
                                  on_step=lambda step, threads: wait_for_a_look_after_it(step, threads, last=6))
     last = read_metrics(paths.metrics)[-1]
     # 16 rows a step, each trained on once; the collector never ran past the next batch
@@ -289,28 +328,29 @@ def test_a_paced_collector_writes_what_the_learner_trains_on_and_no_more(tmp_pat
 
 
 def test_several_collectors_and_a_late_one_feed_the_learner_without_deadlock(tmp_path):
-    paths, writers = paced_run(tmp_path, writers=3, rounds_ahead=1, steps=12, late=2)
+    paths, writers = paced_run(tmp_path, writers=3, max_lag=2, steps=12, late=2)
     records = read_metrics(paths.metrics)
     assert records[-1]["charts/rows_trained"] == 12 * 16
     # the late collector got its rows in, and batches mixed shards; the exact sampler trains on
     # rows in write order, so nearly all that was written was trained on: each shard is at most
-    # its share of the next batch and one round past the learner's intake
+    # its share of the next two batches and one round past the learner's intake
     assert writers[2].store.next_row > 0 and max(r["charts/collectors_in_batch"] for r in records) >= 2
     assert sum(w.store.next_row for w in writers) <= 12 * 16 + 3 * (2 * ROUND + ROUND)
-    # each at most its share of the next batch (16 / 3, rounded up to whole rounds) and one round ahead
-    assert all(w.most_ahead <= 2 * ROUND + ROUND for w in writers)
+    # each at most its share of the next two batches (2 x 16 / 2 while the late one is unseen) and
+    # the round that crossed it
+    assert all(w.most_ahead <= 2 * 8 + ROUND for w in writers)
 
 
 def test_a_batch_of_two_rounds_with_nothing_ahead_does_not_deadlock(tmp_path):
     """The learner says it needs 32 rows; a paced collector writes both rounds, then waits."""
-    paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=3, batch_size=32)
+    paths, (writer,) = paced_run(tmp_path, writers=1, max_lag=1, steps=3, batch_size=32)
     assert read_metrics(paths.metrics)[-1]["charts/rows_trained"] == 3 * 32
     assert writer.store.next_row <= 4 * 32
 
 
 def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
     """Collectors that ran ahead of a learner's last checkpoint wait while it catches up."""
-    paths, (writer,) = paced_run(tmp_path, writers=1, rounds_ahead=0, steps=3)
+    paths, (writer,) = paced_run(tmp_path, writers=1, max_lag=1, steps=3)
     PacingPublisher(paths.pacing).publish(LearnerIntake(9, 9, {"shard-0000": 999}, 16, waiting_since=1.0))
     resumed = Learner(LearnerSettings(batch_size=16, sampler="exact", max_staleness=None), paths,
                       make_model=make_model, steps=5, seed=0, show_progress=False)
@@ -328,15 +368,14 @@ class VersionedWriter(PacedWriter):
     """A :class:`PacedWriter` that stamps each round with the policy version pacing names for it, as
     ``collect_main`` samples it, and waits for the stall rule never (``stall_s`` out of reach)."""
 
-    def __init__(self, paths: RunPaths, rounds_ahead: int) -> None:
-        super().__init__(paths, 0, rounds_ahead)
+    def __init__(self, paths: RunPaths, max_lag: int) -> None:
+        super().__init__(paths, 0, max_lag)
         self.pacer.stall_s = 1e9
         self.versions: list[int] = []  # of each round
 
     def run(self) -> None:
         while not self.stop.is_set():
-            plan = self.pacer.plan_round(self.store.next_row, policy_version=0, rounds_at_version=0,
-                                         rounds_per_version=None)
+            plan = self.pacer.plan_round(self.store.next_row)
             if not plan.allowed:
                 time.sleep(0.005)
                 continue
@@ -355,7 +394,7 @@ def test_rows_the_learner_passes_over_as_stale_are_written_again_with_its_draws_
     go by (out of reach here) the learner waited till its data timeout."""
     paths = RunPaths(tmp_path / "run")
     publish_weights(paths.root, make_model().state_dict(), 0)
-    writer = VersionedWriter(paths, rounds_ahead=1)
+    writer = VersionedWriter(paths, max_lag=2)
     settings = LearnerSettings(batch_size=8, sampler="exact", micro_batch_tokens=4096, max_staleness=0,
                                checkpoint_every=1000, data_timeout_s=60)
     learner = Learner(settings, paths, make_model=make_model, steps=3, seed=0, show_progress=False)

@@ -12,7 +12,7 @@ from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_set
 
 
 @pytest.mark.parametrize("pipeline, overrides", [
-    (DEFAULT_PIPELINE, ["arch=llama", "learner.loss.clip_eps_high=0.28", "learner.max_staleness=none"]),
+    (DEFAULT_PIPELINE, ["arch=llama", "learner.loss.clip_eps_high=0.28", "max_lag=none"]),
     (REPO / "pipelines" / "qwen_math.py", ["model_path=/models/q", "learner.loss.aggregation=sequence_mean"]),
 ])
 def test_settings_come_back_from_their_json(pipeline, overrides):

@@ -58,7 +58,7 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path, cap
     learn = ["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "shared", *SMALL]
     capfd.readouterr()
     assert main([*learn, "--steps", "5", "--set", "learner.sampler=window", "--set", "learner.new_rows_per_step=0",
-                 "--set", "learner.max_staleness=none"]) == 0
+                 "--set", "max_lag=none"]) == 0
     learner_out = "".join(capfd.readouterr())
     assert "resuming from" in learner_out and "(step 3)" in learner_out
     assert "learner settings changed" in learner_out
@@ -216,8 +216,7 @@ def test_a_collector_killed_mid_run_of_a_sharded_zarr_buffer_resumes_exactly(tmp
     from rlhf_pipeline.storage import ShardedStoreReader
 
     command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2",
-               "--home", str(tmp_path), "--run-name", "crash", *SMALL, "--set", "buffer_backend=zarr",
-               "--set", "rounds_per_version=1"]
+               "--home", str(tmp_path), "--run-name", "crash", *SMALL, "--set", "buffer_backend=zarr"]
     run = tmp_path / "crash"
     first = subprocess.Popen([*command, "--steps", "50"], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -268,7 +267,7 @@ def test_a_resumed_collector_numbers_its_rounds_on_from_where_it_stopped(tmp_pat
     (it once counted again from 1: its 20th round then, nothing said)."""
     argv = ["collect", DEFAULT, "--home", str(tmp_path), "--run-name", "rounds", "--set", "warm_start_steps=0",
             "--set", "prompts_per_round=2", "--set", "group_size=2",
-            "--set", "rounds_per_version=1000", "--set", "rounds_ahead=none"]  # alone: no learner to pace it
+            "--set", "max_lag=none"]  # alone: no learner to pace it
     assert main([*argv, "--steps", "30"]) == 0
     assert "[collector] stopped after 30 rounds" in capsys.readouterr().err
     assert main([*argv, "--steps", "20"]) == 0
@@ -284,7 +283,7 @@ def test_a_collector_position_file_of_a_run_made_before_writer_states_is_refused
     from helpers import make_batch
 
     argv = ["collect", DEFAULT, "--home", str(tmp_path), "--run-name", "old", "--set", "warm_start_steps=0",
-            "--set", "rounds_ahead=none", "--steps", "1"]
+            "--set", "max_lag=none", "--steps", "1"]
     shard = tmp_path / "old" / "buffer" / "shard-0000"
     with create_store(shard, "memmap", schema=None) as store:
         store.append(make_batch(2, 4))  # rows written the old way: no writer state

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
 SMALL = ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "learner.batch_size=16",
          "learner.sample_window=32", "learner.new_rows_per_step=16", "learner.checkpoint_every=2",
-         "learner.log_every=1", "rounds_per_version=1"]
+         "learner.log_every=1"]
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +167,10 @@ def recorded(tmp_path_factory) -> Path:
     return home / "recorded"
 
 
-RECORD = [*SMALL, "rounds_per_version=3"]  # alone, the collector has version 0 only
+RECORD = [*SMALL, "max_lag=none"]  # alone, the collector has version 0 only
 # a replay of the recorded rows in order (the same rows for 1 and 2 ranks); the entropy bonus moves the
 # weights even where a tiny, barely warm-started policy earns no reward (all advantages 0)
-OFFLINE = ["learner.sampler=epoch", "learner.epoch_order=sequential", "learner.max_staleness=none",
+OFFLINE = ["learner.sampler=epoch", "learner.epoch_order=sequential",
            "learner.loss.old_policy=current", "learner.loss.entropy_coef=0.01", "learner.micro_batch_tokens=64", "learner.lr=1e-3",
            "ray.learner_num_cpus=0.5"]
 

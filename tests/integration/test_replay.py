@@ -316,7 +316,7 @@ def test_a_replay_starts_from_the_recording_runs_initial_policy_or_says_why_it_b
     from rlhf_pipeline.coordination.weights import weights_path
 
     settings = [*SMALL, "warm_start_steps=3", "prompts_per_round=2", "group_size=4", "learner.batch_size=8",
-                "rounds_per_version=1000", "rounds_ahead=none"]  # collect alone: no learner to pace it
+                "max_lag=none"]  # collect alone: no learner to pace it
     cli = [arg for item in settings for arg in ("--set", item)]
     assert main(["collect", DEFAULT, "--home", str(tmp_path), "--run-name", "rec", *cli, "--steps", "2"]) == 0
     buffer = tmp_path / "rec" / "buffer"

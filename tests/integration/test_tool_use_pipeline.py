@@ -107,10 +107,10 @@ def test_bad_settings_fail_before_any_process_starts(tmp_path, setting, message)
     assert not any(tmp_path.iterdir())  # nothing created
 
 
-def test_a_batch_of_more_rounds_than_rounds_per_version_does_not_stall(tmp_path):
+def test_a_batch_of_several_rounds_does_not_stall(tmp_path):
     """Issue 32: one-turn episodes (16 rows a round) and a batch of 48 rows, three rounds, with the
-    default two rounds per policy version: the collector waited for new weights after two rounds,
-    the learner for the third round's rows, until the learner gave up (data_timeout_s)."""
+    then default two rounds per policy version: the collector waited for new weights after two
+    rounds, the learner for the third round's rows, until the learner gave up (data_timeout_s)."""
     command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--steps", "1", "--home", str(tmp_path),
                "--run-name", "wide", "--set", "warm_start_steps=0", "--set", "max_turns=1",
                "--set", "max_new_tokens=12", "--set", "learner.batch_size=48", "--set", "learner.new_rows_per_step=48",
@@ -120,7 +120,7 @@ def test_a_batch_of_more_rounds_than_rounds_per_version_does_not_stall(tmp_path)
     assert [r["step"] for r in read_metrics(tmp_path / "wide" / "metrics.jsonl")] == [1]
     rounds = read_metrics(tmp_path / "wide" / "collector" / "metrics-0000.jsonl")
     assert all(r["rows_written"] == 16 for r in rounds)
-    # three rounds with version 0 for the first batch: the limit yielded to what the learner needed
+    # three rounds with version 0 for the first batch: all that the learner's first draw needed
     assert [r["policy_version"] for r in rounds][:3] == [0, 0, 0]
 
 

@@ -146,7 +146,7 @@ def test_the_learner_builds_it_from_its_settings(reader):
     with pytest.raises(ValueError, match="'learner.epoch_order' must be one of \\['shuffle'"):
         LearnerSettings(sampler="epoch", epoch_order="random", max_staleness=None)
     # recorded rows of old policies would all be dropped as stale, the same rows served forever
-    with pytest.raises(ValueError, match=r"'learner.max_staleness' must be None with sampler=epoch.*max_staleness=none"):
+    with pytest.raises(ValueError, match=r"'learner.max_staleness' must be None with sampler=epoch.*max_staleness=None"):
         LearnerSettings(sampler="epoch", max_staleness=2)
     stop = threading.Event()
     stop.set()
