@@ -396,4 +396,5 @@ class VLLMURLEngine(GenerationEngine):
     def close(self) -> None:
         """Removes the weight files this engine wrote; the server is the user's and keeps running."""
         self.weights.close()
+        self.client.close()
 
