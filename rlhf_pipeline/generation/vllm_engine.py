@@ -214,7 +214,7 @@ class VLLMEngine(VLLMURLEngine):
             os.path.abspath(python), model_dir, 0, served_name=SERVED_NAME, dtype=dtype.removeprefix("torch."),
             max_model_len=max_model_len or int(config.max_position_embeddings), max_num_seqs=max_num_seqs,
             enforce_eager=enforce_eager, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-            weight_transfer_backend=weight_transfer_backend)
+            weight_transfer_backend=weight_transfer_backend, worker_in_core=device == "cpu")
         command[command.index("--port") + 1] = "{port}"
         engine = cls.__new__(cls)
         engine.work_dir, engine._remove_work_dir = scratch, work_dir is None
