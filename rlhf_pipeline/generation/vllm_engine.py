@@ -29,12 +29,13 @@ import subprocess
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.generation.engine import EngineDied, EngineFailed, UnsupportedSetting
+from rlhf_pipeline.generation.engine import EngineDied, EngineFailed, EngineStats, UnsupportedSetting
 from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.vllm_http import RetryPolicy
 from rlhf_pipeline.generation.vllm_process import (
@@ -67,6 +68,24 @@ def check_cpu_head_size(config: Any) -> None:
             f"{config.hidden_size} / {config.num_attention_heads} heads): build the model with a head size it takes "
             f"(pipelines/default.py: --set num_heads=2 gives 64/2 = 32), or generate with the loop engine"
         )
+
+
+@dataclass
+class OwnedServerStats(EngineStats):
+    """The engine's stats, and its HTTP client's since the last round: ``http_requests`` sent,
+    ``http_request_s`` from sending each to having its whole reply (summed: the requests of a round
+    are in flight together), ``http_connections`` opened (kept alive, few)."""
+
+    client: Any = None
+    http_reported: tuple[int, float, int] = (0, 0.0, 0)
+
+    def update_metrics(self) -> dict[str, float]:
+        if self.client is None:  # still starting
+            return super().update_metrics()
+        now = (self.client.requests_sent, self.client.request_s, self.client.connections_opened)
+        before, self.http_reported = self.http_reported, now
+        return {**super().update_metrics(), "http_requests": float(now[0] - before[0]),
+                "http_request_s": now[1] - before[1], "http_connections": float(now[2] - before[2])}
 
 
 class OwnedServer:
@@ -196,14 +215,12 @@ class VLLMEngine(VLLMURLEngine):
             max_model_len=max_model_len or int(config.max_position_embeddings), max_num_seqs=max_num_seqs,
             # on a CPU compiling starts 3-4 times slower and gains tiny models nothing; a GPU's graphs pay
             enforce_eager=device == "cpu", seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-            weight_transfer_backend=weight_transfer_backend)
+            weight_transfer_backend=weight_transfer_backend, worker_in_core=device == "cpu")
         command[command.index("--port") + 1] = "{port}"
         engine = cls.__new__(cls)
         engine.work_dir, engine._remove_work_dir = scratch, work_dir is None
         engine.restarts = restarts if restarts is not None else Restarts(max_restarts=0, hung_after_s=timeout_s)
-        from rlhf_pipeline.generation.engine import EngineStats
-
-        stats = EngineStats()
+        stats = OwnedServerStats()
         env = engine_environment(package_path_dir(scratch), kv_cache_gib=kv_cache_gib, device=device)
         try:
             server = OwnedServer(command, env, scratch, start_timeout_s, engine.restarts, stats, cls.name)
@@ -225,6 +242,8 @@ class VLLMEngine(VLLMURLEngine):
         except BaseException:
             engine.close()
             raise
+        stats.client = engine.client
+        stats.http_reported = (engine.client.requests_sent, engine.client.request_s, engine.client.connections_opened)
         engine.stats = stats  # the server's starts and restarts, beside the client's figures
         engine.restarts = engine.restarts  # the reply timeout, from the one place a test or a setting sets it
         server.reload = engine.weights.reload

@@ -1,7 +1,14 @@
 """JSON over HTTP to a vLLM server, with bounded retries: what ``vllm_url.py`` talks through.
 
-The standard library only (``urllib``): the project has no HTTP client among its dependencies, and a
-collector needs little of one -- a GET, a POST of a JSON body, a reply as JSON.
+The standard library only (``http.client``): the project has no HTTP client among its dependencies,
+and a collector needs little of one -- a GET, a POST of a JSON body, a reply as JSON.
+
+Connections are kept alive and reused, whichever thread sends next: a round is a few dozen requests
+and a weight update two, and a new TCP connection for each (``urllib`` closes every one) cost the
+server's event loop an accept and a handshake per request. A kept connection the server closed
+meanwhile (uvicorn closes one idle for 5 s) fails at its next request before any answer: that request
+goes again at once on a new connection, which is not a retry. A connection is dropped after any other
+fault, so a retry always starts on a new one.
 
 What is retried and what is not. A server that does not answer (connection refused or reset, a
 timeout, a reply cut short) or answers that it is busy or restarting (HTTP 429, 502, 503, 504) is
@@ -24,8 +31,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -44,7 +52,7 @@ class ServerUnreachable(EngineFailed):
     def __init__(self, message: str, last_error: str = "") -> None:
         super().__init__(message)
         self.last_error = last_error
-        """What the last try met (``URLError: [Errno 111] Connection refused``, ``HTTP 503: ...``)."""
+        """What the last try met (``ConnectionRefusedError: [Errno 111] Connection refused``, ``HTTP 503: ...``)."""
 
 
 class ServerError(EngineFailed):
@@ -113,6 +121,13 @@ class JsonClient:
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:  # a server started with --api-key refuses requests without it
             self._headers["Authorization"] = f"Bearer {api_key}"
+        self._idle: list[tuple[str, http.client.HTTPConnection]] = []  # (base URL, connection), kept alive
+        self._idle_lock = threading.Lock()
+        self.connections_opened = 0
+        """TCP connections made so far (with requests sent, how well they are kept alive)."""
+        self.requests_sent = 0
+        self.request_s = 0.0
+        """Seconds from sending a request to having its whole reply, summed over ``requests_sent``."""
 
     @property
     def base_url(self) -> str:
@@ -145,24 +160,22 @@ class JsonClient:
                 time.sleep(self.retry.pause(attempt - 1))
             attempt += 1
             seen = self.supervisor.generation if self.supervisor is not None else 0
-            request = urllib.request.Request(self.base_url + path, data=data, headers=self._headers, method=method)
             bad = None
             try:
-                with urllib.request.urlopen(request, timeout=self.retry.timeout_s) as reply:
-                    raw = reply.read()
-            except urllib.error.HTTPError as exc:
-                detail = _detail(exc)
-                if exc.code not in RETRY_STATUSES:
-                    raise ServerError(f"the vLLM server at {self.base_url} answered {method} {path} with HTTP "
-                                      f"{exc.code}: {detail}", exc.code, detail) from None
-                last = f"HTTP {exc.code}: {detail}"
-                continue
-            except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
-                # URLError wraps a refused connection; a timeout is an OSError; a reply cut short of its
-                # length an IncompleteRead (an HTTPException)
-                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+                status, reason, raw = self._exchange(method, path, data)
+            except (http.client.HTTPException, OSError) as exc:
+                # a refused connection and a timeout are OSErrors; a reply cut short of its length an
+                # IncompleteRead (an HTTPException)
+                last = f"{type(exc).__name__}: {exc}"
                 if retry and self.supervisor is not None and self.supervisor.revive(seen, last, path):
                     attempt -= 1  # a new server: the same request again, not a retry of a live one's
+                continue
+            if status >= 400:
+                detail = _detail(raw, reason)
+                if status not in RETRY_STATUSES:
+                    raise ServerError(f"the vLLM server at {self.base_url} answered {method} {path} with HTTP "
+                                      f"{status}: {detail}", status, detail) from None
+                last = f"HTTP {status}: {detail}"
                 continue
             if self.supervisor is not None:
                 self.supervisor.answered()
@@ -187,17 +200,88 @@ class JsonClient:
             f"is running, or raise generation.retries / generation.backoff_s", last)
 
 
-def _detail(exc: urllib.error.HTTPError) -> str:
+    def _exchange(self, method: str, path: str, data: bytes | None) -> tuple[int, str, bytes]:
+        """One request on a kept-alive connection (a new one where none is idle): the reply's status,
+        reason and whole body. A kept connection the server had closed is replaced at once, once."""
+        base_url = self.base_url  # a restarted server of ours has a new one
+        while True:
+            connection, reused = self._connection(base_url)
+            started = time.perf_counter()
+            try:
+                connection.request(method, connection.target_prefix + path, body=data, headers=self._headers)
+                reply = connection.getresponse()
+                raw = reply.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                connection.close()
+                if reused:  # closed by the server while idle: nothing was answered, ask on a new one
+                    continue
+                raise
+            except BaseException:
+                connection.close()  # a reply half read leaves the connection unusable
+                raise
+            self.requests_sent += 1
+            self.request_s += time.perf_counter() - started
+            if reply.will_close:
+                connection.close()
+            else:
+                with self._idle_lock:
+                    self._idle.append((base_url, connection))
+            return reply.status, reply.reason, raw
+
+    def _connection(self, base_url: str) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection to ``base_url`` and True, or a new one and False; idle ones to another
+        URL (a server of ours that was replaced) are closed."""
+        with self._idle_lock:
+            while self._idle:
+                url, connection = self._idle.pop()
+                if url == base_url:
+                    connection.timeout = self.retry.timeout_s  # a restart's setter may have changed it
+                    if connection.sock is not None:
+                        connection.sock.settimeout(self.retry.timeout_s)
+                    return connection, True
+                connection.close()
+            self.connections_opened += 1
+        return _new_connection(base_url, self.retry.timeout_s), False
+
+    def close(self) -> None:
+        """Closes the idle connections (a later request opens a new one)."""
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for _, connection in idle:
+            connection.close()
+
+
+def _new_connection(base_url: str, timeout_s: float) -> http.client.HTTPConnection:
+    """A connection for requests to ``base_url`` (``http[s]://host:port[/prefix]``), through the proxy
+    the environment names for it as ``urllib`` would (``http_proxy``, ``https_proxy``, ``no_proxy``);
+    ``target_prefix``: what goes before each request's path."""
+    parts = urllib.parse.urlsplit(base_url)
+    https = parts.scheme == "https"
+    kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+    default_port = 443 if https else 80
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
+        via = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        connection = kind(via.hostname, via.port or default_port, timeout=timeout_s)
+        if https:  # a tunnel through the proxy; the request inside names the path alone
+            connection.set_tunnel(parts.hostname, parts.port or default_port)
+            connection.target_prefix = parts.path
+        else:  # a plain proxy takes the whole URL
+            connection.target_prefix = base_url
+        return connection
+    connection = kind(parts.hostname, parts.port or default_port, timeout=timeout_s)
+    connection.target_prefix = parts.path
+    return connection
+
+
+def _detail(body: bytes, reason: str) -> str:
     """The server's message from an error reply (vLLM's ``{"error": {"message": ...}}``, FastAPI's
-    ``{"detail": ...}``), else the start of the body."""
-    try:
-        raw = exc.read().decode("utf-8", errors="replace")
-    except OSError:
-        return str(exc.reason)
+    ``{"detail": ...}``), else the start of the body, else the status line's reason."""
+    raw = body.decode("utf-8", errors="replace")
     try:
         parsed = json.loads(raw)
     except ValueError:
-        return raw[:MESSAGE_CHARS] or str(exc.reason)
+        return raw[:MESSAGE_CHARS] or reason
     if isinstance(parsed, dict):
         error = parsed.get("error")
         if isinstance(error, dict) and error.get("message"):

@@ -84,6 +84,9 @@ def engine_environment(package_root: Path, *, kv_cache_gib: int, device: str) ->
     })
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        # with server_command's worker_in_core: the CPU platform refuses the in-core worker unless this
+        # says the engine (not the API server: that always starts its engine core apart) may run one
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
@@ -91,10 +94,15 @@ def server_command(python: str, model_dir: Path, port: int, *, served_name: str,
                    max_model_len: int | None = None, max_num_seqs: int = 256, enforce_eager: bool = True,
                    seed: int = 0, gpu_memory_utilization: float | None = None,
                    weight_transfer_backend: str | None = None, updatable: bool = True,
-                   logprobs_mode: str = "processed_logprobs") -> list[str]:
+                   logprobs_mode: str = "processed_logprobs", worker_in_core: bool = False) -> list[str]:
     """The documented server command (docs/generation.md) as the collector runs it: token ids in and
     out, the sampling distribution's log-probs, no generation config of the model's, a prefix cache
-    (reset after every load), and with ``updatable`` our worker extension for new weights in place."""
+    (reset after every load), and with ``updatable`` our worker extension for new weights in place.
+
+    ``worker_in_core`` (a CPU engine of the collector's, with ``engine_environment``'s variable): the
+    model's worker runs inside the engine core's process instead of a third one of its own. One
+    process fewer imports vLLM at the start, and every decoding step and weight load crosses one
+    process boundary fewer (docs/generation.md, "What a vLLM run costs")."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", served_name, "--dtype", dtype, "--seed", str(seed),
                "--enable-prefix-caching", "--generation-config", "vllm", "--logprobs-mode", logprobs_mode,
@@ -110,6 +118,8 @@ def server_command(python: str, model_dir: Path, port: int, *, served_name: str,
         command += ["--weight-transfer-config", f'{{"backend": "{weight_transfer_backend}"}}']
     if updatable:
         command += ["--worker-extension-cls", WORKER_EXTENSION]
+    if worker_in_core:
+        command += ["--distributed-executor-backend", "uni"]
     return command
 
 

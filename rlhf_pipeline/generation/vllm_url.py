@@ -384,8 +384,8 @@ class VLLMURLEngine(GenerationEngine):
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Stops the request pool (what it still holds is not sent) and removes the weight files this
-        engine wrote; the server is the user's and keeps running."""
+        """Stops the request pool (what it still holds is not sent), closes the kept connections and
+        removes the weight files this engine wrote; the server is the user's and keeps running."""
         self._closed = True
         pool = getattr(self, "_pool", None)
         if pool is not None:
@@ -393,4 +393,7 @@ class VLLMURLEngine(GenerationEngine):
         weights = getattr(self, "weights", None)
         if weights is not None:
             weights.close()
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
 

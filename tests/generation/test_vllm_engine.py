@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,6 +62,22 @@ def served(vllm_python, tmp_path_factory):
                                    work_dir=tmp_path_factory.mktemp("vllm-engine"))
     yield engine, model, tok
     engine.close()
+
+
+def test_a_cpu_engine_runs_its_model_inside_the_engine_core_process(served):
+    # the API server starts one process (the engine core, the model's worker inside it), not two:
+    # one vLLM import fewer at the start, one process boundary fewer per decoding step and weight load
+    engine, _, _ = served
+    started = []  # the server's process group (it runs in a session of its own), less itself
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            group = int(stat.read_text().rsplit(")", 1)[1].split()[2])
+            command = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+        if group == engine.pid and int(stat.parent.name) != engine.pid and "resource_tracker" not in command:
+            started.append(command)  # vLLM titles them: VLLM::EngineCore, VLLM::Worker
+    assert len(started) == 1, started
 
 
 @pytest.mark.parametrize("config", SAMPLING_CONFIGS, ids=lambda c: f"T{c.temperature}-k{c.top_k}-p{c.top_p}")

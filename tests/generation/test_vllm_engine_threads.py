@@ -23,6 +23,7 @@ def test_a_cpu_engine_gets_this_processs_torch_threads(tmp_path, monkeypatch, to
     env = engine_environment(tmp_path, kv_cache_gib=2, device="cpu")
     assert env["OMP_NUM_THREADS"] == "1"
     assert env["PYTHONPATH"] == str(tmp_path) and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the model's worker inside the engine core
     torch_threads(2)  # `threads` 2 (or none: torch's default)
     assert engine_environment(tmp_path, kv_cache_gib=1, device="cpu")["OMP_NUM_THREADS"] == "2"
 

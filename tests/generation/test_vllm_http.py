@@ -43,15 +43,85 @@ class Scripted(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture()
-def scripted():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+class KeepingAlive(Scripted):
+    """As ``Scripted``, over HTTP/1.1: the connection stays open after a reply unless the server's
+    ``drop_idle`` says to close it without telling the client (as uvicorn does to an idle one)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def setup(self):
+        super().setup()
+        with self.server.counting:
+            self.server.connections += 1
+
+    def _answer(self):
+        super()._answer()
+        if self.server.drop_idle:
+            self.close_connection = True
+
+
+def serving(handler):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.script, server.bodies, server.authorizations = [], [], []
+    server.counting, server.connections, server.drop_idle = threading.Lock(), 0, False
+    server.daemon_threads = True  # a kept-alive connection's handler thread waits on the client
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    return server
+
+
+@pytest.fixture()
+def scripted():
+    server = serving(Scripted)
     yield server
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture()
+def keeping_alive():
+    server = serving(KeepingAlive)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_requests_reuse_one_kept_alive_connection_per_thread_in_flight(keeping_alive):
+    client = JsonClient(f"http://127.0.0.1:{keeping_alive.server_port}", QUICK)
+    for seed in range(10):
+        assert client.post("/v1/completions", {"seed": seed}) == {"ok": True}
+    assert keeping_alive.connections == 1 and client.connections_opened == 1
+    senders = [threading.Thread(target=lambda: [client.post("/v1/completions", {"seed": s}) for s in range(10)])
+               for _ in range(4)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join()
+    # as many connections as requests were ever in flight together, not one per request
+    assert len(keeping_alive.bodies) == 50 and keeping_alive.connections <= 4
+    assert client.requests_sent == 50 and client.connections_opened == keeping_alive.connections
+    client.close()
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_without_a_retry(keeping_alive):
+    keeping_alive.drop_idle = True  # every connection closed after its first reply, the client not told
+    client = JsonClient(f"http://127.0.0.1:{keeping_alive.server_port}",
+                        RetryPolicy(retries=0, backoff_s=0.01, max_backoff_s=0.02, timeout_s=10.0))
+    for seed in range(5):  # no retries allowed: the new connection is not one
+        assert client.post("/v1/completions", {"seed": seed}) == {"ok": True}
+    assert keeping_alive.bodies == [{"seed": seed} for seed in range(5)]  # each request answered once
+    assert keeping_alive.connections == 5
+    client.close()
+
+
+def test_error_answers_keep_the_connection_alive(keeping_alive):
+    keeping_alive.script = [(503, {"error": {"message": "restarting"}}), (400, {"error": {"message": "bad n"}})]
+    client = JsonClient(f"http://127.0.0.1:{keeping_alive.server_port}", QUICK)
+    with pytest.raises(ServerError, match="HTTP 400: bad n"):
+        client.post("/v1/completions", {"n": 0})
+    assert client.post("/v1/completions", {"n": 1}) == {"ok": True}
+    assert keeping_alive.connections == 1 and len(keeping_alive.bodies) == 3
+    client.close()
 
 
 def test_busy_answers_are_retried_with_the_same_body_until_one_succeeds(scripted):

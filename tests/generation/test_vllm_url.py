@@ -175,7 +175,7 @@ def test_a_server_that_stops_answering_is_retried_then_named(served, server):
     finally:
         proxy.stop()
     nobody = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(ServerUnreachable, match=r"no vLLM server answered .* \(URLError: .*refused\); start one "
+    with pytest.raises(ServerUnreachable, match=r"no vLLM server answered .* \(ConnectionRefusedError: .*refused\); start one "
                                                 r"with: VLLM_SERVER_DEV_MODE=1") as caught:
         VLLMURLEngine(nobody, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok, retry=QUICK, wait_s=0.5)
     assert "\n" not in str(caught.value)
