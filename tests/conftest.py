@@ -55,6 +55,14 @@ def azure_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(params=["s3", "azure"])
+def object_server(request):
+    """The object store a test's buffer lives on, where only the buffer is remote (the run directory
+    stays local): moto's S3 server or Azurite, the same tests on each (each skips, saying what to
+    install, without its extra or emulator). ``server.url(name)``, ``.env()``, ``.keys(url)``."""
+    return request.getfixturevalue(f"{request.param}_server")
+
+
 @pytest.fixture(params=["local", "s3", "azure"])
 def run_home(request, tmp_path, monkeypatch) -> str:
     """Where runs live, the one location parameter of the run-level feature tests (branch, lineage,

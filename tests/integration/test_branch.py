@@ -462,3 +462,174 @@ def test_what_a_branch_cannot_be_is_refused_by_name_and_leaves_nothing(run_home,
     assert main(["branch", parent, "--from-step", "2", "taken"]) == 2
     assert "holds objects already" in capsys.readouterr().err
     assert run_store_at(f"{run_home}/b").walk() == []  # a refused branch leaves nothing behind
+
+
+def replay_at(home: str, name: str, source: str) -> int:
+    return replay_command(DEFAULT, ReplayOptions(buffer=source, **OPTIONS), home=home, run_name=name,
+                          overrides=SETTINGS)
+
+
+@pytest.mark.parametrize("run_home", ["s3", "azure"], indirect=True)
+def test_a_branch_at_a_url_continues_with_replay_as_the_parent_trained(run_home, request, tmp_path, monkeypatch,
+                                                                       capsys):
+    """A replay parent at the URL trains 12 steps from a recorded source at a URL (a Zarr store); its
+    branch at step 6 continues with the printed ``replay`` command and trains the parent's steps 7-12
+    exactly; the parent's objects keep their bytes. On S3 the checkpoint and weights are copied on the
+    server (no GET of them, the copy keeps its etag); on Azure they go through the client. A branch
+    stopped before ``branch.json`` is refused by ``replay`` in one line and made again by ``branch``."""
+    from integration.run_location import digest, logged, same_weights
+    from integration.run_location import trained as trained_steps
+    from integration.test_replay import ROWS as RECORDED, record, recorded_rows
+
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    monkeypatch.chdir(tmp_path)
+    source = f"{run_home.rsplit('/', 1)[0]}/recorded"
+    record(source, recorded_rows(RECORDED), backend="zarr")
+    home, parent_url = run_home, f"{run_home}/parent"
+    assert replay_at(home, "parent", source) == 0
+    before = digest(parent_url)
+    on_s3 = home.startswith("s3://")
+    if on_s3:
+        requests = request.getfixturevalue("s3_server").requests
+        with requests.recording() as made_requests:
+            assert main(["branch", parent_url, "--from-step", "6", "same"]) == 0
+        # the checkpoint and the weights were copied on the server: this process never read them
+        reads = [path for method, path in made_requests if method == "GET"]
+        assert not any("/parent/checkpoints/step_00000006.pt" in p or "/parent/weights/" in p for p in reads), reads
+        etags = run_store_at(f"{home}/same").list_etags("checkpoints")
+        assert etags["step_00000006.pt"] == run_store_at(parent_url).list_etags("checkpoints")["step_00000006.pt"]
+    else:
+        assert main(["branch", parent_url, "--from-step", "6", "same"]) == 0
+    err = capsys.readouterr().err
+    assert f"[branch] {home}/same: from {parent_url} at step 6 (no setting changed)" in err
+    # the parent's replay command: its flags and every --set it was given, under the branch's name
+    assert f"rlhf-pipeline replay PIPELINE.py --buffer {source} --epochs 2 --order shuffle --seed 3" in err, err
+    assert f"--home {home} --run-name same --set hidden_size=32" in err, err
+    made = digest(f"{home}/same")
+    assert "branch.json" in made and "branch.making" not in made
+    assert made["checkpoints/step_00000006.pt"] == before["checkpoints/step_00000006.pt"]  # the same bytes
+    assert digest(parent_url) == before  # branching only read the parent
+
+    assert replay_at(home, "same", source) == 0
+    assert digest(parent_url) == before  # nor did training the branch write to it
+    branch, whole = logged(f"{home}/same"), logged(parent_url)
+    assert [m["step"] for m in branch] == list(range(1, 13))
+    # steps 7-12 trained again: the same
+    assert trained_steps(branch, ("learning_rate",)) == trained_steps(whole, ("learning_rate",))
+    assert [r["trajectory_ids"] for r in logged(f"{home}/same", "batches.jsonl")] == \
+        [r["trajectory_ids"] for r in logged(parent_url, "batches.jsonl")]
+    assert same_weights(f"{home}/same", parent_url)
+
+    assert main(["inspect", parent_url, "--json"]) == 0
+    lineage = json.loads(capsys.readouterr().out)["run"]
+    assert lineage["branches"] == [{"run": f"{home}/same", "step": 6, "parent_rows": None, "reads": None,
+                                    "detached": False}]
+    assert [p["step"] for p in lineage["rewind_points"]] == [6, 12]
+    assert main(["inspect", f"{home}/same"]) == 0
+    assert f"branched from  {parent_url} at step 6 (no setting changed)" in capsys.readouterr().out
+
+    from rlhf_pipeline.dataio.plots import load_runs
+    from rlhf_pipeline.files.run_cache import local_copy
+
+    drawn = load_runs([local_copy(parent_url), local_copy(f"{home}/same")])  # what plot draws, from the cache
+    assert list(drawn) == ["parent", "same (branch at step 6)"]
+    assert [r["step"] for r in drawn["same (branch at step 6)"].records] == list(range(6, 13))
+
+    # a branch of a replay reads none of its parent's rows: detach records it, and the lineage stays
+    assert main(["detach", f"{home}/same"]) == 0
+    assert "it read no parent rows" in capsys.readouterr().err
+    assert json.loads(run_store_at(f"{home}/same").read("branch.json"))["detached"]["rows_copied"] == 0
+    assert main(["inspect", parent_url]) == 0
+    assert f"{home}/same (from step 6; detached)" in capsys.readouterr().out
+    assert digest(parent_url) == before
+
+    # a branch stopped before its last object: the marker, no branch.json
+    assert main(["branch", parent_url, "--from-step", "6", "cut", "--set", "learner.lr=1e-3"]) == 0
+    cut = run_store_at(f"{home}/cut")
+    cut.delete("branch.json")
+    cut.write("branch.making", b"{}", fence=False)
+    capsys.readouterr()
+    assert main(["replay", DEFAULT, "--buffer", source, "--home", home, "--run-name", "cut",
+                 *[w for s in SETTINGS for w in ("--set", s)], "--epochs", "2", "--seed", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a branch left half-made" in err and len(err.splitlines()) == 1, err
+    assert main(["inspect", parent_url, "--json"]) == 0  # not a branch yet: the parent does not list it
+    assert [b["run"] for b in json.loads(capsys.readouterr().out)["run"]["branches"]] == [f"{home}/same"]
+    assert main(["branch", parent_url, "--from-step", "6", "cut", "--set", "learner.lr=1e-3"]) == 0
+    assert "left half-made" in capsys.readouterr().err
+    made = digest(f"{home}/cut")
+    assert "branch.json" in made and "branch.making" not in made
+    assert json.loads(cut.read("settings.json"))["learner"]["lr"] == 1e-3
+    # a branch that is whole is a run: another branch of that name is refused
+    assert main(["branch", parent_url, "--from-step", "6", "cut"]) == 2
+    assert "holds objects already" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_branch_at_a_url_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_step(run_home, tmp_path,
+                                                                                            capsys):
+    """A parent with collectors at the URL (a Zarr buffer there) branches with its ``parent-rows/``
+    selection at the branch's URL, naming the parent's shards in place (per-shard ranges, no per-row
+    ids object), and the branch replays only rows the parent had published by the branch step; then
+    detached (over what a detach killed while copying left), it outlives its parent's objects."""
+    from integration.run_location import digest
+
+    from rlhf_pipeline.runs.lineage import run_store_at
+    from rlhf_pipeline.storage import open_buffer
+
+    home = run_home
+    sets = [arg for item in [*ONLINE, "buffer_backend=zarr"] for arg in ("--set", item)]
+    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
+                          home, "--run-name", "parent", *sets], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    parent_url = f"{home}/parent"
+    before = digest(parent_url)
+    assert main(["branch", parent_url, "--from-step", "4", "offline", "--set", "learner.lr=1e-3"]) == 0
+    assert f"--buffer {home}/offline/parent-rows --home {home} --run-name offline" in capsys.readouterr().err
+    branch = f"{home}/offline"
+    keys = set(run_store_at(branch).walk())  # per-shard ranges in selection.json: no per-row ids file
+    assert {"parent-rows/selection.json", "branch.json"} <= keys and "parent-rows/rows.npy" not in keys
+    record = json.loads(run_store_at(branch).read("branch.json"))
+    with open_buffer(f"{parent_url}/buffer") as whole, open_buffer(f"{branch}/parent-rows") as at_step:
+        assert len(at_step) == sum(record["buffer_rows"].values()) < len(whole)
+        everything = set(whole.read(torch.arange(len(whole)), fields=("trajectory_id",))["trajectory_id"].tolist())
+        readable = set(at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist())
+    later = everything - readable
+    assert later and readable < everything
+    # offline it continues over those rows only (online: test_branch_online.py)
+    assert replay_command(DEFAULT, ReplayOptions(buffer=f"{branch}/parent-rows", steps=8), home=home,
+                          run_name="offline", overrides=ONLINE + ["buffer_backend=zarr", "learner.lr=1e-3"]) == 0
+    capsys.readouterr()
+    # once continued offline it cannot go on online (its learner is past the collectors' states): one line
+    assert main(["learn", DEFAULT, "--home", home, "--run-name", "offline", "--set", "buffer_backend=zarr"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "it was continued offline already (it has a checkpoint of step 8)" in err, err
+    assert "continue it offline with rlhf-pipeline replay" in err and len(err.splitlines()) == 1, err
+    metrics = read_metrics("metrics.jsonl", store=run_store_at(branch))
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert [m["charts/learning_rate"] for m in metrics[4:]] == [1e-3] * 4
+    trained_ids = {i for r in read_metrics("batches.jsonl", store=run_store_at(branch)) for i in r["trajectory_ids"]}
+    assert trained_ids and trained_ids <= readable and not trained_ids & later
+    assert digest(parent_url) == before  # the parent's objects were only read
+    assert main(["inspect", parent_url]) == 0
+    assert f"{branch} (from step 4;" in capsys.readouterr().out
+
+    # detached, the branch outlives its parent: its own copy of the rows (a Zarr store at its URL)
+    with open_buffer(f"{branch}/parent-rows") as at_step:
+        held = at_step.read(torch.arange(len(at_step)), fields=("trajectory_id",))["trajectory_id"].tolist()
+    # what a detach killed while copying leaves: part of a store at own-rows/, the selection not switched
+    run_store_at(branch).write("own-rows/zarr.json", b"{", fence=False)
+    assert main(["detach", branch]) == 0
+    assert f"{len(held)} parent rows copied into {branch}/own-rows" in capsys.readouterr().err
+    assert digest(parent_url) == before
+    run_store_at(parent_url).delete_prefix()
+    with open_buffer(f"{branch}/parent-rows") as own:
+        assert own.read(torch.arange(len(own)), fields=("trajectory_id",))["trajectory_id"].tolist() == held
+    assert replay_command(DEFAULT, ReplayOptions(buffer=f"{branch}/parent-rows", steps=10), home=home,
+                          run_name="offline", overrides=ONLINE + ["buffer_backend=zarr", "learner.lr=1e-3"]) == 0
+    metrics = read_metrics("metrics.jsonl", store=run_store_at(branch))
+    assert [m["step"] for m in metrics] == list(range(1, 11))  # resumed at step 8, over its own rows
+    assert main(["inspect", branch]) == 0
+    assert f"branched from  {parent_url} at step 4" in capsys.readouterr().out

@@ -176,28 +176,32 @@ def test_a_branch_of_a_parent_without_collector_histories_is_refused_online_in_o
     assert not (branch / "collector").exists() and not (home / "b" / "buffer.continues.json").exists()
 
 
-def test_a_collector_with_groups_pending_at_the_branch_rows_is_refused_online_by_name(tmp_path, capsys):
+def test_a_collector_with_groups_pending_at_the_branch_rows_is_refused_online_by_name(run_home, capsys):
     """A collector that had rows of groups not whole yet at those rows (their other rows come in
-    later rounds) cannot restart exactly without them: refused in one line, not continued short."""
+    later rounds) cannot restart exactly without them: refused in one line, not continued short. The
+    position history keeps the shard's writer state whole, its write path's pending groups too."""
     from helpers import make_batch
 
     from rlhf_pipeline.collect.position_history import PositionHistory, history_key
-    from rlhf_pipeline.files.run_store import LocalRunStore
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.runs.lineage import run_store_at
     from rlhf_pipeline.storage.writer_state import encode
     from rlhf_pipeline.transforms.pending_groups import PendingGroups
 
-    parent, branch = tmp_path / "parent", tmp_path / "b"
-    (parent / "buffer" / "shard-0000").mkdir(parents=True)
+    parent = RunPaths.at(f"{run_home}/parent")
+    parent.store.write("settings.json", b"{}")
     pending = PendingGroups()
     pending.add(make_batch(1, 2))  # half a group of 4
-    history = PositionHistory(LocalRunStore(parent / "collector"), history_key("shard-0000.pt"))
+    history = PositionHistory(parent.store, history_key("collector/shard-0000.pt"))
     history.record(32, encode({"policy_version": 2}, [pending.to_payload()]))
-    branch.mkdir()
-    (branch / "branch.json").write_text(json.dumps({"parent": str(parent), "step": 2, "replay_source": None,
-                                                    "buffer_rows": {"shard-0000": 32}, "policy_version": 2}))
-    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "b"]) == 2
+    branch = run_store_at(f"{run_home}/b")
+    branch.write("branch.json", json.dumps({"parent": parent.location, "step": 2, "replay_source": None,
+                                            "buffer_rows": {"shard-0000": 32}, "policy_version": 2}).encode())
+    assert main(["learn", DEFAULT, "--home", run_home, "--run-name", "b", "--set", "buffer_backend=zarr"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "had rows of groups not whole yet pending at row 32 of shard-0000" in err and len(err.splitlines()) == 1
+    assert "had rows of groups not whole yet pending at row 32 of shard-0000" in err, err
+    assert len(err.splitlines()) == 1, err
+    assert not any(key.startswith("collector/") for key in branch.walk())
 
 
 TOOL_USE = str(REPO / "pipelines" / "tool_use.py")
@@ -265,3 +269,114 @@ def test_retention_in_a_branch_continued_online_drops_only_its_own_rows_never_pa
         assert (shard.first_row, shard.next_row) == (inherited + first, inherited + written)
         again = shard.read_global(list(range(inherited + first, inherited + written)), fields=list(FIELDS))
     assert torch.equal(again.group_id, held.group_id) and torch.equal(again.reward, held.reward)
+
+
+# ============================================================ at a URL
+# the shortest writer-lock lease: a collector killed with SIGKILL holds its shard's lock at the URL
+# until the lease runs out
+AT_URL = [*SETTINGS, "buffer_backend=zarr", "buffer_lock_lease_s=3"]
+
+
+def command_at(home: str, name: str) -> list[str]:
+    sets = [word for item in AT_URL for word in ("--set", item)]
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home", home,
+            "--run-name", name, *sets]
+
+
+def run_at(cwd, home: str, name: str) -> str:
+    ran = subprocess.run(command_at(home, name), cwd=cwd, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return ran.stderr
+
+
+def trained_at(run: str) -> list[dict]:
+    from integration.run_location import logged
+
+    return [{k: v for k, v in m.items() if not any(t in k for t in NOT_COMPARED)} for m in logged(run)]
+
+
+def rows_at(location: str, first: int = 0) -> list[dict]:
+    with open_buffer(location) if location.endswith("/buffer") else open_store(location) as store:
+        count = len(store) - first
+        batch = store.read(torch.arange(first, first + count), fields=FIELDS)
+    return [{name: (batch[name].row(i) if hasattr(batch[name], "row") else batch[name][i]).tolist()
+             for name in FIELDS} for i in range(count)]
+
+
+@pytest.fixture()
+def parent_at_url(run_home, tmp_path):
+    """The parent (one collector, a Zarr buffer at the URL) after 8 steps: (home, its URL)."""
+    run_at(tmp_path, run_home, "parent")
+    return run_home, f"{run_home}/parent"
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_trained(parent_at_url, tmp_path,
+                                                                                     capsys):
+    """Branched at step 4 and run as ``branch`` printed it: the parent's steps 5-8 exactly (the parent's
+    rows up to the branch rows read in place at the parent's URL, then those its collector writes again
+    into the branch's own shard at the branch's URL), the same losses and weights; the parent's objects
+    keep their bytes."""
+    from integration.run_location import digest, logged, same_weights
+    from integration.test_branch import printed_command
+
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    home, parent = parent_at_url
+    before = digest(parent)
+    # the collector's states, and copies of the weights versions they held, at the parent's URL
+    assert any(key.startswith("collector/shard-0000.history/row_") for key in before)
+    assert any(key.startswith("collector/shard-0000.history/policy_") for key in before)
+    assert main(["branch", parent, "--from-step", "4", "same"]) == 0
+    # the parent's command with every --set it was given, the pipeline file as PIPELINE.py: run as printed
+    printed = printed_command(capsys.readouterr().err, "run")
+    assert printed[3:8] == ["run", "PIPELINE.py", "--home", home, "--run-name"]
+    same = f"{home}/same"
+    inherited = json.loads(run_store_at(same).read("branch.json"))["buffer_rows"]
+    ran = subprocess.run([DEFAULT if word == "PIPELINE.py" else word for word in printed], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "changed" not in ran.stderr, ran.stderr[-3000:]  # no setting left out of the printed command
+    assert digest(parent) == before  # the parent's objects were only read
+    # a branch continued online is not branched again yet: one line naming its parent
+    assert main(["branch", same, "--from-step", "8", "again"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a branch continued online" in err and parent in err and len(err.splitlines()) == 1, err
+    assert run_store_at(f"{home}/again").walk() == []
+    assert [m["step"] for m in logged(same)] == list(range(1, 9))
+    assert any(m["losses/loss"] != 0 for m in logged(parent)[4:])  # something to compare
+    assert trained_at(same) == trained_at(parent)
+    assert same_weights(same, parent)
+    (name, count), = inherited.items()
+    with open_buffer(f"{same}/buffer") as union:  # the parent's shard read in place below the branch rows
+        shard = union.shards[0]
+        assert (shard.parent.location, shard.parent_rows) == (f"{parent}/buffer/{name}", count)
+        assert shard.own.location == f"{same}/buffer/{name}"
+    assert same_rows(rows_at(f"{same}/buffer"), rows_at(f"{parent}/buffer"))
+    assert same_rows(rows_at(f"{same}/buffer/{name}"), rows_at(f"{parent}/buffer", first=count))
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_branch_at_a_url_killed_mid_run_resumes_online_to_what_the_parent_trained(parent_at_url, tmp_path):
+    """The branch's ``run`` killed with SIGKILL (launcher and children at once; its collector's writer
+    lock at the URL held until its lease runs out) after its first steps, started again, ends where the
+    parent does."""
+    from integration.run_location import digest, logged, same_weights
+
+    home, parent = parent_at_url
+    before = digest(parent)
+    assert main(["branch", parent, "--from-step", "4", "killed"]) == 0
+    killed = f"{home}/killed"
+    first = subprocess.Popen(command_at(home, "killed"), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # the branch starts with the parent's 4 steps; killed once it trained 2 of its own
+    kill_when(first, lambda: len(logged(killed)) >= 6, whole_group=True, poll_s=0.1, wait_s=60)
+    assert first.returncode == -signal.SIGKILL
+    assert 6 <= len(logged(killed)) < 8, "the kill came after the branch had finished; nothing was resumed"
+    assert "resuming from" in run_at(tmp_path, home, "killed")
+    assert trained_at(killed) == trained_at(parent)
+    assert same_weights(killed, parent)
+    assert same_rows(rows_at(f"{killed}/buffer"), rows_at(f"{parent}/buffer"))
+    assert digest(parent) == before

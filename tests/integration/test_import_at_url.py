@@ -38,7 +38,7 @@ CLI = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
 
 @pytest.fixture()
 def env(s3_env):
-    return s3_env  # the module's tests name it env, as test_run_at_url.py does
+    return s3_env  # the module's tests name it env
 
 
 def run_at(url: str) -> RunPaths:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,9 @@ import torch
 from helpers import kill_when, run_child_pids
 
 from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.pipeline import load_pipeline_module, make_settings
 from rlhf_pipeline.storage import ShardedStoreReader, create_store, open_buffer, open_store
 from rlhf_pipeline.storage.sharded import list_shards
 from rlhf_pipeline.storage.writer_state import decode
@@ -297,3 +301,352 @@ def test_a_collector_position_file_of_a_run_made_before_writer_states_is_refused
     assert "shard-0000.pt is the collector position of a run made before" in lines[0], lines
     with open_store(shard, mode="r") as store:
         assert store.next_row == 8  # nothing written
+
+
+# ============================================================ a run at a URL
+# ``run --home s3://...`` / ``az://...``: every piece of run state at the URL (moto's S3 server, Azurite
+# for Azure, on loopback), local disk only a cache; endpoint and credentials from the environment as a
+# user's shell gives them (``run_home`` sets them here; the children inherit them).
+ZARR = ["--set", "buffer_backend=zarr"]
+# after a kill, what only counts differs: how many rows the buffer held when a step taken again
+# drew (a killed run's collector had run ahead; those rows are kept)
+LABELS = ("buffer_rows", "rows_generated")
+
+
+def command_at(home: str, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", home, "--run-name", name,
+            *SMALL, *ZARR, *extra]
+
+
+def rows_of(buffer: str) -> dict:
+    with open_buffer(buffer, mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("policy_version", "reward", "response_tokens"))
+    return {"versions": rows["policy_version"].tolist(), "rewards": rows["reward"].tolist(),
+            "tokens": [t.tolist() for t in rows["response_tokens"].to_list()]}
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(run_home, tmp_path, monkeypatch, capsys):
+    import json
+
+    from integration.run_location import logged, trained
+
+    from rlhf_pipeline.files.run_paths import cache_dir
+    from rlhf_pipeline.files.shard_names import spread_shard_name
+    from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    home = run_home
+    at_url = subprocess.run([*command_at(home, "exp1"), "--steps", "4"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600)
+    assert at_url.returncode == 0, at_url.stderr[-3000:]
+    assert f"[run] run directory {home}/exp1" in at_url.stderr
+    assert "[run] done: 4 learner steps" in at_url.stderr, at_url.stderr[-3000:]
+    keys = set(run_store_at(f"{home}/exp1").walk())
+    assert any(key.startswith("collector/shard-0000.history/row_") for key in keys), sorted(keys)
+    for key in ("settings.json", "pipeline.py", "pacing.json",
+                "checkpoints/step_00000004.pt", "weights/policy_00000004.safetensors",
+                "metrics.jsonl.parts/00000000.jsonl", "collector/metrics-0000.jsonl.parts/00000000.jsonl",
+                f"buffer/{spread_shard_name(0)}/zarr.json", "STOP"):
+        assert key in keys, sorted(keys)
+    assert "run.lock" not in keys and not any(k.endswith(".partial") for k in keys)  # let go; nothing half-written
+    assert any(k.startswith("tensorboard/events.out.tfevents") for k in keys)
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]  # no s3: directory beside the command
+    cache = cache_dir(f"{home}/exp1")
+    assert not any(p.is_file() and p.name != ".prepare.lock" and not {"tensorboard", "fetched"} & set(p.parts)
+                   for p in cache.rglob("*"))
+    # the collector loaded its weights through this machine's copies (files/machine_cache.py), by etag
+    copies = [p.name for p in (cache / "fetched" / "weights").iterdir() if p.suffix == ".safetensors"]
+    assert copies and all(name.startswith("policy_000000") and name.count(".") == 2 for name in copies), copies
+
+    # the commands that read a run take its URL (what they need is copied into the cache); in this
+    # process, from tmp_path (what they get at a URL is the point, not their process: each CLI start
+    # imports torch again, seconds on a busy machine)
+    monkeypatch.chdir(tmp_path)
+    assert main(["export-model", f"{home}/exp1", "--list-versions"]) == 0
+    assert "v4 (weights policy_00000004.safetensors)" in capsys.readouterr().out
+    assert main(["export-model", f"{home}/exp1", str(tmp_path / "model")]) == 0
+    assert "policy version 4" in capsys.readouterr().out
+    assert (tmp_path / "model" / "config.json").is_file()
+    assert main(["plot", f"{home}/exp1", "--out", str(tmp_path / "charts")]) == 0
+    assert (tmp_path / "charts" / "overview.png").is_file()
+    capsys.readouterr()
+    assert main(["inspect", f"{home}/exp1/buffer/", "--json"]) == 0
+    assert '"shards": 1' in capsys.readouterr().out
+    assert main(["show", f"{home}/exp1", "--color", "never"]) == 0
+    shown = capsys.readouterr()
+    assert "── turn 0" in shown.out
+    assert "tokens shown by id" not in shown.err  # decoded with the tokenizer of the run's own pipeline copy
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "charts", "model"]  # no s3: directory
+
+    # a buffer at a URL made before shards took spread names (buffer/shard-0000) goes on as it is: nothing
+    # made beside it, and the collector paces by the name the learner counts it under (else the rounds
+    # the stall rule lets through take the newest weights, and the run trains differently). Run beside
+    # the same run in a local directory
+    legacy = RunPaths.at_url(f"{home}/legacy")
+    module = load_pipeline_module(DEFAULT)
+    settings = make_settings(module, [a for a in [*SMALL, *ZARR] if a != "--set"])
+    module.build(settings, legacy).create_buffer(f"{legacy.url}/buffer/shard-0000").close()
+    legacy_run = subprocess.Popen([*command_at(home, "legacy"), "--steps", "4"], cwd=tmp_path,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        local = subprocess.run([*command_at(str(tmp_path / "local"), "exp1"), "--steps", "4"], cwd=REPO,
+                               capture_output=True, text=True, timeout=600)
+        legacy_err = legacy_run.communicate(timeout=600)[1]
+    finally:
+        if legacy_run.poll() is None:
+            legacy_run.kill()
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert trained(logged(f"{home}/exp1")) == trained(logged(tmp_path / "local" / "exp1"))
+    assert rows_of(f"{home}/exp1/buffer") == rows_of(str(tmp_path / "local" / "exp1" / "buffer"))
+
+    assert legacy_run.returncode == 0, legacy_err[-3000:]
+    assert f"writing to {legacy.url}/buffer/shard-0000" in legacy_err, legacy_err[-3000:]
+    assert {key.split("/", 1)[0] for key in run_store_at(f"{legacy.url}/buffer").walk()} == {"shard-0000"}
+    assert json.loads(legacy.store.read("pacing.json"))["consumed"] == {"shard-0000": 4 * 16}
+    assert trained(logged(legacy.url)) == trained(logged(f"{home}/exp1"))
+
+
+# each cloud's kill test: the sides killed in turn, each once the run has logged this many more
+# learner steps; the steps each start asks for; the steps the last, uninterrupted start adds. A step
+# at a URL costs about a second, paid twice (the killed run and the plain one): the learner is killed
+# once step 3 is logged, past its first checkpoint (step 2, learner.checkpoint_every=2) and a version
+# published beyond it, which is all its kill needs, and each later start adds 2 steps
+KILLS = {"s3": ((("learn", 3), ("collect", 2)), 60, 2), "az": ((("learn", 3),), 40, 2)}
+
+
+@pytest.mark.parametrize("run_home", ["s3", "azure"], indirect=True)
+def test_processes_killed_at_a_url_resume_exactly(run_home, tmp_path):
+    """kill -9 of the learner (and on S3 then of the collector, in the resumed run; on Azure the same
+    program, only ``files/cloud_objects.py`` knows the cloud); the same command resumes each time, and
+    the run trains exactly as an uninterrupted one with the same steps: the same rows (tokens, rewards)
+    and the same losses and rewards step by step. One collector: which of several collectors' rows a
+    batch holds first is timing, so only one is deterministic.
+
+    Only counts may differ after the learner's kill (``LABELS``): the buffer holds the rows its
+    collector wrote ahead before the kill. The versions it published past its checkpoint are
+    published again under the same numbers, so the rows sampled with them and the collector's next
+    rounds have the uninterrupted run's versions (tests/integration/test_resume_at_every_distance.py
+    kills at every distance from the checkpoint)."""
+    from integration.run_location import logged, trained
+
+    from rlhf_pipeline.files.shard_names import spread_shard_name
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    home = run_home
+    run_url = f"{home}/crash"
+    base = command_at(home, "crash")
+    victims, steps, extra = KILLS[home.split("://")[0]]
+    done = 0
+    for side, after in victims:
+        started = subprocess.Popen([*base, "--steps", str(steps)], cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        out = kill_when(started, lambda: len(logged(run_url)) >= done + after,
+                        victims=lambda: run_child_pids(side, home), poll_s=0.1)
+        assert started.returncode != 0, out[-3000:]
+        if done:  # a start after a kill
+            assert f"[learner] resuming from {run_url}/checkpoints/step_" in out, out[-3000:]
+        assert ("the learner failed" if side == "learn" else "the collector exited early") in out, out[-3000:]
+        done = len(logged(run_url))
+    shard0 = spread_shard_name(0)
+    keys = set(run_store_at(run_url).walk())
+    for key in ("settings.json", "pipeline.py", f"buffer/{shard0}/zarr.json"):
+        assert key in keys, sorted(keys)
+    total = logged(run_url)[-1]["step"] + extra
+
+    resumed = subprocess.run([*base, "--steps", str(total)], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"[learner] resuming from {run_url}/checkpoints/step_" in resumed.stderr, resumed.stderr[-3000:]
+    assert "run.lock" not in set(run_store_at(run_url).walk())  # let go
+    with open_store(f"{run_url}/buffer/{shard0}", mode="r") as shard:
+        ids = shard.read(torch.arange(len(shard)), fields=("trajectory_id", "group_id"))
+    # every round exactly once: the ids the collector handed out, in order, without a gap
+    rows = len(ids["trajectory_id"])
+    assert ids["trajectory_id"].tolist() == list(range(rows))
+    assert ids["group_id"].tolist() == [i // 4 for i in range(rows)]
+
+    plain = subprocess.run([*command_at(home, "plain"), "--steps", str(total)], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    resumed_steps, uninterrupted = trained(logged(run_url), LABELS), trained(logged(f"{home}/plain"), LABELS)
+    assert [r["step"] for r in resumed_steps] == list(range(1, total + 1))  # every step once, in order
+    for step, (a, b) in enumerate(zip(resumed_steps, uninterrupted, strict=True), start=1):
+        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
+    a, b = rows_of(f"{run_url}/buffer"), rows_of(f"{home}/plain/buffer")
+    trained_rows = total * 16  # the rows the learner took in (how far the collector ran ahead at the end is timing)
+    assert min(len(a["tokens"]), len(b["tokens"])) >= trained_rows
+    assert {key: v[:trained_rows] for key, v in a.items()} == {key: v[:trained_rows] for key, v in b.items()}
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]  # no s3: or az: directory beside the command
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_collector_and_a_learner_started_apart_meet_at_the_url(run_home, tmp_path):
+    """``collect`` and ``learn`` as separate commands (as on two machines: each with its own
+    cache directory and working directory), meeting only at the run's URL."""
+    from integration.run_location import logged
+
+    home = run_home
+    base = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    args = [DEFAULT, "--home", home, "--run-name", "apart", *SMALL, *ZARR]
+    machines = {}
+    for side in ("collector", "learner"):
+        (tmp_path / side).mkdir()
+        machines[side] = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / side / "cache")}
+    collector = subprocess.Popen([*base, "collect", *args], cwd=tmp_path / "collector", env=machines["collector"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        learner = subprocess.run([*base, "learn", *args, "--steps", "3"], cwd=tmp_path / "learner",
+                                 env=machines["learner"], capture_output=True, text=True, timeout=600)
+        out, _ = collector.communicate(timeout=120)  # ends by itself: the learner wrote STOP
+    finally:
+        if collector.poll() is None:
+            collector.kill()
+    assert learner.returncode == 0, learner.stderr[-3000:]
+    assert collector.returncode == 0 and "[collector] stopped after" in out, out[-3000:]
+    assert [r["step"] for r in logged(f"{home}/apart")] == [1, 2, 3]
+    assert int(max(rows_of(f"{home}/apart/buffer")["versions"])) >= 1  # the collector took the learner's weights
+    for side in ("collector", "learner"):
+        assert [p.name for p in (tmp_path / side).iterdir()] == ["cache"]
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+@pytest.mark.parametrize("pipeline", ["default", "tool_use"])
+def test_a_run_at_a_url_whose_pipeline_makes_memmap_shards_is_refused_in_one_line(run_home, pipeline, tmp_path):
+    """The default pipeline's buffer without buffer_backend=zarr, and pipelines/tool_use.py's, memmap
+    by default (buffer_backend, a run setting of every pipeline): refused before any row, lock or local
+    directory is made."""
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    refused = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
+                              str(REPO / "pipelines" / f"{pipeline}.py"), "--home", run_home, "--steps", "1"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "needs a Zarr buffer" in errors[0] and "--set buffer_backend=zarr" in errors[0], \
+        refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+    assert run_store_at(f"{run_home}/{pipeline}").walk() == []  # not even the lock: it was let go
+    assert not (tmp_path / "s3:").exists()
+
+
+# ============================================================ groups pending at a kill, wherever the run lives
+PENDING_ROWS = 200  # 50 groups of 4
+
+PENDING_COLLECTOR = textwrap.dedent("""
+    import sys, torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, {tests!r})
+    from helpers import make_batch
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.pipeline import load_pipeline_module, make_settings
+    from rlhf_pipeline.storage import open_store
+    from rlhf_pipeline.storage.torchrl_glue import make_replay_buffer
+
+    module = load_pipeline_module({pipeline!r})
+    settings = make_settings(module, ["buffer_backend=zarr", "group_size=4", "buffer_lock_lease_s=3"])
+    run = RunPaths.at({run_url!r})
+    pipeline = module.build(settings, run)
+    store = open_store(run.shard_location(0), mode="a", lock_wait_s=60, lock_lease_s=3)
+    write_path = pipeline.make_write_path(store)
+    rb = make_replay_buffer(store, transforms=write_path)
+    pending = write_path[0].pending
+    held = set(pending.trajectory_ids().tolist())
+    if store.next_row:
+        held |= set(store.read_global(torch.arange(store.next_row))["trajectory_id"].tolist())
+    print("resumed", pending.num_rows, len(held), flush=True)
+    batch = make_batch({rows} // 4, 4, seed=5)
+    order = [i for i in torch.randperm({rows}, generator=torch.Generator().manual_seed(3)).tolist() if i not in held]
+    sizes = [1, 2, 3, 1, 3, 2] * {rows}
+    pos = k = 0
+    while pos < len(order):
+        rows = order[pos:pos + sizes[k]]
+        rb.extend(batch.select(rows))
+        print("acked", *rows, flush=True)
+        pos += sizes[k]; k += 1
+    store.close()
+    print("finished", pending.num_rows, flush=True)
+""")
+
+
+def _create_shard(run_location: str) -> None:
+    """The run's shard, as ``run`` creates it: the pipeline's ``create_buffer``."""
+    module = load_pipeline_module(REPO / "pipelines" / "default.py")
+    settings = make_settings(module, ["buffer_backend=zarr", "group_size=4"])
+    run = RunPaths.at(run_location)
+    module.build(settings, run).create_buffer(run.shard_location(0)).close()
+
+
+def _collector(tmp_path: Path, run_url: str, machine: str) -> subprocess.Popen:
+    """A collector process on ``machine``: its own working directory and cache directory."""
+    where = tmp_path / machine
+    where.mkdir()
+    script = where / "collector.py"
+    script.write_text(PENDING_COLLECTOR.format(tests=str(REPO / "tests"), pipeline=DEFAULT, run_url=run_url,
+                                               rows=PENDING_ROWS))
+    return subprocess.Popen([sys.executable, str(script)], cwd=where, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "XDG_CACHE_HOME": str(where / "cache"), "OMP_NUM_THREADS": "1"})
+
+
+def _finish(process: subprocess.Popen) -> str:
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, out[-2000:] + err[-3000:]
+    return out
+
+
+def _rows(shard_url: str):
+    with open_store(shard_url, mode="r") as store:
+        return store.read_global(torch.arange(store.next_row))
+
+
+def _nothing_local(machine: Path) -> bool:
+    return not any(p.is_file() and p.name != "collector.py" for p in machine.rglob("*"))
+
+
+def test_a_collector_killed_with_pending_groups_resumes_on_another_machine(run_home, tmp_path):
+    """A collector killed with ``kill -9`` while groups are pending, resumed on "another machine" (a
+    fresh process with an empty cache directory of its own): the pending groups are found in the
+    shard's own commit record (its writer state), and the buffer ends with every group whole, once,
+    equal to an uninterrupted run's. The collector here sends each group's completions over several
+    writes (as a streaming collector would), which is what leaves groups pending between writes; the
+    pipeline's own collector writes whole groups per round."""
+    home = run_home
+    for name in ("crash", "plain"):
+        _create_shard(f"{home}/{name}")
+
+    # the run nobody kills, meanwhile (it ends by itself): its rows do not depend on timing, and its
+    # start (importing torch) overlaps the other collectors' instead of following them
+    plain = _collector(tmp_path, f"{home}/plain", "machine-c")
+    first = _collector(tmp_path, f"{home}/crash", "machine-a")
+    acked: list[int] = []
+    try:
+        for line in first.stdout:
+            acked += [int(x) for x in line.split()[1:]] if line.startswith("acked") else []
+            if len(acked) >= 30:
+                first.send_signal(signal.SIGKILL)  # lands wherever the collector is by now
+                break
+        first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == -signal.SIGKILL
+    shard0 = RunPaths.at(f"{home}/crash").shard_location(0).rsplit("/", 1)[-1]  # a spread name at a URL
+    with open_store(f"{home}/crash/buffer/{shard0}", mode="r") as shard:  # published with the shard's rows
+        assert decode(shard.writer_state, shard.location)["write_path"][0]["rows"] is not None
+    assert _nothing_local(tmp_path / "machine-a")  # the pending groups were never only on its disk
+
+    out = _finish(_collector(tmp_path, f"{home}/crash", "machine-b"))
+    _, pending_rows, held = out.splitlines()[0].split()
+    assert int(pending_rows) > 0, out  # it resumed with groups pending, found at the URL
+    assert len(acked) <= int(held) < PENDING_ROWS  # every acknowledged row was stored or pending; the kill came midway
+    assert out.splitlines()[-1] == "finished 0"
+    assert _nothing_local(tmp_path / "machine-b")
+
+    assert _finish(plain).splitlines()[-1] == "finished 0"
+    crashed, plain = _rows(f"{home}/crash/buffer/{shard0}"), _rows(f"{home}/plain/buffer/{shard0}")
+    ids = crashed["trajectory_id"]
+    assert sorted(ids.tolist()) == list(range(PENDING_ROWS))  # every row once
+    assert torch.bincount(crashed["group_id"]).tolist() == [4] * (PENDING_ROWS // 4)  # every group whole
+    # the same rows, advantages included, as the run nobody killed (the order within one append may differ)
+    assert crashed.select(torch.argsort(ids)).equal(plain.select(torch.argsort(plain["trajectory_id"])))

@@ -26,12 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from integration.test_run_at_url import (
-    assert_trained_as_uninterrupted,
-    command,
-    learner_metrics,
-    rows_of,
-)
+from integration.run_location import logged, trained
+from integration.test_processes import LABELS, command_at, rows_of
 
 from rlhf_pipeline.coordination.weights import load_weights
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
@@ -202,18 +198,18 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
         # the driver's machine: its own scratch, too
         driver = nodes.scratch("head") / "driver"
         driver.mkdir()
-        run = subprocess.Popen([*command(home, "multinode"), "--ray", nodes.address, "--steps", str(STEPS)],
+        run = subprocess.Popen([*command_at(home, "multinode"), "--ray", nodes.address, "--steps", str(STEPS)],
                                cwd=driver, env=nodes.env("head"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
         try:
-            _wait_until(lambda: len(learner_metrics(run_url)) >= 2, run, 240)
+            _wait_until(lambda: len(logged(run_url)) >= 2, run, 240)
             collectors, learners = actor_processes("CollectorActor"), actor_processes("LearnerActor")
             assert len(collectors) == 1 and len(learners) == 1, (collectors, learners, run.poll())
             (collector_cache,), (learner_cache,) = collectors.values(), learners.values()
             # each on a worker node of its own, which it knows by its own cache only
             assert collector_cache in on_node and learner_cache in on_node and collector_cache != learner_cache
             lost, learner_node = on_node[collector_cache], on_node[learner_cache]
-            killed_at = len(learner_metrics(run_url))
+            killed_at = len(logged(run_url))
             lost_at = time.monotonic()
             nodes.kill(lost)
             # a machine joins in place of the lost one while Ray notices the loss (the collector
@@ -222,13 +218,13 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
             collector_moved_to = _wait_until(lambda: moved("CollectorActor", collector_cache), run, 120)
             print(f"[multinode] the collector runs again {time.monotonic() - lost_at:.1f} s after its node was lost")
             nodes.wait_for(["node_new"])
-            _wait_until(lambda: len(learner_metrics(run_url)) >= killed_at + 2, run, 240)
-            learner_killed_at = len(learner_metrics(run_url))
+            _wait_until(lambda: len(logged(run_url)) >= killed_at + 2, run, 240)
+            learner_killed_at = len(logged(run_url))
             lost_at = time.monotonic()
             nodes.kill(learner_node)
             learner_moved_to = _wait_until(lambda: moved("LearnerActor", learner_cache), run, 120)
             print(f"[multinode] the learner runs again {time.monotonic() - lost_at:.1f} s after its node was lost")
-            _wait_until(lambda: len(learner_metrics(run_url)) > learner_killed_at, run, 240)
+            _wait_until(lambda: len(logged(run_url)) > learner_killed_at, run, 240)
             print(f"[multinode] and has trained past the step it was lost at {time.monotonic() - lost_at:.1f} s after")
             out, _ = run.communicate(timeout=400)
         finally:
@@ -254,13 +250,16 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
         assert any(key.startswith("collector/shard-0000.history/row_") for key in keys), sorted(keys)
         assert "run.lock" not in keys
 
-        plain = subprocess.run([*command(home, "plain"), "--steps", str(STEPS)], check=False, cwd=tmp_path,
+        plain = subprocess.run([*command_at(home, "plain"), "--steps", str(STEPS)], check=False, cwd=tmp_path,
                                env={**s3_server.env(), "XDG_CACHE_HOME": str(tmp_path / "cache")},
                                capture_output=True, text=True, timeout=600)
         assert plain.returncode == 0, plain.stderr[-3000:]
     finally:
         nodes.stop_all()
-    assert_trained_as_uninterrupted(run_url, f"{home}/plain", STEPS)
+    resumed, uninterrupted = trained(logged(run_url), LABELS), trained(logged(f"{home}/plain"), LABELS)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # every step once, in order
+    for step, (a, b) in enumerate(zip(resumed, uninterrupted, strict=True), start=1):
+        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
     a, b = rows_of(f"{run_url}/buffer"), rows_of(f"{home}/plain/buffer")
     trained_rows = STEPS * 16
     assert {k: v[:trained_rows] for k, v in a.items() if k != "versions"} == \

@@ -227,3 +227,24 @@ def test_a_collector_on_ray_loads_the_version_pacing_names_not_the_newest(cluste
     loaded, version = ObjectStoreWeightsPoller(tmp_path, control).poll_version(3)  # pruned: the newest
     assert version == 6 and torch.equal(loaded["w"], state[6]["w"])
     ray.kill(control)
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_run_at_a_url_on_ray_keeps_its_state_there(run_home, tmp_path):
+    """``--ray`` (a local Ray cluster the driver starts, in the environment that holds the cloud's
+    variables): the actors open the run by its URL."""
+    from integration.run_location import logged
+
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    done = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", "--home",
+                           run_home, "--run-name", "on-ray", "--steps", "3", "--set", "buffer_backend=zarr",
+                           *[a for s in SMALL for a in ("--set", s)]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"[run] run directory {run_home}/on-ray on Ray" in done.stdout + done.stderr, done.stderr[-3000:]
+    assert [r["step"] for r in logged(f"{run_home}/on-ray")] == [1, 2, 3]
+    keys = set(run_store_at(f"{run_home}/on-ray").walk())
+    assert {"checkpoints/step_00000003.pt", "pacing.json"} <= keys, sorted(keys)
+    assert any(key.startswith("collector/shard-0000.history/row_") for key in keys), sorted(keys)
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]

@@ -340,3 +340,134 @@ def test_a_replay_starts_from_the_recording_runs_initial_policy_or_says_why_it_b
     weights_path(tmp_path / "rec", 0).unlink()  # as a run's first checkpoint prunes it
     said = replay_said("pruned")
     assert "no longer holds its weights version 0" in said and "[run] warm start: 3 steps" in said, said
+
+
+# ============================================================ a replay at a URL
+EPOCHS_CLI = ["--epochs", "2", "--seed", "7"]  # 12 steps of 16 rows; checkpoints every 2 steps
+EPOCHS = {"epochs": 2, "seed": 7}  # the same, as ReplayOptions for a replay in this process
+
+
+@pytest.fixture()
+def url_source(run_home) -> str:
+    """The recorded buffer as a Zarr store beside the runs (a replay's buffer may be a URL too)."""
+    location = f"{run_home.rsplit('/', 1)[0]}/recorded"
+    record(location, recorded_rows(ROWS), backend="zarr")
+    return location
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_replay_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(run_home, url_source, tmp_path,
+                                                                              monkeypatch, capsys):
+    """``replay --home s3://...``: local disk only a cache; it trains exactly as the same replay in a
+    local directory, from a source at a URL; a run at a URL is a replay's starting weights; the same
+    command again trains nothing, and a changed option is refused, naming it."""
+    from integration.run_location import logged, same_weights, trained
+
+    from rlhf_pipeline.cli.main import main
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    home, source = run_home, url_source
+    at_url = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", source,
+                             "--home", home, "--run-name", "r1", *SMALL_CLI, *EPOCHS_CLI], cwd=tmp_path,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert at_url.returncode == 0, at_url.stderr[-3000:]
+    assert f"steps (2 epochs, order shuffle) into {home}/r1" in at_url.stderr
+    store = run_store_at(f"{home}/r1")
+    keys = set(store.walk())
+    for key in ("settings.json", "pipeline.py", "weights/policy_00000012.safetensors", "checkpoints/step_00000012.pt",
+                "metrics.jsonl.parts/00000000.jsonl", "batches.jsonl.parts/00000000.jsonl"):
+        assert key in keys, sorted(keys)
+    assert "run.lock" not in keys and not any(k.endswith(".partial") for k in keys)
+    assert "pacing.json" not in keys  # no collectors read it: no PUT of it per step
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]  # no s3: directory beside the command
+    assert b'"buffer": "' + source.encode() + b'"' in store.read("settings.json")
+
+    # the same replay in a local directory, in this process (its CLI start would only import torch again)
+    replay_command(DEFAULT, ReplayOptions(buffer=source, **EPOCHS), home=str(tmp_path / "local"),
+                   run_name="r1", overrides=SMALL)
+    local_run = str(tmp_path / "local" / "r1")
+    assert trained(logged(f"{home}/r1")) == trained(logged(local_run))
+    assert [r["trajectory_ids"] for r in logged(f"{home}/r1", "batches.jsonl")] == \
+        [r["trajectory_ids"] for r in logged(local_run, "batches.jsonl")]
+    assert same_weights(f"{home}/r1", local_run)
+
+    # a run at a URL as starting weights (in this process: one step is enough to start from them)
+    replay_command(DEFAULT, ReplayOptions(buffer=source, init_from=f"{home}/r1", steps=1), home=str(tmp_path / "local"),
+                   run_name="from-url", overrides=SMALL)
+    (start, version), (newest, _) = load_weights(tmp_path / "local" / "from-url", 0), load_weights(store)
+    assert version == 0 and all(torch.equal(start[k], newest[k]) for k in newest)
+
+    # the same command again: finished, nothing retrained; a changed option is refused, naming it
+    # (in this process: the refusal comes before any training)
+    monkeypatch.chdir(tmp_path)
+    assert main(["replay", DEFAULT, "--buffer", source, "--home", home, "--run-name", "r1", *SMALL_CLI, *EPOCHS_CLI,
+                 "--order", "sequential"]) == 2
+    refused = capsys.readouterr().err
+    assert "--order: was 'shuffle', now 'sequential'" in refused, refused[-3000:]
+    assert f"{home}/r1 holds a replay started with other settings" in refused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "local"]  # no s3: directory
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_replay_killed_at_a_url_resumes_to_the_same_losses_rows_and_weights(run_home, url_source, tmp_path,
+                                                                              monkeypatch):
+    """The kill lands after a checkpoint of step 2 or later and before the last; the same command
+    resumes from the newest checkpoint at the URL. (In a directory: the test above, killed by its
+    metrics lines.)"""
+    from integration.run_location import logged, same_weights, trained
+
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    home, source = run_home, url_source
+    run = f"{home}/killed"
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", source,
+               "--home", home, "--run-name", "killed", *SMALL_CLI, *EPOCHS_CLI]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # the uninterrupted replay runs in this process, on one thread
+    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    store = run_store_at(run)
+    # a checkpoint at step 2 or later, and the run not finished (10 steps of margin to the end)
+    err = kill_when(first, lambda: any(n.startswith("step_") and 2 <= int(n[5:13]) < 12
+                                       for n in store.list("checkpoints")), wait_s=60)
+    assert first.returncode == -signal.SIGKILL, err[-3000:]
+    assert "checkpoints/step_00000012.pt" not in store.walk(), "the kill came after the replay had finished"
+
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"[learner] resuming from {run}/checkpoints/step_" in resumed.stderr, resumed.stderr[-3000:]
+    assert [r["step"] for r in logged(run)] == list(range(1, 13))  # every step once, in order
+    assert [r["step"] for r in logged(run, "batches.jsonl")] == list(range(1, 13))
+
+    # the uninterrupted replay to compare with, in this process (from tmp_path, whose listing is checked
+    # below): its CLI start would only import torch again
+    monkeypatch.chdir(tmp_path)
+    replay_command(DEFAULT, ReplayOptions(buffer=source, **EPOCHS), home=home, run_name="plain", overrides=SMALL)
+    # every chart the same, the versions' numbers too: a replay killed after publishing versions past its
+    # checkpoint publishes them again under the same numbers; the losses, the rows of every step and the
+    # weights are the same
+    pairs = zip(trained(logged(run)), trained(logged(f"{home}/plain")), strict=True)
+    for step, (a, b) in enumerate(pairs, start=1):
+        assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
+    assert logged(run, "batches.jsonl") != [] and \
+        [r["trajectory_ids"] for r in logged(run, "batches.jsonl")] == \
+        [r["trajectory_ids"] for r in logged(f"{home}/plain", "batches.jsonl")]
+    assert same_weights(run, f"{home}/plain")
+    assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
+
+
+def test_a_replay_home_or_init_from_with_an_unsupported_scheme_is_refused(source, tmp_path, monkeypatch, capsys):
+    """In this process: each refusal comes before any training, and a CLI start costs seconds."""
+    from rlhf_pipeline.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    base = ["replay", DEFAULT, *SMALL_CLI, "--steps", "1"]
+    assert main([*base, "--buffer", str(source), "--home", "gs://bucket/runs", "--run-name", "r"]) == 2
+    assert "--home 'gs://bucket/runs' is a URL with a scheme a run cannot live at yet" in capsys.readouterr().err
+    home = str(tmp_path / "home")
+    assert main([*base, "--buffer", str(source), "--home", home, "--run-name", "r", "--init-from",
+                 "ftp://host/run"]) == 2
+    assert "--init-from: RUN 'ftp://host/run' is a URL with a scheme a run cannot live at" in capsys.readouterr().err
+    assert main([*base, "--buffer", "foo://bucket/buffer", "--home", home, "--run-name", "r"]) == 2
+    assert "foo:// is not a URL scheme a buffer can be read at" in capsys.readouterr().err
+    assert not any(p.name.endswith(":") for p in tmp_path.rglob("*"))  # no URL taken for a local path
+    assert not (tmp_path / "home" / "r" / "settings.json").exists()

@@ -15,7 +15,7 @@ after it (0), then 1, 2 and 5 (``checkpoint_every - 1``) steps past it, then it 
 resume after a resume is covered on the way. Once more with ``learn`` started again after each
 kill beside one ``collect`` that runs on (the long-running commands). The uninterrupted run of
 each pipeline is shared (a run at a URL trains as in a directory), and so is each pipeline's
-warm start. The real ``kill -9`` of a learner process: ``tests/integration/test_run_at_url.py``.
+warm start. The real ``kill -9`` of a learner process at a URL: ``tests/integration/test_processes.py``.
 """
 
 from __future__ import annotations
@@ -154,23 +154,22 @@ def uninterrupted(tmp_path_factory, prepared):
     return run
 
 
-def run_at(location: str, name: str, request, tmp_path) -> RunPaths:
-    if location == "directory":
-        return request.getfixturevalue("prepared")(name, tmp_path / name)
-    request.getfixturevalue("s3_env")  # the AWS variables in this process; run caches under tmp_path
-    return RunPaths.at_url(request.getfixturevalue("s3_server").url(f"runs/{name}"))
+def run_at(run_home: str, name: str, prepared) -> RunPaths:
+    if "://" not in run_home:
+        return prepared(name, Path(run_home) / name)
+    return RunPaths.at_url(f"{run_home}/{name}")
 
 
-# tool_use.py makes memmap shards, which a run at a URL refuses (test_run_at_url.py): at a URL the
+# tool_use.py makes memmap shards, which a run at a URL refuses (test_processes.py): at a URL the
 # default pipeline only. "run": the same command run again after each kill (its collector stopped
 # and started with its learner); "learn": `learn` started again beside one `collect` that runs on
-@pytest.mark.parametrize(("name", "location", "command"), [
-    ("default", "directory", "run"), ("default", "s3", "run"), ("tool_use", "directory", "run"),
-    ("default", "directory", "learn"),
-])
+@pytest.mark.parametrize(("name", "run_home", "command"), [
+    ("default", "local", "run"), ("default", "s3", "run"), ("tool_use", "local", "run"),
+    ("default", "local", "learn"),
+], indirect=["run_home"])
 def test_a_learner_killed_at_every_distance_from_its_checkpoint_resumes_as_if_never_killed(
-        name, location, command, request, tmp_path, uninterrupted):
-    killed = run_at(location, name, request, tmp_path)
+        name, run_home, command, prepared, uninterrupted):
+    killed = run_at(run_home, name, prepared)
     untils = [CHECKPOINT_EVERY + distance for distance in DISTANCES] + [STEPS]
     if command == "learn":
         start(name, killed, untils=untils)

@@ -404,3 +404,66 @@ def test_a_branch_made_while_a_drop_is_under_way_names_only_the_rows_left(parent
     with open_buffer(f"{paths.home}/late/{PARENT_ROWS}") as rows:  # only the rows left: all there
         assert len(rows) == 120 - 48
     assert not paths.store.exists(f"retention/dropping-{shard}.json")
+
+
+# ============================================================ a branch at a URL, end to end with `run`
+BOUND = ["segment_rows=16", "retention.max_rows=96", "retention.hold_rewind_points=false"]
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_parent_at_a_url_keeps_its_branchs_rows_and_the_branch_drops_only_its_own(run_home, tmp_path):
+    """A parent at the URL (one collector, a Zarr shard there) runs with ``retention.max_rows`` and
+    ``hold_rewind_points=false`` (only its newest checkpoint holds rows), is branched at step 4, and
+    runs on to step 16: its rules ask to drop rows the branch reads, and it keeps them. The branch then
+    continues online to step 16 with the same rules: only its own shard's oldest segments go, their
+    objects deleted, the parent's objects unchanged, and its buffer still reads the parent's rows."""
+    from integration.run_location import digest, logged
+    from integration.test_branch_online import AT_URL, FIELDS
+
+    from rlhf_pipeline.cli.main import main
+    from rlhf_pipeline.storage import open_store
+
+    def bounded(name: str, steps: int) -> None:
+        sets = [word for item in [*AT_URL, *BOUND] for word in ("--set", item)]
+        ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" /
+                              "default.py"), "--steps", str(steps), "--home", run_home, "--run-name", name, *sets],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert ran.returncode == 0, ran.stderr[-3000:]
+
+    def dropped(url: str) -> int:
+        return int(sum(r.get("retention/rows_dropped", 0) for r in logged(url, "collector/metrics-0000.jsonl")))
+
+    parent = f"{run_home}/parent"
+    bounded("parent", 8)
+    assert main(["branch", parent, "--from-step", "4", "kept"]) == 0
+    kept = f"{run_home}/kept"
+    lineage = json.loads(run_store_at(kept).read("branch.json"))
+    (name, inherited), = lineage["buffer_rows"].items()
+    selection = json.loads(run_store_at(kept).read(f"{PARENT_ROWS}/selection.json"))
+    (part,) = selection["parts"]
+    first_read = int(part["first_row"])
+
+    bounded("parent", 16)  # the parent runs on beside its branch
+    with open_store(part["location"]) as shard:
+        held, written = shard.first_row, shard.next_row
+    assert written - 96 > inherited  # max_rows asked to drop every row the branch reads...
+    assert held <= first_read  # ...and the parent kept them
+    with open_buffer(f"{kept}/{PARENT_ROWS}") as rows:  # the branch reads every row it names
+        assert len(rows) == inherited - first_read
+        rows.read(torch.arange(len(rows)), fields=list(FIELDS))
+
+    before = digest(parent)
+    bounded("kept", 16)
+    assert digest(parent) == before  # the parent's objects were only read
+    assert [m["step"] for m in logged(kept)] == list(range(1, 17))
+    own_location = f"{kept}/buffer/{part['location'].rsplit('/', 1)[-1]}"
+    with open_store(own_location) as own:
+        own_first, own_next = own.first_row, own.next_row
+    assert dropped(kept) == own_first > 0 and own_first % 16 == 0  # whole own segments only
+    units = {int(key.split("/")[1].split("-")[0]) for key in run_store_at(own_location).walk() if key.count("/") > 1}
+    assert min(units) == own_first  # the dropped segments' objects are gone
+    assert sum(r.get("retention/bytes_freed", 0) for r in logged(kept, "collector/metrics-0000.jsonl")) > 0
+    with open_buffer(f"{kept}/buffer") as union:  # the union's ids stay put: the branch's own rows after N
+        shard = union.shards[0]
+        assert (shard.first_row, shard.next_row) == (inherited + own_first, inherited + own_next)

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rlhf_pipeline.learn.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,3 +143,32 @@ def test_children_keep_the_run_directory_after_their_launcher_is_killed(tmp_path
         except RunDirectoryBusyError:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_run_whose_lease_at_a_url_was_taken_over_stops_its_processes(run_home, tmp_path):
+    """At a URL the run's lock is a lease: another command took ``run.lock`` over (as it does once a
+    holder's lease runs out unrenewed); ``run`` learns it at its next renewal, stops its collector and
+    learner (they checkpoint), and says so; it does not delete the other holder's lock."""
+    from integration.run_location import logged
+
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    run_url = f"{run_home}/taken"
+    first = subprocess.Popen([*CLI, "run", DEFAULT, "--home", run_home, "--run-name", "taken", "--steps", "500",
+                              *SMALL, "--set", "buffer_backend=zarr"], cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and first.poll() is None and len(logged(run_url)) < 2:
+            time.sleep(0.5)
+        store = run_store_at(run_url)
+        store.write("run.lock", b'{"command": "run", "pid": 1, "host": "elsewhere", "lease_s": 30}', fence=False)
+        out, _ = first.communicate(timeout=120)  # the holder renews every 10 s
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 2, out[-3000:]
+    assert f"{run_url} was taken over by another command" in out, out[-3000:]
+    assert "[learner] stopped at step" in out, out[-3000:]
+    assert b'"host": "elsewhere"' in store.read("run.lock")

@@ -1,5 +1,7 @@
-"""The commands on ``s3://`` buffers, against moto's S3 server on loopback: ``inspect``,
-``convert`` to and from S3, and ``replay --buffer s3://...`` training a tiny model.
+"""Buffers on object storage, the run directory local: the commands on ``s3://`` buffers against
+moto's S3 server on loopback (``inspect``, ``convert`` to and from S3, ``replay --buffer s3://...``
+training a tiny model), and ``run`` with its buffer at a URL (``buffer_url``) on S3 and on Azure
+(Azurite, the account from ``AZURE_STORAGE_CONNECTION_STRING``): the same program on each cloud.
 
 The commands find the server through ``AWS_ENDPOINT_URL`` and the AWS credentials variables, as
 a user's shell would give them. They run in this process (``command``): what they do at a URL is
@@ -17,16 +19,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from integration.test_default_pipeline import SMALL as RUN_SMALL
 from integration.test_replay import DEFAULT, SMALL_CLI, batches, losses, record, recorded_rows, replay
 
+from rlhf_pipeline.files.shard_names import spread_shard_name
+from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.pipeline import PipelineError
+from rlhf_pipeline.runs.run import run_command
 from rlhf_pipeline.storage import open_store
 from rlhf_pipeline.storage.buffers import buffer_stats
 
 REPO = Path(__file__).resolve().parents[2]
+SHARD0 = spread_shard_name(0)  # collector 0's shard at an object-store URL
 
 
-def cli(s3_server, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO, env=s3_server.env(),
+def cli(server, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO, env=server.env(),
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result
@@ -90,3 +98,40 @@ def test_replay_from_s3_trains_on_the_same_rows_as_from_disk(s3_server, s3_sourc
     assert len(batches(home / "from-s3")) == 3
     assert batches(home / "from-s3") == batches(from_disk)
     assert losses(home / "from-s3") == losses(from_disk)
+
+
+def test_run_with_the_buffer_at_a_url_then_verify_and_replay_it(object_server, tmp_path):
+    """The collector writes ``URL/00-shard-0000`` (its spread name), the learner reads the union, the
+    run directory stays local; then ``inspect --verify`` and ``replay`` of that URL."""
+    url = object_server.url("buffer")
+    out = cli(object_server, "run", DEFAULT, "--steps", "2", "--home", str(tmp_path), "--run-name", "remote",
+              *RUN_SMALL, "--set", "buffer_backend=zarr", "--set", f"buffer_url={url}", "--set",
+              "buffer_lock_lease_s=12", timeout=600)
+    assert "[run] done: 2 learner steps" in out.stderr, out.stderr[-3000:]
+    assert f"writing to {url}/{SHARD0} (writer lock lease 12 s)" in out.stderr  # the setting reached the lock
+    run = tmp_path / "remote"
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    assert not (run / "buffer").exists()  # the rows went to the object store only
+    keys = object_server.keys(url)
+    assert f"{SHARD0}/zarr.json" in keys and f"{SHARD0}/writer.lock" not in keys  # the collector let go
+
+    stats = json.loads(command(object_server, "inspect", url + "/", "--json").stdout)
+    assert stats["backend"] == "sharded" and stats["extra"]["shards"] == 1
+    assert stats["rows"] >= 32 and stats["rows"] % 4 == 0  # two learner batches of 16, whole groups of 4
+    assert "no damage found" in command(object_server, "inspect", "--verify", url + "/").stdout
+
+    command(object_server, "replay", DEFAULT, "--buffer", url, "--steps", "1", "--home", str(tmp_path),
+            "--run-name", "replayed", *RUN_SMALL)
+    assert [r["step"] for r in read_metrics(tmp_path / "replayed" / "metrics.jsonl")] == [1]
+
+
+def test_a_memmap_buffer_at_a_url_is_a_settings_error(tmp_path):
+    with pytest.raises(PipelineError, match=r"'buffer_url' .*needs buffer_backend=zarr.*--set buffer_backend=zarr"):
+        run_command("run", pipeline_path=DEFAULT, home=str(tmp_path), overrides=["buffer_url=s3://bucket/run/buffer"])
+    with pytest.raises(PipelineError, match=r"'buffer_url' must be a URL such as s3://"):
+        run_command("run", pipeline_path=DEFAULT, home=str(tmp_path),
+                    overrides=["buffer_backend=zarr", "buffer_url=/tmp/not-a-url"])
+    with pytest.raises(PipelineError, match=r"'buffer_lock_lease_s' must be >= 3 seconds"):
+        run_command("run", pipeline_path=DEFAULT, home=str(tmp_path),
+                    overrides=["buffer_backend=zarr", "buffer_url=s3://bucket/run/buffer", "buffer_lock_lease_s=0.5"])
+    assert not (tmp_path / "default").exists()
