@@ -30,7 +30,7 @@ from rlhf_pipeline.storage.locking import pid_running
 
 # settings that may change between starts of one run; learner.* may too (with a note);
 # the rest define the data in the buffer and must match (the buffer's writer lock does not)
-_RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s"}
+_RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "eval"}
 
 
 class RunError(RuntimeError):
