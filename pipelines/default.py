@@ -83,11 +83,12 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     # imports here: loading the file for --list-settings or a bad --set stays fast. The write
     # path's (torchrl, ~1 s) are in the factories that use them: the learner, which builds this
     # too and warm-starts right after, never needs them
-    from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward, warm_start
+    from rlhf_pipeline.collect.toy_task import toy_reward, warm_start
     from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 
     tokenizer = char_tokenizer()
-    prompts = toy_prompts(settings.num_prompts, settings.seed, max_operand=settings.max_operand)
+    held_out = held_out_prompts(settings)
+    prompts = training_prompts(settings, held_out)
     rewards = {"toy": toy_reward}
 
     # ---------------------------------------------------------------- model
@@ -135,4 +136,42 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         make_write_path=make_write_path,
         collector=collector,
         preflight=lambda: preflight_rewards(rewards, prompts[:1], settings.group_size),
+        eval_sets=lambda: eval_sets(settings, held_out),
     )
+
+
+# ---------------------------------------------------------------- held-out set
+HELD_OUT_SHARE = 10
+"""One sum a+b in this many is held out: never a training prompt, evaluated with eval.* settings."""
+
+
+def held_out_prompts(settings: Settings) -> list:
+    """Every tenth of the ``max_operand ** 2`` sums, chosen by a fixed shuffle (the same for every seed,
+    so runs of different seeds are evaluated on one set), in a fixed order."""
+    import random
+
+    from rlhf_pipeline.collect.prompts import PromptRecord
+
+    pairs = [(a, b) for a in range(settings.max_operand) for b in range(settings.max_operand)]
+    random.Random(20_261_126).shuffle(pairs)
+    return [PromptRecord(messages=({"role": "user", "content": f"{a}+{b}="},), fields={"answer": str(a + b)},
+                         prompt_id=f"add-{a}-{b}") for a, b in pairs[:len(pairs) // HELD_OUT_SHARE]]
+
+
+def training_prompts(settings: Settings, held_out: list) -> list:
+    """``num_prompts`` prompts drawn as ``toy_prompts`` draws them, less the held-out sums."""
+    from rlhf_pipeline.collect.toy_task import toy_prompts
+
+    kept = {p.prompt_id for p in held_out}
+    drawn = toy_prompts(2 * settings.num_prompts, settings.seed, max_operand=settings.max_operand)
+    return [p for p in drawn if p.prompt_id not in kept][:settings.num_prompts]
+
+
+def eval_sets(settings: Settings, held_out: list) -> list:
+    """The held-out sums, scored by the training reward; a completion passes on the exact answer (1.0)."""
+    from rlhf_pipeline.collect.toy_task import toy_reward
+    from rlhf_pipeline.evaluation.sets import EvalSet
+
+    if not held_out:  # max_operand below 4: too few sums to hold any out
+        return []
+    return [EvalSet("held_out", prompts=held_out, score=toy_reward, max_new_tokens=settings.max_new_tokens)]

@@ -149,12 +149,13 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     # imports here: loading the file for --list-settings or a bad --set stays fast
     import torch
 
-    from rlhf_pipeline.agents.calculator import CalculatorEnv, product_tasks
+    from rlhf_pipeline.agents.calculator import CalculatorEnv
     from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
     from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
 
     tokenizer = char_tool_tokenizer()
-    tasks = product_tasks(settings.num_tasks, low=settings.low, high=settings.high, seed=settings.seed)
+    held_out = held_out_tasks(settings)
+    tasks = training_tasks(settings, held_out)
 
     # ---------------------------------------------------------------- model
     def make_model():
@@ -233,7 +234,50 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         row_fields=("advantage", "step_advantage", "termination_reason", *AGENT_ROW_FIELDS),
         collector=collector,
         preflight=preflight,
+        eval_sets=lambda: eval_sets(settings, held_out),
     )
+
+
+# ---------------------------------------------------------------- held-out set
+HELD_OUT_TASKS = 64
+"""Products held out of training: never a training task, evaluated with eval.* settings."""
+
+
+def held_out_tasks(settings: Settings) -> list[dict[str, str]]:
+    """``HELD_OUT_TASKS`` distinct products from a seed of their own (the same for every run seed, so
+    runs of different seeds are evaluated on one set), in a fixed order."""
+    from rlhf_pipeline.agents.calculator import product_tasks
+
+    distinct = {t["question"]: t for t in product_tasks(4 * HELD_OUT_TASKS, low=settings.low, high=settings.high,
+                                                       seed=8_000_000)}
+    pairs = (settings.high - settings.low + 1) ** 2  # a narrow range keeps nine in ten for training
+    return list(distinct.values())[:min(HELD_OUT_TASKS, pairs // 10)]
+
+
+def training_tasks(settings: Settings, held_out: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``num_tasks`` tasks drawn as ``product_tasks`` draws them, less the held-out products."""
+    from rlhf_pipeline.agents.calculator import product_tasks
+
+    kept = {t["question"] for t in held_out}
+    drawn = product_tasks(2 * settings.num_tasks, low=settings.low, high=settings.high, seed=settings.seed)
+    return [t for t in drawn if t["question"] not in kept][:settings.num_tasks]
+
+
+def eval_sets(settings: Settings, held_out: list[dict[str, str]]) -> list:
+    """The held-out products in whole episodes, scored by the exact answer only (no partial credit,
+    whatever ``partial_credit`` trains with): an episode passes when its final number is the product."""
+    from rlhf_pipeline.agents.calculator import CalculatorEnv, multiply
+    from rlhf_pipeline.agents.episode import EpisodeLimits
+    from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
+    from rlhf_pipeline.evaluation.sets import EvalSet
+
+    if not held_out:
+        return []
+    toolbox = ToolBox([multiply], timeout_s=5.0, max_output_chars=100)
+    limits = EpisodeLimits(max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
+                           context_length=settings.context_length)
+    return [EvalSet("held_out", tasks=held_out, limits=limits, parser=parse_hermes,
+                    make_env=lambda: CalculatorEnv(toolbox, max_tool_errors=settings.max_tool_errors))]
 
 
 USABLE_RIGHT_FACTORS = 0.5

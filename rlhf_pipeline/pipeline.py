@@ -40,6 +40,9 @@ from rlhf_pipeline.files.run_paths import RunPaths  # noqa: F401 -- pipeline fil
 from rlhf_pipeline.finite_settings import choice_error, finite_error, literal_choices, not_finite
 from rlhf_pipeline.run_settings import RunSettings
 
+if typing.TYPE_CHECKING:
+    from rlhf_pipeline.evaluation.sets import EvalSet
+
 
 class PipelineError(ValueError):
     """Bad pipeline file or settings; the message names the field and the fix."""
@@ -113,6 +116,10 @@ class Pipeline:
     """The dtype the collector's copy of the policy samples in (``bfloat16``); None: as built."""
     preflight: Callable[[], None] = lambda: None
     """Cheap checks that need code to run (the reward on one sample); called before any work."""
+    eval_sets: Callable[[], Sequence[EvalSet]] | None = None
+    """``eval_sets()`` -> the task's named held-out sets (``rlhf_pipeline.evaluation.sets.EvalSet``:
+    prompts or tasks drawn apart from the training ones, and the scorer of each), which ``eval.*``
+    and ``rlhf-pipeline eval`` evaluate published versions on. None: the task has none."""
     learner: Any = field(init=False)
     """The learner's settings, derived once from the run's (``RunSettings.learner_settings``)."""
 

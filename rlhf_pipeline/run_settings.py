@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from rlhf_pipeline.evaluation.settings import EvalSettings
 from rlhf_pipeline.finite_settings import check_fields
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, check_rounds
 from rlhf_pipeline.learn.settings import LearnerSettings
@@ -130,6 +131,9 @@ class RunSettings:
     learner then waits generation.start_timeout_s longer than learner.data_timeout_s for rows)."""
     ray: RaySettings = field(default_factory=RaySettings)
     """Resources of each actor under `run --ray` (--set ray.collector_num_gpus=1); ignored without --ray."""
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    """Evaluation of published versions on the pipeline's held-out sets, beside training
+    (--set eval.every_steps=50; docs/evaluation.md). Off by default."""
 
     def __post_init__(self) -> None:
         check_fields(self)  # every choice (the task's too) and every number finite

@@ -31,8 +31,9 @@ from rlhf_pipeline.storage.locking import pid_running
 
 # settings that may change between starts of one run; learner.* may too (with a note);
 # the rest define the data in the buffer and must match (the buffer's writer lock does not; max_lag
-# paces the rows still to come and bounds the learner, as learner.max_staleness did before it)
-_RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "max_lag"}
+# paces the rows still to come and bounds the learner, as learner.max_staleness did before it; eval.*
+# says what is evaluated, never what is trained)
+_RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "max_lag", "eval"}
 
 
 class RunError(RuntimeError):
