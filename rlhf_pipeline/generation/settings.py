@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from rlhf_pipeline.generation.engine import GenerationEngine
 
 
-
 Engine = Literal["loop", "vllm", "url"]
 """The engine a run generates with: ``generation.engine`` (loop or vllm), or ``url`` when ``generation.url``
 names a server the user started."""
