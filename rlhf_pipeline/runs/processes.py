@@ -30,6 +30,8 @@ def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
                 f"build() must return rlhf_pipeline.pipeline.Pipeline, got {type(pipeline).__name__}"
             )
         pipeline.preflight()
+        if pipeline.settings.eval.enabled:  # refused before any process starts, not by the evaluator later
+            eval_sets_of(pipeline)
     except PipelineError:
         raise
     except (ValueError, FileNotFoundError) as exc:  # PromptError, RewardError, ModelLoadError...

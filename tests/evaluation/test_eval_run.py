@@ -125,3 +125,23 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
     for version in kept:  # none missing: every prompt's 4 samples
         first = version * ID_STRIDE * 4
         assert sorted(t for v, t in counts if v == version) == list(range(first, first + 4 * HELD_OUT))
+
+
+def test_eval_on_a_pipeline_without_held_out_sets_is_refused_before_anything_is_made(tmp_path):
+    result = cli("run", str(REPO / "pipelines" / "examples" / "reverse_words.py"), "--steps", "2",
+                 "--home", str(tmp_path), "--set", "eval.every_steps=2")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "rlhf-pipeline run: error: the pipeline declares no held-out sets to evaluate: give its Pipeline eval_sets= "
+        "(a function returning rlhf_pipeline.evaluation.sets.EvalSet objects; docs/evaluation.md), or leave "
+        "eval.every_steps at 0")
+    assert not (tmp_path / "reverse_words" / "weights").exists()
+
+
+def test_eval_beside_a_run_at_a_url_is_refused_in_one_line(tmp_path):
+    result = cli("run", DEFAULT, "--home", "s3://bucket/runs", "--set", "buffer_backend=zarr",
+                 "--set", "eval.every_steps=2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "rlhf-pipeline run: error: setting 'eval.every_steps': a run at a URL or under --ray has no evaluator beside "
+        "training yet; leave it at 0 and evaluate a run directory with `rlhf-pipeline eval RUN`"]
