@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "a buffer's rows to JSONL, Parquet or a HF dataset; whole trajectories as chat messages (chat)"),
     "export-model": ("rlhf_pipeline.cli.export_model_cmd", "a run's policy as a save_pretrained directory"),
     "plot": ("rlhf_pipeline.cli.plot_cmd", "PNG charts of runs' metrics, overlaid"),
+    "eval": ("rlhf_pipeline.cli.eval_cmd", "a run's kept policy versions on its held-out sets, into its eval store"),
     "setup-vllm": ("rlhf_pipeline.cli.setup_vllm_cmd", "make the environment the vLLM generation engine runs under"),
 }
 

@@ -43,6 +43,14 @@ class EvalSettings:
             raise ValueError(f"setting 'eval.max_prompts' must be >= 1 or none (all), got {self.max_prompts}")
 
     @property
+    def suffix(self) -> str:
+        """What an evaluation's name adds to its set's (``held_out-k4-t1``): evaluations sampled
+        otherwise than greedy on every prompt are other evaluations, kept in a store of their own."""
+        if self.samples == 1 and self.temperature == 0 and self.max_prompts is None:
+            return ""
+        return f"-k{self.samples}-t{self.temperature:g}" + (f"-n{self.max_prompts}" if self.max_prompts else "")
+
+    @property
     def enabled(self) -> bool:
         """Evaluation runs beside training."""
         return self.every_steps > 0

@@ -58,7 +58,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +135,9 @@ class Learner:
         self.settings = settings
         self.paths = paths
         self.make_model = make_model
+        self.keep_versions_for: Callable[[int], Sequence[int]] = lambda version: ()
+        """Versions up to the one being published that are kept past the newest few (the evaluator's,
+        ``coordination/eval_pins.py``)."""
         self._initial_policy = initial_policy
         self.source = source or BufferSource(paths.buffer_location)
         self.total_steps = steps
@@ -472,7 +475,8 @@ class Learner:
         state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
         if dp.is_main:  # rank 0 writes the weights
             # until a checkpoint holds the model, a restart starts again from the initial policy
-            publish_weights(self.paths.store, state, version, keep_versions=() if self._saved_a_checkpoint else (0,))
+            keep = (*(() if self._saved_a_checkpoint else (0,)), *self.keep_versions_for(version))
+            publish_weights(self.paths.store, state, version, keep_versions=keep)
         self.progress.policy_version = version
 
     # ================================================================== checkpoint

@@ -187,8 +187,10 @@ def fork_children(children: Sequence[ChildSpec], *, pass_fds: Sequence[int] = ()
 
 
 def thread_name(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
-    """``rlhf-collect``, ``rlhf-collect-K`` (collector K), ``rlhf-learn``, ``rlhf-learn-R`` (rank R):
-    what ``ps -o comm`` shows of a forked child (at most 15 characters)."""
+    """``rlhf-collect``, ``rlhf-collect-K`` (collector K), ``rlhf-learn``, ``rlhf-learn-R`` (rank R),
+    ``rlhf-eval`` (the evaluator): what ``ps -o comm`` shows of a forked child (at most 15 characters)."""
+    if argv[0] == "eval":
+        return "rlhf-eval"
     if argv[0] == "collect":
         k = argv[argv.index("--collector-index") + 1] if "--collector-index" in argv else "0"
         return "rlhf-collect" if k == "0" else f"rlhf-collect-{k}"[:15]

@@ -58,6 +58,26 @@ _PRELOAD = {
 }
 
 
+EVALUATOR_FINISH_S = 600.0
+"""After the last step, how long the evaluator may take over the versions left before it is stopped
+(what it did not evaluate, ``rlhf-pipeline eval RUN`` does)."""
+
+
+def evaluator_argv(run_location: str, overrides: Sequence[str]) -> list[str]:
+    """The evaluator child's command line: ``eval RUN --follow`` with the run's ``eval.*`` settings."""
+    argv = ["eval", run_location, "--follow"]
+    for item in overrides:
+        if item.strip().startswith("eval."):
+            argv += ["--set", item]
+    return argv
+
+
+def evaluator_exited(code: int, run_location: str) -> str:
+    """What ``run`` says, once, when its evaluator exits early: training goes on."""
+    return (f"[run] the evaluator exited (exit code {code}; its error is above); training goes on without it, "
+            f"and `rlhf-pipeline eval {run_location}` evaluates the kept versions")
+
+
 def preload(command: str) -> None:
     """Imports the heavy modules the ``collect`` or ``learn`` side will need."""
     for name in _PRELOAD.get(command, ()):
@@ -150,6 +170,7 @@ class Children:
 
     collectors: dict[int, subprocess.Popen] = field(default_factory=dict)
     learners: list[subprocess.Popen] = field(default_factory=list)  # one per data-parallel rank
+    evaluator: subprocess.Popen | None = None  # with eval.every_steps > 0: `eval RUN --follow`
     stop_write: int = -1  # the launcher's end of the stop pipe; the caller closes it when done
     reports: object | None = None  # the launcher's end of the learner's status pipe (a text file)
 
@@ -160,11 +181,13 @@ class Children:
 
     @classmethod
     def start(cls, launcher: Sequence[str], common: Sequence[str], learner_args: Sequence[str],
-              collectors: int, learner_ranks: int = 1, keep_fds: Sequence[int] = ()) -> Children:
+              collectors: int, learner_ranks: int = 1, keep_fds: Sequence[int] = (),
+              evaluator: Sequence[str] | None = None) -> Children:
         """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP; with
         several, each is given its index, which names it in its lines: ``[collector 0]``, ``[collector 1]``);
         ``learner_ranks`` learner processes train as data-parallel ranks (``rank_environments``);
-        every child inherits ``keep_fds`` (open, unused: the run directory's holder lock)."""
+        every child inherits ``keep_fds`` (open, unused: the run directory's holder lock); ``evaluator``:
+        the arguments of the evaluator child, which goes with the collectors and stops with them."""
         children = cls()
         stop_read, children.stop_write = os.pipe()
         status_read, status_write = os.pipe()
@@ -179,6 +202,8 @@ class Children:
             extra, fds = (prepare, (stop_read, status_write)) if rank == 0 else ([], (stop_read,))
             specs.append(ChildSpec(["learn", *common, *learner_args, *wait, *extra], keep_fds=(*fds, *keep_fds),
                                    env=env if learner_ranks > 1 else None))
+        if evaluator is not None:  # last: the slices below find it there
+            specs.append(ChildSpec([*evaluator, *wait], keep_fds=(stop_read, *keep_fds)))
         started: list = []
         try:
             if can_fork_children():  # torch & co. imported once for all of them (forking.py)
@@ -188,16 +213,20 @@ class Children:
                     started.append(subprocess.Popen([*launcher, *spec.argv], stdin=subprocess.PIPE, text=True,
                                                     pass_fds=spec.keep_fds, env=spec.env))
         except BaseException:
-            children.collectors = dict(enumerate(started[:collectors]))
-            children.learners = started[collectors:]
+            children._place(started, collectors, learner_ranks)
             children.abandon()
             raise
         finally:
             os.close(stop_read)  # only the children read it: its end of file must mean we are gone
             os.close(status_write)  # only the learner writes: end of file means it exited
-        children.collectors = dict(enumerate(started[:collectors]))
-        children.learners = started[collectors:]
+        children._place(started, collectors, learner_ranks)
         return children
+
+    def _place(self, started: list[subprocess.Popen], collectors: int, learner_ranks: int) -> None:
+        """The started children by kind, in the order :meth:`start` made them."""
+        self.collectors = dict(enumerate(started[:collectors]))
+        self.learners = started[collectors:collectors + learner_ranks]
+        self.evaluator = next(iter(started[collectors + learner_ranks:]), None)
 
     def wait_for_learner(self, event: str) -> dict | None:
         """Blocks until the learner reports ``event`` or an ``ERROR`` and returns that report; None
@@ -211,7 +240,12 @@ class Children:
                 return report
 
     def _all(self) -> list[subprocess.Popen]:
-        return [*self.collectors.values(), *self.learners]
+        return [*self.collectors.values(), *self.learners, *self.helpers]
+
+    @property
+    def helpers(self) -> list[subprocess.Popen]:
+        """The children that go with the collectors but whose exit stops nothing: the evaluator."""
+        return [self.evaluator] if self.evaluator is not None else []
 
     def go(self, processes: Sequence[subprocess.Popen] | None = None) -> None:
         """The run directory is ready: ``processes`` (default: every child) carry on; a child told

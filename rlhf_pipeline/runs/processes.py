@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
@@ -30,6 +30,8 @@ def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
                 f"build() must return rlhf_pipeline.pipeline.Pipeline, got {type(pipeline).__name__}"
             )
         pipeline.preflight()
+        if pipeline.settings.eval.enabled:  # refused before any process starts, not by the evaluator later
+            eval_sets_of(pipeline)
     except PipelineError:
         raise
     except (ValueError, FileNotFoundError) as exc:  # PromptError, RewardError, ModelLoadError...
@@ -420,6 +422,8 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
                                     initial_policy=initial_policy)
     if on_learner is not None:
         on_learner(learner)
+    if pipeline.settings.eval.enabled:  # the evaluator beside it finds every version it wants
+        learner.keep_versions_for = eval_pins(pipeline, paths).keep
     try:
         learner.setup()
         finished = learner.train()
@@ -432,3 +436,75 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
             paths.request_stop()  # tells collectors of this run that the learner is done
         return 0
     return stop.exit_code() or 1  # not finished: the launcher must not report "done"
+
+
+def eval_main(pipeline: Pipeline, paths: RunPaths,
+              versions: Sequence[tuple[int, Callable[[], dict[str, Any]]]] | None = None) -> int:
+    """The evaluator: the pipeline's held-out sets at policy versions of the run, each (version, set)
+    once into its eval store (``rlhf_pipeline/evaluation``), with the CPU loop engine, never the
+    learner's or the collectors'. ``versions``: ``(version, load its state dict)`` pairs to evaluate
+    (``rlhf-pipeline eval RUN``); None: follow the run as it trains, the versions ``eval.every_steps``
+    names, until the learner is done or a stop request (``run``'s third kind of child)."""
+    from rlhf_pipeline.evaluation.evaluator import Evaluation, eval_metrics_path, loop_engine, open_set_store
+    from rlhf_pipeline.evaluation.follow import evaluate_version, follow_run
+    from rlhf_pipeline.learn.metrics import MetricsWriter
+
+    stop = StopFlag("evaluator")
+    settings = pipeline.settings.eval
+    sets = eval_sets_of(pipeline)
+    publish_every = pipeline.learner.publish_every
+    metrics = MetricsWriter(eval_metrics_path(paths.root), tensorboard_dir=paths.tensorboard / "eval")
+
+    def log(step: int, summary: dict[str, float]) -> None:
+        metrics.log(step, summary)
+        shown = ", ".join(f"{key.split('/', 1)[1]} {value:.3f}" for key, value in summary.items()
+                          if "pass@" in key or key.endswith("mean_score"))
+        print(f"[eval] step {step} (policy version {int(summary['eval/policy_version'])}): {shown}", flush=True)
+
+    evaluation = Evaluation(pipeline.tokenizer, settings, pipeline.settings.seed, log=log,
+                            step_of=lambda version: version * publish_every)
+
+    def make_engine(state: dict[str, Any], version: int) -> Any:
+        return loop_engine(pipeline.make_model, pipeline.tokenizer, state, version)
+
+    try:
+        if versions is None:
+            follow_run(evaluation, sets, paths, make_engine, eval_pins(pipeline, paths), should_stop=stop.event.is_set)
+        else:
+            stores = {s.name: open_set_store(paths.root, s, evaluation.settings) for s in sets}
+            try:
+                for version, load in versions:
+                    if stop.event.is_set():
+                        break
+                    evaluate_version(evaluation, sets, stores, version, lambda: make_engine(load(), version))
+            finally:
+                for store in stores.values():
+                    store.close()
+    finally:
+        metrics.close()
+        stop.restore()
+    return stop.exit_code()
+
+
+def eval_pins(pipeline: Pipeline, paths: RunPaths) -> Any:
+    """The run's claim for its evaluator on published weights (``coordination/eval_pins.py``)."""
+    from rlhf_pipeline.coordination.eval_pins import EvalPins
+
+    settings = pipeline.settings.eval
+    return EvalPins(paths.store, every_steps=settings.every_steps, publish_every=pipeline.learner.publish_every,
+                    before_training=settings.before_training)
+
+
+def eval_sets_of(pipeline: Pipeline) -> list[Any]:
+    """The pipeline's held-out sets, checked; PipelineError when it declares none."""
+    from rlhf_pipeline.evaluation.sets import check_sets
+
+    sets = pipeline.eval_sets() if pipeline.eval_sets is not None else []
+    if not sets:
+        raise PipelineError("the pipeline declares no held-out sets to evaluate: give its Pipeline eval_sets= "
+                            "(a function returning rlhf_pipeline.evaluation.sets.EvalSet objects; "
+                            "docs/evaluation.md), or leave eval.every_steps at 0")
+    try:
+        return check_sets(sets)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None

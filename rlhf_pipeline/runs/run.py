@@ -1,5 +1,8 @@
 """Process orchestration for ``run`` / ``collect`` / ``learn``.
 
+Why one file: it is the one sequence below, from the checks to the children watched until they end;
+what each child runs is ``processes.py``, how they are started ``launch.py``.
+
 Order of work, so bad settings fail before anything starts:
 
 1. load the pipeline file, apply ``--set`` / ``--steps`` / ``--device`` (each settings class checks
@@ -124,6 +127,9 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if paths.url is not None and settings.buffer_backend != "zarr":  # a memmap store given a URL makes a dir "s3:"
         raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
                             f"setting 'buffer_backend' is {settings.buffer_backend!r}: add --set buffer_backend=zarr")
+    if settings.eval.enabled and (paths.url is not None or on_ray is not None):  # no evaluator there yet
+        raise PipelineError("setting 'eval.every_steps': a run at a URL or under --ray has no evaluator beside "
+                            "training yet; leave it at 0 and evaluate a run directory with `rlhf-pipeline eval RUN`")
     from rlhf_pipeline.runs.branch import refuse_evicting_parent, start_online
 
     start_online(paths)  # a half-made branch is refused; a branch of a run with collectors is set up to go online
@@ -187,7 +193,7 @@ def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, ste
     try:
         children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
                                    learner_ranks=settings.learner.world_size,
-                                   holder_fd=holder.fd)
+                                   holder_fd=holder.fd, evaluate=settings.eval.enabled)
     except ForkError as exc:
         raise RunError(str(exc)) from None
     try:
@@ -227,8 +233,8 @@ def wait_for_preparation(children: Any) -> None:
         if report["event"] == ERROR:
             raise _learner_error(report)
         if event == PREPARED:
-            # the collectors build their side and wait for weights version 0
-            children.go(list(children.collectors.values()))
+            # the collectors (and the evaluator) build their side and wait for weights version 0
+            children.go([*children.collectors.values(), *children.helpers])
     children.go()  # the other learner ranks start from version 0 (rank 0 needs no "go")
 
 
@@ -305,9 +311,11 @@ def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
 
 # ====================================================================== both
 def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
-                    overrides: Sequence[str], collectors: int, learner_ranks: int = 1, holder_fd: int = -1):
-    """Starts the collectors and the learner, which import their modules and wait for ``go``."""
-    from rlhf_pipeline.runs.launch import Children
+                    overrides: Sequence[str], collectors: int, learner_ranks: int = 1, holder_fd: int = -1,
+                    evaluate: bool = False):
+    """Starts the collectors and the learner (and with ``evaluate`` the evaluator), which import their
+    modules and wait for ``go``."""
+    from rlhf_pipeline.runs.launch import Children, evaluator_argv
 
     paths.clear_stop()
     common = [pipeline_path, "--home", paths.home, "--run-name", paths.name]
@@ -321,22 +329,27 @@ def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, devi
     # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
     # the children inherit the run directory's holder lock: it outlives a launcher killed before them
     return Children.start(launcher, common, learner_steps, collectors, learner_ranks,
-                          keep_fds=(holder_fd,) if holder_fd >= 0 else ())
+                          keep_fds=(holder_fd,) if holder_fd >= 0 else (),
+                          evaluator=evaluator_argv(paths.location, overrides) if evaluate else None)
 
 
 def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[[], bool] = lambda: False) -> int:
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
-    from rlhf_pipeline.runs.launch import stop_ranks
+    from rlhf_pipeline.runs.launch import EVALUATOR_FINISH_S, evaluator_exited, stop_ranks
 
     collector_procs, learner, ranks = children.collectors, children.learner, children.learners
+    evaluator, evaluator_said = children.evaluator, False
     stop_write = children.stop_write
     print(f"[run] run directory {paths.location}" + (f" with {collectors} collectors" if collectors > 1 else ""),
           file=sys.stderr, flush=True)
     signals = LauncherSignals()  # before the children go, so no signal is missed
     try:
         children.go()
-        processes = [*collector_procs.values(), *ranks]
+        processes = [*collector_procs.values(), *ranks, *children.helpers]
         while not signals.received and learner.poll() is None:
+            if evaluator is not None and evaluator.poll() not in (None, 0) and not evaluator_said:
+                evaluator_said = True  # an evaluation never stops training
+                print(evaluator_exited(evaluator.returncode, paths.location), file=sys.stderr, flush=True)
             if any(p.poll() not in (None, 0) for p in ranks):
                 # a failed data-parallel rank leaves the others in a collective that never ends
                 stop_ranks(ranks)
@@ -366,6 +379,8 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
             paths.request_stop()  # every collector ends after its current round
             for p in collector_procs.values():
                 wait_quietly(p, timeout=120.0)
+            if evaluator is not None:  # it evaluates the versions left (the last one's too), then ends
+                wait_quietly(evaluator, timeout=EVALUATOR_FINISH_S)
     finally:
         signals.restore()
         os.close(stop_write)

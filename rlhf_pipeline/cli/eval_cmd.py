@@ -1,0 +1,119 @@
+"""``rlhf-pipeline eval RUN [--step N | --all-kept] [--set eval.samples=...]``: a run's policy versions
+on its pipeline's held-out sets, into the run's eval stores (``<run>/eval/<set>``).
+
+Each (version, set) is evaluated once: a second call evaluates only what is not stored yet, and
+prints what is. ``--follow`` is the evaluator that ``run`` starts beside training when
+``eval.every_steps`` > 0 (docs/evaluation.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("run_dir", metavar="RUN", help="the run directory (holds settings.json, weights/, checkpoints/)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, metavar="N",
+                       help="the policy of learner step N, from a kept checkpoint or published weights")
+    which.add_argument("--all-kept", action="store_true",
+                       help="every policy version whose weights the run keeps (the default)")
+    which.add_argument("--follow", action="store_true",
+                       help="evaluate the versions eval.every_steps names as the run publishes them, until its "
+                            "learner is done (what `run` starts beside training)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="eval.KEY=VALUE",
+                        help="an evaluation setting, e.g. --set eval.samples=8 --set eval.temperature=1.0 "
+                             "(repeatable; only eval.* settings)")
+    # set by `run` for the evaluator it starts (rlhf_pipeline/runs/launch.py)
+    parser.add_argument("--stop-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--wait-for-launcher", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    def fail(message: str) -> int:
+        print(f"rlhf-pipeline eval: error: {message}", file=sys.stderr)
+        return 2
+
+    if args.wait_for_launcher:
+        from rlhf_pipeline.runs.launch import wait_for_launcher
+
+        if not wait_for_launcher("eval"):
+            return 0  # run's checks failed or it was interrupted; it says why
+    for item in args.overrides:
+        if not item.strip().startswith("eval."):
+            return fail(f"--set {item}: eval takes evaluation settings only (eval.every_steps, eval.before_training, "
+                        f"eval.samples, eval.temperature, eval.max_prompts); the run's other settings are its own")
+    from rlhf_pipeline.dataio.model_export import RunNotFoundError, VersionNotFoundError
+    from rlhf_pipeline.files.run_paths import RunLocationError
+    from rlhf_pipeline.files.state_files import StateFileError
+    from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.storage.errors import StoreLockedError
+
+    try:
+        return _evaluate(args)
+    except (PipelineError, VersionNotFoundError, RunNotFoundError, RunLocationError, StateFileError) as exc:
+        return fail(str(exc))
+    except StoreLockedError as exc:
+        return fail(f"another evaluator ({exc.holder or 'another process'}) is writing this run's eval store; "
+                    f"wait for it to finish, then run this again")
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from rlhf_pipeline.dataio.model_export import available_versions, load_version
+    from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
+    from rlhf_pipeline.files.run_paths import local_run_path
+    from rlhf_pipeline.pipeline import PipelineError, RunPaths, apply_overrides
+    from rlhf_pipeline.runs.processes import eval_main, eval_sets_of, set_threads
+    from rlhf_pipeline.runs.stopping import StopFlag
+
+    paths = RunPaths(local_run_path(args.run_dir, "RUN").resolve())
+    available = available_versions(paths.root)  # refuses what is not a run directory, in one line
+    pipeline = load_run_pipeline(paths, device="cpu")  # the evaluator's loop engine runs on the CPU
+    pipeline = dataclasses.replace(pipeline, settings=apply_overrides(pipeline.settings, args.overrides))
+    StopFlag.launcher_fd = args.stop_fd
+    set_threads(pipeline)
+    if args.follow:
+        if not pipeline.settings.eval.enabled:
+            raise PipelineError("--follow evaluates the versions eval.every_steps names, which is 0 (off): add "
+                                "--set eval.every_steps=N")
+        return eval_main(pipeline, paths)
+    publish_every = pipeline.learner.publish_every
+    if args.step is not None:
+        version, rest = divmod(args.step, publish_every)
+        if rest or version not in available:
+            kept = ", ".join(str(v * publish_every) for v in available) or "none"
+            raise PipelineError(f"--step {args.step}: no policy of that step is kept in {paths.root} (versions are "
+                                f"published every {publish_every} steps; kept steps: {kept})")
+        chosen = [version]
+    else:
+        chosen = list(available)
+    code = eval_main(pipeline, paths, versions=[(v, lambda v=v: load_version(paths.root, v)[0]) for v in chosen])
+    _print_stored(paths, eval_sets_of(pipeline), pipeline.settings.eval, chosen, publish_every)
+    return code
+
+
+def _print_stored(paths, sets, settings, versions, publish_every: int) -> None:
+    """The stored summary of each (version, set) asked for, evaluated now or before."""
+    from rlhf_pipeline.evaluation.evaluator import EvalProgress, evaluation_name, set_store_location
+    from rlhf_pipeline.storage import open_store
+
+    for eval_set in sets:
+        name = evaluation_name(eval_set, settings)
+        store = open_store(set_store_location(paths.root, name))
+        try:
+            progress = EvalProgress.of(store)
+        finally:
+            store.close()
+        for version in versions:
+            summary = progress.done.get(version)
+            where = f"{name} step {version * publish_every} (policy version {version})"
+            if summary is None:
+                print(f"{where}: failed: {progress.failed.get(version, 'not evaluated')}")
+                continue
+            shown = ", ".join(f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in summary.items()
+                              if not key.endswith("/prompts"))
+            print(f"{where}: {shown} ({int(summary[f'eval/{name}/prompts'])} prompts)")

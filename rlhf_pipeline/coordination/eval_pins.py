@@ -1,0 +1,58 @@
+"""Which published weights the learner keeps for the evaluator beside training.
+
+The learner keeps its newest few versions and prunes the rest (``weights.publish_weights``); an
+evaluator busy with an older version would find a version it wants pruned before it loaded it. So
+with ``eval.every_steps`` on, the learner also keeps every version the evaluator wants
+(:func:`wanted_version`) from the oldest it has not finished: the evaluator writes that version
+(``eval/pinned_from.json``, :meth:`EvalPins.release_below`) as it finishes them in order; until it
+first does, every wanted version is kept. Nothing the evaluator wants is pruned before it is done,
+whatever the two processes' speeds; an evaluator that is not running keeps them for a later
+``rlhf-pipeline eval RUN``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from rlhf_pipeline.files.run_store import RunStore
+
+PINNED_FROM = "eval/pinned_from.json"
+
+
+def wanted_version(version: int, *, every_steps: int, publish_every: int, before_training: bool) -> bool:
+    """Whether the run evaluates ``version``, published at learner step ``version * publish_every``:
+    the first version published at or after each multiple of ``every_steps`` (version 0, step 0,
+    with ``before_training``)."""
+    if version == 0:
+        return before_training
+    step, previous = version * publish_every, (version - 1) * publish_every
+    return step // every_steps > previous // every_steps
+
+
+class EvalPins:
+    """The evaluator's claim on published versions, in the run's store."""
+
+    def __init__(self, store: RunStore, *, every_steps: int, publish_every: int, before_training: bool) -> None:
+        self.store = store
+        self.every_steps, self.publish_every, self.before_training = every_steps, publish_every, before_training
+
+    def wanted(self, version: int) -> bool:
+        return wanted_version(version, every_steps=self.every_steps, publish_every=self.publish_every,
+                              before_training=self.before_training)
+
+    def pinned_from(self) -> int:
+        """The oldest version the evaluator may still need (0 until it has finished one)."""
+        data = self.store.read(PINNED_FROM)
+        try:
+            return int(json.loads(data)["from"]) if data is not None else 0
+        except (ValueError, KeyError, TypeError):  # damaged: keep everything it might want
+            return 0
+
+    def keep(self, newest: int) -> list[int]:
+        """Learner side: the versions up to ``newest`` to keep for the evaluator."""
+        start = self.pinned_from()
+        return [v for v in range(start, newest + 1) if self.wanted(v)]
+
+    def release_below(self, version: int) -> None:
+        """Evaluator side: every wanted version below ``version`` is evaluated (or given up)."""
+        self.store.write(PINNED_FROM, json.dumps({"from": int(version)}).encode())
