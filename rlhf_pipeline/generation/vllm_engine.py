@@ -8,7 +8,10 @@ What owning the server adds to that client:
   ``python -m vllm.entrypoints.openai.api_server`` under the vLLM environment's Python
   (``generation.python``; ``rlhf-pipeline setup-vllm`` makes one) with the flags the client's checks
   require (``vllm_process.server_command``), on as many OpenMP threads as this process has torch
-  threads; then the client's checks, as for any server. It is stopped with the collector
+  threads, its model's worker inside the engine core's process on a CPU (two processes, not three:
+  ``server_command``'s ``worker_in_core``); then the client's checks, as for any server. The
+  collector starts it while the learner warm-starts, from the model it builds, and gives it the
+  warm-started weights as it gives every later version. It is stopped with the collector
   (:meth:`VLLMEngine.close`, also at interpreter exit), and with it when the collector is killed.
 * **One restart path.** A request the server does not answer (its process died: ``kill -9``, the OOM
   killer; or it hung past ``generation.timeout_s``: it is killed) makes the engine start a new server,

@@ -199,10 +199,9 @@ class JsonClient:
             f"{'try' if tries == 1 else 'tries'} over {time.monotonic() - started:.0f} s ({last}); check that it "
             f"is running, or raise generation.retries / generation.backoff_s", last)
 
-
     def _exchange(self, method: str, path: str, data: bytes | None) -> tuple[int, str, bytes]:
         """One request on a kept-alive connection (a new one where none is idle): the reply's status,
-        reason and whole body. A kept connection the server had closed is replaced at once, once."""
+        reason and whole body. A kept connection the server had closed is replaced at once."""
         base_url = self.base_url  # a restarted server of ours has a new one
         while True:
             connection, reused = self._connection(base_url)
@@ -219,12 +218,12 @@ class JsonClient:
             except BaseException:
                 connection.close()  # a reply half read leaves the connection unusable
                 raise
-            self.requests_sent += 1
-            self.request_s += time.perf_counter() - started
             if reply.will_close:
                 connection.close()
-            else:
-                with self._idle_lock:
+            with self._idle_lock:  # the request threads of a round all count here
+                self.requests_sent += 1
+                self.request_s += time.perf_counter() - started
+                if not reply.will_close:
                     self._idle.append((base_url, connection))
             return reply.status, reply.reason, raw
 

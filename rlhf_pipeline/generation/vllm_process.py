@@ -10,7 +10,7 @@ and memory to cores and makes ``torch.set_num_threads`` a no-op for the rest of 
 only our package's directory on its path (for the worker extension, ``vllm_worker.py``).
 
 It runs in a session of its own (a Ctrl-C in the terminal reaches the collector, which stops it), is
-stopped with its whole process group (the API server, its engine core and worker), and gets SIGTERM
+stopped with its whole process group (the API server, its engine core and any worker), and gets SIGTERM
 when the process that started it dies (``PR_SET_PDEATHSIG``), so a collector killed with SIGKILL
 leaves no server behind.
 """
@@ -183,7 +183,7 @@ class ServerProcess:
             return "(no log)"
 
     def stop(self, wait_s: float = 30.0) -> None:
-        """SIGTERM to its process group (the API server, its engine core and worker), SIGKILL if it lingers."""
+        """SIGTERM to its process group (the API server, its engine core, any worker), SIGKILL if it lingers."""
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
         except ProcessLookupError:  # the group is gone (its leader reaped, its children with it)

@@ -147,15 +147,16 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
         stop_check = _StopCheck(paths, stop)
         held = _held_version(saved)
+        # built while the learner warm-starts: an engine with a process of its own takes tens of
+        # seconds to start; the weights it starts with go in below, as every later version does
+        collector = _make_collector(pipeline, model, store, collector_index)
+        _announce_engine(collector.engine, tag, say)
         update = _wait_for_weights(poller, stop_check, first, held=held, tag=tag,
                                    republished_after=_resumed_learner_version(paths) if held is not None else None)
         if update is None:  # stopped while the learner warm-started (or retrained): nothing written yet
             say(f"{tag} stopped before the policy weights it starts with were published")
             return stop.exit_code()
         state, version = update
-        model.load_state_dict(state)
-        collector = _make_collector(pipeline, model, store, collector_index)
-        _announce_engine(collector.engine, tag, say)
         if saved is not None:
             collector.load_state_dict(saved)
             if stored := stored_in_round(saved):
