@@ -272,6 +272,9 @@ def _rebuild(obj: Any, changes: dict[str, Any], prefix: str, root: Any) -> Any:
             renamed = getattr(type(obj), "RENAMED", {}).get(name)  # a settings class's own table of old names
             if renamed is not None:
                 raise PipelineError(f"setting {key!r} is now {prefix + renamed!r}: --set {prefix + renamed}=...")
+            removed = getattr(type(obj), "REMOVED", {}).get(name)  # and of the settings that went, with why
+            if removed is not None:
+                raise PipelineError(f"setting {key!r} was removed: {removed}; drop it")
             raise PipelineError(_unknown_setting(key, root))
         derived = fields[name].metadata.get("derived_from")
         if derived is not None:

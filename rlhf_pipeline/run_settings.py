@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 from rlhf_pipeline.finite_settings import check_fields
-from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, check_rounds
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.storage.retention import RetentionSettings
 
@@ -53,8 +53,6 @@ class RunSettings:
     """Every run's settings. A pipeline's ``Settings`` subclasses it, adds its task's own fields (and
     may give these other defaults by declaring them again), and puts its own rules in :meth:`validate`."""
 
-    multi_turn: ClassVar[bool] = False
-    """A pipeline whose rounds are agents' episodes (pipelines/tool_use.py) sets it True."""
 
     steps: int = 300
     """Learner steps (optimizer updates); --steps sets it."""
@@ -139,7 +137,6 @@ class RunSettings:
             raise ValueError(f"setting 'retention.max_rows' ({self.retention.max_rows}) must be >= segment_rows "
                              f"({self.segment_rows}): rows are dropped a whole sealed segment at a time; raise it, "
                              f"or lower segment_rows")
-        check_rounds(self.generation, multi_turn=self.multi_turn)
         self.validate()
 
     def validate(self) -> None:
