@@ -121,8 +121,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         config = CollectorConfig(
             prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
             sampling=SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature),
-            seed=settings.seed, collector_index=collector_index, stream_groups=settings.generation.stream_groups,
-            overlap_rounds=settings.generation.overlap_rounds,
+            seed=settings.seed, collector_index=collector_index,
         )
         # each collector (one buffer shard each) walks the prompts in its own order
         source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))

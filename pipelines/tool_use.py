@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, RunPaths
@@ -46,7 +45,6 @@ class Settings(RunSettings):
     """The task's settings; the run's (steps, device, seed, group_size, temperature, buffer, learner,
     generation, retention, ray...) come from RunSettings, with this task's defaults below."""
 
-    multi_turn: ClassVar[bool] = True
 
     steps: int = 30
     """Learner steps (optimizer updates); --steps sets it."""
@@ -205,7 +203,6 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                                  context_length=settings.context_length),
             sampling=SamplingConfig(temperature=settings.temperature), seed=settings.seed,
             collector_index=collector_index, max_failed_group_fraction=settings.max_failed_group_fraction,
-            stream_groups=settings.generation.stream_groups, turns=settings.generation.agent_turns,
             # a buffer created before some of the agents' row fields existed goes on without them
             row_fields=tuple(f for f in AGENT_ROW_FIELDS if f in store.schema.field_names),
         )

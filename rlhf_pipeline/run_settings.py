@@ -17,7 +17,7 @@ from typing import ClassVar, Literal
 
 from rlhf_pipeline.evaluation.settings import EvalSettings
 from rlhf_pipeline.finite_settings import check_fields
-from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, check_rounds
+from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.storage.retention import RetentionSettings
 
@@ -73,9 +73,6 @@ class RunSettings:
     RENAMED: ClassVar[dict[str, str]] = {"rounds_ahead": "max_lag", "rounds_per_version": "max_lag"}
     """Pacing settings that became one (issue 42): ``--set`` with an old name is refused, naming the
     new one (``pipeline.py``). ``rounds_ahead=0`` with ``rounds_per_version=2`` was ``max_lag=1``."""
-
-    multi_turn: ClassVar[bool] = False
-    """A pipeline whose rounds are agents' episodes (pipelines/tool_use.py) sets it True."""
 
     steps: int = 300
     """Learner steps (optimizer updates); --steps sets it."""
@@ -162,7 +159,6 @@ class RunSettings:
             raise ValueError(f"setting 'retention.max_rows' ({self.retention.max_rows}) must be >= segment_rows "
                              f"({self.segment_rows}): rows are dropped a whole sealed segment at a time; raise it, "
                              f"or lower segment_rows")
-        check_rounds(self.generation, multi_turn=self.multi_turn)
         self.validate()
 
     def validate(self) -> None:

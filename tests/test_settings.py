@@ -124,8 +124,8 @@ def test_a_pipelines_own_rules_run_with_every_construction():
     module = load_pipeline_module(REPO / "pipelines" / "tool_use.py")
     with pytest.raises(ValueError, match="settings 'low' and 'high' must satisfy 1 <= low <= high"):
         module.Settings(low=50, high=20)
-    with pytest.raises(PipelineError, match="'generation.overlap_rounds' is for single-turn rounds"):
-        make_settings(module, ["generation.overlap_rounds=true", "generation.stream_groups=true"])
+    with pytest.raises(PipelineError, match="setting 'generation.overlap_rounds' was removed: the next round goes"):
+        make_settings(module, ["generation.overlap_rounds=true"])
     assert dataclasses.replace(module.Settings(), low=20).low == 20
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from rlhf_pipeline.agents.environment import StepResult
 from rlhf_pipeline.learn.settings import LearnerSettings
@@ -96,7 +95,6 @@ def warm_start(model, tokenizer, steps: int, *, lr: float, seed: int) -> float:
 
 @dataclass
 class Settings(RunSettings):
-    multi_turn: ClassVar[bool] = True
 
     steps: int = 20
     """Learner steps (optimizer updates); --steps sets it."""

@@ -1,9 +1,9 @@
-"""Many episodes at once: generation batched over every active episode, environments stepped
-concurrently, whole groups of whole trajectories handed back together.
+"""Many episodes at once: each episode asks for its next turn as soon as its environment answered,
+environments stepped concurrently, whole groups of whole trajectories handed back together.
 
 An episode that fails drops its group, with the reason in :attr:`Rollout.failures`. The sampler is
-a callable ``sample(prompts, max_new_tokens) -> [(ids, log_probs), ...]``; :func:`cut_to_limits`
-adapts one that takes a single limit. Design: docs/architecture.md#episodes-are-token-lists.
+an async ``sample_turn(episode, token_ids, max_new_tokens) -> (ids, log_probs)``
+(``collect/agent_turns.py`` asks the engine). Design: docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations
@@ -30,23 +30,8 @@ from rlhf_pipeline.agents.tools import ToolBox
 from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
 
 Sample = tuple[list[int], list[float]]
-Sampler = Callable[[list[list[int]], list[int]], list[Sample]]
 TurnSampler = Callable[[int, list[int], int], Awaitable[Sample]]
 """``sample_turn(episode index, its token ids, its max_new_tokens)``: one episode's next turn, awaited."""
-
-
-def cut_to_limits(sample_batch: Callable[[list[list[int]], int], list[Sample]], stop_token_ids: Sequence[int]) -> Sampler:
-    """A per-episode-limit sampler from one that takes one ``max_new_tokens`` for the batch."""
-    stops = set(stop_token_ids)
-
-    def sample(prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
-        out = []
-        for (ids, log_probs), limit in zip(sample_batch(prompts, max(max_new_tokens)), max_new_tokens, strict=True):
-            end = next((k + 1 for k, token in enumerate(ids[:limit]) if token in stops), min(limit, len(ids)))
-            out.append((list(ids[:end]), list(log_probs[:end])))
-        return out
-
-    return sample
 
 
 @dataclass(frozen=True)
@@ -121,13 +106,12 @@ class Rollout:
                                  policy_version=policy_version, fields=fields)
 
 
-async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[], Environment], sample: Sampler,
-                       tokenizer, config: RolloutConfig = RolloutConfig(), *,
+async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[], Environment],
+                       sample_turn: TurnSampler, tokenizer, config: RolloutConfig = RolloutConfig(), *,
                        parser: Callable[[str], list[ToolCall]] | None = None,
                        stop_token_ids: Sequence[int] | None = None,
                        template_kwargs: Mapping[str, Any] | None = None,
                        on_groups_ended: Callable[[list[tuple[int, list[Episode] | None]]], None] | None = None,
-                       sample_turn: TurnSampler | None = None,
                        episode_ended: Callable[[int], None] | None = None,
                        clock: Callable[[], float] = time.monotonic) -> Rollout:
     """Runs ``group_size`` episodes of each task to their ends. ``make_env()`` builds one episode's
@@ -141,8 +125,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
     group; every group comes once (the agent collector writes them there, ``collect/agent_streaming.py``).
 
     ``sample_turn``: each episode takes its turns on its own, its next turn asked for (awaited) as soon
-    as its environment answered, instead of every active episode's turn in one ``sample`` call
-    (``collect/agent_turns.py``); the first error it raises ends the rollout. ``episode_ended(k)``:
+    as its environment answered; the first error it raises ends the rollout. ``episode_ended(k)``:
     called once for each episode, when it asks for no more turns (or never started).
 
     ``clock``: the seconds ``episode_timeout_s`` is measured in (a test gives one it moves itself, so
@@ -220,39 +203,26 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
         def running(k: int) -> bool:
             return episodes[k] is not None and not episodes[k].done and k // g not in dropped
 
-        if sample_turn is None:  # lockstep: every active episode's turn in one call
-            while active := [k for k in range(n) if running(k)]:
-                samples = sample([episodes[k].token_ids for k in active], [episodes[k].max_new_tokens() for k in active])
-                metrics["generation_batches"] += 1
-                metrics["generated_rows"] += len(active)
-                turns = [episodes[k].add_turn(ids, log_probs) for k, (ids, log_probs) in zip(active, samples, strict=True)]
-                results = await asyncio.gather(*(_outcome(runner.step_counting_tools(envs[k], turn))
-                                                 for k, turn in zip(active, turns, strict=True)))
-                for k, (stepped, exc) in zip(active, results, strict=True):
-                    answer(k, stepped, exc)
-                report_ended()
-        else:  # each episode on its own: its next turn asked for as soon as its environment answered
+        ended = episode_ended or (lambda k: None)
 
-            ended = episode_ended or (lambda k: None)
+        async def take_turns(k: int) -> None:
+            try:
+                while running(k):
+                    ids, log_probs = await sample_turn(k, episodes[k].token_ids, episodes[k].max_new_tokens())
+                    metrics["generation_batches"] += 1  # one request per turn
+                    metrics["generated_rows"] += 1
+                    if k // g in dropped:  # another episode of its group failed meanwhile: nothing is kept
+                        return
+                    turn = episodes[k].add_turn(ids, log_probs)
+                    answer(k, *await _outcome(runner.step_counting_tools(envs[k], turn)))
+                    report_ended()
+            finally:
+                ended(k)
 
-            async def take_turns(k: int) -> None:
-                try:
-                    while running(k):
-                        ids, log_probs = await sample_turn(k, episodes[k].token_ids, episodes[k].max_new_tokens())
-                        metrics["generation_batches"] += 1  # one request per turn
-                        metrics["generated_rows"] += 1
-                        if k // g in dropped:  # another episode of its group failed meanwhile: nothing is kept
-                            return
-                        turn = episodes[k].add_turn(ids, log_probs)
-                        answer(k, *await _outcome(runner.step_counting_tools(envs[k], turn)))
-                        report_ended()
-                finally:
-                    ended(k)
-
-            for k in range(n):
-                if not running(k):
-                    ended(k)
-            await _all_or_first_error([take_turns(k) for k in range(n) if running(k)])
+        for k in range(n):
+            if not running(k):
+                ended(k)
+        await _all_or_first_error([take_turns(k) for k in range(n) if running(k)])
         metrics["environment_timeouts"] = runner.timeouts
     kept_groups = [i for i in range(len(tasks)) if i not in dropped]
     kept = [episodes[i * g + j] for i in kept_groups for j in range(g)]

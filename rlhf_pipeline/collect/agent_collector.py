@@ -3,12 +3,11 @@
 One ``collect()`` call is one round: ``tasks_per_round`` tasks from a :class:`TaskSource`,
 ``group_size`` episodes of each (a GRPO group), run to their ends by
 :func:`rlhf_pipeline.agents.rollout.run_episodes` with the collector's generation engine
-(``generation/engine.py``; vLLM's prefix cache holds the earlier turns) as the sampler: every active
-episode's turn (its token ids so far, its own limit) in one call, or with ``turns="per_episode"``
-each episode's as soon as its environment answered (``collect/agent_turns.py``).
-The round's rows go to ``sink`` (typically ``ReplayBuffer.extend`` with the write path attached)
-in ONE call, or with ``stream_groups`` each group once its episodes and every earlier group's ended
-(``collect/agent_streaming.py``: the same rows, in several appends), so:
+(``generation/engine.py``; vLLM's prefix cache holds the earlier turns) as the sampler: each
+episode's next turn (its token ids so far, its own limit) asked for as soon as its environment
+answered (``collect/agent_turns.py``). Each group goes to ``sink`` (typically ``ReplayBuffer.extend``
+with the write path attached) once its episodes and every earlier group's ended
+(``collect/agent_streaming.py``), so:
 
 * an episode that is still running is never in the buffer, nor is part of a group (appends are atomic);
 * a trajectory's rows are contiguous and in step order (one row per model turn, ``step`` = turn
@@ -44,12 +43,11 @@ or a cold prefix cache, which ``generation/engine.py`` says of every engine that
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -63,7 +61,7 @@ from rlhf_pipeline.collect.agent_turns import EpisodeTurns, episode_seeds
 from rlhf_pipeline.collect.collector import MetricsHook, Sink
 from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.collect.rewards import EpisodeFailureRateError, check_failure_fraction, check_failure_rate
-from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest, draw_seed
+from rlhf_pipeline.generation.engine import GenerationEngine
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.collect.prompts import TaskSource
@@ -108,14 +106,6 @@ class AgentCollectorConfig:
     failure_rate_min_groups: int = 32
     """The fraction above is taken over at least this many groups, so a few failures at the start
     do not stop a run (with 0.1 and 32, a fourth failed group within the first 32 does)."""
-    stream_groups: bool = False
-    """Write each group once its episodes all ended and every earlier group of the round is written, in
-    several appends per round (``collect/agent_streaming.py``), instead of one append at the round's
-    end; the rows are the same either way."""
-    turns: Literal["lockstep", "per_episode"] = "lockstep"
-    """``lockstep``: every active episode's turn in one engine call; ``per_episode``: each episode's next
-    turn sent as soon as its environment answered, its draws from a generator of its own
-    (``collect/agent_turns.py``: other rows than lockstep's, as deterministic and resumable)."""
 
     def __post_init__(self) -> None:
         if self.tasks_per_round < 1 or self.group_size < 1:
@@ -210,30 +200,28 @@ class AgentCollector:
 
     # ---------------------------------------------------------------- one round
     def collect(self, next_round: Callable[[int], bool] | None = None) -> TrajectoryBatch | None:
-        """One round of whole groups: run the episodes to their ends, emit every row in one sink call
-        (with ``stream_groups``: several), each with the state after its groups. Returns the round's
-        rows, or None when every group was dropped (the sink then gets the state alone). Agent rounds
-        are not submitted ahead: ``next_round`` is never asked."""
+        """One round of whole groups: run the episodes to their ends, each episode's next turn sent as
+        soon as its environment answered (``collect/agent_turns.py``), each group written once its
+        episodes and every earlier group's ended (``collect/agent_streaming.py``), each append with the
+        state after its groups. Returns the round's rows, or None when every group was dropped (the
+        sink then gets the state alone). Agent rounds are not submitted ahead: ``next_round`` is never
+        asked."""
         cfg = self.config
         started = time.perf_counter()
         self._generate_s = 0.0
         start_state = self.state_dict()
         tasks = self.tasks.next_batch(cfg.tasks_per_round)
         base = id_base(cfg.collector_index)
-        stream = round_stream(self, len(tasks), start_state, started) if cfg.stream_groups else None
+        stream = round_stream(self, len(tasks), start_state, started)
         try:
-            per_episode = cfg.turns == "per_episode"  # seeds drawn in episode order, before any turn
-            with (EpisodeTurns(self.engine, cfg.sampling, episode_seeds(self.generator, len(tasks) * cfg.group_size))
-                  if per_episode else contextlib.nullcontext()) as turns:
-                result = rollout(tasks, self.make_env, self._sample, self.tokenizer, RolloutConfig(
-                    group_size=cfg.group_size, limits=cfg.limits, step_timeout_s=cfg.step_timeout_s,
-                    episode_timeout_s=cfg.episode_timeout_s, max_workers=cfg.max_workers, check_drift=cfg.check_drift),
-                    parser=self.parser, stop_token_ids=self.stop_token_ids, template_kwargs=self.template_kwargs,
-                    on_groups_ended=None if stream is None else stream.groups_ended,
-                    sample_turn=turns.sample_turn if per_episode else None,
-                    episode_ended=turns.episode_ended if per_episode else None)
-            if per_episode:
-                self._generate_s = turns.busy_s
+            # one seed per episode, in episode order, before any turn: rows do not depend on timing
+            turns = EpisodeTurns(self.engine, cfg.sampling, episode_seeds(self.generator, len(tasks) * cfg.group_size))
+            result = rollout(tasks, self.make_env, turns.sample_turn, self.tokenizer, RolloutConfig(
+                group_size=cfg.group_size, limits=cfg.limits, step_timeout_s=cfg.step_timeout_s,
+                episode_timeout_s=cfg.episode_timeout_s, max_workers=cfg.max_workers, check_drift=cfg.check_drift),
+                parser=self.parser, stop_token_ids=self.stop_token_ids, template_kwargs=self.template_kwargs,
+                on_groups_ended=stream.groups_ended, episode_ended=turns.episode_ended)
+            self._generate_s = turns.busy_s
             batch = result.to_batch(first_group_id=base + self.groups_emitted,
                                     first_trajectory_id=base + self.trajectories_emitted,
                                     policy_version=self.policy_version, fields=cfg.row_fields)
@@ -245,7 +233,7 @@ class AgentCollector:
                 written_ahead=(len(result.episodes), 0 if batch is None else len(batch)))
             streamed = write_round(stream, batch, state_after, self._commit)
         except BaseException:
-            stored = max(self._stored_in_round, 0 if stream is None else stream.stored)
+            stored = max(self._stored_in_round, stream.stored)
             if stored:  # part of the round is stored: a retry runs it again and writes only the rest
                 self.load_state_dict(partial_round(start_state, stored))
             raise
@@ -279,16 +267,6 @@ class AgentCollector:
                            self.config.failure_rate_min_groups,
                            None if last is None else f"{last.reason}: {last.message}", "AgentCollectorConfig",
                            over="failed episodes")
-
-    def _sample(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
-        """One batch of turns from the engine: every active episode's token list, one sample each, each
-        with its own limit."""
-        started = time.perf_counter()
-        requests = [SampleRequest(prompt, n=1, max_new_tokens=limit)
-                    for prompt, limit in zip(prompts, max_new_tokens, strict=True)]
-        groups = self.engine.sample(requests, [draw_seed(self.generator) for _ in requests], self.config.sampling)
-        self._generate_s += time.perf_counter() - started
-        return [(g.completions[0].token_ids, g.completions[0].log_probs) for g in groups]
 
     def _commit(self, batch: TrajectoryBatch | None, state: dict[str, Any], last: bool) -> None:
         """``batch`` (consecutive groups of this round; None: all dropped) to the sink with the state

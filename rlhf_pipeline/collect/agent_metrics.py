@@ -16,8 +16,8 @@ def round_metrics(collector: Any, result: Rollout, batch: TrajectoryBatch | None
                   streamed: dict[str, float]) -> dict[str, float]:
     """``collector``'s (an :class:`~.agent_collector.AgentCollector`) metrics of the round it just wrote.
 
-    ``generate_s``: seconds the engine had at least one turn to sample (lockstep: the engine calls;
-    per-episode turns: from a turn's submission until none is in flight); ``engine_idle_share`` the
+    ``generate_s``: seconds the engine had at least one turn to sample (from a turn's submission
+    until none is in flight); ``engine_idle_share`` the
     rest of the round (environments working, rows written), as a share of ``round_s``."""
     episodes, m = result.episodes, result.metrics
     n = max(len(episodes), 1)  # every group dropped: the per-episode figures are 0

@@ -1,15 +1,10 @@
-"""An agent round's groups written as they end (``stream_groups``), in request order.
+"""An agent round's groups written as they end, in request order.
 
 The rollout's loop (``agents/rollout.py``) says between turns which groups have all their episodes
 ended (or were dropped); :class:`AgentRoundStream` hands them to the single-turn collector's in-order
 commit (``collect/streaming.py``: group k goes to the sink once groups 0..k ended, the round's last
 chunk once the rollout returned), each chunk with the state after its groups (the round's start and
 the groups of it stored), so a kill between two appends resumes to the same rows.
-
-Streaming changes when a group reaches the buffer, not how its turns are sampled: with lockstep turns
-(the default) the round's active episodes' turns go to the engine in one batch, as without streaming,
-and with per-episode turns (``collect/agent_turns.py``) each episode draws from its own generator;
-either way the rows are the same bit for bit with streaming on and off.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""An agent round whose episodes take their turns on their own (``AgentCollectorConfig.turns =
-"per_episode"``, ``--set generation.agent_turns=per_episode``): each episode's next turn goes to the
-engine as soon as its environment answered, so a fast environment's episode does not wait for the
-round's slowest one, and vLLM's batch keeps its slots full.
+"""An agent round whose episodes take their turns on their own: each episode's next turn goes to
+the engine as soon as its environment answered, so a fast environment's episode does not wait for
+the round's slowest one, and vLLM's batch keeps its slots full.
 
 Rows that do not depend on timing. Which turns share an engine's batch, and in what order they come,
 changes with the environments' timing. So randomness is per episode: at the round's start the
@@ -27,9 +26,6 @@ import torch
 from rlhf_pipeline.agents.rollout import Sample
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest, draw_seed
 from rlhf_pipeline.generation.sampling import SamplingConfig
-
-TURN_MODES = ("lockstep", "per_episode")
-
 
 def episode_seeds(generator: torch.Generator, episodes: int) -> list[int]:
     """One seed per episode of the round, in episode order (``episodes`` draws of ``generator``)."""

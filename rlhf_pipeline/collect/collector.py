@@ -3,11 +3,13 @@
 Why one file: a round's sampling, scoring, ids, metrics and resume state are one sequence whose
 parts must agree row for row (streaming and rounds ahead have their own modules).
 
-One ``collect()`` call takes ``prompts_per_batch`` prompts from the source, asks its generation
-engine for ``num_generations`` completions of each (``generation/engine.py``: our sampling loop by
-default, vLLM with ``generation.engine=vllm``; the collector does not know which), scores them, and
-hands one ``TrajectoryBatch`` holding whole groups to ``sink`` (typically ``ReplayBuffer.extend``
-with the write-path transforms attached). Each row's ``policy_version`` is the version the engine
+One ``collect()`` call takes ``prompts_per_batch`` prompts from the source and draws one seed per
+prompt, submits a request for ``num_generations`` completions of each to its generation engine
+(``generation/engine.py``: our sampling loop by default, vLLM with ``generation.engine=vllm``; the
+collector does not know which), and as each group is answered scores it and hands it to ``sink``
+(typically ``ReplayBuffer.extend`` with the write-path transforms attached) once every group before
+it went, in group-id order (``collect/streaming.py``); the next round may be submitted while this
+one's tail decodes (``collect/overlap.py``). Each row's ``policy_version`` is the version the engine
 held when it sampled the row's group.
 
 Ids. ``group_id`` and ``trajectory_id`` are ``(collector_index << 40) | counter`` with
@@ -24,9 +26,9 @@ sampling RNG and the pacing counts. Every call of the sink carries the state aft
 groups it holds (``sink(rows, writer_state=state)``; ``ReplayBuffer.extend`` publishes the two in
 one atomic append, ``storage/writer_state.py``), so a collector restored from the store's last
 ``writer_state`` continues where the stored rows end: nothing is skipped or repeated, after a
-``kill -9`` at any moment too. Within a streamed round that state is the round's start and the
-groups of it stored (``collect/streaming.py``): the round is generated again from the same prompts
-and seeds, and only its groups not stored yet are written.
+``kill -9`` at any moment too. Within a round that state is the round's start and the groups of it
+stored (``collect/streaming.py``): the round is generated again from the same prompts and seeds,
+and only its groups not stored yet are written.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ from rlhf_pipeline.collect.prompts import PromptSource
 from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.collect.rewards import (RewardFn, WeightedReward, as_rewards, check_failure_fraction,
                                            check_failure_rate, drop_non_finite_groups, score)
-from rlhf_pipeline.collect.overlap import IdleClock, Round, check_overlap, read_round
+from rlhf_pipeline.collect.overlap import IdleClock, Round, read_round
 from rlhf_pipeline.collect.streaming import (InOrderCommit, StreamTiming, Submitted, partial_round, stored_in_round,
                                              without_stored)
 from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest, draw_seed
-from rlhf_pipeline.generation.loop import LoopEngine, load_state_into
+from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
 from rlhf_pipeline.finite_settings import check_fields
@@ -68,13 +70,6 @@ class CollectorConfig:
     """This collector's index among collectors writing one run; goes in the ids' high bits."""
     seed: int = 0
     """Seed of the sampling RNG (mixed with ``collector_index`` so collectors differ)."""
-    stream_groups: bool = False
-    """Write each group as soon as it and every earlier group of the round ended, in several appends
-    per round (``collect/streaming.py``), instead of one append once the round's slowest completion
-    ended; the rows are the same either way."""
-    overlap_rounds: bool = False
-    """With ``stream_groups``: the next round submitted while this one's tail decodes, when
-    ``collect(next_round=...)`` allows (``collect/overlap.py``); the same rows."""
     max_failed_group_fraction: float | None = 0.1
     """Groups dropped for a reward that is not finite may be at most this fraction of the groups run;
     past it ``collect`` raises :class:`~rlhf_pipeline.collect.rewards.EpisodeFailureRateError` after
@@ -131,7 +126,6 @@ class Collector:
             self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                      policy_version=policy_version)
         self.engine.check_sampling(self.config.sampling)  # a setting the engine cannot honour: refused now
-        check_overlap(self.config.overlap_rounds, self.config.stream_groups)
         self._ahead: Round | None = None  # the next round, submitted while the current one decoded
         self._idle = IdleClock()
         self._stored_in_round = 0  # a cut-off streamed round's groups already stored: not written again
@@ -151,12 +145,11 @@ class Collector:
 
     # ---------------------------------------------------------------- one batch
     def collect(self, next_round: Callable[[int], bool] | None = None) -> TrajectoryBatch:
-        """One batch of whole groups: generate, score, emit to the sink, report metrics.
-
-        Without ``stream_groups`` the round goes to the sink in one call; with it, in several
-        (``collect/streaming.py``), each with the state after its groups. ``next_round(rows not
-        appended yet)``: with ``overlap_rounds``, True submits the next round now, for the next call
-        (``collect/overlap.py``).
+        """One round of whole groups: its requests submitted (unless they went ahead), each group
+        scored and written once it and every group before it ended (``collect/streaming.py``), each
+        append with the state after its groups; metrics reported. ``next_round(rows not appended
+        yet)``: asked once this round's first group ended; True submits the next round now, for the
+        next call (``collect/overlap.py``).
         """
         cfg = self.config
         t0 = time.perf_counter()
@@ -173,22 +166,13 @@ class Collector:
                 return dict(self._ahead.start_state)
             return self.state_dict(rounds_ahead=(1, len(records), rows_in_round))
 
-        if cfg.stream_groups:
-            went_ahead = round_.submitted is not None
-            if round_.submitted is None:
-                round_.submitted = Submitted(self.engine, requests, round_.seeds, cfg.sampling)
-            batches = round_.submitted.batches()
-            batch, parts, t_gen, t_reward, streamed = self._collect_streamed(
-                round_, batches, t0, state_after, next_round if cfg.overlap_rounds else None)
-            streamed.update(engine_idle_s=round_.idle_before_s)  # before its requests went (collect/overlap.py)
-            streamed.update({"submitted_ahead": float(went_ahead)} if cfg.overlap_rounds else {})
-        else:
-            groups = self.engine.sample(requests, round_.seeds, cfg.sampling)
-            t_gen = time.perf_counter()
-            batch, parts = self._rows(records, requests, groups)
-            t_reward = time.perf_counter()
-            self._commit(batch, state_after(len(records)), last=True)
-            streamed = {}
+        went_ahead = round_.submitted is not None
+        if round_.submitted is None:
+            round_.submitted = Submitted(self.engine, requests, round_.seeds, cfg.sampling)
+        batch, parts, t_gen, t_reward, streamed = self._collect_streamed(
+            round_, round_.submitted.batches(), t0, state_after, next_round)
+        # the seconds the engine had nothing of this collector's before the round's requests went
+        streamed.update(engine_idle_s=round_.idle_before_s, submitted_ahead=float(went_ahead))
         # counters advance only once the sink has the rows, so a failed write is retried with the same ids
         self.groups_emitted += len(records)
         self.trajectories_emitted += rows_in_round
@@ -250,7 +234,7 @@ class Collector:
         if self._ahead is None:
             self._idle.emptied(ended_at)
         t_gen = t0 + max(timing.ended_s.values())
-        batch = TrajectoryBatch.cat(chunks)
+        batch = chunks[0] if len(chunks) == 1 else TrajectoryBatch.cat(chunks)
         names = parts[0].keys()
         return (batch, {k: torch.cat([p[k] for p in parts]) for k in names}, t_gen, t_gen + scoring_s,
                 timing.metrics())

@@ -1,10 +1,10 @@
-"""The next round submitted while this round's tail decodes (``generation.overlap_rounds``).
+"""The next round submitted while this round's tail decodes.
 
-With ``stream_groups`` a round's groups are written as they end, but the next round's requests went
-to the engine only once the round's last group ended and its last append returned: the engine's
-batch emptied during the round's tail (its slowest completions) and idled during the appends. With
-``overlap_rounds`` the collector asks, as soon as the round's first group ended (a slot of the
-engine's batch came free), whether the next round may start now with the weights this round uses
+A round's groups are written as they end; if the next round's requests went to the engine only once
+the round's last group ended and its last append returned, the engine's batch would empty during the
+round's tail (its slowest completions) and idle during the appends. So the collector asks, as soon
+as the round's first group ended (a slot of the engine's batch came free), whether the next round
+may start now with the weights this round uses
 (``next_round``: the runner's pacing says, ``runs/round_ahead.py``); if so it draws the next round's
 prompts and seeds at once and submits them (``streaming.Submitted``), and the next
 ``collect()`` reads that round instead of starting one.
@@ -12,7 +12,7 @@ prompts and seeds at once and submits them (``streaming.Submitted``), and the ne
 What does not change:
 
 * **The rows.** The next round's prompts are drawn in order and its seeds from the collector's
-  generator, in the same order as without overlap (they are drawn after every seed of this round,
+  generator, in the same order as when it is not submitted ahead (they are drawn after every seed of this round,
   as they would be at the next round's start), so ids, prompts, seeds and versions are the same;
   for vLLM the tokens are those of the same seeds (vLLM keeps a request's sampling stream apart,
   batch composition moves log-probs by ~1e-7).
@@ -24,7 +24,7 @@ What does not change:
   round again from the same prompts and seeds; the engine's work on it is lost, never a row written
   twice or skipped.
 * **The weights.** Only rounds that take the version this round holds go ahead; when a new version
-  is due the next round waits, as without overlap, and loads it between rounds.
+  is due the next round waits and loads it between rounds.
 
 Every engine takes it: a vLLM server batches the next round's requests with this round's tail; our
 loop queues them and decodes them as one batch once this round's batch ended.
@@ -62,14 +62,6 @@ class Round:
     idle_before_s: float
     """Seconds the engine had nothing of this collector's to decode before these requests went: 0 when
     they went before the round before them ended."""
-
-
-def check_overlap(overlap_rounds: bool, stream_groups: bool) -> None:
-    """Refuses, by setting name, an ``overlap_rounds`` that cannot work."""
-    if overlap_rounds and not stream_groups:
-        raise ValueError("setting 'generation.overlap_rounds' needs generation.stream_groups=true (the next round "
-                         "is submitted once this round's first group ended, which only a streamed round tells); "
-                         "turn both on, or overlap_rounds off")
 
 
 def submit_ahead(collector: Collector, records_now: int, rows_now: int, idle_before_s: float) -> Round:

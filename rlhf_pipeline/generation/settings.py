@@ -56,12 +56,17 @@ class GenerationSettings:
     }
     """Settings of one engine each that became one for every vLLM server (issue 42): ``--set`` with an
     old name is refused, naming the new one (``pipeline.py``)."""
-
     REMOVED: ClassVar[dict[str, str]] = {
         "url_api_key_env": "a server started with --api-key gets the key in $VLLM_API_KEY, vLLM's own variable for it",
         "url_lease_s": "a round's lease on a shared server's weights lives 60 s without renewal, which only a collector "
                        "that died mid-round makes the others wait out",
         "enforce_eager": "the collector's own vLLM server runs eager on a CPU and compiled (CUDA graphs) on a GPU",
+        "stream_groups": "every round writes each group as soon as it and every group before it ended (issue 42: "
+                         "what the one collector does, with every engine)",
+        "overlap_rounds": "the next round goes to the engine while this round's tail decodes whenever pacing lets it "
+                          "start with the weights this round uses (issue 42: what the one collector does)",
+        "agent_turns": "each episode's next turn goes to the engine as soon as its environment answered; our loop "
+                       "decodes a round's waiting turns together (issue 42: what the one collector does)",
     }
     """Settings that went (issue 42), each with what replaced it: ``--set`` with one is refused in one line
     saying so (``pipeline.py``); a run started with one resumes without it (``runs/run_directory.py``)."""
@@ -73,7 +78,6 @@ class GenerationSettings:
         "start_timeout_s": SERVERS, "retries": SERVERS, "backoff_s": SERVERS, "timeout_s": SERVERS,
         "url_model": ("url",), "url_weights_dir": ("url",), "url_check_tolerance": ("url",),
         "weight_transfer": SERVERS, "weight_transfer=inline": ("url",), "weight_transfer=nccl": ("vllm",),
-        "agent_turns": EVERY, "stream_groups": EVERY, "overlap_rounds": EVERY,
     }
     """The engines each setting means something for (``name=value``: that value only, before the name's
     own entry). Set to other than its default while the run generates with another engine, it is
@@ -83,11 +87,6 @@ class GenerationSettings:
     """loop: our sampling loop in the collector's process (the default); vllm: a vLLM server the
     collector starts under the vLLM environment's Python, reached as one at generation.url is, and
     stops with the run."""
-    agent_turns: Literal["lockstep", "per_episode"] = "lockstep"
-    """Agents (pipelines/tool_use.py): lockstep sends every active episode's turn in one engine call;
-    per_episode sends each episode's next turn as soon as its environment answered, so vLLM's batch
-    stays full while slow environments work. Its draws come from per-episode generators seeded at the
-    round's start: other rows than lockstep's for a seed, the same whatever the timing (docs/generation.md)."""
     python: str | None = None
     """vllm: the Python that has vLLM; none: .venv-vllm/bin/python of this checkout (rlhf-pipeline
     setup-vllm makes it), else this Python if it has vllm."""
@@ -130,17 +129,6 @@ class GenerationSettings:
     the weights travel per update) or nccl (vllm: vLLM's NCCL weight transfer from the collector's GPU
     copy; GPU only, and vllm must import in the collector's own Python; retries=0 spares the disk write
     of each version a restart would reload)."""
-    stream_groups: bool = False
-    """Write each GRPO group as soon as it and every earlier group of the round ended (several appends
-    per round, in request order) instead of once the round's slowest completion ended: the same rows,
-    the first ones sooner (docs/generation.md, "Streaming groups"). Every engine streams (a server at
-    generation.url through one HTTP request per prompt); the agent collector (pipelines/tool_use.py)
-    writes each group once its episodes all ended."""
-    overlap_rounds: bool = False
-    """With stream_groups, single-turn rounds: submit the next round's requests while this round's tail
-    decodes (when pacing gives it the same weights), so the engine's batch stays full across rounds;
-    the same rows (docs/generation.md, "Rounds ahead"). vllm and url engines; refused with the loop."""
-
     @property
     def chosen_engine(self) -> Engine:
         """The engine this run generates with: the server at ``url`` when one is named, else ``engine``."""
@@ -184,24 +172,6 @@ class GenerationSettings:
 
         Restarts(self.retries, self.backoff_s, self.timeout_s)  # refuses each by name
 
-
-def check_rounds(settings: GenerationSettings, *, multi_turn: bool) -> None:
-    """The settings that depend on the pipeline's rounds, not on the engine: a pipeline's ``check()``
-    calls it (``multi_turn``: its rounds are agents' episodes); ValueError naming the setting."""
-    if not multi_turn and settings.agent_turns != "lockstep":
-        raise ValueError(f"setting 'generation.agent_turns={settings.agent_turns}' is for multi-turn agents "
-                         f"(pipelines/tool_use.py); this pipeline's rounds are single-turn, each group sent to "
-                         f"the engine at once: drop the setting")
-    if multi_turn and settings.overlap_rounds:
-        raise ValueError("setting 'generation.overlap_rounds' is for single-turn rounds (pipelines/default.py); "
-                         "an agent round's engine idles between turns, which generation.agent_turns=per_episode "
-                         "addresses: turn it off")
-    if settings.overlap_rounds and not settings.stream_groups:
-        raise ValueError("setting 'generation.overlap_rounds' needs generation.stream_groups=true (the next round goes "
-                         "once this round's first group ended, which only a streamed round tells); turn both on")
-    if settings.overlap_rounds and settings.url is None and settings.engine == "loop":
-        raise ValueError("setting 'generation.overlap_rounds' needs generation.engine=vllm or generation.url: our loop "
-                         "decodes a round in lockstep, with no free slot for a next one; turn it off")
 
 
 def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",

@@ -82,15 +82,13 @@ class ScriptedModel:
 
 
 def scripted_sampler(tokenizer, script):
-    """Turn k of an episode says script[k]; the turn is read off the prompt's assistant headers."""
+    """The rollout's ``sample_turn``: turn k of an episode says script[k]; the turn is read off the
+    prompt's assistant headers."""
     model = ScriptedModel(tokenizer, script)
     header = tokenizer.encode("<|im_start|>assistant", add_special_tokens=False)
 
-    def sample(prompts, max_new_tokens):
-        out = []
-        for prompt, limit in zip(prompts, max_new_tokens):
-            turn = sum(prompt[i:i + len(header)] == header for i in range(len(prompt))) - 1
-            out.append(model.sample(turn, limit))
-        return out
+    async def sample_turn(episode, prompt, limit):
+        turn = sum(prompt[i:i + len(header)] == header for i in range(len(prompt))) - 1
+        return model.sample(turn, limit)
 
-    return sample
+    return sample_turn

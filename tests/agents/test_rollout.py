@@ -20,7 +20,7 @@ from agent_scripts import scripted_sampler
 from rlhf_pipeline.agents.calculator import CalculatorEnv, multiply, product_tasks
 from rlhf_pipeline.agents.environment import StepResult
 from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
-from rlhf_pipeline.agents.rollout import RolloutConfig, cut_to_limits, rollout
+from rlhf_pipeline.agents.rollout import RolloutConfig, rollout
 from rlhf_pipeline.agents.tools import ToolBox, parser_for_template
 from rlhf_pipeline.collect import SamplingConfig, generate
 from rlhf_pipeline.learn.loss import grpo_packed_loss, grpo_step_loss
@@ -54,7 +54,7 @@ def test_a_scripted_agent_uses_the_tool_and_its_episodes_reach_a_store(tmp_path,
     assert [e.reason for e in result.episodes] == [TerminationReason.ENV_DONE] * 6
     assert [e.rewards for e in result.episodes] == [[0.0, 1.0]] * 3 + [[0.0, 0.0]] * 3
     m = result.metrics
-    assert m["tool_calls"] == m["tools/ok"] == 6 and m["turns"] == 12 and m["generation_batches"] == 2
+    assert m["tool_calls"] == m["tools/ok"] == 6 and m["turns"] == 12 and m["generation_batches"] == 12  # per turn
     assert m["generated_rows"] == 12 and m["template_mismatch"] == 0 and m["retokenization_drift"] == 6
 
     rows = write_and_read(tmp_path / "buffer", result.to_batch(first_group_id=10, first_trajectory_id=100, policy_version=2))
@@ -116,18 +116,20 @@ def tiny_lm(bpe_tokenizer):
 
 
 def real_model_rollout(bpe_tokenizer, tiny_lm):
-    """Three tasks, two episodes each, sampled from the tiny model (several turns, one nudge)."""
+    """Three tasks, two episodes each, sampled from the tiny model (several turns, one nudge), each
+    turn from its episode's own seed."""
     eos = bpe_tokenizer.eos_token_id
-    generator = torch.Generator().manual_seed(0)
+    turns_taken: dict[int, int] = {}
 
-    def sample_batch(prompts, max_new_tokens):
-        gen = generate(tiny_lm, prompts, SamplingConfig(max_new_tokens=max_new_tokens), pad_token_id=bpe_tokenizer.pad_token_id,
-                       eos_token_id=eos, generator=generator)
-        return [(gen.response_tokens.row(i).tolist(), gen.response_log_probs.row(i).tolist()) for i in range(len(prompts))]
+    async def sample_turn(episode, prompt, limit):
+        turn = turns_taken[episode] = turns_taken.get(episode, -1) + 1
+        gen = generate(tiny_lm, [prompt], SamplingConfig(max_new_tokens=limit), pad_token_id=bpe_tokenizer.pad_token_id,
+                       eos_token_id=eos, generator=torch.Generator().manual_seed(1000 * episode + turn))
+        return gen.response_tokens.row(0).tolist(), gen.response_log_probs.row(0).tolist()
 
     box = ToolBox([multiply])
     limits = EpisodeLimits(max_turns=3, max_new_tokens=12, context_length=400, end_on_cut_turn=False)
-    result = rollout(product_tasks(3, seed=1), lambda: CalculatorEnv(box, nudges=1), cut_to_limits(sample_batch, [eos]),
+    result = rollout(product_tasks(3, seed=1), lambda: CalculatorEnv(box, nudges=1), sample_turn,
                      bpe_tokenizer, RolloutConfig(group_size=2, limits=limits), parser=parser_for_template(bpe_tokenizer.chat_template))
     box.close()
     return result
@@ -138,8 +140,8 @@ def test_a_real_model_rollout_stores_exactly_what_it_sampled(tmp_path, bpe_token
     result = real_model_rollout(bpe_tokenizer, tiny_lm)
     episodes = result.episodes
     assert len(episodes) == 6 and all(e.done for e in episodes)
-    assert result.metrics["generated_rows"] == sum(len(e.turns) for e in episodes) > 6  # multi-turn, batched
-    assert result.metrics["generation_batches"] == max(len(e.turns) for e in episodes)
+    assert result.metrics["generated_rows"] == sum(len(e.turns) for e in episodes) > 6  # multi-turn
+    assert result.metrics["generation_batches"] == result.metrics["generated_rows"]  # one request per turn
     # the random model's samples are not what its tokenizer would encode: re-tokenizing drifts
     assert result.metrics["retokenization_drift"] > 0
 

@@ -65,12 +65,11 @@ class SlowCalculator(CalculatorEnv):
         return super().step(turn)
 
 
-def collector(sampler, tokenizer, box, sampling: SamplingConfig, *, turns="per_episode", delay_seed=0,
+def collector(sampler, tokenizer, box, sampling: SamplingConfig, *, delay_seed=0,
               seed=0, delay_s=(0.0, 0.05)) -> AgentCollector:
     """3 tasks x 2 episodes a round, each environment step delayed at random in ``delay_s``
     (``delay_seed``); the rows come back from ``collect()``."""
-    config = AgentCollectorConfig(tasks_per_round=3, group_size=2, limits=LIMITS, sampling=sampling, seed=seed,
-                                  turns=turns)
+    config = AgentCollectorConfig(tasks_per_round=3, group_size=2, limits=LIMITS, sampling=sampling, seed=seed)
     tasks = TaskSource(product_tasks(12, seed=1), seed=0, required_fields=("question", "answer"))
     delays, lock = random.Random(delay_seed), threading.Lock()
     return AgentCollector(sampler, tokenizer, tasks, lambda: SlowCalculator(box, delays, lock, delay_s), sink=None,
@@ -107,9 +106,9 @@ def test_per_episode_rows_do_not_depend_on_environment_timing(engine, policy, bp
     assert 0.0 < metrics["engine_idle_share"] < 1.0  # the engine waited for environments part of the round
 
 
-def test_greedy_per_episode_turns_are_the_loop_engines_lockstep_ones(engine, policy, bpe_tokenizer, box):
-    """top_k=1: seeds do not matter, so per-episode turns through vLLM must give lockstep's episodes
-    through our loop token for token, with the same masks: nothing re-tokenized, dropped or added."""
+def test_greedy_turns_through_vllm_are_the_loop_engines_ones(engine, policy, bpe_tokenizer, box):
+    """top_k=1: seeds do not matter, so turns through vLLM must give our loop's episodes token for
+    token, with the same masks: nothing re-tokenized, dropped or added."""
     sampling = SamplingConfig(top_k=1)
     sharp = sharp_model(bpe_tokenizer)
     engine.load_weights(sharp.state_dict(), engine.policy_version + 1)
@@ -117,7 +116,7 @@ def test_greedy_per_episode_turns_are_the_loop_engines_lockstep_ones(engine, pol
         through_vllm = collector(engine, bpe_tokenizer, box, sampling, delay_seed=3).collect()
     finally:
         engine.load_weights(policy.state_dict(), engine.policy_version + 1)
-    through_loop = collector(sharp, bpe_tokenizer, box, sampling, turns="lockstep").collect()
+    through_loop = collector(sharp, bpe_tokenizer, box, sampling).collect()
     for name in ("prompt_tokens", "response_tokens"):
         assert [r.tolist() for r in through_vllm[name].to_list()] == [r.tolist() for r in through_loop[name].to_list()]
     for name in ("trajectory_id", "step", "done", "terminated", "truncated", "termination_reason"):

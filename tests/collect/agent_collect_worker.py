@@ -1,9 +1,9 @@
 """A collector process for the kill -9 test: collects until the store holds ``rounds`` rounds, resuming
 from the state its store last published, as ``rlhf-pipeline collect`` does.
 
-    agent_collect_worker.py [--per-episode] STORE ROUNDS [HANG_IN_ROUND READY_FILE]
+    agent_collect_worker.py STORE ROUNDS [HANG_IN_ROUND READY_FILE]
 
-``--per-episode``: the collector's turns are per episode (``AgentCollectorConfig.turns``). With HANG_IN_ROUND, the environment writes READY_FILE at the second turn of an episode of that
+With HANG_IN_ROUND, the environment writes READY_FILE at the second turn of an episode of that
 round and then blocks, so the process can be killed mid-episode, mid-round.
 """
 
@@ -18,8 +18,7 @@ from agent_setup import agent_collector, hang_forever, open_or_create, tiny_poli
 
 def main() -> None:
     torch.set_num_threads(1)
-    args = [a for a in sys.argv[1:] if a != "--per-episode"]
-    turns = "per_episode" if "--per-episode" in sys.argv else "lockstep"
+    args = sys.argv[1:]
     store_path, rounds = Path(args[0]), int(args[1])
     hang_round = int(args[2]) if len(args) > 2 else None
     ready = Path(args[3]) if len(args) > 3 else None
@@ -32,7 +31,7 @@ def main() -> None:
             ready.write_text("mid-episode")
             hang_forever()
 
-    collector = agent_collector(model, tokenizer, store, on_step=on_step, turns=turns)
+    collector = agent_collector(model, tokenizer, store, on_step=on_step)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from helpers import resume
 

@@ -57,18 +57,16 @@ def open_or_create(path: Path):
                                                                    *AGENT_ROW_FIELDS)))
 
 
-def agent_collector(model, tokenizer, store, *, on_step=None, sink=None, stream=False, tasks_per_round=2,
-                    turns="lockstep", make_env=None):
+def agent_collector(model, tokenizer, store, *, on_step=None, sink=None, tasks_per_round=2, make_env=None):
     """A collector of ``TurnsEnv`` episodes (or ``make_env(toolbox)``'s); rows go through ``GroupAdvantage``
-    into ``store`` (``stream``: each group as it ends, ``AgentCollectorConfig.stream_groups``; ``turns``:
-    ``AgentCollectorConfig.turns``)."""
+    into ``store``, each group as it ends."""
     toolbox = ToolBox([multiply])
     if sink is None:
         buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE)])
         sink = buffer.extend
-    config = AgentCollectorConfig(tasks_per_round=tasks_per_round, group_size=GROUP_SIZE, stream_groups=stream,
+    config = AgentCollectorConfig(tasks_per_round=tasks_per_round, group_size=GROUP_SIZE,
                                   limits=EpisodeLimits(max_turns=3, max_new_tokens=6, end_on_cut_turn=False),
-                                  sampling=SamplingConfig(temperature=1.5), seed=11, turns=turns)
+                                  sampling=SamplingConfig(temperature=1.5), seed=11)
     build = (lambda: TurnsEnv(toolbox, on_step)) if make_env is None else (lambda: make_env(toolbox))
     return AgentCollector(model, tokenizer, TaskSource(TASKS, seed=5), build, sink, config, parser=parse_hermes)
 

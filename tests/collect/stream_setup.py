@@ -23,8 +23,8 @@ def policy():
     return model, tok
 
 
-def collector(model, tok, sink, *, stream: bool) -> Collector:
-    config = CollectorConfig(prompts_per_batch=4, num_generations=3, stream_groups=stream,
+def collector(model, tok, sink) -> Collector:
+    config = CollectorConfig(prompts_per_batch=4, num_generations=3,
                              sampling=SamplingConfig(max_new_tokens=16, temperature=1.0))
     source = PromptSource(toy_prompts(20, seed=1), seed=0, required_fields=("answer",))
     return Collector(model, tok, source, {"toy": toy_reward}, sink, config)

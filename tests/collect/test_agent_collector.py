@@ -60,7 +60,8 @@ def test_rounds_write_whole_groups_of_whole_trajectories_with_one_advantage_each
     rows = stored(store)
     store.close()
 
-    assert len(appends) == 3 and sum(appends) == len(rows)  # one write-path call per round, nothing held back
+    # groups written as they end (2 a round: one append or two), whole; nothing held back
+    assert 3 <= len(appends) <= 6 and sum(appends) == len(rows)
     by_trajectory = trajectories(rows)
     assert list(by_trajectory) == list(range(3 * 2 * GROUP_SIZE))
     steps, done = rows["step"].tolist(), rows["done"].tolist()
@@ -135,9 +136,8 @@ def test_a_restored_collector_continues_exactly(tmp_path):
         assert got.equal(want)
 
 
-def _worker(store, rounds, *hang, turns="lockstep"):
-    flags = ["--per-episode"] if turns == "per_episode" else []
-    return subprocess.Popen([sys.executable, str(WORKER), *flags, str(store), str(rounds), *map(str, hang)],
+def _worker(store, rounds, *hang):
+    return subprocess.Popen([sys.executable, str(WORKER), str(store), str(rounds), *map(str, hang)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -147,13 +147,12 @@ def _finish(process):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("turns", ["lockstep", "per_episode"])
-def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_path, turns):
+def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_path):
     # the uninterrupted collector, meanwhile (what it samples does not depend on timing): its start
     # overlaps the victim's instead of coming first
-    uninterrupted = _worker(tmp_path / "reference", 4, turns=turns)
+    uninterrupted = _worker(tmp_path / "reference", 4)
     ready = tmp_path / "ready"
-    victim = _worker(tmp_path / "buffer", 4, 2, ready, turns=turns)
+    victim = _worker(tmp_path / "buffer", 4, 2, ready)
     try:
         while not ready.exists():  # the third round (index 2) has an episode at its second turn
             assert victim.poll() is None, victim.communicate()[0][-3000:]
@@ -167,9 +166,11 @@ def test_kill_9_mid_episode_resumes_without_duplicate_or_half_trajectories(tmp_p
     rows = stored(store)
     store.close()
     assert rows["done"].tolist()[-1]  # nothing of the round in flight: the store ends on a whole trajectory
-    assert len(set(rows["group_id"].tolist())) == 2 * 2  # two whole rounds of two groups
+    # two whole rounds of two groups, and of the round in flight at most the groups that had ended
+    assert sorted(set(rows["group_id"].tolist())) == list(range(len(set(rows["group_id"].tolist()))))
+    assert 2 * 2 <= len(set(rows["group_id"].tolist())) < 3 * 2
 
-    _finish(_worker(tmp_path / "buffer", 4, turns=turns))
+    _finish(_worker(tmp_path / "buffer", 4))
     _finish(uninterrupted)
     reference, resumed = open_or_create(tmp_path / "reference"), open_or_create(tmp_path / "buffer")
     want, got = stored(reference), stored(resumed)

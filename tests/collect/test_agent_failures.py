@@ -17,6 +17,7 @@ from rlhf_pipeline.agents.episode import EpisodeLimits
 from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
 from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
 from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.storage import make_replay_buffer
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 from helpers import into
@@ -107,9 +108,8 @@ def test_a_resumed_collector_drops_the_same_groups_and_writes_the_same_rows(tmp_
     again.collect()
     again.collect()
     assert again.groups_dropped == uninterrupted.groups_dropped == sum(dropped)
-    assert len(resumed) == len(reference)
-    for want, got in zip(reference, resumed, strict=True):
-        assert got.equal(want)
+    # the same rows; how a round splits into appends follows the environments' timing
+    assert TrajectoryBatch.cat(resumed).equal(TrajectoryBatch.cat(reference))
 
 
 def test_a_round_with_every_group_dropped_writes_nothing_and_moves_on():

@@ -1,6 +1,6 @@
-"""Per-episode turns (``AgentCollectorConfig.turns="per_episode"``, ``collect/agent_turns.py``): each
-episode's next turn sent as soon as its environment answered, with our loop engine. The rows must not
-depend on when the environments answer, and a streamed round cut between two appends resumes to them."""
+"""Per-episode turns (``collect/agent_turns.py``): each episode's next turn sent as soon as its
+environment answered, with our loop engine. The rows must not depend on when the environments answer,
+and a round cut between two appends resumes to them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-from rlhf_pipeline.collect import AgentCollectorConfig
 from rlhf_pipeline.collect.agent_turns import EpisodeTurns, episode_seeds
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -52,7 +51,7 @@ def policy():
     return tiny_policy()
 
 
-def run_rounds(policy, where, rounds, *, delay_seed=0, stream=True, turns="per_episode", crash_at_append=None):
+def run_rounds(policy, where, rounds, *, delay_seed=0, crash_at_append=None):
     """Collects like ``collect_main`` does, each environment step delayed at random (``delay_seed``);
     ``crash_at_append=k``: stop right after the k-th append. Returns the stored rows, the appends of each
     round and the order environment steps ran in."""
@@ -62,12 +61,14 @@ def run_rounds(policy, where, rounds, *, delay_seed=0, stream=True, turns="per_e
     delays, ordinals = random.Random(delay_seed), itertools.count()
 
     def sink(batch, writer_state):
+        if crash_at_append is not None and len(appends) >= crash_at_append:
+            raise Crash  # another episode's group, after the crash: nothing after a kill runs
         buffer.extend(batch, writer_state=writer_state)
         appends.append(0 if batch is None else len(batch))
         if len(appends) == crash_at_append:
             raise Crash
 
-    collector = agent_collector(*policy, None, sink=sink, stream=stream, tasks_per_round=TASKS_PER_ROUND, turns=turns,
+    collector = agent_collector(*policy, None, sink=sink, tasks_per_round=TASKS_PER_ROUND,
                                 make_env=lambda toolbox: SlowEnv(toolbox, next(ordinals), delays, log, lock))
     resume(collector, store)
     try:
@@ -84,7 +85,7 @@ def run_rounds(policy, where, rounds, *, delay_seed=0, stream=True, turns="per_e
 
 @pytest.fixture(scope="module")
 def reference(policy, tmp_path_factory):
-    """Per-episode rounds, streamed, under one seed of environment delays."""
+    """Rounds under one seed of environment delays."""
     return run_rounds(policy, tmp_path_factory.mktemp("per-episode"), ROUNDS, delay_seed=1)
 
 
@@ -97,22 +98,6 @@ def test_rows_do_not_depend_on_when_environments_answer(policy, tmp_path, refere
     metrics = collector.last_metrics
     assert metrics["generation_batches"] == metrics["turns_per_episode"] * TASKS_PER_ROUND * GROUP_SIZE  # one per turn
     assert 0.0 <= metrics["engine_idle_share"] <= 1.0
-
-
-def test_a_whole_round_stores_the_rows_of_a_streamed_one(policy, tmp_path, reference):
-    rows, appends, _, _ = reference
-    assert any(len(a) > 1 for a in appends)  # the streamed rounds went in several appends
-    whole, whole_appends, _, _ = run_rounds(policy, tmp_path, ROUNDS, delay_seed=3, stream=False)
-    assert all(len(a) == 1 for a in whole_appends)
-    assert whole.equal(rows)
-
-
-def test_per_episode_rows_are_other_draws_than_lockstep_from_the_same_state(policy, tmp_path, reference):
-    rows, _, _, _ = reference
-    lockstep, _, _, _ = run_rounds(policy, tmp_path, ROUNDS, turns="lockstep")
-    # the same tasks and ids, other samples: the setting changes what a seed gives (docs/generation.md)
-    assert lockstep["trajectory_id"].unique().equal(rows["trajectory_id"].unique())
-    assert not (len(lockstep) == len(rows) and lockstep["response_tokens"].values.equal(rows["response_tokens"].values))
 
 
 @pytest.mark.parametrize("crash_at_append", [1, 2, 3])
@@ -150,38 +135,24 @@ def test_each_episode_draws_from_its_own_seed(policy):
     assert len({tuple(ids) for ids, _ in forward.values()}) > 1
 
 
-def test_an_unknown_turn_mode_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"'AgentCollectorConfig.turns' must be one of \['lockstep', 'per_episode'\]"):
-        AgentCollectorConfig(turns="eager")
-
-
-def test_per_episode_turns_in_a_single_turn_pipeline_are_refused_in_one_line_before_it_starts(tmp_path):
+def test_the_settings_of_the_round_shapes_are_refused_naming_why(tmp_path):
+    """``generation.stream_groups``, ``overlap_rounds`` and ``agent_turns`` went with the one collector: a
+    run given one is refused in one line saying what it does now, before anything starts."""
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(repo / "pipelines" / "default.py"),
-                             "--steps", "1", "--home", str(tmp_path), "--set", "generation.agent_turns=per_episode"],
-                            cwd=repo, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "setting 'generation.agent_turns=per_episode' is for multi-turn agents" in lines[0], \
-        result.stderr
+    for setting, says in (("stream_groups=true", "each group as soon as it and every group before it ended"),
+                          ("overlap_rounds=true", "while this round's tail decodes"),
+                          ("agent_turns=per_episode", "as soon as its environment answered")):
+        result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
+                                 str(repo / "pipelines" / "default.py"), "--steps", "1", "--home", str(tmp_path),
+                                 "--set", f"generation.{setting}"], cwd=repo, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode != 0
+        lines = result.stderr.strip().splitlines()
+        name = setting.split("=")[0]
+        assert len(lines) == 1 and f"setting 'generation.{name}' was removed: " in lines[0] and says in lines[0], \
+            result.stderr
     assert not any(tmp_path.iterdir())  # no run directory: refused before anything started
-
-
-def test_per_episode_turns_are_a_pipelines_setting_the_engine_does_not_refuse(tmp_path):
-    """``make_engine`` runs the engine's checks only: per-episode turns (an agent pipeline's setting,
-    checked by its ``check()`` through ``check_rounds``) reach the vLLM engine's start, here stopped
-    at the missing vLLM Python it names, not refused as a single-turn setting."""
-    from rlhf_pipeline.generation.settings import GenerationSettings, check_rounds, make_engine
-    from rlhf_pipeline.models import tiny_model_and_tokenizer
-
-    settings = GenerationSettings(engine="vllm", agent_turns="per_episode", python=str(tmp_path / "no-python"))
-    check_rounds(settings, multi_turn=True)
-    with pytest.raises(ValueError, match="'generation.agent_turns=per_episode' is for multi-turn agents"):
-        check_rounds(settings, multi_turn=False)
-    model, tok = tiny_model_and_tokenizer(hidden_size=64, num_layers=1, num_heads=2)
-    with pytest.raises(ValueError, match="setting 'generation.python' is .*which does not exist"):
-        make_engine(settings, model, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])

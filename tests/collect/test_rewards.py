@@ -128,9 +128,9 @@ def test_a_reward_given_as_text_is_refused_by_the_agents_check():
     assert total.tolist() == [1.0, 0.5, 0.25]
 
 
-def _collector(tiny, reward, sink, *, stream=False, **config_fields):
+def _collector(tiny, reward, sink, **config_fields):
     model, tok = tiny
-    config = CollectorConfig(prompts_per_batch=3, num_generations=4, stream_groups=stream,
+    config = CollectorConfig(prompts_per_batch=3, num_generations=4,
                              sampling=SamplingConfig(max_new_tokens=5, temperature=1.5), **config_fields)
     source = PromptSource(toy_prompts(10, seed=1), seed=0, required_fields=("answer",))
     return Collector(model, tok, source, {"r": reward}, sink, config)
@@ -156,14 +156,13 @@ class NaNOnMultiplesOfThree:
         return [math.nan if int(a) % 3 == 0 else float(len(c)) for a, c in zip(answer, completions)]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tiny, tmp_path, capsys, stream):
+def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tiny, tmp_path, capsys):
     """A NaN reward stopped the whole run (and again on resume); now its group is dropped as the agent
     collector drops one: the other groups are written through the write path, the dropped one counted."""
     store = create_store(tmp_path / "buf", "memmap", schema=StoreSchema(optional=("advantage",)))
     buffer = make_replay_buffer(store, transforms=[GroupAdvantage(4)])
     reward = NaNOnMultiplesOfThree()
-    straight = _collector(tiny, reward, buffer.extend, stream=stream, max_failed_group_fraction=None)
+    straight = _collector(tiny, reward, buffer.extend, max_failed_group_fraction=None)
     rounds, dropped = [], []
     for _ in range(3):
         seen = len(reward.answers)
@@ -183,9 +182,9 @@ def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tin
     store.close()
 
     # resumed after the first round: the same groups are dropped, the same rows written
-    first = _collector(tiny, NaNOnMultiplesOfThree(), None, stream=stream, max_failed_group_fraction=None)
+    first = _collector(tiny, NaNOnMultiplesOfThree(), None, max_failed_group_fraction=None)
     first.collect()
-    resumed = _collector(tiny, NaNOnMultiplesOfThree(), None, stream=stream, max_failed_group_fraction=None)
+    resumed = _collector(tiny, NaNOnMultiplesOfThree(), None, max_failed_group_fraction=None)
     resumed.load_state_dict(first.state_dict())
     for expected in rounds[1:]:
         got = resumed.collect()
@@ -195,12 +194,11 @@ def test_a_nan_reward_drops_its_group_counts_it_and_resumes_to_the_same_rows(tin
         assert torch.equal(got["response_tokens"].offsets, expected["response_tokens"].offsets)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_round_whose_every_group_is_dropped_writes_nothing_and_reports_no_nan(tiny, stream):
+def test_a_round_whose_every_group_is_dropped_writes_nothing_and_reports_no_nan(tiny):
     sunk = []
     collector = _collector(tiny, lambda prompts, completions, **_: [math.inf] * len(completions),
                            lambda batch, writer_state: sunk.append((batch, writer_state["batches_emitted"])),
-                           stream=stream, max_failed_group_fraction=None)
+                           max_failed_group_fraction=None)
     assert len(collector.collect()) == 0 and sunk == [(None, 1)]  # no rows: the state after the round alone
     metrics = collector.last_metrics
     assert metrics["groups_dropped"] == 3 and metrics["dropped/non_finite_reward"] == 3
@@ -208,17 +206,16 @@ def test_a_round_whose_every_group_is_dropped_writes_nothing_and_reports_no_nan(
     assert len(collector.collect()) == 0 and collector.groups_emitted == 6  # the prompts move on
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_reward_that_is_never_finite_stops_the_collector_past_the_failure_rate(tiny, stream):
+def test_a_reward_that_is_never_finite_stops_the_collector_past_the_failure_rate(tiny):
     """Dropping groups must not become a run that burns its compute on nothing: past
     max_failed_group_fraction of the groups (taken over failure_rate_min_groups), collect() raises
     after its round, as the agent collector does, and the count survives a resume."""
     sunk = []
     always_nan = lambda prompts, completions, **_: [math.nan] * len(completions)  # noqa: E731
-    collector = _collector(tiny, always_nan, into(sunk), stream=stream, max_failed_group_fraction=0.5,
+    collector = _collector(tiny, always_nan, into(sunk), max_failed_group_fraction=0.5,
                            failure_rate_min_groups=8)
     collector.collect()  # 3 of 3 dropped: 3 <= 0.5 * max(3, 8)
-    resumed = _collector(tiny, always_nan, into(sunk), stream=stream, max_failed_group_fraction=0.5,
+    resumed = _collector(tiny, always_nan, into(sunk), max_failed_group_fraction=0.5,
                          failure_rate_min_groups=8)
     resumed.load_state_dict(collector.state_dict())
     assert resumed.groups_dropped == 3

@@ -41,7 +41,7 @@ def run_rounds(tiny, store, rounds, *, crash_at_append=None):
         appends.append(0 if batch is None else len(batch))
         sink(batch, writer_state=writer_state)
 
-    streamer = collector(*tiny, counted, stream=True)
+    streamer = collector(*tiny, counted)
     resumed = resume(streamer, store)
     done = 0
     try:
@@ -122,7 +122,7 @@ def sink(batch, writer_state):
     print("appended", store.next_row, flush=True)
     if {stall} and store.next_row % {round_rows}:
         time.sleep(600)  # killed here, between this append of a round and its next
-streamer = collector(*policy(), sink, stream=True)
+streamer = collector(*policy(), sink)
 print("resumed", stored_in_round(resume(streamer, store) or {{}}) * {group_rows}, flush=True)
 while store.next_row < {rows}:
     streamer.collect()

@@ -11,7 +11,6 @@ where the vLLM environment is absent (``rlhf-pipeline setup-vllm`` makes it).
 from __future__ import annotations
 
 import pytest
-import torch
 from engine_contract import (
     SAMPLING_CONFIGS,
     chat_prompts,

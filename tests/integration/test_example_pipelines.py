@@ -45,7 +45,8 @@ def test_the_single_turn_task_runs_and_its_reward_scores_what_was_sampled(tmp_pa
     for prompt, completion, reward in zip(rows["prompt_text"], rows["response_text"], rows["reward"].tolist()):
         # the record's answer is the prompt's word backwards; the reward the page wrote scored the completion
         word = prompt.split("reverse: ")[1][:3]
-        assert reward == example.reverse_reward([prompt], [completion], answer=[word[::-1]])[0]
+        scored = example.reverse_reward([prompt], [completion], answer=[word[::-1]])[0]
+        assert reward == float(torch.tensor(scored, dtype=torch.float32))  # as the buffer stores it
     assert abs(float(rows["advantage"].sum())) < 1e-3  # the write path's group advantage
 
 

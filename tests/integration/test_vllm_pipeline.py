@@ -210,35 +210,17 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(vllm_ru
     _same_rows(run, reference)
 
 
-def test_a_streamed_run_writes_the_rows_of_the_run_without_streaming(vllm_run, tmp_path):
-    """``generation.stream_groups=true``: each round's groups go to the buffer as vLLM finishes them, in
-    request order; the buffer holds the rows of the module's run, which wrote one append per round."""
-    reference, _ = vllm_run
-    result = subprocess.run([*_command(tmp_path), "--set", "generation.stream_groups=true"], cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    run = tmp_path / "vllm"
-    _same_rows(run, reference)
-    rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
-    assert all(0 < r["first_group_s"] <= r["round_s"] and r["chunks"] >= 1 for r in rounds)
-
-
-def test_a_run_with_rounds_ahead_writes_the_rows_of_the_run_without(tmp_path):
-    """``generation.overlap_rounds=true``: the next round goes to the engine while this round's tail
-    decodes when pacing gives it the same weights (``runs/round_ahead.py``). With rounds of 8 rows and
-    16 taken per step, two rounds share a version: the second goes ahead, the one after a version is
-    due waits and loads it. The buffer holds the rows of the same run without overlap, versions
-    included."""
+def test_rounds_go_ahead_only_with_the_weights_the_round_before_them_used(tmp_path):
+    """The next round goes to the engine while this round's tail decodes when pacing gives it the same
+    weights (``runs/round_ahead.py``). With rounds of 8 rows and 16 taken per step, two rounds share a
+    version: the second goes ahead, the one after a version is due waits and loads it."""
     try:
         find_vllm_python(None)
     except ValueError as exc:
         pytest.skip(f"needs the vLLM environment: {exc}")
-    streamed = ["--set", "generation.stream_groups=true", "--set", "prompts_per_round=2"]
-    for name, overlap in (("plain", "false"), ("ahead", "true")):
-        result = subprocess.run([*_command(tmp_path / name), *streamed, "--set", f"generation.overlap_rounds={overlap}"],
-                                cwd=REPO, capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, result.stderr[-4000:]
-    _same_rows(tmp_path / "ahead" / "vllm", tmp_path / "plain" / "vllm")
+    result = subprocess.run([*_command(tmp_path / "ahead"), "--set", "prompts_per_round=2"], cwd=REPO,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
     rounds = read_metrics(tmp_path / "ahead" / "vllm" / "collector" / "metrics-0000.jsonl")
     ahead = [r for r in rounds if r["submitted_ahead"]]
     assert ahead and rounds[0]["submitted_ahead"] == 0.0  # some rounds went ahead, not the first
