@@ -80,6 +80,59 @@ def run_home(request, tmp_path, monkeypatch) -> str:
     return server.url("runs")
 
 
+class EngineUnderTest:
+    """How a pipeline test's run generates: ``loop`` (our own sampling loop, the default), ``vllm`` (a
+    vLLM engine the collector starts, ``generation.engine=vllm``) or ``url`` (a ``vllm serve`` started
+    here with the documented command, as a user starts one, and the run pointed at it with
+    ``generation.url``). :meth:`settings` gives the run's ``--set`` words for a pipeline whose model is
+    ``model`` (the url engine serves that shape, one server per shape; the run sends its weights)."""
+
+    def __init__(self, name: str, work) -> None:
+        self.name, self._work, self._servers = name, work, {}
+
+    def settings(self, model, tokenizer) -> list[str]:
+        if self.name == "loop":
+            return []
+        if self.name == "vllm":
+            return ["--set", "generation.engine=vllm"]
+        return ["--set", f"generation.url={self.server(model, tokenizer).url}"]
+
+    def server(self, model, tokenizer):
+        """The ``vllm serve`` of ``model``'s shape (started on first use)."""
+        from vllm_server_process import VLLMServerProcess, save_model_dir
+
+        from rlhf_pipeline.generation.settings import find_vllm_python
+
+        shape = model.config.to_json_string()
+        if shape not in self._servers:
+            work = self._work.mktemp("vllm-serve")
+            self._servers[shape] = VLLMServerProcess(find_vllm_python(None),
+                                                     save_model_dir(model, tokenizer, work / "model"), work)
+        return self._servers[shape]
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module", params=["loop", "vllm", "url"])
+def engine(request, tmp_path_factory):
+    """The engine parameter of the pipeline tests (:class:`EngineUnderTest`), one per module: a
+    guarantee of a run (rows written, exact resume, weights reaching the engine) is one test over
+    every engine. The vLLM ones skip, saying how to get it, without the vLLM environment
+    (``rlhf-pipeline setup-vllm``)."""
+    if request.param != "loop":
+        from rlhf_pipeline.generation.settings import find_vllm_python
+
+        try:
+            find_vllm_python(None)
+        except ValueError as exc:
+            pytest.skip(f"needs the vLLM environment: {exc}")
+    under_test = EngineUnderTest(request.param, tmp_path_factory)
+    yield under_test
+    under_test.close()
+
+
 @pytest.fixture()
 def one_torch_thread():
     """torch on one thread for the test (deterministic reductions, no oversubscription on a shared

@@ -1,16 +1,29 @@
-"""``rlhf-pipeline run pipelines/default.py`` end to end: real processes, real buffer, tiny model."""
+"""``rlhf-pipeline run pipelines/default.py`` end to end: real processes, real buffer, tiny model.
+
+What a run guarantees is one test over the engines (the ``engine`` fixture: our loop, a vLLM engine
+the collector starts, a ``vllm serve`` at ``generation.url``), each reading one module run per
+engine: rows in whole groups, each holding the log-probs of the version it names, the learner
+recomputing them, the weights reaching the engine, a run killed whole resuming to the same rows.
+What only one engine has is a test of its own: the loop's progress bar on a terminal, a vLLM engine
+killed and restarted, a server of another shape refused."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_on_terminal, screen_lines
+from helpers import kill_once_busy, process_running, run_child_pids, run_on_terminal, screen_lines
 
+from rlhf_pipeline.coordination.weights import load_weights, published_versions
+from rlhf_pipeline.generation import SamplingConfig, teacher_forced_log_probs
 from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import PipelineError
 from rlhf_pipeline.runs.run import run_command
 from rlhf_pipeline.storage import open_buffer
@@ -28,6 +41,22 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def assert_whole_groups_with_normalized_advantages(run: Path) -> None:
+    """Rows were written, whole groups of 4, advantages normalized within each group."""
+    with open_buffer(run / "buffer", mode="r") as store:
+        assert len(store) >= 16 and len(store) % 4 == 0
+        rows = store.read(torch.arange(len(store)))
+    for group in rows["group_id"].unique():
+        in_group = rows["group_id"] == group
+        assert int(in_group.sum()) == 4
+        adv, reward = rows["advantage"][in_group], rows["reward"][in_group]
+        assert abs(float(adv.mean())) < 1e-4
+        if float(reward.std()) > 1e-6:
+            assert float(adv.std()) == pytest.approx(1.0, abs=1e-3)
+        else:
+            assert torch.all(adv == 0)
+
+
 def test_run_writes_rows_trains_and_logs(tmp_path):
     # on a terminal, as a user starts it: the learner draws its bar there, beside the collector's lines
     code, shown = run_on_terminal([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "3",
@@ -41,20 +70,7 @@ def test_run_writes_rows_trains_and_logs(tmp_path):
     assert "deprecated" not in output and "leaked semaphore" not in output, output
     assert all(line.startswith("[collector]") for line in lines if "[collector]" in line), lines
     run = tmp_path / "smoke"
-
-    # rows were written, whole groups, advantages normalized within each group
-    with open_buffer(run / "buffer", mode="r") as store:
-        assert len(store) >= 16 and len(store) % 4 == 0
-        rows = store.read(torch.arange(len(store)))
-    for group in rows["group_id"].unique():
-        in_group = rows["group_id"] == group
-        assert int(in_group.sum()) == 4
-        adv, reward = rows["advantage"][in_group], rows["reward"][in_group]
-        assert abs(float(adv.mean())) < 1e-4
-        if float(reward.std()) > 1e-6:
-            assert float(adv.std()) == pytest.approx(1.0, abs=1e-3)
-        else:
-            assert torch.all(adv == 0)
+    assert_whole_groups_with_normalized_advantages(run)  # with every engine: test_rows_are_whole_groups_...
 
     # the learner took its steps, published weights and checkpointed
     records = read_metrics(run / "metrics.jsonl")
@@ -104,3 +120,220 @@ def test_mean_reward_rises(tmp_path):
     assert len(rewards) == 300
     first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
     assert last > first + 0.03, (first, last)
+
+
+
+# ============================================================ over engines: loop | vllm | url
+# head size 32 (num_heads=2), which vLLM's CPU attention takes; every engine runs the same model
+ENGINE_RUN = ["--set", "warm_start_steps=20", "--set", "prompts_per_round=4", "--set", "group_size=4",
+              "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",
+              "--set", "learner.new_rows_per_step=16", "--set", "learner.checkpoint_every=4"]
+NUM_HEADS = ["--set", "num_heads=2"]
+STEPS = 4
+
+
+def pipeline_model(num_heads: int = 2):
+    """The default pipeline's model shape (``--set num_heads=2``); its weights are the run's to send."""
+    tok = char_tokenizer()
+    return tiny_causal_lm(len(tok), hidden_size=64, num_layers=2, num_heads=num_heads, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id, seed=123), tok
+
+
+def engine_command(engine, home: Path, name: str = "run", heads: list[str] = NUM_HEADS) -> list[str]:
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS), "--home", str(home),
+            "--run-name", name, *ENGINE_RUN, *heads, *engine.settings(*pipeline_model())]
+
+
+@pytest.fixture(scope="module")
+def engine_run(engine, tmp_path_factory):
+    """A finished 4-step run of the default pipeline generating with ``engine``: (run dir, its stderr)."""
+    home = tmp_path_factory.mktemp(f"run-{engine.name}")
+    result = subprocess.run(engine_command(engine, home), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return home / "run", result.stderr
+
+
+def test_rows_are_whole_groups_with_advantages_normalized_within_each(engine_run):
+    run, _ = engine_run
+    assert_whole_groups_with_normalized_advantages(run)
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("terminated", "truncated"))
+    assert bool((rows["terminated"] ^ rows["truncated"]).all())
+
+
+def test_the_learner_recomputes_the_samplers_log_probs_at_version_0(engine_run):
+    run, _ = engine_run
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    # step 1 learns from rows of version 0 with the weights of version 0: only float noise apart
+    assert records[0]["losses/sampler_logprob_diff_max"] < 1e-4
+    # later steps see stale rows (the importance ratio's job): apart, but by a policy step's worth
+    assert all(0 <= r["losses/sampler_logprob_diff_max"] < 0.5 for r in records)
+
+
+def test_every_row_holds_the_log_probs_of_the_version_it_names(engine_run):
+    """Each row's log-probs are its version's sampling distribution, where that version is still
+    published: a row naming the wrong version, or sampled on a stale head or prefix cache, fails this."""
+    run, _ = engine_run
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)))
+    versions = rows["policy_version"]
+    assert int(versions.min()) == 0 and int(versions.max()) >= 1  # rows sampled after weights were swapped
+    model, _ = pipeline_model()
+    checked = set()
+    for version in published_versions(run):
+        picked = torch.nonzero(versions == version).flatten()
+        if not len(picked):
+            continue
+        model.load_state_dict(load_weights(run, version)[0])
+        prompts, responses = rows["prompt_tokens"].index(picked), rows["response_tokens"].index(picked)
+        with torch.no_grad():
+            again = teacher_forced_log_probs(model, prompts, responses, SamplingConfig(temperature=1.0))
+        stored = rows["response_log_probs"].index(picked)
+        assert float((again.values - stored.values).abs().max()) < 1e-5, f"version {version}"
+        checked.add(version)
+    assert len(checked) >= 2  # version 0 and at least one swapped in
+
+
+@pytest.mark.parametrize("engine", ["vllm", "url"], indirect=True)
+def test_each_version_reaches_the_engine_in_place_and_is_timed(engine, engine_run):
+    """A vLLM engine (ours or a server at a URL) takes each version in place: never restarted for it;
+    the server at a URL is the user's, so nothing of ours started there."""
+    run, stderr = engine_run
+    rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
+    assert rounds[-1]["weight_updates"] >= 2 and any(r["weight_update_s"] > 0 for r in rounds)
+    assert [r["policy_version"] for r in rounds] == sorted(r["policy_version"] for r in rounds)
+    assert rounds[-1]["policy_version"] >= 1
+    if engine.name == "url":
+        assert "engine_starts" not in rounds[-1]
+        return
+    assert all(r["engine_starts"] == 1 for r in rounds)  # no restart to change weights
+    assert stderr.count("the vllm generation engine started in") == 1
+    assert "Writing model shards" not in stderr and "leaked semaphore" not in stderr
+
+
+def _rows(run: Path) -> dict[str, list]:
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "policy_version", "response_tokens",
+                                                             "response_log_probs"))
+    return {"trajectory_id": rows["trajectory_id"].tolist(), "policy_version": rows["policy_version"].tolist(),
+            "tokens": [t.tolist() for t in rows["response_tokens"].to_list()],
+            "log_probs": [t.tolist() for t in rows["response_log_probs"].to_list()]}
+
+
+def _engines_of(pid: int) -> list[int]:
+    """The vLLM servers ``pid`` started (its children running vLLM's API server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid and b"vllm.entrypoints.openai.api_server" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _same_rows(run: Path, reference: Path) -> None:
+    """``run``'s buffer holds ``reference``'s rows (as far as both go; at least what the learner took
+    in): the same tokens, log-probs to 1e-5 and policy versions, every trajectory once."""
+    got, plain = _rows(run), _rows(reference)
+    starts = [t for i, t in enumerate(got["trajectory_id"]) if i == 0 or t != got["trajectory_id"][i - 1]]
+    assert starts == list(range(len(starts)))  # every trajectory once, in order: none lost, none twice
+    shared = min(len(got["tokens"]), len(plain["tokens"]))
+    assert shared >= STEPS * 16  # at least the rows the learner took in (learner.new_rows_per_step=16)
+    for key in ("trajectory_id", "policy_version", "tokens"):
+        assert got[key][:shared] == plain[key][:shared], key
+    assert max(abs(a - b) for x, y in zip(got["log_probs"][:shared], plain["log_probs"][:shared])
+               for a, b in zip(x, y, strict=True)) < 1e-5
+
+
+def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine, engine_run, tmp_path):
+    """kill -9 of the whole run (launcher, collector and learner: its process group) after the
+    collector's second round; a vLLM engine of the collector's, in a session of its own, exits with
+    its collector. The same command again resumes it: the buffer holds the uninterrupted run's rows,
+    the same tokens, log-probs to 1e-5 and policy versions, every round once."""
+    reference, _ = engine_run
+    run = tmp_path / "run"
+    rounds = run / "collector" / "metrics-0000.jsonl"
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(engine_command(engine, tmp_path), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # its own process group, to kill it whole
+    engines: list[int] = []
+    try:
+        deadline = time.monotonic() + 600  # a bound on a hang: a vLLM engine starts in tens of seconds
+        while first.poll() is None and time.monotonic() < deadline and not (
+                rounds.exists() and rounds.read_text().count("\n") >= 2):
+            time.sleep(0.05)
+        engines = [e for c in run_child_pids("collect", str(tmp_path), "run") for e in _engines_of(c)]
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    out = (tmp_path / "first.log").read_text()
+    assert first.returncode == -signal.SIGKILL, out[-3000:]  # killed, not finished or failed
+    assert len(engines) == (1 if engine.name == "vllm" else 0), out[-3000:]
+    for pid in engines:
+        deadline = time.monotonic() + 120  # a bound, not a timing: it exits within a second of its collector
+        while process_running(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not process_running(pid), "the vLLM engine outlived its killed run"
+    steps = len(read_metrics(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
+    assert steps < STEPS
+
+    resumed = subprocess.run(engine_command(engine, tmp_path), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    _same_rows(run, reference)
+
+
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
+def test_an_engine_killed_mid_run_is_restarted_and_the_run_writes_the_uninterrupted_rows(engine, engine_run,
+                                                                                       tmp_path):
+    """kill -9 of the vLLM engine's process (not the run's) as it next works after the collector's
+    first round (loading the next version's weights, in the runs seen, or sampling: the kill mid-round
+    is test_vllm_engine.py's): the collector says so once with the cause, starts a new engine with the
+    weights the dead one held, asks again, and the run finishes with the uninterrupted run's rows."""
+    reference, _ = engine_run
+    run = tmp_path / "run"
+    rounds = run / "collector" / "metrics-0000.jsonl"
+    with open(tmp_path / "run.log", "w") as log:
+        started = subprocess.Popen(engine_command(engine, tmp_path), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600  # a bound on a hang: the engine starts in tens of seconds
+        while started.poll() is None and time.monotonic() < deadline and not (
+                rounds.exists() and rounds.read_text().count("\n") >= 1):
+            time.sleep(0.05)
+        engines = [e for c in run_child_pids("collect", str(tmp_path), "run") for e in _engines_of(c)]
+        assert len(engines) == 1, (tmp_path / "run.log").read_text()[-3000:]
+        kill_once_busy(engines[0]).join(timeout=600)
+        started.wait(timeout=900)
+    finally:
+        if started.poll() is None:
+            os.killpg(started.pid, signal.SIGKILL)
+    out = (tmp_path / "run.log").read_text()
+    assert started.returncode == 0, out[-4000:]
+    assert not process_running(engines[0])
+    died = [line for line in out.splitlines() if "the vllm generation engine died" in line]
+    assert len(died) == 1 and died[0].startswith("[collector] the vllm generation engine died (its "), out[-4000:]
+    assert "killed by SIGKILL" in died[0] and "restart 1 of at most 5 in a row" in died[0]
+    last = read_metrics(rounds)[-1]
+    assert (last["engine_restarts"], last["engine_starts"]) == (1, 2)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    _same_rows(run, reference)
+
+
+@pytest.mark.parametrize("engine", ["url"], indirect=True)
+def test_a_server_of_another_shape_is_refused_in_one_line_before_any_row(engine, tmp_path):
+    result = subprocess.run(engine_command(engine, tmp_path, "refused", heads=[]), cwd=REPO, capture_output=True,
+                            text=True, timeout=900)  # num_heads=4: the server's model has 2
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "generation.url:" in line]
+    assert len(lines) == 1 and "num_attention_heads=2" in lines[0] and "num_attention_heads=4" in lines[0], \
+        result.stderr[-3000:]
+    buffer = tmp_path / "refused" / "buffer"
+    if buffer.exists():
+        with open_buffer(buffer, mode="r") as store:
+            assert len(store) == 0

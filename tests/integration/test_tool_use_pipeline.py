@@ -1,17 +1,26 @@
 """``rlhf-pipeline run pipelines/tool_use.py`` end to end: a collector of multi-turn calculator episodes
-and a learner as real processes, a real buffer, a tiny model, nothing downloaded."""
+and a learner as real processes, a real buffer, a tiny model, nothing downloaded.
+
+What a run guarantees is one test over the engines (the ``engine`` fixture: our loop, a vLLM engine
+the collector starts, a ``vllm serve`` at ``generation.url``, each turn sent as the conversation's
+token ids so far), each reading one module run per engine; a collector killed mid-run resumes with
+every trajectory once and whole, with each engine. What only the vLLM engine has is a test of its own."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from agent_run_checks import check_every_turn_holds_its_versions_log_probs
 from helpers import kill_when, run_child_pids
 
 from rlhf_pipeline.learn.metrics import read_metrics
+from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
 from rlhf_pipeline.schema import TerminationReason
 from rlhf_pipeline.storage import open_buffer
 
@@ -62,34 +71,6 @@ def test_run_trains_on_whole_multi_turn_trajectories(tmp_path):
     assert rounds and all(r["rows_written"] == r["rows"] for r in rounds)
     assert all(0 <= r["tool_call_rate"] <= 1 and r["template_mismatch"] == 0 for r in rounds)
     assert sum(r["tools/calls"] for r in rounds) > 0
-
-
-def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole(tmp_path):
-    """kill -9 of the collector process stops the run; the same command resumes it: the buffer holds
-    every trajectory the collector handed out exactly once, whole, in the order of its ids."""
-    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
-               "--run-name", "crash", *SMALL, "--set", "log_rounds_every=0"]
-    run = tmp_path / "crash"
-    rounds_file = run / "collector" / "metrics-0000.jsonl"
-    first = subprocess.Popen([*command, "--steps", "40"], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    out = kill_when(first, lambda: rounds_file.exists() and len(read_metrics(rounds_file)) >= 3,
-                    victims=lambda: run_child_pids("collect", str(tmp_path), "crash"), wait_s=300)
-    assert first.returncode != 0 and "exited early" in out, out[-3000:]
-    stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"] if (run / "metrics.jsonl").exists() else 0
-
-    resumed = subprocess.run([*command, "--steps", str(stopped_at + 3)], cwd=REPO, capture_output=True, text=True,
-                             timeout=500)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    with open_buffer(run / "buffer", mode="r") as store:
-        rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "group_id", "step", "done"))
-    trajectory, step, done = rows["trajectory_id"].tolist(), rows["step"].tolist(), rows["done"].tolist()
-    starts = [i for i in range(len(trajectory)) if i == 0 or trajectory[i] != trajectory[i - 1]]
-    # each trajectory one contiguous run of rows, the ids 0, 1, 2, ... without a gap or a repeat
-    assert [trajectory[i] for i in starts] == list(range(len(starts)))
-    for a, b in zip(starts, [*starts[1:], len(trajectory)], strict=True):
-        assert step[a:b] == list(range(b - a)) and done[a:b] == [False] * (b - a - 1) + [True]
-    assert [int(rows["group_id"][i]) for i in starts] == [k // 4 for k in range(len(starts))]
 
 
 @pytest.mark.parametrize(("setting", "message"), [
@@ -145,3 +126,154 @@ def test_a_tokenizer_whose_template_cannot_render_episodes_is_refused_before_any
         run_command("learn", pipeline_path=str(pipeline), home=str(tmp_path / "home"), steps=1,
                     overrides=["warm_start_steps=1"])
     assert not (tmp_path / "home" / "own_tokenizer").exists()  # no run directory, no warm start
+
+
+
+def test_a_head_size_vllms_cpu_attention_does_not_take_is_refused_before_anything_is_made(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
+                             "--set", "generation.engine=vllm", "--set", "num_heads=4"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "this model's is 16 (hidden_size 64 / num_heads 4): add --set num_heads=2" in result.stderr
+    assert not any(tmp_path.iterdir())  # nothing created
+
+
+# ============================================================ over engines: loop | vllm | url
+NUM_HEADS = ["--set", "num_heads=2"]  # head size 32, which vLLM's CPU attention takes; every engine the same model
+STEPS = 4  # with no round past the last step's batch, 3 steps may sample every turn with version 0
+
+
+def tool_use_model():
+    """The tool-use pipeline's model shape (``--set num_heads=2``); the weights are the run's to send."""
+    tok = char_tool_tokenizer()
+    return tiny_causal_lm(len(tok), hidden_size=64, num_layers=2, num_heads=2, max_position_embeddings=384,
+                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=123), tok
+
+
+def engine_command(engine, home: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(home), "--run-name", name,
+            *SMALL, *NUM_HEADS, *engine.settings(*tool_use_model()), *extra]
+
+
+@pytest.fixture(scope="module")
+def engine_run(engine, tmp_path_factory):
+    """A finished 4-step run of the tool-use pipeline generating with ``engine``: (run dir, its stderr)."""
+    home = tmp_path_factory.mktemp(f"tools-{engine.name}")
+    result = subprocess.run(engine_command(engine, home, "tools", "--steps", str(STEPS)), cwd=REPO,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"[run] done: {STEPS} learner steps" in result.stderr
+    return home / "tools", result.stderr
+
+
+@pytest.mark.parametrize("engine", ["vllm", "url"], indirect=True)
+def test_every_turn_holds_the_log_probs_of_the_version_it_names_in_its_whole_trajectory(engine, engine_run):
+    """Each trajectory rebuilt from its rows (as the learner does) and scored as one sequence by the
+    version its rows name: the stored log-probs of every turn, later turns in the context of the
+    earlier ones, to 1e-5. A prompt re-tokenized on the way to the engine (token in, token out through
+    a server too), a turn sampled on a stale prefix cache or head, or a row naming the wrong version
+    fails this. Not with our loop: its 4-step run samples every row with versions 0 and 1 before the
+    learner is done, and version 1's weights are pruned by then (the newest 3 are kept), so one version
+    is left to score; the loop's turns are checked where it samples them
+    (``tests/agents/test_rollout.py``, a real model's rollout stores exactly what it sampled)."""
+    run, _ = engine_run
+    check_every_turn_holds_its_versions_log_probs(run)
+
+
+def test_whole_trajectories_and_whole_groups_reach_the_buffer(engine_run):
+    run, _ = engine_run
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "group_id", "step", "done",
+                                                            "termination_reason", "terminated", "truncated"))
+    trajectory = rows["trajectory_id"].tolist()
+    starts = [i for i in range(len(trajectory)) if i == 0 or trajectory[i] != trajectory[i - 1]]
+    for a, b in zip(starts, [*starts[1:], len(trajectory)], strict=True):
+        assert rows["step"][a:b].tolist() == list(range(b - a))
+        assert rows["done"][a:b].tolist() == [False] * (b - a - 1) + [True]
+        assert TerminationReason(int(rows["termination_reason"][b - 1])) is not TerminationReason.NOT_ENDED
+    groups = torch.tensor([int(rows["group_id"][i]) for i in starts])
+    assert set(torch.unique(groups, return_counts=True)[1].tolist()) == {4}  # group_size episodes each
+
+
+def test_the_learner_recomputes_the_samplers_log_probs_at_version_0(engine_run):
+    run, stderr = engine_run
+    assert "tool-call rate" in stderr  # the collector's per-round line, with every engine
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    # step 1 learns from rows of version 0 with the weights of version 0: float noise apart
+    assert records[0]["losses/sampler_logprob_diff_max"] < 1e-4
+
+
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
+def test_the_engine_starts_once_and_counts_the_prompt_tokens_it_was_sent(engine, engine_run):
+    run, stderr = engine_run
+    rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
+    assert all(r["engine_starts"] == 1 for r in rounds)  # weights change in place, no restart
+    assert rounds[-1]["weight_updates"] >= 2 and any(r["weight_update_s"] > 0 for r in rounds)
+    assert [r["policy_version"] for r in rounds] == sorted(r["policy_version"] for r in rounds)
+    assert stderr.count("the vllm generation engine started in") == 1
+    # each turn is sent as the whole episode so far and counted; these episodes (~130 tokens) seldom fill a
+    # 128-token KV block before their last turn, so few come from the prefix cache (test_vllm_rollout.py
+    # shows the hits, on longer conversations)
+    assert all(r["prompt_tokens"] > 0 and 0 <= r["prefix_cached_tokens"] <= r["prompt_tokens"] for r in rounds)
+
+
+def _engine_children(parent: int) -> list[int]:
+    """The vLLM servers ``parent`` started (their command line runs vLLM's API server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"vllm.entrypoints.openai.api_server" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole(engine, tmp_path):
+    """kill -9 of the collector process stops the run (a vLLM engine of the collector's exits by itself:
+    SIGTERM when its parent dies); the same command resumes it (with a new engine): the buffer holds
+    every trajectory the collector handed out exactly once, whole, in the order of its ids."""
+    command = engine_command(engine, tmp_path, "crash", "--set", "log_rounds_every=0")
+    run = tmp_path / "crash"
+    rounds_file = run / "collector" / "metrics-0000.jsonl"
+    engines: list[int] = []
+
+    def collector_with_rounds() -> bool:
+        if not (rounds_file.exists() and len(read_metrics(rounds_file)) >= 3):
+            return False
+        for pid in run_child_pids("collect", str(tmp_path), "crash"):
+            engines.extend(_engine_children(pid))
+        return True
+
+    first = subprocess.Popen([*command, "--steps", "40"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    out = kill_when(first, collector_with_rounds, victims=lambda: run_child_pids("collect", str(tmp_path), "crash"),
+                    wait_s=300)
+    assert first.returncode != 0 and "exited early" in out, out[-3000:]
+    assert len(engines) == (1 if engine.name == "vllm" else 0), engines
+    for pid in engines:
+        deadline = time.monotonic() + 120
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{pid}"), "the engine outlived its collector"
+    stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"] if (run / "metrics.jsonl").exists() else 0
+
+    resumed = subprocess.run([*command, "--steps", str(stopped_at + 2)], cwd=REPO, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    if engine.name == "vllm":
+        assert resumed.stderr.count("the vllm generation engine started in") == 1
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "group_id", "step", "done"))
+    trajectory, step, done = rows["trajectory_id"].tolist(), rows["step"].tolist(), rows["done"].tolist()
+    starts = [i for i in range(len(trajectory)) if i == 0 or trajectory[i] != trajectory[i - 1]]
+    # each trajectory one contiguous run of rows, the ids 0, 1, 2, ... without a gap or a repeat
+    assert [trajectory[i] for i in starts] == list(range(len(starts)))
+    for a, b in zip(starts, [*starts[1:], len(trajectory)], strict=True):
+        assert step[a:b] == list(range(b - a)) and done[a:b] == [False] * (b - a - 1) + [True]
+    assert [int(rows["group_id"][i]) for i in starts] == [k // 4 for k in range(len(starts))]
