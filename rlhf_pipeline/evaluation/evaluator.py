@@ -229,12 +229,9 @@ class Evaluation:
             (c,) = sample_eval(engine, [SampleRequest(ids, n=1, max_new_tokens=max_new_tokens)], [seed], sampling)
             return c.token_ids, c.log_probs
 
-        def no_batches(prompts, limits):  # every turn goes through sample_turn, one seed each
-            raise AssertionError("evaluation samples each turn on its own")
-
         rollout = asyncio.run(run_episodes(
-            tasks, eval_set.make_env, no_batches, self.tokenizer, RolloutConfig(group_size=k, limits=eval_set.limits),
-            parser=eval_set.parser, stop_token_ids=engine.stop_token_ids, sample_turn=sample_turn))
+            tasks, eval_set.make_env, sample_turn, self.tokenizer, RolloutConfig(group_size=k, limits=eval_set.limits),
+            parser=eval_set.parser, stop_token_ids=engine.stop_token_ids))
         if rollout.failures:
             failure = rollout.failures[0]
             raise EvalFailed(f"task {first + failure.group}: {failure.reason}: {failure.message}")

@@ -35,19 +35,17 @@ def eval_sampling(temperature: float, max_new_tokens: int) -> SamplingConfig:
 
 def sample_eval(engine: GenerationEngine, requests: Sequence[SampleRequest], seeds: Sequence[int],
                 sampling: SamplingConfig) -> list[Completion]:
-    """One completion per request (each ``n=1``), request ``i`` sampled with ``seeds[i]`` alone.
+    """One completion per request (each ``n=1``), request ``i`` sampled with ``seeds[i]``.
 
-    On today's engine interface (``sample(requests, sampling, generator)``, whose draws depend on the
-    whole call) a request is its own call; an engine taking one seed per request takes them in one."""
-    import torch
-
+    A request is its own call: an engine's tokens do not depend on what shares its batch, but our loop's
+    log-probs move by ~1e-7 with it, and a resumed evaluation must store exactly the rows of one never
+    interrupted, whichever prompts it has left."""
     if len(requests) != len(seeds):
         raise ValueError(f"sample_eval: {len(requests)} requests but {len(seeds)} seeds; one seed per request")
     out = []
     for request, seed in zip(requests, seeds):
         if request.n != 1:
             raise ValueError(f"sample_eval takes requests of n=1 (a seed per sample), got n={request.n}")
-        generator = torch.Generator(device=engine.generator_device).manual_seed(int(seed))
-        (group,) = engine.sample([request], sampling, generator)
+        (group,) = engine.sample([request], [int(seed)], sampling)
         out.append(group.completions[0])
     return out
