@@ -59,7 +59,6 @@ class CollectorLike(Protocol):
     runner_state: dict[str, Any]  # the runner's own state, published with the collector's
     last_metrics: dict[str, float]  # the last round's
     batches_emitted: int  # rounds written, counted on across restarts
-    rounds_at_version: int  # rounds written with the weights it holds (pacing's rounds_per_version)
 
     def collect(self, next_round: Callable[[int], bool] | None = None) -> Any: ...  # one round
 
@@ -70,7 +69,7 @@ class CollectorLike(Protocol):
     def policy_version(self) -> int: ...
 
     @property
-    def has_round_ahead(self) -> bool: ...  # the next round went ahead: it takes no new weights
+    def continues_a_round(self) -> bool: ...  # ahead, or written in part before a stop: no new weights
 
     def set_policy_state(self, state_dict: dict, version: int) -> None: ...
 

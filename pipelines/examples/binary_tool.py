@@ -95,7 +95,6 @@ def warm_start(model, tokenizer, steps: int, *, lr: float, seed: int) -> float:
 
 @dataclass
 class Settings(RunSettings):
-
     steps: int = 20
     """Learner steps (optimizer updates); --steps sets it."""
     group_size: int = 4

@@ -310,6 +310,13 @@ class AgentCollector:
         """Agent rounds are never submitted ahead."""
         return False
 
+    @property
+    def continues_a_round(self) -> bool:
+        """The next :meth:`collect` goes on with the round written in part before the last stop, which
+        keeps the weights it started with (its rest sampled with another version would not be the
+        uninterrupted run's rows)."""
+        return self._stored_in_round > 0
+
     # ---------------------------------------------------------------- resume
     def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0), dropped_ahead: int = 0,
                    written_ahead: tuple[int, int] = (0, 0)) -> dict[str, Any]:

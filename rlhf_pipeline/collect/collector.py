@@ -379,6 +379,13 @@ class Collector:
         """The next round went while the last one decoded: the next :meth:`collect` reads it."""
         return self._ahead is not None
 
+    @property
+    def continues_a_round(self) -> bool:
+        """The next :meth:`collect` goes on with a round already started, which keeps the weights it
+        started with: one submitted ahead, or one written in part before the last stop (its rest
+        sampled with any other version would not be the uninterrupted run's rows)."""
+        return self._ahead is not None or self._stored_in_round > 0
+
     def _cancel_ahead(self) -> bool:
         """Drops the round submitted ahead, if any (the engine discards its groups)."""
         ahead, self._ahead = self._ahead, None

@@ -72,9 +72,10 @@ def evaluator_argv(run_location: str, overrides: Sequence[str]) -> list[str]:
     return argv
 
 
-def evaluator_exited(code: int, run_location: str) -> str:
-    """What ``run`` says, once, when its evaluator exits early: training goes on."""
-    return (f"[run] the evaluator exited (exit code {code}; its error is above); training goes on without it, "
+def evaluator_exited(code: int, run_location: str, *, training_done: bool = False) -> str:
+    """What ``run`` says, once, when its evaluator exits early: training goes on (or has ended)."""
+    went_on = "training had ended" if training_done else "training goes on without it"
+    return (f"[run] the evaluator exited (exit code {code}; its error is above); {went_on}, "
             f"and `rlhf-pipeline eval {run_location}` evaluates the kept versions")
 
 

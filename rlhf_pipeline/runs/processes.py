@@ -184,7 +184,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         waiting_since = None
         while not stop_check() and (rounds is None or done < rounds):
             plan = pacer.plan_round(rows.next_row)
-            if not collector.has_round_ahead:  # a round submitted ahead (runs/round_ahead.py) takes no new weights
+            # a round submitted ahead (runs/round_ahead.py), or written in part before a stop, keeps its weights
+            if not collector.continues_a_round:
                 update = (poller.poll_version(plan.version) if plan.version is not None and pinned
                           else poller.poll() if plan.allowed or not pinned else None)  # unpaced or stalled: the newest
                 if update is not None:

@@ -381,6 +381,9 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                 wait_quietly(p, timeout=120.0)
             if evaluator is not None:  # it evaluates the versions left (the last one's too), then ends
                 wait_quietly(evaluator, timeout=EVALUATOR_FINISH_S)
+                if evaluator.returncode not in (None, 0) and not evaluator_said:
+                    print(evaluator_exited(evaluator.returncode, paths.location, training_done=True),
+                          file=sys.stderr, flush=True)
     finally:
         signals.restore()
         os.close(stop_write)
