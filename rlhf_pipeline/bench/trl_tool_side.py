@@ -69,11 +69,15 @@ def trl_tool_tokenizer():
 
 
 def ordered_tasks(settings: Any, count: int) -> list[dict[str, str]]:
-    """The first ``count`` tasks collector 0 of ``pipelines/tool_use.py`` takes, in its order."""
-    from rlhf_pipeline.agents.calculator import product_tasks
+    """The first ``count`` tasks collector 0 of ``pipelines/tool_use.py`` takes, in its order: the
+    pipeline's own training tasks (its held-out ones left out, as its evaluation needs), from the
+    module that declared ``settings``' class."""
+    import sys
+
     from rlhf_pipeline.collect import TaskSource
 
-    tasks = product_tasks(settings.num_tasks, low=settings.low, high=settings.high, seed=settings.seed)
+    pipeline = sys.modules[type(settings).__module__]
+    tasks = pipeline.training_tasks(settings, pipeline.held_out_tasks(settings))
     return TaskSource(tasks, seed=settings.seed).next_batch(count)  # the pipeline's collector 0: seed + 0
 
 
