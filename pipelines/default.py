@@ -103,7 +103,8 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         model = make_model()
         if settings.warm_start_steps:
             result = warm_start(model, tokenizer, settings.warm_start_steps, lr=settings.warm_start_lr,
-                                seed=settings.seed, max_operand=settings.max_operand)
+                                seed=settings.seed, max_operand=settings.max_operand,
+                                held_out={p.prompt_id for p in held_out})
             print(f"[run] warm start: {settings.warm_start_steps} steps, loss {result['loss']:.3f}, "
                   f"{result['seconds']:.1f}s", flush=True)
         return model

@@ -25,7 +25,7 @@ the same warm start leaves 5% accuracy and GRPO stays flat over 150 steps, and a
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -110,8 +110,11 @@ def warm_start(
     seed: int = 0,
     max_operand: int = 20,
     log_every: int = 0,
+    held_out: Collection[str] = (),
 ) -> dict[str, float]:
-    """Supervised fine-tuning on correct ``a+b=`` examples (next-token loss on the answer + EOS).
+    """Supervised fine-tuning on correct ``a+b=`` examples (next-token loss on the answer + EOS);
+    never on a sum whose ``prompt_id`` is in ``held_out`` (an evaluation's prompts: a batch that
+    drew some is that much smaller).
 
     Uses AdamW with a linear warm-up over the first 10% of steps. Returns
     ``{"loss": final loss, "seconds": wall time, "steps": steps}``; the model is left in eval mode.
@@ -125,7 +128,11 @@ def warm_start(
     loss_value = float("nan")
     encode = _SftEncoder(tokenizer)
     for step in range(steps):
-        ids, attn, target = encode(toy_prompts(batch_size, seed + 10_000 + step, max_operand=max_operand))
+        drawn = toy_prompts(batch_size, seed + 10_000 + step, max_operand=max_operand)
+        kept = [r for r in drawn if r.prompt_id not in held_out]
+        if not kept:  # every sum drawn is held out (a tiny batch of a tiny range)
+            continue
+        ids, attn, target = encode(kept)
         loss_value = supervised_step(model, optimizer, scheduler, ids, attn, target)  # assistant tokens only
         if log_every and step % log_every == 0:
             print(f"warm_start step {step} loss {loss_value:.4f}")

@@ -32,6 +32,19 @@ def test_short_warm_start_teaches_the_format():
     assert after["reward_mean"] > before["reward_mean"] + 0.05
 
 
+def test_warm_start_never_trains_on_a_held_out_sum():
+    # every sum of a 3 x 3 range held out: nothing is left to train on, so no weight moves; with one
+    # sum left, the weights move (so the first is not a warm start that trains on nothing anyway)
+    every_sum = {f"add-{a}-{b}" for a in range(3) for b in range(3)}
+    for held_out, moves in ((every_sum, False), (every_sum - {"add-1-2"}, True)):
+        torch.manual_seed(0)
+        model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=1, num_heads=4)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        warm_start(model, tok, steps=3, batch_size=16, max_operand=3, held_out=held_out)
+        moved = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert moved == moves, held_out
+
+
 def test_warm_start_batches_equal_the_chat_template_rendered_per_batch():
     # the encoder renders each distinct conversation once; its batches must be what rendering
     # every batch would give, on the tokenizer's padding side and on the other
