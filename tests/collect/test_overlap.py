@@ -132,7 +132,7 @@ def test_rounds_submitted_ahead_store_the_rows_of_rounds_one_after_the_other(ser
     assert_same_rows(rows, reference)
 
 
-@pytest.mark.parametrize("crash_at_append", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("crash_at_append", [1, 2, 3, 4])  # every round appends once at least
 def test_a_crash_with_two_rounds_in_flight_resumes_to_the_same_rows_each_trajectory_once(served, reference, tmp_path,
                                                                                        crash_at_append):
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())

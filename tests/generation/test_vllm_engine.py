@@ -38,6 +38,7 @@ from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine, check_cpu_head_size
 from rlhf_pipeline.models import tiny_model_and_tokenizer
+from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.ragged import RaggedTensor
 
 LOG_PROB_TOLERANCE = 1e-5
@@ -193,14 +194,15 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
         assert metrics["engine_restarts"] - plain_metrics["engine_restarts"] == 1
         assert metrics["engine_starts"] - plain_metrics["engine_starts"] == 1
         assert len(said) == 1 and "died (its process exited (killed by SIGKILL) while sampling)" in said[0], said
-        for a, b in zip(plain, killed, strict=True):
-            assert a["trajectory_id"].tolist() == b["trajectory_id"].tolist()
-            assert a["policy_version"].tolist() == b["policy_version"].tolist() == [version + 1] * len(a)
-            assert [t.tolist() for t in a["response_tokens"].to_list()] == \
-                [t.tolist() for t in b["response_tokens"].to_list()]
-            assert float((a["response_log_probs"].values - b["response_log_probs"].values).abs().max()) < LOG_PROB_TOLERANCE
+        # the rows whole: how a round's groups fall into appends follows the engine's steps
+        a, b = TrajectoryBatch.cat(plain), TrajectoryBatch.cat(killed)
+        assert a["trajectory_id"].tolist() == b["trajectory_id"].tolist()
+        assert a["policy_version"].tolist() == b["policy_version"].tolist() == [version + 1] * len(a)
+        assert [t.tolist() for t in a["response_tokens"].to_list()] == \
+            [t.tolist() for t in b["response_tokens"].to_list()]
+        assert float((a["response_log_probs"].values - b["response_log_probs"].values).abs().max()) < LOG_PROB_TOLERANCE
         # the restarted engine's rows are the weights it was given again, not the model directory's
-        rows = killed[1]
+        rows = b  # every row was sampled with other's weights, the killed round's too
         prompts, responses = ([t.tolist() for t in rows[k].to_list()] for k in ("prompt_tokens", "response_tokens"))
         recomputed = teacher_forced_log_probs(other, RaggedTensor.from_sequences(prompts, dtype=torch.int64),
                                               RaggedTensor.from_sequences(responses, dtype=torch.int64),

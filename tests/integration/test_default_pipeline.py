@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import kill_once_busy, process_running, run_child_pids, run_on_terminal, screen_lines
+from helpers import process_running, run_child_pids, run_on_terminal, screen_lines
 
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.generation import SamplingConfig, teacher_forced_log_probs
@@ -291,10 +291,10 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
 @pytest.mark.parametrize("engine", ["vllm"], indirect=True)
 def test_an_engine_killed_mid_run_is_restarted_and_the_run_writes_the_uninterrupted_rows(engine, engine_run,
                                                                                        tmp_path):
-    """kill -9 of the vLLM engine's process (not the run's) as it next works after the collector's
-    first round (loading the next version's weights, in the runs seen, or sampling: the kill mid-round
-    is test_vllm_engine.py's): the collector says so once with the cause, starts a new engine with the
-    weights the dead one held, asks again, and the run finishes with the uninterrupted run's rows."""
+    """kill -9 of the vLLM engine's process (not the run's) after the collector's first round, before
+    its next request (the kill mid-round is test_vllm_engine.py's): the collector says so once with the
+    cause, starts a new engine with the weights the dead one held, asks again, and the run finishes with
+    the uninterrupted run's rows."""
     reference, _ = engine_run
     run = tmp_path / "run"
     rounds = run / "collector" / "metrics-0000.jsonl"
@@ -303,12 +303,19 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_run_writes_the_uninterrup
                                    start_new_session=True)
     try:
         deadline = time.monotonic() + 600  # a bound on a hang: the engine starts in tens of seconds
+        collectors: list[int] = []
         while started.poll() is None and time.monotonic() < deadline and not (
                 rounds.exists() and rounds.read_text().count("\n") >= 1):
-            time.sleep(0.05)
-        engines = [e for c in run_child_pids("collect", str(tmp_path), "run") for e in _engines_of(c)]
+            collectors = collectors or run_child_pids("collect", str(tmp_path), "run")
+            time.sleep(0.005)
+        # the collector paused after its first round, so that a fast engine's run cannot end before the kill
+        for pid in collectors:
+            os.kill(pid, signal.SIGSTOP)
+        engines = [e for c in collectors for e in _engines_of(c)]
         assert len(engines) == 1, (tmp_path / "run.log").read_text()[-3000:]
-        kill_once_busy(engines[0]).join(timeout=600)
+        os.kill(engines[0], signal.SIGKILL)
+        for pid in collectors:
+            os.kill(pid, signal.SIGCONT)
         started.wait(timeout=900)
     finally:
         if started.poll() is None:
