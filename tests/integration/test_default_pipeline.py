@@ -291,8 +291,8 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
 @pytest.mark.parametrize("engine", ["vllm"], indirect=True)
 def test_an_engine_killed_mid_run_is_restarted_and_the_run_writes_the_uninterrupted_rows(engine, engine_run,
                                                                                        tmp_path):
-    """kill -9 of the vLLM engine's process (not the run's) after the collector's first round, before
-    its next request (the kill mid-round is test_vllm_engine.py's): the collector says so once with the
+    """kill -9 of the vLLM engine's process (not the run's) once it holds version 0, as the collector
+    starts writing (the kill mid-round is test_vllm_engine.py's): the collector says so once with the
     cause, starts a new engine with the weights the dead one held, asks again, and the run finishes with
     the uninterrupted run's rows."""
     reference, _ = engine_run
@@ -303,19 +303,14 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_run_writes_the_uninterrup
                                    start_new_session=True)
     try:
         deadline = time.monotonic() + 600  # a bound on a hang: the engine starts in tens of seconds
-        collectors: list[int] = []
-        while started.poll() is None and time.monotonic() < deadline and not (
-                rounds.exists() and rounds.read_text().count("\n") >= 1):
-            collectors = collectors or run_child_pids("collect", str(tmp_path), "run")
+        # killed as the collector starts writing (its engine holds version 0 then): every round of the
+        # run is still to come, so even a fast engine's run cannot end before the kill
+        while started.poll() is None and time.monotonic() < deadline and \
+                "[collector] writing to" not in (tmp_path / "run.log").read_text():
             time.sleep(0.005)
-        # the collector paused after its first round, so that a fast engine's run cannot end before the kill
-        for pid in collectors:
-            os.kill(pid, signal.SIGSTOP)
-        engines = [e for c in collectors for e in _engines_of(c)]
+        engines = [e for c in run_child_pids("collect", str(tmp_path), "run") for e in _engines_of(c)]
         assert len(engines) == 1, (tmp_path / "run.log").read_text()[-3000:]
         os.kill(engines[0], signal.SIGKILL)
-        for pid in collectors:
-            os.kill(pid, signal.SIGCONT)
         started.wait(timeout=900)
     finally:
         if started.poll() is None:
