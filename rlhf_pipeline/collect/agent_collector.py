@@ -169,9 +169,6 @@ class AgentCollector:
                                      policy_version=policy_version)
         self.engine.check_sampling(self.config.sampling)
         self._stored_in_round = 0  # a cut-off streamed round's groups already stored: not written again
-        self.rounds_at_version = 0
-        """Rounds written with the weights the engine holds (pacing's ``rounds_per_version`` counts them)."""
-        self._rounds_version = self.engine.policy_version
         self.runner_state: dict[str, Any] = {}
         """The runner's own state (its row clock), saved in and restored from :meth:`state_dict`."""
         self.groups_emitted = 0
@@ -242,7 +239,6 @@ class AgentCollector:
         self.groups_emitted += len(tasks)
         self.trajectories_emitted += n_traj
         self.batches_emitted += 1
-        self.rounds_at_version += 1
         self.groups_dropped += dropped
         self._trajectories_written += len(result.episodes)
         self._rows_written += 0 if batch is None else len(batch)
@@ -292,8 +288,6 @@ class AgentCollector:
             raise ValueError(f"set_policy_state: version {version} is older than the current "
                              f"{self.policy_version}; weights only move forward")
         self.engine.load_weights(state_dict, version)
-        if version != self._rounds_version:
-            self.rounds_at_version, self._rounds_version = 0, version
 
     @property
     def policy_version(self) -> int:
@@ -304,11 +298,6 @@ class AgentCollector:
     def close(self) -> None:
         """Closes the engine (stops a vLLM engine's process)."""
         self.engine.close()
-
-    @property
-    def has_round_ahead(self) -> bool:
-        """Agent rounds are never submitted ahead."""
-        return False
 
     @property
     def continues_a_round(self) -> bool:
@@ -335,7 +324,6 @@ class AgentCollector:
             "trajectories_written": self._trajectories_written + written_ahead[0],
             "rows_written": self._rows_written + written_ahead[1],
             "policy_version": self.policy_version,
-            "rounds_at_version": self.rounds_at_version + batches,
             "runner": dict(self.runner_state),
             "rng": self.generator.get_state(),
             "config": {"collector_index": cfg.collector_index, "seed": cfg.seed, "group_size": cfg.group_size,
@@ -362,6 +350,5 @@ class AgentCollector:
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
         self._stored_in_round = stored_in_round(state)
-        self.rounds_at_version, self._rounds_version = int(state["rounds_at_version"]), int(state["policy_version"])
         self.runner_state = dict(state["runner"])
 

@@ -129,9 +129,6 @@ class Collector:
         self._ahead: Round | None = None  # the next round, submitted while the current one decoded
         self._idle = IdleClock()
         self._stored_in_round = 0  # a cut-off streamed round's groups already stored: not written again
-        self.rounds_at_version = 0
-        """Rounds written with the weights the engine holds (pacing's ``rounds_per_version`` counts them)."""
-        self._rounds_version = self.engine.policy_version
         self.runner_state: dict[str, Any] = {}
         """The runner's own state (its row clock), saved in and restored from :meth:`state_dict`."""
         self.groups_emitted = 0
@@ -177,7 +174,6 @@ class Collector:
         self.groups_emitted += len(records)
         self.trajectories_emitted += rows_in_round
         self.batches_emitted += 1
-        self.rounds_at_version += 1
         self.groups_dropped += len(self._dropped)
         self._stored_in_round = 0
         for group_id, why in self._dropped:  # as the agent collector says its dropped groups
@@ -366,8 +362,6 @@ class Collector:
             raise RuntimeError(f"set_policy_state: version {version} while a round submitted ahead samples with "
                                f"version {self.policy_version}; weights change between rounds only: collect it first")
         self.engine.load_weights(state_dict, version)
-        if version != self._rounds_version:
-            self.rounds_at_version, self._rounds_version = 0, version
 
     def close(self) -> None:
         """Closes the engine (a vLLM engine's process, with a round submitted ahead); our loop has none."""
@@ -403,7 +397,6 @@ class Collector:
             # a round being counted (batches) has its drops in _dropped already: its rows are built
             "groups_dropped": self.groups_dropped + (len(self._dropped) if batches else 0),
             "policy_version": self.policy_version,
-            "rounds_at_version": self.rounds_at_version + batches,
             "runner": dict(self.runner_state),
             "rng": self.generator.get_state(),
             "config": {"collector_index": self.config.collector_index, "seed": self.config.seed,
@@ -427,6 +420,5 @@ class Collector:
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
         self._stored_in_round = stored_in_round(state)
-        self.rounds_at_version, self._rounds_version = int(state["rounds_at_version"]), int(state["policy_version"])
         self.runner_state = dict(state["runner"])
 
