@@ -184,7 +184,10 @@ def test_a_learner_killed_at_every_distance_from_its_checkpoint_resumes_as_if_ne
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # every step once, in order
     refilled = range(CHECKPOINT_EVERY + 1, CHECKPOINT_EVERY + max(DISTANCES) + 2)  # steps taken again
     for step, (a, b) in enumerate(zip(resumed, expected, strict=True), start=1):
-        if step in refilled:
+        # an agent round's groups are appended as they end, so how much of the round in flight is in
+        # the buffer when the learner logs a step follows the timing in any two runs; what is trained
+        # is compared by every other figure, and the rows below
+        if step in refilled or name == "tool_use":
             a, b = ({k: v for k, v in r.items() if k not in BUFFER_FILL} for r in (a, b))
         assert a == b, f"step {step}: {sorted(set(a.items()) ^ set(b.items()))}"
 
