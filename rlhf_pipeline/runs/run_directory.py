@@ -326,22 +326,26 @@ def _is_store(location: str) -> bool:
 def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:
     """What differs between ``saved`` settings JSON and ``settings``, except learner knobs: those
     may change on resume (the data stays valid), so they are only printed as a note."""
-    removed = _removed_settings(settings)  # a setting that went since: the rows it saw stand
+    retired = _retired_settings(settings)  # a setting that went or was renamed since: the rows it saw stand
     changed = [c for c in _diff(saved, settings_to_json(settings), _default_settings(settings))
-               if c.split(":", 1)[0] not in removed]
+               if c.split(":", 1)[0] not in retired]
     tuned = [c for c in changed if c.startswith("learner.")]
     if tuned:
         print(f"{tag} note: learner settings changed since {since}: {'; '.join(tuned)}", file=sys.stderr, flush=True)
     return [c for c in changed if not c.startswith("learner.")]
 
 
-def _removed_settings(settings: Any, prefix: str = "") -> set[str]:
-    """The dotted names each settings class of ``settings`` lists as removed (its ``REMOVED`` table)."""
-    names = {prefix + name for name in getattr(type(settings), "REMOVED", {})}
+def _retired_settings(settings: Any, prefix: str = "") -> set[str]:
+    """The dotted names each settings class of ``settings`` lists as removed or renamed (its ``REMOVED``
+    and ``RENAMED`` tables). A renamed key is not mapped onto its new name: an old value need not mean
+    one value of the new setting (``rounds_ahead`` and ``rounds_per_version`` became ``max_lag``), so
+    the new name is compared only where the run's saved settings already hold it."""
+    cls = type(settings)
+    names = {prefix + name for name in (*getattr(cls, "REMOVED", {}), *getattr(cls, "RENAMED", {}))}
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            names |= _removed_settings(value, prefix + field.name + ".")
+            names |= _retired_settings(value, prefix + field.name + ".")
     return names
 
 

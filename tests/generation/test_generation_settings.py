@@ -177,6 +177,23 @@ def test_a_run_started_with_a_removed_setting_resumes_without_it():
         "generation.max_num_seqs: was 8, now 256"]
 
 
+def test_a_run_started_with_a_renamed_setting_resumes_and_its_new_name_is_compared_from_its_default():
+    """A run started before url_retries and max_restarts became retries (or rounds_ahead became max_lag)
+    resumes; its new name is compared from its default, like a setting added since."""
+    from rlhf_pipeline.pipeline import settings_to_json
+    from rlhf_pipeline.runs.run_directory import settings_changes
+
+    settings = make_settings(load_pipeline_module(DEFAULT), ["generation.engine=vllm"])
+    saved = settings_to_json(settings)
+    del saved["generation"]["retries"], saved["max_lag"]
+    saved["generation"].update(url_retries=3, max_restarts=2)
+    saved.update(rounds_ahead=1, rounds_per_version=1)
+    assert settings_changes(saved, settings, tag="[run]", since="the run started") == []
+    more_retries = make_settings(load_pipeline_module(DEFAULT), ["generation.engine=vllm", "generation.retries=9"])
+    assert settings_changes(saved, more_retries, tag="[run]", since="the run started") == [
+        "generation.retries: was None, now 9"]
+
+
 @pytest.mark.parametrize(("device", "eager"), [("cpu", True), ("cuda", False)])
 def test_the_collectors_own_server_runs_eager_on_a_cpu_and_compiled_on_a_gpu(tmp_path, device, eager):
     """What generation.enforce_eager chose: the command the engine starts vLLM with, recorded by a
