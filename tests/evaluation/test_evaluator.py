@@ -213,3 +213,21 @@ def test_a_failed_evaluation_drops_the_engine_so_its_retry_gets_a_fresh_one(defa
     stores = {broken.name: open_set_store(tmp_path, broken, settings)}
     assert not evaluate_version(evaluator(default_pipeline, settings), [broken], stores, 0, engines, lambda: None)
     assert engines.engine is None and EvalProgress.of(stores[broken.name]).attempts == {0: 1}
+
+
+def test_an_engine_the_evaluator_cannot_obtain_is_one_error_naming_the_setting(default_pipeline):
+    import socket
+
+    from rlhf_pipeline.evaluation.evaluator import EvalEngineUnavailable
+    from rlhf_pipeline.generation.settings import GenerationSettings
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nowhere = GenerationSettings(url=f"http://127.0.0.1:{port}", start_timeout_s=0.2, retries=0)
+    with pytest.raises(EvalEngineUnavailable) as raised:
+        eval_engine(nowhere, default_pipeline.make_model, default_pipeline.tokenizer,
+                    default_pipeline.make_model().state_dict(), 0)
+    message = str(raised.value)
+    assert message.startswith(f"the evaluator's engine (generation.url): generation.url: no vLLM server answered at "
+                              f"http://127.0.0.1:{port} within 0.2 s") and "\n" not in message
