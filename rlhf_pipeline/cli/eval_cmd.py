@@ -12,7 +12,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("run_dir", metavar="RUN", help="the run directory (holds settings.json, weights/, checkpoints/)")
+    parser.add_argument("run_dir", metavar="RUN", help="the run directory (holds settings.json, weights/, checkpoints/), "
+                                                       "or a run's URL (s3://..., az://...)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, default=None, metavar="N",
                        help="the policy of learner step N, from a kept checkpoint or published weights")
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
             return fail(f"--set {item}: eval takes evaluation settings only (eval.every_steps, eval.before_training, "
                         f"eval.samples, eval.temperature, eval.max_prompts); the run's other settings are its own")
     from rlhf_pipeline.dataio.model_export import RunNotFoundError, VersionNotFoundError
+    from rlhf_pipeline.evaluation.evaluator import EvalEngineUnavailable
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.state_files import StateFileError
     from rlhf_pipeline.pipeline import PipelineError
@@ -53,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return _evaluate(args)
-    except (PipelineError, VersionNotFoundError, RunNotFoundError, RunLocationError, StateFileError) as exc:
+    except (PipelineError, VersionNotFoundError, RunNotFoundError, RunLocationError, StateFileError,
+            EvalEngineUnavailable) as exc:
         return fail(str(exc))
     except StoreLockedError as exc:
         return fail(f"another evaluator ({exc.holder or 'another process'}) is writing this run's eval store; "
@@ -65,35 +68,50 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     from rlhf_pipeline.dataio.model_export import available_versions, load_version
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
-    from rlhf_pipeline.files.run_paths import local_run_path
+    from rlhf_pipeline.files.run_paths import is_url, local_run_path
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, apply_overrides
     from rlhf_pipeline.runs.processes import eval_main, eval_sets_of, set_threads
     from rlhf_pipeline.runs.stopping import StopFlag
 
-    paths = RunPaths(local_run_path(args.run_dir, "RUN").resolve())
-    available = available_versions(paths.root)  # refuses what is not a run directory, in one line
-    pipeline = load_run_pipeline(paths, device="cpu")  # the evaluator's loop engine runs on the CPU
+    if is_url(args.run_dir):  # the versions its store keeps published (checkpoints there are not read)
+        from rlhf_pipeline.coordination.weights import load_weights, published_versions
+
+        paths = RunPaths.at_url(args.run_dir)
+        available = {v: (lambda v=v: load_weights(paths.store, v)[0]) for v in published_versions(paths.store)}
+    else:  # published weights, and checkpoints that hold a version (as export-model finds them)
+        paths = RunPaths(local_run_path(args.run_dir, "RUN").resolve())
+        available = {v: (lambda v=v: load_version(paths.root, v)[0])
+                     for v in available_versions(paths.root)}  # refuses what is not a run directory, in one line
+    pipeline = load_run_pipeline(paths, device="cpu")  # our loop evaluates on the CPU, beside the learner
     pipeline = dataclasses.replace(pipeline, settings=apply_overrides(pipeline.settings, args.overrides))
+    engine_device = _run_device(paths)  # a vLLM of the evaluator's own runs where the run's does
     StopFlag.launcher_fd = args.stop_fd
     set_threads(pipeline)
     if args.follow:
         if not pipeline.settings.eval.enabled:
             raise PipelineError("--follow evaluates the versions eval.every_steps names, which is 0 (off): add "
                                 "--set eval.every_steps=N")
-        return eval_main(pipeline, paths)
+        return eval_main(pipeline, paths, engine_device=engine_device)
     publish_every = pipeline.learner.publish_every
     if args.step is not None:
         version, rest = divmod(args.step, publish_every)
         if rest or version not in available:
             kept = ", ".join(str(v * publish_every) for v in available) or "none"
-            raise PipelineError(f"--step {args.step}: no policy of that step is kept in {paths.root} (versions are "
+            raise PipelineError(f"--step {args.step}: no policy of that step is kept in {paths.location} (versions are "
                                 f"published every {publish_every} steps; kept steps: {kept})")
         chosen = [version]
     else:
         chosen = list(available)
-    code = eval_main(pipeline, paths, versions=[(v, lambda v=v: load_version(paths.root, v)[0]) for v in chosen])
+    code = eval_main(pipeline, paths, versions=[(v, available[v]) for v in chosen], engine_device=engine_device)
     _print_stored(paths, eval_sets_of(pipeline), pipeline.settings.eval, chosen, publish_every)
     return code
+
+
+def _run_device(paths) -> str:
+    """The device the run was started with (its settings.json), where an owned vLLM engine runs."""
+    import json
+
+    return str(json.loads(paths.store.read(paths.key(paths.settings_file)) or b"{}").get("device") or "cpu")
 
 
 def _print_stored(paths, sets, settings, versions, publish_every: int) -> None:
@@ -103,7 +121,7 @@ def _print_stored(paths, sets, settings, versions, publish_every: int) -> None:
 
     for eval_set in sets:
         name = evaluation_name(eval_set, settings)
-        store = open_store(set_store_location(paths.root, name))
+        store = open_store(set_store_location(paths.location, name))
         try:
             progress = EvalProgress.of(store)
         finally:

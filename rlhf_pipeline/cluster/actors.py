@@ -1,5 +1,5 @@
-"""The Ray actors of ``run --ray``: a run's control actor (:class:`RunControl`), its collectors and
-its learner ranks.
+"""The Ray actors of ``run --ray``: a run's control actor (:class:`RunControl`), its collectors, its
+learner ranks and, with ``eval.every_steps``, its evaluator.
 
 Each actor runs the same code as a process of ``run``; weights travel through Ray's object store
 (:class:`ObjectStoreWeightsPoller`, falling back to ``weights/``) and stop requests through
@@ -222,6 +222,28 @@ class CollectorActor:
         poller = ObjectStoreWeightsPoller(paths.store, control)
         return collect_main(pipeline, paths, collector_index=self.collector_index, poller=poller,
                             one_of_several=self.one_of_several)
+
+
+@ray.remote
+class EvaluatorActor:
+    """The evaluator beside training (``rlhf-pipeline eval RUN --follow``'s body): it reads published
+    weights from the run's store and writes the eval stores, so it may run on any node; it takes a
+    collector's resources and the run's device, where a vLLM of its own runs."""
+
+    def __init__(self, job: ActorJob) -> None:
+        self.job = job
+
+    def __repr__(self) -> str:
+        return "evaluator"
+
+    def run(self) -> int:
+        from rlhf_pipeline.runs.processes import eval_main
+
+        control = self.job.control
+        _register(control, "evaluator")
+        _StopWatcher(control)
+        pipeline, paths = self.job.build()
+        return eval_main(pipeline, paths, engine_device=pipeline.settings.device)
 
 
 @ray.remote

@@ -2,7 +2,8 @@
 
 The driver prepares the run as ``run`` does, joins the cluster at ADDRESS (or starts a local one)
 and starts a :class:`~rlhf_pipeline.cluster.actors.RunControl` actor, ``--collectors N`` collector
-actors spread over the nodes and ``learner.world_size`` learner actors. Failures and stopping are
+actors spread over the nodes, ``learner.world_size`` learner actors and, with ``eval.every_steps``, an
+evaluator actor (whose failure is said in one line and stops nothing). Failures and stopping are
 handled as ``run`` handles its processes. User's guide: docs/ray.md; design: docs/architecture.md#ray.
 """
 
@@ -77,7 +78,8 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
         job = ActorJob(pipeline_path=os.path.abspath(pipeline_path), overrides=tuple(overrides),
                        run_root=paths.location, control_name=control_actor_name(paths))
         _offer_initial_weights(ray, control, paths)
-        run = _RayRun(ray, job, paths, resources, collectors, world_size)
+        run = _RayRun(ray, job, paths, resources, collectors, world_size,
+                      evaluate=command == "run" and settings.eval.enabled)
         try:
             return run.watch()
         finally:
@@ -138,8 +140,8 @@ class _RayRun:
     """The actors of one start of a run, and the driver's watch over them."""
 
     def __init__(self, ray: Any, job: Any, paths: RunPaths, resources: RaySettings, collectors: int,
-                 world_size: int) -> None:
-        from rlhf_pipeline.cluster.actors import CollectorActor, LearnerActor
+                 world_size: int, *, evaluate: bool = False) -> None:
+        from rlhf_pipeline.cluster.actors import CollectorActor, EvaluatorActor, LearnerActor
 
         self.ray, self.job, self.paths = ray, job, paths
         self.control = job.control
@@ -163,8 +165,15 @@ class _RayRun:
             .remote(job, rank, world_size)
             for rank in range(world_size)
         ]
+        # beside the collectors, with a collector's resources; restarted as they are, it resumes from its
+        # stores' writer state
+        self.evaluator = EvaluatorActor.options(
+            num_cpus=resources.collector_num_cpus, num_gpus=resources.collector_num_gpus,
+            max_restarts=restarts, max_task_retries=retries).remote(job) if evaluate else None
         master = ray.get(self.learners[0].rendezvous.remote())
         self.collector_tasks = {k: actor.run.remote() for k, actor in self.collectors.items()}
+        self.evaluator_task = self.evaluator.run.remote() if self.evaluator is not None else None
+        self.evaluator_said = False
         self.learner_tasks = [actor.run.remote(*master) for actor in self.learners]
         self.signals: LauncherSignals | None = None
 
@@ -185,6 +194,7 @@ class _RayRun:
         while not signals.received:
             watched = [*self.learner_tasks, *self.collector_tasks.values()]
             ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0.2)
+            self._say_if_the_evaluator_ended(training_done=False)
             if not ready or signals.received:  # (a Ctrl-C that reached the actors too ends them now)
                 continue
             failure = self._first_failure(ready)
@@ -207,11 +217,37 @@ class _RayRun:
             self._stop_all()
             raise RunError(f"the learner stopped before its last step (exit code {max(learner_codes)}); "
                            f"rerun the same command to resume")
-        # the learner wrote STOP: every collector ends after its round
+        # the learner wrote STOP: every collector ends after its round, the evaluator after the versions left
         self._wait(list(self.collector_tasks.values()), COLLECTOR_GRACE_S)
+        if self.evaluator_task is not None:
+            from rlhf_pipeline.runs.launch import EVALUATOR_FINISH_S
+
+            self._wait([self.evaluator_task], EVALUATOR_FINISH_S)
+            self._say_if_the_evaluator_ended(training_done=True)
         time.sleep(LOG_FLUSH_S)  # Ray forwards what actors print from their log files, a little later
         print_summary(self.paths)
         return 0
+
+    def _say_if_the_evaluator_ended(self, *, training_done: bool) -> None:
+        """Once, when the evaluator failed or died: training goes on (or has ended) without it."""
+        from rlhf_pipeline.runs.launch import evaluator_exited
+
+        task = self.evaluator_task
+        if task is None or self.evaluator_said or not self.ray.wait([task], timeout=0)[0]:
+            return
+        try:
+            code = self.ray.get(task)
+        except self.ray.exceptions.RayTaskError as exc:
+            print(str(exc), file=sys.stderr, flush=True)
+            code = 1
+        except self.ray.exceptions.RayActorError as exc:
+            print(f"[run] the evaluator's process died and was not restarted ({type(exc).__name__})",
+                  file=sys.stderr, flush=True)
+            code = -9
+        if code != 0:
+            print(evaluator_exited(code, self.paths.location, training_done=training_done), file=sys.stderr,
+                  flush=True)
+        self.evaluator_said = True
 
     def _first_failure(self, ready: list) -> str | None:
         """What failed among finished tasks: an exception, an actor dead for good, a collector that
@@ -235,7 +271,8 @@ class _RayRun:
     def _stop_all(self) -> None:
         """Asks every actor to stop cleanly and waits; a second signal meanwhile kills them."""
         self.ray.get(self.control.request_stop.remote())
-        self._wait([*self.learner_tasks, *self.collector_tasks.values()], None)
+        evaluator = [self.evaluator_task] if self.evaluator_task is not None else []
+        self._wait([*self.learner_tasks, *self.collector_tasks.values(), *evaluator], None)
         time.sleep(LOG_FLUSH_S)
 
     def _wait(self, tasks: list, timeout: float | None) -> None:
@@ -253,5 +290,6 @@ class _RayRun:
 
     def release(self) -> None:
         """Ends every actor (a finished one holds its reserved CPUs until then)."""
-        for actor in [*self.learners, *self.collectors.values()]:
+        evaluator = [self.evaluator] if self.evaluator is not None else []
+        for actor in [*self.learners, *self.collectors.values(), *evaluator]:
             self.ray.kill(actor, no_restart=True)

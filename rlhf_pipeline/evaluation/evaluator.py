@@ -44,9 +44,12 @@ def eval_root(run_root: str | Path) -> Path:
     return Path(run_root) / EVAL_DIR
 
 
-def set_store_location(run_root: str | Path, name: str) -> Path:
-    """Where the rows of the evaluation ``name`` live (:func:`evaluation_name`)."""
-    return eval_root(run_root) / name
+def set_store_location(run: str | Path, name: str) -> str | Path:
+    """Where the rows of the evaluation ``name`` live (:func:`evaluation_name`): under the run's
+    directory, or its URL (a run at a URL keeps them beside its buffer, in the object store)."""
+    if "://" in str(run):
+        return f"{str(run).rstrip('/')}/{EVAL_DIR}/{name}"
+    return eval_root(run) / name
 
 
 def evaluation_name(eval_set: EvalSet, settings: EvalSettings) -> str:
@@ -95,19 +98,30 @@ class EvalProgress:
         return version not in self.done and self.attempts.get(version, 0) >= MAX_ATTEMPTS
 
 
-def open_set_store(run_root: str | Path, eval_set: EvalSet, settings: EvalSettings) -> Any:
+def open_set_store(run: str | Path, eval_set: EvalSet, settings: EvalSettings, **options: Any) -> Any:
     """The store of ``eval_set`` sampled as ``settings`` say, opened for appending (made at its first
-    evaluation)."""
+    evaluation). ``run``: the run's directory (a memmap store, as a buffer shard) or its URL (a Zarr
+    store there, as the buffer at a URL; ``options``: its writer lock's ``lock_lease_s`` and
+    ``lock_wait_s``, so an evaluator killed on another machine is waited out)."""
     from rlhf_pipeline.schema import StoreSchema
-    from rlhf_pipeline.storage import create_store, open_store
+    from rlhf_pipeline.storage import NotAStoreError, create_store, open_store
 
-    location = set_store_location(run_root, evaluation_name(eval_set, settings))
-    if location.exists():
-        return open_store(location, mode="a")
-    location.parent.mkdir(parents=True, exist_ok=True)
+    location = set_store_location(run, evaluation_name(eval_set, settings))
+    try:
+        return open_store(location, mode="a", **options)
+    except NotAStoreError:  # nothing there yet (a store damaged outside this library is another error)
+        pass
+    at_url = isinstance(location, str)
+    if not at_url:
+        location.parent.mkdir(parents=True, exist_ok=True)
     optional = ("termination_reason", "tool_calls", "tool_errors", "tool_error_kinds", "turn_messages") \
         if eval_set.agents else ()
-    return create_store(location, "memmap", schema=StoreSchema(optional=optional))
+    return create_store(location, "zarr" if at_url else "memmap", schema=StoreSchema(optional=optional), **options)
+
+
+class EvalEngineUnavailable(RuntimeError):
+    """The evaluator could not obtain its engine (a server that does not answer or cannot serve the run,
+    no vLLM environment); the message names the engine and why."""
 
 
 class EvalFailed(RuntimeError):
@@ -268,11 +282,24 @@ def _checked_scores(eval_set: EvalSet, returned: Any, n: int) -> list[float]:
     return scores
 
 
-def loop_engine(make_model: Callable[[], Any], tokenizer: Any, state: Mapping[str, Any], version: int) -> Any:
-    """Our sampling loop over a fresh ``make_model()`` holding ``state`` as ``version``, on the CPU."""
-    from rlhf_pipeline.generation.loop import LoopEngine
+def eval_engine(generation: Any, make_model: Callable[[], Any], tokenizer: Any, state: Mapping[str, Any],
+                version: int, *, device: str = "cpu", seed: int = 0) -> Any:
+    """The engine the run's collectors sample with (``generation.*``: our loop, a vLLM server of its
+    own, or the server at ``generation.url``), obtained as they obtain theirs
+    (``generation.settings.make_engine``), holding ``state`` as ``version``.
+
+    A server at ``generation.url`` is shared with the collectors: each chunk of an evaluation holds its
+    weights lease (``generation/vllm_url_lease.py``), so the version evaluated is loaded for those
+    requests only, and a reply is kept only if no other weights went in under it. ``device``: where an
+    owned vLLM runs (the run's device); our loop runs on ``make_model``'s."""
+    from rlhf_pipeline.generation.engine import EngineFailed
+    from rlhf_pipeline.generation.settings import CHOSEN_BY, make_engine
 
     model = make_model()
     model.load_state_dict(state)
-    return LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      policy_version=version)
+    try:
+        return make_engine(generation, model, pad_token_id=tokenizer.pad_token_id,
+                           stop_token_ids=[tokenizer.eos_token_id], device=device, policy_version=version, seed=seed,
+                           tokenizer=tokenizer)
+    except (ValueError, EngineFailed) as exc:  # checked as the collectors' engine is, said in one line
+        raise EvalEngineUnavailable(f"the evaluator's engine ({CHOSEN_BY[generation.chosen_engine]}): {exc}") from None

@@ -6,48 +6,71 @@ published at or after it (the version of step 0 too with ``eval.before_training`
 until the evaluator has done them.
 
 :func:`follow_run` is the evaluator process's loop: it lists the run's published weights and
-evaluates the wanted versions oldest first, each with an engine of its own, releasing each to the
+evaluates the wanted versions oldest first, with one engine given each version in turn, releasing each to the
 learner's pruning once done, until the learner's ``STOP`` (then what is left is evaluated) or a stop
 request. The learner never waits for it: they share nothing but the weight files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlhf_pipeline.evaluation.evaluator import EvalProgress, Evaluation, open_set_store
 from rlhf_pipeline.evaluation.sets import EvalSet
 
 
-def evaluate_version(evaluation: Evaluation, sets: Sequence[EvalSet], stores: dict[str, Any], version: int,
-                     engine_for: Callable[[], Any]) -> bool:
-    """Every set at ``version`` (an engine made only when a set needs it); True when nothing is left
-    to try (each set done, or given up after its tries)."""
-    engine = None
-    try:
-        for eval_set in sets:
-            store = stores[eval_set.name]
-            progress = EvalProgress.of(store)
-            if version in progress.done or progress.gave_up(version):
-                evaluation.evaluate(None, eval_set, version, store)  # only logs a summary a kill kept out
-                continue
-            engine = engine or engine_for()
-            evaluation.evaluate(engine, eval_set, version, store)
-    finally:
-        if engine is not None:
+class VersionEngine:
+    """One engine for an evaluator's life, holding the version being evaluated: made at the first
+    version that needs one (``make(state, version)``; a vLLM server starts once, not per version), then
+    given each next version with ``load_weights``. An evaluation that failed drops it (:meth:`close`):
+    an engine that died is made anew for the retry."""
+
+    def __init__(self, make: Callable[[Any, int], Any]) -> None:
+        self._make = make
+        self.engine: Any = None
+
+    def holding(self, version: int, load: Callable[[], Any]) -> Any:
+        """The engine, holding ``version`` (whose state dict ``load()`` reads)."""
+        if self.engine is None:
+            self.engine = self._make(load(), version)
+        elif self.engine.policy_version != version:
+            self.engine.load_weights(load(), version)
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
             engine.close()
-    return all(version in (p := EvalProgress.of(stores[s.name])).done or p.gave_up(version) for s in sets)
 
 
-def follow_run(evaluation: Evaluation, sets: Sequence[EvalSet], paths: Any, make_engine: Callable[[Any, int], Any],
-               pins: Any, *, should_stop: Callable[[], bool]) -> None:
-    """The evaluator beside training (module docstring). ``make_engine(state_dict, version)`` -> an
-    engine holding those weights; ``paths``: the run's ``RunPaths``; ``pins``: its ``EvalPins``."""
+def evaluate_version(evaluation: Evaluation, sets: Sequence[EvalSet], stores: dict[str, Any], version: int,
+                     engines: VersionEngine, load: Callable[[], Any]) -> bool:
+    """Every set at ``version`` (the engine given the version only when a set needs it); True when
+    nothing is left to try (each set done, or given up after its tries)."""
+    for eval_set in sets:
+        store = stores[eval_set.name]
+        progress = EvalProgress.of(store)
+        if version in progress.done or progress.gave_up(version):
+            evaluation.evaluate(None, eval_set, version, store)  # only logs a summary a kill kept out
+            continue
+        evaluation.evaluate(engines.holding(version, load), eval_set, version, store)
+    progress = [EvalProgress.of(stores[s.name]) for s in sets]
+    if not all(version in p.done for p in progress):
+        engines.close()  # failed: its retry gets an engine of its own
+    return all(version in p.done or p.gave_up(version) for p in progress)
+
+
+def follow_run(evaluation: Evaluation, sets: Sequence[EvalSet], paths: Any, engines: VersionEngine,
+               pins: Any, *, should_stop: Callable[[], bool], store_options: Mapping[str, Any] | None = None) -> None:
+    """The evaluator beside training (module docstring). ``engines``: the evaluator's engine;
+    ``paths``: the run's ``RunPaths``; ``pins``: its ``EvalPins``; ``store_options``: how its eval
+    stores are opened (``open_set_store``)."""
     from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.coordination.weights import load_weights, published_versions
 
-    stores = {s.name: open_set_store(paths.root, s, evaluation.settings) for s in sets}
+    stores = {s.name: open_set_store(paths.location, s, evaluation.settings, **(store_options or {}))
+              for s in sets}
     backoff = PollBackoff(max_s=0.05)
     settled_below = pins.pinned_from()  # versions below are done (a restarted evaluator goes on from there)
     try:
@@ -65,7 +88,7 @@ def follow_run(evaluation: Evaluation, sets: Sequence[EvalSet], paths: Any, make
             except FileNotFoundError:  # taken back by a resumed learner: published again as it retrains
                 backoff.sleep()
                 continue
-            if evaluate_version(evaluation, sets, stores, version, lambda: make_engine(state, version)):
+            if evaluate_version(evaluation, sets, stores, version, engines, lambda: state):
                 settled_below = version + 1
                 pins.release_below(settled_below)
             backoff.reset()

@@ -37,15 +37,21 @@ def sample_eval(engine: GenerationEngine, requests: Sequence[SampleRequest], see
                 sampling: SamplingConfig) -> list[Completion]:
     """One completion per request (each ``n=1``), request ``i`` sampled with ``seeds[i]``.
 
-    A request is its own call: an engine's tokens do not depend on what shares its batch, but our loop's
+    Our loop gets one request per call: its tokens do not depend on what shares its batch, but its
     log-probs move by ~1e-7 with it, and a resumed evaluation must store exactly the rows of one never
-    interrupted, whichever prompts it has left."""
+    interrupted, whichever prompts it has left. A server gets them all at once: it batches them with
+    whatever else it serves (the collectors' requests too), so its last bits are never the caller's to
+    fix, and one call is one weights lease on a shared server (``generation/vllm_url_lease.py``): the
+    version evaluated is loaded once for the whole chunk, not once per request."""
+    from rlhf_pipeline.generation.loop import LoopEngine
+
     if len(requests) != len(seeds):
         raise ValueError(f"sample_eval: {len(requests)} requests but {len(seeds)} seeds; one seed per request")
+    if any(request.n != 1 for request in requests):
+        raise ValueError(f"sample_eval takes requests of n=1 (a seed per sample), got n={[r.n for r in requests]}")
+    calls = [[k] for k in range(len(requests))] if isinstance(engine, LoopEngine) else [list(range(len(requests)))]
     out = []
-    for request, seed in zip(requests, seeds):
-        if request.n != 1:
-            raise ValueError(f"sample_eval takes requests of n=1 (a seed per sample), got n={request.n}")
-        (group,) = engine.sample([request], [int(seed)], sampling)
-        out.append(group.completions[0])
+    for call in calls:
+        groups = engine.sample([requests[k] for k in call], [int(seeds[k]) for k in call], sampling)
+        out += [group.completions[0] for group in groups]
     return out

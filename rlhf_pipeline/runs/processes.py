@@ -441,21 +441,26 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
 
 
 def eval_main(pipeline: Pipeline, paths: RunPaths,
-              versions: Sequence[tuple[int, Callable[[], dict[str, Any]]]] | None = None) -> int:
+              versions: Sequence[tuple[int, Callable[[], dict[str, Any]]]] | None = None, *,
+              engine_device: str = "cpu") -> int:
     """The evaluator: the pipeline's held-out sets at policy versions of the run, each (version, set)
-    once into its eval store (``rlhf_pipeline/evaluation``), with the CPU loop engine, never the
-    learner's or the collectors'. ``versions``: ``(version, load its state dict)`` pairs to evaluate
-    (``rlhf-pipeline eval RUN``); None: follow the run as it trains, the versions ``eval.every_steps``
-    names, until the learner is done or a stop request (``run``'s third kind of child)."""
-    from rlhf_pipeline.evaluation.evaluator import Evaluation, eval_metrics_path, loop_engine, open_set_store
-    from rlhf_pipeline.evaluation.follow import evaluate_version, follow_run
+    once into its eval store (``rlhf_pipeline/evaluation``), with an engine of the run's kind
+    (``evaluation.evaluator.eval_engine``: the loop, a vLLM of its own on ``engine_device``, or the
+    run's server at ``generation.url``, shared under its weights lease), never the learner's.
+    ``versions``: ``(version, load its state dict)`` pairs to evaluate (``rlhf-pipeline eval RUN``);
+    None: follow the run as it trains, the versions ``eval.every_steps`` names, until the learner is
+    done or a stop request (``run``'s third kind of child)."""
+    from rlhf_pipeline.evaluation.evaluator import Evaluation, eval_engine, eval_metrics_path, open_set_store
+    from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version, follow_run
     from rlhf_pipeline.learn.metrics import MetricsWriter
 
     stop = StopFlag("evaluator")
     settings = pipeline.settings.eval
     sets = eval_sets_of(pipeline)
     publish_every = pipeline.learner.publish_every
-    metrics = MetricsWriter(eval_metrics_path(paths.root), tensorboard_dir=paths.tensorboard / "eval")
+    log_at, store = paths.state_object(eval_metrics_path(paths.root))  # a run at a URL: its object store
+    metrics = MetricsWriter(log_at, tensorboard_dir=paths.tensorboard / "eval", store=store,
+                            tensorboard_key=paths.key(paths.tensorboard / "eval"))
 
     def log(step: int, summary: dict[str, float]) -> None:
         metrics.log(step, summary)
@@ -465,24 +470,28 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
 
     evaluation = Evaluation(pipeline.tokenizer, settings, pipeline.settings.seed, log=log,
                             step_of=lambda version: version * publish_every)
-
-    def make_engine(state: dict[str, Any], version: int) -> Any:
-        return loop_engine(pipeline.make_model, pipeline.tokenizer, state, version)
-
+    # at a URL, an evaluator killed elsewhere holds its stores' writer locks until their lease runs out
+    lock = ({"lock_wait_s": pipeline.settings.buffer_lock_wait_s, "lock_lease_s": pipeline.settings.buffer_lock_lease_s}
+            if paths.url else {})
+    engines = VersionEngine(lambda state, version: eval_engine(
+        pipeline.settings.generation, pipeline.make_model, pipeline.tokenizer, state, version,
+        device=engine_device, seed=pipeline.settings.seed))
     try:
         if versions is None:
-            follow_run(evaluation, sets, paths, make_engine, eval_pins(pipeline, paths), should_stop=stop.event.is_set)
+            follow_run(evaluation, sets, paths, engines, eval_pins(pipeline, paths), should_stop=stop.event.is_set,
+                       store_options=lock)
         else:
-            stores = {s.name: open_set_store(paths.root, s, evaluation.settings) for s in sets}
+            stores = {s.name: open_set_store(paths.location, s, evaluation.settings, **lock) for s in sets}
             try:
                 for version, load in versions:
                     if stop.event.is_set():
                         break
-                    evaluate_version(evaluation, sets, stores, version, lambda: make_engine(load(), version))
+                    evaluate_version(evaluation, sets, stores, version, engines, load)
             finally:
                 for store in stores.values():
                     store.close()
     finally:
+        engines.close()
         metrics.close()
         stop.restore()
     return stop.exit_code()

@@ -127,9 +127,6 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if paths.url is not None and settings.buffer_backend != "zarr":  # a memmap store given a URL makes a dir "s3:"
         raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
                             f"setting 'buffer_backend' is {settings.buffer_backend!r}: add --set buffer_backend=zarr")
-    if settings.eval.enabled and (paths.url is not None or on_ray is not None):  # no evaluator there yet
-        raise PipelineError("setting 'eval.every_steps': a run at a URL or under --ray has no evaluator beside "
-                            "training yet; leave it at 0 and evaluate a run directory with `rlhf-pipeline eval RUN`")
     from rlhf_pipeline.runs.branch import refuse_evicting_parent, start_online
 
     start_online(paths)  # a half-made branch is refused; a branch of a run with collectors is set up to go online

@@ -1,5 +1,7 @@
 """Evaluation beside a real run (``run --set eval.every_steps=N``), a kill -9 of its evaluator, and
-``rlhf-pipeline eval RUN`` afterwards: real processes, real stores, the default pipeline's tiny model."""
+``rlhf-pipeline eval RUN`` afterwards: real processes, real stores, the default pipeline's tiny model,
+wherever the run lives (the ``run_home`` fixture: a directory, ``s3://`` on moto, ``az://`` on Azurite;
+at a URL the eval stores are Zarr stores beside the buffer)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ from helpers import kill_when, run_child_pids
 
 from rlhf_pipeline.coordination.weights import published_versions
 from rlhf_pipeline.dataio.model_export import available_versions
-from rlhf_pipeline.evaluation.evaluator import ID_STRIDE, EvalProgress, eval_metrics_path, set_store_location
+from rlhf_pipeline.evaluation.evaluator import ID_STRIDE, EvalProgress, set_store_location
 from rlhf_pipeline.learn.metrics import read_metrics
-from rlhf_pipeline.storage import open_store
+from rlhf_pipeline.runs.lineage import run_store_at
+from rlhf_pipeline.storage import NotAStoreError, StoreNotFoundError, open_store
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +35,17 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def stored(run: Path, name: str):
+def logged(run: str, log: str = "metrics.jsonl") -> list[dict]:
+    """The lines of the run's log ``log``, wherever the run lives."""
+    return read_metrics(log, store=run_store_at(run)) if "://" in run else read_metrics(Path(run) / log)
+
+
+def kept_versions(run: str) -> list[int]:
+    """The policy versions a run keeps (at a URL: its published weights, what `eval` evaluates there)."""
+    return sorted(available_versions(run)) if "://" not in run else published_versions(run_store_at(run))
+
+
+def stored(run: str, name: str):
     """(rows, progress) of an evaluation's store."""
     store = open_store(set_store_location(run, name))
     try:
@@ -41,62 +54,67 @@ def stored(run: Path, name: str):
         store.close()
 
 
+def zarr_at_a_url(run_home: str) -> list[str]:
+    """A run at a URL keeps its buffer there, in a Zarr store; short writer-lock leases, so the
+    evaluator resumed after a kill -9 waits seconds, not the default 30, for its dead predecessor's."""
+    return ["--set", "buffer_backend=zarr", "--set", "buffer_lock_lease_s=3"] if "://" in run_home else []
+
+
 def samples_of(rows) -> Counter:
     """How often each (version, prompt, sample) is stored."""
     return Counter(zip(rows["policy_version"].tolist(), rows["trajectory_id"].tolist()))
 
 
-def test_a_run_evaluates_its_versions_every_n_steps_beside_training(tmp_path):
-    result = cli("run", DEFAULT, "--steps", "6", "--home", str(tmp_path), "--run-name", "r", *SMALL,
+def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home):
+    result = cli("run", DEFAULT, "--steps", "6", "--home", run_home, "--run-name", "r", *SMALL, *zarr_at_a_url(run_home),
                  "--set", "eval.every_steps=2")
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    run = tmp_path / "r"
+    run = f"{run_home}/r"
     rows, progress = stored(run, "held_out")
     assert sorted(progress.done) == [0, 2, 4, 6] and progress.failed == {}
     counts = samples_of(rows)
     assert set(counts.values()) == {1} and len(counts) == 4 * HELD_OUT  # every prompt of every version once
     assert {v for v, _ in counts} == {0, 2, 4, 6}
-    lines = read_metrics(eval_metrics_path(run))
+    lines = logged(run, "eval/metrics.jsonl")
     assert [line["step"] for line in lines] == [0, 2, 4, 6]
     assert all(0.0 <= line["eval/held_out/pass@1"] <= 1.0 for line in lines)
     assert all(line["eval/held_out/prompts"] == HELD_OUT for line in lines)
-    assert not any("eval/held_out/pass@1" in line for line in read_metrics(run / "metrics.jsonl"))  # the learner's
+    assert not any("eval/held_out/pass@1" in line for line in logged(run))  # the learner's
     assert "[eval] step 6 (policy version 6): held_out/pass@1" in result.stdout + result.stderr
 
     # asked again afterwards: what is stored is printed, not evaluated again
-    again = cli("eval", str(run), "--step", "4")
+    again = cli("eval", run, "--step", "4")
     assert again.returncode == 0, again.stderr
     assert again.stdout.startswith(f"held_out step 4 (policy version 4): pass@1 {lines[2]['eval/held_out/pass@1']:.3f}")
     assert "[eval]" not in again.stdout  # nothing evaluated
     assert samples_of(stored(run, "held_out")[0]) == counts
     # other sampling is another evaluation, in a store of its own
-    sampled = cli("eval", str(run), "--step", "6", "--set", "eval.samples=2", "--set", "eval.temperature=1.0",
+    sampled = cli("eval", run, "--step", "6", "--set", "eval.samples=2", "--set", "eval.temperature=1.0",
                   "--set", "eval.max_prompts=5")
     assert sampled.returncode == 0, sampled.stderr
     assert "held_out-k2-t1-n5 step 6 (policy version 6): pass@1" in sampled.stdout and "pass@2" in sampled.stdout
     assert len(stored(run, "held_out-k2-t1-n5")[0]) == 10
-    kept = list(available_versions(run))
+    kept = kept_versions(run)
     assert 1 not in kept  # pruned: neither wanted by the evaluator nor checkpointed
-    refused = cli("eval", str(run), "--step", "1")
+    refused = cli("eval", run, "--step", "1")
     assert refused.returncode == 2
+    where = run if "://" in run else str(Path(run).resolve())
     assert refused.stderr.strip().splitlines() == [
-        f"rlhf-pipeline eval: error: --step 1: no policy of that step is kept in {run} (versions are published "
+        f"rlhf-pipeline eval: error: --step 1: no policy of that step is kept in {where} (versions are published "
         f"every 1 steps; kept steps: {', '.join(map(str, kept))})"]
 
 
-def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_each_sample_once(tmp_path):
+def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_each_sample_once(run_home):
     # 4 samples of each of the 40 prompts: 160 rows a version, appended 32 at a time
     evaluation = ["--set", "eval.every_steps=2", "--set", "eval.samples=4", "--set", "eval.temperature=1.0"]
     name = "held_out-k4-t1"
-    run = tmp_path / "r"
+    run = f"{run_home}/r"
     location = set_store_location(run, name)
 
     def mid_first_version() -> bool:
-        if not (location / "manifest.json").exists() and not location.exists():
-            return False
         try:
             store = open_store(location)
-        except Exception:  # made but not published yet
+        except (StoreNotFoundError, NotAStoreError, OSError):  # not made, or made but not published yet
             return False
         try:
             return 0 < len(store) < 160
@@ -104,23 +122,24 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
             store.close()
 
     launcher = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8",
-                                 "--home", str(tmp_path), "--run-name", "r", *SMALL, *evaluation],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = kill_when(launcher, mid_first_version, victims=lambda: run_child_pids("eval", str(tmp_path)))
+                                 "--home", run_home, "--run-name", "r", *SMALL, *zarr_at_a_url(run_home),
+                                 *evaluation], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = kill_when(launcher, mid_first_version, victims=lambda: run_child_pids("eval", run_home),
+                       poll_s=0.05 if "://" not in run_home else 0.2)
     assert launcher.returncode == 0, output[-3000:]  # training went on without its evaluator
     assert "[run] the evaluator exited (exit code -9" in output, output[-3000:]
     assert "[run] done: 8 learner steps" in output
     rows, progress = stored(run, name)
     assert 0 < len(rows) < 160 * 5 and 0 not in progress.done  # killed inside version 0
     # the learner kept every version the evaluator had not done (coordination/eval_pins.py)
-    assert {0, 2, 4, 6, 8} <= set(published_versions(run))
+    assert {0, 2, 4, 6, 8} <= set(published_versions(run_store_at(run)))
 
-    resumed = cli("eval", str(run), *evaluation[2:])
+    resumed = cli("eval", run, *evaluation[2:])  # at a URL, after the killed one's writer lock lease
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows, progress = stored(run, name)
     counts = samples_of(rows)
     assert set(counts.values()) == {1}  # no (version, prompt, sample) twice
-    kept = set(available_versions(run))
+    kept = set(kept_versions(run))
     assert {v for v, _ in counts} == kept == set(progress.done)
     for version in kept:  # none missing: every prompt's 4 samples
         first = version * ID_STRIDE * 4
@@ -136,12 +155,3 @@ def test_eval_on_a_pipeline_without_held_out_sets_is_refused_before_anything_is_
         "(a function returning rlhf_pipeline.evaluation.sets.EvalSet objects; docs/evaluation.md), or leave "
         "eval.every_steps at 0")
     assert not (tmp_path / "reverse_words" / "weights").exists()
-
-
-def test_eval_beside_a_run_at_a_url_is_refused_in_one_line(tmp_path):
-    result = cli("run", DEFAULT, "--home", "s3://bucket/runs", "--set", "buffer_backend=zarr",
-                 "--set", "eval.every_steps=2")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "rlhf-pipeline run: error: setting 'eval.every_steps': a run at a URL or under --ray has no evaluator beside "
-        "training yet; leave it at 0 and evaluate a run directory with `rlhf-pipeline eval RUN`"]

@@ -13,7 +13,7 @@ from rlhf_pipeline.evaluation.evaluator import (
     MAX_ATTEMPTS,
     EvalProgress,
     Evaluation,
-    loop_engine,
+    eval_engine,
     open_set_store,
     set_store_location,
 )
@@ -43,7 +43,17 @@ def evaluator(pipeline, settings: EvalSettings, logged: list | None = None) -> E
 
 def engine_of(pipeline, version: int = 0, seed: int = 0):
     torch.manual_seed(seed)
-    return loop_engine(pipeline.make_model, pipeline.tokenizer, pipeline.make_model().state_dict(), version)
+    return eval_engine(pipeline.settings.generation, pipeline.make_model, pipeline.tokenizer,
+                       pipeline.make_model().state_dict(), version)
+
+
+def different_weights(model, seed: int):
+    """``model``'s weights moved by a seeded noise (a tied head with its embedding): another version's."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def rows_of(store):
@@ -160,3 +170,64 @@ def test_the_versions_evaluated_are_the_first_published_at_each_multiple_of_ever
     assert [v for v in range(max(expected) + 1) if wanted_version(v, every_steps=every, publish_every=publish_every,
                                                                    before_training=True)] == expected
     assert not wanted_version(0, every_steps=every, publish_every=publish_every, before_training=False)
+
+
+def test_one_engine_is_given_each_version_in_turn_and_evaluates_as_a_fresh_one_would(default_pipeline, tmp_path):
+    from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version
+
+    (held_out,) = default_pipeline.eval_sets()
+    settings = EvalSettings(samples=2, temperature=1.0, max_prompts=4)
+    states = {v: different_weights(default_pipeline.make_model(), v) for v in (1, 3)}
+    made = []
+
+    def make(state, version):
+        made.append(version)
+        return eval_engine(default_pipeline.settings.generation, default_pipeline.make_model,
+                           default_pipeline.tokenizer, state, version)
+
+    engines = VersionEngine(make)
+    kept = {held_out.name: open_set_store(tmp_path / "kept", held_out, settings)}
+    for version in (1, 3):
+        assert evaluate_version(evaluator(default_pipeline, settings), [held_out], kept, version, engines,
+                                lambda v=version: states[v])
+    assert made == [1] and engines.engine.policy_version == 3  # made once, then given version 3
+    engines.close()
+    for version in (1, 3):  # a fresh engine per version stores the same rows
+        fresh = open_set_store(tmp_path / f"fresh-{version}", held_out, settings)
+        with eval_engine(default_pipeline.settings.generation, default_pipeline.make_model, default_pipeline.tokenizer,
+                         states[version], version) as engine:
+            evaluator(default_pipeline, settings).evaluate(engine, held_out, version, fresh)
+        versions = rows_of(kept[held_out.name])["policy_version"]
+        assert kept[held_out.name].read(versions.eq(version).nonzero().flatten()).equal(rows_of(fresh))
+    first_of_version_1 = rows_of(kept[held_out.name])["response_log_probs"].values[:8]
+    assert not torch.equal(first_of_version_1, rows_of(fresh)["response_log_probs"].values[:8])  # fresh: version 3
+
+
+def test_a_failed_evaluation_drops_the_engine_so_its_retry_gets_a_fresh_one(default_pipeline, tmp_path):
+    from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version
+
+    (held_out,) = default_pipeline.eval_sets()
+    broken = held_out.__class__(**{**held_out.__dict__, "score": lambda p, c, **_: [float("nan")] * len(c)})
+    settings = EvalSettings(max_prompts=2)
+    engines = VersionEngine(lambda state, version: engine_of(default_pipeline, version))
+    stores = {broken.name: open_set_store(tmp_path, broken, settings)}
+    assert not evaluate_version(evaluator(default_pipeline, settings), [broken], stores, 0, engines, lambda: None)
+    assert engines.engine is None and EvalProgress.of(stores[broken.name]).attempts == {0: 1}
+
+
+def test_an_engine_the_evaluator_cannot_obtain_is_one_error_naming_the_setting(default_pipeline):
+    import socket
+
+    from rlhf_pipeline.evaluation.evaluator import EvalEngineUnavailable
+    from rlhf_pipeline.generation.settings import GenerationSettings
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nowhere = GenerationSettings(url=f"http://127.0.0.1:{port}", start_timeout_s=0.2, retries=0)
+    with pytest.raises(EvalEngineUnavailable) as raised:
+        eval_engine(nowhere, default_pipeline.make_model, default_pipeline.tokenizer,
+                    default_pipeline.make_model().state_dict(), 0)
+    message = str(raised.value)
+    assert message.startswith(f"the evaluator's engine (generation.url): generation.url: no vLLM server answered at "
+                              f"http://127.0.0.1:{port} within 0.2 s") and "\n" not in message

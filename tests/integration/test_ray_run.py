@@ -248,3 +248,48 @@ def test_a_run_at_a_url_on_ray_keeps_its_state_there(run_home, tmp_path):
     assert {"checkpoints/step_00000003.pt", "pacing.json"} <= keys, sorted(keys)
     assert any(key.startswith("collector/shard-0000.history/row_") for key in keys), sorted(keys)
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
+
+
+def test_the_evaluator_runs_as_an_actor_beside_the_collectors_and_resumes_after_kill_9(cluster, tmp_path):
+    """With eval.every_steps, the driver starts an evaluator actor; its process killed mid-version,
+    Ray restarts it and it resumes from its stores' writer state: every (version, prompt, sample)
+    stored once, the run never stopped."""
+    from rlhf_pipeline.evaluation.evaluator import ID_STRIDE, EvalProgress, set_store_location
+
+    run = tmp_path / "run"
+    location = set_store_location(run, "held_out-k4-t1")  # 40 prompts x 4 samples = 160 rows a version
+    evaluation = ["eval.every_steps=2", "eval.samples=4", "eval.temperature=1.0"]
+    driver = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", cluster,
+                               "--home", str(tmp_path), "--run-name", "run", "--steps", "6",
+                               *[a for s in [*SMALL, *evaluation] for a in ("--set", s)]],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def mid_first_version() -> bool:
+        if not (location / "manifest.json").exists():
+            return False
+        try:
+            with open_store(location, mode="r") as store:
+                return 0 < len(store) < 160
+        except (OSError, ValueError):  # made but not published yet
+            return False
+
+    try:
+        control = wait_for(lambda: control_of(run), driver, "the control actor started")
+        wait_for(mid_first_version, driver, "the evaluator stored part of version 0")
+        kill_actor_process(control, "evaluator")
+        wait_for(lambda: len(ray.get(control.processes.remote())["evaluator"]) == 2, driver,
+                 "Ray restarted the evaluator")
+        out, _ = driver.communicate(timeout=900)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, out[-3000:]
+    assert "[run] done" in out and "[eval] step 6 (policy version 6)" in out, out[-3000:]
+    with open_store(location, mode="r") as store:
+        rows, progress = store.read(torch.arange(len(store))), EvalProgress.of(store)
+    assert sorted(progress.done) == [0, 2, 4, 6]
+    samples = list(zip(rows["policy_version"].tolist(), rows["trajectory_id"].tolist()))
+    assert len(samples) == len(set(samples)) == 4 * 160  # each once, none missing
+    for version in (0, 2, 4, 6):
+        first = version * ID_STRIDE * 4
+        assert sorted(t for v, t in samples if v == version) == list(range(first, first + 160))
