@@ -32,6 +32,7 @@ def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
         pipeline.preflight()
         if pipeline.settings.eval.enabled:  # refused before any process starts, not by the evaluator later
             eval_sets_of(pipeline)
+        check_keep_best(pipeline)
     except PipelineError:
         raise
     except (ValueError, FileNotFoundError) as exc:  # PromptError, RewardError, ModelLoadError...
@@ -426,6 +427,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
         on_learner(learner)
     if pipeline.settings.eval.enabled:  # the evaluator beside it finds every version it wants
         learner.keep_versions_for = eval_pins(pipeline, paths).keep
+    learner.checkpoints.keep_best = keep_best(pipeline, paths)
     try:
         learner.setup()
         finished = learner.train()
@@ -449,6 +451,7 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
     names, until the learner is done or a stop request (``run``'s third kind of child)."""
     from rlhf_pipeline.evaluation.evaluator import Evaluation, eval_metrics_path, loop_engine, open_set_store
     from rlhf_pipeline.evaluation.follow import evaluate_version, follow_run
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
     from rlhf_pipeline.learn.metrics import MetricsWriter
 
     stop = StopFlag("evaluator")
@@ -482,6 +485,10 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
             finally:
                 for store in stores.values():
                     store.close()
+        if pipeline.learner.keep_best is not None:  # scores came in since the learner last pruned
+            settings = pipeline.learner
+            run_checkpoints(paths, keep_last=settings.keep_checkpoints, keep_every=settings.checkpoint_keep_every,
+                            keep_best=keep_best(pipeline, paths)).prune()
     finally:
         metrics.close()
         stop.restore()
@@ -495,6 +502,25 @@ def eval_pins(pipeline: Pipeline, paths: RunPaths) -> Any:
     settings = pipeline.settings.eval
     return EvalPins(paths.store, every_steps=settings.every_steps, publish_every=pipeline.learner.publish_every,
                     before_training=settings.before_training)
+
+
+def keep_best(pipeline: Pipeline, paths: RunPaths) -> Any:
+    """``learner.keep_best``'s rule for the run's checkpoints (``learn/checkpoint.py``), or None when off."""
+    from rlhf_pipeline.learn.keep_best import KeepBest
+
+    metric = pipeline.learner.keep_best
+    return None if metric is None else KeepBest(metric, paths.store, eval_pins(pipeline, paths))
+
+
+def check_keep_best(pipeline: Pipeline) -> None:
+    """``learner.keep_best`` names a summary of the run's evaluation beside training, or PipelineError."""
+    from rlhf_pipeline.evaluation.best import check_keep_best as check
+
+    settings = pipeline.settings.eval
+    try:
+        check(pipeline.learner.keep_best, eval_sets_of(pipeline) if settings.enabled else [], settings)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
 
 
 def eval_sets_of(pipeline: Pipeline) -> list[Any]:
