@@ -452,6 +452,7 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
     from rlhf_pipeline.evaluation.evaluator import Evaluation, eval_metrics_path, loop_engine, open_set_store
     from rlhf_pipeline.evaluation.follow import evaluate_version, follow_run
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.learn.keep_best import recorded_keep_best
     from rlhf_pipeline.learn.metrics import MetricsWriter
 
     stop = StopFlag("evaluator")
@@ -485,10 +486,11 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
             finally:
                 for store in stores.values():
                     store.close()
-        if pipeline.learner.keep_best is not None:  # scores came in since the learner last pruned
+        recorded = recorded_keep_best(paths.store)  # the run's, whatever eval.* this call was given
+        if recorded is not None:  # scores came in since the learner last pruned
             settings = pipeline.learner
             run_checkpoints(paths, keep_last=settings.keep_checkpoints, keep_every=settings.checkpoint_keep_every,
-                            keep_best=keep_best(pipeline, paths)).prune()
+                            keep_best=recorded).prune()
     finally:
         metrics.close()
         stop.restore()
