@@ -67,13 +67,16 @@ class EvalPins:
 
 def eval_scores(store: RunStore, metric: str) -> dict[int, float]:
     """Policy version -> its value of ``metric`` (``eval/<evaluation>/pass@1``) in the evaluator's
-    summary lines of the run at ``store``. A line a kill cut short is skipped; a line logged twice (a
-    kill between the line and the evaluator's publish) holds the same summary."""
+    summary lines of the run at ``store``: the file, or at a URL its numbered parts
+    (``files/log_parts.py``). A line a kill cut short is skipped; a line logged twice (a kill between
+    the line and the evaluator's publish) holds the same summary."""
     import math
 
-    raw = store.read(EVAL_METRICS) or b""
+    from rlhf_pipeline.files.log_parts import read_log_lines
+
+    lines = (store.read(EVAL_METRICS) or b"").decode("utf-8", errors="replace").splitlines()
     scores: dict[int, float] = {}
-    for line in raw.decode("utf-8", errors="replace").splitlines():
+    for line in lines + read_log_lines(store, EVAL_METRICS):
         try:
             record = json.loads(line)
             version, value = int(record["eval/policy_version"]), float(record[metric])

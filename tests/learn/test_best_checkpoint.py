@@ -109,3 +109,27 @@ def test_the_best_of_a_run_is_read_from_its_settings_or_refused_saying_why(paths
 def test_keep_best_must_name_an_evaluation_summary(value):
     with pytest.raises(ValueError, match="setting 'learner.keep_best' must name an evaluation summary"):
         LearnerSettings(keep_best=value)
+
+
+def test_a_later_evaluation_of_any_kept_checkpoint_counts_and_the_old_best_goes_at_the_next_prune(paths):
+    # what `rlhf-pipeline eval RUN --step 3` adds: a score for a checkpoint kept by keep_every, no candidate
+    manager = run_checkpoints(paths, keep_last=1, keep_every=3, keep_best=keep_best(paths))
+    saved(manager, 2, 3, 4)
+    scored(paths, 2, 0.5)
+    scored(paths, 4, 0.25)
+    assert manager.best().step == 2 and not manager.best_candidate(3)
+    scored(paths, 3, 0.75, release=False)
+    assert manager.best().step == 3
+    assert manager.prune() == [2] and manager.steps() == [3, 4]
+
+
+def test_scores_logged_as_a_run_at_a_url_logs_them_numbered_parts_count_too(tmp_path):
+    from rlhf_pipeline.coordination.eval_pins import EVAL_METRICS, eval_scores
+    from rlhf_pipeline.files.run_store import LocalRunStore
+    from rlhf_pipeline.learn.metrics import MetricsWriter
+
+    store = LocalRunStore(tmp_path)
+    writer = MetricsWriter(EVAL_METRICS, store=store)  # how a writer at a URL logs: part objects
+    writer.log(2, {METRIC: 0.5, "eval/policy_version": 2.0})
+    writer.close()
+    assert not (tmp_path / EVAL_METRICS).exists() and eval_scores(store, METRIC) == {2: 0.5}
