@@ -26,9 +26,9 @@ at each step that publishes such a version (:meth:`CheckpointManager.best_candid
 not a record of its own but read, whenever it is wanted, from what is on disk: of the kept
 checkpoints whose version has a score, the highest (the earliest step among equal scores). Pruning
 (by the learner at each save, and by the evaluator once it is done, by the same rules) keeps it, and
-every checkpoint whose version the evaluator has not settled yet (it may become the
-best); a checkpoint whose score came in lower than the best, or whose evaluation was given up, goes
-by the schedule above. So a ``kill -9`` at any moment leaves a best that exists: nothing is written
+every checkpoint whose version the evaluator has not settled yet (it may become the best); a
+checkpoint whose score came in lower than the best, or whose evaluation was given up, goes by the
+schedule above. So a ``kill -9`` at any moment leaves a best that exists: nothing is written
 but checkpoints (atomically) and the deletions of pruning, which never take the highest scored one,
 and a resumed learner, a later ``rlhf-pipeline eval RUN --step N`` (its score counts like any) and a
 branch (its own checkpoints and scores) all read it the same way.
@@ -257,12 +257,13 @@ class CheckpointManager:
         return versions
 
     def _best(self, versions: dict[int, int], look: EvalScores) -> BestCheckpoint | None:
-        scored = [(look.scores[version], -step) for step, version in versions.items() if version in look.scores]
+        scored = [step for step, version in versions.items() if version in look.scores]
         if not scored:
             return None
-        value, step = max(scored)  # the highest score; of equal ones, the earliest step
-        return BestCheckpoint(-step, versions[-step], self.keep_best.metric, value,
-                              self._location(_checkpoint_name(-step)))
+        # the highest score; of equal ones, the earliest step (no more training for the same score)
+        step = max(scored, key=lambda s: (look.scores[versions[s]], -s))
+        return BestCheckpoint(step, versions[step], self.keep_best.metric, look.scores[versions[step]],
+                              self._location(_checkpoint_name(step)))
 
     def held_for_best(self) -> set[int]:
         """The kept steps ``keep_best`` holds beyond the schedule (the best, and those awaiting a score)."""
