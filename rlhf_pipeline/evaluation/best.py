@@ -22,11 +22,9 @@ def ranking_metrics(sets: Sequence[EvalSet], settings: EvalSettings) -> list[str
     return [f"eval/{evaluation_name(s, settings)}/{stat}" for s in sets for stat in stats]
 
 
-def check_keep_best(metric: str | None, sets: Sequence[EvalSet], settings: EvalSettings) -> None:
+def check_keep_best(metric: str, sets: Sequence[EvalSet], settings: EvalSettings) -> None:
     """ValueError in one line when ``metric`` (``learner.keep_best``) names no summary the run's
     evaluation beside training gives (``sets``: the pipeline's, checked; empty when evaluation is off)."""
-    if metric is None:
-        return
     if not settings.enabled:
         raise ValueError(f"setting 'learner.keep_best' ({metric}) ranks checkpoints by the evaluation beside "
                          f"training, which is off (eval.every_steps=0): add --set eval.every_steps=N, or leave "

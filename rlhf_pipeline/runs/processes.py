@@ -518,9 +518,11 @@ def check_keep_best(pipeline: Pipeline) -> None:
     """``learner.keep_best`` names a summary of the run's evaluation beside training, or PipelineError."""
     from rlhf_pipeline.evaluation.best import check_keep_best as check
 
-    settings = pipeline.settings.eval
+    settings, metric = pipeline.settings.eval, pipeline.learner.keep_best
+    if metric is None:
+        return
     try:
-        check(pipeline.learner.keep_best, eval_sets_of(pipeline) if settings.enabled else [], settings)
+        check(metric, eval_sets_of(pipeline) if settings.enabled else [], settings)
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
 
