@@ -1,7 +1,8 @@
-"""``rlhf-pipeline branch RUN --from-step N NEW_RUN [--set KEY=VALUE ...]``: a new run from RUN's step N.
+"""``rlhf-pipeline branch RUN --from-step N|best NEW_RUN [--set KEY=VALUE ...]``: a new run from RUN's step N.
 
 The new run starts from RUN's checkpoint of step N (model, optimizer, RNG, sampler position)
 with the settings ``--set`` changes (``learner.*``, ``steps``, ``device``); RUN is only read.
+``--from-step best`` starts from RUN's best checkpoint by ``learner.keep_best``, as from its step.
 ``rlhf_pipeline/runs/branch.py`` has the whole story; ``inspect RUN`` lists the steps a run can
 be branched from and its branches. Arguments are parsed before torch is imported.
 """
@@ -15,8 +16,9 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("run", metavar="RUN", help="the parent: a run directory, or a run's name under --home")
-    parser.add_argument("--from-step", type=int, required=True, metavar="N",
-                        help="the step whose checkpoint the branch starts from (inspect RUN lists them)")
+    parser.add_argument("--from-step", type=step_or_best, required=True, metavar="N",
+                        help="the step whose checkpoint the branch starts from (inspect RUN lists them), or best: "
+                             "the run's best checkpoint by learner.keep_best")
     parser.add_argument("new_run", metavar="NEW_RUN",
                         help="the branch: a name (made beside RUN, where inspect RUN finds it) or a new directory")
     parser.add_argument("--home", default=None,
@@ -25,6 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="change a setting at the branch point, e.g. --set learner.lr=1e-4 (repeatable; "
                              "learner.*, steps and device only)")
+
+
+def step_or_best(text: str) -> int | str:
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a step number nor best") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``rlhf-pipeline export-model RUN_DIR OUT [--version N]``: a run's policy for ``transformers``.
+"""``rlhf-pipeline export-model RUN_DIR OUT [--version N | --best]``: a run's policy for ``transformers``.
 
 Writes a ``save_pretrained`` directory (config, safetensors weights, tokenizer with its chat
 template, generation config) that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads with
@@ -16,8 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                                         "at an s3:// URL (copied into the local cache)")
     parser.add_argument("out", nargs="?", metavar="OUT",
                         help="directory to write (must not exist); not needed with --list-versions")
-    parser.add_argument("--version", type=int, default=None,
-                        help="policy version to export (default: the newest on disk)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, default=None,
+                       help="policy version to export (default: the newest on disk)")
+    which.add_argument("--best", action="store_true",
+                       help="the policy of the run's best checkpoint by learner.keep_best (inspect RUN shows it)")
     parser.add_argument("--pipeline", metavar="PIPELINE.py", default=None,
                         help="pipeline file to rebuild the model with (default: the run's copy, pipeline.py)")
     parser.add_argument("--list-versions", action="store_true", help="list the versions on disk and exit")
@@ -34,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     )
     from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.files.run_cache import local_copy
-    from rlhf_pipeline.files.run_paths import RunLocationError
+    from rlhf_pipeline.files.run_paths import RunLocationError, RunPaths
+    from rlhf_pipeline.learn.checkpoint import run_best
+    from rlhf_pipeline.learn.keep_best import NoBestCheckpoint
     from rlhf_pipeline.files.run_store import RunStoreError
     from rlhf_pipeline.files.state_files import StateFileError
 
@@ -50,9 +55,12 @@ def run(args: argparse.Namespace) -> int:
             versions = available_versions(run_dir)
             print("\n".join(v.describe() for v in versions.values()) or "no versions on disk")
             return 0
-        result = export_model(run_dir, args.out, version=args.version, pipeline_path=args.pipeline)
+        best = run_best(RunPaths.at(run_dir)) if args.best else None
+        version = best.policy_version if best is not None else args.version
+        result = export_model(run_dir, args.out, version=version, pipeline_path=args.pipeline)
     except (VersionNotFoundError, RunNotFoundError, PipelineError, FileExistsError, StateFileError,
-            RunLocationError, RunStoreError) as exc:
+            RunLocationError, RunStoreError, NoBestCheckpoint) as exc:
         return fail(str(exc))
-    print(f"{result.out}: {result.model_class}, policy version {result.version} (from {result.source})")
+    chosen = f"; the best checkpoint, {best.describe()}" if best is not None else ""
+    print(f"{result.out}: {result.model_class}, policy version {result.version} (from {result.source}{chosen})")
     return 0

@@ -44,8 +44,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             if is_run(path):
                 lineage = run_lineage(path)
+                best = best_checkpoint(lineage["run"])
+                if best is not None:
+                    lineage["best"] = best
                 if not run_store_at(path).list("buffer") and not args.verify:  # no buffer of its own (a replay)
-                    print(json.dumps({"run": lineage}) if args.json else format_lineage(lineage))
+                    print(json.dumps({"run": lineage}) if args.json else format_lineage(lineage) + format_best(best))
                     return 0
                 path = f"{lineage['run']}/buffer"
         except (ValueError, OSError) as exc:
@@ -81,8 +84,34 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"run": {**lineage, "retention": retention}, "buffer": stats.to_json()}))
     else:
         kept = format_retention(retention, stats)
-        print(format_lineage(lineage) + ("\n" + kept if kept else "") + "\n\nbuffer\n" + format_stats(stats))
+        print(format_lineage(lineage) + format_best(lineage.get("best")) + ("\n" + kept if kept else "")
+              + "\n\nbuffer\n" + format_stats(stats))
     return 0
+
+
+def best_checkpoint(run: str) -> dict | None:
+    """``learner.keep_best``'s best checkpoint of ``run`` as JSON (``{"metric", "step": None}`` before
+    any kept checkpoint has a score); None for a run that keeps no best."""
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.learn.keep_best import recorded_keep_best
+
+    paths = RunPaths.at(run)
+    keep_best = recorded_keep_best(paths.store)
+    if keep_best is None:
+        return None
+    best = run_checkpoints(paths, keep_best=keep_best).best()
+    return best.to_json() if best is not None else {"metric": keep_best.metric, "step": None}
+
+
+def format_best(best: dict | None) -> str:
+    """The line ``inspect`` prints under a run's rewind points for its best checkpoint."""
+    if best is None:
+        return ""
+    if best["step"] is None:
+        return f"\nbest checkpoint  none yet (no kept checkpoint's version has a score of {best['metric']})"
+    return (f"\nbest checkpoint  step {best['step']} (policy version {best['policy_version']}): "
+            f"{best['metric']} {best['value']:.4g}")
 
 
 def _check_token_ids(reports, path, vocabulary: tuple[int | None, str], progress) -> None:

@@ -8,6 +8,11 @@ with ``eval.every_steps`` on, the learner also keeps every version the evaluator
 first does, every wanted version is kept. Nothing the evaluator wants is pruned before it is done,
 whatever the two processes' speeds; an evaluator that is not running keeps them for a later
 ``rlhf-pipeline eval RUN``.
+
+The evaluator's summaries (``eval/metrics.jsonl``, one line per (version, evaluation)) are what
+``learner.keep_best`` ranks checkpoints by (:func:`eval_scores`): the evaluator logs a version's line
+before it releases the version, so a reader that looks at :meth:`EvalPins.pinned_from` first and the
+scores second never takes a released version for one still to be scored.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import json
 from rlhf_pipeline.files.run_store import RunStore
 
 PINNED_FROM = "eval/pinned_from.json"
+EVAL_METRICS = "eval/metrics.jsonl"
+"""The evaluator's summary lines, in the run's store (``evaluation.evaluator.eval_metrics_path``)."""
 
 
 def wanted_version(version: int, *, every_steps: int, publish_every: int, before_training: bool) -> bool:
@@ -56,3 +63,25 @@ class EvalPins:
     def release_below(self, version: int) -> None:
         """Evaluator side: every wanted version below ``version`` is evaluated (or given up)."""
         self.store.write(PINNED_FROM, json.dumps({"from": int(version)}).encode())
+
+
+def eval_scores(store: RunStore, metric: str) -> dict[int, float]:
+    """Policy version -> its value of ``metric`` (``eval/<evaluation>/pass@1``) in the evaluator's
+    summary lines of the run at ``store``: the file, or at a URL its numbered parts
+    (``files/log_parts.py``). A line a kill cut short is skipped; a line logged twice (a kill between
+    the line and the evaluator's publish) holds the same summary."""
+    import math
+
+    from rlhf_pipeline.files.log_parts import read_log_lines
+
+    lines = (store.read(EVAL_METRICS) or b"").decode("utf-8", errors="replace").splitlines()
+    scores: dict[int, float] = {}
+    for line in lines + read_log_lines(store, EVAL_METRICS):
+        try:
+            record = json.loads(line)
+            version, value = int(record["eval/policy_version"]), float(record[metric])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if math.isfinite(value):
+            scores[version] = value
+    return scores

@@ -2,15 +2,20 @@
 
 One PNG per chart plus ``overview.png``; raw values faint, a moving average solid. Replays are
 left out of the staleness chart (a chart of their recorded versions instead); a branch is drawn
-from its branch step on. Design: docs/architecture.md#rows-in-and-out.
+from its branch step on. A run evaluated on held-out sets (``eval/metrics.jsonl``) gets one chart per
+evaluation, ``eval_<name>.png``: its ``pass@1``, ``pass@k`` and ``mean_score`` beside the training
+reward on the same learner-step axis, so a training reward that rises while the held-out score stays
+flat shows at a glance. Design: docs/architecture.md#rows-in-and-out.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlhf_pipeline.dataio.extras import require
 from rlhf_pipeline.files.run_paths import local_run_path
@@ -21,7 +26,7 @@ class Chart:
     name: str  # file name without .png
     title: str
     ylabel: str
-    series: tuple[tuple[str, str], ...]  # (metric key, label); the first solid, the second dashed
+    series: tuple[tuple[str, str], ...]  # (metric key, label); the first solid, the others dashed, dotted...
     runs: str = "all"  # which runs it draws: "all", "live" (runs that generate) or "replay"
 
     def draws(self, run: RunMetrics) -> bool:
@@ -60,6 +65,34 @@ CHARTS: tuple[Chart, ...] = (
     Chart("episode_turns", "Turns per episode (collectors, by policy version)", "model turns",
           (("collector/turns_per_episode", "mean"),)),
 )
+
+
+EVAL_SUMMARY = re.compile(r"^eval/(?P<name>.+)/(?P<stat>pass@\d+|mean_score)$")
+"""The evaluator's summaries charted (``evaluation/scores.py``): the scores, not the counts."""
+
+
+def eval_charts(data: dict[str, RunMetrics]) -> list[Chart]:
+    """One chart per evaluation the runs logged: its scores beside the training reward."""
+    found: dict[str, set[str]] = {}
+    for run in data.values():
+        for record in run.records:
+            for key in record:
+                if (m := EVAL_SUMMARY.match(key)) is not None:
+                    found.setdefault(m["name"], set()).add(key)
+    charts = []
+    for name, keys in sorted(found.items()):
+        ordered = sorted(keys, key=lambda k: (k.endswith("mean_score"), k))  # pass@1, pass@k, then mean_score
+        charts.append(Chart(f"eval_{name}", f"Held-out {name} beside the training reward", "score / mean reward",
+                            (("charts/reward_mean", "training reward"),
+                             *((key, f"held-out {key.rsplit('/', 1)[1]}") for key in ordered))))
+    return charts
+
+
+def eval_records(run: Path) -> list[dict]:
+    """The evaluator's summary lines of ``run`` (``eval/metrics.jsonl``), keyed by the learner step that
+    published each version evaluated; none for a run evaluated on no held-out set."""
+    path = run / "eval" / "metrics.jsonl"
+    return read_metrics(path) if run.is_dir() and path.is_file() else []
 
 
 class NotMetricsError(ValueError):
@@ -150,7 +183,7 @@ def load_runs(run_dirs: list[str | Path]) -> dict[str, RunMetrics]:
         metrics = run / "metrics.jsonl" if run.is_dir() else run
         if not metrics.is_file():
             raise FileNotFoundError(f"{run} has no metrics.jsonl (is it a run directory? the learner writes it)")
-        records = read_metrics(metrics) + collector_records(run)
+        records = read_metrics(metrics) + collector_records(run) + eval_records(run)
         parent = read_parent(run) if run.is_dir() else None
         step = int(parent["step"]) if parent else None
         lead_in = []
@@ -174,13 +207,10 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    drawn = [c for c in CHARTS if any(c.draws(r) and _series(r.records, key) for r in data.values()
-                                      for key, _ in c.series)]
+    drawn = charts_to_draw(data)
     written = []
     for chart in drawn:
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-        _draw(ax, chart, data, colors)
-        fig.tight_layout()
+        fig = chart_figure(chart, data)
         path = out / f"{chart.name}.png"
         fig.savefig(path)
         plt.close(fig)
@@ -199,6 +229,23 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def charts_to_draw(data: dict[str, RunMetrics]) -> list[Chart]:
+    """The charts of which some run has a point: the fixed ones, then one per evaluation."""
+    return [c for c in (*CHARTS, *eval_charts(data))
+            if any(c.draws(r) and _series(r.records, key) for r in data.values() for key, _ in c.series)]
+
+
+def chart_figure(chart: Chart, data: dict[str, RunMetrics]) -> Any:
+    """``chart`` of the runs ``data`` as a matplotlib figure of its own (the plot extra)."""
+    require("matplotlib", "plot").use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    _draw(ax, chart, data, plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    fig.tight_layout()
+    return fig
 
 
 SMOOTHING = 0.8  # TensorBoard's slider; a curve of fewer than SMOOTHED_FROM points is drawn raw
@@ -238,7 +285,7 @@ def _draw(ax, chart: Chart, data: dict[str, RunMetrics], colors: list[str], comp
             if points is None:
                 continue
             steps, values, smoothed = points
-            style = "-" if j == 0 else "--"
+            style = ("-", "--", ":", "-.")[j % 4]
             name = f"{label} ({series_label})" if several_series else label
             if smoothed is not None:
                 ax.plot(steps, values, style, color=color, alpha=0.2, linewidth=0.8)

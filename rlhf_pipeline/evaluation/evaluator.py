@@ -60,7 +60,9 @@ def evaluation_name(eval_set: EvalSet, settings: EvalSettings) -> str:
 
 def eval_metrics_path(run_root: str | Path) -> Path:
     """The evaluator's metrics: one line per (version, set) evaluated, keyed by the learner step."""
-    return eval_root(run_root) / "metrics.jsonl"
+    from rlhf_pipeline.coordination.eval_pins import EVAL_METRICS
+
+    return Path(run_root) / EVAL_METRICS
 
 
 @dataclass

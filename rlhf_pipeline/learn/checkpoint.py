@@ -19,6 +19,20 @@ taken in (``consumed``). ``inspect RUN`` lists these; ``branch`` limits a branch
 parent's buffer to ``buffer_rows``. It is written after the checkpoint, so a checkpoint may lack
 one (a crash in between, or a run made before records), never the other way round.
 
+The best checkpoint (``learner.keep_best=eval/<set>/pass@1``, ``learn/keep_best.py``): the evaluator
+beside training scores the versions published at every ``eval.every_steps`` steps, later than the
+learner publishes them, and logs each score in ``eval/metrics.jsonl``; the learner saves a checkpoint
+at each step that publishes such a version (:meth:`CheckpointManager.best_candidate`). The best is
+not a record of its own but read, whenever it is wanted, from what is on disk: of the kept
+checkpoints whose version has a score, the highest (the earliest step among equal scores). Pruning
+(by the learner at each save, and by the evaluator once it is done, by the same rules) keeps it, and
+every checkpoint whose version the evaluator has not settled yet (it may become the best); a
+checkpoint whose score came in lower than the best, or whose evaluation was given up, goes by the
+schedule above. So a ``kill -9`` at any moment leaves a best that exists: nothing is written
+but checkpoints (atomically) and the deletions of pruning, which never take the highest scored one,
+and a resumed learner, a later ``rlhf-pipeline eval RUN --step N`` (its score counts like any) and a
+branch (its own checkpoints and scores) all read it the same way.
+
 Every value in a checkpoint is a tensor or a plain value (dicts, lists, tuples, numbers,
 strings), so it loads with ``torch.load(weights_only=True)`` (``rlhf_pipeline/files/state_files.py``)
 and a file planted in a shared run directory cannot run code in the learner. Format 2 keeps
@@ -39,6 +53,7 @@ from typing import Any
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, json_object
 from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
 from rlhf_pipeline.files.state_files import load_state, load_state_bytes
+from rlhf_pipeline.learn.keep_best import BestCheckpoint, EvalScores, KeepBest, NoBestCheckpoint, recorded_keep_best
 
 FORMAT_VERSION = 2
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
@@ -117,16 +132,18 @@ class CheckpointManager:
     """Saves, finds and loads checkpoints in one directory; keeps the newest ``keep_last`` and,
     with ``keep_every`` > 0, every one whose step is a multiple of it.
 
-    ``store``: the run's store (a run at a URL); ``directory`` is then the key prefix in it."""
+    ``store``: the run's store (a run at a URL); ``directory`` is then the key prefix in it.
+    ``keep_best``: also keep the best checkpoint by an evaluation metric (module docstring)."""
 
     def __init__(self, directory: str | Path, keep_last: int = 2, *, keep_every: int = 0,
-                 store: RunStore | None = None) -> None:
+                 store: RunStore | None = None, keep_best: KeepBest | None = None) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last}); the newest checkpoint is always kept")
         if keep_every < 0:
             raise ValueError(f"keep_every must be >= 0 (got {keep_every}); 0 keeps no checkpoint beyond the last")
         self.keep_last = keep_last
         self.keep_every = keep_every
+        self.keep_best = keep_best
         if store is None:
             self.directory: Path | str = Path(directory)
             self._store: RunStore = LocalRunStore(directory)
@@ -207,15 +224,61 @@ class CheckpointManager:
         return self._location(name)
 
     def prune(self) -> list[int]:
-        """Deletes the checkpoints (and their records) the schedule does not keep; returns their steps."""
+        """Deletes the checkpoints (and their records) the schedule does not keep, nor ``keep_best``
+        (the best, and those still awaiting their score); returns their steps."""
         steps = self.steps()
-        newest = set(steps[-self.keep_last:])
+        newest = set(steps[-self.keep_last:]) | self._held_for_best(steps)
         gone = [step for step in steps
                 if step not in newest and not (self.keep_every and step % self.keep_every == 0)]
         for step in gone:
             self._store.delete(self._key(_checkpoint_name(step)))
             self._store.delete(self._key(_record_name(step)))
         return gone
+
+    def best_candidate(self, step: int) -> bool:
+        """Whether the learner saves a checkpoint at ``step`` for ``keep_best``: the step published a
+        version the evaluator scores. From the settings alone, the same on every rank."""
+        return self.keep_best is not None and self.keep_best.candidate(step)
+
+    def best(self) -> BestCheckpoint | None:
+        """The kept checkpoint whose version scores highest on ``keep_best``'s metric (module docstring);
+        None without ``keep_best`` or before any kept checkpoint's version has a score."""
+        if self.keep_best is None:
+            return None
+        steps = self.steps()
+        return self._best(self._versions(steps), self.keep_best.look())
+
+    def _versions(self, steps: list[int]) -> dict[int, int]:
+        """Step -> the policy version its checkpoint holds (from its rewind record)."""
+        versions = {}
+        for step in steps:
+            version = (self.record(step) or {}).get("policy_version")
+            versions[step] = version if isinstance(version, int) else self.keep_best.version_at(step)
+        return versions
+
+    def _best(self, versions: dict[int, int], look: EvalScores) -> BestCheckpoint | None:
+        scored = [step for step, version in versions.items() if version in look.scores]
+        if not scored:
+            return None
+        # the highest score; of equal ones, the earliest step (no more training for the same score)
+        step = max(scored, key=lambda s: (look.scores[versions[s]], -s))
+        return BestCheckpoint(step, versions[step], self.keep_best.metric, look.scores[versions[step]],
+                              self._location(_checkpoint_name(step)))
+
+    def held_for_best(self) -> set[int]:
+        """The kept steps ``keep_best`` holds beyond the schedule (the best, and those awaiting a score)."""
+        return self._held_for_best(self.steps())
+
+    def _held_for_best(self, steps: list[int]) -> set[int]:
+        """The steps ``keep_best`` holds: the best, and the candidates whose version is not settled."""
+        if self.keep_best is None:
+            return set()
+        versions = self._versions(steps)
+        look = self.keep_best.look()
+        held = {step for step, version in versions.items() if self.keep_best.candidate(step)
+                and version >= look.settled_below and version not in look.scores}
+        best = self._best(versions, look)
+        return held | ({best.step} if best is not None else set())
 
     def load(self, path: str | Path | None = None) -> tuple[Progress, dict[str, Any]]:
         """Loads ``path`` (default: the latest); raises ``FileNotFoundError`` when there is none."""
@@ -262,10 +325,27 @@ def _name(location: str | Path) -> str:
     return str(location).rstrip("/").rsplit("/", 1)[-1]
 
 
-def run_checkpoints(paths: Any, keep_last: int = 2, keep_every: int = 0) -> CheckpointManager:
+def run_checkpoints(paths: Any, keep_last: int = 2, keep_every: int = 0,
+                    keep_best: KeepBest | None = None) -> CheckpointManager:
     """The checkpoints of the run at ``paths`` (a ``RunPaths``: a directory or a URL)."""
     where, store = paths.state_object(paths.checkpoints)
-    return CheckpointManager(where, keep_last=keep_last, keep_every=keep_every, store=store)
+    return CheckpointManager(where, keep_last=keep_last, keep_every=keep_every, store=store, keep_best=keep_best)
+
+
+def run_best(paths: Any) -> BestCheckpoint:
+    """The best checkpoint of the run at ``paths`` (a ``RunPaths``), or :class:`NoBestCheckpoint`
+    saying why there is none: the run does not keep one, or no kept checkpoint has a score yet."""
+    keep_best = recorded_keep_best(paths.store)
+    if keep_best is None:
+        raise NoBestCheckpoint(f"{paths.location} keeps no best checkpoint: it was not run with "
+                               f"learner.keep_best (e.g. --set learner.keep_best=eval/held_out/pass@1 with "
+                               f"--set eval.every_steps=N); name a step or a version instead")
+    best = run_checkpoints(paths, keep_best=keep_best).best()
+    if best is None:
+        raise NoBestCheckpoint(f"{paths.location} has no best checkpoint yet: no kept checkpoint's policy version "
+                               f"has a score of {keep_best.metric} (the evaluator scores them as the run goes; "
+                               f"`rlhf-pipeline eval RUN --step N` scores a kept step)")
+    return best
 
 
 def buffer_rows(buffer_state: dict[str, Any] | None) -> dict[str, int]:

@@ -9,6 +9,7 @@ as one built from ``--set``. The code that uses them lives in ``learn/learner.py
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -22,6 +23,8 @@ SamplerName = Literal["window", "exact", "groups", "prioritized", "epoch"]
 #: priorities of the ``prioritized`` sampler (rlhf_pipeline.storage.prioritized.PRIORITIES)
 Priority = Literal["abs_advantage", "group_reward_std", "recency"]
 PRIORITY_NAMES = typing.get_args(Priority)
+#: learner.keep_best's form: an evaluation summary's name (evaluation/scores.py)
+_EVAL_SUMMARY = re.compile(r"^eval/[^/]+/[^/]+$")
 #: what the learner feeds back as each trained row's new priority (learn/loss.py, per_row_feedback)
 PriorityFeedback = Literal["none", "loss", "ratio_deviation"]
 
@@ -149,6 +152,10 @@ class LearnerSettings:
     checkpoint_keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: none beyond the newest
     keep_checkpoints): the steps `rlhf-pipeline branch` can start a new run from."""
+    keep_best: str | None = None
+    """Also keep the best checkpoint by an evaluation summary, eval/<set>/<metric> such as
+    eval/held_out/pass@1 (needs eval.every_steps; none: off): a checkpoint is saved at every step whose
+    version the evaluator scores, and the best-scoring one is never pruned (docs/evaluation.md)."""
     prefetch_depth: int = 2
     """Batches prepared ahead by the background thread."""
     data_timeout_s: float = 600.0
@@ -223,6 +230,9 @@ class LearnerSettings:
         if self.checkpoint_keep_every < 0:
             raise bad("checkpoint_keep_every", f"must be >= 0 (got {self.checkpoint_keep_every}); 0 keeps only "
                                                f"the newest keep_checkpoints")
+        if self.keep_best is not None and not _EVAL_SUMMARY.match(str(self.keep_best)):
+            raise bad("keep_best", f"must name an evaluation summary, eval/<set>/<metric> such as "
+                                   f"eval/held_out/pass@1 (none: off), got {self.keep_best!r}")
         if self.temperature <= 0:
             raise bad("temperature", f"must be > 0 (got {self.temperature})")
         if not self.wait_report_s > 0:

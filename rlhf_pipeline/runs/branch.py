@@ -99,8 +99,9 @@ def check_same_kind(parent: str, new: str) -> None:
                           f"(give NEW_RUN as a name: it is made beside RUN)")
 
 
-def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Makes the branch ``new`` of run ``parent`` at ``step`` (module docstring); returns its ``branch.json``."""
+def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Makes the branch ``new`` of run ``parent`` at ``step`` (module docstring; ``"best"``: the step of
+    the parent's best checkpoint by ``learner.keep_best``); returns its ``branch.json``."""
     parent_at, new_at = resolved_location(str(parent)).rstrip("/"), resolved_location(str(new)).rstrip("/")
     check_same_kind(parent_at, new_at)
     if parent_at == new_at:
@@ -117,8 +118,16 @@ def branch_run(parent: str | Path, step: int, new: str | Path, overrides: Sequen
         raise BranchError(f"{parent_at} has no settings.json: a branch takes its parent's settings; give a run "
                           f"a run or a replay made")
     saved = json.loads(saved_text)
-    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.learn.checkpoint import run_best, run_checkpoints
+    from rlhf_pipeline.learn.keep_best import NoBestCheckpoint
 
+    if step == "best":  # then as from its step (a running parent may prune it once a better one is scored: said below)
+        try:
+            best = run_best(parent_paths)
+        except NoBestCheckpoint as exc:
+            raise BranchError(str(exc)) from None
+        print(f"[branch] the best checkpoint of {parent_at}: {best.describe()}", file=sys.stderr)
+        step = best.step
     checkpoints = run_checkpoints(parent_paths)
     # held throughout in a directory, so that no other `branch` of this parent is making NEW meanwhile
     # and the parent's retention drops nothing while the rows are named (runs/retention.py)

@@ -32,6 +32,7 @@ def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
         pipeline.preflight()
         if pipeline.settings.eval.enabled:  # refused before any process starts, not by the evaluator later
             eval_sets_of(pipeline)
+        check_keep_best(pipeline)
     except PipelineError:
         raise
     except (ValueError, FileNotFoundError) as exc:  # PromptError, RewardError, ModelLoadError...
@@ -426,6 +427,7 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
         on_learner(learner)
     if pipeline.settings.eval.enabled:  # the evaluator beside it finds every version it wants
         learner.keep_versions_for = eval_pins(pipeline, paths).keep
+    learner.checkpoints.keep_best = keep_best(pipeline, paths)
     try:
         learner.setup()
         finished = learner.train()
@@ -452,6 +454,8 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
     done or a stop request (``run``'s third kind of child)."""
     from rlhf_pipeline.evaluation.evaluator import Evaluation, eval_engine, eval_metrics_path, open_set_store
     from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version, follow_run
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.learn.keep_best import recorded_keep_best
     from rlhf_pipeline.learn.metrics import MetricsWriter
 
     stop = StopFlag("evaluator")
@@ -490,6 +494,11 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
             finally:
                 for store in stores.values():
                     store.close()
+        recorded = recorded_keep_best(paths.store)  # the run's, whatever eval.* this call was given
+        if recorded is not None:  # scores came in since the learner last pruned
+            learner = pipeline.learner
+            run_checkpoints(paths, keep_last=learner.keep_checkpoints, keep_every=learner.checkpoint_keep_every,
+                            keep_best=recorded).prune()
     finally:
         engines.close()
         metrics.close()
@@ -504,6 +513,27 @@ def eval_pins(pipeline: Pipeline, paths: RunPaths) -> Any:
     settings = pipeline.settings.eval
     return EvalPins(paths.store, every_steps=settings.every_steps, publish_every=pipeline.learner.publish_every,
                     before_training=settings.before_training)
+
+
+def keep_best(pipeline: Pipeline, paths: RunPaths) -> Any:
+    """``learner.keep_best``'s rule for the run's checkpoints (``learn/checkpoint.py``), or None when off."""
+    from rlhf_pipeline.learn.keep_best import KeepBest
+
+    metric = pipeline.learner.keep_best
+    return None if metric is None else KeepBest(metric, paths.store, eval_pins(pipeline, paths))
+
+
+def check_keep_best(pipeline: Pipeline) -> None:
+    """``learner.keep_best`` names a summary of the run's evaluation beside training, or PipelineError."""
+    from rlhf_pipeline.evaluation.best import check_keep_best as check
+
+    settings, metric = pipeline.settings.eval, pipeline.learner.keep_best
+    if metric is None:
+        return
+    try:
+        check(metric, eval_sets_of(pipeline) if settings.enabled else [], settings)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
 
 
 def eval_sets_of(pipeline: Pipeline) -> list[Any]:

@@ -4,7 +4,8 @@ The rules (``storage/retention.py``) say which old rows may go; this module find
 oldest row of the collector's shard that something of the run still needs, and drops nothing at or
 after it. The floor is the lowest of:
 
-* **the kept checkpoints** (rewind points; only the newest with ``hold_rewind_points=false``): a learner resumed or branched from step N draws its
+* **the kept checkpoints** (rewind points; with ``hold_rewind_points=false`` only the newest, and the
+  ones ``learner.keep_best`` keeps: the best, and those awaiting their score): a learner resumed or branched from step N draws its
   next batches from the rows its sampler could reach then, the newest ``window`` rows before the
   position the checkpoint recorded (``step_N.json``'s ``buffer_rows``); a checkpoint made before
   positions were recorded, or one that does not name this shard, holds every row;
@@ -156,11 +157,16 @@ class ShardRetention:
 
     def _checkpoint_floors(self) -> list[tuple[int, str]]:
         from rlhf_pipeline.learn.checkpoint import run_checkpoints
+        from rlhf_pipeline.learn.keep_best import recorded_keep_best
 
         floors = []
-        points = run_checkpoints(self.paths).rewind_points()
+        checkpoints = run_checkpoints(self.paths)
+        points = checkpoints.rewind_points()
         if not self.settings.hold_rewind_points:
-            points = points[-1:]  # the newest only: what a resume after a crash starts from
+            # the newest (what a resume after a crash starts from), and what `branch --from-step best` may take
+            checkpoints.keep_best = recorded_keep_best(self.paths.store)
+            held = checkpoints.held_for_best()
+            points = [point for point in points[:-1] if point["step"] in held] + points[-1:]
         for point in points:
             rows = point.get("buffer_rows")
             position = None if rows is None else rows.get("" if self.key == "." else self.key)

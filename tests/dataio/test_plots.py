@@ -141,3 +141,37 @@ def test_a_branch_curve_continues_its_parents_moving_average(tmp_path):
     assert steps[0] == 10 and values[0] == 5.0  # the raw points are the branch's from its step on
     assert average[0] == pytest.approx(parent_average[parent_steps.index(10)])
     assert average[0] < 2.0  # not the raw outlier, where a restarted average would begin
+
+
+@pytest.mark.slow
+def test_a_runs_held_out_scores_are_charted_beside_its_training_reward_on_the_same_steps(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import subprocess
+    from pathlib import Path
+
+    from rlhf_pipeline.dataio.plots import chart_figure, charts_to_draw, load_runs
+
+    repo = Path(__file__).resolve().parents[2]
+    settings = ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "learner.batch_size=16",
+                "learner.sample_window=32", "learner.new_rows_per_step=16", "eval.every_steps=2", "eval.samples=2",
+                "eval.temperature=1.0", "eval.max_prompts=8"]
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(repo / "pipelines" / "default.py"),
+                             "--steps", "4", "--home", str(tmp_path), "--run-name", "r",
+                             *[word for item in settings for word in ("--set", item)]],
+                            cwd=repo, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "r"
+    assert main(["plot", str(run), "--out", str(tmp_path / "charts")]) == 0
+    assert (tmp_path / "charts" / "eval_held_out-k2-t1-n8.png").is_file()
+
+    data = load_runs([run])
+    (chart,) = [c for c in charts_to_draw(data) if c.name.startswith("eval_")]
+    lines = {line.get_label(): line for line in chart_figure(chart, data).axes[0].get_lines()}
+    learner = read_metrics(run / "metrics.jsonl")
+    evaluated = read_metrics(run / "eval" / "metrics.jsonl")
+    drawn = {label: (list(line.get_xdata()), list(line.get_ydata())) for label, line in lines.items()}
+    assert drawn["r (training reward)"] == ([r["step"] for r in learner], [r["charts/reward_mean"] for r in learner])
+    for stat in ("pass@1", "pass@2", "mean_score"):
+        key = f"eval/held_out-k2-t1-n8/{stat}"
+        assert drawn[f"r (held-out {stat})"] == ([0, 2, 4], [r[key] for r in evaluated])  # the same step axis
+    assert [r["step"] for r in evaluated] == [0, 2, 4]

@@ -1,0 +1,150 @@
+"""``learner.keep_best`` on real runs of the default pipeline's tiny model: the best checkpoint by a
+held-out score is kept beside the newest (never pruned), shown by ``inspect``, exported by
+``export-model --best`` (it loads in transformers), branched from by ``branch --from-step best`` as from
+its step, refused at launch when it names no summary of the run's evaluation, and the same after a
+``kill -9`` of the run mid-step and its resume as in an unbroken run; and, with a training reward that
+pays for length (``pipelines/length_paid.py``), an early step as the best while the training reward rises."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import kill_when
+
+from rlhf_pipeline.coordination.eval_pins import eval_scores
+from rlhf_pipeline.files.run_paths import RunPaths
+from rlhf_pipeline.learn.checkpoint import run_best, run_checkpoints
+from rlhf_pipeline.learn.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = str(REPO / "pipelines" / "default.py")
+METRIC = "eval/held_out-k2-t1-n8/mean_score"  # two samples at temperature 1: scores differ between versions
+SETTINGS = ["--set", "warm_start_steps=5", "--set", "prompts_per_round=4", "--set", "group_size=4",
+            "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",
+            "--set", "learner.new_rows_per_step=16", "--set", "learner.checkpoint_every=100",
+            "--set", "learner.keep_checkpoints=1", "--set", "eval.every_steps=2", "--set", "eval.samples=2",
+            "--set", "eval.temperature=1.0", "--set", "eval.max_prompts=8", "--set", f"learner.keep_best={METRIC}"]
+STEPS = 8
+
+
+def command(home: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
+            "--home", str(home), "--run-name", name, *SETTINGS, *extra]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def expected_best(run: Path) -> tuple[int, float]:
+    """(step, score) of the best candidate by the evaluator's lines: the highest, the earliest of equals."""
+    scores = eval_scores(RunPaths(run).store, METRIC)
+    assert sorted(scores) == [0, 2, 4, 6, 8]  # the starting policy is scored too, but has no checkpoint
+    value, step = max((scores[v], -v) for v in (2, 4, 6, 8))
+    return -step, value
+
+
+def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_step(tmp_path):
+    result = subprocess.run(command(tmp_path, "r"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    run = tmp_path / "r"
+    step, value = expected_best(run)
+    best = run_best(RunPaths(run))
+    assert (best.step, best.policy_version, best.metric, best.value) == (step, step, METRIC, value)
+    assert run_checkpoints(RunPaths(run)).steps() == sorted({step, STEPS})  # the newest and the best, no other
+
+    shown = cli("inspect", str(run))
+    assert shown.returncode == 0, shown.stderr
+    assert f"best checkpoint  step {step} (policy version {step}): {METRIC} {value:.4g}" in shown.stdout
+    assert json.loads(cli("inspect", str(run), "--json").stdout)["run"]["best"]["step"] == step
+
+    exported = cli("export-model", str(run), str(tmp_path / "best"), "--best")
+    assert exported.returncode == 0, exported.stderr
+    assert f"policy version {step} " in exported.stdout and f"the best checkpoint, step {step}" in exported.stdout
+    assert cli("export-model", str(run), str(tmp_path / "numbered"), "--version", str(step)).returncode == 0
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "best")
+    numbered = load_file(tmp_path / "numbered" / "model.safetensors")
+    assert numbered and all(tensor.equal(numbered[name]) for name, tensor in model.state_dict().items()
+                            if name in numbered)
+
+    assert cli("branch", str(run), "--from-step", "best", "from-best").returncode == 0
+    assert cli("branch", str(run), "--from-step", str(step), "from-step").returncode == 0
+    lineages = [json.loads((tmp_path / name / "branch.json").read_text()) for name in ("from-best", "from-step")]
+    for lineage in lineages:
+        lineage.pop("created")
+    assert lineages[0]["step"] == step and lineages[0] == lineages[1]
+    checkpoint = f"checkpoints/step_{step:08d}.pt"
+    assert (tmp_path / "from-best" / checkpoint).read_bytes() == (tmp_path / "from-step" / checkpoint).read_bytes()
+    assert sorted(os.listdir(tmp_path / "from-best")) == sorted(os.listdir(tmp_path / "from-step"))
+    # the branch keeps its own best, from its own evaluations: none yet
+    refused = cli("export-model", str(tmp_path / "from-best"), str(tmp_path / "none"), "--best")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "has no best checkpoint yet" in refused.stderr
+
+
+def test_a_kill_9_mid_step_resumes_to_the_best_of_an_unbroken_run(tmp_path):
+    unbroken = subprocess.run(command(tmp_path, "unbroken"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    first = subprocess.Popen(command(tmp_path, "killed"), cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    # after the checkpoint of step 4 (a candidate), inside a later step: learner, collector and evaluator at once
+    kill_when(first, lambda: metrics.is_file() and metrics.read_text().count("\n") >= 5, whole_group=True,
+              poll_s=0.01, wait_s=60)
+    assert first.returncode == -signal.SIGKILL
+    assert len(read_metrics(metrics)) < STEPS, "the kill came after the run had finished; nothing was resumed"
+    resumed = subprocess.run(command(tmp_path, "killed"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    killed, reference = tmp_path / "killed", tmp_path / "unbroken"
+    assert eval_scores(RunPaths(killed).store, METRIC) == eval_scores(RunPaths(reference).store, METRIC)
+    best, expected = run_best(RunPaths(killed)), run_best(RunPaths(reference))
+    assert (best.step, best.value) == (expected.step, expected.value) == expected_best(reference)
+    assert run_checkpoints(RunPaths(killed)).steps() == run_checkpoints(RunPaths(reference)).steps()
+
+
+def test_keep_best_naming_no_summary_of_the_runs_evaluation_is_refused_at_launch_in_one_line(tmp_path):
+    wrong = cli("run", DEFAULT, "--home", str(tmp_path), "--set", "eval.every_steps=2",
+                "--set", "learner.keep_best=eval/held_out/pass@4")
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip().splitlines() == [
+        "rlhf-pipeline run: error: setting 'learner.keep_best' must be one of ['eval/held_out/pass@1', "
+        "'eval/held_out/mean_score'] (the summaries of this run's evaluations), got 'eval/held_out/pass@4'"]
+    off = cli("run", DEFAULT, "--home", str(tmp_path), "--set", "learner.keep_best=eval/held_out/pass@1")
+    assert off.returncode == 2
+    assert off.stderr.strip().splitlines() == [
+        "rlhf-pipeline run: error: setting 'learner.keep_best' (eval/held_out/pass@1) ranks checkpoints by the "
+        "evaluation beside training, which is off (eval.every_steps=0): add --set eval.every_steps=N, or leave "
+        "learner.keep_best at none"]
+    assert not (tmp_path / "default" / "weights").exists()
+
+
+def test_a_gamed_training_reward_rises_while_the_held_out_score_falls_and_the_best_is_an_early_step(tmp_path):
+    # tests/evaluation/pipelines/length_paid.py: the default task, its training reward paying for length
+    metric = "eval/held_out-k1-t0-n20/pass@1"
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
+                             str(Path(__file__).parent / "pipelines" / "length_paid.py"), "--steps", "20",
+                             "--home", str(tmp_path), "--run-name", "gamed", "--set", "learner.lr=1e-3",
+                             "--set", "eval.every_steps=5", "--set", "eval.max_prompts=20",
+                             "--set", f"learner.keep_best={metric}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    run = tmp_path / "gamed"
+    rewards = [line["charts/reward_mean"] for line in read_metrics(run / "metrics.jsonl")]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15  # the training reward rises
+    scores = eval_scores(RunPaths(run).store, metric)
+    assert sorted(scores) == [0, 5, 10, 15, 20] and scores[20] < scores[0]  # the exact answers do not
+    best = run_best(RunPaths(run))
+    assert best.step <= 10 and best.value == max(scores[v] for v in (5, 10, 15, 20)) > scores[20]
+    assert best.step in run_checkpoints(RunPaths(run)).steps()
