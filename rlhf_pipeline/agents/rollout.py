@@ -113,7 +113,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                        template_kwargs: Mapping[str, Any] | None = None,
                        on_groups_ended: Callable[[list[tuple[int, list[Episode] | None]]], None] | None = None,
                        episode_ended: Callable[[int], None] | None = None,
-                       clock: Callable[[], float] = time.monotonic) -> Rollout:
+                       clock: Callable[[int], float] = lambda episode: time.monotonic()) -> Rollout:
     """Runs ``group_size`` episodes of each task to their ends. ``make_env()`` builds one episode's
     environment; one with a ``toolbox`` attribute (a :class:`~.tools.ToolBox`) has its tools'
     schemas rendered by the chat template, or one with ``tool_schemas`` (read after its reset:
@@ -128,8 +128,9 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
     as its environment answered; the first error it raises ends the rollout. ``episode_ended(k)``:
     called once for each episode, when it asks for no more turns (or never started).
 
-    ``clock``: the seconds ``episode_timeout_s`` is measured in (a test gives one it moves itself, so
-    whether an episode is overdue follows from its steps, not from the machine's speed)."""
+    ``clock(k)``: the seconds episode ``k``'s ``episode_timeout_s`` is measured in, read at its reset
+    and after each of its steps (a test gives each episode a clock its own steps move, so whether it
+    is overdue follows from its steps, not from the machine's speed or the other episodes')."""
     g = config.group_size
     n = len(tasks) * g
     failures: list[EpisodeFailure] = []
@@ -178,7 +179,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
             except Exception as exc:
                 fail(k, "reset_failed", _failed_call(f"the opening messages of {type(envs[k]).__name__}.reset", exc))
         report_ended()
-        started = clock()
+        started = {k: clock(k) for k in range(n) if episodes[k] is not None}
 
         def answer(k: int, stepped: Any, exc: Exception | None) -> None:
             """Episode ``k``'s environment answered (or raised): the answer goes on its token list."""
@@ -191,7 +192,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
             if isinstance(result.reward, float) and not math.isfinite(result.reward):
                 fail(k, "non_finite_reward", f"{where} gave reward {result.reward} at turn {len(episodes[k].turns) - 1}")
                 return
-            overdue = config.episode_timeout_s is not None and clock() - started > config.episode_timeout_s
+            overdue = config.episode_timeout_s is not None and clock(k) - started[k] > config.episode_timeout_s
             if overdue and not result.done:
                 result = dataclasses.replace(result, messages=[], done=True, reason=TerminationReason.TIMEOUT)
                 metrics["episode_timeouts"] += 1
