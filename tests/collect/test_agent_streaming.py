@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import resume
-from rlhf_pipeline.collect.streaming import stored_in_round
+from rlhf_pipeline.collect.commit import stored_in_round
 from rlhf_pipeline.storage import make_replay_buffer
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
