@@ -52,10 +52,11 @@ def policy():
     return tiny_policy()
 
 
-def run_rounds(policy, where, rounds, *, delay_seed=0, crash_at_append=None):
+def run_rounds(policy, where, rounds, *, delay_seed=0, crash_at_append=None, ahead=False):
     """Collects like ``collect_main`` does, each environment step delayed at random (``delay_seed``);
-    ``crash_at_append=k``: stop right after the k-th append. Returns the stored rows, the appends of each
-    round and the order environment steps ran in."""
+    ``crash_at_append=k``: stop right after the k-th append; ``ahead``: every round lets the next one
+    start once its first group ended. Returns the stored rows, the appends of each round and the order
+    environment steps ran in."""
     store = open_or_create(where / "buffer")
     buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE)])
     appends, per_round, log, lock = [], [], [], threading.Lock()
@@ -73,9 +74,9 @@ def run_rounds(policy, where, rounds, *, delay_seed=0, crash_at_append=None):
                                 make_env=lambda toolbox: SlowEnv(toolbox, next(ordinals), delays, log, lock))
     resume(collector, store)
     try:
-        for _ in range(rounds):
+        for done in range(rounds):
             before = len(appends)
-            collector.collect()
+            collector.collect(next_round=lambda _rows, done=done: ahead and done + 1 < rounds)
             per_round.append(appends[before:])
     except Crash:
         pass
@@ -112,6 +113,24 @@ def test_a_crash_between_two_appends_resumes_to_the_same_rows_each_trajectory_on
     round_ends = [sum(sum(a) for a in appends[:r]) for r in range(ROUNDS + 1)]
     finished = max(r for r, end in enumerate(round_ends) if end <= len(cut))
     again, _, _, _ = run_rounds(policy, tmp_path, ROUNDS - finished, delay_seed=5)
+    assert again.equal(rows)  # each trajectory once, none skipped, the same rows
+
+
+def test_an_agent_round_started_ahead_gives_the_rows_of_rounds_run_one_after_the_other(policy, tmp_path, reference):
+    rows, _, _, collector = reference
+    ahead, _, _, ahead_collector = run_rounds(policy, tmp_path, ROUNDS, delay_seed=3, ahead=True)
+    assert ahead.equal(rows)  # bit for bit: the two rounds never shared a batch of our loop
+    assert ahead_collector.last_metrics["submitted_ahead"] == 1.0 and collector.last_metrics["submitted_ahead"] == 0.0
+
+
+@pytest.mark.parametrize("crash_at_append", [2, 4])
+def test_a_crash_with_two_agent_rounds_in_flight_resumes_to_the_same_rows(policy, tmp_path, reference, crash_at_append):
+    rows, appends, _, _ = reference
+    cut, _, _, _ = run_rounds(policy, tmp_path, ROUNDS, delay_seed=6, crash_at_append=crash_at_append, ahead=True)
+    assert cut.equal(rows.select(torch.arange(len(cut))))
+    round_ends = [sum(sum(a) for a in appends[:r]) for r in range(ROUNDS + 1)]
+    finished = max(r for r, end in enumerate(round_ends) if end <= len(cut))
+    again, _, _, _ = run_rounds(policy, tmp_path, ROUNDS - finished, delay_seed=7, ahead=True)
     assert again.equal(rows)  # each trajectory once, none skipped, the same rows
 
 
