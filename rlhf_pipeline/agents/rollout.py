@@ -93,17 +93,27 @@ class Rollout:
 
     def to_batch(self, *, first_group_id: int, first_trajectory_id: int, policy_version: int,
                  fields: Collection[str] = ()) -> TrajectoryBatch | None:
-        """Every kept episode's rows (one per turn), task ``i``'s group id ``first_group_id + i`` and
-        its episodes' trajectory ids ``first_trajectory_id + i * group_size + j``: a dropped group
-        leaves its ids unused, so ids depend on the task's place, not on what failed. None: every
-        group was dropped."""
-        if not self.episodes:
-            return None
+        """Every kept episode's rows (one per turn), with the ids :func:`groups_to_batch` gives them.
+        None: every group was dropped."""
         g = self.group_size
-        tasks = [self.kept_groups[k // g] for k in range(len(self.episodes))]
-        return episodes_to_batch(self.episodes, group_ids=[first_group_id + i for i in tasks],
-                                 trajectory_ids=[first_trajectory_id + i * g + k % g for k, i in enumerate(tasks)],
-                                 policy_version=policy_version, fields=fields)
+        groups = [(i, self.episodes[k * g:(k + 1) * g]) for k, i in enumerate(self.kept_groups)]
+        return groups_to_batch(groups, group_size=g, first_group_id=first_group_id,
+                               first_trajectory_id=first_trajectory_id, policy_version=policy_version, fields=fields)
+
+
+def groups_to_batch(groups: Sequence[tuple[int, Sequence[Episode]]], *, group_size: int, first_group_id: int,
+                    first_trajectory_id: int, policy_version: int,
+                    fields: Collection[str] = ()) -> TrajectoryBatch | None:
+    """The rows of ended groups ``(task index, its episodes)``: task ``i``'s group id is ``first_group_id + i``
+    and its episode ``j``'s trajectory id ``first_trajectory_id + i * group_size + j``, so a dropped group
+    leaves its ids unused and ids depend on the task's place, not on what failed. None: no groups."""
+    if not groups:
+        return None
+    return episodes_to_batch([e for _, episodes in groups for e in episodes],
+                             group_ids=[first_group_id + i for i, episodes in groups for _ in episodes],
+                             trajectory_ids=[first_trajectory_id + i * group_size + j
+                                             for i, episodes in groups for j in range(len(episodes))],
+                             policy_version=policy_version, fields=fields)
 
 
 async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[], Environment],

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits, episodes_to_batch
-from rlhf_pipeline.agents.rollout import RolloutConfig, run_episodes
+from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
+from rlhf_pipeline.agents.rollout import RolloutConfig, groups_to_batch, run_episodes
 from rlhf_pipeline.collect.agent_metrics import round_metrics
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, drop_non_finite_groups, score
 from rlhf_pipeline.generation.engine import SampleRequest, draw_seed
@@ -255,17 +255,11 @@ class Environments:
     def rows(self, collector, round_, groups: list[EndedGroup]) -> RoundRows:
         """The rows of ended groups, task ``i``'s group id ``first_group_id + i`` and its episode ``j``'s
         trajectory ``first_trajectory_id + i * group_size + j``: a dropped group leaves its ids unused."""
-        g = collector.config.group_size
-        kept = [group for group in groups if group.episodes is not None]
         dropped = [(round_.first_group_id + group.index, "", "") for group in groups if group.episodes is None]
-        if not kept:
-            return RoundRows(None, dropped)
-        batch = episodes_to_batch([e for group in kept for e in group.episodes],
-                                  group_ids=[round_.first_group_id + group.index for group in kept
-                                             for _ in group.episodes],
-                                  trajectory_ids=[round_.first_trajectory_id + group.index * g + j
-                                                  for group in kept for j in range(len(group.episodes))],
-                                  policy_version=collector.policy_version, fields=self.row_fields)
+        batch = groups_to_batch([(group.index, group.episodes) for group in groups if group.episodes is not None],
+                                group_size=collector.config.group_size, first_group_id=round_.first_group_id,
+                                first_trajectory_id=round_.first_trajectory_id,
+                                policy_version=collector.policy_version, fields=self.row_fields)
         return RoundRows(batch, dropped)
 
     def finish(self, round_) -> None:
