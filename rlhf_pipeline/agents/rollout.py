@@ -3,7 +3,7 @@ environments stepped concurrently, whole groups of whole trajectories handed bac
 
 An episode that fails drops its group, with the reason in :attr:`Rollout.failures`. The sampler is
 an async ``sample_turn(episode, token_ids, max_new_tokens) -> (ids, log_probs)``
-(``collect/agent_turns.py`` asks the engine). Design: docs/architecture.md#episodes-are-token-lists.
+(the collector's ``collect/episodes.py`` asks the engine). Design: docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
 
     ``on_groups_ended(ended)``: called between turns with the groups whose episodes all ended since
     the last call, each as ``(task index, its episodes)``, or ``(task index, None)`` for a dropped
-    group; every group comes once (the agent collector writes them there, ``collect/agent_streaming.py``).
+    group; every group comes once (the collector writes them there, ``collect/commit.py``).
 
     ``sample_turn``: each episode takes its turns on its own, its next turn asked for (awaited) as soon
     as its environment answered; the first error it raises ends the rollout. ``episode_ended(k)``:

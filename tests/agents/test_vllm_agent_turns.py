@@ -1,4 +1,4 @@
-"""Per-episode turns through the vLLM engine (``AgentCollectorConfig.turns="per_episode"``: each
+"""Per-episode turns through the vLLM engine (``collect/turns.py``: each
 episode's next turn added to vLLM's running batch as soon as its environment answered, through the
 server's ``turns`` operation), over the BPE tokenizer trained here: the rows do not depend on when
 the environments answer, every stored log-prob is the teacher-forced one over its whole trajectory,

@@ -1,4 +1,4 @@
-"""An agent round's groups written as they end (``collect/agent_streaming.py``): each group once its
+"""An agent round's groups written as they end (``collect/commit.py``): each group once its
 episodes all ended and the earlier groups are written, in several appends a round, and a crash
 between two appends resumed to the same rows, each trajectory once."""
 

