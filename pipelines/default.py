@@ -14,7 +14,8 @@ What it wires, top to bottom:
 2. task    ``a+b=`` prompts (a, b < max_operand) and a verifiable reward with partial
            credit for right digits (``rlhf_pipeline.collect.toy_task``);
 3. write   the GRPO group advantage (normalized by the group's std), computed before rows land;
-4. collect a ``Collector`` of ``prompts_per_round`` prompts a round, over the engine the run's
+4. collect a ``Collector`` of ``prompts_per_round`` prompts a round, each a group of single-turn
+           episodes (``SingleTurn``), over the engine the run's
            ``generation`` settings name (our loop; vLLM, whose CPU attention needs a head size of
            32 or more, so ``num_heads=2`` with the default width; or a server at ``generation.url``).
 
@@ -117,16 +118,16 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     # ---------------------------------------------------------------- collector
     def collector(engine, sink, store, collector_index: int):
-        from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+        from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 
         config = CollectorConfig(
-            prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
+            tasks_per_round=settings.prompts_per_round, group_size=settings.group_size,
             sampling=SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature),
             seed=settings.seed, collector_index=collector_index,
         )
         # each collector (one buffer shard each) walks the prompts in its own order
         source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
-        return Collector(engine, tokenizer, source, rewards, sink=sink, config=config)
+        return Collector(engine, tokenizer, source, SingleTurn(rewards), sink=sink, config=config)
 
     return Pipeline(
         settings=settings,

@@ -130,16 +130,16 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
 
     # ---------------------------------------------------------------- collector
     def collector(engine, sink, store, collector_index: int):
-        from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+        from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 
         config = CollectorConfig(
-            prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
+            tasks_per_round=settings.prompts_per_round, group_size=settings.group_size,
             sampling=SamplingConfig(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature),
             seed=settings.seed, collector_index=collector_index,
         )
         # each collector (one buffer shard each) walks the prompts in its own order
         source = PromptSource(prompts, seed=settings.seed + 1_000_003 * collector_index, required_fields=("answer",))
-        return Collector(engine, tokenizer, source, rewards, sink=sink, config=config)
+        return Collector(engine, tokenizer, source, SingleTurn(rewards), sink=sink, config=config)
 
     return Pipeline(
         settings=settings,

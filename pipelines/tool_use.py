@@ -18,9 +18,10 @@ What it wires, top to bottom:
 2. task    products of two 2-digit numbers, which the model cannot do in its head, and the
            ``multiply`` tool (``rlhf_pipeline.agents.calculator``): an episode is the model's turns,
            each either Hermes-style tool calls (answered by the tool) or a final answer (reward);
-3. collect ``AgentCollector``: ``group_size`` episodes per task run to their ends, generation
-           batched over active episodes; each round's whole groups of whole trajectories go
-           through the write path in one append (one row per model turn, ``step`` = turn index);
+3. collect a ``Collector`` over ``Environments``: ``group_size`` episodes per task run to their
+           ends, each episode's next turn asked as soon as its environment answered; each group of
+           whole trajectories goes through the write path once it and every group before it ended
+           (one row per model turn, ``step`` = turn index);
 4. buffer  a memmap buffer per collector; the write path's group advantage sums each trajectory's
            turn rewards into its return and writes the group-relative advantage on every turn;
 5. learner GRPO with the settings in ``learner``: each trajectory trains as one sequence (its
@@ -188,7 +189,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         from rlhf_pipeline.agents.calculator import multiply
         from rlhf_pipeline.agents.episode import EpisodeLimits
         from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
-        from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
+        from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, SamplingConfig, TaskSource
         from rlhf_pipeline.collect.console import agent_round_printer
 
         toolbox = ToolBox([multiply], timeout_s=5.0, max_output_chars=100)  # shared by every episode
@@ -197,12 +198,15 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
             return CalculatorEnv(toolbox, max_tool_errors=settings.max_tool_errors,
                                  partial_credit=settings.partial_credit)
 
-        config = AgentCollectorConfig(
+        config = CollectorConfig(
             tasks_per_round=settings.tasks_per_round, group_size=settings.group_size,
-            limits=EpisodeLimits(max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
-                                 context_length=settings.context_length),
             sampling=SamplingConfig(temperature=settings.temperature), seed=settings.seed,
             collector_index=collector_index, max_failed_group_fraction=settings.max_failed_group_fraction,
+        )
+        episodes = Environments(
+            make_env, parser=parse_hermes,
+            limits=EpisodeLimits(max_turns=settings.max_turns, max_new_tokens=settings.max_new_tokens,
+                                 context_length=settings.context_length),
             # a buffer created before some of the agents' row fields existed goes on without them
             row_fields=tuple(f for f in AGENT_ROW_FIELDS if f in store.schema.field_names),
         )
@@ -211,8 +215,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
                             required_fields=("question", "answer"))
         # a line every log_rounds_every rounds, with what failed tool calls said (collect/console.py)
         hooks = [agent_round_printer(settings.log_rounds_every, collector_index, toolbox)]
-        return AgentCollector(engine, tokenizer, source, make_env, sink=sink,
-                              config=config, parser=parse_hermes, hooks=hooks)
+        return Collector(engine, tokenizer, source, episodes, sink=sink, config=config, hooks=hooks)
 
     def preflight():  # before any model is built or anything written:
         from rlhf_pipeline.agents.calculator import multiply

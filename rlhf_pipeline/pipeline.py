@@ -50,12 +50,13 @@ class PipelineError(ValueError):
 
 # ====================================================================== the contract
 class CollectorLike(Protocol):
-    """Everything ``rlhf-pipeline collect`` calls (``rlhf_pipeline.collect.Collector`` and
-    ``AgentCollector`` are two): its sink publishes each append's rows with the state after them
-    (``make_replay_buffer(store, ...).extend``), which ``load_state_dict`` takes back on restart."""
+    """Everything ``rlhf-pipeline collect`` (``runs/processes.py``, ``collect_main``) calls of the collector
+    a pipeline makes (``rlhf_pipeline.collect.Collector``): its sink publishes each append's rows with the
+    state after them (``make_replay_buffer(store, ...).extend``), which ``load_state_dict`` takes back on
+    restart."""
 
     config: Any  # its ``collector_index`` names the ids it writes
-    engine: Any  # a GenerationEngine: its ``stats`` and ``name`` are said on the console
+    engine: Any  # a GenerationEngine: its ``stats``, ``name`` and ``restarts`` are said on the console
     runner_state: dict[str, Any]  # the runner's own state, published with the collector's
     last_metrics: dict[str, float]  # the last round's
     batches_emitted: int  # rounds written, counted on across restarts
@@ -69,7 +70,7 @@ class CollectorLike(Protocol):
     def policy_version(self) -> int: ...
 
     @property
-    def continues_a_round(self) -> bool: ...  # ahead, or written in part before a stop: no new weights
+    def continues_a_round(self) -> bool: ...  # started ahead, or written in part before a stop: no new weights
 
     def set_policy_state(self, state_dict: dict, version: int) -> None: ...
 
@@ -102,8 +103,8 @@ class Pipeline:
     """``collector(engine, sink, store, collector_index)`` -> the task's collector, sampling with the
     engine the run's ``generation`` settings name and writing rows with ``sink`` (the write path into
     ``store``, whose schema says which fields it holds). It passes ``collector_index`` on
-    (``CollectorConfig(collector_index=...)``) so ids stay unique across shards. A collector with a
-    ``close()`` method is closed when collection ends."""
+    (``CollectorConfig(collector_index=...)``) so ids stay unique across shards; it is closed when
+    collection ends."""
     make_write_path: Callable[[Any], Sequence[Any]] | None = None
     """``make_write_path(writable_store)`` -> the write-path transforms bound to that store, in
     write order (group advantage, reference log-probs, KL reward...). Collected and imported rows

@@ -137,18 +137,18 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def collector(engine, sink, store, collector_index: int):
         from rlhf_pipeline.agents.episode import EpisodeLimits
         from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
-        from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
+        from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, SamplingConfig, TaskSource
         from rlhf_pipeline.collect.console import agent_round_printer
 
         toolbox = ToolBox([to_binary], timeout_s=5.0, max_output_chars=100)
-        config = AgentCollectorConfig(
+        config = CollectorConfig(
             tasks_per_round=settings.tasks_per_round, group_size=settings.group_size, seed=settings.seed,
-            limits=EpisodeLimits(max_turns=settings.max_turns, max_new_tokens=64, context_length=256),
             sampling=SamplingConfig(temperature=settings.temperature), collector_index=collector_index)
+        episodes = Environments(lambda: BinaryEnv(toolbox), parser=parse_hermes,
+                                limits=EpisodeLimits(max_turns=settings.max_turns, max_new_tokens=64, context_length=256))
         source = TaskSource(tasks, seed=settings.seed + collector_index, required_fields=("question", "answer"))
-        return AgentCollector(engine, tokenizer, source, lambda: BinaryEnv(toolbox), sink=sink, config=config,
-                              parser=parse_hermes,
-                              hooks=[agent_round_printer(5, collector_index, toolbox)])  # a line every 5 rounds
+        return Collector(engine, tokenizer, source, episodes, sink=sink, config=config,
+                         hooks=[agent_round_printer(5, collector_index, toolbox)])  # a line every 5 rounds
 
     def preflight():
         from rlhf_pipeline.agents.templates import check_chat_template

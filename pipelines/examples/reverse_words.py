@@ -103,14 +103,14 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
         return [GroupAdvantage(settings.group_size)]
 
     def collector(engine, sink, store, collector_index: int):
-        from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+        from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 
-        config = CollectorConfig(prompts_per_batch=settings.prompts_per_round, num_generations=settings.group_size,
+        config = CollectorConfig(tasks_per_round=settings.prompts_per_round, group_size=settings.group_size,
                                  sampling=SamplingConfig(max_new_tokens=settings.length + 2,
                                                          temperature=settings.temperature),
                                  seed=settings.seed, collector_index=collector_index)
         source = PromptSource(prompts, seed=settings.seed + collector_index, required_fields=("answer",))
-        return Collector(engine, tokenizer, source, rewards, sink=sink, config=config)
+        return Collector(engine, tokenizer, source, SingleTurn(rewards), sink=sink, config=config)
 
     return Pipeline(settings=settings, make_policy=make_policy, make_model=make_model, tokenizer=tokenizer,
                     make_write_path=make_write_path, collector=collector,

@@ -6,6 +6,6 @@ call parsers, ``ToolBox``), :mod:`.episode` (the token list and the rows it stor
 :mod:`.calculator` (a toy environment and its warm start), :mod:`.verifiers_v1` and
 :mod:`.verifiers_env` (verifiers environments, the optional ``verifiers`` extra).
 
-Knows rows and models, not storage: ``collect/agent_collector.py`` writes what rollouts return.
+Knows rows and models, not storage: the collector (``collect/collector.py``, over ``collect/episodes.py``'s ``Environments``) writes what rollouts return.
 User's guide: docs/agents.md; design: docs/architecture.md#episodes-are-token-lists.
 """

@@ -3,7 +3,7 @@ environments stepped concurrently, whole groups of whole trajectories handed bac
 
 An episode that fails drops its group, with the reason in :attr:`Rollout.failures`. The sampler is
 an async ``sample_turn(episode, token_ids, max_new_tokens) -> (ids, log_probs)``
-(``collect/agent_turns.py`` asks the engine). Design: docs/architecture.md#episodes-are-token-lists.
+(the collector's ``collect/episodes.py`` asks the engine). Design: docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations
@@ -93,17 +93,27 @@ class Rollout:
 
     def to_batch(self, *, first_group_id: int, first_trajectory_id: int, policy_version: int,
                  fields: Collection[str] = ()) -> TrajectoryBatch | None:
-        """Every kept episode's rows (one per turn), task ``i``'s group id ``first_group_id + i`` and
-        its episodes' trajectory ids ``first_trajectory_id + i * group_size + j``: a dropped group
-        leaves its ids unused, so ids depend on the task's place, not on what failed. None: every
-        group was dropped."""
-        if not self.episodes:
-            return None
+        """Every kept episode's rows (one per turn), with the ids :func:`groups_to_batch` gives them.
+        None: every group was dropped."""
         g = self.group_size
-        tasks = [self.kept_groups[k // g] for k in range(len(self.episodes))]
-        return episodes_to_batch(self.episodes, group_ids=[first_group_id + i for i in tasks],
-                                 trajectory_ids=[first_trajectory_id + i * g + k % g for k, i in enumerate(tasks)],
-                                 policy_version=policy_version, fields=fields)
+        groups = [(i, self.episodes[k * g:(k + 1) * g]) for k, i in enumerate(self.kept_groups)]
+        return groups_to_batch(groups, group_size=g, first_group_id=first_group_id,
+                               first_trajectory_id=first_trajectory_id, policy_version=policy_version, fields=fields)
+
+
+def groups_to_batch(groups: Sequence[tuple[int, Sequence[Episode]]], *, group_size: int, first_group_id: int,
+                    first_trajectory_id: int, policy_version: int,
+                    fields: Collection[str] = ()) -> TrajectoryBatch | None:
+    """The rows of ended groups ``(task index, its episodes)``: task ``i``'s group id is ``first_group_id + i``
+    and its episode ``j``'s trajectory id ``first_trajectory_id + i * group_size + j``, so a dropped group
+    leaves its ids unused and ids depend on the task's place, not on what failed. None: no groups."""
+    if not groups:
+        return None
+    return episodes_to_batch([e for _, episodes in groups for e in episodes],
+                             group_ids=[first_group_id + i for i, episodes in groups for _ in episodes],
+                             trajectory_ids=[first_trajectory_id + i * group_size + j
+                                             for i, episodes in groups for j in range(len(episodes))],
+                             policy_version=policy_version, fields=fields)
 
 
 async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[], Environment],
@@ -113,7 +123,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                        template_kwargs: Mapping[str, Any] | None = None,
                        on_groups_ended: Callable[[list[tuple[int, list[Episode] | None]]], None] | None = None,
                        episode_ended: Callable[[int], None] | None = None,
-                       clock: Callable[[], float] = time.monotonic) -> Rollout:
+                       clock: Callable[[int], float] = lambda episode: time.monotonic()) -> Rollout:
     """Runs ``group_size`` episodes of each task to their ends. ``make_env()`` builds one episode's
     environment; one with a ``toolbox`` attribute (a :class:`~.tools.ToolBox`) has its tools'
     schemas rendered by the chat template, or one with ``tool_schemas`` (read after its reset:
@@ -122,14 +132,15 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
 
     ``on_groups_ended(ended)``: called between turns with the groups whose episodes all ended since
     the last call, each as ``(task index, its episodes)``, or ``(task index, None)`` for a dropped
-    group; every group comes once (the agent collector writes them there, ``collect/agent_streaming.py``).
+    group; every group comes once (the collector writes them there, ``collect/commit.py``).
 
     ``sample_turn``: each episode takes its turns on its own, its next turn asked for (awaited) as soon
     as its environment answered; the first error it raises ends the rollout. ``episode_ended(k)``:
     called once for each episode, when it asks for no more turns (or never started).
 
-    ``clock``: the seconds ``episode_timeout_s`` is measured in (a test gives one it moves itself, so
-    whether an episode is overdue follows from its steps, not from the machine's speed)."""
+    ``clock(k)``: the seconds episode ``k``'s ``episode_timeout_s`` is measured in, read at its reset
+    and after each of its steps (a test gives each episode a clock its own steps move, so whether it
+    is overdue follows from its steps, not from the machine's speed or the other episodes')."""
     g = config.group_size
     n = len(tasks) * g
     failures: list[EpisodeFailure] = []
@@ -178,7 +189,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
             except Exception as exc:
                 fail(k, "reset_failed", _failed_call(f"the opening messages of {type(envs[k]).__name__}.reset", exc))
         report_ended()
-        started = clock()
+        started = {k: clock(k) for k in range(n) if episodes[k] is not None}
 
         def answer(k: int, stepped: Any, exc: Exception | None) -> None:
             """Episode ``k``'s environment answered (or raised): the answer goes on its token list."""
@@ -191,7 +202,7 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
             if isinstance(result.reward, float) and not math.isfinite(result.reward):
                 fail(k, "non_finite_reward", f"{where} gave reward {result.reward} at turn {len(episodes[k].turns) - 1}")
                 return
-            overdue = config.episode_timeout_s is not None and clock() - started > config.episode_timeout_s
+            overdue = config.episode_timeout_s is not None and clock(k) - started[k] > config.episode_timeout_s
             if overdue and not result.done:
                 result = dataclasses.replace(result, messages=[], done=True, reason=TerminationReason.TIMEOUT)
                 metrics["episode_timeouts"] += 1

@@ -1,8 +1,8 @@
-"""Collection: prompts and tasks, batched sampling with log-probs, rewards, the single-turn and agent
-collectors, a toy task."""
+"""Collection: prompts and tasks, batched sampling with log-probs, rewards, the collector over
+episodes of one turn or with environments, a toy task."""
 
-from rlhf_pipeline.collect.agent_collector import AgentCollector, AgentCollectorConfig
 from rlhf_pipeline.collect.collector import Collector, CollectorConfig
+from rlhf_pipeline.collect.episodes import Environments, SingleTurn
 from rlhf_pipeline.generation.loop import Generation, generate, teacher_forced_log_probs
 from rlhf_pipeline.generation.sampling import SamplingConfig, process_logits
 from rlhf_pipeline.collect.prompts import (
@@ -25,7 +25,7 @@ from rlhf_pipeline.collect.rewards import (
 )
 
 __all__ = [
-    "REWARDS", "AgentCollector", "AgentCollectorConfig", "Collector", "CollectorConfig", "Generation",
+    "REWARDS", "Collector", "CollectorConfig", "Environments", "Generation", "SingleTurn",
     "PromptError", "PromptRecord", "PromptSource", "RewardError", "RewardModelReward", "SamplingConfig",
     "TaskSource", "WeightedReward", "extract_number", "generate", "get_reward", "load_jsonl", "make_prompt",
     "process_logits", "score", "teacher_forced_log_probs", "validate_prompts",

@@ -1,4 +1,4 @@
-"""The metrics of one agent round (``AgentCollector.last_metrics``, and each hook's argument): rows,
+"""The metrics of one agent round (``Collector.last_metrics`` over ``Environments``, and each hook's argument): rows,
 rewards, turns, tool calls, what failed, the engine's figures, and how much of the round the engine
 had work (``generate_s``, ``engine_idle_share``)."""
 
@@ -12,9 +12,10 @@ from rlhf_pipeline.agents.rollout import Rollout
 from rlhf_pipeline.schema import TrajectoryBatch
 
 
-def round_metrics(collector: Any, result: Rollout, batch: TrajectoryBatch | None, elapsed: float, generate_s: float,
-                  streamed: dict[str, float]) -> dict[str, float]:
-    """``collector``'s (an :class:`~.agent_collector.AgentCollector`) metrics of the round it just wrote.
+def round_metrics(collector: Any, result: Rollout, batch: TrajectoryBatch | None, elapsed: float,
+                  generate_s: float) -> dict[str, float]:
+    """``collector``'s (a :class:`~.collector.Collector` over episodes with environments) metrics of the
+    round it just wrote.
 
     ``generate_s``: seconds the engine had at least one turn to sample (from a turn's submission
     until none is in flight); ``engine_idle_share`` the
@@ -42,16 +43,10 @@ def round_metrics(collector: Any, result: Rollout, batch: TrajectoryBatch | None
         "tool_calls_per_episode": sum(calls) / n,
         "sampled_tokens_per_episode": 0.0 if batch is None else float(batch["response_tokens"].lengths().sum()) / n,
         "groups_dropped": float(m["groups_dropped"]),
-        "groups_dropped_total": float(collector.groups_dropped),
         "generation_batches": float(m["generation_batches"]),
         "retokenization_drift": float(m["retokenization_drift"]),
         "template_mismatch": float(m["template_mismatch"]),
         "environment_timeouts": float(m["environment_timeouts"]),
-        "policy_version": float(collector.policy_version),
-        **collector.engine.stats.update_metrics(),
-        "batches": float(collector.batches_emitted),
-        "trajectories": float(collector.trajectories_emitted),
-        **streamed,  # a streamed round: when its first and last groups were written (collect/streaming.py)
     }
     for name, count in sorted(m.items()):  # reason/env_done..., tools/ok, dropped/step_failed...
         if name.startswith(("reason/", "tools/", "dropped/")):

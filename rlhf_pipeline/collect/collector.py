@@ -1,86 +1,85 @@
-"""The collector: prompts in, scored ``TrajectoryBatch`` rows out to a sink.
+"""The collector: tasks in, groups of episodes run with the policy, scored rows out to a sink.
 
-Why one file: a round's sampling, scoring, ids, metrics and resume state are one sequence whose
-parts must agree row for row (streaming and rounds ahead have their own modules).
+Why one file: a round's draws, its episodes' requests, the in-order commit, ids, metrics and resume
+state are one sequence whose parts must agree row for row.
 
-One ``collect()`` call takes ``prompts_per_batch`` prompts from the source and draws one seed per
-prompt, submits a request for ``num_generations`` completions of each to its generation engine
-(``generation/engine.py``: our sampling loop by default, vLLM with ``generation.engine=vllm``; the
-collector does not know which), and as each group is answered scores it and hands it to ``sink``
-(typically ``ReplayBuffer.extend`` with the write-path transforms attached) once every group before
-it went, in group-id order (``collect/streaming.py``); the next round may be submitted while this
-one's tail decodes (``collect/overlap.py``). Each row's ``policy_version`` is the version the engine
-held when it sampled the row's group.
+One loop for every task. A round takes ``tasks_per_round`` tasks from its source and, for each, a
+GRPO group of ``group_size`` episodes (``collect/episodes.py``): :class:`SingleTurn` episodes end
+after one completion scored by the reward functions; :class:`Environments` episodes take turns with an
+environment until they end. The round's tasks and every seed its episodes use are drawn at its start
+from the collector's generator (the one it checkpoints), so rows never depend on timing. Each
+episode asks the engine (``generation/engine.py``: our loop, vLLM, a server at a URL; the collector
+does not know which) for its next turn as soon as it is ready (``collect/turns.py``), and each group
+is scored and written once it and every group before it ended (``collect/commit.py``). Once the
+round's first group ended, ``next_round`` (the runner's pacing, ``runs/round_ahead.py``) may let the
+next round start while this one's tail runs. Each row's ``policy_version`` is the version the engine
+held when it sampled it; weights change between rounds only.
 
-Ids. ``group_id`` and ``trajectory_id`` are ``(collector_index << 40) | counter`` with
-counters that live in :meth:`Collector.state_dict`, so ids stay unique across
-collector processes (different indices) and restarts (counters resume). Every row
-is a single-turn trajectory: ``step`` 0, ``done`` True, ``terminated`` when the
-completion ended on EOS, ``truncated`` when it hit ``max_new_tokens``. A group with a NaN or
-infinite reward is dropped, not the run, as the agent collector drops one: its ids stay unused, it
-is counted in the round's metrics (``groups_dropped``, ``dropped/non_finite_reward``) and said in
-one line on stderr, and a collector resumed before the round drops it again.
+Ids. ``group_id`` and ``trajectory_id`` are ``(collector_index << 40) | counter`` with counters that
+live in :meth:`Collector.state_dict`, so ids stay unique across collector processes and restarts. A
+group dropped (a reward that is not finite, an environment that failed) leaves its ids unused, is
+counted in the round's metrics (``groups_dropped``, ``dropped/<reason>``) and said in one line on
+stderr; past ``max_failed_group_fraction`` of the groups run the collector raises
+:class:`~rlhf_pipeline.collect.rewards.EpisodeFailureRateError` after writing its round.
 
-Resume. ``state_dict()`` holds the prompt position, the id counters, the policy version, the
-sampling RNG and the pacing counts. Every call of the sink carries the state after exactly the
-groups it holds (``sink(rows, writer_state=state)``; ``ReplayBuffer.extend`` publishes the two in
-one atomic append, ``storage/writer_state.py``), so a collector restored from the store's last
-``writer_state`` continues where the stored rows end: nothing is skipped or repeated, after a
-``kill -9`` at any moment too. Within a round that state is the round's start and the groups of it
-stored (``collect/streaming.py``): the round is generated again from the same prompts and seeds,
-and only its groups not stored yet are written.
+Resume. Every call of the sink carries the state after exactly the groups it holds
+(``sink(rows, writer_state=state)``; ``ReplayBuffer.extend`` publishes the two in one atomic append,
+``storage/writer_state.py``), so a collector restored from the store's last ``writer_state``
+continues where the stored rows end, after a ``kill -9`` at any moment too: within a round that state
+is the round's start and how many of its groups are stored, so the round runs again from the same
+tasks and seeds and only its groups not stored yet are written.
 """
 
 from __future__ import annotations
 
+import queue
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from rlhf_pipeline.collect.prompts import PromptSource
+from rlhf_pipeline.collect.commit import InOrderCommit, StreamTiming, partial_round, stored_in_round, without_stored
 from rlhf_pipeline.collect.console import collector_tag, say
-from rlhf_pipeline.collect.rewards import (RewardFn, WeightedReward, as_rewards, check_failure_fraction,
-                                           check_failure_rate, drop_non_finite_groups, score)
-from rlhf_pipeline.collect.overlap import IdleClock, Round, read_round
-from rlhf_pipeline.collect.streaming import (InOrderCommit, StreamTiming, Submitted, partial_round, stored_in_round,
-                                             without_stored)
-from rlhf_pipeline.generation.engine import GenerationEngine, SampleRequest, draw_seed
+from rlhf_pipeline.collect.episodes import EndedGroup, Environments, RoundRows, SingleTurn
+from rlhf_pipeline.collect.prompts import RecordCycle
+from rlhf_pipeline.collect.rewards import check_failure_fraction, check_failure_rate
+from rlhf_pipeline.collect.turns import EngineTurns, RoundTurns
+from rlhf_pipeline.finite_settings import check_fields
+from rlhf_pipeline.generation.engine import GenerationEngine, draw_seed
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
-from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
-from rlhf_pipeline.finite_settings import check_fields
 from rlhf_pipeline.schema import TrajectoryBatch
-from rlhf_pipeline.schema.ragged import RaggedTensor
+from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
 
 
 @dataclass
 class CollectorConfig:
     """Settings of one collector process."""
 
-    prompts_per_batch: int = 8
-    """Prompts per ``collect()`` call; the batch has ``prompts_per_batch * num_generations`` rows."""
-    num_generations: int = 8
-    """Completions per prompt (the GRPO group size G)."""
+    tasks_per_round: int = 8
+    """Tasks per ``collect()`` call: a round writes ``tasks_per_round`` groups."""
+    group_size: int = 8
+    """Episodes per task (GRPO's G); the write path's ``GroupAdvantage`` must use the same."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    """Temperature / top-k / top-p / max_new_tokens; the stored log-probs follow them."""
+    """Temperature / top-k / top-p / max_new_tokens; the stored log-probs follow them (an agent turn's
+    ``max_new_tokens`` is its episode's own limit)."""
     collector_index: int = 0
     """This collector's index among collectors writing one run; goes in the ids' high bits."""
     seed: int = 0
-    """Seed of the sampling RNG (mixed with ``collector_index`` so collectors differ)."""
+    """Seed of the collector's generator (mixed with ``collector_index`` so collectors differ)."""
     max_failed_group_fraction: float | None = 0.1
-    """Groups dropped for a reward that is not finite may be at most this fraction of the groups run;
-    past it ``collect`` raises :class:`~rlhf_pipeline.collect.rewards.EpisodeFailureRateError` after
-    writing its round, and the run stops (the agent collector's rule). 0: the first drop stops it;
-    None: never."""
+    """Groups dropped (a reward that is not finite, an episode whose environment failed) may be at most
+    this fraction of the groups run; past it ``collect`` raises ``EpisodeFailureRateError`` after
+    writing its round, and the run stops. 0: the first drop stops it; None: never."""
     failure_rate_min_groups: int = 32
-    """The fraction above is taken over at least this many groups."""
+    """The fraction above is taken over at least this many groups, so a few drops at the start do not
+    stop a run (with 0.1 and 32, a fourth dropped group within the first 32 does)."""
 
     def __post_init__(self) -> None:
-        if self.prompts_per_batch < 1 or self.num_generations < 1:
-            raise ValueError("CollectorConfig: prompts_per_batch and num_generations must be >= 1")
+        if self.tasks_per_round < 1 or self.group_size < 1:
+            raise ValueError("CollectorConfig: tasks_per_round and group_size must be >= 1")
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"CollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), got {self.collector_index}")
         check_failure_fraction(self.max_failed_group_fraction, self.failure_rate_min_groups, "CollectorConfig")
@@ -93,204 +92,246 @@ Sink = Callable[..., Any]
 them in one step (``ReplayBuffer.extend`` made by ``make_replay_buffer``); None: the state alone."""
 
 
+@dataclass(eq=False)
+class Round:
+    """One round in flight: its tasks and seeds, drawn at its start, and what its episodes sent back."""
+
+    tasks: list
+    seeds: list[int]
+    """One per single-turn group, one per agent episode, drawn from the collector's generator."""
+    draws: dict[str, Any]
+    """The task source's and the generator's state before this round's draws."""
+    turns: RoundTurns
+    first_group_id: int
+    first_trajectory_id: int
+    idle_before_s: float
+    """Seconds the engine had nothing of this collector's before this round's requests went."""
+    went_ahead: bool
+    ended: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    """Lists of :class:`EndedGroup` as they end, an exception if the round failed, None once all ended."""
+    start_state: dict[str, Any] | None = None
+    """The collector's state at this round's start (what a restart runs it again from)."""
+    requests: list = field(default_factory=list)  # a single-turn round's, one per group
+    runner: Any = None  # an agent round's thread
+    rollout: Any = None  # an agent round's episodes, once all ended
+    rows_s: float = 0.0  # seconds building (and scoring) rows
+    dropped: list[tuple[int, str, str]] = field(default_factory=list)
+    trajectories_written: int = 0
+    rows_written: int = 0
+
+
 class Collector:
-    """Generates, scores and emits groups of completions; resumable; takes new weights.
+    """Runs groups of episodes with the policy, emits them whole in order; resumable; takes new weights.
 
     ``model``: the policy to sample with in this process (our sampling loop, ``LoopEngine``), or a
-    :class:`~rlhf_pipeline.generation.engine.GenerationEngine` (a vLLM engine...), which the
-    collector then owns: :meth:`close` closes it."""
+    :class:`~rlhf_pipeline.generation.engine.GenerationEngine`, which the collector then owns
+    (:meth:`close` closes it); with :class:`Environments` its stop tokens must be the episodes' turn
+    stop tokens. ``tasks``: a :class:`~rlhf_pipeline.collect.prompts.PromptSource` for
+    :class:`SingleTurn` episodes, a :class:`~rlhf_pipeline.collect.prompts.TaskSource` for
+    :class:`Environments`."""
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer,
-        prompts: PromptSource,
-        rewards: RewardFn | Mapping[str, RewardFn | tuple[RewardFn, float]] | Sequence[WeightedReward],
-        sink: Sink | None,
-        config: CollectorConfig | None = None,
-        *,
-        policy_version: int = 0,
-        hooks: Sequence[MetricsHook] = (),
-    ) -> None:
+    def __init__(self, model: Any, tokenizer, tasks: RecordCycle, episodes: SingleTurn | Environments,
+                 sink: Sink | None, config: CollectorConfig | None = None, *, policy_version: int = 0,
+                 hooks: Sequence[MetricsHook] = ()) -> None:
+        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
+            raise ValueError("Collector: the tokenizer needs pad_token_id and eos_token_id set")
+        if not isinstance(episodes, (SingleTurn, Environments)):
+            raise TypeError(f"Collector: episodes must be SingleTurn(rewards) or Environments(make_env, ...), got "
+                            f"{type(episodes).__name__}")
         self.tokenizer = tokenizer
-        self.prompts = prompts
-        self.rewards = as_rewards(rewards)
+        self.tasks = tasks
+        self.episodes = episodes
         self.sink = sink
         self.config = config or CollectorConfig()
         self.hooks = list(hooks)
-        if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
-            raise ValueError("Collector: the tokenizer needs pad_token_id and eos_token_id set")
+        stops = episodes.turn_stop_ids(tokenizer)
         if isinstance(model, GenerationEngine):
+            if isinstance(episodes, Environments) and episodes.stop_token_ids is not None and stops != model.stop_token_ids:
+                raise ValueError(f"Collector: stop_token_ids {stops} differ from the engine's {model.stop_token_ids}; "
+                                 f"build the engine with the turn's stop tokens")
             self.engine = model
         else:
-            self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
                                      policy_version=policy_version)
-        self.engine.check_sampling(self.config.sampling)  # a setting the engine cannot honour: refused now
-        self._ahead: Round | None = None  # the next round, submitted while the current one decoded
-        self._idle = IdleClock()
-        self._stored_in_round = 0  # a cut-off streamed round's groups already stored: not written again
+        self._turns = EngineTurns(self.engine, self.config.sampling)  # refuses what the engine cannot honour
         self.runner_state: dict[str, Any] = {}
         """The runner's own state (its row clock), saved in and restored from :meth:`state_dict`."""
         self.groups_emitted = 0
         self.trajectories_emitted = 0
         self.batches_emitted = 0
-        self.generator = torch.Generator()  # one seed per request, drawn with the round's prompts
+        self.groups_dropped = 0  # over every round, resumed with the state: the failure rate's numerator
+        # trajectories and rows written: the turns a trajectory has, for round_rows
+        self.trajectories_written = self.rows_written = 0
+        self.generator = torch.Generator()  # the round's seeds, drawn with its tasks
         self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
         self.last_metrics: dict[str, float] = {}
-        self._dropped: list[tuple[int, str]] = []  # this round's groups with a non-finite reward: (group id, why)
-        self.groups_dropped = 0  # over every round, resumed with the state: the failure rate's numerator
+        self._ahead: Round | None = None  # the next round, started while the last one's tail ran
+        self._stored_in_round = 0  # a cut-off round's groups already stored: not written again
+        self._idle_since: float | None = None  # when the engine last had nothing of this collector's
 
-    # ---------------------------------------------------------------- one batch
-    def collect(self, next_round: Callable[[int], bool] | None = None) -> TrajectoryBatch:
-        """One round of whole groups: its requests submitted (unless they went ahead), each group
-        scored and written once it and every group before it ended (``collect/streaming.py``), each
-        append with the state after its groups; metrics reported. ``next_round(rows not appended
-        yet)``: asked once this round's first group ended; True submits the next round now, for the
-        next call (``collect/overlap.py``).
-        """
-        cfg = self.config
-        t0 = time.perf_counter()
-        self._dropped = []
-        round_, self._ahead = self._ahead or self._start_round(), None
-        records, requests = round_.records, round_.requests
-        rows_in_round = len(records) * cfg.num_generations
-
-        def state_after(groups_done: int) -> dict[str, Any]:
-            """The state once the round's groups ``0..groups_done - 1`` are stored."""
-            if groups_done < len(records):
-                return partial_round(round_.start_state, groups_done)
-            if self._ahead is not None:  # the next round's draws are done: the state before them
-                return dict(self._ahead.start_state)
-            return self.state_dict(rounds_ahead=(1, len(records), rows_in_round))
-
-        went_ahead = round_.submitted is not None
-        if round_.submitted is None:
-            round_.submitted = Submitted(self.engine, requests, round_.seeds, cfg.sampling)
-        batch, parts, t_gen, t_reward, streamed = self._collect_streamed(
-            round_, round_.submitted.batches(), t0, state_after, next_round)
-        # the seconds the engine had nothing of this collector's before the round's requests went
-        streamed.update(engine_idle_s=round_.idle_before_s, submitted_ahead=float(went_ahead))
-        # counters advance only once the sink has the rows, so a failed write is retried with the same ids
-        self.groups_emitted += len(records)
-        self.trajectories_emitted += rows_in_round
-        self.batches_emitted += 1
-        self.groups_dropped += len(self._dropped)
-        self._stored_in_round = 0
-        for group_id, why in self._dropped:  # as the agent collector says its dropped groups
-            say(f"{collector_tag(cfg.collector_index)} round {self.batches_emitted}: dropped group {group_id} "
-                f"(non_finite_reward): {why}")
-        self._report(batch, parts, t0, t_gen, t_reward, streamed)
-        check_failure_rate(self.groups_dropped, self.groups_emitted, cfg.max_failed_group_fraction,
-                           cfg.failure_rate_min_groups, self._dropped[-1][1] if self._dropped else None,
-                           "CollectorConfig", over="non-finite rewards")
-        return batch
-
-    def _start_round(self) -> Round:
-        """This round's prompts and seeds, drawn now, with the state before them."""
-        start = self.state_dict()
-        records = self.prompts.next_batch(self.config.prompts_per_batch)
-        return Round(records, *self.requests_for(records), start, None, self._idle.submitted())
-
-    def requests_for(self, records) -> tuple[list[SampleRequest], list[int]]:
-        """The requests of ``records`` and their seeds, drawn from the generator in request order."""
-        requests = [SampleRequest(r.render(self.tokenizer), n=self.config.num_generations) for r in records]
-        return requests, [draw_seed(self.generator) for _ in requests]
-
-    def _collect_streamed(self, round_: Round, batches, t0, state_after, next_round):
-        """The round's stream (``batches``), written in request order as prefixes complete; with
-        ``next_round``, the next round submitted once this one's first group ended, if it allows."""
+    # ---------------------------------------------------------------- one round
+    def collect(self, next_round: Callable[[int], bool] | None = None) -> TrajectoryBatch | None:
+        """One round of whole groups, each written once it and every group before it ended, each append
+        with the state after its groups; metrics reported. Returns the round's rows (None when every
+        group was dropped: the sink then got the state alone). ``next_round(rows not appended yet)``:
+        asked once, when the round's first groups ended; True starts the next round now."""
+        started = time.perf_counter()
+        round_, self._ahead = self._ahead or self._start_round(None), None
+        round_.start_state = self._state(round_.draws)  # every earlier round is counted now
         chunks: list[TrajectoryBatch] = []
         parts: list[dict[str, torch.Tensor]] = []
-        scoring_s = 0.0
-        stored = self._stored_in_round  # groups of the round in the store
 
-        def write(groups, last: bool) -> None:
-            nonlocal scoring_s, stored
-            started = time.perf_counter()
-            batch, chunk_parts = self._rows(round_.records, round_.requests, groups)
-            scoring_s += time.perf_counter() - started
-            self._commit(batch, state_after(groups[-1].index + 1), last)
-            stored = max(stored, groups[-1].index + 1)
-            chunks.append(batch)
-            parts.append(chunk_parts)
+        def write(groups: list[EndedGroup], last: bool) -> None:
+            began = time.perf_counter()
+            rows = self.episodes.rows(self, round_, groups)
+            round_.rows_s += time.perf_counter() - began
+            round_.dropped += rows.dropped
+            if rows.batch is not None:
+                round_.trajectories_written += len(set(rows.batch["trajectory_id"].tolist()))
+                round_.rows_written += len(rows.batch)
+                chunks.append(rows.batch)
+                parts.append(rows.parts)
+            state = self._state_after(round_) if last else partial_round(round_.start_state, groups[-1].index + 1)
+            self._commit(rows.batch, round_, state, last)
 
-        timing = StreamTiming(started=t0)
-        commit = InOrderCommit(len(round_.requests), write, timing)
+        commit = InOrderCommit(len(round_.tasks), write, StreamTiming(started=started))
         try:
-            ended_at = read_round(self, batches, commit, next_round, len(round_.records))
+            for ended in self._ended(round_):
+                if next_round is not None:  # asked once, when the first slots of the engine came free
+                    rows_to_come = self.round_rows * (commit.count - commit.written) // commit.count
+                    if next_round(rows_to_come):
+                        self._ahead = self._start_round(round_)
+                    next_round = None
+                commit.add(ended)
+            self.episodes.finish(round_)
+            timing = commit.finish()
         except BaseException:
-            batches.close()
-            round_.submitted.cancel()  # what the engine has not begun of this round
-            rewound = self._cancel_ahead()
-            if stored:  # part of the round is stored: a retry generates it again, writes the rest
-                self.load_state_dict(partial_round(round_.start_state, stored))
-            elif rewound:  # the next round's draws are undone with this round's: a retry samples both again
-                self.load_state_dict(round_.start_state)
+            self._abandon(round_)
+            self._abandon(self._ahead)
+            self._ahead = None
+            # a retry runs the round again from its start, writing only its groups not stored yet
+            self.load_state_dict(partial_round(round_.start_state, max(self._stored_in_round, commit.written)))
             raise
         if self._ahead is None:
-            self._idle.emptied(ended_at)
-        t_gen = t0 + max(timing.ended_s.values())
-        batch = chunks[0] if len(chunks) == 1 else TrajectoryBatch.cat(chunks)
-        names = parts[0].keys()
-        return (batch, {k: torch.cat([p[k] for p in parts]) for k in names}, t_gen, t_gen + scoring_s,
-                timing.metrics())
+            self._idle_since = time.perf_counter()
+        # counters advance only once the sink has the rows, so a failed write is retried with the same ids
+        self._count(round_)
+        self._stored_in_round = 0
+        tag = collector_tag(self.config.collector_index)
+        failures = self.episodes.failures(round_)
+        for index, reason, line in failures:
+            say(f"{tag} round {self.batches_emitted}: dropped group {round_.first_group_id + index} ({reason}): "
+                f"{line.removeprefix(reason + ': ')}")
+        batch = TrajectoryBatch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks else None
+        names = parts[0].keys() if parts else ()
+        self._report(round_, batch, {k: torch.cat([p[k] for p in parts]) for k in names},
+                     time.perf_counter() - started, timing.metrics())
+        check_failure_rate(self.groups_dropped, self.groups_emitted, self.config.max_failed_group_fraction,
+                           self.config.failure_rate_min_groups, failures[-1][2] if failures else None,
+                           "CollectorConfig", over=self.episodes.drops_over)
+        return batch
 
-    def _rows(self, records, requests, groups) -> tuple[TrajectoryBatch, dict[str, torch.Tensor]]:
-        """The scored rows of ``groups`` (whole groups of this round, in request order), with the ids
-        they have in the round: group ``k`` of the round is ``group_id`` base + groups so far + k."""
+    def _start_round(self, after: Round | None) -> Round:
+        """Draws a round's tasks and seeds and starts its episodes; ``after``: the round in flight it follows."""
         cfg = self.config
-        completions_out = [c for g in groups for c in g.completions]  # grouped by prompt, request order
-        prompt_index = torch.tensor([g.index for g in groups for _ in g.completions], dtype=torch.int64)  # (N,)
-        member = torch.tensor([j for g in groups for j in range(len(g.completions))], dtype=torch.int64)  # (N,)
-        idx = prompt_index.tolist()
-        response_tokens = RaggedTensor.from_sequences([c.token_ids for c in completions_out], dtype=torch.int32)
-        terminated = torch.tensor([c.terminated for c in completions_out], dtype=torch.bool)
-        version = torch.tensor([g.policy_version for g in groups for _ in g.completions], dtype=torch.int64)
-        # render each prompt's text once, not once per completion
-        record_texts = {i: records[i].display_text(self.tokenizer) for i in sorted(set(idx))}
-        prompt_texts = [record_texts[i] for i in idx]
-        completions = self.tokenizer.batch_decode([c.token_ids for c in completions_out], skip_special_tokens=True)
-        field_names = sorted({k for r in records for k in r.fields})
-        fields = {k: [records[i].fields.get(k) for i in idx] for k in field_names}
-        reward, parts = score(self.rewards, prompt_texts, completions, fields)
-
-        n = len(idx)
+        draws = {"tasks": self.tasks.state_dict(), "rng": self.generator.get_state()}
+        tasks = self.tasks.next_batch(cfg.tasks_per_round)
+        seeds = [draw_seed(self.generator) for _ in range(len(tasks) * self.episodes.seeds_per_group(cfg.group_size))]
+        groups_before = self.groups_emitted + (len(after.tasks) if after is not None else 0)
         base = id_base(cfg.collector_index)
-        group_id = base + self.groups_emitted + prompt_index
-        # every group of a round has num_generations rows: row j of group k is the round's k * G + j
-        trajectory_id = base + self.trajectories_emitted + prompt_index * cfg.num_generations + member
-        batch = TrajectoryBatch({
-            "prompt_tokens": RaggedTensor.from_sequences([requests[i].prompt_ids for i in idx], dtype=torch.int32),
-            "response_tokens": response_tokens,
-            "response_log_probs": RaggedTensor.from_sequences([c.log_probs for c in completions_out],
-                                                              dtype=torch.float32),
-            "group_id": group_id.to(torch.int64),
-            "trajectory_id": trajectory_id.to(torch.int64),
-            "step": torch.zeros(n, dtype=torch.int32),
-            "reward": reward,
-            "done": torch.ones(n, dtype=torch.bool),
-            "terminated": terminated,
-            "truncated": ~terminated,
-            "policy_version": version,
-            "prompt_text": prompt_texts,
-            "response_text": completions,
-        })
-        batch, parts, dropped = drop_non_finite_groups(batch, parts, prompt_index, completions)
-        self._dropped += dropped
-        return batch, parts
+        idle = 0.0 if self._idle_since is None else time.perf_counter() - self._idle_since
+        self._idle_since = None
+        round_ = Round(tasks, seeds, draws, self._turns.round(len(seeds)), base + groups_before,
+                       base + groups_before * cfg.group_size, idle, went_ahead=after is not None)
+        self.episodes.start(self, round_)
+        return round_
 
-    def _commit(self, batch: TrajectoryBatch, state: dict[str, Any], last: bool) -> None:
-        """``batch`` (consecutive groups of this round) to the sink with the state after them, less
-        the groups a cut-off round stored before; a round's last call goes even with no rows."""
-        base = id_base(self.config.collector_index) + self.groups_emitted
-        batch = without_stored(batch, base, self._stored_in_round)
-        if self.sink is not None and (last or len(batch)):
-            self.sink(batch if len(batch) else None, writer_state=state)
+    def _ended(self, round_: Round):
+        """The round's groups as they end, in lists that ended together; raises what failed the round."""
+        while True:
+            items = [round_.ended.get()]
+            while True:
+                try:
+                    items.append(round_.ended.get_nowait())
+                except queue.Empty:
+                    break
+            groups, done = [], False
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    done = True
+                else:
+                    groups += item
+            if groups:
+                yield groups
+            if done:
+                return
+
+    def _abandon(self, round_: Round | None) -> None:
+        """Stops a round that will not be written: its held and queued requests dropped, its episodes ended."""
+        if round_ is None:
+            return
+        round_.turns.cancel()
+        self.episodes.finish(round_)
+
+    def _commit(self, batch: TrajectoryBatch | None, round_: Round, state: dict[str, Any], last: bool) -> None:
+        """``batch`` (consecutive groups of this round; None: all dropped) to the sink with the state after
+        them, less the groups a cut-off round stored before; the round's last call goes even with no rows."""
+        if batch is not None:
+            batch = without_stored(batch, round_.first_group_id, self._stored_in_round)
+        rows = batch if batch is not None and len(batch) else None
+        if self.sink is not None and (last or rows is not None):
+            self.sink(rows, writer_state=state)
+
+    def _counts(self, round_: Round | None = None) -> dict[str, int]:
+        """The id and pacing counters, with ``round_``'s in when given."""
+        groups = 0 if round_ is None else len(round_.tasks)
+        return {
+            "groups_emitted": self.groups_emitted + groups,
+            "trajectories_emitted": self.trajectories_emitted + groups * self.config.group_size,
+            "batches_emitted": self.batches_emitted + (round_ is not None),
+            "groups_dropped": self.groups_dropped + (0 if round_ is None else len(round_.dropped)),
+            "trajectories_written": self.trajectories_written + (0 if round_ is None else round_.trajectories_written),
+            "rows_written": self.rows_written + (0 if round_ is None else round_.rows_written),
+        }
+
+    def _count(self, round_: Round) -> None:
+        for name, value in self._counts(round_).items():
+            setattr(self, name, value)
+
+    def _report(self, round_: Round, batch: TrajectoryBatch | None, parts: dict[str, torch.Tensor], elapsed: float,
+                streamed: dict[str, float]) -> None:
+        reasons: dict[str, float] = {}
+        for _, reason, _ in round_.dropped:
+            if reason:
+                reasons[f"dropped/{reason}"] = reasons.get(f"dropped/{reason}", 0.0) + 1
+        metrics = {
+            **self.episodes.metrics(self, round_, batch, parts, elapsed),
+            "groups_dropped": float(len(round_.dropped)),
+            "groups_dropped_total": float(self.groups_dropped),
+            **reasons,
+            "policy_version": float(self.policy_version),
+            "batches": float(self.batches_emitted),
+            "trajectories": float(self.trajectories_emitted),
+            **self.engine.stats.update_metrics(),
+            "engine_idle_s": round_.idle_before_s,
+            "submitted_ahead": float(round_.went_ahead),
+            **streamed,  # when the round's first and last groups were committed (collect/commit.py)
+        }
+        self.last_metrics = metrics
+        for hook in self.hooks:
+            hook(metrics)
 
     @property
     def round_rows(self) -> int:
-        """Rows one :meth:`collect` writes (pacing counts rounds in them, ``coordination/pacing.py``)."""
-        return self.config.prompts_per_batch * self.config.num_generations
+        """Rows a round is expected to write: its trajectories times the rows (turns) a trajectory has had
+        so far, one before any round (exact for single-turn episodes). Pacing counts rounds in them and
+        never needs them exact (``coordination/pacing.py``)."""
+        trajectories = self.config.tasks_per_round * self.config.group_size
+        if not self.trajectories_written:
+            return trajectories
+        return max(1, round(trajectories * self.rows_written / self.trajectories_written))
 
     def run(self, *, max_batches: int | None = None, max_rows: int | None = None,
             should_stop: Callable[[], bool] | None = None) -> int:
@@ -305,45 +346,10 @@ class Collector:
                 break
             rounds_left = lambda: ((max_batches is None or batches + 1 < max_batches)  # noqa: E731
                                    and (max_rows is None or rows + self.round_rows < max_rows))
-            rows += len(self.collect(next_round=lambda _rows: rounds_left()))
+            batch = self.collect(next_round=lambda _rows: rounds_left())
+            rows += 0 if batch is None else len(batch)
             batches += 1
         return rows
-
-    def _report(self, batch: TrajectoryBatch, parts: dict[str, torch.Tensor], t0: float, t_gen: float, t_reward: float,
-                streamed: dict[str, float]) -> None:
-        elapsed = time.perf_counter() - t0
-        reward = batch["reward"]
-        g = self.config.num_generations
-        grouped = reward.reshape(-1, g)
-        group_std = grouped.std(dim=1, unbiased=False) if g > 1 and len(batch) else torch.zeros(len(grouped))
-
-        def mean(values: torch.Tensor) -> float:  # 0 for a round whose every group was dropped
-            return float(values.float().mean()) if values.numel() else 0.0
-
-        metrics = {
-            "rows": float(len(batch)),
-            "rows_per_s": len(batch) / max(elapsed, 1e-9),
-            "generate_s": t_gen - t0,
-            "reward_s": t_reward - t_gen,
-            "reward_mean": mean(reward),
-            "reward_std": float(reward.std(unbiased=False)) if len(batch) else 0.0,
-            "groups_with_signal": mean(group_std > 0),
-            "response_len_mean": mean(batch["response_tokens"].lengths()),
-            "terminated_frac": mean(batch["terminated"]),
-            "groups_dropped": float(len(self._dropped)),  # the agent collector's names (agent_metrics.py)
-            "groups_dropped_total": float(self.groups_dropped),
-            **({"dropped/non_finite_reward": float(len(self._dropped))} if self._dropped else {}),
-            "policy_version": float(self.policy_version),
-            "batches": float(self.batches_emitted),
-            "trajectories": float(self.trajectories_emitted),
-            **self.engine.stats.update_metrics(),
-            **streamed,  # a streamed round: when its first and last groups were committed (collect/streaming.py)
-        }
-        for name, values in parts.items():
-            metrics[f"reward/{name}"] = mean(values)
-        self.last_metrics = metrics
-        for hook in self.hooks:
-            hook(metrics)
 
     # ---------------------------------------------------------------- weights
     @property
@@ -351,74 +357,79 @@ class Collector:
         """The version of the weights the engine holds: what the next rows are tagged with."""
         return self.engine.policy_version
 
-    def set_policy_state(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def set_policy_state(self, state_dict, version: int) -> None:
         """Loads new policy weights into the engine (all keys must match); later rows name ``version``."""
         if version < self.policy_version:
-            raise ValueError(
-                f"set_policy_state: version {version} is older than the current {self.policy_version}; "
-                f"weights only move forward"
-            )
+            raise ValueError(f"set_policy_state: version {version} is older than the current {self.policy_version}; "
+                             f"weights only move forward")
         if self._ahead is not None and version != self.policy_version:
-            raise RuntimeError(f"set_policy_state: version {version} while a round submitted ahead samples with "
+            raise RuntimeError(f"set_policy_state: version {version} while a round started ahead samples with "
                                f"version {self.policy_version}; weights change between rounds only: collect it first")
         self.engine.load_weights(state_dict, version)
 
-    def close(self) -> None:
-        """Closes the engine (a vLLM engine's process, with a round submitted ahead); our loop has none."""
-        self._ahead = None
-        self.engine.close()
-
     @property
     def has_round_ahead(self) -> bool:
-        """The next round went while the last one decoded: the next :meth:`collect` reads it."""
+        """The next round started while the last one's tail ran: the next :meth:`collect` reads it."""
         return self._ahead is not None
 
     @property
     def continues_a_round(self) -> bool:
-        """The next :meth:`collect` goes on with a round already started, which keeps the weights it
-        started with: one submitted ahead, or one written in part before the last stop (its rest
-        sampled with any other version would not be the uninterrupted run's rows)."""
+        """The next :meth:`collect` goes on with a round already started, which keeps the weights it started
+        with: one started ahead, or one written in part before the last stop (its rest sampled with any
+        other version would not be the uninterrupted run's rows)."""
         return self._ahead is not None or self._stored_in_round > 0
 
-    def _cancel_ahead(self) -> bool:
-        """Drops the round submitted ahead, if any (the engine discards its groups)."""
-        ahead, self._ahead = self._ahead, None
-        return ahead is not None and ahead.submitted.cancel() is None
+    def close(self) -> None:
+        """Abandons a round started ahead and closes the engine (a vLLM engine's process)."""
+        self._abandon(self._ahead)
+        self._ahead = None
+        self.engine.close()
 
     # ---------------------------------------------------------------- resume
-    def state_dict(self, rounds_ahead: tuple[int, int, int] = (0, 0, 0)) -> dict[str, Any]:
-        """``rounds_ahead``: (batches, groups, trajectories) not yet counted but to be included."""
-        batches, groups, trajectories = rounds_ahead
+    def _state(self, draws: dict[str, Any], counted: Round | None = None) -> dict[str, Any]:
+        """The state with the task source and generator as in ``draws`` and the counters as they are,
+        ``counted``'s in."""
+        cfg = self.config
         return {
-            "prompts": self.prompts.state_dict(),
-            "groups_emitted": self.groups_emitted + groups,
-            "trajectories_emitted": self.trajectories_emitted + trajectories,
-            "batches_emitted": self.batches_emitted + batches,
-            # a round being counted (batches) has its drops in _dropped already: its rows are built
-            "groups_dropped": self.groups_dropped + (len(self._dropped) if batches else 0),
+            "tasks": draws["tasks"],
+            **self._counts(counted),
             "policy_version": self.policy_version,
             "runner": dict(self.runner_state),
-            "rng": self.generator.get_state(),
-            "config": {"collector_index": self.config.collector_index, "seed": self.config.seed,
-                       "num_generations": self.config.num_generations,
-                       "sampling": asdict(self.config.sampling)},
+            "rng": draws["rng"],
+            "config": {"collector_index": cfg.collector_index, "seed": cfg.seed, "group_size": cfg.group_size,
+                       "sampling": asdict(cfg.sampling)},
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._cancel_ahead()  # drawn from the state being replaced
+    def _draws(self) -> dict[str, Any]:
+        """The task source and generator before the next round's draws (undone for a round started ahead)."""
+        if self._ahead is not None:
+            return self._ahead.draws
+        return {"tasks": self.tasks.state_dict(), "rng": self.generator.get_state()}
+
+    def _state_after(self, round_: Round) -> dict[str, Any]:
+        """The state once ``round_`` is stored whole."""
+        return self._state(self._draws(), counted=round_)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state between rounds (a round started ahead is drawn again from it)."""
+        return self._state(self._draws())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._abandon(self._ahead)  # drawn from the state being replaced
+        self._ahead = None
         if state["config"]["collector_index"] != self.config.collector_index:
-            raise ValueError(
-                f"collector state belongs to collector_index {state['config']['collector_index']}, "
-                f"this is collector {self.config.collector_index}; restore each collector from its own state"
-            )
-        self.prompts.load_state_dict(state["prompts"])
+            raise ValueError(f"collector state belongs to collector_index {state['config']['collector_index']}, "
+                             f"this is collector {self.config.collector_index}; restore each collector from its own state")
+        # a single-turn collector's state saved before there was one collector names its task position prompts
+        self.tasks.load_state_dict(state["tasks"] if "tasks" in state else state["prompts"])
         self.groups_emitted = int(state["groups_emitted"])
         self.trajectories_emitted = int(state["trajectories_emitted"])
         self.batches_emitted = int(state["batches_emitted"])
-        self.groups_dropped = int(state.get("groups_dropped", 0))  # saved before groups could be dropped: none
+        self.groups_dropped = int(state.get("groups_dropped", 0))
+        self.trajectories_written = int(state.get("trajectories_written", 0))
+        self.rows_written = int(state.get("rows_written", 0))
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])
         self._stored_in_round = stored_in_round(state)
         self.runner_state = dict(state["runner"])
-

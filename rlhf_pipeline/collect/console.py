@@ -7,7 +7,7 @@ collector landed after the bar's text ("...wait=0.008][collector] round 50: ..."
 first goes back to the start of the line and clears it: the line stands alone and the bar is
 redrawn under it at its next update. Written to a log or a pipe, lines are left as they are.
 
-:func:`agent_round_printer` is an :class:`~rlhf_pipeline.collect.AgentCollector` metrics hook:
+:func:`agent_round_printer` is an :class:`~rlhf_pipeline.collect.Collector` metrics hook (episodes with environments):
 every few rounds a line of what the episodes did and, under it, the first failed tool call of
 each kind since the line before, as the model read it; at once, a warning when every tool call
 of a round failed (a tool that raises on every call is a bug in the tool, not a model to train).

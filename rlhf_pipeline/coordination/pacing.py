@@ -202,7 +202,7 @@ class CollectorPacer:
     def round_written(self, rows: int, round_rows: int | None = None) -> None:
         """A round appended ``rows`` rows (fewer than configured when groups were dropped);
         ``round_rows``: the collector's new estimate of a round's rows (an agent round's rows vary
-        with its episodes' turns: ``AgentCollector.round_rows``)."""
+        with its episodes' turns: ``Collector.round_rows``)."""
         if round_rows:
             self.round_rows = round_rows
         elif not self._configured_round_rows:
@@ -250,7 +250,7 @@ class CollectorPacer:
 
     def within_target(self, shard_rows: int) -> bool:
         """The learner's intake alone allows a round starting at ``shard_rows`` (not the stall rule,
-        which counts from this collector's last round: ``collect/overlap.py`` asks before it ends)."""
+        which counts from this collector's last round: ``collect/collector.py`` asks before it ends)."""
         return shard_rows < self.target_rows(self._read())
 
     def lacked(self, intake: LearnerIntake | None, shard_rows: int) -> bool:

@@ -253,6 +253,9 @@ class GenerationEngine(ABC):
 
     name: str = "engine"
     """Short name for messages and metrics (``loop``, ``vllm``)."""
+    restarts: Any = None
+    """How an engine with a process of its own restarts it (``generation/restarts.py``: its ``announce``
+    says each restart); None for one without (our loop, a server at a URL)."""
 
     def __init__(self, stop_token_ids: Sequence[int], policy_version: int = 0) -> None:
         if not stop_token_ids:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
+from rlhf_pipeline.pipeline import CollectorLike, Pipeline, PipelineError, RunPaths
 from rlhf_pipeline.runs.stopping import StopFlag
 
 
@@ -104,7 +104,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     """
     from rlhf_pipeline.collect.rewards import EpisodeFailureRateError
     from rlhf_pipeline.collect.console import collector_tag, name_collectors, say
-    from rlhf_pipeline.collect.streaming import stored_in_round
+    from rlhf_pipeline.collect.commit import stored_in_round
     from rlhf_pipeline.generation.engine import EngineFailed
     from rlhf_pipeline.runs.branch_online import collector_rows, keep_position_history
     from rlhf_pipeline.learn.metrics import MetricsWriter
@@ -276,9 +276,8 @@ def _announce_engine(engine: Any, tag: str, say: Callable[[str], None]) -> None:
     if engine.stats.starts:
         say(f"{tag} the {engine.name} generation engine started in {engine.stats.start_s:.0f} s; it keeps "
             f"running and takes each new policy version in place")
-    restarts = getattr(engine, "restarts", None)  # an engine with a process to restart (generation/restarts.py)
-    if restarts is not None:
-        restarts.announce = lambda line: say(f"{tag} {line}")
+    if engine.restarts is not None:  # an engine with a process to restart (generation/restarts.py)
+        engine.restarts.announce = lambda line: say(f"{tag} {line}")
 
 
 def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: str, loop: dict,
@@ -304,26 +303,9 @@ def _clock(retention: Any) -> dict[str, Any]:
     return {CLOCK_KEY: retention.clock.to_json()}
 
 
-def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index: int) -> Any:
+def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index: int) -> CollectorLike:
     """``pipeline.make_collector`` for collector ``collector_index``; checks the ids it will use."""
-    import inspect
-
-    make = pipeline.make_collector
-    try:
-        params = inspect.signature(make).parameters.values()
-    except (TypeError, ValueError):
-        params = []
-    takes_index = any(p.name == "collector_index" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    if takes_index:
-        collector = make(model, store, collector_index=collector_index)
-    elif collector_index == 0:
-        collector = make(model, store)
-    else:
-        raise PipelineError(
-            "the pipeline's make_collector(model, store) takes no collector_index, so it can run "
-            "collector 0 only; add a `collector_index=0` parameter and pass it to "
-            "CollectorConfig(collector_index=...) to run several collectors"
-        )
+    collector = pipeline.make_collector(model, store, collector_index=collector_index)
     got = collector.config.collector_index
     if got != collector_index:
         raise PipelineError(

@@ -1,5 +1,5 @@
 """Whether a collector's next round may go to the engine while this round's tail decodes
-(``collect/overlap.py``): asked once this round's first group ended.
+(``collect/collector.py``, ``next_round``): asked once this round's first group ended.
 
 Yes only when the next round would start the same way without overlap, whatever this round's
 remaining groups do: pacing (``coordination/pacing.py``) allows it from the learner's intake alone,

@@ -85,22 +85,26 @@ def test_async_environments_step_concurrently(bpe_tokenizer):
 
 
 def test_an_episode_past_its_wall_clock_limit_ends_with_timeout(bpe_tokenizer):
-    """The limit is read on a clock the environment moves: each turn's step takes a second of it, so
-    with a limit of 1.5 s every episode is overdue after its second step, however fast the machine."""
-    seconds = 0.0
-
-    def clock() -> float:
-        return seconds
+    """The limit is read on a clock each episode's own environment moves: each of its steps takes a
+    second of it, so with a limit of 1.5 s every episode is overdue after its second step, however fast
+    the machine and whatever the other episode's steps did meanwhile."""
+    envs: list[Endless] = []  # in the order the rollout builds them: episode k's is envs[k]
 
     class Endless(CalculatorEnv):  # answers every turn and never ends the episode
+        def __init__(self):
+            super().__init__()
+            self.seconds = 0.0
+            envs.append(self)
+
         def step(self, turn):
-            nonlocal seconds
-            seconds = max(seconds, turn.index + 1.0)  # both episodes' steps of a turn end at the same second
+            self.seconds = turn.index + 1.0  # this episode's clock: one second per step
             return StepResult([{"role": "user", "content": "go on"}], reward=0.25)
 
     limits = EpisodeLimits(max_turns=1000, max_new_tokens=8)
     result = rollout([{"question": "q", "answer": "1"}], Endless, scripted_sampler(bpe_tokenizer, ["a"] * 1000),
-                     bpe_tokenizer, RolloutConfig(group_size=2, limits=limits, episode_timeout_s=1.5), clock=clock)
+                     bpe_tokenizer, RolloutConfig(group_size=2, limits=limits, episode_timeout_s=1.5),
+                     clock=lambda k: envs[k].seconds)
+    assert len(result.episodes) == 2
     for episode in result.episodes:
         assert episode.reason is TerminationReason.TIMEOUT and episode.reason.truncated
         assert len(episode.turns) == 2 and episode.rewards == [0.25, 0.25]  # the last step's reward is kept

@@ -172,7 +172,7 @@ def test_a_pool_replaces_a_worker_given_up_on_and_joins_only_live_ones():
 @pytest.mark.slow
 def test_a_process_whose_tool_hangs_for_ever_still_exits():
     """The interpreter joins a ThreadPoolExecutor's threads at exit: a tool that never returned kept a
-    plain Python process (an AgentCollector in a script) alive for ever."""
+    plain Python process (a Collector in a script) alive for ever."""
     script = textwrap.dedent("""
         import threading
         from rlhf_pipeline.agents.environment import ToolCall

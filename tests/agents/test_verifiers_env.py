@@ -308,7 +308,7 @@ def test_the_agent_collector_writes_verifiers_episodes_with_the_rubrics_rewards(
     import torch
 
     from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, rebuild_trajectory
-    from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
+    from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, SamplingConfig, TaskSource
     from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage import create_store, make_replay_buffer
@@ -322,11 +322,10 @@ def test_the_agent_collector_writes_verifiers_episodes_with_the_rubrics_rewards(
     store = create_store(tmp_path / "buffer", "memmap",
                          schema=StoreSchema(optional=("advantage", "termination_reason", *AGENT_ROW_FIELDS)))
     buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(3)])
-    config = AgentCollectorConfig(tasks_per_round=2, group_size=3,
-                                  limits=EpisodeLimits(max_turns=4, max_new_tokens=6, end_on_cut_turn=False),
-                                  sampling=SamplingConfig(temperature=1.5), seed=11)
-    collector = AgentCollector(model, tokenizer, TaskSource(verifiers_tasks(env), seed=5),
-                               lambda: VerifiersEnvironment(env), buffer.extend, config, parser=parse_hermes)
+    config = CollectorConfig(tasks_per_round=2, group_size=3, sampling=SamplingConfig(temperature=1.5), seed=11)
+    episodes = Environments(lambda: VerifiersEnvironment(env), parser=parse_hermes,
+                            limits=EpisodeLimits(max_turns=4, max_new_tokens=6, end_on_cut_turn=False))
+    collector = Collector(model, tokenizer, TaskSource(verifiers_tasks(env), seed=5), episodes, buffer.extend, config)
     collector.collect()
     rows = store.read(torch.arange(len(store)))
     store.close()

@@ -366,7 +366,7 @@ def test_the_agent_collector_writes_v1_episodes_with_the_tasks_rewards(tmp_path)
     import torch
 
     from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
-    from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
+    from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, SamplingConfig, TaskSource
     from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
     from rlhf_pipeline.schema import StoreSchema
     from rlhf_pipeline.storage import create_store, make_replay_buffer
@@ -379,11 +379,11 @@ def test_the_agent_collector_writes_v1_episodes_with_the_tasks_rewards(tmp_path)
     store = create_store(tmp_path / "buffer", "memmap",
                          schema=StoreSchema(optional=("advantage", "termination_reason", *AGENT_ROW_FIELDS)))
     buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(3)])
-    config = AgentCollectorConfig(tasks_per_round=2, group_size=3,
-                                  limits=EpisodeLimits(max_turns=2, max_new_tokens=6, end_on_cut_turn=False),
-                                  sampling=SamplingConfig(temperature=1.5), seed=11)
-    collector = AgentCollector(model, tokenizer, TaskSource(verifiers_v1_tasks(taskset), seed=5),
-                               lambda: VerifiersV1Environment(taskset), buffer.extend, config)
+    config = CollectorConfig(tasks_per_round=2, group_size=3, sampling=SamplingConfig(temperature=1.5), seed=11)
+    episodes = Environments(lambda: VerifiersV1Environment(taskset),
+                            limits=EpisodeLimits(max_turns=2, max_new_tokens=6, end_on_cut_turn=False))
+    collector = Collector(model, tokenizer, TaskSource(verifiers_v1_tasks(taskset), seed=5), episodes, buffer.extend,
+                          config)
     collector.collect()
     rows = store.read(torch.arange(len(store)))
     store.close()

@@ -1,4 +1,4 @@
-"""Per-episode turns through the vLLM engine (``AgentCollectorConfig.turns="per_episode"``: each
+"""Per-episode turns through the vLLM engine (``collect/turns.py``: each
 episode's next turn added to vLLM's running batch as soon as its environment answered, through the
 server's ``turns`` operation), over the BPE tokenizer trained here: the rows do not depend on when
 the environments answer, every stored log-prob is the teacher-forced one over its whole trajectory,
@@ -18,7 +18,7 @@ import torch
 from rlhf_pipeline.agents.calculator import CalculatorEnv, multiply, product_tasks
 from rlhf_pipeline.agents.tools import ToolBox, parser_for_template
 from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
-from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, TaskSource
+from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, TaskSource
 from rlhf_pipeline.generation import SamplingConfig
 from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.settings import find_vllm_python
@@ -66,14 +66,15 @@ class SlowCalculator(CalculatorEnv):
 
 
 def collector(sampler, tokenizer, box, sampling: SamplingConfig, *, delay_seed=0,
-              seed=0, delay_s=(0.0, 0.05)) -> AgentCollector:
+              seed=0, delay_s=(0.0, 0.05)) -> Collector:
     """3 tasks x 2 episodes a round, each environment step delayed at random in ``delay_s``
     (``delay_seed``); the rows come back from ``collect()``."""
-    config = AgentCollectorConfig(tasks_per_round=3, group_size=2, limits=LIMITS, sampling=sampling, seed=seed)
+    config = CollectorConfig(tasks_per_round=3, group_size=2, sampling=sampling, seed=seed)
     tasks = TaskSource(product_tasks(12, seed=1), seed=0, required_fields=("question", "answer"))
     delays, lock = random.Random(delay_seed), threading.Lock()
-    return AgentCollector(sampler, tokenizer, tasks, lambda: SlowCalculator(box, delays, lock, delay_s), sink=None,
-                          config=config, parser=parser_for_template(tokenizer.chat_template))
+    episodes = Environments(lambda: SlowCalculator(box, delays, lock, delay_s), limits=LIMITS,
+                            parser=parser_for_template(tokenizer.chat_template))
+    return Collector(sampler, tokenizer, tasks, episodes, sink=None, config=config)
 
 
 @pytest.fixture(scope="module")

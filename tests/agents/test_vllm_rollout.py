@@ -21,7 +21,7 @@ import torch
 from rlhf_pipeline.agents.calculator import CalculatorEnv, multiply, product_tasks
 from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
 from rlhf_pipeline.agents.tools import ToolBox, parser_for_template
-from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, TaskSource
+from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, TaskSource
 from rlhf_pipeline.generation import SamplingConfig, teacher_forced_log_probs
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
@@ -65,13 +65,14 @@ def box():
     toolbox.close()
 
 
-def collector(sampler, tokenizer, box, sampling: SamplingConfig, *, seed: int = 0) -> AgentCollector:
+def collector(sampler, tokenizer, box, sampling: SamplingConfig, *, seed: int = 0) -> Collector:
     """An agent collector over 3 tasks x 2 episodes a round, sampling with ``sampler`` (a model: our
     loop; or an engine). The rows come back from ``collect()`` (no sink)."""
-    config = AgentCollectorConfig(tasks_per_round=3, group_size=2, limits=LIMITS, sampling=sampling, seed=seed)
+    config = CollectorConfig(tasks_per_round=3, group_size=2, sampling=sampling, seed=seed)
     tasks = TaskSource(product_tasks(12, seed=1), seed=0, required_fields=("question", "answer"))
-    return AgentCollector(sampler, tokenizer, tasks, lambda: CalculatorEnv(box, nudges=1), sink=None, config=config,
-                          parser=parser_for_template(tokenizer.chat_template))
+    episodes = Environments(lambda: CalculatorEnv(box, nudges=1), limits=LIMITS,
+                            parser=parser_for_template(tokenizer.chat_template))
+    return Collector(sampler, tokenizer, tasks, episodes, sink=None, config=config)
 
 
 def trajectories(batch) -> dict[int, object]:

@@ -15,7 +15,7 @@ from rlhf_pipeline.agents.environment import StepResult, ToolCall
 from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.calculator import multiply
 from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
-from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
+from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, SamplingConfig, TaskSource
 from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, make_replay_buffer, open_store
@@ -64,11 +64,12 @@ def agent_collector(model, tokenizer, store, *, on_step=None, sink=None, tasks_p
     if sink is None:
         buffer = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE)])
         sink = buffer.extend
-    config = AgentCollectorConfig(tasks_per_round=tasks_per_round, group_size=GROUP_SIZE,
-                                  limits=EpisodeLimits(max_turns=3, max_new_tokens=6, end_on_cut_turn=False),
-                                  sampling=SamplingConfig(temperature=1.5), seed=11)
+    config = CollectorConfig(tasks_per_round=tasks_per_round, group_size=GROUP_SIZE,
+                             sampling=SamplingConfig(temperature=1.5), seed=11)
     build = (lambda: TurnsEnv(toolbox, on_step)) if make_env is None else (lambda: make_env(toolbox))
-    return AgentCollector(model, tokenizer, TaskSource(TASKS, seed=5), build, sink, config, parser=parse_hermes)
+    episodes = Environments(build, parser=parse_hermes,
+                            limits=EpisodeLimits(max_turns=3, max_new_tokens=6, end_on_cut_turn=False))
+    return Collector(model, tokenizer, TaskSource(TASKS, seed=5), episodes, sink, config)
 
 
 def hang_forever() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 
@@ -24,7 +24,7 @@ def policy():
 
 
 def collector(model, tok, sink) -> Collector:
-    config = CollectorConfig(prompts_per_batch=4, num_generations=3,
+    config = CollectorConfig(tasks_per_round=4, group_size=3,
                              sampling=SamplingConfig(max_new_tokens=16, temperature=1.0))
     source = PromptSource(toy_prompts(20, seed=1), seed=0, required_fields=("answer",))
-    return Collector(model, tok, source, {"toy": toy_reward}, sink, config)
+    return Collector(model, tok, source, SingleTurn({"toy": toy_reward}), sink, config)

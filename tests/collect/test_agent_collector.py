@@ -20,7 +20,7 @@ from rlhf_pipeline.agents.calculator import multiply
 from rlhf_pipeline.agents.environment import StepResult, ToolCall
 from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
 from rlhf_pipeline.agents.tools import ToolBox
-from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, TaskSource
+from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, TaskSource
 from rlhf_pipeline.dataio.trajectory_view import (
     find_trajectory,
     format_trajectory,
@@ -220,10 +220,10 @@ def test_each_turn_row_holds_its_own_tool_calls_and_failures(tmp_path):
 
     tasks = [{"question": f"Q{k}", "turns": 1 + k % 3, "fail": k} for k in range(6)]
     sink = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP_SIZE)]).extend
-    config = AgentCollectorConfig(tasks_per_round=3, group_size=GROUP_SIZE, seed=3,
-                                  limits=EpisodeLimits(max_turns=3, max_new_tokens=4, end_on_cut_turn=False))
+    config = CollectorConfig(tasks_per_round=3, group_size=GROUP_SIZE, seed=3)
     # no parser: the turn's calls are then exactly the ones its environment ran
-    collector = AgentCollector(model, tokenizer, TaskSource(tasks, seed=1), make_env, sink, config)
+    episodes = Environments(make_env, limits=EpisodeLimits(max_turns=3, max_new_tokens=4, end_on_cut_turn=False))
+    collector = Collector(model, tokenizer, TaskSource(tasks, seed=1), episodes, sink, config)
     seen = []
     collector.hooks.append(seen.append)
     for _ in range(2):

@@ -14,8 +14,8 @@ from agent_setup import open_or_create, tiny_policy
 
 from rlhf_pipeline.agents.environment import StepResult
 from rlhf_pipeline.agents.episode import EpisodeLimits
-from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
-from rlhf_pipeline.collect.agent_collector import EpisodeFailureRateError
+from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, SamplingConfig, TaskSource
+from rlhf_pipeline.collect.rewards import EpisodeFailureRateError
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.storage import make_replay_buffer
@@ -50,10 +50,10 @@ def collector(model, tokenizer, tasks, store=None, *, sink=None, **config):
     if sink is None:
         sink = make_replay_buffer(store, batch_size=4, transforms=[GroupAdvantage(GROUP)]).extend
     settings = dict(tasks_per_round=3, group_size=GROUP, seed=7, max_failed_group_fraction=None,
-                    limits=EpisodeLimits(max_turns=2, max_new_tokens=5, end_on_cut_turn=False),
                     sampling=SamplingConfig(temperature=1.5))
-    return AgentCollector(model, tokenizer, TaskSource(tasks, seed=2), Flaky, sink,
-                          AgentCollectorConfig(**{**settings, **config}))
+    episodes = Environments(Flaky, limits=EpisodeLimits(max_turns=2, max_new_tokens=5, end_on_cut_turn=False))
+    return Collector(model, tokenizer, TaskSource(tasks, seed=2), episodes, sink,
+                     CollectorConfig(**{**settings, **config}))
 
 
 FAILS = ["none", "reset", "none", "step", "nan", "none"]
@@ -139,7 +139,7 @@ def test_past_the_failure_rate_collect_raises_one_line_after_writing_the_round(t
                       failure_rate_min_groups=1)
     below.collect()  # 2 of 3 is below 0.7: the run goes on
     with pytest.raises(ValueError, match="max_failed_group_fraction must be in \\[0, 1\\]"):
-        AgentCollectorConfig(max_failed_group_fraction=1.5)
+        CollectorConfig(max_failed_group_fraction=1.5)
 
 
 def test_collect_stops_the_run_with_one_line_when_failures_pass_the_rate(tmp_path, capsys):
@@ -158,7 +158,7 @@ def test_collect_stops_the_run_with_one_line_when_failures_pass_the_rate(tmp_pat
 
     def failing_collector(**parts):
         made = make(**parts)
-        made.make_env = lambda: Flaky()  # every task lacks "fail": each reset raises KeyError
+        made.episodes.make_env = lambda: Flaky()  # every task lacks "fail": each reset raises KeyError
         return made
 
     pipeline = dataclasses.replace(pipeline, collector=failing_collector)

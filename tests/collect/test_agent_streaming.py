@@ -1,4 +1,4 @@
-"""An agent round's groups written as they end (``collect/agent_streaming.py``): each group once its
+"""An agent round's groups written as they end (``collect/commit.py``): each group once its
 episodes all ended and the earlier groups are written, in several appends a round, and a crash
 between two appends resumed to the same rows, each trajectory once."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import resume
-from rlhf_pipeline.collect.streaming import stored_in_round
+from rlhf_pipeline.collect.commit import stored_in_round
 from rlhf_pipeline.storage import make_replay_buffer
 from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 

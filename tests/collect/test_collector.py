@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 from rlhf_pipeline.schema.ids import ID_COUNTER_BITS
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.models import tiny_model_and_tokenizer
@@ -16,10 +16,10 @@ from helpers import into
 
 
 def _collector(model, tok, *, sink=None, index=0, seed=0, hooks=(), prompts=None):
-    config = CollectorConfig(prompts_per_batch=3, num_generations=4, collector_index=index, seed=seed,
+    config = CollectorConfig(tasks_per_round=3, group_size=4, collector_index=index, seed=seed,
                              sampling=SamplingConfig(max_new_tokens=5, temperature=1.5))
     source = PromptSource(prompts or toy_prompts(10, seed=1), seed=seed, required_fields=("answer",))
-    return Collector(model, tok, source, {"toy": toy_reward}, sink, config, hooks=hooks)
+    return Collector(model, tok, source, SingleTurn({"toy": toy_reward}), sink, config, hooks=hooks)
 
 
 def test_rows_are_valid_grouped_and_uniquely_identified(tiny):
@@ -107,8 +107,8 @@ def test_hooks_get_metrics_and_sink_errors_do_not_advance_ids(tiny):
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match="num_generations"):
-        CollectorConfig(num_generations=0)
+    with pytest.raises(ValueError, match="group_size"):
+        CollectorConfig(group_size=0)
     with pytest.raises(ValueError, match="collector_index"):
         CollectorConfig(collector_index=-1)
 

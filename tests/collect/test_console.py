@@ -13,7 +13,7 @@ from helpers import screen_lines
 from rlhf_pipeline.agents.environment import StepResult, ToolCall
 from rlhf_pipeline.agents.episode import EpisodeLimits
 from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
-from rlhf_pipeline.collect import AgentCollector, AgentCollectorConfig, SamplingConfig, TaskSource
+from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, SamplingConfig, TaskSource
 from rlhf_pipeline.collect.console import agent_round_printer, say
 
 
@@ -73,12 +73,11 @@ def test_a_round_whose_tool_calls_all_fail_is_warned_of_once_with_the_first_erro
     model, tokenizer = tiny_policy()
     toolbox = ToolBox([multiply], timeout_s=5.0)
     console = io.StringIO()
-    config = AgentCollectorConfig(tasks_per_round=2, group_size=GROUP_SIZE,
-                                  limits=EpisodeLimits(max_turns=1, max_new_tokens=4),
-                                  sampling=SamplingConfig(temperature=1.5), seed=11)
-    collector = AgentCollector(model, tokenizer, TaskSource(TASKS, seed=5), lambda: BrokenToolsEnv(toolbox),
-                               lambda batch, writer_state: None, config, parser=parse_hermes,
-                               hooks=[agent_round_printer(2, toolbox=toolbox, stream=console)])
+    config = CollectorConfig(tasks_per_round=2, group_size=GROUP_SIZE, sampling=SamplingConfig(temperature=1.5), seed=11)
+    episodes = Environments(lambda: BrokenToolsEnv(toolbox), parser=parse_hermes,
+                            limits=EpisodeLimits(max_turns=1, max_new_tokens=4))
+    collector = Collector(model, tokenizer, TaskSource(TASKS, seed=5), episodes, lambda batch, writer_state: None,
+                          config, hooks=[agent_round_printer(2, toolbox=toolbox, stream=console)])
     for _ in range(4):
         collector.collect()
     lines = console.getvalue().splitlines()

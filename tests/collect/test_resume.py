@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import Crash, resume, store_sink
 
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
@@ -15,10 +15,10 @@ from rlhf_pipeline.storage import create_store, open_store
 
 def make_collector(tiny, sink, reward=toy_reward):
     model, tok = tiny
-    config = CollectorConfig(prompts_per_batch=2, num_generations=4, max_failed_group_fraction=None,
+    config = CollectorConfig(tasks_per_round=2, group_size=4, max_failed_group_fraction=None,
                              sampling=SamplingConfig(max_new_tokens=4, temperature=1.5))
     source = PromptSource(toy_prompts(10, seed=1), seed=0, required_fields=("answer",))
-    return Collector(model, tok, source, {"toy": reward}, sink, config)
+    return Collector(model, tok, source, SingleTurn({"toy": reward}), sink, config)
 
 
 def run_rounds(tiny, store, rounds, reward=toy_reward, **crash):

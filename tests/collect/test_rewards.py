@@ -17,7 +17,7 @@ from rlhf_pipeline.collect.rewards import (
     numeric_match,
     score,
 )
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts
 from rlhf_pipeline.models import tiny_reward_model
 from rlhf_pipeline.schema import StoreSchema
@@ -130,10 +130,10 @@ def test_a_reward_given_as_text_is_refused_by_the_agents_check():
 
 def _collector(tiny, reward, sink, **config_fields):
     model, tok = tiny
-    config = CollectorConfig(prompts_per_batch=3, num_generations=4,
+    config = CollectorConfig(tasks_per_round=3, group_size=4,
                              sampling=SamplingConfig(max_new_tokens=5, temperature=1.5), **config_fields)
     source = PromptSource(toy_prompts(10, seed=1), seed=0, required_fields=("answer",))
-    return Collector(model, tok, source, {"r": reward}, sink, config)
+    return Collector(model, tok, source, SingleTurn({"r": reward}), sink, config)
 
 
 def test_a_collector_whose_reward_returns_text_stops_before_writing(tiny):
@@ -199,11 +199,11 @@ def test_a_round_whose_every_group_is_dropped_writes_nothing_and_reports_no_nan(
     collector = _collector(tiny, lambda prompts, completions, **_: [math.inf] * len(completions),
                            lambda batch, writer_state: sunk.append((batch, writer_state["batches_emitted"])),
                            max_failed_group_fraction=None)
-    assert len(collector.collect()) == 0 and sunk == [(None, 1)]  # no rows: the state after the round alone
+    assert collector.collect() is None and sunk == [(None, 1)]  # no rows: the state after the round alone
     metrics = collector.last_metrics
     assert metrics["groups_dropped"] == 3 and metrics["dropped/non_finite_reward"] == 3
     assert all(math.isfinite(v) for v in metrics.values())
-    assert len(collector.collect()) == 0 and collector.groups_emitted == 6  # the prompts move on
+    assert collector.collect() is None and collector.groups_emitted == 6  # the prompts move on
 
 
 def test_a_reward_that_is_never_finite_stops_the_collector_past_the_failure_rate(tiny):

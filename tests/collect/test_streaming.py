@@ -1,4 +1,4 @@
-"""A round's groups written in request order as prefixes of the round end (``collect/streaming.py``),
+"""A round's groups written in group order as prefixes of the round end (``collect/commit.py``),
 and a crash between two appends of a round resumed to the same rows, each trajectory once. Our loop
 answers each request as soon as its rows stopped, so a round whose completions end apart goes to the
 store in several appends; how many follows the timing, the rows never do."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_pipeline.collect.streaming import commit_in_order, stored_in_round
+from rlhf_pipeline.collect.commit import InOrderCommit, stored_in_round
 from rlhf_pipeline.generation.engine import CompletionGroup
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
@@ -92,13 +92,21 @@ def test_groups_are_committed_in_request_order_in_chunks_as_prefixes_complete():
     group = {i: CompletionGroup([], 0, seed=i, index=i) for i in range(7)}
     steps = [[group[2]], [group[0]], [group[1]], [group[4], group[5]], [group[3], group[6]]]  # ended together
     chunks = []
-    timing = commit_in_order(iter(steps), 7, lambda groups, last: chunks.append(([g.index for g in groups], last)))
+    timing = commit_in_order(steps, 7, lambda groups, last: chunks.append(([g.index for g in groups], last)))
     assert chunks == [([0], False), ([1, 2], False), ([3, 4, 5, 6], True)]  # one append per step at most
     assert timing.metrics()["chunks"] == 3 and timing.metrics()["groups_per_chunk"] == 7 / 3
-    with pytest.raises(RuntimeError, match="ended after 2 of 3 groups"):
-        commit_in_order(iter(steps[:2]), 3, lambda groups, last: None)
+    with pytest.raises(RuntimeError, match="ended with 2 of its 3 groups"):
+        commit_in_order(steps[:2], 3, lambda groups, last: None)
     with pytest.raises(RuntimeError, match="twice or outside"):
-        commit_in_order(iter([[group[1]], [group[1]]]), 3, lambda groups, last: None)
+        commit_in_order([[group[1]], [group[1]]], 3, lambda groups, last: None)
+
+
+def commit_in_order(steps, count, write):
+    """The collector's use of :class:`InOrderCommit`: each list of groups that ended together, then finish."""
+    commit = InOrderCommit(count, write)
+    for ended_together in steps:
+        commit.add(ended_together)
+    return commit.finish()
 
 
 WORKER = """
@@ -106,7 +114,7 @@ import sys, time
 sys.path[:0] = [{tests!r}, {tests!r}.rsplit("/", 1)[0]]
 from stream_setup import collector, policy
 from helpers import resume
-from rlhf_pipeline.collect.streaming import stored_in_round
+from rlhf_pipeline.collect.commit import stored_in_round
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, make_replay_buffer, open_store
 from pathlib import Path

@@ -18,7 +18,7 @@ from dataio_setup import DEFAULT_PIPELINE, GROUP_SIZE, SMALL, WRITE_PATH_FIELDS
 
 def collect_rows(path: Path, backend: str, rounds: int = 5, segment_rows: int = 32):
     """A store at ``path`` holding every optional field of the write path, written by a real collector (16 rows a round)."""
-    from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+    from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
     from rlhf_pipeline.collect.toy_task import toy_prompts
     from rlhf_pipeline.models import tiny_model_and_tokenizer
     from rlhf_pipeline.schema import StoreSchema
@@ -32,9 +32,9 @@ def collect_rows(path: Path, backend: str, rounds: int = 5, segment_rows: int = 
                                                    ReferenceLogProbs(reference), KLReward(0.05)])
     collector = Collector(model, tokenizer, PromptSource(toy_prompts(64, seed=0), required_fields=("answer",)),
                           # the untrained model rarely answers right; its answers' lengths vary
-                          {"length": lambda prompts, completions, **_: [float(len(c)) for c in completions]},
+                          SingleTurn({"length": lambda prompts, completions, **_: [float(len(c)) for c in completions]}),
                           buffer.extend,
-                          CollectorConfig(prompts_per_batch=4, num_generations=GROUP_SIZE,
+                          CollectorConfig(tasks_per_round=4, group_size=GROUP_SIZE,
                                           sampling=SamplingConfig(max_new_tokens=5)))
     for version in range(rounds):
         collector.set_policy_state(model.state_dict(), version)  # several versions, as a live run would store

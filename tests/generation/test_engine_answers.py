@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from misbehaving_vllm_server import FAULTS, MisbehavingVLLMServer
 
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.generation.engine import BadAnswer, Completion, checked_completions
 from rlhf_pipeline.generation.vllm_http import RetryPolicy
@@ -74,10 +74,10 @@ def served():
 
 
 def _collector(engine, tok, sink) -> Collector:
-    config = CollectorConfig(prompts_per_batch=2, num_generations=4,
+    config = CollectorConfig(tasks_per_round=2, group_size=4,
                              sampling=SamplingConfig(max_new_tokens=6, temperature=1.0))
     source = PromptSource(toy_prompts(10, seed=1), seed=0, required_fields=("answer",))
-    return Collector(engine, tok, source, {"toy": toy_reward}, sink, config)
+    return Collector(engine, tok, source, SingleTurn({"toy": toy_reward}), sink, config)
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, make_prompt
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn, make_prompt
 from rlhf_pipeline.generation import LoopEngine, SampleRequest, UnsupportedCapability, draw_seed, generate
 from rlhf_pipeline.generation.engine import EngineFailed, GenerationEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer
@@ -145,8 +145,8 @@ def test_a_collector_given_an_engine_uses_it_and_closes_it(tiny):
     with pytest.raises(UnsupportedCapability, match="does not score"):
         engine.score([[1]], [[2]])
     records = [make_prompt({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(4)]
-    collector = Collector(engine, tok, PromptSource(records), {"zero": lambda p, c, **_: [0.0] * len(c)}, sink=None,
-                          config=CollectorConfig(prompts_per_batch=2, num_generations=2,
+    collector = Collector(engine, tok, PromptSource(records), SingleTurn({"zero": lambda p, c, **_: [0.0] * len(c)}), sink=None,
+                          config=CollectorConfig(tasks_per_round=2, group_size=2,
                                                  sampling=SamplingConfig(max_new_tokens=3)))
     batch = collector.collect()
     assert collector.engine is engine and bool((batch["policy_version"] == 7).all())

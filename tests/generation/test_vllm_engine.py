@@ -29,7 +29,7 @@ from engine_contract import (
 )
 from helpers import into, kill_once_busy, process_running
 
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.coordination.weights import publish_weights, weights_path
 from rlhf_pipeline.generation import EngineFailed, SampleRequest, SamplingConfig, UnsupportedSetting
@@ -176,8 +176,8 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
     def collect(kill_in_round: int | None = None) -> tuple[list, dict]:
         batches: list = []
         source = PromptSource(toy_prompts(12, seed=1), seed=0, required_fields=("answer",))
-        config = CollectorConfig(prompts_per_batch=6, num_generations=8, sampling=SamplingConfig(max_new_tokens=48))
-        collector = Collector(engine, tok, source, {"toy": toy_reward}, into(batches), config)
+        config = CollectorConfig(tasks_per_round=6, group_size=8, sampling=SamplingConfig(max_new_tokens=48))
+        collector = Collector(engine, tok, source, SingleTurn({"toy": toy_reward}), into(batches), config)
         for round_index in range(2):
             killer = kill_once_busy(engine.pid) if round_index == kill_in_round else None
             collector.collect()

@@ -8,7 +8,7 @@ from tensordict import TensorDict
 from torchrl.objectives.llm.grpo import GRPOLoss
 
 from rlhf_pipeline.schema.padding import pad_batch
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig
+from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.learn.loss import (
     LOGPROB_DIFF_THRESHOLD,
@@ -189,9 +189,9 @@ def test_sampler_mismatch_is_the_learner_against_the_stored_log_probs():
 @pytest.fixture(scope="module")
 def collected():
     model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=2, num_heads=4)
-    config = CollectorConfig(prompts_per_batch=4, num_generations=4,
+    config = CollectorConfig(tasks_per_round=4, group_size=4,
                              sampling=SamplingConfig(max_new_tokens=6, temperature=1.5))
-    collector = Collector(model, tok, PromptSource(toy_prompts(8)), {"toy": toy_reward}, None, config)
+    collector = Collector(model, tok, PromptSource(toy_prompts(8)), SingleTurn({"toy": toy_reward}), None, config)
     batch = collector.collect()
     adv = torch.randn(len(batch), generator=torch.Generator().manual_seed(0))
     return model, tok, batch.with_columns(advantage=adv)

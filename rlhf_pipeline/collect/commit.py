@@ -1,0 +1,135 @@
+"""Committing a round's groups in group-id order, each append with the collector's state after it.
+
+A round's groups end in whatever order their episodes end. The collector hands them to its sink in
+*group* order, in chunks: whenever the groups that ended extend the prefix of the round already
+committed, that prefix grows by one append. Why not in the order they end: the buffer's order would
+then depend on timing, and what reads by position (exact resume, the learner's pacing and sampling)
+would no longer give the same rows on a rerun. The price is that a group that ended early waits for
+every earlier one still running; :class:`StreamTiming` measures it (``order_wait_s``) beside the time
+to the first committed group and to the last.
+
+Each chunk goes to the sink with the collector's state after exactly its groups: the round's start
+and how many of its groups are stored (:data:`STORED_IN_ROUND`), the store publishing the two in one
+step (``storage/writer_state.py``). The chunk that completes the round is written once the round's
+episodes are all done, with the state after the whole round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.schema import TrajectoryBatch
+
+WriteChunk = Callable[[list[Any], bool], None]
+"""``write(groups, last)``: one append of consecutive groups of the round; ``last`` for the chunk that
+completes it."""
+
+
+@dataclass
+class StreamTiming:
+    """When a round's groups ended and were committed, in seconds from the round's start."""
+
+    started: float = field(default_factory=time.perf_counter)
+    ended_s: dict[int, float] = field(default_factory=dict)
+    """Group index -> when its episodes had all ended."""
+    committed_s: dict[int, float] = field(default_factory=dict)
+    """Group index -> when the append holding it returned."""
+    chunk_sizes: list[int] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.started
+
+    def metrics(self) -> dict[str, float]:
+        """``first_group_s`` / ``round_s``: the first and the last append's end; ``first_ended_s``: the
+        first group that ended (what a commit in the order groups end would achieve);
+        ``order_wait_s``: mean seconds a group waited for earlier ones; ``chunks`` and
+        ``groups_per_chunk``: appends this round and groups per append."""
+        if not self.committed_s:
+            return {}
+        waits = [self.committed_s[i] - self.ended_s[i] for i in self.committed_s]
+        return {
+            "first_group_s": min(self.committed_s.values()),
+            "round_s": max(self.committed_s.values()),
+            "first_ended_s": min(self.ended_s.values()),
+            "last_ended_s": max(self.ended_s.values()),
+            "order_wait_s": sum(waits) / len(waits),
+            "chunks": float(len(self.chunk_sizes)),
+            "groups_per_chunk": sum(self.chunk_sizes) / len(self.chunk_sizes),
+        }
+
+
+class InOrderCommit:
+    """:meth:`add` each list of groups that ended together as it comes (each with an ``index``, its
+    place in the round), :meth:`finish` once the round's episodes are all done."""
+
+    def __init__(self, count: int, write: WriteChunk, timing: StreamTiming | None = None) -> None:
+        self.count = count
+        self.write = write
+        self.timing = timing or StreamTiming()
+        self._ended: dict[int, Any] = {}
+        self.committed = 0  # groups 0..committed-1 are written (or held as the round's last chunk)
+        self._held: list[Any] = []  # the chunk that completes the round, written by finish()
+
+    def add(self, finished_together: Iterable[Any]) -> None:
+        now = self.timing.now()
+        for group in finished_together:
+            if not 0 <= group.index < self.count or group.index in self._ended or group.index < self.committed:
+                raise RuntimeError(f"group {group.index} ended twice or outside a round of {self.count}: "
+                                   f"not the engine contract (one answer per request)")
+            self._ended[group.index] = group
+            self.timing.ended_s[group.index] = now
+        chunk = []
+        while self.committed in self._ended:
+            chunk.append(self._ended.pop(self.committed))
+            self.committed += 1
+        if chunk and self.committed == self.count:
+            self._held = chunk
+        elif chunk:
+            self._write(chunk, False)
+
+    @property
+    def written(self) -> int:
+        """Groups appended so far (the chunk that completes the round waits for :meth:`finish`)."""
+        return self.committed - len(self._held)
+
+    def finish(self) -> StreamTiming:
+        if self.committed != self.count:
+            raise RuntimeError(f"the round ended with {self.committed + len(self._ended)} of its {self.count} "
+                               f"groups")
+        self._write(self._held, True)
+        return self.timing
+
+    def _write(self, chunk: list[Any], last: bool) -> None:
+        self.write(chunk, last)
+        done = self.timing.now()
+        self.timing.chunk_sizes.append(len(chunk))
+        for group in chunk:
+            self.timing.committed_s[group.index] = done
+
+
+STORED_IN_ROUND = "groups_stored_in_round"
+"""In a collector's state taken within a round: how many of the round's groups (in group order,
+dropped ones included) are stored. The rest of the state is the round's start, so a restart runs the
+round again from the same tasks and seeds and writes only the groups after those."""
+
+
+def partial_round(start_state: dict[str, Any], groups_stored: int) -> dict[str, Any]:
+    """The state of a collector whose round, begun at ``start_state``, has ``groups_stored`` groups stored."""
+    return {**start_state, STORED_IN_ROUND: int(groups_stored)}
+
+
+def stored_in_round(state: dict[str, Any]) -> int:
+    """The groups of the round ``state`` starts that are stored already (0: a round boundary)."""
+    return int(state.get(STORED_IN_ROUND, 0))
+
+
+def without_stored(batch: TrajectoryBatch, first_group_id: int, stored: int) -> TrajectoryBatch:
+    """``batch`` less the groups of its round stored already: ids below ``first_group_id + stored``."""
+    if not stored:
+        return batch
+    return batch.select(torch.nonzero(batch["group_id"] >= first_group_id + stored).squeeze(-1))
