@@ -12,7 +12,8 @@ What owning the server adds to that client:
   ``server_command``'s ``worker_in_core``); then the client's checks, as for any server. The
   collector starts it while the learner warm-starts, from the model it builds, and gives it the
   warm-started weights as it gives every later version. It is stopped with the collector
-  (:meth:`VLLMEngine.close`, also at interpreter exit), and with it when the collector is killed.
+  (:meth:`VLLMEngine.close`, also at interpreter exit), and with it, by its group's watcher
+  (``vllm_process.WATCHER``), when the collector is killed.
 * **One restart path.** A request the server does not answer (its process died: ``kill -9``, the OOM
   killer; or it hung past ``generation.timeout_s``: it is killed) makes the engine start a new server,
   give it the weights the dead one held (their file, ``vllm_url_weights.ServerWeights``), and send
@@ -33,7 +34,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -105,18 +105,11 @@ class OwnedServer:
         self.hung_after_s: float | None = None
         self.generation = 0
         self._lock = threading.Lock()
-        # one thread starts every server: a server gets SIGTERM when the thread that started it ends
-        # (PR_SET_PDEATHSIG follows the thread), and a restart comes from a request's passing thread
-        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-server-start")
-        try:
-            self.process = self._start()
-        except BaseException:
-            self._spawner.shutdown()
-            raise
+        self.process = self._start()
 
     def _start(self) -> ServerProcess:
         try:
-            process = self._spawner.submit(ServerProcess, *self._args).result()
+            process = ServerProcess(*self._args)
         except RuntimeError as exc:
             raise EngineDied(f"the vLLM engine did not start: {exc}", cause=str(exc).splitlines()[0]) from None
         except OSError as exc:
@@ -180,7 +173,6 @@ class OwnedServer:
 
     def stop(self) -> None:
         self.process.stop()
-        self._spawner.shutdown()
 
 
 class VLLMEngine(VLLMURLEngine):
