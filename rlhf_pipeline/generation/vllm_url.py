@@ -134,6 +134,7 @@ class VLLMURLEngine(GenerationEngine):
             raise
         # a round's figures, not the connection checks'
         self.stats.reported = (self.client.requests_sent, self.client.request_s, self.client.connections_opened, 0.0, 0)
+        self.stats.cached_reported = (self.stats.prompt_tokens, self.stats.cached_tokens)
 
     # ------------------------------------------------------------------ checks at connection
     def _wait_until_healthy(self, wait_s: float) -> None:
