@@ -99,7 +99,7 @@ class EngineUnderTest:
 
     def server(self, model, tokenizer):
         """The ``vllm serve`` of ``model``'s shape (started on first use)."""
-        from vllm_server_process import VLLMServerProcess, save_model_dir
+        from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 
         from rlhf_pipeline.generation.settings import find_vllm_python
 

@@ -2,7 +2,7 @@
 the collector's own engine runs (``generation/vllm_process.py``); stopped (its whole process group) at
 :meth:`VLLMServerProcess.stop`.
 
-Used by the tests of ``generation.url`` (``tests/vllm_server_process.py`` re-exports it) and by
+Used by the tests of ``generation.url`` and by
 ``rlhf-pipeline bench generation``, which times its start and reads its processes' peak memory.
 """
 

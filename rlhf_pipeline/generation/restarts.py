@@ -1,16 +1,7 @@
-"""When a server the collector started and that died is started again: :class:`Restarts`, a bounded
-exponential backoff.
-
-The collector's own vLLM server (``vllm_engine.py``) can be lost to a ``kill -9``, the OOM killer or a
-crash in native code, or hang (no reply within ``generation.timeout_s``: then it is killed and counts as
-dead). The work it was doing is not lost with it: every request is whole and seeded, and the weights
-it held are a file in the engine's scratch directory, so a new server given those weights and sent
-the unanswered requests again gives the same rows. What is bounded here is how often
-that is tried: ``max_restarts`` (``generation.retries``) restarts in a row (a call the engine answered resets the count, so a
-long run survives one death a day), the k-th after ``backoff_s * 2**(k-1)`` seconds (at most
-``MAX_DELAY_S``): an engine that dies again at once is not restarted in a tight loop, and one that
-cannot live (a machine out of memory) stops the collector after a few tries with one line naming the
-setting, rather than never.
+"""When a server the collector started and that died (``kill -9``, the OOM killer, a hang past
+``generation.timeout_s``) is started again: :class:`Restarts`, a bounded exponential backoff. Its work
+is not lost (every request is whole and seeded, the weights it held are a file); what is bounded is how
+often that is tried, so an engine that cannot live stops the collector with one line naming the setting.
 """
 
 from __future__ import annotations

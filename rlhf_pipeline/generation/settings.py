@@ -242,9 +242,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
         from rlhf_pipeline.generation.vllm_http import RetryPolicy
         from rlhf_pipeline.generation.vllm_url import API_KEY_ENV, VLLMURLEngine
 
-        retry = RetryPolicy(retries=settings.retries, backoff_s=max(settings.backoff_s, 1e-3),
-                            max_backoff_s=max(30.0, settings.backoff_s),
-                            timeout_s=settings.timeout_s if settings.timeout_s is not None else 10**9)
+        retry = RetryPolicy.of(settings.retries, settings.backoff_s, settings.timeout_s)
         return VLLMURLEngine(settings.url, model, stop_token_ids=stop_token_ids, tokenizer=tokenizer,
                              policy_version=policy_version, served_model=settings.url_model,
                              weights_dir=settings.url_weights_dir, inline_weights=settings.weight_transfer == "inline",
@@ -263,7 +261,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
         python=find_vllm_python(settings.python), stop_token_ids=stop_token_ids, policy_version=policy_version,
         device=device, seed=seed, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
         start_timeout_s=settings.start_timeout_s,
-        max_model_len=settings.max_model_len, timeout_s=settings.timeout_s, backoff_s=settings.backoff_s,
+        max_model_len=settings.max_model_len,
         # a server that died is started again and given the version it held, from its file (vllm_url_weights.py)
         restarts=Restarts(settings.retries, settings.backoff_s, settings.timeout_s),
     )

@@ -1,27 +1,15 @@
 """``VLLMEngine``: a vLLM server the collector starts and stops (``generation.engine=vllm``), reached
-through the same client as a server at a URL (:class:`~rlhf_pipeline.generation.vllm_url.VLLMURLEngine`,
-which says what every reply is checked for and how sampling follows our conventions).
+through the same client as a server at a URL (``vllm_url.py``). What owning the server adds:
 
-What owning the server adds to that client:
-
-* **Its start.** The model's ``save_pretrained`` directory in the engine's scratch directory, served by
-  ``python -m vllm.entrypoints.openai.api_server`` under the vLLM environment's Python
-  (``generation.python``; ``rlhf-pipeline setup-vllm`` makes one) with the flags the client's checks
-  require (``vllm_process.server_command``), on as many OpenMP threads as this process has torch
-  threads, its model's worker inside the engine core's process on a CPU (two processes, not three:
-  ``server_command``'s ``worker_in_core``); then the client's checks, as for any server. The
-  collector starts it while the learner warm-starts, from the model it builds, and gives it the
-  warm-started weights as it gives every later version. It is stopped with the collector
-  (:meth:`VLLMEngine.close`, also at interpreter exit), and with it when the collector is killed.
-* **One restart path.** A request the server does not answer (its process died: ``kill -9``, the OOM
-  killer; or it hung past ``generation.timeout_s``: it is killed) makes the engine start a new server,
-  give it the weights the dead one held (their file, ``vllm_url_weights.ServerWeights``), and send
-  every unanswered request again, whole, with its seed: the rows are those the dead one would have
-  given. Restarts are bounded (``generation/restarts.py``: ``generation.retries`` in a row, backing off
-  from ``generation.backoff_s``); past them the collector stops with one line naming the setting.
-  A server at a URL is not ours to restart: its requests are retried, then one line.
-* **Shapes it can run.** vLLM's CPU attention takes head sizes 32, 64, 80, 96, 112, 128, 160, 192,
-  224, 256 and 512: a model with another is refused before the server starts, naming the sizes.
+* **its start**: the model's ``save_pretrained`` directory served under the vLLM environment's Python
+  (``generation.python``) with the flags the client's checks need (``vllm_process.server_command``),
+  on this process's torch threads, the model's worker inside the engine core on a CPU; stopped with
+  the collector, also at interpreter exit or when the collector is killed (``vllm_process.WATCHER``);
+* **one restart path**: a request the server does not answer (its process died, or it hung past
+  ``generation.timeout_s`` and is killed) starts a new server, gives it the weights the dead one held
+  (their file) and sends every unanswered request again with its seed: the same rows. At most
+  ``generation.retries`` restarts in a row (``restarts.py``), then one line naming the setting;
+* **the shapes it runs**: a head size vLLM's CPU attention does not take is refused before any start.
 """
 
 from __future__ import annotations
@@ -32,13 +20,11 @@ import subprocess
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.generation.engine import EngineDied, EngineFailed, EngineStats, UnsupportedSetting
+from rlhf_pipeline.generation.engine import EngineDied, EngineFailed, UnsupportedSetting
 from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.vllm_http import RetryPolicy
 from rlhf_pipeline.generation.vllm_process import (
@@ -49,7 +35,7 @@ from rlhf_pipeline.generation.vllm_process import (
     server_command,
 )
 from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
-from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
+from rlhf_pipeline.generation.vllm_url import ServerStats, VLLMURLEngine
 
 SERVED_NAME = "policy"
 WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/reset_prefix_cache": "loading weights"}
@@ -73,24 +59,6 @@ def check_cpu_head_size(config: Any) -> None:
         )
 
 
-@dataclass
-class OwnedServerStats(EngineStats):
-    """The engine's stats, and its HTTP client's since the last round: ``http_requests`` sent,
-    ``http_request_s`` from sending each to having its whole reply (summed: the requests of a round
-    are in flight together), ``http_connections`` opened (kept alive, few)."""
-
-    client: Any = None
-    http_reported: tuple[int, float, int] = (0, 0.0, 0)
-
-    def update_metrics(self) -> dict[str, float]:
-        if self.client is None:  # still starting
-            return super().update_metrics()
-        now = (self.client.requests_sent, self.client.request_s, self.client.connections_opened)
-        before, self.http_reported = self.http_reported, now
-        return {**super().update_metrics(), "http_requests": float(now[0] - before[0]),
-                "http_request_s": now[1] - before[1], "http_connections": float(now[2] - before[2])}
-
-
 class OwnedServer:
     """The server a :class:`VLLMEngine` started, and its replacement when it dies: the client's
     ``supervisor`` (``vllm_http.Supervisor``). ``reload``: gives a new server the held weights."""
@@ -102,21 +70,13 @@ class OwnedServer:
         self.stats = stats
         self.name = name
         self.reload: Any = None
-        self.hung_after_s: float | None = None
         self.generation = 0
         self._lock = threading.Lock()
-        # one thread starts every server: a server gets SIGTERM when the thread that started it ends
-        # (PR_SET_PDEATHSIG follows the thread), and a restart comes from a request's passing thread
-        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-server-start")
-        try:
-            self.process = self._start()
-        except BaseException:
-            self._spawner.shutdown()
-            raise
+        self.process = self._start()
 
     def _start(self) -> ServerProcess:
         try:
-            process = self._spawner.submit(ServerProcess, *self._args).result()
+            process = ServerProcess(*self._args)
         except RuntimeError as exc:
             raise EngineDied(f"the vLLM engine did not start: {exc}", cause=str(exc).splitlines()[0]) from None
         except OSError as exc:
@@ -129,14 +89,6 @@ class OwnedServer:
     @property
     def base_url(self) -> str:
         return self.process.url
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self.process.log_path
 
     def answered(self) -> None:
         self.restarts.answered()
@@ -157,7 +109,7 @@ class OwnedServer:
             if ended is not None:
                 cause = f"its process exited ({ended}) while {doing}"
             else:
-                cause = f"it did not answer within {self.hung_after_s:g} s while {doing}: killed"
+                cause = f"it did not answer within {self.restarts.hung_after_s:g} s while {doing}: killed"
             died = EngineDied(f"the {self.name} engine died: {cause}; its log ends:\n{self.process.log_tail()}",
                               cause=cause)
             while True:
@@ -180,7 +132,6 @@ class OwnedServer:
 
     def stop(self) -> None:
         self.process.stop()
-        self._spawner.shutdown()
 
 
 class VLLMEngine(VLLMURLEngine):
@@ -197,8 +148,7 @@ class VLLMEngine(VLLMURLEngine):
                    kv_cache_gib: int = 1, max_num_seqs: int = 256,
                    max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
                    weight_transfer_backend: str | None = None, start_timeout_s: float = 900.0,
-                   restarts: Restarts | None = None, timeout_s: float | None = 600.0,
-                   backoff_s: float = 1.0) -> VLLMEngine:
+                   restarts: Restarts | None = None) -> VLLMEngine:
         """An engine serving ``model`` (a transformers causal LM) with its current weights, as
         ``policy_version``: saved to the engine's scratch directory and served from there."""
         config = model.config
@@ -222,8 +172,8 @@ class VLLMEngine(VLLMURLEngine):
         command[command.index("--port") + 1] = "{port}"
         engine = cls.__new__(cls)
         engine.work_dir, engine._remove_work_dir = scratch, work_dir is None
-        engine.restarts = restarts if restarts is not None else Restarts(max_restarts=0, hung_after_s=timeout_s)
-        stats = OwnedServerStats()
+        engine.restarts = restarts if restarts is not None else Restarts(max_restarts=0, hung_after_s=600.0)
+        stats = ServerStats()
         env = engine_environment(package_path_dir(scratch), kv_cache_gib=kv_cache_gib, device=device)
         try:
             server = OwnedServer(command, env, scratch, start_timeout_s, engine.restarts, stats, cls.name)
@@ -235,20 +185,15 @@ class VLLMEngine(VLLMURLEngine):
             raise
         engine.server = server
         engine._guard()
-        retry = RetryPolicy(retries=engine.restarts.max_restarts, backoff_s=max(backoff_s, 1e-3), max_backoff_s=max(30.0, backoff_s),
-                            timeout_s=timeout_s if timeout_s is not None else 10**9)
+        retry = RetryPolicy.of(engine.restarts.max_restarts, engine.restarts.backoff_s, engine.restarts.hung_after_s)
         try:
             VLLMURLEngine.__init__(engine, server.base_url, model, stop_token_ids=stop_token_ids,
                                    policy_version=policy_version, served_model=SERVED_NAME,
                                    weights_dir=scratch / "weights", retry=retry, wait_s=start_timeout_s,
-                                   supervisor=server, shared=False)
+                                   supervisor=server, shared=False, stats=stats)
         except BaseException:
             engine.close()
             raise
-        stats.client = engine.client
-        stats.http_reported = (engine.client.requests_sent, engine.client.request_s, engine.client.connections_opened)
-        engine.stats = stats  # the server's starts and restarts, beside the client's figures
-        engine.restarts = engine.restarts  # the reply timeout, from the one place a test or a setting sets it
         server.reload = engine.weights.reload
         engine.vllm_version = engine._server_version()
         return engine
@@ -265,30 +210,17 @@ class VLLMEngine(VLLMURLEngine):
 
     @restarts.setter
     def restarts(self, value: Restarts) -> None:  # the server's restarts and the reply timeout follow
-        import dataclasses
-
         self._restarts = value
-        server = getattr(self, "server", None)
-        if server is not None:
-            server.restarts = value
-            server.hung_after_s = value.hung_after_s
-        client = getattr(self, "client", None)
-        if client is not None:
-            timeout_s = value.hung_after_s if value.hung_after_s is not None else 10**9
-            client.retry = dataclasses.replace(client.retry, timeout_s=timeout_s)
+        if getattr(self, "server", None) is not None:
+            self.server.restarts = value
+        if getattr(self, "client", None) is not None:
+            self.client.retry = RetryPolicy.of(self.client.retry.retries, self.client.retry.backoff_s,
+                                               value.hung_after_s)
 
     @property
     def pid(self) -> int | None:
         server = getattr(self, "server", None)
-        return None if server is None else server.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self.server.log_path
-
-    @property
-    def startup_s(self) -> float:
-        return self.stats.start_s
+        return None if server is None else server.process.pid
 
     def _guard(self) -> None:
         """Stops the server at interpreter exit too, without keeping the engine object alive."""

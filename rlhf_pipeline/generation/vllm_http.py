@@ -1,30 +1,15 @@
-"""JSON over HTTP to a vLLM server, with bounded retries: what ``vllm_url.py`` talks through.
+"""JSON over HTTP to a vLLM server, with bounded retries: what ``vllm_url.py`` talks through, on the
+standard library's ``http.client`` (the project has no HTTP client among its dependencies).
 
-The standard library only (``http.client``): the project has no HTTP client among its dependencies,
-and a collector needs little of one -- a GET, a POST of a JSON body, a reply as JSON.
-
-Connections are kept alive and reused, whichever thread sends next: a round is a few dozen requests
-and a weight update two, and a new TCP connection for each (``urllib`` closes every one) cost the
-server's event loop an accept and a handshake per request. A kept connection the server closed
-meanwhile (uvicorn closes one idle for 5 s) fails at its next request before any answer: that request
-goes again at once on a new connection, which is not a retry. A connection is dropped after any other
-fault, so a retry always starts on a new one.
-
-What is retried and what is not. A server that does not answer (connection refused or reset, a
-timeout, a reply cut short) or answers that it is busy or restarting (HTTP 429, 502, 503, 504) is
-asked again after a pause that doubles each time (``RetryPolicy``: ``backoff_s``, ``2 * backoff_s``,
-..., at most ``max_backoff_s``), ``retries`` times at most; then :class:`ServerUnreachable` (an
-:class:`~rlhf_pipeline.generation.engine.EngineFailed`) says so in one line. Asking again is safe:
-every request we send is whole and seeded (the same seed gives the same completions), and a caller
-returns nothing until every reply is in, so a half-answered batch never reaches the buffer. Any other
-HTTP error (a 4xx naming a bad field, a 500 from a failing operation) is the server's answer, not a
-dead server: :class:`ServerError` at once, with the status and the server's message.
-
-A reply that came whole but cannot be used -- a body that is not JSON, or one the caller's ``check``
-refuses (``vllm_url.py`` checks every completion, ``engine.checked_completions``) -- is a
-:class:`~rlhf_pipeline.generation.engine.BadAnswer`: asked again as an unanswered request is (a
-server's fault may be passing, and the same seed asks for the same completions), then one line
-naming the server, the request and the fault; never "did not answer", since it did.
+Connections are kept alive and reused by whichever thread sends next (a new one per request cost the
+server an accept and a handshake each); one the server closed while idle is replaced at once, which
+is not a retry. A request the server does not answer (refused, reset, timed out, cut short) or answers
+"not now" (429, 502, 503, 504) is asked again after a doubling pause (:class:`RetryPolicy`), then
+:class:`ServerUnreachable`; safe, since every request is whole and seeded. Another HTTP error is the
+server's answer: :class:`ServerError` at once. A reply that is not JSON or that the caller's ``check``
+refuses is a :class:`~rlhf_pipeline.generation.engine.BadAnswer`: asked again, then said in one line.
+With a :class:`Supervisor` (a server of ours), an unanswered request first lets it replace a dead
+server, then goes again to the new one.
 """
 
 from __future__ import annotations
@@ -86,6 +71,12 @@ class RetryPolicy:
                              f"{self.max_backoff_s}")
         if not self.timeout_s > 0:
             raise ValueError(f"RetryPolicy.timeout_s must be > 0, got {self.timeout_s}")
+
+    @classmethod
+    def of(cls, retries: int, backoff_s: float, timeout_s: float | None) -> RetryPolicy:
+        """The policy of the ``generation.*`` settings: ``timeout_s`` None waits for ever."""
+        return cls(retries=retries, backoff_s=max(backoff_s, 1e-3), max_backoff_s=max(30.0, backoff_s),
+                   timeout_s=timeout_s if timeout_s is not None else 10**9)
 
     def pause(self, attempt: int) -> float:
         """Seconds to wait after failed try number ``attempt`` (0 for the first)."""

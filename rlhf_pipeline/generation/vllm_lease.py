@@ -1,32 +1,17 @@
-"""The weights lease of a vLLM server shared by several collectors: which weights it holds, which
-rounds sample on them, and who loads the next ones. Server side: it lives in our worker extension
-(``generation/vllm_worker.py``), inside the server's engine process, and imports the standard library
-only (the vLLM environment has none of our dependencies).
+"""The weights lease of a vLLM server shared by several collectors, server side: it lives in our
+worker extension (``vllm_worker.py``) inside the server's engine process, so it imports the standard
+library only. The rules (docs/generation.md, "Several collectors on one server"):
 
-Why a lease. A server holds one set of weights at a time, and each collector's rows must name the
-version that sampled them; collectors are paced independently, so at one moment one collector's round
-may need version 7 and another's version 8 (or, resumed after a crash, version 5 again). The rules:
-
-* a round asks for the weights it must be sampled with, named by ``key`` (a digest of the weights'
-  bytes, so two collectors of one run holding one version share it, and weights labelled alike but
-  different never do) and ``version`` (for messages). Each round is a *ticket*, in order of first asking;
-* a ticket whose key is the held one is **granted** (its requests run beside those of every other
-  granted round) unless an earlier ticket still waits for other weights: first come, first served, so
-  a collector that keeps asking for the held weights cannot starve one waiting for others;
-* when no granted round is left (the held weights are *drained*), the earliest waiting ticket is told
-  to **load** its weights (it alone uploads them, ``loaded`` records them, it resets the prefix cache,
-  then ``ready`` grants it and every later ticket with the same key); weights OLDER than the held ones
-  are loaded the same way: the rows of a resumed collector need the weights of the version they name;
-* a ticket lives ``ttl_s`` past its last call (``acquire``, ``renew``, its load): a collector killed mid-round
-  stops renewing, its ticket expires, and the others go on. A loader that dies between its load and
-  ``ready`` leaves weights whose prefix cache was maybe not reset: the next loader loads again.
-
-Correctness does not rest on the lease: every load bumps ``epoch``, and a client keeps a reply only when
-the epoch it reads after the reply came is the one its round was granted under (``vllm_url_lease.py``).
-An expired lease that was still sampling (a collector paused past ``ttl_s``) therefore costs a round
-sampled again, never a row with the wrong version. With several workers (tensor parallel) each holds
-its own table and the same calls; the client reads the first worker's answers, and loads are done by
-every worker whatever its table says, so the weights never differ between workers.
+* a round asks for the weights ``key`` (a digest of their bytes) it must be sampled with: a *ticket*,
+  in order of first asking; it is **granted** (run beside every other granted round) when those are
+  the held weights and no earlier ticket waits for others, so none starves;
+* once the held weights are *drained* (no granted round), the earliest waiting ticket is told to
+  **load** its weights (older ones too: a resumed collector's rows need their version), then ``ready``
+  grants it and every later ticket on the same key;
+* a ticket lives ``ttl_s`` past its last call: a collector killed mid-round holds the others that long;
+* every load bumps ``epoch``, and a client keeps a reply only if the epoch is unchanged since its
+  grant (``vllm_url_weights.RoundLease``): a lapsed lease costs a round sampled again, never a row
+  naming the wrong version. With several workers each keeps its own table and every one loads.
 """
 
 from __future__ import annotations

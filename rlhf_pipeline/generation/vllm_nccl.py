@@ -1,29 +1,13 @@
-"""The GPU route for new weights: vLLM's NCCL weight transfer, behind the same engine interface.
+"""The GPU route for new weights: vLLM's NCCL weight transfer behind the same engine interface.
 
-On a GPU, reading each published version from disk in the server (``vllm_url_weights.py``) costs a
-copy through the file system per version; vLLM's weight-transfer API broadcasts the tensors from a
-"trainer" process's GPU straight into the server's GPU over NCCL. :class:`NCCLVLLMEngine` is the
-collector's own :class:`~rlhf_pipeline.generation.vllm_engine.VLLMEngine` (its server started with
-``--weight-transfer-config '{"backend": "nccl"}'``) whose :meth:`load_weights` does that: the
-collector's process is the trainer side (NCCL rank 0, vLLM's ``NCCLTrainerWeightTransferEngine``), the
-server's worker rank 1, and the four phases of vLLM's protocol travel over the server's own HTTP
-routes (vLLM's ``HTTPVLLMWeightSyncClient``: ``/init_weight_transfer_engine``, then per version
-``/start_weight_update`` -> ``/update_weights`` (sent while this process broadcasts: both sides meet
-inside the same NCCL calls) -> ``/finish_weight_update``). After the finish the server re-ties a tied
-``lm_head`` and resets its prefix cache, as the file route does.
-
-A restart is the file route's (``vllm_engine.OwnedServer``): a server started in place of a dead one
-cannot join the dead one's NCCL group, so it is given the version the dead one held from its file
-(a published path hard-linked, a state dict written -- a CPU copy and a disk write per version, made
-only while restarts are allowed: ``generation.retries`` > 0). This side of the dead group is dropped
-first, waiting on no peer, and the version is sent again to the new server in a new group. Not
-covered: a death in the middle of the broadcast itself, where this side can wait in NCCL for the dead
-peer (vLLM's communicator has no timeout).
-
-What it needs, and why it is not tested here: CUDA on both sides (vLLM's NCCL and IPC transfer
-engines are CUDA-only), and ``vllm`` importable in the collector's own Python (the trainer side is
-vLLM's code, and the wire format -- packed buffers -- must match the server's).
-``tests/generation/test_vllm_nccl.py`` runs it where both hold and is skipped, saying so, elsewhere.
+:class:`NCCLVLLMEngine` is the collector's own :class:`~rlhf_pipeline.generation.vllm_engine.VLLMEngine`
+(its server started with ``--weight-transfer-config '{"backend": "nccl"}'``) whose ``load_weights``
+broadcasts the tensors from this process (NCCL rank 0, vLLM's ``NCCLTrainerWeightTransferEngine``) to
+the server's worker, the protocol's four phases over the server's own HTTP routes; then it re-ties a
+tied head and resets the prefix cache, as the file route does. A restart is the file route's: the new
+server is given the held version from its file, and the next version goes in a new group. Not covered: a death mid-broadcast (NCCL has no timeout there).
+Needs CUDA on both sides and ``vllm`` in the collector's Python: ``tests/generation/test_vllm_nccl.py``
+runs where both hold and is skipped, saying so, elsewhere.
 """
 
 from __future__ import annotations
@@ -55,10 +39,7 @@ class NCCLVLLMEngine(VLLMEngine):
         return engine
 
     def _load(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
-        # what a restarted server is given: a published file is linked, at no cost; a state dict costs a
-        # CPU copy and a disk write, made only when restarts are allowed
-        keep = self.restarts.max_restarts > 0 or not isinstance(weights, Mapping)
-        kept = self.weights.keep(weights, version) if keep else None
+        kept = self.weights.keep(weights, version)  # what a restarted server is given: a published file linked
         if not isinstance(weights, Mapping):
             from safetensors.torch import load_file
 
@@ -76,10 +57,7 @@ class NCCLVLLMEngine(VLLMEngine):
                         raise
         finally:
             self._source.state = {}
-        if kept is not None:
-            self.weights.hold(kept, version)
-        else:
-            self.weights.held_unkept(version)
+        self.weights.hold(kept, version)
 
     def _send(self) -> None:
         if self._sender is None or self._sender_generation != self.server.generation:

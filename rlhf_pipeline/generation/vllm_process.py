@@ -1,26 +1,23 @@
 """A vLLM server process started from here: ``python -m vllm.entrypoints.openai.api_server`` under the
-vLLM environment's Python, on a free loopback port, with the flags our client's checks need
-(:func:`server_command`), its log in a file. The collector's own engine (``vllm_engine.py``) starts one
-and talks to it through the same client as a server at a URL (``vllm_url.py``); the tests and the
-benchmark start one as a user would.
+vLLM environment's Python (it seeds the global RNG, binds threads and pins other libraries: never in
+our process), on a free loopback port, with the flags our client's checks need (:func:`server_command`),
+its log in a file. The collector's engine (``vllm_engine.py``), the tests and the benchmark start it.
 
-Why its own process and its own Python. vLLM in a process seeds the global RNG, binds OpenMP threads
-and memory to cores and makes ``torch.set_num_threads`` a no-op for the rest of it; its CPU build pins
-``transformers<5.20`` and pulls a CUDA ``torchvision`` that breaks ``transformers``. So the server sees
-only our package's directory on its path (for the worker extension, ``vllm_worker.py``).
-
-It runs in a session of its own (a Ctrl-C in the terminal reaches the collector, which stops it), is
-stopped with its whole process group (the API server, its engine core and any worker), and gets SIGTERM
-when the process that started it dies (``PR_SET_PDEATHSIG``), so a collector killed with SIGKILL
-leaves no server behind.
+It runs in a session of its own (a Ctrl-C reaches the collector, which stops it) and is stopped with
+its whole process group (API server, engine core, any worker). A watcher in that group
+(:data:`WATCHER`) ends the group when the process that started it dies by any signal: vLLM's API
+server, told SIGTERM then, was seen to outlive its engine core for minutes.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -62,14 +59,10 @@ def package_path_dir(work_dir: Path) -> Path:
 
 
 def engine_environment(package_root: Path, *, kv_cache_gib: int, device: str) -> dict[str, str]:
-    """The environment the server runs in: this one's, less its Python paths, plus vLLM's settings.
-
-    On a CPU the engine computes with as many torch threads as this process has (a pipeline's
-    ``threads``, 1 by default), not vLLM's default of one per core: the idle OpenMP threads spin
-    between the tiny ops of each decoding step, on the cores the learner and the collector use: a
-    default pipeline's run with vLLM spent 175 s generating that way, 17 s with one thread, and took
-    330 s against 98 s (medians of 3, docs/generation.md). ``OMP_NUM_THREADS`` set in this process's
-    environment wins."""
+    """The environment the server runs in: this one's, less its Python paths, plus vLLM's settings. On
+    a CPU, as many OpenMP threads as this process has torch threads (``OMP_NUM_THREADS`` set here wins),
+    not one per core: idle threads spinning between a tiny model's ops on the learner's cores made a
+    default run take 330 s against 98 s (docs/generation.md)."""
     import torch
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
@@ -95,14 +88,11 @@ def server_command(python: str, model_dir: Path, port: int, *, served_name: str,
                    seed: int = 0, gpu_memory_utilization: float | None = None,
                    weight_transfer_backend: str | None = None, updatable: bool = True,
                    logprobs_mode: str = "processed_logprobs", worker_in_core: bool = False) -> list[str]:
-    """The documented server command (docs/generation.md) as the collector runs it: token ids in and
-    out, the sampling distribution's log-probs, no generation config of the model's, a prefix cache
-    (reset after every load), and with ``updatable`` our worker extension for new weights in place.
-
-    ``worker_in_core`` (a CPU engine of the collector's, with ``engine_environment``'s variable): the
-    model's worker runs inside the engine core's process instead of a third one of its own. One
-    process fewer imports vLLM at the start, and every decoding step and weight load crosses one
-    process boundary fewer (docs/generation.md, "What a vLLM run costs")."""
+    """The documented server command (docs/generation.md): token ids in and out, the sampling
+    distribution's log-probs, no generation config of the model's, a prefix cache (reset after every
+    load), with ``updatable`` our worker extension. ``worker_in_core`` (a CPU engine of ours, with
+    ``engine_environment``'s variable): the model's worker runs in the engine core's process, one
+    process and one boundary per step fewer."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", served_name, "--dtype", dtype, "--seed", str(seed),
                "--enable-prefix-caching", "--generation-config", "vllm", "--logprobs-mode", logprobs_mode,
@@ -123,11 +113,34 @@ def server_command(python: str, model_dir: Path, port: int, *, served_name: str,
     return command
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+WATCHER_MARK = "--rlhf-watch-server-group"
+"""In the watcher's command line (``ps`` shows it there; the tests tell it apart by it)."""
+WATCHER = r"""
+import os, signal, sys, time
+watch_fd, grace_s, server = int(sys.argv[2]), float(sys.argv[3]), sys.argv[4:]
+if os.fork():  # this process becomes the server, the child watches: both in the server's new session
+    os.close(watch_fd)
+    os.execv(server[0], server)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM below is for the others
+while os.read(watch_fd, 1):  # end of file: the starter is gone (or stopped the server), whatever killed it
+    pass
+leader = os.getpgid(0)
+os.killpg(leader, signal.SIGTERM)
+deadline = time.monotonic() + grace_s
+while time.monotonic() < deadline:
+    try:
+        os.kill(leader, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(0.1)
+os.killpg(leader, signal.SIGKILL)  # what is left of the group, this watcher last
+"""
+"""The start of every server (``python -I -c WATCHER WATCHER_MARK FD GRACE_S SERVER-COMMAND...``, in a
+session of its own): it forks a watcher and execs the server, whose pid it keeps. The watcher reads a
+pipe whose write end only the starter holds; at its end of file (the starter stopped the server or died,
+``kill -9`` included) it sends the group SIGTERM, then SIGKILL after ``GRACE_S`` at most.
+``PR_SET_PDEATHSIG`` would follow only the starting thread, and reach only the API server."""
+GRACE_S = 5.0
 
 
 class ServerProcess:
@@ -140,12 +153,22 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.work_dir = Path(work_dir)
         self.log_path = self.work_dir / "server.log"
+        if shutil.which(command[0]) is None:  # said here, not by the watcher's exec in the server's log
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), command[0])
         started = time.perf_counter()
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [str(self.port) if part == "{port}" else part for part in command],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.work_dir,
-                start_new_session=True, preexec_fn=_die_with_parent)
+        watch_read, self._watch_write = os.pipe()  # the write end is ours alone: not inherited
+        command = [str(self.port) if part == "{port}" else part for part in command]
+        try:
+            with open(self.log_path, "ab") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-I", "-c", WATCHER, WATCHER_MARK, str(watch_read), str(GRACE_S), *command],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.work_dir,
+                    start_new_session=True, pass_fds=(watch_read,))
+        except BaseException:
+            os.close(self._watch_write)
+            raise
+        finally:
+            os.close(watch_read)
         try:
             self._wait_healthy(start_timeout_s)
         except BaseException:
@@ -183,7 +206,8 @@ class ServerProcess:
             return "(no log)"
 
     def stop(self, wait_s: float = 30.0) -> None:
-        """SIGTERM to its process group (the API server, its engine core, any worker), SIGKILL if it lingers."""
+        """SIGTERM to its process group (the API server, its engine core, any worker), SIGKILL if it lingers
+        (and to the watcher, which ignores SIGTERM)."""
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
         except ProcessLookupError:  # the group is gone (its leader reaped, its children with it)
@@ -192,11 +216,14 @@ class ServerProcess:
             self.process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             pass
-        try:  # whatever of the group is left (an engine core whose API server was killed)
+        try:  # whatever of the group is left (an engine core whose API server was killed, the watcher)
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.process.wait()
+        if self._watch_write >= 0:
+            os.close(self._watch_write)
+            self._watch_write = -1
 
 
 def make_scratch_dir() -> Path:

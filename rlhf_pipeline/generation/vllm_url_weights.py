@@ -1,35 +1,39 @@
-"""The weights a ``VLLMURLEngine`` samples with, on a server it may share with other collectors:
-their file, their identity, and how they reach the server (``vllm_url.py`` is the engine).
+"""The weights a ``VLLMURLEngine`` samples with, and how they reach its server: :class:`ServerWeights`
+(their file, named by the digest of its bytes, loaded by path or inline; what a restarted server of
+ours is given again) and :class:`RoundLease`, the collector's side of a shared server's weights lease
+(the server's side is ``vllm_lease.py``; the rules: docs/generation.md, "Several collectors on one
+server").
 
-The file is also what a restarted server is given (a server the collector owns, ``vllm_engine.py``,
-that died): it starts from its model directory, and :meth:`ServerWeights.reload` loads the version
-the dead one held. A published safetensors file is hard-linked into the weights directory (no copy:
-the learner pruning the published version does not lose it); a state dict is written there.
-
-Each version a collector takes is written once as a safetensors file (or a published one is read as it
-is) and named by the digest of its bytes: the key of the server's weights lease
-(``generation/vllm_lease.py``), so collectors holding the same weights share them on the server and
-only a round needing other weights waits for the held ones to drain. The file stays until the next
-version replaces it: the server may have to load it again whenever another collector's weights went in
-between two rounds of this one (each collector's files carry a tag of its own, so collectors sharing
-``generation.url_weights_dir`` never remove each other's).
+A round's lease: ``acquire`` until granted (on ``loading``, upload the weights tagged with the lease,
+reset the prefix cache, say ``ready``); renewed every ``ttl_s / 4`` while it runs; every reply kept
+only if the server's epoch is unchanged since the grant (:meth:`RoundLease.check`); ``release``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
+import socket
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rlhf_pipeline.generation.engine import EngineFailed
 from rlhf_pipeline.generation.vllm_http import JsonClient, ServerError
-from rlhf_pipeline.generation.vllm_url_lease import LeaseUnsupported, RoundLease
+
+ROUND_LEASE_S = 60.0
+"""A round's lease without renewal: renewed every quarter of it, it runs out only for a collector that
+died or stalled mid-round, whose sharers wait this long (a stalled one loses its round, nothing stored)."""
+FIRST_PAUSE_S = 0.02
+LONGEST_PAUSE_S = 0.5
 
 
 class ServerMismatch(ValueError):
@@ -59,8 +63,6 @@ class ServerWeights:
         """The server loads this engine did (its own versions, and again after another's went in)."""
         self.waited_s = 0.0
         """Seconds its rounds waited for other collectors' rounds on other weights to end."""
-        self.unkept_version: int | None = None
-        """The version the server holds when it was sent without a file (NCCL with no restarts allowed)."""
 
     def take(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> None:
         """``weights`` become the ones this engine's rounds sample with, loaded on the server now (a
@@ -81,7 +83,6 @@ class ServerWeights:
             if isinstance(exc, LeaseUnsupported):  # an engine's first lease: said as its other checks are
                 raise ServerMismatch(f"generation.url: {exc}") from None
             raise
-        self.unkept_version = None
         if before[0] is not None and before[0] != path and self._ours(before[0]):
             before[0].unlink(missing_ok=True)
 
@@ -100,32 +101,21 @@ class ServerWeights:
     def hold(self, path: Path, version: int) -> None:
         """The server now holds ``version`` (sent another way: NCCL), kept in ``path`` for a restart;
         the file held before is removed."""
-        old, self.path, self.key, self.version, self.unkept_version = self.path, path, "", int(version), None
+        old, self.path, self.key, self.version = self.path, path, "", int(version)
         if old is not None and old != path and self._ours(old):
             old.unlink(missing_ok=True)
-
-    def held_unkept(self, version: int) -> None:
-        """The server now holds ``version``, sent without a file (NCCL with no restarts allowed): a
-        restart cannot give it again, so :meth:`reload` refuses, naming the setting."""
-        if self.path is not None and self._ours(self.path):
-            self.path.unlink(missing_ok=True)
-        self.path, self.key, self.version, self.unkept_version = None, "", int(version), int(version)
 
     def reload(self) -> None:
         """The held version loaded on the server again (a server that restarted from its model directory,
         or the first load of a version), its prefix cache reset; nothing when none past the model
-        directory's is held. EngineFailed when the held version was not kept as a file."""
-        if self.unkept_version is not None:
-            raise EngineFailed(f"the engine died holding version {self.unkept_version}, sent over NCCL and not kept "
-                               f"as a file (generation.retries was 0 when it was sent), so a new server cannot be "
-                               f"given it: keep generation.retries > 0 from the start, then rerun to resume")
+        directory's is held."""
         if self.path is None:
             return
         self._upload("")
         self.reset_prefix_cache()
 
     def round_lease(self) -> RoundLease:
-        """The server held on these weights for one round (``generation/vllm_url_lease.py``)."""
+        """The server held on these weights for one round."""
         return RoundLease(self.client, self.key, self.version, self.lease_s, load=self._upload,
                           reset=self.reset_prefix_cache)
 
@@ -182,6 +172,112 @@ class ServerWeights:
         elif self.path is not None and self._ours(self.path):
             self.path.unlink(missing_ok=True)
         self.path = None
+
+
+class LeaseUnsupported(ValueError):
+    """The server's worker extension has no lease (a checkout older than this one on its PYTHONPATH)."""
+
+
+class RoundLease:
+    """The server's weights held at ``key`` for one round of this collector (see the module docstring).
+
+    ``load(lease_json)``: uploads this collector's weights, tagged with the lease; ``reset()``: resets
+    the server's prefix cache (raises when it cannot)."""
+
+    def __init__(self, client: JsonClient, key: str, version: int, ttl_s: float,
+                 load: Callable[[str], None], reset: Callable[[], None]) -> None:
+        self.client = client
+        self.key, self.version, self.ttl_s = key, int(version), float(ttl_s)
+        self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._load, self._reset = load, reset
+        self.epoch: int | None = None
+        self.waited_s = 0.0
+        """Seconds this round waited for other collectors' rounds on other weights to drain."""
+        self.load_s = 0.0
+        """Seconds this round spent loading its weights (0 when it joined weights already held)."""
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def _call(self, op: str, **arguments: Any) -> dict[str, Any]:
+        body = {"method": "published_lease", "args": [json.dumps({"op": op, "holder": self.holder, **arguments})]}
+        try:
+            reply = self.client.post("/collective_rpc", body)
+        except ServerError as exc:
+            if "published_lease" in exc.detail or exc.status == 404:
+                raise LeaseUnsupported(f"the vLLM server at {self.client.base_url} has no weights lease in its worker "
+                                       f"extension ({exc.detail}): put this checkout on the server's PYTHONPATH and "
+                                       f"restart it") from None
+            raise
+        return reply["results"][0]
+
+    # ------------------------------------------------------------------ the round
+    def __enter__(self) -> RoundLease:
+        started = time.monotonic()
+        pause = FIRST_PAUSE_S
+        try:
+            while True:
+                reply = self._call("acquire", key=self.key, version=self.version, ttl_s=self.ttl_s)
+                if reply["state"] == "granted":
+                    break
+                if reply["state"] == "loading":
+                    reply = self._load_and_mark_ready()
+                    if reply["state"] == "granted":
+                        break
+                    continue  # it expired meanwhile: ask again, from the back of the line
+                time.sleep(pause)
+                pause = min(2 * pause, LONGEST_PAUSE_S)
+        except BaseException:
+            self._release_quietly()
+            raise
+        self.epoch = int(reply["epoch"])
+        self.waited_s = time.monotonic() - started - self.load_s
+        self._renewer = threading.Thread(target=self._renew_until_released, name="vllm-lease", daemon=True)
+        self._renewer.start()
+        return self
+
+    def _load_and_mark_ready(self) -> dict[str, Any]:
+        started = time.monotonic()
+        self._renewer = threading.Thread(target=self._renew_until_released, name="vllm-lease", daemon=True)
+        self._renewer.start()  # a large model's upload may outlast ttl_s
+        try:
+            self._load(json.dumps({"holder": self.holder, "key": self.key, "version": self.version,
+                                   "ttl_s": self.ttl_s}))
+            self._reset()
+        finally:
+            self._stop.set()
+            self._renewer.join()
+            self._stop.clear()
+        self.load_s += time.monotonic() - started
+        return self._call("ready")
+
+    def _renew_until_released(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                self._call("renew", ttl_s=self.ttl_s)
+            except Exception:  # a missed renewal is caught by the epoch check, not here
+                pass
+
+    def check(self) -> None:
+        """Raises :class:`EngineFailed` when weights were loaded since this round was granted: the
+        replies come in can no longer be said to be the held version's."""
+        reply = self._call("renew", ttl_s=self.ttl_s)
+        if int(reply["epoch"]) != self.epoch:
+            raise EngineFailed(
+                f"the vLLM server at {self.client.base_url} loaded other weights under a round of version "
+                f"{self.version} (its lease lapsed: this collector did not renew it within its "
+                f"{self.ttl_s:g} s); the round's replies are dropped, nothing of it stored")
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        self._release_quietly()
+
+    def _release_quietly(self) -> None:
+        try:
+            self._call("release")
+        except Exception:  # an unanswered release expires on the server after ttl_s
+            pass
 
 
 def weights_digest(path: Path) -> str:

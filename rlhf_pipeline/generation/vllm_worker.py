@@ -1,25 +1,13 @@
-"""The vLLM worker extension that loads a published version's weights in place.
+"""The vLLM worker extension (``--worker-extension-cls``) that loads a published version's weights in
+place, called through the server's ``/collective_rpc``; it runs in the vLLM environment (the standard
+library, torch, safetensors, vllm).
 
-vLLM mixes this class into its worker (``--worker-extension-cls``), and the client calls its methods
-through the server's ``/collective_rpc`` (``generation/vllm_url_weights.py``). It runs inside the vLLM
-environment: the standard library, torch, safetensors and vllm only.
-
-Why not ``model.load_weights`` again: on a CPU, vLLM packs every linear weight for oneDNN after the
-first load and empties the parameter, so a second ``load_weights`` fails. The worker's
-``reload_weights`` restores the layers, loads and packs them again. Two things it does not do, done
-here:
-
-* a tied ``lm_head`` (``tie_word_embeddings``) is reloaded only when the weights name
-  ``lm_head.weight`` (a ``state_dict()`` does, a ``save_pretrained`` checkpoint does not): otherwise
-  its packed copy keeps the OLD embedding, and outputs stay plausible and are wrong (0.5 off in
-  log-prob on the test model). It is tied again to the new embedding parameter and packed from it
-  after every load (on a GPU packing is a no-op);
-* tensors passed as ``collective_rpc`` arguments arrive as plain lists, so the weights travel as the
-  path of a safetensors file, which the worker maps and reads itself.
-
-A server that several collectors share also keeps its weights lease here (``generation/vllm_lease.py``):
-``published_lease`` answers a round's lease calls, and every load records which weights went in (the
-``lease`` argument: the loading round and its weights' key) and starts a new epoch.
+On a CPU vLLM packs each linear weight for oneDNN and empties the parameter, so a second
+``load_weights`` fails: the worker's ``reload_weights`` restores, loads and repacks. A tied ``lm_head``
+keeps its OLD packed embedding unless it is tied again and repacked after every load
+(:func:`retie_lm_head`). Tensors sent as RPC arguments arrive as lists, so weights travel as a
+safetensors path (or its bytes, base64). The shared server's weights lease (``vllm_lease.py``) is kept
+here too: every load records which weights went in and moves its epoch.
 """
 
 from __future__ import annotations

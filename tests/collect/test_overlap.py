@@ -51,7 +51,7 @@ def served(request, tmp_path_factory):
         yield engine, tok
         engine.close()
         return
-    from vllm_server_process import VLLMServerProcess, save_model_dir
+    from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 
     from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 

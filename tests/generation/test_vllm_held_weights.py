@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlhf_pipeline.generation import EngineFailed
 from rlhf_pipeline.generation.vllm_http import JsonClient
 from rlhf_pipeline.generation.vllm_url_weights import ServerWeights
 
@@ -67,16 +65,3 @@ def test_a_legacy_pt_publication_is_kept_as_safetensors(tmp_path):
     path = held_weights(work).keep(tmp_path / "v1.pt", 1)
     assert path.parent == work and path.suffix == ".safetensors"
     torch.testing.assert_close(load_file(path)["model.embed_tokens.weight"], state["model.embed_tokens.weight"])
-
-
-def test_a_held_version_not_kept_makes_a_restart_refuse_naming_the_setting(tmp_path):
-    held = held_weights(tmp_path)
-    first = held.keep(tied_state_dict(1), 1)
-    held.hold(first, 1)
-    held.held_unkept(2)  # sent over NCCL, not kept
-    assert not first.exists()  # superseded: the server no longer holds version 1
-    with pytest.raises(EngineFailed, match=r"holding version 2, sent over NCCL and not kept.*generation.retries > 0"):
-        held.reload()
-    kept = held.keep(tied_state_dict(3), 3)
-    held.hold(kept, 3)  # a later version kept: restarts give it again
-    assert held.path == kept and held.unkept_version is None

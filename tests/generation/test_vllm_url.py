@@ -21,8 +21,8 @@ from engine_contract import (
     seeds,
 )
 from outage_proxy import OutageProxy
-from vllm_server_process import VLLMServerProcess, free_port, save_model_dir
 
+from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, free_port, save_model_dir
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_http import RetryPolicy, ServerUnreachable

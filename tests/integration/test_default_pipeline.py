@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import process_running, run_child_pids, run_on_terminal, screen_lines
+from helpers import run_child_pids, run_on_terminal, screen_lines
+from process_tree import tree, wait_gone
 
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.generation import SamplingConfig, teacher_forced_log_probs
@@ -129,6 +130,7 @@ ENGINE_RUN = ["--set", "warm_start_steps=20", "--set", "prompts_per_round=4", "-
               "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",
               "--set", "learner.new_rows_per_step=16", "--set", "learner.checkpoint_every=4"]
 NUM_HEADS = ["--set", "num_heads=2"]
+EVALUATING = ["--set", "eval.every_steps=1", "--set", "eval.max_prompts=2"]
 STEPS = 4
 
 
@@ -249,23 +251,28 @@ def _same_rows(run: Path, reference: Path) -> None:
 
 
 def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine, engine_run, tmp_path):
-    """kill -9 of the whole run (launcher, collector and learner: its process group) after the
-    collector's second round; a vLLM engine of the collector's, in a session of its own, exits with
-    its collector. The same command again resumes it: the buffer holds the uninterrupted run's rows,
-    the same tokens, log-probs to 1e-5 and policy versions, every round once."""
+    """kill -9 of the whole run (its process group: launcher, collector, learner and, with the loop,
+    the evaluator) after the collector's second round leaves nothing of the run: no process of it nor
+    of a process group it made (a vLLM engine of the collector's runs in a session of its own). The
+    same command again resumes it: the buffer holds the uninterrupted run's rows, the same tokens,
+    log-probs to 1e-5 and policy versions, every round once."""
     reference, _ = engine_run
     run = tmp_path / "run"
     rounds = run / "collector" / "metrics-0000.jsonl"
+    # with the loop, an evaluator child too (`eval RUN --follow`): it must not outlive the run either
+    command = engine_command(engine, tmp_path) + (EVALUATING if engine.name == "loop" else [])
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(engine_command(engine, tmp_path), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        first = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)  # its own process group, to kill it whole
-    engines: list[int] = []
+    started = {}
     try:
         deadline = time.monotonic() + 600  # a bound on a hang: a vLLM engine starts in tens of seconds
         while first.poll() is None and time.monotonic() < deadline and not (
                 rounds.exists() and rounds.read_text().count("\n") >= 2):
             time.sleep(0.05)
+        started = tree(first.pid)
         engines = [e for c in run_child_pids("collect", str(tmp_path), "run") for e in _engines_of(c)]
+        evaluators = run_child_pids("eval", str(tmp_path), "run")
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=60)
     finally:
@@ -274,15 +281,14 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
     out = (tmp_path / "first.log").read_text()
     assert first.returncode == -signal.SIGKILL, out[-3000:]  # killed, not finished or failed
     assert len(engines) == (1 if engine.name == "vllm" else 0), out[-3000:]
-    for pid in engines:
-        deadline = time.monotonic() + 120  # a bound, not a timing: it exits within a second of its collector
-        while process_running(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not process_running(pid), "the vLLM engine outlived its killed run"
+    assert len(evaluators) == (1 if engine.name == "loop" else 0), out[-3000:]
+    assert {*engines, *evaluators} <= {pid for pid, _ in started}
+    assert all(group == pid for (pid, _), group in started.items() if pid in engines)  # each a group of its own
+    assert not wait_gone(started), "a process of the killed run outlived it"
     steps = len(read_metrics(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
     assert steps < STEPS
 
-    resumed = subprocess.run(engine_command(engine, tmp_path), cwd=REPO, capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
     _same_rows(run, reference)
@@ -310,6 +316,7 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_run_writes_the_uninterrup
             time.sleep(0.005)
         engines = [e for c in run_child_pids("collect", str(tmp_path), "run") for e in _engines_of(c)]
         assert len(engines) == 1, (tmp_path / "run.log").read_text()[-3000:]
+        killed = tree(engines[0])  # the server's group: its engine core, the watcher
         os.kill(engines[0], signal.SIGKILL)
         started.wait(timeout=900)
     finally:
@@ -317,7 +324,7 @@ def test_an_engine_killed_mid_run_is_restarted_and_the_run_writes_the_uninterrup
             os.killpg(started.pid, signal.SIGKILL)
     out = (tmp_path / "run.log").read_text()
     assert started.returncode == 0, out[-4000:]
-    assert not process_running(engines[0])
+    assert not wait_gone(killed), "a process of the killed engine's group outlived its restart"
     died = [line for line in out.splitlines() if "the vllm generation engine died" in line]
     assert len(died) == 1 and died[0].startswith("[collector] the vllm generation engine died (its "), out[-4000:]
     assert "killed by SIGKILL" in died[0] and "restart 1 of at most 5 in a row" in died[0]

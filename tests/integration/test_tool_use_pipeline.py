@@ -8,16 +8,15 @@ every trajectory once and whole, with each engine. What only the vLLM engine has
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from agent_run_checks import check_every_turn_holds_its_versions_log_probs
 from helpers import kill_when, run_child_pids
+from process_tree import tree, wait_gone
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
@@ -235,19 +234,21 @@ def _engine_children(parent: int) -> list[int]:
 
 
 def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole(engine, tmp_path):
-    """kill -9 of the collector process stops the run (a vLLM engine of the collector's exits by itself:
-    SIGTERM when its parent dies); the same command resumes it (with a new engine): the buffer holds
-    every trajectory the collector handed out exactly once, whole, in the order of its ids."""
+    """kill -9 of the collector process stops the run (a vLLM engine of the collector's ends with it, its
+    whole process group); the same command resumes it (with a new engine): the buffer holds every
+    trajectory the collector handed out exactly once, whole, in the order of its ids."""
     command = engine_command(engine, tmp_path, "crash", "--set", "log_rounds_every=0")
     run = tmp_path / "crash"
     rounds_file = run / "collector" / "metrics-0000.jsonl"
     engines: list[int] = []
+    started: dict = {}  # the collector's process tree: its engine's group with it
 
     def collector_with_rounds() -> bool:
         if not (rounds_file.exists() and len(read_metrics(rounds_file)) >= 3):
             return False
         for pid in run_child_pids("collect", str(tmp_path), "crash"):
             engines.extend(_engine_children(pid))
+            started.update(tree(pid))
         return True
 
     first = subprocess.Popen([*command, "--steps", "40"], cwd=REPO, stdout=subprocess.PIPE,
@@ -256,11 +257,7 @@ def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole
                     wait_s=300)
     assert first.returncode != 0 and "exited early" in out, out[-3000:]
     assert len(engines) == (1 if engine.name == "vllm" else 0), engines
-    for pid in engines:
-        deadline = time.monotonic() + 120
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not os.path.exists(f"/proc/{pid}"), "the engine outlived its collector"
+    assert not wait_gone(started), "a process of the collector's engine outlived it"
     stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"] if (run / "metrics.jsonl").exists() else 0
 
     resumed = subprocess.run([*command, "--steps", str(stopped_at + 2)], cwd=REPO, capture_output=True, text=True,

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from engine_contract import chat_prompts, max_log_prob_difference, seeds
-from vllm_server_process import VLLMServerProcess, save_model_dir
 
+from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, teacher_forced_log_probs
 from rlhf_pipeline.generation.settings import find_vllm_python
@@ -160,7 +160,7 @@ def _env() -> dict:
 
 def test_a_server_without_the_lease_is_told_apart_by_what_vllm_answers_for_a_missing_method(server):
     """A server running an older checkout's extension answers a lease call as vLLM answers any method
-    the worker lacks; ``vllm_url_lease.py`` recognises that answer by the method's name in it."""
+    the worker lacks; ``vllm_url_weights.RoundLease`` recognises that answer by the method's name in it."""
     from rlhf_pipeline.generation.vllm_http import ServerError
 
     with pytest.raises(ServerError) as caught:
