@@ -32,9 +32,12 @@ CHECKPOINT_KEY = "lora"
 """What a LoRA checkpoint holds beside the adapter (``"model"``): its settings and the base's digest."""
 
 
-def lora_record(settings: LoraSettings, base_digest: str) -> dict[str, Any]:
+def lora_record(settings: LoraSettings, base_digest: str, adapter_config: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint keeps of its adapter beside the tensors: the settings resumes are checked
+    against, the base's digest, and peft's adapter_config (``export-model --adapter`` of a checkpoint)."""
     return {"rank": settings.rank, "alpha": float(settings.alpha), "dropout": float(settings.dropout),
-            "target_modules": list(settings.target_modules), "base_digest": base_digest}
+            "target_modules": list(settings.target_modules), "base_digest": base_digest,
+            "adapter_config": adapter_config}
 
 
 def check_resumable(checkpoint: dict[str, Any], settings: LoraSettings, step: int,
@@ -83,7 +86,8 @@ class LoraPolicy:
 
     def checkpoint_state(self, model: torch.nn.Module) -> dict[str, Any]:
         """What a checkpoint holds for the model: the adapter (``"model"``) and its record."""
-        return {"model": adapter_tensors(model), CHECKPOINT_KEY: lora_record(self.settings, self.base_digest)}
+        return {"model": adapter_tensors(model),
+                CHECKPOINT_KEY: lora_record(self.settings, self.base_digest, adapter_config_of(model))}
 
     def load(self, model: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
         load_adapter_tensors(model, checkpoint["model"])

@@ -19,6 +19,7 @@ Merging needs torch only; building the trainable model needs ``peft`` (the ``[lo
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import warnings
@@ -134,14 +135,14 @@ def adapter_config_of(peft_model) -> dict[str, Any]:
     config = peft_model.peft_config["default"].to_dict()
 
     def plain(value):
+        if isinstance(value, enum.Enum):  # PeftType.LORA (a str enum) -> "LORA": checkpoints hold plain values
+            return value.value
         if isinstance(value, (set, frozenset)):
             return sorted(value)
         if isinstance(value, dict):
             return {str(k): plain(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [plain(v) for v in value]
-        if hasattr(value, "value") and not isinstance(value, (str, int, float, bool)):
-            return value.value  # an enum: PeftType.LORA -> "LORA"
         return value
 
     return {key: plain(value) for key, value in config.items()}
