@@ -307,10 +307,18 @@ class Learner:
             model = self.make_model()
             model.load_state_dict(load_published(self.paths.store, 0)[0])
         self.model = self._lora.wrap(model)
-        if checkpoint is not None:
-            self._lora.load(self.model, checkpoint)
-        else:
+        if checkpoint is None:
             self.progress.policy_version = 0
+            return
+        self._lora.load(self.model, checkpoint)
+        from rlhf_pipeline.coordination.weights import publish_weights, published_versions
+
+        version = self.progress.policy_version
+        if version > 0 and version not in published_versions(self.paths.store) and self.data_parallel.is_main:
+            # a branch of a step whose version its parent pruned (runs/branch.py copies only what is
+            # published): the adapter, with this learner's canary, from the checkpoint that holds it
+            publish_weights(self.paths.store, self._lora.publication(self.model, version), version,
+                            keep_versions=(0,))
 
     def _setup_optimizer(self, checkpoint: dict[str, Any] | None) -> None:
         # FSDP's sharded DTensor parameters keep AdamW's default implementation, not the fused one
@@ -550,6 +558,8 @@ class Learner:
             self.before_checkpoint()
         # where the buffer stood, readable without torch: what `inspect` lists and `branch` limits a view to
         record = {"buffer_rows": buffer_rows(state["buffer"]), "consumed": dict(self._pacing.intake.consumed)}
+        if self._lora is not None:  # a branch of this step needs version 0 too: the adapter's base
+            record["lora_rank"] = self.settings.lora.rank
         self.checkpoints.save(self.progress, state, record=record)
         self._saved_a_checkpoint = True
 
