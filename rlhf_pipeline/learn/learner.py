@@ -298,7 +298,7 @@ class Learner:
     def _setup_lora_model(self, checkpoint: dict[str, Any] | None, initial: torch.nn.Module | None) -> None:
         """The base (the initial policy this process built, else version 0) with the adapter: a fresh one,
         or the checkpoint's."""
-        from rlhf_pipeline.coordination.weights import load_published
+        from rlhf_pipeline.coordination.weights import load_published, publish_weights, published_versions
 
         if checkpoint is None and initial is not None:
             model = initial
@@ -311,8 +311,6 @@ class Learner:
             self.progress.policy_version = 0
             return
         self._lora.load(self.model, checkpoint)
-        from rlhf_pipeline.coordination.weights import publish_weights, published_versions
-
         version = self.progress.policy_version
         if version > 0 and version not in published_versions(self.paths.store) and self.data_parallel.is_main:
             # a branch of a step whose version its parent pruned (runs/branch.py copies only what is
