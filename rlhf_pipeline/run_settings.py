@@ -159,6 +159,10 @@ class RunSettings:
             raise ValueError(f"setting 'retention.max_rows' ({self.retention.max_rows}) must be >= segment_rows "
                              f"({self.segment_rows}): rows are dropped a whole sealed segment at a time; raise it, "
                              f"or lower segment_rows")
+        if self.learner.lora.enabled and (self.generation.engine != "loop" or self.generation.url is not None):
+            raise ValueError("setting 'learner.lora.rank' > 0 samples with our loop engine for now (vLLM adapters "
+                             "are not built yet, docs/lora.md); drop generation.engine=vllm / generation.url, or "
+                             "set learner.lora.rank=0")
         self.validate()
 
     def validate(self) -> None:

@@ -1,9 +1,10 @@
-"""``rlhf-pipeline export-model RUN_DIR OUT [--version N | --best]``: a run's policy for ``transformers``.
+"""``rlhf-pipeline export-model RUN_DIR OUT [--version N | --best] [--adapter]``: a run's policy for ``transformers``.
 
 Writes a ``save_pretrained`` directory (config, safetensors weights, tokenizer with its chat
 template, generation config) that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads with
 the same logits as the run's policy of that version. See :mod:`rlhf_pipeline.dataio.model_export`.
-``--list-versions`` needs no OUT and imports no torch.
+``--list-versions`` needs no OUT and imports no torch. A LoRA run's version is merged into its base;
+``--adapter`` writes the adapter alone, a PEFT directory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--pipeline", metavar="PIPELINE.py", default=None,
                         help="pipeline file to rebuild the model with (default: the run's copy, pipeline.py)")
     parser.add_argument("--list-versions", action="store_true", help="list the versions on disk and exit")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: write the version's adapter alone (adapter_model.safetensors, "
+                             "adapter_config.json) instead of the merged model")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         RunNotFoundError,
         VersionNotFoundError,
         available_versions,
+        export_adapter,
         export_model,
     )
     from rlhf_pipeline.pipeline import PipelineError
@@ -57,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
             return 0
         best = run_best(RunPaths.at(run_dir)) if args.best else None
         version = best.policy_version if best is not None else args.version
-        result = export_model(run_dir, args.out, version=version, pipeline_path=args.pipeline)
+        if args.adapter:
+            result = export_adapter(run_dir, args.out, version=version)
+        else:
+            result = export_model(run_dir, args.out, version=version, pipeline_path=args.pipeline)
     except (VersionNotFoundError, RunNotFoundError, PipelineError, FileExistsError, StateFileError,
             RunLocationError, RunStoreError, NoBestCheckpoint) as exc:
         return fail(str(exc))

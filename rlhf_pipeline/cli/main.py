@@ -15,7 +15,7 @@ import sys
 
 from rlhf_pipeline.cli.bench_cmd import BENCHMARKS  # names only: the benchmarks load when one is run
 from rlhf_pipeline.files.run_store import RunStoreError  # no torch: the run store's base and errors
-from rlhf_pipeline.learn.errors import NonFiniteStep  # no torch: errors only
+from rlhf_pipeline.learn.errors import CheckpointRefused, NonFiniteStep  # no torch: errors only
 from rlhf_pipeline.storage.errors import StoreClosedError, StoreError  # no torch: errors only
 
 # command name -> (module, one-line help)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except NonFiniteStep as exc:  # `learn`, `replay`: the run stopped before the step, its checkpoint kept
+    except (NonFiniteStep, CheckpointRefused) as exc:  # `learn`, `replay`: stopped before the step, checkpoint kept
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -3,6 +3,12 @@
 The learner publishes ``<run>/weights/policy_XXXXXXXX.safetensors`` atomically with a version that
 follows its progress (a resumed learner retracts and republishes versions past its checkpoint);
 collectors poll with :class:`WeightsPoller`. Design: docs/architecture.md#published-weights.
+
+In a LoRA run (docs/lora.md) version 0 is the base's whole weights and every later version an
+adapter alone (``models/lora.py``: peft's tensors, its config, the base's digest and the learner's
+canary in the file's metadata). :func:`load_weights` gives any version as whole weights (an adapter
+merged into version 0); :class:`WeightsPoller` hands a collector's engine the adapter itself, with
+the base attached when the engine has not had it.
 """
 
 from __future__ import annotations
@@ -75,9 +81,12 @@ def weights_location(run: Run, version: int) -> str:
 
 def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
                     keep_last: int = 3, *, keep_versions: Collection[int] = ()) -> str:
-    """Writes ``state_dict`` as ``version``; ``version`` must exceed every published one. At a URL
-    the version is created, never overwritten: a second learner publishing it is refused. The
-    newest ``keep_last`` versions and ``keep_versions`` stay, older ones are pruned."""
+    """Writes ``state_dict`` (whole weights, or a ``PolicyAdapter``) as ``version``; ``version`` must
+    exceed every published one. At a URL the version is created, never overwritten: a second learner
+    publishing it is refused. The newest ``keep_last`` versions and ``keep_versions`` stay, older ones
+    are pruned (an adapter run keeps version 0, its base, for ever)."""
+    from rlhf_pipeline.models.lora import PolicyAdapter
+
     from safetensors.torch import save
 
     store = as_run_store(run)
@@ -93,7 +102,8 @@ def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
     # own copies: safetensors refuses tensors that share memory (tied embeddings), and a GPU
     # model's tensors must come to the CPU anyway
     cpu_state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
-    payload = save(cpu_state, metadata={"version": str(version)})
+    metadata = state_dict.metadata() if isinstance(state_dict, PolicyAdapter) else {}
+    payload = save(cpu_state, metadata={**metadata, "version": str(version)})
     store.create(f"{WEIGHTS}/{name}", payload)
     files[version] = name
     for old in sorted(files)[:-keep_last]:
@@ -120,8 +130,16 @@ def retract_versions_after(run: Run, version: int) -> list[int]:
     return sorted({int(_NAME.match(name).group(1)) for name in names})
 
 
+def _as_published(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, torch.Tensor]:
+    """``state`` as published: a ``PolicyAdapter`` when its metadata says it is one."""
+    from rlhf_pipeline.models.lora import PolicyAdapter, is_adapter_metadata
+
+    return PolicyAdapter.from_metadata(state, metadata) if is_adapter_metadata(metadata) else state
+
+
 def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
-    """``(state_dict, version)`` from one weight file of either format."""
+    """``(state_dict, version)`` from one weight file of either format (a ``PolicyAdapter`` for an
+    adapter version)."""
     path = Path(path)
     if path.suffix == LEGACY_SUFFIX:
         import torch
@@ -133,10 +151,11 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
     state = {}
     with safe_open(str(path), framework="pt", device="cpu") as weights:
         named = _NAME.match(path.name)
-        version = int((weights.metadata() or {}).get("version") or (named.group(1) if named else -1))
+        metadata = weights.metadata() or {}
+        version = int(metadata.get("version") or (named.group(1) if named else -1))
         for name in weights.keys():
             state[name] = weights.get_tensor(name)
-    return state, version
+    return _as_published(state, metadata), version
 
 
 def _load_object(store: RunStore, name: str) -> tuple[dict[str, torch.Tensor], int]:
@@ -157,11 +176,38 @@ def _load_object(store: RunStore, name: str) -> tuple[dict[str, torch.Tensor], i
     (header_size,) = struct.unpack("<Q", data[:8])
     metadata = json.loads(data[8:8 + header_size]).get("__metadata__") or {}
     version = int(metadata.get("version") or (named.group(1) if named else -1))
-    return load(data), version
+    return _as_published(load(data), metadata), version
 
 
 def load_weights(run: Run, version: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
-    """``(state_dict, version)`` of ``version`` (default: the newest)."""
+    """``(state_dict, version)`` of ``version`` (default: the newest): whole weights, an adapter
+    version merged into its base (version 0); :func:`load_published` gives it as published."""
+    from rlhf_pipeline.models.lora import PolicyAdapter, merged_state
+
+    state, version = load_published(run, version)
+    if isinstance(state, PolicyAdapter):
+        state = merged_state(_base_of(run, state, version), state)
+    return state, version
+
+
+def _base_of(run: Run, adapter, version: int) -> dict[str, torch.Tensor]:
+    """Version 0 of ``run``, the base ``adapter`` (of ``version``) was trained on."""
+    from rlhf_pipeline.models.lora import state_digest
+
+    try:
+        base, _ = load_published(run, 0)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"weights version {version} is an adapter and its base, version 0, is not under "
+                                f"{as_run_store(run).describe(WEIGHTS)}") from None
+    if state_digest(base) != adapter.base_digest:
+        raise ValueError(f"weights version {version} is an adapter of another base than version 0 of "
+                         f"{as_run_store(run).describe(WEIGHTS)}")
+    return base
+
+
+def load_published(run: Run, version: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """``(state, version)`` of ``version`` (default: the newest) as published: whole weights, or a
+    ``PolicyAdapter``."""
     store = as_run_store(run)
     files = _files(store)
     if version is None:
@@ -183,6 +229,7 @@ class WeightsPoller:
         self.store = as_run_store(run)
         self.current_version = current_version
         self.cache = None if self.store.is_local else cache
+        self._gave_whole_weights = False
 
     def _listing(self) -> tuple[dict[int, str], dict[str, str]]:
         """Each version's object name, and each object's etag when there is a cache (the same one LIST)."""
@@ -193,8 +240,22 @@ class WeightsPoller:
 
     def _load(self, name: str, etags: dict[str, str]) -> tuple[dict[str, torch.Tensor], int]:
         if self.cache is None:
-            return _load_object(self.store, name)
-        return load_weights_file(self.cache.fetch(self.store, f"{WEIGHTS}/{name}", etags[name]))
+            state, version = _load_object(self.store, name)
+        else:
+            state, version = load_weights_file(self.cache.fetch(self.store, f"{WEIGHTS}/{name}", etags[name]))
+        return self._with_base(state, version), version
+
+    def _with_base(self, state, version: int):
+        """An adapter handed to an engine that has had no whole weights from this poller gets its base
+        attached (a collector started or resumed past version 0)."""
+        from rlhf_pipeline.models.lora import PolicyAdapter
+
+        if not isinstance(state, PolicyAdapter):
+            self._gave_whole_weights = True
+        elif not self._gave_whole_weights:
+            state.base = _base_of(self.store, state, version)
+            self._gave_whole_weights = True
+        return state
 
     def poll(self) -> tuple[dict[str, torch.Tensor], int] | None:
         """Called between rounds, and every millisecond or so while a paced collector waits: one

@@ -4,6 +4,8 @@ A version comes from ``weights/`` or from the checkpoint of the step that publis
 (:func:`available_versions`). The pipeline's ``make_model()`` with those weights and its tokenizer
 are saved so that ``from_pretrained(OUT)`` computes the same logits; ``rlhf_pipeline_export.json``
 says where they came from. Nothing in the run directory runs code. Design: docs/architecture.md#rows-in-and-out.
+A LoRA run's version is exported merged into its base (version 0), or with ``--adapter`` as the adapter
+alone (:func:`export_adapter`; docs/lora.md).
 """
 
 from __future__ import annotations
@@ -151,15 +153,66 @@ def load_version(run_root: str | Path, version: int | None = None) -> tuple[dict
             reason = (f"of {run_root} is no longer on disk (weights/ keeps the last few, checkpoints/ the "
                       f"last N)")
         raise VersionNotFoundError(f"policy version {version} {reason}; available: {listed}")
+    from rlhf_pipeline.models.lora import PolicyAdapter, merged_state
+
     source = versions[version]
+    published = _published(source)
+    if isinstance(published, PolicyAdapter):  # a LoRA run's version: merged into its base, version 0
+        from rlhf_pipeline.coordination.weights import load_weights
+
+        base, _ = load_weights(RunPaths(local_run_path(run_root, "RUN")).root, 0)
+        return merged_state(base, published), source
+    return published, source
+
+
+def _published(source: VersionSource) -> dict[str, torch.Tensor]:
+    """The version's state as the run keeps it: whole weights, or (a LoRA run) a ``PolicyAdapter``."""
     if source.kind == "weights":
         from rlhf_pipeline.coordination.weights import load_weights_file
 
-        return load_weights_file(source.path)[0], source
+        return load_weights_file(source.path)[0]
     from rlhf_pipeline.files.state_files import load_state
 
     # tensors and plain values only (format 1's NumPy RNG array too); raises StateFileError
-    return load_state(source.path, what="learner checkpoint", legacy_numpy_arrays=True)["model"], source
+    checkpoint = load_state(source.path, what="learner checkpoint", legacy_numpy_arrays=True)
+    from rlhf_pipeline.models.lora import PolicyAdapter
+
+    lora = checkpoint.get("lora")
+    if lora is None:
+        return checkpoint["model"]
+    return PolicyAdapter(checkpoint["model"], config=lora["adapter_config"], base_digest=lora["base_digest"])
+
+
+def export_adapter(run_root: str | Path, out: str | Path, *, version: int | None = None) -> ExportedModel:
+    """Writes the adapter of a LoRA run's ``version`` alone to ``out``: ``adapter_model.safetensors`` and
+    ``adapter_config.json``, what ``PeftModel.from_pretrained(base, OUT)`` and vLLM's LoRA requests read
+    (the base is the run's version 0: ``export-model RUN BASE --version 0``)."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose another path or remove it")
+    versions = available_versions(run_root)
+    chosen = max(versions) if version is None and versions else version
+    if chosen not in versions:
+        load_version(run_root, version)  # raises, listing the versions on disk
+    from rlhf_pipeline.models.lora import PolicyAdapter
+
+    source = versions[chosen]
+    adapter = _published(source)
+    if not isinstance(adapter, PolicyAdapter):
+        raise VersionNotFoundError(f"policy version {chosen} of {run_root} is whole weights, not an adapter (a full "
+                                   f"fine-tuning run, or a LoRA run's base, version 0): export it without --adapter")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        adapter.save_peft_directory(partial)
+        info = {"run": str(Path(run_root).resolve()), "version": chosen, "from": str(source.path),
+                "model_class": "LoRA adapter", "base": "version 0 of the run"}
+        (partial / "rlhf_pipeline_export.json").write_text(json.dumps(info, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    os.replace(partial, out)
+    return ExportedModel(str(out), chosen, str(source.path), "LoRA adapter")
 
 
 def export_model(run_root: str | Path, out: str | Path, *, version: int | None = None,

@@ -16,6 +16,14 @@ batch (its log-probs may move in their last bits with the batch's padding; the b
 caller's own waits, so the same submissions give the same bits). Requests with their own
 ``max_new_tokens`` are decoded to the batch's largest limit and each cut at its own (a cut row
 keeps a stop token that falls inside its limit).
+
+In a LoRA run (docs/lora.md) the engine merges each adapter version into the base it holds
+(``models/lora.py``'s ``AdapterMerger``) and refuses a version whose canary log-probs, scored with the
+model it samples with, are not the learner's (:class:`ServedPolicyMismatch`), before sampling with it.
+
+Why one file: the loop and the engine around it change together: the engine's batches are the loop's
+rows, its seeds the loop's generators, and the weights it loads (whole, or an adapter merged and
+checked) are the model the loop decodes with; apart, each would be read out of the other's context.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import torch
 
 from rlhf_pipeline.generation.engine import Completion, CompletionGroup, EngineFailed, GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.sampling import SamplingConfig, process_logits
+from rlhf_pipeline.models.lora import AdapterMerger, canary_difference
 from rlhf_pipeline.schema.ragged import RaggedTensor
 
 
@@ -240,6 +249,11 @@ def teacher_forced_log_probs(
 
 
 # ====================================================================== the engine
+class ServedPolicyMismatch(EngineFailed):
+    """A LoRA version the engine does not serve as the learner published it (models/lora.py's canary):
+    refused on load, before any row of it is sampled; the collector stops saying so in one line."""
+
+
 def load_state_into(model, state_dict) -> None:
     """Loads published weights into ``model`` (every key must match; a tied ``lm_head`` may be
     absent) and sets eval mode."""
@@ -267,6 +281,9 @@ class LoopEngine(GenerationEngine):
         super().__init__([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, policy_version)
         self.model = model.eval()
         self.pad_token_id = int(pad_token_id)
+        self._adapters = AdapterMerger()  # a LoRA run's versions, merged into the base (docs/lora.md)
+        self.last_canary_difference: float | None = None
+        """The served-policy check of the last adapter version loaded: its largest log-prob difference."""
         self._queue: list[_Queued] = []
         self._ready = 0  # queued requests a flush let go
         self._closed = False
@@ -360,12 +377,36 @@ class LoopEngine(GenerationEngine):
         return [row.tolist() for row in scored.to_list()]
 
     def _load(self, weights, version: int) -> None:
+        from rlhf_pipeline.models.lora import PolicyAdapter
+
         if isinstance(weights, (str, os.PathLike)):
             from safetensors.torch import load_file
 
             weights = load_file(os.fspath(weights))
         with self._decoding:
-            load_state_into(self.model, weights)
+            if not isinstance(weights, PolicyAdapter):
+                load_state_into(self.model, weights)
+                self._adapters.set_base()
+                return
+            # an adapter version (docs/lora.md): merged into the base this engine holds, then the
+            # served-policy canary: the model it samples with must score the learner's fixed tokens as
+            # the learner did, or the version is refused before any row of it is sampled
+            try:
+                if weights.base is not None:
+                    load_state_into(self.model, weights.base)
+                    self._adapters.set_base()
+                self._adapters.apply(self.model, weights, version)
+                self.model.eval()
+                difference, tolerance = canary_difference(self.model, weights, version)
+            except ValueError as exc:
+                raise ServedPolicyMismatch(f"weights version {version} cannot be served: {exc}") from None
+            if not difference <= tolerance:
+                raise ServedPolicyMismatch(
+                    f"served-policy check failed for weights version {version}: the engine's log-probs of the "
+                    f"canary tokens differ from the learner's by up to {difference:.4g} (tolerance {tolerance:g}); "
+                    f"it does not sample the adapter the learner published as version {version}, so no row of it "
+                    f"is stored")
+            self.last_canary_difference = difference
 
     def close(self) -> None:
         """Stops the thread; requests still queued fail with :class:`EngineFailed`."""

@@ -4,6 +4,8 @@ A learner step whose loss, gradients or new weights are not finite is refused, n
 (docs/learner.md, "A step that is not finite"): :class:`NonFiniteStep` names the step and what
 was not finite, and says where the run resumes from. Nothing of the refused step is published
 or checkpointed, so the newest checkpoint and every published version stay finite.
+A checkpoint this run's settings cannot resume (a full-weight checkpoint resumed as a LoRA run, or
+the reverse, ``learn/lora.py``) is :class:`CheckpointRefused`, naming the setting.
 """
 
 from __future__ import annotations
@@ -33,3 +35,8 @@ class NonFiniteStep(RuntimeError):
         return (f"learner step {self.step} refused: {self.what}; nothing of it was published or checkpointed. Fix "
                 f"the cause (often a learning rate too high for the model: lower learner.lr, or clip gradients with "
                 f"learner.max_grad_norm) and run the same command: it resumes from {resume}")
+
+
+class CheckpointRefused(ValueError):
+    """The run's checkpoint cannot be resumed with this run's settings; the message names the setting
+    and the value that resumes it."""

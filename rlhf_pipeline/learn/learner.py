@@ -23,7 +23,9 @@ after the last draw a step used, the rows trained and the intake, so a resumed r
 exactly as an uninterrupted one would over the same data, with any number of ranks and either
 parallelism. The versions a killed learner published past that checkpoint are taken back and
 published again under the same numbers. Without a checkpoint the learner starts from the
-initial policy, weights version 0 (kept until the first checkpoint holds the model).
+initial policy, weights version 0 (kept until the first checkpoint holds the model). With
+``learner.lora.rank`` > 0 (``learn/lora.py``, docs/lora.md) the model is version 0 frozen with an
+adapter that alone trains, is published and is checkpointed; version 0 is then kept for the whole run.
 
 Data parallelism is a layer around this (``learn/distributed.py``, ``DataParallel``): rank 0
 draws and shares each draw with every rank's prefetch thread, which reads its slice; stale rows
@@ -72,6 +74,7 @@ from rlhf_pipeline.learn.batch import PackedBatch, fresh_mask
 from rlhf_pipeline.learn.checkpoint import Progress, buffer_rows, capture_rng_state, restore_rng_state, run_checkpoints
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.errors import NonFiniteStep
+from rlhf_pipeline.learn.lora import LoraPolicy, check_resumable
 from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, truncate_metrics
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.samplers import make_sampler
@@ -90,6 +93,7 @@ from rlhf_pipeline.learn.trajectories import (
     trajectory_draw,
     trajectory_ends,
 )
+from rlhf_pipeline.models.lora import base_model_of
 from rlhf_pipeline.schema.ids import collector_index_of
 
 STALENESS_BUCKETS = (0, 1, 2)  # fractions of rows exactly this stale, plus one for the rest
@@ -170,6 +174,7 @@ class Learner:
         self._trained = TrainedRows()
         self._draw_versions = DrawVersions(self.stop_event)  # what each draw's staleness is checked against
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
+        self._lora: LoraPolicy | None = None  # learner.lora.rank > 0: the adapter trained on version 0
 
     @classmethod
     def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None,
@@ -185,6 +190,10 @@ class Learner:
         torch.manual_seed(self.seed)
         checkpoint = self._load_checkpoint()
         self._saved_a_checkpoint = checkpoint is not None
+        self._lora = self._lora_policy()
+        if checkpoint is not None:  # full weights, an adapter: as the checkpoint was made, or refused by name
+            check_resumable(checkpoint, self.settings.lora, self.progress.step,
+                            self._lora.base_digest if self._lora is not None else None)
         if self.data_parallel.is_main:
             self._retract_versions_past_checkpoint(checkpoint)
         self._setup_model(checkpoint)
@@ -246,7 +255,9 @@ class Learner:
         from rlhf_pipeline.coordination.weights import load_weights
 
         initial, self._initial_policy = self._initial_policy, None  # held no longer than setup
-        if checkpoint is None and initial is not None:
+        if self._lora is not None:
+            self._setup_lora_model(checkpoint, initial)
+        elif checkpoint is None and initial is not None:
             # built and published as version 0 by this process: those weights, without a second load
             self.model = initial
             self.model.zero_grad(set_to_none=True)  # a warm start's last gradients
@@ -267,9 +278,45 @@ class Learner:
                 self.model.load_state_dict(state)
                 self.progress.policy_version = version
         if self.settings.packing:  # attention that keeps each packed row to itself (learn/packed_attention.py)
-            use_packed_attention(self.model)
+            use_packed_attention(self.model if self._lora is None else base_model_of(self.model))
         self.model.to(self.device).train()
         self.train_model = self.data_parallel.wrap(self.model, self.device)  # what forward/backward run through
+
+    def _lora_policy(self) -> LoraPolicy | None:
+        """A LoRA run's adapter policy on its base, weights version 0 (learn/lora.py); None: full fine-tuning."""
+        if not self.settings.lora.enabled:
+            return None
+        from rlhf_pipeline.coordination.weights import load_published
+
+        try:
+            base, _ = load_published(self.paths.store, 0)
+        except FileNotFoundError:
+            raise ValueError(f"learner.lora.rank={self.settings.lora.rank} trains an adapter on the run's weights "
+                             f"version 0, which is not published under {self.paths.store.describe('weights')}") from None
+        return LoraPolicy(self.settings.lora, base)
+
+    def _setup_lora_model(self, checkpoint: dict[str, Any] | None, initial: torch.nn.Module | None) -> None:
+        """The base (the initial policy this process built, else version 0) with the adapter: a fresh one,
+        or the checkpoint's."""
+        from rlhf_pipeline.coordination.weights import load_published, publish_weights, published_versions
+
+        if checkpoint is None and initial is not None:
+            model = initial
+            model.zero_grad(set_to_none=True)
+        else:
+            model = self.make_model()
+            model.load_state_dict(load_published(self.paths.store, 0)[0])
+        self.model = self._lora.wrap(model)
+        if checkpoint is None:
+            self.progress.policy_version = 0
+            return
+        self._lora.load(self.model, checkpoint)
+        version = self.progress.policy_version
+        if version > 0 and version not in published_versions(self.paths.store) and self.data_parallel.is_main:
+            # a branch of a step whose version its parent pruned (runs/branch.py copies only what is
+            # published): the adapter, with this learner's canary, from the checkpoint that holds it
+            publish_weights(self.paths.store, self._lora.publication(self.model, version), version,
+                            keep_versions=(0,))
 
     def _setup_optimizer(self, checkpoint: dict[str, Any] | None) -> None:
         # FSDP's sharded DTensor parameters keep AdamW's default implementation, not the fused one
@@ -473,10 +520,13 @@ class Learner:
         # taken back at setup (_retract_versions_past_checkpoint)
         dp = self.data_parallel
         version = self.progress.policy_version + 1
-        state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
+        if self._lora is not None:  # the adapter alone, with this learner's canary under it; its base stays
+            state, base_kept = self._lora.publication(self.model, version), True
+        else:
+            state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
+            base_kept = not self._saved_a_checkpoint  # until a checkpoint holds the model, a restart starts from it
         if dp.is_main:  # rank 0 writes the weights
-            # until a checkpoint holds the model, a restart starts again from the initial policy
-            keep = (*(() if self._saved_a_checkpoint else (0,)), *self.keep_versions_for(version))
+            keep = (*((0,) if base_kept else ()), *self.keep_versions_for(version))
             publish_weights(self.paths.store, state, version, keep_versions=keep)
         self.progress.policy_version = version
 
@@ -484,12 +534,14 @@ class Learner:
     def save_checkpoint(self) -> None:
         # whole model and optimizer states, so a checkpoint resumes with any ranks and parallelism
         # (under FSDP every rank takes part in gathering them to rank 0)
-        model_state = self.data_parallel.model_state(self.model)
+        # a LoRA run's: the adapter and what it was made with (learn/lora.py); its base is version 0
+        model_state = (self._lora.checkpoint_state(self.model) if self._lora is not None
+                       else {"model": self.data_parallel.model_state(self.model)})
         optimizer_state = self.data_parallel.optimizer_state(self.model, self.optimizer)
         if not self.data_parallel.is_main:  # one checkpoint per run, written by rank 0
             return
         state = {
-            "model": model_state,
+            **model_state,
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rng_state(),
@@ -505,6 +557,8 @@ class Learner:
             self.before_checkpoint()
         # where the buffer stood, readable without torch: what `inspect` lists and `branch` limits a view to
         record = {"buffer_rows": buffer_rows(state["buffer"]), "consumed": dict(self._pacing.intake.consumed)}
+        if self._lora is not None:  # a branch of this step needs version 0 too: the adapter's base
+            record["lora_rank"] = self.settings.lora.rank
         self.checkpoints.save(self.progress, state, record=record)
         self._saved_a_checkpoint = True
 

@@ -75,6 +75,52 @@ class GRPOLossConfig:
         return cls(**options)
 
 
+#: every linear layer of a Qwen2 / Llama block; the embeddings and ``lm_head`` stay frozen (vLLM
+#: drops an ``lm_head`` adapter's delta from ``prompt_logprobs``, vLLM #51594)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_REFUSED_TARGETS = ("lm_head", "embed_tokens")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA: train a low-rank adapter on a frozen base instead of every weight (``peft``, the
+    ``[lora]`` extra; docs/lora.md). The base is the run's initial policy (weights version 0)."""
+
+    rank: int = 0
+    """Rank r of each adapter's A (r x in) and B (out x r); 0: full fine-tuning (no adapter)."""
+    alpha: float = 16.0
+    """The adapter's update is scaled by alpha / rank (peft's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input while training (peft's lora_dropout), in [0, 1)."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """Names of the linear layers that get an adapter (each layer whose name ends with one of these)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "learner.lora.")
+
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"setting 'learner.lora.{name}' {why}")
+
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise bad("rank", f"must be an integer >= 0 (0: full fine-tuning), got {self.rank!r}")
+        if not self.alpha > 0:
+            raise bad("alpha", f"must be > 0 (the update is scaled by alpha / rank), got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise bad("dropout", f"must be in [0, 1), got {self.dropout!r}")
+        targets = tuple(self.target_modules)
+        if not targets or not all(isinstance(name, str) and name.strip() for name in targets):
+            raise bad("target_modules", f"must name at least one linear layer, e.g. q_proj,v_proj; got {targets!r}")
+        refused = [name for name in targets if name in LORA_REFUSED_TARGETS]
+        if refused:
+            raise bad("target_modules", f"names {refused}: the embeddings and lm_head stay frozen (an lm_head delta "
+                                        f"is dropped from vLLM's prompt_logprobs, vLLM #51594); target the "
+                                        f"block's linear layers, e.g. {','.join(LORA_TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclass
 class LearnerSettings:
     """How the learner samples, optimizes, publishes and checkpoints."""
@@ -168,6 +214,8 @@ class LearnerSettings:
     """Print a progress line every this many steps when stderr is not a terminal."""
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     """GRPO loss options: clip range, aggregation, KL/entropy coefficients, TIS (learn/loss.py)."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA adapter training (--set learner.lora.rank=8; rank 0: full fine-tuning; docs/lora.md)."""
     temperature: float = field(default=1.0, metadata={"derived_from": "temperature"})
     """The run's sampling temperature, at which log-probs are recomputed: set from the run's
     ``temperature`` (``RunSettings.learner_settings``), never on its own."""
@@ -264,5 +312,9 @@ class LearnerSettings:
             raise bad("mask_termination_reasons", f"names unknown reason(s) {unknown}; valid: {sorted(reasons)}")
         if self.world_size < 1:
             raise bad("world_size", f"must be >= 1 (got {self.world_size})")
+        if self.lora.enabled and self.world_size > 1:
+            raise bad("lora.rank", f"> 0 trains one learner rank for now (got world_size={self.world_size}); "
+                                   f"set learner.world_size=1, or learner.lora.rank=0 for data-parallel full "
+                                   f"fine-tuning")
         if self.priority_alpha < 0 or self.priority_beta < 0:
             raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")

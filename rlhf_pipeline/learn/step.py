@@ -229,13 +229,15 @@ def _first_not_finite(named: Iterable[tuple[str, torch.Tensor | None]]) -> tuple
 # ====================================================================== the optimizer and its schedule
 def make_optimizer(model: torch.nn.Module, settings: LearnerSettings, total_steps: int, *,
                    fused: bool = True) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over ``model``'s parameters and its schedule over ``total_steps`` steps.
+    """AdamW over ``model``'s trainable parameters and its schedule over ``total_steps`` steps.
 
     ``fused``: one kernel over every tensor (CUDA, and CPU since torch 2.4) instead of a Python
     loop per parameter: 0.4 ms against 2.5 ms a step for the default pipeline's model on one CPU
     thread.
     """
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=settings.adam_betas,
+    # the trainable parameters only: a LoRA model's adapter, not its frozen base (learn/lora.py)
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=settings.adam_betas,
                                   weight_decay=settings.weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(settings, total_steps))
     return optimizer, scheduler

@@ -63,6 +63,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
 from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, PARENT_ROWS_MANIFEST, making_record, resolved_location
 from rlhf_pipeline.runs.lineage import (
@@ -282,7 +283,15 @@ def _copy_weights(source: Any, target: Any, checkpoint: str, version: int | None
     keeps it, else written from the checkpoint's model (the parent prunes old versions)."""
     from rlhf_pipeline.coordination.weights import WEIGHTS, published_objects, publish_weights
 
-    name = published_objects(source).get(version) if version is not None else None
+    published = published_objects(source)
+    if (json_object(source.read(checkpoint[:-3] + ".json")) or {}).get("lora_rank"):
+        # a LoRA checkpoint: its adapter applies to version 0, the base; a version the parent pruned
+        # the branch's learner publishes from the checkpoint, with its canary (learn/learner.py)
+        target.copy(f"{WEIGHTS}/{published[0]}", f"{WEIGHTS}/{published[0]}", source=source)
+        if version is not None and version in published and version != 0:
+            target.copy(f"{WEIGHTS}/{published[version]}", f"{WEIGHTS}/{published[version]}", source=source)
+        return
+    name = published.get(version) if version is not None else None
     if name is not None:
         target.copy(f"{WEIGHTS}/{name}", f"{WEIGHTS}/{name}", source=source)
         return

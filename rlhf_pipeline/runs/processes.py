@@ -163,7 +163,11 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             if stored := stored_in_round(saved):
                 say(f"{tag} the round in flight at the last stop was written in part ({stored} groups); "
                     f"generating it again and writing only its groups not stored yet")
-        collector.set_policy_state(state, version)
+        try:
+            collector.set_policy_state(state, version)
+        except EngineFailed as exc:  # a version its engine does not serve as published (LoRA's canary, loop.py)
+            say(f"{tag} stopped: {exc}")
+            return 1
         # generate what the learner's next max_lag batches need, no more (alone, with no learner
         # yet, it may be recording a buffer: unpaced until one publishes)
         key = shard_key(store_path, paths.buffer) if not paths.buffer_url else shard_key_of(store_path)
@@ -190,7 +194,12 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 update = (poller.poll_version(plan.version) if plan.version is not None and pinned
                           else poller.poll() if plan.allowed or not pinned else None)  # unpaced or stalled: the newest
                 if update is not None:
-                    collector.set_policy_state(*update)
+                    try:
+                        collector.set_policy_state(*update)
+                    except EngineFailed as exc:  # refused before any row of that version (as above)
+                        say(f"{tag} stopped: {exc}")
+                        failed = exc
+                        break
                 if not plan.allowed or collector.policy_version < plan.min_version:
                     # far enough ahead of the learner, or waiting for the weights this round must use
                     started = time.perf_counter()

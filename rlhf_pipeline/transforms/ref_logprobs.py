@@ -4,10 +4,15 @@
 at the sampler's temperature (``temperature=1.0`` for the untempered one), no top-k / top-p. Rows
 are packed by length into micro-batches of at most ``tokens_per_microbatch`` padded tokens; the
 result equals a per-sequence forward to 1e-5. Design: docs/architecture.md#the-write-path-transforms.
+
+A LoRA policy is its own reference: given a peft model, the reference is its base with the adapter
+disabled (peft's ``disable_adapter()`` context, :func:`reference_of`), so no copy of the base's weights
+is held beside the policy (docs/lora.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from typing import Any
@@ -80,6 +85,14 @@ def reference_log_probs(
     return RaggedTensor(out, response_tokens.offsets)
 
 
+def reference_of(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The context in which ``model`` scores as the reference: a peft model's ``disable_adapter()`` (the
+    base, without the adapter's update), nothing for any other model."""
+    if type(model).__module__.startswith("peft."):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
+
+
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """transformers causal LMs can skip the vocabulary projection over prompt positions."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -93,7 +106,8 @@ class ReferenceLogProbs(WritePathTransform):
     every ``rb.state_dict()``. ``metrics()`` reports tokens scored and tokens/s.
 
     Args:
-        model: a frozen ``transformers`` causal LM (put in eval mode here).
+        model: a frozen ``transformers`` causal LM (put in eval mode here), or a LoRA policy (a peft
+            model), scored with its adapter disabled: the base, with no copy of it.
         temperature: the sampler's temperature (see the module docstring).
         device: where to run the model; default: where its parameters are.
         tokens_per_microbatch: padded-token budget per forward.
@@ -122,9 +136,11 @@ class ReferenceLogProbs(WritePathTransform):
             if name not in batch:
                 raise TrajectoryValidationError("needed to score the reference model", field=name)
         start = time.perf_counter()
-        ref = reference_log_probs(self._ref_model, batch["prompt_tokens"], batch["response_tokens"],
-                                  temperature=self.temperature, device=self.device,
-                                  tokens_per_microbatch=self.tokens_per_microbatch, pad_token_id=self.pad_token_id)
+        with reference_of(self._ref_model):  # a LoRA policy: its base, the adapter disabled
+            ref = reference_log_probs(self._ref_model, batch["prompt_tokens"], batch["response_tokens"],
+                                      temperature=self.temperature, device=self.device,
+                                      tokens_per_microbatch=self.tokens_per_microbatch,
+                                      pad_token_id=self.pad_token_id)
         self._seconds += time.perf_counter() - start
         self._tokens += int(batch["prompt_tokens"].values.numel() + ref.values.numel())
         return batch.with_columns(ref_log_probs=ref)

@@ -50,15 +50,22 @@ PIPELINES = {
     "tool_use": ["warm_start_steps=20", "tasks_per_round=2", "learner.batch_size=8", "learner.new_rows_per_step=8",
                  "learner.sample_window=16", "log_rounds_every=0"],
 }
+# a variant of a pipeline: its file, and the settings added to that pipeline's (tests/integration/test_lora_resume.py)
+VARIANTS = {"default_lora": ("default", ["learner.lora.rank=4", "learner.lr=3e-3"])}
 TIMING = ("time", "tokens_per_s", "_s")  # metrics that measure time, not what was trained
 # how full the buffer was when a step drew: a step taken again after a kill finds the rows the
 # collector wrote before it (they are kept), so these count more there and nowhere else
 BUFFER_FILL = ("charts/buffer_rows", "charts/rows_generated", "charts/rows_generated_per_row_trained")
 
 
+def pipeline_file(name: str) -> str:
+    return str(REPO / "pipelines" / f"{VARIANTS.get(name, (name,))[0]}.py")
+
+
 def settings_of(name: str, paths: RunPaths) -> list[str]:
     at_url = ["buffer_backend=zarr"] if paths.url is not None else []
-    return [*PIPELINES[name], f"learner.checkpoint_every={CHECKPOINT_EVERY}", f"steps={STEPS}", *at_url]
+    base, added = VARIANTS.get(name, (name, []))
+    return [*PIPELINES[base], *added, f"learner.checkpoint_every={CHECKPOINT_EVERY}", f"steps={STEPS}", *at_url]
 
 
 def start(name: str, paths: RunPaths, *, untils: Sequence[int]) -> None:
@@ -67,7 +74,7 @@ def start(name: str, paths: RunPaths, *, untils: Sequence[int]) -> None:
     one collector beside them all (this thread). One step: a start of ``run``, whose collector is
     stopped with its learner. Several: ``learn`` started again after each kill beside one ``collect``
     that runs on."""
-    module = load_pipeline_module(str(REPO / "pipelines" / f"{name}.py"))
+    module = load_pipeline_module(pipeline_file(name))
     pipeline = build_pipeline(module, make_settings(module, settings_of(name, paths)), paths)
     paths = with_buffer_url(paths, pipeline)
     paths.clear_stop()
@@ -131,7 +138,7 @@ def prepared(tmp_path_factory):
     def prepare(name: str, where: Path) -> RunPaths:
         if name not in made:
             made[name] = tmp_path_factory.mktemp("prepared") / name
-            module = load_pipeline_module(str(REPO / "pipelines" / f"{name}.py"))
+            module = load_pipeline_module(pipeline_file(name))
             paths = RunPaths(made[name])
             prepare_run(build_pipeline(module, make_settings(module, settings_of(name, paths)), paths), paths)
         shutil.copytree(made[name], where)

@@ -1,0 +1,99 @@
+"""The learner's side of a LoRA run (``learner.lora.rank > 0``; docs/lora.md).
+
+The base is the run's initial policy, weights version 0, kept for the whole run. The learner wraps it
+with a fresh peft adapter (B = 0, so the first adapter is the base's function), trains the adapter
+alone (the optimizer holds its parameters only), publishes each version as the adapter
+(``models/lora.py``'s ``PolicyAdapter``, with the canary: this learner's log-probs of fixed tokens
+under that version) and checkpoints the adapter with what it was made with: its settings and the
+base's digest. A checkpoint is resumed only by a run with the same kind of training: a full-weight
+checkpoint by a LoRA run, or the reverse, an adapter of another rank, alpha or targets, or of another
+base, is refused by name (:func:`check_resumable`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.learn.errors import CheckpointRefused
+from rlhf_pipeline.learn.settings import LoraSettings
+from rlhf_pipeline.models.lora import (
+    PolicyAdapter,
+    adapter_config_of,
+    adapter_tensors,
+    canary_of,
+    load_adapter_tensors,
+    state_digest,
+    with_lora,
+)
+
+CHECKPOINT_KEY = "lora"
+"""What a LoRA checkpoint holds beside the adapter (``"model"``): its settings and the base's digest."""
+
+
+def lora_record(settings: LoraSettings, base_digest: str, adapter_config: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint keeps of its adapter beside the tensors: the settings resumes are checked
+    against, the base's digest, and peft's adapter_config (``export-model --adapter`` of a checkpoint)."""
+    return {"rank": settings.rank, "alpha": float(settings.alpha), "dropout": float(settings.dropout),
+            "target_modules": list(settings.target_modules), "base_digest": base_digest,
+            "adapter_config": adapter_config}
+
+
+def check_resumable(checkpoint: dict[str, Any], settings: LoraSettings, step: int,
+                    base_digest: str | None) -> None:
+    """Raises :class:`CheckpointRefused` naming the setting when ``checkpoint`` (of ``step``) cannot be resumed with
+    ``settings``; ``base_digest``: version 0's, for a LoRA run."""
+    record = checkpoint.get(CHECKPOINT_KEY)
+    if record is None and settings.enabled:
+        raise CheckpointRefused(f"the checkpoint of step {step} trained every weight (learner.lora.rank=0), and this run "
+                         f"sets learner.lora.rank={settings.rank}: resume it with learner.lora.rank=0, or start a "
+                         f"LoRA run of its own")
+    if record is not None and not settings.enabled:
+        raise CheckpointRefused(f"the checkpoint of step {step} trained a LoRA adapter (learner.lora.rank="
+                         f"{record['rank']}), and this run sets learner.lora.rank=0: resume it with "
+                         f"learner.lora.rank={record['rank']}")
+    if record is None:
+        return
+    for name, value in (("rank", settings.rank), ("alpha", float(settings.alpha)),
+                        ("target_modules", list(settings.target_modules))):
+        if record[name] != value:
+            raise CheckpointRefused(f"the checkpoint of step {step} trained an adapter with learner.lora.{name}="
+                             f"{_shown(record[name])}, and this run sets {_shown(value)}: resume it with "
+                             f"learner.lora.{name}={_shown(record[name])}")
+    if base_digest is not None and record["base_digest"] != base_digest:
+        raise CheckpointRefused(f"the checkpoint of step {step} trained an adapter on another base than this run's weights "
+                         f"version 0 (digest {record['base_digest'][:12]}, version 0's {base_digest[:12]}): the "
+                         f"base was replaced; restore it, or start a new run")
+
+
+def _shown(value: Any) -> str:
+    return ",".join(value) if isinstance(value, list) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+class LoraPolicy:
+    """The adapter the learner trains on its frozen base: built, checkpointed, published."""
+
+    def __init__(self, settings: LoraSettings, base_state: dict[str, torch.Tensor]) -> None:
+        """``base_state``: weights version 0 as published (its digest names the base)."""
+        self.settings = settings
+        self.base_digest = state_digest(base_state)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` (holding the base) with a fresh adapter; only the adapter trains."""
+        s = self.settings
+        return with_lora(model, s.rank, s.alpha, s.dropout, s.target_modules)
+
+    def checkpoint_state(self, model: torch.nn.Module) -> dict[str, Any]:
+        """What a checkpoint holds for the model: the adapter (``"model"``) and its record."""
+        return {"model": adapter_tensors(model),
+                CHECKPOINT_KEY: lora_record(self.settings, self.base_digest, adapter_config_of(model))}
+
+    def load(self, model: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+        load_adapter_tensors(model, checkpoint["model"])
+
+    def publication(self, model: torch.nn.Module, version: int) -> PolicyAdapter:
+        """``version`` to publish: the adapter, with this learner's canary log-probs under it."""
+        vocab = model.get_output_embeddings().weight.shape[0]
+        return PolicyAdapter(adapter_tensors(model), config=adapter_config_of(model), base_digest=self.base_digest,
+                             canary=canary_of(model, vocab, version))

@@ -1,0 +1,274 @@
+"""LoRA adapters as policy versions: what one is, how the learner makes one, how an engine applies it.
+
+A LoRA run (``learner.lora.rank > 0``, docs/lora.md) trains a low-rank adapter on a frozen base, the
+run's initial policy (weights version 0). Every later version is a :class:`PolicyAdapter`: peft's
+``adapter_model.safetensors`` tensors (``base_model.model.<layer>.lora_A.weight`` (r, in) and
+``...lora_B.weight`` (out, r)), the ``adapter_config.json`` that goes with them, the digest of the base
+they were trained on, and the *canary*: the learner's own log-probs of fixed tokens under that version.
+
+An engine applies an adapter by merging it (:class:`AdapterMerger`): ``W = W0 + (alpha / r) * B @ A``
+on each target layer, from a copy of the base's target weights, so sampling runs the plain model
+(no extra matmuls per token; docs/lora.md has the measurement against peft's unmerged forward). It
+then scores the canary tokens with the model it samples with and compares them with the learner's
+(:func:`canary_difference`; ``generation/loop.py`` refuses the version on a difference): a stale
+adapter (a load skipped), the base sampled instead of the adapter, or an adapter applied to another
+base is refused naming the version, before any row of it exists.
+
+Merging needs torch only; building the trainable model needs ``peft`` (the ``[lora]`` extra).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ADAPTER_KIND = "lora_adapter"
+"""The ``kind`` in a published adapter's safetensors metadata (full weights have none)."""
+_PREFIX = "base_model.model."
+_A, _B = ".lora_A.weight", ".lora_B.weight"
+CANARY_SEED = 44
+CANARY_SHAPE = (2, 16)  # two sequences of 16 tokens: 30 scored log-probs
+
+
+def peft_or_explain():
+    """``peft``, or an ImportError that says how to install it."""
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("learner.lora.rank > 0 needs peft: pip install -e '.[lora]'") from None
+    return peft
+
+
+class PolicyAdapter(dict):
+    """One published adapter version: ``{peft tensor name: tensor}`` plus what goes with it.
+
+    ``base``: the base's whole state dict, attached by a weights poller to the first adapter it hands
+    an engine that has not loaded the base yet (a collector resumed past version 0)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, config: Mapping[str, Any], base_digest: str,
+                 canary: Mapping[str, Any] | None = None, base: Mapping[str, torch.Tensor] | None = None) -> None:
+        super().__init__(tensors)
+        self.config = dict(config)
+        self.base_digest = base_digest
+        self.canary = dict(canary) if canary is not None else None
+        self.base = base
+
+    @property
+    def scaling(self) -> float:
+        return float(self.config["lora_alpha"]) / float(self.config["r"])
+
+    def metadata(self) -> dict[str, str]:
+        """The safetensors metadata a published version carries (strings only)."""
+        meta = {"kind": ADAPTER_KIND, "adapter_config": json.dumps(self.config, sort_keys=True),
+                "base_digest": self.base_digest}
+        if self.canary is not None:
+            meta["canary"] = json.dumps(self.canary)
+        return meta
+
+    @classmethod
+    def from_metadata(cls, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> PolicyAdapter:
+        canary = metadata.get("canary")
+        return cls(tensors, config=json.loads(metadata["adapter_config"]), base_digest=metadata["base_digest"],
+                   canary=json.loads(canary) if canary else None)
+
+    def save_peft_directory(self, directory) -> None:
+        """Writes ``adapter_model.safetensors`` and ``adapter_config.json``: what ``PeftModel.from_pretrained``
+        and vLLM's ``LoRARequest`` read."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.items()}, str(directory / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        (directory / "adapter_config.json").write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+
+
+def is_adapter_metadata(metadata: Mapping[str, str] | None) -> bool:
+    return bool(metadata) and metadata.get("kind") == ADAPTER_KIND
+
+
+# ====================================================================== the learner's side
+def lora_config(rank: int, alpha: float, dropout: float, target_modules: Sequence[str]):
+    return peft_or_explain().LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                                        target_modules=list(target_modules), bias="none")
+
+
+def with_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float,
+              target_modules: Sequence[str]) -> torch.nn.Module:
+    """``model`` (its weights frozen) with a fresh adapter (B = 0: the same function as ``model``).
+    A target that names no layer of ``model`` is one ValueError naming the setting."""
+    peft = peft_or_explain()
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    missing = [t for t in target_modules if t not in names]
+    if missing:
+        raise ValueError(f"setting 'learner.lora.target_modules' names {missing}, which no linear layer of the "
+                         f"model is called; its linear layers: {sorted(names)}")
+    with warnings.catch_warnings():  # transformers' deprecation notice for an attribute peft reads
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(model, lora_config(rank, alpha, dropout, target_modules))
+
+
+def adapter_tensors(peft_model) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (CPU copies)."""
+    state = peft_or_explain().get_peft_model_state_dict(peft_model)
+    return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+
+
+def load_adapter_tensors(peft_model, tensors: Mapping[str, torch.Tensor]) -> None:
+    result = peft_or_explain().set_peft_model_state_dict(peft_model, dict(tensors))
+    unexpected = getattr(result, "unexpected_keys", None) or []
+    if unexpected:
+        raise ValueError(f"the adapter does not fit the model: unexpected tensors {unexpected[:3]}")
+
+
+def adapter_config_of(peft_model) -> dict[str, Any]:
+    """``adapter_config.json``'s content (JSON types only: sets become sorted lists)."""
+    config = peft_model.peft_config["default"].to_dict()
+
+    def plain(value):
+        if isinstance(value, enum.Enum):  # PeftType.LORA (a str enum) -> "LORA": checkpoints hold plain values
+            return value.value
+        if isinstance(value, (set, frozenset)):
+            return sorted(value)
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return {key: plain(value) for key, value in config.items()}
+
+
+def base_model_of(peft_model) -> torch.nn.Module:
+    """The transformers model inside a peft model (its layers carry the adapters)."""
+    return peft_model.base_model.model
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of ``state``: which base an adapter belongs to."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+# ====================================================================== the canary
+def canary_tokens(vocab_size: int) -> list[list[int]]:
+    """Fixed token ids, the same for every version of every run with this vocabulary."""
+    generator = torch.Generator().manual_seed(CANARY_SEED)
+    return torch.randint(0, vocab_size, CANARY_SHAPE, generator=generator).tolist()
+
+
+@torch.no_grad()
+def canary_log_probs(model: torch.nn.Module, tokens: Sequence[Sequence[int]]) -> list[list[float]]:
+    """``log p(tokens[i, t] | tokens[i, :t])`` for t >= 1, temperature 1, in float32; ``model`` in
+    eval mode for the call (no dropout), left as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)  # (S, T)
+        logits = model(input_ids=ids).logits.float()[:, :-1]  # (S, T-1, V)
+        scored = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (S, T-1)
+        return scored.cpu().tolist()
+    finally:
+        model.train(was_training)
+
+
+def canary_of(model: torch.nn.Module, vocab_size: int, version: int) -> dict[str, Any]:
+    """The learner's canary of ``version``: the version it belongs to, the tokens and their log-probs."""
+    tokens = canary_tokens(vocab_size)
+    return {"version": int(version), "tokens": tokens, "log_probs": canary_log_probs(model, tokens)}
+
+
+def canary_tolerance(dtype: torch.dtype) -> float:
+    """Largest |difference| of one log-prob between learner (peft, float32) and engine (merged, ``dtype``)."""
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 0.15
+
+
+def canary_difference(model: torch.nn.Module, adapter: PolicyAdapter, version: int) -> tuple[float, float]:
+    """``(difference, tolerance)``: the largest |log-prob difference| between ``model`` (as an engine
+    samples with it) and the learner's canary published with ``adapter`` as ``version``, and the most
+    allowed. ValueError when the adapter carries no canary, or another version's."""
+    if adapter.canary is None:
+        raise ValueError("an adapter without the learner's canary log-probs: the served policy cannot be checked")
+    if adapter.canary["version"] != version:  # a file of another version under this number (a stale copy)
+        raise ValueError(f"it holds the adapter the learner published as version {adapter.canary['version']}")
+    served = torch.tensor(canary_log_probs(model, adapter.canary["tokens"]))
+    expected = torch.tensor(adapter.canary["log_probs"])
+    return float((served - expected).abs().max()), canary_tolerance(next(model.parameters()).dtype)
+
+
+# ====================================================================== the engine's side
+@dataclass
+class _Target:
+    weight: torch.nn.Parameter
+    base: torch.Tensor  # W0, the base's weight, kept to merge each new version from
+
+
+class AdapterMerger:
+    """Applies adapter versions to a model that holds the base: ``W = W0 + scaling * B @ A`` on each
+    target layer (from the base's weights, kept here: the target layers' weights only). Which base it
+    is, the canary tells (:func:`canary_difference`): an adapter merged into another base gives other
+    log-probs than the learner's."""
+
+    def __init__(self) -> None:
+        self._targets: dict[str, _Target] = {}
+        self._has_base = False
+
+    def set_base(self) -> None:
+        """The engine's model holds whole weights now (just loaded): they are the base of what follows."""
+        self._targets = {}
+        self._has_base = True
+
+    def apply(self, model: torch.nn.Module, adapter: PolicyAdapter, version: int) -> None:
+        if not self._has_base:
+            raise ValueError(f"weights version {version} is an adapter, and this engine holds no base to apply it "
+                             f"to (the base, version 0, never reached it)")
+        parameters = dict(model.named_parameters())
+        scaling = adapter.scaling
+        with torch.no_grad():
+            for name in adapter:
+                if not name.endswith(_A):
+                    continue
+                layer = name[len(_PREFIX):-len(_A)] if name.startswith(_PREFIX) else name[:-len(_A)]
+                key = f"{layer}.weight"
+                if key not in parameters or name[:-len(_A)] + _B not in adapter:
+                    raise ValueError(f"weights version {version}: adapter tensor {name} names no layer of the "
+                                     f"engine's model ({key})")
+                target = self._targets.get(key)
+                if target is None:
+                    weight = parameters[key]
+                    target = self._targets[key] = _Target(weight, weight.detach().clone())
+                a = adapter[name].to(device=target.base.device, dtype=torch.float32)
+                b = adapter[name[:-len(_A)] + _B].to(device=target.base.device, dtype=torch.float32)
+                merged = target.base.float() + scaling * (b @ a)
+                target.weight.copy_(merged.to(target.weight.dtype))
+
+
+def merged_state(base: Mapping[str, torch.Tensor], adapter: PolicyAdapter) -> dict[str, torch.Tensor]:
+    """The whole policy of an adapter version: ``base`` (version 0's state dict) with the adapter merged."""
+    state = dict(base)
+    scaling = adapter.scaling
+    for name in adapter:
+        if not name.endswith(_A):
+            continue
+        layer = name[len(_PREFIX):-len(_A)] if name.startswith(_PREFIX) else name[:-len(_A)]
+        key = f"{layer}.weight"
+        if key not in state:
+            raise ValueError(f"adapter tensor {name} names no weight of the base ({key})")
+        w0 = state[key]
+        delta = adapter[name[:-len(_A)] + _B].float() @ adapter[name].float()
+        state[key] = (w0.float() + scaling * delta).to(w0.dtype)
+    return state

@@ -1,0 +1,56 @@
+"""export-model on a LoRA run: the merged model any transformers user loads, or with --adapter the adapter
+alone, which peft applies to the run's version 0 to the same logits; a version from weights/ and one kept
+only in a checkpoint alike. The run is tests/integration/test_lora_resume.py's uninterrupted one."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.coordination.weights import load_published, published_versions
+from rlhf_pipeline.models.lora import canary_log_probs
+from tests.integration.test_resume_at_every_distance import (  # noqa: F401  (fixtures)
+    CHECKPOINT_EVERY,
+    STEPS,
+    prepared,
+    uninterrupted,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                 reason="LoRA needs peft: pip install -e '.[lora]'")]
+NAME = "default_lora"
+
+
+def test_export_model_writes_the_merged_model_or_the_adapter_alone(tmp_path, uninterrupted, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = uninterrupted(NAME)
+    assert CHECKPOINT_EVERY not in published_versions(run.store)  # pruned: its only copy is the checkpoint
+    base_dir = tmp_path / "base"
+    assert main(["export-model", str(run.root), str(base_dir), "--version", "0"]) == 0
+    for version in (STEPS, CHECKPOINT_EVERY):
+        merged_dir, adapter_dir = tmp_path / f"merged-{version}", tmp_path / f"adapter-{version}"
+        assert main(["export-model", str(run.root), str(merged_dir), "--version", str(version)]) == 0
+        assert main(["export-model", str(run.root), str(adapter_dir), "--version", str(version), "--adapter"]) == 0
+        assert {p.name for p in adapter_dir.iterdir()} == {"adapter_model.safetensors", "adapter_config.json",
+                                                           "rlhf_pipeline_export.json"}
+        assert json.loads((adapter_dir / "adapter_config.json").read_text())["r"] == 4
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+        tokens = [[3, 9, 14, 27, 5, 8, 2, 11]]
+        torch.testing.assert_close(torch.tensor(canary_log_probs(merged, tokens)),
+                                   torch.tensor(canary_log_probs(adapted, tokens)), atol=1e-4, rtol=0)
+        if version == STEPS:  # the learner's own log-probs of that version
+            canary = load_published(run.store, version)[0].canary
+            torch.testing.assert_close(torch.tensor(canary_log_probs(merged, canary["tokens"])),
+                                       torch.tensor(canary["log_probs"]), atol=1e-4, rtol=0)
+    capsys.readouterr()
+    assert main(["export-model", str(run.root), str(tmp_path / "not"), "--version", "0", "--adapter"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "is whole weights, not an adapter" in said[0] and "without --adapter" in said[0]
