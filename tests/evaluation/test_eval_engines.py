@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_server_process import VLLMServerProcess, save_model_dir
+from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.evaluation.evaluator import EvalProgress, Evaluation, eval_engine, open_set_store, set_store_location
