@@ -169,7 +169,7 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
             model.load_state_dict(torch.load(settings.init_weights, map_location="cpu", weights_only=True))
             print(f"[run] initial weights from {settings.init_weights} (no warm start)", flush=True)
         elif settings.warm_start_steps:
-            warm_start_policy(model, tokenizer, settings)
+            warm_start_policy(model, tokenizer, settings, held_out)
         return model
 
     # ---------------------------------------------------------------- write path
@@ -282,11 +282,11 @@ USABLE_RIGHT_FACTORS = 0.5
 and GRPO has little to reinforce: the run says so before RL starts."""
 
 
-def warm_start_policy(model, tokenizer, settings: Settings) -> None:
+def warm_start_policy(model, tokenizer, settings: Settings, held_out: list[dict[str, str]]) -> None:
     """The warm start, in stages until the check reaches ``warm_start_target`` (or the stages run
     out), printing after each what the model does in greedy episodes on tasks of their own (a seed
     neither the warm start nor the collector draws from); a warning when the last is below the
-    usable bar."""
+    usable bar. It never demonstrates a ``held_out`` product."""
     import sys
 
     from rlhf_pipeline.agents.calculator import evaluate_tool_use, product_tasks, warm_start_until_copying
@@ -311,7 +311,7 @@ def warm_start_policy(model, tokenizer, settings: Settings) -> None:
         model, tokenizer, settings.warm_start_steps, check=check if n else None, target=settings.warm_start_target,
         more_stages=settings.warm_start_more_stages, on_stage=on_stage, lr=settings.warm_start_lr,
         tool_fraction=settings.warm_start_tool_fraction, copy_weight=settings.warm_start_copy_weight,
-        seed=settings.seed, low=settings.low, high=settings.high)
+        seed=settings.seed, low=settings.low, high=settings.high, held_out={t["question"] for t in held_out})
     if reached is not None and reached["right_factors"] < USABLE_RIGHT_FACTORS:
         print(f"[run] warning: the warm start called with the question's factors in {reached['right_factors']:.0%} of "
               f"the tasks, below the usable {USABLE_RIGHT_FACTORS:.0%}: calls with wrong factors pay no better than "
