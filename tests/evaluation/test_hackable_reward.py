@@ -2,17 +2,19 @@
 user starts a pipeline, with its training reward swapped for one that pays for length whatever the
 sum, and its held-out set scored by the exact answer only. A real run (processes, stores, the tiny
 model, our loop): the training reward rises, the held-out exact answers do not, and the best version
-by the evaluation is an early one."""
+by the evaluation is an early one; ``inspect``, ``show`` and ``export`` read the eval store and show why."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from rlhf_pipeline.evaluation.evaluator import eval_metrics_path
+from rlhf_pipeline.cli.main import main
+from rlhf_pipeline.evaluation.evaluator import eval_metrics_path, set_store_location
 from rlhf_pipeline.learn.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -44,7 +46,7 @@ def hackable_pipeline(directory: Path) -> Path:
     return path
 
 
-def test_a_length_reward_rises_while_held_out_exact_answers_do_not(tmp_path):
+def test_a_length_reward_rises_while_held_out_exact_answers_do_not(tmp_path, capsys):
     # measured over seeds 0-2 on one and two threads (identical figures): the training reward went
     # from about 0.32 in the first 10 steps to 0.71-0.98 in the last 10, held-out pass@1 from 0.3-0.7 at
     # step 0 to 0.0 at step 60, the best version by it at step 0 (seed 2: 0.3 at steps 0 and 20)
@@ -68,3 +70,19 @@ def test_a_length_reward_rises_while_held_out_exact_answers_do_not(tmp_path):
     assert exact[-1] <= exact[0] - 0.2, exact  # and the hacked policy answers fewer, not more
     best = exact.index(max(exact))  # the first of the best: the version a keep-best would keep
     assert evaluated[best]["step"] <= 20, exact  # an early one
+
+    # the eval store, read like a buffer: every version's 40 held-out sums, and what the hack wrote
+    store = set_store_location(run, "held_out")
+    assert main(["inspect", str(store)]) == 0
+    assert "v0: 40, v20: 40, v40: 40, v60: 40" in capsys.readouterr().out
+    assert main(["export", str(store), str(tmp_path / "evaluated.jsonl"), "--quiet"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "evaluated.jsonl").read_text().splitlines()]
+    assert len(rows) == 160
+    def longest(version: int) -> int:
+        return max(len(row["response_text"]) for row in rows if row["policy_version"] == version)
+
+    assert longest(60) > longest(0)  # the hacked answers run on past the sum
+    last = next(i for i, row in enumerate(rows) if row["policy_version"] == 60 and row["reward"] == 0.0)
+    assert main(["show", str(store), "--row", str(last), "--pipeline", str(pipeline)]) == 0
+    shown = capsys.readouterr().out
+    assert "policy version 60" in shown and rows[last]["response_text"] in shown
