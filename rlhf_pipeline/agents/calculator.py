@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -109,9 +109,33 @@ def demonstration(tokenizer, task: Mapping[str, Any], *, use_tool: bool, guess: 
     return episode
 
 
+def warm_start_demonstrations(tokenizer, steps: int, *, tool_fraction: float = 0.5, batch_size: int = 32,
+                              seed: int = 0, low: int = 10, high: int = 99, first_step: int = 0,
+                              held_out: Collection[str] = ()) -> Iterator[tuple[list[bool], list[Episode]]]:
+    """The :func:`warm_start`'s batches, one a step: whether each demonstration calls the tool, and the
+    :func:`demonstration` episodes. Never a task whose question is in ``held_out`` (an evaluation's
+    tasks): a batch that drew some is that much smaller, and every other demonstration is the one it
+    would be without them. Tasks come from seeds disjoint from :func:`product_tasks`' defaults."""
+    rng = random.Random(seed + 20_000 + first_step)
+    toolbox = ToolBox([multiply])
+    try:
+        for step in range(first_step, first_step + steps):
+            uses_tool, episodes = [], []
+            for task in product_tasks(batch_size, low=low, high=high, seed=seed + 10_000 + step):
+                # each task's draw of the tool, then of a guess, held out or not: the rest stay as they were
+                tool, guess = rng.random() < tool_fraction, rng.randint(low * low, high * high)
+                if task["question"] not in held_out:
+                    uses_tool.append(tool)
+                    episodes.append(demonstration(tokenizer, task, use_tool=tool, guess=guess, toolbox=toolbox))
+            yield uses_tool, episodes
+    finally:
+        toolbox.close()
+
+
 def warm_start(model, tokenizer, steps: int, *, tool_fraction: float = 0.5, batch_size: int = 32, lr: float = 3e-3,
                copy_weight: float = 1.0, seed: int = 0, low: int = 10, high: int = 99, first_step: int = 0,
-               max_grad_norm: float | None = 1.0, min_lr_ratio: float = 0.1) -> dict[str, float]:
+               max_grad_norm: float | None = 1.0, min_lr_ratio: float = 0.1,
+               held_out: Collection[str] = ()) -> dict[str, float]:
     """Supervised steps on :func:`demonstration` episodes (next-token loss where the episode's loss
     mask is 1: the model's own turns), ``tool_fraction`` of them calling the tool.
 
@@ -122,27 +146,24 @@ def warm_start(model, tokenizer, steps: int, *, tool_fraction: float = 0.5, batc
     numbers the first step, so a later stage (:func:`warm_start_until_copying`) draws demonstrations
     no earlier stage saw. ``copy_weight`` weighs the digits a tool demonstration copies (the factors
     into the call, the tool's answer into the reply) against the other tokens of the model's turns.
-    Tasks come from seeds disjoint from :func:`product_tasks`' defaults. Returns ``{"loss",
-    "seconds", "steps"}`` (the loss of the last step, weighted); the model is left in eval mode."""
-    rng = random.Random(seed + 20_000 + first_step)
+    The demonstrations are :func:`warm_start_demonstrations`', never of a ``held_out`` question.
+    Returns ``{"loss", "seconds", "steps"}`` (the loss of the last step, weighted); the model is left
+    in eval mode."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_then_cosine(steps, warmup=max(1, steps // 10), floor=min_lr_ratio))
     device = next(model.parameters()).device
     digit_ids = torch.tensor(digit_token_ids(tokenizer), dtype=torch.long)
-    toolbox = ToolBox([multiply])
     model.train()
     started, loss_value = time.perf_counter(), float("nan")
-    for step in range(first_step, first_step + steps):
-        tasks = product_tasks(batch_size, low=low, high=high, seed=seed + 10_000 + step)
-        uses_tool, episodes = [], []
-        for task in tasks:  # each task's draw of the tool, then of a guess
-            uses_tool.append(rng.random() < tool_fraction)
-            episodes.append(demonstration(tokenizer, task, use_tool=uses_tool[-1],
-                                          guess=rng.randint(low * low, high * high), toolbox=toolbox))
+    for uses_tool, episodes in warm_start_demonstrations(
+            tokenizer, steps, tool_fraction=tool_fraction, batch_size=batch_size, seed=seed, low=low, high=high,
+            first_step=first_step, held_out=held_out):
+        if not episodes:  # every task drawn is held out (a tiny batch of a tiny range)
+            continue
         width = max(len(e.token_ids) for e in episodes)
-        ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)  # (B, L) right-padded
-        target = torch.zeros((batch_size, width), dtype=torch.bool)  # (B, L): the model's own tokens
+        ids = torch.full((len(episodes), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, L) right-padded
+        target = torch.zeros((len(episodes), width), dtype=torch.bool)  # (B, L): the model's own tokens
         for i, episode in enumerate(episodes):
             ids[i, :len(episode.token_ids)] = torch.tensor(episode.token_ids)
             target[i, :len(episode.token_ids)] = torch.tensor(episode.loss_mask, dtype=torch.bool)
@@ -153,7 +174,6 @@ def warm_start(model, tokenizer, steps: int, *, tool_fraction: float = 0.5, batc
         ids, target = ids.to(device), target.to(device)
         loss_value = supervised_step(model, optimizer, scheduler, ids, (ids != tokenizer.pad_token_id).long(), target,
                                      weights, max_grad_norm=max_grad_norm)
-    toolbox.close()
     model.eval()
     return {"loss": loss_value, "seconds": time.perf_counter() - started, "steps": float(steps)}
 

@@ -4,6 +4,9 @@ greedy check of what a warm start reached."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 
 from rlhf_pipeline.agents.calculator import (
@@ -16,13 +19,17 @@ from rlhf_pipeline.agents.calculator import (
     product_tasks,
     question_factors,
     warm_start,
+    warm_start_demonstrations,
     warm_start_until_copying,
 )
 from rlhf_pipeline.agents.environment import ModelTurn
 from rlhf_pipeline.agents.tools import ToolBox, parse_hermes
 from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
 from rlhf_pipeline.models.supervised import warmup_then_cosine
+from rlhf_pipeline.pipeline import load_pipeline_module, make_settings
 from rlhf_pipeline.schema import TerminationReason
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_digit_credit_ranks_near_misses_and_exact_answers():
@@ -91,6 +98,42 @@ def test_a_later_stage_trains_on_demonstrations_of_its_own():
         losses.append(warm_start(model, tokenizer, 1, batch_size=8, seed=1, first_step=first_step)["loss"])
     # the same weights: the same step gives the same loss, another step's demonstrations another
     assert losses[0] == losses[1] and losses[2] != losses[0]
+
+
+def test_the_warm_start_never_demonstrates_a_held_out_product():
+    # tool_use's own held-out set and warm-start draws: held-out products are drawn, none is in a
+    # demonstration's text, and every other demonstration is the one drawn without the set
+    module = load_pipeline_module(REPO / "pipelines/tool_use.py")
+    settings = make_settings(module)
+    held_out = {t["question"] for t in module.held_out_tasks(settings)}
+    tokenizer = char_tool_tokenizer()
+
+    def texts(held_out: set[str]) -> list[str]:
+        return [tokenizer.decode(e.token_ids, skip_special_tokens=False)
+                for _, episodes in warm_start_demonstrations(
+                    tokenizer, 40, tool_fraction=settings.warm_start_tool_fraction, seed=settings.seed,
+                    low=settings.low, high=settings.high, held_out=held_out)
+                for e in episodes]
+
+    every, kept = texts(set()), texts(held_out)
+    drawn_held_out = [re.search(r"What is \d+ \* \d+\?", t).group() in held_out for t in every]
+    assert sum(drawn_held_out) >= 3  # the draws hit the set: leaving it out is tested
+    assert kept == [t for t, held in zip(every, drawn_held_out, strict=True) if not held]
+    assert not [q for q in held_out if any(q in t for t in kept)]
+
+
+def test_a_warm_start_whose_every_task_is_held_out_trains_nothing():
+    # a 2 x 2 range: with every product held out no weight moves; with one left they move (so the
+    # first is not a warm start that trains on nothing anyway)
+    tokenizer = char_tool_tokenizer()
+    every_task = {f"What is {a} * {b}?" for a in (2, 3) for b in (2, 3)}
+    for held_out, moves in ((every_task, False), (every_task - {"What is 2 * 3?"}, True)):
+        model = tiny_causal_lm(len(tokenizer), hidden_size=32, num_layers=1, num_heads=4, max_position_embeddings=256,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        warm_start(model, tokenizer, 3, batch_size=4, seed=1, low=2, high=3, held_out=held_out)
+        moved = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert moved == moves, held_out
 
 
 def test_stages_are_added_while_the_check_is_below_the_target():

@@ -2,8 +2,8 @@
 held-out score is kept beside the newest (never pruned), shown by ``inspect``, exported by
 ``export-model --best`` (it loads in transformers), branched from by ``branch --from-step best`` as from
 its step, refused at launch when it names no summary of the run's evaluation, and the same after a
-``kill -9`` of the run mid-step and its resume as in an unbroken run; and, with a training reward that
-pays for length (``pipelines/length_paid.py``), an early step as the best while the training reward rises."""
+``kill -9`` of the run mid-step and its resume as in an unbroken run. A gamed training reward and the
+early best it leaves: ``test_hackable_reward.py``."""
 
 from __future__ import annotations
 
@@ -128,23 +128,3 @@ def test_keep_best_naming_no_summary_of_the_runs_evaluation_is_refused_at_launch
         "evaluation beside training, which is off (eval.every_steps=0): add --set eval.every_steps=N, or leave "
         "learner.keep_best at none"]
     assert not (tmp_path / "default" / "weights").exists()
-
-
-def test_a_gamed_training_reward_rises_while_the_held_out_score_falls_and_the_best_is_an_early_step(tmp_path):
-    # tests/evaluation/pipelines/length_paid.py: the default task, its training reward paying for length
-    metric = "eval/held_out-k1-t0-n20/pass@1"
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
-                             str(Path(__file__).parent / "pipelines" / "length_paid.py"), "--steps", "20",
-                             "--home", str(tmp_path), "--run-name", "gamed", "--set", "learner.lr=1e-3",
-                             "--set", "eval.every_steps=5", "--set", "eval.max_prompts=20",
-                             "--set", f"learner.keep_best={metric}"],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    run = tmp_path / "gamed"
-    rewards = [line["charts/reward_mean"] for line in read_metrics(run / "metrics.jsonl")]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15  # the training reward rises
-    scores = eval_scores(RunPaths(run).store, metric)
-    assert sorted(scores) == [0, 5, 10, 15, 20] and scores[20] < scores[0]  # the exact answers do not
-    best = run_best(RunPaths(run))
-    assert best.step <= 10 and best.value == max(scores[v] for v in (5, 10, 15, 20)) > scores[20]
-    assert best.step in run_checkpoints(RunPaths(run)).steps()
