@@ -60,6 +60,7 @@ class CollectorLike(Protocol):
     runner_state: dict[str, Any]  # the runner's own state, published with the collector's
     last_metrics: dict[str, float]  # the last round's
     batches_emitted: int  # rounds written, counted on across restarts
+    sink: Any  # ``sink(rows | None, *, writer_state=...)``: the runner wraps it to keep a branch's restart points
 
     def collect(self, next_round: Callable[[int], bool] | None = None) -> Any: ...  # one round
 

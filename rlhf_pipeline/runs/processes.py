@@ -151,6 +151,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # built while the learner warm-starts: an engine with a process of its own takes tens of
         # seconds to start; the weights it starts with go in below, as every later version does
         collector = _make_collector(pipeline, model, store, collector_index)
+        _keep_history_at_every_append(collector, history, rows, store)
         _announce_engine(collector.engine, tag, say)
         update = _wait_for_weights(poller, stop_check, first, held=held, tag=tag,
                                    republished_after=_resumed_learner_version(paths) if held is not None else None)
@@ -232,7 +233,6 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             done += 1
             # old rows go after the round (whole segments, never past what the run still needs)
             retained = retention.after_round(store, collector.policy_version) if retention is not None else None
-            history.record(rows.next_row, store.writer_state)
             paced_total += waited
             metrics.log(collector.batches_emitted, {
                 **collector.last_metrics, "rows_written": float(store.next_row - rows_before),
@@ -322,6 +322,19 @@ def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index:
             f"collector_index {got}; pass it to CollectorConfig so ids stay unique across collectors"
         )
     return collector
+
+
+def _keep_history_at_every_append(collector: CollectorLike, history: Any, rows: Any, store: Any) -> None:
+    """Records the collector's published state in its position history after every append, not every
+    round: a round's groups are appended as they end, and a learner's checkpoint (where a branch
+    restarts the collector) may name any row count the store published, mid-round too."""
+    publish = collector.sink
+
+    def publish_and_record(batch: Any, *, writer_state: Any) -> None:
+        publish(batch, writer_state=writer_state)
+        history.record(rows.next_row, store.writer_state)
+
+    collector.sink = publish_and_record
 
 
 def _held_version(saved: dict[str, Any] | None) -> int | None:
