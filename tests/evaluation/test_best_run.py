@@ -60,6 +60,7 @@ def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_ste
     best = run_best(RunPaths(run))
     assert (best.step, best.policy_version, best.metric, best.value) == (step, step, METRIC, value)
     assert run_checkpoints(RunPaths(run)).steps() == sorted({step, STEPS})  # the newest and the best, no other
+    assert f"[run] best checkpoint by {METRIC}: step {step} (policy version {step})" in result.stderr
 
     shown = cli("inspect", str(run))
     assert shown.returncode == 0, shown.stderr
