@@ -93,14 +93,11 @@ def best_checkpoint(run: str) -> dict | None:
     """``learner.keep_best``'s best checkpoint of ``run`` as JSON (``{"metric", "step": None}`` before
     any kept checkpoint has a score); None for a run that keeps no best."""
     from rlhf_pipeline.files.run_paths import RunPaths
-    from rlhf_pipeline.learn.checkpoint import run_checkpoints
-    from rlhf_pipeline.learn.keep_best import recorded_keep_best
+    from rlhf_pipeline.learn.checkpoint import kept_best
 
-    paths = RunPaths.at(run)
-    keep_best = recorded_keep_best(paths.store)
+    keep_best, best = kept_best(RunPaths.at(run))
     if keep_best is None:
         return None
-    best = run_checkpoints(paths, keep_best=keep_best).best()
     return best.to_json() if best is not None else {"metric": keep_best.metric, "step": None}
 
 

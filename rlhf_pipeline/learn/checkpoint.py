@@ -332,15 +332,21 @@ def run_checkpoints(paths: Any, keep_last: int = 2, keep_every: int = 0,
     return CheckpointManager(where, keep_last=keep_last, keep_every=keep_every, store=store, keep_best=keep_best)
 
 
+def kept_best(paths: Any) -> tuple[KeepBest | None, BestCheckpoint | None]:
+    """The run's ``learner.keep_best`` rule (None: it keeps no best) and its best checkpoint by it (None
+    while no kept checkpoint's version has a score)."""
+    keep_best = recorded_keep_best(paths.store)
+    return keep_best, None if keep_best is None else run_checkpoints(paths, keep_best=keep_best).best()
+
+
 def run_best(paths: Any) -> BestCheckpoint:
     """The best checkpoint of the run at ``paths`` (a ``RunPaths``), or :class:`NoBestCheckpoint`
     saying why there is none: the run does not keep one, or no kept checkpoint has a score yet."""
-    keep_best = recorded_keep_best(paths.store)
+    keep_best, best = kept_best(paths)
     if keep_best is None:
         raise NoBestCheckpoint(f"{paths.location} keeps no best checkpoint: it was not run with "
                                f"learner.keep_best (e.g. --set learner.keep_best=eval/held_out/pass@1 with "
                                f"--set eval.every_steps=N); name a step or a version instead")
-    best = run_checkpoints(paths, keep_best=keep_best).best()
     if best is None:
         raise NoBestCheckpoint(f"{paths.location} has no best checkpoint yet: no kept checkpoint's policy version "
                                f"has a score of {keep_best.metric} (the evaluator scores them as the run goes; "

@@ -32,7 +32,9 @@ def print_summary(paths: RunPaths) -> None:
     last = sum(rewards[-k:]) / k if rewards else float("nan")
     print(f"[run] done: {records[-1]['step']} learner steps; mean reward {first:.3f} "
           f"(first {k} steps) -> {last:.3f} (last {k} steps)", file=sys.stderr)
-    best = _best_checkpoint(paths)
+    from rlhf_pipeline.learn.checkpoint import kept_best
+
+    _, best = kept_best(paths)  # read once the evaluator is done
     if best is not None:
         print(f"[run] best checkpoint by {best.metric}: {best.describe()} "
               f"(rlhf-pipeline export-model {paths.location} OUT --best)", file=sys.stderr)
@@ -43,12 +45,3 @@ def print_summary(paths: RunPaths) -> None:
         return
     print(f"[run] metrics: {paths.metrics}  tensorboard: {paths.tensorboard}", file=sys.stderr)
 
-
-def _best_checkpoint(paths: RunPaths):
-    """``learner.keep_best``'s best checkpoint once the evaluator is done, or None (no best kept, or no
-    kept checkpoint scored yet)."""
-    from rlhf_pipeline.learn.checkpoint import run_checkpoints
-    from rlhf_pipeline.learn.keep_best import recorded_keep_best
-
-    keep_best = recorded_keep_best(paths.store)
-    return None if keep_best is None else run_checkpoints(paths, keep_best=keep_best).best()
