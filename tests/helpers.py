@@ -393,3 +393,12 @@ def resume(collector, store) -> dict | None:
     if published is not None:
         collector.load_state_dict(published["writer"])
     return None if published is None else published["writer"]
+
+
+def different_weights(model, seed: int):
+    """``model``'s weights moved by a seeded noise (a tied head with its embedding): another version's."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return {k: v.clone() for k, v in model.state_dict().items()}

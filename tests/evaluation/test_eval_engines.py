@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
+from helpers import different_weights
 
+from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.evaluation.evaluator import EvalProgress, Evaluation, eval_engine, open_set_store, set_store_location
 from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version
@@ -51,15 +52,6 @@ def off_by(model, state, rows) -> float:
         again = teacher_forced_log_probs(model, rows["prompt_tokens"], rows["response_tokens"],
                                          SamplingConfig(temperature=SAMPLED.temperature))
     return float((again.values - rows["response_log_probs"].values).abs().max())
-
-
-def different_weights(model, seed: int):
-    """``model``'s weights moved by a seeded noise (a tied head with its embedding): another version's."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def rows_of(store, version: int | None = None):

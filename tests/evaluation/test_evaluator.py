@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import different_weights
 
 from rlhf_pipeline.evaluation.evaluator import (
     ID_STRIDE,
@@ -45,15 +46,6 @@ def engine_of(pipeline, version: int = 0, seed: int = 0):
     torch.manual_seed(seed)
     return eval_engine(pipeline.settings.generation, pipeline.make_model, pipeline.tokenizer,
                        pipeline.make_model().state_dict(), version)
-
-
-def different_weights(model, seed: int):
-    """``model``'s weights moved by a seeded noise (a tied head with its embedding): another version's."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def rows_of(store):
