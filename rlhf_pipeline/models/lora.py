@@ -23,7 +23,7 @@ import enum
 import hashlib
 import json
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,38 +237,41 @@ class AdapterMerger:
             raise ValueError(f"weights version {version} is an adapter, and this engine holds no base to apply it "
                              f"to (the base, version 0, never reached it)")
         parameters = dict(model.named_parameters())
-        scaling = adapter.scaling
         with torch.no_grad():
-            for name in adapter:
-                if not name.endswith(_A):
-                    continue
-                layer = name[len(_PREFIX):-len(_A)] if name.startswith(_PREFIX) else name[:-len(_A)]
-                key = f"{layer}.weight"
-                if key not in parameters or name[:-len(_A)] + _B not in adapter:
-                    raise ValueError(f"weights version {version}: adapter tensor {name} names no layer of the "
+            for key, layer in _adapted_weights(adapter):
+                if key not in parameters or layer + _B not in adapter:
+                    raise ValueError(f"weights version {version}: adapter tensor {layer + _A} names no layer of the "
                                      f"engine's model ({key})")
                 target = self._targets.get(key)
                 if target is None:
                     weight = parameters[key]
                     target = self._targets[key] = _Target(weight, weight.detach().clone())
-                a = adapter[name].to(device=target.base.device, dtype=torch.float32)
-                b = adapter[name[:-len(_A)] + _B].to(device=target.base.device, dtype=torch.float32)
-                merged = target.base.float() + scaling * (b @ a)
+                merged = target.base.float() + _delta(adapter, layer, target.base.device)
                 target.weight.copy_(merged.to(target.weight.dtype))
 
 
 def merged_state(base: Mapping[str, torch.Tensor], adapter: PolicyAdapter) -> dict[str, torch.Tensor]:
     """The whole policy of an adapter version: ``base`` (version 0's state dict) with the adapter merged."""
     state = dict(base)
-    scaling = adapter.scaling
-    for name in adapter:
-        if not name.endswith(_A):
-            continue
-        layer = name[len(_PREFIX):-len(_A)] if name.startswith(_PREFIX) else name[:-len(_A)]
-        key = f"{layer}.weight"
+    for key, layer in _adapted_weights(adapter):
         if key not in state:
-            raise ValueError(f"adapter tensor {name} names no weight of the base ({key})")
+            raise ValueError(f"adapter tensor {layer + _A} names no weight of the base ({key})")
         w0 = state[key]
-        delta = adapter[name[:-len(_A)] + _B].float() @ adapter[name].float()
-        state[key] = (w0.float() + scaling * delta).to(w0.dtype)
+        state[key] = (w0.float() + _delta(adapter, layer, w0.device)).to(w0.dtype)
     return state
+
+
+def _adapted_weights(adapter: PolicyAdapter) -> Iterator[tuple[str, str]]:
+    """(the weight's key in a model's state dict, the adapter's name of its layer) of each layer the
+    adapter changes."""
+    for name in adapter:
+        if name.endswith(_A):
+            layer = name[:-len(_A)]
+            yield (layer[len(_PREFIX):] if layer.startswith(_PREFIX) else layer) + ".weight", layer
+
+
+def _delta(adapter: PolicyAdapter, layer: str, device: torch.device) -> torch.Tensor:
+    """``scaling * B @ A`` of one adapted layer, in float32 on ``device``: what merging adds to its weight."""
+    a = adapter[layer + _A].to(device=device, dtype=torch.float32)
+    b = adapter[layer + _B].to(device=device, dtype=torch.float32)
+    return adapter.scaling * (b @ a)
