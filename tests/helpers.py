@@ -7,8 +7,10 @@ same arguments build equal batches.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 
 from rlhf_pipeline.schema import OPTIONAL_FIELDS, TrajectoryBatch
@@ -402,3 +404,8 @@ def different_weights(model, seed: int):
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                reason="LoRA needs peft: pip install -e '.[lora]'")
+"""For a test of LoRA (learner.lora.rank > 0): peft is the optional [lora] extra."""

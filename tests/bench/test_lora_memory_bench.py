@@ -3,15 +3,13 @@ optimizer holds the adapter only, no reference copy is held, a sync carries the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from tests.helpers import import_benchmark
+from tests.helpers import import_benchmark, needs_peft
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
-                                reason="LoRA needs peft: pip install -e '.[lora]'")
+pytestmark = needs_peft
 
 
 def test_the_lora_memory_benchmark_reports_both_modes(capsys):

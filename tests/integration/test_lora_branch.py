@@ -6,9 +6,9 @@ tests/integration/test_branch_online.py's."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
+from helpers import needs_peft
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_published, published_versions
@@ -16,8 +16,7 @@ from rlhf_pipeline.learn.metrics import read_metrics
 from tests.integration.test_branch_online import BRANCH_AT, STEPS, digest, rows, run, same_weights, trained
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("peft") is None,
-                                 reason="LoRA needs peft: pip install -e '.[lora]'")]
+              needs_peft]
 LORA = ("learner.lora.rank=4", "learner.lr=3e-3")
 
 

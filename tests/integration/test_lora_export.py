@@ -4,10 +4,10 @@ only in a checkpoint alike. The run is tests/integration/test_lora_resume.py's u
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
+from helpers import needs_peft
 import torch
 
 from rlhf_pipeline.cli.main import main
@@ -21,8 +21,7 @@ from tests.integration.test_resume_at_every_distance import (  # noqa: F401  (fi
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("peft") is None,
-                                 reason="LoRA needs peft: pip install -e '.[lora]'")]
+              needs_peft]
 NAME = "default_lora"
 
 

@@ -4,9 +4,9 @@ replay. The recorded run is tests/integration/test_lora_resume.py's uninterrupte
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
+from helpers import needs_peft
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_published, load_weights, published_versions
@@ -15,8 +15,7 @@ from rlhf_pipeline.models.lora import PolicyAdapter
 from tests.integration.test_resume_at_every_distance import REPO, STEPS, prepared, uninterrupted  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("peft") is None,
-                                 reason="LoRA needs peft: pip install -e '.[lora]'")]
+              needs_peft]
 DEFAULT = str(REPO / "pipelines" / "default.py")
 SMALL = ["--set", "warm_start_steps=5", "--set", "learner.batch_size=16", "--set", "learner.sample_window=32"]
 

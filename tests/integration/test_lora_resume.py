@@ -6,10 +6,10 @@ with one line naming the version, before any row of it."""
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 
 import pytest
+from helpers import needs_peft
 import torch
 
 from rlhf_pipeline.coordination.weights import WeightsPoller, load_published, published_versions
@@ -29,8 +29,7 @@ from tests.integration.test_resume_at_every_distance import (  # noqa: F401  (fi
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("peft") is None,
-                                 reason="LoRA needs peft: pip install -e '.[lora]'")]
+              needs_peft]
 NAME = "default_lora"
 
 

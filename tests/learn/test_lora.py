@@ -4,10 +4,10 @@ exact resume, and the resumes refused by name. A real memmap buffer, a real tiny
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import needs_peft
 import torch
 
 from rlhf_pipeline.coordination.weights import (
@@ -25,8 +25,6 @@ from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_set
 from tests.learn.test_learner import SETTINGS, make_model, make_run
 
 REPO = Path(__file__).resolve().parents[2]
-needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
-                                reason="LoRA needs peft: pip install -e '.[lora]'")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LORA = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
 

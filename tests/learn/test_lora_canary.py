@@ -7,9 +7,9 @@ refused naming the version, before the engine samples anything with it."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import pytest
+from helpers import needs_peft
 import torch
 
 from rlhf_pipeline.coordination.weights import WeightsPoller, load_published, load_weights
@@ -23,8 +23,7 @@ from rlhf_pipeline.models.lora import AdapterMerger, canary_log_probs, canary_to
 from tests.learn.test_learner import SETTINGS, TOKENIZER, make_model, make_run
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("peft") is None,
-                                 reason="LoRA needs peft: pip install -e '.[lora]'")]
+              needs_peft]
 LORA = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
 VERSIONS = 3
 

@@ -5,7 +5,6 @@ model, a real peft adapter trained away from zero, the real write-path transform
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -13,12 +12,11 @@ import torch
 from rlhf_pipeline.models.lora import with_lora
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.transforms import KLReward, ReferenceLogProbs
-from tests.helpers import make_batch
+from tests.helpers import make_batch, needs_peft
 from tests.transforms.test_ref_logprobs import VOCAB, _one_by_one, _tiny
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("peft") is None,
-                                 reason="LoRA needs peft: pip install -e '.[lora]'")]
+              needs_peft]
 
 
 def test_the_reference_of_a_lora_policy_is_its_base_with_no_copy_held():
