@@ -115,6 +115,18 @@ class EngineUnderTest:
             server.stop()
 
 
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The vLLM environment's Python (``rlhf-pipeline setup-vllm``); a test that needs it skips, saying
+    how to get it, without it."""
+    from rlhf_pipeline.generation.settings import find_vllm_python
+
+    try:
+        return find_vllm_python(None)
+    except ValueError as exc:
+        pytest.skip(f"needs the vLLM environment: {exc}")
+
+
 @pytest.fixture(scope="module", params=["loop", "vllm", "url"])
 def engine(request, tmp_path_factory):
     """The engine parameter of the pipeline tests (:class:`EngineUnderTest`), one per module: a
@@ -122,12 +134,7 @@ def engine(request, tmp_path_factory):
     every engine. The vLLM ones skip, saying how to get it, without the vLLM environment
     (``rlhf-pipeline setup-vllm``)."""
     if request.param != "loop":
-        from rlhf_pipeline.generation.settings import find_vllm_python
-
-        try:
-            find_vllm_python(None)
-        except ValueError as exc:
-            pytest.skip(f"needs the vLLM environment: {exc}")
+        request.getfixturevalue("vllm_python")
     under_test = EngineUnderTest(request.param, tmp_path_factory)
     yield under_test
     under_test.close()

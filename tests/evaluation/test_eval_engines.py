@@ -23,7 +23,7 @@ from rlhf_pipeline.evaluation.evaluator import EvalProgress, Evaluation, eval_en
 from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version
 from rlhf_pipeline.evaluation.settings import EvalSettings
 from rlhf_pipeline.generation import SamplingConfig, teacher_forced_log_probs
-from rlhf_pipeline.generation.settings import GenerationSettings, find_vllm_python
+from rlhf_pipeline.generation.settings import GenerationSettings
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import load_pipeline_module, make_settings
@@ -35,14 +35,6 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
 TOLERANCE = 1e-4  # vLLM's CPU log-probs agree with ours to ~1e-6; another version's differ by far more
 SAMPLED = EvalSettings(samples=2, temperature=1.0, max_prompts=6)  # greedy log-probs are all 0: sample
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    try:
-        return find_vllm_python(None)
-    except ValueError as exc:
-        pytest.skip(f"needs the vLLM environment: {exc}")
 
 
 def off_by(model, state, rows) -> float:

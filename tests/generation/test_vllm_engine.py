@@ -36,7 +36,6 @@ from rlhf_pipeline.coordination.weights import publish_weights, weights_path
 from rlhf_pipeline.generation import EngineFailed, SampleRequest, SamplingConfig, UnsupportedSetting
 from rlhf_pipeline.generation.loop import teacher_forced_log_probs
 from rlhf_pipeline.generation.restarts import Restarts
-from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine, check_cpu_head_size
 from rlhf_pipeline.generation.vllm_process import WATCHER_MARK
 from rlhf_pipeline.models import tiny_model_and_tokenizer
@@ -47,14 +46,6 @@ LOG_PROB_TOLERANCE = 1e-5
 """vLLM's stored log-probs against our teacher-forced recompute with the same weights: 4.8e-7 at most
 measured on these models (float32 on a CPU); 20x that leaves room for other CPUs' kernels."""
 SHAPE = dict(hidden_size=64, num_heads=2, num_layers=2)  # head size 32: vLLM's CPU attention takes it
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    try:
-        return find_vllm_python(None)
-    except ValueError as exc:
-        pytest.skip(f"needs the vLLM environment: {exc}")
 
 
 @pytest.fixture(scope="module")

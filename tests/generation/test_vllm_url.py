@@ -24,7 +24,6 @@ from outage_proxy import OutageProxy
 
 from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, free_port, save_model_dir
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting
-from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_http import RetryPolicy, ServerUnreachable
 from rlhf_pipeline.generation.vllm_url import PROBE_TEXT, ServerMismatch, VLLMURLEngine
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm, tiny_model_and_tokenizer
@@ -35,14 +34,6 @@ LOG_PROB_TOLERANCE = 1e-5
 CPU; the owned engine measured 4.8e-7 at most on these models)."""
 SHAPE = dict(hidden_size=64, num_heads=2, num_layers=2)  # head size 32: vLLM's CPU attention takes it
 QUICK = RetryPolicy(retries=2, backoff_s=0.05, max_backoff_s=0.05, timeout_s=60.0)
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    try:
-        return find_vllm_python(None)
-    except ValueError as exc:
-        pytest.skip(f"needs the vLLM environment: {exc}")
 
 
 @pytest.fixture(scope="module")
