@@ -8,6 +8,7 @@ A process is named by (pid, start time), so a pid the system hands out again is 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -70,3 +71,14 @@ def wait_gone(processes: dict[Process, int], deadline_s: float = 120.0) -> list[
     while (left := left_of(processes)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def kill_left(processes: dict[Process, int]) -> None:
+    """SIGKILLs what still runs of ``processes`` (a test's cleanup after a failed check): only a pid
+    whose start time is still the one recorded, so a pid handed out again is left alone."""
+    for pid, fields in _all().items():
+        if (pid, int(fields[19])) in processes:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

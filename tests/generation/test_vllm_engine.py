@@ -28,7 +28,7 @@ from engine_contract import (
     seeds,
 )
 from helpers import into, kill_once_busy, process_running
-from process_tree import tree, wait_gone
+from process_tree import kill_left, tree, wait_gone
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
@@ -302,8 +302,4 @@ def test_an_engine_whose_collector_is_killed_leaves_no_process_of_its_server(vll
         if owner.poll() is None:
             owner.kill()
             owner.wait()
-        for pid, _ in started:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_left(started)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from process_tree import tree, wait_gone
+from process_tree import kill_left, tree, wait_gone
 
 from rlhf_pipeline.generation.vllm_process import WATCHER_MARK, ServerProcess
 
@@ -63,11 +63,7 @@ def test_no_process_of_a_server_outlives_the_process_that_started_it(tmp_path, s
     finally:
         owner.kill()
         owner.wait()
-        for pid, _ in started:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_left(started)
 
 
 def test_a_stopped_server_leaves_nothing_and_its_pid_is_the_servers(tmp_path):
