@@ -75,6 +75,7 @@ from rlhf_pipeline.learn.checkpoint import Progress, buffer_rows, capture_rng_st
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.errors import NonFiniteStep
 from rlhf_pipeline.learn.lora import LoraPolicy, check_resumable
+from rlhf_pipeline.learn.loss import logprob_diff_by_version
 from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, truncate_metrics
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.samplers import make_sampler
@@ -500,7 +501,10 @@ class Learner:
         self.progress.tokens_seen += plan.response_tokens
         metrics = {f"losses/{key}": value for key, value in outcome.losses.items()}
         metrics["losses/grad_norm"] = outcome.grad_norm
-        metrics.update(batch_charts(dp.gather_rows(on_host.to("cpu")), self.progress.policy_version))
+        rows = (on_host.columns if isinstance(on_host, PackedBatch) else on_host.to("cpu")).copy()
+        for column, values in zip(LOGPROB_DIFF_COLUMNS, outcome.row_logprob_diff.unbind(-1)):
+            rows.set(column, values)
+        metrics.update(batch_charts(dp.gather_rows(rows), self.progress.policy_version))
         metrics.update({
             "charts/learning_rate": outcome.learning_rate,
             "charts/rows": float(plan.rows),
@@ -867,9 +871,13 @@ def group_reward_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> dict[s
     }
 
 
+LOGPROB_DIFF_COLUMNS = ("_logprob_diff_sum", "_logprob_diff_max", "_logprob_diff_tokens")
+"""Each trained row's ``row_logprob_diff`` (learn/loss.py), as columns gathered with the rows' others."""
+
+
 def batch_charts(rows: TensorDict, policy_version: int) -> dict[str, float]:
-    """``rows``: one value a row (every rank's rows under data parallelism, on the CPU);
-    ``policy_version``: the learner's version when it trained on them."""
+    """``rows``: one value a row (every rank's rows under data parallelism, on the CPU), with the
+    step's :data:`LOGPROB_DIFF_COLUMNS`; ``policy_version``: the learner's version when it trained on them."""
     staleness = (policy_version - rows["policy_version"]).float()
     row_versions = rows["policy_version"]  # the versions that sampled the rows: how off-policy the batch is
     charts = group_reward_stats(rows["next", "reward"].reshape(-1), rows["group_id"])
@@ -893,6 +901,9 @@ def batch_charts(rows: TensorDict, policy_version: int) -> dict[str, float]:
         "charts/row_version_spread": float(row_versions.max() - row_versions.min()),
         **staleness_metrics(staleness),  # mean and max again, median, p90, fraction 0 / 1 / 2 / 3+ stale
     })
+    if LOGPROB_DIFF_COLUMNS[0] in rows.keys():  # the step's own rows (a test's batch may have none)
+        per_row = torch.stack([rows[column].float() for column in LOGPROB_DIFF_COLUMNS], dim=-1)
+        charts.update(logprob_diff_by_version(row_versions.reshape(-1), per_row))
     return charts
 
 

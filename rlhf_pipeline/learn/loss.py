@@ -50,8 +50,10 @@ over response tokens, in (0, 1]; the TIS weights when TIS is on, else the ratios
 ``tis_clip_frac``; with the sampler's stored log-probs, ``sampler_logprob_diff_mean`` /
 ``_max`` / ``_frac`` (mean and max of ``|logp_learner - logp_sampler|`` over response tokens, and
 the share above :data:`LOGPROB_DIFF_THRESHOLD`): how far the learner's recomputed log-probs are
-from what the generation engine stored. It holds the policy's drift since the row was sampled
-(staleness) and the engine's numerical mismatch (another kernel, vLLM); on rows sampled by the
+from what the generation engine stored; the learner also reports the mean and max per policy
+version that sampled the step's rows (``_mean/v<N>``, ``_max/v<N>``: :func:`logprob_diff_by_version`,
+from each row's sum, max and tokens, ``row_logprob_diff``). It holds the policy's drift since the
+row was sampled (staleness) and the engine's numerical mismatch (another kernel, vLLM); on rows sampled by the
 learner's own version only the mismatch, ~1e-6 for vLLM on a CPU in float32. ``_max`` is a
 maximum over the step's micro-batches and ranks (:data:`MAX_METRICS`), the others weighted means.
 
@@ -60,7 +62,8 @@ Per-row feedback for prioritized replay (``row_feedback=``, :func:`per_row_feedb
 of ``|L_it|`` (the policy term, TIS weight included, importance weight not: a priority should
 not shrink because the row was drawn often); with ``"ratio_deviation"`` the mean of
 ``|r_it - 1|`` (how far the policy has moved on that row since it was sampled; GSPO: ``|s_i - 1|``).
-Both come from the tensors of this forward, and are the only non-scalar entry of the metrics.
+Both come from the tensors of this forward; with ``row_logprob_diff`` they are the only non-scalar
+entries of the metrics (:data:`PER_ROW_METRICS`).
 
 Parity with torchrl 0.14.1 ``GRPOLoss`` (``tests/learn/test_loss.py``, to 1e-6, loss and
 gradients, run end to end around ``TransformersWrapper`` on a ``pad_batch`` batch):
@@ -96,6 +99,9 @@ LOGPROB_DIFF_THRESHOLD = 0.1
 more than this (a ratio off by ~10%)."""
 MAX_METRICS = frozenset({"sampler_logprob_diff_max"})
 """Statistics a step combines over micro-batches and ranks by their maximum, not a weighted sum."""
+ROW_LOGPROB_DIFF = "row_logprob_diff"
+"""The per-row statistic of :func:`sampler_mismatch`: with ``row_feedback``, the only non-scalar metrics."""
+PER_ROW_METRICS = ("row_feedback", ROW_LOGPROB_DIFF)
 
 
 def aggregates_by_token(options: Mapping[str, Any] | GRPOLossConfig | None) -> bool:
@@ -283,16 +289,38 @@ def grpo_loss(
 
 def sampler_mismatch(log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """``|log_probs - sampler_log_probs|`` over the masked tokens: mean, max and the share above
-    :data:`LOGPROB_DIFF_THRESHOLD` (0-dim tensors; zeros without a masked token)."""
-    diff = (log_probs.float() - sampler_log_probs.float()).abs()  # (B, T)
+    :data:`LOGPROB_DIFF_THRESHOLD` (0-dim tensors; zeros without a masked token), and per row
+    (``row_logprob_diff``, (B, 3)): the sum and the max of the row's differences and its token count,
+    from which the learner reports them per policy version (:func:`logprob_diff_by_version`)."""
+    diff = torch.where(mask, (log_probs.float() - sampler_log_probs.float()).abs(), torch.zeros((), dtype=torch.float32))
+    per_row = torch.stack([diff.sum(-1), diff.amax(-1), mask.sum(-1).float()], dim=-1)  # (B, 3)
     if not bool(mask.any()):
         zero = torch.zeros(())
-        return {"sampler_logprob_diff_mean": zero, "sampler_logprob_diff_max": zero, "sampler_logprob_diff_frac": zero}
+        return {"sampler_logprob_diff_mean": zero, "sampler_logprob_diff_max": zero, "sampler_logprob_diff_frac": zero,
+                ROW_LOGPROB_DIFF: per_row}
     return {
         "sampler_logprob_diff_mean": _masked_mean(diff, mask),
         "sampler_logprob_diff_max": diff[mask].max(),
         "sampler_logprob_diff_frac": _masked_mean((diff > LOGPROB_DIFF_THRESHOLD).float(), mask),
+        ROW_LOGPROB_DIFF: per_row,
     }
+
+
+def logprob_diff_by_version(versions: torch.Tensor, per_row: torch.Tensor) -> dict[str, float]:
+    """``losses/sampler_logprob_diff_mean/v<N>`` and ``_max/v<N>`` for each policy version N that
+    sampled rows of a step: the learner's recomputed log-probs against the stored ones over that
+    version's tokens. ``versions`` (B,): each row's sampling version; ``per_row`` (B, 3): the rows'
+    ``row_logprob_diff``. Rows of the learner's own version show the engine's mismatch alone
+    (what the served-policy canary bounds); a row whose stored log-probs come from other weights
+    than the version it names stands out against them."""
+    charts = {}
+    for version in torch.unique(versions).tolist():
+        rows = per_row[versions == version]
+        tokens = float(rows[:, 2].sum())
+        if tokens:
+            charts[f"losses/sampler_logprob_diff_mean/v{int(version)}"] = float(rows[:, 0].sum()) / tokens
+            charts[f"losses/sampler_logprob_diff_max/v{int(version)}"] = float(rows[:, 1].max())
+    return charts
 
 
 # ======================================================================== forward

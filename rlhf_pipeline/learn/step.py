@@ -50,7 +50,13 @@ from rlhf_pipeline.learn.batch import (
     plan_rows,
     split_microbatches_with_rows,
 )
-from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token, grpo_packed_loss, grpo_step_loss
+from rlhf_pipeline.learn.loss import (
+    MAX_METRICS,
+    ROW_LOGPROB_DIFF,
+    aggregates_by_token,
+    grpo_packed_loss,
+    grpo_step_loss,
+)
 
 if TYPE_CHECKING:
     from rlhf_pipeline.learn.settings import LearnerSettings
@@ -85,6 +91,7 @@ class StepOutcome:
     grad_norm: float  # before clipping
     learning_rate: float  # the one the step used
     row_feedback: torch.Tensor | None  # (B,) each row's new priority, in batch order; None when off
+    row_logprob_diff: torch.Tensor  # (B, 3) each row's recomputed-vs-stored log-prob sum, max, tokens (loss.py)
 
 
 def mean_one(weights: torch.Tensor) -> torch.Tensor:
@@ -163,6 +170,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     feedback_kind = settings.priority_feedback if settings.priority_feedback != "none" else None
     local_rows = sum(int(part.rows.numel()) for part in plan.micro_batches if part.counts)
     row_feedback = torch.zeros(local_rows) if feedback_kind else None
+    row_logprob_diff = torch.zeros(local_rows, 3)
 
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
@@ -172,9 +180,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
             loss, stats = step_loss(forward_model, part.batch, temperature=settings.temperature,
                                     row_feedback=feedback_kind, **loss_options)
             (loss * (part.weight * plan.loss_scale)).backward()
-        feedback = stats.pop("row_feedback", None)  # (b,): the only non-scalar statistic
-        if row_feedback is not None and part.counts:
-            row_feedback[part.rows] = feedback.float().cpu()
+        feedback = stats.pop("row_feedback", None)  # (b,) and (b, 3): the non-scalar statistics
+        logprob_diff = stats.pop(ROW_LOGPROB_DIFF)
+        if part.counts:
+            row_logprob_diff[part.rows] = logprob_diff.detach().float().cpu()
+            if row_feedback is not None:
+                row_feedback[part.rows] = feedback.float().cpu()
         for key, value in stats.items():
             if key in MAX_METRICS:  # a maximum over the micro-batches that count (not a filler's, a repeat's)
                 sums[key] = max(sums.get(key, 0.0), float(value) if part.weight > 0 else 0.0)
@@ -205,7 +216,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
         where = f"{found[0]!r} has norm {found[1]}" if found else f"their total norm is {weight_norm}"
         raise NonFiniteStep(f"the weights after the optimizer step are not finite ({where}; learning rate "
                             f"{learning_rate:g})")
-    return StepOutcome(losses, grad_norm, learning_rate, row_feedback)
+    return StepOutcome(losses, grad_norm, learning_rate, row_feedback, row_logprob_diff)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 tests/integration/test_resume_at_every_distance.py (its runs, kills and comparisons): a learner killed
 at a few distances from its checkpoint resumes to the uninterrupted run, step for step (the same
 metrics, rows and adapters under the same version numbers); a collector handed a stale adapter stops
-with one line naming the version, before any row of it."""
+with one line naming the version, before any row of it; the rows of the learner's own version
+agree with it as a full fine-tuning run's do."""
 
 from __future__ import annotations
 
@@ -75,6 +76,20 @@ class WrongAdapterPoller(WeightsPoller):
         wrong, _ = load_published(self.store, others[-1])
         wrong.base, self.refused = state.base, version
         return wrong, version
+
+
+def test_the_rows_of_the_learners_own_version_agree_with_it_to_the_full_fine_tuning_tolerance(uninterrupted):
+    """Recomputed against stored log-probs, per sampling version: on the rows of the version a step
+    trains with (publish_every=1: the version before the step's own) the loop engine's merged adapter
+    and the learner's peft forward agree as a full fine-tuning run's first step does, and the gap of
+    older rows (the policy's drift) stays within a full fine-tuning run's bound
+    (tests/integration/test_default_pipeline.py)."""
+    records = trained(uninterrupted(NAME))
+    own = [r.get(f"losses/sampler_logprob_diff_max/v{int(r['charts/policy_version']) - 1}") for r in records]
+    gaps = {(r["step"], key.rsplit("/", 1)[1]): value for r in records for key, value in r.items()
+            if key.startswith("losses/sampler_logprob_diff_max/v")}
+    assert [gap for gap in own if gap is not None] and max(gap for gap in own if gap is not None) < 1e-4, own
+    assert len(gaps) >= STEPS and max(gaps.values()) < 0.5, gaps
 
 
 def test_a_collector_handed_a_wrong_adapter_stops_naming_the_version_before_any_row_of_it(

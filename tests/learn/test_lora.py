@@ -1,5 +1,5 @@
 """LoRA in the learner (learner.lora.*): settings, what trains, what is published and checkpointed,
-exact resume, and the resumes refused by name. A real memmap buffer, a real tiny model, real peft."""
+exact resume, the resumes refused by name, and the recomputed-against-stored log-prob gap per version. A real memmap buffer, a real tiny model, real peft."""
 
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.learn.settings import LearnerSettings, LoraSettings
 from rlhf_pipeline.models.lora import PolicyAdapter, canary_log_probs
-from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_settings
-from tests.learn.test_learner import SETTINGS, make_model, make_run
+from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage import create_store, open_store
+from rlhf_pipeline.transforms import ReferenceLogProbs
+from tests.learn.test_learner import SETTINGS, make_model, make_run, rows
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -154,3 +157,46 @@ def test_a_target_that_names_no_layer_is_refused_by_name(tmp_path):
     paths = make_run(tmp_path)
     with pytest.raises(ValueError, match=r"learner\.lora\.target_modules.*c_attn"):
         learner(paths, steps=2, lora=LoraSettings(rank=4, target_modules=("c_attn",))).setup()
+
+
+# ====================================================================== recomputed against stored, per version
+def sampled_by(weights: dict[str, torch.Tensor], batch, version: int):
+    """``batch`` as rows of ``version`` whose stored log-probs are ``weights``' own (what an engine
+    holding those weights stores), scored by the reference transform of the write path."""
+    model = make_model()
+    model.load_state_dict(weights)
+    scored = ReferenceLogProbs(model, tokens_per_microbatch=256).write(batch)["ref_log_probs"]
+    return batch.with_columns(response_log_probs=scored,
+                              policy_version=torch.full((len(batch),), version, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("lora", [pytest.param(LORA, marks=needs_peft), LoraSettings()], ids=["lora", "full"])
+def test_a_row_stored_by_the_wrong_weights_shows_in_its_versions_log_prob_gap(tmp_path, lora):
+    """Step 2 trains with version 1 on rows of version 0 (stale by one: the policy's drift) and rows
+    of version 1, stored once by version 1's weights (the gap is the engine's mismatch alone: within
+    the 1e-4 of a full fine-tuning run's first step) and once by version 0's (the adapter never
+    loaded: its gap is the drift of a version, and stands out in version 1's line)."""
+    gaps = {}
+    for case in ("right", "stale"):
+        paths = RunPaths(tmp_path / case / "run")
+        base = make_model().state_dict()
+        publish_weights(paths.root, base, 0)
+        store = create_store(paths.buffer, "memmap", schema=StoreSchema(optional=("advantage",)), segment_rows=32)
+        store.append(sampled_by(base, rows(64), 0))  # the first step's rows, as version 0 stores them
+        store.close()
+        changes = dict(lora=lora, publish_every=1, checkpoint_every=1, lr=2e-2, warmup_steps=0)
+        train(paths, steps=2, max_steps=1, **changes)
+        store = open_store(paths.buffer, mode="a")  # the window (64 rows) is now 32 of each version
+        store.append(sampled_by(base, rows(32, seed=1), 0))
+        store.append(sampled_by(load_weights(paths.root, 1 if case == "right" else 0)[0], rows(32, seed=2), 1))
+        store.close()
+        train(paths, steps=2, **changes)
+        gaps[case] = read_metrics(paths.metrics)[-1]
+
+    right, stale = gaps["right"], gaps["stale"]
+    assert right["step"] == stale["step"] == 2 and right["charts/row_version_spread"] == 1
+    assert right["losses/sampler_logprob_diff_max/v1"] < 1e-4  # the learner's own version: no drift
+    drift = right["losses/sampler_logprob_diff_mean/v0"]
+    assert drift > 1e-3 and stale["losses/sampler_logprob_diff_mean/v0"] == pytest.approx(drift)
+    # version 1's rows stored by version 0's weights: a version's drift where the engine's mismatch belongs
+    assert stale["losses/sampler_logprob_diff_mean/v1"] > max(1e-3, 10 * right["losses/sampler_logprob_diff_max/v1"])
