@@ -176,6 +176,7 @@ class Learner:
         self._draw_versions = DrawVersions(self.stop_event)  # what each draw's staleness is checked against
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
         self._lora: LoraPolicy | None = None  # learner.lora.rank > 0: the adapter trained on version 0
+        self._publication: tuple[int, Any] | None = None  # (version, the adapter) rank 0 published last
 
     @classmethod
     def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None,
@@ -525,7 +526,9 @@ class Learner:
         dp = self.data_parallel
         version = self.progress.policy_version + 1
         if self._lora is not None:  # the adapter alone, with this learner's canary under it; its base stays
-            state, base_kept = self._lora.publication(self.model, version), True
+            # (alike on every rank under DDP: rank 0's alone is written, its canary's forward run there only)
+            state, base_kept = (self._lora.publication(self.model, version) if dp.is_main else None), True
+            self._publication = (version, state)
         else:
             state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
             base_kept = not self._saved_a_checkpoint  # until a checkpoint holds the model, a restart starts from it
@@ -533,6 +536,19 @@ class Learner:
             keep = (*((0,) if base_kept else ()), *self.keep_versions_for(version))
             publish_weights(self.paths.store, state, version, keep_versions=keep)
         self.progress.policy_version = version
+
+    def publication(self) -> dict[str, torch.Tensor]:
+        """What rank 0 published as the current version: the live whole weights (copy them to keep
+        them), or a LoRA run's adapter with its canary (cluster/actors.py hands it to collectors)."""
+        if self._lora is None:
+            return self.data_parallel.model_state(self.model)
+        version = self.progress.policy_version
+        if self._publication is None or self._publication[0] != version:
+            # published before this learner started (a resumed one): its file, what collectors check
+            from rlhf_pipeline.coordination.weights import load_published
+
+            self._publication = (version, load_published(self.paths.store, version)[0])
+        return self._publication[1]
 
     # ================================================================== checkpoint
     def save_checkpoint(self) -> None:

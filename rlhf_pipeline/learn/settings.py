@@ -312,9 +312,9 @@ class LearnerSettings:
             raise bad("mask_termination_reasons", f"names unknown reason(s) {unknown}; valid: {sorted(reasons)}")
         if self.world_size < 1:
             raise bad("world_size", f"must be >= 1 (got {self.world_size})")
-        if self.lora.enabled and self.world_size > 1:
-            raise bad("lora.rank", f"> 0 trains one learner rank for now (got world_size={self.world_size}); "
-                                   f"set learner.world_size=1, or learner.lora.rank=0 for data-parallel full "
-                                   f"fine-tuning")
+        if self.lora.enabled and self.world_size > 1 and self.parallelism == "fsdp":
+            # the adapter is a few MB: every rank holds it whole, and its base frozen, under DDP
+            raise bad("parallelism", "'fsdp' shards full fine-tuning; with learner.lora.rank > 0 each rank holds "
+                                     "the adapter and its frozen base whole: set learner.parallelism=ddp")
         if self.priority_alpha < 0 or self.priority_beta < 0:
             raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")

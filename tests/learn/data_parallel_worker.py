@@ -14,6 +14,7 @@ that reaches rank 0 alone).
 each rank writing its rows as ``live`` does. ``s3-shards BUFFER_URL``: the same over a buffer at an
 S3 URL (the server and credentials in the environment); each rank signs its requests with its own
 access key id (``rank<R>``), so the server can tell which rank sent what.
+``lora``: :data:`SETTINGS` training a LoRA adapter (:data:`LORA`) on the frozen version 0.
 ``blow-up`` and ``blow-up-fsdp``: :data:`SETTINGS` at a learning rate of 1e30 (DDP or FSDP2), whose
 first step leaves weights that are not finite: each rank writes the refusal it raised to
 ``RUN_DIR/refused-rank<R>.txt`` and exits 3.
@@ -31,7 +32,7 @@ import torch
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.errors import NonFiniteStep
 from rlhf_pipeline.learn.learner import BufferSource, Learner
-from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings
+from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings, LoraSettings
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.schema import StoreSchema
@@ -71,6 +72,9 @@ SHARDED_SETTINGS = LearnerSettings(batch_size=16, sampler="exact", micro_batch_t
                                    max_staleness=None, checkpoint_every=2, log_every=1,
                                    loss=GRPOLossConfig(old_policy="current"))
 
+
+# ``lora``: SETTINGS, an adapter on the frozen base (tests/learn/test_lora_data_parallel.py)
+LORA = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
 
 # ``stop``: SETTINGS, and rank 0 alone is asked to stop after this step, with draws prefetched ahead
 STOP_AT_STEP = 1
@@ -130,6 +134,7 @@ def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mod
     settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "s3-shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
                 "turns": MULTI_TURN_SETTINGS,
                 "turns-fsdp": dataclasses.replace(MULTI_TURN_SETTINGS, parallelism="fsdp"),
+                "lora": dataclasses.replace(SETTINGS, lora=LORA),
                 "blow-up": dataclasses.replace(SETTINGS, lr=1e30),
                 "blow-up-fsdp": dataclasses.replace(SETTINGS, lr=1e30, parallelism="fsdp")}.get(mode, SETTINGS)
     on_step = record_rows(root, data_parallel.rank) if live else None

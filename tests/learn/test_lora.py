@@ -68,8 +68,9 @@ def test_lora_settings_come_from_the_command_line_and_are_refused_where_they_can
     for refused in (["generation.engine=vllm"], ["generation.url=http://127.0.0.1:1"]):
         with pytest.raises(PipelineError, match="learner.lora.rank"):
             make_settings(module, ["learner.lora.rank=8", *refused])
-    with pytest.raises(ValueError, match="learner.lora.rank"):
-        LearnerSettings(world_size=2, lora=LoraSettings(rank=8))
+    assert LearnerSettings(world_size=2, lora=LoraSettings(rank=8)).world_size == 2  # DDP ranks train the adapter
+    with pytest.raises(ValueError, match=r"learner\.parallelism.*ddp"):
+        LearnerSettings(world_size=2, parallelism="fsdp", lora=LoraSettings(rank=8))
 
 
 # ====================================================================== the learner
