@@ -15,6 +15,8 @@ from typing import Any
 
 import ray
 
+from rlhf_pipeline.coordination.weights import WeightsPoller, latest_version, load_published
+from rlhf_pipeline.models.lora import PolicyAdapter
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
 from rlhf_pipeline.runs.stopping import StopFlag
 
@@ -89,20 +91,21 @@ class ActorJob:
         return pipeline, with_buffer_url(paths, pipeline)
 
 
-class ObjectStoreWeightsPoller:
+class ObjectStoreWeightsPoller(WeightsPoller):
     """Collector side: ``poll()`` returns the newest weights once, from Ray's object store;
     ``poll_version(v)`` returns version ``v`` once it is published.
 
-    The interface of ``weights.WeightsPoller``; ``collect_main`` uses either. With
+    ``weights.WeightsPoller`` with Ray's object store in front of the run's ``weights/``: what it
+    hands over is what the learner published (whole weights, or a LoRA run's adapter, given its base
+    when the engine has none yet, as the file poller gives it); ``collect_main`` uses either. With
     ``poll_version`` a paced round uses the version pacing names for it, not whichever is newest
     when the round starts (``coordination/pacing.py``): a run on Ray trains as the same run under
     ``run`` does, and so does a learner restarted on another node.
     """
 
     def __init__(self, run_dir: Any, control: Any, current_version: int = -1) -> None:
-        self.run_dir = run_dir  # a directory or the run's store (a run at a URL)
+        super().__init__(run_dir, current_version)  # a directory or the run's store (a run at a URL)
         self.control = control
-        self.current_version = current_version
 
     def poll(self):
         newest = ray.get(self.control.newest_weights.remote(self.current_version))
@@ -121,21 +124,17 @@ class ObjectStoreWeightsPoller:
         if newest[0] == version:
             return self._take(*newest)
         # the learner has moved past it: that version's file (every version is written to one)
-        from rlhf_pipeline.coordination.weights import load_weights
-
         try:
-            state, loaded = load_weights(self.run_dir, version)
+            state, loaded = load_published(self.store, version)
         except FileNotFoundError:  # pruned, or taken back by a restarted learner (then: not yet)
             return None if self._taken_back(version) else self._take(*newest)
         self.current_version = loaded
-        return state, loaded
+        return self._with_base(state, loaded), loaded
 
     def _taken_back(self, version: int) -> bool:
         """Whether ``version`` is newer than every published file: a learner restarted from an
         earlier checkpoint took it back and publishes it again as it retrains (``learn/learner.py``)."""
-        from rlhf_pipeline.coordination.weights import latest_version
-
-        newest = latest_version(self.run_dir)
+        newest = latest_version(self.store)
         return newest is None or version > newest
 
     def _take(self, version: int, boxed_ref: list):
@@ -144,20 +143,19 @@ class ObjectStoreWeightsPoller:
             state = ray.get(ref, timeout=120)
         except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
             # its owner, a learner process, died; the learner writes every version to a file too
-            from rlhf_pipeline.coordination.weights import load_weights
-
             try:
-                state, version = load_weights(self.run_dir, version)
+                state, version = load_published(self.store, version)
             except FileNotFoundError:
                 if self._taken_back(version):  # the learner that died published it past its checkpoint
                     return None
-                state, version = load_weights(self.run_dir)  # pruned since: a newer version is on disk
+                state, version = load_published(self.store)  # pruned since: a newer version is on disk
         self.current_version = version
-        return state, version
+        return self._with_base(state, version), version
 
 
 class ObjectStorePublisher:
-    """Learner side (rank 0): after each step that published a version, puts it in the object store."""
+    """Learner side (rank 0): after each step that published a version, puts what it published in
+    the object store (whole weights, or a LoRA run's adapter with its canary)."""
 
     def __init__(self, learner: Any, control: Any) -> None:
         self.learner = learner
@@ -168,7 +166,9 @@ class ObjectStorePublisher:
         version = self.learner.progress.policy_version
         if version <= self.published or not self.learner.data_parallel.is_main:
             return
-        state = {k: v.detach().to("cpu", copy=True) for k, v in self.learner.model.state_dict().items()}
+        state = self.learner.publication()
+        if not isinstance(state, PolicyAdapter):  # live weights: a copy, as they are now
+            state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         # this process's first: it replaces what a learner killed past its checkpoint had offered
         ray.get(self.control.publish_weights.remote(version, [ray.put(state)], self.published < 0))
         self.published = version

@@ -129,10 +129,11 @@ def control_actor_name(paths: RunPaths) -> str:
 
 def _offer_initial_weights(ray: Any, control: Any, paths: RunPaths) -> None:
     """The newest published version (the initial policy, or a resumed run's), for collectors that
-    start before the learner publishes; the driver owns it until a newer one replaces it."""
-    from rlhf_pipeline.coordination.weights import load_weights
+    start before the learner publishes; the driver owns it until a newer one replaces it. As
+    published: a LoRA run's adapter stays an adapter (a collector's poller gives it its base)."""
+    from rlhf_pipeline.coordination.weights import load_published
 
-    state, version = load_weights(paths.store)
+    state, version = load_published(paths.store)
     ray.get(control.publish_weights.remote(version, [ray.put(state)]))
 
 
