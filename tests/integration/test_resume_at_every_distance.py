@@ -51,7 +51,8 @@ PIPELINES = {
                  "learner.sample_window=16", "log_rounds_every=0"],
 }
 # a variant of a pipeline: its file, and the settings added to that pipeline's (tests/integration/test_lora_resume.py)
-VARIANTS = {"default_lora": ("default", ["learner.lora.rank=4", "learner.lr=3e-3"])}
+VARIANTS = {"default_lora": ("default", ["learner.lora.rank=4", "learner.lr=3e-3"]),
+            "tool_use_lora": ("tool_use", ["learner.lora.rank=4", "learner.lr=3e-3"])}
 TIMING = ("time", "tokens_per_s", "_s")  # metrics that measure time, not what was trained
 # how full the buffer was when a step drew: a step taken again after a kill finds the rows the
 # collector wrote before it (they are kept), so these count more there and nowhere else
