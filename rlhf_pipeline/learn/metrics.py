@@ -4,7 +4,9 @@ Names follow what GRPO trainers (TRL, verl, cleanrl) show, grouped by prefix:
 
 * ``losses/``: ``loss``, ``policy_loss``, ``kl``, ``entropy``, ``clip_frac_low``,
   ``clip_frac_high``, ``ess`` (effective sample size of the importance weights, as a
-  fraction of tokens), ``grad_norm``;
+  fraction of tokens), ``grad_norm``, ``sampler_logprob_diff_mean``/``_max``/``_frac`` (the learner's
+  recomputed log-probs against the stored ones), and ``sampler_logprob_diff_mean/v<N>``/``_max/v<N>``
+  for each policy version N that sampled rows of the step (``learn/loss.py``, docs/lora.md);
 * ``charts/``: ``reward_mean``, ``reward_std``, ``frac_reward_zero_std`` (groups whose
   rewards are all equal, so they carry no GRPO signal), ``advantage_mean``/``_std``,
   ``response_length_mean``, ``learning_rate``, ``tokens_per_s``, ``data_wait_s``,
