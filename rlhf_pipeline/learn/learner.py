@@ -532,23 +532,25 @@ class Learner:
         else:
             state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
             base_kept = not self._saved_a_checkpoint  # until a checkpoint holds the model, a restart starts from it
+            self._publication = (version, None)  # the live weights: what publication() hands on at this step
         if dp.is_main:  # rank 0 writes the weights
             keep = (*((0,) if base_kept else ()), *self.keep_versions_for(version))
             publish_weights(self.paths.store, state, version, keep_versions=keep)
         self.progress.policy_version = version
 
     def publication(self) -> dict[str, torch.Tensor]:
-        """What rank 0 published as the current version: the live whole weights (copy them to keep
-        them), or a LoRA run's adapter with its canary (cluster/actors.py hands it to collectors)."""
-        if self._lora is None:
-            return self.data_parallel.model_state(self.model)
+        """What rank 0 published as the current version, asked right after the step that published
+        it (cluster/actors.py hands it to collectors): the live whole weights (copy them to keep
+        them), or a LoRA run's adapter with its canary. A version published before this learner
+        started is read from its file: a learner resumed from a checkpoint past that version's step
+        (publish_every > 1) holds weights that trained on after it."""
         version = self.progress.policy_version
         if self._publication is None or self._publication[0] != version:
-            # published before this learner started (a resumed one): its file, what collectors check
             from rlhf_pipeline.coordination.weights import load_published
 
             self._publication = (version, load_published(self.paths.store, version)[0])
-        return self._publication[1]
+        published = self._publication[1]
+        return self.data_parallel.model_state(self.model) if published is None else published
 
     # ================================================================== checkpoint
     def save_checkpoint(self) -> None:

@@ -157,6 +157,31 @@ def test_bad_learner_settings_name_the_field():
 
 
 # ====================================================================== the recipe
+def test_a_resumed_learner_hands_on_its_version_as_published_not_its_live_weights(tmp_path):
+    # Ray's learner actor hands collectors Learner.publication() after a step: resumed from a checkpoint
+    # taken past its version's step (publish_every=2, checkpoint at step 3), its live weights trained on
+    paths = make_run(tmp_path)
+    first = learner(paths, steps=4, publish_every=2, checkpoint_every=1)
+    first.setup()
+    first.train(max_steps=3)
+    first.cleanup()
+    resumed = learner(paths, steps=4, publish_every=2, checkpoint_every=1)
+    resumed.setup()
+    try:
+        assert resumed.progress.step == 3 and resumed.progress.policy_version == 1
+        published = load_weights(paths.root, 1)[0]
+        handed = resumed.publication()
+        assert set(handed) == set(published) and all(torch.equal(handed[k], published[k]) for k in published)
+        live = resumed.model.state_dict()
+        assert not all(torch.equal(live[k], published[k]) for k in published)  # step 3's, not version 1's
+        resumed.train()
+        assert resumed.progress.policy_version == 2  # published at step 4: now the live weights
+        handed = resumed.publication()
+        assert all(torch.equal(handed[k], v) for k, v in resumed.model.state_dict().items())
+    finally:
+        resumed.cleanup()
+
+
 def test_learner_steps_publishes_and_writes_metrics(tmp_path):
     paths = make_run(tmp_path)
     run = learner(paths, steps=3, publish_every=1)
