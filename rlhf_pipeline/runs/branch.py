@@ -1,54 +1,10 @@
-"""``rlhf-pipeline branch RUN --from-step N NEW_RUN``: a new run that starts from RUN's checkpoint of step N.
+"""``rlhf-pipeline branch RUN --from-step N NEW_RUN``: a new run that starts from RUN's checkpoint of
+step N and reads RUN's rows up to it by reference (``parent-rows/``), through the two runs' run
+stores, so a directory and a URL take one path. Made in place: ``branch.making`` first, ``branch.json``
+last; the parent is only read. What a branch holds and how it continues: ``docs/branching.md``.
 
 Why one file: making a branch is one sequence (checks, ``branch.making``, copies, ``parent-rows/``,
-``branch.json``) whose steps share the two run stores and the half-made protocol; the refusals and
-the online start beside it read the same marker and records.
-
-RUN and NEW_RUN are run directories, or both URLs of one cloud (``s3://``, ``az://``): a parent
-finds its branches beside it (``inspect``), and a branch on another kind of storage would be found
-by neither. Everything is read and written through the two runs' run stores
-(``files/run_store.py``), one way for both. What a branch is made of (all of it written here, once;
-the parent is only read, so its files or objects stay byte-identical, etags included):
-
-* ``checkpoints/step_N.pt`` and its rewind record: the parent's, copied as the store can
-  (:meth:`RunStore.copy`: a hard link in a directory, S3's server-side CopyObject, else a GET and a
-  PUT; either way the branch's own: the parent pruning its checkpoint later takes nothing from it).
-  The learner resumes from it as from its own (model, optimizer, LR schedule, RNG, sampler
-  position, intake), so a branch with no setting changed trains, step for step, what the parent
-  trained after step N over the same rows;
-* ``settings.json``: the parent's, with the ``--set`` changes applied. Only what a resumed run may
-  change may change here (``learner.*``: learning rate, loss, KL, sampler; and ``steps``,
-  ``device``): the rest (model shape, schema, group size, prompts...) made the rows the branch
-  reads, and is refused by name;
-* the pipeline file's copy (``pipeline.py``, ``pipeline_modules/``), the metrics and (a replay)
-  ``batches.jsonl`` lines of steps up to N, and the weights of the checkpoint's policy version
-  (what a collector loads first);
-* ``branch.json``: the parent, the step, the rows each of the parent's buffer shards had published
-  when that checkpoint was saved (the rewind record's ``buffer_rows``), and the settings changed.
-  ``inspect`` reads it (``runs/lineage.py``);
-* for a parent with collectors, ``parent-rows/``: a saved selection (``storage/selection.py``)
-  naming, per shard, the range of global ids it had published at step N (kept as ranges, a few
-  bytes per shard at any buffer size: ``storage/row_ranges.py``). It is read in place (no row
-  copied), read-only, and opening it checks that the parent still holds exactly those rows; rows
-  the parent wrote after step N are not in it.
-
-**Made in place, finished by ``branch.json``.** A branch is written where it will live: first
-``branch.making`` (the parent and the step), then its objects, then ``branch.json`` (a branch with
-it is whole), then ``branch.making`` is deleted. A ``branch`` killed midway leaves ``branch.making``
-and no ``branch.json``: ``replay`` and ``run`` refuse it in one line (:func:`half_made_branch`), the
-parent's ``inspect`` lists it as half-made, and ``branch`` with the same NEW_RUN removes it and makes
-it again (or, when the parent no longer keeps the step, is refused and removes it). While the rows
-are named, no drop of them by the parent's retention is under way (``runs/retention.py``).
-
-How it continues. A branch of a replay (a run trained offline from a recorded buffer) continues
-with the same ``replay`` command under the branch's name: its source is read-only and does not
-change, so the branch reads exactly the rows the parent read. A branch of a run with collectors
-continues online with the parent's ``run`` command under the branch's name (those rows plus its
-own shards, its collectors restarted from their state at those rows: ``runs/branch_online.py``,
-set up by :func:`start_online`, which refuses in one line where it cannot be), or offline with
-``replay --buffer NEW_RUN/parent-rows --run-name NEW_RUN``: from the checkpoint's model, optimizer
-and schedule, over the parent's rows up to step N in epochs (the epoch sampler starts afresh: the
-checkpoint's was the online one).
+``branch.json``) whose refusals and online start read the same marker and records.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""A run's lineage and rewind points, read without torch: what ``inspect RUN`` prints, for a run
-directory or a run at an ``s3://``/``az://`` URL alike (every read goes through the run store).
-
-A branch (``runs/branch.py``) records its parent in ``<branch>/branch.json``; the parent is never
-written to (its files or objects stay byte-identical), so a parent's branches are found by looking
-at the runs beside it (the same home: a directory or a URL prefix) for a ``branch.json`` that names
-it. A branch made elsewhere is not found from its parent, but still names its parent itself.
+"""A run's lineage and rewind points, read without torch through the run store (a directory or a
+URL alike): what ``inspect RUN`` prints. A branch names its parent in ``branch.json``; a parent's
+branches are found beside it. ``docs/branching.md#comparing-a-parent-and-its-branches``.
 """
 
 from __future__ import annotations

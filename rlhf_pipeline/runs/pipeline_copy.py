@@ -1,20 +1,6 @@
-"""The run directory's copy of its pipeline file, and of the modules beside it that the file imports.
-
-``export-model``, ``import`` and ``show`` rebuild a run's model and tokenizer from ``pipeline.py``
-in the run directory (``rlhf_pipeline/dataio/run_pipeline.py``), so the copy must be the file the
-run trains with, and must import there as it did where it was written:
-
-- **Its neighbours are kept.** A module beside the pipeline file that it imports (``import
-  helper`` with ``helper.py`` or a package ``helper/`` next to it, found by reading the imports of
-  the file and of those modules, lazy ones included) is kept under ``pipeline_modules/``, which
-  :func:`importable_copy` puts on ``sys.path`` before the copy is loaded. Modules an installed
-  distribution provides, and the standard library, are not copied.
-- **Every start compares.** The file (and its neighbours) given to a start is compared with the
-  copy. A run that has published no policy yet built nothing from the copy (a start that failed
-  before its warm start ended, say), so the copy is replaced, saying so in one line. A run that
-  has published one is refused, in one line: a changed pipeline may change what the run trains
-  (its rewards, its prompts, its model), which the user must decide, and the line says how to go
-  on either way (the file as it was, a new run, or removing the copy to keep the changed file).
+"""The run's copy of its pipeline file and of the modules beside it that it imports
+(``pipeline_modules/``), from which ``export-model``, ``import`` and ``show`` rebuild the run; every
+start compares the file given with the copy.
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
-"""``rlhf-pipeline replay``: train a new run from a recorded buffer, offline.
+"""``rlhf-pipeline replay``: train a new run from a recorded buffer, offline. The source is opened
+read-only; the run's ``settings.json`` keeps a ``replay`` record a resumed replay must match, and
+``batches.jsonl`` each step's rows. ``docs/replay.md``.
 
-Why one file: ``replay`` is a command whose checks, run-directory preparation, re-scoring set-up and
-launch of its ranks run in a fixed order documented above; the pieces it shares with ``run`` live in
-:mod:`.processes` and :mod:`.run_directory`.
-
-Order of work, so that bad input fails before anything is written:
-
-1. load the pipeline file with ``--set``/``--device`` (as ``run`` does); open the source
-   buffer read-only (``open_buffer(path, mode="r")``: a memmap store, a Zarr directory,
-   ``.zip`` or URL, a run's sharded ``buffer/``, or whatever else ``open_buffer`` opens)
-   and count its rows; check that it holds what the loss needs (advantages, reference
-   log-probs) or that re-scoring will provide it;
-2. derive the learner settings: ``sampler="epoch"`` over those rows in ``--order`` (see
-   ``learn/samplers/epoch.py``), and **no staleness bound**: the rows carry the policy
-   versions of the run that recorded them, which say nothing about this learner's
-   versions (the metrics still show them: ``charts/row_version_*``, ``charts/staleness_*``);
-3. prepare the new run under a lock (a directory, or a URL with ``--home s3://...``: then
-   settings, the pipeline copy, weights, checkpoints, metrics and ``batches.jsonl`` are objects
-   there, as ``run --home URL`` keeps them, and local disk is only a cache). ``settings.json``
-   holds the pipeline's settings plus a ``replay`` section (source, rows, options, the learner settings used); a
-   second start must match it (only ``--epochs``/``--steps``, ``--device`` and, with a
-   note, ``learner.*`` may change). The initial policy (``--init-from``; else the weights version 0
-   of the run that recorded the buffer, when it still holds it and has this replay's settings;
-   else the pipeline's ``make_policy()``, saying why) is published as weights version 0;
-4. run the :class:`~rlhf_pipeline.learn.learner.Learner` over the source, with the optional
-   re-scoring (``learn/rescore.py``) as its batch transform, and record each step's rows in
-   ``batches.jsonl`` (positions and trajectory ids), so two replays can be compared row
-   for row. Running the same command again resumes from the newest checkpoint.
-
-Nothing is ever written to the source: it is opened read-only, and re-scored values live
-only in the padded batches in memory.
+Why one file: ``replay`` is one command whose checks, run-directory preparation, re-scoring set-up
+and launch of its ranks run in a fixed order, so that bad input fails before anything is written.
 """
 
 from __future__ import annotations

@@ -1,49 +1,7 @@
-"""Retention in a run: what a collector may drop from its shard after a round, and what it may not.
-
-The rules (``storage/retention.py``) say which old rows may go; this module finds the *floor*, the
-oldest row of the collector's shard that something of the run still needs, and drops nothing at or
-after it. The floor is the lowest of:
-
-* **the kept checkpoints** (rewind points; with ``hold_rewind_points=false`` only the newest, and the
-  ones ``learner.keep_best`` keeps: the best, and those awaiting their score): a learner resumed or branched from step N draws its
-  next batches from the rows its sampler could reach then, the newest ``window`` rows before the
-  position the checkpoint recorded (``step_N.json``'s ``buffer_rows``); a checkpoint made before
-  positions were recorded, or one that does not name this shard, holds every row;
-* **the branches beside the run** (``runs/lineage.py`` finds them, in a directory or at a URL alike):
-  a branch's ``parent-rows/`` names the parent's rows by global id and checks at every opening that
-  they are all still there, so the parent keeps every row from the selection's first row of its
-  shard on. A branch being made (or left half-made by a killed ``branch``) holds from its
-  selection's first row once that is written, and every row before; an unreadable selection holds
-  every row rather than guess; a detached branch reads its own copy, unless it was continued online
-  (its buffer still reads the parent's shard in place: every row held); a branch of a replay reads
-  the replay's source, not this buffer;
-* **the learner**: the rows it has not taken in yet (``pacing.json``'s ``consumed``) and the
-  ``window`` before them that its sampler draws from; before the learner's first intake, every row.
-
-``window`` is ``max(sample_window, batch_size * uses_per_row)``: what the window, groups and exact
-samplers can reach behind a position. The prioritized sampler draws from every row held, so with
-it retention bounds what it draws from (a rewind then draws from the rows still held, not exact).
-
-In a branch continued online (``runs/branch_online.py``) the checkpoints and the learner count a
-shard's rows on from the parent's count ``N`` at the branch step, its own store from 0: those
-floors are translated (row ``N + r`` is own row ``r``), a floor among the parent's rows holds every
-own row, and only the branch's own rows are ever dropped (the parent's are read in place, never
-written; the parent's own retention holds them for the branch through its ``parent-rows/``).
-
-* **a running replay of the buffer** beside the run (its ``settings.json`` names the source, its
-  ``run.lock`` a live process on this machine, or at a URL a live lease): while it runs, nothing is
-  dropped.
-
-Finding the branches and replays costs one listing of the home and a read or two per run beside
-it: :class:`BranchFloors` does it only when a drop is about to happen, and at a URL reuses a look
-younger than ``RESCAN_S`` only to *keep* rows (a stale look may miss a branch made since, never a
-row it needs). No branch appears between the look and the drop: in a directory ``branch`` and
-retention take one lock (``lineage.branches_settled``); at a URL, where there is none, the
-collector marks a drop under way (:func:`drop_under_way`) and ``branch`` waits for it
-(:func:`wait_for_drops`) after writing its ``branch.making``.
-
-Not covered (``docs/retention.md``): a replay under another home (or, of a run directory, on another
-machine), and branches made under another home (or URL prefix), are not found.
+"""Retention in a run: after each round a collector drops the old whole segments its rules allow
+(``storage/retention.py``), never at or past the *floor*, the oldest row of its shard that a kept
+checkpoint, a branch beside the run, the learner or a running replay still needs.
+``docs/retention.md#what-holds-rows``.
 """
 
 from __future__ import annotations
@@ -128,7 +86,7 @@ class ShardRetention:
         return RetentionReport(rows, size, store.first_row, floor, held_by)
 
     def _branches_settled(self) -> Any:
-        """No branch appears between the look at the branches and the drop (module docstring)."""
+        """No branch appears between the look at the branches and the drop (docs/retention.md)."""
         from rlhf_pipeline.runs.lineage import branches_settled
 
         if self.paths.store.is_local:  # a lock `branch` takes too; an object store has none
@@ -208,7 +166,7 @@ def wait_for_drops(run_store: Any, shard_keys: Any, poll_s: float = 0.05) -> Non
 def branch_rows_needed(run: str, store_path: str, home: Any = None,
                        others: list[str] | None = None) -> list[tuple[str, int]]:
     """``(branch, first global row)`` of the rows of the shard at ``store_path`` that each branch
-    beside ``run`` (a directory or a URL) reads (module docstring); ``home``: the run store of the
+    beside ``run`` (a directory or a URL) reads (docs/retention.md); ``home``: the run store of the
     runs' home to read with (found when None); ``others``: the runs beside, if listed."""
     from rlhf_pipeline.runs.branch_reads import PARENT_ROWS_MANIFEST
     from rlhf_pipeline.runs.lineage import branch_records, home_of
