@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.files.run_paths import RunLocationError, is_url, run_dir
     from rlhf_pipeline.files.run_store import RunStoreError
     from rlhf_pipeline.runs.branch import BranchError, branch_run, main_message
-    from rlhf_pipeline.runs.branch_reads import resolved_location
+    from rlhf_pipeline.runs.lineage import resolved_location
 
     try:
         parent = args.run.rstrip("/")

@@ -21,22 +21,24 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
-from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, PARENT_ROWS_MANIFEST, making_record, resolved_location
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
     BRANCH_FORMAT,
+    BRANCH_MAKING,
+    PARENT_ROWS,
+    PARENT_ROWS_MANIFEST,
     branches_settled,
     find_branches,
     is_detached,
     is_run,
     read_parent,
+    resolved_location,
 )
 from rlhf_pipeline.runs.run_directory import RunError
 
 # settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
 _CHANGEABLE = ("steps", "device")
 _LOGS = ("metrics.jsonl", "batches.jsonl")
-PARENT_ROWS = "parent-rows"
 
 
 class BranchError(RunError):
@@ -157,7 +159,7 @@ def _remove_half_made(target: Any, parent: str) -> bool:
     keys = target.walk()
     if BRANCH_MAKING not in keys or BRANCH_FILE in keys:
         return False
-    named = (making_record(target.read(BRANCH_MAKING)) or {}).get("parent", parent)
+    named = (json_object(target.read(BRANCH_MAKING)) or {}).get("parent", parent)
     if resolved_location(str(named)).rstrip("/") != parent:
         return False  # another parent's
     _delete(target, keys)

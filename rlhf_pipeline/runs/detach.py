@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX
-from rlhf_pipeline.runs.branch import PARENT_ROWS, BranchError
-from rlhf_pipeline.runs.branch_reads import is_inside, resolved_location
-from rlhf_pipeline.runs.lineage import BRANCH_FILE, read_parent
+from rlhf_pipeline.runs.branch import BranchError
+from rlhf_pipeline.runs.lineage import BRANCH_FILE, PARENT_ROWS, is_inside, read_parent, resolved_location
 
 OWN_ROWS = "own-rows"
 SELECTION_FILES = ("selection.json", "rows.npy", "parts.npy")  # storage/selection.py's MANIFEST_NAME, ROWS_NAME, PARTS_NAME

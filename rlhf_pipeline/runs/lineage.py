@@ -6,7 +6,6 @@ branches are found beside it. ``docs/branching.md#comparing-a-parent-and-its-bra
 from __future__ import annotations
 
 import fcntl
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,17 +13,23 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_store import RunStore
-from rlhf_pipeline.runs.branch_reads import (
-    BRANCH_MAKING,
-    PARENT_ROWS_MANIFEST,
-    is_inside,
-    making_record,
-    resolved_location,
-)
 
 BRANCH_FILE = "branch.json"
 BRANCH_FORMAT = 1
+BRANCH_MAKING = "branch.making"  # what a branch being made is made of ({"parent", "step"}), written first
+PARENT_ROWS = "parent-rows"
+PARENT_ROWS_MANIFEST = f"{PARENT_ROWS}/selection.json"
 READS_AT_ONCE = 16  # reads of the runs beside a run in flight at once: a home of 100 runs in ~7 round trips
+
+
+def resolved_location(location: str) -> str:
+    """A store's location as selections record it: a URL as it is, a path made absolute."""
+    return location if "://" in location else str(Path(location).resolve())
+
+
+def is_inside(location: str, run: str) -> bool:
+    """Whether ``location`` (a path or a URL) lies inside the run at ``run``."""
+    return resolved_location(location).startswith(resolved_location(run).rstrip("/") + "/")
 
 
 @contextmanager
@@ -128,7 +133,7 @@ def branch_records(run: str | Path, *, half_made: bool = False, home: Any = None
             lineage = _lineage_at(home, f"{other}/")
         except ValueError:
             return None  # a damaged branch says so when it is inspected itself
-        making = making_record(home.read(f"{other}/{BRANCH_MAKING}")) if lineage is None and half_made else None
+        making = json_object(home.read(f"{other}/{BRANCH_MAKING}")) if lineage is None and half_made else None
         parent = (lineage if lineage is not None else making or {}).get("parent")
         if parent is None or resolved_location(str(parent)).rstrip("/") != location:
             return None  # no branch, or another run's

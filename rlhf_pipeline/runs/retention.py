@@ -17,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.runs.branch_reads import continues_shard, first_row_read, resolved_location
+from rlhf_pipeline.runs.lineage import (
+    PARENT_ROWS_MANIFEST,
+    READS_AT_ONCE,
+    branch_records,
+    branches_settled,
+    home_of,
+    resolved_location,
+    run_store_at,
+    runs_beside,
+)
 from rlhf_pipeline.storage.retention import RetentionSettings, RowClock, wanted_cut, whole_cut
 
 CLOCK_KEY = "retention_clock"  # where the row clock rides in the collector's saved loop state
@@ -87,8 +96,6 @@ class ShardRetention:
 
     def _branches_settled(self) -> Any:
         """No branch appears between the look at the branches and the drop (docs/retention.md)."""
-        from rlhf_pipeline.runs.lineage import branches_settled
-
         if self.paths.store.is_local:  # a lock `branch` takes too; an object store has none
             return branches_settled(self.paths.store)
         return drop_under_way(self.paths.store, self.key)
@@ -168,8 +175,6 @@ def branch_rows_needed(run: str, store_path: str, home: Any = None,
     """``(branch, first global row)`` of the rows of the shard at ``store_path`` that each branch
     beside ``run`` (a directory or a URL) reads (docs/retention.md); ``home``: the run store of the
     runs' home to read with (found when None); ``others``: the runs beside, if listed."""
-    from rlhf_pipeline.runs.branch_reads import PARENT_ROWS_MANIFEST
-    from rlhf_pipeline.runs.lineage import branch_records, home_of
 
     shard = resolved_location(store_path).rstrip("/")
     home = home if home is not None else home_of(run)[0]
@@ -199,6 +204,14 @@ def branch_rows_needed(run: str, store_path: str, home: Any = None,
     return needed
 
 
+def first_row_read(parts: list[dict[str, Any]], shard: str) -> int | None:
+    """The first row of the store at ``shard`` that a saved selection's ``parts`` name (None: none)."""
+    shard = resolved_location(shard).rstrip("/")
+    firsts = [int(part["first_row"]) for part in parts
+              if part.get("rows") and resolved_location(str(part.get("location", ""))).rstrip("/") == shard]
+    return min(firsts) if firsts else None
+
+
 def _continues_in_place(home: Any, name: str, branch: str, shard: str) -> bool:
     """Whether the branch's buffer continues online from rows of the parent's shard at ``shard``
     (its ``buffer.continues.json`` names that shard's buffer and rows of it): it reads them in place."""
@@ -209,7 +222,11 @@ def _continues_in_place(home: Any, name: str, branch: str, shard: str) -> bool:
         continues = continued_rows(str(settings.get("buffer_url") or f"{branch}/buffer"))
     except (ValueError, OSError):
         return True  # unreadable: hold rather than guess
-    return continues_shard(continues, shard)
+    if continues is None:
+        return False
+    buffer, _, name = resolved_location(shard).rstrip("/").rpartition("/")
+    same = resolved_location(str(continues["parent_buffer"])).rstrip("/") == buffer
+    return same and int(continues["rows"].get(name, 0)) > 0
 
 
 def running_replays(run: str, sources: set[str], home: Any, others: list[str]) -> list[str]:
@@ -222,7 +239,6 @@ def running_replays(run: str, sources: set[str], home: Any, others: list[str]) -
 
     from rlhf_pipeline.files.processes import pid_running
     from rlhf_pipeline.files.run_lease import abandoned, holder_record
-    from rlhf_pipeline.runs.lineage import READS_AT_ONCE
     from rlhf_pipeline.runs.run_directory import HOLDER_FILE
 
     where = home.location.rstrip("/")
@@ -272,8 +288,6 @@ class BranchFloors:
         recent = self._taken is not None and time.monotonic() - self._taken < self.rescan_s
         if recent and not fresh:
             return self._floors, False
-        from rlhf_pipeline.runs.lineage import home_of, runs_beside
-
         if self._home is None:  # one client for every look
             self._home, self._name = home_of(self.run)
         self._floors = []
@@ -292,8 +306,6 @@ class BranchFloors:
 def run_retention(run: str | Path) -> dict[str, Any] | None:
     """What ``inspect RUN`` says of a run's retention: the rules from its ``settings.json`` (None
     for a run with no ``retention`` settings, made before them or by a pipeline without them)."""
-    from rlhf_pipeline.runs.lineage import run_store_at
-
     try:
         settings = json.loads(run_store_at(run).read("settings.json") or b"null")
     except (OSError, ValueError):
