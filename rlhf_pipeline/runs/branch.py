@@ -188,7 +188,7 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
     if not overrides:
         return saved, []
     from rlhf_pipeline.pipeline import PipelineError, make_settings, settings_to_json
-    from rlhf_pipeline.runs.branch_command import load_copy
+    from rlhf_pipeline.runs.pipeline_copy import load_copy
 
     try:  # the parent's own pipeline file checks each name and parses each value to its type
         updated = settings_to_json(make_settings(load_copy(parent), overrides))

@@ -130,6 +130,8 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
     settings = paths.store.read("settings.json")
     if settings is None:
         raise ValueError(f"{paths.location} keeps no settings.json")
+    from rlhf_pipeline.runs.pipeline_copy import load_copy
+
     return continuation(pipeline, paths.home, paths.name, json.loads(settings), load_copy(paths), lineage, parent_rows)
 
 
@@ -144,19 +146,3 @@ def offline_command(paths: Any, lineage: dict[str, Any], parent_rows: str) -> st
         return shlex.join(["rlhf-pipeline", "replay", "PIPELINE.py", "--buffer", parent_rows, "--home", paths.home,
                            "--run-name", paths.name]) + " with every --set of the parent"
 
-
-def load_copy(paths: Any) -> Any:
-    """The pipeline module of the run at ``paths`` (a ``RunPaths``) from its copy, the modules it
-    imports put first on the path (``runs/pipeline_copy.py``); a run at a URL's copy is read into
-    this machine's cache of it first."""
-    from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module
-    from rlhf_pipeline.runs.pipeline_copy import PIPELINE_KEY, importable_copy
-
-    if paths.url is not None:
-        content = paths.store.read(PIPELINE_KEY)
-        if content is None:
-            raise PipelineError(f"{paths.url} keeps no {PIPELINE_KEY}")
-        paths.root.mkdir(parents=True, exist_ok=True)
-        (paths.root / PIPELINE_KEY).write_bytes(content)
-    importable_copy(paths)
-    return load_pipeline_module(paths.root / PIPELINE_KEY)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path, PurePosixPath
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from rlhf_pipeline.files.run_store import StaleWriterError
@@ -167,3 +168,19 @@ def importable_copy(paths: RunPaths) -> Path | None:
     if str(directory) not in sys.path:
         sys.path.insert(0, str(directory))
     return directory
+
+
+def load_copy(paths: RunPaths, missing: str = "") -> ModuleType:
+    """The run's pipeline module, loaded from its copy with the modules it imports on ``sys.path`` (a
+    run at a URL's copy is written into this machine's cache first); ``missing``: what a refusal adds
+    when the run keeps no copy."""
+    from rlhf_pipeline.files.run_store import LocalRunStore
+    from rlhf_pipeline.pipeline import load_pipeline_module
+
+    copy = paths.store.read(PIPELINE_KEY)
+    if copy is None:
+        raise PipelineError(f"{paths.location} keeps no copy of its pipeline file{missing}")
+    if paths.url is not None:
+        LocalRunStore(paths.root).write(PIPELINE_KEY, copy, durable=False)
+    importable_copy(paths)
+    return load_pipeline_module(paths.pipeline_file)
