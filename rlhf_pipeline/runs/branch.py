@@ -28,8 +28,7 @@ from rlhf_pipeline.runs.lineage import (
     PARENT_ROWS,
     PARENT_ROWS_MANIFEST,
     branches_settled,
-    find_branches,
-    is_detached,
+    branch_records,
     is_run,
     read_parent,
     resolved_location,
@@ -374,8 +373,8 @@ def refuse_evicting_parent(root: str | Path) -> None:
     the branch. Refused in one line naming the branch, before the run starts (and again once the
     run holds its directory, which :func:`evicting_parent_stopped` holds while a branch is made)."""
     root = Path(root)
-    readers = [b["run"] for b in find_branches(root)
-               if (Path(b["run"]) / PARENT_ROWS).exists() and not is_detached(b["run"])]
+    readers = [b["run"] for b in branch_records(root)
+               if (Path(b["run"]) / PARENT_ROWS).exists() and not b["lineage"].get("detached")]
     if not readers:
         return
     evicting = _evicting_shards(root)

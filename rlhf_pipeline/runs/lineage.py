@@ -6,7 +6,8 @@ branches are found beside it. ``docs/branching.md#comparing-a-parent-and-its-bra
 from __future__ import annotations
 
 import fcntl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -86,15 +87,6 @@ def _lineage_at(store: Any, prefix: str) -> dict[str, Any] | None:
     return data
 
 
-def is_detached(run: str | Path) -> bool:
-    """Whether the branch ``run`` was made self-contained (``runs/detach.py``): it reads nothing of
-    its parent any more, though its ``branch.json`` still names it."""
-    try:
-        return bool((read_parent(run) or {}).get("detached"))
-    except (ValueError, OSError):
-        return False  # damaged: treated as still reading its parent
-
-
 def home_of(run: str | Path) -> tuple[Any, str]:
     """The run store of the home that holds ``run`` (its directory or URL prefix; None for a run at
     the top of a bucket, which has no runs beside it) and the run's name there."""
@@ -117,8 +109,6 @@ def branch_records(run: str | Path, *, half_made: bool = False, home: Any = None
     left half-made (``branch.making`` and no ``branch.json``), with ``"lineage": None`` and
     ``"half_made": True``. One listing of the home and a read or two per run in it, sent
     a few at a time; ``home``/``others``: the home's store and its runs, when the caller has them."""
-    from concurrent.futures import ThreadPoolExecutor
-
     location = resolved_location(str(run)).rstrip("/")
     if home is None:
         home, name = home_of(location)
@@ -141,14 +131,13 @@ def branch_records(run: str | Path, *, half_made: bool = False, home: Any = None
         return {"run": f"{where}/{other}", "step": step, "lineage": lineage, "half_made": lineage is None}
 
     others = runs_beside(home, name) if others is None else others
+    return read_each(record_of, others)
+
+
+def read_each(read: Callable[[str], Any], others: list[str]) -> list[Any]:
+    """``read(name)`` of each run beside, ``READS_AT_ONCE`` at a time: those that are not None."""
     with ThreadPoolExecutor(max_workers=max(1, min(READS_AT_ONCE, len(others)))) as pool:
-        return [found for found in pool.map(record_of, others) if found is not None]
-
-
-def find_branches(run: str | Path) -> list[dict[str, Any]]:
-    """The branches of ``run`` among the runs beside it: ``{"run": location, "step": N}``, by step then location."""
-    return sorted(({"run": b["run"], "step": b["step"]} for b in branch_records(run)),
-                  key=lambda b: (b["step"], b["run"]))
+        return [found for found in pool.map(read, others) if found is not None]
 
 
 def run_lineage(run: str | Path) -> dict[str, Any]:

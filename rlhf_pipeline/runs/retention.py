@@ -19,10 +19,10 @@ from typing import Any
 
 from rlhf_pipeline.runs.lineage import (
     PARENT_ROWS_MANIFEST,
-    READS_AT_ONCE,
     branch_records,
     branches_settled,
     home_of,
+    read_each,
     resolved_location,
     run_store_at,
     runs_beside,
@@ -235,8 +235,6 @@ def running_replays(run: str, sources: set[str], home: Any, others: list[str]) -
     names a live process on this machine (a directory, ``runs/run_directory.py``) or is a lease not
     abandoned (a URL, ``files/run_lease.py``). Such a replay counted the rows it walks when it
     started, so while it runs nothing of the store is dropped. A read or two per run, a few at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from rlhf_pipeline.files.processes import pid_running
     from rlhf_pipeline.files.run_lease import abandoned, holder_record
     from rlhf_pipeline.runs.run_directory import HOLDER_FILE
@@ -266,8 +264,7 @@ def running_replays(run: str, sources: set[str], home: Any, others: list[str]) -
         # the lease's own rule; a record naming no lease_s never runs out by age
         return None if abandoned(holder, seen[2], default_lease_s=math.inf) else f"{where}/{other}"
 
-    with ThreadPoolExecutor(max_workers=max(1, min(READS_AT_ONCE, len(others)))) as pool:
-        return [found for found in pool.map(running, others) if found is not None]
+    return read_each(running, others)
 
 
 class BranchFloors:
