@@ -193,23 +193,19 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
         updated = settings_to_json(make_settings(load_copy(parent), overrides))
     except (PipelineError, FileNotFoundError) as exc:
         raise BranchError(f"--set: {exc}") from None
+    from rlhf_pipeline.runs.run_directory import flat_settings
+
     settings, changed = json.loads(json.dumps(saved)), []
+    was, now = flat_settings(saved), flat_settings(updated)
     for item in overrides:
-        parts = item.split("=", 1)[0].strip().split(".")
-        old, new = _get(saved, parts), _get(updated, parts)
+        key = item.split("=", 1)[0].strip()
         target = settings
-        for part in parts[:-1]:
+        for part in key.split(".")[:-1]:
             target = target.setdefault(part, {})
-        target[parts[-1]] = new
-        if old != new:
-            changed.append(f"{'.'.join(parts)}: was {old!r}, now {new!r}")
+        target[key.rpartition(".")[2]] = now.get(key)
+        if was.get(key) != now.get(key):
+            changed.append(f"{key}: was {was.get(key)!r}, now {now.get(key)!r}")
     return settings, changed
-
-
-def _get(data: dict[str, Any], parts: list[str]) -> Any:
-    for part in parts:
-        data = data.get(part, {}) if isinstance(data, dict) else {}
-    return data if data != {} else None
 
 
 def _copy_branch(source: Any, new: RunPaths, step: int, version: int | None) -> None:
