@@ -58,7 +58,7 @@ def check_same_kind(parent: str, new: str) -> None:
 
 
 def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Makes the branch ``new`` of run ``parent`` at ``step`` (module docstring; ``"best"``: the step of
+    """Makes the branch ``new`` of run ``parent`` at ``step`` (``docs/branching.md``; ``"best"``: the step of
     the parent's best checkpoint by ``learner.keep_best``); returns its ``branch.json``."""
     parent_at, new_at = resolved_location(str(parent)).rstrip("/"), resolved_location(str(new)).rstrip("/")
     check_same_kind(parent_at, new_at)

@@ -24,7 +24,7 @@ class OnlineBranchError(RunError):
 
 def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable[[], str]) -> None:
     """Sets the branch at ``paths`` (a ``RunPaths``: a directory or a URL) up to continue online
-    (module docstring), once; ``offline``: the command that continues it offline, for a refusal (made
+    once; ``offline``: the command that continues it offline, for a refusal (made
     only then: it loads the pipeline copy)."""
     buffer = paths.buffer_location
     if continued_rows(buffer) is not None:

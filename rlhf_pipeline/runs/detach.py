@@ -22,7 +22,7 @@ SWITCHED = "detached_into"  # in a switched selection's manifest: the copy it re
 
 
 def detach(branch: str | Path) -> dict[str, Any]:
-    """Makes ``branch`` (a directory or a URL) self-contained (module docstring); returns the
+    """Makes ``branch`` (a directory or a URL) self-contained; returns the
     ``detached`` record."""
     from rlhf_pipeline.files.run_paths import RunPaths
 
