@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from rlhf_pipeline.files.run_store import StaleWriterError
+from rlhf_pipeline.files.run_store import LocalRunStore, StaleWriterError
 from rlhf_pipeline.pipeline import PipelineError
 
 if TYPE_CHECKING:
@@ -148,39 +148,21 @@ def _write(store: RunStore, current: dict[str, bytes], kept: dict[str, bytes], p
         store.write(PIPELINE_KEY, current[PIPELINE_KEY], fence=False, partial_name=partial)
 
 
-def importable_copy(paths: RunPaths) -> Path | None:
-    """The local directory holding the run's kept modules (for a run at a URL, written into this
-    machine's cache), put at the front of ``sys.path`` so that the copy imports them; None when
-    the run keeps none. It stays there: a pipeline may import them lazily, in ``make_model``."""
-    store = paths.store
-    keys = _walk(store, MODULES_KEY)
-    if not keys:
-        return None
-    directory = paths.root / MODULES_KEY
-    if paths.url is not None:
-        from rlhf_pipeline.files.run_store import LocalRunStore
-
-        cache = LocalRunStore(paths.root)
-        for key in keys:
-            content = store.read(key)
-            if content is not None:
-                cache.write(key, content, durable=False)
-    if str(directory) not in sys.path:
-        sys.path.insert(0, str(directory))
-    return directory
-
-
 def load_copy(paths: RunPaths, missing: str = "") -> ModuleType:
-    """The run's pipeline module, loaded from its copy with the modules it imports on ``sys.path`` (a
-    run at a URL's copy is written into this machine's cache first); ``missing``: what a refusal adds
-    when the run keeps no copy."""
-    from rlhf_pipeline.files.run_store import LocalRunStore
+    """The run's pipeline module, loaded from its copy with the modules it imports put at the front of
+    ``sys.path``, where they stay (a pipeline may import them lazily, in ``make_model``); a run at a
+    URL's copy is written into this machine's cache of the run first. ``missing``: what a refusal
+    adds when the run keeps no copy."""
     from rlhf_pipeline.pipeline import load_pipeline_module
 
-    copy = paths.store.read(PIPELINE_KEY)
-    if copy is None:
+    kept = kept_sources(paths.store)
+    if PIPELINE_KEY not in kept:
         raise PipelineError(f"{paths.location} keeps no copy of its pipeline file{missing}")
     if paths.url is not None:
-        LocalRunStore(paths.root).write(PIPELINE_KEY, copy, durable=False)
-    importable_copy(paths)
+        cache = LocalRunStore(paths.root)
+        for key, content in kept.items():
+            cache.write(key, content, durable=False)
+    modules = str(paths.root / MODULES_KEY)
+    if len(kept) > 1 and modules not in sys.path:
+        sys.path.insert(0, modules)
     return load_pipeline_module(paths.pipeline_file)
