@@ -3,7 +3,7 @@
 The new run starts from RUN's checkpoint of step N (model, optimizer, RNG, sampler position)
 with the settings ``--set`` changes (``learner.*``, ``steps``, ``device``); RUN is only read.
 ``--from-step best`` starts from RUN's best checkpoint by ``learner.keep_best``, as from its step.
-``rlhf_pipeline/runs/branch.py`` has the whole story; ``inspect RUN`` lists the steps a run can
+``docs/branching.md`` has the whole story; ``inspect RUN`` lists the steps a run can
 be branched from and its branches. Arguments are parsed before torch is imported.
 """
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.files.run_paths import RunLocationError, is_url, run_dir
     from rlhf_pipeline.files.run_store import RunStoreError
     from rlhf_pipeline.runs.branch import BranchError, branch_run, main_message
-    from rlhf_pipeline.runs.branch_reads import resolved_location
+    from rlhf_pipeline.runs.lineage import resolved_location
 
     try:
         parent = args.run.rstrip("/")

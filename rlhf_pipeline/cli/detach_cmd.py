@@ -1,5 +1,5 @@
 """``rlhf-pipeline detach BRANCH``: copies the parent rows a branch reads into its own store, so
-that the parent may be deleted or pruned (``rlhf_pipeline/runs/detach.py`` has the whole story).
+that the parent may be deleted or pruned (``docs/branching.md#making-a-branch-self-contained``).
 
 A command of its own rather than an option of ``branch``: it takes no parent and no step, only the
 branch, at any time after it was made (also after it trained), and running it again is safe.

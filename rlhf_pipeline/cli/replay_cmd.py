@@ -3,7 +3,7 @@
 No collector and no generation: the learner walks the buffer in epochs (``--order``),
 from ``--init-from`` (a run directory or a ``save_pretrained`` directory) or the
 pipeline's initial policy, optionally re-scoring advantages and reference log-probs on
-the way (``rlhf_pipeline/runs/replay.py`` has the whole story). Running the same command
+the way (``docs/replay.md`` has the whole story). Running the same command
 again resumes. Arguments are parsed before torch is imported.
 """
 

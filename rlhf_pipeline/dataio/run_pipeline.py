@@ -62,7 +62,7 @@ def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path
     """The run's pipeline built with the run's settings (``device`` may differ: it only says where
     models run). ``pipeline_path`` replaces the run's copy of its pipeline file. ``run_root``: a
     directory, or a run's :class:`RunPaths` (a run at a URL)."""
-    from rlhf_pipeline.runs.pipeline_copy import importable_copy
+    from rlhf_pipeline.runs.pipeline_copy import load_copy
     from rlhf_pipeline.runs.processes import build_pipeline
 
     paths = run_root if isinstance(run_root, RunPaths) else RunPaths(Path(run_root).resolve())
@@ -70,28 +70,17 @@ def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path
     settings_text = store.read(paths.key(paths.settings_file))
     if settings_text is None:
         raise PipelineError(f"{paths.location} is not a run directory: it has no settings.json")
-    if pipeline_path is None:
-        copy = store.read(paths.key(paths.pipeline_file))
-        if copy is None:
-            raise PipelineError(
-                f"{paths.location} keeps no copy of its pipeline file (runs started before this was recorded); "
-                f"pass --pipeline PIPELINE.py, the file the run was started with"
-            )
-        if paths.url is not None:  # the run's copy, loaded from this machine's cache
-            from rlhf_pipeline.files.run_store import LocalRunStore
-
-            LocalRunStore(paths.root).write(paths.key(paths.pipeline_file), copy, durable=False)
-        pipeline_path = paths.pipeline_file
-        importable_copy(paths)  # the modules beside the file that it imports, kept with it
     try:
-        module = load_pipeline_module(pipeline_path)
+        module = load_pipeline_module(pipeline_path) if pipeline_path is not None else load_copy(
+            paths, missing=" (runs started before this was recorded); pass --pipeline PIPELINE.py, the file the run "
+                           "was started with")
         saved = json.loads(settings_text)
         settings = settings_from_json(module, saved)
         if device is not None:
             settings = dataclasses.replace(settings, device=device)
         return build_pipeline(module, settings, paths)
     except ModuleNotFoundError as exc:
-        if Path(pipeline_path) != paths.pipeline_file or exc.name is None:
+        if pipeline_path is not None or exc.name is None:
             raise
         raise PipelineError(
             f"the run's copy of its pipeline file ({paths.store.describe(paths.key(paths.pipeline_file))}) imports "

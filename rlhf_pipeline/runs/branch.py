@@ -1,54 +1,10 @@
-"""``rlhf-pipeline branch RUN --from-step N NEW_RUN``: a new run that starts from RUN's checkpoint of step N.
+"""``rlhf-pipeline branch RUN --from-step N NEW_RUN``: a new run that starts from RUN's checkpoint of
+step N and reads RUN's rows up to it by reference (``parent-rows/``), through the two runs' run
+stores, so a directory and a URL take one path. Made in place: ``branch.making`` first, ``branch.json``
+last; the parent is only read. What a branch holds and how it continues: ``docs/branching.md``.
 
 Why one file: making a branch is one sequence (checks, ``branch.making``, copies, ``parent-rows/``,
-``branch.json``) whose steps share the two run stores and the half-made protocol; the refusals and
-the online start beside it read the same marker and records.
-
-RUN and NEW_RUN are run directories, or both URLs of one cloud (``s3://``, ``az://``): a parent
-finds its branches beside it (``inspect``), and a branch on another kind of storage would be found
-by neither. Everything is read and written through the two runs' run stores
-(``files/run_store.py``), one way for both. What a branch is made of (all of it written here, once;
-the parent is only read, so its files or objects stay byte-identical, etags included):
-
-* ``checkpoints/step_N.pt`` and its rewind record: the parent's, copied as the store can
-  (:meth:`RunStore.copy`: a hard link in a directory, S3's server-side CopyObject, else a GET and a
-  PUT; either way the branch's own: the parent pruning its checkpoint later takes nothing from it).
-  The learner resumes from it as from its own (model, optimizer, LR schedule, RNG, sampler
-  position, intake), so a branch with no setting changed trains, step for step, what the parent
-  trained after step N over the same rows;
-* ``settings.json``: the parent's, with the ``--set`` changes applied. Only what a resumed run may
-  change may change here (``learner.*``: learning rate, loss, KL, sampler; and ``steps``,
-  ``device``): the rest (model shape, schema, group size, prompts...) made the rows the branch
-  reads, and is refused by name;
-* the pipeline file's copy (``pipeline.py``, ``pipeline_modules/``), the metrics and (a replay)
-  ``batches.jsonl`` lines of steps up to N, and the weights of the checkpoint's policy version
-  (what a collector loads first);
-* ``branch.json``: the parent, the step, the rows each of the parent's buffer shards had published
-  when that checkpoint was saved (the rewind record's ``buffer_rows``), and the settings changed.
-  ``inspect`` reads it (``runs/lineage.py``);
-* for a parent with collectors, ``parent-rows/``: a saved selection (``storage/selection.py``)
-  naming, per shard, the range of global ids it had published at step N (kept as ranges, a few
-  bytes per shard at any buffer size: ``storage/row_ranges.py``). It is read in place (no row
-  copied), read-only, and opening it checks that the parent still holds exactly those rows; rows
-  the parent wrote after step N are not in it.
-
-**Made in place, finished by ``branch.json``.** A branch is written where it will live: first
-``branch.making`` (the parent and the step), then its objects, then ``branch.json`` (a branch with
-it is whole), then ``branch.making`` is deleted. A ``branch`` killed midway leaves ``branch.making``
-and no ``branch.json``: ``replay`` and ``run`` refuse it in one line (:func:`half_made_branch`), the
-parent's ``inspect`` lists it as half-made, and ``branch`` with the same NEW_RUN removes it and makes
-it again (or, when the parent no longer keeps the step, is refused and removes it). While the rows
-are named, no drop of them by the parent's retention is under way (``runs/retention.py``).
-
-How it continues. A branch of a replay (a run trained offline from a recorded buffer) continues
-with the same ``replay`` command under the branch's name: its source is read-only and does not
-change, so the branch reads exactly the rows the parent read. A branch of a run with collectors
-continues online with the parent's ``run`` command under the branch's name (those rows plus its
-own shards, its collectors restarted from their state at those rows: ``runs/branch_online.py``,
-set up by :func:`start_online`, which refuses in one line where it cannot be), or offline with
-``replay --buffer NEW_RUN/parent-rows --run-name NEW_RUN``: from the checkpoint's model, optimizer
-and schedule, over the parent's rows up to step N in epochs (the epoch sampler starts afresh: the
-checkpoint's was the online one).
+``branch.json``) whose refusals and online start read the same marker and records.
 """
 
 from __future__ import annotations
@@ -65,22 +21,23 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
-from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, PARENT_ROWS_MANIFEST, making_record, resolved_location
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
     BRANCH_FORMAT,
+    BRANCH_MAKING,
+    PARENT_ROWS,
+    PARENT_ROWS_MANIFEST,
     branches_settled,
-    find_branches,
-    is_detached,
+    branch_records,
     is_run,
     read_parent,
+    resolved_location,
 )
 from rlhf_pipeline.runs.run_directory import RunError
 
 # settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
 _CHANGEABLE = ("steps", "device")
 _LOGS = ("metrics.jsonl", "batches.jsonl")
-PARENT_ROWS = "parent-rows"
 
 
 class BranchError(RunError):
@@ -101,7 +58,7 @@ def check_same_kind(parent: str, new: str) -> None:
 
 
 def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Makes the branch ``new`` of run ``parent`` at ``step`` (module docstring; ``"best"``: the step of
+    """Makes the branch ``new`` of run ``parent`` at ``step`` (``docs/branching.md``; ``"best"``: the step of
     the parent's best checkpoint by ``learner.keep_best``); returns its ``branch.json``."""
     parent_at, new_at = resolved_location(str(parent)).rstrip("/"), resolved_location(str(new)).rstrip("/")
     check_same_kind(parent_at, new_at)
@@ -201,7 +158,7 @@ def _remove_half_made(target: Any, parent: str) -> bool:
     keys = target.walk()
     if BRANCH_MAKING not in keys or BRANCH_FILE in keys:
         return False
-    named = (making_record(target.read(BRANCH_MAKING)) or {}).get("parent", parent)
+    named = (json_object(target.read(BRANCH_MAKING)) or {}).get("parent", parent)
     if resolved_location(str(named)).rstrip("/") != parent:
         return False  # another parent's
     _delete(target, keys)
@@ -230,29 +187,25 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
     if not overrides:
         return saved, []
     from rlhf_pipeline.pipeline import PipelineError, make_settings, settings_to_json
-    from rlhf_pipeline.runs.branch_command import load_copy
+    from rlhf_pipeline.runs.pipeline_copy import load_copy
 
     try:  # the parent's own pipeline file checks each name and parses each value to its type
         updated = settings_to_json(make_settings(load_copy(parent), overrides))
     except (PipelineError, FileNotFoundError) as exc:
         raise BranchError(f"--set: {exc}") from None
+    from rlhf_pipeline.runs.run_directory import flat_settings
+
     settings, changed = json.loads(json.dumps(saved)), []
+    was, now = flat_settings(saved), flat_settings(updated)
     for item in overrides:
-        parts = item.split("=", 1)[0].strip().split(".")
-        old, new = _get(saved, parts), _get(updated, parts)
+        key = item.split("=", 1)[0].strip()
         target = settings
-        for part in parts[:-1]:
+        for part in key.split(".")[:-1]:
             target = target.setdefault(part, {})
-        target[parts[-1]] = new
-        if old != new:
-            changed.append(f"{'.'.join(parts)}: was {old!r}, now {new!r}")
+        target[key.rpartition(".")[2]] = now.get(key)
+        if was.get(key) != now.get(key):
+            changed.append(f"{key}: was {was.get(key)!r}, now {now.get(key)!r}")
     return settings, changed
-
-
-def _get(data: dict[str, Any], parts: list[str]) -> Any:
-    for part in parts:
-        data = data.get(part, {}) if isinstance(data, dict) else {}
-    return data if data != {} else None
 
 
 def _copy_branch(source: Any, new: RunPaths, step: int, version: int | None) -> None:
@@ -416,8 +369,8 @@ def refuse_evicting_parent(root: str | Path) -> None:
     the branch. Refused in one line naming the branch, before the run starts (and again once the
     run holds its directory, which :func:`evicting_parent_stopped` holds while a branch is made)."""
     root = Path(root)
-    readers = [b["run"] for b in find_branches(root)
-               if (Path(b["run"]) / PARENT_ROWS).exists() and not is_detached(b["run"])]
+    readers = [b["run"] for b in branch_records(root)
+               if (Path(b["run"]) / PARENT_ROWS).exists() and not b["lineage"].get("detached")]
     if not readers:
         return
     evicting = _evicting_shards(root)

@@ -30,30 +30,19 @@ def recorded_sets(settings: dict[str, Any], module: Any) -> list[str]:
     from the default of the pipeline ``module``, in the form ``--set`` parses, sorted by key.
     Checked by applying them: a value ``--set`` cannot give back raises ``ValueError`` naming it."""
     from rlhf_pipeline.pipeline import make_settings, settings_to_json
+    from rlhf_pipeline.runs.run_directory import flat_settings
 
-    wanted = {k: v for k, v in settings.items() if k != "replay"}
-    sets = [f"{key}={_as_set_value(value)}"
-            for key, value in _differences(wanted, settings_to_json(make_settings(module)))]
-    rebuilt = settings_to_json(make_settings(module, sets))
-    lost = [key for key, _ in _differences(wanted, rebuilt)]
+    wanted = flat_settings({k: v for k, v in settings.items() if k != "replay"})
+
+    def differing(defaults: dict[str, Any]) -> list[str]:
+        flat = flat_settings(defaults)
+        return [key for key in sorted(wanted) if wanted[key] != flat.get(key)]
+
+    sets = [f"{key}={_as_set_value(wanted[key])}" for key in differing(settings_to_json(make_settings(module)))]
+    lost = differing(settings_to_json(make_settings(module, sets)))
     if lost:
         raise ValueError(f"setting(s) {', '.join(lost)} cannot be given back with --set")
     return sets
-
-
-def _differences(saved: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out = []
-    for key in sorted(saved):
-        value, default = saved[key], defaults.get(key)
-        if isinstance(value, dict) and isinstance(default, dict):
-            out += _differences(value, default, f"{prefix}{key}.")
-        elif _normal(value) != _normal(default):
-            out.append((prefix + key, value))
-    return out
-
-
-def _normal(value: Any) -> Any:
-    return [_normal(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _as_set_value(value: Any) -> str:
@@ -130,6 +119,8 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
     settings = paths.store.read("settings.json")
     if settings is None:
         raise ValueError(f"{paths.location} keeps no settings.json")
+    from rlhf_pipeline.runs.pipeline_copy import load_copy
+
     return continuation(pipeline, paths.home, paths.name, json.loads(settings), load_copy(paths), lineage, parent_rows)
 
 
@@ -144,19 +135,3 @@ def offline_command(paths: Any, lineage: dict[str, Any], parent_rows: str) -> st
         return shlex.join(["rlhf-pipeline", "replay", "PIPELINE.py", "--buffer", parent_rows, "--home", paths.home,
                            "--run-name", paths.name]) + " with every --set of the parent"
 
-
-def load_copy(paths: Any) -> Any:
-    """The pipeline module of the run at ``paths`` (a ``RunPaths``) from its copy, the modules it
-    imports put first on the path (``runs/pipeline_copy.py``); a run at a URL's copy is read into
-    this machine's cache of it first."""
-    from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module
-    from rlhf_pipeline.runs.pipeline_copy import PIPELINE_KEY, importable_copy
-
-    if paths.url is not None:
-        content = paths.store.read(PIPELINE_KEY)
-        if content is None:
-            raise PipelineError(f"{paths.url} keeps no {PIPELINE_KEY}")
-        paths.root.mkdir(parents=True, exist_ok=True)
-        (paths.root / PIPELINE_KEY).write_bytes(content)
-    importable_copy(paths)
-    return load_pipeline_module(paths.root / PIPELINE_KEY)

@@ -1,29 +1,7 @@
-"""A branch of a run with collectors, continued online: ``rlhf-pipeline run PIPELINE.py --run-name NEW``
-(``--home s3://.../runs`` for a branch at a URL: the same steps, through the run stores).
-
-``branch`` (``runs/branch.py``) made the branch: the checkpoint of step N and its record (the rows
-each buffer shard had published then), the settings and ``parent-rows/``. Its first online start
-(``run``, ``learn`` or ``collect``; :func:`prepare_online_branch`, before anything else) adds:
-
-* ``buffer.continues.json``: the branch's buffer continues the parent's (``storage/continued.py``).
-  The learner reads, per shard, the parent's rows below the recorded count in place (never
-  written), then the rows the branch's own collector writes to its own shard store, numbered on
-  from there. So the learner's positions, its sampler and its pacing intake go on as the parent's;
-* each collector's position (``collector/shard-kkkk.pt``): its state when its shard held exactly the
-  recorded rows, from the parent's position history (``collect/position_history.py``): prompt
-  position, id counters, sampling RNG and the pacing counts of the collect loop. The branch's
-  collector resumes from it as from its own, and writes what the parent's wrote next, unless a
-  changed learner setting changed the weights it samples with;
-* the parent's weights of the versions from the oldest one those collectors held to the branch
-  step's, copied as the store can (hard links, server-side copies): the parent's own while it keeps
-  them, else the ones its collectors' histories keep (the learner prunes old versions long before a
-  branch). A paced round samples with the version pacing names for it, which may be older than the
-  checkpoint's.
-
-The buffer record is written last, once the rest is there: a start killed midway does it again
-(each object written is the same again). The parent is only read: its files and objects keep their etags.
-A parent without a position history at those rows (a run made before histories, a state pruned)
-continues offline only: refused in one line that names the reason and the ``replay`` command.
+"""A branch of a run with collectors continued online: its first ``run``/``learn``/``collect`` writes
+each collector's position from the parent's position history, the weights versions those
+collectors sample with next, and last ``buffer.continues.json`` (a start killed midway does it all
+again). ``docs/branching.md#continuing-online``.
 """
 
 from __future__ import annotations
@@ -46,7 +24,7 @@ class OnlineBranchError(RunError):
 
 def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable[[], str]) -> None:
     """Sets the branch at ``paths`` (a ``RunPaths``: a directory or a URL) up to continue online
-    (module docstring), once; ``offline``: the command that continues it offline, for a refusal (made
+    once; ``offline``: the command that continues it offline, for a refusal (made
     only then: it loads the pipeline copy)."""
     buffer = paths.buffer_location
     if continued_rows(buffer) is not None:

@@ -1,31 +1,6 @@
-"""``rlhf-pipeline detach BRANCH``: makes a branch self-contained, so that its parent may be
-deleted or prune what the branch read by reference.
-
-A branch (``runs/branch.py``) holds its own link or copy of its checkpoint and weights; what it
-still reads in its parent is the parent's rows, through ``parent-rows/`` (a branch of a run with
-collectors: a saved selection naming, by global id, the rows each parent shard had published at
-the branch step). Detaching copies those rows, in the selection's order, into the branch's own
-store ``own-rows/`` and points ``parent-rows/`` at it; ``replay --buffer BRANCH/parent-rows``
-then reads the same rows at the same positions (the same batches after a resume: the selection
-keeps the identity its checkpoints recorded), and nothing under the parent's directory.
-``branch.json`` keeps the parent and the step (``inspect`` and ``plot`` still show the lineage)
-and gains ``detached`` (when, how many rows, where to). A branch of a replay reads nothing of its
-parent (its source is the replay's, read-only): detaching it only records that.
-
-Crash-safe: each step leaves the branch usable and ``detach`` re-runnable, one switch at a time,
-through the branch's run store (a directory or a URL):
-
-1. the rows are copied into ``own-rows``: where the store renames (a directory), a memmap store
-   ``own-rows.partial`` renamed into place when complete; where it cannot (a URL), a Zarr store in
-   place. A kill leaves ``parent-rows/`` as it was; the next ``detach`` keeps a copy that holds
-   every row and deletes and makes again one that does not;
-2. the selection of every row of ``own-rows`` (one range of ids: ``storage/row_ranges.py``, a few
-   hundred bytes at any size, no per-row ids file) replaces ``parent-rows/selection.json`` whole
-   (one atomic rename, or one PUT): before it, the branch reads the parent; after it, its own copy.
-   A branch detached before ranges names its copy's rows one by one in ``parent-rows/own-rows.npy``;
-   it opens as before;
-3. ``branch.json`` is rewritten (atomically) with ``detached``; then the parent's ids files of
-   the old selection, which nothing names any more, are deleted.
+"""``rlhf-pipeline detach BRANCH``: copies the parent rows a branch reads into its own ``own-rows/`` and
+switches ``parent-rows/`` to it, one crash-safe step at a time (copy, then one atomic switch of the
+selection's manifest, then ``branch.json``). ``docs/branching.md#making-a-branch-self-contained``.
 """
 
 from __future__ import annotations
@@ -37,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX
-from rlhf_pipeline.runs.branch import PARENT_ROWS, BranchError
-from rlhf_pipeline.runs.branch_reads import is_inside, resolved_location
-from rlhf_pipeline.runs.lineage import BRANCH_FILE, read_parent
+from rlhf_pipeline.runs.branch import BranchError
+from rlhf_pipeline.runs.lineage import BRANCH_FILE, PARENT_ROWS, is_inside, read_parent, resolved_location
 
 OWN_ROWS = "own-rows"
 SELECTION_FILES = ("selection.json", "rows.npy", "parts.npy")  # storage/selection.py's MANIFEST_NAME, ROWS_NAME, PARTS_NAME
@@ -48,7 +22,7 @@ SWITCHED = "detached_into"  # in a switched selection's manifest: the copy it re
 
 
 def detach(branch: str | Path) -> dict[str, Any]:
-    """Makes ``branch`` (a directory or a URL) self-contained (module docstring); returns the
+    """Makes ``branch`` (a directory or a URL) self-contained; returns the
     ``detached`` record."""
     from rlhf_pipeline.files.run_paths import RunPaths
 

@@ -1,17 +1,5 @@
-"""Whether this machine can have a CUDA device, told without importing torch.
-
-``run --device cuda`` on a machine without a GPU used to be refused only once the learner child
-had imported torch and built the pipeline (36 s on a loaded 2-core machine). A command asked for
-``cuda`` calls :func:`check_cuda_device` first, which looks for a GPU driver's files: it says
-"no" only where no CUDA device can be there, and "maybe" wherever it cannot tell. Where it lets a
-run through, ``torch.cuda.is_available()`` in the pipeline's ``build`` and in the learner stays
-the authority (a CPU-only torch build on a GPU machine, a driver too old for torch, are found there).
-
-What it looks for, on Linux: NVIDIA's kernel driver makes ``/dev/nvidiactl``, ``/dev/nvidia0``...
-and ``/proc/driver/nvidia`` (a container given a GPU by the NVIDIA container toolkit or a
-Kubernetes device plugin gets these too); Jetson boards' integrated GPU is
-``/dev/nvhost-ctrl-gpu``; a ROCm build of torch answers to ``cuda`` through AMD's ``/dev/kfd``;
-WSL 2 passes a GPU through ``/dev/dxg``. macOS has no CUDA. Elsewhere (Windows) it does not guess.
+"""Whether this machine can have a CUDA device, told without importing torch (a GPU driver's files),
+so that ``--device cuda`` on a machine without one is refused before a child imports torch.
 """
 
 from __future__ import annotations
@@ -22,6 +10,8 @@ import sys
 
 from rlhf_pipeline.pipeline import PipelineError
 
+# NVIDIA's driver (a container given a GPU gets these too), Jetson's integrated GPU, AMD's ROCm (torch
+# answers to "cuda" there), WSL 2's pass-through
 GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/nvhost-ctrl-gpu", "/dev/kfd", "/dev/dxg")
 
 

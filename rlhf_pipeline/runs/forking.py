@@ -1,32 +1,6 @@
-"""``run``'s children forked from one process that imported torch & co. once.
-
-Importing torch, tensordict (which imports torch's compiler stack), transformers' model classes
-and torchrl costs a process about 3 s of CPU, and ``run`` has two children or more (a learner,
-one collector per shard) that each needed all of it: on 2 cores shared with other work, the
-second import was the larger part of the time to the first learner step (docs/benchmarks.md,
-"Tool use against TRL"). So ``run`` starts one *forking* process
-(``python -m rlhf_pipeline.cli.forker``) that imports the modules every side needs
-(``launch.preload``) once and then forks each child from itself: a child starts with them
-imported and runs the command line it was given (``rlhf_pipeline.cli.main.main(argv)``), as a
-child started with ``python -m rlhf_pipeline.cli.main ...`` would, with its own stdin, file
-descriptors and environment. The forking process then exits.
-
-The children are ``run``'s own, not its grandchildren: ``run`` marks itself a child subreaper
-(Linux ``prctl(PR_SET_CHILD_SUBREAPER)``) before it starts the forking process, so the children
-are re-parented to it when that exits, and each child waits until it has been (the end of file
-of a pipe only the forking process held) before it does anything. :class:`ForkedChild` is
-``run``'s handle on one: the part of :class:`subprocess.Popen` that ``run`` uses (``poll``,
-``wait``, ``terminate``, ``kill``, ``stdin``, ``returncode``). Everything else about the children
-is as before: the stop pipe (its end of file when ``run`` dies, even by ``kill -9``), the
-learner's status pipe, ``go`` on stdin, the run directory's holder lock, exit codes.
-
-Where the subreaper is not available (not Linux), :func:`can_fork_children` is False and ``run``
-starts each child with its own interpreter, as it did before.
-
-A forked child's ``/proc/PID/cmdline`` is the forking process's, so the forking process is
-started with the command lines of its children in its own (``ps`` shows every child's role and
-arguments there), and each child names its thread after its role (``prctl(PR_SET_NAME)``,
-``ps -o comm``: ``rlhf-learn``, ``rlhf-collect``).
+"""``run``'s children forked from one process (``cli/forker.py``) that imported torch & co. once: ``run``
+is their child subreaper, so they are its own once the forking process exits, and each waits for
+that before it runs. ``docs/pipelines.md#start-up``.
 """
 
 from __future__ import annotations

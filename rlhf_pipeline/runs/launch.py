@@ -1,34 +1,7 @@
-"""Starting ``run``'s collector and learner processes early, so their start-up overlaps the launcher's.
-
-Most of a process's start-up is importing torch, tensordict (which imports torch's compiler
-stack), torchrl and transformers: 4-5 s each on 2 idle cores, three times that on a busy
-machine. ``run`` used to import them, check the settings and build the initial policy (the
-warm start) and only then start its children, which imported everything again.
-
-Now ``run`` starts the children first, with ``--wait-for-launcher``: each has the modules its
-side needs imported (:func:`preload`) and then waits for one line on its stdin. On Linux they are
-forked from one process that imported them once (``forking.py``: each import costs ~3 s of CPU,
-and two at once on a small machine were most of the time to the first step); elsewhere each
-child imports them itself. Meanwhile ``run``
-checks the settings and prepares the run directory; then it writes ``go`` to every child
-(:meth:`Children.go`), or, when a check failed, closes their stdin so that they exit quietly
-and nothing but ``run``'s own error is printed (:meth:`Children.abandon`). A child told to go
-builds the pipeline itself as before (its checks pass: they just passed in ``run``), finds the
-run directory prepared, and starts.
-
-Every child also holds the read end of one stop pipe (``--stop-fd``; ``stopping.StopFlag`` watches
-it): a byte on it asks the child to stop cleanly, and its end of file, which the kernel delivers
-when ``run`` dies even by ``kill -9``, does the same. A child still waiting for ``go`` sees its
-stdin close instead and exits. Nothing keeps running without its launcher.
-
-The launcher itself imports no torch: the learner child prepares the run. It starts at once
-(no ``go`` to wait for), builds the pipeline (settings checks and preflight), prepares the run
-directory and reports ``prepared`` on a pipe of its own (``--status-fd``; :class:`LauncherReports`);
-``run`` then lets the collectors go, and they build their side while the learner warm-starts
-the initial policy and publishes it as weights version 0 (``ready``). A check that fails in the
-learner is reported on the same pipe (``error``, with the exception's class and message) and
-``run`` raises it as its own: the same one-line error and exit code as a check in ``run``, and
-nothing created, since the learner checks before it creates anything.
+"""Starting ``run``'s children early, so that their imports overlap the launcher's checks: each waits
+for ``go`` on its stdin (its end of file: exit quietly), and all watch one stop pipe whose end of
+file means the launcher is gone. The learner child prepares the run and reports on a status pipe
+(``prepared``, ``ready`` or ``error``). ``docs/pipelines.md#start-up``.
 """
 
 from __future__ import annotations

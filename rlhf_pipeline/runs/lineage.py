@@ -1,34 +1,36 @@
-"""A run's lineage and rewind points, read without torch: what ``inspect RUN`` prints, for a run
-directory or a run at an ``s3://``/``az://`` URL alike (every read goes through the run store).
-
-A branch (``runs/branch.py``) records its parent in ``<branch>/branch.json``; the parent is never
-written to (its files or objects stay byte-identical), so a parent's branches are found by looking
-at the runs beside it (the same home: a directory or a URL prefix) for a ``branch.json`` that names
-it. A branch made elsewhere is not found from its parent, but still names its parent itself.
+"""A run's lineage and rewind points, read without torch through the run store (a directory or a
+URL alike): what ``inspect RUN`` prints. A branch names its parent in ``branch.json``; a parent's
+branches are found beside it. ``docs/branching.md#comparing-a-parent-and-its-branches``.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_store import RunStore
-from rlhf_pipeline.runs.branch_reads import (
-    BRANCH_MAKING,
-    PARENT_ROWS_MANIFEST,
-    is_inside,
-    making_record,
-    resolved_location,
-)
 
 BRANCH_FILE = "branch.json"
 BRANCH_FORMAT = 1
+BRANCH_MAKING = "branch.making"  # what a branch being made is made of ({"parent", "step"}), written first
+PARENT_ROWS = "parent-rows"
+PARENT_ROWS_MANIFEST = f"{PARENT_ROWS}/selection.json"
 READS_AT_ONCE = 16  # reads of the runs beside a run in flight at once: a home of 100 runs in ~7 round trips
+
+
+def resolved_location(location: str) -> str:
+    """A store's location as selections record it: a URL as it is, a path made absolute."""
+    return location if "://" in location else str(Path(location).resolve())
+
+
+def is_inside(location: str, run: str) -> bool:
+    """Whether ``location`` (a path or a URL) lies inside the run at ``run``."""
+    return resolved_location(location).startswith(resolved_location(run).rstrip("/") + "/")
 
 
 @contextmanager
@@ -85,15 +87,6 @@ def _lineage_at(store: Any, prefix: str) -> dict[str, Any] | None:
     return data
 
 
-def is_detached(run: str | Path) -> bool:
-    """Whether the branch ``run`` was made self-contained (``runs/detach.py``): it reads nothing of
-    its parent any more, though its ``branch.json`` still names it."""
-    try:
-        return bool((read_parent(run) or {}).get("detached"))
-    except (ValueError, OSError):
-        return False  # damaged: treated as still reading its parent
-
-
 def home_of(run: str | Path) -> tuple[Any, str]:
     """The run store of the home that holds ``run`` (its directory or URL prefix; None for a run at
     the top of a bucket, which has no runs beside it) and the run's name there."""
@@ -116,8 +109,6 @@ def branch_records(run: str | Path, *, half_made: bool = False, home: Any = None
     left half-made (``branch.making`` and no ``branch.json``), with ``"lineage": None`` and
     ``"half_made": True``. One listing of the home and a read or two per run in it, sent
     a few at a time; ``home``/``others``: the home's store and its runs, when the caller has them."""
-    from concurrent.futures import ThreadPoolExecutor
-
     location = resolved_location(str(run)).rstrip("/")
     if home is None:
         home, name = home_of(location)
@@ -132,7 +123,7 @@ def branch_records(run: str | Path, *, half_made: bool = False, home: Any = None
             lineage = _lineage_at(home, f"{other}/")
         except ValueError:
             return None  # a damaged branch says so when it is inspected itself
-        making = making_record(home.read(f"{other}/{BRANCH_MAKING}")) if lineage is None and half_made else None
+        making = json_object(home.read(f"{other}/{BRANCH_MAKING}")) if lineage is None and half_made else None
         parent = (lineage if lineage is not None else making or {}).get("parent")
         if parent is None or resolved_location(str(parent)).rstrip("/") != location:
             return None  # no branch, or another run's
@@ -140,14 +131,13 @@ def branch_records(run: str | Path, *, half_made: bool = False, home: Any = None
         return {"run": f"{where}/{other}", "step": step, "lineage": lineage, "half_made": lineage is None}
 
     others = runs_beside(home, name) if others is None else others
+    return read_each(record_of, others)
+
+
+def read_each(read: Callable[[str], Any], others: list[str]) -> list[Any]:
+    """``read(name)`` of each run beside, ``READS_AT_ONCE`` at a time: those that are not None."""
     with ThreadPoolExecutor(max_workers=max(1, min(READS_AT_ONCE, len(others)))) as pool:
-        return [found for found in pool.map(record_of, others) if found is not None]
-
-
-def find_branches(run: str | Path) -> list[dict[str, Any]]:
-    """The branches of ``run`` among the runs beside it: ``{"run": location, "step": N}``, by step then location."""
-    return sorted(({"run": b["run"], "step": b["step"]} for b in branch_records(run)),
-                  key=lambda b: (b["step"], b["run"]))
+        return [found for found in pool.map(read, others) if found is not None]
 
 
 def run_lineage(run: str | Path) -> dict[str, Any]:

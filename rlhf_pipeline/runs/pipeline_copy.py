@@ -1,20 +1,6 @@
-"""The run directory's copy of its pipeline file, and of the modules beside it that the file imports.
-
-``export-model``, ``import`` and ``show`` rebuild a run's model and tokenizer from ``pipeline.py``
-in the run directory (``rlhf_pipeline/dataio/run_pipeline.py``), so the copy must be the file the
-run trains with, and must import there as it did where it was written:
-
-- **Its neighbours are kept.** A module beside the pipeline file that it imports (``import
-  helper`` with ``helper.py`` or a package ``helper/`` next to it, found by reading the imports of
-  the file and of those modules, lazy ones included) is kept under ``pipeline_modules/``, which
-  :func:`importable_copy` puts on ``sys.path`` before the copy is loaded. Modules an installed
-  distribution provides, and the standard library, are not copied.
-- **Every start compares.** The file (and its neighbours) given to a start is compared with the
-  copy. A run that has published no policy yet built nothing from the copy (a start that failed
-  before its warm start ended, say), so the copy is replaced, saying so in one line. A run that
-  has published one is refused, in one line: a changed pipeline may change what the run trains
-  (its rewards, its prompts, its model), which the user must decide, and the line says how to go
-  on either way (the file as it was, a new run, or removing the copy to keep the changed file).
+"""The run's copy of its pipeline file and of the modules beside it that it imports
+(``pipeline_modules/``), from which ``export-model``, ``import`` and ``show`` rebuild the run; every
+start compares the file given with the copy.
 """
 
 from __future__ import annotations
@@ -22,9 +8,10 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path, PurePosixPath
+from types import ModuleType
 from typing import TYPE_CHECKING
 
-from rlhf_pipeline.files.run_store import StaleWriterError
+from rlhf_pipeline.files.run_store import LocalRunStore, StaleWriterError
 from rlhf_pipeline.pipeline import PipelineError
 
 if TYPE_CHECKING:
@@ -161,23 +148,21 @@ def _write(store: RunStore, current: dict[str, bytes], kept: dict[str, bytes], p
         store.write(PIPELINE_KEY, current[PIPELINE_KEY], fence=False, partial_name=partial)
 
 
-def importable_copy(paths: RunPaths) -> Path | None:
-    """The local directory holding the run's kept modules (for a run at a URL, written into this
-    machine's cache), put at the front of ``sys.path`` so that the copy imports them; None when
-    the run keeps none. It stays there: a pipeline may import them lazily, in ``make_model``."""
-    store = paths.store
-    keys = _walk(store, MODULES_KEY)
-    if not keys:
-        return None
-    directory = paths.root / MODULES_KEY
-    if paths.url is not None:
-        from rlhf_pipeline.files.run_store import LocalRunStore
+def load_copy(paths: RunPaths, missing: str = "") -> ModuleType:
+    """The run's pipeline module, loaded from its copy with the modules it imports put at the front of
+    ``sys.path``, where they stay (a pipeline may import them lazily, in ``make_model``); a run at a
+    URL's copy is written into this machine's cache of the run first. ``missing``: what a refusal
+    adds when the run keeps no copy."""
+    from rlhf_pipeline.pipeline import load_pipeline_module
 
+    kept = kept_sources(paths.store)
+    if PIPELINE_KEY not in kept:
+        raise PipelineError(f"{paths.location} keeps no copy of its pipeline file{missing}")
+    if paths.url is not None:
         cache = LocalRunStore(paths.root)
-        for key in keys:
-            content = store.read(key)
-            if content is not None:
-                cache.write(key, content, durable=False)
-    if str(directory) not in sys.path:
-        sys.path.insert(0, str(directory))
-    return directory
+        for key, content in kept.items():
+            cache.write(key, content, durable=False)
+    modules = str(paths.root / MODULES_KEY)
+    if len(kept) > 1 and modules not in sys.path:
+        sys.path.insert(0, modules)
+    return load_pipeline_module(paths.pipeline_file)

@@ -1,10 +1,5 @@
-"""What runs inside a collector or a learner process, whoever placed it there: ``run``'s children,
-a standalone ``collect`` / ``learn``, or a Ray actor (``rlhf_pipeline/cluster/actors.py``).
-
-:func:`build_pipeline` builds the pipeline file's :class:`Pipeline` and runs its preflight;
-:func:`collect_main` collects rounds into the collector's own shard, paced by the learner, until
-the learner's ``STOP`` file or a stop request; :func:`learn_main` runs the learner (one rank, or
-one of several data-parallel ranks) until its steps are taken or it is asked to stop.
+"""What runs inside a collector, a learner or an evaluator process, whoever placed it there: ``run``'s
+children, a standalone ``collect`` / ``learn`` / ``eval``, or a Ray actor (``cluster/actors.py``).
 
 Why one file: the two process bodies are the run's one reading of its own directory (paths, stop
 file, pacing, weights) from the inside; a change to how a run is laid out changes both together.

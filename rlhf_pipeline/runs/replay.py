@@ -1,35 +1,9 @@
-"""``rlhf-pipeline replay``: train a new run from a recorded buffer, offline.
+"""``rlhf-pipeline replay``: train a new run from a recorded buffer, offline. The source is opened
+read-only; the run's ``settings.json`` keeps a ``replay`` record a resumed replay must match, and
+``batches.jsonl`` each step's rows. ``docs/replay.md``.
 
-Why one file: ``replay`` is a command whose checks, run-directory preparation, re-scoring set-up and
-launch of its ranks run in a fixed order documented above; the pieces it shares with ``run`` live in
-:mod:`.processes` and :mod:`.run_directory`.
-
-Order of work, so that bad input fails before anything is written:
-
-1. load the pipeline file with ``--set``/``--device`` (as ``run`` does); open the source
-   buffer read-only (``open_buffer(path, mode="r")``: a memmap store, a Zarr directory,
-   ``.zip`` or URL, a run's sharded ``buffer/``, or whatever else ``open_buffer`` opens)
-   and count its rows; check that it holds what the loss needs (advantages, reference
-   log-probs) or that re-scoring will provide it;
-2. derive the learner settings: ``sampler="epoch"`` over those rows in ``--order`` (see
-   ``learn/samplers/epoch.py``), and **no staleness bound**: the rows carry the policy
-   versions of the run that recorded them, which say nothing about this learner's
-   versions (the metrics still show them: ``charts/row_version_*``, ``charts/staleness_*``);
-3. prepare the new run under a lock (a directory, or a URL with ``--home s3://...``: then
-   settings, the pipeline copy, weights, checkpoints, metrics and ``batches.jsonl`` are objects
-   there, as ``run --home URL`` keeps them, and local disk is only a cache). ``settings.json``
-   holds the pipeline's settings plus a ``replay`` section (source, rows, options, the learner settings used); a
-   second start must match it (only ``--epochs``/``--steps``, ``--device`` and, with a
-   note, ``learner.*`` may change). The initial policy (``--init-from``; else the weights version 0
-   of the run that recorded the buffer, when it still holds it and has this replay's settings;
-   else the pipeline's ``make_policy()``, saying why) is published as weights version 0;
-4. run the :class:`~rlhf_pipeline.learn.learner.Learner` over the source, with the optional
-   re-scoring (``learn/rescore.py``) as its batch transform, and record each step's rows in
-   ``batches.jsonl`` (positions and trajectory ids), so two replays can be compared row
-   for row. Running the same command again resumes from the newest checkpoint.
-
-Nothing is ever written to the source: it is opened read-only, and re-scored values live
-only in the padded batches in memory.
+Why one file: ``replay`` is one command whose checks, run-directory preparation, re-scoring set-up
+and launch of its ranks run in a fixed order, so that bad input fails before anything is written.
 """
 
 from __future__ import annotations
@@ -340,11 +314,13 @@ def _saved_settings(paths: RunPaths) -> dict[str, Any] | None:
 
 
 def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
+    """The replay record of a resumed replay; None for a new one, or for a branch of a run with
+    collectors replayed for the first time (its settings are its parent's, ``runs/branch.py``)."""
+    from rlhf_pipeline.runs.branch import offline_branch_of
+
     saved = _saved_settings(paths)
-    if saved is None:
+    if saved is None or ("replay" not in saved and offline_branch_of(paths) is not None):
         return None
-    if "replay" not in saved and _first_offline_start(paths):
-        return None  # a branch of a run with collectors, replayed for the first time (runs/branch.py)
     if "replay" not in saved:
         raise ReplayError(f"{paths.location} holds a run made by `rlhf-pipeline run`, not a replay; choose another "
                           f"--run-name")
@@ -361,58 +337,46 @@ def _resumes_parents_checkpoint(paths: RunPaths) -> bool:
     return lineage is not None and run_checkpoints(paths).latest_step() == int(lineage["step"])
 
 
-def _first_offline_start(paths: RunPaths) -> bool:
-    """A branch of a run with collectors that was never replayed: its settings.json is its parent's."""
-    from rlhf_pipeline.runs.branch import offline_branch_of
-
-    return offline_branch_of(paths) is not None
-
-
 def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], options: ReplayOptions) -> Any:
-    """Writes ``settings.json`` (or checks a resumed replay against it) and publishes version 0;
-    returns the model it published (the learner trains it without loading it again), else None."""
+    """Writes ``settings.json`` with the replay's record (or checks a resumed replay against it) and
+    publishes version 0; returns the model it published (the learner trains it without loading it
+    again), else None."""
     from rlhf_pipeline.runs.processes import set_threads
     from rlhf_pipeline.runs.run_directory import keep_pipeline_copy, run_lock, settings_changes
     from rlhf_pipeline.coordination.weights import latest_version, publish_weights
 
     set_threads(pipeline)  # before the warm start, as `run` does: it and the training steps use them
     with run_lock(paths):
-        current = settings_to_json(pipeline.settings)
         saved = _saved_settings(paths)
-        branch_start = saved is not None and "replay" not in saved and _first_offline_start(paths)
-        if branch_start:  # its settings are its parent's, with the branch's changes: they must still hold
-            changed = settings_changes(saved, pipeline.settings, tag="[replay]", since="the branch was made")
-            if changed:
+        # None: a new replay, or a branch's first (_saved_replay refused any other run without one)
+        recorded = None if saved is None else saved.pop("replay", None)
+        if record["seed"] is None:
+            record["seed"] = recorded["seed"] if recorded else int(getattr(pipeline.settings, "seed", 0))
+        if saved is not None:  # a branch's settings are its parent's with its changes: they must hold too
+            changed = settings_changes(saved, pipeline.settings, tag="[replay]",
+                                       since="the replay started" if recorded else "the branch was made")
+            changed += [f"--{k.replace('_', '-')}: was {recorded.get(k)!r}, now {record[k]!r}"
+                        for k in sorted(dataclasses.asdict(options)) if recorded
+                        and k not in _RESUMABLE_OPTIONS and k in record and recorded.get(k) != record[k]]
+            if changed and recorded is None:
                 raise ReplayError(f"run directory {paths.location} is a branch made with other settings "
                                   f"({'; '.join(changed)}); replay it with its settings (runs/branch.py)")
-            if record["seed"] is None:
-                record["seed"] = int(getattr(pipeline.settings, "seed", 0))
-            text = json.dumps({**saved, "replay": record}, indent=2, sort_keys=True).encode()
-            paths.store.write(paths.key(paths.settings_file), text, partial_name=paths.settings_file.name + ".partial")
-        elif saved is not None:
-            saved_replay = saved.pop("replay")
-            if record["seed"] is None:
-                record["seed"] = saved_replay["seed"]
-            changed = settings_changes(saved, pipeline.settings, tag="[replay]", since="the replay started")
-            changed += [f"--{k.replace('_', '-')}: was {saved_replay.get(k)!r}, now {record[k]!r}"
-                        for k in sorted(dataclasses.asdict(options))
-                        if k not in _RESUMABLE_OPTIONS and k in record and saved_replay.get(k) != record[k]]
             if changed:
-                raise ReplayError(
-                    f"run directory {paths.location} holds a replay started with other settings "
-                    f"({'; '.join(changed)}). "
-                    f"Resume with the same command, or start a new replay with --run-name NAME"
-                )
+                raise ReplayError(f"run directory {paths.location} holds a replay started with other settings "
+                                  f"({'; '.join(changed)}). Resume with the same command, or start a new replay "
+                                  f"with --run-name NAME")
         # the initial policy before settings.json: a --init-from that does not fit leaves nothing behind
         model = (initial_policy(pipeline, options.init_from, record["buffer"])
                  if latest_version(paths.store) is None else None)
-        if saved is None:
-            if record["seed"] is None:
-                record["seed"] = int(getattr(pipeline.settings, "seed", 0))
-            text = json.dumps({**current, "replay": record}, indent=2, sort_keys=True).encode()
+        if recorded is None:
+            text = json.dumps({**(saved or settings_to_json(pipeline.settings)), "replay": record}, indent=2,
+                              sort_keys=True).encode()
+            key, partial = paths.key(paths.settings_file), paths.settings_file.name + ".partial"
             try:
-                paths.store.create(paths.key(paths.settings_file), text,
-                                   partial_name=paths.settings_file.name + ".partial")
+                if saved is not None:  # a branch's settings gain the record
+                    paths.store.write(key, text, partial_name=partial)
+                else:
+                    paths.store.create(key, text, partial_name=partial)
             except StaleWriterError:  # only a start of this replay on another machine writes it meanwhile
                 raise ReplayError(f"{paths.location} was started meanwhile by another start of this replay (another "
                                   f"machine); run the same command again: it checks its settings against that one"

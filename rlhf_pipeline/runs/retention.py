@@ -1,49 +1,7 @@
-"""Retention in a run: what a collector may drop from its shard after a round, and what it may not.
-
-The rules (``storage/retention.py``) say which old rows may go; this module finds the *floor*, the
-oldest row of the collector's shard that something of the run still needs, and drops nothing at or
-after it. The floor is the lowest of:
-
-* **the kept checkpoints** (rewind points; with ``hold_rewind_points=false`` only the newest, and the
-  ones ``learner.keep_best`` keeps: the best, and those awaiting their score): a learner resumed or branched from step N draws its
-  next batches from the rows its sampler could reach then, the newest ``window`` rows before the
-  position the checkpoint recorded (``step_N.json``'s ``buffer_rows``); a checkpoint made before
-  positions were recorded, or one that does not name this shard, holds every row;
-* **the branches beside the run** (``runs/lineage.py`` finds them, in a directory or at a URL alike):
-  a branch's ``parent-rows/`` names the parent's rows by global id and checks at every opening that
-  they are all still there, so the parent keeps every row from the selection's first row of its
-  shard on. A branch being made (or left half-made by a killed ``branch``) holds from its
-  selection's first row once that is written, and every row before; an unreadable selection holds
-  every row rather than guess; a detached branch reads its own copy, unless it was continued online
-  (its buffer still reads the parent's shard in place: every row held); a branch of a replay reads
-  the replay's source, not this buffer;
-* **the learner**: the rows it has not taken in yet (``pacing.json``'s ``consumed``) and the
-  ``window`` before them that its sampler draws from; before the learner's first intake, every row.
-
-``window`` is ``max(sample_window, batch_size * uses_per_row)``: what the window, groups and exact
-samplers can reach behind a position. The prioritized sampler draws from every row held, so with
-it retention bounds what it draws from (a rewind then draws from the rows still held, not exact).
-
-In a branch continued online (``runs/branch_online.py``) the checkpoints and the learner count a
-shard's rows on from the parent's count ``N`` at the branch step, its own store from 0: those
-floors are translated (row ``N + r`` is own row ``r``), a floor among the parent's rows holds every
-own row, and only the branch's own rows are ever dropped (the parent's are read in place, never
-written; the parent's own retention holds them for the branch through its ``parent-rows/``).
-
-* **a running replay of the buffer** beside the run (its ``settings.json`` names the source, its
-  ``run.lock`` a live process on this machine, or at a URL a live lease): while it runs, nothing is
-  dropped.
-
-Finding the branches and replays costs one listing of the home and a read or two per run beside
-it: :class:`BranchFloors` does it only when a drop is about to happen, and at a URL reuses a look
-younger than ``RESCAN_S`` only to *keep* rows (a stale look may miss a branch made since, never a
-row it needs). No branch appears between the look and the drop: in a directory ``branch`` and
-retention take one lock (``lineage.branches_settled``); at a URL, where there is none, the
-collector marks a drop under way (:func:`drop_under_way`) and ``branch`` waits for it
-(:func:`wait_for_drops`) after writing its ``branch.making``.
-
-Not covered (``docs/retention.md``): a replay under another home (or, of a run directory, on another
-machine), and branches made under another home (or URL prefix), are not found.
+"""Retention in a run: after each round a collector drops the old whole segments its rules allow
+(``storage/retention.py``), never at or past the *floor*, the oldest row of its shard that a kept
+checkpoint, a branch beside the run, the learner or a running replay still needs.
+``docs/retention.md#what-holds-rows``.
 """
 
 from __future__ import annotations
@@ -59,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.runs.branch_reads import continues_shard, first_row_read, resolved_location
+from rlhf_pipeline.runs.lineage import (
+    PARENT_ROWS_MANIFEST,
+    branch_records,
+    branches_settled,
+    home_of,
+    read_each,
+    resolved_location,
+    run_store_at,
+    runs_beside,
+)
 from rlhf_pipeline.storage.retention import RetentionSettings, RowClock, wanted_cut, whole_cut
 
 CLOCK_KEY = "retention_clock"  # where the row clock rides in the collector's saved loop state
@@ -128,9 +95,7 @@ class ShardRetention:
         return RetentionReport(rows, size, store.first_row, floor, held_by)
 
     def _branches_settled(self) -> Any:
-        """No branch appears between the look at the branches and the drop (module docstring)."""
-        from rlhf_pipeline.runs.lineage import branches_settled
-
+        """No branch appears between the look at the branches and the drop (docs/retention.md)."""
         if self.paths.store.is_local:  # a lock `branch` takes too; an object store has none
             return branches_settled(self.paths.store)
         return drop_under_way(self.paths.store, self.key)
@@ -208,10 +173,8 @@ def wait_for_drops(run_store: Any, shard_keys: Any, poll_s: float = 0.05) -> Non
 def branch_rows_needed(run: str, store_path: str, home: Any = None,
                        others: list[str] | None = None) -> list[tuple[str, int]]:
     """``(branch, first global row)`` of the rows of the shard at ``store_path`` that each branch
-    beside ``run`` (a directory or a URL) reads (module docstring); ``home``: the run store of the
+    beside ``run`` (a directory or a URL) reads (docs/retention.md); ``home``: the run store of the
     runs' home to read with (found when None); ``others``: the runs beside, if listed."""
-    from rlhf_pipeline.runs.branch_reads import PARENT_ROWS_MANIFEST
-    from rlhf_pipeline.runs.lineage import branch_records, home_of
 
     shard = resolved_location(store_path).rstrip("/")
     home = home if home is not None else home_of(run)[0]
@@ -241,6 +204,14 @@ def branch_rows_needed(run: str, store_path: str, home: Any = None,
     return needed
 
 
+def first_row_read(parts: list[dict[str, Any]], shard: str) -> int | None:
+    """The first row of the store at ``shard`` that a saved selection's ``parts`` name (None: none)."""
+    shard = resolved_location(shard).rstrip("/")
+    firsts = [int(part["first_row"]) for part in parts
+              if part.get("rows") and resolved_location(str(part.get("location", ""))).rstrip("/") == shard]
+    return min(firsts) if firsts else None
+
+
 def _continues_in_place(home: Any, name: str, branch: str, shard: str) -> bool:
     """Whether the branch's buffer continues online from rows of the parent's shard at ``shard``
     (its ``buffer.continues.json`` names that shard's buffer and rows of it): it reads them in place."""
@@ -251,7 +222,11 @@ def _continues_in_place(home: Any, name: str, branch: str, shard: str) -> bool:
         continues = continued_rows(str(settings.get("buffer_url") or f"{branch}/buffer"))
     except (ValueError, OSError):
         return True  # unreadable: hold rather than guess
-    return continues_shard(continues, shard)
+    if continues is None:
+        return False
+    buffer, _, name = resolved_location(shard).rstrip("/").rpartition("/")
+    same = resolved_location(str(continues["parent_buffer"])).rstrip("/") == buffer
+    return same and int(continues["rows"].get(name, 0)) > 0
 
 
 def running_replays(run: str, sources: set[str], home: Any, others: list[str]) -> list[str]:
@@ -260,11 +235,8 @@ def running_replays(run: str, sources: set[str], home: Any, others: list[str]) -
     names a live process on this machine (a directory, ``runs/run_directory.py``) or is a lease not
     abandoned (a URL, ``files/run_lease.py``). Such a replay counted the rows it walks when it
     started, so while it runs nothing of the store is dropped. A read or two per run, a few at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from rlhf_pipeline.files.processes import pid_running
     from rlhf_pipeline.files.run_lease import abandoned, holder_record
-    from rlhf_pipeline.runs.lineage import READS_AT_ONCE
     from rlhf_pipeline.runs.run_directory import HOLDER_FILE
 
     where = home.location.rstrip("/")
@@ -292,8 +264,7 @@ def running_replays(run: str, sources: set[str], home: Any, others: list[str]) -
         # the lease's own rule; a record naming no lease_s never runs out by age
         return None if abandoned(holder, seen[2], default_lease_s=math.inf) else f"{where}/{other}"
 
-    with ThreadPoolExecutor(max_workers=max(1, min(READS_AT_ONCE, len(others)))) as pool:
-        return [found for found in pool.map(running, others) if found is not None]
+    return read_each(running, others)
 
 
 class BranchFloors:
@@ -314,8 +285,6 @@ class BranchFloors:
         recent = self._taken is not None and time.monotonic() - self._taken < self.rescan_s
         if recent and not fresh:
             return self._floors, False
-        from rlhf_pipeline.runs.lineage import home_of, runs_beside
-
         if self._home is None:  # one client for every look
             self._home, self._name = home_of(self.run)
         self._floors = []
@@ -334,8 +303,6 @@ class BranchFloors:
 def run_retention(run: str | Path) -> dict[str, Any] | None:
     """What ``inspect RUN`` says of a run's retention: the rules from its ``settings.json`` (None
     for a run with no ``retention`` settings, made before them or by a pipeline without them)."""
-    from rlhf_pipeline.runs.lineage import run_store_at
-
     try:
         settings = json.loads(run_store_at(run).read("settings.json") or b"null")
     except (OSError, ValueError):

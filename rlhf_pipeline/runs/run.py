@@ -1,38 +1,6 @@
-"""Process orchestration for ``run`` / ``collect`` / ``learn``.
-
-Why one file: it is the one sequence below, from the checks to the children watched until they end;
-what each child runs is ``processes.py``, how they are started ``launch.py``.
-
-Order of work, so bad settings fail before anything starts:
-
-1. load the pipeline file, apply ``--set`` / ``--steps`` / ``--device`` (each settings class checks
-   its values as it is built), check what the settings ask of the machine and point at
-   (:func:`check_settings`), ``build`` it and run its ``preflight`` (e.g. the reward on one sample);
-2. prepare the run directory under a file lock (``run_directory.py``; idempotent, so ``collect``
-   and ``learn`` started side by side agree): check ``settings.json`` against a previous start, create
-   the buffer (:func:`prepare_run_directory`), then build the initial policy (warm start) and
-   publish it as weights version 0 (:func:`publish_initial_policy`);
-3. ``run`` starts ``--collectors N`` ``collect`` processes (collector ``k`` writes its own
-   shard ``buffer/shard-kkkk``, see ``storage/sharded.py``) and one ``learn`` process with the
-   same arguments, and waits for the learner; then it writes ``STOP``, which ends every
-   collector after its current round. A child that fails stops the others.
-
-``run`` itself imports no torch (three processes importing torch, tensordict and transformers
-at once on a small machine cost seconds before the first step): it does step 1's checks
-only, and its learner child does the rest of steps 1 and 2, then the collectors build their
-side during the warm start (:func:`prepare_for_launcher`, ``launch.py``). The children are
-forked from one process that imported torch & co. once for all of them (``forking.py``). An error
-of ``build``, ``preflight`` or the run directory reaches ``run`` through a pipe, and ``run``
-raises it as its own (same message, exit code 2); nothing is created before they pass.
-
-Both sides stop cleanly on Ctrl-C / SIGTERM: the collector finishes its round (rows are
-durable once written), the learner saves a checkpoint. Running the same command again
-resumes from there. ``run`` itself takes SIGINT and SIGTERM (a terminal's Ctrl-C, ``kill``,
-a job scheduler, ``docker stop``): it asks every child to stop through a pipe they all
-watch (``--stop-fd``), waits for them and exits with 130 / 143. A child also stops cleanly
-when that pipe closes without a word: the launcher is gone, even by ``kill -9``. A second
-signal to ``run`` kills the children at once (what a ``kill -9`` costs: the learner's steps
-since its last checkpoint; nothing written to the buffer).
+"""``run``, ``collect`` and ``learn``: the checks, the run directory held, and for ``run`` its children
+started, let go and watched until the learner is done or a signal stops them all. ``run`` imports
+no torch; its learner child prepares the run. ``docs/pipelines.md#start-up``.
 """
 
 from __future__ import annotations

@@ -327,8 +327,14 @@ def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> lis
     """What differs between ``saved`` settings JSON and ``settings``, except learner knobs: those
     may change on resume (the data stays valid), so they are only printed as a note."""
     retired = _retired_settings(settings)  # a setting that went or was renamed since: the rows it saw stand
-    changed = [c for c in _diff(saved, settings_to_json(settings), _default_settings(settings))
-               if c.split(":", 1)[0] not in retired]
+    saved, current, defaults = (flat_settings(d) for d in (saved, settings_to_json(settings),
+                                                           _default_settings(settings)))
+    changed = [f"{key}: was {saved.get(key)!r}, now {current.get(key)!r}"
+               for key in sorted(saved.keys() | current.keys())
+               if key.split(".")[0] not in _RESUMABLE_SETTINGS and not _named_by(key, retired)
+               and saved.get(key) != current.get(key)
+               # a setting added to the pipeline since the run started, left at its default
+               and not (key not in saved and key in defaults and current[key] == defaults[key])]
     tuned = [c for c in changed if c.startswith("learner.")]
     if tuned:
         print(f"{tag} note: learner settings changed since {since}: {'; '.join(tuned)}", file=sys.stderr, flush=True)
@@ -349,6 +355,12 @@ def _retired_settings(settings: Any, prefix: str = "") -> set[str]:
     return names
 
 
+def _named_by(key: str, names: set[str]) -> bool:
+    """Whether ``key`` or a section holding it is one of ``names``."""
+    parts = key.split(".")
+    return any(".".join(parts[:end]) in names for end in range(1, len(parts) + 1))
+
+
 def _default_settings(settings: Any) -> dict:
     """The pipeline's default settings as JSON ({} when its settings class needs arguments)."""
     try:
@@ -357,17 +369,12 @@ def _default_settings(settings: Any) -> dict:
         return {}
 
 
-def _diff(saved: dict, current: dict, defaults: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        if not prefix and key in _RESUMABLE_SETTINGS:
-            continue
-        a, b = saved.get(key), current.get(key)
-        if key not in saved and key in defaults and b == defaults[key]:
-            continue  # a setting added to the pipeline since the run started, left at its default
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _diff(a, b, defaults.get(key) if isinstance(defaults.get(key), dict) else {},
-                         prefix + key + ".")
-        elif a != b:
-            out.append(f"{prefix + key}: was {a!r}, now {b!r}")
-    return out
+def flat_settings(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Settings JSON as ``{dotted name: value}``, the names ``--set`` takes."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(flat_settings(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat

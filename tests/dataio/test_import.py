@@ -1,11 +1,11 @@
-"""``import`` from text datasets, logged inference traffic and bad input; into runs; after ``kill -9``."""
+"""``import`` from text datasets, logged inference traffic and bad input; after ``kill -9``. Into a run:
+``tests/integration/test_import_into_run.py``."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,18 +18,14 @@ from dataio_setup import DEFAULT_PIPELINE, GROUP_SIZE, REPO, SMALL, WRITE_PATH_F
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.columns import ColumnMap
-from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
-from rlhf_pipeline.dataio.import_state import IMPORT_SHARD_FIRST
 from rlhf_pipeline.dataio.importer import ImportOptions, ImportStopped, import_source
 from rlhf_pipeline.dataio.sources import SourceError
-from rlhf_pipeline.schema.ids import collector_index_of
 from rlhf_pipeline.models import char_tokenizer
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
 from rlhf_pipeline.runs.processes import build_pipeline
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
-from rlhf_pipeline.coordination.weights import load_weights
 
 QUIET = ImportOptions(show_progress=False)
 
@@ -200,34 +196,6 @@ def test_missing_role_column_says_which_option_names_it(pipeline, tmp_path):
     options = ImportOptions(columns=ColumnMap(prompt="question", completion="answer", reward="reward"))
     with pytest.raises(SourceError, match=r"column 'reward' \(given with --reward\) is missing"):
         import_source(source, tmp_path / "buf", pipeline, options=options, log=quiet)
-
-
-# ====================================================================== runs
-def test_import_into_a_run_adds_a_shard_scored_by_the_newest_policy(tiny_run, tmp_path, capsys):
-    run = tmp_path / "run"
-    shutil.copytree(tiny_run, run)
-    source = write_jsonl(tmp_path / "toy.jsonl", toy_records(3))
-    # no --pipeline: the run's own copy and settings
-    assert main(["import", str(source), str(run), "--quiet"]) == 0
-    shard = run / "buffer" / f"shard-{IMPORT_SHARD_FIRST:04d}"
-    rows = rows_of(shard)
-    assert len(rows) == 12 and rows["policy_version"].eq(3).all()
-    assert collector_index_of(rows["group_id"]).eq(IMPORT_SHARD_FIRST).all()
-    assert collector_index_of(rows["trajectory_id"]).eq(IMPORT_SHARD_FIRST).all()
-    model = load_run_pipeline(run).make_model()
-    model.load_state_dict(load_weights(run, 3)[0])
-    expected = reference_log_probs(model, rows["prompt_tokens"], rows["response_tokens"])
-    assert torch.allclose(rows["response_log_probs"].values, expected.values, atol=1e-5)
-    with open_buffer(run / "buffer") as union:  # the learner's view: collected + imported rows
-        assert len(union) == 64 + 12
-
-    # the same command again: already imported, nothing written
-    assert main(["import", str(source), str(run)]) == 0
-    assert "was already imported" in capsys.readouterr().err
-    assert len(rows_of(shard)) == 12
-    # a collector's shard is refused: its ids would collide with the collector's
-    assert main(["import", str(source), str(run / "buffer" / "shard-0000"), "--quiet"]) == 2
-    assert "is written by collector 0" in capsys.readouterr().err
 
 
 # ====================================================================== kill -9

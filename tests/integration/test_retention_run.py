@@ -33,7 +33,7 @@ from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.runs.branch import PARENT_ROWS, write_parent_rows
-from rlhf_pipeline.runs.branch_reads import BRANCH_MAKING, PARENT_ROWS_MANIFEST
+from rlhf_pipeline.runs.lineage import BRANCH_MAKING, PARENT_ROWS_MANIFEST
 from rlhf_pipeline.runs.detach import detach
 from rlhf_pipeline.runs.lineage import run_lineage, run_store_at
 from rlhf_pipeline.runs.retention import ShardRetention

@@ -1,12 +1,14 @@
-"""``import SOURCE s3://bucket/prefix/RUN``: the rows get a shard of their own at the run's URL (moto's
-S3 server on loopback), the pipeline and settings come from the run's store, and ``inspect`` of the
-run's buffer shows them. An import killed with ``kill -9`` resumes from its record at the URL with no
-row lost or doubled. Real processes; endpoint and credentials from the AWS variables.
+"""``import SOURCE RUN``: the rows get a shard of their own in the run's buffer, scored by the run's
+newest policy rebuilt from its own pipeline copy and settings, and ``inspect`` of the run's buffer
+shows them, for a run in a directory, at an ``s3://`` URL (moto's S3 server on loopback) and at an
+``az://`` URL (Azurite), one test over ``run_home``. An import into a run at a URL killed with
+``kill -9`` resumes from its record there with no row lost or doubled. Real processes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,16 +19,17 @@ from helpers import kill_when
 from integration.test_default_pipeline import DEFAULT
 
 from rlhf_pipeline.cli.main import main
-from rlhf_pipeline.coordination.weights import load_weights
+from rlhf_pipeline.coordination.weights import load_weights, publish_weights
 from rlhf_pipeline.dataio.import_state import IMPORT_SHARD_FIRST
 from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
-from rlhf_pipeline.runs.processes import build_pipeline
-from rlhf_pipeline.runs.run_directory import prepare_run
+from rlhf_pipeline.runs.processes import build_pipeline, collect_main
+from rlhf_pipeline.runs.run_directory import hold_run_directory, prepare_run
 from rlhf_pipeline.schema.ids import collector_index_of
 from rlhf_pipeline.storage import open_buffer, open_store
+from rlhf_pipeline.storage.buffers import find_shard
 from rlhf_pipeline.transforms.ref_logprobs import reference_log_probs
 
 IMPORTED = spread_shard_name(IMPORT_SHARD_FIRST)  # the import's shard at an object-store URL
@@ -41,12 +44,19 @@ def env(s3_env):
     return s3_env  # the module's tests name it env
 
 
-def run_at(url: str) -> RunPaths:
-    """A run at ``url`` as ``run --home`` prepares it: settings, the pipeline copy, collector 0's (empty)
-    shard and weights version 0 (what an import needs from a run; no collector or learner step)."""
+def run_at(location: str, *, collected: bool = False, versions: int = 1) -> RunPaths:
+    """A run at ``location`` (a directory or a URL) as ``run --home`` prepares it: settings, the
+    pipeline copy, collector 0's shard and weights version 0; ``collected``: with one round of
+    collector 0's rows; ``versions``: policy versions published in all, each with other weights."""
     module = load_pipeline_module(DEFAULT)
-    paths = RunPaths.at_url(url)
-    prepare_run(build_pipeline(module, make_settings(module, list(SMALL)), paths), paths)
+    paths = RunPaths.at(location)
+    pipeline = build_pipeline(module, make_settings(module, list(SMALL)), paths)
+    model = prepare_run(pipeline, paths)
+    if collected:
+        assert collect_main(pipeline, paths, rounds=1) == 0
+    for version in range(1, versions):
+        state = {k: v + 0.01 * version if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        publish_weights(paths.store, state, version)
     return paths
 
 
@@ -70,41 +80,43 @@ def rows_of(location: str):
         return store.read(torch.arange(len(store)))
 
 
-def test_an_import_into_a_run_at_a_url_gets_a_shard_there_and_inspect_shows_it(s3_server, env, tmp_path, capsys):
-    run = run_at(s3_server.url("run"))
+def test_an_import_into_a_run_gets_a_shard_of_its_own_scored_by_its_newest_policy(run_home, tmp_path, capsys):
+    run = run_at(f"{run_home}/run", collected=True, versions=3)
+    collected = len(rows_of(find_shard(run.buffer_location, 0)))
     source = write_jsonl(tmp_path / "toy.jsonl", 3)
-    done = subprocess.run([*CLI, "import", str(source), run.url, "--quiet"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*CLI, "import", str(source), run.location, "--quiet"], cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    shard = f"{run.url}/buffer/{IMPORTED}"
+    shard = find_shard(run.buffer_location, IMPORT_SHARD_FIRST)
     assert f"{shard}: 12 rows imported" in done.stdout
     rows = rows_of(shard)
-    assert len(rows) == 12 and rows["policy_version"].eq(0).all()
+    assert len(rows) == 12 and rows["policy_version"].eq(2).all()
+    assert collector_index_of(rows["group_id"]).eq(IMPORT_SHARD_FIRST).all()
     assert collector_index_of(rows["trajectory_id"]).eq(IMPORT_SHARD_FIRST).all()
     # scored by the run's newest weights, rebuilt from the run's own pipeline copy and settings
     model = load_run_pipeline(run).make_model()
-    model.load_state_dict(load_weights(run.store)[0])
+    model.load_state_dict(load_weights(run.store, 2)[0])
     expected = reference_log_probs(model, rows["prompt_tokens"], rows["response_tokens"])
     assert torch.allclose(rows["response_log_probs"].values, expected.values, atol=1e-5)
-    keys = s3_server.keys(run.url)
-    assert any(k.startswith("imports/import-") for k in keys) and "run.lock" not in keys  # recorded; let go
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "toy.jsonl"]  # no s3: directory
+    assert any(name.startswith("import-") for name in run.store.list("imports"))  # recorded
+    with hold_run_directory(run, "the test"):  # let go
+        pass
+    assert not any(p.name.endswith(":") for p in tmp_path.rglob("*"))  # no s3: or az: directory
 
-    inspected = subprocess.run([*CLI, "inspect", f"{run.url}/buffer/", "--json"], cwd=tmp_path, env=env,
+    inspected = subprocess.run([*CLI, "inspect", f"{run.buffer_location}/", "--json"], cwd=tmp_path,
                                capture_output=True, text=True, timeout=300)
     assert inspected.returncode == 0, inspected.stderr[-3000:]
-    stats = json.loads(inspected.stdout)
-    assert stats["rows"] == 12 and stats["extra"]["shards"] == 2  # collector 0's (empty) and the import's
-    assert f"{IMPORTED}: 12" in stats["extra"]["shard_rows"]
+    stats = json.loads(inspected.stdout)  # the learner's view: collector 0's rows and the import's
+    assert collected > 0 and stats["rows"] == collected + 12 and stats["extra"]["shards"] == 2
+    assert f"{shard.rpartition('/')[2]}: 12" in stats["extra"]["shard_rows"]
 
     # in this process from here (each CLI start imports torch again: seconds on a busy machine)
-    assert main(["import", str(source), f"{run.url}/buffer"]) == 0
+    assert main(["import", str(source), run.buffer_location]) == 0
     assert "was already imported" in capsys.readouterr().err
     assert len(rows_of(shard)) == 12
-    # once collector 0 has run (its position history exists), its shard is refused: ids would collide
-    run.store.write("collector/shard-0000.history/row_000000000012.pt", b"position", fence=False)
-    assert main(["import", str(source), f"{run.url}/buffer/shard-0000", "--quiet"]) == 2
-    assert "is written by collector 0 of run" in capsys.readouterr().err
+    # collector 0 has run (its position history exists): its shard is refused, ids would collide
+    assert main(["import", str(source), find_shard(run.buffer_location, 0), "--quiet"]) == 2
+    assert "is written by collector 0" in capsys.readouterr().err
 
 
 def test_an_import_with_an_unsupported_url_scheme_is_refused(env, tmp_path, monkeypatch, capsys):
