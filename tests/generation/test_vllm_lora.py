@@ -121,6 +121,19 @@ def test_each_version_is_served_under_its_own_name_and_rows_sample_its_adapter(s
     assert listed == {"policy", f"v{first + 1}", f"v{first + 2}"}
 
 
+def test_a_collector_started_past_version_0_gives_the_server_the_base_with_its_first_adapter(served):
+    # the server holds other whole weights (as a server at a URL may); the adapter brings its base
+    engine, base, tok = served
+    other, _ = tiny_model_and_tokenizer(seed=5, **SHAPE)
+    engine.load_weights(other.state_dict(), next_version(engine))
+    assert sampled_against(engine, other, tok, engine.policy_version) < SERVED_TOLERANCE
+    version = next_version(engine)
+    published, policy = adapter(base, version)
+    published.base = base.state_dict()
+    engine.load_weights(published, version)
+    assert sampled_against(engine, policy, tok, version) < SERVED_TOLERANCE
+
+
 class SkipsTheLoad(ServedAdapters):
     """The stale adapter of the field (ms-swift #9855, verl #3516): the new version's load is skipped and
     its rows go to the adapter the server still holds."""
