@@ -93,7 +93,7 @@ def main() -> None:
         started = time.perf_counter()
         engine.load_weights(adapter, 1)
         figures["adapter_version_load_s"] = time.perf_counter() - started  # write, load, canary
-        figures["adapter_load_request_s"] = engine.adapters.load_s[-1]
+        figures["adapter_load_request_s"] = engine.adapters.last_load_s
         figures["canary_difference"] = engine.adapters.last_difference
         figures["adapter_tokens_per_s"] = tokens_per_second(engine, prompts, args)
     finally:

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,7 +128,8 @@ class ServedAdapters:
         """version -> (its name on the server, its directory), oldest first."""
         self.last_difference: float | None = None
         """The sampling-path canary of the last version loaded: its largest log-prob difference."""
-        self.load_s: list[float] = []
+        self.last_load_s = 0.0
+        """Seconds the server took to load the last adapter (its ``/v1/load_lora_adapter``)."""
 
     def name(self, version: int) -> str:
         """The model a request of ``version`` names: the base for version 0 (or whole weights), else
@@ -217,14 +219,12 @@ class ServedAdapters:
 
     # ------------------------------------------------------------------ the server's side
     def _put(self, name: str, path: Path, version: int | None) -> None:
-        import time
-
         started = time.perf_counter()
         try:
             self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, text=True)
         except ServerError as exc:
             raise self._refusal(exc, version, path) from None
-        self.load_s.append(time.perf_counter() - started)
+        self.last_load_s = time.perf_counter() - started
 
     def _refusal(self, exc: ServerError, version: int | None, path: Path) -> Exception:
         """One line naming the setting; a :class:`ServerMismatch` (refused at connection, before any row)

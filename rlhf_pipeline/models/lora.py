@@ -12,7 +12,10 @@ on each target layer, from a copy of the base's target weights, so sampling runs
 then scores the canary tokens with the model it samples with and compares them with the learner's
 (:func:`canary_difference`; ``generation/loop.py`` refuses the version on a difference): a stale
 adapter (a load skipped), the base sampled instead of the adapter, or an adapter applied to another
-base is refused naming the version, before any row of it exists.
+base is refused naming the version, before any row of it exists. A vLLM engine, which loads each
+adapter by name, checks the same way through its sampling path (``generation/vllm_adapters.py``:
+:func:`canary_prompts` sampled, their log-probs against this merge's forward); both refuse with
+:func:`served_policy_failure`'s line.
 
 Merging needs torch only; building the trainable model needs ``peft`` (the ``[lora]`` extra).
 """
