@@ -112,8 +112,9 @@ def main() -> None:
     print(f"{'LoRA server, base (no adapter)':<34}{figures['lora_server_base_tokens_per_s']:>10.0f}")
     print(f"{'LoRA server, adapter v1':<34}{figures['adapter_tokens_per_s']:>10.0f}")
     print(f"adapter / plain: {figures['adapter_tokens_per_s'] / figures['plain_tokens_per_s']:.2f}; one version "
-          f"loaded in {figures['adapter_version_load_s']:.2f} s (its load request {figures['adapter_load_request_s']:.3f} s,"
-          f" the rest the canary), canary difference {figures['canary_difference']:.2g}")
+          f"loaded in {figures['adapter_version_load_s']:.2f} s (its load request "
+          f"{figures['adapter_load_request_s']:.3f} s, the rest the canary), canary difference "
+          f"{figures['canary_difference']:.2g}")
 
 
 if __name__ == "__main__":

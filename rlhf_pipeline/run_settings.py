@@ -163,11 +163,10 @@ class RunSettings:
             from rlhf_pipeline.generation.vllm_adapters import served_rank
 
             served_rank(self.learner.lora.rank)  # vLLM's largest --max-lora-rank
-            if self.generation.weight_transfer != "files":
-                raise ValueError(f"setting 'generation.weight_transfer={self.generation.weight_transfer}' with "
-                                 f"learner.lora.rank={self.learner.lora.rank}: vLLM loads an adapter from a "
-                                 f"directory it reads (docs/lora.md); use generation.weight_transfer=files (with "
-                                 f"generation.url_weights_dir on a path the server sees, for a server elsewhere)")
+            if self.generation.weight_transfer == "nccl":
+                raise ValueError(f"setting 'generation.weight_transfer=nccl' with learner.lora.rank="
+                                 f"{self.learner.lora.rank}: vLLM loads an adapter from a directory, not a "
+                                 f"broadcast (docs/lora.md); use generation.weight_transfer=files")
         self.validate()
 
     def validate(self) -> None:

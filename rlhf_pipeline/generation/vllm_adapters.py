@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 import time
 import uuid
@@ -110,10 +112,6 @@ class ServedAdapters:
     def __init__(self, client: JsonClient, serving: AdapterServing, reference: torch.nn.Module, weights: Any, *,
                  request: Callable[..., dict[str, Any]], sample: Callable[[dict[str, Any]], list[Any]],
                  max_model_len: int, served_model: str) -> None:
-        if weights.inline:
-            raise ServerMismatch("generation.weight_transfer=inline: a LoRA run's adapters are read by the "
-                                       "vLLM server from a directory (/v1/load_lora_adapter takes a path); set "
-                                       "generation.url_weights_dir to a path the server sees")
         self.client, self.serving, self.reference, self.weights = client, serving, reference, weights
         self.directory = Path(weights.dir) / "adapters"
         self._request, self._sample = request, sample
@@ -221,6 +219,11 @@ class ServedAdapters:
     def _put(self, name: str, path: Path, version: int | None) -> None:
         started = time.perf_counter()
         try:
+            if self.weights.inline:  # the server writes the directory where it reads it (vllm_worker.py)
+                files = {f.name: base64.b64encode(f.read_bytes()).decode() for f in path.iterdir()}
+                reply = self.client.post("/collective_rpc", {"method": "save_published_adapter",
+                                                             "args": [name, json.dumps(files)]})
+                path = Path(reply["results"][0])
             self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, text=True)
         except ServerError as exc:
             raise self._refusal(exc, version, path) from None
@@ -248,7 +251,8 @@ class ServedAdapters:
         if "No such file" in detail or "not found" in detail.lower() or "does not exist" in detail:
             return refused(
                 f"generation.url: the server at {self.client.base_url} cannot read {path}, {what}: a server on "
-                f"another machine needs generation.url_weights_dir on a file system both see, at the same path")
+                f"another machine needs generation.url_weights_dir on a file system both see, at the same path, or "
+                f"generation.weight_transfer=inline")
         return refused(f"{what} cannot be served: the vLLM server at {self.client.base_url} refused "
                                     f"it: {detail}")
 
@@ -260,6 +264,11 @@ class ServedAdapters:
             self.client.post("/v1/unload_lora_adapter", {"lora_name": name}, text=True)
         except ServerError:  # never loaded (its load was refused), or gone with a restarted server
             pass
+        if self.weights.inline:
+            try:
+                self.client.post("/collective_rpc", {"method": "remove_published_adapter", "args": [name]})
+            except ServerError:
+                pass
         shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ the canary
@@ -304,8 +313,8 @@ class ServedAdapters:
                     f"setting 'learner.lora.rank' ({self.serving.rank}): the vLLM server at {self.client.base_url} "
                     f"does not serve a zero adapter as the base (log-probs up to {difference:.4g} apart, tolerance "
                     f"{tolerance:g}): it cannot serve this run's adapters; generate with generation.engine=loop")
-            raise ServedPolicyMismatch(served_policy_failure(
-                version, difference, tolerance, f"the server's log-probs of the canary tokens it sampled under {name!r}"))
+            scored = f"the server's log-probs of the canary tokens it sampled under {name!r}"
+            raise ServedPolicyMismatch(served_policy_failure(version, difference, tolerance, scored))
         if version is not None:
             self.last_difference = difference
 

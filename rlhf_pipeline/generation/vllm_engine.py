@@ -1,10 +1,11 @@
 """``VLLMEngine``: a vLLM server the collector starts and stops (``generation.engine=vllm``), reached
 through the same client as a server at a URL (``vllm_url.py``). What owning the server adds:
 
-* **its start**: with a LoRA run's adapter flags (``vllm_adapters.py``) when it has one; the model's ``save_pretrained`` directory served under the vLLM environment's Python
+* **its start**: the model's ``save_pretrained`` directory served under the vLLM environment's Python
   (``generation.python``) with the flags the client's checks need (``vllm_process.server_command``),
-  on this process's torch threads, the model's worker inside the engine core on a CPU; stopped with
-  the collector, also at interpreter exit or when the collector is killed (``vllm_process.WATCHER``);
+  and a LoRA run's (``vllm_adapters.py``), on this process's torch threads, the model's worker inside
+  the engine core on a CPU; stopped with the collector, also at interpreter exit or when the collector
+  is killed (``vllm_process.WATCHER``);
 * **one restart path**: a request the server does not answer (its process died, or it hung past
   ``generation.timeout_s`` and is killed) starts a new server, gives it the weights the dead one held
   (their file) and sends every unanswered request again with its seed: the same rows. At most

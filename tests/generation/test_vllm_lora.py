@@ -25,6 +25,7 @@ from rlhf_pipeline.generation.loop import ServedPolicyMismatch, teacher_forced_l
 from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.vllm_adapters import AdapterServing, ServedAdapters
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 from rlhf_pipeline.learn.settings import LoraSettings
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.models.lora import (
@@ -257,3 +258,22 @@ def test_a_zero_adapter_version_samples_as_the_base(served):
     assert engine.adapters.name(version) == f"v{version}"
     assert sampled_against(engine, base, tok, version) < SERVED_TOLERANCE
     assert canary_tolerance(torch.float32) == 1e-3  # the loop's tolerance: one canary for both engines
+
+
+def test_a_server_at_a_url_given_adapters_inline_writes_and_serves_them_itself(served, tmp_path):
+    # generation.weight_transfer=inline: a server on a machine with no file system in common writes each
+    # adapter's directory where it reads it (our worker extension), names tagged as on any shared server
+    engine, base, tok = served
+    url = VLLMURLEngine(engine.server.base_url, copy.deepcopy(base), stop_token_ids=[tok.eos_token_id],
+                        served_model="policy", inline_weights=True, weights_dir=tmp_path, adapters=SERVING)
+    try:
+        version = 1
+        published, policy = adapter(base, 500)
+        published.canary["version"] = version
+        url.load_weights(published, version)
+        name, _ = url.adapters.loaded[version]
+        assert name.startswith(f"v{version}-") and url.adapters.last_difference < SERVED_TOLERANCE
+        assert sampled_against(url, policy, tok, version) < SERVED_TOLERANCE
+    finally:
+        url.close()
+    assert not (tmp_path / "adapters").exists() or not any((tmp_path / "adapters").iterdir())

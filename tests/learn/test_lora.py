@@ -63,7 +63,7 @@ def test_lora_settings_come_from_the_command_line_and_are_refused_where_they_can
     assert settings.learner.lora == LoraSettings(rank=8, target_modules=("q_proj", "v_proj"))
     assert make_settings(module, []).learner.lora.rank == 0  # full fine-tuning unless asked
     for refused in (["learner.lora.rank=1024", "generation.engine=vllm"],  # past vLLM's largest --max-lora-rank
-                    ["generation.url=http://127.0.0.1:1", "generation.weight_transfer=inline"]):  # a directory it reads
+                    ["generation.engine=vllm", "generation.weight_transfer=nccl"]):  # a directory, not a broadcast
         with pytest.raises(PipelineError, match="learner.lora.rank"):
             make_settings(module, ["learner.lora.rank=8", *refused])
     with pytest.raises(ValueError, match="learner.lora.rank"):
