@@ -253,8 +253,7 @@ class ServedAdapters:
                 f"generation.url: the server at {self.client.base_url} cannot read {path}, {what}: a server on "
                 f"another machine needs generation.url_weights_dir on a file system both see, at the same path, or "
                 f"generation.weight_transfer=inline")
-        return refused(f"{what} cannot be served: the vLLM server at {self.client.base_url} refused "
-                                    f"it: {detail}")
+        return refused(f"{what} cannot be served: the vLLM server at {self.client.base_url} refused it: {detail}")
 
     def _flags(self) -> str:
         return " ".join(self.serving.server_flags())
@@ -281,9 +280,8 @@ class ServedAdapters:
         except ValueError as exc:
             raise ServedPolicyMismatch(f"weights version {version} cannot be served: {exc}") from None
         if not difference <= tolerance:
-            raise ServedPolicyMismatch(served_policy_failure(
-                version, difference, tolerance, "the base this engine holds, with the adapter merged, scores the "
-                                                "canary tokens so: its log-probs"))
+            scored = "the log-probs of the canary tokens under the base this engine holds with the adapter merged"
+            raise ServedPolicyMismatch(served_policy_failure(version, difference, tolerance, scored))
 
     def _check_sampled(self, name: str, version: int | None) -> None:
         """The canary prompts sampled under ``name`` through the rows' path; the log-probs of the sampled

@@ -231,6 +231,18 @@ def test_an_adapter_the_server_cannot_serve_is_refused_naming_the_setting(served
         engine.load_weights(saves, version)
 
 
+def test_an_adapter_trained_on_another_base_is_refused_before_the_server_samples_it(served):
+    # the reference (the engine's model with the version merged) must score the learner's canary first
+    engine, base, tok = served
+    other, _ = tiny_model_and_tokenizer(seed=9, **SHAPE)
+    version = next_version(engine)
+    published, _ = adapter(other, version)
+    with pytest.raises(ServedPolicyMismatch, match=rf"weights version {version}: the log-probs of the canary tokens "
+                                                   r"under the base this engine holds with the adapter merged differ"):
+        engine.load_weights(published, version)
+    assert version not in engine.adapters.loaded
+
+
 @pytest.mark.slow
 def test_a_restarted_server_is_given_the_adapter_of_the_version_it_held(served):
     engine, base, tok = served
