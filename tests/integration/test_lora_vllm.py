@@ -16,7 +16,6 @@ import pytest
 from helpers import needs_peft
 
 from rlhf_pipeline.coordination.weights import load_published, published_versions
-from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_adapters import RUNTIME_LORA_ENV, AdapterServing
 from rlhf_pipeline.generation.vllm_process import ServerProcess, engine_environment, package_path_dir, server_command
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
@@ -39,14 +38,6 @@ AGREEMENT = 1e-4
 """Largest |learner's recomputed - stored| log-prob of a response token, LoRA or full fine-tuning, with
 vLLM on a CPU in float32: 9.5e-7 measured for both, 4 steps each (vLLM against our forward is 4.8e-7 a
 token); the loop's canary tolerance, 1e-3, is 1000 times that."""
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    try:
-        return find_vllm_python(None)
-    except ValueError as exc:
-        pytest.skip(f"needs the vLLM environment: {exc}")
 
 
 def run(home: Path, name: str, *extra: str) -> tuple[float, list[int]]:
