@@ -155,9 +155,14 @@ class Pipeline:
 
             model = model.to(dtype=getattr(torch, self.sampler_dtype))
         model = model.to(settings.device)
+        adapters = None
+        if self.learner.lora.enabled and settings.generation.chosen_engine != "loop":
+            from rlhf_pipeline.generation.vllm_adapters import AdapterServing
+
+            adapters = AdapterServing.of(self.learner.lora, self.learner.max_staleness)
         try:  # the loop samples with this model; a vLLM engine or a server at generation.url starts from its weights
             engine = make_collector_engine(settings.generation, model, self.tokenizer, device=settings.device,
-                                           seed=settings.seed, collector_index=collector_index)
+                                           seed=settings.seed, collector_index=collector_index, adapters=adapters)
         except ValueError as exc:  # one that cannot serve this run: one line, no rows
             raise PipelineError(str(exc)) from None
         return self.collector(engine=engine, sink=buffer.extend, store=store, collector_index=collector_index)

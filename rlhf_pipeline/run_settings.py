@@ -159,10 +159,14 @@ class RunSettings:
             raise ValueError(f"setting 'retention.max_rows' ({self.retention.max_rows}) must be >= segment_rows "
                              f"({self.segment_rows}): rows are dropped a whole sealed segment at a time; raise it, "
                              f"or lower segment_rows")
-        if self.learner.lora.enabled and (self.generation.engine != "loop" or self.generation.url is not None):
-            raise ValueError("setting 'learner.lora.rank' > 0 samples with our loop engine for now (vLLM adapters "
-                             "are not built yet, docs/lora.md); drop generation.engine=vllm / generation.url, or "
-                             "set learner.lora.rank=0")
+        if self.learner.lora.enabled and self.generation.chosen_engine != "loop":
+            from rlhf_pipeline.generation.vllm_adapters import served_rank
+
+            served_rank(self.learner.lora.rank)  # vLLM's largest --max-lora-rank
+            if self.generation.weight_transfer == "nccl":
+                raise ValueError(f"setting 'generation.weight_transfer=nccl' with learner.lora.rank="
+                                 f"{self.learner.lora.rank}: vLLM loads an adapter from a directory, not a "
+                                 f"broadcast (docs/lora.md); use generation.weight_transfer=files")
         self.validate()
 
     def validate(self) -> None:

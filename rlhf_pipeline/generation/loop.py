@@ -40,7 +40,7 @@ import torch
 
 from rlhf_pipeline.generation.engine import Completion, CompletionGroup, EngineFailed, GenerationEngine, SampleRequest
 from rlhf_pipeline.generation.sampling import SamplingConfig, process_logits
-from rlhf_pipeline.models.lora import AdapterMerger, canary_difference
+from rlhf_pipeline.models.lora import AdapterMerger, canary_difference, served_policy_failure
 from rlhf_pipeline.schema.ragged import RaggedTensor
 
 
@@ -401,11 +401,8 @@ class LoopEngine(GenerationEngine):
             except ValueError as exc:
                 raise ServedPolicyMismatch(f"weights version {version} cannot be served: {exc}") from None
             if not difference <= tolerance:
-                raise ServedPolicyMismatch(
-                    f"served-policy check failed for weights version {version}: the engine's log-probs of the "
-                    f"canary tokens differ from the learner's by up to {difference:.4g} (tolerance {tolerance:g}); "
-                    f"it does not sample the adapter the learner published as version {version}, so no row of it "
-                    f"is stored")
+                raise ServedPolicyMismatch(served_policy_failure(version, difference, tolerance,
+                                                                 "the engine's log-probs of the canary tokens"))
             self.last_canary_difference = difference
 
     def close(self) -> None:

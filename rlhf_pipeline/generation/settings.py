@@ -214,30 +214,34 @@ def find_vllm_python(explicit: str | None = None) -> str:
 
 
 def make_collector_engine(settings: GenerationSettings, model: Any, tokenizer: Any, *, device: str, seed: int,
-                          collector_index: int) -> GenerationEngine:
+                          collector_index: int, adapters: Any = None) -> GenerationEngine:
     """:func:`make_engine` as a pipeline's collector ``collector_index`` asks for it (the tokenizer's
     pad and EOS). Whatever keeps the engine from serving this run is one ValueError naming it, before
     any row: a server that cannot serve this run or does not answer, a missing vLLM environment.
     Several collectors may share one server at ``generation.url``: each round holds a lease on the
-    weights it samples with (``generation/vllm_lease.py``). Pipelines turn it into their one-line ``PipelineError``."""
+    weights it samples with (``generation/vllm_lease.py``). ``adapters``: a LoRA run's
+    (``vllm_adapters.AdapterServing``), which a vLLM engine loads by name. Pipelines turn it into their
+    one-line ``PipelineError``."""
     from rlhf_pipeline.generation.engine import BadAnswer
     from rlhf_pipeline.generation.vllm_http import ServerUnreachable
 
     try:
         return make_engine(settings, model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id],
-                           device=device, seed=seed, tokenizer=tokenizer)
+                           device=device, seed=seed, tokenizer=tokenizer, adapters=adapters)
     except (ServerUnreachable, BadAnswer) as exc:  # the check's own request went unanswered, or answered badly
         raise ValueError(str(exc)) from None
 
 
 def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, stop_token_ids: Sequence[int],
-                device: str = "cpu", policy_version: int = 0, seed: int = 0, tokenizer: Any = None) -> GenerationEngine:
+                device: str = "cpu", policy_version: int = 0, seed: int = 0, tokenizer: Any = None,
+                adapters: Any = None) -> GenerationEngine:
     """The engine ``settings`` name, serving ``model`` (its current weights, as ``policy_version``).
 
     The loop engine samples with ``model`` itself; the vLLM engine saves it and starts its process
     (tens of seconds); a server at ``generation.url`` is checked against ``model`` and ``tokenizer``
     (the pipeline's, for the server's /tokenize) and given its weights: the caller owns the engine and
-    closes it (a collector's ``close``)."""
+    closes it (a collector's ``close``). ``adapters``: a LoRA run's (``vllm_adapters.AdapterServing``):
+    a vLLM engine loads each adapter version by name; the loop merges them itself."""
     if settings.url is not None:
         from rlhf_pipeline.generation.vllm_http import RetryPolicy
         from rlhf_pipeline.generation.vllm_url import API_KEY_ENV, VLLMURLEngine
@@ -248,7 +252,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
                              weights_dir=settings.url_weights_dir, inline_weights=settings.weight_transfer == "inline",
                              retry=retry, wait_s=settings.start_timeout_s,
                              check_tolerance=settings.url_check_tolerance,
-                             api_key=os.environ.get(API_KEY_ENV) or None)
+                             api_key=os.environ.get(API_KEY_ENV) or None, adapters=adapters)
     if settings.engine == "loop":
         from rlhf_pipeline.generation.loop import LoopEngine
 
@@ -263,7 +267,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
         start_timeout_s=settings.start_timeout_s,
         max_model_len=settings.max_model_len,
         # a server that died is started again and given the version it held, from its file (vllm_url_weights.py)
-        restarts=Restarts(settings.retries, settings.backoff_s, settings.timeout_s),
+        restarts=Restarts(settings.retries, settings.backoff_s, settings.timeout_s), adapters=adapters,
     )
     if device != "cpu":
         options["gpu_memory_utilization"] = settings.gpu_memory_utilization

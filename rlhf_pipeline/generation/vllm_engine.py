@@ -3,8 +3,9 @@ through the same client as a server at a URL (``vllm_url.py``). What owning the 
 
 * **its start**: the model's ``save_pretrained`` directory served under the vLLM environment's Python
   (``generation.python``) with the flags the client's checks need (``vllm_process.server_command``),
-  on this process's torch threads, the model's worker inside the engine core on a CPU; stopped with
-  the collector, also at interpreter exit or when the collector is killed (``vllm_process.WATCHER``);
+  and a LoRA run's (``vllm_adapters.py``), on this process's torch threads, the model's worker inside
+  the engine core on a CPU; stopped with the collector, also at interpreter exit or when the collector
+  is killed (``vllm_process.WATCHER``);
 * **one restart path**: a request the server does not answer (its process died, or it hung past
   ``generation.timeout_s`` and is killed) starts a new server, gives it the weights the dead one held
   (their file) and sends every unanswered request again with its seed: the same rows. At most
@@ -26,6 +27,7 @@ from typing import Any
 
 from rlhf_pipeline.generation.engine import EngineDied, EngineFailed, UnsupportedSetting
 from rlhf_pipeline.generation.restarts import Restarts
+from rlhf_pipeline.generation.vllm_adapters import RUNTIME_LORA_ENV, AdapterServing
 from rlhf_pipeline.generation.vllm_http import RetryPolicy
 from rlhf_pipeline.generation.vllm_process import (
     ServerProcess,
@@ -38,7 +40,8 @@ from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
 from rlhf_pipeline.generation.vllm_url import ServerStats, VLLMURLEngine
 
 SERVED_NAME = "policy"
-WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/reset_prefix_cache": "loading weights"}
+WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/reset_prefix_cache": "loading weights",
+        "/v1/load_lora_adapter": "loading an adapter", "/v1/unload_lora_adapter": "unloading an adapter"}
 """What the engine was doing, by the request that went unanswered, for the restart's line."""
 
 
@@ -148,9 +151,10 @@ class VLLMEngine(VLLMURLEngine):
                    kv_cache_gib: int = 1, max_num_seqs: int = 256,
                    max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
                    weight_transfer_backend: str | None = None, start_timeout_s: float = 900.0,
-                   restarts: Restarts | None = None) -> VLLMEngine:
+                   restarts: Restarts | None = None, adapters: AdapterServing | None = None) -> VLLMEngine:
         """An engine serving ``model`` (a transformers causal LM) with its current weights, as
-        ``policy_version``: saved to the engine's scratch directory and served from there."""
+        ``policy_version``: saved to the engine's scratch directory and served from there. ``adapters``:
+        a LoRA run's (``vllm_adapters.py``): the server is started to load them by name."""
         config = model.config
         if device == "cpu":
             check_cpu_head_size(config)
@@ -170,11 +174,15 @@ class VLLMEngine(VLLMURLEngine):
             enforce_eager=device == "cpu", seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             weight_transfer_backend=weight_transfer_backend, worker_in_core=device == "cpu")
         command[command.index("--port") + 1] = "{port}"
+        if adapters is not None:
+            command += adapters.server_flags()
         engine = cls.__new__(cls)
         engine.work_dir, engine._remove_work_dir = scratch, work_dir is None
         engine.restarts = restarts if restarts is not None else Restarts(max_restarts=0, hung_after_s=600.0)
         stats = ServerStats()
         env = engine_environment(package_path_dir(scratch), kv_cache_gib=kv_cache_gib, device=device)
+        if adapters is not None:
+            env[RUNTIME_LORA_ENV] = "1"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
         try:
             server = OwnedServer(command, env, scratch, start_timeout_s, engine.restarts, stats, cls.name)
         except EngineDied as died:
@@ -190,13 +198,19 @@ class VLLMEngine(VLLMURLEngine):
             VLLMURLEngine.__init__(engine, server.base_url, model, stop_token_ids=stop_token_ids,
                                    policy_version=policy_version, served_model=SERVED_NAME,
                                    weights_dir=scratch / "weights", retry=retry, wait_s=start_timeout_s,
-                                   supervisor=server, shared=False, stats=stats)
+                                   supervisor=server, shared=False, stats=stats, adapters=adapters)
         except BaseException:
             engine.close()
             raise
-        server.reload = engine.weights.reload
+        server.reload = engine.reload_held
         engine.vllm_version = engine._server_version()
         return engine
+
+    def reload_held(self) -> None:
+        """What a restarted server is given: the held weights, and a LoRA run's adapters."""
+        self.weights.reload()
+        if self.adapters is not None:
+            self.adapters.reload(self.policy_version)
 
     def _server_version(self) -> str:
         try:

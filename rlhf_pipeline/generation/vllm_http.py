@@ -132,14 +132,15 @@ class JsonClient:
         return self.call("GET", path, None, retry=retry)
 
     def post(self, path: str, body: Any = None, *, retry: bool = True,
-             check: Callable[[Any], Any] | None = None) -> Any:
-        return self.call("POST", path, {} if body is None else body, retry=retry, check=check)
+             check: Callable[[Any], Any] | None = None, text: bool = False) -> Any:
+        return self.call("POST", path, {} if body is None else body, retry=retry, check=check, text=text)
 
     def call(self, method: str, path: str, body: Any, *, retry: bool = True,
-             check: Callable[[Any], Any] | None = None) -> Any:
+             check: Callable[[Any], Any] | None = None, text: bool = False) -> Any:
         """One request; its reply as JSON (None for an empty body), or what ``check`` makes of it.
         ``check`` raises :class:`BadAnswer` (the fault, without the server's name) for a reply it
-        cannot use: asked again, then said. ``retry`` False: one try only."""
+        cannot use: asked again, then said. ``retry`` False: one try only. ``text``: the reply is
+        plain text (vLLM's LoRA endpoints answer so), returned as it came."""
         data = None if body is None else json.dumps(body).encode()
         tries = self.retry.retries + 1 if retry else 1
         started = time.monotonic()
@@ -170,6 +171,8 @@ class JsonClient:
                 continue
             if self.supervisor is not None:
                 self.supervisor.answered()
+            if text:
+                return raw.decode("utf-8", errors="replace")
             try:
                 answer = json.loads(raw) if raw.strip() else None
             except ValueError:

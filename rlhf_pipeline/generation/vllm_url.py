@@ -13,7 +13,7 @@ Each ``submit`` is one seeded HTTP request from a pool kept for the engine's lif
 what is in flight); every reply is checked (``engine.checked_completions``) and a bad or missing one is
 asked again, with its seed (``vllm_http.py``). Weights travel as a safetensors file the server reads,
 or inline, and a server shared by several collectors is held on a round's weights by a lease
-(``vllm_url_weights.py``).
+(``vllm_url_weights.py``). A LoRA run's versions are adapters it loads by name (``vllm_adapters.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from rlhf_pipeline.generation.engine import (
     checked_completions,
 )
 from rlhf_pipeline.generation.sampling import SamplingConfig
+from rlhf_pipeline.generation.vllm_adapters import AdapterServing, ServedAdapters
 from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable, Supervisor
 from rlhf_pipeline.generation.vllm_process import WORKER_EXTENSION
 from rlhf_pipeline.generation.vllm_url_weights import ROUND_LEASE_S, ServerMismatch, ServerWeights
@@ -100,7 +101,7 @@ class VLLMURLEngine(GenerationEngine):
                  retry: RetryPolicy | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
                  check_tolerance: float = 1e-3, api_key: str | None = None,
                  lease_s: float = ROUND_LEASE_S, supervisor: Supervisor | None = None, shared: bool = True,
-                 stats: ServerStats | None = None) -> None:
+                 stats: ServerStats | None = None, adapters: AdapterServing | None = None) -> None:
         super().__init__(stop_token_ids, policy_version)
         self.url = url.rstrip("/")
         self.client = JsonClient(self.url, retry, api_key=api_key, supervisor=supervisor)
@@ -117,6 +118,7 @@ class VLLMURLEngine(GenerationEngine):
         self._closed = False
         self._leasing = threading.Lock()
         self._lease: Any = None
+        self.adapters: ServedAdapters | None = None
         # one pool for the engine's life: up to max_concurrency requests in flight, the rest queue here
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix=f"{self.name}-requests")
         try:
@@ -129,6 +131,11 @@ class VLLMURLEngine(GenerationEngine):
                 self._check_shape(model)
                 self._load(model.state_dict(), self.policy_version)  # the server now holds our policy
             self._check_log_probs(model, tokenizer, check_tolerance)
+            if adapters is not None:  # a LoRA run: its versions are adapters the server loads by name
+                self.adapters = ServedAdapters(self.client, adapters, model, self.weights, request=self._body,
+                                               sample=self._post_completions, max_model_len=self.max_model_len,
+                                               served_model=self.served_model)
+                self.adapters.check_server()
         except BaseException:
             self.close()
             raise
@@ -163,7 +170,8 @@ class VLLMURLEngine(GenerationEngine):
                 raise
             given = "refused the key in" if self.client.has_api_key else "wants an API key: set"
             raise ServerMismatch(f"generation.url: the server at {self.url} {given} ${API_KEY_ENV} (its --api-key)") from None
-        served = {entry["id"]: entry for entry in listing.get("data", [])}
+        # LoRA adapters loaded there (another collector's) are listed with their base as "parent": not models
+        served = {entry["id"]: entry for entry in listing.get("data", []) if entry.get("parent") is None}
         if wanted is not None and wanted not in served:
             raise ServerMismatch(f"generation.url_model={wanted!r}: the server at {self.url} serves {sorted(served)}; "
                                  f"set generation.url_model to one of them")
@@ -262,18 +270,13 @@ class VLLMURLEngine(GenerationEngine):
             raise ValueError(f"a prompt of {len(request.prompt_ids)} tokens with max_new_tokens {limit} exceeds "
                              f"{self.max_model_len} tokens, the server's max_model_len (or the model's positions); "
                              f"shorten the prompt or the limit")
-        top_k = sampling.top_k if 0 < sampling.top_k < self.vocab_size else 0  # as ours: k >= V keeps all
-        body = {
-            "model": self.served_model, "prompt": [int(t) for t in request.prompt_ids], "n": request.n,
-            "max_tokens": limit, "seed": int(seed), "temperature": sampling.temperature,
-            "top_k": top_k, "top_p": sampling.top_p, "logprobs": 0, "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": True, "skip_special_tokens": False, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, "stream": False, **NEUTRAL,
-        }
         with self._counting:
             if self._closed:
                 raise EngineFailed(f"the {self.name} engine is closed; no request is taken")
             version = self.policy_version
+            # a LoRA run's request names the adapter of the version its rows name (version 0: the base)
+            model = self.served_model if self.adapters is None else self.adapters.name(version)
+            body = self._body(request.prompt_ids, request.n, seed, sampling, limit, model)
             self._rounds_in_flight += 1
         try:
             lease = self._lease_in_flight()
@@ -282,10 +285,24 @@ class VLLMURLEngine(GenerationEngine):
             raise
         return self._pool.submit(self._ask, body, version, lease)
 
+    def _body(self, prompt: Sequence[int], n: int, seed: int, sampling: SamplingConfig, limit: int,
+              model: str) -> dict[str, Any]:
+        top_k = sampling.top_k if 0 < sampling.top_k < self.vocab_size else 0  # as ours: k >= V keeps all
+        return {
+            "model": model, "prompt": [int(t) for t in prompt], "n": n,
+            "max_tokens": limit, "seed": int(seed), "temperature": sampling.temperature,
+            "top_k": top_k, "top_p": sampling.top_p, "logprobs": 0, "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": True, "skip_special_tokens": False, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "stream": False, **NEUTRAL,
+        }
+
+    def _post_completions(self, body: dict[str, Any]) -> list[Completion]:
+        return self.client.post("/v1/completions", body, check=partial(self._completions, body=body))
+
     def _ask(self, body: dict[str, Any], version: int, lease: Any) -> CompletionGroup:
         try:
             # checked as it comes, inside the client's retries: a bad reply is asked again, with its seed
-            completions = self.client.post("/v1/completions", body, check=partial(self._completions, body=body))
+            completions = self._post_completions(body)
             if lease is not None:  # kept only if no weights went in under it
                 lease.check()
             return CompletionGroup(completions, version, body["seed"])
@@ -357,7 +374,10 @@ class VLLMURLEngine(GenerationEngine):
         if self._rounds_in_flight:  # a lease holds a shared server, none our own: between requests only
             raise EngineFailed(f"new weights (version {version}) under requests in flight: wait for their "
                                f"answers first")
-        self.weights.take(weights, version)
+        if self.adapters is not None:
+            self.adapters.load(weights, version)
+        else:
+            self.weights.take(weights, version)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -367,6 +387,9 @@ class VLLMURLEngine(GenerationEngine):
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        adapters = getattr(self, "adapters", None)
+        if adapters is not None:
+            adapters.close()
         weights = getattr(self, "weights", None)
         if weights is not None:
             weights.close()

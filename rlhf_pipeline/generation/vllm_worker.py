@@ -64,6 +64,29 @@ class PublishedWeightsLoader:
             self._weights_leases = WeightsLeases()
         return self._weights_leases
 
+    def save_published_adapter(self, name: str, files: str) -> str:
+        """Writes a LoRA adapter's PEFT directory sent inline (JSON of ``{file name: base64 bytes}``) under
+        this machine's temporary directory, as ``name``; returns its path for ``/v1/load_lora_adapter``,
+        which reads a path: for a server that cannot read the client's files."""
+        import base64
+        import os
+        import tempfile
+
+        path = os.path.join(tempfile.gettempdir(), "rlhf-published-adapters", os.path.basename(name))
+        os.makedirs(path, exist_ok=True)
+        for file_name, encoded in json.loads(files).items():
+            with open(os.path.join(path, os.path.basename(file_name)), "wb") as file:
+                file.write(base64.b64decode(encoded))
+        return path
+
+    def remove_published_adapter(self, name: str) -> None:
+        import os
+        import shutil
+        import tempfile
+
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), "rlhf-published-adapters", os.path.basename(name)),
+                      ignore_errors=True)
+
     def describe_published_model(self) -> dict:
         """The served model's shape, for a client that must check it serves the pipeline's model
         before it sends weights (``generation/vllm_url.py``): what a state dict's keys and shapes

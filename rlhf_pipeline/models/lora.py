@@ -12,7 +12,10 @@ on each target layer, from a copy of the base's target weights, so sampling runs
 then scores the canary tokens with the model it samples with and compares them with the learner's
 (:func:`canary_difference`; ``generation/loop.py`` refuses the version on a difference): a stale
 adapter (a load skipped), the base sampled instead of the adapter, or an adapter applied to another
-base is refused naming the version, before any row of it exists.
+base is refused naming the version, before any row of it exists. A vLLM engine, which loads each
+adapter by name, checks the same way through its sampling path (``generation/vllm_adapters.py``:
+:func:`canary_prompts` sampled, their log-probs against this merge's forward); both refuse with
+:func:`served_policy_failure`'s line.
 
 Merging needs torch only; building the trainable model needs ``peft`` (the ``[lora]`` extra).
 """
@@ -35,6 +38,10 @@ _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 CANARY_SEED = 44
 CANARY_SHAPE = (2, 16)  # two sequences of 16 tokens: 30 scored log-probs
+CANARY_PROMPT_TOKENS = 144
+"""A served canary prompt's length: more than one KV-cache block (128 tokens on vLLM's CPU, 16 on a
+GPU), so a server that reuses blocks cached under another version's adapter scores it wrong."""
+CANARY_NEW_TOKENS = 8
 
 
 def peft_or_explain():
@@ -190,6 +197,36 @@ def canary_of(model: torch.nn.Module, vocab_size: int, version: int) -> dict[str
     """The learner's canary of ``version``: the version it belongs to, the tokens and their log-probs."""
     tokens = canary_tokens(vocab_size)
     return {"version": int(version), "tokens": tokens, "log_probs": canary_log_probs(model, tokens)}
+
+
+def canary_prompts(vocab_size: int, length: int = CANARY_PROMPT_TOKENS) -> list[list[int]]:
+    """Fixed prompts a server samples from under each version (the canary through its sampling path):
+    the same for every version, so each version's prompt meets the previous version's cached blocks."""
+    generator = torch.Generator().manual_seed(CANARY_SEED + 1)
+    return torch.randint(0, vocab_size, (CANARY_SHAPE[0], length), generator=generator).tolist()
+
+
+def served_policy_failure(version: int, difference: float, tolerance: float, scored: str) -> str:
+    """The one line that refuses a version the engine does not serve as the learner published it;
+    ``scored``: whose log-probs of which tokens were compared."""
+    return (f"served-policy check failed for weights version {version}: {scored} differ from the learner's by up "
+            f"to {difference:.4g} (tolerance {tolerance:g}); it does not sample the adapter the learner published "
+            f"as version {version}, so no row of it is stored")
+
+
+def zero_adapter(model: torch.nn.Module, rank: int, alpha: float, target_modules: Sequence[str]) -> PolicyAdapter:
+    """An adapter of ``rank`` on ``model``'s layers named in ``target_modules`` whose update is zero
+    (B = 0): what an engine loads before any row to learn it serves this run's adapters, and whose
+    log-probs must be the base's. Built without peft, in peft's names and config."""
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in target_modules:
+            tensors[_PREFIX + name + _A] = torch.zeros(rank, module.in_features)
+            tensors[_PREFIX + name + _B] = torch.zeros(module.out_features, rank)
+    config = {"peft_type": "LORA", "r": int(rank), "lora_alpha": float(alpha), "lora_dropout": 0.0,
+              "target_modules": sorted(target_modules), "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    return PolicyAdapter(tensors, config=config, base_digest="")
 
 
 def canary_tolerance(dtype: torch.dtype) -> float:

@@ -65,7 +65,8 @@ def test_lora_settings_come_from_the_command_line_and_are_refused_where_they_can
     settings = make_settings(module, ["learner.lora.rank=8", "learner.lora.target_modules=q_proj,v_proj"])
     assert settings.learner.lora == LoraSettings(rank=8, target_modules=("q_proj", "v_proj"))
     assert make_settings(module, []).learner.lora.rank == 0  # full fine-tuning unless asked
-    for refused in (["generation.engine=vllm"], ["generation.url=http://127.0.0.1:1"]):
+    for refused in (["learner.lora.rank=1024", "generation.engine=vllm"],  # past vLLM's largest --max-lora-rank
+                    ["generation.engine=vllm", "generation.weight_transfer=nccl"]):  # a directory, not a broadcast
         with pytest.raises(PipelineError, match="learner.lora.rank"):
             make_settings(module, ["learner.lora.rank=8", *refused])
     assert LearnerSettings(world_size=2, lora=LoraSettings(rank=8)).world_size == 2  # DDP ranks train the adapter

@@ -1,0 +1,337 @@
+"""A LoRA run's adapter versions on a vLLM server (docs/lora.md, "On vLLM"): the collector's own server
+(``vllm_engine.py``) or one at a URL (``vllm_url.py``), through the same client.
+
+* **The server**: started with ``--enable-lora``, ``--max-lora-rank`` the smallest of vLLM's ranks at or
+  above the run's, ``--max-loras`` the run's staleness bound plus one, and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (:class:`AdapterServing`); before any row a zero adapter of the
+  run's rank and targets is loaded and must score as the base, so a server that cannot serve the run's
+  adapters is refused naming the setting.
+* **One name per version**: each version is written as a PEFT directory and loaded under its own name
+  (``v<version>``; on a server at a URL, which other collectors may share, with this engine's tag), never
+  reloaded under one name in place: vLLM's prefix-cache blocks are keyed by the adapter's name and path,
+  so a same-name reload from the same directory reuses the previous version's cached blocks (vLLM
+  #42125), and an in-place adapter is read from disk again at every step (#33791). The newest
+  ``max_loras`` stay loaded; older ones are unloaded, their directories removed.
+* **The canary through the sampling path**: after each load, fixed prompts (longer than one KV block)
+  are sampled under the version's name through ``/v1/completions`` with the log-probs of the sampled
+  tokens (not ``prompt_logprobs``, which drops an ``lm_head`` delta, vLLM #51594), and compared with the
+  learner's forward of the same tokens: the engine's model with the version merged, itself first checked
+  against the learner's published canary (``models/lora.py``, the loop engine's check). A difference
+  refuses the version (:class:`~rlhf_pipeline.generation.loop.ServedPolicyMismatch`) before any row.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_pipeline.generation.loop import ServedPolicyMismatch, load_state_into, teacher_forced_log_probs
+from rlhf_pipeline.generation.sampling import SamplingConfig
+from rlhf_pipeline.generation.vllm_http import JsonClient, ServerError
+from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch
+from rlhf_pipeline.models.lora import (
+    CANARY_NEW_TOKENS,
+    CANARY_PROMPT_TOKENS,
+    CANARY_SEED,
+    AdapterMerger,
+    PolicyAdapter,
+    canary_difference,
+    canary_prompts,
+    canary_tolerance,
+    served_policy_failure,
+    zero_adapter,
+)
+from rlhf_pipeline.schema.ragged import RaggedTensor
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's ``--max-lora-rank`` takes (vllm 0.32, ``config/lora.py``); an adapter of a lower
+rank is served under the next one up."""
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+LORA_SERVER_FLAGS = "--enable-lora --max-loras N --max-lora-rank R"
+PROBE_NAME = "zero-adapter-check"
+CANARY_SAMPLING = SamplingConfig(max_new_tokens=CANARY_NEW_TOKENS, temperature=1.0)
+"""A canary's request is a row's at temperature 1: its log-probs are the model's own."""
+
+
+def served_rank(rank: int) -> int:
+    """vLLM's ``--max-lora-rank`` for an adapter of ``rank``; ValueError naming the setting past its largest."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"setting 'learner.lora.rank' is {rank}; vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]} "
+                     f"(--max-lora-rank takes {list(VLLM_LORA_RANKS)}): use a rank of at most {VLLM_LORA_RANKS[-1]}, "
+                     f"or generation.engine=loop")
+
+
+@dataclass(frozen=True)
+class AdapterServing:
+    """What a run's adapters ask of a vLLM server: the run's rank, alpha and targets, and how many
+    versions stay loaded (``max_loras``: the staleness bound plus one, so a row sampled by an older
+    version still has its adapter; derived once by :meth:`of`)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    max_loras: int
+
+    @classmethod
+    def of(cls, lora: Any, max_staleness: int | None) -> AdapterServing:
+        """From ``learner.lora`` (a ``LoraSettings``) and the learner's ``max_staleness`` (None, no bound:
+        two, the version sampling and the one before)."""
+        served_rank(lora.rank)
+        return cls(int(lora.rank), float(lora.alpha), tuple(lora.target_modules),
+                   (max_staleness if max_staleness is not None else 1) + 1)
+
+    @property
+    def max_lora_rank(self) -> int:
+        return served_rank(self.rank)
+
+    def server_flags(self) -> list[str]:
+        return ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
+
+
+class ServedAdapters:
+    """The adapter versions loaded on the server at ``client``'s URL, for one engine.
+
+    ``reference``: the engine's model, holding the base the server holds (the learner's forward of each
+    version is computed by merging the version into it); ``weights``: the engine's whole weights
+    (``vllm_url_weights.ServerWeights``: the base, and where version directories are written, a path the
+    server reads; on a server other collectors may share, names carry this engine's tag and checks hold
+    a round's lease); ``sample(body)``: the engine's ``/v1/completions`` path (its checks included);
+    ``request(prompt, n, seed, sampling, limit, model)``: the body it sends for a row."""
+
+    def __init__(self, client: JsonClient, serving: AdapterServing, reference: torch.nn.Module, weights: Any, *,
+                 request: Callable[..., dict[str, Any]], sample: Callable[[dict[str, Any]], list[Any]],
+                 max_model_len: int, served_model: str) -> None:
+        self.client, self.serving, self.reference, self.weights = client, serving, reference, weights
+        self.directory = Path(weights.dir) / "adapters"
+        self._request, self._sample = request, sample
+        self._tag = uuid.uuid4().hex[:8] if weights.shared else ""
+        self.served_model = served_model
+        self.vocab_size = int(reference.config.vocab_size)
+        length = min(CANARY_PROMPT_TOKENS, max(1, max_model_len - CANARY_NEW_TOKENS))
+        self.prompts = canary_prompts(self.vocab_size, length)
+        self.merger = AdapterMerger()
+        self.merger.set_base()
+        self.loaded: dict[int, tuple[str, Path]] = {}
+        """version -> (its name on the server, its directory), oldest first."""
+        self.last_difference: float | None = None
+        """The sampling-path canary of the last version loaded: its largest log-prob difference."""
+        self.last_load_s = 0.0
+        """Seconds the server took to load the last adapter (its ``/v1/load_lora_adapter``)."""
+
+    def name(self, version: int) -> str:
+        """The model a request of ``version`` names: the base for version 0 (or whole weights), else
+        the version's adapter."""
+        held = self.loaded.get(version)
+        return held[0] if held is not None else self.served_model
+
+    def check_server(self) -> None:
+        """Before any row: a zero adapter of the run's rank and targets loads and scores as the base,
+        or one line naming the setting the server refuses."""
+        probe = zero_adapter(self.reference, self.serving.rank, self.serving.alpha, self.serving.target_modules)
+        name = f"{PROBE_NAME}{'-' + self._tag if self._tag else ''}"
+        path = self.directory / name
+        probe.save_peft_directory(path)
+        try:
+            with self._held_round():
+                self._put(name, path, version=None)
+                self._check_sampled(name, None)
+        finally:
+            self._remove(name, path)
+
+    def load(self, weights: Any, version: int) -> None:
+        """``version``'s weights: an adapter loaded by name (:meth:`take`), or whole weights (the base,
+        version 0) given to the server as any engine's."""
+        adapter = adapter_of(weights)
+        if adapter is None:
+            self.weights.take(weights, version)
+            self.set_base(self.weights.path)
+            return
+        if adapter.base is not None:  # a collector started past version 0: the base first
+            self.weights.take(adapter.base, 0)
+            self.set_base(adapter.base)
+        with self._held_round():
+            self.take(adapter, version)
+
+    def _held_round(self) -> Any:
+        """A round's lease on a server other collectors may share: its base stays while a check samples."""
+        import contextlib
+
+        return self.weights.round_lease() if self.weights.shared else contextlib.nullcontext()
+
+    def set_base(self, state: Any) -> None:
+        """The server was given whole weights (``state``, or their file): the reference holds them too,
+        and they are the base of the adapters that follow."""
+        if isinstance(state, (str, Path)):
+            from safetensors.torch import load_file
+
+            state = load_file(str(state))
+        load_state_into(self.reference, state)
+        self.merger.set_base()
+
+    def take(self, adapter: PolicyAdapter, version: int) -> None:
+        """``adapter`` loaded under its version's name, checked through the sampling path; older
+        versions past ``max_loras`` unloaded. An adapter that brings its base (a collector started past
+        version 0) has had it given to the server and to :meth:`set_base` first."""
+        if adapter.config.get("modules_to_save"):
+            raise ServedPolicyMismatch(f"weights version {version} cannot be served: its adapter saves whole "
+                                       f"modules ({adapter.config['modules_to_save']}), which vLLM serves only for "
+                                       f"classifiers; train an adapter without modules_to_save")
+        name = f"v{version}{'-' + self._tag if self._tag else ''}"
+        path = self.directory / name
+        adapter.save_peft_directory(path)
+        self.loaded[version] = (name, path)
+        try:
+            self._put(name, path, version)
+            self._reference_of(adapter, version)
+            self._check_sampled(self.name(version), version)  # the name the version's rows will carry
+        except BaseException:
+            self._remove(*self.loaded.pop(version))
+            raise
+        while len(self.loaded) > self.serving.max_loras:
+            oldest = next(iter(self.loaded))
+            self._remove(*self.loaded.pop(oldest))
+
+    def reload(self, version: int) -> None:
+        """After a restart of the server (it came back with the base only): every adapter it held loaded
+        again, and the held ``version`` checked again."""
+        for held, (name, path) in self.loaded.items():
+            self._put(name, path, held)
+        if version in self.loaded:
+            self._check_sampled(self.name(version), version)
+
+    def close(self) -> None:
+        for name, path in list(self.loaded.values()):
+            shutil.rmtree(path, ignore_errors=True)
+        self.loaded = {}
+
+    # ------------------------------------------------------------------ the server's side
+    def _put(self, name: str, path: Path, version: int | None) -> None:
+        started = time.perf_counter()
+        try:
+            if self.weights.inline:  # the server writes the directory where it reads it (vllm_worker.py)
+                files = {f.name: base64.b64encode(f.read_bytes()).decode() for f in path.iterdir()}
+                reply = self.client.post("/collective_rpc", {"method": "save_published_adapter",
+                                                             "args": [name, json.dumps(files)]})
+                path = Path(reply["results"][0])
+            self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, text=True)
+        except ServerError as exc:
+            raise self._refusal(exc, version, path) from None
+        self.last_load_s = time.perf_counter() - started
+
+    def _refusal(self, exc: ServerError, version: int | None, path: Path) -> Exception:
+        """One line naming the setting; a :class:`ServerMismatch` (refused at connection, before any row)
+        for the zero adapter, else the version's :class:`ServedPolicyMismatch`."""
+        refused = ServerMismatch if version is None else ServedPolicyMismatch
+        detail = exc.detail
+        what = "the run's adapter" if version is None else f"weights version {version}'s adapter"
+        if exc.status == 404:
+            return refused(
+                f"generation.url: the vLLM server at {self.client.base_url} has no /v1/load_lora_adapter: a LoRA run "
+                f"(learner.lora.rank={self.serving.rank}) needs a server started with {self._flags()} and "
+                f"{RUNTIME_LORA_ENV}=1")
+        if "max_lora_rank" in detail or "LoRA is not enabled" in detail or "enable-lora" in detail:
+            return refused(
+                f"setting 'learner.lora.rank' is {self.serving.rank}, and the vLLM server at {self.client.base_url} "
+                f"refuses {what}: {detail}; start it with {self._flags()}, or lower learner.lora.rank")
+        if "target modules" in detail or "target_modules" in detail:
+            return refused(
+                f"setting 'learner.lora.target_modules' ({','.join(self.serving.target_modules)}): the vLLM server "
+                f"refuses {what}: {detail}; target only layers vLLM serves adapters on")
+        if "No such file" in detail or "not found" in detail.lower() or "does not exist" in detail:
+            return refused(
+                f"generation.url: the server at {self.client.base_url} cannot read {path}, {what}: a server on "
+                f"another machine needs generation.url_weights_dir on a file system both see, at the same path, or "
+                f"generation.weight_transfer=inline")
+        return refused(f"{what} cannot be served: the vLLM server at {self.client.base_url} refused it: {detail}")
+
+    def _flags(self) -> str:
+        return " ".join(self.serving.server_flags())
+
+    def _remove(self, name: str, path: Path) -> None:
+        try:
+            self.client.post("/v1/unload_lora_adapter", {"lora_name": name}, text=True)
+        except ServerError:  # never loaded (its load was refused), or gone with a restarted server
+            pass
+        if self.weights.inline:
+            try:
+                self.client.post("/collective_rpc", {"method": "remove_published_adapter", "args": [name]})
+            except ServerError:
+                pass
+        shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ the canary
+    def _reference_of(self, adapter: PolicyAdapter, version: int) -> None:
+        """The engine's model with ``version`` merged, checked against the learner's published canary
+        (the loop engine's check): what the server's log-probs are compared with."""
+        try:
+            self.merger.apply(self.reference, adapter, version)
+            difference, tolerance = canary_difference(self.reference, adapter, version)
+        except ValueError as exc:
+            raise ServedPolicyMismatch(f"weights version {version} cannot be served: {exc}") from None
+        if not difference <= tolerance:
+            scored = "the log-probs of the canary tokens under the base this engine holds with the adapter merged"
+            raise ServedPolicyMismatch(served_policy_failure(version, difference, tolerance, scored))
+
+    def _check_sampled(self, name: str, version: int | None) -> None:
+        """The canary prompts sampled under ``name`` through the rows' path; the log-probs of the sampled
+        tokens must be the reference's (``version`` None: the zero adapter, whose reference is the base)."""
+        sampled, served = [], []
+        for index, prompt in enumerate(self.prompts):
+            body = self._request(prompt, 2, CANARY_SEED + index, CANARY_SAMPLING, CANARY_NEW_TOKENS, name)
+            try:
+                completions = self._sample(body)
+            except ServerError as exc:
+                which = "the zero-adapter check" if version is None else f"weights version {version}"
+                raise (ServerMismatch if version is None else ServedPolicyMismatch)(
+                    f"served-policy check failed for {which}: the vLLM server does not sample "
+                    f"under {name!r} (HTTP {exc.status}: {exc.detail}), so no row of it is stored") from None
+            for completion in completions:
+                sampled.append((prompt, list(completion.token_ids)))
+                served.extend(completion.log_probs)
+        with torch.no_grad():
+            again = teacher_forced_log_probs(
+                self.reference, RaggedTensor.from_sequences([p for p, _ in sampled], dtype=torch.int64),
+                RaggedTensor.from_sequences([r for _, r in sampled], dtype=torch.int64), None)
+        difference = float((again.values.float().cpu() - torch.tensor(served)).abs().max())
+        tolerance = canary_tolerance(next(self.reference.parameters()).dtype)
+        if not difference <= tolerance:
+            if version is None:
+                raise ServerMismatch(
+                    f"setting 'learner.lora.rank' ({self.serving.rank}): the vLLM server at {self.client.base_url} "
+                    f"does not serve a zero adapter as the base (log-probs up to {difference:.4g} apart, tolerance "
+                    f"{tolerance:g}): it cannot serve this run's adapters; generate with generation.engine=loop")
+            scored = f"the server's log-probs of the canary tokens it sampled under {name!r}"
+            raise ServedPolicyMismatch(served_policy_failure(version, difference, tolerance, scored))
+        if version is not None:
+            self.last_difference = difference
+
+
+def adapter_of(weights: Any) -> PolicyAdapter | None:
+    """``weights`` as an adapter version when it is one (handed over as a ``PolicyAdapter``, or the path
+    of a published adapter file), else None."""
+    if isinstance(weights, PolicyAdapter):
+        return weights
+    if isinstance(weights, (str, Path)) and Path(weights).suffix == ".safetensors":
+        from safetensors import safe_open
+
+        from rlhf_pipeline.models.lora import is_adapter_metadata
+
+        with safe_open(str(weights), framework="pt") as file:
+            metadata = file.metadata()
+            if not is_adapter_metadata(metadata):
+                return None
+            tensors = {key: file.get_tensor(key) for key in file.keys()}
+        return PolicyAdapter.from_metadata(tensors, metadata)
+    return None
+
