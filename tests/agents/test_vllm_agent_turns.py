@@ -26,7 +26,7 @@ from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 from rlhf_pipeline.models import tiny_causal_lm
 
-from helpers import kill_once_busy, process_running
+from helpers import killed_with_next_request, process_running
 from test_vllm_rollout import LIMITS, LOG_PROB_TOLERANCE, recompute_difference, sent_prompt_tokens, sharp_model, trajectories
 
 pytestmark = pytest.mark.slow
@@ -135,9 +135,9 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_turns_in_flight_sent_ag
     try:
         plain = collector(engine, bpe_tokenizer, box, sampling, delay_seed=4, seed=7).collect()
         pid = engine.pid
-        killer = kill_once_busy(pid)
-        killed = collector(engine, bpe_tokenizer, box, sampling, delay_seed=5, seed=7).collect()
-        killer.join(timeout=60)
+        with killed_with_next_request(engine) as kill_sent:
+            killed = collector(engine, bpe_tokenizer, box, sampling, delay_seed=5, seed=7).collect()
+        assert kill_sent.is_set()
         assert engine.pid != pid and not process_running(pid)
         assert len(said) == 1 and "died" in said[0], said
         assert_same_rows(plain, killed)
