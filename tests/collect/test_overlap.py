@@ -36,32 +36,27 @@ def make_collector(engine_or_model, tok, sink) -> Collector:
 # ----------------------------------------------------------------------------- the vLLM engine
 @pytest.fixture(scope="module", params=["engine", "server"])
 def served(request, tmp_path_factory):
-    """(engine, tokenizer): the vLLM engine the collector owns, or one at the URL of a vLLM server
-    started here; one per module, which collectors here never close."""
+    """(engine, tokenizer): the vLLM engine the collector owns, or one at the URL of the session's vLLM
+    server of this shape; one per module, which collectors here never close."""
     try:
         python = find_vllm_python(None)
     except ValueError as exc:
         pytest.skip(f"needs the vLLM environment: {exc}")
     model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
-    work = tmp_path_factory.mktemp(f"vllm-{request.param}")
     if request.param == "engine":
         from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine.from_model(model, python=python, stop_token_ids=STOPS, work_dir=work)
+        engine = VLLMEngine.from_model(model, python=python, stop_token_ids=STOPS,
+                                       work_dir=tmp_path_factory.mktemp("vllm-engine"))
         yield engine, tok
         engine.close()
         return
-    from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
-
     from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 
-    server = VLLMServerProcess(python, save_model_dir(model, tok, work / "model"), work)
-    try:
-        engine = VLLMURLEngine(server.url, model, stop_token_ids=STOPS, tokenizer=tok)
-        yield engine, tok
-        engine.close()
-    finally:
-        server.stop()
+    server = request.getfixturevalue("vllm_servers").of(model, tok)  # the session's (tests/conftest.py)
+    engine = VLLMURLEngine(server.url, model, stop_token_ids=STOPS, tokenizer=tok)
+    yield engine, tok
+    engine.close()
 
 
 class Crash(Exception):

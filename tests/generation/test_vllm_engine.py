@@ -27,7 +27,7 @@ from engine_contract import (
     max_log_prob_difference,
     seeds,
 )
-from helpers import into, kill_once_busy, process_running
+from helpers import into, killed_with_next_request, process_running
 from process_tree import kill_left, tree, wait_gone
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SingleTurn
@@ -156,7 +156,7 @@ def test_settings_it_cannot_honour_are_refused_by_name(served):
 
 
 def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(served):
-    """kill -9 of the engine's server while it samples a collector's round: a new server, given the
+    """kill -9 of the engine's server with a collector's round in flight: a new server, given the
     weights the dead one held, is sent the unanswered requests again with the same seeds, and the collector's rows
     are those of the round without the kill (ids, log-probs, policy versions); one restart, said once."""
     engine, model, tok = served
@@ -173,11 +173,12 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
         config = CollectorConfig(tasks_per_round=6, group_size=8, sampling=SamplingConfig(max_new_tokens=48))
         collector = Collector(engine, tok, source, SingleTurn({"toy": toy_reward}), into(batches), config)
         for round_index in range(2):
-            killer = kill_once_busy(engine.pid) if round_index == kill_in_round else None
-            collector.collect()
-            if killer is not None:
-                killer.join(timeout=60)
-                assert not killer.is_alive()
+            if round_index == kill_in_round:
+                with killed_with_next_request(engine) as killed:
+                    collector.collect()
+                assert killed.is_set()
+            else:
+                collector.collect()
         return batches, collector.last_metrics  # the collector is not closed: it would stop the shared engine
 
     try:

@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 from engine_contract import chat_prompts, max_log_prob_difference, seeds
-from helpers import kill_once_busy, process_running
+from helpers import killed_with_next_request, process_running
 
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting
 from rlhf_pipeline.generation.loop import teacher_forced_log_probs
@@ -90,10 +90,9 @@ def test_an_nccl_engine_killed_mid_round_restarts_from_its_file_and_the_next_ver
         plain = engine.sample(requests, seeds(3, len(requests)), config)
         first_group, pid = engine._sender, engine.pid
 
-        killer = kill_once_busy(pid)
-        killed = engine.sample(requests, seeds(3, len(requests)), config)
-        killer.join(timeout=60)
-        assert not killer.is_alive()
+        with killed_with_next_request(engine) as kill_sent:
+            killed = engine.sample(requests, seeds(3, len(requests)), config)
+        assert kill_sent.is_set()
         assert engine.pid != pid and not process_running(pid) and engine.stats.restarts == 1
         assert len(said) == 1 and "died (its process exited (killed by SIGKILL) while sampling)" in said[0], said
         assert engine._sender_generation != engine.server.generation  # the dead peer's group is not used again

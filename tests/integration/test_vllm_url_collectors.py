@@ -3,8 +3,9 @@
 it, the default pipeline with ``--collectors 2`` (real processes, pacing on), and a collector killed
 with SIGKILL while its round holds the server.
 
-One server for the module (its start costs tens of seconds). Skipped, saying how to get it, where the
-vLLM environment is absent (``rlhf-pipeline setup-vllm``).
+One server for the session (its start costs tens of seconds): the one the default pipeline's tests at
+``generation.url`` sample from (``vllm_servers``, ``tests/conftest.py``). Skipped, saying how to get
+it, where the vLLM environment is absent (``rlhf-pipeline setup-vllm``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ import pytest
 import torch
 from engine_contract import chat_prompts, max_log_prob_difference, seeds
 
-from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, teacher_forced_log_probs
-from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_http import JsonClient
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -62,15 +61,9 @@ def _pipeline_model():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    try:
-        python = find_vllm_python(None)
-    except ValueError as exc:
-        pytest.skip(f"needs the vLLM environment: {exc}")
-    work = tmp_path_factory.mktemp("vllm-url-collectors")
-    process = VLLMServerProcess(python, save_model_dir(*_pipeline_model(), work / "model"), work)
-    yield process
-    process.stop()
+def server(vllm_servers):
+    """The session's server of the default pipeline's model (``tests/conftest.py``)."""
+    return vllm_servers.of(*_pipeline_model())
 
 
 def _lease_table(server) -> dict:

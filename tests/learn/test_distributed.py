@@ -332,14 +332,23 @@ def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(
         torch.testing.assert_close(value, reference[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+@pytest.fixture(scope="module")
+def two_ranks_at_step_2(tmp_path_factory) -> Path:
+    """A run two ranks trained to its checkpoint at step 2 (``checkpoint_every=2``), for tests to copy."""
+    root = tmp_path_factory.mktemp("dp") / "two-ranks-at-step-2"
+    make_run(root)
+    torchrun(2, root, 2)
+    return root
+
+
 @pytest.mark.parametrize("mode", ["blow-up", "blow-up-fsdp"])
-def test_every_rank_refuses_a_step_whose_weights_are_not_finite_and_the_checkpoint_stays(tmp_path, mode):
+def test_every_rank_refuses_a_step_whose_weights_are_not_finite_and_the_checkpoint_stays(two_ranks_at_step_2,
+                                                                                       tmp_path, mode):
     """Weights that overflow after step 3 (a learning rate of 1e30): both ranks refuse that step with the
     same line (FSDP's shards are gathered to name the parameter), none hangs, and nothing of it is
     published or checkpointed."""
     root = tmp_path / mode
-    make_run(root)
-    torchrun(2, root, 2)  # checkpoint_every=2: the checkpoint at step 2
+    shutil.copytree(two_ranks_at_step_2, root)
     torchrun(2, root, STEPS, mode, fails=True)
     refusals = [(root / f"refused-rank{rank}.txt").read_text() for rank in range(2)]
     assert refusals[0] == refusals[1]
