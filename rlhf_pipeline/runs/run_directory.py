@@ -41,6 +41,9 @@ class RunError(RuntimeError):
 
 
 HOLDER_FILE = "run.lock"
+ENDING_HOLDER_WAIT_S = 30.0
+"""How long a command waits for a run whose holder has ended but whose children still hold the
+lock (a run just killed: its processes' last threads are still exiting) before refusing."""
 
 
 class RunDirectoryBusyError(RunError):
@@ -116,14 +119,11 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolde
     paths.root.mkdir(parents=True, exist_ok=True)
     fd = os.open(paths.root / HOLDER_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _describe_holder(_holder_record(fd))
-        os.close(fd)
-        raise RunDirectoryBusyError(
-            f"run directory {paths.root} is in use by {holder}; wait for it to end or stop it, or choose "
-            f"another --run-name (or --home)"
-        ) from None
+        if not _lock_or_wait_for_an_ending_holder(fd):
+            holder = _describe_holder(_holder_record(fd))
+            raise RunDirectoryBusyError(
+                f"run directory {paths.root} is in use by {holder}; wait for it to end or stop it, or choose "
+                f"another --run-name (or --home)")
     except BaseException:
         os.close(fd)
         raise
@@ -132,6 +132,29 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolde
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     return RunHolder(fd, paths.root, created_root)
+
+
+def _lock_or_wait_for_an_ending_holder(fd: int) -> bool:
+    """Takes the lock; False if it is held. A holder that has ended on this machine leaves the lock
+    only to its child processes, which are stopping (the same command re-run right after a kill -9
+    meets a killed child's last threads still exiting): waited for, up to ENDING_HOLDER_WAIT_S."""
+    deadline = time.monotonic() + ENDING_HOLDER_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if not _holder_has_ended(_holder_record(fd)) or time.monotonic() > deadline:
+                return False
+        time.sleep(0.2)
+
+
+def _holder_has_ended(raw: bytes) -> bool:
+    try:
+        record = json.loads(raw)
+        return record["host"] == socket.gethostname() and not pid_running(int(record["pid"]))
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _holder_record(fd: int, wait_s: float = 1.0) -> bytes:
@@ -155,7 +178,7 @@ def _describe_holder(raw: bytes) -> str:
         record = json.loads(raw)
         described = (f"`{record['command']}` (pid {record['pid']} on host {record['host']}, started "
                      f"{record['started']})")
-        if record["host"] == socket.gethostname() and not pid_running(int(record["pid"])):
+        if _holder_has_ended(raw):
             # the lock is still held, so processes it started still hold it
             described += ", which has ended while its child processes are still stopping"
         return described
