@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_pipeline.evaluation.settings import EvalSettings
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, RunPaths
 from rlhf_pipeline.run_settings import RunSettings
@@ -120,6 +121,11 @@ class Settings(RunSettings):
     ))
     """Learner settings (--set learner.lr=1e-4, --list-settings shows them all). lr 3e-4: at 1e-3, on
     seeds 0-2 the warm-started model lost reward over the 30 steps (docs/pipelines.md)."""
+    eval: EvalSettings = field(default_factory=lambda: EvalSettings(samples=4, temperature=1.0))
+    """Evaluation of the held-out products (--set eval.every_steps=50): 4 episodes per task sampled at
+    the training temperature, where GRPO moves the policy. Greedy (eval.temperature=0 eval.samples=1)
+    left no room: the warm start already answers 86-91% of them greedily, the misses are digits of
+    the tool's answer miscopied, and 150 steps did not change them (docs/evaluation.md)."""
 
     def validate(self) -> None:
         if not 1 <= self.low <= self.high:

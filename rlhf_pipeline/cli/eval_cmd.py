@@ -66,22 +66,19 @@ def run(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from rlhf_pipeline.dataio.model_export import available_versions, load_version
+    from rlhf_pipeline.dataio.model_export import available_versions, version_state
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.files.run_paths import is_url, local_run_path
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, apply_overrides
     from rlhf_pipeline.runs.processes import eval_main, eval_sets_of, set_threads
     from rlhf_pipeline.runs.stopping import StopFlag
 
-    if is_url(args.run_dir):  # the versions its store keeps published (checkpoints there are not read)
-        from rlhf_pipeline.coordination.weights import load_weights, published_versions
-
-        paths = RunPaths.at_url(args.run_dir)
-        available = {v: (lambda v=v: load_weights(paths.store, v)[0]) for v in published_versions(paths.store)}
-    else:  # published weights, and checkpoints that hold a version (as export-model finds them)
-        paths = RunPaths(local_run_path(args.run_dir, "RUN").resolve())
-        available = {v: (lambda v=v: load_version(paths.root, v)[0])
-                     for v in available_versions(paths.root)}  # refuses what is not a run directory, in one line
+    paths = RunPaths.at_url(args.run_dir) if is_url(args.run_dir) else \
+        RunPaths(local_run_path(args.run_dir, "RUN").resolve())
+    # published weights, and checkpoints that hold a version (as export-model finds them), through the
+    # run's store at a URL; refuses what is not a run, in one line
+    available = {v: (lambda source=source: version_state(source, paths.location))
+                 for v, source in available_versions(paths.location).items()}
     pipeline = load_run_pipeline(paths, device="cpu")  # our loop evaluates on the CPU, beside the learner
     pipeline = dataclasses.replace(pipeline, settings=apply_overrides(pipeline.settings, args.overrides))
     engine_device = _run_device(paths)  # a vLLM of the evaluator's own runs where the run's does

@@ -1,7 +1,7 @@
 """``export-model``: a run's policy of one version as a ``save_pretrained`` directory.
 
 A version comes from ``weights/`` or from the checkpoint of the step that published it
-(:func:`available_versions`). The pipeline's ``make_model()`` with those weights and its tokenizer
+(:func:`available_versions`), in a run directory or, through its store, a run at a URL. The pipeline's ``make_model()`` with those weights and its tokenizer
 are saved so that ``from_pretrained(OUT)`` computes the same logits; ``rlhf_pipeline_export.json``
 says where they came from. Nothing in the run directory runs code. Design: docs/architecture.md#rows-in-and-out.
 A LoRA run's version is exported merged into its base (version 0), or with ``--adapter`` as the adapter
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhf_pipeline.files.run_paths import local_run_path
+from rlhf_pipeline.files.run_paths import is_url, local_run_path
 from rlhf_pipeline.pipeline import PipelineError, RunPaths
 
 if TYPE_CHECKING:
@@ -40,11 +40,14 @@ class RunNotFoundError(FileNotFoundError):
 @dataclass(frozen=True)
 class VersionSource:
     version: int
-    path: Path
+    path: Path | str
+    """The file, or at a URL the checkpoint's URL or the weights' store key."""
     kind: str  # "weights" or "checkpoint"
+    run: RunPaths | None = None
+    """A run at a URL: its version is read through the run's store (None: ``path`` is a file)."""
 
     def describe(self) -> str:
-        return f"v{self.version} ({self.kind} {self.path.name})"
+        return f"v{self.version} ({self.kind} {str(self.path).rstrip('/').rsplit('/', 1)[-1]})"
 
 
 @dataclass
@@ -56,9 +59,12 @@ class ExportedModel:
 
 
 def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
-    """Policy versions whose weights are on disk: published files, then checkpoints that hold one."""
+    """Policy versions whose weights are kept: published weights, and checkpoints that hold one (the
+    published file where both do). ``run_root``: a run directory, or a run's URL."""
     from rlhf_pipeline.coordination.weights import published_versions, weights_path
 
+    if is_url(str(run_root)):
+        return _versions_at_url(RunPaths.at_url(str(run_root)))
     paths = RunPaths(local_run_path(run_root, "RUN"))
     if not paths.root.is_dir():
         raise RunNotFoundError(f"{paths.root} does not exist" if not paths.root.exists()
@@ -80,6 +86,29 @@ def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
                 found[version] = VersionSource(version, file, "checkpoint")
     for version in published_versions(paths.root):
         found[version] = VersionSource(version, weights_path(paths.root, version), "weights")
+    return dict(sorted(found.items()))
+
+
+def _versions_at_url(paths: RunPaths) -> dict[int, VersionSource]:
+    """:func:`available_versions` of a run at a URL, through its store: a checkpoint's version from
+    the rewind record beside it (a few bytes, where a local run's is read from the checkpoint itself)."""
+    from rlhf_pipeline.coordination.weights import published_objects
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+
+    store = paths.store
+    if store.read(paths.key(paths.settings_file)) is None and not store.list("checkpoints") \
+            and not store.list("weights"):
+        raise RunNotFoundError(f"{paths.url} holds no run (no settings.json, weights or checkpoints): give the URL "
+                               f"a run was started at, --home URL plus its --run-name")
+    found: dict[int, VersionSource] = {}
+    publish_every = _publish_every(paths)
+    checkpoints = run_checkpoints(paths)
+    for step in checkpoints.steps():
+        version = (checkpoints.record(step) or {}).get("policy_version")
+        if publish_every and step % publish_every == 0 and isinstance(version, int):
+            found[version] = VersionSource(version, checkpoints.path_of(step), "checkpoint", paths)
+    for version, name in published_objects(store).items():
+        found[version] = VersionSource(version, name, "weights", paths)
     return dict(sorted(found.items()))
 
 
@@ -129,7 +158,7 @@ def _checkpoint_progress(path: Path) -> dict[str, int] | None:
 
 def _publish_every(paths: RunPaths) -> int | None:
     try:
-        settings = json.loads(paths.settings_file.read_text())
+        settings = json.loads(paths.store.read(paths.key(paths.settings_file)) or b"")
         return int(settings["learner"]["publish_every"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # without it a checkpoint cannot be matched to a version
@@ -153,28 +182,43 @@ def load_version(run_root: str | Path, version: int | None = None) -> tuple[dict
             reason = (f"of {run_root} is no longer on disk (weights/ keeps the last few, checkpoints/ the "
                       f"last N)")
         raise VersionNotFoundError(f"policy version {version} {reason}; available: {listed}")
+    source = versions[version]
+    return version_state(source, run_root), source
+
+
+def version_state(source: VersionSource, run_root: str | Path) -> dict[str, torch.Tensor]:
+    """The policy weights of ``source`` (one of ``run_root``'s :func:`available_versions`); a LoRA
+    run's version merged into its base, version 0."""
     from rlhf_pipeline.models.lora import PolicyAdapter, merged_state
 
-    source = versions[version]
     published = _published(source)
-    if isinstance(published, PolicyAdapter):  # a LoRA run's version: merged into its base, version 0
+    if isinstance(published, PolicyAdapter):
         from rlhf_pipeline.coordination.weights import load_weights
 
-        base, _ = load_weights(RunPaths(local_run_path(run_root, "RUN")).root, 0)
-        return merged_state(base, published), source
-    return published, source
+        run = source.run.store if source.run is not None else RunPaths(local_run_path(run_root, "RUN")).root
+        return merged_state(load_weights(run, 0)[0], published)
+    return published
 
 
 def _published(source: VersionSource) -> dict[str, torch.Tensor]:
     """The version's state as the run keeps it: whole weights, or (a LoRA run) a ``PolicyAdapter``."""
     if source.kind == "weights":
+        if source.run is not None:
+            from rlhf_pipeline.coordination.weights import load_published
+
+            return load_published(source.run.store, source.version)[0]
         from rlhf_pipeline.coordination.weights import load_weights_file
 
         return load_weights_file(source.path)[0]
-    from rlhf_pipeline.files.state_files import load_state
+    if source.run is not None:
+        from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
-    # tensors and plain values only (format 1's NumPy RNG array too); raises StateFileError
-    checkpoint = load_state(source.path, what="learner checkpoint", legacy_numpy_arrays=True)
+        checkpoint = run_checkpoints(source.run).load(source.path)[1]  # raises StateFileError
+    else:
+        from rlhf_pipeline.files.state_files import load_state
+
+        # tensors and plain values only (format 1's NumPy RNG array too); raises StateFileError
+        checkpoint = load_state(source.path, what="learner checkpoint", legacy_numpy_arrays=True)
     from rlhf_pipeline.models.lora import PolicyAdapter
 
     lora = checkpoint.get("lora")

@@ -2,8 +2,9 @@
 
 Each set has its own store, ``<run>/eval/<set>`` (the storage engine of the buffer: ``show``,
 ``inspect`` and ``export`` read it like a shard), never the training buffer. A row is one completion
-(an agent's episode: one row per model turn): the prompt and completion tokens, their sampled
-log-probs, ``reward`` = its score, ``policy_version`` = the version evaluated, ``group_id`` =
+(an agent's episode: one row per model turn): the prompt and completion tokens, their log-probs
+(the sampling distribution's; with greedy decoding the policy's own at temperature 1, see
+:class:`EvalEngine`), ``reward`` = its score, ``policy_version`` = the version evaluated, ``group_id`` =
 ``version * ID_STRIDE + prompt`` (the prompt's index in the set; the samples of one prompt at one
 version are a group) and ``trajectory_id`` = ``group_id * samples + sample``: unique in the store, and
 the same (version, prompt, sample) has the same ids in every evaluation of it.
@@ -142,7 +143,7 @@ class Evaluation:
     step_of: Callable[[int], int] = lambda version: version
     """The learner step that published a version."""
 
-    def evaluate(self, engine: Any, eval_set: EvalSet, version: int, store: Any) -> dict[str, float] | None:
+    def evaluate(self, engine: EvalEngine | None, eval_set: EvalSet, version: int, store: Any) -> dict[str, float] | None:
         """Evaluates ``version`` on ``eval_set`` into ``store`` (what is stored already is not done
         again) and logs its summary; returns the summary, or None when it failed (recorded in the
         store's progress) or was given up."""
@@ -179,7 +180,7 @@ class Evaluation:
         progress.logged = sorted({*progress.logged, *unlogged})
         store.append(None, writer_state=progress.to_bytes())
 
-    def _evaluate(self, engine: Any, eval_set: EvalSet, version: int, store: Any, progress: EvalProgress) -> None:
+    def _evaluate(self, engine: EvalEngine, eval_set: EvalSet, version: int, store: Any, progress: EvalProgress) -> None:
         if progress.current != version:  # a version left unfinished by a failure waits for its retry
             progress.current, progress.scores, progress.counts = version, [], {}
         items = eval_set.items(self.settings.max_prompts)
@@ -202,7 +203,7 @@ class Evaluation:
             store.append(rows, writer_state=progress.to_bytes())  # the rows and how far they go, together
 
     # ------------------------------------------------------------------ single-turn
-    def _single_chunk(self, engine: Any, eval_set: EvalSet, version: int, first: int,
+    def _single_chunk(self, engine: EvalEngine, eval_set: EvalSet, version: int, first: int,
                       prompts: Sequence[Any]) -> tuple[Any, list[list[float]], dict[str, float]]:
         from rlhf_pipeline.generation.engine import SampleRequest
         from rlhf_pipeline.schema import TrajectoryBatch
@@ -213,14 +214,15 @@ class Evaluation:
         pairs = [(i, j) for i in range(len(prompts)) for j in range(k)]
         requests = [SampleRequest(rendered[i], n=1) for i, _ in pairs]
         seeds = [eval_seed(self.run_seed, eval_set.name, version, first + i, j) for i, j in pairs]
-        completions = sample_eval(engine, requests, seeds, sampling)
+        completions = sample_eval(engine.sampler, requests, seeds, sampling)
+        log_probs = self._log_probs(engine, [r.prompt_ids for r in requests], completions)
         group = version * ID_STRIDE + first  # the group id of the chunk's first prompt
         texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         prompt_texts = [prompts[i].display_text(self.tokenizer) for i, _ in pairs]
         fields = {name: [prompts[i].fields[name] for i, _ in pairs] for name in prompts[0].fields}
         flat = _checked_scores(eval_set, eval_set.score(prompt_texts, texts, **fields), len(pairs))
         rows = TrajectoryBatch.from_rows([{
-            "prompt_tokens": rendered[i], "response_tokens": c.token_ids, "response_log_probs": c.log_probs,
+            "prompt_tokens": rendered[i], "response_tokens": c.token_ids, "response_log_probs": log_probs[n],
             "group_id": group + i, "trajectory_id": (group + i) * k + j, "step": 0, "reward": score,
             "done": True, "terminated": c.terminated, "truncated": not c.terminated, "policy_version": version,
             "prompt_text": prompt_texts[n], "response_text": texts[n],
@@ -228,7 +230,7 @@ class Evaluation:
         return rows, [flat[i * k:(i + 1) * k] for i in range(len(prompts))], {}
 
     # ------------------------------------------------------------------ agents
-    def _agent_chunk(self, engine: Any, eval_set: EvalSet, version: int, first: int,
+    def _agent_chunk(self, engine: EvalEngine, eval_set: EvalSet, version: int, first: int,
                      tasks: Sequence[Mapping[str, Any]]) -> tuple[Any, list[list[float]], dict[str, float]]:
         from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
         from rlhf_pipeline.agents.rollout import RolloutConfig, run_episodes
@@ -242,12 +244,13 @@ class Evaluation:
             task, sample = divmod(episode, k)
             turn = turns_taken[episode] = turns_taken.get(episode, -1) + 1
             seed = eval_seed(self.run_seed, eval_set.name, version, first + task, sample, turn)
-            (c,) = sample_eval(engine, [SampleRequest(ids, n=1, max_new_tokens=max_new_tokens)], [seed], sampling)
-            return c.token_ids, c.log_probs
+            (c,) = sample_eval(engine.sampler, [SampleRequest(ids, n=1, max_new_tokens=max_new_tokens)], [seed],
+                               sampling)
+            return c.token_ids, self._log_probs(engine, [ids], [c])[0]
 
         rollout = asyncio.run(run_episodes(
             tasks, eval_set.make_env, sample_turn, self.tokenizer, RolloutConfig(group_size=k, limits=eval_set.limits),
-            parser=eval_set.parser, stop_token_ids=engine.stop_token_ids))
+            parser=eval_set.parser, stop_token_ids=engine.sampler.stop_token_ids))
         if rollout.failures:
             failure = rollout.failures[0]
             raise EvalFailed(f"task {first + failure.group}: {failure.reason}: {failure.message}")
@@ -264,6 +267,14 @@ class Evaluation:
         counts = {"turns": float(len(rows)), "tool_calls": float(rows["tool_calls"].sum()),
                   "failed_calls": float(rows["tool_errors"].sum())}
         return rows, [flat[i * k:(i + 1) * k] for i in range(len(tasks))], counts
+
+    def _log_probs(self, engine: EvalEngine, prompts: Sequence[Sequence[int]],
+                   completions: Sequence[Any]) -> list[list[float]]:
+        """What a row stores as its log-probs: those it was sampled with, or, greedy, the policy's own
+        (temperature 1, nothing cut): greedy sampling keeps one token, whose log-prob is 0 every time."""
+        if self.settings.temperature > 0:
+            return [c.log_probs for c in completions]
+        return engine.scorer.score(prompts, [c.token_ids for c in completions])
 
 
 def _checked_scores(eval_set: EvalSet, returned: Any, n: int) -> list[float]:
@@ -284,8 +295,45 @@ def _checked_scores(eval_set: EvalSet, returned: Any, n: int) -> list[float]:
     return scores
 
 
+class EvalEngine:
+    """The evaluator's engines, holding one version: ``sampler`` samples (the run's kind of engine) and
+    ``scorer`` gives a greedy evaluation's rows the policy's own log-probs (teacher-forced, temperature
+    1): the sampler itself where it scores (our loop), else our loop over a CPU copy of the version. A
+    vLLM server returns the log-probs of the distribution it sampled from (``--logprobs-mode
+    processed_logprobs``, which training needs), 0 for every greedy token, and scores no given tokens."""
+
+    def __init__(self, sampler: Any, scorer: Any) -> None:
+        self.sampler, self.scorer = sampler, scorer
+
+    @property
+    def name(self) -> str:
+        return self.sampler.name
+
+    @property
+    def policy_version(self) -> int:
+        return self.sampler.policy_version
+
+    def load_weights(self, state: Mapping[str, Any], version: int) -> None:
+        self.sampler.load_weights(state, version)
+        if self.scorer is not self.sampler:
+            self.scorer.load_weights(state, version)
+
+    def close(self) -> None:
+        try:
+            self.sampler.close()
+        finally:
+            if self.scorer is not self.sampler:
+                self.scorer.close()
+
+    def __enter__(self) -> EvalEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def eval_engine(generation: Any, make_model: Callable[[], Any], tokenizer: Any, state: Mapping[str, Any],
-                version: int, *, device: str = "cpu", seed: int = 0) -> Any:
+                version: int, *, device: str = "cpu", seed: int = 0) -> EvalEngine:
     """The engine the run's collectors sample with (``generation.*``: our loop, a vLLM server of its
     own, or the server at ``generation.url``), obtained as they obtain theirs
     (``generation.settings.make_engine``), holding ``state`` as ``version``.
@@ -295,13 +343,18 @@ def eval_engine(generation: Any, make_model: Callable[[], Any], tokenizer: Any, 
     requests only, and a reply is kept only if no other weights went in under it. ``device``: where an
     owned vLLM runs (the run's device); our loop runs on ``make_model``'s."""
     from rlhf_pipeline.generation.engine import EngineFailed
+    from rlhf_pipeline.generation.loop import LoopEngine
     from rlhf_pipeline.generation.settings import CHOSEN_BY, make_engine
 
     model = make_model()
     model.load_state_dict(state)
     try:
-        return make_engine(generation, model, pad_token_id=tokenizer.pad_token_id,
-                           stop_token_ids=[tokenizer.eos_token_id], device=device, policy_version=version, seed=seed,
-                           tokenizer=tokenizer)
+        sampler = make_engine(generation, model, pad_token_id=tokenizer.pad_token_id,
+                              stop_token_ids=[tokenizer.eos_token_id], device=device, policy_version=version,
+                              seed=seed, tokenizer=tokenizer)
     except (ValueError, EngineFailed) as exc:  # checked as the collectors' engine is, said in one line
         raise EvalEngineUnavailable(f"the evaluator's engine ({CHOSEN_BY[generation.chosen_engine]}): {exc}") from None
+    if sampler.supports_scoring:
+        return EvalEngine(sampler, sampler)
+    return EvalEngine(sampler, LoopEngine(model, pad_token_id=tokenizer.pad_token_id,
+                                          eos_token_id=[tokenizer.eos_token_id], policy_version=version))

@@ -34,7 +34,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
 TOLERANCE = 1e-4  # vLLM's CPU log-probs agree with ours to ~1e-6; another version's differ by far more
-SAMPLED = EvalSettings(samples=2, temperature=1.0, max_prompts=6)  # greedy log-probs are all 0: sample
+SAMPLED = EvalSettings(samples=2, temperature=1.0, max_prompts=6)
+GREEDY = EvalSettings(max_prompts=6)  # its rows' log-probs: the policy's at temperature 1, as SAMPLED's
 
 
 def off_by(model, state, rows) -> float:
@@ -73,6 +74,8 @@ def test_the_evaluators_own_vllm_is_started_once_and_samples_each_version_it_is_
             assert evaluate_version(evaluation, [held_out], {held_out.name: store}, version, engines,
                                     lambda v=version: states[v])
         assert made == [1] and engines.engine.name == "vllm" and engines.engine.policy_version == 2
+        greedy_store = open_set_store(tmp_path, held_out, GREEDY)
+        Evaluation(pipeline.tokenizer, GREEDY, run_seed=0).evaluate(engines.engine, held_out, 2, greedy_store)
     finally:
         engines.close()
     model = pipeline.make_model()
@@ -81,6 +84,10 @@ def test_the_evaluators_own_vllm_is_started_once_and_samples_each_version_it_is_
         assert len(rows) == 2 * 6 and off_by(model, states[version], rows) < TOLERANCE
         other = states[3 - version]
         assert off_by(model, other, rows) > 100 * TOLERANCE  # the check tells versions apart
+    # greedy: vLLM's log-probs are its sampling distribution's (0 each); the rows hold the policy's own
+    greedy = rows_of(greedy_store)
+    assert len(greedy) == 6 and greedy["response_log_probs"].values.lt(0).any()
+    assert off_by(model, states[2], greedy) < TOLERANCE
 
 
 def _pipeline_model():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import kill_when, run_child_pids
 
-from rlhf_pipeline.coordination.weights import published_versions
+from rlhf_pipeline.coordination.weights import published_objects, published_versions
 from rlhf_pipeline.dataio.model_export import available_versions
 from rlhf_pipeline.evaluation.evaluator import ID_STRIDE, EvalProgress, set_store_location
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -28,6 +28,7 @@ SMALL = ["--set", "warm_start_steps=5", "--set", "prompts_per_round=4", "--set",
          "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",
          "--set", "learner.new_rows_per_step=16", "--set", "learner.checkpoint_every=4"]
 HELD_OUT = 40  # prompts of the default pipeline's held-out set
+SAMPLED_5 = ["--set", "eval.samples=2", "--set", "eval.temperature=1.0", "--set", "eval.max_prompts=5"]
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -41,8 +42,8 @@ def logged(run: str, log: str = "metrics.jsonl") -> list[dict]:
 
 
 def kept_versions(run: str) -> list[int]:
-    """The policy versions a run keeps (at a URL: its published weights, what `eval` evaluates there)."""
-    return sorted(available_versions(run)) if "://" not in run else published_versions(run_store_at(run))
+    """The policy versions a run keeps, wherever it lives: published weights and checkpoints."""
+    return sorted(available_versions(run))
 
 
 def stored(run: str, name: str):
@@ -89,8 +90,7 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home):
     assert "[eval]" not in again.stdout  # nothing evaluated
     assert samples_of(stored(run, "held_out")[0]) == counts
     # other sampling is another evaluation, in a store of its own
-    sampled = cli("eval", run, "--step", "6", "--set", "eval.samples=2", "--set", "eval.temperature=1.0",
-                  "--set", "eval.max_prompts=5")
+    sampled = cli("eval", run, "--step", "6", *SAMPLED_5)
     assert sampled.returncode == 0, sampled.stderr
     assert "held_out-k2-t1-n5 step 6 (policy version 6): pass@1" in sampled.stdout and "pass@2" in sampled.stdout
     assert len(stored(run, "held_out-k2-t1-n5")[0]) == 10
@@ -102,6 +102,24 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home):
     assert refused.stderr.strip().splitlines() == [
         f"rlhf-pipeline eval: error: --step 1: no policy of that step is kept in {where} (versions are published "
         f"every 1 steps; kept steps: {', '.join(map(str, kept))})"]
+
+    # a version kept only by its checkpoint (its weights pruned) is read from the checkpoint, at a URL too
+    store = run_store_at(run)
+    store.delete(f"weights/{published_objects(store)[4]}")
+    assert 4 not in published_versions(store) and 4 in kept_versions(run)
+    from_checkpoint = cli("eval", run, "--step", "4", *SAMPLED_5)
+    assert from_checkpoint.returncode == 0, from_checkpoint.stderr
+    assert "held_out-k2-t1-n5 step 4 (policy version 4): pass@1" in from_checkpoint.stdout
+    rows, progress = stored(run, "held_out-k2-t1-n5")
+    assert sorted(progress.done) == [4, 6] and rows["policy_version"].tolist().count(4) == 10
+    # --all-kept: every kept version, the checkpoint's among them, each once
+    every = cli("eval", run, "--all-kept", *SAMPLED_5)
+    assert every.returncode == 0, every.stderr
+    kept = kept_versions(run)
+    assert [line.split(" (policy version ")[1].split(")")[0] for line in every.stdout.splitlines()
+            if line.startswith("held_out-k2-t1-n5 step ")] == [str(v) for v in kept]
+    rows, progress = stored(run, "held_out-k2-t1-n5")
+    assert sorted(progress.done) == kept and set(samples_of(rows).values()) == {1}
 
 
 def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_each_sample_once(run_home):

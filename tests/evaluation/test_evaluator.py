@@ -21,6 +21,7 @@ from rlhf_pipeline.evaluation.evaluator import (
 from rlhf_pipeline.coordination.eval_pins import wanted_version
 from rlhf_pipeline.evaluation.settings import EvalSettings
 from rlhf_pipeline.files.run_paths import RunPaths
+from rlhf_pipeline.generation import teacher_forced_log_probs
 from rlhf_pipeline.pipeline import load_pipeline_module, make_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +49,15 @@ def engine_of(pipeline, version: int = 0, seed: int = 0):
                        pipeline.make_model().state_dict(), version)
 
 
+def policy_log_probs(pipeline, rows):
+    """The rows' tokens teacher-forced by the policy ``engine_of`` holds, at temperature 1, nothing cut."""
+    torch.manual_seed(0)
+    model = pipeline.make_model().eval()
+    with torch.no_grad():
+        return teacher_forced_log_probs(model, rows["prompt_tokens"], rows["response_tokens"], None,
+                                        pad_token_id=pipeline.tokenizer.pad_token_id)
+
+
 def rows_of(store):
     return store.read(list(range(len(store))))
 
@@ -61,7 +71,10 @@ def test_every_held_out_prompt_is_one_row_scored_and_named_by_its_version(defaul
     rows = rows_of(store)
     assert len(rows) == 40 and rows["policy_version"].eq(3).all()
     assert rows["group_id"].tolist() == [3 * ID_STRIDE + p for p in range(40)] == rows["trajectory_id"].tolist()
-    assert rows["response_log_probs"].values.eq(0).all()  # greedy: the kept token is the only one
+    # greedy: the policy's own log-probs of its tokens (the sampling distribution's would be 0 each)
+    log_probs = rows["response_log_probs"].values
+    assert log_probs.lt(0).any() and torch.allclose(log_probs, policy_log_probs(default_pipeline, rows).values,
+                                                    atol=1e-5)
     expected = held_out.score(rows["prompt_text"], rows["response_text"], answer=[p.fields["answer"]
                                                                                   for p in held_out.prompts])
     assert rows["reward"].tolist() == pytest.approx(expected)
@@ -152,6 +165,9 @@ def test_an_agent_set_runs_whole_episodes_a_row_per_turn(tmp_path):
     name = "eval/held_out-k1-t0-n3"
     assert summary[f"{name}/turns_per_episode"] == pytest.approx(len(rows) / 3)
     assert {f"{name}/tool_calls_per_episode", f"{name}/failed_calls_per_episode"} <= set(summary)
+    # greedy: each turn's log-probs are the policy's own, in the context the turn was sampled in
+    log_probs = rows["response_log_probs"].values
+    assert log_probs.lt(0).any() and torch.allclose(log_probs, policy_log_probs(pipeline, rows).values, atol=1e-5)
 
 
 @pytest.mark.parametrize(("every", "publish_every", "expected"), [

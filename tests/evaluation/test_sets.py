@@ -85,6 +85,10 @@ def test_tool_use_pipeline_holds_its_eval_tasks_out_of_training(tmp_path):
     assert not {t["question"] for t in training} & set(questions)
     env = held_out.make_env()
     assert env.partial_credit is False  # the held-out verifier pays the exact product only
+    # sampled as training samples (greedy answers were right already: docs/evaluation.md#what-it-shows),
+    # with samples enough for pass@k, in a store of its own; --set eval.temperature=0 eval.samples=1 is greedy
+    assert settings.eval.temperature == settings.temperature and settings.eval.samples == 4
+    assert make_settings(module, ["eval.temperature=0", "eval.samples=1"]).eval.suffix == ""
 
 
 def test_an_eval_set_is_refused_naming_what_it_lacks():
