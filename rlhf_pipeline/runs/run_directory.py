@@ -2,11 +2,9 @@
 and the Ray driver: ``settings.json`` checked against a previous start, the pipeline file's
 copy, the buffer shards, and the initial policy published as weights version 0.
 
-Every step is idempotent and runs under one file lock (:func:`run_lock`), so processes
-started side by side (a collector and a learner, several learner ranks) agree on one
-preparation whoever comes first. Apart from that short lock, the command that owns the run
-(``run``, ``learn``, ``replay``, ``import``) holds the directory for its whole life
-(:func:`hold_run_directory`), so that a second one is refused before it changes anything.
+Every step is idempotent and runs under one file lock (:func:`run_lock`), so processes started
+side by side agree on one preparation. The command that owns the run holds the directory for its
+whole life (:func:`hold_run_directory`): a second one is refused before it changes anything.
 """
 
 from __future__ import annotations
@@ -41,9 +39,7 @@ class RunError(RuntimeError):
 
 
 HOLDER_FILE = "run.lock"
-ENDING_HOLDER_WAIT_S = 30.0
-"""How long a command waits for a run whose holder has ended but whose children still hold the
-lock (a run just killed: its processes' last threads are still exiting) before refusing."""
+ENDING_HOLDER_WAIT_S = 30.0  # for the lock of a holder that has ended (_lock_or_wait_for_an_ending_holder)
 
 
 class RunDirectoryBusyError(RunError):
@@ -136,8 +132,8 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolde
 
 def _lock_or_wait_for_an_ending_holder(fd: int) -> bool:
     """Takes the lock; False if it is held. A holder that has ended on this machine leaves the lock
-    only to its child processes, which are stopping (the same command re-run right after a kill -9
-    meets a killed child's last threads still exiting): waited for, up to ENDING_HOLDER_WAIT_S."""
+    only to its stopping children (re-run right after a kill -9, a killed child's last threads may
+    still be exiting): they are waited for, up to ENDING_HOLDER_WAIT_S."""
     deadline = time.monotonic() + ENDING_HOLDER_WAIT_S
     while True:
         try:
