@@ -270,6 +270,9 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
         while first.poll() is None and time.monotonic() < deadline and not (
                 rounds.exists() and rounds.read_text().count("\n") >= 2):
             time.sleep(0.05)
+        # stopped at once, so that the run cannot train on to its last step while its processes are
+        # listed (at a low load its learner could, and the kill then missed the run it must interrupt)
+        os.killpg(first.pid, signal.SIGSTOP)
         started = tree(first.pid)
         engines = [e for c in run_child_pids("collect", str(tmp_path), "run") for e in _engines_of(c)]
         evaluators = run_child_pids("eval", str(tmp_path), "run")
