@@ -1,6 +1,6 @@
 """Tool-use pipeline: GRPO on multi-turn calculator episodes with a tiny model, on CPU, in minutes.
 
-    rlhf-pipeline run pipelines/tool_use.py       # 90-280 s on 2 CPU cores at load 5-11, most of it the warm start
+    rlhf-pipeline run pipelines/tool_use.py       # 55 s on 2 idle cores, 90-280 s at load 5-11: mostly warm start
     rlhf-pipeline run pipelines/tool_use.py --steps 10 --set warm_start_steps=150 --set warm_start_more_stages=0
                                                   # a short warm start, too short: the check after it warns
     rlhf-pipeline run pipelines/tool_use.py --set generation.engine=vllm     # vLLM samples the turns
