@@ -298,11 +298,12 @@ def _checked_scores(eval_set: EvalSet, returned: Any, n: int) -> list[float]:
 class EvalEngine:
     """The evaluator's engines, holding one version: ``sampler`` samples (the run's kind of engine) and
     ``scorer`` gives a greedy evaluation's rows the policy's own log-probs (teacher-forced, temperature
-    1): the sampler itself where it scores (our loop), else our loop over a CPU copy of the version. A
-    vLLM server returns the log-probs of the distribution it sampled from (``--logprobs-mode
+    1): the sampler itself where it scores (our loop), else our loop over a CPU copy of the version;
+    None for a sampled evaluation, whose rows keep the log-probs they were sampled with. A vLLM
+    server returns the log-probs of the distribution it sampled from (``--logprobs-mode
     processed_logprobs``, which training needs), 0 for every greedy token, and scores no given tokens."""
 
-    def __init__(self, sampler: Any, scorer: Any) -> None:
+    def __init__(self, sampler: Any, scorer: Any | None) -> None:
         self.sampler, self.scorer = sampler, scorer
 
     @property
@@ -315,14 +316,14 @@ class EvalEngine:
 
     def load_weights(self, state: Mapping[str, Any], version: int) -> None:
         self.sampler.load_weights(state, version)
-        if self.scorer is not self.sampler:
+        if self.scorer is not None and self.scorer is not self.sampler:
             self.scorer.load_weights(state, version)
 
     def close(self) -> None:
         try:
             self.sampler.close()
         finally:
-            if self.scorer is not self.sampler:
+            if self.scorer is not None and self.scorer is not self.sampler:
                 self.scorer.close()
 
     def __enter__(self) -> EvalEngine:
@@ -333,15 +334,16 @@ class EvalEngine:
 
 
 def eval_engine(generation: Any, make_model: Callable[[], Any], tokenizer: Any, state: Mapping[str, Any],
-                version: int, *, device: str = "cpu", seed: int = 0) -> EvalEngine:
+                version: int, *, device: str = "cpu", seed: int = 0, greedy: bool = True) -> EvalEngine:
     """The engine the run's collectors sample with (``generation.*``: our loop, a vLLM server of its
     own, or the server at ``generation.url``), obtained as they obtain theirs
     (``generation.settings.make_engine``), holding ``state`` as ``version``.
 
     A server at ``generation.url`` is shared with the collectors: each chunk of an evaluation holds its
-    weights lease (``generation/vllm_url_lease.py``), so the version evaluated is loaded for those
+    weights lease (``generation/vllm_url_weights.py``), so the version evaluated is loaded for those
     requests only, and a reply is kept only if no other weights went in under it. ``device``: where an
-    owned vLLM runs (the run's device); our loop runs on ``make_model``'s."""
+    owned vLLM runs (the run's device); our loop runs on ``make_model``'s. ``greedy``: the evaluation
+    is greedy (``eval.temperature`` 0), so its rows need a scorer (:class:`EvalEngine`)."""
     from rlhf_pipeline.generation.engine import EngineFailed
     from rlhf_pipeline.generation.loop import LoopEngine
     from rlhf_pipeline.generation.settings import CHOSEN_BY, make_engine
@@ -354,7 +356,7 @@ def eval_engine(generation: Any, make_model: Callable[[], Any], tokenizer: Any, 
                               seed=seed, tokenizer=tokenizer)
     except (ValueError, EngineFailed) as exc:  # checked as the collectors' engine is, said in one line
         raise EvalEngineUnavailable(f"the evaluator's engine ({CHOSEN_BY[generation.chosen_engine]}): {exc}") from None
-    if sampler.supports_scoring:
-        return EvalEngine(sampler, sampler)
+    if sampler.supports_scoring or not greedy:
+        return EvalEngine(sampler, sampler if sampler.supports_scoring else None)
     return EvalEngine(sampler, LoopEngine(model, pad_token_id=tokenizer.pad_token_id,
                                           eos_token_id=[tokenizer.eos_token_id], policy_version=version))

@@ -478,7 +478,7 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
             if paths.url else {})
     engines = VersionEngine(lambda state, version: eval_engine(
         pipeline.settings.generation, pipeline.make_model, pipeline.tokenizer, state, version,
-        device=engine_device, seed=pipeline.settings.seed))
+        device=engine_device, seed=pipeline.settings.seed, greedy=settings.temperature == 0))
     try:
         if versions is None:
             follow_run(evaluation, sets, paths, engines, eval_pins(pipeline, paths), should_stop=stop.event.is_set,
