@@ -63,7 +63,7 @@ of ``|L_it|`` (the policy term, TIS weight included, importance weight not: a pr
 not shrink because the row was drawn often); with ``"ratio_deviation"`` the mean of
 ``|r_it - 1|`` (how far the policy has moved on that row since it was sampled; GSPO: ``|s_i - 1|``).
 Both come from the tensors of this forward; with ``row_logprob_diff`` they are the only non-scalar
-entries of the metrics (:data:`PER_ROW_METRICS`).
+entries of the metrics (``learn/step.py`` takes them out).
 
 Parity with torchrl 0.14.1 ``GRPOLoss`` (``tests/learn/test_loss.py``, to 1e-6, loss and
 gradients, run end to end around ``TransformersWrapper`` on a ``pad_batch`` batch):
@@ -101,7 +101,6 @@ MAX_METRICS = frozenset({"sampler_logprob_diff_max"})
 """Statistics a step combines over micro-batches and ranks by their maximum, not a weighted sum."""
 ROW_LOGPROB_DIFF = "row_logprob_diff"
 """The per-row statistic of :func:`sampler_mismatch`: with ``row_feedback``, the only non-scalar metrics."""
-PER_ROW_METRICS = ("row_feedback", ROW_LOGPROB_DIFF)
 
 
 def aggregates_by_token(options: Mapping[str, Any] | GRPOLossConfig | None) -> bool:
