@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from rlhf_pipeline.generation.engine import EngineFailed
 from rlhf_pipeline.generation.loop import ServedPolicyMismatch, load_state_into, teacher_forced_log_probs
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_http import JsonClient, ServerError
@@ -211,7 +212,14 @@ class ServedAdapters:
             self._check_sampled(self.name(version), version)
 
     def close(self) -> None:
+        """This engine's adapter directories removed; on a server other collectors share (one at a URL)
+        its adapters are unloaded too, one try each, so they do not outlive it there."""
         for name, path in list(self.loaded.values()):
+            if self.weights.shared:
+                try:
+                    self._remove(name, path, retry=False)
+                except EngineFailed:  # a server gone by now holds nothing of ours
+                    pass
             shutil.rmtree(path, ignore_errors=True)
         self.loaded = {}
 
@@ -258,14 +266,15 @@ class ServedAdapters:
     def _flags(self) -> str:
         return " ".join(self.serving.server_flags())
 
-    def _remove(self, name: str, path: Path) -> None:
+    def _remove(self, name: str, path: Path, *, retry: bool = True) -> None:
         try:
-            self.client.post("/v1/unload_lora_adapter", {"lora_name": name}, text=True)
+            self.client.post("/v1/unload_lora_adapter", {"lora_name": name}, text=True, retry=retry)
         except ServerError:  # never loaded (its load was refused), or gone with a restarted server
             pass
         if self.weights.inline:
             try:
-                self.client.post("/collective_rpc", {"method": "remove_published_adapter", "args": [name]})
+                self.client.post("/collective_rpc", {"method": "remove_published_adapter", "args": [name]},
+                                 retry=retry)
             except ServerError:
                 pass
         shutil.rmtree(path, ignore_errors=True)
