@@ -3,9 +3,10 @@
 
 * **The server**: started with ``--enable-lora``, ``--max-lora-rank`` the smallest of vLLM's ranks at or
   above the run's, ``--max-loras`` the run's staleness bound plus one, and
-  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (:class:`AdapterServing`); before any row a zero adapter of the
-  run's rank and targets is loaded and must score as the base, so a server that cannot serve the run's
-  adapters is refused naming the setting.
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (:class:`AdapterServing`). Before any row the run's targets are
+  checked against the layers the server takes adapters for (asked of our worker extension, the names
+  vLLM's adapter loader expects), then a zero adapter of the run's rank and targets is loaded and must
+  score as the base, so a server that cannot serve the run's adapters is refused naming the setting.
 * **One name per version**: each version is written as a PEFT directory and loaded under its own name
   (``v<version>``; on a server at a URL, which other collectors may share, with this engine's tag), never
   reloaded under one name in place: vLLM's prefix-cache blocks are keyed by the adapter's name and path,
@@ -129,6 +130,8 @@ class ServedAdapters:
         """The sampling-path canary of the last version loaded: its largest log-prob difference."""
         self.last_load_s = 0.0
         """Seconds the server took to load the last adapter (its ``/v1/load_lora_adapter``)."""
+        self.served_layers: list[str] = []
+        """The layer names the server takes adapters for (asked by :meth:`check_server`)."""
 
     def name(self, version: int) -> str:
         """The model a request of ``version`` names: the base for version 0 (or whole weights), else
@@ -137,8 +140,10 @@ class ServedAdapters:
         return held[0] if held is not None else self.served_model
 
     def check_server(self) -> None:
-        """Before any row: a zero adapter of the run's rank and targets loads and scores as the base,
-        or one line naming the setting the server refuses."""
+        """Before any row: the run's targets are layers the server takes adapters for, and a zero adapter
+        of the run's rank and targets loads and scores as the base; else one line naming the setting."""
+        self.served_layers = self._served_layers()
+        self._check_targets(list(self.serving.target_modules), None)
         probe = zero_adapter(self.reference, self.serving.rank, self.serving.alpha, self.serving.target_modules)
         name = f"{PROBE_NAME}{'-' + self._tag if self._tag else ''}"
         path = self.directory / name
@@ -188,6 +193,7 @@ class ServedAdapters:
             raise ServedPolicyMismatch(f"weights version {version} cannot be served: its adapter saves whole "
                                        f"modules ({adapter.config['modules_to_save']}), which vLLM serves only for "
                                        f"classifiers; train an adapter without modules_to_save")
+        self._check_targets(adapter.layer_names, version)
         name = f"v{version}{'-' + self._tag if self._tag else ''}"
         path = self.directory / name
         adapter.save_peft_directory(path)
@@ -224,6 +230,29 @@ class ServedAdapters:
         self.loaded = {}
 
     # ------------------------------------------------------------------ the server's side
+    def _served_layers(self) -> list[str]:
+        """What the server's adapter loader takes (our worker extension's ``served_published_lora_modules``);
+        empty from a server started without ``--enable-lora``, which the zero adapter's load then names."""
+        try:
+            reply = self.client.post("/collective_rpc", {"method": "served_published_lora_modules"})
+        except ServerError as exc:
+            raise ServerMismatch(f"generation.url: the vLLM server at {self.client.base_url} cannot say which layers it "
+                                 f"takes adapters for (HTTP {exc.status}: {exc.detail}): a LoRA run needs it started "
+                                 f"with VLLM_SERVER_DEV_MODE=1 and our worker extension (docs/lora.md, On vLLM)") from None
+        return list(reply["results"][0])
+
+    def _check_targets(self, layers: list[str], version: int | None) -> None:
+        """``layers`` (the run's targets, or a version's adapted layers) all taken by the server, else one line
+        naming the setting and the layers it serves: before the server is asked to load anything."""
+        unserved = [layer for layer in layers if self.served_layers and layer not in self.served_layers]
+        if not unserved:
+            return
+        what = "this run's adapters" if version is None else f"weights version {version}'s adapter"
+        refused = ServerMismatch if version is None else ServedPolicyMismatch
+        raise refused(f"setting 'learner.lora.target_modules' ({','.join(layers)}): the vLLM server at "
+                      f"{self.client.base_url} takes adapters on {','.join(self.served_layers)} of this model, "
+                      f"not on {','.join(unserved)}, so it cannot serve {what}; target only layers it serves")
+
     def _put(self, name: str, path: Path, version: int | None) -> None:
         started = time.perf_counter()
         try:
@@ -252,10 +281,6 @@ class ServedAdapters:
             return refused(
                 f"setting 'learner.lora.rank' is {self.serving.rank}, and the vLLM server at {self.client.base_url} "
                 f"refuses {what}: {detail}; start it with {self._flags()}, or lower learner.lora.rank")
-        if "target modules" in detail or "target_modules" in detail:
-            return refused(
-                f"setting 'learner.lora.target_modules' ({','.join(self.serving.target_modules)}): the vLLM server "
-                f"refuses {what}: {detail}; target only layers vLLM serves adapters on")
         if "No such file" in detail or "not found" in detail.lower() or "does not exist" in detail:
             return refused(
                 f"generation.url: the server at {self.client.base_url} cannot read {path}, {what}: a server on "

@@ -87,6 +87,21 @@ class PublishedWeightsLoader:
         shutil.rmtree(os.path.join(tempfile.gettempdir(), "rlhf-published-adapters", os.path.basename(name)),
                       ignore_errors=True)
 
+    def served_published_lora_modules(self) -> list:
+        """The layer names vLLM takes LoRA weights for on this model, as its adapter loader expects them
+        (a packed layer by its parts' names: ``q_proj``, not ``qkv_proj``); empty when the server was
+        started without ``--enable-lora``. For a client to check a run's targets before any adapter."""
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if getattr(runner, "lora_manager", None) is None:
+            return []
+        manager = runner.lora_manager._adapter_manager  # what vLLM's own _load_adapter reads
+        served = set()
+        for module in manager.supported_lora_modules:
+            served.update(manager.packed_modules_mapping.get(module, [module]))
+            if module == "experts":  # a MoE layer's adapter is named by it too
+                served.add(module)
+        return sorted(served)
+
     def describe_published_model(self) -> dict:
         """The served model's shape, for a client that must check it serves the pipeline's model
         before it sends weights (``generation/vllm_url.py``): what a state dict's keys and shapes

@@ -71,6 +71,11 @@ class PolicyAdapter(dict):
     def scaling(self) -> float:
         return float(self.config["lora_alpha"]) / float(self.config["r"])
 
+    @property
+    def layer_names(self) -> list[str]:
+        """The names of the layers it adapts, as ``learner.lora.target_modules`` names them (``q_proj``)."""
+        return sorted({layer.rsplit(".", 1)[-1] for _, layer in _adapted_weights(self)})
+
     def metadata(self) -> dict[str, str]:
         """The safetensors metadata a published version carries (strings only)."""
         meta = {"kind": ADAPTER_KIND, "adapter_config": json.dumps(self.config, sort_keys=True),

@@ -27,6 +27,7 @@ from rlhf_pipeline.generation.restarts import Restarts
 from rlhf_pipeline.generation.vllm_adapters import AdapterServing, ServedAdapters
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
+from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch
 from rlhf_pipeline.learn.settings import LoraSettings
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.models.lora import (
@@ -208,15 +209,36 @@ def test_a_same_name_reload_in_place_serves_the_old_versions_cached_blocks_and_f
     engine.client.post("/v1/unload_lora_adapter", {"lora_name": "in-place"}, text=True)
 
 
+SERVED_LAYERS = "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"
+"""The layers vLLM 0.32 takes adapters for on a Qwen2: its linear layers (the packed qkv_proj and
+gate_up_proj by their parts), not lm_head (a ParallelLMHead) nor the embeddings."""
+
+
 def test_an_adapter_with_an_lm_head_target_is_refused_naming_the_version(served):
     # settings refuse lm_head (vLLM #51594 drops its delta from prompt_logprobs); one built by hand is
-    # refused by the server's load, so no row of it exists
+    # refused against the layers the server takes adapters for, before the server is asked to load it
     engine, base, tok = served
+    assert ",".join(engine.adapters.served_layers) == SERVED_LAYERS
     version = next_version(engine)
     published, _ = adapter(base, version, targets=[*LORA.target_modules, "lm_head"])
-    with pytest.raises(ServedPolicyMismatch, match=rf"weights version {version}'s adapter.*lm_head"):
+    with pytest.raises(ServedPolicyMismatch, match=rf"setting 'learner.lora.target_modules' .*takes adapters on "
+                                                   rf"{SERVED_LAYERS} of this model, not on lm_head, so it cannot "
+                                                   rf"serve weights version {version}'s adapter"):
         engine.load_weights(published, version)
     assert version not in engine.adapters.loaded
+    assert f"v{version}" not in {entry["id"] for entry in engine.client.get("/v1/models")["data"]}
+
+
+def test_targets_the_server_takes_no_adapter_for_are_refused_before_any_row(served, tmp_path):
+    # checked at the engine's start against the layers the server serves, not read from vLLM's error text
+    engine, base, tok = served
+    serving = AdapterServing(rank=8, alpha=16.0, target_modules=("q_proj", "lm_head"), max_loras=2)
+    with pytest.raises(ServerMismatch, match=rf"^setting 'learner.lora.target_modules' \(q_proj,lm_head\): the vLLM "
+                                             rf"server at .* takes adapters on {SERVED_LAYERS} of this model, not on "
+                                             rf"lm_head, so it cannot serve this run's adapters"):
+        VLLMURLEngine(engine.server.base_url, copy.deepcopy(base), stop_token_ids=[tok.eos_token_id],
+                      served_model="policy", weights_dir=tmp_path, adapters=serving)
+    assert not any(entry["id"].startswith("zero-adapter-check") for entry in engine.client.get("/v1/models")["data"])
 
 
 def test_an_adapter_the_server_cannot_serve_is_refused_naming_the_setting(served):
