@@ -237,9 +237,9 @@ class ServedAdapters:
             reply = self.client.post("/collective_rpc", {"method": "served_published_lora_modules"})
         except ServerError as exc:
             raise ServerMismatch(f"generation.url: the vLLM server at {self.client.base_url} cannot say which layers "
-                                 f"it takes adapters for (HTTP {exc.status}: {exc.detail}): a LoRA run needs it "
-                                 f"started with VLLM_SERVER_DEV_MODE=1 and our worker extension (docs/lora.md, "
-                                 f"On vLLM)") from None
+                                 f"it takes adapters for (HTTP {exc.status}: {exc.detail}): start it with this "
+                                 f"checkout's worker extension (PYTHONPATH=<this checkout>, as docs/lora.md, On vLLM, "
+                                 f"says)") from None
         return list(reply["results"][0])
 
     def _check_targets(self, layers: list[str], version: int | None) -> None:
