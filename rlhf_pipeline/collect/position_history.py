@@ -1,36 +1,14 @@
-"""Past collector states, one per round, so a branch can restart a collector where it stood at a step.
+"""Past collector states, one per append, so a branch can restart a collector where it stood at a step
+(``runs/branch_online.py``; docs/branching.md#continuing-online).
 
-A shard's store keeps only the state published with its last append (its ``writer_state``,
-``storage/writer_state.py``). A branch of a run at step N (``runs/branch_online.py``) needs where each
-collector stood when its shard held exactly the rows the learner's checkpoint of step N recorded
-(``checkpoints/step_N.json``, ``buffer_rows``): the prompt position, id counters, sampling RNG, pacing
-counts and the write path's pending groups. This module keeps those states: after each round, the
-store's published writer state, byte for byte, keyed by the shard's ``next_row`` it went with::
-
-    collector/shard-0000.history/row_000000000064.pt    the writer_state published with row 63
-
-Each entry is written whole (the run store's atomic write: a file renamed into place, or one PUT),
-so a ``kill -9`` leaves the entry there or not, never a part; a missing entry is written again by
-the next start (the collector records the state it resumes from, the store's last). Writing the
-same entry twice writes the same state.
-
-Kept on the checkpoint schedule: once the kept checkpoints change (looked at after each append),
-entries are deleted unless a kept checkpoint recorded their row count, or they are at or past the
-newest checkpoint's (a later checkpoint may record them). So a run keeps a few KB per kept
-checkpoint plus the rounds since the newest.
-Entries load with ``weights_only=True`` (``files/state_files.py``), like the store's writer state.
-
-The weights its rounds sampled with. A paced round samples with the version pacing names for it
-(``coordination/pacing.py``), which may be older than the learner's at a checkpoint; the learner
-prunes old versions long before a branch is made. So in a run directory the history also keeps a
-hard link to the weights file of each version a kept state held (``policy_*`` beside the entries):
-for a kept checkpoint of step N, versions from the one its collector held at its rows up to N (the
-rounds after those rows sampled with versions in between, until the learner's later ones), and
-every version from the one the state at the newest checkpoint's rows held on. A hard link costs no
-space while the learner keeps the file; afterwards a version stays while a checkpoint needs it.
-At a URL (no hard links) the same versions are kept as server-side copies of the run's weights
-objects (``policy_<version>.<suffix>`` beside the entries; S3's CopyObject, no bytes through this
-machine), copied once per version a state held and pruned by the same rule.
+A shard's store keeps only its last ``writer_state``; a branch at step N needs the one published with
+the rows the checkpoint of step N recorded (``buffer_rows``). Each entry is that state, byte for byte,
+keyed by the shard's ``next_row`` (``collector/shard-0000.history/row_000000000064.pt``), written whole
+by the run store; a missing one is written again by the next start. Entries are pruned once no kept
+checkpoint recorded their row count (those at or past the newest checkpoint's stay), and loaded with
+``weights_only=True``. The learner prunes old weights long before a branch is made, so the history
+also keeps the versions its kept states held: a hard link to the weights file in a run directory, a
+server-side copy of the object at a URL (``policy_<version>`` beside the entries), pruned by the same rule.
 """
 
 from __future__ import annotations
