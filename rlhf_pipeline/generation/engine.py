@@ -43,9 +43,6 @@ SEED_RANGE = 2**31
 """Seeds drawn per request lie in [0, SEED_RANGE): vLLM seeds its ``n`` completions with ``seed + i``,
 so they stay well inside 64 bits."""
 
-Weights = "Mapping[str, torch.Tensor] | str | os.PathLike[str]"
-
-
 class UnsupportedSetting(ValueError):
     """A sampling setting this engine cannot honour exactly; the message names it and the fix."""
 

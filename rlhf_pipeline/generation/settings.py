@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from rlhf_pipeline.finite_settings import check_fields
-from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES, default_vllm_env, python_has_vllm
+from rlhf_pipeline.generation.vllm_setup import check_cpu_head_size, default_vllm_env, python_has_vllm
 
 if TYPE_CHECKING:
     from rlhf_pipeline.generation.engine import GenerationEngine
@@ -181,9 +181,8 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
     if settings.weight_transfer == "nccl" and device == "cpu":
         raise ValueError("setting 'generation.weight_transfer=nccl' needs a GPU (vLLM's NCCL weight transfer is "
                          "CUDA-only); on a CPU use generation.weight_transfer=files")
-    if device == "cpu" and head_size is not None and head_size not in CPU_HEAD_SIZES:
-        raise ValueError(f"generation.engine=vllm on a CPU: vLLM's CPU attention takes head sizes "
-                         f"{list(CPU_HEAD_SIZES)}, this model's is {head_size}{head_hint}; or use generation.engine=loop")
+    if device == "cpu" and head_size is not None:
+        check_cpu_head_size(head_size, head_hint)
     find_vllm_python(settings.python)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.generation.engine import EngineDied, EngineFailed, UnsupportedSetting
+from rlhf_pipeline.generation.engine import EngineDied, EngineFailed
 from rlhf_pipeline.generation.vllm_adapters import RUNTIME_LORA_ENV, AdapterServing
 from rlhf_pipeline.generation.vllm_http import Retries
 from rlhf_pipeline.generation.vllm_process import (
@@ -30,30 +30,13 @@ from rlhf_pipeline.generation.vllm_process import (
     package_path_dir,
     server_command,
 )
-from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
+from rlhf_pipeline.generation.vllm_setup import check_cpu_head_size
 from rlhf_pipeline.generation.vllm_url import ServerStats, VLLMURLEngine
 
 SERVED_NAME = "policy"
 WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/reset_prefix_cache": "loading weights",
         "/v1/load_lora_adapter": "loading an adapter", "/v1/unload_lora_adapter": "unloading an adapter"}
 """What the engine was doing, by the request that went unanswered, for the restart's line."""
-
-
-def head_size(config: Any) -> int:
-    """A transformers config's attention head size."""
-    explicit = getattr(config, "head_dim", None)
-    return int(explicit) if explicit else int(config.hidden_size) // int(config.num_attention_heads)
-
-
-def check_cpu_head_size(config: Any) -> None:
-    """Refuses a model whose head size vLLM's CPU attention does not take, naming the sizes it does."""
-    size = head_size(config)
-    if size not in CPU_HEAD_SIZES:
-        raise UnsupportedSetting(
-            f"vLLM's CPU attention takes head sizes {list(CPU_HEAD_SIZES)}; this model's is {size} (hidden_size "
-            f"{config.hidden_size} / {config.num_attention_heads} heads): build the model with a head size it takes "
-            f"(pipelines/default.py: --set num_heads=2 gives 64/2 = 32), or generate with the loop engine"
-        )
 
 
 class OwnedServer:
@@ -147,7 +130,9 @@ class VLLMEngine(VLLMURLEngine):
         a LoRA run's (``vllm_adapters.py``): the server is started to load them by name."""
         config = model.config
         if device == "cpu":
-            check_cpu_head_size(config)
+            size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            check_cpu_head_size(int(size), f" (hidden_size {config.hidden_size} / {config.num_attention_heads} heads; "
+                                           f"pipelines/default.py: --set num_heads=2 gives 32)")
         from rlhf_pipeline.models.loading import transformers_bars_off
 
         scratch = Path(work_dir) if work_dir is not None else make_scratch_dir()

@@ -36,7 +36,7 @@ from rlhf_pipeline.coordination.weights import publish_weights, weights_path
 from rlhf_pipeline.generation import EngineFailed, SampleRequest, SamplingConfig, UnsupportedSetting
 from rlhf_pipeline.generation.loop import teacher_forced_log_probs
 from rlhf_pipeline.generation.vllm_http import Retries
-from rlhf_pipeline.generation.vllm_engine import VLLMEngine, check_cpu_head_size
+from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.generation.vllm_process import WATCHER_MARK
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import TrajectoryBatch
@@ -145,8 +145,8 @@ def test_settings_it_cannot_honour_are_refused_by_name(served):
     with pytest.raises(ValueError, match="max_model_len"):
         engine.sample([SampleRequest(list(range(3, 250)), max_new_tokens=10)], [0], SamplingConfig())
     narrow, _ = tiny_model_and_tokenizer(hidden_size=64, num_heads=4, num_layers=1)  # head size 16
-    with pytest.raises(UnsupportedSetting, match=r"head sizes \[32, 64.*this model's is 16"):
-        check_cpu_head_size(narrow.config)
+    with pytest.raises(UnsupportedSetting, match=r"head sizes \[32, 64.*this model's is 16 \(hidden_size 64 / 4"):
+        VLLMEngine.from_model(narrow, python=sys.executable, stop_token_ids=[1])
     # top_k beyond the vocabulary disables it, as in our loop
     config = SamplingConfig(max_new_tokens=4, top_k=10_000)
     requests = [SampleRequest(chat_prompts(tok, 1)[0], n=2)]
