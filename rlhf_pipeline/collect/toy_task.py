@@ -16,8 +16,6 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
-from rlhf_pipeline.generation.loop import generate
-from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.collect.prompts import PromptRecord
 from rlhf_pipeline.models.supervised import supervised_step
 
@@ -125,25 +123,3 @@ def warm_start(
     model.eval()
     return {"loss": loss_value, "seconds": time.perf_counter() - t0, "steps": float(steps)}
 
-
-@torch.no_grad()
-def evaluate_toy(
-    model, tokenizer, n: int = 256, *, seed: int = 12345, sampling: SamplingConfig | None = None,
-    max_operand: int = 20,
-) -> dict[str, float]:
-    """Mean :func:`toy_reward` and exact-match accuracy on ``n`` held-out prompts (one sample each).
-
-    The default ``sampling`` is temperature 1.0, no truncation, 8 new tokens: the
-    distribution GRPO samples from, so the number says how much room RL has.
-    """
-    sampling = sampling or SamplingConfig(max_new_tokens=8)
-    records = toy_prompts(n, seed, max_operand=max_operand)
-    gen = generate(model, [r.render(tokenizer) for r in records], sampling,
-                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   generator=torch.Generator().manual_seed(seed))
-    completions = tokenizer.batch_decode(gen.response_tokens.to_list(), skip_special_tokens=True)
-    answers = [r.fields["answer"] for r in records]
-    rewards = toy_reward([], completions, answer=answers)
-    exact = [float(c.strip() == a) for c, a in zip(completions, answers)]
-    return {"reward_mean": sum(rewards) / n, "accuracy": sum(exact) / n,
-            "terminated_frac": float(gen.terminated.float().mean())}
