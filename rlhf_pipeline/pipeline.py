@@ -56,7 +56,7 @@ class CollectorLike(Protocol):
     restart."""
 
     config: Any  # its ``collector_index`` names the ids it writes
-    engine: Any  # a GenerationEngine: its ``stats``, ``name`` and ``restarts`` are said on the console
+    engine: Any  # a GenerationEngine: its ``stats``, ``name`` and ``retries`` are said on the console
     runner_state: dict[str, Any]  # the runner's own state, published with the collector's
     last_metrics: dict[str, float]  # the last round's
     batches_emitted: int  # rounds written, counted on across restarts

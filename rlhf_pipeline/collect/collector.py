@@ -1,33 +1,17 @@
-"""The collector: tasks in, groups of episodes run with the policy, scored rows out to a sink.
+"""The collector: tasks in, groups of episodes run with the policy, scored rows out to a sink
+(docs/collector.md says what it guarantees).
 
 Why one file: a round's draws, its episodes' requests, the in-order commit, ids, metrics and resume
 state are one sequence whose parts must agree row for row.
 
-One loop for every task. A round takes ``tasks_per_round`` tasks from its source and, for each, a
-GRPO group of ``group_size`` episodes (``collect/episodes.py``): :class:`SingleTurn` episodes end
-after one completion scored by the reward functions; :class:`Environments` episodes take turns with an
-environment until they end. The round's tasks and every seed its episodes use are drawn at its start
-from the collector's generator (the one it checkpoints), so rows never depend on timing. Each
-episode asks the engine (``generation/engine.py``: our loop, vLLM, a server at a URL; the collector
-does not know which) for its next turn as soon as it is ready (``collect/turns.py``), and each group
-is scored and written once it and every group before it ended (``collect/commit.py``). Once the
-round's first group ended, ``next_round`` (the runner's pacing, ``runs/round_ahead.py``) may let the
-next round start while this one's tail runs. Each row's ``policy_version`` is the version the engine
-held when it sampled it; weights change between rounds only.
-
-Ids. ``group_id`` and ``trajectory_id`` are ``(collector_index << 40) | counter`` with counters that
-live in :meth:`Collector.state_dict`, so ids stay unique across collector processes and restarts. A
-group dropped (a reward that is not finite, an environment that failed) leaves its ids unused, is
-counted in the round's metrics (``groups_dropped``, ``dropped/<reason>``) and said in one line on
-stderr; past ``max_failed_group_fraction`` of the groups run the collector raises
-:class:`~rlhf_pipeline.collect.rewards.EpisodeFailureRateError` after writing its round.
-
-Resume. Every call of the sink carries the state after exactly the groups it holds
-(``sink(rows, writer_state=state)``; ``ReplayBuffer.extend`` publishes the two in one atomic append,
-``storage/writer_state.py``), so a collector restored from the store's last ``writer_state``
-continues where the stored rows end, after a ``kill -9`` at any moment too: within a round that state
-is the round's start and how many of its groups are stored, so the round runs again from the same
-tasks and seeds and only its groups not stored yet are written.
+A round draws its tasks and every seed its episodes use at its start from the generator the
+collector checkpoints, so rows never depend on timing; its groups (``episodes.py``) ask the engine
+through ``turns.py`` and are written in group order (``commit.py``), each append with the state after
+exactly its groups (``sink(rows, writer_state=state)``, published with the rows in one atomic append).
+Within a round that state is the round's start and how many of its groups are stored, so a collector
+killed at any moment runs the round again from the same tasks and seeds and writes only the rest.
+``group_id``/``trajectory_id`` are ``(collector_index << 40) | counter``; a dropped group leaves its
+ids unused and counts toward ``max_failed_group_fraction``.
 """
 
 from __future__ import annotations
@@ -332,24 +316,6 @@ class Collector:
         if not self.trajectories_written:
             return trajectories
         return max(1, round(trajectories * self.rows_written / self.trajectories_written))
-
-    def run(self, *, max_batches: int | None = None, max_rows: int | None = None,
-            should_stop: Callable[[], bool] | None = None) -> int:
-        """Calls :meth:`collect` until a limit is reached or ``should_stop()``; returns rows emitted."""
-        rows = batches = 0
-        while True:
-            if max_batches is not None and batches >= max_batches:
-                break
-            if max_rows is not None and rows >= max_rows:
-                break
-            if should_stop is not None and should_stop():
-                break
-            rounds_left = lambda: ((max_batches is None or batches + 1 < max_batches)  # noqa: E731
-                                   and (max_rows is None or rows + self.round_rows < max_rows))
-            batch = self.collect(next_round=lambda _rows: rounds_left())
-            rows += 0 if batch is None else len(batch)
-            batches += 1
-        return rows
 
     # ---------------------------------------------------------------- weights
     @property

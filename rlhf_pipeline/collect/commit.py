@@ -1,17 +1,10 @@
 """Committing a round's groups in group-id order, each append with the collector's state after it.
 
-A round's groups end in whatever order their episodes end. The collector hands them to its sink in
-*group* order, in chunks: whenever the groups that ended extend the prefix of the round already
-committed, that prefix grows by one append. Why not in the order they end: the buffer's order would
-then depend on timing, and what reads by position (exact resume, the learner's pacing and sampling)
-would no longer give the same rows on a rerun. The price is that a group that ended early waits for
-every earlier one still running; :class:`StreamTiming` measures it (``order_wait_s``) beside the time
-to the first committed group and to the last.
-
-Each chunk goes to the sink with the collector's state after exactly its groups: the round's start
-and how many of its groups are stored (:data:`STORED_IN_ROUND`), the store publishing the two in one
-step (``storage/writer_state.py``). The chunk that completes the round is written once the round's
-episodes are all done, with the state after the whole round.
+Groups end in whatever order their episodes end; committing them in that order would make the
+buffer's order (and what reads by position: resume, pacing, sampling) depend on timing. So whenever
+the groups that ended extend the round's committed prefix, the prefix grows by one append; the chunk
+that completes the round is written once its episodes are all done. :class:`StreamTiming` measures
+what the wait costs (``order_wait_s``).
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""What a collector says on the console: status lines that share a terminal with the learner's
-progress bar, and the agent collector's report of each round's tool calls.
-
-``run`` gives its collectors and its learner one stderr. On a terminal the learner draws a tqdm
-bar there, redrawing its line after a ``\\r`` and never ending it, so a plain ``print`` from a
-collector landed after the bar's text ("...wait=0.008][collector] round 50: ..."). :func:`say`
-first goes back to the start of the line and clears it: the line stands alone and the bar is
-redrawn under it at its next update. Written to a log or a pipe, lines are left as they are.
-
-:func:`agent_round_printer` is an :class:`~rlhf_pipeline.collect.Collector` metrics hook (episodes with environments):
-every few rounds a line of what the episodes did and, under it, the first failed tool call of
-each kind since the line before, as the model read it; at once, a warning when every tool call
-of a round failed (a tool that raises on every call is a bug in the tool, not a model to train).
+"""What a collector says on the console: :func:`say` (a line that starts clean on a terminal the learner's
+progress bar shares: ``\\r`` then erase-line first) and :func:`agent_round_printer`, a metrics hook that
+reports an agent round's tool calls and warns when every call of a round failed.
 """
 
 from __future__ import annotations

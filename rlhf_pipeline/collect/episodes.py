@@ -1,12 +1,7 @@
-"""What a round's groups are: how their episodes run and the rows they become.
-
-A GRPO group is ``group_size`` episodes of one task. :class:`SingleTurn`: each episode is one
-completion of the task's prompt, scored by the reward functions; the group's episodes are the ``n``
-completions of one request, drawn from the group's one seed (vLLM seeds completion ``i`` with
-``seed + i``; our loop draws the group's rows from one generator). :class:`Environments`: each
-episode takes turns with an environment (``agents/``) until it ends, each turn one request seeded
-from the episode's own seed. Both are started by the collector (``collect/collector.py``), ask the
-engine through the round's turns (``collect/turns.py``) and report each group once its episodes ended.
+"""What a round's groups are: :class:`SingleTurn` (a group is one request of ``n`` completions, drawn
+from the group's seed, scored by the rewards) and :class:`Environments` (each episode takes turns
+with an environment, each turn seeded from the episode's own seed): how they run and the rows they
+become (docs/collector.md).
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import torch
 
 from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.rollout import RolloutConfig, groups_to_batch, run_episodes
-from rlhf_pipeline.collect.agent_metrics import round_metrics
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, drop_non_finite_groups, score
 from rlhf_pipeline.generation.engine import SampleRequest, draw_seed
 from rlhf_pipeline.finite_settings import check_fields
@@ -276,5 +270,38 @@ class Environments:
 
     def metrics(self, collector, round_, batch: TrajectoryBatch | None, parts: dict[str, torch.Tensor],
                 elapsed: float) -> dict[str, float]:
-        return round_metrics(collector, round_.rollout, batch, elapsed, round_.turns.busy_s)
-
+        """Rows, rewards, turns, tool calls and failures of the round; ``generate_s``: seconds the engine
+        had at least one turn to sample, ``engine_idle_share`` the rest of the round, as a share of it."""
+        generate_s = round_.turns.busy_s
+        episodes, m = round_.rollout.episodes, round_.rollout.metrics
+        n = max(len(episodes), 1)  # every group dropped: the per-episode figures are 0
+        returns = torch.tensor([sum(e.rewards) for e in episodes] or [0.0], dtype=torch.float64)  # (n,)
+        g = collector.config.group_size
+        group_std = returns.reshape(-1, g).std(dim=1, unbiased=False) if g > 1 and episodes else torch.zeros(1)
+        turns = torch.tensor([len(e.turns) for e in episodes] or [0], dtype=torch.float64)
+        calls = [sum(len(t.tool_calls) for t in e.turns) for e in episodes]
+        rows = 0 if batch is None else len(batch)
+        metrics = {
+            "rows": float(rows),
+            "rows_per_s": rows / max(elapsed, 1e-9),
+            "round_s": elapsed,
+            "generate_s": generate_s,
+            "engine_idle_share": max(0.0, 1.0 - generate_s / max(elapsed, 1e-9)),
+            "reward_mean": float(returns.mean()),
+            "reward_std": float(returns.std(unbiased=False)),
+            "groups_with_signal": float((group_std > 0).double().mean()),
+            "turns_per_episode": float(turns.mean()),
+            "turns_max": float(turns.max()),
+            "tool_call_rate": sum(c > 0 for c in calls) / n,  # episodes that called a tool at least once
+            "tool_calls_per_episode": sum(calls) / n,
+            "sampled_tokens_per_episode": 0.0 if batch is None else float(batch["response_tokens"].lengths().sum()) / n,
+            "groups_dropped": float(m["groups_dropped"]),
+            "generation_batches": float(m["generation_batches"]),
+            "retokenization_drift": float(m["retokenization_drift"]),
+            "template_mismatch": float(m["template_mismatch"]),
+            "environment_timeouts": float(m["environment_timeouts"]),
+        }
+        for name, count in sorted(m.items()):  # reason/env_done..., tools/ok, dropped/step_failed...
+            if name.startswith(("reason/", "tools/", "dropped/")):
+                metrics[name] = float(count)
+        return metrics

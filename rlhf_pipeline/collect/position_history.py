@@ -1,36 +1,14 @@
-"""Past collector states, one per round, so a branch can restart a collector where it stood at a step.
+"""Past collector states, one per append, so a branch can restart a collector where it stood at a step
+(``runs/branch_online.py``; docs/branching.md#continuing-online).
 
-A shard's store keeps only the state published with its last append (its ``writer_state``,
-``storage/writer_state.py``). A branch of a run at step N (``runs/branch_online.py``) needs where each
-collector stood when its shard held exactly the rows the learner's checkpoint of step N recorded
-(``checkpoints/step_N.json``, ``buffer_rows``): the prompt position, id counters, sampling RNG, pacing
-counts and the write path's pending groups. This module keeps those states: after each round, the
-store's published writer state, byte for byte, keyed by the shard's ``next_row`` it went with::
-
-    collector/shard-0000.history/row_000000000064.pt    the writer_state published with row 63
-
-Each entry is written whole (the run store's atomic write: a file renamed into place, or one PUT),
-so a ``kill -9`` leaves the entry there or not, never a part; a missing entry is written again by
-the next start (the collector records the state it resumes from, the store's last). Writing the
-same entry twice writes the same state.
-
-Kept on the checkpoint schedule: once the kept checkpoints change (looked at after each append),
-entries are deleted unless a kept checkpoint recorded their row count, or they are at or past the
-newest checkpoint's (a later checkpoint may record them). So a run keeps a few KB per kept
-checkpoint plus the rounds since the newest.
-Entries load with ``weights_only=True`` (``files/state_files.py``), like the store's writer state.
-
-The weights its rounds sampled with. A paced round samples with the version pacing names for it
-(``coordination/pacing.py``), which may be older than the learner's at a checkpoint; the learner
-prunes old versions long before a branch is made. So in a run directory the history also keeps a
-hard link to the weights file of each version a kept state held (``policy_*`` beside the entries):
-for a kept checkpoint of step N, versions from the one its collector held at its rows up to N (the
-rounds after those rows sampled with versions in between, until the learner's later ones), and
-every version from the one the state at the newest checkpoint's rows held on. A hard link costs no
-space while the learner keeps the file; afterwards a version stays while a checkpoint needs it.
-At a URL (no hard links) the same versions are kept as server-side copies of the run's weights
-objects (``policy_<version>.<suffix>`` beside the entries; S3's CopyObject, no bytes through this
-machine), copied once per version a state held and pruned by the same rule.
+A shard's store keeps only its last ``writer_state``; a branch at step N needs the one published with
+the rows the checkpoint of step N recorded (``buffer_rows``). Each entry is that state, byte for byte,
+keyed by the shard's ``next_row`` (``collector/shard-0000.history/row_000000000064.pt``), written whole
+by the run store; a missing one is written again by the next start. Entries are pruned once no kept
+checkpoint recorded their row count (those at or past the newest checkpoint's stay), and loaded with
+``weights_only=True``. The learner prunes old weights long before a branch is made, so the history
+also keeps the versions its kept states held: a hard link to the weights file in a run directory, a
+server-side copy of the object at a URL (``policy_<version>`` beside the entries), pruned by the same rule.
 """
 
 from __future__ import annotations
@@ -46,7 +24,7 @@ from rlhf_pipeline.storage import writer_state as writer_states
 HISTORY_SUFFIX = ".history"
 _ENTRY = re.compile(r"row_(\d{12})\.pt$")
 _KEPT_WEIGHTS = re.compile(r"^policy_(\d{8})(\.safetensors|\.pt)?$")  # a link (a run directory) or a copy (a URL)
-_WEIGHTS_PREFIX = "policy_"  # + the version (8 digits): a hard link to the run's weights file
+_WEIGHTS_PREFIX = "policy_"  # + the version (8 digits) and its file's suffix: the run's weights of it, kept
 
 
 def history_key(position_key: str) -> str:
@@ -73,7 +51,7 @@ class PositionHistory:
         self._kept = kept
         self._weights_file = weights_file if isinstance(run_store, LocalRunStore) else None
         self._weights_object = None if isinstance(run_store, LocalRunStore) else weights_object
-        self._copied: set[int] = set()  # versions this process copied already (a URL)
+        self._copied: set[int] = set()  # versions this process kept already
         self._held: dict[int, int | None] = {}  # row count -> the version its state held (read once)
         self._pruned_for: list[tuple[int, int]] | None = None  # entries become prunable only when this changes
 
@@ -89,10 +67,8 @@ class PositionHistory:
         """Keeps ``writer_state`` (the store's, published with its rows up to ``next_row``) as where the
         collector stood at ``next_row``; then prunes what no kept checkpoint needs."""
         held = _held_version(self._decode(writer_state, self._key(next_row))["committed"])
-        if held is not None and self._weights_file is not None:
-            self._link_weights(held)  # first: the entry is what needs it
-        elif held is not None and self._weights_object is not None and held not in self._copied:
-            self._copy_weights(held)
+        if held is not None and held not in self._copied:
+            self._keep_weights(held)  # first: the entry is what needs it
         self._store.write(self._key(next_row), writer_state, fence=False)
         self._held[int(next_row)] = held
         self.prune()
@@ -123,13 +99,6 @@ class PositionHistory:
             pending = buffer.getvalue()
         return {"committed": committed, "loop": loop, "pending": pending}
 
-    def weights(self, version: int) -> Path | None:
-        """The kept weights file of ``version``, or None."""
-        if not isinstance(self._store, LocalRunStore):
-            return None
-        path = self._store.path(f"{self._prefix}/{_WEIGHTS_PREFIX}{int(version):08d}")
-        return path if path.is_file() else None
-
     def weights_key(self, version: int) -> str | None:
         """The key of the kept weights object of ``version`` in the history's store (a run at a URL), or None."""
         for name in self._store.list(self._prefix):
@@ -138,34 +107,26 @@ class PositionHistory:
                 return f"{self._prefix}/{name}"
         return None
 
-    def _copy_weights(self, version: int) -> None:
-        source = self._weights_object(version)
-        if source is None:
+    def _keep_weights(self, version: int) -> None:
+        """The run's weights of ``version`` kept beside the entries (``RunStore.copy``: a hard link in a
+        run directory, a server-side copy at a URL); nothing when the learner pruned them first."""
+        if self._weights_file is not None:
+            path = self._weights_file(version)
+            source, key = LocalRunStore(path.parent), path.name
+        elif self._weights_object is not None:
+            source, key = self._store, self._weights_object(version)
+        else:
+            return
+        if key is None:
             return  # pruned by the learner before this round was committed
+        suffix = Path(key).suffix if Path(key).suffix in (".safetensors", ".pt") else ""
+        target = f"{self._prefix}/{_WEIGHTS_PREFIX}{int(version):08d}{suffix}"
         try:
-            self._store.copy(source, f"{self._prefix}/{source.rsplit('/', 1)[-1]}")
+            if not self._store.exists(target):
+                self._store.copy(key, target, source=source)
         except FileNotFoundError:
             return  # pruned between the listing and the copy
         self._copied.add(int(version))
-
-    def _link_weights(self, version: int) -> None:
-        import os
-        import shutil
-
-        target = self._store.path(f"{self._prefix}/{_WEIGHTS_PREFIX}{int(version):08d}")
-        source = self._weights_file(version)
-        if target.exists() or not source.is_file():
-            return  # kept already, or pruned by the learner before this round was committed
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(target.name + ".partial")
-        partial.unlink(missing_ok=True)
-        try:
-            os.link(source, partial)
-        except FileNotFoundError:
-            return
-        except OSError:  # no hard links here: a copy
-            shutil.copyfile(source, partial)
-        partial.replace(target)
 
     def held_at(self, next_row: int) -> int | None:
         """The policy version the state at ``next_row`` held (None: no such state, or it does not say)."""

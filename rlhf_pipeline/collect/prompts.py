@@ -1,16 +1,7 @@
-"""Prompt records, their validation, a JSONL loader and a resumable prompt source.
-
-A record is either chat ``messages`` (rendered with the tokenizer's chat template
-and a generation prompt) or plain ``text`` (tokenized as is), plus any extra
-``fields`` a reward reads, e.g. ``answer``. JSONL lines look like::
-
-    {"messages": [{"role": "user", "content": "12+7="}], "answer": "19"}
-    {"prompt": "Q: 12+7=\\nA:", "answer": "19"}        # "prompt" or "text" for plain text
-
-``PromptSource`` hands out prompts in a seeded, per-epoch shuffled order and
-records its position, so a restarted collector neither skips nor repeats prompts;
-``TaskSource`` does the same for an agent collector's tasks (any mapping an
-environment's ``reset`` reads).
+"""Prompt records (chat ``messages`` or plain ``text``/``prompt``, plus the ``fields`` rewards read), their
+validation, a JSONL loader, and the resumable sources a collector draws from: :class:`PromptSource`
+(prompts) and :class:`TaskSource` (an environment's tasks), each a seeded per-epoch shuffle whose
+``(epoch, position)`` state resumes without skipping or repeating one.
 """
 
 from __future__ import annotations

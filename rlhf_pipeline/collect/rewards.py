@@ -1,23 +1,12 @@
-"""Rewards: a registry of verifiable ones, user callables, weighted sums, a reward model.
+"""Rewards: a registry of verifiable ones (``REWARDS``: ``exact_match``, ``numeric_match``, ``format``,
+``length_penalty``), user callables, weighted sums, a reward model (docs/collector.md#rewards).
 
-A reward is any callable ``fn(prompts, completions, **fields) -> list[float]``:
-``prompts`` and ``completions`` are lists of N strings, and every extra prompt field
-(e.g. ``answer``) arrives as a keyword holding a list of N values, one per
-completion. Functions should accept ``**kwargs`` so fields they do not read pass by.
-
-:func:`score` calls a set of named rewards, checks each returns N real numbers (the
-error names the reward; text such as ``'1.0'`` is refused, as the agents' ``StepResult.reward``
-is, by the same check), and sums them with weights. A NaN or infinite value is not an error:
-the single-turn collector drops that completion's group and counts it, as the agent rollout does. The verifiable rewards here:
-
-* ``exact_match``: 1.0 when the stripped completion equals the stripped ``answer``.
-* ``numeric_match``: 1.0 when the number extracted from the completion equals
-  ``answer`` numerically (``\\boxed{..}`` first, then ``#### x``, then the last number).
-* ``format``: ``regex_reward(pattern)``, 1.0 when the completion matches.
-* ``length_penalty``: ``length_penalty(max_chars)``, ``-max(0, len - max_chars) / max_chars``.
-
-To add one to the registry: write the function and add it to ``REWARDS`` (a factory
-taking keyword settings, returning the reward callable).
+A reward is any ``fn(prompts, completions, **fields) -> list[float]`` over N strings each, every extra
+prompt field (e.g. ``answer``) a keyword holding N values: accept ``**kwargs`` so the fields a reward
+does not read pass by. :func:`score` checks each returns N real numbers (text such as ``'1.0'`` is
+refused, as an agent's ``StepResult.reward`` is) and sums them with weights; a NaN or infinity is no
+error: the collector drops that group. To add one to the registry: a factory taking keyword settings
+and returning the reward callable, in ``REWARDS``.
 """
 
 from __future__ import annotations

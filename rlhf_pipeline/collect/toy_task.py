@@ -1,25 +1,11 @@
-"""A verifiable toy task for the CPU pipeline: add two small numbers.
+"""A verifiable toy task for the CPU pipeline: add two small numbers (``"23+14="``, answer ``"37"``).
 
-Prompt (chat, user turn): ``"23+14="``; answer ``"37"``. A tiny char-level model
-cannot do this from random weights, so :func:`warm_start` runs a short supervised
-fine-tune on correct examples: it learns the format (digits then ``<|end|>``) and
-part of the arithmetic, leaving room for GRPO to raise accuracy.
-
-Reward (:func:`toy_reward`), with partial credit so groups carry signal early:
-
-* 1.0 for the exact answer;
-* otherwise, for a completion of digits only: ``0.5 * matching / max(len(pred), len(answer))``
-  where ``matching`` counts equal digits aligned from the right (units with units);
-* 0.0 for anything that is not a plain number.
-
-Measured on this 2-core CPU machine (default tiny Qwen2, hidden 64, 2 layers, ~140k
-parameters; ``max_operand=20``): 150 warm-start steps (batch 64, lr 3e-3, 8-16 s)
-leave sampled accuracy at 22% and mean reward 0.35 on held-out prompts (greedy
-decoding is better, so sampling has room to sharpen); a synchronous GRPO loop on top
-(8 prompts x 8 completions, temperature 1, AdamW lr 2e-4, token-mean loss) reached
-reward ~0.55 and accuracy ~45% after 300 steps (~1 minute). With ``max_operand=50``
-the same warm start leaves 5% accuracy and GRPO stays flat over 150 steps, and at lr
-1e-3 GRPO collapsed the entropy and the reward fell: keep 20 and 2e-4 as defaults.
+A tiny char-level model cannot do this from random weights, so :func:`warm_start` fine-tunes it on
+correct examples first. :func:`toy_reward` gives partial credit so groups carry signal early: 1.0 for
+the exact answer, ``0.5 * matching / max(len(pred), len(answer))`` for digits only (digits aligned
+from the right), else 0. Why ``max_operand=20`` and GRPO's lr 2e-4 are the defaults: on 2 CPU cores,
+150 warm-start steps leave 22% sampled accuracy and GRPO reaches ~45% in 300 steps; with 50 the warm
+start leaves 5% and GRPO stays flat, and at lr 1e-3 the entropy collapsed.
 """
 
 from __future__ import annotations
@@ -30,8 +16,6 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
-from rlhf_pipeline.generation.loop import generate
-from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.collect.prompts import PromptRecord
 from rlhf_pipeline.models.supervised import supervised_step
 
@@ -139,25 +123,3 @@ def warm_start(
     model.eval()
     return {"loss": loss_value, "seconds": time.perf_counter() - t0, "steps": float(steps)}
 
-
-@torch.no_grad()
-def evaluate_toy(
-    model, tokenizer, n: int = 256, *, seed: int = 12345, sampling: SamplingConfig | None = None,
-    max_operand: int = 20,
-) -> dict[str, float]:
-    """Mean :func:`toy_reward` and exact-match accuracy on ``n`` held-out prompts (one sample each).
-
-    The default ``sampling`` is temperature 1.0, no truncation, 8 new tokens: the
-    distribution GRPO samples from, so the number says how much room RL has.
-    """
-    sampling = sampling or SamplingConfig(max_new_tokens=8)
-    records = toy_prompts(n, seed, max_operand=max_operand)
-    gen = generate(model, [r.render(tokenizer) for r in records], sampling,
-                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   generator=torch.Generator().manual_seed(seed))
-    completions = tokenizer.batch_decode(gen.response_tokens.to_list(), skip_special_tokens=True)
-    answers = [r.fields["answer"] for r in records]
-    rewards = toy_reward([], completions, answer=answers)
-    exact = [float(c.strip() == a) for c, a in zip(completions, answers)]
-    return {"reward_mean": sum(rewards) / n, "accuracy": sum(exact) / n,
-            "terminated_frac": float(gen.terminated.float().mean())}

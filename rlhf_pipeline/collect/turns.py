@@ -1,20 +1,13 @@
-"""The collector's requests to its generation engine: every episode asks for its next turn (a
-single-turn group for its one request of ``n`` completions) as soon as it is ready, and the engine's
-batches do not depend on timing.
+"""The collector's requests to its engine: each unit (an episode, or a single-turn group) asks for its
+next request as soon as it is ready, and the engine's batches do not depend on timing.
 
-Servers start each request as it is submitted; our loop decodes what is queued as one batch when the
-caller flushes (``GenerationEngine.flush``), and which requests share a batch moves the last bits of
-their log-probs. So that a round's rows are the same whatever the timing (and on a rerun after a
-kill), two rules:
+Our loop decodes what is queued as one batch when flushed, and which requests share a batch moves the
+last bits of their log-probs; so, for the same rows whatever the timing (a rerun after a kill too):
 
-* **A round flushes once every one of its live units waits** for a request none of which has begun:
-  the batch is one request per live unit of that round (a unit is an episode, or a single-turn group).
-* **One round at a time has requests queued in the engine.** A round hands requests to the engine
-  only while no other round has requests there that the engine has not begun; its requests wait in
-  the collector meanwhile. So when the next round is submitted while this one's tail decodes, the two
-  never share a batch. A server begins what it is sent at once, so there this costs nothing.
-
-With one round in flight each request goes to the engine when it is asked, as it always did.
+* **a round flushes once every one of its live units waits** for a request none of which has begun;
+* **one round at a time has requests queued in the engine**: a round started ahead keeps its
+  requests here while another round's wait unbegun there, so two rounds never share a batch. A
+  server begins each request as it comes, so there this costs nothing.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Generation engines: token ids in, sampled ids and their sampling log-probs out, the policy version
-that produced them beside (``engine.py`` is the contract).
+that produced them beside (docs/collector.md#generation-engines, docs/generation.md).
 
-* :mod:`.engine` -- ``GenerationEngine`` (an ABC with capability properties), ``SampleRequest``,
-  ``Completion``, ``CompletionGroup``, ``draw_seed``, the errors;
-* :mod:`.sampling` -- ``SamplingConfig`` and ``process_logits``, the one definition of the sampling
-  distribution every engine's log-probs follow;
-* :mod:`.loop` -- our sampling loop (``generate``, ``teacher_forced_log_probs``) and ``LoopEngine``;
-* :mod:`.settings` -- ``GenerationSettings`` (``--set generation.engine=vllm``), ``make_engine`` and
-  ``make_collector_engine`` (what a pipeline's collector calls);
-* :mod:`.vllm_url` -- ``VLLMURLEngine``: the one vLLM client, a server reached through its
-  OpenAI-compatible API over :mod:`.vllm_http` (checked against the pipeline's model first), its
-  weights in :mod:`.vllm_url_weights`;
-* :mod:`.vllm_engine` -- ``VLLMEngine``: that client on a server the collector starts
-  (:mod:`.vllm_process` starts and stops it, under the vLLM environment's Python) and starts again
-  when it dies (:mod:`.restarts`, given the weights it held); :mod:`.vllm_worker` is the worker
-  extension that loads new weights in the server;
-* :mod:`.vllm_nccl` -- the GPU route for weights (vLLM's NCCL weight transfer);
-* :mod:`.vllm_setup` -- making the vLLM environment (``rlhf-pipeline setup-vllm``).
-
-This package is imported by the engine's own process, which runs under another Python with only
-the standard library, torch, safetensors and vllm: it imports nothing at import time, and names are
-resolved on first use (PEP 562).
+``engine.py`` is the contract, ``sampling.py`` the one sampling distribution, ``loop.py`` our sampling
+loop, ``vllm_url.py`` the one vLLM client (a server at ``generation.url``, or one the collector starts:
+``vllm_engine.py``), ``settings.py`` which one a run uses. The vLLM server's own process imports this
+package with only the standard library, torch, safetensors and vllm: nothing is imported here until
+a name is used (PEP 562).
 """
 
 import importlib

@@ -1,48 +1,25 @@
-"""The generation engine contract: token ids in, sampled ids and their log-probs out, the policy
-version that produced them beside.
+"""The generation engine contract (docs/collector.md#generation-engines): token ids in, sampled ids and
+their log-probs out, the policy version that produced them beside. Our loop (``loop.py``) and vLLM
+(``vllm_url.py``) implement :class:`GenerationEngine`; a collector never learns which it has.
 
-A collector asks an engine for completions and never learns which engine it is: our own sampling
-loop (``generation/loop.py``, the default) and vLLM (``generation/vllm_engine.py``) both implement
-:class:`GenerationEngine`. What every engine guarantees:
+* **Token-exact.** Each :class:`Completion` holds the sampled ids verbatim and each one's log-prob
+  under the distribution that drew it (``sampling.py``); one that samples a stop token ends there
+  and keeps it (``terminated``), else it is ``truncated`` at its ``max_new_tokens``.
+* **Submitted one request at a time.** ``submit(request, seed, sampling)`` returns a ``Future`` of the
+  request's :class:`CompletionGroup`. Servers start each request as it comes; our loop decodes what
+  is queued as one batch once the caller :meth:`flushes <GenerationEngine.flush>`.
+* **One version per group**, named in :attr:`CompletionGroup.policy_version`: weights load only
+  between requests (:meth:`GenerationEngine.load_weights`, with nothing of the caller in flight).
+* **Deterministic from the request's seed**, drawn by the collector (:func:`draw_seed`) from the
+  generator it checkpoints: what else is in flight does not change a request's tokens.
+* **Checked before it is a row.** What an engine outside this process answers becomes completions
+  only through :func:`checked_completions`; anything else is a :class:`BadAnswer`.
+* **Settings it cannot honour are refused by name** (:class:`UnsupportedSetting`) before any sample.
 
-* **Token-exact.** Prompts go in as token ids, never text. Each :class:`Completion` holds the
-  sampled ids verbatim and, for each, its log-prob under the sampling distribution that drew it
-  (``generation/sampling.py`` defines it: temperature, then top-k, then top-p). A completion that
-  samples a stop token ends there and keeps it as its last token (``terminated``); one that
-  reaches its ``max_new_tokens`` first is ``truncated``. Nothing after the stop token is returned.
-* **Submitted one request at a time.** ``submit(request, seed, sampling)`` returns a
-  ``concurrent.futures.Future`` of the request's :class:`CompletionGroup` (its ``n`` completions):
-  a GRPO group is complete when its last member ends. Servers start each request as it is
-  submitted; our loop decodes what is queued as one batch once the caller :meth:`flushes
-  <GenerationEngine.flush>` (is about to wait), so its batches are what the caller submitted between
-  two waits, whatever the timing. :meth:`GenerationEngine.sample` submits a list and waits for all.
-* **One version per group.** Every group names the policy version the engine held while it
-  sampled it (:attr:`CompletionGroup.policy_version`). An engine loads new weights only between
-  requests, never under one in flight (:meth:`GenerationEngine.load_weights` is called with nothing
-  of its caller in flight), so a row is sampled by exactly one version.
-* **Deterministic from the request's seed.** Each request carries its own seed (the collector draws
-  it from the generator it checkpoints, :func:`draw_seed`, when its round starts), and a request's
-  randomness comes from that seed only: our loop draws its rows' tokens from a ``torch.Generator``
-  seeded with it, vLLM seeds the request with it. What else is in flight does not change a
-  request's tokens; a collector resumed from its saved state sends the same seeds and gets the same
-  rows (vLLM's logits, and our loop's log-probs in their last bits, may move with the batch a request
-  shares: the loop's batches are the caller's own waits, so a caller that submits the same requests
-  between the same waits gets the same bits).
-* **Checked before it is a row.** Whatever an engine outside this process answers (a server at a URL,
-  the owned vLLM engine) becomes completions through :func:`checked_completions` only: ids that are
-  integers inside the model's vocabulary, one finite log-prob <= 0 per id, at most the request's
-  ``max_new_tokens``, our stop rule. Anything else is a :class:`BadAnswer` (an :class:`EngineFailed`,
-  so it takes the engine's retry path and then stops the collector), never a row: a learner cannot
-  embed an id outside its vocabulary, and a run whose buffer holds one cannot go on. Our loop draws
-  its ids from the model's own logits, so it needs no check.
-* **Settings it cannot honour are refused by name** (:class:`UnsupportedSetting`, from
-  :meth:`GenerationEngine.check_sampling`) before anything is sampled, never approximated.
-
-Capabilities are properties, as storages have them (``storage/capabilities.py``):
-``supports_scoring`` (teacher-forced log-probs of given responses: replay's re-scoring, reference
-log-probs) and ``supports_weight_updates`` (new weights in place, without a restart). A method whose
-capability is False raises :class:`UnsupportedCapability`. Engines are context managers;
-:meth:`GenerationEngine.close` stops whatever the engine started.
+Capabilities are properties, as storages have them: ``supports_scoring`` (teacher-forced log-probs of
+given responses) and ``supports_weight_updates``; a method whose capability is False raises
+:class:`UnsupportedCapability`. Engines are context managers; :meth:`GenerationEngine.close` stops
+whatever the engine started.
 """
 
 from __future__ import annotations
@@ -65,9 +42,6 @@ if TYPE_CHECKING:
 SEED_RANGE = 2**31
 """Seeds drawn per request lie in [0, SEED_RANGE): vLLM seeds its ``n`` completions with ``seed + i``,
 so they stay well inside 64 bits."""
-
-Weights = "Mapping[str, torch.Tensor] | str | os.PathLike[str]"
-
 
 class UnsupportedSetting(ValueError):
     """A sampling setting this engine cannot honour exactly; the message names it and the fix."""
@@ -253,9 +227,9 @@ class GenerationEngine(ABC):
 
     name: str = "engine"
     """Short name for messages and metrics (``loop``, ``vllm``)."""
-    restarts: Any = None
-    """How an engine with a process of its own restarts it (``generation/restarts.py``: its ``announce``
-    says each restart); None for one without (our loop, a server at a URL)."""
+    retries: Any = None
+    """How a server's engine asks again and restarts the server it owns (``vllm_http.Retries``: its
+    ``announce`` says each restart); None for our loop."""
 
     def __init__(self, stop_token_ids: Sequence[int], policy_version: int = 0) -> None:
         if not stop_token_ids:

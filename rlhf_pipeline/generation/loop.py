@@ -1,29 +1,15 @@
-"""Our sampling loop over a ``transformers`` causal LM, and :class:`LoopEngine`, the generation
-engine around it (the embedded default: what every collector used before engines existed).
+"""Our sampling loop over a ``transformers`` causal LM, and :class:`LoopEngine`, the engine around it
+(the default; docs/collector.md#generation-engines).
 
-Generation is a plain loop rather than ``model.generate`` so the RNG (a ``torch.Generator`` the
-collector checkpoints), the log-prob definition (``generation/sampling.py``) and the stop rule are
-ours: prompts are left-padded, ``position_ids = cumsum(mask) - 1``, the KV cache is reused across
-steps, a row stops at EOS (EOS kept as its last response token, ``terminated``) or at
-``max_new_tokens`` (``truncated``). Nothing after EOS is part of the response.
+The loop is ours rather than ``model.generate`` so the RNG, the log-prob definition (``sampling.py``)
+and the stop rule are: prompts left-padded, ``position_ids = cumsum(mask) - 1``, the KV cache reused,
+a row stopping at a stop token (kept, ``terminated``) or at ``max_new_tokens`` (``truncated``).
+:class:`LoopEngine` decodes on a thread of its own what was submitted before the caller's flush as one
+batch, each request's rows drawing from a generator seeded with its seed. A LoRA run's versions are
+merged into the base and checked with the served-policy canary before any row (docs/lora.md).
 
-:class:`LoopEngine` runs the loop on a thread of its own: requests submitted to it queue until the
-caller flushes (``GenerationEngine.flush``: it is about to wait), then everything queued is decoded
-in one padded batch, each request's ``n`` rows drawing their tokens from a ``torch.Generator``
-seeded with the request's seed, and each request answered at the step its last row stopped (the
-batch decodes on until its last row stops: stopped rows draw pads, as ``generate`` does). A request's tokens therefore do not depend on what else shares its
-batch (its log-probs may move in their last bits with the batch's padding; the batches are the
-caller's own waits, so the same submissions give the same bits). Requests with their own
-``max_new_tokens`` are decoded to the batch's largest limit and each cut at its own (a cut row
-keeps a stop token that falls inside its limit).
-
-In a LoRA run (docs/lora.md) the engine merges each adapter version into the base it holds
-(``models/lora.py``'s ``AdapterMerger``) and refuses a version whose canary log-probs, scored with the
-model it samples with, are not the learner's (:class:`ServedPolicyMismatch`), before sampling with it.
-
-Why one file: the loop and the engine around it change together: the engine's batches are the loop's
-rows, its seeds the loop's generators, and the weights it loads (whole, or an adapter merged and
-checked) are the model the loop decodes with; apart, each would be read out of the other's context.
+Why one file: the engine's batches are the loop's rows, its seeds the loop's generators, and the
+weights it loads are the model the loop decodes with; apart, each would be read out of the other's context.
 """
 
 from __future__ import annotations

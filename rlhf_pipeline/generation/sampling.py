@@ -1,21 +1,8 @@
-"""How completions are sampled (:class:`SamplingConfig`) and the one definition of the sampling
-distribution (:func:`process_logits`) that every engine's stored log-probs must follow.
-
-Which log-prob is stored. Each sampled token's log-prob is taken from the SAME distribution it
-was drawn from: the logits are divided by ``temperature``, then truncated to the ``top_k`` largest
-(ties at the k-th value kept), then to the smallest set whose probability reaches ``top_p`` (the
-rest set to -inf), then renormalised with ``log_softmax``. :func:`process_logits` is that one
-function, used by our sampling loop (``generation/loop.py``) and by
-:func:`~rlhf_pipeline.generation.loop.teacher_forced_log_probs`, so a recompute over
-``prompt + response`` with the same settings matches the stored values (tested to 1e-4). vLLM's
-sampler with ``logprobs_mode="processed_logprobs"`` applies the same steps in the same order
-(``generation/vllm_engine.py`` says where the two can differ and what it refuses).
-
-Consequence for the learner: with ``top_k=0`` and ``top_p=1.0`` the stored log-prob is exactly
-``log_softmax(logits / temperature)``, which a learner forward at the same temperature reproduces
-(the importance ratio starts at 1). With truncation, the stored value is the truncated policy's
-log-prob (>= the untruncated one); the loss's truncated importance sampling (``learn/loss.py``) is
-the tool for that gap.
+"""How completions are sampled (:class:`SamplingConfig`) and :func:`process_logits`, the one definition
+of the sampling distribution every engine's stored log-probs follow: logits / temperature, then
+top-k (ties kept), then top-p, renormalised (vLLM's ``processed_logprobs`` applies the same steps).
+A teacher-forced recompute with the same settings matches the stored values (docs/collector.md,
+"Which log-prob is stored").
 """
 
 from __future__ import annotations

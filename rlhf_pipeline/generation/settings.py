@@ -1,18 +1,8 @@
-"""Which engine a pipeline generates with: ``GenerationSettings`` (``--set generation.engine=vllm``, or
-``--set generation.url=http://...`` for a vLLM server the user started) and ``make_engine``, which
-builds it for a collector.
-
-The run's settings hold ``generation: GenerationSettings`` (``run_settings.py``), which checks itself:
-each option belongs to the engines of one table (:attr:`GenerationSettings.ENGINES`), and one set for
-another engine is refused. What the collector's own server asks of the machine (a GPU for NCCL, vLLM's
-CPU attention, a Python with vLLM) is :func:`check_generation`'s, before any process starts. A pipeline
-calls :func:`make_collector_engine` in its ``make_collector``; the collector gets the engine and knows
-nothing of which one it is. The default, ``engine="loop"``, is our sampling loop in the collector's process.
-
-Where the vLLM engine's Python comes from (``generation.python``, default none): the given
-interpreter; else ``.venv-vllm/bin/python`` beside this package's checkout (what
-``rlhf-pipeline setup-vllm`` makes); else this interpreter when it has vllm (a GPU machine where the
-official ``vllm`` is installed with the project); else one line saying how to get one.
+"""Which engine a pipeline generates with: :class:`GenerationSettings` (``--set generation.engine=vllm``,
+or ``--set generation.url=http://...``), which checks itself (an option set for another engine is
+refused), :func:`check_generation` (what the collector's own server asks of this machine) and
+:func:`make_engine`. The vLLM engine's Python (``generation.python``): the one given, else
+``.venv-vllm`` beside this checkout (``rlhf-pipeline setup-vllm``), else this one when it has vllm.
 """
 
 from __future__ import annotations
@@ -26,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from rlhf_pipeline.finite_settings import check_fields
-from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES, default_vllm_env, python_has_vllm
+from rlhf_pipeline.generation.vllm_setup import check_cpu_head_size, default_vllm_env, python_has_vllm
 
 if TYPE_CHECKING:
     from rlhf_pipeline.generation.engine import GenerationEngine
@@ -168,9 +158,13 @@ class GenerationSettings:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"setting 'generation.url' must be an http:// or https:// URL (http://host:port), got "
                              f"{self.url!r}")
-        from rlhf_pipeline.generation.restarts import Restarts
+        self.engine_retries()  # refuses each by name
 
-        Restarts(self.retries, self.backoff_s, self.timeout_s)  # refuses each by name
+    def engine_retries(self) -> Any:
+        """``retries``, ``backoff_s`` and ``timeout_s`` as a server's client uses them (``vllm_http.Retries``)."""
+        from rlhf_pipeline.generation.vllm_http import Retries
+
+        return Retries(self.retries, self.backoff_s, self.timeout_s)
 
 
 
@@ -187,9 +181,8 @@ def check_generation(settings: GenerationSettings, *, head_size: int | None = No
     if settings.weight_transfer == "nccl" and device == "cpu":
         raise ValueError("setting 'generation.weight_transfer=nccl' needs a GPU (vLLM's NCCL weight transfer is "
                          "CUDA-only); on a CPU use generation.weight_transfer=files")
-    if device == "cpu" and head_size is not None and head_size not in CPU_HEAD_SIZES:
-        raise ValueError(f"generation.engine=vllm on a CPU: vLLM's CPU attention takes head sizes "
-                         f"{list(CPU_HEAD_SIZES)}, this model's is {head_size}{head_hint}; or use generation.engine=loop")
+    if device == "cpu" and head_size is not None:
+        check_cpu_head_size(head_size, head_hint)
     find_vllm_python(settings.python)
 
 
@@ -243,14 +236,12 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
     closes it (a collector's ``close``). ``adapters``: a LoRA run's (``vllm_adapters.AdapterServing``):
     a vLLM engine loads each adapter version by name; the loop merges them itself."""
     if settings.url is not None:
-        from rlhf_pipeline.generation.vllm_http import RetryPolicy
         from rlhf_pipeline.generation.vllm_url import API_KEY_ENV, VLLMURLEngine
 
-        retry = RetryPolicy.of(settings.retries, settings.backoff_s, settings.timeout_s)
         return VLLMURLEngine(settings.url, model, stop_token_ids=stop_token_ids, tokenizer=tokenizer,
                              policy_version=policy_version, served_model=settings.url_model,
                              weights_dir=settings.url_weights_dir, inline_weights=settings.weight_transfer == "inline",
-                             retry=retry, wait_s=settings.start_timeout_s,
+                             retries=settings.engine_retries(), wait_s=settings.start_timeout_s,
                              check_tolerance=settings.url_check_tolerance,
                              api_key=os.environ.get(API_KEY_ENV) or None, adapters=adapters)
     if settings.engine == "loop":
@@ -259,7 +250,6 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
         return LoopEngine(model, pad_token_id=pad_token_id, eos_token_id=list(stop_token_ids),
                           policy_version=policy_version)
     check_generation(settings, device=device)
-    from rlhf_pipeline.generation.restarts import Restarts
 
     options: dict[str, Any] = dict(
         python=find_vllm_python(settings.python), stop_token_ids=stop_token_ids, policy_version=policy_version,
@@ -267,7 +257,7 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
         start_timeout_s=settings.start_timeout_s,
         max_model_len=settings.max_model_len,
         # a server that died is started again and given the version it held, from its file (vllm_url_weights.py)
-        restarts=Restarts(settings.retries, settings.backoff_s, settings.timeout_s), adapters=adapters,
+        retries=settings.engine_retries(), adapters=adapters,
     )
     if device != "cpu":
         options["gpu_memory_utilization"] = settings.gpu_memory_utilization
@@ -278,3 +268,4 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
     from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_model(model, **options)
+

@@ -1,16 +1,11 @@
 """``VLLMEngine``: a vLLM server the collector starts and stops (``generation.engine=vllm``), reached
-through the same client as a server at a URL (``vllm_url.py``). What owning the server adds:
+through the same client as a server at a URL (``vllm_url.py``; docs/generation.md).
 
-* **its start**: the model's ``save_pretrained`` directory served under the vLLM environment's Python
-  (``generation.python``) with the flags the client's checks need (``vllm_process.server_command``),
-  and a LoRA run's (``vllm_adapters.py``), on this process's torch threads, the model's worker inside
-  the engine core on a CPU; stopped with the collector, also at interpreter exit or when the collector
-  is killed (``vllm_process.WATCHER``);
-* **one restart path**: a request the server does not answer (its process died, or it hung past
-  ``generation.timeout_s`` and is killed) starts a new server, gives it the weights the dead one held
-  (their file) and sends every unanswered request again with its seed: the same rows. At most
-  ``generation.retries`` restarts in a row (``restarts.py``), then one line naming the setting;
-* **the shapes it runs**: a head size vLLM's CPU attention does not take is refused before any start.
+What owning the server adds: its start (the model's ``save_pretrained`` directory served under the
+vLLM environment's Python, ``vllm_process.py``), and one restart path: a request the server does not
+answer (it died, or hung past ``generation.timeout_s`` and was killed) starts a new server, gives it
+the weights the dead one held and sends every unanswered request again with its seed: the same rows,
+at most ``generation.retries`` restarts in a row (``vllm_http.Retries``).
 """
 
 from __future__ import annotations
@@ -25,10 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.generation.engine import EngineDied, EngineFailed, UnsupportedSetting
-from rlhf_pipeline.generation.restarts import Restarts
+from rlhf_pipeline.generation.engine import EngineDied, EngineFailed
 from rlhf_pipeline.generation.vllm_adapters import RUNTIME_LORA_ENV, AdapterServing
-from rlhf_pipeline.generation.vllm_http import RetryPolicy
+from rlhf_pipeline.generation.vllm_http import Retries
 from rlhf_pipeline.generation.vllm_process import (
     ServerProcess,
     engine_environment,
@@ -36,7 +30,7 @@ from rlhf_pipeline.generation.vllm_process import (
     package_path_dir,
     server_command,
 )
-from rlhf_pipeline.generation.vllm_setup import CPU_HEAD_SIZES
+from rlhf_pipeline.generation.vllm_setup import check_cpu_head_size
 from rlhf_pipeline.generation.vllm_url import ServerStats, VLLMURLEngine
 
 SERVED_NAME = "policy"
@@ -45,31 +39,13 @@ WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/r
 """What the engine was doing, by the request that went unanswered, for the restart's line."""
 
 
-def head_size(config: Any) -> int:
-    """A transformers config's attention head size."""
-    explicit = getattr(config, "head_dim", None)
-    return int(explicit) if explicit else int(config.hidden_size) // int(config.num_attention_heads)
-
-
-def check_cpu_head_size(config: Any) -> None:
-    """Refuses a model whose head size vLLM's CPU attention does not take, naming the sizes it does."""
-    size = head_size(config)
-    if size not in CPU_HEAD_SIZES:
-        raise UnsupportedSetting(
-            f"vLLM's CPU attention takes head sizes {list(CPU_HEAD_SIZES)}; this model's is {size} (hidden_size "
-            f"{config.hidden_size} / {config.num_attention_heads} heads): build the model with a head size it takes "
-            f"(pipelines/default.py: --set num_heads=2 gives 64/2 = 32), or generate with the loop engine"
-        )
-
-
 class OwnedServer:
     """The server a :class:`VLLMEngine` started, and its replacement when it dies: the client's
     ``supervisor`` (``vllm_http.Supervisor``). ``reload``: gives a new server the held weights."""
 
     def __init__(self, command: list[str], env: dict[str, str], work_dir: Path, start_timeout_s: float,
-                 restarts: Restarts, stats: Any, name: str) -> None:
+                 stats: Any, name: str) -> None:
         self._args = (command, env, work_dir, start_timeout_s)
-        self.restarts = restarts
         self.stats = stats
         self.name = name
         self.reload: Any = None
@@ -93,10 +69,7 @@ class OwnedServer:
     def base_url(self) -> str:
         return self.process.url
 
-    def answered(self) -> None:
-        self.restarts.answered()
-
-    def revive(self, seen: int, fault: str, what: str) -> bool:
+    def revive(self, seen: int, fault: str, what: str, retries: Retries) -> bool:
         with self._lock:
             if self.generation != seen:  # another request's thread replaced it meanwhile
                 return True
@@ -112,14 +85,14 @@ class OwnedServer:
             if ended is not None:
                 cause = f"its process exited ({ended}) while {doing}"
             else:
-                cause = f"it did not answer within {self.restarts.hung_after_s:g} s while {doing}: killed"
+                cause = f"it did not answer within {retries.timeout_s:g} s while {doing}: killed"
             died = EngineDied(f"the {self.name} engine died: {cause}; its log ends:\n{self.process.log_tail()}",
                               cause=cause)
             while True:
-                delay = self.restarts.next_delay_s(died, engine=self.name)  # EngineFailed past generation.retries
-                self.restarts.announce(f"the {self.name} generation engine died ({died.cause}); restart "
-                                       f"{self.restarts.in_a_row} of at most {self.restarts.max_restarts} in a row in "
-                                       f"{delay:g} s (its log: {self.process.log_path})")
+                delay = retries.next_restart_delay_s(died, engine=self.name)  # EngineFailed past generation.retries
+                retries.announce(f"the {self.name} generation engine died ({died.cause}); restart "
+                                 f"{retries.in_a_row} of at most {retries.retries} in a row in "
+                                 f"{delay:g} s (its log: {self.process.log_path})")
                 self.process.stop(wait_s=5.0)
                 time.sleep(delay)
                 try:
@@ -140,8 +113,8 @@ class OwnedServer:
 class VLLMEngine(VLLMURLEngine):
     """A vLLM server this engine starts, reached as any server is; see the module docstring.
 
-    Build it with :meth:`from_model`. ``restarts``: how often a server that died is started again
-    (default: never); ``timeout_s``: the longest wait for one reply before a live server counts as hung."""
+    Build it with :meth:`from_model`. ``retries``: how often a server that died (or hung past its
+    ``timeout_s``) is started again; default: never, 600 s."""
 
     name = "vllm"
 
@@ -151,13 +124,15 @@ class VLLMEngine(VLLMURLEngine):
                    kv_cache_gib: int = 1, max_num_seqs: int = 256,
                    max_model_len: int | None = None, gpu_memory_utilization: float | None = None,
                    weight_transfer_backend: str | None = None, start_timeout_s: float = 900.0,
-                   restarts: Restarts | None = None, adapters: AdapterServing | None = None) -> VLLMEngine:
+                   retries: Retries | None = None, adapters: AdapterServing | None = None) -> VLLMEngine:
         """An engine serving ``model`` (a transformers causal LM) with its current weights, as
         ``policy_version``: saved to the engine's scratch directory and served from there. ``adapters``:
         a LoRA run's (``vllm_adapters.py``): the server is started to load them by name."""
         config = model.config
         if device == "cpu":
-            check_cpu_head_size(config)
+            size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            check_cpu_head_size(int(size), f" (hidden_size {config.hidden_size} / {config.num_attention_heads} heads; "
+                                           f"pipelines/default.py: --set num_heads=2 gives 32)")
         from rlhf_pipeline.models.loading import transformers_bars_off
 
         scratch = Path(work_dir) if work_dir is not None else make_scratch_dir()
@@ -178,13 +153,12 @@ class VLLMEngine(VLLMURLEngine):
             command += adapters.server_flags()
         engine = cls.__new__(cls)
         engine.work_dir, engine._remove_work_dir = scratch, work_dir is None
-        engine.restarts = restarts if restarts is not None else Restarts(max_restarts=0, hung_after_s=600.0)
         stats = ServerStats()
         env = engine_environment(package_path_dir(scratch), kv_cache_gib=kv_cache_gib, device=device)
         if adapters is not None:
             env[RUNTIME_LORA_ENV] = "1"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
         try:
-            server = OwnedServer(command, env, scratch, start_timeout_s, engine.restarts, stats, cls.name)
+            server = OwnedServer(command, env, scratch, start_timeout_s, stats, cls.name)
         except EngineDied as died:
             engine._cleanup()
             raise EngineFailed(str(died)) from None
@@ -193,11 +167,11 @@ class VLLMEngine(VLLMURLEngine):
             raise
         engine.server = server
         engine._guard()
-        retry = RetryPolicy.of(engine.restarts.max_restarts, engine.restarts.backoff_s, engine.restarts.hung_after_s)
         try:
             VLLMURLEngine.__init__(engine, server.base_url, model, stop_token_ids=stop_token_ids,
                                    policy_version=policy_version, served_model=SERVED_NAME,
-                                   weights_dir=scratch / "weights", retry=retry, wait_s=start_timeout_s,
+                                   weights_dir=scratch / "weights", retries=retries or Retries(retries=0),
+                                   wait_s=start_timeout_s,
                                    supervisor=server, shared=False, stats=stats, adapters=adapters)
         except BaseException:
             engine.close()
@@ -217,19 +191,6 @@ class VLLMEngine(VLLMURLEngine):
             return str(self.client.get("/version").get("version", ""))
         except EngineFailed:
             return ""
-
-    @property
-    def restarts(self) -> Restarts:
-        return self._restarts
-
-    @restarts.setter
-    def restarts(self, value: Restarts) -> None:  # the server's restarts and the reply timeout follow
-        self._restarts = value
-        if getattr(self, "server", None) is not None:
-            self.server.restarts = value
-        if getattr(self, "client", None) is not None:
-            self.client.retry = RetryPolicy.of(self.client.retry.retries, self.client.retry.backoff_s,
-                                               value.hung_after_s)
 
     @property
     def pid(self) -> int | None:

@@ -1,15 +1,11 @@
-"""JSON over HTTP to a vLLM server, with bounded retries: what ``vllm_url.py`` talks through, on the
-standard library's ``http.client`` (the project has no HTTP client among its dependencies).
+"""JSON over HTTP to a vLLM server on the standard library's ``http.client``, with kept-alive connections
+and bounded retries (:class:`Retries`): what ``vllm_url.py`` talks through.
 
-Connections are kept alive and reused by whichever thread sends next (a new one per request cost the
-server an accept and a handshake each); one the server closed while idle is replaced at once, which
-is not a retry. A request the server does not answer (refused, reset, timed out, cut short) or answers
-"not now" (429, 502, 503, 504) is asked again after a doubling pause (:class:`RetryPolicy`), then
-:class:`ServerUnreachable`; safe, since every request is whole and seeded. Another HTTP error is the
-server's answer: :class:`ServerError` at once. A reply that is not JSON or that the caller's ``check``
-refuses is a :class:`~rlhf_pipeline.generation.engine.BadAnswer`: asked again, then said in one line.
-With a :class:`Supervisor` (a server of ours), an unanswered request first lets it replace a dead
-server, then goes again to the new one.
+A request the server does not answer (refused, reset, timed out, cut short) or answers "not now" (429,
+502, 503, 504) is asked again after a doubling pause, then :class:`ServerUnreachable`; safe, since every
+request is whole and seeded. Another HTTP error is :class:`ServerError` at once; a reply that is not
+JSON or that the caller's ``check`` refuses is a ``BadAnswer``, asked again, then said. With a
+:class:`Supervisor` (a server of ours), an unanswered request first lets it replace a dead server.
 """
 
 from __future__ import annotations
@@ -20,15 +16,18 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlhf_pipeline.generation.engine import BadAnswer, EngineFailed
+from rlhf_pipeline.generation.engine import BadAnswer, EngineDied, EngineFailed
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 """Statuses that say "not now" (overloaded, a proxy without its upstream, restarting): retried."""
 MESSAGE_CHARS = 500
+MAX_PAUSE_S = 30.0
+MAX_RESTART_DELAY_S = 60.0
 
 
 class ServerUnreachable(EngineFailed):
@@ -50,37 +49,61 @@ class ServerError(EngineFailed):
         """The server's own message (its JSON ``message``/``detail``, or the body's start)."""
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How long a client waits for one reply and how often it asks again."""
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Retries:
+    """``generation.retries``, ``backoff_s`` and ``timeout_s`` as one client uses them: a request the
+    server did not answer is asked again after doubling pauses; a server of ours (a :class:`Supervisor`)
+    that died, or hung past ``timeout_s``, is first started again, at most ``retries`` times in a row."""
 
     retries: int = 5
-    """Further tries after the first for a request the server did not answer."""
+    """Tries after the first for a request the server did not answer; for a server of ours, restarts in
+    a row (without an answered request between them) before giving up. 0: one try, no restart."""
     backoff_s: float = 1.0
-    """Pause before the first retry; each further pause doubles."""
-    max_backoff_s: float = 30.0
-    """Longest pause between two tries."""
-    timeout_s: float = 600.0
-    """Longest wait for one reply (a large batch of completions on a CPU takes minutes)."""
+    """Pause before the first retry or restart; each further one waits twice as long (at most
+    :data:`MAX_PAUSE_S` for a retry, :data:`MAX_RESTART_DELAY_S` for a restart)."""
+    timeout_s: float | None = 600.0
+    """Longest wait for one reply; a server of ours that does not answer within it hangs, and is killed
+    and started again. None: wait for ever."""
+    announce: Callable[[str], None] = field(default=_to_stderr, repr=False)
+    """Where the line said before each restart goes (the collector sets its console's)."""
+    in_a_row: int = 0
+    """Restarts since the server last answered."""
 
     def __post_init__(self) -> None:
         if self.retries < 0:
-            raise ValueError(f"RetryPolicy.retries must be >= 0, got {self.retries}")
-        if not self.backoff_s > 0 or not self.max_backoff_s >= self.backoff_s:
-            raise ValueError(f"RetryPolicy needs 0 < backoff_s <= max_backoff_s, got {self.backoff_s}, "
-                             f"{self.max_backoff_s}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"RetryPolicy.timeout_s must be > 0, got {self.timeout_s}")
+            raise ValueError(f"setting 'generation.retries' must be >= 0 (0: one try, never a restart), "
+                             f"got {self.retries}")
+        if not self.backoff_s >= 0:
+            raise ValueError(f"setting 'generation.backoff_s' must be >= 0 (seconds), got {self.backoff_s}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"setting 'generation.timeout_s' must be > 0 (seconds) or none (wait for ever), "
+                             f"got {self.timeout_s}")
 
-    @classmethod
-    def of(cls, retries: int, backoff_s: float, timeout_s: float | None) -> RetryPolicy:
-        """The policy of the ``generation.*`` settings: ``timeout_s`` None waits for ever."""
-        return cls(retries=retries, backoff_s=max(backoff_s, 1e-3), max_backoff_s=max(30.0, backoff_s),
-                   timeout_s=timeout_s if timeout_s is not None else 10**9)
+    @property
+    def reply_timeout_s(self) -> float:
+        return self.timeout_s if self.timeout_s is not None else 10**9
 
     def pause(self, attempt: int) -> float:
         """Seconds to wait after failed try number ``attempt`` (0 for the first)."""
-        return min(self.backoff_s * 2.0 ** attempt, self.max_backoff_s)
+        return min(max(self.backoff_s, 1e-3) * 2.0 ** attempt, max(MAX_PAUSE_S, self.backoff_s))
+
+    def next_restart_delay_s(self, died: EngineDied, engine: str = "generation") -> float:
+        """Counts one more restart and returns how long to wait before it; EngineFailed, naming the
+        setting and keeping ``died``'s message (the server's log), when none is left."""
+        if self.in_a_row >= self.retries:
+            tried = f"after {self.in_a_row} restarts in a row" if self.in_a_row else "and is not restarted"
+            raise EngineFailed(f"the {engine} engine died {tried} (generation.retries={self.retries}; "
+                               f"raise it to try more, then rerun to resume): {died}") from None
+        self.in_a_row += 1
+        return min(self.backoff_s * 2 ** (self.in_a_row - 1), MAX_RESTART_DELAY_S)
+
+    def answered(self) -> None:
+        """The server answered: the next death starts a new run of restarts."""
+        self.in_a_row = 0
 
 
 class Supervisor(Protocol):
@@ -92,22 +115,19 @@ class Supervisor(Protocol):
     """How many servers were started before the current one: a request remembers it when sent."""
     base_url: str
 
-    def revive(self, seen: int, fault: str, what: str) -> bool:
+    def revive(self, seen: int, fault: str, what: str, retries: Retries) -> bool:
         """True when the server is (now) a newer one than ``seen``; False when it lives and answers
         nothing worse than a pause (then the client's own retries go on)."""
-
-    def answered(self) -> None:
-        """A request was answered: the next death starts a new run of restarts."""
 
 
 class JsonClient:
     """GET and POST JSON to ``base_url`` (``http://host:port``), retrying as the module says;
     ``supervisor``: the server is ours, and a dead one is replaced before the request goes again."""
 
-    def __init__(self, base_url: str, retry: RetryPolicy | None = None, api_key: str | None = None,
+    def __init__(self, base_url: str, retries: Retries | None = None, api_key: str | None = None,
                  supervisor: Supervisor | None = None) -> None:
         self._base_url = base_url.rstrip("/")
-        self.retry = retry or RetryPolicy()
+        self.retries = retries or Retries()
         self.supervisor = supervisor
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:  # a server started with --api-key refuses requests without it
@@ -142,14 +162,14 @@ class JsonClient:
         cannot use: asked again, then said. ``retry`` False: one try only. ``text``: the reply is
         plain text (vLLM's LoRA endpoints answer so), returned as it came."""
         data = None if body is None else json.dumps(body).encode()
-        tries = self.retry.retries + 1 if retry else 1
+        tries = self.retries.retries + 1 if retry else 1
         started = time.monotonic()
         last = ""
         bad: BadAnswer | None = None  # the last try's fault, when it answered
         attempt = 0
         while attempt < tries:
             if attempt:
-                time.sleep(self.retry.pause(attempt - 1))
+                time.sleep(self.retries.pause(attempt - 1))
             attempt += 1
             seen = self.supervisor.generation if self.supervisor is not None else 0
             bad = None
@@ -159,7 +179,7 @@ class JsonClient:
                 # a refused connection and a timeout are OSErrors; a reply cut short of its length an
                 # IncompleteRead (an HTTPException)
                 last = f"{type(exc).__name__}: {exc}"
-                if retry and self.supervisor is not None and self.supervisor.revive(seen, last, path):
+                if retry and self.supervisor is not None and self.supervisor.revive(seen, last, path, self.retries):
                     attempt -= 1  # a new server: the same request again, not a retry of a live one's
                 continue
             if status >= 400:
@@ -169,8 +189,7 @@ class JsonClient:
                                       f"{status}: {detail}", status, detail) from None
                 last = f"HTTP {status}: {detail}"
                 continue
-            if self.supervisor is not None:
-                self.supervisor.answered()
+            self.retries.answered()
             if text:
                 return raw.decode("utf-8", errors="replace")
             try:
@@ -228,13 +247,13 @@ class JsonClient:
             while self._idle:
                 url, connection = self._idle.pop()
                 if url == base_url:
-                    connection.timeout = self.retry.timeout_s  # a restart's setter may have changed it
+                    connection.timeout = self.retries.reply_timeout_s  # new retries may have changed it
                     if connection.sock is not None:
-                        connection.sock.settimeout(self.retry.timeout_s)
+                        connection.sock.settimeout(self.retries.reply_timeout_s)
                     return connection, True
                 connection.close()
             self.connections_opened += 1
-        return _new_connection(base_url, self.retry.timeout_s), False
+        return _new_connection(base_url, self.retries.reply_timeout_s), False
 
     def close(self) -> None:
         """Closes the idle connections (a later request opens a new one)."""

@@ -1,17 +1,9 @@
-"""The weights lease of a vLLM server shared by several collectors, server side: it lives in our
-worker extension (``vllm_worker.py``) inside the server's engine process, so it imports the standard
-library only. The rules (docs/generation.md, "Several collectors on one server"):
-
-* a round asks for the weights ``key`` (a digest of their bytes) it must be sampled with: a *ticket*,
-  in order of first asking; it is **granted** (run beside every other granted round) when those are
-  the held weights and no earlier ticket waits for others, so none starves;
-* once the held weights are *drained* (no granted round), the earliest waiting ticket is told to
-  **load** its weights (older ones too: a resumed collector's rows need their version), then ``ready``
-  grants it and every later ticket on the same key;
-* a ticket lives ``ttl_s`` past its last call: a collector killed mid-round holds the others that long;
-* every load bumps ``epoch``, and a client keeps a reply only if the epoch is unchanged since its
-  grant (``vllm_url_weights.RoundLease``): a lapsed lease costs a round sampled again, never a row
-  naming the wrong version. With several workers each keeps its own table and every one loads.
+"""The weights lease of a vLLM server shared by several collectors, server side: kept by our worker
+extension (``vllm_worker.py``) inside the server's process, so it imports the standard library only.
+The rules are docs/generation.md's "Several collectors on one server": rounds ask for the weights
+they need (``key``, a digest of their bytes) in order; a round is granted beside the others on the
+held weights, or, once those drained, told to load its own; every load bumps ``epoch``, and a client
+keeps a reply only if the epoch did not move since its grant (``vllm_url_weights.RoundLease``).
 """
 
 from __future__ import annotations

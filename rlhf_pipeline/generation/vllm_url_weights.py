@@ -1,12 +1,8 @@
-"""The weights a ``VLLMURLEngine`` samples with, and how they reach its server: :class:`ServerWeights`
+"""The weights a ``VLLMURLEngine`` samples with and how they reach its server: :class:`ServerWeights`
 (their file, named by the digest of its bytes, loaded by path or inline; what a restarted server of
 ours is given again) and :class:`RoundLease`, the collector's side of a shared server's weights lease
-(the server's side is ``vllm_lease.py``; the rules: docs/generation.md, "Several collectors on one
+(the server's side: ``vllm_lease.py``; the rules: docs/generation.md, "Several collectors on one
 server").
-
-A round's lease: ``acquire`` until granted (on ``loading``, upload the weights tagged with the lease,
-reset the prefix cache, say ``ready``); renewed every ``ttl_s / 4`` while it runs; every reply kept
-only if the server's epoch is unchanged since the grant (:meth:`RoundLease.check`); ``release``.
 """
 
 from __future__ import annotations
@@ -157,10 +153,10 @@ class ServerWeights:
     def reset_prefix_cache(self) -> None:
         # cached prefixes hold the old weights' keys and values; a reset fails while requests hold
         # blocks (a dead collector's, or another client's outside any lease), so it is asked again
-        for attempt in range(self.client.retry.retries + 1):
+        for attempt in range(self.client.retries.retries + 1):
             if self.client.post("/reset_prefix_cache").get("success"):
                 return
-            time.sleep(self.client.retry.pause(attempt))
+            time.sleep(self.client.retries.pause(attempt))
         raise EngineFailed(f"the vLLM server at {self.client.base_url} did not reset its prefix cache after loading "
                            f"version {self.version} (requests of other clients running?): its rows would mix weights")
 

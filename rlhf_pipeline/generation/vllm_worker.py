@@ -1,13 +1,9 @@
-"""The vLLM worker extension (``--worker-extension-cls``) that loads a published version's weights in
-place, called through the server's ``/collective_rpc``; it runs in the vLLM environment (the standard
-library, torch, safetensors, vllm).
-
-On a CPU vLLM packs each linear weight for oneDNN and empties the parameter, so a second
-``load_weights`` fails: the worker's ``reload_weights`` restores, loads and repacks. A tied ``lm_head``
-keeps its OLD packed embedding unless it is tied again and repacked after every load
-(:func:`retie_lm_head`). Tensors sent as RPC arguments arrive as lists, so weights travel as a
-safetensors path (or its bytes, base64). The shared server's weights lease (``vllm_lease.py``) is kept
-here too: every load records which weights went in and moves its epoch.
+"""The vLLM worker extension (``--worker-extension-cls``), called through the server's
+``/collective_rpc``, in the vLLM environment (the standard library, torch, safetensors, vllm): it
+loads a published version's weights in place (a safetensors path, or its bytes, base64: RPC
+arguments arrive as lists), ties a tied ``lm_head`` to the new embedding again and repacks it (on a
+CPU vLLM packs weights for oneDNN, and the head would keep the old one), and keeps the shared
+server's weights lease (``vllm_lease.py``).
 """
 
 from __future__ import annotations

@@ -280,8 +280,8 @@ def _announce_engine(engine: Any, tag: str, say: Callable[[str], None]) -> None:
     if engine.stats.starts:
         say(f"{tag} the {engine.name} generation engine started in {engine.stats.start_s:.0f} s; it keeps "
             f"running and takes each new policy version in place")
-    if engine.restarts is not None:  # an engine with a process to restart (generation/restarts.py)
-        engine.restarts.announce = lambda line: say(f"{tag} {line}")
+    if engine.retries is not None:  # a server's engine, which may restart the server it owns (vllm_http.Retries)
+        engine.retries.announce = lambda line: say(f"{tag} {line}")
 
 
 def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: str, loop: dict,

@@ -31,7 +31,7 @@ from rlhf_pipeline.agents.episode import EpisodeLimits, rebuild_trajectory
 from rlhf_pipeline.agents.tools import ToolBox, parser_for_template
 from rlhf_pipeline.collect import Collector, CollectorConfig, Environments, TaskSource
 from rlhf_pipeline.generation import SamplingConfig, teacher_forced_log_probs
-from rlhf_pipeline.generation.restarts import Restarts
+from rlhf_pipeline.generation.vllm_http import Retries
 from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.models import tiny_causal_lm
@@ -286,7 +286,7 @@ def test_per_episode_rows_do_not_depend_on_environment_timing(engine, policy, bp
 def test_an_engine_killed_mid_round_is_restarted_and_the_turns_in_flight_sent_again(engine, bpe_tokenizer, box):
     sampling = SamplingConfig()
     said: list[str] = []
-    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
+    kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.1, announce=said.append)
     try:
         plain = collector(engine, bpe_tokenizer, box, sampling, delay_seed=4, seed=7).collect()
         pid = engine.pid
@@ -297,18 +297,18 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_turns_in_flight_sent_ag
         assert len(said) == 1 and "died" in said[0], said
         assert_same_rows(plain, killed)
     finally:
-        engine.restarts = kept
+        engine.retries = kept
 
 
 def test_environments_slower_than_hung_after_s_are_not_a_hung_engine(engine, bpe_tokenizer, box):
     """While every environment works the engine has no turn to decode; it says it is alive meanwhile, so
     a wait longer than ``generation.hung_after_s`` is not taken for a hang (no kill, no restart)."""
     said: list[str] = []
-    kept, engine.restarts = engine.restarts, Restarts(max_restarts=0, hung_after_s=1.0, announce=said.append)
+    kept, engine.retries = engine.retries, Retries(retries=0, timeout_s=1.0, announce=said.append)
     pid = engine.pid
     try:
         rows = collector(engine, bpe_tokenizer, box, SamplingConfig(), delay_s=(1.5, 1.6), seed=3).collect()
     finally:
-        engine.restarts = kept
+        engine.retries = kept
     assert int(rows["step"].max()) >= 1  # episodes waited 1.5 s for their environment more than once
     assert engine.pid == pid and not said

@@ -162,10 +162,10 @@ def test_the_engine_killed_with_two_rounds_in_flight_is_restarted_and_both_round
     import os
     import signal
 
-    from rlhf_pipeline.generation.restarts import Restarts
+    from rlhf_pipeline.generation.vllm_http import Retries
 
     said: list[str] = []
-    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
+    kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.1, announce=said.append)
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
     restarts, killed = engine.stats.restarts, []
 
@@ -181,7 +181,7 @@ def test_the_engine_killed_with_two_rounds_in_flight_is_restarted_and_both_round
             more = done + 1 < ROUNDS
             collector.collect(next_round=lambda _rows: more)
     finally:
-        engine.restarts = kept
+        engine.retries = kept
     rows = stored(store)
     store.close()
     assert killed and engine.stats.restarts == restarts + 1 and engine.pid != killed[0]

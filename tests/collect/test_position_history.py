@@ -82,8 +82,8 @@ def test_the_weights_a_kept_state_sampled_with_stay_linked_after_the_run_prunes_
     for version in range(4):
         (weights / f"v{version}").unlink()  # the learner pruned them
     # the checkpoint at 16 rows (policy version 2) needs from the version its state held (1) on
-    assert history.weights(0) is None
-    assert history.weights(1).read_bytes() == bytes([1]) * 8
+    assert history.weights_key(0) is None
+    assert (tmp_path / "collector" / history.weights_key(1)).read_bytes() == bytes([1]) * 8
 
 
 def test_a_kill_at_any_moment_of_a_round_leaves_a_history_the_reload_agrees_with(tmp_path):

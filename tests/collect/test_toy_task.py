@@ -2,8 +2,20 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_pipeline.collect.toy_task import evaluate_toy, toy_prompts, toy_reward, warm_start
+from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward, warm_start
+from rlhf_pipeline.generation import SamplingConfig, generate
 from rlhf_pipeline.models import tiny_model_and_tokenizer
+
+
+def sampled_on_held_out_sums(model, tok, n: int = 64, seed: int = 12345) -> dict[str, float]:
+    """Mean toy reward and share of completions that stopped, one sample of each of ``n`` sums."""
+    records = toy_prompts(n, seed)
+    gen = generate(model, [r.render(tok) for r in records], SamplingConfig(max_new_tokens=8),
+                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                   generator=torch.Generator().manual_seed(seed))
+    completions = tok.batch_decode(gen.response_tokens.to_list(), skip_special_tokens=True)
+    rewards = toy_reward([], completions, answer=[r.fields["answer"] for r in records])
+    return {"reward_mean": sum(rewards) / n, "terminated_frac": float(gen.terminated.float().mean())}
 
 
 def test_prompts_are_deterministic_and_answers_right():
@@ -22,9 +34,9 @@ def test_reward_gives_partial_credit():
 def test_short_warm_start_teaches_the_format():
     torch.manual_seed(0)
     model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=1, num_heads=4)
-    before = evaluate_toy(model, tok, n=64)
+    before = sampled_on_held_out_sums(model, tok)
     result = warm_start(model, tok, steps=40, batch_size=32, lr=1e-2)
-    after = evaluate_toy(model, tok, n=64)
+    after = sampled_on_held_out_sums(model, tok)
     assert result["loss"] < 2.0
     assert not model.training
     # the random model rarely stops and never answers; after 40 steps it writes digits and stops

@@ -11,7 +11,7 @@ from misbehaving_vllm_server import FAULTS, MisbehavingVLLMServer
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.generation.engine import BadAnswer, Completion, checked_completions
-from rlhf_pipeline.generation.vllm_http import RetryPolicy
+from rlhf_pipeline.generation.vllm_http import Retries
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema
@@ -20,7 +20,7 @@ from rlhf_pipeline.storage import create_store, make_replay_buffer
 VOCAB, EOS = 102, 1
 RULES = dict(n=1, limit=4, vocab_size=VOCAB, stop_token_ids=[EOS])
 TRIES = 3
-QUICK = RetryPolicy(retries=TRIES - 1, backoff_s=0.01, max_backoff_s=0.01, timeout_s=120.0)
+QUICK = Retries(retries=TRIES - 1, backoff_s=0.01, timeout_s=120.0)
 
 
 # ---------------------------------------------------------------------------------------------- the check
@@ -84,7 +84,7 @@ def _collector(engine, tok, sink) -> Collector:
 def test_a_bad_answer_is_asked_again_then_stops_the_collector_in_one_line_and_writes_no_row(served, fault, tmp_path):
     server, model, tok = served
     server.fault = None  # honest while the engine checks the server at its start
-    engine = VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], weight_updates=False, retry=QUICK)
+    engine = VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], weight_updates=False, retries=QUICK)
     store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
     collector = _collector(engine, tok, make_replay_buffer(store, batch_size=4).extend)  # the commit path: rows with the state
     try:

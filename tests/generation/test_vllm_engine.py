@@ -35,8 +35,8 @@ from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.coordination.weights import publish_weights, weights_path
 from rlhf_pipeline.generation import EngineFailed, SampleRequest, SamplingConfig, UnsupportedSetting
 from rlhf_pipeline.generation.loop import teacher_forced_log_probs
-from rlhf_pipeline.generation.restarts import Restarts
-from rlhf_pipeline.generation.vllm_engine import VLLMEngine, check_cpu_head_size
+from rlhf_pipeline.generation.vllm_http import Retries
+from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.generation.vllm_process import WATCHER_MARK
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import TrajectoryBatch
@@ -145,8 +145,8 @@ def test_settings_it_cannot_honour_are_refused_by_name(served):
     with pytest.raises(ValueError, match="max_model_len"):
         engine.sample([SampleRequest(list(range(3, 250)), max_new_tokens=10)], [0], SamplingConfig())
     narrow, _ = tiny_model_and_tokenizer(hidden_size=64, num_heads=4, num_layers=1)  # head size 16
-    with pytest.raises(UnsupportedSetting, match=r"head sizes \[32, 64.*this model's is 16"):
-        check_cpu_head_size(narrow.config)
+    with pytest.raises(UnsupportedSetting, match=r"head sizes \[32, 64.*this model's is 16 \(hidden_size 64 / 4"):
+        VLLMEngine.from_model(narrow, python=sys.executable, stop_token_ids=[1])
     # top_k beyond the vocabulary disables it, as in our loop
     config = SamplingConfig(max_new_tokens=4, top_k=10_000)
     requests = [SampleRequest(chat_prompts(tok, 1)[0], n=2)]
@@ -162,7 +162,7 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
     engine, model, tok = served
     other, _ = tiny_model_and_tokenizer(seed=1, **SHAPE)
     said: list[str] = []
-    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
+    kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.1, announce=said.append)
     version = engine.policy_version
     # weights other than the model directory's: a restart that forgot them would sample other rows
     engine.load_weights(other.state_dict(), version + 1)
@@ -204,7 +204,7 @@ def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(ser
                                               SamplingConfig(max_new_tokens=48))
         assert float((recomputed.values - rows["response_log_probs"].values).abs().max()) < LOG_PROB_TOLERANCE
     finally:
-        engine.restarts = kept
+        engine.retries = kept
         engine.load_weights(model.state_dict(), engine.policy_version + 1)
 
 
@@ -214,7 +214,7 @@ def test_an_engine_killed_under_requests_in_flight_is_restarted_and_asked_only_t
     those of sample() with the same seeds, the first not generated again."""
     engine, _, tok = served
     said: list[str] = []
-    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1, announce=said.append)
+    kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.1, announce=said.append)
     config = SamplingConfig(max_new_tokens=200)
     prompts = chat_prompts(tok, 4)
     requests = [SampleRequest(prompts[0], n=2, max_new_tokens=1)] + [SampleRequest(p, n=8) for p in prompts[1:]]
@@ -233,7 +233,7 @@ def test_an_engine_killed_under_requests_in_flight_is_restarted_and_asked_only_t
             got = torch.tensor([p for c in group.completions for p in c.log_probs])
             assert float((got - torch.tensor([p for c in want.completions for p in c.log_probs])).abs().max()) < 1e-5
     finally:
-        engine.restarts = kept
+        engine.retries = kept
 
 
 def test_an_engine_that_stops_answering_is_killed_and_restarted(served):
@@ -242,7 +242,7 @@ def test_an_engine_that_stops_answering_is_killed_and_restarted(served):
     engine, _, tok = served
     said: list[str] = []
     # 30 s: the first round of a new engine includes its warm-up (~9 s here), which is not a hang
-    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.0, hung_after_s=30,
+    kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.0, timeout_s=30,
                                                       announce=said.append)
     requests = [SampleRequest(p, n=2) for p in chat_prompts(tok, 3)]
     config = SamplingConfig(max_new_tokens=6)
@@ -256,22 +256,22 @@ def test_an_engine_that_stops_answering_is_killed_and_restarted(served):
             [(c.token_ids, c.log_probs) for g in before for c in g.completions]
         assert len(said) == 1 and "(it did not answer within 30 s while sampling: killed)" in said[0], said
     finally:
-        engine.restarts = kept
+        engine.retries = kept
 
 
 def test_an_engine_that_dies_past_max_restarts_stops_with_the_setting_named(served):
     """max_restarts=0: the first death is not restarted; the error names the setting and keeps the log."""
     engine, model, tok = served
-    kept, engine.restarts = engine.restarts, Restarts(max_restarts=0, announce=lambda line: None)
+    kept, engine.retries = engine.retries, Retries(retries=0, announce=lambda line: None)
     try:
         pid = engine.pid
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineFailed, match=r"died and is not restarted \(generation.retries=0"):
             engine.sample([SampleRequest(chat_prompts(tok, 1)[0])], [0], SamplingConfig(max_new_tokens=4))
     finally:
-        engine.restarts = Restarts(max_restarts=1, backoff_s=0.0, announce=lambda line: None)
+        engine.retries = Retries(retries=1, backoff_s=0.0, announce=lambda line: None)
         engine.load_weights(model.state_dict(), engine.policy_version + 1)  # a new process, for the tests after
-        engine.restarts = kept
+        engine.retries = kept
 
 
 OWNER = """

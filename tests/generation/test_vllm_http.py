@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
-from rlhf_pipeline.generation.vllm_http import JsonClient, RetryPolicy, ServerError, ServerUnreachable
+from rlhf_pipeline.generation.vllm_http import JsonClient, Retries, ServerError, ServerUnreachable
 
-QUICK = RetryPolicy(retries=3, backoff_s=0.01, max_backoff_s=0.02, timeout_s=10.0)
+QUICK = Retries(retries=3, backoff_s=0.01, timeout_s=10.0)
 
 
 class Scripted(BaseHTTPRequestHandler):
@@ -106,7 +106,7 @@ def test_requests_reuse_one_kept_alive_connection_per_thread_in_flight(keeping_a
 def test_a_kept_connection_the_server_closed_is_replaced_without_a_retry(keeping_alive):
     keeping_alive.drop_idle = True  # every connection closed after its first reply, the client not told
     client = JsonClient(f"http://127.0.0.1:{keeping_alive.server_port}",
-                        RetryPolicy(retries=0, backoff_s=0.01, max_backoff_s=0.02, timeout_s=10.0))
+                        Retries(retries=0, backoff_s=0.01, timeout_s=10.0))
     for seed in range(5):  # no retries allowed: the new connection is not one
         assert client.post("/v1/completions", {"seed": seed}) == {"ok": True}
     assert keeping_alive.bodies == [{"seed": seed} for seed in range(5)]  # each request answered once

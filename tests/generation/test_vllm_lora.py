@@ -23,7 +23,7 @@ from helpers import needs_peft, process_running
 
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig
 from rlhf_pipeline.generation.loop import ServedPolicyMismatch, teacher_forced_log_probs
-from rlhf_pipeline.generation.restarts import Restarts
+from rlhf_pipeline.generation.vllm_http import Retries
 from rlhf_pipeline.generation.vllm_adapters import AdapterServing, ServedAdapters
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
@@ -271,7 +271,7 @@ def test_a_restarted_server_is_given_the_adapter_of_the_version_it_held(served):
     version = next_version(engine)
     published, policy = adapter(base, version)
     engine.load_weights(published, version)
-    kept, engine.restarts = engine.restarts, Restarts(max_restarts=2, backoff_s=0.1)
+    kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.1)
     try:
         pid = engine.pid
         os.kill(pid, signal.SIGKILL)
@@ -281,7 +281,7 @@ def test_a_restarted_server_is_given_the_adapter_of_the_version_it_held(served):
         assert difference < SERVED_TOLERANCE
         assert engine.adapters.name(version) == f"v{version}"
     finally:
-        engine.restarts = kept
+        engine.retries = kept
 
 
 def test_a_zero_adapter_version_samples_as_the_base(served):

@@ -79,7 +79,7 @@ def test_an_nccl_engine_killed_mid_round_restarts_from_its_file_and_the_next_ver
     engine = make_engine(settings, model.cuda(), pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id],
                          device="cuda")
     said: list[str] = []
-    engine.restarts.announce = said.append
+    engine.retries.announce = said.append
     requests = [SampleRequest(prompt, n=8) for prompt in chat_prompts(tok, 6)]
     config = SamplingConfig(max_new_tokens=64)
     try:

@@ -26,7 +26,7 @@ from outage_proxy import OutageProxy
 
 from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, free_port, save_model_dir
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, UnsupportedSetting
-from rlhf_pipeline.generation.vllm_http import RetryPolicy, ServerUnreachable
+from rlhf_pipeline.generation.vllm_http import Retries, ServerUnreachable
 from rlhf_pipeline.generation.vllm_url import PROBE_TEXT, ServerMismatch, VLLMURLEngine
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm, tiny_model_and_tokenizer
 from rlhf_pipeline.models.tiny import DEFAULT_CHARACTERS
@@ -35,7 +35,7 @@ LOG_PROB_TOLERANCE = 1e-5
 """The server's log-probs against our teacher-forced recompute with the same weights (float32 on a
 CPU; the owned engine measured 4.8e-7 at most on these models)."""
 SHAPE = dict(hidden_size=64, num_heads=2, num_layers=2)  # head size 32: vLLM's CPU attention takes it
-QUICK = RetryPolicy(retries=2, backoff_s=0.05, max_backoff_s=0.05, timeout_s=60.0)
+QUICK = Retries(retries=2, backoff_s=0.05, timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_new_weights_in_place_tied_head_and_prefix_cache_included(served):
 
 def _refusal(server, model, tok, **options) -> str:
     with pytest.raises(ServerMismatch) as caught:
-        VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok, retry=QUICK, **options)
+        VLLMURLEngine(server.url, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok, retries=QUICK, **options)
     message = str(caught.value)
     assert "\n" not in message and server.url in message
     return message
@@ -149,13 +149,13 @@ def test_a_server_that_stops_answering_is_retried_then_named(served, server):
     proxy = OutageProxy(server.url)
     try:
         engine = VLLMURLEngine(proxy.endpoint, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok,
-                               retry=RetryPolicy(retries=6, backoff_s=0.2, max_backoff_s=2.0, timeout_s=60.0))
+                               retries=Retries(retries=6, backoff_s=0.2, timeout_s=60.0))
         # an outage shorter than the retries: the same seeds are sent again, the batch comes back whole
         expected = engine.sample(requests, seeds(5, len(requests)), config)
         proxy.refuse_for(1.0)
         assert engine.sample(requests, seeds(5, len(requests)), config) == expected
         # one longer than the retries: a clear error after a bounded number of tries, and no groups
-        engine.client.retry = QUICK
+        engine.client.retries = QUICK
         proxy.refuse_for(600.0)
         with pytest.raises(ServerUnreachable, match=r"after 3 tries") as caught:
             engine.sample(requests, seeds(5, len(requests)), config)
@@ -166,7 +166,7 @@ def test_a_server_that_stops_answering_is_retried_then_named(served, server):
     nobody = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerUnreachable, match=r"no vLLM server answered .* \(ConnectionRefusedError: .*refused\); start one "
                                                 r"with: VLLM_SERVER_DEV_MODE=1") as caught:
-        VLLMURLEngine(nobody, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok, retry=QUICK, wait_s=0.5)
+        VLLMURLEngine(nobody, model, stop_token_ids=[tok.eos_token_id], tokenizer=tok, retries=QUICK, wait_s=0.5)
     assert "\n" not in str(caught.value)
 
 
