@@ -249,7 +249,7 @@ def export_adapter(run_root: str | Path, out: str | Path, *, version: int | None
     shutil.rmtree(partial, ignore_errors=True)
     try:
         adapter.save_peft_directory(partial)
-        info = {"run": str(Path(run_root).resolve()), "version": chosen, "from": str(source.path),
+        info = {"run": _run_named(run_root), "version": chosen, "from": str(source.path),
                 "model_class": "LoRA adapter", "base": "version 0 of the run"}
         (partial / "rlhf_pipeline_export.json").write_text(json.dumps(info, indent=2) + "\n")
     except BaseException:
@@ -295,7 +295,7 @@ def export_model(run_root: str | Path, out: str | Path, *, version: int | None =
         with transformers_bars_off():  # the command prints where it wrote; a bar for one shard is noise
             model.save_pretrained(partial)
             tokenizer.save_pretrained(partial)
-        info = {"run": str(Path(run_root).resolve()), "version": source.version, "from": str(source.path),
+        info = {"run": _run_named(run_root), "version": source.version, "from": str(source.path),
                 "model_class": type(model).__name__}
         record = partial / "rlhf_pipeline_export.json"
         record.write_text(json.dumps(info, indent=2) + "\n")
@@ -305,6 +305,10 @@ def export_model(run_root: str | Path, out: str | Path, *, version: int | None =
         raise
     os.replace(partial, out)
     return ExportedModel(str(out), source.version, str(source.path), type(model).__name__)
+
+
+def _run_named(run_root: str | Path) -> str:
+    return str(run_root) if is_url(str(run_root)) else str(Path(run_root).resolve())
 
 
 def _readable_as_the_rest(directory: Path, mode: int) -> None:

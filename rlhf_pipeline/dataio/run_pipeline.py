@@ -61,11 +61,12 @@ def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path
                       device: str | None = None) -> Pipeline:
     """The run's pipeline built with the run's settings (``device`` may differ: it only says where
     models run). ``pipeline_path`` replaces the run's copy of its pipeline file. ``run_root``: a
-    directory, or a run's :class:`RunPaths` (a run at a URL)."""
+    directory, a run's URL or its :class:`RunPaths`."""
     from rlhf_pipeline.runs.pipeline_copy import load_copy
     from rlhf_pipeline.runs.processes import build_pipeline
 
-    paths = run_root if isinstance(run_root, RunPaths) else RunPaths(Path(run_root).resolve())
+    paths = run_root if isinstance(run_root, RunPaths) else RunPaths.at(
+        run_root if is_url(str(run_root)) else Path(run_root).resolve())
     store = paths.store
     settings_text = store.read(paths.key(paths.settings_file))
     if settings_text is None:
