@@ -106,10 +106,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
     from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.storage import open_store
-    from rlhf_pipeline.storage.buffers import shard_key_of
     from rlhf_pipeline.storage.errors import StoreLockedError
     from rlhf_pipeline.coordination.weights import WeightsPoller
-    from rlhf_pipeline.runs.round_ahead import ahead_rule
     from rlhf_pipeline.files.machine_cache import MachineCache
 
     name_collectors(one_of_several)
@@ -166,7 +164,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             return 1
         # generate what the learner's next max_lag batches need, no more (alone, with no learner
         # yet, it may be recording a buffer: unpaced until one publishes)
-        key = shard_key(store_path, paths.buffer) if not paths.buffer_url else shard_key_of(store_path)
+        key = shard_key(store_path, paths.buffer_location)
         pacing, pacing_store = paths.state_object(paths.pacing)
         pacer = CollectorPacer(pacing, key, pipeline.settings.max_lag, round_rows=collector.round_rows,
                                learner_expected=stop.launcher_fd is not None, store=pacing_store,
@@ -185,7 +183,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         waiting_since = None
         while not stop_check() and (rounds is None or done < rounds):
             plan = pacer.plan_round(rows.next_row)
-            # a round submitted ahead (runs/round_ahead.py), or written in part before a stop, keeps its weights
+            # a round submitted ahead (CollectorPacer.next_round_goes_ahead), or written in part before a stop,
+            # keeps its weights
             if not collector.continues_a_round:
                 update = (poller.poll_version(plan.version) if plan.version is not None and pinned
                           else poller.poll() if plan.allowed or not pinned else None)  # unpaced or stalled: the newest
@@ -210,8 +209,9 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             paced.reset()
             rows_before = store.next_row
             collector.runner_state = _clock(retention)  # published with the round's rows
-            next_round = None if rounds is not None and done + 1 >= rounds else ahead_rule(
-                pacer, poller, rows, policy_version=collector.policy_version, pinned=pinned)
+            next_round = None if rounds is not None and done + 1 >= rounds else (
+                lambda rows_to_come, held=collector.policy_version: pacer.next_round_goes_ahead(
+                    poller.store, shard_rows=rows.next_row, rows_to_come=rows_to_come, policy_version=held))
             try:
                 collector.collect(next_round=next_round)
             except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops
