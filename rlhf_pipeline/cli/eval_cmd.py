@@ -70,7 +70,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.files.run_paths import is_url, local_run_path
     from rlhf_pipeline.pipeline import PipelineError, RunPaths, apply_overrides
-    from rlhf_pipeline.runs.processes import eval_main, eval_sets_of, set_threads
+    from rlhf_pipeline.runs.eval_process import eval_main, eval_sets_of
+    from rlhf_pipeline.runs.processes import set_threads
     from rlhf_pipeline.runs.stopping import StopFlag
 
     paths = RunPaths.at_url(args.run_dir) if is_url(args.run_dir) else \
