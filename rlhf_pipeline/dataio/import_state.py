@@ -19,7 +19,7 @@ import torch
 
 from rlhf_pipeline.dataio.sources import Source, SourceError
 from rlhf_pipeline.files.run_paths import RunLocationError, check_run_url, is_url
-from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
+from rlhf_pipeline.files.run_store import RunStore
 from rlhf_pipeline.files.shard_names import shard_index, shard_key_of
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.storage.buffers import list_shards
@@ -43,11 +43,7 @@ class Target:
     @property
     def records(self) -> RunStore:
         """Where the import records are kept (under ``imports/``): the run's store, or the store's own."""
-        if self.run is not None:
-            return self.run.store
-        if is_url(str(self.store_path)):
-            return RunPaths.at_url(str(self.store_path)).store
-        return LocalRunStore(self.store_path)
+        return self.run.store if self.run is not None else RunPaths.at(self.store_path).store
 
 
 def resolve_target(buffer: str | Path, run: RunPaths | Path | None) -> Target:
