@@ -61,7 +61,7 @@ def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
     from rlhf_pipeline.coordination.weights import WEIGHTS, published_objects
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
-    paths = _run_at(run_root)
+    paths = run_at(run_root)
     found: dict[int, VersionSource] = {}
     publish_every = _publish_every(paths)
     checkpoints = run_checkpoints(paths)
@@ -79,14 +79,14 @@ def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
     return dict(sorted(found.items()))
 
 
-def _run_at(run_root: str | Path) -> RunPaths:
+def run_at(run_root: str | Path) -> RunPaths:
     """The run at ``run_root`` (a directory or a URL), or :class:`RunNotFoundError` saying why it is none."""
     if is_url(str(run_root)):
         paths = RunPaths.at_url(str(run_root))
         where = f"{paths.url} holds no run (no settings.json, weights or checkpoints): give the URL a run was " \
                 f"started at, --home URL plus its --run-name"
     else:
-        paths = RunPaths(local_run_path(run_root, "RUN"))
+        paths = RunPaths(local_run_path(run_root, "RUN").resolve())
         if not paths.root.is_dir():
             raise RunNotFoundError(f"{paths.root} does not exist" if not paths.root.exists()
                                    else f"{paths.root} is not a directory; give a run directory")
