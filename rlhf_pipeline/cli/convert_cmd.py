@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    from rlhf_pipeline.cli.progress import progress_reporter
+    from rlhf_pipeline.dataio.progress import progress_reporter
     from rlhf_pipeline.storage.buffers import is_sharded_buffer, shard_index, shard_key_of, shard_location, stores_in
     from rlhf_pipeline.storage.errors import StoreError, StoreNotFoundError
 

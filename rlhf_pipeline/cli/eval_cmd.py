@@ -66,18 +66,17 @@ def run(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from rlhf_pipeline.dataio.model_export import available_versions, version_state
+    from rlhf_pipeline.dataio.model_export import available_versions, run_at, version_state
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
-    from rlhf_pipeline.files.run_paths import is_url, local_run_path
-    from rlhf_pipeline.pipeline import PipelineError, RunPaths, apply_overrides
-    from rlhf_pipeline.runs.processes import eval_main, eval_sets_of, set_threads
+    from rlhf_pipeline.pipeline import PipelineError, apply_overrides
+    from rlhf_pipeline.runs.eval_process import eval_main, eval_sets_of
+    from rlhf_pipeline.runs.processes import set_threads
     from rlhf_pipeline.runs.stopping import StopFlag
 
-    paths = RunPaths.at_url(args.run_dir) if is_url(args.run_dir) else \
-        RunPaths(local_run_path(args.run_dir, "RUN").resolve())
+    paths = run_at(args.run_dir)
     # published weights, and checkpoints that hold a version (as export-model finds them), through the
     # run's store at a URL; refuses what is not a run, in one line
-    available = {v: (lambda source=source: version_state(source, paths.location))
+    available = {v: (lambda source=source: version_state(source))
                  for v, source in available_versions(paths.location).items()}
     pipeline = load_run_pipeline(paths, device="cpu")  # our loop evaluates on the CPU, beside the learner
     pipeline = dataclasses.replace(pipeline, settings=apply_overrides(pipeline.settings, args.overrides))

@@ -14,7 +14,7 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("run_dir", help="the run directory (holds settings.json, weights/, checkpoints/), or a run "
-                                        "at an s3:// URL (copied into the local cache)")
+                                        "at an s3:// or az:// URL (only the version exported is read)")
     parser.add_argument("out", nargs="?", metavar="OUT",
                         help="directory to write (must not exist); not needed with --list-versions")
     which = parser.add_mutually_exclusive_group()
@@ -41,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
         export_model,
     )
     from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.files.run_cache import local_copy
     from rlhf_pipeline.files.run_paths import RunLocationError, RunPaths
     from rlhf_pipeline.learn.checkpoint import run_best
     from rlhf_pipeline.learn.keep_best import NoBestCheckpoint
@@ -55,17 +54,16 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None and not args.list_versions:
         return fail("OUT is required (unless --list-versions): the directory to write the model to")
     try:
-        run_dir = local_copy(args.run_dir, ("weights", "checkpoints"))
         if args.list_versions:
-            versions = available_versions(run_dir)
+            versions = available_versions(args.run_dir)
             print("\n".join(v.describe() for v in versions.values()) or "no versions on disk")
             return 0
-        best = run_best(RunPaths.at(run_dir)) if args.best else None
+        best = run_best(RunPaths.at(args.run_dir)) if args.best else None
         version = best.policy_version if best is not None else args.version
         if args.adapter:
-            result = export_adapter(run_dir, args.out, version=version)
+            result = export_adapter(args.run_dir, args.out, version=version)
         else:
-            result = export_model(run_dir, args.out, version=version, pipeline_path=args.pipeline)
+            result = export_model(args.run_dir, args.out, version=version, pipeline_path=args.pipeline)
     except (VersionNotFoundError, RunNotFoundError, PipelineError, FileExistsError, StateFileError,
             RunLocationError, RunStoreError, NoBestCheckpoint) as exc:
         return fail(str(exc))

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import warnings
 
-    from rlhf_pipeline.cli.progress import progress_reporter
+    from rlhf_pipeline.dataio.progress import progress_reporter
     from rlhf_pipeline.cli.vocabulary import model_vocabulary
     from rlhf_pipeline.storage.buffers import buffer_stats, verify_buffer
     from rlhf_pipeline.storage.errors import StoreError

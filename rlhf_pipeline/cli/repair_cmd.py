@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import warnings
 
-    from rlhf_pipeline.cli.progress import progress_reporter
+    from rlhf_pipeline.dataio.progress import progress_reporter
     from rlhf_pipeline.storage.buffers import repair_buffer
     from rlhf_pipeline.storage.errors import StoreError, StoreLockedError
 

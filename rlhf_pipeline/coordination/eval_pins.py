@@ -74,9 +74,8 @@ def eval_scores(store: RunStore, metric: str) -> dict[int, float]:
 
     from rlhf_pipeline.files.log_parts import read_log_lines
 
-    lines = (store.read(EVAL_METRICS) or b"").decode("utf-8", errors="replace").splitlines()
     scores: dict[int, float] = {}
-    for line in lines + read_log_lines(store, EVAL_METRICS):
+    for line in read_log_lines(store, EVAL_METRICS):
         try:
             record = json.loads(line)
             version, value = int(record["eval/policy_version"]), float(record[metric])

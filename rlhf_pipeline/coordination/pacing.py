@@ -17,18 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.coordination.weights import latest_version
 from rlhf_pipeline.files.run_store import RunStore, state_store_and_key
+from rlhf_pipeline.files.shard_names import shard_key_of
 
 FORMAT_VERSION = 2  # 2: ``next_version``, and in each ``recent`` draw
 PACING_FILE = "pacing.json"
 
 
-def shard_key(store_path: str | Path, buffer_path: str | Path) -> str:
-    """The key of a collector's store in ``consumed``: its directory under the buffer
-    (``shard-0000``), or ``"."`` when the buffer is itself the store (runs made before shards);
-    the learner names shards the same way (``learn/shard_rows.py``)."""
-    store_path, buffer_path = Path(store_path), Path(buffer_path)
-    return "." if store_path.resolve() == buffer_path.resolve() else store_path.name
+def shard_key(store_path: str | Path, buffer: str | Path) -> str:
+    """The key of a collector's store in ``consumed``: its shard's name (``shard-0000``; at an
+    object-store URL ``70-shard-0007``), or ``"."`` when the buffer is itself the store (runs made
+    before shards); the learner names shards the same way (``learn/shard_rows.py``)."""
+    return "." if str(store_path).rstrip("/") == str(buffer).rstrip("/") else shard_key_of(store_path)
 
 
 @dataclass
@@ -298,6 +299,27 @@ class CollectorPacer:
                              f"waiting for policy version {version}, the one pacing names for this round "
                              f"(max_lag={self.max_lag})")
         return RoundPlan(True, None, 0, "")  # no intake yet, the stall rule, or too old: the newest
+
+    def next_round_goes_ahead(self, weights: RunStore | Path, *, shard_rows: int, rows_to_come: int,
+                              policy_version: int) -> bool:
+        """Whether the round after the current one (started with ``policy_version``) may go to the
+        engine while this one's tail decodes: only when pacing would start it the same way, with the
+        weights held, however the current round ends. Pacing must allow it both if every row still to
+        come (``rows_to_come``, beside the shard's ``shard_rows`` now) is written and if dynamic sampling
+        drops them all (the next round starts between the two), and not by the stall rule alone, which
+        counts from a round not ended. A round pinned to a version takes it only when held; one that
+        takes the newest only when ``weights`` holds none newer. ``docs/architecture.md#pacing``."""
+        plans = [self.plan_round(rows) for rows in (shard_rows, shard_rows + rows_to_come)]
+        if not all(plan.allowed and plan.min_version <= policy_version for plan in plans):
+            return False
+        if self.max_lag is not None and not self.within_target(shard_rows + rows_to_come):
+            return False
+        if len({plan.version for plan in plans}) != 1:
+            return False
+        if plans[0].version is not None:
+            return plans[0].version <= policy_version
+        newest = latest_version(weights)
+        return newest is None or newest <= policy_version
 
     def _pinned_version(self, intake: LearnerIntake | None, shard_rows: int) -> int | None:
         """The version :meth:`version_for` names from the first intake in ``recent`` that allowed the

@@ -73,12 +73,6 @@ def weights_path(run_dir: str | Path, version: int) -> Path:
     return weights_dir(run_dir) / name
 
 
-def weights_location(run: Run, version: int) -> str:
-    """Where ``version`` is (a path or a URL), for messages; as :func:`weights_path`."""
-    store = as_run_store(run)
-    return store.describe(f"{WEIGHTS}/{_files(store).get(version) or f'policy_{version:08d}{SUFFIX}'}")
-
-
 def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
                     keep_last: int = 3, *, keep_versions: Collection[int] = ()) -> str:
     """Writes ``state_dict`` (whole weights, or a ``PolicyAdapter``) as ``version``; ``version`` must

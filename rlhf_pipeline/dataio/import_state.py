@@ -19,9 +19,10 @@ import torch
 
 from rlhf_pipeline.dataio.sources import Source, SourceError
 from rlhf_pipeline.files.run_paths import RunLocationError, check_run_url, is_url
-from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
+from rlhf_pipeline.files.run_store import RunStore
 from rlhf_pipeline.files.shard_names import shard_index, shard_key_of
 from rlhf_pipeline.pipeline import RunPaths
+from rlhf_pipeline.storage.buffers import list_shards
 
 RECORD_FORMAT = 1
 # a run's collectors take shards 0, 1, ...; imports take shards from here, so a collector
@@ -42,58 +43,37 @@ class Target:
     @property
     def records(self) -> RunStore:
         """Where the import records are kept (under ``imports/``): the run's store, or the store's own."""
-        if self.run is not None:
-            return self.run.store
-        if is_url(str(self.store_path)):
-            return RunPaths.at_url(str(self.store_path)).store
-        return LocalRunStore(self.store_path)
+        return self.run.store if self.run is not None else RunPaths.at(self.store_path).store
 
 
 def resolve_target(buffer: str | Path, run: RunPaths | Path | None) -> Target:
-    """What ``BUFFER`` names: a store (new or existing), or a run (a new shard of its buffer)."""
+    """What ``BUFFER`` names: a store (new or existing), or a run (a new shard of its buffer); a
+    directory or a URL alike, through the run's store."""
     if is_url(str(buffer)):
-        return _url_target(str(buffer).rstrip("/"), run)
-    path = Path(buffer).resolve()
-    if run is None:
-        return Target(path, None, None, False)
-    run = run if isinstance(run, RunPaths) else RunPaths(run)
-    if path in (run.root, run.buffer) and not run.single_store_buffer:
-        return Target(run.buffer, run, None, True)  # the shard index is chosen with the record
-    if path in (run.root, run.buffer):
-        path, index = run.buffer, 0
+        try:
+            location = check_run_url(str(buffer).rstrip("/"), "BUFFER")  # the conditional writes an import needs
+        except RunLocationError as exc:
+            raise SourceError(f"{exc}. An import writes a buffer at an s3:// or az:// URL only; for another place, "
+                              f"import into a local path and copy it with `rlhf-pipeline convert`") from None
     else:
-        index = shard_index(path.name)
-        if path.parent != run.buffer or index is None:
-            raise SourceError(f"{buffer} lies inside run {run.root} but is not its buffer or one of its shards")
-    if run.collector_history(index).exists():
-        raise SourceError(
-            f"{path} is written by collector {index} of run {run.root}; imported rows there would share its "
-            f"ids. Import into {run.buffer} instead: the rows get a shard of their own"
-        )
-    return Target(path, run, index, False)
-
-
-def _url_target(url: str, run: RunPaths | Path | None) -> Target:
-    try:
-        check_run_url(url, "BUFFER")  # the import writes: conditional writes that only these stores have
-    except RunLocationError as exc:
-        raise SourceError(f"{exc}. An import writes a buffer at an s3:// or az:// URL only; for another place, "
-                          f"import into a local path and copy it with `rlhf-pipeline convert`") from None
+        location = str(Path(buffer).resolve())
     if run is None:
-        return Target(url, None, None, False)
-    if not isinstance(run, RunPaths) or run.url is None:
-        raise ValueError(f"{url} is a URL; its run must be a run at a URL (RunPaths.at_url)")
-    if url in (run.url, run.buffer_location):
-        return Target(run.buffer_location, run, None, True)
-    parent, _, name = url.rpartition("/")
-    index = shard_index(name)
-    if parent != run.buffer_location or index is None:
-        raise SourceError(f"{url} lies inside run {run.url} but is not its buffer or one of its shards")
+        return Target(location if is_url(location) else Path(location), None, None, False)
+    run = run if isinstance(run, RunPaths) else RunPaths(run)
+    if location in (run.location, run.buffer_location):
+        if not run.single_store_buffer:
+            return Target(run.buffer_location, run, None, True)  # the shard index is chosen with the record
+        location, index = run.buffer_location, 0
+    else:
+        parent, _, name = location.rpartition("/")
+        index = shard_index(name)
+        if parent != run.buffer_location or index is None:
+            raise SourceError(f"{buffer} lies inside run {run.location} but is not its buffer or one of its shards")
     if run.store.list(run.key(run.collector_history(index))):
         raise SourceError(
-            f"{url} is written by collector {index} of run {run.url}; imported rows there would share its ids. "
-            f"Import into {run.buffer_location} instead: the rows get a shard of their own")
-    return Target(url, run, index, False)
+            f"{location} is written by collector {index} of run {run.location}; imported rows there would share its "
+            f"ids. Import into {run.buffer_location} instead: the rows get a shard of their own")
+    return Target(location if is_url(location) else Path(location), run, index, False)
 
 
 # ====================================================================== the import record
@@ -157,16 +137,8 @@ def _key(target: Target, source: Source) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-
-
 def new_shard_index(run: RunPaths) -> int:
-    if run.url is not None:
-        from rlhf_pipeline.storage.buffers import list_shards
-
-        existing = [index for index, _ in list_shards(run.buffer_location)]
-    else:
-        existing = [index for p in run.buffer.iterdir() if (index := shard_index(p.name)) is not None] \
-            if run.buffer.is_dir() else []
+    existing = [index for index, _ in list_shards(run.buffer_location)]
     return max([IMPORT_SHARD_FIRST - 1, *existing]) + 1
 
 

@@ -42,7 +42,7 @@ from rlhf_pipeline.dataio.progress import Progress
 from rlhf_pipeline.dataio.sources import Source, SourceError, open_source
 from rlhf_pipeline.schema.ids import id_base
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
-from rlhf_pipeline.storage.buffers import find_shard
+from rlhf_pipeline.storage.buffers import find_shard, is_url
 from rlhf_pipeline.schema.ragged import RaggedTensor
 from rlhf_pipeline.schema import FIELDS_BY_NAME, TrajectoryBatch, TrajectoryValidationError
 
@@ -133,9 +133,8 @@ def import_source(source_path: str | Path, buffer: str | Path, pipeline: Pipelin
     store_path, started_record = target.store_path, False
     if target.new_shard:
         shard = record.data["shard"] if record is not None else new_shard_index(target.run)
-        run = target.run
         # a rerun after a crash finds the shard under the name it was made with
-        store_path = run.shard(shard) if run.url is None else find_shard(run.buffer_location, shard)
+        store_path = find_shard(target.run.buffer_location, shard)
         if record is None:  # first, so a rerun after a crash reuses this shard (an empty one would stall learners)
             record = ImportRecord.start(target, source, {"shard": shard, **_record_basics(fingerprint, options, checked)})
             started_record = True
@@ -218,7 +217,7 @@ def _open_or_create(pipeline: Pipeline, path: Path | str):
     """``(store opened for appending, created)``; a new store is the pipeline's ``create_buffer``."""
     from rlhf_pipeline.storage import open_store
 
-    if isinstance(path, str):  # a URL: a store is there once its commit record is
+    if is_url(str(path)):  # a store is there once its commit record is
         from rlhf_pipeline.storage import detect_backend
         from rlhf_pipeline.storage.errors import NotAStoreError
 
@@ -231,6 +230,7 @@ def _open_or_create(pipeline: Pipeline, path: Path | str):
                                     f"'buffer_backend' is {backend!r}: add --set buffer_backend=zarr")
             return _created_at_url(pipeline.create_buffer(path), path), True
         return open_store(path, mode="a"), False
+    path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         return open_store(str(path), mode="a"), False
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -248,7 +248,7 @@ def _created_at_url(store, url: str):
 
 def _remove_store(location: Path | str) -> None:
     """Deletes a store this import created (every object under a URL prefix)."""
-    if isinstance(location, Path):
+    if not is_url(str(location)):
         shutil.rmtree(location, ignore_errors=True)
         return
     import fsspec

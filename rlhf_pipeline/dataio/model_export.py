@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import shutil
 import zipfile
 from dataclasses import dataclass
@@ -25,8 +24,6 @@ from rlhf_pipeline.pipeline import PipelineError, RunPaths
 
 if TYPE_CHECKING:
     import torch
-
-_CHECKPOINT = re.compile(r"^step_(\d{8,})\.pt$")
 
 
 class VersionNotFoundError(LookupError):
@@ -41,10 +38,10 @@ class RunNotFoundError(FileNotFoundError):
 class VersionSource:
     version: int
     path: Path | str
-    """The file, or at a URL the checkpoint's URL or the weights' store key."""
+    """Where it is: a file, or an object's URL."""
     kind: str  # "weights" or "checkpoint"
-    run: RunPaths | None = None
-    """A run at a URL: its version is read through the run's store (None: ``path`` is a file)."""
+    run: RunPaths
+    """The run whose store it is read through."""
 
     def describe(self) -> str:
         return f"v{self.version} ({self.kind} {str(self.path).rstrip('/').rsplit('/', 1)[-1]})"
@@ -60,56 +57,46 @@ class ExportedModel:
 
 def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
     """Policy versions whose weights are kept: published weights, and checkpoints that hold one (the
-    published file where both do). ``run_root``: a run directory, or a run's URL."""
-    from rlhf_pipeline.coordination.weights import published_versions, weights_path
-
-    if is_url(str(run_root)):
-        return _versions_at_url(RunPaths.at_url(str(run_root)))
-    paths = RunPaths(local_run_path(run_root, "RUN"))
-    if not paths.root.is_dir():
-        raise RunNotFoundError(f"{paths.root} does not exist" if not paths.root.exists()
-                               else f"{paths.root} is not a directory; give a run directory")
-    if not (paths.settings_file.is_file() or paths.checkpoints.is_dir() or (paths.root / "weights").is_dir()):
-        raise RunNotFoundError(f"{paths.root} is not a run directory (it has no settings.json, weights/ or "
-                               f"checkpoints/); give the directory a run wrote, e.g. storage/<run-name>")
-    found: dict[int, VersionSource] = {}
-    publish_every = _publish_every(paths)
-    if paths.checkpoints.is_dir():
-        for file in sorted(paths.checkpoints.iterdir()):
-            if not _CHECKPOINT.match(file.name):
-                continue
-            progress = _checkpoint_progress(file)
-            if progress is None:
-                continue  # damaged or not a checkpoint: it holds no version to export
-            if publish_every and progress["step"] % publish_every == 0:
-                version = progress["policy_version"]
-                found[version] = VersionSource(version, file, "checkpoint")
-    for version in published_versions(paths.root):
-        found[version] = VersionSource(version, weights_path(paths.root, version), "weights")
-    return dict(sorted(found.items()))
-
-
-def _versions_at_url(paths: RunPaths) -> dict[int, VersionSource]:
-    """:func:`available_versions` of a run at a URL, through its store: a checkpoint's version from
-    the rewind record beside it (a few bytes, where a local run's is read from the checkpoint itself)."""
-    from rlhf_pipeline.coordination.weights import published_objects
+    published file where both do). ``run_root``: a run directory, or a run's URL, read through its store."""
+    from rlhf_pipeline.coordination.weights import WEIGHTS, published_objects
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
-    store = paths.store
-    if store.read(paths.key(paths.settings_file)) is None and not store.list("checkpoints") \
-            and not store.list("weights"):
-        raise RunNotFoundError(f"{paths.url} holds no run (no settings.json, weights or checkpoints): give the URL "
-                               f"a run was started at, --home URL plus its --run-name")
+    paths = run_at(run_root)
     found: dict[int, VersionSource] = {}
     publish_every = _publish_every(paths)
     checkpoints = run_checkpoints(paths)
     for step in checkpoints.steps():
+        path = checkpoints.path_of(step)
+        # the rewind record beside it (a few bytes); in a directory, where a run made before records has
+        # none, the checkpoint's own progress
         version = (checkpoints.record(step) or {}).get("policy_version")
+        if version is None and paths.url is None:
+            version = (_checkpoint_progress(Path(path)) or {}).get("policy_version")
         if publish_every and step % publish_every == 0 and isinstance(version, int):
-            found[version] = VersionSource(version, checkpoints.path_of(step), "checkpoint", paths)
-    for version, name in published_objects(store).items():
-        found[version] = VersionSource(version, name, "weights", paths)
+            found[version] = VersionSource(version, path, "checkpoint", paths)
+    for version, name in published_objects(paths.store).items():
+        found[version] = VersionSource(version, paths.store.describe(f"{WEIGHTS}/{name}"), "weights", paths)
     return dict(sorted(found.items()))
+
+
+def run_at(run_root: str | Path) -> RunPaths:
+    """The run at ``run_root`` (a directory or a URL), or :class:`RunNotFoundError` saying why it is none."""
+    if is_url(str(run_root)):
+        paths = RunPaths.at_url(str(run_root))
+        where = f"{paths.url} holds no run (no settings.json, weights or checkpoints): give the URL a run was " \
+                f"started at, --home URL plus its --run-name"
+    else:
+        paths = RunPaths(local_run_path(run_root, "RUN").resolve())
+        if not paths.root.is_dir():
+            raise RunNotFoundError(f"{paths.root} does not exist" if not paths.root.exists()
+                                   else f"{paths.root} is not a directory; give a run directory")
+        where = f"{paths.root} is not a run directory (it has no settings.json, weights/ or checkpoints/); give " \
+                f"the directory a run wrote, e.g. storage/<run-name>"
+    store = paths.store
+    if store.read(paths.key(paths.settings_file)) is None and not store.list("checkpoints") \
+            and not store.list("weights"):
+        raise RunNotFoundError(where)
+    return paths
 
 
 class _Inert:
@@ -183,43 +170,32 @@ def load_version(run_root: str | Path, version: int | None = None) -> tuple[dict
                       f"last N)")
         raise VersionNotFoundError(f"policy version {version} {reason}; available: {listed}")
     source = versions[version]
-    return version_state(source, run_root), source
+    return version_state(source), source
 
 
-def version_state(source: VersionSource, run_root: str | Path) -> dict[str, torch.Tensor]:
-    """The policy weights of ``source`` (one of ``run_root``'s :func:`available_versions`); a LoRA
-    run's version merged into its base, version 0."""
+def version_state(source: VersionSource) -> dict[str, torch.Tensor]:
+    """The policy weights of ``source`` (one of :func:`available_versions`); a LoRA run's version
+    merged into its base, version 0."""
     from rlhf_pipeline.models.lora import PolicyAdapter, merged_state
 
     published = _published(source)
     if isinstance(published, PolicyAdapter):
         from rlhf_pipeline.coordination.weights import load_weights
 
-        run = source.run.store if source.run is not None else RunPaths(local_run_path(run_root, "RUN")).root
-        return merged_state(load_weights(run, 0)[0], published)
+        return merged_state(load_weights(source.run.store, 0)[0], published)
     return published
 
 
 def _published(source: VersionSource) -> dict[str, torch.Tensor]:
     """The version's state as the run keeps it: whole weights, or (a LoRA run) a ``PolicyAdapter``."""
     if source.kind == "weights":
-        if source.run is not None:
-            from rlhf_pipeline.coordination.weights import load_published
+        from rlhf_pipeline.coordination.weights import load_published
 
-            return load_published(source.run.store, source.version)[0]
-        from rlhf_pipeline.coordination.weights import load_weights_file
-
-        return load_weights_file(source.path)[0]
-    if source.run is not None:
-        from rlhf_pipeline.learn.checkpoint import run_checkpoints
-
-        checkpoint = run_checkpoints(source.run).load(source.path)[1]  # raises StateFileError
-    else:
-        from rlhf_pipeline.files.state_files import load_state
-
-        # tensors and plain values only (format 1's NumPy RNG array too); raises StateFileError
-        checkpoint = load_state(source.path, what="learner checkpoint", legacy_numpy_arrays=True)
+        return load_published(source.run.store, source.version)[0]
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
     from rlhf_pipeline.models.lora import PolicyAdapter
+
+    checkpoint = run_checkpoints(source.run).load(source.path)[1]  # raises StateFileError
 
     lora = checkpoint.get("lora")
     if lora is None:
@@ -249,7 +225,7 @@ def export_adapter(run_root: str | Path, out: str | Path, *, version: int | None
     shutil.rmtree(partial, ignore_errors=True)
     try:
         adapter.save_peft_directory(partial)
-        info = {"run": str(Path(run_root).resolve()), "version": chosen, "from": str(source.path),
+        info = {"run": _run_named(run_root), "version": chosen, "from": str(source.path),
                 "model_class": "LoRA adapter", "base": "version 0 of the run"}
         (partial / "rlhf_pipeline_export.json").write_text(json.dumps(info, indent=2) + "\n")
     except BaseException:
@@ -295,7 +271,7 @@ def export_model(run_root: str | Path, out: str | Path, *, version: int | None =
         with transformers_bars_off():  # the command prints where it wrote; a bar for one shard is noise
             model.save_pretrained(partial)
             tokenizer.save_pretrained(partial)
-        info = {"run": str(Path(run_root).resolve()), "version": source.version, "from": str(source.path),
+        info = {"run": _run_named(run_root), "version": source.version, "from": str(source.path),
                 "model_class": type(model).__name__}
         record = partial / "rlhf_pipeline_export.json"
         record.write_text(json.dumps(info, indent=2) + "\n")
@@ -305,6 +281,10 @@ def export_model(run_root: str | Path, out: str | Path, *, version: int | None =
         raise
     os.replace(partial, out)
     return ExportedModel(str(out), source.version, str(source.path), type(model).__name__)
+
+
+def _run_named(run_root: str | Path) -> str:
+    return str(run_root) if is_url(str(run_root)) else str(Path(run_root).resolve())
 
 
 def _readable_as_the_rest(directory: Path, mode: int) -> None:

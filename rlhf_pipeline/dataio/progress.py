@@ -1,9 +1,11 @@
-"""Progress of the data commands: a tqdm bar on a terminal, a plain line now and then in logs."""
+"""Progress of a long command on stderr: a tqdm bar on a terminal, a plain line now and then in logs.
+Nothing here imports torch."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 
 class Progress:
@@ -54,3 +56,19 @@ class Progress:
         elif self.enabled and not failed:
             self._line()
         self.enabled = False
+
+
+def progress_reporter(desc: str, unit: str, *, quiet: bool = False) -> Callable[[int, int], None] | None:
+    """A ``progress(done, total)`` callback (what ``storage.reports`` and ``convert`` call) over a
+    :class:`Progress`; None when ``quiet``."""
+    if quiet:
+        return None
+    progress = Progress(desc, unit=unit)
+
+    def report(done: int, total: int) -> None:
+        progress.set_total(total)
+        progress.update(done - progress.done)
+        if done >= total:
+            progress.close()
+
+    return report

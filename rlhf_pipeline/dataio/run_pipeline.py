@@ -23,35 +23,21 @@ from rlhf_pipeline.files.shard_names import shard_index
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, load_pipeline_module
 
 
-def find_run_root(path: str | Path) -> Path | None:
-    """The run directory ``path`` is or belongs to (``<run>``, ``<run>/buffer``,
-    ``<run>/buffer/shard-NNNN``), recognised by its ``settings.json``; None for anything else."""
-    path = Path(path).resolve()
-    for candidate in (path, path.parent, path.parent.parent):
-        if (candidate / "settings.json").is_file() and (candidate / "weights").is_dir():
-            if candidate == path or path.is_relative_to(candidate / "buffer"):
-                return candidate
-    return None
-
-
 def find_run(location: str | Path) -> RunPaths | None:
-    """:func:`find_run_root` for a directory; for a URL, the run at it (``<run>``, ``<run>/buffer``,
-    ``<run>/buffer/shard-NNNN``), recognised by its ``settings.json`` and ``weights/`` objects.
-    A URL whose scheme no run can live at raises ``RunLocationError``."""
-    if not is_url(str(location)):
-        root = find_run_root(location)
-        return RunPaths(root) if root is not None else None
-    url = str(location).rstrip("/")
-    parts = url.split("/")
-    candidates = [url]
+    """The run ``location`` is or belongs to (``<run>``, ``<run>/buffer``, ``<run>/buffer/<shard>``), a
+    directory or a URL, recognised by its ``settings.json`` and published weights; None for anything
+    else. A URL whose scheme no run can live at raises ``RunLocationError``."""
+    where = str(location).rstrip("/") if is_url(str(location)) else str(Path(location).resolve())
+    parts = where.split("/")
+    candidates = [where]
     if parts[-1] == "buffer":
         candidates.append("/".join(parts[:-1]))
-    elif shard_index(parts[-1]) is not None and len(parts) > 4 and parts[-2] == "buffer":
+    elif shard_index(parts[-1]) is not None and len(parts) > 2 and parts[-2] == "buffer":
         candidates.append("/".join(parts[:-2]))
     for candidate in candidates:
-        if not candidate.split("://", 1)[1].strip("/"):
+        if not candidate.split("://", 1)[-1].strip("/"):  # a bucket's or the file system's top holds no run
             continue
-        paths = RunPaths.at_url(candidate)
+        paths = RunPaths.at(candidate)
         if paths.store.exists("settings.json") and paths.store.list("weights"):
             return paths
     return None
@@ -61,11 +47,12 @@ def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path
                       device: str | None = None) -> Pipeline:
     """The run's pipeline built with the run's settings (``device`` may differ: it only says where
     models run). ``pipeline_path`` replaces the run's copy of its pipeline file. ``run_root``: a
-    directory, or a run's :class:`RunPaths` (a run at a URL)."""
+    directory, a run's URL or its :class:`RunPaths`."""
     from rlhf_pipeline.runs.pipeline_copy import load_copy
     from rlhf_pipeline.runs.processes import build_pipeline
 
-    paths = run_root if isinstance(run_root, RunPaths) else RunPaths(Path(run_root).resolve())
+    paths = run_root if isinstance(run_root, RunPaths) else RunPaths.at(
+        run_root if is_url(str(run_root)) else Path(run_root).resolve())
     store = paths.store
     settings_text = store.read(paths.key(paths.settings_file))
     if settings_text is None:

@@ -77,7 +77,12 @@ class EvalSet:
 
 
 def check_sets(sets: Sequence[EvalSet]) -> list[EvalSet]:
-    """``sets`` as a list, refused (ValueError naming it) when two share a name or one is not an EvalSet."""
+    """``sets`` as a list, refused (ValueError naming it) when there are none, two share a name or one
+    is not an EvalSet."""
+    if not sets:
+        raise ValueError("the pipeline declares no held-out sets to evaluate: give its Pipeline eval_sets= "
+                         "(a function returning rlhf_pipeline.evaluation.sets.EvalSet objects; "
+                         "docs/evaluation.md), or leave eval.every_steps at 0")
     seen: set[str] = set()
     for s in sets:
         if not isinstance(s, EvalSet):

@@ -1,5 +1,6 @@
 """A JSON-lines log at a URL, where nothing can be appended: numbered part objects
-``<key>.parts/00000000.jsonl``, ``00000001.jsonl``, ... read in order as one log.
+``<key>.parts/00000000.jsonl``, ``00000001.jsonl``, ... read in order as one log (in a run
+directory, the one file the writer appends to).
 
 Torch-free, so the launcher can summarise a finished run's metrics without importing torch; the
 writer is ``learn/metrics.py``'s :class:`~rlhf_pipeline.learn.metrics.MetricsWriter`.
@@ -21,6 +22,7 @@ def part_numbers(store: RunStore, key: str) -> list[int]:
 
 
 def read_log_lines(store: RunStore, key: str) -> list[str]:
-    """Every line of the log ``key``: its parts in order."""
-    text = "".join((store.read(part_key(key, n)) or b"").decode("utf-8") for n in part_numbers(store, key))
-    return text.splitlines()
+    """Every line of the log ``key``: the file a run directory appends to, or at a URL its parts in
+    order (a line a kill cut short may end in a replaced character)."""
+    whole = [store.read(key), *(store.read(part_key(key, n)) for n in part_numbers(store, key))]
+    return b"".join(data or b"" for data in whole).decode("utf-8", errors="replace").splitlines()

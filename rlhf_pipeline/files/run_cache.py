@@ -1,14 +1,12 @@
-"""A run at a URL copied down into this machine's cache, for the commands that read a finished or
-running run as files (``plot``, ``export-model``): local disk only a cache of the URL.
+"""A run at a URL copied down into this machine's cache, for ``plot``, which reads a finished or
+running run's settings and metrics as files: local disk only a cache of the URL.
 
-Only what a command asks for is copied (``settings.json`` and ``pipeline.py`` always); a metrics
-log kept as part objects (``learn/metrics.py``) is joined back into its ``.jsonl`` file. Every
-copy is written atomically, so a command killed midway leaves a cache the next one refreshes.
+A metrics log kept as part objects (``learn/metrics.py``) is joined back into its ``.jsonl`` file.
+Every copy is written atomically, so a command killed midway leaves a cache the next one refreshes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from rlhf_pipeline.files.log_parts import read_log_lines
@@ -18,10 +16,10 @@ from rlhf_pipeline.files.run_store import LocalRunStore
 PARTS = ".parts"
 
 
-def local_copy(location: str | Path, folders: Sequence[str] = ()) -> Path:
+def local_copy(location: str | Path) -> Path:
     """``location`` itself when it is a directory (or a file); for a run at a URL, its cache
-    directory holding ``settings.json``, ``pipeline.py``, ``metrics.jsonl``, the collectors'
-    metrics and the objects of ``folders`` (``"weights"``, ``"checkpoints"``) as they are now."""
+    directory holding ``settings.json``, ``pipeline.py``, ``metrics.jsonl`` and the collectors'
+    metrics as they are now."""
     if not is_url(str(location)):
         return Path(location)
     paths = RunPaths.at_url(str(location))
@@ -35,13 +33,6 @@ def local_copy(location: str | Path, folders: Sequence[str] = ()) -> Path:
     for name in store.list("collector"):
         if name.endswith(".jsonl" + PARTS):
             _join_log(store, cache, f"collector/{name.removesuffix(PARTS)}")
-    for folder in folders:
-        wanted = set(store.list(folder))
-        for stale in set(cache.list(folder)) - wanted:
-            cache.delete(f"{folder}/{stale}")  # pruned at the URL since the last copy
-        for name in sorted(wanted):
-            if not cache.exists(f"{folder}/{name}"):  # versions never change once written
-                _copy(store, cache, f"{folder}/{name}")
     return paths.root
 
 

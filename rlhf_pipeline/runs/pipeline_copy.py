@@ -114,20 +114,13 @@ def kept_sources(store: RunStore) -> dict[str, bytes]:
     pipeline = store.read(PIPELINE_KEY)
     if pipeline is not None:
         kept[PIPELINE_KEY] = pipeline
-    for key in _walk(store, MODULES_KEY):
+    for key in store.walk(MODULES_KEY):
+        if not key.endswith(".py") or "/__pycache__/" in key:  # a *.partial a crash left; Python's own cache
+            continue
         content = store.read(key)
         if content is not None:
             kept[key] = content
     return kept
-
-
-def _walk(store: RunStore, prefix: str) -> list[str]:
-    files = store.list_etags(prefix)  # objects only; list() gives the "directories" as well
-    keys = [f"{prefix}/{name}" for name in files if name.endswith(".py")]  # not a *.partial a crash left
-    for name in set(store.list(prefix)) - set(files):
-        if name.rstrip("/") != "__pycache__":  # written by Python where the copy is imported
-            keys += _walk(store, f"{prefix}/{name.rstrip('/')}")
-    return keys
 
 
 def _write(store: RunStore, current: dict[str, bytes], kept: dict[str, bytes], paths: RunPaths, *,

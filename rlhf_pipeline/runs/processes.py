@@ -1,5 +1,6 @@
-"""What runs inside a collector, a learner or an evaluator process, whoever placed it there: ``run``'s
-children, a standalone ``collect`` / ``learn`` / ``eval``, or a Ray actor (``cluster/actors.py``).
+"""What runs inside a collector or a learner process, whoever placed it there: ``run``'s children, a
+standalone ``collect`` / ``learn``, or a Ray actor (``cluster/actors.py``); the evaluator's is
+``eval_process.py``.
 
 Why one file: the two process bodies are the run's one reading of its own directory (paths, stop
 file, pacing, weights) from the inside; a change to how a run is laid out changes both together.
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from rlhf_pipeline.pipeline import CollectorLike, Pipeline, PipelineError, RunPaths
+from rlhf_pipeline.runs.eval_process import check_evaluation, eval_pins, keep_best
 from rlhf_pipeline.runs.stopping import StopFlag
 
 
@@ -25,9 +27,7 @@ def build_pipeline(module: Any, settings: Any, paths: RunPaths) -> Pipeline:
                 f"build() must return rlhf_pipeline.pipeline.Pipeline, got {type(pipeline).__name__}"
             )
         pipeline.preflight()
-        if pipeline.settings.eval.enabled:  # refused before any process starts, not by the evaluator later
-            eval_sets_of(pipeline)
-        check_keep_best(pipeline)
+        check_evaluation(pipeline)  # refused before any process starts, not by the evaluator later
     except PipelineError:
         raise
     except (ValueError, FileNotFoundError) as exc:  # PromptError, RewardError, ModelLoadError...
@@ -106,10 +106,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
     from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.storage import open_store
-    from rlhf_pipeline.storage.buffers import shard_key_of
     from rlhf_pipeline.storage.errors import StoreLockedError
     from rlhf_pipeline.coordination.weights import WeightsPoller
-    from rlhf_pipeline.runs.round_ahead import ahead_rule
     from rlhf_pipeline.files.machine_cache import MachineCache
 
     name_collectors(one_of_several)
@@ -166,7 +164,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             return 1
         # generate what the learner's next max_lag batches need, no more (alone, with no learner
         # yet, it may be recording a buffer: unpaced until one publishes)
-        key = shard_key(store_path, paths.buffer) if not paths.buffer_url else shard_key_of(store_path)
+        key = shard_key(store_path, paths.buffer_location)
         pacing, pacing_store = paths.state_object(paths.pacing)
         pacer = CollectorPacer(pacing, key, pipeline.settings.max_lag, round_rows=collector.round_rows,
                                learner_expected=stop.launcher_fd is not None, store=pacing_store,
@@ -185,7 +183,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         waiting_since = None
         while not stop_check() and (rounds is None or done < rounds):
             plan = pacer.plan_round(rows.next_row)
-            # a round submitted ahead (runs/round_ahead.py), or written in part before a stop, keeps its weights
+            # a round submitted ahead (CollectorPacer.next_round_goes_ahead), or written in part before a stop,
+            # keeps its weights
             if not collector.continues_a_round:
                 update = (poller.poll_version(plan.version) if plan.version is not None and pinned
                           else poller.poll() if plan.allowed or not pinned else None)  # unpaced or stalled: the newest
@@ -210,8 +209,9 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             paced.reset()
             rows_before = store.next_row
             collector.runner_state = _clock(retention)  # published with the round's rows
-            next_round = None if rounds is not None and done + 1 >= rounds else ahead_rule(
-                pacer, poller, rows, policy_version=collector.policy_version, pinned=pinned)
+            next_round = None if rounds is not None and done + 1 >= rounds else (
+                lambda rows_to_come, held=collector.policy_version: pacer.next_round_goes_ahead(
+                    poller.store, shard_rows=rows.next_row, rows_to_come=rows_to_come, policy_version=held))
             try:
                 collector.collect(next_round=next_round)
             except EpisodeFailureRateError as exc:  # the round is written and logged below; then the run stops
@@ -439,112 +439,3 @@ def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,
             paths.request_stop()  # tells collectors of this run that the learner is done
         return 0
     return stop.exit_code() or 1  # not finished: the launcher must not report "done"
-
-
-def eval_main(pipeline: Pipeline, paths: RunPaths,
-              versions: Sequence[tuple[int, Callable[[], dict[str, Any]]]] | None = None, *,
-              engine_device: str = "cpu") -> int:
-    """The evaluator: the pipeline's held-out sets at policy versions of the run, each (version, set)
-    once into its eval store (``rlhf_pipeline/evaluation``), with an engine of the run's kind
-    (``evaluation.evaluator.eval_engine``: the loop, a vLLM of its own on ``engine_device``, or the
-    run's server at ``generation.url``, shared under its weights lease), never the learner's.
-    ``versions``: ``(version, load its state dict)`` pairs to evaluate (``rlhf-pipeline eval RUN``);
-    None: follow the run as it trains, the versions ``eval.every_steps`` names, until the learner is
-    done or a stop request (``run``'s third kind of child)."""
-    from rlhf_pipeline.evaluation.evaluator import Evaluation, eval_engine, eval_metrics_path, open_set_store
-    from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version, follow_run
-    from rlhf_pipeline.learn.checkpoint import run_checkpoints
-    from rlhf_pipeline.learn.keep_best import recorded_keep_best
-    from rlhf_pipeline.learn.metrics import MetricsWriter
-
-    stop = StopFlag("evaluator")
-    settings = pipeline.settings.eval
-    sets = eval_sets_of(pipeline)
-    publish_every = pipeline.learner.publish_every
-    log_at, store = paths.state_object(eval_metrics_path(paths.root))  # a run at a URL: its object store
-    metrics = MetricsWriter(log_at, tensorboard_dir=paths.tensorboard / "eval", store=store,
-                            tensorboard_key=paths.key(paths.tensorboard / "eval"))
-
-    def log(step: int, summary: dict[str, float]) -> None:
-        metrics.log(step, summary)
-        shown = ", ".join(f"{key.split('/', 1)[1]} {value:.3f}" for key, value in summary.items()
-                          if "pass@" in key or key.endswith("mean_score"))
-        print(f"[eval] step {step} (policy version {int(summary['eval/policy_version'])}): {shown}", flush=True)
-
-    evaluation = Evaluation(pipeline.tokenizer, settings, pipeline.settings.seed, log=log,
-                            step_of=lambda version: version * publish_every)
-    # at a URL, an evaluator killed elsewhere holds its stores' writer locks until their lease runs out
-    lock = ({"lock_wait_s": pipeline.settings.buffer_lock_wait_s, "lock_lease_s": pipeline.settings.buffer_lock_lease_s}
-            if paths.url else {})
-    engines = VersionEngine(lambda state, version: eval_engine(
-        pipeline.settings.generation, pipeline.make_model, pipeline.tokenizer, state, version,
-        device=engine_device, seed=pipeline.settings.seed, greedy=settings.temperature == 0))
-    try:
-        if versions is None:
-            follow_run(evaluation, sets, paths, engines, eval_pins(pipeline, paths), should_stop=stop.event.is_set,
-                       store_options=lock)
-        else:
-            stores = {s.name: open_set_store(paths.location, s, evaluation.settings, **lock) for s in sets}
-            try:
-                for version, load in versions:
-                    if stop.event.is_set():
-                        break
-                    evaluate_version(evaluation, sets, stores, version, engines, load)
-            finally:
-                for store in stores.values():
-                    store.close()
-        recorded = recorded_keep_best(paths.store)  # the run's, whatever eval.* this call was given
-        if recorded is not None:  # scores came in since the learner last pruned
-            learner = pipeline.learner
-            run_checkpoints(paths, keep_last=learner.keep_checkpoints, keep_every=learner.checkpoint_keep_every,
-                            keep_best=recorded).prune()
-    finally:
-        engines.close()
-        metrics.close()
-        stop.restore()
-    return stop.exit_code()
-
-
-def eval_pins(pipeline: Pipeline, paths: RunPaths) -> Any:
-    """The run's claim for its evaluator on published weights (``coordination/eval_pins.py``)."""
-    from rlhf_pipeline.coordination.eval_pins import EvalPins
-
-    settings = pipeline.settings.eval
-    return EvalPins(paths.store, every_steps=settings.every_steps, publish_every=pipeline.learner.publish_every,
-                    before_training=settings.before_training)
-
-
-def keep_best(pipeline: Pipeline, paths: RunPaths) -> Any:
-    """``learner.keep_best``'s rule for the run's checkpoints (``learn/checkpoint.py``), or None when off."""
-    from rlhf_pipeline.learn.keep_best import KeepBest
-
-    metric = pipeline.learner.keep_best
-    return None if metric is None else KeepBest(metric, paths.store, eval_pins(pipeline, paths))
-
-
-def check_keep_best(pipeline: Pipeline) -> None:
-    """``learner.keep_best`` names a summary of the run's evaluation beside training, or PipelineError."""
-    from rlhf_pipeline.evaluation.best import check_keep_best as check
-
-    settings, metric = pipeline.settings.eval, pipeline.learner.keep_best
-    if metric is None:
-        return
-    try:
-        check(metric, eval_sets_of(pipeline) if settings.enabled else [], settings)
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
-
-
-def eval_sets_of(pipeline: Pipeline) -> list[Any]:
-    """The pipeline's held-out sets, checked; PipelineError when it declares none."""
-    from rlhf_pipeline.evaluation.sets import check_sets
-
-    sets = pipeline.eval_sets() if pipeline.eval_sets is not None else []
-    if not sets:
-        raise PipelineError("the pipeline declares no held-out sets to evaluate: give its Pipeline eval_sets= "
-                            "(a function returning rlhf_pipeline.evaluation.sets.EvalSet objects; "
-                            "docs/evaluation.md), or leave eval.every_steps at 0")
-    try:
-        return check_sets(sets)
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None

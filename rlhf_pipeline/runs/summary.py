@@ -19,11 +19,7 @@ def checkpoint_step(paths: RunPaths) -> int | None:
 def print_summary(paths: RunPaths) -> None:
     # metrics.jsonl read here, not with learn.metrics.read_metrics: that module imports torch,
     # which would cost the launcher seconds after the learner is done
-    if paths.url is not None:
-        lines = read_log_lines(paths.store, paths.key(paths.metrics))
-    else:
-        lines = paths.metrics.read_text(encoding="utf-8").splitlines() if paths.metrics.exists() else []
-    records = [json.loads(line) for line in lines if line.strip()]
+    records = [json.loads(line) for line in read_log_lines(paths.store, paths.key(paths.metrics)) if line.strip()]
     if not records:
         return
     rewards = [r.get("charts/reward_mean") for r in records if "charts/reward_mean" in r]

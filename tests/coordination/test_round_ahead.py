@@ -1,4 +1,4 @@
-"""When the next round may go to the engine while this one's tail decodes (``runs/round_ahead.py``):
+"""When the next round may go to the engine while this one's tail decodes (``CollectorPacer.next_round_goes_ahead``):
 only when pacing gives it the weights the collector holds, from the learner's intake alone, however
 many of the round's remaining rows are written. Real pacing and weight files in a run directory."""
 
@@ -9,7 +9,6 @@ import dataclasses
 from rlhf_pipeline.coordination.pacing import CollectorPacer, LearnerIntake, PacingPublisher
 from rlhf_pipeline.coordination.weights import WeightsPoller, publish_weights
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
-from rlhf_pipeline.runs.round_ahead import next_round_goes_ahead
 
 ROUND = 8
 
@@ -18,9 +17,9 @@ def weights():
     return tiny_causal_lm(len(char_tokenizer()), hidden_size=16, num_layers=1, num_heads=2, seed=0).state_dict()
 
 
-def ask(pacer, poller, shard_rows, *, version=0, rows_to_come=4, pinned=True):
-    return next_round_goes_ahead(pacer, poller, shard_rows=shard_rows, rows_to_come=rows_to_come,
-                                 policy_version=version, pinned=pinned)
+def ask(pacer, poller, shard_rows, *, version=0, rows_to_come=4):
+    return pacer.next_round_goes_ahead(poller.store, shard_rows=shard_rows, rows_to_come=rows_to_come,
+                                       policy_version=version)
 
 
 def test_unpaced_rounds_go_ahead_until_a_newer_version_is_published(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from dataio_setup import DEFAULT_PIPELINE, REPO
 
-from rlhf_pipeline.dataio.run_pipeline import find_run_root, settings_from_json
+from rlhf_pipeline.dataio.run_pipeline import find_run, settings_from_json
 from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_settings, settings_to_json
 
 
@@ -37,6 +37,6 @@ def test_settings_json_the_pipeline_no_longer_fits(capsys):
 
 def test_run_root_is_found_from_the_run_its_buffer_or_a_shard(tiny_run, tmp_path):
     for path in (tiny_run, tiny_run / "buffer", tiny_run / "buffer" / "shard-0000", tiny_run / "buffer" / "shard-9000"):
-        assert find_run_root(path) == tiny_run.resolve()
-    assert find_run_root(tiny_run / "weights") is None
-    assert find_run_root(tmp_path / "store") is None
+        assert find_run(path).root == tiny_run.resolve()
+    assert find_run(tiny_run / "weights") is None
+    assert find_run(tmp_path / "store") is None

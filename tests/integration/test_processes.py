@@ -368,6 +368,7 @@ def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(run_h
     assert main(["export-model", f"{home}/exp1", str(tmp_path / "model")]) == 0
     assert "policy version 4" in capsys.readouterr().out
     assert (tmp_path / "model" / "config.json").is_file()
+    assert not (cache / "weights").exists() and not (cache / "checkpoints").exists()  # only the version exported is read
     assert main(["plot", f"{home}/exp1", "--out", str(tmp_path / "charts")]) == 0
     assert (tmp_path / "charts" / "overview.png").is_file()
     capsys.readouterr()

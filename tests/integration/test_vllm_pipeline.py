@@ -34,7 +34,7 @@ def _command(home: Path) -> list[str]:
 
 def test_rounds_go_ahead_only_with_the_weights_the_round_before_them_used(tmp_path):
     """The next round goes to the engine while this round's tail decodes when pacing gives it the same
-    weights (``runs/round_ahead.py``). With rounds of 8 rows and 16 taken per step, two rounds share a
+    weights (``coordination/pacing.py``). With rounds of 8 rows and 16 taken per step, two rounds share a
     version: the second goes ahead, the one after a version is due waits and loads it."""
     try:
         find_vllm_python(None)
