@@ -56,10 +56,12 @@ def test_an_outage_past_the_budget_gives_up_naming_the_time_not_a_count(cloud):
     policy = RetryPolicy(attempts=3, first_delay_s=0.01, max_delay_s=0.05, budget_s=1.0)
     store = ObjectRunStore(url, storage_options=through, retry=policy)
     proxy.refuse_for(30.0)
-    with pytest.raises(RunStoreError, match=r"pacing.json: PUT \(create\) gave up after \d+ tries in 1\.\d s "
+    with pytest.raises(RunStoreError, match=r"pacing.json: PUT \(create\) gave up after \d+ tries in \d+\.\d s "
                                             r"\(retry budget: .*1 s in all\); last error") as caught:
         store.create("pacing.json", b"never written")
     assert int(re.search(r"after (\d+) tries", str(caught.value)).group(1)) > policy.attempts
+    # at least the budget's time (a loaded machine's last try may end well past it)
+    assert float(re.search(r"tries in (\d+\.\d) s", str(caught.value)).group(1)) >= policy.budget_s
 
 
 def test_a_buffer_append_and_a_refresh_ride_out_an_outage(s3_server):
