@@ -24,3 +24,21 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
     assert err.startswith(f"rlhf-pipeline {argv[0]}: error: ") and err.count("\n") == 1, err
     assert "s3fs" in err and "pip install -e '.[s3]'" in err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["filter", "buffer", "kept"], "give SRC, DST (or --dry-run) and --where"),
+    (["import", "rows.jsonl", "buffer", "--rows-per-chunk", "0"], "--rows-per-chunk must be >= 1"),
+    (["export-model", "run"], "OUT is required"),
+    (["replay", "pipelines/default.py"], "--buffer PATH is required"),
+    (["show", "no-such-buffer"], "no-such-buffer does not exist"),
+], ids=["filter", "import", "export-model", "replay", "show"])
+def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, words, monkeypatch, capsys, tmp_path):
+    # each command refuses through one exception main words (cli.CommandRefused); filter once printed its own
+    # line without "error:"
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlhf-pipeline {argv[0]}: error: ") and err.count("\n") == 1, err
+    assert words in err
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -10,8 +10,9 @@ be branched from and its branches. Arguments are parsed before torch is imported
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+
+from rlhf_pipeline.cli import CommandRefused
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -52,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
         new = args.new_run if "/" in args.new_run else f"{resolved_location(parent).rstrip('/').rpartition('/')[0]}/{args.new_run}"
         lineage = branch_run(parent, args.from_step, new, args.overrides)
     except (BranchError, RunLocationError, RunStoreError) as exc:
-        print(f"rlhf-pipeline branch: error: {exc}", file=sys.stderr)
-        return 2
+        raise CommandRefused(str(exc)) from None
     main_message(resolved_location(new).rstrip("/"), lineage)
     return 0

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlhf_pipeline.cli import CommandRefused
+
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("branch", metavar="BRANCH", help="the branch: a run directory (or an s3:// or az:// URL) "
@@ -25,8 +27,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         detached = detach(args.branch)
     except (BranchError, RunStoreError, StoreError) as exc:
-        print(f"rlhf-pipeline detach: error: {exc}", file=sys.stderr)
-        return 2
+        raise CommandRefused(str(exc)) from None
     copied = (f"{detached['rows_copied']} parent rows copied into {detached['rows_in']}" if detached["rows_copied"]
               else "it read no parent rows (a branch of a replay holds its own checkpoint and weights)")
     print(f"[detach] {args.branch} is self-contained: {copied}; its lineage stays in branch.json "

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlhf_pipeline.cli import CommandRefused
+
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("run_dir", metavar="RUN", help="the run directory (holds settings.json, weights/, checkpoints/), "
@@ -31,12 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    def fail(message: str) -> int:
-        print(f"rlhf-pipeline eval: error: {message}", file=sys.stderr)
-        return 2
-
     if args.wait_for_launcher:
         from rlhf_pipeline.runs.launch import wait_for_launcher
 
@@ -44,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
             return 0  # run's checks failed or it was interrupted; it says why
     for item in args.overrides:
         if not item.strip().startswith("eval."):
-            return fail(f"--set {item}: eval takes evaluation settings only (eval.every_steps, eval.before_training, "
-                        f"eval.samples, eval.temperature, eval.max_prompts); the run's other settings are its own")
+            raise CommandRefused(f"--set {item}: eval takes evaluation settings only (eval.every_steps, "
+                                 f"eval.before_training, eval.samples, eval.temperature, eval.max_prompts); the "
+                                 f"run's other settings are its own")
     from rlhf_pipeline.dataio.model_export import RunNotFoundError, VersionNotFoundError
     from rlhf_pipeline.evaluation.evaluator import EvalEngineUnavailable
     from rlhf_pipeline.files.run_paths import RunLocationError
@@ -57,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
         return _evaluate(args)
     except (PipelineError, VersionNotFoundError, RunNotFoundError, RunLocationError, StateFileError,
             EvalEngineUnavailable) as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     except StoreLockedError as exc:
-        return fail(f"another evaluator ({exc.holder or 'another process'}) is writing this run's eval store; "
-                    f"wait for it to finish, then run this again")
+        raise CommandRefused(f"another evaluator ({exc.holder or 'another process'}) is writing this run's eval store; "
+                             f"wait for it to finish, then run this again")
 
 
 def _evaluate(args: argparse.Namespace) -> int:

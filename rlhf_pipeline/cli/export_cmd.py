@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlhf_pipeline.cli import CommandRefused
+
 
 # the optional packages each export format writes with (dataio/export.py), and its name in an error
 EXTRAS_OF_FORMAT = {"parquet": ("pyarrow",), "hf": ("pyarrow", "datasets")}
@@ -28,27 +30,22 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import os
-    import sys
 
     from rlhf_pipeline.cli.checks import buffer_path_problem
     from rlhf_pipeline.dataio.export import export_format
     from rlhf_pipeline.dataio.extras import missing_extra
 
-    def fail(message: str, code: int = 2) -> int:
-        print(f"rlhf-pipeline export: error: {message}", file=sys.stderr)
-        return code
-
     try:
         fmt = export_format(args.out, args.format)
     except ValueError as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     problem = buffer_path_problem(args.buffer)
     if problem is None and os.path.exists(args.out):
         problem = f"{args.out} already exists; choose another path or remove it"
     if problem is None:  # before the buffer is read (and torch imported), not after
         problem = missing_extra(EXTRAS_OF_FORMAT.get(fmt, ()), f"exporting to {FORMAT_NAMES.get(fmt, fmt)}")
     if problem is not None:
-        return fail(problem)
+        raise CommandRefused(problem)
 
     from rlhf_pipeline.dataio.export import ExportSpaceError, export_buffer
     from rlhf_pipeline.dataio.extras import MissingExtraError
@@ -66,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
         result = export_buffer(args.buffer, args.out, fmt, progress=report)
     except (StoreError, FileExistsError, MissingExtraError, IndexError) as exc:
         progress.close(failed=True)
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     except ExportSpaceError as exc:
         progress.close(failed=True)
-        return fail(exc.strerror, code=1)
+        raise CommandRefused(exc.strerror, code=1) from None
     progress.close()
     if result.trajectories is not None:
         skipped = (f" ({result.trajectories_skipped} not held whole were skipped)"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlhf_pipeline.cli import CommandRefused
+
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("run_dir", help="the run directory (holds settings.json, weights/, checkpoints/), or a run "
@@ -31,8 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     from rlhf_pipeline.dataio.model_export import (
         RunNotFoundError,
         VersionNotFoundError,
@@ -47,12 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.files.run_store import RunStoreError
     from rlhf_pipeline.files.state_files import StateFileError
 
-    def fail(message: str) -> int:
-        print(f"rlhf-pipeline export-model: error: {message}", file=sys.stderr)
-        return 2
-
     if args.out is None and not args.list_versions:
-        return fail("OUT is required (unless --list-versions): the directory to write the model to")
+        raise CommandRefused("OUT is required (unless --list-versions): the directory to write the model to")
     try:
         if args.list_versions:
             versions = available_versions(args.run_dir)
@@ -66,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             result = export_model(args.run_dir, args.out, version=version, pipeline_path=args.pipeline)
     except (VersionNotFoundError, RunNotFoundError, PipelineError, FileExistsError, StateFileError,
             RunLocationError, RunStoreError, NoBestCheckpoint) as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     chosen = f"; the best checkpoint, {best.describe()}" if best is not None else ""
     print(f"{result.out}: {result.model_class}, policy version {result.version} (from {result.source}{chosen})")
     return 0

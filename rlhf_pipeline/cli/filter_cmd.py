@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlhf_pipeline.cli import CommandRefused
+
 EXAMPLES = """examples:
   rlhf-pipeline filter storage/run/buffer storage/informative --where 'group_reward_std > 0'
   rlhf-pipeline filter storage/run/buffer storage/late.sel --selection \\
@@ -46,24 +48,21 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import time
 
-    def fail(message: str) -> int:
-        print(f"rlhf-pipeline filter: {message}", file=sys.stderr)
-        return 2
-
     if args.list_names:
         from rlhf_pipeline.storage.where import describe_names
 
         print(describe_names())
         return 0
     if args.src is None or args.where is None:
-        return fail("give SRC, DST (or --dry-run) and --where; --list-names shows the names a condition can use")
+        raise CommandRefused("give SRC, DST (or --dry-run) and --where; --list-names shows the names a condition "
+                             "can use")
     if args.dry_run == (args.dst is not None):
-        return fail("give DST, or --dry-run to only count" if args.dst is None
-                    else "--dry-run writes nothing: drop DST")
+        raise CommandRefused("give DST, or --dry-run to only count" if args.dst is None
+                             else "--dry-run writes nothing: drop DST")
     options = {}
     if args.codec is not None:
         if (args.to or "") != "zarr":
-            return fail("--codec applies to --to zarr only")
+            raise CommandRefused("--codec applies to --to zarr only")
         options["codec"] = args.codec
     if args.segment_rows is not None:
         options["segment_rows"] = args.segment_rows
@@ -73,11 +72,11 @@ def run(args: argparse.Namespace) -> int:
 
     problem = buffer_path_problem(args.src)
     if problem is not None:
-        return fail(problem)
+        raise CommandRefused(problem)
     try:
         parse_where(args.where)
     except WhereError as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
 
     from tqdm import tqdm
 
@@ -107,10 +106,10 @@ def run(args: argparse.Namespace) -> int:
         result = filter_buffer(args.src, args.dst, args.where, whole_groups=args.groups, selection=args.selection,
                                to=args.to, progress=progress, **options)
     except LocalOnlyStoreError:  # its own words are for Python callers
-        return fail(f"{args.dst} is a URL, where a buffer is a Zarr store, and the source is a memmap store: add "
-                    f"--to zarr")
+        raise CommandRefused(f"{args.dst} is a URL, where a buffer is a Zarr store, and the source is a memmap "
+                             f"store: add --to zarr") from None
     except (WhereError, StoreError, FileExistsError, ValueError) as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     finally:
         for bar in bars.values():
             bar.close()

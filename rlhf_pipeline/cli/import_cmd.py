@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlhf_pipeline.cli import CommandRefused
+
 _COLUMN_OPTIONS = (
     ("--prompt", "prompt", "prompt text column (default: prompt_text or prompt)"),
     ("--messages", "messages", "chat messages column, rendered with the chat template (default: messages)"),
@@ -64,15 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
     from rlhf_pipeline.dataio.sources import SourceError, open_source
 
-    def fail(message: str) -> int:
-        print(f"rlhf-pipeline import: error: {message}", file=sys.stderr)
-        return 2
-
     # arguments first: the imports below (torch, transformers) take seconds
     if args.rows_per_chunk < 1:
-        return fail("--rows-per-chunk must be >= 1")
+        raise CommandRefused("--rows-per-chunk must be >= 1")
     if args.pipeline is not None and not Path(args.pipeline).is_file():
-        return fail(f"pipeline file {args.pipeline!r} does not exist")
+        raise CommandRefused(f"pipeline file {args.pipeline!r} does not exist")
     if args.device is not None:
         from rlhf_pipeline.pipeline import PipelineError
         from rlhf_pipeline.runs.devices import check_cuda_device
@@ -80,18 +78,18 @@ def run(args: argparse.Namespace) -> int:
         try:
             check_cuda_device(args.device, what="--device")
         except PipelineError as exc:
-            return fail(str(exc))
+            raise CommandRefused(str(exc)) from None
     try:
         open_source(args.source, args.format, args.split)
     except SourceError as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     from rlhf_pipeline.runs.stopping import StopFlag
 
     # the first Ctrl-C (or SIGTERM) asks the import to stop after the append it is writing; a
     # second one interrupts at once, which a resume survives as well (appends are atomic)
     stop = StopFlag("import")
     try:
-        return _import(args, fail, stop.event)
+        return _import(args, stop.event)
     except KeyboardInterrupt:  # also how _import_into reports ImportStopped
         pass
     finally:
@@ -101,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     return 128 + (stop.signal or 2)
 
 
-def _import(args: argparse.Namespace, fail, stop) -> int:
+def _import(args: argparse.Namespace, stop) -> int:
     from contextlib import nullcontext
 
     from rlhf_pipeline.dataio.columns import ColumnMap
@@ -122,19 +120,19 @@ def _import(args: argparse.Namespace, fail, stop) -> int:
             check_run_url(args.buffer, "BUFFER")
         run = find_run(args.buffer)
     except RunLocationError as exc:
-        return fail(f"{exc}. An import writes a buffer at an s3:// or az:// URL only: for another place, import "
-                    f"into a local path and copy it with `rlhf-pipeline convert`")
+        raise CommandRefused(f"{exc}. An import writes a buffer at an s3:// or az:// URL only: for another place, "
+                             f"import into a local path and copy it with `rlhf-pipeline convert`") from None
     except RunStoreError as exc:  # the object store refused to say whether a run is there
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     try:
         # importing into a run's buffer takes the run directory, as `run` and `replay` do
         with hold_run_directory(run, "import") if run is not None else nullcontext():
-            return _import_into(args, run, options, fail)
+            return _import_into(args, run, options)
     except (RunError, RunStoreError) as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
 
 
-def _import_into(args: argparse.Namespace, run, options, fail) -> int:
+def _import_into(args: argparse.Namespace, run, options) -> int:
     import sys
 
     from rlhf_pipeline.dataio.extras import MissingExtraError
@@ -149,12 +147,12 @@ def _import_into(args: argparse.Namespace, run, options, fail) -> int:
     try:
         if run is not None:
             if args.overrides:
-                return fail(f"{args.buffer} belongs to run {run.location}, whose settings.json sets the pipeline's "
-                            f"settings; drop --set")
+                raise CommandRefused(f"{args.buffer} belongs to run {run.location}, whose settings.json sets the "
+                                     f"pipeline's settings; drop --set")
             pipeline = load_run_pipeline(run, args.pipeline, device=args.device)
         else:
             if args.pipeline is None:
-                return fail("pass --pipeline PIPELINE.py: its tokenizer, model and write path shape the rows")
+                raise CommandRefused("pass --pipeline PIPELINE.py: its tokenizer, model and write path shape the rows")
             module = load_pipeline_module(args.pipeline)
             overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
             settings = make_settings(module, overrides)
@@ -165,7 +163,7 @@ def _import_into(args: argparse.Namespace, run, options, fail) -> int:
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         result = import_source(args.source, args.buffer, pipeline, options=options, run_root=run, log=log)
     except (SourceError, PipelineError, StoreError, MissingExtraError, RunStoreError, StaleWriterError) as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     except ImportStopped:
         raise KeyboardInterrupt from None
     if not result.already_done:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlhf_pipeline.cli import CommandRefused
+
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN "
@@ -52,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
                     return 0
                 path = f"{lineage['run']}/buffer"
         except (ValueError, OSError) as exc:
-            print(f"rlhf-pipeline inspect: error: {exc}", file=sys.stderr)
-            return 2
+            raise CommandRefused(str(exc)) from None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -64,8 +65,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 stats = buffer_stats(path)
         except StoreError as exc:
-            print(f"rlhf-pipeline inspect: error: {exc}", file=sys.stderr)
-            return 2
+            raise CommandRefused(str(exc)) from None
     for warning in caught:
         print(f"rlhf-pipeline inspect: warning: {warning.message}", file=sys.stderr)
     if args.verify:

@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 
+from rlhf_pipeline.cli import CommandRefused
 from rlhf_pipeline.cli.bench_cmd import BENCHMARKS  # names only: the benchmarks load when one is run
 from rlhf_pipeline.files.run_store import RunStoreError  # no torch: the run store's base and errors
 from rlhf_pipeline.learn.errors import CheckpointRefused, NonFiniteStep  # no torch: errors only
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling
         print(f"rlhf-pipeline {args.command}: interrupted", file=sys.stderr)
         return 130
+    except CommandRefused as exc:
+        print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
     except (StoreError, RunStoreError) as exc:
         # what a command did not word itself (a writer lock held by another process, a store refused at
         # a URL, s3fs missing for one): one line naming what and where, as every other refusal; a closed

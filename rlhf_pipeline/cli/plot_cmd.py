@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlhf_pipeline.cli import CommandRefused
+
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
@@ -29,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         written = plot_runs([local_copy(run) for run in args.runs], args.out)
     except (MissingExtraError, FileNotFoundError, NotMetricsError, RunLocationError, RunStoreError) as exc:
-        print(f"rlhf-pipeline plot: error: {exc}", file=sys.stderr)
-        return 2
+        raise CommandRefused(str(exc)) from None
     if not written:
         print("rlhf-pipeline plot: the runs logged none of the charted metrics yet", file=sys.stderr)
         return 1

@@ -10,7 +10,8 @@ again resumes. Arguments are parsed before torch is imported.
 from __future__ import annotations
 
 import argparse
-import sys
+
+from rlhf_pipeline.cli import CommandRefused
 
 ORDERS = ("shuffle", "sequential", "with-replacement")
 
@@ -71,9 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.runs.run_directory import RunDirectoryBusyError
 
     if args.buffer is None and not args.list_settings:
-        print("rlhf-pipeline replay: error: --buffer PATH is required (the recorded buffer to train on)",
-              file=sys.stderr)
-        return 2
+        raise CommandRefused("--buffer PATH is required (the recorded buffer to train on)")
     options = ReplayOptions(
         buffer=args.buffer or "", init_from=args.init_from, epochs=args.epochs, steps=args.steps, order=args.order,
         seed=args.seed, shuffle_window_rows=args.shuffle_window_rows, ref_model=args.ref_model,
@@ -88,5 +87,4 @@ def run(args: argparse.Namespace) -> int:
     # start elsewhere that took the run over is one line, as for `run`
     except (PipelineError, ReplayError, RunDirectoryBusyError, RunLocationError, RunStoreError,
             StaleWriterError) as exc:
-        print(f"rlhf-pipeline replay: error: {exc}", file=sys.stderr)
-        return 2
+        raise CommandRefused(str(exc)) from None

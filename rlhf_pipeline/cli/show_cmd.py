@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlhf_pipeline.cli import CommandRefused
+
 EXAMPLES = """examples:
   rlhf-pipeline show storage/tool_use                          # the newest trajectory of a run
   rlhf-pipeline show storage/tool_use --trajectory 17 --log-probs
@@ -43,8 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     if "://" not in args.buffer and not Path(args.buffer).exists():  # before the imports below (torch)
-        print(f"rlhf-pipeline show: error: {args.buffer} does not exist", file=sys.stderr)
-        return 2
+        raise CommandRefused(f"{args.buffer} does not exist")
     from rlhf_pipeline.dataio.run_pipeline import find_run
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.dataio.trajectory_view import (
@@ -56,19 +57,15 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.storage import StoreError, open_buffer
 
-    def fail(message: str) -> int:
-        print(f"rlhf-pipeline show: error: {message}", file=sys.stderr)
-        return 2
-
     if args.pipeline is not None and not Path(args.pipeline).is_file():
-        return fail(f"pipeline file {args.pipeline!r} does not exist")
+        raise CommandRefused(f"pipeline file {args.pipeline!r} does not exist")
     if args.overrides and args.pipeline is None:
-        return fail("--set overrides a setting of --pipeline's pipeline: pass --pipeline PIPELINE.py too "
-                    "(a run's buffer is decoded with the run's own settings)")
+        raise CommandRefused("--set overrides a setting of --pipeline's pipeline: pass --pipeline PIPELINE.py too "
+                             "(a run's buffer is decoded with the run's own settings)")
     try:
         run = find_run(args.buffer)  # a run directory or a run at a URL, or None
     except RunLocationError as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     location = args.buffer
     if run is not None and str(args.buffer).rstrip("/") == run.location.rstrip("/"):
         location = run.buffer_location
@@ -79,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         with open_buffer(location, mode="r") as store:
             view = find_trajectory(store, args.trajectory, row=args.row)
     except (StoreError, PipelineError, TrajectoryNotFound) as exc:
-        return fail(str(exc))
+        raise CommandRefused(str(exc)) from None
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     print(format_trajectory(view, tokenizer, color=color, log_probs=args.log_probs))
     if tokenizer is None:
