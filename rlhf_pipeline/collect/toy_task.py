@@ -122,4 +122,3 @@ def warm_start(
             print(f"warm_start step {step} loss {loss_value:.4f}")
     model.eval()
     return {"loss": loss_value, "seconds": time.perf_counter() - t0, "steps": float(steps)}
-

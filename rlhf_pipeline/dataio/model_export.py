@@ -93,7 +93,7 @@ def run_at(run_root: str | Path) -> RunPaths:
         where = f"{paths.root} is not a run directory (it has no settings.json, weights/ or checkpoints/); give " \
                 f"the directory a run wrote, e.g. storage/<run-name>"
     store = paths.store
-    if store.read(paths.key(paths.settings_file)) is None and not store.list("checkpoints") \
+    if not store.exists(paths.key(paths.settings_file)) and not store.list("checkpoints") \
             and not store.list("weights"):
         raise RunNotFoundError(where)
     return paths

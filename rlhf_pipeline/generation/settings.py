@@ -268,4 +268,3 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
     from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_model(model, **options)
-
