@@ -74,7 +74,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     # published weights, and checkpoints that hold a version (as export-model finds them), through the
     # run's store at a URL; refuses what is not a run, in one line
     available = {v: (lambda source=source: version_state(source))
-                 for v, source in available_versions(paths.location).items()}
+                 for v, source in available_versions(paths).items()}
     pipeline = load_run_pipeline(paths, device="cpu")  # our loop evaluates on the CPU, beside the learner
     pipeline = dataclasses.replace(pipeline, settings=apply_overrides(pipeline.settings, args.overrides))
     engine_device = _run_device(paths)  # a vLLM of the evaluator's own runs where the run's does

@@ -55,13 +55,14 @@ class ExportedModel:
     model_class: str
 
 
-def available_versions(run_root: str | Path) -> dict[int, VersionSource]:
+def available_versions(run_root: str | Path | RunPaths) -> dict[int, VersionSource]:
     """Policy versions whose weights are kept: published weights, and checkpoints that hold one (the
-    published file where both do). ``run_root``: a run directory, or a run's URL, read through its store."""
+    published file where both do). ``run_root``: a run directory or a run's URL, read through its store,
+    or the :func:`run_at` of one."""
     from rlhf_pipeline.coordination.weights import WEIGHTS, published_objects
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
-    paths = run_at(run_root)
+    paths = run_root if isinstance(run_root, RunPaths) else run_at(run_root)
     found: dict[int, VersionSource] = {}
     publish_every = _publish_every(paths)
     checkpoints = run_checkpoints(paths)
