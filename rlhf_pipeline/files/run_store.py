@@ -249,8 +249,10 @@ class LocalRunStore(RunStore):
             os.link(origin, target)
         except FileNotFoundError:
             raise
-        except OSError:  # another file system, or one without hard links
-            shutil.copyfile(origin, target)
+        except OSError:  # another file system, or one without hard links: copied whole, then renamed in,
+            partial = target.with_name(target.name + ".partial")  # so a kill mid-copy leaves no torn object
+            shutil.copyfile(origin, partial)
+            os.replace(partial, target)
 
 
 def _file_etag(stat: os.stat_result) -> str:

@@ -119,6 +119,33 @@ class TestLocalRunStore(RunStoreContract):
         assert linked.st_ino == parent.path("weights/policy_00000006.safetensors").stat().st_ino
         assert linked.st_nlink == 2
 
+    def test_a_copy_without_hard_links_that_is_cut_short_leaves_nothing_at_the_key(self, tmp_path, monkeypatch):
+        # the copy fallback (another file system): a copy killed midway must not leave half a file under
+        # the key, which a reader (a branch's kept weights) would take as whole
+        import os
+        import shutil
+
+        parent, branch = LocalRunStore(tmp_path / "parent"), LocalRunStore(tmp_path / "branch")
+        parent.create("weights/policy_00000006.safetensors", b"the whole weights file")
+
+        def no_links(*_):
+            raise OSError(18, "Invalid cross-device link")
+
+        def cut_short(origin, target):
+            with open(origin, "rb") as src, open(target, "wb") as dst:
+                dst.write(src.read(5))
+            raise KeyboardInterrupt  # killed mid-copy
+
+        monkeypatch.setattr(os, "link", no_links)
+        monkeypatch.setattr(shutil, "copyfile", cut_short)
+        with pytest.raises(KeyboardInterrupt):
+            branch.copy("weights/policy_00000006.safetensors", "weights/policy_00000006.safetensors", source=parent)
+        assert not branch.exists("weights/policy_00000006.safetensors")
+        monkeypatch.undo()
+        monkeypatch.setattr(os, "link", no_links)
+        branch.copy("weights/policy_00000006.safetensors", "weights/policy_00000006.safetensors", source=parent)
+        assert branch.read("weights/policy_00000006.safetensors") == b"the whole weights file"
+
     def test_files_are_where_a_run_directory_had_them_and_no_partial_is_left(self, tmp_path):
         store = LocalRunStore(tmp_path / "run")
         store.write("collector/shard-0000.pt", b"state")
