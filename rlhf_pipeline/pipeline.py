@@ -144,7 +144,8 @@ class Pipeline:
         """Collector ``collector_index`` writing to ``store`` through the write path, sampling with the
         engine ``settings.generation`` names, started from ``model``'s weights. An engine that cannot
         serve this run is one PipelineError, before any row."""
-        from rlhf_pipeline.generation.settings import make_collector_engine
+        from rlhf_pipeline.generation.engine import EngineFailed
+        from rlhf_pipeline.generation.settings import make_engine
         from rlhf_pipeline.storage import make_replay_buffer
 
         settings = self.settings
@@ -161,9 +162,10 @@ class Pipeline:
 
             adapters = AdapterServing.of(self.learner.lora, self.learner.max_staleness)
         try:  # the loop samples with this model; a vLLM engine or a server at generation.url starts from its weights
-            engine = make_collector_engine(settings.generation, model, self.tokenizer, device=settings.device,
-                                           seed=settings.seed, collector_index=collector_index, adapters=adapters)
-        except ValueError as exc:  # one that cannot serve this run: one line, no rows
+            engine = make_engine(settings.generation, model, pad_token_id=self.tokenizer.pad_token_id,
+                                 stop_token_ids=[self.tokenizer.eos_token_id], device=settings.device,
+                                 seed=settings.seed, tokenizer=self.tokenizer, adapters=adapters)
+        except (ValueError, EngineFailed) as exc:  # one that cannot serve this run: one line, no rows
             raise PipelineError(str(exc)) from None
         return self.collector(engine=engine, sink=buffer.extend, store=store, collector_index=collector_index)
 

@@ -16,7 +16,7 @@ _DEFINED_IN = {
         "SampleRequest", "UnsupportedCapability", "UnsupportedSetting", "checked_completions", "draw_seed")},
     "SamplingConfig": "sampling", "process_logits": "sampling",
     **{name: "loop" for name in ("Generation", "LoopEngine", "generate", "left_pad", "teacher_forced_log_probs")},
-    "GenerationSettings": "settings", "make_collector_engine": "settings", "make_engine": "settings",
+    "GenerationSettings": "settings", "make_engine": "settings",
     "VLLMEngine": "vllm_engine",
     "VLLMURLEngine": "vllm_url",
 }

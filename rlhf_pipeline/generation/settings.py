@@ -206,25 +206,6 @@ def find_vllm_python(explicit: str | None = None) -> str:
                      f"--set generation.python=/path/to/bin/python")
 
 
-def make_collector_engine(settings: GenerationSettings, model: Any, tokenizer: Any, *, device: str, seed: int,
-                          collector_index: int, adapters: Any = None) -> GenerationEngine:
-    """:func:`make_engine` as a pipeline's collector ``collector_index`` asks for it (the tokenizer's
-    pad and EOS). Whatever keeps the engine from serving this run is one ValueError naming it, before
-    any row: a server that cannot serve this run or does not answer, a missing vLLM environment.
-    Several collectors may share one server at ``generation.url``: each round holds a lease on the
-    weights it samples with (``generation/vllm_lease.py``). ``adapters``: a LoRA run's
-    (``vllm_adapters.AdapterServing``), which a vLLM engine loads by name. Pipelines turn it into their
-    one-line ``PipelineError``."""
-    from rlhf_pipeline.generation.engine import BadAnswer
-    from rlhf_pipeline.generation.vllm_http import ServerUnreachable
-
-    try:
-        return make_engine(settings, model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[tokenizer.eos_token_id],
-                           device=device, seed=seed, tokenizer=tokenizer, adapters=adapters)
-    except (ServerUnreachable, BadAnswer) as exc:  # the check's own request went unanswered, or answered badly
-        raise ValueError(str(exc)) from None
-
-
 def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, stop_token_ids: Sequence[int],
                 device: str = "cpu", policy_version: int = 0, seed: int = 0, tokenizer: Any = None,
                 adapters: Any = None) -> GenerationEngine:
@@ -233,8 +214,11 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
     The loop engine samples with ``model`` itself; the vLLM engine saves it and starts its process
     (tens of seconds); a server at ``generation.url`` is checked against ``model`` and ``tokenizer``
     (the pipeline's, for the server's /tokenize) and given its weights: the caller owns the engine and
-    closes it (a collector's ``close``). ``adapters``: a LoRA run's (``vllm_adapters.AdapterServing``):
-    a vLLM engine loads each adapter version by name; the loop merges them itself."""
+    closes it (a collector's ``close``). Several collectors may share one server at ``generation.url``:
+    each round holds a lease on the weights it samples with (``generation/vllm_lease.py``).
+    ``adapters``: a LoRA run's (``vllm_adapters.AdapterServing``): a vLLM engine loads each adapter
+    version by name; the loop merges them itself. Whatever keeps the engine from serving this run is a
+    ValueError or an ``EngineFailed`` naming it, before any row: callers say it in one line."""
     if settings.url is not None:
         from rlhf_pipeline.generation.vllm_url import API_KEY_ENV, VLLMURLEngine
 

@@ -58,7 +58,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM's ``--max-lora-rank`` takes (vllm 0.32, ``config/lora.py``); an adapter of a lower
 rank is served under the next one up."""
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-LORA_SERVER_FLAGS = "--enable-lora --max-loras N --max-lora-rank R"
 PROBE_NAME = "zero-adapter-check"
 CANARY_SAMPLING = SamplingConfig(max_new_tokens=CANARY_NEW_TOKENS, temperature=1.0)
 """A canary's request is a row's at temperature 1: its log-probs are the model's own."""
