@@ -77,27 +77,18 @@ class PositionHistory:
         return self._store.exists(self._key(next_row))
 
     def state_at(self, next_row: int) -> dict[str, Any] | None:
-        """``{"committed": collector state, "loop": its runner's state, "pending": the write path's rows
-        of groups not whole yet (``torch.save`` bytes of ``{"rows": ...}``, None: none)}`` at
-        ``next_row``, or None when none is kept."""
+        """``{"committed": collector state, "loop": its runner's state, "pending_rows": rows of groups
+        not whole yet in its write path}`` at ``next_row``, or None when none is kept."""
         data = self._store.read(self._key(next_row))
         return None if data is None else self._decode(data, self._key(next_row))
 
     def _decode(self, data: bytes, key: str) -> dict[str, Any]:
-        import io
-
-        import torch
-
         published = writer_states.decode(data, self._store.describe(key))
         committed = dict(published["writer"] or {})
         loop = dict(committed.pop("runner", None) or {})
-        rows = [p["rows"] for p in published["write_path"] if isinstance(p, dict) and p.get("rows") is not None]
-        pending = None
-        if rows:
-            buffer = io.BytesIO()
-            torch.save({"rows": rows[0]}, buffer)
-            pending = buffer.getvalue()
-        return {"committed": committed, "loop": loop, "pending": pending}
+        pending = sum(int(p["rows"]["group_id"].numel()) for p in published["write_path"]
+                      if isinstance(p, dict) and p.get("rows") is not None)
+        return {"committed": committed, "loop": loop, "pending_rows": pending}
 
     def weights_key(self, version: int) -> str | None:
         """The key of the kept weights object of ``version`` in the history's store (a run at a URL), or None."""

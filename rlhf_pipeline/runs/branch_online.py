@@ -68,7 +68,7 @@ def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable
         if state is None:
             raise refuse(f"the parent keeps no state of its collector {index} at row {count} of {name} (a run made "
                          f"before collector position histories, or one pruned since)")
-        if pending_rows(state.get("pending")):
+        if state["pending_rows"]:
             raise refuse(f"its collector {index} had rows of groups not whole yet pending at row {count} of {name}, "
                          f"and restarting a collector with pending groups online is not there yet")
         states[index] = state
@@ -92,18 +92,6 @@ def _branch_loop(loop: dict[str, Any]) -> dict[str, Any]:
     from rlhf_pipeline.runs.retention import CLOCK_KEY
 
     return {key: value for key, value in loop.items() if key != CLOCK_KEY}
-
-
-def pending_rows(snapshot: bytes | None) -> int:
-    """Rows of groups not whole yet in a position history's pending snapshot (``PositionHistory.state_at``)."""
-    if not snapshot:
-        return 0
-    import io
-
-    import torch
-
-    rows = torch.load(io.BytesIO(snapshot), weights_only=True).get("rows")
-    return 0 if rows is None else int(rows["group_id"].numel())
 
 
 def _copy_parent_weights(parent: Any, branch: Any, history: Any, oldest: int, newest: int) -> None:

@@ -61,7 +61,7 @@ def test_each_round_is_kept_by_its_row_count_and_pruned_to_what_kept_checkpoints
     assert history.rows() == [8 * r for r in range(1, 7)]
     at_24 = history.state_at(24)
     assert at_24["committed"]["batches_emitted"] == 3 and at_24["loop"] == {"rounds_at_version": 2}
-    assert at_24["pending"] is None
+    assert at_24["pending_rows"] == 0
     assert torch.equal(at_24["committed"]["rng"], state(3)["rng"])
     # checkpoints kept at 16 and 32 rows: the rest before the newest goes, what follows it stays
     pruned = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"),
