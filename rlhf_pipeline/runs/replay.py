@@ -447,8 +447,11 @@ def load_policy(location: str, make_model, *, what: str):
     from rlhf_pipeline.models import ModelLoadError, load_model
     from rlhf_pipeline.coordination.weights import latest_version, load_weights
 
-    run = _run_at(location, what)
     path = Path(location).expanduser()
+    try:
+        run = RunPaths.at(location if is_url(location) else path).store
+    except RunLocationError as exc:  # an unsupported scheme
+        raise ReplayError(f"{what}: {exc}") from None
     model = make_model()
     if latest_version(run) is not None:
         state, version = load_weights(run)
@@ -468,17 +471,6 @@ def load_policy(location: str, make_model, *, what: str):
     _check_same_architecture(model.state_dict(), state, source, what)
     model.load_state_dict(state)
     return model
-
-
-def _run_at(location: str, what: str):
-    """Where ``--init-from`` / ``--ref-model`` keeps weights: a run's store at a URL (an
-    unsupported scheme refused), else the path."""
-    if not is_url(location):
-        return Path(location).expanduser()
-    try:
-        return RunPaths.at_url(location).store
-    except RunLocationError as exc:
-        raise ReplayError(f"{what}: {exc}") from None
 
 
 def _check_same_architecture(expected: dict, found: dict, source: str, what: str) -> None:
