@@ -66,7 +66,7 @@ class PositionHistory:
     def record(self, next_row: int, writer_state: bytes) -> None:
         """Keeps ``writer_state`` (the store's, published with its rows up to ``next_row``) as where the
         collector stood at ``next_row``; then prunes what no kept checkpoint needs."""
-        held = _held_version(self._decode(writer_state, self._key(next_row))["committed"])
+        held = held_version(self._decode(writer_state, self._key(next_row))["committed"])
         if held is not None and held not in self._copied:
             self._keep_weights(held)  # first: the entry is what needs it
         self._store.write(self._key(next_row), writer_state, fence=False)
@@ -123,7 +123,7 @@ class PositionHistory:
         """The policy version the state at ``next_row`` held (None: no such state, or it does not say)."""
         if next_row not in self._held:
             state = self.state_at(next_row)
-            self._held[next_row] = None if state is None else _held_version(state["committed"])
+            self._held[next_row] = None if state is None else held_version(state["committed"])
         return self._held[next_row]
 
     def prune(self) -> list[int]:
@@ -154,6 +154,7 @@ class PositionHistory:
                 self._copied.discard(version)
 
 
-def _held_version(state: dict[str, Any] | None) -> int | None:
+def held_version(state: dict[str, Any] | None) -> int | None:
+    """The policy version a collector state (or a checkpoint's record) says it held, else None."""
     version = (state or {}).get("policy_version")
     return int(version) if isinstance(version, int) and not isinstance(version, bool) else None

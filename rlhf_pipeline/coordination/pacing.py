@@ -32,6 +32,12 @@ def shard_key(store_path: str | Path, buffer: str | Path) -> str:
     return "." if str(store_path).rstrip("/") == str(buffer).rstrip("/") else shard_key_of(store_path)
 
 
+def buffer_rows_key(key: str) -> str:
+    """A shard's key in a checkpoint's ``buffer_rows`` (``learn/checkpoint.buffer_rows``) from its
+    :func:`shard_key`: the same name, but ``""`` for a single-store buffer."""
+    return "" if key == "." else key
+
+
 @dataclass
 class LearnerIntake:
     """What the learner has taken in, as published in ``pacing.json``."""

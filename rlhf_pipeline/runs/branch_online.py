@@ -123,22 +123,25 @@ class _RowsFrom:
         return self._offset + int(self._store.next_row)
 
 
-def collector_rows(paths: Any, store: Any, store_path: str) -> tuple[Any, int]:
-    """``store`` as the collector's position and pacing count its rows (from the parent's count in a
-    continued branch), and that offset."""
+def collector_rows(paths: Any, store: Any, shard_key: str) -> tuple[Any, int]:
+    """``store`` (the shard pacing calls ``shard_key``) as the collector's position and pacing count
+    its rows (from the parent's count in a continued branch), and that offset."""
+    from rlhf_pipeline.coordination.pacing import buffer_rows_key
+
     continues = continued_rows(paths.buffer_location)
-    offset = int((continues or {}).get("rows", {}).get(_shard_key(paths, store_path), 0))
+    offset = int((continues or {}).get("rows", {}).get(buffer_rows_key(shard_key), 0))
     return (_RowsFrom(store, offset) if offset else store), offset
 
 
-def keep_position_history(paths: Any, where: Any, run_store: Any, store_path: str) -> Any:
-    """The position history of the collector whose start file is ``where`` (beside it), kept on the
-    run's checkpoint schedule."""
+def keep_position_history(paths: Any, where: Any, run_store: Any, shard_key: str) -> Any:
+    """The position history of the collector whose start file is ``where`` (beside it) and whose shard
+    pacing calls ``shard_key``, kept on the run's checkpoint schedule."""
     from rlhf_pipeline.collect.position_history import PositionHistory, history_key
+    from rlhf_pipeline.coordination.pacing import buffer_rows_key
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
     store, key = state_store_and_key(where, run_store)
-    name = _shard_key(paths, store_path)
+    name = buffer_rows_key(shard_key)
 
     seen: dict[tuple[int, ...], list[tuple[int, int]] | None] = {}
 
@@ -166,9 +169,3 @@ def _weights_object(paths: Any) -> Any:
     from rlhf_pipeline.coordination.weights import WEIGHTS, published_objects
 
     return lambda version: (f"{WEIGHTS}/{name}" if (name := published_objects(paths.store).get(version)) else None)
-
-
-def _shard_key(paths: Any, store_path: str) -> str:
-    from rlhf_pipeline.storage.buffers import shard_key_of
-
-    return "" if paths.single_store_buffer else shard_key_of(store_path)

@@ -100,6 +100,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.collect.rewards import EpisodeFailureRateError
     from rlhf_pipeline.collect.console import collector_tag, name_collectors, say
     from rlhf_pipeline.collect.commit import stored_in_round
+    from rlhf_pipeline.collect.position_history import held_version
     from rlhf_pipeline.generation.engine import EngineFailed
     from rlhf_pipeline.runs.branch_online import collector_rows, keep_position_history
     from rlhf_pipeline.learn.metrics import MetricsWriter
@@ -131,16 +132,17 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             poller = WeightsPoller(paths.store, cache=MachineCache(paths.fetched_weights) if paths.url else None)
         start_file, run_store = paths.state_object(paths.collector_state(collector_index))
         saved = _start_state(store, start_file, run_store)
+        key = shard_key(store_path, paths.buffer_location)  # its name in pacing.json and checkpoints' records
         # a continued branch's shard numbers its rows on from its parent's (runs/branch_online.py)
-        rows, continues_from = collector_rows(paths, store, store_path)
-        history = keep_position_history(paths, start_file, run_store, store_path)  # where a branch restarts it
+        rows, continues_from = collector_rows(paths, store, key)
+        history = keep_position_history(paths, start_file, run_store, key)  # where a branch restarts it
         if store.writer_state is not None and not history.has(rows.next_row):  # a kill came before its entry
             history.record(rows.next_row, store.writer_state)
         # the first round waits on this: locally a listing every millisecond at first (version 0
         # usually comes within ~0.1 s of "go"), at a URL each poll is a request
         first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
         stop_check = _StopCheck(paths, stop)
-        held = _held_version(saved)
+        held = held_version(saved)
         # built while the learner warm-starts: an engine with a process of its own takes tens of
         # seconds to start; the weights it starts with go in below, as every later version does
         collector = _make_collector(pipeline, model, store, collector_index)
@@ -164,7 +166,6 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             return 1
         # generate what the learner's next max_lag batches need, no more (alone, with no learner
         # yet, it may be recording a buffer: unpaced until one publishes)
-        key = shard_key(store_path, paths.buffer_location)
         pacing, pacing_store = paths.state_object(paths.pacing)
         pacer = CollectorPacer(pacing, key, pipeline.settings.max_lag, round_rows=collector.round_rows,
                                learner_expected=stop.launcher_fd is not None, store=pacing_store,
@@ -332,18 +333,13 @@ def _keep_history_at_every_append(collector: CollectorLike, history: Any, rows: 
     collector.sink = publish_and_record
 
 
-def _held_version(saved: dict[str, Any] | None) -> int | None:
-    """The policy version a collector held when it saved ``saved``, if it says."""
-    version = (saved or {}).get("policy_version")
-    return int(version) if isinstance(version, int) and not isinstance(version, bool) else None
-
-
 def _resumed_learner_version(paths: RunPaths) -> int | None:
     """The policy version of the state a (re)started learner resumes from: its newest checkpoint's, or
     0 (the initial policy) before the first. The learner takes back every version published after it
     (``retract_versions_after``) and publishes those numbers again as it retrains. None when that
     cannot be told without torch (a checkpoint whose rewind record a crash kept from being written,
     or an older run that pruned its initial policy)."""
+    from rlhf_pipeline.collect.position_history import held_version
     from rlhf_pipeline.coordination.weights import published_versions
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
@@ -351,8 +347,7 @@ def _resumed_learner_version(paths: RunPaths) -> int | None:
     step = checkpoints.latest_step()
     if step is None:
         return 0 if 0 in published_versions(paths.store) else None
-    version = (checkpoints.record(step) or {}).get("policy_version")
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
+    return held_version(checkpoints.record(step))
 
 
 def _wait_for_weights(poller, should_stop: Callable[[], bool], backoff: Any, *, held: int | None = None,

@@ -121,6 +121,7 @@ class ShardRetention:
         return max(0, intake.consumed.get(self.key, 0) - self.window)
 
     def _checkpoint_floors(self) -> list[tuple[int, str]]:
+        from rlhf_pipeline.coordination.pacing import buffer_rows_key
         from rlhf_pipeline.learn.checkpoint import run_checkpoints
         from rlhf_pipeline.learn.keep_best import recorded_keep_best
 
@@ -134,7 +135,7 @@ class ShardRetention:
             points = [point for point in points[:-1] if point["step"] in held] + points[-1:]
         for point in points:
             rows = point.get("buffer_rows")
-            position = None if rows is None else rows.get("" if self.key == "." else self.key)
+            position = None if rows is None else rows.get(buffer_rows_key(self.key))
             needed = 0 if position is None else max(0, int(position) - self.window)
             floors.append((needed, f"the checkpoint of step {point['step']} (a rewind point)"))
         return floors
