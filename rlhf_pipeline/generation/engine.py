@@ -298,8 +298,6 @@ class GenerationEngine(ABC):
         if version < self._policy_version:
             raise ValueError(f"load_weights: version {version} is older than the current {self._policy_version}; "
                              f"weights only move forward")
-        if not self.supports_weight_updates:
-            raise UnsupportedCapability(f"the {self.name} engine cannot load new weights in place")
         started = time.perf_counter()
         self._load(weights, int(version))
         elapsed = time.perf_counter() - started

@@ -10,7 +10,6 @@ at most ``generation.retries`` restarts in a row (``vllm_http.Retries``).
 
 from __future__ import annotations
 
-import atexit
 import os
 import subprocess
 import threading
@@ -198,15 +197,14 @@ class VLLMEngine(VLLMURLEngine):
         return None if server is None else server.process.pid
 
     def _guard(self) -> None:
-        """Stops the server at interpreter exit too, without keeping the engine object alive."""
+        """Stops the server when the engine is collected or at interpreter exit (``weakref.finalize``
+        runs then too), without keeping the engine object alive."""
         self._finalizer = weakref.finalize(self, self.server.stop)
-        atexit.register(self._finalizer)
 
     def close(self) -> None:
         super().close()
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
-            atexit.unregister(finalizer)
             finalizer()  # stops the server, once
         self._cleanup()
 
