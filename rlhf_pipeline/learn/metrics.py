@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from rlhf_pipeline.files.log_parts import part_key, part_numbers, read_log_lines
-from rlhf_pipeline.files.run_store import RunStore
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
 
 PART_LINES = 1000  # ~1.5 MB of learner lines: the most one re-PUT of the newest part sends
 UPLOAD_EVERY_S = 5.0
@@ -177,12 +177,10 @@ def truncate_metrics(jsonl_path: str | Path, after_step: int, *, store: RunStore
 
 
 def read_metrics(jsonl_path: str | Path, *, store: RunStore | None = None) -> list[dict]:
-    if store is not None:
-        return [json.loads(line) for line in read_log_lines(store, str(jsonl_path)) if line.strip()]
-    path = Path(jsonl_path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The records of the log at ``jsonl_path``: a file, or with ``store`` its key there (parts at a URL)."""
+    if store is None:
+        store, jsonl_path = LocalRunStore(Path(jsonl_path).parent), Path(jsonl_path).name
+    return [json.loads(line) for line in read_log_lines(store, str(jsonl_path)) if line.strip()]
 
 
 def _step_of(line: str) -> int:
