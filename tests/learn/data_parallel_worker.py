@@ -1,9 +1,12 @@
 """One data-parallel learner rank, run by ``torchrun`` from ``test_distributed.py``.
 
-``python -m torch.distributed.run --nproc-per-node N tests/learn/data_parallel_worker.py RUN_DIR STEPS [live|fsdp]``
-trains the run in RUN_DIR (a buffer and version-0 weights made by :func:`make_run`) to STEPS
-steps, the way ``rlhf-pipeline learn`` does under torchrun: ranks from the torchrun
-environment, the process group started before the learner and stopped after it. ``live``:
+``python -m torch.distributed.run --nproc-per-node N tests/learn/data_parallel_worker.py JOBS.json``
+runs the jobs of JOBS.json in order, one process group for them all (starting N ranks costs more
+than the steps they train, so the tests give one set of ranks every run it can train). A job,
+``{"root": RUN_DIR, "steps": STEPS, "mode": MODE, "buffer": URL or null}``, trains the run in
+RUN_DIR (a buffer and version-0 weights made by :func:`make_run`) to STEPS steps, the way
+``rlhf-pipeline learn`` does under torchrun: ranks from the torchrun environment, the process
+group started before the learner and stopped after it. Modes (``""``: :data:`SETTINGS`). ``live``:
 :data:`LIVE_SETTINGS`, for a buffer that another process keeps appending to; every rank then
 writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the step's draw).
 ``fsdp``: :data:`SETTINGS` with ``parallelism="fsdp"`` (FSDP2 instead of DDP). ``turns`` and
@@ -17,7 +20,7 @@ access key id (``rank<R>``), so the server can tell which rank sent what.
 ``lora``: :data:`SETTINGS` training a LoRA adapter (:data:`LORA`) on the frozen version 0.
 ``blow-up`` and ``blow-up-fsdp``: :data:`SETTINGS` at a learning rate of 1e30 (DDP or FSDP2), whose
 first step leaves weights that are not finite: each rank writes the refusal it raised to
-``RUN_DIR/refused-rank<R>.txt`` and exits 3.
+``RUN_DIR/refused-rank<R>.txt`` and goes on to the next job.
 """
 
 from __future__ import annotations
@@ -161,9 +164,20 @@ def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mod
 
 def main() -> None:
     torch.set_num_threads(1)
+    DataParallel.from_torchrun_env().start(torch.device("cpu"))
+    try:
+        for job in json.loads(Path(sys.argv[1]).read_text()):
+            run_job(Path(job["root"]), job["steps"], job["mode"], job["buffer"])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_job(root: Path, steps: int, mode: str, buffer: str | None) -> None:
+    # a DataParallel of its own per job (what it learned of one buffer is no other's); the process
+    # group is main's, so its start() joins that group and its stop() leaves it alone
     data_parallel = DataParallel.from_torchrun_env()
     data_parallel.start(torch.device("cpu"))
-    mode, buffer = (sys.argv[3:] + ["", ""])[:2]
     if mode == "s3-shards":
         import os
 
@@ -172,14 +186,10 @@ def main() -> None:
         os.environ["AWS_ACCESS_KEY_ID"] = f"rank{data_parallel.rank}"
         # every refresh asked for is sent (not once a second): a rank that refreshed would show on the server
         object_store.DEFAULT_REFRESH_INTERVAL_S = 0.0
-    root = Path(sys.argv[1])
     try:
-        train(root, int(sys.argv[2]), data_parallel, mode=mode, buffer=buffer or None)
+        train(root, steps, data_parallel, mode=mode, buffer=buffer)
     except NonFiniteStep as refused:
         (root / f"refused-rank{data_parallel.rank}.txt").write_text(str(refused))
-        sys.exit(3)
-    finally:
-        data_parallel.stop()
 
 
 if __name__ == "__main__":
