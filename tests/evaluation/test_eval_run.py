@@ -38,8 +38,8 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
-    """A command that reads a run or refuses, run in this process as a user's would run (each new
-    process imports torch and the pipeline again: seconds of CPU a command)."""
+    """A command of one process (``eval``, or one that refuses), run in this process as a user's would
+    run (each new process imports torch and the pipeline again: seconds of CPU a command)."""
     code = main(list(args))
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
@@ -113,7 +113,7 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, ca
     assert 4 not in published_versions(store) and 4 in kept_versions(run)
     # other sampling is another evaluation, in a store of its own; --all-kept: every kept version (the
     # checkpoint's among them) each once. One command for all three: each CLI start imports torch again
-    every = cli("eval", run, "--all-kept", *SAMPLED_5)
+    every = cli_here(capsys, "eval", run, "--all-kept", *SAMPLED_5)
     assert every.returncode == 0, every.stderr
     assert kept_versions(run) == kept
     assert [line.split(" (policy version ")[1].split(")")[0] for line in every.stdout.splitlines()
@@ -124,7 +124,7 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, ca
     assert all(rows["policy_version"].tolist().count(v) == 10 for v in kept)  # 5 prompts, 2 samples each
 
 
-def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_each_sample_once(run_home):
+def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_each_sample_once(run_home, capsys):
     # 4 samples of each of the 40 prompts: 160 rows a version, appended 32 at a time
     evaluation = ["--set", "eval.every_steps=2", "--set", "eval.samples=4", "--set", "eval.temperature=1.0"]
     name = "held_out-k4-t1"
@@ -154,7 +154,7 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
     # the learner kept every version the evaluator had not done (coordination/eval_pins.py)
     assert {0, 2, 4} <= set(published_versions(run_store_at(run)))
 
-    resumed = cli("eval", run, *evaluation[2:])  # at a URL, after the killed one's writer lock lease
+    resumed = cli_here(capsys, "eval", run, *evaluation[2:])  # at a URL, after the killed one's writer lock lease
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows, progress = stored(run, name)
     counts = samples_of(rows)
