@@ -14,7 +14,8 @@ writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the 
 ``stop``: :data:`SETTINGS`, rank 0's stop event set after step :data:`STOP_AT_STEP` (a stop request
 that reaches rank 0 alone).
 ``shards``: :data:`SHARDED_SETTINGS` over a buffer of :data:`SHARDS` shards (:func:`make_sharded_run`),
-each rank writing its rows as ``live`` does. ``s3-shards BUFFER_URL``: the same over a buffer at an
+each rank writing its rows as ``live`` does; ``shards-of-3``: :data:`THREE_SHARDS_SETTINGS` over 3 shards.
+``s3-shards BUFFER_URL``: the same over a buffer at an
 S3 URL (the server and credentials in the environment); each rank signs its requests with its own
 access key id (``rank<R>``), so the server can tell which rank sent what.
 ``lora``: :data:`SETTINGS` training a LoRA adapter (:data:`LORA`) on the frozen version 0.
@@ -74,6 +75,8 @@ SHARDS, ROWS_PER_SHARD = 4, 20
 SHARDED_SETTINGS = LearnerSettings(batch_size=16, sampler="exact", micro_batch_tokens=48, lr=1e-3, warmup_steps=1,
                                    max_staleness=None, checkpoint_every=2, log_every=1,
                                    loss=GRPOLossConfig(old_policy="current"))
+# ``shards-of-3``: the same over 3 shards (:func:`make_sharded_run` with ``shards=3``), 4 rows of each a draw
+THREE_SHARDS_SETTINGS = dataclasses.replace(SHARDED_SETTINGS, batch_size=12)
 
 
 # ``lora``: SETTINGS, an adapter on the frozen base (tests/learn/test_lora_data_parallel.py)
@@ -104,12 +107,12 @@ def make_run(root: Path) -> RunPaths:
     return paths
 
 
-def make_sharded_run(root: Path) -> RunPaths:
-    """A run whose buffer is :data:`SHARDS` shards of :data:`ROWS_PER_SHARD` rows: shard ``k`` holds the
+def make_sharded_run(root: Path, shards: int = SHARDS) -> RunPaths:
+    """A run whose buffer is ``shards`` shards of :data:`ROWS_PER_SHARD` rows: shard ``k`` holds the
     rows with trajectory ids ``[k * ROWS_PER_SHARD, (k + 1) * ROWS_PER_SHARD)``."""
     paths = RunPaths(root)
-    source = rows(SHARDS * ROWS_PER_SHARD)
-    for k in range(SHARDS):
+    source = rows(shards * ROWS_PER_SHARD)
+    for k in range(shards):
         store = create_store(paths.buffer / f"shard-{k:04d}", "memmap", schema=StoreSchema(optional=("advantage",)),
                              segment_rows=8)
         store.append(source.select(slice(k * ROWS_PER_SHARD, (k + 1) * ROWS_PER_SHARD)))
@@ -133,8 +136,9 @@ def record_rows(root: Path, rank: int):
 def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mode: str = "",
           buffer: str | None = None) -> Learner:
     data_parallel = data_parallel or DataParallel()
-    live = mode in ("live", "shards", "s3-shards")
-    settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "s3-shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
+    live = mode in ("live", "shards", "shards-of-3", "s3-shards")
+    settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "shards-of-3": THREE_SHARDS_SETTINGS,
+                "s3-shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
                 "turns": MULTI_TURN_SETTINGS,
                 "turns-fsdp": dataclasses.replace(MULTI_TURN_SETTINGS, parallelism="fsdp"),
                 "lora": dataclasses.replace(SETTINGS, lora=LORA),

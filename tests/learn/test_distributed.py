@@ -21,6 +21,7 @@ from data_parallel_worker import (
     SETTINGS,
     SHARDS,
     STOP_AT_STEP,
+    THREE_SHARDS_SETTINGS,
     make_model,
     make_run,
     make_sharded_run,
@@ -96,18 +97,19 @@ def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
     before they train it further."""
     base = tmp_path_factory.mktemp("dp-two-ranks")
     runs = {name: base / name for name in ("plain", "at-step-2", "stopped", "fsdp", "blow-up", "blow-up-fsdp",
-                                           "turns", "turns-fsdp", "turns-at-step-2", "live")}
+                                           "turns", "turns-fsdp", "turns-at-step-2", "shards", "live")}
     for name in ("plain", "at-step-2", "stopped", "fsdp", "blow-up", "blow-up-fsdp", "live"):
         make_run(runs[name])
     for name in ("turns", "turns-fsdp", "turns-at-step-2"):
         make_multi_turn_run(runs[name])
+    make_sharded_run(runs["shards"], shards=3)
     jobs = [job(runs["plain"], STEPS), job(runs["at-step-2"], 2),  # checkpoint_every=2: the checkpoint at step 2
             job(runs["stopped"], STEPS, "stop"), job(runs["fsdp"], STEPS, "fsdp"),
             # the blow-up runs: trained to their checkpoint at step 2, then at a learning rate of 1e30
             job(runs["blow-up"], 2), job(runs["blow-up"], STEPS, "blow-up"),
             job(runs["blow-up-fsdp"], 2), job(runs["blow-up-fsdp"], STEPS, "blow-up-fsdp"),
             job(runs["turns"], MULTI_TURN_STEPS, "turns"), job(runs["turns-fsdp"], MULTI_TURN_STEPS, "turns-fsdp"),
-            job(runs["turns-at-step-2"], 2, "turns"),
+            job(runs["turns-at-step-2"], 2, "turns"), job(runs["shards"], STEPS, "shards-of-3"),
             job(runs["live"], STEPS, "live")]  # last: its collector stand-in appends until the ranks exit
     with growing_buffer(runs["live"]):
         torchrun_jobs(2, jobs)
@@ -256,22 +258,29 @@ def assert_trains_like(root: Path, reference: Path) -> None:
         torch.testing.assert_close(trained[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_three_ranks_over_four_shards_read_their_own_shards_and_train_like_one(one_rank_shards, tmp_path):
-    """Shard affinity: rank r trains the rows of the shards k with k mod 3 == r (rank 0 two shards,
-    the others one), every step; the global batch is still the exact sampler's even share of every
-    shard, so the losses and weights are one rank's."""
-    root = tmp_path / "three-ranks"
-    make_sharded_run(root)
-    torchrun(3, root, STEPS, "shards")
-    assert_trains_like(root, one_rank_shards)
+@pytest.fixture(scope="module")
+def one_rank_three_shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dp-three-shards") / "one-rank"
+    make_sharded_run(root, shards=3)
+    train(root, STEPS, mode="shards-of-3")
+    return root
+
+
+def test_two_ranks_over_three_shards_read_their_own_shards_and_train_like_one(one_rank_three_shards, two_rank_runs):
+    """Shard affinity: rank r trains the rows of the shards k with k mod 2 == r (rank 0 two shards, rank 1
+    one: slices of unequal sizes), every step; the global batch is still the exact sampler's even share of
+    every shard, so the losses and weights are one rank's. (Two ranks, in the module's one set of ranks:
+    three of their own cost as much again; three ranks over four shards: the S3 tests below.)"""
+    root = two_rank_runs["shards"]
+    assert_trains_like(root, one_rank_three_shards)
     per_rank = [[json.loads(line) for line in (root / f"rows-rank{r}.jsonl").read_text().splitlines()]
-                for r in range(3)]
+                for r in range(2)]
     for step in range(STEPS):
         shards_of = [{tid // ROWS_PER_SHARD for tid in lines[step]["rows"]} for lines in per_rank]
-        assert shards_of == [{0, 3}, {1}, {2}], (step, shards_of)
+        assert shards_of == [{0, 2}, {1}], (step, shards_of)
         trained_ids = sorted(tid for lines in per_rank for tid in lines[step]["rows"])
-        share = SETTINGS.batch_size // SHARDS  # oldest first in each shard
-        assert trained_ids == [k * ROWS_PER_SHARD + step * share + i for k in range(SHARDS) for i in range(share)]
+        share = THREE_SHARDS_SETTINGS.batch_size // 3  # oldest first in each shard
+        assert trained_ids == [k * ROWS_PER_SHARD + step * share + i for k in range(3) for i in range(share)]
 
 
 def _view_requests(sent) -> list[tuple[str, str]]:
