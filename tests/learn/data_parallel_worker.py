@@ -15,7 +15,7 @@ writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the 
 that reaches rank 0 alone).
 ``shards``: :data:`SHARDED_SETTINGS` over a buffer of :data:`SHARDS` shards (:func:`make_sharded_run`),
 each rank writing its rows as ``live`` does; ``shards-of-3``: :data:`THREE_SHARDS_SETTINGS` over 3 shards.
-``s3-shards BUFFER_URL``: the same over a buffer at an
+``s3-shards``: the same over the job's buffer, at an
 S3 URL (the server and credentials in the environment); each rank signs its requests with its own
 access key id (``rank<R>``), so the server can tell which rank sent what.
 ``lora``: :data:`SETTINGS` training a LoRA adapter (:data:`LORA`) on the frozen version 0.
