@@ -46,30 +46,28 @@ def check_engine(figures: dict, repeats: int, completions: int = 6, max_new_toke
     assert all(completions <= t <= completions * max_new_tokens for t in figures["tokens_per_call"])
 
 
-def test_loop_and_hf_generate_the_same_tokens_and_report_every_figure(tmp_path, capsys):
-    result = run_bench(tmp_path, "--engines", "loop", "hf")
+def test_loop_and_hf_generate_the_same_tokens_and_report_every_figure_and_vllm_without_its_environment_is_skipped(
+        tmp_path, capsys):
+    """One bench for both (each engine runs in a process of its own: a bench per test would start the
+    loop's twice): the loop and hf report every figure; the vLLM engines without their Python are skipped
+    with the reason, in the JSON, on stderr and in the table."""
+    missing = str(tmp_path / "no-such-python")
+    result = run_bench(tmp_path, "--engines", "loop", "hf", "vllm", "vllm-server", "--vllm-python", missing)
     assert (result["repeats"], result["prompts"], result["group"], result["max_new_tokens"]) == (2, 2, 3, 4)
     assert len(result["load_before"]) == 3 and len(result["load_after"]) == 3
     engines = result["models"]["2m"]
-    assert list(engines) == ["loop", "hf"]
-    for figures in engines.values():
-        check_engine(figures, repeats=2)
+    assert list(engines) == ["loop", "hf", "vllm", "vllm-server"]
+    for engine in ("loop", "hf"):
+        check_engine(engines[engine], repeats=2)
     assert engines["loop"]["parameters"] == engines["hf"]["parameters"] == 2_126_080
-    table = capsys.readouterr().out
-    assert "model 2m (2,126,080 parameters)" in table
-    assert "| loop |" in table and "| hf |" in table
-
-
-def test_vllm_engines_without_the_environment_are_skipped_with_the_reason(tmp_path, capsys):
-    missing = str(tmp_path / "no-such-python")
-    result = run_bench(tmp_path, "--engines", "loop", "vllm", "vllm-server", "--repeats", "1", "--vllm-python", missing)
-    engines = result["models"]["2m"]
-    check_engine(engines["loop"], repeats=1)
     for engine in ("vllm", "vllm-server"):
         assert f"--vllm-python {missing} is not a Python with vLLM" in engines[engine]["skipped"]
     captured = capsys.readouterr()
+    table = captured.out
+    assert "model 2m (2,126,080 parameters)" in table
+    assert "| loop |" in table and "| hf |" in table
     assert f"vllm skipped: --vllm-python {missing}" in captured.err
-    assert "| vllm-server | skipped: " in captured.out
+    assert "| vllm-server | skipped: " in table
 
 
 def test_bad_counts_are_refused_naming_the_option():

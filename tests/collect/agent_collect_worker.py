@@ -17,11 +17,15 @@ from agent_setup import agent_collector, hang_forever, open_or_create, tiny_poli
 
 
 def main() -> None:
-    torch.set_num_threads(1)
     args = sys.argv[1:]
-    store_path, rounds = Path(args[0]), int(args[1])
-    hang_round = int(args[2]) if len(args) > 2 else None
-    ready = Path(args[3]) if len(args) > 3 else None
+    collect(Path(args[0]), int(args[1]), int(args[2]) if len(args) > 2 else None,
+            Path(args[3]) if len(args) > 3 else None)
+
+
+def collect(store_path: Path, rounds: int, hang_round: int | None = None, ready: Path | None = None) -> None:
+    """Collects into the store at ``store_path`` until it holds ``rounds`` rounds, resuming from the state
+    it last published (the test runs it in its own process too, for the runs it does not kill)."""
+    torch.set_num_threads(1)
     store = open_or_create(store_path)
     model, tokenizer = tiny_policy()
     collector = None

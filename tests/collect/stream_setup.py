@@ -12,6 +12,7 @@ from rlhf_pipeline.models import tiny_model_and_tokenizer
 
 EOS_BIAS = 3.5
 ROUND_ROWS = 12  # 4 prompts x 3 completions
+GROUP_ROWS = 3  # completions a prompt
 
 
 def policy():
@@ -28,3 +29,36 @@ def collector(model, tok, sink) -> Collector:
                              sampling=SamplingConfig(max_new_tokens=16, temperature=1.0))
     source = PromptSource(toy_prompts(20, seed=1), seed=0, required_fields=("answer",))
     return Collector(model, tok, source, SingleTurn({"toy": toy_reward}), sink, config)
+
+
+def collect_into(where, rows: int, on_append=lambda next_row: None) -> int:
+    """A collector writing to ``where/buffer`` (made, or resumed from the state it last published) until
+    it holds ``rows`` rows; ``on_append(next_row)`` after each append. The rows of the round in part it
+    resumed with (0 for a round boundary)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from helpers import resume
+
+    from rlhf_pipeline.collect.commit import stored_in_round
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.storage import create_store, make_replay_buffer, open_store
+
+    buffer_path = Path(where) / "buffer"
+    store = (open_store(buffer_path, mode="a") if buffer_path.exists()
+             else create_store(buffer_path, "memmap", schema=StoreSchema()))
+    buffer = make_replay_buffer(store)
+
+    def sink(batch, writer_state):
+        buffer.extend(batch, writer_state=writer_state)
+        on_append(store.next_row)
+
+    streamer = collector(*policy(), sink)
+    try:
+        resumed = stored_in_round(resume(streamer, store) or {}) * GROUP_ROWS
+        while store.next_row < rows:
+            streamer.collect()
+    finally:
+        store.close()
+    return resumed

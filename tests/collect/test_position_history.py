@@ -19,7 +19,7 @@ from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
 from rlhf_pipeline.storage.writer_state import decode, encode
 
-from helpers import make_batch
+from helpers import make_batch, process_running
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,36 +86,61 @@ def test_the_weights_a_kept_state_sampled_with_stay_linked_after_the_run_prunes_
     assert (tmp_path / "collector" / history.weights_key(1)).read_bytes() == bytes([1]) * 8
 
 
+# a process that imports once, then forks a child per line it reads: the child commits rounds until the
+# test kills it, and the process says the child's pid, then "reaped" when it is gone (a start of its
+# own for each child would import torch again, seconds of CPU each)
+FORKER = """
+import os, sys
+sys.path[:0] = [{tests!r}, {collect!r}]
+from pathlib import Path
+from test_position_history import commit_rounds
+for _ in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        commit_rounds(Path({directory!r}), range(10_000))
+        os._exit(0)
+    print(pid, flush=True)
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
+"""
+
+
 def test_a_kill_at_any_moment_of_a_round_leaves_a_history_the_reload_agrees_with(tmp_path):
     """A child commits rounds until it is killed with SIGKILL, several times at random moments;
     each reload finds the state it resumes from in the history, under the store's row count, and
     every entry the history lists loads whole."""
     create_store(tmp_path / "shard", "memmap", schema=StoreSchema()).close()
-    script = (f"import sys; sys.path[:0] = [{str(REPO / 'tests')!r}, {str(REPO / 'tests' / 'collect')!r}]\n"
-              f"from pathlib import Path\nfrom test_position_history import commit_rounds\n"
-              f"commit_rounds(Path({str(tmp_path)!r}), range(10_000))\n")
-    for kill in range(4):
-        child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        rounds_before = open_store(tmp_path / "shard", mode="r").next_row
-        deadline = time.monotonic() + 120
-        while child.poll() is None and time.monotonic() < deadline:  # until it commits rounds of its own
-            with open_store(tmp_path / "shard", mode="r") as store:
-                if store.next_row > rounds_before:
-                    break
-            time.sleep(0.01)
-        time.sleep(0.05 + 0.07 * kill)  # then somewhere in a later round
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-        commit_rounds(tmp_path, range(0))  # the next start: it keeps the entry a kill came before
-        store = open_store(tmp_path / "shard", mode="r")
-        history = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"))
-        resumed = decode(store.writer_state, store.location)["writer"]
-        entry = history.state_at(store.next_row)
-        assert resumed is not None and entry is not None, f"kill {kill}: nothing written yet"
-        assert entry["committed"]["batches_emitted"] == resumed["batches_emitted"] == store.next_row // 8
-        for row in history.rows():
-            assert history.state_at(row)["committed"]["batches_emitted"] == row // 8
-        store.close()
+    script = FORKER.format(tests=str(REPO / "tests"), collect=str(REPO / "tests" / "collect"), directory=str(tmp_path))
+    forker = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        for kill in range(4):
+            rounds_before = open_store(tmp_path / "shard", mode="r").next_row
+            forker.stdin.write("commit\n")
+            forker.stdin.flush()
+            child = int(forker.stdout.readline())
+            deadline = time.monotonic() + 120
+            while process_running(child) and time.monotonic() < deadline:  # until it commits rounds of its own
+                with open_store(tmp_path / "shard", mode="r") as store:
+                    if store.next_row > rounds_before:
+                        break
+                time.sleep(0.01)
+            time.sleep(0.05 + 0.07 * kill)  # then somewhere in a later round
+            os.kill(child, signal.SIGKILL)
+            assert forker.stdout.readline() == "reaped\n"
+            commit_rounds(tmp_path, range(0))  # the next start: it keeps the entry a kill came before
+            store = open_store(tmp_path / "shard", mode="r")
+            history = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"))
+            resumed = decode(store.writer_state, store.location)["writer"]
+            entry = history.state_at(store.next_row)
+            assert resumed is not None and entry is not None, f"kill {kill}: nothing written yet"
+            assert entry["committed"]["batches_emitted"] == resumed["batches_emitted"] == store.next_row // 8
+            for row in history.rows():
+                assert history.state_at(row)["committed"]["batches_emitted"] == row // 8
+            store.close()
+    finally:
+        forker.kill()
+        forker.communicate()
 
 
 def test_a_crash_between_the_append_and_the_history_entry_is_kept_at_the_next_start(tmp_path):

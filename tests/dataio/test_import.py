@@ -199,14 +199,30 @@ def test_missing_role_column_says_which_option_names_it(pipeline, tmp_path):
 
 
 # ====================================================================== kill -9
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
-def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp_path, sig):
+def big_source(directory):
+    """400 rows in 100 appends of one group; given log-probs, so no model."""
     records = []
-    for record in toy_records(100):  # 400 rows in 100 appends of one group; given log-probs, so no model
+    for record in toy_records(100):
         n = len(record["completion"]) + 1
         records.append({**record, "log_probs": [-0.5] * n})
-    source = write_jsonl(tmp_path / "big.jsonl", records)
+    return write_jsonl(directory / "big.jsonl", records)
+
+
+@pytest.fixture(scope="module")
+def clean_import(pipeline, tmp_path_factory):
+    """The rows of big_source imported uninterrupted (larger appends: same rows, same ids), for the
+    kill tests to compare with."""
+    directory = tmp_path_factory.mktemp("clean")
+    clean = directory / "clean"
+    import_source(big_source(directory), clean, pipeline, options=ImportOptions(rows_per_chunk=64, show_progress=False),
+                  log=quiet)
+    return rows_of(clean)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, clean_import, tmp_path, sig):
+    source = big_source(tmp_path)
     buffer = tmp_path / "buf"
     args = [sys.executable, "-m", "rlhf_pipeline.cli.main", "import", str(source), str(buffer), "--pipeline",
             str(DEFAULT_PIPELINE), "--rows-per-chunk", "4", "--quiet", *[a for s in SMALL for a in ("--set", s)]]
@@ -243,14 +259,11 @@ def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, tmp
         result = import_source(source, buffer, pipeline,
                                options=ImportOptions(rows_per_chunk=4, show_progress=False), log=quiet)
         assert result.resumed_from_row >= 20
-    else:  # the same command, as the message says
-        rerun = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=240)
-        assert rerun.returncode == 0, rerun.stderr[-2000:]
-    clean = tmp_path / "clean"  # the same import uninterrupted (larger appends: same rows, same ids)
-    import_source(source, clean, pipeline, options=ImportOptions(rows_per_chunk=64, show_progress=False), log=quiet)
-    resumed, expected = rows_of(buffer), rows_of(clean)
+    else:  # the same command, as the message says (run in this process: a new one imports torch again)
+        assert main(args[3:]) == 0
+    resumed = rows_of(buffer)
     assert len(resumed) == 400 and resumed["trajectory_id"].unique().numel() == 400
-    assert resumed.equal(expected)
+    assert resumed.equal(clean_import)
 
 
 def test_a_directory_of_parquet_data_files_with_a_split(pipeline, tmp_path):

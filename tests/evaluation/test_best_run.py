@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import kill_when
 
+from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.eval_pins import eval_scores
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.learn.checkpoint import run_best, run_checkpoints
@@ -39,9 +40,12 @@ def command(home: Path, name: str, *extra: str) -> list[str]:
             "--home", str(home), "--run-name", name, *SETTINGS, *extra]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+def cli(capsys, *args: str) -> subprocess.CompletedProcess:
+    """A command that reads a run, branches it or refuses to start one, run in this process as a user's
+    would run (each new process imports torch and the pipeline again: seconds of CPU a command)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def expected_best(run: Path) -> tuple[int, float]:
@@ -52,25 +56,33 @@ def expected_best(run: Path) -> tuple[int, float]:
     return -step, value
 
 
-def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_step(tmp_path):
-    result = subprocess.run(command(tmp_path, "r"), cwd=REPO, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A run of STEPS steps keeping its best checkpoint (its directory, and what the run printed), for the
+    tests to read and branch from; the kill test's reference."""
+    home = tmp_path_factory.mktemp("best")
+    result = subprocess.run(command(home, "unbroken"), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
-    run = tmp_path / "r"
+    return home / "unbroken", result
+
+
+def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_step(unbroken, tmp_path, capsys):
+    run, result = unbroken
     step, value = expected_best(run)
     best = run_best(RunPaths(run))
     assert (best.step, best.policy_version, best.metric, best.value) == (step, step, METRIC, value)
     assert run_checkpoints(RunPaths(run)).steps() == sorted({step, STEPS})  # the newest and the best, no other
     assert f"[run] best checkpoint by {METRIC}: step {step} (policy version {step})" in result.stderr
 
-    shown = cli("inspect", str(run))
+    shown = cli(capsys, "inspect", str(run))
     assert shown.returncode == 0, shown.stderr
     assert f"best checkpoint  step {step} (policy version {step}): {METRIC} {value:.4g}" in shown.stdout
-    assert json.loads(cli("inspect", str(run), "--json").stdout)["run"]["best"]["step"] == step
+    assert json.loads(cli(capsys, "inspect", str(run), "--json").stdout)["run"]["best"]["step"] == step
 
-    exported = cli("export-model", str(run), str(tmp_path / "best"), "--best")
+    exported = cli(capsys, "export-model", str(run), str(tmp_path / "best"), "--best")
     assert exported.returncode == 0, exported.stderr
     assert f"policy version {step} " in exported.stdout and f"the best checkpoint, step {step}" in exported.stdout
-    assert cli("export-model", str(run), str(tmp_path / "numbered"), "--version", str(step)).returncode == 0
+    assert cli(capsys, "export-model", str(run), str(tmp_path / "numbered"), "--version", str(step)).returncode == 0
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -79,24 +91,24 @@ def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_ste
     assert numbered and all(tensor.equal(numbered[name]) for name, tensor in model.state_dict().items()
                             if name in numbered)
 
-    assert cli("branch", str(run), "--from-step", "best", "from-best").returncode == 0
-    assert cli("branch", str(run), "--from-step", str(step), "from-step").returncode == 0
-    lineages = [json.loads((tmp_path / name / "branch.json").read_text()) for name in ("from-best", "from-step")]
+    # branches are made beside their parent (the kill test reads the parent only: branching leaves it as it was)
+    home = run.parent
+    assert cli(capsys, "branch", str(run), "--from-step", "best", "from-best").returncode == 0
+    assert cli(capsys, "branch", str(run), "--from-step", str(step), "from-step").returncode == 0
+    lineages = [json.loads((home / name / "branch.json").read_text()) for name in ("from-best", "from-step")]
     for lineage in lineages:
         lineage.pop("created")
     assert lineages[0]["step"] == step and lineages[0] == lineages[1]
     checkpoint = f"checkpoints/step_{step:08d}.pt"
-    assert (tmp_path / "from-best" / checkpoint).read_bytes() == (tmp_path / "from-step" / checkpoint).read_bytes()
-    assert sorted(os.listdir(tmp_path / "from-best")) == sorted(os.listdir(tmp_path / "from-step"))
+    assert (home / "from-best" / checkpoint).read_bytes() == (home / "from-step" / checkpoint).read_bytes()
+    assert sorted(os.listdir(home / "from-best")) == sorted(os.listdir(home / "from-step"))
     # the branch keeps its own best, from its own evaluations: none yet
-    refused = cli("export-model", str(tmp_path / "from-best"), str(tmp_path / "none"), "--best")
+    refused = cli(capsys, "export-model", str(home / "from-best"), str(tmp_path / "none"), "--best")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "has no best checkpoint yet" in refused.stderr
 
 
-def test_a_kill_9_mid_step_resumes_to_the_best_of_an_unbroken_run(tmp_path):
-    unbroken = subprocess.run(command(tmp_path, "unbroken"), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+def test_a_kill_9_mid_step_resumes_to_the_best_of_an_unbroken_run(unbroken, tmp_path):
     metrics = tmp_path / "killed" / "metrics.jsonl"
     first = subprocess.Popen(command(tmp_path, "killed"), cwd=REPO, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
@@ -108,21 +120,21 @@ def test_a_kill_9_mid_step_resumes_to_the_best_of_an_unbroken_run(tmp_path):
     resumed = subprocess.run(command(tmp_path, "killed"), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout + resumed.stderr
-    killed, reference = tmp_path / "killed", tmp_path / "unbroken"
+    killed, reference = tmp_path / "killed", unbroken[0]
     assert eval_scores(RunPaths(killed).store, METRIC) == eval_scores(RunPaths(reference).store, METRIC)
     best, expected = run_best(RunPaths(killed)), run_best(RunPaths(reference))
     assert (best.step, best.value) == (expected.step, expected.value) == expected_best(reference)
     assert run_checkpoints(RunPaths(killed)).steps() == run_checkpoints(RunPaths(reference)).steps()
 
 
-def test_keep_best_naming_no_summary_of_the_runs_evaluation_is_refused_at_launch_in_one_line(tmp_path):
-    wrong = cli("run", DEFAULT, "--home", str(tmp_path), "--set", "eval.every_steps=2",
+def test_keep_best_naming_no_summary_of_the_runs_evaluation_is_refused_at_launch_in_one_line(tmp_path, capsys):
+    wrong = cli(capsys, "run", DEFAULT, "--home", str(tmp_path), "--set", "eval.every_steps=2",
                 "--set", "learner.keep_best=eval/held_out/pass@4")
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines() == [
         "rlhf-pipeline run: error: setting 'learner.keep_best' must be one of ['eval/held_out/pass@1', "
         "'eval/held_out/mean_score'] (the summaries of this run's evaluations), got 'eval/held_out/pass@4'"]
-    off = cli("run", DEFAULT, "--home", str(tmp_path), "--set", "learner.keep_best=eval/held_out/pass@1")
+    off = cli(capsys, "run", DEFAULT, "--home", str(tmp_path), "--set", "learner.keep_best=eval/held_out/pass@1")
     assert off.returncode == 2
     assert off.stderr.strip().splitlines() == [
         "rlhf-pipeline run: error: setting 'learner.keep_best' (eval/held_out/pass@1) ranks checkpoints by the "

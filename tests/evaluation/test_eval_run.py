@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import kill_when, run_child_pids
 
+from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import published_objects, published_versions
 from rlhf_pipeline.dataio.model_export import available_versions
 from rlhf_pipeline.evaluation.evaluator import ID_STRIDE, EvalProgress, set_store_location
@@ -34,6 +35,14 @@ SAMPLED_5 = ["--set", "eval.samples=2", "--set", "eval.temperature=1.0", "--set"
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """A command of one process (``eval``, or one that refuses), run in this process as a user's would
+    run (each new process imports torch and the pipeline again: seconds of CPU a command)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def logged(run: str, log: str = "metrics.jsonl") -> list[dict]:
@@ -66,7 +75,7 @@ def samples_of(rows) -> Counter:
     return Counter(zip(rows["policy_version"].tolist(), rows["trajectory_id"].tolist()))
 
 
-def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home):
+def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, capsys):
     result = cli("run", DEFAULT, "--steps", "6", "--home", run_home, "--run-name", "r", *SMALL, *zarr_at_a_url(run_home),
                  "--set", "eval.every_steps=2")
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
@@ -84,19 +93,14 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home):
     assert "[eval] step 6 (policy version 6): held_out/pass@1" in result.stdout + result.stderr
 
     # asked again afterwards: what is stored is printed, not evaluated again
-    again = cli("eval", run, "--step", "4")
+    again = cli_here(capsys, "eval", run, "--step", "4")
     assert again.returncode == 0, again.stderr
     assert again.stdout.startswith(f"held_out step 4 (policy version 4): pass@1 {lines[2]['eval/held_out/pass@1']:.3f}")
     assert "[eval]" not in again.stdout  # nothing evaluated
     assert samples_of(stored(run, "held_out")[0]) == counts
-    # other sampling is another evaluation, in a store of its own
-    sampled = cli("eval", run, "--step", "6", *SAMPLED_5)
-    assert sampled.returncode == 0, sampled.stderr
-    assert "held_out-k2-t1-n5 step 6 (policy version 6): pass@1" in sampled.stdout and "pass@2" in sampled.stdout
-    assert len(stored(run, "held_out-k2-t1-n5")[0]) == 10
     kept = kept_versions(run)
     assert 1 not in kept  # pruned: neither wanted by the evaluator nor checkpointed
-    refused = cli("eval", run, "--step", "1")
+    refused = cli_here(capsys, "eval", run, "--step", "1")
     assert refused.returncode == 2
     where = run if "://" in run else str(Path(run).resolve())
     assert refused.stderr.strip().splitlines() == [
@@ -107,22 +111,20 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home):
     store = run_store_at(run)
     store.delete(f"weights/{published_objects(store)[4]}")
     assert 4 not in published_versions(store) and 4 in kept_versions(run)
-    from_checkpoint = cli("eval", run, "--step", "4", *SAMPLED_5)
-    assert from_checkpoint.returncode == 0, from_checkpoint.stderr
-    assert "held_out-k2-t1-n5 step 4 (policy version 4): pass@1" in from_checkpoint.stdout
-    rows, progress = stored(run, "held_out-k2-t1-n5")
-    assert sorted(progress.done) == [4, 6] and rows["policy_version"].tolist().count(4) == 10
-    # --all-kept: every kept version, the checkpoint's among them, each once
-    every = cli("eval", run, "--all-kept", *SAMPLED_5)
+    # other sampling is another evaluation, in a store of its own; --all-kept: every kept version (the
+    # checkpoint's among them) each once. One command for all three: each CLI start imports torch again
+    every = cli_here(capsys, "eval", run, "--all-kept", *SAMPLED_5)
     assert every.returncode == 0, every.stderr
-    kept = kept_versions(run)
+    assert kept_versions(run) == kept
     assert [line.split(" (policy version ")[1].split(")")[0] for line in every.stdout.splitlines()
             if line.startswith("held_out-k2-t1-n5 step ")] == [str(v) for v in kept]
+    assert "held_out-k2-t1-n5 step 4 (policy version 4): pass@1" in every.stdout and "pass@2" in every.stdout
     rows, progress = stored(run, "held_out-k2-t1-n5")
     assert sorted(progress.done) == kept and set(samples_of(rows).values()) == {1}
+    assert all(rows["policy_version"].tolist().count(v) == 10 for v in kept)  # 5 prompts, 2 samples each
 
 
-def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_each_sample_once(run_home):
+def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_each_sample_once(run_home, capsys):
     # 4 samples of each of the 40 prompts: 160 rows a version, appended 32 at a time
     evaluation = ["--set", "eval.every_steps=2", "--set", "eval.samples=4", "--set", "eval.temperature=1.0"]
     name = "held_out-k4-t1"
@@ -139,20 +141,20 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
         finally:
             store.close()
 
-    launcher = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8",
+    launcher = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "4",
                                  "--home", run_home, "--run-name", "r", *SMALL, *zarr_at_a_url(run_home),
                                  *evaluation], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = kill_when(launcher, mid_first_version, victims=lambda: run_child_pids("eval", run_home),
                        poll_s=0.05 if "://" not in run_home else 0.2)
     assert launcher.returncode == 0, output[-3000:]  # training went on without its evaluator
     assert "[run] the evaluator exited (exit code -9" in output, output[-3000:]
-    assert "[run] done: 8 learner steps" in output
+    assert "[run] done: 4 learner steps" in output
     rows, progress = stored(run, name)
-    assert 0 < len(rows) < 160 * 5 and 0 not in progress.done  # killed inside version 0
+    assert 0 < len(rows) < 160 * 3 and 0 not in progress.done  # killed inside version 0
     # the learner kept every version the evaluator had not done (coordination/eval_pins.py)
-    assert {0, 2, 4, 6, 8} <= set(published_versions(run_store_at(run)))
+    assert {0, 2, 4} <= set(published_versions(run_store_at(run)))
 
-    resumed = cli("eval", run, *evaluation[2:])  # at a URL, after the killed one's writer lock lease
+    resumed = cli_here(capsys, "eval", run, *evaluation[2:])  # at a URL, after the killed one's writer lock lease
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows, progress = stored(run, name)
     counts = samples_of(rows)
@@ -164,8 +166,8 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
         assert sorted(t for v, t in counts if v == version) == list(range(first, first + 4 * HELD_OUT))
 
 
-def test_eval_on_a_pipeline_without_held_out_sets_is_refused_before_anything_is_made(tmp_path):
-    result = cli("run", str(REPO / "pipelines" / "examples" / "reverse_words.py"), "--steps", "2",
+def test_eval_on_a_pipeline_without_held_out_sets_is_refused_before_anything_is_made(tmp_path, capsys):
+    result = cli_here(capsys, "run", str(REPO / "pipelines" / "examples" / "reverse_words.py"), "--steps", "2",
                  "--home", str(tmp_path), "--set", "eval.every_steps=2")
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (

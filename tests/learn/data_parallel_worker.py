@@ -1,9 +1,12 @@
 """One data-parallel learner rank, run by ``torchrun`` from ``test_distributed.py``.
 
-``python -m torch.distributed.run --nproc-per-node N tests/learn/data_parallel_worker.py RUN_DIR STEPS [live|fsdp]``
-trains the run in RUN_DIR (a buffer and version-0 weights made by :func:`make_run`) to STEPS
-steps, the way ``rlhf-pipeline learn`` does under torchrun: ranks from the torchrun
-environment, the process group started before the learner and stopped after it. ``live``:
+``python -m torch.distributed.run --nproc-per-node N tests/learn/data_parallel_worker.py JOBS.json``
+runs the jobs of JOBS.json in order, one process group for them all (starting N ranks costs more
+than the steps they train, so the tests give one set of ranks every run it can train). A job,
+``{"root": RUN_DIR, "steps": STEPS, "mode": MODE, "buffer": URL or null}``, trains the run in
+RUN_DIR (a buffer and version-0 weights made by :func:`make_run`) to STEPS steps, the way
+``rlhf-pipeline learn`` does under torchrun: ranks from the torchrun environment, the process
+group started before the learner and stopped after it. Modes (``""``: :data:`SETTINGS`). ``live``:
 :data:`LIVE_SETTINGS`, for a buffer that another process keeps appending to; every rank then
 writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the step's draw).
 ``fsdp``: :data:`SETTINGS` with ``parallelism="fsdp"`` (FSDP2 instead of DDP). ``turns`` and
@@ -11,13 +14,14 @@ writes the rows of each step to ``RUN_DIR/rows-rank<R>.jsonl`` (rank 0 also the 
 ``stop``: :data:`SETTINGS`, rank 0's stop event set after step :data:`STOP_AT_STEP` (a stop request
 that reaches rank 0 alone).
 ``shards``: :data:`SHARDED_SETTINGS` over a buffer of :data:`SHARDS` shards (:func:`make_sharded_run`),
-each rank writing its rows as ``live`` does. ``s3-shards BUFFER_URL``: the same over a buffer at an
+each rank writing its rows as ``live`` does; ``shards-of-3``: :data:`THREE_SHARDS_SETTINGS` over 3 shards.
+``s3-shards``: the same over the job's buffer, at an
 S3 URL (the server and credentials in the environment); each rank signs its requests with its own
 access key id (``rank<R>``), so the server can tell which rank sent what.
 ``lora``: :data:`SETTINGS` training a LoRA adapter (:data:`LORA`) on the frozen version 0.
 ``blow-up`` and ``blow-up-fsdp``: :data:`SETTINGS` at a learning rate of 1e30 (DDP or FSDP2), whose
 first step leaves weights that are not finite: each rank writes the refusal it raised to
-``RUN_DIR/refused-rank<R>.txt`` and exits 3.
+``RUN_DIR/refused-rank<R>.txt`` and goes on to the next job.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ SHARDS, ROWS_PER_SHARD = 4, 20
 SHARDED_SETTINGS = LearnerSettings(batch_size=16, sampler="exact", micro_batch_tokens=48, lr=1e-3, warmup_steps=1,
                                    max_staleness=None, checkpoint_every=2, log_every=1,
                                    loss=GRPOLossConfig(old_policy="current"))
+# ``shards-of-3``: the same over 3 shards (:func:`make_sharded_run` with ``shards=3``), 4 rows of each a draw
+THREE_SHARDS_SETTINGS = dataclasses.replace(SHARDED_SETTINGS, batch_size=12)
 
 
 # ``lora``: SETTINGS, an adapter on the frozen base (tests/learn/test_lora_data_parallel.py)
@@ -101,12 +107,12 @@ def make_run(root: Path) -> RunPaths:
     return paths
 
 
-def make_sharded_run(root: Path) -> RunPaths:
-    """A run whose buffer is :data:`SHARDS` shards of :data:`ROWS_PER_SHARD` rows: shard ``k`` holds the
+def make_sharded_run(root: Path, shards: int = SHARDS) -> RunPaths:
+    """A run whose buffer is ``shards`` shards of :data:`ROWS_PER_SHARD` rows: shard ``k`` holds the
     rows with trajectory ids ``[k * ROWS_PER_SHARD, (k + 1) * ROWS_PER_SHARD)``."""
     paths = RunPaths(root)
-    source = rows(SHARDS * ROWS_PER_SHARD)
-    for k in range(SHARDS):
+    source = rows(shards * ROWS_PER_SHARD)
+    for k in range(shards):
         store = create_store(paths.buffer / f"shard-{k:04d}", "memmap", schema=StoreSchema(optional=("advantage",)),
                              segment_rows=8)
         store.append(source.select(slice(k * ROWS_PER_SHARD, (k + 1) * ROWS_PER_SHARD)))
@@ -130,8 +136,9 @@ def record_rows(root: Path, rank: int):
 def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mode: str = "",
           buffer: str | None = None) -> Learner:
     data_parallel = data_parallel or DataParallel()
-    live = mode in ("live", "shards", "s3-shards")
-    settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "s3-shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
+    live = mode in ("live", "shards", "shards-of-3", "s3-shards")
+    settings = {"live": LIVE_SETTINGS, "shards": SHARDED_SETTINGS, "shards-of-3": THREE_SHARDS_SETTINGS,
+                "s3-shards": SHARDED_SETTINGS, "fsdp": dataclasses.replace(SETTINGS, parallelism="fsdp"),
                 "turns": MULTI_TURN_SETTINGS,
                 "turns-fsdp": dataclasses.replace(MULTI_TURN_SETTINGS, parallelism="fsdp"),
                 "lora": dataclasses.replace(SETTINGS, lora=LORA),
@@ -161,9 +168,20 @@ def train(root: Path, steps: int, data_parallel: DataParallel | None = None, mod
 
 def main() -> None:
     torch.set_num_threads(1)
+    DataParallel.from_torchrun_env().start(torch.device("cpu"))
+    try:
+        for job in json.loads(Path(sys.argv[1]).read_text()):
+            run_job(Path(job["root"]), job["steps"], job["mode"], job["buffer"])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_job(root: Path, steps: int, mode: str, buffer: str | None) -> None:
+    # a DataParallel of its own per job (what it learned of one buffer is no other's); the process
+    # group is main's, so its start() joins that group and its stop() leaves it alone
     data_parallel = DataParallel.from_torchrun_env()
     data_parallel.start(torch.device("cpu"))
-    mode, buffer = (sys.argv[3:] + ["", ""])[:2]
     if mode == "s3-shards":
         import os
 
@@ -172,14 +190,10 @@ def main() -> None:
         os.environ["AWS_ACCESS_KEY_ID"] = f"rank{data_parallel.rank}"
         # every refresh asked for is sent (not once a second): a rank that refreshed would show on the server
         object_store.DEFAULT_REFRESH_INTERVAL_S = 0.0
-    root = Path(sys.argv[1])
     try:
-        train(root, int(sys.argv[2]), data_parallel, mode=mode, buffer=buffer or None)
+        train(root, steps, data_parallel, mode=mode, buffer=buffer)
     except NonFiniteStep as refused:
         (root / f"refused-rank{data_parallel.rank}.txt").write_text(str(refused))
-        sys.exit(3)
-    finally:
-        data_parallel.stop()
 
 
 if __name__ == "__main__":

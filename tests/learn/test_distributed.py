@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from data_parallel_worker import (
     SETTINGS,
     SHARDS,
     STOP_AT_STEP,
+    THREE_SHARDS_SETTINGS,
     make_model,
     make_run,
     make_sharded_run,
@@ -48,13 +50,25 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def torchrun(ranks: int, root: Path, steps: int, *extra: str, env: dict[str, str] | None = None,
-             fails: bool = False) -> None:
+def job(root: Path, steps: int, mode: str = "", buffer: str | None = None) -> dict:
+    """One run for the worker's ranks to train (data_parallel_worker.py names the modes)."""
+    return {"root": str(root), "steps": steps, "mode": mode, "buffer": buffer}
+
+
+def torchrun(ranks: int, root: Path, steps: int, mode: str = "", buffer: str | None = None,
+             env: dict[str, str] | None = None) -> None:
+    torchrun_jobs(ranks, [job(root, steps, mode, buffer)], env=env)
+
+
+def torchrun_jobs(ranks: int, jobs: list[dict], env: dict[str, str] | None = None) -> None:
+    """``ranks`` processes under a real torchrun train ``jobs`` in order, in one process group."""
     env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
+    jobs_file = Path(jobs[0]["root"]).parent / f"jobs-{Path(jobs[0]['root']).name}.json"
+    jobs_file.write_text(json.dumps(jobs))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(root), str(steps), *extra]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert (done.returncode != 0) == fails, done.stderr[-8000:]
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(jobs_file)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-8000:]
 
 
 def losses(root: Path) -> list[float]:
@@ -74,6 +88,60 @@ def one_rank(tmp_path_factory) -> Path:
     make_run(root)
     train(root, STEPS)
     return root
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict[str, Path]:
+    """Every run two ranks train in this module, by one set of ranks under one torchrun (starting the
+    ranks costs more than the steps they train): the run directory of each, by name. Tests copy a run
+    before they train it further."""
+    base = tmp_path_factory.mktemp("dp-two-ranks")
+    runs = {name: base / name for name in ("plain", "at-step-2", "stopped", "fsdp", "blow-up", "blow-up-fsdp",
+                                           "turns", "turns-fsdp", "turns-at-step-2", "shards", "live")}
+    for name in ("plain", "at-step-2", "stopped", "fsdp", "blow-up", "blow-up-fsdp", "live"):
+        make_run(runs[name])
+    for name in ("turns", "turns-fsdp", "turns-at-step-2"):
+        make_multi_turn_run(runs[name])
+    make_sharded_run(runs["shards"], shards=3)
+    jobs = [job(runs["plain"], STEPS), job(runs["at-step-2"], 2),  # checkpoint_every=2: the checkpoint at step 2
+            job(runs["stopped"], STEPS, "stop"), job(runs["fsdp"], STEPS, "fsdp"),
+            # the blow-up runs: trained to their checkpoint at step 2, then at a learning rate of 1e30
+            job(runs["blow-up"], 2), job(runs["blow-up"], STEPS, "blow-up"),
+            job(runs["blow-up-fsdp"], 2), job(runs["blow-up-fsdp"], STEPS, "blow-up-fsdp"),
+            job(runs["turns"], MULTI_TURN_STEPS, "turns"), job(runs["turns-fsdp"], MULTI_TURN_STEPS, "turns-fsdp"),
+            job(runs["turns-at-step-2"], 2, "turns"), job(runs["shards"], STEPS, "shards-of-3"),
+            job(runs["live"], STEPS, "live")]  # last: its collector stand-in appends until the ranks exit
+    with growing_buffer(runs["live"]):
+        torchrun_jobs(2, jobs)
+    return runs
+
+
+@contextlib.contextmanager
+def growing_buffer(root: Path):
+    """A collector stand-in appending 8 rows at a time to the buffer of ``root`` once its learner has
+    set up (imports take long on a loaded machine: rows arrive as it trains), until the block ends."""
+    source = rows(ROWS + 8 * 2000)
+    stop = threading.Event()
+
+    def collect() -> None:
+        while not RunPaths(root).pacing.exists() and not stop.wait(0.05):
+            pass
+        store = open_store(RunPaths(root).buffer, mode="a", durable=False)
+        try:
+            for start in range(ROWS, len(source), 8):
+                if stop.wait(0.03):
+                    break
+                store.append(source.select(slice(start, start + 8)))
+        finally:
+            store.close()
+
+    writer = threading.Thread(target=collect)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join()
 
 
 def test_torchrun_environment_names_the_ranks():
@@ -96,10 +164,8 @@ def test_ranks_take_disjoint_slices_covering_the_draw():
     assert mine.tolist() == [7] and filler
 
 
-def test_two_ranks_train_like_one(one_rank, tmp_path):
-    root = tmp_path / "two-ranks"
-    make_run(root)
-    torchrun(2, root, STEPS)
+def test_two_ranks_train_like_one(one_rank, two_rank_runs):
+    root = two_rank_runs["plain"]
     expected = losses(one_rank)
     assert len(expected) == STEPS and len(losses(root)) == STEPS  # rank 0 alone wrote the metrics
     torch.testing.assert_close(losses(root), expected, rtol=1e-4, atol=1e-6)
@@ -114,10 +180,9 @@ def test_two_ranks_train_like_one(one_rank, tmp_path):
     assert [m["charts/rows"] for m in read_metrics(RunPaths(root).metrics)] == [16, 16, ROWS - 32, 16]
 
 
-def test_a_two_rank_checkpoint_resumes_on_one_rank(one_rank, tmp_path):
+def test_a_two_rank_checkpoint_resumes_on_one_rank(one_rank, two_rank_runs, tmp_path):
     root = tmp_path / "resumed"
-    make_run(root)
-    torchrun(2, root, 2)  # checkpoint_every=2: the checkpoint at step 2
+    shutil.copytree(two_rank_runs["at-step-2"], root)
     assert CheckpointManager(root / "checkpoints").latest_step() == SETTINGS.checkpoint_every
     train(root, STEPS)  # the same run directory, now one rank
     torch.testing.assert_close(losses(root), losses(one_rank), rtol=1e-4, atol=1e-6)
@@ -147,13 +212,12 @@ def test_a_data_parallel_prefetcher_delivers_every_draw_it_made_after_a_stop():
         prefetcher.close(timeout_s=5)
 
 
-def test_a_stop_that_reaches_rank_zero_alone_stops_every_rank_and_resumes_exactly(one_rank, tmp_path):
+def test_a_stop_that_reaches_rank_zero_alone_stops_every_rank_and_resumes_exactly(one_rank, two_rank_runs, tmp_path):
     """Every rank prefetches: rank 0 has shared draws ahead of the step that stops, and rank 1 has read
     its slices of them. Both ranks stop at the same step (neither waits for the other forever), the
     checkpoint names the draws trained, and the draws shared ahead are drawn again on resume."""
     root = tmp_path / "stopped"
-    make_run(root)
-    torchrun(2, root, STEPS, "stop")
+    shutil.copytree(two_rank_runs["stopped"], root)
     assert CheckpointManager(root / "checkpoints").latest_step() == STOP_AT_STEP
     assert len(losses(root)) == STOP_AT_STEP
     train(root, STEPS)  # resumed on one rank
@@ -163,33 +227,10 @@ def test_a_stop_that_reaches_rank_zero_alone_stops_every_rank_and_resumes_exactl
         torch.testing.assert_close(resumed[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_two_ranks_train_on_rank_zeros_draws_while_the_buffer_grows(tmp_path):
+def test_two_ranks_train_on_rank_zeros_draws_while_the_buffer_grows(two_rank_runs):
     """A collector stand-in appends to the buffer while 2 ranks train with a sampler that waits
     for new rows: each rank refreshing and drawing on its own would see other rows."""
-    root = tmp_path / "live"
-    make_run(root)
-    source = rows(ROWS + 8 * 2000)
-    stop = threading.Event()
-
-    def collect() -> None:
-        while not RunPaths(root).pacing.exists() and not stop.wait(0.05):
-            pass  # rank 0 has set up (imports take long on a loaded machine): rows arrive as it trains
-        store = open_store(RunPaths(root).buffer, mode="a", durable=False)
-        try:
-            for start in range(ROWS, len(source), 8):
-                if stop.wait(0.03):
-                    break
-                store.append(source.select(slice(start, start + 8)))
-        finally:
-            store.close()
-
-    writer = threading.Thread(target=collect)
-    writer.start()
-    try:
-        torchrun(2, root, STEPS, "live")
-    finally:
-        stop.set()
-        writer.join()
+    root = two_rank_runs["live"]
     rank0, rank1 = ([json.loads(line) for line in (root / f"rows-rank{r}.jsonl").read_text().splitlines()]
                     for r in range(2))
     assert [line["step"] for line in rank0] == [line["step"] for line in rank1] == list(range(1, STEPS + 1))
@@ -217,22 +258,29 @@ def assert_trains_like(root: Path, reference: Path) -> None:
         torch.testing.assert_close(trained[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_three_ranks_over_four_shards_read_their_own_shards_and_train_like_one(one_rank_shards, tmp_path):
-    """Shard affinity: rank r trains the rows of the shards k with k mod 3 == r (rank 0 two shards,
-    the others one), every step; the global batch is still the exact sampler's even share of every
-    shard, so the losses and weights are one rank's."""
-    root = tmp_path / "three-ranks"
-    make_sharded_run(root)
-    torchrun(3, root, STEPS, "shards")
-    assert_trains_like(root, one_rank_shards)
+@pytest.fixture(scope="module")
+def one_rank_three_shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dp-three-shards") / "one-rank"
+    make_sharded_run(root, shards=3)
+    train(root, STEPS, mode="shards-of-3")
+    return root
+
+
+def test_two_ranks_over_three_shards_read_their_own_shards_and_train_like_one(one_rank_three_shards, two_rank_runs):
+    """Shard affinity: rank r trains the rows of the shards k with k mod 2 == r (rank 0 two shards, rank 1
+    one: slices of unequal sizes), every step; the global batch is still the exact sampler's even share of
+    every shard, so the losses and weights are one rank's. (Two ranks, in the module's one set of ranks:
+    three of their own cost as much again; three ranks over four shards: the S3 tests below.)"""
+    root = two_rank_runs["shards"]
+    assert_trains_like(root, one_rank_three_shards)
     per_rank = [[json.loads(line) for line in (root / f"rows-rank{r}.jsonl").read_text().splitlines()]
-                for r in range(3)]
+                for r in range(2)]
     for step in range(STEPS):
         shards_of = [{tid // ROWS_PER_SHARD for tid in lines[step]["rows"]} for lines in per_rank]
-        assert shards_of == [{0, 3}, {1}, {2}], (step, shards_of)
+        assert shards_of == [{0, 2}, {1}], (step, shards_of)
         trained_ids = sorted(tid for lines in per_rank for tid in lines[step]["rows"])
-        share = SETTINGS.batch_size // SHARDS  # oldest first in each shard
-        assert trained_ids == [k * ROWS_PER_SHARD + step * share + i for k in range(SHARDS) for i in range(share)]
+        share = THREE_SHARDS_SETTINGS.batch_size // 3  # oldest first in each shard
+        assert trained_ids == [k * ROWS_PER_SHARD + step * share + i for k in range(3) for i in range(share)]
 
 
 def _view_requests(sent) -> list[tuple[str, str]]:
@@ -306,13 +354,11 @@ def test_ranks_resuming_over_a_url_buffer_open_it_from_rank_zeros_records(s3_ser
         assert any("/units/" in path for _, path in by_rank[rank]), rank  # it read its rows itself
 
 
-def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(one_rank, tmp_path):
+def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(one_rank, two_rank_runs, tmp_path):
     """FSDP2 (every block and the root sharded over 2 gloo ranks) through micro-batching, a filler
     step and an epoch boundary: the 1-rank losses and weights. Its checkpoints hold the whole
     model and optimizer state: the one at step 2 resumes in a plain process to the same end."""
-    root = tmp_path / "fsdp"
-    make_run(root)
-    torchrun(2, root, STEPS, "fsdp")
+    root = two_rank_runs["fsdp"]
     torch.testing.assert_close(losses(root), losses(one_rank), rtol=1e-4, atol=1e-6)
     reference, trained = final_weights(one_rank), final_weights(root)
     assert trained.keys() == reference.keys()  # whole tensors under the plain model's names
@@ -332,24 +378,12 @@ def test_fsdp_ranks_train_like_one_and_their_checkpoint_resumes_on_one_ddp_rank(
         torch.testing.assert_close(value, reference[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-@pytest.fixture(scope="module")
-def two_ranks_at_step_2(tmp_path_factory) -> Path:
-    """A run two ranks trained to its checkpoint at step 2 (``checkpoint_every=2``), for tests to copy."""
-    root = tmp_path_factory.mktemp("dp") / "two-ranks-at-step-2"
-    make_run(root)
-    torchrun(2, root, 2)
-    return root
-
-
 @pytest.mark.parametrize("mode", ["blow-up", "blow-up-fsdp"])
-def test_every_rank_refuses_a_step_whose_weights_are_not_finite_and_the_checkpoint_stays(two_ranks_at_step_2,
-                                                                                       tmp_path, mode):
-    """Weights that overflow after step 3 (a learning rate of 1e30): both ranks refuse that step with the
-    same line (FSDP's shards are gathered to name the parameter), none hangs, and nothing of it is
-    published or checkpointed."""
-    root = tmp_path / mode
-    shutil.copytree(two_ranks_at_step_2, root)
-    torchrun(2, root, STEPS, mode, fails=True)
+def test_every_rank_refuses_a_step_whose_weights_are_not_finite_and_the_checkpoint_stays(two_rank_runs, mode):
+    """Weights that overflow after step 3 (a learning rate of 1e30, from the run's checkpoint at step 2):
+    both ranks refuse that step with the same line (FSDP's shards are gathered to name the parameter),
+    none hangs (the ranks went on to their next runs), and nothing of it is published or checkpointed."""
+    root = two_rank_runs[mode]
     refusals = [(root / f"refused-rank{rank}.txt").read_text() for rank in range(2)]
     assert refusals[0] == refusals[1]
     assert refusals[0].startswith("learner step 3 refused: the weights after the optimizer step are not finite ('")
@@ -401,13 +435,11 @@ def test_one_rank_trains_the_multi_turn_buffer_as_designed(one_rank_multi_turn):
 
 
 @pytest.mark.parametrize("mode", ["turns", "turns-fsdp"])
-def test_two_ranks_train_multi_turn_trajectories_like_one(one_rank_multi_turn, tmp_path, mode):
+def test_two_ranks_train_multi_turn_trajectories_like_one(one_rank_multi_turn, two_rank_runs, mode):
     """Each rank reads its slice of the draw's trajectories whole; fillers where a rank's slice ends
     none or is masked away, a draw that ends none skipped on every rank: the 1-rank losses, weights
     and counts, under DDP and FSDP."""
-    root = tmp_path / mode
-    make_multi_turn_run(root)
-    torchrun(2, root, MULTI_TURN_STEPS, mode)
+    root = two_rank_runs[mode]
     torch.testing.assert_close(losses(root), losses(one_rank_multi_turn), rtol=1e-4, atol=1e-6)
     reference, trained = final_weights(one_rank_multi_turn), final_weights(root)
     for key in reference:
@@ -420,12 +452,11 @@ def test_two_ranks_train_multi_turn_trajectories_like_one(one_rank_multi_turn, t
         assert [r.get(key) for r in got] == pytest.approx([r.get(key) for r in want]), key
 
 
-def test_a_two_rank_multi_turn_checkpoint_resumes_on_one_rank(one_rank_multi_turn, tmp_path):
+def test_a_two_rank_multi_turn_checkpoint_resumes_on_one_rank(one_rank_multi_turn, two_rank_runs, tmp_path):
     """Narrowing draws to trajectory ends keeps no state of its own: rank 0's checkpoint at step 2
     (after a filler step; a skipped draw lies just ahead) resumes on one rank to the same end."""
     root = tmp_path / "resumed"
-    make_multi_turn_run(root)
-    torchrun(2, root, 2, "turns")
+    shutil.copytree(two_rank_runs["turns-at-step-2"], root)
     assert CheckpointManager(root / "checkpoints").latest_step() == 2
     train(root, MULTI_TURN_STEPS, mode="turns")
     torch.testing.assert_close(losses(root), losses(one_rank_multi_turn), rtol=1e-4, atol=1e-6)

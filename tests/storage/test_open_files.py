@@ -103,27 +103,29 @@ def test_a_sharded_reader_keeps_a_bounded_number_of_files_open(tmp_path):
 
 @pytest.mark.slow
 def test_a_long_run_under_a_low_descriptor_limit_finishes(tmp_path):
-    """2,000 learner-like steps over 500 segments of a store without capacity, with a collector-like
-    writer in the same process, under ``ulimit -n 128`` (before the fix: EMFILE at segment ~6)."""
+    """600 learner-like steps over 150 segments of a store without capacity (each of ~18 files: 20 times
+    the descriptor limit's worth), with a collector-like writer in the same process, under ``ulimit -n 128``
+    (before the fix: EMFILE at segment ~6), reading anywhere with 16 segments mapped at most (a ninth of
+    them)."""
     import re
     import resource
     import subprocess
     import sys
     from pathlib import Path
 
-    limit, mapped_segments = 128, 64
+    limit, mapped_segments = 128, 16
 
     def low_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
     worker = Path(__file__).with_name("fd_limit_worker.py")
-    result = subprocess.run([sys.executable, str(worker), str(tmp_path / "buffer"), "2000", str(mapped_segments)],
+    result = subprocess.run([sys.executable, str(worker), str(tmp_path / "buffer"), "600", str(mapped_segments)],
                             preexec_fn=low_limit, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     found = re.search(r"segments (\d+) fds (\d+)->(\d+) maps (\d+)->(\d+)", result.stdout)
     assert found, result.stdout
     segments, fds_early, fds_late, maps_early, maps_late = map(int, found.groups())
-    assert segments == 501
+    assert segments == 151
     assert fds_late <= fds_early + 2
     # one mapping per file of a mapped segment (18 at most), plus the row index's arrays
     assert maps_late <= maps_early + mapped_segments * 18
