@@ -139,9 +139,10 @@ def test_plot_draws_each_branch_from_its_branch_step_beside_its_parent(runs):
     assert [r["step"] for r in alone["faster (branch at step 6)"].records] == list(range(1, 13))
 
 
-def test_a_branch_killed_mid_run_resumes_to_what_it_trains_uninterrupted(runs):
+def test_a_branch_killed_mid_run_resumes_to_what_it_trains_uninterrupted(runs, capfd):
     """Two more branches at step 6, both trained to 4 epochs (24 steps): one in this process, one
-    as the CLI runs it, killed with SIGKILL after its first steps and started again."""
+    as the CLI runs it, killed with SIGKILL after its first steps and started again (the same command,
+    in this process: the kill is what matters, and a process of its own would import torch again)."""
     parent, _, _ = runs
     home, source = parent.parent, Path(json.loads((parent / "settings.json").read_text())["replay"]["buffer"])
     assert main(["branch", str(parent), "--from-step", "6", "long"]) == 0
@@ -158,9 +159,9 @@ def test_a_branch_killed_mid_run_resumes_to_what_it_trains_uninterrupted(runs):
     err = kill_when(first, lambda: metrics.read_text().count("\n") >= 9, timeout=240, poll_s=0.01, wait_s=60)
     assert first.returncode == -signal.SIGKILL, err[-3000:]
     assert 9 <= len(read_metrics(metrics)) < 24, "the kill came after the branch had finished; nothing was resumed"
-    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stderr
+    capfd.readouterr()
+    assert main(command[3:]) == 0
+    assert "resuming from" in capfd.readouterr().err
     killed, plain = home / "long-killed", home / "long"
     assert [m["step"] for m in read_metrics(metrics)] == list(range(1, 25))
     assert trained(killed) == trained(plain) and rows(killed) == rows(plain)
@@ -323,17 +324,18 @@ def printed_command(err: str, kind: str) -> list[str]:
     return [sys.executable, "-m", "rlhf_pipeline.cli.main", *words[1:]]
 
 
-def test_the_printed_replay_command_continues_the_branch_with_the_parents_settings(runs, capsys):
+def test_the_printed_replay_command_continues_the_branch_with_the_parents_settings(runs, capfd):
     """``branch`` printed ``replay PIPELINE.py ...`` with only the branch's --set: pasted, it was no
     command, and given the pipeline without the parent's other --sets the learner settings changed
-    with only a note (issue 41). Now it is the parent's command, run here verbatim."""
+    with only a note (issue 41). Now it is the parent's command, run here verbatim (its words, in this
+    process: the online one, test_the_printed_run_command_..., is run as a command)."""
     parent, _, faster = runs
     assert main(["branch", str(parent), "--from-step", "6", "pasted", "--set", "learner.lr=1e-3"]) == 0
-    command = printed_command(capsys.readouterr().err, "replay")
-    ran = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=600)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    assert "resuming from" in ran.stderr and "changed" not in ran.stderr, ran.stderr[-3000:]
+    command = printed_command(capfd.readouterr().err, "replay")
+    assert command[:3] == [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    assert main(command[3:]) == 0
+    err = capfd.readouterr().err
+    assert "resuming from" in err and "changed" not in err, err[-3000:]
     pasted = parent.parent / "pasted"
     assert json.loads((pasted / "settings.json").read_text()) == json.loads((faster / "settings.json").read_text())
     assert trained(pasted) == trained(faster) and rows(pasted) == rows(faster)
