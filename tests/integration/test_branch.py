@@ -139,9 +139,10 @@ def test_plot_draws_each_branch_from_its_branch_step_beside_its_parent(runs):
     assert [r["step"] for r in alone["faster (branch at step 6)"].records] == list(range(1, 13))
 
 
-def test_a_branch_killed_mid_run_resumes_to_what_it_trains_uninterrupted(runs):
+def test_a_branch_killed_mid_run_resumes_to_what_it_trains_uninterrupted(runs, capfd):
     """Two more branches at step 6, both trained to 4 epochs (24 steps): one in this process, one
-    as the CLI runs it, killed with SIGKILL after its first steps and started again."""
+    as the CLI runs it, killed with SIGKILL after its first steps and started again (the same command,
+    in this process: the kill is what matters, and a process of its own would import torch again)."""
     parent, _, _ = runs
     home, source = parent.parent, Path(json.loads((parent / "settings.json").read_text())["replay"]["buffer"])
     assert main(["branch", str(parent), "--from-step", "6", "long"]) == 0
@@ -158,9 +159,9 @@ def test_a_branch_killed_mid_run_resumes_to_what_it_trains_uninterrupted(runs):
     err = kill_when(first, lambda: metrics.read_text().count("\n") >= 9, timeout=240, poll_s=0.01, wait_s=60)
     assert first.returncode == -signal.SIGKILL, err[-3000:]
     assert 9 <= len(read_metrics(metrics)) < 24, "the kill came after the branch had finished; nothing was resumed"
-    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stderr
+    capfd.readouterr()
+    assert main(command[3:]) == 0
+    assert "resuming from" in capfd.readouterr().err
     killed, plain = home / "long-killed", home / "long"
     assert [m["step"] for m in read_metrics(metrics)] == list(range(1, 25))
     assert trained(killed) == trained(plain) and rows(killed) == rows(plain)
@@ -201,21 +202,15 @@ ONLINE = ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "learner.
           "learner.keep_checkpoints=1", "learner.checkpoint_keep_every=4"]
 
 
-def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_branch_step_only(tmp_path, capsys):
-    import subprocess
-    import sys
-
+def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_branch_step_only(online_parent,
+                                                                                              capsys):
     from rlhf_pipeline.storage import open_buffer
 
-    sets = [arg for item in ONLINE for arg in ("--set", item)]
-    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
-                          str(tmp_path), "--run-name", "parent", *sets], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    parent = tmp_path / "parent"
+    parent = online_parent  # tests/integration/conftest.py
+    home = parent.parent  # where its branches are made
     before = digest(parent)
     assert main(["branch", str(parent), "--from-step", "4", "offline", "--set", "learner.lr=1e-3"]) == 0
-    branch = tmp_path / "offline"
+    branch = home / "offline"
     assert f"rlhf-pipeline replay {branch / 'pipeline.py'} --buffer {branch / 'parent-rows'}" in capsys.readouterr().err
     record = json.loads((branch / "branch.json").read_text())
     with open_buffer(parent / "buffer") as whole, open_buffer(branch / "parent-rows") as at_step:
@@ -239,10 +234,10 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     assert str(parent / "buffer" / "shard-0000") in verified and "no damage found" in verified, verified
     # a branch of a branch never continued reads the same rows, through its own copy of the selection
     assert main(["branch", str(branch), "--from-step", "4", "again"]) == 0
-    with open_buffer(tmp_path / "again" / "parent-rows") as again:
+    with open_buffer(home / "again" / "parent-rows") as again:
         assert len(again) == published
     # offline it continues over those rows only (online: tests/integration/test_branch_online.py)
-    assert replay_command(DEFAULT, ReplayOptions(buffer=str(branch / "parent-rows"), steps=8), home=str(tmp_path),
+    assert replay_command(DEFAULT, ReplayOptions(buffer=str(branch / "parent-rows"), steps=8), home=str(home),
                           run_name="offline", overrides=ONLINE + ["learner.lr=1e-3"]) == 0
     metrics = read_metrics(branch / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9))
@@ -250,12 +245,12 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     trained_ids = {i for r in read_metrics(branch / "batches.jsonl") for i in r["trajectory_ids"]}
     assert trained_ids and trained_ids <= readable and not trained_ids & later
     assert digest(parent) == before  # the parent's files were only read
-    assert main(["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "offline"]) == 2  # no longer online
+    assert main(["learn", DEFAULT, "--home", str(home), "--run-name", "offline"]) == 2  # no longer online
     err = capsys.readouterr().err
     assert "it was continued offline already (it has a checkpoint of step 8)" in err
     # the command it names is the one branch printed: the branch's pipeline copy and every --set
     assert (f"continue it offline with rlhf-pipeline replay {branch / 'pipeline.py'} --buffer "
-            f"{branch / 'parent-rows'} --home {tmp_path} --run-name offline --set group_size=4") in err, err
+            f"{branch / 'parent-rows'} --home {home} --run-name offline --set group_size=4") in err, err
     assert "--set learner.lr=0.001" in err, err
     assert main(["inspect", str(branch)]) == 0
     assert f"branched from  {parent} at step 4" in capsys.readouterr().out
@@ -264,7 +259,7 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     assert f"{branch} (from step 4; reads the parent's rows below {shards})" in capsys.readouterr().out
     # once replayed, the branch is a replay: its branches continue with replay over the same rows
     assert main(["branch", str(branch), "--from-step", "8", "later"]) == 0
-    assert json.loads((tmp_path / "later" / "branch.json").read_text())["replay_source"] == str(
+    assert json.loads((home / "later" / "branch.json").read_text())["replay_source"] == str(
         branch / "parent-rows")
 
 
@@ -329,31 +324,28 @@ def printed_command(err: str, kind: str) -> list[str]:
     return [sys.executable, "-m", "rlhf_pipeline.cli.main", *words[1:]]
 
 
-def test_the_printed_replay_command_continues_the_branch_with_the_parents_settings(runs, capsys):
+def test_the_printed_replay_command_continues_the_branch_with_the_parents_settings(runs, capfd):
     """``branch`` printed ``replay PIPELINE.py ...`` with only the branch's --set: pasted, it was no
     command, and given the pipeline without the parent's other --sets the learner settings changed
-    with only a note (issue 41). Now it is the parent's command, run here verbatim."""
+    with only a note (issue 41). Now it is the parent's command, run here verbatim (its words, in this
+    process: the online one, test_the_printed_run_command_..., is run as a command)."""
     parent, _, faster = runs
     assert main(["branch", str(parent), "--from-step", "6", "pasted", "--set", "learner.lr=1e-3"]) == 0
-    command = printed_command(capsys.readouterr().err, "replay")
-    ran = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=600)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    assert "resuming from" in ran.stderr and "changed" not in ran.stderr, ran.stderr[-3000:]
+    command = printed_command(capfd.readouterr().err, "replay")
+    assert command[:3] == [sys.executable, "-m", "rlhf_pipeline.cli.main"]
+    assert main(command[3:]) == 0
+    err = capfd.readouterr().err
+    assert "resuming from" in err and "changed" not in err, err[-3000:]
     pasted = parent.parent / "pasted"
     assert json.loads((pasted / "settings.json").read_text()) == json.loads((faster / "settings.json").read_text())
     assert trained(pasted) == trained(faster) and rows(pasted) == rows(faster)
 
 
-def test_the_printed_run_command_continues_a_branch_online_with_the_parents_settings(tmp_path, capsys):
-    sets = [arg for item in ONLINE for arg in ("--set", item)]
-    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
-                          str(tmp_path), "--run-name", "parent", *sets], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    assert main(["branch", str(tmp_path / "parent"), "--from-step", "4", "online", "--set", "learner.lr=1e-3"]) == 0
+def test_the_printed_run_command_continues_a_branch_online_with_the_parents_settings(online_parent, tmp_path,
+                                                                                     capsys):
+    assert main(["branch", str(online_parent), "--from-step", "4", "online", "--set", "learner.lr=1e-3"]) == 0
     err = capsys.readouterr().err
-    branch = tmp_path / "online"
+    branch = online_parent.parent / "online"
     made_with = (branch / "settings.json").read_text()
     ran = subprocess.run(printed_command(err, "run"), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]

@@ -1,10 +1,10 @@
 """A branch of a run with collectors, continued online with ``run`` (``runs/branch_online.py``).
 
-The parent (the default pipeline, single-turn, its tiny model on CPU with a collector) trains 40
-steps; it is branched at step 20. ``run`` on the branch with nothing changed trains the parent's
-steps 21-40 exactly: the same rows, including those its collector generates again after step 20,
-the same losses and weights. A branch with another learning rate differs from step 21 on and reads
-no row the parent wrote after step 20; two branches never see each other's rows; the parent's files
+The parent (the default pipeline, single-turn, its tiny model on CPU with a collector) trains 16
+steps; it is branched at step 8. ``run`` on the branch with nothing changed trains the parent's
+steps 9-16 exactly: the same rows, including those its collector generates again after step 8,
+the same losses and weights. A branch with another learning rate differs from step 9 on and reads
+no row the parent wrote after step 8; two branches never see each other's rows; the parent's files
 stay byte-identical. A branch's ``run`` killed with SIGKILL (launcher and children at once) after
 its first steps and started again ends where the uninterrupted one does.
 """
@@ -41,7 +41,7 @@ SETTINGS = ["warm_start_steps=60", "prompts_per_round=4", "group_size=4", "learn
 # timings, and how many rows the collector had written when a step was taken (it may be a round
 # ahead, as pacing allows, or not yet: a race, not what was trained); the learning rate apart
 NOT_COMPARED = ("time", "tokens_per_s", "_s", "learning_rate", "buffer_rows", "rows_generated")
-STEPS, BRANCH_AT = 40, 20  # a multiple of checkpoint_keep_every: a kept rewind point
+STEPS, BRANCH_AT = 16, 8  # a multiple of checkpoint_keep_every: a kept rewind point
 FIELDS = ("trajectory_id", "group_id", "policy_version", "reward", "response_tokens", "prompt_tokens")
 
 

@@ -32,6 +32,7 @@ from rlhf_pipeline.coordination.weights import latest_version
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
+# a short run's settings, which tests/integration/test_s3_buffers.py's runs take
 SMALL = ["--set", "warm_start_steps=5", "--set", "prompts_per_round=4", "--set", "group_size=4",
          "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",
          "--set", "learner.new_rows_per_step=16", "--set", "learner.checkpoint_every=2"]
@@ -56,33 +57,6 @@ def assert_whole_groups_with_normalized_advantages(run: Path) -> None:
             assert float(adv.std()) == pytest.approx(1.0, abs=1e-3)
         else:
             assert torch.all(adv == 0)
-
-
-def test_run_writes_rows_trains_and_logs(tmp_path):
-    # on a terminal, as a user starts it: the learner draws its bar there, beside the collector's lines
-    code, shown = run_on_terminal([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "3",
-                                   "--home", str(tmp_path), "--run-name", "smoke", *SMALL], cwd=REPO)
-    output, lines = shown.decode(errors="replace"), screen_lines(shown)
-    assert code == 0, output[-3000:]
-    assert "[run] done: 3 learner steps" in output
-    assert any(line.startswith("learner: 100%") for line in lines), lines
-    # nothing said that is not ours to say (issue 33): transformers' deprecation of the cache's old
-    # name at the collector's start, a leaked semaphore at the end; no line glued to the bar
-    assert "deprecated" not in output and "leaked semaphore" not in output, output
-    assert all(line.startswith("[collector]") for line in lines if "[collector]" in line), lines
-    run = tmp_path / "smoke"
-    assert_whole_groups_with_normalized_advantages(run)  # with every engine: test_rows_are_whole_groups_...
-
-    # the learner took its steps, published weights and checkpointed
-    records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(r["charts/rows"] == 16 and r["losses/grad_norm"] >= 0 for r in records)
-    assert latest_version(run) == 3
-    # each with its rewind record (learn/checkpoint.py): where the buffer stood, readable without torch
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "step_00000002.json", "step_00000002.pt", "step_00000003.json", "step_00000003.pt"]
-    assert any((run / "tensorboard").iterdir())
-    assert (run / "STOP").exists()  # the collector was told to stop, and did (run returned)
 
 
 def test_bad_settings_fail_before_any_work(tmp_path):
@@ -148,11 +122,41 @@ def engine_command(engine, home: Path, name: str = "run", heads: list[str] = NUM
 
 @pytest.fixture(scope="module")
 def engine_run(engine, tmp_path_factory):
-    """A finished 4-step run of the default pipeline generating with ``engine``: (run dir, its stderr)."""
+    """A finished 4-step run of the default pipeline generating with ``engine``: (run dir, its stderr).
+    With the loop, on a terminal as a user starts it (its stderr then: all the terminal received), which
+    test_run_writes_rows_trains_and_logs reads."""
     home = tmp_path_factory.mktemp(f"run-{engine.name}")
+    if engine.name == "loop":
+        code, shown = run_on_terminal(engine_command(engine, home), cwd=REPO, timeout=900)
+        assert code == 0, shown.decode(errors="replace")[-4000:]
+        return home / "run", shown.decode(errors="replace")
     result = subprocess.run(engine_command(engine, home), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return home / "run", result.stderr
+
+
+@pytest.mark.parametrize("engine", ["loop"], indirect=True)
+def test_run_writes_rows_trains_and_logs(engine_run):
+    run, output = engine_run
+    lines = screen_lines(output.encode())
+    assert f"[run] done: {STEPS} learner steps" in output
+    # the learner draws its bar on the terminal, beside the collector's lines
+    assert any(line.startswith("learner: 100%") for line in lines), lines
+    # nothing said that is not ours to say (issue 33): transformers' deprecation of the cache's old
+    # name at the collector's start, a leaked semaphore at the end; no line glued to the bar
+    assert "deprecated" not in output and "leaked semaphore" not in output, output
+    assert all(line.startswith("[collector]") for line in lines if "[collector]" in line), lines
+
+    # the learner took its steps, published weights and checkpointed, with its rewind record
+    # (learn/checkpoint.py): where the buffer stood, readable without torch (a checkpoint at a stop
+    # between learner.checkpoint_every steps: test_launcher_signals.py)
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["charts/rows"] == 16 and r["losses/grad_norm"] >= 0 for r in records)
+    assert latest_version(run) == STEPS
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000004.json", "step_00000004.pt"]
+    assert any((run / "tensorboard").iterdir())
+    assert (run / "STOP").exists()  # the collector was told to stop, and did (run returned)
 
 
 def test_rows_are_whole_groups_with_advantages_normalized_within_each(engine_run):

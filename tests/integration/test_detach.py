@@ -37,16 +37,11 @@ def held_ids(selection) -> list[int]:
         return store.read(torch.arange(len(store)), fields=("trajectory_id",))["trajectory_id"].tolist()
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """A parent trained 8 steps with its collector; branches at step 4 made by the tests."""
-    home = tmp_path_factory.mktemp("home")
-    sets = [arg for item in ONLINE for arg in ("--set", item)]
-    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
-                          str(home), "--run-name", "parent", *sets], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    return home
+@pytest.fixture()
+def home(online_parent):
+    """Where a parent trained 8 steps with its collector is (tests/integration/conftest.py); branches at
+    step 4 made by the tests beside it."""
+    return online_parent.parent
 
 
 def test_a_detached_branch_trains_the_same_after_its_parent_is_deleted(home, capsys):

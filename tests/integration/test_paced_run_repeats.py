@@ -1,4 +1,5 @@
-"""Two paced runs of the default pipeline with one seed train on the same rows, one under load.
+"""Two paced runs of the default pipeline with one seed train on the same rows, one of them with its
+learner and collector paused at random moments.
 
 Which weights a collector round uses is fixed by pacing (``rlhf_pipeline/coordination/pacing.py``), not by
 whether the learner published its next version before the round began, so nothing that depends
@@ -7,13 +8,18 @@ on timing reaches the numbers: the same rewards, losses and policy versions, ste
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_child_pids
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.storage import open_buffer
@@ -29,10 +35,32 @@ SMALL = ["--set", "warm_start_steps=5", "--set", "prompts_per_round=4", "--set",
 TIMING = ("time", "tokens_per_s", "_s")  # metrics that measure time, not what was trained
 
 
-def run_default(home: Path, name: str, *settings: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
-                           "--home", str(home), "--run-name", name, *SMALL, *settings], cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+def run_default(home: Path, name: str) -> list[str]:
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS), "--home", str(home),
+            "--run-name", name, *SMALL]
+
+
+def pause_at_random(home: Path, name: str, done: threading.Event) -> int:
+    """Until ``done``: the run's learner or collector, picked at random, stopped (SIGSTOP) for up to
+    50 ms at random moments, so that each wait and publish of one process shifts against the other's
+    (two busy loops did this once, burning both cores for the whole run). Returns how many pauses landed."""
+    rng, paused, pids = random.Random(7), 0, {}
+    while not done.wait(rng.uniform(0.005, 0.05)):
+        role = rng.choice(("learn", "collect"))
+        if role not in pids:  # looked up until found: the children start after the launcher
+            pids.update({role: found[0] for found in [run_child_pids(role, str(home), name)] if found})
+            continue
+        try:
+            os.kill(pids[role], signal.SIGSTOP)
+        except ProcessLookupError:
+            break  # the run is ending
+        try:
+            done.wait(rng.uniform(0.001, 0.05))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[role], signal.SIGCONT)
+        paused += 1
+    return paused
 
 
 def what_was_trained(run: Path) -> dict:
@@ -54,15 +82,20 @@ def assert_trained_the_same(first: dict, second: dict) -> None:
 
 @pytest.mark.slow
 def test_two_paced_runs_with_one_seed_train_on_the_same_rows(tmp_path):
-    first = run_default(tmp_path, "quiet")
+    first = subprocess.run(run_default(tmp_path, "quiet"), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
-    # the second run shares the CPU with a busy loop per core, to shift every wait and publish
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    loaded = subprocess.Popen(run_default(tmp_path, "paused"), cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    done, pauses = threading.Event(), []
+    pausing = threading.Thread(target=lambda: pauses.append(pause_at_random(tmp_path, "paused", done)))
+    pausing.start()
     try:
-        second = run_default(tmp_path, "loaded")
+        err = loaded.communicate(timeout=900)[1]
     finally:
-        for process in busy:
-            process.kill()
-            process.wait()
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert_trained_the_same(what_was_trained(tmp_path / "quiet"), what_was_trained(tmp_path / "loaded"))
+        done.set()
+        pausing.join()
+        if loaded.poll() is None:
+            loaded.kill()
+    assert loaded.returncode == 0, err[-3000:]
+    assert pauses[0] > 0  # the run was paused on its way
+    assert_trained_the_same(what_was_trained(tmp_path / "quiet"), what_was_trained(tmp_path / "paused"))

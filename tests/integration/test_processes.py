@@ -74,48 +74,6 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path, cap
     assert "group_size: was 4, now 8" in out and "--run-name" in out
 
 
-def test_two_collectors_feed_one_learner_through_buffer_shards(tmp_path):
-    """``run --collectors 2``: collector k writes buffer/shard-k, the learner samples both.
-
-    The window sampler makes no draw while a shard is empty, so even its first steps use both
-    collectors' rows; the exact sampler takes what the shards hold (tests/learn/test_exact_sampler.py).
-    """
-    result = subprocess.run(
-        [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2", "--steps", "4",
-         "--home", str(tmp_path), "--run-name", "two", *SMALL, "--set", "learner.sampler=window"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    run = tmp_path / "two"
-    # clean shutdown: the learner finished, wrote STOP, and both collectors ended on it
-    assert "[run] done: 4 learner steps" in result.stderr
-    # named alike: each of several by its index (collector 0 once said "[collector]" beside "[collector 1]")
-    assert "[collector 0] stopped after" in result.stderr and "[collector 1] stopped after" in result.stderr
-    assert "[collector] " not in result.stderr
-    assert (run / "STOP").exists()
-
-    # each collector wrote its own shard, with ids that carry its index, and kept its own state
-    assert [k for k, _ in list_shards(run / "buffer")] == [0, 1]
-    for k, path in list_shards(run / "buffer"):
-        with open_store(path, mode="r") as shard:
-            assert len(shard) > 0 and len(shard) % 4 == 0
-            ids = shard.read(torch.arange(len(shard)), fields=("group_id", "trajectory_id"))
-            assert bool((ids["group_id"] >> 40 == k).all()) and bool((ids["trajectory_id"] >> 40 == k).all())
-            assert decode(shard.writer_state, path)["writer"]["config"]["collector_index"] == k  # its own state
-
-    # the learner's union: ids unique across shards, whole groups of 4
-    with open_buffer(run / "buffer", mode="r") as union:
-        rows = union.read(torch.arange(len(union)), fields=("group_id", "trajectory_id", "policy_version"))
-    assert rows["trajectory_id"].unique().numel() == len(rows)
-    assert rows["group_id"].unique().numel() * 4 == len(rows)
-    assert int(rows["policy_version"].max()) >= 1  # collectors picked up published weights
-
-    # and it trained on rows of both collectors
-    records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert max(r["charts/collectors_in_batch"] for r in records) == 2
-
-
 def test_a_second_collector_with_a_live_ones_index_is_refused_in_one_line(tmp_path, capsys):
     """``collect --collector-index 0`` beside a live collector 0 printed a StoreLockedError traceback
     (exit 1) with Python advice (``mode='r'``); every other refusal is one line, exit 2."""
@@ -215,12 +173,19 @@ def test_settings_added_to_a_pipeline_since_a_run_started_keep_their_default(tmp
         prepare_run(changed, paths)
 
 
-def test_a_collector_killed_mid_run_of_a_sharded_zarr_buffer_resumes_exactly(tmp_path):
-    """kill -9 of collector 1 stops the run; the same command resumes; no round is lost or doubled."""
+def test_two_collectors_feed_one_learner_through_buffer_shards_and_one_killed_resumes_exactly(tmp_path):
+    """``run --collectors 2`` (a sharded Zarr buffer): collector k writes buffer/shard-k, the learner
+    samples both. kill -9 of collector 1 stops the run; the same command resumes it, no round lost or
+    doubled, and ends cleanly.
+
+    The window sampler makes no draw while a shard is empty, so even its first steps use both
+    collectors' rows; the exact sampler takes what the shards hold (tests/learn/test_exact_sampler.py).
+    """
     from rlhf_pipeline.storage import ShardedStoreReader
 
     command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2",
-               "--home", str(tmp_path), "--run-name", "crash", *SMALL, "--set", "buffer_backend=zarr"]
+               "--home", str(tmp_path), "--run-name", "crash", *SMALL, "--set", "buffer_backend=zarr",
+               "--set", "learner.sampler=window"]
     run = tmp_path / "crash"
     first = subprocess.Popen([*command, "--steps", "50"], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -233,19 +198,40 @@ def test_a_collector_killed_mid_run_of_a_sharded_zarr_buffer_resumes_exactly(tmp
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, stopped_at + 4))
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, stopped_at + 4))
+    # clean shutdown: the learner finished, wrote STOP, and both collectors ended on it
+    assert f"[run] done: {stopped_at + 3} learner steps" in resumed.stderr
+    # named alike: each of several by its index (collector 0 once said "[collector]" beside "[collector 1]")
+    assert "[collector 0] stopped after" in resumed.stderr and "[collector 1] stopped after" in resumed.stderr
+    assert "[collector] " not in resumed.stderr
+    assert (run / "STOP").exists()
 
     with open_buffer(run / "buffer", mode="r") as union:
         assert isinstance(union, ShardedStoreReader)
         assert {type(s).__name__ for s in union.shards.values()} == {"ZarrTrajectoryStore"}
+    # each collector wrote its own shard, with ids that carry its index, and kept its own state
+    assert [k for k, _ in list_shards(run / "buffer")] == [0, 1]
     for k, path in list_shards(run / "buffer"):
         with open_store(path, mode="r") as shard:
             ids = shard.read(torch.arange(len(shard)), fields=("trajectory_id", "group_id"))
+            assert decode(shard.writer_state, path)["writer"]["config"]["collector_index"] == k  # its own state
+        assert len(ids["trajectory_id"]) > 0 and len(ids["trajectory_id"]) % 4 == 0
+        assert bool((ids["group_id"] >> 40 == k).all()) and bool((ids["trajectory_id"] >> 40 == k).all())
         local = (ids["trajectory_id"] - (k << 40)).tolist()
         # every round exactly once: the ids the collector handed out, in order, without a gap
         assert local == list(range(len(local))), (k, local)
         groups = (ids["group_id"] - (k << 40)).tolist()
-        assert groups == [i // 4 for i in range(len(groups))], k
+        assert groups == [i // 4 for i in range(len(groups))], k  # whole groups of 4
+
+    # the learner's union: ids unique across shards, whole groups of 4
+    with open_buffer(run / "buffer", mode="r") as union:
+        rows = union.read(torch.arange(len(union)), fields=("group_id", "trajectory_id", "policy_version"))
+    assert rows["trajectory_id"].unique().numel() == len(rows)
+    assert rows["group_id"].unique().numel() * 4 == len(rows)
+    assert int(rows["policy_version"].max()) >= 1  # collectors picked up published weights
+    # and it trained on rows of both collectors
+    assert max(r["charts/collectors_in_batch"] for r in records) == 2
 
 
 def test_run_with_two_learner_ranks_writes_one_set_of_files(tmp_path):
@@ -590,6 +576,19 @@ def _collector(tmp_path: Path, run_url: str, machine: str) -> subprocess.Popen:
                             env={**os.environ, "XDG_CACHE_HOME": str(where / "cache"), "OMP_NUM_THREADS": "1"})
 
 
+def _collect_here(run_url: str) -> str:
+    """The collector's script run to its end in this process, which imported torch already (a process
+    of its own would import it again); what it printed."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(PENDING_COLLECTOR.format(tests=str(REPO / "tests"), pipeline=DEFAULT, run_url=run_url,
+                                      rows=PENDING_ROWS), {"__name__": "collector"})
+    return printed.getvalue()
+
+
 def _finish(process: subprocess.Popen) -> str:
     out, err = process.communicate(timeout=300)
     assert process.returncode == 0, out[-2000:] + err[-3000:]
@@ -616,9 +615,6 @@ def test_a_collector_killed_with_pending_groups_resumes_on_another_machine(run_h
     for name in ("crash", "plain"):
         _create_shard(f"{home}/{name}")
 
-    # the run nobody kills, meanwhile (it ends by itself): its rows do not depend on timing, and its
-    # start (importing torch) overlaps the other collectors' instead of following them
-    plain = _collector(tmp_path, f"{home}/plain", "machine-c")
     first = _collector(tmp_path, f"{home}/crash", "machine-a")
     acked: list[int] = []
     try:
@@ -644,7 +640,8 @@ def test_a_collector_killed_with_pending_groups_resumes_on_another_machine(run_h
     assert out.splitlines()[-1] == "finished 0"
     assert _nothing_local(tmp_path / "machine-b")
 
-    assert _finish(plain).splitlines()[-1] == "finished 0"
+    # the run nobody kills, in this process: its rows do not depend on timing
+    assert _collect_here(f"{home}/plain").splitlines()[-1] == "finished 0"
     crashed, plain = _rows(f"{home}/crash/buffer/{shard0}"), _rows(f"{home}/plain/buffer/{shard0}")
     ids = crashed["trajectory_id"]
     assert sorted(ids.tolist()) == list(range(PENDING_ROWS))  # every row once

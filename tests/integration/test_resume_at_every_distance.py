@@ -10,9 +10,9 @@ process: the learner on a thread, the collector (``collect_main``, as ``run`` st
 one. A kill ends the learner right after a step without the checkpoint a stop would save; its
 collector is then stopped as ``run`` stops it when its learner dies (``STOP``: it finishes its
 round), and both start again as the same command does. Each run is killed at every distance in
-turn, each time resumed from the same checkpoint (step 6, ``learner.checkpoint_every=6``): right
-after it (0), then 1, 2 and 5 (``checkpoint_every - 1``) steps past it, then it finishes; a
-resume after a resume is covered on the way. Once more with ``learn`` started again after each
+turn, each time resumed from the same checkpoint (step 3, ``learner.checkpoint_every=3``): right
+after it (0), then 1 and 2 (``checkpoint_every - 1``) steps past it, every distance a kill can be
+from its checkpoint, then it finishes; a resume after a resume is covered on the way. Once more with ``learn`` started again after each
 kill beside one ``collect`` that runs on (the long-running commands). The uninterrupted run of
 each pipeline is shared (a run at a URL trains as in a directory), and so is each pipeline's
 warm start. The real ``kill -9`` of a learner process at a URL: ``tests/integration/test_processes.py``.
@@ -41,8 +41,8 @@ from rlhf_pipeline.storage import open_buffer
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKPOINT_EVERY = 6
-DISTANCES = (0, 1, 2, CHECKPOINT_EVERY - 1)  # steps past the checkpoint at each kill
+CHECKPOINT_EVERY = 3
+DISTANCES = tuple(range(CHECKPOINT_EVERY))  # steps past the checkpoint at each kill: every distance
 STEPS = 2 * CHECKPOINT_EVERY  # one step past the furthest kill
 PIPELINES = {
     "default": ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "learner.batch_size=16",
@@ -184,7 +184,7 @@ def test_a_learner_killed_at_every_distance_from_its_checkpoint_resumes_as_if_ne
     else:
         for until in untils[:-1]:
             start(name, killed, untils=[until])
-            assert max(published_versions(killed.store)) == until  # the kill's distance from step 6
+            assert max(published_versions(killed.store)) == until  # the kill's distance from the checkpoint
         start(name, killed, untils=untils[-1:])
     plain = uninterrupted(name)
 

@@ -29,49 +29,6 @@ SMALL = ["--set", "warm_start_steps=20", "--set", "warm_start_check_tasks=0", "-
          "--set", "learner.sample_window=32", "--set", "log_rounds_every=1"]
 
 
-def test_run_trains_on_whole_multi_turn_trajectories(tmp_path):
-    """Also: the warm start's greedy check is printed after each stage, before RL starts; below the
-    target another stage runs, and below the usable bar the run warns (20 + 10 steps teach at most
-    the call's format)."""
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--steps", "3",
-                             "--home", str(tmp_path), "--run-name", "tools", *SMALL,
-                             "--set", "warm_start_check_tasks=8", "--set", "warm_start_more_stages=1"],
-                            cwd=REPO, capture_output=True, text=True, timeout=500)
-    assert result.returncode == 0, result.stderr[-3000:]
-    stages = [line for line in result.stdout.splitlines() if line.startswith("[run] warm start: ")]
-    assert len(stages) == 2, result.stdout[-2000:]  # the first stage, then one more below the target
-    assert stages[0].startswith("[run] warm start: 20 steps, loss ") and "; greedy on 8 tasks: tool calls " in stages[0]
-    assert stages[0].endswith("right factors 0/8, exact answers 0/8; below the target 90% right factors: 10 steps more")
-    assert stages[1].startswith("[run] warm start: 10 steps, loss ") and stages[1].endswith("exact answers 0/8")
-    warning = result.stderr.index("[run] warning: the warm start called with the question's factors in 0% of the tasks")
-    assert warning < result.stderr.index("[collector] writing to")
-    assert "raise warm_start_steps or warm_start_more_stages" in result.stderr
-    assert "[run] done: 3 learner steps" in result.stderr
-    assert "tool-call rate" in result.stderr  # the collector's per-round line
-    run = tmp_path / "tools"
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
-
-    with open_buffer(run / "buffer", mode="r") as store:
-        rows = store.read(torch.arange(len(store)))
-    by_trajectory: dict[int, list[int]] = {}
-    for i, t in enumerate(rows["trajectory_id"].tolist()):
-        by_trajectory.setdefault(t, []).append(i)
-    for idx in by_trajectory.values():  # whole trajectories only, each contiguous and in step order
-        assert idx == list(range(idx[0], idx[0] + len(idx)))
-        assert rows["step"][idx].tolist() == list(range(len(idx)))
-        assert rows["done"][idx].tolist() == [False] * (len(idx) - 1) + [True]
-        assert TerminationReason(int(rows["termination_reason"][idx[-1]])) is not TerminationReason.NOT_ENDED
-        assert len(set(rows["advantage"][idx].tolist())) == 1  # the trajectory's advantage on every turn
-    assert max(len(idx) for idx in by_trajectory.values()) >= 2  # tool calls made episodes of several turns
-    groups = torch.tensor([int(rows["group_id"][idx[0]]) for idx in by_trajectory.values()])
-    assert set(torch.unique(groups, return_counts=True)[1].tolist()) == {4}  # whole groups of group_size
-
-    rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
-    assert rounds and all(r["rows_written"] == r["rows"] for r in rounds)
-    assert all(0 <= r["tool_call_rate"] <= 1 and r["template_mismatch"] == 0 for r in rounds)
-    assert sum(r["tools/calls"] for r in rounds) > 0
-
-
 @pytest.mark.parametrize(("setting", "message"), [
     ("group_size=1", "'group_size' must be >= 2"),
     ("context_length=100", "'context_length' (100) leaves no room"),
@@ -154,15 +111,61 @@ def engine_command(engine, home: Path, name: str, *extra: str) -> list[str]:
             *SMALL, *NUM_HEADS, *engine.settings(*tool_use_model()), *extra]
 
 
+# the warm start's greedy check after each stage and one more stage below the target: the learner's, before
+# any engine samples, so the loop's run alone has them (test_run_trains_on_whole_multi_turn_trajectories)
+WARM_START_CHECKED = ["--set", "warm_start_check_tasks=8", "--set", "warm_start_more_stages=1"]
+
+
 @pytest.fixture(scope="module")
 def engine_run(engine, tmp_path_factory):
-    """A finished 4-step run of the tool-use pipeline generating with ``engine``: (run dir, its stderr)."""
+    """A finished 4-step run of the tool-use pipeline generating with ``engine``: (run dir, the finished
+    ``run`` with its stdout and stderr)."""
     home = tmp_path_factory.mktemp(f"tools-{engine.name}")
-    result = subprocess.run(engine_command(engine, home, "tools", "--steps", str(STEPS)), cwd=REPO,
+    checked = WARM_START_CHECKED if engine.name == "loop" else []
+    result = subprocess.run(engine_command(engine, home, "tools", "--steps", str(STEPS), *checked), cwd=REPO,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert f"[run] done: {STEPS} learner steps" in result.stderr
-    return home / "tools", result.stderr
+    return home / "tools", result
+
+
+@pytest.mark.parametrize("engine", ["loop"], indirect=True)
+def test_run_trains_on_whole_multi_turn_trajectories(engine_run):
+    """Also: the warm start's greedy check is printed after each stage, before RL starts; below the
+    target another stage runs, and below the usable bar the run warns (20 + 10 steps teach at most
+    the call's format)."""
+    run, result = engine_run
+    stdout, stderr = result.stdout, result.stderr
+    stages = [line for line in stdout.splitlines() if line.startswith("[run] warm start: ")]
+    assert len(stages) == 2, stdout[-2000:]  # the first stage, then one more below the target
+    assert stages[0].startswith("[run] warm start: 20 steps, loss ") and "; greedy on 8 tasks: tool calls " in stages[0]
+    assert stages[0].endswith("right factors 0/8, exact answers 0/8; below the target 90% right factors: 10 steps more")
+    assert stages[1].startswith("[run] warm start: 10 steps, loss ") and stages[1].endswith("exact answers 0/8")
+    warning = stderr.index("[run] warning: the warm start called with the question's factors in 0% of the tasks")
+    assert warning < stderr.index("[collector] writing to")
+    assert "raise warm_start_steps or warm_start_more_stages" in stderr
+    assert "tool-call rate" in stderr  # the collector's per-round line
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
+
+    with open_buffer(run / "buffer", mode="r") as store:
+        rows = store.read(torch.arange(len(store)))
+    by_trajectory: dict[int, list[int]] = {}
+    for i, t in enumerate(rows["trajectory_id"].tolist()):
+        by_trajectory.setdefault(t, []).append(i)
+    for idx in by_trajectory.values():  # whole trajectories only, each contiguous and in step order
+        assert idx == list(range(idx[0], idx[0] + len(idx)))
+        assert rows["step"][idx].tolist() == list(range(len(idx)))
+        assert rows["done"][idx].tolist() == [False] * (len(idx) - 1) + [True]
+        assert TerminationReason(int(rows["termination_reason"][idx[-1]])) is not TerminationReason.NOT_ENDED
+        assert len(set(rows["advantage"][idx].tolist())) == 1  # the trajectory's advantage on every turn
+    assert max(len(idx) for idx in by_trajectory.values()) >= 2  # tool calls made episodes of several turns
+    groups = torch.tensor([int(rows["group_id"][idx[0]]) for idx in by_trajectory.values()])
+    assert set(torch.unique(groups, return_counts=True)[1].tolist()) == {4}  # whole groups of group_size
+
+    rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
+    assert rounds and all(r["rows_written"] == r["rows"] for r in rounds)
+    assert all(0 <= r["tool_call_rate"] <= 1 and r["template_mismatch"] == 0 for r in rounds)
+    assert sum(r["tools/calls"] for r in rounds) > 0
 
 
 @pytest.mark.parametrize("engine", ["vllm", "url"], indirect=True)
@@ -195,8 +198,8 @@ def test_whole_trajectories_and_whole_groups_reach_the_buffer(engine_run):
 
 
 def test_the_learner_recomputes_the_samplers_log_probs_at_version_0(engine_run):
-    run, stderr = engine_run
-    assert "tool-call rate" in stderr  # the collector's per-round line, with every engine
+    run, result = engine_run
+    assert "tool-call rate" in result.stderr  # the collector's per-round line, with every engine
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     # step 1 learns from rows of version 0 with the weights of version 0: float noise apart
@@ -205,7 +208,8 @@ def test_the_learner_recomputes_the_samplers_log_probs_at_version_0(engine_run):
 
 @pytest.mark.parametrize("engine", ["vllm"], indirect=True)
 def test_the_engine_starts_once_and_counts_the_prompt_tokens_it_was_sent(engine, engine_run):
-    run, stderr = engine_run
+    run, result = engine_run
+    stderr = result.stderr
     rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
     assert all(r["engine_starts"] == 1 for r in rounds)  # weights change in place, no restart
     assert rounds[-1]["weight_updates"] >= 2 and any(r["weight_update_s"] > 0 for r in rounds)
