@@ -1,9 +1,12 @@
 """``rlhf-pipeline run pipelines/default.py --set learner.lora.rank=8`` sampling with vLLM, for real: the
 collector's own server (``generation.engine=vllm``) and a server at ``generation.url`` the test starts as
 a user would (``--enable-lora``, runtime adapter loading). Every row is sampled with the adapter of the
-version it names: the learner's recomputed log-probs agree with the stored ones as closely as in a
-full fine-tuning run with vLLM (the learner's ``sampler_logprob_diff_max``, every step). Skipped, saying
-how to get them, without the vLLM environment or peft.
+version it names: the learner's recomputed log-probs agree with the stored ones (the learner's
+``sampler_logprob_diff_max``, every step) within what a full fine-tuning run with vLLM keeps to. That a
+full fine-tuning run's rows hold their version's log-probs, with each engine, every row recomputed, is
+``test_default_pipeline.py``'s ``test_every_row_holds_the_log_probs_of_the_version_it_names``: no full
+run here (each is a vLLM start and a run). Skipped, saying how to get them, without the vLLM
+environment or peft.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ STEPS = 4
 AGREEMENT = 1e-4
 """Largest |learner's recomputed - stored| log-prob of a response token, LoRA or full fine-tuning, with
 vLLM on a CPU in float32: 9.5e-7 measured for both, 4 steps each (vLLM against our forward is 4.8e-7 a
-token); the loop's canary tolerance, 1e-3, is 1000 times that."""
+token); a full fine-tuning run's first step is held to it too (``test_default_pipeline.py``); the loop's
+canary tolerance, 1e-3, is 1000 times that."""
 
 
 def run(home: Path, name: str, *extra: str) -> tuple[float, list[int]]:
@@ -56,10 +60,9 @@ def run(home: Path, name: str, *extra: str) -> tuple[float, list[int]]:
 
 
 def test_lora_runs_sample_every_row_with_its_versions_adapter_on_the_collectors_vllm(vllm_python, tmp_path):
-    full, _ = run(tmp_path, "full", "--set", "generation.engine=vllm")
     lora, versions = run(tmp_path, "lora", "--set", "generation.engine=vllm", *LORA)
-    print(f"sampler_logprob_diff_max over {STEPS} steps: full {full:.3g}, LoRA {lora:.3g}")
-    assert full < AGREEMENT and lora < AGREEMENT
+    print(f"sampler_logprob_diff_max over {STEPS} steps, LoRA: {lora:.3g}")
+    assert lora < AGREEMENT
     assert load_published(tmp_path / "lora", versions[-1])[0].canary is not None  # adapters were published
 
 
