@@ -1,5 +1,6 @@
 """When a dead engine is started again (``vllm_http.Retries``): what needs no engine. The kill -9
-of a real vLLM engine mid-round: ``test_vllm_engine.py``; of a whole run: ``test_vllm_pipeline.py``."""
+of a real vLLM engine mid-round: ``test_vllm_engine.py``; of a whole run's engine:
+``tests/integration/test_default_pipeline.py``."""
 
 from __future__ import annotations
 
