@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import different_weights
 
+from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.evaluation.evaluator import EvalProgress, Evaluation, eval_engine, open_set_store, set_store_location
 from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version
@@ -97,10 +98,11 @@ def _pipeline_model():
 
 
 @pytest.fixture(scope="module")
-def server(vllm_servers):
-    """The session's ``vllm serve`` of the default pipeline's model (``tests/conftest.py``): the run sends
-    it its weights first, whatever it held."""
-    return vllm_servers.of(*_pipeline_model())
+def server(vllm_python, tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm-eval-server")
+    process = VLLMServerProcess(vllm_python, save_model_dir(*_pipeline_model(), work / "model"), work)
+    yield process
+    process.stop()
 
 
 def test_the_evaluator_shares_the_runs_server_and_every_row_has_the_log_probs_of_its_version(server, tmp_path):
