@@ -284,6 +284,19 @@ def import_benchmark(name: str):
         sys.path.remove(benchmarks)
 
 
+def command_here(capsys, *args: str):
+    """``rlhf-pipeline ARGS`` run in this process (``main``), its exit code and what it printed as a
+    ``subprocess.CompletedProcess``: for a command of one process (one that reads or evaluates a run,
+    or refuses), which a new process would pay seconds of CPU to import torch and the pipeline for."""
+    import subprocess
+
+    from rlhf_pipeline.cli.main import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def run_on_terminal(argv: Sequence[str], *, cwd=None, timeout: float = 300, columns: int = 120) -> tuple[int, bytes]:
     """Runs ``argv`` with stdin, stdout and stderr on a new pseudo-terminal of ``columns`` columns
     (what a user at a terminal sees: tqdm bars, colours); returns its exit code and every byte it

@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import kill_when
+from helpers import command_here, kill_when
 
-from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.eval_pins import eval_scores
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.learn.checkpoint import run_best, run_checkpoints
@@ -38,14 +37,6 @@ STEPS = 8
 def command(home: Path, name: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
             "--home", str(home), "--run-name", name, *SETTINGS, *extra]
-
-
-def cli(capsys, *args: str) -> subprocess.CompletedProcess:
-    """A command that reads a run, branches it or refuses to start one, run in this process as a user's
-    would run (each new process imports torch and the pipeline again: seconds of CPU a command)."""
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def expected_best(run: Path) -> tuple[int, float]:
@@ -74,15 +65,16 @@ def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_ste
     assert run_checkpoints(RunPaths(run)).steps() == sorted({step, STEPS})  # the newest and the best, no other
     assert f"[run] best checkpoint by {METRIC}: step {step} (policy version {step})" in result.stderr
 
-    shown = cli(capsys, "inspect", str(run))
+    shown = command_here(capsys, "inspect", str(run))
     assert shown.returncode == 0, shown.stderr
     assert f"best checkpoint  step {step} (policy version {step}): {METRIC} {value:.4g}" in shown.stdout
-    assert json.loads(cli(capsys, "inspect", str(run), "--json").stdout)["run"]["best"]["step"] == step
+    assert json.loads(command_here(capsys, "inspect", str(run), "--json").stdout)["run"]["best"]["step"] == step
 
-    exported = cli(capsys, "export-model", str(run), str(tmp_path / "best"), "--best")
+    exported = command_here(capsys, "export-model", str(run), str(tmp_path / "best"), "--best")
     assert exported.returncode == 0, exported.stderr
     assert f"policy version {step} " in exported.stdout and f"the best checkpoint, step {step}" in exported.stdout
-    assert cli(capsys, "export-model", str(run), str(tmp_path / "numbered"), "--version", str(step)).returncode == 0
+    numbered = command_here(capsys, "export-model", str(run), str(tmp_path / "numbered"), "--version", str(step))
+    assert numbered.returncode == 0
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -93,8 +85,8 @@ def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_ste
 
     # branches are made beside their parent (the kill test reads the parent only: branching leaves it as it was)
     home = run.parent
-    assert cli(capsys, "branch", str(run), "--from-step", "best", "from-best").returncode == 0
-    assert cli(capsys, "branch", str(run), "--from-step", str(step), "from-step").returncode == 0
+    assert command_here(capsys, "branch", str(run), "--from-step", "best", "from-best").returncode == 0
+    assert command_here(capsys, "branch", str(run), "--from-step", str(step), "from-step").returncode == 0
     lineages = [json.loads((home / name / "branch.json").read_text()) for name in ("from-best", "from-step")]
     for lineage in lineages:
         lineage.pop("created")
@@ -103,7 +95,7 @@ def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_ste
     assert (home / "from-best" / checkpoint).read_bytes() == (home / "from-step" / checkpoint).read_bytes()
     assert sorted(os.listdir(home / "from-best")) == sorted(os.listdir(home / "from-step"))
     # the branch keeps its own best, from its own evaluations: none yet
-    refused = cli(capsys, "export-model", str(home / "from-best"), str(tmp_path / "none"), "--best")
+    refused = command_here(capsys, "export-model", str(home / "from-best"), str(tmp_path / "none"), "--best")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "has no best checkpoint yet" in refused.stderr
 
@@ -128,13 +120,14 @@ def test_a_kill_9_mid_step_resumes_to_the_best_of_an_unbroken_run(unbroken, tmp_
 
 
 def test_keep_best_naming_no_summary_of_the_runs_evaluation_is_refused_at_launch_in_one_line(tmp_path, capsys):
-    wrong = cli(capsys, "run", DEFAULT, "--home", str(tmp_path), "--set", "eval.every_steps=2",
+    wrong = command_here(capsys, "run", DEFAULT, "--home", str(tmp_path), "--set", "eval.every_steps=2",
                 "--set", "learner.keep_best=eval/held_out/pass@4")
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines() == [
         "rlhf-pipeline run: error: setting 'learner.keep_best' must be one of ['eval/held_out/pass@1', "
         "'eval/held_out/mean_score'] (the summaries of this run's evaluations), got 'eval/held_out/pass@4'"]
-    off = cli(capsys, "run", DEFAULT, "--home", str(tmp_path), "--set", "learner.keep_best=eval/held_out/pass@1")
+    off = command_here(capsys, "run", DEFAULT, "--home", str(tmp_path),
+                       "--set", "learner.keep_best=eval/held_out/pass@1")
     assert off.returncode == 2
     assert off.stderr.strip().splitlines() == [
         "rlhf-pipeline run: error: setting 'learner.keep_best' (eval/held_out/pass@1) ranks checkpoints by the "

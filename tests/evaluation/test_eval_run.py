@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import kill_when, run_child_pids
+from helpers import command_here, kill_when, run_child_pids
 
-from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import published_objects, published_versions
 from rlhf_pipeline.dataio.model_export import available_versions
 from rlhf_pipeline.evaluation.evaluator import ID_STRIDE, EvalProgress, set_store_location
@@ -38,14 +37,6 @@ SAMPLED_5 = ["--set", "eval.samples=2", "--set", "eval.temperature=1.0", "--set"
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def cli_here(capsys, *args: str) -> subprocess.CompletedProcess:
-    """A command of one process (``eval``, or one that refuses), run in this process as a user's would
-    run (each new process imports torch and the pipeline again: seconds of CPU a command)."""
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def logged(run: str, log: str = "metrics.jsonl") -> list[dict]:
@@ -97,14 +88,14 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, ca
     assert "[eval] step 6 (policy version 6): held_out/pass@1" in result.stdout + result.stderr
 
     # asked again afterwards: what is stored is printed, not evaluated again
-    again = cli_here(capsys, "eval", run, "--step", "4")
+    again = command_here(capsys, "eval", run, "--step", "4")
     assert again.returncode == 0, again.stderr
     assert again.stdout.startswith(f"held_out step 4 (policy version 4): pass@1 {lines[2]['eval/held_out/pass@1']:.3f}")
     assert "[eval]" not in again.stdout  # nothing evaluated
     assert samples_of(stored(run, "held_out")[0]) == counts
     kept = kept_versions(run)
     assert 1 not in kept  # pruned: neither wanted by the evaluator nor checkpointed
-    refused = cli_here(capsys, "eval", run, "--step", "1")
+    refused = command_here(capsys, "eval", run, "--step", "1")
     assert refused.returncode == 2
     where = run if "://" in run else str(Path(run).resolve())
     assert refused.stderr.strip().splitlines() == [
@@ -117,7 +108,7 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, ca
     assert 4 not in published_versions(store) and 4 in kept_versions(run)
     # other sampling is another evaluation, in a store of its own; --all-kept: every kept version (the
     # checkpoint's among them) each once. One command for all three: each CLI start imports torch again
-    every = cli_here(capsys, "eval", run, "--all-kept", *SAMPLED_5)
+    every = command_here(capsys, "eval", run, "--all-kept", *SAMPLED_5)
     assert every.returncode == 0, every.stderr
     assert kept_versions(run) == kept
     assert [line.split(" (policy version ")[1].split(")")[0] for line in every.stdout.splitlines()
@@ -159,7 +150,7 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
     # the learner kept every version the evaluator had not done (coordination/eval_pins.py)
     assert {0, 2, 4} <= set(published_versions(run_store_at(run)))
 
-    resumed = cli_here(capsys, "eval", run, *evaluation[2:])  # at a URL, after the killed one's writer lock lease
+    resumed = command_here(capsys, "eval", run, *evaluation[2:])  # at a URL, after the killed one's writer lock lease
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows, progress = stored(run, name)
     counts = samples_of(rows)
@@ -172,7 +163,7 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
 
 
 def test_eval_on_a_pipeline_without_held_out_sets_is_refused_before_anything_is_made(tmp_path, capsys):
-    result = cli_here(capsys, "run", str(REPO / "pipelines" / "examples" / "reverse_words.py"), "--steps", "2",
+    result = command_here(capsys, "run", str(REPO / "pipelines" / "examples" / "reverse_words.py"), "--steps", "2",
                  "--home", str(tmp_path), "--set", "eval.every_steps=2")
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
