@@ -218,24 +218,15 @@ def make_scratch_dir() -> Path:
     """A new scratch directory for an engine (its model, weights, log), named after this process, after
     removing those of processes that no longer run: a collector killed with SIGKILL never removes its
     own, and each holds a copy of the model (a real model's is gigabytes)."""
-    import shutil
     import tempfile
+
+    from rlhf_pipeline.files.processes import pid_running
 
     for old in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
         owner = old.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not _running(int(owner)):
+        if owner.isdigit() and not pid_running(int(owner)):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def hard_link(source: Path, path: Path) -> Path:
