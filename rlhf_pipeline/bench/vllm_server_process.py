@@ -14,7 +14,6 @@ from rlhf_pipeline.generation.vllm_process import (
     ServerProcess,
     engine_environment,
     free_port,
-    package_path_dir,
     server_command,
 )
 
@@ -41,12 +40,11 @@ class VLLMServerProcess(ServerProcess):
     def __init__(self, python: str, model_dir: Path, work_dir: Path, *, served_name: str = "tiny",
                  updatable: bool = True, logprobs_mode: str = "processed_logprobs",
                  omp_threads: int | None = None) -> None:
-        env = engine_environment(package_path_dir(work_dir), kv_cache_gib=1, device="gpu")  # keeps vLLM's threads
+        env = engine_environment(work_dir, kv_cache_gib=1, device="gpu")  # keeps vLLM's threads
         if omp_threads is not None:  # as the owned engine's
             env["OMP_NUM_THREADS"] = str(omp_threads)
         if not updatable:
             env.pop("VLLM_SERVER_DEV_MODE")
-        command = server_command(python, model_dir, 0, served_name=served_name, max_num_seqs=64,
+        command = server_command(python, model_dir, served_name=served_name, max_num_seqs=64,
                                  updatable=updatable, logprobs_mode=logprobs_mode)
-        command[command.index("--port") + 1] = "{port}"
         super().__init__(command, env, Path(work_dir), START_TIMEOUT_S)

@@ -2,24 +2,16 @@
 their log-probs out, the policy version that produced them beside. Our loop (``loop.py``) and vLLM
 (``vllm_url.py``) implement :class:`GenerationEngine`; a collector never learns which it has.
 
-* **Token-exact.** Each :class:`Completion` holds the sampled ids verbatim and each one's log-prob
-  under the distribution that drew it (``sampling.py``); one that samples a stop token ends there
-  and keeps it (``terminated``), else it is ``truncated`` at its ``max_new_tokens``.
-* **Submitted one request at a time.** ``submit(request, seed, sampling)`` returns a ``Future`` of the
-  request's :class:`CompletionGroup`. Servers start each request as it comes; our loop decodes what
-  is queued as one batch once the caller :meth:`flushes <GenerationEngine.flush>`.
-* **One version per group**, named in :attr:`CompletionGroup.policy_version`: weights load only
-  between requests (:meth:`GenerationEngine.load_weights`, with nothing of the caller in flight).
-* **Deterministic from the request's seed**, drawn by the collector (:func:`draw_seed`) from the
-  generator it checkpoints: what else is in flight does not change a request's tokens.
-* **Checked before it is a row.** What an engine outside this process answers becomes completions
-  only through :func:`checked_completions`; anything else is a :class:`BadAnswer`.
-* **Settings it cannot honour are refused by name** (:class:`UnsupportedSetting`) before any sample.
+* **Token-exact**: ids verbatim, each with its log-prob under the distribution that drew it
+  (``sampling.py``); a completion ends at a stop token, kept (``terminated``), or at its limit.
+* **One future per request** (:meth:`~GenerationEngine.submit`), its draws from the request's seed alone
+  (:func:`draw_seed`, from the generator the collector checkpoints), whatever else is in flight.
+* **One version per group**: weights load only between requests (:meth:`~GenerationEngine.load_weights`).
+* **Checked before it is a row**: what an engine outside this process answers goes through
+  :func:`checked_completions`; settings an engine cannot honour are refused by name (:class:`UnsupportedSetting`).
 
-Capabilities are properties, as storages have them: ``supports_scoring`` (teacher-forced log-probs of
-given responses) and ``supports_weight_updates``; a method whose capability is False raises
-:class:`UnsupportedCapability`. Engines are context managers; :meth:`GenerationEngine.close` stops
-whatever the engine started.
+Capabilities are properties, as storages have them (``supports_scoring``, ``supports_weight_updates``);
+a method whose capability is False raises :class:`UnsupportedCapability`.
 """
 
 from __future__ import annotations
@@ -204,11 +196,9 @@ class EngineStats:
     """``(prompt_tokens, cached_tokens)`` at the last :meth:`update_metrics`."""
 
     def update_metrics(self) -> dict[str, float]:
-        """A round's metrics: seconds spent loading weights since the last call (0 without an update;
-        a collector loads at most one version per round, so this is the time of that update), the
-        number of updates so far, for an engine in its own process its starts and restarts so far and
-        the seconds the last start took, and for one with a prefix cache the prompt tokens sent since
-        the last call and how many of them were found in the cache."""
+        """A round's metrics (docs/generation.md's table): seconds spent loading weights since the last
+        call (a collector loads at most one version a round), updates so far, an engine process's starts,
+        and a prefix cache's prompt tokens since the last call and how many it held."""
         since, self.reported_s = self.update_s_total - self.reported_s, self.update_s_total
         metrics = {"weight_update_s": since, "weight_updates": float(self.weight_updates)}
         if self.starts:

@@ -117,6 +117,8 @@ def decode_steps(
     ids, mask = left_pad(prompts, pad_token_id)
     ids, mask = ids.to(device), mask.to(device).long()  # (N, P)
     n = ids.shape[0]
+    if generator is None or isinstance(generator, torch.Generator):  # one generator draws every row
+        generator = [(0, n, generator)]
 
     cache_name = _cache_keyword(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
@@ -144,17 +146,14 @@ def decode_steps(
         past, next_logits = getattr(out, cache_name), out.logits[:, -1]
 
 
-def _draw(logp: torch.Tensor, generator: torch.Generator | Sequence[tuple[int, int, torch.Generator]] | None,
-          step: int) -> torch.Tensor:
-    """One token a row from ``logp`` (N, V). Weights that are finite but huge (a learning rate far too
-    large) give logits that overflow: an engine failure in one line, not torch's traceback; checked
-    only once the draw failed, so a healthy step pays nothing."""
+def _draw(logp: torch.Tensor, generators: Sequence[tuple[int, int, torch.Generator | None]], step: int) -> torch.Tensor:
+    """One token a row from ``logp`` (N, V), rows ``start:end`` from each generator. Weights that are
+    finite but huge (a learning rate far too large) give logits that overflow: an engine failure in one
+    line, not torch's traceback; checked only once the draw failed, so a healthy step pays nothing."""
     probs = logp.exp()
     try:
-        if generator is None or isinstance(generator, torch.Generator):
-            return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         return torch.cat([torch.multinomial(probs[start:end], 1, generator=own).squeeze(-1)
-                          for start, end, own in generator])
+                          for start, end, own in generators])
     except RuntimeError:
         if bool(torch.isfinite(probs).all()):
             raise

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from rlhf_pipeline.finite_settings import check_fields
-from rlhf_pipeline.generation.vllm_setup import check_cpu_head_size, default_vllm_env, python_has_vllm
+from rlhf_pipeline.generation.vllm_setup import check_cpu_head_size, check_nccl_device, default_vllm_env, python_has_vllm
 
 if TYPE_CHECKING:
     from rlhf_pipeline.generation.engine import GenerationEngine
@@ -119,6 +119,7 @@ class GenerationSettings:
     the weights travel per update) or nccl (vllm: vLLM's NCCL weight transfer from the collector's GPU
     copy; GPU only, and vllm must import in the collector's own Python; retries=0 spares the disk write
     of each version a restart would reload)."""
+
     @property
     def chosen_engine(self) -> Engine:
         """The engine this run generates with: the server at ``url`` when one is named, else ``engine``."""
@@ -139,20 +140,15 @@ class GenerationSettings:
                 raise ValueError(f"setting 'generation.{shown}' is for "
                                  f"{' or '.join(CHOSEN_BY[e] for e in self.ENGINES[shown])}; this run generates "
                                  f"with {GENERATES_WITH[chosen]}: drop it")
-        self._check_ranges()
-
-    def _check_ranges(self) -> None:
-        if self.kv_cache_gib < 1:
-            raise ValueError(f"setting 'generation.kv_cache_gib' must be >= 1 (GiB), got {self.kv_cache_gib}")
+        least = {"kv_cache_gib": (1, " (GiB)"), "max_model_len": (2, " or none"), "max_num_seqs": (1, ""),
+                 "start_timeout_s": (0, " (seconds)")}
+        for name, (bound, unit) in least.items():
+            value = getattr(self, name)
+            if value is not None and not value >= bound:
+                raise ValueError(f"setting 'generation.{name}' must be >= {bound}{unit}, got {value}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"setting 'generation.gpu_memory_utilization' must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"setting 'generation.max_model_len' must be >= 2 or none, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"setting 'generation.max_num_seqs' must be >= 1, got {self.max_num_seqs}")
-        if not self.start_timeout_s >= 0:
-            raise ValueError(f"setting 'generation.start_timeout_s' must be >= 0 (seconds), got {self.start_timeout_s}")
         if not self.url_check_tolerance > 0:
             raise ValueError(f"setting 'generation.url_check_tolerance' must be > 0, got {self.url_check_tolerance}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
@@ -167,23 +163,22 @@ class GenerationSettings:
         return Retries(self.retries, self.backoff_s, self.timeout_s)
 
 
-
 def check_generation(settings: GenerationSettings, *, head_size: int | None = None, device: str = "cpu",
-                     head_hint: str = "") -> None:
+                     head_hint: str = "") -> str | None:
     """What the collector's own vLLM server asks of this machine, which the settings cannot check
-    themselves (they do in ``__post_init__``): raises ValueError naming the setting.
+    themselves (they do in ``__post_init__``): raises ValueError naming the setting; returns the Python
+    it runs under (None for another engine).
 
     ``head_size``: the model's attention head size when the pipeline knows it (refused on a CPU when
     vLLM's CPU attention does not take it; ``head_hint`` says which setting changes it).
     """
     if settings.chosen_engine != "vllm":
-        return
-    if settings.weight_transfer == "nccl" and device == "cpu":
-        raise ValueError("setting 'generation.weight_transfer=nccl' needs a GPU (vLLM's NCCL weight transfer is "
-                         "CUDA-only); on a CPU use generation.weight_transfer=files")
+        return None
+    if settings.weight_transfer == "nccl":
+        check_nccl_device(device)
     if device == "cpu" and head_size is not None:
         check_cpu_head_size(head_size, head_hint)
-    find_vllm_python(settings.python)
+    return find_vllm_python(settings.python)
 
 
 def find_vllm_python(explicit: str | None = None) -> str:
@@ -233,22 +228,15 @@ def make_engine(settings: GenerationSettings, model: Any, *, pad_token_id: int, 
 
         return LoopEngine(model, pad_token_id=pad_token_id, eos_token_id=list(stop_token_ids),
                           policy_version=policy_version)
-    check_generation(settings, device=device)
-
-    options: dict[str, Any] = dict(
-        python=find_vllm_python(settings.python), stop_token_ids=stop_token_ids, policy_version=policy_version,
-        device=device, seed=seed, kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs,
-        start_timeout_s=settings.start_timeout_s,
-        max_model_len=settings.max_model_len,
-        # a server that died is started again and given the version it held, from its file (vllm_url_weights.py)
-        retries=settings.engine_retries(), adapters=adapters,
-    )
-    if device != "cpu":
-        options["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    python = check_generation(settings, device=device)
     if settings.weight_transfer == "nccl":
-        from rlhf_pipeline.generation.vllm_nccl import NCCLVLLMEngine
-
-        return NCCLVLLMEngine.from_model(model, **options)
-    from rlhf_pipeline.generation.vllm_engine import VLLMEngine
-
-    return VLLMEngine.from_model(model, **options)
+        from rlhf_pipeline.generation.vllm_nccl import NCCLVLLMEngine as engine
+    else:
+        from rlhf_pipeline.generation.vllm_engine import VLLMEngine as engine
+    return engine.from_model(
+        model, python=python, stop_token_ids=stop_token_ids, policy_version=policy_version, device=device, seed=seed,
+        kv_cache_gib=settings.kv_cache_gib, max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len,
+        start_timeout_s=settings.start_timeout_s, adapters=adapters,
+        gpu_memory_utilization=None if device == "cpu" else settings.gpu_memory_utilization,
+        # a server that died is started again and given the version it held, from its file (vllm_url_weights.py)
+        retries=settings.engine_retries())

@@ -11,6 +11,7 @@ at most ``generation.retries`` restarts in a row (``vllm_http.Retries``).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -26,7 +27,6 @@ from rlhf_pipeline.generation.vllm_process import (
     ServerProcess,
     engine_environment,
     make_scratch_dir,
-    package_path_dir,
     server_command,
 )
 from rlhf_pipeline.generation.vllm_setup import check_cpu_head_size
@@ -142,41 +142,42 @@ class VLLMEngine(VLLMURLEngine):
             model.save_pretrained(model_dir, safe_serialization=True)
         dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
         command = server_command(
-            os.path.abspath(python), model_dir, 0, served_name=SERVED_NAME, dtype=dtype.removeprefix("torch."),
+            os.path.abspath(python), model_dir, served_name=SERVED_NAME, dtype=dtype.removeprefix("torch."),
             max_model_len=max_model_len or int(config.max_position_embeddings), max_num_seqs=max_num_seqs,
             # on a CPU compiling starts 3-4 times slower and gains tiny models nothing; a GPU's graphs pay
             enforce_eager=device == "cpu", seed=seed, gpu_memory_utilization=gpu_memory_utilization,
             weight_transfer_backend=weight_transfer_backend, worker_in_core=device == "cpu")
-        command[command.index("--port") + 1] = "{port}"
+        env = engine_environment(scratch, kv_cache_gib=kv_cache_gib, device=device)
         if adapters is not None:
             command += adapters.server_flags()
-        engine = cls.__new__(cls)
-        engine.work_dir, engine._remove_work_dir = scratch, work_dir is None
-        stats = ServerStats()
-        env = engine_environment(package_path_dir(scratch), kv_cache_gib=kv_cache_gib, device=device)
-        if adapters is not None:
             env[RUNTIME_LORA_ENV] = "1"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+        removed = scratch if work_dir is None else None
         try:
-            server = OwnedServer(command, env, scratch, start_timeout_s, stats, cls.name)
-        except EngineDied as died:
-            engine._cleanup()
-            raise EngineFailed(str(died)) from None
-        except BaseException:
-            engine._cleanup()
+            server = OwnedServer(command, env, scratch, start_timeout_s, ServerStats(), cls.name)
+        except BaseException as exc:
+            _stop(None, removed)
+            if isinstance(exc, EngineDied):  # a first start that failed is not a death to restart from
+                raise EngineFailed(str(exc)) from None
             raise
-        engine.server = server
-        engine._guard()
+        engine = cls.__new__(cls)
+        engine.work_dir, engine.server = scratch, server
+        # at close, when the engine is collected or at interpreter exit (``weakref.finalize`` runs then too),
+        # without keeping the engine object alive: the server stops and a scratch directory of its own goes
+        engine._finalizer = weakref.finalize(engine, _stop, server, removed)
         try:
             VLLMURLEngine.__init__(engine, server.base_url, model, stop_token_ids=stop_token_ids,
                                    policy_version=policy_version, served_model=SERVED_NAME,
                                    weights_dir=scratch / "weights", retries=retries or Retries(retries=0),
                                    wait_s=start_timeout_s,
-                                   supervisor=server, shared=False, stats=stats, adapters=adapters)
+                                   supervisor=server, shared=False, stats=server.stats, adapters=adapters)
         except BaseException:
             engine.close()
             raise
         server.reload = engine.reload_held
-        engine.vllm_version = engine._server_version()
+        try:
+            engine.vllm_version = str(engine.client.get("/version").get("version", ""))
+        except EngineFailed:
+            engine.vllm_version = ""
         return engine
 
     def reload_held(self) -> None:
@@ -185,32 +186,17 @@ class VLLMEngine(VLLMURLEngine):
         if self.adapters is not None:
             self.adapters.reload(self.policy_version)
 
-    def _server_version(self) -> str:
-        try:
-            return str(self.client.get("/version").get("version", ""))
-        except EngineFailed:
-            return ""
-
     @property
-    def pid(self) -> int | None:
-        server = getattr(self, "server", None)
-        return None if server is None else server.process.pid
-
-    def _guard(self) -> None:
-        """Stops the server when the engine is collected or at interpreter exit (``weakref.finalize``
-        runs then too), without keeping the engine object alive."""
-        self._finalizer = weakref.finalize(self, self.server.stop)
+    def pid(self) -> int:
+        return self.server.process.pid
 
     def close(self) -> None:
         super().close()
-        finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            finalizer()  # stops the server, once
-        self._cleanup()
+        self._finalizer()  # once
 
-    def _cleanup(self) -> None:
-        if getattr(self, "_remove_work_dir", False):
-            import shutil
 
-            shutil.rmtree(self.work_dir, ignore_errors=True)
-            self._remove_work_dir = False
+def _stop(server: OwnedServer | None, scratch: Path | None) -> None:
+    if server is not None:
+        server.stop()
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)

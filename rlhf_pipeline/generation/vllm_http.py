@@ -59,15 +59,11 @@ class Retries:
     server did not answer is asked again after doubling pauses; a server of ours (a :class:`Supervisor`)
     that died, or hung past ``timeout_s``, is first started again, at most ``retries`` times in a row."""
 
+    # as GenerationSettings documents them; a pause is at most MAX_PAUSE_S before a retry and
+    # MAX_RESTART_DELAY_S before a restart
     retries: int = 5
-    """Tries after the first for a request the server did not answer; for a server of ours, restarts in
-    a row (without an answered request between them) before giving up. 0: one try, no restart."""
     backoff_s: float = 1.0
-    """Pause before the first retry or restart; each further one waits twice as long (at most
-    :data:`MAX_PAUSE_S` for a retry, :data:`MAX_RESTART_DELAY_S` for a restart)."""
     timeout_s: float | None = 600.0
-    """Longest wait for one reply; a server of ours that does not answer within it hangs, and is killed
-    and started again. None: wait for ever."""
     announce: Callable[[str], None] = field(default=_to_stderr, repr=False)
     """Where the line said before each restart goes (the collector sets its console's)."""
     in_a_row: int = 0

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.generation.engine import UnsupportedSetting
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.generation.vllm_process import free_port
+from rlhf_pipeline.generation.vllm_setup import check_nccl_device
 
 
 class NCCLVLLMEngine(VLLMEngine):
@@ -25,9 +25,7 @@ class NCCLVLLMEngine(VLLMEngine):
 
     @classmethod
     def from_model(cls, model: Any, **options: Any) -> NCCLVLLMEngine:
-        if options.get("device", "cpu") == "cpu" or not torch.cuda.is_available():
-            raise UnsupportedSetting("generation.weight_transfer=nccl needs CUDA here and in the engine (vLLM's NCCL "
-                                     "weight transfer is CUDA-only); use generation.weight_transfer=files")
+        check_nccl_device(options.get("device", "cpu") if torch.cuda.is_available() else "cpu")
         options["weight_transfer_backend"] = "nccl"
         engine = super().from_model(model, **options)
         engine._sender, engine._sender_generation, engine._source = None, -1, StateDictSource()

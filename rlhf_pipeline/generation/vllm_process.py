@@ -41,29 +41,21 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def package_path_dir(work_dir: Path) -> Path:
-    """A directory holding only a link to our package, for the server's ``PYTHONPATH``: the package's
-    parent may be a site-packages full of this environment's libraries, which must not shadow the
-    vLLM environment's."""
-    package = Path(__file__).resolve().parent.parent
-    root = Path(work_dir) / "python-path"
-    root.mkdir(parents=True, exist_ok=True)
-    link = root / package.name
-    if not link.exists():
-        link.symlink_to(package, target_is_directory=True)
-    return root
-
-
-def engine_environment(package_root: Path, *, kv_cache_gib: int, device: str) -> dict[str, str]:
+def engine_environment(work_dir: Path, *, kv_cache_gib: int, device: str) -> dict[str, str]:
     """The environment the server runs in: this one's, less its Python paths, plus vLLM's settings. On
     a CPU, as many OpenMP threads as this process has torch threads (``OMP_NUM_THREADS`` set here wins),
     not one per core: idle threads spinning between a tiny model's ops on the learner's cores made a
     default run take 330 s against 98 s (docs/generation.md)."""
     import torch
 
+    package, package_root = Path(__file__).resolve().parent.parent, Path(work_dir) / "python-path"
+    package_root.mkdir(parents=True, exist_ok=True)
+    if not (package_root / package.name).exists():
+        (package_root / package.name).symlink_to(package, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update({
-        "PYTHONPATH": str(package_root),  # our package alone: none of this environment's libraries
+        # a link to our package alone: its parent may be a site-packages whose libraries would shadow vLLM's
+        "PYTHONPATH": str(package_root),
         "VLLM_HOST_IP": "127.0.0.1",  # else its message queue binds a non-loopback address
         "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache: new weights in place
@@ -79,20 +71,20 @@ def engine_environment(package_root: Path, *, kv_cache_gib: int, device: str) ->
     return env
 
 
-def server_command(python: str, model_dir: Path, port: int, *, served_name: str, dtype: str = "float32",
+def server_command(python: str, model_dir: Path, *, served_name: str, dtype: str = "float32",
                    max_model_len: int | None = None, max_num_seqs: int = 256, enforce_eager: bool = True,
                    seed: int = 0, gpu_memory_utilization: float | None = None,
                    weight_transfer_backend: str | None = None, updatable: bool = True,
                    logprobs_mode: str = "processed_logprobs", worker_in_core: bool = False) -> list[str]:
     """The documented server command (docs/generation.md): token ids in and out, the sampling
     distribution's log-probs, no generation config of the model's, a prefix cache (reset after every
-    load), with ``updatable`` our worker extension. ``worker_in_core`` (a CPU engine of ours, with
-    ``engine_environment``'s variable): the model's worker runs in the engine core's process, one
-    process and one boundary per step fewer."""
+    load), with ``updatable`` our worker extension, on the port :class:`ServerProcess` picks.
+    ``worker_in_core`` (a CPU engine of ours, with ``engine_environment``'s variable): the model's
+    worker runs in the engine core's process, one process and one boundary per step fewer."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", served_name, "--dtype", dtype, "--seed", str(seed),
                "--enable-prefix-caching", "--generation-config", "vllm", "--logprobs-mode", logprobs_mode,
-               "--max-num-seqs", str(max_num_seqs), "--host", "127.0.0.1", "--port", str(port),
+               "--max-num-seqs", str(max_num_seqs), "--host", "127.0.0.1", "--port", "{port}",
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
     if enforce_eager:
         command.append("--enforce-eager")
@@ -226,24 +218,15 @@ def make_scratch_dir() -> Path:
     """A new scratch directory for an engine (its model, weights, log), named after this process, after
     removing those of processes that no longer run: a collector killed with SIGKILL never removes its
     own, and each holds a copy of the model (a real model's is gigabytes)."""
-    import shutil
     import tempfile
+
+    from rlhf_pipeline.files.processes import pid_running
 
     for old in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
         owner = old.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not _running(int(owner)):
+        if owner.isdigit() and not pid_running(int(owner)):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def hard_link(source: Path, path: Path) -> Path:

@@ -36,6 +36,13 @@ def check_cpu_head_size(size: int, hint: str = "") -> None:
                                  f"{list(CPU_HEAD_SIZES)}, this model's is {size}{hint}; or use generation.engine=loop")
 
 
+def check_nccl_device(device: str) -> None:
+    """Refuses vLLM's NCCL weight transfer on ``device`` when it is not a CUDA one (``cpu``)."""
+    if device == "cpu":
+        raise UnsupportedSetting("setting 'generation.weight_transfer=nccl' needs a GPU: vLLM's NCCL weight transfer "
+                                 "needs CUDA here and in the engine; on a CPU use generation.weight_transfer=files")
+
+
 class SetupError(RuntimeError):
     """A step of the setup failed; the message names it and what to do."""
 

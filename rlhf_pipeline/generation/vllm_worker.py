@@ -8,9 +8,12 @@ server's weights lease (``vllm_lease.py``).
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import shutil
+import tempfile
 import time
-
 
 MODEL_SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                    "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
@@ -31,8 +34,6 @@ class PublishedWeightsLoader:
     def load_published_weights_inline(self, encoded: str, lease: str = "") -> dict:
         """The same from the safetensors bytes themselves, base64-encoded (an HTTP ``/collective_rpc``
         passes strings only): for a server that cannot read the client's files."""
-        import base64
-
         from safetensors.torch import load
 
         return self._reload_published(load(base64.b64decode(encoded)), lease)
@@ -64,11 +65,7 @@ class PublishedWeightsLoader:
         """Writes a LoRA adapter's PEFT directory sent inline (JSON of ``{file name: base64 bytes}``) under
         this machine's temporary directory, as ``name``; returns its path for ``/v1/load_lora_adapter``,
         which reads a path: for a server that cannot read the client's files."""
-        import base64
-        import os
-        import tempfile
-
-        path = os.path.join(tempfile.gettempdir(), "rlhf-published-adapters", os.path.basename(name))
+        path = _inline_adapter_dir(name)
         os.makedirs(path, exist_ok=True)
         for file_name, encoded in json.loads(files).items():
             with open(os.path.join(path, os.path.basename(file_name)), "wb") as file:
@@ -76,12 +73,7 @@ class PublishedWeightsLoader:
         return path
 
     def remove_published_adapter(self, name: str) -> None:
-        import os
-        import shutil
-        import tempfile
-
-        shutil.rmtree(os.path.join(tempfile.gettempdir(), "rlhf-published-adapters", os.path.basename(name)),
-                      ignore_errors=True)
+        shutil.rmtree(_inline_adapter_dir(name), ignore_errors=True)
 
     def served_published_lora_modules(self) -> list:
         """The layer names vLLM takes LoRA weights for on this model, as its adapter loader expects them
@@ -108,6 +100,10 @@ class PublishedWeightsLoader:
     def retie_published_head(self) -> bool:
         """After vLLM's own weight transfer (the NCCL route): the tied head, as after a file load."""
         return retie_lm_head(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+
+def _inline_adapter_dir(name: str) -> str:
+    return os.path.join(tempfile.gettempdir(), "rlhf-published-adapters", os.path.basename(name))
 
 
 def retie_lm_head(model) -> bool:

@@ -20,7 +20,7 @@ from helpers import needs_peft
 
 from rlhf_pipeline.coordination.weights import load_published, published_versions
 from rlhf_pipeline.generation.vllm_adapters import RUNTIME_LORA_ENV, AdapterServing
-from rlhf_pipeline.generation.vllm_process import ServerProcess, engine_environment, package_path_dir, server_command
+from rlhf_pipeline.generation.vllm_process import ServerProcess, engine_environment, server_command
 from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -74,10 +74,9 @@ def test_lora_runs_sample_with_their_adapters_on_a_server_at_a_url(vllm_python, 
     model.save_pretrained(work / "model")
     tok.save_pretrained(work / "model")
     serving = AdapterServing.of(LoraSettings(rank=8), max_staleness=1)
-    command = server_command(vllm_python, work / "model", 0, served_name="tiny", max_num_seqs=64,
+    command = server_command(vllm_python, work / "model", served_name="tiny", max_num_seqs=64,
                              worker_in_core=True) + serving.server_flags()  # as docs/lora.md says to start it
-    command[command.index("--port") + 1] = "{port}"
-    env = engine_environment(package_path_dir(work), kv_cache_gib=1, device="cpu")
+    env = engine_environment(work, kv_cache_gib=1, device="cpu")
     env[RUNTIME_LORA_ENV] = "1"
     server = ServerProcess(command, env, work, 900)
     try:
