@@ -254,26 +254,22 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
 
 def _start_state(store: Any, start_file: Any, run_store: Any) -> dict[str, Any] | None:
     """The collector state to start from: the one its shard's last publish carries; for a shard with
-    no publish yet, a continued branch's start (``collector/shard-kkkk.pt``, which
+    no publish yet, a continued branch's start in the same form (``collector/shard-kkkk.pt``, which
     ``runs/branch_online.py`` takes from its parent's position history), else None (a new collector)."""
     from rlhf_pipeline.files.run_store import state_store_and_key
-    from rlhf_pipeline.files.state_files import load_state_bytes
     from rlhf_pipeline.runs.run_directory import RunError
     from rlhf_pipeline.storage.writer_state import decode
 
     published = decode(store.writer_state, store.location)
-    if published is not None:
-        return published["writer"]
-    start_store, key = state_store_and_key(start_file, run_store)
-    where, data = start_store.describe(key), start_store.read(key)
-    if data is None:
-        return None
-    if store.next_row:
-        raise RunError(f"{where} is the collector position of a run made before a buffer's appends carried "
-                       f"their collector's state (format 2); this version cannot resume its collectors: "
-                       f"start a new run")
-    start = load_state_bytes(data, what="collector start", where=where)
-    return {**start["committed"], "runner": dict(start.get("loop") or {})}
+    if published is None:
+        start_store, key = state_store_and_key(start_file, run_store)
+        where, data = start_store.describe(key), start_store.read(key)
+        if data is not None and store.next_row:
+            raise RunError(f"{where} is the collector position of a run made before a buffer's appends carried "
+                           f"their collector's state (format 2); this version cannot resume its collectors: "
+                           f"start a new run")
+        published = decode(data, where)
+    return None if published is None else published["writer"]
 
 
 def _announce_engine(engine: Any, tag: str, say: Callable[[str], None]) -> None:
