@@ -104,7 +104,7 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
     if learner_settings.world_size > 1 and "WORLD_SIZE" not in os.environ:
         # this process prepared the run; the ranks repeat the checks (they pass) and train
         argv = ["replay", pipeline_path, "--buffer", options.buffer, *options.flags(), "--home", paths.home,
-                "--run-name", paths.name, *(["--device", device] if device else []),
+                "--run-name", paths.name, *(["--device", device] if device is not None else []),
                 *(word for item in overrides for word in ("--set", item))]
         return _train_on_ranks(argv, learner_settings.world_size, holder_fd)
     return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps,
