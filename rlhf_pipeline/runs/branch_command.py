@@ -18,11 +18,6 @@ from typing import Any
 
 # settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
 _REPLAY_FLAGS_SET = ("steps",)
-# a replay's options as their flags, each given back as recorded (a resumed replay must give the same)
-_REPLAY_FLAGS = (("order", "--order"), ("seed", "--seed"), ("init_from", "--init-from"),
-                 ("shuffle_window_rows", "--shuffle-window"), ("ref_model", "--ref-model"),
-                 ("kl_estimator", "--kl-estimator"), ("kl_coef", "--kl-coef"), ("advantage_std", "--advantage-std"),
-                 ("advantage_baseline", "--advantage-baseline"))
 
 
 def recorded_sets(settings: dict[str, Any], module: Any) -> list[str]:
@@ -56,19 +51,6 @@ def _as_set_value(value: Any) -> str:
     return str(value)
 
 
-def replay_flags(record: dict[str, Any]) -> list[str]:
-    """The ``replay`` command's own flags, from the record a replay keeps in ``settings.json``
-    (``runs/replay.py``), but ``--buffer``: how long, in which order, with which seed, re-scored how.
-    Each option recorded is given, defaults too: a resumed replay is refused if one differs."""
-    words = ["--epochs", str(record["epochs"])] if record.get("epochs") is not None else (
-        ["--steps", str(record["steps"])] if record.get("steps") is not None else [])
-    for name, flag in _REPLAY_FLAGS:
-        value = record.get(name)
-        if value is not None:
-            words += [flag, {True: "on", False: "off"}[value] if name == "advantage_std" else str(value)]
-    return words
-
-
 def continuation(pipeline: str, home: str, name: str, settings: dict[str, Any], module: Any,
                  lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
     """The commands that continue the branch ``name`` under ``home``, as shell lines: ``"replay"``
@@ -80,9 +62,11 @@ def continuation(pipeline: str, home: str, name: str, settings: dict[str, Any], 
                    for word in ("--set", item)]
     place = ["--home", home, "--run-name", name]
     if lineage.get("replay_source") is not None:
-        record = settings.get("replay", {})
+        from rlhf_pipeline.runs.replay_options import ReplayOptions
+
+        flags = ReplayOptions.recorded(settings.get("replay", {})).flags()  # each given back as recorded
         return {"replay": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", lineage["replay_source"],
-                                      *replay_flags(record), *place, *replay_sets])}
+                                      *flags, *place, *replay_sets])}
     collectors = len(lineage.get("buffer_rows") or {})
     many = ["--collectors", str(collectors)] if collectors > 1 else []
     return {"online": shlex.join(["rlhf-pipeline", "run", pipeline, *many, *place, *sets]),

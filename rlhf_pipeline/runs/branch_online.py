@@ -73,25 +73,21 @@ def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable
                          f"and restarting a collector with pending groups online is not there yet")
         states[index] = state
         histories.append((history.held_at(count), history))
-    import torch
+    from rlhf_pipeline.runs.retention import CLOCK_KEY
+    from rlhf_pipeline.storage.writer_state import encode
 
     for index, state in states.items():
-        payload = {"format": 1, "committed": state["committed"], "loop": _branch_loop(state["loop"]), "inflight": None}
-        paths.store.write(f"collector/shard-{index:04d}.pt", lambda f, p=payload: torch.save(p, f), fence=False)
+        # in the form a store publishes, less the parent's retention row clock: its marks number the
+        # parent's store's rows (the branch's clock marks its own store's, from 0; its rows count as
+        # written at its first mark, which only keeps them longer)
+        loop = {key: value for key, value in state["loop"].items() if key != CLOCK_KEY}
+        paths.store.write(f"collector/shard-{index:04d}.pt", encode({**state["committed"], "runner": loop}, []),
+                          fence=False)
     if lineage.get("policy_version") is not None:
         for held, history in histories:
             if held is not None:
                 _copy_parent_weights(parent, paths, history, held, int(lineage["policy_version"]))
     write_continued_rows(buffer, parent_buffer, rows)
-
-
-def _branch_loop(loop: dict[str, Any]) -> dict[str, Any]:
-    """The parent collector's loop state, for the branch's: without the parent's retention row clock,
-    whose marks number the parent's store's rows (the branch's clock marks its own store's, from 0;
-    its rows count as written at its first mark, which only keeps them longer)."""
-    from rlhf_pipeline.runs.retention import CLOCK_KEY
-
-    return {key: value for key, value in loop.items() if key != CLOCK_KEY}
 
 
 def _copy_parent_weights(parent: Any, branch: Any, history: Any, oldest: int, newest: int) -> None:

@@ -103,6 +103,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.collect.position_history import held_version
     from rlhf_pipeline.generation.engine import EngineFailed, EngineStopped, GenerationEngine
     from rlhf_pipeline.runs.branch_online import collector_rows, keep_position_history
+    from rlhf_pipeline.runs.retention import ShardRetention
     from rlhf_pipeline.learn.metrics import MetricsWriter
     from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
     from rlhf_pipeline.coordination.polling import PollBackoff
@@ -177,7 +178,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                                reread_s=0.0 if paths.url is None else 0.05)
         metrics_log, metrics_store = paths.state_object(paths.collector_metrics(collector_index))
         metrics = MetricsWriter(metrics_log, store=metrics_store)
-        retention = _shard_retention(pipeline, paths, key, store_path, collector.runner_state, continues_from)
+        # a branch continued online: its floors count from the parent's rows at the branch step
+        retention = (ShardRetention(pipeline.settings.retention, paths, key, store_path, pipeline.learner,
+                                    collector.runner_state, continues_from)
+                     if pipeline.settings.retention.enabled else None)
         # the learner takes the next batch within a step: poll soon (at a URL each poll is a few
         # requests, so not every millisecond)
         paced = PollBackoff(max_s=0.02) if paths.url is None else PollBackoff(max_s=0.2, first_s=0.01)
@@ -214,7 +218,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
             waiting_since = None
             paced.reset()
             rows_before = store.next_row
-            collector.runner_state = _clock(retention)  # published with the round's rows
+            collector.runner_state = retention.runner_state if retention is not None else {}  # with the round's rows
             next_round = None if rounds is not None and done + 1 >= rounds else (
                 lambda rows_to_come, held=collector.policy_version: pacer.next_round_goes_ahead(
                     poller.store, shard_rows=rows.next_row, rows_to_come=rows_to_come, policy_version=held))
@@ -260,26 +264,22 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
 
 def _start_state(store: Any, start_file: Any, run_store: Any) -> dict[str, Any] | None:
     """The collector state to start from: the one its shard's last publish carries; for a shard with
-    no publish yet, a continued branch's start (``collector/shard-kkkk.pt``, which
+    no publish yet, a continued branch's start in the same form (``collector/shard-kkkk.pt``, which
     ``runs/branch_online.py`` takes from its parent's position history), else None (a new collector)."""
     from rlhf_pipeline.files.run_store import state_store_and_key
-    from rlhf_pipeline.files.state_files import load_state_bytes
     from rlhf_pipeline.runs.run_directory import RunError
     from rlhf_pipeline.storage.writer_state import decode
 
     published = decode(store.writer_state, store.location)
-    if published is not None:
-        return published["writer"]
-    start_store, key = state_store_and_key(start_file, run_store)
-    where, data = start_store.describe(key), start_store.read(key)
-    if data is None:
-        return None
-    if store.next_row:
-        raise RunError(f"{where} is the collector position of a run made before a buffer's appends carried "
-                       f"their collector's state (format 2); this version cannot resume its collectors: "
-                       f"start a new run")
-    start = load_state_bytes(data, what="collector start", where=where)
-    return {**start["committed"], "runner": dict(start.get("loop") or {})}
+    if published is None:
+        start_store, key = state_store_and_key(start_file, run_store)
+        where, data = start_store.describe(key), start_store.read(key)
+        if data is not None and store.next_row:
+            raise RunError(f"{where} is the collector position of a run made before a buffer's appends carried "
+                           f"their collector's state (format 2); this version cannot resume its collectors: "
+                           f"start a new run")
+        published = decode(data, where)
+    return None if published is None else published["writer"]
 
 
 def _announce_engine(engine: Any, tag: str, say: Callable[[str], None]) -> None:
@@ -289,29 +289,6 @@ def _announce_engine(engine: Any, tag: str, say: Callable[[str], None]) -> None:
             f"running and takes each new policy version in place")
     if engine.retries is not None:  # a server's engine, which may restart the server it owns (vllm_http.Retries)
         engine.retries.announce = lambda line: say(f"{tag} {line}")
-
-
-def _shard_retention(pipeline: Pipeline, paths: RunPaths, key: str, store_path: str, loop: dict,
-                     continues_from: int = 0) -> Any:
-    """The collector's retention of its shard (``runs/retention.py``), or None when no rule is set;
-    its row clock continues from the runner state saved with the collector's."""
-    settings = pipeline.settings.retention
-    if not settings.enabled:
-        return None
-    from rlhf_pipeline.runs.retention import CLOCK_KEY, ShardRetention
-
-    # a branch continued online: its floors count from the parent's rows at the branch step
-    return ShardRetention(settings, paths, key, store_path, pipeline.learner, clock=loop.get(CLOCK_KEY),
-                          continues_from=continues_from)
-
-
-def _clock(retention: Any) -> dict[str, Any]:
-    """The row clock to publish with the collector's state (when rows were written, for max_age_s)."""
-    if retention is None:
-        return {}
-    from rlhf_pipeline.runs.retention import CLOCK_KEY
-
-    return {CLOCK_KEY: retention.clock.to_json()}
 
 
 def _make_collector(pipeline: Pipeline, model: Any, store: Any, collector_index: int) -> CollectorLike:

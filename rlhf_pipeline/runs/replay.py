@@ -8,12 +8,13 @@ and launch of its ranks run in a fixed order, so that bad input fails before any
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from rlhf_pipeline.pipeline import (
     settings_to_json,
 )
 from rlhf_pipeline.runs.devices import check_cuda_device
+from rlhf_pipeline.runs.replay_options import ReplayOptions
 
 # replay options a resumed replay may change: how long it runs
 _RESUMABLE_OPTIONS = {"epochs", "steps"}
@@ -36,38 +38,6 @@ BATCH_LOG = "batches.jsonl"
 
 class ReplayError(RuntimeError):
     """The source, the initial weights or the run directory do not fit this replay."""
-
-
-@dataclass(frozen=True)
-class ReplayOptions:
-    """What ``rlhf-pipeline replay`` takes besides the pipeline's own settings."""
-
-    buffer: str
-    init_from: str | None = None
-    epochs: int | None = None
-    steps: int | None = None
-    order: str = "shuffle"
-    seed: int | None = None
-    shuffle_window_rows: int | None = None
-    ref_model: str | None = None
-    kl_estimator: str = "k1"
-    kl_coef: float = 0.05
-    advantage_std: bool | None = None
-    advantage_baseline: str | None = None
-
-    @property
-    def recompute_advantages(self) -> bool:
-        return self.advantage_std is not None or self.advantage_baseline is not None
-
-    def check(self) -> None:
-        if self.epochs is not None and self.steps is not None:
-            raise PipelineError("give --epochs or --steps, not both")
-        if self.epochs is not None and self.epochs < 1:
-            raise PipelineError(f"--epochs must be >= 1, got {self.epochs}")
-        if self.steps is not None and self.steps < 1:
-            raise PipelineError(f"--steps must be >= 1, got {self.steps}")
-        if self.advantage_baseline not in (None, "mean", "leave-one-out"):
-            raise PipelineError(f"--advantage-baseline must be mean or leave-one-out, got {self.advantage_baseline!r}")
 
 
 # ====================================================================== entry point
@@ -90,7 +60,9 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     if (half_made := half_made_branch(paths)) is not None:
         raise ReplayError(half_made)
     if "WORLD_SIZE" in os.environ:  # a rank started by _train_on_ranks: its launcher holds the directory
-        return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)
+        quiet = os.environ.get("RANK", "0") != "0"  # rank 0 alone says what the replay does
+        with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+            return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)
     from rlhf_pipeline.runs.run_directory import hold_run_directory
 
     with hold_run_directory(paths, "replay") as holder:
@@ -131,17 +103,17 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
               file=sys.stderr, flush=True)
     if learner_settings.world_size > 1 and "WORLD_SIZE" not in os.environ:
         # this process prepared the run; the ranks repeat the checks (they pass) and train
-        call = {"pipeline_path": pipeline_path, "options": dataclasses.asdict(options),
-                "home": paths.home, "run_name": paths.name, "device": device,
-                "overrides": list(overrides)}
-        return _train_on_ranks(call, learner_settings.world_size, holder_fd)
+        argv = ["replay", pipeline_path, "--buffer", options.buffer, *options.flags(), "--home", paths.home,
+                "--run-name", paths.name, *(["--device", device] if device is not None else []),
+                *(word for item in overrides for word in ("--set", item))]
+        return _train_on_ranks(argv, learner_settings.world_size, holder_fd)
     return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps,
                   initial_policy=initial_policy)
 
 
-def _train_on_ranks(call: dict[str, Any], world_size: int, holder_fd: int = -1) -> int:
-    """Starts ``world_size`` data-parallel learner ranks (``learner.world_size``), each running
-    :func:`rank_main` with ``call``, and watches them: a failed rank stops the others; a signal
+def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> int:
+    """Starts ``world_size`` data-parallel learner ranks (``learner.world_size``), each running the
+    command ``argv`` (this replay's), and watches them: a failed rank stops the others; a signal
     here is passed on, and each rank checkpoints and stops at the same step."""
     import signal
     import subprocess
@@ -150,8 +122,7 @@ def _train_on_ranks(call: dict[str, Any], world_size: int, holder_fd: int = -1) 
     from rlhf_pipeline.runs.launch import rank_environments, stop_ranks
     from rlhf_pipeline.runs.stopping import wait_quietly
 
-    command = [sys.executable, "-c", "import sys; from rlhf_pipeline.runs.replay import rank_main; "
-                                     "sys.exit(rank_main(sys.argv[1]))", json.dumps(call)]
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", *argv]
     # the ranks inherit the run directory's holder lock: it outlives this process if it is killed first
     keep = (holder_fd,) if holder_fd >= 0 else ()
     ranks = [subprocess.Popen(command, env=env, pass_fds=keep) for env in rank_environments(world_size)]
@@ -182,19 +153,6 @@ def _train_on_ranks(call: dict[str, Any], world_size: int, holder_fd: int = -1) 
         rank, code = failed[0]
         raise ReplayError(f"data-parallel rank {rank} of the replay failed (exit code {code}); see its error above")
     return 0
-
-
-def rank_main(call_json: str) -> int:
-    """One data-parallel rank of a replay (started by :func:`_train_on_ranks`); ranks other than
-    0 keep quiet: rank 0 says what the replay does."""
-    import contextlib
-    import io
-
-    call = json.loads(call_json)
-    options = ReplayOptions(**call.pop("options"))
-    quiet = os.environ.get("RANK", "0") != "0"
-    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
-        return replay_command(call.pop("pipeline_path"), options, **call)
 
 
 def source_location(buffer: str) -> str:

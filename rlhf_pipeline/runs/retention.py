@@ -59,20 +59,26 @@ def sampler_window(learner: Any) -> int:
 
 class ShardRetention:
     """A collector's retention of its own shard: :meth:`after_round` marks the row clock, finds the
-    floor and drops the whole segments the rules allow below it."""
+    floor and drops the whole segments the rules allow below it. Its row clock (when rows were
+    written, for ``max_age_s``) goes on from the collector's published ``runner_state``."""
 
     def __init__(self, settings: RetentionSettings, paths: Any, key: str, store_path: str, learner: Any,
-                 clock: list | None = None, continues_from: int = 0) -> None:
+                 runner_state: dict[str, Any] | None = None, continues_from: int = 0) -> None:
         self.settings, self.paths, self.key, self.store_path = settings, paths, key, store_path
         # a branch continued online: its checkpoints and its learner count the shard's rows from the
         # parent's count, its own store from 0 (storage/continued.py); only its own rows ever go
         self.continues_from = int(continues_from)
         self.window = sampler_window(learner)
-        self.clock = RowClock(clock)
+        self.clock = RowClock((runner_state or {}).get(CLOCK_KEY))
         self.totals = [0, 0]  # rows dropped, bytes freed by this process
         # a directory is listed in microseconds, a URL prefix in round trips: only there is a look reused
         self.branches = BranchFloors(paths.location, store_path, buffer_location=paths.buffer_location,
                                      rescan_s=0.0 if paths.store.is_local else RESCAN_S)
+
+    @property
+    def runner_state(self) -> dict[str, Any]:
+        """The collector's runner state to publish with its next rows: the row clock."""
+        return {CLOCK_KEY: self.clock.to_json()}
 
     def after_round(self, store: Any, newest_version: int | None, now: float | None = None) -> RetentionReport:
         now = time.time() if now is None else now

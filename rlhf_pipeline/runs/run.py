@@ -108,8 +108,6 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     holds = command == "run" or (command == "learn" and not wait_for_launcher and os.environ.get("RANK", "0") == "0")
     with hold_run_directory(paths, command) if holds else nullcontext() as holder:
         if holds and paths.url is None:  # again under the lock `branch` takes while it makes a branch of it
-            from rlhf_pipeline.runs.branch import refuse_evicting_parent
-
             refuse_evicting_parent(paths.root)
         StopFlag.launcher_fd = stop_fd
         if on_ray is not None:
@@ -151,14 +149,24 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
 
 def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, steps: int | None,
             device: str | None, overrides: Sequence[str], collectors: int, *, holder: Any) -> int:
-    """``run``: checks what it can without torch, starts the children, waits while the learner
-    prepares the run directory (collectors go once it exists), then watches them."""
+    """``run``: starts the collectors and the learner (and with ``eval.every_steps`` the evaluator), which
+    import their modules and wait for ``go``; waits while the learner prepares the run directory
+    (collectors go once it exists), then watches them."""
     from rlhf_pipeline.runs.forking import ForkError
+    from rlhf_pipeline.runs.launch import Children, evaluator_argv
 
+    paths.clear_stop()
+    common = [pipeline_path, "--home", paths.home, "--run-name", paths.name,
+              *(["--device", device] if device is not None else []), *(w for s in overrides for w in ("--set", s))]
+    # collector k writes buffer/shard-kkkk until the learner is done (STOP), so it gets no --steps; the
+    # learner reads the union of the shards. The children inherit the run directory's holder lock: it
+    # outlives a launcher killed before them
     try:
-        children = _start_children(pipeline_path, steps, paths, device, overrides, collectors,
-                                   learner_ranks=settings.learner.world_size,
-                                   holder_fd=holder.fd, evaluate=settings.eval.enabled)
+        children = Children.start([sys.executable, "-m", "rlhf_pipeline.cli.main"], common,
+                                  ["--steps", str(steps)] if steps is not None else [], collectors,
+                                  settings.learner.world_size, keep_fds=(holder.fd,) if holder.fd >= 0 else (),
+                                  evaluator=evaluator_argv(paths.location, overrides) if settings.eval.enabled
+                                  else None)
     except ForkError as exc:
         raise RunError(str(exc)) from None
     try:
@@ -275,29 +283,6 @@ def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
 
 
 # ====================================================================== both
-def _start_children(pipeline_path: str, steps: int | None, paths: RunPaths, device: str | None,
-                    overrides: Sequence[str], collectors: int, learner_ranks: int = 1, holder_fd: int = -1,
-                    evaluate: bool = False):
-    """Starts the collectors and the learner (and with ``evaluate`` the evaluator), which import their
-    modules and wait for ``go``."""
-    from rlhf_pipeline.runs.launch import Children, evaluator_argv
-
-    paths.clear_stop()
-    common = [pipeline_path, "--home", paths.home, "--run-name", paths.name]
-    if device is not None:
-        common += ["--device", device]
-    for item in overrides:
-        common += ["--set", item]
-    # the collector runs until the learner is done (STOP), so it gets no --steps
-    learner_steps = ["--steps", str(steps)] if steps is not None else []
-    launcher = [sys.executable, "-m", "rlhf_pipeline.cli.main"]
-    # collector k writes buffer/shard-kkkk; the learner reads the union of the shards
-    # the children inherit the run directory's holder lock: it outlives a launcher killed before them
-    return Children.start(launcher, common, learner_steps, collectors, learner_ranks,
-                          keep_fds=(holder_fd,) if holder_fd >= 0 else (),
-                          evaluator=evaluator_argv(paths.location, overrides) if evaluate else None)
-
-
 def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[[], bool] = lambda: False) -> int:
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
     from rlhf_pipeline.runs.launch import EVALUATOR_FINISH_S, evaluator_exited, stop_ranks
