@@ -144,7 +144,7 @@ class Pipeline:
         """Collector ``collector_index`` writing to ``store`` through the write path, sampling with the
         engine ``settings.generation`` names, started from ``model``'s weights. An engine that cannot
         serve this run is one PipelineError, before any row."""
-        from rlhf_pipeline.generation.engine import EngineFailed
+        from rlhf_pipeline.generation.engine import EngineFailed, EngineStopped
         from rlhf_pipeline.generation.settings import make_engine
         from rlhf_pipeline.storage import make_replay_buffer
 
@@ -165,6 +165,8 @@ class Pipeline:
             engine = make_engine(settings.generation, model, pad_token_id=self.tokenizer.pad_token_id,
                                  stop_token_ids=[self.tokenizer.eos_token_id], device=settings.device,
                                  seed=settings.seed, tokenizer=self.tokenizer, adapters=adapters)
+        except EngineStopped:  # its process is stopping: no fault of the engine's
+            raise
         except (ValueError, EngineFailed) as exc:  # one that cannot serve this run: one line, no rows
             raise PipelineError(str(exc)) from None
         return self.collector(engine=engine, sink=buffer.extend, store=store, collector_index=collector_index)

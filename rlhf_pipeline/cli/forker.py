@@ -17,6 +17,7 @@ from rlhf_pipeline.runs.launch import preload
 
 
 def fork_all(report_fd: int) -> int:
+    set_thread_name("rlhf-forker")
     spec = json.loads(sys.stdin.read())
     try:
         preload("collect")
@@ -28,7 +29,6 @@ def fork_all(report_fd: int) -> int:
     for child in spec:
         sys.stdout.flush()
         sys.stderr.flush()
-        set_thread_name(thread_name(child["argv"], child["env"]))  # the child's name from its start
         pid = os.fork()
         if pid == 0:
             run_child(child, inherited, adopted_read, adopted_write, report_fd)  # never returns
@@ -41,6 +41,9 @@ def run_child(child: dict, inherited: set[int], adopted_read: int, adopted_write
     """In a forked child: runs its command line and exits with its code."""
     code = 1
     try:
+        # named here, not by the forking process before its fork: it would bear a child's name until
+        # its next fork or exit, and whoever looks a role up by name (ps, pkill) would find it
+        set_thread_name(thread_name(child["argv"], child["env"]))
         os.close(adopted_write)
         os.close(report_fd)
         for fd in inherited - set(child["keep_fds"]) - {child["stdin"]}:

@@ -30,6 +30,7 @@ from rlhf_pipeline.evaluation.sampling import eval_sampling, eval_seed, sample_e
 from rlhf_pipeline.evaluation.scores import summarize
 from rlhf_pipeline.evaluation.sets import EvalSet
 from rlhf_pipeline.evaluation.settings import EvalSettings
+from rlhf_pipeline.generation.engine import EngineStopped
 
 EVAL_DIR = "eval"
 """Under a run directory: one store per set, and the evaluator's metrics (``metrics.jsonl``)."""
@@ -155,6 +156,8 @@ class Evaluation:
             return None
         try:
             self._evaluate(engine, eval_set, version, store, progress)
+        except EngineStopped:  # a stop, not a failed try: the next start evaluates the version
+            raise
         except Exception as exc:  # the scorer's, the environment's or the engine's: training goes on
             progress = EvalProgress.of(store)  # what the last publish says, not what the failed chunk began
             progress.failed[version] = f"{type(exc).__name__}: {exc}"

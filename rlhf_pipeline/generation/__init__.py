@@ -12,8 +12,9 @@ import importlib
 
 _DEFINED_IN = {
     **{name: "engine" for name in (
-        "BadAnswer", "Completion", "CompletionGroup", "EngineDied", "EngineFailed", "EngineStats", "GenerationEngine",
-        "SampleRequest", "UnsupportedCapability", "UnsupportedSetting", "checked_completions", "draw_seed")},
+        "BadAnswer", "Completion", "CompletionGroup", "EngineDied", "EngineFailed", "EngineStats", "EngineStopped",
+        "GenerationEngine", "SampleRequest", "UnsupportedCapability", "UnsupportedSetting", "checked_completions",
+        "draw_seed")},
     "SamplingConfig": "sampling", "process_logits": "sampling",
     **{name: "loop" for name in ("Generation", "LoopEngine", "generate", "left_pad", "teacher_forced_log_probs")},
     "GenerationSettings": "settings", "make_engine": "settings",

@@ -28,6 +28,7 @@ import dataclasses
 import math
 import numbers
 import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, wait
@@ -64,6 +65,11 @@ class EngineDied(EngineFailed):
     def __init__(self, message: str, cause: str | None = None) -> None:
         super().__init__(message)
         self.cause = cause or message.splitlines()[0]
+
+
+class EngineStopped(EngineFailed):
+    """A wait of the engine ended because its process is stopping (:attr:`GenerationEngine.stopping`):
+    not a failure of the engine or of what it was asked."""
 
 
 class BadAnswer(EngineFailed):
@@ -230,6 +236,11 @@ class GenerationEngine(ABC):
     retries: Any = None
     """How a server's engine asks again and restarts the server it owns (``vllm_http.Retries``: its
     ``announce`` says each restart); None for our loop."""
+    stopping: threading.Event | None = None
+    """Set, on this class, by a process of ``run`` that makes engines (``runs/processes.py``,
+    ``runs/eval_process.py``): its stop (a signal, its launcher gone). A wait of any of its engines
+    with no bound of its own (a shared server held on other collectors' weights, the connection check
+    of an engine's construction included) then ends with :class:`EngineStopped`."""
 
     def __init__(self, stop_token_ids: Sequence[int], policy_version: int = 0) -> None:
         if not stop_token_ids:

@@ -21,18 +21,9 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.generation.engine import (
-    BadAnswer,
-    Completion,
-    CompletionGroup,
-    EngineFailed,
-    EngineStats,
-    GenerationEngine,
-    SampleRequest,
-    UnsupportedCapability,
-    UnsupportedSetting,
-    checked_completions,
-)
+from rlhf_pipeline.generation.engine import (BadAnswer, Completion, CompletionGroup, EngineFailed, EngineStats,
+                                             GenerationEngine, SampleRequest, UnsupportedCapability,
+                                             UnsupportedSetting, checked_completions)
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_adapters import AdapterServing, ServedAdapters
 from rlhf_pipeline.generation.vllm_http import JsonClient, Retries, ServerError, ServerUnreachable, Supervisor
@@ -48,8 +39,7 @@ SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this checkout> python -m v
 PROBE_TEXT = "12+34=46, then 7*8=56."
 PROBE_SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.6)
 """The log-prob check's request: at temperature 0.6 the sampling distribution is far from the raw one."""
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
-           "min_tokens": 0}
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "min_tokens": 0}
 """Sent with every request: the server's generation config would otherwise set them."""
 GREEDY_BELOW, MAX_TEMPERATURE = 1e-5, 2.0
 """vLLM samples greedily below the one (its ``_SAMPLING_EPS``); its ``SamplingParams`` refuses a temperature above the other."""
@@ -211,10 +201,8 @@ class VLLMURLEngine(GenerationEngine):
         from rlhf_pipeline.generation.loop import teacher_forced_log_probs
         from rlhf_pipeline.schema.ragged import RaggedTensor
 
-        if tokenizer is not None:
-            prompt = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
-        else:
-            prompt = [i % self.vocab_size for i in range(2, 12)]
+        prompt = (list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]) if tokenizer is not None
+                  else [i % self.vocab_size for i in range(2, 12)])
         request = SampleRequest(prompt, n=2)
         (group,) = self.sample([request], [0], PROBE_SAMPLING)
         responses = [c.token_ids for c in group.completions]
@@ -388,6 +376,12 @@ class VLLMURLEngine(GenerationEngine):
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+            # requests cancelled there never end as answered ones do, so the lease they held is let go
+            # here: a server shared with other collectors would otherwise stay held on our weights
+            with self._leasing:
+                lease, self._lease = self._lease, None
+            if lease is not None:
+                lease.__exit__(None, None, None)
         adapters = getattr(self, "adapters", None)
         if adapters is not None:
             adapters.close()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.generation.engine import EngineFailed
+from rlhf_pipeline.generation.engine import EngineFailed, EngineStopped, GenerationEngine
 from rlhf_pipeline.generation.vllm_http import JsonClient, ServerError
 
 ROUND_LEASE_S = 60.0
@@ -178,7 +178,11 @@ class RoundLease:
     """The server's weights held at ``key`` for one round of this collector (see the module docstring).
 
     ``load(lease_json)``: uploads this collector's weights, tagged with the lease; ``reset()``: resets
-    the server's prefix cache (raises when it cannot)."""
+    the server's prefix cache (raises when it cannot). Once its process is stopping
+    (:attr:`GenerationEngine.stopping <rlhf_pipeline.generation.engine.GenerationEngine.stopping>`), a
+    round still waiting for the server gives its place up and raises :class:`EngineStopped`: other
+    collectors' rounds may hold the server for as long as they run, and a process whose launcher died
+    must not wait on them, its ticket keeping every later round in line behind it."""
 
     def __init__(self, client: JsonClient, key: str, version: int, ttl_s: float,
                  load: Callable[[str], None], reset: Callable[[], None]) -> None:
@@ -210,6 +214,7 @@ class RoundLease:
     def __enter__(self) -> RoundLease:
         started = time.monotonic()
         pause = FIRST_PAUSE_S
+        stopping = GenerationEngine.stopping or threading.Event()
         try:
             while True:
                 reply = self._call("acquire", key=self.key, version=self.version, ttl_s=self.ttl_s)
@@ -220,7 +225,10 @@ class RoundLease:
                     if reply["state"] == "granted":
                         break
                     continue  # it expired meanwhile: ask again, from the back of the line
-                time.sleep(pause)
+                if stopping.wait(pause):
+                    raise EngineStopped(f"stopped while waiting {time.monotonic() - started:.0f} s for the vLLM "
+                                       f"server at {self.client.base_url}, held on other weights by other "
+                                       f"collectors' rounds; nothing of the round was sampled")
                 pause = min(2 * pause, LONGEST_PAUSE_S)
         except BaseException:
             self._release_quietly()

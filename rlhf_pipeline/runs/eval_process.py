@@ -24,6 +24,7 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
     done or a stop request (``run``'s third kind of child)."""
     from rlhf_pipeline.evaluation.evaluator import Evaluation, eval_engine, eval_metrics_path, open_set_store
     from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version, follow_run
+    from rlhf_pipeline.generation.engine import EngineStopped, GenerationEngine
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
     from rlhf_pipeline.learn.keep_best import recorded_keep_best
     from rlhf_pipeline.learn.metrics import MetricsWriter
@@ -50,6 +51,7 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
     engines = VersionEngine(lambda state, version: eval_engine(
         pipeline.settings.generation, pipeline.make_model, pipeline.tokenizer, state, version,
         device=engine_device, seed=pipeline.settings.seed, greedy=settings.temperature == 0))
+    GenerationEngine.stopping = stop.event  # every engine of this process: a stop ends a wait for a shared server
     try:
         if versions is None:
             follow_run(evaluation, sets, paths, engines, eval_pins(pipeline, paths), should_stop=stop.event.is_set,
@@ -69,9 +71,12 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
             learner = pipeline.learner
             run_checkpoints(paths, keep_last=learner.keep_checkpoints, keep_every=learner.checkpoint_keep_every,
                             keep_best=recorded).prune()
+    except EngineStopped as exc:  # stopped while waiting for the run's shared server: nothing of it stored
+        print(f"[eval] {exc}", flush=True)
     finally:
         engines.close()
         metrics.close()
+        GenerationEngine.stopping = None
         stop.restore()
     return stop.exit_code()
 

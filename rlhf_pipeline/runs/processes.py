@@ -101,7 +101,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.collect.console import collector_tag, name_collectors, say
     from rlhf_pipeline.collect.commit import stored_in_round
     from rlhf_pipeline.collect.position_history import held_version
-    from rlhf_pipeline.generation.engine import EngineFailed
+    from rlhf_pipeline.generation.engine import EngineFailed, EngineStopped, GenerationEngine
     from rlhf_pipeline.runs.branch_online import collector_rows, keep_position_history
     from rlhf_pipeline.learn.metrics import MetricsWriter
     from rlhf_pipeline.coordination.pacing import WAIT_REPORT_S, CollectorPacer, shard_key
@@ -114,6 +114,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     name_collectors(one_of_several)
     tag = collector_tag(collector_index)
     stop = StopFlag(tag.strip("[]"))
+    GenerationEngine.stopping = stop.event  # every engine of this process: a stop ends a wait for a shared server
     store_path = collector_shard(paths, collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on
     # another machine holds it until its lease runs out, which is waited for
@@ -145,7 +146,11 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         held = held_version(saved)
         # built while the learner warm-starts: an engine with a process of its own takes tens of
         # seconds to start; the weights it starts with go in below, as every later version does
-        collector = _make_collector(pipeline, model, store, collector_index)
+        try:
+            collector = _make_collector(pipeline, model, store, collector_index)
+        except EngineStopped as exc:  # its engine's first check waited for a shared server held on other weights
+            say(f"{tag} {exc}")
+            return stop.exit_code()
         _keep_history_at_every_append(collector, history, rows, store)
         _announce_engine(collector.engine, tag, say)
         update = _wait_for_weights(poller, stop_check, first, held=held, tag=tag,
@@ -219,7 +224,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 failed = exc
             except EngineFailed as exc:  # its retries or restarts spent, or an answer that cannot be a row
                 say(f"{tag} stopped: {exc}")  # one line; a rerun resumes from the state the store last published
-                failed = exc
+                failed = None if stop.event.is_set() else exc  # asked to stop (its wait for a shared server ended)
                 break
             if store.writer_state is None:
                 raise PipelineError("the pipeline's collector wrote its round without its state: give it "
@@ -247,6 +252,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         if collector is not None:
             collector.close()  # its generation engine's process, if any
         store.close()
+        GenerationEngine.stopping = None
         stop.restore()
     say(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)")
     return 1 if failed is not None else stop.exit_code()

@@ -53,7 +53,10 @@ def pause_at_random(home: Path, name: str, done: threading.Event) -> int:
         try:
             os.kill(pids[role], signal.SIGSTOP)
         except ProcessLookupError:
-            break  # the run is ending
+            # gone: the run is ending, or what was found was a short-lived process forked from that
+            # child (it carries the child's name); looked up again until ``done``
+            del pids[role]
+            continue
         try:
             done.wait(rng.uniform(0.001, 0.05))
         finally:
