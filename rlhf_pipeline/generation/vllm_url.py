@@ -39,7 +39,8 @@ SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this checkout> python -m v
 PROBE_TEXT = "12+34=46, then 7*8=56."
 PROBE_SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.6)
 """The log-prob check's request: at temperature 0.6 the sampling distribution is far from the raw one."""
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "min_tokens": 0}
+NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
+           "min_tokens": 0}
 """Sent with every request: the server's generation config would otherwise set them."""
 GREEDY_BELOW, MAX_TEMPERATURE = 1e-5, 2.0
 """vLLM samples greedily below the one (its ``_SAMPLING_EPS``); its ``SamplingParams`` refuses a temperature above the other."""
