@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.dataio.extras import require
+from rlhf_pipeline.files.log_parts import json_records, read_log_lines
 from rlhf_pipeline.files.run_paths import local_run_path
+from rlhf_pipeline.files.run_store import LocalRunStore
 
 
 @dataclass(frozen=True)
@@ -100,21 +102,12 @@ class NotMetricsError(ValueError):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl``; an unreadable line (a run killed mid-write) is skipped,
-    but a file with lines and not one record in them is no run's metrics: :class:`NotMetricsError`."""
-    records, lines = [], 0
-    # undecodable bytes (a cut last line, or a file that is not text) fail the JSON parse below
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            lines += bool(line.strip())
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and "step" in record:
-                records.append(record)
+    """The records of a ``metrics.jsonl`` (``files/log_parts.json_records``); a file with lines and
+    not one learner record among them is no run's metrics: :class:`NotMetricsError`."""
+    lines = [line for line in read_log_lines(LocalRunStore(path.parent), path.name) if line.strip()]
+    records = [r for r in json_records(lines) if "step" in r]
     if lines and not records:
-        raise NotMetricsError(f"{path} is not a run's metrics.jsonl: none of its {lines} lines is a learner "
+        raise NotMetricsError(f"{path} is not a run's metrics.jsonl: none of its {len(lines)} lines is a learner "
                               f"metrics record (a JSON object with a step); give a run directory")
     return records
 

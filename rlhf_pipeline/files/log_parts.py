@@ -8,6 +8,8 @@ writer is ``learn/metrics.py``'s :class:`~rlhf_pipeline.learn.metrics.MetricsWri
 
 from __future__ import annotations
 
+import json
+
 from rlhf_pipeline.files.run_store import RunStore
 
 
@@ -26,3 +28,22 @@ def read_log_lines(store: RunStore, key: str) -> list[str]:
     order (a line a kill cut short may end in a replaced character)."""
     whole = [store.read(key), *(store.read(part_key(key, n)) for n in part_numbers(store, key))]
     return b"".join(data or b"" for data in whole).decode("utf-8", errors="replace").splitlines()
+
+
+def read_log_records(store: RunStore, key: str) -> list[dict]:
+    """The JSON objects of the log ``key``, in order (:func:`json_records`)."""
+    return json_records(read_log_lines(store, key))
+
+
+def json_records(lines: list[str]) -> list[dict]:
+    """The lines that are JSON objects. Another line is skipped: the last line of a writer killed
+    mid-write, which its resume drops too (``learn/metrics.py``)."""
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_pipeline.files.log_parts import part_key, part_numbers, read_log_lines
+from rlhf_pipeline.files.log_parts import part_key, part_numbers, read_log_records
 from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
 
 PART_LINES = 1000  # ~1.5 MB of learner lines: the most one re-PUT of the newest part sends
@@ -180,7 +180,7 @@ def read_metrics(jsonl_path: str | Path, *, store: RunStore | None = None) -> li
     """The records of the log at ``jsonl_path``: a file, or with ``store`` its key there (parts at a URL)."""
     if store is None:
         store, jsonl_path = LocalRunStore(Path(jsonl_path).parent), Path(jsonl_path).name
-    return [json.loads(line) for line in read_log_lines(store, str(jsonl_path)) if line.strip()]
+    return read_log_records(store, str(jsonl_path))
 
 
 def _step_of(line: str) -> int:

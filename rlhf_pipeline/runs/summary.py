@@ -3,10 +3,9 @@ reward it reached. Imports no torch: the launcher prints these after its childre
 
 from __future__ import annotations
 
-import json
 import sys
 
-from rlhf_pipeline.files.log_parts import read_log_lines
+from rlhf_pipeline.files.log_parts import read_log_records
 from rlhf_pipeline.files.run_paths import RunPaths
 
 
@@ -17,9 +16,7 @@ def checkpoint_step(paths: RunPaths) -> int | None:
 
 
 def print_summary(paths: RunPaths) -> None:
-    # metrics.jsonl read here, not with learn.metrics.read_metrics: that module imports torch,
-    # which would cost the launcher seconds after the learner is done
-    records = [json.loads(line) for line in read_log_lines(paths.store, paths.key(paths.metrics)) if line.strip()]
+    records = read_log_records(paths.store, paths.key(paths.metrics))
     if not records:
         return
     rewards = [r.get("charts/reward_mean") for r in records if "charts/reward_mean" in r]

@@ -49,3 +49,25 @@ def test_a_resumed_run_hides_the_steps_a_killed_learner_logged_past_its_checkpoi
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("losses/loss")] == \
         [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+
+
+def test_every_reader_of_the_log_skips_a_line_a_kill_cut_short(tmp_path, capsys):
+    """The learner's reader, `plot`'s and the launcher's summary read one way: the whole records, and
+    not the last line of a writer killed mid-write."""
+    from rlhf_pipeline.dataio.plots import read_metrics as plotted_metrics
+    from rlhf_pipeline.files.run_paths import run_paths
+    from rlhf_pipeline.runs.summary import print_summary
+
+    paths = run_paths("run", str(tmp_path))
+    paths.metrics.parent.mkdir(parents=True)
+    writer = MetricsWriter(paths.metrics, paths.tensorboard)
+    for step in (1, 2):
+        writer.log(step, {"charts/reward_mean": 0.25 * step})
+    writer.close()
+    with open(paths.metrics, "a", encoding="utf-8") as log:
+        log.write('{"step": 3, "charts/rew')
+
+    assert [r["step"] for r in read_metrics(paths.metrics)] == [1, 2]
+    assert [r["step"] for r in plotted_metrics(paths.metrics)] == [1, 2]
+    print_summary(paths)
+    assert "done: 2 learner steps; mean reward 0.250 (first 1 steps) -> 0.500" in capsys.readouterr().err
