@@ -346,21 +346,12 @@ def start_online(paths: RunPaths) -> None:
 
 def main_message(new: str, lineage: dict[str, Any]) -> None:
     """What ``branch`` prints: where from, and the parent's command that continues the branch
-    (``runs/branch_command.py``), with every setting it was started with and the branch's changes."""
-    from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.runs.branch_command import branch_commands, describe, not_rebuilt
+    (``runs/branch_command.py``)."""
+    from rlhf_pipeline.runs.branch_command import branch_message
 
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
     print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
-    try:
-        commands = branch_commands(RunPaths.at(new), lineage, f"{new}/{PARENT_ROWS}")
-    except (PipelineError, ValueError, OSError) as exc:
-        print(f"[branch] {not_rebuilt(lineage['overrides'], exc)}", file=sys.stderr)
-        return
-    # PIPELINE.py where the branch's copy cannot be run in place (at a URL, or importing modules beside it)
-    given = any("PIPELINE.py" in command for command in commands.values())
-    note = f" (PIPELINE.py: the parent's pipeline file, kept at {new}/pipeline.py)" if given else ""
-    print(f"[branch] {describe(commands, lineage['step'], note)}", file=sys.stderr)
+    print(f"[branch] {branch_message(new, lineage)}", file=sys.stderr)
 
 
 def refuse_evicting_parent(root: str | Path) -> None:
