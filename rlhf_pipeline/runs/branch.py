@@ -95,7 +95,10 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
             reason = (f"{parent_at} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, or "
                       f"keep more with learner.checkpoint_keep_every=M (every M-th step)")
             # a branch of it left half-made there cannot be made any more, and no rerun would remove it
-            raise BranchError(half_made_removed(reason, new_at) if _remove_half_made(target, parent_at) else reason)
+            if _remove_half_made(target, parent_at):
+                reason += (f". Removed {new_at}, the branch a `branch` stopped midway left half-made (it held nothing "
+                           f"anyone reads)")
+            raise BranchError(reason)
         _clear_place(target, new_at)
         settings, changed = changed_settings(parent_paths, saved, overrides)
         record = checkpoints.record(step) or {}
@@ -122,12 +125,6 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
         target.create(BRANCH_FILE, json.dumps(lineage, indent=2, sort_keys=True).encode())  # last: the branch is whole
     target.delete(BRANCH_MAKING)
     return lineage
-
-
-def half_made_removed(reason: str, where: str) -> str:
-    """A refusal's line once the branch a ``branch`` stopped midway left half-made at ``where`` was removed."""
-    return (f"{reason}. Removed {where}, the branch a `branch` stopped midway left half-made (it held nothing "
-            f"anyone reads)")
 
 
 def half_made_branch(paths: RunPaths) -> str | None:
