@@ -20,10 +20,10 @@ from collections.abc import Sequence
 class StopFlag:
     """Set by SIGINT/SIGTERM (first one: finish cleanly), by the launcher, or by the ``STOP`` file.
 
-    A child of ``run`` watches the launcher's pipe (``launcher_fd``, from ``--stop-fd``): a byte
-    on it is a stop request, end-of-file means the launcher died (even by ``kill -9``); both
-    stop cleanly. Neither counts as a signal, so one Ctrl-C (which reaches the launcher and the
-    children alike) never looks like two.
+    A child of ``run`` or a rank of ``replay`` watches the launcher's pipe (``launcher_fd``, from
+    ``--stop-fd``): a byte on it is a stop request, end-of-file means the launcher died (even by
+    ``kill -9``); both stop cleanly. Neither counts as a signal, so one Ctrl-C (which reaches the
+    launcher and the children alike) never looks like two.
 
     ``role`` names the process in its messages (``collector 1``, ``learner``): the caller says it,
     since a child forked by ``run`` (``cli/forker.py``) has the forking process's ``sys.argv``, which
