@@ -75,7 +75,7 @@ class VLLMURLEngine(GenerationEngine):
     ``model``: the pipeline's policy as a transformers causal LM, at ``policy_version``: the server is
     checked against it and, with ``weight_updates``, given its weights. ``served_model``: the model
     name to request (None: the only one the server serves). ``server``: one of ours, healthy already
-    (``vllm_engine.OwnedServer``), shared with no one, restarted when it dies."""
+    (``vllm_engine.OwnedServer``), shared with no one, restarted when it dies: ``url`` follows it."""
 
     name = "vllm-url"
 
@@ -86,8 +86,7 @@ class VLLMURLEngine(GenerationEngine):
                  check_tolerance: float = 1e-3, api_key: str | None = None,
                  lease_s: float = ROUND_LEASE_S, server: Any = None, adapters: AdapterServing | None = None) -> None:
         super().__init__(stop_token_ids, policy_version)
-        self.url = url.rstrip("/")
-        self.client = JsonClient(self.url, retries, api_key=api_key, supervisor=server)
+        self.client = JsonClient(url, retries, api_key=api_key, supervisor=server)
         self.vocab_size = int(model.config.vocab_size)
         self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
@@ -126,6 +125,11 @@ class VLLMURLEngine(GenerationEngine):
         # a round's figures, not the connection checks'
         self.stats.reported = (self.client.requests_sent, self.client.request_s, self.client.connections_opened, 0.0, 0)
         self.stats.cached_reported = (self.stats.prompt_tokens, self.stats.cached_tokens)
+
+    @property
+    def url(self) -> str:
+        """The server's base URL: a restarted server of ours has a new one."""
+        return self.client.base_url
 
     # ------------------------------------------------------------------ checks at connection
     def _wait_until_healthy(self, wait_s: float) -> None:
