@@ -193,7 +193,8 @@ class ServedAdapters:
         self._check_targets(adapter.layer_names, version)
         path = self.files.path(f"v{version}")
         adapter.save_peft_directory(path)
-        self.files.hold(version, path)
+        for old in self.files.hold(version, path):  # the newest max_loras stay loaded, this one among them
+            self._unload(self.loaded_name(old))
         try:
             self._put(self.loaded_name(version), path, version)
             self._reference_of(adapter, version)
@@ -202,8 +203,6 @@ class ServedAdapters:
             self._unload(self.loaded_name(version))
             self.files.remove(self.files.held.pop(version))
             raise
-        for old in self.files.superseded():
-            self._unload(self.loaded_name(old))
 
     def reload(self, version: int) -> None:
         """After a restart of the server (it came back with the base only): every adapter it held loaded

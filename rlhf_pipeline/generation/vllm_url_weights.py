@@ -68,16 +68,14 @@ class VersionFiles:
             return source
         return partial.replace(path)
 
-    def hold(self, version: int, path: Path) -> None:
+    def hold(self, version: int, path: Path) -> list[int]:
+        """``version`` is (being) given to the server from ``path``; returns the held versions now past the
+        newest ``keep``, oldest first, whose files are removed (as is one held for ``version`` before)."""
         before, self.held[version] = self.held.pop(version, None), path
-        if before is not None:
-            self.remove(before)
-
-    def superseded(self) -> list[int]:
-        """The held versions past the newest ``keep``, oldest first, now removed."""
         gone = list(self.held)[:max(0, len(self.held) - self.keep)]
-        for version in gone:
-            self.remove(self.held.pop(version))
+        for old in [before, *(self.held.pop(v) for v in gone)]:
+            if old is not None:
+                self.remove(old)
         return gone
 
     def remove(self, path: Path) -> None:
@@ -155,7 +153,6 @@ class ServerWeights:
                 raise ServerMismatch(f"generation.url: {exc}") from None
             raise
         self.files.hold(version, path)
-        self.files.superseded()
 
     def keep(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> Path:
         """``version``'s file in the weights directory: a published safetensors file hard-linked there
@@ -178,7 +175,6 @@ class ServerWeights:
         the file held before is removed."""
         self.path, self.key, self.version = path, "", int(version)
         self.files.hold(version, path)
-        self.files.superseded()
 
     def reload(self) -> None:
         """The held version loaded on the server again (a server that restarted from its model directory,

@@ -75,8 +75,7 @@ def test_adapter_directories_share_the_weights_life_cycle_newest_kept_superseded
         path = adapters.path(f"v{version}")
         path.mkdir()
         (path / "adapter_config.json").write_text("{}")
-        adapters.hold(version, path)
-        gone = adapters.superseded()
+        gone = adapters.hold(version, path)
     assert gone == [1] and list(adapters.held) == [2, 3]
     assert sorted(p.name for p in adapters.dir.iterdir()) == [adapters.path("v2").name, adapters.path("v3").name]
     untagged = adapters.dir / "v9"  # not written by this engine (another collector's): never removed
