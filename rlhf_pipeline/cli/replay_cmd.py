@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="override a pipeline setting, e.g. --set learner.loss.clip_eps_high=0.28 (repeatable)")
     parser.add_argument("--list-settings", action="store_true",
                         help="print the pipeline's settings with their documentation and exit")
+    # given by a replay of several ranks to each of them (rlhf_pipeline/runs/launch.py, start_ranks)
+    parser.add_argument("--stop-fd", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         return replay_command(args.pipeline, options, home=args.home, run_name=args.run_name, device=args.device,
-                              overrides=args.overrides, list_settings=args.list_settings)
+                              overrides=args.overrides, list_settings=args.list_settings,
+                              stop_fd=args.stop_fd)
     # a run at a URL: an object store that refuses (credentials, no bucket, retries spent) or a
     # start elsewhere that took the run over is one line, as for `run`
     except (PipelineError, ReplayError, RunDirectoryBusyError, RunLocationError, RunStoreError,

@@ -32,6 +32,11 @@ def is_url(location: str | Path) -> bool:
     return "://" in str(location)
 
 
+def resolved_location(location: str) -> str:
+    """A location as runs and saved selections record it: a URL as it is, a path made absolute."""
+    return location if "://" in location else str(Path(location).resolve())
+
+
 def check_run_url(location: str, what: str) -> str:
     """``location`` if it is a URL a run can live at; else :class:`RunLocationError` naming ``what``."""
     if not location.startswith(RUN_URL_SCHEMES):

@@ -23,11 +23,7 @@
 
 from __future__ import annotations
 
-import base64
-import json
-import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +35,7 @@ from rlhf_pipeline.generation.engine import EngineFailed
 from rlhf_pipeline.generation.loop import ServedPolicyMismatch, load_state_into, teacher_forced_log_probs
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_http import JsonClient, ServerError
-from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch
+from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch, VersionFiles, unreadable
 from rlhf_pipeline.models.lora import (
     CANARY_NEW_TOKENS,
     CANARY_PROMPT_TOKENS,
@@ -105,26 +101,25 @@ class ServedAdapters:
 
     ``reference``: the engine's model, holding the base the server holds (the learner's forward of each
     version is computed by merging the version into it); ``weights``: the engine's whole weights
-    (``vllm_url_weights.ServerWeights``: the base, and where version directories are written, a path the
-    server reads; on a server other collectors may share, names carry this engine's tag and checks hold
-    a round's lease); ``sample(body)``: the engine's ``/v1/completions`` path (its checks included);
-    ``request(prompt, n, seed, sampling, limit, model)``: the body it sends for a row."""
+    (``vllm_url_weights.ServerWeights``: the base; its files' directory and tag are the adapters' too, and
+    their life cycle, ``VersionFiles``; on a server other collectors may share, names carry the tag and
+    checks hold a round's lease); ``sample(body)``: the engine's ``/v1/completions`` path (its checks
+    included); ``request(prompt, n, seed, sampling, limit, model)``: the body it sends for a row."""
 
     def __init__(self, client: JsonClient, serving: AdapterServing, reference: torch.nn.Module, weights: Any, *,
                  request: Callable[..., dict[str, Any]], sample: Callable[[dict[str, Any]], list[Any]],
                  max_model_len: int, served_model: str) -> None:
         self.client, self.serving, self.reference, self.weights = client, serving, reference, weights
-        self.directory = Path(weights.dir) / "adapters"
+        self.files = VersionFiles(weights.files.dir / "adapters", keep=serving.max_loras, tag=weights.files.tag)
+        """The versions' directories; ``held``: version -> directory, oldest first, each loaded on the server."""
         self._request, self._sample = request, sample
-        self._tag = uuid.uuid4().hex[:8] if weights.shared else ""
+        self._suffix = f"-{weights.files.tag}" if weights.shared else ""
         self.served_model = served_model
         self.vocab_size = int(reference.config.vocab_size)
         length = min(CANARY_PROMPT_TOKENS, max(1, max_model_len - CANARY_NEW_TOKENS))
         self.prompts = canary_prompts(self.vocab_size, length)
         self.merger = AdapterMerger()
         self.merger.set_base()
-        self.loaded: dict[int, tuple[str, Path]] = {}
-        """version -> (its name on the server, its directory), oldest first."""
         self.last_difference: float | None = None
         """The sampling-path canary of the last version loaded: its largest log-prob difference."""
         self.last_load_s = 0.0
@@ -135,8 +130,11 @@ class ServedAdapters:
     def name(self, version: int) -> str:
         """The model a request of ``version`` names: the base for version 0 (or whole weights), else
         the version's adapter."""
-        held = self.loaded.get(version)
-        return held[0] if held is not None else self.served_model
+        return self.loaded_name(version) if version in self.files.held else self.served_model
+
+    def loaded_name(self, version: int) -> str:
+        """The name ``version``'s adapter is loaded under."""
+        return f"v{version}{self._suffix}"
 
     def check_server(self) -> None:
         """Before any row: the run's targets are layers the server takes adapters for, and a zero adapter
@@ -144,15 +142,15 @@ class ServedAdapters:
         self.served_layers = self._served_layers()
         self._check_targets(list(self.serving.target_modules), None)
         probe = zero_adapter(self.reference, self.serving.rank, self.serving.alpha, self.serving.target_modules)
-        name = f"{PROBE_NAME}{'-' + self._tag if self._tag else ''}"
-        path = self.directory / name
+        name, path = PROBE_NAME + self._suffix, self.files.path(PROBE_NAME)
         probe.save_peft_directory(path)
         try:
             with self._held_round():
                 self._put(name, path, version=None)
                 self._check_sampled(name, None)
         finally:
-            self._remove(name, path)
+            self._unload(name)
+            self.files.remove(path)
 
     def load(self, weights: Any, version: int) -> None:
         """``version``'s weights: an adapter loaded by name (:meth:`take`), or whole weights (the base,
@@ -193,40 +191,36 @@ class ServedAdapters:
                                        f"modules ({adapter.config['modules_to_save']}), which vLLM serves only for "
                                        f"classifiers; train an adapter without modules_to_save")
         self._check_targets(adapter.layer_names, version)
-        name = f"v{version}{'-' + self._tag if self._tag else ''}"
-        path = self.directory / name
+        path = self.files.path(f"v{version}")
         adapter.save_peft_directory(path)
-        self.loaded[version] = (name, path)
+        for old in self.files.hold(version, path):  # the newest max_loras stay loaded, this one among them
+            self._unload(self.loaded_name(old))
         try:
-            self._put(name, path, version)
+            self._put(self.loaded_name(version), path, version)
             self._reference_of(adapter, version)
             self._check_sampled(self.name(version), version)  # the name the version's rows will carry
         except BaseException:
-            self._remove(*self.loaded.pop(version))
+            self._unload(self.loaded_name(version))
+            self.files.remove(self.files.held.pop(version))
             raise
-        while len(self.loaded) > self.serving.max_loras:
-            oldest = next(iter(self.loaded))
-            self._remove(*self.loaded.pop(oldest))
 
     def reload(self, version: int) -> None:
         """After a restart of the server (it came back with the base only): every adapter it held loaded
         again, and the held ``version`` checked again."""
-        for held, (name, path) in self.loaded.items():
-            self._put(name, path, held)
-        if version in self.loaded:
+        for held, path in self.files.held.items():
+            self._put(self.loaded_name(held), path, held)
+        if version in self.files.held:
             self._check_sampled(self.name(version), version)
 
     def close(self) -> None:
         """This engine's adapter directories removed; on a server other collectors share (one at a URL)
         its adapters are unloaded too, one try each, so they do not outlive it there."""
-        for name, path in list(self.loaded.values()):
-            if self.weights.shared:
-                try:
-                    self._remove(name, path, retry=False)
-                except EngineFailed:  # a server gone by now holds nothing of ours
-                    pass
-            shutil.rmtree(path, ignore_errors=True)
-        self.loaded = {}
+        for version in self.files.held if self.weights.shared else ():
+            try:
+                self._unload(self.loaded_name(version), retry=False)
+            except EngineFailed:  # a server gone by now holds nothing of ours
+                pass
+        self.files.close()
 
     # ------------------------------------------------------------------ the server's side
     def _served_layers(self) -> list[str]:
@@ -257,9 +251,8 @@ class ServedAdapters:
         started = time.perf_counter()
         try:
             if self.weights.inline:  # the server writes the directory where it reads it (vllm_worker.py)
-                files = {f.name: base64.b64encode(f.read_bytes()).decode() for f in path.iterdir()}
                 reply = self.client.post("/collective_rpc", {"method": "save_published_adapter",
-                                                             "args": [name, json.dumps(files)]})
+                                                             "args": [name, VersionFiles.inline(path)]})
                 path = Path(reply["results"][0])
             self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, text=True)
         except ServerError as exc:
@@ -282,16 +275,14 @@ class ServedAdapters:
                 f"setting 'learner.lora.rank' is {self.serving.rank}, and the vLLM server at {self.client.base_url} "
                 f"refuses {what}: {detail}; start it with {self._flags()}, or lower learner.lora.rank")
         if "No such file" in detail or "not found" in detail.lower() or "does not exist" in detail:
-            return refused(
-                f"generation.url: the server at {self.client.base_url} cannot read {path}, {what}: a server on "
-                f"another machine needs generation.url_weights_dir on a file system both see, at the same path, or "
-                f"generation.weight_transfer=inline")
+            return refused(unreadable(self.client.base_url, path, what))
         return refused(f"{what} cannot be served: the vLLM server at {self.client.base_url} refused it: {detail}")
 
     def _flags(self) -> str:
         return " ".join(self.serving.server_flags())
 
-    def _remove(self, name: str, path: Path, *, retry: bool = True) -> None:
+    def _unload(self, name: str, *, retry: bool = True) -> None:
+        """``name`` unloaded from the server (and, sent inline, its directory there removed)."""
         try:
             self.client.post("/v1/unload_lora_adapter", {"lora_name": name}, text=True, retry=retry)
         except ServerError:  # never loaded (its load was refused), or gone with a restarted server
@@ -302,7 +293,6 @@ class ServedAdapters:
                                  retry=retry)
             except ServerError:
                 pass
-        shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ the canary
     def _reference_of(self, adapter: PolicyAdapter, version: int) -> None:

@@ -39,18 +39,27 @@ WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/r
 
 
 class OwnedServer:
-    """The server a :class:`VLLMEngine` started, and its replacement when it dies: the client's
-    ``supervisor`` (``vllm_http.Supervisor``). ``reload``: gives a new server the held weights."""
+    """The server a :class:`VLLMEngine` starts (healthy once this returns), and its replacement when it
+    dies: the client's ``supervisor`` (``vllm_http.Supervisor``), whose ``base_url`` is always the live
+    server's. ``reload``: gives a new server the held weights. ``own_work_dir``: ``work_dir`` is a
+    scratch directory of its own, removed at :meth:`stop` (and when the first start fails)."""
 
     def __init__(self, command: list[str], env: dict[str, str], work_dir: Path, start_timeout_s: float,
-                 stats: Any, name: str) -> None:
+                 name: str, *, own_work_dir: bool) -> None:
         self._args = (command, env, work_dir, start_timeout_s)
-        self.stats = stats
+        self.work_dir, self._own_work_dir = work_dir, own_work_dir
+        self.stats = ServerStats()
         self.name = name
         self.reload: Any = None
         self.generation = 0
         self._lock = threading.Lock()
-        self.process = self._start()
+        try:
+            self.process = self._start()
+        except BaseException as exc:
+            self._remove_work_dir()
+            if isinstance(exc, EngineDied):  # a first start that failed is not a death to restart from
+                raise EngineFailed(str(exc)) from None
+            raise
 
     def _start(self) -> ServerProcess:
         try:
@@ -107,15 +116,37 @@ class OwnedServer:
 
     def stop(self) -> None:
         self.process.stop()
+        self._remove_work_dir()
+
+    def _remove_work_dir(self) -> None:
+        if self._own_work_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
 class VLLMEngine(VLLMURLEngine):
     """A vLLM server this engine starts, reached as any server is; see the module docstring.
 
-    Build it with :meth:`from_model`. ``retries``: how often a server that died (or hung past its
-    ``timeout_s``) is started again; default: never, 600 s."""
+    Build it with :meth:`from_model`, which starts ``server``; the engine checks it and gives it the
+    model's weights as a URL engine does, but does not wait for its health again (its start did).
+    ``retries``: how often a server that died (or hung past its ``timeout_s``) is started again;
+    default: never, 600 s."""
 
     name = "vllm"
+
+    def __init__(self, server: OwnedServer, model: Any, *, stop_token_ids: Sequence[int], policy_version: int = 0,
+                 retries: Retries | None = None, adapters: AdapterServing | None = None) -> None:
+        self.server = server
+        # at close, when the engine is collected or at interpreter exit (``weakref.finalize`` runs then too),
+        # without keeping the engine object alive: the server stops and a scratch directory of its own goes
+        self._finalizer = weakref.finalize(self, server.stop)
+        super().__init__(server.base_url, model, stop_token_ids=stop_token_ids, policy_version=policy_version,
+                         served_model=SERVED_NAME, weights_dir=server.work_dir / "weights",
+                         retries=retries or Retries(retries=0), server=server, adapters=adapters)
+        server.reload = self.reload_held
+        try:
+            self.vllm_version = str(self.client.get("/version").get("version", ""))
+        except EngineFailed:
+            self.vllm_version = ""
 
     @classmethod
     def from_model(cls, model: Any, *, python: str, stop_token_ids: Sequence[int], policy_version: int = 0,
@@ -151,34 +182,9 @@ class VLLMEngine(VLLMURLEngine):
         if adapters is not None:
             command += adapters.server_flags()
             env[RUNTIME_LORA_ENV] = "1"  # /v1/load_lora_adapter and /v1/unload_lora_adapter
-        removed = scratch if work_dir is None else None
-        try:
-            server = OwnedServer(command, env, scratch, start_timeout_s, ServerStats(), cls.name)
-        except BaseException as exc:
-            _stop(None, removed)
-            if isinstance(exc, EngineDied):  # a first start that failed is not a death to restart from
-                raise EngineFailed(str(exc)) from None
-            raise
-        engine = cls.__new__(cls)
-        engine.work_dir, engine.server = scratch, server
-        # at close, when the engine is collected or at interpreter exit (``weakref.finalize`` runs then too),
-        # without keeping the engine object alive: the server stops and a scratch directory of its own goes
-        engine._finalizer = weakref.finalize(engine, _stop, server, removed)
-        try:
-            VLLMURLEngine.__init__(engine, server.base_url, model, stop_token_ids=stop_token_ids,
-                                   policy_version=policy_version, served_model=SERVED_NAME,
-                                   weights_dir=scratch / "weights", retries=retries or Retries(retries=0),
-                                   wait_s=start_timeout_s,
-                                   supervisor=server, shared=False, stats=server.stats, adapters=adapters)
-        except BaseException:
-            engine.close()
-            raise
-        server.reload = engine.reload_held
-        try:
-            engine.vllm_version = str(engine.client.get("/version").get("version", ""))
-        except EngineFailed:
-            engine.vllm_version = ""
-        return engine
+        server = OwnedServer(command, env, scratch, start_timeout_s, cls.name, own_work_dir=work_dir is None)
+        return cls(server, model, stop_token_ids=stop_token_ids, policy_version=policy_version, retries=retries,
+                   adapters=adapters)
 
     def reload_held(self) -> None:
         """What a restarted server is given: the held weights, and a LoRA run's adapters."""
@@ -193,10 +199,3 @@ class VLLMEngine(VLLMURLEngine):
     def close(self) -> None:
         super().close()
         self._finalizer()  # once
-
-
-def _stop(server: OwnedServer | None, scratch: Path | None) -> None:
-    if server is not None:
-        server.stop()
-    if scratch is not None:
-        shutil.rmtree(scratch, ignore_errors=True)

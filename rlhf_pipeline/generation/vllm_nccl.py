@@ -23,13 +23,16 @@ class NCCLVLLMEngine(VLLMEngine):
 
     name = "vllm-nccl"
 
+    def __init__(self, *args: Any, **options: Any) -> None:
+        # before the base's start-up, whose first load (the model's weights) goes over NCCL too
+        self._sender, self._sender_generation, self._source = None, -1, StateDictSource()
+        super().__init__(*args, **options)
+
     @classmethod
     def from_model(cls, model: Any, **options: Any) -> NCCLVLLMEngine:
         check_nccl_device(options.get("device", "cpu") if torch.cuda.is_available() else "cpu")
         options["weight_transfer_backend"] = "nccl"
-        engine = super().from_model(model, **options)
-        engine._sender, engine._sender_generation, engine._source = None, -1, StateDictSource()
-        return engine
+        return super().from_model(model, **options)
 
     def _load(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int) -> None:
         kept = self.weights.keep(weights, version)  # what a restarted server is given: a published file linked

@@ -228,15 +228,3 @@ def make_scratch_dir() -> Path:
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
 
-
-def hard_link(source: Path, path: Path) -> Path:
-    """``path``, made a hard link to ``source`` (atomically: a link beside it, renamed), so the bytes
-    outlive ``source``'s removal; ``source`` itself where no link can be made (another file system)."""
-    partial = path.with_suffix(".partial")
-    try:
-        partial.unlink(missing_ok=True)
-        os.link(source, partial)
-    except OSError:
-        return source
-    partial.replace(path)
-    return path

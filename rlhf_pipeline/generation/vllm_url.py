@@ -26,7 +26,7 @@ from rlhf_pipeline.generation.engine import (BadAnswer, Completion, CompletionGr
                                              UnsupportedSetting, checked_completions)
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_adapters import AdapterServing, ServedAdapters
-from rlhf_pipeline.generation.vllm_http import JsonClient, Retries, ServerError, ServerUnreachable, Supervisor
+from rlhf_pipeline.generation.vllm_http import JsonClient, Retries, ServerError, ServerUnreachable
 from rlhf_pipeline.generation.vllm_process import WORKER_EXTENSION
 from rlhf_pipeline.generation.vllm_url_weights import ROUND_LEASE_S, ServerMismatch, ServerWeights
 from rlhf_pipeline.generation.vllm_worker import MODEL_SHAPE_KEYS
@@ -74,7 +74,8 @@ class VLLMURLEngine(GenerationEngine):
 
     ``model``: the pipeline's policy as a transformers causal LM, at ``policy_version``: the server is
     checked against it and, with ``weight_updates``, given its weights. ``served_model``: the model
-    name to request (None: the only one the server serves)."""
+    name to request (None: the only one the server serves). ``server``: one of ours, healthy already
+    (``vllm_engine.OwnedServer``), shared with no one, restarted when it dies: ``url`` follows it."""
 
     name = "vllm-url"
 
@@ -83,18 +84,16 @@ class VLLMURLEngine(GenerationEngine):
                  weights_dir: str | Path | None = None, inline_weights: bool = False,
                  retries: Retries | None = None, wait_s: float = 300.0, max_concurrency: int = 64,
                  check_tolerance: float = 1e-3, api_key: str | None = None,
-                 lease_s: float = ROUND_LEASE_S, supervisor: Supervisor | None = None, shared: bool = True,
-                 stats: ServerStats | None = None, adapters: AdapterServing | None = None) -> None:
+                 lease_s: float = ROUND_LEASE_S, server: Any = None, adapters: AdapterServing | None = None) -> None:
         super().__init__(stop_token_ids, policy_version)
-        self.url = url.rstrip("/")
-        self.client = JsonClient(self.url, retries, api_key=api_key, supervisor=supervisor)
+        self.client = JsonClient(url, retries, api_key=api_key, supervisor=server)
         self.vocab_size = int(model.config.vocab_size)
         self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
         # the weights this engine's rounds sample with, held on a server other collectors may share
         self.weights = ServerWeights(self.client, weights_dir=weights_dir, inline=inline_weights, lease_s=lease_s,
-                                     version=policy_version, shared=shared)
-        self.stats = stats if stats is not None else ServerStats()
+                                     version=policy_version, shared=server is None)
+        self.stats = server.stats if server is not None else ServerStats()
         self.stats.engine = self
         self._counting = threading.Lock()  # replies are checked on the request threads
         self._rounds_in_flight = 0  # requests sent and not answered
@@ -105,7 +104,8 @@ class VLLMURLEngine(GenerationEngine):
         # one pool for the engine's life: up to max_concurrency requests in flight, the rest queue here
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix=f"{self.name}-requests")
         try:
-            self._wait_until_healthy(wait_s)
+            if server is None:  # a server of ours was healthy when its start returned
+                self._wait_until_healthy(wait_s)
             self.served_model, server_len = self._find_model(served_model)
             self.max_model_len = min(server_len, int(model.config.max_position_embeddings))
             if tokenizer is not None:
@@ -125,6 +125,11 @@ class VLLMURLEngine(GenerationEngine):
         # a round's figures, not the connection checks'
         self.stats.reported = (self.client.requests_sent, self.client.request_s, self.client.connections_opened, 0.0, 0)
         self.stats.cached_reported = (self.stats.prompt_tokens, self.stats.cached_tokens)
+
+    @property
+    def url(self) -> str:
+        """The server's base URL: a restarted server of ours has a new one."""
+        return self.client.base_url
 
     # ------------------------------------------------------------------ checks at connection
     def _wait_until_healthy(self, wait_s: float) -> None:

@@ -1,4 +1,6 @@
-"""The weights a ``VLLMURLEngine`` samples with and how they reach its server: :class:`ServerWeights`
+"""The weights a ``VLLMURLEngine`` samples with and how they reach its server: :class:`VersionFiles`
+(the one life cycle of a version's files, whole weights' and a LoRA run's adapters' alike: written
+where the server reads them, kept while it holds them, removed once superseded), :class:`ServerWeights`
 (their file, named by the digest of its bytes, loaded by path or inline; what a restarted server of
 ours is given again) and :class:`RoundLease`, the collector's side of a shared server's weights lease
 (the server's side: ``vllm_lease.py``; the rules: docs/generation.md, "Several collectors on one
@@ -7,6 +9,7 @@ server").
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -37,12 +40,84 @@ class ServerMismatch(ValueError):
     another kind of log-prob, no way to take weights); the message names both sides and the fix."""
 
 
-class ServerWeights:
-    """This engine's weights and their way to the server at ``client``'s URL.
+class VersionFiles:
+    """The files of the versions an engine gives its server (whole weights' safetensors files, a LoRA
+    run's adapter directories), with one life cycle: written in ``dir`` under names carrying the engine's
+    ``tag`` (engines sharing a directory never touch each other's), ``held`` while the server holds them
+    (the newest ``keep``: what a restarted server is given again), removed once superseded or refused,
+    and at :meth:`close` (the whole directory when it is a temporary one of its own)."""
 
-    ``weights_dir``: where files are written (None: a temporary directory, removed by :meth:`close`);
-    ``inline``: the file's bytes travel in the request; ``lease_s``: a round's lease without renewal;
-    ``shared``: other collectors may use the server (a lease per round); False for the collector's own."""
+    def __init__(self, directory: str | Path | None, *, keep: int, tag: str) -> None:
+        self._own_dir = directory is None
+        self.dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-url-")) if directory is None else Path(directory)
+        self.keep, self.tag = int(keep), tag
+        self.held: dict[int, Path] = {}  # version -> its file or directory, oldest first
+
+    def path(self, stem: str, suffix: str = "") -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return self.dir / f"{stem}-{self.tag}{suffix}"
+
+    def link(self, source: Path, path: Path) -> Path:
+        """``path`` made a hard link to ``source`` (beside it, then renamed), so the bytes outlive the
+        publisher's pruning; ``source`` itself where no link can be made (another file system)."""
+        partial = path.with_suffix(".partial")
+        try:
+            partial.unlink(missing_ok=True)
+            os.link(source, partial)
+        except OSError:
+            return source
+        return partial.replace(path)
+
+    def hold(self, version: int, path: Path) -> list[int]:
+        """``version`` is (being) given to the server from ``path``; returns the held versions now past the
+        newest ``keep``, oldest first, whose files are removed (as is one held for ``version`` before)."""
+        before, self.held[version] = self.held.pop(version, None), path
+        gone = list(self.held)[:max(0, len(self.held) - self.keep)]
+        for old in [before, *(self.held.pop(v) for v in gone)]:
+            if old is not None:
+                self.remove(old)
+        return gone
+
+    def remove(self, path: Path) -> None:
+        """``path`` removed, if this engine wrote it and holds it no longer."""
+        if path.parent != self.dir or self.tag not in path.name or path in self.held.values():
+            return
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    @staticmethod
+    def inline(path: Path) -> str:
+        """``path``'s bytes as an RPC argument for a server that cannot read our disk: a file's in base64,
+        a directory's as JSON of ``{file name: base64}``."""
+        if path.is_dir():
+            return json.dumps({file.name: VersionFiles.inline(file) for file in path.iterdir()})
+        return base64.b64encode(path.read_bytes()).decode()
+
+    def close(self) -> None:
+        held, self.held = self.held, {}
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self._own_dir = False
+        for path in held.values():
+            self.remove(path)
+
+
+def unreadable(url: str, path: Path, what: str) -> str:
+    """The line for a server that cannot read the file (or directory) of ``what`` at ``path``."""
+    return (f"generation.url: the server at {url} cannot read {path}, {what}: a server on another machine needs "
+            f"generation.url_weights_dir on a file system both machines see, at the same path, or "
+            f"generation.weight_transfer=inline")
+
+
+class ServerWeights:
+    """This engine's whole weights and their way to the server at ``client``'s URL.
+
+    ``weights_dir``: where their files are written (:class:`VersionFiles`, one held at a time; None: a
+    temporary directory, removed by :meth:`close`); ``inline``: the file's bytes travel in the request;
+    ``lease_s``: a round's lease without renewal; ``shared``: other collectors may use the server (a
+    lease per round); False for the collector's own."""
 
     def __init__(self, client: JsonClient, *, weights_dir: str | Path | None, inline: bool, lease_s: float,
                  version: int, shared: bool = True) -> None:
@@ -50,10 +125,9 @@ class ServerWeights:
         self.inline = bool(inline)
         self.lease_s = float(lease_s)
         self.shared = bool(shared)
-        self._own_dir = weights_dir is None
-        self.dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-url-")) if weights_dir is None else Path(weights_dir)
-        self._tag = uuid.uuid4().hex[:12]
+        self.files = VersionFiles(weights_dir, keep=1, tag=uuid.uuid4().hex[:12])
         self.path: Path | None = None
+        """The file of the weights rounds sample with (during a load, the one being loaded)."""
         self.key, self.version = "", int(version)
         self.loads = 0
         """The server loads this engine did (its own versions, and again after another's went in)."""
@@ -74,32 +148,33 @@ class ServerWeights:
                 self.reload()
         except BaseException as exc:
             self.path, self.key, self.version = before
-            if self._ours(path) and path != before[0]:
-                path.unlink(missing_ok=True)
+            self.files.remove(path)
             if isinstance(exc, LeaseUnsupported):  # an engine's first lease: said as its other checks are
                 raise ServerMismatch(f"generation.url: {exc}") from None
             raise
-        if before[0] is not None and before[0] != path and self._ours(before[0]):
-            before[0].unlink(missing_ok=True)
+        self.files.hold(version, path)
 
     def keep(self, weights: Mapping[str, torch.Tensor] | str | Path, version: int) -> Path:
         """``version``'s file in the weights directory: a published safetensors file hard-linked there
         (itself on another file system), a state dict or a legacy ``.pt`` publication written there."""
-        from rlhf_pipeline.generation.vllm_process import hard_link
-
+        path = self.files.path(f"weights-{version:08d}", ".safetensors")
         if isinstance(weights, (str, Path)) and Path(weights).suffix == ".safetensors":
-            self.dir.mkdir(parents=True, exist_ok=True)
-            return hard_link(Path(weights).resolve(), self.dir / f"weights-{version:08d}-{self._tag}.safetensors")
+            return self.files.link(Path(weights).resolve(), path)
         if isinstance(weights, (str, Path)):  # a legacy .pt publication: the server loads safetensors
             weights = torch.load(weights, map_location="cpu", weights_only=True)["state_dict"]
-        return self._write(weights, version)
+        from safetensors.torch import save_file
+
+        partial = path.with_suffix(".partial")
+        # own contiguous CPU copies: safetensors refuses tensors that share memory (a tied head)
+        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}, str(partial))
+        partial.replace(path)
+        return path
 
     def hold(self, path: Path, version: int) -> None:
         """The server now holds ``version`` (sent another way: NCCL), kept in ``path`` for a restart;
         the file held before is removed."""
-        old, self.path, self.key, self.version = self.path, path, "", int(version)
-        if old is not None and old != path and self._ours(old):
-            old.unlink(missing_ok=True)
+        self.path, self.key, self.version = path, "", int(version)
+        self.files.hold(version, path)
 
     def reload(self) -> None:
         """The held version loaded on the server again (a server that restarted from its model directory,
@@ -115,27 +190,10 @@ class ServerWeights:
         return RoundLease(self.client, self.key, self.version, self.lease_s, load=self._upload,
                           reset=self.reset_prefix_cache)
 
-    def _ours(self, path: Path) -> bool:
-        return path.parent == self.dir and self._tag in path.name
-
-    def _write(self, state_dict: Mapping[str, torch.Tensor], version: int) -> Path:
-        from safetensors.torch import save_file
-
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"weights-{version:08d}-{self._tag}.safetensors"
-        partial = path.with_suffix(".partial")
-        # own contiguous CPU copies: safetensors refuses tensors that share memory (a tied head)
-        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}, str(partial))
-        partial.replace(path)
-        return path
-
     def _upload(self, lease: str) -> None:
         url, path, version = self.client.base_url, self.path, self.version
         if self.inline:
-            import base64
-
-            request = {"method": "load_published_weights_inline",
-                       "args": [base64.b64encode(path.read_bytes()).decode(), lease]}
+            request = {"method": "load_published_weights_inline", "args": [VersionFiles.inline(path), lease]}
         else:
             request = {"method": "load_published_weights", "args": [str(path), lease]}
         try:
@@ -143,9 +201,7 @@ class ServerWeights:
         except ServerError as exc:
             if "No such file" not in exc.detail and "FileNotFound" not in exc.detail:
                 raise
-            raise ServerMismatch(f"generation.url: the server at {url} cannot read {path}, the weights of version "
-                                 f"{version}: a server on another machine needs generation.url_weights_dir on a file "
-                                 f"system both machines see, at the same path, or generation.weight_transfer=inline") from None
+            raise ServerMismatch(unreadable(url, path, f"the weights of version {version}")) from None
         if not all(isinstance(r, dict) and r.get("tensors") for r in reply.get("results", [])):
             raise EngineFailed(f"the vLLM server at {url} did not load {path}: {reply}")
         self.loads += 1
@@ -162,11 +218,7 @@ class ServerWeights:
 
     def close(self) -> None:
         """Removes the files this engine wrote."""
-        if self._own_dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self._own_dir = False
-        elif self.path is not None and self._ours(self.path):
-            self.path.unlink(missing_ok=True)
+        self.files.close()
         self.path = None
 
 

@@ -95,7 +95,10 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
             reason = (f"{parent_at} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, or "
                       f"keep more with learner.checkpoint_keep_every=M (every M-th step)")
             # a branch of it left half-made there cannot be made any more, and no rerun would remove it
-            raise BranchError(half_made_removed(reason, new_at) if _remove_half_made(target, parent_at) else reason)
+            if _remove_half_made(target, parent_at):
+                reason += (f". Removed {new_at}, the branch a `branch` stopped midway left half-made (it held nothing "
+                           f"anyone reads)")
+            raise BranchError(reason)
         _clear_place(target, new_at)
         settings, changed = changed_settings(parent_paths, saved, overrides)
         record = checkpoints.record(step) or {}
@@ -122,12 +125,6 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
         target.create(BRANCH_FILE, json.dumps(lineage, indent=2, sort_keys=True).encode())  # last: the branch is whole
     target.delete(BRANCH_MAKING)
     return lineage
-
-
-def half_made_removed(reason: str, where: str) -> str:
-    """A refusal's line once the branch a ``branch`` stopped midway left half-made at ``where`` was removed."""
-    return (f"{reason}. Removed {where}, the branch a `branch` stopped midway left half-made (it held nothing "
-            f"anyone reads)")
 
 
 def half_made_branch(paths: RunPaths) -> str | None:
@@ -346,21 +343,12 @@ def start_online(paths: RunPaths) -> None:
 
 def main_message(new: str, lineage: dict[str, Any]) -> None:
     """What ``branch`` prints: where from, and the parent's command that continues the branch
-    (``runs/branch_command.py``), with every setting it was started with and the branch's changes."""
-    from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.runs.branch_command import branch_commands, describe, not_rebuilt
+    (``runs/branch_command.py``)."""
+    from rlhf_pipeline.runs.branch_command import branch_message
 
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
     print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
-    try:
-        commands = branch_commands(RunPaths.at(new), lineage, f"{new}/{PARENT_ROWS}")
-    except (PipelineError, ValueError, OSError) as exc:
-        print(f"[branch] {not_rebuilt(lineage['overrides'], exc)}", file=sys.stderr)
-        return
-    # PIPELINE.py where the branch's copy cannot be run in place (at a URL, or importing modules beside it)
-    given = any("PIPELINE.py" in command for command in commands.values())
-    note = f" (PIPELINE.py: the parent's pipeline file, kept at {new}/pipeline.py)" if given else ""
-    print(f"[branch] {describe(commands, lineage['step'], note)}", file=sys.stderr)
+    print(f"[branch] {branch_message(new, lineage)}", file=sys.stderr)
 
 
 def refuse_evicting_parent(root: str | Path) -> None:

@@ -16,6 +16,8 @@ import json
 import shlex
 from typing import Any
 
+from rlhf_pipeline.runs.lineage import PARENT_ROWS
+
 # settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
 _REPLAY_FLAGS_SET = ("steps",)
 
@@ -51,16 +53,27 @@ def _as_set_value(value: Any) -> str:
     return str(value)
 
 
-def continuation(pipeline: str, home: str, name: str, settings: dict[str, Any], module: Any,
-                 lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
-    """The commands that continue the branch ``name`` under ``home``, as shell lines: ``"replay"``
-    for a branch of a replay; ``"online"`` and ``"offline"`` for a branch of a run with collectors
-    (``parent_rows``: where its ``parent-rows/`` is). ``settings``: the branch's ``settings.json``."""
-    recorded = recorded_sets(settings, module)
+def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
+    """The commands that continue the branch at ``paths`` (a ``RunPaths``), as shell lines, from its
+    ``settings.json`` and pipeline copy: ``"replay"`` for a branch of a replay; ``"online"`` and
+    ``"offline"`` for a branch of a run with collectors (``parent_rows``: where its ``parent-rows/``
+    is). The pipeline file given is the branch's copy in a directory, else PIPELINE.py: at a URL (any
+    machine may continue it), or where the copy imports modules beside it (they load from
+    ``pipeline_modules/`` only in a run's start). ``PipelineError``, ``ValueError`` or ``OSError``
+    when it cannot be rebuilt."""
+    from rlhf_pipeline.runs.pipeline_copy import load_copy
+
+    local = paths.url is None and not (paths.root / "pipeline_modules").exists()
+    pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
+    saved = paths.store.read("settings.json")
+    if saved is None:
+        raise ValueError(f"{paths.location} keeps no settings.json")
+    settings = json.loads(saved)
+    recorded = recorded_sets(settings, load_copy(paths))
     sets = [word for item in recorded for word in ("--set", item)]
     replay_sets = [word for item in recorded if item.split("=", 1)[0] not in _REPLAY_FLAGS_SET
                    for word in ("--set", item)]
-    place = ["--home", home, "--run-name", name]
+    place = ["--home", paths.home, "--run-name", paths.name]
     if lineage.get("replay_source") is not None:
         from rlhf_pipeline.runs.replay_options import ReplayOptions
 
@@ -74,38 +87,27 @@ def continuation(pipeline: str, home: str, name: str, settings: dict[str, Any], 
                                    *replay_sets])}
 
 
-def describe(commands: dict[str, str], step: int, pipeline_note: str = "") -> str:
-    """:func:`continuation`'s commands as the line ``branch`` prints (``pipeline_note``: what the
-    pipeline file given stands for, where it is not the run's copy)."""
+def branch_message(new: str, lineage: dict[str, Any]) -> str:
+    """The line ``branch`` ends with: how to continue the branch at ``new``, the parent's command
+    with every setting it was started with and the branch's changes."""
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.pipeline import PipelineError
+
+    step = lineage["step"]
+    try:
+        commands = branch_commands(RunPaths.at(new), lineage, f"{new}/{PARENT_ROWS}")
+    except (PipelineError, ValueError, OSError) as exc:
+        return (f"continue it with the parent's command under the branch's name, giving every --set the parent was "
+                f"given (its settings.json has them) and the branch's: {' '.join(lineage['overrides'])} (the command "
+                f"could not be rebuilt: {exc})")
+    # PIPELINE.py where the branch's copy cannot be run in place (at a URL, or importing modules beside it)
+    given = any("PIPELINE.py" in command for command in commands.values())
+    note = f" (PIPELINE.py: the parent's pipeline file, kept at {new}/pipeline.py)" if given else ""
     if "replay" in commands:
-        return (f"continue it with the parent's replay command under the branch's name{pipeline_note}: "
-                f"{commands['replay']}")
-    return (f"continue it online with the parent's run command under the branch's name{pipeline_note}: "
-            f"{commands['online']} (or offline over the parent's rows up to step {step}, --epochs/--steps counting "
-            f"from the parent's step 0: {commands['offline']})")
-
-
-def not_rebuilt(overrides: list[str], why: Exception) -> str:
-    """What ``branch`` prints when the parent's command cannot be rebuilt."""
-    return (f"continue it with the parent's command under the branch's name, giving every --set the parent was given "
-            f"(its settings.json has them) and the branch's: {' '.join(overrides)} (the command could not be "
-            f"rebuilt: {why})")
-
-
-def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
-    """:func:`continuation` of the branch at ``paths`` (a ``RunPaths``), from its ``settings.json``
-    and pipeline copy; ``parent_rows``: where its ``parent-rows/`` is. The pipeline file given is the
-    branch's copy in a directory, else PIPELINE.py: at a URL (any machine may continue it), or where
-    the copy imports modules beside it (they load from ``pipeline_modules/`` only in a run's start).
-    ``PipelineError``, ``ValueError`` or ``OSError`` when it cannot be rebuilt."""
-    local = paths.url is None and not (paths.root / "pipeline_modules").exists()
-    pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
-    settings = paths.store.read("settings.json")
-    if settings is None:
-        raise ValueError(f"{paths.location} keeps no settings.json")
-    from rlhf_pipeline.runs.pipeline_copy import load_copy
-
-    return continuation(pipeline, paths.home, paths.name, json.loads(settings), load_copy(paths), lineage, parent_rows)
+        return f"continue it with the parent's replay command under the branch's name{note}: {commands['replay']}"
+    return (f"continue it online with the parent's run command under the branch's name{note}: {commands['online']} "
+            f"(or offline over the parent's rows up to step {step}, --epochs/--steps counting from the parent's "
+            f"step 0: {commands['offline']})")
 
 
 def offline_command(paths: Any, lineage: dict[str, Any], parent_rows: str) -> str:

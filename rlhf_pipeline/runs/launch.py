@@ -91,6 +91,27 @@ def rank_environments(world_size: int) -> list[dict[str, str]]:
             for r in range(world_size)]
 
 
+def start_ranks(command: Sequence[str], world_size: int, keep_fds: Sequence[int] = ()) -> tuple[list, int]:
+    """``world_size`` data-parallel ranks each running ``command`` (``rank_environments``) with
+    ``--stop-fd`` of one stop pipe, as ``run``'s children have: a byte on it asks them to stop, its end
+    of file (this process gone, even by ``kill -9``) stops them too, each at its next step. Returns the
+    ranks and the pipe's write end, which only this process holds (the caller closes it when done);
+    every rank inherits ``keep_fds`` too (the run directory's holder lock)."""
+    stop_read, stop_write = os.pipe()
+    ranks: list[subprocess.Popen] = []
+    try:
+        for env in rank_environments(world_size):
+            ranks.append(subprocess.Popen([*command, "--stop-fd", str(stop_read)], env=env,
+                                          pass_fds=(stop_read, *keep_fds)))
+    except BaseException:
+        os.close(stop_write)
+        stop_ranks(ranks)  # those started wait for the others to meet
+        raise
+    finally:
+        os.close(stop_read)
+    return ranks, stop_write
+
+
 def stop_ranks(ranks: Sequence[subprocess.Popen], grace_s: float = 20.0) -> None:
     """After one rank failed: the others wait in a collective that never completes, so they
     get SIGTERM, and SIGKILL after ``grace_s``."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
+from rlhf_pipeline.files.run_paths import resolved_location
 from rlhf_pipeline.files.run_store import RunStore
 
 BRANCH_FILE = "branch.json"
@@ -21,11 +22,6 @@ BRANCH_MAKING = "branch.making"  # what a branch being made is made of ({"parent
 PARENT_ROWS = "parent-rows"
 PARENT_ROWS_MANIFEST = f"{PARENT_ROWS}/selection.json"
 READS_AT_ONCE = 16  # reads of the runs beside a run in flight at once: a home of 100 runs in ~7 round trips
-
-
-def resolved_location(location: str) -> str:
-    """A store's location as selections record it: a URL as it is, a path made absolute."""
-    return location if "://" in location else str(Path(location).resolve())
 
 
 def is_inside(location: str, run: str) -> bool:

@@ -43,7 +43,8 @@ class ReplayError(RuntimeError):
 # ====================================================================== entry point
 def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | None = None,
                    run_name: str | None = None, device: str | None = None, overrides: Sequence[str] = (),
-                   list_settings: bool = False) -> int:
+                   list_settings: bool = False, stop_fd: int | None = None) -> int:
+    """``stop_fd``: a rank's end of its launcher's stop pipe (``_train_on_ranks``)."""
 
     options.check()
     module = load_pipeline_module(pipeline_path)
@@ -60,6 +61,9 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     if (half_made := half_made_branch(paths)) is not None:
         raise ReplayError(half_made)
     if "WORLD_SIZE" in os.environ:  # a rank started by _train_on_ranks: its launcher holds the directory
+        from rlhf_pipeline.runs.stopping import StopFlag
+
+        StopFlag.launcher_fd = stop_fd
         quiet = os.environ.get("RANK", "0") != "0"  # rank 0 alone says what the replay does
         with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
             return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)
@@ -113,42 +117,32 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
 
 def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> int:
     """Starts ``world_size`` data-parallel learner ranks (``learner.world_size``), each running the
-    command ``argv`` (this replay's), and watches them: a failed rank stops the others; a signal
-    here is passed on, and each rank checkpoints and stops at the same step."""
-    import signal
-    import subprocess
+    command ``argv`` (this replay's) under this process's stop pipe (``launch.start_ranks``), and
+    watches them: a failed rank stops the others; a signal here asks every rank to stop, and they
+    checkpoint at the same step; this process killed, they do so on their own."""
     import time
 
-    from rlhf_pipeline.runs.launch import rank_environments, stop_ranks
-    from rlhf_pipeline.runs.stopping import wait_quietly
+    from rlhf_pipeline.runs.launch import start_ranks, stop_ranks
+    from rlhf_pipeline.runs.stopping import LauncherSignals, ask_children_to_stop, wait_for_children
 
-    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", *argv]
     # the ranks inherit the run directory's holder lock: it outlives this process if it is killed first
-    keep = (holder_fd,) if holder_fd >= 0 else ()
-    ranks = [subprocess.Popen(command, env=env, pass_fds=keep) for env in rank_environments(world_size)]
-    received: list[int] = []
-
-    def forward(signum, frame) -> None:
-        received.append(signum)
-        for process in ranks:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    ranks, stop_write = start_ranks([sys.executable, "-m", "rlhf_pipeline.cli.main", *argv], world_size,
+                                    keep_fds=(holder_fd,) if holder_fd >= 0 else ())
+    signals = LauncherSignals("replay")  # a signal before it ends this process: the pipe's end stops them
     try:
         while any(p.poll() is None for p in ranks):
-            if any(p.poll() not in (None, 0) for p in ranks) and not received:
+            if signals.received:
+                ask_children_to_stop(stop_write, len(ranks))
+                wait_for_children(ranks, signals)
+            elif any(p.poll() not in (None, 0) for p in ranks):
                 stop_ranks(ranks)  # the others wait in a collective that never completes
-                break
             time.sleep(0.2)
-        for process in ranks:
-            wait_quietly(process)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signals.restore()
+        os.close(stop_write)
     failed = [(rank, p.returncode) for rank, p in enumerate(ranks) if p.returncode != 0]
-    if received:
-        return 128 + received[0]
+    if signals.received:
+        return 128 + signals.received[0]
     if failed:
         rank, code = failed[0]
         raise ReplayError(f"data-parallel rank {rank} of the replay failed (exit code {code}); see its error above")

@@ -191,23 +191,18 @@ def branch_rows_needed(run: str, store_path: str, home: Any = None,
     for branch in branch_records(run, half_made=True, home=home, others=others):
         name = branch["run"].rpartition("/")[2]
         raw = home.read(f"{name}/{PARENT_ROWS_MANIFEST}")
-        lineage = branch["lineage"] or {}
-        in_place = f"{branch['run']} (detached, but continued online: it reads the parent in place)"
-        if raw is None:
-            if branch["half_made"]:
-                needed.append((f"{branch['run']} (half-made: run its `branch` again, or delete it)", 0))
-            elif lineage.get("detached") and _continues_in_place(home, name, branch["run"], shard):
-                needed.append((in_place, 0))
-            continue  # a branch of a replay reads the replay's source, not this buffer
-        try:
-            first = first_row_read(json.loads(raw).get("parts", []), shard)
+        if raw is None and branch["half_made"]:
+            needed.append((f"{branch['run']} (half-made: run its `branch` again, or delete it)", 0))
+            continue
+        try:  # no parent-rows/: a branch of a replay reads the replay's source, or a detached one its copy
+            first = None if raw is None else first_row_read(json.loads(raw).get("parts", []), shard)
         except (ValueError, AttributeError, TypeError, KeyError):
             needed.append((f"{branch['run']} (its parent-rows/ is unreadable)", 0))  # hold every row rather than guess
             continue
         if first is not None:
             needed.append((branch["run"], first))
-        elif lineage.get("detached") and _continues_in_place(home, name, branch["run"], shard):
-            needed.append((in_place, 0))
+        elif (branch["lineage"] or {}).get("detached") and _continues_in_place(home, name, branch["run"], shard):
+            needed.append((f"{branch['run']} (detached, but continued online: it reads the parent in place)", 0))
     return needed
 
 

@@ -1,8 +1,8 @@
 """Stopping a run cleanly: signals, the launcher's stop pipe, and waiting for children.
 
-A child of ``run`` (collector or learner) stops cleanly on its first SIGINT/SIGTERM, on a byte
-from the launcher's stop pipe, or when that pipe closes because the launcher died (even by
-``kill -9``): :class:`StopFlag`. The launcher itself turns its first signal into a request to
+A child of ``run`` (collector or learner), or a rank of ``replay``, stops cleanly on its first
+SIGINT/SIGTERM, on a byte from the launcher's stop pipe, or when that pipe closes because the
+launcher died (even by ``kill -9``): :class:`StopFlag`. The launcher itself turns its first signal into a request to
 every child and its second into a kill (:class:`LauncherSignals`, :func:`wait_for_children`).
 """
 
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 class StopFlag:
     """Set by SIGINT/SIGTERM (first one: finish cleanly), by the launcher, or by the ``STOP`` file.
 
-    A child of ``run`` watches the launcher's pipe (``launcher_fd``, from ``--stop-fd``): a byte
-    on it is a stop request, end-of-file means the launcher died (even by ``kill -9``); both
-    stop cleanly. Neither counts as a signal, so one Ctrl-C (which reaches the launcher and the
-    children alike) never looks like two.
+    A child of ``run`` or a rank of ``replay`` watches the launcher's pipe (``launcher_fd``, from
+    ``--stop-fd``): a byte on it is a stop request, end-of-file means the launcher died (even by
+    ``kill -9``); both stop cleanly. Neither counts as a signal, so one Ctrl-C (which reaches the
+    launcher and the children alike) never looks like two.
 
     ``role`` names the process in its messages (``collector 1``, ``learner``): the caller says it,
     since a child forked by ``run`` (``cli/forker.py``) has the forking process's ``sys.argv``, which
@@ -95,18 +95,26 @@ def _silence_output() -> None:
     os.close(devnull)
 
 
-class LauncherSignals:
-    """SIGINT/SIGTERM to ``run``: the first asks the children to stop, a second kills them."""
+# a launcher's children: what its first signal asks to stop, and what its second kills
+_CHILDREN = {"run": ("the learner (it saves a checkpoint) and the collectors (they finish their round)",
+                     "the learner and collectors"),
+             "replay": ("the ranks (they save a checkpoint at the same step)", "the ranks")}
 
-    def __init__(self) -> None:
+
+class LauncherSignals:
+    """SIGINT/SIGTERM to a launcher (``run``, or a ``replay`` of several ranks): the first asks the
+    children to stop, a second kills them."""
+
+    def __init__(self, command: str = "run") -> None:
+        self.command = command
         self.received: list[int] = []
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum, frame) -> None:
         self.received.append(signum)
         if len(self.received) == 1:
-            say_in_handler(f"[run] {signal.Signals(signum).name}: stopping the learner (it saves a checkpoint) "
-                            f"and the collectors (they finish their round); again to stop them at once")
+            say_in_handler(f"[{self.command}] {signal.Signals(signum).name}: stopping {_CHILDREN[self.command][0]}; "
+                           f"again to stop them at once")
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -124,7 +132,8 @@ def wait_for_children(children: Sequence[subprocess.Popen], signals: LauncherSig
     """Waits for every child; a second signal meanwhile kills the ones still running."""
     while any(p.poll() is None for p in children):
         if len(signals.received) >= 2:
-            print("[run] stopping now: killing the learner and collectors", file=sys.stderr, flush=True)
+            print(f"[{signals.command}] stopping now: killing {_CHILDREN[signals.command][1]}", file=sys.stderr,
+                  flush=True)
             for p in children:
                 if p.poll() is None:
                     p.kill()

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir, publish_json, write_atomic
+from rlhf_pipeline.files.run_paths import resolved_location
 from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import (
     NotAStoreError,
@@ -148,11 +149,11 @@ def _publish(path: Path, source: TrajectoryStore, described: list, files: dict[s
         publish_json(partial / MANIFEST_NAME, {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "source": {"location": _absolute(location), "relative": _relative(location, path),
+            "source": {"location": resolved_location(location), "relative": _relative(location, path),
                        "layout": "sharded" if hasattr(source, "shard_ranges") else "store"},
             "parts": [{
                 "index": part.index,
-                "location": _absolute(part.store.location),
+                "location": resolved_location(part.store.location),
                 "relative": _relative(part.store.location, path),
                 "backend": part.store.backend_name,
                 "first_row": part.first_row,
@@ -180,10 +181,6 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
     return buffer.getvalue()
-
-
-def _absolute(location: str) -> str:
-    return location if "://" in location else str(Path(location).resolve())
 
 
 def _relative(location: str, selection: Path) -> str | None:

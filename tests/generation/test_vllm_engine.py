@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -220,7 +221,7 @@ def test_an_engine_killed_under_requests_in_flight_is_restarted_and_asked_only_t
     requests = [SampleRequest(prompts[0], n=2, max_new_tokens=1)] + [SampleRequest(p, n=8) for p in prompts[1:]]
     try:
         sampled = engine.sample(requests, seeds(8, len(requests)), config)
-        restarts, pid = engine.stats.restarts, engine.pid
+        restarts, pid, dead_url = engine.stats.restarts, engine.pid, engine.url
         futures = [engine.submit(r, s, config) for r, s in zip(requests, seeds(8, len(requests)))]
         futures[0].result(timeout=600)  # the one-token request: the other 24 completions are still being decoded
         assert not any(f.done() for f in futures[1:])
@@ -228,6 +229,10 @@ def test_an_engine_killed_under_requests_in_flight_is_restarted_and_asked_only_t
         answered = [f.result(timeout=600) for f in futures]
         assert engine.stats.restarts == restarts + 1 and engine.pid != pid
         assert len(said) == 1 and "while sampling" in said[0], said
+        # the engine's URL (its messages name it) is the live server's, on its new port, not the dead one's
+        assert engine.url == engine.server.base_url != dead_url
+        with urllib.request.urlopen(f"{engine.url}/health", timeout=60) as health:
+            assert health.status == 200
         for group, want in zip(answered, sampled):  # a smaller batch after the restart: ids equal, log-probs within float noise
             assert [c.token_ids for c in group.completions] == [c.token_ids for c in want.completions]
             got = torch.tensor([p for c in group.completions for p in c.log_probs])

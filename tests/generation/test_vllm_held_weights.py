@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhf_pipeline.generation.vllm_http import JsonClient
-from rlhf_pipeline.generation.vllm_url_weights import ServerWeights
+from rlhf_pipeline.generation.vllm_url_weights import ServerWeights, VersionFiles
 
 
 def tied_state_dict(seed: int) -> dict[str, torch.Tensor]:
@@ -65,3 +65,31 @@ def test_a_legacy_pt_publication_is_kept_as_safetensors(tmp_path):
     path = held_weights(work).keep(tmp_path / "v1.pt", 1)
     assert path.parent == work and path.suffix == ".safetensors"
     torch.testing.assert_close(load_file(path)["model.embed_tokens.weight"], state["model.embed_tokens.weight"])
+
+
+def test_adapter_directories_share_the_weights_life_cycle_newest_kept_superseded_removed(tmp_path):
+    # a LoRA run's versions (vllm_adapters.py) are directories in the same VersionFiles, keep=max_loras
+    held = held_weights(tmp_path)
+    adapters = VersionFiles(held.files.dir / "adapters", keep=2, tag=held.files.tag)
+    for version in (1, 2, 3):
+        path = adapters.path(f"v{version}")
+        path.mkdir()
+        (path / "adapter_config.json").write_text("{}")
+        gone = adapters.hold(version, path)
+    assert gone == [1] and list(adapters.held) == [2, 3]
+    assert sorted(p.name for p in adapters.dir.iterdir()) == [adapters.path("v2").name, adapters.path("v3").name]
+    untagged = adapters.dir / "v9"  # not written by this engine (another collector's): never removed
+    untagged.mkdir()
+    adapters.remove(untagged)
+    adapters.close()
+    assert [p.name for p in adapters.dir.iterdir()] == ["v9"]
+
+
+def test_files_in_a_temporary_directory_of_their_own_go_with_it_at_close(tmp_path):
+    files = VersionFiles(None, keep=1, tag="t")
+    path = files.path("weights-00000001", ".safetensors")
+    save_file(tied_state_dict(5) | {"lm_head.weight": torch.zeros(16, 4)}, path)
+    files.hold(1, path)
+    assert VersionFiles.inline(path)  # what an inline upload sends: the file's bytes, base64
+    files.close()
+    assert not files.dir.exists()

@@ -78,7 +78,7 @@ def served(vllm_python, tmp_path_factory):
 
 
 def next_version(engine) -> int:
-    return engine.policy_version + 1 + len(engine.adapters.loaded)
+    return engine.policy_version + 1 + len(engine.adapters.files.held)
 
 
 @contextlib.contextmanager
@@ -120,8 +120,9 @@ def test_each_version_is_served_under_its_own_name_and_rows_sample_its_adapter(s
         assert engine.adapters.last_difference < SERVED_TOLERANCE
         assert sampled_against(engine, policy, tok, version) < SERVED_TOLERANCE
     # the newest max_loras stay loaded; the older one is unloaded and its directory removed
-    assert list(engine.adapters.loaded) == [first + 1, first + 2]
-    assert not (engine.adapters.directory / f"v{first}").exists()
+    assert list(engine.adapters.files.held) == [first + 1, first + 2]
+    assert {p.name for p in engine.adapters.files.dir.iterdir()} == {
+        engine.adapters.files.path(f"v{v}").name for v in (first + 1, first + 2)}
     listed = {entry["id"] for entry in engine.client.get("/v1/models")["data"]}
     assert listed == {"policy", f"v{first + 1}", f"v{first + 2}"}
 
@@ -148,8 +149,8 @@ class SkipsTheLoad(ServedAdapters):
             super()._put(name, path, version)
 
     def name(self, version):
-        held = [v for v in self.loaded if v != version]
-        return self.loaded[held[-1]][0] if held else self.served_model
+        held = [v for v in self.files.held if v != version]
+        return self.loaded_name(held[-1]) if held else self.served_model
 
 
 class SamplesTheBase(ServedAdapters):
@@ -163,7 +164,7 @@ class SamplesTheBase(ServedAdapters):
 def test_an_engine_that_samples_another_policy_than_the_version_fails_the_canary(served, kind):
     engine, base, tok = served
     held = engine.policy_version
-    if held == 0 or held not in engine.adapters.loaded:  # the stale case needs an adapter held
+    if held == 0 or held not in engine.adapters.files.held:  # the stale case needs an adapter held
         published, _ = adapter(base, next_version(engine))
         engine.load_weights(published, next_version(engine))
         held = engine.policy_version
@@ -173,7 +174,7 @@ def test_an_engine_that_samples_another_policy_than_the_version_fails_the_canary
         engine.load_weights(published, version)
     assert str(refused.value).startswith(f"served-policy check failed for weights version {version}: ")
     assert "no row of it is stored" in str(refused.value)
-    assert engine.policy_version == held and version not in engine.adapters.loaded
+    assert engine.policy_version == held and version not in engine.adapters.files.held
 
 
 class SameNameInPlace(ServedAdapters):
@@ -183,14 +184,14 @@ class SameNameInPlace(ServedAdapters):
     def _put(self, name, path, version):
         if version is None:
             return super()._put(name, path, version)
-        one = self.directory / "in-place"
+        one = self.files.dir / "in-place"
         shutil.rmtree(one, ignore_errors=True)
         shutil.copytree(path, one)
         self.client.post("/v1/load_lora_adapter", {"lora_name": "in-place", "lora_path": str(one),
                                                    "load_inplace": True}, text=True)
 
     def name(self, version):
-        return "in-place" if version in self.loaded else self.served_model
+        return "in-place" if version in self.files.held else self.served_model
 
 
 def test_a_same_name_reload_in_place_serves_the_old_versions_cached_blocks_and_fails_the_canary(served):
@@ -205,7 +206,7 @@ def test_a_same_name_reload_in_place_serves_the_old_versions_cached_blocks_and_f
             engine.load_weights(adapter(base, first + 1)[0], first + 1)
     assert f"weights version {first + 1}: the server's log-probs of the canary tokens it sampled under " \
            f"'in-place' differ" in str(refused.value)
-    engine.adapters.loaded.pop(first, None)
+    engine.adapters.files.remove(engine.adapters.files.held.pop(first))
     engine.client.post("/v1/unload_lora_adapter", {"lora_name": "in-place"}, text=True)
 
 
@@ -225,7 +226,7 @@ def test_an_adapter_with_an_lm_head_target_is_refused_naming_the_version(served)
                                                    rf"{SERVED_LAYERS} of this model, not on lm_head, so it cannot "
                                                    rf"serve weights version {version}'s adapter"):
         engine.load_weights(published, version)
-    assert version not in engine.adapters.loaded
+    assert version not in engine.adapters.files.held
     assert f"v{version}" not in {entry["id"] for entry in engine.client.get("/v1/models")["data"]}
 
 
@@ -262,7 +263,7 @@ def test_an_adapter_trained_on_another_base_is_refused_before_the_server_samples
     with pytest.raises(ServedPolicyMismatch, match=rf"weights version {version}: the log-probs of the canary tokens "
                                                    r"under the base this engine holds with the adapter merged differ"):
         engine.load_weights(published, version)
-    assert version not in engine.adapters.loaded
+    assert version not in engine.adapters.files.held
 
 
 @pytest.mark.slow
@@ -305,7 +306,7 @@ def test_a_server_at_a_url_given_adapters_inline_writes_and_serves_them_itself(s
         published, policy = adapter(base, 500)
         published.canary["version"] = version
         url.load_weights(published, version)
-        name, _ = url.adapters.loaded[version]
+        name = url.adapters.name(version)
         assert name.startswith(f"v{version}-") and url.adapters.last_difference < SERVED_TOLERANCE
         assert sampled_against(url, policy, tok, version) < SERVED_TOLERANCE
     finally:

@@ -86,7 +86,7 @@ def test_an_nccl_engine_killed_mid_round_restarts_from_its_file_and_the_next_ver
         # version 1 over NCCL from the GPU: a restart that forgot it would sample the model directory's weights
         engine.load_weights({name: t.cuda() for name, t in v1_model.state_dict().items()}, 1)
         kept = engine.weights.path
-        assert kept is not None and kept.parent == engine.weights.dir and kept.exists()
+        assert kept is not None and kept.parent == engine.weights.files.dir and kept.exists()
         plain = engine.sample(requests, seeds(3, len(requests)), config)
         first_group, pid = engine._sender, engine.pid
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -272,25 +273,60 @@ def test_the_shuffle_window_is_fitted_to_a_zarr_readers_cache(source, tmp_path, 
         assert fit_shuffle_window(memmap, ROWS, settings, given=None, cache_bytes=cache) is settings
 
 
-def test_two_learner_ranks_replay_like_one(home, source, capfd, monkeypatch):
-    """``--set learner.world_size=2`` starts two data-parallel ranks: the same rows, losses and
-    weights as one rank (to float tolerance: the gradients are summed over ranks).
+def test_the_ranks_of_a_replay_killed_with_sigkill_stop_and_it_resumes_to_the_same_rows(home, source,
+                                                                                       reference_run, capfd):
+    """``--set learner.world_size=2`` starts two data-parallel ranks. ``kill -9`` of their launcher: the
+    ranks see the end of its stop pipe, checkpoint at one step and exit, which frees the run directory.
+    The same command, in this process (the ranks are processes of their own whoever starts them),
+    resumes: every step trains the rows of the uninterrupted replay of one rank (``reference_run``: the
+    same epochs and seed), to the same losses and weights within float tolerance."""
+    from helpers import process_running, run_child_pids
 
-    The replay that starts the ranks runs in this process: the ranks are processes of their own
-    whoever starts them (``_train_on_ranks``), and a CLI start around it only imported torch again."""
-    one = replay(home, "one-rank", source, steps=3, seed=7)
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.pipeline import RunPaths
+    from rlhf_pipeline.runs.run_directory import hold_run_directory
+
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", str(source),
+               "--epochs", "3", "--seed", "7", "--home", str(home), "--run-name", "killed-ranks", *SMALL_CLI,
+               "--set", "learner.world_size=2"]
+    run = home / "killed-ranks"
+    launcher = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ranks: list[int] = []
+
+    def trained_two_steps() -> bool:  # the ranks' pids are read while their launcher still runs
+        if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2:
+            ranks.extend(pid for pid in run_child_pids("replay", str(home), "killed-ranks") if pid != launcher.pid)
+            return True
+        return False
+
+    err = kill_when(launcher, trained_two_steps, timeout=300, poll_s=0.01, wait_s=240)
+    assert launcher.returncode == -signal.SIGKILL and len(ranks) == 2, (ranks, err[-3000:])
+    deadline = time.monotonic() + 240
+    while any(process_running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(process_running(pid) for pid in ranks), "the ranks of a killed replay kept running"
+    assert "[learner] the launcher is gone; stopping cleanly" in err, err[-3000:]
+    stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"]
+    assert 2 <= stopped_at < 18, f"the ranks trained on to step {stopped_at}: they never learned of the kill"
+    assert run_checkpoints(RunPaths(run)).latest_step() == stopped_at  # saved at the stop
+    with hold_run_directory(RunPaths(run), "replay"):  # free again: the ranks held it for their launcher
+        pass
+
     capfd.readouterr()
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the ranks' environment, as a CLI start's was
-    assert replay_command(DEFAULT, ReplayOptions(buffer=str(source), steps=3, seed=7), home=str(home),
-                          run_name="two-ranks", overrides=[*SMALL, "learner.world_size=2"]) == 0
-    two = home / "two-ranks"
-    done = capfd.readouterr()  # the ranks write to this process's stderr
-    assert batches(two) == batches(one) and len(batches(two)) == 3  # every rank's rows, logged by rank 0
-    torch.testing.assert_close(losses(two), losses(one), rtol=1e-4, atol=1e-6)
-    (expected, _), (trained, _) = load_weights(one), load_weights(two)
+    with pytest.MonkeyPatch.context() as ranks_env:
+        ranks_env.setenv("OMP_NUM_THREADS", "1")  # the ranks' environment, as the killed start's
+        assert replay_command(DEFAULT, ReplayOptions(buffer=str(source), epochs=3, seed=7), home=str(home),
+                              run_name="killed-ranks", overrides=[*SMALL, "learner.world_size=2"]) == 0
+    done = capfd.readouterr().err  # the ranks write to this process's stderr
+    assert "resuming from" in done and done.count("[replay] done") == 1, done[-4000:]  # rank 0 alone talks
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 19))
+    assert batches(run) == batches(reference_run)
+    # two ranks train as one (to float tolerance: the gradients are summed over ranks)
+    torch.testing.assert_close(losses(run), losses(reference_run), rtol=1e-4, atol=1e-6)
+    (expected, _), (trained, _) = load_weights(reference_run), load_weights(run)
     for key in expected:
         torch.testing.assert_close(trained[key], expected[key], rtol=1e-4, atol=1e-5, msg=key)
-    assert done.err.count("[replay] done") == 1, done.err[-4000:]  # rank 0 alone reports
 
 
 def test_a_replay_keeps_its_pipeline_file_so_export_model_rebuilds_it(home, reference_run, tmp_path):
