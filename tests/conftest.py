@@ -187,6 +187,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+# ---------------------------------------------------------------- the engine half in two workers
+# .ci/run runs the tests that need vLLM or Ray in two workers with `--dist loadfile`: each file runs
+# whole in one worker, so what a module builds once (a vLLM engine, a run its tests read) is built once,
+# as in one process. Files that share what a second worker would start again count as one file here:
+# the session's `vllm serve` of one model shape (VLLMServers: tens of seconds of CPU each), and Ray, one
+# cluster at a time (`ray.init()` with no address looks for a cluster already running on the machine
+# before it starts its own). pytest-xdist's `xdist_group` marks would say the same, but its `loadgroup`
+# renames test ids in a way pytest 9 ignores, so the grouping is this scheduler's.
+SHARED_FILES = (
+    ("tests/collect/test_overlap.py", "tests/generation/test_vllm_url.py"),
+    ("tests/integration/test_default_pipeline.py", "tests/evaluation/test_eval_engines.py",
+     "tests/integration/test_vllm_url_collectors.py"),
+    ("tests/cluster/test_ray_lora.py", "tests/integration/test_ray_run.py", "tests/integration/test_ray_multinode.py"),
+)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # pytest-xdist's own
+    from xdist.scheduler import LoadFileScheduling
+
+    first_of = {path: files[0] for files in SHARED_FILES for path in files}
+
+    class SharedFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return first_of.get(path, path)
+
+    return SharedFileScheduling(config, log)
+
+
 # ---------------------------------------------------------------- skipped tests, for CI's second pass
 # .ci/run first runs the README's test command as a newcomer would (only the `test` extra), then
 # installs every extra and runs again just the tests that skipped: this file names them, each with why
