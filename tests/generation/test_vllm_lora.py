@@ -208,6 +208,7 @@ def test_a_same_name_reload_in_place_serves_the_old_versions_cached_blocks_and_f
            f"'in-place' differ" in str(refused.value)
     engine.adapters.files.remove(engine.adapters.files.held.pop(first))
     engine.client.post("/v1/unload_lora_adapter", {"lora_name": "in-place"}, text=True)
+    shutil.rmtree(engine.adapters.files.dir / "in-place")  # the module's engine is shared: leave its directory as found
 
 
 SERVED_LAYERS = "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"
