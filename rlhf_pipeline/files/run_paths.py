@@ -34,7 +34,7 @@ def is_url(location: str | Path) -> bool:
 
 def resolved_location(location: str) -> str:
     """A location as runs and saved selections record it: a URL as it is, a path made absolute."""
-    return location if "://" in location else str(Path(location).resolve())
+    return location if is_url(location) else str(Path(location).resolve())
 
 
 def check_run_url(location: str, what: str) -> str:
