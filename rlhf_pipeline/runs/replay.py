@@ -78,34 +78,37 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
             cli_overrides: list[str], overrides: Sequence[str], device: str | None, holder_fd: int = -1) -> int:
     from rlhf_pipeline.runs.processes import build_pipeline
 
-    source = source_location(options.buffer)
-    saved = _saved_replay(paths)
-    with _open_source(source) as store:
-        rows = saved["rows"] if saved else len(store)
-        if saved:
-            _check_source_unchanged(store, saved)
-        batch_size = build_pipeline(module, settings, paths).learner.batch_size
-        batches_per_epoch = -(-rows // batch_size)
-        steps = options.steps or (options.epochs or 1) * batches_per_epoch
-        settings = make_settings(module, cli_overrides + [f"steps={steps}"])
-        pipeline = build_pipeline(module, settings, paths)
-        learner_settings = _replay_learner_settings(pipeline.learner, options, rows)
-        if options.order == "shuffle":
-            learner_settings = fit_shuffle_window(store, rows, learner_settings, given=options.shuffle_window_rows)
-        _check_source_fits(store, options, learner_settings)
-        record = _replay_record(options, source, store, rows, steps, learner_settings)
-    initial_policy = prepare_replay_run(pipeline, paths, record, options)
-    epochs = steps / batches_per_epoch
-    print(f"[replay] {options.buffer}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
-          f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) "
-          f"into {paths.location}",
-          file=sys.stderr, flush=True)
-    window = learner_settings.shuffle_window_rows
-    if options.order == "shuffle" and 0 < window < rows:
-        print(f"[replay] shuffling within windows of >= {window} rows of whole storage units (--shuffle-window); "
-              f"a Zarr source decodes each unit once per epoch while a window fits its cache_bytes",
+    rank = "WORLD_SIZE" in os.environ
+    # a rank repeats the checks and the preparation, silently: its launcher said what this replay does
+    with contextlib.redirect_stderr(io.StringIO()) if rank else contextlib.nullcontext():
+        source = source_location(options.buffer)
+        saved = _saved_replay(paths)
+        with _open_source(source) as store:
+            rows = saved["rows"] if saved else len(store)
+            if saved:
+                _check_source_unchanged(store, saved)
+            batch_size = build_pipeline(module, settings, paths).learner.batch_size
+            batches_per_epoch = -(-rows // batch_size)
+            steps = options.steps or (options.epochs or 1) * batches_per_epoch
+            settings = make_settings(module, cli_overrides + [f"steps={steps}"])
+            pipeline = build_pipeline(module, settings, paths)
+            learner_settings = _replay_learner_settings(pipeline.learner, options, rows)
+            if options.order == "shuffle":
+                learner_settings = fit_shuffle_window(store, rows, learner_settings, given=options.shuffle_window_rows)
+            _check_source_fits(store, options, learner_settings)
+            record = _replay_record(options, source, store, rows, steps, learner_settings)
+        initial_policy = prepare_replay_run(pipeline, paths, record, options)
+        epochs = steps / batches_per_epoch
+        print(f"[replay] {options.buffer}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
+              f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) "
+              f"into {paths.location}",
               file=sys.stderr, flush=True)
-    if learner_settings.world_size > 1 and "WORLD_SIZE" not in os.environ:
+        window = learner_settings.shuffle_window_rows
+        if options.order == "shuffle" and 0 < window < rows:
+            print(f"[replay] shuffling within windows of >= {window} rows of whole storage units (--shuffle-window); "
+                  f"a Zarr source decodes each unit once per epoch while a window fits its cache_bytes",
+                  file=sys.stderr, flush=True)
+    if learner_settings.world_size > 1 and not rank:
         # this process prepared the run; the ranks repeat the checks (they pass) and train
         argv = ["replay", pipeline_path, "--buffer", options.buffer, *options.flags(), "--home", paths.home,
                 "--run-name", paths.name, *(["--device", device] if device is not None else []),

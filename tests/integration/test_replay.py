@@ -320,6 +320,7 @@ def test_the_ranks_of_a_replay_killed_with_sigkill_stop_and_it_resumes_to_the_sa
                               run_name="killed-ranks", overrides=[*SMALL, "learner.world_size=2"]) == 0
     done = capfd.readouterr().err  # the ranks write to this process's stderr
     assert "resuming from" in done and done.count("[replay] done") == 1, done[-4000:]  # rank 0 alone talks
+    assert done.count(f"[replay] {source}: ") == 1, done[-4000:]  # what the replay does: its launcher says it
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 19))
     assert batches(run) == batches(reference_run)
     # two ranks train as one (to float tolerance: the gradients are summed over ranks)
