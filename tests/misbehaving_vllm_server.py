@@ -70,9 +70,11 @@ FAULTS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
 
 
 class MisbehavingVLLMServer:
-    """Serves ``model`` as ``tiny`` at :attr:`url` until :meth:`stop`; see the module docstring."""
+    """Serves ``model`` as ``served_name`` at :attr:`url` (on ``port``, else a free one) until :meth:`stop`;
+    see the module docstring."""
 
-    def __init__(self, model: Any, *, stop_token_ids: list[int], pad_token_id: int) -> None:
+    def __init__(self, model: Any, *, stop_token_ids: list[int], pad_token_id: int, port: int = 0,
+                 served_name: str = "tiny") -> None:
         self.fault: str | None = None
         self.honest_for = 0
         self.completions = 0
@@ -91,7 +93,7 @@ class MisbehavingVLLMServer:
                 if self.path == "/health":
                     self._send(200, b"")
                 elif self.path == "/v1/models":
-                    self._send(200, {"data": [{"id": "tiny", "max_model_len": server._max_len}]})
+                    self._send(200, {"data": [{"id": served_name, "max_model_len": server._max_len}]})
                 else:
                     self._send(404, {"detail": "Not Found"})
 
@@ -114,7 +116,7 @@ class MisbehavingVLLMServer:
                 self.end_headers()
                 self.wfile.write(raw)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="misbehaving-vllm", daemon=True)

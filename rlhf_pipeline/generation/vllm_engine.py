@@ -41,7 +41,8 @@ WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/r
 class OwnedServer:
     """The server a :class:`VLLMEngine` starts (healthy once this returns), and its replacement when it
     dies: the client's ``supervisor`` (``vllm_http.Supervisor``), whose ``base_url`` is always the live
-    server's. ``reload``: gives a new server the held weights. ``own_work_dir``: ``work_dir`` is a
+    server's. ``reload``: gives a new server the held weights (a ``weakref.WeakMethod``: the engine it
+    calls stays collectable while the server lives). ``own_work_dir``: ``work_dir`` is a
     scratch directory of its own, removed at :meth:`stop` (and when the first start fails)."""
 
     def __init__(self, command: list[str], env: dict[str, str], work_dir: Path, start_timeout_s: float,
@@ -50,7 +51,7 @@ class OwnedServer:
         self.work_dir, self._own_work_dir = work_dir, own_work_dir
         self.stats = ServerStats()
         self.name = name
-        self.reload: Any = None
+        self.reload: weakref.WeakMethod | None = None
         self.generation = 0
         self._lock = threading.Lock()
         try:
@@ -106,8 +107,8 @@ class OwnedServer:
                 try:
                     self.process = self._start()
                     self.generation += 1
-                    if self.reload is not None:
-                        self.reload()  # the version the dead one held: the new one starts from the model directory
+                    if self.reload is not None and (reload := self.reload()) is not None:
+                        reload()  # the version the dead one held: the new one starts from the model directory
                 except EngineDied as again:
                     died = again
                     continue
@@ -142,7 +143,8 @@ class VLLMEngine(VLLMURLEngine):
         super().__init__(server.base_url, model, stop_token_ids=stop_token_ids, policy_version=policy_version,
                          served_model=SERVED_NAME, weights_dir=server.work_dir / "weights",
                          retries=retries or Retries(retries=0), server=server, adapters=adapters)
-        server.reload = self.reload_held
+        # weakly: the server (which the finalizer holds) must not keep the engine alive
+        server.reload = weakref.WeakMethod(self.reload_held)
         try:
             self.vllm_version = str(self.client.get("/version").get("version", ""))
         except EngineFailed:

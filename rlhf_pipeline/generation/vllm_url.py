@@ -54,11 +54,12 @@ class ServerStats(EngineStats):
     ``lease_wait_s`` waiting for their rounds on other weights to end and ``server_loads`` of its
     weights (each version once, and again after another's went in)."""
 
-    engine: Any = None
+    client: Any = None  # the engine's, not the engine: an owned server holds these stats
+    weights: Any = None
     reported: tuple[float, ...] = (0, 0.0, 0, 0.0, 0)
 
     def update_metrics(self) -> dict[str, float]:
-        client, weights = self.engine.client, self.engine.weights
+        client, weights = self.client, self.weights
         now = (client.requests_sent, client.request_s, client.connections_opened, weights.waited_s, weights.loads)
         since = [float(a - b) for a, b in zip(now, self.reported)]
         self.reported = now
@@ -94,7 +95,7 @@ class VLLMURLEngine(GenerationEngine):
         self.weights = ServerWeights(self.client, weights_dir=weights_dir, inline=inline_weights, lease_s=lease_s,
                                      version=policy_version, shared=server is None)
         self.stats = server.stats if server is not None else ServerStats()
-        self.stats.engine = self
+        self.stats.client, self.stats.weights = self.client, self.weights
         self._counting = threading.Lock()  # replies are checked on the request threads
         self._rounds_in_flight = 0  # requests sent and not answered
         self._closed = False

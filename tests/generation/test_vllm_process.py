@@ -82,3 +82,45 @@ def test_a_stopped_server_leaves_nothing_and_its_pid_is_the_servers(tmp_path):
 def test_a_server_python_that_is_not_there_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-python"):
         ServerProcess([str(tmp_path / "no-such-python"), "-c", "pass"], {}, tmp_path, 10.0)
+
+
+STAND_IN = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+from misbehaving_vllm_server import MisbehavingVLLMServer
+from rlhf_pipeline.models import tiny_model_and_tokenizer
+model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=1)
+MisbehavingVLLMServer(model, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, port=int(sys.argv[2]),
+                      served_name=sys.argv[3])
+threading.Event().wait()
+"""
+
+
+def test_an_engine_dropped_without_close_is_collected_and_stops_its_server(tmp_path):
+    """What the server object holds (the engine's stats, the reload a restart calls) does not keep the
+    engine alive, so an engine nobody closed is collected, and its finalizer stops the server it
+    started. The server here is the stand-in of ``misbehaving_vllm_server.py``, started as vLLM would be
+    and serving the same tiny model: the engine's checks pass against it, and no vLLM is needed."""
+    import gc
+    import weakref
+    from pathlib import Path
+
+    from rlhf_pipeline.generation.vllm_engine import SERVED_NAME, OwnedServer, VLLMEngine
+    from rlhf_pipeline.models import tiny_model_and_tokenizer
+
+    model, tok = tiny_model_and_tokenizer(hidden_size=32, num_layers=1)
+    tests = str(Path(__file__).resolve().parents[1])
+    server = OwnedServer([sys.executable, "-c", STAND_IN, tests, "{port}", SERVED_NAME], dict(os.environ), tmp_path,
+                         120.0, "vllm", own_work_dir=False)
+    engine = VLLMEngine(server, model, stop_token_ids=[tok.eos_token_id])
+    started = tree(engine.pid)
+    try:
+        collected = weakref.ref(engine)
+        del engine
+        gc.collect()
+        assert collected() is None, [type(r).__name__ for r in gc.get_referrers(collected())]
+        assert server.process.exited() is not None
+        assert not wait_gone(started), "the server outlived its engine"
+    finally:
+        server.stop()
+        kill_left(started)
