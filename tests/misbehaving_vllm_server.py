@@ -8,13 +8,14 @@ It answers honestly until told otherwise: each completion is sampled by our own 
 tiny model it was given, seeded with the request's seed, so the engine's connection check (log-probs of
 the sampling distribution) passes as it would against vLLM. ``fault`` then names one way a broken server
 answers (:data:`FAULTS`), applied to every ``/v1/completions`` reply from then on; ``completions`` counts
-the requests, so a test sees how often the client asked; ``honest_for`` completions requests are
+the requests and ``lease_ops`` the weights lease's calls, so a test sees how often the client asked; ``honest_for`` completions requests are
 answered honestly before the fault applies (a server that breaks mid-run). vLLM itself is outside the project and does
 not run here; what is under test is the client's checking of what any server answers.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -78,6 +79,7 @@ class MisbehavingVLLMServer:
         self.fault: str | None = None
         self.honest_for = 0
         self.completions = 0
+        self.lease_ops: collections.Counter[str] = collections.Counter()  # weights lease calls, by op
         self._model = model
         self._leases = WeightsLeases()
         self._engine = LoopEngine(model, pad_token_id=pad_token_id, eos_token_id=stop_token_ids)
@@ -142,7 +144,9 @@ class MisbehavingVLLMServer:
                 shape = {key: getattr(self._model.config, key, None) for key in MODEL_SHAPE_KEYS}
                 return {**shape, "architectures": list(shape["architectures"] or [type(self._model).__name__])}
             if method == "published_lease":
-                return self._leases.call(json.loads(args[0]), time.monotonic())
+                call = json.loads(args[0])
+                self.lease_ops[call["op"]] += 1
+                return self._leases.call(call, time.monotonic())
             if method == "load_published_weights":
                 from safetensors.torch import load_file
 

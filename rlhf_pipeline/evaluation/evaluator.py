@@ -251,9 +251,11 @@ class Evaluation:
                                sampling)
             return c.token_ids, self._log_probs(engine, [ids], [c])[0]
 
-        rollout = asyncio.run(run_episodes(
-            tasks, eval_set.make_env, sample_turn, self.tokenizer, RolloutConfig(group_size=k, limits=eval_set.limits),
-            parser=eval_set.parser, stop_token_ids=engine.sampler.stop_token_ids))
+        with engine.sampler.holding():  # one weights lease for the chunk's turns on a shared server
+            rollout = asyncio.run(run_episodes(
+                tasks, eval_set.make_env, sample_turn, self.tokenizer,
+                RolloutConfig(group_size=k, limits=eval_set.limits), parser=eval_set.parser,
+                stop_token_ids=engine.sampler.stop_token_ids))
         if rollout.failures:
             failure = rollout.failures[0]
             raise EvalFailed(f"task {first + failure.group}: {failure.reason}: {failure.message}")

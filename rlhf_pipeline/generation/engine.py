@@ -16,6 +16,7 @@ a method whose capability is False raises :class:`UnsupportedCapability`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -279,6 +280,13 @@ class GenerationEngine(ABC):
         self.flush()
         wait(futures)
         return [dataclasses.replace(future.result(), index=k) for k, future in enumerate(futures)]
+
+    def holding(self) -> contextlib.AbstractContextManager:
+        """Keeps what samples this engine's requests on its weights across every call made in the
+        block: a server other collectors share is leased once for the block, not once per request in
+        flight, so requests that come one after another (an agent's turns) neither wait for other
+        weights nor load theirs again between them. Our loop holds its own weights anyway."""
+        return contextlib.nullcontext(self)
 
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               sampling: SamplingConfig | None = None) -> list[list[float]]:

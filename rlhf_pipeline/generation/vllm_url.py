@@ -10,9 +10,10 @@ checked (``engine.checked_completions``). Weights: ``vllm_url_weights.py``; adap
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -97,7 +98,7 @@ class VLLMURLEngine(GenerationEngine):
         self.stats = server.stats if server is not None else ServerStats()
         self.stats.client, self.stats.weights = self.client, self.weights
         self._counting = threading.Lock()  # replies are checked on the request threads
-        self._rounds_in_flight = 0  # requests sent and not answered
+        self._rounds_in_flight = 0  # requests sent and not answered, and blocks of holding()
         self._closed = False
         self._leasing = threading.Lock()
         self._lease: Any = None
@@ -304,6 +305,16 @@ class VLLMURLEngine(GenerationEngine):
             return CompletionGroup(completions, version, body["seed"])
         finally:
             self._ended(lease)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[VLLMURLEngine]:
+        # counted as a request in flight: the lease its first request takes lasts to the block's end
+        with self._counting:
+            self._rounds_in_flight += 1
+        try:
+            yield self
+        finally:
+            self._ended(self._lease)
 
     def _lease_in_flight(self) -> Any:
         """A server other collectors may share holds this engine's weights while any request of it is in

@@ -170,6 +170,35 @@ def test_an_agent_set_runs_whole_episodes_a_row_per_turn(tmp_path):
     assert log_probs.lt(0).any() and torch.allclose(log_probs, policy_log_probs(pipeline, rows).values, atol=1e-5)
 
 
+def test_an_agent_set_on_a_shared_server_takes_one_weights_lease_per_chunk_not_one_per_turn(tmp_path):
+    """A server at ``generation.url`` is shared with the collectors, which lease it on their own weights
+    round by round. An agent's turns come one after another, so a lease per request in flight was one
+    per turn, each a chance for other weights to go in between and for the version evaluated to be
+    loaded again. The chunk now holds one (here a stand-in server that samples with our loop and keeps
+    the lease table: ``misbehaving_vllm_server.py``)."""
+    from misbehaving_vllm_server import MisbehavingVLLMServer
+
+    pipeline = built("pipelines/tool_use.py", tmp_path, "max_new_tokens=16", "max_turns=2")
+    tokenizer = pipeline.tokenizer
+    server = MisbehavingVLLMServer(pipeline.make_model(), stop_token_ids=[tokenizer.eos_token_id],
+                                   pad_token_id=tokenizer.pad_token_id)
+    try:
+        at_url = built("pipelines/tool_use.py", tmp_path, "max_new_tokens=16", "max_turns=2",
+                       f"generation.url={server.url}")
+        (held_out,) = at_url.eval_sets()
+        settings = EvalSettings(max_prompts=3)  # one chunk
+        store = open_set_store(tmp_path, held_out, settings)
+        with engine_of(at_url) as engine:
+            before = server.lease_ops.copy()
+            evaluator(at_url, settings).evaluate(engine, held_out, 0, store)
+            calls = server.lease_ops - before
+        turns = len(rows_of(store))
+    finally:
+        server.stop()
+    assert turns >= 3 and calls["acquire"] == 1, (turns, calls)
+    assert calls["release"] == 1  # let go at the chunk's end: the collectors' rounds go on
+
+
 @pytest.mark.parametrize(("every", "publish_every", "expected"), [
     (5, 1, [0, 5, 10, 15]), (4, 2, [0, 2, 4, 6, 8]), (5, 2, [0, 3, 5, 8]),
 ])
