@@ -83,8 +83,16 @@ class ContinuedShard(TrajectoryStore):
     def supports_fused_padding(self) -> bool:
         return self.parent.supports_fused_padding and self.own.supports_fused_padding
 
-    def refresh(self) -> int:
-        self.own.refresh()
+    @property
+    def refresh_interval_s(self) -> float:
+        """The own store's throttle (a Zarr reader at a URL: 1 s), which the union of shards forces past."""
+        return float(getattr(self.own, "refresh_interval_s", 0.0))
+
+    def refresh(self, *, force: bool = False) -> int:
+        if force and self.refresh_interval_s:
+            self.own.refresh(force=True)
+        else:
+            self.own.refresh()
         return self._published_len()
 
     def _split(self, global_ids: torch.Tensor) -> list[tuple[TrajectoryStore, torch.Tensor, torch.Tensor]]:

@@ -29,3 +29,29 @@ def test_make_sampler_builds_the_named_sampler_from_the_settings(tmp_path):
     assert again.draw(0).positions.tolist() == first.positions.tolist()
     reader.close()
     store.close()
+
+
+@pytest.mark.parametrize("name", ["window", "exact", "groups", "prioritized"])
+def test_a_sampler_waiting_for_rows_reads_them_before_its_readers_refresh_interval_is_up(tmp_path, name):
+    """A reader at a URL re-reads the buffer at most once per ``refresh_interval_s`` (1 s) however often
+    it is asked. A sampler waiting for rows asks it sooner (``RowsWait``), so rows published just after
+    its wait began are drawn at once. Here a reader throttled to once an hour: the rows appended once
+    the sampler waits are drawn long before that hour, which its 60 s data timeout would otherwise end
+    in ``DataTimeoutError``."""
+    from rlhf_pipeline.schema import StoreSchema
+
+    store = create_store(tmp_path / "buf", "zarr", schema=StoreSchema(optional=("advantage",)))
+    reader = open_store(tmp_path / "buf", mode="r", refresh_interval_s=3600.0)
+    assert len(reader) == 0  # read now: the throttle holds the next read off for an hour
+    settings = LearnerSettings(sampler=name, batch_size=8, sample_window=8, new_rows_per_step=8,
+                               max_staleness=None)
+    sampler = make_sampler(settings, reader, seed=3, stop=threading.Event(), timeout_s=60.0)
+    appended = threading.Timer(0.2, lambda: store.append(make_batch(2, 4, seed=2, optional=("advantage",))))
+    appended.start()
+    try:
+        drawn = sampler.draw(0)
+    finally:
+        appended.join()
+    assert drawn.buffer_rows == 8 and set(drawn.positions.tolist()) <= set(range(8))
+    reader.close()
+    store.close()

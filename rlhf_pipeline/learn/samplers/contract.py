@@ -15,16 +15,24 @@ its ``Progress``. A sampler keeps this contract (:class:`BatchSampler`):
   (``sampler_state``); the learner checkpoints the state of the last draw it *used*;
 * optionally, a ``hurry`` attribute: the learner sets it to an event that is set while a step
   waits for the draw; a sampler that polls the buffer for new rows polls fast only then
-  (``rlhf_pipeline/coordination/polling.py``).
+  (``rlhf_pipeline/coordination/polling.py``), through a :class:`RowsWait`.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlhf_pipeline.coordination.polling import PollBackoff
+
 if TYPE_CHECKING:
     import torch
+
+WAITING_REFRESH_FIRST_S = 0.05
+"""How long into a wait for rows a reader that throttles its refreshes re-reads the buffer first."""
 
 
 class DataTimeoutError(RuntimeError):
@@ -69,3 +77,37 @@ class BatchSampler(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RowsWait:
+    """One wait of a sampler for rows: the buffer's rows at each poll (:meth:`rows`), then :meth:`sleep`.
+
+    A reader at a URL re-reads its commit record at most once per ``refresh_interval_s`` (1 s; a GET,
+    or a LIST and a GET per shard) however often it is asked, so a learner drawing batch after batch
+    pays a request once a second, not per batch. Waiting for rows, that throttle was the wait: a run
+    at a URL whose learner keeps up with its collector waited most of a second per step for rows
+    already published. A wait asks sooner: ``WAITING_REFRESH_FIRST_S`` into it, then at gaps that
+    double up to that interval, so rows published just after it began are seen within tens of
+    milliseconds, and a long wait still costs a request a second. A local reader re-reads at every
+    ask anyway; a data-parallel rank's view (an interval of inf) follows rank 0's refreshes."""
+
+    def __init__(self, store: Any, poll_s: float, hurry: threading.Event | None) -> None:
+        self.store = store
+        self._backoff = PollBackoff(poll_s, hurry=hurry)
+        interval = float(getattr(store, "refresh_interval_s", 0.0))
+        self._throttle_s = interval if 0 < interval < math.inf else 0.0
+        self._gap_s = min(WAITING_REFRESH_FIRST_S, self._throttle_s)
+        self._asked_at: float | None = None
+
+    def rows(self) -> int:
+        """The rows the buffer holds, re-read if due (the first ask of a wait is the store's own)."""
+        now = time.monotonic()
+        if self._asked_at is None or not self._throttle_s or now - self._asked_at < self._gap_s:
+            if self._asked_at is None:
+                self._asked_at = now
+            return len(self.store)
+        self._asked_at, self._gap_s = now, min(2 * self._gap_s, self._throttle_s)
+        return self.store.refresh(force=True)
+
+    def sleep(self) -> None:
+        self._backoff.sleep()

@@ -41,9 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, SampledRows
+from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, RowsWait, SampledRows
 from rlhf_pipeline.learn.shard_rows import next_rows, shard_stores, union_positions
-from rlhf_pipeline.coordination.polling import PollBackoff
 
 
 NOTHING_LACKING: tuple[int, int, dict[str, int]] = (0, 0, {})
@@ -96,11 +95,11 @@ class ExactUseSampler:
         """Waits for ``batch_size`` usable rows past the cursors and makes them the new block;
         returns how many stale rows were passed over on the way."""
         deadline = time.monotonic() + self.timeout_s
-        backoff = PollBackoff(self.poll_s, hurry=self.hurry)
+        wait = RowsWait(self.store, self.poll_s, self.hurry)
         block: dict[str, list[int]] = {}
         have = skipped = 0
         while True:
-            len(self.store)  # refresh
+            wait.rows()  # refresh
             available = self._available()
             need = self.batch_size - have
             if sum(len(ids) for ids in available.values()) >= need:
@@ -129,7 +128,7 @@ class ExactUseSampler:
                     f"{self.store.location} (it holds {held} past the rows already used): is a collector "
                     f"running for this run? (raise learner.data_timeout_s)"
                 )
-            backoff.sleep()
+            wait.sleep()
 
     def _available(self) -> dict[str, np.ndarray]:
         """Per shard, the global ids past its cursor that it still holds (as of the last refresh)."""

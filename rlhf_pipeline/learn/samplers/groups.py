@@ -39,8 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, SampledRows
-from rlhf_pipeline.coordination.polling import PollBackoff
+from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, RowsWait, SampledRows
 from rlhf_pipeline.storage.row_keys import keys_of, parts_of, positions_of
 
 _EQUAL = 1e-8  # rewards closer than this count as equal (as charts/frac_reward_zero_std counts them)
@@ -88,10 +87,10 @@ class GroupWindowSampler:
     def draw(self, draw_index: int) -> SampledRows:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw_index)
         deadline = time.monotonic() + self.timeout_s
-        backoff = PollBackoff(self.poll_s, hurry=self.hurry)
+        wait = RowsWait(self.store, self.poll_s, self.hurry)
         while True:
             version = self.current_version
-            n = len(self.store)  # refreshes a read-only store
+            n = wait.rows()  # refreshes a read-only store
             next_row = self.store.next_row
             newest = self.store.newest_positions(self.window)
             empty = self._empty_shards()
@@ -112,7 +111,7 @@ class GroupWindowSampler:
                     f"is a collector running for this run? A group larger than batch_size ({self.batch_size}) never "
                     f"fits: raise learner.batch_size to a multiple of the group size"
                 )
-            backoff.sleep()
+            wait.sleep()
 
     def _finish(self, chosen: list[_Group], generator: torch.Generator, version: int, n: int,
                 next_row: int, stale_rows: int) -> SampledRows:

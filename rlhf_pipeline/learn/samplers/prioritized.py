@@ -43,8 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, SampledRows
-from rlhf_pipeline.coordination.polling import PollBackoff
+from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, RowsWait, SampledRows
 from rlhf_pipeline.storage.prioritized import NothingToSampleError, PrioritizedSampler
 from rlhf_pipeline.storage.row_keys import keys_of
 
@@ -85,10 +84,10 @@ class PrioritizedRowSampler:
             self._apply_feedback(draw_index)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw_index)
         deadline = time.monotonic() + self.timeout_s
-        backoff = PollBackoff(self.poll_s, hurry=self.hurry)
+        wait = RowsWait(self.store, self.poll_s, self.hurry)
         while True:
             version = self.current_version
-            len(self.store)  # refreshes a read-only store: without it a wait for new rows never ends
+            wait.rows()  # refreshes a read-only store: without it a wait for new rows never ends
             next_row = self.store.next_row
             empty = self._empty_shards()
             if next_row >= self.min_next_row and not empty:
@@ -119,7 +118,7 @@ class PrioritizedRowSampler:
                     f"{', '.join(empty) or 'none'}): is a collector running for this run? (raise "
                     f"learner.data_timeout_s, or set learner.max_staleness=none for offline replay)"
                 )
-            backoff.sleep()
+            wait.sleep()
 
     def _empty_shards(self) -> list[str]:
         empty_shards = getattr(self.store, "empty_shards", None)

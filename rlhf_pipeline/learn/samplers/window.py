@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, SampledRows
-from rlhf_pipeline.coordination.polling import PollBackoff
+from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, RowsWait, SampledRows
 
 
 class FreshRowSampler:
@@ -59,11 +58,11 @@ class FreshRowSampler:
     def draw(self, draw_index: int) -> SampledRows:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + draw_index)
         deadline = time.monotonic() + self.timeout_s
-        backoff = PollBackoff(self.poll_s, hurry=self.hurry)
+        wait = RowsWait(self.store, self.poll_s, self.hurry)
         dropped = 0
         while True:
             version = self.current_version
-            n = len(self.store)  # refreshes a read-only store
+            n = wait.rows()  # refreshes a read-only store
             next_row = self.store.next_row
             # the newest rows: a store's last positions; across shards, some of each shard's newest
             newest = self.store.newest_positions(self.window)
@@ -93,7 +92,7 @@ class FreshRowSampler:
                     f"{self.min_next_row}): is a collector running "
                     f"for this run? (raise learner.data_timeout_s, or max_staleness for offline replay)"
                 )
-            backoff.sleep()
+            wait.sleep()
 
     def state_dict(self) -> dict[str, Any]:
         return {"min_next_row": int(self.min_next_row)}
