@@ -6,6 +6,10 @@ tokenizer's ids, with weight updates its model's shape, and one seeded request w
 be our model's under the sampling distribution; a failed check is one :class:`ServerMismatch` line.
 Each ``submit`` is one seeded HTTP request from a pool kept for the engine's life; every reply is
 checked (``engine.checked_completions``). Weights: ``vllm_url_weights.py``; adapters: ``vllm_adapters.py``.
+
+Why one file: the checks at connection sample through the same requests the collector's do, and a
+request, the weights lease it holds and :meth:`VLLMURLEngine.holding` share one count of what is in
+flight; apart, each part would reach into the others' state.
 """
 
 from __future__ import annotations
