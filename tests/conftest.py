@@ -192,9 +192,10 @@ def pytest_collection_modifyitems(config, items):
 # whole in one worker, so what a module builds once (a vLLM engine, a run its tests read) is built once,
 # as in one process. Files that share what a second worker would start again count as one file here:
 # the session's `vllm serve` of one model shape (VLLMServers: tens of seconds of CPU each), and Ray, one
-# cluster at a time (`ray.init()` with no address looks for a cluster already running on the machine
-# before it starts its own). pytest-xdist's `xdist_group` marks would say the same, but its `loadgroup`
-# renames test ids in a way pytest 9 ignores, so the grouping is this scheduler's.
+# cluster at a time (a second cluster's daemons beside the first on 2 cores; `ray.init()` with no
+# address joins one made by `ray start` or named in RAY_ADDRESS, not one another driver started).
+# pytest-xdist's `xdist_group` marks would say the same, but its `loadgroup` renames test ids in a way
+# pytest 9 ignores, so the grouping is this scheduler's.
 SHARED_FILES = (
     ("tests/collect/test_overlap.py", "tests/generation/test_vllm_url.py"),
     ("tests/integration/test_default_pipeline.py", "tests/evaluation/test_eval_engines.py",

@@ -32,7 +32,7 @@ from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch
 from rlhf_pipeline.storage.base import ReadOnlyStoreError, StoreCorruptedError, StoreStats, TrajectoryStore
 from rlhf_pipeline.storage.buffers import combine_stats, join_shard
 from rlhf_pipeline.storage.padded_rows import LocatedRows
-from rlhf_pipeline.storage.sharded import ShardedStoreReader
+from rlhf_pipeline.storage.sharded import ShardedStoreReader, refresh_now
 
 class ContinuedShard(TrajectoryStore):
     """The parent shard's rows below ``parent_rows``, then ``own``'s rows (module docstring); read-only."""
@@ -89,8 +89,8 @@ class ContinuedShard(TrajectoryStore):
         return float(getattr(self.own, "refresh_interval_s", 0.0))
 
     def refresh(self, *, force: bool = False) -> int:
-        if force and self.refresh_interval_s:
-            self.own.refresh(force=True)
+        if force:
+            refresh_now(self.own)
         else:
             self.own.refresh()
         return self._published_len()

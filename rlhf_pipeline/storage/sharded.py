@@ -92,10 +92,11 @@ RELIST_S = 1.0  # a local buffer directory whose mtime did not change is listed 
 REMOTE_REFRESH_THREADS = 32
 
 
-def _refresh_now(store: TrajectoryStore) -> int:
-    # the union decides when to refresh: a shard's own throttle, started a moment after the
-    # union's, would otherwise skip every other refresh. Only a throttled store (a Zarr reader
-    # with refresh_interval_s > 0) takes force=
+def refresh_now(store: TrajectoryStore) -> int:
+    """``store`` refreshed now, past a throttle of its own: the union (or a branch's continued shard)
+    decides when to refresh, and a shard's own throttle, started a moment after, would otherwise skip
+    every other refresh. Only a throttled store (``refresh_interval_s`` > 0: a Zarr reader at a URL, a
+    continued shard over one) takes ``force=``."""
     if getattr(store, "refresh_interval_s", 0):
         return store.refresh(force=True)
     return store.refresh()
@@ -261,7 +262,7 @@ class ShardedStoreReader(TrajectoryStore):
 
         def refreshed(index: int) -> int:
             shard = self._shards[index]
-            return shard.next_row - shard.first_row if index in opened else _refresh_now(shard)
+            return shard.next_row - shard.first_row if index in opened else refresh_now(shard)
 
         lengths = self._map(refreshed, self._order)
         self._lengths = torch.tensor(lengths, dtype=torch.int64)

@@ -97,14 +97,12 @@ class RowsWait:
         interval = float(getattr(store, "refresh_interval_s", 0.0))
         self._throttle_s = interval if 0 < interval < math.inf else 0.0
         self._gap_s = min(WAITING_REFRESH_FIRST_S, self._throttle_s)
-        self._asked_at: float | None = None
+        self._asked_at = time.monotonic()  # the wait's start
 
     def rows(self) -> int:
-        """The rows the buffer holds, re-read if due (the first ask of a wait is the store's own)."""
+        """The rows the buffer holds, re-read if due (the store's own refresh until the first gap is up)."""
         now = time.monotonic()
-        if self._asked_at is None or not self._throttle_s or now - self._asked_at < self._gap_s:
-            if self._asked_at is None:
-                self._asked_at = now
+        if not self._throttle_s or now - self._asked_at < self._gap_s:
             return len(self.store)
         self._asked_at, self._gap_s = now, min(2 * self._gap_s, self._throttle_s)
         return self.store.refresh(force=True)
