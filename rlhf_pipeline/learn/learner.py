@@ -532,16 +532,19 @@ class Learner:
         else:
             state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
             base_kept = not self._saved_a_checkpoint  # until a checkpoint holds the model, a restart starts from it
-            self._publication = (version, None)  # the live weights: what publication() hands on at this step
+            # what publication() hands on at this step: the live weights, or under FSDP the copy just
+            # gathered, since publication() is asked on rank 0 alone and a gather needs every rank
+            self._publication = (version, state if dp.sharded else None)
         if dp.is_main:  # rank 0 writes the weights
             keep = (*((0,) if base_kept else ()), *self.keep_versions_for(version))
             publish_weights(self.paths.store, state, version, keep_versions=keep)
         self.progress.policy_version = version
 
     def publication(self) -> dict[str, torch.Tensor]:
-        """What rank 0 published as the current version, asked right after the step that published
-        it (cluster/actors.py hands it to collectors): the live whole weights (copy them to keep
-        them), or a LoRA run's adapter with its canary. A version published before this learner
+        """What rank 0 published as the current version, asked on rank 0 alone right after the step
+        that published it (cluster/actors.py hands it to collectors): the live whole weights (copy them
+        to keep them; under FSDP the copy gathered to publish them), or a LoRA run's adapter with its
+        canary. A version published before this learner
         started is read from its file: a learner resumed from a checkpoint past that version's step
         (publish_every > 1) holds weights that trained on after it."""
         version = self.progress.policy_version

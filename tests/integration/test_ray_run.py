@@ -175,18 +175,30 @@ OFFLINE = ["learner.sampler=epoch", "learner.epoch_order=sequential",
            "ray.learner_num_cpus=0.5"]
 
 
-def learn(recorded: Path, tmp_path: Path, name: str, world_size: int, ray_address: str | None) -> Path:
+def learn(recorded: Path, tmp_path: Path, name: str, world_size: int, ray_address: str | None,
+          parallelism: str = "ddp") -> Path:
     shutil.copytree(recorded, tmp_path / name)
     code = run_command("learn", pipeline_path=DEFAULT, steps=3, home=str(tmp_path), run_name=name,
-                       overrides=[*RECORD, *OFFLINE, f"learner.world_size={world_size}"],
+                       overrides=[*RECORD, *OFFLINE, f"learner.world_size={world_size}",
+                                  f"learner.parallelism={parallelism}"],
                        on_ray=None if ray_address is None else ray_launcher("learn", address=ray_address))
     assert code == 0
     return tmp_path / name
 
 
-def test_two_learner_actors_train_like_one_learner_on_a_recorded_buffer(cluster, recorded, tmp_path):
-    one = learn(recorded, tmp_path, "one", 1, ray_address=None)  # the plain learner, in this process
-    two = learn(recorded, tmp_path, "two", 2, ray_address="")
+@pytest.fixture(scope="module")
+def one_learner(recorded, tmp_path_factory) -> Path:
+    """The plain learner over the recorded buffer, in this process: what learner actors must match."""
+    return learn(recorded, tmp_path_factory.mktemp("one"), "one", 1, ray_address=None)
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_learner_actors_train_like_one_learner_on_a_recorded_buffer(cluster, recorded, one_learner, tmp_path,
+                                                                        parallelism):
+    """Under FSDP, too: what rank 0 hands the object store at each published version is the copy
+    gathered to publish it (a gather asked on rank 0 alone would wait for the other rank forever)."""
+    one = one_learner
+    two = learn(recorded, tmp_path, "two", 2, ray_address="", parallelism=parallelism)
     losses = [[(m["losses/loss"], m["losses/grad_norm"]) for m in read_metrics(root / "metrics.jsonl")]
               for root in (one, two)]
     assert len(losses[0]) == 3
