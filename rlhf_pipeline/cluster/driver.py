@@ -91,17 +91,22 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
 
 
 def _connect(address: str) -> tuple[Any, bool]:
-    """``ray`` connected to ADDRESS or to a new local cluster; True when this call started or joined it."""
+    """``ray`` connected to ADDRESS, else as ``ray.init()`` connects it: to the cluster ``RAY_ADDRESS``
+    names, else one ``ray start`` made on this machine, else a new local one. True when this call
+    connected it."""
     ray = _import_ray()
     from rlhf_pipeline.cluster.actors import NAMESPACE
 
     if ray.is_initialized():  # this process is connected already (a notebook, a test)
         return ray, False
-    print(f"[run] {'joining the Ray cluster at ' + address if address else 'starting a local Ray cluster'}",
-          file=sys.stderr, flush=True)
-    if address:
-        ray.init(address=address, namespace=NAMESPACE)
-    else:
+    named = address or os.environ.get("RAY_ADDRESS", "")
+    if named:
+        print(f"[run] joining the Ray cluster at {named}" + ("" if address else " (RAY_ADDRESS)"),
+              file=sys.stderr, flush=True)
+        ray.init(address=named, namespace=NAMESPACE)
+    else:  # Ray's own line then says which it did ("Started a local Ray instance" or "Connecting to ...")
+        print("[run] connecting to Ray: a cluster that `ray start` made on this machine, else a local one "
+              "started for this run", file=sys.stderr, flush=True)
         ray.init(namespace=NAMESPACE, include_dashboard=False)
     return ray, True
 

@@ -14,6 +14,8 @@ start and each plain run costs CI time.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import signal
@@ -29,6 +31,7 @@ import torch
 from integration.run_location import logged, trained
 from integration.test_processes import LABELS, command_at, rows_of
 
+from rlhf_pipeline.cluster.driver import _connect
 from rlhf_pipeline.coordination.weights import load_weights
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 
@@ -254,6 +257,19 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
                                env={**s3_server.env(), "XDG_CACHE_HOME": str(tmp_path / "cache")},
                                capture_output=True, text=True, timeout=600)
         assert plain.returncode == 0, plain.stderr[-3000:]
+
+        # `--ray` with no ADDRESS joins the cluster RAY_ADDRESS names, as ray.init() does, and says so
+        monkeypatch.setenv("RAY_ADDRESS", nodes.address)
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # as the nodes' own environment has it
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            ray, connected = _connect("")
+        try:
+            joined = ray.get_runtime_context().gcs_address
+        finally:
+            ray.shutdown()
+        assert connected and joined.rpartition(":")[2] == nodes.address.rpartition(":")[2], (joined, nodes.address)
+        assert f"[run] joining the Ray cluster at {nodes.address} (RAY_ADDRESS)" in said.getvalue().splitlines()
     finally:
         nodes.stop_all()
     resumed, uninterrupted = trained(logged(run_url), LABELS), trained(logged(f"{home}/plain"), LABELS)
