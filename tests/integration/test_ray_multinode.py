@@ -14,8 +14,6 @@ start and each plain run costs CI time.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import shutil
 import signal
@@ -31,7 +29,6 @@ import torch
 from integration.run_location import logged, trained
 from integration.test_processes import LABELS, command_at, rows_of
 
-from rlhf_pipeline.cluster.driver import _connect
 from rlhf_pipeline.coordination.weights import load_weights
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 
@@ -258,18 +255,19 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
                                capture_output=True, text=True, timeout=600)
         assert plain.returncode == 0, plain.stderr[-3000:]
 
-        # `--ray` with no ADDRESS joins the cluster RAY_ADDRESS names, as ray.init() does, and says so
-        monkeypatch.setenv("RAY_ADDRESS", nodes.address)
-        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # as the nodes' own environment has it
-        said = io.StringIO()
-        with contextlib.redirect_stderr(said):
-            ray, connected = _connect("")
-        try:
-            joined = ray.get_runtime_context().gcs_address
-        finally:
-            ray.shutdown()
-        assert connected and joined.rpartition(":")[2] == nodes.address.rpartition(":")[2], (joined, nodes.address)
-        assert f"[run] joining the Ray cluster at {nodes.address} (RAY_ADDRESS)" in said.getvalue().splitlines()
+        # `--ray` with no ADDRESS joins the cluster RAY_ADDRESS names, as ray.init() does, and says so. In a
+        # process of its own: Ray keeps a process's settings (its auth mode) for the clusters it starts later
+        joining = subprocess.run(
+            [sys.executable, "-c", "from rlhf_pipeline.cluster.driver import _connect\n"
+                                   "ray, connected = _connect('')\n"
+                                   "print(connected, ray.get_runtime_context().gcs_address)"],
+            check=False, cwd=tmp_path, env={**nodes.env("head"), "RAY_ADDRESS": nodes.address},
+            capture_output=True, text=True, timeout=120)
+        assert joining.returncode == 0, joining.stderr[-3000:]
+        connected, joined = joining.stdout.split()[-2:]
+        assert connected == "True" and joined.rpartition(":")[2] == nodes.address.rpartition(":")[2], joining.stdout
+        assert f"[run] joining the Ray cluster at {nodes.address} (RAY_ADDRESS)" in joining.stderr.splitlines(), \
+            joining.stderr[-3000:]
     finally:
         nodes.stop_all()
     resumed, uninterrupted = trained(logged(run_url), LABELS), trained(logged(f"{home}/plain"), LABELS)
