@@ -68,6 +68,10 @@ class TrajectoryStore(Storage, abc.ABC):
     """
 
     backend_name: str = "abstract"
+    refresh_interval_s: float = 0.0
+    """At most how often :meth:`refresh` re-reads the published state: 0, at every call; a Zarr
+    reader at a URL, 1 s by default; inf, a data-parallel rank's view, which follows rank 0's
+    refreshes. A store with a throttle (> 0) also takes ``refresh(force=True)``: re-read now."""
 
     def __init__(self, *, max_size: int | None = None) -> None:
         # compilable: torchrl's bookkeeping counters as plain tensors, not multiprocessing.Values.

@@ -86,7 +86,7 @@ class ContinuedShard(TrajectoryStore):
     @property
     def refresh_interval_s(self) -> float:
         """The own store's throttle (a Zarr reader at a URL: 1 s), which the union of shards forces past."""
-        return float(getattr(self.own, "refresh_interval_s", 0.0))
+        return self.own.refresh_interval_s
 
     def refresh(self, *, force: bool = False) -> int:
         if force:

@@ -97,7 +97,7 @@ def refresh_now(store: TrajectoryStore) -> int:
     decides when to refresh, and a shard's own throttle, started a moment after, would otherwise skip
     every other refresh. Only a throttled store (``refresh_interval_s`` > 0: a Zarr reader at a URL, a
     continued shard over one) takes ``force=``."""
-    if getattr(store, "refresh_interval_s", 0):
+    if store.refresh_interval_s:
         return store.refresh(force=True)
     return store.refresh()
 

@@ -158,7 +158,7 @@ def _sample(backend, path: str, samples: int, batch_size: int) -> None:
     from rlhf_pipeline.storage.torchrl_glue import make_replay_buffer
 
     reader = backend.open(path, "r")
-    if getattr(reader, "refresh_interval_s", 0):
+    if reader.refresh_interval_s:
         # an object store's reader re-reads the record at most once a second by default; the
         # writer appends in lock step with the samples here, so every refresh must read it
         reader.refresh_interval_s = 0.0

@@ -94,7 +94,7 @@ class RowsWait:
     def __init__(self, store: Any, poll_s: float, hurry: threading.Event | None) -> None:
         self.store = store
         self._backoff = PollBackoff(poll_s, hurry=hurry)
-        interval = float(getattr(store, "refresh_interval_s", 0.0))
+        interval = store.refresh_interval_s
         self._throttle_s = interval if 0 < interval < math.inf else 0.0
         self._gap_s = min(WAITING_REFRESH_FIRST_S, self._throttle_s)
         self._asked_at = time.monotonic()  # the wait's start
