@@ -544,9 +544,9 @@ class Learner:
         """What rank 0 published as the current version, asked on rank 0 alone right after the step
         that published it (cluster/actors.py hands it to collectors): the live whole weights (copy them
         to keep them; under FSDP the copy gathered to publish them), or a LoRA run's adapter with its
-        canary. A version published before this learner
-        started is read from its file: a learner resumed from a checkpoint past that version's step
-        (publish_every > 1) holds weights that trained on after it."""
+        canary. A version published before this learner started is read from its file: a learner
+        resumed from a checkpoint past that version's step (publish_every > 1) holds weights that
+        trained on after it."""
         version = self.progress.policy_version
         if self._publication is None or self._publication[0] != version:
             from rlhf_pipeline.coordination.weights import load_published

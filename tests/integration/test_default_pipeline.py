@@ -279,8 +279,9 @@ def _kill_the_engine_as_the_collector_starts_writing(run: subprocess.Popen, log:
 
     The learner is held (SIGSTOP) from the run's start until the kill: a round takes tens of milliseconds and
     the whole run about a second, so at a high load the kill could land rounds later, or after the run
-    ended (CI saw it land during the restart's pause). Held so, the collector has at most the rounds of
-    version 0 written when its engine dies, and the run is still to finish."""
+    ended (CI saw it land during the restart's pause). Held so, the collector has written at most its
+    first round when its engine dies (it waits for the learner to take that round in), and the run is
+    still to finish."""
     # once the run directory is said, weights version 0 is published (the learner prepares the run:
     # held before, it would hold the whole run) and the engine is still starting (tens of seconds)
     while run.poll() is None and time.monotonic() < deadline and "[run] run directory" not in log.read_text():
@@ -334,7 +335,7 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
             killed_engine = _kill_the_engine_as_the_collector_starts_writing(first, tmp_path / "first.log",
                                                                             tmp_path, deadline)
         # two rounds, with vLLM the last of them sampled by the restarted engine (the first may have been
-        # written before the kill: the learner held, the collector still writes version 0's rounds)
+        # written before the kill, while the learner was held)
         while first.poll() is None and time.monotonic() < deadline and not (
                 len(recorded := _rounds_recorded(rounds)) >= 2
                 and (engine.name != "vllm" or recorded[-1].get("engine_restarts") == 1)):
