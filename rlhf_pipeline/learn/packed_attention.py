@@ -56,11 +56,6 @@ def use_packed_attention(model) -> None:
         inner.set_attn_implementation(NAME)
 
 
-def uses_packed_attention(model) -> bool:
-    inner = getattr(model, "module", model)
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None) == NAME
-
-
 _registered = False
 
 

@@ -72,13 +72,6 @@ def kl_token_rewards(
     return RaggedTensor(kl, log_probs.offsets), RaggedTensor(token_rewards, log_probs.offsets)
 
 
-def sequence_kl(kl: RaggedTensor) -> torch.Tensor:
-    """(N,) per-sequence KL: the sum of the per-token estimates of each row."""
-    cumulative = torch.zeros(kl.values.numel() + 1, dtype=torch.float64)
-    torch.cumsum(kl.values, 0, dtype=torch.float64, out=cumulative[1:])
-    return cumulative[kl.offsets[1:]] - cumulative[kl.offsets[:-1]]
-
-
 class AdaptiveKLController:
     """``coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon`` (Ziegler et al. 2019)."""
 

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlhf_pipeline.storage.errors import StoreCorruptedError
 from rlhf_pipeline.storage.zarr.layout import (
     CHUNK_KEY,
     GROUP_METADATA,
@@ -273,11 +272,3 @@ def _read_per_field(kv, unit: UnitRef, layout, codec: Codec, names: set[str] | N
             check_offsets(values, f"offsets in chunk {key}")
         arrays[spec.name] = values
     return arrays
-
-
-def check_unit(kv, unit: UnitRef, layout, codecs: UnitCodecs) -> dict[str, np.ndarray]:
-    """Reads and checks every chunk of a unit; raises :class:`StoreCorruptedError` naming the chunk."""
-    try:
-        return read_unit(kv, unit, layout, codecs)
-    except UnitGone as gone:
-        raise StoreCorruptedError(f"chunk {gone} of published unit {unit.name} is missing") from None
