@@ -14,6 +14,7 @@ the base attached when the engine has not had it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from collections.abc import Collection
@@ -142,13 +143,22 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
         return payload["state_dict"], int(payload["version"])
     from safetensors import safe_open
 
-    state = {}
-    with safe_open(str(path), framework="pt", device="cpu") as weights:
-        named = _NAME.match(path.name)
-        metadata = weights.metadata() or {}
-        version = int(metadata.get("version") or (named.group(1) if named else -1))
-        for name in weights.keys():
-            state[name] = weights.get_tensor(name)
+    # safe_open reads the header, then torch maps each tensor by the path it is given: a learner that
+    # prunes or takes back this version in between (a new file may even take its name) would leave a
+    # failed or mixed read. Opened once here, the file is read through its descriptor (Linux's
+    # /proc/self/fd): this version's bytes, whatever happens to the name
+    descriptor = os.open(path, os.O_RDONLY)  # FileNotFoundError when pruned already
+    try:
+        pinned = f"/proc/self/fd/{descriptor}"
+        state = {}
+        with safe_open(pinned if os.path.exists(pinned) else str(path), framework="pt", device="cpu") as weights:
+            named = _NAME.match(path.name)
+            metadata = weights.metadata() or {}
+            version = int(metadata.get("version") or (named.group(1) if named else -1))
+            for name in weights.keys():
+                state[name] = weights.get_tensor(name)
+    finally:
+        os.close(descriptor)
     return _as_published(state, metadata), version
 
 
