@@ -252,6 +252,21 @@ def test_the_commands_page_names_every_command_and_benchmark():
         assert re.search(rf"^rlhf-pipeline bench {name}( |$)", page, re.M), name
 
 
+def test_every_recorded_block_on_the_benchmarks_page_sits_in_its_benchmarks_section():
+    """``bench NAME --page`` replaces a block by its command line and adds one at the end of NAME's
+    section: a block moved by hand, or left unclosed, would be doubled or swallowed by the next record.
+    The command inside each block is checked with the page's other commands above."""
+    from rlhf_pipeline.bench.page import BLOCK_OPEN, blocks, section_of
+
+    text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    recorded = blocks(text)
+    assert recorded, "the page keeps at least one benchmark's output as its command printed it"
+    for command in recorded:
+        benchmark = shlex.split(command)[2]
+        start, end = section_of(text, benchmark)
+        assert start < text.index(BLOCK_OPEN.format(command=command)) < end, command
+
+
 # ============================================================================ paths and names
 PATH = re.compile(r"(?<![\w/.-])((?:rlhf_pipeline|tests|benchmarks|pipelines)/[\w./-]*[\w/])")
 NAME = re.compile(r"(?<![\w.])(rlhf_pipeline(?:\.\w+)+)")

@@ -2,8 +2,9 @@
 
 Each benchmark is a module with ``add_arguments(parser)`` (its own options) and
 ``main(args) -> int`` (runs it, prints a table, or one JSON document with ``--json``
-so stdout stays machine-readable; progress goes to stderr). To add one, add a row
-to ``BENCHMARKS``; modules are imported only when their benchmark is chosen (and to
+so stdout stays machine-readable; progress goes to stderr). ``--page PAGE``, on every
+benchmark, also keeps what it printed on the benchmarks page (:mod:`rlhf_pipeline.bench.page`).
+To add one, add a row to ``BENCHMARKS``; modules are imported only when their benchmark is chosen (and to
 build ``--help``), so they keep torch imports inside ``main``.
 """
 
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
+
+from rlhf_pipeline.cli import CommandRefused
 
 # benchmark name -> (module, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -62,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str | None = None) -> N
             bench_parser.set_defaults(_bench_module=None)
             continue
         module.add_arguments(bench_parser)
+        bench_parser.add_argument(
+            "--page", type=Path, metavar="PAGE",
+            help="also keep what this prints on the benchmarks page PAGE (docs/benchmarks.md), with the "
+                 "date, commit, machine and load: it replaces this command's block there, or adds one to "
+                 "the section whose heading names this benchmark")
         bench_parser.set_defaults(_bench_module=module_name)
 
 
@@ -69,4 +78,13 @@ def run(args: argparse.Namespace) -> int:
     module_name = getattr(args, "_bench_module", None)
     if module_name is None:
         raise SystemExit(f"rlhf-pipeline bench {args.benchmark}: this benchmark is not built yet")
-    return int(importlib.import_module(module_name).main(args) or 0)
+    module = importlib.import_module(module_name)
+    if args.page is None:
+        return int(module.main(args) or 0)
+    from rlhf_pipeline.bench.page import PageError, run_and_keep
+
+    try:
+        return run_and_keep(lambda: int(module.main(args) or 0), argv=args.argv, benchmark=args.benchmark,
+                            page=args.page)
+    except PageError as exc:
+        raise CommandRefused(str(exc)) from None

@@ -69,7 +69,9 @@ def installed_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line as typed: `bench --page` records it
     try:
         module = importlib.import_module(args._module)
         code = int(module.run(args) or 0)
