@@ -26,6 +26,7 @@ BLOCK_OPEN = "<!-- bench-record: {command} -->"
 BLOCK_CLOSE = "<!-- /bench-record -->"
 _BLOCK = re.compile(r"^<!-- bench-record: (?P<command>.+?) -->\n(?P<body>.*?)^<!-- /bench-record -->\n",
                     re.M | re.S)
+CHECKOUT = Path(__file__).resolve().parents[2]  # the repository, when the package runs from one
 _HEADING = re.compile(r"^(?P<hashes>#{1,6}) (?P<title>.*)$", re.M)
 
 
@@ -110,19 +111,23 @@ def command_line(argv: list[str]) -> str:
     return "rlhf-pipeline " + shlex.join(kept)
 
 
-def conditions(started: float, wall_s: float, loads: list[float]) -> RunConditions:
+def conditions(started: float, wall_s: float, loads: list[float], page: Path) -> RunConditions:
     return RunConditions(
         started_utc=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-        commit=_commit(), machine=_machine(), install=_install(), wall_s=wall_s,
+        commit=_commit(page), machine=_machine(), install=_install(), wall_s=wall_s,
         load_low=min(loads), load_high=max(loads))
 
 
-def _commit() -> str:
-    checkout = Path(__file__).resolve().parents[2]
+def _commit(page: Path, checkout: Path = CHECKOUT) -> str:
+    """The checkout's commit, and whether files other than the page differ from it (the page itself
+    does from the second record on)."""
+    page = page.resolve()
+    not_the_page = [f":(exclude){page}"] if checkout in page.parents else []
+    git = ["git", "-C", str(checkout)]
     try:
-        head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=8", "HEAD"],
+        head = subprocess.run([*git, "rev-parse", "--short=8", "HEAD"],
                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
+        changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".", *not_the_page],
                                  capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         from importlib.metadata import PackageNotFoundError, version
@@ -246,7 +251,7 @@ def run_and_keep(run_benchmark, *, argv: list[str], benchmark: str, page: Path) 
     if code != 0:
         print(f"rlhf-pipeline bench {benchmark}: exited {code}; {page} not changed", file=sys.stderr)
         return code
-    run = conditions(started, time.time() - started, watch.samples)
+    run = conditions(started, time.time() - started, watch.samples, page)
     done = keep_on_page(page, benchmark, command, block(command, tee.text(), run))
     print(f"rlhf-pipeline bench {benchmark}: {done} on {page} ({command})", file=sys.stderr)
     return 0

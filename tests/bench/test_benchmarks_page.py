@@ -4,10 +4,11 @@ one block per command line, in the section that names the benchmark, the page's 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
-from rlhf_pipeline.bench.page import BLOCK_CLOSE, blocks, run_and_keep
+from rlhf_pipeline.bench.page import BLOCK_CLOSE, _commit, blocks, run_and_keep
 from rlhf_pipeline.cli.main import main
 
 TINY = ["bench", "curation", "--rows", "300", "--completions", "64", "--rounds", "1", "--steps", "2", "--quiet"]
@@ -102,3 +103,23 @@ def test_a_benchmark_that_fails_leaves_the_page_as_it_was(tmp_path, capsys):
     assert run_and_keep(fails, argv=["bench", "curation"], benchmark="curation", page=page) == 1
     assert page.read_text() == PAGE
     assert "exited 1" in capsys.readouterr().err
+
+
+def test_the_recorded_commit_calls_a_checkout_changed_by_its_page_alone_clean(tmp_path):
+    """From the second record on, the page differs from the commit: that must not mark every record
+    after the first as run on uncommitted code."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "docs").mkdir()
+    page, code = tmp_path / "docs" / "benchmarks.md", tmp_path / "code.py"
+    page.write_text(PAGE)
+    code.write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    page.write_text(PAGE + "a record\n")
+    assert _commit(page, tmp_path).startswith("commit ") and "uncommitted" not in _commit(page, tmp_path)
+    code.write_text("x = 2\n")
+    assert _commit(page, tmp_path).endswith(" with uncommitted changes")
+    assert _commit(tmp_path.parent / "elsewhere.md", tmp_path).endswith(" with uncommitted changes")
