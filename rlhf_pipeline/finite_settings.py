@@ -1,16 +1,10 @@
 """The checks every settings dataclass runs on itself: each choice one its type allows, each number finite.
 
-A choice is a field typed ``Literal[...]``; a dataclass built in Python is not held to its type, so
-:func:`check_fields` refuses a value outside it, naming the setting, the value, the choices and the
-closest one, in the words ``--set`` uses for the same mistake (:func:`choice_error`).
-
-``--set learner.lr=inf`` parses as a float, and a range check such as ``lr > 0`` lets it through
-(``nan`` fails every comparison, so ``not x > 0`` catches it, but ``x <= 0`` does not): such a value
-used to reach the learner or the collector and break there. No setting means anything by infinity:
-"for ever" and "no limit" are ``none`` where a setting offers them.
-
-Every settings class calls :func:`check_fields` in its ``__post_init__``, so a value is refused where
-it is declared, whoever builds the settings (``--set``, a pipeline file, a test).
+A choice is a field typed ``Literal[...]``; :func:`check_fields`, called by every settings class's
+``__post_init__``, refuses a value outside it, naming the setting, the value, the choices and the closest
+one in the words ``--set`` uses for the same mistake (:func:`choice_error`), and refuses ``nan`` and
+``inf``, which a range check lets through (:func:`check_finite`). Imports nothing of the package.
+Design: docs/pipelines.md#settings-and-set.
 """
 
 from __future__ import annotations
@@ -44,7 +38,13 @@ def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
 
 def check_fields(settings: Any, prefix: str = "") -> None:
     """Raises ValueError naming the first field of ``settings`` (one dataclass; its nested settings check
-    themselves) whose value is outside its ``Literal`` choices or a float that is not finite."""
+    themselves) whose value is outside its ``Literal`` choices or a float that is not finite.
+
+    Every settings class calls it in its ``__post_init__``, so a value is refused where it is declared,
+    whoever builds the settings (``--set``, a pipeline file, a test): a dataclass built in Python is not
+    held to its type, and a range check such as ``lr > 0`` lets ``inf`` through (``nan`` fails every
+    comparison, so ``not x > 0`` catches it but ``x <= 0`` does not). No setting means anything by
+    infinity: "for ever" and "no limit" are ``none`` where a setting offers them."""
     hints = _hints(type(settings))
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)

@@ -1,23 +1,13 @@
 """What a pipeline file is, how it is loaded by path, and how ``--set`` edits its settings.
 
 Why one file: the three change together; they are the contract between a user's pipeline file and
-the framework. The run's settings themselves are ``run_settings.py``.
-
-A pipeline is a Python file (``pipelines/default.py`` is the model to copy) that defines its task:
-
-* ``Settings`` -- a ``@dataclass`` subclassing :class:`~rlhf_pipeline.run_settings.RunSettings` (the
-  run's settings: steps, device, learner, generation, buffer...) with a default for every field it
-  adds, each documented by a docstring right below it; ``--list-settings`` prints them, and nested
-  settings are addressed with dots (``--set learner.lr=1e-4``). Its own rules go in ``validate``,
-  which every construction runs: a bad value is refused before any process starts.
-* ``build(settings, run: RunPaths) -> Pipeline`` -- the task's parts: the model, the tokenizer, the
-  write path, the collector over an engine the framework makes. ``build`` must not start any long
-  work: models are built only when a ``Pipeline`` callable is called.
-* ``check(settings)`` (optional) -- checks of what the settings point at (a data file, a model's
-  directory), which need no torch; ``run`` calls it before it starts any process.
-
-Settings come from the dataclass defaults and the command line only; they are never read
-from environment variables (``RLHF_PIPELINE_HOME`` only says where run directories live).
+the framework (the run's settings themselves: ``run_settings.py``). A pipeline file (copy
+``pipelines/default.py``) defines ``Settings``, a ``@dataclass`` subclassing ``RunSettings``, with a default
+and a docstring below every field it adds and its own rules in ``validate``; ``build(settings, run) ->
+Pipeline``, the task's parts, starting no long work (models are built only when a part is called); and
+optionally ``check(settings)``, torch-free checks of what the settings point at, run before any process.
+Settings come from the defaults and the command line only, never from environment variables.
+Design: docs/pipelines.md#writing-a-pipeline-file.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ buffer and its lock, retention, the learner, the engine, Ray -- is declared here
 rules between them beside the fields (``__post_init__``) and the values derived from them
 (:meth:`RunSettings.learner_settings`). The keys stay flat (``--set group_size=4``,
 ``--set learner.lr=1e-4``, ``--set generation.engine=vllm``). Importable without torch.
+Design: docs/pipelines.md#settings-and-set.
 """
 
 from __future__ import annotations

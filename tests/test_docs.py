@@ -135,6 +135,33 @@ def test_links_resolve(path):
             assert anchor in _anchors(file, slug), f"{path.name}: link {link!r}: no heading with that id"
 
 
+MODULE_DOCSTRING_LINES = 10
+DESIGN_NOTE = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def test_module_docstrings_say_what_the_module_is_and_link_a_design_note():
+    """A module's docstring says what it is in a few lines and points to the design note that
+    explains it (docs/...md, an anchor when it names one): the essay lives on that page, once."""
+    too_long, unlinked, broken = [], [], []
+    for path in sorted((ROOT / "rlhf_pipeline").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        docstring = (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "").strip()
+        if len(docstring.splitlines()) > MODULE_DOCSTRING_LINES:
+            too_long.append(f"{name}: {len(docstring.splitlines())} lines")
+        notes = DESIGN_NOTE.findall(docstring)
+        if not notes:
+            unlinked.append(name)
+        for page, heading in notes:
+            if not (DOCS / page).exists():
+                broken.append(f"{name}: docs/{page}")
+            elif heading and heading not in _anchors(DOCS / page, _site_slug):
+                broken.append(f"{name}: docs/{page}#{heading}")
+    assert not broken, "design notes that are not there:\n" + "\n".join(broken)
+    assert not too_long, f"over {MODULE_DOCSTRING_LINES} lines (move the rest to its design note):\n" + \
+        "\n".join(too_long)
+    assert not unlinked, "no design note named (docs/PAGE.md#heading):\n" + "\n".join(unlinked)
+
+
 def test_readme_links_to_every_page():
     linked = {(README.parent / link.partition("#")[0]).resolve() for link in _links(README)}
     assert {p.resolve() for p in PAGES} - linked == set(), "pages the README's reading list leaves out"

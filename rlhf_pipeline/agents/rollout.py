@@ -2,8 +2,8 @@
 environments stepped concurrently, whole groups of whole trajectories handed back together.
 
 An episode that fails drops its group, with the reason in :attr:`Rollout.failures`. The sampler is
-an async ``sample_turn(episode, token_ids, max_new_tokens) -> (ids, log_probs)``
-(the collector's ``collect/episodes.py`` asks the engine). Design: docs/architecture.md#episodes-are-token-lists.
+an async ``sample_turn(episode, token_ids, max_new_tokens) -> (ids, log_probs)`` (the collector's
+``collect/episodes.py`` asks the engine). Design: docs/architecture.md#episodes-are-token-lists.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Whether a tokenizer's chat template can render an agent's conversation, asked before any work.
-
-An episode is rendered through the tokenizer's chat template from its first token
-(:class:`~.episode.Episode`), and so is every demonstration of a warm start. A tokenizer with no
-template, or one that knows no ``tool`` role, used to fail only there: deep inside the warm start,
-after the run directory was made, with transformers' or Jinja's error. A pipeline's ``preflight``
-calls :func:`check_chat_template` instead, which renders a short conversation of the roles the
-pipeline uses and says in one line what is missing.
+"""Whether a tokenizer's chat template can render an agent's conversation, asked before any work. An
+episode (:class:`~.episode.Episode`) and every demonstration of a warm start are rendered through the
+tokenizer's chat template; a tokenizer with no template, or one that knows no ``tool`` role, would fail
+only there, deep inside the warm start, after the run directory was made. A pipeline's ``preflight``
+calls :func:`check_chat_template` instead, which renders a short conversation of the roles the pipeline
+uses and says in one line what is missing. Design: docs/agents.md#collecting-episodes-into-the-buffer.
 """
 
 from __future__ import annotations

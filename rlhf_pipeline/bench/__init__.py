@@ -2,4 +2,5 @@
 
 Modules here import torch lazily (inside functions) so ``rlhf-pipeline bench --help``
 stays instant; see :mod:`rlhf_pipeline.cli.bench_cmd` for the registry.
+Design: docs/architecture.md#benchmarks; what each measures: docs/benchmarks.md.
 """

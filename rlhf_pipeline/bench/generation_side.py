@@ -5,6 +5,7 @@ stdout, one JSON object a line.
 ``error``), then the operations ``sample`` (seeded; ``max_new_tokens`` 1 times the first token),
 ``update`` (the other of two weight sets), ``round`` (``--case pipeline``), ``memory`` and ``quit``.
 Engines: ``loop``, ``hf``, ``vllm`` and ``vllm-server``, each stopping at the tokenizer's EOS.
+Design: docs/benchmarks.md#generation-engines-rlhf-pipeline-bench-generation.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every backend is set up in this one process and sampled round-robin, the order shuffled every
 round (seeded) so none always inherits another's cold caches; ratios are of per-round medians
-against ``raw-numpy``.
+against ``raw-numpy``. Design: docs/benchmarks.md#sampling-at-the-same-moments.
 """
 
 from __future__ import annotations

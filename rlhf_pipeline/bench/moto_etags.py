@@ -5,6 +5,7 @@ without the object's lock, while a GET reads the same buffer under it: concurren
 of a new object over 5 MB (a file buffer, slow enough to interleave) then saw different ETags and
 bodies that failed their checksum. Real S3 computes the ETag once, at the PUT; with
 :func:`lock_moto_etags` moto computes it under the object's lock, so every reader sees one.
+Design: docs/development.md#tests.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What the storage benchmarks run on and compare: the synthetic data (:class:`BenchSpec`), the
 backends by name (:data:`BACKENDS`, :func:`load_backend`) and the baselines the ratios are
 taken against; plus the helpers every benchmark shares (:func:`log`, :func:`directory_bytes`).
+Design: docs/benchmarks.md#adding-a-backend.
 """
 
 from __future__ import annotations

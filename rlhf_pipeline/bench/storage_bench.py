@@ -4,12 +4,10 @@ Why one file: one benchmark end to end: running a backend in its own process, th
 baselines and the table are one measurement's parts; the backends and the data spec are apart in
 :mod:`.storage_backends`.
 
-Per backend, each in a fresh subprocess: ``write_us_per_completion`` (``write`` over batches of 512,
-data generation untimed), ``batches_per_s`` (padded batches of 64 at the same random positions; the
-fastest of ``SAMPLE_ROUNDS`` slices, ``batches_per_s_all_rounds`` over all), ``useful_tokens_per_s``,
-``disk_bytes_per_raw_byte`` (as ``du`` counts, over the raw payload) and ``peak_rss_mb``. Durable
-stores are compared with ``raw-numpy-fsync``, the others with ``raw-numpy``. Method and figures:
-docs/benchmarks.md#storage-rlhf-pipeline-bench-storage.
+Per backend, each in a fresh subprocess: ``write_us_per_completion``, ``batches_per_s`` (padded
+batches of 64; the fastest of ``SAMPLE_ROUNDS`` slices), ``useful_tokens_per_s``,
+``disk_bytes_per_raw_byte`` and ``peak_rss_mb``. Durable stores are compared with ``raw-numpy-fsync``,
+the others with ``raw-numpy``. Method and figures: docs/benchmarks.md#storage-rlhf-pipeline-bench-storage.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ Built from the pipeline's own parts (settings, ``prepare_run``, collector, write
 :class:`~rlhf_pipeline.learn.learner.Learner`) so that only the orchestration differs from ``run``.
 Run as ``python -m rlhf_pipeline.bench.sync_loop PIPELINE.py --home DIR --run-name NAME --steps N
 [--threads N] [--set key=value ...]``; it writes the run directory as ``run`` does.
+Design: docs/benchmarks.md#end-to-end-rlhf-pipeline-bench-e2e.
 """
 
 from __future__ import annotations

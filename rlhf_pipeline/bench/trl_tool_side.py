@@ -1,14 +1,13 @@
-"""TRL's ``GRPOTrainer`` with ``tools=[multiply]`` on ``pipelines/tool_use.py``'s task: ``bench tool-use``'s TRL side.
+"""TRL's ``GRPOTrainer`` with ``tools=[multiply]`` on ``pipelines/tool_use.py``'s task: the TRL side of
+``bench tool-use``, which starts it as ``python -m rlhf_pipeline.bench.trl_tool_side PIPELINE.py
+--init WEIGHTS.pt --steps N --out FIGURES.json [--threads N] [--set key=value ...]``.
 
-Run as ``python -m rlhf_pipeline.bench.trl_tool_side PIPELINE.py --init WEIGHTS.pt --steps N
---out FIGURES.json [--threads N] [--set key=value ...]`` (``bench tool-use`` starts it). From the
-pipeline's own file and settings it builds the model (loaded with ``--init``), the tasks in the
-order collector 0 takes them (``shuffle_dataset=False``), one optimizer step per generation batch
-with the learner's optimizer, schedule and clip (``loss_type="dapo"``, ``beta=0``), and the same
-turn and token limits. The one adaptation is the tokenizer's template
-(:data:`TRL_TOOL_CHAT_TEMPLATE`, :data:`RESPONSE_TEMPLATE`), so TRL can parse and render tool calls;
-:class:`Scorer` pays what ``CalculatorEnv`` pays. What is mapped and what still differs:
-docs/benchmarks.md#tool-use-against-trl-rlhf-pipeline-bench-tool-use.
+From the pipeline's own file and settings it builds the model (loaded with ``--init``), the tasks in
+the order collector 0 takes them, one optimizer step per generation batch with the learner's
+optimizer, schedule and clip, and the same turn and token limits. The one adaptation is the
+tokenizer's template (:data:`TRL_TOOL_CHAT_TEMPLATE`, :data:`RESPONSE_TEMPLATE`), so TRL can parse and
+render tool calls; :class:`Scorer` pays what ``CalculatorEnv`` pays. What is mapped and what still
+differs: docs/benchmarks.md#tool-use-against-trl-rlhf-pipeline-bench-tool-use.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Defaults as a user gets them (blosc-zstd, 4096-row segments, durable publishes like
 memmap's), so the numbers describe the store as shipped. ``finish_writes`` waits for
 the background deletion of compacted fragments, so ``disk_bytes`` counts only what
-the store keeps.
+the store keeps. Design: docs/benchmarks.md#storage-rlhf-pipeline-bench-storage.
 """
 
 from __future__ import annotations

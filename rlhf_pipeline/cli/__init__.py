@@ -1,4 +1,6 @@
-"""The ``rlhf-pipeline`` command. Command modules import torch only inside ``run``."""
+"""The ``rlhf-pipeline`` command. Command modules import torch only inside ``run``.
+Design: docs/architecture.md#the-command-line; every command: docs/commands.md.
+"""
 
 
 class CommandRefused(Exception):

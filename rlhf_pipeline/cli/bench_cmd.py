@@ -1,11 +1,11 @@
 """``rlhf-pipeline bench <name>``: a small registry of benchmarks.
 
-Each benchmark is a module with ``add_arguments(parser)`` (its own options) and
-``main(args) -> int`` (runs it, prints a table, or one JSON document with ``--json``
-so stdout stays machine-readable; progress goes to stderr). ``--page PAGE``, on every
-benchmark, also keeps what it printed on the benchmarks page (:mod:`rlhf_pipeline.bench.page`).
-To add one, add a row to ``BENCHMARKS``; modules are imported only when their benchmark is chosen (and to
-build ``--help``), so they keep torch imports inside ``main``.
+Each benchmark is a module with ``add_arguments(parser)`` (its own options) and ``main(args) -> int``
+(runs it, prints a table, or one JSON document with ``--json`` so stdout stays machine-readable;
+progress goes to stderr). ``--page PAGE``, on every benchmark, also keeps what it printed on the
+benchmarks page (:mod:`rlhf_pipeline.bench.page`). To add one, add a row to ``BENCHMARKS``; modules
+are imported only when their benchmark is chosen (and to build ``--help``), so they keep torch
+imports inside ``main``. Design: docs/benchmarks.md#how-the-page-is-kept.
 """
 
 from __future__ import annotations

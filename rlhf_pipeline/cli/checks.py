@@ -1,4 +1,6 @@
-"""Argument checks that commands make before their heavy imports, so a typo is answered at once."""
+"""Argument checks that commands make before their heavy imports, so a typo is answered at once.
+Design: docs/architecture.md#the-command-line.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ a learner reads the same way); a shard still being made is left out, saying so. 
 segment at a time (memory stays at about one segment), shows progress, and with ``--verify``
 re-reads both buffers and compares every row. The source is opened read-only, so converting
 beside a running writer copies the rows published when the conversion started.
+Design: docs/buffer-tools.md#convert.
 """
 
 from __future__ import annotations

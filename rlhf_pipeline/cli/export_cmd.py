@@ -4,6 +4,7 @@ Every stored field, exact, one row per stored row; ``import`` reads it back into
 buffer. Streams one segment at a time with progress. The format follows OUT's suffix
 (``rows.parquet``) unless ``--format`` says it; a contradiction is refused. Arguments are
 checked before torch is imported. See :mod:`rlhf_pipeline.dataio.export`.
+Design: docs/datasets.md#export.
 """
 
 from __future__ import annotations

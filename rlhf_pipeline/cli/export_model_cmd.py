@@ -1,10 +1,11 @@
-"""``rlhf-pipeline export-model RUN_DIR OUT [--version N | --best] [--adapter]``: a run's policy for ``transformers``.
+"""``rlhf-pipeline export-model RUN_DIR OUT [--version N | --best] [--adapter]``: a run's policy for
+``transformers``.
 
 Writes a ``save_pretrained`` directory (config, safetensors weights, tokenizer with its chat
 template, generation config) that ``AutoModelForCausalLM.from_pretrained(OUT)`` loads with
 the same logits as the run's policy of that version. See :mod:`rlhf_pipeline.dataio.model_export`.
 ``--list-versions`` needs no OUT and imports no torch. A LoRA run's version is merged into its base;
-``--adapter`` writes the adapter alone, a PEFT directory.
+``--adapter`` writes the adapter alone, a PEFT directory. Design: docs/datasets.md#export-model.
 """
 
 from __future__ import annotations

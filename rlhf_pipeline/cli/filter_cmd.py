@@ -4,7 +4,7 @@ The result is a new buffer holding the kept rows (byte-identical, same backend o
 or with ``--selection`` a saved selection that any command reading a buffer opens in place
 (``inspect``, the learner, ``replay --buffer``). ``--dry-run`` only counts. The expression
 language is described by ``--list-names`` and in ``rlhf_pipeline/storage/where.py``; the
-source is opened read-only and never modified.
+source is opened read-only and never modified. Design: docs/curation.md#filter.
 """
 
 from __future__ import annotations

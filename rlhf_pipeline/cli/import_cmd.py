@@ -4,8 +4,8 @@ Hugging Face dataset into a replay buffer, through the pipeline's tokenizer and 
 BUFFER is a store (created with the pipeline's ``create_buffer`` when new) or a run (its
 directory or ``buffer/``: the rows get a shard of their own, the pipeline and settings come
 from the run). Either may be at an ``s3://`` or ``az://`` URL (a run made with ``run --home URL``;
-a store at a URL is a Zarr store); another scheme is refused. See :mod:`rlhf_pipeline.dataio.importer`
-for what happens, in which order.
+a store at a URL is a Zarr store); another scheme is refused. See
+:mod:`rlhf_pipeline.dataio.importer` for what happens, in which order. Design: docs/datasets.md#import.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Each command lives in its own module under ``rlhf_pipeline.cli`` with two functions,
 ``add_arguments(parser)`` and ``run(args) -> int``. Modules keep torch, transformers
 and zarr imports inside ``run`` so ``--help`` and argument errors return at once.
-To add a command, add a row to ``COMMANDS``.
+To add a command, add a row to ``COMMANDS``. Design: docs/architecture.md#the-command-line;
+every command: docs/commands.md.
 """
 
 from __future__ import annotations

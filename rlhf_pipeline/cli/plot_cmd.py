@@ -1,9 +1,9 @@
 """``rlhf-pipeline plot RUN_DIR [RUN_DIR ...] --out DIR``: PNG charts of runs, overlaid.
 
 Reward, KL, response length, clip fractions, staleness and throughput over learner steps,
-from each run's ``metrics.jsonl``, and each held-out evaluation's scores beside the training reward
-(``eval/metrics.jsonl``); one PNG per chart plus ``overview.png``. Needs the
-``plot`` extra (matplotlib). See :mod:`rlhf_pipeline.dataio.plots`.
+from each run's ``metrics.jsonl``, and each held-out evaluation's scores beside the training
+reward (``eval/metrics.jsonl``); one PNG per chart plus ``overview.png``. Needs the
+``plot`` extra (matplotlib). See :mod:`rlhf_pipeline.dataio.plots`. Design: docs/datasets.md#plot.
 """
 
 from __future__ import annotations

@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _report_token_ids(reports, path: str, vocab_size: int, source: str, run_dir, progress) -> None:
     """Adds to each store's report the groups holding token ids outside the vocabulary (not
-    recoverable in place: the module docstring says why) and, once, how the run goes on without them."""
+    recoverable in place: a store's rows are numbered without gaps, and the sampler's positions, the
+    checkpoints and the collectors count on those numbers) and, once, how the run goes on without them
+    (docs/buffer-tools.md#repair)."""
     from rlhf_pipeline.storage.buffers import is_sharded_buffer
     from rlhf_pipeline.storage.token_ids import find_bad_groups
 

@@ -1,16 +1,11 @@
 """``rlhf-pipeline run | collect | learn PIPELINE.py``: one command module, three entry points.
 
-* ``run`` checks the pipeline, prepares the run directory, then starts ``--collectors N``
-  collector processes (default 1; collector k writes its own buffer shard) and one learner
-  process that reads all shards; it stops the collectors when the learner has taken
-  ``--steps`` steps.
-* ``collect`` / ``learn`` run one side alone against the same run directory (e.g. a
-  learner resumed over a recorded buffer, or collectors on another machine:
-  ``collect --collector-index K`` writes shard K).
-
-Running the same command again resumes the run: the learner continues from its newest
-checkpoint and the collector appends to the same buffer. Arguments are parsed before
-torch is imported, so ``--help`` and argument errors are instant.
+``run`` starts ``--collectors N`` collector processes (default 1; collector k writes its own buffer
+shard) and one learner process that reads all shards, and stops the collectors when the learner has
+taken ``--steps`` steps. ``collect`` / ``learn`` run one side alone against the same run directory
+(e.g. a learner resumed over a recorded buffer, or ``collect --collector-index K`` on another machine,
+writing shard K). Running the same command again resumes the run. Arguments are parsed before torch
+is imported, so ``--help`` and argument errors are instant. Design: docs/pipelines.md#the-commands.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 See :mod:`rlhf_pipeline.generation.vllm_setup` for what it installs and why it is a separate
 environment. Idempotent: run again, it finishes what an interrupted run left, or checks and keeps a
-finished environment.
+finished environment. Design: docs/generation.md#installing-the-vllm-environment.
 """
 
 from __future__ import annotations

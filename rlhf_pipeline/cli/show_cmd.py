@@ -2,10 +2,11 @@
 
 Prints the trajectory turn by turn (what was added before each turn, grey; what the model
 sampled and is trained on, green) and with ``--html PAGE`` writes a self-contained page that
-reads as text, with a table per turn of every token's id and log-probs. Without ``--trajectory``/``--row`` it shows the
-newest whole trajectory. Tokens are decoded with the pipeline's tokenizer: the run's own when
-the buffer belongs to a run, else ``--pipeline``'s; with neither, tokens are shown by id and
-turns by their stored text. See :mod:`rlhf_pipeline.dataio.trajectory_view`.
+reads as text, with a table per turn of every token's id and log-probs. Without
+``--trajectory``/``--row`` it shows the newest whole trajectory. Tokens are decoded with the
+pipeline's tokenizer: the run's own when the buffer belongs to a run, else ``--pipeline``'s; with
+neither, tokens are shown by id and turns by their stored text. See
+:mod:`rlhf_pipeline.dataio.trajectory_view`. Design: docs/buffer-tools.md#show.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The vocabulary a buffer's token ids are checked against (``inspect --verify``, ``repair``): the
 one given (``--vocab-size``), else a run directory's model's, read from its newest published
 weights' header (safetensors, no torch): the rows of its input embedding, which is what a learner
-indexes with every stored id."""
+indexes with every stored id. Design: docs/buffer-tools.md#inspect-verify.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Collection: prompts and tasks, batched sampling with log-probs, rewards, the collector over
-episodes of one turn or with environments, a toy task."""
+"""Collection: prompts and tasks, rewards, the one collector over episodes of one turn or with
+environments, a toy task (and, re-exported from ``generation``, batched sampling with log-probs).
+Design: docs/collector.md#the-collector.
+"""
 
 from rlhf_pipeline.collect.collector import Collector, CollectorConfig
 from rlhf_pipeline.collect.episodes import Environments, SingleTurn

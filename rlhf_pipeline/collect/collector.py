@@ -1,17 +1,13 @@
-"""The collector: tasks in, groups of episodes run with the policy, scored rows out to a sink
-(docs/collector.md says what it guarantees).
-
-Why one file: a round's draws, its episodes' requests, the in-order commit, ids, metrics and resume
-state are one sequence whose parts must agree row for row.
-
-A round draws its tasks and every seed its episodes use at its start from the generator the
+"""The collector (:class:`Collector`): tasks in, groups of episodes run with the policy, scored rows out to a
+sink. A round draws its tasks and every seed its episodes use at its start from the generator the
 collector checkpoints, so rows never depend on timing; its groups (``episodes.py``) ask the engine
 through ``turns.py`` and are written in group order (``commit.py``), each append with the state after
-exactly its groups (``sink(rows, writer_state=state)``, published with the rows in one atomic append).
-Within a round that state is the round's start and how many of its groups are stored, so a collector
-killed at any moment runs the round again from the same tasks and seeds and writes only the rest.
-``group_id``/``trajectory_id`` are ``(collector_index << 40) | counter``; a dropped group leaves its
-ids unused and counts toward ``max_failed_group_fraction``.
+exactly its groups (``sink(rows, writer_state=state)``), so a collector killed at any moment runs the cut
+round again from the same tasks and seeds and writes only the rest. ``group_id``/``trajectory_id`` are
+``(collector_index << 40) | counter``; a dropped group leaves its ids unused.
+Why one file: a round's draws, its episodes' requests, the in-order commit, ids, metrics and resume
+state are one sequence whose parts must agree row for row.
+Design: docs/collector.md#the-collector.
 """
 
 from __future__ import annotations

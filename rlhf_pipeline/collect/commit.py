@@ -1,10 +1,10 @@
-"""Committing a round's groups in group-id order, each append with the collector's state after it.
-
-Groups end in whatever order their episodes end; committing them in that order would make the
-buffer's order (and what reads by position: resume, pacing, sampling) depend on timing. So whenever
-the groups that ended extend the round's committed prefix, the prefix grows by one append; the chunk
-that completes the round is written once its episodes are all done. :class:`StreamTiming` measures
-what the wait costs (``order_wait_s``).
+"""Committing a round's groups in group-id order (:class:`InOrderCommit`), each append with the collector's
+state after it. Groups end in whatever order their episodes end; committing them in that order would
+make the buffer's order (and what reads by position: resume, pacing, sampling) depend on timing. So
+whenever the groups that ended extend the round's committed prefix, the prefix grows by one append; the
+chunk that completes the round is written once its episodes are all done. :class:`StreamTiming`
+measures what the wait costs (``order_wait_s``).
+Design: docs/generation.md#rounds-groups-and-turns-as-they-finish.
 """
 
 from __future__ import annotations

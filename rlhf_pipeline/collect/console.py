@@ -1,6 +1,7 @@
 """What a collector says on the console: :func:`say` (a line that starts clean on a terminal the learner's
 progress bar shares: ``\\r`` then erase-line first) and :func:`agent_round_printer`, a metrics hook that
 reports an agent round's tool calls and warns when every call of a round failed.
+Design: docs/agents.md#collecting-episodes-into-the-buffer ("On the console").
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Past collector states, one per append, so a branch can restart a collector where it stood at a step
-(``runs/branch_online.py``; docs/branching.md#continuing-online).
-
-A shard's store keeps only its last ``writer_state``; a branch at step N needs the one published with
-the rows the checkpoint of step N recorded (``buffer_rows``). Each entry is that state, byte for byte,
-keyed by the shard's ``next_row`` (``collector/shard-0000.history/row_000000000064.pt``), written whole
-by the run store; a missing one is written again by the next start. Entries are pruned once no kept
-checkpoint recorded their row count (those at or past the newest checkpoint's stay), and loaded with
-``weights_only=True``. The learner prunes old weights long before a branch is made, so the history
-also keeps the versions its kept states held: a hard link to the weights file in a run directory, a
-server-side copy of the object at a URL (``policy_<version>`` beside the entries), pruned by the same rule.
+"""Past collector states, one per append (:class:`PositionHistory`), so a branch can restart a collector
+where it stood at a step (``runs/branch_online.py``): each entry is the ``writer_state`` published with
+the shard's rows up to a row count, kept while a kept checkpoint recorded that count, beside the weights
+versions those states held (the learner prunes old weights long before a branch is made).
+Design: docs/branching.md#continuing-online.
 """
 
 from __future__ import annotations
@@ -34,7 +28,16 @@ def history_key(position_key: str) -> str:
 
 
 class PositionHistory:
-    """The committed states of one collector by the shard's row count (module docstring).
+    """The committed states of one collector by the shard's row count.
+
+    A shard's store keeps only its last ``writer_state``; a branch at step N needs the one published
+    with the rows the checkpoint of step N recorded (``buffer_rows``). Each entry is that state, byte for
+    byte, keyed by the shard's ``next_row`` (``collector/shard-0000.history/row_000000000064.pt``),
+    written whole by the run store (a missing one is written again by the next start) and loaded with
+    ``weights_only=True``. Entries are pruned once no kept checkpoint recorded their row count (those at
+    or past the newest checkpoint's stay). The versions their states held are kept beside them
+    (``policy_<version>``: a hard link to the weights file in a run directory, a server-side copy of the
+    object at a URL), pruned by the same rule.
 
     ``kept()``: ``(rows, policy_version)`` of each kept checkpoint: the row count it recorded for
     this collector's shard and its policy version (None: no checkpoint yet, nothing is pruned).

@@ -2,6 +2,7 @@
 validation, a JSONL loader, and the resumable sources a collector draws from: :class:`PromptSource`
 (prompts) and :class:`TaskSource` (an environment's tasks), each a seeded per-epoch shuffle whose
 ``(epoch, position)`` state resumes without skipping or repeating one.
+Design: docs/collector.md#the-collector.
 """
 
 from __future__ import annotations

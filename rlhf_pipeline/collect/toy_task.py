@@ -1,11 +1,8 @@
-"""A verifiable toy task for the CPU pipeline: add two small numbers (``"23+14="``, answer ``"37"``).
-
-A tiny char-level model cannot do this from random weights, so :func:`warm_start` fine-tunes it on
-correct examples first. :func:`toy_reward` gives partial credit so groups carry signal early: 1.0 for
-the exact answer, ``0.5 * matching / max(len(pred), len(answer))`` for digits only (digits aligned
-from the right), else 0. Why ``max_operand=20`` and GRPO's lr 2e-4 are the defaults: on 2 CPU cores,
-150 warm-start steps leave 22% sampled accuracy and GRPO reaches ~45% in 300 steps; with 50 the warm
-start leaves 5% and GRPO stays flat, and at lr 1e-3 the entropy collapsed.
+"""A verifiable toy task for the CPU pipeline: add two small numbers (``"23+14="``, answer ``"37"``):
+:func:`toy_prompts`, :func:`toy_reward` (partial credit for right digits, so groups carry signal early)
+and :func:`warm_start`, which fine-tunes the model on correct examples first (a tiny char-level model
+cannot do this from random weights). Why the defaults are what they are (``max_operand=20``, the warm
+start's length, GRPO's rate): docs/collector.md#the-toy-task.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""The collector's requests to its engine: each unit (an episode, or a single-turn group) asks for its
-next request as soon as it is ready, and the engine's batches do not depend on timing.
-
-Our loop decodes what is queued as one batch when flushed, and which requests share a batch moves the
-last bits of their log-probs; so, for the same rows whatever the timing (a rerun after a kill too):
-
-* **a round flushes once every one of its live units waits** for a request none of which has begun;
-* **one round at a time has requests queued in the engine**: a round started ahead keeps its
-  requests here while another round's wait unbegun there, so two rounds never share a batch. A
-  server begins each request as it comes, so there this costs nothing.
+"""The collector's requests to its engine: each unit (an episode, or a single-turn group) asks for its next
+request as soon as it is ready, and the engine's batches do not depend on timing. Our loop decodes what
+is queued as one batch when flushed, and which requests share a batch moves the last bits of their
+log-probs; so a round flushes once every one of its live units waits for a request none of which has
+begun, and one round at a time has requests queued in the engine (a round started ahead keeps its
+requests here meanwhile), so two rounds never share a batch. A server begins each request as it comes,
+so there this costs nothing. Design: docs/generation.md#rounds-groups-and-turns-as-they-finish.
 """
 
 from __future__ import annotations

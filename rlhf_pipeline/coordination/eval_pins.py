@@ -1,18 +1,10 @@
 """Which published weights the learner keeps for the evaluator beside training.
 
-The learner keeps its newest few versions and prunes the rest (``weights.publish_weights``); an
-evaluator busy with an older version would find a version it wants pruned before it loaded it. So
-with ``eval.every_steps`` on, the learner also keeps every version the evaluator wants
-(:func:`wanted_version`) from the oldest it has not finished: the evaluator writes that version
-(``eval/pinned_from.json``, :meth:`EvalPins.release_below`) as it finishes them in order; until it
-first does, every wanted version is kept. Nothing the evaluator wants is pruned before it is done,
-whatever the two processes' speeds; an evaluator that is not running keeps them for a later
-``rlhf-pipeline eval RUN``.
-
-The evaluator's summaries (``eval/metrics.jsonl``, one line per (version, evaluation)) are what
-``learner.keep_best`` ranks checkpoints by (:func:`eval_scores`): the evaluator logs a version's line
-before it releases the version, so a reader that looks at :meth:`EvalPins.pinned_from` first and the
-scores second never takes a released version for one still to be scored.
+The learner keeps its newest few versions and prunes the rest (``weights.publish_weights``); with
+``eval.every_steps`` on it also keeps every version the evaluator wants (:func:`wanted_version`) from
+the oldest it has not finished (:class:`EvalPins`), so a slow evaluator loses no version. The
+evaluator's summaries are what ``learner.keep_best`` ranks checkpoints by (:func:`eval_scores`).
+Design: docs/evaluation.md#evaluating-beside-training; the best: docs/evaluation.md#the-best-checkpoint.
 """
 
 from __future__ import annotations
@@ -37,7 +29,15 @@ def wanted_version(version: int, *, every_steps: int, publish_every: int, before
 
 
 class EvalPins:
-    """The evaluator's claim on published versions, in the run's store."""
+    """The evaluator's claim on published versions, in the run's store (``eval/pinned_from.json``).
+
+    The learner keeps every wanted version from :meth:`pinned_from` on (:meth:`keep`); the evaluator
+    moves it up (:meth:`release_below`) as it finishes versions in order, and until it first does,
+    every wanted version is kept: nothing it wants is pruned before it is done, whatever the two
+    processes' speeds, and an evaluator that is not running keeps them for a later
+    ``rlhf-pipeline eval RUN``. The evaluator logs a version's summary line before it releases the
+    version, so a reader that looks at :meth:`pinned_from` first and the scores (:func:`eval_scores`)
+    second never takes a released version for one still to be scored."""
 
     def __init__(self, store: RunStore, *, every_steps: int, publish_every: int, before_training: bool) -> None:
         self.store = store

@@ -13,7 +13,7 @@ FAST_POLLING_S = 0.25  # longer than a learner step or a collection round of a s
 
 
 class PollBackoff:
-    """Sleeps between the polls of one wait (see the module docstring).
+    """Sleeps between the polls of one wait (docs/architecture.md#polling).
 
     The interval doubles from ``first_s`` up to ``max_s``. ``hurry``: a sleep ends as soon as the
     event is set, and the interval starts again from ``first_s`` then. Without it the first

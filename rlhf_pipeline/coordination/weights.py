@@ -4,11 +4,10 @@ The learner publishes ``<run>/weights/policy_XXXXXXXX.safetensors`` atomically w
 follows its progress (a resumed learner retracts and republishes versions past its checkpoint);
 collectors poll with :class:`WeightsPoller`. Design: docs/architecture.md#published-weights.
 
-In a LoRA run (docs/lora.md) version 0 is the base's whole weights and every later version an
-adapter alone (``models/lora.py``: peft's tensors, its config, the base's digest and the learner's
-canary in the file's metadata). :func:`load_weights` gives any version as whole weights (an adapter
-merged into version 0); :class:`WeightsPoller` hands a collector's engine the adapter itself, with
-the base attached when the engine has not had it.
+In a LoRA run (docs/lora.md) version 0 is the base's whole weights and every later version an adapter
+alone (``models/lora.py``). :func:`load_weights` gives any version as whole weights (an adapter merged
+into version 0); :class:`WeightsPoller` hands a collector's engine the adapter itself, with the base
+attached when the engine has not had it.
 """
 
 from __future__ import annotations

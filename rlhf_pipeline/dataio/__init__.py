@@ -5,4 +5,5 @@ These sit on top of the layers (they use pipelines, stores, transforms and the c
 prompt rendering) and are what the CLI commands of the same names call. Heavy readers and
 writers are optional extras: ``pip install -e '.[data]'`` (pyarrow, datasets) and
 ``'.[plot]'`` (matplotlib); JSONL import/export and ``export-model`` need neither.
+Design: docs/architecture.md#rows-in-and-out; use: docs/datasets.md.
 """

@@ -2,7 +2,7 @@
 
 The core install stays small: Parquet and Hugging Face ``datasets`` readers come with the
 ``data`` extra, charts with the ``plot`` extra. :func:`require` imports one and, when it is
-missing, says which extra installs it.
+missing, says which extra installs it. Design: docs/datasets.md.
 """
 
 from __future__ import annotations

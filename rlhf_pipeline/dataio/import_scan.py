@@ -3,6 +3,7 @@
 Nothing is written here. What the pass keeps is small (8 bytes of group key a completion, a
 digest a chunk): enough for pass 2 to number groups and trajectories in source order, to resume
 mid-file, and to notice a source that changed between the passes. See :mod:`importer`.
+Design: docs/architecture.md#rows-in-and-out.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Progress of a long command on stderr: a tqdm bar on a terminal, a plain line now and then in logs.
-Nothing here imports torch."""
+Nothing here imports torch. Design: docs/datasets.md#export.
+"""
 
 from __future__ import annotations
 

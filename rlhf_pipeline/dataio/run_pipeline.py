@@ -1,11 +1,11 @@
 """Rebuilding a run's pipeline: its model architecture and tokenizer, as the run was configured.
 
-A run directory keeps ``settings.json`` (the settings of its first start) and ``pipeline.py``
-(a copy of the pipeline file, made by ``run``/``collect``/``learn`` and compared at every start, with
-the modules beside it that it imports in ``pipeline_modules/``: ``rlhf_pipeline/runs/pipeline_copy.py``).
-:func:`load_run_pipeline` loads that file (or another one given), applies the saved settings and calls its ``build``,
-so ``export-model`` and ``import`` get the same ``make_model`` and ``tokenizer`` the run used.
-A run at a URL is read through its store; its pipeline file is loaded from this machine's cache.
+A run directory keeps ``settings.json`` (the settings of its first start) and ``pipeline.py`` with the
+modules beside it that it imports (``pipeline_modules/``: ``rlhf_pipeline/runs/pipeline_copy.py``).
+:func:`load_run_pipeline` loads that file (or another one given), applies the saved settings and calls
+its ``build``, so ``export-model`` and ``import`` get the same ``make_model`` and ``tokenizer`` the run
+used. A run at a URL is read through its store; its pipeline file is loaded from this machine's cache.
+Design: docs/pipelines.md#the-run-directory.
 """
 
 from __future__ import annotations

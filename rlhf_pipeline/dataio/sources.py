@@ -4,7 +4,7 @@
 ``save_to_disk`` directory or a directory of data files, ``split`` picking one) and returns a
 :class:`Source` whose :meth:`Source.chunks` yields :class:`SourceChunk` objects of at most ``rows``
 rows; Arrow list columns come as flat values plus offsets. Columns may be dotted paths. Every
-error is a :class:`SourceError` naming the file and the line or row.
+error is a :class:`SourceError` naming the file and the line or row. Design: docs/datasets.md#import.
 """
 
 from __future__ import annotations

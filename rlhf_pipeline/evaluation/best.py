@@ -4,6 +4,7 @@ The best checkpoint itself is the checkpoint manager's business (``learn/checkpo
 evaluator's summaries and keeps the highest-scoring checkpoint); here only the names: a summary of
 one of the run's evaluations in which higher is better, ``eval/<evaluation>/pass@1``,
 ``eval/<evaluation>/pass@<k>`` (k > 1 samples) or ``eval/<evaluation>/mean_score``.
+Design: docs/evaluation.md#the-best-checkpoint.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """One evaluation: a policy version on a held-out set, every completion a row of the set's eval store.
 
-Each set has its own store, ``<run>/eval/<set>`` (the storage engine of the buffer: ``show``,
-``inspect`` and ``export`` read it like a shard), never the training buffer. A row is one completion
-(an agent's episode: one row per model turn): the prompt and completion tokens, their log-probs
-(the sampling distribution's; with greedy decoding the policy's own at temperature 1, see
-:class:`EvalEngine`), ``reward`` = its score, ``policy_version`` = the version evaluated, ``group_id`` =
-``version * ID_STRIDE + prompt`` (the prompt's index in the set; the samples of one prompt at one
-version are a group) and ``trajectory_id`` = ``group_id * samples + sample``: unique in the store, and
-the same (version, prompt, sample) has the same ids in every evaluation of it.
-
-Exactly once by construction: the evaluator's progress (which versions are done, with their summary,
-and how far the version in progress got, with its scores so far) is the store's writer state,
-published with each chunk of rows in one append (``storage/writer_state.py``). A process killed at
-any point resumes from the last publish: a chunk is stored with its progress or not at all, so no
-(version, prompt, sample) is written twice or skipped. A scorer that raises, or an engine that fails,
-is recorded as failed for that version (``failed``, ``attempts``) and the version is tried again,
-from the prompt it failed at.
+Each set has its own store, ``<run>/eval/<set>``, never the training buffer. A row is one completion
+(an agent's episode: one row per model turn): ``reward`` is its score, ``policy_version`` the version
+evaluated, and its ids come from (version, prompt, sample) (``ID_STRIDE``): unique in the store, and the
+same in every evaluation of that sample. The evaluator's progress is the store's writer state, published
+with each chunk of rows in one append, so a killed process resumes with no (version, prompt, sample)
+written twice or skipped; a failing scorer or engine is recorded as failed for that version, which is
+tried again from the prompt it failed at. Design: docs/evaluation.md#results-the-eval-store-and-the-metrics.
 """
 
 from __future__ import annotations

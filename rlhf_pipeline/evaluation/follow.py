@@ -1,14 +1,12 @@
 """Which policy versions a run evaluates, and the evaluator beside training that evaluates them.
 
 With ``eval.every_steps = E`` the evaluator takes, for each multiple of ``E``, the first version
-published at or after it (the version of step 0 too with ``eval.before_training``):
-``coordination/eval_pins.py``'s ``wanted_version``, by which the learner also keeps those versions
-until the evaluator has done them.
-
-:func:`follow_run` is the evaluator process's loop: it lists the run's published weights and
-evaluates the wanted versions oldest first, with one engine given each version in turn, releasing each to the
-learner's pruning once done, until the learner's ``STOP`` (then what is left is evaluated) or a stop
-request. The learner never waits for it: they share nothing but the weight files.
+published at or after it (version 0 too with ``eval.before_training``): ``coordination/eval_pins.py``'s
+``wanted_version``, by which the learner also keeps those versions until the evaluator has done them.
+:func:`follow_run` is the evaluator process's loop: the wanted versions oldest first, one engine given
+each in turn, each released to the learner's pruning once done, until the learner's ``STOP`` (then what
+is left is evaluated) or a stop request. The learner never waits for it: they share only the weight
+files. Design: docs/evaluation.md#evaluating-beside-training.
 """
 
 from __future__ import annotations

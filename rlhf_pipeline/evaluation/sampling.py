@@ -4,6 +4,7 @@ Every (prompt, sample) of an evaluation has its own seed, derived from the run's
 policy version, the prompt and the sample index (:func:`eval_seed`): what an evaluation samples does
 not depend on which prompts were evaluated before it, so one killed midway and resumed samples the
 rest as the uninterrupted one would, and evaluating a version again gives the same completions.
+Design: docs/evaluation.md#scores.
 """
 
 from __future__ import annotations

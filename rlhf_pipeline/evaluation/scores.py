@@ -4,6 +4,7 @@ pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language
 Code", eq. 1): with ``n`` samples of a prompt of which ``c`` pass, ``1 - C(n - c, k) / C(n, k)``,
 averaged over prompts. pass@1 is then the mean pass rate; with greedy decoding (one sample) it is
 the share of prompts answered. mean_score is the mean score over every completion.
+Design: docs/evaluation.md#scores.
 """
 
 from __future__ import annotations

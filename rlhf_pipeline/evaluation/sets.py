@@ -1,14 +1,10 @@
-"""What a pipeline declares to be evaluated: named held-out sets and how each is scored.
+"""What a pipeline declares to be evaluated: named held-out sets (:class:`EvalSet`), each with its scorer.
 
 A single-turn set holds prompts (``PromptRecord``: the chat or text, and the fields its scorer
-reads, e.g. ``answer``); an agent set holds tasks and the environment an episode runs in. Each has
-its scorer: by default the task's own reward (the training reward function, or the environment's
-reward), or a stricter verifier (exact answer only) the training reward never sees, which is what
-catches a policy paid for something the task does not want. A completion (an episode) *passes*
-when its score reaches ``pass_score``.
-
-The sets must be drawn apart from the training prompts: a pipeline splits its prompts once and
-trains on the rest (``pipelines/default.py``, ``pipelines/tool_use.py``).
+reads, e.g. ``answer``); an agent set holds tasks and the environment an episode runs in. The scorer
+is the task's own reward or a stricter verifier the training reward never sees; a completion (an
+episode) *passes* when its score reaches ``pass_score``. The sets are drawn apart from the training
+prompts (``pipelines/default.py``, ``pipelines/tool_use.py``). Design: docs/evaluation.md#held-out-sets.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """How a run evaluates its policy on held-out sets while it trains: ``--set eval.every_steps=50``.
 
 Importable without torch: ``RunSettings`` holds these as its ``eval`` group.
+Design: docs/evaluation.md#settings.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Atomic file writes: a file is replaced whole or not at all, whatever the layer writing it.
 
-Every small state file of a run (a store's manifest, pending groups, a collector's position,
-learner checkpoints, published weights, ``settings.json``) is written the same way: the new
-content goes to ``<name>.partial``, is flushed, and ``os.replace``-d over the old file, so a
-reader, or a process restarting after ``kill -9``, sees either the old or the new file,
-never a torn one. ``durable=True`` also fsyncs the file before the rename and its directory
-after it, so the new content survives a power loss once the call returns; ``durable=False``
-keeps the atomicity (a process crash never exposes a partial file), but a machine crash may
-roll back to the old content.
+Every small state file of a run (a store's manifest, pending groups, a collector's position, learner
+checkpoints, published weights, ``settings.json``) goes through :func:`write_atomic` (``<name>.partial``,
+then ``os.replace``; ``durable`` adds the fsyncs); :func:`publish_json` and :func:`save_torch_atomic` wrap
+it, and :func:`write_all` is for code that writes with ``os.write`` and renames into place.
 
-Writes through a Python file object (``open(..., "wb")``, ``Path.write_bytes``, ``torch.save``)
-raise when the disk fills. A raw ``os.write`` does not: on a nearly full disk (or past a file
-size limit) it writes what fits and returns that count, and only the next call fails. Code that
-writes a file with ``os.write``/``os.writev`` and renames it into place uses :func:`write_all`,
-which writes every byte or raises, so a torn file is never renamed over a good one.
-
-API: :func:`write_atomic` (the core: a callback writes into an open file),
-:func:`publish_json`, :func:`save_torch_atomic`, :func:`write_all`, :func:`fsync_dir`,
-:data:`PARTIAL_SUFFIX`.
+Design: docs/pipelines.md#the-run-directory.
 """
 
 from __future__ import annotations
@@ -44,6 +32,12 @@ def fsync_dir(directory: str | os.PathLike) -> None:
 def write_all(fd: int, data, path: str | os.PathLike) -> None:
     """Writes every byte of ``data`` to ``fd`` at its current position, or raises ``OSError``.
 
+    Writes through a Python file object (``open(..., "wb")``, ``Path.write_bytes``, ``torch.save``)
+    raise when the disk fills; a raw ``os.write`` does not: on a nearly full disk (or past a file size
+    limit) it writes what fits and returns that count, and only the next call fails. Code that writes a
+    file with ``os.write``/``os.writev`` and renames it into place uses this, so a torn file is never
+    renamed over a good one.
+
     ``data`` is a bytes-like object, or a list of them written back to back (first with one
     ``writev``). A short write is continued where it stopped; the call that fails then (a full
     disk: ``ENOSPC``; a file size limit: ``EFBIG``) raises with ``path`` as the error's
@@ -68,7 +62,13 @@ def write_all(fd: int, data, path: str | os.PathLike) -> None:
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, durable: bool = True,
                  partial_name: str | None = None) -> Path:
-    """Replaces ``path`` with what ``write(file)`` writes, atomically (see the module docstring).
+    """Replaces ``path`` with what ``write(file)`` writes, atomically: the content goes to
+    ``<name>.partial``, is flushed and ``os.replace``-d over the old file, so a reader, or a process
+    restarting after ``kill -9``, sees the old or the new file, never a torn one.
+
+    ``durable=True`` also fsyncs the file before the rename and its directory after it, so the new
+    content survives a power loss once the call returns; ``durable=False`` keeps the atomicity (a
+    process crash never exposes a partial file), but a machine crash may roll back to the old content.
 
     ``partial_name`` names the temporary file (default ``<name>.partial``); writers that may
     race each other for the same final name give each process its own. The parent directory

@@ -1,5 +1,8 @@
 """Azure Blob Storage (and Azurite) behind :class:`~rlhf_pipeline.files.cloud_base.CloudObjects`:
-conditional uploads through azure-storage-blob's asyncio client."""
+conditional uploads through azure-storage-blob's asyncio client.
+
+Design: docs/scaling.md#which-clouds-s3-and-azure-blob-storage-not-yet-gcs.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """What every cloud's conditional objects answer (:class:`CloudObjects`), the errors they raise,
-and the small helpers the implementations share; ``cloud_objects.py`` says why the interface
-exists and picks an implementation (``cloud_s3.py``, ``cloud_azure.py``) for a URL."""
+and the small helpers the implementations share (:class:`RetryPolicy`, :func:`through_outages`);
+``cloud_objects.py`` picks an implementation (``cloud_s3.py``, ``cloud_azure.py``) for a URL.
+
+Design: docs/scaling.md#which-clouds-s3-and-azure-blob-storage-not-yet-gcs.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +40,13 @@ class ObjectVersion:
 
 
 class CloudObjects(ABC):
-    """The objects under one prefix of one cloud's object store; keys are relative to the prefix."""
+    """The objects under one prefix of one cloud's object store; keys are relative to the prefix.
+
+    Built on the fsspec file system that reads the same URL (s3fs, adlfs), so credentials and endpoint
+    are configured once, the way that file system takes them. The coroutines run on the event loop the
+    file system's client is used from: Zarr's loop for a store's file system (``asynchronous=True``), or
+    :attr:`loop` for a synchronous one (``fsspec.asyn.sync(objects.loop, objects.read, key)``).
+    """
 
     # what a cloud needs, for the messages of a caller that checks before opening anything
     name: ClassVar[str]  # "S3", "Azure Blob Storage"

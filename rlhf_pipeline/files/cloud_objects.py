@@ -1,31 +1,12 @@
-"""Conditional writes to the objects under one URL prefix, whichever cloud holds them: create
-only, replace only the version read, delete only the version held, and read with the object's
-age on the server's clock. No torch, nothing of ours above this layer.
+"""Conditional writes to the objects under one URL prefix, whichever cloud holds them: create only,
+replace only the version read, delete only the version held, and read with the object's age on the
+server's clock. What replaces rename and ``flock`` on object storage (the Zarr buffer's units, commit
+record and writer lock; run state at a URL). Torch-free; nothing of ours above this layer.
 
-Object storage has no rename and no ``flock``; these four operations are what replaces them
-(the Zarr buffer's create-only units, fenced commit record and leased writer lock in
-``storage/zarr/object_store.py``; run-state files at a URL). Each cloud names them differently:
-
-============  =========================  ===================================  ===================
-cloud         create only                replace only the version read        refused
-============  =========================  ===================================  ===================
-S3            ``If-None-Match: *``       ``If-Match: <etag>``                 412 (409: retried)
-Azure Blob    ``If-None-Match: *``       ``If-Match: <etag>``                 409 exists, 412
-============  =========================  ===================================  ===================
-
-and the callers see one interface, :class:`CloudObjects`, with :class:`ConditionFailed` for a
-refusal. :func:`cloud_for` picks the implementation from a URL's scheme; an implementation is
-built on the fsspec file system that reads the same URL (s3fs, adlfs), so credentials and
-endpoint are configured once, the way that file system takes them.
-
-The coroutines run on the event loop the file system's client is used from: Zarr's loop for a
-store's file system (``asynchronous=True``), or ``fs.loop`` for a synchronous one
-(``fsspec.asyn.sync(objects.loop, objects.read, key)``).
-
-This module is where callers import from: the interface and its errors (``cloud_base.py``), one
-module per cloud (``cloud_s3.py``, ``cloud_azure.py``), and the choice between them by scheme. The
-clouds answer the same four questions and the table above is the whole difference between them;
-a caller must never need to know which one it has.
+Where callers import from: the interface :class:`CloudObjects` and its refusal :class:`ConditionFailed`
+(``cloud_base.py``), one module per cloud (``cloud_s3.py``, ``cloud_azure.py``), and :func:`cloud_for`,
+the choice by the URL's scheme; a caller never needs to know which cloud it has.
+Design: docs/scaling.md#which-clouds-s3-and-azure-blob-storage-not-yet-gcs.
 """
 
 from __future__ import annotations

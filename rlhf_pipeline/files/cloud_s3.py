@@ -1,5 +1,8 @@
 """S3 (and S3-compatible servers) behind :class:`~rlhf_pipeline.files.cloud_base.CloudObjects`:
-conditional PUTs through s3fs's botocore client."""
+conditional PUTs through s3fs's botocore client.
+
+Design: docs/scaling.md#which-clouds-s3-and-azure-blob-storage-not-yet-gcs.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ directory, the one file the writer appends to).
 
 Torch-free, so the launcher can summarise a finished run's metrics without importing torch; the
 writer is ``learn/metrics.py``'s :class:`~rlhf_pipeline.learn.metrics.MetricsWriter`.
+Design: docs/object-storage.md#a-whole-run-at-a-url.
 """
 
 from __future__ import annotations

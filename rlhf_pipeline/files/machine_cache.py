@@ -1,36 +1,12 @@
-"""Objects of a run at a URL fetched once per machine: the first process of this machine that needs
-an object downloads it into a directory they all share; the others read that file.
+"""Objects of a run at a URL fetched once per machine (:class:`MachineCache`): the first process of this
+machine that needs an object downloads it into a directory they all share; the others read that file.
+Every collector loads each new weights version, so without it N collectors of a machine downloaded each
+version N times.
 
-Why: every collector polls ``weights/`` and loads each new version, and at a URL each load was a
-whole-object GET, so N collectors on one machine downloaded every version N times (8 collectors of
-an 8B model: 128 GB per version per machine instead of 16; docs/scaling.md, "Weight broadcast").
-
-* **Named by etag.** A copy is ``<stem>.<digest of the etag><suffix>``
-  (``policy_00000003.1f0c...e2.safetensors``), never by the key alone: a run started again at the
-  same URL, or a new run under a reused prefix, publishes ``policy_00000001`` anew, and the object
-  store gives that object a new etag. The caller passes the etag its listing gave
-  (:meth:`~rlhf_pipeline.files.run_store.RunStore.list_etags`: no request beyond the poll's LIST);
-  the copy is named by the etag of the bytes the GET returned, so an object replaced between the
-  listing and the GET is kept under its new etag, not the old one.
-* **Once.** The downloader holds an exclusive ``flock`` on ``fetch.lock`` in the directory, with
-  its pid and host written in it; a process that finds it held waits for the copy to appear (or
-  the lock to come free: the holder failed, and the waiter downloads). Copies of different objects
-  queue behind one lock: the collectors of a machine all want the same newest version anyway.
-* **Never torn.** The download goes to ``<copy>.<pid>.partial``, is fsynced and renamed (a reader
-  only ever opens a finished copy, also after a power loss). A process killed mid-download leaves
-  at most its ``.partial``, which no reader opens and the next download removes once its pid no
-  longer runs here (:func:`~rlhf_pipeline.files.processes.pid_running`).
-* **No stale lock.** The kernel drops a ``flock`` when its holder dies, ``kill -9`` included. A
-  lock kept alive by a child that inherited the holder's descriptor (a fork) is noticed by the
-  recorded pid no longer running: the waiter then downloads itself, which at worst fetches one
-  version twice. A live holder is not timed out: its requests have timeouts and its retries a
-  budget (``RetryPolicy``), and a large model's download may rightly take minutes.
-* **Pruned.** After each download the newest ``keep`` copies (by download time) stay, 2 by
-  default: a copy is as large as the model. A collector that opened a copy keeps reading it after
-  it is unlinked; one that loses the race between :meth:`MachineCache.fetch` and opening the file
-  gets :class:`FileNotFoundError`, as from a version pruned at the URL, and polls again.
-
-Copies are only a cache: deleting the directory loses nothing.
+Copies are named by etag (:meth:`MachineCache.path_for`), written to ``<copy>.<pid>.partial`` and renamed,
+downloaded under one ``flock`` whose dead holder (``kill -9``, a fork that inherited it) blocks no one,
+and pruned to the newest ``keep`` (2). Copies are only a cache: deleting the directory loses nothing.
+Design: docs/object-storage.md#a-whole-run-at-a-url.
 """
 
 from __future__ import annotations
@@ -63,7 +39,9 @@ class MachineCache:
         self.downloads = 0  # GETs this process made (a cache hit is a file read)
 
     def path_for(self, key: str, etag: str) -> Path:
-        """Where the copy of version ``etag`` of ``key`` is kept."""
+        """Where the copy of version ``etag`` of ``key`` is kept: ``<stem>.<digest of the etag><suffix>``
+        (``policy_00000003.1f0c...e2.safetensors``), never named by the key alone, since a run started
+        again at the same URL publishes the same keys anew, under new etags."""
         name = Path(key).name
         # one etag, however a server quotes it in a listing and in a response header
         digest = hashlib.sha256(etag.removeprefix("W/").strip('"').encode()).hexdigest()[:20]
@@ -72,7 +50,18 @@ class MachineCache:
 
     def fetch(self, store: RunStore, key: str, etag: str) -> Path:
         """A finished local copy of ``key`` at ``etag`` (as listed), downloaded by this call only
-        when no process of this machine has it; FileNotFoundError when ``key`` is gone."""
+        when no process of this machine has it; FileNotFoundError when ``key`` is gone.
+
+        The downloader holds an exclusive ``flock`` on ``fetch.lock``, its pid and host written in it;
+        a process that finds it held waits for the copy to appear, or for the lock to come free (the
+        holder failed: it downloads itself), or downloads at once when the recorded holder no longer
+        runs (a forked child kept the lock alive: at worst one version is fetched twice). Copies of
+        different objects queue behind the one lock: a machine's collectors all want the newest
+        version anyway. The copy is named by the etag of the bytes the GET returned, so an object
+        replaced since the listing is kept under its new etag. A caller that loses the race between
+        this call and opening the file (the copy pruned by another download) gets
+        ``FileNotFoundError``, as for a version pruned at the URL, and polls again; one that opened
+        a copy keeps reading it after it is unlinked."""
         wanted = self.path_for(key, etag)
         if wanted.exists():
             return wanted
@@ -110,7 +99,9 @@ class MachineCache:
         if found is None:
             raise FileNotFoundError(store.describe(key))
         body, etag = found
-        path = self.path_for(key, etag)  # the bytes' own etag (see the module docstring)
+        # named by the etag this GET returned, not the listing's: an object replaced between the two is
+        # kept under its own etag
+        path = self.path_for(key, etag)
         write_atomic(path, lambda f: f.write(body), partial_name=f"{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
         self.downloads += 1
         return path

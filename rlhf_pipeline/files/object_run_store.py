@@ -1,34 +1,12 @@
-"""A run's state objects at a URL (``s3://bucket/prefix``, ``az://container/prefix``): whole-object
-PUTs (atomic: a reader sees the old or the new object), conditional writes for fencing, and
-retries under a stated budget.
-
-Each request goes through :class:`~rlhf_pipeline.files.cloud_objects.CloudObjects`, the one place
-that speaks each cloud's conditional headers (``If-None-Match: *``, ``If-Match: <etag>``), on the
-fsspec file system that reads the same URL (s3fs, adlfs): a run at a URL is configured exactly like
-a buffer at a URL (``AWS_*`` variables or ``AZURE_STORAGE_CONNECTION_STRING``), one set of
-credentials.
-
-**Fencing.** The store remembers the ETag of every key it last wrote or read. A fenced write
-replaces only that version (``If-Match``), or creates the key (``If-None-Match: *``) when it has
-never seen it and it does not exist; a key it has never seen that exists is read first (``HEAD``),
-so a restarted process takes over its predecessor's objects, and the predecessor, if it still
-runs, is refused at its next write (:class:`~rlhf_pipeline.files.run_store.StaleWriterError`).
-Versions (weights, checkpoints) are created with ``If-None-Match: *``: never overwritten.
-
-**Retries.** The loop here owns them, not ``CloudObjects``: the cloud's client is built to try
-each request once (:meth:`CloudObjects.without_client_retries`), so that one loop owns the budget
-(:class:`RetryPolicy`) and a write refused on a retry is settled by reading it back, which only
-the run store knows how to judge. The buffer's stores keep their client's retries (botocore's,
-azure-core's), which their commit and fencing logic already tolerates, and retry outages for the
-same budget themselves (``storage/zarr/object_store.py``). Throttling (503 SlowDown,
-429, 500/502/504), a conflicting conditional write in flight (409) and timeouts or dropped
-connections are retried with exponential backoff and full jitter, none started after ``budget_s``
-seconds: faults the server answers at most ``attempts`` times, requests that got no answer at all
-(refused, reset, timed out: an outage) for as long as the budget lasts (:class:`RetryPolicy`). A
-write whose answer was lost may have landed: its retry then
-meets its own write (412) and the store reads the object back; the same bytes count as written.
-What gives up raises :class:`~rlhf_pipeline.files.run_store.RunStoreError` naming the object, the
-tries, the time and the last error.
+"""A run's state objects at a URL (``s3://bucket/prefix``, ``az://container/prefix``):
+:class:`ObjectRunStore`, the :class:`~rlhf_pipeline.files.run_store.RunStore` of a run at a URL.
+Whole-object PUTs (a reader sees the old or the new object), fenced by ETag (``If-Match``; versions
+created with ``If-None-Match: *``), every request through
+:class:`~rlhf_pipeline.files.cloud_objects.CloudObjects` on the URL's fsspec file system (one set of
+credentials with the buffer's), retried under a stated budget by this store's own loop, which settles a
+write whose answer was lost by reading it back. What gives up raises
+:class:`~rlhf_pipeline.files.run_store.RunStoreError` naming the object, the tries, the time and the error.
+Design: docs/object-storage.md#a-whole-run-at-a-url.
 """
 
 from __future__ import annotations
@@ -68,7 +46,14 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 class ObjectRunStore(RunStore):
-    """A run's objects under ``s3://bucket/prefix`` or ``az://container/prefix`` (see the module docstring)."""
+    """A run's objects under ``s3://bucket/prefix`` or ``az://container/prefix``.
+
+    It remembers the ETag of every key it last wrote or read. A fenced write replaces only that
+    version (``If-Match``), or creates the key (``If-None-Match: *``) when it has never seen it and it
+    does not exist; a key it has never seen that exists is read first (``HEAD``), so a restarted
+    process takes over its predecessor's objects and the predecessor, if it still runs, gets
+    :class:`~rlhf_pipeline.files.run_store.StaleWriterError` at its next write. Each request is retried
+    under ``retry`` (:class:`RetryPolicy`) by this store's loop, the cloud client's own retries off."""
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
                  retry: RetryPolicy = RetryPolicy()) -> None:

@@ -1,5 +1,8 @@
 """Whether a process of this host still runs: what every lock and lease of ours asks before it
-takes over from a holder on the same host (a file lock's, a store's writer lock, a run's lease)."""
+takes over from a holder on the same host (a file lock's, a store's writer lock, a run's lease).
+
+Design: docs/object-storage.md#how-the-guarantees-hold-without-a-file-system.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ running run's settings and metrics as files: local disk only a cache of the URL.
 
 A metrics log kept as part objects (``learn/metrics.py``) is joined back into its ``.jsonl`` file.
 Every copy is written atomically, so a command killed midway leaves a cache the next one refreshes.
+Design: docs/object-storage.md#a-whole-run-at-a-url.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""A lease object at a URL: the one command that holds a run at a URL (``run.lock``), as ``flock``
-holds a run directory on disk.
+"""A lease object at a URL (:class:`ObjectLease`): the one command that holds a run at a URL (``run.lock``),
+as ``flock`` holds a run directory on disk. Object storage has no ``flock`` and nothing that notices a
+dead holder, so the lock is an object with a lease, as the buffer's writer lock
+(``storage/zarr/object_store.py``) but on the run's own store: conditional creates, renewals and
+takeovers, measured on the server's clock.
 
-Object storage has no ``flock`` and nothing that notices a dead holder, so the lock is an object
-with a lease, as the buffer's writer lock (``storage/zarr/object_store.py``) but on the run's own
-store: created with ``If-None-Match: *``, naming its holder (a random token, host, pid, command,
-start time); renewed with ``If-Match`` every ``lease_s / 3`` on a daemon thread; taken over
-(``If-Match`` on the version seen, so one of several contenders wins) when it has not been renewed
-for ``lease_s`` on the server's clock, or at once when its holder was a process on this host that
-no longer runs (``kill -9`` of a ``run`` here: its next start need not wait). A holder whose
-renewal is refused has been taken over: :attr:`ObjectLease.lost` is set and its owner stops.
+Design: docs/object-storage.md#a-whole-run-at-a-url.
 """
 
 from __future__ import annotations
@@ -35,7 +31,14 @@ class LeaseHeldError(RuntimeError):
 
 
 class ObjectLease:
-    """``key`` in ``store`` held by this process while :meth:`acquire` ... :meth:`release`."""
+    """``key`` in ``store`` held by this process while :meth:`acquire` ... :meth:`release`.
+
+    Created with ``If-None-Match: *``, naming its holder (a random token, host and pid, and what
+    ``record`` adds: the command, its start time); renewed with ``If-Match`` every ``lease_s / 3`` on a
+    daemon thread; taken over with ``If-Match`` on the version seen (so one of several contenders wins)
+    once not renewed for ``lease_s`` on the server's clock, or at once when its holder was a process on
+    this host that no longer runs. A holder whose renewal is refused has been taken over: :attr:`lost`
+    is set and its owner stops."""
 
     def __init__(self, store: ObjectRunStore, key: str, *, record: dict[str, Any] | None = None,
                  lease_s: float = DEFAULT_LEASE_S) -> None:

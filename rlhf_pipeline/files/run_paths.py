@@ -1,9 +1,10 @@
 """Where runs live (``$RLHF_PIPELINE_HOME`` or ``storage/`` beside the package, or a URL), and
 where one run keeps each piece of its state (:class:`RunPaths`).
 
-A run at a URL (``--home s3://bucket/prefix`` or ``az://container/prefix``) keeps every piece of its state under that URL
-(:attr:`RunPaths.store`); its :attr:`RunPaths.root` is then only this machine's cache directory
-(:func:`cache_dir`): TensorBoard's event files, the run-lock of processes preparing the run here.
+A run at a URL (``--home s3://bucket/prefix`` or ``az://container/prefix``) keeps every piece of its state
+under that URL (:attr:`RunPaths.store`); its :attr:`RunPaths.root` is then only this machine's cache
+directory (:func:`cache_dir`): TensorBoard's event files, the run-lock of processes preparing the run here.
+Design: docs/pipelines.md#the-run-directory; at a URL: docs/object-storage.md#a-whole-run-at-a-url.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Where a run's small state objects are kept: a directory (:class:`LocalRunStore`) or a URL
-(:class:`~rlhf_pipeline.files.object_run_store.ObjectRunStore`), behind one small contract.
+(:class:`~rlhf_pipeline.files.object_run_store.ObjectRunStore`), behind one contract (:class:`RunStore`).
 
-Every module that keeps run state (weights, checkpoints, collector positions, pending groups,
-pacing, metrics, ``settings.json``, the pipeline copy, ``STOP``) names its objects by a key relative to the run
-(``weights/policy_00000003.safetensors``) and reads and writes them through a :class:`RunStore`.
-What each store guarantees for every key:
-
-* **atomic**: a reader sees the old or the new content of a key, never a part of it;
-* **fenced** (``write(..., fence=True)``, :meth:`RunStore.create`): a writer whose key was replaced
-  by another writer since it last wrote that key gets :class:`StaleWriterError` instead of putting
-  its older state over the newer one; a version (a weights file, a checkpoint) is created once,
-  never overwritten. The local store keeps today's file semantics (a rename replaces whatever is
-  there; the run directory's ``flock`` keeps a second writer out instead);
-* **loaded without executing code**: readers get bytes and decode them with
-  :func:`rlhf_pipeline.files.state_files.load_state_bytes` or JSON;
-* **copied as the store can** (:meth:`RunStore.copy`): a hard link on a file system
-  (:attr:`~RunStore.supports_link`), a server-side copy where the cloud has one
-  (:attr:`~RunStore.supports_server_copy`), else a read and a write. Callers never ask where the
-  run is: they ask what the store can do, the way zarr's ``Store`` says ``supports_writes``;
-* **tagged** (:meth:`RunStore.list_etags`, :meth:`RunStore.read_with_etag`): every object carries an
-  etag, an opaque string that changes whenever the object is written with other contents (S3's
-  ETag, Azure's etag; a file's inode, size and modification time). A copy kept on this machine is
-  named by it (``files/machine_cache.py``), never by the key alone: a run started again at the same
-  URL writes ``weights/policy_00000001.safetensors`` anew.
-
-A run directory on disk behaves exactly as before: :class:`LocalRunStore` writes through
-:func:`rlhf_pipeline.files.atomic.write_atomic`, with the same temporary names and fsyncs.
+Every module that keeps run state (weights, checkpoints, collector positions, pending groups, pacing,
+metrics, ``settings.json``, the pipeline copy, ``STOP``) names its objects by a key relative to the run
+(``weights/policy_00000003.safetensors``) and reads and writes them through a store: atomic, fenced,
+loaded without running code, copied as the store can, tagged with etags.
+Design: docs/object-storage.md#a-whole-run-at-a-url.
 """
 
 from __future__ import annotations
@@ -56,7 +36,14 @@ class RunStoreError(OSError):
 
 
 class RunStore(ABC):
-    """A run's state objects by relative key (``/``-separated, no leading ``/``)."""
+    """A run's state objects by relative key (``/``-separated, no leading ``/``).
+
+    For every key: atomic (a reader sees the old or the new content, never a part); fenced
+    (``write(..., fence=True)``, :meth:`create`: a writer whose key another writer replaced since it
+    last wrote it gets :class:`StaleWriterError`; a version is created once, never overwritten; the
+    local store keeps file semantics, its run directory's ``flock`` keeping a second writer out);
+    read as bytes, decoded without running code (``files/state_files.py``, or JSON); copied as the
+    store can (:meth:`copy`); tagged with an etag (:meth:`list_etags`, :meth:`read_with_etag`)."""
 
     location: str
     """The run's root as a user gives it: a directory path or a URL (for messages)."""
@@ -155,7 +142,9 @@ class RunStore(ABC):
 
 
 class LocalRunStore(RunStore):
-    """A run directory on a file system: today's atomic file writes (``*.partial`` + rename)."""
+    """A run directory on a file system: atomic file writes through
+    :func:`~rlhf_pipeline.files.atomic.write_atomic` (``*.partial`` + rename, the same temporary names
+    and fsyncs as every state file); an etag is a file's inode, size and modification time."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)

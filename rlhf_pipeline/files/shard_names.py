@@ -1,28 +1,11 @@
 """The names of a buffer's shards: ``shard-NNNN``, and at an object-store URL ``<hh>-shard-NNNN``.
 
-A run's buffer is a directory (or URL prefix) of stores, one per collector, each named after its
-shard index. On a file system the name is ``shard-0007``. At an object-store URL (``s3://``,
-``az://``) a shard made now is named ``70-shard-0007``: two hex digits in front, the index's
-lowest hex digit first, so that the shards of one buffer start spread over 16 (then 256) key
-prefixes.
-
-Why: an object store partitions a bucket by key prefix (S3 serves 3,500 PUTs and 5,500 GETs per
-second per partition) and splits a busy prefix only after it has throttled it for a while. Shards
-named ``shard-0000 .. shard-0639`` share one prefix until S3 learns where to split it. With the
-digits the split points are known before the first write (``0 .. f``, then ``00 .. ff``): a bucket
-can be pre-partitioned on them (an S3 support request names such prefixes), and any split S3
-makes on its own divides the shards evenly. The digits are the index's own, reversed, rather than
-a hash of it: a run's collectors are numbered ``0 .. N-1`` (imports from 9000 on), and any such run
-of numbers lands evenly, at most one shard apart, on the 16 first digits and on the 256 pairs,
-where a hash leaves some prefixes with twice the shards of others. They are part of the shard's own
-name, at the same level, so one LIST of the buffer still finds every shard; and a directory whose
-digits do not match its index is not taken for a shard.
-
-A shard keeps the name it was made with: buffers made before spread names hold ``shard-NNNN`` at
-URLs too, and are read, written and resumed as they are (readers find shards by listing; a writer
-looks for its shard before making one, ``storage/buffers.py``'s ``find_shard``). A shard's name is
-also its key where the run names shards: the learner's row names and checkpoints, the pacing file,
-the pending groups of the write path.
+A run's buffer is a directory (or URL prefix) of stores, one per collector, each named after its shard
+index: ``shard-0007`` on a file system; made now at an ``s3://`` or ``az://`` URL, ``70-shard-0007``, the
+index's lowest hex digits first, so that one buffer's shards start spread over 16 (then 256) key prefixes
+of the bucket's partitions. :func:`shard_index` reads either name (digits that are not the index's are no
+shard); a shard keeps the name it was made with, so older buffers at URLs keep ``shard-NNNN``.
+Design: docs/object-storage.md#spread-shard-names.
 """
 
 from __future__ import annotations
@@ -44,7 +27,9 @@ def shard_name(index: int) -> str:
 
 
 def spread_shard_name(index: int) -> str:
-    """The name of shard ``index`` made at an object-store URL: ``70-shard-0007`` (module docstring)."""
+    """The name of shard ``index`` made at an object-store URL: ``70-shard-0007``, the index's two
+    lowest hex digits in front, lowest first, so a run's shards ``0 .. N-1`` start spread evenly over
+    16 (then 256) key prefixes."""
     return f"{_spread_digits(index)}-{shard_name(index)}"
 
 

@@ -1,17 +1,11 @@
 """Loading the ``.pt`` state files of a run directory without ever running code from them.
 
-A run directory may be shared between machines and users, so anyone who can write a file
-there could otherwise run code in every learner and collector that resumes from it:
-``torch.load(weights_only=False)`` unpickles arbitrary objects. Every state file we write
-(learner checkpoints, collector positions, pending groups, published weights) holds only
-tensors and plain values (dicts, lists, tuples, numbers, strings), and every one is read
-with ``weights_only=True``, which refuses any other object.
-
-A refused file raises :class:`StateFileError` naming the file, what it holds that we never
-write, and what to do. One exception keeps older runs resumable: learner checkpoints written
-before format 2 hold NumPy's RNG state as a NumPy array. ``legacy_numpy_arrays=True`` lets
-exactly the NumPy array and dtype types through (their unpickling builds plain arrays and
-runs nothing else), and only when nothing else in the file needs unpickling.
+A run directory may be shared between machines and users, and ``torch.load(weights_only=False)``
+unpickles arbitrary objects: anyone who can write a file there could run code in every learner and
+collector that resumes from it. Every state file we write (checkpoints, collector positions, pending
+groups, published weights) holds only tensors and plain values, and :func:`load_state` and
+:func:`load_state_bytes` read every one with ``weights_only=True``, which refuses any other object.
+Design: docs/pipelines.md#the-run-directory.
 """
 
 from __future__ import annotations
@@ -29,7 +23,11 @@ class StateFileError(ValueError):
 def load_state(path: str | os.PathLike, *, what: str, legacy_numpy_arrays: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU, with errors that say what to do.
 
-    ``what`` names the file in messages ("learner checkpoint", "collector position").
+    ``what`` names the file in messages ("learner checkpoint", "collector position"). A refused file
+    raises :class:`StateFileError` naming the file, what it holds that we never write, and what to do.
+    ``legacy_numpy_arrays=True`` (learner checkpoints written before format 2, which hold NumPy's RNG
+    state as an array) lets exactly the NumPy array and dtype types through, whose unpickling builds
+    plain arrays and runs nothing else, and only when nothing else in the file needs unpickling.
     """
     import torch
 

@@ -1,17 +1,9 @@
-"""The generation engine contract (docs/collector.md#generation-engines): token ids in, sampled ids and
-their log-probs out, the policy version that produced them beside. Our loop (``loop.py``) and vLLM
-(``vllm_url.py``) implement :class:`GenerationEngine`; a collector never learns which it has.
-
-* **Token-exact**: ids verbatim, each with its log-prob under the distribution that drew it
-  (``sampling.py``); a completion ends at a stop token, kept (``terminated``), or at its limit.
-* **One future per request** (:meth:`~GenerationEngine.submit`), its draws from the request's seed alone
-  (:func:`draw_seed`, from the generator the collector checkpoints), whatever else is in flight.
-* **One version per group**: weights load only between requests (:meth:`~GenerationEngine.load_weights`).
-* **Checked before it is a row**: what an engine outside this process answers goes through
-  :func:`checked_completions`; settings an engine cannot honour are refused by name (:class:`UnsupportedSetting`).
-
-Capabilities are properties, as storages have them (``supports_scoring``, ``supports_weight_updates``);
-a method whose capability is False raises :class:`UnsupportedCapability`.
+"""The generation engine contract: :class:`GenerationEngine` (token ids in, sampled ids and their sampling
+log-probs out, the policy version that produced them beside), the requests and completions it trades
+in, one request's seed (:func:`draw_seed`), the check every answer from outside this process passes
+before it is a row (:func:`checked_completions`) and the errors an engine raises. Our loop (``loop.py``)
+and vLLM (``vllm_url.py``) implement it; a collector never learns which it has.
+Design: docs/collector.md#generation-engines.
 """
 
 from __future__ import annotations
@@ -220,7 +212,20 @@ def draw_seed(generator: torch.Generator) -> int:
 
 
 class GenerationEngine(ABC):
-    """Token ids in, sampled ids and sampling log-probs out; see the module docstring."""
+    """Token ids in, sampled ids and sampling log-probs out, the policy version that produced them beside.
+
+    * **Token-exact**: ids verbatim, each with its log-prob under the distribution that drew it
+      (``sampling.py``); a completion ends at a stop token, kept (``terminated``), or at its limit.
+    * **One future per request** (:meth:`submit`), its draws from the request's seed alone
+      (:func:`draw_seed`, from the generator the collector checkpoints), whatever else is in flight.
+    * **One version per group**: weights load only between requests (:meth:`load_weights`).
+    * **Checked before it is a row**: what an engine outside this process answers goes through
+      :func:`checked_completions`; settings an engine cannot honour are refused by name
+      (:class:`UnsupportedSetting`).
+
+    Capabilities are properties, as storages have them (:attr:`supports_scoring`,
+    :attr:`supports_weight_updates`); a method whose capability is False raises
+    :class:`UnsupportedCapability`."""
 
     name: str = "engine"
     """Short name for messages and metrics (``loop``, ``vllm``)."""

@@ -1,15 +1,11 @@
-"""Our sampling loop over a ``transformers`` causal LM, and :class:`LoopEngine`, the engine around it
-(the default; docs/collector.md#generation-engines).
-
-The loop is ours rather than ``model.generate`` so the RNG, the log-prob definition (``sampling.py``)
-and the stop rule are: prompts left-padded, ``position_ids = cumsum(mask) - 1``, the KV cache reused,
-a row stopping at a stop token (kept, ``terminated``) or at ``max_new_tokens`` (``truncated``).
-:class:`LoopEngine` decodes on a thread of its own what was submitted before the caller's flush as one
-batch, each request's rows drawing from a generator seeded with its seed. A LoRA run's versions are
-merged into the base and checked with the served-policy canary before any row (docs/lora.md).
-
-Why one file: the engine's batches are the loop's rows, its seeds the loop's generators, and the
-weights it loads are the model the loop decodes with; apart, each would be read out of the other's context.
+"""Our sampling loop over a ``transformers`` causal LM (:func:`generate`, :func:`decode_steps`,
+:func:`teacher_forced_log_probs`) and :class:`LoopEngine`, the default engine around it: it decodes, on
+a thread of its own, what was submitted before the caller's flush as one batch, each request's rows
+drawn from a generator seeded with its seed. A LoRA run's versions are merged into the base and checked
+with the served-policy canary before any row (docs/lora.md#how-the-loop-engine-samples-an-adapter-version).
+Why one file: the engine's batches are the loop's rows, its seeds the loop's generators, and the weights
+it loads are the model the loop decodes with; apart, each would be read out of the other's context.
+Design: docs/collector.md#generation-engines.
 """
 
 from __future__ import annotations

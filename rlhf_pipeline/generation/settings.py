@@ -3,6 +3,7 @@ or ``--set generation.url=http://...``), which checks itself (an option set for 
 refused), :func:`check_generation` (what the collector's own server asks of this machine) and
 :func:`make_engine`. The vLLM engine's Python (``generation.python``): the one given, else
 ``.venv-vllm`` beside this checkout (``rlhf-pipeline setup-vllm``), else this one when it has vllm.
+Design: docs/generation.md#the-settings-by-engine.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
-"""A LoRA run's adapter versions on a vLLM server (docs/lora.md, "On vLLM"): the collector's own server
-(``vllm_engine.py``) or one at a URL (``vllm_url.py``), through the same client.
-
-* **The server**: started with ``--enable-lora``, ``--max-lora-rank`` the smallest of vLLM's ranks at or
-  above the run's, ``--max-loras`` the run's staleness bound plus one, and
-  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (:class:`AdapterServing`). Before any row the run's targets are
-  checked against the layers the server takes adapters for (asked of our worker extension, the names
-  vLLM's adapter loader expects), then a zero adapter of the run's rank and targets is loaded and must
-  score as the base, so a server that cannot serve the run's adapters is refused naming the setting.
-* **One name per version**: each version is written as a PEFT directory and loaded under its own name
-  (``v<version>``; on a server at a URL, which other collectors may share, with this engine's tag), never
-  reloaded under one name in place: vLLM's prefix-cache blocks are keyed by the adapter's name and path,
-  so a same-name reload from the same directory reuses the previous version's cached blocks (vLLM
-  #42125), and an in-place adapter is read from disk again at every step (#33791). The newest
-  ``max_loras`` stay loaded; older ones are unloaded, their directories removed.
-* **The canary through the sampling path**: after each load, fixed prompts (longer than one KV block)
-  are sampled under the version's name through ``/v1/completions`` with the log-probs of the sampled
-  tokens (not ``prompt_logprobs``, which drops an ``lm_head`` delta, vLLM #51594), and compared with the
-  learner's forward of the same tokens: the engine's model with the version merged, itself first checked
-  against the learner's published canary (``models/lora.py``, the loop engine's check). A difference
-  refuses the version (:class:`~rlhf_pipeline.generation.loop.ServedPolicyMismatch`) before any row.
+"""A LoRA run's adapter versions on a vLLM server, the collector's own (``vllm_engine.py``) or one at a URL
+(``vllm_url.py``), through the same client. :class:`AdapterServing` is how the server must be started
+(``--enable-lora``, ``--max-lora-rank``, ``--max-loras``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``).
+Before any row, the run's targets are checked against the layers the server takes adapters for and a
+zero adapter must score as the base; then each version is loaded under a name of its own (``v<version>``,
+with the engine's tag at a URL), never reloaded in place (vLLM #42125, #33791), the newest ``max_loras``
+kept, and checked by the canary through the sampling path before any row of it
+(:class:`~rlhf_pipeline.generation.loop.ServedPolicyMismatch` on a difference).
+Design: docs/lora.md#on-vllm.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ A request the server does not answer (refused, reset, timed out, cut short) or a
 request is whole and seeded. Another HTTP error is :class:`ServerError` at once; a reply that is not
 JSON or that the caller's ``check`` refuses is a ``BadAnswer``, asked again, then said. With a
 :class:`Supervisor` (a server of ours), an unanswered request first lets it replace a dead server.
+Design: docs/generation.md#a-vllm-server-you-started-generationurl ("A server that stops answering").
 """
 
 from __future__ import annotations

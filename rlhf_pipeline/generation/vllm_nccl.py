@@ -3,6 +3,7 @@
 weight transfer, then re-ties a tied head and resets the prefix cache, as the file route does. A
 restart is the file route's (the held version's file). Not covered: a death mid-broadcast (NCCL has
 no timeout there). Needs CUDA on both sides and ``vllm`` in the collector's Python.
+Design: docs/generation.md#running-a-pipeline-with-it (the NCCL route).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ vLLM environment's Python, on a free loopback port, with the flags our client's 
 in a file), in a session of its own and stopped with its whole process group. A watcher in that
 group (:data:`WATCHER`) ends it when the process that started it dies by any signal: vLLM's API
 server, told SIGTERM, was seen to outlive its engine core for minutes.
+Design: docs/generation.md#running-a-pipeline-with-it.
 """
 
 from __future__ import annotations

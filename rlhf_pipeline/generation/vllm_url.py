@@ -1,15 +1,13 @@
 """``VLLMURLEngine``: the one vLLM client, through a server's OpenAI-compatible API: a server the user
-started (``--set generation.url=http://...``) or the collector's own (``vllm_engine.py``); docs/generation.md.
-
-Nothing about a server is trusted until checked, before any row: its health, model and length, its
-tokenizer's ids, with weight updates its model's shape, and one seeded request whose log-probs must
-be our model's under the sampling distribution; a failed check is one :class:`ServerMismatch` line.
-Each ``submit`` is one seeded HTTP request from a pool kept for the engine's life; every reply is
+started (``--set generation.url=http://...``) or the collector's own (``vllm_engine.py``). Nothing about
+a server is trusted until checked, before any row (its health, model and length, its tokenizer's ids,
+with weight updates its model's shape, one seeded request's log-probs against our model's): a failed
+check is one :class:`ServerMismatch` line. Each ``submit`` is one seeded HTTP request, every reply
 checked (``engine.checked_completions``). Weights: ``vllm_url_weights.py``; adapters: ``vllm_adapters.py``.
-
 Why one file: the checks at connection sample through the same requests the collector's do, and a
 request, the weights lease it holds and :meth:`VLLMURLEngine.holding` share one count of what is in
 flight; apart, each part would reach into the others' state.
+Design: docs/generation.md#a-vllm-server-you-started-generationurl.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ loads a published version's weights in place (a safetensors path, or its bytes, 
 arguments arrive as lists), ties a tied ``lm_head`` to the new embedding again and repacks it (on a
 CPU vLLM packs weights for oneDNN, and the head would keep the old one), and keeps the shared
 server's weights lease (``vllm_lease.py``).
+Design: docs/generation.md#a-vllm-server-you-started-generationurl ("The server command").
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """What turns a draw's rows into the tensors a step trains on: padded micro-batches, or packed ones.
 
-Two layouts, ``learner.packing`` choosing (the default: packed):
-
-* **padded** (:func:`split_microbatches_with_rows`): rows sorted by length and cut into
-  micro-batches whose padded size, rows x (longest prompt + longest response), stays within
-  ``micro_batch_tokens``, each trimmed to its own widths (``schema/padding.py`` lays them out);
-* **packed** (:class:`PackedBatch`, made on the learner's prefetch thread): each micro-batch ONE
-  sequence (1, L) of its rows' real tokens, planned first-fit decreasing (:func:`plan_packs`) and
-  laid end to end (:func:`pack_rows`), never padded; the packed forward and its loss are
-  ``loss.grpo_packed_loss``.
-
-Rows that went stale while they waited are dropped here too (:func:`fresh_mask`, :func:`drop_stale`),
-re-cut by the same rules (:func:`take_rows`), so a step trains exactly what the same rows would give.
-
+Padded (:func:`split_microbatches_with_rows`): rows sorted by length, cut within ``micro_batch_tokens``,
+each micro-batch trimmed to its widths. Packed (:class:`PackedBatch`, built on the prefetch thread):
+each micro-batch one sequence of whole rows (:func:`plan_packs` first-fit decreasing, :func:`pack_rows`).
+Stale rows are dropped here (:func:`fresh_mask`, :func:`drop_stale`), the rest re-cut (:func:`take_rows`).
 Why one file: both layouts, the packing plan and the batch built ahead of the step are one contract
-with the step (``learn/step.py``): which tokens a micro-batch holds and what each row's columns
-are. A change to one (a field, a new per-row column, the budget's meaning) is a change to all.
-Multi-turn joining (``learn/trajectories.py``) and the loss (``learn/loss.py``) change for reasons
-of their own and stay apart.
+with ``learn/step.py`` (which tokens a micro-batch holds, what each row's columns are): a change to one
+is a change to all; trajectories and the loss change for reasons of their own and stay apart.
+Design: docs/learner.md#packed-micro-batches.
 """
 
 from __future__ import annotations
@@ -539,7 +529,7 @@ class PackedBatch:
                 for rows, micro in self.pieces]
 
     def select_rows(self, index: torch.Tensor) -> PackedBatch:
-        """Rows ``index`` only, packed afresh (module docstring: dropped rows)."""
+        """Rows ``index`` only, packed afresh (rows dropped at their step: docs/learner.md#one-step)."""
         index = index.cpu().to(torch.int64)
         return PackedBatch.pack(self.rows.select(index), self.columns[index], self.budget, pin=self.pin)
 

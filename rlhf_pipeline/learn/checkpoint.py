@@ -1,43 +1,12 @@
-"""Learner checkpoints: a ``Progress`` record plus every state a resumed run needs.
+"""Learner checkpoints (:class:`CheckpointManager`): a ``Progress`` record and every state a resume needs.
 
-A checkpoint is one file ``checkpoints/step_XXXXXXXX.pt`` holding the progress record, the
-model, optimizer and LR-scheduler states, the RNG states (Python, NumPy, torch CPU and CUDA),
-the replay buffer's position (the store's ``state_dict``: which rows existed) and the
-sampler's state after the last draw a step used (``learn/samplers/``); with the draw count
-in the progress record, a resumed run redraws exactly the batches an uninterrupted one
-would. Files are written to ``*.partial`` and renamed into place
-(:mod:`rlhf_pipeline.files.atomic`), so a crash mid-write never leaves a checkpoint that looks
-complete. The manager keeps the newest ``keep_last`` plus, with ``keep_every`` M > 0, every
-checkpoint whose step is a multiple of M (the rewind points a run can be branched from, see
-``runs/branch.py``). A run at a URL keeps them as objects (``files/run_store.py``): one PUT that
-creates the step's object, never overwrites it.
-
-Beside each checkpoint a small ``step_XXXXXXXX.json`` (the *rewind record*) says, without torch
-and without reading the checkpoint, where the run stood: its step, policy version, draws, the
-rows each buffer shard had published as the learner saw it (``buffer_rows``) and the rows it had
-taken in (``consumed``). ``inspect RUN`` lists these; ``branch`` limits a branch's view of the
-parent's buffer to ``buffer_rows``. It is written after the checkpoint, so a checkpoint may lack
-one (a crash in between, or a run made before records), never the other way round.
-
-The best checkpoint (``learner.keep_best=eval/<set>/pass@1``, ``learn/keep_best.py``): the evaluator
-beside training scores the versions published at every ``eval.every_steps`` steps, later than the
-learner publishes them, and logs each score in ``eval/metrics.jsonl``; the learner saves a checkpoint
-at each step that publishes such a version (:meth:`CheckpointManager.best_candidate`). The best is
-not a record of its own but read, whenever it is wanted, from what is on disk: of the kept
-checkpoints whose version has a score, the highest (the earliest step among equal scores). Pruning
-(by the learner at each save, and by the evaluator once it is done, by the same rules) keeps it, and
-every checkpoint whose version the evaluator has not settled yet (it may become the best); a
-checkpoint whose score came in lower than the best, or whose evaluation was given up, goes by the
-schedule above. So a ``kill -9`` at any moment leaves a best that exists: nothing is written
-but checkpoints (atomically) and the deletions of pruning, which never take the highest scored one,
-and a resumed learner, a later ``rlhf-pipeline eval RUN --step N`` (its score counts like any) and a
-branch (its own checkpoints and scores) all read it the same way.
-
-Every value in a checkpoint is a tensor or a plain value (dicts, lists, tuples, numbers,
-strings), so it loads with ``torch.load(weights_only=True)`` (``rlhf_pipeline/files/state_files.py``)
-and a file planted in a shared run directory cannot run code in the learner. Format 2 keeps
-NumPy's RNG state as a tensor; format 1 (older runs) kept it as a NumPy array, which is still
-read (NumPy arrays only, nothing else), so runs started before the change resume.
+One file ``checkpoints/step_XXXXXXXX.pt`` per checkpoint (model, optimizer, scheduler, RNG, the buffer's
+position, the sampler's state after the last draw a step used), written atomically, holding only tensors
+and plain values (``torch.load(weights_only=True)``); beside it, written after it, the rewind record
+``step_XXXXXXXX.json``. The manager keeps the newest ``keep_last``, every multiple of ``keep_every``,
+and with ``keep_best`` the best by a held-out score, read from the checkpoints and scores on disk
+whenever it is wanted, never recorded, so a ``kill -9`` at any moment leaves a best that exists.
+Design: docs/learner.md#checkpoints; the best: docs/evaluation.md#the-best-checkpoint.
 """
 
 from __future__ import annotations
@@ -133,7 +102,8 @@ class CheckpointManager:
     with ``keep_every`` > 0, every one whose step is a multiple of it.
 
     ``store``: the run's store (a run at a URL); ``directory`` is then the key prefix in it.
-    ``keep_best``: also keep the best checkpoint by an evaluation metric (module docstring)."""
+    ``keep_best``: also keep the best checkpoint by an evaluation metric, and every checkpoint whose version
+    the evaluator has not settled yet (docs/evaluation.md#the-best-checkpoint)."""
 
     def __init__(self, directory: str | Path, keep_last: int = 2, *, keep_every: int = 0,
                  store: RunStore | None = None, keep_best: KeepBest | None = None) -> None:
@@ -184,7 +154,7 @@ class CheckpointManager:
         return next((path for path in self.paths() if _name(path) == _checkpoint_name(step)), None)
 
     def record(self, step: int) -> dict[str, Any] | None:
-        """The rewind record saved beside the checkpoint of ``step`` (module docstring); None when
+        """The rewind record saved beside the checkpoint of ``step`` (docs/learner.md#checkpoints); None when
         there is none (a run made before records) or it is damaged."""
         data = json_object(self._store.read(self._key(_record_name(step))))
         return data if data is not None and data.get("step") == step else None
@@ -241,8 +211,9 @@ class CheckpointManager:
         return self.keep_best is not None and self.keep_best.candidate(step)
 
     def best(self) -> BestCheckpoint | None:
-        """The kept checkpoint whose version scores highest on ``keep_best``'s metric (module docstring);
-        None without ``keep_best`` or before any kept checkpoint's version has a score."""
+        """The kept checkpoint whose version scores highest on ``keep_best``'s metric (the earliest step
+        among equal scores; docs/evaluation.md#the-best-checkpoint); None without ``keep_best`` or
+        before any kept checkpoint's version has a score."""
         if self.keep_best is None:
             return None
         steps = self.steps()

@@ -1,58 +1,13 @@
-"""Data-parallel learner ranks: N processes train one policy over one run directory and buffer.
+"""Data-parallel learner ranks (:class:`DataParallel`): N processes train one policy over one run and buffer.
 
-Started by ``torchrun --nproc-per-node N -m rlhf_pipeline.cli.main learn PIPELINE.py``, or by
-``run`` and ``replay`` with ``learner.world_size=N`` (``launch.rank_environments``), which set
-``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (and the rendezvous address) in each process;
-:meth:`DataParallel.from_torchrun_env` reads them. Without them there is one rank and
-every method here is the identity, so the single-process learner pays nothing.
-
-What makes N ranks train exactly like one:
-
-* **The same draws.** Only rank 0 draws: its sampler alone watches the buffer grow and decides
-  staleness drops, epochs and pacing (``learner.batch_size`` stays the global batch). It shares
-  each draw, with the lasting names (shard, row id) of its rows, with one
-  ``broadcast_object_list`` from its prefetch thread (:meth:`share_draw`, on a group only the
-  prefetch threads use), and every rank's prefetch thread reads only its own contiguous slice
-  (:meth:`local_positions`, :meth:`local_names`; of trajectories, for multi-turn rows) from its
-  own view of the same buffer (:meth:`positions_in_view`), ahead of the step that trains it
-  (:meth:`draw_producer`). So the ranks train on rank 0's rows while collectors write, and the
-  checkpointed sampler state is rank 0's. When rank 0 has no draw to give (stopped, or its draw
-  failed) it shares a :class:`MainStopped`, so no rank waits forever.
-* **One opening, one refresh per step, and shard affinity** (:class:`SharedView`, :func:`positions_in_view`): for a
-  buffer at a URL rank 0 alone opens it and sends the commit records it read (:meth:`open_buffer`),
-  and the other ranks adopt the records each of rank 0's refreshes read, sent with the draw,
-  instead of listing and refreshing themselves; with at least as many shards as ranks, each rank's
-  slice comes from its own shards (shard ``k`` belongs to rank ``k mod N``).
-* **The same loss.** The loss is normalized by the *global* batch: every rank weighs its
-  micro-batches by their share of the global response tokens (``token_mean``) or rows (the
-  other aggregations), counted with one all-reduce (:meth:`sum_counts`). The sum over ranks
-  of the weighted micro-batch losses is then the 1-rank loss of the whole batch. DDP (and
-  FSDP) average gradients over ranks, so each rank scales its loss by ``world_size``
-  (:attr:`loss_scale`); gradients are reduced once per step, on the last micro-batch
-  (:meth:`sync_unless`).
-* **Every rank takes part in every step.** A rank whose slice is empty (a global batch
-  smaller than the number of ranks, an epoch's short last batch) or whose rows all went
-  stale trains on a *filler*: one row of its batch with loss weight 0, so DDP's all-reduce
-  still runs on every rank and adds nothing.
-
-``parallelism="fsdp"`` shards the model with FSDP2 instead of DDP (:func:`shard_model`).
-
-Only rank 0 writes: weights, checkpoints, metrics, TensorBoard, ``pacing.json``. Every rank
-loads the same newest checkpoint, which holds the global draw count and the whole model and
-optimizer state (:meth:`model_state`, :meth:`optimizer_state`), so a checkpoint resumes with
-any number of ranks and either parallelism. Backend: gloo on CPU, NCCL on CUDA (rank ``r``
-uses ``cuda:LOCAL_RANK``).
-
-Below the class, what the ranks agree on without a collective of its own: which rows are whose
-and the view of the buffer they are read in (:func:`rank_slice`, :func:`order_by_owner`,
-:class:`SharedView`, :func:`positions_in_view`); the commit records rank 0 sends, each part at
-most once (:class:`ViewChanges`); and FSDP2's wrapping and whole states (:func:`shard_model`).
-
-Why one file: every collective a rank takes part in is here (the draws shared on the prefetch
-threads' group, the counts, the stop, the gradient sync, FSDP's gathers), and they must be issued
-in the same order on every rank; read apart, an order that deadlocks only across two files would
-be easy to write. The slices, views and FSDP wrapping change with them: they are what the
-collectives carry and what they run on.
+Ranks come from ``torchrun`` or from ``run``/``replay`` with ``learner.world_size=N``; with one rank every
+method is the identity. Rank 0 alone draws and shares each draw on the prefetch threads' group, with the
+commit records it read (:meth:`share_draw`, :class:`SharedView`, :class:`ViewChanges`); every rank reads
+its slice (:func:`rank_slice`, :func:`order_by_owner`, :func:`positions_in_view`) and weighs its loss by
+its share of the global batch (:meth:`sum_counts`), so N ranks train like one. FSDP2: :func:`shard_model`.
+Why one file: every collective a rank takes part in is here, and they must be issued in the same order on
+every rank (an order that deadlocks across two files would be easy to write); the slices, views and
+FSDP wrapping are what those collectives carry and run on. Design: docs/data-parallel.md.
 """
 
 from __future__ import annotations
@@ -93,7 +48,9 @@ if TYPE_CHECKING:
     from rlhf_pipeline.learn.samplers import SampledRows
     from rlhf_pipeline.learn.settings import LearnerSettings
 
-#: the per-row flag of a filler batch (see the module docstring): its rows carry no loss
+#: the per-row flag of a filler batch, which a rank whose slice is empty or all stale trains so
+#: that DDP's all-reduce runs on every rank: its rows carry no loss
+#: (docs/data-parallel.md#how-the-ranks-share-a-step)
 FILLER_KEY = "data_parallel_filler"
 #: how long a rank's closing prefetch thread waits for the others before it is left to stop()
 DRAW_CLOSE_WAIT_S = 10.0

@@ -1,11 +1,10 @@
 """The learner errors a user can act on, importable without torch (the command line catches them).
 
-A learner step whose loss, gradients or new weights are not finite is refused, not skipped
-(docs/learner.md, "A step that is not finite"): :class:`NonFiniteStep` names the step and what
-was not finite, and says where the run resumes from. Nothing of the refused step is published
-or checkpointed, so the newest checkpoint and every published version stay finite.
-A checkpoint this run's settings cannot resume (a full-weight checkpoint resumed as a LoRA run, or
-the reverse, ``learn/lora.py``) is :class:`CheckpointRefused`, naming the setting.
+:class:`NonFiniteStep`: a step whose loss, gradients or new weights are not finite is refused, not
+skipped; nothing of it is published or checkpointed, so the newest checkpoint and every published
+version stay finite. :class:`CheckpointRefused`: a checkpoint this run's settings cannot resume (a
+full-weight checkpoint resumed as a LoRA run, or the reverse, ``learn/lora.py``), naming the setting.
+Design: docs/learner.md#a-step-that-is-not-finite.
 """
 
 from __future__ import annotations

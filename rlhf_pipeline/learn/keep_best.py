@@ -1,6 +1,7 @@
 """``learner.keep_best``: the rule by which the checkpoint manager keeps the best checkpoint by an
 evaluation summary, read from the evaluator's files (``coordination/eval_pins.py``), and the best as
-it names it. How the best is chosen and why it survives a crash: ``learn/checkpoint.py``.
+it names it (:class:`KeepBest`, :class:`BestCheckpoint`). How the best is chosen and why it survives
+a crash: docs/evaluation.md#the-best-checkpoint.
 """
 
 from __future__ import annotations

@@ -1,56 +1,13 @@
 """The learner recipe, read top to bottom (torchtune-style): ``setup`` -> ``_setup_model`` /
 ``_setup_optimizer`` / ``_setup_data`` -> ``train`` -> ``save_checkpoint`` -> ``cleanup``.
-
-One learner step, as :meth:`Learner.train` runs it:
-
-1. take the next draw: the positions the sampler chose (``learn/samplers/``), read on the prefetch
-   thread (:class:`Prefetcher`, :func:`draw_readers`) and packed into micro-batches with
-   ``packing`` (the default), else padded (``learn/batch.py``); rows that went stale while they
-   waited, more than ``max_staleness`` versions older than ours, are dropped
-   (``charts/rows_dropped_stale``; :class:`DrawVersions` says which version each draw trains with);
-2. the optimizer step (``learn/step.py``): micro-batches of at most ``micro_batch_tokens`` tokens,
-   each loss weighted by its share of the batch, gradients accumulated, clipped, AdamW, LR
-   schedule; a step whose loss, gradients or new weights are not finite is refused
-   (:class:`~rlhf_pipeline.learn.errors.NonFiniteStep`): the learner stops there, its newest
-   checkpoint and published weights as they were;
-3. every ``publish_every`` steps publish the weights as a new version (``coordination/weights.py``);
-   write metrics (:func:`batch_charts`, :func:`run_charts`); every ``checkpoint_every`` steps (and
-   on stop) save a checkpoint.
-
-Resume. A checkpoint (``learn/checkpoint.py``: ``Progress`` + ``CheckpointManager``) holds the
-whole model and optimizer states, the scheduler, RNG, the buffer's position, the sampler's state
-after the last draw a step used, the rows trained and the intake, so a resumed run continues
-exactly as an uninterrupted one would over the same data, with any number of ranks and either
-parallelism. The versions a killed learner published past that checkpoint are taken back and
-published again under the same numbers. Without a checkpoint the learner starts from the
-initial policy, weights version 0 (kept until the first checkpoint holds the model). With
-``learner.lora.rank`` > 0 (``learn/lora.py``, docs/lora.md) the model is version 0 frozen with an
-adapter that alone trains, is published and is checkpointed; version 0 is then kept for the whole run.
-
-Data parallelism is a layer around this (``learn/distributed.py``, ``DataParallel``): rank 0
-draws and shares each draw with every rank's prefetch thread, which reads its slice; stale rows
-are dropped and the step planned over the global batch. With one rank each is the single-rank
-function. With ``priority_feedback`` the loss also gives one value per row, handed back to the
-sampler for the rows trained (``charts/priority_feedback_*``). Multi-turn rows train as whole
-trajectories, one sequence each (``learn/trajectories.py``); a draw that ends none trains no
-step. Rows whose trajectory ended for one of ``mask_termination_reasons`` are left out like
-stale ones (``charts/trajectories_masked``).
-
-After taking each batch the learner publishes what it has taken in from each shard
-(``<run>/pacing.json``, :mod:`rlhf_pipeline.coordination.pacing`), so collectors generate no more
-than it will train on (a replay, which has no collectors, writes none); while it waits it says
-what for (:class:`WaitReport`). It counts the distinct rows it trained on against the rows
-generated and how stale they were (:class:`TrainedRows`, :func:`staleness_metrics`). On CUDA the
-forward runs under bf16 autocast; the prefetch thread pins batches and the learner copies them
-with ``non_blocking=True``.
-
-Why one file: this is the recipe; its setup, resume, prefetching and reporting change together
-with the loop they serve (what a checkpoint saves is what setup restores; what the prefetch
-thread hands over is what the loop unpacks; the charts are the loop's counters). Apart, the
-class was a mixin in another file and each piece was read out of its caller's context. What
-changes for reasons of its own lives beside it: the step (``step.py``), the batch layout
-(``batch.py``), trajectories, the loss, data parallelism, the samplers, the checkpoint and
-metrics files.
+:meth:`Learner.train` takes each draw from the prefetch thread (:class:`Prefetcher`, :func:`draw_readers`),
+drops rows gone stale (:class:`DrawVersions`), runs the step (``learn/step.py``), publishes weights,
+writes metrics (:func:`batch_charts`, :class:`TrainedRows`) and checkpoints; it publishes its intake in
+``pacing.json`` and says what it waits for (:class:`WaitReport`). Data parallelism is a layer around it.
+Why one file: this is the recipe; its setup, resume, prefetching and reporting change with the loop
+they serve (what a checkpoint saves is what setup restores; what the prefetch thread hands over is what
+the loop unpacks); the step, batch layout, loss, samplers, ranks and files live beside it.
+Design: docs/learner.md#how-it-runs.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""The learner's side of a LoRA run (``learner.lora.rank > 0``; docs/lora.md).
+"""The learner's side of a LoRA run (``learner.lora.rank > 0``).
 
 The base is the run's initial policy, weights version 0, kept for the whole run. The learner wraps it
-with a fresh peft adapter (B = 0, so the first adapter is the base's function), trains the adapter
-alone (the optimizer holds its parameters only), publishes each version as the adapter
-(``models/lora.py``'s ``PolicyAdapter``, with the canary: this learner's log-probs of fixed tokens
-under that version) and checkpoints the adapter with what it was made with: its settings and the
-base's digest. A checkpoint is resumed only by a run with the same kind of training: a full-weight
-checkpoint by a LoRA run, or the reverse, an adapter of another rank, alpha or targets, or of another
-base, is refused by name (:func:`check_resumable`).
+with a fresh peft adapter (B = 0: at first the base's function), trains the adapter alone, publishes
+each version as the adapter (``models/lora.py``'s ``PolicyAdapter``, with this learner's canary) and
+checkpoints it with its settings and the base's digest. A checkpoint resumes only as the kind of
+training that made it (:func:`check_resumable` refuses the others by name).
+Design: docs/lora.md#what-the-learner-trains-publishes-and-checkpoints.
 """
 
 from __future__ import annotations

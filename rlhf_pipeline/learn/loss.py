@@ -1,83 +1,13 @@
-"""The GRPO loss, as pure functions of padded (B, T) tensors, and the padded and packed forwards.
+"""The GRPO loss (:func:`grpo_loss`, pure functions of padded (B, T) tensors) and the forwards that feed it.
 
-Which variant. :func:`grpo_loss` computes, per response token t of row i,
-
-    r_it   = exp(logp_it - old_logp_it)                       ratio to the old policy
-    L_it   = -min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i) * w_it
-    loss   = agg(L) + kl_coef * agg(k3_it) - entropy_coef * agg(H_it)
-
-with the options (:class:`GRPOLossConfig`):
-
-* ``clip_eps_low`` / ``clip_eps_high``: symmetric (0.2, 0.2) as in PPO/GRPO, or
-  asymmetric "clip-higher" (0.2, 0.28) as in DAPO (arXiv:2503.14476, eq. 10).
-* ``aggregation``: ``"token_mean"`` sum over every response token of the batch divided
-  by their count (DAPO); ``"sequence_mean"`` mean over tokens within each row, then
-  over rows (the original GRPO paper); ``"constant"`` sum over tokens divided by
-  ``B * max_tokens`` (Dr. GRPO, arXiv:2503.20783: no length normalisation bias). A
-  multi-turn trajectory is ONE row (``learn/trajectories.py``), so its constant is per
-  trajectory: the sum over its sampled tokens (the mask skips the environment's) over
-  ``max_tokens``, which must be the most tokens a row can sample -- a trajectory's budget
-  (``max_turns * max_new_tokens``, or less under a token budget), not one turn's. A row with
-  loss on more tokens than ``max_tokens`` is refused: its constant would not be a maximum.
-* ``ratio_level="sequence"``: GSPO (arXiv:2507.18071): one ratio per row,
-  ``s_i = exp(mean_t(logp_it - old_logp_it))``, clipped as a whole; written per token
-  as ``sg(s_i) * exp(logp_it - sg(logp_it))`` so its gradient is GSPO's. GSPO uses
-  tiny epsilons (3e-4 / 4e-4) and ``sequence_mean``.
-* ``kl_coef``: KL to the reference IN THE LOSS, the k3 estimator
-  ``exp(ref - logp) - (ref - logp) - 1`` (Schulman's; unbiased, >= 0) aggregated
-  like the policy term. It can be used with, or instead of, a KL penalty in the reward
-  (the ``kl`` write-path transform); set one of them to zero to avoid counting twice.
-* ``entropy_coef``: entropy bonus on the token entropy of the full softmax.
-* ``tis_cap``: truncated importance sampling (Yao et al. 2025, "Your efficient RL
-  framework secretly brings you off-policy RL training"): when the old-policy
-  log-probs are the learner's own (``old_policy="current"`` in :func:`grpo_step_loss`)
-  the sampler's log-probs differ (stale weights, different kernels, top-k/top-p); each
-  token is weighted by ``w = min(exp(old_logp - sampler_logp), tis_cap)`` (no gradient).
-
-Which log-prob is the "old" one in :func:`grpo_step_loss`: by default the sampler's
-stored log-probs (``old_policy="sampler"``): one optimizer step per sampled batch, and
-the clip bounds the step relative to the policy that generated the data, including
-its staleness. ``old_policy="current"`` uses the learner's detached log-probs (ratio
-exactly 1 at the step, so no clipping) and corrects for the sampler with ``tis_cap``.
-
-Metrics (0-dim detached tensors): ``loss``, ``policy_loss``, ``kl`` (k3 to the
-reference, masked token mean; 0 without reference), ``entropy`` (masked token mean),
-``clip_frac_low`` / ``clip_frac_high`` (fraction of response tokens whose gradient
-the lower / upper clip removed: ratio < 1-eps with A < 0 / ratio > 1+eps with A > 0),
-``ratio_mean/min/max``, ``approx_kl_old`` (k3 between old and current policy),
-``ess`` (effective sample size ``(sum w)^2 / (n * sum w^2)`` of the importance weights
-over response tokens, in (0, 1]; the TIS weights when TIS is on, else the ratios),
-``tis_clip_frac``; with the sampler's stored log-probs, ``sampler_logprob_diff_mean`` /
-``_max`` / ``_frac`` (mean and max of ``|logp_learner - logp_sampler|`` over response tokens, and
-the share above :data:`LOGPROB_DIFF_THRESHOLD`): how far the learner's recomputed log-probs are
-from what the generation engine stored; the learner also reports the mean and max per policy
-version that sampled the step's rows (``_mean/v<N>``, ``_max/v<N>``: :func:`logprob_diff_by_version`,
-from each row's sum, max and tokens, ``row_logprob_diff``). It holds the policy's drift since the
-row was sampled (staleness) and the engine's numerical mismatch (another kernel, vLLM); on rows sampled by the
-learner's own version only the mismatch, ~1e-6 for vLLM on a CPU in float32. ``_max`` is a
-maximum over the step's micro-batches and ranks (:data:`MAX_METRICS`), the others weighted means.
-
-Per-row feedback for prioritized replay (``row_feedback=``, :func:`per_row_feedback`): with
-``"loss"`` the metrics also hold ``row_feedback`` (B,), each row's mean over its response tokens
-of ``|L_it|`` (the policy term, TIS weight included, importance weight not: a priority should
-not shrink because the row was drawn often); with ``"ratio_deviation"`` the mean of
-``|r_it - 1|`` (how far the policy has moved on that row since it was sampled; GSPO: ``|s_i - 1|``).
-Both come from the tensors of this forward; with ``row_logprob_diff`` they are the only non-scalar
-entries of the metrics (``learn/step.py`` takes them out).
-
-Parity with torchrl 0.14.1 ``GRPOLoss`` (``tests/learn/test_loss.py``, to 1e-6, loss and
-gradients, run end to end around ``TransformersWrapper`` on a ``pad_batch`` batch):
-``token_mean`` is its ``token_mean``, ``sequence_mean`` its ``prompt_mean``, the clip
-and entropy bonus match, and ``ess`` equals its ``ESS``. Its logged ``kl_to_ref``,
-``entropy`` and ``clip_fraction`` average over all B*T positions (padding counted as
-zero, clipping counted whatever the advantage sign); ours average over response
-tokens only, and its KL-to-ref loss term is that all-position mean rather than an
-aggregation like the policy term.
-
-Why one file: :func:`grpo_loss` and the two forwards that feed it (padded:
-:func:`grpo_step_loss`; packed: :func:`grpo_packed_loss`) change together: a new option or
-statistic of the loss must reach both, and the two must keep giving the same value (the parity
-tests in ``tests/learn/test_packing.py``).
+Variant: a per-token ratio to the old policy (by default the sampler's stored log-probs), PPO's clip
+with ``clip_eps_low``/``clip_eps_high`` (DAPO's clip-higher), ``token_mean`` aggregation (DAPO's; the
+GRPO paper's ``sequence_mean`` and Dr. GRPO's ``constant`` are options), no KL term unless ``kl_coef``
+(k3), and optionally GSPO's sequence ratio, an entropy bonus and TIS (:class:`GRPOLossConfig`). Matches
+torchrl 0.14.1's ``GRPOLoss`` to 1e-6 but for its KL term and logged statistics, which count padding too.
+Why one file: :func:`grpo_loss` and its forwards (padded :func:`grpo_step_loss`, packed
+:func:`grpo_packed_loss`) change together and must give the same value (``tests/learn/test_packing.py``).
+Design: docs/learner.md#which-grpo-variant.
 """
 
 from __future__ import annotations
@@ -157,7 +87,7 @@ def effective_sample_size(log_weights: torch.Tensor, mask: torch.Tensor) -> torc
 
 def per_row_feedback(kind: str, per_token: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B,) detached per-row value fed back as a priority: ``"loss"`` = masked mean of ``|per_token|``,
-    ``"ratio_deviation"`` = masked mean of ``|ratio - 1|`` (see the module docstring)."""
+    ``"ratio_deviation"`` = masked mean of ``|ratio - 1|`` (why: docs/learner.md#what-the-loss-reports)."""
     if kind == "loss":
         values = per_token.detach().abs()
     elif kind == "ratio_deviation":
@@ -183,7 +113,17 @@ def grpo_loss(
     row_weights: torch.Tensor | None = None,
     row_feedback: str | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO objective of the module docstring; returns ``(loss, metrics)``.
+    """The GRPO objective; returns ``(loss, metrics)``. Per token t of row i where ``mask`` is True:
+
+        r_it = exp(logp_it - old_logp_it)
+        L_it = -min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i) * w_it   (w: TIS, else 1)
+        loss = agg(L) + kl_coef * agg(k3_it) - entropy_coef * agg(H_it)
+
+    ``agg``: ``token_mean`` (the default, DAPO's), ``sequence_mean`` (the GRPO paper's) or ``constant``
+    (Dr. GRPO's, sum / (B * max_tokens)); ``ratio_level="sequence"``: GSPO's one clipped ratio per row;
+    k3 is ``exp(ref - logp) - (ref - logp) - 1``. Against the GRPO paper the defaults differ by
+    ``token_mean`` and by ``kl_coef=0``. The derivation, options and metrics:
+    docs/learner.md#which-grpo-variant.
 
     ``row_feedback`` (``"loss"`` | ``"ratio_deviation"``): add ``metrics["row_feedback"]`` (B,),
     see :func:`per_row_feedback`.

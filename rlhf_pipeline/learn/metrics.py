@@ -1,28 +1,10 @@
 """Learner metrics: one JSON line per step, TensorBoard scalars, and a progress display.
 
-Names follow what GRPO trainers (TRL, verl, cleanrl) show, grouped by prefix:
-
-* ``losses/``: ``loss``, ``policy_loss``, ``kl``, ``entropy``, ``clip_frac_low``,
-  ``clip_frac_high``, ``ess`` (effective sample size of the importance weights, as a
-  fraction of tokens), ``grad_norm``, ``sampler_logprob_diff_mean``/``_max``/``_frac`` (the learner's
-  recomputed log-probs against the stored ones), and ``sampler_logprob_diff_mean/v<N>``/``_max/v<N>``
-  for each policy version N that sampled rows of the step (``learn/loss.py``, docs/lora.md);
-* ``charts/``: ``reward_mean``, ``reward_std``, ``frac_reward_zero_std`` (groups whose
-  rewards are all equal, so they carry no GRPO signal), ``advantage_mean``/``_std``,
-  ``response_length_mean``, ``learning_rate``, ``tokens_per_s``, ``data_wait_s``,
-  ``staleness_mean``/``_max`` (learner version minus the sampling policy's version),
-  ``rows_dropped_stale``, ``policy_version``, ``buffer_rows``, ``row_version_min``/``_max``/
-  ``_spread`` (the policy versions that sampled the step's rows).
-
-``metrics.jsonl`` is the source of truth; TensorBoard is a view of the same numbers.
-
-A run at a URL cannot append to an object, so its metrics are numbered part objects
-(``metrics.jsonl.parts/00000000.jsonl``, ...): the newest part is re-PUT whole (fenced, so a
-superseded writer cannot overwrite it) at most every ``upload_every_s`` seconds, at every
-:meth:`MetricsWriter.flush` (the learner flushes before each checkpoint, so a resumed run never
-lacks the lines of steps it will not redo) and at close; a part that reaches ``PART_LINES`` lines
-is left as it is and the next one begins. :func:`read_metrics` reads the parts in order. TensorBoard
-writes its event files into the local cache directory and uploads them at close.
+:class:`MetricsWriter` writes ``metrics.jsonl`` (the source of truth; TensorBoard is a view of the same
+numbers), names grouped as ``losses/`` and ``charts/`` as GRPO trainers (TRL, verl, cleanrl) show them.
+A run at a URL cannot append to an object, so its lines are numbered part objects
+(``metrics.jsonl.parts/00000000.jsonl``, ...), the newest re-PUT whole, fenced; :func:`read_metrics`
+reads either. Design: docs/learner.md#metrics.
 """
 
 from __future__ import annotations
@@ -48,9 +30,12 @@ class MetricsWriter:
     """Appends step metrics to ``metrics.jsonl`` and to TensorBoard event files.
 
     ``store``: the run's store when it lives at a URL; ``jsonl_path`` is then the key whose parts
-    hold the lines (see the module docstring), and ``tensorboard_dir`` a local cache directory
-    uploaded under ``tensorboard_key`` at close. ``resumed_after``: the step of the checkpoint a
-    resumed run continues from."""
+    hold the lines: the newest part is re-PUT whole (fenced, so a superseded writer cannot overwrite
+    it) at most every ``upload_every_s`` seconds, at every :meth:`flush` (the learner flushes before
+    each checkpoint, so a resumed run never lacks the lines of steps it will not redo) and at close;
+    a part that reaches ``PART_LINES`` lines is left as it is and the next one begins.
+    ``tensorboard_dir`` is then a local cache directory uploaded under ``tensorboard_key`` at close.
+    ``resumed_after``: the step of the checkpoint a resumed run continues from."""
 
     def __init__(self, jsonl_path: str | Path, tensorboard_dir: str | Path | None = None, *,
                  store: RunStore | None = None, tensorboard_key: str = "tensorboard",

@@ -1,38 +1,12 @@
 """Attention for packed sequences: every row attends only to itself, causally, per device.
 
-A packed forward (``loss.grpo_packed_loss``) runs the model on one sequence ``(1, L)`` holding several
-rows end to end, with ``position_ids`` restarting at 0 at each row and the row boundaries as
-``cu_seq_lens_q`` (int32 ``(n + 1,)`` offsets: row i is ``[cu[i], cu[i+1])``), the keyword
-transformers' flash-attention path also reads. :func:`use_packed_attention` switches a
-transformers model to the attention function of this module, registered as
-``"rlhf_packed"`` in transformers' ``AttentionInterface``. It picks, per call:
-
-* **CUDA, fp16/bf16 (or under autocast)**: ``torch.nn.attention.varlen.varlen_attn``, torch's
-  own FlashAttention-2 varlen kernel, causal within each row and never across rows: the
-  cost follows ``sum(len_i^2)``, no mask is built, no flash-attn package is needed.
-  (Not run here: this machine has no GPU; ``tests/learn/test_packing.py`` skips its check.)
-* **CPU** (and CUDA in float32): ``scaled_dot_product_attention`` per row, causal, when the
-  rows are long (few calls, ``sum(len_i^2)`` work); when many short rows share a sequence,
-  one call over a ``(n, longest)`` rectangle gathered from the packed tokens with a causal
-  and key-padding mask, which pays ``n * longest^2`` work but only one call. Measured on this
-  CPU (one thread, forward + backward): a call costs ~20-25 us, and a padding entry (one
-  query-key pair) ~15-30 ns at 4 heads of 16 dims, so a call is worth ~1,000 padding entries
-  there (64K entry-channels); 64 rows of ~16 tokens took 2.6 ms as 64 calls and 1.0 ms as one
-  rectangle, 4 rows of 300 tokens 5.4 ms per row and 6.0 ms as a rectangle.
-
-Why not transformers' own packed-sequence support: with ``attention_mask=None`` and
-restarting ``position_ids`` its ``sdpa``/``eager`` mask builders make a block-diagonal causal
-mask of the whole packed sequence, ``L x L``, so every layer does ``L^2`` attention work. For
-the learner benchmark's rows (10 rows, L = 5,106, 8 heads of 64 dims, 2 threads) one layer's
-forward + backward took 2.9 s that way against 0.65 s per row (medians of 5). And not
-``flex_attention``, which would skip the empty blocks: torch 2.13 has no flex backward on CPU
-("FlexAttention does not support backward on CPU").
-
-Calls without ``cu_seq_lens_q`` (the padded path, generation) go to transformers'
-``sdpa_attention_forward`` with the mask transformers builds for ``sdpa``, so a model switched
-to this attention computes the same as with ``attn_implementation="sdpa"``. A packed call
-without ``cu_seq_lens_q`` (restarting ``position_ids`` and no attention mask) is detected from
-the positions, so it never attends across rows.
+:func:`use_packed_attention` switches a transformers model to this module's ``"rlhf_packed"`` attention
+(transformers' ``AttentionInterface``). A packed call (row boundaries in ``cu_seq_lens_q``, or restarting
+``position_ids``) runs torch's varlen FlashAttention on CUDA in fp16/bf16, and on CPU
+``scaled_dot_product_attention`` per row or one masked call over a small rectangle, whichever costs
+less; any other call is transformers' ``sdpa``, so the model computes what it does with ``sdpa``.
+Not transformers' block-diagonal ``L x L`` mask, nor ``flex_attention`` (no CPU backward).
+Design: docs/learner.md#the-packed-attention.
 """
 
 from __future__ import annotations
@@ -42,7 +16,7 @@ import torch.nn.functional as F
 
 NAME = "rlhf_packed"
 # one sdpa call (forward + backward) costs about what this many padding entries x channels
-# (heads x head dim) cost on a CPU core (measured, see the module docstring): the rectangle is
+# (heads x head dim) cost on a CPU core (measured: docs/learner.md#the-packed-attention): the rectangle is
 # used when its padding costs less than the calls it saves
 _CALL_COST_ENTRY_CHANNELS = 65_536
 

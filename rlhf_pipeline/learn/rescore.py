@@ -1,32 +1,12 @@
 """Re-scoring a recorded buffer while it is replayed, without touching the source.
 
-Two independent parts, both applied to each padded batch on the learner's prefetch thread
-(:class:`BatchRescorer`, the learner's ``batch_transform``):
-
-* **Advantages from the stored rewards**, with other options than the recording used
-  (std normalization on/off, the leave-one-out baseline). A group advantage needs every
-  trajectory of the group, which a batch rarely holds, so :func:`buffer_advantages`
-  computes them once for the whole replayed snapshot from its ``reward``,
-  ``trajectory_id`` and ``group_id`` columns, with the write path's own math
-  (``transforms.group_advantage.trajectory_returns`` / ``group_advantages``); each batch
-  then looks its rows up by position. A buffer recorded without advantages can be
-  replayed this way too.
-* **Reference log-probs and KL** from another reference model: each batch's rows are scored
-  with ``transforms.ref_logprobs.reference_log_probs`` (the write path's function, at the
-  sampler's temperature), and the per-token KL and KL-shaped token rewards are recomputed
-  with ``transforms.kl_reward.kl_token_rewards`` from the stored sampling log-probs. The
-  loss reads the new reference for its in-loss KL (``loss.kl_coef``, ``losses/kl``).
-
-Multi-turn trajectories (``learn/trajectories.py``) are re-scored as the learner trains them,
-one sequence each, named by their last row: its advantage (the trajectory's, on every sampled
-token), and reference log-probs on the sampled tokens only, scored in the full context of the
-conversation; the environment's tokens between turns get none (0) and no KL. Their
-``token_rewards`` put the trajectory's return on its last token (the loss reads neither
-``kl`` nor ``token_rewards``; both are recomputed for the batch's metrics and consistency).
-
-Both write only into the padded batch in memory: the padded keys are those of
-:mod:`rlhf_pipeline.schema.padding`, so a re-scored batch is exactly what ``pad_batch`` would
-give for rows that had been written with those values (tested).
+Two independent parts, applied to each padded batch on the learner's prefetch thread
+(:class:`BatchRescorer`, the learner's ``batch_transform``): advantages recomputed once for the whole
+replayed snapshot from the stored rewards with the write path's own math (:func:`buffer_advantages`:
+a group needs all its trajectories, which a batch rarely holds), looked up by position; and reference
+log-probs, KL and KL-shaped token rewards from another reference model (:class:`ReferenceRescorer`).
+Multi-turn trajectories are re-scored as the learner trains them, one sequence each.
+Design: docs/replay.md#re-scoring-while-replaying.
 """
 
 from __future__ import annotations
@@ -164,7 +144,15 @@ def _place_response_floats(batch: TensorDict, name: str, values: torch.Tensor, r
 
 # ======================================================================== the transform
 class BatchRescorer:
-    """The learner's ``batch_transform``: advantages looked up by position, then the reference."""
+    """The learner's ``batch_transform``: advantages looked up by position, then the reference.
+
+    Both write only into the padded batch in memory, under the keys of
+    :mod:`rlhf_pipeline.schema.padding`, so a re-scored batch is exactly what ``pad_batch`` would give
+    for rows written with those values (tested). A multi-turn trajectory, named by its last row, gets
+    its advantage (the trajectory's, on every sampled token) and reference log-probs on its sampled
+    tokens only, scored in the full context of the conversation; the environment's tokens get none (0)
+    and no KL. Its ``token_rewards`` put the trajectory's return on its last token (the loss reads
+    neither ``kl`` nor ``token_rewards``: both are recomputed for the batch's metrics and consistency)."""
 
     def __init__(self, advantages: torch.Tensor | None = None, reference: ReferenceRescorer | None = None) -> None:
         self.advantages = advantages  # (rows,) by position, from buffer_advantages

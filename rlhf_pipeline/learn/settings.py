@@ -5,6 +5,7 @@ The run's settings hold :class:`LearnerSettings` (``--set learner.lr=1e-4``,
 bad ``--set`` must not pay for importing torch. Each class refuses a bad value in ``__post_init__``
 (every choice is a ``Literal``; ``finite_settings.check_fields``), so one built in Python is checked
 as one built from ``--set``. The code that uses them lives in ``learn/learner.py`` and ``learn/loss.py``.
+Design: docs/pipelines.md#settings-and-set.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ PriorityFeedback = Literal["none", "loss", "ratio_deviation"]
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
-    """The loss menu; every option is an explicit field (see the module docstring)."""
+    """The loss menu; every option is an explicit field (docs/learner.md#which-grpo-variant)."""
 
     clip_eps_low: float = 0.2
     """Lower clip: the ratio is clipped at ``1 - clip_eps_low``."""

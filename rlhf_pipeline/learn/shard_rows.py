@@ -1,23 +1,13 @@
-"""Naming stored rows the same way across refreshes: ``(shard, global row id)``.
+"""Naming stored rows the same way across refreshes: ``(shard key, global row id)`` (:class:`RowNames`).
 
-A learner samples *positions*, which are valid only until the store's next refresh (a union
-of shards renumbers its positions whenever a shard grows, and eviction shifts a single
-store's). What outlives a refresh is a row's shard and its global id in that shard (ids never
-repeat). The learner needs that lasting name for three things: the exact-use sampler's cursors
-and blocks (``learn/samplers/exact.py``), the rows it has trained on (``learn/learner.py``, ``TrainedRows``), and
-the rows it has taken in from each shard, which it publishes so that collectors can pace
-themselves (:mod:`rlhf_pipeline.coordination.pacing`).
-
-A name resolves to a position against a *view* of the buffer. For a buffer at a URL, the names
-of a draw carry the view they were taken in: each shard's commit record as of that refresh
-(:func:`published_view`). Another process (a data-parallel rank) adopts it (:func:`adopt_view`)
-and so holds exactly the drawn rows without refreshing: no LIST, no record GET. It opens the
-buffer the same way (:func:`open_in_view`): from the view of the process that listed it.
-
-A shard's *key* is its name under ``buffer/`` (``shard-0000``; at an object-store URL, with its
-spread prefix, ``70-shard-0007``: see ``storage/buffers.py``), or ``"."`` for a
-single store (runs made before shards, or a store opened on its own); a collector names its
-own store the same way, see :func:`rlhf_pipeline.coordination.pacing.shard_key`.
+A sampled *position* holds only until the store's next refresh; a row's shard and its global id there
+(ids never repeat) outlive it, so the exact sampler's blocks, the rows trained and the intake published
+for pacing name rows so (docs/learner.md#the-sampler-contract). A name resolves to a position against a
+*view*: for a buffer at a URL, each shard's commit record as of a refresh (:func:`published_view`),
+which a data-parallel rank adopts (:func:`adopt_view`, :func:`open_in_view`) to hold exactly the drawn
+rows without a request. A shard's key is its name under ``buffer/`` (at a URL with its spread prefix,
+``70-shard-0007``), or ``"."`` for a single store (a run made before shards, a store opened on its
+own); collectors name theirs alike (``coordination.pacing.shard_key``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
-"""One optimizer step, top to bottom, as one rank sees it; and the optimizer it steps (AdamW,
-linear warm-up, then constant or cosine decay to ``min_lr_ratio``: :func:`make_optimizer`).
+"""One optimizer step, top to bottom, as one rank sees it (:func:`plan_step`, :func:`train_step`); and the
+optimizer it steps (AdamW, linear warm-up, then constant or cosine decay: :func:`make_optimizer`).
 
-    batch (B rows) ─► micro-batches of at most ``micro_batch_tokens`` tokens, each weighted by
-    its share of the step's batch ─► forward + GRPO loss, backward (gradients accumulate)
-    ─► clip the gradient norm ─► AdamW step ─► LR schedule step
-
-A step whose loss, gradient norm or new weights' norm is not finite is refused
-(:class:`~rlhf_pipeline.learn.errors.NonFiniteStep`, before the optimizer step for the first two):
-the learner stops without publishing or checkpointing it (docs/learner.md, "A step that is not
-finite"). The checks cost one norm of the weights: the loss is already a number here and the
-gradient norm is clipping's own.
-
-With ``learner.packing`` (the default) a micro-batch is one packed sequence of whole rows
-(``learn/batch.py`` plans them first-fit decreasing and packs them, ``loss.grpo_packed_loss`` runs
-them), planned and packed on the learner's prefetch thread (a :class:`~rlhf_pipeline.learn.batch.PackedBatch`);
-without it, rows sorted by length and padded to the longest of their micro-batch (``learn/batch.py``).
-
-:func:`plan_step` cuts a batch into weighted micro-batches; :func:`train_step` runs them. The
-step knows nothing of other ranks: data parallelism is a layer around it
-(``DataParallel.plan_step`` in ``learn/distributed.py``), which hands :func:`train_step` a
-:class:`StepPlan` whose weights are shares of the *global* batch, whose micro-batches sync
-gradients over the ranks on the last one, and whose ``reduce`` sums the metrics over the ranks.
-With one rank the plan is this module's own and every one of those is the identity.
-
-Why the weights: each micro-batch's loss is weighted by its response tokens that carry loss
-(the loss mask: all of a single-turn row's, the sampled ones of a multi-turn trajectory's) over
-the batch's (``token_mean`` aggregation) or its rows over the batch's (the others), so the gradient
-accumulated over the micro-batches is the gradient of the whole batch's loss.
+Micro-batches of at most ``micro_batch_tokens`` tokens (packed, or padded: ``learn/batch.py``), each
+loss weighted by its share of the batch's loss-carrying tokens (``token_mean``) or rows, so the
+accumulated gradient is the whole batch's; then clipping, AdamW and the schedule. A step whose loss,
+gradient norm or new weights' norm is not finite is refused, at the cost of one norm of the weights
+(:class:`~rlhf_pipeline.learn.errors.NonFiniteStep`). Data parallelism is a layer around it
+(``DataParallel.plan_step`` hands in a :class:`StepPlan` over the global batch; with one rank each of
+its hooks is the identity). Design: docs/learner.md#one-step.
 """
 
 from __future__ import annotations

@@ -1,55 +1,13 @@
-"""Multi-turn trajectories trained as one sequence each (issue 19, the learner side).
+"""Multi-turn trajectories trained as one sequence each: the learner's side of agents' rows.
 
-The buffer stores a multi-turn trajectory as rows, one per model turn (``agents/episode.py``):
-row ``s`` holds the environment's tokens since turn ``s - 1`` as its prompt (row 0: the whole
-opening prompt) and turn ``s``'s sampled tokens as its response. The learner trains the
-trajectory as ONE sequence, the token list ``rebuild_trajectory`` gives back::
-
-    row 0: p0 | r0        row 1: p1 | r1        row 2: p2 | r2
-    learner row:   prompt = p0   response = r0 p1 r1 p2 r2
-    loss mask:                              1  0  1  0  1      (1 on sampled tokens only)
-
-so the padded and packed paths and :func:`~rlhf_pipeline.learn.loss.grpo_loss` run on it
-unchanged: the padded batch's loss mask ``("masks", "all_assistant_mask")`` is 0 on the
-environment's tokens, the stored sampling/reference log-probs are 0 there (never read: every
-term of the loss, its aggregations, GSPO's sequence ratio, TIS and the metrics only see masked
-tokens), and the packed path computes logits only where they score a sampled token.
-
-Which rows make a batch (:func:`trajectory_ends`, :func:`read_trajectories`). The samplers draw rows; a drawn row that
-ends a trajectory (``done``) stands for the whole trajectory, whose earlier turns are read with
-it: a trajectory's rows are written together, in step order, so the row ending at position
-``p`` with ``step = s`` has its turns at positions ``p - s .. p`` (checked on every read:
-``trajectory_id`` and ``step`` must match, else the read fails loudly). A drawn row that does
-not end its trajectory is left out of the batch (counted in
-``charts/rows_deferred_to_trajectory_end``): its turn is trained with the trajectory when the
-trajectory's last row is drawn. Why this way:
-
-* every sampler keeps its guarantees per trajectory with no change: ``exact`` draws every row
-  once, so every trajectory is trained once (at its last row); ``window`` is uniform over the
-  trajectories that end in its window; ``prioritized`` weighs a trajectory by its last row;
-* a trajectory still being written is never in a batch: its ``done`` row is the last one
-  appended, and rows become visible only by the store's atomic publish;
-* single-turn rows (every row ``done`` at step 0) are recognised from the batch that was read
-  anyway (:func:`is_single_turn`): their sampling cost is exactly what it was, no extra read
-  and no trajectory index to keep;
-* no index of trajectories is stored or rebuilt on resume: a row's ``step`` says where its
-  trajectory starts. A trajectory whose first turns were evicted is dropped and counted
-  (``charts/trajectories_incomplete``).
-
-The two halves are separate functions because data-parallel ranks split them: rank 0 finds the
-draw's trajectory ends (:func:`trajectory_ends`, :func:`narrow_to_trajectory_ends`) from the
-``done`` and ``step`` of the whole draw, and each rank reads its slice of those trajectories
-(:func:`read_trajectories`); one rank runs both in :func:`trajectory_draw`.
-
-Advantages (``learner.turn_advantage``): ``trajectory`` (default) puts the trajectory's
-advantage (its last row's: the group-relative return of the whole trajectory, which the write
-path's group advantage writes on every row of it with ``trajectory_return`` sum, mean or max)
-on every sampled token; ``turn`` puts each row's own advantage on its turn's tokens: its
-``step_advantage`` where the buffer stores one (``GroupAdvantage(step_advantage=True)``: the
-turn's reward normalised within its group), else its ``advantage`` (meant for
-``trajectory_return="step"``); ``mixed`` puts ``(1 - w) * trajectory + w * turn`` on a turn's
-tokens, ``w`` = ``learner.turn_advantage_weight``, and needs ``step_advantage`` stored (with one
-advantage field a trajectory's return and its turns' own rewards cannot both be read back).
+The buffer stores a trajectory as rows, one per model turn; the learner trains it as ONE row whose
+prompt is the opening prompt and whose response is everything after it (``rebuild_trajectory``'s
+token list), the loss mask 1 on sampled tokens only, so the padded and packed paths and ``grpo_loss``
+run on it unchanged. A drawn row that ends a trajectory (``done``) brings its earlier turns, at
+positions ``p - step .. p`` (checked on every read); others wait for their trajectory's last row.
+Rank 0 finds a draw's trajectory ends (:func:`trajectory_ends`, :func:`narrow_to_trajectory_ends`),
+each rank reads its slice (:func:`read_trajectories`); one rank runs both (:func:`trajectory_draw`).
+Design: docs/agents.md#training-a-trajectory-is-one-sequence.
 """
 
 from __future__ import annotations
@@ -113,7 +71,8 @@ class TrajectoryEnds:
 
 def trajectory_ends(store, positions: torch.Tensor, done: torch.Tensor, step: torch.Tensor) -> TrajectoryEnds:
     """The drawn rows at ``positions`` (their ``done`` and ``step``) that end a trajectory whose
-    first turn ``store`` still holds (module docstring)."""
+    first turn ``store`` still holds (a trajectory whose first turns were evicted is dropped and counted:
+    docs/agents.md#training-a-trajectory-is-one-sequence)."""
     done = done.reshape(-1).cpu().bool()
     ends = torch.nonzero(done).squeeze(1)  # (e,)
     end_positions = positions.cpu()[ends].to(torch.int64)

@@ -1,4 +1,7 @@
-"""Models and tokenizers: tiny offline ones built from configs, real ones from local paths."""
+"""Models and tokenizers: tiny offline ones built from configs, real ones from local paths.
+
+Design: docs/architecture.md#models-and-tokenizers.
+"""
 
 from rlhf_pipeline.models.loading import ModelLoadError, load_model, load_reward_model, load_tokenizer
 from rlhf_pipeline.models.tiny import (

@@ -1,23 +1,13 @@
 """LoRA adapters as policy versions: what one is, how the learner makes one, how an engine applies it.
 
-A LoRA run (``learner.lora.rank > 0``, docs/lora.md) trains a low-rank adapter on a frozen base, the
-run's initial policy (weights version 0). Every later version is a :class:`PolicyAdapter`: peft's
-``adapter_model.safetensors`` tensors (``base_model.model.<layer>.lora_A.weight`` (r, in) and
-``...lora_B.weight`` (out, r)), the ``adapter_config.json`` that goes with them, the digest of the base
-they were trained on, and the *canary*: the learner's own log-probs of fixed tokens under that version.
-
-An engine applies an adapter by merging it (:class:`AdapterMerger`): ``W = W0 + (alpha / r) * B @ A``
-on each target layer, from a copy of the base's target weights, so sampling runs the plain model
-(no extra matmuls per token; docs/lora.md has the measurement against peft's unmerged forward). It
-then scores the canary tokens with the model it samples with and compares them with the learner's
-(:func:`canary_difference`; ``generation/loop.py`` refuses the version on a difference): a stale
-adapter (a load skipped), the base sampled instead of the adapter, or an adapter applied to another
-base is refused naming the version, before any row of it exists. A vLLM engine, which loads each
-adapter by name, checks the same way through its sampling path (``generation/vllm_adapters.py``:
-:func:`canary_prompts` sampled, their log-probs against this merge's forward); both refuse with
-:func:`served_policy_failure`'s line.
-
-Merging needs torch only; building the trainable model needs ``peft`` (the ``[lora]`` extra).
+In a LoRA run (``learner.lora.rank > 0``) every version after 0 (the frozen base) is a :class:`PolicyAdapter`:
+peft's ``adapter_model.safetensors`` tensors and ``adapter_config.json``, the digest of the base they were
+trained on, and the *canary*, the learner's own log-probs of fixed tokens under that version. An engine
+merges it (:class:`AdapterMerger`: ``W = W0 + (alpha / r) * B @ A`` on each target layer), then scores the
+canary with the model it samples with (:func:`canary_difference`): a stale adapter, the base sampled, or
+another base is refused naming the version (:func:`served_policy_failure`), before any row of it exists.
+Merging needs torch only; the trainable model needs ``peft`` (the ``[lora]`` extra).
+Design: docs/lora.md#how-the-loop-engine-samples-an-adapter-version.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""One supervised step on chosen tokens: what the pipelines' warm starts repeat."""
+"""One supervised step on chosen tokens: what the pipelines' warm starts repeat.
+
+Design: docs/pipelines.md#whether-the-warm-start-reaches-the-copying.
+"""
 
 from __future__ import annotations
 

@@ -50,7 +50,9 @@ def char_tokenizer(characters: str = DEFAULT_CHARACTERS) -> PreTrainedTokenizerF
 
     Ids: 0 ``<pad>``, 1 ``<|end|>`` (EOS), 2 ``<unk>``, 3-5 role markers, then one id
     per character of ``characters`` (ASCII) in order. A byte-level BPE model with no merges
-    splits text into characters, one byte each; see the module docstring for why byte-level.
+    splits text into characters, one byte each: byte-level, as Qwen2's tokenizer class builds itself,
+    so every loader, ``AutoTokenizer`` included, gives the same ids
+    (docs/architecture.md#models-and-tokenizers).
     """
     if len(set(characters)) != len(characters):
         raise ValueError("char_tokenizer(characters=...): characters must be distinct")

@@ -1,13 +1,12 @@
 """The command that continues a branch, as ``branch`` prints it: the parent's own command, rebuilt
 from what the branch recorded, under the branch's name.
 
-A run records no command line, but its ``settings.json`` holds every setting it was started with,
-and its pipeline copy (``pipeline.py``) gives the defaults: each setting that differs from its
-default is a ``--set`` the parent was given (or the branch changed). Giving them all again is what
-keeps a resumed branch on the branch's settings; leaving one out resumes it with the default,
-which for a ``learner.*`` setting only prints a note (``runs/run_directory.py``), so it would
-change silently. A replay parent's options (``--buffer``, ``--epochs``, ``--order``, ``--seed``, ...)
-come from the ``replay`` record its ``settings.json`` keeps.
+A run records no command line, but its ``settings.json`` holds every setting it was started with and
+its pipeline copy (``pipeline.py``) gives the defaults: each setting that differs from its default is a
+``--set``. All are given again because a setting left out resumes with its default, which for a
+``learner.*`` setting is only noted (``runs/run_directory.py``), so it would change silently. A replay
+parent's own flags (``--buffer``, ``--epochs``, ``--order``, ``--seed``, ...) come from the ``replay``
+record its ``settings.json`` keeps. Design: docs/branching.md#the-command.
 """
 
 from __future__ import annotations

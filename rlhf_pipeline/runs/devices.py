@@ -1,5 +1,6 @@
 """Whether this machine can have a CUDA device, told without importing torch (a GPU driver's files),
 so that ``--device cuda`` on a machine without one is refused before a child imports torch.
+Design: docs/pipelines.md#start-up.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The run's copy of its pipeline file and of the modules beside it that it imports
 (``pipeline_modules/``), from which ``export-model``, ``import`` and ``show`` rebuild the run; every
-start compares the file given with the copy.
+start compares the file given with the copy. Design: docs/pipelines.md#the-run-directory.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What runs inside a collector or a learner process, whoever placed it there: ``run``'s children, a
 standalone ``collect`` / ``learn``, or a Ray actor (``cluster/actors.py``); the evaluator's is
-``eval_process.py``.
+``eval_process.py``. Design: docs/pipelines.md#the-commands.
 
 Why one file: the two process bodies are the run's one reading of its own directory (paths, stop
 file, pacing, weights) from the inside; a change to how a run is laid out changes both together.

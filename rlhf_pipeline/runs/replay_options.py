@@ -1,5 +1,7 @@
 """What ``rlhf-pipeline replay`` takes besides the pipeline's own settings, and those options given
-back as its flags: to the ranks a replay starts, and in the command ``branch`` prints."""
+back as its flags: to the ranks a replay starts, and in the command ``branch`` prints.
+Design: docs/replay.md#the-command.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ copy, the buffer shards, and the initial policy published as weights version 0.
 Every step is idempotent and runs under one file lock (:func:`run_lock`), so processes started
 side by side agree on one preparation. The command that owns the run holds the directory for its
 whole life (:func:`hold_run_directory`): a second one is refused before it changes anything.
+Design: docs/pipelines.md#one-command-per-run-directory.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A child of ``run`` (collector or learner), or a rank of ``replay``, stops cleanly on its first
 SIGINT/SIGTERM, on a byte from the launcher's stop pipe, or when that pipe closes because the
-launcher died (even by ``kill -9``): :class:`StopFlag`. The launcher itself turns its first signal into a request to
-every child and its second into a kill (:class:`LauncherSignals`, :func:`wait_for_children`).
+launcher died (even by ``kill -9``): :class:`StopFlag`. The launcher itself turns its first signal
+into a request to every child and its second into a kill (:class:`LauncherSignals`,
+:func:`wait_for_children`). Design: docs/pipelines.md#stopping.
 """
 
 from __future__ import annotations

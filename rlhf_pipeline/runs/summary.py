@@ -1,5 +1,7 @@
 """What a finished or interrupted run says about itself: its newest checkpoint's step and the
-reward it reached. Imports no torch: the launcher prints these after its children are done."""
+reward it reached. Imports no torch: the launcher prints these after its children are done.
+Design: docs/pipelines.md#stopping.
+"""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """The row model, the lowest layer: what one stored row is, its columnar and padded forms.
 
-* :mod:`.fields` -- the field table (``FIELDS``), ``StoreSchema`` and one row, ``Trajectory``;
-* :mod:`.batch` -- ``TrajectoryBatch`` (N rows as columns) and ``validate_batch``, the door check;
-* :mod:`.from_rows` -- rows given one by one (dicts, ``Trajectory``) into columns;
-* :mod:`.ragged` -- ``RaggedTensor``, flat values plus offsets;
-* :mod:`.padding` -- the learner's padded ``(B, T)`` batch (``pad_batch``, ``PaddedCollator``);
-* :mod:`.termination` -- ``TerminationReason``, the codes of the ``termination_reason`` field;
-* :mod:`.ids` -- which collector wrote a row, from its id's high bits;
-* :mod:`.synthetic` -- valid synthetic batches of any size, for benchmarks and tests.
-
-``from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, ...`` is the public import; it
-names what :mod:`.fields`, :mod:`.batch` and :mod:`.termination` define, each imported when first
-named. Nothing here imports another layer.
+:mod:`.fields` (``FIELDS``, ``StoreSchema``, ``Trajectory``), :mod:`.batch` (``TrajectoryBatch``, the door
+check ``validate_batch``), :mod:`.from_rows` (rows into columns), :mod:`.ragged` (``RaggedTensor``),
+:mod:`.padding` (the learner's padded batch), :mod:`.termination`, :mod:`.tool_errors` and :mod:`.ids`
+(what stored codes and ids mean), :mod:`.synthetic` (valid rows for benchmarks and tests).
+``from rlhf_pipeline.schema import StoreSchema, TrajectoryBatch, ...`` names what :mod:`.fields`,
+:mod:`.batch` and :mod:`.termination` define, each imported when first named. Nothing here imports
+another layer. Design: docs/schema.md; invariants: docs/architecture.md#rows-and-the-padded-batch.
 """
 
 import importlib

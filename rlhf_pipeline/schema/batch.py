@@ -3,7 +3,7 @@ passes at the storage's door before anything is stored.
 
 Why one file: ``TrajectoryBatch`` and ``validate_batch`` are the two sides of the door: the columns
 a batch may hold and the checks they pass, field kind by field kind, read side by side when either
-changes.
+changes. Design: docs/schema.md#validation-at-the-door.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ keeps ids unique across the shards of one buffer (one collector per shard) and a
 restarts (the counters are part of a collector's saved position). Readers (the learner's
 ``collectors_in_batch`` metric, curation by collector) take the index back with
 :func:`collector_index_of`, so this layout is a property of stored rows, like the schema.
+Design: docs/architecture.md#rows-and-the-padded-batch.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def pad_batch(
     device: torch.device | str | None = None,
     index_dtype: torch.dtype = torch.int64,
 ) -> TensorDict:
-    """Pads ``batch`` into the learner tensors described in the module docstring."""
+    """Pads ``batch`` into the learner tensors of docs/storage.md#padded-learner-batches."""
     check_index_dtype(index_dtype)
     if not isinstance(batch, TrajectoryBatch):
         raise TypeError(
@@ -104,7 +104,7 @@ def check_index_dtype(index_dtype: torch.dtype) -> None:
 
 
 def place_padded(td: TensorDict, *, pin_memory: bool, device: torch.device | str | None) -> TensorDict:
-    """Pins and moves a padded batch as the module docstring says."""
+    """Pins a padded batch when asked and CUDA is available, and copies it to ``device`` (non-blocking)."""
     if pin_memory and torch.cuda.is_available():
         td = td.pin_memory()
     if device is not None:
@@ -120,7 +120,8 @@ def assemble_padded(
     floats_full: dict[str, torch.Tensor],  # response-aligned field -> (B, T) float32, 0 off the response
     rows: dict[str, torch.Tensor],  # row field -> (B,)
 ) -> TensorDict:
-    """The padded batch (module docstring) from its placed ragged values and the row lengths.
+    """The padded batch (docs/storage.md#padded-learner-batches) from its placed ragged values and the
+    row lengths.
 
     Shared by :func:`pad_batch` and the stores' fused read-and-pad paths, so every path
     produces the same keys, dtypes, views and values. Masks, ``position_ids`` and

@@ -5,6 +5,7 @@ tensor and an ``offsets`` tensor of N+1 int64 positions (``offsets[0] == 0``,
 ``offsets[-1] == len(values)``); sequence ``i`` is ``values[offsets[i]:offsets[i+1]]``.
 Every operation here is vectorized: no Python loop over rows, so gathering a
 batch of 64 sequences costs a handful of tensor ops whatever their lengths.
+Design: docs/schema.md#in-memory-trajectorybatch.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ log-probs ``-Exponential(1)``, rewards 0/1, a response at the maximum length is 
 Optional fields: group-normalized ``advantage``, ``ref_log_probs`` (sampling log-prob plus noise),
 ``kl`` (k1) and ``token_rewards`` (``-0.05 * kl``, the reward on the last token). Everything comes
 from one generator seeded with ``seed``: equal arguments give equal batches.
+Design: docs/schema.md#fields.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A turn's row counts its tool calls (``tool_calls``) and the failed ones (``tool_
 says how they failed, one bit per kind, so a reader (``filter``, ``inspect``, ``show``) can tell
 a model that writes broken JSON from a tool that times out without importing the agents
 package. The names are ``ToolBox.METRICS``' failure counters. Stable on disk: append new kinds,
-never renumber.
+never renumber. Design: docs/architecture.md#rows-and-the-padded-batch.
 """
 
 from __future__ import annotations

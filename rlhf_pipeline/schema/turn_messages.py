@@ -6,7 +6,7 @@ tool, assistant) -- is kept beside them so that a trajectory can leave the buffe
 conversation (``export --format chat``) and come back (``import``) unchanged. A row's
 messages are those added before its turn (the task's opening messages at step 0; tool answers
 and user replies after), then the model's own message. One encoding, used by the writer and by
-``import``, so a round trip gives the stored bytes back.
+``import``, so a round trip gives the stored bytes back. Design: docs/schema.md#multi-turn-episodes.
 """
 
 from __future__ import annotations

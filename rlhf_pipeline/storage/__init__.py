@@ -1,20 +1,11 @@
-"""Durable ragged replay-buffer storage: one contract, several backends.
+"""Durable ragged replay-buffer storage: one contract (``TrajectoryStore``), the memmap and Zarr backends.
 
-``create_store(location, backend=...)`` makes a new store, ``open_store(location)``
-reopens one of any backend (it asks each registered backend whether the location
-is one of its stores). ``open_buffer(location)`` opens a run's buffer directory: a single
-store, or the read-only union of its ``shard-NNNN`` stores (one per collector).
-
-Importing this package imports no torch: the store classes (and torch with them) load on
-first use, so ``rlhf-pipeline inspect`` and ``repair``, which read a store's files with
-numpy, json and zarr only (:mod:`.buffers`), start in a fraction of a second.
-
-To add a backend: implement :class:`~rlhf_pipeline.storage.base.TrajectoryStore`
-with the classmethods ``create(location, schema, **options)`` and ``open(location, mode)``,
-add one line to ``BACKENDS`` (:mod:`.backends`), a torch-free module with ``detect(location) -> bool``
-(a cheap check that raises nothing and also recognizes a damaged store), ``stats(location)`` and
-``verify(location, progress)`` to ``INSPECTION``, and one with ``repair(location, apply, progress)``
-to ``REPAIR``.
+``create_store(location, backend=...)`` makes a new store; ``open_store(location)`` reopens one of any
+backend (it asks each registered backend whether the location is one of its stores); ``open_buffer``
+opens whatever the commands take as a buffer: a store, the read-only union of a run's ``shard-NNNN``
+stores, a saved selection, or a branch's buffer continuing its parent's. Importing this package imports
+no torch: the store classes (and torch with them) load on first use, so ``inspect`` and ``repair`` start
+at once. The contract, and how to add a backend: docs/storage.md#design-notes.
 """
 
 from __future__ import annotations

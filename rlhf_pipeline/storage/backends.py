@@ -1,10 +1,11 @@
-"""The storage backends by name, and opening or creating one store of any of them.
+"""The storage backends by name, and opening or creating one store of any of them; imports no torch.
 
-``BACKENDS`` names each backend's store class (imported on first use, with torch);
-``INSPECTION`` and ``REPAIR`` name its torch-free modules, which ``inspect`` and ``repair``
-read a store's files with. :func:`detect_backend` asks each backend whether a location is one
-of its stores. The package's ``open_buffer`` builds on these for buffers of several shards.
-Imports no torch.
+``BACKENDS`` names each backend's store class (imported on first use, with torch); ``INSPECTION`` and
+``REPAIR`` name its torch-free modules, which ``inspect`` and ``repair`` read a store's files with.
+:func:`detect_backend` asks each backend whether a location is one of its stores. The package's
+``open_buffer`` builds on these for buffers of several shards.
+
+Design: docs/storage.md#adding-a-backend.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
-"""The contract every trajectory store keeps, and its glue to torchrl's replay buffer.
+"""The contract every trajectory store keeps (``TrajectoryStore``), and its glue to torchrl's replay buffer.
 
-Why one file: it is one class, ``TrajectoryStore``, whose torchrl ``Storage`` methods are written in
-terms of its own contract; a backend reads the two together to know what it must implement.
+Why one file: it is one class whose torchrl ``Storage`` methods are written in terms of its own contract;
+a backend reads the two together to know what it must implement.
 
-A ``TrajectoryStore`` is a durable, append-only, ragged, columnar table of rows
-(see :mod:`rlhf_pipeline.schema`) living at one location (a directory, a Zarr store).
-It is a torchrl :class:`~torchrl.data.replay_buffers.Storage`, so it plugs into
-``ReplayBuffer(storage=store, writer=AppendWriter(), sampler=..., collate_fn=...)``.
-
-Indices. Rows get a *global row id* (0, 1, 2, ... in write order, never reused).
-Eviction drops the oldest rows in whole segments, so the rows held are the window
-``[first_row, next_row)``. torchrl samplers draw *positions* in ``[0, len(store))``;
-position ``p`` is global row ``first_row + p``. ``append`` returns positions too.
-
-Visibility. A write becomes visible only by an atomic publish step after its data
-is written; a reader (another process that opened the location with ``mode="r"``)
-sees published rows only, and picks up new ones on :meth:`refresh` (``__len__``
-refreshes a reader automatically, so a sampler sees rows written since).
-
-One writer. ``mode="a"`` takes an exclusive lock on the location; a second writer
-gets :class:`StoreLockedError`. Readers take no lock.
-
-The writer's state. An append may carry ``writer_state``: opaque bytes (whatever the writer needs
-to restart exactly where it stands: a collector's position, RNG, id counters, the write path's
-pending groups) published in the same atomic step as its rows, so a reader, or a writer restarted
-after ``kill -9``, finds the rows and the state that goes with them, both old or both new, never one
-without the other. :attr:`TrajectoryStore.writer_state` reads the state of the last publish that
-carried one; a publish without one (an append with no state, an eviction) keeps it as it was. An
-append of no rows with a state publishes the state alone (a round whose groups were all dropped).
+A store is a durable, append-only, ragged, columnar table of rows at one location. Rows have global ids
+that never repeat; samplers draw positions ``[0, len(store))`` over the rows held. An append (with an
+optional ``writer_state``) becomes visible in one atomic publish; one writer (``mode="a"``, locked), any
+number of readers, which see new rows on ``refresh()``. Design: docs/storage.md#the-contract.
 """
 
 from __future__ import annotations
@@ -154,7 +133,7 @@ class TrajectoryStore(Storage, abc.ABC):
 
     # ================================================================ shared behaviour
     def append(self, batch: TrajectoryBatch | None, *, writer_state: bytes | None = None) -> torch.Tensor:
-        """Validates ``batch`` and stores it atomically with ``writer_state`` (module docstring);
+        """Validates ``batch`` and stores it atomically with ``writer_state`` (docs/storage.md#the-writers-state);
         returns the new rows' positions. ``batch`` None or empty with a ``writer_state``: the state
         alone is published.
 

@@ -1,13 +1,12 @@
 """A run's buffer as the commands see it: one store, or a directory of ``shard-NNNN`` stores; no torch.
 
-Every command that takes a buffer (``inspect``, ``inspect --verify``, ``repair``,
-``convert``) accepts the same things: a memmap directory, a Zarr store (directory, ``.zip``
-or URL), or a run's ``buffer/`` of shards, one store per collector: a directory, or a URL
-prefix holding ``shard-NNNN/`` stores (``s3://bucket/run/buffer/``, listed through fsspec; there a
-shard made now is named ``<2 hex digits>-shard-NNNN``: ``files/shard_names.py``).
-:func:`stores_in` expands a buffer into its stores; :func:`buffer_stats`,
-:func:`verify_buffer` and :func:`repair_buffer` run the backends' torch-free functions
-(:data:`rlhf_pipeline.storage.INSPECTION`) on each.
+Every command that takes a buffer (``inspect``, ``inspect --verify``, ``repair``, ``convert``) accepts a
+memmap directory, a Zarr store (directory, ``.zip`` or URL), or a run's ``buffer/`` of shards, one store
+per collector (a directory, or a URL prefix listed through fsspec, where a shard made now gets a spread
+name: ``files/shard_names.py``). :func:`stores_in` expands a buffer into its stores; :func:`buffer_stats`,
+:func:`verify_buffer` and :func:`repair_buffer` run the backends' torch-free functions on each.
+
+Design: docs/buffer-tools.md.
 """
 
 from __future__ import annotations

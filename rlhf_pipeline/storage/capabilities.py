@@ -5,6 +5,8 @@ storages (a ``ListStorage``, a ``LazyMemmapStorage``). Over one of ours (any bac
 reader, a selection) they append where the store decides and read rows by global position. They
 ask the storage for that capability instead of checking its class: ``storage/base.py`` attaches
 them as a ``ReplayBuffer``'s defaults, so they must not import it back.
+
+Design: docs/torchrl.md.
 """
 
 from __future__ import annotations

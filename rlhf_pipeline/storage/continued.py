@@ -1,23 +1,12 @@
 """A buffer that continues another's: a branch's rows after its parent's, read as one buffer.
 
-A branch of a run with collectors continued online (``runs/branch_online.py``) trains on the rows
-each of the parent's shards had published at the branch step, followed by the rows its own
-collectors write. The parent's rows are read in place and never written; the branch's collectors
-write stores of their own under the branch's ``buffer/``. ``buffer.continues.json`` beside it says so
-(beside, not inside: a buffer directory holds stores only)::
+A branch continued online reads, per shard, the rows the parent's shard had published at the branch
+step (in place, never written), followed by the rows its own collector writes, numbered on from there.
+:class:`ContinuedShard` is one such shard seen whole (own row ``r`` is row ``N + r``);
+:class:`ContinuedBufferReader` is the read-only union of them. What a buffer continues is recorded in
+``buffer.continues.json`` beside it (:mod:`.continues`).
 
-    {"format": 1, "parent_buffer": "/runs/parent/buffer", "rows": {"shard-0000": 96}}
-
-:class:`ContinuedShard` is one shard seen whole: global rows ``[first, N)`` are the parent shard's
-(``N`` = ``rows[name]``; rows the parent wrote later are not part of it), rows from ``N`` on are the
-branch's own store's rows ``0, 1, ...`` (own row ``r`` is row ``N + r``; once the branch's
-retention dropped its oldest own rows, the shard starts at ``N + own.first_row``: the parent's
-rows are behind a gap, no longer part of it). So each shard's row numbers, the union's positions and the
-learner's sampler and pacing counts go on from where the parent's stood, as if the parent had
-written the branch's rows itself. :class:`ContinuedBufferReader` is the read-only union of such
-shards (a :class:`~rlhf_pipeline.storage.sharded.ShardedStoreReader` whose shards are wrapped).
-Opening checks that the parent still holds the rows named (it never evicts them: ``runs/branch.py``
-refuses to run an evicting parent beside its branches).
+Design: docs/storage.md#a-buffer-that-continues-another.
 """
 
 from __future__ import annotations
@@ -35,7 +24,8 @@ from rlhf_pipeline.storage.padded_rows import LocatedRows
 from rlhf_pipeline.storage.sharded import ShardedStoreReader, refresh_now
 
 class ContinuedShard(TrajectoryStore):
-    """The parent shard's rows below ``parent_rows``, then ``own``'s rows (module docstring); read-only."""
+    """The parent shard's rows below ``parent_rows``, then ``own``'s rows; read-only
+    (docs/storage.md#a-buffer-that-continues-another)."""
 
     backend_name = "continued"
     supports_field_subset = True
@@ -144,7 +134,7 @@ class ContinuedShard(TrajectoryStore):
 
 
 class ContinuedBufferReader(ShardedStoreReader):
-    """The read-only union of a branch's shards, each continuing its parent shard (module docstring)."""
+    """The read-only union of a branch's shards, each continuing its parent shard."""
 
     def __init__(self, location: str | Path, continues: dict[str, Any], **options: Any) -> None:
         self._continues = {str(k): int(v) for k, v in continues["rows"].items()}

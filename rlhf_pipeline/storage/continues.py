@@ -1,12 +1,10 @@
 """Which parent rows a branch's buffer continues, read without torch: ``<run>/buffer.continues.json``.
 
-At a URL (a branch of a run at ``s3://``/``az://`` continued online, ``runs/branch_online.py``)
-the file is the object beside the buffer's prefix, ``<run URL>/buffer.continues.json``: one GET
-says whether a buffer there continues another (none: a 404).
+The file is written once, by the branch's first online start (``runs/branch_online.py``); every later
+start, and ``open_buffer``, read it. At a URL it is the object beside the buffer's prefix: one GET says
+whether a buffer there continues another (none: a 404). The reader of such a buffer is :mod:`.continued`.
 
-The file (see ``storage/continued.py`` for the reader of such a buffer) is written once, by the
-branch's first online start (``runs/branch_online.py``); every later start, and ``open_buffer``,
-read it to know whether the buffer continues another.
+Design: docs/storage.md#a-buffer-that-continues-another.
 """
 
 from __future__ import annotations
@@ -37,8 +35,9 @@ def _object(buffer: str, storage_options: dict[str, Any] | None = None) -> tuple
 
 
 def continued_rows(buffer: str | Path, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """What a buffer (a directory or a URL prefix) continues (module docstring), or None when it
-    continues none; ``storage_options``: the credentials for a URL, as the buffer's."""
+    """What a buffer (a directory or a URL prefix) continues, or None when it continues none
+    (docs/storage.md#a-buffer-that-continues-another); ``storage_options``: the credentials for a URL,
+    as the buffer's."""
     if "://" in str(buffer):
         from rlhf_pipeline.files.object_run_store import SCHEMES
 

@@ -1,15 +1,11 @@
 """Copies a replay buffer between backends (memmap <-> Zarr), losslessly and in bounded memory.
 
-Rows are streamed one source segment at a time: read ``segment_rows`` rows, append
-them to the new store (which publishes them), move on. Memory stays at about one
-segment whatever the buffer's size, and an interrupted conversion leaves a valid
-destination holding a prefix of the rows (delete it and convert again).
+Rows are streamed one source segment at a time into the new store, so memory stays at about one segment
+and an interrupted conversion leaves a valid destination holding a prefix of the rows. Every field of
+every held row is kept bit for bit, with the schema, the segment size and the row capacity; global row
+ids restart at 0, and backend options (the Zarr codec) are the destination's own.
 
-What is kept: every field of every held row, in order, bit for bit (token values,
-floats, UTF-8 text), the schema, and the segment size and row capacity. What is not:
-global row ids restart at 0 in the destination (a source whose oldest rows were
-evicted starts at ``first_row > 0``); backend options such as the Zarr codec are
-the destination's own.
+Design: docs/buffer-tools.md#convert.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Every one names what went wrong and where (the store, the file, the chunk). The CLI's
 ``inspect``, ``repair`` and ``convert`` catch :class:`StoreError` and print its message
 as a one-line error, so the messages are written to be read on their own.
+
+Design: docs/guarantees.md#storage-both-backends.
 """
 
 from __future__ import annotations

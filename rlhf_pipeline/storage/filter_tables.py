@@ -4,6 +4,8 @@ Each table is built from one chunk of rows (``of_chunk``), the partial tables ar
 end (``combine``: a group or a trajectory may straddle chunks), and ``columns_for`` gives every
 row its group's or its trajectory's values, the names of ``where.GROUP_NAMES`` and
 ``where.TRAJECTORY_NAMES``. Memory grows with the number of groups and trajectories, not rows.
+
+Design: docs/curation.md#filter.
 """
 
 from __future__ import annotations

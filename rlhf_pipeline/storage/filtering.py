@@ -1,41 +1,12 @@
 """Curation: keep the rows, or whole groups, of a buffer that satisfy a ``--where`` condition.
 
-``rlhf-pipeline filter SRC DST --where EXPR`` and :func:`filter_buffer` read ``SRC`` (anything
-:func:`~rlhf_pipeline.storage.open_buffer` opens: a store, a run's sharded ``buffer/``, a saved
-selection) read-only and write either a new buffer holding the kept rows (every field
-byte-identical, in source order) or a saved selection naming them (:mod:`.selection`).
-The expression language is in :mod:`.where`.
+``rlhf-pipeline filter`` and :func:`filter_buffer` read ``SRC`` (anything ``open_buffer`` opens) read-only,
+in bounded memory: a first pass for the group and trajectory statistics the expression uses, a row pass
+evaluating it unit by unit (a multi-turn trajectory is kept or dropped whole), then either a copy of the
+kept rows into a new buffer, built under ``DST.partial`` (held with an ``flock``) and renamed when
+complete, or a saved selection naming them (:mod:`.selection`). The expression language is :mod:`.where`.
 
-How it runs, in bounded memory:
-
-1. *Group pass* (only when the expression uses a group statistic): ``group_id`` and
-   ``reward`` are read one storage unit at a time; each unit is reduced to per-group
-   partials (count, mean, sum of squared deviations, min, max), and the partials, about one
-   per group, are combined at the end (Chan et al.'s pairwise update), so memory grows with
-   the number of groups, not rows. A group whose rewards are all equal gets a std of exactly 0.
-   Trajectory statistics (``trajectory_turns``...) are gathered the same way from
-   ``trajectory_id``, ``reward`` and, when the expression names them, ``termination_reason``,
-   ``tool_calls`` and ``tool_errors``.
-2. *Row pass*: the fields the expression names are read unit by unit (token fields only for
-   their lengths) and evaluated; the kept positions are collected (8 bytes per kept row).
-   A multi-turn trajectory is never cut: it is kept whole when every one of its rows matches,
-   and dropped whole otherwise (a learner given part of a trajectory would train a conversation
-   that never happened). With ``whole_groups`` the same holds for groups.
-3. *Copy* (new buffer only): the kept rows are read in source order, about a segment at a
-   time, and appended to the new store, which is built under ``DST.partial`` and renamed to
-   ``DST`` when complete: an interrupted filter never leaves a ``DST`` that looks finished.
-   The filter holds an ``flock`` on ``DST.partial`` while it builds there, so a second filter
-   into the same ``DST`` is refused in one line instead of deleting the first one's files, and
-   a ``DST.partial`` left by a killed filter (no lock) is cleared by the next.
-
-``DST`` is refused when it lies inside the source (or a selection's source) or inside any other
-buffer (a store, a buffer of shards, a run's ``buffer/``): a store written into a run's buffer is
-one more shard of it, and its learner would train the kept rows twice.
-
-Rows are those published when the filter starts; a writer appending meanwhile is not seen.
-Every read names rows by (part, global row id) (:mod:`.row_keys`), so a live writer evicting,
-or a shard growing, never changes which rows are read: a kept row evicted before it was copied
-fails the filter with an IndexError instead of copying another row.
+Design: docs/curation.md#filter.
 """
 
 from __future__ import annotations
@@ -127,7 +98,7 @@ class Selected:
 def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, whole_groups: bool = False,
                      chunk_rows: int = DEFAULT_CHUNK_ROWS, progress: Progress | None = None,
                      parts: list[Part] | None = None) -> Selected:
-    """Positions of ``store``'s rows that ``where`` keeps (see the module docstring for the passes).
+    """Positions of ``store``'s rows that ``where`` keeps (the passes: docs/curation.md#filter).
 
     Reads the rows held at the store's last refresh, by global id (``parts``, a snapshot of
     :func:`~rlhf_pipeline.storage.row_keys.parts_of` taken before, names them), so a writer
@@ -260,7 +231,7 @@ def _exists(location: str) -> bool:
 
 
 def _check_destination(dst: str, src: str, source: TrajectoryStore) -> None:
-    """Refuses a ``dst`` inside the source or inside any buffer (see the module docstring)."""
+    """Refuses a ``dst`` inside the source or inside any buffer (docs/curation.md#filter)."""
     from rlhf_pipeline.storage.buffers import buffer_holding, within
 
     sources = [src, *([source.source_location] if hasattr(source, "source_location") else [])]

@@ -1,24 +1,11 @@
 """One writer per store: an exclusive ``fcntl.flock`` on a lock file inside the store.
 
-The lock belongs to the open file description, so the kernel drops it when the last
-descriptor of it closes, even on ``kill -9``: a crashed writer never leaves a stale lock
-behind. The file records the holder's pid and host so the second writer's error can name
-them. Readers take no lock. ``flock`` is local to one machine (and unreliable on some
-network filesystems); a store shared between hosts needs one writer by design.
+The kernel drops the lock when the last descriptor of it closes, even on ``kill -9``, so a crashed writer
+leaves no stale lock; the file records the holder's pid and host for the refused writer's error, and a
+writer refused by a holder that no longer runs (a child it forked still holds the file) waits up to
+:data:`HANDOVER_WAIT_S` for the handover. Readers take no lock. API: :class:`WriterLock`.
 
-The handover after a crash has one window, closed here. The lock lives as long as *any*
-descriptor of the writer's open file, and a process forked from the writer holds one
-until it exits or execs (``subprocess`` forks, and the child holds every descriptor until
-its ``exec``). A writer killed while such a child exists leaves the lock held for a moment
-after its own death, with its own pid still in the file: a new writer then saw
-``StoreLockedError ... by process N`` naming a process that had already been reaped.
-Now a refused writer looks at the recorded holder: when that process is no longer running
-on this host (or no pid is recorded yet: a new holder between its ``flock`` and its write),
-the lock is being handed over, and it retries for up to :data:`HANDOVER_WAIT_S`. A lock
-still held after that is reported with the processes that really hold the file open.
-
-API: ``lock = WriterLock(path); lock.acquire(); ...; lock.release()`` or
-``with WriterLock(path): ...``; a held lock raises :class:`StoreLockedError`.
+Design: docs/storage.md#the-writer-lock.
 """
 
 from __future__ import annotations
@@ -38,7 +25,11 @@ _POLL_S = 0.005
 
 
 class WriterLock:
-    """Exclusive, non-blocking writer lock on ``path`` (created if missing)."""
+    """Exclusive, non-blocking writer lock on ``path`` (created if missing).
+
+    ``lock = WriterLock(path); lock.acquire(); ...; lock.release()`` or ``with WriterLock(path): ...``;
+    a lock held by another process raises :class:`StoreLockedError` naming it.
+    """
 
     def __init__(self, path: str | os.PathLike, *, store: str | None = None):
         self.path = Path(path)

@@ -1,17 +1,12 @@
 """Checked reads of a store's small JSON metadata files, and a watcher for new publishes.
 
-A local store becomes visible through one small JSON file (the *manifest*), replaced
-atomically (:func:`rlhf_pipeline.files.atomic.publish_json`), so a reader (or a writer reopening
-after ``kill -9``) sees either the old or the new manifest, whole.
+:func:`read_json` (``NotAStoreError`` when the file is missing, ``StoreCorruptedError`` when damaged),
+:func:`check_header` (backend and format version), :func:`schema_from_manifest`, and
+:class:`ManifestWatcher`, which tells with one ``fstat`` whether a file replaced atomically (a local Zarr
+store's root ``zarr.json``) was published anew. :func:`is_selection` lives here, with no torch behind it,
+so that ``inspect`` of a directory that is no buffer answers at once.
 
-Readers use :class:`ManifestWatcher` to notice a new publish with one ``fstat``:
-it keeps the file it last read open, and ``os.replace`` leaves that inode with no
-links (``st_nlink == 0``). Holding the old inode open also means its number cannot
-be reused, so the check has no false negatives, unlike comparing mtimes.
-
-Used by the memmap backend and by any backend with a local directory (Zarr on
-local disk). API: :func:`read_json`, :func:`check_header`, :func:`schema_from_manifest`,
-:class:`ManifestWatcher`, :class:`IncompatibleStoreError`.
+Design: docs/storage.md#the-contract.
 """
 
 from __future__ import annotations
@@ -97,7 +92,12 @@ def schema_from_manifest(data: dict[str, Any], path: str | os.PathLike) -> Store
 
 
 class ManifestWatcher:
-    """Reads a manifest and tells, with one ``fstat``, whether a newer one was published."""
+    """Reads a manifest and tells, with one ``fstat``, whether a newer one was published.
+
+    A manifest is replaced atomically (``os.replace``), which leaves the inode read last with no links
+    (``st_nlink == 0``); the watcher keeps that file open, so its inode number cannot be reused
+    either, and the check has no false negatives, unlike comparing mtimes.
+    """
 
     def __init__(self, path: str | os.PathLike, *, what: str = "store"):
         self.path = Path(path)

@@ -1,29 +1,12 @@
 """Backend-neutral core of the fused reads (``TrajectoryStore.read_padded`` and ``read_ragged``).
 
-``store.read_padded(positions)`` returns exactly
-``pad_batch(store.read(positions, fields=padded_fields(store.schema)), pad_token_id=...)``
-without the intermediate ``TrajectoryBatch``. It runs in two steps:
+``store.read_padded(positions)`` returns exactly ``pad_batch(store.read(positions,
+fields=padded_fields(store.schema)))`` without the intermediate ``TrajectoryBatch``: the backend locates
+the rows (:class:`LocatedRows`: the unit holding each, its prompt and response slices, its row fields),
+then :func:`fill_padded` copies each row's slices into the padded tensors, or :func:`fill_ragged` end to
+end into flat arrays (the packed learner's input), in a loop over the sampled rows, never the store.
 
-1. The backend *locates* the sampled rows (``store._locate_rows(global_ids)``): a
-   :class:`LocatedRows` names, per row, the unit holding it (a memmap segment in
-   :mod:`.memmap.row_index`, a decoded Zarr unit in :mod:`.zarr.padded`; a union of shards
-   merges its shards' answers with :meth:`LocatedRows.merge`), the start and length of its
-   prompt and response in that unit's flat value arrays, and its row-field values.
-2. :func:`fill_padded` copies each row's slices into the preallocated padded tensors
-   (prompt ending at column ``P-1``, response from column ``P``; layout in
-   :mod:`rlhf_pipeline.schema.padding`) and builds the TensorDict with
-   :func:`~rlhf_pipeline.schema.padding.assemble_padded`, the builder ``pad_batch`` uses too.
-
-The same located rows give the learner's *ragged* read (``store.read_ragged(positions)``, the
-packed learner's input): :func:`fill_ragged` copies each row's slices end to end into flat
-value arrays instead of into padded rows, so no ``(B, T)`` rectangle is built.
-
-Why a per-row copy loop (over the ~64 sampled rows, never over the store): a sampled row
-is a few long contiguous slices (GRPO rows average ~520 tokens), so one ``memoryview``
-slice assignment per row and field is a plain memcpy (~0.35 us, against ~0.75 us for
-numpy's slice assignment, which dispatches on dtypes and strides). Flat index vectors
-with one fancy-index copy per field measured about twice the loop's time: they move
-8 bytes of index per value copied.
+Design: docs/storage.md#reading-straight-into-the-batch.
 """
 
 from __future__ import annotations
@@ -123,8 +106,8 @@ class LocatedRows:
 
 
 def fill_padded(located: LocatedRows, pad_token_id: int, index_dtype: torch.dtype = torch.int64) -> TensorDict:
-    """The padded batch of the rows ``located`` describes (module docstring); token ids and
-    ``position_ids`` in ``index_dtype`` (the ids are copied as int32, as stored, and widened
+    """The padded batch of the rows ``located`` describes (docs/storage.md#reading-straight-into-the-batch);
+    token ids and ``position_ids`` in ``index_dtype`` (the ids are copied as int32, as stored, and widened
     only for int64)."""
     num_rows = len(located)
     if num_rows == 0:

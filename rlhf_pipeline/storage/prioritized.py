@@ -3,35 +3,11 @@
 Why one file: a torchrl ``Sampler`` must be one class (its contract: sample, update_priority,
 state_dict over the storage's parts); the sum tree is already apart (:mod:`.sum_tree`).
 
-torchrl 0.14.1's ``PrioritizedSampler`` needs ``torchrl._torchrl``, whose compiled segment
-trees do not load against torch 2.13 (``SumSegmentTreeFp32 is not available``).
-:class:`PrioritizedSampler` keeps torchrl's contract and its prioritized experience replay
-(Schaul et al. 2015, arXiv:1511.05952), on :class:`~rlhf_pipeline.storage.sum_tree.SumMinTree`:
-
-* row ``i`` has a priority ``p_i``; it is drawn with probability ``P(i) = (p_i + eps)^alpha /
-  sum_j (p_j + eps)^alpha`` (with replacement), and ``info["priority_weight"]`` holds its
-  importance weight ``w_i = (N P(i))^-beta / max_j (N P(j))^-beta = ((p_i + eps)^alpha /
-  min_j (p_j + eps)^alpha)^-beta``, in (0, 1], as torchrl computes it;
-* a row's first priority is a function of its stored fields (``priority="abs_advantage"``,
-  ``"group_reward_std"``, ``"recency"``, or any :class:`RowPriority`), or, without one, the
-  highest priority seen so far (torchrl's default: new rows are drawn soon);
-  :meth:`~PrioritizedSampler.update_priority` replaces it (e.g. from the learner's loss);
-  an updated row keeps its new priority until updated again (or evicted);
-* sampling and updates cost O(B log N), vectorized; a new row costs one read of its fields.
-
-Our stores are sampled by *row keys* (:mod:`.row_keys`): priorities follow a row through
-eviction (a store's positions shift) and through a union of shards (whose positions move
-when a shard grows), and rows written by another process are picked up at the next
-``sample``. Any other torchrl storage works too, by position (``extend``/``add`` mark the
-written positions for the default priority, as torchrl's sampler does).
-
-``min_version`` (set by the learner from its staleness bound) gives rows sampled by an older
-policy a zero probability, without forgetting their priority.
-
-State: ``state_dict()`` holds every priority; ``state_dict(include_priorities=False)`` only
-what cannot be re-derived from the stored rows (the settings, and the rows whose priority
-was updated, by row key), so a buffer of millions of rows with a few thousand updates
-checkpoints in kilobytes; the rest is recomputed from the store at the next ``sample``.
+:class:`PrioritizedSampler` draws row ``i`` with probability proportional to ``(p_i + eps)^alpha``, with
+torchrl's importance weights; first priorities come from stored fields (:class:`RowPriority`), rows of our
+stores are tracked by row key through eviction and across shards, and ``state_dict`` can hold only the
+updated priorities (torchrl 0.14.1's own needs compiled segment trees that do not load against torch
+2.13). Design: docs/curation.md#prioritized-sampling.
 """
 
 from __future__ import annotations
@@ -175,7 +151,7 @@ def _same_positions(older: list[Part], newer: list[Part]) -> bool:
 
 # ====================================================================== the sampler
 class PrioritizedSampler(Sampler):
-    """Prioritized sampling on torchrl's ``Sampler`` contract (see the module docstring)."""
+    """Prioritized sampling on torchrl's ``Sampler`` contract (docs/curation.md#prioritized-sampling)."""
 
     #: how torchrl's ``TensorDictReplayBuffer`` reduces a row's priority over extra dims
     reduction: str = "max"

@@ -4,6 +4,8 @@ A :class:`CheckReport` lists what was checked, the problems found (each names a 
 chunk) and notes (facts that are not damage, such as segments written before checksums).
 A :class:`RepairReport` adds what repair did or, in a dry run, would do, and what it could
 not recover.
+
+Design: docs/buffer-tools.md#inspect-verify.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Retention: which of a store's oldest rows a writer may drop, by rows, policy versions or age.
 
-A store made with ``capacity_rows`` evicts by itself; retention is a run's policy, applied by the
-store's writer (a collector, after each round) through
-:meth:`~rlhf_pipeline.storage.segmented.SegmentedTrajectoryStore.drop_rows_before`. Each rule
-that is set bounds the rows held, and a row goes when any of them says so:
+A run's policy (:class:`RetentionSettings`: ``max_rows``, ``max_versions_behind``, ``max_age_s``), applied
+by the store's writer (a collector, after each round) through ``drop_rows_before``; a row goes when any
+rule says so (for age, a :class:`RowClock` the writer keeps: rows carry no time). The cut is always a
+sealed segment boundary no group or trajectory crosses, and never past the ``floor``, the oldest row
+something still needs (``runs/retention.py``), so fewer rows than a rule asks may go, never more.
 
-* ``max_rows``: at most this many rows held (the newest; as ``capacity_rows`` bounds a store);
-* ``max_versions_behind``: rows sampled by a policy more than this many versions behind the
-  newest (the learner's) go;
-* ``max_age_s``: rows written more than this many seconds ago go (a :class:`RowClock` the writer
-  keeps says when rows were written; rows carry no time of their own).
-
-What is dropped is always whole: the cut (the first row kept) is a boundary of a sealed segment
-(the unit the stores free) at which no group and no trajectory continues across, and never past
-the ``floor``: the oldest row something still needs (a checkpoint, a branch, the learner:
-``runs/retention.py`` finds it). So fewer rows than a rule asks may go, never more.
+Design: docs/retention.md#what-goes-whole-segments-whole-groups.
 """
 
 from __future__ import annotations
@@ -35,8 +27,8 @@ class RetentionSettings:
     """Keep at most this many of each shard's newest rows (whole sealed segments go, so between
     max_rows - segment_rows and max_rows are held; >= segment_rows). None: no bound by rows."""
     max_versions_behind: int | None = None
-    """Drop rows sampled by a policy more than this many versions behind the newest published one.
-    None: no bound by version."""
+    """Drop rows sampled by a policy more than this many versions behind the one the collector samples
+    with now (the newest it has loaded). None: no bound by version."""
     max_age_s: float | None = None
     """Drop rows written more than this many seconds ago. None: no bound by age."""
     hold_rewind_points: bool = True

@@ -1,15 +1,12 @@
 """Stable names for a buffer's rows: ``(part, global row id)`` instead of positions.
 
-A position is only valid until the store's next refresh: eviction shifts a store's
-positions, and in a union of shards (:class:`~rlhf_pipeline.storage.sharded.ShardedStoreReader`)
-a shard that grows shifts the positions of every shard after it. Whatever must name a row
-across refreshes (a saved selection, a prioritized sampler's priorities, the learner's pool
-of informative groups) names it by its *row key*: the index of the store part holding it (the
-shard index; 0 for a single store) and the row's global id in that part, which never changes.
+A position is valid only until the store's next refresh (eviction shifts positions; in a union of shards
+a growing shard shifts every later shard's). A row key, the part (the shard index; 0 for a single store)
+and the row's global id in it, never changes. :func:`parts_of` lists a buffer's parts as of its last
+refresh; :func:`keys_of` turns positions into keys and :func:`positions_of` keys back into positions
+(-1 for a row no longer held). Neither refreshes the store.
 
-:func:`parts_of` lists a buffer's parts as of its last refresh; :func:`keys_of` turns
-positions into keys and :func:`positions_of` turns keys back into positions (-1 for a row
-no longer held). Neither refreshes the store.
+Design: docs/storage.md#the-contract.
 """
 
 from __future__ import annotations

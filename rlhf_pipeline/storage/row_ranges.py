@@ -1,21 +1,10 @@
-"""The range form of a saved selection (storage/selection.py): rows named as, per part, one
-range ``[first, end)`` of global ids, kept in ``selection.json`` itself, instead of one id per row;
-and the two ways an open selection maps its positions to its source's rows (:class:`RangeRows`
-for this form, :class:`ListedRows` for ``rows.npy``/``parts.npy``).
+"""The range form of a saved selection (``selection.py``): per part, one range ``[first, end)`` of
+global ids kept in ``selection.json`` itself instead of one id per row (a branch's ``parent-rows/``:
+O(parts) bytes at any buffer size); and the two ways an open selection maps its positions to its
+source's rows: :class:`RangeRows` for this form (a binary search over the ranges' ends, nothing
+allocated per row) and :class:`ListedRows` for ``rows.npy``/``parts.npy``.
 
-Why: a branch of a run with collectors (runs/branch.py) names, per shard, every row published by
-the branch step, and those are a prefix of the shard: a range. Written per row they cost 8 bytes
-(and their share of writing, reading and checking a file) per row, so branching grew with the
-buffer; as ranges the selection is O(parts) bytes at any size. Opened, the ranges stay ranges: a
-batch of positions finds its range by a binary search over the ranges' ends (``np.searchsorted``,
-one call for the whole batch) and its global id by an offset, so opening allocates nothing per row
-(building the ids was 8 MB and ~18 ms at a million rows). A selection whose rows are not ranges
-(a ``filter`` output) keeps the per-row files, loaded whole.
-
-In the manifest: ``"row_ranges": [[part index, first, end], ...]`` (in the parts' order), no rows
-files (``rows_file`` and ``parts_file`` are null), and ``rows_crc32`` the CRC32 of those triples
-as int64: what a saved state checks (same rows, same order), as the CRC of ``rows.npy`` is for
-the per-row form.
+Design: docs/curation.md#a-selection-on-disk.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ optional row capacity that evicts the oldest sealed segments, and the same creat
 :class:`SegmentedTrajectoryStore` implements the contract's read-only properties from a
 few attributes its subclasses set (``_schema``, ``_location``, ``_first_row``, ``_next_row``,
 ``_segment_rows``, ``_capacity_rows``) and :meth:`~SegmentedTrajectoryStore.drop_rows_before`
-(retention, ``storage/retention.py``) from each one's ``_drop_sealed_before``; :func:`check_segment_layout` and
+(retention) from each one's ``_drop_sealed_before``; :func:`check_segment_layout` and
 :func:`check_reopened_layout` are the checks both ``create`` methods make.
+
+Design: docs/storage.md#adding-a-backend.
 """
 
 from __future__ import annotations

@@ -3,34 +3,11 @@
 Why one file: a selection's file format, its writer and the read-only store over it are one feature
 whose parts check each other (the source's identity, the rows still present).
 
-``rlhf-pipeline filter SRC DST --where ... --selection`` (or :func:`write_selection`) saves
-which rows of ``SRC`` were kept; :func:`~rlhf_pipeline.storage.open_buffer` opens ``DST`` as
-a read-only :class:`SelectionStore`, a :class:`TrajectoryStore` whose positions
-``[0, rows)`` are the kept rows in source order, read from the source through its own
-(fused) paths. ``replay --buffer DST``, the learner and ``inspect`` take it like any buffer.
-
-On disk (a directory, written to ``DST.partial`` and renamed into place when complete)::
-
-    DST/
-      selection.json   format, the source (its location, and per part: location, backend,
-                       first_row/next_row when selected, fingerprints of a few kept rows),
-                       the schema, the row count, a CRC32 of rows.npy, the --where expression
-      rows.npy         int64 (rows,): global row id of each kept row in its part, ascending
-                       within a part
-      parts.npy        int64 (rows,): the part (shard index) of each row; only for a
-                       sharded source, whose rows are named (shard, global id): see row_keys.py
-
-A selection whose rows are, per part, one range (a branch's ``parent-rows/``) is kept as those
-ranges in selection.json instead, with no rows files (:func:`write_range_selection`,
-``row_ranges.py``): O(parts) bytes on disk and in memory once open (positions map to rows through
-the ranges; the per-row form loads its ids whole); both forms read the same way.
-
-A selection names rows by global id, which never changes, so rows appended to the source
-later do not disturb it. Opening checks that the source still holds exactly those rows and
-fails with :class:`SelectionInvalidError` otherwise: a part missing or of another backend or
-schema, fewer rows published than when selected (truncated or replaced), kept rows evicted,
-or a fingerprint mismatch (a different store now at that path). Rows evicted while the
-selection is open fail the read that needs them with the same error, never other rows.
+:func:`write_selection` (``filter ... --selection``) and :func:`write_range_selection` (a branch's
+``parent-rows/``) save which rows of a source were kept, by row key; ``open_buffer`` opens one as a
+read-only :class:`SelectionStore` whose positions ``[0, rows)`` are the kept rows in source order, read
+through the source's own (fused) paths, failing with :class:`SelectionInvalidError` once the source no
+longer holds exactly those rows. Design: docs/curation.md#a-selection-on-disk.
 """
 
 from __future__ import annotations
@@ -218,7 +195,7 @@ def _fingerprints(store: TrajectoryStore, global_ids: np.ndarray) -> list[int]:
 
 # ====================================================================== the view
 class SelectionStore(TrajectoryStore):
-    """A read-only view of the kept rows of a buffer (see the module docstring)."""
+    """A read-only view of the kept rows of a buffer (docs/curation.md#a-selection-on-disk)."""
 
     backend_name = "selection"
     supports_field_subset = True

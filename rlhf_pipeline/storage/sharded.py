@@ -3,51 +3,11 @@
 Why one file: the union's positions are its shards' lengths as of one refresh; refreshing,
 locating, reading and sharing a refresh with another reader all keep that one state consistent.
 
-Each store takes exactly one writer, so a run scales out by *shards*: collector ``k``
-owns ``<buffer>/shard-<kkkk>/``, a store of its own (with its own pending-groups state
-of the group-advantage transform), and the learner reads the union of all shards::
+:class:`ShardedStoreReader` reads a buffer of ``shard-NNNN`` stores (one per collector, each with one
+writer; a directory, or a URL prefix listed through fsspec) as one read-only ``TrajectoryStore``: its
+positions are the shards' positions one after the other, and ``refresh()`` picks up new rows and shards.
 
-    buffer/
-      shard-0000/     a memmap or Zarr store written by collector 0
-      shard-0001/     ... by collector 1
-
-:class:`ShardedStoreReader` is that union. It is a :class:`TrajectoryStore` opened
-read-only, so it plugs into ``make_replay_buffer(reader, sampler="random")`` like any
-store:
-
-* positions ``[0, sum(len(shard)))`` are the shards' positions one after the other, in
-  shard-index order: position ``p`` is local position ``p - start[s]`` of the shard ``s``
-  whose range ``[start[s], start[s] + len(shard s))`` holds ``p`` (cumulative lengths);
-* ``refresh()`` (and ``len()``) refreshes every shard and opens shard directories that
-  appeared since (a collector started later); positions are recomputed from the new
-  lengths, so like eviction in a single store, they are valid until the next refresh;
-* the buffer may be a URL prefix (``s3://bucket/run/buffer/`` holding ``00-shard-0000/``...: at
-  an object-store URL shards are made with spread names, ``files/shard_names.py``; a shard is
-  found by its index under either name), listed through fsspec; every shard there is a Zarr store. A refresh lists the prefix
-  (one LIST) and GETs each shard's commit record, at most once per ``refresh_interval_s``
-  (1 s by default on an object store, 0 locally, where a refresh costs a directory scan
-  and an ``fstat`` per shard): a learner asking before every batch would otherwise pay
-  ``1 + shards`` requests per batch. On an object store the shards' GETs (and the opening of
-  shards that appeared) go out together, ``refresh_threads`` at a time, not one after another:
-  a refresh then waits about one round trip, not one per shard;
-* one refresh can serve several readers of the buffer at a URL (data-parallel learner ranks):
-  :meth:`~ShardedStoreReader.published_records` gives each shard's commit record as of the last
-  refresh, and another reader's :meth:`~ShardedStoreReader.adopt_records` takes them as its view
-  without a request, so it holds exactly the first reader's rows. So can one opening: a reader
-  made with ``records=`` opens its shards from them (their records hold all a reader reads at
-  opening), with no LIST and no GET;
-* ``read(positions, fields=)`` reads each shard's rows in one call and returns the rows
-  in the requested order;
-* ``next_row`` / ``first_row`` are sums over the shards: ``next_row`` counts the rows ever
-  published to any shard, so "N new rows since" means across all collectors;
-* :meth:`newest_positions` picks the newest rows of the union by splitting the count
-  evenly across the shards (each shard's newest rows; a shard with fewer rows gives its
-  share to the others): collectors running side by side write at about the same rate,
-  and no order between rows of different shards is recorded;
-* ``append`` raises :class:`ReadOnlyStoreError`: a collector appends to its own shard.
-
-:func:`open_buffer` (in ``rlhf_pipeline.storage``) opens a buffer directory of either
-layout: a single store (runs made before shards) or a directory of shards.
+Design: docs/storage.md#a-union-of-shards.
 """
 
 from __future__ import annotations
@@ -103,7 +63,7 @@ def refresh_now(store: TrajectoryStore) -> int:
 
 
 class ShardedStoreReader(TrajectoryStore):
-    """Read-only union of the stores ``<location>/shard-*`` (see the module docstring)."""
+    """Read-only union of the stores ``<location>/shard-*`` (docs/storage.md#a-union-of-shards)."""
 
     backend_name = "sharded"
     supports_field_subset = True

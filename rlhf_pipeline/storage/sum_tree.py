@@ -1,24 +1,11 @@
 """A sum tree and a min tree over a growing array of weights, vectorized with NumPy.
 
-What a prioritized sampler needs, with no compiled extension (torchrl 0.14.1's
-``SumSegmentTreeFp32`` lives in a C++ extension that does not load against torch 2.13):
+What a prioritized sampler needs, with no compiled extension: :meth:`SumMinTree.set` writes B leaves and
+:meth:`SumMinTree.find` maps B masses to leaves, each O(B log N); :meth:`SumMinTree.rebuild` is O(N).
+Nodes have ``FANOUT`` (32) children and float64 values; every node is recomputed from its children, so
+the tree depends only on its current leaves and one rebuilt from saved leaves samples exactly as before.
 
-* :meth:`SumMinTree.set` writes B leaves and recomputes their ancestors, one vectorized
-  step per level, each over the distinct nodes touched: O(B log N);
-* :meth:`SumMinTree.find` maps B masses in ``[0, total)`` to the leaf whose prefix-sum
-  interval holds each mass, descending all B at once, level by level: O(B log N);
-* :meth:`SumMinTree.rebuild` rebuilds every level from an array of leaves: O(N).
-
-Each node has ``FANOUT`` (32) children, so a million rows take 4 levels: a call is a few
-dozen small array operations, and their fixed overhead, not the arithmetic, sets its cost.
-That is also why this is NumPy, not torch: a first version, a binary tree (20 levels) in
-torch tensors, took 5-10x longer per sample-and-update step on this (loaded) machine.
-
-Every internal node is recomputed from its children (never updated by adding a difference),
-with the same reduction whether one node or a whole level is recomputed, so the tree depends
-only on the current leaves, not on the order of updates: a tree rebuilt from saved leaves
-samples exactly as the original (exact resume). Values are float64; empty leaves hold 0 in
-the sum tree and +inf in the min tree.
+Design: docs/curation.md#prioritized-sampling.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """What ``inspect`` reports about a store, with one definition of each size figure; no torch.
 
-* **raw payload** (``raw_bytes``): the bytes of the data itself, the same for every backend
-  holding the same rows: token values (count x itemsize), row-field values (rows x itemsize)
-  and UTF-8 text bytes. Offsets, padding, metadata and compression are not included.
-* **bytes on disk** (``bytes_on_disk``): what ``du`` counts for the store's directory, i.e.
-  allocated blocks (``st_blocks * 512``) of every file and directory under it, each inode
-  once; a sparse file counts only what is written. For a remote store: the object sizes.
-* **disk/raw** (``disk_bytes_per_raw_byte``): bytes on disk over raw payload; below 1 means
-  the store is smaller than its raw payload (compression).
+Raw payload (``raw_bytes``), bytes on disk (``bytes_on_disk``: what ``du`` counts) and disk/raw
+(``disk_bytes_per_raw_byte``) mean the same for every backend. API: :class:`StoreStats`,
+:func:`disk_usage`, :func:`describe_versions`, and the trajectories held
+(:func:`summarize_trajectories`: counts, turns, termination reasons).
 
-API: :class:`StoreStats`, :func:`disk_usage`, :func:`describe_versions`, and the trajectories
-held (:func:`summarize_trajectories`: counts, turns, termination reasons).
+Design: docs/storage.md#sizes.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ class StoreStats:
     groups: int
     prompt_tokens: int
     response_tokens: int
-    bytes_on_disk: int  # as du counts the store's directory (see the module docstring)
+    bytes_on_disk: int  # as du counts the store's directory (docs/storage.md#sizes)
     raw_bytes: int  # raw payload: token values, row values, UTF-8 text; no offsets, padding or compression
     segments: int
     reward_mean: float | None = None

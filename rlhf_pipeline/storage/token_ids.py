@@ -1,12 +1,12 @@
 """Stored token ids outside a model's vocabulary: what ``inspect --verify`` reports beside the damage
 its checksums find.
 
-A row whose prompt or response holds an id the model cannot embed (a broken engine's answer written
-before engines' answers were checked, ``generation/engine.py``; an import from another tokenizer) is
-intact on disk, so no checksum sees it, yet the learner that samples it dies with an ``IndexError`` in
-its embedding, and dies again on every resume. The check reads ``group_id`` and both token fields of
-every published row, one storage unit at a time (a memmap segment, a Zarr unit), and names each store,
-each group holding such a row, its rows (global ids) and the first bad id found in it.
+Such a row is intact on disk, so no checksum sees it, yet the learner that samples it dies with an
+``IndexError`` in its embedding, again on every resume. The check reads ``group_id`` and both token
+fields of every published row, one storage unit at a time, and names each store, each group holding
+such a row, its rows (global ids) and the first bad id found in it.
+
+Design: docs/buffer-tools.md#inspect-verify.
 """
 
 from __future__ import annotations

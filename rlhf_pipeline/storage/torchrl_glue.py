@@ -1,17 +1,11 @@
 """torchrl glue: a writer that appends, and a factory for a ``ReplayBuffer`` over a store.
 
-torchrl's writers compute where rows go (round robin, by priority...). A trajectory
-store is append-only and decides positions itself, so :class:`AppendWriter` hands
-the data to ``store.append`` and returns the positions the rows really got. It keeps
-no state: the cursor is the store's ``next_row``, which the store persists.
+:class:`AppendWriter` hands rows to ``store.append`` (an append-only store decides positions itself) and
+keeps no state. :func:`make_replay_buffer` builds a ``TrajectoryReplayBuffer`` whose ``extend`` also takes
+``writer_state=`` (published with the rows) and whose ``sample`` with a ``PaddedCollator`` reads through
+the store's fused ``read_padded``: ``make_replay_buffer(store, batch_size=64, collate_fn=PaddedCollator())``.
 
-Typical use::
-
-    store = create_store("storage/run/buffer")
-    rb = make_replay_buffer(store, batch_size=64, collate_fn=PaddedCollator(...))
-    rb.extend(batch)          # a TrajectoryBatch or a TensorDict with torchrl LLM keys
-    rb.extend(batch, writer_state=position)  # with the writer's state, in the same publish
-    padded = rb.sample()      # with a PaddedCollator: the store's fused read_padded
+Design: docs/torchrl.md.
 """
 
 from __future__ import annotations

@@ -3,42 +3,11 @@
 Why one file: the names, the checker and the evaluator are one grammar; every construct the
 checker admits is one the evaluator runs, and keeping them side by side is what keeps them equal.
 
-An expression is Python syntax, parsed with :mod:`ast` and checked against a whitelist
-before anything is evaluated; it is never ``eval``-ed. What it may contain:
-
-* names of row values (:data:`ROW_NAMES`: ``reward``, ``policy_version``, ``response_length``,
-  ...), of group statistics (:data:`GROUP_NAMES`: ``group_reward_std``, ``group_size``, ...;
-  the statistic of the row's group, over the group's rows in the buffer being filtered) and of
-  trajectory statistics (:data:`TRAJECTORY_NAMES`: ``trajectory_turns``, ``trajectory_return``,
-  ``trajectory_end``, ``trajectory_tool_calls``, ``trajectory_tool_errors``: the same over the
-  rows of the row's multi-turn trajectory);
-* the termination reasons by name (``MAX_TURNS``, ``TOOL_ERROR``, ...: their codes), to compare
-  with ``termination_reason`` or ``trajectory_end``;
-* numbers, ``True``/``False``; arithmetic ``+ - * / %`` and unary ``-``; calls to ``abs``,
-  ``min`` and ``max`` (element-wise);
-* comparisons ``== != < <= > >=`` (chained: ``0 <= policy_version < 5``) and ``in`` / ``not in``
-  a tuple or list of numbers;
-* ``and``, ``or``, ``not`` (element-wise over rows).
-
-The whole expression must be a condition (a comparison, a boolean name, or a boolean
-combination of them). Anything else (attribute access, subscripts, strings, lambdas, other
-calls...) is rejected with a :class:`WhereError` naming the construct and its column; an
-unknown name is rejected with the closest valid name and the full list.
-
-Evaluation runs on NumPy columns of any number of rows (a chunk of the buffer):
-:meth:`WhereExpression.evaluate` returns one bool per row. :attr:`WhereExpression.fields`
-says which stored fields it needs, :attr:`WhereExpression.uses_groups` whether it needs
-the group statistics (a first pass over ``group_id`` and ``reward``).
-
-Examples::
-
-    group_reward_std > 0                       # groups whose rewards are not all equal
-    not (group_reward_min == 1)                # drop groups that are all correct
-    policy_version >= 3 and response_length < 512
-    abs(advantage) > 0.1 or collector in (0, 2)
-    trajectory_end == MAX_TURNS or trajectory_turns > 8   # multi-turn: how trajectories ended
-    trajectory_tool_errors == 0 and trajectory_tool_calls > 0   # agents whose tool calls all worked
-    not tool_error_timeout                     # drop trajectories in which a tool timed out
+An expression is Python syntax, parsed with :mod:`ast` and checked against a whitelist (the names of
+:data:`ROW_NAMES`, :data:`GROUP_NAMES` and :data:`TRAJECTORY_NAMES`, numbers, arithmetic, comparisons,
+``and``/``or``/``not``) before anything is evaluated, never ``eval``-ed; anything else is a
+:class:`WhereError`. :class:`WhereExpression` evaluates it on NumPy columns, one bool per row.
+Design: docs/curation.md#filter.
 """
 
 from __future__ import annotations

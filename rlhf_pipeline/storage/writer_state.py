@@ -1,20 +1,12 @@
 """What a replay buffer publishes as its store's ``writer_state``: the writer's own state and its
 write path's, in the append that stores the rows they go with.
 
-A store publishes an append's rows and its ``writer_state`` in one atomic step (``storage/base.py``),
-so whatever is in the state is exactly as new as the rows. A buffer built by
-:func:`~rlhf_pipeline.storage.torchrl_glue.make_replay_buffer` fills it with two parts:
+Two parts: ``writer`` (what ``rb.extend(rows, writer_state=...)`` passes: a collector's position, id
+counters, sampling RNG, pacing counts) and ``write_path`` (each stateful write-path transform's
+``get_extra_state``). A transform's state moves forward only when its rows are published. The bytes are
+a ``torch.save`` read back with ``weights_only=True``: a state planted in a shared buffer cannot run code.
 
-* ``writer``: what the code that extends the buffer passes (``rb.extend(rows, writer_state=...)``):
-  a collector's prompt position, id counters, sampling RNG, pacing counts;
-* ``write_path``: the state of each write-path transform that keeps one (``get_extra_state``), in
-  the order torchrl holds them: the group-advantage transform's rows of groups not whole yet.
-
-A transform's state moves forward only when its rows are published: an ``extend`` that raises
-(a row the store refuses, a full disk, Ctrl-C) puts every transform back to its state before it.
-The bytes are a ``torch.save`` of tensors and plain values, read back with ``weights_only=True``
-(:func:`~rlhf_pipeline.files.state_files.load_state_bytes`): a state planted in a shared buffer
-cannot run code.
+Design: docs/storage.md#the-writers-state.
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ FORMAT = 2
 
 
 def encode(writer: Mapping[str, Any] | None, write_path: list[Any]) -> bytes:
-    """The ``writer_state`` bytes of a writer's state and its write path's (module docstring)."""
+    """The ``writer_state`` bytes of a writer's state and its write path's (docs/storage.md#the-writers-state)."""
     buffer = io.BytesIO()
     torch.save({"format": FORMAT, "writer": None if writer is None else dict(writer),
                 "write_path": list(write_path)}, buffer)

@@ -1,22 +1,13 @@
-"""Write-path transforms: they run inside ``rb.extend`` before rows reach the store.
-
-Each transform is a pure function (the math, tested on its own) plus a thin torchrl
-``Transform`` that attaches with ``rb.append_transform(t, invert=True)``:
-
-* :class:`GroupAdvantage` holds rows until a group is complete, then writes it with
-  ``advantage`` (its pending rows go in the store's ``writer_state`` with every append);
-* :class:`ReferenceLogProbs` fills ``ref_log_probs`` from a frozen reference model;
-* :class:`KLReward` fills ``kl`` and ``token_rewards``.
-
-Order. On ``extend`` torchrl runs the inverse chain *last-appended first*. The write
-path must run group advantage -> reference log-probs -> KL reward (rows wait for their
-group before the reference model spends time on them; KL needs the reference), so
-append them in the reverse order, or let :func:`attach_write_path` do it::
+"""Write-path transforms: they run inside ``rb.extend`` before rows reach the store, each a pure function
+(the math, tested on its own) plus a thin torchrl ``Transform`` attached with
+``rb.append_transform(t, invert=True)``: :class:`GroupAdvantage` holds rows until a group is complete,
+then writes it with ``advantage``; :class:`ReferenceLogProbs` fills ``ref_log_probs``; :class:`KLReward`
+fills ``kl`` and ``token_rewards``. They must run in that order, and torchrl runs the inverse chain
+last-appended first, so append them reversed, or let :func:`attach_write_path` do it::
 
     attach_write_path(rb, GroupAdvantage(8), ReferenceLogProbs(ref), KLReward(0.05))
 
-The store must hold the optional fields the stack fills:
-``StoreSchema(optional=("advantage", "ref_log_probs", "kl", "token_rewards"))``.
+Design: docs/write-path.md#attaching-the-transforms.
 """
 
 from __future__ import annotations

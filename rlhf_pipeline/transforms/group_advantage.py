@@ -1,34 +1,10 @@
-"""Group-relative advantage on the write path: torchrl ``MCAdvantage`` semantics, vectorized.
-
-Why one file: the pure math, the transform that applies it to a write and the checks that refuse
-a write before any state changes are one definition of the variant computed, read together; the
-pending rows they share live apart (``pending_groups.py``).
-
-Variant computed (per group ``g`` of ``group_size`` trajectories with returns ``R_i``)::
-
-    baseline_i = mean_g(R)                      (default)
-               = (sum_g(R) - R_i) / (n_g - 1)   (leave_one_out=True, the RLOO baseline)
-    std_g      = sqrt(sum_g((R - mean_g)^2) / (n_g - 1))   (unbiased, as torch.std;
-                                                            n_g with unbiased_std=False)
-    A_i        = (R_i - baseline_i) / max(std_g, eps)      (normalize=True, GRPO)
-               =  R_i - baseline_i                         (normalize=False, Dr. GRPO)
-
-``max(std, eps)`` (a clamp, not ``std + eps``) and the unbiased std are what torchrl
-0.14's ``MCAdvantage`` computes, so the defaults match it to float precision.
-
-Trajectory returns (``trajectory_return``): a trajectory is all rows sharing a
-``trajectory_id``, its last row ``done``. ``"sum"`` (default), ``"mean"`` or ``"max"``
-reduce its per-row rewards to one return and broadcast the advantage to all its rows
-(torchrl's ``trajectory_return=`` modes). ``"step"`` normalizes every row's reward
-against all rows of the group (torchrl's ``trajectory_return=None``). For single-turn
-GRPO (one row per trajectory) all four give the same numbers.
-
-Dynamic sampling: with ``drop_zero_variance=True`` a group whose returns are all equal
-(every completion right, or every one wrong) carries no signal and is dropped whole;
-``metrics()`` counts it. Without it such a group is written with advantage 0.
-
-Order on the write path: this transform runs first (it decides which rows are written
-at all), then reference log-probs, then the KL reward. See ``transforms/__init__.py``.
+"""Group-relative advantage on the write path (:class:`GroupAdvantage`, the math in
+:func:`group_advantages` and :func:`trajectory_returns`): torchrl ``MCAdvantage`` semantics, vectorized,
+with GRPO's, Dr. GRPO's and RLOO's variants, trajectory returns by sum, mean, max or step, and dynamic
+sampling (``drop_zero_variance``). It runs first on the write path: it decides which rows are written.
+Why the math, the transform and the checks that refuse a write before any state changes share a file:
+they are one definition of the variant computed, read together; the pending rows they share live apart
+(``pending_groups.py``). Design: docs/write-path.md#what-the-group-advantage-computes.
 """
 
 from __future__ import annotations
@@ -76,9 +52,9 @@ def group_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages of ``returns`` (M,) within groups ``group_of`` (M,) in ``[0, num_groups)``.
 
-    Returns ``(advantage (M,) float32, zero_variance (num_groups,) bool)``; the formula
-    is in the module docstring. Computed in float64 so the result does not depend on
-    the order rows arrive in. ``zero_variance`` is exact (max == min), not ``std < eps``.
+    Returns ``(advantage (M,) float32, zero_variance (num_groups,) bool)``; the formula is in
+    docs/write-path.md ("What the group advantage computes"). Computed in float64 so the result does
+    not depend on the order rows arrive in. ``zero_variance`` is exact (max == min), not ``std < eps``.
     """
     r = returns.to(torch.float64)
     count = torch.bincount(group_of, minlength=num_groups).to(torch.float64)  # (G,)
@@ -124,7 +100,7 @@ class GroupAdvantage(WritePathTransform):
         leave_one_out: RLOO baseline (mean of the other trajectories of the group).
         eps: lower clamp of the std.
         unbiased_std: std with ``n - 1`` (torch / torchrl default) or ``n``.
-        trajectory_return: ``"sum" | "mean" | "max" | "step"``, see the module docstring.
+        trajectory_return: ``"sum" | "mean" | "max" | "step"``, see docs/write-path.md.
         drop_zero_variance: drop groups whose returns are all equal (dynamic sampling).
         step_advantage: also write each row's ``"step"`` advantage as ``step_advantage`` (turn_advantage=mixed).
     """

@@ -1,17 +1,11 @@
-"""Per-token KL to the reference and the KL-shaped token reward, on the write path.
-
-Estimators (Schulman, "Approximating KL divergence"), per response token, ``logp`` the sampling
-log-prob and ``ref`` the reference's::
-
-    k1 = logp - ref                              (unbiased, can be negative; torchrl KLRewardTransform)
-    k2 = 0.5 * (logp - ref) ** 2                 (biased, >= 0)
-    k3 = exp(ref - logp) - (ref - logp) - 1      (unbiased, >= 0; GRPO's in-loss penalty)
-
-Writes ``kl`` and ``token_rewards = -coef * kl`` with the row's ``reward`` added on its last
-response token; ``reward`` is untouched. The coefficient is fixed or adaptive (Ziegler et al. 2019,
-sec. 2.2): after each write ``coef *= 1 + clip(KL / target_kl - 1, -0.2, 0.2) * n / horizon``, with
-``KL`` the mean per-sequence KL of its ``n`` rows; it is part of ``state_dict()``. Why it does not
-meet the advantage: docs/architecture.md#the-write-path-transforms.
+"""Per-token KL to the reference and the KL-shaped token reward, on the write path (:class:`KLReward`).
+Per response token, with ``logp`` the sampling log-prob and ``ref`` the reference's, one of Schulman's
+estimators gives ``kl``: ``k1 = logp - ref``, ``k2 = 0.5 * (logp - ref) ** 2`` or
+``k3 = exp(ref - logp) - (ref - logp) - 1``; ``token_rewards = -coef * kl`` with the row's ``reward``
+added on its last response token; ``reward`` is untouched. The coefficient is fixed or adaptive
+(:class:`AdaptiveKLController`, Ziegler et al. 2019), part of ``state_dict()``. Why it does not meet the
+advantage: docs/architecture.md#the-write-path-transforms; the estimators and the controller:
+docs/write-path.md#the-transforms.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Rows of GRPO groups not whole yet, held by the group-advantage transform until their group is.
-
-They are part of the write path's state, which the buffer publishes with every append as the
-store's ``writer_state`` (``storage/writer_state.py``): in the same atomic step as the rows, so a
-writer killed at any moment restarts with exactly the pending rows that go with the rows stored,
-and no group is lost or written twice. The snapshot holds tensors only (token fields as values +
-offsets, text as UTF-8 bytes + offsets, never pickled objects), so it loads with
-``weights_only=True``.
+"""Rows of GRPO groups not whole yet (:class:`PendingGroups`), held by the group-advantage transform until
+their group is. They are part of the write path's state, which the buffer publishes with every append
+as the store's ``writer_state`` (``storage/writer_state.py``) in the same atomic step as the rows, so a
+writer killed at any moment restarts with exactly the pending rows that go with the rows stored. The
+snapshot holds tensors only (token fields as values + offsets, text as UTF-8 bytes + offsets, never
+pickled objects), so it loads with ``weights_only=True``. Design: docs/write-path.md#the-transforms.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
-"""The thin torchrl ``Transform`` shell shared by the write-path transforms.
-
-torchrl 0.14 routes ``rb.append_transform(t, invert=True)`` through ``_InvertTransform``:
-on ``rb.extend`` the buffer calls ``Compose.inv`` -> ``_InvertTransform._inv_call`` ->
-``t._call(data)``; on ``rb.sample`` it calls ``_InvertTransform.forward`` -> ``t.inv(data)``.
-So here ``_call`` (and ``forward``, for direct calls ``t(batch)``) runs the write-path
-computation, and ``inv`` passes sampled data through untouched. ``Compose`` runs the
-inverse chain last-appended-first, and passes ``None`` (a group not complete yet) down
-the chain, so every transform returns ``None`` for ``None``; torchrl's ``extend`` then
-stores nothing and returns empty indices.
-
-Attached without ``invert=True``, torchrl would call ``_inv_call`` on writes and
-``forward`` on samples (the computation would run on sampled batches), so ``_inv_call``
-raises an error that says how to attach.
-
-State: ``nn.Module.state_dict`` recursion reaches a transform inside the buffer's
-``Compose`` only through ``get_extra_state`` / ``set_extra_state``, so that is where
-each transform's state goes; ``rb.state_dict()`` and ``rb.dumps`` then carry it.
-Payloads hold only tensors, numbers, strings and lists, so ``torch.load(weights_only=True)``
-reads them.
+"""The thin torchrl ``Transform`` shell shared by the write-path transforms (:class:`WritePathTransform`).
+Attached with ``rb.append_transform(t, invert=True)``, torchrl 0.14 calls ``t._call`` on ``rb.extend``
+(through ``_InvertTransform._inv_call``) and ``t.inv`` on ``rb.sample``: ``_call`` and ``forward`` run
+:meth:`~WritePathTransform.write`, ``inv`` passes sampled data through, and ``_inv_call`` (reached only
+when attached without ``invert=True``) raises saying how to attach. ``None`` (no group complete yet)
+passes down the chain and stores nothing. State goes through ``get_extra_state`` / ``set_extra_state``,
+the only way ``nn.Module.state_dict`` reaches a transform inside the buffer's ``Compose``; payloads hold
+tensors, numbers, strings and lists only, so ``torch.load(weights_only=True)`` reads them.
+Design: docs/write-path.md#how-the-transforms-sit-in-torchrl.
 """
 
 from __future__ import annotations

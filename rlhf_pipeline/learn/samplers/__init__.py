@@ -1,6 +1,7 @@
 """Which rows each learner step trains on: the contract (:mod:`.contract`), the samplers (one
 module each: ``window``, ``exact``, ``groups``, ``prioritized``, ``epoch``) and the registry that
-``learner.sampler`` picks from (:mod:`.registry`)."""
+``learner.sampler`` picks from (:mod:`.registry`). Design: docs/learner.md#which-rows-a-step-trains-on.
+"""
 
 from rlhf_pipeline.learn.samplers.contract import BatchSampler, DataTimeoutError, SampledRows
 from rlhf_pipeline.learn.samplers.registry import SAMPLERS, make_sampler

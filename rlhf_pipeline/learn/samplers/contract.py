@@ -1,21 +1,12 @@
-"""Which rows each learner step trains on: the contract every sampler keeps.
+"""Which rows each learner step trains on: the contract every sampler keeps (:class:`BatchSampler`).
 
-A sampler makes *draw* ``d`` (the ``d``-th batch the learner asks for; a batch can be
-dropped whole as stale, so draws and steps may differ): the store positions of one
-step's rows. The learner runs draws on a prefetch thread a few draws ahead
-(``learn/learner.py``, ``Prefetcher``), reads the rows into a padded batch, and records the draw count in
-its ``Progress``. A sampler keeps this contract (:class:`BatchSampler`):
-
-* ``draw(d) -> SampledRows`` is deterministic given the seed, ``d``, the sampler's state
-  and the rows published: a resumed run redraws exactly what an uninterrupted one would;
-* ``current_version`` is set by the learner before each draw: the policy version that draw is
-  trained with (staleness checks use it; ``DrawVersions``, ``learn/learner.py``);
-* ``state_dict()`` / ``load_state_dict()`` hold whatever else a resumed run needs. Draws run
-  ahead of the steps, so each ``SampledRows`` carries the state right after its draw
-  (``sampler_state``); the learner checkpoints the state of the last draw it *used*;
-* optionally, a ``hurry`` attribute: the learner sets it to an event that is set while a step
-  waits for the draw; a sampler that polls the buffer for new rows polls fast only then
-  (``rlhf_pipeline/coordination/polling.py``), through a :class:`RowsWait`.
+A sampler makes *draw* ``d`` (the ``d``-th batch the learner asks for; draws and steps may differ):
+the store positions of one step's rows (:class:`SampledRows`), on the learner's prefetch thread, a few
+draws ahead. ``draw(d)`` is deterministic given the seed, ``d``, the state and the rows published;
+``current_version`` is the version the draw trains with; each draw carries the state right after it,
+and the learner checkpoints the state of the last draw it used. A sampler waiting for rows polls
+through a :class:`RowsWait`, fast only while a step waits (the optional ``hurry`` event).
+Design: docs/learner.md#the-sampler-contract.
 """
 
 from __future__ import annotations
@@ -68,7 +59,10 @@ class SampledRows:
 
 
 class BatchSampler(Protocol):
-    """What the learner asks of a sampler (see the module docstring)."""
+    """What the learner asks of a sampler (docs/learner.md#the-sampler-contract): ``draw(d)``,
+    deterministic given the seed, ``d``, the state and the rows published; ``current_version``, set by
+    the learner before each draw; ``state_dict()`` / ``load_state_dict()``, whatever else a resumed run
+    needs (each ``SampledRows`` carries it as of right after its draw: ``sampler_state``)."""
 
     current_version: int
 

@@ -1,36 +1,12 @@
-"""The replay sampler: epochs over a recorded buffer, every row once per epoch.
+"""The replay sampler (:class:`EpochSampler`): epochs over a recorded buffer, every row once per epoch.
 
-``EpochSampler`` fixes the rows it walks when it is built: positions ``[0, rows)`` of the
-store, ``rows`` given (``learner.epoch_rows``) or all rows held then (rows written later are
-not part of the replay; a saved selection or a finished run's buffer does not grow anyway). Epoch ``e`` is an order of those rows;
-draw ``d`` is batch ``k = d mod K`` of epoch ``e = d div K``, with ``K = ceil(rows /
-batch_size)`` batches per epoch. **The last batch of an epoch is partial** (``rows mod
-batch_size`` rows when that is not 0): every row is used exactly once per epoch, and no
-row of the next epoch is mixed in.
-
-Orders (``learner.epoch_order``):
-
-* ``shuffle``: the store's storage units (:meth:`TrajectoryStore.unit_bounds`: memmap
-  segments, Zarr units, shards one after the other) are shuffled, cut into windows of at
-  least ``shuffle_window_rows`` rows (whole units), and the rows of each window are
-  shuffled. A window is read unit by unit, so a Zarr store decodes each unit once per
-  epoch while the window's units fit in its ``cache_bytes``; a buffer smaller than one
-  window is fully shuffled. ``shuffle_window_rows=0`` always shuffles the whole buffer.
-  Reshuffled every epoch.
-* ``sequential``: store order, every epoch the same.
-* ``with-replacement``: each draw takes ``batch_size`` positions uniformly at random
-  (repeats allowed), all batches full; an "epoch" is still ``K`` draws.
-
-Deterministic: epoch ``e``'s order comes from a generator seeded with ``(seed, e)``,
-a with-replacement draw from ``(seed, d)``, so draw ``d`` is the same rows whether or not
-the run was interrupted before it. The state a resumed run needs is the snapshot (row
-count, first row, unit bounds), checked against the store on resume, and the draw count
-(in the learner's ``Progress``). Settings that do not touch these (loss, learning rate)
-leave the rows of every step unchanged: that is how two algorithms are compared on
-identical data.
-
-Staleness does not apply: the rows carry the policy versions of the run that recorded
-them, unrelated to this learner's versions, so the sampler never rejects a row.
+It walks the rows the store holds when it is built (or ``learner.epoch_rows`` of them); draw ``d`` is
+batch ``d mod K`` of epoch ``d div K``, ``K = ceil(rows / batch_size)``, and an epoch's last batch is
+partial, so every row is used exactly once per epoch. Orders (``learner.epoch_order``): ``shuffle``
+(storage units shuffled, cut into windows of ``shuffle_window_rows``, rows shuffled within each),
+``sequential``, ``with-replacement``. Seeded by ``(seed, e)`` or ``(seed, d)``: draw ``d`` is the same
+rows whether or not the run was interrupted. No staleness bound: the rows' versions are another run's.
+Design: docs/replay.md#epochs.
 """
 
 from __future__ import annotations
@@ -69,7 +45,20 @@ def shuffled_order(unit_bounds: list[tuple[int, int]], window_rows: int,
 
 
 class EpochSampler:
-    """Epochs without (or with) replacement over a fixed snapshot of a store; see the module docstring."""
+    """Epochs without (or with) replacement over a fixed snapshot of a store (docs/replay.md#epochs).
+
+    The snapshot is positions ``[0, rows)``: ``rows`` given, or all rows held when it is built (rows
+    written later are not part of the replay; a saved selection or a finished run's buffer does not
+    grow anyway). ``shuffle`` reads a window unit by unit (:meth:`TrajectoryStore.unit_bounds`:
+    memmap segments, Zarr units, shards one after the other), so a Zarr store decodes each unit once
+    per epoch while the window's units fit in its ``cache_bytes``; ``shuffle_window_rows=0`` always
+    shuffles the whole buffer. ``with-replacement`` takes ``batch_size`` positions uniformly per draw
+    (repeats allowed), all batches full; an "epoch" is still ``K`` draws. The state a resumed run
+    needs is the snapshot (row count, first row, unit bounds), checked against the store on resume,
+    and the draw count (in the learner's ``Progress``). Settings that touch neither (loss, learning
+    rate) leave the rows of every step unchanged: that is how two algorithms are compared on
+    identical data. Staleness does not apply: the rows carry the policy versions of the run that
+    recorded them, unrelated to this learner's, so no row is ever rejected."""
 
     def __init__(self, store, *, batch_size: int, order: str = "shuffle", seed: int = 0, rows: int | None = None,
                  shuffle_window_rows: int = 65_536, stop: threading.Event | None = None) -> None:

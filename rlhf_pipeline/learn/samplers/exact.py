@@ -1,36 +1,12 @@
-"""The ``exact`` learner sampler: every fresh row is trained on exactly ``uses`` times.
+"""The ``exact`` sampler (:class:`ExactUseSampler`): every fresh row is trained on exactly ``uses`` times.
 
-Rows are taken in the order they were written, in *blocks* of ``batch_size`` rows, and each
-block is the whole batch of ``uses`` consecutive draws (the GRPO paper's mu iterations per
-generation batch, TRL's ``num_iterations``). With ``uses=1`` every row is trained on once, in
-the step after the one that was training while it was generated: on-policy GRPO with one step
-of overlap between generation and training. Nothing is sampled at random, so no row is left
-out and none is drawn twice by chance, which the ``window`` sampler cannot promise (about a
-quarter of its rows are never drawn at its defaults).
-
-Shards. Each shard (one per collector) has a cursor: the global id of its oldest row not yet
-taken into a block. A new block waits until the shards together hold ``batch_size`` rows past
-their cursors, then takes them evenly from the shards that have some (oldest first in each),
-so a collector that starts late or runs slower is neither left out nor waited for. Which rows
-form a block therefore depends on what each shard held at that moment; every row is still
-used exactly ``uses`` times.
-
-Staleness. With ``max_staleness`` set, a row sampled by a policy more than that many versions
-older than the learner will be when it trains the block's first draw (``current_version``, which
-the learner sets: not whatever version it holds as the rows arrive) is skipped for good
-(``dropped_stale``), and the learner's own check at use time applies to every pass: leave room
-for ``uses - 1`` reuses plus the overlap (``max_staleness >= uses``), or some rows are trained on
-fewer times. A row evicted
-from its store before its block is done is left out the same way. Rows passed over are rows the
-learner's intake did not count on: while a block waits for rows, :attr:`ExactUseSampler.lacking`
-says how many it still lacks, which the learner publishes to the collectors
-(``coordination/pacing.py``, ``lacking``), so they write them at once and with the version the
-block trains with, whatever the timing.
-
-Resume. The state (:meth:`ExactUseSampler.state_dict`) is the cursors, the current block
-(global ids per shard) and how many draws have used it; the learner checkpoints the state of
-the last draw a step used, so a resumed run continues the block it was on and takes the next
-rows after it: no row is lost or trained on an extra time.
+Rows are taken in write order in *blocks* of ``batch_size``, each block the whole batch of ``uses``
+consecutive draws (the GRPO paper's mu iterations, TRL's ``num_iterations``): nothing is random, so no
+row is left out or drawn twice by chance. A block takes an even share from every shard with rows past
+its cursor. Rows too stale for the version the block's first draw trains with, or evicted, are passed
+over for good; while a block waits, :attr:`~ExactUseSampler.lacking` says how many rows it still lacks,
+which the learner publishes to the collectors. The state (cursors, current block, its draws) resumes
+the block a run was on. Design: docs/learner.md#which-rows-a-step-trains-on.
 """
 
 from __future__ import annotations
@@ -50,7 +26,19 @@ NOTHING_LACKING: tuple[int, int, dict[str, int]] = (0, 0, {})
 
 
 class ExactUseSampler:
-    """Blocks of ``batch_size`` fresh rows in write order, each the batch of ``uses`` draws."""
+    """Blocks of ``batch_size`` fresh rows in write order, each the batch of ``uses`` draws.
+
+    Each shard (one per collector) has a cursor: the global id of its oldest row not yet taken into a
+    block. A new block waits until the shards together hold ``batch_size`` rows past their cursors,
+    then takes them evenly from the shards that have some, oldest first, so a collector that starts
+    late or runs slower is neither left out nor waited for; which rows form a block depends on what
+    each shard held then, and every row is still used exactly ``uses`` times. ``max_staleness`` is
+    checked against ``current_version`` when the block is taken (the version its first draw trains
+    with, not whichever the learner holds as the rows arrive), and the learner's own check at use time
+    applies to every pass: with ``max_staleness < uses`` some rows are trained on fewer times. Rows
+    passed over are rows the learner's intake did not count on, hence :attr:`lacking`. A resumed run
+    continues the block it was on and takes the next rows after it: no row is lost or trained on an
+    extra time."""
 
     def __init__(self, store, *, batch_size: int, uses: int = 1, max_staleness: int | None = None,
                  timeout_s: float = 600.0, poll_s: float = 0.005, stop: threading.Event | None = None) -> None:

@@ -1,32 +1,12 @@
-"""The ``groups`` learner sampler: whole GRPO groups from the newest rows, and zero-variance
-groups replaced by informative groups kept from earlier steps.
+"""The ``groups`` learner sampler (:class:`GroupWindowSampler`): whole GRPO groups from the newest rows,
+and zero-variance groups replaced by informative groups kept from earlier steps.
 
-Draw ``d`` (seeded with ``(seed, d)``, like the window sampler) reads ``group_id``, ``reward``
-and ``policy_version`` of the newest ``window`` rows (each shard's newest, in a sharded
-buffer), keeps the groups that lie whole in that window (a group cut by the window's old edge
-is left out: its row just before the window has the same ``group_id``), drops groups sampled
-by a policy more than ``max_staleness`` versions old, shuffles the rest and takes groups while
-their rows fit in ``batch_size``. A batch therefore holds whole groups: every row's group mates
-are there, so group statistics in the batch are the group's own. ``batch_size`` should be a
-multiple of the group size; otherwise the batch is the whole groups that fit.
-
-Zero-variance replacement (``replace_zero_variance``; the idea of TRL's experimental
-``GRPOWithReplayBufferTrainer``): a group whose rewards are all equal has zero advantage on
-every row and gives GRPO no signal. Each such group of the draw is replaced by a group from
-the *pool*: informative groups (reward std > 0) seen in earlier draws, at most ``pool_groups``,
-keeping those of highest reward std. A replacement is drawn with probability proportional to
-its std, among pool groups that are still held by the buffer (eviction drops them), fresh
-enough for ``max_staleness``, not in the batch already, and that fit in the rows freed. The
-pool holds row keys (:mod:`rlhf_pipeline.storage.row_keys`), never copies: the rows stay in
-the buffer. This draw's informative groups join the pool afterwards, so a batch never
-replaces a group by one of its own. A zero-variance group with no eligible replacement stays.
-
-Metrics (``metrics`` of each draw, logged by the learner under ``charts/``):
-``groups_in_batch``, ``groups_zero_variance`` (among the fresh groups drawn), ``groups_replaced``,
-``replay_pool_groups``; the draw's ``dropped_stale`` counts the window's rows of stale groups.
-
-State (exact resume): ``min_next_row`` and the pool; draw ``d`` depends only on them, the
-seed and the rows published.
+Draw ``d`` (seeded with ``(seed, d)``) keeps the groups that lie whole in the newest ``window`` rows
+and are fresh enough for ``max_staleness``, shuffles them and takes groups while they fit in
+``batch_size``, so a batch's group statistics are its groups' own. With ``replace_zero_variance`` each
+group whose rewards are all equal (no GRPO signal) is replaced by one from a pool of informative groups
+seen before, held as row keys, never copies. State (exact resume): ``min_next_row`` and the pool.
+Design: docs/curation.md#whole-groups-and-replacing-groups-without-signal.
 """
 
 from __future__ import annotations
@@ -55,7 +35,23 @@ class _Group:
 
 
 class GroupWindowSampler:
-    """Whole groups from the newest ``window`` rows; see the module docstring."""
+    """Whole groups from the newest ``window`` rows
+    (docs/curation.md#whole-groups-and-replacing-groups-without-signal).
+
+    A draw reads ``group_id``, ``reward`` and ``policy_version`` of the newest ``window`` rows (each
+    shard's newest, in a sharded buffer). A group cut by the window's old edge is left out (its row
+    just before the window has the same ``group_id``), and so are groups sampled by a policy more than
+    ``max_staleness`` versions old; the draw's ``dropped_stale`` counts the window's rows of those.
+    ``batch_size`` should be a multiple of the group size; otherwise the batch is the whole groups that
+    fit. Zero-variance replacement (the idea of TRL's experimental ``GRPOWithReplayBufferTrainer``): the
+    pool holds at most ``pool_groups`` informative groups (reward std > 0) seen in earlier draws, those
+    of highest std; a replacement is drawn with probability proportional to its std, among pool groups
+    still held by the buffer (eviction drops them), fresh enough, not in the batch already and that fit
+    in the rows freed. This draw's informative groups join the pool afterwards, so a batch never
+    replaces a group by one of its own; a zero-variance group with no eligible replacement stays.
+    Metrics (each draw's ``metrics``, logged under ``charts/``): ``groups_in_batch``,
+    ``groups_zero_variance`` (among the fresh groups drawn), ``groups_replaced``, ``replay_pool_groups``.
+    Draw ``d`` depends only on ``min_next_row``, the pool, the seed and the rows published."""
 
     def __init__(self, store, *, batch_size: int, window: int, seed: int, max_staleness: int | None,
                  new_rows_per_draw: int = 0, replace_zero_variance: bool = False, pool_groups: int = 64,

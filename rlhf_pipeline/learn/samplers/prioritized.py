@@ -1,37 +1,12 @@
-"""The ``prioritized`` learner sampler: rows drawn by priority from the whole buffer, with weights.
+"""The ``prioritized`` learner sampler (:class:`PrioritizedRowSampler`): rows drawn by priority from the
+whole buffer, with importance weights.
 
-``PrioritizedRowSampler`` runs :class:`~rlhf_pipeline.storage.prioritized.PrioritizedSampler`
-(prioritized experience replay on torchrl's ``Sampler`` contract) for the learner: draw ``d``
-takes ``batch_size`` rows of the whole buffer (every shard, or a saved selection) with
-probability proportional to ``(priority + eps)^alpha`` (with replacement), and hands the
-importance weights ``w_i`` to the learner, which multiplies every row's loss terms by them
-(``sample_weight`` in the batch, ``row_weights`` in ``learn/loss.py``): ``beta = 1`` undoes
-the bias of prioritized sampling, smaller betas partly.
-
-Priorities come from stored fields (``learner.priority``): ``abs_advantage`` (|advantage|:
-rows that move the policy most), ``group_reward_std`` (rows of groups whose rewards disagree:
-a group with equal rewards gives no GRPO signal and only ``eps``), ``recency`` (halves every
-10 policy versions).
-
-Feedback (``learner.priority_feedback``, prioritized experience replay): after the step of draw
-``d`` the learner hands back one value per row it trained on (:meth:`PrioritizedRowSampler.feed_back`,
-by the positions of draw ``d``, which stay valid as row keys whatever the store did since), and
-those rows take it as their priority. Draws run ahead of steps on the prefetch thread, so for
-the draws to be deterministic draw ``d`` applies the feedback of exactly the draws up to
-``d - 1 - FEEDBACK_LAG`` (waiting for it when the learner is behind) and no later one: a lag of
-1 keeps one draw prepared while the learner computes. Feedback of a draw whose rows all went
-stale is empty; rows dropped as stale keep their priority.
-
-Resume: without feedback a row's priority is a function of its stored fields, and the
-sampler's state is the window sampler's plus a scale offset. With feedback the state also holds
-the updated rows (by row key, only those) and the feedback given but not yet applied
-(:meth:`~PrioritizedRowSampler.with_feedback`, which the learner checkpoints), so a resumed run
-redraws exactly the rows an uninterrupted one would.
-
-Off-policy control: with ``max_staleness`` set, rows more than that many versions older than
-the learner get probability 0 (``PrioritizedSampler.set_min_version``); the sampler waits
-(reported as data-wait time) while no row is fresh enough, and gives up after ``timeout_s``.
-``new_rows_per_draw`` waits for new rows between draws, as the window sampler does.
+It runs :class:`~rlhf_pipeline.storage.prioritized.PrioritizedSampler` for the learner, which multiplies
+every row's loss terms by its weight (``sample_weight``). With ``learner.priority_feedback`` the rows a
+step trained on take the value it hands back as their priority; draws run ahead of steps, so for draws
+to be deterministic draw ``d`` applies the feedback of exactly the draws up to ``d - 1 - FEEDBACK_LAG``
+(waiting for it when the learner is behind). The checkpointed state holds the updated rows and the
+feedback not yet applied, so a resumed run redraws exactly. Design: docs/curation.md#in-the-learner.
 """
 
 from __future__ import annotations
@@ -52,7 +27,24 @@ FEEDBACK_LAG = 1
 
 
 class PrioritizedRowSampler:
-    """Draws ``batch_size`` rows by priority from the whole buffer (see the module docstring)."""
+    """Draws ``batch_size`` rows by priority from the whole buffer (docs/curation.md#in-the-learner).
+
+    Draw ``d`` takes ``batch_size`` rows of every shard (or a saved selection) with probability
+    proportional to ``(priority + eps)^alpha``, with replacement, and hands the importance weights to
+    the learner (``row_weights`` in ``learn/loss.py``): ``beta = 1`` undoes the bias of prioritized
+    sampling, smaller betas partly. Priorities come from stored fields (``priority``):
+    ``abs_advantage`` (rows that move the policy most), ``group_reward_std`` (a group with equal
+    rewards gives no GRPO signal and only ``eps``), ``recency`` (halves every 10 policy versions).
+    Feedback (:meth:`feed_back`) is given by the positions of draw ``d``, which stay valid as row keys
+    whatever the store did since; a lag of 1 keeps one draw prepared while the learner computes. The
+    feedback of a draw whose rows all went stale is empty; rows dropped as stale keep their priority.
+    Without feedback a row's priority is a function of its stored fields and the state is the window
+    sampler's plus a scale offset; with it the state also holds the updated rows (by row key, only
+    those) and the feedback given but not applied (:meth:`with_feedback`, which the learner
+    checkpoints). With ``max_staleness`` rows more than that many versions older than the learner get
+    probability 0 (``PrioritizedSampler.set_min_version``): the sampler waits (reported as data-wait
+    time) while no row is fresh enough, and gives up after ``timeout_s``. ``new_rows_per_draw`` waits
+    for new rows between draws, as the window sampler does."""
 
     def __init__(self, store, *, batch_size: int, seed: int, priority: str = "abs_advantage",
                  alpha: float = 0.6, beta: float = 0.4, max_staleness: int | None = None,

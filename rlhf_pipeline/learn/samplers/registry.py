@@ -2,6 +2,7 @@
 builds it. To add a sampler: write its class in a module of its own in this folder, keeping the
 contract of :mod:`.contract`, and add one line to :data:`SAMPLERS` naming a factory
 ``make(settings, store, *, seed, stop, timeout_s)`` where ``settings`` is the learner's ``LearnerSettings``.
+Design: docs/learner.md#the-sampler-contract.
 """
 
 from __future__ import annotations

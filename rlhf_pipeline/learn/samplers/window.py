@@ -1,25 +1,12 @@
-"""The default learner sampler: each step draws from the newest rows of a buffer being written.
+"""The ``window`` learner sampler (:class:`FreshRowSampler`): each step draws from the newest rows of a
+buffer being written.
 
-``FreshRowSampler`` makes draw ``d`` from the newest ``window`` rows of a store that another
-process may be appending to (opened read-only; every draw refreshes it). Over a sharded
-buffer (one store per collector) the window takes an even share of each shard's newest rows
-(``ShardedStoreReader.newest_positions``), row counts (``new_rows_per_draw``) are summed
-over all shards, and no draw is made while a shard is still empty: a collector that starts
-a little later than the others would otherwise miss the first steps, which would train on
-the other collectors' prompts alone. Its randomness comes from a generator seeded with
-``(seed, d)``, so draw ``d`` picks the same rows whether or not the run was interrupted
-before it: the draw count and the buffer position the next draw waits for
-(``min_next_row``, its :meth:`~FreshRowSampler.state_dict`) are its whole state.
-
-Update-to-data ratio: with ``new_rows_per_draw = n > 0`` a draw waits until the buffer holds
-``n`` rows more than at the previous draw, so rows are reused about ``batch_size / n`` times
-on average; 0 never waits.
-
-Off-policy control: a row sampled by a policy more than ``max_staleness`` versions older
-than the learner's current version is not used; it is counted in ``dropped_stale``. When
-the window holds too few fresh rows the sampler waits for the collector to write more
-(the wait is reported as data-wait time), and gives up with a clear error after
-``timeout_s``. Only the ``policy_version`` column is read to check staleness.
+Draw ``d`` takes ``batch_size`` distinct rows uniformly from the newest ``window`` rows (an even share
+of each shard's newest; no draw while a shard is still empty), seeded with ``(seed, d)``: the draw
+count and ``min_next_row`` are its whole state. With ``new_rows_per_draw = n > 0`` a draw waits for
+``n`` new rows (rows are reused about ``batch_size / n`` times); rows more than ``max_staleness``
+versions old are skipped and counted (``dropped_stale``), and the sampler waits for fresh rows until
+``timeout_s``. Design: docs/learner.md#which-rows-a-step-trains-on.
 """
 
 from __future__ import annotations
@@ -34,7 +21,16 @@ from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, RowsWait, Sa
 
 
 class FreshRowSampler:
-    """Draws ``batch_size`` distinct rows from the newest ``window`` rows, skipping stale ones."""
+    """Draws ``batch_size`` distinct rows from the newest ``window`` rows, skipping stale ones.
+
+    The store is opened read-only and refreshed at every draw; another process may be appending to it.
+    Over a sharded buffer (one store per collector) the window takes an even share of each shard's
+    newest rows (``ShardedStoreReader.newest_positions``) and ``new_rows_per_draw`` counts rows summed
+    over all shards; no draw is made while a shard is still empty, since a collector that starts a
+    little later than the others would otherwise miss the first steps, which would train on the other
+    collectors' prompts alone. ``new_rows_per_draw=0`` never waits. Only the ``policy_version`` column
+    is read to check staleness; when the window holds too few fresh rows the sampler waits for more
+    (reported as data-wait time) and gives up with a clear error after ``timeout_s``."""
 
     def __init__(self, store, *, batch_size: int, window: int, seed: int,
                  max_staleness: int | None, new_rows_per_draw: int = 0, min_next_row: int = 0,

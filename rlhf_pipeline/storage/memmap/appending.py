@@ -1,19 +1,12 @@
-"""A memmap store's writer side: appending rows to the open segment and publishing them.
+"""A memmap store's writer side (``MemmapAppending``): appending rows to the open segment, publishing them.
 
-An append writes bytes past the published lengths, fsyncs them (``durable=True``),
-then publishes the new state, the append's ``writer_state`` in it
-(:class:`~rlhf_pipeline.storage.memmap.state_slots.StateSlots`).
-Readers see only what a publish covers, so they never see a partial row, and a writer killed at
-any moment leaves the previous publish intact (the slot it was rewriting keeps its old header);
-reopening for append truncates the unpublished bytes and carries on at ``next_row``
-(:meth:`MemmapAppending._recover_tail`). A segment that fills is sealed (its ``checksums.json``
-written) and the next append opens the next one.
-
-``durable=False`` skips the fsyncs: a killed *process* still loses nothing that was
-published (the page cache holds it), but a power loss may roll back recent appends.
-FACTS.md measured fsync-per-batch at ~8.5x the cost of a plain memmap append; here
-the fsyncs of a batch's files are issued in parallel, which cuts most of that.
-"""
+An append writes bytes past the published lengths, fsyncs them (``durable=True``; a batch's fsyncs run in
+parallel), then publishes the new state with the append's ``writer_state`` in it
+(:class:`~rlhf_pipeline.storage.memmap.state_slots.StateSlots`): readers see only what a publish covers,
+and a writer killed at any moment leaves the previous publish intact. Reopening for append truncates the
+unpublished bytes and carries on at ``next_row`` (:meth:`MemmapAppending._recover_tail`). A segment that
+fills is sealed (its ``checksums.json`` written) and the next append opens the next one.
+Design: docs/storage.md#appending-and-sealing."""
 
 from __future__ import annotations
 

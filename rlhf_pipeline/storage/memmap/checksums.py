@@ -1,23 +1,10 @@
-"""CRC32C checksums of a sealed memmap segment's files (``seg-NNNNNNNN/checksums.json``); no torch.
+"""CRC32C checksums of a memmap store's segment files (``seg-NNNNNNNN/checksums.json``); no torch.
 
-A segment is sealed once it holds ``segment_rows`` rows: its files are trimmed to their
-exact size and never change again. Sealing then records, per file, its size and the
-CRC32C of its bytes (``google-crc32c``, which zarr depends on; hardware CRC32C runs at
-~12 GB/s here, so checking a 20 MB segment costs under 2 ms)::
-
-    {"algorithm": "crc32c", "files": {"prompt_tokens.values": [size, crc], ...}}
-
-Readers check a sealed segment's file the first time they map it (see
-:class:`~.views.SegmentView`), ``rlhf-pipeline inspect --verify`` and ``repair`` check
-every sealed segment. The open tail segment's files grow with every append: each publish
-records, in the state slot, the CRC32C of each file's published bytes (``open_segment_checksums``,
-extended by the bytes each append writes), which readers check as they read what it publishes
-and ``inspect --verify`` checks whole. Sealing records those CRCs of the bytes written, not of a
-re-read, so a byte damaged while its segment was open fails every reader's check once sealed.
-The published state records from which segment on every sealed segment has its checksums
-(``checksums_from_segment``), so a lost ``checksums.json`` is damage; segments sealed by
-versions before checksums have none, and are checked for structure only.
-"""
+Sealing records each file's size and CRC32C (``google-crc32c``). The open segment's CRCs are extended by
+each append and recorded by each publish, and become its ``checksums.json`` when it is sealed (CRCs of
+the bytes written, not of a re-read). Readers check a sealed segment's file when they first map it and the
+open segment's published bytes as they read them; ``inspect --verify`` and ``repair`` check every segment.
+Design: docs/storage.md#checksums-and-checks."""
 
 from __future__ import annotations
 

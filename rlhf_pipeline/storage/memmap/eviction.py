@@ -1,13 +1,10 @@
-"""Dropping a memmap store's oldest sealed segments: eviction over ``capacity_rows`` and retention's drop.
+"""Dropping a memmap store's oldest sealed segments (``MemmapEviction``): eviction over ``capacity_rows``
+and retention's drop.
 
-With ``capacity_rows`` set, after each append the oldest *sealed* segments are
-dropped while more than ``capacity_rows`` rows are held, so the store holds between
-``capacity_rows - S + 1`` and ``capacity_rows`` rows once full. Retention
-(``storage/retention.py``) drops the sealed segments wholly before a row in one publish.
-Either way the files of a dropped segment are deleted ``evict_grace_s`` seconds later, so
-readers that opened the store before the drop can still map them; the open tail segment is
-never dropped.
-"""
+Both drop whole sealed segments, never the open one, in one publish; a full store holds between
+``capacity_rows - S + 1`` and ``capacity_rows`` rows. A dropped segment's files are deleted
+``evict_grace_s`` seconds later, so readers that opened the store before the drop can still map them.
+Design: docs/storage.md#dropping-segments."""
 
 from __future__ import annotations
 

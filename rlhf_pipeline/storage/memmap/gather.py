@@ -1,9 +1,8 @@
 """Gathering whole rows of a memmap store (``store.read``), in request order.
 
-The rows of one read may fall in several segments: they are grouped by segment, each
-segment's mapped arrays are read once, and the values are scattered back into request
-order. The fused padded read (``store.read_padded``) takes another path: ``row_index.py``.
-"""
+The rows of one read may fall in several segments: they are grouped by segment, each segment's mapped
+arrays are read once, and the values are scattered back into request order. The fused padded read
+(``store.read_padded``) takes another path: ``row_index.py``. Design: docs/storage.md#reading-segments."""
 
 from __future__ import annotations
 

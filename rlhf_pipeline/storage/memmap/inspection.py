@@ -1,11 +1,8 @@
 """``inspect`` and ``inspect --verify`` of a memmap store, from its files alone (json + numpy, no torch).
 
-:func:`stats` summarizes the published rows (the store's ``stats()`` is this function);
-:func:`verify` checks every held segment: sealed ones byte for byte against the checksums
-recorded when they were sealed, all of them for structure (end offsets that only grow and
-stay inside the values, non-empty prompts and responses, valid UTF-8 text), plus the
-manifest and the state slots.
-"""
+:func:`stats` summarizes the published rows (the store's ``stats()`` is this function); :func:`verify`
+checks every held segment, sealed ones byte for byte against their recorded checksums and all of them
+for structure, plus the manifest and the state slots. Design: docs/storage.md#checksums-and-checks."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """The on-disk layout of a memmap store, read with json and numpy only (no torch).
 
-What the store (:mod:`.store`), ``inspect``, ``inspect --verify`` and ``repair`` share:
-names of files and directories, the per-field files of a segment, the published state
-(``manifest.json`` + the two state slots) and how a damaged slot is told apart from a
-writer's normal crash (:func:`read_published`).
-
-The manifest records each field's kind and numpy dtype under ``"fields"`` (stores made
-before that record only the schema; :func:`fields_of` then asks ``rlhf_pipeline.schema``,
-which imports torch), so summaries and checks need nothing but the files.
-"""
+What the store (:mod:`.store`), ``inspect``, ``inspect --verify`` and ``repair`` share: names of files and
+directories, the per-field files of a segment, the published state (``manifest.json`` + the two state
+slots) and how a damaged slot is told apart from a writer's normal crash (:func:`read_published`). The
+manifest's ``"fields"`` gives each field's kind and dtype, so summaries and checks need only the files.
+Design: docs/storage.md#segment-files."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""Read-only file mappings that hold no file descriptor.
+"""Read-only file mappings that hold no file descriptor (:func:`map_readonly`).
 
-Python's ``mmap.mmap`` duplicates the descriptor it is given and keeps the copy open
-for as long as the mapping lives (``trackfd=False`` only exists from Python 3.13), so
-a reader that maps every file of every segment it touches keeps one descriptor per
-file: 18 per segment of the default schema, thousands for a long run, until the
-process dies of ``EMFILE`` under the usual ``ulimit -n 1024``. The kernel needs no
-descriptor to keep a mapping alive, so this module calls libc's ``mmap`` directly
-and the caller closes its descriptor right away. The mapping is unmapped when the
-last numpy array over it is garbage-collected, as with ``mmap.mmap``.
-
-Where libc cannot be loaded (not Linux/glibc-like), :func:`map_readonly` falls back to
-``mmap.mmap`` and its descriptor.
-"""
+Python's ``mmap.mmap`` keeps a duplicate of its descriptor while the mapping lives (``trackfd=False`` only
+from Python 3.13), so a reader would hold one per mapped file until ``EMFILE``; the kernel needs none, so
+this module calls libc's ``mmap`` directly and the caller closes its descriptor at once. The mapping goes
+when the last numpy array over it is garbage-collected. Where libc cannot be loaded (not Linux/glibc-like)
+it falls back to ``mmap.mmap`` and its descriptor. Design: docs/storage.md#reading-segments."""
 
 from __future__ import annotations
 

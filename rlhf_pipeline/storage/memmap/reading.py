@@ -1,10 +1,10 @@
-"""A memmap store's reader side: mapping segments on demand, gathering rows, following publishes.
+"""A memmap store's reader side (``MemmapReading``): mapping segments on demand, gathering rows, following
+publishes.
 
-Reads map the segments they touch and keep at most ``mapped_segments`` mapped (least recently
-read unmapped first). Every byte is checked against the CRC32C recorded for it before it is
-used (:mod:`.views`). A segment evicted and deleted under a reader gives an ``IndexError``
-naming the rows; a held segment's missing file a ``StoreCorruptedError`` naming it.
-"""
+Reads map the segments they touch and keep at most ``mapped_segments`` mapped (least recently read
+unmapped first). Every byte is checked against the CRC32C recorded for it before it is used
+(:mod:`.views`). A segment evicted and deleted under a reader gives an ``IndexError`` naming the rows; a
+held segment's missing file a ``StoreCorruptedError`` naming it. Design: docs/storage.md#reading-segments."""
 
 from __future__ import annotations
 

@@ -1,34 +1,13 @@
 """``rlhf-pipeline repair`` of a memmap store: rebuild the published state from the segment files.
 
-What a store needs to be read is ``manifest.json`` (what it is) and a state slot (which
-rows are published). Both can be rebuilt from the segment files, which hold everything
-else: a sealed segment's files are trimmed to their exact size (and carry checksums), and
-the open segment's end offsets tell how many complete rows it holds (see
-:func:`~.layout.complete_rows`). Repair:
-
-1. takes the store's configuration from the newest intact slot, else the manifest, else
-   a damaged slot that still parses, else the files (fields from the file names, segment
-   size from a sealed segment);
-2. with an intact newest slot (the record of what was acknowledged; the manifest's state when
-   no publish has landed yet), publishes exactly the rows it covers: complete rows past its end
-   were never acknowledged and are left alone: a live writer (it holds the writer lock) publishes
-   them with its append, and the rows of a writer killed before its publish are truncated by the
-   next writer (a collector writes that round again); the dry run then finds nothing to repair;
-3. without one (both slots damaged, a newest slot damaged, or a slot lost: deleted, or emptied
-   while the other holds publish 2 or later, see :func:`~.layout.lost_slot`), walks the segments
-   from the first held one: each sealed segment contributes its rows, the first segment
-   that is not full is the tail and ends the walk. A segment that is missing or short while
-   later segments exist stays published as lost rows (reads raise), so that later segments
-   keep their row ids and no append reuses one; the Zarr repair keeps the same rows;
-4. compares that with what is published now and, with ``apply=True``, writes the manifest
-   (when damaged) and publishes the rebuilt state into both slots, under the writer lock;
-5. records again the ``checksums.json`` of a segment sealed with one that lost it (deleted or
-   damaged; the state says from which segment on every sealed one has them), from its files as
-   they are, once they pass the structural checks.
-
-Nothing is deleted: damaged files it replaces are copied to ``repair-<time>/`` in the store.
-It cannot fix the contents of a damaged file (a checksum mismatch): it reports the rows affected.
-"""
+A store needs ``manifest.json`` and a state slot to be read, and both follow from the segment files (sealed
+files are trimmed to their size, the open segment's end offsets count its complete rows:
+:func:`~.layout.complete_rows`). With an intact newest slot repair publishes exactly the rows it covers;
+without one (damaged, or lost: :func:`~.layout.lost_slot`) it walks the segments from the first held one,
+keeping a missing or short segment before later ones as lost rows. It rewrites a damaged manifest and both
+slots under the writer lock, records a lost ``checksums.json`` again, copies what it replaces to
+``repair-<time>/`` and deletes nothing; a damaged file's contents it cannot fix.
+Design: docs/storage.md#repair-step-by-step."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
-"""Locating sampled rows of a memmap store for the fused padded read (``store.read_padded``).
+"""Locating sampled rows of a memmap store for the fused reads (``store.read_padded``, ``read_ragged``).
 
-What :func:`locate_rows` answers (a :class:`~.padded_rows.LocatedRows`): per sampled row,
-its segment's mapped value arrays, the start and length of its prompt and response in
-them, and its row-field values. :func:`~.padded_rows.fill_padded` then copies the rows
-into the padded tensors.
-
-The per-row facts come from a :class:`RowIndex`: flat in-memory arrays over every held
-row (prompt/response start and end within the segment, and each row field), indexed by
-global id. A lookup is then one ``take`` per column whatever the number of segments the
-batch touches; looking rows up segment by segment costs ~25 us per segment, which on a
-buffer of a million rows (~250 segments of 4,096) is ~60 segments per random batch of 64,
-over 1 ms. The index follows the store: each lookup first appends the rows published
-since (read from the segments' ``.ends`` and ``.col`` files) and drops evicted ones.
-It costs this process 32 bytes of spans plus the row fields (39 bytes with ``advantage``)
-per held row, ~71 MB per million rows, and up to twice that while its arrays grow.
-"""
+:func:`locate_rows` answers, per sampled row, its segment's mapped value arrays, the start and length of
+its prompt and response in them, and its row-field values (a :class:`~.padded_rows.LocatedRows`, which
+:func:`~.padded_rows.fill_padded` copies into the padded tensors). The per-row facts come from a
+:class:`RowIndex`, flat in-memory arrays over every held row indexed by global id, so a lookup costs one
+``take`` per column however many segments a batch touches; each lookup first catches up with the store.
+Design: docs/storage.md#reading-segments."""
 
 from __future__ import annotations
 

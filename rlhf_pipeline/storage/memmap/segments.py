@@ -1,20 +1,11 @@
 """Files of one memmap segment: how rows are laid out, appended and mapped back.
 
-A segment is a directory ``seg-<id>`` holding, for each field of the schema:
-
-* token and text fields: ``<field>.values`` (flat values, int32 / float32 / UTF-8
-  bytes) and ``<field>.ends`` (int64, one *end* offset per row, relative to the
-  segment; row ``i`` is ``values[ends[i-1]:ends[i]]`` with ``ends[-1] == 0``);
-* row fields: ``<field>.col``, one fixed-size value per row.
-
-Every file is raw little-endian numpy data with no header; the manifest says how
-many elements of each file are published. Bytes past that count are unpublished
-(an append in progress, or left by a writer that crashed) and are never read.
-
-:class:`SegmentWriter` appends with ``pwrite`` and grows files ahead in chunks
-(sparse, so no disk is spent) so that readers rarely have to remap; sealing
-trims every file to its exact size. Reads go through :class:`~.views.SegmentView`.
-"""
+A segment ``seg-<id>`` holds per field ``<field>.values`` and ``<field>.ends`` (token and text fields: flat
+values and int64 end offsets) or ``<field>.col`` (row fields): raw little-endian data without a header, of
+which the published state says how much is published. :class:`SegmentWriter` appends with ``pwrite``,
+grows files ahead sparsely so readers rarely remap, and trims them when sealing; :func:`copy_segment`
+copies a segment's published part (snapshots). Reads go through :class:`~.views.SegmentView`.
+Design: docs/storage.md#segment-files."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Frequent publishes of a memmap store's state without a rename: two slots, written in turn."""
+"""The published state of a memmap store in two CRC-checked slots written in turn, so that frequent
+publishes need no rename (:class:`StateSlots`; what a read found: :class:`SlotReading`, :class:`SlotDamage`).
+Design: docs/storage.md#the-state-slots."""
 
 from __future__ import annotations
 

@@ -1,44 +1,11 @@
-"""The memory-mapped trajectory store: creating and opening one, its published state, closing it.
+"""The memory-mapped trajectory store (``MemmapTrajectoryStore``): creating and opening one, its published
+state, closing it.
 
-The class is assembled from one module per job: this one creates and opens the store and keeps
-its published state (the manifest and the state slots); appending and publishing are in
-:mod:`.appending`, eviction and retention's drop in :mod:`.eviction`, reads in :mod:`.reading`.
-
-On disk::
-
-    <path>/
-      manifest.json        what the store is (backend, format, schema, segment size, capacity)
-                           and its state when created or snapshotted
-      state.0, state.1     the published state, rewritten in turn by every append (both
-                           created with the store: a missing one is damage)
-      writer.lock          flock'ed by the one writer; records its pid
-      seg-00000000/        rows [0, S) -- sealed, immutable
-        prompt_tokens.values  prompt_tokens.ends  ...  reward.col  ...  prompt_text.values ...
-        checksums.json     size and CRC32C of every file, written when the segment was sealed
-      seg-00000001/        rows [S, 2S) -- the open tail segment, appended to
-
-Segment ``k`` holds global rows ``[k*S, (k+1)*S)`` (``S = segment_rows``). File
-formats are in :mod:`rlhf_pipeline.storage.memmap.segments`. The published state
-records ``first_row``, ``next_row`` and, per held segment, its row count and value
-counts; it is a CRC-checked record in one of two slots
-(:class:`~rlhf_pipeline.storage.memmap.state_slots.StateSlots`), so publishing needs no rename.
-
-An append writes past the published lengths, then publishes (:mod:`.appending`): readers see
-only what a publish covers, and a writer killed at any moment leaves the previous publish intact.
-
-Damage (:mod:`.layout`, :mod:`.checksums`): a newest slot that fails its check was
-damaged at rest, never torn by a crash. If the segment files hold rows beyond the intact
-older slot, readers open there with a ``StoreDamageWarning`` naming the rows rolled back,
-and a writer refuses (truncating the tail would destroy them); with no intact slot at all, or a
-lost one (:func:`.layout.lost_slot`), every open raises ``StoreCorruptedError`` naming the files.
-``rlhf-pipeline repair`` rebuilds the state from the segment files (:mod:`.repair`). Missing or
-damaged segment files raise ``StoreCorruptedError`` naming the segment and field when read; the
-other segments keep reading. No byte is read before it was checked against the CRC32C recorded
-for it: a sealed segment's checksums, the open segment's published prefixes (:mod:`.views`).
-
-``durable=False`` skips the fsyncs (:mod:`.appending` says what that risks). With ``capacity_rows``
-set the oldest sealed segments are dropped after each append (:mod:`.eviction`).
-"""
+The class is assembled from one module per job: this one creates and opens the store and keeps its
+published state (``manifest.json`` and the state slots of :mod:`.state_slots`); appending and publishing
+are in :mod:`.appending`, eviction and retention's drop in :mod:`.eviction`, reads in :mod:`.reading`.
+Segment ``k`` holds global rows ``[k*S, (k+1)*S)``. Design: docs/storage.md#inside-the-memmap-store;
+what opening does with a damaged store: docs/guarantees.md#storage-both-backends."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Reading a memmap segment: read-only mappings of its files, checked against the CRCs recorded for them.
+"""Reading a memmap segment: read-only mappings of its files (:class:`SegmentView`), checked against the
+CRCs recorded for them (:class:`RecordedChecksums`).
 
-What a reader may be handed is what the published state covers, and only after it was checked:
-a sealed segment's files against its ``checksums.json``, the open segment's against the CRC32C
-of their published bytes that each publish records (:mod:`.checksums`). File formats are in
-:mod:`.segments`; the store builds one :class:`SegmentView` per segment it reads.
-"""
+A reader is handed only what the published state covers, after it was checked: a sealed segment's files
+against its ``checksums.json``, the open segment's against the CRC32C of their published bytes that each
+publish records (:mod:`.checksums`). File formats are in :mod:`.segments`; the store builds one
+:class:`SegmentView` per segment it reads. Design: docs/storage.md#checksums-and-checks."""
 
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
-"""A Zarr store's writer side: appending units, publishing the commit record, sealing, dropping.
+"""A Zarr store's writer side (``ZarrAppending``): appending units, publishing the commit record, sealing.
 
-* **Write, then publish.** An append writes a new *unit* (new keys only), then
-  replaces the root ``zarr.json`` whose attributes are the commit record (row
-  count, the list of units and the append's ``writer_state``). A local store replaces it with an atomic rename
-  (``manifest.publish_json``); a remote store with a single PUT. A reader sees
-  the old or the new record, and every unit either record names is complete.
-* **Append fragments, compact into segments.** An append cuts its batch at segment
-  boundaries: a whole segment is written sealed; any other piece becomes a *packed
-  fragment* (all its arrays in one raw chunk: two files, one ``writev``). The append
-  that completes a segment hands it to a background thread (:mod:`.writer`),
-  which writes the segment, publishes, and only then deletes the fragments; publishes
-  are serialized by a lock. A crash in between leaves orphans that the next writer
-  deletes when it opens the store, and complete fragments it seals again. ``close``
-  merges the open segment's fragments into one.
-* **One sync per durable publish.** The unit's files and ``zarr.json.partial`` are
-  flushed together (their fsyncs at once for a small unit, ``syncfs`` for a big one),
-  then the rename and an fsync of the directory.
-
-With ``capacity_rows`` set a publish also drops the oldest sealed segments while more than
-``capacity_rows`` rows are held (as memmap does); retention's drop (``storage/retention.py``)
-takes the sealed segments wholly before a row out in one publish. A dropped unit's objects are
-deleted right after the publish that dropped it.
-"""
+An append writes a new unit under new keys (a whole segment sealed, any other piece a packed fragment),
+then replaces the root ``zarr.json`` whose attributes are the commit record (rows, units, the append's
+``writer_state``): locally by an atomic rename after one sync of the unit and the record, remotely by one
+PUT. A reader sees the old or the new record, and every unit either names is complete. A completed
+segment is sealed in the background (:mod:`.writer`); ``capacity_rows`` and retention's drop take whole
+sealed segments out in one publish, and their objects are deleted right after it.
+Design: docs/zarr-layout.md#consistency-rules-what-makes-it-safe-without-a-synchronizer."""
 
 from __future__ import annotations
 

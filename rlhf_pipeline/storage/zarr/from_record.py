@@ -1,12 +1,11 @@
 """A reader of a Zarr store opened from a commit record another reader of it read: no request.
 
-Data-parallel learner ranks read one buffer at a URL. Rank 0 opens it (a LIST and one GET of each
-shard's commit record) and shares the records it read; every other rank opens its readers from them
-(:func:`open_reader`), so a rank's opening sends nothing, where 160 ranks over 640 shards each
-opening their own sent 205,000 requests at once (``docs/scaling.md``, section 4). What a reader needs
-besides the record is the location, which every rank knows: the record holds the schema, the
-codecs, the arrays' layout and the units, everything :meth:`ZarrTrajectoryStore.open` reads.
-"""
+Data-parallel learner ranks read one buffer at a URL: rank 0 opens it (a LIST and one GET of each shard's
+commit record) and shares the records it read; every other rank opens its readers from them
+(:func:`open_reader`), so its opening sends nothing, where 160 ranks over 640 shards each opening their
+own sent 205,000 requests at once. The record holds all that :meth:`ZarrTrajectoryStore.open` reads
+(schema, codecs, the arrays' layout, the units); the location is what every rank knows.
+Design: docs/scaling.md#opening-the-buffer."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""``inspect`` and ``inspect --verify`` of a Zarr store, from its keys alone (json, numpy, numcodecs; no torch).
+"""``inspect`` and ``inspect --verify`` of a Zarr store from its keys alone (json, numpy, numcodecs, no torch).
 
-:func:`stats` summarizes the published rows from each unit's small per-row arrays (the
-store's ``stats()`` is :func:`summarize`); :func:`verify` decodes every chunk of every
-published unit, checking its CRC32C (format 2), its exact size and its offsets, checks each
-unit's group and array metadata (``zarr.json``) against what its decoded arrays imply, and
-lists the units no record names. This library reads units without their metadata, but a plain
-zarr reader needs it (the layout promises every store reads with zarr alone): a damaged or
-deleted one is reported, and :func:`check_units` hands ``repair`` the bytes to rewrite it with.
-"""
+:func:`stats` summarizes the published rows from each unit's small per-row arrays (the store's
+``stats()`` is :func:`summarize`); :func:`verify` decodes every chunk of every published unit (its
+CRC32C, exact size and offsets), checks each unit's metadata (``zarr.json``, which plain zarr needs and
+this library never reads) against what its arrays imply, and lists the units no record names;
+:func:`check_units` hands ``repair`` the bytes to rewrite damaged metadata with.
+Design: docs/zarr-layout.md#damage-and-repair."""
 
 from __future__ import annotations
 

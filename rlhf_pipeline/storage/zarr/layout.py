@@ -1,39 +1,13 @@
 """The on-disk layout of a Zarr trajectory store: keys, array metadata, codecs, packing; no torch.
 
-Why one file: the whole on-disk format of a Zarr store (keys, array metadata, codecs, unit packing)
-in one place, as ``docs/zarr-layout.md`` describes it; a split would put one format in two files.
+Why one file: the whole on-disk format of a Zarr store in one place, as its design note describes it;
+a split would put one format in two files.
 
-A store is a Zarr v3 hierarchy (see ``docs/zarr-layout.md``)::
-
-    zarr.json                          root group; attributes["rlhf_pipeline"] is the commit record
-    writer.lock                        flock file (local stores only; not a Zarr node)
-    units/<first_row:015d>-<rows:010d>s/   a sealed segment (format 2): a group of two packed arrays,
-        rows                           uint8: the unit's per-row arrays (offsets, row fields) back to back
-        values                         uint8: its token values and UTF-8 text back to back
-    units/<first_row:015d>-<rows:010d>f    a tail fragment (format 2): one uint8 array holding every
-                                       array of the unit back to back, uncompressed
-    units/<first_row:015d>-<rows:010d>/    format 1 units: one array per field (sealed or fragment),
-    units/<first_row:015d>-<rows:010d>p    and format 1 packed fragments; still read, no longer written
-
-The arrays of a unit (:func:`unit_arrays`: offsets, then one per field) are the same in
-every kind of unit; a packed array holds several of them, each starting at a multiple of
-8 bytes, and its attribute ``rlhf_pipeline_fields`` gives each one's dtype and byte range.
-Packing is what keeps small segments small on disk: a per-field unit is ~40 files and
-~20 directories, each taking at least one 4 KiB block (5.4 MiB for 891 files of short
-rows), a packed sealed segment is 5 files in 3 directories. Each packed array is compressed
-as one chunk with the store's codec (blosc's shuffle at the packed arrays' item size keeps
-the compression of per-field arrays: 0.569 vs 0.577 of the raw payload on GRPO rows).
-
-Every array is a single chunk (key ``c.0``), so reading a unit costs one GET per array
-and no metadata reads: the commit record says how many rows each unit holds, and that
-fixes every shape. Format 2 chunks end with a CRC32C (Zarr's ``crc32c`` codec), checked
-on every decode. We encode and decode chunks ourselves with numcodecs (the same codecs
-Zarr's ``blosc``/``zstd`` codecs call) because one Zarr array call costs ~1 ms.
-
-Units are immutable once written: appends write new units, compaction writes a new
-segment and only then deletes the fragments it replaced. Nothing a published commit
-record points at is ever overwritten, so readers never see a half-written chunk.
-"""
+:func:`unit_arrays` gives a unit's arrays (offsets first, then one per field); a packed array holds
+several, each at a multiple of 8 bytes, its attribute ``rlhf_pipeline_fields`` giving their dtypes and
+byte ranges. Every array is one chunk, coded here with numcodecs exactly as Zarr's codecs would (format 2
+chunks end with a CRC32C), since one Zarr array call costs ~1 ms.
+Design: docs/zarr-layout.md#packed-arrays."""
 
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
 """Where a Zarr trajectory store lives, and raw key/value access to it.
 
-Three kinds of location: a local directory (files, ``flock``, atomic rename), a zip
-file (read-only, through ``zarr.storage.ZipStore``) and any fsspec URL (through
-``zarr.storage.FsspecStore``; ``file://`` URLs also get the local lock and rename,
-``s3://`` and ``az://`` URLs conditional writes and a leased lock: :mod:`.object_store`).
-The store reads and writes whole chunks as key/value pairs here, batched, instead
-of through Zarr arrays (one Zarr array call costs ~1 ms).
+A local directory (files, ``flock``, atomic rename), a zip file (read-only, ``zarr.storage.ZipStore``) or any
+fsspec URL (``zarr.storage.FsspecStore``; ``file://`` also gets the local lock and rename, ``s3://`` and
+``az://`` conditional writes and a leased lock: :mod:`.object_store`). The store reads and writes whole
+chunks here as key/value pairs, batched, not through Zarr arrays (one Zarr array call costs ~1 ms).
 
-Why one file: the three kinds of location answer the same questions (open, read the commit
-record, take the writer lock, publish) and the store asks them without knowing which kind it has.
-"""
+Why one file: the three kinds of location answer the same questions (open, read the commit record,
+take the writer lock, publish) and the store asks them without knowing which kind it has.
+Design: docs/zarr-layout.md#where-a-store-lives."""
 
 from __future__ import annotations
 

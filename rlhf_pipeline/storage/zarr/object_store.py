@@ -1,43 +1,13 @@
-"""Zarr stores on object storage (S3 and S3-compatible servers, Azure Blob Storage): create-only
-unit writes, a compare-and-swap commit record and a leased writer lock; no torch.
+"""Zarr stores on object storage (S3 and S3-compatible servers, Azure Blob Storage): create-only unit
+writes, a compare-and-swap commit record and a leased writer lock; no torch.
 
-Why one file: the protocol is one piece: create-only unit writes, the compare-and-swap commit
-record and the leased writer lock share the conditional writes and their error handling, and
-are only correct together. Which cloud answers them is :mod:`rlhf_pipeline.files.cloud_objects`'
-business; nothing here knows.
+Why one file: the protocol is one piece: its parts share the conditional writes and their error handling
+and are only correct together (which cloud answers them is :mod:`rlhf_pipeline.files.cloud_objects`').
 
-Object storage has no rename, no ``flock`` and no ``fsync``. What it has: a PUT replaces a
-whole object atomically, a read after a write sees it (AWS S3 since 2020, MinIO, moto, Azure
-Blob Storage), and *conditional writes* (``If-None-Match: *`` creates only, ``If-Match: <etag>``
-replaces only the version that was read; AWS S3 since 2024, MinIO, Cloudflare R2, moto, Azure,
-Azurite). A store at an ``s3://`` or ``az://`` URL builds on those:
-
-* **Units are created, never overwritten.** Every key of a unit is PUT with
-  ``If-None-Match: *``. A key that exists with the same bytes counts as written (a retried
-  PUT whose first answer was lost); with other bytes the append fails and publishes nothing.
-* **The commit record is swapped, not overwritten.** ``zarr.json`` is PUT with ``If-Match``
-  on the etag of the record this writer last wrote, so a publish never replaces a record it
-  did not see: a writer whose lock was taken over gets :class:`StoreLockedError` and its
-  rows stay unpublished.
-* **The writer lock is an object with a lease.** ``writer.lock`` is created with
-  ``If-None-Match: *`` and names its holder (a random token, host, pid); the holder rewrites
-  it every ``lease_s / 3``. Another writer takes it over (``If-Match`` on the version it saw:
-  one of several contenders wins) when its age on the server's clock (the response's
-  ``Date`` minus its ``Last-Modified``) exceeds the lease, or at once when the holder was a
-  process on this host that is no longer running. The new holder then rewrites the commit
-  record with its token, which fences the old one (its next publish fails). The lease gives
-  liveness; safety comes from the conditional writes alone, so a writer that was paused past
-  its lease never publishes again instead of corrupting the store.
-* **Listings decide nothing that is published.** Readers learn units from the record only;
-  a listing is used to find a killed writer's leftovers to delete (with the listing cache
-  off). A leftover a stale listing missed is never overwritten: its name is refused, the
-  append fails, and reopening deletes it.
-
-A write that returned is stored: ``durable`` changes nothing here. A server that ignores
-conditional headers cannot keep a second writer out; the lock checks this once when it is
-taken and warns (:class:`ObjectLockWarning`), and then only the one-writer-per-store rule
-the caller keeps protects the store.
-"""
+Units are PUT with ``If-None-Match: *``, ``zarr.json`` with ``If-Match`` on the etag this writer last wrote;
+``writer.lock`` (:class:`ObjectStoreLock`) is renewed every ``lease_s / 3`` and taken over once its lease ran
+out. Design: docs/object-storage.md#how-the-guarantees-hold-without-a-file-system and
+docs/zarr-layout.md#on-object-storage (what it rests on)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """Locating sampled rows of a Zarr store for the fused padded read (``store.read_padded``).
 
-Each unit (sealed segment or fragment) the batch touches is taken from the store's
-decoded-unit cache (:mod:`.unit_cache`; decoded on a miss), its rows' spans and
-row fields are looked up vectorized in its arrays, and the unit's value arrays become
-one source of the :class:`~.padded_rows.LocatedRows` that
-:func:`~.padded_rows.fill_padded` (shared with the memmap store) copies from.
-
-Memory: the decoded units stay referenced until the copy loop ends. A unit the cache
-did not keep (one larger than the whole cache) is reduced at once to the sampled rows'
-slices, so, as with ``store.read``, a batch never holds more than those slices of the
-units the cache dropped.
-
-A unit deleted under a reader (compacted or evicted) raises the store's ``_UnitGone``
-from ``store._unit``; the store refreshes and retries, as for ``read``.
-"""
+Each unit the batch touches comes from the decoded-unit cache (:mod:`.unit_cache`; decoded on a miss), its
+rows' spans and row fields are looked up vectorized, and its value arrays become one source of the
+:class:`~.padded_rows.LocatedRows` that :func:`~.padded_rows.fill_padded` copies from. Units stay
+referenced until the copy ends, so one the cache did not keep is reduced at once to the sampled rows'
+slices. A unit deleted under a reader raises the store's ``_UnitGone`` from ``store._unit``; the store
+refreshes and retries, as for ``read``. Design: docs/zarr-layout.md#reading-from-decoded-units."""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
-"""A Zarr store's reader side: rows gathered from whole decoded units, retried past a compaction.
+"""A Zarr store's reader side (``ZarrReading``): rows read from whole decoded units, retried past a compaction.
 
-* **Checked reads.** Every chunk of a format 2 unit ends with a CRC32C checked when it is
-  decoded (cheap next to decompression), and every chunk must decode to exactly the size
-  the record implies: damage raises ``StoreCorruptedError`` naming the chunk, never wrong
-  rows, and only the damaged unit's rows are unreadable.
-* **Read from decoded units.** One Zarr read costs ~1 ms, so rows are served from
-  whole decoded units held in a byte-bounded LRU (:mod:`.unit_cache`); a read of fields the record
-  knows to be constant in a unit is answered without it (:mod:`.unit_constants`).
-
-A unit compacted or evicted after the record a read used is read again from the newer record;
-rows evicted meanwhile give an ``IndexError`` naming them.
-"""
+Every chunk is checked as it is decoded (format 2's CRC32C, cheap next to decompression, and the exact
+size the record implies): damage raises ``StoreCorruptedError`` naming the chunk, never wrong rows, and
+only that unit's rows are unreadable. Rows come from whole decoded units in a byte-bounded LRU
+(:mod:`.unit_cache`; one Zarr read costs ~1 ms); a read of fields the record knows to be constant in a
+unit needs no unit (:mod:`.unit_constants`). A unit compacted or evicted after the record a read used is
+read again from the newer record; rows evicted meanwhile give an ``IndexError`` naming them.
+Design: docs/zarr-layout.md#reading-from-decoded-units."""
 
 from __future__ import annotations
 

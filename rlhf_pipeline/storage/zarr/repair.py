@@ -1,33 +1,13 @@
-"""``rlhf-pipeline repair`` of a Zarr store: rebuild the commit record from the units (a local
-directory, or a store at an ``s3://`` or ``az://`` URL).
+"""``rlhf-pipeline repair`` of a Zarr store: rebuild the commit record from the units, in a local directory
+or at an ``s3://`` or ``az://`` URL.
 
-The commit record (the root ``zarr.json``) is the only thing that says which rows exist;
-the units hold everything else, and their names say which rows they hold
-(``<first_row>-<rows>`` plus a kind suffix). When the record is damaged or missing, repair
-rebuilds it: the configuration comes from the units' own metadata (codec, fields, segment
-size), and the rows from every unit, from the lowest row to the highest, preferring a sealed
-segment to fragments of the same rows. Rows no readable unit holds (a deleted or damaged
-unit) stay published as lost, so the readable rows after them keep their row ids and an
-append never reuses one; the memmap repair keeps the same rows. Without a record, rows a
-killed writer wrote and never published cannot be told apart, and are published too.
-
-When the record is intact it checks every published unit and reports what cannot be read
-(it cannot fix a damaged chunk); units the record does not name were never acknowledged and
-are left to the next writer, which deletes them. With ``apply=True`` it writes the record
-under the writer lock; the damaged record is copied to ``repair-<time>/``, nothing is deleted.
-
-A unit's metadata (the ``zarr.json`` of its group and arrays) is never read by this library,
-only by plain zarr readers; when one is damaged or deleted, repair rewrites it, under the
-writer lock, with the bytes its writer wrote (they follow from the unit's decoded arrays and
-the record's codecs), whether the record was intact or rebuilt.
-
-At an ``s3://`` or ``az://`` URL the same steps hold with the store's own object-store protocol
-(``object_store.py``): the writer lock is the leased ``writer.lock`` object (a live writer keeps
-repair out: it is refused, naming the holder), taking it fences every earlier writer, and the
-record is written with ``If-Match`` on the version repair read, so a writer that was paused past
-its lease can never publish over the repaired record, nor repair over its. Other fsspec URLs have
-no lock that keeps a writer on another machine out: repair refuses them (give the local path).
-"""
+Without a record, the configuration comes from the units' metadata and the rows from every unit, lowest
+row first, a sealed segment preferred to fragments of the same rows; rows no readable unit holds stay
+published as lost, so later rows keep their ids. With an intact record it checks every published unit and
+reports what it cannot fix. Either way it rewrites a unit's damaged or missing metadata with the bytes its
+writer wrote. It writes under the writer lock (at a URL the leased lock, and the record with ``If-Match``),
+copies the replaced record to ``repair-<time>/`` and deletes nothing; other URLs are refused.
+Design: docs/zarr-layout.md#damage-and-repair."""
 
 from __future__ import annotations
 

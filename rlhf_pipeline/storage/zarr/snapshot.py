@@ -1,11 +1,9 @@
 """Snapshots of a Zarr store: its published units copied byte for byte into a new store.
 
-``ZarrTrajectoryStore.snapshot_to`` (and torchrl's ``dumps``, a replay buffer checkpoint) lands
-here. Nothing is decoded or re-encoded: the files of every unit the source's commit record names
-are copied as they are (:meth:`.units.UnitIO.copy_to`), then that record is published as the new
-store's own, last, so a reader of the new store sees it empty or whole. The snapshot holds the
-rows the source held at its refresh here, with its segment size, capacity and codec.
-"""
+``ZarrTrajectoryStore.snapshot_to`` (and torchrl's ``dumps``) lands here: the files of every unit the
+source's commit record names are copied as they are (:meth:`.units.UnitIO.copy_to`), then that record is
+published as the new store's own, last, so a reader of the new store sees it empty or whole.
+Design: docs/zarr-layout.md#snapshots."""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Zarr v3 trajectory store: the memmap contract on local directories, zip files and fsspec URLs.
 
-This module creates and opens the store, follows its commit record and closes it. The class takes
-its writer side (appending units, publishing the commit record, sealing, eviction and retention's
-drop) from :mod:`.appending` and its reads from :mod:`.reading`; their docstrings say how each
-stays consistent without a synchronizer. Layout and codecs are in
-:mod:`rlhf_pipeline.storage.zarr.layout` (and ``docs/zarr-layout.md``).
-
-* **One writer.** ``mode="a"`` takes the ``flock`` in ``writer.lock`` for a local
-  path or ``file://`` URL, and a leased lock object for ``s3://`` (whose units are
-  created only and whose record is compare-and-swapped: :mod:`.object_store`). Other
-  URLs cannot be locked: one writer per store is then the caller's duty.
-* **A writer resumes from the record.** Opening for append deletes the units no record names
-  (left by a writer killed before publishing) and seals the complete segments it left as fragments.
-"""
+This module creates and opens the store (``ZarrTrajectoryStore``), follows its commit record and closes
+it; the class takes its writer side from :mod:`.appending`, its reads from :mod:`.reading`, its layout and
+codecs from :mod:`.layout`. ``mode="a"`` takes the writer lock (an ``flock`` for a local path or
+``file://`` URL, a leased lock object on ``s3://`` and ``az://``: :mod:`.object_store`; other URLs cannot
+be locked, so one writer per store is the caller's duty), deletes the units no record names and seals the
+complete segments a killed writer left as fragments.
+Design: docs/zarr-layout.md#consistency-rules-what-makes-it-safe-without-a-synchronizer."""
 
 from __future__ import annotations
 
@@ -77,8 +71,8 @@ DEFAULT_CACHE_BYTES = 512 * 2**20
 
 # ======================================================================== the store
 class ZarrTrajectoryStore(ZarrAppending, ZarrReading, SegmentedTrajectoryStore):
-    """Ragged trajectory rows in a Zarr v3 hierarchy; the guarantees are in the docstrings of this module,
-    :mod:`.appending` and :mod:`.reading`."""
+    """Ragged trajectory rows in a Zarr v3 hierarchy; its guarantees and how they are kept are on
+    docs/zarr-layout.md (consistency rules, the store inside) and docs/guarantees.md."""
 
     backend_name = "zarr"
     supports_field_subset = True

@@ -1,7 +1,7 @@
-"""Raw key/value access to a Zarr store reached through ``zarr.abc.store.Store`` (a zip file, an
-fsspec URL), batched on Zarr's event loop: the base that :mod:`.object_store` extends with
-conditional writes, and that :mod:`.location` hands out for every location that is not a local
-directory."""
+"""Raw key/value access to a Zarr store reached through ``zarr.abc.store.Store`` (a zip file, an fsspec
+URL), batched on Zarr's event loop: the base that :mod:`.object_store` extends with conditional writes,
+and that :mod:`.location` hands out for every location that is not a local directory.
+Design: docs/zarr-layout.md#where-a-store-lives."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Decoded units (segments and tail fragments) in memory, and a byte-bounded LRU of them.
+"""Decoded units (segments and tail fragments) in memory (:class:`DecodedUnit`), and a byte-bounded LRU
+of them (:class:`SegmentCache`).
 
-Reading one sequence straight from Zarr costs ~1 ms per array, so samplers read
-from whole decoded units instead: one batch of GETs decodes a unit, and a batch
-of 64 random rows then costs a few vectorized gathers per unit it touches.
-:class:`SegmentCache` bounds the memory this takes to ``capacity_bytes``
-whatever the store's size; a unit larger than the whole cache is still decoded
-(and served) but not kept.
-"""
+Reading one sequence straight from Zarr costs ~1 ms per array, so samplers read from whole decoded units:
+one batch of GETs decodes a unit, and a batch of 64 random rows then costs a few vectorized gathers per
+unit it touches. The cache bounds the memory this takes to ``capacity_bytes`` whatever the store's size;
+a unit larger than the whole cache is still decoded (and served) but not kept.
+Design: docs/zarr-layout.md#reading-from-decoded-units."""
 
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
-"""Row fields that hold one value across a whole unit, kept in the commit record.
+"""Row fields that hold one value across a whole unit, kept in the commit record's ``unit_constants``.
 
-Rank 0 of a data-parallel learner reads small fields of every row it draws: ``done`` and ``step``
-(is the draw multi-turn?) and, with ``max_staleness`` set, ``policy_version`` of each new row. Each
-such read fetched and decoded the row's whole unit, so on an object store every new fragment was
-GET twice per step, once by the rank that trains it and once by rank 0 (docs/scaling.md, section
-4). Within a unit these fields are usually one value: a collector's round is sampled by one policy
-version, and single-turn rows are all ``done`` at ``step`` 0. The writer records those values when
-it publishes the unit, and a read that asks only for such fields is answered from the record, with
-no request and no decode.
-
-In the record::
-
-    "unit_constants": {"fields": ["policy_version", "done", "step"],
-                       "units": [[first_row, rows, kind, 7, true, 0], [4096, 64, 4, 8, null, null]]}
-
-One entry per unit with at least one constant field, the unit named as in ``units``; ``null``
-where the field varies within the unit. Why keyed by the unit's whole identity and not by its
-position in ``units``: a unit is immutable and its rows are never reused, so an entry stays true for
-as long as a unit of that identity is listed. A writer of an older version copies the key forward
-untouched while it adds, seals and drops units; the entries it leaves are still true, and the units
-it adds have none (their rows are read, as before). A record without the key (stores written
-before it, or rebuilt by ``repair``) reads every row as before.
-"""
+Rank 0 of a data-parallel learner reads ``done``, ``step`` and ``policy_version`` of rows it draws, which
+fetched and decoded each row's whole unit; within a unit these are usually one value (a round is sampled
+by one policy version, single-turn rows are all ``done`` at ``step`` 0). The writer records them per unit
+when it publishes it, and a read of only such fields is answered from the record, with no request and no
+decode. An entry is keyed by its unit's whole identity ``[first_row, rows, kind]``: units are immutable,
+so it stays true for as long as a unit of that identity is listed.
+Design: docs/zarr-layout.md#the-commit-record, docs/scaling.md#rank-0s-whole-draw-reads-from-the-records."""
 
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """Units of a Zarr store: what each kind holds, its keys, and how it is written and read; no torch.
 
-A *unit* is what the commit record lists as ``[first_row, rows, kind]``:
-
-====  ============================  ==========================================================
-kind  name suffix                   what it is
-====  ============================  ==========================================================
-0     (none)                        format 1 fragment: one array per field, fragment codec
-1     (none)                        format 1 sealed segment: one array per field, store codec
-2     ``p``                         format 1 packed fragment: one raw uint8 array
-3     ``s``                         sealed segment: packed arrays ``rows`` and ``values``,
-                                    store codec + crc32c
-4     ``f``                         fragment: one raw uint8 array + crc32c
-====  ============================  ==========================================================
-
-Writers of format 2 write kinds 3 and 4 only; all five are read. :class:`UnitIO` is one store's
-unit I/O (its location, layout, codecs and durability): write, read, and copy byte for byte to
-another store's (a snapshot: :mod:`.snapshot`). :func:`read_unit` checks
-every chunk against what the record promises (checksum, exact decoded size, offsets that
-start at 0 and never decrease) and raises :class:`StoreCorruptedError` naming the chunk,
-or :class:`UnitGone` when a chunk is missing (deleted after a compaction or an eviction,
-which a reader resolves by re-reading the record, or damage).
-"""
+A unit is what the commit record lists as ``[first_row, rows, kind]``: kind 3 (suffix ``s``) a sealed
+segment of packed arrays ``rows`` and ``values`` (store codec + crc32c), kind 4 (``f``) a fragment of one
+raw packed array + crc32c; format 1 kinds 0 and 1 (no suffix, one array per field) and 2 (``p``) are still
+read. :class:`UnitIO` is one store's unit I/O: write, read, copy byte for byte (a snapshot).
+:func:`read_unit` checks every chunk against what the record promises and raises
+:class:`StoreCorruptedError` naming the chunk, or :class:`UnitGone` when a chunk is missing (compacted or
+evicted since the record was read, or damage). Design: docs/zarr-layout.md#the-commit-record."""
 
 from __future__ import annotations
 

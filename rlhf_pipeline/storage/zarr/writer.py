@@ -1,19 +1,12 @@
-"""The append path of a Zarr trajectory store: units, splitting batches, background work.
+"""The append path of a Zarr trajectory store: cutting batches into units, background work.
 
-* :func:`plan_pieces` cuts a batch at segment boundaries (global rows ``k*S``): a
-  piece that is a whole segment is written sealed; any other piece is a fragment.
-* :class:`Sealer` compacts the fragments of a completed segment into one sealed
-  segment on a background thread, so the append that completes a segment costs
-  the same as any other (the zstd encoding of ~``S`` rows leaves the append path).
-  It publishes under the store's publish lock, from the store's latest record, so
-  the foreground's publishes and its own are serialized and none is lost.
-* :class:`Collector` deletes replaced units on a background thread.
-
-Crash safety is unchanged: a segment is written under a new name and only then
-named by a record; the fragments it replaces are deleted after that publish. A
-writer killed mid-seal leaves the fragments published (and the half-written
-segment an orphan): the next writer deletes the orphan and seals them again.
-"""
+:func:`plan_pieces` cuts a batch at segment boundaries (a whole segment is written sealed, any other piece
+is a fragment); :class:`Sealer` compacts a completed segment's fragments into one sealed segment on a
+background thread, publishing under the store's publish lock from its latest record, so the append that
+completes a segment costs what any other does; :class:`Collector` deletes replaced units on another. A
+segment is written under a new name and named by a record before the fragments it replaces are deleted:
+a writer killed mid-seal leaves them published, and the next writer deletes the orphan and seals them
+again. Design: docs/zarr-layout.md#writing-units."""
 
 from __future__ import annotations
 
