@@ -3,9 +3,9 @@
 ``rlhf-pipeline bench NAME ... --page docs/benchmarks.md`` runs the benchmark as usual, then puts
 what it printed on the page, in a block that also says when, on which commit and machine, and
 under what load it ran. A block belongs to its command line: running the same command again
-replaces it, another command adds its own block at the end of the opening text of the section
-whose heading names ``rlhf-pipeline bench NAME`` (before its first subsection). Prose around the blocks is left alone. docs/benchmarks.md#how-the-page-is-kept
-"""
+replaces it; another command adds its own block after the opening text of the section whose heading
+names ``rlhf-pipeline bench NAME`` (before its first subsection). Prose around the blocks is left
+alone. Design: docs/benchmarks.md#how-the-page-is-kept."""
 
 from __future__ import annotations
 
@@ -192,7 +192,11 @@ def as_markdown(output: str) -> str:
 def blocks(page_text: str) -> dict[str, str]:
     """Every recorded block on a page: command line -> body. Raises :class:`PageError` on a block
     opened and never closed (a hand edit), which the next record would otherwise swallow."""
-    found = {match["command"]: match["body"] for match in _BLOCK.finditer(page_text)}
+    return {command: match["body"] for command, match in _block_matches(page_text).items()}
+
+
+def _block_matches(page_text: str) -> dict[str, re.Match]:
+    found = {match["command"]: match for match in _BLOCK.finditer(page_text)}
     opened = page_text.count("<!-- bench-record: ")
     if opened != len(found) or page_text.count(BLOCK_CLOSE) != len(found):
         raise PageError(f"{opened} '<!-- bench-record: ... -->' lines but {len(found)} whole blocks: "
@@ -214,14 +218,13 @@ def section_of(page_text: str, benchmark: str) -> tuple[int, int]:
 
 
 def keep_on_page(page: Path, benchmark: str, command: str, new_block: str) -> str:
-    """Puts ``new_block`` on ``page``: in place of the block of the same command, or at the end of the
-    benchmark's section. The page is replaced whole or not at all. Returns what was done."""
+    """Puts ``new_block`` on ``page``: in place of the block of the same command, or after the opening
+    text of the benchmark's section. The page is replaced whole or not at all. Returns what was done."""
     text = page.read_text()
-    found = blocks(text)
-    if command in found:
-        start = text.index(BLOCK_OPEN.format(command=command) + "\n")
-        end = text.index(BLOCK_CLOSE + "\n", start) + len(BLOCK_CLOSE) + 1
-        updated, done = text[:start] + new_block + text[end:], "replaced its block"
+    same_command = _block_matches(text).get(command)
+    if same_command is not None:
+        updated = text[:same_command.start()] + new_block + text[same_command.end():]
+        done = "replaced its block"
     else:
         _, end = section_of(text, benchmark)
         before = text[:end].rstrip("\n") + "\n\n"
