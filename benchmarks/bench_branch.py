@@ -218,13 +218,13 @@ def spread(values: list[float], fmt: str) -> str:
     return f"{format(median, fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shards", type=int, default=1, help="shards of the collector run's buffer")
     parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
@@ -272,4 +272,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from rlhf_pipeline.bench.page import script_main
+
+    sys.exit(script_main(__file__, main, sys.argv[1:]))

@@ -24,6 +24,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 
 
@@ -44,7 +45,7 @@ def tokens_per_second(engine, prompts, args) -> float:
     return statistics.median(rates)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import os
 
@@ -118,4 +119,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhf_pipeline.bench.page import script_main
+
+    sys.exit(script_main(__file__, main, sys.argv[1:]))

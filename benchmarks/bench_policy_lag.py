@@ -119,4 +119,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    raise SystemExit(main())
+    from rlhf_pipeline.bench.page import script_main
+
+    sys.exit(script_main(__file__, main, sys.argv[1:]))

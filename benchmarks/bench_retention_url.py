@@ -106,12 +106,12 @@ def measure(runs: int, branches: int, repeat: int) -> dict[str, list[tuple[int, 
         server.stop()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10, help="other runs beside the parent (no branches)")
     parser.add_argument("--branches", type=int, default=1, help="branches of the parent beside it")
     parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for name, rows in measure(args.runs, args.branches, args.repeat).items():
         lists, others, seconds = zip(*rows)
         print(f"{name:22s} LIST {statistics.median(lists):g}  other requests {statistics.median(others):g} "
@@ -121,4 +121,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_pipeline.bench.page import script_main
+
+    sys.exit(script_main(__file__, main, sys.argv[1:]))

@@ -140,11 +140,11 @@ def bench(store, repeat: int) -> dict[str, tuple[list[float], float | None]]:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--no-azure", action="store_true", help="leave the az:// run on Azurite out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -190,4 +190,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhf_pipeline.bench.page import script_main
+
+    sys.exit(script_main(__file__, main, sys.argv[1:]))

@@ -82,4 +82,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from rlhf_pipeline.bench.page import script_main
+
+    sys.exit(script_main(__file__, main, sys.argv[1:]))

@@ -24,6 +24,7 @@ import argparse
 import os
 import pickle
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -93,4 +94,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from rlhf_pipeline.bench.page import script_main
+
+    sys.exit(script_main(__file__, main, sys.argv[1:]))

@@ -133,4 +133,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_pipeline.bench.page import script_main
+
+    sys.exit(script_main(__file__, main, sys.argv[1:]))

@@ -283,15 +283,34 @@ def test_every_recorded_block_on_the_benchmarks_page_sits_in_its_benchmarks_sect
     """``bench NAME --page`` replaces a block by its command line and adds one at the end of NAME's
     section: a block moved by hand, or left unclosed, would be doubled or swallowed by the next record.
     The command inside each block is checked with the page's other commands above."""
-    from rlhf_pipeline.bench.page import BLOCK_OPEN, blocks, section_of
+    from rlhf_pipeline.bench.page import BLOCK_OPEN, blocks, section_name, section_of
 
     text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
     recorded = blocks(text)
     assert recorded, "the page keeps at least one benchmark's output as its command printed it"
     for command in recorded:
-        benchmark = shlex.split(command)[2]
-        start, end = section_of(text, benchmark)
+        if section_name(command).startswith("benchmarks/"):
+            assert (ROOT / section_name(command)).is_file(), command
+        start, end = section_of(text, section_name(command))
         assert start < text.index(BLOCK_OPEN.format(command=command)) < end, command
+
+
+def test_every_benchmark_has_the_section_its_page_records_go_to():
+    """``--page`` puts a benchmark's output in the section whose heading names it: each ``bench`` command
+    and each script of ``benchmarks/`` has one on the benchmarks page, so that none is refused there."""
+    from rlhf_pipeline.bench.page import PageError, section_of
+    from rlhf_pipeline.cli.bench_cmd import BENCHMARKS
+
+    text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    names = [f"rlhf-pipeline bench {name}" for name in BENCHMARKS]
+    names += [f"benchmarks/{script.name}" for script in sorted((ROOT / "benchmarks").glob("bench_*.py"))]
+    homeless = []
+    for name in names:
+        try:
+            section_of(text, name)
+        except PageError:
+            homeless.append(name)
+    assert homeless == [], "benchmarks without a section on docs/benchmarks.md"
 
 
 # ============================================================================ paths and names

@@ -1,11 +1,12 @@
 """The benchmarks page's figures, kept by the commands that measure them.
 
-``rlhf-pipeline bench NAME ... --page docs/benchmarks.md`` runs the benchmark as usual, then puts
-what it printed on the page, in a block that also says when, on which commit and machine, and
-under what load it ran. A block belongs to its command line: running the same command again
-replaces it; another command adds its own block after the opening text of the section whose heading
-names ``rlhf-pipeline bench NAME`` (before its first subsection). Prose around the blocks is left
-alone. Design: docs/benchmarks.md#how-the-page-is-kept."""
+``rlhf-pipeline bench NAME ... --page docs/benchmarks.md``, or a script of ``benchmarks/`` run with
+``--page docs/benchmarks.md`` (:func:`script_main`), runs the benchmark as usual, then puts what it
+printed on the page, in a block that also says when, on which commit and machine, and under what
+load it ran. A block belongs to its command line: the same command again replaces it; another adds
+its own block after the opening text of the section whose heading names the benchmark
+(``rlhf-pipeline bench NAME`` or ``benchmarks/<script>.py``). Prose around the blocks is left alone.
+Design: docs/benchmarks.md#how-the-page-is-kept."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +30,11 @@ _BLOCK = re.compile(r"^<!-- bench-record: (?P<command>.+?) -->\n(?P<body>.*?)^<!
                     re.M | re.S)
 CHECKOUT = Path(__file__).resolve().parents[2]  # the repository, when the package runs from one
 _HEADING = re.compile(r"^(?P<hashes>#{1,6}) (?P<title>.*)$", re.M)
+
+
+PAGE_HELP = ("also keep what this prints on the benchmarks page PAGE (docs/benchmarks.md), with the date, "
+             "commit, machine and load: it replaces this command's block there, or adds one to the section "
+             "whose heading names this benchmark")
 
 
 class PageError(ValueError):
@@ -98,17 +105,26 @@ class Tee:
         return "".join(self.parts)
 
 
-def command_line(argv: list[str]) -> str:
-    """The command a block belongs to: ``argv`` (after ``rlhf-pipeline``) without ``--page``."""
+def command_line(words: list[str]) -> str:
+    """The command a block belongs to: ``words`` without ``--page PAGE`` (or an abbreviation of it,
+    which argparse took for it)."""
     kept, skip = [], False
-    for arg in argv:
+    for word in words:
+        option = word.split("=", 1)[0]
         if skip:
             skip = False
-        elif arg == "--page":
-            skip = True
-        elif not arg.startswith("--page="):
-            kept.append(arg)
-    return "rlhf-pipeline " + shlex.join(kept)
+        elif len(option) > 2 and "--page".startswith(option):
+            skip = "=" not in word
+        else:
+            kept.append(word)
+    return shlex.join(kept)
+
+
+def section_name(command: str) -> str:
+    """What the heading of ``command``'s section names: ``rlhf-pipeline bench NAME`` for a ``bench``
+    command, the script's path for ``python benchmarks/<script>.py ...``."""
+    words = shlex.split(command)
+    return " ".join(words[:3]) if words[0] == "rlhf-pipeline" else words[1]
 
 
 def conditions(started: float, wall_s: float, loads: list[float], page: Path) -> RunConditions:
@@ -167,13 +183,15 @@ def block(command: str, output: str, run: RunConditions) -> str:
 
 def as_markdown(output: str) -> str:
     """The benchmarks print Markdown tables between lines of text: each text line becomes its own
-    paragraph (Markdown would run them together); ``--json`` output goes in a fence."""
+    paragraph (Markdown would run them together). Output with no Markdown table (``--json``, a script's
+    fixed-width columns) goes in a fence, as printed."""
     output = output.strip("\n")
-    if output.startswith(("[", "{")):
+    if output.startswith(("[", "{")) or not any(line.startswith("|") for line in output.splitlines()):
         fence = "```"
         while fence in output:  # a printed fence must not close ours
             fence += "`"
-        return f"{fence}json\n{output}\n{fence}\n"
+        kind = "json" if output.startswith(("[", "{")) else "text"
+        return f"{fence}{kind}\n{output}\n{fence}\n"
     paragraphs, table = [], []
     for line in output.splitlines():
         if line.startswith("|"):
@@ -204,29 +222,30 @@ def _block_matches(page_text: str) -> dict[str, re.Match]:
     return found
 
 
-def section_of(page_text: str, benchmark: str) -> tuple[int, int]:
-    """Start and end offsets of the opening text of the section whose heading names
-    ``rlhf-pipeline bench BENCHMARK``: up to the next heading, its first subsection's or another's."""
+def section_of(page_text: str, name: str) -> tuple[int, int]:
+    """Start and end offsets of the opening text of the section whose heading names ``name`` in
+    backticks (:func:`section_name`): up to the next heading, its first subsection's or another's."""
     headings = list(_HEADING.finditer(page_text))
-    named = re.compile(rf"`rlhf-pipeline bench {re.escape(benchmark)}[` ]")
+    named = re.compile(rf"`{re.escape(name)}[` ]")
     for index, heading in enumerate(headings):
         if named.search(heading["title"]):
             end = headings[index + 1].start() if index + 1 < len(headings) else len(page_text)
             return heading.start(), end
-    raise PageError(f"no heading names `rlhf-pipeline bench {benchmark}`: add a section headed, say, "
-                    f"'## {benchmark}: `rlhf-pipeline bench {benchmark}`' and run the command again")
+    title = name.rsplit(" ", 1)[-1].removesuffix(".py").removeprefix("benchmarks/")
+    raise PageError(f"no heading names `{name}`: add a section headed, say, '## {title}: `{name}`' and run "
+                    f"the command again")
 
 
-def keep_on_page(page: Path, benchmark: str, command: str, new_block: str) -> str:
+def keep_on_page(page: Path, command: str, new_block: str) -> str:
     """Puts ``new_block`` on ``page``: in place of the block of the same command, or after the opening
-    text of the benchmark's section. The page is replaced whole or not at all. Returns what was done."""
+    text of the command's section. The page is replaced whole or not at all. Returns what was done."""
     text = page.read_text()
     same_command = _block_matches(text).get(command)
     if same_command is not None:
         updated = text[:same_command.start()] + new_block + text[same_command.end():]
         done = "replaced its block"
     else:
-        _, end = section_of(text, benchmark)
+        _, end = section_of(text, section_name(command))
         before = text[:end].rstrip("\n") + "\n\n"
         after = text[end:]
         updated = before + new_block + ("\n" + after if after else "")
@@ -235,13 +254,14 @@ def keep_on_page(page: Path, benchmark: str, command: str, new_block: str) -> st
     return done
 
 
-def run_and_keep(run_benchmark, *, argv: list[str], benchmark: str, page: Path) -> int:
-    """Runs ``run_benchmark()`` with its stdout kept, then records it on ``page`` when it succeeded."""
+def run_and_keep(run_benchmark, *, command: str, page: Path) -> int:
+    """Runs ``run_benchmark()`` with its stdout kept, then records it on ``page`` as ``command``'s
+    block when it succeeded."""
     if not page.is_file():  # said before the benchmark runs, not after it
         raise PageError(f"--page {page}: no such file; name the benchmarks page, docs/benchmarks.md in the "
                         f"repository")
+    section_of(page.read_text(), section_name(command))  # a page without the section: said before the run too
     blocks(page.read_text())
-    command = command_line(argv)
     tee = Tee(sys.stdout)
     started = time.time()
     watch = LoadWatch()
@@ -252,9 +272,41 @@ def run_and_keep(run_benchmark, *, argv: list[str], benchmark: str, page: Path) 
         finally:
             sys.stdout = tee.stream
     if code != 0:
-        print(f"rlhf-pipeline bench {benchmark}: exited {code}; {page} not changed", file=sys.stderr)
+        print(f"{section_name(command)}: exited {code}; {page} not changed", file=sys.stderr)
         return code
     run = conditions(started, time.time() - started, watch.samples, page)
-    done = keep_on_page(page, benchmark, command, block(command, tee.text(), run))
-    print(f"rlhf-pipeline bench {benchmark}: {done} on {page} ({command})", file=sys.stderr)
+    done = keep_on_page(page, command, block(command, tee.text(), run))
+    print(f"{section_name(command)}: {done} on {page} ({command})", file=sys.stderr)
     return 0
+
+
+def script_main(script: str, main, argv: list[str]) -> int:
+    """A script of ``benchmarks/`` as a command: ``main(argv)``, and with ``--page PAGE`` among
+    ``argv`` (taken out before ``main`` parses the rest) its output recorded on PAGE as
+    ``python benchmarks/<script>.py ...``'s block. A refused page is one line and exit code 2."""
+    page = None
+    rest = list(argv)
+    for index, word in enumerate(argv):
+        if word == "--page" or word.startswith("--page="):
+            value = word.split("=", 1)[1] if "=" in word else (argv[index + 1] if index + 1 < len(argv) else "")
+            if not value:
+                print(f"{Path(script).name}: --page needs the page, e.g. --page docs/benchmarks.md", file=sys.stderr)
+                return 2
+            page = Path(value)
+            rest = argv[:index] + argv[index + (1 if "=" in word else 2):]
+            break
+    if page is None:
+        if "-h" in rest or "--help" in rest:  # the script's own options, then the one added here
+            try:
+                main(rest)
+            finally:
+                print("\nrecording (every benchmarks/ script):\n  --page PAGE\n"
+                      + textwrap.fill(PAGE_HELP, width=78, initial_indent=" " * 8, subsequent_indent=" " * 8))
+        return int(main(rest) or 0)
+    path = Path(script).resolve()
+    shown = f"benchmarks/{path.name}" if path.parent.name == "benchmarks" else str(path)
+    try:
+        return run_and_keep(lambda: int(main(rest) or 0), command=shlex.join(["python", shown, *rest]), page=page)
+    except PageError as exc:
+        print(f"{shown}: {exc}", file=sys.stderr)
+        return 2

@@ -14,6 +14,7 @@ import argparse
 import importlib
 from pathlib import Path
 
+from rlhf_pipeline.bench.page import PAGE_HELP
 from rlhf_pipeline.cli import CommandRefused
 
 # benchmark name -> (module, one-line help)
@@ -68,9 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str | None = None) -> N
         module.add_arguments(bench_parser)
         bench_parser.add_argument(
             "--page", type=Path, metavar="PAGE",
-            help="also keep what this prints on the benchmarks page PAGE (docs/benchmarks.md), with the "
-                 "date, commit, machine and load: it replaces this command's block there, or adds one to "
-                 "the section whose heading names this benchmark")
+help=PAGE_HELP)
         bench_parser.set_defaults(_bench_module=module_name)
 
 
@@ -81,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(module_name)
     if args.page is None:
         return int(module.main(args) or 0)
-    from rlhf_pipeline.bench.page import PageError, run_and_keep
+    from rlhf_pipeline.bench.page import PageError, command_line, run_and_keep
 
     try:
-        return run_and_keep(lambda: int(module.main(args) or 0), argv=args.argv, benchmark=args.benchmark,
+        return run_and_keep(lambda: int(module.main(args) or 0), command=command_line(["rlhf-pipeline", *args.argv]),
                             page=args.page)
     except PageError as exc:
         raise CommandRefused(str(exc)) from None

@@ -1,10 +1,13 @@
-"""``rlhf-pipeline bench NAME ... --page PAGE`` keeps what the benchmark printed on the benchmarks page:
-one block per command line, in the section that names the benchmark, the page's prose untouched."""
+"""``rlhf-pipeline bench NAME ... --page PAGE``, and a script of ``benchmarks/`` run with ``--page PAGE``,
+keep what the benchmark printed on the benchmarks page: one block per command line, in the section that
+names the benchmark, the page's prose untouched."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +62,7 @@ def test_the_same_command_replaces_its_block_and_another_adds_its_own(tmp_path, 
     page = _page(tmp_path)
     assert main([*TINY, "--page", str(page)]) == 0
     capsys.readouterr()
-    assert main([*TINY, f"--page={page}"]) == 0
+    assert main([*TINY, f"--pag={page}"]) == 0  # argparse takes the abbreviation for --page
     second = blocks(page.read_text())
     assert list(second) == [COMMAND]  # replaced, not added
     assert second[COMMAND].count("| ours (sum tree) |") == 1
@@ -100,7 +103,7 @@ def test_a_benchmark_that_fails_leaves_the_page_as_it_was(tmp_path, capsys):
         print("| half | a table |")
         return 1
 
-    assert run_and_keep(fails, argv=["bench", "curation"], benchmark="curation", page=page) == 1
+    assert run_and_keep(fails, command="rlhf-pipeline bench curation", page=page) == 1
     assert page.read_text() == PAGE
     assert "exited 1" in capsys.readouterr().err
 
@@ -123,3 +126,39 @@ def test_the_recorded_commit_calls_a_checkout_changed_by_its_page_alone_clean(tm
     code.write_text("x = 2\n")
     assert _commit(page, tmp_path).endswith(" with uncommitted changes")
     assert _commit(tmp_path.parent / "elsewhere.md", tmp_path).endswith(" with uncommitted changes")
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ["benchmarks/bench_validation.py", "--repeat", "1"]
+
+
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_a_script_of_benchmarks_keeps_its_output_in_the_section_that_names_it(tmp_path):
+    """The scripts that are not ``bench`` commands record the same way: their section is the one whose
+    heading names the script; fixed-width columns are kept as printed, in a fence."""
+    page = _page(tmp_path)
+    ran = _script("--page", str(page))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    command = "python " + " ".join(SCRIPT)
+    text = page.read_text()
+    assert list(blocks(text)) == [command]
+    assert text.index("## The door") < text.index(f"<!-- bench-record: {command} -->")
+    assert text.startswith(PAGE.rstrip("\n"))  # the prose before it as it was
+    body = blocks(text)[command]
+    printed = [line for line in ran.stdout.splitlines() if line.strip()]
+    assert len(printed) >= 4 and "```text\n" + "\n".join(ran.stdout.strip("\n").splitlines()) + "\n```" in body
+    again = _script(f"--page={page}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert list(blocks(page.read_text())) == [command]  # replaced
+
+
+def test_a_script_whose_section_is_missing_is_refused_before_it_runs(tmp_path):
+    page = _page(tmp_path, SECTION)
+    ran = _script("--page", str(page))
+    assert ran.returncode == 2 and ran.stdout == ""
+    assert "no heading names `benchmarks/bench_validation.py`" in ran.stderr
+    assert page.read_text() == SECTION
+    assert _script("--page").returncode == 2  # the page left out: one line, not a traceback
