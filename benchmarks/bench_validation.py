@@ -3,6 +3,9 @@
     python benchmarks/bench_validation.py                          # this checkout only
     python benchmarks/bench_validation.py --baseline-rev 403534f   # and an older schema.py, side by side
 
+(Since the package layout moved, e12744b8, no revision's ``schema.py`` runs beside this checkout's
+package: ``--baseline-rev`` is refused in one line, and the comparison is two runs, one per checkout.)
+
 With ``--baseline-rev`` the ``schema.py`` of that git revision is loaded as a second module and
 both versions validate the same batches in alternation (A B A B ...), so the two are timed at
 the same moments of a shared machine. Each case is timed ``--repeat`` times; the table shows the
@@ -31,15 +34,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def load_schema_at(rev: str):
-    """``rlhf_pipeline/schema.py`` as of git revision ``rev``, imported as its own module."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:rlhf_pipeline/schema.py"],
-                            capture_output=True, text=True, check=True).stdout
+    """``rlhf_pipeline/schema.py`` as of git revision ``rev``, imported as its own module beside this
+    checkout's package. Since the package layout moved (e12744b8) no revision's file can: later ones
+    have none (the schema is the package ``rlhf_pipeline/schema/``), earlier ones import modules that
+    moved. Either is refused in one line that says how to compare instead."""
+    refused = (f"--baseline-rev {rev}: the script times one rlhf_pipeline/schema.py beside this checkout's "
+               f"package, and since the package layout moved (e12744b8) no revision's schema.py runs beside it; "
+               f"run the script in a checkout of {rev} and in this one, one after the other")
+    shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:rlhf_pipeline/schema.py"],
+                           capture_output=True, text=True, check=False)
+    if shown.returncode != 0:
+        raise SystemExit(refused)
     path = Path(tempfile.mkdtemp()) / f"schema_{rev}.py"
-    path.write_text(source)
+    path.write_text(shown.stdout)
     spec = importlib.util.spec_from_file_location(f"schema_{rev}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError:
+        raise SystemExit(refused) from None
     return module
 
 
