@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "--worker" in sys.argv:  # runs under the baseline's package too, which may predate bench/page.py
+        sys.exit(main(sys.argv[1:]))
     from rlhf_pipeline.bench.page import script_main
 
     sys.exit(script_main(__file__, main, sys.argv[1:]))
