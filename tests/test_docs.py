@@ -313,6 +313,12 @@ def test_every_benchmark_has_the_section_its_page_records_go_to():
     assert homeless == [], "benchmarks without a section on docs/benchmarks.md"
 
 
+def test_every_benchmark_script_is_in_the_table_of_benchmarks_readme():
+    listed = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    scripts = [script.name for script in sorted((ROOT / "benchmarks").glob("bench_*.py"))]
+    assert [name for name in scripts if f"| `{name}` |" not in listed] == []
+
+
 # ============================================================================ paths and names
 PATH = re.compile(r"(?<![\w/.-])((?:rlhf_pipeline|tests|benchmarks|pipelines)/[\w./-]*[\w/])")
 NAME = re.compile(r"(?<![\w.])(rlhf_pipeline(?:\.\w+)+)")
