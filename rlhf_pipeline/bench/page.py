@@ -10,6 +10,7 @@ Design: docs/benchmarks.md#how-the-page-is-kept."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -186,12 +187,12 @@ def as_markdown(output: str) -> str:
     paragraph (Markdown would run them together). Output with no Markdown table (``--json``, a script's
     fixed-width columns) goes in a fence, as printed."""
     output = output.strip("\n")
-    if output.startswith(("[", "{")) or not any(line.startswith("|") for line in output.splitlines()):
+    is_json = output.startswith(("[", "{"))
+    if is_json or not any(line.startswith("|") for line in output.splitlines()):
         fence = "```"
         while fence in output:  # a printed fence must not close ours
             fence += "`"
-        kind = "json" if output.startswith(("[", "{")) else "text"
-        return f"{fence}{kind}\n{output}\n{fence}\n"
+        return f"{fence}{'json' if is_json else 'text'}\n{output}\n{fence}\n"
     paragraphs, table = [], []
     for line in output.splitlines():
         if line.startswith("|"):
@@ -260,8 +261,10 @@ def run_and_keep(run_benchmark, *, command: str, page: Path) -> int:
     if not page.is_file():  # said before the benchmark runs, not after it
         raise PageError(f"--page {page}: no such file; name the benchmarks page, docs/benchmarks.md in the "
                         f"repository")
-    section_of(page.read_text(), section_name(command))  # a page without the section: said before the run too
-    blocks(page.read_text())
+    section = section_name(command)
+    text = page.read_text()
+    section_of(text, section)  # a page without the section, or with a block left open: said before the run too
+    blocks(text)
     tee = Tee(sys.stdout)
     started = time.time()
     watch = LoadWatch()
@@ -272,11 +275,11 @@ def run_and_keep(run_benchmark, *, command: str, page: Path) -> int:
         finally:
             sys.stdout = tee.stream
     if code != 0:
-        print(f"{section_name(command)}: exited {code}; {page} not changed", file=sys.stderr)
+        print(f"{section}: exited {code}; {page} not changed", file=sys.stderr)
         return code
     run = conditions(started, time.time() - started, watch.samples, page)
     done = keep_on_page(page, command, block(command, tee.text(), run))
-    print(f"{section_name(command)}: {done} on {page} ({command})", file=sys.stderr)
+    print(f"{section}: {done} on {page} ({command})", file=sys.stderr)
     return 0
 
 
@@ -284,17 +287,14 @@ def script_main(script: str, main, argv: list[str]) -> int:
     """A script of ``benchmarks/`` as a command: ``main(argv)``, and with ``--page PAGE`` among
     ``argv`` (taken out before ``main`` parses the rest) its output recorded on PAGE as
     ``python benchmarks/<script>.py ...``'s block. A refused page is one line and exit code 2."""
-    page = None
-    rest = list(argv)
-    for index, word in enumerate(argv):
-        if word == "--page" or word.startswith("--page="):
-            value = word.split("=", 1)[1] if "=" in word else (argv[index + 1] if index + 1 < len(argv) else "")
-            if not value:
-                print(f"{Path(script).name}: --page needs the page, e.g. --page docs/benchmarks.md", file=sys.stderr)
-                return 2
-            page = Path(value)
-            rest = argv[:index] + argv[index + (1 if "=" in word else 2):]
-            break
+    taker = argparse.ArgumentParser(prog=Path(script).name, add_help=False, allow_abbrev=False, exit_on_error=False)
+    taker.add_argument("--page", type=Path)
+    try:
+        page, rest = taker.parse_known_args(argv)
+    except argparse.ArgumentError as error:  # --page without the page
+        print(f"{Path(script).name}: {error}; e.g. --page docs/benchmarks.md", file=sys.stderr)
+        return 2
+    page = page.page
     if page is None:
         if "-h" in rest or "--help" in rest:  # the script's own options, then the one added here
             try:
