@@ -280,9 +280,10 @@ def test_the_commands_page_names_every_command_and_benchmark():
 
 
 def test_every_recorded_block_on_the_benchmarks_page_sits_in_its_benchmarks_section():
-    """``bench NAME --page`` replaces a block by its command line and adds one at the end of NAME's
-    section: a block moved by hand, or left unclosed, would be doubled or swallowed by the next record.
-    The command inside each block is checked with the page's other commands above."""
+    """``--page`` replaces a block by its command line and adds one to the section whose heading names
+    the benchmark (``rlhf-pipeline bench NAME`` or ``benchmarks/<script>.py``): a block moved by hand, or
+    left unclosed, would be doubled or swallowed by the next record. A script's block names a script
+    that exists; the commands inside are checked with the page's other commands above."""
     from rlhf_pipeline.bench.page import BLOCK_OPEN, blocks, section_name, section_of
 
     text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")

@@ -14,7 +14,6 @@ import argparse
 import importlib
 from pathlib import Path
 
-from rlhf_pipeline.bench.page import PAGE_HELP
 from rlhf_pipeline.cli import CommandRefused
 
 # benchmark name -> (module, one-line help)
@@ -55,6 +54,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str | None = None) -> None:
+    from rlhf_pipeline.bench.page import PAGE_HELP  # here, not at the top: every command imports this module
+
     sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for bench_name, (module_name, help_text) in BENCHMARKS.items():
         bench_parser = sub.add_parser(bench_name, help=help_text, description=help_text)
@@ -67,9 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str | None = None) -> N
             bench_parser.set_defaults(_bench_module=None)
             continue
         module.add_arguments(bench_parser)
-        bench_parser.add_argument(
-            "--page", type=Path, metavar="PAGE",
-help=PAGE_HELP)
+        bench_parser.add_argument("--page", type=Path, metavar="PAGE", help=PAGE_HELP)
         bench_parser.set_defaults(_bench_module=module_name)
 
 
