@@ -46,13 +46,14 @@ def run_once(pipeline: Path, settings: list[str], home: Path) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         raise SystemExit(f"the run failed (exit code {result.returncode}):\n{result.stderr[-3000:]}")
+    from rlhf_pipeline.runs.summary import reward_first_and_last
+
     metrics = sorted(home.glob("*/metrics.jsonl"))
-    rewards = [record["charts/reward_mean"] for record in map(json.loads, metrics[0].read_text().splitlines())
-               if "charts/reward_mean" in record]
-    tenth = max(1, len(rewards) // 10)
+    records = [json.loads(line) for line in metrics[0].read_text().splitlines()]
+    _, first, last = reward_first_and_last(records)  # what the command's last line reports
     return {"wall_s": wall, "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            "load": load, "steps": len(rewards), "reward_first": statistics.fmean(rewards[:tenth]),
-            "reward_last": statistics.fmean(rewards[-tenth:])}
+            "load": load, "steps": sum("charts/reward_mean" in record for record in records),
+            "reward_first": first, "reward_last": last}
 
 
 def main(argv: list[str] | None = None) -> int:

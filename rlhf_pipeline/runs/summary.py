@@ -17,14 +17,21 @@ def checkpoint_step(paths: RunPaths) -> int | None:
     return run_checkpoints(paths).latest_step()
 
 
+def reward_first_and_last(records: list[dict]) -> tuple[int, float, float]:
+    """The mean training reward of the first and of the last tenth of a run's logged steps (at least
+    one step each), and how many steps a tenth is: what the run's last line reports (NaN without any)."""
+    rewards = [r["charts/reward_mean"] for r in records if "charts/reward_mean" in r]
+    k = max(1, len(rewards) // 10)
+    first = sum(rewards[:k]) / k if rewards else float("nan")
+    last = sum(rewards[-k:]) / k if rewards else float("nan")
+    return k, first, last
+
+
 def print_summary(paths: RunPaths) -> None:
     records = read_log_records(paths.store, paths.key(paths.metrics))
     if not records:
         return
-    rewards = [r.get("charts/reward_mean") for r in records if "charts/reward_mean" in r]
-    k = max(1, len(rewards) // 10)
-    first = sum(rewards[:k]) / k if rewards else float("nan")
-    last = sum(rewards[-k:]) / k if rewards else float("nan")
+    k, first, last = reward_first_and_last(records)
     print(f"[run] done: {records[-1]['step']} learner steps; mean reward {first:.3f} "
           f"(first {k} steps) -> {last:.3f} (last {k} steps)", file=sys.stderr)
     from rlhf_pipeline.learn.checkpoint import kept_best
