@@ -161,4 +161,6 @@ def test_a_script_whose_section_is_missing_is_refused_before_it_runs(tmp_path):
     assert ran.returncode == 2 and ran.stdout == ""
     assert "no heading names `benchmarks/bench_validation.py`" in ran.stderr
     assert page.read_text() == SECTION
-    assert _script("--page").returncode == 2  # the page left out: one line, not a traceback
+    left_out = _script("--page")  # the page left out: one line, not a traceback
+    assert left_out.returncode == 2 and left_out.stderr.strip().splitlines() == [
+        "bench_validation.py: argument --page: expected one argument; e.g. --page docs/benchmarks.md"]
