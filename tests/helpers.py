@@ -164,7 +164,8 @@ def multi_turn_rows(first_trajectory: int = 0, *, tool_counts: bool = False) -> 
 
 def run_child_pids(role: str, *needles: str) -> list[int]:
     """The children of a ``run`` in the role ``role`` (``"collect"``, ``"collect-1"`` for collector 1,
-    ``"learn"``) whose command line holds every needle (e.g. the run's home and name).
+    ``"learn"``; ``"replay"``, ``"replay-1"`` for a replay's ranks) whose command line holds every
+    needle (e.g. the run's home and name).
 
     ``run`` forks its children from one process (``rlhf_pipeline/runs/forking.py``): they share that
     process's command line, which holds every child's arguments, and each names its thread after its

@@ -1,23 +1,32 @@
 """``run``'s children forked from one process (``cli/forker.py``) that imported torch & co. once: ``run``
 is their child subreaper, so they are its own once the forking process exits, and each waits for
-that before it runs. ``docs/pipelines.md#start-up``.
+that before it runs. A launcher that already holds those imports and runs one thread (a Python
+process that preloaded them, as the test suite's does) forks its children itself. Either way each
+child starts as ``python -m rlhf_pipeline.cli.main ARGV`` would. ``docs/pipelines.md#start-up``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 _PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 _CHILD = "--child"  # before each child's command line in the forking process's own (ps shows them)
+# what a child runs: `python -m` it, or in a fork its main(argv). By name, as the command line the
+# launcher would start: the CLI is the layer above this one
+COMMAND_MODULE = "rlhf_pipeline.cli.main"
 
 
 @dataclass
@@ -108,11 +117,16 @@ class ForkError(RuntimeError):
     """The forking process ended before it forked every child (its error is printed above)."""
 
 
-def fork_children(children: Sequence[ChildSpec], *, pass_fds: Sequence[int] = ()) -> list[ForkedChild]:
+def fork_children(children: Sequence[ChildSpec], *, pass_fds: Sequence[int] = (),
+                  holds_imports: bool = False) -> list[ForkedChild]:
     """Launcher side: starts the forking process, which imports once and forks ``children``;
     returns them, adopted. ``pass_fds``: every descriptor any child keeps (the forking process
-    gets them all; each child closes those not its own). Raises :class:`ForkError` when the
-    forking process fails before it has forked them all (the ones it forked are killed)."""
+    gets them all; each child closes those not its own). ``holds_imports``: this process already
+    imported what the forking process would; if it also runs one thread, it forks the children
+    itself. Raises :class:`ForkError` when the forking process fails before it has forked them all
+    (the ones it forked are killed)."""
+    if holds_imports and runs_one_thread():
+        return _fork_from_here(children)
     was_subreaper = _is_subreaper()  # e.g. a test harness's: left as it was
     if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
         raise ForkError("prctl(PR_SET_CHILD_SUBREAPER) failed: run cannot adopt its children")
@@ -160,13 +174,137 @@ def fork_children(children: Sequence[ChildSpec], *, pass_fds: Sequence[int] = ()
     return forked
 
 
+def runs_one_thread() -> bool:
+    """Whether this process runs no Python thread but its main one: only then may a fork of it go on
+    running Python, since a lock another thread held would stay held there. Native pools are the
+    libraries' own concern, as in the forking process: OpenBLAS's, which numpy starts on import, and
+    torch's shut down or start anew across a fork."""
+    import threading
+
+    return threading.active_count() == 1
+
+
+def _fork_from_here(children: Sequence[ChildSpec]) -> list[ForkedChild]:
+    forked: list[ForkedChild] = []
+    try:
+        for child in children:
+            stdin_read, stdin_write = os.pipe()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                run_child(child, stdin_read)
+            os.close(stdin_read)
+            forked.append(ForkedChild(pid, os.fdopen(stdin_write, "w"), child.argv))
+    except BaseException:
+        for started in forked:
+            started.kill()
+            started.wait()
+            started.stdin.close()
+        raise
+    return forked
+
+
+def run_child(child: ChildSpec, stdin: int, *, after: int | None = None) -> NoReturn:
+    """In a forked child: becomes what ``python -m rlhf_pipeline.cli.main ARGV`` would start (its
+    thread named after its role, only its own descriptors open: ``keep_fds`` and ``stdin`` as fd 0,
+    signals and standard streams as a new interpreter has them, its environment), runs the command
+    and exits with its code. ``after``: a pipe whose end of file it waits for first (the forking
+    process's exit: then it is the launcher's child)."""
+    code = 1
+    try:
+        # named here, not by the forking process before its fork: it would bear a child's name until
+        # its next fork or exit, and whoever looks a role up by name (ps, pkill) would find it
+        set_thread_name(thread_name(child.argv, child.env))
+        close_descriptors_but({*child.keep_fds, stdin, *([] if after is None else [after])})
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        start_as_a_new_interpreter()
+        if child.env is not None:
+            os.environ.clear()
+            os.environ.update(child.env)
+        if after is not None:
+            os.read(after, 1)
+            os.close(after)
+        code = run_command(child.argv)
+    except BaseException:  # noqa: BLE001 (before the command ran: printed, then exit 1)
+        traceback.print_exc()
+    finally:
+        exit_at_once(code)
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """Ends this process with ``code`` once its standard streams are flushed, without the interpreter's
+    teardown (seconds with torch loaded; and in a fork, the parent's objects are not this process's to
+    finalize)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def run_command(argv: Sequence[str]) -> int:
+    """Runs a command line of the CLI in this process and returns its exit code, as the interpreter
+    would have ended on it: ``sys.exit``'s code (a message printed), 130 on Ctrl-C, 1 on an error,
+    whose traceback is printed."""
+    try:
+        return importlib.import_module(COMMAND_MODULE).main(list(argv)) or 0
+    except SystemExit as exc:  # argparse's errors, sys.exit(...)
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:  # noqa: BLE001 (printed as the interpreter would, then exit 1)
+        traceback.print_exc()
+        return 1
+
+
+def close_descriptors_but(keep: set[int]) -> None:
+    """Closes every file descriptor above 2 that is not in ``keep``, as ``subprocess`` does for a
+    child it starts (``close_fds``): a pipe end left open in a child would keep its reader from
+    ever seeing end of file."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:  # the descriptor listdir itself had open
+                pass
+
+
+def start_as_a_new_interpreter() -> None:
+    """What ``exec`` of a new Python would give a forked process: the signals this process handles
+    back to their defaults (ignored ones stay ignored; SIGINT raises KeyboardInterrupt, as Python
+    sets it), and standard streams made anew on fds 0-2, so that nothing the parent put in
+    ``sys.stdout`` or left in its buffers carries over."""
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_DFL:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.set_wakeup_fd(-1)
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115 (fds 0-2 live as long as the process)
+    sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # noqa: SIM115 (line-buffered on a terminal)
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+
+
 def thread_name(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
     """``rlhf-collect``, ``rlhf-collect-K`` (collector K), ``rlhf-learn``, ``rlhf-learn-R`` (rank R),
-    ``rlhf-eval`` (the evaluator): what ``ps -o comm`` shows of a forked child (at most 15 characters)."""
+    ``rlhf-replay``, ``rlhf-replay-R`` (a replay's rank R), ``rlhf-eval`` (the evaluator): what
+    ``ps -o comm`` shows of a forked child (at most 15 characters)."""
     if argv[0] == "eval":
         return "rlhf-eval"
+    rank = (env or {}).get("RANK", "0")
+    if argv[0] == "replay":
+        return "rlhf-replay" if rank == "0" else f"rlhf-replay-{rank}"[:15]
     if argv[0] == "collect":
         k = argv[argv.index("--collector-index") + 1] if "--collector-index" in argv else "0"
         return "rlhf-collect" if k == "0" else f"rlhf-collect-{k}"[:15]
-    rank = (env or {}).get("RANK", "0")
     return "rlhf-learn" if rank == "0" else f"rlhf-learn-{rank}"[:15]

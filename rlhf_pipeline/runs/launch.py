@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rlhf_pipeline.runs.forking import ChildSpec, can_fork_children, fork_children
+from rlhf_pipeline.runs.forking import COMMAND_MODULE, ChildSpec, can_fork_children, fork_children
 
 GO = "go"
 # what the learner child of `run` reports while it prepares the run (LauncherReports)
@@ -58,6 +58,12 @@ def preload(command: str) -> None:
         importlib.import_module(name)
 
 
+def holds_preloaded() -> bool:
+    """Whether this process already imported what both sides preload (then ``run`` can fork its
+    children from itself: ``forking.fork_children``)."""
+    return all(name in sys.modules for names in _PRELOAD.values() for name in names)
+
+
 def wait_for_launcher(command: str, *, prepares: bool = False) -> bool:
     """Child side: preload, then wait for the launcher. False: the launcher gave up (exit quietly).
 
@@ -91,24 +97,44 @@ def rank_environments(world_size: int) -> list[dict[str, str]]:
             for r in range(world_size)]
 
 
-def start_ranks(command: Sequence[str], world_size: int, keep_fds: Sequence[int] = ()) -> tuple[list, int]:
-    """``world_size`` data-parallel ranks each running ``command`` (``rank_environments``) with
-    ``--stop-fd`` of one stop pipe, as ``run``'s children have: a byte on it asks them to stop, its end
-    of file (this process gone, even by ``kill -9``) stops them too, each at its next step. Returns the
-    ranks and the pipe's write end, which only this process holds (the caller closes it when done);
+def start_processes(specs: Sequence[ChildSpec], *, pass_fds: Sequence[int] = ()) -> list:
+    """A process for each of ``specs``, each with a pipe as its stdin (the handle's ``stdin``):
+    forked from one process that imports torch & co. once where the system allows it
+    (``forking.fork_children``), else each a new interpreter. ``pass_fds``: every descriptor any of
+    them keeps. If one cannot be started, those started are killed."""
+    if can_fork_children():
+        return fork_children(specs, pass_fds=pass_fds, holds_imports=holds_preloaded())
+    started: list[subprocess.Popen] = []
+    try:
+        for spec in specs:
+            started.append(subprocess.Popen([sys.executable, "-m", COMMAND_MODULE, *spec.argv], stdin=subprocess.PIPE,
+                                            text=True, pass_fds=spec.keep_fds, env=spec.env))
+    except BaseException:
+        for process in started:
+            process.kill()
+            process.wait()
+        raise
+    return started
+
+
+def start_ranks(argv: Sequence[str], world_size: int, keep_fds: Sequence[int] = ()) -> tuple[list, int]:
+    """``world_size`` data-parallel ranks each running the command line ``argv`` (``rank_environments``)
+    with ``--stop-fd`` of one stop pipe, as ``run``'s children have: a byte on it asks them to stop, its
+    end of file (this process gone, even by ``kill -9``) stops them too, each at its next step. Returns
+    the ranks and the pipe's write end, which only this process holds (the caller closes it when done);
     every rank inherits ``keep_fds`` too (the run directory's holder lock)."""
     stop_read, stop_write = os.pipe()
-    ranks: list[subprocess.Popen] = []
+    specs = [ChildSpec([*argv, "--stop-fd", str(stop_read)], keep_fds=(stop_read, *keep_fds), env=env)
+             for env in rank_environments(world_size)]
     try:
-        for env in rank_environments(world_size):
-            ranks.append(subprocess.Popen([*command, "--stop-fd", str(stop_read)], env=env,
-                                          pass_fds=(stop_read, *keep_fds)))
+        ranks = start_processes(specs, pass_fds=(stop_read, *keep_fds))
     except BaseException:
         os.close(stop_write)
-        stop_ranks(ranks)  # those started wait for the others to meet
         raise
     finally:
         os.close(stop_read)
+    for rank in ranks:
+        rank.stdin.close()  # a rank reads nothing from its launcher but the stop pipe
     return ranks, stop_write
 
 
@@ -175,7 +201,7 @@ class Children:
         return self.learners[0] if self.learners else None
 
     @classmethod
-    def start(cls, launcher: Sequence[str], common: Sequence[str], learner_args: Sequence[str],
+    def start(cls, common: Sequence[str], learner_args: Sequence[str],
               collectors: int, learner_ranks: int = 1, keep_fds: Sequence[int] = (),
               evaluator: Sequence[str] | None = None) -> Children:
         """Collector ``k`` writes shard ``k`` (no ``--steps``: it runs until the learner's STOP; with
@@ -199,17 +225,11 @@ class Children:
                                    env=env if learner_ranks > 1 else None))
         if evaluator is not None:  # last: the slices below find it there
             specs.append(ChildSpec([*evaluator, *wait], keep_fds=(stop_read, *keep_fds)))
-        started: list = []
         try:
-            if can_fork_children():  # torch & co. imported once for all of them (forking.py)
-                started = fork_children(specs, pass_fds=(stop_read, status_write, *keep_fds))
-            else:
-                for spec in specs:
-                    started.append(subprocess.Popen([*launcher, *spec.argv], stdin=subprocess.PIPE, text=True,
-                                                    pass_fds=spec.keep_fds, env=spec.env))
-        except BaseException:
-            children._place(started, collectors, learner_ranks)
-            children.abandon()
+            started = start_processes(specs, pass_fds=(stop_read, status_write, *keep_fds))
+        except BaseException:  # none of them runs: nobody will read or write the pipes
+            children.reports.close()
+            os.close(children.stop_write)
             raise
         finally:
             os.close(stop_read)  # only the children read it: its end of file must mean we are gone

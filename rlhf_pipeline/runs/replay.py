@@ -129,8 +129,7 @@ def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> in
     from rlhf_pipeline.runs.stopping import LauncherSignals, ask_children_to_stop, wait_for_children
 
     # the ranks inherit the run directory's holder lock: it outlives this process if it is killed first
-    ranks, stop_write = start_ranks([sys.executable, "-m", "rlhf_pipeline.cli.main", *argv], world_size,
-                                    keep_fds=(holder_fd,) if holder_fd >= 0 else ())
+    ranks, stop_write = start_ranks(argv, world_size, keep_fds=(holder_fd,) if holder_fd >= 0 else ())
     signals = LauncherSignals("replay")  # a signal before it ends this process: the pipe's end stops them
     try:
         while any(p.poll() is None for p in ranks):

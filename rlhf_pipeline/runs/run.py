@@ -162,8 +162,7 @@ def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, ste
     # learner reads the union of the shards. The children inherit the run directory's holder lock: it
     # outlives a launcher killed before them
     try:
-        children = Children.start([sys.executable, "-m", "rlhf_pipeline.cli.main"], common,
-                                  ["--steps", str(steps)] if steps is not None else [], collectors,
+        children = Children.start(common, ["--steps", str(steps)] if steps is not None else [], collectors,
                                   settings.learner.world_size, keep_fds=(holder.fd,) if holder.fd >= 0 else (),
                                   evaluator=evaluator_argv(paths.location, overrides) if settings.eval.enabled
                                   else None)

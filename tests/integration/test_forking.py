@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -48,3 +51,35 @@ def test_forked_children_are_the_callers_own_and_run_their_command_lines():
                 child.kill()
                 child.wait()
 
+
+
+# A launcher that imported what the children need and runs one thread forks them itself: each keeps
+# only its own descriptors, so closing one child's stdin reaches that child alone
+FROM_HERE = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from rlhf_pipeline.runs.forking import ChildSpec, fork_children
+    from rlhf_pipeline.runs.launch import holds_preloaded, preload
+
+    preload("collect"); preload("learn")
+    kept_read, kept_write = os.pipe()
+    specs = [ChildSpec(["collect", sys.argv[1], "--wait-for-launcher"], keep_fds=(kept_read,)),
+             ChildSpec(["learn", sys.argv[1], "--wait-for-launcher"])]
+    first, second = fork_children(specs, pass_fds=(kept_read,), holds_imports=holds_preloaded())
+    parents = [int(Path(f"/proc/{c.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for c in (first, second)]
+    first.stdin.close()  # no "go": it exits quietly, though the second child still waits on its own stdin
+    codes = [first.wait(timeout=120), second.poll()]
+    second.stdin.close()
+    codes.append(second.wait(timeout=120))
+    print(json.dumps({"me": os.getpid(), "parents": parents, "codes": codes}))
+""")
+
+
+def test_a_launcher_that_holds_the_imports_forks_its_children_itself_each_with_only_its_own_pipes():
+    done = subprocess.run([sys.executable, "-c", FROM_HERE, TOOL_USE], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["parents"] == [seen["me"], seen["me"]]  # no forking process between
+    # the first ended on its stdin's end of file while the second ran: the second held no copy of it
+    assert seen["codes"] == [0, None, 0]

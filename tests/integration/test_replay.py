@@ -296,7 +296,8 @@ def test_the_ranks_of_a_replay_killed_with_sigkill_stop_and_it_resumes_to_the_sa
 
     def trained_two_steps() -> bool:  # the ranks' pids are read while their launcher still runs
         if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2:
-            ranks.extend(pid for pid in run_child_pids("replay", str(home), "killed-ranks") if pid != launcher.pid)
+            ranks.extend(pid for role in ("replay", "replay-1") for pid in run_child_pids(role, str(home), "killed-ranks")
+                         if pid != launcher.pid)
             return True
         return False
 
