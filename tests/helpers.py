@@ -168,9 +168,10 @@ def run_child_pids(role: str, *needles: str) -> list[int]:
     needle (e.g. the run's home and name).
 
     ``run`` forks its children from one process (``rlhf_pipeline/runs/forking.py``): they share that
-    process's command line, which holds every child's arguments, and each names its thread after its
-    role (``rlhf-collect``, ``rlhf-collect-1``, ``rlhf-learn``). A child started with an interpreter
-    of its own (where ``run`` cannot fork) is told by its own command line."""
+    process's command line, which holds every child's arguments (or ``run``'s own, where ``run`` forked
+    them itself: ``tests/preloaded.py``), and each names its thread after its role (``rlhf-collect``,
+    ``rlhf-collect-1``, ``rlhf-learn``). A child started with an interpreter of its own (where ``run``
+    cannot fork) is told by its own command line."""
     from pathlib import Path
 
     command, _, index = role.partition("-")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from helpers import make_batch
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
@@ -76,8 +77,8 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
         read_end, write_end = os.pipe()
         os.close(read_end)  # the reader is gone before anything is written
         try:
-            done = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *command], stdout=write_end,
-                                  stderr=subprocess.PIPE, text=True, timeout=120)
+            done = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *command], stdout=write_end,
+                                 stderr=subprocess.PIPE, text=True, timeout=120)
         finally:
             os.close(write_end)
         assert done.returncode == 1 and done.stderr == "", (command, done.stderr)

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import preloaded
 
 from rlhf_pipeline.pipeline import (
     PipelineError,
@@ -156,7 +157,7 @@ def test_a_syntax_error_in_a_pipeline_file_is_one_line_naming_the_place_and_exit
 
 
 def test_cli_reports_unknown_setting_before_any_work(tmp_path):
-    result = subprocess.run(
+    result = preloaded.run(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(DEFAULT), "--home", str(tmp_path),
          "--set", "learner.batchsize=4"],
         capture_output=True, text=True, timeout=120,
@@ -173,15 +174,15 @@ def test_a_pipeline_file_imports_the_modules_beside_it(tmp_path):
     body = DEFAULT.read_text().replace("warm_start_steps: int = ", "warm_start_steps: int = STEPS  # ", 1)
     body = body.replace("from __future__ import annotations\n", "from __future__ import annotations\n\nfrom my_rewards import STEPS\n", 1)
     (folder / "mine.py").write_text(body)
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(folder / "mine.py"),
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(folder / "mine.py"),
                              "--list-settings"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "  warm_start_steps (int) = 11" in result.stdout
 
 
 def test_cli_help_lists_the_run_flags():
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", "--help"],
-                            capture_output=True, text=True, timeout=60)
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", "--help"],
+                           capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     for flag in ("--steps", "--home", "--device", "--run-name", "--set", "--list-settings"):
         assert flag in result.stdout

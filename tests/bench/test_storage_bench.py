@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import preloaded
 
 from rlhf_pipeline.bench.storage_backends import BACKENDS, REMOTE_BACKENDS, BenchSpec, load_backend
 from rlhf_pipeline.bench.storage_bench import RECORD_FIELDS, add_ratios, format_table, run_benchmark
@@ -116,8 +117,8 @@ def test_unknown_backend_is_named_in_the_error():
 def test_cli_json_is_one_clean_array_from_isolated_workers():
     command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "bench", "storage", "--json",
                "--completions", "32", "--sample-batches", "2", "--backends", "raw-numpy"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).resolve().parents[2])
+    result = preloaded.run(command, capture_output=True, text=True, timeout=300,
+                           cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr[-2000:]
     records = json.loads(result.stdout)  # nothing but the JSON array on stdout
     assert isinstance(records, list) and len(records) == 1

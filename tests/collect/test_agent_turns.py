@@ -21,6 +21,7 @@ from rlhf_pipeline.transforms.group_advantage import GroupAdvantage
 
 from agent_setup import GROUP_SIZE, TurnsEnv, agent_collector, open_or_create, tiny_policy
 from helpers import resume
+import preloaded
 
 ROUNDS = 2
 TASKS_PER_ROUND = 3
@@ -199,10 +200,10 @@ def test_the_settings_of_the_round_shapes_are_refused_naming_why(tmp_path):
     for setting, says in (("stream_groups=true", "each group as soon as it and every group before it ended"),
                           ("overlap_rounds=true", "while this round's tail decodes"),
                           ("agent_turns=per_episode", "as soon as its environment answered")):
-        result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
+        result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
                                  str(repo / "pipelines" / "default.py"), "--steps", "1", "--home", str(tmp_path),
                                  "--set", f"generation.{setting}"], cwd=repo, capture_output=True, text=True,
-                                timeout=300)
+                               timeout=300)
         assert result.returncode != 0
         lines = result.stderr.strip().splitlines()
         name = setting.split("=")[0]

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from dataio_setup import DEFAULT_PIPELINE, GROUP_SIZE, REPO, SMALL, WRITE_PATH_FIELDS
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.columns import ColumnMap
@@ -227,8 +228,8 @@ def test_import_killed_midway_finishes_on_rerun_without_duplicates(pipeline, cle
     args = [sys.executable, "-m", "rlhf_pipeline.cli.main", "import", str(source), str(buffer), "--pipeline",
             str(DEFAULT_PIPELINE), "--rows-per-chunk", "4", "--quiet", *[a for s in SMALL for a in ("--set", s)]]
     # PYTHONFAULTHANDLER: if the child ever hangs, SIGABRT below prints where every thread stood
-    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    process = preloaded.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     deadline = time.monotonic() + 240
     rows_at_kill = 0
     while time.monotonic() < deadline and process.poll() is None:

@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.dataio.extras import MissingExtraError, require
@@ -155,10 +156,10 @@ def test_a_runs_held_out_scores_are_charted_beside_its_training_reward_on_the_sa
     settings = ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "learner.batch_size=16",
                 "learner.sample_window=32", "learner.new_rows_per_step=16", "eval.every_steps=2", "eval.samples=2",
                 "eval.temperature=1.0", "eval.max_prompts=8"]
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(repo / "pipelines" / "default.py"),
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(repo / "pipelines" / "default.py"),
                              "--steps", "4", "--home", str(tmp_path), "--run-name", "r",
                              *[word for item in settings for word in ("--set", item)]],
-                            cwd=repo, capture_output=True, text=True, timeout=600)
+                           cwd=repo, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "r"
     assert main(["plot", str(run), "--out", str(tmp_path / "charts")]) == 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import command_here, kill_when
+import preloaded
 
 from rlhf_pipeline.coordination.eval_pins import eval_scores
 from rlhf_pipeline.files.run_paths import RunPaths
@@ -52,7 +53,7 @@ def unbroken(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """A run of STEPS steps keeping its best checkpoint (its directory, and what the run printed), for the
     tests to read and branch from; the kill test's reference."""
     home = tmp_path_factory.mktemp("best")
-    result = subprocess.run(command(home, "unbroken"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = preloaded.run(command(home, "unbroken"), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     return home / "unbroken", result
 
@@ -102,14 +103,14 @@ def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_ste
 
 def test_a_kill_9_mid_step_resumes_to_the_best_of_an_unbroken_run(unbroken, tmp_path):
     metrics = tmp_path / "killed" / "metrics.jsonl"
-    first = subprocess.Popen(command(tmp_path, "killed"), cwd=REPO, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    first = preloaded.Popen(command(tmp_path, "killed"), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     # after the checkpoint of step 4 (a candidate), inside a later step: learner, collector and evaluator at once
     kill_when(first, lambda: metrics.is_file() and metrics.read_text().count("\n") >= 5, whole_group=True,
               poll_s=0.01, wait_s=60)
     assert first.returncode == -signal.SIGKILL
     assert len(read_metrics(metrics)) < STEPS, "the kill came after the run had finished; nothing was resumed"
-    resumed = subprocess.run(command(tmp_path, "killed"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    resumed = preloaded.run(command(tmp_path, "killed"), cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout + resumed.stderr
     killed, reference = tmp_path / "killed", unbroken[0]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import different_weights
+import preloaded
 
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.evaluation.evaluator import EvalProgress, Evaluation, eval_engine, open_set_store, set_store_location
@@ -105,7 +106,7 @@ def server(vllm_servers):
 
 
 def test_the_evaluator_shares_the_runs_server_and_every_row_has_the_log_probs_of_its_version(server, tmp_path):
-    result = subprocess.run(
+    result = preloaded.run(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "4", "--home", str(tmp_path),
          "--run-name", "r", "--set", f"generation.url={server.url}", "--set", "num_heads=2",
          "--set", "warm_start_steps=5", "--set", "prompts_per_round=4", "--set", "group_size=4",

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import command_here, kill_when, run_child_pids
+import preloaded
 
 from rlhf_pipeline.coordination.weights import published_objects, published_versions
 from rlhf_pipeline.dataio.model_export import available_versions
@@ -35,8 +36,8 @@ SAMPLED_5 = ["--set", "eval.samples=2", "--set", "eval.temperature=1.0", "--set"
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=timeout)
 
 
 def logged(run: str, log: str = "metrics.jsonl") -> list[dict]:
@@ -137,7 +138,7 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
         finally:
             store.close()
 
-    launcher = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "4",
+    launcher = preloaded.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "4",
                                  "--home", run_home, "--run-name", "r", *SMALL, *zarr_at_a_url(run_home),
                                  *evaluation], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = kill_when(launcher, mid_first_version, victims=lambda: run_child_pids("eval", run_home),

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.evaluation.evaluator import eval_metrics_path, set_store_location
@@ -53,7 +54,7 @@ def test_a_length_reward_rises_while_held_out_exact_answers_do_not(tmp_path, cap
     # from about 0.32 in the first 10 steps to 0.71-0.98 in the last 10, held-out pass@1 from 0.3-0.7 at
     # step 0 to 0.0 at step 60, the best version by it at step 0 (seed 2: 0.3 at steps 0 and 20)
     pipeline = hackable_pipeline(tmp_path)
-    result = subprocess.run(
+    result = preloaded.run(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(pipeline), "--steps", "60",
          "--home", str(tmp_path), "--run-name", "hacked", "--set", "eval.every_steps=20",
          "--set", "learner.keep_best=eval/held_out/pass@1"],

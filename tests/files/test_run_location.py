@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import preloaded
 
 from rlhf_pipeline.files.run_paths import HOME_ENV_VAR, RunLocationError, default_home, run_dir, run_paths
 
@@ -71,8 +72,8 @@ CANNOT_LIVE_AT = "is a URL with a scheme a run cannot live at"
     (["plot", "gs://runs/team/exp1", "--out", "charts"], {}, CANNOT_LIVE_AT),
 ], ids=["run-home", "run-env-home", "replay-home", "export-model-run", "plot-run"])
 def test_commands_refuse_a_run_at_a_url_they_cannot_use_and_create_nothing(tmp_path, argv, env, message):
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *argv], cwd=tmp_path,
-                            env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *argv], cwd=tmp_path,
+                           env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], result.stderr

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import preloaded
 
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation, find_vllm_python
 from rlhf_pipeline.generation.vllm_setup import MARKER, SetupError, setup_vllm
@@ -125,8 +126,8 @@ def test_the_command_refuses_in_one_line(tmp_path):
     done = tmp_path / "gpu-env"
     done.mkdir()
     (done / MARKER).write_text(json.dumps({"kind": "gpu", "venv": True, "vllm": True}))
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "setup-vllm", "--cpu", "--path", str(done)],
-                            capture_output=True, text=True, timeout=120)
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "setup-vllm", "--cpu", "--path", str(done)],
+                           capture_output=True, text=True, timeout=120)
     assert result.returncode == 2  # bad input, as every command's refusals (a step that failed: 1)
     assert result.stderr.strip().splitlines() == [
         f"rlhf-pipeline setup-vllm: error: {done} was set up for a GPU machine; remove it or choose another --path "

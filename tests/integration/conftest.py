@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import preloaded
 
 
 @pytest.fixture(scope="session")
@@ -21,8 +22,8 @@ def online_parent(tmp_path_factory) -> Path:
 
     home = tmp_path_factory.mktemp("online")
     sets = [arg for item in ONLINE for arg in ("--set", item)]
-    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
+    ran = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
                           str(home), "--run-name", "parent", *sets], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
+                        timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     return home / "parent"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from misbehaving_vllm_server import MisbehavingVLLMServer
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -34,9 +35,9 @@ STEPS = 4
 
 def _run(home: Path, url: str) -> subprocess.CompletedProcess:
     sets = [word for item in [*SETTINGS, f"generation.url={url}"] for word in ("--set", item)]
-    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
+    return preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
                            "--home", str(home), "--run-name", "url", *sets], cwd=REPO, capture_output=True,
-                          text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def test_a_server_that_answers_ids_outside_the_vocabulary_stops_the_run_in_one_line_and_a_rerun_resumes(

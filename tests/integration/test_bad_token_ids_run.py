@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -33,9 +34,9 @@ SETTINGS = ["warm_start_steps=4", "prompts_per_round=2", "group_size=4", "learne
 
 def _run(home: Path, name: str, steps: int) -> subprocess.CompletedProcess:
     sets = [word for item in SETTINGS for word in ("--set", item)]
-    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(steps),
+    return preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(steps),
                            "--home", str(home), "--run-name", name, *sets], cwd=REPO, capture_output=True, text=True,
-                          timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def test_a_run_with_a_group_outside_the_vocabulary_goes_on_as_the_branch_repair_names(tmp_path, capsys):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import kill_when
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_weights
@@ -154,7 +155,7 @@ def test_a_branch_killed_mid_run_resumes_to_what_it_trains_uninterrupted(runs, c
                *[word for setting in SETTINGS for word in ("--set", setting)]]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the in-process branch ran on one thread
     metrics = home / "long-killed" / "metrics.jsonl"
-    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = preloaded.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     # whole lines only: the branch starts with the parent's 6; kill once it trained 3 of its own
     err = kill_when(first, lambda: metrics.read_text().count("\n") >= 9, timeout=240, poll_s=0.01, wait_s=60)
     assert first.returncode == -signal.SIGKILL, err[-3000:]
@@ -347,7 +348,7 @@ def test_the_printed_run_command_continues_a_branch_online_with_the_parents_sett
     err = capsys.readouterr().err
     branch = online_parent.parent / "online"
     made_with = (branch / "settings.json").read_text()
-    ran = subprocess.run(printed_command(err, "run"), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    ran = preloaded.run(printed_command(err, "run"), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "resuming from" in ran.stderr and "changed" not in ran.stderr, ran.stderr[-3000:]
     assert (branch / "settings.json").read_text() == made_with
@@ -374,9 +375,9 @@ def test_a_branch_killed_midway_whose_step_is_pruned_is_listed_then_removed_by_i
     for i in range(20_000):
         (modules / f"m{i}.py").write_text("")
     making = tmp_path / "cut"
-    branching = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "branch", str(parent),
+    branching = preloaded.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "branch", str(parent),
                                   "--from-step", "2", "cut"], cwd=REPO, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True)
     err = kill_when(branching, lambda: (making / "pipeline_modules").is_dir(), timeout=240, poll_s=0.01, wait_s=60)
     assert branching.returncode == -signal.SIGKILL, err[-3000:]
     assert (making / "branch.making").is_file() and not (making / "branch.json").exists(), \
@@ -572,9 +573,9 @@ def test_a_branch_at_a_url_of_a_run_with_collectors_replays_the_parents_rows_up_
 
     home = run_home
     sets = [arg for item in [*ONLINE, "buffer_backend=zarr"] for arg in ("--set", item)]
-    ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
+    ran = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "8", "--home",
                           home, "--run-name", "parent", *sets], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                        timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert ran.returncode == 0, ran.stderr[-3000:]
     parent_url = f"{home}/parent"
     before = digest(parent_url)

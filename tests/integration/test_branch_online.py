@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from helpers import kill_when
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_weights
@@ -52,8 +53,8 @@ def command(home: Path, name: str, *changes: str) -> list[str]:
 
 
 def run(home: Path, name: str, *changes: str) -> str:
-    ran = subprocess.run(command(home, name, *changes), cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ran = preloaded.run(command(home, name, *changes), cwd=REPO, capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert ran.returncode == 0, ran.stderr[-3000:]
     return ran.stderr
 
@@ -150,8 +151,8 @@ def test_a_branch_killed_mid_run_resumes_online_to_what_it_trains_uninterrupted(
     assert main(["branch", str(parent), "--from-step", str(BRANCH_AT), "killed"]) == 0
     killed = home / "killed"
     metrics = killed / "metrics.jsonl"
-    first = subprocess.Popen(command(home, "killed"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    first = preloaded.Popen(command(home, "killed"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     # whole lines only: the branch starts with the parent's steps; killed once it trained 2 of its own
     kill_when(first, lambda: metrics.is_file() and metrics.read_text().count("\n") >= BRANCH_AT + 2, whole_group=True,
               poll_s=0.01, wait_s=60)
@@ -215,9 +216,9 @@ def test_an_agent_branch_continues_online_as_its_parent_did(tmp_path):
     step 4 continues online exactly (rows, losses, weights)."""
     def agent_run(name: str) -> None:
         sets = [word for item in AGENT for word in ("--set", item)]
-        ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--steps", "8",
+        ran = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--steps", "8",
                               "--home", str(tmp_path), "--run-name", name, *sets], cwd=REPO, capture_output=True,
-                             text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert ran.returncode == 0, ran.stderr[-3000:]
 
     agent_run("parent")
@@ -240,9 +241,9 @@ def test_retention_in_a_branch_continued_online_drops_only_its_own_rows_never_pa
 
     def bounded_run(name: str, steps: int, *changes: str) -> None:
         sets = [word for item in [*SETTINGS, *bound, *changes] for word in ("--set", item)]
-        ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(steps),
+        ran = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(steps),
                               "--home", str(tmp_path), "--run-name", name, *sets], cwd=REPO, capture_output=True,
-                             text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert ran.returncode == 0, ran.stderr[-3000:]
         assert "retention.* is off" not in ran.stderr
 
@@ -284,8 +285,8 @@ def command_at(home: str, name: str) -> list[str]:
 
 
 def run_at(cwd, home: str, name: str) -> str:
-    ran = subprocess.run(command_at(home, name), cwd=cwd, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ran = preloaded.run(command_at(home, name), cwd=cwd, capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert ran.returncode == 0, ran.stderr[-3000:]
     return ran.stderr
 
@@ -334,8 +335,8 @@ def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_tr
     assert printed[3:8] == ["run", "PIPELINE.py", "--home", home, "--run-name"]
     same = f"{home}/same"
     inherited = json.loads(run_store_at(same).read("branch.json"))["buffer_rows"]
-    ran = subprocess.run([DEFAULT if word == "PIPELINE.py" else word for word in printed], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    ran = preloaded.run([DEFAULT if word == "PIPELINE.py" else word for word in printed], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "changed" not in ran.stderr, ran.stderr[-3000:]  # no setting left out of the printed command
     assert digest(parent) == before  # the parent's objects were only read
@@ -368,9 +369,9 @@ def test_a_branch_at_a_url_killed_mid_run_resumes_online_to_what_the_parent_trai
     before = digest(parent)
     assert main(["branch", parent, "--from-step", "4", "killed"]) == 0
     killed = f"{home}/killed"
-    first = subprocess.Popen(command_at(home, "killed"), cwd=tmp_path, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    first = preloaded.Popen(command_at(home, "killed"), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     # the branch starts with the parent's 4 steps; killed once it trained 2 of its own
     kill_when(first, lambda: len(logged(killed)) >= 6, whole_group=True, poll_s=0.1, wait_s=60)
     assert first.returncode == -signal.SIGKILL

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_child_pids, run_on_terminal, screen_lines
+import preloaded
 from process_tree import tree, wait_gone
 
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
@@ -42,8 +43,8 @@ SMALL = ["--set", "warm_start_steps=5", "--set", "prompts_per_round=4", "--set",
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=timeout)
 
 
 def assert_whole_groups_with_normalized_advantages(run: Path) -> None:
@@ -134,7 +135,7 @@ def engine_run(engine, tmp_path_factory):
         code, shown = run_on_terminal(engine_command(engine, home), cwd=REPO, timeout=900)
         assert code == 0, shown.decode(errors="replace")[-4000:]
         return home / "run", shown.decode(errors="replace")
-    result = subprocess.run(engine_command(engine, home), cwd=REPO, capture_output=True, text=True, timeout=900)
+    result = preloaded.run(engine_command(engine, home), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return home / "run", result.stderr
 
@@ -326,8 +327,8 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
     # with the loop, an evaluator child too (`eval RUN --follow`): it must not outlive the run either
     command = engine_command(engine, tmp_path) + (EVALUATING if engine.name == "loop" else [])
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)  # its own process group, to kill it whole
+        first = preloaded.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group, to kill it whole
     started, killed_engine = {}, {}
     try:
         deadline = time.monotonic() + 600  # a bound on a hang: a vLLM engine starts in tens of seconds
@@ -368,7 +369,7 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
         last = read_metrics(rounds)[-1]  # the last round of the first start came after the restart
         assert (last["engine_restarts"], last["engine_starts"]) == (1, 2)
 
-    resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    resumed = preloaded.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert resumed.stderr.count("the vllm generation engine started in") == (1 if engine.name == "vllm" else 0)
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
@@ -377,8 +378,8 @@ def test_a_run_killed_whole_resumes_to_the_rows_of_the_uninterrupted_run(engine,
 
 @pytest.mark.parametrize("engine", ["url"], indirect=True)
 def test_a_server_of_another_shape_is_refused_in_one_line_before_any_row(engine, tmp_path):
-    result = subprocess.run(engine_command(engine, tmp_path, "refused", heads=[]), cwd=REPO, capture_output=True,
-                            text=True, timeout=900)  # num_heads=4: the server's model has 2
+    result = preloaded.run(engine_command(engine, tmp_path, "refused", heads=[]), cwd=REPO, capture_output=True,
+                           text=True, timeout=900)  # num_heads=4: the server's model has 2
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "generation.url:" in line]
     assert len(lines) == 1 and "num_attention_heads=2" in lines[0] and "num_attention_heads=4" in lines[0], \

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from integration.test_branch import DEFAULT, ONLINE, REPO, digest, rows, trained
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_weights
@@ -142,8 +143,8 @@ def test_detach_killed_mid_copy_leaves_the_branch_usable_and_finishes_when_run_a
     parent_files = digest(parent)
 
     partial = branch / "own-rows.partial"
-    started = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "detach", str(branch)], cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    started = preloaded.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "detach", str(branch)], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     err = kill_when(started, lambda: partial.is_dir() and sum(p.stat().st_size for p in partial.rglob("*")
                                                               if p.is_file()) > 2**20, poll_s=0.01, wait_s=60)
     assert started.returncode == -signal.SIGKILL, err[-3000:]

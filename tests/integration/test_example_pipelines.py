@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+import preloaded
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import load_pipeline_module
@@ -20,10 +21,10 @@ BINARY = "pipelines/examples/binary_tool.py"
 
 
 def run(pipeline: str, home: Path, *settings: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", pipeline, "--steps", "2",
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", pipeline, "--steps", "2",
                              "--home", str(home), "--run-name", "example",
                              *(word for setting in settings for word in ("--set", setting))],
-                            cwd=REPO, capture_output=True, text=True, timeout=500)
+                           cwd=REPO, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "[run] done: 2 learner steps" in result.stderr
     assert [r["step"] for r in read_metrics(home / "example" / "metrics.jsonl")] == [1, 2]

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from helpers import kill_when
+import preloaded
 from integration.test_default_pipeline import DEFAULT
 
 from rlhf_pipeline.cli.main import main
@@ -136,7 +137,7 @@ def test_an_import_into_a_run_at_a_url_killed_midway_resumes_without_duplicates(
     killed, clean = runs["killed"], runs["clean"]
     shard = f"{killed.url}/buffer/{IMPORTED}"
     command = [*CLI, "import", str(source), killed.url, "--rows-per-chunk", "4", "--quiet"]
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = preloaded.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def rows_now() -> int:
         try:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers import needs_peft
+import preloaded
 
 from rlhf_pipeline.coordination.weights import load_published, published_versions
 from rlhf_pipeline.generation.vllm_adapters import RUNTIME_LORA_ENV, AdapterServing
@@ -48,9 +49,9 @@ def run(home: Path, name: str, *extra: str) -> tuple[float, list[int]]:
     """A finished run: its largest stored-against-recomputed log-prob difference over every step (each
     training rows of the version the learner holds, adapter versions from the second), and the versions
     it published."""
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
                              "--home", str(home), "--run-name", name, *SMALL, *extra],
-                            cwd=REPO, capture_output=True, text=True, timeout=1200)
+                           cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     steps = read_metrics(home / name / "metrics.jsonl")
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))

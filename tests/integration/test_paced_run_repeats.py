@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_child_pids
+import preloaded
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.storage import open_buffer
@@ -85,10 +86,10 @@ def assert_trained_the_same(first: dict, second: dict) -> None:
 
 @pytest.mark.slow
 def test_two_paced_runs_with_one_seed_train_on_the_same_rows(tmp_path):
-    first = subprocess.run(run_default(tmp_path, "quiet"), cwd=REPO, capture_output=True, text=True, timeout=900)
+    first = preloaded.run(run_default(tmp_path, "quiet"), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
-    loaded = subprocess.Popen(run_default(tmp_path, "paused"), cwd=REPO, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    loaded = preloaded.Popen(run_default(tmp_path, "paused"), cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
     done, pauses = threading.Event(), []
     pausing = threading.Thread(target=lambda: pauses.append(pause_at_random(tmp_path, "paused", done)))
     pausing.start()

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import preloaded
 
 from rlhf_pipeline.learn.metrics import read_metrics
 
@@ -33,9 +34,9 @@ def trained(tmp_path: Path, pipeline: str, max_lag: int) -> list[dict]:
     name = f"lag{max_lag}"
     settings = [arg for item in [*SETTINGS[pipeline], f"max_lag={max_lag}", "learner.log_every=1"]
                 for arg in ("--set", item)]
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(PIPELINES / pipeline),
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(PIPELINES / pipeline),
                              "--steps", str(STEPS), "--home", str(tmp_path), "--run-name", name, *settings],
-                            cwd=REPO, capture_output=True, text=True, timeout=900)
+                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     steps = read_metrics(tmp_path / name / "metrics.jsonl")
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))

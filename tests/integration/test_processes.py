@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import kill_when, run_child_pids
+import preloaded
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.files.run_paths import RunPaths
@@ -31,7 +32,7 @@ SMALL = ["--set", "warm_start_steps=5", "--set", "prompts_per_round=4", "--set",
 
 
 def start(command: str, home: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    return preloaded.Popen(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", command, DEFAULT, "--home", str(home),
          "--run-name", "shared", *SMALL, *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -187,15 +188,15 @@ def test_two_collectors_feed_one_learner_through_buffer_shards_and_one_killed_re
                "--home", str(tmp_path), "--run-name", "crash", *SMALL, "--set", "buffer_backend=zarr",
                "--set", "learner.sampler=window"]
     run = tmp_path / "crash"
-    first = subprocess.Popen([*command, "--steps", "50"], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = preloaded.Popen([*command, "--steps", "50"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     out = kill_when(first, lambda: (run / "metrics.jsonl").exists() and len(read_metrics(run / "metrics.jsonl")) >= 3,
                     victims=lambda: run_child_pids("collect-1", str(run.parent), "crash"), timeout=240)
     assert first.returncode != 0 and "collector 1 exited early" in out, out[-3000:]
     stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"]
 
-    resumed = subprocess.run([*command, "--steps", str(stopped_at + 3)], cwd=REPO, capture_output=True,
-                             text=True, timeout=300)
+    resumed = preloaded.run([*command, "--steps", str(stopped_at + 3)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
     records = read_metrics(run / "metrics.jsonl")
@@ -237,7 +238,7 @@ def test_two_collectors_feed_one_learner_through_buffer_shards_and_one_killed_re
 def test_run_with_two_learner_ranks_writes_one_set_of_files(tmp_path):
     """``learner.world_size=2``: run starts two learner ranks beside the collector; rank 0 alone
     writes metrics, weights and checkpoints, and both ranks train on rank 0's draws of the live buffer."""
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "3", "--home", str(tmp_path),
          "--run-name", "ranks", *SMALL, "--set", "learner.world_size=2"],
         cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -323,8 +324,8 @@ def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(run_h
     from rlhf_pipeline.runs.lineage import run_store_at
 
     home = run_home
-    at_url = subprocess.run([*command_at(home, "exp1"), "--steps", "4"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=600)
+    at_url = preloaded.run([*command_at(home, "exp1"), "--steps", "4"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600)
     assert at_url.returncode == 0, at_url.stderr[-3000:]
     assert f"[run] run directory {home}/exp1" in at_url.stderr
     assert "[run] done: 4 learner steps" in at_url.stderr, at_url.stderr[-3000:]
@@ -374,11 +375,11 @@ def test_a_run_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(run_h
     module = load_pipeline_module(DEFAULT)
     settings = make_settings(module, [a for a in [*SMALL, *ZARR] if a != "--set"])
     module.build(settings, legacy).create_buffer(f"{legacy.url}/buffer/shard-0000").close()
-    legacy_run = subprocess.Popen([*command_at(home, "legacy"), "--steps", "4"], cwd=tmp_path,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    legacy_run = preloaded.Popen([*command_at(home, "legacy"), "--steps", "4"], cwd=tmp_path,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        local = subprocess.run([*command_at(str(tmp_path / "local"), "exp1"), "--steps", "4"], cwd=REPO,
-                               capture_output=True, text=True, timeout=600)
+        local = preloaded.run([*command_at(str(tmp_path / "local"), "exp1"), "--steps", "4"], cwd=REPO,
+                              capture_output=True, text=True, timeout=600)
         legacy_err = legacy_run.communicate(timeout=600)[1]
     finally:
         if legacy_run.poll() is None:
@@ -426,8 +427,8 @@ def test_processes_killed_at_a_url_resume_exactly(run_home, tmp_path):
     victims, steps, extra = KILLS[home.split("://")[0]]
     done = 0
     for side, after in victims:
-        started = subprocess.Popen([*base, "--steps", str(steps)], cwd=tmp_path, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
+        started = preloaded.Popen([*base, "--steps", str(steps)], cwd=tmp_path, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
         out = kill_when(started, lambda: len(logged(run_url)) >= done + after,
                         victims=lambda: run_child_pids(side, home), poll_s=0.1)
         assert started.returncode != 0, out[-3000:]
@@ -441,8 +442,8 @@ def test_processes_killed_at_a_url_resume_exactly(run_home, tmp_path):
         assert key in keys, sorted(keys)
     total = logged(run_url)[-1]["step"] + extra
 
-    resumed = subprocess.run([*base, "--steps", str(total)], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600)
+    resumed = preloaded.run([*base, "--steps", str(total)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"[learner] resuming from {run_url}/checkpoints/step_" in resumed.stderr, resumed.stderr[-3000:]
     assert "run.lock" not in set(run_store_at(run_url).walk())  # let go
@@ -453,8 +454,8 @@ def test_processes_killed_at_a_url_resume_exactly(run_home, tmp_path):
     assert ids["trajectory_id"].tolist() == list(range(rows))
     assert ids["group_id"].tolist() == [i // 4 for i in range(rows)]
 
-    plain = subprocess.run([*command_at(home, "plain"), "--steps", str(total)], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=600)
+    plain = preloaded.run([*command_at(home, "plain"), "--steps", str(total)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
     resumed_steps, uninterrupted = trained(logged(run_url), LABELS), trained(logged(f"{home}/plain"), LABELS)
     assert [r["step"] for r in resumed_steps] == list(range(1, total + 1))  # every step once, in order
@@ -480,11 +481,11 @@ def test_a_collector_and_a_learner_started_apart_meet_at_the_url(run_home, tmp_p
     for side in ("collector", "learner"):
         (tmp_path / side).mkdir()
         machines[side] = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / side / "cache")}
-    collector = subprocess.Popen([*base, "collect", *args], cwd=tmp_path / "collector", env=machines["collector"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    collector = preloaded.Popen([*base, "collect", *args], cwd=tmp_path / "collector", env=machines["collector"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        learner = subprocess.run([*base, "learn", *args, "--steps", "3"], cwd=tmp_path / "learner",
-                                 env=machines["learner"], capture_output=True, text=True, timeout=600)
+        learner = preloaded.run([*base, "learn", *args, "--steps", "3"], cwd=tmp_path / "learner",
+                                env=machines["learner"], capture_output=True, text=True, timeout=600)
         out, _ = collector.communicate(timeout=120)  # ends by itself: the learner wrote STOP
     finally:
         if collector.poll() is None:
@@ -505,9 +506,9 @@ def test_a_run_at_a_url_whose_pipeline_makes_memmap_shards_is_refused_in_one_lin
     directory is made."""
     from rlhf_pipeline.runs.lineage import run_store_at
 
-    refused = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
+    refused = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
                               str(REPO / "pipelines" / f"{pipeline}.py"), "--home", run_home, "--steps", "1"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "needs a Zarr buffer" in errors[0] and "--set buffer_backend=zarr" in errors[0], \

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import preloaded
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
@@ -38,8 +39,8 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
 
 
 SMALL = ["--device", "cpu", "--set", "max_new_tokens=8", "--set", "prompts_per_round=2", "--set", "group_size=4",
@@ -91,10 +92,10 @@ def test_samples_with_vllm_from_the_model_directory(tmp_path):
     tokenizer.save_pretrained(tmp_path / "model")
     data = write_jsonl(tmp_path / "gsm.jsonl", [{"question": f"What is {a} + {b}?", "answer": str(a + b)}
                                                 for a, b in [(2, 3), (10, 7), (4, 4), (21, 9)]])
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", QWEN_MATH, "--steps", "2",
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", QWEN_MATH, "--steps", "2",
                              "--home", str(tmp_path), *SMALL, "--set", f"model_path={tmp_path / 'model'}",
                              "--set", f"data_path={data}", "--set", "generation.engine=vllm"],
-                            cwd=REPO, capture_output=True, text=True, timeout=900)
+                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the vllm generation engine started" in result.stderr + result.stdout
     records = read_metrics(tmp_path / "qwen_math" / "metrics.jsonl")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import preloaded
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -105,8 +106,8 @@ def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(cluster
                "2", "--home", str(tmp_path), "--run-name", "run", *[a for s in SMALL for a in ("--set", s)]]
     # far more steps than it gets to: SIGINT ends it. A learner as fast as on an idle machine trained
     # 60 steps before the kill below landed, and the run ended before Ray could restart anything
-    driver = subprocess.Popen([*command, "--steps", "1000"], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    driver = preloaded.Popen([*command, "--steps", "1000"], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
     try:
         control = wait_for(lambda: control_of(run), driver, "the control actor started")
         wait_for(lambda: CheckpointManager(run / "checkpoints").latest_step(), driver, "a checkpoint")
@@ -141,8 +142,8 @@ def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(cluster
     stopped_at = CheckpointManager(run / "checkpoints").latest_step()
     assert stopped_at == read_metrics(run / "metrics.jsonl")[-1]["step"]
 
-    resumed = subprocess.run([*command, "--steps", str(stopped_at + 1)], cwd=REPO, capture_output=True,
-                             text=True, timeout=240)
+    resumed = preloaded.run([*command, "--steps", str(stopped_at + 1)], cwd=REPO, capture_output=True,
+                            text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {stopped_at})" in resumed.stderr and "[run] done" in resumed.stderr
     # like a normal run's: every step once, in order (the restarted learner truncated the metrics to its
@@ -249,10 +250,10 @@ def test_a_run_at_a_url_on_ray_keeps_its_state_there(run_home, tmp_path):
 
     from rlhf_pipeline.runs.lineage import run_store_at
 
-    done = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", "--home",
+    done = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", "--home",
                            run_home, "--run-name", "on-ray", "--steps", "3", "--set", "buffer_backend=zarr",
                            *[a for s in SMALL for a in ("--set", s)]], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+                         timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"[run] run directory {run_home}/on-ray on Ray" in done.stdout + done.stderr, done.stderr[-3000:]
     assert [r["step"] for r in logged(f"{run_home}/on-ray")] == [1, 2, 3]
@@ -271,10 +272,10 @@ def test_the_evaluator_runs_as_an_actor_beside_the_collectors_and_resumes_after_
     run = tmp_path / "run"
     location = set_store_location(run, "held_out-k4-t1")  # 40 prompts x 4 samples = 160 rows a version
     evaluation = ["eval.every_steps=2", "eval.samples=4", "eval.temperature=1.0"]
-    driver = subprocess.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", cluster,
+    driver = preloaded.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", cluster,
                                "--home", str(tmp_path), "--run-name", "run", "--steps", "6",
                                *[a for s in [*SMALL, *evaluation] for a in ("--set", s)]],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def mid_first_version() -> bool:
         if not (location / "manifest.json").exists():

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import kill_when
+import preloaded
 
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
@@ -153,8 +154,8 @@ def test_a_replay_killed_with_sigkill_resumes_to_the_same_losses_and_weights(hom
                "--epochs", "3", "--seed", "7", "--home", str(home), "--run-name", "killed", *SMALL_CLI]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the in-process reference ran on one thread
     run = home / "killed"
-    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
+    first = preloaded.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     metrics = run / "metrics.jsonl"
     # whole lines only: the replay may be writing the next one
     err = kill_when(first, lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, timeout=240,
@@ -290,8 +291,8 @@ def test_the_ranks_of_a_replay_killed_with_sigkill_stop_and_it_resumes_to_the_sa
                "--epochs", "3", "--seed", "7", "--home", str(home), "--run-name", "killed-ranks", *SMALL_CLI,
                "--set", "learner.world_size=2"]
     run = home / "killed-ranks"
-    launcher = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = preloaded.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ranks: list[int] = []
 
     def trained_two_steps() -> bool:  # the ranks' pids are read while their launcher still runs
@@ -409,9 +410,9 @@ def test_a_replay_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(ru
     from rlhf_pipeline.runs.lineage import run_store_at
 
     home, source = run_home, url_source
-    at_url = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", source,
+    at_url = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", source,
                              "--home", home, "--run-name", "r1", *SMALL_CLI, *EPOCHS_CLI], cwd=tmp_path,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
     assert at_url.returncode == 0, at_url.stderr[-3000:]
     assert f"steps (2 epochs, order shuffle) into {home}/r1" in at_url.stderr
     store = run_store_at(f"{home}/r1")
@@ -465,8 +466,8 @@ def test_a_replay_killed_at_a_url_resumes_to_the_same_losses_rows_and_weights(ru
     command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "replay", DEFAULT, "--buffer", source,
                "--home", home, "--run-name", "killed", *SMALL_CLI, *EPOCHS_CLI]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the uninterrupted replay runs in this process, on one thread
-    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
+    first = preloaded.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     store = run_store_at(run)
     # a checkpoint at step 2 or later, and the run not finished (10 steps of margin to the end)
     err = kill_when(first, lambda: any(n.startswith("step_") and 2 <= int(n[5:13]) < 12
@@ -474,7 +475,7 @@ def test_a_replay_killed_at_a_url_resumes_to_the_same_losses_rows_and_weights(ru
     assert first.returncode == -signal.SIGKILL, err[-3000:]
     assert "checkpoints/step_00000012.pt" not in store.walk(), "the kill came after the replay had finished"
 
-    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    resumed = preloaded.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"[learner] resuming from {run}/checkpoints/step_" in resumed.stderr, resumed.stderr[-3000:]
     assert [r["step"] for r in logged(run)] == list(range(1, 13))  # every step once, in order

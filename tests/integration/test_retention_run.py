@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import make_batch
+import preloaded
 
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
 from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress
@@ -107,9 +108,9 @@ def test_a_run_with_max_rows_keeps_its_shard_bounded_and_trains(tmp_path):
                 "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",
                 "--set", "learner.new_rows_per_step=16", "--set", "learner.checkpoint_every=5",
                 "--set", "segment_rows=16", "--set", "retention.max_rows=48"]
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" / "default.py"),
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" / "default.py"),
                              "--steps", "30", "--home", str(tmp_path), "--run-name", "long", *settings],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = tmp_path / "long"
     rounds = read_metrics(run / "collector" / "metrics-0000.jsonl")
@@ -120,8 +121,8 @@ def test_a_run_with_max_rows_keeps_its_shard_bounded_and_trains(tmp_path):
     # never past the rows the kept checkpoints draw from (their position less the sampler's reach)
     kept = CheckpointManager(run / "checkpoints").rewind_points()
     assert first <= min(p["buffer_rows"]["shard-0000"] for p in kept) - 32
-    shown = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "inspect", str(run)], cwd=REPO,
-                           capture_output=True, text=True, timeout=120)
+    shown = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "inspect", str(run)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     assert "retention  max_rows=48" in shown.stdout and f"shard-0000: {first}" in shown.stdout
 
 
@@ -130,9 +131,9 @@ def test_an_agent_run_drops_whole_trajectories_and_groups(tmp_path):
     settings = ["--set", "warm_start_steps=20", "--set", "warm_start_check_tasks=0", "--set", "learner.batch_size=16",
                 "--set", "learner.new_rows_per_step=16", "--set", "learner.sample_window=32",
                 "--set", "learner.checkpoint_every=5", "--set", "segment_rows=16", "--set", "retention.max_rows=32"]
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" / "tool_use.py"),
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" / "tool_use.py"),
                              "--steps", "20", "--home", str(tmp_path), "--run-name", "agent", *settings],
-                            cwd=REPO, capture_output=True, text=True, timeout=600)
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with open_buffer(tmp_path / "agent" / "buffer", mode="r") as buffer:
         shard = next(iter(buffer.shards.values()))
@@ -425,10 +426,10 @@ def test_a_parent_at_a_url_keeps_its_branchs_rows_and_the_branch_drops_only_its_
 
     def bounded(name: str, steps: int) -> None:
         sets = [word for item in [*AT_URL, *BOUND] for word in ("--set", item)]
-        ran = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" /
+        ran = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" /
                               "default.py"), "--steps", str(steps), "--home", run_home, "--run-name", name, *sets],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert ran.returncode == 0, ran.stderr[-3000:]
 
     def dropped(url: str) -> int:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import preloaded
 
 from rlhf_pipeline.learn.metrics import read_metrics
 
@@ -31,8 +32,8 @@ def _run(home: Path, steps: int) -> list[str]:
 
 def _start(command: list[str]) -> subprocess.Popen:
     # a session of its own, so that the test can kill the launcher together with its children
-    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return preloaded.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
 
 
 def _refusal(result: subprocess.CompletedProcess | tuple[int, str], holder_pid: int | None = None) -> str:
@@ -73,7 +74,7 @@ def test_a_held_run_directory_refuses_run_replay_and_import_and_a_killed_holder_
         assert held["pid"] == first.pid and held["command"] == "run"
         files_before = _files(run)
 
-        second = subprocess.run(_run(tmp_path, 400), cwd=REPO, capture_output=True, text=True, timeout=120)
+        second = preloaded.run(_run(tmp_path, 400), cwd=REPO, capture_output=True, text=True, timeout=120)
         _refusal(second, holder_pid=first.pid)
         # replay and import are refused in this process: the holder is another process all the same, and
         # each CLI start of theirs would import torch again (seconds on a busy machine)
@@ -94,7 +95,7 @@ def test_a_held_run_directory_refuses_run_replay_and_import_and_a_killed_holder_
             first.wait()
     # a dead holder leaves its record in run.lock, but no lock: the same command resumes
     reached = read_metrics(run / "metrics.jsonl")[-1]["step"]
-    resumed = subprocess.run(_run(tmp_path, reached + 2), cwd=REPO, capture_output=True, text=True, timeout=300)
+    resumed = preloaded.run(_run(tmp_path, reached + 2), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
@@ -162,9 +163,9 @@ def test_a_run_whose_lease_at_a_url_was_taken_over_stops_its_processes(run_home,
     from rlhf_pipeline.runs.lineage import run_store_at
 
     run_url = f"{run_home}/taken"
-    first = subprocess.Popen([*CLI, "run", DEFAULT, "--home", run_home, "--run-name", "taken", "--steps", "500",
+    first = preloaded.Popen([*CLI, "run", DEFAULT, "--home", run_home, "--run-name", "taken", "--steps", "500",
                               *SMALL, "--set", "buffer_backend=zarr"], cwd=tmp_path, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and first.poll() is None and len(logged(run_url)) < 2:

@@ -23,6 +23,7 @@ import pytest
 import torch
 from integration.test_default_pipeline import SMALL as RUN_SMALL
 from integration.test_replay import DEFAULT, SMALL_CLI, batches, losses, record, recorded_rows, replay
+import preloaded
 
 from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -36,8 +37,8 @@ SHARD0 = spread_shard_name(0)  # collector 0's shard at an object-store URL
 
 
 def cli(server, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO, env=server.env(),
-                            capture_output=True, text=True, timeout=timeout)
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO, env=server.env(),
+                           capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from agent_run_checks import check_every_turn_holds_its_versions_log_probs
 from helpers import kill_when, run_child_pids
+import preloaded
 from process_tree import tree, wait_gone
 
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -39,7 +40,7 @@ SMALL = ["--set", "warm_start_steps=20", "--set", "warm_start_check_tasks=0", "-
     ("init_weights=/no/such/weights.pt", "'init_weights': '/no/such/weights.pt' is not a file"),
 ])
 def test_bad_settings_fail_before_any_process_starts(tmp_path, setting, message):
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
                              "--set", setting], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert not any(tmp_path.iterdir())  # nothing created
@@ -53,7 +54,7 @@ def test_a_batch_of_several_rounds_does_not_stall(tmp_path):
                "--run-name", "wide", "--set", "warm_start_steps=0", "--set", "max_turns=1",
                "--set", "max_new_tokens=12", "--set", "learner.batch_size=48", "--set", "learner.new_rows_per_step=48",
                "--set", "learner.sample_window=96", "--set", "learner.data_timeout_s=120", "--set", "log_rounds_every=0"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=500)
+    result = preloaded.run(command, cwd=REPO, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "wide" / "metrics.jsonl")] == [1]
     rounds = read_metrics(tmp_path / "wide" / "collector" / "metrics-0000.jsonl")
@@ -87,9 +88,9 @@ def test_a_tokenizer_whose_template_cannot_render_episodes_is_refused_before_any
 
 
 def test_a_head_size_vllms_cpu_attention_does_not_take_is_refused_before_anything_is_made(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
                              "--set", "generation.engine=vllm", "--set", "num_heads=4"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "this model's is 16 (hidden_size 64 / num_heads 4): add --set num_heads=2" in result.stderr
     assert not any(tmp_path.iterdir())  # nothing created
@@ -123,8 +124,8 @@ def engine_run(engine, tmp_path_factory):
     ``run`` with its stdout and stderr)."""
     home = tmp_path_factory.mktemp(f"tools-{engine.name}")
     checked = WARM_START_CHECKED if engine.name == "loop" else []
-    result = subprocess.run(engine_command(engine, home, "tools", "--steps", str(STEPS), *checked), cwd=REPO,
-                            capture_output=True, text=True, timeout=900)
+    result = preloaded.run(engine_command(engine, home, "tools", "--steps", str(STEPS), *checked), cwd=REPO,
+                           capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert f"[run] done: {STEPS} learner steps" in result.stderr
     return home / "tools", result
@@ -263,8 +264,8 @@ def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole
             started.update(tree(pid))
         return True
 
-    first = subprocess.Popen([*command, "--steps", "40"], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    first = preloaded.Popen([*command, "--steps", "40"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     out = kill_when(first, collector_with_rounds, victims=lambda: run_child_pids("collect", str(tmp_path), "crash"),
                     wait_s=300)
     assert first.returncode != 0 and "exited early" in out, out[-3000:]
@@ -272,8 +273,8 @@ def test_a_collector_killed_mid_run_resumes_with_every_trajectory_once_and_whole
     assert not wait_gone(started), "a process of the collector outlived it"
     stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"] if (run / "metrics.jsonl").exists() else 0
 
-    resumed = subprocess.run([*command, "--steps", str(stopped_at + 2)], cwd=REPO, capture_output=True, text=True,
-                             timeout=600)
+    resumed = preloaded.run([*command, "--steps", str(stopped_at + 2)], cwd=REPO, capture_output=True, text=True,
+                            timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     with open_buffer(run / "buffer", mode="r") as store:
         rows = store.read(torch.arange(len(store)), fields=("trajectory_id", "group_id", "step", "done"))

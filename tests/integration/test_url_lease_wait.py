@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from engine_contract import chat_prompts, seeds
 from helpers import run_child_pids
+import preloaded
 from misbehaving_vllm_server import MisbehavingVLLMServer
 
 from rlhf_pipeline.generation import EngineStopped, GenerationEngine, SampleRequest, SamplingConfig
@@ -124,8 +125,8 @@ def test_a_collector_whose_launcher_died_stops_waiting_for_a_server_held_on_othe
     command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", "4", "--home",
                str(tmp_path), "--run-name", "orphan", *[w for s in settings for w in ("--set", s)]]
     with engine_of(server, seed=6, policy_version=70) as holder, holder.weights.round_lease():
-        launcher = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        launcher = preloaded.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         try:
             wait_until(lambda: lease_table(server)["waiting"] >= 1 or launcher.poll() is not None,
                        "a round of the run waiting for the lease")

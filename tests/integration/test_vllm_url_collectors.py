@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_contract import chat_prompts, max_log_prob_difference, seeds
+import preloaded
 
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.generation import SampleRequest, SamplingConfig, teacher_forced_log_probs
@@ -76,10 +77,10 @@ def _lease_table(server) -> dict:
 def two_collectors(server, tmp_path_factory):
     """A finished run of the default pipeline with two collectors sampling from the one server."""
     home = tmp_path_factory.mktemp("two-on-one")
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2",
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--collectors", "2",
                              "--steps", str(STEPS), "--home", str(home), "--run-name", "shared",
                              "--set", f"generation.url={server.url}", *SMALL],
-                            cwd=REPO, capture_output=True, text=True, timeout=900)
+                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return home / "shared"
 

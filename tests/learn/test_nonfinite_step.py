@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from test_learner import SETTINGS, TOKENIZER, learner, make_model, make_run, rows
+import preloaded
+
 from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.learn.errors import NonFiniteStep
 from rlhf_pipeline.learn.step import make_optimizer
@@ -97,7 +99,7 @@ def test_run_with_a_learning_rate_that_blows_up_the_weights_stops_in_one_line(tm
     no traceback, nothing but version 0 published, no checkpoint."""
     home = tmp_path / "home"
     # weight decay at lr 1e30 multiplies every weight by about -1e29, whatever the rows' rewards
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(REPO / "pipelines" / "default.py"), "--steps", "2",
          "--home", str(home), "--run-name", "blown", "--set", "warm_start_steps=5", "--set", "prompts_per_round=4",
          "--set", "group_size=4", "--set", "learner.batch_size=16", "--set", "learner.sample_window=32",

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from store_worker import check_resumes_after_a_kill, check_rows, checksummed_batch
+import preloaded
 
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import NotAStoreError, StoreLockedError, open_buffer, open_store
@@ -195,8 +196,8 @@ def test_a_url_prefix_of_shards_reads_as_their_union_and_the_cli_inspects_it(azu
     assert reader.refresh(force=True) == 20 and sorted(reader.shards) == [0, 1, 2]
     reader.close()
 
-    out = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "inspect", prefix + "/", "--json"],
-                         check=False, cwd=REPO, env=azure_server.env(), capture_output=True, text=True, timeout=300)
+    out = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "inspect", prefix + "/", "--json"],
+                        check=False, cwd=REPO, env=azure_server.env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     stats = json.loads(out.stdout)
     assert stats["backend"] == "sharded" and stats["extra"]["shards"] == 3 and stats["rows"] == 20
