@@ -16,7 +16,11 @@ import pytest
 
 import preloaded
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="commands are forked on Linux only")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="commands are forked on Linux only"),
+    pytest.mark.skipif(os.environ.get(preloaded.DISABLE) == "1",
+                       reason=f"{preloaded.DISABLE}=1: every command runs as a subprocess"),
+]
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "rlhf_pipeline.cli.main"]

@@ -292,7 +292,8 @@ def start_as_a_new_interpreter() -> None:
     signal.set_wakeup_fd(-1)
     sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115 (fds 0-2 live as long as the process)
     sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # noqa: SIM115 (line-buffered on a terminal)
-    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, errors="backslashreplace",  # noqa: SIM115
+                                       closefd=False)
 
 
 def thread_name(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
