@@ -9,7 +9,6 @@ Skipped, saying how to get it, where the vLLM environment is absent (``rlhf-pipe
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 

@@ -7,7 +7,6 @@ by the evaluation is an early one; ``inspect``, ``show`` and ``export`` read the
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 

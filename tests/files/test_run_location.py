@@ -7,7 +7,6 @@ trained happily into a directory named ``s3:`` beside the current directory."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 

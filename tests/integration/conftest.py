@@ -5,7 +5,6 @@ under names no other test uses, or copies it."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 

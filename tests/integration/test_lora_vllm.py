@@ -11,7 +11,6 @@ environment or peft.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 

@@ -8,7 +8,6 @@ trained one version too old.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 

@@ -5,7 +5,6 @@ and the same command resumes from the last good checkpoint (docs/learner.md)."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import sys
 from pathlib import Path
 
