@@ -43,7 +43,7 @@ def test_ci_runs_the_readme_test_command():
 
 def test_ci_builds_the_site_strict():
     ci_script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert re.search(r"\.venv/bin/pip install -q -e '\.\[[\w,-]*\bdocs\b[\w,-]*\]'", ci_script, re.M)
+    assert re.search(r"\.venv/bin/pip install -q (--[\w-]+ )*-e '\.\[[\w,-]*\bdocs\b[\w,-]*\]'", ci_script, re.M)
     assert re.search(r"^\.venv/bin/mkdocs build --strict --site-dir ", ci_script, re.M)
 
 
