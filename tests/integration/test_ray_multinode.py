@@ -61,6 +61,7 @@ class LocalNodes:
         self.root = Path(tempfile.mkdtemp(prefix="rn"))
         self.base_env = base_env
         self.nodes: dict[str, subprocess.Popen] = {}
+        self.cpus: dict[str, int] = {}
         self.address = ""
 
     def scratch(self, name: str) -> Path:
@@ -75,12 +76,13 @@ class LocalNodes:
 
     def start(self, name: str, cpus: int) -> None:
         scratch = self.scratch(name)
+        shutil.rmtree(scratch, ignore_errors=True)  # a start tried again begins on a clean disk
         for sub in ("cache", "tmp", "ray"):
             (scratch / sub).mkdir(parents=True)
         ports = ["--node-manager-port", str(_free_port()), "--object-manager-port", str(_free_port()),
                  "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
                  "--runtime-env-agent-port", str(_free_port()), "--min-worker-port", "0", "--max-worker-port", "0"]
-        if not self.nodes:
+        if not self.nodes or name == "head":
             gcs = _free_port()
             self.address = f"127.0.0.1:{gcs}"
             role = ["--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--include-dashboard=false",
@@ -88,27 +90,53 @@ class LocalNodes:
         else:
             role = ["--address", self.address, "--node-ip-address", "127.0.0.1"]
         resources = f'{{"{name}": 1}}'
+        self.cpus[name] = cpus
         with open(scratch / "ray-start.log", "w") as log:
             self.nodes[name] = subprocess.Popen(
                 _ray("start", "--block", *role, *ports, "--num-cpus", str(cpus), "--resources", resources,
                      "--temp-dir", str(scratch / "ray")),
                 cwd=scratch, env=self.env(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_for(self, names: list[str], timeout: float = 120) -> None:
+    def join(self, name: str, cpus: int) -> None:
+        """Start a node and wait until the cluster lists it."""
+        self.start(name, cpus)
+        self.wait_for([name])
+
+    def wait_for(self, names: list[str], timeout: float = 120, starts: int = 3) -> None:
+        """Wait until the cluster lists every node of ``names``. A node whose ``ray start`` exits before
+        it is listed is started again, up to ``starts`` times in all: Ray gives a raylet 30 s to
+        register with the GCS, which a loaded CI machine can exceed (the node then exits with 1), and
+        a port chosen free can be taken before the raylet binds it. What this file tests begins once
+        the nodes are up."""
+        tries = dict.fromkeys(names, 1)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = subprocess.run(_ray("status", "--address", self.address), check=False, capture_output=True, text=True,
                                     env=self.env("head"))
             if all(f" {name}" in status.stdout for name in names):
                 return
-            dead = {n: self.nodes[n].returncode for n in names if self.nodes[n].poll() is not None}
-            assert not dead, (dead, self._logs())
+            for name in names:
+                if self.nodes[name].poll() is None:
+                    continue
+                assert tries[name] < starts, (f"{name} exited {starts} times before it joined", self._logs())
+                print(f"[multinode] {name} exited with {self.nodes[name].returncode} before it joined; "
+                      f"starting it again:\n{self._logs([name])}")
+                self.kill(name)
+                tries[name] += 1
+                self.start(name, self.cpus[name])
+                deadline = max(deadline, time.monotonic() + timeout / 2)
             time.sleep(1)
         raise AssertionError(f"nodes {names} did not join: {self._logs()}")
 
-    def _logs(self) -> str:
-        return "\n".join(f"{name}: {(self.scratch(name) / 'ray-start.log').read_text()[-1500:]}"
-                         for name in self.nodes)
+    def _logs(self, names: list[str] | None = None) -> str:
+        """The tail of each node's ``ray start`` output and of its raylet's log: why a node did not
+        come up is in the latter."""
+        tails = []
+        for name in names or list(self.nodes):
+            tails.append(f"{name}: {(self.scratch(name) / 'ray-start.log').read_text()[-1500:]}")
+            for raylet_log in sorted(self.scratch(name).glob("ray/session_*/logs/raylet.out"))[-1:]:
+                tails.append(f"{name} raylet: {raylet_log.read_text(errors='replace')[-1500:]}")
+        return "\n".join(tails)
 
     def processes(self, name: str) -> list[int]:
         """Every process of this node: started in its session, or carrying its scratch in the
@@ -187,12 +215,10 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
     run_url = f"{home}/multinode"
     nodes = LocalNodes(s3_server.env())
     try:
-        nodes.start("head", cpus=0)
-        nodes.wait_for(["head"])
+        nodes.join("head", cpus=0)
         names = [f"node_{k}" for k in range(1, WORKER_NODES + 1)]
-        for name in names:
-            nodes.start(name, cpus=1)
-        nodes.wait_for(["head", *names])
+        for name in names:  # one at a time: each raylet registers with the GCS while the others are idle
+            nodes.join(name, cpus=1)
         on_node = {str(nodes.scratch(n) / "cache"): n for n in [*names, "node_new"]}
 
         # the driver's machine: its own scratch, too
