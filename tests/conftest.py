@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,12 @@ if str(TESTS_DIR) not in sys.path:
 # Two cores shared by many processes, two of them pytest-xdist's workers (pyproject's addopts), each
 # importing this file: one intra-op thread each keeps tests predictable and the cores not oversubscribed.
 torch.set_num_threads(1)
+
+# Ray starts its workers (our actors) at nice 15 (its `worker_niceness`): beside the other xdist worker's
+# vLLM servers and runs at nice 0 they are starved: beside two busy loops, a run on Ray had not reached
+# its first checkpoint in 10 minutes, and passed its test in 2 min 21 s at nice 0 (docs/ray.md). Every
+# cluster the tests start, in this process or in a subprocess, runs its workers at the usual priority
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,8 @@ def cluster() -> str:
 
 
 def wait_for(condition, driver: subprocess.Popen, what: str, timeout: float = 240):
-    """Polls ``condition()`` until it returns something truthy; fails when the driver ended first."""
+    """Polls ``condition()`` until it returns something truthy; fails, with what the driver printed,
+    when the driver ended first or ``timeout`` passed (a bound for a hung run only)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -59,7 +60,8 @@ def wait_for(condition, driver: subprocess.Popen, what: str, timeout: float = 24
             pytest.fail(f"the driver ended (exit code {driver.returncode}) before {what}:\n"
                         f"{driver.communicate()[0][-3000:]}")
         time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}")
+    driver.kill()  # what it printed says where it was
+    pytest.fail(f"timed out waiting for {what}; the driver printed:\n{driver.communicate()[0][-5000:]}")
 
 
 def control_of(run: Path):
