@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 
 from rlhf_pipeline.collect.commit import InOrderCommit, StreamTiming, partial_round, stored_in_round, without_stored
 from rlhf_pipeline.collect.console import collector_tag, say
-from rlhf_pipeline.collect.episodes import EndedGroup, Environments, RoundRows, SingleTurn
+from rlhf_pipeline.collect.episodes import EndedGroup, Environments, SingleTurn
 from rlhf_pipeline.collect.prompts import RecordCycle
 from rlhf_pipeline.collect.rewards import check_failure_fraction, check_failure_rate
 from rlhf_pipeline.collect.turns import EngineTurns, RoundTurns
@@ -171,7 +172,8 @@ class Collector:
                 round_.rows_written += len(rows.batch)
                 chunks.append(rows.batch)
                 parts.append(rows.parts)
-            state = self._state_after(round_) if last else partial_round(round_.start_state, groups[-1].index + 1)
+            state = (self._state(self._draws(), counted=round_) if last
+                     else partial_round(round_.start_state, groups[-1].index + 1))
             self._commit(rows.batch, round_, state, last)
 
         commit = InOrderCommit(len(round_.tasks), write, StreamTiming(started=started))
@@ -195,7 +197,8 @@ class Collector:
         if self._ahead is None:
             self._idle_since = time.perf_counter()
         # counters advance only once the sink has the rows, so a failed write is retried with the same ids
-        self._count(round_)
+        for name, value in self._counts(round_).items():
+            setattr(self, name, value)
         self._stored_in_round = 0
         tag = collector_tag(self.config.collector_index)
         failures = self.episodes.failures(round_)
@@ -276,16 +279,9 @@ class Collector:
             "rows_written": self.rows_written + (0 if round_ is None else round_.rows_written),
         }
 
-    def _count(self, round_: Round) -> None:
-        for name, value in self._counts(round_).items():
-            setattr(self, name, value)
-
     def _report(self, round_: Round, batch: TrajectoryBatch | None, parts: dict[str, torch.Tensor], elapsed: float,
                 streamed: dict[str, float]) -> None:
-        reasons: dict[str, float] = {}
-        for _, reason, _ in round_.dropped:
-            if reason:
-                reasons[f"dropped/{reason}"] = reasons.get(f"dropped/{reason}", 0.0) + 1
+        reasons = {f"dropped/{r}": float(n) for r, n in Counter(r for _, r, _ in round_.dropped if r).items()}
         metrics = {
             **self.episodes.metrics(self, round_, batch, parts, elapsed),
             "groups_dropped": float(len(round_.dropped)),
@@ -367,10 +363,6 @@ class Collector:
         if self._ahead is not None:
             return self._ahead.draws
         return {"tasks": self.tasks.state_dict(), "rng": self.generator.get_state()}
-
-    def _state_after(self, round_: Round) -> dict[str, Any]:
-        """The state once ``round_`` is stored whole."""
-        return self._state(self._draws(), counted=round_)
 
     def state_dict(self) -> dict[str, Any]:
         """The state between rounds (a round started ahead is drawn again from it)."""

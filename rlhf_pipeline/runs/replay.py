@@ -126,7 +126,7 @@ def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> in
     import time
 
     from rlhf_pipeline.runs.launch import start_ranks, stop_ranks
-    from rlhf_pipeline.runs.stopping import LauncherSignals, ask_children_to_stop, wait_for_children
+    from rlhf_pipeline.runs.stopping import LauncherSignals, stop_children
 
     # the ranks inherit the run directory's holder lock: it outlives this process if it is killed first
     ranks, stop_write = start_ranks(argv, world_size, keep_fds=(holder_fd,) if holder_fd >= 0 else ())
@@ -134,8 +134,7 @@ def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> in
     try:
         while any(p.poll() is None for p in ranks):
             if signals.received:
-                ask_children_to_stop(stop_write, len(ranks))
-                wait_for_children(ranks, signals)
+                stop_children(stop_write, ranks, signals)
             elif any(p.poll() not in (None, 0) for p in ranks):
                 stop_ranks(ranks)  # the others wait in a collective that never completes
             time.sleep(0.2)

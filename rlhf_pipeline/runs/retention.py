@@ -177,16 +177,11 @@ def wait_for_drops(run_store: Any, shard_keys: Any, poll_s: float = 0.05) -> Non
             time.sleep(poll_s)
 
 
-def branch_rows_needed(run: str, store_path: str, home: Any = None,
-                       others: list[str] | None = None) -> list[tuple[str, int]]:
+def branch_rows_needed(run: str, store_path: str, home: Any, others: list[str]) -> list[tuple[str, int]]:
     """``(branch, first global row)`` of the rows of the shard at ``store_path`` that each branch
     beside ``run`` (a directory or a URL) reads (docs/retention.md); ``home``: the run store of the
-    runs' home to read with (found when None); ``others``: the runs beside, if listed."""
-
+    runs' home, ``others``: the runs beside it."""
     shard = resolved_location(store_path).rstrip("/")
-    home = home if home is not None else home_of(run)[0]
-    if home is None:  # a run at a bucket's top: no runs beside it
-        return []
     needed = []
     for branch in branch_records(run, half_made=True, home=home, others=others):
         name = branch["run"].rpartition("/")[2]

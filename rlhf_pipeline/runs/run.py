@@ -40,13 +40,7 @@ from rlhf_pipeline.runs.processes import (
     with_buffer_url,
 )
 from rlhf_pipeline.runs.summary import checkpoint_step, print_summary
-from rlhf_pipeline.runs.stopping import (
-    LauncherSignals,
-    StopFlag,
-    ask_children_to_stop,
-    wait_for_children,
-    wait_quietly,
-)
+from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children, wait_quietly
 
 # (command, pipeline module, settings, run paths, pipeline path, --set overrides, collectors) -> exit code
 RayLaunch = Callable[[str, Any, Any, RunPaths, str, Sequence[str], int], int]
@@ -305,8 +299,7 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                 break
             if holder_lost():
                 # a run at a URL: another command took the run over (this one's lease ran out unrenewed)
-                ask_children_to_stop(stop_write, len(processes))
-                wait_for_children(processes, signals)
+                stop_children(stop_write, processes, signals)
                 raise RunError(f"{paths.location} was taken over by another command (this one's lease on run.lock "
                                f"was not renewed in time); stopped its collectors and learner")
             for k, p in collector_procs.items():
@@ -315,15 +308,13 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                     # (a clean exit after STOP means the learner finished and is exiting too)
                     continue
                 # a collector died: stop the learner (it checkpoints) and the other collectors
-                ask_children_to_stop(stop_write, len(processes))
-                wait_for_children(processes, signals)
+                stop_children(stop_write, processes, signals)
                 name = "the collector" if collectors == 1 else f"collector {k}"
                 raise RunError(f"{name} exited early (exit code {code}); see its error above. The learner "
                                f"saved a checkpoint: once the cause is fixed, the same command resumes the run")
             time.sleep(0.2)
         if signals.received:
-            ask_children_to_stop(stop_write, len(processes))
-            wait_for_children(processes, signals)
+            stop_children(stop_write, processes, signals)
         else:
             paths.request_stop()  # every collector ends after its current round
             for p in collector_procs.values():

@@ -4,7 +4,7 @@ A child of ``run`` (collector or learner), or a rank of ``replay``, stops cleanl
 SIGINT/SIGTERM, on a byte from the launcher's stop pipe, or when that pipe closes because the
 launcher died (even by ``kill -9``): :class:`StopFlag`. The launcher itself turns its first signal
 into a request to every child and its second into a kill (:class:`LauncherSignals`,
-:func:`wait_for_children`). Design: docs/pipelines.md#stopping.
+:func:`stop_children`). Design: docs/pipelines.md#stopping.
 """
 
 from __future__ import annotations
@@ -122,15 +122,13 @@ class LauncherSignals:
             signal.signal(sig, handler)
 
 
-def ask_children_to_stop(stop_write: int, children: int) -> None:
+def stop_children(stop_write: int, children: Sequence[subprocess.Popen], signals: LauncherSignals) -> None:
+    """Asks every child to stop through the stop pipe and waits for them; a second signal meanwhile
+    kills the ones still running."""
     try:
-        os.write(stop_write, b"s" * children)  # each child's watcher reads one byte (or EOF)
+        os.write(stop_write, b"s" * len(children))  # each child's watcher reads one byte (or EOF)
     except OSError:  # every child is gone already
         pass
-
-
-def wait_for_children(children: Sequence[subprocess.Popen], signals: LauncherSignals) -> None:
-    """Waits for every child; a second signal meanwhile kills the ones still running."""
     while any(p.poll() is None for p in children):
         if len(signals.received) >= 2:
             print(f"[{signals.command}] stopping now: killing {_CHILDREN[signals.command][1]}", file=sys.stderr,
