@@ -82,7 +82,7 @@ class LocalNodes:
         ports = ["--node-manager-port", str(_free_port()), "--object-manager-port", str(_free_port()),
                  "--dashboard-agent-listen-port", str(_free_port()), "--metrics-export-port", str(_free_port()),
                  "--runtime-env-agent-port", str(_free_port()), "--min-worker-port", "0", "--max-worker-port", "0"]
-        if not self.nodes or name == "head":
+        if name == "head":  # (again, after a failed start: a new GCS, a new address)
             gcs = _free_port()
             self.address = f"127.0.0.1:{gcs}"
             role = ["--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--include-dashboard=false",
