@@ -32,7 +32,6 @@ from rlhf_pipeline.learn.checkpoint import Progress, buffer_rows, capture_rng_st
 from rlhf_pipeline.learn.distributed import DataParallel
 from rlhf_pipeline.learn.errors import NonFiniteStep
 from rlhf_pipeline.learn.lora import LoraPolicy, check_resumable
-from rlhf_pipeline.learn.loss import logprob_diff_by_version
 from rlhf_pipeline.learn.metrics import MetricsWriter, ProgressDisplay, truncate_metrics
 from rlhf_pipeline.learn.packed_attention import use_packed_attention
 from rlhf_pipeline.learn.samplers import make_sampler
@@ -881,7 +880,7 @@ def batch_charts(rows: TensorDict, policy_version: int) -> dict[str, float]:
     })
     if LOGPROB_DIFF_COLUMNS[0] in rows.keys():  # the step's own rows (a test's batch may have none)
         per_row = torch.stack([rows[column].float() for column in LOGPROB_DIFF_COLUMNS], dim=-1)
-        charts.update(logprob_diff_by_version(row_versions.reshape(-1), per_row))
+        charts.update(logprob_diff_by_staleness(staleness.reshape(-1), per_row))
     return charts
 
 
@@ -957,11 +956,34 @@ def staleness_metrics(staleness: torch.Tensor) -> dict[str, float]:
         "charts/staleness_p90": float(values.quantile(0.9)),
         "charts/staleness_max": float(values.max()),
     }
-    for bucket in STALENESS_BUCKETS:
-        out[f"charts/staleness_frac_{bucket}"] = float((values == bucket).float().mean())
-    out[f"charts/staleness_frac_{STALENESS_BUCKETS[-1] + 1}plus"] = float(
-        (values > STALENESS_BUCKETS[-1]).float().mean())
+    for name, in_bucket in staleness_buckets(values).items():
+        out[f"charts/staleness_frac_{name}"] = float(in_bucket.float().mean())
     return out
+
+
+def staleness_buckets(staleness: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"0": mask, "1": mask, "2": mask, "3plus": mask}``: which rows are exactly that many versions
+    behind the learner, and which more (:data:`STALENESS_BUCKETS`)."""
+    buckets = {str(bucket): staleness == bucket for bucket in STALENESS_BUCKETS}
+    buckets[f"{STALENESS_BUCKETS[-1] + 1}plus"] = staleness > STALENESS_BUCKETS[-1]
+    return buckets
+
+
+def logprob_diff_by_staleness(staleness: torch.Tensor, per_row: torch.Tensor) -> dict[str, float]:
+    """``losses/sampler_logprob_diff_mean/staleness_<K>`` and ``_max/staleness_<K>``: the learner's
+    recomputed log-probs against the stored ones over the tokens of the rows K versions behind it, for
+    each bucket of :func:`staleness_buckets` that has tokens. ``staleness`` (B,); ``per_row`` (B, 3): the
+    rows' ``row_logprob_diff`` (sum, max, tokens). Rows of staleness 0 show the engine's mismatch alone
+    (what the served-policy canary bounds); older rows add the policy's drift since. Keyed by staleness,
+    not by version, so that a run has at most eight of these series however long it trains."""
+    charts = {}
+    for name, in_bucket in staleness_buckets(staleness).items():
+        rows = per_row[in_bucket]
+        tokens = float(rows[:, 2].sum())
+        if tokens:
+            charts[f"losses/sampler_logprob_diff_mean/staleness_{name}"] = float(rows[:, 0].sum()) / tokens
+            charts[f"losses/sampler_logprob_diff_max/staleness_{name}"] = float(rows[:, 1].max())
+    return charts
 
 
 class WaitReport:

@@ -230,7 +230,7 @@ def sampler_mismatch(log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, m
     """``|log_probs - sampler_log_probs|`` over the masked tokens: mean, max and the share above
     :data:`LOGPROB_DIFF_THRESHOLD` (0-dim tensors; zeros without a masked token), and per row
     (``row_logprob_diff``, (B, 3)): the sum and the max of the row's differences and its token count,
-    from which the learner reports them per policy version (:func:`logprob_diff_by_version`)."""
+    from which the learner reports them by the rows' staleness (``learner.logprob_diff_by_staleness``)."""
     diff = torch.where(mask, (log_probs.float() - sampler_log_probs.float()).abs(), torch.zeros((), dtype=torch.float32))
     per_row = torch.stack([diff.sum(-1), diff.amax(-1), mask.sum(-1).float()], dim=-1)  # (B, 3)
     if not bool(mask.any()):
@@ -243,23 +243,6 @@ def sampler_mismatch(log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, m
         "sampler_logprob_diff_frac": _masked_mean((diff > LOGPROB_DIFF_THRESHOLD).float(), mask),
         ROW_LOGPROB_DIFF: per_row,
     }
-
-
-def logprob_diff_by_version(versions: torch.Tensor, per_row: torch.Tensor) -> dict[str, float]:
-    """``losses/sampler_logprob_diff_mean/v<N>`` and ``_max/v<N>`` for each policy version N that
-    sampled rows of a step: the learner's recomputed log-probs against the stored ones over that
-    version's tokens. ``versions`` (B,): each row's sampling version; ``per_row`` (B, 3): the rows'
-    ``row_logprob_diff``. Rows of the learner's own version show the engine's mismatch alone
-    (what the served-policy canary bounds); a row whose stored log-probs come from other weights
-    than the version it names stands out against them."""
-    charts = {}
-    for version in torch.unique(versions).tolist():
-        rows = per_row[versions == version]
-        tokens = float(rows[:, 2].sum())
-        if tokens:
-            charts[f"losses/sampler_logprob_diff_mean/v{int(version)}"] = float(rows[:, 0].sum()) / tokens
-            charts[f"losses/sampler_logprob_diff_max/v{int(version)}"] = float(rows[:, 1].max())
-    return charts
 
 
 # ======================================================================== forward

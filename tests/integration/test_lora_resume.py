@@ -89,9 +89,9 @@ def test_the_rows_of_the_learners_own_version_agree_with_it_to_the_full_fine_tun
     older rows (the policy's drift) stays within a full fine-tuning run's bound
     (tests/integration/test_default_pipeline.py)."""
     records = trained(uninterrupted(NAME))
-    own = [r.get(f"losses/sampler_logprob_diff_max/v{int(r['charts/policy_version']) - 1}") for r in records]
+    own = [r.get("losses/sampler_logprob_diff_max/staleness_0") for r in records]
     gaps = {(r["step"], key.rsplit("/", 1)[1]): value for r in records for key, value in r.items()
-            if key.startswith("losses/sampler_logprob_diff_max/v")}
+            if key.startswith("losses/sampler_logprob_diff_max/staleness_")}
     assert [gap for gap in own if gap is not None] and max(gap for gap in own if gap is not None) < 1e-4, own
     assert len(gaps) >= STEPS and max(gaps.values()) < 0.5, gaps
 

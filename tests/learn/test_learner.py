@@ -10,7 +10,7 @@ import torch
 
 from rlhf_pipeline.schema.padding import pad_batch
 from rlhf_pipeline.learn.batch import plan_microbatches, split_microbatches
-from rlhf_pipeline.learn.learner import Learner, Prefetcher, group_reward_stats
+from rlhf_pipeline.learn.learner import Learner, Prefetcher, group_reward_stats, logprob_diff_by_staleness
 from rlhf_pipeline.learn.loss import GRPOLossConfig, grpo_step_loss
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.learn.settings import LearnerSettings
@@ -147,6 +147,28 @@ def test_group_reward_stats_counts_groups_without_signal():
     stats = group_reward_stats(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5]), torch.tensor([7, 7, 8, 8, 9]))
     assert stats["charts/frac_reward_zero_std"] == 0.5  # group 7 has no spread; 9 has a single row
     assert stats["charts/reward_mean"] == pytest.approx(0.7)
+
+
+def test_the_log_prob_gap_is_reported_by_staleness_in_eight_series_however_many_versions_sampled():
+    """Rows of versions 0..9 trained by version 9: the gap of the rows 0, 1 and 2 versions behind
+    each on its own (token-weighted mean, max), those 3 to 9 behind together; a run's series do not
+    grow with its versions."""
+    staleness = torch.arange(10).repeat_interleave(2).float()  # two rows a version
+    tokens = torch.tensor([3.0, 1.0] * 10)
+    sums = tokens * (staleness + 1) / 100  # each token of a row K behind is off by (K + 1) / 100
+    maxes = (staleness + 1) / 100
+    maxes[0] = 0.5  # one token of a row of the learner's own version far off
+    charts = logprob_diff_by_staleness(staleness, torch.stack([sums, maxes, tokens], dim=-1))
+    names = [f"{kind}/staleness_{k}" for kind in ("mean", "max") for k in ("0", "1", "2", "3plus")]
+    assert sorted(charts) == sorted(f"losses/sampler_logprob_diff_{name}" for name in names)
+    assert charts["losses/sampler_logprob_diff_mean/staleness_0"] == pytest.approx(0.01)
+    assert charts["losses/sampler_logprob_diff_max/staleness_0"] == pytest.approx(0.5)
+    assert charts["losses/sampler_logprob_diff_mean/staleness_2"] == pytest.approx(0.03)
+    assert charts["losses/sampler_logprob_diff_mean/staleness_3plus"] == pytest.approx((4 + 10) / 2 / 100)
+    assert charts["losses/sampler_logprob_diff_max/staleness_3plus"] == pytest.approx(0.10)
+    # a bucket without tokens is left out, not written as 0
+    no_tokens = torch.stack([sums, maxes, torch.where(staleness == 1, 0.0, tokens)], dim=-1)
+    assert "losses/sampler_logprob_diff_mean/staleness_1" not in logprob_diff_by_staleness(staleness, no_tokens)
 
 
 def test_bad_learner_settings_name_the_field():

@@ -173,11 +173,11 @@ def sampled_by(weights: dict[str, torch.Tensor], batch, version: int):
 
 
 @pytest.mark.parametrize("lora", [pytest.param(LORA, marks=needs_peft), LoraSettings()], ids=["lora", "full"])
-def test_a_row_stored_by_the_wrong_weights_shows_in_its_versions_log_prob_gap(tmp_path, lora):
+def test_a_row_stored_by_the_wrong_weights_shows_in_the_log_prob_gap_of_its_staleness(tmp_path, lora):
     """Step 2 trains with version 1 on rows of version 0 (stale by one: the policy's drift) and rows
     of version 1, stored once by version 1's weights (the gap is the engine's mismatch alone: within
     the 1e-4 of a full fine-tuning run's first step) and once by version 0's (the adapter never
-    loaded: its gap is the drift of a version, and stands out in version 1's line)."""
+    loaded: its gap is the drift of a version, and stands out in the line of rows 0 versions behind)."""
     gaps = {}
     for case in ("right", "stale"):
         paths = RunPaths(tmp_path / case / "run")
@@ -197,8 +197,10 @@ def test_a_row_stored_by_the_wrong_weights_shows_in_its_versions_log_prob_gap(tm
 
     right, stale = gaps["right"], gaps["stale"]
     assert right["step"] == stale["step"] == 2 and right["charts/row_version_spread"] == 1
-    assert right["losses/sampler_logprob_diff_max/v1"] < 1e-4  # the learner's own version: no drift
-    drift = right["losses/sampler_logprob_diff_mean/v0"]
-    assert drift > 1e-3 and stale["losses/sampler_logprob_diff_mean/v0"] == pytest.approx(drift)
+    # the learner trains with version 1: its rows are 0 versions behind it, version 0's 1
+    assert right["losses/sampler_logprob_diff_max/staleness_0"] < 1e-4  # the learner's own version: no drift
+    drift = right["losses/sampler_logprob_diff_mean/staleness_1"]
+    assert drift > 1e-3 and stale["losses/sampler_logprob_diff_mean/staleness_1"] == pytest.approx(drift)
     # version 1's rows stored by version 0's weights: a version's drift where the engine's mismatch belongs
-    assert stale["losses/sampler_logprob_diff_mean/v1"] > max(1e-3, 10 * right["losses/sampler_logprob_diff_max/v1"])
+    assert stale["losses/sampler_logprob_diff_mean/staleness_0"] > max(
+        1e-3, 10 * right["losses/sampler_logprob_diff_max/staleness_0"])
