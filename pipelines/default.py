@@ -28,11 +28,12 @@ Copy this file to start a new pipeline; pipelines do not inherit from each other
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, RunPaths, preflight_rewards
 from rlhf_pipeline.run_settings import RunSettings
+from rlhf_pipeline.setting_checks import Bounds
 
 
 @dataclass
@@ -43,25 +44,25 @@ class Settings(RunSettings):
     # ---- model
     arch: Literal["qwen2", "llama"] = "qwen2"
     """Architecture of the tiny model built from a config."""
-    hidden_size: int = 64
+    hidden_size: Annotated[int, Bounds(ge=1)] = 64
     """Width of the tiny model."""
-    num_layers: int = 2
+    num_layers: Annotated[int, Bounds(ge=1)] = 2
     """Transformer layers of the tiny model."""
-    num_heads: int = 4
+    num_heads: Annotated[int, Bounds(ge=1)] = 4
     """Attention heads of the tiny model."""
-    warm_start_steps: int = 200
+    warm_start_steps: Annotated[int, Bounds(ge=0, why=" (0 skips the warm start)")] = 200
     """Supervised steps on correct examples before RL (0 skips the warm start)."""
-    warm_start_lr: float = 3e-3
+    warm_start_lr: Annotated[float, Bounds(gt=0)] = 3e-3
     """Learning rate of the warm start."""
 
     # ---- task
-    num_prompts: int = 4096
+    num_prompts: Annotated[int, Bounds(ge=1)] = 4096
     """Distinct training prompts (a+b=); the collector cycles over them, reshuffled per epoch."""
-    max_operand: int = 20
+    max_operand: Annotated[int, Bounds(ge=1)] = 20
     """Operands are drawn from [0, max_operand)."""
-    prompts_per_round: int = 8
+    prompts_per_round: Annotated[int, Bounds(ge=1)] = 8
     """Prompts per collection round; a round writes prompts_per_round * group_size rows."""
-    max_new_tokens: int = 6
+    max_new_tokens: Annotated[int, Bounds(ge=1)] = 6
     """Longest sampled answer, in characters (the tokenizer is character-level)."""
 
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
@@ -72,8 +73,11 @@ class Settings(RunSettings):
     """Learner settings (--set learner.lr=3e-4, --list-settings shows them all)."""
 
     def validate(self) -> None:
-        if self.max_operand < 1:
-            raise ValueError(f"setting 'max_operand' must be >= 1, got {self.max_operand}")
+        head_size, left = divmod(self.hidden_size, self.num_heads)
+        if left or head_size % 2:  # rotary position embeddings turn pairs of a head's dimensions
+            raise ValueError(f"settings 'hidden_size' ({self.hidden_size}) and 'num_heads' ({self.num_heads}) must "
+                             f"give heads of one even size, got {self.hidden_size / self.num_heads:g}: e.g. "
+                             f"num_heads=2 with a hidden_size that is a multiple of 4")
 
     def model_head_size(self) -> tuple[int, str]:
         return (self.hidden_size // self.num_heads,

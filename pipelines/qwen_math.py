@@ -32,11 +32,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, preflight_rewards
 from rlhf_pipeline.run_settings import RunSettings
+from rlhf_pipeline.setting_checks import Bounds
 
 
 @dataclass
@@ -64,11 +65,11 @@ class Settings(RunSettings):
     """System message before each question."""
 
     # ---- task
-    prompts_per_round: int = 16
+    prompts_per_round: Annotated[int, Bounds(ge=1)] = 16
     """Problems per collection round; a round writes prompts_per_round * group_size rows."""
-    max_new_tokens: int = 384
+    max_new_tokens: Annotated[int, Bounds(ge=1)] = 384
     """Longest sampled solution, in tokens."""
-    format_weight: float = 0.1
+    format_weight: Annotated[float, Bounds(ge=0)] = 0.1
     """Weight of the \\boxed{} format reward added to the correctness reward."""
 
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(

@@ -35,11 +35,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 from rlhf_pipeline.evaluation.settings import EvalSettings
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, RunPaths
 from rlhf_pipeline.run_settings import RunSettings
+from rlhf_pipeline.setting_checks import Bounds
 
 
 @dataclass
@@ -54,62 +56,62 @@ class Settings(RunSettings):
     """Episodes per task (GRPO's G)."""
 
     # ---- model
-    hidden_size: int = 64
+    hidden_size: Annotated[int, Bounds(ge=1)] = 64
     """Width of the tiny model."""
-    num_layers: int = 2
+    num_layers: Annotated[int, Bounds(ge=1)] = 2
     """Transformer layers of the tiny model."""
-    num_heads: int = 2
+    num_heads: Annotated[int, Bounds(ge=1)] = 2
     """Attention heads of the tiny model (2: a head size of 32, which vLLM's CPU attention takes)."""
-    warm_start_steps: int = 600
+    warm_start_steps: Annotated[int, Bounds(ge=0, why=" (0 skips the warm start)")] = 600
     """Supervised steps on demonstration episodes before RL (0 skips the warm start); fewer than
     about 300 teach only the format, not copying the factors into the call."""
-    warm_start_lr: float = 1e-2
+    warm_start_lr: Annotated[float, Bounds(gt=0)] = 1e-2
     """Peak learning rate of the warm start (linear warm-up over its first tenth, then a cosine down
     to a tenth of it; gradients clipped to norm 1)."""
-    warm_start_target: float = 0.9
+    warm_start_target: Annotated[float, Bounds(ge=0, le=1)] = 0.9
     """Share of greedy check episodes whose call has the question's factors that ends the warm start;
     below it, another stage of warm_start_steps / 2 runs (up to warm_start_more_stages)."""
-    warm_start_more_stages: int = 2
+    warm_start_more_stages: Annotated[int, Bounds(ge=0)] = 2
     """Stages of warm_start_steps / 2 more steps the warm start may add while the check is below
     warm_start_target (0: one stage, whatever the check says; without the check, one stage)."""
-    warm_start_tool_fraction: float = 0.9
+    warm_start_tool_fraction: Annotated[float, Bounds(ge=0, le=1)] = 0.9
     """Share of demonstrations that call the tool; the rest answer with a guess."""
-    warm_start_copy_weight: float = 5.0
+    warm_start_copy_weight: Annotated[float, Bounds(gt=0)] = 5.0
     """Weight in the warm start's loss of the digits a demonstration copies (the factors into its
     call, the tool's answer into its reply), the other tokens of the model's turns weighing 1. At 1,
     once the held-out products left the demonstrations, seed 0 copied the factors but not the tool's
     answer (3 of 64 exact answers after 900 steps); at 5 seeds 0-2 copy both within 600 steps
     (docs/evaluation.md)."""
-    warm_start_check_tasks: int = 64
+    warm_start_check_tasks: Annotated[int, Bounds(ge=0, why=" (0: none)")] = 64
     """Greedy episodes on tasks of their own after the warm start, to print what it reached (0: none)."""
     init_weights: str = ""
     """A state dict saved with torch.save to start from instead of the warm start (empty: warm start).
     ``bench tool-use`` gives this run and TRL's trainer the same warm-started weights this way."""
 
     # ---- task
-    num_tasks: int = 4096
+    num_tasks: Annotated[int, Bounds(ge=1)] = 4096
     """Distinct training tasks (a * b); the collector cycles over them, reshuffled per epoch."""
-    low: int = 10
+    low: Annotated[int, Bounds(ge=1)] = 10
     """Smallest factor."""
     high: int = 99
     """Largest factor."""
     partial_credit: bool = True
     """Reward a wrong final answer by its right digits (0.5 * right-aligned matching digits / length),
     so a tiny model's near misses still rank within a group; false: 1 for the product, else 0."""
-    tasks_per_round: int = 4
+    tasks_per_round: Annotated[int, Bounds(ge=1)] = 4
     """Tasks per collection round; a round writes tasks_per_round groups."""
-    max_turns: int = 3
+    max_turns: Annotated[int, Bounds(ge=1)] = 3
     """Model turns per episode at most."""
-    max_new_tokens: int = 64
+    max_new_tokens: Annotated[int, Bounds(ge=1)] = 64
     """Tokens per model turn at most (characters: a tool call is about 50)."""
     context_length: int = 384
     """Tokens of a whole episode at most (the tiny model's positions)."""
-    max_tool_errors: int = 2
+    max_tool_errors: Annotated[int, Bounds(ge=1)] = 2
     """Failed tool calls that end an episode (TOOL_ERROR)."""
-    max_failed_group_fraction: float | None = 0.1
+    max_failed_group_fraction: Annotated[float | None, Bounds(ge=0, le=1)] = 0.1
     """An episode whose environment raises, or whose reward is not finite, drops its group; past this
     fraction of the groups run (over at least 32) the collector stops the run (none: never)."""
-    log_rounds_every: int = 5
+    log_rounds_every: Annotated[int, Bounds(ge=0, why=" (0: never)")] = 5
     """The collector prints a line of its round metrics every this many rounds, with the first failed
     tool call of each kind since the line before (0: never; a round whose every call failed is
     still reported)."""
@@ -128,16 +130,13 @@ class Settings(RunSettings):
     the tool's answer miscopied, and 150 steps did not change them (docs/evaluation.md)."""
 
     def validate(self) -> None:
-        if not 1 <= self.low <= self.high:
+        if self.low > self.high:
             raise ValueError(f"settings 'low' and 'high' must satisfy 1 <= low <= high, got {self.low}, {self.high}")
-        for name in ("warm_start_tool_fraction", "warm_start_target"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"setting {name!r} must be in [0, 1], got {getattr(self, name)}")
-        if self.warm_start_more_stages < 0:
-            raise ValueError(f"setting 'warm_start_more_stages' must be >= 0, got {self.warm_start_more_stages}")
-        fraction = self.max_failed_group_fraction
-        if fraction is not None and not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"setting 'max_failed_group_fraction' must be in [0, 1] or none, got {fraction}")
+        head_size, left = divmod(self.hidden_size, self.num_heads)
+        if left or head_size % 2:  # rotary position embeddings turn pairs of a head's dimensions
+            raise ValueError(f"settings 'hidden_size' ({self.hidden_size}) and 'num_heads' ({self.num_heads}) must "
+                             f"give heads of one even size, got {self.hidden_size / self.num_heads:g}: e.g. "
+                             f"num_heads=2 with a hidden_size that is a multiple of 4")
         if self.max_new_tokens + 64 > self.context_length:
             raise ValueError(f"setting 'context_length' ({self.context_length}) leaves no room for the opening "
                              f"prompt and a turn of max_new_tokens ({self.max_new_tokens})")

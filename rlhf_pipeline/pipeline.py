@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlhf_pipeline.files.run_paths import RunPaths  # noqa: F401 -- pipeline files import it from here
-from rlhf_pipeline.finite_settings import choice_error, finite_error, literal_choices, not_finite
+from rlhf_pipeline.setting_checks import choice_error, field_bounds, finite_error, literal_choices, not_finite
 from rlhf_pipeline.run_settings import RunSettings
 
 if typing.TYPE_CHECKING:
@@ -449,6 +449,7 @@ def describe_settings(settings: Any, prefix: str = "") -> str:
     lines = []
     docs = settings_docs(type(settings))
     hints = typing.get_type_hints(type(settings))
+    bounds = field_bounds(type(settings))
     for f in dataclasses.fields(settings):
         value = getattr(settings, f.name)
         if "derived_from" in f.metadata:  # not a setting of its own
@@ -461,6 +462,8 @@ def describe_settings(settings: Any, prefix: str = "") -> str:
             type_name = "|".join(str(a) for a in literal_choices(hint))
         else:
             type_name = getattr(hint, "__name__", str(hint).replace("typing.", ""))
+        if f.name in bounds:
+            type_name += f", {bounds[f.name]}"
         lines.append(f"  {prefix + f.name} ({type_name}) = {value!r}")
         if f.name in docs:
             lines.append(textwrap.fill(docs[f.name], width=96, initial_indent="      ",

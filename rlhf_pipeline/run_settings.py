@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from rlhf_pipeline.evaluation.settings import EvalSettings
-from rlhf_pipeline.finite_settings import check_fields
+from rlhf_pipeline.setting_checks import Bounds, check_fields
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.storage.retention import RetentionSettings
@@ -30,25 +30,20 @@ class RaySettings:
     """What each Ray actor of ``run --ray`` asks the cluster for. Resource requests change nothing in
     the data, so they may differ between starts of one run; without ``--ray`` they are not used."""
 
-    collector_num_cpus: float = 0.5
+    collector_num_cpus: Annotated[float, Bounds(ge=0)] = 0.5
     """CPUs each collector actor reserves (fractions allowed: 1 learner + 2 collectors fit 2 CPUs)."""
-    collector_num_gpus: float = 0.0
+    collector_num_gpus: Annotated[float, Bounds(ge=0)] = 0.0
     """GPUs each collector actor reserves (Ray sets CUDA_VISIBLE_DEVICES to them)."""
-    learner_num_cpus: float = 1.0
+    learner_num_cpus: Annotated[float, Bounds(ge=0)] = 1.0
     """CPUs each learner actor (each data-parallel rank) reserves."""
-    learner_num_gpus: float = 0.0
+    learner_num_gpus: Annotated[float, Bounds(ge=0)] = 0.0
     """GPUs each learner actor reserves; a CUDA learner rank needs 1."""
-    max_restarts: int = 3
+    max_restarts: Annotated[int, Bounds(ge=-1)] = 3
     """How often Ray restarts a collector or a learner actor whose process died; each restart
     resumes from the shard's saved position or the newest checkpoint (-1: without limit)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "ray.")
-        for name in ("collector_num_cpus", "collector_num_gpus", "learner_num_cpus", "learner_num_gpus"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"setting 'ray.{name}' must be >= 0 (got {getattr(self, name)})")
-        if self.max_restarts < -1:
-            raise ValueError(f"setting 'ray.max_restarts' must be >= -1 (got {self.max_restarts})")
 
 
 def max_staleness(max_lag: int | None, learner: LearnerSettings) -> int | None:
@@ -75,22 +70,22 @@ class RunSettings:
     """Pacing settings that became one (issue 42): ``--set`` with an old name is refused, naming the
     new one (``pipeline.py``). ``rounds_ahead=0`` with ``rounds_per_version=2`` was ``max_lag=1``."""
 
-    steps: int = 300
+    steps: Annotated[int, Bounds(ge=1)] = 300
     """Learner steps (optimizer updates); --steps sets it."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where models run; --device sets it."""
     seed: int = 0
     """Seed of the model init, warm start, prompt order, sampling and learner."""
-    threads: int | None = 1
+    threads: Annotated[int | None, Bounds(ge=1)] = 1
     """Torch threads per process (collector, learner, warm start): the two sides run at once, so
     torch's default of one thread per core would oversubscribe a small CPU (none: torch's default)."""
 
     # ---- collection
-    group_size: int = 8
+    group_size: Annotated[int, Bounds(ge=2, why=": GRPO compares completions within a group")] = 8
     """Completions per prompt (GRPO's G): advantages compare the completions of one group."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Bounds(gt=0)] = 1.0
     """Sampling temperature; the learner recomputes log-probs at the same temperature."""
-    max_lag: int | None = 1
+    max_lag: Annotated[int | None, Bounds(ge=0)] = 1
     """How many policy versions the weights a row is sampled with may be behind the weights of the
     learner step that trains it. 0: on-policy, as TRL: step k trains rows sampled with the version
     step k-1 published, so the collector waits for each step and the learner for each round; 1: the
@@ -102,7 +97,7 @@ class RunSettings:
     # ---- buffer
     buffer_backend: Literal["memmap", "zarr"] = "memmap"
     """Store of each buffer shard: memmap files, or a Zarr store (compressed)."""
-    segment_rows: int = 1024
+    segment_rows: Annotated[int, Bounds(ge=1)] = 1024
     """Rows per segment of the replay buffer (the unit of sealing and eviction)."""
     buffer_url: str | None = None
     """The buffer on object storage: a URL prefix such as s3://bucket/run/buffer under which
@@ -110,10 +105,10 @@ class RunSettings:
     credentials from the AWS_* variables), or az://container/run/buffer on Azure Blob Storage (the
     azure extra; the account from AZURE_STORAGE_CONNECTION_STRING). None: <run>/buffer. Weights,
     checkpoints and metrics stay in the run directory."""
-    buffer_lock_wait_s: float = 60.0
+    buffer_lock_wait_s: Annotated[float, Bounds(ge=0, why=" seconds")] = 60.0
     """With buffer_url: how long a collector waits for its shard's writer lock while another writer
     holds it (one that died on another machine holds it until its lease runs out)."""
-    buffer_lock_lease_s: float = 30.0
+    buffer_lock_lease_s: Annotated[float, Bounds(ge=MIN_LOCK_LEASE_S, why=" seconds (renewed every third of it)")] = 30.0
     """With buffer_url: the lease of a collector's writer lock (>= 3 s, renewed every third of it).
     Shorter: a dead or paused collector is fenced and replaced sooner, at one more PUT per renewal."""
     retention: RetentionSettings = field(default_factory=RetentionSettings)
@@ -134,15 +129,7 @@ class RunSettings:
     (--set eval.every_steps=50; docs/evaluation.md). Off by default."""
 
     def __post_init__(self) -> None:
-        check_fields(self)  # every choice (the task's too) and every number finite
-        at_least = {"steps": 1, "group_size": 2, "segment_rows": 1, "threads": 1, "max_lag": 0}
-        for name, least in at_least.items():
-            value = getattr(self, name)
-            if value is not None and value < least:
-                why = ": GRPO compares completions within a group" if name == "group_size" else ""
-                raise ValueError(f"setting {name!r} must be >= {least}{why}, got {value}")
-        if not self.temperature > 0:
-            raise ValueError(f"setting 'temperature' must be > 0, got {self.temperature}")
+        check_fields(self)  # every choice, number and bound, the task's fields' too
         if self.buffer_url is not None:
             if "://" not in self.buffer_url:
                 raise ValueError(f"setting 'buffer_url' must be a URL such as s3://bucket/run/buffer, got "
@@ -151,11 +138,6 @@ class RunSettings:
                 raise ValueError(f"setting 'buffer_url' ({self.buffer_url}) needs buffer_backend=zarr: only a Zarr "
                                  f"store lives at a URL; add --set buffer_backend=zarr, or drop buffer_url to keep "
                                  f"the memmap buffer in the run directory")
-        if not self.buffer_lock_lease_s >= MIN_LOCK_LEASE_S:
-            raise ValueError(f"setting 'buffer_lock_lease_s' must be >= {MIN_LOCK_LEASE_S:g} seconds (the lock is "
-                             f"renewed every third of it), got {self.buffer_lock_lease_s!r}; the default is 30")
-        if not self.buffer_lock_wait_s >= 0:
-            raise ValueError(f"setting 'buffer_lock_wait_s' must be >= 0 seconds, got {self.buffer_lock_wait_s!r}")
         if self.retention.max_rows is not None and self.retention.max_rows < self.segment_rows:
             raise ValueError(f"setting 'retention.max_rows' ({self.retention.max_rows}) must be >= segment_rows "
                              f"({self.segment_rows}): rows are dropped a whole sealed segment at a time; raise it, "

@@ -70,6 +70,51 @@ def test_a_dataclass_built_in_python_is_checked_as_one_built_from_set(build, mes
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
+# ====================================================================== bounds
+@pytest.mark.parametrize(("pipeline", "override", "message"), [
+    ("pipelines/default.py", "num_heads=0", "setting 'num_heads' must be >= 1, got 0"),
+    ("pipelines/default.py", "warm_start_steps=-1", "setting 'warm_start_steps' must be >= 0 (0 skips the warm "
+                                                    "start), got -1"),
+    ("pipelines/default.py", "num_heads=3", "settings 'hidden_size' (64) and 'num_heads' (3) must give heads of one "
+                                            "even size, got 21.3333"),
+    ("pipelines/default.py", "hidden_size=60", "settings 'hidden_size' (60) and 'num_heads' (4) must give heads of "
+                                               "one even size, got 15"),
+    ("pipelines/tool_use.py", "max_failed_group_fraction=1.5", "setting 'max_failed_group_fraction' must be in "
+                                                               "[0, 1] or none, got 1.5"),
+    ("pipelines/tool_use.py", "max_turns=0", "setting 'max_turns' must be >= 1, got 0"),
+    ("pipelines/qwen_math.py", "steps=0", "setting 'steps' must be >= 1, got 0"),  # declared again, bounds kept
+    ("pipelines/examples/reverse_words.py", "length=9", "setting 'length' must be in [1, 8], got 9"),
+    ("pipelines/default.py", "learner.min_lr_ratio=2", "setting 'learner.min_lr_ratio' must be in [0, 1], got 2.0"),
+    ("pipelines/default.py", "learner.loss.kl_coef=-0.1", "setting 'learner.loss.kl_coef' must be >= 0, got -0.1"),
+    ("pipelines/default.py", "generation.gpu_memory_utilization=0", "setting 'generation.gpu_memory_utilization' "
+                                                                    "must be in (0, 1], got 0.0"),
+    ("pipelines/default.py", "eval.max_prompts=0", "setting 'eval.max_prompts' must be >= 1 or none (all), got 0"),
+])
+def test_a_number_outside_the_bounds_declared_on_its_field_is_refused_naming_them(pipeline, override, message):
+    """The task's fields as the run's: ``Annotated[int, Bounds(ge=1)]`` on the field is the whole check;
+    a pipeline that declares a run setting again, for another default, keeps its bounds."""
+    with pytest.raises(PipelineError) as raised:
+        settings_of(pipeline, override)
+    assert str(raised.value).startswith(message), str(raised.value)
+
+
+def test_the_settings_list_shows_each_fields_bounds():
+    listed = describe_settings(settings_of("pipelines/default.py"))
+    for line in ("  num_heads (int, >= 1) = 4", "  group_size (int, >= 2) = 8", "  temperature (float, > 0) = 1.0",
+                 "  threads (int | None, >= 1) = 1", "  learner.loss.clip_eps_low (float, in [0, 1)) = 0.2"):
+        assert line in listed.splitlines(), line
+    assert "  seed (int) = 0" in listed.splitlines()  # no bounds, none shown
+
+
+def test_bounds_refuse_nan_and_pass_none_where_the_field_takes_it():
+    from rlhf_pipeline.setting_checks import Bounds
+
+    assert not Bounds(ge=0, le=1).allows(float("nan")) and not Bounds(gt=0).allows(float("nan"))
+    assert RunSettings(max_lag=None).max_lag is None and LearnerSettings(epoch_rows=None).epoch_rows is None
+    assert [str(b) for b in (Bounds(ge=1), Bounds(gt=0), Bounds(ge=0, lt=1), Bounds(gt=0, le=1), Bounds(le=4))] == [
+        ">= 1", "> 0", "in [0, 1)", "in (0, 1]", "<= 4"]
+
+
 def test_the_sampler_choices_are_the_registry_and_the_priorities_the_stores():
     from rlhf_pipeline.learn.samplers.registry import SAMPLERS
     from rlhf_pipeline.learn.settings import Priority

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from rlhf_pipeline.agents.environment import StepResult
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, RunPaths
 from rlhf_pipeline.run_settings import RunSettings
+from rlhf_pipeline.setting_checks import Bounds
 
 
 def to_binary(number: int) -> str:
@@ -99,11 +101,11 @@ class Settings(RunSettings):
     """Learner steps (optimizer updates); --steps sets it."""
     group_size: int = 4
     """Episodes per task (GRPO's G)."""
-    warm_start_steps: int = 300
+    warm_start_steps: Annotated[int, Bounds(ge=0, why=" (0: none)")] = 300
     """Supervised steps on demonstrations before RL (0: none)."""
-    tasks_per_round: int = 4
+    tasks_per_round: Annotated[int, Bounds(ge=1)] = 4
     """Tasks per collection round."""
-    max_turns: int = 3
+    max_turns: Annotated[int, Bounds(ge=1)] = 3
     """Model turns per episode at most."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=32, sampler="exact", new_rows_per_step=32, lr=1e-3, warmup_steps=3, checkpoint_every=10,

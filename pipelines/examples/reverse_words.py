@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from rlhf_pipeline.collect.prompts import PromptRecord
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.pipeline import Pipeline, RunPaths, preflight_rewards
 from rlhf_pipeline.run_settings import RunSettings
+from rlhf_pipeline.setting_checks import Bounds
 
 
 def reverse_prompts(n: int, *, length: int, seed: int) -> list[PromptRecord]:
@@ -62,20 +64,16 @@ def warm_start(model, tokenizer, steps: int, *, length: int, lr: float, seed: in
 class Settings(RunSettings):
     steps: int = 100
     """Learner steps (optimizer updates); --steps sets it."""
-    length: int = 3
+    length: Annotated[int, Bounds(ge=1, le=8)] = 3
     """Letters per word."""
-    warm_start_steps: int = 200
+    warm_start_steps: Annotated[int, Bounds(ge=0, why=" (0: none)")] = 200
     """Supervised steps before RL (0: none; a random tiny model writes noise)."""
-    prompts_per_round: int = 8
+    prompts_per_round: Annotated[int, Bounds(ge=1)] = 8
     """Prompts per collection round."""
     learner: LearnerSettings = field(default_factory=lambda: LearnerSettings(
         batch_size=64, sampler="exact", new_rows_per_step=64, lr=1e-3, warmup_steps=5, checkpoint_every=50,
         log_every=10))
     """Learner settings (--set learner.lr=1e-4; --list-settings shows them all)."""
-
-    def validate(self) -> None:
-        if not 1 <= self.length <= 8:
-            raise ValueError(f"setting 'length' must be in [1, 8], got {self.length}")
 
 
 def build(settings: Settings, run: RunPaths) -> Pipeline:

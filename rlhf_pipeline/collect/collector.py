@@ -27,7 +27,7 @@ from rlhf_pipeline.collect.episodes import EndedGroup, Environments, SingleTurn
 from rlhf_pipeline.collect.prompts import RecordCycle
 from rlhf_pipeline.collect.rewards import check_failure_fraction, check_failure_rate
 from rlhf_pipeline.collect.turns import EngineTurns, RoundTurns
-from rlhf_pipeline.finite_settings import check_fields
+from rlhf_pipeline.setting_checks import check_fields
 from rlhf_pipeline.generation.engine import GenerationEngine, draw_seed
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig

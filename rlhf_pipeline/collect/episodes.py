@@ -18,7 +18,7 @@ from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS, EpisodeLimits
 from rlhf_pipeline.agents.rollout import RolloutConfig, groups_to_batch, run_episodes
 from rlhf_pipeline.collect.rewards import RewardFn, WeightedReward, as_rewards, drop_non_finite_groups, score
 from rlhf_pipeline.generation.engine import SampleRequest, draw_seed
-from rlhf_pipeline.finite_settings import check_fields
+from rlhf_pipeline.setting_checks import check_fields
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.schema.ragged import RaggedTensor
 

@@ -7,41 +7,34 @@ Design: docs/evaluation.md#settings.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from rlhf_pipeline.finite_settings import check_fields
+from rlhf_pipeline.setting_checks import Bounds, check_fields
 
 
 @dataclass
 class EvalSettings:
     """Evaluation of published policy versions on the pipeline's held-out sets (docs/evaluation.md)."""
 
-    every_steps: int = 0
+    every_steps: Annotated[int, Bounds(ge=0, why=" (0: off)")] = 0
     """Evaluate the policy version published at every this many learner steps, in a process of its
     own beside training (0: no evaluation during training; ``rlhf-pipeline eval RUN`` still can)."""
     before_training: bool = True
     """With every_steps > 0, evaluate the starting policy too (version 0, step 0)."""
-    samples: int = 1
+    samples: Annotated[int, Bounds(ge=1)] = 1
     """Completions per held-out prompt (k): pass@1 and mean_score average over them, pass@k is the
     unbiased estimate that one of k passes. More than 1 needs temperature > 0."""
-    temperature: float = 0.0
+    temperature: Annotated[float, Bounds(ge=0, why=" (0: greedy)")] = 0.0
     """Sampling temperature of the evaluation (0: greedy, one completion per prompt)."""
-    max_prompts: int | None = None
+    max_prompts: Annotated[int | None, Bounds(ge=1, why=" (all)")] = None
     """Prompts (or tasks) of each held-out set evaluated at most, its first ones (none: all)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "eval.")
-        if self.every_steps < 0:
-            raise ValueError(f"setting 'eval.every_steps' must be >= 0 (0: off), got {self.every_steps}")
-        if self.samples < 1:
-            raise ValueError(f"setting 'eval.samples' must be >= 1, got {self.samples}")
-        if not self.temperature >= 0:
-            raise ValueError(f"setting 'eval.temperature' must be >= 0 (0: greedy), got {self.temperature}")
         if self.temperature == 0 and self.samples > 1:
             raise ValueError(f"setting 'eval.samples' is {self.samples}, but greedy decoding (eval.temperature=0) "
                              f"gives one completion per prompt: add --set eval.temperature=1.0, or set "
                              f"eval.samples=1")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise ValueError(f"setting 'eval.max_prompts' must be >= 1 or none (all), got {self.max_prompts}")
 
     @property
     def suffix(self) -> str:

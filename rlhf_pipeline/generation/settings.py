@@ -14,9 +14,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from rlhf_pipeline.finite_settings import check_fields
+from rlhf_pipeline.setting_checks import Bounds, check_fields
 from rlhf_pipeline.generation.vllm_setup import check_cpu_head_size, check_nccl_device, default_vllm_env, python_has_vllm
 
 if TYPE_CHECKING:
@@ -81,15 +81,15 @@ class GenerationSettings:
     python: str | None = None
     """vllm: the Python that has vLLM; none: .venv-vllm/bin/python of this checkout (rlhf-pipeline
     setup-vllm makes it), else this Python if it has vllm."""
-    kv_cache_gib: int = 1
+    kv_cache_gib: Annotated[int, Bounds(ge=1, why=" (GiB)")] = 1
     """vllm on a CPU: GiB of memory for the KV cache (vLLM's default is 4)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: Annotated[float, Bounds(gt=0, le=1)] = 0.5
     """vllm on a GPU: share of the GPU's memory vLLM may take (the learner may share the GPU)."""
-    max_model_len: int | None = None
+    max_model_len: Annotated[int | None, Bounds(ge=2)] = None
     """vllm: longest prompt + response in tokens; none: the model's max_position_embeddings."""
-    max_num_seqs: int = 256
+    max_num_seqs: Annotated[int, Bounds(ge=1)] = 256
     """vllm: most sequences decoded at once (its continuous batch)."""
-    start_timeout_s: float = 900.0
+    start_timeout_s: Annotated[float, Bounds(ge=0, why=" (seconds)")] = 900.0
     """vllm or url: how long the server may take to start (importing vLLM alone took 16-90 s on a busy
     2-core machine; a server at the URL may still be starting) before the collector gives up."""
     retries: int = 5
@@ -110,7 +110,7 @@ class GenerationSettings:
     url_weights_dir: str | None = None
     """url: where new weights are written for the server to read, a path its machine sees too;
     none: a temporary directory on this machine (a server on this machine)."""
-    url_check_tolerance: float = 1e-3
+    url_check_tolerance: Annotated[float, Bounds(gt=0)] = 1e-3
     """url: largest log-prob difference between the server and the pipeline's model at the start
     check; raise it for a server in lower precision than the pipeline's model."""
     weight_transfer: Literal["files", "inline", "nccl"] = "files"
@@ -127,7 +127,7 @@ class GenerationSettings:
         return "url" if self.url is not None else self.engine
 
     def __post_init__(self) -> None:
-        check_fields(self, "generation.")  # each choice one its type allows, every number finite
+        check_fields(self, "generation.")  # each choice one its type allows, every number finite and in bounds
         if self.url is not None and self.engine == "vllm":
             raise ValueError(f"generation.url={self.url} names a server you started and generation.engine=vllm "
                              f"starts one of the collector's own: drop one of them")
@@ -141,17 +141,6 @@ class GenerationSettings:
                 raise ValueError(f"setting 'generation.{shown}' is for "
                                  f"{' or '.join(CHOSEN_BY[e] for e in self.ENGINES[shown])}; this run generates "
                                  f"with {GENERATES_WITH[chosen]}: drop it")
-        least = {"kv_cache_gib": (1, " (GiB)"), "max_model_len": (2, " or none"), "max_num_seqs": (1, ""),
-                 "start_timeout_s": (0, " (seconds)")}
-        for name, (bound, unit) in least.items():
-            value = getattr(self, name)
-            if value is not None and not value >= bound:
-                raise ValueError(f"setting 'generation.{name}' must be >= {bound}{unit}, got {value}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"setting 'generation.gpu_memory_utilization' must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
-        if not self.url_check_tolerance > 0:
-            raise ValueError(f"setting 'generation.url_check_tolerance' must be > 0, got {self.url_check_tolerance}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"setting 'generation.url' must be an http:// or https:// URL (http://host:port), got "
                              f"{self.url!r}")

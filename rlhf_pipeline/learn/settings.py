@@ -3,7 +3,7 @@
 The run's settings hold :class:`LearnerSettings` (``--set learner.lr=1e-4``,
 ``--set learner.loss.clip_eps_high=0.28``), so loading a pipeline file for ``--list-settings`` or a
 bad ``--set`` must not pay for importing torch. Each class refuses a bad value in ``__post_init__``
-(every choice is a ``Literal``; ``finite_settings.check_fields``), so one built in Python is checked
+(every choice is a ``Literal``; ``setting_checks.check_fields``), so one built in Python is checked
 as one built from ``--set``. The code that uses them lives in ``learn/learner.py`` and ``learn/loss.py``.
 Design: docs/pipelines.md#settings-and-set.
 """
@@ -14,9 +14,9 @@ import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from rlhf_pipeline.finite_settings import check_fields
+from rlhf_pipeline.setting_checks import Bounds, check_fields
 
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 #: the samplers of learn/samplers/registry.py's SAMPLERS (a test keeps the two equal)
@@ -34,36 +34,30 @@ PriorityFeedback = Literal["none", "loss", "ratio_deviation"]
 class GRPOLossConfig:
     """The loss menu; every option is an explicit field (docs/learner.md#which-grpo-variant)."""
 
-    clip_eps_low: float = 0.2
+    clip_eps_low: Annotated[float, Bounds(ge=0, lt=1)] = 0.2
     """Lower clip: the ratio is clipped at ``1 - clip_eps_low``."""
-    clip_eps_high: float = 0.2
+    clip_eps_high: Annotated[float, Bounds(ge=0)] = 0.2
     """Upper clip: ``1 + clip_eps_high``; 0.28 with 0.2 low is DAPO's clip-higher."""
     aggregation: Aggregation = "token_mean"
     """``token_mean`` | ``sequence_mean`` | ``constant`` (Dr. GRPO, needs ``max_tokens``)."""
-    max_tokens: int | None = None
+    max_tokens: Annotated[int | None, Bounds(ge=1)] = None
     """The constant of ``aggregation="constant"``: the most tokens a learner row can sample, the
     sampler's max_new_tokens for single-turn rows, a trajectory's (max_turns x max_new_tokens) for agents."""
     ratio_level: Literal["token", "sequence"] = "token"
     """``token`` (GRPO) or ``sequence`` (GSPO's length-normalised sequence ratio)."""
-    kl_coef: float = 0.0
+    kl_coef: Annotated[float, Bounds(ge=0)] = 0.0
     """Weight of the k3 KL-to-reference term in the loss (needs reference log-probs)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
-    tis_cap: float | None = None
+    tis_cap: Annotated[float | None, Bounds(gt=0, why=" (none: off)")] = None
     """Truncated importance sampling cap C in ``min(exp(old - sampler), C)``; None disables."""
     old_policy: Literal["sampler", "current"] = "sampler"
     """:func:`grpo_step_loss` only: the old log-probs are the sampler's or the learner's (detached)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "learner.loss.")
-        if not (0 <= self.clip_eps_low < 1) or self.clip_eps_high < 0:
-            raise ValueError(
-                f"clip_eps_low must be in [0, 1) and clip_eps_high >= 0, got ({self.clip_eps_low}, {self.clip_eps_high})"
-            )
         if self.aggregation == "constant" and not (self.max_tokens and self.max_tokens > 0):
             raise ValueError("aggregation='constant' (Dr. GRPO) needs max_tokens > 0, e.g. the sampler's max_new_tokens")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap must be > 0 (or None to disable), got {self.tis_cap}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> GRPOLossConfig:
@@ -89,9 +83,9 @@ class LoraSettings:
 
     rank: int = 0
     """Rank r of each adapter's A (r x in) and B (out x r); 0: full fine-tuning (no adapter)."""
-    alpha: float = 16.0
+    alpha: Annotated[float, Bounds(gt=0, why=" (the update is scaled by alpha / rank)")] = 16.0
     """The adapter's update is scaled by alpha / rank (peft's lora_alpha)."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Bounds(ge=0, lt=1)] = 0.0
     """Dropout on each adapter's input while training (peft's lora_dropout), in [0, 1)."""
     target_modules: tuple[str, ...] = LORA_TARGETS
     """Names of the linear layers that get an adapter (each layer whose name ends with one of these)."""
@@ -104,10 +98,6 @@ class LoraSettings:
 
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise bad("rank", f"must be an integer >= 0 (0: full fine-tuning), got {self.rank!r}")
-        if not self.alpha > 0:
-            raise bad("alpha", f"must be > 0 (the update is scaled by alpha / rank), got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise bad("dropout", f"must be in [0, 1), got {self.dropout!r}")
         targets = tuple(self.target_modules)
         if not targets or not all(isinstance(name, str) and name.strip() for name in targets):
             raise bad("target_modules", f"must name at least one linear layer, e.g. q_proj,v_proj; got {targets!r}")
@@ -126,7 +116,7 @@ class LoraSettings:
 class LearnerSettings:
     """How the learner samples, optimizes, publishes and checkpoints."""
 
-    batch_size: int = 64
+    batch_size: Annotated[int, Bounds(ge=1)] = 64
     """Rows (completions) per optimizer step. Multi-turn rows are turns: the drawn rows that end a
     trajectory bring its earlier turns, the others wait for it (learn/trajectories.py)."""
     sampler: SamplerName = "window"
@@ -141,17 +131,17 @@ class LearnerSettings:
     epoch_order: Literal["shuffle", "sequential", "with-replacement"] = "shuffle"
     """sampler=epoch (replay): shuffle = reshuffled every epoch, unit window by unit window;
     sequential = store order; with-replacement = uniform draws."""
-    epoch_rows: int | None = None
+    epoch_rows: Annotated[int | None, Bounds(ge=1)] = None
     """sampler=epoch: replay positions [0, epoch_rows) of the buffer (None: every row it holds when
     the learner starts). `replay` sets it to the rows it counted, so a resume walks the same rows."""
-    shuffle_window_rows: int = 65_536
+    shuffle_window_rows: Annotated[int, Bounds(ge=0)] = 65_536
     """sampler=epoch, epoch_order=shuffle: rows are shuffled within windows of whole storage units
     holding at least this many rows (0: the whole buffer). Keep a window's decoded units within a
     Zarr store's cache_bytes."""
-    uses_per_row: int = 1
+    uses_per_row: Annotated[int, Bounds(ge=1)] = 1
     """sampler=exact: every fresh row is trained on by exactly this many consecutive steps (1:
     on-policy GRPO with one step of overlap); new rows per step are then batch_size / this."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: Annotated[int, Bounds(ge=1)] = 8192
     """Tokens per forward/backward; gradients accumulate. Packed: the real tokens of one packed
     sequence (a longer row gets one of its own); padded: rows x longest prompt+response."""
     packing: bool = True
@@ -169,74 +159,74 @@ class LearnerSettings:
     mask_termination_reasons: tuple[str, ...] = ()
     """Trajectories that ended for one of these reasons (schema/termination.py names, e.g.
     max_turns,token_budget) are left out of the loss, counted as charts/trajectories_masked."""
-    lr: float = 1e-4
+    lr: Annotated[float, Bounds(gt=0)] = 1e-4
     """Peak AdamW learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Bounds(ge=0)] = 0.0
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, Bounds(ge=0)] = 0
     """Linear LR warm-up from 0 over this many steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: keep the peak LR, or decay it with a cosine to min_lr_ratio * lr at the last step."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Annotated[float, Bounds(ge=0, le=1)] = 0.1
     """Final LR of the cosine schedule as a fraction of lr."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Bounds(ge=0, why=" (0: no clipping)")] = 1.0
     """Gradient-norm clip (0 disables clipping; the norm is still reported)."""
-    new_rows_per_step: int = 0
+    new_rows_per_step: Annotated[int, Bounds(ge=0)] = 0
     """Each step waits until the collector has written this many new rows since the previous
     step (an update-to-data ratio: rows are reused ~batch_size / this times). 0 never waits."""
-    max_staleness: int | None = field(default=None, metadata={"derived_from": "max_lag"})
+    max_staleness: Annotated[int | None, Bounds(ge=0)] = field(default=None, metadata={"derived_from": "max_lag"})
     """Rows sampled by a policy more than this many versions older than the learner's are not
     used (None: no bound). Set from the run's ``max_lag`` and this sampler's reuses
     (``run_settings.max_staleness``), never on its own."""
-    publish_every: int = 1
+    publish_every: Annotated[int, Bounds(ge=1)] = 1
     """Publish the weights as a new version every this many steps."""
-    checkpoint_every: int = 50
+    checkpoint_every: Annotated[int, Bounds(ge=1)] = 50
     """Save a checkpoint every this many steps (and always at the end or on stop)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Bounds(ge=1)] = 2
     """Checkpoints kept on disk (newest first)."""
-    checkpoint_keep_every: int = 0
+    checkpoint_keep_every: Annotated[int, Bounds(ge=0, why=" (0 keeps only the newest keep_checkpoints)")] = 0
     """Also keep every checkpoint whose step is a multiple of this (0: none beyond the newest
     keep_checkpoints): the steps `rlhf-pipeline branch` can start a new run from."""
     keep_best: str | None = None
     """Also keep the best checkpoint by an evaluation summary, eval/<set>/<metric> such as
     eval/held_out/pass@1 (needs eval.every_steps; none: off): a checkpoint is saved at every step whose
     version the evaluator scores, and the best-scoring one is never pruned (docs/evaluation.md)."""
-    prefetch_depth: int = 2
+    prefetch_depth: Annotated[int, Bounds(ge=1)] = 2
     """Batches prepared ahead by the background thread."""
-    data_timeout_s: float = 600.0
+    data_timeout_s: Annotated[float, Bounds(gt=0, why=" seconds")] = 600.0
     """Give up when no usable batch could be sampled for this long (no collector running?); with
     generation.engine=vllm the run adds generation.start_timeout_s, the engine's start-up allowance."""
-    wait_report_s: float = 60.0
+    wait_report_s: Annotated[float, Bounds(gt=0, why=" seconds")] = 60.0
     """Say in one line what the learner waits for once it has waited this long for a batch (and
     again each time the wait doubles)."""
-    log_every: int = 10
+    log_every: Annotated[int, Bounds(ge=1)] = 10
     """Print a progress line every this many steps when stderr is not a terminal."""
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     """GRPO loss options: clip range, aggregation, KL/entropy coefficients, TIS (learn/loss.py)."""
     lora: LoraSettings = field(default_factory=LoraSettings)
     """LoRA adapter training (--set learner.lora.rank=8; rank 0: full fine-tuning; docs/lora.md)."""
-    temperature: float = field(default=1.0, metadata={"derived_from": "temperature"})
+    temperature: Annotated[float, Bounds(gt=0)] = field(default=1.0, metadata={"derived_from": "temperature"})
     """The run's sampling temperature, at which log-probs are recomputed: set from the run's
     ``temperature`` (``RunSettings.learner_settings``), never on its own."""
     replace_zero_variance: bool = False
     """sampler=groups: replace each group whose rewards are all equal (no GRPO signal) by an
     informative group kept from earlier steps (charts/groups_replaced counts them)."""
-    replay_pool_groups: int = 64
+    replay_pool_groups: Annotated[int, Bounds(ge=1)] = 64
     """sampler=groups: informative groups kept for replacement (those of highest reward std)."""
     priority: Priority = "abs_advantage"
     """sampler=prioritized: abs_advantage | group_reward_std | recency (halves every 10 versions)."""
-    priority_alpha: float = 0.6
+    priority_alpha: Annotated[float, Bounds(ge=0)] = 0.6
     """sampler=prioritized: rows are drawn with probability proportional to priority^alpha (0: uniform)."""
-    priority_beta: float = 0.4
+    priority_beta: Annotated[float, Bounds(ge=0)] = 0.4
     """sampler=prioritized: importance-weight exponent; 1 fully corrects the sampling bias."""
     priority_feedback: PriorityFeedback = "none"
     """sampler=prioritized: after each step the learner sets the priority of the rows it trained on
     (prioritized experience replay): none = priorities stay those of `priority`; loss = the row's
     mean |per-token policy loss|; ratio_deviation = the row's mean |ratio - 1| (how far the policy
     moved on it). Draw d then sees the feedback of every step up to draw d - 2."""
-    world_size: int = 1
+    world_size: Annotated[int, Bounds(ge=1)] = 1
     """Data-parallel learner ranks (learn/distributed.py) that `run` and `replay` start, or learner
     actors under `--ray`."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
@@ -245,52 +235,24 @@ class LearnerSettings:
     on each transformer block and the root), for models that do not fit one device."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "learner.")  # the choices; every number finite
+        check_fields(self, "learner.")  # each choice, number and bound
 
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"setting 'learner.{name}' {why}")
 
-        if self.batch_size < 1:
-            raise bad("batch_size", f"must be >= 1 (got {self.batch_size})")
         if self.sampler == "epoch" and self.max_staleness is not None:
             # an epoch walks recorded rows of old policies: every batch would be dropped as stale,
             # and the sampler would serve the same rows again, forever
             raise bad("max_staleness", f"must be None with sampler=epoch, which replays recorded rows (got "
                                        f"{self.max_staleness}); a run derives it so: pass max_staleness=None")
-        if self.epoch_rows is not None and self.epoch_rows < 1:
-            raise bad("epoch_rows", f"must be >= 1 or None (got {self.epoch_rows})")
-        if self.shuffle_window_rows < 0:
-            raise bad("shuffle_window_rows", f"must be >= 0 (got {self.shuffle_window_rows})")
-        if self.uses_per_row < 1:
-            raise bad("uses_per_row", f"must be >= 1 (got {self.uses_per_row})")
         if self.sample_window < self.batch_size:
             raise bad("sample_window", f"({self.sample_window}) must be >= batch_size ({self.batch_size})")
-        if self.micro_batch_tokens < 1:
-            raise bad("micro_batch_tokens", f"must be >= 1 (got {self.micro_batch_tokens})")
-        if not self.lr > 0:
-            raise bad("lr", f"must be > 0 (got {self.lr})")
-        if self.new_rows_per_step < 0:
-            raise bad("new_rows_per_step", f"must be >= 0 (got {self.new_rows_per_step})")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise bad("max_staleness", f"must be >= 0 or None (got {self.max_staleness})")
-        for name in ("publish_every", "checkpoint_every", "keep_checkpoints", "prefetch_depth", "log_every"):
-            if getattr(self, name) < 1:
-                raise bad(name, f"must be >= 1 (got {getattr(self, name)})")
-        if self.checkpoint_keep_every < 0:
-            raise bad("checkpoint_keep_every", f"must be >= 0 (got {self.checkpoint_keep_every}); 0 keeps only "
-                                               f"the newest keep_checkpoints")
         if self.keep_best is not None and not _EVAL_SUMMARY.match(str(self.keep_best)):
             raise bad("keep_best", f"must name an evaluation summary, eval/<set>/<metric> such as "
                                    f"eval/held_out/pass@1 (none: off), got {self.keep_best!r}")
-        if self.temperature <= 0:
-            raise bad("temperature", f"must be > 0 (got {self.temperature})")
-        if not self.wait_report_s > 0:
-            raise bad("wait_report_s", f"must be > 0 seconds (got {self.wait_report_s})")
         if self.replace_zero_variance and self.sampler != "groups":
             raise bad("replace_zero_variance", f"needs sampler='groups', which draws whole groups (got "
                                                f"sampler={self.sampler!r})")
-        if self.replay_pool_groups < 1:
-            raise bad("replay_pool_groups", f"must be >= 1 (got {self.replay_pool_groups})")
         if self.priority_feedback != "none":
             if self.sampler != "prioritized":
                 raise bad("priority_feedback", f"needs sampler='prioritized', which keeps priorities "
@@ -311,11 +273,7 @@ class LearnerSettings:
         unknown = [name for name in self.mask_termination_reasons if str(name).lower() not in reasons]
         if unknown:
             raise bad("mask_termination_reasons", f"names unknown reason(s) {unknown}; valid: {sorted(reasons)}")
-        if self.world_size < 1:
-            raise bad("world_size", f"must be >= 1 (got {self.world_size})")
         if self.lora.enabled and self.world_size > 1 and self.parallelism == "fsdp":
             # the adapter is a few MB: every rank holds it whole, and its base frozen, under DDP
             raise bad("parallelism", "'fsdp' shards full fine-tuning; with learner.lora.rank > 0 each rank holds "
                                      "the adapter and its frozen base whole: set learner.parallelism=ddp")
-        if self.priority_alpha < 0 or self.priority_beta < 0:
-            raise bad("priority_alpha" if self.priority_alpha < 0 else "priority_beta", "must be >= 0")

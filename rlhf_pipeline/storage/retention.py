@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_pipeline.finite_settings import check_fields
+from rlhf_pipeline.setting_checks import check_fields
 
 ROW_CLOCK_MARKS = 256  # marks kept; older ones are merged so a clock stays a few KB
 

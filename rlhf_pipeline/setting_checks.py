@@ -1,9 +1,12 @@
-"""The checks every settings dataclass runs on itself: each choice one its type allows, each number finite.
+"""The checks every settings dataclass runs on itself: each choice one its type allows, each number
+finite and within the bounds declared on its field.
 
-A choice is a field typed ``Literal[...]``; :func:`check_fields`, called by every settings class's
-``__post_init__``, refuses a value outside it, naming the setting, the value, the choices and the closest
-one in the words ``--set`` uses for the same mistake (:func:`choice_error`), and refuses ``nan`` and
-``inf``, which a range check lets through (:func:`check_finite`). Imports nothing of the package.
+A choice is a field typed ``Literal[...]``; a bound is a :class:`Bounds` in the field's ``Annotated``
+type (``num_heads: Annotated[int, Bounds(ge=1)] = 4``). :func:`check_fields`, called by every settings
+class's ``__post_init__``, refuses a value outside either, naming the setting, the value, and the
+choices with the closest one in the words ``--set`` uses for the same mistake (:func:`choice_error`) or
+the bound; it refuses ``nan`` and ``inf``, which a range check lets through (:func:`check_finite`).
+Rules between fields stay in the class's ``__post_init__``. Imports nothing of the package.
 Design: docs/pipelines.md#settings-and-set.
 """
 
@@ -11,11 +14,64 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range of a number setting, declared on its field: ``Annotated[int, Bounds(ge=1)]``,
+    ``Annotated[float, Bounds(ge=0, lt=1)]``. ``why`` follows the bound in the error (" (0: off)",
+    ": GRPO compares completions within a group"). A field that takes none is not bounded when none."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    why: str = ""
+
+    def allows(self, value: Any) -> bool:
+        # written so that nan fails each
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def __str__(self) -> str:
+        """``>= 1``, ``> 0``, ``in [0, 1)``, ``<= 4``"""
+        low, high = (self.ge, "[") if self.ge is not None else (self.gt, "(")
+        top, close = (self.le, "]") if self.le is not None else (self.lt, ")")
+        if low is not None and top is not None:
+            return f"in {high}{low:g}, {top:g}{close}"
+        if low is not None:
+            return f"{'>=' if high == '[' else '>'} {low:g}"
+        return f"{'<=' if close == ']' else '<'} {top:g}"
+
+
+def bounds_error(key: str, value: Any, bounds: Bounds, *, takes_none: bool) -> str:
+    """``setting 'num_heads' must be >= 1, got 0``"""
+    return f"setting {key!r} must be {bounds}{' or none' if takes_none else ''}{bounds.why}, got {value!r}"
+
+
+@functools.cache
+def field_bounds(cls: type) -> dict[str, Bounds]:
+    """The :class:`Bounds` declared on ``cls``'s fields, by field name. A field a subclass declares again
+    (a pipeline's ``steps: int = 500``, another default) keeps the bounds of its first declaration."""
+    found: dict[str, Bounds] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            hints = typing.get_type_hints(klass, include_extras=True)
+        except (NameError, TypeError):
+            continue
+        for name, hint in hints.items():
+            # Annotated[int | None, Bounds(...)], or Annotated[int, Bounds(...)] | None
+            for part in (hint, *typing.get_args(hint)):
+                if typing.get_origin(part) is Annotated:
+                    found.update({name: extra for extra in part.__metadata__ if isinstance(extra, Bounds)})
+    return found
 
 
 def choice_error(key: str, value: Any, choices: Sequence[Any]) -> str:
@@ -38,7 +94,8 @@ def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
 
 def check_fields(settings: Any, prefix: str = "") -> None:
     """Raises ValueError naming the first field of ``settings`` (one dataclass; its nested settings check
-    themselves) whose value is outside its ``Literal`` choices or a float that is not finite.
+    themselves) whose value is outside its ``Literal`` choices, a float that is not finite, or a number
+    outside its field's :class:`Bounds`.
 
     Every settings class calls it in its ``__post_init__``, so a value is refused where it is declared,
     whoever builds the settings (``--set``, a pipeline file, a test): a dataclass built in Python is not
@@ -52,6 +109,10 @@ def check_fields(settings: Any, prefix: str = "") -> None:
         if choices is not None and value not in choices and not (value is None and _takes_none(hints, field.name)):
             raise ValueError(choice_error(prefix + field.name, value, choices))
     check_finite(settings, prefix, nested=False)
+    for name, bounds in field_bounds(type(settings)).items():
+        value = getattr(settings, name)
+        if value is not None and not bounds.allows(value):
+            raise ValueError(bounds_error(prefix + name, value, bounds, takes_none=_takes_none(hints, name)))
 
 
 def check_finite(settings: Any, prefix: str = "", *, nested: bool = True) -> Any:
