@@ -24,6 +24,18 @@ torch.set_num_threads(1)
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 
+@pytest.fixture(scope="module")
+def ray_cluster() -> str:
+    """A local Ray cluster of 2 CPUs for the module; its GCS address, for drivers in other processes (a
+    driver in this process finds it connected). Per module: test_ray_multinode.py, in the same worker
+    (SHARED_FILES), starts nodes of its own, which must not find this one running."""
+    import ray
+
+    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    yield context.address_info["gcs_address"]
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server on 127.0.0.1 (a free port) for the session; skips without the s3 extras."""

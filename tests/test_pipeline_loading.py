@@ -33,7 +33,7 @@ def test_default_pipeline_loads_and_documents_its_settings():
     assert settings.steps == 7 and settings.learner.lr == 0.001 and settings.arch == "llama"
     assert settings.max_lag is None and settings.learner_settings().max_staleness is None
     text = describe_settings(settings)
-    assert "learner.lr (float) = 0.001" in text
+    assert "learner.lr (float, > 0) = 0.001" in text
     assert "Completions per prompt" in text  # the docstring under group_size
 
 
@@ -170,13 +170,14 @@ def test_a_pipeline_file_imports_the_modules_beside_it(tmp_path):
     folder = tmp_path / "my_pipelines"
     folder.mkdir()
     (folder / "my_rewards.py").write_text("STEPS = 11\n")
-    body = DEFAULT.read_text().replace("warm_start_steps: int = ", "warm_start_steps: int = STEPS  # ", 1)
+    declared = '(0 skips the warm start)")] = '  # warm_start_steps's default
+    body = DEFAULT.read_text().replace(declared, declared + "STEPS  # ", 1)
     body = body.replace("from __future__ import annotations\n", "from __future__ import annotations\n\nfrom my_rewards import STEPS\n", 1)
     (folder / "mine.py").write_text(body)
     result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(folder / "mine.py"),
                              "--list-settings"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "  warm_start_steps (int) = 11" in result.stdout
+    assert "  warm_start_steps (int, >= 0) = 11" in result.stdout
 
 
 def test_cli_help_lists_the_run_flags():

@@ -30,13 +30,6 @@ LORA_ON_RAY = ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "lea
                "learner.log_every=1", "learner.lora.rank=4", "learner.lr=3e-3"]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> str:
-    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-    yield context.address_info["gcs_address"]
-    ray.shutdown()
-
-
 ENGINES = {"loop": ([], 2), "vllm": (["generation.engine=vllm", "num_heads=2"], 1)}
 """engine -> (its settings, collectors); num_heads=2: a head size of 32, which vLLM's CPU attention takes."""
 
@@ -49,7 +42,7 @@ def run_on_ray(home: Path, steps: int, engine: str) -> int:
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_a_lora_run_on_ray_samples_each_adapter_it_publishes_and_resumes(cluster, engine, tmp_path, request):
+def test_a_lora_run_on_ray_samples_each_adapter_it_publishes_and_resumes(ray_cluster, engine, tmp_path, request):
     if engine == "vllm":
         request.getfixturevalue("vllm_python")  # skips, saying how to get it, without the vLLM environment
     run = tmp_path / "lora"

@@ -36,14 +36,6 @@ SMALL = ["warm_start_steps=5", "prompts_per_round=4", "group_size=4", "learner.b
          "learner.log_every=1"]
 
 
-@pytest.fixture(scope="module")
-def cluster() -> str:
-    """A local Ray cluster of 2 CPUs for the module; its address, for drivers in other processes."""
-    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-    yield context.address_info["gcs_address"]
-    ray.shutdown()
-
-
 def wait_for(condition, driver: subprocess.Popen, what: str, timeout: float = 240):
     """Polls ``condition()`` until it returns something truthy; fails, with what the driver printed,
     when the driver ended first or ``timeout`` passed (a bound for a hung run only)."""
@@ -98,13 +90,13 @@ def assert_every_id_once_without_gaps(run: Path, group_size: int = 4) -> None:
         assert (ids["group_id"] - (k << 40)).tolist() == [i // group_size for i in range(len(local))], k
 
 
-def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(cluster, tmp_path):
+def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(ray_cluster, tmp_path):
     """A driver (a subprocess joining the cluster) runs 2 collector actors and a learner actor.
     Collector 1's process and then the learner's are killed: Ray restarts both and they resume
     (shard position, checkpoint). Then SIGINT to the driver stops every actor cleanly, and the same
     command resumes to a run whose metrics and shards look like an uninterrupted one's."""
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", cluster, "--collectors",
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", ray_cluster, "--collectors",
                "2", "--home", str(tmp_path), "--run-name", "run", *[a for s in SMALL for a in ("--set", s)]]
     # far more steps than it gets to: SIGINT ends it. A learner as fast as on an idle machine trained
     # 60 steps before the kill below landed, and the run ended before Ray could restart anything
@@ -196,7 +188,7 @@ def one_learner(recorded, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_two_learner_actors_train_like_one_learner_on_a_recorded_buffer(cluster, recorded, one_learner, tmp_path,
+def test_two_learner_actors_train_like_one_learner_on_a_recorded_buffer(ray_cluster, recorded, one_learner, tmp_path,
                                                                         parallelism):
     """Under FSDP, too: what rank 0 hands the object store at each published version is the copy
     gathered to publish it (a gather asked on rank 0 alone would wait for the other rank forever)."""
@@ -214,7 +206,7 @@ def test_two_learner_actors_train_like_one_learner_on_a_recorded_buffer(cluster,
     assert any(not torch.allclose(trained["model"][k], initial[k]) for k in initial)  # it trained
 
 
-def test_a_collector_on_ray_loads_the_version_pacing_names_not_the_newest(cluster, tmp_path):
+def test_a_collector_on_ray_loads_the_version_pacing_names_not_the_newest(ray_cluster, tmp_path):
     """``poll_version`` as ``weights.WeightsPoller``'s: nothing before the version is published,
     then exactly it (from the object store while it is the newest, else from its file), the newest
     once it was pruned; so rounds on Ray take the weights they take under ``run``, whatever the timing."""
@@ -265,7 +257,7 @@ def test_a_run_at_a_url_on_ray_keeps_its_state_there(run_home, tmp_path):
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]
 
 
-def test_the_evaluator_runs_as_an_actor_beside_the_collectors_and_resumes_after_kill_9(cluster, tmp_path):
+def test_the_evaluator_runs_as_an_actor_beside_the_collectors_and_resumes_after_kill_9(ray_cluster, tmp_path):
     """With eval.every_steps, the driver starts an evaluator actor; its process killed mid-version,
     Ray restarts it and it resumes from its stores' writer state: every (version, prompt, sample)
     stored once, the run never stopped."""
@@ -274,7 +266,7 @@ def test_the_evaluator_runs_as_an_actor_beside_the_collectors_and_resumes_after_
     run = tmp_path / "run"
     location = set_store_location(run, "held_out-k4-t1")  # 40 prompts x 4 samples = 160 rows a version
     evaluation = ["eval.every_steps=2", "eval.samples=4", "eval.temperature=1.0"]
-    driver = preloaded.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", cluster,
+    driver = preloaded.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", ray_cluster,
                                "--home", str(tmp_path), "--run-name", "run", "--steps", "6",
                                *[a for s in [*SMALL, *evaluation] for a in ("--set", s)]],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
