@@ -59,7 +59,8 @@ def bounds_error(key: str, value: Any, bounds: Bounds, *, takes_none: bool) -> s
 @functools.cache
 def field_bounds(cls: type) -> dict[str, Bounds]:
     """The :class:`Bounds` declared on ``cls``'s fields, by field name. A field a subclass declares again
-    (a pipeline's ``steps: int = 500``, another default) keeps the bounds of its first declaration."""
+    for another default (a pipeline's ``steps: int = 500``) keeps its base class's bounds, unless it
+    declares bounds of its own."""
     found: dict[str, Bounds] = {}
     for klass in reversed(cls.__mro__):
         try:
