@@ -184,6 +184,7 @@ MOVED_MODULES = {
     "rlhf_pipeline.ray_settings": "rlhf_pipeline.run_settings (RaySettings; a pipeline's RunSettings has them)",
     "rlhf_pipeline.cluster.settings": "rlhf_pipeline.run_settings (RaySettings; a pipeline's RunSettings has them)",
     "rlhf_pipeline.collect.generate": "rlhf_pipeline.generation (loop.py, sampling.py)",
+    "rlhf_pipeline.finite_settings": "rlhf_pipeline.setting_checks (check_fields, Bounds)",
 }
 
 

@@ -202,7 +202,8 @@ def test_a_resume_may_change_the_buffer_lock_settings_but_not_the_data_settings(
 @pytest.mark.parametrize("old, new", [("rlhf_pipeline.ray_settings", "rlhf_pipeline.run_settings"),
                                       ("rlhf_pipeline.cluster.settings", "rlhf_pipeline.run_settings"),
                                       ("rlhf_pipeline.collate", "rlhf_pipeline.schema.padding"),
-                                      ("rlhf_pipeline.collect.generate", "rlhf_pipeline.generation")])
+                                      ("rlhf_pipeline.collect.generate", "rlhf_pipeline.generation"),
+                                      ("rlhf_pipeline.finite_settings", "rlhf_pipeline.setting_checks")])
 def test_a_pipeline_file_importing_a_moved_module_is_refused_naming_its_new_place(tmp_path, old, new):
     """The old names are gone (no shims); a pipeline file written before a move, or a run's copy of one,
     is refused in one line that says where to import from."""
