@@ -12,9 +12,9 @@ Design: docs/retention.md#what-goes-whole-segments-whole-groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from rlhf_pipeline.setting_checks import check_fields
+from rlhf_pipeline.setting_checks import Bounds, check_fields
 
 ROW_CLOCK_MARKS = 256  # marks kept; older ones are merged so a clock stays a few KB
 
@@ -23,13 +23,13 @@ ROW_CLOCK_MARKS = 256  # marks kept; older ones are merged so a clock stays a fe
 class RetentionSettings:
     """How much of a long run's buffer is kept (every rule unset: all of it)."""
 
-    max_rows: int | None = None
+    max_rows: Annotated[int | None, Bounds(ge=1)] = None
     """Keep at most this many of each shard's newest rows (whole sealed segments go, so between
     max_rows - segment_rows and max_rows are held; >= segment_rows). None: no bound by rows."""
-    max_versions_behind: int | None = None
+    max_versions_behind: Annotated[int | None, Bounds(ge=0)] = None
     """Drop rows sampled by a policy more than this many versions behind the one the collector samples
     with now (the newest it has loaded). None: no bound by version."""
-    max_age_s: float | None = None
+    max_age_s: Annotated[float | None, Bounds(gt=0)] = None
     """Drop rows written more than this many seconds ago. None: no bound by age."""
     hold_rewind_points: bool = True
     """true: every kept checkpoint holds the rows a rewind to it draws from (with
@@ -44,20 +44,17 @@ class RetentionSettings:
     def __post_init__(self) -> None:
         """ValueError in one line naming the setting and the fix (``max_rows`` against the buffer's
         segment_rows: the run's settings, which hold both)."""
-        check_fields(self, "retention.")
-        if self.max_rows is not None and not (isinstance(self.max_rows, int) and self.max_rows >= 1):
-            raise ValueError(f"setting 'retention.max_rows' must be a whole number >= 1 (or None: no bound), "
-                             f"got {self.max_rows!r}")
-        if self.max_versions_behind is not None and not (
-                isinstance(self.max_versions_behind, int) and self.max_versions_behind >= 0):
-            raise ValueError(f"setting 'retention.max_versions_behind' must be a whole number >= 0 (or None: "
-                             f"no bound), got {self.max_versions_behind!r}")
+        # from_json reads these back from a settings.json a user may have edited: a value of another type
+        # is named here, before check_fields compares it with its bounds
+        for name, kind, words in (("max_rows", int, "a whole number"), ("max_versions_behind", int, "a whole number"),
+                                  ("max_age_s", (int, float), "a number of seconds")):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise ValueError(f"setting 'retention.{name}' must be {words} or none (no bound), got {value!r}")
         if not isinstance(self.hold_rewind_points, bool):
             raise ValueError(f"setting 'retention.hold_rewind_points' must be true or false, got "
                              f"{self.hold_rewind_points!r}")
-        if self.max_age_s is not None and not (isinstance(self.max_age_s, (int, float)) and self.max_age_s > 0):
-            raise ValueError(f"setting 'retention.max_age_s' must be a number of seconds > 0 (or None: no "
-                             f"bound), got {self.max_age_s!r}")
+        check_fields(self, "retention.")
 
     def describe(self) -> str:
         """``max_rows=100000, max_age_s=86400`` (the rules set), or ``keep every row``."""

@@ -168,9 +168,11 @@ def test_the_row_clock_stays_small_and_never_makes_rows_older():
 
 
 @pytest.mark.parametrize("rules, words", [
-    (dict(max_rows=0), "'retention.max_rows' must be a whole number >= 1"),
-    (dict(max_versions_behind=-1), "'retention.max_versions_behind' must be a whole number >= 0"),
-    (dict(max_age_s=-1.0), "'retention.max_age_s' must be a number of seconds > 0"),
+    (dict(max_rows=0), "setting 'retention.max_rows' must be >= 1 or none, got 0"),
+    (dict(max_versions_behind=-1), "setting 'retention.max_versions_behind' must be >= 0 or none, got -1"),
+    (dict(max_age_s=-1.0), "setting 'retention.max_age_s' must be > 0 or none, got -1.0"),
+    (dict(max_rows=2.5), "setting 'retention.max_rows' must be a whole number or none (no bound), got 2.5"),
+    (dict(max_age_s="1d"), "setting 'retention.max_age_s' must be a number of seconds or none (no bound), got '1d'"),
     (dict(max_age_s=float("nan")), "'retention.max_age_s' must be a finite number or none, got nan"),
 ])
 def test_bad_settings_are_one_line_naming_the_setting(rules, words):
