@@ -56,7 +56,7 @@ class GRPOLossConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "learner.loss.")
-        if self.aggregation == "constant" and not (self.max_tokens and self.max_tokens > 0):
+        if self.aggregation == "constant" and self.max_tokens is None:  # its bounds refuse one below 1
             raise ValueError("aggregation='constant' (Dr. GRPO) needs max_tokens > 0, e.g. the sampler's max_new_tokens")
 
     @classmethod
