@@ -10,9 +10,9 @@ be branched from and its branches. Arguments are parsed before torch is imported
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import run_or_path
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -40,15 +40,13 @@ def step_or_best(text: str) -> int | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf_pipeline.files.run_paths import RunLocationError, is_url, run_dir
+    from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.run_store import RunStoreError
     from rlhf_pipeline.runs.branch import BranchError, branch_run, main_message
     from rlhf_pipeline.runs.lineage import resolved_location
 
     try:
-        parent = args.run.rstrip("/")
-        if not is_url(parent) and "/" not in parent and not Path(parent).exists():
-            parent = str(run_dir(parent, args.home))  # a name under --home
+        parent = run_or_path(args.run, args.home).rstrip("/")
         # a name: beside its parent, in the same home (where `inspect RUN` finds it)
         new = args.new_run if "/" in args.new_run else f"{resolved_location(parent).rstrip('/').rpartition('/')[0]}/{args.new_run}"
         lineage = branch_run(parent, args.from_step, new, args.overrides)

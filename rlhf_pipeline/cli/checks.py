@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.files.run_paths import HOME_ENV_VAR, RunLocationError, is_url, run_paths
 from rlhf_pipeline.storage import buffer_inside
 
 
@@ -21,3 +23,21 @@ def buffer_path_problem(location: str) -> str | None:
     if (path / "settings.json").is_file() and (run_buffer := buffer_inside(location)) is not None:
         return f"{location} is a run directory, not a buffer: did you mean {run_buffer}?"
     return None
+
+
+def run_or_path(text: str, home: str | None = None) -> str:
+    """A command's RUN argument: a path or URL as given, or else a bare name (no ``/``, no such path
+    here): the run ``run`` made under that name in ``home`` (``--home``; else ``$RLHF_PIPELINE_HOME``
+    or ``storage/``), so that ``rlhf-pipeline inspect default`` finds what ``run pipelines/default.py``
+    wrote, from any directory. As argparse's ``type``, it refuses a name that is neither before any
+    heavy import, through :class:`CommandRefused` (one line, as every refusal)."""
+    if is_url(text) or "/" in text.strip("/") or Path(text).exists():
+        return text
+    try:
+        location = run_paths(text.strip("/"), home).location
+    except RunLocationError as exc:
+        raise CommandRefused(str(exc)) from None
+    if is_url(location) or Path(location).exists():  # a run at a URL is looked for when the command opens it
+        return location
+    where = f"--home {home}" if home is not None else f"${HOME_ENV_VAR} or storage/"
+    raise CommandRefused(f"{text} does not exist, and no run of that name is under {Path(location).parent} ({where})")

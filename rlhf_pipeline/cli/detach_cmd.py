@@ -11,11 +11,13 @@ import argparse
 import sys
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import run_or_path
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("branch", metavar="BRANCH", help="the branch: a run directory (or an s3:// or az:// URL) "
-                                                         "made by rlhf-pipeline branch")
+    parser.add_argument("branch", type=run_or_path, metavar="BRANCH",
+                        help="the branch: a run directory, its name or its s3:// or az:// URL, made by rlhf-pipeline "
+                             "branch")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import run_or_path
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("run_dir", help="the run directory (holds settings.json, weights/, checkpoints/), or a run "
-                                        "at an s3:// or az:// URL (only the version exported is read)")
+    parser.add_argument("run_dir", type=run_or_path,
+                        help="the run directory (holds settings.json, weights/, checkpoints/), a run's name, or a run at "
+                             "an s3:// or az:// URL (only the version exported is read)")
     parser.add_argument("out", nargs="?", metavar="OUT",
                         help="directory to write (must not exist); not needed with --list-versions")
     which = parser.add_mutually_exclusive_group()

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import run_or_path
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN "
-                                     "stores; or a run directory (its rewind points, parent and branches, then its buffer)")
+    parser.add_argument("path", type=run_or_path,
+                        help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN stores; or a "
+                             "run directory or a run's name (its rewind points, parent and branches, then its buffer)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (a list with --verify)")
     parser.add_argument("--verify", action="store_true",
                         help="check every segment file or chunk against its checksum; exit code 1 on damage")

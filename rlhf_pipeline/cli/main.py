@@ -71,7 +71,12 @@ def installed_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except CommandRefused as exc:  # an argument's own check, as argparse's `type` (cli/checks.py: run_or_path)
+        command = next((word for word in argv if not word.startswith("-")), "")
+        print(f"rlhf-pipeline {command}: error: {exc}", file=sys.stderr)
+        return exc.code
     args.argv = argv  # the command line as typed: `bench --page` records it
     try:
         module = importlib.import_module(args._module)

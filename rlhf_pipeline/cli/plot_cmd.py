@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import run_or_path
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                        help="run directories, runs at s3:// or az:// URLs (copied into the local cache), or metrics.jsonl files")
+    parser.add_argument("runs", type=run_or_path, nargs="+", metavar="RUN_DIR",
+                        help="run directories or runs' names, runs at s3:// or az:// URLs (copied into the local cache), or "
+                             "metrics.jsonl files")
     parser.add_argument("--out", required=True, help="directory for the PNG files")
 
 

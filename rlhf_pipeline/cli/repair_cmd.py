@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlhf_pipeline.cli.checks import run_or_path
+
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("path", help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN "
-                                     "stores; a Zarr store or a prefix of shards may be an s3:// or az:// URL; or a "
-                                     "run directory (its buffer/, its token ids checked against its model)")
+    parser.add_argument("path", type=run_or_path,
+                        help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN stores; a Zarr "
+                             "store or a prefix of shards may be an s3:// or az:// URL; or a run directory or a run's "
+                             "name (its buffer/, its token ids checked against its model)")
     parser.add_argument("--vocab-size", type=int, default=None, metavar="N",
                         help="report groups holding token ids outside [0, N) (default: a run's model's vocabulary, "
                              "read from its newest published weights; a bare buffer's ids are not checked)")

@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import run_or_path
 
 EXAMPLES = """examples:
   rlhf-pipeline show storage/tool_use                          # the newest trajectory of a run
@@ -26,7 +27,8 @@ EXAMPLES = """examples:
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.epilog = EXAMPLES
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("buffer", help="a run directory, its buffer, a memmap or Zarr store, or a saved selection")
+    parser.add_argument("buffer", type=run_or_path,
+                        help="a run directory or a run's name, its buffer, a memmap or Zarr store, or a saved selection")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--trajectory", type=int, metavar="ID", help="the trajectory id to show")
     which.add_argument("--row", type=int, metavar="N", help="show the trajectory holding row N (0 = oldest held)")

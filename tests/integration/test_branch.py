@@ -357,6 +357,59 @@ def test_the_printed_run_command_continues_a_branch_online_with_the_parents_sett
     assert [m["charts/learning_rate"] for m in metrics[4:]] == [1e-3] * 4
 
 
+def test_a_branch_of_a_parent_resumed_past_its_recorded_steps_trains_with_the_printed_command(online_parent,
+                                                                                                tmp_path, capsys):
+    """A parent started with ``--steps 4`` and resumed with ``--steps 8`` records ``steps: 4`` (a resume may
+    raise it): its branches at step 4 or 8 take ``steps`` beyond their step, and the command printed
+    trains there (it said "nothing to do" with ``--set steps=4``)."""
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(online_parent, resumed, ignore=shutil.ignore_patterns("tensorboard"))
+    settings = json.loads((resumed / "settings.json").read_text())
+    (resumed / "settings.json").write_text(json.dumps({**settings, "steps": 4}, indent=2, sort_keys=True))
+    expected = {"to-newest": ("4", 8, "steps: was 4, now 8: the parent's newest step"),
+                "further": ("8", 12, "steps: was 4, now 12: 4 past the branch point"),
+                "chosen": ("4", 6, "steps: was 4, now 6")}
+    for name, (step, steps, line) in expected.items():
+        chosen = ["--set", "steps=6"] if name == "chosen" else []
+        assert main(["branch", str(resumed), "--from-step", step, name, *chosen]) == 0
+        err = capsys.readouterr().err
+        assert f"({line}" in err and f"--set steps={steps} " in err, err
+        assert json.loads((tmp_path / name / "settings.json").read_text())["steps"] == steps
+    ran = preloaded.run(printed_command(err, "run"), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "chosen" / "metrics.jsonl")] == list(range(1, 7))
+
+
+def test_a_run_is_named_by_its_name_under_the_home_from_any_directory(online_parent, tmp_path, monkeypatch,
+                                                                      capsys):
+    """What ``run pipelines/default.py`` made is ``default`` to every command that takes a run (only
+    ``branch`` took a name, and ``inspect default`` said "default does not exist" outside the home)."""
+    import shutil
+
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    shutil.copytree(online_parent, home / "parent", ignore=shutil.ignore_patterns("tensorboard"))
+    elsewhere.mkdir()
+    monkeypatch.setenv("RLHF_PIPELINE_HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    assert main(["inspect", "parent"]) == 0
+    assert f"run  {home / 'parent'}" in capsys.readouterr().out
+    assert main(["export-model", "parent", "--list-versions"]) == 0
+    assert "v8 " in capsys.readouterr().out
+    assert main(["show", "parent", "--row", "0"]) == 0
+    assert "trained" in capsys.readouterr().out
+    assert main(["branch", "parent", "--from-step", "4", "by-name", "--home", str(home)]) == 0
+    assert (home / "by-name" / "branch.json").is_file() and "by-name: from" in capsys.readouterr().err
+    for argv in (["inspect", "nosuch"], ["eval", "nosuch"], ["detach", "nosuch"], ["repair", "nosuch"],
+                 ["plot", "parent", "nosuch", "--out", "charts"], ["branch", "nosuch", "--from-step", "4", "b"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == (f"rlhf-pipeline {argv[0]}: error: nosuch does not exist, and no run of that name is under "
+                       f"{home} ($RLHF_PIPELINE_HOME or storage/)\n"), err
+    assert not any(elsewhere.iterdir())  # nothing was made where the commands ran
+
+
 # ============================================================ a branch killed midway
 def test_a_branch_killed_midway_whose_step_is_pruned_is_listed_then_removed_by_its_refused_rerun(tmp_path, capsys):
     """``branch`` killed with SIGKILL while it copies left ``NAME/`` with its ``branch.making`` and no
