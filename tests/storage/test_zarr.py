@@ -30,6 +30,31 @@ class TestZarrContract(StoreContractTests):
     backend = "zarr"
 
 
+def test_a_process_that_wrote_a_zarr_store_and_ends_with_os_exit_leaks_no_semaphore(tmp_path):
+    """A run's collector and learner end with ``os._exit`` (runs/forking.py). Blosc's mutex, made at the
+    first encode, was a named semaphore under torchrl's "spawn" start method, and the resource tracker
+    warned of it leaked after runs with a Zarr buffer (layout.py)."""
+    script = f"""
+import os, sys
+import torchrl  # makes "spawn" the start method, as in every process of a run
+import multiprocessing
+assert multiprocessing.get_start_method() == "spawn"
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from helpers import make_batch
+from rlhf_pipeline.schema import StoreSchema
+from rlhf_pipeline.storage.zarr.store import ZarrTrajectoryStore
+store = ZarrTrajectoryStore.create({str(tmp_path / "b")!r}, StoreSchema(()), segment_rows=8)
+for i in range(3):  # sealed segments (blosc-zstd) and the open one's tail (blosc-lz4)
+    store.append(make_batch(2, 4, seed=i, optional=(), first_group_id=2 * i, first_trajectory_id=8 * i))
+store.close()
+print(len(ZarrTrajectoryStore.open({str(tmp_path / "b")!r})), flush=True)
+os._exit(0)
+"""
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert ended.returncode == 0 and ended.stdout.strip() == "24", ended.stderr[-3000:]
+    assert "leaked semaphore" not in ended.stderr, ended.stderr
+
+
 def _fill(path, n_batches=5, *, optional=OPTIONAL_FIELDS, segment_rows=16, **options):
     batches = [make_batch(2, 4, seed=i, optional=optional, first_group_id=2 * i, first_trajectory_id=8 * i)
                for i in range(n_batches)]

@@ -12,6 +12,7 @@ Design: docs/zarr-layout.md#packed-arrays."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,20 @@ DEFAULT_CODEC = "blosc-zstd"
 # Per-field tail fragments (written by ``close`` for the open segment) live until their segment
 # is sealed: they are compressed for speed (blosc-lz4 encodes 2-4x faster than blosc-zstd here).
 FRAGMENT_CODEC = {"name": "blosc", "cname": "lz4", "clevel": 1, "shuffle": "shuffle"}
+
+
+def _blosc_mutex_without_a_semaphore() -> None:
+    """numcodecs makes Blosc's mutex a ``multiprocessing.Lock`` at the first encode or decode: a named
+    semaphore once torchrl has made "spawn" the start method. Our run's processes end with
+    ``os._exit``, so nothing unlinked it and the resource tracker warned of a leaked semaphore after
+    runs with a Zarr buffer (numcodecs issue 230). The mutex guards Blosc's global context, which
+    is each process's own, so a thread lock guards it as well. Left alone if numcodecs changes."""
+    blosc = numcodecs.blosc
+    if getattr(blosc, "_MUTEX", False) is None and getattr(blosc, "_MUTEX_IS_INIT", None) is False:
+        blosc._MUTEX, blosc._MUTEX_IS_INIT = threading.Lock(), True
+
+
+_blosc_mutex_without_a_semaphore()
 _SHUFFLES = {"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
              "bitshuffle": numcodecs.Blosc.BITSHUFFLE}
 
