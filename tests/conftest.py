@@ -100,7 +100,7 @@ def run_home(request, tmp_path, monkeypatch) -> str:
 
 
 class VLLMServers:
-    """``vllm serve`` processes for the session, started here with the documented command as a user
+    """vLLM server processes for the session, started here with the documented command as a user
     starts one, one per model shape (started on first use, stopped at the session's end): the
     modules whose runs or collectors sample from a server at ``generation.url`` share it, since each
     run or engine sends the server its own weights first."""
@@ -128,7 +128,7 @@ class VLLMServers:
 
 class EngineUnderTest:
     """How a pipeline test's run generates: ``loop`` (our own sampling loop, the default), ``vllm`` (a
-    vLLM engine the collector starts, ``generation.engine=vllm``) or ``url`` (a ``vllm serve`` of the
+    vLLM engine the collector starts, ``generation.engine=vllm``) or ``url`` (a vLLM server of the
     session's :class:`VLLMServers` and the run pointed at it with ``generation.url``). :meth:`settings`
     gives the run's ``--set`` words for a pipeline whose model is ``model`` (the run sends its weights)."""
 
@@ -143,7 +143,7 @@ class EngineUnderTest:
         return ["--set", f"generation.url={self.server(model, tokenizer).url}"]
 
     def server(self, model, tokenizer):
-        """The ``vllm serve`` of ``model``'s shape (started on first use)."""
+        """The vLLM server of ``model``'s shape (started on first use)."""
         return self._servers.of(model, tokenizer)
 
 
@@ -210,7 +210,7 @@ def pytest_collection_modifyitems(config, items):
 # .ci/run runs the tests that need vLLM or Ray in two workers with `--dist loadfile`: each file runs
 # whole in one worker, so what a module builds once (a vLLM engine, a run its tests read) is built once,
 # as in one process. Files that share what a second worker would start again count as one file here:
-# the session's `vllm serve` of one model shape (VLLMServers: tens of seconds of CPU each), and Ray, one
+# the session's vLLM server of one model shape (VLLMServers: tens of seconds of CPU each), and Ray, one
 # cluster at a time (a second cluster's daemons beside the first on 2 cores; `ray.init()` with no
 # address joins one made by `ray start` or named in RAY_ADDRESS, not one another driver started).
 # pytest-xdist's `xdist_group` marks would say the same, but its `loadgroup` renames test ids in a way

@@ -2,7 +2,7 @@
 in its own process (each episode's next turn sent as soon as its environment answered, one HTTP
 request per turn through the same client as a server at a URL), over the BPE tokenizer trained here
 (``agent_scripts.py``), checked against our loop engine and against a teacher-forced forward over
-each whole trajectory. A run of the tool-use pipeline against a ``vllm serve`` at
+each whole trajectory. A run of the tool-use pipeline against a vLLM server at
 ``generation.url``: ``tests/integration/test_tool_use_pipeline.py``.
 
 Each turn goes to the engine as the episode's token ids so far (sampled ids verbatim, the

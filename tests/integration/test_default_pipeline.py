@@ -1,7 +1,7 @@
 """``rlhf-pipeline run pipelines/default.py`` end to end: real processes, real buffer, tiny model.
 
 What a run guarantees is one test over the engines (the ``engine`` fixture: our loop, a vLLM engine
-the collector starts, a ``vllm serve`` at ``generation.url``), each reading one module run per
+the collector starts, a vLLM server at ``generation.url``), each reading one module run per
 engine: rows in whole groups, each holding the log-probs of the version it names, the learner
 recomputing them, the weights reaching the engine, rounds going ahead only with the weights the
 round before used, a run killed whole resuming to the same rows (with the collector's vLLM engine,

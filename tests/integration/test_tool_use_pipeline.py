@@ -2,7 +2,7 @@
 and a learner as real processes, a real buffer, a tiny model, nothing downloaded.
 
 What a run guarantees is one test over the engines (the ``engine`` fixture: our loop, a vLLM engine
-the collector starts, a ``vllm serve`` at ``generation.url``, each turn sent as the conversation's
+the collector starts, a vLLM server at ``generation.url``, each turn sent as the conversation's
 token ids so far), each reading one module run per engine; a collector killed mid-run resumes with
 every trajectory once and whole, with our loop and at a URL. What only the vLLM engine has is a test of
 its own."""
