@@ -25,12 +25,13 @@ def buffer_path_problem(location: str) -> str | None:
     return None
 
 
-def run_or_path(text: str, home: str | None = None) -> str:
+def run_or_path(text: str, home: str | None = None, what: str = "") -> str:
     """A command's RUN argument: a path or URL as given, or else a bare name (no ``/``, no such path
     here): the run ``run`` made under that name in ``home`` (``--home``; else ``$RLHF_PIPELINE_HOME``
     or ``storage/``), so that ``rlhf-pipeline inspect default`` finds what ``run pipelines/default.py``
     wrote, from any directory. As argparse's ``type``, it refuses a name that is neither before any
-    heavy import, through :class:`CommandRefused` (one line, as every refusal)."""
+    heavy import, through :class:`CommandRefused` (one line, as every refusal, naming the option
+    ``what`` where there is one)."""
     if is_url(text) or "/" in text.strip("/") or Path(text).exists():
         return text
     try:
@@ -40,4 +41,5 @@ def run_or_path(text: str, home: str | None = None) -> str:
     if is_url(location) or Path(location).exists():  # a run at a URL is looked for when the command opens it
         return location
     where = f"--home {home}" if home is not None else f"${HOME_ENV_VAR} or storage/"
-    raise CommandRefused(f"{text} does not exist, and no run of that name is under {Path(location).parent} ({where})")
+    raise CommandRefused(f"{what + ' ' if what else ''}{text} does not exist, and no run of that name is under "
+                         f"{Path(location).parent} ({where})")

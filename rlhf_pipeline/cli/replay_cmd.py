@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import run_or_path
 
 ORDERS = ("shuffle", "sequential", "with-replacement")
 
@@ -22,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="(required) the recorded buffer: a memmap or Zarr store (directory, .zip, file:// "
                              "URL) or a run's buffer/ of shards; opened read-only, never modified")
     parser.add_argument("--init-from", default=None, metavar="RUN_DIR_OR_MODEL_DIR",
-                        help="starting weights: a run directory or a run's s3:// / az:// URL (its newest weights) "
-                             "or a save_pretrained directory (default: the pipeline's initial policy, warm start "
+                        help="starting weights: a run directory, its name or its s3:// / az:// URL (its newest "
+                             "weights) or a save_pretrained directory (default: the pipeline's initial policy, warm start "
                              "included)")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, default=None, metavar="E",
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="seed of the row order and the learner (default: the pipeline's seed)")
     rescoring = parser.add_argument_group("re-scoring while replaying (the source is not touched)")
     rescoring.add_argument("--ref-model", default=None, metavar="MODEL_DIR|RUN_DIR",
-                           help="recompute reference log-probs and KL with this model")
+                           help="recompute reference log-probs and KL with this model (a run: by its directory or "
+                                "its name)")
     rescoring.add_argument("--kl-estimator", choices=("k1", "k2", "k3"), default="k1",
                            help="per-token KL of the recomputed 'kl' field (default k1)")
     rescoring.add_argument("--kl-coef", type=float, default=0.05,
@@ -75,9 +77,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.buffer is None and not args.list_settings:
         raise CommandRefused("--buffer PATH is required (the recorded buffer to train on)")
+    # a run named by its name, under this replay's --home
+    init_from, ref_model = (None if value is None else run_or_path(value, args.home, what=flag)
+                            for value, flag in ((args.init_from, "--init-from"), (args.ref_model, "--ref-model")))
     options = ReplayOptions(
-        buffer=args.buffer or "", init_from=args.init_from, epochs=args.epochs, steps=args.steps, order=args.order,
-        seed=args.seed, shuffle_window_rows=args.shuffle_window_rows, ref_model=args.ref_model,
+        buffer=args.buffer or "", init_from=init_from, epochs=args.epochs, steps=args.steps, order=args.order,
+        seed=args.seed, shuffle_window_rows=args.shuffle_window_rows, ref_model=ref_model,
         kl_estimator=args.kl_estimator, kl_coef=args.kl_coef,
         advantage_std=None if args.advantage_std is None else args.advantage_std == "on",
         advantage_baseline=args.advantage_baseline,

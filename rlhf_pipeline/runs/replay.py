@@ -97,6 +97,9 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
                 learner_settings = fit_shuffle_window(store, rows, learner_settings, given=options.shuffle_window_rows)
             _check_source_fits(store, options, learner_settings)
             record = _replay_record(options, source, store, rows, steps, learner_settings)
+        # before the run directory is written, as --init-from is checked: a --ref-model or recomputed
+        # advantages that cannot apply leave nothing behind that would refuse the corrected command
+        rescorer = _make_rescorer(pipeline, options, learner_settings, source)
         initial_policy = prepare_replay_run(pipeline, paths, record, options)
         epochs = steps / batches_per_epoch
         print(f"[replay] {options.buffer}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
@@ -114,7 +117,7 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
                 "--run-name", paths.name, *(["--device", device] if device is not None else []),
                 *(word for item in overrides for word in ("--set", item))]
         return _train_on_ranks(argv, learner_settings.world_size, holder_fd)
-    return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps,
+    return _train(pipeline, paths, options, learner_settings, source, record["seed"], steps, rescorer,
                   initial_policy=initial_policy)
 
 
@@ -443,7 +446,7 @@ def _check_same_architecture(expected: dict, found: dict, source: str, what: str
 
 # ====================================================================== training
 def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, source: str, seed: int,
-           steps: int, initial_policy: Any = None) -> int:
+           steps: int, rescorer: Any, initial_policy: Any = None) -> int:
     import torch
 
     from rlhf_pipeline.learn.distributed import DataParallel
@@ -454,7 +457,6 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
     # one of learner.world_size ranks (_train_on_ranks) or of torchrun's; one rank otherwise
     data_parallel = DataParallel.from_torchrun_env()
     stop = StopFlag("learner")
-    rescorer = _make_rescorer(pipeline, options, learner_settings, source)
     batch_log: MetricsWriter | None = None
 
     def record_step(step: int, sampled, batch, metrics: dict[str, float]) -> None:

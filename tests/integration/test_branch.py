@@ -401,6 +401,16 @@ def test_a_run_is_named_by_its_name_under_the_home_from_any_directory(online_par
     assert "trained" in capsys.readouterr().out
     assert main(["branch", "parent", "--from-step", "4", "by-name", "--home", str(home)]) == 0
     assert (home / "by-name" / "branch.json").is_file() and "by-name: from" in capsys.readouterr().err
+    assert main(["replay", DEFAULT, "--buffer", str(home / "parent" / "buffer"), "--init-from", "parent", "--steps",
+                 "1", "--run-name", "from-parent"]) == 0
+    assert "[replay] done: 1 steps" in capsys.readouterr().err
+    newest, _ = load_weights(home / "parent", 8)
+    started, _ = load_weights(home / "from-parent", 0)
+    assert all(torch.equal(started[k], newest[k]) for k in newest)
+    assert main(["replay", DEFAULT, "--buffer", str(home / "parent" / "buffer"), "--init-from", "nosuch",
+                 "--run-name", "refused"]) == 2
+    assert capsys.readouterr().err.startswith("rlhf-pipeline replay: error: --init-from nosuch does not exist, and no "
+                                              "run of that name is under")
     for argv in (["inspect", "nosuch"], ["eval", "nosuch"], ["detach", "nosuch"], ["repair", "nosuch"],
                  ["plot", "parent", "nosuch", "--out", "charts"], ["branch", "nosuch", "--from-step", "4", "b"]):
         assert main(argv) == 2

@@ -229,6 +229,12 @@ def test_rescoring_a_buffer_recorded_without_advantages_or_reference(home, refer
         replay(home, "bare", bare, steps=2)
     with pytest.raises(ReplayError, match="kl_coef=0.1 needs reference log-probs.*--ref-model"):
         replay(home, "bare", bare, "learner.loss.kl_coef=0.1", steps=2, advantage_std=False)
+    # a --ref-model that is no model is refused before the run directory is written (it was found while
+    # training, and the settings.json left behind refused the corrected command: "other settings")
+    with pytest.raises(ReplayError, match="--ref-model .* is neither a run directory .* nor a model directory"):
+        replay(home, "bare", bare, "learner.loss.kl_coef=0.1", steps=2, advantage_std=False,
+               advantage_baseline="leave-one-out", ref_model=str(tmp_path))
+    assert not (home / "bare" / "settings.json").exists() and latest_version(home / "bare") is None
     before = digest(bare)
     run = replay(home, "bare", bare, "learner.loss.kl_coef=0.1", steps=2, advantage_std=False,
                  advantage_baseline="leave-one-out", ref_model=str(reference_run))
