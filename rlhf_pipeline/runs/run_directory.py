@@ -33,6 +33,12 @@ from rlhf_pipeline.storage.locking import pid_running
 # paces the rows still to come and bounds the learner, as learner.max_staleness did before it; eval.*
 # says what is evaluated, never what is trained)
 _RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "max_lag", "eval"}
+# how a collector reaches its engine and how long it waits on it (with a note, as learner.*): a server
+# restarted at another address, a vLLM environment made again elsewhere, more patience. Not which
+# engine samples: generation.url may go from one address to another, not to or from none
+_REACHING_THE_ENGINE = {f"generation.{name}" for name in (
+    "python", "url", "url_model", "url_weights_dir", "weight_transfer", "url_check_tolerance", "start_timeout_s",
+    "retries", "backoff_s", "timeout_s", "kv_cache_gib", "gpu_memory_utilization")}
 
 
 class RunError(RuntimeError):
@@ -344,21 +350,24 @@ def _is_store(location: str) -> bool:
 
 
 def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:
-    """What differs between ``saved`` settings JSON and ``settings``, except learner knobs: those
-    may change on resume (the data stays valid), so they are only printed as a note."""
+    """What differs between ``saved`` settings JSON and ``settings``, except learner knobs and how the
+    collector reaches its engine: those may change on resume (the data stays valid), so they are only
+    printed as a note."""
     retired = _retired_settings(settings)  # a setting that went or was renamed since: the rows it saw stand
     saved, current, defaults = (flat_settings(d) for d in (saved, settings_to_json(settings),
                                                            _default_settings(settings)))
-    changed = [f"{key}: was {saved.get(key)!r}, now {current.get(key)!r}"
+    changed = {key: f"{key}: was {saved.get(key)!r}, now {current.get(key)!r}"
                for key in sorted(saved.keys() | current.keys())
                if key.split(".")[0] not in _RESUMABLE_SETTINGS and not _named_by(key, retired)
                and saved.get(key) != current.get(key)
                # a setting added to the pipeline since the run started, left at its default
-               and not (key not in saved and key in defaults and current[key] == defaults[key])]
-    tuned = [c for c in changed if c.startswith("learner.")]
-    if tuned:
-        print(f"{tag} note: learner settings changed since {since}: {'; '.join(tuned)}", file=sys.stderr, flush=True)
-    return [c for c in changed if not c.startswith("learner.")]
+               and not (key not in saved and key in defaults and current[key] == defaults[key])}
+    noted = [key for key in changed if key.startswith("learner.") or (
+        key in _REACHING_THE_ENGINE and (key != "generation.url" or None not in (saved.get(key), current.get(key))))]
+    if noted:
+        print(f"{tag} note: settings changed since {since}: {'; '.join(changed[key] for key in noted)}",
+              file=sys.stderr, flush=True)
+    return [line for key, line in changed.items() if key not in noted]
 
 
 def _retired_settings(settings: Any, prefix: str = "") -> set[str]:

@@ -66,7 +66,7 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path, cap
                  "--set", "max_lag=none"]) == 0
     learner_out = "".join(capfd.readouterr())
     assert "resuming from" in learner_out and "(step 3)" in learner_out
-    assert "learner settings changed" in learner_out
+    assert "note: settings changed since the run started: learner." in learner_out
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
     # settings that define the data may not change under an existing run
