@@ -37,7 +37,7 @@ from rlhf_pipeline.generation.vllm_worker import MODEL_SHAPE_KEYS
 API_KEY_ENV = "VLLM_API_KEY"  # a server's --api-key, in vLLM's own variable for it: no key in settings.json
 SERVER_COMMAND = ("VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<this checkout> python -m vllm.entrypoints.openai.api_server "
                   "--model <model dir> --logprobs-mode processed_logprobs --generation-config vllm "
-                  f"--enable-prefix-caching --worker-extension-cls {WORKER_EXTENSION}")
+                  f"--enable-prefix-caching --worker-extension-cls {WORKER_EXTENSION} --dtype float32")
 """What a server needs for a pipeline that updates weights (docs/generation.md has it in full)."""
 PROBE_TEXT = "12+34=46, then 7*8=56."
 PROBE_SAMPLING = SamplingConfig(max_new_tokens=6, temperature=0.6)

@@ -32,8 +32,9 @@ def print_summary(paths: RunPaths) -> None:
     if not records:
         return
     k, first, last = reward_first_and_last(records)
+    steps = "step" if k == 1 else f"{k} steps"
     print(f"[run] done: {records[-1]['step']} learner steps; mean reward {first:.3f} "
-          f"(first {k} steps) -> {last:.3f} (last {k} steps)", file=sys.stderr)
+          f"(first {steps}) -> {last:.3f} (last {steps})", file=sys.stderr)
     from rlhf_pipeline.learn.checkpoint import kept_best
 
     _, best = kept_best(paths)  # read once the evaluator is done

@@ -70,4 +70,4 @@ def test_every_reader_of_the_log_skips_a_line_a_kill_cut_short(tmp_path, capsys)
     assert [r["step"] for r in read_metrics(paths.metrics)] == [1, 2]
     assert [r["step"] for r in plotted_metrics(paths.metrics)] == [1, 2]
     print_summary(paths)
-    assert "done: 2 learner steps; mean reward 0.250 (first 1 steps) -> 0.500" in capsys.readouterr().err
+    assert "done: 2 learner steps; mean reward 0.250 (first step) -> 0.500 (last step)" in capsys.readouterr().err
