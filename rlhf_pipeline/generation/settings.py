@@ -62,6 +62,14 @@ class GenerationSettings:
     """Settings that went (issue 42), each with what replaced it: ``--set`` with one is refused in one line
     saying so (``pipeline.py``); a run started with one resumes without it (``runs/run_directory.py``)."""
 
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset({
+        "url", "url_model", "url_weights_dir", "weight_transfer", "url_check_tolerance", "python", "kv_cache_gib",
+        "gpu_memory_utilization", "start_timeout_s", "retries", "backoff_s", "timeout_s"})
+    """How the collector reaches its engine and waits on it: a resume may change these, with a note
+    (``runs/run_directory.py``), for a server restarted at another address, a vLLM environment made
+    again elsewhere, more patience. Not which engine samples: ``url`` may go from one address to
+    another, not to or from none."""
+
     ENGINES: ClassVar[dict[str, tuple[Engine, ...]]] = {
         "engine": EVERY, "url": ("url",),  # the choice itself (a URL and engine=vllm: __post_init__)
         "python": ("vllm",), "kv_cache_gib": ("vllm",), "gpu_memory_utilization": ("vllm",),

@@ -28,17 +28,10 @@ from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_t
 from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
 from rlhf_pipeline.storage.locking import pid_running
 
-# settings that may change between starts of one run; learner.* may too (with a note);
-# the rest define the data in the buffer and must match (the buffer's writer lock does not; max_lag
-# paces the rows still to come and bounds the learner, as learner.max_staleness did before it; eval.*
-# says what is evaluated, never what is trained)
+# settings that may change between starts of one run; learner.* and a section's RESUMABLE ones may too
+# (with a note); the rest define the data in the buffer and must match (the buffer's writer lock does not;
+# max_lag paces the rows still to come and bounds the learner; eval.* says what is evaluated, not trained)
 _RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "max_lag", "eval"}
-# how a collector reaches its engine and how long it waits on it (with a note, as learner.*): a server
-# restarted at another address, a vLLM environment made again elsewhere, more patience. Not which
-# engine samples: generation.url may go from one address to another, not to or from none
-_REACHING_THE_ENGINE = {f"generation.{name}" for name in (
-    "python", "url", "url_model", "url_weights_dir", "weight_transfer", "url_check_tolerance", "start_timeout_s",
-    "retries", "backoff_s", "timeout_s", "kv_cache_gib", "gpu_memory_utilization")}
 
 
 class RunError(RuntimeError):
@@ -350,10 +343,10 @@ def _is_store(location: str) -> bool:
 
 
 def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:
-    """What differs between ``saved`` settings JSON and ``settings``, except learner knobs and how the
-    collector reaches its engine: those may change on resume (the data stays valid), so they are only
-    printed as a note."""
-    retired = _retired_settings(settings)  # a setting that went or was renamed since: the rows it saw stand
+    """What differs between ``saved`` settings JSON and ``settings``; learner knobs and how the collector
+    reaches its engine may change on resume (the data stays valid): those are printed as a note."""
+    retired = _declared(settings, "REMOVED", "RENAMED")  # a setting gone or renamed since: the rows it saw stand
+    resumable = _declared(settings, "RESUMABLE")  # a section's own (generation.*: how its engine is reached)
     saved, current, defaults = (flat_settings(d) for d in (saved, settings_to_json(settings),
                                                            _default_settings(settings)))
     changed = {key: f"{key}: was {saved.get(key)!r}, now {current.get(key)!r}"
@@ -362,25 +355,23 @@ def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> lis
                and saved.get(key) != current.get(key)
                # a setting added to the pipeline since the run started, left at its default
                and not (key not in saved and key in defaults and current[key] == defaults[key])}
-    noted = [key for key in changed if key.startswith("learner.") or (
-        key in _REACHING_THE_ENGINE and (key != "generation.url" or None not in (saved.get(key), current.get(key))))]
+    noted = [key for key in changed if key.startswith("learner.") or (  # a server, not another engine: an address
+        key in resumable and (key != "generation.url" or None not in (saved.get(key), current.get(key))))]
     if noted:
         print(f"{tag} note: settings changed since {since}: {'; '.join(changed[key] for key in noted)}",
               file=sys.stderr, flush=True)
     return [line for key, line in changed.items() if key not in noted]
 
 
-def _retired_settings(settings: Any, prefix: str = "") -> set[str]:
-    """The dotted names each settings class of ``settings`` lists as removed or renamed (its ``REMOVED``
-    and ``RENAMED`` tables). A renamed key is not mapped onto its new name: an old value need not mean
-    one value of the new setting (``rounds_ahead`` and ``rounds_per_version`` became ``max_lag``), so
-    the new name is compared only where the run's saved settings already hold it."""
-    cls = type(settings)
-    names = {prefix + name for name in (*getattr(cls, "REMOVED", {}), *getattr(cls, "RENAMED", {}))}
+def _declared(settings: Any, *tables: str, prefix: str = "") -> set[str]:
+    """The dotted names the settings classes of ``settings`` list in their ``tables`` (``REMOVED``,
+    ``RENAMED``, ``RESUMABLE``). A renamed key is not mapped onto its new name: an old value need not mean
+    one value of the new one (``rounds_ahead`` became ``max_lag``); the new name is compared from its default."""
+    names = {prefix + name for table in tables for name in getattr(type(settings), table, ())}
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            names |= _retired_settings(value, prefix + field.name + ".")
+            names |= _declared(value, *tables, prefix=prefix + field.name + ".")
     return names
 
 
