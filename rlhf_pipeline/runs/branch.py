@@ -102,7 +102,7 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
         _clear_place(target, new_at)
         settings, changed = changed_settings(parent_paths, saved, overrides)
         if "replay" not in saved:
-            changed += _steps_past(settings, step, checkpoints.steps(), overrides)
+            changed += _steps_past(settings, step, checkpoints.latest_step(), overrides)
         record = checkpoints.record(step) or {}
         buffer = str(saved.get("buffer_url") or parent_paths.buffer_location)
         lineage = {
@@ -207,15 +207,14 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
     return settings, changed
 
 
-def _steps_past(settings: dict[str, Any], step: int, kept: Sequence[int], overrides: Sequence[str]) -> list[str]:
+def _steps_past(settings: dict[str, Any], step: int, newest: int, overrides: Sequence[str]) -> list[str]:
     """``steps`` beyond the branch point when the parent's is not (it was resumed with a higher ``--steps``,
-    which is not recorded): the parent's newest checkpoint's step, or, branched from that, as many steps
-    again as the parent was started with, so that the printed command trains. An explicit ``--set steps``
-    stands. Changes ``settings``; returns the line for what changed."""
+    which is not recorded): ``newest``, the parent's newest checkpoint's step, or, branched from that, as
+    many steps again as the parent was started with, so that the printed command trains. An explicit
+    ``--set steps`` stands. Changes ``settings``; returns the line for what changed."""
     was = settings.get("steps")
     if any(item.split("=", 1)[0].strip() == "steps" for item in overrides) or not isinstance(was, int) or was > step:
         return []
-    newest = max(kept, default=step)
     steps = settings["steps"] = newest if newest > step else step + was
     reason = "the parent's newest step" if newest > step else f"{was} past the branch point"
     return [f"steps: was {was}, now {steps}: {reason}, --set steps=N for another"]

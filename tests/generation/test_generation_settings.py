@@ -246,6 +246,7 @@ def test_the_collectors_own_server_runs_eager_on_a_cpu_and_compiled_on_a_gpu(tmp
 
 def test_the_resume_section_names_every_setting_a_resume_may_change():
     """docs/pipelines.md#resume lists what a resume may change; a name added to RESUMABLE is added there."""
+    assert GenerationSettings.RESUMABLE <= FIELDS.keys()  # a misspelt name would never match a setting
     page = (REPO / "docs" / "pipelines.md").read_text(encoding="utf-8")
     section = page.split("\n## Resume\n", 1)[1].split("\n## ", 1)[0]
     assert [name for name in sorted(GenerationSettings.RESUMABLE) if f"`{name}`" not in section
