@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.runs.replay import ReplayError, ReplayOptions, replay_command
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.run_store import RunStoreError, StaleWriterError
+    from rlhf_pipeline.files.state_files import StateFileError
     from rlhf_pipeline.runs.run_directory import RunDirectoryBusyError
 
     if args.buffer is None and not args.list_settings:
@@ -94,5 +95,5 @@ def run(args: argparse.Namespace) -> int:
     # a run at a URL: an object store that refuses (credentials, no bucket, retries spent) or a
     # start elsewhere that took the run over is one line, as for `run`
     except (PipelineError, ReplayError, RunDirectoryBusyError, RunLocationError, RunStoreError,
-            StaleWriterError) as exc:
+            StaleWriterError, StateFileError) as exc:
         raise CommandRefused(str(exc)) from None

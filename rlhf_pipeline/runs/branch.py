@@ -21,6 +21,7 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
+from rlhf_pipeline.files.state_files import StateFileError
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
     BRANCH_FORMAT,
@@ -34,6 +35,7 @@ from rlhf_pipeline.runs.lineage import (
     resolved_location,
 )
 from rlhf_pipeline.runs.run_directory import RunError
+from rlhf_pipeline.runs.settings_history import flat_settings, settings_in_force
 
 # settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
 _CHANGEABLE = ("steps", "device")
@@ -100,9 +102,17 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
                            f"anyone reads)")
             raise BranchError(reason)
         _clear_place(target, new_at)
-        settings, changed = changed_settings(parent_paths, saved, overrides)
-        if "replay" not in saved:
-            changed += _steps_past(settings, step, checkpoints.latest_step(), overrides)
+        try:  # a parent resumed with other learner settings continued with them
+            in_force = settings_in_force(source, saved, step)
+        except StateFileError as exc:
+            raise BranchError(str(exc)) from None
+        was, now = flat_settings(saved), flat_settings(in_force)
+        resumed_with = [f"{key}: was {was.get(key)!r}, now {now.get(key)!r}: the parent was resumed with it before "
+                        f"the steps after {step} (settings_history.json)"
+                        for key in sorted(was.keys() | now.keys()) if was.get(key) != now.get(key)]
+        settings, changed = changed_settings(parent_paths, in_force, overrides)
+        changed = resumed_with + changed
+        changed += _steps_past(settings, step, checkpoints.latest_step(), overrides)
         record = checkpoints.record(step) or {}
         buffer = str(saved.get("buffer_url") or parent_paths.buffer_location)
         lineage = {
@@ -192,8 +202,6 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
         updated = settings_to_json(make_settings(load_copy(parent), overrides))
     except (PipelineError, FileNotFoundError) as exc:
         raise BranchError(f"--set: {exc}") from None
-    from rlhf_pipeline.runs.run_directory import flat_settings
-
     settings, changed = json.loads(json.dumps(saved)), []
     was, now = flat_settings(saved), flat_settings(updated)
     for item in overrides:
@@ -211,13 +219,23 @@ def _steps_past(settings: dict[str, Any], step: int, newest: int, overrides: Seq
     """``steps`` beyond the branch point when the parent's is not (it was resumed with a higher ``--steps``,
     which is not recorded): ``newest``, the parent's newest checkpoint's step, or, branched from that, as
     many steps again as the parent was started with, so that the printed command trains. An explicit
-    ``--set steps`` stands. Changes ``settings``; returns the line for what changed."""
-    was = settings.get("steps")
-    if any(item.split("=", 1)[0].strip() == "steps" for item in overrides) or not isinstance(was, int) or was > step:
+    ``--set steps`` stands. A replay parent's count is its ``replay`` record's, which the printed command
+    gives as ``--steps``. Changes ``settings``; returns the line for what changed."""
+    replay = settings.get("replay")
+    counted = settings if replay is None else replay
+    was = counted.get("steps")
+    if any(item.split("=", 1)[0].strip() == "steps" for item in overrides):
+        if replay is not None:  # the printed replay command gives --steps from the record, not --set steps
+            replay.update(steps=settings["steps"], epochs=None)
         return []
-    steps = settings["steps"] = newest if newest > step else step + was
+    if not isinstance(was, int) or was > step:
+        return []
+    steps = counted["steps"] = newest if newest > step else step + was
+    if replay is not None:
+        replay["epochs"] = None  # the count is given as --steps now
     reason = "the parent's newest step" if newest > step else f"{was} past the branch point"
-    return [f"steps: was {was}, now {steps}: {reason}, --set steps=N for another"]
+    name, other = ("--steps", "the printed command's --steps N") if replay is not None else ("steps", "--set steps=N")
+    return [f"{name}: was {was}, now {steps}: {reason}, {other} for another"]
 
 
 def _copy_branch(source: Any, new: RunPaths, step: int, version: int | None) -> None:

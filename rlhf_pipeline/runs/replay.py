@@ -299,6 +299,8 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
     again), else None."""
     from rlhf_pipeline.runs.processes import set_threads
     from rlhf_pipeline.runs.run_directory import keep_pipeline_copy, run_lock, settings_changes
+    from rlhf_pipeline.runs.settings_history import record_resume, settings_in_force
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
     from rlhf_pipeline.coordination.weights import latest_version, publish_weights
 
     set_threads(pipeline)  # before the warm start, as `run` does: it and the training steps use them
@@ -309,8 +311,11 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
         if record["seed"] is None:
             record["seed"] = recorded["seed"] if recorded else int(getattr(pipeline.settings, "seed", 0))
         if saved is not None:  # a branch's settings are its parent's with its changes: they must hold too
-            changed = settings_changes(saved, pipeline.settings, tag="[replay]",
-                                       since="the replay started" if recorded else "the branch was made")
+            resumed_from = run_checkpoints(paths).latest_step() or 0
+            in_force = settings_in_force(paths.store, saved, resumed_from)
+            changed = settings_changes(in_force, pipeline.settings, tag="[replay]",
+                                       since=f"step {resumed_from}" if recorded and resumed_from else
+                                       "the replay started" if recorded else "the branch was made")
             changed += [f"--{k.replace('_', '-')}: was {recorded.get(k)!r}, now {record[k]!r}"
                         for k in sorted(dataclasses.asdict(options)) if recorded
                         and k not in _RESUMABLE_OPTIONS and k in record and recorded.get(k) != record[k]]
@@ -321,6 +326,8 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
                 raise ReplayError(f"run directory {paths.location} holds a replay started with other settings "
                                   f"({'; '.join(changed)}). Resume with the same command, or start a new replay "
                                   f"with --run-name NAME")
+            if recorded:
+                record_resume(paths.store, saved, in_force, settings_to_json(pipeline.settings), resumed_from)
         # the initial policy before settings.json: a --init-from that does not fit leaves nothing behind
         model = (initial_policy(pipeline, options.init_from, record["buffer"])
                  if latest_version(paths.store) is None else None)

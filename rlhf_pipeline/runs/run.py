@@ -125,7 +125,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         set_threads(pipeline)
         if command == "collect":
             if not wait_for_launcher:  # under `run`, the learner prepared the run directory before "go"
-                prepare_run_directory(pipeline, paths, shards=(collector_index,))
+                prepare_run_directory(pipeline, paths, shards=(collector_index,), trains=False)
                 refuse_a_second_collector(paths, collector_index)  # before seconds of warm start
                 publish_initial_policy(pipeline, paths)
             return collect_main(pipeline, paths, rounds=steps, collector_index=collector_index,

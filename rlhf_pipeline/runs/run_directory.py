@@ -26,11 +26,12 @@ from rlhf_pipeline.files.atomic import fsync_dir
 from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
+from rlhf_pipeline.runs.settings_history import flat_settings, record_resume, settings_in_force, trains_with
 from rlhf_pipeline.storage.locking import pid_running
 
-# settings that may change between starts of one run; learner.* and a section's RESUMABLE ones may too
-# (with a note); the rest define the data in the buffer and must match (the buffer's writer lock does not;
-# max_lag paces the rows still to come and bounds the learner; eval.* says what is evaluated, not trained)
+# settings that may change between starts of one run; the training settings (learner.*, max_lag: recorded
+# per resume, runs/settings_history.py) and a section's RESUMABLE ones may too, with a note; the rest define
+# the data in the buffer and must match (the buffer's writer lock does not; eval.* says what is evaluated)
 _RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "max_lag", "eval"}
 
 
@@ -220,10 +221,11 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
     return publish_initial_policy(pipeline, paths)
 
 
-def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,)) -> None:
-    """``settings.json`` (checked against a previous start), the pipeline file's copy (compared
-    with the file given, :mod:`rlhf_pipeline.runs.pipeline_copy`) and the buffer shards of
-    ``shards``; no model."""
+def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,), *,
+                          trains: bool = True) -> None:
+    """``settings.json`` (checked against a previous start; with ``trains``, a resume's changed training
+    settings recorded: runs/settings_history.py), the pipeline file's copy (compared with the file given,
+    :mod:`rlhf_pipeline.runs.pipeline_copy`) and the buffer shards of ``shards``; no model."""
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)
         store, key = paths.store, paths.key(paths.settings_file)
@@ -235,13 +237,20 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
             except StaleWriterError:  # a start on another machine wrote it meanwhile: compare with that
                 saved_text = store.read(key)
         if saved_text is not None:
+            from rlhf_pipeline.learn.checkpoint import run_checkpoints
+
+            resumed_from = run_checkpoints(paths).latest_step() or 0  # the checkpoint the learner trains on from
             saved = json.loads(saved_text)
-            changed = settings_changes(saved, pipeline.settings, tag="[run]", since="the run started")
+            in_force = settings_in_force(store, saved, resumed_from)
+            changed = settings_changes(in_force, pipeline.settings, tag="[run]",
+                                       since=f"step {resumed_from}" if resumed_from else "the run started")
             if changed:
                 raise RunError(
                     f"run directory {paths.location} was started with other settings ({'; '.join(changed)}). "
                     f"Resume with the same settings, or start a new run with --run-name NAME"
                 )
+            if trains:
+                record_resume(store, saved, in_force, current, resumed_from)
         keep_pipeline_copy(pipeline, paths)
         if paths.single_store_buffer:
             extra = sorted(k for k in shards if k != 0)
@@ -351,11 +360,11 @@ def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> lis
                                                            _default_settings(settings)))
     changed = {key: f"{key}: was {saved.get(key)!r}, now {current.get(key)!r}"
                for key in sorted(saved.keys() | current.keys())
-               if key.split(".")[0] not in _RESUMABLE_SETTINGS and not _named_by(key, retired)
+               if (key.split(".")[0] not in _RESUMABLE_SETTINGS or trains_with(key)) and not _named_by(key, retired)
                and saved.get(key) != current.get(key)
                # a setting added to the pipeline since the run started, left at its default
                and not (key not in saved and key in defaults and current[key] == defaults[key])}
-    noted = [key for key in changed if key.startswith("learner.") or (  # a server, not another engine: an address
+    noted = [key for key in changed if trains_with(key) or (  # a server, not another engine: an address
         key in resumable and (key != "generation.url" or None not in (saved.get(key), current.get(key))))]
     if noted:
         print(f"{tag} note: settings changed since {since}: {'; '.join(changed[key] for key in noted)}",
@@ -387,14 +396,3 @@ def _default_settings(settings: Any) -> dict:
         return settings_to_json(type(settings)())
     except TypeError:
         return {}
-
-
-def flat_settings(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Settings JSON as ``{dotted name: value}``, the names ``--set`` takes."""
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(flat_settings(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat

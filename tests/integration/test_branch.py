@@ -114,6 +114,36 @@ def test_a_branch_with_another_learning_rate_trains_the_same_rows_otherwise(runs
     assert any(not torch.equal(parent_weights[k], faster_weights[k]) for k in parent_weights)
 
 
+def test_a_branch_of_a_parent_resumed_with_another_learning_rate_continues_with_it(runs, capfd):
+    """A resume may change ``learner.*``; ``settings.json`` keeps the first start's settings, and a branch
+    past the change took those: it trained its steps at a learning rate its parent had left. The resume
+    records its change (``settings_history.json``): a branch past it continues with it and trains what
+    the parent trained; a branch before it keeps the first one."""
+    parent = runs[0]
+    home, source = parent.parent, json.loads((parent / "settings.json").read_text())["replay"]["buffer"]
+    keep_all = SETTINGS + ["learner.checkpoint_keep_every=2"]
+    for steps, changes in ((4, []), (12, ["learner.lr=1e-3"])):
+        assert replay_command(DEFAULT, ReplayOptions(buffer=source, steps=steps, seed=3), home=str(home),
+                              run_name="changed", overrides=keep_all + changes) == 0
+    assert "[replay] note: settings changed since step 4: learner.lr: was 0.0003, now 0.001" in capfd.readouterr().err
+    changed = home / "changed"
+    assert [m["charts/learning_rate"] for m in read_metrics(changed / "metrics.jsonl")][4:] == [1e-3] * 8
+
+    assert main(["branch", str(changed), "--from-step", "6", "past-the-change"]) == 0
+    err = capfd.readouterr().err
+    assert "learner.lr: was 0.0003, now 0.001: the parent was resumed with it" in err, err
+    assert "--steps: was 4, now 12: the parent's newest step" in err, err  # its record keeps the first --steps
+    assert main(printed_command(err, "replay")[3:]) == 0
+    assert "changed" not in capfd.readouterr().err
+    past = home / "past-the-change"
+    assert json.loads((past / "settings.json").read_text())["learner"]["lr"] == 1e-3
+    assert trained(past) == trained(changed) and rows(past) == rows(changed)
+
+    assert main(["branch", str(changed), "--from-step", "2", "before-the-change"]) == 0
+    assert "resumed with it" not in capfd.readouterr().err
+    assert json.loads((home / "before-the-change" / "settings.json").read_text())["learner"]["lr"] == 3e-4
+
+
 def test_inspect_shows_the_lineage_and_the_rewind_points(runs, capsys):
     parent, same, faster = runs
     assert main(["inspect", str(parent), "--json"]) == 0
@@ -380,6 +410,30 @@ def test_a_branch_of_a_parent_resumed_past_its_recorded_steps_trains_with_the_pr
     ran = preloaded.run(printed_command(err, "run"), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert [m["step"] for m in read_metrics(tmp_path / "chosen" / "metrics.jsonl")] == list(range(1, 7))
+
+
+def test_a_run_resumed_with_another_learning_rate_records_it_once_for_its_branches(online_parent, tmp_path):
+    """The run side of the test above (``run`` prepares its directory as ``replay`` does): a resume from the
+    checkpoint of step 8 with another ``learner.lr`` notes it against the steps before, records it from
+    step 8, and a branch at 8 prints a command that continues with it; a resume with the same one notes
+    nothing more."""
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(online_parent, resumed, ignore=shutil.ignore_patterns("tensorboard"))
+    sets = [arg for item in ONLINE for arg in ("--set", item)]
+    base = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", str(tmp_path), "--run-name",
+            "resumed", *sets, "--set", "learner.lr=0.001"]
+    for steps, note in ((10, True), (12, False)):
+        ran = preloaded.run([*base, "--steps", str(steps)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        noted = f"[run] note: settings changed since step {steps - 2}: learner.lr: was 0.0003, now 0.001"
+        assert (noted in ran.stderr) is note and ("note: settings changed" in ran.stderr) is note, ran.stderr[-3000:]
+    history = json.loads((resumed / "settings_history.json").read_text())
+    assert history["entries"] == [{"after_step": 8, "settings": {"learner.lr": 0.001}}]
+    assert json.loads((resumed / "settings.json").read_text())["learner"]["lr"] == 3e-4  # the first start's
+    assert main(["branch", str(resumed), "--from-step", "8", "continued"]) == 0
+    assert json.loads((tmp_path / "continued" / "settings.json").read_text())["learner"]["lr"] == 0.001
 
 
 def test_a_run_is_named_by_its_name_under_the_home_from_any_directory(online_parent, tmp_path, monkeypatch,

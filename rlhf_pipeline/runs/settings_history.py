@@ -1,0 +1,84 @@
+"""Which training settings each stretch of a run's steps was trained with. ``settings.json`` keeps the
+first start's; a resume may change ``learner.*`` and ``max_lag``, and records them here
+(``settings_history.json``) with the checkpoint step it trains on from. Each entry holds every training
+setting that differs from ``settings.json`` then: a resume from an older checkpoint than an earlier
+one's trained the steps after it again, so the entry appended last among those at or before a step is
+the one in force there. A branch continues with those of its step. Design: docs/pipelines.md#resume."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from rlhf_pipeline.files.atomic import json_object
+from rlhf_pipeline.files.state_files import StateFileError
+
+HISTORY_KEY = "settings_history.json"
+HISTORY_FORMAT = 1
+
+
+def trains_with(key: str) -> bool:
+    """Whether the dotted setting ``key`` changes how steps are trained and a resume may change it."""
+    return key.startswith("learner.") or key == "max_lag"
+
+
+def settings_in_force(store: Any, saved: dict[str, Any], step: int) -> dict[str, Any]:
+    """``saved`` (a run's ``settings.json``) with the training settings the steps after ``step`` were
+    trained with, as the run's history (in ``store``) records them."""
+    entry = _entry_in_force(_entries(store), step)
+    if entry is None:
+        return saved
+    in_force = copy.deepcopy(saved)
+    for key, value in entry["settings"].items():
+        *sections, name = key.split(".")
+        target = in_force
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[name] = value
+    return in_force
+
+
+def record_resume(store: Any, saved: dict[str, Any], in_force: dict[str, Any], settings_json: dict[str, Any],
+                  step: int) -> None:
+    """Appends the training settings of ``settings_json`` (a resume's, as JSON) to the history when they
+    are not those ``in_force`` at ``step``, the checkpoint step it trains on from (0: from the start). An
+    entry holds those that differ from ``saved`` (``settings.json``): the others are its."""
+    now = {key: value for key, value in flat_settings(settings_json).items() if trains_with(key)}
+    if now == {key: value for key, value in flat_settings(in_force).items() if trains_with(key)}:
+        return
+    started = flat_settings(saved)
+    differing = {key: value for key, value in now.items() if key not in started or started[key] != value}
+    entries = _entries(store) + [{"after_step": int(step), "settings": differing}]
+    store.write(HISTORY_KEY, json.dumps({"format": HISTORY_FORMAT, "entries": entries}, indent=2,
+                                        sort_keys=True).encode())
+
+
+def flat_settings(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Settings JSON as ``{dotted name: value}``, the names ``--set`` takes."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(flat_settings(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _entries(store: Any) -> list[dict[str, Any]]:
+    raw = store.read(HISTORY_KEY)
+    if raw is None:
+        return []
+    history = json_object(raw)
+    entries = history.get("entries") if isinstance(history, dict) else None
+    if not isinstance(entries, list) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("after_step"), int)
+            and isinstance(entry.get("settings"), dict) for entry in entries):
+        raise StateFileError(f"{store.describe(HISTORY_KEY)} is damaged (not the history this library writes); "
+                         f"restore it from a copy, or delete it to take settings.json's settings for every step")
+    return entries
+
+
+def _entry_in_force(entries: list[dict[str, Any]], step: int) -> dict[str, Any] | None:
+    at_or_before = [entry for entry in entries if entry["after_step"] <= step]
+    return at_or_before[-1] if at_or_before else None

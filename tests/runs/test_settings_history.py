@@ -1,0 +1,69 @@
+"""runs/settings_history.py: which training settings each stretch of a run's steps was trained with."""
+
+import json
+
+import pytest
+
+from rlhf_pipeline.files.run_store import LocalRunStore
+from rlhf_pipeline.files.state_files import StateFileError
+from rlhf_pipeline.runs.settings_history import HISTORY_KEY, record_resume, settings_in_force
+
+STARTED = {"seed": 3, "max_lag": 1, "learner": {"lr": 3e-4, "batch_size": 16, "loss": {"kl_coef": 0.0}}}
+
+
+def resumed(lr: float, *, batch_size: int = 16, max_lag: int = 1) -> dict:
+    return {"seed": 3, "max_lag": max_lag, "learner": {"lr": lr, "batch_size": batch_size, "loss": {"kl_coef": 0.0}}}
+
+
+def resume(store, settings: dict, step: int) -> None:
+    """What a resume from the checkpoint of ``step`` does: reads what is in force there, records its own."""
+    record_resume(store, STARTED, settings_in_force(store, STARTED, step), settings, step)
+
+
+def lr_after(store, step: int) -> float:
+    return settings_in_force(store, STARTED, step)["learner"]["lr"]
+
+
+def test_a_run_never_resumed_with_other_settings_keeps_no_history(tmp_path):
+    store = LocalRunStore(tmp_path)
+    resume(store, STARTED, 4)
+    assert not store.exists(HISTORY_KEY)
+    assert settings_in_force(store, STARTED, 10) == STARTED
+
+
+def test_each_step_takes_the_settings_of_the_last_resume_at_or_before_it(tmp_path):
+    store = LocalRunStore(tmp_path)
+    resume(store, resumed(1e-3), 4)
+    resume(store, resumed(1e-3), 6)  # the same as in force at 6: nothing recorded
+    resume(store, resumed(2e-3), 8)
+    assert [entry["after_step"] for entry in json.loads(store.read(HISTORY_KEY))["entries"]] == [4, 8]
+    assert [lr_after(store, step) for step in (0, 3, 4, 7, 8, 20)] == [3e-4, 3e-4, 1e-3, 1e-3, 2e-3, 2e-3]
+    # an entry holds what differs from settings.json, the rest of the run's settings stand
+    assert settings_in_force(store, STARTED, 8) == {**STARTED, "learner": {**STARTED["learner"], "lr": 2e-3}}
+
+
+def test_a_resume_from_an_older_checkpoint_supersedes_the_later_ones_it_trained_again(tmp_path):
+    """A resume at 8, killed before its first checkpoint, then one from 6 (the newest left): steps after
+    6 were all trained again, with the last one's settings."""
+    store = LocalRunStore(tmp_path)
+    resume(store, resumed(1e-3), 4)
+    resume(store, resumed(2e-3), 8)
+    resume(store, resumed(5e-4, batch_size=32), 6)
+    assert [lr_after(store, step) for step in (5, 6, 9)] == [1e-3, 5e-4, 5e-4]
+    assert settings_in_force(store, STARTED, 9)["learner"]["batch_size"] == 32
+    assert settings_in_force(store, STARTED, 5)["learner"]["batch_size"] == 16
+
+
+def test_a_resume_back_to_the_first_settings_is_recorded_too(tmp_path):
+    store = LocalRunStore(tmp_path)
+    resume(store, resumed(1e-3, max_lag=0), 4)
+    resume(store, STARTED, 8)
+    assert settings_in_force(store, STARTED, 6)["max_lag"] == 0
+    assert settings_in_force(store, STARTED, 8) == STARTED
+
+
+def test_a_damaged_history_is_refused_naming_the_file_and_the_way_out(tmp_path):
+    store = LocalRunStore(tmp_path)
+    store.write(HISTORY_KEY, b'{"format": 1, "entries": [{"after_step": "four"}]}')
+    with pytest.raises(StateFileError, match=rf"{HISTORY_KEY} is damaged.*delete it"):
+        settings_in_force(store, STARTED, 4)
