@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("pipeline", metavar="PIPELINE.py", help="path of the pipeline file (model, loss, learner)")
     parser.add_argument("--buffer", metavar="PATH",
                         help="(required) the recorded buffer: a memmap or Zarr store (directory, .zip, file:// "
-                             "URL) or a run's buffer/ of shards; opened read-only, never modified")
+                             "URL), a run's buffer/ of shards, or a run (its directory, URL or name): its buffer; "
+                             "opened read-only, never modified")
     parser.add_argument("--init-from", default=None, metavar="RUN_DIR_OR_MODEL_DIR",
                         help="starting weights: a run directory, its name or its s3:// / az:// URL (its newest "
                              "weights) or a save_pretrained directory (default: the pipeline's initial policy, warm start "
@@ -81,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
     # a run named by its name, under this replay's --home
     init_from, ref_model = (None if value is None else run_or_path(value, args.home, what=flag)
                             for value, flag in ((args.init_from, "--init-from"), (args.ref_model, "--ref-model")))
+    buffer = args.buffer and run_or_path(args.buffer, args.home, what="--buffer")  # a run by its name, too
     options = ReplayOptions(
-        buffer=args.buffer or "", init_from=init_from, epochs=args.epochs, steps=args.steps, order=args.order,
+        buffer=buffer or "", init_from=init_from, epochs=args.epochs, steps=args.steps, order=args.order,
         seed=args.seed, shuffle_window_rows=args.shuffle_window_rows, ref_model=ref_model,
         kl_estimator=args.kl_estimator, kl_coef=args.kl_coef,
         advantage_std=None if args.advantage_std is None else args.advantage_std == "on",

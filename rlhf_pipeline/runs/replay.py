@@ -102,7 +102,7 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
         rescorer = _make_rescorer(pipeline, options, learner_settings, source)
         initial_policy = prepare_replay_run(pipeline, paths, record, options)
         epochs = steps / batches_per_epoch
-        print(f"[replay] {options.buffer}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
+        print(f"[replay] {source}: {rows} rows, {batches_per_epoch} batches of <= {batch_size} per epoch, "
               f"{steps} steps ({epochs:.3g} epoch{'' if epochs == 1 else 's'}, order {options.order}) "
               f"into {paths.location}",
               file=sys.stderr, flush=True)
@@ -154,14 +154,30 @@ def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> in
 
 
 def source_location(buffer: str) -> str:
-    """An absolute path for a local source (so a resume finds it from any directory); URLs as given."""
-    if "://" in buffer:
-        return buffer
-    path = Path(buffer).expanduser()
-    if not path.exists():
-        raise ReplayError(f"--buffer {buffer!r} does not exist; pass a replay buffer directory, a Zarr "
-                          f".zip or URL, or a run's buffer/ directory")
-    return str(path.resolve())
+    """An absolute path for a local source (so a resume finds it from any directory); URLs as given. A run
+    (its directory or URL) stands for the buffer its learner read: its ``buffer_url``, else ``RUN/buffer``."""
+    location = buffer
+    if "://" not in buffer:
+        path = Path(buffer).expanduser()
+        if not path.exists():
+            raise ReplayError(f"--buffer {buffer!r} does not exist; pass a replay buffer directory, a Zarr "
+                              f".zip or URL, a run's buffer/ directory, or the run itself")
+        location = str(path.resolve())
+    from rlhf_pipeline.files.atomic import json_object
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    try:
+        settings = json_object(run_store_at(location).read("settings.json"))
+    except RunLocationError:  # a URL no run lives at (file://, ...): a buffer, checked where it is opened
+        return location
+    if settings is None:
+        return location  # a buffer
+    run_buffer = str(settings.get("buffer_url") or RunPaths.at(location).buffer_location).rstrip("/")
+    if "replay" in settings:
+        raise ReplayError(f"--buffer {buffer} is a replay of {settings['replay'].get('buffer')}, which keeps no "
+                          f"buffer of its own: give that buffer as --buffer")
+    print(f"[replay] --buffer {buffer} is a run: its buffer {run_buffer}", file=sys.stderr, flush=True)
+    return run_buffer
 
 
 def _open_source(location: str):

@@ -381,6 +381,19 @@ def test_a_replay_starts_from_the_recording_runs_initial_policy_or_says_why_it_b
     assert f"[replay] initial policy: weights version 0 of {tmp_path / 'rec'}, the run that recorded" in said, said
     assert "warm start" not in said
 
+    # the run itself, by its directory or by its name under --home, stands for its buffer
+    for name, given in (("by-directory", str(tmp_path / "rec")), ("by-name", "rec")):
+        assert main(["replay", DEFAULT, "--buffer", given, "--steps", "1", "--home", str(tmp_path), "--run-name", name,
+                     *cli]) == 0
+        said = capsys.readouterr().err
+        assert f"is a run: its buffer {buffer}" in said and "warm start" not in said, said
+        assert json.loads((tmp_path / name / "settings.json").read_text())["replay"]["buffer"] == str(buffer)
+        assert batches(tmp_path / name) == batches(tmp_path / "same")
+    assert main(["replay", DEFAULT, "--buffer", str(tmp_path / "same"), "--steps", "1", "--home", str(tmp_path),
+                 "--run-name", "of-a-replay", *cli]) == 2
+    assert f"is a replay of {buffer}, which keeps no buffer of its own" in capsys.readouterr().err
+    assert not (tmp_path / "of-a-replay").exists()
+
     said = replay_said("other", "warm_start_steps=4")
     assert ("[replay] initial policy: the pipeline's make_policy(), since " f"{tmp_path / 'rec'}, which recorded the "
             "buffer, was made with other settings (warm_start_steps)") in said, said
