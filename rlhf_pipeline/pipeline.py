@@ -246,7 +246,15 @@ def make_settings(module: types.ModuleType, overrides: Sequence[str] = ()) -> An
         raise PipelineError(f"every field of Settings needs a default ({exc})") from None
     except ValueError as exc:
         raise PipelineError(f"the defaults of Settings are refused: {exc}") from None
-    return apply_overrides(defaults, overrides)
+    return apply_overrides(defaults, zarr_where_the_buffer_is_a_url(overrides))
+
+
+def zarr_where_the_buffer_is_a_url(overrides: Sequence[str], *, run_at_a_url: bool = False) -> list[str]:
+    """``overrides``, with ``buffer_backend=zarr`` added where the buffer lives at a URL (``buffer_url``
+    given, or ``run_at_a_url``) and no ``buffer_backend`` is given: only Zarr lives there."""
+    given = {item.split("=", 1)[0].strip(): item.split("=", 1)[-1].strip() for item in overrides}
+    at_a_url = run_at_a_url or given.get("buffer_url", "none").lower() not in ("none", "null", "")
+    return [*overrides, "buffer_backend=zarr"] if at_a_url and "buffer_backend" not in given else list(overrides)
 
 
 # ====================================================================== --set

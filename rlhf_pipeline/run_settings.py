@@ -96,12 +96,13 @@ class RunSettings:
 
     # ---- buffer
     buffer_backend: Literal["memmap", "zarr"] = "memmap"
-    """Store of each buffer shard: memmap files, or a Zarr store (compressed)."""
+    """Store of each buffer shard: memmap files, or a Zarr store (compressed). A buffer at a URL (a run
+    at a URL, or buffer_url) is Zarr unless this is given: only Zarr lives there."""
     segment_rows: Annotated[int, Bounds(ge=1)] = 1024
     """Rows per segment of the replay buffer (the unit of sealing and eviction)."""
     buffer_url: str | None = None
     """The buffer on object storage: a URL prefix such as s3://bucket/run/buffer under which
-    collector k writes shard-kkkk (needs buffer_backend=zarr and the s3 extra; endpoint and
+    collector k writes shard-kkkk (a Zarr store, and the s3 extra; endpoint and
     credentials from the AWS_* variables), or az://container/run/buffer on Azure Blob Storage (the
     azure extra; the account from AZURE_STORAGE_CONNECTION_STRING). None: <run>/buffer. Weights,
     checkpoints and metrics stay in the run directory."""
@@ -136,8 +137,8 @@ class RunSettings:
                                  f"{self.buffer_url!r}; leave it unset to keep the buffer in the run directory")
             if self.buffer_backend != "zarr":
                 raise ValueError(f"setting 'buffer_url' ({self.buffer_url}) needs buffer_backend=zarr: only a Zarr "
-                                 f"store lives at a URL; add --set buffer_backend=zarr, or drop buffer_url to keep "
-                                 f"the memmap buffer in the run directory")
+                                 f"store lives at a URL; leave buffer_backend unset (Zarr is the default with a "
+                                 f"buffer_url), or drop buffer_url to keep the memmap buffer in the run directory")
         if self.retention.max_rows is not None and self.retention.max_rows < self.segment_rows:
             raise ValueError(f"setting 'retention.max_rows' ({self.retention.max_rows}) must be >= segment_rows "
                              f"({self.segment_rows}): rows are dropped a whole sealed segment at a time; raise it, "

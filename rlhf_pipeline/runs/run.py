@@ -22,6 +22,7 @@ from rlhf_pipeline.pipeline import (
     describe_settings,
     load_pipeline_module,
     make_settings,
+    zarr_where_the_buffer_is_a_url,
 )
 from rlhf_pipeline.runs.devices import check_cuda_device
 from rlhf_pipeline.runs.run_directory import (  # RunError and prepare_run stay importable from here
@@ -77,6 +78,9 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         cli_overrides.append(f"steps={steps}")
     if device is not None:
         cli_overrides.append(f"device={device}")
+    paths = run_paths(run_name or Path(pipeline_path).stem, home)
+    # each child (and Ray actor) is given these: a run at a URL keeps a Zarr buffer there unless told
+    cli_overrides = zarr_where_the_buffer_is_a_url(cli_overrides, run_at_a_url=paths.url is not None)
     settings = make_settings(module, cli_overrides)
     if list_settings:
         print(f"settings of {pipeline_path} (change with --set KEY=VALUE):")
@@ -85,10 +89,10 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     check_settings(module, settings)  # what they ask of this machine and point at: before any process starts
     if on_ray is None:  # now, not after a child imported torch; a Ray cluster's GPUs are not this machine's
         check_cuda_device(settings.device)
-    paths = run_paths(run_name or Path(pipeline_path).stem, home)
     if paths.url is not None and settings.buffer_backend != "zarr":  # a memmap store given a URL makes a dir "s3:"
         raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
-                            f"setting 'buffer_backend' is {settings.buffer_backend!r}: add --set buffer_backend=zarr")
+                            f"setting 'buffer_backend' is {settings.buffer_backend!r}: leave buffer_backend unset "
+                            f"(Zarr is the default there) or --set buffer_backend=zarr")
     from rlhf_pipeline.runs.branch import refuse_evicting_parent, start_online
 
     start_online(paths)  # a half-made branch is refused; a branch of a run with collectors is set up to go online

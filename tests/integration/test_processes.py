@@ -66,7 +66,7 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path, cap
                  "--set", "max_lag=none"]) == 0
     learner_out = "".join(capfd.readouterr())
     assert "resuming from" in learner_out and "(step 3)" in learner_out
-    assert "note: settings changed since the run started: learner." in learner_out
+    assert "note: settings changed since step 3: learner." in learner_out
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
     # settings that define the data may not change under an existing run
@@ -501,22 +501,42 @@ def test_a_collector_and_a_learner_started_apart_meet_at_the_url(run_home, tmp_p
 
 @pytest.mark.parametrize("run_home", ["s3"], indirect=True)
 @pytest.mark.parametrize("pipeline", ["default", "tool_use"])
-def test_a_run_at_a_url_whose_pipeline_makes_memmap_shards_is_refused_in_one_line(run_home, pipeline, tmp_path):
-    """The default pipeline's buffer without buffer_backend=zarr, and pipelines/tool_use.py's, memmap
-    by default (buffer_backend, a run setting of every pipeline): refused before any row, lock or local
-    directory is made."""
+def test_a_run_at_a_url_told_to_make_memmap_shards_is_refused_in_one_line(run_home, pipeline, tmp_path):
+    """``buffer_backend=memmap`` given for a run at a URL (a run setting of every pipeline): refused before
+    any row, lock or local directory is made."""
     from rlhf_pipeline.runs.lineage import run_store_at
 
     refused = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
-                              str(REPO / "pipelines" / f"{pipeline}.py"), "--home", run_home, "--steps", "1"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                              str(REPO / "pipelines" / f"{pipeline}.py"), "--home", run_home, "--steps", "1",
+                             "--set", "buffer_backend=memmap"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "needs a Zarr buffer" in errors[0] and "--set buffer_backend=zarr" in errors[0], \
+    assert len(errors) == 1 and "needs a Zarr buffer" in errors[0] and "leave buffer_backend unset" in errors[0], \
         refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr
     assert run_store_at(f"{run_home}/{pipeline}").walk() == []  # not even the lock: it was let go
     assert not (tmp_path / "s3:").exists()
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_run_at_a_url_takes_a_zarr_buffer_without_being_told(run_home, tmp_path):
+    """Only Zarr lives at a URL, so the buffer of a run there is Zarr unless told otherwise (memmap, the
+    default in a directory, was refused until ``--set buffer_backend=zarr`` was added). Its settings.json
+    records it, and a resume that does not say it either goes on."""
+    import json
+
+    from rlhf_pipeline.runs.lineage import run_store_at
+
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", run_home, "--run-name",
+               "untold", *SMALL]
+    for steps in (2, 3):
+        ran = preloaded.run([*command, "--steps", str(steps)], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "resuming from" in ran.stderr and "settings changed" not in ran.stderr, ran.stderr[-3000:]
+    settings = json.loads(run_store_at(f"{run_home}/untold").read("settings.json"))
+    assert settings["buffer_backend"] == "zarr"
+    assert len(rows_of(f"{run_home}/untold/buffer")["versions"]) >= 3 * 16
 
 
 # ============================================================ groups pending at a kill, wherever the run lives

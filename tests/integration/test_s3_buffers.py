@@ -27,7 +27,7 @@ import preloaded
 
 from rlhf_pipeline.files.shard_names import spread_shard_name
 from rlhf_pipeline.learn.metrics import read_metrics
-from rlhf_pipeline.pipeline import PipelineError
+from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module, make_settings
 from rlhf_pipeline.runs.run import run_command
 from rlhf_pipeline.storage import open_store
 from rlhf_pipeline.storage.buffers import buffer_stats
@@ -130,8 +130,14 @@ def test_run_with_the_buffer_at_a_url_then_verify_and_replay_it(object_server, t
 
 
 def test_a_memmap_buffer_at_a_url_is_a_settings_error(tmp_path):
-    with pytest.raises(PipelineError, match=r"'buffer_url' .*needs buffer_backend=zarr.*--set buffer_backend=zarr"):
-        run_command("run", pipeline_path=DEFAULT, home=str(tmp_path), overrides=["buffer_url=s3://bucket/run/buffer"])
+    """A buffer_url takes a Zarr buffer without being told (only Zarr lives at a URL); told memmap, it is
+    refused."""
+    module = load_pipeline_module(DEFAULT)
+    assert make_settings(module, ["buffer_url=s3://bucket/run/buffer"]).buffer_backend == "zarr"
+    assert make_settings(module, ["buffer_url=none"]).buffer_backend == "memmap"
+    with pytest.raises(PipelineError, match=r"'buffer_url' .*needs buffer_backend=zarr.*leave buffer_backend unset"):
+        run_command("run", pipeline_path=DEFAULT, home=str(tmp_path),
+                    overrides=["buffer_url=s3://bucket/run/buffer", "buffer_backend=memmap"])
     with pytest.raises(PipelineError, match=r"'buffer_url' must be a URL such as s3://"):
         run_command("run", pipeline_path=DEFAULT, home=str(tmp_path),
                     overrides=["buffer_backend=zarr", "buffer_url=/tmp/not-a-url"])
