@@ -27,7 +27,7 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["filter", "buffer", "kept"], "give SRC, DST (or --dry-run) and --where"),
+    (["filter", "./buffer", "kept"], "give SRC, DST (or --dry-run) and --where"),
     (["import", "rows.jsonl", "buffer", "--rows-per-chunk", "0"], "--rows-per-chunk must be >= 1"),
     (["export-model", "./run"], "OUT is required"),
     (["replay", "pipelines/default.py"], "--buffer PATH is required"),

@@ -8,21 +8,32 @@ from pathlib import Path
 
 from rlhf_pipeline.cli import CommandRefused
 from rlhf_pipeline.files.run_paths import HOME_ENV_VAR, RunLocationError, is_url, run_paths
-from rlhf_pipeline.storage import buffer_inside
 
 
 def buffer_path_problem(location: str) -> str | None:
-    """What is wrong with ``location`` as a buffer to read, when a look at the file system tells:
-    a local path that does not exist, or a run directory given for its ``buffer/``; else None
-    (URLs and everything else are checked when the buffer is opened)."""
-    if "://" in location:
-        return None
-    path = Path(location)
-    if not path.exists():
+    """What is wrong with ``location`` as a buffer to read, when a look at the file system tells: a
+    local path that does not exist; else None (URLs and everything else are checked when opened)."""
+    if "://" not in location and not Path(location).exists():
         return f"{location} does not exist"
-    if (path / "settings.json").is_file() and (run_buffer := buffer_inside(location)) is not None:
-        return f"{location} is a run directory, not a buffer: did you mean {run_buffer}?"
     return None
+
+
+def buffer_given(location: str, command: str) -> str:
+    """A command's buffer argument as the buffer to read: a run (its directory or URL; a name is one by
+    :func:`run_or_path`) stands for the buffer its learner read, and one line on stderr says so. A
+    replay's run, which keeps none, is refused in one line naming the buffer it read."""
+    import sys
+
+    from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run
+
+    try:
+        run_buffer = buffer_of_run(location)
+    except KeepsNoBuffer as exc:
+        raise CommandRefused(str(exc)) from None
+    if run_buffer is None:
+        return location
+    print(f"[{command}] {location} is a run: its buffer {run_buffer}", file=sys.stderr, flush=True)
+    return run_buffer
 
 
 def run_or_path(text: str, home: str | None = None, what: str = "") -> str:

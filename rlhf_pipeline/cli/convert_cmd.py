@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 
+from rlhf_pipeline.cli.checks import buffer_given, run_or_path
+
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("src", help="existing buffer: memmap directory, Zarr store (.zip or URL), or a directory "
-                                    "of shard-NNNN stores")
+    parser.add_argument("src", type=run_or_path,
+                        help="existing buffer: memmap directory, Zarr store (.zip or URL), a directory of "
+                             "shard-NNNN stores, or a run (its directory, URL or name): its buffer")
     parser.add_argument("dst", help="where to create the new buffer (must not exist)")
     parser.add_argument("--to", required=True, choices=("zarr", "memmap"), help="backend of the new buffer")
     parser.add_argument("--codec", default=None,
@@ -44,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if "://" not in args.src and not os.path.exists(args.src):
         print(f"rlhf-pipeline convert: {StoreNotFoundError(f'{args.src} does not exist')}", file=sys.stderr)
         return 2
+    args.src = buffer_given(args.src, "convert")
     problem = _destination_problem(args.src, args.dst)
     if problem is not None:
         print(f"rlhf-pipeline convert: {problem}", file=sys.stderr)

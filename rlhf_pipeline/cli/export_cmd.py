@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import run_or_path
 
 
 # the optional packages each export format writes with (dataio/export.py), and its name in an error
@@ -20,7 +21,9 @@ FORMAT_NAMES = {"parquet": "Parquet", "hf": "a Hugging Face dataset"}
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("buffer", help="a store (memmap directory, Zarr store) or a run's buffer/ of shards")
+    parser.add_argument("buffer", type=run_or_path,
+                        help="a store (memmap directory, Zarr store), a run's buffer/ of shards, or a run (its "
+                             "directory, URL or name): its buffer")
     parser.add_argument("out", help="file (jsonl, parquet) or directory (hf) to write; must not exist")
     parser.add_argument("--format", choices=("jsonl", "parquet", "hf", "chat"), default=None,
                         help="jsonl, parquet, hf (a datasets save_to_disk directory), or chat (JSONL, one "
@@ -32,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from rlhf_pipeline.cli.checks import buffer_path_problem
+    from rlhf_pipeline.cli.checks import buffer_given, buffer_path_problem
     from rlhf_pipeline.dataio.export import export_format
     from rlhf_pipeline.dataio.extras import missing_extra
 
@@ -47,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         problem = missing_extra(EXTRAS_OF_FORMAT.get(fmt, ()), f"exporting to {FORMAT_NAMES.get(fmt, fmt)}")
     if problem is not None:
         raise CommandRefused(problem)
+    buffer = buffer_given(args.buffer, "export")
 
     from rlhf_pipeline.dataio.export import ExportSpaceError, export_buffer
     from rlhf_pipeline.dataio.extras import MissingExtraError
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         progress.update(done - progress.done)
 
     try:
-        result = export_buffer(args.buffer, args.out, fmt, progress=report)
+        result = export_buffer(buffer, args.out, fmt, progress=report)
     except (StoreError, FileExistsError, MissingExtraError, IndexError) as exc:
         progress.close(failed=True)
         raise CommandRefused(str(exc)) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import run_or_path
 
 EXAMPLES = """examples:
   rlhf-pipeline filter storage/run/buffer storage/informative --where 'group_reward_std > 0'
@@ -24,8 +25,9 @@ EXAMPLES = """examples:
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.epilog = EXAMPLES
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("src", nargs="?", help="the buffer to read: a store, a run's buffer/ of shards, "
-                                               "or a saved selection")
+    parser.add_argument("src", nargs="?", type=run_or_path,
+                        help="the buffer to read: a store, a run's buffer/ of shards, a saved selection, or a "
+                             "run (its directory, URL or name): its buffer")
     parser.add_argument("dst", nargs="?", help="where to write the result (must not exist)")
     parser.add_argument("--where", help="condition a row (or group, with --groups) must meet to be kept; "
                                         "see --list-names")
@@ -67,12 +69,13 @@ def run(args: argparse.Namespace) -> int:
     if args.segment_rows is not None:
         options["segment_rows"] = args.segment_rows
     # before the heavy imports below: a typo in the path or the condition is answered at once
-    from rlhf_pipeline.cli.checks import buffer_path_problem
+    from rlhf_pipeline.cli.checks import buffer_given, buffer_path_problem
     from rlhf_pipeline.storage.where import WhereError, parse_where
 
     problem = buffer_path_problem(args.src)
     if problem is not None:
         raise CommandRefused(problem)
+    args.src = buffer_given(args.src, "filter")
     try:
         parse_where(args.where)
     except WhereError as exc:

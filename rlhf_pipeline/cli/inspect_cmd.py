@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.storage.errors import StoreError
 
     from rlhf_pipeline.files.run_paths import RUN_URL_SCHEMES
-    from rlhf_pipeline.runs.lineage import format_lineage, is_run, run_lineage, run_store_at
+    from rlhf_pipeline.runs.lineage import (KeepsNoBuffer, buffer_of_run, format_lineage, is_run, run_lineage,
+                                            run_store_at)
 
     if args.vocab_size is not None and (args.vocab_size < 1 or not args.verify):
         print(f"rlhf-pipeline inspect: --vocab-size {args.vocab_size}: give a vocabulary size >= 1, with --verify",
@@ -51,10 +52,16 @@ def run(args: argparse.Namespace) -> int:
                 best = best_checkpoint(lineage["run"])
                 if best is not None:
                     lineage["best"] = best
-                if not run_store_at(path).list("buffer") and not args.verify:  # no buffer of its own (a replay)
+                try:  # its buffer_url, else RUN/buffer
+                    run_buffer = buffer_of_run(lineage["run"]) or f"{lineage['run']}/buffer"
+                except KeepsNoBuffer:
+                    run_buffer = None
+                own = run_buffer == f"{lineage['run']}/buffer"
+                # no buffer of its own: a replay, a branch not continued online
+                if (run_buffer is None or own and not run_store_at(path).list("buffer")) and not args.verify:
                     print(json.dumps({"run": lineage}) if args.json else format_lineage(lineage) + format_best(best))
                     return 0
-                path = f"{lineage['run']}/buffer"
+                path = run_buffer or f"{lineage['run']}/buffer"
         except (ValueError, OSError) as exc:
             raise CommandRefused(str(exc)) from None
     with warnings.catch_warnings(record=True) as caught:

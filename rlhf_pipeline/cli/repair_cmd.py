@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.storage.errors import StoreError, StoreLockedError
 
     from rlhf_pipeline.cli.vocabulary import model_vocabulary
-    from rlhf_pipeline.runs.lineage import is_run
+    from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run, is_run
 
     if args.vocab_size is not None and args.vocab_size < 1:
         print(f"rlhf-pipeline repair: --vocab-size must be >= 1, got {args.vocab_size}", file=sys.stderr)
@@ -46,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
     path, run_dir = args.path, None
     if "://" not in str(path):  # a run directory, or a run's buffer/: the run says its model's vocabulary
         if is_run(path):
-            path, run_dir = str(Path(path) / "buffer"), Path(path)
+            try:  # its buffer_url, else RUN/buffer
+                path, run_dir = buffer_of_run(path) or str(Path(path) / "buffer"), Path(path)
+            except KeepsNoBuffer as exc:
+                print(f"rlhf-pipeline repair: {exc}", file=sys.stderr)
+                return 2
         elif Path(path).name == "buffer" and is_run(Path(path).parent):
             run_dir = Path(path).parent
     with warnings.catch_warnings():

@@ -64,6 +64,30 @@ def is_run(run: str | Path) -> bool:
     return store.exists("settings.json") or store.exists("checkpoints") or bool(store.list("checkpoints"))
 
 
+class KeepsNoBuffer(ValueError):
+    """A replay's run given for a buffer: it read another's and keeps none of its own."""
+
+
+def buffer_of_run(location: str) -> str | None:
+    """The buffer the learner of the run at ``location`` (a directory or a URL) read: its ``buffer_url``,
+    else ``RUN/buffer``; None where ``location`` holds no run's ``settings.json`` (a buffer, say).
+    :class:`KeepsNoBuffer` for a replay, naming the buffer it read."""
+    from rlhf_pipeline.files.run_paths import RunLocationError, RunPaths
+
+    if "://" not in location and not (Path(location) / "settings.json").is_file():
+        return None
+    try:
+        settings = json_object(run_store_at(location).read("settings.json"))
+    except RunLocationError:  # a URL no run lives at (file://, ...)
+        return None
+    if settings is None:
+        return None
+    if "replay" in settings:
+        raise KeepsNoBuffer(f"{location} is a replay of {settings['replay'].get('buffer')}, which keeps no buffer "
+                            f"of its own: give that buffer")
+    return str(settings.get("buffer_url") or RunPaths.at(resolved_location(location)).buffer_location).rstrip("/")
+
+
 def read_parent(run: str | Path | RunStore) -> dict[str, Any] | None:
     """The ``branch.json`` of ``run`` (a directory, a URL or its run store): ``{"parent": its
     location, "step": N, "buffer_rows": {...}, ...}``, or None for a run that is no branch."""

@@ -163,19 +163,14 @@ def source_location(buffer: str) -> str:
             raise ReplayError(f"--buffer {buffer!r} does not exist; pass a replay buffer directory, a Zarr "
                               f".zip or URL, a run's buffer/ directory, or the run itself")
         location = str(path.resolve())
-    from rlhf_pipeline.files.atomic import json_object
-    from rlhf_pipeline.runs.lineage import run_store_at
+    from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run
 
     try:
-        settings = json_object(run_store_at(location).read("settings.json"))
-    except RunLocationError:  # a URL no run lives at (file://, ...): a buffer, checked where it is opened
-        return location
-    if settings is None:
+        run_buffer = buffer_of_run(location)
+    except KeepsNoBuffer as exc:
+        raise ReplayError(f"--buffer {exc}") from None
+    if run_buffer is None:
         return location  # a buffer
-    run_buffer = str(settings.get("buffer_url") or RunPaths.at(location).buffer_location).rstrip("/")
-    if "replay" in settings:
-        raise ReplayError(f"--buffer {buffer} is a replay of {settings['replay'].get('buffer')}, which keeps no "
-                          f"buffer of its own: give that buffer as --buffer")
     print(f"[replay] --buffer {buffer} is a run: its buffer {run_buffer}", file=sys.stderr, flush=True)
     return run_buffer
 

@@ -1,5 +1,5 @@
 """``rlhf-pipeline export``'s arguments and failures: the format from OUT's name, errors before
-torch is imported, a run directory for its buffer, and a full disk as one line."""
+torch is imported, a run for its buffer, and a full disk as one line."""
 
 from __future__ import annotations
 
@@ -45,10 +45,28 @@ def test_bad_arguments_are_one_line_before_torch_is_imported(tmp_path, argv):
     assert len(done.stderr.strip().splitlines()) == 1 and "rows/s" not in done.stderr, done.stderr
 
 
-def test_a_run_directory_given_for_its_buffer_names_the_buffer(tiny_run, tmp_path, capsys):
-    assert main(["export", str(tiny_run), str(tmp_path / "x.jsonl")]) == 2
-    assert f"did you mean {tiny_run / 'buffer'}?" in capsys.readouterr().err
-    # inspect takes a run directory: its rewind points and branches, then its buffer
+def test_a_run_given_for_a_buffer_stands_for_its_buffer(tiny_run, tmp_path, capsys, monkeypatch):
+    """export, filter and convert take a run (its directory, or its name under the home) for the buffer its
+    learner read, saying so in one line; they asked "did you mean RUN/buffer?" before. inspect takes a run
+    too: its rewind points and branches, then its buffer. A replay's directory keeps no buffer: refused."""
+    buffer = tiny_run / "buffer"
+    assert main(["export", str(buffer), str(tmp_path / "of-buffer.jsonl"), "--quiet"]) == 0
+    monkeypatch.setenv("RLHF_PIPELINE_HOME", str(tiny_run.parent))
+    for name, given in (("of-directory", str(tiny_run)), ("of-name", tiny_run.name)):
+        assert main(["export", given, str(tmp_path / f"{name}.jsonl"), "--quiet"]) == 0
+        assert f"[export] {tiny_run} is a run: its buffer {buffer}" in capsys.readouterr().err
+        assert (tmp_path / f"{name}.jsonl").read_text() == (tmp_path / "of-buffer.jsonl").read_text()
+    assert main(["filter", tiny_run.name, "--where", "reward >= 0", "--dry-run"]) == 0
+    said = capsys.readouterr()
+    assert f"its buffer {buffer}" in said.err and "kept" in said.out, said
+    assert main(["convert", str(tiny_run), str(tmp_path / "converted"), "--to", "zarr", "--quiet"]) == 0
+    assert sorted(p.name for p in (tmp_path / "converted").iterdir()) == sorted(p.name for p in buffer.iterdir()
+                                                                               if p.name.startswith("shard-"))
+    replay_run = tmp_path / "a-replay"
+    replay_run.mkdir()
+    (replay_run / "settings.json").write_text(json.dumps({"replay": {"buffer": str(buffer)}}))
+    assert main(["export", str(replay_run), str(tmp_path / "x.jsonl")]) == 2
+    assert f"is a replay of {buffer}, which keeps no buffer of its own" in capsys.readouterr().err
     assert main(["inspect", str(tiny_run)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"run  {tiny_run}") and "rewind points" in out and "shard rows" in out

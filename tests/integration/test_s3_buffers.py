@@ -105,12 +105,12 @@ def test_replay_from_s3_trains_on_the_same_rows_as_from_disk(s3_server, s3_sourc
 
 @pytest.mark.parametrize("object_server", ["s3"], indirect=True)
 def test_run_with_the_buffer_at_a_url_then_verify_and_replay_it(object_server, tmp_path):
-    """The collector writes ``URL/00-shard-0000`` (its spread name), the learner reads the union, the
-    run directory stays local; then ``inspect --verify`` and ``replay`` of that URL."""
+    """The collector writes ``URL/00-shard-0000`` (its spread name; a Zarr store without being told), the
+    learner reads the union, the run directory stays local; then ``inspect --verify`` and ``replay`` of
+    that URL, and ``inspect`` and ``replay`` of the run, which stands for the buffer at its URL."""
     url = object_server.url("buffer")
     out = cli(object_server, "run", DEFAULT, "--steps", "2", "--home", str(tmp_path), "--run-name", "remote",
-              *RUN_SMALL, "--set", "buffer_backend=zarr", "--set", f"buffer_url={url}", "--set",
-              "buffer_lock_lease_s=12", timeout=600)
+              *RUN_SMALL, "--set", f"buffer_url={url}", "--set", "buffer_lock_lease_s=12", timeout=600)
     assert "[run] done: 2 learner steps" in out.stderr, out.stderr[-3000:]
     assert f"writing to {url}/{SHARD0} (writer lock lease 12 s)" in out.stderr  # the setting reached the lock
     run = tmp_path / "remote"
@@ -127,6 +127,14 @@ def test_run_with_the_buffer_at_a_url_then_verify_and_replay_it(object_server, t
     command(object_server, "replay", DEFAULT, "--buffer", url, "--steps", "1", "--home", str(tmp_path),
             "--run-name", "replayed", *RUN_SMALL)
     assert [r["step"] for r in read_metrics(tmp_path / "replayed" / "metrics.jsonl")] == [1]
+
+    by_run = json.loads(command(object_server, "inspect", str(run), "--json").stdout)
+    # the buffer at its URL, not its RUN/buffer, which does not exist
+    assert by_run["buffer"] == {**stats, "location": url}
+    replayed = command(object_server, "replay", DEFAULT, "--buffer", str(run), "--steps", "1", "--home",
+                       str(tmp_path), "--run-name", "replayed-by-run", *RUN_SMALL)
+    assert f"is a run: its buffer {url}" in replayed.stderr
+    assert batches(tmp_path / "replayed-by-run") == batches(tmp_path / "replayed")
 
 
 def test_a_memmap_buffer_at_a_url_is_a_settings_error(tmp_path):
