@@ -423,3 +423,40 @@ def different_weights(model, seed: int):
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
                                 reason="LoRA needs peft: pip install -e '.[lora]'")
 """For a test of LoRA (learner.lora.rank > 0): peft is the optional [lora] extra."""
+
+
+@contextlib.contextmanager
+def a_holder_that_dies_once_waited_on(renew: Callable[[], None], *, every_s: float = 0.5):
+    """A writer lock held by a process on another machine: ``renew`` (a PUT of its ``writer.lock``) is
+    called now and every ``every_s`` until a writer logs that it waits for it, then never again, as if
+    that process died then. However loaded the machine, the writer finds the lock live and waits out its
+    lease (a lock written once could run out before the writer first looks)."""
+    import logging
+    import threading
+
+    waited_on = threading.Event()
+
+    class WaitSeen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for the writer lock" in record.getMessage():
+                waited_on.set()
+
+    log = logging.getLogger("rlhf_pipeline.storage.zarr.object_store")
+    handler, level = WaitSeen(logging.WARNING), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING if level in (logging.NOTSET,) or level > logging.WARNING else level)
+
+    def keep_renewing() -> None:
+        while not waited_on.wait(every_s):
+            renew()
+
+    renew()
+    renewer = threading.Thread(target=keep_renewing, name="dead-holder", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        waited_on.set()
+        renewer.join()
+        log.removeHandler(handler)
+        log.setLevel(level)

@@ -26,6 +26,7 @@ import pytest
 import torch
 from store_worker import check_resumes_after_a_kill, check_rows, checksummed_batch
 import preloaded
+from helpers import a_holder_that_dies_once_waited_on
 
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import NotAStoreError, StoreLockedError, open_buffer, open_store
@@ -163,13 +164,13 @@ def test_a_writer_waits_out_the_lease_of_one_that_died_on_another_machine(azure_
     with pytest.raises(StoreLockedError, match=r"process 4242 on collector-node-7 .*lock_wait_s="):
         ZarrTrajectoryStore.open(url, "a", storage_options=options)  # no wait: refused at once
 
-    # a short lease, written again just before the wait (its age is the server's since this PUT): long
-    # enough to be seen alive on a loaded machine, short enough to wait out
-    azure_server.put(url, "writer.lock", json.dumps({**holder, "lease_s": 4}).encode())
+    # a short lease (its age is the server's since the holder's last PUT), renewed until the writer waits
     caplog.set_level(logging.WARNING, logger="rlhf_pipeline.storage.zarr.object_store")
-    with ZarrTrajectoryStore.open(url, "a", storage_options=options, lock_wait_s=30) as store:
-        store.append(checksummed_batch(8, 8))
-        check_rows(store.read(torch.arange(16)))
+    with a_holder_that_dies_once_waited_on(
+            lambda: azure_server.put(url, "writer.lock", json.dumps({**holder, "lease_s": 3}).encode())):
+        with ZarrTrajectoryStore.open(url, "a", storage_options=options, lock_wait_s=30) as store:
+            store.append(checksummed_batch(8, 8))
+            check_rows(store.read(torch.arange(16)))
     lines = [r.getMessage() for r in caplog.records]
     waiting = [line for line in lines if "waiting for the writer lock of process 4242 on collector-node-7" in line]
     assert waiting and "its lease runs out at" in waiting[0], lines  # the age came from the server's clock
