@@ -165,6 +165,7 @@ def run_lineage(run: str | Path) -> dict[str, Any]:
     its branches and the branches left half-made beside it."""
     from rlhf_pipeline.files.run_paths import RunPaths
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.runs.settings_history import history_entries
 
     location = resolved_location(str(run)).rstrip("/")
     paths = RunPaths.at(location)
@@ -174,6 +175,7 @@ def run_lineage(run: str | Path) -> dict[str, Any]:
     return {
         "run": location,
         "rewind_points": run_checkpoints(paths).rewind_points(),
+        "resumed_with": history_entries(paths.store),
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", [])},
         "branches": [{"run": b["run"], "step": b["step"], **what_branch_reads(b, location, home)}
@@ -228,6 +230,12 @@ def format_lineage(lineage: dict[str, Any]) -> str:
                  if rows is not None else "  (buffer position not recorded: a checkpoint made before records)")
         version = f"  policy version {point['policy_version']}" if "policy_version" in point else ""
         lines.append(f"  step {point['step']}{version}{where}")
+    resumes = lineage.get("resumed_with") or []
+    if resumes:
+        lines.append(f"resumed with other training settings  {len(resumes)} (settings.json has the first start's)")
+    for resume in resumes:
+        changed = ", ".join(f"{key}={value!r}" for key, value in sorted(resume["settings"].items()))
+        lines.append(f"  after step {resume['after_step']}: {changed or 'those of settings.json again'}")
     branches = lineage["branches"]
     lines.append(f"branches  {len(branches)}" if branches else "branches  none")
     lines += [describe_branch(b) for b in branches]

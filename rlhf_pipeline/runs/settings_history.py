@@ -65,6 +65,12 @@ def flat_settings(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def history_entries(store: Any) -> list[dict[str, Any]]:
+    """The run's resumes with other training settings, oldest first: ``{"after_step": N, "settings":
+    {dotted name: value, for those that differ from settings.json}}``."""
+    return _entries(store)
+
+
 def _entries(store: Any) -> list[dict[str, Any]]:
     raw = store.read(HISTORY_KEY)
     if raw is None:

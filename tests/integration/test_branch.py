@@ -412,7 +412,8 @@ def test_a_branch_of_a_parent_resumed_past_its_recorded_steps_trains_with_the_pr
     assert [m["step"] for m in read_metrics(tmp_path / "chosen" / "metrics.jsonl")] == list(range(1, 7))
 
 
-def test_a_run_resumed_with_another_learning_rate_records_it_once_for_its_branches(online_parent, tmp_path):
+def test_a_run_resumed_with_another_learning_rate_records_it_once_for_its_branches(online_parent, tmp_path,
+                                                                                    capsys):
     """The run side of the test above (``run`` prepares its directory as ``replay`` does): a resume from the
     checkpoint of step 8 with another ``learner.lr`` notes it against the steps before, records it from
     step 8, and a branch at 8 prints a command that continues with it; a resume with the same one notes
@@ -432,6 +433,9 @@ def test_a_run_resumed_with_another_learning_rate_records_it_once_for_its_branch
     history = json.loads((resumed / "settings_history.json").read_text())
     assert history["entries"] == [{"after_step": 8, "settings": {"learner.lr": 0.001}}]
     assert json.loads((resumed / "settings.json").read_text())["learner"]["lr"] == 3e-4  # the first start's
+    assert main(["inspect", str(resumed)]) == 0
+    assert "resumed with other training settings  1" in (out := capsys.readouterr().out), out
+    assert "  after step 8: learner.lr=0.001\n" in out
     assert main(["branch", str(resumed), "--from-step", "8", "continued"]) == 0
     assert json.loads((tmp_path / "continued" / "settings.json").read_text())["learner"]["lr"] == 0.001
 
