@@ -338,7 +338,7 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
                                   f"({'; '.join(changed)}). Resume with the same command, or start a new replay "
                                   f"with --run-name NAME")
             if recorded:
-                record_resume(paths.store, saved, in_force, settings_to_json(pipeline.settings), resumed_from)
+                record_resume(paths.store, saved, settings_to_json(pipeline.settings), resumed_from)
         # the initial policy before settings.json: a --init-from that does not fit leaves nothing behind
         model = (initial_policy(pipeline, options.init_from, record["buffer"])
                  if latest_version(paths.store) is None else None)

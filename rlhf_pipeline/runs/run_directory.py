@@ -250,7 +250,7 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
                     f"Resume with the same settings, or start a new run with --run-name NAME"
                 )
             if trains:
-                record_resume(store, saved, in_force, current, resumed_from)
+                record_resume(store, saved, current, resumed_from)
         keep_pipeline_copy(pipeline, paths)
         if paths.single_store_buffer:
             extra = sorted(k for k in shards if k != 0)

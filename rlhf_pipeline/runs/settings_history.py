@@ -26,32 +26,39 @@ def trains_with(key: str) -> bool:
 def settings_in_force(store: Any, saved: dict[str, Any], step: int) -> dict[str, Any]:
     """``saved`` (a run's ``settings.json``) with the training settings the steps after ``step`` were
     trained with, as the run's history (in ``store``) records them."""
-    entry = _entry_in_force(_entries(store), step)
-    if entry is None:
-        return saved
-    in_force = copy.deepcopy(saved)
-    for key, value in entry["settings"].items():
-        *sections, name = key.split(".")
-        target = in_force
-        for section in sections:
-            target = target.setdefault(section, {})
-        target[name] = value
-    return in_force
+    return _in_force(saved, history_entries(store), step)
 
 
-def record_resume(store: Any, saved: dict[str, Any], in_force: dict[str, Any], settings_json: dict[str, Any],
-                  step: int) -> None:
+def record_resume(store: Any, saved: dict[str, Any], settings_json: dict[str, Any], step: int) -> None:
     """Appends the training settings of ``settings_json`` (a resume's, as JSON) to the history when they
-    are not those ``in_force`` at ``step``, the checkpoint step it trains on from (0: from the start). An
+    are not those in force at ``step``, the checkpoint step it trains on from (0: from the start). An
     entry holds those that differ from ``saved`` (``settings.json``): the others are its."""
+    from rlhf_pipeline.files.run_store import StaleWriterError
+
     now = {key: value for key, value in flat_settings(settings_json).items() if trains_with(key)}
-    if now == {key: value for key, value in flat_settings(in_force).items() if trains_with(key)}:
-        return
     started = flat_settings(saved)
     differing = {key: value for key, value in now.items() if key not in started or started[key] != value}
-    entries = _entries(store) + [{"after_step": int(step), "settings": differing}]
-    store.write(HISTORY_KEY, json.dumps({"format": HISTORY_FORMAT, "entries": entries}, indent=2,
-                                        sort_keys=True).encode())
+    for _ in range(3):  # the data-parallel ranks of one start, on other machines, may write it meanwhile
+        raw = store.read(HISTORY_KEY)  # on object storage the write below is refused if another wrote since
+        entries = _entries(raw, store)
+        in_force = flat_settings(_in_force(saved, entries, step))
+        if now == {key: value for key, value in in_force.items() if trains_with(key)}:
+            return
+        body = json.dumps({"format": HISTORY_FORMAT, "entries": entries + [{"after_step": int(step),
+                                                                            "settings": differing}]},
+                          indent=2, sort_keys=True).encode()
+        try:
+            store.write(HISTORY_KEY, body) if raw is not None else store.create(HISTORY_KEY, body)
+            return
+        except StaleWriterError:
+            continue
+    raise StaleWriterError(f"{store.describe(HISTORY_KEY)} kept changing while this start recorded its settings")
+
+
+def history_entries(store: Any) -> list[dict[str, Any]]:
+    """The run's resumes with other training settings, oldest first: ``{"after_step": N, "settings":
+    {dotted name: value, for those that differ from settings.json}}``."""
+    return _entries(store.read(HISTORY_KEY), store)
 
 
 def flat_settings(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -65,14 +72,21 @@ def flat_settings(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def history_entries(store: Any) -> list[dict[str, Any]]:
-    """The run's resumes with other training settings, oldest first: ``{"after_step": N, "settings":
-    {dotted name: value, for those that differ from settings.json}}``."""
-    return _entries(store)
+def _in_force(saved: dict[str, Any], entries: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    at_or_before = [entry for entry in entries if entry["after_step"] <= step]
+    if not at_or_before:
+        return saved
+    in_force = copy.deepcopy(saved)
+    for key, value in at_or_before[-1]["settings"].items():
+        *sections, name = key.split(".")
+        target = in_force
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[name] = value
+    return in_force
 
 
-def _entries(store: Any) -> list[dict[str, Any]]:
-    raw = store.read(HISTORY_KEY)
+def _entries(raw: bytes | None, store: Any) -> list[dict[str, Any]]:
     if raw is None:
         return []
     history = json_object(raw)
@@ -81,10 +95,5 @@ def _entries(store: Any) -> list[dict[str, Any]]:
             isinstance(entry, dict) and isinstance(entry.get("after_step"), int)
             and isinstance(entry.get("settings"), dict) for entry in entries):
         raise StateFileError(f"{store.describe(HISTORY_KEY)} is damaged (not the history this library writes); "
-                         f"restore it from a copy, or delete it to take settings.json's settings for every step")
+                             f"restore it from a copy, or delete it to take settings.json's settings for every step")
     return entries
-
-
-def _entry_in_force(entries: list[dict[str, Any]], step: int) -> dict[str, Any] | None:
-    at_or_before = [entry for entry in entries if entry["after_step"] <= step]
-    return at_or_before[-1] if at_or_before else None

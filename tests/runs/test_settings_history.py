@@ -17,7 +17,7 @@ def resumed(lr: float, *, batch_size: int = 16, max_lag: int = 1) -> dict:
 
 def resume(store, settings: dict, step: int) -> None:
     """What a resume from the checkpoint of ``step`` does: reads what is in force there, records its own."""
-    record_resume(store, STARTED, settings_in_force(store, STARTED, step), settings, step)
+    record_resume(store, STARTED, settings, step)
 
 
 def lr_after(store, step: int) -> float:
@@ -67,3 +67,19 @@ def test_a_damaged_history_is_refused_naming_the_file_and_the_way_out(tmp_path):
     store.write(HISTORY_KEY, b'{"format": 1, "entries": [{"after_step": "four"}]}')
     with pytest.raises(StateFileError, match=rf"{HISTORY_KEY} is damaged.*delete it"):
         settings_in_force(store, STARTED, 4)
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_starts_recording_one_resume_at_once_on_object_storage_record_it_once(run_home):
+    """The data-parallel ranks of one start on other machines prepare the run at once, each with a run store
+    of its own: a history written by another since one read it is read again, not refused (an object
+    store's write is fenced), and the resume is recorded once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+
+    stores = [ObjectRunStore(f"{run_home}/ranks") for _ in range(6)]
+    with ThreadPoolExecutor(len(stores)) as pool:
+        list(pool.map(lambda store: resume(store, resumed(1e-3), 4), stores))  # raises what any raised
+    entries = json.loads(stores[0].read(HISTORY_KEY))["entries"]
+    assert entries == [{"after_step": 4, "settings": {"learner.lr": 1e-3}}]
