@@ -35,9 +35,9 @@ from rlhf_pipeline.runs.lineage import (
     resolved_location,
 )
 from rlhf_pipeline.runs.run_directory import RunError
-from rlhf_pipeline.runs.settings_history import flat_settings, settings_in_force
+from rlhf_pipeline.runs.settings_history import flat_settings, settings_in_force, trains_with
 
-# settings a branch may change: what a resumed run may change (runs/run_directory.py), learner.* included
+# settings a branch may change beside the training settings (learner.*, max_lag), as a resumed run may
 _CHANGEABLE = ("steps", "device")
 _LOGS = ("metrics.jsonl", "batches.jsonl")
 
@@ -189,10 +189,11 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
         key = item.split("=", 1)[0].strip()
         if "=" not in item:
             raise BranchError(f"--set expects key=value, got {item!r}")
-        if not (key.startswith("learner.") or key in _CHANGEABLE):
+        if not (trains_with(key) or key in _CHANGEABLE):
             raise BranchError(
                 f"--set {key}: cannot change at a branch point; the parent's rows up to the branch step were made "
-                f"with it (only learner.* settings, steps and device may change). Start a new run to change it")
+                f"with it (only learner.* settings, max_lag, steps and device may change). Start a new run to "
+                f"change it")
     if not overrides:
         return saved, []
     from rlhf_pipeline.pipeline import PipelineError, make_settings, settings_to_json

@@ -211,6 +211,10 @@ def test_what_cannot_change_or_is_not_kept_is_refused_in_one_line(runs, capsys, 
     assert main(["branch", str(parent), "--from-step", "6", str(tmp_path / "b"), "--set", "learner.lr=fast"]) == 2
     assert "learner.lr" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()  # a refused branch leaves nothing behind
+    # how far a collector may run ahead is the branch's to choose, as a resume's
+    assert main(["branch", str(parent), "--from-step", "6", str(tmp_path / "paced"), "--set", "max_lag=0"]) == 0
+    assert "max_lag: was 1, now 0" in capsys.readouterr().err
+    assert json.loads((tmp_path / "paced" / "settings.json").read_text())["max_lag"] == 0
 
 
 def test_a_branch_whose_parent_is_gone_is_refused_online_in_one_line(tmp_path, capsys):
