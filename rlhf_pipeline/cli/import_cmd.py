@@ -140,7 +140,8 @@ def _import_into(args: argparse.Namespace, run, options) -> int:
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.dataio.sources import SourceError
     from rlhf_pipeline.files.run_store import RunStoreError, StaleWriterError
-    from rlhf_pipeline.pipeline import PipelineError, RunPaths, load_pipeline_module, make_settings
+    from rlhf_pipeline.pipeline import (PipelineError, RunPaths, load_pipeline_module, make_settings,
+                                        zarr_where_the_buffer_is_a_url)
     from rlhf_pipeline.runs.processes import build_pipeline, set_threads
     from rlhf_pipeline.storage import StoreError
 
@@ -155,7 +156,8 @@ def _import_into(args: argparse.Namespace, run, options) -> int:
                 raise CommandRefused("pass --pipeline PIPELINE.py: its tokenizer, model and write path shape the rows")
             module = load_pipeline_module(args.pipeline)
             overrides = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
-            settings = make_settings(module, overrides)
+            settings = make_settings(module, zarr_where_the_buffer_is_a_url(overrides,
+                                                                             run_at_a_url="://" in args.buffer))
             home = args.buffer.rstrip("/").rsplit("/", 1)[0] if "://" in args.buffer else None
             pipeline = build_pipeline(module, settings, RunPaths.at_url(home) if home else
                                       RunPaths(Path(args.buffer).resolve().parent))

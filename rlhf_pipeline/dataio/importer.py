@@ -227,7 +227,8 @@ def _open_or_create(pipeline: Pipeline, path: Path | str):
             backend = getattr(pipeline.settings, "buffer_backend", None)
             if isinstance(backend, str) and backend != "zarr":  # before a memmap store makes a local "s3:"
                 raise PipelineError(f"{path} is a URL, where only a Zarr buffer can live, but setting "
-                                    f"'buffer_backend' is {backend!r}: add --set buffer_backend=zarr")
+                                    f"'buffer_backend' is {backend!r}: leave it unset (Zarr is the default at a "
+                                    f"URL) or --set buffer_backend=zarr")
             return _created_at_url(pipeline.create_buffer(path), path), True
         return open_store(path, mode="a"), False
     path = Path(path)

@@ -162,18 +162,19 @@ def test_an_import_into_a_run_at_a_url_killed_midway_resumes_without_duplicates(
 
 
 def test_an_import_into_a_store_at_a_url_outside_a_run(s3_server, env, tmp_path, monkeypatch, capsys):
-    """A bare Zarr store at a URL: created by the pipeline's create_buffer, its import record under
-    ``<store>/imports/``; a memmap setting is refused before anything is made."""
+    """A bare Zarr store at a URL: created by the pipeline's create_buffer (Zarr without being told: only
+    Zarr lives at a URL), its import record under ``<store>/imports/``; a memmap setting is refused before
+    anything is made."""
     monkeypatch.chdir(tmp_path)
     source = write_jsonl(tmp_path / "toy.jsonl", 2, log_probs=True)
     url = s3_server.url("store")
     settings = [a for s in SMALL if not s.startswith("buffer_backend") for a in ("--set", s)]
-    assert main(["import", str(source), url, "--pipeline", DEFAULT, "--quiet", *settings]) == 2
+    assert main(["import", str(source), url, "--pipeline", DEFAULT, "--quiet", *settings,
+                 "--set", "buffer_backend=memmap"]) == 2
     assert "only a Zarr buffer can live, but setting 'buffer_backend' is 'memmap'" in capsys.readouterr().err
     assert s3_server.keys(url) == [] and not any(p.name.endswith(":") for p in tmp_path.rglob("*"))
 
-    assert main(["import", str(source), url, "--pipeline", DEFAULT, "--quiet", *settings,
-                 "--set", "buffer_backend=zarr"]) == 0
+    assert main(["import", str(source), url, "--pipeline", DEFAULT, "--quiet", *settings]) == 0
     assert len(rows_of(url)) == 8
     assert any(k.startswith("imports/import-") for k in s3_server.keys(url))
     assert main(["import", str(source), url, "--pipeline", DEFAULT, *settings, "--set", "buffer_backend=zarr"]) == 0
