@@ -165,17 +165,22 @@ def run_lineage(run: str | Path) -> dict[str, Any]:
     its branches and the branches left half-made beside it."""
     from rlhf_pipeline.files.run_paths import RunPaths
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.files.state_files import StateFileError
     from rlhf_pipeline.runs.settings_history import history_entries
 
     location = resolved_location(str(run)).rstrip("/")
     paths = RunPaths.at(location)
     parent = read_parent(paths.store)
+    try:
+        resumed_with: list[dict[str, Any]] | str = history_entries(paths.store)
+    except StateFileError as exc:  # said in its place: the rest of what inspect shows stands
+        resumed_with = str(exc)
     records = branch_records(location, half_made=True)
     home = home_of(location)[0]
     return {
         "run": location,
         "rewind_points": run_checkpoints(paths).rewind_points(),
-        "resumed_with": history_entries(paths.store),
+        "resumed_with": resumed_with,
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", [])},
         "branches": [{"run": b["run"], "step": b["step"], **what_branch_reads(b, location, home)}
@@ -231,6 +236,9 @@ def format_lineage(lineage: dict[str, Any]) -> str:
         version = f"  policy version {point['policy_version']}" if "policy_version" in point else ""
         lines.append(f"  step {point['step']}{version}{where}")
     resumes = lineage.get("resumed_with") or []
+    if isinstance(resumes, str):  # the history is damaged: what it says instead
+        lines.append(f"resumed with other training settings  unknown: {resumes}")
+        resumes = []
     if resumes:
         lines.append(f"resumed with other training settings  {len(resumes)} (settings.json has the first start's)")
     for resume in resumes:

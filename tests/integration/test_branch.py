@@ -442,6 +442,14 @@ def test_a_run_resumed_with_another_learning_rate_records_it_once_for_its_branch
     assert "  after step 8: learner.lr=0.001\n" in out
     assert main(["branch", str(resumed), "--from-step", "8", "continued"]) == 0
     assert json.loads((tmp_path / "continued" / "settings.json").read_text())["learner"]["lr"] == 0.001
+    # damaged: inspect says so in its place and shows the rest; a branch, which needs it, is refused
+    (resumed / "settings_history.json").write_text('{"entries": 3}')
+    assert main(["inspect", str(resumed)]) == 0
+    out = capsys.readouterr().out
+    assert "resumed with other training settings  unknown: " in out and "rewind points" in out, out
+    assert main(["branch", str(resumed), "--from-step", "8", "refused"]) == 2
+    assert "settings_history.json is damaged" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_run_is_named_by_its_name_under_the_home_from_any_directory(online_parent, tmp_path, monkeypatch,
