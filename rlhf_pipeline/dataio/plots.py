@@ -2,7 +2,8 @@
 
 One PNG per chart plus ``overview.png``; raw values faint, a moving average solid. Replays are
 left out of the staleness chart (a chart of their recorded versions instead); a branch is drawn
-from its branch step on. A run evaluated on held-out sets (``eval/metrics.jsonl``) gets one chart per
+from its branch step on (a dotted line), and a resume that changed the training settings is a dashed
+line at its step. A run evaluated on held-out sets (``eval/metrics.jsonl``) gets one chart per
 evaluation, ``eval_<name>.png``: its ``pass@1``, ``pass@k`` and ``mean_score`` beside the training
 reward on the same learner-step axis, so a training reward that rises while the held-out score stays
 flat shows at a glance. Design: docs/architecture.md#rows-in-and-out.
@@ -43,6 +44,7 @@ class RunMetrics:
     lead_in: list[dict] = field(default_factory=list)
     """A branch drawn beside its parent: its records before the branch step (the parent's, which the
     parent draws). Not drawn; they only seed the moving average of ``records``."""
+    resumed_at: tuple[int, ...] = ()  # steps after which a resume trained with other settings (settings_history)
 
 
 CHARTS: tuple[Chart, ...] = (
@@ -186,8 +188,24 @@ def load_runs(run_dirs: list[str | Path]) -> dict[str, RunMetrics]:
             if drawn_as in resolved:  # the parent draws the steps before (a parent at a URL: from its cache)
                 lead_in = [r for r in records if r["step"] < step]
                 records = [r for r in records if r["step"] >= step]
-        data[label] = RunMetrics(run_kind(run), records, step, lead_in)
+        data[label] = RunMetrics(run_kind(run), records, step, lead_in, _resumed_at(run, step or 0))
     return data
+
+
+def _resumed_at(run: Path, since: int) -> tuple[int, ...]:
+    """The steps after which ``run`` was resumed with other training settings, past ``since``; none
+    where its history is damaged (``inspect RUN`` says so)."""
+    from rlhf_pipeline.files.run_store import LocalRunStore
+    from rlhf_pipeline.files.state_files import StateFileError
+    from rlhf_pipeline.runs.settings_history import history_entries
+
+    if not run.is_dir():
+        return ()
+    try:
+        return tuple(sorted({entry["after_step"] for entry in history_entries(LocalRunStore(run))
+                             if entry["after_step"] > since}))
+    except StateFileError:
+        return ()
 
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
@@ -287,6 +305,8 @@ def _draw(ax, chart: Chart, data: dict[str, RunMetrics], colors: list[str], comp
                 ax.plot(steps, values, style, color=color, marker="o", markersize=3, linewidth=1.5, label=name)
         if run.branch_step is not None:
             ax.axvline(run.branch_step, color=color, linestyle=":", linewidth=1)
+        for step in run.resumed_at:
+            ax.axvline(step, color=color, linestyle="--", linewidth=0.8, alpha=0.6)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers

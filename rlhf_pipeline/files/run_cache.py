@@ -28,7 +28,8 @@ def local_copy(location: str | Path) -> Path:
     if store.read("settings.json") is None and not store.list("metrics.jsonl" + PARTS):
         raise RunLocationError(f"{paths.url} holds no run (no settings.json, no metrics): give the URL a run "
                                 f"was started at, --home URL plus its --run-name")
-    for key in ("settings.json", "pipeline.py", "branch.json"):  # branch.json: plot draws a branch from its step
+    # branch.json and settings_history.json: plot marks a branch's step and a resume's
+    for key in ("settings.json", "pipeline.py", "branch.json", "settings_history.json"):
         _copy(store, cache, key)
     _join_log(store, cache, "metrics.jsonl")
     for name in store.list("collector"):

@@ -176,3 +176,23 @@ def test_a_runs_held_out_scores_are_charted_beside_its_training_reward_on_the_sa
         key = f"eval/held_out-k2-t1-n8/{stat}"
         assert drawn[f"r (held-out {stat})"] == ([0, 2, 4], [r[key] for r in evaluated])  # the same step axis
     assert [r["step"] for r in evaluated] == [0, 2, 4]
+
+
+def test_a_resume_with_other_training_settings_is_marked_at_its_step(tmp_path):
+    """A run resumed with another learning rate at step 4 and back to its first at 8 (settings_history.json):
+    each chart draws a dashed line at those steps, where its curves may bend for it."""
+    pytest.importorskip("matplotlib")
+    from rlhf_pipeline.dataio.plots import chart_figure, load_runs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, "charts/reward_mean": 0.1 * step}) + "\n"
+                                               for step in range(1, 13)))
+    entries = [{"after_step": 4, "settings": {"learner.lr": 0.01}}, {"after_step": 8, "settings": {}}]
+    (run / "settings_history.json").write_text(json.dumps({"format": 1, "entries": entries}))
+    drawn = load_runs([run])
+    assert [data.resumed_at for data in drawn.values()] == [(4, 8)]
+    figure = chart_figure(CHARTS_DRAWN[0], drawn)
+    assert [line.get_xdata()[0] for line in figure.axes[0].lines if line.get_linestyle() == "--"] == [4, 8]
+    (run / "settings_history.json").write_text("damaged")  # inspect says so; the charts are drawn without marks
+    assert [data.resumed_at for data in load_runs([run]).values()] == [()]
