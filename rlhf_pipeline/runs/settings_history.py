@@ -31,7 +31,8 @@ def settings_in_force(store: Any, saved: dict[str, Any], step: int) -> dict[str,
 
 def record_resume(store: Any, saved: dict[str, Any], settings_json: dict[str, Any], step: int) -> None:
     """Appends the training settings of ``settings_json`` (a resume's, as JSON) to the history when they
-    are not those in force at ``step``, the checkpoint step it trains on from (0: from the start). An
+    are not those in force at ``step``, the checkpoint step it trains on from (0: from the start), or when
+    an entry is past ``step`` (its newer checkpoints are gone: this start trains those steps again). An
     entry holds those that differ from ``saved`` (``settings.json``): the others are its."""
     from rlhf_pipeline.files.run_store import StaleWriterError
 
@@ -42,7 +43,8 @@ def record_resume(store: Any, saved: dict[str, Any], settings_json: dict[str, An
         raw = store.read(HISTORY_KEY)  # on object storage the write below is refused if another wrote since
         entries = _entries(raw, store)
         in_force = flat_settings(_in_force(saved, entries, step))
-        if now == {key: value for key, value in in_force.items() if trains_with(key)}:
+        superseded = any(entry["after_step"] > step for entry in entries)
+        if now == {key: value for key, value in in_force.items() if trains_with(key)} and not superseded:
             return
         body = json.dumps({"format": HISTORY_FORMAT, "entries": entries + [{"after_step": int(step),
                                                                             "settings": differing}]},

@@ -54,6 +54,15 @@ def test_a_resume_from_an_older_checkpoint_supersedes_the_later_ones_it_trained_
     assert settings_in_force(store, STARTED, 5)["learner"]["batch_size"] == 16
 
 
+def test_a_resume_from_before_a_later_entry_is_recorded_even_with_the_settings_in_force_there(tmp_path):
+    """Resumed at 8 with another learning rate, then (its checkpoints past 6 deleted) from 6 with the first
+    one, which is in force at 6: the steps after 6 were trained again with it, past the entry at 8 too."""
+    store = LocalRunStore(tmp_path)
+    resume(store, resumed(1e-3), 8)
+    resume(store, STARTED, 6)
+    assert [lr_after(store, step) for step in (7, 8, 12)] == [3e-4, 3e-4, 3e-4]
+
+
 def test_a_resume_back_to_the_first_settings_is_recorded_too(tmp_path):
     store = LocalRunStore(tmp_path)
     resume(store, resumed(1e-3, max_lag=0), 4)
