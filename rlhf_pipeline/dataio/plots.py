@@ -197,7 +197,7 @@ def _resumed_at(run: Path, since: int) -> tuple[int, ...]:
     where its history is damaged (``inspect RUN`` says so)."""
     from rlhf_pipeline.files.run_store import LocalRunStore
     from rlhf_pipeline.files.state_files import StateFileError
-    from rlhf_pipeline.runs.settings_history import history_entries
+    from rlhf_pipeline.files.settings_history import history_entries
 
     if not run.is_dir():
         return ()

@@ -67,9 +67,16 @@ class KeepBest:
 
 
 def recorded_keep_best(store: RunStore) -> KeepBest | None:
-    """The ``learner.keep_best`` of the run at ``store``, from its ``settings.json`` (None: off, or no
-    readable settings)."""
+    """The ``learner.keep_best`` of the run at ``store``, from its ``settings.json`` and what its latest
+    start changed (``settings_history.json``) (None: off, or no readable settings)."""
+    from rlhf_pipeline.files.settings_history import NEWEST, settings_in_force
+    from rlhf_pipeline.files.state_files import StateFileError
+
     settings = json_object(store.read("settings.json")) or {}
+    try:
+        settings = settings_in_force(store, settings, NEWEST)
+    except StateFileError:  # a damaged history: settings.json's (inspect RUN says it is damaged)
+        pass
     learner, evaluation = settings.get("learner") or {}, settings.get("eval") or {}
     metric = learner.get("keep_best") if isinstance(learner, dict) else None
     if not isinstance(metric, str) or not metric or not isinstance(evaluation, dict):

@@ -35,7 +35,7 @@ from rlhf_pipeline.runs.lineage import (
     resolved_location,
 )
 from rlhf_pipeline.runs.run_directory import RunError
-from rlhf_pipeline.runs.settings_history import flat_settings, settings_in_force, trains_with
+from rlhf_pipeline.files.settings_history import flat_settings, settings_in_force, trains_with
 
 # settings a branch may change beside the training settings (learner.*, max_lag), as a resumed run may
 _CHANGEABLE = ("steps", "device")

@@ -26,7 +26,7 @@ def recorded_sets(settings: dict[str, Any], module: Any) -> list[str]:
     from the default of the pipeline ``module``, in the form ``--set`` parses, sorted by key.
     Checked by applying them: a value ``--set`` cannot give back raises ``ValueError`` naming it."""
     from rlhf_pipeline.pipeline import make_settings, settings_to_json
-    from rlhf_pipeline.runs.settings_history import flat_settings
+    from rlhf_pipeline.files.settings_history import flat_settings
 
     wanted = flat_settings({k: v for k, v in settings.items() if k != "replay"})
 

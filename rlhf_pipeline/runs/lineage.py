@@ -166,7 +166,7 @@ def run_lineage(run: str | Path) -> dict[str, Any]:
     from rlhf_pipeline.files.run_paths import RunPaths
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
     from rlhf_pipeline.files.state_files import StateFileError
-    from rlhf_pipeline.runs.settings_history import history_entries
+    from rlhf_pipeline.files.settings_history import history_entries
 
     location = resolved_location(str(run)).rstrip("/")
     paths = RunPaths.at(location)

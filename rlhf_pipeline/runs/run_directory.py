@@ -26,11 +26,11 @@ from rlhf_pipeline.files.atomic import fsync_dir
 from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
-from rlhf_pipeline.runs.settings_history import flat_settings, record_resume, settings_in_force, trains_with
+from rlhf_pipeline.files.settings_history import flat_settings, record_resume, settings_in_force, trains_with
 from rlhf_pipeline.storage.locking import pid_running
 
 # settings that may change between starts of one run; the training settings (learner.*, max_lag: recorded
-# per resume, runs/settings_history.py) and a section's RESUMABLE ones may too, with a note; the rest define
+# per resume, files/settings_history.py) and a section's RESUMABLE ones may too, with a note; the rest define
 # the data in the buffer and must match (the buffer's writer lock does not; eval.* says what is evaluated)
 _RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "max_lag", "eval"}
 
@@ -224,7 +224,7 @@ def prepare_run(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,
 def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int] = (0,), *,
                           trains: bool = True) -> None:
     """``settings.json`` (checked against a previous start; with ``trains``, a resume's changed training
-    settings recorded: runs/settings_history.py), the pipeline file's copy (compared with the file given,
+    settings recorded: files/settings_history.py), the pipeline file's copy (compared with the file given,
     :mod:`rlhf_pipeline.runs.pipeline_copy`) and the buffer shards of ``shards``; no model."""
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)

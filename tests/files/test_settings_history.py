@@ -1,4 +1,4 @@
-"""runs/settings_history.py: which training settings each stretch of a run's steps was trained with."""
+"""files/settings_history.py: which training settings each stretch of a run's steps was trained with."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 
 from rlhf_pipeline.files.run_store import LocalRunStore
 from rlhf_pipeline.files.state_files import StateFileError
-from rlhf_pipeline.runs.settings_history import HISTORY_KEY, record_resume, settings_in_force
+from rlhf_pipeline.files.settings_history import HISTORY_KEY, record_resume, settings_in_force
 
 STARTED = {"seed": 3, "max_lag": 1, "learner": {"lr": 3e-4, "batch_size": 16, "loss": {"kl_coef": 0.0}}}
 
@@ -92,3 +92,19 @@ def test_starts_recording_one_resume_at_once_on_object_storage_record_it_once(ru
         list(pool.map(lambda store: resume(store, resumed(1e-3), 4), stores))  # raises what any raised
     entries = json.loads(stores[0].read(HISTORY_KEY))["entries"]
     assert entries == [{"after_step": 4, "settings": {"learner.lr": 1e-3}}]
+
+
+def test_the_best_checkpoints_rule_is_the_one_the_latest_start_trains_with(tmp_path):
+    """``learner.keep_best`` (which checkpoint ``branch --from-step best``, the evaluator and retention keep)
+    is read with the resumes' changes: one set on resume is seen, and its damaged history falls back to
+    settings.json."""
+    from rlhf_pipeline.learn.keep_best import recorded_keep_best
+
+    store = LocalRunStore(tmp_path)
+    started = {**STARTED, "learner": {**STARTED["learner"], "keep_best": None}, "eval": {"every_steps": 2}}
+    store.write("settings.json", json.dumps(started).encode())
+    assert recorded_keep_best(store) is None
+    record_resume(store, started, {**started, "learner": {**started["learner"], "keep_best": "eval/math/pass@1"}}, 4)
+    assert recorded_keep_best(store).metric == "eval/math/pass@1"
+    store.write(HISTORY_KEY, b"damaged")
+    assert recorded_keep_best(store) is None

@@ -16,6 +16,7 @@ from rlhf_pipeline.files.state_files import StateFileError
 
 HISTORY_KEY = "settings_history.json"
 HISTORY_FORMAT = 1
+NEWEST = 2**62  # a step past every step: what the latest start trains with
 
 
 def trains_with(key: str) -> bool:
