@@ -196,8 +196,8 @@ def _resumed_at(run: Path, since: int) -> tuple[int, ...]:
     """The steps after which ``run`` was resumed with other training settings, past ``since``; none
     where its history is damaged (``inspect RUN`` says so)."""
     from rlhf_pipeline.files.run_store import LocalRunStore
-    from rlhf_pipeline.files.state_files import StateFileError
     from rlhf_pipeline.files.settings_history import history_entries
+    from rlhf_pipeline.files.state_files import StateFileError
 
     if not run.is_dir():
         return ()

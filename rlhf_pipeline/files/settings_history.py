@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
+from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.files.state_files import StateFileError
 
 HISTORY_KEY = "settings_history.json"
@@ -35,8 +36,6 @@ def record_resume(store: Any, saved: dict[str, Any], settings_json: dict[str, An
     are not those in force at ``step``, the checkpoint step it trains on from (0: from the start), or when
     an entry is past ``step`` (its newer checkpoints are gone: this start trains those steps again). An
     entry holds those that differ from ``saved`` (``settings.json``): the others are its."""
-    from rlhf_pipeline.files.run_store import StaleWriterError
-
     now = {key: value for key, value in flat_settings(settings_json).items() if trains_with(key)}
     started = flat_settings(saved)
     differing = {key: value for key, value in now.items() if key not in started or started[key] != value}
@@ -75,17 +74,21 @@ def flat_settings(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def set_dotted(settings: dict[str, Any], key: str, value: Any) -> None:
+    """Sets the dotted setting ``key`` (``learner.loss.kl_coef``) in settings JSON, making its sections."""
+    *sections, name = key.split(".")
+    for section in sections:
+        settings = settings.setdefault(section, {})
+    settings[name] = value
+
+
 def _in_force(saved: dict[str, Any], entries: list[dict[str, Any]], step: int) -> dict[str, Any]:
     at_or_before = [entry for entry in entries if entry["after_step"] <= step]
     if not at_or_before:
         return saved
     in_force = copy.deepcopy(saved)
     for key, value in at_or_before[-1]["settings"].items():
-        *sections, name = key.split(".")
-        target = in_force
-        for section in sections:
-            target = target.setdefault(section, {})
-        target[name] = value
+        set_dotted(in_force, key, value)
     return in_force
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
+from rlhf_pipeline.files.settings_history import flat_settings, set_dotted, settings_in_force, trains_with
 from rlhf_pipeline.files.state_files import StateFileError
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
@@ -35,7 +36,6 @@ from rlhf_pipeline.runs.lineage import (
     resolved_location,
 )
 from rlhf_pipeline.runs.run_directory import RunError
-from rlhf_pipeline.files.settings_history import flat_settings, settings_in_force, trains_with
 
 # settings a branch may change beside the training settings (learner.*, max_lag), as a resumed run may
 _CHANGEABLE = ("steps", "device")
@@ -207,10 +207,7 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
     was, now = flat_settings(saved), flat_settings(updated)
     for item in overrides:
         key = item.split("=", 1)[0].strip()
-        target = settings
-        for part in key.split(".")[:-1]:
-            target = target.setdefault(part, {})
-        target[key.rpartition(".")[2]] = now.get(key)
+        set_dotted(settings, key, now.get(key))
         if was.get(key) != now.get(key):
             changed.append(f"{key}: was {was.get(key)!r}, now {now.get(key)!r}")
     return settings, changed

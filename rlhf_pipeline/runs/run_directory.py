@@ -24,9 +24,9 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import fsync_dir
 from rlhf_pipeline.files.run_store import StaleWriterError
+from rlhf_pipeline.files.settings_history import flat_settings, record_resume, settings_in_force, trains_with
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
-from rlhf_pipeline.files.settings_history import flat_settings, record_resume, settings_in_force, trains_with
 from rlhf_pipeline.storage.locking import pid_running
 
 # settings that may change between starts of one run; the training settings (learner.*, max_lag: recorded
