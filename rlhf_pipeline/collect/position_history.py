@@ -8,7 +8,7 @@ Design: docs/branching.md#continuing-online.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +42,14 @@ class PositionHistory:
     ``kept()``: ``(rows, policy_version)`` of each kept checkpoint: the row count it recorded for
     this collector's shard and its policy version (None: no checkpoint yet, nothing is pruned).
     ``weights_file(version)``: the run's weights file of a version (a run directory), whose hard
-    link the history keeps; None keeps none. ``weights_object(version)``: at a URL, the key of the
-    run's weights object of a version (None: gone), which the history copies."""
+    link the history keeps; None keeps none. ``weights_object(version)``: at a URL, the keys the
+    run's weights object of a version may have, likeliest first (the history copies the first that
+    exists; none: gone)."""
 
     def __init__(self, run_store: RunStore, prefix: str,
                  kept: Callable[[], list[tuple[int, int]] | None] = lambda: None,
                  weights_file: Callable[[int], Path] | None = None,
-                 weights_object: Callable[[int], str | None] | None = None) -> None:
+                 weights_object: Callable[[int], Iterable[str]] | None = None) -> None:
         self._store = run_store
         self._prefix = prefix.strip("/")
         self._kept = kept
@@ -106,21 +107,23 @@ class PositionHistory:
         run directory, a server-side copy at a URL); nothing when the learner pruned them first."""
         if self._weights_file is not None:
             path = self._weights_file(version)
-            source, key = LocalRunStore(path.parent), path.name
+            source, keys = LocalRunStore(path.parent), [path.name]
         elif self._weights_object is not None:
-            source, key = self._store, self._weights_object(version)
+            source, keys = self._store, self._weights_object(version)
         else:
             return
-        if key is None:
-            return  # pruned by the learner before this round was committed
-        suffix = Path(key).suffix if Path(key).suffix in (".safetensors", ".pt") else ""
-        target = f"{self._prefix}/{_WEIGHTS_PREFIX}{int(version):08d}{suffix}"
-        try:
-            if not self._store.exists(target):
-                self._store.copy(key, target, source=source)
-        except FileNotFoundError:
-            return  # pruned between the listing and the copy
-        self._copied.add(int(version))
+        for key in keys:
+            suffix = Path(key).suffix if Path(key).suffix in (".safetensors", ".pt") else ""
+            target = f"{self._prefix}/{_WEIGHTS_PREFIX}{int(version):08d}{suffix}"
+            try:
+                # a link replaces its target before it is made: one kept already is not risked on a pruned
+                # source. A server-side copy replaces it only once made, so at a URL no HEAD goes first
+                if self._weights_file is None or not self._store.exists(target):
+                    self._store.copy(key, target, source=source)
+            except FileNotFoundError:
+                continue  # not under this name, or pruned by the learner before this round was committed
+            self._copied.add(int(version))
+            return
 
     def held_at(self, next_row: int) -> int | None:
         """The policy version the state at ``next_row`` held (None: no such state, or it does not say)."""

@@ -66,25 +66,33 @@ def latest_version(run: Run) -> int | None:
     return versions[-1] if versions else None
 
 
+def published_name(version: int) -> str:
+    """The name a publish gives ``version``'s object in ``weights/``."""
+    return f"policy_{version:08d}{SUFFIX}"
+
+
 def weights_path(run_dir: str | Path, version: int) -> Path:
     """The file of ``version`` in a run directory: the one on disk (either format), else where a
     publish writes it."""
-    name = _files(run_dir).get(version) or f"policy_{version:08d}{SUFFIX}"
+    name = _files(run_dir).get(version) or published_name(version)
     return weights_dir(run_dir) / name
 
 
 def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
-                    keep_last: int = 3, *, keep_versions: Collection[int] = ()) -> str:
+                    keep_last: int = 3, *, keep_versions: Collection[int] = (),
+                    listing: list[str] | None = None) -> str:
     """Writes ``state_dict`` (whole weights, or a ``PolicyAdapter``) as ``version``; ``version`` must
     exceed every published one. At a URL the version is created, never overwritten: a second learner
     publishing it is refused. The newest ``keep_last`` versions and ``keep_versions`` stay, older ones
-    are pruned (an adapter run keeps version 0, its base, for ever)."""
+    are pruned (an adapter run keeps version 0, its base, for ever). ``listing``: the caller's own
+    listing of ``weights/``, kept up to date here, in place of a LIST request each time: the learner's,
+    which alone publishes and prunes while it runs."""
     from rlhf_pipeline.models.lora import PolicyAdapter
 
     from safetensors.torch import save
 
     store = as_run_store(run)
-    listed = store.list(WEIGHTS)  # one listing: the newest version, then what to prune
+    listed = store.list(WEIGHTS) if listing is None else listing  # the newest version, then what to prune
     files = _files(store, listed)
     current = max(files, default=None)
     if current is not None and version <= current:
@@ -92,7 +100,7 @@ def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
             f"weights version {version} is not newer than the published version {current}; "
             "versions only increase"
         )
-    name = f"policy_{version:08d}{SUFFIX}"
+    name = published_name(version)
     # own copies: safetensors refuses tensors that share memory (tied embeddings), and a GPU
     # model's tensors must come to the CPU anyway
     cpu_state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
@@ -100,13 +108,18 @@ def publish_weights(run: Run, state_dict: dict[str, torch.Tensor], version: int,
     payload = save(cpu_state, metadata={**metadata, "version": str(version)})
     store.create(f"{WEIGHTS}/{name}", payload)
     files[version] = name
+    gone = []
     for old in sorted(files)[:-keep_last]:
         if old in keep_versions:
             continue
         store.delete(f"{WEIGHTS}/{files[old]}")
+        gone.append(files[old])
         legacy = Path(files[old]).with_suffix(LEGACY_SUFFIX).name
         if legacy in listed and legacy != files[old]:  # an older run's file beside it (a request less at a URL)
             store.delete(f"{WEIGHTS}/{legacy}")
+            gone.append(legacy)
+    if listing is not None:
+        listing[:] = [kept for kept in listing if kept not in gone] + [name]
     return store.describe(f"{WEIGHTS}/{name}")
 
 

@@ -122,6 +122,13 @@ class CloudObjects(ABC):
         except FileNotFoundError:
             pass
 
+    async def remove_many(self, keys: list[str]) -> None:
+        """:meth:`remove` of each of ``keys``, sent together; a cloud with a batch delete overrides it
+        (S3's DeleteObjects: one request for up to 1,000 keys)."""
+        import asyncio
+
+        await asyncio.gather(*(self.remove(key) for key in keys))
+
     @abstractmethod
     async def unconditional_delete(self, key: str) -> None:
         """The cloud's DELETE of ``key`` with no condition (what :meth:`remove` sends): raises

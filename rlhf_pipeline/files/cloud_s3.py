@@ -51,10 +51,14 @@ class S3Objects(CloudObjects):
         return merged
 
     async def _call(self, method: str, key: str, **kwargs) -> dict:
-        # s3fs's client call: public s3fs has no conditional PUT (If-None-Match / If-Match)
+        return await self._request(method, key, Key=self.key(key), **kwargs)
+
+    async def _request(self, method: str, key: str, **kwargs) -> dict:
+        """s3fs's client call (public s3fs has no conditional PUT: If-None-Match / If-Match), its
+        errors as ours; ``key`` names what it is about in them."""
         for attempt in range(_CONFLICT_RETRIES):
             try:
-                return await self.fs._call_s3(method, Bucket=self.container, Key=self.key(key), **kwargs)
+                return await self.fs._call_s3(method, Bucket=self.container, **kwargs)
             except FileNotFoundError as exc:
                 if "bucket" in str(exc).lower():
                     raise ContainerNotFoundError(
@@ -148,6 +152,17 @@ class S3Objects(CloudObjects):
 
     async def unconditional_delete(self, key: str) -> None:
         await self._call("delete_object", key)
+
+    async def remove_many(self, keys: list[str]) -> None:
+        """One DeleteObjects request per 1,000 keys (a missing key counts as deleted there too)."""
+        for start in range(0, len(keys), 1000):
+            batch = keys[start:start + 1000]
+            out = await self._request("delete_objects", batch[0], Delete={
+                "Objects": [{"Key": self.key(key)} for key in batch], "Quiet": True})
+            if out.get("Errors"):  # answered per key: the request succeeded, some deletes did not
+                first = out["Errors"][0]
+                raise OSError(f"S3 did not delete {len(out['Errors'])} of {len(batch)} objects; "
+                              f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}")
 
     async def list(self, prefix: str) -> list[str]:
         names: list[str] = []

@@ -133,6 +133,7 @@ class Learner:
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
         self._lora: LoraPolicy | None = None  # learner.lora.rank > 0: the adapter trained on version 0
         self._publication: tuple[int, Any] | None = None  # (version, the adapter) rank 0 published last
+        self._weights_listing: list[str] | None = None  # weights/ as rank 0's publishes left it (listed once)
 
     @classmethod
     def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None,
@@ -475,7 +476,7 @@ class Learner:
         return contextlib.nullcontext()
 
     def _publish(self) -> None:
-        from rlhf_pipeline.coordination.weights import publish_weights
+        from rlhf_pipeline.coordination.weights import WEIGHTS, publish_weights
 
         # the uninterrupted run's number: what a killed learner published past its checkpoint was
         # taken back at setup (_retract_versions_past_checkpoint)
@@ -493,7 +494,9 @@ class Learner:
             self._publication = (version, state if dp.sharded else None)
         if dp.is_main:  # rank 0 writes the weights
             keep = (*((0,) if base_kept else ()), *self.keep_versions_for(version))
-            publish_weights(self.paths.store, state, version, keep_versions=keep)
+            if self._weights_listing is None:  # after setup's retraction: this learner alone changes it from here
+                self._weights_listing = self.paths.store.list(WEIGHTS)
+            publish_weights(self.paths.store, state, version, keep_versions=keep, listing=self._weights_listing)
         self.progress.policy_version = version
 
     def publication(self) -> dict[str, torch.Tensor]:

@@ -7,7 +7,9 @@ again). ``docs/branching.md#continuing-online``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlhf_pipeline.files.run_store import state_store_and_key
@@ -129,6 +131,10 @@ def collector_rows(paths: Any, store: Any, shard_key: str) -> tuple[Any, int]:
     return (_RowsFrom(store, offset) if offset else store), offset
 
 
+CHECKPOINTS_RELIST_S = 5.0
+"""At a URL, how often a collector's position history looks at the run's checkpoints to prune itself."""
+
+
 def keep_position_history(paths: Any, where: Any, run_store: Any, shard_key: str) -> Any:
     """The position history of the collector whose start file is ``where`` (beside it) and whose shard
     pacing calls ``shard_key``, kept on the run's checkpoint schedule."""
@@ -140,9 +146,15 @@ def keep_position_history(paths: Any, where: Any, run_store: Any, shard_key: str
     name = buffer_rows_key(shard_key)
 
     seen: dict[tuple[int, ...], list[tuple[int, int]] | None] = {}
+    listed_at = [-math.inf]
 
     def kept() -> list[tuple[int, int]] | None:
-        # one listing per round; the records are read again only when the kept checkpoints change
+        # the records are read again only when the kept checkpoints change. A directory is listed at every
+        # append; at a URL, a request each, at most every CHECKPOINTS_RELIST_S: an older answer prunes
+        # less, never an entry a newer checkpoint names (its rows are past every older checkpoint's)
+        if seen and paths.url is not None and time.monotonic() - listed_at[0] < CHECKPOINTS_RELIST_S:
+            return next(iter(seen.values()))
+        listed_at[0] = time.monotonic()
         checkpoints = run_checkpoints(paths)
         steps = tuple(checkpoints.steps())
         if steps not in seen:
@@ -157,11 +169,17 @@ def keep_position_history(paths: Any, where: Any, run_store: Any, shard_key: str
 
     # the history links the run's weights file in a directory, copies its object at a URL: it takes the one its store uses
     return PositionHistory(store, history_key(key), kept, lambda version: weights_path(paths.root, version),
-                           weights_object=_weights_object(paths))
+                           weights_object=weights_object_keys(paths))
 
 
-def _weights_object(paths: Any) -> Any:
-    """The key of the run's weights object of a version (None once pruned), one listing each."""
-    from rlhf_pipeline.coordination.weights import WEIGHTS, published_objects
+def weights_object_keys(paths: Any) -> Any:
+    """The keys the run's weights object of a version may have: the name a publish gives it, then,
+    only if that one is not there, the one a listing finds (a run made before safetensors)."""
+    from rlhf_pipeline.coordination.weights import WEIGHTS, published_name, published_objects
 
-    return lambda version: (f"{WEIGHTS}/{name}" if (name := published_objects(paths.store).get(version)) else None)
+    def keys(version: int) -> Iterator[str]:
+        yield f"{WEIGHTS}/{published_name(version)}"
+        if (listed := published_objects(paths.store).get(version)) not in (None, published_name(version)):
+            yield f"{WEIGHTS}/{listed}"
+
+    return keys

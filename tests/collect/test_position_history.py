@@ -165,8 +165,7 @@ def test_at_a_url_the_weights_a_kept_state_sampled_with_stay_as_copies_after_the
         store.write(f"weights/policy_{version:08d}.safetensors", bytes([version]) * 8, fence=False)
     kept = [(16, 2)]
     history = PositionHistory(store, "collector/shard-0000.history", lambda: list(kept),
-                              weights_object=lambda v: f"weights/policy_{v:08d}.safetensors"
-                              if store.exists(f"weights/policy_{v:08d}.safetensors") else None)
+                              weights_object=lambda v: [f"weights/policy_{v:08d}.safetensors"])
     for round_ in range(1, 4):  # states holding versions 0, 1, 1
         history.record(8 * round_, published(round_))
     for version in range(4):
@@ -177,3 +176,28 @@ def test_at_a_url_the_weights_a_kept_state_sampled_with_stay_as_copies_after_the
     kept[:] = [(24, 3)]  # a later checkpoint: the state at 24 rows held version 1, still needed
     history.prune()
     assert history.weights_key(1) is not None and history.rows() == [24]
+
+
+def test_at_a_url_each_entry_is_one_put_and_each_new_version_one_server_side_copy(s3_server, s3_env):
+    """No HEAD before the copy (one replaces its target only once made) and no listing of weights/ to
+    find the object's name: a publish names it. A run made before safetensors has another name, found
+    by a listing only then."""
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.runs.branch_online import weights_object_keys
+
+    paths = RunPaths.at_url(s3_server.url("run"))
+    store = paths.store
+    for version in range(3):
+        store.write(f"weights/policy_{version:08d}.safetensors", bytes([version]) * 8, fence=False)
+    store.write("weights/policy_00000003.pt", b"legacy", fence=False)
+    history = PositionHistory(store, "collector/shard-0000.history",
+                              weights_object=weights_object_keys(paths))
+    with s3_server.requests.recording() as sent:
+        for round_ in range(1, 5):  # states holding versions 0, 1, 1, 2
+            history.record(8 * round_, published(round_))
+    assert sorted(method for method, _ in sent) == ["PUT"] * 7, sent  # 4 entries, 3 copies (CopyObject is a PUT)
+    with s3_server.requests.recording() as sent:
+        history.record(48, published(6))  # holds version 3, kept as an older run named it
+    assert sum("list-type=2" in path for _, path in sent) == 1, sent
+    assert [store.read(history.weights_key(version)) for version in range(4)] == [
+        bytes([0]) * 8, bytes([1]) * 8, bytes([2]) * 8, b"legacy"]

@@ -227,3 +227,22 @@ def test_a_shard_whose_creation_was_killed_is_skipped_as_being_made_and_a_damage
         open_buffer(buffer)  # the union never reads a damaged shard as one being made
     assert main(["inspect", buffer]) == 2
     assert "zarr.json is missing" in capsys.readouterr().err
+
+
+def test_a_sealed_segments_fragments_are_deleted_by_their_keys_without_a_listing(s3_server):
+    """Each fragment a seal replaces goes in one DeleteObjects naming its two objects: it was a LIST of
+    its prefix and then the delete, two requests for every append of a run."""
+    url = s3_server.url()
+    store = ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=s3_server.options)
+    for start in (0, 5):
+        store.append(checksummed_batch(start, 5))
+    with s3_server.requests.recording() as sent:
+        store.append(checksummed_batch(10, 6))  # completes the segment: sealed, its three fragments replaced
+        store.close()  # waits for the seal and the deletes
+    assert not [path for _, path in sent if "list-type=2" in path], sent
+    assert sum(method == "POST" and path.endswith("?delete") for method, path in sent) == 3, sent
+    units = {key.split("/")[1] for key in s3_server.keys(url) if key.startswith("units/") and key.count("/") > 1}
+    assert units == {"000000000000000-0000000016s"}, units  # the fragments' objects are gone
+    reader = ZarrTrajectoryStore.open(url, storage_options=s3_server.options)
+    check_rows(reader.read(torch.arange(16)))
+    reader.close()

@@ -98,7 +98,7 @@ class ZarrAppending:
         self._apply(record)
         self._cache.retain({u.name for u in units})
         for unit in dropped:
-            self._collector.delete(unit.prefix)
+            self._collector.delete(unit.prefix, self.unit_io.keys(unit))
 
     def _drop_sealed_before(self, global_row: int) -> list[DroppedSegment]:
         """Retention's drop: the sealed segments wholly before ``global_row`` leave the commit record

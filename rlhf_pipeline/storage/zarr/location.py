@@ -114,6 +114,9 @@ class LocalKV:
 
         shutil.rmtree(self.root / prefix, ignore_errors=True)
 
+    def delete_unit(self, prefix: str, keys: list[str]) -> None:
+        self.delete_prefix(prefix)  # its directory
+
     def size_of(self, prefix: str) -> int:
         total = 0
         for dirpath, _, files in os.walk(self.root / prefix):

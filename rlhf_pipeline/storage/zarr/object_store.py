@@ -157,6 +157,13 @@ class ObjectStoreKV(ZarrStoreKV):
     def delete_prefix(self, prefix: str) -> None:
         self._through_outages(f"DELETE {prefix}/", lambda: super(ObjectStoreKV, self).delete_prefix(prefix))
 
+    def delete_unit(self, prefix: str, keys: list[str]) -> None:
+        """The unit's own keys in one batch (S3: one request), not a LIST of ``prefix`` and then a
+        delete: a replaced fragment cost two requests on every append. A key the unit does not hold
+        (an empty array has no chunk) is fine to delete; anything else under ``prefix`` the next
+        writer's orphan sweep deletes."""
+        self._through_outages(f"DELETE {prefix}/", lambda: self._sync(self._answered(self.objects.remove_many(keys))))
+
     def size_of(self, prefix: str) -> int:
         return self._through_outages(f"LIST {prefix}/", lambda: super(ObjectStoreKV, self).size_of(prefix))
 

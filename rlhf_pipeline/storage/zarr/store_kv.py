@@ -74,6 +74,11 @@ class ZarrStoreKV:
     def delete_prefix(self, prefix: str) -> None:
         self._sync(self.store.delete_dir(prefix))
 
+    def delete_unit(self, prefix: str, keys: list[str]) -> None:
+        """Deletes a unit, whose ``keys`` under ``prefix`` its kind names (an object store deletes just
+        them: no listing)."""
+        self.delete_prefix(prefix)
+
     def size_of(self, prefix: str) -> int:
         async def total():
             n = 0

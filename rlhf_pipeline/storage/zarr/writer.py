@@ -120,11 +120,12 @@ class Collector:
         self._pool = None
         self._lock = threading.Lock()
 
-    def delete(self, prefix: str) -> None:
+    def delete(self, prefix: str, keys: list[str]) -> None:
+        """Deletes the unit at ``prefix``, whose ``keys`` are those :func:`.units.unit_keys` names."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zarr-store-gc")
-            self._pool.submit(self._kv.delete_prefix, prefix)
+            self._pool.submit(self._kv.delete_unit, prefix, keys)
 
     def wait(self) -> None:
         with self._lock:
