@@ -141,9 +141,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         if store.writer_state is not None and not history.has(rows.next_row):  # a kill came before its entry
             history.record(rows.next_row, store.writer_state)
         # the first round waits on this: locally a listing every millisecond at first (version 0
-        # usually comes within ~0.1 s of "go"). At a URL each poll is a LIST request, and the learner's
-        # start before it publishes took 2-3 s (48 polls every 0.05 s): backed off to 0.5 s
-        first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.5, first_s=0.05)
+        # usually comes within ~0.1 s of "go"), at a URL each poll is a request. Backed off to 0.5 s
+        # there, the 40-50 LISTs while the learner starts went, but the run took ~1 s longer and sent
+        # as many requests in all (docs/benchmarks.md, bench_run_requests.py)
+        first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
         stop_check = _StopCheck(paths, stop)
         held = held_version(saved)
         # built while the learner warm-starts: an engine with a process of its own takes tens of
