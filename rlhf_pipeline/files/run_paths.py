@@ -75,18 +75,28 @@ def default_home() -> Path | str:
     return (Path(__file__).resolve().parents[2] / "storage").resolve()
 
 
+def check_run_name(run_name: str) -> str:
+    """``run_name`` if it names one directory (or prefix) right under the home, else
+    :class:`RunLocationError`: ``--run-name ../x`` or ``/tmp/x`` wrote its run outside the home, where
+    the commands that take a run's name never look, and ``a/b`` made a run inside another's place."""
+    if run_name in ("", ".", "..") or "/" in run_name or os.sep in run_name:
+        raise RunLocationError(
+            f"--run-name {run_name!r} is not a plain name: a run's name is one directory right under --home "
+            f"(or ${HOME_ENV_VAR}); give a name without '/' and choose where with --home")
+    return run_name
+
+
 def run_dir(run_name: str, home: str | Path | None = None) -> Path:
     """Run ``run_name``'s directory under ``home`` (default :func:`default_home`); no URL."""
     base = default_home() if home is None else home
     return local_run_path(base, "--home" if home is not None else f"${HOME_ENV_VAR}") / local_run_path(
-        run_name, "--run-name")
+        check_run_name(run_name), "--run-name")
 
 
 def run_paths(run_name: str, home: str | Path | None = None) -> RunPaths:
     """Where run ``run_name`` under ``home`` (a directory, an ``s3://`` or ``az://`` URL) keeps its state."""
     local_run_path(run_name, "--run-name")
-    if "/" in run_name.strip("/") and home is not None and is_url(str(home)):
-        raise RunLocationError(f"--run-name {run_name!r} holds a '/'; give a plain name under --home")
+    check_run_name(run_name)
     base = default_home() if home is None else home
     if is_url(str(base)):
         url = check_run_url(str(base), "--home" if home is not None else f"${HOME_ENV_VAR}")

@@ -60,6 +60,20 @@ def test_a_run_at_an_az_url_keeps_its_state_in_the_container(monkeypatch, tmp_pa
         run_paths("exp1", "az://")
 
 
+@pytest.mark.parametrize("name", ["../elsewhere", "/tmp/elsewhere", "team/exp1", ".", ".."])
+def test_a_run_name_that_is_not_one_directory_under_the_home_is_refused(monkeypatch, tmp_path, name):
+    """``--run-name ../x`` trained into a directory beside the home, where no command that takes a
+    run's name looks for it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for home in (tmp_path / "home", "s3://runs/team"):
+        with pytest.raises(RunLocationError, match=r"--run-name .* is not a plain name.*--home"):
+            run_paths(name, home)
+        monkeypatch.setenv(HOME_ENV_VAR, str(home))  # the home from the environment is no different
+        with pytest.raises(RunLocationError, match="is not a plain name"):
+            run_paths(name)
+    assert not (tmp_path / "home").exists() and not (tmp_path / "elsewhere").exists()
+
+
 CANNOT_LIVE_AT = "is a URL with a scheme a run cannot live at"
 
 
@@ -69,7 +83,8 @@ CANNOT_LIVE_AT = "is a URL with a scheme a run cannot live at"
     (["replay", DEFAULT, "--buffer", "recorded", "--home", "gs://runs/team"], {}, CANNOT_LIVE_AT),
     (["export-model", "gs://runs/team/exp1", "out", "--list-versions"], {}, CANNOT_LIVE_AT),
     (["plot", "gs://runs/team/exp1", "--out", "charts"], {}, CANNOT_LIVE_AT),
-], ids=["run-home", "run-env-home", "replay-home", "export-model-run", "plot-run"])
+    (["run", DEFAULT, "--run-name", "../exp1", "--steps", "1"], {HOME_ENV_VAR: "home"}, "is not a plain name"),
+], ids=["run-home", "run-env-home", "replay-home", "export-model-run", "plot-run", "run-name-outside-home"])
 def test_commands_refuse_a_run_at_a_url_they_cannot_use_and_create_nothing(tmp_path, argv, env, message):
     result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *argv], cwd=tmp_path,
                            env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
