@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                              "the repo, or $RLHF_PIPELINE_HOME)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="change a setting at the branch point, e.g. --set learner.lr=1e-4 (repeatable; "
-                             "learner.*, steps and device only)")
+                             "what a resume may change: learner.*, max_lag, steps, device, eval.*, ray.*, "
+                             "generation.url)")
 
 
 def step_or_best(text: str) -> int | str:

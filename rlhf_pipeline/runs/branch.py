@@ -21,7 +21,7 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
-from rlhf_pipeline.files.settings_history import flat_settings, set_dotted, settings_in_force, trains_with
+from rlhf_pipeline.files.settings_history import flat_settings, set_dotted, settings_in_force
 from rlhf_pipeline.files.state_files import StateFileError
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
@@ -35,10 +35,8 @@ from rlhf_pipeline.runs.lineage import (
     read_parent,
     resolved_location,
 )
-from rlhf_pipeline.runs.run_directory import RunError
+from rlhf_pipeline.runs.run_directory import RunError, may_change_on_resume
 
-# settings a branch may change beside the training settings (learner.*, max_lag), as a resumed run may
-_CHANGEABLE = ("steps", "device")
 _LOGS = ("metrics.jsonl", "batches.jsonl")
 
 
@@ -186,25 +184,31 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
     parent's copy of its pipeline file; the learner checks the whole at its start), and what changed
     as ``key: was A, now B`` lines."""
     for item in overrides:
-        key = item.split("=", 1)[0].strip()
         if "=" not in item:
             raise BranchError(f"--set expects key=value, got {item!r}")
-        if not (trains_with(key) or key in _CHANGEABLE):
-            raise BranchError(
-                f"--set {key}: cannot change at a branch point; the parent's rows up to the branch step were made "
-                f"with it (only learner.* settings, max_lag, steps and device may change). Start a new run to "
-                f"change it")
     if not overrides:
         return saved, []
     from rlhf_pipeline.pipeline import PipelineError, make_settings, settings_to_json
     from rlhf_pipeline.runs.pipeline_copy import load_copy
 
-    try:  # the parent's own pipeline file checks each name and parses each value to its type
-        updated = settings_to_json(make_settings(load_copy(parent), overrides))
+    try:
+        module = load_copy(parent)
+        defaults, was = make_settings(module), flat_settings(saved)
+        known = flat_settings(settings_to_json(defaults))  # an unknown name is make_settings' to say below
+        for item in overrides:  # the rows so far were made with the rest: refused before their values are read
+            key, raw = (part.strip() for part in item.split("=", 1))
+            given = None if raw.lower() in ("none", "null", "") else raw
+            if key in known and not may_change_on_resume(key, defaults, was.get(key), given):
+                raise BranchError(
+                    f"--set {key}: cannot change at a branch point; the parent's rows up to the branch step were "
+                    f"made with it (what a resume may change may change here: learner.*, max_lag, steps, device, "
+                    f"eval.*, ray.*, and how the collector reaches its engine, such as generation.url). Start a new "
+                    f"run to change it")
+        # the parent's own pipeline file checks each name and parses each value to its type
+        now = flat_settings(settings_to_json(make_settings(module, overrides)))
     except (PipelineError, FileNotFoundError) as exc:
         raise BranchError(f"--set: {exc}") from None
     settings, changed = json.loads(json.dumps(saved)), []
-    was, now = flat_settings(saved), flat_settings(updated)
     for item in overrides:
         key = item.split("=", 1)[0].strip()
         set_dotted(settings, key, now.get(key))

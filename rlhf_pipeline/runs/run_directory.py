@@ -355,21 +355,31 @@ def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> lis
     """What differs between ``saved`` settings JSON and ``settings``; learner knobs and how the collector
     reaches its engine may change on resume (the data stays valid): those are printed as a note."""
     retired = _declared(settings, "REMOVED", "RENAMED")  # a setting gone or renamed since: the rows it saw stand
-    resumable = _declared(settings, "RESUMABLE")  # a section's own (generation.*: how its engine is reached)
     saved, current, defaults = (flat_settings(d) for d in (saved, settings_to_json(settings),
                                                            _default_settings(settings)))
     changed = {key: f"{key}: was {saved.get(key)!r}, now {current.get(key)!r}"
                for key in sorted(saved.keys() | current.keys())
-               if (key.split(".")[0] not in _RESUMABLE_SETTINGS or trains_with(key)) and not _named_by(key, retired)
-               and saved.get(key) != current.get(key)
+               if not _named_by(key, retired) and saved.get(key) != current.get(key)
                # a setting added to the pipeline since the run started, left at its default
                and not (key not in saved and key in defaults and current[key] == defaults[key])}
-    noted = [key for key in changed if trains_with(key) or (  # a server, not another engine: an address
-        key in resumable and (key != "generation.url" or None not in (saved.get(key), current.get(key))))]
+    allowed = {key for key in changed if may_change_on_resume(key, settings, saved.get(key), current.get(key))}
+    noted = [key for key in changed if key in allowed and (key.split(".")[0] not in _RESUMABLE_SETTINGS
+                                                           or trains_with(key))]
     if noted:
         print(f"{tag} note: settings changed since {since}: {'; '.join(changed[key] for key in noted)}",
               file=sys.stderr, flush=True)
-    return [line for key, line in changed.items() if key not in noted]
+    return [line for key, line in changed.items() if key not in allowed]
+
+
+def may_change_on_resume(key: str, settings: Any, was: Any = None, now: Any = None) -> bool:
+    """Whether a start of a run (a resume, or a branch's ``--set``) may give the dotted setting ``key``
+    another value (``was`` -> ``now``) than the rows so far were made with: the training settings
+    (recorded: files/settings_history.py), the run settings that shape no row (steps, device, Ray,
+    evaluation, lock waits), and how the collector reaches its engine (a section's ``RESUMABLE``:
+    ``generation.url`` from one address to another, not to or from none, which would change the engine)."""
+    if key.split(".")[0] in _RESUMABLE_SETTINGS or trains_with(key):
+        return True
+    return key in _declared(settings, "RESUMABLE") and (key != "generation.url" or None not in (was, now))
 
 
 def _declared(settings: Any, *tables: str, prefix: str = "") -> set[str]:

@@ -215,6 +215,18 @@ def test_what_cannot_change_or_is_not_kept_is_refused_in_one_line(runs, capsys, 
     assert main(["branch", str(parent), "--from-step", "6", str(tmp_path / "paced"), "--set", "max_lag=0"]) == 0
     assert "max_lag: was 1, now 0" in capsys.readouterr().err
     assert json.loads((tmp_path / "paced" / "settings.json").read_text())["max_lag"] == 0
+    # and whatever else a resume may change: evaluation, Ray's reservations, how the engine is reached, but
+    # never the engine itself (a server address where the parent's own loop sampled)
+    assert main(["branch", str(parent), "--from-step", "6", str(tmp_path / "evaluated"), "--set", "eval.every_steps=2",
+                 "--set", "ray.max_restarts=5"]) == 0
+    err = capsys.readouterr().err
+    assert "eval.every_steps: was 0, now 2" in err and "ray.max_restarts: was 3, now 5" in err, err
+    branch_settings = json.loads((tmp_path / "evaluated" / "settings.json").read_text())
+    assert branch_settings["eval"]["every_steps"] == 2 and branch_settings["ray"]["max_restarts"] == 5
+    assert main(["branch", str(parent), "--from-step", "6", str(tmp_path / "served"),
+                 "--set", "generation.url=http://127.0.0.1:8000"]) == 2
+    assert "--set generation.url: cannot change at a branch point" in capsys.readouterr().err
+    assert not (tmp_path / "served").exists()
 
 
 def test_a_branch_whose_parent_is_gone_is_refused_online_in_one_line(tmp_path, capsys):
