@@ -21,11 +21,13 @@ from rlhf_pipeline.runs.lineage import PARENT_ROWS
 _REPLAY_FLAGS_SET = ("steps",)
 
 
-def recorded_sets(settings: dict[str, Any], module: Any) -> list[str]:
+def recorded_sets(settings: dict[str, Any], module: Any, *, run_at_a_url: bool = False) -> list[str]:
     """``KEY=VALUE`` for each setting in ``settings`` (a run's ``settings.json``) that differs
-    from the default of the pipeline ``module``, in the form ``--set`` parses, sorted by key.
-    Checked by applying them: a value ``--set`` cannot give back raises ``ValueError`` naming it."""
-    from rlhf_pipeline.pipeline import make_settings, settings_to_json
+    from the default of the pipeline ``module``, in the form ``--set`` parses, sorted by key;
+    ``buffer_backend=zarr`` not where the buffer is at a URL (``run_at_a_url``, or ``buffer_url``),
+    which makes it so. Checked by applying them: a value ``--set`` cannot give back raises
+    ``ValueError`` naming it."""
+    from rlhf_pipeline.pipeline import make_settings, settings_to_json, zarr_where_the_buffer_is_a_url
     from rlhf_pipeline.files.settings_history import flat_settings
 
     wanted = flat_settings({k: v for k, v in settings.items() if k != "replay"})
@@ -38,7 +40,9 @@ def recorded_sets(settings: dict[str, Any], module: Any) -> list[str]:
     lost = differing(settings_to_json(make_settings(module, sets)))
     if lost:
         raise ValueError(f"setting(s) {', '.join(lost)} cannot be given back with --set")
-    return sets
+    implied = [item for item in sets if item != "buffer_backend=zarr"]  # by where the buffer is: unsaid
+    return implied if "buffer_backend=zarr" in zarr_where_the_buffer_is_a_url(implied, run_at_a_url=run_at_a_url) \
+        else sets
 
 
 def _as_set_value(value: Any) -> str:
@@ -68,7 +72,7 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
     if saved is None:
         raise ValueError(f"{paths.location} keeps no settings.json")
     settings = json.loads(saved)
-    recorded = recorded_sets(settings, load_copy(paths))
+    recorded = recorded_sets(settings, load_copy(paths), run_at_a_url=paths.url is not None)
     sets = [word for item in recorded for word in ("--set", item)]
     replay_sets = [word for item in recorded if item.split("=", 1)[0] not in _REPLAY_FLAGS_SET
                    for word in ("--set", item)]
