@@ -384,8 +384,11 @@ def initial_policy(pipeline, init_from: str | None, source: str):
     return pipeline.make_policy()
 
 
-# settings make_policy() does not depend on: those a run may change on resume, and the learner's
-_NOT_THE_INITIAL_POLICY = {"learner", "steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s"}
+# settings make_policy() does not depend on: those a run may change on resume, the learner's, and where and how
+# rows are generated and kept (a buffer at a URL is Zarr; a run there records it)
+_NOT_THE_INITIAL_POLICY = {"learner", "steps", "device", "ray", "eval", "max_lag", "buffer_lock_wait_s",
+                           "buffer_lock_lease_s", "buffer_backend", "segment_rows", "buffer_url", "retention",
+                           "generation"}
 
 
 def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
@@ -394,15 +397,19 @@ def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
     first checkpoint: a buffer recorded by ``collect`` alone, a short run) and was made with this
     replay's settings, so ``make_policy()`` would build those weights again; else ``(None, why not)``."""
     from rlhf_pipeline.coordination.weights import load_weights, published_versions
-    from rlhf_pipeline.runs.lineage import is_run, read_parent
+    from rlhf_pipeline.files.run_paths import resolved_location
+    from rlhf_pipeline.runs.lineage import is_run, read_parent, run_store_at
 
-    path = Path(source).expanduser()
-    run = next((b.parent for b in (path, path.parent) if b.name == "buffer" and is_run(b.parent)), None)
-    if is_url(source) or run is None:
-        return None, f"{source} is no run directory's buffer/ (no initial weights beside it)"
+    location = resolved_location(str(Path(source).expanduser()) if not is_url(source) else source).rstrip("/")
+    buffers = (location, location.rpartition("/")[0])  # the buffer, or the buffer of a shard given
+    run = next((b.rpartition("/")[0] for b in buffers if b.rpartition("/")[2] == "buffer"
+                and is_run(b.rpartition("/")[0])), None)
+    if run is None:
+        return None, f"{source} is no run's buffer/ (no initial weights beside it)"
+    store = run_store_at(run)
     try:
-        saved = json.loads((run / "settings.json").read_text())
-        branch = read_parent(run)
+        saved = json.loads(store.read("settings.json") or b"{}")
+        branch = read_parent(store)
     except (OSError, ValueError) as exc:
         return None, f"the settings of {run}, which recorded the buffer, are unreadable ({exc})"
     if branch is not None:
@@ -412,10 +419,10 @@ def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
     if changed:
         return None, (f"{run}, which recorded the buffer, was made with other settings ({', '.join(changed)}), "
                       f"so its initial policy may not be this pipeline's")
-    if 0 not in published_versions(run):
+    if 0 not in published_versions(store):
         return None, (f"{run}, which recorded the buffer, no longer holds its weights version 0 (a run keeps it "
                       f"until its first checkpoint)")
-    state, _ = load_weights(run, 0)
+    state, _ = load_weights(store, 0)
     model = pipeline.make_model()
     _check_same_architecture(model.state_dict(), state, f"run {run} (weights version 0)", "the recording run")
     model.load_state_dict(state)

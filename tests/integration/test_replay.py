@@ -25,6 +25,7 @@ import preloaded
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.runs.replay import ReplayError, ReplayOptions, replay_command
+from rlhf_pipeline.runs.lineage import run_store_at
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_store
 from rlhf_pipeline.storage.convert import convert
@@ -402,6 +403,28 @@ def test_a_replay_starts_from_the_recording_runs_initial_policy_or_says_why_it_b
     weights_path(tmp_path / "rec", 0).unlink()  # as a run's first checkpoint prunes it
     said = replay_said("pruned")
     assert "no longer holds its weights version 0" in said and "[run] warm start: 3 steps" in said, said
+
+
+@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
+def test_a_replay_of_a_buffer_recorded_at_a_url_starts_from_that_runs_initial_policy(run_home, tmp_path, capsys):
+    """As in a directory: the recording run at the URL still holds weights version 0, taken in place of
+    a warm start, whether the run, its buffer or a shard of it is given. It was looked for in
+    directories only ("no run directory's buffer/"), and the warm start ran."""
+    from rlhf_pipeline.cli.main import main
+
+    settings = [*SMALL, "warm_start_steps=3", "prompts_per_round=2", "group_size=4", "learner.batch_size=8",
+                "max_lag=none"]
+    cli = [arg for item in settings for arg in ("--set", item)]
+    assert main(["collect", DEFAULT, "--home", run_home, "--run-name", "rec", *cli, "--steps", "2"]) == 0
+    run = f"{run_home}/rec"
+    (shard,) = [name for name in run_store_at(run).list("buffer") if "shard-" in name]
+    capsys.readouterr()
+    for name, given in (("by-run", run), ("by-buffer", f"{run}/buffer"), ("by-shard", f"{run}/buffer/{shard}")):
+        assert main(["replay", DEFAULT, "--buffer", given, "--steps", "1", "--home", str(tmp_path), "--run-name", name,
+                     *cli]) == 0
+        said = capsys.readouterr().err
+        assert f"[replay] initial policy: weights version 0 of {run}, the run that recorded" in said, said
+        assert "warm start" not in said, said
 
 
 # ============================================================ a replay at a URL
