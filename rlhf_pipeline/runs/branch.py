@@ -35,7 +35,8 @@ from rlhf_pipeline.runs.lineage import (
     read_parent,
     resolved_location,
 )
-from rlhf_pipeline.runs.run_directory import RunError, may_change_on_resume
+from rlhf_pipeline.runs.run_directory import RunError
+from rlhf_pipeline.runs.setting_changes import may_change_on_resume
 
 _LOGS = ("metrics.jsonl", "batches.jsonl")
 

@@ -316,7 +316,8 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
     publishes version 0; returns the model it published (the learner trains it without loading it
     again), else None."""
     from rlhf_pipeline.runs.processes import set_threads
-    from rlhf_pipeline.runs.run_directory import keep_pipeline_copy, run_lock, settings_changes
+    from rlhf_pipeline.runs.run_directory import keep_pipeline_copy, run_lock
+    from rlhf_pipeline.runs.setting_changes import settings_changes
     from rlhf_pipeline.files.settings_history import record_resume, settings_in_force
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
     from rlhf_pipeline.coordination.weights import latest_version, publish_weights
