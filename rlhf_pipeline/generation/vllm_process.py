@@ -42,6 +42,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its terminating NUL) on Linux
+
+
 def engine_environment(work_dir: Path, *, kv_cache_gib: int, device: str) -> dict[str, str]:
     """The environment the server runs in: this one's, less its Python paths, plus vLLM's settings. On
     a CPU, as many OpenMP threads as this process has torch threads (``OMP_NUM_THREADS`` set here wins),
@@ -64,6 +67,14 @@ def engine_environment(work_dir: Path, *, kv_cache_gib: int, device: str) -> dic
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     })
+    # vLLM's message queues are Unix sockets named by a UUID in this directory (the temporary directory by
+    # default): a server that is killed leaves them, three a start, and the test suite left hundreds in /tmp.
+    # In the engine's scratch directory they go with it (make_scratch_dir); not where the name would pass a
+    # socket path's 107 bytes
+    rpc = Path(work_dir).resolve() / "rpc"
+    if len(str(rpc)) + len("/") + 36 <= MAX_SOCKET_PATH:
+        rpc.mkdir(parents=True, exist_ok=True)
+        env["VLLM_RPC_BASE_PATH"] = str(rpc)
     if device == "cpu":
         env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         # with server_command's worker_in_core: the CPU platform refuses the in-core worker unless this

@@ -39,3 +39,22 @@ def test_omp_num_threads_set_by_the_user_wins_and_a_gpu_engine_keeps_vllms_own(t
     monkeypatch.delenv("OMP_NUM_THREADS")
     # on a GPU vLLM lowers its torch threads itself (the CPU worker is the one that cannot)
     assert "OMP_NUM_THREADS" not in engine_environment(tmp_path, kv_cache_gib=1, device="cuda")
+
+
+def test_the_engines_message_queue_sockets_go_in_its_scratch_directory(tmp_path):
+    """vLLM names its message queues' Unix sockets in ``VLLM_RPC_BASE_PATH`` (the temporary directory by
+    default); a killed server left three there a start. In the engine's scratch directory they go with
+    it; where a socket's name there would pass the 107 bytes a socket path may have, vLLM's default stays."""
+    import shutil
+
+    from rlhf_pipeline.generation.vllm_process import MAX_SOCKET_PATH, make_scratch_dir
+
+    scratch = make_scratch_dir()  # where an engine of ours runs
+    try:
+        rpc = Path(engine_environment(scratch, kv_cache_gib=1, device="cpu")["VLLM_RPC_BASE_PATH"])
+        assert rpc.is_dir() and rpc.parent == scratch.resolve()
+        assert len(str(rpc / "0e6f8a0c-6e3c-4b7a-9d2e-5f1a2b3c4d5e")) <= MAX_SOCKET_PATH
+    finally:
+        shutil.rmtree(scratch)
+    deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path.resolve()))))
+    assert "VLLM_RPC_BASE_PATH" not in engine_environment(deep, kv_cache_gib=1, device="cpu")
