@@ -60,7 +60,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         # a replay keeps no buffer of its own: its buffer_backend is what its settings.json says (a branch of a
         # run at a URL says zarr, which that run took unless told), not the pipeline's default to be refused
         recorded_backend = (_saved_settings(paths) or {}).get("buffer_backend")
-        if recorded_backend is not None and recorded_backend != settings.buffer_backend:
+        if recorded_backend not in (None, getattr(settings, "buffer_backend", recorded_backend)):
             cli_overrides.append(f"buffer_backend={recorded_backend}")
             settings = make_settings(module, cli_overrides)
     from rlhf_pipeline.runs.branch import half_made_branch
