@@ -55,3 +55,41 @@ def test_a_sampler_waiting_for_rows_reads_them_before_its_readers_refresh_interv
     assert drawn.buffer_rows == 8 and set(drawn.positions.tolist()) <= set(range(8))
     reader.close()
     store.close()
+
+
+def test_a_wait_for_rows_rereads_a_throttled_buffer_every_50_ms_in_its_first_second_then_backs_off(tmp_path,
+                                                                                                    monkeypatch):
+    """A reader at a URL throttles its refreshes (one GET a second, here one an hour); a sampler waiting
+    for rows re-reads sooner. Its gaps doubled from the first (50, 100, 200 ms), so a round written 60 ms
+    into a wait was seen at 150 ms: at an s3:// URL the default pipeline's learner waited 0.14 s a step.
+    Now every 50 ms for the first second, then doubling up to the throttle. On a clock of this test's own,
+    one poll every 10 ms for 3 s."""
+    from types import SimpleNamespace
+
+    from rlhf_pipeline.learn.samplers import contract
+    from rlhf_pipeline.learn.samplers.contract import WAITING_REFRESH_FAST_S, WAITING_REFRESH_FIRST_S, RowsWait
+    from rlhf_pipeline.schema import StoreSchema
+
+    store = create_store(tmp_path / "buf", "zarr", schema=StoreSchema())
+    reader = open_store(tmp_path / "buf", mode="r", refresh_interval_s=3600.0)
+    now = [1000.0]
+    monkeypatch.setattr(contract, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    refreshed_at, refresh = [], reader.refresh
+    def counted(force=False):  # a re-read asked for; len() asks the reader's own throttle (an hour) too
+        if force:
+            refreshed_at.append(now[0] - 1000.0)
+        return refresh(force=force)
+
+    monkeypatch.setattr(reader, "refresh", counted)
+    wait = RowsWait(reader, poll_s=0.01, hurry=None)
+    while now[0] < 1003.0:
+        wait.rows()
+        now[0] += 0.01
+    first_second = [t for t in refreshed_at if t < WAITING_REFRESH_FAST_S]
+    # every 50 ms, as polls every 10 ms can see it (the gaps that doubled made 4 re-reads there)
+    assert len(first_second) >= 0.75 * WAITING_REFRESH_FAST_S / WAITING_REFRESH_FIRST_S, refreshed_at
+    after = [t for t in refreshed_at if t >= WAITING_REFRESH_FAST_S]
+    gaps = [round(b - a, 2) for a, b in zip(after, after[1:])]
+    assert gaps == sorted(gaps) and len(after) <= 5, refreshed_at  # then 0.1, 0.2, 0.4, 0.8 s
+    reader.close()
+    store.close()
