@@ -87,7 +87,8 @@ def export_buffer(buffer: str | Path, out: str | Path, format: str | None = None
     (default: what ``out``'s suffix names, see :func:`export_format`).
 
     Opens the buffer read-only: exporting beside a running writer exports the rows published
-    when the export started. ``progress(rows_done, rows_total)`` is called after each chunk.
+    when the export started. ``progress(rows_done, rows_total)`` is called once the buffer is open
+    (0 done) and after each chunk.
     """
     from rlhf_pipeline.storage import open_buffer
 
@@ -120,6 +121,8 @@ def export_buffer(buffer: str | Path, out: str | Path, format: str | None = None
 def _counted(chunks: Iterator[TrajectoryBatch], total: int,
              progress: Callable[[int, int], None] | None) -> Iterator[TrajectoryBatch]:
     done = 0
+    if progress is not None:
+        progress(done, total)  # the buffer is open: the count, and the clock of a rate, start here
     for chunk in chunks:
         yield chunk
         done += len(chunk)

@@ -31,6 +31,11 @@ class Progress:
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream, dynamic_ncols=True)
 
     def set_total(self, total: int | None) -> None:
+        """The work's size, once known; said before any of it is done, the rate's clock starts here:
+        opening a buffer and importing what reads it took 2.7 s, and an export of 3,008 rows in 0.04 s
+        after it said 946 rows/s."""
+        if self.done == 0:
+            self._started = time.monotonic()
         self.total = total
         if self._bar is not None:
             self._bar.total = total
