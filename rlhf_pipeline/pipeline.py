@@ -249,11 +249,16 @@ def make_settings(module: types.ModuleType, overrides: Sequence[str] = ()) -> An
     return apply_overrides(defaults, zarr_where_the_buffer_is_a_url(overrides))
 
 
+def means_none(raw: str) -> bool:
+    """Whether a ``--set`` value spells None (``none``, ``null``, or nothing) for a setting that takes it."""
+    return raw.strip().lower() in ("none", "null", "")
+
+
 def zarr_where_the_buffer_is_a_url(overrides: Sequence[str], *, run_at_a_url: bool = False) -> list[str]:
     """``overrides``, with ``buffer_backend=zarr`` added where the buffer lives at a URL (``buffer_url``
     given, or ``run_at_a_url``) and no ``buffer_backend`` is given: only Zarr lives there."""
     given = {item.split("=", 1)[0].strip(): item.split("=", 1)[-1].strip() for item in overrides}
-    at_a_url = run_at_a_url or given.get("buffer_url", "none").lower() not in ("none", "null", "")
+    at_a_url = run_at_a_url or not means_none(given.get("buffer_url", "none"))
     return [*overrides, "buffer_backend=zarr"] if at_a_url and "buffer_backend" not in given else list(overrides)
 
 
@@ -393,13 +398,13 @@ def _parse(annotation: Any, raw: str, key: str) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     choices = literal_choices(annotation)
-    if choices is not None and not (type(None) in args and raw.lower() in ("none", "null", "")):
+    if choices is not None and not (type(None) in args and means_none(raw)):
         for choice in choices:
             if str(choice) == raw:
                 return choice
         raise PipelineError(choice_error(key, raw, choices))
     if origin in (typing.Union, types.UnionType):
-        if type(None) in args and raw.lower() in ("none", "null", ""):
+        if type(None) in args and means_none(raw):
             return None
         errors = []
         for arg in (a for a in args if a is not type(None)):

@@ -189,7 +189,7 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
             raise BranchError(f"--set expects key=value, got {item!r}")
     if not overrides:
         return saved, []
-    from rlhf_pipeline.pipeline import PipelineError, make_settings, settings_to_json
+    from rlhf_pipeline.pipeline import PipelineError, make_settings, means_none, settings_to_json
     from rlhf_pipeline.runs.pipeline_copy import load_copy
 
     try:
@@ -198,7 +198,7 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
         known = flat_settings(settings_to_json(defaults))  # an unknown name is make_settings' to say below
         for item in overrides:  # the rows so far were made with the rest: refused before their values are read
             key, raw = (part.strip() for part in item.split("=", 1))
-            given = None if raw.lower() in ("none", "null", "") else raw
+            given = None if means_none(raw) else raw
             if key in known and not may_change_on_resume(key, defaults, was.get(key), given):
                 raise BranchError(
                     f"--set {key}: cannot change at a branch point; the parent's rows up to the branch step were "
