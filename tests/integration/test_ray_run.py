@@ -105,6 +105,10 @@ def test_a_run_on_ray_survives_killed_actors_stops_on_sigint_and_resumes(ray_clu
     try:
         control = wait_for(lambda: control_of(run), driver, "the control actor started")
         wait_for(lambda: CheckpointManager(run / "checkpoints").latest_step(), driver, "a checkpoint")
+        # on a loaded machine collector 0's rows alone made the first checkpoint, before collector 1's
+        # actor had started: it is killed once it runs
+        wait_for(lambda: {"collector 0", "collector 1", "learner"} <= set(ray.get(control.processes.remote())),
+                 driver, "every actor started")
         # both at once: their restarts (a new process each, importing torch) overlap
         kill_actor_process(control, "collector 1")
         kill_actor_process(control, "learner")
