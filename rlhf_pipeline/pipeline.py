@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlhf_pipeline.files.run_paths import RunPaths  # noqa: F401 -- pipeline files import it from here
-from rlhf_pipeline.setting_checks import choice_error, field_bounds, finite_error, literal_choices, not_finite
+from rlhf_pipeline.setting_checks import (choice_error, field_bounds, finite_error, fixed_length, literal_choices,
+                                          not_finite)
 from rlhf_pipeline.run_settings import RunSettings
 
 if typing.TYPE_CHECKING:
@@ -414,9 +415,13 @@ def _parse(annotation: Any, raw: str, key: str) -> Any:
                 errors.append(str(exc))
         raise PipelineError(errors[0] if len(errors) == 1 else f"setting {key!r}: cannot parse {raw!r} as {annotation}")
     if origin in (tuple, list):
-        item_type = args[0] if args else str
         items = [s.strip() for s in raw.split(",") if s.strip()]
-        values = [_parse(item_type, s, key) for s in items]
+        if fixed_length(annotation) is not None:  # tuple[float, float]: one type per place
+            if len(items) != len(args):
+                raise PipelineError(f"setting {key!r} takes {len(args)} comma-separated values, got "
+                                    f"{len(items)}: {raw!r}")
+            return tuple(_parse(item_type, s, key) for item_type, s in zip(args, items))
+        values = [_parse(args[0] if args else str, s, key) for s in items]
         return tuple(values) if origin is tuple else values
     if annotation is bool:
         if raw.lower() in _TRUE:

@@ -109,11 +109,25 @@ def check_fields(settings: Any, prefix: str = "") -> None:
         choices = literal_choices(hints.get(field.name))
         if choices is not None and value not in choices and not (value is None and _takes_none(hints, field.name)):
             raise ValueError(choice_error(prefix + field.name, value, choices))
+        length = fixed_length(hints.get(field.name))
+        if length is not None and (not isinstance(value, (tuple, list)) or len(value) != length):
+            raise ValueError(f"setting {prefix + field.name!r} takes {length} values, got {value!r}")
     check_finite(settings, prefix, nested=False)
     for name, bounds in field_bounds(type(settings)).items():
         value = getattr(settings, name)
-        if value is not None and not bounds.allows(value):
+        # the bounds of a tuple setting (adam_betas) hold for each of its values
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        if value is not None and not all(bounds.allows(item) for item in items):
             raise ValueError(bounds_error(prefix + name, value, bounds, takes_none=_takes_none(hints, name)))
+
+
+def fixed_length(annotation: Any) -> int | None:
+    """How many values a ``tuple[float, float]`` annotation takes; None for any other type
+    (``tuple[str, ...]`` takes any number)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple and args and Ellipsis not in args:
+        return len(args)
+    return None
 
 
 def check_finite(settings: Any, prefix: str = "", *, nested: bool = True) -> Any:

@@ -63,6 +63,9 @@ def test_a_bad_choice_is_refused_naming_the_key_the_value_the_choices_and_the_cl
     (lambda: RunSettings(retention=RetentionSettings(max_rows=10)), "setting 'retention.max_rows' (10) must be >= "
                                                                     "segment_rows (1024)"),
     (lambda: RunSettings(buffer_lock_lease_s=1.0), "setting 'buffer_lock_lease_s' must be >= 3 seconds"),
+    (lambda: LearnerSettings(adam_betas=(0.9,)), "setting 'learner.adam_betas' takes 2 values, got (0.9,)"),
+    (lambda: LearnerSettings(adam_betas=(0.9, 1.0)), "setting 'learner.adam_betas' must be in [0, 1) (each of the "
+                                                     "two), got (0.9, 1.0)"),
 ])
 def test_a_dataclass_built_in_python_is_checked_as_one_built_from_set(build, message):
     with pytest.raises(ValueError) as raised:
@@ -89,6 +92,15 @@ def test_a_dataclass_built_in_python_is_checked_as_one_built_from_set(build, mes
     ("pipelines/default.py", "generation.gpu_memory_utilization=0", "setting 'generation.gpu_memory_utilization' "
                                                                     "must be in (0, 1], got 0.0"),
     ("pipelines/default.py", "eval.max_prompts=0", "setting 'eval.max_prompts' must be >= 1 or none (all), got 0"),
+    # each value of a tuple is held to the field's bounds, and a tuple of fixed length to its length: torch's
+    # AdamW refused these in the learner's process, after the collector had started
+    ("pipelines/default.py", "learner.adam_betas=1,2", "setting 'learner.adam_betas' must be in [0, 1) (each of the "
+                                                       "two), got (1.0, 2.0)"),
+    ("pipelines/default.py", "learner.adam_betas=-0.1,0.9", "setting 'learner.adam_betas' must be in [0, 1) (each"),
+    ("pipelines/default.py", "learner.adam_betas=0.9", "setting 'learner.adam_betas' takes 2 comma-separated values, "
+                                                       "got 1: '0.9'"),
+    ("pipelines/default.py", "learner.adam_betas=0.9,0.99,0.5", "setting 'learner.adam_betas' takes 2 comma-separated "
+                                                                "values, got 3"),
 ])
 def test_a_number_outside_the_bounds_declared_on_its_field_is_refused_naming_them(pipeline, override, message):
     """The task's fields as the run's: ``Annotated[int, Bounds(ge=1)]`` on the field is the whole check;

@@ -163,8 +163,8 @@ class LearnerSettings:
     """Peak AdamW learning rate."""
     weight_decay: Annotated[float, Bounds(ge=0)] = 0.0
     """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    """AdamW betas."""
+    adam_betas: Annotated[tuple[float, float], Bounds(ge=0, lt=1, why=" (each of the two)")] = (0.9, 0.99)
+    """AdamW betas: the decay of its first and second moment estimates, each in [0, 1)."""
     warmup_steps: Annotated[int, Bounds(ge=0)] = 0
     """Linear LR warm-up from 0 over this many steps."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
