@@ -32,7 +32,12 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
     (["export-model", "./run"], "OUT is required"),
     (["replay", "pipelines/default.py"], "--buffer PATH is required"),
     (["show", "no-such-buffer"], "no-such-buffer does not exist"),
-], ids=["filter", "import", "export-model", "replay", "show"])
+    # without a reference model nothing recomputes the KL these two shape: they were ignored
+    (["replay", "pipelines/default.py", "--buffer", ".", "--kl-coef", "0.1"],
+     "--kl-coef shapes the KL recomputed with a reference model: give --ref-model MODEL_DIR|RUN_DIR too, or drop it"),
+    (["replay", "pipelines/default.py", "--buffer", ".", "--kl-coef", "nan", "--ref-model", "."],
+     "--kl-coef must be a finite number >= 0, got nan"),
+], ids=["filter", "import", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan"])
 def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, words, monkeypatch, capsys, tmp_path):
     # each command refuses through one exception main words (cli.CommandRefused); filter once printed its own
     # line without "error:"

@@ -10,6 +10,7 @@ again resumes. Arguments are parsed before torch is imported.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from rlhf_pipeline.cli import CommandRefused
 from rlhf_pipeline.cli.checks import run_or_path
@@ -44,10 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     rescoring.add_argument("--ref-model", default=None, metavar="MODEL_DIR|RUN_DIR",
                            help="recompute reference log-probs and KL with this model (a run: by its directory or "
                                 "its name)")
-    rescoring.add_argument("--kl-estimator", choices=("k1", "k2", "k3"), default="k1",
-                           help="per-token KL of the recomputed 'kl' field (default k1)")
-    rescoring.add_argument("--kl-coef", type=float, default=0.05,
-                           help="coefficient of the recomputed KL-shaped token rewards (default 0.05)")
+    # None when not given: alone, without --ref-model, they would be silently ignored
+    rescoring.add_argument("--kl-estimator", choices=("k1", "k2", "k3"), default=None,
+                           help="with --ref-model: per-token KL of the recomputed 'kl' field (default k1)")
+    rescoring.add_argument("--kl-coef", type=float, default=None,
+                           help="with --ref-model: coefficient of the recomputed KL-shaped token rewards (default "
+                                "0.05)")
     rescoring.add_argument("--advantage-std", choices=("on", "off"), default=None,
                            help="recompute advantages from the stored rewards, dividing by the group std (on, "
                                 "GRPO) or not (off, Dr. GRPO)")
@@ -79,14 +82,22 @@ def run(args: argparse.Namespace) -> int:
 
     if args.buffer is None and not args.list_settings:
         raise CommandRefused("--buffer PATH is required (the recorded buffer to train on)")
+    given_alone = [flag for flag, value in (("--kl-estimator", args.kl_estimator), ("--kl-coef", args.kl_coef))
+                   if value is not None and args.ref_model is None]
+    if given_alone:
+        shape, them = ("shape", "them") if len(given_alone) > 1 else ("shapes", "it")
+        raise CommandRefused(f"{' and '.join(given_alone)} {shape} the KL recomputed with a reference model: give "
+                             f"--ref-model MODEL_DIR|RUN_DIR too, or drop {them}")
     # a run named by its name, under this replay's --home
     init_from, ref_model = (None if value is None else run_or_path(value, args.home, what=flag)
                             for value, flag in ((args.init_from, "--init-from"), (args.ref_model, "--ref-model")))
     buffer = args.buffer and run_or_path(args.buffer, args.home, what="--buffer")  # a run by its name, too
+    defaults = {f.name: f.default for f in dataclasses.fields(ReplayOptions)}
     options = ReplayOptions(
         buffer=buffer or "", init_from=init_from, epochs=args.epochs, steps=args.steps, order=args.order,
         seed=args.seed, shuffle_window_rows=args.shuffle_window_rows, ref_model=ref_model,
-        kl_estimator=args.kl_estimator, kl_coef=args.kl_coef,
+        kl_estimator=args.kl_estimator or defaults["kl_estimator"],
+        kl_coef=defaults["kl_coef"] if args.kl_coef is None else args.kl_coef,
         advantage_std=None if args.advantage_std is None else args.advantage_std == "on",
         advantage_baseline=args.advantage_baseline,
     )

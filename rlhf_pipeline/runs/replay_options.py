@@ -6,9 +6,14 @@ Design: docs/replay.md#the-command.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from rlhf_pipeline.pipeline import PipelineError
+
+
+# options that mean something only with a --ref-model: the KL it recomputes
+REFERENCE_ONLY = ("kl_estimator", "kl_coef")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,8 @@ class ReplayOptions:
             raise PipelineError(f"--epochs must be >= 1, got {self.epochs}")
         if self.steps is not None and self.steps < 1:
             raise PipelineError(f"--steps must be >= 1, got {self.steps}")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise PipelineError(f"--kl-coef must be a finite number >= 0, got {self.kl_coef}")
         if self.advantage_baseline not in (None, "mean", "leave-one-out"):
             raise PipelineError(f"--advantage-baseline must be mean or leave-one-out, got {self.advantage_baseline!r}")
 
@@ -51,9 +58,12 @@ class ReplayOptions:
 
     def flags(self) -> list[str]:
         """These options as ``replay``'s flags, but ``--buffer``: each option set, defaults too (a
-        resumed replay is refused where one differs), in the order of the fields."""
+        resumed replay is refused where one differs), in the order of the fields; the KL's two only with
+        the ``--ref-model`` they score with (``replay`` refuses them alone)."""
         words: list[str] = []
         for name, value in dataclasses.asdict(self).items():
+            if name in REFERENCE_ONLY and self.ref_model is None:
+                continue
             if name != "buffer" and value is not None:
                 words += ["--shuffle-window" if name == "shuffle_window_rows" else "--" + name.replace("_", "-"),
                           ("on" if value else "off") if isinstance(value, bool) else str(value)]
