@@ -318,11 +318,14 @@ def _check_groups(plan: WritePathPlan, checked: Scan, source: Source, resolved: 
         g = int(bad[0])
         at = locate_completion(source, resolved, tokenizer, checked, int(checked.first_completion_of_group[g]),
                                options.rows_per_chunk)
+        found = int(checked.trajectories_per_group[g])
         # a run's settings.json fixes its group size (import refuses --set there), a store's import may set it
+        # to any size GRPO can compare within (2 or more)
         resize = ("the run's settings.json fixes it" if in_run else
-                  f"or import into a store with --set group_size={int(checked.trajectories_per_group[g])}")
+                  f"or import into a store with --set group_size={found}" if found >= 2 else
+                  "a group advantage compares 2 or more completions of a prompt")
         raise SourceError(
-            f"{at}: the group of this row has {int(checked.trajectories_per_group[g])} completions, but the "
+            f"{at}: the group of this row has {found} completion{'s' if found != 1 else ''}, but the "
             f"pipeline's group advantage takes groups of {plan.group_size}; import groups of that size ({resize}), "
             f"or give the rows' advantages in the source")
 

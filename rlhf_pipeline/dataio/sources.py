@@ -278,6 +278,9 @@ def open_source(path: str | Path, format: str | None = None, split: str | None =
             raise SourceError(f"{path} holds {sorted(kinds)} data files, not {format} only; pass --format hf "
                               f"to read them all")
         return Source(path, format or "hf", files, split)
+    if split is not None:
+        raise SourceError(f"--split picks a split of a directory (a dataset saved with save_to_disk, or data files "
+                          f"named by split); {path} is one file: drop --split")
     if format is None:
         suffix = path.suffix.lower()
         if suffix == ".parquet":

@@ -163,6 +163,10 @@ def _with_log_probs(records, bad_row: int, bad_value: float):
      r"bad.jsonl line 7, column 'log_probs': log-prob 0.5 is not a finite value <= 0"),
     (toy_records(2)[:7], r"bad.jsonl line 5: the group of this row has 3 completions, but the pipeline's group "
                          r"advantage takes groups of 4"),
+    # a group of one: no group_size fits it, so none is offered
+    (toy_records(2)[:5], r"bad.jsonl line 5: the group of this row has 1 completion, but the pipeline's group "
+                         r"advantage takes groups of 4; import groups of that size \(a group advantage compares 2 or "
+                         r"more completions of a prompt\)"),
 ])
 def test_bad_input_names_file_row_and_column_and_writes_nothing(pipeline, tmp_path, records, message):
     existing = tmp_path / "existing"
@@ -174,6 +178,15 @@ def test_bad_input_names_file_row_and_column_and_writes_nothing(pipeline, tmp_pa
             import_source(source, target, pipeline, options=QUIET, log=quiet)
     assert sorted(p.relative_to(existing) for p in existing.rglob("*")) == before  # untouched, no record
     assert not (tmp_path / "new").exists()
+
+
+def test_a_split_of_one_file_is_refused_not_ignored(pipeline, tmp_path):
+    source = write_jsonl(tmp_path / "rows.jsonl", toy_records(1))
+    with pytest.raises(SourceError, match=r"--split picks a split of a directory .*/rows.jsonl is one file: drop "
+                                          r"--split"):
+        import_source(source, tmp_path / "buf", pipeline, options=ImportOptions(split="train", show_progress=False),
+                      log=quiet)
+    assert not (tmp_path / "buf").exists()
 
 
 def test_a_file_that_is_not_the_named_format(pipeline, tmp_path, capsys):
