@@ -37,7 +37,12 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
      "--kl-coef shapes the KL recomputed with a reference model: give --ref-model MODEL_DIR|RUN_DIR too, or drop it"),
     (["replay", "pipelines/default.py", "--buffer", ".", "--kl-coef", "nan", "--ref-model", "."],
      "--kl-coef must be a finite number >= 0, got nan"),
-], ids=["filter", "import", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan"])
+    # these three printed their own line, without "error:"
+    (["inspect", ".", "--vocab-size", "0"], "--vocab-size 0: give a vocabulary size >= 1, with --verify"),
+    (["repair", ".", "--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+    (["convert", "no-such-buffer", "out", "--to", "zarr"], "no-such-buffer does not exist"),
+], ids=["filter", "import", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan", "inspect", "repair",
+        "convert"])
 def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, words, monkeypatch, capsys, tmp_path):
     # each command refuses through one exception main words (cli.CommandRefused); filter once printed its own
     # line without "error:"

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlhf_pipeline.cli import CommandRefused
+
 from rlhf_pipeline.cli.checks import buffer_given, run_or_path
 
 
@@ -32,34 +34,29 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import os
-    import sys
 
     from rlhf_pipeline.dataio.progress import progress_reporter
     from rlhf_pipeline.storage.buffers import is_sharded_buffer, shard_index, shard_key_of, shard_location, stores_in
-    from rlhf_pipeline.storage.errors import StoreError, StoreNotFoundError
+    from rlhf_pipeline.storage.errors import StoreError
 
     options = {}
     if args.codec is not None:
         if args.to != "zarr":
-            print("rlhf-pipeline convert: --codec applies to --to zarr only", file=sys.stderr)
-            return 2
+            raise CommandRefused("--codec applies to --to zarr only")
         options["codec"] = args.codec
     if "://" not in args.src and not os.path.exists(args.src):
-        print(f"rlhf-pipeline convert: {StoreNotFoundError(f'{args.src} does not exist')}", file=sys.stderr)
-        return 2
+        raise CommandRefused(f"{args.src} does not exist")
     args.src = buffer_given(args.src, "convert")
     problem = _destination_problem(args.src, args.dst)
     if problem is not None:
-        print(f"rlhf-pipeline convert: {problem}", file=sys.stderr)
-        return 2
+        raise CommandRefused(problem)
     skipped: dict[str, str] = {}
     if is_sharded_buffer(args.src):
         try:  # the shards a learner reads: one still being made is left out, as the learner does
             pairs = [(path, shard_location(args.dst, shard_index(shard_key_of(path))))
                      for _, path in stores_in(args.src, skipped)]
         except StoreError as exc:
-            print(f"rlhf-pipeline convert: {exc}", file=sys.stderr)
-            return 2
+            raise CommandRefused(str(exc)) from None
     else:
         pairs = [(args.src, args.dst)]
 
@@ -75,12 +72,10 @@ def run(args: argparse.Namespace) -> int:
                 verify(src, dst)
             lines.append(_describe(dst, stats, args.verify))
     except FileExistsError:  # at a URL, where nothing was there when convert looked: made meanwhile
-        print(f"rlhf-pipeline convert: {args.dst} already holds a buffer (made meanwhile by another process); "
-              f"convert writes a new one: choose a path that does not exist", file=sys.stderr)
-        return 2
+        raise CommandRefused(f"{args.dst} already holds a buffer (made meanwhile by another process); "
+                             f"convert writes a new one: choose a path that does not exist") from None
     except (StoreError, ValueError) as exc:
-        print(f"rlhf-pipeline convert: {exc}", file=sys.stderr)
-        return 2
+        raise CommandRefused(str(exc)) from None
     lines += [f"{name}: not converted: {why}" for name, why in sorted(skipped.items())]
     print("\n".join(lines))
     return 0

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     options = {}
     if args.codec is not None:
         if (args.to or "") != "zarr":
-            raise CommandRefused("--codec applies to --to zarr only")
+            raise CommandRefused("--codec applies to a Zarr result: give --to zarr with it")
         options["codec"] = args.codec
     if args.segment_rows is not None:
         options["segment_rows"] = args.segment_rows

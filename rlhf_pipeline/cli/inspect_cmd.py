@@ -41,9 +41,7 @@ def run(args: argparse.Namespace) -> int:
                                             run_store_at)
 
     if args.vocab_size is not None and (args.vocab_size < 1 or not args.verify):
-        print(f"rlhf-pipeline inspect: --vocab-size {args.vocab_size}: give a vocabulary size >= 1, with --verify",
-              file=sys.stderr)
-        return 2
+        raise CommandRefused(f"--vocab-size {args.vocab_size}: give a vocabulary size >= 1, with --verify")
     lineage, path = None, args.path
     if "://" not in str(path) or str(path).startswith(RUN_URL_SCHEMES):  # a run (or a buffer) here or at a URL
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlhf_pipeline.cli import CommandRefused
 from rlhf_pipeline.cli.checks import run_or_path
 
 
@@ -30,7 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import sys
     import warnings
 
     from rlhf_pipeline.dataio.progress import progress_reporter
@@ -41,16 +41,14 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run, is_run
 
     if args.vocab_size is not None and args.vocab_size < 1:
-        print(f"rlhf-pipeline repair: --vocab-size must be >= 1, got {args.vocab_size}", file=sys.stderr)
-        return 2
+        raise CommandRefused(f"--vocab-size must be >= 1, got {args.vocab_size}")
     path, run_dir = args.path, None
     if "://" not in str(path):  # a run directory, or a run's buffer/: the run says its model's vocabulary
         if is_run(path):
             try:  # its buffer_url, else RUN/buffer
                 path, run_dir = buffer_of_run(path) or str(Path(path) / "buffer"), Path(path)
             except KeepsNoBuffer as exc:
-                print(f"rlhf-pipeline repair: {exc}", file=sys.stderr)
-                return 2
+                raise CommandRefused(str(exc)) from None
         elif Path(path).name == "buffer" and is_run(Path(path).parent):
             run_dir = Path(path).parent
     with warnings.catch_warnings():
@@ -64,12 +62,10 @@ def run(args: argparse.Namespace) -> int:
                                   progress_reporter("token ids", "parts", quiet=args.quiet))
         except StoreLockedError as exc:
             held = f"{args.path} is being written by {exc.holder}" if exc.holder else str(exc).split(";")[0]
-            print(f"rlhf-pipeline repair: {held}; repair --apply needs the store's writer lock: stop that writer (or "
-                  f"wait until its lease runs out), then run repair again; nothing was written", file=sys.stderr)
-            return 2
+            raise CommandRefused(f"{held}; repair --apply needs the store's writer lock: stop that writer (or "
+                                 f"wait until its lease runs out), then run repair again; nothing was written") from None
         except StoreError as exc:
-            print(f"rlhf-pipeline repair: {exc}", file=sys.stderr)
-            return 2
+            raise CommandRefused(str(exc)) from None
     if args.json:
         print(json.dumps([r.to_json() for r in reports]))
     else:
