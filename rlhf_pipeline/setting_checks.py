@@ -121,6 +121,27 @@ def check_fields(settings: Any, prefix: str = "") -> None:
             raise ValueError(bounds_error(prefix + name, value, bounds, takes_none=_takes_none(hints, name)))
 
 
+def check_applies(settings: Any, prefix: str, rules: dict[str, tuple[str, tuple[Any, ...]]]) -> None:
+    """Raises ValueError naming the first field of ``settings`` set to other than its default while the
+    field it is for has none of the values it means something with: ``rules`` maps a field's name to
+    ``(the field it depends on, the values it is for)``, as ``{"priority_alpha": ("sampler",
+    ("prioritized",))}``. A value that nothing reads is a mistake the user would not otherwise see."""
+    fields = {field.name: field for field in dataclasses.fields(settings)}
+    for name, (depends_on, values) in rules.items():
+        field = fields[name]
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        current = getattr(settings, depends_on)
+        if getattr(settings, name) != default and current not in values:
+            wanted = " or ".join(f"{prefix}{depends_on}={_as_set(v)}" for v in values)
+            raise ValueError(f"setting '{prefix}{name}' is for {wanted}; this run's {prefix}{depends_on} is "
+                             f"{_as_set(current)}: drop it, or set {wanted}")
+
+
+def _as_set(value: Any) -> str:
+    """A value as ``--set`` spells it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def fixed_length(annotation: Any) -> int | None:
     """How many values a ``tuple[float, float]`` annotation takes; None for any other type
     (``tuple[str, ...]`` takes any number)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings, SamplerName
+from rlhf_pipeline.learn.settings import GRPOLossConfig, LearnerSettings, LoraSettings, SamplerName
 from rlhf_pipeline.pipeline import PipelineError, describe_settings, load_pipeline_module, make_settings
 from rlhf_pipeline.run_settings import RaySettings, RunSettings
 from rlhf_pipeline.storage.retention import RetentionSettings
@@ -50,6 +50,16 @@ def test_a_bad_choice_is_refused_naming_the_key_the_value_the_choices_and_the_cl
     assert str(raised.value) == message
 
 
+def test_settings_given_where_they_apply_are_taken():
+    learner = LearnerSettings(sampler="prioritized", priority="group_reward_std", priority_alpha=1.0, priority_beta=1.0,
+                              lr_schedule="cosine", min_lr_ratio=0.5, turn_advantage="mixed",
+                              turn_advantage_weight=0.3, lora=LoraSettings(rank=4, alpha=8.0, dropout=0.1))
+    assert (learner.priority_alpha, learner.min_lr_ratio, learner.turn_advantage_weight, learner.lora.alpha) == \
+        (1.0, 0.5, 0.3, 8.0)
+    grouped = LearnerSettings(sampler="groups", replace_zero_variance=True, replay_pool_groups=8)
+    assert grouped.replay_pool_groups == 8 and LearnerSettings(sampler="exact", uses_per_row=2).uses_per_row == 2
+
+
 @pytest.mark.parametrize(("build", "message"), [
     (lambda: LearnerSettings(sampler="exakt"), "setting 'learner.sampler' must be one of"),
     (lambda: LearnerSettings(lr=float("inf")), "setting 'learner.lr' must be a finite number, got inf"),
@@ -64,6 +74,23 @@ def test_a_bad_choice_is_refused_naming_the_key_the_value_the_choices_and_the_cl
                                                                     "segment_rows (1024)"),
     (lambda: RunSettings(buffer_lock_lease_s=1.0), "setting 'buffer_lock_lease_s' must be >= 3 seconds"),
     (lambda: LearnerSettings(adam_betas=(0.9,)), "setting 'learner.adam_betas' takes 2 values, got (0.9,)"),
+    # a setting nothing would read where another has the value it was given with: refused, as an engine's
+    # setting is for a run of another engine
+    (lambda: LearnerSettings(sampler="window", priority_alpha=1.0), "setting 'learner.priority_alpha' is for "
+                                                                    "learner.sampler=prioritized; this run's "
+                                                                    "learner.sampler is window: drop it, or set "
+                                                                    "learner.sampler=prioritized"),
+    (lambda: LearnerSettings(sampler="window", uses_per_row=2), "setting 'learner.uses_per_row' is for "
+                                                                "learner.sampler=exact"),
+    (lambda: LearnerSettings(min_lr_ratio=0.5), "setting 'learner.min_lr_ratio' is for learner.lr_schedule=cosine; "
+                                                "this run's learner.lr_schedule is constant"),
+    (lambda: LearnerSettings(sampler="groups", replay_pool_groups=8), "setting 'learner.replay_pool_groups' is for "
+                                                                      "learner.replace_zero_variance=true; this "
+                                                                      "run's learner.replace_zero_variance is false"),
+    (lambda: LearnerSettings(turn_advantage_weight=0.3), "setting 'learner.turn_advantage_weight' is for "
+                                                         "learner.turn_advantage=mixed"),
+    (lambda: LoraSettings(alpha=32.0), "setting 'learner.lora.alpha' is for a LoRA run (learner.lora.rank > 0); this "
+                                       "run trains every weight (learner.lora.rank=0): drop it"),
     (lambda: LearnerSettings(adam_betas=(0.9, 1.0)), "setting 'learner.adam_betas' must be in [0, 1) (each of the "
                                                      "two), got (0.9, 1.0)"),
 ])

@@ -14,9 +14,9 @@ import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from rlhf_pipeline.setting_checks import Bounds, check_fields
+from rlhf_pipeline.setting_checks import Bounds, check_applies, check_fields
 
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 #: the samplers of learn/samplers/registry.py's SAMPLERS (a test keeps the two equal)
@@ -101,6 +101,11 @@ class LoraSettings:
         targets = tuple(self.target_modules)
         if not targets or not all(isinstance(name, str) and name.strip() for name in targets):
             raise bad("target_modules", f"must name at least one linear layer, e.g. q_proj,v_proj; got {targets!r}")
+        if not self.enabled:  # full fine-tuning: no adapter for these to shape
+            given = [f.name for f in fields(self) if f.name != "rank" and getattr(self, f.name) != f.default]
+            if given:
+                raise bad(given[0], "is for a LoRA run (learner.lora.rank > 0); this run trains every weight "
+                                    "(learner.lora.rank=0): drop it, or set learner.lora.rank, e.g. 8")
         refused = [name for name in targets if name in LORA_REFUSED_TARGETS]
         if refused:
             raise bad("target_modules", f"names {refused}: the embeddings and lm_head stay frozen (an lm_head delta "
@@ -234,6 +239,17 @@ class LearnerSettings:
     fsdp = parameters, gradients and optimizer state sharded over the ranks (FSDP2 fully_shard
     on each transformer block and the root), for models that do not fit one device."""
 
+    # settings read only where another has one of some values: set otherwise, nothing would read them
+    APPLY_WHERE: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
+        "uses_per_row": ("sampler", ("exact",)),
+        "replay_pool_groups": ("replace_zero_variance", (True,)),
+        "priority": ("sampler", ("prioritized",)),
+        "priority_alpha": ("sampler", ("prioritized",)),
+        "priority_beta": ("sampler", ("prioritized",)),
+        "min_lr_ratio": ("lr_schedule", ("cosine",)),
+        "turn_advantage_weight": ("turn_advantage", ("mixed",)),
+    }
+
     def __post_init__(self) -> None:
         check_fields(self, "learner.")  # each choice, number and bound
 
@@ -273,6 +289,7 @@ class LearnerSettings:
         unknown = [name for name in self.mask_termination_reasons if str(name).lower() not in reasons]
         if unknown:
             raise bad("mask_termination_reasons", f"names unknown reason(s) {unknown}; valid: {sorted(reasons)}")
+        check_applies(self, "learner.", self.APPLY_WHERE)
         if self.lora.enabled and self.world_size > 1 and self.parallelism == "fsdp":
             # the adapter is a few MB: every rank holds it whole, and its base frozen, under DDP
             raise bad("parallelism", "'fsdp' shards full fine-tuning; with learner.lora.rank > 0 each rank holds "
