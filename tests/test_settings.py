@@ -89,6 +89,8 @@ def test_settings_given_where_they_apply_are_taken():
                                                                       "run's learner.replace_zero_variance is false"),
     (lambda: LearnerSettings(turn_advantage_weight=0.3), "setting 'learner.turn_advantage_weight' is for "
                                                          "learner.turn_advantage=mixed"),
+    (lambda: GRPOLossConfig(max_tokens=64), "setting 'learner.loss.max_tokens' is for learner.loss.aggregation="
+                                            "constant; this run's learner.loss.aggregation is token_mean"),
     (lambda: LoraSettings(alpha=32.0), "setting 'learner.lora.alpha' is for a LoRA run (learner.lora.rank > 0); this "
                                        "run trains every weight (learner.lora.rank=0): drop it"),
     (lambda: LearnerSettings(adam_betas=(0.9, 1.0)), "setting 'learner.adam_betas' must be in [0, 1) (each of the "

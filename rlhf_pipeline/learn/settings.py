@@ -58,6 +58,7 @@ class GRPOLossConfig:
         check_fields(self, "learner.loss.")
         if self.aggregation == "constant" and self.max_tokens is None:  # its bounds refuse one below 1
             raise ValueError("aggregation='constant' (Dr. GRPO) needs max_tokens > 0, e.g. the sampler's max_new_tokens")
+        check_applies(self, "learner.loss.", {"max_tokens": ("aggregation", ("constant",))})
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> GRPOLossConfig:
