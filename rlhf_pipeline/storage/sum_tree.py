@@ -91,13 +91,16 @@ class SumMinTree:
         mass = np.array(mass, dtype=np.float64).reshape(-1)
         node = np.zeros(mass.size, dtype=np.int64)
         rows = np.arange(mass.size)
+        past = np.zeros(mass.size, dtype=bool)
         for level in range(len(self.sums) - 2, -1, -1):
             children = self.sums[level].reshape(-1, FANOUT)[node]  # (B, FANOUT)
             cumulative = np.cumsum(children, axis=1)
             choice = (cumulative <= mass[:, None]).sum(axis=1)
             # the mass reached the node's stored total (rounding; the running sum of the children
-            # can round a leaf's end to just past it): the node's last non-empty child
-            past = (choice == FANOUT) | (mass >= self.sums[level + 1][node])
+            # can round a leaf's end to just past it): the node's last non-empty child, and below it
+            # the last non-empty child again, whatever the subtraction left (a last leaf of 5e-324
+            # adds nothing to the total, and total - S0 can round to just below the last node's sum)
+            past |= (choice == FANOUT) | (mass >= self.sums[level + 1][node])
             if past.any():
                 choice[past] = FANOUT - 1 - np.argmax(children[past, ::-1] > 0, axis=1)
             mass -= np.where(choice > 0, cumulative[rows, choice - 1], 0.0)  # choice 0 reads column -1, unused

@@ -28,6 +28,9 @@ SCHEMA = StoreSchema(("advantage",))
        st.lists(st.tuples(st.integers(0, 2999), st.floats(0, 50, allow_nan=False)), max_size=40))
 # CI found it: the running sum of the children reached the total one leaf early (the last is tiny)
 @example(values=[0.0, 1.0, 63.38248819917461, 1.1355863143954963, 8.7497332489853e-204], updates=[])
+# and again: the total less the first node's sum rounded to just below the last node's sum, which ends in a
+# leaf of 5e-324; the descent then took that node's first leaf, not its last non-empty one
+@example(values=[0.0] * 20 + [57.0, 78.0, 2.0, 0.0, 88.0] + [100.0] * 7 + [99.47786150410418, 5e-324], updates=[])
 def test_tree_matches_a_plain_prefix_sum(values, updates):
     leaves = np.array(values, dtype=np.float64)
     tree = SumMinTree(4)  # grows as needed: up to three levels of 32 children
