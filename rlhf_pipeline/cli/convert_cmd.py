@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-
 from rlhf_pipeline.cli.checks import buffer_given, run_or_path
 
 

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         except StoreLockedError as exc:
             held = f"{args.path} is being written by {exc.holder}" if exc.holder else str(exc).split(";")[0]
             raise CommandRefused(f"{held}; repair --apply needs the store's writer lock: stop that writer (or "
-                                 f"wait until its lease runs out), then run repair again; nothing was written") from None
+                                 f"wait until its lease runs out), then run repair again; nothing was "
+                                 f"written") from None
         except StoreError as exc:
             raise CommandRefused(str(exc)) from None
     if args.json:

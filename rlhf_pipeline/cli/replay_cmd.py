@@ -10,7 +10,6 @@ again resumes. Arguments are parsed before torch is imported.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from rlhf_pipeline.cli import CommandRefused
 from rlhf_pipeline.cli.checks import run_or_path
@@ -75,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.runs.replay import ReplayError, ReplayOptions, replay_command
+    from rlhf_pipeline.runs.replay_options import REFERENCE_ONLY
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.run_store import RunStoreError, StaleWriterError
     from rlhf_pipeline.files.state_files import StateFileError
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.buffer is None and not args.list_settings:
         raise CommandRefused("--buffer PATH is required (the recorded buffer to train on)")
-    given_alone = [flag for flag, value in (("--kl-estimator", args.kl_estimator), ("--kl-coef", args.kl_coef))
-                   if value is not None and args.ref_model is None]
+    given_alone = [] if args.ref_model is not None else \
+        ["--" + name.replace("_", "-") for name in REFERENCE_ONLY if getattr(args, name) is not None]
     if given_alone:
         shape, them = ("shape", "them") if len(given_alone) > 1 else ("shapes", "it")
         raise CommandRefused(f"{' and '.join(given_alone)} {shape} the KL recomputed with a reference model: give "
@@ -92,12 +92,11 @@ def run(args: argparse.Namespace) -> int:
     init_from, ref_model = (None if value is None else run_or_path(value, args.home, what=flag)
                             for value, flag in ((args.init_from, "--init-from"), (args.ref_model, "--ref-model")))
     buffer = args.buffer and run_or_path(args.buffer, args.home, what="--buffer")  # a run by its name, too
-    defaults = {f.name: f.default for f in dataclasses.fields(ReplayOptions)}
     options = ReplayOptions(
         buffer=buffer or "", init_from=init_from, epochs=args.epochs, steps=args.steps, order=args.order,
         seed=args.seed, shuffle_window_rows=args.shuffle_window_rows, ref_model=ref_model,
-        kl_estimator=args.kl_estimator or defaults["kl_estimator"],
-        kl_coef=defaults["kl_coef"] if args.kl_coef is None else args.kl_coef,
+        # not given: ReplayOptions' defaults, which a resumed replay compares with its record
+        **{name: getattr(args, name) for name in REFERENCE_ONLY if getattr(args, name) is not None},
         advantage_std=None if args.advantage_std is None else args.advantage_std == "on",
         advantage_baseline=args.advantage_baseline,
     )
