@@ -52,3 +52,60 @@ def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, word
     assert err.startswith(f"rlhf-pipeline {argv[0]}: error: ") and err.count("\n") == 1, err
     assert words in err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+REPO_PIPELINE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "pipelines" / "default.py")
+
+# each command's output argument, named as its refusal names it; "{out}" is where it is asked to write. The
+# inputs need only exist: the output is checked before any of them is read (which made each of these a
+# traceback once the work was done, or a misleading line: convert said the path "already holds a buffer")
+OUTPUTS = {
+    "export-model": (["export-model", "run", "{out}"], "OUT"),
+    "plot": (["plot", "run", "--out", "{out}"], "--out"),
+    "export": (["export", "run", "{out}.jsonl"], "OUT"),
+    "show": (["show", "run", "--html", "{out}.html"], "--html"),
+    "convert": (["convert", "run", "{out}", "--to", "zarr"], "DST"),
+    "filter": (["filter", "run", "{out}", "--where", "reward > 0", "--selection"], "DST"),
+    "import": (["import", "rows.jsonl", "{out}"], "BUFFER"),
+    "setup-vllm": (["setup-vllm", "--cpu", "--path", "{out}"], "--path"),
+    "branch": (["branch", "run", "{out}", "--from-step", "1"], "NEW_RUN"),
+    "run": (["run", REPO_PIPELINE, "--home", "{out}", "--steps", "1"], "the run directory"),
+    "replay": (["replay", REPO_PIPELINE, "--buffer", "run", "--home", "{out}", "--steps", "1"], "the run directory"),
+}
+
+
+@pytest.mark.parametrize("place", ["under-a-file", "in-proc"])
+@pytest.mark.parametrize("command", list(OUTPUTS))
+def test_an_output_that_cannot_be_made_is_refused_before_any_work_naming_its_argument(command, place, monkeypatch,
+                                                                                     capsys, tmp_path):
+    if place == "in-proc" and not __import__("os").path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc, where nothing can be made whatever a user's rights")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    (tmp_path / "a-file").write_text("not a directory")
+    out = "a-file/out" if place == "under-a-file" else "/proc/rlhf-pipeline-out"
+    argv, argument = OUTPUTS[command]
+    before = sorted(tmp_path.rglob("*"))
+
+    assert main([word.replace("{out}", out) for word in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlhf-pipeline {command}: error: ") and err.count("\n") == 1, err
+    assert f"{argument} " in err and "cannot be written: " in err, err
+    assert ("a-file is a file, not a directory" if place == "under-a-file" else "nothing can be made in /proc") in err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing made, here or beside
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plot", "run", "--out", "a-file"], "--out a-file cannot be written: a-file is a file, not a directory"),
+    (["show", "run", "--html", "run"], "--html run cannot be written: run is a directory"),
+], ids=["plot-out-a-file", "show-html-a-directory"])
+def test_an_output_of_the_wrong_kind_is_refused_naming_its_argument(argv, words, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "a-file").write_text("not a directory")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlhf-pipeline {argv[0]}: error: ") and err.count("\n") == 1, err
+    assert words in err, err
+    assert (tmp_path / "a-file").read_text() == "not a directory" and not any((tmp_path / "run").iterdir())

@@ -5,8 +5,10 @@ Design: docs/architecture.md#the-command-line.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.files.atomic import why_unwritable
 from rlhf_pipeline.files.run_paths import HOME_ENV_VAR, RunLocationError, is_url, run_paths
 
 
@@ -16,6 +18,24 @@ def buffer_path_problem(location: str) -> str | None:
     if "://" not in location and not Path(location).exists():
         return f"{location} does not exist"
     return None
+
+
+def writable_output(location: str, what: str, *, kind: Literal["file", "directory"] | None = None) -> None:
+    """Refuses, before any work, an output ``location`` (the argument ``what``: ``OUT``, ``--out``) that
+    cannot be made: a part of its path that is a file, a read-only or foreign file system, no
+    permission, or a directory where a ``kind="file"`` that may be replaced goes (a file where a
+    ``"directory"`` goes). URLs are the store's to refuse when written."""
+    if is_url(location):
+        return
+    there = Path(location)
+    if kind == "directory" and there.exists() and not there.is_dir():
+        why = f"{location} is a file, not a directory"
+    elif kind == "file" and there.is_dir():
+        why = f"{location} is a directory"
+    else:
+        why = why_unwritable(location)
+    if why is not None:
+        raise CommandRefused(f"{what} {location} cannot be written: {why}; choose another {what}")
 
 
 def buffer_given(location: str, command: str) -> str:

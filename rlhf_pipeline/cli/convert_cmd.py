@@ -84,6 +84,7 @@ def _destination_problem(src: str, dst: str) -> str | None:
     """Why ``dst`` cannot take the converted buffer, in words for the command line; else None."""
     import os
 
+    from rlhf_pipeline.files.atomic import why_unwritable
     from rlhf_pipeline.storage.buffers import buffer_holding, within
 
     if within(dst, src):
@@ -97,7 +98,8 @@ def _destination_problem(src: str, dst: str) -> str | None:
     if holder is not None:
         return (f"{dst} is inside the buffer {holder}: a store written there becomes part of that buffer (a shard "
                 f"of a run's buffer is read by its learner); choose a path outside it")
-    return None
+    why = None if "://" in dst else why_unwritable(dst)
+    return None if why is None else f"DST {dst} cannot be written: {why}; choose another DST"
 
 
 def _describe(dst: str, stats, verified: bool) -> str:

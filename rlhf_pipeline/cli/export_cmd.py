@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from rlhf_pipeline.cli.checks import buffer_given, buffer_path_problem
+    from rlhf_pipeline.cli.checks import buffer_given, buffer_path_problem, writable_output
     from rlhf_pipeline.dataio.export import export_format
     from rlhf_pipeline.dataio.extras import missing_extra
 
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         problem = missing_extra(EXTRAS_OF_FORMAT.get(fmt, ()), f"exporting to {FORMAT_NAMES.get(fmt, fmt)}")
     if problem is not None:
         raise CommandRefused(problem)
+    writable_output(args.out, "OUT")
     buffer = buffer_given(args.buffer, "export")
 
     from rlhf_pipeline.dataio.export import ExportSpaceError, export_buffer

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import run_or_path, writable_output
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.out is None and not args.list_versions:
         raise CommandRefused("OUT is required (unless --list-versions): the directory to write the model to")
+    if not args.list_versions:
+        writable_output(args.out, "OUT")
     try:
         if args.list_versions:
             versions = available_versions(args.run_dir)

@@ -69,12 +69,14 @@ def run(args: argparse.Namespace) -> int:
     if args.segment_rows is not None:
         options["segment_rows"] = args.segment_rows
     # before the heavy imports below: a typo in the path or the condition is answered at once
-    from rlhf_pipeline.cli.checks import buffer_given, buffer_path_problem
+    from rlhf_pipeline.cli.checks import buffer_given, buffer_path_problem, writable_output
     from rlhf_pipeline.storage.where import WhereError, parse_where
 
     problem = buffer_path_problem(args.src)
     if problem is not None:
         raise CommandRefused(problem)
+    if args.dst is not None:
+        writable_output(args.dst, "DST")
     args.src = buffer_given(args.src, "filter")
     try:
         parse_where(args.where)

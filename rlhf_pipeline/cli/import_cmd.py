@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from rlhf_pipeline.cli import CommandRefused
+from rlhf_pipeline.cli.checks import writable_output
 
 _COLUMN_OPTIONS = (
     ("--prompt", "prompt", "prompt text column (default: prompt_text or prompt)"),
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandRefused("--rows-per-chunk must be >= 1")
     if args.pipeline is not None and not Path(args.pipeline).is_file():
         raise CommandRefused(f"pipeline file {args.pipeline!r} does not exist")
+    writable_output(args.buffer, "BUFFER")
     if args.device is not None:
         from rlhf_pipeline.pipeline import PipelineError
         from rlhf_pipeline.runs.devices import check_cuda_device

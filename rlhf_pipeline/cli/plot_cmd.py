@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import run_or_path, writable_output
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.run_store import RunStoreError
 
+    writable_output(args.out, "--out", kind="directory")
     try:
         written = plot_runs([local_copy(run) for run in args.runs], args.out)
     except (MissingExtraError, FileNotFoundError, NotMetricsError, RunLocationError, RunStoreError) as exc:

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.run_store import RunStoreError, StaleWriterError
     from rlhf_pipeline.files.state_files import StateFileError
-    from rlhf_pipeline.runs.run_directory import RunDirectoryBusyError
+    from rlhf_pipeline.runs.run_directory import RunError
 
     if args.buffer is None and not args.list_settings:
         raise CommandRefused("--buffer PATH is required (the recorded buffer to train on)")
@@ -106,6 +106,6 @@ def run(args: argparse.Namespace) -> int:
                               stop_fd=args.stop_fd)
     # a run at a URL: an object store that refuses (credentials, no bucket, retries spent) or a
     # start elsewhere that took the run over is one line, as for `run`
-    except (PipelineError, ReplayError, RunDirectoryBusyError, RunLocationError, RunStoreError,
+    except (PipelineError, ReplayError, RunError, RunLocationError, RunStoreError,
             StaleWriterError, StateFileError) as exc:
         raise CommandRefused(str(exc)) from None

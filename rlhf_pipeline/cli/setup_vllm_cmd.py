@@ -37,8 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from rlhf_pipeline.cli.checks import writable_output
     from rlhf_pipeline.generation.vllm_setup import SetupError, SetupRefused, setup_vllm
 
+    if args.path is not None:
+        writable_output(str(args.path), "--path")
     try:
         report = setup_vllm(args.path, gpu=args.gpu, step_timeout_s=args.step_timeout_s,
                             say=lambda line: print(line, file=sys.stderr, flush=True))

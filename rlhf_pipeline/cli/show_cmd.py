@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import run_or_path, writable_output
 
 EXAMPLES = """examples:
   rlhf-pipeline show storage/tool_use                          # the newest trajectory of a run
@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
 
     if "://" not in args.buffer and not Path(args.buffer).exists():  # before the imports below (torch)
         raise CommandRefused(f"{args.buffer} does not exist")
+    if args.html:
+        writable_output(args.html, "--html", kind="file")
     from rlhf_pipeline.dataio.run_pipeline import find_run
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.dataio.trajectory_view import (

@@ -4,6 +4,7 @@ Every small state file of a run (a store's manifest, pending groups, a collector
 checkpoints, published weights, ``settings.json``) goes through :func:`write_atomic` (``<name>.partial``,
 then ``os.replace``; ``durable`` adds the fsyncs); :func:`publish_json` and :func:`save_torch_atomic` wrap
 it, and :func:`write_all` is for code that writes with ``os.write`` and renames into place.
+:func:`why_unwritable` tells, before any work, whether a path could be written at all.
 
 Design: docs/pipelines.md#the-run-directory.
 """
@@ -13,11 +14,37 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 PARTIAL_SUFFIX = ".partial"
+
+
+def why_unwritable(path: str | os.PathLike) -> str | None:
+    """Why ``path`` (a file or a directory, with its missing parents) cannot be made or written in, in
+    a phrase, or None: a part of it that is a file, a read-only file system, no permission, a place
+    nothing can be made in. Where ``path`` does not exist, asked of the file system itself by making
+    and removing an empty directory in its nearest part that exists (a root user passes every
+    permission bit, and some file systems, ``/proc``, refuse what their modes allow); a directory
+    that exists, which may be a store others read, gets nothing made in it and is judged by its
+    modes. Whether a ``path`` that exists may be replaced is the caller's to say."""
+    path = Path(path).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != path and not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    if existing == path and path.is_dir():
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return f"{path} is on a read-only file system"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"no permission to write in {path}"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing if existing != path else path.parent))
+    except OSError as exc:
+        return f"nothing can be made in {existing} ({exc.strerror})"
+    return None
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:

@@ -5,7 +5,6 @@ no torch; its learner child prepares the run. ``docs/pipelines.md#start-up``.
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sys
@@ -31,6 +30,7 @@ from rlhf_pipeline.runs.run_directory import (  # RunError and prepare_run stay 
     prepare_run,
     prepare_run_directory,
     publish_initial_policy,
+    refuse_unwritable,
 )
 from rlhf_pipeline.runs.processes import (
     build_pipeline,
@@ -100,7 +100,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         refuse_evicting_parent(paths.root)  # nor may its parent evict the rows it reads (a local store's eviction)
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
-    _check_writable(paths.root)  # now, not after seconds of imports and model building
+    refuse_unwritable(paths.root)  # now, not after seconds of imports and model building
     # one command at a time per run directory; `run`'s children and the ranks of a torchrun'd
     # `learn` run under the holder that started them
     holds = command == "run" or (command == "learn" and not wait_for_launcher and os.environ.get("RANK", "0") == "0")
@@ -251,20 +251,6 @@ def _terminated_while_preparing(signum, frame) -> None:
     print("[run] interrupted (SIGTERM) while preparing the run, before the first learner step; "
           "run the same command again", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
-
-
-def _check_writable(root: Path) -> None:
-    """Raises the OSError that writing the run directory would raise (read-only, not a directory,
-    no permission), without creating anything: a bad setting found later leaves no directory."""
-    existing = root
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(existing))
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
 
 
 def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:

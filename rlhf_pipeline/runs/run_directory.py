@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import fsync_dir
+from rlhf_pipeline.files.atomic import fsync_dir, why_unwritable
+from rlhf_pipeline.files.run_paths import HOME_ENV_VAR
 from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.files.settings_history import record_resume, settings_in_force
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
@@ -107,6 +108,7 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolde
     holder (pid, host, command, start time) without changing anything in the directory."""
     if paths.url is not None:
         return _hold_run_url(paths, command)
+    refuse_unwritable(paths.root)
     created_root = not paths.root.exists()
     paths.root.mkdir(parents=True, exist_ok=True)
     fd = os.open(paths.root / HOLDER_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -124,6 +126,13 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolde
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     return RunHolder(fd, paths.root, created_root)
+
+
+def refuse_unwritable(root: Path) -> None:
+    """Refuses a run directory that cannot be made or written in, before anything is made."""
+    if (why := why_unwritable(root)) is not None:
+        raise RunError(f"the run directory {root} cannot be written: {why}; choose another --home (or ${HOME_ENV_VAR}) "
+                       f"or --run-name")
 
 
 def _lock_or_wait_for_an_ending_holder(fd: int) -> bool:

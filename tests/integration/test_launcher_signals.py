@@ -145,7 +145,8 @@ def test_os_errors_on_the_run_directory_are_one_line(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"rlhf-pipeline run: error: {home_file}") and "Not a directory" in lines[0]
+    assert lines == [f"rlhf-pipeline run: error: the run directory {home_file}/default cannot be written: {home_file} "
+                     f"is a file, not a directory; choose another --home (or $RLHF_PIPELINE_HOME) or --run-name"]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through file permissions")
@@ -157,8 +158,8 @@ def test_a_read_only_home_is_one_line(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"rlhf-pipeline run: error: {home}: Permission denied; choose a --home you can write to, "
-        f"or fix its permissions"]
+        f"rlhf-pipeline run: error: the run directory {home}/default cannot be written: nothing can be made in "
+        f"{home} (Permission denied); choose another --home (or $RLHF_PIPELINE_HOME) or --run-name"]
 
 
 # ---------------------------------------------------------------------- while the learner prepares
