@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import os
+    from contextlib import nullcontext
 
     from rlhf_pipeline.dataio.progress import progress_reporter
     from rlhf_pipeline.storage.buffers import is_sharded_buffer, shard_index, shard_key_of, shard_location, stores_in
@@ -50,30 +51,30 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         raise CommandRefused(problem)
     skipped: dict[str, str] = {}
-    if is_sharded_buffer(args.src):
-        try:  # the shards a learner reads: one still being made is left out, as the learner does
-            pairs = [(path, shard_location(args.dst, shard_index(shard_key_of(path))))
-                     for _, path in stores_in(args.src, skipped)]
-        except StoreError as exc:
-            raise CommandRefused(str(exc)) from None
-    else:
-        pairs = [(args.src, args.dst)]
+    sharded = is_sharded_buffer(args.src)
+    try:  # the shards a learner reads: one still being made is left out, as the learner does
+        shards = [(shard_index(shard_key_of(path)), path) for _, path in stores_in(args.src, skipped)] \
+            if sharded else []
+    except StoreError as exc:
+        raise CommandRefused(str(exc)) from None
 
     from rlhf_pipeline.storage.convert import convert, verify  # imports torch: after the arguments
+    from rlhf_pipeline.storage.new_buffer import new_buffer_at
 
     lines = []
     try:
-        for src, dst in pairs:
-            progress = progress_reporter(f"convert {os.path.basename(src.rstrip('/'))} -> {args.to}", "rows",
-                                         quiet=args.quiet)
-            stats = convert(src, dst, args.to, segment_rows=args.segment_rows, progress=progress, **options)
-            if args.verify:
-                verify(src, dst)
-            lines.append(_describe(dst, stats, args.verify))
-    except FileExistsError:  # at a URL, where nothing was there when convert looked: made meanwhile
-        raise CommandRefused(f"{args.dst} already holds a buffer (made meanwhile by another process); "
-                             f"convert writes a new one: choose a path that does not exist") from None
-    except (StoreError, ValueError) as exc:
+        # a buffer of shards appears whole or not at all, as each store does (convert())
+        with new_buffer_at(args.dst, "convert") if sharded else nullcontext(args.dst) as root:
+            pairs = [(path, shard_location(root, k), shard_location(args.dst, k)) for k, path in shards] if sharded \
+                else [(args.src, args.dst, args.dst)]
+            for src, dst, named in pairs:
+                progress = progress_reporter(f"convert {os.path.basename(src.rstrip('/'))} -> {args.to}", "rows",
+                                             quiet=args.quiet)
+                stats = convert(src, dst, args.to, segment_rows=args.segment_rows, progress=progress, **options)
+                if args.verify:
+                    verify(src, dst)
+                lines.append(_describe(named, stats, args.verify))
+    except (FileExistsError, StoreError, ValueError) as exc:  # a DST made meanwhile by another process, too
         raise CommandRefused(str(exc)) from None
     lines += [f"{name}: not converted: {why}" for name, why in sorted(skipped.items())]
     print("\n".join(lines))

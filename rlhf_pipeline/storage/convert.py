@@ -17,6 +17,7 @@ import torch
 
 from rlhf_pipeline.storage.backends import backend_class, inspection, open_store
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
+from rlhf_pipeline.storage.new_buffer import create_new, new_buffer_at
 
 DEFAULT_SEGMENT_ROWS = 4096
 
@@ -35,7 +36,9 @@ def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,
 
     ``progress(rows_done, rows_total)`` is called after each segment. ``dst_options`` go
     to the destination's ``create`` (e.g. ``codec="zstd"`` for Zarr). Returns the
-    destination's stats; raises before writing anything if ``dst`` already holds a store.
+    destination's stats; raises before writing anything if ``dst`` already holds a store. In a
+    directory ``dst`` appears whole or not at all (:mod:`.new_buffer`): a convert killed midway
+    leaves no store that looks like a finished one with fewer rows.
     """
     target_cls = backend_class(to)
     with open_store(src, mode="r") as source:
@@ -45,7 +48,8 @@ def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,
         if capacity is not None:
             dst_options.setdefault("capacity_rows", max(int(capacity), dst_options["segment_rows"]))
         first, stop = source.first_row, source.next_row
-        with target_cls.create(dst, source.schema, **dst_options) as target:
+        with new_buffer_at(dst, "convert") as build_at, \
+                create_new(target_cls, build_at, dst, source.schema, **dst_options) as target:
             done = 0
             # aligned on the source's segment boundaries, so each step decodes one segment
             start = first

@@ -3,20 +3,16 @@
 ``rlhf-pipeline filter`` and :func:`filter_buffer` read ``SRC`` (anything ``open_buffer`` opens) read-only,
 in bounded memory: a first pass for the group and trajectory statistics the expression uses, a row pass
 evaluating it unit by unit (a multi-turn trajectory is kept or dropped whole), then either a copy of the
-kept rows into a new buffer, built under ``DST.partial`` (held with an ``flock``) and renamed when
-complete, or a saved selection naming them (:mod:`.selection`). The expression language is :mod:`.where`.
+kept rows into a new buffer that appears whole or not at all (:mod:`.new_buffer`), or a saved
+selection naming them (:mod:`.selection`). The expression language is :mod:`.where`.
 
 Design: docs/curation.md#filter.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
-import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX, fsync_dir
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
 from rlhf_pipeline.storage.filter_tables import GroupTable, TrajectoryTable
+from rlhf_pipeline.storage.new_buffer import create_new, new_buffer_at
 from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of, read_by_position
 from rlhf_pipeline.storage.where import (
     GROUP_NAMES,
@@ -245,50 +241,6 @@ def _check_destination(dst: str, src: str, source: TrajectoryStore) -> None:
                          f"(a shard of a run's buffer is read by its learner); choose a path outside it")
 
 
-@contextmanager
-def _building(dst: str) -> Iterator[Path]:
-    """``DST.partial``, empty and locked by this process until the block ends (the caller renames it
-    to ``DST`` inside the block): an ``flock`` on the directory itself, which the kernel drops when a
-    filter dies, so what a killed filter left is cleared and a live one is never disturbed."""
-    build_at = Path(dst + PARTIAL_SUFFIX)
-    build_at.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        try:
-            build_at.mkdir()
-        except FileExistsError:
-            pass
-        fd = os.open(build_at, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            from rlhf_pipeline.storage.errors import StoreLockedError
-
-            raise StoreLockedError(f"another filter is writing {dst} right now (it holds {build_at}); wait for it "
-                                   f"to finish, or choose another destination") from None
-        if _same_directory(fd, build_at):
-            break
-        os.close(fd)  # renamed to DST (that filter finished) or cleared since it was opened: look again
-    try:
-        if Path(dst).exists():  # another filter finished it meanwhile
-            shutil.rmtree(build_at, ignore_errors=True)
-            raise FileExistsError(f"{dst} exists (written meanwhile by another filter); choose a new path for "
-                                  f"the filtered buffer")
-        for child in build_at.iterdir():  # left by a filter killed while building here
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        yield build_at
-    finally:
-        os.close(fd)
-
-
-def _same_directory(fd: int, path: Path) -> bool:
-    try:
-        here, held = os.stat(path), os.fstat(fd)
-    except FileNotFoundError:
-        return False
-    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
-
-
 def _save_selection(source: TrajectoryStore, parts: list[Part], positions: np.ndarray, dst: str, where: str,
                     whole_groups: bool) -> None:
     from rlhf_pipeline.storage import open_buffer
@@ -320,39 +272,16 @@ def _copy_rows(source: TrajectoryStore, parts: list[Part], positions: np.ndarray
     target_cls = backend_class(to or backend)
     dst_options.setdefault("segment_rows", segment_rows)
 
-    def build(at: str) -> None:
-        try:
-            target = target_cls.create(at, source.schema, **dst_options)
-        except FileExistsError:  # at a URL: made meanwhile by another filter or writer
-            raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path for the "
-                                  f"filtered buffer") from None
-        with target:
-            step = max(chunk_rows, dst_options["segment_rows"])
-            for start in range(0, positions.size, step):
-                target.append(read_by_position(parts, positions[start: start + step]))
-                if progress is not None:
-                    progress("copy", min(positions.size, start + step), int(positions.size))
-            flush = getattr(target, "flush", None)
-            if flush is not None:
-                flush()
-
-    if "://" in dst:
-        build(dst)
-    else:
-        with _building(dst) as build_at:
-            try:
-                build(str(build_at))
-                try:
-                    os.replace(build_at, dst)
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-                        raise
-                    raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path "
-                                          f"for the filtered buffer") from None
-                fsync_dir(Path(dst).resolve().parent)
-            except BaseException:
-                shutil.rmtree(build_at, ignore_errors=True)
-                raise
+    with new_buffer_at(dst, "filter") as build_at, create_new(target_cls, build_at, dst, source.schema,
+                                                               **dst_options) as target:
+        step = max(chunk_rows, dst_options["segment_rows"])
+        for start in range(0, positions.size, step):
+            target.append(read_by_position(parts, positions[start: start + step]))
+            if progress is not None:
+                progress("copy", min(positions.size, start + step), int(positions.size))
+        flush = getattr(target, "flush", None)
+        if flush is not None:
+            flush()
     from rlhf_pipeline.storage.backends import open_store
 
     with open_store(dst, mode="r") as written:

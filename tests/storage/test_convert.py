@@ -117,3 +117,68 @@ def test_cli_refuses_a_destination_that_is_the_source_inside_it_or_inside_a_run_
     assert not (run_buffer / "shard-0001").exists() and not (tmp_path / "src" / "inner").exists()
     with open_store(src) as store:
         assert len(store) == 12
+
+
+# a convert that dies midway (kill -9) left DST a valid store with fewer rows than the source: read
+# later it looked finished, and the rerun was refused ("already holds files")
+KILLED_MIDWAY = """
+import os, signal, sys
+import rlhf_pipeline.storage.convert as converting
+from rlhf_pipeline.cli.main import main
+
+def die(_done, _total):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if sys.argv[1] == "store":  # after the first of the source's segments is appended
+    converting.convert(sys.argv[2], sys.argv[3], "zarr", progress=lambda done, total: done >= 16 and die(done, total))
+else:  # a buffer of shards: after its first shard is converted whole
+    convert = converting.convert
+
+    def convert_then_die(*args, **kwargs):
+        convert(*args, **kwargs)
+        die(0, 0)
+
+    converting.convert = convert_then_die
+    main(["convert", sys.argv[2], sys.argv[3], "--to", "zarr", "--quiet"])
+"""
+
+
+@pytest.mark.parametrize("source", ["store", "shards"])
+def test_a_convert_killed_midway_leaves_no_destination_and_the_rerun_converts_every_row(tmp_path, source):
+    import signal
+    import subprocess
+    import sys
+
+    from rlhf_pipeline.storage.sharded import list_shards, shard_path
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    if source == "store":
+        expected = {None: _fill(str(src), "memmap")}  # 4 segments of the source: killed after the first
+    else:
+        expected = {k: _fill(str(shard_path(src, k)), "memmap", batches=2) for k in (0, 1)}
+    killed = subprocess.run([sys.executable, "-c", KILLED_MIDWAY, source, str(src), str(dst)], capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not dst.exists()  # half a buffer never takes DST's name
+    assert (tmp_path / "dst.partial").exists()  # what it was building when it died
+
+    assert main(["convert", str(src), str(dst), "--to", "zarr", "--quiet"]) == 0  # clears what the kill left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
+    for k, rows in expected.items():
+        with open_store(str(dst if k is None else shard_path(dst, k))) as store:
+            assert store.backend_name == "zarr" and store.read(torch.arange(len(store))).equal(rows)
+    if source == "shards":
+        assert [k for k, _ in list_shards(dst)] == [0, 1]
+
+
+def test_a_convert_that_fails_midway_leaves_no_destination(tmp_path):
+    """A source whose third segment is damaged: the error is raised after two were appended, and
+    nothing is left at DST or beside it."""
+    from rlhf_pipeline.storage.errors import StoreError
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _fill(str(src), "memmap")
+    (src / "seg-00000002" / "reward.col").write_bytes(b"")  # a column file cut to nothing
+    with pytest.raises(StoreError):
+        convert(str(src), str(dst), "zarr")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
