@@ -115,7 +115,7 @@ class _Parts:
         numbers = part_numbers(store, key)
         self.number = numbers[-1] if numbers else 0
         existing = store.read(self._part_key()) if numbers else None
-        self.lines = (existing or b"").decode("utf-8").splitlines(keepends=True)
+        self.lines = (existing or b"").decode("utf-8", errors="replace").splitlines(keepends=True)
         if len(self.lines) >= PART_LINES:
             self.number, self.lines = self.number + 1, []
         self.dirty = False
@@ -142,7 +142,7 @@ def truncate_metrics(jsonl_path: str | Path, after_step: int, *, store: RunStore
     if store is not None:
         for number in reversed(part_numbers(store, str(jsonl_path))):
             part = part_key(str(jsonl_path), number)
-            lines = (store.read(part) or b"").decode("utf-8").splitlines()
+            lines = (store.read(part) or b"").decode("utf-8", errors="replace").splitlines()
             kept = [line for line in lines if line.strip() and _step_of(line) <= after_step]
             if len(kept) == len([line for line in lines if line.strip()]):
                 return
@@ -154,7 +154,7 @@ def truncate_metrics(jsonl_path: str | Path, after_step: int, *, store: RunStore
     path = Path(jsonl_path)
     if not path.exists():
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
             if line.strip() and _step_of(line) <= after_step]
     partial = path.with_name(path.name + ".partial")
     partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")

@@ -71,3 +71,21 @@ def test_every_reader_of_the_log_skips_a_line_a_kill_cut_short(tmp_path, capsys)
     assert [r["step"] for r in plotted_metrics(paths.metrics)] == [1, 2]
     print_summary(paths)
     assert "done: 2 learner steps; mean reward 0.250 (first step) -> 0.500 (last step)" in capsys.readouterr().err
+
+
+def test_a_resume_drops_a_torn_tail_whatever_its_bytes(tmp_path):
+    """After a crash a log may end in a cut line, zeros, or bytes that are not UTF-8 (a block the file
+    system never wrote): the resume keeps the whole lines up to its checkpoint, and nothing else. Bytes
+    not UTF-8 stopped the resumed learner with a UnicodeDecodeError."""
+    from rlhf_pipeline.learn.metrics import truncate_metrics
+
+    log = tmp_path / "metrics.jsonl"
+    writer = MetricsWriter(log)
+    for step in (1, 2, 3):
+        writer.log(step, {"losses/loss": float(step)})
+    writer.close()
+    with open(log, "ab") as f:
+        f.write(b'{"step": 4, "losses/lo\xff\xfe' + b"\0" * 64)
+    truncate_metrics(log, after_step=2)
+    assert [r["step"] for r in read_metrics(log)] == [1, 2]
+    assert log.read_bytes().count(b"\n") == 2
