@@ -28,6 +28,7 @@ from rlhf_pipeline.agents.environment import (
 from rlhf_pipeline.agents.episode import Episode, EpisodeLimits, episodes_to_batch
 from rlhf_pipeline.agents.tools import ToolBox
 from rlhf_pipeline.schema import TerminationReason, TrajectoryBatch
+from rlhf_pipeline.schema.fields import FLOAT32_MAX
 
 Sample = tuple[list[int], list[float]]
 TurnSampler = Callable[[int, list[int], int], Awaitable[Sample]]
@@ -199,8 +200,10 @@ async def run_episodes(tasks: Sequence[Mapping[str, Any]], make_env: Callable[[]
                 return
             result, tool_outcomes = stepped
             tool_counts.update(tool_outcomes)
-            if isinstance(result.reward, float) and not math.isfinite(result.reward):
-                fail(k, "non_finite_reward", f"{where} gave reward {result.reward} at turn {len(episodes[k].turns) - 1}")
+            reward = result.reward
+            if isinstance(reward, float) and not (math.isfinite(reward) and abs(reward) <= FLOAT32_MAX):
+                beyond = ", beyond float32's range (±3.4e38), in which rewards are stored," if math.isfinite(reward) else ""
+                fail(k, "non_finite_reward", f"{where} gave reward {reward}{beyond} at turn {len(episodes[k].turns) - 1}")
                 return
             overdue = config.episode_timeout_s is not None and clock(k) - started[k] > config.episode_timeout_s
             if overdue and not result.done:

@@ -241,8 +241,11 @@ def non_finite_reason(parts: Mapping[str, torch.Tensor], row: int, completion: s
     """Why row ``row``'s total reward is not finite: the first reward that gave NaN or infinity for it
     (or, every part finite, a weighted sum that overflowed float32)."""
     for name, values in parts.items():
-        if not math.isfinite(float(values[row])):
-            return f"reward {name!r} gave {float(values[row])} for completion {completion!r}"
+        value = float(values[row])
+        if not math.isfinite(value):
+            # a finite float beyond float32's range became infinite when stored: say so, not only "inf"
+            beyond = "" if math.isnan(value) else " (or a value beyond ±3.4e38, float32's range, in which rewards are stored)"
+            return f"reward {name!r} gave {value}{beyond} for completion {completion!r}"
     return f"the weighted sum of the rewards of completion {completion!r} is not finite"
 
 

@@ -28,7 +28,8 @@ GROUP = 2
 
 class Flaky:
     """Two turns; fails as its task says: ``reset`` raises, ``step`` raises at the second turn, a NaN
-    reward at the first, or (``"odd"``) a NaN reward whenever the sampled text has odd length."""
+    reward at the first, (``"odd"``) a NaN reward whenever the sampled text has odd length, or
+    (``"huge"``) a finite reward that float32, in which rewards are stored, cannot hold."""
 
     def reset(self, task):
         self.fail = task["fail"]
@@ -40,7 +41,7 @@ class Flaky:
         if self.fail == "step" and turn.index == 1:
             raise KeyError("missing")
         nan = (self.fail == "nan" and turn.index == 0) or (self.fail == "odd" and len(turn.text) % 2)
-        reward = float("nan") if nan else float(len(turn.text) % 3)
+        reward = float("nan") if nan else 1e300 if self.fail == "huge" else float(len(turn.text) % 3)
         if turn.index == 1:
             return StepResult(reward=reward, done=True)
         return StepResult([{"role": "user", "content": "more"}], reward=reward)
@@ -87,6 +88,20 @@ def test_a_failed_episode_drops_its_group_and_the_round_writes_the_others(tmp_pa
     assert any("(step_failed): Flaky.step raised KeyError: 'missing' at test_agent_failures.py:" in line
                for line in lines), lines
     assert any("(non_finite_reward): Flaky.step gave reward nan at turn 0" in line for line in lines), lines
+
+
+def test_a_reward_beyond_float32s_range_drops_its_group_as_a_nan_does(tmp_path, capsys):
+    """1e300 passed the check for NaN and infinity, then was stored as float32's infinity."""
+    model, tokenizer = tiny_policy()
+    store = open_or_create(tmp_path / "buffer")
+    tasks = [{"question": "Q0", "fail": "huge"}, {"question": "Q1", "fail": "none"}, {"question": "Q2", "fail": "none"}]
+    collector(model, tokenizer, tasks, store).collect()
+    rows = store.read(torch.arange(len(store)))
+    store.close()
+    assert len(rows) == 2 * GROUP * 2 and torch.isfinite(rows["reward"]).all()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "dropped group" in line]
+    assert len(lines) == 1 and ("(non_finite_reward): Flaky.step gave reward 1e+300, beyond float32's range "
+                                "(±3.4e38), in which rewards are stored, at turn 0") in lines[0], lines
 
 
 def test_a_resumed_collector_drops_the_same_groups_and_writes_the_same_rows(tmp_path):

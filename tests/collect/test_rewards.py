@@ -14,6 +14,7 @@ from rlhf_pipeline.collect.rewards import (
     exact_match,
     extract_number,
     get_reward,
+    non_finite_reason,
     numeric_match,
     score,
 )
@@ -227,3 +228,16 @@ def test_a_reward_that_is_never_finite_stops_the_collector_past_the_failure_rate
     assert resumed.last_metrics["groups_dropped_total"] == 6 and resumed.batches_emitted == 2
     with pytest.raises(ValueError, match="max_failed_group_fraction must be in \\[0, 1\\]"):
         CollectorConfig(max_failed_group_fraction=float("nan"))
+
+
+def test_a_reward_beyond_float32s_range_is_named_as_such_when_its_group_is_dropped():
+    """1e300 is a finite Python float, stored as float32 it is infinite: the group is dropped as a
+    non-finite reward's is, and the reason no longer says the reward gave "inf"."""
+    rewards = as_rewards({"huge": (lambda prompts, completions, **_: [1e300, 1.0], 1.0)})
+    total, parts = score(rewards, ["p"] * 2, ["a", "b"], {})
+    assert math.isinf(float(total[0])) and float(total[1]) == 1.0
+    assert non_finite_reason(parts, 0, "a") == (
+        "reward 'huge' gave inf (or a value beyond ±3.4e38, float32's range, in which rewards are stored) "
+        "for completion 'a'")
+    parts["huge"][0] = float("nan")
+    assert non_finite_reason(parts, 0, "a") == "reward 'huge' gave nan for completion 'a'"
