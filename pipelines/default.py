@@ -59,7 +59,7 @@ class Settings(RunSettings):
     num_prompts: Annotated[int, Bounds(ge=1)] = 4096
     """Distinct training prompts (a+b=); the collector cycles over them, reshuffled per epoch."""
     max_operand: Annotated[int, Bounds(ge=1)] = 20
-    """Operands are drawn from [0, max_operand)."""
+    """Operands are drawn from [0, max_operand); a tenth of the sums is held out for evaluation (none below 4)."""
     prompts_per_round: Annotated[int, Bounds(ge=1)] = 8
     """Prompts per collection round; a round writes prompts_per_round * group_size rows."""
     max_new_tokens: Annotated[int, Bounds(ge=1)] = 6
@@ -78,6 +78,10 @@ class Settings(RunSettings):
             raise ValueError(f"settings 'hidden_size' ({self.hidden_size}) and 'num_heads' ({self.num_heads}) must "
                              f"give heads of one even size, got {self.hidden_size / self.num_heads:g}: e.g. "
                              f"num_heads=2 with a hidden_size that is a multiple of 4")
+        if self.eval.every_steps and self.max_operand ** 2 < HELD_OUT_SHARE:
+            raise ValueError(f"setting 'max_operand' ({self.max_operand}) gives {self.max_operand ** 2} sums, too few to "
+                             f"hold a tenth of them out for eval.every_steps: raise max_operand to 4 or more, or "
+                             f"leave eval.every_steps at 0")
 
     def model_head_size(self) -> tuple[int, str]:
         return (self.hidden_size // self.num_heads,

@@ -72,13 +72,16 @@ class EvalSet:
         return items if max_prompts is None else items[:max_prompts]
 
 
-def check_sets(sets: Sequence[EvalSet]) -> list[EvalSet]:
-    """``sets`` as a list, refused (ValueError naming it) when there are none, two share a name or one
-    is not an EvalSet."""
-    if not sets:
+def check_sets(sets: Sequence[EvalSet] | None) -> list[EvalSet]:
+    """``sets`` (what the pipeline's ``eval_sets()`` returned; None: it declares none) as a list, refused
+    (ValueError naming it) when there are none, two share a name or one is not an EvalSet."""
+    if sets is None:
         raise ValueError("the pipeline declares no held-out sets to evaluate: give its Pipeline eval_sets= "
                          "(a function returning rlhf_pipeline.evaluation.sets.EvalSet objects; "
                          "docs/evaluation.md), or leave eval.every_steps at 0")
+    if not sets:
+        raise ValueError("the pipeline's eval_sets() returned no held-out set with these settings, so there is "
+                         "nothing to evaluate (its settings' documentation may say which hold none out)")
     seen: set[str] = set()
     for s in sets:
         if not isinstance(s, EvalSet):

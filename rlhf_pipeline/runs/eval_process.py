@@ -117,6 +117,6 @@ def eval_sets_of(pipeline: Pipeline) -> list[Any]:
     from rlhf_pipeline.evaluation.sets import check_sets
 
     try:
-        return check_sets(pipeline.eval_sets() if pipeline.eval_sets is not None else [])
+        return check_sets(pipeline.eval_sets() if pipeline.eval_sets is not None else None)
     except ValueError as exc:
         raise PipelineError(str(exc)) from None

@@ -163,6 +163,18 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
         assert sorted(t for v, t in counts if v == version) == list(range(first, first + 4 * HELD_OUT))
 
 
+def test_eval_of_a_default_run_with_too_few_sums_to_hold_out_is_refused_naming_max_operand(tmp_path, capsys):
+    """max_operand=3 gives 9 sums, and a tenth of them is none: it was refused as a pipeline that
+    "declares no held-out sets", telling the user to give it eval_sets=."""
+    result = command_here(capsys, "run", str(REPO / "pipelines" / "default.py"), "--steps", "2", "--home",
+                          str(tmp_path), "--set", "eval.every_steps=2", "--set", "max_operand=3")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "rlhf-pipeline run: error: setting 'max_operand' (3) gives 9 sums, too few to hold a tenth of them out for "
+        "eval.every_steps: raise max_operand to 4 or more, or leave eval.every_steps at 0")
+    assert not any(tmp_path.iterdir())
+
+
 def test_eval_on_a_pipeline_without_held_out_sets_is_refused_before_anything_is_made(tmp_path, capsys):
     result = command_here(capsys, "run", str(REPO / "pipelines" / "examples" / "reverse_words.py"), "--steps", "2",
                  "--home", str(tmp_path), "--set", "eval.every_steps=2")

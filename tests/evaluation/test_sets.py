@@ -103,6 +103,11 @@ def test_an_eval_set_is_refused_naming_what_it_lacks():
     one = EvalSet("x", prompts=["a"], score=lambda p, c, **_: [1.0] * len(c))
     with pytest.raises(ValueError, match="two eval sets are named 'x'"):
         check_sets([one, one])
+    # declared, but none for these settings: not told to declare what it declares
+    with pytest.raises(ValueError, match=r"eval_sets\(\) returned no held-out set with these settings"):
+        check_sets([])
+    with pytest.raises(ValueError, match="the pipeline declares no held-out sets"):
+        check_sets(None)
 
 
 # ====================================================================== scores and seeds
