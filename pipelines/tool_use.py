@@ -39,7 +39,7 @@ from typing import Annotated
 
 from rlhf_pipeline.evaluation.settings import EvalSettings
 from rlhf_pipeline.learn.settings import LearnerSettings
-from rlhf_pipeline.pipeline import Pipeline, RunPaths
+from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
 from rlhf_pipeline.run_settings import RunSettings
 from rlhf_pipeline.setting_checks import Bounds
 
@@ -154,11 +154,10 @@ def check(settings: Settings) -> None:
 
 def build(settings: Settings, run: RunPaths) -> Pipeline:
     # imports here: loading the file for --list-settings or a bad --set stays fast
-    import torch
-
     from rlhf_pipeline.agents.calculator import CalculatorEnv
     from rlhf_pipeline.agents.episode import AGENT_ROW_FIELDS
     from rlhf_pipeline.models import char_tool_tokenizer, tiny_causal_lm
+    from rlhf_pipeline.models.loading import ModelLoadError, load_state_dict_file
 
     tokenizer = char_tool_tokenizer()
     held_out = held_out_tasks(settings)
@@ -175,7 +174,10 @@ def build(settings: Settings, run: RunPaths) -> Pipeline:
     def make_policy():
         model = make_model()
         if settings.init_weights:
-            model.load_state_dict(torch.load(settings.init_weights, map_location="cpu", weights_only=True))
+            try:
+                load_state_dict_file(model, settings.init_weights, "setting 'init_weights'")
+            except ModelLoadError as exc:
+                raise PipelineError(str(exc)) from None
             print(f"[run] initial weights from {settings.init_weights} (no warm start)", flush=True)
         elif settings.warm_start_steps:
             warm_start_policy(model, tokenizer, settings, held_out)

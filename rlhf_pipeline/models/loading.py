@@ -145,3 +145,27 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def load_state_dict_file(model: torch.nn.Module, path: str | Path, what: str) -> None:
+    """Loads into ``model`` the state dict ``torch.save`` wrote to ``path`` (``what`` names where the path
+    came from, e.g. a setting); a file torch cannot read with ``weights_only``, or the weights of
+    another model, is one :class:`ModelLoadError` that says which and how many tensors differ."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle's, zipfile's or torch's own error for a file it did not write
+        raise ModelLoadError(f"{what}: {path} is not a file torch.save wrote (torch.load with weights_only "
+                             f"refused it: {type(exc).__name__}); give model.state_dict() saved with "
+                             f"torch.save") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelLoadError(f"{what}: {path} holds a {type(state).__name__}, not a state dict of tensors; give "
+                             f"model.state_dict() saved with torch.save")
+    own = model.state_dict()
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    reshaped = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
+    if missing or unexpected or reshaped:
+        first = (missing or unexpected or reshaped)[0]
+        raise ModelLoadError(f"{what}: {path} holds the weights of another model: {len(missing)} of this model's "
+                             f"tensors missing, {len(unexpected)} not this model's, {len(reshaped)} of another shape "
+                             f"(e.g. {first!r}); give the weights of a model built with the same settings")
+    model.load_state_dict(state)

@@ -234,12 +234,13 @@ def prepare_for_launcher(module: Any, settings: Any, paths: RunPaths, collectors
             paths = with_buffer_url(paths, pipeline)
             set_threads(pipeline)  # before the warm start
             prepare_run_directory(pipeline, paths, shards=range(collectors))
+            reports.send(PREPARED)
+            # the pipeline's make_policy (its warm start, its initial weights) may refuse too
+            initial_policy = publish_initial_policy(pipeline, paths)
         except (PipelineError, RunError, StateFileError, OSError) as exc:
             if reports.error(exc):
                 return 2
             raise  # the launcher is gone: say it here
-        reports.send(PREPARED)
-        initial_policy = publish_initial_policy(pipeline, paths)
         reports.send(READY)
         reports.close()
     except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the launcher reports it

@@ -46,6 +46,32 @@ def test_bad_settings_fail_before_any_process_starts(tmp_path, setting, message)
     assert not any(tmp_path.iterdir())  # nothing created
 
 
+@pytest.mark.parametrize("given", ["not-torch", "another-model"])
+def test_init_weights_that_are_not_this_models_state_dict_are_one_line_of_run(tmp_path, given):
+    """Read in the learner's preparation, after the run directory is made: a file torch.save did not
+    write, or another model's weights, were torch's traceback and a second line of `run`'s."""
+    import torch
+
+    init = tmp_path / "init.pt"
+    if given == "not-torch":
+        init.write_text("not a state dict")
+    else:
+        torch.save({"other.weight": torch.zeros(2)}, init)
+    result = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", TOOL_USE, "--home", str(tmp_path),
+                            "--steps", "2", "--set", f"init_weights={init}"], cwd=REPO, capture_output=True, text=True,
+                           timeout=180)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"rlhf-pipeline run: error: setting 'init_weights': {init} "), last
+    import re
+
+    assert re.search("is not a file torch.save wrote" if given == "not-torch" else
+                     r"holds the weights of another model: [1-9]\d* of this model's tensors missing, 1 not this model's",
+                     last), last
+    assert not list((tmp_path / "tool_use" / "weights").glob("policy_*"))  # no version 0 published
+
+
 def test_a_batch_of_several_rounds_does_not_stall(tmp_path):
     """Issue 32: one-turn episodes (16 rows a round) and a batch of 48 rows, three rounds, with the
     then default two rounds per policy version: the collector waited for new weights after two
