@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -36,6 +37,15 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 
 class ModelLoadError(ValueError):
     """A model or tokenizer path does not hold what the loader needs."""
+
+
+# what from_pretrained raises for a directory that is not a whole model: a config that is not JSON, a
+# weights file cut short (safetensors' own error), weights of other sizes than the config's (RuntimeError)
+_UNLOADABLE = (OSError, ValueError, KeyError, RuntimeError, SafetensorError)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _check_dir(path: str | Path, what: str) -> Path:
@@ -104,8 +114,8 @@ def load_model(
     try:
         with _load_progress("a causal LM", p):
             model = AutoModelForCausalLM.from_pretrained(p, dtype=torch_dtype, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"could not load a causal LM from {str(p)!r}: {exc}") from exc
+    except _UNLOADABLE as exc:
+        raise ModelLoadError(f"could not load a causal LM from {str(p)!r}: {_first_line(exc)}") from exc
     return model.to(device).eval()
 
 
@@ -122,8 +132,9 @@ def load_reward_model(
             model = AutoModelForSequenceClassification.from_pretrained(
                 p, dtype=torch_dtype, local_files_only=True
             )
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"could not load a sequence-classification model from {str(p)!r}: {exc}") from exc
+    except _UNLOADABLE as exc:
+        raise ModelLoadError(f"could not load a sequence-classification model from {str(p)!r}: "
+                             f"{_first_line(exc)}") from exc
     return model.to(device).eval()
 
 
@@ -147,10 +158,22 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def state_dict_misfit(expected: dict, found: dict) -> str | None:
+    """How the tensors ``found`` do not fit a model whose state dict is ``expected``, in words, or None."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = [f"{k}: {tuple(found[k].shape)} vs {tuple(expected[k].shape)}" for k in sorted(set(found) & set(expected))
+              if found[k].shape != expected[k].shape]
+    problems = [f"{len(missing)} missing weights (e.g. {missing[:3]})" if missing else "",
+                f"{len(unexpected)} unexpected weights (e.g. {unexpected[:3]})" if unexpected else "",
+                f"shape mismatches (found vs the model): {'; '.join(shapes[:3])}" if shapes else ""]
+    return ", ".join(p for p in problems if p) or None
+
+
 def load_state_dict_file(model: torch.nn.Module, path: str | Path, what: str) -> None:
     """Loads into ``model`` the state dict ``torch.save`` wrote to ``path`` (``what`` names where the path
     came from, e.g. a setting); a file torch cannot read with ``weights_only``, or the weights of
-    another model, is one :class:`ModelLoadError` that says which and how many tensors differ."""
+    another model, is one :class:`ModelLoadError` that says which."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle's, zipfile's or torch's own error for a file it did not write
@@ -160,12 +183,7 @@ def load_state_dict_file(model: torch.nn.Module, path: str | Path, what: str) ->
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelLoadError(f"{what}: {path} holds a {type(state).__name__}, not a state dict of tensors; give "
                              f"model.state_dict() saved with torch.save")
-    own = model.state_dict()
-    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
-    reshaped = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
-    if missing or unexpected or reshaped:
-        first = (missing or unexpected or reshaped)[0]
-        raise ModelLoadError(f"{what}: {path} holds the weights of another model: {len(missing)} of this model's "
-                             f"tensors missing, {len(unexpected)} not this model's, {len(reshaped)} of another shape "
-                             f"(e.g. {first!r}); give the weights of a model built with the same settings")
+    if (misfit := state_dict_misfit(model.state_dict(), state)) is not None:
+        raise ModelLoadError(f"{what}: {path} holds the weights of another model ({misfit}); give the weights of "
+                             f"a model built with the same settings")
     model.load_state_dict(state)

@@ -463,18 +463,11 @@ def load_policy(location: str, make_model, *, what: str):
 
 
 def _check_same_architecture(expected: dict, found: dict, source: str, what: str) -> None:
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    shapes = [f"{k}: {tuple(found[k].shape)} vs {tuple(expected[k].shape)}" for k in sorted(set(found) & set(expected))
-              if found[k].shape != expected[k].shape]
-    if missing or unexpected or shapes:
-        problems = [f"{len(missing)} missing weights (e.g. {missing[:3]})" if missing else "",
-                    f"{len(unexpected)} unexpected weights (e.g. {unexpected[:3]})" if unexpected else "",
-                    f"shape mismatches (found vs pipeline): {'; '.join(shapes[:3])}" if shapes else ""]
-        raise ReplayError(
-            f"{what}: the weights of {source} do not fit the pipeline's model ({', '.join(p for p in problems if p)}); "
-            f"set the pipeline's model settings to match (e.g. --set hidden_size=..., see --list-settings)"
-        )
+    from rlhf_pipeline.models.loading import state_dict_misfit
+
+    if (misfit := state_dict_misfit(expected, found)) is not None:
+        raise ReplayError(f"{what}: the weights of {source} do not fit the pipeline's model ({misfit}); set the "
+                          f"pipeline's model settings to match (e.g. --set hidden_size=..., see --list-settings)")
 
 
 # ====================================================================== training

@@ -165,3 +165,41 @@ def test_loading_errors_name_the_path(tmp_path):
         load_tokenizer(tmp_path)
     with pytest.raises(ModelLoadError, match="dtype"):
         load_model(tmp_path, dtype="float8")
+
+
+@pytest.mark.parametrize("damage", ["weights-cut-short", "config-of-another-size"])
+def test_a_model_directory_whose_weights_do_not_load_is_a_model_load_error(tmp_path, damage):
+    """A copy cut short, or a config.json edited after the weights were saved: safetensors' error and
+    transformers' RuntimeError were tracebacks of `replay --init-from`/`--ref-model`."""
+    import json
+
+    model, _ = tiny_model_and_tokenizer(hidden_size=32, num_layers=1)
+    model.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    if damage == "weights-cut-short":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 16}))
+    with pytest.raises(ModelLoadError, match=f"could not load a causal LM from '{tmp_path}': ") as raised:
+        load_model(tmp_path)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_state_dict_file_of_another_model_or_not_torchs_is_named_as_such(tmp_path):
+    from rlhf_pipeline.models.loading import load_state_dict_file
+
+    model = tiny_causal_lm(101, hidden_size=32, num_layers=1)
+    saved = tmp_path / "weights.pt"
+    torch.save(model.state_dict(), saved)
+    other = tiny_causal_lm(101, hidden_size=32, num_layers=1, seed=1)
+    load_state_dict_file(other, saved, "setting 'init_weights'")
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values()))
+
+    torch.save(tiny_causal_lm(101, hidden_size=16, num_layers=1).state_dict(), saved)
+    with pytest.raises(ModelLoadError, match=r"setting 'init_weights': .* holds the weights of another model "
+                                             r"\(shape mismatches \(found vs the model\): "):
+        load_state_dict_file(other, saved, "setting 'init_weights'")
+    saved.write_text("not torch's")
+    with pytest.raises(ModelLoadError, match="is not a file torch.save wrote"):
+        load_state_dict_file(other, saved, "setting 'init_weights'")
