@@ -27,6 +27,7 @@ def new_buffer_at(dst: str, command: str) -> Iterator[str]:
     if "://" in dst:
         yield dst
         return
+    dst = os.path.normpath(dst)  # "DST/" is DST: its partial is "DST.partial", not "DST/.partial"
     with _held_partial(dst, command) as build_at:
         try:
             yield str(build_at)

@@ -182,3 +182,17 @@ def test_a_convert_that_fails_midway_leaves_no_destination(tmp_path):
     with pytest.raises(StoreError):
         convert(str(src), str(dst), "zarr")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_destination_given_with_a_trailing_slash_is_that_directory(tmp_path, capsys):
+    """``convert SRC DST/`` (and ``filter``, through the same storage/new_buffer.py) built under
+    ``DST/.partial``, made DST first, then refused it as "written meanwhile by another" and left it."""
+    src = tmp_path / "src"
+    expected = _fill(str(src), "memmap", batches=2)
+    assert main(["convert", str(src), f"{tmp_path / 'dst'}/", "--to", "zarr", "--quiet"]) == 0, capsys.readouterr().err
+    assert main(["filter", str(src), f"{tmp_path / 'kept'}/", "--where", "reward > -1e9", "--quiet"]) == 0, \
+        capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "kept", "src"]
+    for name in ("dst", "kept"):
+        with open_store(str(tmp_path / name)) as store:
+            assert store.read(torch.arange(len(store))).equal(expected)
