@@ -48,8 +48,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         parent = run_or_path(args.run, args.home).rstrip("/")
-        # a name: beside its parent, in the same home (where `inspect RUN` finds it)
-        new = args.new_run if "/" in args.new_run else f"{resolved_location(parent).rstrip('/').rpartition('/')[0]}/{args.new_run}"
+        # a name ("NAME/" too, as RUN takes one): beside its parent, in the same home (where `inspect RUN` finds it)
+        name = args.new_run.rstrip("/")
+        new = args.new_run if "/" in name else f"{resolved_location(parent).rstrip('/').rpartition('/')[0]}/{name}"
         lineage = branch_run(parent, args.from_step, new, args.overrides)
     except (BranchError, RunLocationError, RunStoreError) as exc:
         raise CommandRefused(str(exc)) from None

@@ -483,6 +483,9 @@ def test_a_run_is_named_by_its_name_under_the_home_from_any_directory(online_par
     assert "trained" in capsys.readouterr().out
     assert main(["branch", "parent", "--from-step", "4", "by-name", "--home", str(home)]) == 0
     assert (home / "by-name" / "branch.json").is_file() and "by-name: from" in capsys.readouterr().err
+    # "NAME/" is a name as RUN takes one, not a directory of the working directory
+    assert main(["branch", "parent/", "--from-step", "4", "by-name-2/", "--home", str(home)]) == 0
+    assert (home / "by-name-2" / "branch.json").is_file() and not any(elsewhere.iterdir()), capsys.readouterr().err
     assert main(["replay", DEFAULT, "--buffer", str(home / "parent" / "buffer"), "--init-from", "parent", "--steps",
                  "1", "--run-name", "from-parent"]) == 0
     assert "[replay] done: 1 steps" in capsys.readouterr().err
