@@ -60,10 +60,11 @@ def evaluate_version(evaluation: Evaluation, sets: Sequence[EvalSet], stores: di
 
 
 def follow_run(evaluation: Evaluation, sets: Sequence[EvalSet], paths: Any, engines: VersionEngine,
-               pins: Any, *, should_stop: Callable[[], bool], store_options: Mapping[str, Any] | None = None) -> None:
+               pins: Any, *, should_stop: Callable[[], bool], store_options: Mapping[str, Any] | None = None) -> bool:
     """The evaluator beside training (module docstring). ``engines``: the evaluator's engine;
     ``paths``: the run's ``RunPaths``; ``pins``: its ``EvalPins``; ``store_options``: how its eval
-    stores are opened (``open_set_store``)."""
+    stores are opened (``open_set_store``). Returns True once the learner is done and no version is
+    left, False when asked to stop first."""
     from rlhf_pipeline.coordination.polling import PollBackoff
     from rlhf_pipeline.coordination.weights import load_weights, published_versions
 
@@ -77,7 +78,7 @@ def follow_run(evaluation: Evaluation, sets: Sequence[EvalSet], paths: Any, engi
             todo = [v for v in published_versions(paths.store) if v >= settled_below and pins.wanted(v)]
             if not todo:
                 if learner_done:
-                    return
+                    return True
                 backoff.sleep()
                 continue
             version = todo[0]
@@ -90,6 +91,7 @@ def follow_run(evaluation: Evaluation, sets: Sequence[EvalSet], paths: Any, engi
                 settled_below = version + 1
                 pins.release_below(settled_below)
             backoff.reset()
+        return False
     finally:
         for store in stores.values():
             store.close()

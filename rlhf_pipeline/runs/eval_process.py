@@ -54,8 +54,10 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
     GenerationEngine.stopping = stop.event  # every engine of this process: a stop ends a wait for a shared server
     try:
         if versions is None:
-            follow_run(evaluation, sets, paths, engines, eval_pins(pipeline, paths), should_stop=stop.event.is_set,
-                       store_options=lock)
+            if follow_run(evaluation, sets, paths, engines, eval_pins(pipeline, paths), should_stop=stop.event.is_set,
+                          store_options=lock):  # said for a follow that found nothing left as well
+                print("[eval] done: the learner finished and every version eval.every_steps names is evaluated",
+                      flush=True)
         else:
             stores = {s.name: open_set_store(paths.location, s, evaluation.settings, **lock) for s in sets}
             try:

@@ -87,6 +87,7 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, ca
     assert all(line["eval/held_out/prompts"] == HELD_OUT for line in lines)
     assert not any("eval/held_out/pass@1" in line for line in logged(run))  # the learner's
     assert "[eval] step 6 (policy version 6): held_out/pass@1" in result.stdout + result.stderr
+    assert "[eval] done: the learner finished and every version eval.every_steps names is evaluated" in result.stdout
 
     # asked again afterwards: what is stored is printed, not evaluated again
     again = command_here(capsys, "eval", run, "--step", "4")
