@@ -331,10 +331,12 @@ def test_several_collectors_and_a_late_one_feed_the_learner_without_deadlock(tmp
     paths, writers = paced_run(tmp_path, writers=3, max_lag=2, steps=12, late=2)
     records = read_metrics(paths.metrics)
     assert records[-1]["charts/rows_trained"] == 12 * 16
-    # the late collector got its rows in, and batches mixed shards; the exact sampler trains on
-    # rows in write order, so nearly all that was written was trained on: each shard is at most
-    # its share of the next two batches and one round past the learner's intake
-    assert writers[2].store.next_row > 0 and max(r["charts/collectors_in_batch"] for r in records) >= 2
+    # the late collector got its rows in, and the learner trained rows of more than one shard (whether
+    # one batch mixes them is timing: on a loaded machine one writer alone fed whole batches); the
+    # exact sampler trains on rows in write order, so nearly all that was written was trained on:
+    # each shard is at most its share of the next two batches and one round past the learner's intake
+    consumed = read_intake(paths.pacing).consumed
+    assert writers[2].store.next_row > 0 and sum(1 for rows in consumed.values() if rows) >= 2, consumed
     assert sum(w.store.next_row for w in writers) <= 12 * 16 + 3 * (2 * ROUND + ROUND)
     # each at most its share of the next two batches and the round that crossed it. A share is the
     # draw over the shards the learner has taken rows of: 16 / 2 while the late one is unseen, but the
