@@ -109,3 +109,20 @@ def test_an_output_of_the_wrong_kind_is_refused_naming_its_argument(argv, words,
     assert err.startswith(f"rlhf-pipeline {argv[0]}: error: ") and err.count("\n") == 1, err
     assert words in err, err
     assert (tmp_path / "a-file").read_text() == "not a directory" and not any((tmp_path / "run").iterdir())
+
+
+@pytest.mark.parametrize("argv, instead", [
+    (["export-model", "run", "out", "--best"], "give --version N (--list-versions lists them) instead"),
+    (["branch", "run", "--from-step", "best", "new"], "give --from-step N (inspect RUN lists the kept steps) instead"),
+], ids=["export-model", "branch"])
+def test_best_of_a_run_that_keeps_none_names_what_the_command_takes_instead(argv, instead, monkeypatch, capsys,
+                                                                             tmp_path):
+    """It said "name a step or a version", whichever of the two the command took."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "settings.json").write_text("{}")  # a run not made with learner.keep_best
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlhf-pipeline {argv[0]}: error: ") and err.count("\n") == 1, err
+    assert "keeps no best checkpoint: it was not run with learner.keep_best" in err and err.rstrip().endswith(instead)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             versions = available_versions(args.run_dir)
             print("\n".join(v.describe() for v in versions.values()) or "no versions on disk")
             return 0
-        best = run_best(RunPaths.at(args.run_dir)) if args.best else None
+        best = run_best(RunPaths.at(args.run_dir), "--version N (--list-versions lists them)") if args.best else None
         version = best.policy_version if best is not None else args.version
         if args.adapter:
             result = export_adapter(args.run_dir, args.out, version=version)

@@ -310,14 +310,15 @@ def kept_best(paths: Any) -> tuple[KeepBest | None, BestCheckpoint | None]:
     return keep_best, None if keep_best is None else run_checkpoints(paths, keep_best=keep_best).best()
 
 
-def run_best(paths: Any) -> BestCheckpoint:
+def run_best(paths: Any, instead: str = "a step or a version") -> BestCheckpoint:
     """The best checkpoint of the run at ``paths`` (a ``RunPaths``), or :class:`NoBestCheckpoint`
-    saying why there is none: the run does not keep one, or no kept checkpoint has a score yet."""
+    saying why there is none: the run does not keep one (``instead``: what the command takes in its
+    place, e.g. ``--version N``), or no kept checkpoint has a score yet."""
     keep_best, best = kept_best(paths)
     if keep_best is None:
         raise NoBestCheckpoint(f"{paths.location} keeps no best checkpoint: it was not run with "
                                f"learner.keep_best (e.g. --set learner.keep_best=eval/held_out/pass@1 with "
-                               f"--set eval.every_steps=N); name a step or a version instead")
+                               f"--set eval.every_steps=N); give {instead} instead")
     if best is None:
         raise NoBestCheckpoint(f"{paths.location} has no best checkpoint yet: no kept checkpoint's policy version "
                                f"has a score of {keep_best.metric} (the evaluator scores them as the run goes; "

@@ -84,7 +84,7 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
 
     if step == "best":  # then as from its step (a running parent may prune it once a better one is scored: said below)
         try:
-            best = run_best(parent_paths)
+            best = run_best(parent_paths, "--from-step N (inspect RUN lists the kept steps)")
         except NoBestCheckpoint as exc:
             raise BranchError(str(exc)) from None
         print(f"[branch] the best checkpoint of {parent_at}: {best.describe()}", file=sys.stderr)
